@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make train` and `make test`. Both create .venv on first use
+# and reuse it afterwards; the stamp is rebuilt when the packaging or the C++ sources change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lightning_rec-installed
+CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
+ARGS ?=
+
+.PHONY: train test bench lint clean
+
+$(STAMP): pyproject.toml setup.py $(CSRC)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip "setuptools>=68" wheel
+	# torch first and pinned: anything that later asks for "torch" then finds it and pulls no CUDA wheels.
+	$(PY) -m pip install -q torch==2.13.0
+	# No build isolation: an isolated build would fetch an unpinned torch to compile csrc/.
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/lightning-rec fit --config recipes/configs/dlrm_synthetic.yaml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/embedding.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_rec tests recipes benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info lightning_rec/_C*.so

@@ -1,0 +1,1 @@
+"""lightning_rec: train large recommendation models with Lightning (`Trainer(strategy="rec")`)."""

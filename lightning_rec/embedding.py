@@ -1,0 +1,322 @@
+"""Embedding configs and the unsharded collections: EmbeddingBagCollection, EmbeddingCollection.
+
+Shapes: B batch, F features, N ids, D dims.
+
+    KJT (features, any key order) --permute--> lookup kernels --> KeyedTensor [B, sum(D)]   (bags)
+                                                              --> {feature: JaggedTensor [N_f, D]} (sequence)
+
+With `optimizer=FusedOptimizerConfig(...)` the tables live in fused table-batched kernels that
+update rows inside backward; with `optimizer=None` each table is an ordinary parameter trained by
+any torch.optim optimizer. Either way the state dict holds one `[rows, dim]` weight per table
+under TorchRec's names (`embedding_bags.<table>.weight`, `embeddings.<table>.weight`), and those
+parameters are views into the kernel's storage: loading a state dict writes into the kernel.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rec.lookup import GroupedLookup, LocalTable
+from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+
+class PoolingType(str, Enum):
+    SUM = "sum"
+    MEAN = "mean"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(kw_only=True)
+class BaseEmbeddingConfig:
+    num_embeddings: int
+    embedding_dim: int
+    name: str
+    feature_names: list[str] = field(default_factory=list)
+    data_type: torch.dtype = torch.float32
+    weight_init_min: float | None = None  # default: -sqrt(1 / num_embeddings), as TorchRec
+    weight_init_max: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("an embedding table needs a name")
+        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            raise ValueError(
+                f"table '{self.name}': num_embeddings ({self.num_embeddings}) and embedding_dim "
+                f"({self.embedding_dim}) must be positive"
+            )
+        if not self.feature_names:
+            # TorchRec's convention: a table with no feature names is read by a feature of its own name.
+            self.feature_names = [self.name]
+        self.feature_names = list(self.feature_names)
+        if isinstance(self.data_type, str):
+            self.data_type = getattr(torch, self.data_type)
+
+    def init_range(self) -> tuple[float, float] | None:
+        if self.weight_init_min is None and self.weight_init_max is None:
+            return None
+        bound = (1.0 / self.num_embeddings) ** 0.5
+        lo = self.weight_init_min if self.weight_init_min is not None else -bound
+        hi = self.weight_init_max if self.weight_init_max is not None else bound
+        return (lo, hi)
+
+    def pooling_name(self) -> str:
+        return "none"
+
+    def local_table(self) -> LocalTable:
+        return LocalTable(self.name, self.num_embeddings, self.embedding_dim, tuple(self.feature_names),
+                          self.pooling_name(), self.data_type, self.init_range())
+
+
+@dataclass(kw_only=True)
+class EmbeddingBagConfig(BaseEmbeddingConfig):
+    pooling: PoolingType = PoolingType.SUM
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            self.pooling = PoolingType(str(self.pooling).lower())
+        except ValueError:
+            raise ValueError(f"table '{self.name}': unknown pooling {self.pooling!r}: use sum or mean") from None
+        if self.pooling == PoolingType.NONE:
+            raise ValueError(f"table '{self.name}': pooling none is a sequence table: use EmbeddingConfig")
+
+    def pooling_name(self) -> str:
+        return self.pooling.value
+
+
+@dataclass(kw_only=True)
+class EmbeddingConfig(BaseEmbeddingConfig):
+    """A sequence (unpooled) table: every id gets its own embedding row out."""
+
+
+def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str]) -> None:
+    """ValueError naming the feature and table if any id is negative or >= its table's rows.
+
+    `features` holds exactly the features that rows_F / tables_F describe, in that order. One
+    vectorised pass and one host read per batch: cheap next to the lookup, and it turns what would
+    be a wrong row (or a crash in C++) into an error a user can act on.
+    """
+    values_N = features.values()
+    if values_N.numel() == 0:
+        return
+    lengths_F = torch.tensor(features.length_per_key(), device=values_N.device)
+    limit_N = torch.repeat_interleave(rows_F.to(values_N.device), lengths_F, output_size=values_N.numel())
+    bad_N = (values_N < 0) | (values_N >= limit_N)
+    if not bool(bad_N.any()):
+        return
+    first = int(bad_N.nonzero()[0, 0])
+    f = bisect.bisect_right(features.offset_per_key(), first) - 1
+    rows = int(rows_F[f])
+    raise ValueError(
+        f"feature '{features.keys()[f]}' has id {int(values_N[first])} outside table '{tables_F[f]}' "
+        f"(valid ids 0..{rows - 1}); {int(bad_N.sum())} id(s) in this batch are out of range. "
+        f"Hash or clip ids into [0, num_embeddings), or raise num_embeddings for '{tables_F[f]}'. "
+        f"Nothing was updated."
+    )
+
+
+class _TableWeight(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class _EmbeddingCollectionBase(nn.Module):
+    """What both collections share: configs, feature routing, id checks, weights in the state dict."""
+
+    _weights_attr = "embedding_bags"
+
+    def __init__(self, tables: Sequence[BaseEmbeddingConfig], device: torch.device | str | None,
+                 optimizer: FusedOptimizerConfig | None, kernel: str, validate_ids: bool,
+                 is_weighted: bool) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError(f"{type(self).__name__} needs at least one table config")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique, got {names}")
+        self._configs = list(tables)
+        self._device = torch.device(device or "cpu")
+        self._optimizer = optimizer
+        self._kernel = kernel
+        self.validate_ids = validate_ids
+        self._is_weighted = is_weighted
+        self._build_lookup(self._device)
+
+    def _build_lookup(self, device: torch.device) -> None:
+        lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel)
+        # The lookup is kept out of the module tree so that the state dict shows tables, not kernel
+        # internals; its tables are registered below as parameters that view the kernel's storage.
+        object.__setattr__(self, "_lookup", lookup)
+        weights = nn.ModuleDict()
+        for name, w in lookup.table_weights().items():
+            param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+            weights[name] = _TableWeight(param)
+        setattr(self, self._weights_attr, weights)
+        by_feature = {f: c for c in self._configs for f in c.feature_names}
+        self._feature_names = lookup.feature_names
+        self._rows_F = torch.tensor([by_feature[f].num_embeddings for f in self._feature_names])
+        self._tables_F = [by_feature[f].name for f in self._feature_names]
+        self._permute_cache: dict[tuple[str, ...], tuple[list[int], Tensor]] = {}
+
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def lookup(self) -> GroupedLookup:
+        return self._lookup
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def feature_names(self) -> list[str]:
+        return list(self._feature_names)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def fused_optimizer_config(self) -> FusedOptimizerConfig | None:
+        return self._optimizer
+
+    def fused_kernels(self) -> list:
+        """The kernels that update their tables inside backward (for FusedOptimizer)."""
+        return self._lookup.fused_kernels()
+
+    def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Features reordered into the kernels' order (a no-op when they already are), ids checked."""
+        keys = tuple(features.keys())
+        if list(keys) != self._feature_names:
+            cached = self._permute_cache.get(keys)
+            if cached is None:
+                index = features.index_per_key()
+                missing = [f for f in self._feature_names if f not in index]
+                if missing:
+                    raise ValueError(
+                        f"the input has no feature(s) {missing} that this {type(self).__name__} reads; it has "
+                        f"{list(keys)}: rename the features or the tables' feature_names so they match"
+                    )
+                order = [index[f] for f in self._feature_names]
+                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device))
+                self._permute_cache[keys] = cached
+            features = features.permute(cached[0], cached[1])
+        if self._is_weighted and features.weights_or_none() is None:
+            raise ValueError(f"this {type(self).__name__} is weighted (is_weighted=True) but the input has no "
+                             f"weights: build the KJT with weights=..., or set is_weighted=False")
+        if not self._is_weighted and features.weights_or_none() is not None:
+            features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
+                                         offsets=features.offsets_or_none(), stride=features.stride(),
+                                         length_per_key=features.length_per_key(), _validate=False)
+        if self.validate_ids:
+            check_ids(features, self._rows_F, self._tables_F)
+        return features
+
+    # device moves: rebuild the kernels where they now live -----------------------------------
+
+    def _apply(self, fn, recurse: bool = True):
+        probe = fn(torch.empty(0, device=self._device))
+        if probe.dtype != torch.float32:
+            raise ValueError(
+                f"{type(self).__name__} tables keep their configured data_type; set data_type in the "
+                f"table configs instead of converting the module to {probe.dtype}"
+            )
+        if probe.device != self._device:
+            self._move_to(probe.device)
+        return self
+
+    def _move_to(self, device: torch.device) -> None:
+        old = self._lookup
+        weights = {n: w.detach().to(device) for n, w in old.table_weights().items()}
+        states = [s for k in old.fused_kernels() for s in k.optimizer_states()]
+        lr = [k.get_learning_rate() for k in old.fused_kernels()]
+        self._device = device
+        self._build_lookup(device)
+        with torch.no_grad():
+            for name, w in self._lookup.table_weights().items():
+                w.copy_(weights[name])
+            new_states = [s for k in self._lookup.fused_kernels() for s in k.optimizer_states()]
+            for new, saved in zip(new_states, states):
+                for key, value in saved.items():
+                    new[key].copy_(value)
+        for kernel, rate in zip(self._lookup.fused_kernels(), lr):
+            kernel.set_learning_rate(rate)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._lookup.train(mode)
+        return self
+
+
+class EmbeddingBagCollection(_EmbeddingCollectionBase):
+    """Pooled embeddings for many features: KJT -> KeyedTensor [B, sum of each feature's dim].
+
+    Args:
+        tables: one EmbeddingBagConfig per table; several features may read one table.
+        is_weighted: use the KJT's per-id weights (weighted sum / mean).
+        device: where the tables live ("cpu" or "cuda").
+        optimizer: a FusedOptimizerConfig to update rows inside backward (fbgemm TBE, or the
+            native CPU kernel); None for plain parameters trained by torch.optim.
+        kernel: "auto" | "fbgemm" | "native" | "dense" (see lookup.choose_kernel).
+        validate_ids: check every id against its table's rows (ValueError naming both).
+    """
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False,
+                 device: torch.device | str | None = None, optimizer: FusedOptimizerConfig | None = None,
+                 kernel: str = "auto", validate_ids: bool = True) -> None:
+        for t in tables:
+            if not isinstance(t, EmbeddingBagConfig):
+                raise ValueError(f"EmbeddingBagCollection takes EmbeddingBagConfig tables, got {type(t).__name__} "
+                                 f"for '{t.name}': use EmbeddingCollection for sequence tables")
+        super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted)
+        self._dims = self._lookup.feature_dims
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._configs)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        features = self._route(features)  # kernel order, ids checked
+        pooled = self._lookup(features)  # one [B, D_group] per kernel group
+        pooled_BD = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+        return KeyedTensor(self._feature_names, self._dims, pooled_BD)
+
+
+class EmbeddingCollection(_EmbeddingCollectionBase):
+    """Sequence embeddings: KJT -> {feature: JaggedTensor with values [N_f, D]} (one row per id)."""
+
+    _weights_attr = "embeddings"
+
+    def __init__(self, tables: Sequence[EmbeddingConfig], device: torch.device | str | None = None,
+                 optimizer: FusedOptimizerConfig | None = None, kernel: str = "auto",
+                 validate_ids: bool = True) -> None:
+        for t in tables:
+            if isinstance(t, EmbeddingBagConfig):
+                raise ValueError(f"EmbeddingCollection takes EmbeddingConfig tables, got EmbeddingBagConfig "
+                                 f"for '{t.name}': use EmbeddingBagCollection for pooled tables")
+        super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted=False)
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return list(self._configs)
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        features = self._route(features)
+        values = self._lookup(features)  # one [N_group, D] per kernel group
+        values_ND = values[0] if len(values) == 1 else None
+        out: dict[str, JaggedTensor] = {}
+        lpk = features.length_per_key()
+        sizes = [len(g_features) for g_features in
+                 ([f for t in g for f in t.feature_names] for g in self._lookup.groups)]
+        k = 0
+        for group_values, n in zip(values if values_ND is None else [values_ND], sizes):
+            for part, name in zip(torch.split(group_values, lpk[k : k + n]), self._feature_names[k : k + n]):
+                out[name] = JaggedTensor(values=part, lengths=features[name].lengths())
+            k += n
+        return out

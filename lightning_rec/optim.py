@@ -1,0 +1,244 @@
+"""Fused embedding optimizers, and one optimizer object that steps fused sparse + torch.optim dense.
+
+A fused optimizer updates embedding rows inside the lookup's backward (fbgemm TBE or our native
+CPU kernel): no embedding gradient is materialised. What remains for `step()` is the dense part.
+`CombinedOptimizer` is a real `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive
+both: a scheduler that writes `param_groups[i]["lr"]` of a fused group reaches the kernel at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class EmbOptimType(str, Enum):
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAM = "adam"
+    PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
+    LAMB = "lamb"
+    LARS_SGD = "lars_sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# fbgemm's CPU TBE implements only these; the rest assert "not supported in CPU mode".
+FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
+
+
+@dataclass(frozen=True)
+class FusedOptimizerConfig:
+    """The update applied inside the embedding backward.
+
+    Matches torch.optim where one exists: `sgd` = SGD(lr, weight_decay), `adagrad` =
+    Adagrad(lr, eps, weight_decay) with initial_accumulator_value=0, `adam` = Adam(lr, betas, eps,
+    weight_decay). `rowwise_adagrad` keeps one accumulator per row: the mean of the squared
+    gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
+    and its second moment per row.
+    """
+
+    optimizer: EmbOptimType | str = EmbOptimType.ROWWISE_ADAGRAD
+    lr: float = 0.01
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    momentum: float = 0.9  # LARS
+    eta: float = 0.001  # LARS trust coefficient
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "optimizer", EmbOptimType(str(self.optimizer).lower()))
+        except ValueError:
+            valid = ", ".join(o.value for o in EmbOptimType)
+            raise ValueError(f"unknown fused optimizer {self.optimizer!r}: choose one of {valid}") from None
+        if self.lr < 0:
+            raise ValueError(f"fused optimizer lr must be >= 0, got {self.lr}")
+
+
+class _FusedParamGroup(dict):
+    """A param group whose "lr" is the fused kernels' learning rate: writing it reaches them at once.
+
+    Schedulers set `group["lr"]` after `optimizer.step()`; the next backward (where the fused update
+    runs) must already use the new rate, so the write is pushed through instead of read at step().
+    """
+
+    def __init__(self, kernels: Sequence[Any], **values: Any) -> None:
+        super().__init__(**values)
+        self._kernels = list(kernels)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key == "lr":
+            for kernel in self._kernels:
+                kernel.set_learning_rate(float(value))
+
+
+def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) for every module in `model` that owns fused embedding kernels."""
+    return [(path, m) for path, m in model.named_modules()
+            if callable(getattr(m, "fused_kernels", None)) and m.fused_kernels()]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The fused embedding updates of a model, seen as an optimizer.
+
+    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param
+    group per fused kernel carries its "lr". The state dict keys optimizer state by
+    `<module path>.<table>.<state name>`, so it loads into any kernel (fbgemm or native) and any
+    grouping of the same tables.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._tables: dict[str, tuple[Any, int]] = {}  # "<path>.<table>" -> (kernel, index in kernel)
+        groups = []
+        for path, module in fused_modules(model):
+            for i, kernel in enumerate(module.fused_kernels()):
+                prefix = f"{path}." if path else ""
+                for j, table in enumerate(kernel.tables):
+                    self._tables[prefix + table.name] = (kernel, j)
+                config = kernel.optimizer_config
+                groups.append(_FusedParamGroup(
+                    [kernel],
+                    params=kernel.split_embedding_weights(),
+                    lr=kernel.get_learning_rate(),
+                    name=f"{prefix}fused{i}",
+                    optimizer=str(config.optimizer),
+                    tables=[t.name for t in kernel.tables],
+                ))
+        if not groups:
+            raise ValueError("the model has no fused embedding tables: build its EmbeddingBagCollection with "
+                             "optimizer=FusedOptimizerConfig(...), or use a plain torch.optim optimizer")
+        super().__init__(groups, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to clear: fused tables never hold a gradient."""
+
+    def table_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """"<path>.<table>" -> {state name: tensor view into the kernel}."""
+        out = {}
+        states_by_kernel: dict[int, list[dict[str, torch.Tensor]]] = {}
+        for name, (kernel, j) in self._tables.items():
+            states = states_by_kernel.setdefault(id(kernel), kernel.optimizer_states())
+            out[name] = states[j]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        state = {f"{table}.{key}": value for table, states in self.table_states().items()
+                 for key, value in states.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        saved = state_dict.get("state", {})
+        expected = {f"{table}.{key}": value for table, states in self.table_states().items()
+                    for key, value in states.items()}
+        missing = sorted(set(expected) - set(saved))
+        if missing:
+            raise ValueError(
+                f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
+                f"the checkpoint was saved with other tables or another fused optimizer"
+            )
+        for key, tensor in expected.items():
+            value = saved[key]
+            if value.shape != tensor.shape:
+                raise ValueError(f"fused optimizer state '{key}' has shape {tuple(value.shape)} in the checkpoint "
+                                 f"but {tuple(tensor.shape)} here: the table sizes differ")
+            tensor.copy_(value)
+        by_name = {g["name"]: g for g in state_dict.get("param_groups", [])}
+        for group in self.param_groups:
+            for key, value in by_name.get(group["name"], {}).items():
+                if key not in ("name", "tables", "optimizer"):
+                    group[key] = value
+
+
+class _CombinedState(dict):
+    """Read view of the children's per-parameter state (torch code iterates `optimizer.state`)."""
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped as one: typically FusedOptimizer (embeddings) + torch.optim (dense).
+
+    `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer
+    drives each child, including the fused learning rate. `step(closure)` runs the closure once,
+    then steps every child.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
+        named = [(o if isinstance(o, tuple) else (f"{i}_{type(o).__name__.lower()}", o))
+                 for i, o in enumerate(optimizers)]
+        if not named:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
+        super().__init__([g for _, o in named for g in o.param_groups], {})
+
+    def _sync_groups(self) -> None:
+        # torch's load_state_dict replaces a child's group dicts; keep ours pointing at the live ones.
+        self.param_groups = [g for _, o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        merged = _CombinedState()
+        for _, o in getattr(self, "optimizers", []):
+            merged.update(o.state)
+        return merged
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        pass  # the children own their state
+
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for _, o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {name: o.state_dict() for name, o in self.optimizers}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        missing = [name for name, _ in self.optimizers if name not in state_dict]
+        if missing:
+            raise ValueError(f"the checkpoint has no optimizer state for {missing}; it has {list(state_dict)}")
+        for name, o in self.optimizers:
+            o.load_state_dict(state_dict[name])
+        self._sync_groups()
+
+    def __repr__(self) -> str:
+        return "CombinedOptimizer(" + ", ".join(f"{n}={type(o).__name__}" for n, o in self.optimizers) + ")"
+
+
+def combined_optimizer(model: torch.nn.Module, dense: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
+    """The model's fused embedding updates + a dense optimizer, as one optimizer for Lightning."""
+    parts: list[tuple[str, torch.optim.Optimizer]] = []
+    if fused_modules(model):
+        parts.append(("fused", FusedOptimizer(model)))
+    if dense is not None:
+        parts.append(("dense", dense))
+    if not parts:
+        raise ValueError("nothing to optimize: the model has no fused tables and no dense optimizer was given")
+    return CombinedOptimizer(parts)
+
+
+def dense_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
+    """Parameters trained by autograd (fused tables are excluded: they need no torch.optim)."""
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,549 @@
+"""Jagged (variable-length) sparse features: JaggedTensor, KeyedJaggedTensor, KeyedTensor.
+
+Shapes: F keys (features), B stride (samples in the batch), N ids in all, D embedding dims.
+
+A KeyedJaggedTensor holds, for every feature and every sample, a bag of ids. Lengths are
+key-major: feature 0's B lengths, then feature 1's, and so on; values follow the same order.
+
+    keys = ["f1", "f2"], B = 3
+             sample0  sample1  sample2
+      f1     [1, 2]   []       [3]
+      f2     [4]      [5, 6]   [7]
+
+      values_N   = [1, 2, 3, 4, 5, 6, 7]
+      lengths_FB = [2, 0, 1, 1, 2, 1]
+      offsets    = [0, 2, 2, 3, 4, 6, 7]     (F*B + 1)
+      length_per_key = [3, 4], offset_per_key = [0, 3, 7]
+
+Construction checks that keys, lengths and values agree (a ValueError names what disagrees), so
+a malformed batch fails where it is built, not as a wrong row deep inside a kernel. The check
+reads two scalars and runs only for CPU tensors, where batches are built; `.to(device)` moves an
+already checked KJT without a device sync. Jagged work (permute, cumsum) uses fbgemm ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
+
+
+def _cumsum_with_zero(lengths: Tensor) -> Tensor:
+    """[n] lengths -> [n + 1] offsets starting at 0 (fbgemm's complete cumsum)."""
+    if lengths.numel() == 0:
+        return torch.zeros(1, dtype=lengths.dtype, device=lengths.device)
+    return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+
+
+def _lengths_from_offsets(offsets: Tensor) -> Tensor:
+    return offsets[1:] - offsets[:-1]
+
+
+def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
+    """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
+    if values.dim() < 1:
+        raise ValueError(f"{what}: values must be at least 1-d, got shape {tuple(values.shape)}")
+    if lengths.dim() != 1:
+        raise ValueError(f"{what}: lengths must be 1-d, got shape {tuple(lengths.shape)}")
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
+    if weights is not None and weights.shape[:1] != values.shape[:1]:
+        raise ValueError(
+            f"{what}: {weights.shape[0]} weights for {values.shape[0]} values: give one weight per id"
+        )
+    if lengths.device.type != "cpu" or lengths.numel() == 0:
+        if lengths.numel() == 0 and values.shape[0] != 0:
+            raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
+        return
+    total, smallest = int(lengths.sum()), int(lengths.min())
+    if smallest < 0:
+        raise ValueError(f"{what}: lengths must be >= 0, found {smallest}")
+    if total != values.shape[0]:
+        raise ValueError(
+            f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
+            f"lengths and values must describe the same ids"
+        )
+
+
+class JaggedTensor:
+    """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
+
+    def __init__(
+        self,
+        values: Tensor,
+        weights: Tensor | None = None,
+        lengths: Tensor | None = None,
+        offsets: Tensor | None = None,
+    ) -> None:
+        if lengths is None and offsets is None:
+            raise ValueError("JaggedTensor needs lengths or offsets")
+        if lengths is None:
+            lengths = _lengths_from_offsets(offsets)
+        _check_jagged("JaggedTensor", values, lengths, weights)
+        self._values, self._weights, self._lengths, self._offsets = values, weights, lengths, offsets
+
+    @staticmethod
+    def empty(is_weighted: bool = False, device: torch.device | str | None = None,
+              values_dtype: torch.dtype = torch.int64) -> JaggedTensor:
+        return JaggedTensor(
+            values=torch.empty(0, dtype=values_dtype, device=device),
+            weights=torch.empty(0, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=torch.int64, device=device),
+        )
+
+    @staticmethod
+    def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
+        """One tensor per sample -> a JaggedTensor (a convenience for tests and small inputs)."""
+        lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
+        cat = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        w = torch.cat(weights) if weights else None
+        return JaggedTensor(values=cat, weights=w, lengths=lengths)
+
+    def to_dense(self) -> list[Tensor]:
+        """One tensor per sample (splits values by lengths; a convenience, not a hot path)."""
+        return list(torch.split(self._values, self._lengths.tolist()))
+
+    def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0) -> Tensor:
+        """[B, L]: each bag left-aligned, cut or padded to L (default: the longest bag)."""
+        lengths_B = self._lengths
+        B = lengths_B.numel()
+        L = desired_length if desired_length is not None else int(lengths_B.max()) if B else 0
+        out = self._values.new_full((B, L) + tuple(self._values.shape[1:]), padding_value)
+        sample_N = torch.arange(B, device=lengths_B.device).repeat_interleave(lengths_B)
+        position_N = torch.arange(self._values.shape[0], device=lengths_B.device) - self.offsets()[sample_N]
+        keep_N = position_N < L
+        out[sample_N[keep_N], position_N[keep_N]] = self._values[keep_N]
+        return out
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def weights(self) -> Tensor:
+        if self._weights is None:
+            raise ValueError("this JaggedTensor has no weights: use weights_or_none()")
+        return self._weights
+
+    def weights_or_none(self) -> Tensor | None:
+        return self._weights
+
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            self._offsets = _cumsum_with_zero(self._lengths)
+        return self._offsets
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        jt = JaggedTensor.__new__(JaggedTensor)
+        jt._values = self._values.to(device, non_blocking=non_blocking)
+        jt._weights = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
+        jt._lengths = self._lengths.to(device, non_blocking=non_blocking)
+        jt._offsets = None if self._offsets is None else self._offsets.to(device, non_blocking=non_blocking)
+        return jt
+
+    def __repr__(self) -> str:
+        return f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
+
+
+class KeyedJaggedTensor:
+    """Many features' bags over one batch. See the module docstring for the layout."""
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: Tensor,
+        weights: Tensor | None = None,
+        lengths: Tensor | None = None,
+        offsets: Tensor | None = None,
+        stride: int | None = None,
+        length_per_key: list[int] | None = None,
+        offset_per_key: list[int] | None = None,
+        _validate: bool = True,
+    ) -> None:
+        self._keys = list(keys)
+        if lengths is None and offsets is None:
+            raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+        if lengths is None:
+            lengths = _lengths_from_offsets(offsets)
+        num_keys = len(self._keys)
+        if stride is None:
+            if num_keys == 0:
+                stride = 0
+            elif lengths.numel() % num_keys:
+                raise ValueError(
+                    f"KeyedJaggedTensor: {lengths.numel()} lengths is not a multiple of the "
+                    f"{num_keys} keys {self._keys}: give one length per key per sample (key-major)"
+                )
+            else:
+                stride = lengths.numel() // num_keys
+        if _validate:
+            if len(set(self._keys)) != num_keys:
+                raise ValueError(f"KeyedJaggedTensor: duplicate keys in {self._keys}")
+            if lengths.numel() != num_keys * stride:
+                raise ValueError(
+                    f"KeyedJaggedTensor: {lengths.numel()} lengths for {num_keys} keys x stride "
+                    f"{stride}: give one length per key per sample (key-major)"
+                )
+            _check_jagged("KeyedJaggedTensor", values, lengths, weights)
+            if values.dtype.is_floating_point:
+                raise ValueError(f"KeyedJaggedTensor: ids must be integers, got values of {values.dtype}")
+        self._values, self._weights = values, weights
+        self._lengths, self._offsets = lengths, offsets
+        self._stride = stride
+        self._length_per_key = length_per_key
+        self._offset_per_key = offset_per_key
+        self._index_per_key: dict[str, int] | None = None
+
+    # construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def from_lengths_sync(keys: Sequence[str], values: Tensor, lengths: Tensor,
+                          weights: Tensor | None = None, stride: int | None = None) -> KeyedJaggedTensor:
+        kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride)
+        kjt.sync()
+        return kjt
+
+    @staticmethod
+    def from_offsets_sync(keys: Sequence[str], values: Tensor, offsets: Tensor,
+                          weights: Tensor | None = None, stride: int | None = None) -> KeyedJaggedTensor:
+        kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride)
+        kjt.sync()
+        return kjt
+
+    @staticmethod
+    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
+        """Features given one JaggedTensor each; all must have the same number of samples."""
+        keys = list(jt_dict)
+        if not keys:
+            return KeyedJaggedTensor.empty()
+        jts = list(jt_dict.values())
+        strides = {jt.lengths().numel() for jt in jts}
+        if len(strides) != 1:
+            raise ValueError(f"from_jt_dict: features have different batch sizes {sorted(strides)}")
+        weighted = [jt.weights_or_none() is not None for jt in jts]
+        if any(weighted) and not all(weighted):
+            raise ValueError("from_jt_dict: either every JaggedTensor has weights or none does")
+        return KeyedJaggedTensor(
+            keys,
+            values=torch.cat([jt.values() for jt in jts]),
+            weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
+            lengths=torch.cat([jt.lengths() for jt in jts]),
+            stride=strides.pop(),
+        )
+
+    @staticmethod
+    def empty(is_weighted: bool = False, device: torch.device | str | None = None,
+              values_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            keys=[],
+            values=torch.empty(0, dtype=values_dtype, device=device),
+            weights=torch.empty(0, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=torch.int64, device=device),
+            stride=0,
+        )
+
+    @staticmethod
+    def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Same keys and stride, every bag empty."""
+        device = kjt.values().device
+        return KeyedJaggedTensor(
+            kjt.keys(),
+            values=torch.empty(0, dtype=kjt.values().dtype, device=device),
+            weights=None if kjt.weights_or_none() is None else torch.empty(0, device=device),
+            lengths=torch.zeros_like(kjt.lengths()),
+            stride=kjt.stride(),
+        )
+
+    @staticmethod
+    def concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+        """Features of several KJTs over the same samples, side by side (keys concatenated)."""
+        if not kjts:
+            return KeyedJaggedTensor.empty()
+        strides = {k.stride() for k in kjts if k.keys()}
+        if len(strides) > 1:
+            raise ValueError(f"concat: KJTs have different strides {sorted(strides)}")
+        weighted = {k.weights_or_none() is not None for k in kjts if k.keys()}
+        if len(weighted) > 1:
+            raise ValueError("concat: either every KJT has weights or none does")
+        keys = [key for k in kjts for key in k.keys()]
+        lpk = [n for k in kjts for n in k.length_per_key()]
+        return KeyedJaggedTensor(
+            keys,
+            values=torch.cat([k.values() for k in kjts]),
+            weights=torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
+            lengths=torch.cat([k.lengths() for k in kjts]),
+            stride=strides.pop() if strides else 0,
+            length_per_key=lpk,
+        )
+
+    def sync(self) -> KeyedJaggedTensor:
+        """Compute the per-key lengths now (one host read), so later splits need no sync."""
+        self.length_per_key()
+        return self
+
+    # accessors ----------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def weights(self) -> Tensor:
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights: use weights_or_none()")
+        return self._weights
+
+    def weights_or_none(self) -> Tensor | None:
+        return self._weights
+
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    def lengths_or_none(self) -> Tensor | None:
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            self._offsets = _cumsum_with_zero(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> Tensor | None:
+        return self._offsets
+
+    def stride(self) -> int:
+        return self._stride
+
+    def lengths_FB(self) -> Tensor:
+        """Lengths as a [F, B] view."""
+        return self._lengths.view(len(self._keys), self._stride)
+
+    def length_per_key(self) -> list[int]:
+        """Ids per key. Reads the lengths on the host once, then cached."""
+        if self._length_per_key is None:
+            if not self._keys:
+                self._length_per_key = []
+            elif self._stride == 0:
+                self._length_per_key = [0] * len(self._keys)
+            else:
+                self._length_per_key = self.lengths_FB().sum(dim=1).tolist()
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        if self._offset_per_key is None:
+            acc, out = 0, [0]
+            for n in self.length_per_key():
+                acc += n
+                out.append(acc)
+            self._offset_per_key = out
+        return self._offset_per_key
+
+    def index_per_key(self) -> dict[str, int]:
+        if self._index_per_key is None:
+            self._index_per_key = {k: i for i, k in enumerate(self._keys)}
+        return self._index_per_key
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    # reshaping ----------------------------------------------------------------------------
+
+    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
+        """Consecutive key groups of the given sizes, each its own KJT (views, no copy)."""
+        if sum(segments) != len(self._keys):
+            raise ValueError(f"split: segments {list(segments)} must add up to the {len(self._keys)} keys")
+        opk = self.offset_per_key()
+        lpk = self.length_per_key()
+        out, k = [], 0
+        for n in segments:
+            v0, v1 = opk[k], opk[k + n]
+            out.append(
+                KeyedJaggedTensor(
+                    self._keys[k : k + n],
+                    values=self._values[v0:v1],
+                    weights=None if self._weights is None else self._weights[v0:v1],
+                    lengths=self._lengths[k * self._stride : (k + n) * self._stride],
+                    stride=self._stride,
+                    length_per_key=lpk[k : k + n],
+                    _validate=False,
+                )
+            )
+            k += n
+        return out
+
+    def permute(self, indices: Sequence[int], indices_tensor: Tensor | None = None) -> KeyedJaggedTensor:
+        """Keys reordered (or selected, or repeated) by index: keys()[i] for i in indices."""
+        lpk = self.length_per_key()
+        keys = [self._keys[i] for i in indices]
+        new_lpk = [lpk[i] for i in indices]
+        if indices_tensor is None:
+            indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
+        if self._stride == 0 or not keys:
+            lengths = self._lengths.new_zeros(len(keys) * self._stride)
+            return KeyedJaggedTensor(keys, self._values[:0], None if self._weights is None else
+                                     self._weights[:0], lengths=lengths, stride=self._stride,
+                                     length_per_key=new_lpk, _validate=False)
+        lengths_FB, values_N, weights_N = torch.ops.fbgemm.permute_2D_sparse_data(
+            indices_tensor, self.lengths_FB(), self._values, self._weights, sum(new_lpk)
+        )
+        return KeyedJaggedTensor(
+            keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
+            length_per_key=new_lpk, _validate=False,
+        )
+
+    def to_dict(self) -> dict[str, JaggedTensor]:
+        opk = self.offset_per_key()
+        B = self._stride
+        out = {}
+        for i, key in enumerate(self._keys):
+            v0, v1 = opk[i], opk[i + 1]
+            jt = JaggedTensor.__new__(JaggedTensor)
+            jt._values = self._values[v0:v1]
+            jt._weights = None if self._weights is None else self._weights[v0:v1]
+            jt._lengths = self._lengths[i * B : (i + 1) * B]
+            jt._offsets = None
+            out[key] = jt
+        return out
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        index = self.index_per_key().get(key)
+        if index is None:
+            raise KeyError(f"no key {key!r} in this KeyedJaggedTensor; keys are {self._keys}")
+        return self.split_one(index)
+
+    def split_one(self, index: int) -> JaggedTensor:
+        opk = self.offset_per_key()
+        B = self._stride
+        jt = JaggedTensor.__new__(JaggedTensor)
+        jt._values = self._values[opk[index] : opk[index + 1]]
+        jt._weights = None if self._weights is None else self._weights[opk[index] : opk[index + 1]]
+        jt._lengths = self._lengths[index * B : (index + 1) * B]
+        jt._offsets = None
+        return jt
+
+    # device movement ----------------------------------------------------------------------
+
+    def _map(self, fn) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(
+            self._keys,
+            values=fn(self._values),
+            weights=None if self._weights is None else fn(self._weights),
+            lengths=fn(self._lengths),
+            offsets=None if self._offsets is None else fn(self._offsets),
+            stride=self._stride,
+            length_per_key=self._length_per_key,
+            offset_per_key=self._offset_per_key,
+            _validate=False,
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> KeyedJaggedTensor:
+        return self._map(lambda t: t.pin_memory())
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None:
+                t.record_stream(stream)
+
+    @property
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def __repr__(self) -> str:
+        if not self._keys:
+            return "KeyedJaggedTensor()"
+        parts = []
+        for key, jt in self.to_dict().items():
+            bags = [b.tolist() for b in jt.to_dense()]
+            parts.append(f"  {key!r}: {bags}")
+        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})"
+
+
+class KeyedTensor:
+    """Dense per-key blocks side by side: values [B, sum(D)] with keys and each key's width.
+
+        keys = ["t1", "t2"], length_per_key = [2, 3]
+        values = [[a a b b b],      (one row per sample)
+                  [a a b b b]]
+    """
+
+    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor,
+                 key_dim: int = 1) -> None:
+        self._keys = list(keys)
+        self._length_per_key = list(length_per_key)
+        if len(self._keys) != len(self._length_per_key):
+            raise ValueError(f"KeyedTensor: {len(self._keys)} keys but {len(self._length_per_key)} widths")
+        if values.shape[key_dim] != sum(self._length_per_key):
+            raise ValueError(
+                f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
+                f"to {sum(self._length_per_key)}"
+            )
+        self._values = values
+        self._key_dim = key_dim
+        self._offset_per_key: list[int] | None = None
+
+    @staticmethod
+    def from_tensor_list(keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1,
+                         cat_dim: int = 1) -> KeyedTensor:
+        widths = [t.shape[key_dim] for t in tensors]
+        return KeyedTensor(keys, widths, torch.cat(list(tensors), dim=cat_dim), key_dim)
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def offset_per_key(self) -> list[int]:
+        if self._offset_per_key is None:
+            acc, out = 0, [0]
+            for n in self._length_per_key:
+                acc += n
+                out.append(acc)
+            self._offset_per_key = out
+        return self._offset_per_key
+
+    def to_dict(self) -> dict[str, Tensor]:
+        parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
+        return dict(zip(self._keys, parts))
+
+    def __getitem__(self, key: str) -> Tensor:
+        try:
+            i = self._keys.index(key)
+        except ValueError:
+            raise KeyError(f"no key {key!r} in this KeyedTensor; keys are {self._keys}") from None
+        opk = self.offset_per_key()
+        return self._values.narrow(self._key_dim, opk[i], opk[i + 1] - opk[i])
+
+    @staticmethod
+    def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+        """Columns of several KeyedTensors gathered into one tensor per group of keys."""
+        blocks: dict[str, Tensor] = {}
+        for kt in keyed_tensors:
+            blocks.update(kt.to_dict())
+        out = []
+        for group in groups:
+            missing = [k for k in group if k not in blocks]
+            if missing:
+                raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
+            out.append(torch.cat([blocks[k] for k in group], dim=keyed_tensors[0].key_dim()))
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        return KeyedTensor(self._keys, self._length_per_key,
+                           self._values.to(device, non_blocking=non_blocking), self._key_dim)
+
+    def __repr__(self) -> str:
+        return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"

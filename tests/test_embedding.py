@@ -1,0 +1,229 @@
+"""EmbeddingBagCollection / EmbeddingCollection against nn.EmbeddingBag + torch.optim references."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerConfig, combined_optimizer
+from lightning_rec.sparse import KeyedJaggedTensor
+
+# fp32 everywhere; the kernels sum a bag's rows in another order than torch's embedding_bag and
+# fbgemm aggregates duplicate-id gradients before the update, so agreement is to rounding only.
+ATOL = 1e-5
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=8, feature_names=["f0", "f2"]),
+    EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1"]),
+]
+
+
+def random_kjt(keys, rows, B, max_len=4, weighted=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (len(keys) * B,), generator=g)
+    parts = []
+    for f, n in enumerate(rows):
+        count = int(lengths[f * B : (f + 1) * B].sum())
+        parts.append(torch.randint(0, n, (count,), generator=g))
+    values = torch.cat(parts)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, weights=weights)
+
+
+def reference_bags(ebc, pooling):
+    """One nn.EmbeddingBag per table, initialised from the collection's weights."""
+    bags = {}
+    for cfg in ebc.embedding_bag_configs():
+        w = ebc.embedding_bags[cfg.name].weight.detach().clone()
+        bags[cfg.name] = nn.EmbeddingBag(cfg.num_embeddings, cfg.embedding_dim, mode=pooling, _weight=w)
+    return bags
+
+
+def reference_forward(bags, configs, kjt, pooling):
+    outs = []
+    by_feature = {f: c.name for c in configs for f in c.feature_names}
+    feature_order = [f for c in configs for f in c.feature_names]
+    jts = kjt.to_dict()
+    for f in feature_order:
+        jt = jts[f]
+        bag = bags[by_feature[f]]
+        w = jt.weights_or_none()
+        if w is not None and pooling == "mean":
+            s = nn.functional.embedding_bag(jt.values(), bag.weight, jt.offsets()[:-1], mode="sum",
+                                            per_sample_weights=w)
+            outs.append(s / jt.lengths().clamp(min=1).unsqueeze(1))
+        else:
+            outs.append(bag(jt.values(), jt.offsets()[:-1], per_sample_weights=w))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_matches_embedding_bag(pooling, weighted, fused):
+    tables = [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                                 feature_names=t.feature_names, pooling=pooling) for t in TABLES]
+    opt = FusedOptimizerConfig("sgd", lr=0.1) if fused else None
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted, optimizer=opt)
+    # keys in another order than the tables: the collection permutes them itself
+    kjt = random_kjt(["f2", "f1", "f0"], [50, 30, 50], B=7, weighted=weighted)
+    kt = ebc(kjt)
+    assert kt.keys() == ["f0", "f2", "f1"]
+    expected = reference_forward(reference_bags(ebc, pooling), tables, kjt, pooling)
+    torch.testing.assert_close(kt.values(), expected, atol=ATOL, rtol=0)
+
+
+def rowwise_adagrad_reference(weight, grad, state, lr, eps):
+    """fbgemm's EXACT_ROWWISE_ADAGRAD: one accumulator per row (mean of g^2 over the row)."""
+    rows = grad.abs().sum(dim=1) > 0
+    state[rows] += grad[rows].pow(2).mean(dim=1)
+    weight[rows] -= lr * grad[rows] / (state[rows].sqrt() + eps).unsqueeze(1)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_fused_optimizer_matches_torch_optim(optimizer, pooling):
+    lr, eps, steps = 0.05, 1e-8, 5
+    tables = [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                                 feature_names=t.feature_names, pooling=pooling) for t in TABLES]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig(optimizer, lr=lr, eps=eps), kernel="fbgemm")
+    bags = reference_bags(ebc, pooling)
+    params = [b.weight for b in bags.values()]
+    ref_opt = {
+        "sgd": lambda: torch.optim.SGD(params, lr=lr),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=lr, eps=eps),
+        "rowwise_adagrad": lambda: None,
+    }[optimizer]()
+    row_state = {name: torch.zeros(b.weight.shape[0]) for name, b in bags.items()}
+    for step in range(steps):
+        # duplicate ids within and across bags: a few hot rows
+        kjt = random_kjt(["f0", "f1", "f2"], [5, 30, 5], B=6, seed=step)
+        target = torch.randn(6, 20, generator=torch.Generator().manual_seed(100 + step))
+        (ebc(kjt).values() * target).sum().backward()
+        ref = reference_forward(bags, tables, kjt, pooling)
+        (ref * target).sum().backward()
+        with torch.no_grad():
+            if ref_opt is not None:
+                ref_opt.step()
+            else:
+                for name, b in bags.items():
+                    rowwise_adagrad_reference(b.weight, b.weight.grad, row_state[name], lr, eps)
+        for b in bags.values():
+            b.weight.grad = None
+    for name, b in bags.items():
+        torch.testing.assert_close(ebc.embedding_bags[name].weight, b.weight, atol=ATOL, rtol=0)
+    states = FusedOptimizer(ebc).table_states()
+    if optimizer == "rowwise_adagrad":
+        for name in bags:
+            torch.testing.assert_close(states[name]["sum"], row_state[name], atol=ATOL, rtol=1e-5)
+    if optimizer == "adagrad":
+        for name, b in bags.items():
+            torch.testing.assert_close(states[name]["sum"], ref_opt.state[b.weight]["sum"], atol=ATOL, rtol=1e-5)
+
+
+def test_dense_kernel_trains_with_torch_optim():
+    ebc = EmbeddingBagCollection(TABLES)  # no fused optimizer: plain parameters
+    assert all(p.requires_grad for p in ebc.parameters())
+    opt = torch.optim.SGD(ebc.parameters(), lr=0.1)
+    before = ebc.embedding_bags["t1"].weight.detach().clone()
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    ebc(kjt).values().sum().backward()
+    opt.step()
+    assert not torch.equal(before, ebc.embedding_bags["t1"].weight)
+
+
+def test_embedding_collection_sequence_rows():
+    ec = EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=20, embedding_dim=4, feature_names=["a", "b"])],
+                             optimizer=FusedOptimizerConfig("sgd", lr=0.0))
+    kjt = random_kjt(["b", "a"], [20, 20], B=3)
+    out = ec(kjt)
+    w = ec.embeddings["t"].weight
+    for key in ("a", "b"):
+        torch.testing.assert_close(out[key].values(), w[kjt[key].values()])
+        assert torch.equal(out[key].lengths(), kjt[key].lengths())
+
+
+def test_several_features_share_one_table():
+    ebc = EmbeddingBagCollection(TABLES)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.tensor([3, 0, 3]), torch.ones(3, dtype=torch.long))
+    kt = ebc(kjt).to_dict()
+    torch.testing.assert_close(kt["f0"], kt["f2"])
+
+
+def test_state_dict_roundtrip_writes_into_kernel():
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    a = EmbeddingBagCollection(TABLES, optimizer=opt)
+    b = EmbeddingBagCollection(TABLES, optimizer=opt)
+    assert set(a.state_dict()) == {"embedding_bags.t0.weight", "embedding_bags.t1.weight"}
+    b.load_state_dict(a.state_dict())
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=5)
+    torch.testing.assert_close(a(kjt).values(), b(kjt).values())
+
+
+def test_scheduler_reaches_fused_learning_rate():
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    dense = nn.Linear(3, 1)
+    opt = combined_optimizer(ebc, torch.optim.SGD(dense.parameters(), lr=0.1))
+    assert isinstance(opt, CombinedOptimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step()
+    sched.step()
+    assert ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.05)
+    assert opt.param_groups[1]["lr"] == pytest.approx(0.05)
+    state = opt.state_dict()
+    sched.step()
+    opt.load_state_dict(state)  # restores lr 0.05 in both parts
+    assert ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.05)
+
+
+def test_out_of_range_and_negative_ids_name_feature_and_table():
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=1.0))
+    before = ebc.embedding_bags["t1"].weight.detach().clone()
+    for bad in (30, -1):
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.tensor([1, bad, 2]),
+                                                  torch.ones(3, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"feature 'f1' has id .* outside table 't1'"):
+            ebc(kjt).values().sum().backward()
+    assert torch.equal(before, ebc.embedding_bags["t1"].weight)  # nothing was updated
+
+
+def test_missing_feature_lists_what_exists():
+    ebc = EmbeddingBagCollection(TABLES)
+    kjt = random_kjt(["f0", "f1"], [50, 30], B=2)
+    with pytest.raises(ValueError, match=r"no feature\(s\) \['f2'\].*rename"):
+        ebc(kjt)
+
+
+def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():
+    with pytest.raises(ValueError, match=r"lamb is not available on CPU: CPU supports sgd, adagrad, rowwise_adagrad"):
+        EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("lamb"), kernel="fbgemm")
+
+
+def test_unknown_optimizer_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown fused optimizer 'adamw'.*rowwise_adagrad"):
+        FusedOptimizerConfig("adamw")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_empty_batch_and_all_empty_features_train(fused):
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1) if fused else None
+    ebc = EmbeddingBagCollection(TABLES, optimizer=opt)
+    empty_batch = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.empty(0, dtype=torch.long),
+                                                      torch.empty(0, dtype=torch.long))
+    out = ebc(empty_batch).values()
+    assert out.shape == (0, 20)
+    out.sum().backward()
+    all_empty = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.empty(0, dtype=torch.long),
+                                                    torch.zeros(12, dtype=torch.long))
+    out = ebc(all_empty).values()
+    assert out.shape == (4, 20) and out.abs().sum() == 0
+    out.sum().backward()
+
+
+def test_config_errors_name_the_table():
+    with pytest.raises(ValueError, match="table 'x'"):
+        EmbeddingBagConfig(name="x", num_embeddings=0, embedding_dim=4)
+    with pytest.raises(ValueError, match="unknown pooling"):
+        EmbeddingBagConfig(name="x", num_embeddings=4, embedding_dim=4, pooling="max")
+    with pytest.raises(ValueError, match="unique"):
+        EmbeddingBagCollection([TABLES[0], TABLES[0]])

@@ -1,0 +1,118 @@
+"""KeyedJaggedTensor / JaggedTensor / KeyedTensor: hand-drawn cases and a randomized reference."""
+
+import pytest
+import torch
+
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+
+def drawn():
+    #        sample0  sample1  sample2
+    #  f1    [1, 2]   []       [3]
+    #  f2    [4]      [5, 6]   [7]
+    return KeyedJaggedTensor.from_lengths_sync(
+        ["f1", "f2"], torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([2, 0, 1, 1, 2, 1]),
+        weights=torch.arange(7, dtype=torch.float32),
+    )
+
+
+def bags(kjt):
+    """{key: [[ids of sample 0], ...]}: a plain-Python view to compare against."""
+    return {k: [b.tolist() for b in jt.to_dense()] for k, jt in kjt.to_dict().items()}
+
+
+def test_hand_drawn_layout():
+    kjt = drawn()
+    assert kjt.keys() == ["f1", "f2"] and kjt.stride() == 3
+    assert kjt.length_per_key() == [3, 4] and kjt.offset_per_key() == [0, 3, 7]
+    assert kjt.offsets().tolist() == [0, 2, 2, 3, 4, 6, 7]
+    assert bags(kjt) == {"f1": [[1, 2], [], [3]], "f2": [[4], [5, 6], [7]]}
+    assert kjt["f2"].weights().tolist() == [3, 4, 5, 6]
+    assert kjt["f1"].to_padded_dense().tolist() == [[1, 2], [0, 0], [3, 0]]
+
+
+def test_permute_split_concat():
+    kjt = drawn()
+    p = kjt.permute([1, 0])
+    assert p.keys() == ["f2", "f1"] and bags(p) == {"f2": [[4], [5, 6], [7]], "f1": [[1, 2], [], [3]]}
+    assert p.weights().tolist() == [3, 4, 5, 6, 0, 1, 2]
+    dup = kjt.permute([1, 1])  # TorchRec allows a key twice (two tables reading one feature)
+    assert dup.length_per_key() == [4, 4] and dup.values().tolist() == [4, 5, 6, 7, 4, 5, 6, 7]
+    a, b = kjt.split([1, 1])
+    assert bags(a) == {"f1": [[1, 2], [], [3]]} and bags(b) == {"f2": [[4], [5, 6], [7]]}
+    back = KeyedJaggedTensor.concat([b, a])
+    assert bags(back) == bags(p) and back.weights().tolist() == p.weights().tolist()
+
+
+def test_from_offsets_and_jt_dict_agree():
+    kjt = drawn()
+    other = KeyedJaggedTensor.from_offsets_sync(kjt.keys(), kjt.values(), kjt.offsets(), weights=kjt.weights())
+    assert bags(other) == bags(kjt)
+    again = KeyedJaggedTensor.from_jt_dict(kjt.to_dict())
+    assert bags(again) == bags(kjt) and again.weights().tolist() == kjt.weights().tolist()
+
+
+def test_randomized_against_python_reference():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        F_, B = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(0, 7, (1,), generator=g))
+        keys = [f"k{i}" for i in range(F_)]
+        ref = {k: [torch.randint(0, 100, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(B)] for k in keys}
+        lengths = torch.tensor([len(b) for k in keys for b in ref[k]], dtype=torch.long)
+        values = torch.tensor([v for k in keys for b in ref[k] for v in b], dtype=torch.long)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+        assert bags(kjt) == ref
+        order = torch.randperm(F_, generator=g).tolist()
+        assert bags(kjt.permute(order)) == {keys[i]: ref[keys[i]] for i in order}
+
+
+def test_disagreeing_keys_lengths_values_raise_at_construction():
+    with pytest.raises(ValueError, match="lengths add up to 3 but there are 4 values"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="not a multiple of the 2 keys"):
+        KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([2, -1]))
+    with pytest.raises(ValueError, match="2 weights for 3 values"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 3]), torch.tensor([3]), weights=torch.ones(2))
+    with pytest.raises(ValueError, match="duplicate keys"):
+        KeyedJaggedTensor.from_lengths_sync(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="ids must be integers"):
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1]))
+
+
+def test_empty():
+    e = KeyedJaggedTensor.empty()
+    assert e.keys() == [] and e.stride() == 0 and e.length_per_key() == []
+    z = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+    assert z.stride() == 0 and z.length_per_key() == [0, 0]
+    assert KeyedJaggedTensor.empty_like(drawn()).length_per_key() == [0, 0]
+
+
+def test_to_and_pin_keep_metadata():
+    kjt = drawn().to("cpu", non_blocking=True)
+    assert kjt.length_per_key() == [3, 4]
+    if torch.cuda.is_available():
+        assert bags(kjt.pin_memory()) == bags(kjt)
+
+
+def test_keyed_tensor():
+    a, b = torch.randn(4, 2), torch.randn(4, 3)
+    kt = KeyedTensor.from_tensor_list(["a", "b"], [a, b])
+    assert kt.length_per_key() == [2, 3] and kt.offset_per_key() == [0, 2, 5]
+    torch.testing.assert_close(kt["b"], b)
+    torch.testing.assert_close(kt.to_dict()["a"], a)
+    other = KeyedTensor.from_tensor_list(["c"], [torch.ones(4, 1)])
+    g1, g2 = KeyedTensor.regroup([kt, other], [["c", "a"], ["b"]])
+    torch.testing.assert_close(g1, torch.cat([torch.ones(4, 1), a], dim=1))
+    torch.testing.assert_close(g2, b)
+    with pytest.raises(ValueError, match="columns"):
+        KeyedTensor(["a"], [3], torch.randn(4, 2))
+
+
+def test_jagged_tensor():
+    jt = JaggedTensor.from_dense([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long), torch.tensor([3])])
+    assert jt.lengths().tolist() == [2, 0, 1] and jt.offsets().tolist() == [0, 2, 2, 3]
+    with pytest.raises(ValueError, match="lengths add up"):
+        JaggedTensor(values=torch.tensor([1]), lengths=torch.tensor([2]))
