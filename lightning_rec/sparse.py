@@ -25,10 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 import torch
 from torch import Tensor
-
-import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 
 
 def _cumsum_with_zero(lengths: Tensor) -> Tensor:

@@ -145,7 +145,8 @@ def test_embedding_collection_sequence_rows():
 
 def test_several_features_share_one_table():
     ebc = EmbeddingBagCollection(TABLES)
-    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.tensor([3, 0, 3]), torch.ones(3, dtype=torch.long))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.tensor([3, 0, 3]),
+                                              torch.ones(3, dtype=torch.long))
     kt = ebc(kjt).to_dict()
     torch.testing.assert_close(kt["f0"], kt["f2"])
 

@@ -85,7 +85,8 @@ def test_disagreeing_keys_lengths_values_raise_at_construction():
 def test_empty():
     e = KeyedJaggedTensor.empty()
     assert e.keys() == [] and e.stride() == 0 and e.length_per_key() == []
-    z = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+    no_ids = torch.empty(0, dtype=torch.long)
+    z = KeyedJaggedTensor.from_lengths_sync(["a", "b"], no_ids, no_ids)
     assert z.stride() == 0 and z.length_per_key() == [0, 0]
     assert KeyedJaggedTensor.empty_like(drawn()).length_per_key() == [0, 0]
 

@@ -1,0 +1,157 @@
+"""Embedding forward + backward + fused update on CPU: our collection vs raw fbgemm TBE vs plain PyTorch.
+
+    .venv/bin/python benchmarks/embedding.py [--rounds 3] [--steps 30] [--rows 100000]
+
+Workload (issue 3): 26 tables x 100,000 rows x dim 64, batch 2048, one id per feature, row-wise
+Adagrad. Variants, each in its own process so that its peak RSS is its own:
+  ours      lightning_rec.EmbeddingBagCollection(kernel="fbgemm") fed a KeyedJaggedTensor
+  raw_tbe   fbgemm's SplitTableBatchedEmbeddingBagsCodegen called with indices/offsets
+  plain     one nn.EmbeddingBag(sparse=True) per table + torch.optim.Adagrad
+Variants run interleaved for several rounds (the machine is shared and noisy); each figure is
+the median over rounds, and ratios are taken from those medians. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+NUM_TABLES, DIM, BATCH = 26, 64, 2048
+
+
+def make_ids(rows: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, rows, (NUM_TABLES, BATCH), generator=g) for _ in range(steps)]
+
+
+def run_ours(rows: int, ids: list[torch.Tensor], optimizer: str, kernel: str) -> None:
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
+
+    keys = [f"f{t}" for t in range(NUM_TABLES)]
+    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=rows, embedding_dim=DIM, feature_names=[keys[t]])
+              for t in range(NUM_TABLES)]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig(optimizer, lr=0.01), kernel=kernel)
+    lengths = torch.ones(NUM_TABLES * BATCH, dtype=torch.long)
+    batches = [KeyedJaggedTensor.from_lengths_sync(keys, ids_FB.reshape(-1), lengths) for ids_FB in ids]
+    yield_steps(lambda kjt: ebc(kjt).values().sum().backward(), batches)
+
+
+def run_raw_tbe(rows: int, ids: list[torch.Tensor], optimizer: str) -> None:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    opt = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD,
+           "adagrad": EmbOptimType.EXACT_ADAGRAD}[optimizer]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)] * NUM_TABLES, optimizer=opt,
+        learning_rate=0.01, bounds_check_mode=BoundsCheckMode.NONE,
+    )
+    offsets = torch.arange(NUM_TABLES * BATCH + 1)
+    batches = [(ids_FB.reshape(-1), offsets) for ids_FB in ids]
+    yield_steps(lambda b: tbe(b[0], b[1]).sum().backward(), batches)
+
+
+def run_plain(rows: int, ids: list[torch.Tensor], optimizer: str) -> None:
+    bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True) for _ in range(NUM_TABLES))
+    opt = {"rowwise_adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01),  # torch has no row-wise Adagrad
+           "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01),
+           "sgd": lambda p: torch.optim.SGD(p, lr=0.01),
+           "adam": lambda p: torch.optim.SparseAdam(p, lr=0.01)}[optimizer](list(bags.parameters()))
+    offsets = torch.arange(BATCH)
+
+    def step(ids_FB: torch.Tensor) -> None:
+        out = torch.cat([bag(ids_FB[t], offsets) for t, bag in enumerate(bags)], dim=1)
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    yield_steps(step, ids)
+
+
+_RESULT: dict = {}
+
+
+def yield_steps(step, batches) -> None:
+    warmup = min(5, len(batches) // 3)
+    for b in batches[:warmup]:
+        step(b)
+    start = time.perf_counter()
+    for b in batches[warmup:]:
+        step(b)
+    elapsed = time.perf_counter() - start
+    _RESULT["samples_per_s"] = BATCH * (len(batches) - warmup) / elapsed
+
+
+VARIANTS = {
+    "ours": lambda rows, ids, opt: run_ours(rows, ids, opt, kernel="fbgemm"),
+    "raw_tbe": run_raw_tbe,
+    "plain": run_plain,
+}
+
+
+def child(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    ids = make_ids(rows, steps)
+    VARIANTS[variant](rows, ids, optimizer)
+    _RESULT["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(_RESULT))
+
+
+def measure(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--optimizer", optimizer, "--rows", str(rows),
+           "--steps", str(steps), "--threads", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimizer", default="rowwise_adagrad")
+    parser.add_argument("--child", choices=sorted(VARIANTS))
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.optimizer, args.rows, args.steps, args.threads)
+        return
+
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            runs[variant].append(measure(variant, args.optimizer, args.rows, args.steps, args.threads))
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in runs.items()}
+
+    print(f"embedding fwd+bwd+{args.optimizer}: {NUM_TABLES} tables x {args.rows} rows x dim {DIM}, "
+          f"batch {BATCH}, {args.threads} threads, median of {args.rounds} rounds")
+    print(f"{'variant':<10}{'samples/s':>12}{'peak RSS MB':>14}")
+    for v, m in med.items():
+        print(f"{v:<10}{m['samples_per_s']:>12,.0f}{m['peak_rss_mb']:>14,.0f}")
+    ratios = {
+        "ours_vs_raw_tbe": med["ours"]["samples_per_s"] / med["raw_tbe"]["samples_per_s"],
+        "ours_vs_plain": med["ours"]["samples_per_s"] / med["plain"]["samples_per_s"],
+        "rss_ours_vs_raw_tbe": med["ours"]["peak_rss_mb"] / med["raw_tbe"]["peak_rss_mb"],
+    }
+    for k, v in ratios.items():
+        print(f"{k:<22}{v:.3f}")
+    results = [{"variant": v, "optimizer": args.optimizer, **m} for v, m in med.items()]
+    figures = {f"{v}_samples_per_s": m["samples_per_s"] for v, m in med.items()}
+    print(json.dumps({"benchmark": "embedding", "results": results, "ratios": ratios, "figures": figures}))
+
+
+if __name__ == "__main__":
+    main()

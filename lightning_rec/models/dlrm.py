@@ -1,0 +1,151 @@
+"""DLRM and DLRM-DCNv2 (TorchRec's module layout, so its checkpoints' names feel familiar).
+
+Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last layer), I dense inputs.
+
+    dense_BI  --dense_arch-->  dense_BD ----------------\
+                                                         >-- interaction --> over_arch --> logits_B1
+    KJT --sparse_arch (EmbeddingBagCollection)--> sparse_BFD
+
+Dot interaction (DLRM): the pairwise dot products of the F+1 vectors (dense + each feature),
+upper triangle without the diagonal, next to the dense vector: D + (F+1)F/2 features.
+DCNv2 interaction: the F+1 vectors flattened, through low-rank cross layers
+x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l: (F+1)D features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rec.embedding import EmbeddingBagCollection
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+class MLP(nn.Sequential):
+    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`."""
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True) -> None:
+        layers: list[nn.Module] = []
+        for i, out_features in enumerate(layer_sizes):
+            layers.append(nn.Linear(in_features, out_features))
+            if last_activation or i < len(layer_sizes) - 1:
+                layers.append(nn.ReLU())
+            in_features = out_features
+        super().__init__(*layers)
+
+
+class SparseArch(nn.Module):
+    """KJT -> sparse_BFD: every feature's pooled embedding, all of one dim."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.embedding_bag_collection = embedding_bag_collection
+        dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
+        if len(dims) != 1:
+            raise ValueError(f"DLRM needs every table to have the same embedding_dim, got {sorted(dims)}: "
+                             f"set one embedding_dim for all tables")
+        self.embedding_dim = dims.pop()
+        self.num_features = len(embedding_bag_collection.feature_names())
+
+    def forward(self, features: KeyedJaggedTensor) -> Tensor:
+        pooled_BFxD = self.embedding_bag_collection(features).values()
+        return pooled_BFxD.view(-1, self.num_features, self.embedding_dim)
+
+
+class InteractionArch(nn.Module):
+    """Pairwise dot products of dense and sparse vectors (upper triangle), next to the dense vector."""
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        n = num_sparse_features + 1
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("triu_rows", rows, persistent=False)
+        self.register_buffer("triu_cols", cols, persistent=False)
+
+    def output_dim(self, embedding_dim: int) -> int:
+        return embedding_dim + self.triu_rows.numel()
+
+    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+        vectors_BND = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
+        dots_BNN = torch.bmm(vectors_BND, vectors_BND.transpose(1, 2))
+        pairs_BP = dots_BNN[:, self.triu_rows, self.triu_cols]
+        return torch.cat([dense_BD, pairs_BP], dim=1)
+
+
+class LowRankCrossNet(nn.Module):
+    """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K])."""
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int) -> None:
+        super().__init__()
+        if num_layers < 1 or low_rank < 1:
+            raise ValueError(f"DCN needs num_layers >= 1 and low_rank >= 1, got {num_layers}, {low_rank}")
+        self.V = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers))
+        self.U = nn.ModuleList(nn.Linear(low_rank, in_features) for _ in range(num_layers))
+
+    def forward(self, x0_BK: Tensor) -> Tensor:
+        x_BK = x0_BK
+        for V, U in zip(self.V, self.U):
+            x_BK = x0_BK * U(V(x_BK)) + x_BK
+        return x_BK
+
+
+class InteractionDCNArch(nn.Module):
+    def __init__(self, num_sparse_features: int, embedding_dim: int, num_layers: int, low_rank: int) -> None:
+        super().__init__()
+        self.in_features = (num_sparse_features + 1) * embedding_dim
+        self.crossnet = LowRankCrossNet(self.in_features, num_layers, low_rank)
+
+    def output_dim(self, embedding_dim: int) -> int:
+        return self.in_features
+
+    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+        x0_BK = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1)
+        return self.crossnet(x0_BK)
+
+
+class DLRM(nn.Module):
+    """DLRM: dense arch, embedding bags, dot interaction, over arch -> one logit per sample.
+
+    Args:
+        embedding_bag_collection: the sparse features' tables (all of one dim D).
+        dense_in_features: I, the number of dense inputs.
+        dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
+        over_arch_layer_sizes: MLP sizes after the interaction; the last must be 1 (the logit).
+    """
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(embedding_bag_collection)
+        D = self.sparse_arch.embedding_dim
+        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != D:
+            raise ValueError(f"the dense arch's last layer ({list(dense_arch_layer_sizes)}) must equal the "
+                             f"embedding_dim {D}: make them the same")
+        if not over_arch_layer_sizes or over_arch_layer_sizes[-1] != 1:
+            raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch_layer_sizes)}")
+        self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes)
+        self.inter_arch = self._interaction(self.sparse_arch.num_features, D)
+        self.over_arch = MLP(self.inter_arch.output_dim(D), over_arch_layer_sizes, last_activation=False)
+
+    def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
+        return InteractionArch(num_features)
+
+    def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
+        dense_BD = self.dense_arch(dense_features)
+        sparse_BFD = self.sparse_arch(sparse_features)
+        return self.over_arch(self.inter_arch(dense_BD, sparse_BFD))
+
+
+class DLRM_DCN(DLRM):
+    """DLRM with DCNv2 low-rank cross layers as the interaction (MLPerf's DLRM-DCNv2)."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
+                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64) -> None:
+        self._dcn = (dcn_num_layers, dcn_low_rank_dim)
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes)
+
+    def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
+        return InteractionDCNArch(num_features, embedding_dim, *self._dcn)

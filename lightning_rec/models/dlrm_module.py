@@ -1,0 +1,147 @@
+"""DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits, AUC/NE/logloss/CTR).
+
+Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding
+tables train with a fused optimizer (updated inside backward); the dense layers with a
+torch.optim optimizer; `configure_optimizers` returns both as one CombinedOptimizer, so a
+scheduler (here an optional linear warm-up) drives both learning rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_rec.data.batch import Batch
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.metrics import RecMetricCollection
+from lightning_rec.models.dlrm import DLRM, DLRM_DCN
+from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
+
+DENSE_OPTIMIZERS = {
+    "adagrad": torch.optim.Adagrad,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+CRITEO_SPARSE_FEATURES = [f"C{i}" for i in range(1, 27)]
+
+
+def _per_feature(value: int | Sequence[int], names: Sequence[str]) -> list[int]:
+    sizes = [int(value)] * len(names) if isinstance(value, int) else [int(v) for v in value]
+    if len(sizes) != len(names):
+        raise ValueError(f"num_embeddings_per_feature has {len(sizes)} entries for {len(names)} sparse features "
+                         f"({names[:3]}...): give one size per feature, or a single int for all")
+    return sizes
+
+
+class DLRMModule(L.LightningModule):
+    """DLRM on click logs: `batch` is a lightning_rec.data.Batch (dense [B, I], KJT, labels [B]).
+
+    Args:
+        num_embeddings_per_feature: table rows, one int for all features or one per feature.
+        embedding_dim: D, the dim of every table (and of the dense arch's last layer).
+        sparse_feature_names: the KJT keys, one table each (default Criteo's C1..C26).
+        dense_in_features: I, the number of dense inputs (13 for Criteo).
+        dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the over arch ends in 1).
+        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
+        sparse_optimizer / sparse_lr / sparse_eps / sparse_weight_decay: the fused update.
+        dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
+        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
+        warmup_steps: linear learning-rate warm-up of both parts (0 = none).
+    """
+
+    def __init__(
+        self,
+        num_embeddings_per_feature: int | list[int] = 100_000,
+        embedding_dim: int = 64,
+        sparse_feature_names: list[str] | None = None,
+        dense_in_features: int = 13,
+        dense_arch_layer_sizes: list[int] = (512, 256, 64),
+        over_arch_layer_sizes: list[int] = (512, 512, 256, 1),
+        interaction: str = "dot",
+        dcn_num_layers: int = 3,
+        dcn_low_rank_dim: int = 64,
+        sparse_optimizer: str = "rowwise_adagrad",
+        sparse_lr: float = 0.01,
+        sparse_eps: float = 1e-8,
+        sparse_weight_decay: float = 0.0,
+        dense_optimizer: str = "adagrad",
+        dense_lr: float = 0.01,
+        dense_weight_decay: float = 0.0,
+        embedding_kernel: str = "auto",
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        names = list(sparse_feature_names or CRITEO_SPARSE_FEATURES)
+        if dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(
+                f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
+            )
+        if interaction not in ("dot", "dcn"):
+            raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
+        tables = [
+            EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[name])
+            for name, rows in zip(names, _per_feature(num_embeddings_per_feature, names))
+        ]
+        fused = FusedOptimizerConfig(sparse_optimizer, lr=sparse_lr, eps=sparse_eps, weight_decay=sparse_weight_decay)
+        ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel)
+        dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
+        if interaction == "dcn":
+            self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
+        else:
+            self.model = DLRM(ebc, dense_in_features, dense_sizes, over_sizes)
+        self.val_metrics = RecMetricCollection(prefix="val_")
+        self.test_metrics = RecMetricCollection(prefix="test_")
+
+    def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
+        return self.model(dense_features, sparse_features).squeeze(1)
+
+    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        logits_B = self(batch.dense_features, batch.sparse_features)
+        if batch.labels.numel() == 0:
+            # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.
+            return logits_B.sum() * 0.0, logits_B
+        return F.binary_cross_entropy_with_logits(logits_B, batch.labels), logits_B
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=max(len(batch), 1))
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        loss, logits_B = self._loss(batch)
+        self.val_metrics.update(logits_B, batch.labels)
+        self.log("val_loss", loss, batch_size=max(len(batch), 1))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.val_metrics.compute(), prog_bar=True)
+        self.val_metrics.reset()
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        _, logits_B = self._loss(batch)
+        self.test_metrics.update(logits_B, batch.labels)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.test_metrics.compute())
+        self.test_metrics.reset()
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        return torch.sigmoid(self(batch.dense_features, batch.sparse_features))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        dense = DENSE_OPTIMIZERS[hp.dense_optimizer](
+            dense_parameters(self.model), lr=hp.dense_lr, weight_decay=hp.dense_weight_decay
+        )
+        optimizer = combined_optimizer(self.model, dense)
+        if hp.warmup_steps <= 0:
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}

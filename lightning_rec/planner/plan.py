@@ -1,0 +1,688 @@
+"""The planner: enumerate priced options per table -> propose combinations -> partition onto ranks.
+
+A proposal picks one option per table. The partitioner places its pieces (see estimate.py): fixed
+pieces where they are, host pieces on the host whose slowest rank stays fastest, rank pieces
+slowest-first onto the least-loaded rank with room (a heap), all under each rank's memory. A
+proposal's score is its slowest rank's estimated ms. Proposers, in order:
+
+1. greedy: every table's cheapest option (least total work); while it does not fit, the tables
+   holding the most of the short memory move to options that hold less (UVM, caching, finer
+   splits); then, while it helps, the biggest contributor to the slowest rank moves to a finer split;
+2. uniform: every table on one sharding type, where it has it;
+3. grid search: every combination of the top options of the heaviest tables, around the best plan.
+
+Everything is ordered by numbers and table/rank indexes, so the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from lightning_rec.planner.constraints import ParameterConstraints
+from lightning_rec.planner.estimate import (
+    COMM,
+    COMPUTE,
+    DDR,
+    HBM,
+    CostModel,
+    ShardingOption,
+    TableSpec,
+    enumerate_options,
+)
+from lightning_rec.planner.stats import GB, PlanStats, RankStats, TableStats
+from lightning_rec.planner.topology import Topology
+from lightning_rec.sharding.layout import shard_layout
+from lightning_rec.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+)
+
+_EPS = 1e-9
+
+
+class PlannerError(ValueError):
+    """No plan fits: the message names the tables, what they need, the capacity, and the fix."""
+
+
+class _Placement:
+    """A partitioned proposal: where each piece went and what each rank holds."""
+
+    def __init__(self, load: np.ndarray, where: list[list[int]], failed: list[int]):
+        self.load = load  # [W, 4]
+        self.where = where  # per table: rank (rank pieces) or host (host pieces) per piece
+        self.failed = failed  # tables whose pieces found no room
+        self.ok = not failed
+        self.score = float((load[:, COMPUTE] + load[:, COMM]).max()) if self.ok else float("inf")
+
+
+def _partition(
+    options: Sequence[ShardingOption], caps: np.ndarray, W: int, L: int, by_memory: bool
+) -> _Placement:
+    """Place one option per table. `by_memory`: biggest pieces first onto the emptiest rank."""
+    load = np.zeros((W, 4))
+    where: list[list[int]] = [[-1] * len(o.pieces) for o in options]
+    failed: set[int] = set()
+    safe_h, safe_d = (float(c) if c > 0 else 1.0 for c in caps)  # CPU ranks have no HBM
+    cap_h, cap_d = float(caps[HBM]) + _EPS, float(caps[DDR]) + _EPS
+
+    fixed, host, rank = [], [], []
+    lists = {"fixed": fixed, "host": host, "rank": rank}
+    for t, o in enumerate(options):
+        out = lists[o.kind]
+        for k in range(len(o.pieces)):
+            if by_memory:
+                h, d = o.piece_bytes[k]
+                out.append((-max(h / safe_h, d / safe_d), t, k))
+            else:
+                out.append((-o.piece_ms[k], t, k))
+    fixed.sort()
+    host.sort()
+    rank.sort()
+
+    if fixed:
+        together = np.sum([options[t].pieces[0] for _, t, _ in fixed], axis=0)
+        if (together[:, :2] <= caps + _EPS).all():  # the common case: no need to go one by one
+            load += together
+            fixed = []
+    for _, t, _ in fixed:
+        piece = options[t].pieces[0]
+        new = load[:, :2] + piece[:, :2]
+        if (new <= caps + _EPS).all():
+            load += piece
+        else:
+            failed.add(t)
+
+    H = W // L
+    for _, t, k in host:
+        if t in failed:
+            continue
+        piece = options[t].pieces[k]
+        new = load.reshape(H, L, 4) + piece  # [H, L, 4]: the piece on each host
+        fits = (new[:, :, :2] <= caps + _EPS).all(axis=(1, 2))
+        fits[[h for h in where[t] if h >= 0]] = False  # a grid's column blocks go to distinct hosts
+        if not fits.any():
+            failed.add(t)
+            continue
+        if by_memory:
+            key = (new[:, :, :2] / np.array([safe_h, safe_d])).max(axis=(1, 2))
+        else:
+            key = (new[:, :, COMPUTE] + new[:, :, COMM]).max(axis=1)
+        h = int(np.argmin(np.where(fits, key, np.inf)))
+        load[h * L : (h + 1) * L] += piece
+        where[t][k] = h
+
+    # rank pieces: one slot each, so plain floats; a heap of (key, rank) finds the emptiest rank
+    used_h, used_d = load[:, HBM].tolist(), load[:, DDR].tolist()
+    ms = (load[:, COMPUTE] + load[:, COMM]).tolist()
+    added = np.zeros((W, 4))
+
+    def rank_key(r: int) -> float:
+        return max(used_h[r] / safe_h, used_d[r] / safe_d) if by_memory else ms[r]
+
+    heap = [(rank_key(r), r) for r in range(W)]
+    heapq.heapify(heap)
+    for _, t, k in rank:
+        if t in failed:
+            continue
+        ph, pd = options[t].piece_bytes[k]
+        used = where[t]  # -1 for blocks not placed yet
+        popped, chosen, spare = [], None, None
+        while heap:
+            entry = heapq.heappop(heap)
+            popped.append(entry)
+            r = entry[1]
+            if used_h[r] + ph <= cap_h and used_d[r] + pd <= cap_d:
+                if r not in used:
+                    chosen = entry
+                    break
+                if spare is None:
+                    spare = entry  # a column block may share a rank when no other has room
+        chosen = chosen or spare
+        for entry in popped:
+            if entry is not chosen:
+                heapq.heappush(heap, entry)
+        if chosen is None:
+            failed.add(t)
+            continue
+        r = chosen[1]
+        used_h[r] += ph
+        used_d[r] += pd
+        ms[r] += options[t].piece_ms[k]
+        added[r] += options[t].pieces[k][0]
+        used[k] = r
+        heapq.heappush(heap, (rank_key(r), r))
+    return _Placement(load + added, where, sorted(failed))
+
+
+class _Search:
+    """Proposals over per-table option lists, each partitioned once (results cached)."""
+
+    def __init__(
+        self, options: list[list[ShardingOption]], topology: Topology, caps: np.ndarray, max_proposals: int
+    ):
+        self.options = options
+        self.W, self.L = topology.world_size, topology.local_world_size
+        self.caps = caps
+        self.max_proposals = max_proposals
+        self.cache: dict[tuple[int, ...], _Placement] = {}
+        self.best: tuple[tuple, tuple[int, ...], str] | None = None  # (rank key, choice, proposer)
+        self.last_failure: tuple[tuple[int, ...], _Placement] | None = None
+        self.greedy_failed = False
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self.cache) >= self.max_proposals
+
+    def evaluate(self, choice: Sequence[int], proposer: str) -> _Placement:
+        key = tuple(choice)
+        if key in self.cache:
+            return self.cache[key]
+        chosen = [opts[j] for opts, j in zip(self.options, key)]
+        p = _partition(chosen, self.caps, self.W, self.L, by_memory=False)
+        if not p.ok:
+            by_mem = _partition(chosen, self.caps, self.W, self.L, by_memory=True)
+            if by_mem.ok or len(by_mem.failed) < len(p.failed):
+                p = by_mem
+        self.cache[key] = p
+        if p.ok:
+            peak = float((p.load[:, :2] / np.where(self.caps > 0, self.caps, 1.0)).max())
+            rank = (round(p.score, 9), round(peak, 9))
+            if self.best is None or rank < self.best[0]:
+                self.best = (rank, key, proposer)
+        elif not self.greedy_failed:
+            self.last_failure = (key, p)
+        return p
+
+    # --- greedy -------------------------------------------------------------------------------
+    def greedy(self) -> None:
+        choice = [0] * len(self.options)  # options are sorted cheapest total work first
+        p = self.evaluate(choice, "greedy")
+        while not p.ok and not self.exhausted:
+            if not self._relieve_memory(choice, p):
+                break
+            p = self.evaluate(choice, "greedy")
+        if not p.ok:  # the error reports this one: memory already relieved as far as it goes
+            self.last_failure = (tuple(choice), p)
+            self.greedy_failed = True
+        else:
+            self._balance(choice, p, "greedy")
+
+    def _relieve_memory(self, choice: list[int], p: _Placement) -> bool:
+        chosen = [opts[j] for opts, j in zip(self.options, choice)]
+        demand = np.sum([o.totals[:2] for o in chosen], axis=0)
+        capacity = self.caps * self.W
+        deficit = demand - capacity
+        for m in (HBM, DDR):
+            if deficit[m] > 0 and self._move_totals(
+                choice, chosen, m, deficit[m], capacity[1 - m] - demand[1 - m]
+            ):
+                return True
+        # enough memory in all, but pieces too big to pack: split the tables that found no room
+        safe = np.where(self.caps > 0, self.caps, 1.0)
+        frac = lambda o: float((o.max_piece_bytes / safe).max())
+        order = p.failed + sorted(
+            set(range(len(chosen))) - set(p.failed), key=lambda t: (-frac(chosen[t]), t)
+        )
+        for t in order:
+            cur, before = chosen[t], choice[t]
+            alts = [j for j, o in enumerate(self.options[t]) if frac(o) < frac(cur) - _EPS]
+            if alts:
+                choice[t] = min(alts, key=lambda j: (self.options[t][j].total_ms, j))
+                if tuple(choice) not in self.cache:
+                    return True
+                choice[t] = before
+        return False
+
+    def _move_totals(self, choice, chosen, m: int, deficit: float, slack: float) -> bool:
+        """Move the biggest holders of memory kind `m` to options that hold less, until it fits."""
+        moved = False
+        for t in sorted(range(len(chosen)), key=lambda t: (-chosen[t].totals[m], t)):
+            cur = chosen[t]
+            alts = [
+                j
+                for j, o in enumerate(self.options[t])
+                if o.totals[m] < cur.totals[m] - _EPS and o.totals[1 - m] - cur.totals[1 - m] <= slack
+            ]
+            if not alts:
+                continue
+            j = min(alts, key=lambda j: (self.options[t][j].total_ms, j))
+            new = self.options[t][j]
+            choice[t] = j
+            deficit -= cur.totals[m] - new.totals[m]
+            slack -= new.totals[1 - m] - cur.totals[1 - m]
+            moved = True
+            if deficit <= 0:
+                break
+        return moved and tuple(choice) not in self.cache
+
+    def _balance(self, choice: list[int], p: _Placement, proposer: str) -> None:
+        """Move the slowest rank's biggest contributor to a finer split while that helps."""
+        while not self.exhausted:
+            slow = int(np.argmax(p.load[:, COMPUTE] + p.load[:, COMM]))
+            contrib = self._contributions(choice, p, slow)
+            improved = False
+            for ms, t in contrib:
+                alts = [
+                    j for j, o in enumerate(self.options[t]) if o.max_piece_ms < ms - _EPS and j != choice[t]
+                ]
+                for j in sorted(alts, key=lambda j: (self.options[t][j].total_ms, j))[:2]:
+                    trial = list(choice)
+                    trial[t] = j
+                    q = self.evaluate(trial, proposer)
+                    if q.ok and q.score < p.score - _EPS:
+                        choice[:], p, improved = trial, q, True
+                        break
+                    if self.exhausted:
+                        return
+                if improved:
+                    break
+            if not improved:
+                return
+
+    def _contributions(self, choice, p: _Placement, r: int) -> list[tuple[float, int]]:
+        """(ms, table) of every table with a piece on rank r, biggest first."""
+        out = []
+        for t, j in enumerate(choice):
+            o = self.options[t][j]
+            ms = 0.0
+            if o.kind == "fixed":
+                ms = o.pieces[0][r, COMPUTE] + o.pieces[0][r, COMM]
+            elif o.kind == "rank":
+                ms = sum(pc[0, COMPUTE] + pc[0, COMM] for pc, rr in zip(o.pieces, p.where[t]) if rr == r)
+            else:
+                for pc, h in zip(o.pieces, p.where[t]):
+                    if h == r // self.L:
+                        ms += pc[r % self.L, COMPUTE] + pc[r % self.L, COMM]
+            if ms > 0:
+                out.append((float(ms), t))
+        return sorted(out, key=lambda x: (-x[0], x[1]))
+
+    # --- uniform and grid ---------------------------------------------------------------------
+    def uniform(self) -> None:
+        for st in ShardingType:
+            if self.exhausted:
+                return
+            choice = []
+            for opts in self.options:
+                js = [j for j, o in enumerate(opts) if o.sharding_type == st]
+                choice.append(js[0] if js else 0)
+            self.evaluate(choice, f"uniform {st}")
+
+    def grid(self, limit: int, per_table: int = 3) -> None:
+        if self.best is None or limit < 2:
+            return
+        base = list(self.best[1])
+        heavy = sorted(range(len(base)), key=lambda t: (-self.options[t][base[t]].total_ms, t))
+        axes, size = [], 1
+        for t in heavy:
+            choices = [base[t]]
+            seen = {(self.options[t][base[t]].sharding_type, self.options[t][base[t]].kernel)}
+            for j in sorted(range(len(self.options[t])), key=lambda j: (self.options[t][j].total_ms, j)):
+                o = self.options[t][j]
+                if len(choices) < per_table and (o.sharding_type, o.kernel) not in seen:
+                    choices.append(j)
+                    seen.add((o.sharding_type, o.kernel))
+            if len(choices) < 2:
+                continue
+            if size * len(choices) > limit:
+                break
+            axes.append((t, choices))
+            size *= len(choices)
+        for combo in itertools.product(*(c for _, c in axes)):
+            if self.exhausted:
+                return
+            trial = list(base)
+            for (t, _), j in zip(axes, combo):
+                trial[t] = j
+            self.evaluate(trial, "grid search")
+
+
+def _element_size(dtype) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is None:
+        import torch
+
+        size = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4
+    return int(size)
+
+
+def _is_pooled(cfg) -> bool:
+    # EmbeddingBagConfig has `pooling` (sum / mean); EmbeddingConfig (sequence) has none
+    return str(getattr(cfg, "pooling", "none")).lower().split(".")[-1] != "none"
+
+
+def find_tables(module) -> list[tuple[str, list, bool | None]]:
+    """(module path, configs, pooled) for each embedding collection in `module`.
+
+    Accepts a model (any module with `embedding_bag_configs()` / `embedding_configs()` inside), one
+    collection, or a list of configs (path "", pooled read from each config: None).
+    """
+    if isinstance(module, (list, tuple)):
+        return [("", list(module), None)] if module else []
+    if hasattr(module, "named_modules"):
+        found = []
+        for path, m in module.named_modules():
+            if callable(getattr(m, "embedding_bag_configs", None)):
+                found.append((path, list(m.embedding_bag_configs()), True))
+            elif callable(getattr(m, "embedding_configs", None)):
+                found.append((path, list(m.embedding_configs()), False))
+        return found
+    raise ValueError(
+        f"cannot plan for {type(module).__name__}: pass a model holding EmbeddingBagCollection / "
+        f"EmbeddingCollection modules, or a list of EmbeddingBagConfig"
+    )
+
+
+class EmbeddingShardingPlanner:
+    """Decides, for every embedding table, its sharding type, compute kernel and ranks.
+
+    planner = EmbeddingShardingPlanner(Topology(world_size=8, compute_device="cuda", hbm_cap=80 * GB),
+                                       constraints={"t0": ParameterConstraints(pooling_factors=[20])},
+                                       batch_size=8192)
+    plan = planner.plan(model)          # ShardingPlan; planner.stats holds the PlanStats
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        constraints: Mapping[str, ParameterConstraints] | None = None,
+        *,
+        batch_size: int = 512,
+        optimizer="rowwise_adagrad",
+        pipelined: bool = True,
+        reserved_fraction: float = 0.15,
+        max_shard_fraction: float = 0.125,
+        max_proposals: int = 200,
+        grid_search_limit: int = 64,
+        print_stats: bool = True,
+    ):
+        if batch_size <= 0:
+            raise ValueError(f"planner batch_size={batch_size} must be the positive batch size per rank")
+        if not 0 <= reserved_fraction < 1:
+            raise ValueError(
+                f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
+                f"memory kept for dense layers and activations"
+            )
+        if not 0 < max_shard_fraction <= 1:
+            raise ValueError(f"planner max_shard_fraction={max_shard_fraction} must be in (0, 1]")
+        self.topology = topology if topology is not None else _default_topology()
+        self.constraints = dict(constraints or {})
+        for name, c in self.constraints.items():
+            if not isinstance(c, ParameterConstraints):
+                raise ValueError(
+                    f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)"
+                )
+        opt = getattr(optimizer, "optimizer", optimizer)  # a FusedOptimizerConfig, an EmbOptimType or a str
+        self.optimizer = str(getattr(opt, "value", opt)).lower()
+        self.cost = CostModel(self.topology, batch_size, self.optimizer, pipelined)
+        self.reserved_fraction = reserved_fraction
+        self.max_shard_fraction = max_shard_fraction
+        self.max_proposals = max_proposals
+        self.grid_search_limit = grid_search_limit
+        self.print_stats = print_stats
+        self._stats: PlanStats | None = None
+
+    @property
+    def stats(self) -> PlanStats:
+        if self._stats is None:
+            raise ValueError("planner.stats is read before planning: call planner.plan(model) first")
+        return self._stats
+
+    @property
+    def capacity(self) -> np.ndarray:
+        """Bytes per rank the tables may use: (HBM, DDR) after the reserved share."""
+        t = self.topology
+        return np.array([t.hbm_cap, t.ddr_cap], dtype=np.float64) * (1 - self.reserved_fraction)
+
+    # --- input --------------------------------------------------------------------------------
+    def _specs(self, module) -> list[TableSpec]:
+        specs: list[TableSpec] = []
+        names: set[str] = set()
+        for path, configs, pooled in find_tables(module):
+            in_module: set[str] = set()
+            for cfg in configs:
+                name = cfg.name
+                if name in in_module:
+                    raise ValueError(
+                        f"table '{name}' appears twice in '{path or '<root>'}': give each table a unique name"
+                    )
+                in_module.add(name)
+                names.add(name)
+                c = self.constraints.get(name) or ParameterConstraints()
+                c.validate_for(name)
+                features = list(getattr(cfg, "feature_names", None) or [name])
+                pfs = c.pooling_factors
+                if len(pfs) == 1:
+                    pfs = pfs * len(features)
+                elif len(pfs) != len(features):
+                    raise ValueError(
+                        f"table '{name}' has {len(features)} features but {len(pfs)} pooling factors: "
+                        f"give one per feature, or one for all"
+                    )
+                if cfg.num_embeddings <= 0 or cfg.embedding_dim <= 0:
+                    raise ValueError(
+                        f"table '{name}' has {cfg.num_embeddings} rows x dim {cfg.embedding_dim}: "
+                        "both must be positive"
+                    )
+                specs.append(
+                    TableSpec(
+                        index=len(specs),
+                        path=path,
+                        name=name,
+                        rows=int(cfg.num_embeddings),
+                        dim=int(cfg.embedding_dim),
+                        elem_bytes=_element_size(getattr(cfg, "data_type", None) or 4),
+                        pooled=_is_pooled(cfg) if pooled is None else pooled,
+                        num_features=len(features),
+                        pooling_factors=pfs,
+                        is_weighted=c.is_weighted,
+                        constraints=c,
+                    )
+                )
+        unknown = sorted(set(self.constraints) - names)
+        if unknown:
+            raise ValueError(
+                f"constraints name table(s) {unknown} that the model does not have; its tables are "
+                f"{sorted(names)}: fix the names"
+            )
+        if not specs:
+            raise ValueError(
+                "found no embedding tables to plan: pass a model holding EmbeddingBagCollection / "
+                "EmbeddingCollection modules, or a non-empty list of table configs"
+            )
+        return specs
+
+    def _options(self, specs: list[TableSpec]) -> list[list[ShardingOption]]:
+        caps = self.capacity
+        options = []
+        for spec in specs:
+            opts, reasons = enumerate_options(spec, self.cost, tuple(caps * self.max_shard_fraction))
+            if not opts:
+                why = "; ".join(reasons) or "no sharding type allowed"
+                raise PlannerError(
+                    f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
+                    f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it"
+                )
+            fit = [o for o in opts if (o.totals[:2] <= caps * self.topology.world_size + _EPS).all()]
+            if not fit:
+                smallest = min(opts, key=lambda o: (o.total_bytes, o.describe()))
+                raise PlannerError(
+                    f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) is larger than the whole "
+                    f"cluster: it needs {_gb(smallest.totals[HBM] + smallest.totals[DDR])} at least "
+                    f"({smallest.describe()}: {_mem(smallest.totals)}) but {self.topology.world_size} ranks "
+                    f"hold {_mem(caps * self.topology.world_size)} for tables. {_fixes(self.topology)}"
+                )
+            # cheapest total work first; the enumeration order breaks ties
+            options.append(sorted(opts, key=lambda o: (round(o.total_ms, 12), o.total_bytes)))
+        return options
+
+    # --- planning -----------------------------------------------------------------------------
+    def plan(self, module, sharders=None) -> ShardingPlan:
+        """Plan every table of `module` (a model, a collection, or a list of configs).
+
+        `sharders` is accepted for TorchRec compatibility; the sharding types a table may use are
+        set through ParameterConstraints.
+        """
+        del sharders
+        start = time.perf_counter()
+        specs = self._specs(module)
+        options = self._options(specs)
+        search = _Search(options, self.topology, self.capacity, self.max_proposals)
+        search.greedy()
+        search.uniform()
+        search.grid(self.grid_search_limit)
+        if search.best is None:
+            raise PlannerError(self._failure_message(specs, options, search))
+        _, choice, proposer = search.best
+        placement = search.cache[choice]
+        chosen = [opts[j] for opts, j in zip(options, choice)]
+        plan = self._build_plan(chosen, placement)
+        self._stats = self._make_stats(
+            chosen, placement, plan, len(search.cache), proposer, time.perf_counter() - start
+        )
+        if self.print_stats:
+            print(self._stats)
+        return plan
+
+    def collective_plan(self, module, pg=None, sharders=None) -> ShardingPlan:
+        """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.plan(module, sharders)
+        group_size = dist.get_world_size(pg)
+        if group_size != self.topology.world_size:
+            raise ValueError(
+                f"Topology(world_size={self.topology.world_size}) but the process group has {group_size} "
+                f"ranks: plan with Topology(world_size={group_size}, ...)"
+            )
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        payload: list = [None]
+        if dist.get_rank() == src:
+            try:
+                payload = [(self.plan(module, sharders), self._stats)]
+            except Exception as e:  # every rank raises rank 0's error instead of hanging
+                payload = [e]
+        dist.broadcast_object_list(payload, src=src, group=pg)
+        if isinstance(payload[0], Exception):
+            raise payload[0]
+        plan, self._stats = payload[0]
+        return plan
+
+    def _build_plan(self, chosen: list[ShardingOption], placement: _Placement) -> ShardingPlan:
+        t = self.topology
+        W, L = t.world_size, t.local_world_size
+        out = ShardingPlan()
+        for o, where in zip(chosen, placement.where):
+            spec, st = o.spec, o.sharding_type
+            kwargs: dict = {"local_world_size": L}
+            if st == ShardingType.TABLE_WISE or st == ShardingType.COLUMN_WISE:
+                kwargs["ranks"] = list(where)
+            elif st in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD):
+                kwargs["host_indexes"] = list(where)
+            shards = shard_layout(spec.name, spec.rows, spec.dim, st, W, **kwargs)
+            ps = ParameterSharding(st, o.kernel, ranks=[s.placement for s in shards], shards=shards)
+            out.plan.setdefault(spec.path, EmbeddingModuleShardingPlan())[spec.name] = ps
+        return out
+
+    def _make_stats(
+        self, chosen, placement: _Placement, plan: ShardingPlan, proposals: int, proposer: str, seconds: float
+    ) -> PlanStats:
+        caps = self.capacity
+        shards: list[dict[str, int]] = [{} for _ in range(self.topology.world_size)]
+        tables = []
+        for o in chosen:
+            ps = plan.plan[o.spec.path][o.spec.name]
+            for s in ps.shards:
+                d = shards[s.placement]
+                d[str(o.sharding_type)] = d.get(str(o.sharding_type), 0) + 1
+            tables.append(
+                TableStats(
+                    o.spec.path,
+                    o.spec.name,
+                    str(o.sharding_type),
+                    str(o.kernel),
+                    sorted(set(ps.ranks)),
+                    float(o.totals[HBM]),
+                    float(o.totals[DDR]),
+                    o.total_ms,
+                )
+            )
+        ranks = [
+            RankStats(
+                r,
+                float(row[HBM]),
+                float(caps[HBM]),
+                float(row[DDR]),
+                float(caps[DDR]),
+                float(row[COMPUTE]),
+                float(row[COMM]),
+                shards[r],
+            )
+            for r, row in enumerate(placement.load)
+        ]
+        return PlanStats(self.topology.describe(), ranks, tables, proposals, proposer, seconds)
+
+    def _failure_message(self, specs, options, search: _Search) -> str:
+        caps = self.capacity
+        t = self.topology
+        choice, placement = search.last_failure
+        lines = [
+            f"no plan fits {len(specs)} table(s) on {t.describe()}; per rank, tables may use {_mem(caps)} "
+            f"(reserved_fraction={self.reserved_fraction}). Tables that could not be placed:"
+        ]
+        for ti in placement.failed:
+            o = options[ti][choice[ti]]
+            smallest = min(options[ti], key=lambda x: (x.total_bytes, x.describe()))
+            lines.append(
+                f"  '{specs[ti].key}' ({specs[ti].rows} rows x dim {specs[ti].dim}): {o.describe()} needs "
+                f"{_mem(o.totals)} in all, {_mem(o.max_piece_bytes)} on its largest shard; its smallest "
+                f"option {smallest.describe()} needs {_mem(smallest.totals)}"
+            )
+        need = np.sum([options[i][j].totals[:2] for i, j in enumerate(choice)], axis=0)
+        least = sum(min(o.total_bytes for o in opts) for opts in options)
+        lines.append(
+            f"All tables together need {_mem(need)} as last proposed, and {_gb(least)} at the least (each "
+            f"table on its smallest option); the cluster holds {_mem(caps * t.world_size)}."
+        )
+        lines.append(_fixes(t))
+        return "\n".join(lines)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f} GB"
+
+
+def _mem(pair) -> str:
+    return f"HBM {_gb(pair[0])} + DDR {_gb(pair[1])}"
+
+
+def _fixes(t: Topology) -> str:
+    uvm = (
+        "let tables live in host memory (allow the fused_uvm / fused_uvm_caching kernels, drop enforce_hbm, "
+        "raise ddr_cap)"
+        if t.compute_device == "cuda"
+        else "give each rank more host memory (ddr_cap; UVM kernels need compute_device='cuda')"
+    )
+    return (
+        f"Fix: more ranks (world_size > {t.world_size}), {uvm}, a smaller embedding_dim, or hash ids into "
+        f"fewer rows (lower num_embeddings / the hash size limit); reserved_fraction also frees memory."
+    )
+
+
+def _default_topology() -> Topology:
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    local = torch.cuda.device_count() if device == "cuda" else world
+    local = local if local and world % local == 0 else world
+    return Topology(world_size=world, compute_device=device, local_world_size=min(local, world))

@@ -1,0 +1,141 @@
+"""The hardware the planner plans for: ranks, hosts, memory per rank, bandwidths.
+
+Memory is in bytes, bandwidth in bytes per second, both per rank. On CPU there is one memory kind
+(host DDR): the fused kernel's tables live there and `hbm_cap` is 0. On CUDA a table lives in HBM
+(`fused`), in DDR reached through unified memory (`fused_uvm`), or in DDR with an HBM cache
+(`fused_uvm_caching`).
+
+Defaults are read from the machine where it can tell (GPU memory, host RAM); bandwidths default to
+conservative figures (TorchRec's for GPUs, measured gloo figures for CPU) and are overridable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GB = 1024**3
+
+# GPU defaults: TorchRec's planner constants (an A100-class node on 100 Gbit/s networking).
+_CUDA_HBM_BW = 897e9  # effective bandwidth of random row gathers, not the HBM peak
+_CUDA_DDR_BW = 51e9
+_CUDA_INTRA_HOST_BW = 600e9  # NVLink
+_CUDA_INTER_HOST_BW = 12.5e9  # 100 Gbit/s per rank
+_CUDA_PCIE_BW = 32e9  # UVM reads cross PCIe gen4 x16
+# CPU defaults: gloo all-to-all between 2 local ranks moves ~6.8 MB in ~3.6 ms (DESIGN.md section 2).
+_CPU_DDR_BW = 20e9  # random 128-512 B row gathers from one core's share of DDR
+_CPU_INTRA_HOST_BW = 1.9e9
+_CPU_INTER_HOST_BW = 1.25e9  # 10 Gbit/s ethernet
+
+COMPUTE_DEVICES = ("cpu", "cuda")
+
+
+def host_memory_bytes() -> int:
+    """Physical RAM of this host, 0 where the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def gpu_memory_bytes() -> int:
+    """Memory of GPU 0, 0 where no GPU is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+@dataclass
+class Topology:
+    """World size, ranks per host, compute device, memory and bandwidth per rank.
+
+    `Topology(world_size=8, compute_device="cuda", hbm_cap=80 * GB)`: unset fields come from the
+    machine (GPU 0's memory, host RAM shared by the host's ranks) or from the defaults above.
+    """
+
+    world_size: int
+    compute_device: str = "cpu"
+    local_world_size: int | None = None  # ranks per host; default: all ranks on one host
+    hbm_cap: int | None = None  # device memory per rank; 0 on CPU
+    ddr_cap: int | None = None  # host memory per rank
+    hbm_mem_bw: float | None = None
+    ddr_mem_bw: float | None = None
+    intra_host_bw: float | None = None  # per rank, to ranks on the same host
+    inter_host_bw: float | None = None  # per rank, to ranks on other hosts
+    pcie_bw: float | None = None  # host <-> device, what UVM lookups go through
+
+    def __post_init__(self) -> None:
+        self.compute_device = str(self.compute_device).lower()
+        if self.compute_device not in COMPUTE_DEVICES:
+            raise ValueError(
+                f"Topology compute_device={self.compute_device!r} is not supported: use 'cpu' or 'cuda'"
+            )
+        if not isinstance(self.world_size, int) or self.world_size <= 0:
+            raise ValueError(
+                f"Topology world_size must be a positive number of ranks, got {self.world_size!r}"
+            )
+        if self.local_world_size is None:
+            self.local_world_size = self.world_size
+        if self.local_world_size <= 0 or self.world_size % self.local_world_size:
+            raise ValueError(
+                f"Topology local_world_size={self.local_world_size} must be positive and divide "
+                f"world_size={self.world_size}: set it to the number of ranks per host"
+            )
+        cuda = self.compute_device == "cuda"
+        if self.hbm_cap is None:
+            self.hbm_cap = gpu_memory_bytes() if cuda else 0
+            if cuda and not self.hbm_cap:
+                raise ValueError(
+                    "Topology(compute_device='cuda') could not read GPU memory (no GPU visible here): "
+                    "pass hbm_cap=<bytes per rank>, e.g. hbm_cap=80 * GB"
+                )
+        if self.ddr_cap is None:
+            self.ddr_cap = host_memory_bytes() // self.local_world_size
+        if cuda and self.hbm_cap <= 0:
+            raise ValueError(
+                f"Topology hbm_cap={self.hbm_cap} leaves no device memory per rank: pass the GPU's "
+                f"memory in bytes (hbm_cap=80 * GB), or plan for compute_device='cpu'"
+            )
+        if not cuda and self.hbm_cap:
+            raise ValueError(
+                f"Topology hbm_cap={self.hbm_cap} is set for compute_device='cpu', which has no device "
+                f"memory: leave hbm_cap out and size host memory with ddr_cap"
+            )
+        if self.ddr_cap <= 0:
+            raise ValueError(
+                f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
+                f"per rank> (e.g. ddr_cap=64 * GB)"
+            )
+        defaults = {
+            "hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0,
+            "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,
+            "intra_host_bw": _CUDA_INTRA_HOST_BW if cuda else _CPU_INTRA_HOST_BW,
+            "inter_host_bw": _CUDA_INTER_HOST_BW if cuda else _CPU_INTER_HOST_BW,
+            "pcie_bw": _CUDA_PCIE_BW if cuda else 0.0,
+        }
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, float(default))
+            elif value <= 0 and default > 0:
+                raise ValueError(f"Topology {name}={value} must be positive (bytes per second)")
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def device_mem_bw(self) -> float:
+        """Bandwidth of lookups into the memory the fused kernel uses (HBM, or DDR on CPU)."""
+        return self.hbm_mem_bw if self.compute_device == "cuda" else self.ddr_mem_bw
+
+    def describe(self) -> str:
+        mem = f"ddr {self.ddr_cap / GB:.1f} GB"
+        if self.compute_device == "cuda":
+            mem = f"hbm {self.hbm_cap / GB:.1f} GB, " + mem
+        return (
+            f"{self.world_size} ranks ({self.num_hosts} host(s) x {self.local_world_size}), "
+            f"{self.compute_device}, {mem} per rank"
+        )

@@ -1,0 +1,104 @@
+"""DLRM / DLRM-DCNv2 and DLRMModule: shapes, errors, empty batches, checkpoints through Lightning."""
+
+import lightning.pytorch as L
+import pytest
+import torch
+
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
+from lightning_rec.data import Batch, SyntheticCriteoDataModule
+from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule
+from lightning_rec.optim import FusedOptimizer
+
+KEYS = ["a", "b", "c"]
+
+
+def ebc(dim=8):
+    return EmbeddingBagCollection(
+        [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=20, embedding_dim=dim, feature_names=[k]) for k in KEYS],
+        optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1),
+    )
+
+
+def kjt(B, ids_per_feature=1):
+    values = torch.randint(0, 20, (len(KEYS) * B * ids_per_feature,))
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, values, torch.full((len(KEYS) * B,), ids_per_feature))
+
+
+@pytest.mark.parametrize("cls", [DLRM, DLRM_DCN])
+def test_dlrm_shapes_and_backward(cls):
+    model = cls(ebc(), dense_in_features=5, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1])
+    logits = model(torch.randn(6, 5), kjt(6, ids_per_feature=2))
+    assert logits.shape == (6, 1)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.dense_arch.parameters())
+
+
+def test_dot_interaction_is_pairwise_dots():
+    model = DLRM(ebc(), 5, [16, 8], [8, 1])
+    dense, sparse = torch.randn(2, 8), torch.randn(2, 3, 8)
+    out = model.inter_arch(dense, sparse)
+    vectors = torch.cat([dense.unsqueeze(1), sparse], 1)
+    assert out.shape == (2, 8 + 6)
+    torch.testing.assert_close(out[:, 8], (vectors[:, 0] * vectors[:, 1]).sum(-1))  # (dense, a)
+    torch.testing.assert_close(out[:, -1], (vectors[:, 2] * vectors[:, 3]).sum(-1))  # (b, c)
+
+
+def test_dlrm_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="must equal the embedding_dim 8"):
+        DLRM(ebc(), 5, [16, 4], [8, 1])
+    with pytest.raises(ValueError, match="one logit"):
+        DLRM(ebc(), 5, [16, 8], [8, 2])
+    with pytest.raises(ValueError, match="unknown dense_optimizer 'lbfgs'"):
+        DLRMModule(dense_optimizer="lbfgs")
+    with pytest.raises(ValueError, match="unknown fused optimizer 'adamax'"):
+        DLRMModule(sparse_optimizer="adamax")
+    with pytest.raises(ValueError, match="2 entries for 26 sparse features"):
+        DLRMModule(num_embeddings_per_feature=[10, 10])
+
+
+def small_module(**kw):
+    return DLRMModule(num_embeddings_per_feature=50, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
+                      over_arch_layer_sizes=[16, 1], sparse_lr=0.05, **kw)
+
+
+def test_empty_batch_and_all_empty_features_train():
+    module = small_module()
+    opt = module.configure_optimizers()
+    names = [f"C{i}" for i in range(1, 27)]
+    empty = Batch(torch.zeros(0, 13), KeyedJaggedTensor.from_lengths_sync(
+        names, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)), torch.zeros(0))
+    no_ids = Batch(torch.randn(4, 13), KeyedJaggedTensor.from_lengths_sync(
+        names, torch.empty(0, dtype=torch.long), torch.zeros(26 * 4, dtype=torch.long)), torch.ones(4))
+    for batch in (empty, no_ids):
+        loss = module.training_step(batch, 0)
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def trainer(tmp_path, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, **kw)
+
+
+def test_checkpoint_restores_tables_and_fused_state(tmp_path):
+    data = SyntheticCriteoDataModule(num_train_samples=2048, num_val_samples=512, batch_size=256,
+                                     num_embeddings_per_feature=50)
+    module = small_module(warmup_steps=4)
+    t = trainer(tmp_path, max_steps=6, enable_checkpointing=True, num_sanity_val_steps=0)
+    t.fit(module, data)
+    path = tmp_path / "last.ckpt"
+    t.save_checkpoint(path)
+    fused_lr = module.model.sparse_arch.embedding_bag_collection.fused_kernels()[0].get_learning_rate()
+    assert fused_lr == pytest.approx(0.05, rel=1e-5)  # warm-up finished: the scheduler reached the kernel
+
+    restored = small_module(warmup_steps=4)
+    t2 = trainer(tmp_path, max_steps=6, num_sanity_val_steps=0)
+    t2.fit(restored, data, ckpt_path=path)  # max_steps already reached: restores, trains nothing
+    for name, w in module.model.state_dict().items():
+        torch.testing.assert_close(restored.model.state_dict()[name], w, msg=name)
+    old = FusedOptimizer(module.model).table_states()
+    new = FusedOptimizer(restored.model).table_states()
+    for table, states in old.items():
+        torch.testing.assert_close(new[table]["sum"], states["sum"])

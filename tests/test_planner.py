@@ -1,0 +1,398 @@
+"""The planner: options, cost model, partitioning, stats, and the errors that explain."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
+from lightning_rec.planner import (
+    GB,
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    PlannerError,
+    PlanStats,
+    Topology,
+)
+from lightning_rec.planner.estimate import optimizer_state_bytes_per_row
+from lightning_rec.sharding.layout import shard_layout
+from lightning_rec.types import ComputeKernel, ShardingPlan, ShardingType
+
+DLRM_ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209,
+             11938,
+             155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]  # fmt: skip
+DLRM_POOLING = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+
+
+def dlrm_tables() -> tuple[list[EmbeddingBagConfig], dict[str, ParameterConstraints]]:
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=r, embedding_dim=128) for i, r in enumerate(DLRM_ROWS)
+    ]
+    constraints = {f"t{i}": ParameterConstraints(pooling_factors=p) for i, p in enumerate(DLRM_POOLING)}
+    return tables, constraints
+
+
+def dlrm_planner(topology: Topology, **kw) -> EmbeddingShardingPlanner:
+    _, constraints = dlrm_tables()
+    kw.setdefault("print_stats", False)
+    return EmbeddingShardingPlanner(topology, constraints, batch_size=8192, optimizer="rowwise_adagrad", **kw)
+
+
+def small_tables(n: int = 6) -> list[EmbeddingBagConfig]:
+    rows = [4, 100, 5000, 20000, 300000, 2000000]
+    return [EmbeddingBagConfig(name=f"s{i}", num_embeddings=rows[i % 6], embedding_dim=64) for i in range(n)]
+
+
+def cpu(world_size: int = 2, ddr_cap: int = 8 * GB) -> Topology:
+    return Topology(world_size=world_size, compute_device="cpu", ddr_cap=ddr_cap)
+
+
+def check_complete(plan: ShardingPlan, tables, world_size: int, local_world_size: int | None = None) -> None:
+    """Every table is in the plan, its shards are exactly what shard_layout builds and tile the table."""
+    module_plan = plan.plan[""]
+    assert sorted(module_plan) == sorted(t.name for t in tables)
+    for t in tables:
+        ps = module_plan[t.name]
+        if ps.sharding_type == ShardingType.DATA_PARALLEL:
+            assert len(ps.shards) == world_size
+            continue
+        area = sum(s.shard_sizes[0] * s.shard_sizes[1] for s in ps.shards)
+        assert area == t.num_embeddings * t.embedding_dim, t.name
+        assert all(0 <= s.placement < world_size for s in ps.shards)
+        kw: dict = {"local_world_size": local_world_size}
+        if ps.sharding_type in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+            kw["ranks"] = ps.ranks
+        if ps.sharding_type in (
+            ShardingType.TABLE_ROW_WISE,
+            ShardingType.TABLE_COLUMN_WISE,
+            ShardingType.GRID_SHARD,
+        ):
+            kw["host_indexes"] = sorted(
+                {s.placement // local_world_size: 0 for s in ps.shards},
+                key=lambda h: [s.placement // local_world_size for s in ps.shards].index(h),
+            )
+        assert ps.shards == shard_layout(
+            t.name, t.num_embeddings, t.embedding_dim, ps.sharding_type, world_size, **kw
+        )
+
+
+# --- topology and constraints ---------------------------------------------------------------------
+
+
+def test_topology_defaults_read_the_machine_and_are_overridable():
+    t = Topology(world_size=4, compute_device="cpu")
+    assert t.hbm_cap == 0 and t.ddr_cap > 0 and t.local_world_size == 4 and t.num_hosts == 1
+    t = Topology(
+        world_size=16,
+        compute_device="cuda",
+        local_world_size=8,
+        hbm_cap=80 * GB,
+        ddr_cap=256 * GB,
+        inter_host_bw=25e9,
+    )
+    assert (t.num_hosts, t.hbm_cap, t.inter_host_bw) == (2, 80 * GB, 25e9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(world_size=0), "world_size"),
+        (dict(world_size=2, ddr_cap=0), "ddr_cap"),
+        (dict(world_size=2, compute_device="cuda", hbm_cap=0, ddr_cap=GB), "hbm_cap"),
+        (dict(world_size=4, local_world_size=3), "local_world_size"),
+        (dict(world_size=2, compute_device="tpu"), "'cpu' or 'cuda'"),
+        (dict(world_size=2, hbm_cap=GB), "no device memory"),
+    ],
+)
+def test_bad_topology_names_the_fix(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Topology(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when no GPU is visible")
+def test_cuda_topology_without_gpu_asks_for_hbm_cap():
+    with pytest.raises(ValueError, match="hbm_cap="):
+        Topology(world_size=2, compute_device="cuda")
+
+
+def test_bad_constraints():
+    with pytest.raises(ValueError, match="choose from"):
+        ParameterConstraints(sharding_types=["diagonal"])
+    with pytest.raises(ValueError, match="cache_load_factor"):
+        ParameterConstraints(cache_load_factor=0.0)
+    with pytest.raises(ValueError, match="leave it out"):
+        ParameterConstraints(compute_kernels=[])
+
+
+@pytest.mark.parametrize("pf", [0.0, -2.0])
+def test_pooling_factor_not_positive_names_the_table(pf):
+    planner = EmbeddingShardingPlanner(
+        cpu(), {"s1": ParameterConstraints(pooling_factors=pf)}, print_stats=False
+    )
+    with pytest.raises(ValueError, match=r"table 's1'.*pooling factor.*pooling_factors="):
+        planner.plan(small_tables())
+
+
+def test_constraints_for_unknown_table():
+    planner = EmbeddingShardingPlanner(cpu(), {"nope": ParameterConstraints()}, print_stats=False)
+    with pytest.raises(ValueError, match=r"\['nope'\].*fix the names"):
+        planner.plan(small_tables())
+
+
+def test_optimizer_state_per_row():
+    assert [
+        optimizer_state_bytes_per_row(o, 64)
+        for o in ("sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam")
+    ] == [0, 256, 4, 512, 260]
+
+
+# --- options and errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "constraint, words",
+    [
+        (
+            ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["dense"]),
+            "dense kernel is for data_parallel",
+        ),
+        (ParameterConstraints(compute_kernels=["fused_uvm"]), "compute_device='cuda'"),
+        (ParameterConstraints(sharding_types=["row_wise"]), "4 rows cannot be split over 8 ranks"),
+    ],
+)
+def test_constraints_that_allow_no_option(constraint, words):
+    planner = EmbeddingShardingPlanner(cpu(8), {"s0": constraint}, print_stats=False)
+    with pytest.raises(PlannerError, match=rf"table 's0' has no sharding option.*{words}.*Fix: widen"):
+        planner.plan(small_tables())
+
+
+def test_table_larger_than_the_cluster():
+    tables = small_tables() + [EmbeddingBagConfig(name="huge", num_embeddings=10**9, embedding_dim=256)]
+    with pytest.raises(PlannerError, match=r"table 'huge'.*larger than the whole cluster.*GB.*more ranks"):
+        EmbeddingShardingPlanner(cpu(2, ddr_cap=64 * GB), print_stats=False).plan(tables)
+
+
+def test_planner_error_is_a_value_error():
+    assert issubclass(PlannerError, ValueError)
+
+
+def test_stats_before_plan():
+    with pytest.raises(ValueError, match="call planner.plan"):
+        _ = EmbeddingShardingPlanner(cpu()).stats
+
+
+# --- plans ----------------------------------------------------------------------------------------
+
+
+def test_small_tables_on_cpu_pick_by_size():
+    tables = small_tables()
+    planner = EmbeddingShardingPlanner(cpu(2), print_stats=False)
+    plan = planner.plan(tables)
+    check_complete(plan, tables, 2)
+    kinds = {n: ps.sharding_type for n, ps in plan.plan[""].items()}
+    assert kinds["s0"] == ShardingType.DATA_PARALLEL  # 4 rows: all-reducing them costs nothing
+    assert kinds["s5"] != ShardingType.DATA_PARALLEL  # 2M rows: an all-reduce of 0.5 GB per step
+    for ps in plan.plan[""].values():
+        want = ComputeKernel.DENSE if ps.sharding_type == ShardingType.DATA_PARALLEL else ComputeKernel.FUSED
+        assert ps.compute_kernel == want  # CPU: no UVM kernels
+
+
+def test_dlrm_on_8_ranks_of_80gb_fits_splits_and_balances():
+    tables, _ = dlrm_tables()
+    planner = dlrm_planner(Topology(world_size=8, compute_device="cuda", hbm_cap=80 * GB, ddr_cap=512 * GB))
+    plan = planner.plan(tables)
+    check_complete(plan, tables, 8)
+    for t in tables:
+        ps = plan.plan[""][t.name]
+        if t.num_embeddings == 40_000_000:
+            assert len({s.placement for s in ps.shards}) > 1, f"{t.name}: {ps}"
+        assert ps.compute_kernel in (ComputeKernel.FUSED, ComputeKernel.DENSE)  # 80 GB is plenty: no UVM
+    stats = planner.stats
+    assert stats.max_ms <= 1.10 * stats.mean_ms, str(stats)
+    assert all(r.hbm_used <= r.hbm_cap for r in stats.ranks)
+
+
+def test_dlrm_on_2_ranks_of_24gb_fits_by_uvm():
+    tables, _ = dlrm_tables()
+    planner = dlrm_planner(Topology(world_size=2, compute_device="cuda", hbm_cap=24 * GB, ddr_cap=256 * GB))
+    plan = planner.plan(tables)
+    check_complete(plan, tables, 2)
+    kernels = {plan.plan[""][f"t{i}"].compute_kernel for i, r in enumerate(DLRM_ROWS) if r == 40_000_000}
+    assert kernels <= {ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING}
+    assert all(r.hbm_used <= r.hbm_cap and r.ddr_used <= r.ddr_cap for r in planner.stats.ranks)
+
+
+def test_dlrm_on_2_ranks_of_24gb_without_host_memory_explains():
+    tables, _ = dlrm_tables()
+    planner = dlrm_planner(Topology(world_size=2, compute_device="cuda", hbm_cap=24 * GB, ddr_cap=24 * GB))
+    with pytest.raises(PlannerError) as err:
+        planner.plan(tables)
+    msg = str(err.value)
+    assert "'t0' (40000000 rows x dim 128)" in msg  # names the table ...
+    assert "GB" in msg and "HBM 20.40 GB + DDR 20.40 GB" in msg  # ... what it needs, the capacity
+    for knob in ("more ranks", "fused_uvm", "embedding_dim", "num_embeddings"):
+        assert knob in msg
+
+
+def test_enforce_hbm_keeps_tables_out_of_uvm():
+    tables, constraints = dlrm_tables()
+    constraints = {
+        k: ParameterConstraints(pooling_factors=c.pooling_factors, enforce_hbm=True)
+        for k, c in constraints.items()
+    }
+    topo = Topology(world_size=2, compute_device="cuda", hbm_cap=24 * GB, ddr_cap=256 * GB)
+    with pytest.raises(PlannerError, match="could not be placed"):
+        EmbeddingShardingPlanner(topo, constraints, batch_size=8192, print_stats=False).plan(tables)
+
+
+def test_multi_host_plans_use_host_level_types_when_asked():
+    tables = [EmbeddingBagConfig(name=f"g{i}", num_embeddings=1_000_000, embedding_dim=128) for i in range(4)]
+    c = {
+        "g0": ParameterConstraints(sharding_types=["table_row_wise"]),
+        "g1": ParameterConstraints(sharding_types=["grid_shard"]),
+        "g2": ParameterConstraints(sharding_types=["table_column_wise"], min_partition=16),
+        "g3": ParameterConstraints(sharding_types=["column_wise"], min_partition=64),
+    }
+    topo = Topology(world_size=8, local_world_size=4, compute_device="cuda", hbm_cap=16 * GB, ddr_cap=64 * GB)
+    plan = EmbeddingShardingPlanner(topo, c, print_stats=False).plan(tables)
+    check_complete(plan, tables, 8, local_world_size=4)
+    mp = plan.plan[""]
+    assert [mp[f"g{i}"].sharding_type for i in range(4)] == [
+        ShardingType.TABLE_ROW_WISE,
+        ShardingType.GRID_SHARD,
+        ShardingType.TABLE_COLUMN_WISE,
+        ShardingType.COLUMN_WISE,
+    ]
+    assert {s.placement // 4 for s in mp["g0"].shards} in ({0}, {1})
+    assert min(s.shard_sizes[1] for s in mp["g3"].shards) >= 64
+
+
+def test_plans_are_deterministic():
+    tables, _ = dlrm_tables()
+    topo = Topology(world_size=8, compute_device="cuda", hbm_cap=80 * GB, ddr_cap=512 * GB)
+    assert dlrm_planner(topo).plan(tables) == dlrm_planner(topo).plan(tables)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sparse = nn.Module()
+        self.sparse.ebc = EmbeddingBagCollection(tables=small_tables(3))
+        self.dense = nn.Linear(4, 4)
+
+
+def test_plan_a_model_by_module_path_and_print_stats_once(capsys):
+    from lightning_rec.embedding import EmbeddingCollection
+
+    model = _Model()
+    model.seq = EmbeddingCollection(tables=[EmbeddingConfig(name="q", num_embeddings=1000, embedding_dim=16)])
+    planner = EmbeddingShardingPlanner(cpu(2))
+    plan = planner.plan(model)
+    assert sorted(plan.plan) == ["seq", "sparse.ebc"]
+    assert sorted(plan.plan["sparse.ebc"]) == ["s0", "s1", "s2"] and list(plan.plan["seq"]) == ["q"]
+    out = capsys.readouterr().out
+    assert out.count("planner:") == 1 and "compute ms" in out
+    stats = planner.stats
+    assert isinstance(stats, PlanStats) and [r.rank for r in stats.ranks] == [0, 1]
+    columns, rows = stats.rank_rows()
+    assert columns[0] == "rank" and len(rows) == 2 and len(rows[0]) == len(columns)
+    assert stats.to_dict()["imbalance"] >= 1.0 and len(stats.tables) == 4
+
+
+def test_collective_plan_broadcasts_from_rank_0():
+    import torch.distributed as dist
+
+    tables = small_tables()
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1
+        )
+        try:
+            planner = EmbeddingShardingPlanner(cpu(1), print_stats=False)
+            plan = planner.collective_plan(tables)
+            assert plan == EmbeddingShardingPlanner(cpu(1), print_stats=False).plan(tables)
+            assert planner.stats.ranks
+            bad = EmbeddingShardingPlanner(
+                cpu(1), {"s0": ParameterConstraints(compute_kernels=["fused_uvm"])}
+            )
+            with pytest.raises(PlannerError, match="s0"):
+                bad.collective_plan(tables)
+            with pytest.raises(ValueError, match=r"process group has 1 ranks.*world_size=1"):
+                EmbeddingShardingPlanner(cpu(2)).collective_plan(tables)
+        finally:
+            dist.destroy_process_group()
+
+
+def _two_rank_worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        # rank 1 is given a different batch size: it must still end with rank 0's plan
+        planner = EmbeddingShardingPlanner(cpu(2), batch_size=512 if rank == 0 else 7, print_stats=rank == 0)
+        plan = planner.collective_plan(small_tables())
+        torch.save({"plan": str(plan), "max_ms": planner.stats.max_ms}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_collective_plan_gives_every_rank_rank_0s_plan():
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_two_rank_worker, args=(os.path.join(d, "store"), os.path.join(d, "out")), nprocs=2)
+        got = [torch.load(os.path.join(d, f"out.{r}")) for r in range(2)]
+    assert got[0] == got[1]
+    assert got[0]["plan"] == str(EmbeddingShardingPlanner(cpu(2), print_stats=False).plan(small_tables()))
+
+
+def _spec(rows=1000, dim=64, pf=2.0, clf=None):
+    from lightning_rec.planner.estimate import TableSpec
+
+    c = ParameterConstraints(pooling_factors=pf, cache_load_factor=clf)
+    return TableSpec(0, "", "t", rows, dim, 4, True, 1, [pf], False, c)
+
+
+def test_shard_cost_counts_weights_state_and_buffers():
+    from lightning_rec.planner.estimate import CostModel
+
+    B, rows, dim, pf = 100, 1000, 64, 2.0
+    cost = CostModel(cpu(2), batch_size=B, optimizer="rowwise_adagrad", pipelined=True)
+    hbm, ddr, compute, comm = cost.shard_cost(
+        _spec(rows, dim, pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim
+    )
+    ids = B * 2 * pf  # the table-wise shard serves both ranks' samples
+    inputs = ids * 8 + 4 * B * 2  # int64 ids + int32 lengths
+    outputs = B * 2 * dim * 4  # fp32 pooled output
+    assert hbm == 0  # CPU: everything in host memory
+    assert ddr == rows * dim * 4 + rows * 4 + 2 * inputs + 2 * outputs  # pipeline holds 2 inputs
+    assert compute > 0 and comm > 0
+    hotter = cost.shard_cost(
+        _spec(rows, dim, 4 * pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim
+    )
+    assert hotter[2] > compute and hotter[3] > comm  # more ids per sample: more lookup, more ids moved
+    adam = CostModel(cpu(2), batch_size=B, optimizer="adam")
+    assert (
+        adam.shard_cost(_spec(rows, dim, pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim)[1]
+        > ddr
+    )
+
+
+def test_uvm_caching_puts_its_cache_in_device_memory():
+    from lightning_rec.planner.estimate import CostModel
+
+    topo = Topology(world_size=2, compute_device="cuda", hbm_cap=8 * GB, ddr_cap=64 * GB)
+    cost = CostModel(topo, batch_size=64)
+    st, rows, dim = ShardingType.TABLE_WISE, 10**6, 64
+    fused = cost.shard_cost(_spec(rows, dim), st, ComputeKernel.FUSED, rows, dim)
+    uvm = cost.shard_cost(_spec(rows, dim), st, ComputeKernel.FUSED_UVM, rows, dim)
+    small = cost.shard_cost(_spec(rows, dim, clf=0.1), st, ComputeKernel.FUSED_UVM_CACHING, rows, dim)
+    big = cost.shard_cost(_spec(rows, dim, clf=0.5), st, ComputeKernel.FUSED_UVM_CACHING, rows, dim)
+    assert fused[1] == 0 and uvm[1] == small[1] == fused[0] - uvm[0]  # the table moves to host memory
+    assert uvm[0] < small[0] < big[0] < fused[0]
+    assert fused[2] < big[2] < small[2] < uvm[2]  # lookups through PCIe are slower; a cache helps
