@@ -1,0 +1,35 @@
+"""Data: Criteo files and synthetic Criteo-shaped data, as whole `Batch`es."""
+
+from lightning_rec.data.batch import Batch, passthrough_collate
+from lightning_rec.data.criteo import (
+    DEFAULT_SPARSE_FEATURE_NAMES,
+    CriteoDataModule,
+    CriteoDataset,
+    CriteoIterableDataset,
+    CriteoLayout,
+    ParseReport,
+    build_criteo_cache,
+    detect_layout,
+    make_batch_loader,
+    make_criteo_batch,
+    read_criteo,
+)
+from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
+
+__all__ = [
+    "DEFAULT_SPARSE_FEATURE_NAMES",
+    "Batch",
+    "CriteoDataModule",
+    "CriteoDataset",
+    "CriteoIterableDataset",
+    "CriteoLayout",
+    "ParseReport",
+    "SyntheticCriteoDataModule",
+    "SyntheticCriteoDataset",
+    "build_criteo_cache",
+    "detect_layout",
+    "make_batch_loader",
+    "make_criteo_batch",
+    "passthrough_collate",
+    "read_criteo",
+]

@@ -1,0 +1,469 @@
+"""Criteo parsing (every shared sample, every bad-row case), batches, the data modules, synthetic data.
+
+Real data is read from ../shared/data (never copied into the repo); those tests skip without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_rec.data import (
+    Batch,
+    CriteoDataModule,
+    CriteoDataset,
+    CriteoIterableDataset,
+    SyntheticCriteoDataModule,
+    build_criteo_cache,
+    detect_layout,
+    read_criteo,
+)
+from lightning_rec.sparse import KeyedJaggedTensor
+
+CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo"
+needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
+
+# file, data rows, labelled, positives (None: not given by the data README), rows padded
+CRITEO_FILES = [
+    ("criteo_kaggle_train_sample.tsv", 4380, True, 962, 0),
+    ("criteo_kaggle_valid_sample.tsv", 2055, True, 544, 0),
+    ("criteo_kaggle_test_head1999_nolabel.tsv", 1999, False, None, 0),
+    ("kaggle_csv_original/train.tiny.csv", 1999, True, None, 0),
+    ("kaggle_csv_original/test.tiny.csv", 1999, False, None, 0),
+    ("kaggle_csv_original/tr.rx.csv", 1999, True, None, 0),
+    ("kaggle_csv_original/va.rx.csv", 1999, True, None, 0),
+    ("kaggle_csv_original/tr.r100000.csv", 403, True, None, 0),
+    ("kaggle_csv_original/va.r100000.csv", 58, True, None, 0),
+    ("other/deepctr_criteo_sample.txt", 200, True, 49, 0),
+    ("other/pytorch-fm_criteo_train_head1000_trailing-tabs-stripped.txt", 1000, True, None, 498),
+]
+
+# The first line of train.txt (README 1a), C22 and I12 empty.
+FIRST_ROW_DENSE = [1, 1, 5, 0, 1382, 4, 15, 2, 181, 1, 2, math.nan, 2]
+FIRST_ROW_SPARSE = (
+    "68fd1e64 80e26c9b fb936136 7b4723c4 25c83c98 7e0ccccf de7995b8 1f89b562 a73ee510 a8cd5504 b2cb9c98 "
+    "37c9c164 2824a5f6 1adce6ef 8ba8b39a 891b62e7 e5ba7672 f54016b9 21ddcdc9 b1252a9d 07b5194c - 3a171ecb "
+    "c5c50484 e8b83407 9727dd16"
+).split()
+HEADER_FEATURES = ",".join([f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)])
+FIRST_ROW_RAW = [-1 if h == "-" else int(h, 16) for h in FIRST_ROW_SPARSE]
+
+
+def parse_all(path, **kwargs):
+    """(label [N], dense raw [N, 13], sparse raw [N, 26], report) of a whole file."""
+    tables, report = [], None
+    for table, block_report in read_criteo(path, **kwargs):
+        tables.append(table)
+        report = block_report
+    label = np.concatenate([t.column("label").to_numpy() for t in tables])
+    dense = np.concatenate([t.column("dense").combine_chunks().flatten().to_numpy() for t in tables])
+    sparse = np.concatenate([t.column("sparse").combine_chunks().flatten().to_numpy() for t in tables])
+    return label, dense.reshape(-1, 13), sparse.reshape(-1, 26), report
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def good_row(label: int = 0, i1: str = "1", c1: str = "68fd1e64", sep: str = "\t") -> str:
+    dense = [i1] + [str(k) for k in range(2, 14)]
+    sparse = [c1] + [f"{k:08x}" for k in range(2, 27)]
+    return sep.join([str(label)] + dense + sparse)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("criteo_cache")
+
+
+# ----------------------------------------------------------------------------------------------
+# every real file
+
+
+@needs_criteo
+@pytest.mark.parametrize("name, rows, labelled, positives, padded", CRITEO_FILES, ids=lambda v: str(v)[-24:])
+def test_parses_every_shared_criteo_file(name, rows, labelled, positives, padded):
+    label, dense, sparse, report = parse_all(CRITEO / name)
+    assert report.num_rows == rows == label.shape[0] == dense.shape[0] == sparse.shape[0]
+    assert report.num_skipped_rows == 0
+    assert report.num_padded_rows == padded
+    assert report.layout["has_label"] == labelled
+    if labelled:
+        assert set(np.unique(label)) <= {0.0, 1.0}
+        if positives is not None:
+            assert int(label.sum()) == positives
+    else:
+        assert np.isnan(label).all()
+    assert (sparse >= -1).all() and (sparse < 2**32).all()
+    assert (sparse == -1).any() and np.isnan(dense).any()  # every sample has missing values
+
+
+@needs_criteo
+def test_first_row_known_values():
+    label, dense, sparse, _ = parse_all(CRITEO / "criteo_kaggle_train_sample.tsv")
+    assert label[0] == 0
+    np.testing.assert_array_equal(dense[0], np.array(FIRST_ROW_DENSE, dtype=np.float32))
+    assert sparse[0].tolist() == FIRST_ROW_RAW
+    # README: train sample cardinalities of C1, C2, C9 (present values)
+    for j, card in ((0, 122), (1, 318), (8, 2)):
+        assert np.unique(sparse[:, j][sparse[:, j] >= 0]).size == card
+
+
+@needs_criteo
+def test_same_rows_in_every_layout():
+    """Stripped tabs (padded), the Kaggle CSV (header, Id) and the dac TSV agree value for value."""
+    tiny = parse_all(CRITEO / "kaggle_csv_original/train.tiny.csv")
+    ragged = parse_all(CRITEO / "other/pytorch-fm_criteo_train_head1000_trailing-tabs-stripped.txt")
+    for a, b in zip(tiny[:3], ragged[:3]):
+        np.testing.assert_array_equal(a[:1000], b)
+    test_csv = parse_all(CRITEO / "kaggle_csv_original/test.tiny.csv")
+    test_tsv = parse_all(CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv")
+    for a, b in zip(test_csv[:3], test_tsv[:3]):
+        np.testing.assert_array_equal(a, b)
+    assert np.isnan(test_tsv[1][0, 0]) and test_tsv[1][0, 1] == 29 and test_tsv[2][0, 0] == 0x5A9ED9B0
+
+
+@needs_criteo
+def test_deepctr_float_integers_and_layout():
+    path = CRITEO / "other/deepctr_criteo_sample.txt"
+    layout = detect_layout(path)
+    assert (layout.separator, layout.has_header, layout.has_label) == (",", True, True)
+    label, dense, sparse, _ = parse_all(path)
+    assert dense[0, 2] == 260.0 and dense[0, 4] == 17668.0 and dense[0, 1] == 3 and np.isnan(dense[0, 0])
+    assert sparse[0, 0] == 0x05DB9164 and sparse[0, 18] == -1
+
+
+@needs_criteo
+def test_layout_detection():
+    kaggle = detect_layout(CRITEO / "kaggle_csv_original/train.tiny.csv")
+    assert (kaggle.separator, kaggle.has_header, kaggle.num_fields, kaggle.label_field) == (",", True, 41, 1)
+    assert kaggle.dense_fields[0] == 2 and kaggle.sparse_fields[-1] == 40
+    test = detect_layout(CRITEO / "kaggle_csv_original/test.tiny.csv")
+    assert not test.has_label and test.num_fields == 40
+    tsv = detect_layout(CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv")
+    assert (tsv.separator, tsv.has_header, tsv.has_label, tsv.num_fields) == ("\t", False, False, 39)
+    with pytest.raises(ValueError, match="has_label=True"):
+        detect_layout(CRITEO / "kaggle_csv_original/test.tiny.csv", has_label=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+
+@needs_criteo
+def test_batch_transforms_and_table_sizes_need_no_recache(cache_dir):
+    arrow, _ = build_criteo_cache(CRITEO / "criteo_kaggle_train_sample.tsv", cache_dir)
+    again, _ = build_criteo_cache(CRITEO / "criteo_kaggle_train_sample.tsv", cache_dir)
+    assert again == arrow
+    sizes = [1000 + 7 * j for j in range(26)]
+    batch = CriteoDataset(arrow, sizes)[[0, 1, 2]]
+    assert isinstance(batch, Batch) and len(batch) == 3
+    assert batch.dense_features.dtype == torch.float32 and batch.dense_features.shape == (3, 13)
+    expected = np.log1p(np.fmax(np.array(FIRST_ROW_DENSE), 0)).astype(np.float32)
+    np.testing.assert_allclose(batch.dense_features[0].numpy(), np.nan_to_num(expected), rtol=1e-6)
+    kjt = batch.sparse_features
+    assert kjt.keys() == [f"C{i}" for i in range(1, 27)] and kjt.stride() == 3
+    assert torch.equal(kjt.lengths(), torch.ones(78, dtype=torch.int64))
+    ids_FB = kjt.values().view(26, 3)
+    want = [0 if v < 0 else 1 + v % (n - 1) for v, n in zip(FIRST_ROW_RAW, sizes)]  # reserved id 0
+    assert ids_FB[:, 0].tolist() == want
+    assert batch.labels.dtype == torch.float32 and batch.labels[0] == 0
+
+    empty_bag = CriteoDataset(arrow, 50, missing_categorical="empty_bag")[[0]].sparse_features
+    lengths = empty_bag.lengths().tolist()
+    assert lengths == [0 if v < 0 else 1 for v in FIRST_ROW_RAW]
+    assert empty_bag.values().tolist() == [v % 50 for v in FIRST_ROW_RAW if v >= 0]
+
+
+@needs_criteo
+def test_many_block_cache_gathers_like_one_block(tmp_path):
+    """A big file caches as several record batches; a shuffled batch gathers across them."""
+    path = CRITEO / "criteo_kaggle_train_sample.tsv"
+    one = CriteoDataset(build_criteo_cache(path, tmp_path / "one")[0], 1000)
+    many = CriteoDataset(build_criteo_cache(path, tmp_path / "many", block_bytes=50_000)[0], 1000)
+    assert len(one._chunks) == 1 and len(many._chunks) > 10 and len(many) == len(one) == 4380
+    idx = np.random.default_rng(0).permutation(4380)[:700]
+    a, b = one[idx], pickle.loads(pickle.dumps(many))[idx]  # workers unpickle and re-map the file
+    assert torch.equal(a.dense_features, b.dense_features) and torch.equal(a.labels, b.labels)
+    assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    with pytest.raises(IndexError):
+        one[[4380]]
+
+
+@needs_criteo
+def test_dense_negative_counts_clip_to_zero(cache_dir):
+    arrow, _ = build_criteo_cache(CRITEO / "criteo_kaggle_valid_sample.tsv", cache_dir)
+    batch = CriteoDataset(arrow, 100)[0]  # first row: I2 = -1, I3/I4 empty
+    assert batch.dense_features[0, 1] == 0 and batch.dense_features[0, 2] == 0
+    assert torch.isclose(batch.dense_features[0, 4], torch.tensor(math.log1p(1493.0)))
+
+
+def test_batch_to_and_len():
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.arange(3), torch.tensor([1, 0, 1, 1]))
+    batch = Batch(torch.zeros(2, 13), kjt, torch.tensor([0.0, 1.0]))
+    moved = batch.to("cpu", non_blocking=True)
+    assert isinstance(moved, Batch) and len(moved) == 2 == moved.batch_size
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    assert isinstance(move_data_to_device(batch, torch.device("cpu")), Batch)
+    if torch.cuda.is_available():
+        pinned = batch.pin_memory()
+        assert pinned.dense_features.is_pinned() and pinned.sparse_features.values().is_pinned()
+
+
+# ----------------------------------------------------------------------------------------------
+# data module
+
+
+def epoch_stats(loader) -> tuple[int, float, float]:
+    rows, positives, checksum = 0, 0.0, 0.0
+    for batch in loader:
+        assert isinstance(batch, Batch)
+        rows += len(batch)
+        positives += float(batch.labels.sum())
+        checksum += float(batch.dense_features.double().sum())
+    return rows, positives, checksum
+
+
+@needs_criteo
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_datamodule_map_style(cache_dir, num_workers):
+    dm = CriteoDataModule(
+        train_path=str(CRITEO / "criteo_kaggle_train_sample.tsv"),
+        val_path=str(CRITEO / "criteo_kaggle_valid_sample.tsv"),
+        test_path=str(CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv"),
+        batch_size=1000, val_batch_size=4096, num_embeddings_per_feature=1000, cache_dir=str(cache_dir),
+        num_workers=num_workers, seed=3,
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    rows, positives, checksum = epoch_stats(dm.train_dataloader())
+    assert (rows, positives) == (4380, 962)
+    _, _, checksum_again = epoch_stats(dm.train_dataloader())
+    assert checksum == pytest.approx(checksum_again, rel=1e-9)  # shuffled, nothing lost or repeated
+    assert epoch_stats(dm.val_dataloader())[:2] == (2055, 544)
+    dm.setup("predict")
+    batch = next(iter(dm.predict_dataloader()))
+    assert torch.isnan(batch.labels).all() and len(batch) == 1999
+    assert dm.num_skipped_rows == 0 and set(dm.parse_reports) >= {"train", "val", "predict"}
+
+
+@needs_criteo
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_datamodule_streaming_matches_cached(cache_dir, num_workers):
+    kwargs = dict(
+        train_path=str(CRITEO / "criteo_kaggle_train_sample.tsv"), batch_size=512, shuffle=False,
+        num_embeddings_per_feature=777, cache_dir=str(cache_dir), block_bytes=100_000,
+    )
+    cached = CriteoDataModule(**kwargs)
+    cached.setup("fit")
+    streaming = CriteoDataModule(streaming=True, num_workers=num_workers, **kwargs)
+    streaming.setup("fit")
+    assert streaming.datasets["train"].__class__ is CriteoIterableDataset
+    assert epoch_stats(streaming.train_dataloader()) == pytest.approx(epoch_stats(cached.train_dataloader()))
+    if num_workers == 0:  # one reader: the same rows in the same batches as the cache
+        a, b = next(iter(streaming.train_dataloader())), next(iter(cached.train_dataloader()))
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+        assert torch.equal(a.dense_features, b.dense_features)
+
+
+def test_streaming_shuffle_and_drop_last(tmp_path):
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(100)))
+    ds = CriteoIterableDataset(path, batch_size=16, num_embeddings_per_feature=10, shuffle=True,
+                               drop_last=True, block_bytes=2000)
+    epoch1 = torch.cat([b.dense_features[:, 0] for b in ds])
+    epoch2 = torch.cat([b.dense_features[:, 0] for b in ds])
+    assert epoch1.numel() == 96 and not torch.equal(epoch1, epoch2)  # 100 // 16 full batches
+    assert torch.unique(epoch1).numel() == 96
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_stripped_trailing_fields_are_padded_crlf_and_blank_lines(tmp_path):
+    full = good_row()
+    stripped = "\t".join(full.split("\t")[:37])  # C24..C26 stripped
+    # CRLF endings, a blank line, no final newline
+    path = write(tmp_path, "r.tsv", f"{full}\r\n\r\n{stripped}\r\n{full}")
+    label, dense, sparse, report = parse_all(path)
+    assert (report.num_rows, report.num_padded_rows, report.num_blank_lines) == (3, 1, 1)
+    assert sparse[1, 23:].tolist() == [-1, -1, -1] and sparse[1, 22] == 23
+    assert sparse[2, 25] == 26 and sparse[0, 0] == 0x68FD1E64
+
+
+@pytest.mark.parametrize(
+    "bad_row, reason",
+    [
+        (good_row() + "\textra", "41 fields"),
+        (good_row(i1="abc"), "I1 must be a number, got 'abc'"),
+        (good_row(i1="nan"), "I1 must be a number"),
+        (good_row(c1="zzzzzzzz"), "C1 must be 8 hex characters, got 'zzzzzzzz'"),
+        (good_row(c1="abc"), "C1 must be 8 hex characters, got 'abc'"),
+        (good_row(label=2), "label must be 0 or 1"),
+    ],
+)
+def test_bad_row_error_names_file_and_line(tmp_path, bad_row, reason):
+    path = write(tmp_path, "bad.tsv", "\n".join([good_row(), good_row(1), bad_row, good_row()]) + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.tsv:3: {reason}.*on_bad_row='skip'"):
+        parse_all(path)
+    with pytest.raises(ValueError, match=r"bad\.tsv:3:"):
+        build_criteo_cache(path, tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"bad\.tsv:3:"):
+        list(CriteoIterableDataset(path, batch_size=2, num_embeddings_per_feature=10))
+
+
+def test_bad_rows_skipped_counted_and_logged(tmp_path, caplog):
+    rows = [good_row(i1="10"), good_row(c1="xyz12345"), good_row() + "\t1\t2", good_row(i1="11"),
+            good_row(i1="-"), good_row(label=1, i1="12")]
+    path = write(tmp_path, "skip.tsv", "\n".join(rows) + "\n")
+    label, dense, sparse, report = parse_all(path, on_bad_row="skip")
+    assert report.num_skipped_rows == 3 and report.num_rows == 3
+    assert [line for line, _ in report.skipped] == [2, 3, 5]
+    assert dense[:, 0].tolist() == [10, 11, 12] and label.tolist() == [0, 0, 1]  # nothing shifted
+    assert (sparse[:, 1] == 2).all()
+    with caplog.at_level(logging.WARNING):
+        dm = CriteoDataModule(
+            train_path=str(path), on_bad_row="skip", cache_dir=str(tmp_path / "c"), batch_size=8
+        )
+        dm.setup("fit")
+    assert dm.num_skipped_rows == 3 and dm.parse_reports["train"].skipped[0][0] == 2
+    assert "skipped 3 bad rows" in caplog.text
+    assert len(dm.datasets["train"]) == 3
+
+
+def test_error_names_the_first_bad_line_of_a_block(tmp_path):
+    rows = [good_row(), good_row(c1="q0000000"), good_row() + "\tx"]  # a hex error before a field count error
+    path = write(tmp_path, "two.tsv", "\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"two\.tsv:2: C1"):
+        parse_all(path)
+
+
+def test_comma_file_with_header_and_float_ints(tmp_path):
+    header = "label," + HEADER_FEATURES
+    path = write(tmp_path, "d.csv", header + "\n" + good_row(1, i1="260.0", sep=",") + "\n")
+    label, dense, sparse, report = parse_all(path)
+    assert label.tolist() == [1.0] and dense[0, 0] == 260.0 and sparse[0, 0] == 0x68FD1E64
+
+
+@pytest.mark.parametrize("text, match", [("", "is empty"), ("\n\n", "is empty")])
+def test_empty_file_is_a_clear_error(tmp_path, text, match):
+    path = write(tmp_path, "empty.tsv", text)
+    with pytest.raises(ValueError, match=match):
+        build_criteo_cache(path, tmp_path)
+
+
+def test_header_only_file_is_a_clear_error(tmp_path):
+    header = "Id,Label," + HEADER_FEATURES
+    path = write(tmp_path, "h.csv", header + "\n")
+    with pytest.raises(ValueError, match="no data rows"):
+        build_criteo_cache(path, tmp_path)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="one per feature"):
+        CriteoDataModule(num_embeddings_per_feature=[10] * 3)
+    with pytest.raises(ValueError, match="on_bad_row"):
+        CriteoDataModule(on_bad_row="ignore")
+    with pytest.raises(ValueError, match="missing_categorical"):
+        CriteoDataModule(missing_categorical="zero")
+    with pytest.raises(ValueError, match="does not exist"):
+        build_criteo_cache(tmp_path / "nope.tsv", tmp_path)
+    path = write(tmp_path, "x.tsv", "1\t2\t3\n")
+    with pytest.raises(ValueError, match="has_label"):
+        detect_layout(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic
+
+
+def _auc(scores, labels) -> float:
+    """Exact AUC by the rank statistic, ties averaged (numpy)."""
+    scores, labels = np.asarray(scores, np.float64), np.asarray(labels)
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    ranks = (np.cumsum(counts) - (counts - 1) / 2)[inverse]
+    pos = labels.sum()
+    return float((ranks[labels == 1].sum() - pos * (pos + 1) / 2) / (pos * (len(labels) - pos)))
+
+
+def test_synthetic_deterministic_and_splits_differ():
+    a = SyntheticCriteoDataModule(num_train_samples=2000, num_val_samples=500, seed=5)
+    b = SyntheticCriteoDataModule(num_train_samples=2000, num_val_samples=500, seed=5)
+    c = SyntheticCriteoDataModule(num_train_samples=2000, num_val_samples=500, seed=6)
+    for dm in (a, b, c):
+        dm.setup("fit")
+    ta, tb, tc = (dm.datasets["train"] for dm in (a, b, c))
+    assert torch.equal(ta.ids_NFL, tb.ids_NFL) and torch.equal(ta.labels_N, tb.labels_N)
+    assert not torch.equal(ta.ids_NFL, tc.ids_NFL)
+    assert not torch.equal(ta.ids_NFL[:500], a.datasets["val"].ids_NFL)
+    batch_a, batch_b = next(iter(a.train_dataloader())), next(iter(b.train_dataloader()))
+    assert torch.equal(batch_a.sparse_features.values(), batch_b.sparse_features.values())
+
+
+def test_synthetic_planted_signal_is_learnable():
+    dm = SyntheticCriteoDataModule(num_train_samples=50_000, num_val_samples=10_000, seed=0)
+    dm.setup("fit")
+    train, val = dm.datasets["train"], dm.datasets["val"]
+    assert 0.2 < float(train.labels_N.mean()) < 0.3
+    assert _auc(val.logits, val.labels_N) > 0.8  # the Bayes AUC
+    # per-id click rates counted on train (what an embedding table can learn) rank val samples
+    score = torch.zeros(len(val), dtype=torch.float64)
+    for f in range(dm.num_signal_features):
+        n = dm.num_embeddings_per_feature[f]
+        ids = train.ids_NFL[:, f, 0]
+        clicks = torch.bincount(ids, weights=train.labels_N.double(), minlength=n)
+        rate = (clicks + 2.5) / (torch.bincount(ids, minlength=n) + 10.0)
+        score += torch.logit(rate[val.ids_NFL[:, f, 0]])
+    assert _auc(score, val.labels_N) > 0.65
+    noise = torch.zeros(len(val))
+    for f in range(dm.num_signal_features, 26):  # features without signal predict nothing
+        n = dm.num_embeddings_per_feature[f]
+        ids = train.ids_NFL[:, f, 0]
+        clicks = torch.bincount(ids, weights=train.labels_N.double(), minlength=n)
+        rate = (clicks + 2.5) / (torch.bincount(ids, minlength=n) + 10.0)
+        noise += torch.logit(rate[val.ids_NFL[:, f, 0]])
+    assert abs(_auc(noise, val.labels_N) - 0.5) < 0.05
+
+
+def test_synthetic_multi_hot_variable_lengths():
+    sizes = [50 + j for j in range(26)]
+    dm = SyntheticCriteoDataModule(
+        num_train_samples=300, num_val_samples=0, batch_size=64, ids_per_feature=[1, 3] * 13,
+        variable_length=True, num_embeddings_per_feature=sizes,
+    )
+    dm.setup("fit")
+    assert dm.val_dataloader() == []
+    batches = list(dm.train_dataloader())
+    assert [len(b) for b in batches] == [64, 64, 64, 64, 44]
+    kjt = batches[0].sparse_features
+    lengths_FB = kjt.lengths().view(26, 64)
+    assert int(lengths_FB.sum()) == kjt.values().numel()
+    assert (lengths_FB == 0).any() and int(lengths_FB[1].max()) <= 6 and int(lengths_FB[0].max()) <= 2
+    per_key = kjt.values().split(lengths_FB.sum(1).tolist())
+    assert all(v.numel() == 0 or (int(v.max()) < n and int(v.min()) >= 0) for v, n in zip(per_key, sizes))
+    # a bag's ids come from that sample's row: sample 7, feature C2, against the raw tensors
+    ds = dm.datasets["train"]
+    assert batches[0].dense_features.shape == (64, 13) and batches[0].labels.shape == (64,)
+    single = ds[[7]].sparse_features
+    n = int(ds.lengths_NF[7, 1])
+    offsets = single.offsets().tolist()
+    assert single.values()[offsets[1]:offsets[2]].tolist() == ds.ids_NFL[7, 1, :n].tolist()
+
+
+def test_synthetic_workers_and_bad_args():
+    dm = SyntheticCriteoDataModule(num_train_samples=1000, num_val_samples=100, batch_size=100, num_workers=2)
+    dm.setup("fit")
+    assert sum(len(b) for b in dm.train_dataloader()) == 1000
+    with pytest.raises(ValueError, match="ids_per_feature"):
+        SyntheticCriteoDataModule(ids_per_feature=[1, 2])
+    with pytest.raises(ValueError, match="num_test_samples=0"):
+        dm._loader("test")
