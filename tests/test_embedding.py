@@ -228,3 +228,17 @@ def test_config_errors_name_the_table():
         EmbeddingBagConfig(name="x", num_embeddings=4, embedding_dim=4, pooling="max")
     with pytest.raises(ValueError, match="unique"):
         EmbeddingBagCollection([TABLES[0], TABLES[0]])
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "auto"])
+def test_fp16_tables_train(kernel):
+    ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=8, feature_names=["f"],
+                            data_type=torch.float16)],
+        optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1), kernel=kernel)
+    assert ebc.embedding_bags["t"].weight.dtype == torch.float16
+    before = ebc.embedding_bags["t"].weight.detach().clone()
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    ebc(kjt).values().float().sum().backward()
+    changed = (ebc.embedding_bags["t"].weight != before).any(dim=1)
+    assert changed.tolist() == [False, True, True] + [False] * 7  # exactly the looked-up rows moved

@@ -2,16 +2,18 @@
 
 from lightning_rec.data.batch import Batch, passthrough_collate
 from lightning_rec.data.criteo import (
-    DEFAULT_SPARSE_FEATURE_NAMES,
     CriteoDataModule,
     CriteoDataset,
     CriteoIterableDataset,
-    CriteoLayout,
-    ParseReport,
     build_criteo_cache,
-    detect_layout,
     make_batch_loader,
     make_criteo_batch,
+)
+from lightning_rec.data.criteo_parse import (
+    DEFAULT_SPARSE_FEATURE_NAMES,
+    CriteoLayout,
+    ParseReport,
+    detect_layout,
     read_criteo,
 )
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset

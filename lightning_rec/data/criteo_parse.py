@@ -1,0 +1,424 @@
+"""Criteo click-log files -> Arrow record batches of raw values: layout detection and the parser.
+
+Shapes: N rows (of a file or a parsed block), F = 26 sparse features, L bytes of a block.
+See `lightning_rec.data.criteo` for the layouts read, the cache and how bad rows are handled;
+this module is the part that reads bytes: whole blocks at a time, vectorised with numpy and
+Arrow (field counts per line, hex decoded through a lookup table), never a Python loop per row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+
+log = logging.getLogger(__name__)
+
+NUM_DENSE_FEATURES = 13
+NUM_SPARSE_FEATURES = 26
+DEFAULT_SPARSE_FEATURE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
+MISSING_CATEGORICAL = ("reserved_id", "empty_bag")
+# Bumped whenever the parser's output changes, so that old cache files are not reused.
+_PARSER_VERSION = 1
+_MAX_REPORTED_BAD_ROWS = 20
+
+# hex digit value of every byte; 255 marks a byte that is not a hex digit
+_HEX_LUT = np.full(256, 255, dtype=np.uint8)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX_LUT[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX_LUT[_c] = 10 + _i
+_HEX_SHIFTS_8 = np.arange(28, -1, -4, dtype=np.int64)  # first character is the high nibble
+# What Arrow's string -> double cast accepts, minus nan/inf (checked separately); used only to
+# find which values broke a cast, so that the error names a line.
+_NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
+
+
+def _cache_features():
+    from datasets import Features, List, Value
+
+    return Features(
+        {
+            "label": Value("float32"),
+            "dense": List(Value("float32"), length=NUM_DENSE_FEATURES),
+            "sparse": List(Value("int64"), length=NUM_SPARSE_FEATURES),
+        }
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# layout
+
+
+@dataclass
+class CriteoLayout:
+    """Where label, I1..I13 and C1..C26 sit in a row (field indices), and how rows are split."""
+
+    separator: str
+    has_header: bool
+    has_label: bool
+    num_fields: int
+    label_field: int | None
+    dense_fields: list[int]
+    sparse_fields: list[int]
+
+
+def layout_width(has_label: bool) -> int:
+    """Fields in a headerless row: label (if any) + I1..I13 + C1..C26."""
+    return int(has_label) + NUM_DENSE_FEATURES + NUM_SPARSE_FEATURES
+
+
+def _read_head(path: str | os.PathLike, num_bytes: int = 1 << 20) -> bytes:
+    with pa.input_stream(str(path), compression="detect") as stream:
+        return stream.read(num_bytes)
+
+
+def detect_layout(
+    path: str | os.PathLike,
+    separator: str | None = None,
+    has_header: bool | None = None,
+    has_label: bool | None = None,
+) -> CriteoLayout:
+    """Find separator, header and label column from the file's first lines (None = detect)."""
+    head = _read_head(path)
+    if not head.strip():
+        raise ValueError(f"{path} is empty: expected Criteo rows (label, I1..I13, C1..C26)")
+    lines = head.split(b"\n")
+    if len(lines) > 1:
+        lines = lines[:-1]  # the last piece may be cut in the middle
+    lines = [ln.rstrip(b"\r") for ln in lines if ln.strip()]
+    first = lines[0].decode("utf-8", errors="replace")
+    if separator is None:
+        separator = "\t" if "\t" in first else ","
+    if separator not in ("\t", ","):
+        raise ValueError(f"separator must be '\\t' or ',' (or None to detect), got {separator!r}")
+    names = [f.strip().lower() for f in first.split(separator)]
+    if has_header is None:
+        has_header = bool({"label", "i1", "c1", "id"} & set(names))
+
+    if has_header:
+        index = {name: i for i, name in enumerate(names)}
+        missing = [f"I{i}" for i in range(1, 14) if f"i{i}" not in index]
+        missing += [f"C{i}" for i in range(1, 27) if f"c{i}" not in index]
+        if missing:
+            raise ValueError(
+                f"{path}: the header lacks columns {missing}: a Criteo header names label (optional), "
+                f"I1..I13 and C1..C26; pass has_header=False if the first line is data"
+            )
+        label_field = index.get("label")
+        if has_label is True and label_field is None:
+            raise ValueError(f"{path}: has_label=True but the header has no 'label' column")
+        if has_label is False:
+            label_field = None
+        return CriteoLayout(
+            separator=separator,
+            has_header=True,
+            has_label=label_field is not None,
+            num_fields=len(names),
+            label_field=label_field,
+            dense_fields=[index[f"i{i}"] for i in range(1, 14)],
+            sparse_fields=[index[f"c{i}"] for i in range(1, 27)],
+        )
+
+    if has_label is None:
+        counts = [ln.count(separator.encode()) + 1 for ln in lines]
+        n40, n39 = counts.count(40), counts.count(39)
+        if n40 == 0 and n39 == 0:
+            raise ValueError(
+                f"{path}: rows have {max(counts)} fields, not 40 (label + I1..I13 + C1..C26) or 39 (no "
+                f"label): check the separator (got {separator!r}) or pass has_label=True/False"
+            )
+        # The majority decides: a stripped row of a labelled file can have 39 fields too.
+        has_label = n40 >= n39
+    offset = 1 if has_label else 0
+    return CriteoLayout(
+        separator=separator,
+        has_header=False,
+        has_label=has_label,
+        num_fields=layout_width(has_label),
+        label_field=0 if has_label else None,
+        dense_fields=list(range(offset, offset + NUM_DENSE_FEATURES)),
+        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(has_label))),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# parsing
+
+
+@dataclass
+class ParseReport:
+    """What parsing one file did. `skipped` holds the first few (line, reason) of dropped rows."""
+
+    path: str
+    num_rows: int = 0
+    num_padded_rows: int = 0
+    num_skipped_rows: int = 0
+    num_blank_lines: int = 0
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    layout: dict | None = None
+
+    @staticmethod
+    def from_json(text: str) -> ParseReport:
+        d = json.loads(text)
+        d["skipped"] = [tuple(s) for s in d["skipped"]]
+        return ParseReport(**d)
+
+    def log_skips(self) -> None:
+        if self.num_skipped_rows:
+            first = "; ".join(f"line {ln}: {why}" for ln, why in self.skipped[:3])
+            log.warning(
+                "%s: skipped %d bad rows (on_bad_row='skip'), kept %d. First: %s",
+                self.path, self.num_skipped_rows, self.num_rows, first,
+            )
+
+
+def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
+    """Yield (whole lines ending in b"\\n", 1-based line number of the first) from a file.
+
+    gzip/bz2/zstd files are read through Arrow's decompressing stream (detected from the suffix).
+    """
+    line = 1
+    rest = b""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        while True:
+            chunk = stream.read(block_bytes)
+            data = rest + chunk if rest else chunk
+            if not chunk:
+                if data:
+                    # The last line may lack its newline (e.g. pytorch-fm's train.txt).
+                    yield from _emit(data + b"\n", line, skip_header)
+                return
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                continue
+            block, rest = data[:cut], data[cut:]
+            yield from _emit(block, line, skip_header)
+            if skip_header and line == 1:
+                skip_header = False
+            line += block.count(b"\n")
+
+
+def _emit(block: bytes, line: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
+    if skip_header and line == 1:
+        nl = block.index(b"\n") + 1
+        block, line = block[nl:], 2
+    if block:
+        yield block, line
+
+
+def _raise_or_record(
+    problems: list[tuple[np.ndarray, object]], on_bad_row: str, path: str, report: ParseReport
+) -> None:
+    """problems: (line numbers, reason(i) for the i-th of them). Raise for the first line, or record."""
+    if not problems:
+        return
+    if on_bad_row == "error":
+        first_line, reason = min(
+            (int(lines.min()), why(int(lines.argmin()))) for lines, why in problems if lines.size
+        )
+        raise ValueError(
+            f"{path}:{first_line}: {reason}. Fix the file, or pass on_bad_row='skip' to drop such rows "
+            f"(they are counted and logged, never shifted)"
+        )
+    for lines, why in problems:
+        for i in range(min(lines.size, _MAX_REPORTED_BAD_ROWS - len(report.skipped))):
+            report.skipped.append((int(lines[i]), why(i)))
+    report.skipped.sort()
+
+
+def _strings_to_float(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Arrow strings (null = empty) -> float64 [N] with NaN for missing, and a bad-value mask [N]."""
+    null_N = col.is_null().to_numpy(zero_copy_only=False)
+    try:
+        values = pc.cast(col, pa.float64())
+        bad_N = np.zeros(len(col), dtype=bool)
+    except pa.ArrowInvalid:
+        ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER_RE), True)
+        bad_N = ~ok.to_numpy(zero_copy_only=False)
+        values = pc.cast(pc.if_else(ok, col, pa.scalar(None, pa.string())), pa.float64())
+    values_N = values.to_numpy(zero_copy_only=False)
+    bad_N |= ~np.isfinite(values_N) & ~null_N  # "nan" / "inf" are not counts
+    if bad_N.any():
+        values_N = np.where(bad_N, np.nan, values_N)
+    return values_N, bad_N
+
+
+def _decode_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """8-hex-character strings -> int64 [N] (-1 = missing) and a bad-value mask [N], vectorized.
+
+    Reads the Arrow string buffers directly: offsets give each value's start, the 8 bytes are
+    gathered as an [n, 8] array, a 256-entry table turns bytes into nibbles.
+    """
+    n = len(col)
+    _, offsets_buf, data_buf = col.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=n + 1, offset=col.offset * 4)
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    lengths_N = np.diff(offsets)
+    valid_N = col.is_valid().to_numpy(zero_copy_only=False)
+    present_N = valid_N & (lengths_N > 0)
+    out_N = np.full(n, -1, dtype=np.int64)
+    bad_N = present_N & (lengths_N != 8)
+    rows = np.flatnonzero(present_N & (lengths_N == 8))
+    if rows.size:
+        nibbles = _HEX_LUT[data[offsets[rows, None] + np.arange(8)]]  # [n8, 8]
+        not_hex = (nibbles == 255).any(axis=1)
+        out_N[rows] = (nibbles.astype(np.int64) << _HEX_SHIFTS_8).sum(axis=1)
+        out_N[rows[not_hex]] = -1
+        bad_N[rows[not_hex]] = True
+    return out_N, bad_N
+
+
+def _parse_block(
+    block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
+
+    Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row
+    handed to Arrow has exactly `num_fields` fields and its file line number is known.
+    """
+    sep = layout.separator.encode()
+    buf_L = np.frombuffer(block, dtype=np.uint8)
+    ends_incl = np.flatnonzero(buf_L == 10)  # newline of every line (the block ends with one)
+    starts = np.empty_like(ends_incl)
+    starts[0] = 0
+    starts[1:] = ends_incl[:-1] + 1
+    has_cr = (ends_incl > starts) & (buf_L[ends_incl - 1] == 13)
+    content_end = ends_incl - has_cr  # pad before a "\r\n" pair, not between its bytes
+    sep_line = np.searchsorted(ends_incl, np.flatnonzero(buf_L == sep[0]))
+    num_fields = np.bincount(sep_line, minlength=ends_incl.size) + 1
+    blank = content_end == starts
+    too_many = num_fields > layout.num_fields
+    short = (num_fields < layout.num_fields) & ~blank
+    keep = ~blank & ~too_many
+    line_no = first_line + np.arange(ends_incl.size)
+    report.num_blank_lines += int(blank.sum())
+
+    problems: list[tuple[np.ndarray, object]] = []
+    if too_many.any():
+        many_lines, many_counts = line_no[too_many], num_fields[too_many]
+        problems.append(
+            (many_lines, lambda i: f"{many_counts[i]} fields, but this file's rows have {layout.num_fields}")
+        )
+
+    if short.any() or not keep.all():
+        pad = np.where(short, layout.num_fields - num_fields, 0)
+        padded_L = np.insert(buf_L, np.repeat(content_end, pad), sep[0]) if short.any() else buf_L
+        keep_L = np.repeat(keep, ends_incl - starts + 1 + pad)
+        clean = padded_L[keep_L] if not keep.all() else padded_L
+    else:
+        clean = buf_L
+    rows_line = line_no[keep]
+    short_rows = short[keep]
+
+    names = [f"f{i}" for i in range(layout.num_fields)]
+    used = [layout.label_field] if layout.label_field is not None else []
+    used += layout.dense_fields + layout.sparse_fields
+    if rows_line.size:
+        table = pacsv.read_csv(
+            pa.BufferReader(pa.py_buffer(clean)),
+            read_options=pacsv.ReadOptions(column_names=names, use_threads=True),
+            parse_options=pacsv.ParseOptions(
+                delimiter=layout.separator, quote_char=False, double_quote=False, escape_char=False,
+                newlines_in_values=False, ignore_empty_lines=False,
+            ),
+            convert_options=pacsv.ConvertOptions(
+                include_columns=[names[i] for i in used],
+                column_types={names[i]: pa.string() for i in used},
+                null_values=[""],
+                strings_can_be_null=True,
+            ),
+        ).combine_chunks()
+        assert table.num_rows == rows_line.size, (table.num_rows, rows_line.size)
+        column = lambda i: table.column(names[i]).chunk(0)  # noqa: E731
+    n = int(rows_line.size)
+    bad_N = np.zeros(n, dtype=bool)
+
+    def note(col_bad: np.ndarray, what: str, col: pa.Array) -> None:
+        if col_bad.any():
+            rows = np.flatnonzero(col_bad)
+            problems.append((rows_line[rows], lambda i: f"{what} {col[int(rows[i])].as_py()!r}"))
+            bad_N[rows] = True
+
+    label_N = np.full(n, np.nan, dtype=np.float32)
+    if layout.label_field is not None and n:
+        col = column(layout.label_field)
+        values, bad = _strings_to_float(col)
+        bad |= ~np.isin(values, (0.0, 1.0))  # also catches a missing label (NaN)
+        note(bad, "label must be 0 or 1, got", col)
+        label_N[:] = values
+    dense_N13 = np.empty((n, NUM_DENSE_FEATURES), dtype=np.float32)
+    for j, f in enumerate(layout.dense_fields):
+        if n:
+            col = column(f)
+            values, bad = _strings_to_float(col)
+            note(bad, f"I{j + 1} must be a number, got", col)
+            dense_N13[:, j] = values
+    sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
+    for j, f in enumerate(layout.sparse_fields):
+        if n:
+            col = column(f)
+            values, bad = _decode_hex(col)
+            note(bad, f"C{j + 1} must be 8 hex characters, got", col)
+            sparse_NF[:, j] = values
+
+    _raise_or_record(problems, on_bad_row, path, report)
+    good = ~bad_N
+    report.num_skipped_rows += int(too_many.sum()) + int(bad_N.sum())
+    report.num_padded_rows += int((short_rows & good).sum())
+    report.num_rows += int(good.sum())
+    if not good.all():
+        return label_N[good], dense_N13[good], sparse_NF[good]
+    return label_N, dense_N13, sparse_NF
+
+
+def _check_missing_categorical(missing_categorical: str) -> None:
+    if missing_categorical not in MISSING_CATEGORICAL:
+        raise ValueError(
+            f"missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}"
+        )
+
+
+def _check_on_bad_row(on_bad_row: str) -> None:
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+
+
+def read_criteo(
+    path: str | os.PathLike,
+    separator: str | None = None,
+    has_header: bool | None = None,
+    has_label: bool | None = None,
+    on_bad_row: str = "error",
+    block_bytes: int = 64 << 20,
+) -> Iterator[tuple[pa.Table, ParseReport]]:
+    """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block.
+
+    The report is the same object every time, updated as blocks are parsed.
+    """
+    _check_on_bad_row(on_bad_row)
+    layout = detect_layout(path, separator, has_header, has_label)
+    report = ParseReport(path=str(path), layout=asdict(layout))
+    for block, first_line in iter_blocks(path, block_bytes, skip_header=layout.has_header):
+        label_N, dense_N13, sparse_NF = _parse_block(block, first_line, layout, str(path), on_bad_row, report)
+        yield _to_table(label_N, dense_N13, sparse_NF), report
+
+
+def _to_table(label_N: np.ndarray, dense_N13: np.ndarray, sparse_NF: np.ndarray) -> pa.Table:
+    return pa.table(
+        {
+            "label": pa.array(label_N, pa.float32()),
+            "dense": pa.FixedSizeListArray.from_arrays(pa.array(dense_N13.reshape(-1)), NUM_DENSE_FEATURES),
+            "sparse": pa.FixedSizeListArray.from_arrays(pa.array(sparse_NF.reshape(-1)), NUM_SPARSE_FEATURES),
+        }
+    )
+
+
