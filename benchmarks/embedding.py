@@ -81,6 +81,18 @@ def run_plain(rows: int, ids: list[torch.Tensor], optimizer: str) -> None:
     yield_steps(step, ids)
 
 
+def run_native(rows: int, ids: list[torch.Tensor], optimizer: str) -> None:
+    """Our C++ kernel (csrc/embedding_cpu.cpp) called like raw_tbe: indices/offsets in, fused update."""
+    from lightning_rec.native_embedding import NativeTableBatchedEmbeddingBags
+    from lightning_rec.optim import FusedOptimizerConfig
+
+    tbe = NativeTableBatchedEmbeddingBags([(rows, DIM)] * NUM_TABLES, list(range(NUM_TABLES)), "sum",
+                                          FusedOptimizerConfig(optimizer, lr=0.01))
+    offsets = torch.arange(NUM_TABLES * BATCH + 1)
+    batches = [(ids_FB.reshape(-1), offsets) for ids_FB in ids]
+    yield_steps(lambda b: tbe(b[0], b[1]).sum().backward(), batches)
+
+
 _RESULT: dict = {}
 
 
@@ -100,12 +112,66 @@ VARIANTS = {
     "raw_tbe": run_raw_tbe,
     "plain": run_plain,
 }
+CHILD_VARIANTS = {**VARIANTS, "native": run_native}
+
+# Native kernel section (issue 6): per optimizer, native vs fbgemm TBE (where fbgemm has it on CPU)
+# vs plain PyTorch (EmbeddingBag(sparse=True) + torch.optim.Adagrad / SGD / SparseAdam), plus
+# native on one thread. partial_rowwise_adam is compared with plain SparseAdam.
+NATIVE_OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad", "adam", "partial_rowwise_adam")
+FBGEMM_CPU_OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad")
+PLAIN_FOR = {"rowwise_adagrad": "rowwise_adagrad", "sgd": "sgd", "adagrad": "adagrad", "adam": "adam",
+             "partial_rowwise_adam": "adam"}
+
+
+def native_section(args) -> tuple[list[dict], dict, dict]:
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+
+    def add(variant: str, optimizer: str, threads: int) -> None:
+        runs.setdefault((variant, optimizer, threads), []).append(
+            measure(variant, optimizer, args.rows, args.steps, threads))
+
+    for _ in range(args.rounds):
+        for opt in NATIVE_OPTIMIZERS:
+            add("native", opt, args.threads)
+            if opt in FBGEMM_CPU_OPTIMIZERS:
+                add("raw_tbe", opt, args.threads)
+            if PLAIN_FOR[opt] == opt:
+                add("plain", opt, args.threads)
+        add("native", "rowwise_adagrad", 1)
+    med = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
+
+    def sps(variant: str, opt: str, threads: int = args.threads) -> float:
+        return med[(variant, opt, threads)]["samples_per_s"]
+
+    print(f"\nnative kernel: {NUM_TABLES} tables x {args.rows} rows x dim {DIM}, batch {BATCH}, "
+          f"median of {args.rounds} rounds")
+    print(f"{'optimizer':<22}{'variant':<10}{'threads':>8}{'samples/s':>12}{'peak RSS MB':>14}")
+    for (variant, opt, threads), m in med.items():
+        print(f"{opt:<22}{variant:<10}{threads:>8}{m['samples_per_s']:>12,.0f}{m['peak_rss_mb']:>14,.0f}")
+    ratios = {
+        "native_vs_fbgemm_rowwise_adagrad": sps("native", "rowwise_adagrad") / sps("raw_tbe", "rowwise_adagrad"),
+        "native_vs_plain_rowwise_adagrad": sps("native", "rowwise_adagrad") / sps("plain", "rowwise_adagrad"),
+        "native_vs_fbgemm_sgd": sps("native", "sgd") / sps("raw_tbe", "sgd"),
+        "native_vs_fbgemm_adagrad": sps("native", "adagrad") / sps("raw_tbe", "adagrad"),
+        "native_vs_plain_sgd": sps("native", "sgd") / sps("plain", "sgd"),
+        "native_vs_plain_adam": sps("native", "adam") / sps("plain", "adam"),
+        "native_vs_plain_partial_rowwise_adam": sps("native", "partial_rowwise_adam") / sps("plain", "adam"),
+        "native_two_vs_one_thread": sps("native", "rowwise_adagrad") / sps("native", "rowwise_adagrad", 1),
+        "rss_native_vs_fbgemm_rowwise_adagrad": med[("native", "rowwise_adagrad", args.threads)]["peak_rss_mb"]
+        / med[("raw_tbe", "rowwise_adagrad", args.threads)]["peak_rss_mb"],
+    }
+    for k, v in ratios.items():
+        print(f"{k:<40}{v:.3f}")
+    results = [{"variant": v, "optimizer": o, "threads": th, **m} for (v, o, th), m in med.items()]
+    figures = {f"{v}_{o}_{th}t_samples_per_s": m["samples_per_s"] for (v, o, th), m in med.items()}
+    figures.update({f"{v}_{o}_{th}t_peak_rss_mb": m["peak_rss_mb"] for (v, o, th), m in med.items()})
+    return results, ratios, figures
 
 
 def child(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> None:
     torch.set_num_threads(threads)
     ids = make_ids(rows, steps)
-    VARIANTS[variant](rows, ids, optimizer)
+    CHILD_VARIANTS[variant](rows, ids, optimizer)
     _RESULT["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(_RESULT))
 
@@ -124,7 +190,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizer", default="rowwise_adagrad")
-    parser.add_argument("--child", choices=sorted(VARIANTS))
+    parser.add_argument("--child", choices=sorted(CHILD_VARIANTS))
+    parser.add_argument("--no-native", action="store_true", help="skip the native kernel section")
     args = parser.parse_args()
     if args.child:
         child(args.child, args.optimizer, args.rows, args.steps, args.threads)
@@ -150,6 +217,14 @@ def main() -> None:
         print(f"{k:<22}{v:.3f}")
     results = [{"variant": v, "optimizer": args.optimizer, **m} for v, m in med.items()]
     figures = {f"{v}_samples_per_s": m["samples_per_s"] for v, m in med.items()}
+    if not args.no_native:
+        from lightning_rec.native_embedding import native_kernel_available
+
+        if native_kernel_available():
+            n_results, n_ratios, n_figures = native_section(args)
+            results, ratios, figures = results + n_results, {**ratios, **n_ratios}, {**figures, **n_figures}
+        else:
+            print("native kernel not built (lightning_rec._C): native section skipped")
     print(json.dumps({"benchmark": "embedding", "results": results, "ratios": ratios, "figures": figures}))
 
 

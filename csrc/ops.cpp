@@ -1,0 +1,34 @@
+// Schemas of every torch.ops.lightning_rec.* operator, registered once here. Kernels live in
+// *_cpu.cpp (and *_cuda.cu when built with CUDA); fake kernels and autograd are registered in Python
+// (lightning_rec/native_embedding.py).
+#include <torch/extension.h>
+
+// Table-batched embedding (TBE) layout shared by both ops, the same as fbgemm's:
+//   weights          [sum_t rows_t * D_t]  all tables, flat, table t at weights_offsets[t]
+//   row_offsets      [T + 1]  cumulative rows; row-wise optimizer state of table t starts there
+//   table_dims       [T]      D_t
+//   feature_table    [F]      table of each feature
+//   D_offsets        [F + 1]  output column of each feature
+//   indices          [N]      ids, int64
+//   offsets          [F * B + 1]  bag boundaries, feature-major (feature 0's B bags, then feature 1's)
+//   pooling_mode     0 = sum, 1 = mean
+//   total_D          D_offsets[F], the output width (an argument so that fake kernels know it)
+// optimizer: 0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam, 4 partial_rowwise_adam.
+// momentum1 / momentum2 / step are the optimizer state (empty when the optimizer has none); the
+// forward takes them only so that its autograd formula can hand them to the update.
+TORCH_LIBRARY(lightning_rec, m) {
+  m.def(
+      "tbe_forward(Tensor placeholder, Tensor weights, Tensor weights_offsets, Tensor row_offsets, "
+      "Tensor table_dims, Tensor feature_table, Tensor D_offsets, Tensor indices, Tensor offsets, "
+      "Tensor? per_sample_weights, int pooling_mode, int total_D, Tensor momentum1, Tensor momentum2, Tensor step, "
+      "int optimizer, float lr, float eps, float beta1, float beta2, float weight_decay) -> Tensor");
+  m.def(
+      "tbe_backward_update(Tensor(a!) weights, Tensor(b!) momentum1, Tensor(c!) momentum2, "
+      "Tensor(d!) step, Tensor weights_offsets, Tensor row_offsets, Tensor table_dims, "
+      "Tensor feature_table, Tensor D_offsets, Tensor indices, Tensor offsets, "
+      "Tensor? per_sample_weights, int pooling_mode, Tensor grad_output, int optimizer, float lr, "
+      "float eps, float beta1, float beta2, float weight_decay) -> ()");
+}
+
+// Importing lightning_rec._C runs the registrations above; the module itself exports nothing.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
