@@ -2,52 +2,102 @@
 
 Keyed jagged tensors, fused embedding collections on fbgemm kernels, model-parallel sharding,
 a planner, and Lightning integration (`Trainer(strategy="rec")`, the `lightning-rec` recipe CLI).
+
+Names are imported on first use: `import lightning_rec` stays light (no Lightning, datasets or
+wandb until a name that needs them is touched), which keeps an embedding-only process small.
+Importing any LightningModule or the CLI registers `strategy="rec"` with Lightning.
 """
 
-from lightning_rec.embedding import (
-    BaseEmbeddingConfig,
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    PoolingType,
-)
-from lightning_rec.optim import (
-    CombinedOptimizer,
-    EmbOptimType,
-    FusedOptimizer,
-    FusedOptimizerConfig,
-    combined_optimizer,
-)
-from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from lightning_rec.types import (
-    ComputeKernel,
-    EmbeddingModuleShardingPlan,
-    ParameterSharding,
-    ShardingPlan,
-    ShardingType,
-    ShardMetadata,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BaseEmbeddingConfig",
-    "CombinedOptimizer",
-    "ComputeKernel",
-    "EmbOptimType",
-    "EmbeddingBagCollection",
-    "EmbeddingBagConfig",
-    "EmbeddingCollection",
-    "EmbeddingConfig",
-    "EmbeddingModuleShardingPlan",
-    "FusedOptimizer",
-    "FusedOptimizerConfig",
-    "JaggedTensor",
-    "KeyedJaggedTensor",
-    "KeyedTensor",
-    "ParameterSharding",
-    "PoolingType",
-    "ShardMetadata",
-    "ShardingPlan",
-    "ShardingType",
-    "combined_optimizer",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # sparse data
+    "JaggedTensor": "sparse", "KeyedJaggedTensor": "sparse", "KeyedTensor": "sparse",
+    # embeddings and optimizers
+    "BaseEmbeddingConfig": "embedding", "EmbeddingBagCollection": "embedding", "EmbeddingBagConfig": "embedding",
+    "EmbeddingCollection": "embedding", "EmbeddingConfig": "embedding", "PoolingType": "embedding",
+    "CombinedOptimizer": "optim", "EmbOptimType": "optim", "FusedOptimizer": "optim",
+    "FusedOptimizerConfig": "optim", "combined_optimizer": "optim",
+    # sharding
+    "ComputeKernel": "types", "EmbeddingModuleShardingPlan": "types", "ParameterSharding": "types",
+    "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
+    "DistributedModelParallel": "model_parallel", "construct_module_sharding_plan": "model_parallel",
+    "table_wise": "model_parallel", "row_wise": "model_parallel", "column_wise": "model_parallel",
+    "table_row_wise": "model_parallel", "table_column_wise": "model_parallel", "grid_shard": "model_parallel",
+    "data_parallel": "model_parallel",
+    # planner
+    "EmbeddingShardingPlanner": "planner", "ParameterConstraints": "planner", "PlannerError": "planner",
+    "PlanStats": "planner", "Topology": "planner",
+    # Lightning side
+    "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models",
+    "Batch": "data", "CriteoDataModule": "data", "SyntheticCriteoDataModule": "data",
+    "AUC": "metrics", "CTR": "metrics", "LogLoss": "metrics", "NormalizedEntropy": "metrics",
+    "RecMetricCollection": "metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_rec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lightning_rec.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # static tools see the names as if imported eagerly
+    from lightning_rec.data import Batch, CriteoDataModule, SyntheticCriteoDataModule  # noqa: F401
+    from lightning_rec.embedding import (  # noqa: F401
+        BaseEmbeddingConfig,
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+        PoolingType,
+    )
+    from lightning_rec.metrics import AUC, CTR, LogLoss, NormalizedEntropy, RecMetricCollection  # noqa: F401
+    from lightning_rec.model_parallel import (  # noqa: F401
+        DistributedModelParallel,
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        grid_shard,
+        row_wise,
+        table_column_wise,
+        table_row_wise,
+        table_wise,
+    )
+    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule  # noqa: F401
+    from lightning_rec.optim import (  # noqa: F401
+        CombinedOptimizer,
+        EmbOptimType,
+        FusedOptimizer,
+        FusedOptimizerConfig,
+        combined_optimizer,
+    )
+    from lightning_rec.planner import (  # noqa: F401
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        PlannerError,
+        PlanStats,
+        Topology,
+    )
+    from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: F401
+    from lightning_rec.strategy import RecStrategy  # noqa: F401
+    from lightning_rec.types import (  # noqa: F401
+        ComputeKernel,
+        EmbeddingModuleShardingPlan,
+        ParameterSharding,
+        ShardingPlan,
+        ShardingType,
+        ShardMetadata,
+    )

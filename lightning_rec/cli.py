@@ -16,6 +16,8 @@ import sys
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
+import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
+
 
 class RecCLI(LightningCLI):
     def after_fit(self) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.metrics import RecMetricCollection

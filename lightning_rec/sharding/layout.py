@@ -62,7 +62,8 @@ def _column_sizes(dim: int, parts: int, column_sizes: Sequence[int] | None, tabl
     if len(sizes) != parts or sum(sizes) != dim or min(sizes) <= 0:
         raise ValueError(
             f"table '{table}': column sizes {sizes} must be {parts} positive numbers adding up to its "
-            f"dim {dim}: fix column_sizes, or leave it out to split the columns evenly"
+            f"dim {dim}: fix the column sizes (size_per_rank= in the plan verbs, column_sizes= here), or leave "
+            f"them out to split the columns evenly"
         )
     return sizes
 

@@ -1,0 +1,159 @@
+"""Stage 1 of the sharded data path: ids travel to the ranks that own their rows.
+
+Legend: W world size, B local batch, B_r batch of source rank r, S_p shard features of rank p,
+N_p ids sent to rank p.
+
+    features (B samples, this rank)
+      | route_ids (sharding/ids.py): bucketize, remap, group by destination
+      v
+    all-to-all #1  counts   [W, 3]  (B, N_p, error flag) to every rank p: tiny, equal splits
+    all-to-all #2  payload  per p: lengths [S_p x B] + ids [N_p]  (int64, one buffer)
+    all-to-all #3  weights  per p: [N_p]          (weighted collections only; runs with #2)
+      | to_key_major (sharding/ids.py)
+      v
+    local KJT: this rank's shard features over the concatenated batch B_0 + ... + B_{W-1}
+
+The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
+error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
+(nobody hangs). Ids carry no gradient, so this stage needs no backward.
+Only this file and output_dist.py call torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+class BatchRejected(ValueError):
+    """Another rank's batch failed validation; this rank stops before any payload moves."""
+
+
+@dataclass
+class DistContext:
+    """What the way back needs to know about this step's exchange."""
+
+    batch: int  # this rank's B
+    batch_per_source: list[int]  # B_r
+    ids_per_source: list[int]  # N_r: ids received from each source
+    routed: RoutedIds | None  # what this rank sent (sequence outputs come back in this order)
+    positions_N: Tensor | None = None  # sequence: source-major position of each key-major id
+    lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
+
+
+def collective_error(what: str, err: Exception, timeout_s: float | None) -> RuntimeError:
+    return RuntimeError(
+        f"embedding {what} failed on rank {dist.get_rank()}: a peer rank exited or did not answer within the "
+        f"process group timeout ({timeout_s} s; set DistributedModelParallel(timeout=...)). Cause: {err}"
+    )
+
+
+def all_to_all(pg, out: Tensor, inp: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+               what: str, timeout_s: float | None, async_op: bool = False):
+    try:
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
+    except RuntimeError as e:
+        raise collective_error(what, e, timeout_s) from e
+
+
+def wait(work, what: str, timeout_s: float | None) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise collective_error(what, e, timeout_s) from e
+
+
+class KJTAllToAll:
+    """Sends each rank the ids its shards own; returns this rank's key-major local KJT."""
+
+    def __init__(self, tables: RouteTables, pg, rank: int, device: torch.device,
+                 timeout_s: float | None = None) -> None:
+        self.tables = tables
+        self.routing = tables.routing
+        self.pg = pg
+        self.rank = rank
+        self.world_size = self.routing.world_size
+        self.device = device
+        self.timeout_s = timeout_s
+        self.local_keys = self.routing.local_feature_names(rank)
+        self._perm_cache: dict[tuple[int, ...], Tensor] = {}
+
+    def __call__(self, features: KeyedJaggedTensor | None, error: str | None = None,
+                 weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
+        W, S = self.world_size, self.routing.rank_sf_counts
+        routed = None if error is not None else route_ids(features, self.tables)
+        B = features.stride() if routed is not None else 0
+        counts_send = torch.zeros(W, 3, dtype=torch.long)
+        if routed is None:
+            counts_send[:, 2] = 1
+        else:
+            counts_send[:, 0] = B
+            counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
+        counts_send = counts_send.to(self.device)
+        counts_recv = torch.empty_like(counts_send)
+        all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s)
+        counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
+        bad = [r for r, c in enumerate(counts) if c[2]]
+        if bad:
+            if error is not None:
+                raise ValueError(error)
+            raise BatchRejected(
+                f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
+                f"ranks); this rank stopped too, nothing was sent or updated"
+            )
+        B_src = [c[0] for c in counts]
+        N_src = [c[1] for c in counts]
+
+        # payload: per destination p, its lengths [S_p x B] then its ids [N_p], as int64
+        lengths = routed.lengths_SB.long()
+        values = routed.values_N.long()
+        pieces, l0, v0 = [], 0, 0
+        for p in range(W):
+            pieces += [lengths[l0 : l0 + S[p] * B], values[v0 : v0 + routed.ids_per_rank[p]]]
+            l0 += S[p] * B
+            v0 += routed.ids_per_rank[p]
+        send = torch.cat(pieces)
+        in_splits = [S[p] * B + routed.ids_per_rank[p] for p in range(W)]
+        S_me = S[self.rank]
+        out_splits = [S_me * B_src[r] + N_src[r] for r in range(W)]
+        recv = send.new_empty(sum(out_splits))
+        payload = all_to_all(self.pg, recv, send, out_splits, in_splits, "id all-to-all", self.timeout_s,
+                             async_op=True)
+        recv_w = None
+        if weighted:
+            weights = routed.weights_N
+            if weights is None:
+                weights = torch.ones(values.numel(), device=values.device)
+            recv_w = weights.new_empty(sum(N_src))
+            w_work = all_to_all(self.pg, recv_w, weights.float().contiguous(), N_src, routed.ids_per_rank,
+                                "id weights all-to-all", self.timeout_s, async_op=True)
+            wait(w_work, "id weights all-to-all", self.timeout_s)
+        wait(payload, "id all-to-all", self.timeout_s)
+
+        parts = recv.split(out_splits)
+        lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
+        values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
+        perm = self._permutation(S_me, B_src)
+        sequence = not self.routing.pooled
+        lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
+        local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
+                                  stride=sum(B_src), _validate=False)
+        ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
+                          positions_N=pos)
+        return local, ctx
+
+    def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
+        key = tuple(batch_per_source)
+        perm = self._perm_cache.get(key)
+        if perm is None:
+            if len(self._perm_cache) > 64:  # batch sizes rarely vary; keep the cache small when they do
+                self._perm_cache.clear()
+            perm = key_major_permutation(num_keys, batch_per_source, self.device)
+            self._perm_cache[key] = perm
+        return perm

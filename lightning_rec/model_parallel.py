@@ -1,0 +1,419 @@
+"""DistributedModelParallel: embedding tables sharded over ranks, dense layers data parallel.
+
+    model = DLRM(EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad")), ...)
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        model.sparse_arch.embedding_bag_collection,
+        {"t0": table_wise(rank=0), "t1": row_wise(), "t2": column_wise(ranks=[0, 1]), "t3": data_parallel()},
+    )})
+    print(plan)
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", dense="ddp")
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", torch.optim.Adagrad(dmp.parameters()))])
+
+Every EmbeddingBagCollection / EmbeddingCollection inside `module` is swapped for its sharded
+version (sharded_embedding.py); what remains (the dense layers) is wrapped in DDP or FSDP2. The
+plan verbs mirror TorchRec's (`table_wise(rank=)`, `row_wise()`, `column_wise(ranks=)`,
+`table_row_wise(host_index=)`, `table_column_wise(host_index=)`, `grid_shard(host_indexes=)`,
+`data_parallel()`); each becomes concrete shards once the table's size and the world size are
+known (`construct_module_sharding_plan`). With no plan, the planner decides (lightning_rec.planner),
+or every table goes table-wise, largest first onto the least loaded rank, if the planner is absent.
+
+Every plan is checked on every rank from metadata alone (identical everywhere) before any
+collective starts, so a bad plan raises the same ValueError everywhere instead of a hang.
+Embedding traffic gets its own process group with a timeout (`timeout=` seconds), so a rank that
+dies mid-step makes the others raise a clear error.
+
+Loss scaling: fused tables (and replicas) are updated with the SUM of every rank's gradient, i.e.
+as if trained on the concatenated global batch with loss = sum of the per-rank losses; DDP
+averages dense gradients over ranks (divide by world size relative to that sum). Use a per-rank
+loss that is a sum over samples, or scale the fused learning rate, to make the two agree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.optim import FusedOptimizer
+from lightning_rec.sharded_embedding import (
+    SEQUENCE_SHARDING_TYPES,
+    ShardingEnv,
+    _ShardedCollectionBase,
+    shard_collection,
+)
+from lightning_rec.sharding.layout import row_block_size, shard_layout
+from lightning_rec.types import (
+    ComputeKernel,
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+# plan verbs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """A plan verb's choice for one table; `__call__` makes it concrete shards for a table's shape."""
+
+    sharding_type: ShardingType
+    ranks: tuple[int, ...] | None = None
+    host_indexes: tuple[int, ...] | None = None
+    size_per_rank: tuple[int, ...] | None = None  # column sizes (column-wise family)
+    compute_kernel: ComputeKernel = ComputeKernel.FUSED
+
+    def __call__(self, table: str, num_rows: int, dim: int, world_size: int,
+                 local_world_size: int | None = None) -> ParameterSharding:
+        shards = shard_layout(table, num_rows, dim, self.sharding_type, world_size,
+                              ranks=self.ranks, local_world_size=local_world_size,
+                              host_indexes=self.host_indexes, column_sizes=self.size_per_rank)
+        ranks = sorted({s.placement for s in shards})
+        return ParameterSharding(self.sharding_type, self.compute_kernel, ranks=ranks,
+                                 shards=[] if self.sharding_type == ShardingType.DATA_PARALLEL else shards)
+
+    def __str__(self) -> str:
+        args = [f"{k}={list(v)}" for k, v in (("ranks", self.ranks), ("host_indexes", self.host_indexes),
+                                              ("size_per_rank", self.size_per_rank)) if v is not None]
+        return f"{self.sharding_type}({', '.join(args)})"
+
+
+def _ints(values: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(int(v) for v in values)
+
+
+def table_wise(rank: int, compute_kernel: ComputeKernel = ComputeKernel.FUSED) -> ShardingSpec:
+    """The whole table on `rank`."""
+    return ShardingSpec(ShardingType.TABLE_WISE, ranks=(int(rank),), compute_kernel=compute_kernel)
+
+
+def row_wise(ranks: Sequence[int] | None = None, compute_kernel: ComputeKernel = ComputeKernel.FUSED) -> ShardingSpec:
+    """Rows in blocks of ceil(rows / n) over all ranks (or `ranks`)."""
+    return ShardingSpec(ShardingType.ROW_WISE, ranks=_ints(ranks), compute_kernel=compute_kernel)
+
+
+def column_wise(ranks: Sequence[int], size_per_rank: Sequence[int] | None = None,
+                compute_kernel: ComputeKernel = ComputeKernel.FUSED) -> ShardingSpec:
+    """One column block per entry of `ranks` (even split, or `size_per_rank` columns each)."""
+    return ShardingSpec(ShardingType.COLUMN_WISE, ranks=_ints(ranks), size_per_rank=_ints(size_per_rank),
+                        compute_kernel=compute_kernel)
+
+
+def table_row_wise(host_index: int, compute_kernel: ComputeKernel = ComputeKernel.FUSED) -> ShardingSpec:
+    """Rows split over the ranks of host `host_index`."""
+    return ShardingSpec(ShardingType.TABLE_ROW_WISE, host_indexes=(int(host_index),), compute_kernel=compute_kernel)
+
+
+def table_column_wise(host_index: int, size_per_rank: Sequence[int] | None = None,
+                      compute_kernel: ComputeKernel = ComputeKernel.FUSED) -> ShardingSpec:
+    """Columns split over the ranks of host `host_index`."""
+    return ShardingSpec(ShardingType.TABLE_COLUMN_WISE, host_indexes=(int(host_index),),
+                        size_per_rank=_ints(size_per_rank), compute_kernel=compute_kernel)
+
+
+def grid_shard(host_indexes: Sequence[int], size_per_rank: Sequence[int] | None = None,
+               compute_kernel: ComputeKernel = ComputeKernel.FUSED) -> ShardingSpec:
+    """One column block per host in `host_indexes`, each block row-wise over that host's ranks."""
+    return ShardingSpec(ShardingType.GRID_SHARD, host_indexes=_ints(host_indexes),
+                        size_per_rank=_ints(size_per_rank), compute_kernel=compute_kernel)
+
+
+def data_parallel() -> ShardingSpec:
+    """A replica on every rank; gradients summed over ranks, then the fused rule."""
+    return ShardingSpec(ShardingType.DATA_PARALLEL)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    raise ValueError("world_size is unknown: pass world_size=..., or call torch.distributed.init_process_group first")
+
+
+def _collection_configs(module) -> list:
+    if hasattr(module, "embedding_bag_configs"):
+        return list(module.embedding_bag_configs())
+    if hasattr(module, "embedding_configs"):
+        return list(module.embedding_configs())
+    raise ValueError(f"{type(module).__name__} is not an embedding collection: pass the EmbeddingBagCollection or "
+                     f"EmbeddingCollection whose tables the plan covers")
+
+
+def construct_module_sharding_plan(
+    module: nn.Module,
+    per_param_sharding: Mapping[str, ShardingSpec],
+    local_size: int | None = None,
+    world_size: int | None = None,
+    device_type: str | None = None,
+) -> EmbeddingModuleShardingPlan:
+    """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (concrete shards).
+
+    `world_size` / `local_size` (ranks per host) default to the initialised process group's.
+    `device_type` is accepted for TorchRec compatibility.
+    """
+    del device_type
+    if world_size is None:
+        world_size, default_local = _world()
+        local_size = local_size or default_local
+    configs = {c.name: c for c in _collection_configs(module)}
+    plan = EmbeddingModuleShardingPlan()
+    for name, spec in per_param_sharding.items():
+        if name not in configs:
+            raise ValueError(f"the plan names table '{name}', which this {type(module).__name__} does not have; "
+                             f"its tables are {sorted(configs)}: fix the table name in the plan")
+        if not isinstance(spec, ShardingSpec):
+            raise ValueError(f"table '{name}': plan entries are verbs like table_wise(rank=0), row_wise(); got "
+                             f"{type(spec).__name__}")
+        c = configs[name]
+        plan[name] = spec(name, c.num_embeddings, c.embedding_dim, world_size, local_size)
+    return plan
+
+
+# plan checks: metadata only, identical on every rank ---------------------------------------------
+
+
+def find_collections(module: nn.Module) -> dict[str, nn.Module]:
+    """module path -> every EmbeddingBagCollection / EmbeddingCollection in `module` (outermost only)."""
+    found: dict[str, nn.Module] = {}
+    for path, m in module.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in found if p) or ("" in found):
+            continue
+        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
+            found[path] = m
+    return found
+
+
+def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str, ParameterSharding],
+                         world_size: int) -> None:
+    where = f"module '{path}'" if path else "the model"
+    configs = {c.name: c for c in _collection_configs(module)}
+    unknown = [t for t in table_plans if t not in configs]
+    if unknown:
+        raise ValueError(f"the plan for {where} names table(s) {unknown}, which it does not have; its tables are "
+                         f"{sorted(configs)}: fix the table names in the plan")
+    missing = [t for t in configs if t not in table_plans]
+    if missing:
+        raise ValueError(f"the plan for {where} has no entry for table(s) {missing}: add one for each "
+                         f"(e.g. table_wise(rank=0) or data_parallel())")
+    sequence = isinstance(module, EmbeddingCollection)
+    for name, ps in table_plans.items():
+        c = configs[name]
+        st = ShardingType(ps.sharding_type)
+        if sequence and st not in SEQUENCE_SHARDING_TYPES:
+            raise ValueError(f"table '{name}' of the EmbeddingCollection {where} is planned {st}: sequence tables "
+                             f"take {', '.join(str(t) for t in SEQUENCE_SHARDING_TYPES)}")
+        for r in list(ps.ranks) + [s.placement for s in ps.shards]:
+            if not 0 <= r < world_size:
+                raise ValueError(f"table '{name}' is placed on rank {r} but world_size={world_size}: use ranks in "
+                                 f"0..{world_size - 1}")
+        if st == ShardingType.DATA_PARALLEL:
+            continue
+        if not ps.shards:
+            raise ValueError(f"table '{name}' is planned {st} but its ParameterSharding lists no shards: build it "
+                             f"with construct_module_sharding_plan and a verb such as {st}(...)")
+        _check_tiling(name, c.num_embeddings, c.embedding_dim, ps)
+        odd = sorted({s.shard_sizes[1] for s in ps.shards if s.shard_sizes[1] % 4})
+        if sequence and odd and c.embedding_dim % 4 == 0:
+            raise ValueError(f"table '{name}' is split into column blocks of {odd} columns, but sequence tables "
+                             f"run on fbgemm, which needs multiples of 4: choose size_per_rank in multiples of 4, "
+                             f"or fewer ranks")
+
+
+def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
+    blocks: dict[int, list] = {}
+    for s in ps.shards:
+        blocks.setdefault(s.shard_offsets[1], []).append(s)
+    col = 0
+    for c0, shards in sorted(blocks.items()):
+        widths = {s.shard_sizes[1] for s in shards}
+        if c0 != col or len(widths) != 1:
+            raise ValueError(f"table '{name}': its shards' columns {[str(s) for s in ps.shards]} do not tile the dim "
+                             f"{dim} in blocks: fix size_per_rank (or the shards) so the blocks add up to {dim}")
+        col += widths.pop()
+        shards = sorted(shards, key=lambda s: s.shard_offsets[0])
+        block = row_block_size(rows, len(shards))
+        for i, s in enumerate(shards):
+            start = min(i * block, rows)
+            if s.shard_offsets[0] != start or s.shard_sizes[0] != min(block, rows - start):
+                raise ValueError(f"table '{name}': row shards {[str(s) for s in shards]} do not follow the block rule "
+                                 f"(ceil({rows}/{len(shards)}) = {block} rows each): build them with "
+                                 f"shard_layout / row_wise()")
+    if col != dim:
+        raise ValueError(f"table '{name}': its shards cover {col} of its {dim} columns: fix size_per_rank so the "
+                         f"column sizes add up to {dim}")
+
+
+def default_plan(collections: Mapping[str, nn.Module], world_size: int) -> ShardingPlan:
+    """Every table table-wise: largest first, each onto the rank with the fewest bytes so far."""
+    load = [0] * world_size
+    items = [(path, c) for path, m in collections.items() for c in _collection_configs(m)]
+    items.sort(key=lambda pc: -pc[1].num_embeddings * pc[1].embedding_dim)
+    plan = ShardingPlan()
+    for path, c in items:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        load[rank] += c.num_embeddings * c.embedding_dim
+        plan.plan.setdefault(path, EmbeddingModuleShardingPlan())[c.name] = table_wise(rank)(
+            c.name, c.num_embeddings, c.embedding_dim, world_size)
+    for path in collections:  # keep the model's table order when printed
+        module_plan = plan.plan[path]
+        plan.plan[path] = EmbeddingModuleShardingPlan(
+            {c.name: module_plan[c.name] for c in _collection_configs(collections[path])})
+    return plan
+
+
+def _planner_plan(module: nn.Module, world_size: int, local_world_size: int, device: torch.device,
+                  pg) -> ShardingPlan | None:
+    try:
+        from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+    except ImportError:
+        return None
+    topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
+    return EmbeddingShardingPlanner(topology).collective_plan(module, pg)
+
+
+# DistributedModelParallel ----------------------------------------------------------------------
+
+
+def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, new)
+
+
+class DistributedModelParallel(nn.Module):
+    """Shards every embedding collection in `module` by `plan`; wraps the dense rest in DDP or FSDP2.
+
+    Args:
+        module: any model holding EmbeddingBagCollection / EmbeddingCollection (built with a fused
+            optimizer), or one collection.
+        plan: a ShardingPlan (module path -> table -> ParameterSharding); None: the planner's.
+        device: where shards and dense layers live; default cuda:LOCAL_RANK when CUDA is there, else cpu.
+            Embedding traffic uses NCCL on cuda, gloo on cpu.
+        dense: "ddp" | "fsdp" (FSDP2 fully_shard) | None (leave the dense layers alone).
+        pg: the process group to shard over (default: the world).
+        timeout: seconds an embedding collective may wait for a peer before raising.
+        local_world_size: ranks per host (host-level types); default $LOCAL_WORLD_SIZE or the world.
+        ddp_kwargs: extra DistributedDataParallel arguments.
+    """
+
+    def __init__(self, module: nn.Module, plan: ShardingPlan | None = None, device: torch.device | str | None = None,
+                 dense: str | None = "ddp", *, pg=None, timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+                 local_world_size: int | None = None, ddp_kwargs: dict | None = None) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("DistributedModelParallel needs torch.distributed: call "
+                             "torch.distributed.init_process_group(backend='gloo' or 'nccl') on every rank first")
+        if dense not in ("ddp", "fsdp", None):
+            raise ValueError(f"dense={dense!r}: use 'ddp', 'fsdp' or None")
+        pg = pg if pg is not None else dist.group.WORLD
+        world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        self._timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if device is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(device)
+        local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+        collections = find_collections(module)
+        if plan is None and collections:
+            plan = _planner_plan(module, world_size, local_world_size, device, pg)
+        plan = plan or ShardingPlan()
+        missing = {p: m for p, m in collections.items() if p not in plan.plan}
+        if missing:
+            plan = ShardingPlan({**plan.plan, **default_plan(missing, world_size).plan})
+        for path in plan.plan:
+            if path not in collections:
+                raise ValueError(f"the plan names module '{path}', which is not an embedding collection in the model; "
+                                 f"its collections are {sorted(collections)}: fix the module path")
+        for path, m in collections.items():
+            validate_module_plan(path, m, plan.plan[path], world_size)
+        self.plan = plan
+
+        # Embedding traffic gets its own group: its own timeout, and no interleaving with DDP's.
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        ranks = dist.get_process_group_ranks(pg)
+        emb_pg = dist.new_group(ranks=ranks, backend=backend, timeout=timedelta(seconds=self._timeout_s))
+        env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s)
+        for path, m in collections.items():
+            sharded = shard_collection(m, plan.plan[path], env)
+            if path:
+                _set_submodule(module, path, sharded)
+            else:
+                module = sharded
+        module.to(device)
+        self._sharded_paths = list(collections)
+        self._device = device
+        self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {})
+        object.__setattr__(self, "_unwrapped", module)
+        self._fused_optimizer: FusedOptimizer | None = None
+
+    @staticmethod
+    def _wrap_dense(module: nn.Module, dense: str | None, device: torch.device, pg, ddp_kwargs: dict) -> nn.Module:
+        if dense is None or not any(p.requires_grad for p in module.parameters()):
+            return module
+        if dense == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [device.index] if device.type == "cuda" else None
+            # TorchRec's defaults: buffers are not re-broadcast every step; gradients share DDP's buckets.
+            kwargs = dict(forward_sync_buffers=False, gradient_as_bucket_view=True, **ddp_kwargs)
+            return DistributedDataParallel(module, device_ids=device_ids, process_group=pg, **kwargs)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(pg),))
+        for child in _dense_children(module):
+            fully_shard(child, mesh=mesh)
+        return module
+
+    # the model -------------------------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The model with its collections sharded (without the DDP wrapper)."""
+        return self._unwrapped
+
+    def forward(self, *args, **kwargs):
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    def sharded_modules(self) -> dict[str, _ShardedCollectionBase]:
+        return {p: (self.module.get_submodule(p) if p else self.module) for p in self._sharded_paths}
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The fused embedding updates (and replicas) of this rank, as an optimizer (state per shard)."""
+        if self._fused_optimizer is None:
+            self._fused_optimizer = FusedOptimizer(self.module)
+        return self._fused_optimizer
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        """The model's state dict under its own names; sharded tables as ShardedTensor (global shape + pieces)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Full tensors or ShardedTensors from any world size; each rank reads the pieces it owns."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _dense_children(module: nn.Module) -> list[nn.Module]:
+    """The largest submodules with parameters and no sharded collection inside (FSDP2 units)."""
+    out = []
+    for child in module.children():
+        if isinstance(child, _ShardedCollectionBase):
+            continue
+        holds_sharded = any(isinstance(m, _ShardedCollectionBase) for m in child.modules())
+        if holds_sharded:
+            out += _dense_children(child)
+        elif any(True for _ in child.parameters()):
+            out.append(child)
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(f"{type(module).__name__} holds parameters next to an embedding collection: move them into "
+                         f"a submodule so FSDP can shard them, or use dense='ddp'")
+    return out

@@ -1,0 +1,86 @@
+"""Stage 3 of the sharded data path: embeddings travel back to the ranks whose samples they are.
+
+Legend: W world size, B local batch, B_r batch of source rank r, D_p width of rank p's pooled
+lookup, N_r ids received from rank r, Dmax widest shard (sequence rows are padded to it).
+
+    pooled    rank p sends rows B_r of its [B_0+...+B_{W-1}, D_p] to each r   (one all-to-all)
+              -> rank r: one [B_r, D_p] block per owner p; sharding/embeddings.py places columns
+                 and adds the row shards' partial sums (all-to-all + sum = reduce-scatter)
+    sequence  rank p sends each source its ids' rows [N_r, Dmax]              (one all-to-all)
+
+Backward is the reverse all-to-all of the gradient (`_AllToAll`), so every rank's fused kernels
+receive the gradient of every sample that read their rows. Data-parallel replicas instead
+all-reduce (sum) their gradient in backward (`all_reduce_sum_`).
+Only this file and input_dist.py call torch.distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_rec.input_dist import DistContext, all_to_all, collective_error, wait
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0; backward sends the gradient back the way it came."""
+
+    @staticmethod
+    def forward(ctx, input_: Tensor, pg, out_splits: list[int], in_splits: list[int], what: str,
+                timeout_s: float | None) -> Tensor:
+        ctx.pg, ctx.out_splits, ctx.in_splits, ctx.what, ctx.timeout_s = pg, out_splits, in_splits, what, timeout_s
+        out = input_.new_empty((sum(out_splits),) + tuple(input_.shape[1:]))
+        work = all_to_all(pg, out, input_.contiguous(), out_splits, in_splits, what, timeout_s, async_op=True)
+        wait(work, what, timeout_s)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_in = grad_out.new_empty((sum(ctx.in_splits),) + tuple(grad_out.shape[1:]))
+        what = f"{ctx.what} (backward)"
+        work = all_to_all(ctx.pg, grad_in, grad_out.contiguous(), ctx.in_splits, ctx.out_splits, what,
+                          ctx.timeout_s, async_op=True)
+        wait(work, what, ctx.timeout_s)
+        return grad_in, None, None, None, None, None
+
+
+def _differentiable(t: Tensor) -> Tensor:
+    # A rank with nothing to send must still take part in the backward all-to-all that the
+    # others run, so its (empty) input must carry autograd too.
+    return t if t.requires_grad else t.detach().requires_grad_(True)
+
+
+class PooledAllToAll:
+    """[B_0+...+B_{W-1}, D_p] on owner p -> flat blocks [B_r x D_q for each q] on source r."""
+
+    def __init__(self, pg, rank: int, rank_dims: list[int], timeout_s: float | None = None) -> None:
+        self.pg, self.rank, self.rank_dims, self.timeout_s = pg, rank, rank_dims, timeout_s
+
+    def __call__(self, pooled_BD: Tensor, ctx: DistContext) -> Tensor:
+        D_me = self.rank_dims[self.rank]
+        in_splits = [b * D_me for b in ctx.batch_per_source]
+        out_splits = [ctx.batch * d for d in self.rank_dims]
+        return _AllToAll.apply(_differentiable(pooled_BD).reshape(-1), self.pg, out_splits, in_splits,
+                               "pooled embedding all-to-all", self.timeout_s)
+
+
+class SequenceAllToAll:
+    """Rows of every id, source-major on owner p -> [ids this rank sent, Dmax] in routed order."""
+
+    def __init__(self, pg, rank: int, timeout_s: float | None = None) -> None:
+        self.pg, self.rank, self.timeout_s = pg, rank, timeout_s
+
+    def __call__(self, rows_ND: Tensor, ctx: DistContext) -> Tensor:
+        in_splits = list(ctx.ids_per_source)
+        out_splits = list(ctx.routed.ids_per_rank)
+        return _AllToAll.apply(_differentiable(rows_ND), self.pg, out_splits, in_splits,
+                               "sequence embedding all-to-all", self.timeout_s)
+
+
+def all_reduce_sum_(pg, tensor: Tensor, timeout_s: float | None = None) -> None:
+    """In place: the sum over ranks (data-parallel replicas' gradients)."""
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
+    except RuntimeError as e:
+        raise collective_error("replica gradient all-reduce", e, timeout_s) from e

@@ -1,0 +1,434 @@
+"""The sharded collections: ShardedEmbeddingBagCollection and ShardedEmbeddingCollection.
+
+Legend: B local batch, F features, S_p this rank's shard features, D dims, W world size.
+
+    forward(features)                                   this rank's B samples, any key order
+      input_dist   ids travel to the ranks that own their rows (input_dist.py); replicated
+                   (data-parallel) features stay here
+      lookup       this rank's shards in as few fused kernels as possible (GroupedLookup), and
+                   the replicas (dense kernel, gradient summed over ranks then the fused rule)
+      output_dist  embeddings travel back (output_dist.py) and land in the unsharded layout:
+                   KeyedTensor [B, sum(D)] (bags) / {feature: JaggedTensor [N_f, D]} (sequence)
+
+Each rank's output covers its own samples (data parallel in and out), exactly what the unsharded
+collection returns for them. The pure routing lives in `sharding/`.
+
+State dict: the same keys as the unsharded collection (`embedding_bags.<table>.weight`,
+`embeddings.<table>.weight`). A sharded table's entry is a `ShardedTensor` (global shape + this
+rank's pieces with their row/column offsets); a replicated table's entry is a plain tensor.
+`load_state_dict` takes either form, from any world size and layout: a full tensor (an unsharded
+checkpoint), or ShardedTensors whose pieces cover this rank's shards (merge per-rank checkpoints
+with `ShardedTensor.merge`). Shard-local names (`<table>@r<row>c<col>`, the table's own name when
+it is whole) name each piece's kernel table and so its fused optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, check_ids
+from lightning_rec.input_dist import DistContext, KJTAllToAll
+from lightning_rec.lookup import DenseKernel, GroupedLookup
+from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
+from lightning_rec.sharding import data_parallel
+from lightning_rec.sharding.embeddings import (
+    OutputColumns,
+    assemble_pooled,
+    assemble_sequence,
+    inverse_permutation,
+    pad_rows,
+)
+from lightning_rec.sharding.ids import RouteTables
+from lightning_rec.sharding.routing import Routing, build_routing
+from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_rec.types import ShardingType
+
+
+@dataclass
+class ShardingEnv:
+    """Where a sharded module runs: its process group (embedding traffic only), rank, device."""
+
+    pg: object
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout_s: float | None = None
+
+
+@dataclass
+class ShardedBatch:
+    routed: KeyedJaggedTensor | None  # this rank's shard features over every rank's samples
+    replicated: KeyedJaggedTensor | None  # data-parallel features of this rank's samples
+    ctx: DistContext
+    features: KeyedJaggedTensor  # this rank's input in feature order (sequence outputs need its lengths)
+
+
+@dataclass
+class ShardedLookupOut:
+    owned: Tensor  # pooled [B_0+...+B_{W-1}, D_p] or rows [N_local, Dmax] (source-major)
+    replicated: list[Tensor]  # per replica kernel group
+    batch: ShardedBatch
+
+
+class ReplicaKernel:
+    """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward.
+
+    Quacks like lookup.FusedKernel for FusedOptimizer (tables, optimizer_config, weights, state, lr).
+    """
+
+    def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
+        self.kernel = kernel
+        self.tables = kernel.tables
+        self.optimizer_config = optimizer
+        self._lr = optimizer.lr
+        self._env = env
+        for t in self.tables:
+            data_parallel.check_replica_optimizer(optimizer, t.name)
+        self._states = [data_parallel.new_state(optimizer, w.detach()) for w in kernel.weights]
+        for w, state in zip(kernel.weights, self._states):
+            w.register_post_accumulate_grad_hook(self._hook(state))
+
+    def _hook(self, state: dict[str, Tensor]):
+        def update(param: Tensor) -> None:
+            grad = param.grad
+            all_reduce_sum_(self._env.pg, grad, self._env.timeout_s)
+            data_parallel.apply_update(param.data, grad, state, self.optimizer_config, self._lr)
+            param.grad = None
+
+        return update
+
+    def split_embedding_weights(self) -> list[Tensor]:
+        return list(self.kernel.weights)
+
+    def optimizer_states(self) -> list[dict[str, Tensor]]:
+        return self._states
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._lr = float(lr)
+
+    def get_learning_rate(self) -> float:
+        return self._lr
+
+
+def _configs(module) -> list:
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bag_configs()
+    return module.embedding_configs()
+
+
+class _ShardedCollectionBase(nn.Module):
+    _weights_attr = "embedding_bags"
+    _pooled = True
+
+    def __init__(self, module: EmbeddingBagCollection | EmbeddingCollection, table_plans, env: ShardingEnv) -> None:
+        super().__init__()
+        optimizer = module.fused_optimizer_config()
+        if optimizer is None:
+            raise ValueError(
+                f"{type(module).__name__} has no fused optimizer: DistributedModelParallel shards fused tables; "
+                f"build it with optimizer=FusedOptimizerConfig(...)"
+            )
+        self._configs = list(_configs(module))
+        self._feature_names = module.feature_names()
+        self._optimizer = optimizer
+        self._is_weighted = module.is_weighted()
+        self.validate_ids = module.validate_ids
+        self._env = env
+        self.routing: Routing = build_routing(self._configs, self._feature_names, table_plans, env.world_size,
+                                              self._pooled)
+        rank, device = env.rank, env.device
+        kernel = getattr(module, "_kernel", "auto")
+        mine = self.routing.rank_tables[rank]
+        # Kernels are kept out of the module tree (as in the unsharded collections): the state dict
+        # shows tables, and DDP / FSDP never see the shards or replicas.
+        object.__setattr__(self, "_lookup", GroupedLookup(mine, optimizer, device, kernel) if mine else None)
+        replicas = GroupedLookup(self.routing.dp_tables, None, device, "dense") if self.routing.dp_tables else None
+        object.__setattr__(self, "_replicas", replicas)
+        self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
+        self._copy_weights(module.lookup.table_weights())
+
+        by_feature = {f: c for c in self._configs for f in c.feature_names}
+        self._rows_F = torch.tensor([by_feature[f].num_embeddings for f in self._feature_names])
+        self._tables_F = [by_feature[f].name for f in self._feature_names]
+        self._dp_features = self.routing.dp_feature_index
+        self._dp_features_t = torch.tensor(self._dp_features, dtype=torch.int32, device=device)
+        self._permute_cache: dict[tuple[str, ...], tuple[list[int], Tensor]] = {}
+        self._routed = self.routing.num_routed > 0
+        self._ids_a2a = KJTAllToAll(RouteTables(self.routing, device), env.pg, rank, device, env.timeout_s)
+
+    # the data path ------------------------------------------------------------------------------
+
+    def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
+        ordered, error = self._validate(features)
+        routed, ctx = self._ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
+        replicated = None
+        if self._dp_features:
+            replicated = ordered.permute(self._dp_features, self._dp_features_t)
+        ctx.lengths_FB = ordered.lengths_FB()
+        return ShardedBatch(routed, replicated, ctx, ordered)
+
+    def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
+        owned = self._lookup(batch.routed) if self._lookup is not None else []
+        replicated = self._replicas(batch.replicated) if self._replicas is not None else []
+        return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
+
+    # validation: every rank checks its own batch, input_dist makes them agree ------------------------
+
+    def _validate(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, str | None]:
+        try:
+            return self._route(features), None
+        except ValueError as e:
+            return None, str(e)
+
+    def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys = tuple(features.keys())
+        if list(keys) != self._feature_names:
+            cached = self._permute_cache.get(keys)
+            if cached is None:
+                index = features.index_per_key()
+                missing = [f for f in self._feature_names if f not in index]
+                if missing:
+                    raise ValueError(
+                        f"the input has no feature(s) {missing} that this sharded {self._kind()} reads; it has "
+                        f"{list(keys)}: rename the features or the tables' feature_names so they match"
+                    )
+                order = [index[f] for f in self._feature_names]
+                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device))
+                self._permute_cache[keys] = cached
+            features = features.permute(cached[0], cached[1])
+        if self._is_weighted and features.weights_or_none() is None:
+            raise ValueError(f"this {self._kind()} is weighted (is_weighted=True) but the input has no weights: "
+                             f"build the KJT with weights=..., or set is_weighted=False")
+        if not self._is_weighted and features.weights_or_none() is not None:
+            features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
+                                         stride=features.stride(), length_per_key=features.length_per_key(),
+                                         _validate=False)
+        if self.validate_ids:
+            check_ids(features, self._rows_F, self._tables_F)
+        return features
+
+    def _kind(self) -> str:
+        return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"
+
+    # what the collections share with the unsharded ones ---------------------------------------------
+
+    def feature_names(self) -> list[str]:
+        return list(self._feature_names)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def fused_optimizer_config(self) -> FusedOptimizerConfig:
+        return self._optimizer
+
+    def fused_kernels(self) -> list:
+        """This rank's fused kernels and replica groups (for FusedOptimizer); names are shard-local."""
+        own = self._lookup.fused_kernels() if self._lookup is not None else []
+        return own + self._replica_kernels
+
+    def table_weights(self) -> dict[str, Tensor]:
+        """Shard-local table name -> [rows, cols] view of this rank's piece (replicas: the whole table)."""
+        out = dict(self._lookup.table_weights()) if self._lookup is not None else {}
+        if self._replicas is not None:
+            out.update(self._replicas.table_weights())
+        return out
+
+    def local_shards(self) -> dict[str, list[tuple]]:
+        """table -> [(ShardMetadata, [rows, cols] view), ...] for the pieces on this rank."""
+        weights = self.table_weights()
+        out: dict[str, list[tuple]] = {}
+        for local in self.routing.rank_tables[self._env.rank]:
+            table, meta = self.routing.pieces[(self._env.rank, local.name)]
+            out.setdefault(table, []).append((meta, weights[local.name]))
+        return out
+
+    def _pieces(self) -> list[tuple[str, object, Tensor]]:
+        """(table, ShardMetadata or None for a replica, weight view) for everything this rank holds."""
+        out = []
+        for table, shards in self.local_shards().items():
+            out += [(table, meta, w) for meta, w in shards]
+        if self._replicas is not None:
+            out += [(t.name, None, w) for t, w in zip(self._replicas.tables,
+                                                       self._replicas.table_weights().values())]
+        return out
+
+    @torch.no_grad()
+    def _copy_weights(self, full: dict[str, Tensor]) -> None:
+        if any(w.is_meta for w in full.values()):
+            return  # a collection built on device="meta": the shards keep their own initialisation
+        for table, meta, w in self._pieces():
+            if meta is None:
+                w.copy_(full[table])
+            else:
+                (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                w.copy_(full[table][r : r + nr, c : c + nc])
+
+    # state dict ------------------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        shapes = {c.name: (c.num_embeddings, c.embedding_dim) for c in self._configs}
+        pieces: dict[str, list] = {}
+        for table, meta, w in self._pieces():
+            value = w if keep_vars else w.detach()
+            if meta is None:
+                destination[f"{prefix}{self._weights_attr}.{table}.weight"] = value
+            else:
+                pieces.setdefault(table, []).append((meta, value))
+        for c in self._configs:
+            # every sharded table has an entry on every rank, holding none of its pieces when elsewhere
+            if self.routing.table_shardings[c.name].sharding_type != ShardingType.DATA_PARALLEL:
+                destination[f"{prefix}{self._weights_attr}.{c.name}.weight"] = ShardedTensor(
+                    shapes[c.name], pieces.get(c.name, []))
+
+    @torch.no_grad()
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        head = f"{prefix}{self._weights_attr}."
+        known = {f"{head}{c.name}.weight" for c in self._configs}
+        for key in state_dict:
+            if key.startswith(head) and key not in known:
+                unexpected_keys.append(key)
+        for table, meta, w in self._pieces():
+            key = f"{head}{table}.weight"
+            if key not in state_dict:
+                if key not in missing_keys:
+                    missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            (r, c), (nr, nc) = (meta.shard_offsets, meta.shard_sizes) if meta is not None else ((0, 0), w.shape)
+            try:
+                if isinstance(value, ShardedTensor):
+                    piece = value.read(r, c, nr, nc, what=f"table '{table}'")
+                else:
+                    if tuple(value.shape) != tuple(self._global_shape(table)):
+                        raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the checkpoint but the table is "
+                                         f"{tuple(self._global_shape(table))}: the table sizes differ")
+                    piece = value[r : r + nr, c : c + nc]
+                w.copy_(piece)
+            except ValueError as e:
+                error_msgs.append(str(e))
+
+    def _global_shape(self, table: str) -> tuple[int, int]:
+        c = next(c for c in self._configs if c.name == table)
+        return (c.num_embeddings, c.embedding_dim)
+
+    def _join_owned(self, owned: Sequence[Tensor], batch: ShardedBatch) -> Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        lines = [f"rank {self._env.rank}/{self._env.world_size}"]
+        for name, ps in self.routing.table_shardings.items():
+            lines.append(f"{name}: {ps}")
+        return "\n".join(lines)
+
+
+class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
+    """EmbeddingBagCollection with its tables spread over ranks: KJT -> KeyedTensor [B, sum(D)]."""
+
+    _weights_attr = "embedding_bags"
+    _pooled = True
+
+    def __init__(self, module: EmbeddingBagCollection, table_plans, env: ShardingEnv) -> None:
+        super().__init__(module, table_plans, env)
+        self._dims = [c for c in self.routing.feature_dims]
+        self._columns = OutputColumns(self.routing, env.device)
+        self._pooled_a2a = PooledAllToAll(env.pg, env.rank, self.routing.rank_dims, env.timeout_s)
+
+    def embedding_bag_configs(self):
+        return list(self._configs)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        batch = self.input_dist(features)  # ids travel to the ranks that own their rows
+        pooled = self.lookup(batch)  # this rank's shards (fused kernels) and replicas
+        return self.output_dist(pooled)  # pooled embeddings travel back: [B, sum(D)], this rank's samples
+
+    def _join_owned(self, owned: Sequence[Tensor], batch: ShardedBatch) -> Tensor:
+        if not owned:
+            return torch.zeros(sum(batch.ctx.batch_per_source), 0, device=self._env.device)
+        return owned[0] if len(owned) == 1 else torch.cat(owned, dim=1)
+
+    def output_dist(self, out: ShardedLookupOut) -> KeyedTensor:
+        ctx = out.batch.ctx
+        received = self._pooled_a2a(out.owned, ctx)
+        dp_BD = None
+        if out.replicated:
+            dp_BD = out.replicated[0] if len(out.replicated) == 1 else torch.cat(out.replicated, dim=1)
+        pooled_BD = assemble_pooled(received, ctx.batch, dp_BD, self._columns, ctx.lengths_FB)
+        return KeyedTensor(self._feature_names, self._dims, pooled_BD)
+
+
+class ShardedEmbeddingCollection(_ShardedCollectionBase):
+    """EmbeddingCollection with its tables spread over ranks: KJT -> {feature: JaggedTensor [N_f, D]}."""
+
+    _weights_attr = "embeddings"
+    _pooled = False
+
+    def __init__(self, module: EmbeddingCollection, table_plans, env: ShardingEnv) -> None:
+        super().__init__(module, table_plans, env)
+        self._width = self.routing.max_dim()
+        self._rows_a2a = SequenceAllToAll(env.pg, env.rank, env.timeout_s)
+        self._routed_features = sorted(set(self.routing.copy_feature_index))
+
+    def embedding_configs(self):
+        return list(self._configs)
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        batch = self.input_dist(features)  # ids travel to the ranks that own their rows
+        rows = self.lookup(batch)  # one row per id: this rank's shards and replicas
+        return self.output_dist(rows)  # rows travel back, in each feature's id order
+
+    def _join_owned(self, owned: Sequence[Tensor], batch: ShardedBatch) -> Tensor:
+        if not owned:
+            return torch.zeros(0, self._width, device=self._env.device)
+        rows_ND = pad_rows(owned, self._width)  # key-major
+        pos_N = batch.ctx.positions_N
+        return rows_ND.index_select(0, inverse_permutation(pos_N)) if pos_N.numel() else rows_ND
+
+    def output_dist(self, out: ShardedLookupOut) -> dict[str, JaggedTensor]:
+        ctx = out.batch.ctx
+        features = out.batch.features
+        rows: dict[int, Tensor] = {}
+        if self._routed:
+            received = self._rows_a2a(out.owned, ctx)
+            copies = ctx.routed.copies
+            routed_rows = assemble_sequence(received, ctx.routed.order_N, self.routing, copies.length_per_key())
+            rows.update(zip(self._routed_features, routed_rows))
+        if out.replicated:
+            dp_rows = out.replicated[0] if len(out.replicated) == 1 else None
+            parts = [dp_rows] if dp_rows is not None else out.replicated
+            lpk = out.batch.replicated.length_per_key()
+            sizes = [len(g) for g in self._replica_group_features()]
+            k = 0
+            for group_rows, n in zip(parts, sizes):
+                for f, r in zip(self._dp_features[k : k + n], torch.split(group_rows, lpk[k : k + n])):
+                    rows[f] = r
+                k += n
+        return {name: JaggedTensor(values=rows[i], lengths=features.lengths_FB()[i])
+                for i, name in enumerate(self._feature_names)}
+
+    def _replica_group_features(self) -> list[list[str]]:
+        return [[f for t in g for f in t.feature_names] for g in self._replicas.groups]
+
+
+def shard_collection(module, table_plans, env: ShardingEnv) -> _ShardedCollectionBase:
+    if isinstance(module, EmbeddingBagCollection):
+        return ShardedEmbeddingBagCollection(module, table_plans, env)
+    if isinstance(module, EmbeddingCollection):
+        for name, ps in table_plans.items():
+            if ps.sharding_type not in SEQUENCE_SHARDING_TYPES:
+                raise ValueError(
+                    f"table '{name}' of an EmbeddingCollection is planned {ps.sharding_type}: sequence tables take "
+                    f"{', '.join(str(t) for t in SEQUENCE_SHARDING_TYPES)}"
+                )
+        return ShardedEmbeddingCollection(module, table_plans, env)
+    raise AssertionError(type(module))
+
+
+SEQUENCE_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
+                           ShardingType.DATA_PARALLEL)

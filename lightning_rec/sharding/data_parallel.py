@@ -1,0 +1,62 @@
+"""Data-parallel tables: the fused optimizer's rule applied to a replica's summed gradient. Pure math.
+
+A replicated table lives on every rank as an ordinary parameter. Its gradient (summed over ranks in
+backward by output_dist.all_reduce_sum_) is applied at once with the same rule, learning rate and
+state names as the fused kernels, so a replicated table trains exactly like a fused one on the
+global batch, and FusedOptimizer / checkpoints treat both alike. Updates are lazy, as in the fused
+kernels: rows with no gradient are left alone.
+
+    sgd              w -= lr * (g + wd * w)
+    adagrad          s += g^2;               w -= lr * g / (sqrt(s) + eps)
+    rowwise_adagrad  s_row += mean_d(g^2);   w -= lr * g / (sqrt(s_row) + eps)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_rec.optim import EmbOptimType, FusedOptimizerConfig
+
+REPLICA_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
+
+
+def check_replica_optimizer(config: FusedOptimizerConfig, table: str) -> None:
+    if EmbOptimType(config.optimizer) not in REPLICA_OPTIMIZERS:
+        raise ValueError(
+            f"table '{table}' is data_parallel with fused optimizer {config.optimizer}, which replicated tables do "
+            f"not implement: use {', '.join(str(o) for o in REPLICA_OPTIMIZERS)}, or shard the table (table_wise, ...)"
+        )
+
+
+def new_state(config: FusedOptimizerConfig, weight_RD: Tensor) -> dict[str, Tensor]:
+    opt = EmbOptimType(config.optimizer)
+    if opt == EmbOptimType.ADAGRAD:
+        return {"sum": torch.zeros_like(weight_RD)}
+    if opt == EmbOptimType.ROWWISE_ADAGRAD:
+        return {"sum": weight_RD.new_zeros(weight_RD.shape[0])}
+    return {}
+
+
+@torch.no_grad()
+def apply_update(weight_RD: Tensor, grad_RD: Tensor, state: dict[str, Tensor], config: FusedOptimizerConfig,
+                 lr: float) -> None:
+    rows_U = (grad_RD != 0).any(dim=1).nonzero().squeeze(1)
+    if rows_U.numel() == 0:
+        return
+    w_UD = weight_RD.index_select(0, rows_U)
+    g_UD = grad_RD.index_select(0, rows_U)
+    if config.weight_decay:
+        g_UD = g_UD + config.weight_decay * w_UD
+    opt = EmbOptimType(config.optimizer)
+    if opt == EmbOptimType.SGD:
+        step_UD = g_UD
+    elif opt == EmbOptimType.ADAGRAD:
+        s_UD = state["sum"].index_select(0, rows_U) + g_UD * g_UD
+        state["sum"].index_copy_(0, rows_U, s_UD)
+        step_UD = g_UD / (s_UD.sqrt() + config.eps)
+    else:
+        s_U = state["sum"].index_select(0, rows_U) + (g_UD * g_UD).mean(dim=1)
+        state["sum"].index_copy_(0, rows_U, s_U)
+        step_UD = g_UD / (s_U.sqrt() + config.eps).unsqueeze(1)
+    weight_RD.index_copy_(0, rows_U, w_UD - lr * step_UD)

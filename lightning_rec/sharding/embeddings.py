@@ -1,0 +1,96 @@
+"""Embeddings on their way back: where each returned column or row lands. Pure tensors.
+
+Legend: B local batch, B_r batch of source rank r, D output width (sum of feature dims), D_p width
+of rank p's pooled lookup, D_all = sum_p D_p + data-parallel width, N ids, W world size.
+
+Pooled. Rank p's lookup gives pooled [B_0 + ... + B_{W-1}, D_p], its rows already source-major,
+so rows B_r of it go back to source r as one block. Source r receives one [B_r, D_p] block per
+owner p and places the columns:
+
+    [ from rank 0 | from rank 1 | ... | data-parallel ]  [B, D_all]
+          |  each column to its feature's column (Routing.output_columns)
+          v
+    [ f0 cols | f1 cols | ... ]                           [B, D]   a gather, or a sum (index_add)
+                                                                   when row shards add up
+
+Mean pooling under any split is sum then divide by the global bag length, known at the source.
+
+Sequence. Rank p's lookup gives one row per id, key-major; rows go back source-major (the inverse
+of the ids' permutation) and each source puts them back in its features' id order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_rec.sharding.routing import Routing
+
+
+def inverse_permutation(perm_N: Tensor) -> Tensor:
+    inv_N = torch.empty_like(perm_N)
+    inv_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device, dtype=perm_N.dtype)
+    return inv_N
+
+
+class OutputColumns:
+    """Routing.output_columns on a device, with its inverse when it is a permutation."""
+
+    def __init__(self, routing: Routing, device: torch.device) -> None:
+        self.columns_Dall = routing.output_columns().to(device)
+        self.width = sum(routing.feature_dims)
+        # Row shards add partial sums into the same columns; otherwise every column comes once.
+        self.summed = routing.row_split
+        self.gather_D = None if self.summed else inverse_permutation(self.columns_Dall)
+        self.rank_dims = routing.rank_dims
+        dims = torch.tensor(routing.feature_dims, device=device)
+        self.width_F = dims
+        mean_F = torch.tensor(routing.mean_features, device=device)
+        self.mean_D = torch.repeat_interleave(mean_F, dims) if bool(mean_F.any()) else None
+
+
+def pooled_send_splits(batch_per_source: Sequence[int], width: int) -> list[int]:
+    return [b * width for b in batch_per_source]
+
+
+def assemble_pooled(received: Tensor, batch: int, dp_BD: Tensor | None, cols: OutputColumns,
+                    lengths_FB: Tensor | None) -> Tensor:
+    """Received blocks (flat, one [B, D_p] per owner p, in rank order) -> [B, D] in feature order."""
+    parts = [block.view(batch, d) for block, d in
+             zip(received.split([batch * d for d in cols.rank_dims]), cols.rank_dims) if d]
+    if dp_BD is not None:
+        parts.append(dp_BD)
+    all_BD = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if cols.summed:
+        out_BD = all_BD.new_zeros(batch, cols.width).index_add(1, cols.columns_Dall, all_BD)
+    else:
+        out_BD = all_BD.index_select(1, cols.gather_D)
+    if cols.mean_D is not None:
+        count_BF = lengths_FB.t().clamp(min=1).to(out_BD.dtype)
+        count_BD = torch.repeat_interleave(count_BF, cols.width_F, dim=1, output_size=cols.width)
+        out_BD = out_BD / torch.where(cols.mean_D, count_BD, torch.ones_like(count_BD))
+    return out_BD
+
+
+def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
+    """Sequence lookup outputs (one [N_g, D_g] per kernel group) as one [N, width] (zero padded)."""
+    padded = [r if r.shape[1] == width else torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows]
+    return padded[0] if len(padded) == 1 else torch.cat(padded, dim=0)
+
+
+def assemble_sequence(received_ND: Tensor, order_N: Tensor, routing: Routing,
+                      copy_lengths: Sequence[int]) -> list[Tensor]:
+    """Rows back in each feature's id order: one [N_f, D_f] per routed feature (output order).
+
+    `received_ND` is in routed order; `order_N[i]` is the copy-order position of routed id i;
+    `copy_lengths` the ids per copy (feature-major, column blocks in order).
+    """
+    rows_ND = received_ND.index_select(0, inverse_permutation(order_N)) if order_N.numel() else received_ND
+    per_copy = rows_ND.split(list(copy_lengths))
+    by_feature: dict[int, list[Tensor]] = {}
+    for c, rows in enumerate(per_copy):
+        _, width = routing.copy_cols[c]
+        by_feature.setdefault(routing.copy_feature_index[c], []).append(rows[:, :width])
+    return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for _, parts in sorted(by_feature.items())]

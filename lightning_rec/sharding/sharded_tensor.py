@@ -1,0 +1,76 @@
+"""A table as this rank holds it: its pieces (shards) and where they sit in the global table.
+
+This is what the sharded collections put in their state dict for every sharded table:
+
+    ShardedTensor(global_shape=(rows, dim), local_shards=[(ShardMetadata, tensor [rows_s, cols_s]), ...])
+
+The metadata makes a checkpoint independent of the world size that wrote it: any layout reads
+any rectangle it owns from the pieces that cover it (`read`). Per-rank checkpoints are combined
+with `ShardedTensor.merge([...])`; `full()` assembles the whole table when every piece is there.
+Pure tensor code; pickles with torch.save (load with weights_only=False, or add
+`ShardedTensor` and `ShardMetadata` to torch.serialization's safe globals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_rec.types import ShardMetadata
+
+
+@dataclass
+class ShardedTensor:
+    global_shape: tuple[int, int]
+    local_shards: list[tuple[ShardMetadata, Tensor]] = field(default_factory=list)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.global_shape)
+
+    def __repr__(self) -> str:
+        pieces = ", ".join(str(m) for m, _ in self.local_shards)
+        return f"ShardedTensor(global_shape={tuple(self.global_shape)}, shards=[{pieces}])"
+
+    @staticmethod
+    def merge(parts: Sequence[ShardedTensor]) -> ShardedTensor:
+        """The pieces of several ranks' checkpoints of one table, as one ShardedTensor."""
+        shapes = {tuple(p.global_shape) for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"cannot merge pieces of tables with different shapes {sorted(shapes)}")
+        seen, shards = set(), []
+        for p in parts:
+            for meta, t in p.local_shards:
+                key = (meta.shard_offsets, meta.shard_sizes)
+                if key not in seen:  # replicas (and repeated saves) count once
+                    seen.add(key)
+                    shards.append((meta, t))
+        return ShardedTensor(shapes.pop(), shards)
+
+    def read(self, row: int, col: int, rows: int, cols: int, what: str = "table") -> Tensor:
+        """The rectangle [row:row+rows, col:col+cols] of the global table, from the pieces held."""
+        out = None
+        covered = torch.zeros(rows, cols, dtype=torch.bool)
+        for meta, t in self.local_shards:
+            (r0, c0), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+            a, b = max(row, r0), min(row + rows, r0 + nr)
+            c, d = max(col, c0), min(col + cols, c0 + nc)
+            if a >= b or c >= d:
+                continue
+            if out is None:
+                out = t.new_empty(rows, cols)
+            out[a - row : b - row, c - col : d - col] = t[a - r0 : b - r0, c - c0 : d - c0]
+            covered[a - row : b - row, c - col : d - col] = True
+        if rows and cols and not bool(covered.all()):
+            raise ValueError(
+                f"{what}: the checkpoint's pieces {[str(m) for m, _ in self.local_shards]} do not cover rows "
+                f"{row}:{row + rows} cols {col}:{col + cols}: combine every rank's checkpoint with "
+                f"ShardedTensor.merge (or save a full state dict) before loading into another layout"
+            )
+        return out if out is not None else torch.empty(rows, cols)
+
+    def full(self) -> Tensor:
+        return self.read(0, 0, *self.global_shape)

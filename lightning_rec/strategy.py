@@ -1,0 +1,189 @@
+"""RecStrategy: `Trainer(strategy="rec")` shards embedding tables and keeps dense layers data parallel.
+
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=2)
+    trainer.fit(DLRMModule(...), CriteoDataModule(...))
+
+Setup, on every rank: the LightningModule's embedding collections are swapped in place for sharded
+ones by DistributedModelParallel (the plan is the user's `plan=`, else the planner's: `planner=`,
+or one built from the topology), and the module is wrapped in DDP (or FSDP2) for its dense
+layers. This happens before `configure_optimizers`, so the module's combined optimizer sees the
+sharded fused kernels. Evaluation-only runs (validate/test/predict) are sharded too, without DDP.
+
+Checkpoints hold every table whole: each rank's shards (and each shard's fused optimizer state)
+are gathered to rank 0, which writes one file that loads into any world size or plan, or into the
+unsharded module. Gathering costs rank 0 host memory for the whole model; for models larger than
+that, save per rank with `DistributedModelParallel.state_dict()` and merge with ShardedTensor.merge.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_rec.model_parallel import DistributedModelParallel
+from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.types import ShardingPlan
+
+
+class RecStrategy(DDPStrategy):
+    """DDP for dense layers + model-parallel embedding tables.
+
+    Args:
+        plan: a ShardingPlan keyed by module paths inside the LightningModule
+            (e.g. "model.sparse_arch.embedding_bag_collection"); None: the planner decides.
+        planner: an EmbeddingShardingPlanner to use when plan is None (default: one built from
+            the machine's topology).
+        dense: "ddp" | "fsdp" for the dense layers.
+        embedding_timeout: seconds an embedding collective waits for a peer before raising.
+        **kwargs: DDPStrategy's arguments (process_group_backend, find_unused_parameters, ...).
+    """
+
+    strategy_name = "rec"
+
+    def __init__(self, plan: ShardingPlan | None = None, planner: Any = None, dense: str = "ddp",
+                 embedding_timeout: float = 1800.0, **kwargs: Any) -> None:
+        if dense not in ("ddp", "fsdp"):
+            raise ValueError(f"RecStrategy(dense={dense!r}): use 'ddp' or 'fsdp'")
+        super().__init__(**kwargs)
+        self._plan = plan
+        self._planner = planner
+        self._dense = dense
+        self._embedding_timeout = embedding_timeout
+        self._dmp: DistributedModelParallel | None = None
+
+    @property
+    def dmp(self) -> DistributedModelParallel:
+        if self._dmp is None:
+            raise ValueError("the model is sharded during Trainer setup: read strategy.dmp after fit/validate starts")
+        return self._dmp
+
+    @property
+    def plan(self) -> ShardingPlan:
+        return self.dmp.plan
+
+    def _default_planner(self):
+        """A planner told what this run trains: the batch per rank and the fused optimizer."""
+        from lightning_rec.optim import fused_modules
+        from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+        module = self.lightning_module
+        configs = [m.fused_optimizer_config() for _, m in fused_modules(module)
+                   if callable(getattr(m, "fused_optimizer_config", None))]
+        datamodule = getattr(self._lightning_module.trainer, "datamodule", None)
+        batch_size = getattr(datamodule, "batch_size", None) or 512
+        topology = Topology(world_size=self.world_size, compute_device=self.root_device.type,
+                            local_world_size=self.num_processes)
+        kwargs = {"optimizer": configs[0]} if configs and configs[0] is not None else {}
+        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, **kwargs)
+
+    def _shard(self, dense: str | None) -> None:
+        module = self.lightning_module
+        plan = self._plan
+        if plan is None:
+            planner = self._planner or self._default_planner()
+            plan = planner.collective_plan(module)
+            self._log_plan_stats(planner)
+        self._dmp = DistributedModelParallel(
+            module, plan=plan, device=self.root_device, dense=dense,
+            timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
+        )
+        if self.is_global_zero:
+            print(f"lightning_rec sharding plan ({self.world_size} ranks):\n{self._dmp.plan}", flush=True)
+
+    def _log_plan_stats(self, planner) -> None:
+        """Print the planner's per-rank table once, and give it to the logger (a W&B table)."""
+        if not self.is_global_zero:  # rank 0 plans; the others only receive the plan
+            return
+        stats = planner.stats
+        print(stats, flush=True)
+        logger = self._lightning_module.trainer.logger
+        if logger is not None and callable(getattr(logger, "log_table", None)):
+            columns, rows = stats.rank_rows()
+            logger.log_table(key="sharding_plan", columns=columns, data=rows)
+
+    @override
+    def configure_ddp(self) -> None:
+        self._shard(self._dense)
+        # DDP(LightningModule) when dense="ddp": Lightning redirects training_step through it as usual.
+        self.model = self._dmp._dmp_wrapped_module
+        if self._dense == "ddp" and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._register_ddp_hooks()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
+            self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
+
+    # checkpoints: every rank's shards, gathered whole ------------------------------------------
+
+    def _gather_to_zero(self, obj: Any) -> list[Any] | None:
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return [obj]
+        parts = [None] * self.world_size if self.is_global_zero else None
+        dist.gather_object(obj, parts, dst=0)
+        return parts
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        local = self.lightning_module.state_dict()
+        sharded = {k: v for k, v in local.items() if isinstance(v, ShardedTensor)}
+        parts = self._gather_to_zero({k: _cpu(v) for k, v in sharded.items()})
+        if parts is None:
+            return local
+        merged = dict(local)
+        for key in sharded:
+            merged[key] = ShardedTensor.merge([p[key] for p in parts]).full()
+        return merged
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = optimizer.state_dict()
+        fused_key = _fused_part(optimizer)
+        if fused_key is None:
+            return state
+        fused = state[fused_key] if fused_key else state
+        parts = self._gather_to_zero({k: v.detach().cpu() for k, v in fused["state"].items()})
+        if parts is None:
+            return state
+        gathered = {k: v for p in parts for k, v in p.items()}  # shard names are unique per rank
+        fused = {**fused, "state": gathered}
+        return {**state, fused_key: fused} if fused_key else fused
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            "rec", cls, description="lightning_rec: sharded embedding tables + data-parallel dense layers"
+        )
+
+
+def _cpu(st: ShardedTensor) -> ShardedTensor:
+    return ShardedTensor(st.global_shape, [(m, t.detach().cpu()) for m, t in st.local_shards])
+
+
+def _fused_part(optimizer: torch.optim.Optimizer) -> str | None:
+    """Where a FusedOptimizer's state sits in `optimizer.state_dict()`: "" (itself), a child name, or None."""
+    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+
+    if isinstance(optimizer, FusedOptimizer):
+        return ""
+    if isinstance(optimizer, CombinedOptimizer):
+        for name, child in optimizer.optimizers:
+            if isinstance(child, FusedOptimizer):
+                return name
+    return None
+
+
+if "rec" not in StrategyRegistry:
+    RecStrategy.register_strategies(StrategyRegistry)

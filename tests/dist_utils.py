@@ -1,0 +1,108 @@
+"""One helper to run a function on N CPU ranks (gloo) from a test: `run_ranks(fn, world_size, *args)`.
+
+Each rank runs `fn(rank, world_size, *args)` in its own process with the process group already
+initialised, and its return value (or its exception, with traceback) comes back through a file.
+Processes come from a forkserver that has torch and lightning_rec imported once, so a run starts
+in well under a second instead of re-importing torch per rank. A run that exceeds `timeout`
+seconds is killed and fails the test (a broken collective never hangs the suite).
+`fn` must be a module-level function of an importable module (it is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fbgemm_gpu", "lightning_rec.model_parallel"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _worker(fn, rank, world_size, port, out_path, pg_timeout, args, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(kwargs.pop("_local_world_size", world_size)))
+    result: tuple
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        result = ("ok", fn(rank, world_size, *args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__)
+    with open(out_path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(out_path + ".tmp", out_path)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    os._exit(0)  # skip atexit/gloo teardown that can stall when a peer is gone
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: float = 60.0,
+              allow_missing: bool = False, local_world_size: int | None = None, **kwargs) -> list:
+    """Per-rank return values of fn(rank, world_size, *args, **kwargs). Raises RankFailed on any error.
+
+    allow_missing: a rank that exits without a result (a test that kills a rank) gives None.
+    """
+    ctx = _context()
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
+        if local_world_size is not None:
+            kwargs["_local_world_size"] = local_world_size
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, paths[r], pg_timeout, args, dict(kwargs)))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        results, errors = [], []
+        for r, path in enumerate(paths):
+            if not os.path.exists(path):
+                if r in hung:
+                    errors.append(f"rank {r}: still running after {timeout} s (killed)")
+                elif not allow_missing:
+                    errors.append(f"rank {r}: exited (code {procs[r].exitcode}) without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, *payload = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r}: {payload[0]}")
+                results.append(None)
+            else:
+                results.append(payload[0])
+        if errors:
+            raise RankFailed("\n".join(errors))
+        return results

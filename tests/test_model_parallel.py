@@ -1,0 +1,387 @@
+"""DistributedModelParallel against the unsharded collection, on 2 and 4 CPU ranks (gloo).
+
+Parity: every rank builds the unsharded module with the same weights and trains it on the
+concatenated global batch with loss = sum of the per-rank losses; the sharded module sees only
+its own samples. Fused tables get the sum of every rank's gradient, exactly the reference's; DDP
+averages the dense gradient, so the dense reference gradient is divided by the world size.
+Tolerance ATOL = 1e-5: fp32, but row shards add partial sums in another order and the kernels
+aggregate duplicate ids before updating. Column splits are trained with (element-wise) adagrad /
+sgd: row-wise adagrad keeps one accumulator per row of each column block, so a column-split table
+differs from the unsharded one by design (as in TorchRec).
+
+Uneven shapes in every case: rows not divisible by the world size (5, 7, 11 rows; one empty row
+shard at 4 ranks), batch sizes 3 + rank, and one feature with no ids at all on rank 1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch import nn
+
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from lightning_rec.model_parallel import (
+    DistributedModelParallel,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    grid_shard,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.types import ShardingPlan
+
+ATOL = 1e-5
+STEPS = 5
+KEYS = ["f0", "f1", "f2", "f3"]
+ROWS = {"t0": 11, "t1": 7, "t2": 5}
+DIMS = {"t0": 8, "t1": 4, "t2": 6}
+SEQ_DIMS = {"t0": 8, "t1": 4, "t2": 8}
+FEATURES = {"t0": ["f0", "f1"], "t1": ["f2"], "t2": ["f3"]}
+ROWS_F = [11, 11, 7, 5]
+
+
+def _tables(pooling: str | None):
+    if pooling is None:  # sequence tables run on fbgemm: dims in multiples of 4
+        return [EmbeddingConfig(name=t, num_embeddings=ROWS[t], embedding_dim=SEQ_DIMS[t], feature_names=FEATURES[t])
+                for t in ROWS]
+    return [EmbeddingBagConfig(name=t, num_embeddings=ROWS[t], embedding_dim=DIMS[t], feature_names=FEATURES[t],
+                               pooling=pooling) for t in ROWS]
+
+
+def _batch(rank: int, step: int, weighted: bool) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    B = 3 + rank
+    lengths = torch.randint(0, 4, (len(KEYS) * B,), generator=g)
+    if rank == 1:
+        lengths[3 * B :] = 0  # f3 has no ids on rank 1
+    values = torch.cat([torch.randint(0, n, (int(lengths[f * B : (f + 1) * B].sum()),), generator=g)
+                        for f, n in enumerate(ROWS_F)])
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths, weights=weights)
+
+
+def _global_batch(world_size: int, step: int, weighted: bool) -> KeyedJaggedTensor:
+    per_rank = [_batch(r, step, weighted).to_dict() for r in range(world_size)]
+    lengths, values, weights = [], [], []
+    for k in KEYS:
+        lengths += [d[k].lengths() for d in per_rank]
+        values += [d[k].values() for d in per_rank]
+        if weighted:
+            weights += [d[k].weights() for d in per_rank]
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, torch.cat(values), torch.cat(lengths),
+                                               weights=torch.cat(weights) if weighted else None)
+
+
+class PooledModel(nn.Module):
+    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.dense = nn.Linear(sum(DIMS[t] * len(FEATURES[t]) for t in ROWS), 3)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.ebc(kjt).values())
+
+
+def _plan(kind: str, world_size: int, local_world_size: int, sequence: bool = False) -> dict:
+    W, hosts = world_size, world_size // local_world_size
+    last = W - 1
+    if sequence:
+        return {
+            "table_wise": {"t0": table_wise(rank=last), "t1": table_wise(rank=0), "t2": table_wise(rank=1 % W)},
+            "row_wise": {"t0": row_wise(), "t1": row_wise(), "t2": row_wise()},
+            "column_wise": {"t0": column_wise(ranks=[last, 0]), "t1": table_wise(rank=0),
+                            "t2": column_wise(ranks=[0, 0])},
+            "data_parallel": {"t0": data_parallel(), "t1": data_parallel(), "t2": data_parallel()},
+            "mixed": {"t0": row_wise(), "t1": data_parallel(), "t2": column_wise(ranks=[last, 0])},
+        }[kind]
+    plans = {
+        "table_wise": {"t0": table_wise(rank=last), "t1": table_wise(rank=0), "t2": table_wise(rank=1 % W)},
+        "row_wise": {"t0": row_wise(), "t1": row_wise(), "t2": row_wise()},
+        "column_wise": {"t0": column_wise(ranks=list(range(W))), "t1": column_wise(ranks=[1, 0], size_per_rank=[1, 3]),
+                        "t2": column_wise(ranks=[0, 0])},
+        "table_row_wise": {"t0": table_row_wise(host_index=hosts - 1), "t1": table_row_wise(host_index=0),
+                           "t2": table_wise(rank=0)},
+        "table_column_wise": {"t0": table_column_wise(host_index=hosts - 1), "t1": table_column_wise(host_index=0),
+                              "t2": table_wise(rank=last)},
+        "grid_shard": {"t0": grid_shard(host_indexes=list(range(hosts))), "t1": grid_shard(host_indexes=[hosts - 1]),
+                       "t2": row_wise()},
+        "data_parallel": {"t0": data_parallel(), "t1": data_parallel(), "t2": data_parallel()},
+        "mixed": {"t0": row_wise(), "t1": data_parallel(), "t2": column_wise(ranks=[last, 0])},
+    }
+    return plans[kind]
+
+
+POOLED_CASES = [
+    # (plan kind, pooling, weighted, fused optimizer)
+    ("table_wise", "sum", False, "rowwise_adagrad"), ("table_wise", "mean", True, "adagrad"),
+    ("row_wise", "sum", False, "rowwise_adagrad"), ("row_wise", "mean", True, "adagrad"),
+    ("column_wise", "sum", False, "adagrad"), ("column_wise", "mean", True, "sgd"),
+    ("table_row_wise", "sum", True, "rowwise_adagrad"), ("table_row_wise", "mean", False, "adagrad"),
+    ("table_column_wise", "sum", False, "adagrad"), ("table_column_wise", "mean", True, "sgd"),
+    ("grid_shard", "sum", False, "adagrad"), ("grid_shard", "mean", True, "sgd"),
+    ("data_parallel", "sum", False, "rowwise_adagrad"), ("data_parallel", "mean", True, "adagrad"),
+    ("mixed", "sum", True, "adagrad"), ("mixed", "mean", False, "sgd"),
+]
+SEQUENCE_CASES = [("table_wise", "adagrad"), ("row_wise", "sgd"), ("column_wise", "adagrad"),
+                  ("data_parallel", "rowwise_adagrad"), ("mixed", "adagrad")]
+
+
+def _check_pieces(dmp, reference: nn.Module, attr: str, what: str) -> None:
+    ref = {k: v for k, v in reference.state_dict().items() if ".weight" in k and attr in k}
+    state = dmp.state_dict()
+    for key, full in ref.items():
+        value = state[key]
+        if isinstance(value, ShardedTensor):
+            assert tuple(value.global_shape) == tuple(full.shape)
+            for meta, piece in value.local_shards:
+                (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                torch.testing.assert_close(piece, full[r : r + nr, c : c + nc], atol=ATOL, rtol=0,
+                                           msg=f"{what} {key} {meta}")
+        else:
+            torch.testing.assert_close(value, full, atol=ATOL, rtol=0, msg=f"{what} {key}")
+
+
+def _pooled_case(rank, W, lws, kind, pooling, weighted, opt):
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig(opt, lr=0.1)
+    model = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config))
+    reference = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config))
+    reference.load_state_dict(model.state_dict())
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, lws), local_size=lws,
+                                                               world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} W={W}"
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(3 + r, 3, generator=g) for r in range(W)]
+        out = dmp(_batch(rank, step, weighted))
+        ref_out = reference(_global_batch(W, step, weighted))
+        start = sum(3 + r for r in range(rank))
+        torch.testing.assert_close(out, ref_out[start : start + 3 + rank], atol=ATOL, rtol=0,
+                                   msg=f"{what} step {step} forward")
+        (out * grads[rank]).sum().backward()
+        (ref_out * torch.cat(grads)).sum().backward()
+        for (name, p), (_, q) in zip(dmp.module.dense.named_parameters(), reference.dense.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad / W, atol=ATOL, rtol=0,
+                                       msg=f"{what} step {step} dense grad {name}")
+            p.grad, q.grad = None, None
+    _check_pieces(dmp, reference, "embedding_bags", what)
+    return what
+
+
+def _sequence_case(rank, W, lws, kind, opt):
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig(opt, lr=0.1)
+    ec = EmbeddingCollection(_tables(None), optimizer=config)
+    reference = EmbeddingCollection(_tables(None), optimizer=config)
+    reference.load_state_dict(ec.state_dict())
+    layout = _plan(kind, W, lws, sequence=True)
+    plan = ShardingPlan({"": construct_module_sharding_plan(ec, layout, local_size=lws, world_size=W)})
+    dmp = DistributedModelParallel(ec, plan=plan, device="cpu", timeout=30)
+    what = f"sequence {kind}/{opt} W={W}"
+    for step in range(STEPS):
+        out = dmp(_batch(rank, step, False))
+        ref = reference(_global_batch(W, step, False))
+        loss, ref_loss = 0.0, 0.0
+        for f in KEYS:
+            lengths = ref[f].lengths()
+            bags = [3 + r for r in range(W)]
+            ids = [int(n) for n in torch.stack([s.sum() for s in lengths.split(bags)])]
+            mine = ref[f].values().split(ids)[rank]
+            torch.testing.assert_close(out[f].values(), mine, atol=ATOL, rtol=0,
+                                       msg=f"{what} step {step} {f}")
+            assert torch.equal(out[f].lengths(), lengths.split(bags)[rank])
+            g = torch.Generator().manual_seed(step * 10 + KEYS.index(f))
+            grad = torch.randn(ref[f].values().shape, generator=g)
+            loss = loss + (out[f].values() * grad.split(ids)[rank]).sum()
+            ref_loss = ref_loss + (ref[f].values() * grad).sum()
+        loss.backward()
+        ref_loss.backward()
+    _check_pieces(dmp, reference, "embeddings", what)
+    return what
+
+
+def _parity_worker(rank, W, lws):
+    done = []
+    for case in POOLED_CASES:
+        done.append(_pooled_case(rank, W, lws, *case))
+    for case in SEQUENCE_CASES:
+        done.append(_sequence_case(rank, W, lws, *case))
+    return done
+
+
+@pytest.mark.parametrize("world_size,local_world_size", [(2, 2), (4, 2)])
+def test_parity_every_sharding_type(world_size, local_world_size):
+    done = run_ranks(_parity_worker, world_size, local_world_size, timeout=240,
+                     local_world_size=local_world_size)
+    assert len(done[0]) == len(POOLED_CASES) + len(SEQUENCE_CASES)
+
+
+# bad input: the same ValueError on every rank, before any collective (no hang) -------------------
+
+
+def _expect_error(fn, *words):
+    try:
+        fn()
+    except ValueError as e:
+        text = str(e)
+        missing = [w for w in words if w not in text]
+        assert not missing, f"{missing} not in: {text}"
+        return text
+    raise AssertionError(f"no ValueError (expected one naming {words})")
+
+
+def _bad_input_worker(rank, W):
+    config = FusedOptimizerConfig("sgd", lr=0.1)
+
+    def model():
+        torch.manual_seed(0)
+        return PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=config))
+
+    m = model()
+    plan = lambda tables: ShardingPlan({"ebc": construct_module_sharding_plan(m.ebc, tables, world_size=W)})  # noqa
+    everything_else = {"t1": table_wise(rank=0), "t2": table_wise(rank=0)}
+    _expect_error(lambda: plan({"nope": table_wise(rank=0), **everything_else}), "'nope'", "t0")
+    _expect_error(lambda: plan({"t0": table_wise(rank=W), **everything_else}), "'t0'", f"rank {W}", "world_size")
+    _expect_error(lambda: plan({"t0": column_wise(ranks=[0, 1], size_per_rank=[3, 4]), **everything_else}),
+                  "'t0'", "size_per_rank")
+    tiny = EmbeddingBagCollection([EmbeddingBagConfig(name="tiny", num_embeddings=1, embedding_dim=4)],
+                                  optimizer=config)
+    _expect_error(lambda: construct_module_sharding_plan(tiny, {"tiny": row_wise()}, world_size=W),
+                  "'tiny'", "table_wise")
+    # a hand-written plan that names a missing table / module reaches DMP: it checks before any collective
+    bad = ShardingPlan({"ebc": construct_module_sharding_plan(m.ebc, {"t0": table_wise(rank=0), **everything_else},
+                                                              world_size=W)})
+    bad.plan["ebc"]["ghost"] = bad.plan["ebc"]["t0"]
+    _expect_error(lambda: DistributedModelParallel(model(), plan=bad, device="cpu"), "'ghost'")
+    _expect_error(lambda: DistributedModelParallel(model(), plan=ShardingPlan({"nowhere": bad.plan["ebc"]}),
+                                                   device="cpu"), "'nowhere'")
+
+    # a batch with other keys on rank 1 only: both ranks raise, nobody hangs
+    dmp = DistributedModelParallel(model(), plan=plan({"t0": row_wise(), **everything_else}), device="cpu",
+                                   timeout=20)
+    batch = _batch(rank, 0, False)
+    if rank == 1:
+        batch = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2", "oops"], batch.values(), batch.lengths())
+    start = time.monotonic()
+    text = _expect_error(lambda: dmp(batch), "f3" if rank == 1 else "rank(s) [1]")
+    assert time.monotonic() - start < 10
+    # an out-of-range id on rank 0 only
+    batch = _batch(rank, 1, False)
+    if rank == 0:
+        values = batch.values().clone()
+        values[0] = 999
+        batch = KeyedJaggedTensor.from_lengths_sync(KEYS, values, batch.lengths())
+    _expect_error(lambda: dmp(batch), "999" if rank == 0 else "rank(s) [0]")
+    # and the next good batch still works on every rank
+    dmp(_batch(rank, 2, False)).sum().backward()
+    return text
+
+
+def test_bad_input_raises_on_every_rank():
+    texts = run_ranks(_bad_input_worker, 2, timeout=60)
+    assert "oops" in texts[1] or "f3" in texts[1]
+
+
+def _dead_rank_worker(rank, W):
+    torch.manual_seed(0)
+    # the collection alone (no DDP, whose own collectives would notice first): the embedding path is tested
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    plan = ShardingPlan({"": construct_module_sharding_plan(
+        ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": table_wise(rank=0)}, world_size=W)})
+    dmp = DistributedModelParallel(ebc, plan=plan, device="cpu", timeout=3)
+    dmp(_batch(rank, 0, False)).values().sum().backward()
+    if rank == 1:
+        os._exit(0)  # dies mid-training, without a word
+    start = time.monotonic()
+    try:
+        dmp(_batch(rank, 1, False)).values().sum().backward()
+    except RuntimeError as e:
+        assert "peer rank exited or did not answer" in str(e), str(e)
+        return time.monotonic() - start
+    raise AssertionError("the step went through without rank 1")
+
+
+def test_dead_rank_times_out_with_clear_error():
+    seconds = run_ranks(_dead_rank_worker, 2, timeout=60, allow_missing=True)[0]
+    assert seconds < 30
+
+
+# state dict: global shapes + offsets; loads across layouts and world sizes ------------------------
+
+
+def _state_worker(rank, W, path, mode):
+    config = FusedOptimizerConfig("adagrad", lr=0.1)
+    torch.manual_seed(0)
+    m = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=config))
+    torch.manual_seed(1)
+    full = {k: torch.randn(v.shape) for k, v in m.state_dict().items() if "embedding_bags" in k}
+    layout = {"t0": grid_shard(host_indexes=[0]), "t1": column_wise(ranks=[W - 1, 0]), "t2": data_parallel()}
+    if mode == "load":
+        layout = {"t0": row_wise(), "t1": table_wise(rank=W - 1), "t2": column_wise(ranks=[0, 1])}
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(m.ebc, layout, world_size=W, local_size=W)})
+    dmp = DistributedModelParallel(m, plan=plan, device="cpu", timeout=30)
+    if mode == "save":
+        dmp.load_state_dict({**{k: v for k, v in dmp.state_dict().items() if "dense" in k}, **full})
+        torch.save(dmp.state_dict(), os.path.join(path, f"rank{rank}.pt"))
+        # FusedOptimizer sees every piece on this rank, replicas included, under unambiguous names
+        names = set(dmp.fused_optimizer.state_dict()["state"])
+        assert any(n.startswith("ebc.t1") for n in names) and any(n.startswith("ebc.t2.") for n in names), names
+        return sorted(names)
+    saved = [torch.load(os.path.join(path, f), weights_only=False) for f in sorted(os.listdir(path))]
+    merged = {}
+    for key in saved[0]:
+        parts = [s[key] for s in saved]
+        merged[key] = ShardedTensor.merge(parts) if isinstance(parts[0], ShardedTensor) else parts[0]
+    dmp.load_state_dict(merged)
+    state = dmp.state_dict()
+    for key, value in full.items():
+        if isinstance(state[key], ShardedTensor):
+            for meta, piece in state[key].local_shards:
+                (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                assert torch.equal(piece, value[r : r + nr, c : c + nc]), key
+        else:
+            assert torch.equal(state[key], value), key
+    # what a single rank saved does not cover another layout: a clear error names the fix
+    single = {k: v for k, v in saved[0].items()}
+    try:
+        dmp.load_state_dict(single)
+    except RuntimeError as e:
+        assert "ShardedTensor.merge" in str(e)
+    return True
+
+
+def test_state_dict_loads_into_another_world_size(tmp_path):
+    names = run_ranks(_state_worker, 2, str(tmp_path), "save", timeout=60)
+    assert names[0] != names[1]
+    run_ranks(_state_worker, 4, str(tmp_path), "load", timeout=60)
+
+
+def _fsdp_worker(rank, W):
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig("sgd", lr=0.1)
+    m = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=config))
+    reference = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=config))
+    reference.load_state_dict(m.state_dict())
+    dmp = DistributedModelParallel(m, device="cpu", dense="fsdp", timeout=30)  # no plan: the planner's
+    out = dmp(_batch(rank, 0, False))
+    ref = reference(_global_batch(W, 0, False))
+    start = sum(3 + r for r in range(rank))
+    torch.testing.assert_close(out, ref[start : start + 3 + rank], atol=ATOL, rtol=0)
+    out.sum().backward()
+    return str(dmp.plan)
+
+
+def test_fsdp_dense_and_default_plan():
+    plans = run_ranks(_fsdp_worker, 2, timeout=60)
+    assert plans[0] == plans[1]
