@@ -2,6 +2,9 @@
 
     python benchmarks/dlrm_distributed.py [--steps 20] [--warmup 3] [--types table_wise,row_wise,...]
 
+`--types` may also name `planner` (the plan EmbeddingShardingPlanner picks for this model);
+benchmarks/planner.py runs it that way to put measured step times next to its estimates.
+
 Model (issue 4): 13 dense features -> dense arch 512-256-64; 26 tables x 100,000 rows x dim 64, sum
 pooling, one id per feature; over arch 512-512-256-1; fused row-wise Adagrad (lr 0.01) for the
 embeddings, torch Adagrad for the dense layers. Distributed: batch 1024 per rank, the dense layers
@@ -77,10 +80,16 @@ def train(model, optimizer, batches, steps: int, warmup: int) -> float:
     return time.perf_counter() - start
 
 
-def plan_for(kind: str, model, world_size: int):
+def plan_for(kind: str, model, world_size: int, batch: int):
     from lightning_rec import model_parallel as mpar
     from lightning_rec.types import ShardingPlan
 
+    if kind == "planner":  # the planner's own choice, for this model, batch and optimizer
+        from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+        planner = EmbeddingShardingPlanner(Topology(world_size=world_size, compute_device="cpu"), batch_size=batch,
+                                           optimizer="rowwise_adagrad", print_stats=False)
+        return planner.plan(model)  # deterministic: every rank computes the same plan
     ebc = model.sparse_arch.embedding_bag_collection
     verbs = {
         "table_wise": lambda i: mpar.table_wise(rank=i % world_size),
@@ -116,8 +125,8 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     for kind in args.types:
         model = build_model("meta")  # tables are built where their shards live, never whole
         dense = None if args.dense == "none" else args.dense
-        dmp = DistributedModelParallel(model, plan=plan_for(kind, model, world_size), device="cpu", timeout=120,
-                                       dense=dense)
+        plan = plan_for(kind, model, world_size, args.batch)
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120, dense=dense)
         opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
                                  ("dense", torch.optim.Adagrad(dmp.parameters(), lr=0.01))])
         seconds = train(dmp, opt, batches, args.steps, args.warmup)

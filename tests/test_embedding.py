@@ -242,3 +242,15 @@ def test_fp16_tables_train(kernel):
     ebc(kjt).values().float().sum().backward()
     changed = (ebc.embedding_bags["t"].weight != before).any(dim=1)
     assert changed.tolist() == [False, True, True] + [False] * 7  # exactly the looked-up rows moved
+
+
+def test_out_of_range_id_found_in_fixed_and_jagged_batches():
+    ebc = EmbeddingBagCollection(TABLES)
+    ones = torch.ones(6, dtype=torch.long)  # every feature has 2 ids: the fixed-size fast path
+    fixed = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.tensor([1, 2, 3, 4, 5, 50]), ones)
+    with pytest.raises(ValueError, match=r"feature 'f2' has id 50 outside table 't0'"):
+        ebc(fixed)
+    jagged = KeyedJaggedTensor.from_lengths_sync(["f0", "f1", "f2"], torch.tensor([1, 2, 30, 5]),
+                                                 torch.tensor([2, 0, 1, 0, 1, 0]))
+    with pytest.raises(ValueError, match=r"feature 'f1' has id 30 outside table 't1'"):
+        ebc(jagged)
