@@ -133,6 +133,49 @@ def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[st
     )
 
 
+class FeatureRouter:
+    """A KJT's features put into a collection's order, its per-id weights kept or dropped, ids checked.
+
+    Shared by the unsharded and the sharded collections. The permutation for a given input key
+    order is computed once and cached, and is skipped when the keys already come in order.
+    """
+
+    def __init__(self, feature_names: Sequence[str], rows_F: Tensor, tables_F: Sequence[str], is_weighted: bool,
+                 owner: str) -> None:
+        self.feature_names = list(feature_names)
+        self.rows_F, self.tables_F = rows_F, list(tables_F)
+        self.is_weighted = is_weighted
+        self.owner = owner  # how errors name the collection
+        self._cache: dict[tuple[str, ...], tuple[list[int], Tensor]] = {}
+
+    def __call__(self, features: KeyedJaggedTensor, validate_ids: bool = True) -> KeyedJaggedTensor:
+        keys = tuple(features.keys())
+        if list(keys) != self.feature_names:
+            cached = self._cache.get(keys)
+            if cached is None:
+                index = features.index_per_key()
+                missing = [f for f in self.feature_names if f not in index]
+                if missing:
+                    raise ValueError(
+                        f"the input has no feature(s) {missing} that this {self.owner} reads; it has "
+                        f"{list(keys)}: rename the features or the tables' feature_names so they match"
+                    )
+                order = [index[f] for f in self.feature_names]
+                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device))
+                self._cache[keys] = cached
+            features = features.permute(cached[0], cached[1])
+        if self.is_weighted and features.weights_or_none() is None:
+            raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
+                             f"build the KJT with weights=..., or set is_weighted=False")
+        if not self.is_weighted and features.weights_or_none() is not None:
+            features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
+                                         offsets=features.offsets_or_none(), stride=features.stride(),
+                                         length_per_key=features.length_per_key(), _validate=False)
+        if validate_ids:
+            check_ids(features, self.rows_F, self.tables_F)
+        return features
+
+
 class _TableWeight(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
@@ -173,9 +216,9 @@ class _EmbeddingCollectionBase(nn.Module):
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
         self._feature_names = lookup.feature_names
-        self._rows_F = torch.tensor([by_feature[f].num_embeddings for f in self._feature_names])
-        self._tables_F = [by_feature[f].name for f in self._feature_names]
-        self._permute_cache: dict[tuple[str, ...], tuple[list[int], Tensor]] = {}
+        self._router = FeatureRouter(
+            self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
+            [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__)
 
     # ---------------------------------------------------------------------------------------
 
@@ -202,31 +245,7 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Features reordered into the kernels' order (a no-op when they already are), ids checked."""
-        keys = tuple(features.keys())
-        if list(keys) != self._feature_names:
-            cached = self._permute_cache.get(keys)
-            if cached is None:
-                index = features.index_per_key()
-                missing = [f for f in self._feature_names if f not in index]
-                if missing:
-                    raise ValueError(
-                        f"the input has no feature(s) {missing} that this {type(self).__name__} reads; it has "
-                        f"{list(keys)}: rename the features or the tables' feature_names so they match"
-                    )
-                order = [index[f] for f in self._feature_names]
-                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device))
-                self._permute_cache[keys] = cached
-            features = features.permute(cached[0], cached[1])
-        if self._is_weighted and features.weights_or_none() is None:
-            raise ValueError(f"this {type(self).__name__} is weighted (is_weighted=True) but the input has no "
-                             f"weights: build the KJT with weights=..., or set is_weighted=False")
-        if not self._is_weighted and features.weights_or_none() is not None:
-            features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
-                                         offsets=features.offsets_or_none(), stride=features.stride(),
-                                         length_per_key=features.length_per_key(), _validate=False)
-        if self.validate_ids:
-            check_ids(features, self._rows_F, self._tables_F)
-        return features
+        return self._router(features, self.validate_ids)
 
     # device moves: rebuild the kernels where they now live -----------------------------------
 

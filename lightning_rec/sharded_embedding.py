@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, check_ids
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, FeatureRouter
 from lightning_rec.input_dist import DistContext, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup
 from lightning_rec.optim import FusedOptimizerConfig
@@ -154,11 +154,11 @@ class _ShardedCollectionBase(nn.Module):
         self._copy_weights(module.lookup.table_weights())
 
         by_feature = {f: c for c in self._configs for f in c.feature_names}
-        self._rows_F = torch.tensor([by_feature[f].num_embeddings for f in self._feature_names])
-        self._tables_F = [by_feature[f].name for f in self._feature_names]
+        self._router = FeatureRouter(
+            self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
+            [by_feature[f].name for f in self._feature_names], self._is_weighted, f"sharded {self._kind()}")
         self._dp_features = self.routing.dp_feature_index
         self._dp_features_t = torch.tensor(self._dp_features, dtype=torch.int32, device=device)
-        self._permute_cache: dict[tuple[str, ...], tuple[list[int], Tensor]] = {}
         self._routed = self.routing.num_routed > 0
         self._ids_a2a = KJTAllToAll(RouteTables(self.routing, device), env.pg, rank, device, env.timeout_s)
 
@@ -187,31 +187,7 @@ class _ShardedCollectionBase(nn.Module):
             return None, str(e)
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if list(keys) != self._feature_names:
-            cached = self._permute_cache.get(keys)
-            if cached is None:
-                index = features.index_per_key()
-                missing = [f for f in self._feature_names if f not in index]
-                if missing:
-                    raise ValueError(
-                        f"the input has no feature(s) {missing} that this sharded {self._kind()} reads; it has "
-                        f"{list(keys)}: rename the features or the tables' feature_names so they match"
-                    )
-                order = [index[f] for f in self._feature_names]
-                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device))
-                self._permute_cache[keys] = cached
-            features = features.permute(cached[0], cached[1])
-        if self._is_weighted and features.weights_or_none() is None:
-            raise ValueError(f"this {self._kind()} is weighted (is_weighted=True) but the input has no weights: "
-                             f"build the KJT with weights=..., or set is_weighted=False")
-        if not self._is_weighted and features.weights_or_none() is not None:
-            features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
-                                         stride=features.stride(), length_per_key=features.length_per_key(),
-                                         _validate=False)
-        if self.validate_ids:
-            check_ids(features, self._rows_F, self._tables_F)
-        return features
+        return self._router(features, self.validate_ids)
 
     def _kind(self) -> str:
         return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"
