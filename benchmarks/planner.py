@@ -140,7 +140,11 @@ def cpu_dlrm_plans() -> list[tuple[str, float]]:
         constraints = {t.name: ParameterConstraints(sharding_types=[forced] if forced else None) for t in tables}
         planner = EmbeddingShardingPlanner(topology, constraints, batch_size=CPU_DLRM_BATCH,
                                            optimizer="rowwise_adagrad", print_stats=False)
-        planner.plan(tables)
+        try:
+            planner.plan(tables)
+        except PlannerError:  # a type the planner never proposes here (grid needs 2+ hosts): measured only
+            plans.append((forced, None))
+            continue
         plans.append((forced or "planner", planner.stats.max_ms))
     return plans
 
@@ -158,13 +162,15 @@ def measured_vs_estimate(steps: int) -> list[dict]:
     rows = []
     for name, est_ms in estimates:
         sps = figures[f"{name}_samples_per_s"]
-        rows.append({"section": "measured_vs_estimate", "plan": name, "estimated_ms": round(est_ms, 3),
+        rows.append({"section": "measured_vs_estimate", "plan": name,
+                     "estimated_ms": None if est_ms is None else round(est_ms, 3),
                      "measured_ms": round(1000 * global_batch / sps, 3), "samples_per_s": sps})
     print(f"\n2-rank CPU DLRM (26 x {CPU_DLRM_ROWS} x {CPU_DLRM_DIM}, batch {CPU_DLRM_BATCH} per rank, "
           f"{steps} steps each, one run):")
     print(f"{'plan':>15} {'estimated ms':>13} {'measured ms':>12} {'samples/s':>10}")
     for r in rows:
-        print(f"{r['plan']:>15} {r['estimated_ms']:>13.2f} {r['measured_ms']:>12.2f} {r['samples_per_s']:>10.0f}")
+        est = "-" if r["estimated_ms"] is None else f"{r['estimated_ms']:.2f}"
+        print(f"{r['plan']:>15} {est:>13} {r['measured_ms']:>12.2f} {r['samples_per_s']:>10.0f}")
     return rows
 
 
@@ -191,7 +197,8 @@ def main() -> None:
         # issue 5: the planner's choice within 10% of the fastest measured option (ratio <= 1.10)
         ratios["cpu_dlrm_planner_measured_over_fastest"] = round(by_plan["planner"]["measured_ms"] / fastest, 4)
         ratios["cpu_dlrm_planner_estimate_over_best_forced_estimate"] = round(
-            by_plan["planner"]["estimated_ms"] / min(r["estimated_ms"] for r in measured if r["plan"] != "planner"), 4)
+            by_plan["planner"]["estimated_ms"]
+            / min(r["estimated_ms"] for r in measured if r["plan"] != "planner" and r["estimated_ms"] is not None), 4)
         print(f"planner's plan measured / fastest measured: {ratios['cpu_dlrm_planner_measured_over_fastest']:.3f}")
     print(json.dumps({"benchmark": "planner", "results": results, "ratios": ratios, "figures": figures}))
 
