@@ -45,6 +45,10 @@ class LocalTable:
     pooling: str  # "sum" | "mean" | "none"
     data_type: torch.dtype = torch.float32
     weight_init: tuple[float, float] | None = None  # uniform range; None: +-sqrt(1/rows)
+    # Where a fused table lives on GPU (a plan's compute kernel): "fused" in device memory,
+    # "fused_uvm" in host memory through unified memory, "fused_uvm_caching" in host memory with a
+    # device cache. On CPU every table is in host memory already, so all three are the same.
+    compute_kernel: str = "fused"
 
     def init_range(self) -> tuple[float, float]:
         if self.weight_init is not None:
@@ -138,13 +142,23 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
     return "fbgemm"
 
 
+def _location(fb: dict, table: LocalTable, on_cpu: bool):
+    where = fb["EmbeddingLocation"]
+    if on_cpu:
+        return where.HOST
+    locations = {"fused": where.DEVICE, "fused_uvm": where.MANAGED, "fused_uvm_caching": where.MANAGED_CACHING}
+    if table.compute_kernel not in locations:
+        raise ValueError(f"table '{table.name}': compute kernel {table.compute_kernel!r} is not a fused kernel: "
+                         f"use one of {', '.join(locations)}")
+    return locations[table.compute_kernel]
+
+
 def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int], pooling: str,
                      optimizer: FusedOptimizerConfig, device: torch.device) -> nn.Module:
     fb = _fbgemm()
     on_cpu = device.type == "cpu"
-    location = fb["EmbeddingLocation"].HOST if on_cpu else fb["EmbeddingLocation"].DEVICE
     compute = fb["ComputeDevice"].CPU if on_cpu else fb["ComputeDevice"].CUDA
-    specs = [(t.num_embeddings, t.embedding_dim, location, compute) for t in tables]
+    specs = [(t.num_embeddings, t.embedding_dim, _location(fb, t, on_cpu), compute) for t in tables]
     pooling_mode = {"sum": fb["PoolingMode"].SUM, "mean": fb["PoolingMode"].MEAN,
                     "none": fb["PoolingMode"].NONE}[pooling]
     precision = {torch.float32: fb["SparseType"].FP32, torch.float16: fb["SparseType"].FP16}

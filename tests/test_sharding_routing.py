@@ -151,3 +151,12 @@ def test_plan_prints_readably_and_verbs_check_the_table():
         construct_module_sharding_plan(ebc, {"c": row_wise()}, world_size=2)
     with pytest.raises(ValueError, match="table_wise or data_parallel"):
         construct_module_sharding_plan(ebc, {"b": row_wise()}, world_size=8)
+
+
+def test_plan_compute_kernel_reaches_the_shard_tables():
+    from lightning_rec.types import ComputeKernel
+
+    routing = _routing({"a": table_wise(rank=1, compute_kernel=ComputeKernel.FUSED_UVM_CACHING),
+                        "b": row_wise(compute_kernel=ComputeKernel.FUSED_UVM)})
+    kernels = {t.name.split("@")[0]: t.compute_kernel for tables in routing.rank_tables for t in tables}
+    assert kernels == {"a": "fused_uvm_caching", "b": "fused_uvm"}  # GPU: managed (+cache); CPU: host either way

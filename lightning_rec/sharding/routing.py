@@ -116,6 +116,12 @@ def _shard_suffix(shard: ShardMetadata, whole: bool) -> str:
     return "" if whole else f"@r{shard.shard_offsets[0]}c{shard.shard_offsets[1]}"
 
 
+def _fused_kernel(kernel) -> str:
+    """The plan's kernel for a sharded (fused) table; "dense" only makes sense for data parallel."""
+    kernel = str(kernel)
+    return kernel if kernel.startswith("fused") else "fused"
+
+
 def build_routing(
     configs: Sequence,
     feature_names: Sequence[str],
@@ -157,7 +163,7 @@ def build_routing(
             suffix = _shard_suffix(s, whole)
             names = tuple(f"{f}{suffix}" for f in cfg.feature_names)
             table = LocalTable(f"{cfg.name}{suffix}", s.shard_sizes[0], s.shard_sizes[1], names, pooling,
-                               cfg.data_type, init)
+                               cfg.data_type, init, _fused_kernel(ps.compute_kernel))
             per_rank[s.placement].append(table)
             pieces[(s.placement, table.name)] = (cfg.name, s)
             for f, n in zip(cfg.feature_names, names):
