@@ -40,7 +40,7 @@ class RankFailed(AssertionError):
     pass
 
 
-def _worker(fn, rank, world_size, port, out_path, pg_timeout, args, kwargs):
+def _worker(fn, rank, world_size, port, out_path, pg_timeout, backend, args, kwargs):
     import torch
     import torch.distributed as dist
 
@@ -49,7 +49,9 @@ def _worker(fn, rank, world_size, port, out_path, pg_timeout, args, kwargs):
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(kwargs.pop("_local_world_size", world_size)))
     result: tuple
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         result = ("ok", fn(rank, world_size, *args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__)
@@ -65,7 +67,8 @@ def _worker(fn, rank, world_size, port, out_path, pg_timeout, args, kwargs):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: float = 60.0,
-              allow_missing: bool = False, local_world_size: int | None = None, **kwargs) -> list:
+              allow_missing: bool = False, local_world_size: int | None = None, backend: str = "gloo",
+              **kwargs) -> list:
     """Per-rank return values of fn(rank, world_size, *args, **kwargs). Raises RankFailed on any error.
 
     allow_missing: a rank that exits without a result (a test that kills a rank) gives None.
@@ -76,7 +79,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: flo
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
         if local_world_size is not None:
             kwargs["_local_world_size"] = local_world_size
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, paths[r], pg_timeout, args, dict(kwargs)))
+        procs = [ctx.Process(target=_worker,
+                             args=(fn, r, world_size, port, paths[r], pg_timeout, backend, args, dict(kwargs)))
                  for r in range(world_size)]
         for p in procs:
             p.start()

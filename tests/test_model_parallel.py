@@ -107,7 +107,8 @@ def _plan(kind: str, world_size: int, local_world_size: int, sequence: bool = Fa
     plans = {
         "table_wise": {"t0": table_wise(rank=last), "t1": table_wise(rank=0), "t2": table_wise(rank=1 % W)},
         "row_wise": {"t0": row_wise(), "t1": row_wise(), "t2": row_wise()},
-        "column_wise": {"t0": column_wise(ranks=list(range(W))), "t1": column_wise(ranks=[1, 0], size_per_rank=[1, 3]),
+        "column_wise": {"t0": column_wise(ranks=list(range(W))),
+                        "t1": column_wise(ranks=[1 % W, 0], size_per_rank=[1, 3]),
                         "t2": column_wise(ranks=[0, 0])},
         "table_row_wise": {"t0": table_row_wise(host_index=hosts - 1), "t1": table_row_wise(host_index=0),
                            "t2": table_wise(rank=0)},
@@ -151,21 +152,22 @@ def _check_pieces(dmp, reference: nn.Module, attr: str, what: str) -> None:
             torch.testing.assert_close(value, full, atol=ATOL, rtol=0, msg=f"{what} {key}")
 
 
-def _pooled_case(rank, W, lws, kind, pooling, weighted, opt):
+def _pooled_case(rank, W, lws, kind, pooling, weighted, opt, device="cpu"):
     torch.manual_seed(0)
     config = FusedOptimizerConfig(opt, lr=0.1)
-    model = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config))
-    reference = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config))
+    model = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config, device=device))
+    reference = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config,
+                                                   device=device)).to(device)
     reference.load_state_dict(model.state_dict())
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, lws), local_size=lws,
                                                                world_size=W)})
-    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
-    what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} W={W}"
+    dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=30)
+    what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} W={W} {device}"
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
-        grads = [torch.randn(3 + r, 3, generator=g) for r in range(W)]
-        out = dmp(_batch(rank, step, weighted))
-        ref_out = reference(_global_batch(W, step, weighted))
+        grads = [torch.randn(3 + r, 3, generator=g).to(device) for r in range(W)]
+        out = dmp(_batch(rank, step, weighted).to(device))
+        ref_out = reference(_global_batch(W, step, weighted).to(device))
         start = sum(3 + r for r in range(rank))
         torch.testing.assert_close(out, ref_out[start : start + 3 + rank], atol=ATOL, rtol=0,
                                    msg=f"{what} step {step} forward")
@@ -179,19 +181,19 @@ def _pooled_case(rank, W, lws, kind, pooling, weighted, opt):
     return what
 
 
-def _sequence_case(rank, W, lws, kind, opt):
+def _sequence_case(rank, W, lws, kind, opt, device="cpu"):
     torch.manual_seed(0)
     config = FusedOptimizerConfig(opt, lr=0.1)
-    ec = EmbeddingCollection(_tables(None), optimizer=config)
-    reference = EmbeddingCollection(_tables(None), optimizer=config)
+    ec = EmbeddingCollection(_tables(None), optimizer=config, device=device)
+    reference = EmbeddingCollection(_tables(None), optimizer=config, device=device)
     reference.load_state_dict(ec.state_dict())
     layout = _plan(kind, W, lws, sequence=True)
     plan = ShardingPlan({"": construct_module_sharding_plan(ec, layout, local_size=lws, world_size=W)})
-    dmp = DistributedModelParallel(ec, plan=plan, device="cpu", timeout=30)
-    what = f"sequence {kind}/{opt} W={W}"
+    dmp = DistributedModelParallel(ec, plan=plan, device=device, timeout=30)
+    what = f"sequence {kind}/{opt} W={W} {device}"
     for step in range(STEPS):
-        out = dmp(_batch(rank, step, False))
-        ref = reference(_global_batch(W, step, False))
+        out = dmp(_batch(rank, step, False).to(device))
+        ref = reference(_global_batch(W, step, False).to(device))
         loss, ref_loss = 0.0, 0.0
         for f in KEYS:
             lengths = ref[f].lengths()
@@ -202,7 +204,7 @@ def _sequence_case(rank, W, lws, kind, opt):
                                        msg=f"{what} step {step} {f}")
             assert torch.equal(out[f].lengths(), lengths.split(bags)[rank])
             g = torch.Generator().manual_seed(step * 10 + KEYS.index(f))
-            grad = torch.randn(ref[f].values().shape, generator=g)
+            grad = torch.randn(ref[f].values().shape, generator=g).to(device)
             loss = loss + (out[f].values() * grad.split(ids)[rank]).sum()
             ref_loss = ref_loss + (ref[f].values() * grad).sum()
         loss.backward()
@@ -211,12 +213,14 @@ def _sequence_case(rank, W, lws, kind, opt):
     return what
 
 
-def _parity_worker(rank, W, lws):
+def _parity_worker(rank, W, lws, device="cpu"):
+    if device == "cuda":
+        device = f"cuda:{rank}"
     done = []
     for case in POOLED_CASES:
-        done.append(_pooled_case(rank, W, lws, *case))
+        done.append(_pooled_case(rank, W, lws, *case, device=device))
     for case in SEQUENCE_CASES:
-        done.append(_sequence_case(rank, W, lws, *case))
+        done.append(_sequence_case(rank, W, lws, *case, device=device))
     return done
 
 
@@ -224,6 +228,16 @@ def _parity_worker(rank, W, lws):
 def test_parity_every_sharding_type(world_size, local_world_size):
     done = run_ranks(_parity_worker, world_size, local_world_size, timeout=240,
                      local_world_size=local_world_size)
+    assert len(done[0]) == len(POOLED_CASES) + len(SEQUENCE_CASES)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
+def test_parity_every_sharding_type_nccl():
+    """The same parity cases on GPUs with NCCL, one rank per visible device (1 on a one-GPU machine)."""
+    world_size = torch.cuda.device_count()
+    done = run_ranks(_parity_worker, world_size, world_size, "cuda", timeout=600, local_world_size=world_size,
+                     backend="nccl")
     assert len(done[0]) == len(POOLED_CASES) + len(SEQUENCE_CASES)
 
 
