@@ -12,12 +12,15 @@ SMALL = dict(num_embeddings_per_feature=64, embedding_dim=8, dense_arch_layer_si
              over_arch_layer_sizes=[16, 1], sparse_lr=0.05, dense_lr=0.02)
 
 
-def _fit(rank, world_size, ckpt):
+def _fit(rank, world_size, ckpt, wandb_dir):
+    from lightning.pytorch.loggers import WandbLogger
+
     L.seed_everything(0)
     data = SyntheticCriteoDataModule(num_train_samples=4096, num_val_samples=1024, batch_size=128,
                                      num_embeddings_per_feature=64)
     module = DLRMModule(**SMALL)
-    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, logger=False,
+    logger = WandbLogger(project="lightning_rec_test", save_dir=wandb_dir, offline=True)
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, logger=logger,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(module, data)
     assert isinstance(trainer.strategy, RecStrategy)
@@ -27,9 +30,10 @@ def _fit(rank, world_size, ckpt):
     return float(trainer.callback_metrics["val_auc"]), str(trainer.strategy.plan), shards
 
 
-def test_rec_strategy_trains_and_writes_whole_tables(tmp_path):
+def test_rec_strategy_trains_and_writes_whole_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
     ckpt = str(tmp_path / "rec.ckpt")
-    results = run_ranks(_fit, 2, ckpt, timeout=240)
+    results = run_ranks(_fit, 2, ckpt, str(tmp_path), timeout=240)
     aucs = [r[0] for r in results]
     assert aucs[0] == aucs[1] and aucs[0] > 0.6  # metrics synced across ranks; the model learned
     assert "t_C1" in results[0][1]
@@ -41,5 +45,8 @@ def test_rec_strategy_trains_and_writes_whole_tables(tmp_path):
             for meta, t in pieces:
                 (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
                 torch.testing.assert_close(state[key][r : r + nr, c : c + nc], t)
+    # the planner's per-rank table went to the logger (W&B, offline run files)
+    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert runs and any(b"sharding_plan" in r.read_bytes() for r in runs)
     unsharded = DLRMModule(**SMALL)
     unsharded.load_state_dict(state)  # an unsharded module reads the checkpoint as is
