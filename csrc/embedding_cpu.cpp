@@ -1,11 +1,14 @@
 // Fused table-batched embedding on CPU: pooled lookup, and a backward that applies the optimizer
 // to the touched rows directly (no embedding gradient is materialised).
 //
-// Backward, in three steps:
-//   1. key every id by (global row, position) and radix-sort the keys (stable, parallel);
-//   2. for each unique row, sum its gradient over its positions in position order
-//      (so the result does not depend on the number of threads);
-//   3. apply the optimizer to that row. Steps 2-3 run in parallel over unique rows.
+// Both walk the bags sample-major (sample b, then feature f), so that the [B, total_D] output and
+// gradient are written / read in memory order, and prefetch the rows a few ids ahead (rows are
+// scattered over hundreds of MB: the kernels are bound by memory latency, not arithmetic).
+// Backward, in two steps:
+//   1. per table, hash the ids to find the rows named more than once (chained in position order);
+//   2. update every touched row once: a row named once from its one gradient row, a repeated row
+//      from its gradient summed over its ids in position order (so that the result does not depend
+//      on the number of threads), at its first id.
 // Schemas are in ops.cpp; layout of the arguments is described there.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 // An asm statement, not __builtin_prefetch: GCC 12 dropped the builtin from the update loop.
@@ -169,94 +173,126 @@ inline float load(at::Half v) { return static_cast<float>(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::Half* p, float v) { *p = static_cast<at::Half>(v); }
 
+// 16 floats as one value. GCC lowers the lane-wise arithmetic to whatever vector ISA the build
+// targets (one AVX-512 register, two AVX2 ones, ...) with the same result in every lane, so the
+// reductions below give the same bits on every x86 build.
+typedef float v16f __attribute__((vector_size(64)));
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// sum_d g[d]^2 in a fixed order: 16 lane sums over d (d mod 16), then a fixed tree. Vectorised
+// when D is a multiple of 16; a plain left-to-right sum otherwise.
+inline float sum_squares(const float* __restrict__ g, int64_t D) {
+  if (D % 16 != 0) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s += g[d] * g[d];
+    return s;
+  }
+  v16f acc = {};
+  for (int64_t d = 0; d < D; d += 16) {
+    const v16f x = load16(g + d);
+    acc += x * x;
+  }
+  float l[16];
+  std::memcpy(l, &acc, sizeof(l));
+  for (int w = 8; w >= 1; w /= 2)
+    for (int k = 0; k < w; ++k) l[k] += l[k + w];
+  return l[0];
+}
+
+// o = w * row for the first id of a bag, o += w * row for the others (as floats).
+template <typename scalar_t>
+inline void add_row(float* __restrict__ o, const scalar_t* __restrict__ row, int64_t D, float w, bool first) {
+  if (first) {
+    if (w == 1.0f) {
+      for (int64_t d = 0; d < D; ++d) o[d] = load(row[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) o[d] = w * load(row[d]);
+    }
+  } else if (w == 1.0f) {
+    for (int64_t d = 0; d < D; ++d) o[d] += load(row[d]);
+  } else {
+    for (int64_t d = 0; d < D; ++d) o[d] += w * load(row[d]);
+  }
+}
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* r, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(r);
+  for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(scalar_t)); i += 64) LR_PREFETCH(c + i);
+}
+
+// Walks the ids of samples [b, b_end) sample-major: sample b, then feature f, then the ids of bag
+// (f, b) in order; empty bags are skipped. Visiting bags sample-major writes (forward) and reads
+// (backward) the [B, total_D] output / gradient in memory order.
+struct IdCursor {
+  const Layout& L;
+  int64_t b, b_end, f, p, pe;
+  IdCursor(const Layout& layout, int64_t b_begin, int64_t b_stop) : L(layout), b(b_begin), b_end(b_stop), f(-1), p(0), pe(0) {
+    next_bag();
+  }
+  bool valid() const { return b < b_end; }
+  void next_bag() {
+    while (b < b_end) {
+      if (++f == L.F) {
+        f = 0;
+        if (++b >= b_end) return;
+      }
+      const int64_t j = f * L.B + b;
+      p = L.offsets[j];
+      pe = L.offsets[j + 1];
+      if (p < pe) return;
+    }
+  }
+  void advance() {
+    if (++p == pe) next_bag();
+  }
+};
+
+// How far ahead (in ids) the rows are prefetched: enough misses in flight to hide DRAM latency.
+constexpr int kAheadIds = 8;
+
 template <typename scalar_t>
 void forward_kernel(const scalar_t* W, const Layout& L, float* out) {
-  at::parallel_for(0, L.F * L.B, 64, [&](int64_t begin, int64_t end) {
-    // Ids of consecutive bags are consecutive: prefetch the row of the id kAhead positions on
-    // (all its cache lines) while it belongs to the same feature, so the misses overlap.
-    constexpr int64_t kAhead = 8;
-    int64_t f = begin / L.B;
-    int64_t t = L.feature_table[f];
-    int64_t D = L.table_dims[t];
-    const scalar_t* table = W + L.weights_offsets[t];
-    int64_t feature_end = L.offsets[(f + 1) * L.B];
-    const int64_t row_bytes_max = L.max_D * static_cast<int64_t>(sizeof(scalar_t));
-    auto prefetch_row = [&](const scalar_t* r) {
-      for (int64_t c = 0; c < row_bytes_max && c < D * static_cast<int64_t>(sizeof(scalar_t)); c += 64)
-        LR_PREFETCH(reinterpret_cast<const char*>(r) + c);
+  // Samples are split into one contiguous chunk per thread; every bag is summed by one thread in
+  // position order, so the output does not depend on the number of threads.
+  at::parallel_for(0, L.B, 16, [&](int64_t b_begin, int64_t b_end) {
+    IdCursor ahead(L, b_begin, b_end);
+    auto prefetch_next = [&]() {
+      if (!ahead.valid()) return;
+      const int64_t t = L.feature_table[ahead.f];
+      const int64_t D = L.table_dims[t];
+      prefetch_row(W + L.weights_offsets[t] + L.indices[ahead.p] * D, D);
+      ahead.advance();
     };
-    for (int64_t p = L.offsets[begin], e = std::min(feature_end, L.offsets[begin] + kAhead); p < e; ++p)
-      prefetch_row(table + L.indices[p] * D);
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t fj = j / L.B, b = j - fj * L.B;
-      if (fj != f) {
-        f = fj;
-        t = L.feature_table[f];
-        D = L.table_dims[t];
-        table = W + L.weights_offsets[t];
-        feature_end = L.offsets[(f + 1) * L.B];
-        for (int64_t p = L.offsets[j], e = std::min(feature_end, L.offsets[j] + kAhead); p < e; ++p)
-          prefetch_row(table + L.indices[p] * D);
-      }
-      float* __restrict__ o = out + b * L.total_D + L.D_offsets[f];
-      const int64_t pb = L.offsets[j], pe = L.offsets[j + 1];
-      std::memset(o, 0, sizeof(float) * D);
-      for (int64_t p = pb; p < pe; ++p) {
-        if (p + kAhead < feature_end) prefetch_row(table + L.indices[p + kAhead] * D);
-        const scalar_t* __restrict__ row = table + L.indices[p] * D;
-        if (L.per_sample_weights) {
-          const float w = L.per_sample_weights[p];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * load(row[d]);
-        } else {
-          for (int64_t d = 0; d < D; ++d) o[d] += load(row[d]);
+    for (int i = 0; i < kAheadIds; ++i) prefetch_next();
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      float* orow = out + b * L.total_D;
+      for (int64_t f = 0; f < L.F; ++f) {
+        const int64_t t = L.feature_table[f];
+        const int64_t D = L.table_dims[t];
+        const scalar_t* table = W + L.weights_offsets[t];
+        float* __restrict__ o = orow + L.D_offsets[f];
+        const int64_t j = f * L.B + b, pb = L.offsets[j], pe = L.offsets[j + 1];
+        if (pb == pe) {
+          std::memset(o, 0, sizeof(float) * D);
+          continue;
         }
-      }
-      if (L.mean && pe > pb) {
-        const float s = 1.0f / static_cast<float>(pe - pb);
-        for (int64_t d = 0; d < D; ++d) o[d] *= s;
+        for (int64_t p = pb; p < pe; ++p) {
+          prefetch_next();
+          add_row(o, table + L.indices[p] * D, D, L.per_sample_weights ? L.per_sample_weights[p] : 1.0f, p == pb);
+        }
+        if (L.mean) {
+          const float s = 1.0f / static_cast<float>(pe - pb);
+          for (int64_t d = 0; d < D; ++d) o[d] *= s;
+        }
       }
     }
   });
-}
-
-// Stable LSD radix sort of `keys` on bits [32, 32 + nbits); the low 32 bits (the position) ride
-// along, so equal rows stay in position order. Parallel over fixed chunks of the input.
-void radix_sort_high(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp, int nbits) {
-  const int64_t N = static_cast<int64_t>(keys.size());
-  if (N <= 1 || nbits <= 0) return;
-  const int passes = (nbits + 10) / 11;
-  const int digit_bits = (nbits + passes - 1) / passes;
-  const int64_t buckets = int64_t(1) << digit_bits;
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 8192));
-  const int64_t chunk = (N + nchunks - 1) / nchunks;
-  std::vector<int64_t> hist(nchunks * buckets);
-  tmp.resize(N);
-  for (int pass = 0; pass < passes; ++pass) {
-    const int shift = 32 + pass * digit_bits;
-    const uint64_t mask = buckets - 1;
-    std::fill(hist.begin(), hist.end(), 0);
-    at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c) {
-        int64_t* h = hist.data() + c * buckets;
-        for (int64_t i = c * chunk, e = std::min(N, (c + 1) * chunk); i < e; ++i) ++h[(keys[i] >> shift) & mask];
-      }
-    });
-    int64_t run = 0;
-    for (int64_t d = 0; d < buckets; ++d) {
-      for (int64_t c = 0; c < nchunks; ++c) {
-        const int64_t n = hist[c * buckets + d];
-        hist[c * buckets + d] = run;
-        run += n;
-      }
-    }
-    at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c) {
-        int64_t* h = hist.data() + c * buckets;
-        for (int64_t i = c * chunk, e = std::min(N, (c + 1) * chunk); i < e; ++i) tmp[h[(keys[i] >> shift) & mask]++] = keys[i];
-      }
-    });
-    keys.swap(tmp);
-  }
 }
 
 struct OptimArgs {
@@ -286,9 +322,7 @@ inline void update_row(scalar_t* __restrict__ w, float* __restrict__ g, float* _
       }
       break;
     case kRowwiseAdagrad: {
-      float sq = 0.0f;
-      for (int64_t d = 0; d < D; ++d) sq += g[d] * g[d];
-      const float s = *m1 + sq / static_cast<float>(D);
+      const float s = *m1 + sum_squares(g, D) / static_cast<float>(D);
       *m1 = s;
       const float mult = lr / (std::sqrt(s) + eps);
       for (int64_t d = 0; d < D; ++d) store(w + d, load(w[d]) - mult * g[d]);
@@ -307,9 +341,7 @@ inline void update_row(scalar_t* __restrict__ w, float* __restrict__ g, float* _
     }
     case kPartialRowwiseAdam: {
       const float b1 = a.beta1, b2 = a.beta2, step = lr / a.bias_correction1;
-      float sq = 0.0f;
-      for (int64_t d = 0; d < D; ++d) sq += g[d] * g[d];
-      const float v = b2 * *m2 + (1.0f - b2) * sq / static_cast<float>(D);
+      const float v = b2 * *m2 + (1.0f - b2) * sum_squares(g, D) / static_cast<float>(D);
       *m2 = v;
       const float denom = std::sqrt(v) / a.bias_correction2_sqrt + eps;
       const float mult = step / denom;
@@ -325,117 +357,159 @@ inline void update_row(scalar_t* __restrict__ w, float* __restrict__ g, float* _
   }
 }
 
+// The [B, total_D] gradient of the output, read through its strides.
+struct GradView {
+  const float* data;
+  int64_t row_stride, col_stride;
+  const float* row(int64_t b) const { return data + b * row_stride; }
+};
+
+// What the update needs to know about each id: is its row named by no other id of the batch, or
+// is it the first (in position order) / a later id of a repeated row.
+enum IdRole : uint8_t { kOnly = 0, kFirst = 1, kRepeat = 2 };
+
+// Finds the repeated rows of each table with a hash of the table's ids, visited in position order.
+// role[p] as above; for a repeated row, next[] chains its ids from the first on, in position order
+// (-1 ends the chain); bag_of[p] is the bag of every id p. Parallel over tables.
+void find_repeats(const Layout& L, uint8_t* role, int32_t* next, int32_t* bag_of) {
+  // Features of each table, in feature order (a stable counting sort; F is small).
+  std::vector<int64_t> first_feature(L.T + 1, 0), features(L.F);
+  for (int64_t f = 0; f < L.F; ++f) ++first_feature[L.feature_table[f] + 1];
+  for (int64_t t = 0; t < L.T; ++t) first_feature[t + 1] += first_feature[t];
+  {
+    std::vector<int64_t> fill(first_feature.begin(), first_feature.end() - 1);
+    for (int64_t f = 0; f < L.F; ++f) features[fill[L.feature_table[f]]++] = f;
+  }
+  at::parallel_for(0, L.T, 1, [&](int64_t t_begin, int64_t t_end) {
+    struct Slot {
+      int32_t row, last;  // row (-1: empty) and the latest id that named it
+    };
+    std::vector<Slot> slots;
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      int64_t n = 0;
+      for (int64_t k = first_feature[t]; k < first_feature[t + 1]; ++k) {
+        const int64_t f = features[k];
+        n += L.offsets[(f + 1) * L.B] - L.offsets[f * L.B];
+      }
+      if (n == 0) continue;
+      int bits = 4;
+      while ((int64_t(1) << bits) < 2 * n) ++bits;
+      const uint32_t mask = (uint32_t(1) << bits) - 1;
+      slots.assign(size_t(1) << bits, Slot{-1, -1});
+      for (int64_t k = first_feature[t]; k < first_feature[t + 1]; ++k) {
+        const int64_t f = features[k];
+        for (int64_t j = f * L.B; j < (f + 1) * L.B; ++j) {
+          for (int64_t p = L.offsets[j], pe = L.offsets[j + 1]; p < pe; ++p) {
+            bag_of[p] = static_cast<int32_t>(j);
+            const int32_t row = static_cast<int32_t>(L.indices[p]);
+            uint32_t h = (static_cast<uint32_t>(row) * 0x9E3779B1u) >> (32 - bits);
+            while (slots[h].row != row && slots[h].row != -1) h = (h + 1) & mask;
+            Slot& s = slots[h];
+            if (s.row == -1) {
+              s = Slot{row, static_cast<int32_t>(p)};
+              role[p] = kOnly;
+            } else {
+              if (role[s.last] == kOnly) role[s.last] = kFirst;
+              next[s.last] = static_cast<int32_t>(p);
+              next[p] = -1;
+              role[p] = kRepeat;
+              s.last = static_cast<int32_t>(p);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// Backward with the fused update. Every touched row is updated once, by the thread that owns the
+// sample of its first id, with its gradient summed over its ids in position order: the result does
+// not depend on the number of threads.
+//   1. find the rows named more than once (per table, hashed);
+//   2. walk the ids sample-major (the gradient is read in memory order); a row named once is
+//      updated from its one gradient row, a repeated row from the sum over its chain, at its first id.
 template <typename scalar_t>
-void backward_update_kernel(scalar_t* W, float* M1, float* M2, const Layout& L, const float* grad, const OptimArgs& a) {
+void backward_update_kernel(scalar_t* W, float* M1, float* M2, const Layout& L, const GradView& grad, const OptimArgs& a) {
   const int64_t N = L.N;
   if (N == 0) return;
   LR_T0;
-  // 1. keys = (global row << 32) | position; bag_of[position] = bag.
-  std::vector<uint64_t> keys(N), tmp;
-  std::vector<int32_t> bag_of(N);
-  at::parallel_for(0, L.F * L.B, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t f = j / L.B;
-      const uint64_t base = static_cast<uint64_t>(L.row_offsets[L.feature_table[f]]);
-      for (int64_t p = L.offsets[j], pe = L.offsets[j + 1]; p < pe; ++p) {
-        keys[p] = ((base + static_cast<uint64_t>(L.indices[p])) << 32) | static_cast<uint64_t>(p);
-        bag_of[p] = static_cast<int32_t>(j);
-      }
-    }
-  });
-  const uint64_t total_rows = static_cast<uint64_t>(L.row_offsets[L.T]);
-  int nbits = 0;
-  while ((uint64_t(1) << nbits) < total_rows) ++nbits;
-  LR_TICK("keys");
-  radix_sort_high(keys, tmp, nbits);
-  LR_TICK("sort");
+  std::unique_ptr<uint8_t[]> role(new uint8_t[N]);
+  std::unique_ptr<int32_t[]> next(new int32_t[N]);
+  std::unique_ptr<int32_t[]> bag_of(new int32_t[N]);
+  find_repeats(L, role.get(), next.get(), bag_of.get());
+  LR_TICK("repeats");
 
-  // 2. segment starts: positions i where the row changes (plus N as the end).
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 8192));
-  const int64_t chunk = (N + nchunks - 1) / nchunks;
-  std::vector<int64_t> counts(nchunks + 1, 0);
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      int64_t n = 0;
-      for (int64_t i = c * chunk, e = std::min(N, (c + 1) * chunk); i < e; ++i)
-        n += (i == 0 || (keys[i] >> 32) != (keys[i - 1] >> 32));
-      counts[c + 1] = n;
-    }
-  });
-  for (int64_t c = 0; c < nchunks; ++c) counts[c + 1] += counts[c];
-  const int64_t U = counts[nchunks];
-  std::vector<int32_t> seg(U + 1);
-  seg[U] = static_cast<int32_t>(N);
-  at::parallel_for(0, nchunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      int64_t k = counts[c];
-      for (int64_t i = c * chunk, e = std::min(N, (c + 1) * chunk); i < e; ++i)
-        if (i == 0 || (keys[i] >> 32) != (keys[i - 1] >> 32)) seg[k++] = static_cast<int32_t>(i);
-    }
-  });
-
-  LR_TICK("segments");
-  // 3. per unique row: sum the gradient in position order, then update.
-  at::parallel_for(0, U, 16, [&](int64_t begin, int64_t end) {
+  const bool rowwise_m1 = a.optimizer == kRowwiseAdagrad;
+  const bool elem_m1 = a.optimizer == kAdagrad || a.optimizer == kAdam || a.optimizer == kPartialRowwiseAdam;
+  const bool elem_m2 = a.optimizer == kAdam;
+  const bool rowwise_m2 = a.optimizer == kPartialRowwiseAdam;
+  at::parallel_for(0, L.B, 16, [&](int64_t b_begin, int64_t b_end) {
     std::vector<float> gbuf(L.max_D);
     float* __restrict__ g = gbuf.data();
-    // Rows are scattered over hundreds of MB: fetch the rows a few segments ahead (all their
-    // cache lines, the state and the gradient rows) so that the misses overlap.
-    constexpr int64_t kAhead = 8;
-    auto prefetch_segment = [&](int64_t v) {
-      const int64_t s = seg[v], e = seg[v + 1];
-      const int64_t p0 = static_cast<int64_t>(keys[s] & 0xffffffffu);
-      const int64_t t = L.feature_table[bag_of[p0] / L.B];
+    IdCursor ahead(L, b_begin, b_end);
+    // Rows are scattered over hundreds of MB: fetch the row (all its cache lines) and its state
+    // kAheadIds ids ahead, so that the misses overlap.
+    auto prefetch_next = [&]() {
+      if (!ahead.valid()) return;
+      const int64_t t = L.feature_table[ahead.f];
       const int64_t D = L.table_dims[t];
-      const int64_t woff = L.weights_offsets[t] + L.indices[p0] * D;
-      const char* wp = reinterpret_cast<const char*>(W + woff);
-      for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(scalar_t)); c += 64) LR_PREFETCH(wp + c);
-      if (a.optimizer == kRowwiseAdagrad) LR_PREFETCH(M1 + L.row_offsets[t] + L.indices[p0]);
-      if (a.optimizer == kAdagrad || a.optimizer == kAdam || a.optimizer == kPartialRowwiseAdam) {
-        for (int64_t c = 0; c < D * 4; c += 64) LR_PREFETCH(reinterpret_cast<const char*>(M1 + woff) + c);
-      }
-      if (a.optimizer == kAdam) {
-        for (int64_t c = 0; c < D * 4; c += 64) LR_PREFETCH(reinterpret_cast<const char*>(M2 + woff) + c);
-      }
-      if (a.optimizer == kPartialRowwiseAdam) LR_PREFETCH(M2 + L.row_offsets[t] + L.indices[p0]);
-      for (int64_t i = s; i < e && i < s + 4; ++i) {
-        const int64_t p = static_cast<int64_t>(keys[i] & 0xffffffffu);
-        const int64_t j = bag_of[p];
-        const int64_t f = j / L.B, b = j - f * L.B;
-        const char* gp = reinterpret_cast<const char*>(grad + b * L.total_D + L.D_offsets[f]);
-        for (int64_t c = 0; c < D * 4; c += 64) LR_PREFETCH(gp + c);
-      }
-    };
-    for (int64_t u = begin; u < std::min(end, begin + kAhead); ++u) prefetch_segment(u);
-    for (int64_t u = begin; u < end; ++u) {
-      if (u + kAhead < end) prefetch_segment(u + kAhead);
-      const int64_t s = seg[u], e = seg[u + 1];
-      const int64_t p0 = static_cast<int64_t>(keys[s] & 0xffffffffu);
-      const int64_t t = L.feature_table[bag_of[p0] / L.B];
-      const int64_t D = L.table_dims[t];
-      const int64_t row = L.indices[p0];
-      std::memset(g, 0, sizeof(float) * D);
-      for (int64_t i = s; i < e; ++i) {
-        const int64_t p = static_cast<int64_t>(keys[i] & 0xffffffffu);
-        const int64_t j = bag_of[p];
-        const int64_t f = j / L.B, b = j - f * L.B;
-        float scale = L.per_sample_weights ? L.per_sample_weights[p] : 1.0f;
-        if (L.mean) scale /= static_cast<float>(L.offsets[j + 1] - L.offsets[j]);
-        const float* __restrict__ go = grad + b * L.total_D + L.D_offsets[f];
-        for (int64_t d = 0; d < D; ++d) g[d] += scale * go[d];
-      }
+      const int64_t row = L.indices[ahead.p];
       const int64_t woff = L.weights_offsets[t] + row * D;
-      const int64_t roff = L.row_offsets[t] + row;
-      float* m1 = nullptr;
-      float* m2 = nullptr;
-      switch (a.optimizer) {
-        case kAdagrad: m1 = M1 + woff; break;
-        case kRowwiseAdagrad: m1 = M1 + roff; break;
-        case kAdam: m1 = M1 + woff; m2 = M2 + woff; break;
-        case kPartialRowwiseAdam: m1 = M1 + woff; m2 = M2 + roff; break;
-        default: break;
+      prefetch_row(W + woff, D);
+      if (rowwise_m1) LR_PREFETCH(M1 + L.row_offsets[t] + row);
+      if (elem_m1) prefetch_row(M1 + woff, D);
+      if (elem_m2) prefetch_row(M2 + woff, D);
+      if (rowwise_m2) LR_PREFETCH(M2 + L.row_offsets[t] + row);
+      ahead.advance();
+    };
+    auto scale_of = [&](int64_t p, int64_t j) {
+      float scale = L.per_sample_weights ? L.per_sample_weights[p] : 1.0f;
+      if (L.mean) scale /= static_cast<float>(L.offsets[j + 1] - L.offsets[j]);
+      return scale;
+    };
+    for (int i = 0; i < kAheadIds; ++i) prefetch_next();
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      for (int64_t f = 0; f < L.F; ++f) {
+        const int64_t t = L.feature_table[f];
+        const int64_t D = L.table_dims[t];
+        const int64_t j = f * L.B + b;
+        for (int64_t p = L.offsets[j], pe = L.offsets[j + 1]; p < pe; ++p) {
+          prefetch_next();
+          const uint8_t r = role[p];
+          if (r == kRepeat) continue;
+          if (r == kOnly) {
+            const float scale = scale_of(p, j);
+            const float* __restrict__ go = grad.row(b) + L.D_offsets[f] * grad.col_stride;
+            if (grad.col_stride == 1) {
+              for (int64_t d = 0; d < D; ++d) g[d] = scale * go[d];
+            } else {
+              for (int64_t d = 0; d < D; ++d) g[d] = scale * go[d * grad.col_stride];
+            }
+          } else {
+            std::memset(g, 0, sizeof(float) * D);
+            for (int64_t q = p; q != -1; q = next[q]) {
+              const int64_t jq = bag_of[q];
+              const int64_t fq = jq / L.B, bq = jq - fq * L.B;
+              const float scale = scale_of(q, jq);
+              const float* __restrict__ go = grad.row(bq) + L.D_offsets[fq] * grad.col_stride;
+              for (int64_t d = 0; d < D; ++d) g[d] += scale * go[d * grad.col_stride];
+            }
+          }
+          const int64_t row = L.indices[p];
+          const int64_t woff = L.weights_offsets[t] + row * D;
+          const int64_t roff = L.row_offsets[t] + row;
+          float* m1 = nullptr;
+          float* m2 = nullptr;
+          switch (a.optimizer) {
+            case kAdagrad: m1 = M1 + woff; break;
+            case kRowwiseAdagrad: m1 = M1 + roff; break;
+            case kAdam: m1 = M1 + woff; m2 = M2 + woff; break;
+            case kPartialRowwiseAdam: m1 = M1 + woff; m2 = M2 + roff; break;
+            default: break;
+          }
+          update_row<scalar_t>(W + woff, g, m1, m2, D, a);
+        }
       }
-      update_row<scalar_t>(W + woff, g, m1, m2, D, a);
     }
   });
   LR_TICK("update");
@@ -508,13 +582,19 @@ void tbe_backward_update_cpu(
     double beta1,
     double beta2,
     double weight_decay) {
+  LR_T0;
   const Layout L = make_layout(weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets,
                                per_sample_weights, pooling_mode);
   check_weights(weights, L);
+  LR_TICK("layout");
   TORCH_CHECK_VALUE(optimizer >= kSGD && optimizer <= kPartialRowwiseAdam, "lightning_rec: unknown optimizer id ", optimizer);
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == L.B && grad_output.size(1) == L.total_D,
               "lightning_rec: grad_output must be [B, total_D] = [", L.B, ", ", L.total_D, "], got ", grad_output.sizes());
-  const at::Tensor grad = grad_output.to(at::kFloat).contiguous();
+  // The gradient is read through its strides: a broadcast one (the gradient of out.sum()) or a
+  // slice of a wider one is not copied.
+  const at::Tensor grad = grad_output.to(at::kFloat);
+  const GradView gv{grad.data_ptr<float>(), grad.stride(0), grad.stride(1)};
+  LR_TICK("grad");
   const int64_t total_rows = L.row_offsets[L.T];
   auto state = [&](const at::Tensor& m, const char* name, bool rowwise) -> float* {
     TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.device().is_cpu(),
@@ -539,9 +619,9 @@ void tbe_backward_update_cpu(
     a.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(*s))));
   }
   if (weights.scalar_type() == at::kFloat) {
-    backward_update_kernel<float>(weights.data_ptr<float>(), M1, M2, L, grad.data_ptr<float>(), a);
+    backward_update_kernel<float>(weights.data_ptr<float>(), M1, M2, L, gv, a);
   } else {
-    backward_update_kernel<at::Half>(weights.data_ptr<at::Half>(), M1, M2, L, grad.data_ptr<float>(), a);
+    backward_update_kernel<at::Half>(weights.data_ptr<at::Half>(), M1, M2, L, gv, a);
   }
 }
 

@@ -280,6 +280,60 @@ def test_long_bags_and_threads_are_deterministic():
     torch.testing.assert_close(tbe(indices, offsets, psw).detach(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_one_id_per_bag_wide_rows_and_broadcast_gradient(opt):
+    """The benchmark's shape in small: one id per bag, dims that are multiples of 16 (the vectorised
+    row-wise reductions), rows repeated within and across the features of a shared table, and the
+    gradient of out.sum() (a broadcast, read through its strides). Matches plain PyTorch; 1 and 2
+    threads give bitwise equal results."""
+    specs, ft = [(40, 64), (30, 16), (500, 48)], [0, 1, 0, 2]
+    cfg = FusedOptimizerConfig(opt, lr=0.05, eps=1e-6)
+    B = 96
+    results = []
+    for threads in (1, 2):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(7)
+            tbe = NativeTableBatchedEmbeddingBags(specs, ft, "sum", cfg, weight_init=[(-0.5, 0.5)] * 3)
+            tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
+            tables = [w.detach().clone() for w in tbe.split_embedding_weights()]
+            sums = [torch.zeros(r) for r, _ in specs]
+            offsets = torch.arange(len(ft) * B + 1)
+            for _ in range(3):
+                indices = torch.cat([torch.randint(0, specs[t][0], (B,), generator=gen) for t in ft])
+                out = tbe(indices, offsets)
+                leaf = [t.clone().requires_grad_(True) for t in tables]
+                ref = torch.cat([F.embedding_bag(indices[f * B : (f + 1) * B], leaf[t], torch.arange(B), mode="sum")
+                                 for f, t in enumerate(ft)], dim=1)
+                torch.testing.assert_close(out.detach(), ref.detach(), atol=1e-5, rtol=1e-5)
+                out.sum().backward()
+                if opt in ("sgd", "rowwise_adagrad"):  # checked against a plain step; the others by parity tests
+                    ref.sum().backward()
+                    with torch.no_grad():
+                        for t, lf in enumerate(leaf):
+                            ids = [indices[f * B : (f + 1) * B] for f, tt in enumerate(ft) if tt == t]
+                            rows = torch.cat(ids).unique()
+                            g = lf.grad[rows]
+                            if opt == "sgd":
+                                tables[t][rows] -= cfg.lr * g
+                            else:
+                                sums[t][rows] += (g * g).mean(1)
+                                tables[t][rows] -= cfg.lr * g / (sums[t][rows].sqrt() + cfg.eps).unsqueeze(1)
+                    for t in range(len(specs)):
+                        torch.testing.assert_close(tbe.split_embedding_weights()[t], tables[t], atol=1e-5, rtol=1e-5)
+                        if opt == "rowwise_adagrad":
+                            torch.testing.assert_close(tbe.get_optimizer_state()[t]["sum"], sums[t],
+                                                       atol=1e-6, rtol=1e-5)
+                else:
+                    tables = [w.detach().clone() for w in tbe.split_embedding_weights()]
+            results.append((tbe.weights.clone(), tbe.momentum1.clone(), tbe.momentum2.clone()))
+        finally:
+            torch.set_num_threads(prev)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_output_has_grad_fn_and_eval_does_not_update():
     tbe = NativeTableBatchedEmbeddingBags(SPECS, FEATURE_TABLE, "sum", FusedOptimizerConfig("sgd", lr=0.1))
     indices, offsets, _ = make_batch(4, torch.Generator().manual_seed(6))
