@@ -8,10 +8,11 @@ Adagrad. Variants, each in its own process so that its peak RSS is its own:
   raw_tbe   fbgemm's SplitTableBatchedEmbeddingBagsCodegen called with indices/offsets
   plain     one nn.EmbeddingBag(sparse=True) per table + torch.optim.Adagrad
 Variants run interleaved for several rounds (the machine is shared and noisy); each figure is
-the median over rounds. Ratios of close variants (ours vs raw TBE, native vs fbgemm) come from
-paired runs: both in one process, one step of each in turn, so drift hits both alike; the
-others from the medians. Peak RSS always comes from a variant's own process. Prints a table,
-then one JSON line.
+the median over rounds. ours vs raw TBE (the same kernel, a few % apart) comes from paired runs:
+both in one process, one step of each in turn, so drift hits both alike. Different kernels
+(native vs fbgemm) disturb each other when paired, so their headline ratios come from separate
+processes and the paired ratio is printed beside them as a bound. Peak RSS always comes from a
+variant's own process. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def native_section(args) -> tuple[list[dict], dict, dict]:
             add("native", opt, args.threads)
             if opt in FBGEMM_CPU_OPTIMIZERS:
                 add("raw_tbe", opt, args.threads)
-                add("native+raw_tbe", opt, args.threads)
+                if opt in ("rowwise_adagrad", "sgd"):
+                    add("native+raw_tbe", opt, args.threads)
             if PLAIN_FOR[opt] == opt:
                 add("plain", opt, args.threads)
         add("native", "rowwise_adagrad", 1)
@@ -177,11 +179,15 @@ def native_section(args) -> tuple[list[dict], dict, dict]:
     for (variant, opt, threads), m in med.items():
         print(f"{opt:<22}{variant:<10}{threads:>8}{m['samples_per_s']:>12,.0f}{m['peak_rss_mb']:>14,.0f}")
     ratios = {
-        # native vs fbgemm: from the paired runs (alternating steps in one process), the steady figure
-        "native_vs_fbgemm_rowwise_adagrad": paired[("native+raw_tbe", "rowwise_adagrad", args.threads)],
+        # native vs fbgemm: each kernel in its own process, as a user runs one. Pairing them in one
+        # process (alternating steps) slows native by 10-20% and not fbgemm (measured both orders):
+        # the two kernels disturb each other's caches and thread pools, so it is printed as a bound.
+        "native_vs_fbgemm_rowwise_adagrad": sps("native", "rowwise_adagrad") / sps("raw_tbe", "rowwise_adagrad"),
+        "native_vs_fbgemm_rowwise_adagrad_paired": paired[("native+raw_tbe", "rowwise_adagrad", args.threads)],
         "native_vs_plain_rowwise_adagrad": sps("native", "rowwise_adagrad") / sps("plain", "rowwise_adagrad"),
-        "native_vs_fbgemm_sgd": paired[("native+raw_tbe", "sgd", args.threads)],
-        "native_vs_fbgemm_adagrad": paired[("native+raw_tbe", "adagrad", args.threads)],
+        "native_vs_fbgemm_sgd": sps("native", "sgd") / sps("raw_tbe", "sgd"),
+        "native_vs_fbgemm_sgd_paired": paired[("native+raw_tbe", "sgd", args.threads)],
+        "native_vs_fbgemm_adagrad": sps("native", "adagrad") / sps("raw_tbe", "adagrad"),
         "native_vs_plain_sgd": sps("native", "sgd") / sps("plain", "sgd"),
         "native_vs_plain_adam": sps("native", "adam") / sps("plain", "adam"),
         "native_vs_plain_partial_rowwise_adam": sps("native", "partial_rowwise_adam") / sps("plain", "adam"),

@@ -60,10 +60,11 @@ def native_kernel_available() -> bool:
 
 
 # The "auto" rule, measured with benchmarks/embedding.py (26 tables x 100k rows x D=64, B=2048, one
-# id per feature, 2 threads, this 2-core AVX-512 machine, median of 3 interleaved rounds): native /
-# fbgemm-gpu-cpu 1.8.0 = 1.65x row-wise Adagrad, 2.49x SGD, 3.23x Adagrad; fbgemm has no CPU Adam or
-# partial-row-wise Adam (native 3.0x / 4.4x plain SparseAdam). Native wins for every optimizer it
-# implements, so on CPU "auto" = native whenever the extension is built; LAMB / LARS stay fbgemm.
+# id per feature, 2 threads, this 2-core AMD EPYC (AVX-512) VM, median of 3 interleaved rounds, two
+# runs): native / fbgemm-gpu-cpu 1.8.0 = 1.7-2.4x row-wise Adagrad, 2.4-2.9x SGD, 2.9x Adagrad; fbgemm
+# has no CPU Adam or partial-row-wise Adam (native 3.3-3.5x / 5.3-6.6x plain SparseAdam). Native wins
+# for every optimizer it implements in every run, so on CPU "auto" = native whenever the extension is
+# built; LAMB / LARS stay with fbgemm (GPU).
 def prefer_native(optimizer: EmbOptimType | str) -> bool:
     """The "auto" rule: use the native kernel on CPU for this optimizer (else fbgemm)."""
     return native_kernel_available() and EmbOptimType(str(optimizer).lower()) in _OPTIMIZER_IDS
