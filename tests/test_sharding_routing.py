@@ -160,3 +160,25 @@ def test_plan_compute_kernel_reaches_the_shard_tables():
                         "b": row_wise(compute_kernel=ComputeKernel.FUSED_UVM)})
     kernels = {t.name.split("@")[0]: t.compute_kernel for tables in routing.rank_tables for t in tables}
     assert kernels == {"a": "fused_uvm_caching", "b": "fused_uvm"}  # GPU: managed (+cache); CPU: host either way
+
+
+@pytest.mark.parametrize("perm_cols", [
+    [4, 5, 6, 7, 0, 1, 2, 3],  # two 4-wide blocks swapped
+    [2, 3, 0, 1, 5, 4],  # runs of 2, 2, 1, 1: falls back to single columns
+    list(range(8)),  # identity
+])
+def test_block_permutation_equals_column_gather_with_gradients(perm_cols):
+    from lightning_rec.sharding.embeddings import _PermuteBlocks, column_blocks, inverse_permutation
+
+    gather = torch.tensor(perm_cols)
+    b, blocks = column_blocks(gather)
+    x = torch.randn(5, len(perm_cols), requires_grad=True)
+    y = torch.randn(5, len(perm_cols), requires_grad=True)
+    with torch.no_grad():
+        y.copy_(x)
+    g = torch.randn(5, len(perm_cols))
+    _PermuteBlocks.apply(x, b, blocks, inverse_permutation(blocks)).backward(g)
+    y.index_select(1, gather).backward(g)
+    torch.testing.assert_close(x.grad, y.grad)
+    torch.testing.assert_close(_PermuteBlocks.apply(x, b, blocks, inverse_permutation(blocks)),
+                               y.index_select(1, gather))

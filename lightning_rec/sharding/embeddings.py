@@ -21,6 +21,7 @@ of the ids' permutation) and each source puts them back in its features' id orde
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,41 @@ def inverse_permutation(perm_N: Tensor) -> Tensor:
     return inv_N
 
 
+def column_blocks(gather_D: Tensor) -> tuple[int, Tensor]:
+    """The widest block size b such that the column gather moves whole b-column blocks, and the
+    block gather: gather_D == (blocks * b)[:, None] + arange(b), flattened. b = 1 in the worst case.
+
+    Output columns come in runs (a feature's columns stay together), so the gather can move runs
+    of contiguous floats instead of single floats: about 4x faster for 64-wide features.
+    """
+    if gather_D.numel() == 0:
+        return 1, gather_D
+    cols = gather_D.tolist()  # once, at construction
+    run_starts = [i for i in range(len(cols)) if i == 0 or cols[i] != cols[i - 1] + 1]
+    b = 0
+    for i, start in enumerate(run_starts):
+        end = run_starts[i + 1] if i + 1 < len(run_starts) else len(cols)
+        b = math.gcd(b, math.gcd(start, math.gcd(cols[start], end - start)))
+    return b, gather_D[::b] // b
+
+
+class _PermuteBlocks(torch.autograd.Function):
+    """x [B, n*b] -> its b-column blocks reordered; backward is the inverse reordering (no zero fill,
+    no index_add: a permutation's gradient is a permutation)."""
+
+    @staticmethod
+    def forward(ctx, x_BD: Tensor, b: int, blocks: Tensor, inverse: Tensor) -> Tensor:
+        ctx.b, ctx.inverse = b, inverse
+        B = x_BD.shape[0]
+        return x_BD.view(B, -1, b).index_select(1, blocks).view(B, -1)
+
+    @staticmethod
+    def backward(ctx, grad_BD: Tensor):
+        B = grad_BD.shape[0]
+        grad = grad_BD.contiguous().view(B, -1, ctx.b).index_select(1, ctx.inverse).view(B, -1)
+        return grad, None, None, None
+
+
 class OutputColumns:
     """Routing.output_columns on a device, with its inverse when it is a permutation."""
 
@@ -44,6 +80,12 @@ class OutputColumns:
         # Row shards add partial sums into the same columns; otherwise every column comes once.
         self.summed = routing.row_split
         self.gather_D = None if self.summed else inverse_permutation(self.columns_Dall)
+        if self.gather_D is not None:
+            self.block, self.gather_blocks = column_blocks(self.gather_D.cpu())
+            self.gather_blocks = self.gather_blocks.to(device)
+            self.scatter_blocks = inverse_permutation(self.gather_blocks)
+            # identity: the blocks already arrive in feature order (e.g. one owner holds everything)
+            self.identity = bool(torch.equal(self.gather_blocks.cpu(), torch.arange(self.gather_blocks.numel())))
         self.rank_dims = routing.rank_dims
         dims = torch.tensor(routing.feature_dims, device=device)
         self.width_F = dims
@@ -65,8 +107,10 @@ def assemble_pooled(received: Tensor, batch: int, dp_BD: Tensor | None, cols: Ou
     all_BD = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     if cols.summed:
         out_BD = all_BD.new_zeros(batch, cols.width).index_add(1, cols.columns_Dall, all_BD)
+    elif cols.identity:
+        out_BD = all_BD
     else:
-        out_BD = all_BD.index_select(1, cols.gather_D)
+        out_BD = _PermuteBlocks.apply(all_BD, cols.block, cols.gather_blocks, cols.scatter_blocks)
     if cols.mean_D is not None:
         count_BF = lengths_FB.t().clamp(min=1).to(out_BD.dtype)
         count_BD = torch.repeat_interleave(count_BF, cols.width_F, dim=1, output_size=cols.width)
