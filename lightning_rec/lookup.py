@@ -298,6 +298,9 @@ class GroupedLookup(nn.Module):
         if optimizer is None and kernel not in ("auto", "dense"):
             raise ValueError(f"kernel={kernel!r} fuses an optimizer: pass optimizer=FusedOptimizerConfig(...) "
                              f"or use kernel='dense'")
+        if optimizer is not None and kernel == "dense":
+            raise ValueError("kernel='dense' trains tables with a torch.optim optimizer, so the fused optimizer "
+                             "would be ignored: drop optimizer=..., or use kernel='auto' to fuse it")
         self.groups = group_tables(tables)
         self.kernels = nn.ModuleList()
         for group in self.groups:

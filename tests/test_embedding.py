@@ -254,3 +254,12 @@ def test_out_of_range_id_found_in_fixed_and_jagged_batches():
                                                  torch.tensor([2, 0, 1, 0, 1, 0]))
     with pytest.raises(ValueError, match=r"feature 'f1' has id 30 outside table 't1'"):
         ebc(jagged)
+
+
+def test_kernel_choices_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="fused optimizer would be ignored"):
+        EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd"), kernel="dense")
+    with pytest.raises(ValueError, match="fuses an optimizer"):
+        EmbeddingBagCollection(TABLES, kernel="fbgemm")
+    with pytest.raises(ValueError, match="unknown embedding kernel 'cuda'"):
+        EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd"), kernel="cuda")
