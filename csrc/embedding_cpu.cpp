@@ -384,7 +384,7 @@ void find_repeats(const Layout& L, uint8_t* role, int32_t* next, int32_t* bag_of
     struct Slot {
       int32_t row, last;  // row (-1: empty) and the latest id that named it
     };
-    std::vector<Slot> slots;
+    thread_local std::vector<Slot> slots;  // kept between calls: no allocation (nor page faults) a step
     for (int64_t t = t_begin; t < t_end; ++t) {
       int64_t n = 0;
       for (int64_t k = first_feature[t]; k < first_feature[t + 1]; ++k) {
@@ -433,10 +433,19 @@ void backward_update_kernel(scalar_t* W, float* M1, float* M2, const Layout& L, 
   const int64_t N = L.N;
   if (N == 0) return;
   LR_T0;
-  std::unique_ptr<uint8_t[]> role(new uint8_t[N]);
-  std::unique_ptr<int32_t[]> next(new int32_t[N]);
-  std::unique_ptr<int32_t[]> bag_of(new int32_t[N]);
-  find_repeats(L, role.get(), next.get(), bag_of.get());
+  // Scratch kept by the calling thread between calls (grown, never shrunk): a fresh ~10 bytes per id
+  // a step would be mmapped and faulted in again each time.
+  thread_local std::vector<uint8_t> role_buf;
+  thread_local std::vector<int32_t> next_buf, bag_buf;
+  if (role_buf.size() < static_cast<size_t>(N)) {
+    role_buf.resize(N);
+    next_buf.resize(N);
+    bag_buf.resize(N);
+  }
+  uint8_t* const role = role_buf.data();
+  int32_t* const next = next_buf.data();
+  int32_t* const bag_of = bag_buf.data();
+  find_repeats(L, role, next, bag_of);
   LR_TICK("repeats");
 
   const bool rowwise_m1 = a.optimizer == kRowwiseAdagrad;
@@ -444,7 +453,8 @@ void backward_update_kernel(scalar_t* W, float* M1, float* M2, const Layout& L, 
   const bool elem_m2 = a.optimizer == kAdam;
   const bool rowwise_m2 = a.optimizer == kPartialRowwiseAdam;
   at::parallel_for(0, L.B, 16, [&](int64_t b_begin, int64_t b_end) {
-    std::vector<float> gbuf(L.max_D);
+    thread_local std::vector<float> gbuf;
+    if (gbuf.size() < static_cast<size_t>(L.max_D)) gbuf.resize(L.max_D);
     float* __restrict__ g = gbuf.data();
     IdCursor ahead(L, b_begin, b_end);
     // Rows are scattered over hundreds of MB: fetch the row (all its cache lines) and its state
@@ -526,6 +536,40 @@ void check_weights(const at::Tensor& weights, const Layout& L) {
   TORCH_CHECK(weights.numel() >= need, "lightning_rec: weights has ", weights.numel(), " elements, layout needs ", need);
 }
 
+// The forward output ([B, total_D] floats, 13.6 MB for 26 features x D 64 x B 2048) comes from a
+// small per-thread pool of buffers, each reused once no tensor or view uses it any more. Freshly
+// allocated, a buffer that size is mmapped by malloc and faults in page by page on every step
+// (500-2000 page faults, 1-2 ms a step here, and much of the run-to-run variance). Every element
+// of the output is written by the forward, so a reused buffer needs no clearing. The pool holds
+// at most kOutputPool buffers (the least recently used one goes first), so its memory is bounded
+// by the outputs a step keeps alive anyway.
+constexpr size_t kOutputPool = 8;
+
+at::Tensor pooled_output(int64_t B, int64_t total_D) {
+  thread_local std::vector<c10::Storage> pool;  // least recently used first
+  const size_t nbytes = static_cast<size_t>(B) * static_cast<size_t>(total_D) * sizeof(float);
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  c10::Storage storage;
+  for (size_t i = pool.size(); i-- > 0;) {
+    // use_count() == 1: only the pool holds the buffer, so no tensor can see it (counts only go
+    // down while nothing else holds it).
+    if (pool[i].nbytes() == nbytes && pool[i].use_count() == 1) {
+      storage = std::move(pool[i]);
+      pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+      break;
+    }
+  }
+  if (!storage) {
+    if (nbytes < (size_t(1) << 20)) return at::empty({B, total_D}, options);  // small: malloc reuses it
+    storage = at::empty({static_cast<int64_t>(nbytes / sizeof(float))}, options).storage();
+    if (pool.size() >= kOutputPool) pool.erase(pool.begin());
+  }
+  pool.push_back(storage);
+  at::Tensor out = at::empty({0}, options);
+  out.set_(storage, 0, {B, total_D}, {total_D, 1});
+  return out;
+}
+
 at::Tensor tbe_forward_cpu(
     const at::Tensor& placeholder,
     const at::Tensor& weights,
@@ -552,7 +596,7 @@ at::Tensor tbe_forward_cpu(
                                per_sample_weights, pooling_mode);
   check_weights(weights, L);
   TORCH_CHECK(total_D == L.total_D, "lightning_rec: total_D = ", total_D, " but D_offsets ends at ", L.total_D);
-  at::Tensor out = at::empty({L.B, L.total_D}, weights.options().dtype(at::kFloat));
+  at::Tensor out = pooled_output(L.B, L.total_D);
   if (weights.scalar_type() == at::kFloat) {
     forward_kernel<float>(weights.data_ptr<float>(), L, out.data_ptr<float>());
   } else {

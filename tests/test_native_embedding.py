@@ -347,6 +347,42 @@ def test_output_has_grad_fn_and_eval_does_not_update():
         assert tbe(indices, offsets).grad_fn is None
 
 
+def test_large_outputs_reuse_buffers_only_when_nothing_holds_them():
+    # Outputs of 1 MiB or more come from a pool of reused buffers (csrc/embedding_cpu.cpp): one that a
+    # tensor, a view or autograd still holds must never be handed out again.
+    specs, ft, B = [(50, 64), (40, 64)], [0, 1], 2048  # [2048, 128] floats = 1 MiB
+    tbe = NativeTableBatchedEmbeddingBags(specs, ft, "sum", FusedOptimizerConfig("sgd", lr=0.1))
+    gen = torch.Generator().manual_seed(11)
+
+    def batch():
+        return make_batch(B, gen, max_len=2, specs=specs, ft=ft)[:2]
+
+    def expected(indices, offsets):
+        return reference_pooled(tbe.split_embedding_weights(), indices, offsets, None, "sum", ft=ft)
+
+    with torch.no_grad():
+        b1, b2, b3 = batch(), batch(), batch()
+        out1 = tbe(*b1)
+        view1 = out1[:, 64:]
+        ref1 = out1.clone()
+        del out1  # the view still holds the buffer
+        out2 = tbe(*b2)
+        assert out2.untyped_storage().data_ptr() != view1.untyped_storage().data_ptr()
+        torch.testing.assert_close(out2, expected(*b2))
+        del out2  # nothing holds this buffer any more: the next output may reuse it
+        out3 = tbe(*b3)
+        torch.testing.assert_close(out3, expected(*b3))
+        assert torch.equal(view1, ref1[:, 64:])
+    for _ in range(3):  # training steps: the output held by the graph stays intact until its backward
+        b = batch()
+        out = tbe(*b)
+        torch.testing.assert_close(out, expected(*b))
+        held = out.detach().clone()
+        other = tbe(*batch())
+        assert torch.equal(out, held)
+        (out.sum() + other.sum()).backward()
+
+
 def test_state_layout_learning_rate_and_fp16():
     shapes = {
         "sgd": {},
