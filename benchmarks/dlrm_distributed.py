@@ -1,6 +1,10 @@
 """DLRM training throughput: 2 ranks x 1 thread (gloo) per sharding type vs one process x 2 threads.
 
-    python benchmarks/dlrm_distributed.py [--steps 20] [--warmup 3] [--types table_wise,row_wise,...]
+    python benchmarks/dlrm_distributed.py [--steps 20] [--rounds 3] [--types table_wise,row_wise,...]
+
+`--types` entries may end in `@gloo` (e.g. `table_wise@gloo`): the same run with every collective
+over gloo's TCP instead of shared memory (DistributedModelParallel(shared_memory=False)), the
+transport before shm_transport.py, for a same-run comparison.
 
 `--types` may also name `planner` (the plan EmbeddingShardingPlanner picks for this model);
 benchmarks/planner.py runs it that way to put measured step times next to its estimates.
@@ -22,6 +26,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -125,13 +130,15 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     for kind in args.types:
         model = build_model("meta")  # tables are built where their shards live, never whole
         dense = None if args.dense == "none" else args.dense
-        plan = plan_for(kind, model, world_size, args.batch)
-        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120, dense=dense)
+        sharding, _, transport = kind.partition("@")  # "table_wise@gloo": embedding + DDP traffic over gloo TCP
+        plan = plan_for(sharding, model, world_size, args.batch)
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120, dense=dense,
+                                       shared_memory=False if transport == "gloo" else None)
         opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
                                  ("dense", torch.optim.Adagrad(dmp.parameters(), lr=0.01))])
         seconds = train(dmp, opt, batches, args.steps, args.warmup)
         results[kind] = dict(seconds=seconds, emb_bytes=embedding_bytes(dmp))
-        if kind == "table_wise" and args.profile:
+        if kind == "table_wise" and args.profile_now:
             table = profile(dmp, opt, batches)  # every rank steps; rank 0's profile is printed
             if rank == 0:
                 results["profile"] = table
@@ -195,6 +202,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1024, help="per rank")
     parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; figures are medians")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--dense", default="ddp", choices=["ddp", "fsdp", "none"],
                         help="none: dense layers not synchronised (diagnostic: the cost of DDP)")
@@ -203,25 +211,44 @@ def main() -> None:
     world_size = 2
     ctx = mp.get_context("spawn")
 
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    per_rank = dict(_collect(queue, procs, len(procs)))
-    for p in procs:
-        p.join()
+    # Rounds alternate the 2-rank run and the one-process run, and each figure is the median over
+    # rounds: this VM's speed drifts by 10-20% between windows, and alternating puts both sides of
+    # every ratio in the same windows. Only the first round profiles.
+    rounds: list[tuple[dict, dict]] = []
+    for i in range(args.rounds):
+        args.profile_now = args.profile and i == 0
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        per_rank = dict(_collect(queue, procs, len(procs)))
+        for p in procs:
+            p.join()
 
-    single_q = ctx.Queue()
-    p = ctx.Process(target=one_process_main, args=(args, single_q))
-    p.start()
-    single = _collect(single_q, [p], 1)[0]
-    p.join()
+        single_q = ctx.Queue()
+        p = ctx.Process(target=one_process_main, args=(args, single_q))
+        p.start()
+        single = _collect(single_q, [p], 1)[0]
+        p.join()
+        rounds.append((per_rank, single))
+        if args.rounds > 1:
+            seconds = {k: max(per_rank[r][k]["seconds"] for r in per_rank) for k in args.types}
+            print(f"round {i + 1}: one process {single['seconds']:.2f} s, " +
+                  ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()), flush=True)
+    per_rank = {r: {k: dict(rounds[0][0][r][k], seconds=statistics.median(x[0][r][k]["seconds"] for x in rounds))
+                    for k in args.types} | {"max_rss": max(x[0][r]["max_rss"] for x in rounds)}
+                for r in rounds[0][0]}
+    if "profile" in rounds[0][0].get(0, {}):
+        per_rank[0]["profile"] = rounds[0][0][0]["profile"]
+    single = dict(rounds[0][1], seconds=statistics.median(x[1]["seconds"] for x in rounds),
+                  max_rss=max(x[1]["max_rss"] for x in rounds))
 
     global_batch = world_size * args.batch
     one = global_batch * args.steps / single["seconds"]
     rows, figures = [], {"one_process_samples_per_s": round(one, 1)}
-    print(f"DLRM, 26 x 100k x 64 tables, global batch {global_batch}, {args.steps} timed steps")
+    print(f"DLRM, 26 x 100k x 64 tables, global batch {global_batch}, {args.steps} timed steps, "
+          f"median of {args.rounds} alternating rounds")
     print(f"{'run':<28}{'samples/s':>12}{'vs 1 proc':>11}{'emb MB/rank':>13}{'peak RSS MB/rank':>18}")
     print(f"{'one process x 2 threads':<28}{one:>12.0f}{1.0:>11.2f}{single['emb_bytes'] / 2**20:>13.1f}"
           f"{single['max_rss'] / 2**20:>18.0f}")

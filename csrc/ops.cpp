@@ -28,6 +28,9 @@ TORCH_LIBRARY(lightning_rec, m) {
       "Tensor feature_table, Tensor D_offsets, Tensor indices, Tensor offsets, "
       "Tensor? per_sample_weights, int pooling_mode, Tensor grad_output, int optimizer, float lr, "
       "float eps, float beta1, float beta2, float weight_decay) -> ()");
+  // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
+  // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
+  m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");
 }
 
 // Importing lightning_rec._C runs the registrations above; the module itself exports nothing.

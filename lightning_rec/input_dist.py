@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
+from lightning_rec.shm_transport import SharedMemoryGroup
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -54,9 +55,20 @@ def collective_error(what: str, err: Exception, timeout_s: float | None) -> Runt
     )
 
 
+class _Done:
+    """What a synchronous (shared-memory) exchange returns where the process group returns a Work."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def all_to_all(pg, out: Tensor, inp: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
                what: str, timeout_s: float | None, async_op: bool = False):
+    """`pg`: a process group, or a SharedMemoryGroup (same-host CPU ranks; synchronous)."""
     try:
+        if isinstance(pg, SharedMemoryGroup):
+            pg.all_to_all_single(out, inp, out_splits, in_splits)
+            return _Done() if async_op else None
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
     except RuntimeError as e:
         raise collective_error(what, e, timeout_s) from e

@@ -48,6 +48,7 @@ from lightning_rec.sharded_embedding import (
     shard_collection,
 )
 from lightning_rec.sharding.layout import row_block_size, shard_layout
+from lightning_rec.shm_transport import SharedMemoryGroup, ddp_comm_hook
 from lightning_rec.types import (
     ComputeKernel,
     EmbeddingModuleShardingPlan,
@@ -301,11 +302,16 @@ class DistributedModelParallel(nn.Module):
         timeout: seconds an embedding collective may wait for a peer before raising.
         local_world_size: ranks per host (host-level types); default $LOCAL_WORLD_SIZE or the world.
         ddp_kwargs: extra DistributedDataParallel arguments.
+        shared_memory: CPU only. None (default): when every rank shares this host's /dev/shm, the
+            embedding all-to-alls and DDP's gradient all-reduce move bytes through shared memory
+            (shm_transport.py; gloo carries only a barrier), else through gloo. False: always gloo
+            (e.g. to register your own DDP comm hook). True: shared memory or a ValueError.
     """
 
     def __init__(self, module: nn.Module, plan: ShardingPlan | None = None, device: torch.device | str | None = None,
                  dense: str | None = "ddp", *, pg=None, timeout: float | timedelta = DEFAULT_TIMEOUT_S,
-                 local_world_size: int | None = None, ddp_kwargs: dict | None = None) -> None:
+                 local_world_size: int | None = None, ddp_kwargs: dict | None = None,
+                 shared_memory: bool | None = None) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("DistributedModelParallel needs torch.distributed: call "
@@ -340,7 +346,14 @@ class DistributedModelParallel(nn.Module):
         backend = "nccl" if device.type == "cuda" else "gloo"
         ranks = dist.get_process_group_ranks(pg)
         emb_pg = dist.new_group(ranks=ranks, backend=backend, timeout=timedelta(seconds=self._timeout_s))
-        env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s)
+        transport = None
+        if device.type == "cpu" and shared_memory is not False and world_size > 1:
+            transport = SharedMemoryGroup.create(emb_pg, self._timeout_s)
+            if transport is None and shared_memory:
+                raise ValueError("shared_memory=True, but the ranks cannot map each other's /dev/shm files (other "
+                                 "hosts, or no /dev/shm): leave shared_memory=None to use gloo there")
+        self._transport = transport
+        env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)
         for path, m in collections.items():
             sharded = shard_collection(m, plan.plan[path], env)
             if path:
@@ -350,12 +363,13 @@ class DistributedModelParallel(nn.Module):
         module.to(device)
         self._sharded_paths = list(collections)
         self._device = device
-        self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {})
+        self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {}, transport)
         object.__setattr__(self, "_unwrapped", module)
         self._fused_optimizer: FusedOptimizer | None = None
 
     @staticmethod
-    def _wrap_dense(module: nn.Module, dense: str | None, device: torch.device, pg, ddp_kwargs: dict) -> nn.Module:
+    def _wrap_dense(module: nn.Module, dense: str | None, device: torch.device, pg, ddp_kwargs: dict,
+                    transport: SharedMemoryGroup | None = None) -> nn.Module:
         if dense is None or not any(p.requires_grad for p in module.parameters()):
             return module
         if dense == "ddp":
@@ -364,7 +378,10 @@ class DistributedModelParallel(nn.Module):
             device_ids = [device.index] if device.type == "cuda" else None
             # TorchRec's defaults: buffers are not re-broadcast every step; gradients share DDP's buckets.
             kwargs = dict(forward_sync_buffers=False, gradient_as_bucket_view=True, **ddp_kwargs)
-            return DistributedDataParallel(module, device_ids=device_ids, process_group=pg, **kwargs)
+            ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=pg, **kwargs)
+            if transport is not None:  # gradient buckets averaged through shared memory, not gloo's TCP
+                ddp.register_comm_hook(None, ddp_comm_hook(transport))
+            return ddp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 

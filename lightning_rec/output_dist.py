@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.input_dist import DistContext, all_to_all, collective_error, wait
+from lightning_rec.shm_transport import SharedMemoryGroup
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,6 +82,9 @@ class SequenceAllToAll:
 def all_reduce_sum_(pg, tensor: Tensor, timeout_s: float | None = None) -> None:
     """In place: the sum over ranks (data-parallel replicas' gradients)."""
     try:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
+        if isinstance(pg, SharedMemoryGroup):
+            pg.all_reduce_sum_(tensor)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
     except RuntimeError as e:
         raise collective_error("replica gradient all-reduce", e, timeout_s) from e

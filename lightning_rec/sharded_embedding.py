@@ -59,6 +59,12 @@ class ShardingEnv:
     world_size: int
     device: torch.device
     timeout_s: float | None = None
+    transport: object | None = None  # SharedMemoryGroup when every rank shares this host's memory (CPU)
+
+    @property
+    def comm(self):
+        """What the embedding collectives go through: the shared-memory transport, else the process group."""
+        return self.transport if self.transport is not None else self.pg
 
 
 @dataclass
@@ -97,7 +103,7 @@ class ReplicaKernel:
     def _hook(self, state: dict[str, Tensor]):
         def update(param: Tensor) -> None:
             grad = param.grad
-            all_reduce_sum_(self._env.pg, grad, self._env.timeout_s)
+            all_reduce_sum_(self._env.comm, grad, self._env.timeout_s)
             data_parallel.apply_update(param.data, grad, state, self.optimizer_config, self._lr)
             param.grad = None
 
@@ -160,7 +166,7 @@ class _ShardedCollectionBase(nn.Module):
         self._dp_features = self.routing.dp_feature_index
         self._dp_features_t = torch.tensor(self._dp_features, dtype=torch.int32, device=device)
         self._routed = self.routing.num_routed > 0
-        self._ids_a2a = KJTAllToAll(RouteTables(self.routing, device), env.pg, rank, device, env.timeout_s)
+        self._ids_a2a = KJTAllToAll(RouteTables(self.routing, device), env.comm, rank, device, env.timeout_s)
 
     # the data path ------------------------------------------------------------------------------
 
@@ -314,7 +320,7 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         super().__init__(module, table_plans, env)
         self._dims = [c for c in self.routing.feature_dims]
         self._columns = OutputColumns(self.routing, env.device)
-        self._pooled_a2a = PooledAllToAll(env.pg, env.rank, self.routing.rank_dims, env.timeout_s)
+        self._pooled_a2a = PooledAllToAll(env.comm, env.rank, self.routing.rank_dims, env.timeout_s)
 
     def embedding_bag_configs(self):
         return list(self._configs)
@@ -348,7 +354,7 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
     def __init__(self, module: EmbeddingCollection, table_plans, env: ShardingEnv) -> None:
         super().__init__(module, table_plans, env)
         self._width = self.routing.max_dim()
-        self._rows_a2a = SequenceAllToAll(env.pg, env.rank, env.timeout_s)
+        self._rows_a2a = SequenceAllToAll(env.comm, env.rank, env.timeout_s)
         self._routed_features = sorted(set(self.routing.copy_feature_index))
 
     def embedding_configs(self):

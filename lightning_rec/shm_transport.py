@@ -1,0 +1,351 @@
+"""Same-host CPU collectives through shared memory; the process group only carries a barrier.
+
+Why: gloo moves CPU tensors over TCP, even between processes on one host. Every byte is copied
+into the kernel and out again, by gloo's own threads, on the cores the ranks train on. For a
+2-rank DLRM step on a 2-core machine that is ~10 ms of a ~100 ms step (pooled embeddings both
+ways, the dense gradients). Here each rank writes its bytes once into its own /dev/shm region,
+all ranks pass one barrier, and each copies out what is addressed to it.
+
+Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
+
+    rank r, exchange k:
+      write   inp -> own region, slot k%2; header[k%2] = (generation, op, ok, byte offsets per destination)
+      barrier (gloo: honours the group's timeout, so a dead peer raises instead of hanging)
+      read    every peer's header (the same decision on every rank); copy peer p's bytes for r out
+
+Double buffering makes one barrier per exchange enough: a rank writes slot k%2 again at k+2,
+after barrier k+1, which every peer enters only once it has finished reading exchange k.
+
+Growth: a region too small for a write is replaced by a larger file (generation + 1); peers see
+the new generation in the header and map the file in the same exchange; its name is unlinked one
+exchange later (every peer has mapped it by then), so /dev/shm holds names only for a step.
+If /dev/shm is full (posix_fallocate reserves the bytes, so this is an error, not a SIGBUS later),
+the header says so, every rank sees it, and that exchange and all later ones go through the
+process group instead (a warning names the fix: a larger /dev/shm).
+
+Every rank must call the same operations in the same order (as with any collective); each header
+carries the operation and its size, so a mismatch raises on every rank instead of mixing data.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import socket
+import uuid
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+SHM_DIR = "/dev/shm"
+_ALIGN = 64
+_OP_ALL_TO_ALL, _OP_ALL_REDUCE = 1, 2
+_GEN, _OP, _OK, _SIZE, _OFFSETS = 0, 1, 2, 3, 4  # header fields; offsets: W + 1 entries
+# A rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid,
+# [16:] the two slots' headers.
+_ARRIVE, _PID, _SLOTS = 0, 8, 16
+_INITIAL_BYTES = 1 << 20
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _starts(splits: list[int], row_bytes: int) -> list[int]:
+    out, at = [], 0
+    for n in splits:
+        out.append(at)
+        at += n * row_bytes
+    return out
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Region:
+    """A mapped /dev/shm file as a uint8 tensor (the mmap stays alive as long as the tensor)."""
+
+    def __init__(self, path: str, nbytes: int, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, nbytes)  # reserve now: ENOSPC here, never SIGBUS on a later write
+            self._mmap = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.path, self.nbytes = path, nbytes
+        self.u8 = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+
+class SharedMemoryGroup:
+    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm.
+
+    Build it with `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks
+    cannot share memory (other hosts, no /dev/shm): callers then keep using the process group.
+    """
+
+    def __init__(self, pg, session: str, timeout_s: float | None) -> None:
+        self.pg, self.session, self.timeout_s = pg, session, timeout_s
+        self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
+        W = self.world_size
+        self._header_len = _OFFSETS + W + 1
+        # headers: own, [2 slots, header_len] int64, fixed for the group's life
+        self._headers = _Region(self._path("h", self.rank, 0), self._header_bytes(), create=True)
+        self._header, self._arrive = self._header_views(self._headers)
+        self._headers.u8.view(torch.int64)[_PID] = os.getpid()
+        self._arrivals: list[Tensor] = []  # every rank's counter (own included), for the barrier
+        self._pids: list[int] = []  # peers' pids when this process can see them (/proc): dead peers fail fast
+        self._gen = 0
+        self._data = _Region(self._path("d", self.rank, 0), 2 * _INITIAL_BYTES, create=True)
+        self._k = 0
+        self._unlink_after: list[tuple[str, int]] = []  # (path, exchange after whose barrier peers have it)
+        self._peer_headers: dict[int, Tensor] = {}
+        self._peer_arrive: dict[int, Tensor] = {}
+        self._peer_pid: dict[int, int] = {}
+        self._peer_data: dict[int, tuple[int, _Region]] = {}  # rank -> (generation, region)
+        self.disabled = False
+
+    # set-up ------------------------------------------------------------------------------------
+
+    def _header_bytes(self) -> int:
+        return (_SLOTS + 2 * self._header_len) * 8
+
+    def _header_views(self, region: _Region) -> tuple[Tensor, Tensor]:
+        flat = region.u8.view(torch.int64)
+        return flat[_SLOTS:].view(2, self._header_len), flat[_ARRIVE : _ARRIVE + 1]
+
+    def _path(self, kind: str, rank: int, gen: int) -> str:
+        return os.path.join(SHM_DIR, f"lightning_rec-{self.session}-{kind}{rank}-g{gen}")
+
+    @classmethod
+    def create(cls, pg, timeout_s: float | None = None) -> SharedMemoryGroup | None:
+        """Collective: every rank of `pg` calls it; all get a group, or all get None."""
+        rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+        box = [f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:10]}" if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        group, ok = None, 1
+        try:
+            group = cls(pg, box[0], timeout_s)
+            group._header[:, _GEN] = -1  # "mapped and alive": peers check it below
+        except OSError:
+            ok = 0
+        flag = torch.tensor([ok], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
+        if flag.item():
+            try:  # can every rank see every other rank's region? (same host and the same /dev/shm)
+                for p in range(W):
+                    if p != rank:
+                        group._open_peer_headers(p)
+                        if int(group._peer_headers[p][0, _GEN]) != -1:
+                            ok = 0
+            except OSError:
+                ok = 0
+            flag.fill_(ok)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)  # also: every peer has mapped our files
+        if group is not None:
+            group._unlink(group._headers.path)
+            group._unlink(group._data.path)
+            group._header[:, _GEN] = 0
+            if flag.item():
+                group._arrivals = [group._arrive if p == rank else group._peer_arrive[p] for p in range(W)]
+                pids = [os.getpid() if p == rank else group._peer_pid[p] for p in range(W)]
+                group._pids = pids if all(os.path.exists(f"/proc/{pid}") for pid in pids) else []
+        dist.barrier(group=pg)
+        return group if flag.item() else None
+
+    def _open_peer_headers(self, p: int) -> None:
+        region = _Region(self._path("h", p, 0), self._header_bytes(), create=False)
+        self._peer_headers[p], arrive = self._header_views(region)
+        self._peer_arrive[p] = arrive
+        self._peer_pid[p] = int(region.u8.view(torch.int64)[_PID])
+        self._peer_data[p] = (0, _Region(self._path("d", p, 0), 2 * _INITIAL_BYTES, create=False))
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    # collectives ---------------------------------------------------------------------------------
+
+    def all_to_all_single(self, out: Tensor, inp: Tensor, out_splits: list[int] | None = None,
+                          in_splits: list[int] | None = None) -> None:
+        """As dist.all_to_all_single (splits in rows of dim 0; None: equal), synchronous."""
+        W = self.world_size
+        in_splits = in_splits if in_splits is not None else [inp.shape[0] // W] * W
+        out_splits = out_splits if out_splits is not None else [out.shape[0] // W] * W
+        in_row = math.prod(inp.shape[1:]) * inp.element_size()
+        out_row = math.prod(out.shape[1:]) * out.element_size()
+        src = _bytes(inp.contiguous())
+        if self.disabled:
+            return self._fallback_a2a(out, inp, out_splits, in_splits)
+        # what goes to peers, in rank order; this rank's own rows go straight from inp to out
+        send = [(p, lo, lo + n * in_row) for p, lo, n in zip(range(W), _starts(in_splits, in_row), in_splits)]
+        offsets = [0]
+        for p, lo, hi in send:
+            offsets.append(offsets[-1] + (0 if p == self.rank else hi - lo))
+        slot = self._k % 2
+        ok = self._write(slot, [src[lo:hi] for p, lo, hi in send if p != self.rank and hi > lo], _OP_ALL_TO_ALL,
+                         offsets)
+        peers = self._after_barrier(slot, _OP_ALL_TO_ALL, None)
+        if not peers or not ok:
+            return self._fallback_a2a(out, inp, out_splits, in_splits)
+        dst = _bytes(out)
+        at = 0
+        for p in range(W):
+            n = out_splits[p] * out_row
+            if p == self.rank:
+                _, lo, hi = send[p]
+                dst[at : at + n].copy_(src[lo:hi])
+            else:
+                header, base, region = peers[p]
+                lo, hi = int(header[_OFFSETS + self.rank]), int(header[_OFFSETS + self.rank + 1])
+                if hi - lo != n:
+                    raise RuntimeError(f"shared-memory all-to-all: rank {p} sent {hi - lo} bytes to rank {self.rank}, "
+                                       f"which expected {n}: the ranks disagree on the split sizes")
+                dst[at : at + n].copy_(region.u8[base + lo : base + hi])
+            at += n
+
+    def all_reduce_sum_(self, tensor: Tensor) -> Tensor:
+        """In place: the sum over ranks, added in rank order (bitwise the same on every rank)."""
+        src = _bytes(tensor.contiguous())
+        if self.disabled:
+            return self._fallback_all_reduce(tensor)
+        slot = self._k % 2
+        ok = self._write(slot, [src], _OP_ALL_REDUCE, [0, src.numel()])
+        peers = self._after_barrier(slot, _OP_ALL_REDUCE, src.numel())
+        if not peers or not ok:
+            return self._fallback_all_reduce(tensor)
+        parts = []  # every rank adds the same bytes in the same order: bitwise equal results
+        for p in range(self.world_size):
+            if p == self.rank:
+                region, base = self._data, slot * (self._data.nbytes // 2)
+            else:
+                _, base, region = peers[p]
+            parts.append(region.u8[base : base + src.numel()].view(tensor.dtype).view(tensor.shape))
+        tensor.copy_(parts[0])
+        for part in parts[1:]:
+            tensor.add_(part)
+        return tensor
+
+    # the protocol ----------------------------------------------------------------------------------
+
+    def _write(self, slot: int, pieces: list[Tensor], op: int, offsets: list[int]) -> bool:
+        """Pieces (uint8) back to back into this rank's slot, then the header that describes them."""
+        size = sum(p.numel() for p in pieces)
+        cap = self._data.nbytes // 2
+        ok = 1
+        if _align(size) > cap:
+            ok = self._grow(max(_align(size), 2 * cap))
+        if ok:
+            at = slot * (self._data.nbytes // 2)
+            for piece in pieces:
+                self._data.u8[at : at + piece.numel()].copy_(piece)
+                at += piece.numel()
+        header = self._header[slot]
+        header[_OFFSETS : _OFFSETS + len(offsets)] = torch.tensor(offsets, dtype=torch.int64)
+        header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, size
+        return bool(ok)
+
+    def _grow(self, per_slot: int) -> int:
+        try:
+            region = _Region(self._path("d", self.rank, self._gen + 1), 2 * per_slot, create=True)
+        except OSError as e:
+            warnings.warn(f"/dev/shm has no room for {2 * per_slot / 2**20:.0f} MB ({e}); lightning_rec falls back to "
+                          f"the process group for CPU collectives (slower). Fix: a larger /dev/shm (docker run "
+                          f"--shm-size=...)", stacklevel=3)
+            return 0
+        self._gen += 1
+        self._data = region
+        self._unlink_after.append((region.path, self._k + 1))
+        return 1
+
+    def _after_barrier(self, slot: int, op: int, size: int | None) -> dict | None:
+        """Barrier, then every peer's (header, slot base, region); None: someone could not write (fall back)."""
+        self._barrier()
+        k = self._k
+        self._k += 1
+        for path, _ in [u for u in self._unlink_after if u[1] <= k]:
+            self._unlink(path)
+        self._unlink_after = [u for u in self._unlink_after if u[1] > k]
+        peers, all_ok = {}, bool(self._header[slot, _OK])
+        for p, headers in self._peer_headers.items():
+            header = headers[slot].clone()
+            gen, peer_op, peer_ok = int(header[_GEN]), int(header[_OP]), int(header[_OK])
+            if peer_op != op or (size is not None and int(header[_SIZE]) != size):
+                raise RuntimeError(
+                    f"shared-memory collective mismatch at exchange {k}: rank {self.rank} ran op {op} "
+                    f"({size} bytes), rank {p} op {peer_op} ({int(header[_SIZE])} bytes). Every rank must call the "
+                    f"same collectives in the same order (a rank-dependent branch in the model?)")
+            all_ok = all_ok and bool(peer_ok)
+            if peer_ok and gen != self._peer_data[p][0]:
+                self._peer_data[p] = (gen, _Region(self._path("d", p, gen), os.path.getsize(self._path("d", p, gen)),
+                                                   create=False))
+            region = self._peer_data[p][1]
+            peers[p] = (header, slot * (region.nbytes // 2), region)
+        if not all_ok:
+            self.disabled = True
+            return None
+        return peers
+
+    def _barrier(self) -> None:
+        if _native_barrier() is None:
+            dist.barrier(group=self.pg)  # no compiled extension: gloo carries the signal (slower, same result)
+            return
+        timeout = self.timeout_s if self.timeout_s is not None else 0.0
+        code = _native_barrier()(self._arrivals, self.rank, self._k + 1, self._pids, timeout)
+        if code >= 0:
+            peer, dead = divmod(code, 2)
+            why = "exited" if dead else f"did not reach it within {self.timeout_s} s"
+            raise RuntimeError(f"shared-memory exchange {self._k}: rank {peer} {why} (rank {self.rank} waited)")
+
+    def _fallback_a2a(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.pg)
+
+    def _fallback_all_reduce(self, tensor: Tensor) -> Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.pg)
+        return tensor
+
+    def close(self) -> None:
+        for path, _ in self._unlink_after:
+            self._unlink(path)
+        self._unlink_after = []
+
+
+_BARRIER: list = []
+
+
+def _native_barrier():
+    """torch.ops.lightning_rec.shm_barrier, or None without the compiled extension."""
+    if not _BARRIER:
+        try:
+            import lightning_rec._C  # noqa: F401  (registers the op)
+
+            _BARRIER.append(torch.ops.lightning_rec.shm_barrier)
+        except ImportError:
+            _BARRIER.append(None)
+    return _BARRIER[0]
+
+
+def ddp_comm_hook(group: SharedMemoryGroup):
+    """A DDP comm hook averaging each gradient bucket through `group` (register_comm_hook(None, hook))."""
+    def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them
+        buf = bucket.buffer()
+        try:
+            group.all_reduce_sum_(buf)
+        except RuntimeError as e:
+            raise RuntimeError(f"DDP gradient all-reduce failed on rank {group.rank}: a peer rank exited or did not "
+                               f"answer within the timeout ({group.timeout_s} s; set DistributedModelParallel("
+                               f"timeout=...)). Cause: {e}") from e
+        buf.div_(group.world_size)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    return hook
