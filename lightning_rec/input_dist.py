@@ -16,7 +16,10 @@ N_p ids sent to rank p.
 The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
 error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
 (nobody hangs). Ids carry no gradient, so this stage needs no backward.
-Only this file and output_dist.py call torch.distributed.
+
+Ranks of one CPU host use shared memory instead (shm_transport.py): #1-#3 become one exchange,
+since there a piece carries its own sizes ([B, N_p, error flag] first, then lengths, ids, weights).
+Only this file, output_dist.py and shm_transport.py call torch.distributed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
-from lightning_rec.shm_transport import SharedMemoryGroup
+from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -81,6 +84,19 @@ def wait(work, what: str, timeout_s: float | None) -> None:
         raise collective_error(what, e, timeout_s) from e
 
 
+def _pack(parts: list[Tensor]):
+    """A Writer fill: the parts' bytes back to back."""
+
+    def fill(u8: Tensor) -> None:
+        at = 0
+        for t in parts:
+            n = t.numel() * t.element_size()
+            u8[at : at + n].view(t.dtype).copy_(t)
+            at += n
+
+    return fill
+
+
 class KJTAllToAll:
     """Sends each rank the ids its shards own; returns this rank's key-major local KJT."""
 
@@ -98,9 +114,29 @@ class KJTAllToAll:
 
     def __call__(self, features: KeyedJaggedTensor | None, error: str | None = None,
                  weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
-        W, S = self.world_size, self.routing.rank_sf_counts
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
+        exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
+        B_src, N_src, lengths_src, values_src, recv_w, bad = exchange(routed, B, weighted)
+        if bad:
+            if error is not None:
+                raise ValueError(error)
+            raise BatchRejected(
+                f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
+                f"ranks); this rank stopped too, nothing was sent or updated"
+            )
+        perm = self._permutation(self.routing.rank_sf_counts[self.rank], B_src)
+        sequence = not self.routing.pooled
+        lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
+        local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
+                                  stride=sum(B_src), _validate=False)
+        ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
+                          positions_N=pos)
+        return local, ctx
+
+    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool):
+        """Through the process group: counts first (they size the receive buffers), then the payload."""
+        W, S = self.world_size, self.routing.rank_sf_counts
         counts_send = torch.zeros(W, 3, dtype=torch.long)
         if routed is None:
             counts_send[:, 2] = 1
@@ -113,12 +149,7 @@ class KJTAllToAll:
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
         bad = [r for r, c in enumerate(counts) if c[2]]
         if bad:
-            if error is not None:
-                raise ValueError(error)
-            raise BatchRejected(
-                f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
-                f"ranks); this rank stopped too, nothing was sent or updated"
-            )
+            return None, None, None, None, None, bad
         B_src = [c[0] for c in counts]
         N_src = [c[1] for c in counts]
 
@@ -151,14 +182,52 @@ class KJTAllToAll:
         parts = recv.split(out_splits)
         lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
         values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
-        perm = self._permutation(S_me, B_src)
-        sequence = not self.routing.pooled
-        lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
-        local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
-                                  stride=sum(B_src), _validate=False)
-        ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
-                          positions_N=pos)
-        return local, ctx
+        return B_src, N_src, lengths_src, values_src, recv_w, []
+
+    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool):
+        """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
+
+        Piece for rank p, int64: [B, N_p, rejected], lengths [S_p x B], ids [N_p]; then float32
+        weights [N_p] when weighted. A rank whose batch failed sends [0, 0, 1] alone, and every rank
+        sees that flag in the piece addressed to it.
+        """
+        W, S = self.world_size, self.routing.rank_sf_counts
+        sends = []
+        if routed is None:
+            sends = [torch.tensor([0, 0, 1], dtype=torch.long)] * W
+        else:
+            lengths = routed.lengths_SB.long()
+            values = routed.values_N.long()
+            weights = None
+            if weighted:
+                weights = routed.weights_N.float() if routed.weights_N is not None else torch.ones(values.numel())
+            l0, v0 = 0, 0
+            for p in range(W):
+                n_l, n_v = S[p] * B, routed.ids_per_rank[p]
+                parts = [torch.tensor([B, n_v, 0], dtype=torch.long), lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
+                if weights is not None:
+                    parts.append(weights[v0 : v0 + n_v])
+                sends.append(Writer(sum(t.numel() * t.element_size() for t in parts), _pack(parts)))
+                l0, v0 = l0 + n_l, v0 + n_v
+        try:
+            received = self.pg.exchange(sends)
+        except RuntimeError as e:
+            raise collective_error("id all-to-all", e, self.timeout_s) from e
+        heads = [raw[:24].view(torch.long).tolist() for raw in received]
+        bad = [r for r, h in enumerate(heads) if h[2]]
+        if bad:
+            return None, None, None, None, None, bad
+        S_me = S[self.rank]
+        B_src, N_src = [h[0] for h in heads], [h[1] for h in heads]
+        lengths_src, values_src, weights_src = [], [], []
+        for raw, b, n in zip(received, B_src, N_src):
+            ints = raw[: 8 * (3 + S_me * b + n)].view(torch.long)
+            lengths_src.append(ints[3 : 3 + S_me * b])
+            values_src.append(ints[3 + S_me * b :])
+            if weighted:
+                weights_src.append(raw[8 * (3 + S_me * b + n) :].view(torch.float32))
+        recv_w = torch.cat(weights_src) if weighted else None  # cat: copies out of shared memory
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, []
 
     def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
         key = tuple(batch_per_source)

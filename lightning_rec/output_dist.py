@@ -11,7 +11,9 @@ lookup, N_r ids received from rank r, Dmax widest shard (sequence rows are padde
 Backward is the reverse all-to-all of the gradient (`_AllToAll`), so every rank's fused kernels
 receive the gradient of every sample that read their rows. Data-parallel replicas instead
 all-reduce (sum) their gradient in backward (`all_reduce_sum_`).
-Only this file and input_dist.py call torch.distributed.
+On one CPU host with shared memory (shm_transport.py), the pooled exchange places the columns
+while it copies (`PooledAllToAll.placed`): no receive buffer, cat or permutation.
+Only this file, input_dist.py and shm_transport.py call torch.distributed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.input_dist import DistContext, all_to_all, collective_error, wait
-from lightning_rec.shm_transport import SharedMemoryGroup
+from lightning_rec.sharding.embeddings import OutputColumns, gather_columns, place_columns
+from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,6 +49,67 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None, None, None
 
 
+class _PlacedPooledExchange(torch.autograd.Function):
+    """Pooled all-to-all through shared memory whose copies put every column where it belongs.
+
+    Forward: owner p sends rows B_r of its [B_0+...+B_{W-1}, D_p] to each source r; source r copies
+    each received block (and its data-parallel block) straight into its output's columns: one copy
+    per byte after the sender's, where the process-group path needs a receive buffer, a cat and a
+    permutation. Backward: each source gathers the gradient columns of owner p straight into shared
+    memory (Writer), and owner p stacks the rows it gets back.
+    """
+
+    @staticmethod
+    def forward(ctx, owned_BD: Tensor, dp_BD: Tensor | None, group, runs, rank_dims: list[int],
+                batch_per_source: list[int], batch: int, width: int, what: str, timeout_s: float | None) -> Tensor:
+        ctx.group, ctx.runs, ctx.rank_dims, ctx.what, ctx.timeout_s = group, runs, rank_dims, what, timeout_s
+        ctx.batch_per_source, ctx.batch, ctx.has_dp = batch_per_source, batch, dp_BD is not None
+        ctx.dtype, ctx.dp_dtype = owned_BD.dtype, dp_BD.dtype if dp_BD is not None else None
+        sends, at = [], 0
+        for b in batch_per_source:
+            sends.append(owned_BD[at : at + b])
+            at += b
+        received = _exchange(group, sends, what, timeout_s)
+        out_BD = owned_BD.new_empty(batch, width)
+        for p, raw in enumerate(received):
+            if rank_dims[p]:
+                place_columns(out_BD, raw.view(owned_BD.dtype).view(batch, rank_dims[p]), runs[p])
+        if dp_BD is not None:
+            place_columns(out_BD, dp_BD, runs[-1])
+        return out_BD
+
+    @staticmethod
+    def backward(ctx, grad_BD: Tensor):
+        group, batch, dtype = ctx.group, ctx.batch, ctx.dtype
+        grad_BD = grad_BD.to(dtype).contiguous()
+        elem = grad_BD.element_size()
+
+        def gather(p: int):
+            return lambda u8: gather_columns(u8.view(dtype).view(batch, ctx.rank_dims[p]), grad_BD, ctx.runs[p])
+
+        sends = [Writer(batch * d * elem, gather(p)) for p, d in enumerate(ctx.rank_dims)]
+        received = _exchange(group, sends, f"{ctx.what} (backward)", ctx.timeout_s)
+        D_me = ctx.rank_dims[group.rank]
+        grad_owned = grad_BD.new_empty(sum(ctx.batch_per_source), D_me)
+        at = 0
+        for raw, b in zip(received, ctx.batch_per_source):
+            grad_owned[at : at + b].copy_(raw.view(dtype).view(b, D_me))
+            at += b
+        grad_dp = None
+        if ctx.has_dp:
+            grad_dp = grad_BD.new_empty(batch, sum(r[2] * r[3] for r in ctx.runs[-1]))
+            gather_columns(grad_dp, grad_BD, ctx.runs[-1])
+            grad_dp = grad_dp.to(ctx.dp_dtype)
+        return grad_owned, grad_dp, None, None, None, None, None, None, None, None
+
+
+def _exchange(group: SharedMemoryGroup, sends, what: str, timeout_s: float | None) -> list[Tensor]:
+    try:
+        return group.exchange(sends)
+    except RuntimeError as e:
+        raise collective_error(what, e, timeout_s) from e
+
+
 def _differentiable(t: Tensor) -> Tensor:
     # A rank with nothing to send must still take part in the backward all-to-all that the
     # others run, so its (empty) input must carry autograd too.
@@ -57,6 +121,14 @@ class PooledAllToAll:
 
     def __init__(self, pg, rank: int, rank_dims: list[int], timeout_s: float | None = None) -> None:
         self.pg, self.rank, self.rank_dims, self.timeout_s = pg, rank, rank_dims, timeout_s
+
+    def placed(self, pooled_BD: Tensor, dp_BD: Tensor | None, ctx: DistContext, cols: OutputColumns) -> Tensor | None:
+        """[B, D] in feature order, columns placed while copying (shared memory, no row-shard sums); else None."""
+        if not isinstance(self.pg, SharedMemoryGroup) or cols.part_runs is None:
+            return None
+        return _PlacedPooledExchange.apply(_differentiable(pooled_BD), dp_BD, self.pg, cols.part_runs, self.rank_dims,
+                                           list(ctx.batch_per_source), ctx.batch, cols.width,
+                                           "pooled embedding all-to-all", self.timeout_s)
 
     def __call__(self, pooled_BD: Tensor, ctx: DistContext) -> Tensor:
         D_me = self.rank_dims[self.rank]

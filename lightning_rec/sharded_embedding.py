@@ -40,6 +40,7 @@ from lightning_rec.sharding.embeddings import (
     OutputColumns,
     assemble_pooled,
     assemble_sequence,
+    divide_means,
     inverse_permutation,
     pad_rows,
 )
@@ -337,11 +338,15 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
 
     def output_dist(self, out: ShardedLookupOut) -> KeyedTensor:
         ctx = out.batch.ctx
-        received = self._pooled_a2a(out.owned, ctx)
         dp_BD = None
         if out.replicated:
             dp_BD = out.replicated[0] if len(out.replicated) == 1 else torch.cat(out.replicated, dim=1)
-        pooled_BD = assemble_pooled(received, ctx.batch, dp_BD, self._columns, ctx.lengths_FB)
+        placed_BD = self._pooled_a2a.placed(out.owned, dp_BD, ctx, self._columns)
+        if placed_BD is not None:  # shared memory: columns land in place as they arrive
+            pooled_BD = divide_means(placed_BD, self._columns, ctx.lengths_FB)
+        else:
+            received = self._pooled_a2a(out.owned, ctx)
+            pooled_BD = assemble_pooled(received, ctx.batch, dp_BD, self._columns, ctx.lengths_FB)
         return KeyedTensor(self._feature_names, self._dims, pooled_BD)
 
 

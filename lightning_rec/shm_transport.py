@@ -42,8 +42,8 @@ from torch import Tensor
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
-_OP_ALL_TO_ALL, _OP_ALL_REDUCE = 1, 2
-_GEN, _OP, _OK, _SIZE, _OFFSETS = 0, 1, 2, 3, 4  # header fields; offsets: W + 1 entries
+_OP_ALL_TO_ALL, _OP_ALL_REDUCE, _OP_EXCHANGE = 1, 2, 3
+_GEN, _OP, _OK, _SIZE, _SPANS = 0, 1, 2, 3, 4  # header fields; spans: (start, end) bytes per destination
 # A rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid,
 # [16:] the two slots' headers.
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
@@ -63,7 +63,41 @@ def _starts(splits: list[int], row_bytes: int) -> list[int]:
 
 
 def _bytes(t: Tensor) -> Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+class Writer:
+    """A send that writes itself: `fill(u8)` fills a uint8 view of exactly `nbytes` bytes."""
+
+    __slots__ = ("nbytes", "fill")
+
+    def __init__(self, nbytes: int, fill) -> None:
+        self.nbytes, self.fill = nbytes, fill
+
+    def write(self, u8: Tensor) -> None:
+        self.fill(u8)
+
+
+def _layout(pieces: list) -> list[int]:
+    """(start, end) in bytes of each piece written back to back from 64-byte aligned starts."""
+    spans, at = [], 0
+    for piece in pieces:
+        n = 0 if piece is None else _nbytes(piece)
+        spans += [at, at + n]
+        at = _align(at + n)
+    return spans
+
+
+def _nbytes(piece: Tensor | Writer) -> int:
+    return piece.nbytes if isinstance(piece, Writer) else piece.numel() * piece.element_size()
+
+
+def _materialize(piece: Tensor | Writer) -> Tensor:
+    if isinstance(piece, Writer):
+        u8 = torch.empty(piece.nbytes, dtype=torch.uint8)
+        piece.write(u8)
+        return u8
+    return _bytes(piece)
 
 
 class _Region:
@@ -93,7 +127,7 @@ class SharedMemoryGroup:
         self.pg, self.session, self.timeout_s = pg, session, timeout_s
         self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
         W = self.world_size
-        self._header_len = _OFFSETS + W + 1
+        self._header_len = _SPANS + 2 * W
         # headers: own, [2 slots, header_len] int64, fixed for the group's life
         self._headers = _Region(self._path("h", self.rank, 0), self._header_bytes(), create=True)
         self._header, self._arrive = self._header_views(self._headers)
@@ -187,12 +221,8 @@ class SharedMemoryGroup:
             return self._fallback_a2a(out, inp, out_splits, in_splits)
         # what goes to peers, in rank order; this rank's own rows go straight from inp to out
         send = [(p, lo, lo + n * in_row) for p, lo, n in zip(range(W), _starts(in_splits, in_row), in_splits)]
-        offsets = [0]
-        for p, lo, hi in send:
-            offsets.append(offsets[-1] + (0 if p == self.rank else hi - lo))
         slot = self._k % 2
-        ok = self._write(slot, [src[lo:hi] for p, lo, hi in send if p != self.rank and hi > lo], _OP_ALL_TO_ALL,
-                         offsets)
+        ok = self._write(slot, [None if p == self.rank else src[lo:hi] for p, lo, hi in send], _OP_ALL_TO_ALL)
         peers = self._after_barrier(slot, _OP_ALL_TO_ALL, None)
         if not peers or not ok:
             return self._fallback_a2a(out, inp, out_splits, in_splits)
@@ -205,52 +235,97 @@ class SharedMemoryGroup:
                 dst[at : at + n].copy_(src[lo:hi])
             else:
                 header, base, region = peers[p]
-                lo, hi = int(header[_OFFSETS + self.rank]), int(header[_OFFSETS + self.rank + 1])
+                lo, hi = int(header[_SPANS + 2 * self.rank]), int(header[_SPANS + 2 * self.rank + 1])
                 if hi - lo != n:
                     raise RuntimeError(f"shared-memory all-to-all: rank {p} sent {hi - lo} bytes to rank {self.rank}, "
                                        f"which expected {n}: the ranks disagree on the split sizes")
                 dst[at : at + n].copy_(region.u8[base + lo : base + hi])
             at += n
 
+    def exchange(self, sends: list[Tensor | Writer]) -> list[Tensor]:
+        """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here.
+
+        A send is a tensor (its bytes) or a Writer (nbytes + a function that fills a uint8 view: a
+        gather that writes straight into shared memory, without a staging copy). Received pieces are
+        uint8 tensors; a peer's is a view into its shared memory, valid until this rank's next
+        collective on the group (the peer rewrites that slot two exchanges later), so copy it out
+        (or consume it) before then. This rank's own piece comes back as its bytes.
+        """
+        W = self.world_size
+        if len(sends) != W:
+            raise ValueError(f"exchange takes one send per rank ({W}), got {len(sends)}")
+        if self.disabled:
+            return self._fallback_exchange(sends)
+        slot = self._k % 2
+        ok = self._write(slot, [None if p == self.rank else piece for p, piece in enumerate(sends)], _OP_EXCHANGE)
+        peers = self._after_barrier(slot, _OP_EXCHANGE, None)
+        if not peers or not ok:
+            return self._fallback_exchange(sends)
+        out = []
+        for p in range(W):
+            if p == self.rank:
+                out.append(_materialize(sends[p]))
+            else:
+                header, base, region = peers[p]
+                lo, hi = int(header[_SPANS + 2 * self.rank]), int(header[_SPANS + 2 * self.rank + 1])
+                out.append(region.u8[base + lo : base + hi])
+        return out
+
     def all_reduce_sum_(self, tensor: Tensor) -> Tensor:
         """In place: the sum over ranks, added in rank order (bitwise the same on every rank)."""
-        src = _bytes(tensor.contiguous())
+        self.all_reduce_sum_many_([tensor])
+        return tensor
+
+    def all_reduce_sum_many_(self, tensors: list[Tensor]) -> None:
+        """all_reduce_sum_ of several tensors in one exchange (one barrier): DDP's buckets of a step."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
         if self.disabled:
-            return self._fallback_all_reduce(tensor)
+            return self._fallback_all_reduce(tensors)
         slot = self._k % 2
-        ok = self._write(slot, [src], _OP_ALL_REDUCE, [0, src.numel()])
-        peers = self._after_barrier(slot, _OP_ALL_REDUCE, src.numel())
+        ok = self._write(slot, tensors, _OP_ALL_REDUCE)
+        peers = self._after_barrier(slot, _OP_ALL_REDUCE, int(self._header[slot, _SIZE]))
         if not peers or not ok:
-            return self._fallback_all_reduce(tensor)
-        parts = []  # every rank adds the same bytes in the same order: bitwise equal results
+            return self._fallback_all_reduce(tensors)
+        bases = []
         for p in range(self.world_size):
             if p == self.rank:
-                region, base = self._data, slot * (self._data.nbytes // 2)
+                bases.append((self._data, slot * (self._data.nbytes // 2)))
             else:
                 _, base, region = peers[p]
-            parts.append(region.u8[base : base + src.numel()].view(tensor.dtype).view(tensor.shape))
-        tensor.copy_(parts[0])
-        for part in parts[1:]:
-            tensor.add_(part)
-        return tensor
+                bases.append((region, base))
+        for t, n, at in zip(tensors, sizes, _layout(tensors)[::2]):  # the same layout on every rank
+            # every rank adds the same bytes in the same order: bitwise equal results everywhere
+            parts = [region.u8[base + at : base + at + n].view(t.dtype).view(t.shape) for region, base in bases]
+            t.copy_(parts[0])
+            for part in parts[1:]:
+                t.add_(part)
 
     # the protocol ----------------------------------------------------------------------------------
 
-    def _write(self, slot: int, pieces: list[Tensor], op: int, offsets: list[int]) -> bool:
-        """Pieces (uint8) back to back into this rank's slot, then the header that describes them."""
-        size = sum(p.numel() for p in pieces)
+    def _write(self, slot: int, pieces: list[Tensor | Writer | None], op: int) -> bool:
+        """Pieces into this rank's slot, each at a 64-byte aligned start (receivers view them as any
+        dtype), then the header: op, total size, and (all-to-alls: one piece per rank) each piece's
+        (start, end). None: nothing."""
+        spans = _layout(pieces)
+        at = _align(spans[-1]) if spans else 0
         cap = self._data.nbytes // 2
         ok = 1
-        if _align(size) > cap:
-            ok = self._grow(max(_align(size), 2 * cap))
+        if at > cap:
+            ok = self._grow(max(at, 2 * cap))
         if ok:
-            at = slot * (self._data.nbytes // 2)
-            for piece in pieces:
-                self._data.u8[at : at + piece.numel()].copy_(piece)
-                at += piece.numel()
+            base = slot * (self._data.nbytes // 2)
+            for piece, lo, hi in zip(pieces, spans[::2], spans[1::2]):
+                if piece is None or hi == lo:
+                    continue
+                dst = self._data.u8[base + lo : base + hi]
+                if isinstance(piece, Writer):
+                    piece.write(dst)
+                else:
+                    dst.view(piece.dtype).view(piece.shape).copy_(piece)  # copy_ takes any strides: one pass
         header = self._header[slot]
-        header[_OFFSETS : _OFFSETS + len(offsets)] = torch.tensor(offsets, dtype=torch.int64)
-        header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, size
+        if op != _OP_ALL_REDUCE:
+            header[_SPANS : _SPANS + len(spans)] = torch.tensor(spans, dtype=torch.int64)
+        header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, at
         return bool(ok)
 
     def _grow(self, per_slot: int) -> int:
@@ -308,9 +383,20 @@ class SharedMemoryGroup:
     def _fallback_a2a(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.pg)
 
-    def _fallback_all_reduce(self, tensor: Tensor) -> Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.pg)
-        return tensor
+    def _fallback_exchange(self, sends: list[Tensor | Writer]) -> list[Tensor]:
+        pieces = [_materialize(piece) for piece in sends]
+        counts_send = torch.tensor([p.numel() for p in pieces], dtype=torch.int64)
+        counts_recv = torch.empty_like(counts_send)
+        dist.all_to_all_single(counts_recv, counts_send, group=self.pg)
+        sizes = counts_recv.tolist()
+        recv = torch.empty(sum(sizes), dtype=torch.uint8)
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, sizes, counts_send.tolist(), group=self.pg)
+        return list(recv.split(sizes))
+
+    def _fallback_all_reduce(self, tensors: list[Tensor]) -> None:
+        for t in tensors:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
 
     def close(self) -> None:
         for path, _ in self._unlink_after:
@@ -334,18 +420,32 @@ def _native_barrier():
 
 
 def ddp_comm_hook(group: SharedMemoryGroup):
-    """A DDP comm hook averaging each gradient bucket through `group` (register_comm_hook(None, hook))."""
+    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)).
+
+    DDP hands over buckets in order as they fill; the hook holds them and reduces them all at the
+    last one, in one exchange: one barrier per step instead of one per bucket (on a CPU box every
+    core computes, so reducing early would not overlap with anything; waiting for a peer at every
+    bucket only adds skew). DDP waits for the futures only after the last bucket.
+    """
+    pending: list[tuple[Tensor, torch.futures.Future]] = []
+
     def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them
-        buf = bucket.buffer()
+        fut = torch.futures.Future()
+        pending.append((bucket.buffer(), fut))
+        if not bucket.is_last():
+            return fut
+        buffers = [buf for buf, _ in pending]
+        waiting = list(pending)
+        pending.clear()
         try:
-            group.all_reduce_sum_(buf)
+            group.all_reduce_sum_many_(buffers)
         except RuntimeError as e:
             raise RuntimeError(f"DDP gradient all-reduce failed on rank {group.rank}: a peer rank exited or did not "
                                f"answer within the timeout ({group.timeout_s} s; set DistributedModelParallel("
                                f"timeout=...)). Cause: {e}") from e
-        buf.div_(group.world_size)
-        fut = torch.futures.Future()
-        fut.set_result(buf)
+        for buf, f in waiting:
+            buf.div_(group.world_size)
+            f.set_result(buf)
         return fut
 
     return hook

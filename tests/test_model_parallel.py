@@ -152,7 +152,7 @@ def _check_pieces(dmp, reference: nn.Module, attr: str, what: str) -> None:
             torch.testing.assert_close(value, full, atol=ATOL, rtol=0, msg=f"{what} {key}")
 
 
-def _pooled_case(rank, W, lws, kind, pooling, weighted, opt, device="cpu"):
+def _pooled_case(rank, W, lws, kind, pooling, weighted, opt, device="cpu", shared_memory=None):
     torch.manual_seed(0)
     config = FusedOptimizerConfig(opt, lr=0.1)
     model = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer=config, device=device))
@@ -161,8 +161,9 @@ def _pooled_case(rank, W, lws, kind, pooling, weighted, opt, device="cpu"):
     reference.load_state_dict(model.state_dict())
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, lws), local_size=lws,
                                                                world_size=W)})
-    dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=30)
-    what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} W={W} {device}"
+    dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=30, shared_memory=shared_memory)
+    assert (dmp._transport is None) == (shared_memory is False or device != "cpu")
+    what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} W={W} {device} shm={shared_memory}"
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         grads = [torch.randn(3 + r, 3, generator=g).to(device) for r in range(W)]
@@ -181,7 +182,7 @@ def _pooled_case(rank, W, lws, kind, pooling, weighted, opt, device="cpu"):
     return what
 
 
-def _sequence_case(rank, W, lws, kind, opt, device="cpu"):
+def _sequence_case(rank, W, lws, kind, opt, device="cpu", shared_memory=None):
     torch.manual_seed(0)
     config = FusedOptimizerConfig(opt, lr=0.1)
     ec = EmbeddingCollection(_tables(None), optimizer=config, device=device)
@@ -189,8 +190,8 @@ def _sequence_case(rank, W, lws, kind, opt, device="cpu"):
     reference.load_state_dict(ec.state_dict())
     layout = _plan(kind, W, lws, sequence=True)
     plan = ShardingPlan({"": construct_module_sharding_plan(ec, layout, local_size=lws, world_size=W)})
-    dmp = DistributedModelParallel(ec, plan=plan, device=device, timeout=30)
-    what = f"sequence {kind}/{opt} W={W} {device}"
+    dmp = DistributedModelParallel(ec, plan=plan, device=device, timeout=30, shared_memory=shared_memory)
+    what = f"sequence {kind}/{opt} W={W} {device} shm={shared_memory}"
     for step in range(STEPS):
         out = dmp(_batch(rank, step, False).to(device))
         ref = reference(_global_batch(W, step, False).to(device))
@@ -213,21 +214,24 @@ def _sequence_case(rank, W, lws, kind, opt, device="cpu"):
     return what
 
 
-def _parity_worker(rank, W, lws, device="cpu"):
+def _parity_worker(rank, W, lws, device="cpu", shared_memory=None):
     if device == "cuda":
         device = f"cuda:{rank}"
     done = []
     for case in POOLED_CASES:
-        done.append(_pooled_case(rank, W, lws, *case, device=device))
+        done.append(_pooled_case(rank, W, lws, *case, device=device, shared_memory=shared_memory))
     for case in SEQUENCE_CASES:
-        done.append(_sequence_case(rank, W, lws, *case, device=device))
+        done.append(_sequence_case(rank, W, lws, *case, device=device, shared_memory=shared_memory))
     return done
 
 
-@pytest.mark.parametrize("world_size,local_world_size", [(2, 2), (4, 2)])
-def test_parity_every_sharding_type(world_size, local_world_size):
+# CPU ranks of one host talk through shared memory by default (shm_transport.py); gloo's own
+# path (other hosts, shared_memory=False) gets the same cases.
+@pytest.mark.parametrize("world_size,local_world_size,shared_memory", [(2, 2, None), (4, 2, None), (3, 3, None),
+                                                                       (2, 2, False)])
+def test_parity_every_sharding_type(world_size, local_world_size, shared_memory):
     done = run_ranks(_parity_worker, world_size, local_world_size, timeout=240,
-                     local_world_size=local_world_size)
+                     local_world_size=local_world_size, shared_memory=shared_memory)
     assert len(done[0]) == len(POOLED_CASES) + len(SEQUENCE_CASES)
 
 

@@ -71,6 +71,54 @@ class _PermuteBlocks(torch.autograd.Function):
         return grad, None, None, None
 
 
+def column_runs(dst_cols: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
+    """Where a part's columns land, as few strided copies as possible: (src, dst, width, count, stride).
+
+    Column i of the part goes to output column dst_cols[i]. Consecutive columns that stay
+    consecutive form a run of `width`; `count` equal-width runs that follow each other in the part
+    and sit `stride` apart in the output form one strided copy (table-wise round robin: every
+    other 64-column block is one copy instead of 13).
+    """
+    runs: list[list[int]] = []  # [src, dst, width]
+    for i, d in enumerate(dst_cols):
+        if runs and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, d, 1])
+    out: list[tuple[int, int, int, int, int]] = []
+    for src, dst, width in runs:
+        if out:
+            s0, d0, w0, n0, stride0 = out[-1]
+            stride = dst - d0 if n0 == 1 else stride0
+            if width == w0 and src == s0 + n0 * w0 and stride >= w0 and dst == d0 + n0 * stride:
+                out[-1] = (s0, d0, w0, n0 + 1, stride)
+                continue
+        out.append((src, dst, width, 1, width))
+    return out
+
+
+def _strided(whole_BD: Tensor, start: int, width: int, count: int, stride: int) -> Tensor:
+    B = whole_BD.shape[0]
+    return whole_BD.as_strided((B, count, width), (whole_BD.stride(0), stride, 1),
+                               whole_BD.storage_offset() + start)
+
+
+def place_columns(out_BD: Tensor, part_BD: Tensor, runs: Sequence[tuple[int, int, int, int, int]]) -> None:
+    """out_BD[:, dst columns] = part_BD, run by run (one pass over the part)."""
+    B = part_BD.shape[0]
+    for src, dst, width, count, stride in runs:
+        piece = part_BD[:, src : src + width * count].reshape(B, count, width)
+        _strided(out_BD, dst, width, count, stride).copy_(piece)
+
+
+def gather_columns(part_BD: Tensor, whole_BD: Tensor, runs: Sequence[tuple[int, int, int, int, int]]) -> None:
+    """part_BD = whole_BD[:, dst columns] (the inverse of place_columns), run by run."""
+    B = part_BD.shape[0]
+    whole_BD = whole_BD.contiguous()
+    for src, dst, width, count, stride in runs:
+        part_BD[:, src : src + width * count].view(B, count, width).copy_(_strided(whole_BD, dst, width, count, stride))
+
+
 class OutputColumns:
     """Routing.output_columns on a device, with its inverse when it is a permutation."""
 
@@ -87,6 +135,15 @@ class OutputColumns:
             # identity: the blocks already arrive in feature order (e.g. one owner holds everything)
             self.identity = bool(torch.equal(self.gather_blocks.cpu(), torch.arange(self.gather_blocks.numel())))
         self.rank_dims = routing.rank_dims
+        # per part of the received layout (each owner rank's block, then the data-parallel block):
+        # its columns' runs in the output, for transports that place columns while they copy
+        self.part_runs: list[list[tuple[int, int, int, int, int]]] | None = None
+        if not self.summed:
+            cols = routing.output_columns().tolist()
+            at, self.part_runs = 0, []
+            for d in list(routing.rank_dims) + [len(cols) - sum(routing.rank_dims)]:
+                self.part_runs.append(column_runs(cols[at : at + d]))
+                at += d
         dims = torch.tensor(routing.feature_dims, device=device)
         self.width_F = dims
         mean_F = torch.tensor(routing.mean_features, device=device)
@@ -111,11 +168,16 @@ def assemble_pooled(received: Tensor, batch: int, dp_BD: Tensor | None, cols: Ou
         out_BD = all_BD
     else:
         out_BD = _PermuteBlocks.apply(all_BD, cols.block, cols.gather_blocks, cols.scatter_blocks)
-    if cols.mean_D is not None:
-        count_BF = lengths_FB.t().clamp(min=1).to(out_BD.dtype)
-        count_BD = torch.repeat_interleave(count_BF, cols.width_F, dim=1, output_size=cols.width)
-        out_BD = out_BD / torch.where(cols.mean_D, count_BD, torch.ones_like(count_BD))
-    return out_BD
+    return divide_means(out_BD, cols, lengths_FB)
+
+
+def divide_means(out_BD: Tensor, cols: OutputColumns, lengths_FB: Tensor | None) -> Tensor:
+    """Mean-pooled features: the summed row shards divided by the global bag length (known here)."""
+    if cols.mean_D is None:
+        return out_BD
+    count_BF = lengths_FB.t().clamp(min=1).to(out_BD.dtype)
+    count_BD = torch.repeat_interleave(count_BF, cols.width_F, dim=1, output_size=cols.width)
+    return out_BD / torch.where(cols.mean_D, count_BD, torch.ones_like(count_BD))
 
 
 def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
