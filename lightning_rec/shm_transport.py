@@ -35,6 +35,7 @@ import os
 import socket
 import uuid
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,13 @@ def _layout(pieces: list) -> list[int]:
     return spans
 
 
+def _signature(sizes: list[int]) -> int:
+    h = 0
+    for n in sizes:
+        h = (h * 1_000_003 + n) % (2**61 - 1)
+    return h
+
+
 def _nbytes(piece: Tensor | Writer) -> int:
     return piece.nbytes if isinstance(piece, Writer) else piece.numel() * piece.element_size()
 
@@ -110,6 +118,10 @@ class _Region:
             if create:
                 os.posix_fallocate(fd, 0, nbytes)  # reserve now: ENOSPC here, never SIGBUS on a later write
             self._mmap = mmap.mmap(fd, nbytes)
+        except OSError:
+            if create:  # a file we could not fill is nobody's: no name left behind in /dev/shm
+                SharedMemoryGroup._unlink(path)
+            raise
         finally:
             os.close(fd)
         self.path, self.nbytes = path, nbytes
@@ -138,6 +150,7 @@ class SharedMemoryGroup:
         self._data = _Region(self._path("d", self.rank, 0), 2 * _INITIAL_BYTES, create=True)
         self._k = 0
         self._unlink_after: list[tuple[str, int]] = []  # (path, exchange after whose barrier peers have it)
+        self._finalizer = weakref.finalize(self, _unlink_all, self._unlink_after)
         self._peer_headers: dict[int, Tensor] = {}
         self._peer_arrive: dict[int, Tensor] = {}
         self._peer_pid: dict[int, int] = {}
@@ -223,12 +236,20 @@ class SharedMemoryGroup:
         send = [(p, lo, lo + n * in_row) for p, lo, n in zip(range(W), _starts(in_splits, in_row), in_splits)]
         slot = self._k % 2
         ok = self._write(slot, [None if p == self.rank else src[lo:hi] for p, lo, hi in send], _OP_ALL_TO_ALL)
-        peers = self._after_barrier(slot, _OP_ALL_TO_ALL, None)
-        if not peers or not ok:
+        peers = self._after_barrier(slot, _OP_ALL_TO_ALL)
+        if peers is None or not ok:
             return self._fallback_a2a(out, inp, out_splits, in_splits)
+        if not out.is_contiguous():  # received bytes land in a contiguous buffer, then in out's layout
+            staged = torch.empty(out.shape, dtype=out.dtype)
+            self._read_a2a(staged, src, send, peers, out_splits, out_row)
+            out.copy_(staged)
+            return
+        self._read_a2a(out, src, send, peers, out_splits, out_row)
+
+    def _read_a2a(self, out: Tensor, src: Tensor, send: list, peers: dict, out_splits: list[int], out_row: int) -> None:
         dst = _bytes(out)
         at = 0
-        for p in range(W):
+        for p in range(self.world_size):
             n = out_splits[p] * out_row
             if p == self.rank:
                 _, lo, hi = send[p]
@@ -258,8 +279,8 @@ class SharedMemoryGroup:
             return self._fallback_exchange(sends)
         slot = self._k % 2
         ok = self._write(slot, [None if p == self.rank else piece for p, piece in enumerate(sends)], _OP_EXCHANGE)
-        peers = self._after_barrier(slot, _OP_EXCHANGE, None)
-        if not peers or not ok:
+        peers = self._after_barrier(slot, _OP_EXCHANGE)
+        if peers is None or not ok:
             return self._fallback_exchange(sends)
         out = []
         for p in range(W):
@@ -283,8 +304,8 @@ class SharedMemoryGroup:
             return self._fallback_all_reduce(tensors)
         slot = self._k % 2
         ok = self._write(slot, tensors, _OP_ALL_REDUCE)
-        peers = self._after_barrier(slot, _OP_ALL_REDUCE, int(self._header[slot, _SIZE]))
-        if not peers or not ok:
+        peers = self._after_barrier(slot, _OP_ALL_REDUCE)
+        if peers is None or not ok:
             return self._fallback_all_reduce(tensors)
         bases = []
         for p in range(self.world_size):
@@ -323,9 +344,12 @@ class SharedMemoryGroup:
                 else:
                     dst.view(piece.dtype).view(piece.shape).copy_(piece)  # copy_ takes any strides: one pass
         header = self._header[slot]
-        if op != _OP_ALL_REDUCE:
+        sizes = [hi - lo for lo, hi in zip(spans[::2], spans[1::2])]
+        if op == _OP_ALL_REDUCE:  # any number of tensors: their count and a signature of their sizes
+            header[_SPANS], header[_SPANS + 1] = len(sizes), _signature(sizes)
+        else:  # one piece per rank
             header[_SPANS : _SPANS + len(spans)] = torch.tensor(spans, dtype=torch.int64)
-        header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, at
+        header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, sum(sizes)
         return bool(ok)
 
     def _grow(self, per_slot: int) -> int:
@@ -341,32 +365,42 @@ class SharedMemoryGroup:
         self._unlink_after.append((region.path, self._k + 1))
         return 1
 
-    def _after_barrier(self, slot: int, op: int, size: int | None) -> dict | None:
+    def _after_barrier(self, slot: int, op: int) -> dict | None:
         """Barrier, then every peer's (header, slot base, region); None: someone could not write (fall back)."""
         self._barrier()
         k = self._k
         self._k += 1
         for path, _ in [u for u in self._unlink_after if u[1] <= k]:
             self._unlink(path)
-        self._unlink_after = [u for u in self._unlink_after if u[1] > k]
-        peers, all_ok = {}, bool(self._header[slot, _OK])
-        for p, headers in self._peer_headers.items():
-            header = headers[slot].clone()
-            gen, peer_op, peer_ok = int(header[_GEN]), int(header[_OP]), int(header[_OK])
-            if peer_op != op or (size is not None and int(header[_SIZE]) != size):
+        self._unlink_after[:] = [u for u in self._unlink_after if u[1] > k]  # in place: the finalizer holds it
+        own = self._header[slot]
+        headers = {p: h[slot].clone() for p, h in self._peer_headers.items()}
+        for p, header in headers.items():
+            # all-reduce: the same byte sizes (exact total, count, and a signature of the list) everywhere
+            same = int(header[_OP]) == op and (op != _OP_ALL_REDUCE or torch.equal(header[_SIZE:_SPANS + 2],
+                                                                                   own[_SIZE:_SPANS + 2]))
+            if not same:
                 raise RuntimeError(
                     f"shared-memory collective mismatch at exchange {k}: rank {self.rank} ran op {op} "
-                    f"({size} bytes), rank {p} op {peer_op} ({int(header[_SIZE])} bytes). Every rank must call the "
-                    f"same collectives in the same order (a rank-dependent branch in the model?)")
-            all_ok = all_ok and bool(peer_ok)
-            if peer_ok and gen != self._peer_data[p][0]:
-                self._peer_data[p] = (gen, _Region(self._path("d", p, gen), os.path.getsize(self._path("d", p, gen)),
-                                                   create=False))
-            region = self._peer_data[p][1]
-            peers[p] = (header, slot * (region.nbytes // 2), region)
-        if not all_ok:
+                    f"({int(own[_SIZE])} bytes), rank {p} op {int(header[_OP])} ({int(header[_SIZE])} bytes). Every "
+                    f"rank must call the same collectives with the same sizes in the same order (a rank-dependent "
+                    f"branch in the model?)")
+        if not (bool(own[_OK]) and all(bool(h[_OK]) for h in headers.values())):
+            # someone could not write: this exchange and every later one go through the process group;
+            # nobody maps a file made in this exchange, so their names can go now
+            for path, _ in self._unlink_after:
+                self._unlink(path)
+            self._unlink_after.clear()
             self.disabled = True
             return None
+        peers = {}
+        for p, header in headers.items():
+            gen = int(header[_GEN])
+            if gen != self._peer_data[p][0]:
+                path = self._path("d", p, gen)
+                self._peer_data[p] = (gen, _Region(path, os.path.getsize(path), create=False))
+            region = self._peer_data[p][1]
+            peers[p] = (header, slot * (region.nbytes // 2), region)
         return peers
 
     def _barrier(self) -> None:
@@ -399,9 +433,14 @@ class SharedMemoryGroup:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
 
     def close(self) -> None:
-        for path, _ in self._unlink_after:
-            self._unlink(path)
-        self._unlink_after = []
+        """Unlink the names still in /dev/shm (at most the newest region's); also runs at exit and on GC."""
+        self._finalizer()
+
+
+def _unlink_all(pending: list[tuple[str, int]]) -> None:
+    for path, _ in pending:
+        SharedMemoryGroup._unlink(path)
+    pending.clear()
 
 
 _BARRIER: list = []

@@ -16,7 +16,7 @@ from lightning_rec.model_parallel import (
 )
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sharding import data_parallel as dp_math
-from lightning_rec.sharding.embeddings import OutputColumns, assemble_pooled
+from lightning_rec.sharding.embeddings import OutputColumns, assemble_pooled, column_runs, gather_columns, place_columns
 from lightning_rec.sharding.ids import RouteTables, key_major_permutation, route_ids, to_key_major
 from lightning_rec.sharding.layout import shard_layout
 from lightning_rec.sharding.routing import build_routing
@@ -182,3 +182,25 @@ def test_block_permutation_equals_column_gather_with_gradients(perm_cols):
     torch.testing.assert_close(x.grad, y.grad)
     torch.testing.assert_close(_PermuteBlocks.apply(x, b, blocks, inverse_permutation(blocks)),
                                y.index_select(1, gather))
+
+
+def test_column_runs_place_and_gather_any_block_permutation():
+    # table-wise round robin: every other 4-column block is one strided copy
+    assert column_runs([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]) == [(0, 0, 4, 3, 8)]
+    assert column_runs([]) == []
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        width = 48
+        b = [1, 2, 4, 8, 16][trial % 5]
+        blocks = torch.randperm(width // b, generator=g).tolist()
+        perm = [blocks[i // b] * b + i % b for i in range(width)]
+        part = perm[: int(torch.randint(0, width + 1, (1,), generator=g))]
+        x = torch.randn(5, len(part), generator=g)
+        out = torch.zeros(5, width)
+        place_columns(out, x, column_runs(part))
+        expected = torch.zeros(5, width)
+        expected[:, part] = x
+        assert torch.equal(out, expected), part
+        back = torch.empty(5, len(part))
+        gather_columns(back, expected, column_runs(part))
+        assert torch.equal(back, x), part

@@ -142,17 +142,16 @@ def test_all_to_all_single_is_bitwise_gloo_through_growth(world_size):
 def _non_contiguous_out_worker(rank, W):
     group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
     inp = _random((2 * W, 3), torch.float32, rank)
-    out = torch.full((3, 2 * W), 7.0).t()  # (2W, 3), not contiguous: gloo fills it all the same
-    ref = out.clone()
+    out = torch.full((3, 2 * W), 7.0).t()  # (2W, 3), not contiguous
+    ref = torch.empty(2 * W, 3)  # gloo into a contiguous tensor: the logical result (gloo itself writes a
+    dist.all_to_all_single(ref, inp)  # non-contiguous out in memory order, ignoring its strides)
     group.all_to_all_single(out, inp)
-    dist.all_to_all_single(ref, inp)
-    assert not ref.eq(7.0).any()
     untouched = int(out.eq(7.0).sum())
     torch.testing.assert_close(out, ref, atol=0, rtol=0, msg=f"rank {rank}: non-contiguous out differs from gloo's "
                                f"({untouched} of {out.numel()} elements still hold the fill value)")
 
 
-def test_all_to_all_single_into_non_contiguous_out_is_gloo():
+def test_all_to_all_single_into_non_contiguous_out_is_filled_by_position():
     run_ranks(_non_contiguous_out_worker, 2, timeout=30)
 
 
@@ -197,6 +196,18 @@ def _all_reduce_worker(rank, W):
         for p in range(1, W):
             assert torch.equal(_bits(results[p]), _bits(results[0])), f"{what}: rank {p}'s sum != rank 0's, bitwise"
         assert not group.disabled, f"{what}: fell back to gloo"
+    # several tensors in one exchange (DDP's buckets): mixed dtypes, sizes not multiples of 64 bytes, one large
+    shapes = [((10,), torch.float32), ((3, 5), torch.float64), ((7,), torch.float16), ((33,), torch.int64),
+              ((500_000,), torch.float32), ((1,), torch.float32)]
+    xs = [_random(shape, dtype, 1000 + 10 * i + rank) for i, (shape, dtype) in enumerate(shapes)]
+    refs = [x.clone() for x in xs]
+    for r in refs:
+        dist.all_reduce(r)
+    group.all_reduce_sum_many_(xs)
+    for (shape, dtype), x, r in zip(shapes, xs, refs):
+        tol = {torch.float16: dict(atol=1e-2, rtol=1e-3)}.get(dtype, {})
+        torch.testing.assert_close(x, r, msg=f"W={W} all_reduce_sum_many_ {dtype} {shape}: rank {rank}", **tol)
+    assert not group.disabled
     assert group._gen >= 2, f"rank {rank}: gen {group._gen}, expected two growths"
 
 
@@ -269,19 +280,36 @@ def _mismatch_worker(rank, W):
     assert torch.equal(x, torch.full((6,), float(W)))
     start = time.monotonic()
     if rank == 0:
-        texts = [_expect_runtime_error(lambda: group.all_to_all_single(torch.empty(4), torch.ones(4)), "mismatch")]
+        text = _expect_runtime_error(lambda: group.all_to_all_single(torch.empty(4), torch.ones(4)), "mismatch")
     else:
-        texts = [_expect_runtime_error(lambda: group.all_reduce_sum_(torch.ones(4)), "mismatch")]
-    # the same op with another size: the header carries the size too
-    texts.append(_expect_runtime_error(lambda: group.all_reduce_sum_(torch.ones(10 + rank)), "mismatch"))
-    return time.monotonic() - start, texts
+        text = _expect_runtime_error(lambda: group.all_reduce_sum_(torch.ones(4)), "mismatch")
+    return time.monotonic() - start, text
 
 
-def test_mismatched_collectives_raise_on_every_rank():
-    results = run_ranks(_mismatch_worker, 2, timeout=30)
-    for seconds, texts in results:
-        assert seconds < 4, f"a mismatch took {seconds:.1f} s to raise"
-        assert len(texts) == 2
+def test_all_to_all_against_all_reduce_raises_mismatch_on_every_rank():
+    for seconds, text in run_ranks(_mismatch_worker, 2, timeout=30):
+        assert seconds < 4, f"a mismatch took {seconds:.1f} s to raise: {text}"
+
+
+def _size_mismatch_worker(rank, W):
+    group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=5)
+    seen = []
+    # the header carries the size: the same op on tensors of other sizes must raise, not mix bytes
+    for what, numel in [("100 vs 200 float32", 100 * (1 + rank)), ("10 vs 11 float32", 10 + rank)]:
+        x = torch.ones(numel)
+        try:
+            group.all_reduce_sum_(x)
+        except RuntimeError as e:
+            assert "mismatch" in str(e), str(e)
+            seen.append(f"{what}: raised")
+            continue
+        seen.append(f"{what}: no error; rank {rank} got {x.tolist()}")
+    return seen
+
+
+def test_all_reduce_of_other_sizes_raises_mismatch_on_every_rank():
+    seen = run_ranks(_size_mismatch_worker, 2, timeout=30)
+    assert all(s.endswith("raised") for r in seen for s in r), seen
 
 
 # 5. a dead peer is reported at once, long before the timeout --------------------------------------
@@ -464,3 +492,37 @@ def _dmp_worker(rank, W):
 
 def test_model_parallel_on_cpu_uses_shared_memory_unless_disabled():
     run_ranks(_dmp_worker, 2, timeout=90)
+
+
+# exchange(): sizes only the senders know; Writer sends fill shared memory directly ----------------
+
+
+def _exchange_worker(rank, W):
+    from lightning_rec.shm_transport import Writer
+
+    group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
+    assert group is not None
+    results = []
+    for step, disabled in enumerate([False, False, True]):  # the last round: the process-group fallback
+        group.disabled = disabled
+        sends = []
+        for p in range(W):
+            n = (rank + 1) * 1000 * (p + 1) * (step + 1) if p != (rank + step) % W else 0  # some empty pieces
+            if p % 2:
+                sends.append(torch.arange(n, dtype=torch.int64) + rank * 10**6)
+            else:
+                sends.append(Writer(4 * n, lambda u8, n=n: u8.view(torch.float32).copy_(torch.full((n,), float(rank)))))
+        received = group.exchange(sends)
+        for src, raw in enumerate(received):
+            n = (src + 1) * 1000 * (rank + 1) * (step + 1) if rank != (src + step) % W else 0
+            if rank % 2:
+                assert torch.equal(raw.view(torch.int64), torch.arange(n, dtype=torch.int64) + src * 10**6)
+            else:
+                assert torch.equal(raw.view(torch.float32), torch.full((n,), float(src)))
+        results.append(step)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exchange_delivers_every_piece_with_its_own_size(world_size):
+    assert run_ranks(_exchange_worker, world_size, timeout=60)[0] == [0, 1, 2]
