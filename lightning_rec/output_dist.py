@@ -60,9 +60,10 @@ class _PlacedPooledExchange(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, owned_BD: Tensor, dp_BD: Tensor | None, group, runs, rank_dims: list[int],
-                batch_per_source: list[int], batch: int, width: int, what: str, timeout_s: float | None) -> Tensor:
-        ctx.group, ctx.runs, ctx.rank_dims, ctx.what, ctx.timeout_s = group, runs, rank_dims, what, timeout_s
+    def forward(ctx, owned_BD: Tensor, dp_BD: Tensor | None, group, cols: OutputColumns, rank_dims: list[int],
+                batch_per_source: list[int], batch: int, what: str, timeout_s: float | None) -> Tensor:
+        ctx.group, ctx.runs, ctx.rank_dims, ctx.what, ctx.timeout_s = group, cols.part_runs, rank_dims, what, timeout_s
+        ctx.width_dp = cols.width_dp
         ctx.batch_per_source, ctx.batch, ctx.has_dp = batch_per_source, batch, dp_BD is not None
         ctx.dtype, ctx.dp_dtype = owned_BD.dtype, dp_BD.dtype if dp_BD is not None else None
         sends, at = [], 0
@@ -70,12 +71,14 @@ class _PlacedPooledExchange(torch.autograd.Function):
             sends.append(owned_BD[at : at + b])
             at += b
         received = _exchange(group, sends, what, timeout_s)
-        out_BD = owned_BD.new_empty(batch, width)
+        summed = ctx.summed = cols.summed
+        runs = cols.part_runs
+        out_BD = (owned_BD.new_zeros if summed else owned_BD.new_empty)(batch, cols.width)
         for p, raw in enumerate(received):
             if rank_dims[p]:
-                place_columns(out_BD, raw.view(owned_BD.dtype).view(batch, rank_dims[p]), runs[p])
+                place_columns(out_BD, raw.view(owned_BD.dtype).view(batch, rank_dims[p]), runs[p], add=summed)
         if dp_BD is not None:
-            place_columns(out_BD, dp_BD, runs[-1])
+            place_columns(out_BD, dp_BD, runs[-1], add=summed)
         return out_BD
 
     @staticmethod
@@ -97,10 +100,10 @@ class _PlacedPooledExchange(torch.autograd.Function):
             at += b
         grad_dp = None
         if ctx.has_dp:
-            grad_dp = grad_BD.new_empty(batch, sum(r[2] * r[3] for r in ctx.runs[-1]))
+            grad_dp = grad_BD.new_empty(batch, ctx.width_dp)
             gather_columns(grad_dp, grad_BD, ctx.runs[-1])
             grad_dp = grad_dp.to(ctx.dp_dtype)
-        return grad_owned, grad_dp, None, None, None, None, None, None, None, None
+        return grad_owned, grad_dp, None, None, None, None, None, None, None
 
 
 def _exchange(group: SharedMemoryGroup, sends, what: str, timeout_s: float | None) -> list[Tensor]:
@@ -123,11 +126,11 @@ class PooledAllToAll:
         self.pg, self.rank, self.rank_dims, self.timeout_s = pg, rank, rank_dims, timeout_s
 
     def placed(self, pooled_BD: Tensor, dp_BD: Tensor | None, ctx: DistContext, cols: OutputColumns) -> Tensor | None:
-        """[B, D] in feature order, columns placed while copying (shared memory, no row-shard sums); else None."""
-        if not isinstance(self.pg, SharedMemoryGroup) or cols.part_runs is None:
+        """[B, D] in feature order, columns placed (row shards summed) while copying; None without shared memory."""
+        if not isinstance(self.pg, SharedMemoryGroup):
             return None
-        return _PlacedPooledExchange.apply(_differentiable(pooled_BD), dp_BD, self.pg, cols.part_runs, self.rank_dims,
-                                           list(ctx.batch_per_source), ctx.batch, cols.width,
+        return _PlacedPooledExchange.apply(_differentiable(pooled_BD), dp_BD, self.pg, cols, self.rank_dims,
+                                           list(ctx.batch_per_source), ctx.batch,
                                            "pooled embedding all-to-all", self.timeout_s)
 
     def __call__(self, pooled_BD: Tensor, ctx: DistContext) -> Tensor:

@@ -162,26 +162,25 @@ def test_plan_compute_kernel_reaches_the_shard_tables():
     assert kernels == {"a": "fused_uvm_caching", "b": "fused_uvm"}  # GPU: managed (+cache); CPU: host either way
 
 
-@pytest.mark.parametrize("perm_cols", [
-    [4, 5, 6, 7, 0, 1, 2, 3],  # two 4-wide blocks swapped
-    [2, 3, 0, 1, 5, 4],  # runs of 2, 2, 1, 1: falls back to single columns
-    list(range(8)),  # identity
-])
-def test_block_permutation_equals_column_gather_with_gradients(perm_cols):
-    from lightning_rec.sharding.embeddings import _PermuteBlocks, column_blocks, inverse_permutation
-
-    gather = torch.tensor(perm_cols)
-    b, blocks = column_blocks(gather)
-    x = torch.randn(5, len(perm_cols), requires_grad=True)
-    y = torch.randn(5, len(perm_cols), requires_grad=True)
-    with torch.no_grad():
-        y.copy_(x)
-    g = torch.randn(5, len(perm_cols))
-    _PermuteBlocks.apply(x, b, blocks, inverse_permutation(blocks)).backward(g)
-    y.index_select(1, gather).backward(g)
-    torch.testing.assert_close(x.grad, y.grad)
-    torch.testing.assert_close(_PermuteBlocks.apply(x, b, blocks, inverse_permutation(blocks)),
-                               y.index_select(1, gather))
+def test_placed_parts_match_a_column_gather_with_gradients():
+    # a data-parallel table, and b's column halves on ranks 1 and 0 for both its features: interleaved
+    routing = _routing({"a": data_parallel(), "b": column_wise(ranks=[1, 0])}, W=2)
+    cols = OutputColumns(routing, torch.device("cpu"))
+    assert not cols.summed and not cols.identity
+    B = 3
+    received = torch.randn(B * sum(routing.rank_dims), requires_grad=True)
+    dp_BD = torch.randn(B, cols.width_dp, requires_grad=True)
+    out = assemble_pooled(received, B, dp_BD, cols, None)
+    # the reference: the received blocks side by side, then each column to routing.output_columns()
+    parts = [blk.view(B, d) for blk, d in zip(received.split([B * d for d in routing.rank_dims]), routing.rank_dims)]
+    all_BD = torch.cat(parts + [dp_BD], dim=1)
+    ref = torch.empty(B, cols.width).index_copy(1, routing.output_columns(), all_BD)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    g = torch.randn(B, cols.width)
+    got = torch.autograd.grad(out, (received, dp_BD), g)
+    expected = torch.autograd.grad(ref, (received, dp_BD), g)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_column_runs_place_and_gather_any_block_permutation():
