@@ -22,9 +22,10 @@ _CUDA_DDR_BW = 51e9
 _CUDA_INTRA_HOST_BW = 600e9  # NVLink
 _CUDA_INTER_HOST_BW = 12.5e9  # 100 Gbit/s per rank
 _CUDA_PCIE_BW = 32e9  # UVM reads cross PCIe gen4 x16
-# CPU defaults: gloo all-to-all between 2 local ranks moves ~6.8 MB in ~3.6 ms (DESIGN.md section 2).
+# CPU defaults: ranks of one host exchange through shared memory (shm_transport.py): an all-to-all
+# of 6.8 MB between 2 ranks takes ~1.0 ms (gloo's loopback TCP: ~3.6 ms, DESIGN.md section 2).
 _CPU_DDR_BW = 20e9  # random 128-512 B row gathers from one core's share of DDR
-_CPU_INTRA_HOST_BW = 1.9e9
+_CPU_INTRA_HOST_BW = 6.5e9
 _CPU_INTER_HOST_BW = 1.25e9  # 10 Gbit/s ethernet
 
 COMPUTE_DEVICES = ("cpu", "cuda")
