@@ -98,12 +98,18 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._tables: dict[str, tuple[Any, int]] = {}  # "<path>.<table>" -> (kernel, index in kernel)
+        # "<path>.<local table>" -> ("<path>.<global table>", ShardMetadata or None: whole, global shape)
+        self._pieces: dict[str, tuple[str, Any, tuple[int, int]]] = {}
         groups = []
         for path, module in fused_modules(model):
+            shard_of = getattr(module, "shard_of", None)
             for i, kernel in enumerate(module.fused_kernels()):
                 prefix = f"{path}." if path else ""
                 for j, table in enumerate(kernel.tables):
                     self._tables[prefix + table.name] = (kernel, j)
+                    whole = (table.name, None, (table.num_embeddings, table.embedding_dim))
+                    name, meta, shape = shard_of(table.name) if shard_of is not None else whole
+                    self._pieces[prefix + table.name] = (prefix + name, meta, shape)
                 config = kernel.optimizer_config
                 groups.append(_FusedParamGroup(
                     [kernel],
@@ -140,28 +146,97 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": state, "param_groups": groups}
 
+    def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
+        """This rank's optimizer state under whole-table names, for resharding.
+
+        "<path>.<table>.<state>" -> (the table's global shape, [(ShardMetadata or None, state view)]).
+        Gather every rank's pieces and `merge_fused_state` them into a state dict that loads into
+        any world size, plan, or the unsharded model (RecStrategy's checkpoints do this).
+        """
+        out: dict[str, tuple[tuple[int, int], list]] = {}
+        for local, states in self.table_states().items():
+            name, meta, shape = self._pieces[local]
+            for key, value in states.items():
+                out.setdefault(f"{name}.{key}", (shape, []))[1].append((meta, value))
+        return out
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
+        model): each piece reads its rows and columns."""
         saved = state_dict.get("state", {})
-        expected = {f"{table}.{key}": value for table, states in self.table_states().items()
+        expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
                     for key, value in states.items()}
-        missing = sorted(set(expected) - set(saved))
+        missing = []
+        for local_key, (local, key, _) in expected.items():
+            if local_key not in saved and f"{self._pieces[local][0]}.{key}" not in saved:
+                missing.append(local_key)
         if missing:
             raise ValueError(
                 f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
                 f"the checkpoint was saved with other tables or another fused optimizer"
             )
-        for key, tensor in expected.items():
-            value = saved[key]
+        for local_key, (local, key, tensor) in expected.items():
+            if local_key in saved:
+                value = saved[local_key]
+            else:
+                global_key = f"{self._pieces[local][0]}.{key}"
+                value = _slice_state(saved[global_key], self._pieces[local][1])
             if value.shape != tensor.shape:
-                raise ValueError(f"fused optimizer state '{key}' has shape {tuple(value.shape)} in the checkpoint "
-                                 f"but {tuple(tensor.shape)} here: the table sizes differ")
+                raise ValueError(f"fused optimizer state '{local_key}' has shape {tuple(value.shape)} in the "
+                                 f"checkpoint but {tuple(tensor.shape)} here: the table sizes differ")
             tensor.copy_(value)
         by_name = {g["name"]: g for g in state_dict.get("param_groups", [])}
         for group in self.param_groups:
             for key, value in by_name.get(group["name"], {}).items():
                 if key not in ("name", "tables", "optimizer"):
                     group[key] = value
+
+
+def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
+    """The part of a whole-table state that a shard holds: [rows, cols] per element, [rows] per row."""
+    if meta is None or whole.dim() == 0:
+        return whole
+    (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+    if whole.dim() == 1:
+        return whole[r : r + nr]
+    return whole[r : r + nr, c : c + nc]
+
+
+def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]]) -> dict[str, torch.Tensor]:
+    """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors).
+
+    Per-element state ([rows, cols]: Adagrad's sum, Adam's moments) is assembled exactly. Per-row
+    state ([rows]: row-wise Adagrad) of a table split by columns exists once per column shard,
+    each over its own columns; the whole table's is their average weighted by width, which is what
+    the unsharded optimizer keeps (the mean over all columns) when the shards saw the same rows.
+    Scalars (Adam's step) are the same on every piece.
+    """
+    merged: dict[str, tuple[tuple[int, int], list]] = {}
+    for pieces in per_rank:
+        for key, (shape, parts) in pieces.items():
+            merged.setdefault(key, (shape, []))[1].extend(parts)
+    out = {}
+    for key, ((rows, cols), parts) in merged.items():
+        meta0, first = parts[0]
+        if meta0 is None or first.dim() == 0:  # a replica (whole, equal on every rank) or a scalar
+            out[key] = first.detach().cpu().clone()
+            continue
+        if first.dim() == 2:
+            whole = torch.zeros(rows, cols, dtype=first.dtype)
+            for meta, t in parts:
+                (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                whole[r : r + nr, c : c + nc] = t.detach().cpu()
+        else:
+            acc = torch.zeros(rows, dtype=torch.float64)
+            width = torch.zeros(rows, dtype=torch.float64)
+            for meta, t in parts:
+                (r, _), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                acc[r : r + nr] += t.detach().cpu().double() * nc
+                width[r : r + nr] += nc
+            whole = (acc / width.clamp(min=1)).to(first.dtype)
+        out[key] = whole
+    return out
 
 
 class _CombinedState(dict):

@@ -222,6 +222,14 @@ class _ShardedCollectionBase(nn.Module):
             out.update(self._replicas.table_weights())
         return out
 
+    def shard_of(self, local_name: str) -> tuple[str, object, tuple[int, int]]:
+        """A shard-local table name -> (global table, ShardMetadata or None for a replica, global shape)."""
+        piece = self.routing.pieces.get((self._env.rank, local_name))
+        if piece is None:  # a data-parallel replica: the whole table under its own name
+            return local_name, None, self._global_shape(local_name)
+        table, meta = piece
+        return table, meta, self._global_shape(table)
+
     def local_shards(self) -> dict[str, list[tuple]]:
         """table -> [(ShardMetadata, [rows, cols] view), ...] for the pieces on this rank."""
         weights = self.table_weights()

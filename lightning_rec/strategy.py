@@ -9,10 +9,13 @@ or one built from the topology), and the module is wrapped in DDP (or FSDP2) for
 layers. This happens before `configure_optimizers`, so the module's combined optimizer sees the
 sharded fused kernels. Evaluation-only runs (validate/test/predict) are sharded too, without DDP.
 
-Checkpoints hold every table whole: each rank's shards (and each shard's fused optimizer state)
-are gathered to rank 0, which writes one file that loads into any world size or plan, or into the
-unsharded module. Gathering costs rank 0 host memory for the whole model; for models larger than
-that, save per rank with `DistributedModelParallel.state_dict()` and merge with ShardedTensor.merge.
+Checkpoints hold every table whole: each rank's shards and their fused optimizer state are
+gathered to rank 0, which writes one file that loads into any world size or plan, or into the
+unsharded module (optimizer state included: `optim.merge_fused_state`; row-wise state of a table
+split by columns is the width-weighted mean of its column shards' states). Gathering costs rank 0
+host memory for the whole model; for models larger than that, save per rank with
+`DistributedModelParallel.state_dict()` and merge with ShardedTensor.merge (and
+`fused_optimizer.global_state_pieces()` with `merge_fused_state`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_rec.model_parallel import DistributedModelParallel
+from lightning_rec.optim import merge_fused_state
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 from lightning_rec.types import ShardingPlan
 
@@ -153,11 +157,14 @@ class RecStrategy(DDPStrategy):
         if fused_key is None:
             return state
         fused = state[fused_key] if fused_key else state
-        parts = self._gather_to_zero({k: v.detach().cpu() for k, v in fused["state"].items()})
-        if parts is None:
+        fused_opt = optimizer if fused_key == "" else dict(optimizer.optimizers)[fused_key]
+        pieces = {k: (shape, [(meta, t.detach().cpu()) for meta, t in parts])
+                  for k, (shape, parts) in fused_opt.global_state_pieces().items()}
+        gathered = self._gather_to_zero(pieces)
+        if gathered is None:
             return state
-        gathered = {k: v for p in parts for k, v in p.items()}  # shard names are unique per rank
-        fused = {**fused, "state": gathered}
+        # whole tables under global names: loads into any world size, plan, or the unsharded model
+        fused = {**fused, "state": merge_fused_state(gathered)}
         return {**state, fused_key: fused} if fused_key else fused
 
     @classmethod

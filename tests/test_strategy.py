@@ -50,3 +50,16 @@ def test_rec_strategy_trains_and_writes_whole_tables(tmp_path, monkeypatch):
     assert runs and any(b"sharding_plan" in r.read_bytes() for r in runs)
     unsharded = DLRMModule(**SMALL)
     unsharded.load_state_dict(state)  # an unsharded module reads the checkpoint as is
+    # ... optimizer state too: the fused state is saved whole, under table names (no shard names)
+    saved_opt = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    fused_key = next(k for k, v in saved_opt.items() if isinstance(v, dict) and "state" in v
+                     and any(".embedding_bags." not in n and "t_C1" in n for n in v["state"]))
+    fused_state = saved_opt[fused_key]["state"]
+    assert not any("@" in n for n in fused_state)
+    sums = fused_state["sparse_arch.embedding_bag_collection.t_C1.sum"]
+    assert sums.shape[0] == 64 and bool((sums > 0).any())  # whole table's rows, trained
+    optimizer = unsharded.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    optimizer.load_state_dict(saved_opt)
+    restored = dict(optimizer.optimizers)[fused_key].table_states()["sparse_arch.embedding_bag_collection.t_C1"]
+    torch.testing.assert_close(restored["sum"], sums)
