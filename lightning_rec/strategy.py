@@ -20,6 +20,7 @@ host memory for the whole model; for models larger than that, save per rank with
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_rec.model_parallel import DistributedModelParallel
@@ -127,6 +129,13 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        if self.world_size > 1 and isinstance(dataloader, DataLoader):
+            _stop_together(dataloader, self.root_device)
+        return dataloader
+
     # checkpoints: every rank's shards, gathered whole ------------------------------------------
 
     def _gather_to_zero(self, obj: Any) -> list[Any] | None:
@@ -173,6 +182,53 @@ class RecStrategy(DDPStrategy):
         strategy_registry.register(
             "rec", cls, description="lightning_rec: sharded embedding tables + data-parallel dense layers"
         )
+
+
+# Ranks that step together ------------------------------------------------------------------------
+#
+# Every step runs embedding collectives, so a rank with one more batch than the others (a streaming
+# dataset whose blocks do not split evenly, an IterableDataset of any kind) would wait in its
+# all-to-all for peers that have finished the epoch, until the timeout. Instead, before each batch
+# the ranks agree (one tiny all-reduce) that all of them have one; the first rank to run out ends
+# the epoch for everyone, and a rank that had more says so.
+
+_TOGETHER_CLASSES: dict[type, type] = {}
+
+
+def _stop_together(loader: DataLoader, device: torch.device) -> None:
+    # The loader keeps its class's behaviour (Lightning checks isinstance(DataLoader), sets worker
+    # seeding, reads .sampler), so it gets a subclass whose only change is __iter__.
+    cls = type(loader)
+    if getattr(cls, "_rec_step_together", False):
+        loader._rec_device = device
+        return
+    sub = _TOGETHER_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"StepTogether{cls.__name__}", (cls,), {"__iter__": _iter_together, "_rec_step_together": True})
+        _TOGETHER_CLASSES[cls] = sub
+    loader.__class__ = sub
+    loader._rec_device = device
+
+
+def _iter_together(self):
+    base = next(c for c in type(self).__mro__[1:] if not getattr(c, "_rec_step_together", False))
+    batches = base.__iter__(self)
+    flag = torch.ones(1, dtype=torch.int32, device=self._rec_device)
+    while True:
+        try:
+            batch, have = next(batches), 1
+        except StopIteration:
+            batch, have = None, 0
+        flag.fill_(have)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            if have:  # the rest is not read: parsing it could keep the others waiting
+                warnings.warn(f"rank {dist.get_rank()}: the rest of this epoch's batches are skipped: another rank's "
+                              f"dataloader ran out first, and sharded embeddings need every rank in every step. "
+                              f"Give every rank the same number of batches (e.g. drop_last, or an even split) to "
+                              f"use them all", stacklevel=2)
+            return
+        yield batch
 
 
 def _cpu(st: ShardedTensor) -> ShardedTensor:

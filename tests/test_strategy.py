@@ -63,3 +63,41 @@ def test_rec_strategy_trains_and_writes_whole_tables(tmp_path, monkeypatch):
     optimizer.load_state_dict(saved_opt)
     restored = dict(optimizer.optimizers)[fused_key].table_states()["sparse_arch.embedding_bag_collection.t_C1"]
     torch.testing.assert_close(restored["sum"], sums)
+
+
+def _uneven_fit(rank, world_size):
+    import warnings
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_rec.data.batch import passthrough_collate
+
+    class Uneven(IterableDataset):  # rank 0 has 6 batches, rank 1 has 4 (a stream that splits unevenly)
+        def __init__(self, data):
+            self.data = data
+
+        def __iter__(self):
+            n = 6 if rank == 0 else 4
+            for i in range(n):
+                yield self.data.__getitems__(list(range(i * 64, (i + 1) * 64)))
+
+    class UnevenData(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            return DataLoader(Uneven(self.make_split("train")), batch_size=None, collate_fn=passthrough_collate)
+
+    L.seed_everything(0)
+    data = UnevenData(num_train_samples=1024, num_val_samples=256, batch_size=64, num_embeddings_per_feature=64)
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(DLRMModule(**SMALL), data)
+    skipped = [str(w.message) for w in caught if "batches are skipped" in str(w.message)]
+    return trainer.global_step, len(skipped)
+
+
+def test_ranks_with_uneven_batches_stop_together():
+    # without the agreement, rank 0's 5th step would wait in its all-to-all until the timeout
+    results = run_ranks(_uneven_fit, 2, timeout=180, pg_timeout=60)
+    assert [r[0] for r in results] == [8, 8]  # 4 steps per epoch on both ranks, 2 epochs
+    assert results[0][1] == 2 and results[1][1] == 0  # rank 0 said it skipped, once per epoch
