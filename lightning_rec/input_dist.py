@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
-from lightning_rec.shm_transport import SharedMemoryGroup, Writer
+from lightning_rec.shm_transport import CollectiveMismatch, SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -52,6 +52,8 @@ class DistContext:
 
 
 def collective_error(what: str, err: Exception, timeout_s: float | None) -> RuntimeError:
+    if isinstance(err, CollectiveMismatch):  # every rank answered, but not to the same call
+        return CollectiveMismatch(f"embedding {what} failed on rank {dist.get_rank()}: {err}")
     return RuntimeError(
         f"embedding {what} failed on rank {dist.get_rank()}: a peer rank exited or did not answer within the "
         f"process group timeout ({timeout_s} s; set DistributedModelParallel(timeout=...)). Cause: {err}"
@@ -70,7 +72,7 @@ def all_to_all(pg, out: Tensor, inp: Tensor, out_splits: list[int] | None, in_sp
     """`pg`: a process group, or a SharedMemoryGroup (same-host CPU ranks; synchronous)."""
     try:
         if isinstance(pg, SharedMemoryGroup):
-            pg.all_to_all_single(out, inp, out_splits, in_splits)
+            pg.all_to_all_single(out, inp, out_splits, in_splits, tag=what)
             return _Done() if async_op else None
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
     except RuntimeError as e:
@@ -210,7 +212,7 @@ class KJTAllToAll:
                 sends.append(Writer(sum(t.numel() * t.element_size() for t in parts), _pack(parts)))
                 l0, v0 = l0 + n_l, v0 + n_v
         try:
-            received = self.pg.exchange(sends)
+            received = self.pg.exchange(sends, tag="id all-to-all")
         except RuntimeError as e:
             raise collective_error("id all-to-all", e, self.timeout_s) from e
         heads = [raw[:24].view(torch.long).tolist() for raw in received]

@@ -108,7 +108,7 @@ class _PlacedPooledExchange(torch.autograd.Function):
 
 def _exchange(group: SharedMemoryGroup, sends, what: str, timeout_s: float | None) -> list[Tensor]:
     try:
-        return group.exchange(sends)
+        return group.exchange(sends, tag=what)
     except RuntimeError as e:
         raise collective_error(what, e, timeout_s) from e
 
@@ -158,7 +158,7 @@ def all_reduce_sum_(pg, tensor: Tensor, timeout_s: float | None = None) -> None:
     """In place: the sum over ranks (data-parallel replicas' gradients)."""
     try:
         if isinstance(pg, SharedMemoryGroup):
-            pg.all_reduce_sum_(tensor)
+            pg.all_reduce_sum_(tensor, tag="replica gradient all-reduce")
         else:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
     except RuntimeError as e:

@@ -36,6 +36,7 @@ import socket
 import uuid
 import warnings
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -44,11 +45,16 @@ from torch import Tensor
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _OP_ALL_TO_ALL, _OP_ALL_REDUCE, _OP_EXCHANGE = 1, 2, 3
-_GEN, _OP, _OK, _SIZE, _SPANS = 0, 1, 2, 3, 4  # header fields; spans: (start, end) bytes per destination
+_GEN, _OP, _OK, _SIZE, _TAG, _SPANS = 0, 1, 2, 3, 4, 5  # header fields; spans: (start, end) bytes per destination
+_TAG_NAMES: dict[int, str] = {}  # what each call site calls its collective (the same code runs on every rank)
 # A rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid,
 # [16:] the two slots' headers.
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
 _INITIAL_BYTES = 1 << 20
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks reached the same exchange with different collectives (or sizes): raised on every rank."""
 
 
 def _align(n: int) -> int:
@@ -87,6 +93,12 @@ def _layout(pieces: list) -> list[int]:
         spans += [at, at + n]
         at = _align(at + n)
     return spans
+
+
+def _tag_id(tag: str) -> int:
+    tag_id = zlib.crc32(tag.encode())
+    _TAG_NAMES[tag_id] = tag
+    return tag_id
 
 
 def _signature(sizes: list[int]) -> int:
@@ -222,7 +234,7 @@ class SharedMemoryGroup:
     # collectives ---------------------------------------------------------------------------------
 
     def all_to_all_single(self, out: Tensor, inp: Tensor, out_splits: list[int] | None = None,
-                          in_splits: list[int] | None = None) -> None:
+                          in_splits: list[int] | None = None, tag: str = "all_to_all_single") -> None:
         """As dist.all_to_all_single (splits in rows of dim 0; None: equal), synchronous."""
         W = self.world_size
         in_splits = in_splits if in_splits is not None else [inp.shape[0] // W] * W
@@ -235,7 +247,7 @@ class SharedMemoryGroup:
         # what goes to peers, in rank order; this rank's own rows go straight from inp to out
         send = [(p, lo, lo + n * in_row) for p, lo, n in zip(range(W), _starts(in_splits, in_row), in_splits)]
         slot = self._k % 2
-        ok = self._write(slot, [None if p == self.rank else src[lo:hi] for p, lo, hi in send], _OP_ALL_TO_ALL)
+        ok = self._write(slot, [None if p == self.rank else src[lo:hi] for p, lo, hi in send], _OP_ALL_TO_ALL, tag)
         peers = self._after_barrier(slot, _OP_ALL_TO_ALL)
         if peers is None or not ok:
             return self._fallback_a2a(out, inp, out_splits, in_splits)
@@ -263,7 +275,7 @@ class SharedMemoryGroup:
                 dst[at : at + n].copy_(region.u8[base + lo : base + hi])
             at += n
 
-    def exchange(self, sends: list[Tensor | Writer]) -> list[Tensor]:
+    def exchange(self, sends: list[Tensor | Writer], tag: str = "exchange") -> list[Tensor]:
         """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here.
 
         A send is a tensor (its bytes) or a Writer (nbytes + a function that fills a uint8 view: a
@@ -278,7 +290,7 @@ class SharedMemoryGroup:
         if self.disabled:
             return self._fallback_exchange(sends)
         slot = self._k % 2
-        ok = self._write(slot, [None if p == self.rank else piece for p, piece in enumerate(sends)], _OP_EXCHANGE)
+        ok = self._write(slot, [None if p == self.rank else piece for p, piece in enumerate(sends)], _OP_EXCHANGE, tag)
         peers = self._after_barrier(slot, _OP_EXCHANGE)
         if peers is None or not ok:
             return self._fallback_exchange(sends)
@@ -292,18 +304,18 @@ class SharedMemoryGroup:
                 out.append(region.u8[base + lo : base + hi])
         return out
 
-    def all_reduce_sum_(self, tensor: Tensor) -> Tensor:
+    def all_reduce_sum_(self, tensor: Tensor, tag: str = "all_reduce") -> Tensor:
         """In place: the sum over ranks, added in rank order (bitwise the same on every rank)."""
-        self.all_reduce_sum_many_([tensor])
+        self.all_reduce_sum_many_([tensor], tag)
         return tensor
 
-    def all_reduce_sum_many_(self, tensors: list[Tensor]) -> None:
+    def all_reduce_sum_many_(self, tensors: list[Tensor], tag: str = "all_reduce") -> None:
         """all_reduce_sum_ of several tensors in one exchange (one barrier): DDP's buckets of a step."""
         sizes = [t.numel() * t.element_size() for t in tensors]
         if self.disabled:
             return self._fallback_all_reduce(tensors)
         slot = self._k % 2
-        ok = self._write(slot, tensors, _OP_ALL_REDUCE)
+        ok = self._write(slot, tensors, _OP_ALL_REDUCE, tag)
         peers = self._after_barrier(slot, _OP_ALL_REDUCE)
         if peers is None or not ok:
             return self._fallback_all_reduce(tensors)
@@ -323,7 +335,7 @@ class SharedMemoryGroup:
 
     # the protocol ----------------------------------------------------------------------------------
 
-    def _write(self, slot: int, pieces: list[Tensor | Writer | None], op: int) -> bool:
+    def _write(self, slot: int, pieces: list[Tensor | Writer | None], op: int, tag: str) -> bool:
         """Pieces into this rank's slot, each at a 64-byte aligned start (receivers view them as any
         dtype), then the header: op, total size, and (all-to-alls: one piece per rank) each piece's
         (start, end). None: nothing."""
@@ -350,6 +362,7 @@ class SharedMemoryGroup:
         else:  # one piece per rank
             header[_SPANS : _SPANS + len(spans)] = torch.tensor(spans, dtype=torch.int64)
         header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, sum(sizes)
+        header[_TAG] = _tag_id(tag)
         return bool(ok)
 
     def _grow(self, per_slot: int) -> int:
@@ -377,14 +390,15 @@ class SharedMemoryGroup:
         headers = {p: h[slot].clone() for p, h in self._peer_headers.items()}
         for p, header in headers.items():
             # all-reduce: the same byte sizes (exact total, count, and a signature of the list) everywhere
-            same = int(header[_OP]) == op and (op != _OP_ALL_REDUCE or torch.equal(header[_SIZE:_SPANS + 2],
-                                                                                   own[_SIZE:_SPANS + 2]))
+            same = int(header[_OP]) == op and int(header[_TAG]) == int(own[_TAG]) and (
+                op != _OP_ALL_REDUCE or torch.equal(header[_SIZE : _SPANS + 2], own[_SIZE : _SPANS + 2]))
             if not same:
-                raise RuntimeError(
-                    f"shared-memory collective mismatch at exchange {k}: rank {self.rank} ran op {op} "
-                    f"({int(own[_SIZE])} bytes), rank {p} op {int(header[_OP])} ({int(header[_SIZE])} bytes). Every "
-                    f"rank must call the same collectives with the same sizes in the same order (a rank-dependent "
-                    f"branch in the model?)")
+                mine, theirs = _TAG_NAMES.get(int(own[_TAG]), "?"), _TAG_NAMES.get(int(header[_TAG]), "?")
+                raise CollectiveMismatch(
+                    f"shared-memory collective mismatch at exchange {k}: rank {self.rank} ran '{mine}' "
+                    f"({int(own[_SIZE])} bytes), rank {p} ran '{theirs}' ({int(header[_SIZE])} bytes). Every rank "
+                    f"must run the same collectives with the same sizes in the same order (do all ranks have the "
+                    f"same number of batches? a rank-dependent branch in the model?)")
         if not (bool(own[_OK]) and all(bool(h[_OK]) for h in headers.values())):
             # someone could not write: this exchange and every later one go through the process group;
             # nobody maps a file made in this exchange, so their names can go now
@@ -477,7 +491,7 @@ def ddp_comm_hook(group: SharedMemoryGroup):
         waiting = list(pending)
         pending.clear()
         try:
-            group.all_reduce_sum_many_(buffers)
+            group.all_reduce_sum_many_(buffers, tag="DDP gradient all-reduce")
         except RuntimeError as e:
             raise RuntimeError(f"DDP gradient all-reduce failed on rank {group.rank}: a peer rank exited or did not "
                                f"answer within the timeout ({group.timeout_s} s; set DistributedModelParallel("
