@@ -110,3 +110,15 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: flo
         if errors:
             raise RankFailed("\n".join(errors))
         return results
+
+
+def expect_error(exc_type: type[BaseException], fn, *words: str) -> str:
+    """Run fn(); it must raise exc_type whose message names every one of `words`. Returns the message."""
+    try:
+        fn()
+    except exc_type as e:
+        text = str(e)
+        missing = [w for w in words if w not in text]
+        assert not missing, f"{missing} not in: {text}"
+        return text
+    raise AssertionError(f"no {exc_type.__name__} (expected one naming {words})")

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import expect_error, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -263,14 +263,7 @@ def test_generation_files_are_unlinked_one_exchange_later():
 
 
 def _expect_runtime_error(fn, *words) -> str:
-    try:
-        fn()
-    except RuntimeError as e:
-        text = str(e)
-        missing = [w for w in words if w not in text]
-        assert not missing, f"{missing} not in: {text}"
-        return text
-    raise AssertionError(f"no RuntimeError (expected one naming {words})")
+    return expect_error(RuntimeError, fn, *words)
 
 
 def _mismatch_worker(rank, W):
