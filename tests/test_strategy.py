@@ -27,6 +27,8 @@ def _fit(rank, world_size, ckpt, wandb_dir):
     trainer.save_checkpoint(ckpt)
     shards = {k: [(m, t.clone()) for m, t in v.local_shards]
               for k, v in module.state_dict().items() if isinstance(v, ShardedTensor)}
+    assert trainer.global_step == 4096 // world_size // 128  # whole batches of 128 on every rank, not samples
+    logger.experiment.finish()  # flush the offline run file (ranks leave with os._exit)
     return float(trainer.callback_metrics["val_auc"]), str(trainer.strategy.plan), shards
 
 

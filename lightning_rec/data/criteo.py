@@ -52,7 +52,6 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
     Dataset,
     IterableDataset,
@@ -205,8 +204,8 @@ def make_criteo_batch(
 class CriteoDataset(Dataset):
     """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch.
 
-    Use with `batch_sampler=BatchSampler(...)` and `collate_fn=passthrough_collate`: the DataLoader
-    then calls `__getitems__(indices)` once per batch and the whole batch is gathered in numpy.
+    Use with `make_batch_loader` (batch_size + sampler, `collate_fn=passthrough_collate`): the
+    DataLoader then calls `__getitems__(indices)` once per batch and the whole batch is gathered in numpy.
     """
 
     def __init__(
@@ -396,9 +395,10 @@ def make_batch_loader(
 ) -> DataLoader:
     """A DataLoader whose dataset builds whole batches from index lists (`__getitems__`).
 
-    The indices come from a plain `BatchSampler`, which Lightning knows how to rebuild around a
-    DistributedSampler under DDP; a `sampler=BatchSampler(...)` with `batch_size=None` would be
-    replaced by a per-sample DistributedSampler and break.
+    Automatic batching (`batch_size` + `sampler`): PyTorch's fetcher hands each batch's index list
+    to `__getitems__`, and under DDP Lightning rebuilds the loader with a DistributedSampler and
+    the same batch_size. (A loader built from `batch_sampler=BatchSampler(...)` is rebuilt by
+    Lightning without its batch size: every batch would hold one sample.)
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -410,7 +410,9 @@ def make_batch_loader(
         sampler = SequentialSampler(dataset)
     return DataLoader(
         dataset,
-        batch_sampler=BatchSampler(sampler, batch_size=batch_size, drop_last=drop_last),
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
         collate_fn=passthrough_collate,
         num_workers=num_workers,
         pin_memory=pin_memory,
