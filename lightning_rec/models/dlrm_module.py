@@ -117,10 +117,11 @@ class DLRMModule(L.LightningModule):
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         loss, logits_B = self._loss(batch)
         self.val_metrics.update(logits_B, batch.labels)
-        self.log("val_loss", loss, batch_size=max(len(batch), 1))
+        self.log("val_loss", loss, batch_size=max(len(batch), 1), sync_dist=True)  # the mean over every rank
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.val_metrics.compute(), prog_bar=True)
+        # compute() already covers every rank's samples (torchmetrics syncs); sync_dist averages equal values
+        self.log_dict(self.val_metrics.compute(), prog_bar=True, sync_dist=True)
         self.val_metrics.reset()
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
@@ -128,7 +129,7 @@ class DLRMModule(L.LightningModule):
         self.test_metrics.update(logits_B, batch.labels)
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict(self.test_metrics.compute())
+        self.log_dict(self.test_metrics.compute(), sync_dist=True)
         self.test_metrics.reset()
 
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
