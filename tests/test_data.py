@@ -467,3 +467,19 @@ def test_synthetic_workers_and_bad_args():
         SyntheticCriteoDataModule(ids_per_feature=[1, 2])
     with pytest.raises(ValueError, match="num_test_samples=0"):
         dm._loader("test")
+
+
+def test_streaming_small_file_splits_rows_evenly_between_readers(tmp_path):
+    # one block, two readers: dealt row by row, 50 rows each (dealt by blocks, one reader would get all)
+    from torch.utils.data import DataLoader
+
+    from lightning_rec.data.batch import passthrough_collate
+
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(100)))
+    ds = CriteoIterableDataset(path, batch_size=16, num_embeddings_per_feature=10)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=passthrough_collate)
+    sizes = [len(b) for b in loader]
+    rows = torch.cat([b.dense_features[:, 0] for b in DataLoader(ds, batch_size=None, num_workers=2,
+                                                                  collate_fn=passthrough_collate)])
+    assert sorted(sizes) == sorted([16, 16, 16, 2] * 2)  # 50 rows per reader
+    assert torch.unique(rows).numel() == 100 and rows.numel() == 100

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import Iterator, Sequence
@@ -299,9 +300,11 @@ class CriteoIterableDataset(IterableDataset):
     """Streaming: parse the file block by block while iterating; nothing is cached.
 
     Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every
-    row is read by exactly one of them. With `shuffle`, rows are shuffled within each block (and
-    the order differs per epoch); the block order stays the file order. Rows left over at the end
-    of a block carry into the next block's batches, so only the last batch can be short.
+    row is read by exactly one of them; a file of fewer than two blocks per pair is dealt row by
+    row instead (every pair parses it, each keeps its rows), so small files split evenly too.
+    With `shuffle`, rows are shuffled within each block (and the order differs per epoch); the
+    block order stays the file order. Rows left over at the end of a block carry into the next
+    block's batches, so only the last batch can be short.
     """
 
     def __init__(
@@ -355,10 +358,20 @@ class CriteoIterableDataset(IterableDataset):
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         num_pending = 0
         blocks = iter_blocks(self.path, self.block_bytes, self.layout.has_header)
+        # Few blocks per shard: deal rows (every shard parses every block, keeps every num_shards-th
+        # row), so ranks get equal shares of a small file; many blocks: deal whole blocks (each is
+        # parsed once), and shares differ by at most about a block.
+        by_rows = num_shards > 1 and math.ceil(os.path.getsize(self.path) / self.block_bytes) < 2 * num_shards
+        seen = 0
         for k, (block, first_line) in enumerate(blocks):
-            if k % num_shards != shard:
+            if not by_rows and k % num_shards != shard:
                 continue
             arrays = _parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report)
+            if by_rows:
+                n = arrays[0].shape[0]
+                mine = (np.arange(seen, seen + n) % num_shards) == shard
+                seen += n
+                arrays = tuple(a[mine] for a in arrays)
             if self.shuffle:
                 perm = rng.permutation(arrays[0].shape[0])
                 arrays = tuple(a[perm] for a in arrays)
