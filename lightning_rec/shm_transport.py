@@ -1,17 +1,23 @@
-"""Same-host CPU collectives through shared memory; the process group only carries a barrier.
+"""Same-host CPU collectives through shared memory; gloo only sets the group up.
 
 Why: gloo moves CPU tensors over TCP, even between processes on one host. Every byte is copied
 into the kernel and out again, by gloo's own threads, on the cores the ranks train on. For a
-2-rank DLRM step on a 2-core machine that is ~10 ms of a ~100 ms step (pooled embeddings both
+2-rank DLRM step on a 2-core machine that was ~15 ms of a ~100 ms step (pooled embeddings both
 ways, the dense gradients). Here each rank writes its bytes once into its own /dev/shm region,
 all ranks pass one barrier, and each copies out what is addressed to it.
 
 Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
 
     rank r, exchange k:
-      write   inp -> own region, slot k%2; header[k%2] = (generation, op, ok, byte offsets per destination)
-      barrier (gloo: honours the group's timeout, so a dead peer raises instead of hanging)
+      write   its pieces -> own region, slot k%2; header[k%2] = (generation, op, ok, size, call-site
+              tag, (start, end) of the piece for each destination)
+      barrier csrc/shm_barrier.cpp: counters in shared memory (release / acquire); honours the
+              group's timeout and notices a dead peer (/proc) within ~50 ms
       read    every peer's header (the same decision on every rank); copy peer p's bytes for r out
+
+Collectives: `all_to_all_single` (as torch.distributed's), `exchange` (sizes only the senders know;
+a send may be a Writer that fills shared memory itself, e.g. a gather), `all_reduce_sum_many_`
+(bitwise the same sum on every rank), and `ddp_comm_hook`.
 
 Double buffering makes one barrier per exchange enough: a rank writes slot k%2 again at k+2,
 after barrier k+1, which every peer enters only once it has finished reading exchange k.
@@ -24,7 +30,8 @@ the header says so, every rank sees it, and that exchange and all later ones go 
 process group instead (a warning names the fix: a larger /dev/shm).
 
 Every rank must call the same operations in the same order (as with any collective); each header
-carries the operation and its size, so a mismatch raises on every rank instead of mixing data.
+carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
+on every rank, naming both calls, instead of mixing data.
 """
 
 from __future__ import annotations
