@@ -6,7 +6,7 @@
 // skew between ranks plus well under 10 us.
 //
 // Waiting: spin briefly (a peer a few microseconds behind), then yield the core (more ranks than
-// cores: the peer we wait for may need this one), then sleep in short naps. Every ~50 ms it checks
+// cores: the peer we wait for may need this one), then sleep in naps. Every ~50 ms it checks
 // the deadline and whether a peer process still exists (/proc/<pid>/stat, state not Z or X), so a
 // dead peer is reported at once instead of after the timeout.
 #include <torch/extension.h>
@@ -69,7 +69,10 @@ int64_t shm_barrier(at::TensorList arrive, int64_t rank, int64_t k, at::IntArray
         sched_yield();
         continue;
       }
-      struct timespec nap = {0, 20000};  // 20 us
+      // 20 us naps while the wait is short; 500 us once it has lasted 10 ms (a peer writing a
+      // checkpoint or logging), so a long wait costs the waiting core almost nothing.
+      const bool long_wait = std::chrono::steady_clock::now() - start > std::chrono::milliseconds(10);
+      struct timespec nap = {0, long_wait ? 500000 : 20000};
       nanosleep(&nap, nullptr);
       if ((spins & 63) == 0) {
         const auto now = std::chrono::steady_clock::now();
