@@ -133,8 +133,19 @@ class RecStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         if self.world_size > 1 and isinstance(dataloader, DataLoader):
-            _stop_together(dataloader, self.root_device)
+            _stop_together(dataloader, self._all_have_a_batch)
         return dataloader
+
+    def _all_have_a_batch(self, have: bool) -> bool:
+        """Collective: does every rank have a batch? Through shared memory when the tables use it."""
+        transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
+        if transport is not None:
+            missing = torch.tensor([0 if have else 1], dtype=torch.int64)
+            transport.all_reduce_sum_(missing, tag="ranks step together")
+            return not int(missing.item())
+        flag = torch.tensor([1 if have else 0], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     # checkpoints: every rank's shards, gathered whole ------------------------------------------
 
@@ -195,33 +206,31 @@ class RecStrategy(DDPStrategy):
 _TOGETHER_CLASSES: dict[type, type] = {}
 
 
-def _stop_together(loader: DataLoader, device: torch.device) -> None:
+def _stop_together(loader: DataLoader, all_have_a_batch) -> None:
     # The loader keeps its class's behaviour (Lightning checks isinstance(DataLoader), sets worker
     # seeding, reads .sampler), so it gets a subclass whose only change is __iter__.
     cls = type(loader)
-    if getattr(cls, "_rec_step_together", False):
-        loader._rec_device = device
-        return
-    sub = _TOGETHER_CLASSES.get(cls)
-    if sub is None:
-        sub = type(f"StepTogether{cls.__name__}", (cls,), {"__iter__": _iter_together, "_rec_step_together": True})
-        _TOGETHER_CLASSES[cls] = sub
-    loader.__class__ = sub
-    loader._rec_device = device
+    if not getattr(cls, "_rec_step_together", False):
+        sub = _TOGETHER_CLASSES.get(cls)
+        if sub is None:
+            sub = type(f"StepTogether{cls.__name__}", (cls,), {"__iter__": _iter_together, "_rec_step_together": True})
+            _TOGETHER_CLASSES[cls] = sub
+        loader.__class__ = sub
+    loader._rec_all_have_a_batch = all_have_a_batch
 
 
 def _iter_together(self):
     base = next(c for c in type(self).__mro__[1:] if not getattr(c, "_rec_step_together", False))
     batches = base.__iter__(self)
-    flag = torch.ones(1, dtype=torch.int32, device=self._rec_device)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        yield from batches  # the loader went on to a run without ranks
+        return
     while True:
         try:
-            batch, have = next(batches), 1
+            batch, have = next(batches), True
         except StopIteration:
-            batch, have = None, 0
-        flag.fill_(have)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not flag.item():
+            batch, have = None, False
+        if not self._rec_all_have_a_batch(have):
             if have:  # the rest is not read: parsing it could keep the others waiting
                 warnings.warn(f"rank {dist.get_rank()}: the rest of this epoch's batches are skipped: another rank's "
                               f"dataloader ran out first, and sharded embeddings need every rank in every step. "
