@@ -11,7 +11,6 @@ recipe can swap either without code. After `fit`, the final validation metrics a
 from __future__ import annotations
 
 import os
-import sys
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
@@ -37,7 +36,7 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        args=args if args is not None else sys.argv[1:],
+        args=args,  # None: LightningCLI reads sys.argv itself (passing it too makes Lightning warn)
     )
 
 
