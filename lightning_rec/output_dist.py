@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.input_dist import DistContext, all_to_all, collective_error, wait
-from lightning_rec.sharding.embeddings import OutputColumns, gather_columns, place_columns
+from lightning_rec.sharding.embeddings import OutputColumns, gather_columns, gather_dp, place_parts
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 
 
@@ -62,33 +62,25 @@ class _PlacedPooledExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owned_BD: Tensor, dp_BD: Tensor | None, group, cols: OutputColumns, rank_dims: list[int],
                 batch_per_source: list[int], batch: int, what: str, timeout_s: float | None) -> Tensor:
-        ctx.group, ctx.runs, ctx.rank_dims, ctx.what, ctx.timeout_s = group, cols.part_runs, rank_dims, what, timeout_s
-        ctx.width_dp = cols.width_dp
-        ctx.batch_per_source, ctx.batch, ctx.has_dp = batch_per_source, batch, dp_BD is not None
+        ctx.group, ctx.cols, ctx.rank_dims, ctx.what, ctx.timeout_s = group, cols, rank_dims, what, timeout_s
+        ctx.batch_per_source, ctx.batch = batch_per_source, batch
         ctx.dtype, ctx.dp_dtype = owned_BD.dtype, dp_BD.dtype if dp_BD is not None else None
         sends, at = [], 0
         for b in batch_per_source:
             sends.append(owned_BD[at : at + b])
             at += b
         received = _exchange(group, sends, what, timeout_s)
-        summed = ctx.summed = cols.summed
-        runs = cols.part_runs
-        out_BD = (owned_BD.new_zeros if summed else owned_BD.new_empty)(batch, cols.width)
-        for p, raw in enumerate(received):
-            if rank_dims[p]:
-                place_columns(out_BD, raw.view(owned_BD.dtype).view(batch, rank_dims[p]), runs[p], add=summed)
-        if dp_BD is not None:
-            place_columns(out_BD, dp_BD, runs[-1], add=summed)
-        return out_BD
+        parts = [raw.view(owned_BD.dtype).view(batch, d) if d else None for raw, d in zip(received, rank_dims)]
+        return place_parts(parts, dp_BD, cols, batch, owned_BD)
 
     @staticmethod
     def backward(ctx, grad_BD: Tensor):
-        group, batch, dtype = ctx.group, ctx.batch, ctx.dtype
+        group, batch, dtype, runs = ctx.group, ctx.batch, ctx.dtype, ctx.cols.part_runs
         grad_BD = grad_BD.to(dtype).contiguous()
         elem = grad_BD.element_size()
 
         def gather(p: int):
-            return lambda u8: gather_columns(u8.view(dtype).view(batch, ctx.rank_dims[p]), grad_BD, ctx.runs[p])
+            return lambda u8: gather_columns(u8.view(dtype).view(batch, ctx.rank_dims[p]), grad_BD, runs[p])
 
         sends = [Writer(batch * d * elem, gather(p)) for p, d in enumerate(ctx.rank_dims)]
         received = _exchange(group, sends, f"{ctx.what} (backward)", ctx.timeout_s)
@@ -98,11 +90,7 @@ class _PlacedPooledExchange(torch.autograd.Function):
         for raw, b in zip(received, ctx.batch_per_source):
             grad_owned[at : at + b].copy_(raw.view(dtype).view(b, D_me))
             at += b
-        grad_dp = None
-        if ctx.has_dp:
-            grad_dp = grad_BD.new_empty(batch, ctx.width_dp)
-            gather_columns(grad_dp, grad_BD, ctx.runs[-1])
-            grad_dp = grad_dp.to(ctx.dp_dtype)
+        grad_dp = gather_dp(grad_BD, ctx.cols, ctx.dp_dtype) if ctx.dp_dtype is not None else None
         return grad_owned, grad_dp, None, None, None, None, None, None, None
 
 

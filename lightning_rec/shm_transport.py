@@ -275,7 +275,7 @@ class SharedMemoryGroup:
                 dst[at : at + n].copy_(src[lo:hi])
             else:
                 header, base, region = peers[p]
-                lo, hi = int(header[_SPANS + 2 * self.rank]), int(header[_SPANS + 2 * self.rank + 1])
+                lo, hi = header[_SPANS + 2 * self.rank], header[_SPANS + 2 * self.rank + 1]
                 if hi - lo != n:
                     raise RuntimeError(f"shared-memory all-to-all: rank {p} sent {hi - lo} bytes to rank {self.rank}, "
                                        f"which expected {n}: the ranks disagree on the split sizes")
@@ -307,7 +307,7 @@ class SharedMemoryGroup:
                 out.append(_materialize(sends[p]))
             else:
                 header, base, region = peers[p]
-                lo, hi = int(header[_SPANS + 2 * self.rank]), int(header[_SPANS + 2 * self.rank + 1])
+                lo, hi = header[_SPANS + 2 * self.rank], header[_SPANS + 2 * self.rank + 1]
                 out.append(region.u8[base + lo : base + hi])
         return out
 
@@ -362,14 +362,12 @@ class SharedMemoryGroup:
                     piece.write(dst)
                 else:
                     dst.view(piece.dtype).view(piece.shape).copy_(piece)  # copy_ takes any strides: one pass
-        header = self._header[slot]
         sizes = [hi - lo for lo, hi in zip(spans[::2], spans[1::2])]
-        if op == _OP_ALL_REDUCE:  # any number of tensors: their count and a signature of their sizes
-            header[_SPANS], header[_SPANS + 1] = len(sizes), _signature(sizes)
-        else:  # one piece per rank
-            header[_SPANS : _SPANS + len(spans)] = torch.tensor(spans, dtype=torch.int64)
-        header[_GEN], header[_OP], header[_OK], header[_SIZE] = self._gen, op, ok, sum(sizes)
-        header[_TAG] = _tag_id(tag)
+        fields = [self._gen, op, ok, sum(sizes), _tag_id(tag)]  # _GEN, _OP, _OK, _SIZE, _TAG
+        # all-reduce: any number of tensors, so their count and a signature of their sizes;
+        # all-to-all / exchange: one (start, end) per rank
+        fields += [len(sizes), _signature(sizes)] if op == _OP_ALL_REDUCE else spans
+        self._header[slot, : len(fields)] = torch.tensor(fields, dtype=torch.int64)  # one write
         return bool(ok)
 
     def _grow(self, per_slot: int) -> int:
@@ -393,20 +391,21 @@ class SharedMemoryGroup:
         for path, _ in [u for u in self._unlink_after if u[1] <= k]:
             self._unlink(path)
         self._unlink_after[:] = [u for u in self._unlink_after if u[1] > k]  # in place: the finalizer holds it
-        own = self._header[slot]
-        headers = {p: h[slot].clone() for p, h in self._peer_headers.items()}
+        # headers as Python ints, one read each (not an indexed tensor read per field)
+        own = self._header[slot].tolist()
+        headers = {p: h[slot].tolist() for p, h in self._peer_headers.items()}
         for p, header in headers.items():
             # all-reduce: the same byte sizes (exact total, count, and a signature of the list) everywhere
-            same = int(header[_OP]) == op and int(header[_TAG]) == int(own[_TAG]) and (
-                op != _OP_ALL_REDUCE or torch.equal(header[_SIZE : _SPANS + 2], own[_SIZE : _SPANS + 2]))
+            same = header[_OP] == op and header[_TAG] == own[_TAG] and (
+                op != _OP_ALL_REDUCE or header[_SIZE : _SPANS + 2] == own[_SIZE : _SPANS + 2])
             if not same:
-                mine, theirs = _TAG_NAMES.get(int(own[_TAG]), "?"), _TAG_NAMES.get(int(header[_TAG]), "?")
+                mine, theirs = _TAG_NAMES.get(own[_TAG], "?"), _TAG_NAMES.get(header[_TAG], "?")
                 raise CollectiveMismatch(
                     f"shared-memory collective mismatch at exchange {k}: rank {self.rank} ran '{mine}' "
-                    f"({int(own[_SIZE])} bytes), rank {p} ran '{theirs}' ({int(header[_SIZE])} bytes). Every rank "
+                    f"({own[_SIZE]} bytes), rank {p} ran '{theirs}' ({header[_SIZE]} bytes). Every rank "
                     f"must run the same collectives with the same sizes in the same order (do all ranks have the "
                     f"same number of batches? a rank-dependent branch in the model?)")
-        if not (bool(own[_OK]) and all(bool(h[_OK]) for h in headers.values())):
+        if not (own[_OK] and all(h[_OK] for h in headers.values())):
             # someone could not write: this exchange and every later one go through the process group;
             # nobody maps a file made in this exchange, so their names can go now
             for path, _ in self._unlink_after:
@@ -416,7 +415,7 @@ class SharedMemoryGroup:
             return None
         peers = {}
         for p, header in headers.items():
-            gen = int(header[_GEN])
+            gen = header[_GEN]
             if gen != self._peer_data[p][0]:
                 path = self._path("d", p, gen)
                 self._peer_data[p] = (gen, _Region(path, os.path.getsize(path), create=False))

@@ -114,21 +114,35 @@ def pooled_send_splits(batch_per_source: Sequence[int], width: int) -> list[int]
     return [b * width for b in batch_per_source]
 
 
+def place_parts(parts_BD: Sequence[Tensor | None], dp_BD: Tensor | None, cols: OutputColumns, batch: int,
+                like: Tensor) -> Tensor:
+    """Each owner's block [B, D_p] (None: nothing from it) and the data-parallel block -> [B, D] in
+    feature order, each column copied once into place (added, where row shards sum)."""
+    out_BD = (like.new_zeros if cols.summed else like.new_empty)(batch, cols.width)
+    for part_BD, runs in zip(parts_BD, cols.part_runs):
+        if part_BD is not None:
+            place_columns(out_BD, part_BD, runs, add=cols.summed)
+    if dp_BD is not None:
+        place_columns(out_BD, dp_BD, cols.part_runs[-1], add=cols.summed)
+    return out_BD
+
+
+def gather_dp(grad_BD: Tensor, cols: OutputColumns, dtype: torch.dtype) -> Tensor:
+    """The data-parallel block's gradient: its columns gathered out of the output's gradient."""
+    grad_dp = grad_BD.new_empty(grad_BD.shape[0], cols.width_dp)
+    gather_columns(grad_dp, grad_BD, cols.part_runs[-1])
+    return grad_dp.to(dtype)
+
+
 class _PlaceParts(torch.autograd.Function):
     """Received parts (flat: [B, D_p] per owner p, rank order) and the data-parallel part -> [B, D]
-    in feature order, each column copied once into place (added, where row shards sum).
-    Backward gathers each part's columns back out of the gradient."""
+    in feature order (place_parts). Backward gathers each part's columns back out of the gradient."""
 
     @staticmethod
     def forward(ctx, received: Tensor, dp_BD: Tensor | None, cols: OutputColumns, batch: int) -> Tensor:
-        ctx.cols, ctx.batch, ctx.has_dp = cols, batch, dp_BD is not None
+        ctx.cols, ctx.batch = cols, batch
         ctx.dp_dtype = dp_BD.dtype if dp_BD is not None else None
-        out_BD = (received.new_zeros if cols.summed else received.new_empty)(batch, cols.width)
-        for part_BD, runs in zip(_parts(received, batch, cols.rank_dims), cols.part_runs):
-            place_columns(out_BD, part_BD, runs, add=cols.summed)
-        if dp_BD is not None:
-            place_columns(out_BD, dp_BD, cols.part_runs[-1], add=cols.summed)
-        return out_BD
+        return place_parts(_parts(received, batch, cols.rank_dims), dp_BD, cols, batch, received)
 
     @staticmethod
     def backward(ctx, grad_BD: Tensor):
@@ -136,11 +150,7 @@ class _PlaceParts(torch.autograd.Function):
         grad_received = grad_BD.new_empty(batch * sum(cols.rank_dims))
         for part_BD, runs in zip(_parts(grad_received, batch, cols.rank_dims), cols.part_runs):
             gather_columns(part_BD, grad_BD, runs)
-        grad_dp = None
-        if ctx.has_dp:
-            grad_dp = grad_BD.new_empty(batch, cols.width_dp)
-            gather_columns(grad_dp, grad_BD, cols.part_runs[-1])
-            grad_dp = grad_dp.to(ctx.dp_dtype)
+        grad_dp = gather_dp(grad_BD, cols, ctx.dp_dtype) if ctx.dp_dtype is not None else None
         return grad_received, grad_dp, None, None
 
 
