@@ -198,9 +198,9 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
     return tbe
 
 
-def pad_multiple(device: torch.device) -> int:
-    """Dims a fused kernel on `device` can take are multiples of this (fbgemm's CUDA TBE: 4)."""
-    return 4 if device.type == "cuda" else 1
+def pad_multiple(kernel: str) -> int:
+    """Dims a fused kernel can take are multiples of this: fbgemm's TBE (CPU and CUDA) needs 4."""
+    return 4 if kernel == "fbgemm" else 1
 
 
 def padded_dim(dim: int, multiple: int) -> int:
@@ -252,7 +252,15 @@ class FusedKernel(nn.Module):
         self.tables = list(tables)
         self.pooling = pooling
         self.optimizer_config = optimizer
+        odd = {t.name: t.embedding_dim for t in tables if t.embedding_dim % pad_multiple("fbgemm")}
+        on_fbgemm = kernel == "fbgemm" or device.type != "cpu"
+        if odd and on_fbgemm and EmbOptimType(optimizer.optimizer) == EmbOptimType.PARTIAL_ROWWISE_ADAM:
+            raise ValueError(f"tables {odd} have dims that fbgemm's {device.type} kernel cannot take with "
+                             f"partial_rowwise_adam (padding would change its per-row moment): use dims that are "
+                             f"multiples of {pad_multiple('fbgemm')} for these tables, or the adam / rowwise_adagrad "
+                             f"optimizer")
         self.kernel = choose_kernel(kernel, optimizer, device, pooling)
+        multiple = pad_multiple(self.kernel)
         feature_table_map = [i for i, t in enumerate(tables) for _ in t.feature_names]
         self._dims = [t.embedding_dim for t in tables]
         self._grad_scale = 1.0
@@ -267,13 +275,7 @@ class FusedKernel(nn.Module):
             )
             self._padded = self._dims
         else:
-            multiple = pad_multiple(device)
             self._padded = [padded_dim(d, multiple) for d in self._dims]
-            if self._padded != self._dims and EmbOptimType(optimizer.optimizer) == EmbOptimType.PARTIAL_ROWWISE_ADAM:
-                odd = {t.name: t.embedding_dim for t in tables if t.embedding_dim % multiple}
-                raise ValueError(f"tables {odd} have dims that fbgemm's {device.type} kernel cannot take with "
-                                 f"partial_rowwise_adam (its per-row moment would change if padded): use dims that are "
-                                 f"multiples of {multiple} for these tables, or the adam / rowwise_adagrad optimizer")
             self._grad_scale = padding_grad_scale(tables, optimizer, multiple)
             self._mean_after = pooling == "mean" and weighted
             tbe_pooling = "sum" if self._mean_after else pooling
@@ -385,14 +387,16 @@ class DenseKernel(nn.Module):
 
 
 def group_tables(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig | None = None,
-                 pad_to: int = 1) -> list[list[LocalTable]]:
+                 device: torch.device | None = None, kernel: str = "auto") -> list[list[LocalTable]]:
     """Tables that can share one kernel, in order of first appearance."""
     groups: dict[tuple, list[LocalTable]] = {}
     for t in tables:
         # Sequence kernels need one dim per kernel; pooled kernels mix dims freely, except padded
         # row-wise tables, whose learning rate depends on their dim (padding_grad_scale).
-        key = (t.pooling, t.data_type, t.embedding_dim if t.pooling == "none" else None,
-               padding_grad_scale([t], optimizer, pad_to))
+        scale = 1.0
+        if optimizer is not None:
+            scale = padding_grad_scale([t], optimizer, pad_multiple(choose_kernel(kernel, optimizer, device, t.pooling)))
+        key = (t.pooling, t.data_type, t.embedding_dim if t.pooling == "none" else None, scale)
         groups.setdefault(key, []).append(t)
     return list(groups.values())
 
@@ -411,7 +415,7 @@ class GroupedLookup(nn.Module):
             raise ValueError("kernel='dense' trains tables with a torch.optim optimizer, so the fused optimizer "
                              "would be ignored: drop optimizer=..., or use kernel='auto' to fuse it")
         fused = optimizer is not None and kernel != "dense"
-        self.groups = group_tables(tables, optimizer if fused else None, pad_multiple(device) if fused else 1)
+        self.groups = group_tables(tables, optimizer if fused else None, device if fused else None, kernel)
         self.kernels = nn.ModuleList()
         for group in self.groups:
             if not fused:

@@ -30,6 +30,7 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -377,7 +378,11 @@ class DistributedModelParallel(nn.Module):
 
             device_ids = [device.index] if device.type == "cuda" else None
             # TorchRec's defaults: buffers are not re-broadcast every step; gradients share DDP's buckets.
-            kwargs = dict(forward_sync_buffers=False, gradient_as_bucket_view=True, **ddp_kwargs)
+            # forward_sync_buffers exists from torch 2.13 only (GPU users may have 2.11): passed when known.
+            kwargs = dict(gradient_as_bucket_view=True)
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+                kwargs["forward_sync_buffers"] = False
+            kwargs.update(ddp_kwargs)
             ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=pg, **kwargs)
             if transport is not None:  # gradient buckets averaged through shared memory, not gloo's TCP
                 ddp.register_comm_hook(None, ddp_comm_hook(transport))
