@@ -105,6 +105,23 @@ def cpu_supported_optimizers() -> list[EmbOptimType]:
     return [o for o in EmbOptimType if o in FBGEMM_CPU_OPTIMIZERS or _native_supports(native, o)]
 
 
+def check_device_ready(device: torch.device) -> None:
+    """One line saying what is missing when tables are asked for on a GPU this environment cannot use."""
+    if device.type != "cuda":
+        return
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        what = "this torch is a CPU build" if torch.version.cuda is None else "torch finds no CUDA device"
+        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}: install the CUDA "
+                         f"build of torch and fbgemm-gpu (README, 'GPU'), or train with device='cpu' / "
+                         f"accelerator='cpu'")
+    import fbgemm_gpu  # noqa: F401
+
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::asynchronous_complete_cumsum", "CUDA"):
+        raise ValueError("tables on device='cuda' need fbgemm-gpu built for CUDA, but this environment has the CPU build "
+                         "(fbgemm-gpu-cpu): `pip uninstall fbgemm-gpu-cpu` and install the fbgemm-gpu that matches your "
+                         "torch (README, 'GPU'), or train on CPU")
+
+
 def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.device,
                   pooling: str = "sum") -> str:
     """Resolve "auto" to "fbgemm" or "native"; refuse combinations that cannot run."""
@@ -408,6 +425,7 @@ class GroupedLookup(nn.Module):
                  device: torch.device | str | None = None, kernel: str = "auto", weighted: bool = False) -> None:
         super().__init__()
         device = torch.device(device or "cpu")
+        check_device_ready(device)
         if optimizer is None and kernel not in ("auto", "dense"):
             raise ValueError(f"kernel={kernel!r} fuses an optimizer: pass optimizer=FusedOptimizerConfig(...) "
                              f"or use kernel='dense'")
