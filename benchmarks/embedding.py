@@ -1,6 +1,13 @@
-"""Embedding forward + backward + fused update on CPU: our collection vs raw fbgemm TBE vs plain PyTorch.
+"""Embedding forward + backward + fused update: our collection vs raw fbgemm TBE vs plain PyTorch.
 
     .venv/bin/python benchmarks/embedding.py [--rounds 3] [--steps 30] [--rows 100000]
+    python benchmarks/embedding.py --device cuda      # GPU: 26 x 1M rows x dim 128, batch 16,384
+
+On CUDA (the GPU issue's configuration: 26 tables x 1M rows x dim 128, batch 16,384, one id per
+feature, row-wise Adagrad, batches already on the GPU) ours and the raw TBE (fbgemm's default
+bounds check, WARNING) run in one process in alternating blocks of steps, synchronised at block
+ends; the ratio is the median over blocks (JSON ratios.ours_vs_raw_tbe_cuda). Ours checks ids
+without a host sync there (batch_check.py: fbgemm's device-side count, read lazily).
 
 Workload (issue 3): 26 tables x 100,000 rows x dim 64, batch 2048, one id per feature, row-wise
 Adagrad. Variants, each in its own process so that its peak RSS is its own:
@@ -34,6 +41,60 @@ NUM_TABLES, DIM, BATCH = 26, 64, 2048
 def make_ids(rows: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, rows, (NUM_TABLES, BATCH), generator=g) for _ in range(steps)]
+
+
+def cuda_section(args) -> None:
+    """ours vs raw fbgemm TBE on one GPU, same process, alternating blocks (see the module docstring)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
+
+    T, D, B, rows = NUM_TABLES, args.dim, args.batch, args.rows
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = [torch.randint(0, rows, (T * B,), device=dev, generator=g) for _ in range(args.steps)]
+    keys = [f"f{t}" for t in range(T)]
+    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=rows, embedding_dim=D, feature_names=[keys[t]])
+              for t in range(T)]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.01), device=dev)
+    lengths = torch.ones(T * B, dtype=torch.int64, device=dev)
+    kjts = [KeyedJaggedTensor(keys, v, lengths=lengths, stride=B) for v in ids]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, device=dev)
+    offsets = torch.arange(T * B + 1, device=dev)
+    variants = {
+        "ours": lambda i: ebc(kjts[i]).values().sum().backward(),
+        "raw_tbe": lambda i: tbe(ids[i], offsets).sum().backward(),
+    }
+    spent: dict[str, list[float]] = {v: [] for v in variants}
+    for name, step in variants.items():  # warm-up
+        for i in range(5):
+            step(i)
+    torch.cuda.synchronize()
+    for _ in range(args.rounds * 4):
+        for name, step in variants.items():
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                step(i)
+            torch.cuda.synchronize()
+            spent[name].append(time.perf_counter() - t0)
+    sps = {v: B * args.steps / statistics.median(t) for v, t in spent.items()}
+    ratio = statistics.median(a / b for a, b in zip(spent["raw_tbe"], spent["ours"]))
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    print(f"embedding fwd+bwd+rowwise_adagrad on {torch.cuda.get_device_name()}: {T} x {rows} rows x dim {D}, "
+          f"batch {B}, median of {len(spent['ours'])} blocks of {args.steps} steps")
+    for v, x in sps.items():
+        print(f"{v:<10}{x:>14,.0f} samples/s")
+    print(f"ours_vs_raw_tbe_cuda  {ratio:.3f}   peak GPU memory {peak:,.0f} MB")
+    print(json.dumps({"benchmark": "embedding_cuda", "results": [{"variant": v, "samples_per_s": x} for v, x in sps.items()],
+                      "ratios": {"ours_vs_raw_tbe_cuda": ratio},
+                      "figures": {**{f"{v}_samples_per_s_cuda": x for v, x in sps.items()}, "peak_gpu_mb": peak}}))
 
 
 def run_ours(rows: int, ids: list[torch.Tensor], optimizer: str, kernel: str):
@@ -231,7 +292,17 @@ def main() -> None:
     parser.add_argument("--optimizer", default="rowwise_adagrad")
     parser.add_argument("--child", help="internal: one variant (or 'a+b', paired) in this process")
     parser.add_argument("--no-native", action="store_true", help="skip the native kernel section")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dim", type=int, default=128, help="--device cuda: embedding dim")
+    parser.add_argument("--batch", type=int, default=16_384, help="--device cuda: batch size")
     args = parser.parse_args()
+    if args.device == "cuda":
+        global BATCH
+        BATCH = args.batch
+        if args.rows == parser.get_default("rows"):
+            args.rows = 1_000_000
+        cuda_section(args)
+        return
     if args.child:
         child(args.child, args.optimizer, args.rows, args.steps, args.threads)
         return
