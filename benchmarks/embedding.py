@@ -198,7 +198,8 @@ VARIANTS = {
     "raw_tbe": run_raw_tbe,
     "plain": run_plain,
 }
-CHILD_VARIANTS = {**VARIANTS, "native": run_native}
+CHILD_VARIANTS = {**VARIANTS, "native": run_native,
+                  "ours_native": lambda rows, ids, opt: run_ours(rows, ids, opt, kernel="native")}
 
 # Native kernel section (issue 6): per optimizer, native vs fbgemm TBE (where fbgemm has it on CPU)
 # vs plain PyTorch (EmbeddingBag(sparse=True) + torch.optim.Adagrad / SGD / SparseAdam), plus
@@ -309,10 +310,17 @@ def main() -> None:
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     pairs: list[dict] = []
+    from lightning_rec.native_embedding import native_kernel_available
+
+    # The collection on our native kernel vs that kernel called directly (what the checks and the
+    # routing cost on the CPU default path), paired like ours vs raw TBE.
+    native_pairs: list[dict] | None = [] if native_kernel_available() else None
     for _ in range(args.rounds):
         for variant in VARIANTS:
             runs[variant].append(measure(variant, args.optimizer, args.rows, args.steps, args.threads))
         pairs.append(measure("ours+raw_tbe", args.optimizer, args.rows, args.steps, args.threads))
+        if native_pairs is not None:
+            native_pairs.append(measure("ours_native+native", args.optimizer, args.rows, args.steps, args.threads))
     med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in runs.items()}
     # Wrapper cost is a few %, below the spread between processes: take it from the paired runs.
     paired_ratio = statistics.median(p["samples_per_s"] / p["paired_samples_per_s"] for p in pairs)
@@ -324,6 +332,8 @@ def main() -> None:
         print(f"{v:<10}{m['samples_per_s']:>12,.0f}{m['peak_rss_mb']:>14,.0f}")
     ratios = {
         "ours_vs_raw_tbe": paired_ratio,
+        **({"ours_native_vs_native_tbe": statistics.median(p["samples_per_s"] / p["paired_samples_per_s"]
+                                                            for p in native_pairs)} if native_pairs else {}),
         "ours_vs_plain": med["ours"]["samples_per_s"] / med["plain"]["samples_per_s"],
         "rss_ours_vs_raw_tbe": med["ours"]["peak_rss_mb"] / med["raw_tbe"]["peak_rss_mb"],
     }

@@ -188,3 +188,82 @@ def test_ddp_arguments_are_feature_detected(monkeypatch):
     monkeypatch.setattr("torch.nn.parallel.DistributedDataParallel", DDP211)
     model_parallel.DistributedModelParallel._wrap_dense(nn.Linear(2, 2), "ddp", torch.device("cpu"), None, {})
     assert seen["kwargs"]["gradient_as_bucket_view"] is True
+
+
+# On a GPU (`pytest -m gpu`; skipped elsewhere) ---------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cuda_collection_matches_cpu(optimizer, pooling, weighted):
+    """Any dim (6 and 3 are padded on the GPU), every pooling, weighted mean included: GPU vs the CPU module."""
+    dims = [8, 6, 3]
+    opt = FusedOptimizerConfig(optimizer, lr=0.05)
+    cpu = EmbeddingBagCollection(_tables(dims, pooling), is_weighted=weighted, optimizer=opt, kernel="native")
+    gpu = EmbeddingBagCollection(_tables(dims, pooling), is_weighted=weighted, optimizer=opt, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    for seed in range(5):
+        kjt = random_kjt(["f0", "f1", "f2"], [40] * 3, B=16, weighted=weighted, seed=seed)
+        a, b = cpu(kjt).values(), gpu(kjt.to("cuda")).values()
+        torch.testing.assert_close(b.cpu(), a.detach(), atol=1e-5, rtol=1e-5)
+        grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(seed))
+        (a * grad).sum().backward()
+        (b * grad.cuda()).sum().backward()
+    for name, w in cpu.state_dict().items():
+        torch.testing.assert_close(gpu.state_dict()[name].cpu(), w, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bad_ids_from_the_host_are_refused_before_any_update():
+    gpu = EmbeddingBagCollection(_tables([8, 6]), optimizer=FusedOptimizerConfig("sgd"), device="cuda")
+    before = {k: v.clone() for k, v in gpu.state_dict().items()}
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 40]), lengths=torch.tensor([1, 1])).to("cuda")
+    with pytest.raises(ValueError, match="feature 'f1' has id 40 outside table 't1'"):
+        gpu(kjt).values().sum().backward()
+    for k, v in gpu.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bad_ids_built_on_the_device_are_reported_on_a_later_call():
+    gpu = EmbeddingBagCollection(_tables([8, 8]), optimizer=FusedOptimizerConfig("sgd"), device="cuda")
+    lengths = torch.ones(4, dtype=torch.int64, device="cuda")
+    bad = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 99], device="cuda"), lengths=lengths)
+    good = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4], device="cuda"), lengths=lengths)
+    gpu(bad).values().sum().backward()  # no sync here: fbgemm reads row 0 and counts the bad id
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="feature 'f1' has id 99 outside table 't1'.*never on the host"):
+        gpu(good)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_checkpoint_loads_on_cpu_and_back():
+    gpu = EmbeddingBagCollection(_tables([8, 6]), optimizer=FusedOptimizerConfig("rowwise_adagrad"), device="cuda")
+    _train(gpu, [random_kjt(["f0", "f1"], [40, 40], B=4, seed=1).to("cuda")])
+    cpu = EmbeddingBagCollection(_tables([8, 6]), optimizer=FusedOptimizerConfig("rowwise_adagrad"))
+    cpu.load_state_dict({k: v.cpu() for k, v in gpu.state_dict().items()})
+    FusedOptimizer(cpu).load_state_dict(FusedOptimizer(gpu).state_dict())
+    back = EmbeddingBagCollection(_tables([8, 6]), optimizer=FusedOptimizerConfig("rowwise_adagrad"), device="cuda")
+    back.load_state_dict(cpu.state_dict())
+    FusedOptimizer(back).load_state_dict(FusedOptimizer(cpu).state_dict())
+    kjt = random_kjt(["f0", "f1"], [40, 40], B=4, seed=2)
+    torch.testing.assert_close(back(kjt.to("cuda")).values().cpu(), cpu(kjt).values(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fp16_tables_and_sequence_dim_6():
+    cfg = [EmbeddingConfig(name="s", num_embeddings=30, embedding_dim=6, feature_names=["hist"], data_type="float16")]
+    ec = EmbeddingCollection(cfg, optimizer=FusedOptimizerConfig("rowwise_adagrad"), device="cuda")
+    kjt = KeyedJaggedTensor.from_lengths_sync(["hist"], torch.tensor([1, 2, 2, 7]), torch.tensor([3, 1])).to("cuda")
+    out = ec(kjt)["hist"].values()
+    assert out.shape == (4, 6)
+    out.float().sum().backward()
