@@ -178,6 +178,7 @@ class DeviceBoundsCheck:
         problem = find_problem(self.rows_F, cpu.values(), cpu.offsets(), cpu.weights_or_none())
         where = (describe(problem, features.keys(), self.tables_F, self.rows_F.tolist(), cpu.weights_or_none(),
                           self.owner) if problem[0] != OK else "an id or offset outside its table")
-        return (f"a GPU batch had {where.rstrip('.').replace(' Nothing was updated', '')}. It was checked on the device "
+        where = where.rstrip(".").replace(" Nothing was updated", "")
+        return (f"a GPU batch had {where}. It was checked on the device "
                 f"(the batch was never on the host), so it trained with bad ids read as row 0; build batches on the "
                 f"host and move them with .to('cuda') to have them refused before any update.")

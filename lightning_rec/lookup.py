@@ -111,15 +111,15 @@ def check_device_ready(device: torch.device) -> None:
         return
     if torch.version.cuda is None or not torch.cuda.is_available():
         what = "this torch is a CPU build" if torch.version.cuda is None else "torch finds no CUDA device"
-        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}: install the CUDA "
-                         f"build of torch and fbgemm-gpu (README, 'GPU'), or train with device='cpu' / "
+        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}: install the "
+                         f"CUDA build of torch and fbgemm-gpu (README, 'GPU'), or train with device='cpu' / "
                          f"accelerator='cpu'")
     import fbgemm_gpu  # noqa: F401
 
     if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::asynchronous_complete_cumsum", "CUDA"):
-        raise ValueError("tables on device='cuda' need fbgemm-gpu built for CUDA, but this environment has the CPU build "
-                         "(fbgemm-gpu-cpu): `pip uninstall fbgemm-gpu-cpu` and install the fbgemm-gpu that matches your "
-                         "torch (README, 'GPU'), or train on CPU")
+        raise ValueError("tables on device='cuda' need fbgemm-gpu built for CUDA, but this environment has the CPU "
+                         "build (fbgemm-gpu-cpu): `pip uninstall fbgemm-gpu-cpu` and install the fbgemm-gpu that "
+                         "matches your torch (README, 'GPU'), or train on CPU")
 
 
 def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.device,
@@ -269,6 +269,11 @@ class FusedKernel(nn.Module):
         self.tables = list(tables)
         self.pooling = pooling
         self.optimizer_config = optimizer
+        placed = {t.name: t.compute_kernel for t in tables if t.compute_kernel != "fused"}
+        if placed and device.type == "cpu":
+            raise ValueError(f"tables {placed} are planned in GPU unified memory, but this run is on CPU, where every "
+                             f"table is in host memory already: plan them with compute_kernel 'fused' (the planner "
+                             f"does for CPU topologies), or run on GPU")
         odd = {t.name: t.embedding_dim for t in tables if t.embedding_dim % pad_multiple("fbgemm")}
         on_fbgemm = kernel == "fbgemm" or device.type != "cpu"
         if odd and on_fbgemm and EmbOptimType(optimizer.optimizer) == EmbOptimType.PARTIAL_ROWWISE_ADAM:
@@ -412,7 +417,8 @@ def group_tables(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig |
         # row-wise tables, whose learning rate depends on their dim (padding_grad_scale).
         scale = 1.0
         if optimizer is not None:
-            scale = padding_grad_scale([t], optimizer, pad_multiple(choose_kernel(kernel, optimizer, device, t.pooling)))
+            resolved = choose_kernel(kernel, optimizer, device, t.pooling)
+            scale = padding_grad_scale([t], optimizer, pad_multiple(resolved))
         key = (t.pooling, t.data_type, t.embedding_dim if t.pooling == "none" else None, scale)
         groups.setdefault(key, []).append(t)
     return list(groups.values())

@@ -66,7 +66,8 @@ class FusedOptimizerConfig:
                 try:
                     value = float(value)  # YAML and CLI values arrive as text: "0.1", "1e-3"
                 except ValueError:
-                    raise ValueError(f"fused optimizer {name}={value!r} is not a number: write e.g. {name}=0.01") from None
+                    raise ValueError(f"fused optimizer {name}={value!r} is not a number: write e.g. "
+                                     f"{name}=0.01") from None
                 object.__setattr__(self, name, value)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"fused optimizer {name} must be a finite number, got {value!r}: a NaN or infinite "

@@ -90,7 +90,8 @@ def test_out_of_range_ids_use_each_tables_own_size(kernel, bad_id):
     ok = KeyedJaggedTensor(["user", "item"], torch.tensor([3, 250]), lengths=torch.tensor([1, 1]))
     m(ok)  # 250 fits table t_item (300 rows) though not t_user
     bad = KeyedJaggedTensor(["user", "item"], torch.tensor([bad_id, 2]), lengths=torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match=f"feature 'user' has id {bad_id} outside table 't_user' \\(valid ids 0..19\\)"):
+    words = f"feature 'user' has id {bad_id} outside table 't_user' \\(valid ids 0..19\\)"
+    with pytest.raises(ValueError, match=words):
         m(bad).values().sum().backward()
     assert_unchanged(m, before)
 
@@ -236,6 +237,14 @@ def test_cpu_only_kernel_on_gpu_and_gpu_only_optimizer_on_cpu_name_what_each_sup
         choose_kernel("native", FusedOptimizerConfig("sgd"), torch.device("cuda"))
     with pytest.raises(ValueError, match="lamb is not available on CPU: CPU supports .*rowwise_adagrad"):
         choose_kernel("auto", FusedOptimizerConfig("lamb"), torch.device("cpu"))
+
+
+def test_gpu_placement_on_a_cpu_run_is_refused():
+    from lightning_rec.lookup import FusedKernel, LocalTable
+
+    table = LocalTable("t", 10, 4, ("f",), "sum", compute_kernel="fused_uvm_caching")
+    with pytest.raises(ValueError, match="'t': 'fused_uvm_caching'.*GPU unified memory.*compute_kernel 'fused'"):
+        FusedKernel([table], "sum", FusedOptimizerConfig("sgd"), torch.device("cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
