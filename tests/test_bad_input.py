@@ -279,3 +279,30 @@ def test_unlabelled_training_batch_is_refused_before_any_update():
     with pytest.raises(ValueError, match="labels must be click labels in \\[0, 1\\], found \\[nan\\]"):
         module.training_step(batch, 0)
     assert_unchanged(module, before)
+
+
+def test_a_plan_bigger_than_the_gpu_is_explained_before_any_allocation():
+    """DistributedModelParallel checks a plan against the device's memory first (the GPU path, on metadata)."""
+    from lightning_rec.model_parallel import construct_module_sharding_plan, plan_device_bytes, row_wise, table_wise
+    from lightning_rec.planner.fits import check_plan_fits
+    from lightning_rec.types import ShardingPlan
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=10_000_000, embedding_dim=128, feature_names=[f"f{i}"])
+              for i in range(4)]
+    class Stub(torch.nn.Module):  # the collection's metadata only: 20 GB of tables are not allocated here
+        def embedding_bag_configs(self):
+            return tables
+
+        def fused_optimizer_config(self):
+            return FusedOptimizerConfig("rowwise_adagrad")
+
+    stub = Stub()
+    verbs = {f"t{i}": table_wise(rank=0) for i in range(4)}
+    plan = ShardingPlan({"": construct_module_sharding_plan(stub, verbs, world_size=2, local_size=2)})
+    by_rank = plan_device_bytes(plan, {"": stub}, 2)
+    assert sum(by_rank[0].values()) == 4 * 10_000_000 * (128 * 4 + 4) and by_rank[1] == {}
+    with pytest.raises(ValueError, match="19.2 GiB .* on rank 0, whose GPU has 16.0 GiB.*'t0' 4.8 GiB.*fused_uvm_caching"):
+        check_plan_fits(by_rank, 16 * 2**30)
+    spread = ShardingPlan({"": construct_module_sharding_plan(stub, {f"t{i}": row_wise() for i in range(4)},
+                                                              world_size=2, local_size=2)})
+    check_plan_fits(plan_device_bytes(spread, {"": stub}, 2), 16 * 2**30)  # half each: fits
