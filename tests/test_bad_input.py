@@ -301,7 +301,8 @@ def test_a_plan_bigger_than_the_gpu_is_explained_before_any_allocation():
     plan = ShardingPlan({"": construct_module_sharding_plan(stub, verbs, world_size=2, local_size=2)})
     by_rank = plan_device_bytes(plan, {"": stub}, 2)
     assert sum(by_rank[0].values()) == 4 * 10_000_000 * (128 * 4 + 4) and by_rank[1] == {}
-    with pytest.raises(ValueError, match="19.2 GiB .* on rank 0, whose GPU has 16.0 GiB.*'t0' 4.8 GiB.*fused_uvm_caching"):
+    words = "19.2 GiB .* on rank 0, whose GPU has 16.0 GiB.*'t0' 4.8 GiB.*fused_uvm_caching"
+    with pytest.raises(ValueError, match=words):
         check_plan_fits(by_rank, 16 * 2**30)
     spread = ShardingPlan({"": construct_module_sharding_plan(stub, {f"t{i}": row_wise() for i in range(4)},
                                                               world_size=2, local_size=2)})
