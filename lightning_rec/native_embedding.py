@@ -99,7 +99,12 @@ def _backward(ctx, grad_BD: Tensor):
     return (None,) * len(ctx.inputs)
 
 
+def _fake_check_batch(rows_F, indices, offsets, weights):
+    return rows_F.new_empty(5, dtype=torch.int64)
+
+
 if native_kernel_available():
+    torch.library.register_fake("lightning_rec::check_batch")(_fake_check_batch)
     torch.library.register_fake("lightning_rec::tbe_forward")(_fake_forward)
     torch.library.register_fake("lightning_rec::tbe_backward_update")(_fake_backward_update)
     torch.library.register_autograd("lightning_rec::tbe_forward", _backward, setup_context=_setup_context)

@@ -307,3 +307,9 @@ def test_a_plan_bigger_than_the_gpu_is_explained_before_any_allocation():
     spread = ShardingPlan({"": construct_module_sharding_plan(stub, {f"t{i}": row_wise() for i in range(4)},
                                                               world_size=2, local_size=2)})
     check_plan_fits(plan_device_bytes(spread, {"": stub}, 2), 16 * 2**30)  # half each: fits
+
+
+def test_check_op_passes_opcheck():
+    args = (torch.tensor([5, 9]), torch.tensor([1, 2, 8]), torch.tensor([0, 1, 2, 3, 3]), torch.rand(3))
+    torch.library.opcheck(torch.ops.lightning_rec.check_batch.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
