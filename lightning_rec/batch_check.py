@@ -141,21 +141,26 @@ def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[st
 class DeviceBoundsCheck:
     """Bad ids on GPU batches that were never on the host, reported without a per-step sync.
 
-    After each lookup, `after_lookup(kernels, features)` starts a non-blocking copy of the kernels'
-    device-side bad-id counters into pinned host memory and records an event; `before_lookup()`
-    raises once an earlier copy has arrived with a non-zero count. Only then, on the error path, is
-    the offending batch checked on the host to name its feature and table.
+    After each lookup, `after_lookup(counters, features)` copies the kernels' device-side bad-id
+    counters into a pinned host slot without waiting and records an event; `before_lookup()` raises
+    once an earlier copy has arrived with a count above the last one seen. Only then, on the error
+    path, is the offending batch read back to name its feature and table. The slots and events are
+    allocated once (a ring of SLOTS), so a step adds one async copy and one event record.
     """
+
+    SLOTS = 4
 
     def __init__(self, rows_F: Tensor, tables_F: Sequence[str], owner: str) -> None:
         self.rows_F, self.tables_F, self.owner = rows_F, list(tables_F), owner
-        self._pending: list[tuple[object, Tensor, KeyedJaggedTensor]] = []
+        self._ring: list[tuple[Tensor, object]] | None = None
+        self._pending: list[tuple[int, KeyedJaggedTensor]] = []  # (slot, batch), oldest first
+        self._next = 0
         self._seen = 0
 
     def before_lookup(self) -> None:
-        while self._pending and self._pending[0][0].query():
-            _, count_host, features = self._pending.pop(0)
-            total = int(count_host.sum())
+        while self._pending and self._ring[self._pending[0][0]][1].query():
+            slot, features = self._pending.pop(0)
+            total = int(self._ring[slot][0].sum())
             if total > self._seen:
                 self._seen = total
                 self._pending.clear()
@@ -164,14 +169,21 @@ class DeviceBoundsCheck:
     def after_lookup(self, counters: Sequence[Tensor], features: KeyedJaggedTensor) -> None:
         if not counters or not torch.cuda.is_available():
             return
-        if len(self._pending) >= 4:  # the stream is far behind: keep the newest few only
+        if self._ring is None:
+            size = sum(c.numel() for c in counters)
+            self._ring = [(torch.zeros(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                          for _ in range(self.SLOTS)]
+        if len(self._pending) == self.SLOTS:  # the stream is far behind: this slot's copy is overwritten
             self._pending.pop(0)
-        counts = counters[0] if len(counters) == 1 else torch.cat([c.view(-1) for c in counters])
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
-        event = torch.cuda.Event()
+        slot = self._next
+        self._next = (slot + 1) % self.SLOTS
+        host, event = self._ring[slot]
+        if len(counters) == 1:
+            host.copy_(counters[0].view(-1), non_blocking=True)
+        else:
+            host.copy_(torch.cat([c.view(-1) for c in counters]), non_blocking=True)
         event.record()
-        self._pending.append((event, host, features))
+        self._pending.append((slot, features))
 
     def _message(self, features: KeyedJaggedTensor) -> str:
         cpu = features.to("cpu")
