@@ -36,10 +36,17 @@ void keep_first(std::atomic<int64_t>& first, int64_t p) {
   while (p < cur && !first.compare_exchange_weak(cur, p)) {}
 }
 
+// Features per task so that each task reads at least ~64k ids: a batch of a few hundred thousand ids
+// is one or a few tasks (a parallel region costs more than the pass), a large one spreads out.
+int64_t feature_grain(int64_t F, int64_t N) {
+  return std::max<int64_t>(1, (F * (int64_t(1) << 16) + std::max<int64_t>(N, 1) - 1) / std::max<int64_t>(N, 1));
+}
+
 template <typename index_t, typename offset_t>
 void check_ids(const int64_t* rows_F, const index_t* ids, const offset_t* offsets, int64_t F, int64_t B,
                std::atomic<int64_t>& first, std::atomic<int64_t>& count) {
-  at::parallel_for(0, F, 1, [&](int64_t fb, int64_t fe) {
+  const int64_t N = offsets[F * B];
+  at::parallel_for(0, F, feature_grain(F, N), [&](int64_t fb, int64_t fe) {
     for (int64_t f = fb; f < fe; ++f) {
       if (rows_F[f] < 0) continue;  // a feature no table reads: its ids reach no kernel
       const uint64_t rows = static_cast<uint64_t>(rows_F[f]);
@@ -62,7 +69,8 @@ void check_ids(const int64_t* rows_F, const index_t* ids, const offset_t* offset
 template <typename weight_t, typename offset_t>
 void check_weights(const int64_t* rows_F, const weight_t* w, const offset_t* offsets, int64_t F, int64_t B,
                    std::atomic<int64_t>& first, std::atomic<int64_t>& count) {
-  at::parallel_for(0, F, 1, [&](int64_t fb, int64_t fe) {
+  const int64_t N = offsets[F * B];
+  at::parallel_for(0, F, feature_grain(F, N), [&](int64_t fb, int64_t fe) {
     for (int64_t f = fb; f < fe; ++f) {
       if (rows_F[f] < 0) continue;  // a feature no table reads: its weights reach no kernel
       const int64_t pb = offsets[f * B], pe = offsets[(f + 1) * B];
@@ -114,7 +122,7 @@ at::Tensor check_batch_cpu(const at::Tensor& rows_F, const at::Tensor& indices, 
       return;
     }
     std::atomic<int64_t> first{kNone};
-    at::parallel_for(0, n_off - 1, 1 << 14, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, n_off - 1, 1 << 16, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) {
         if (o[j + 1] < o[j]) {
           keep_first(first, j);
