@@ -31,6 +31,11 @@ TORCH_LIBRARY(lightning_rec, m) {
   // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
   // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
   m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");
+  // Criteo text -> (label [N], dense [N, 13], sparse [N, 26], status [N]), one row per line of `buf`
+  // (criteo_parse_cpu.cpp). hash_mode: 0 raw 32-bit hashes, 1 reserved id 0 + modulo, 2 modulo.
+  m.def(
+      "parse_criteo(Tensor buf, int separator, int num_fields, int label_field, int[] dense_fields, "
+      "int[] sparse_fields, int[] num_embeddings, int hash_mode, bool log_dense) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 // Importing lightning_rec._C runs the registrations above; the module itself exports nothing.

@@ -70,10 +70,12 @@ from lightning_rec.data.criteo_parse import (
     _cache_features,
     _check_missing_categorical,
     _check_on_bad_row,
-    _parse_block,
+    check_criteo_file,
     detect_layout,
     iter_blocks,
+    parse_block,
     read_criteo,
+    resolve_parser,
 )
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -98,6 +100,7 @@ def build_criteo_cache(
     has_label: bool | None = None,
     on_bad_row: str = "error",
     block_bytes: int = 64 << 20,
+    parser: str = "auto",
 ) -> tuple[Path, ParseReport]:
     """Parse `path` once into a memory-mappable Arrow file; later calls find it and return at once.
 
@@ -108,8 +111,8 @@ def build_criteo_cache(
     from datasets.arrow_writer import ArrowWriter
 
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Criteo file {path} does not exist: check train_path / val_path / test_path")
+    check_criteo_file(path)
+    resolve_parser(parser)
     stat = path.stat()
     key_src = json.dumps(
         [str(path.resolve()), stat.st_size, stat.st_mtime_ns, _PARSER_VERSION,
@@ -127,7 +130,7 @@ def build_criteo_cache(
     report = ParseReport(path=str(path))
     try:
         with ArrowWriter(features=_cache_features(), path=str(tmp)) as writer:
-            tables = read_criteo(path, separator, has_header, has_label, on_bad_row, block_bytes)
+            tables = read_criteo(path, separator, has_header, has_label, on_bad_row, block_bytes, parser)
             for table, block_report in tables:
                 report = block_report
                 if table.num_rows:
@@ -322,11 +325,12 @@ class CriteoIterableDataset(IterableDataset):
         has_header: bool | None = None,
         has_label: bool | None = None,
         block_bytes: int = 16 << 20,
+        parser: str = "auto",
     ) -> None:
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
-        if not Path(path).is_file():
-            raise ValueError(f"Criteo file {path} does not exist: check train_path / val_path / test_path")
+        check_criteo_file(path)
+        self.parser = resolve_parser(parser)
         self.path = str(path)
         self.layout = detect_layout(path, separator, has_header, has_label)
         self.batch_size = batch_size
@@ -366,7 +370,7 @@ class CriteoIterableDataset(IterableDataset):
         for k, (block, first_line) in enumerate(blocks):
             if not by_rows and k % num_shards != shard:
                 continue
-            arrays = _parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report)
+            arrays = parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report, self.parser)
             if by_rows:
                 n = arrays[0].shape[0]
                 mine = (np.arange(seen, seen + n) % num_shards) == shard
