@@ -201,6 +201,11 @@ const uint8_t* parse_line(const uint8_t* p, const Layout& L, float* label, float
   } else {
     *status = st;
   }
+  if ((*status & 0xFF) >= kBlank) {  // defined values in rows the caller drops (deterministic output)
+    *label = nan;
+    for (int j = 0; j < kDense; ++j) dense[j] = missing_dense;
+    for (int j = 0; j < kSparse; ++j) sparse[j] = hashed(-1, j, L);
+  }
   return p;
 }
 

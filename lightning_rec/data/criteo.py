@@ -61,6 +61,7 @@ from torch.utils.data import (
 )
 
 from lightning_rec.data.batch import Batch, passthrough_collate
+from lightning_rec.data.criteo_shards import CriteoShardDataset, is_shard_dir
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
     DEFAULT_SPARSE_FEATURE_NAMES,
@@ -449,6 +450,13 @@ class CriteoDataModule(pl.LightningDataModule):
     `streaming=True`: files are parsed while iterating (no cache; for files too big to cache);
     shuffling is within blocks of `block_bytes`. See the module docstring for layouts, missing
     values and bad rows.
+
+    A path may also be a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
+    logs): each rank then reads its share of the .npy shards as batch slices
+    (`lightning_rec.data.criteo_shards`); `num_embeddings_per_feature` must match the directory's.
+    `parser`: "auto" (the native op when built), "native" or "python" (the reference).
+    Training and validation need labelled files: an unlabelled file (the Kaggle test layout) there is
+    an error, not NaN labels.
     """
 
     def __init__(
@@ -474,10 +482,12 @@ class CriteoDataModule(pl.LightningDataModule):
         has_header: bool | None = None,
         has_label: bool | None = None,
         block_bytes: int = 64 << 20,
+        parser: str = "auto",
     ) -> None:
         super().__init__()
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
+        self.parser = resolve_parser(parser)
         self.save_hyperparameters()
         self.paths = {
             "train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path
@@ -513,16 +523,36 @@ class CriteoDataModule(pl.LightningDataModule):
     def _cache(self, split: str) -> Path:
         arrow_path, report = build_criteo_cache(
             self.paths[split], self.cache_dir, on_bad_row=self.on_bad_row, block_bytes=self.block_bytes,
-            **self.layout_args,
+            parser=self.parser, **self.layout_args,
         )
         self.parse_reports[split] = report
         return arrow_path
 
+    def _check_labelled(self, split: str) -> None:
+        """Training / validation on an unlabelled file would give NaN labels and NaN loss: refuse it."""
+        path = self.paths[split]
+        if split not in ("train", "val", "test") or path is None:
+            return
+        if is_shard_dir(path):
+            from lightning_rec.data.criteo_shards import load_manifest
+
+            labelled = load_manifest(path)["has_label"]
+        else:
+            labelled = detect_layout(path, **self.layout_args).has_label
+        if not labelled:
+            raise ValueError(
+                f"{split}_path {path} has no label column (the Kaggle test layout: 39 fields, or a header without "
+                f"Label): {split} needs labelled rows. Pass a labelled file (train.txt, a day file, train.csv), "
+                f"and give unlabelled files as predict_path"
+            )
+
     def prepare_data(self) -> None:
+        for split in ("train", "val"):
+            self._check_labelled(split)
         if self.streaming:
             return
         for split, path in self.paths.items():
-            if path is not None:
+            if path is not None and not is_shard_dir(path):
                 self._cache(split)
 
     def setup(self, stage: str | None = None) -> None:
@@ -530,7 +560,23 @@ class CriteoDataModule(pl.LightningDataModule):
         for split in splits.get(stage, ("train", "val", "test", "predict")) if stage else self.paths:
             if self.paths[split] is None or split in self.datasets:
                 continue
-            if self.streaming:
+            if split in ("train", "val"):
+                self._check_labelled(split)
+            if is_shard_dir(self.paths[split]):
+                dataset = CriteoShardDataset(
+                    self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
+                    self.sparse_feature_names, shuffle=self.shuffle and split == "train", seed=self.seed,
+                    drop_last=self.drop_last and split == "train",
+                )
+                if dataset.num_embeddings_per_feature != self.num_embeddings_per_feature:
+                    raise ValueError(
+                        f"{self.paths[split]} was preprocessed for num_embeddings_per_feature="
+                        f"{dataset.num_embeddings_per_feature}, but data.num_embeddings_per_feature is "
+                        f"{self.num_embeddings_per_feature}: set the data and model num_embeddings_per_feature "
+                        f"to the directory's (manifest.json), or preprocess again"
+                    )
+                self.datasets[split] = dataset
+            elif self.streaming:
                 self.datasets[split] = CriteoIterableDataset(
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
                     self.num_embeddings_per_feature, self.sparse_feature_names, self.missing_categorical,
@@ -570,6 +616,7 @@ class CriteoDataModule(pl.LightningDataModule):
         return self._loader("val") if self.paths["val"] is not None else []
 
     def test_dataloader(self) -> DataLoader:
+        self._check_labelled("test")  # the test loop computes loss and metrics from labels
         return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:

@@ -269,6 +269,7 @@ def preprocess_criteo(
             log.info("%s: %d shards (%d rows) already done, resuming after byte %s", path, len(done),
                      sum(r["rows"] for r in done), done[-1]["byte_end"])
             if done[-1]["byte_end"] is None:  # this input was finished
+                bar.raw_progress(int(offsets[idx]))(sources[idx]["size"])
                 reports.append(asdict(report))
                 continue
         start_byte = done[-1]["byte_end"] if done else 0
@@ -434,3 +435,60 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+
+def preprocess_main(argv: Sequence[str] | None = None) -> dict:
+    """`lightning-rec preprocess ...`: parse arguments, run, print where the shards are and how to train on them."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-rec preprocess",
+        description="Convert Criteo text (day files, Kaggle train.txt / train.csv; .gz read as is) into memory-mapped "
+        ".npy shards for CriteoDataModule. Resumable: rerun the same command after an interruption.",
+    )
+    parser.add_argument("--input", nargs="+", required=True, help="Criteo files, in order (e.g. day_0 ... day_22)")
+    parser.add_argument("--output_dir", required=True, help="where the shards and manifest.json go (one per split)")
+    parser.add_argument("--num_embeddings", default="40000000",
+                        help="rows per table: one int, or 26 comma-separated ints (default 40000000, TorchRec's)")
+    parser.add_argument("--min_frequency", type=int, default=0,
+                        help="ids seen fewer times map to id 0 (0: no threshold; the DLRM reference uses 3)")
+    parser.add_argument("--vocab_from", default=None, help="reuse the vocabulary of a train --output_dir (val/test)")
+    parser.add_argument("--missing_categorical", default="reserved_id", choices=MISSING_CATEGORICAL)
+    parser.add_argument("--rows_per_shard", type=int, default=1_000_000,
+                        help="rows per shard; memory is about 3 x 160 bytes x this (default 1000000)")
+    parser.add_argument("--block_mb", type=int, default=32, help="text read and parsed at a time (MiB)")
+    parser.add_argument("--no_shuffle_rows", action="store_true", help="keep the file order inside each shard")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--on_bad_row", default="error", choices=("error", "skip"))
+    parser.add_argument("--separator", default=None, choices=("\\t", ","), help="default: detected")
+    parser.add_argument("--threads", type=int, default=None, help="parser threads (default: torch's, all cores)")
+    parser.add_argument("--no_verify", action="store_true",
+                        help="on resume, check finished shards by row count only (skip the sha256)")
+    parser.add_argument("--no_progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sizes = [int(x) for x in args.num_embeddings.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    manifest = preprocess_criteo(
+        args.input, args.output_dir, num_embeddings=sizes[0] if len(sizes) == 1 else sizes,
+        min_frequency=args.min_frequency, vocab_from=args.vocab_from, missing_categorical=args.missing_categorical,
+        rows_per_shard=args.rows_per_shard, block_mb=args.block_mb, shuffle_rows=not args.no_shuffle_rows,
+        seed=args.seed, on_bad_row=args.on_bad_row,
+        separator={"\\t": "\t", ",": ","}.get(args.separator) if args.separator else None,
+        verify=not args.no_verify, progress=not args.no_progress,
+    )
+    seconds = time.perf_counter() - t0
+    skipped = sum(r["num_skipped_rows"] for r in manifest["reports"])
+    print(f"{manifest['num_rows']:,} rows in {len(manifest['shards'])} shards under {args.output_dir} "
+          f"({seconds:.1f} s this run, {skipped} bad rows skipped)")
+    sizes_out = manifest["num_embeddings_per_feature"]
+    shown = sizes_out[0] if len(set(sizes_out)) == 1 else f"'{sizes_out}'"
+    print(f"train on it with:\n  --data.train_path={args.output_dir} --data.num_embeddings_per_feature={shown} "
+          f"--model.num_embeddings_per_feature={shown}")
+    return manifest
