@@ -17,7 +17,7 @@ against the Arrow IPC file of `datasets` and parquet for the same batches: the "
 How the rows are dealt (every rank computes the same split from the manifest, no communication):
 
     shard i, rows [0, n_i)  ->  rank r reads rows [n_i * r / W, n_i * (r + 1) / W) of every shard
-    every rank then keeps the same number of rows (the smallest share; at most #shards - 1 rows of a
+    every rank then keeps the same number of rows (the smallest share: fewer than #shards rows of a
     rank are left out per epoch), so all ranks run the same number of steps (DDP needs it)
     batch k of a rank = its rows [k * B, (k + 1) * B): slices, never a per-sample gather
     workers of a rank take batches k = worker, worker + num_workers, ... (the DataLoader interleaves
@@ -174,7 +174,11 @@ class CriteoShardDataset(IterableDataset):
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose batch order the next iteration uses (shuffle=True)."""
+        """The epoch whose batch order the next iteration uses (shuffle=True).
+
+        Each iteration counts one epoch in the process that iterates: the main process, or each
+        persistent worker (CriteoDataModule's loaders); with non-persistent workers call this per epoch.
+        """
         self._epoch = epoch
 
     def _open(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
