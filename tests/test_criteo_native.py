@@ -140,6 +140,9 @@ def test_same_rows_as_reference_on_every_shared_file(name):
         for a, b in zip(ref[:3], nat[:3]):
             np.testing.assert_array_equal(a, b)  # NaN == NaN here: missing values agree too
         assert report_counts(ref[3]) == report_counts(nat[3]) and ref[3].num_rows > 0
+    tiny = parse_all(CRITEO / name, parser="native", block_bytes=150)  # lines longer than the read buffer
+    for a, b in zip(ref[:3], tiny[:3]):
+        np.testing.assert_array_equal(a, b)
 
 
 @needs_criteo

@@ -325,6 +325,85 @@ def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) ->
             line += block.count(b"\n")
 
 
+def iter_line_blocks(
+    path: str | os.PathLike, block_bytes: int, skip_header: bool, start_byte: int = 0, progress=None
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Yield (whole lines ending in b"\\n" as a uint8 view, byte offset after them) from `start_byte` of the text.
+
+    The native parser's reader: text is read straight into one reused buffer (no copy or count per
+    block; the parser counts lines), so each view is valid only until the next one is asked for.
+    Offsets count the decompressed text (a compressed file is decompressed up to `start_byte`, since
+    streams cannot seek). `skip_header` drops the first line when starting at byte 0. `progress(n)`
+    is called with the bytes of the file itself read so far.
+    """
+    compression = file_compression(path)
+    raw = pa.OSFile(str(path), "rb")
+    stream = pa.CompressedInputStream(raw, compression) if compression else raw
+    try:
+        if start_byte and compression is None:
+            raw.seek(start_byte)
+        else:
+            left = start_byte
+            while left:
+                got = len(stream.read(min(left, block_bytes)))
+                if got == 0:
+                    raise ValueError(f"{path} is shorter than byte {start_byte}: the file changed since it was read")
+                left -= got
+        buf = np.empty(block_bytes, dtype=np.uint8)
+        filled, pos = 0, start_byte
+        header = skip_header and start_byte == 0
+        while True:
+            if filled == buf.size:  # a line longer than the buffer: grow it
+                buf = np.concatenate([buf, np.empty(buf.size, dtype=np.uint8)])
+            got = stream.readinto(memoryview(buf)[filled:])
+            if progress is not None:
+                progress(raw.tell())
+            if got == 0:
+                if filled and header:
+                    return  # a header without data rows
+                if filled:  # the last line may lack its newline
+                    if buf[filled - 1] != 10:
+                        if filled == buf.size:
+                            buf = np.concatenate([buf, np.empty(1, dtype=np.uint8)])
+                        buf[filled] = 10
+                        yield buf[:filled + 1], pos + filled
+                    else:
+                        yield buf[:filled], pos + filled
+                return
+            filled += got
+            start = 0
+            if header:
+                nl = np.flatnonzero(buf[:filled] == 10)
+                if nl.size == 0:
+                    continue
+                start = int(nl[0]) + 1
+                header = False
+            cut = _last_newline(buf, start, filled)
+            if cut <= start:
+                if start:
+                    buf[: filled - start] = buf[start:filled]
+                    pos, filled = pos + start, filled - start
+                continue
+            yield buf[start:cut], pos + cut
+            rest = filled - cut
+            buf[:rest] = buf[cut:filled]  # the cut line's start moves to the front (overlap-safe in numpy)
+            pos, filled = pos + cut, rest
+    finally:
+        raw.close()
+
+
+def _last_newline(buf: np.ndarray, start: int, end: int) -> int:
+    """1 + index of the last b"\\n" in buf[start:end], or `start` when there is none (looks back 64 KiB at a time)."""
+    hi = end
+    while hi > start:
+        lo = max(start, hi - (1 << 16))
+        hits = np.flatnonzero(buf[lo:hi] == 10)
+        if hits.size:
+            return lo + int(hits[-1]) + 1
+        hi = lo
+    return start
+
+
 def _emit(block: bytes, line: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
     if skip_header and line == 1:
         nl = block.index(b"\n") + 1
@@ -562,7 +641,7 @@ def _native_args(layout: CriteoLayout) -> tuple:
 
 
 def parse_block_native(
-    block: bytes | bytearray | memoryview,
+    block: bytes | np.ndarray,
     first_line: int,
     layout: CriteoLayout,
     path: str,
@@ -571,19 +650,26 @@ def parse_block_native(
     hash_mode: int = HASH_RAW,
     num_embeddings: Sequence[int] = (),
     log_dense: bool = False,
+    lines_out: list[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The native op on whole lines; the same rows, values, report and errors as `_parse_block`.
 
     With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the
     op also do what `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing.
+    `lines_out[0]` is advanced by the block's line count (so it holds the next block's first line).
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a bytes block is read-only; the op never writes to it
-        buf_L = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
+    if isinstance(block, np.ndarray):
+        buf_L = torch.from_numpy(block)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a bytes block is read-only; the op never writes to it
+            buf_L = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
     label_N, dense_N13, sparse_NF, status_N = torch.ops.lightning_rec.parse_criteo(
         buf_L, *_native_args(layout), list(num_embeddings), hash_mode, log_dense
     )
     status = status_N.numpy()
+    if lines_out is not None:
+        lines_out[0] += status.shape[0]
     kind = status & 0xFF
     good = kind <= _STATUS_PADDED
     report.num_blank_lines += int((kind == _STATUS_BLANK).sum())
@@ -604,7 +690,7 @@ def _native_problems(
     status: np.ndarray, bad: np.ndarray,
 ) -> None:
     """Reasons for the bad rows the op flagged (error path only: the line's bytes are looked at again)."""
-    buf_L = np.frombuffer(block, dtype=np.uint8)
+    buf_L = block if isinstance(block, np.ndarray) else np.frombuffer(block, dtype=np.uint8)
     ends = np.flatnonzero(buf_L == 10)
     bad_idx = np.flatnonzero(bad)
     if on_bad_row == "error":
@@ -685,6 +771,12 @@ def read_criteo(
     parser = resolve_parser(parser)
     layout = detect_layout(path, separator, has_header, has_label)
     report = ParseReport(path=str(path), layout=asdict(layout))
+    if parser == "native":
+        lines = [2 if layout.has_header else 1]
+        for block, _ in iter_line_blocks(path, block_bytes, skip_header=layout.has_header):
+            arrays = parse_block_native(block, lines[0], layout, str(path), on_bad_row, report, lines_out=lines)
+            yield _to_table(*arrays), report
+        return
     for block, first_line in iter_blocks(path, block_bytes, skip_header=layout.has_header):
         label_N, dense_N13, sparse_NF = parse_block(block, first_line, layout, str(path), on_bad_row, report, parser)
         yield _to_table(label_N, dense_N13, sparse_NF), report

@@ -44,7 +44,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from lightning_rec.data.criteo_parse import (
@@ -56,7 +55,7 @@ from lightning_rec.data.criteo_parse import (
     ParseReport,
     check_criteo_file,
     detect_layout,
-    file_compression,
+    iter_line_blocks,
     parse_block_native,
     resolve_parser,
 )
@@ -72,59 +71,6 @@ from lightning_rec.data.criteo_shards import (
 
 log = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
-
-
-# ----------------------------------------------------------------------------------------------
-# reading an input file in blocks, from any byte (resume)
-
-
-def _iter_blocks_from(
-    path: str, start_byte: int, start_line: int, block_bytes: int, skip_header: bool, progress=None
-) -> Iterator[tuple[bytes, int, int]]:
-    """Yield (whole lines, line number of the first, byte offset after them) from `start_byte` of the text.
-
-    Offsets count the decompressed text; a compressed file is decompressed up to `start_byte` and
-    the bytes dropped (streams cannot seek). `progress(raw_bytes_read)` sees the file's own bytes.
-    """
-    compression = file_compression(path)
-    raw = pa.OSFile(path, "rb")
-    stream = pa.CompressedInputStream(raw, compression) if compression else raw
-    try:
-        if start_byte and compression is None:
-            raw.seek(start_byte)
-        else:
-            left = start_byte
-            while left:
-                got = len(stream.read(min(left, block_bytes)))
-                if got == 0:
-                    raise ValueError(f"{path} is shorter than a previous run recorded: it changed; delete the output")
-                left -= got
-        pos, line, rest = start_byte, start_line, b""
-        if skip_header and start_byte == 0:
-            head = stream.read(1 << 20)
-            nl = head.find(b"\n")
-            if nl < 0:
-                return
-            pos, line, rest = nl + 1, 2, head[nl + 1:]
-        while True:
-            chunk = stream.read(block_bytes)
-            if progress is not None:
-                progress(raw.tell())
-            data = rest + chunk if rest else chunk
-            if not chunk:
-                if data:  # the last line may lack its newline
-                    yield data + b"\n", line, pos + len(data)
-                return
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                rest = data
-                continue
-            block, rest = data[:cut], data[cut:]
-            yield block, line, pos + cut
-            pos += cut
-            line += block.count(b"\n")
-    finally:
-        raw.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,18 +220,20 @@ def preprocess_criteo(
                 continue
         start_byte = done[-1]["byte_end"] if done else 0
         start_line = done[-1]["line_end"] if done else 1
+        if start_byte == 0 and layout.has_header:
+            start_line = 2
         k = len(done)
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         pending_rows, shard_start, shard_line = 0, start_byte, start_line
-        blocks = _iter_blocks_from(path, start_byte, start_line, block_bytes, layout.has_header,
-                                   bar.raw_progress(int(offsets[idx])))
-        for block, first_line, byte_end in blocks:
-            label, dense, sparse = _parse(block, first_line, layout, path, on_bad_row, report, sizes, remaps,
-                                          missing_categorical)
+        blocks = iter_line_blocks(path, block_bytes, layout.has_header, start_byte, bar.raw_progress(int(offsets[idx])))
+        lines = [start_line]
+        for block, byte_end in blocks:
+            label, dense, sparse = _parse(block, lines[0], layout, path, on_bad_row, report, sizes, remaps,
+                                          missing_categorical, lines)
             bar.rows(label.shape[0])
             pending.append((label, dense, sparse))
             pending_rows += label.shape[0]
-            next_line = first_line + block.count(b"\n")
+            next_line = lines[0]
             if pending_rows >= rows_per_shard:
                 shards.append(_write_shard(out, idx, k, pending, seed, shuffle_rows,
                                            (shard_start, byte_end), (shard_line, next_line), report))
@@ -345,14 +293,17 @@ def _resume(out: Path, idx: int, verify: bool) -> list[dict]:
     return good
 
 
-def _parse(block, first_line, layout: CriteoLayout, path, on_bad_row, report, sizes, remaps, missing_categorical):
+def _parse(block, first_line, layout: CriteoLayout, path, on_bad_row, report, sizes, remaps, missing_categorical,
+           lines: list[int]):
     if remaps is None:
         mode = HASH_RESERVED_ID if missing_categorical == "reserved_id" else HASH_EMPTY_BAG
         label, dense, sparse = parse_block_native(block, first_line, layout, path, on_bad_row, report,
-                                                  hash_mode=mode, num_embeddings=sizes, log_dense=True)
+                                                  hash_mode=mode, num_embeddings=sizes, log_dense=True,
+                                                  lines_out=lines)
         return label, dense, sparse.astype(np.int32)
     label, dense, hashed = parse_block_native(block, first_line, layout, path, on_bad_row, report,
-                                              hash_mode=HASH_EMPTY_BAG, num_embeddings=sizes, log_dense=True)
+                                              hash_mode=HASH_EMPTY_BAG, num_embeddings=sizes, log_dense=True,
+                                              lines_out=lines)
     ids = np.zeros(hashed.shape, dtype=np.int32)
     for f, remap in enumerate(remaps):  # a loop over 26 features, each a vectorised gather
         col = hashed[:, f]
@@ -367,10 +318,10 @@ def _count_vocabulary(inputs, layouts, sizes, min_frequency, block_bytes, on_bad
     bar = _Progress(sum(sizes_b), "count ids", progress)
     for idx, (path, layout) in enumerate(zip(inputs, layouts)):
         report = ParseReport(path=path)
-        for block, first_line, _ in _iter_blocks_from(path, 0, 1, block_bytes, layout.has_header,
-                                                       bar.raw_progress(sum(sizes_b[:idx]))):
-            _, _, hashed = parse_block_native(block, first_line, layout, path, on_bad_row, report,
-                                              hash_mode=HASH_EMPTY_BAG, num_embeddings=sizes)
+        lines = [2 if layout.has_header else 1]
+        for block, _ in iter_line_blocks(path, block_bytes, layout.has_header, 0, bar.raw_progress(sum(sizes_b[:idx]))):
+            _, _, hashed = parse_block_native(block, lines[0], layout, path, on_bad_row, report,
+                                              hash_mode=HASH_EMPTY_BAG, num_embeddings=sizes, lines_out=lines)
             vocab.count(hashed)
             bar.rows(hashed.shape[0])
     bar.close()
