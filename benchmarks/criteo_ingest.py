@@ -156,9 +156,10 @@ def run_pyarrow(path: str) -> dict:
     rows = 0
     for block, first in iter_blocks(path, 32 << 20, layout.has_header):
         label, dense_raw, sparse_raw = _parse_block(block, first, layout, path, "error", report)
-        dense = np.log1p(np.fmax(dense_raw, 0.0)).astype(np.float32, copy=False)  # as make_criteo_batch
+        # the arrays make_criteo_batch builds from the raw values
+        np.log1p(np.fmax(dense_raw, 0.0)).astype(np.float32, copy=False)
         sparse_FN = sparse_raw.T
-        ids = np.where(sparse_FN >= 0, sparse_FN % (mod_F1 - 1) + 1, 0)
+        np.where(sparse_FN >= 0, sparse_FN % (mod_F1 - 1) + 1, 0)
         rows += label.shape[0]
     return dict(rows=rows, seconds=time.perf_counter() - t0)
 

@@ -30,7 +30,7 @@ from lightning_rec.data.criteo_parse import (
 CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo"
 needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
 pytestmark = pytest.mark.skipif(not native_parser_available(), reason="lightning_rec._C is not built")
-SHARED_FILES = sorted(p.relative_to(CRITEO).as_posix() for p in CRITEO.rglob("*") if p.is_file()) if CRITEO.is_dir() else []
+SHARED_FILES = sorted(p.relative_to(CRITEO).as_posix() for p in CRITEO.rglob("*") if p.is_file()) if CRITEO.is_dir() else []  # noqa: E501
 PARSERS = ["native", "python"]
 HEADER_FEATURES = ",".join([f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)])
 
@@ -75,7 +75,8 @@ def _op_args(buf: bytes, **kw):
 
 def test_opcheck_schema_fake_kernel_and_tracing():
     rows = "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(5)).encode()
-    for kw in ({}, {"sizes": [7] * 26, "mode": HASH_RESERVED_ID, "log": True}, {"sizes": [5] * 26, "mode": HASH_EMPTY_BAG}):
+    hashed = ({"sizes": [7] * 26, "mode": HASH_RESERVED_ID, "log": True}, {"sizes": [5] * 26, "mode": HASH_EMPTY_BAG})
+    for kw in ({}, *hashed):
         torch.library.opcheck(torch.ops.lightning_rec.parse_criteo.default, _op_args(rows, **kw))
     # rows with missing values give NaN, which the traced-vs-eager comparison does not accept as equal
     ragged = (good_row() + "\n\n" + "\t".join(good_row().split("\t")[:30]) + "\n").encode()

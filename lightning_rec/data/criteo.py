@@ -61,7 +61,6 @@ from torch.utils.data import (
 )
 
 from lightning_rec.data.batch import Batch, passthrough_collate
-from lightning_rec.data.criteo_shards import CriteoShardDataset, is_shard_dir
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
     DEFAULT_SPARSE_FEATURE_NAMES,
@@ -78,6 +77,7 @@ from lightning_rec.data.criteo_parse import (
     read_criteo,
     resolve_parser,
 )
+from lightning_rec.data.criteo_shards import CriteoShardDataset, is_shard_dir
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)

@@ -707,7 +707,7 @@ def _native_problems(
         fields = text.split(sep)
         kind, k = int(status[i]) & 0xFF, int(status[i]) >> 8
 
-        def value(field: int) -> str | None:
+        def value(field: int, fields: list[bytes] = fields) -> str | None:
             v = fields[field].decode("utf-8", "backslashreplace") if field < len(fields) else ""
             return v if v else None
 

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -64,7 +64,6 @@ from lightning_rec.data.criteo_shards import (
     MANIFEST,
     SHARD_FORMAT,
     file_sha256,
-    load_manifest,
     shard_files,
     verify_shard,
 )
@@ -129,7 +128,9 @@ def _load_vocab(path: Path, sizes: Sequence[int]) -> list[np.ndarray]:
         remaps = [z[f"C{j + 1}"] for j in range(NUM_SPARSE_FEATURES)]
     got = [r.shape[0] for r in remaps]
     if got != list(sizes):
-        raise ValueError(f"{path} was counted with --num_embeddings {got}, this run asks for {list(sizes)}: use the same")
+        raise ValueError(
+            f"{path} was counted with --num_embeddings {got}, this run asks for {list(sizes)}: use the same"
+        )
     return remaps
 
 
