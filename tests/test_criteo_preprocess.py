@@ -170,10 +170,15 @@ def test_loader_workers_ranks_and_shuffle(tmp_path):
     # persistent workers count epochs (CriteoDataModule's loaders are persistent when num_workers > 0)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
     e1 = torch.cat([b.dense_features for b in loader])
-    e2 = torch.cat([b.dense_features for b in loader])
+    e2_batches = [b.dense_features for b in loader]
+    e2 = torch.cat(e2_batches)
     assert len(loader) == len(ds) == -(-manifest["num_rows"] // 300)
     assert e1.shape == base.shape and not torch.equal(e1, e2)
     assert torch.allclose(e1.double().sum(0), base.double().sum(0))
+    # mid-epoch resume: epoch 1 without its first 5 batches == the rest of epoch 1
+    again = CriteoShardDataset(out, 300, shuffle=True, seed=1)
+    again.resume_from(epoch=1, batches_done=5)
+    assert torch.equal(torch.cat([b.dense_features for b in again]), torch.cat(e2_batches[5:]))
 
 
 def test_datamodule_trains_on_a_shard_directory(tmp_path):

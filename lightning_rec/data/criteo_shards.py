@@ -148,6 +148,7 @@ class CriteoShardDataset(IterableDataset):
         self.empty_bag = self.manifest["missing_categorical"] == "empty_bag"
         self._rank, self._world = rank, world_size
         self._epoch = 0
+        self._skip = 0  # batches of the next epoch already trained on (resume_from)
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     @property
@@ -181,6 +182,15 @@ class CriteoShardDataset(IterableDataset):
         """
         self._epoch = epoch
 
+    def resume_from(self, epoch: int, batches_done: int) -> None:
+        """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
+
+        The batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on.
+        """
+        if not 0 <= batches_done <= len(self):
+            raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
+        self._epoch, self._skip = epoch, batches_done
+
     def _open(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         # memory maps: pages are read on demand and shared with the other workers through the page cache
         if self._arrays is None:
@@ -204,6 +214,7 @@ class CriteoShardDataset(IterableDataset):
         if self.shuffle:
             order = np.random.default_rng([self.seed, self._epoch]).permutation(num_batches)
         self._epoch += 1  # persistent workers and the main process keep counting epochs
+        order, self._skip = order[self._skip:], 0
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         arrays = self._open()
