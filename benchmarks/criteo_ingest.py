@@ -6,7 +6,7 @@ What it measures, on a Criteo-format text file that it generates (tab layout, la
 the per-column missing rates, count distributions and id frequencies of ../shared/data's samples when
 present; cached under --dir and reused):
 
-    native      torch.ops.lightning_rec.parse_criteo over 32 MiB blocks: labels, log(1 + max(x, 0)) dense,
+    native      torch.ops.lightning_rec.parse_criteo over 8 MiB blocks: labels, log(1 + max(x, 0)) dense,
                 ids hashed into tables (reserved id 0 + modulo): the arrays a training batch needs
     pyarrow     the reference parser (numpy line bookkeeping + Arrow's CSV reader + a vectorised hex decode)
                 + the numpy hashing and log of make_criteo_batch: the same arrays
@@ -139,7 +139,7 @@ def run_native(path: str) -> dict:
     sizes = [NUM_EMBEDDINGS] * 26
     t0 = time.perf_counter()
     rows, lines = 0, [1]
-    for block, _ in iter_line_blocks(path, 32 << 20, layout.has_header):
+    for block, _ in iter_line_blocks(path, 8 << 20, layout.has_header):  # 8 MiB: outputs reuse heap memory
         label, dense, ids = parse_block_native(block, lines[0], layout, path, "error", report, lines_out=lines,
                                                hash_mode=HASH_RESERVED_ID, num_embeddings=sizes, log_dense=True)
         rows += label.shape[0]

@@ -146,7 +146,7 @@ def preprocess_criteo(
     vocab_from: str | os.PathLike | None = None,
     missing_categorical: str = "reserved_id",
     rows_per_shard: int = 1_000_000,
-    block_mb: int = 32,
+    block_mb: int = 8,
     shuffle_rows: bool = True,
     seed: int = 0,
     on_bad_row: str = "error",
@@ -412,7 +412,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--missing_categorical", default="reserved_id", choices=MISSING_CATEGORICAL)
     parser.add_argument("--rows_per_shard", type=int, default=1_000_000,
                         help="rows per shard; memory is about 3 x 160 bytes x this (default 1000000)")
-    parser.add_argument("--block_mb", type=int, default=32, help="text read and parsed at a time (MiB)")
+    parser.add_argument("--block_mb", type=int, default=8, help="text read and parsed at a time (MiB)")
     parser.add_argument("--no_shuffle_rows", action="store_true", help="keep the file order inside each shard")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--on_bad_row", default="error", choices=("error", "skip"))
