@@ -24,6 +24,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <system_error>
 #include <thread>
 #include <cstdint>
 #include <cstdlib>
@@ -238,7 +239,11 @@ void parallel_ranges(int64_t n, int64_t threads, const std::function<void(int64_
     }
   };
   for (int64_t h = 0; h < helpers; ++h) {
-    std::thread([shared, n, work]() { work(); }).detach();
+    try {
+      std::thread(work).detach();
+    } catch (const std::system_error&) {
+      break;  // no thread to be had (a process limit): the caller does the ranges itself
+    }
   }
   work();
   while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
