@@ -27,14 +27,19 @@ Missing categorical values (`missing_categorical`):
     "empty_bag"              a missing value is an empty bag (length 0, pooled to zeros);
                              a present hash v maps to v % num_embeddings.
 
-Rows that are not clean Criteo rows:
-    fewer fields than the layout   trailing empty fields were stripped: padded as missing
-                                   (counted in ParseReport.num_padded_rows)
-    more fields, a non-numeric I, a label other than 0/1, a C that is not 8 hex characters
-        on_bad_row="error"  ValueError naming file and line
+Rows that are not clean Criteo rows (both parsers, the native op and the Python reference, agree):
+    fewer fields than the layout, ending in a value
+                            trailing empty fields were stripped: padded as missing (counted in
+                            ParseReport.num_padded_rows, and a warning at the end of the file)
+    fewer fields, ending in a separator (a file cut mid-row), more fields, a non-numeric I, a label
+    other than 0/1, a C that is not 8 hex characters, a non-ASCII byte (corruption, bad encoding)
+        on_bad_row="error"  ValueError naming file, line and field
         on_bad_row="skip"   the row is dropped, counted (ParseReport.num_skipped_rows), the first
                             few logged with their line and reason; no column is ever shifted.
     blank lines             ignored (counted in ParseReport.num_blank_lines)
+Files: gzip / bz2 / zstd are detected from their first bytes (a `.tsv` holding gzip is read, with a
+warning); a directory, a fully quoted CSV, a binary file and an unlabelled file given for training
+or validation are errors that say what to pass instead.
 """
 
 from __future__ import annotations
