@@ -416,7 +416,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--no_shuffle_rows", action="store_true", help="keep the file order inside each shard")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--on_bad_row", default="error", choices=("error", "skip"))
-    parser.add_argument("--separator", default=None, choices=("\\t", ","), help="default: detected")
+    parser.add_argument("--separator", default=None, choices=("tab", "comma"), help="default: detected")
     parser.add_argument("--threads", type=int, default=None, help="parser threads (default: torch's, all cores)")
     parser.add_argument("--no_verify", action="store_true",
                         help="on resume, check finished shards by row count only (skip the sha256)")
@@ -432,7 +432,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
         min_frequency=args.min_frequency, vocab_from=args.vocab_from, missing_categorical=args.missing_categorical,
         rows_per_shard=args.rows_per_shard, block_mb=args.block_mb, shuffle_rows=not args.no_shuffle_rows,
         seed=args.seed, on_bad_row=args.on_bad_row,
-        separator={"\\t": "\t", ",": ","}.get(args.separator) if args.separator else None,
+        separator={"tab": "\t", "comma": ","}.get(args.separator),
         verify=not args.no_verify, progress=not args.no_progress,
     )
     seconds = time.perf_counter() - t0
