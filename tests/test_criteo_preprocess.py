@@ -157,6 +157,37 @@ def test_ranks_read_equal_disjoint_shares():
         assert len(covered) == len(set(covered)) and sum(rows) - len(covered) < world * len(rows)
 
 
+def _rank_reader(rank: int, world_size: int, directory: str) -> tuple[int, int, float]:
+    """Each rank iterates its share (rank and world size found from the process group)."""
+    import torch.distributed as dist
+
+    ds = CriteoShardDataset(directory, 128, shuffle=True)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))
+    rows = torch.tensor([sum(len(b) for b in batches)])
+    dist.all_reduce(rows)  # every rank reached the same collective: no rank finished early
+    return len(batches), int(rows), float(sum(b.dense_features.double().sum() for b in batches))
+
+
+def _stream_reader(rank: int, world_size: int, path: str) -> tuple[int]:
+    from lightning_rec.data import CriteoIterableDataset
+
+    ds = CriteoIterableDataset(path, batch_size=100, num_embeddings_per_feature=10)
+    return (sum(len(b) for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)),)
+
+
+def test_two_ranks_read_their_own_share(tmp_path):
+    from dist_utils import run_ranks
+
+    out, manifest = run(tmp_path, "r")
+    (n0, total, s0), (n1, _, s1) = run_ranks(_rank_reader, 2, str(out), timeout=120)
+    assert n0 == n1 and manifest["num_rows"] - len(manifest["shards"]) * 2 < total <= manifest["num_rows"]
+    # the streaming reader deals blocks to (rank, worker) pairs the same way
+    (t0,), (t1,) = run_ranks(_stream_reader, 2, str(TRAIN), timeout=120)
+    assert t0 + t1 == 4380 and abs(t0 - t1) <= 1
+    whole = sum(float(b.dense_features.double().sum()) for b in CriteoShardDataset(out, 4096))
+    assert s0 != s1 and abs((s0 + s1) - whole) < 100  # disjoint halves; a few rows of the odd shards left out
+
+
 def test_loader_workers_ranks_and_shuffle(tmp_path):
     out, manifest = run(tmp_path, "l")
     base = torch.cat([b.dense_features for b in CriteoShardDataset(out, 300)])

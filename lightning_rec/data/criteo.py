@@ -82,7 +82,7 @@ from lightning_rec.data.criteo_parse import (
     read_criteo,
     resolve_parser,
 )
-from lightning_rec.data.criteo_shards import CriteoShardDataset, is_shard_dir
+from lightning_rec.data.criteo_shards import CriteoShardDataset, dist_rank_world, is_shard_dir
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -348,14 +348,16 @@ class CriteoIterableDataset(IterableDataset):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
         self._epoch = 0
+        self._dist = dist_rank_world()
         # The report of the latest pass made in this process (a worker's own rows, with workers).
         self.report = ParseReport(path=self.path, layout=asdict(self.layout))
 
     def _shard(self) -> tuple[int, int]:
-        rank, world = 0, 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         info = torch.utils.data.get_worker_info()
+        # DataLoader workers have no process group: they use what the main process saw (kept in their copy)
+        if info is None:
+            self._dist = dist_rank_world()
+        rank, world = self._dist
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * num_workers + worker, world * num_workers
 

@@ -102,6 +102,13 @@ def load_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
+def dist_rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
 def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
     """(shard, lo, hi) row ranges of `rank`, every rank with the same total (see the module doc)."""
     segs_per_rank = []
@@ -147,6 +154,7 @@ class CriteoShardDataset(IterableDataset):
         self.has_label = bool(self.manifest["has_label"])
         self.empty_bag = self.manifest["missing_categorical"] == "empty_bag"
         self._rank, self._world = rank, world_size
+        self._dist = dist_rank_world()
         self._epoch = 0
         self._skip = 0  # batches of the next epoch already trained on (resume_from)
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
@@ -159,9 +167,10 @@ class CriteoShardDataset(IterableDataset):
     def _rank_world(self) -> tuple[int, int]:
         if self._rank is not None:
             return self._rank, self._world or 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return 0, 1
+        # DataLoader workers have no process group: they use what the main process saw (kept in the copy)
+        if torch.utils.data.get_worker_info() is None:
+            self._dist = dist_rank_world()
+        return self._dist
 
     def segments(self) -> list[tuple[int, int, int]]:
         rank, world = self._rank_world()
