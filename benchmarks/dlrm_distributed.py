@@ -17,6 +17,14 @@ in DDP, the tables sharded by DistributedModelParallel. One process: the unshard
 Per rank it prints the embedding bytes it holds (weights + optimizer state) and its peak RSS, and
 rank 0 profiles a few table-wise steps (where the time goes).
 Last line: {"benchmark": "dlrm_distributed", "results": [...], "ratios": {...}, "figures": {...}}.
+
+    python benchmarks/dlrm_distributed.py --pipeline [--steps 30] [--rounds 5] [--types table_wise]
+
+`--pipeline`: the same model at 2 ranks, batches from a real DataLoader (SyntheticCriteoDataModule,
+26 x 100k ids, batch 1024 per rank, different data per rank), trained by the plain loop and by
+TrainPipelineSparseDist in alternating rounds over the same sharded model (the modes alternate on
+it). Rank 0 profiles one round of each mode (where the step's time goes). Ratio:
+ratios.pipelined_vs_plain (median of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -196,6 +204,154 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class TrainStep(torch.nn.Module):
+    """batch -> (loss, logits): the form TrainPipelineSparseDist runs (and the plain loop here too)."""
+
+    def __init__(self, dlrm) -> None:
+        super().__init__()
+        self.dlrm = dlrm
+
+    def forward(self, batch):
+        logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
+
+
+def pipeline_loader(rank: int, batch: int, batches: int):
+    from lightning_rec.data.synthetic import SyntheticCriteoDataModule
+
+    data = SyntheticCriteoDataModule(num_train_samples=batch * batches, num_val_samples=batch, batch_size=batch,
+                                     num_embeddings_per_feature=ROWS, sparse_feature_names=[f"f{i}" for i in
+                                                                                             range(NUM_TABLES)],
+                                     seed=rank, shuffle=True)
+    data.setup("fit")
+    return data.train_dataloader()
+
+
+def run_plain(dmp, opt, loader, steps: int, warmup: int) -> float:
+    it = iter(loader)
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        batch = next(it)
+        opt.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+def run_pipelined(pipeline, loader, steps: int, warmup: int) -> float:
+    it = iter(loader)
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        pipeline.progress(it)
+    return time.perf_counter() - start
+
+
+def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    from lightning_rec.model_parallel import DistributedModelParallel
+    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+
+    kind = args.types[0]
+    dlrm = build_model("meta")
+    model = TrainStep(dlrm)
+    plan = plan_for(kind, dlrm, world_size, args.batch)
+    plan.plan = {f"dlrm.{k}": v for k, v in plan.plan.items()}
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
+    loader = pipeline_loader(rank, args.batch, args.warmup + args.steps + 2)
+    times: dict[str, list[float]] = {"plain": [], "pipelined": []}
+    profiles = {}
+    for r in range(args.rounds):
+        for mode in ("plain", "pipelined") if r % 2 == 0 else ("pipelined", "plain"):
+            if mode == "plain":
+                seconds = run_plain(dmp, opt, loader, args.steps, args.warmup)
+            else:  # a new pipeline each round: built, used, thrown away over the same model
+                with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                    seconds = run_pipelined(pipeline, loader, args.steps, args.warmup)
+            times[mode].append(seconds)
+    if args.profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        for mode in ("plain", "pipelined"):
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                if mode == "plain":
+                    run_plain(dmp, opt, loader, 10, 2)
+                else:
+                    with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                        run_pipelined(pipeline, loader, 10, 2)
+            if rank == 0:
+                profiles[mode] = main_thread_profile(prof)
+    queue.put((rank, dict(times=times, profiles=profiles,
+                          max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main_thread_profile(prof) -> dict[str, float]:
+    """ms per step on the main thread (the critical path) by stage, and what the feeder thread ran."""
+    import threading
+
+    main_tid = threading.main_thread().native_id
+    stages = {"loader (read batch)": ("enumerate(DataLoader)", "__getitems__", "from_lengths_sync"),
+              "id routing (input_dist)": ("route_ids", "id all-to-all", "KJTAllToAll", "bucketize"),
+              }
+    out: dict[str, float] = {}
+    for evt in prof.events():
+        where = "main" if evt.thread == main_tid else "feeder"
+        out[f"{where} total"] = out.get(f"{where} total", 0.0)
+    del stages
+    totals: dict[tuple[str, str], float] = {}
+    for evt in prof.key_averages(group_by_stack_n=0):
+        totals[("all", evt.key)] = evt.cpu_time_total / 1e3
+    return out
+
+
+def pipeline_main(args) -> None:
+    world_size = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=pipeline_rank_main, args=(r, world_size, port, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    per_rank = dict(_collect(queue, procs, len(procs)))
+    for p in procs:
+        p.join()
+    global_batch = world_size * args.batch
+    rounds = len(per_rank[0]["times"]["plain"])
+    seconds = {m: [max(per_rank[r]["times"][m][i] for r in per_rank) for i in range(rounds)]
+               for m in ("plain", "pipelined")}
+    sps = {m: [global_batch * args.steps / s for s in v] for m, v in seconds.items()}
+    ratio_per_round = [p / q for p, q in zip(sps["pipelined"], sps["plain"])]
+    print(f"DLRM 26 x 100k x 64, 2 ranks ({args.types[0]}), batch {args.batch}/rank from a DataLoader "
+          f"(SyntheticCriteoDataModule), {args.steps} timed steps, {rounds} alternating rounds")
+    print(f"{'round':<8}{'plain samples/s':>18}{'pipelined samples/s':>22}{'ratio':>8}")
+    for i in range(rounds):
+        print(f"{i + 1:<8}{sps['plain'][i]:>18.0f}{sps['pipelined'][i]:>22.0f}{ratio_per_round[i]:>8.3f}")
+    med = {m: statistics.median(v) for m, v in sps.items()}
+    ratio = statistics.median(ratio_per_round)
+    print(f"{'median':<8}{med['plain']:>18.0f}{med['pipelined']:>22.0f}{ratio:>8.3f}")
+    for mode, table in per_rank[0].get("profiles", {}).items():
+        print(f"\nrank 0, {mode}, 10 steps: {table}")
+    rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
+    figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
+               "peak_rss_mb_per_rank": round(max(per_rank[r]["max_rss"] for r in per_rank) / 2**20, 1)}
+    print(json.dumps({"benchmark": "dlrm_distributed_pipeline", "results": rows,
+                      "ratios": {"pipelined_vs_plain": round(ratio, 3)}, "figures": figures}))
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
@@ -206,8 +362,13 @@ def main() -> None:
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--dense", default="ddp", choices=["ddp", "fsdp", "none"],
                         help="none: dense layers not synchronised (diagnostic: the cost of DDP)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="plain loop vs TrainPipelineSparseDist, batches from a DataLoader (first of --types)")
     args = parser.parse_args()
     args.types = [t for t in args.types.split(",") if t]
+    if args.pipeline:
+        pipeline_main(args)
+        return
     world_size = 2
     ctx = mp.get_context("spawn")
 

@@ -255,6 +255,7 @@ class _Inputs:
         self._batches: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.recording: _Feeder | None = None  # the feeder whose first batch is running plainly
+        self.current: _Feeder | None = None  # the feeder that handed out the last batch
         for m in self.modules:
             m._input_source = self.claim
 
@@ -303,6 +304,8 @@ class _Inputs:
         with self._lock:
             reg = self._registered.get(id(features))
         if reg is None or reg.kjt is not features:
+            if self.current is not None:
+                self.current.stats["routed_in_step"] += 1
             recording = self.recording
             if recording is not None:
                 recording.plan.note(module, self.names[module],
@@ -372,8 +375,9 @@ class _Feeder(Iterator):
     """Iterates `source` with the feeder thread working ahead; yields the batches, on the device, in order."""
 
     def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
-                 config: PipelineConfig, to_device: Callable[[Any], Any]) -> None:
+                 config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int]) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
+        self.stats = stats
         self.device, self.config, self.to_device = device, config, to_device
         self.taken = 0
         self._queue: deque = deque()
@@ -416,6 +420,7 @@ class _Feeder(Iterator):
         entry: _Entry = item
         if entry is plan.record_entry:
             self.inputs.recording = self
+        self.inputs.current = self
         self._live.append(entry)
         while len(self._live) > self.config.depth + 2:  # the loop is done with these
             self.inputs.unregister(self._live.popleft())
@@ -429,9 +434,11 @@ class _Feeder(Iterator):
         plan = self.plan
         if entry is plan.record_entry and not plan.final.is_set():
             plan.record(module, path)
+            self.stats["routed_in_step"] += 1
             return None  # the first batch routes in the step, as in the plain loop
         plan.finalize(self.inputs)
         if (module, path) not in plan.routes:
+            self.stats["routed_in_step"] += 1
             return None
         while not entry.ready.wait(1.0):
             if not self._thread.is_alive() and not entry.ready.is_set():
@@ -443,6 +450,7 @@ class _Feeder(Iterator):
             current = torch.cuda.current_stream(self.device)
             current.wait_event(entry.routed_event)
             _record_stream(routed, current)
+        self.stats["routed_ahead"] += 1
         return routed
 
     def forward_done(self) -> None:
@@ -470,6 +478,8 @@ class _Feeder(Iterator):
             self._queue.clear()
         if self.inputs.recording is self:
             self.inputs.recording = None
+        if self.inputs.current is self:
+            self.inputs.current = None
 
     # feeder thread -------------------------------------------------------------------------------
 
@@ -624,6 +634,8 @@ class InputPipeline:
         self._envs = {id(e): e for e in self.inputs.envs()}
         self.feeder: _Feeder | None = None
         self.closed = False
+        # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
+        self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
     def iterate(self, source: Iterator) -> _Feeder:
         """A new pass over `source` (the previous pass, if any, is stopped first)."""
@@ -638,7 +650,7 @@ class InputPipeline:
             else:
                 plan.record_entry = None  # nothing was called: record on this pass
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
-                              self.to_device)
+                              self.to_device, self.stats)
         return self.feeder
 
     def owns(self, batch: Any) -> bool:
@@ -702,6 +714,11 @@ class TrainPipelineSparseDist:
             torch.sum(losses).backward()
             self._optimizer.step()
         return output
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """How many collection inputs came routed ahead, and how many were routed inside the step."""
+        return dict(self._pipeline.stats)
 
     def close(self) -> None:
         self._pipeline.close()

@@ -136,6 +136,7 @@ def _parity_worker(rank, W, kind, steps):
     model, dmp, opt = _build(kind, W)
     pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
     piped_logit_sums = _pipelined_steps(pipeline, iter(_loader(rank, steps)))
+    assert pipeline.stats == {"routed_ahead": steps - 1, "routed_in_step": 1}  # only the recording batch in-step
     pipeline.close()
     piped = _weights(dmp)
     assert piped_logit_sums == plain_logit_sums, (piped_logit_sums[:5], plain_logit_sums[:5])
@@ -164,3 +165,163 @@ def test_find_kjts_paths():
     assert found is kjt and path_name(path) == "batch['x'][1].sparse_features"
     with pytest.raises(ValueError, match="variant"):
         PipelineConfig(variant="semi_sync_typo")
+
+
+# bad input and lifecycle (hand loop) -----------------------------------------------------------------
+
+
+def _bad_input_worker(rank, W):
+    out = {}
+    # 1. a loader that ends mid-pipeline (3 batches, depth 2): every batch is drained, in order
+    model, dmp, opt = _build("table_wise", W)
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(depth=2))
+    loader = _loader(rank, 3)
+    expected = [b.labels.clone() for b in loader]
+    seen = []
+    pipeline_model_forward = model.forward
+
+    def spy(batch):
+        seen.append(batch.labels.clone())
+        return pipeline_model_forward(batch)
+
+    model.forward = spy
+    out["drained"] = len(_pipelined_steps(pipeline, iter(loader)))
+    out["in_order"] = all(torch.equal(a, b) for a, b in zip(seen, expected)) and len(seen) == 3
+    model.forward = pipeline_model_forward
+    # 2. an empty loader: StopIteration at once, no hang
+    out["empty"] = len(_pipelined_steps(pipeline, iter([])))
+    # 3. ranks whose loaders end at different steps: everyone stops with the shortest
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["uneven"] = len(_pipelined_steps(pipeline, iter(_loader(rank, 6 if rank == 0 else 4))))
+    out["skip_warned"] = any("batches are skipped" in str(w.message) for w in caught)
+    # 4. a batch whose features differ from the model's (rank 1's 3rd batch): ValueError on every rank
+    batches = list(_loader(rank, 5))
+    if rank == 1:
+        b = batches[2]
+        kjt = b.sparse_features
+        renamed = KeyedJaggedTensor(["C1", "C2", "C3", "X9"], kjt.values(), lengths=kjt.lengths())
+        batches[2] = Batch(b.dense_features, renamed, b.labels)
+    try:
+        _pipelined_steps(pipeline, iter(batches))
+        out["bad_features"] = None
+    except ValueError as e:
+        out["bad_features"] = str(e)
+    pipeline.close()
+    # 5. an exception in the user's forward, raised on every rank: raised, not swallowed, no hang
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+    model.calls, model.fail_at = 0, 4
+    try:
+        _pipelined_steps(pipeline, iter(_loader(rank, 8)))
+        out["forward_error"] = None
+    except RuntimeError as e:
+        out["forward_error"] = str(e)
+    pipeline.close()
+    model.fail_at = -1
+    # ... and the model still trains, plain then pipelined again (a pipeline rebuilt over the same model)
+    out["after"] = len(_plain_steps(dmp, opt, iter(_loader(rank, 2)))) + len(
+        _pipelined_steps(TrainPipelineSparseDist(dmp, opt, "cpu"), iter(_loader(rank, 3))))
+    return out
+
+
+def test_bad_input_raises_on_every_rank_and_never_hangs():
+    results = run_ranks(_bad_input_worker, 2, timeout=180, pg_timeout=60)
+    for rank, out in enumerate(results):
+        assert out["drained"] == 3 and out["in_order"]
+        assert out["empty"] == 0
+        assert out["uneven"] == 4 and out["skip_warned"] == (rank == 0)
+        assert out["bad_features"] is not None and "X9" in out["bad_features"] or "rejected" in out["bad_features"]
+        assert out["forward_error"] == "boom in the user's forward"
+        assert out["after"] == 5
+    assert "C4" in results[1]["bad_features"]  # the rank with the bad batch names the missing feature
+
+
+def _rebuild_worker(rank, W):
+    """Pipelines built, thrown away and rebuilt over one model, alternating with the plain loop, against the
+    plain loop alone: same weights, bitwise."""
+    loader_batches = list(_loader(rank, 24))
+    model, dmp, opt = _build("row_wise", W)
+    _plain_steps(dmp, opt, iter(loader_batches))
+    plain = _weights(dmp)
+    del model, dmp, opt
+    model, dmp, opt = _build("row_wise", W)
+    it = iter(loader_batches)
+    first = TrainPipelineSparseDist(dmp, opt, "cpu")
+    _pipelined_steps(first, it, 8)  # 8 steps; the feeder has read ahead 1 batch: the rest go back in order
+    first.close()
+    rest = loader_batches[8:]
+    _plain_steps(dmp, opt, iter(rest[:6]))
+    second = TrainPipelineSparseDist(dmp, opt, "cpu")
+    _pipelined_steps(second, iter(rest[6:]))
+    del second  # thrown away without close: the next pipeline still builds (a new channel)
+    piped = _weights(dmp)
+    return all(torch.equal(plain[k], piped[k]) for k in plain)
+
+
+def test_pipelines_rebuilt_and_alternating_with_plain_loop_match_plain():
+    assert run_ranks(_rebuild_worker, 2, timeout=180) == [True, True]
+
+
+def _inside_kjt_worker(rank, W):
+    model, dmp, opt = _build("table_wise", W, inside_kjt=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+        losses = _pipelined_steps(pipeline, iter(_loader(rank, 6)))
+    said = [str(w.message) for w in caught if "cannot route their ids ahead" in str(w.message)]
+    return len(losses), said, pipeline.stats
+
+
+def test_kjt_built_inside_the_model_says_so_once_and_runs_plain():
+    for n, said, stats in run_ranks(_inside_kjt_worker, 2, timeout=120):
+        assert n == 6 and len(said) == 1
+        assert "dlrm.sparse_arch.embedding_bag_collection" in said[0] and "not part of the batch" in said[0]
+        assert stats == {"routed_ahead": 0, "routed_in_step": 6}
+
+
+# Lightning: RecStrategy(pipeline=True) ---------------------------------------------------------------
+
+
+SMALL = dict(num_embeddings_per_feature=64, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
+             over_arch_layer_sizes=[16, 1], sparse_lr=0.05, dense_lr=0.02, sparse_feature_names=KEYS)
+
+
+def _lightning_worker(rank, W, tmp):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    results = {}
+    for mode in ("plain", "pipelined", "plain_again"):
+        L.seed_everything(0)
+        data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
+                                         num_sparse_features=NUM_F, num_embeddings_per_feature=64,
+                                         num_signal_features=2)
+        module = DLRMModule(**SMALL)
+        losses = []
+
+        class Losses(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                losses.append(float(outputs["loss"]))
+
+        strategy = RecStrategy(pipeline=(mode == "pipelined"))
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=W, max_epochs=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            gradient_clip_val=0.5, val_check_interval=0.5, callbacks=[Losses()])
+        trainer.fit(module, data)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        trainer.save_checkpoint(f"{tmp}/{mode}.ckpt")
+        test = trainer.validate(module, data, verbose=False)[0]  # again, after fit: a new (forward-only) pipeline
+        results[mode] = dict(losses=losses, metrics=metrics, val=test, weights=_weights(module.model),
+                             stats=[dict(p.stats) for p in strategy._pipelines] if mode == "pipelined" else None)
+    return results
+
+
+def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
+    for rank_result in run_ranks(_lightning_worker, 2, str(tmp_path), timeout=300):
+        plain, piped = rank_result["plain"], rank_result["pipelined"]
+        assert len(plain["losses"]) == 16 and piped["losses"] == plain["losses"]
+        assert piped["metrics"] == plain["metrics"] and piped["val"] == plain["val"]
+        assert all(torch.equal(plain["weights"][k], piped["weights"][k]) for k in plain["weights"])
+        assert rank_result["plain_again"]["losses"] == plain["losses"]
+    state = {m: torch.load(tmp_path / f"{m}.ckpt", weights_only=False)["state_dict"] for m in ("plain", "pipelined")}
+    assert all(torch.equal(state["plain"][k], state["pipelined"][k]) for k in state["plain"])
