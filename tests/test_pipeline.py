@@ -299,9 +299,14 @@ def _lightning_worker(rank, W, tmp):
         module = DLRMModule(**SMALL)
         losses = []
 
+        stats = []
+
         class Losses(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses.append(float(outputs["loss"]))
+
+            def on_train_end(self, trainer, pl_module):
+                stats.extend(dict(p.stats) for p in trainer.strategy._pipelines)
 
         strategy = RecStrategy(pipeline=(mode == "pipelined"))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=W, max_epochs=2, logger=False,
@@ -312,7 +317,7 @@ def _lightning_worker(rank, W, tmp):
         trainer.save_checkpoint(f"{tmp}/{mode}.ckpt")
         test = trainer.validate(module, data, verbose=False)[0]  # again, after fit: a new (forward-only) pipeline
         results[mode] = dict(losses=losses, metrics=metrics, val=test, weights=_weights(module.model),
-                             stats=[dict(p.stats) for p in strategy._pipelines] if mode == "pipelined" else None)
+                             stats=stats)
     return results
 
 
@@ -323,5 +328,9 @@ def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
         assert piped["metrics"] == plain["metrics"] and piped["val"] == plain["val"]
         assert all(torch.equal(plain["weights"][k], piped["weights"][k]) for k in plain["weights"])
         assert rank_result["plain_again"]["losses"] == plain["losses"]
+        assert plain["stats"] == [] and len(piped["stats"]) == 2  # the train and the val loader's pipelines
+        val, train = piped["stats"]  # the sanity check builds the val loader's first
+        assert train == {"routed_ahead": 15, "routed_in_step": 1}  # 16 steps: only the recording batch in-step
+        assert val == {"routed_ahead": 9, "routed_in_step": 1}  # sanity check (2) + 4 validations of 2 batches
     state = {m: torch.load(tmp_path / f"{m}.ckpt", weights_only=False)["state_dict"] for m in ("plain", "pipelined")}
     assert all(torch.equal(state["plain"][k], state["pipelined"][k]) for k in state["plain"])
