@@ -96,7 +96,9 @@ class RecStrategy(DDPStrategy):
         topology = Topology(world_size=self.world_size, compute_device=self.root_device.type,
                             local_world_size=self.num_processes)
         kwargs = {"optimizer": configs[0]} if configs and configs[0] is not None else {}
-        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, **kwargs)
+        pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
+        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, pipelined=pipelined,
+                                        **kwargs)
 
     def _shard(self, dense: str | None) -> None:
         module = self.lightning_module
