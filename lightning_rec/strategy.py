@@ -20,6 +20,7 @@ host memory for the whole model; for models larger than that, save per rank with
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -64,7 +65,7 @@ class RecStrategy(DDPStrategy):
 
         if dense not in ("ddp", "fsdp"):
             raise ValueError(f"RecStrategy(dense={dense!r}): use 'ddp' or 'fsdp'")
-        super().__init__(**kwargs)
+        super().__init__(**_given_ddp_kwargs(kwargs))
         self._plan = plan
         self._planner = planner
         self._dense = dense
@@ -269,6 +270,25 @@ def _iter_together(self):
                               f"use them all", stacklevel=2)
             return
         yield batch
+
+
+def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs without DistributedDataParallel arguments set to DDP's own default.
+
+    A recipe (LightningCLI, `strategy: {class_path: ...RecStrategy}`) spells out every DDP argument
+    at its default; passed on, `process_group=None` would collide with the model-parallel group and
+    `gradient_as_bucket_view=False` undo DistributedModelParallel's choice.
+    """
+    ddp = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    own = inspect.signature(DDPStrategy.__init__).parameters
+    plain = (bool, int, float, str, type(None))
+
+    def at_default(name: str, value: Any) -> bool:
+        p = ddp.get(name)
+        return (name not in own and p is not None and p.default is not inspect.Parameter.empty
+                and isinstance(value, plain) and isinstance(p.default, plain) and value == p.default)
+
+    return {k: v for k, v in kwargs.items() if not at_default(k, v)}
 
 
 def _cpu(st: ShardedTensor) -> ShardedTensor:
