@@ -278,41 +278,87 @@ def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> No
                 with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
                     seconds = run_pipelined(pipeline, loader, args.steps, args.warmup)
             times[mode].append(seconds)
-    if args.profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
+    if args.profile:  # one instrumented round of each: where the loader and the id routing ran
         for mode in ("plain", "pipelined"):
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                if mode == "plain":
-                    run_plain(dmp, opt, loader, 10, 2)
-                else:
-                    with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
-                        run_pipelined(pipeline, loader, 10, 2)
-            if rank == 0:
-                profiles[mode] = main_thread_profile(prof)
+            profiles[mode] = timeline_round(dmp, opt, loader, mode, args.steps)
     queue.put((rank, dict(times=times, profiles=profiles,
                           max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def main_thread_profile(prof) -> dict[str, float]:
-    """ms per step on the main thread (the critical path) by stage, and what the feeder thread ran."""
-    import threading
+class Timeline:
+    """Seconds per (thread, stage): the main thread's are the step's critical path; the feeder's run beside it."""
 
-    main_tid = threading.main_thread().native_id
-    stages = {"loader (read batch)": ("enumerate(DataLoader)", "__getitems__", "from_lengths_sync"),
-              "id routing (input_dist)": ("route_ids", "id all-to-all", "KJTAllToAll", "bucketize"),
-              }
-    out: dict[str, float] = {}
-    for evt in prof.events():
-        where = "main" if evt.thread == main_tid else "feeder"
-        out[f"{where} total"] = out.get(f"{where} total", 0.0)
-    del stages
-    totals: dict[tuple[str, str], float] = {}
-    for evt in prof.key_averages(group_by_stack_n=0):
-        totals[("all", evt.key)] = evt.cpu_time_total / 1e3
+    def __init__(self) -> None:
+        import threading
+
+        self.main = threading.main_thread()
+        self.seconds: dict[tuple[str, str], float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        import threading
+
+        key = ("main" if threading.current_thread() is self.main else "feeder", stage)
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+
+    def timed(self, stage: str, fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(stage, time.perf_counter() - t)
+
+        return run
+
+
+class TimedLoader:
+    """The loader, its iterators' __next__ timed (in whichever thread reads them)."""
+
+    def __init__(self, loader, timeline: Timeline) -> None:
+        self.loader, self.timeline = loader, timeline
+
+    def __iter__(self):
+        it = iter(self.loader)
+        timed = self.timeline.timed("read batch (DataLoader)", it.__next__)
+
+        class _It:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                return timed()
+
+        return _It()
+
+
+def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
+    """ms per step by (thread, stage), one instrumented round: where the loader and the routing ran."""
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+    from lightning_rec.sharded_embedding import _ShardedCollectionBase
+
+    timeline = Timeline()
+    sharded = [m for m in dmp.modules() if isinstance(m, _ShardedCollectionBase)]
+    for m in sharded:  # instance attributes shadow the methods for this round only
+        m.route = timeline.timed("id routing (input_dist)", type(m).route.__get__(m))
+        m.input_dist = timeline.timed("input_dist call in the step (routes, or takes the routed batch)",
+                                      type(m).input_dist.__get__(m))
+    timed_loader = TimedLoader(loader, timeline)
+    total = Timeline()
+    try:
+        if mode == "plain":
+            seconds = run_plain(dmp, opt, timed_loader, steps, 0)
+        else:
+            with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                # the feeder's batch hand-over, as the step sees it
+                seconds = run_pipelined(pipeline, timed_loader, steps, 0)
+    finally:
+        for m in sharded:
+            del m.route, m.input_dist
+    del total
+    out = {f"{thread}: {stage}": 1e3 * v / steps for (thread, stage), v in sorted(timeline.seconds.items())}
+    out["main: whole step"] = 1e3 * seconds / steps
     return out
 
 
@@ -342,10 +388,16 @@ def pipeline_main(args) -> None:
     med = {m: statistics.median(v) for m, v in sps.items()}
     ratio = statistics.median(ratio_per_round)
     print(f"{'median':<8}{med['plain']:>18.0f}{med['pipelined']:>22.0f}{ratio:>8.3f}")
-    for mode, table in per_rank[0].get("profiles", {}).items():
-        print(f"\nrank 0, {mode}, 10 steps: {table}")
+    profiles = per_rank[0].get("profiles", {})
+    if profiles:
+        print(f"\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path)")
+        stages = sorted({k for p in profiles.values() for k in p})
+        print(f"{'thread: stage':<80}{'plain':>9}{'pipelined':>11}")
+        for k in stages:
+            print(f"{k:<80}" + "".join(f"{profiles[m].get(k, 0.0):>{w}.2f}" for m, w in (("plain", 9), ("pipelined", 11))))
     rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
     figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
+               **{f"timeline_ms_per_step.{m}.{k}": round(v, 2) for m, p in profiles.items() for k, v in p.items()},
                "peak_rss_mb_per_rank": round(max(per_rank[r]["max_rss"] for r in per_rank) / 2**20, 1)}
     print(json.dumps({"benchmark": "dlrm_distributed_pipeline", "results": rows,
                       "ratios": {"pipelined_vs_plain": round(ratio, 3)}, "figures": figures}))
