@@ -166,6 +166,9 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         return type(batch)(*(move_to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(move_to_device(v, device) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: move_to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch
 
 
@@ -422,7 +425,7 @@ class _Feeder(Iterator):
             self.inputs.recording = self
         self.inputs.current = self
         self._live.append(entry)
-        while len(self._live) > self.config.depth + 2:  # the loop is done with these
+        while len(self._live) > 2:  # this step's batch and the one a loop may take ahead stay registered
             self.inputs.unregister(self._live.popleft())
         if self._copy_stream is not None:
             current = torch.cuda.current_stream(self.device)
@@ -458,11 +461,15 @@ class _Feeder(Iterator):
         if not self.plan.final.is_set() and self.inputs.recording is self:
             self.plan.finalize(self.inputs)
 
-    def close(self) -> None:
-        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join."""
+    def stop_soon(self) -> None:
+        """Let the thread end once idle (at the same point on every rank); no join."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join."""
+        self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
         self._finished = True
@@ -671,6 +678,13 @@ class InputPipeline:
             _Channel.release(self._envs[key], channel)
         self.channels = {}
         self.closed = True
+
+    def __del__(self) -> None:
+        # let go without close(): the thread ends when idle; the channels are not reused (a garbage
+        # collector's timing differs between ranks, and channels must be handed out in one order)
+        feeder = getattr(self, "feeder", None)
+        if feeder is not None:
+            feeder.stop_soon()
 
 
 class TrainPipelineSparseDist:

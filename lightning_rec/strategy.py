@@ -31,7 +31,6 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import move_data_to_device
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -144,11 +143,11 @@ class RecStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
-            from lightning_rec.pipeline import InputPipeline, wrap_loader
+            from lightning_rec.pipeline import InputPipeline, move_to_device, wrap_loader
 
             # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
-                                     to_device=lambda batch: move_data_to_device(batch, self.root_device))
+                                     to_device=lambda batch: move_to_device(batch, self.root_device))
             self._pipelines.append(pipeline)
             return wrap_loader(dataloader, pipeline)  # the feeder also keeps the ranks stepping together
         if self.world_size > 1 and isinstance(dataloader, DataLoader):
