@@ -302,16 +302,19 @@ def _lightning_worker(rank, W, tmp):
         stats = []
 
         class Losses(L.Callback):
+            def __init__(self, losses, stats):
+                self.losses, self.stats = losses, stats
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                losses.append(float(outputs["loss"]))
+                self.losses.append(float(outputs["loss"]))
 
             def on_train_end(self, trainer, pl_module):
-                stats.extend(dict(p.stats) for p in trainer.strategy._pipelines)
+                self.stats.extend(dict(p.stats) for p in trainer.strategy._pipelines)
 
         strategy = RecStrategy(pipeline=(mode == "pipelined"))
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=W, max_epochs=2, logger=False,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                            gradient_clip_val=0.5, val_check_interval=0.5, callbacks=[Losses()])
+                            gradient_clip_val=0.5, val_check_interval=0.5, callbacks=[Losses(losses, stats)])
         trainer.fit(module, data)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         trainer.save_checkpoint(f"{tmp}/{mode}.ckpt")
