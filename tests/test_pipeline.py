@@ -56,10 +56,10 @@ class Step(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"), logits
 
 
-def _loader(rank: int, batches: int, seed: int = 0):
+def _loader(rank: int, batches: int, seed: int = 0, pin_memory: bool = False):
     data = SyntheticCriteoDataModule(num_train_samples=batches * BATCH, num_val_samples=BATCH, batch_size=BATCH,
                                      num_sparse_features=NUM_F, num_embeddings_per_feature=ROWS, num_signal_features=2,
-                                     seed=seed + 7 * rank, shuffle=False)
+                                     seed=seed + 7 * rank, shuffle=False, pin_memory=pin_memory)
     data.setup("fit")
     return data.train_dataloader()
 
@@ -77,10 +77,12 @@ def _plan(kind: str, model: Step, W: int) -> ShardingPlan | None:
         ebc, {f"t{i}": verb(i) for i in range(NUM_F)}, world_size=W, local_size=W)})
 
 
-def _build(kind: str, W: int, inside_kjt: bool = False):
+def _build(kind: str, W: int, inside_kjt: bool = False, device: str = "cpu"):
     torch.manual_seed(0)
     model = Step(inside_kjt)
-    dmp = DistributedModelParallel(model, plan=_plan(kind, model, W), device="cpu", timeout=30)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    dmp = DistributedModelParallel(model, plan=_plan(kind, model, W), device=device, timeout=30)
     opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
                              ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
     return model, dmp, opt
@@ -121,11 +123,13 @@ def _weights(dmp) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity_worker(rank, W, kind, steps):
+def _parity_worker(rank, W, kind, steps, device="cpu"):
     # plain: the loss each step and the weights at the end
-    model, dmp, opt = _build(kind, W)
+    model, dmp, opt = _build(kind, W, device=device)
     plain_logit_sums = []
-    for batch in _take(_loader(rank, steps), steps):
+    cuda = device == "cuda"
+    for batch in _take(_loader(rank, steps, pin_memory=cuda), steps):
+        batch = batch.to(device)
         opt.zero_grad()
         loss, logits = dmp(batch)
         loss.backward()
@@ -133,16 +137,22 @@ def _parity_worker(rank, W, kind, steps):
         plain_logit_sums.append(float(logits.detach().sum()))
     plain = _weights(dmp)
     del model, dmp, opt
-    model, dmp, opt = _build(kind, W)
-    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
-    piped_logit_sums = _pipelined_steps(pipeline, iter(_loader(rank, steps)))
+    model, dmp, opt = _build(kind, W, device=device)
+    pipeline = TrainPipelineSparseDist(dmp, opt, device)
+    piped_logit_sums = _pipelined_steps(pipeline, iter(_loader(rank, steps, pin_memory=cuda)))
     assert pipeline.stats == {"routed_ahead": steps - 1, "routed_in_step": 1}  # only the recording batch in-step
     pipeline.close()
     piped = _weights(dmp)
-    assert piped_logit_sums == plain_logit_sums, (piped_logit_sums[:5], plain_logit_sums[:5])
     assert plain.keys() == piped.keys()
-    bad = [k for k in plain if not torch.equal(plain[k], piped[k])]
-    assert not bad, bad
+    if not cuda:  # CPU: the same ops in the same order
+        assert piped_logit_sums == plain_logit_sums, (piped_logit_sums[:5], plain_logit_sums[:5])
+        bad = [k for k in plain if not torch.equal(plain[k], piped[k])]
+        assert not bad, bad
+    else:  # GPU: the same kernels, but cuBLAS / TBE may pick other reduction orders on other streams
+        torch.testing.assert_close(torch.tensor(piped_logit_sums), torch.tensor(plain_logit_sums), rtol=1e-4,
+                                   atol=1e-3)
+        for k in plain:
+            torch.testing.assert_close(piped[k], plain[k], rtol=1e-4, atol=1e-5, msg=k)
     return len(piped_logit_sums)
 
 
@@ -156,6 +166,14 @@ def _take(loader, n):
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise", "planner"])
 def test_pipelined_matches_plain_bitwise_over_50_steps(kind):
     assert run_ranks(_parity_worker, 2, kind, 50, timeout=240) == [50, 50]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
+def test_pipelined_matches_plain_nccl():
+    """One rank per visible GPU: side-stream copies from pinned memory, input_dist on its own stream."""
+    W = torch.cuda.device_count()
+    assert run_ranks(_parity_worker, W, "table_wise", 50, "cuda", timeout=600, backend="nccl") == [50] * W
 
 
 def test_find_kjts_paths():
@@ -255,11 +273,21 @@ def _rebuild_worker(rank, W):
     _pipelined_steps(second, iter(rest[6:]))
     del second  # thrown away without close: the next pipeline still builds (a new channel)
     piped = _weights(dmp)
-    return all(torch.equal(plain[k], piped[k]) for k in plain)
+    same_weights = all(torch.equal(plain[k], piped[k]) for k in plain)
+    # forward only (evaluation): the model in eval mode, no optimizer; the same outputs as a plain forward
+    dmp.eval()
+    model.calls = 0
+    with torch.no_grad():
+        expected = [dmp(b)[1] for b in loader_batches[:5]]
+    model.calls = 0  # Step's forward doubles the dense input on odd calls
+    with TrainPipelineSparseDist(dmp, None, "cpu") as evaluation:
+        got = [evaluation.progress(it) for it in [iter(loader_batches[:5])] for _ in range(5)]
+    same_outputs = all(torch.equal(a, b) and not b.requires_grad for a, b in zip(expected, got))
+    return same_weights, same_outputs, _weights(dmp).keys() == plain.keys()
 
 
 def test_pipelines_rebuilt_and_alternating_with_plain_loop_match_plain():
-    assert run_ranks(_rebuild_worker, 2, timeout=180) == [True, True]
+    assert run_ranks(_rebuild_worker, 2, timeout=180) == [(True, True, True)] * 2
 
 
 def _inside_kjt_worker(rank, W):
@@ -337,3 +365,56 @@ def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
         assert val == {"routed_ahead": 9, "routed_in_step": 1}  # sanity check (2) + 4 validations of 2 batches
     state = {m: torch.load(tmp_path / f"{m}.ckpt", weights_only=False)["state_dict"] for m in ("plain", "pipelined")}
     assert all(torch.equal(state["plain"][k], state["pipelined"][k]) for k in state["plain"])
+
+
+def _lightning_bad_input_worker(rank, W):
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_rec import DLRMModule
+    from lightning_rec.data.batch import passthrough_collate
+    from lightning_rec.strategy import RecStrategy
+
+    class Uneven(IterableDataset):  # rank 0 has 6 batches, rank 1 has 4; `bad_at`: a batch with a renamed feature
+        def __init__(self, data, bad_at):
+            self.data, self.bad_at = data, bad_at
+
+        def __iter__(self):
+            for i in range(6 if rank == 0 else 4):
+                b = self.data.__getitems__(list(range(i * 32, (i + 1) * 32)))
+                if i == self.bad_at and rank == 0:
+                    kjt = b.sparse_features
+                    b = Batch(b.dense_features, KeyedJaggedTensor(["C1", "C2", "C3", "C9"], kjt.values(),
+                                                                  lengths=kjt.lengths()), b.labels)
+                yield b
+
+    out = {}
+    for bad_at in (-1, 2):
+        class UnevenData(SyntheticCriteoDataModule):
+            def train_dataloader(self):
+                return DataLoader(Uneven(self.make_split("train"), bad_at), batch_size=None,
+                                  collate_fn=passthrough_collate)
+
+        L.seed_everything(0)
+        data = UnevenData(num_train_samples=256, num_val_samples=64, batch_size=32, num_sparse_features=NUM_F,
+                          num_embeddings_per_feature=64, num_signal_features=2)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=W, max_epochs=2,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, num_sanity_val_steps=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(DLRMModule(**SMALL), data)
+                out[bad_at] = trainer.global_step
+            except ValueError as e:
+                out[bad_at] = str(e)
+        out[f"skipped{bad_at}"] = sum("batches are skipped" in str(w.message) for w in caught)
+    return out
+
+
+def test_rec_strategy_pipeline_uneven_ranks_and_bad_batch():
+    results = run_ranks(_lightning_bad_input_worker, 2, timeout=240, pg_timeout=60)
+    for rank, out in enumerate(results):
+        assert out[-1] == 8  # 4 steps per epoch on both ranks (the shorter loader), 2 epochs
+        assert out["skipped-1"] == (2 if rank == 0 else 0)  # rank 0 says it skipped, once per epoch
+        assert isinstance(out[2], str)  # the bad batch: a ValueError on every rank, nothing hangs
+    assert "C4" in results[0][2] and "C9" in results[0][2]
