@@ -390,10 +390,13 @@ def _lightning_bad_input_worker(rank, W):
     out = {}
     for bad_at in (-1, 2):
         class UnevenData(SyntheticCriteoDataModule):
+            bad_at = -1
+
             def train_dataloader(self):
-                return DataLoader(Uneven(self.make_split("train"), bad_at), batch_size=None,
+                return DataLoader(Uneven(self.make_split("train"), self.bad_at), batch_size=None,
                                   collate_fn=passthrough_collate)
 
+        UnevenData.bad_at = bad_at
         L.seed_everything(0)
         data = UnevenData(num_train_samples=256, num_val_samples=64, batch_size=32, num_sparse_features=NUM_F,
                           num_embeddings_per_feature=64, num_signal_features=2)
