@@ -421,3 +421,69 @@ def test_rec_strategy_pipeline_uneven_ranks_and_bad_batch():
         assert out["skipped-1"] == (2 if rank == 0 else 0)  # rank 0 says it skipped, once per epoch
         assert isinstance(out[2], str)  # the bad batch: a ValueError on every rank, nothing hangs
     assert "C4" in results[0][2] and "C9" in results[0][2]
+
+
+class TwoTower(nn.Module):
+    """Two collections fed from a dict batch, one of them twice: found at run time, no tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        opt = FusedOptimizerConfig("adagrad", lr=0.1)
+        self.user = EmbeddingBagCollection([EmbeddingBagConfig(name="u", num_embeddings=30, embedding_dim=8, feature_names=["uid"])], optimizer=opt)
+        self.item = EmbeddingBagCollection([EmbeddingBagConfig(name="i", num_embeddings=50, embedding_dim=8,
+                                                                feature_names=["iid", "cat"])], optimizer=opt)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, batch: dict):
+        u = self.proj(self.user(batch["user"]).values())
+        pos = self.item(batch["items"][0]).values().view(-1, 2, 8).sum(1)
+        neg = self.item(batch["items"][1]).values().view(-1, 2, 8).sum(1)  # the same collection again
+        logits = torch.cat([(u * pos).sum(1), (u * neg).sum(1)])
+        labels = torch.cat([torch.ones(len(u)), torch.zeros(len(u))])
+        return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"), logits
+
+
+def _two_tower_batches(rank: int, n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(rank)
+    B = 6 + rank
+
+    def kjt(keys, rows):
+        lengths = torch.randint(1, 3, (len(keys) * B,), generator=g)
+        return KeyedJaggedTensor.from_lengths_sync(keys, torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                                                   lengths)
+
+    return [{"user": kjt(["uid"], 30), "items": (kjt(["iid", "cat"], 50), kjt(["iid", "cat"], 50))}
+            for _ in range(n)]
+
+
+def _two_tower_worker(rank, W):
+    batches = _two_tower_batches(rank, 12)
+    runs = []
+    for pipelined in (False, True):
+        torch.manual_seed(0)
+        dmp = DistributedModelParallel(TwoTower(), device="cpu", timeout=30)  # the planner's plan
+        opt = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", torch.optim.SGD(
+            [p for p in dmp.parameters() if p.requires_grad], lr=0.05))])
+        if pipelined:
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+            outputs = [pipeline.progress(it) for it in [iter(batches)] for _ in batches]
+            stats = pipeline.stats
+        else:
+            outputs = []
+            for b in batches:
+                opt.zero_grad()
+                loss, logits = dmp(b)
+                loss.backward()
+                opt.step()
+                outputs.append(logits)
+        runs.append((outputs, _weights(dmp)))
+    (plain_out, plain_w), (piped_out, piped_w) = runs
+    same = all(torch.equal(a, b) for a, b in zip(plain_out, piped_out))
+    same = same and all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+    return same, stats
+
+
+def test_dict_batch_two_collections_one_called_twice():
+    for same, stats in run_ranks(_two_tower_worker, 2, timeout=120):
+        assert same
+        assert stats == {"routed_ahead": 3 * 11, "routed_in_step": 3}  # 3 inputs per batch; the first in-step
