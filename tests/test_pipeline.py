@@ -429,9 +429,10 @@ class TwoTower(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         opt = FusedOptimizerConfig("adagrad", lr=0.1)
-        self.user = EmbeddingBagCollection([EmbeddingBagConfig(name="u", num_embeddings=30, embedding_dim=8, feature_names=["uid"])], optimizer=opt)
-        self.item = EmbeddingBagCollection([EmbeddingBagConfig(name="i", num_embeddings=50, embedding_dim=8,
-                                                                feature_names=["iid", "cat"])], optimizer=opt)
+        user = EmbeddingBagConfig(name="u", num_embeddings=30, embedding_dim=8, feature_names=["uid"])
+        item = EmbeddingBagConfig(name="i", num_embeddings=50, embedding_dim=8, feature_names=["iid", "cat"])
+        self.user = EmbeddingBagCollection([user], optimizer=opt)
+        self.item = EmbeddingBagCollection([item], optimizer=opt)
         self.proj = nn.Linear(8, 8)
 
     def forward(self, batch: dict):
