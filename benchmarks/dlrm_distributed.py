@@ -371,6 +371,7 @@ def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
 
 def pipeline_main(args) -> None:
     world_size = 2
+    load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -413,6 +414,9 @@ def pipeline_main(args) -> None:
     rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
     figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
                "median_of_round_ratios": round(statistics.median(ratio_per_round), 3),
+               # a shared machine: with more runnable threads than cores, the pipelined run's second thread
+               # also gets a larger share of the CPU, which a dedicated machine would not give
+               "load_avg_1min_before": round(load_before, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),
                "plain_median_step_ms": round(1e3 * median_step["plain"], 2),
                "pipelined_median_step_ms": round(1e3 * median_step["pipelined"], 2),
                **{f"timeline_ms_per_step.{m}.{k}": round(v, 2) for m, p in profiles.items() for k, v in p.items()},

@@ -684,7 +684,10 @@ class InputPipeline:
         # collector's timing differs between ranks, and channels must be handed out in one order)
         feeder = getattr(self, "feeder", None)
         if feeder is not None:
-            feeder.stop_soon()
+            try:
+                feeder.stop_soon()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
 
 class TrainPipelineSparseDist:
