@@ -37,6 +37,14 @@ input_dist ahead (TorchRec's TrainPipelineSparseDist). A semi-synchronous varian
 next batch's lookup to the feeder's stages (embeddings one update stale); a fused-lookup one would
 start the lookup from the routed ids in the same stage: another entry of `_STAGES_AHEAD`.
 
+GPU (written against torch 2.11-2.13's stream API, not yet run on a GPU): the copy runs on a side
+stream from pinned memory (pinned here when the loader did not), input_dist on a second stream that
+waits for the copy's event; the step's stream waits for each event before using a batch or its
+routed ids, and every tensor crossing streams is `record_stream`-ed so the caching allocator keeps
+it until the step is done. The feeder's all-to-alls are NCCL calls on the pipeline's own
+communicator, issued from the feeder thread while the step's run on the model's: to be checked for
+overlap (and for NCCL's rule on concurrent communicators) on real GPUs.
+
 Memory: with depth K the step holds 1 + K batches' routed ids (Lightning's loop takes one more
 batch ahead: 2 + K); the planner counts them (`planner.CostModel(pipelined=K)`).
 """
