@@ -1,4 +1,4 @@
-"""Data: Criteo files and synthetic Criteo-shaped data, as whole `Batch`es."""
+"""Data: Criteo files, synthetic Criteo-shaped data and MovieLens, as whole batches."""
 
 from lightning_rec.data.batch import Batch, passthrough_collate
 from lightning_rec.data.criteo import (
@@ -16,6 +16,7 @@ from lightning_rec.data.criteo_parse import (
     detect_layout,
     read_criteo,
 )
+from lightning_rec.data.movielens import MovieLensDataModule, RankingBatch, RetrievalBatch, read_ratings
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
 
 __all__ = [
@@ -25,7 +26,10 @@ __all__ = [
     "CriteoDataset",
     "CriteoIterableDataset",
     "CriteoLayout",
+    "MovieLensDataModule",
     "ParseReport",
+    "RankingBatch",
+    "RetrievalBatch",
     "SyntheticCriteoDataModule",
     "SyntheticCriteoDataset",
     "build_criteo_cache",
@@ -34,4 +38,5 @@ __all__ = [
     "make_criteo_batch",
     "passthrough_collate",
     "read_criteo",
+    "read_ratings",
 ]

@@ -10,23 +10,38 @@ are torchmetrics states with a `dist_reduce_fx`, so `compute()` is over all rank
     CTR       sum of labels, count                          ("sum")   -> positives / count
     NE        sum of BCE, sum of labels, count              ("sum")   -> logloss / H(ctr)
     AUC       every prediction and label                    ("cat")   -> exact, tie-aware
+    BinnedAUC confusion counts at T thresholds              ("sum")   -> torchmetrics BinaryAUROC
 
     H(p) = -(p log p + (1 - p) log(1 - p)), the log loss of always predicting the data's own
     click rate; NE < 1 means the model beats that constant (He et al., 2014).
 
 Sums are kept in float64: over tens of millions of samples float32 sums lose digits. AUC keeps
 all predictions (4 bytes each, plus the label); pass `compute_on_cpu=True` to keep them on the
-host. Labels must be 0 or 1 (not checked per batch: that would read the device every step).
+host, or use `BinnedAUC` (torchmetrics' binned BinaryAUROC: memory fixed by the number of
+thresholds) for evaluation sets too big to keep.
+
+Why AUC is our own exact rank statistic and not torchmetrics' exact `BinaryAUROC`: the same
+value (a test checks it on probabilities), but `BinaryAUROC` applies a float32 sigmoid to logits,
+which rounds every logit above ~17 to 1.0 and turns distinct scores into ties (a wrong AUC for
+confident models), stores labels as int64 (8 bytes a sample instead of 4), and validates labels
+with a host sync per batch. `benchmarks/auc.py` measures the speed and memory of both.
+
+Labels must be 0 or 1 (ratings, -1/1 labels or NaN labels of unlabelled data would give an AUC
+above 1 or a meaningless NE). On CPU every batch is checked in `update`; on GPU the count of bad
+labels is kept on the device (no per-step host sync) and `compute()` raises. An evaluation set of
+one class has no AUC: a warning and NaN, never a crash.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
+from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
 
@@ -38,6 +53,43 @@ def _flat(preds: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
             f"sample (shape [B] or [B, 1]) and labels of shape [B]"
         )
     return preds_B, labels_B
+
+
+def _bad_label_count(labels_B: Tensor) -> Tensor:
+    """How many labels are not 0 or 1 (NaN included), as a tensor on the labels' device."""
+    return ((labels_B != 0) & (labels_B != 1)).sum()
+
+
+def _label_error(num_bad: int, num_labels: int | None, where: str) -> ValueError:
+    of = f" of {num_labels}" if num_labels is not None else ""
+    return ValueError(
+        f"{where}: {num_bad}{of} labels are not 0 or 1: click metrics need binary labels. Binarize them "
+        f"first (e.g. `labels = (rating >= 4).float()`, or `(labels > 0).float()` for -1/1 labels); NaN labels "
+        f"come from unlabelled data (such as the Kaggle test file), which has no metric"
+    )
+
+
+def _check_labels_now(labels_B: Tensor, where: str) -> Tensor | None:
+    """On CPU: raise on a bad label at once. Elsewhere: return the bad count to keep on the device."""
+    bad = _bad_label_count(labels_B)
+    if labels_B.device.type == "cpu":
+        if int(bad):
+            raise _label_error(int(bad), labels_B.numel(), where)
+        return None
+    return bad
+
+
+def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
+    if num_pos > 0 and num_neg > 0:
+        return None
+    warnings.warn(
+        f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
+        f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
+        f"Evaluate on a set with both clicks and non-clicks",
+        UserWarning,
+        stacklevel=3,
+    )
+    return torch.tensor(float("nan"), dtype=torch.float64)
 
 
 def _bce_sum(preds_B: Tensor, labels_B: Tensor, from_logits: bool) -> Tensor:
@@ -64,12 +116,21 @@ class _SumMetric(Metric):
         self.add_state("loss_sum", default=zero(), dist_reduce_fx="sum")
         self.add_state("label_sum", default=zero(), dist_reduce_fx="sum")
         self.add_state("count", default=zero(), dist_reduce_fx="sum")
+        self.add_state("bad_labels", default=zero(), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
         preds_B, labels_B = _flat(preds, labels)
+        bad = _check_labels_now(labels_B, f"{type(self).__name__}.update")
+        if bad is not None:
+            self.bad_labels += bad
         self.loss_sum += _bce_sum(preds_B, labels_B, self.from_logits)
         self.label_sum += labels_B.double().sum()
         self.count += labels_B.numel()
+
+    def _checked_count(self) -> Tensor:
+        if float(self.bad_labels):  # one host read per compute, not per batch
+            raise _label_error(int(self.bad_labels), int(self.count), f"{type(self).__name__}.compute")
+        return self.count
 
 
 class LogLoss(_SumMetric):
@@ -78,7 +139,7 @@ class LogLoss(_SumMetric):
     higher_is_better = False
 
     def compute(self) -> Tensor:
-        return self.loss_sum / self.count
+        return self.loss_sum / self._checked_count()
 
 
 class CTR(_SumMetric):
@@ -87,7 +148,7 @@ class CTR(_SumMetric):
     higher_is_better = None
 
     def compute(self) -> Tensor:
-        return self.label_sum / self.count
+        return self.label_sum / self._checked_count()
 
 
 class NormalizedEntropy(_SumMetric):
@@ -96,7 +157,8 @@ class NormalizedEntropy(_SumMetric):
     higher_is_better = False
 
     def compute(self) -> Tensor:
-        return (self.loss_sum / self.count) / binary_entropy(self.label_sum / self.count)
+        count = self._checked_count()
+        return (self.loss_sum / count) / binary_entropy(self.label_sum / count)
 
 
 class AUC(Metric):
@@ -118,11 +180,57 @@ class AUC(Metric):
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
         preds_B, labels_B = _flat(preds, labels)
+        _check_labels_now(labels_B, "AUC.update")  # off CPU, compute() checks all labels once
         self.preds.append(preds_B.float())
         self.labels.append(labels_B.float())
 
     def compute(self) -> Tensor:
-        return exact_auc(dim_zero_cat(self.preds), dim_zero_cat(self.labels))
+        empty = isinstance(self.labels, list) and not self.labels  # a list before sync, a tensor after
+        labels_N = torch.zeros(0) if empty else dim_zero_cat(self.labels)
+        preds_N = torch.zeros(0) if empty else dim_zero_cat(self.preds)
+        bad = int(_bad_label_count(labels_N))
+        if bad:
+            raise _label_error(bad, labels_N.numel(), "AUC.compute")
+        num_pos = float(labels_N.sum())
+        nan = _one_class_nan(num_pos, labels_N.numel() - num_pos, "AUC")
+        if nan is not None:
+            return nan
+        return exact_auc(preds_N, labels_N)
+
+
+class BinnedAUC(BinaryAUROC):
+    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities: torchmetrics'
+    binned `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
+
+    Logits (`from_logits=True`) go through a sigmoid first. With 10,000 thresholds the value is
+    within about 1e-3 of the exact AUC for well-spread probabilities; predictions that crowd into a
+    few bins (a very confident model) lose more, so check against `AUC` on a sample.
+    """
+
+    def __init__(self, num_thresholds: int = 10_000, from_logits: bool = True, **kwargs) -> None:
+        if not isinstance(num_thresholds, int) or num_thresholds < 2:
+            raise ValueError(f"BinnedAUC(num_thresholds={num_thresholds!r}): use an int >= 2 (10,000 is typical)")
+        # validate_args=False: its label check reads the device every batch; ours does not
+        super().__init__(thresholds=num_thresholds, validate_args=False, **kwargs)
+        self.from_logits = from_logits
+        self.add_state("bad_labels", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        preds_B, labels_B = _flat(preds, labels)
+        bad = _check_labels_now(labels_B, "BinnedAUC.update")
+        if bad is not None:
+            self.bad_labels += bad
+        probs_B = torch.sigmoid(preds_B.float()) if self.from_logits else preds_B.float()
+        super().update(probs_B, labels_B.long())
+
+    def compute(self) -> Tensor:  # states are synced over ranks before this runs
+        if int(self.bad_labels):
+            raise _label_error(int(self.bad_labels), None, "BinnedAUC.compute")
+        counts = self.confmat[0]  # [label, prediction] at the first threshold: every sample once
+        nan = _one_class_nan(float(counts[1].sum()), float(counts[0].sum()), "BinnedAUC")
+        if nan is not None:
+            return nan
+        return super().compute().double()
 
 
 def exact_auc(scores_N: Tensor, labels_N: Tensor) -> Tensor:
@@ -138,7 +246,7 @@ def exact_auc(scores_N: Tensor, labels_N: Tensor) -> Tensor:
     return (rank_sum_pos - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg)
 
 
-_METRICS = {"auc": AUC, "ne": NormalizedEntropy, "logloss": LogLoss, "ctr": CTR}
+_METRICS = {"auc": AUC, "binned_auc": BinnedAUC, "ne": NormalizedEntropy, "logloss": LogLoss, "ctr": CTR}
 
 
 class RecMetricCollection(MetricCollection):
