@@ -86,12 +86,14 @@ class TwoTower(nn.Module):
 def in_batch_softmax_loss(user_BD: Tensor, item_BD: Tensor, item_index_B: Tensor,
                           item_log_q_B: Tensor | None = None, temperature: float = 1.0) -> Tensor:
     """Sampled softmax over the batch's items, logQ-corrected, accidental hits masked (see module doc)."""
-    logits_BB = user_BD @ item_BD.t() / temperature
-    if item_log_q_B is not None:
-        logits_BB = logits_BB - item_log_q_B.unsqueeze(0)  # an item seen often is a negative often: discount it
+    logits_BB = (user_BD / temperature) @ item_BD.t()  # dividing [B, D] is cheaper than [B, B]
+    # an item that is the positive itself elsewhere in the batch is no negative (an accidental hit)
     same_item_BB = item_index_B.unsqueeze(0) == item_index_B.unsqueeze(1)
     same_item_BB.fill_diagonal_(False)
-    logits_BB = logits_BB.masked_fill(same_item_BB, float("-inf"))
+    penalty_BB = same_item_BB * -1e9  # finite: -inf would give NaN gradients if it met an inf score
+    if item_log_q_B is not None:
+        penalty_BB = penalty_BB - item_log_q_B.unsqueeze(0)  # an item seen often is a negative often: discount it
+    logits_BB = logits_BB + penalty_BB
     return F.cross_entropy(logits_BB, torch.arange(logits_BB.shape[0], device=logits_BB.device))
 
 
