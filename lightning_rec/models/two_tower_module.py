@@ -42,6 +42,8 @@ class TwoTowerModule(L.LightningModule):
         user_layer_sizes / item_layer_sizes: the towers' MLPs ([] = no MLP: matrix factorisation).
         score: "dot" or "cosine"; temperature divides the scores (use ~0.05-0.2 with cosine).
         loss: "softmax" (in-batch negatives, `logq_correction`) or "bpr" (needs num_negatives=1 data).
+        embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
+            tower outputs of the batch (for MF: the embedding rows it touches); 0 = none.
         sparse_optimizer / sparse_lr / sparse_weight_decay: the fused table update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the MLPs (if any).
         ks: ranking cutoffs; top_k_table_users: users shown in the top-10 table (0 = none).
@@ -59,6 +61,7 @@ class TwoTowerModule(L.LightningModule):
         temperature: float = 1.0,
         loss: str = "softmax",
         logq_correction: bool = True,
+        embedding_l2: float = 0.0,
         sparse_optimizer: str = "rowwise_adagrad",
         sparse_lr: float = 0.05,
         sparse_weight_decay: float = 0.0,
@@ -131,7 +134,10 @@ class TwoTowerModule(L.LightningModule):
         if hp.loss == "bpr":
             if batch.neg_item_features is None:
                 raise ValueError("loss='bpr' needs a sampled negative per pair: set the data module's num_negatives=1")
-            loss = bpr_loss(user_BD, item_BD, model.item_embeddings(batch.neg_item_features), hp.temperature)
+            neg_BD = model.item_embeddings(batch.neg_item_features)
+            loss = bpr_loss(user_BD, item_BD, neg_BD, hp.temperature)
+            if hp.embedding_l2:
+                loss = loss + hp.embedding_l2 * (user_BD.square() + item_BD.square() + neg_BD.square()).sum(1).mean()
         else:
             log_q = batch.item_log_q if hp.logq_correction else None
             loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
