@@ -274,8 +274,10 @@ def test_ranking_metrics_equal_torchmetrics_retrieval(k):
     indexes = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(scores)
     # empty_target_action="skip": a user with nothing held out has no value (torchmetrics' default counts 0)
     references = {
-        "ndcg": tr.RetrievalNormalizedDCG(top_k=k, empty_target_action="skip"), "recall": tr.RetrievalRecall(top_k=k, empty_target_action="skip"),
-        "precision": tr.RetrievalPrecision(top_k=k, empty_target_action="skip"), "mrr": tr.RetrievalMRR(top_k=k, empty_target_action="skip"),
+        "ndcg": tr.RetrievalNormalizedDCG(top_k=k, empty_target_action="skip"),
+        "recall": tr.RetrievalRecall(top_k=k, empty_target_action="skip"),
+        "precision": tr.RetrievalPrecision(top_k=k, empty_target_action="skip"),
+        "mrr": tr.RetrievalMRR(top_k=k, empty_target_action="skip"),
         "hit_rate": tr.RetrievalHitRate(top_k=k, empty_target_action="skip"),
     }
     ours = RankingMetrics(ks=[k])
@@ -317,7 +319,8 @@ def test_full_ranking_excludes_training_items_and_equals_candidates_without_them
     # against torchmetrics on the items that are not excluded
     keep = ~seen | target
     indexes = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(scores)
-    ref = RetrievalNormalizedDCG(top_k=10, empty_target_action="skip")(scores[keep], target[keep], indexes=indexes[keep])
+    ndcg = RetrievalNormalizedDCG(top_k=10, empty_target_action="skip")
+    ref = ndcg(scores[keep], target[keep], indexes=indexes[keep])
     assert float(full.compute()["ndcg@10"]) == pytest.approx(float(ref), abs=1e-6)
     # and excluding changes the answer (the test can fail)
     plain = RankingMetrics(ks=[10])

@@ -176,7 +176,8 @@ def test_latin1_item_file_other_layouts_and_bad_folders(tmp_path):
     # ml-20m/25m layout: ratings.csv with a header, movies.csv quoted
     root = tmp_path / "ml-25m"
     _write(root / "ratings.csv", "userId,movieId,rating,timestamp\n1,1,4.0,1\n1,2,3.5,2\n2,1,5.0,3\n")
-    _write(root / "movies.csv", 'movieId,title,genres\n1,"Toy Story, The (1995)",Animation|Comedy\n2,Heat (1995),Action\n')
+    _write(root / "movies.csv",
+           'movieId,title,genres\n1,"Toy Story, The (1995)",Animation|Comedy\n2,Heat (1995),Action\n')
     dm25 = MovieLensDataModule(str(root))
     dm25.setup()
     assert dm25.report.layout == "ml-20m" and dm25.item_titles[0] == "Toy Story, The (1995)"

@@ -225,6 +225,10 @@ def _bucket_age(age: int) -> int:
     return 1 + sum(age >= e for e in _AGE_EDGES)  # 1..7; 0 = missing
 
 
+def _zip_bucket(zip_code: str) -> int:
+    return 1 + int(zip_code[0]) if zip_code[:1].isdigit() else 11  # US zip region 0-9; 11: other (Canada, ...)
+
+
 def _decade(year: int | None) -> int:
     return 0 if year is None else max(1, (year - 1900) // 10 + 2)  # 1: before 1910, ... ; 0 = missing
 
@@ -254,9 +258,10 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
             for n, line in enumerate(_read_text(data_dir / "u.user").splitlines(), 1):
                 f = line.split("|")
                 if len(f) < 5:
-                    raise ValueError(f"{data_dir / 'u.user'}:{n}: {len(f)} fields; expected id|age|gender|occupation|zip")
+                    raise ValueError(f"{data_dir / 'u.user'}:{n}: {len(f)} fields; "
+                                     f"expected id|age|gender|occupation|zip")
                 users[int(f[0])] = {"age": _bucket_age(int(f[1])), "gender": gender(f[2]),
-                                    "occupation": occupation(f[3]), "zip": 1 + int(f[4][0]) if f[4][:1].isdigit() else 11}
+                                    "occupation": occupation(f[3]), "zip": _zip_bucket(f[4])}
         if (data_dir / "u.item").is_file():
             for n, line in enumerate(_read_text(data_dir / "u.item").splitlines(), 1):
                 f = line.split("|")
@@ -272,7 +277,7 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
             for line in _read_text(data_dir / "users.dat").splitlines():
                 f = line.split("::")
                 users[int(f[0])] = {"gender": gender(f[1]), "age": _bucket_age(int(f[2])),
-                                    "occupation": int(f[3]) + 1, "zip": 1 + int(f[4][0]) if f[4][:1].isdigit() else 11}
+                                    "occupation": int(f[3]) + 1, "zip": _zip_bucket(f[4])}
         if (data_dir / "movies.dat").is_file():
             for line in _read_text(data_dir / "movies.dat").splitlines():
                 f = line.split("::")
@@ -302,7 +307,8 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
         if (data_dir / name).is_file():
             return layout, data_dir / name
     raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
-                     f"(ml-1m, ml-10m) or ratings.csv (ml-20m, ml-25m, ml-latest); pass the unpacked folder as data_dir")
+                     f"(ml-1m, ml-10m) or ratings.csv (ml-20m, ml-25m, ml-latest); pass the unpacked folder "
+                     f"as data_dir")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ class TwoTowerModule(L.LightningModule):
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
         if dense_optimizer not in DENSE_OPTIMIZERS:
-            raise ValueError(f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}")
+            raise ValueError(f"unknown dense_optimizer {dense_optimizer!r}: "
+                             f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model: TwoTower | None = None
