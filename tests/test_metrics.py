@@ -218,8 +218,16 @@ def test_binned_auc_is_torchmetrics_binned_auroc_and_close_to_exact(data):
         binned.update(chunk_l, chunk_y)
         exact.update(chunk_l, chunk_y)
         reference.update(torch.sigmoid(chunk_l), chunk_y.long())
+    assert torch.equal(binned.confmat, reference.confmat)  # our histogram counts = torchmetrics' per-threshold ones
     assert float(binned.compute()) == pytest.approx(float(reference.compute()), abs=1e-7)
     assert float(binned.compute()) == pytest.approx(float(exact.compute()), abs=2e-3)
+    # probabilities exactly on thresholds, and 0 and 1: the same counts as torchmetrics' comparisons
+    edge = torch.tensor([0.0, 1.0, 0.5, 0.25, 0.75, 0.2500001, 0.9999, 0.0001])
+    edge_labels = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    ours_edge, ref_edge = BinnedAUC(num_thresholds=5, from_logits=False), BinaryAUROC(thresholds=5)
+    ours_edge.update(edge, edge_labels)
+    ref_edge.update(edge, edge_labels.long())
+    assert torch.equal(ours_edge.confmat, ref_edge.confmat)
     with pytest.raises(ValueError, match="num_thresholds"):
         BinnedAUC(num_thresholds=1)
 

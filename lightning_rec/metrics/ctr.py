@@ -202,7 +202,8 @@ class BinnedAUC(BinaryAUROC):
     """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities: torchmetrics'
     binned `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
 
-    Logits (`from_logits=True`) go through a sigmoid first. With 10,000 thresholds the value is
+    Logits (`from_logits=True`) go through a sigmoid first. `update` builds the same confusion counts as
+    torchmetrics from a histogram (O(N log T) instead of O(N T); a test checks the counts are equal). With 10,000 thresholds the value is
     within about 1e-3 of the exact AUC for well-spread probabilities; predictions that crowd into a
     few bins (a very confident model) lose more, so check against `AUC` on a sample.
     """
@@ -221,7 +222,19 @@ class BinnedAUC(BinaryAUROC):
         if bad is not None:
             self.bad_labels += bad
         probs_B = torch.sigmoid(preds_B.float()) if self.from_logits else preds_B.float()
-        super().update(probs_B, labels_B.long())
+        # torchmetrics compares every sample with every threshold (O(B T): 16 s per million samples at
+        # T = 10,000 on a 2-core CPU); a histogram over the thresholds gives the same counts in O(B log T)
+        thresholds_T = self.thresholds
+        T = thresholds_T.numel()
+        above_B = torch.searchsorted(thresholds_T, probs_B, right=True)  # how many thresholds are <= p
+        labels_i = labels_B.long()
+        hist_2J = torch.bincount(above_B + (T + 1) * labels_i, minlength=2 * (T + 1)).view(2, T + 1)
+        # predicted positive at threshold t (p >= thr_t) <=> above > t: counts of above in t+1..T
+        positive_2T = hist_2J.flip(1).cumsum(1).flip(1)[:, 1:]
+        negative_2T = hist_2J.sum(1, keepdim=True) - positive_2T
+        confmat_T22 = torch.stack([torch.stack([negative_2T[0], positive_2T[0]], 1),   # label 0: tn, fp
+                                   torch.stack([negative_2T[1], positive_2T[1]], 1)], 1)  # label 1: fn, tp
+        self.confmat += confmat_T22.to(self.confmat.dtype)
 
     def compute(self) -> Tensor:  # states are synced over ranks before this runs
         if int(self.bad_labels):
