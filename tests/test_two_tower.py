@@ -127,12 +127,13 @@ def test_recipe_smoke_run_logs_to_wandb_offline(recipe, tmp_path, monkeypatch, c
                 "mem/rank0_max_rss_mb"):
         assert key in metrics, key
     assert "final ranking metrics: test_hit_rate@10=" in capsys.readouterr().out
+    run_dir = Path(cli.trainer.logger.experiment.dir).parent  # where this run's offline file is, whatever WANDB_DIR
     cli.trainer.logger.experiment.finish()
     # (the sharding plan table is logged by strategy="rec": tests/test_strategy.py checks it)
     keys = (b"val_top10", b"train_samples_per_s", b"mem/rank0_max_rss_mb", b"embedding_dim")
     blob = b""
     for _ in range(60):  # the W&B service writes the offline file shortly after finish() returns
-        blob = b"".join(p.read_bytes() for p in tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+        blob = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
         if all(k in blob for k in keys):
             break
         time.sleep(0.5)
