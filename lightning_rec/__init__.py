@@ -36,7 +36,9 @@ _EXPORTS = {
     "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models",
     "Batch": "data", "CriteoDataModule": "data", "SyntheticCriteoDataModule": "data",
     "AUC": "metrics", "CTR": "metrics", "LogLoss": "metrics", "NormalizedEntropy": "metrics",
-    "RecMetricCollection": "metrics",
+    "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
+    "Recall": "metrics", "Precision": "metrics", "MRR": "metrics", "HitRate": "metrics",
+    "MovieLensDataModule": "data", "TwoTower": "models", "TwoTowerModule": "models",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -56,7 +58,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static tools see the names as if imported eagerly
-    from lightning_rec.data import Batch, CriteoDataModule, SyntheticCriteoDataModule  # noqa: F401
+    from lightning_rec.data import Batch, CriteoDataModule, MovieLensDataModule, SyntheticCriteoDataModule  # noqa: F401
     from lightning_rec.embedding import (  # noqa: F401
         BaseEmbeddingConfig,
         EmbeddingBagCollection,
@@ -65,7 +67,20 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         EmbeddingConfig,
         PoolingType,
     )
-    from lightning_rec.metrics import AUC, CTR, LogLoss, NormalizedEntropy, RecMetricCollection  # noqa: F401
+    from lightning_rec.metrics import (  # noqa: F401
+        AUC,
+        CTR,
+        MRR,
+        NDCG,
+        BinnedAUC,
+        HitRate,
+        LogLoss,
+        NormalizedEntropy,
+        Precision,
+        RankingMetrics,
+        Recall,
+        RecMetricCollection,
+    )
     from lightning_rec.model_parallel import (  # noqa: F401
         DistributedModelParallel,
         column_wise,
@@ -77,7 +92,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         table_row_wise,
         table_wise,
     )
-    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule  # noqa: F401
+    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, TwoTower, TwoTowerModule  # noqa: F401
     from lightning_rec.optim import (  # noqa: F401
         CombinedOptimizer,
         EmbOptimType,

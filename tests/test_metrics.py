@@ -1,4 +1,5 @@
-"""AUC, NE, log loss and CTR against hand-computed numpy references, across simulated ranks, in Lightning."""
+"""AUC, NE, log loss, CTR and the ranking metrics against hand-computed references and torchmetrics,
+across simulated and real (gloo) ranks, in Lightning; bad labels and one-class sets."""
 
 from __future__ import annotations
 
@@ -10,7 +11,22 @@ import torch
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
 
-from lightning_rec.metrics import AUC, CTR, LogLoss, NormalizedEntropy, RecMetricCollection, exact_auc
+from lightning_rec.metrics import (
+    AUC,
+    CTR,
+    MRR,
+    NDCG,
+    BinnedAUC,
+    HitRate,
+    LogLoss,
+    NormalizedEntropy,
+    Precision,
+    RankingMetrics,
+    Recall,
+    RecMetricCollection,
+    exact_auc,
+)
+from tests.dist_utils import run_ranks
 
 
 def ref_auc(scores, labels) -> float:
@@ -155,3 +171,215 @@ def test_collection_logs_to_progress_bar_in_lightning():
     assert float(metrics["val/ne"]) < 1.0
     val_labels = dm.datasets["val"].labels_N
     assert float(metrics["val/ctr"]) == pytest.approx(float(val_labels.mean()), rel=1e-6)
+
+
+# labels outside {0, 1}, one-class sets, binned AUC ----------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [AUC, BinnedAUC, NormalizedEntropy, LogLoss, CTR])
+def test_labels_outside_0_1_are_an_error_naming_the_fix(cls):
+    ratings = torch.tensor([1.0, 5.0, 3.0, 4.0])  # the bug report: these gave AUC 1.67
+    with pytest.raises(ValueError, match=r"not 0 or 1.*Binarize"):
+        cls().update(torch.randn(4), ratings)
+    with pytest.raises(ValueError, match="NaN labels"):
+        cls().update(torch.randn(2), torch.tensor([0.0, float("nan")]))
+    metric = cls()
+    metric.update(torch.randn(4), torch.tensor([0.0, 1.0, 1.0, 0.0]))  # 0/1 as floats or ints: fine
+    metric.update(torch.randn(2), torch.tensor([1, 0]))
+    assert torch.isfinite(torch.as_tensor(metric.compute())).all()
+
+
+@pytest.mark.parametrize("cls", [NormalizedEntropy, BinnedAUC])
+def test_bad_labels_counted_on_device_raise_at_compute(cls):
+    metric = cls()  # on GPU update() only counts (no host sync); compute() raises
+    metric.update(torch.randn(4), torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    metric.bad_labels += 3
+    with pytest.raises(ValueError, match="3 .*labels are not 0 or 1"):
+        metric.compute()
+
+
+@pytest.mark.parametrize("cls", [AUC, BinnedAUC])
+def test_auc_of_one_class_warns_and_is_nan(cls):
+    for labels in (torch.ones(5), torch.zeros(5)):
+        metric = cls()
+        metric.update(torch.randn(5), labels)
+        with pytest.warns(UserWarning, match="only .* labels.*undefined"):
+            assert math.isnan(float(metric.compute()))
+    empty = cls()
+    with pytest.warns(UserWarning, match="undefined"):
+        assert math.isnan(float(empty.compute()))
+
+
+def test_binned_auc_is_torchmetrics_binned_auroc_and_close_to_exact(data):
+    logits, labels = data
+    binned, exact = BinnedAUC(num_thresholds=1000), AUC()
+    reference = BinaryAUROC(thresholds=1000)
+    for chunk_l, chunk_y in zip(logits.split(100), labels.split(100)):
+        binned.update(chunk_l, chunk_y)
+        exact.update(chunk_l, chunk_y)
+        reference.update(torch.sigmoid(chunk_l), chunk_y.long())
+    assert torch.equal(binned.confmat, reference.confmat)  # our histogram counts = torchmetrics' per-threshold ones
+    assert float(binned.compute()) == pytest.approx(float(reference.compute()), abs=1e-7)
+    assert float(binned.compute()) == pytest.approx(float(exact.compute()), abs=2e-3)
+    # probabilities exactly on thresholds, and 0 and 1: the same counts as torchmetrics' comparisons
+    edge = torch.tensor([0.0, 1.0, 0.5, 0.25, 0.75, 0.2500001, 0.9999, 0.0001])
+    edge_labels = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    ours_edge, ref_edge = BinnedAUC(num_thresholds=5, from_logits=False), BinaryAUROC(thresholds=5)
+    ours_edge.update(edge, edge_labels)
+    ref_edge.update(edge, edge_labels.long())
+    assert torch.equal(ours_edge.confmat, ref_edge.confmat)
+    with pytest.raises(ValueError, match="num_thresholds"):
+        BinnedAUC(num_thresholds=1)
+
+
+def test_exact_auc_keeps_confident_logits_apart_where_binary_auroc_ties_them():
+    # float32 sigmoid rounds every logit above ~17 to 1.0: BinaryAUROC sees ties, ours the true order
+    logits = torch.tensor([18.0, 19.0, 20.0, 21.0, 22.0, 23.0])
+    labels = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    auc = AUC()
+    auc.update(logits, labels)
+    assert float(auc.compute()) == 1.0
+    assert float(BinaryAUROC()(logits, labels.long())) == pytest.approx(0.5)
+
+
+# ranking metrics ---------------------------------------------------------------------------------
+
+
+def test_ranking_metrics_hand_computed():
+    # user 0: relevant items {1, 3}; ranking by score: 3, 0, 1, 2 -> hits at ranks 1 and 3
+    # user 1: relevant item {2};    ranking: 0, 1, 2, 3       -> hit at rank 3
+    scores = torch.tensor([[0.8, 0.3, 0.1, 0.9], [0.9, 0.5, 0.4, 0.1]])
+    target = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 0]])
+    m = RankingMetrics(ks=[1, 3])
+    m.update(scores, target)
+    got = {k: float(v) for k, v in m.compute().items()}
+    d = [1 / math.log2(j + 1) for j in range(1, 5)]
+    expected = {
+        "ndcg@1": (1.0 + 0.0) / 2, "ndcg@3": ((d[0] + d[2]) / (d[0] + d[1]) + d[2] / d[0]) / 2,
+        "recall@1": (0.5 + 0) / 2, "recall@3": (1.0 + 1.0) / 2,
+        "precision@1": (1 + 0) / 2, "precision@3": (2 / 3 + 1 / 3) / 2,
+        "mrr@1": (1 + 0) / 2, "mrr@3": (1 + 1 / 3) / 2,
+        "hit_rate@1": 0.5, "hit_rate@3": 1.0,
+    }
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert float(NDCG(ks=3)(scores, target)) == pytest.approx(expected["ndcg@3"], abs=1e-12)
+    assert set(Recall(ks=[1, 3])(scores, target)) == {"recall@1", "recall@3"}
+
+
+def _random_lists(seed, num_users=40, num_items=30):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_users, num_items, generator=g, dtype=torch.float64).float()  # distinct: no ties
+    target = torch.rand(num_users, num_items, generator=g) < 0.15
+    target[3] = False  # a user with nothing held out: skipped by both
+    return scores, target
+
+
+@pytest.mark.parametrize("k", [1, 5, 10, 30])
+def test_ranking_metrics_equal_torchmetrics_retrieval(k):
+    from torchmetrics import retrieval as tr
+
+    scores, target = _random_lists(k)
+    indexes = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(scores)
+    # empty_target_action="skip": a user with nothing held out has no value (torchmetrics' default counts 0)
+    references = {
+        "ndcg": tr.RetrievalNormalizedDCG(top_k=k, empty_target_action="skip"),
+        "recall": tr.RetrievalRecall(top_k=k, empty_target_action="skip"),
+        "precision": tr.RetrievalPrecision(top_k=k, empty_target_action="skip"),
+        "mrr": tr.RetrievalMRR(top_k=k, empty_target_action="skip"),
+        "hit_rate": tr.RetrievalHitRate(top_k=k, empty_target_action="skip"),
+    }
+    ours = RankingMetrics(ks=[k])
+    for rows in torch.arange(scores.shape[0]).split(16):  # batches of users
+        ours.update(scores[rows], target[rows])
+    got = ours.compute()
+    for name, ref in references.items():
+        want = ref(scores.reshape(-1), target.reshape(-1), indexes=indexes.reshape(-1))
+        assert float(got[f"{name}@{k}"]) == pytest.approx(float(want), abs=1e-6), name
+    empty = int((target.sum(1) == 0).sum())
+    assert empty >= 1 and int(ours.skipped_users) == empty and int(ours.num_users) == scores.shape[0] - empty
+    singles = {"ndcg": NDCG, "recall": Recall, "precision": Precision, "mrr": MRR, "hit_rate": HitRate}
+    for name, cls in singles.items():
+        assert float(cls(ks=k)(scores, target)) == pytest.approx(float(got[f"{name}@{k}"]), abs=1e-12)
+
+
+def _csr(rows_of_items):
+    lengths = torch.tensor([len(r) for r in rows_of_items])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    items = torch.tensor([i for r in rows_of_items for i in r], dtype=torch.int64)
+    return offsets, items
+
+
+def test_full_ranking_excludes_training_items_and_equals_candidates_without_them():
+    from torchmetrics.retrieval import RetrievalNormalizedDCG
+
+    scores, target = _random_lists(7)
+    g = torch.Generator().manual_seed(1)
+    seen = (torch.rand(scores.shape, generator=g) < 0.3) & ~target  # training items
+    seen[0, target[0].nonzero()[0]] = True  # a held-out item also seen in training is still ranked
+    t_off, t_items = _csr([r.nonzero().flatten().tolist() for r in target])
+    x_off, x_items = _csr([r.nonzero().flatten().tolist() for r in seen])
+    full = RankingMetrics(ks=[5, 10])
+    full.update_full(scores, t_off, t_items, x_off, x_items)
+    candidates = RankingMetrics(ks=[5, 10])
+    candidates.update(scores, target, mask=~seen | target)
+    for key, value in full.compute().items():
+        assert float(value) == pytest.approx(float(candidates.compute()[key]), abs=1e-12), key
+    # against torchmetrics on the items that are not excluded
+    keep = ~seen | target
+    indexes = torch.arange(scores.shape[0]).unsqueeze(1).expand_as(scores)
+    ndcg = RetrievalNormalizedDCG(top_k=10, empty_target_action="skip")
+    ref = ndcg(scores[keep], target[keep], indexes=indexes[keep])
+    assert float(full.compute()["ndcg@10"]) == pytest.approx(float(ref), abs=1e-6)
+    # and excluding changes the answer (the test can fail)
+    plain = RankingMetrics(ks=[10])
+    plain.update(scores, target)
+    assert float(plain.compute()["ndcg@10"]) != pytest.approx(float(full.compute()["ndcg@10"]), abs=1e-6)
+
+
+def test_ranking_bad_input():
+    m = RankingMetrics(ks=[10])
+    scores = torch.rand(3, 5)
+    off, items = _csr([[1], [], [7]])  # item 7 of 5 scored items
+    with pytest.raises(ValueError, match=r"item ids \[7\].*score every item"):
+        m.update_full(scores, off, items)
+    with pytest.raises(ValueError, match="U \\+ 1 offsets"):
+        m.update_full(scores, off[:-1], torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="binarize"):
+        m.update(scores, torch.full((3, 5), 4.0))
+    with pytest.raises(ValueError, match="ks="):
+        RankingMetrics(ks=[0])
+    with pytest.raises(ValueError, match="unknown ranking metrics"):
+        RankingMetrics(metrics=["auc"])
+    # a user with no held-out item is skipped and counted, never a division by zero
+    off, items = _csr([[1], [], [3]])
+    with pytest.warns(UserWarning, match="larger than the 5 items"):  # K=10 > 5 items
+        m.update_full(scores, off, items)
+    out = m.compute()
+    assert int(m.skipped_users) == 1 and int(m.num_users) == 2
+    assert float(out["recall@10"]) == 1.0 and float(out["precision@10"]) == pytest.approx(0.1)
+    assert all(math.isfinite(float(v)) for v in out.values())
+    nobody = RankingMetrics(ks=[2])
+    nobody.update(torch.rand(2, 4), torch.zeros(2, 4))
+    with pytest.warns(UserWarning, match="no user"):
+        assert math.isnan(float(nobody.compute()["ndcg@2"]))
+
+
+def _ranks_compute(rank, world_size, scores, target):
+    torch.manual_seed(rank)
+    metric = RankingMetrics(ks=[5, 10, 20])
+    mine = torch.arange(scores.shape[0])[rank::world_size]  # an uneven share of users per rank
+    for rows in mine.split(7):
+        metric.update(scores[rows], target[rows])
+    return {k: v.float() for k, v in metric.compute().items()}, {k: float(v) for k, v in metric.compute().items()}
+
+
+def test_ranking_metrics_identical_at_1_2_and_4_ranks():
+    scores, target = _random_lists(3, num_users=101, num_items=50)
+    single = RankingMetrics(ks=[5, 10, 20])
+    single.update(scores, target)
+    want32 = {k: v.float() for k, v in single.compute().items()}
+    for world_size in (2, 4):
+        for got32, got64 in run_ranks(_ranks_compute, world_size, scores, target, timeout=120):
+            for key in want32:
+                assert torch.equal(got32[key], want32[key]), (world_size, key)
+                assert got64[key] == pytest.approx(float(single.compute()[key]), abs=1e-14)

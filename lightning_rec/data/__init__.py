@@ -1,4 +1,4 @@
-"""Data: Criteo files and synthetic Criteo-shaped data, as whole `Batch`es."""
+"""Data: Criteo files, synthetic Criteo-shaped data and MovieLens, as whole batches."""
 
 from lightning_rec.data.batch import Batch, passthrough_collate
 from lightning_rec.data.criteo import (
@@ -17,6 +17,7 @@ from lightning_rec.data.criteo_parse import (
     read_criteo,
 )
 from lightning_rec.data.criteo_shards import CriteoShardDataset
+from lightning_rec.data.movielens import MovieLensDataModule, RankingBatch, RetrievalBatch, read_ratings
 from lightning_rec.data.preprocess import preprocess_criteo
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
 
@@ -28,7 +29,10 @@ __all__ = [
     "CriteoIterableDataset",
     "CriteoLayout",
     "CriteoShardDataset",
+    "MovieLensDataModule",
     "ParseReport",
+    "RankingBatch",
+    "RetrievalBatch",
     "SyntheticCriteoDataModule",
     "SyntheticCriteoDataset",
     "build_criteo_cache",
@@ -38,4 +42,5 @@ __all__ = [
     "passthrough_collate",
     "preprocess_criteo",
     "read_criteo",
+    "read_ratings",
 ]

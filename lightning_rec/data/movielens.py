@@ -1,0 +1,654 @@
+"""MovieLens (GroupLens) ratings as implicit feedback for retrieval: training pairs and full-ranking users.
+
+Shapes: N interactions of a split, B interactions in a batch, U users in an evaluation batch,
+I items, R held-out items of an evaluation batch, X excluded (already seen) items of it.
+
+Layouts read from `data_dir` (a GroupLens folder as unpacked; the separator and a header line are
+detected from the first line, so a ratings file re-saved with a header or commas also reads):
+
+    ml-100k    u.data       user \\t item \\t rating \\t time     u.user  id|age|gender|occupation|zip
+                                                                u.item  id|title|date|video date|url|19 genre flags
+    ml-1m/10m  ratings.dat  user::item::rating::time            users.dat  id::gender::age::occupation::zip
+                                                                movies.dat id::title (year)::Genre|Genre
+    ml-20m/25m ratings.csv  userId,movieId,rating,timestamp      movies.csv movieId,title,genres
+               (and ml-latest)
+
+Text files are decoded as UTF-8, else latin-1 (ml-100k's u.item and ml-1m's movies.dat are
+latin-1). Ratings are parsed by pyarrow into one Arrow table and kept as a Hugging Face
+`datasets.Dataset` (`dm.ratings`); batches are numpy gathers from its columns (zero copy).
+
+Implicit feedback: every rating is an interaction (`min_rating=None`, RecBole's ml-100k setting),
+or only ratings >= `min_rating` (e.g. 4: "liked"); lower ratings are dropped before splitting, so
+they are neither positives nor excluded at evaluation.
+
+Splits (`split=`):
+    "ro_811"          RecBole's RO 8:1:1: per user, interactions in random order (seeded), the last
+                      10% test, the 10% before validation (RecBole's rounding: int(0.1 n) each, and
+                      at least one when 0.1 n < 1 and training keeps two)
+    "u1".."u5","ua","ub"  ml-100k's official splits: <split>.base trains, <split>.test is both the
+                      validation and the test set (the official splits have no validation part)
+
+Evaluation is full ranking: one sample per user, scored against every item; the held-out items of
+the split are the targets and the items the user already has are excluded: training items for
+validation, training + validation items for test (as RecBole does). Ids are re-indexed to 0..U-1
+and 0..I-1 (`user_ids`, `item_ids` hold the raw ids); every item of the ratings and item files has
+a row, so an item never seen in training is still ranked (`report` counts those held-out pairs).
+
+Features (KJT keys; side features on when `side_features=True` and the layout has them):
+    user: user_id, and for ml-100k/1m age (7 buckets), gender, occupation, zip (first digit)
+    item: item_id, genre (a bag: one id per genre), year (release decade)
+Id 0 of every side feature is "missing".
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_rec.data.batch import passthrough_collate
+from lightning_rec.data.criteo import make_batch_loader
+from lightning_rec.sparse import KeyedJaggedTensor
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("ro_811", "u1", "u2", "u3", "u4", "u5", "ua", "ub")
+_AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
+
+
+# ----------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class RetrievalBatch:
+    """Training pairs: B (user, item) interactions, and optionally one sampled negative item each.
+
+    item_log_q_B is log P(an in-batch item is this item) (its training frequency): the logQ
+    correction of in-batch softmax. neg_* are None unless the data module samples negatives (BPR).
+    """
+
+    user_features: KeyedJaggedTensor
+    item_features: KeyedJaggedTensor
+    user_index: Tensor  # [B] int64
+    item_index: Tensor  # [B] int64
+    item_log_q: Tensor  # [B] float32
+    neg_item_features: KeyedJaggedTensor | None = None
+    neg_item_index: Tensor | None = None
+
+    def to(self, device, non_blocking: bool = False) -> RetrievalBatch:
+        mv = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
+        return RetrievalBatch(*(mv(getattr(self, f)) for f in self.__dataclass_fields__))
+
+    def pin_memory(self) -> RetrievalBatch:
+        return RetrievalBatch(*(None if (x := getattr(self, f)) is None else x.pin_memory()
+                                for f in self.__dataclass_fields__))
+
+    def __len__(self) -> int:
+        return self.user_index.shape[0]
+
+
+@dataclass
+class RankingBatch:
+    """U users to rank against every item: targets (held out) and exclusions (seen) as CSR.
+
+        target_offsets = [0, 2, 2, 5]: user 0's targets are target_items[0:2], user 1 has none
+    """
+
+    user_features: KeyedJaggedTensor
+    user_index: Tensor  # [U]
+    target_offsets: Tensor  # [U + 1]
+    target_items: Tensor  # [R]
+    exclude_offsets: Tensor  # [U + 1]
+    exclude_items: Tensor  # [X]
+
+    def to(self, device, non_blocking: bool = False) -> RankingBatch:
+        return RankingBatch(*(getattr(self, f).to(device, non_blocking=non_blocking)
+                              for f in self.__dataclass_fields__))
+
+    def pin_memory(self) -> RankingBatch:
+        return RankingBatch(*(getattr(self, f).pin_memory() for f in self.__dataclass_fields__))
+
+    def __len__(self) -> int:
+        return self.user_index.shape[0]
+
+
+def _gather_csr(offsets_N1: Tensor, values: Tensor, rows_B: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows of a CSR matrix, whole: (lengths_B, values of rows_B concatenated in order)."""
+    starts_B = offsets_N1[rows_B]
+    lengths_B = offsets_N1[rows_B + 1] - starts_B
+    total = int(lengths_B.sum())
+    if total == 0:
+        return lengths_B, values[:0]
+    # position of each output value: its row's start + its rank inside the row
+    row_start_out_B = torch.cumsum(lengths_B, 0) - lengths_B
+    within = torch.arange(total) - torch.repeat_interleave(row_start_out_B, lengths_B, output_size=total)
+    return lengths_B, values[torch.repeat_interleave(starts_B, lengths_B, output_size=total) + within]
+
+
+class FeatureTable:
+    """Per-row categorical features of users or items: single ids [N, F1] and bags (CSR); -> KJT."""
+
+    def __init__(self, single: dict[str, tuple[Tensor, int]], bags: dict[str, tuple[Tensor, Tensor, int]]) -> None:
+        self.single = single  # name -> (ids_N, num_embeddings)
+        self.bags = bags  # name -> (offsets_N1, values, num_embeddings)
+        self.keys = list(single) + list(bags)
+        self._single_NF = torch.stack([ids for ids, _ in single.values()], dim=1) if single else None
+
+    @property
+    def num_embeddings(self) -> dict[str, int]:
+        return {**{k: n for k, (_, n) in self.single.items()}, **{k: n for k, (_, _, n) in self.bags.items()}}
+
+    def kjt(self, rows_B: Tensor) -> KeyedJaggedTensor:
+        B = rows_B.shape[0]
+        values, lengths = [], []
+        if self._single_NF is not None:
+            values.append(self._single_NF[rows_B].t().reshape(-1))  # key-major
+            lengths.append(torch.ones(B * len(self.single), dtype=torch.int64))
+        for offsets, bag_values, _ in self.bags.values():
+            lengths_B, values_B = _gather_csr(offsets, bag_values, rows_B)
+            values.append(values_B)
+            lengths.append(lengths_B)
+        return KeyedJaggedTensor.from_lengths_sync(self.keys, torch.cat(values), torch.cat(lengths), stride=B)
+
+
+# ----------------------------------------------------------------------------------------------
+# reading GroupLens files
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")  # ml-100k / ml-1m metadata: every byte is a latin-1 character
+
+
+def _sniff(path: Path) -> tuple[str, bool]:
+    """(separator, has_header) from the first line of a ratings file."""
+    with open(path, "rb") as f:
+        first = f.readline().decode("latin-1").rstrip("\r\n")
+    if not first:
+        raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
+    for sep in ("::", "\t", ",", ";", "|", " "):
+        fields = first.split(sep)
+        if len(fields) >= 3:
+            has_header = not re.fullmatch(r"\s*-?\d+\s*", fields[0])
+            return sep, has_header
+    raise ValueError(f"{path}:1: cannot find the separator of {first[:80]!r}: expected user, item, rating[, timestamp] "
+                     f"separated by '::', a tab, ',', ';', '|' or a space")
+
+
+def read_ratings(path: str | Path) -> pa.Table:
+    """A ratings file (any GroupLens layout, header or not) -> Arrow table user_id, item_id, rating, timestamp."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
+    sep, has_header = _sniff(path)
+    data = path.read_bytes()
+    if sep == "::":
+        data, sep = data.replace(b"::", b"\t"), "\t"  # pyarrow reads one-character separators
+    names = ["user_id", "item_id", "rating", "timestamp"]
+    first_line = data.split(b"\n", 2)[1 if has_header else 0]
+    num_fields = len(first_line.decode("latin-1").rstrip("\r").split(sep))
+    if num_fields not in (3, 4):
+        raise ValueError(f"{path}:{2 if has_header else 1}: {num_fields} fields separated by {sep!r}; expected "
+                         f"user, item, rating[, timestamp]")
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(data),
+            read_options=pacsv.ReadOptions(column_names=names[:num_fields], skip_rows=1 if has_header else 0),
+            parse_options=pacsv.ParseOptions(delimiter=sep),
+            convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
+                                                               "rating": pa.float32(), "timestamp": pa.int64()}),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise ValueError(f"{path}: cannot parse the ratings ({e}); expected numeric user, item, rating[, timestamp] "
+                         f"separated by {sep!r}") from None
+    if num_fields == 3:
+        table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
+    return table
+
+
+def _bucket_age(age: int) -> int:
+    return 1 + sum(age >= e for e in _AGE_EDGES)  # 1..7; 0 = missing
+
+
+def _zip_bucket(zip_code: str) -> int:
+    return 1 + int(zip_code[0]) if zip_code[:1].isdigit() else 11  # US zip region 0-9; 11: other (Canada, ...)
+
+
+def _decade(year: int | None) -> int:
+    return 0 if year is None else max(1, (year - 1900) // 10 + 2)  # 1: before 1910, ... ; 0 = missing
+
+
+class _Vocab:
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def __call__(self, value: str) -> int:
+        if not value:
+            return 0
+        return self.ids.setdefault(value, len(self.ids) + 1)
+
+    def __len__(self) -> int:
+        return len(self.ids) + 1
+
+
+def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, dict], dict[int, str], dict]:
+    """Raw user id -> {feature: id}, raw item id -> {feature: id or [ids]}, item id -> title, feature sizes."""
+    users: dict[int, dict] = {}
+    items: dict[int, dict] = {}
+    titles: dict[int, str] = {}
+    gender, occupation = _Vocab(), _Vocab()
+    genre = _Vocab()
+    if layout == "ml-100k":
+        if (data_dir / "u.user").is_file():
+            for n, line in enumerate(_read_text(data_dir / "u.user").splitlines(), 1):
+                f = line.split("|")
+                if len(f) < 5:
+                    raise ValueError(f"{data_dir / 'u.user'}:{n}: {len(f)} fields; "
+                                     f"expected id|age|gender|occupation|zip")
+                users[int(f[0])] = {"age": _bucket_age(int(f[1])), "gender": gender(f[2]),
+                                    "occupation": occupation(f[3]), "zip": _zip_bucket(f[4])}
+        if (data_dir / "u.item").is_file():
+            for n, line in enumerate(_read_text(data_dir / "u.item").splitlines(), 1):
+                f = line.split("|")
+                if len(f) < 24:
+                    raise ValueError(f"{data_dir / 'u.item'}:{n}: {len(f)} fields; expected id|title|date|video date|"
+                                     f"url|19 genre flags")
+                year = re.search(r"(\d{4})$", f[2])
+                items[int(f[0])] = {"genre": [g + 1 for g, flag in enumerate(f[5:24]) if flag == "1"],
+                                    "year": _decade(int(year.group(1)) if year else None)}
+                titles[int(f[0])] = f[1]
+    elif layout == "ml-1m":
+        if (data_dir / "users.dat").is_file():
+            for line in _read_text(data_dir / "users.dat").splitlines():
+                f = line.split("::")
+                users[int(f[0])] = {"gender": gender(f[1]), "age": _bucket_age(int(f[2])),
+                                    "occupation": int(f[3]) + 1, "zip": _zip_bucket(f[4])}
+        if (data_dir / "movies.dat").is_file():
+            for line in _read_text(data_dir / "movies.dat").splitlines():
+                f = line.split("::")
+                year = re.search(r"\((\d{4})\)\s*$", f[1])
+                items[int(f[0])] = {"genre": [genre(g) for g in f[2].split("|") if g],
+                                    "year": _decade(int(year.group(1)) if year else None)}
+                titles[int(f[0])] = f[1]
+    elif (data_dir / "movies.csv").is_file():
+        import csv
+
+        rows = csv.reader(io.StringIO(_read_text(data_dir / "movies.csv")))
+        next(rows, None)
+        for f in rows:
+            if len(f) < 3:
+                continue
+            year = re.search(r"\((\d{4})\)\s*$", f[1])
+            items[int(f[0])] = {"genre": [genre(g) for g in f[2].split("|") if g and g != "(no genres listed)"],
+                                "year": _decade(int(year.group(1)) if year else None)}
+            titles[int(f[0])] = f[1]
+    sizes = {"gender": len(gender), "occupation": max(len(occupation), 22), "age": len(_AGE_EDGES) + 2, "zip": 12,
+             "genre": max(len(genre), 20), "year": 16}
+    return users, items, titles, sizes
+
+
+def detect_layout(data_dir: Path) -> tuple[str, Path]:
+    for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv")):
+        if (data_dir / name).is_file():
+            return layout, data_dir / name
+    raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
+                     f"(ml-1m, ml-10m) or ratings.csv (ml-20m, ml-25m, ml-latest); pass the unpacked folder "
+                     f"as data_dir")
+
+
+# ----------------------------------------------------------------------------------------------
+# splits
+
+
+def ro_split(user_N: Tensor, ratios: Sequence[float], seed: int) -> Tensor:
+    """RecBole's RO split: per user, random order, ratio counts -> part of each interaction (0, 1, 2)."""
+    n = user_N.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    perm_N = torch.randperm(n, generator=g)
+    order_N = perm_N[torch.sort(user_N[perm_N], stable=True).indices]  # grouped by user, random inside
+    _, counts_U = torch.unique_consecutive(user_N[order_N], return_counts=True)
+    tot_U = counts_U.double()
+    cnt_UP = torch.stack([torch.floor(tot_U * r) for r in ratios], 1)  # int(ratio * tot), as RecBole
+    cnt_UP[:, 0] = tot_U - cnt_UP[:, 1:].sum(1)
+    for p in range(len(ratios) - 1, 0, -1):  # RecBole: a part that rounds to 0 gets one from training
+        bump = (cnt_UP[:, 0] > 1) & (tot_U * ratios[p] > 0) & (tot_U * ratios[p] < 1)
+        cnt_UP[bump, p] += 1
+        cnt_UP[bump, 0] -= 1
+    ends_UP = cnt_UP.cumsum(1)
+    starts_U = torch.cumsum(counts_U, 0) - counts_U
+    pos_in_user = torch.arange(n) - torch.repeat_interleave(starts_U, counts_U)
+    ends_NP = torch.repeat_interleave(ends_UP, counts_U, dim=0)
+    part_sorted = (pos_in_user.unsqueeze(1).double() >= ends_NP).sum(1)
+    part_N = torch.empty(n, dtype=torch.int64)
+    part_N[order_N] = part_sorted
+    return part_N
+
+
+def _csr_by_user(user_N: Tensor, item_N: Tensor, num_users: int) -> tuple[Tensor, Tensor]:
+    order = torch.argsort(user_N * (item_N.max() + 1 if item_N.numel() else 1) + item_N)
+    counts = torch.bincount(user_N, minlength=num_users)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return offsets, item_N[order]
+
+
+# ----------------------------------------------------------------------------------------------
+# datasets: whole batches from index lists
+
+
+class InteractionDataset(Dataset):
+    """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`).
+
+    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has
+    not interacted with in training (BPR); rejection is redrawn a few times, whole-batch.
+    """
+
+    def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
+                 num_negatives: int, seed: int) -> None:
+        self.user_N, self.item_N = user_N, item_N
+        self.users, self.items, self.num_items = users, items, num_items
+        counts_I = torch.bincount(item_N, minlength=num_items).double()
+        # an item absent from training has frequency 0; clamp so log q stays finite (it is never in a batch)
+        self.log_q_I = torch.log(counts_I.clamp(min=1) / max(item_N.shape[0], 1)).float()
+        self.num_negatives = num_negatives
+        self._pairs_sorted = torch.sort(user_N * num_items + item_N).values
+        self._gen = torch.Generator().manual_seed(seed + 7)
+
+    def __len__(self) -> int:
+        return self.user_N.shape[0]
+
+    def _negatives(self, user_B: Tensor) -> Tensor:
+        neg_B = torch.randint(self.num_items, user_B.shape, generator=self._gen)
+        for _ in range(10):  # redraw the ones the user has (few: ml-100k users hold ~6% of items)
+            key_B = user_B * self.num_items + neg_B
+            pos = torch.searchsorted(self._pairs_sorted, key_B).clamp(max=self._pairs_sorted.numel() - 1)
+            seen_B = self._pairs_sorted[pos] == key_B
+            if not bool(seen_B.any()):
+                break
+            neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=self._gen), neg_B)
+        return neg_B
+
+    def __getitems__(self, indices: Sequence[int]) -> RetrievalBatch:
+        idx_B = torch.as_tensor(indices, dtype=torch.int64)
+        user_B, item_B = self.user_N[idx_B], self.item_N[idx_B]
+        batch = RetrievalBatch(self.users.kjt(user_B), self.items.kjt(item_B), user_B, item_B, self.log_q_I[item_B])
+        if self.num_negatives:
+            neg_B = self._negatives(user_B)
+            batch.neg_item_features, batch.neg_item_index = self.items.kjt(neg_B), neg_B
+        return batch
+
+    def __getitem__(self, index):
+        return self.__getitems__([index] if isinstance(index, int) else index)
+
+
+class UserRankingDataset(Dataset):
+    """One sample per user to rank; index -1 is padding (dropped: see `EvalShardSampler`)."""
+
+    def __init__(self, users_U: Tensor, users: FeatureTable, target: tuple[Tensor, Tensor],
+                 exclude: tuple[Tensor, Tensor]) -> None:
+        self.users_U, self.users = users_U, users
+        self.target, self.exclude = target, exclude
+
+    def __len__(self) -> int:
+        return self.users_U.shape[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> RankingBatch:
+        idx_U = torch.as_tensor(indices, dtype=torch.int64)
+        user_U = self.users_U[idx_U[idx_U >= 0]]
+        t_len, t_items = _gather_csr(*self.target, user_U)
+        x_len, x_items = _gather_csr(*self.exclude, user_U)
+        zero = torch.zeros(1, dtype=torch.int64)
+        return RankingBatch(self.users.kjt(user_U), user_U, torch.cat([zero, t_len.cumsum(0)]), t_items,
+                            torch.cat([zero, x_len.cumsum(0)]), x_items)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index] if isinstance(index, int) else index)
+
+
+class EvalShardSampler(DistributedSampler):
+    """Every user once over all ranks (DistributedSampler would repeat some to even the shares, which
+    counts them twice in the metrics): rank r takes users r, r + W, ...; shorter shares are padded
+    with -1, which the dataset drops, so every rank runs the same number of batches."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    def __iter__(self):
+        n, w = len(self.dataset), self.num_replicas
+        mine = list(range(self.rank, n, w))
+        return iter(mine + [-1] * (self.num_samples - len(mine)))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+# ----------------------------------------------------------------------------------------------
+# LightningDataModule
+
+
+@dataclass
+class MovieLensReport:
+    layout: str = ""
+    num_ratings: int = 0
+    num_interactions: int = 0  # after min_rating
+    num_users: int = 0
+    num_items: int = 0
+    split_sizes: dict = field(default_factory=dict)
+    heldout_items_unseen_in_train: dict = field(default_factory=dict)  # split -> pairs whose item has no train row
+    users_without_heldout: dict = field(default_factory=dict)  # split -> users skipped by the ranking metrics
+
+
+class MovieLensDataModule(pl.LightningDataModule):
+    """MovieLens as implicit feedback: training pairs (RetrievalBatch) and full-ranking users (RankingBatch).
+
+    Args:
+        data_dir: an unpacked GroupLens folder (ml-100k, ml-1m, ml-20m, ml-25m, ...).
+        split: "ro_811" (RecBole's random-order 8:1:1 per user) or ml-100k's "u1".."u5", "ua", "ub".
+        min_rating: None: every rating is an interaction; a number: only ratings >= it.
+        side_features: add age/gender/occupation/zip and genre/year features where the layout has them.
+        batch_size: training pairs per batch; eval_batch_size: users per evaluation batch.
+        num_negatives: 0 (in-batch negatives) or 1 (one sampled negative per pair, for BPR).
+        eval_test_in_fit: the validation loop also ranks the test split (logged as test_*), so one
+            `fit` reports both; `trainer.test` works either way.
+        seed: the split and the negatives (the shuffle order too).
+    """
+
+    def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
+                 side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
+                 num_negatives: int = 0, eval_test_in_fit: bool = False, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+        if num_negatives not in (0, 1):
+            raise ValueError(f"num_negatives={num_negatives}: use 0 (in-batch negatives) or 1 (BPR)")
+        self.data_dir = Path(data_dir)
+        self.split, self.min_rating, self.side_features = split, min_rating, side_features
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.num_negatives, self.eval_test_in_fit, self.seed = num_negatives, eval_test_in_fit, seed
+        self.shuffle, self.drop_last, self.num_workers, self.pin_memory = shuffle, drop_last, num_workers, pin_memory
+        self.report = MovieLensReport()
+        self.datasets: dict[str, Dataset] = {}
+        self.ratings = None  # datasets.Dataset after setup
+        self._built = False
+
+    # building ---------------------------------------------------------------------------------
+
+    def _ratings_of(self, path: Path) -> pa.Table:
+        table = read_ratings(path)
+        self.report.num_ratings += table.num_rows
+        if self.min_rating is not None:
+            keep = np.asarray(table.column("rating")) >= self.min_rating
+            table = table.filter(pa.array(keep))
+        return table
+
+    def _build(self) -> None:
+        import datasets
+
+        if not self.data_dir.is_dir():
+            raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
+                             f"folder (e.g. ml-100k/ with u.data, u.user, u.item)")
+        layout, ratings_path = detect_layout(self.data_dir)
+        self.report.layout = layout
+        if self.split != "ro_811":
+            if layout != "ml-100k":
+                raise ValueError(f"split={self.split!r} is one of ml-100k's official splits, but {self.data_dir} is "
+                                 f"{layout}: use split='ro_811'")
+            base, test = self.data_dir / f"{self.split}.base", self.data_dir / f"{self.split}.test"
+            tables = [self._ratings_of(base), self._ratings_of(test)]
+            parts = [np.full(tables[0].num_rows, 0), np.full(tables[1].num_rows, 2)]
+            table = pa.concat_tables(tables)
+            part_N = torch.from_numpy(np.concatenate(parts))
+        else:
+            table = self._ratings_of(ratings_path)
+            part_N = None
+        if table.num_rows == 0:
+            raise ValueError(f"no interactions left in {ratings_path}" +
+                             (f" with min_rating={self.min_rating}: lower it" if self.min_rating is not None else ""))
+        users, items, titles, sizes = _read_side(self.data_dir, layout)
+        if not self.side_features:
+            users, items = {}, {}  # ids only (titles still name the items in logs)
+        raw_user = np.asarray(table.column("user_id"))
+        raw_item = np.asarray(table.column("item_id"))
+        self.user_ids = np.unique(np.concatenate([raw_user, np.fromiter(users, np.int64, len(users))]))
+        self.item_ids = np.unique(np.concatenate([raw_item, np.fromiter(items, np.int64, len(items))]))
+        user_N = torch.from_numpy(np.searchsorted(self.user_ids, raw_user))
+        item_N = torch.from_numpy(np.searchsorted(self.item_ids, raw_item))
+        table = table.append_column("user", pa.array(user_N.numpy())).append_column("item", pa.array(item_N.numpy()))
+        self.ratings = datasets.Dataset(table)  # Arrow-backed; columns read zero-copy below
+        num_users, num_items = len(self.user_ids), len(self.item_ids)
+        self.num_users, self.num_items = num_users, num_items
+        self.user_features = self._feature_table("user", self.user_ids, users, ("age", "gender", "occupation", "zip"),
+                                                 sizes)
+        self.item_features = self._feature_table("item", self.item_ids, items, ("year",), sizes, bags=("genre",))
+        self.item_titles = [titles.get(int(i), str(int(i))) for i in self.item_ids]
+
+        if part_N is None:
+            part_N = ro_split(user_N, (0.8, 0.1, 0.1), self.seed)
+        self.part_N = part_N
+        r = self.report
+        r.num_interactions, r.num_users, r.num_items = table.num_rows, num_users, num_items
+        train = part_N == 0
+        csr = {p: _csr_by_user(user_N[part_N == p], item_N[part_N == p], num_users) for p in (0, 1, 2)}
+        seen_val = csr[0]
+        tv = (part_N == 0) | (part_N == 1)
+        seen_test = _csr_by_user(user_N[tv], item_N[tv], num_users)
+        if self.split != "ro_811":
+            csr[1], seen_val = csr[2], csr[0]  # official splits: validation = test
+        train_items = torch.zeros(num_items, dtype=torch.bool)
+        train_items[item_N[train]] = True
+        all_users = torch.arange(num_users)
+        self.datasets["train"] = InteractionDataset(user_N[train], item_N[train], self.user_features,
+                                                    self.item_features, num_items, self.num_negatives, self.seed)
+        self.datasets["val"] = UserRankingDataset(all_users, self.user_features, csr[1], seen_val)
+        self.datasets["test"] = UserRankingDataset(all_users, self.user_features, csr[2],
+                                                   seen_test if self.split == "ro_811" else csr[0])
+        for name, p in (("val", 1), ("test", 2)):
+            in_part = part_N == (2 if self.split != "ro_811" else p)
+            r.split_sizes[name] = int(in_part.sum())
+            r.heldout_items_unseen_in_train[name] = int((~train_items[item_N[in_part]]).sum())
+            r.users_without_heldout[name] = int((csr[p][0].diff() == 0).sum())
+        r.split_sizes["train"] = int(train.sum())
+        unseen = r.heldout_items_unseen_in_train["test"]
+        if unseen:
+            log.info("MovieLens %s: %d held-out test pairs are items never seen in training (still ranked)",
+                     self.split, unseen)
+        self._built = True
+
+    def _feature_table(self, kind: str, ids: np.ndarray, side: dict[int, dict], names: Sequence[str],
+                       sizes: dict, bags: Sequence[str] = ()) -> FeatureTable:
+        n = len(ids)
+        single = {f"{kind}_id": (torch.arange(n), n)}
+        if side:
+            for name in names:
+                col = torch.tensor([side.get(int(i), {}).get(name, 0) for i in ids], dtype=torch.int64)
+                if bool((col != 0).any()):
+                    single[name] = (col, max(sizes[name], int(col.max()) + 1))
+        bag_tables = {}
+        for name in bags if side else ():
+            rows = [side.get(int(i), {}).get(name, []) for i in ids]
+            if not any(rows):
+                continue
+            lengths = torch.tensor([len(x) for x in rows], dtype=torch.int64)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            values = torch.tensor([v for x in rows for v in x], dtype=torch.int64)
+            bag_tables[name] = (offsets, values, max(sizes[name], int(values.max()) + 1))
+        return FeatureTable(single, bag_tables)
+
+    def prepare_data(self) -> None:
+        if not self.data_dir.is_dir():
+            raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
+                             f"folder (download https://grouplens.org/datasets/movielens/)")
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self._built:
+            self._build()
+
+    # what a model needs to know ------------------------------------------------------------------
+
+    def _need_setup(self) -> None:
+        if not self._built:
+            raise ValueError("MovieLensDataModule.setup() has not run: call dm.setup() (Trainer.fit does) first")
+
+    @property
+    def user_num_embeddings(self) -> dict[str, int]:
+        self._need_setup()
+        return self.user_features.num_embeddings
+
+    @property
+    def item_num_embeddings(self) -> dict[str, int]:
+        self._need_setup()
+        return self.item_features.num_embeddings
+
+    def item_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
+        """Items' features (all, rows 0..I-1, or the given rows): what a retrieval model embeds per evaluation."""
+        self._need_setup()
+        return self.item_features.kjt(torch.arange(self.num_items) if rows is None else rows.cpu())
+
+    # loaders ------------------------------------------------------------------------------------
+
+    def _ranking_loader(self, split: str) -> DataLoader:
+        self._need_setup()
+        dataset = self.datasets[split]
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            sampler = EvalShardSampler(dataset, dist.get_world_size(), dist.get_rank())
+        else:
+            sampler = None
+        return DataLoader(dataset, batch_size=self.eval_batch_size, sampler=sampler, shuffle=False,
+                          collate_fn=passthrough_collate, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    def train_dataloader(self) -> DataLoader:
+        self._need_setup()
+        return make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
+                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
+                                 pin_memory=self.pin_memory)
+
+    def val_dataloader(self):
+        loaders = [self._ranking_loader("val")]
+        if self.eval_test_in_fit:
+            loaders.append(self._ranking_loader("test"))
+        return loaders if len(loaders) > 1 else loaders[0]
+
+    def test_dataloader(self) -> DataLoader:
+        return self._ranking_loader("test")
+
+    def eval_split_names(self) -> list[str]:
+        """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
+        return ["val", "test"] if self.eval_test_in_fit else ["val"]

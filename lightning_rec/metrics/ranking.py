@@ -1,0 +1,292 @@
+"""Top-K ranking metrics on torchmetrics: NDCG@K, Recall@K, Precision@K, MRR@K, HitRate@K.
+
+Shapes: U users in one update (one batch of users), I items in the catalogue, C candidates per
+user, K the largest cutoff asked for, R held-out (relevant) items of the batch, X excluded ones.
+
+Two ways in, both reduced at once to the top K of each user (`torch.topk`), so nothing larger
+than one batch of users x items ever exists:
+
+    full ranking   update_full(scores_UI, target_offsets_U1, target_items_R,
+                               exclude_offsets_U1, exclude_items_X)
+                   every item scored for every user of the batch; the user's training items
+                   (exclude) are pushed to -inf, the held-out items (target) are the relevant ones
+    candidates     update(preds_UC, target_UC, mask_UC=None)
+                   given candidate lists (padded to C; mask False marks padding)
+
+    target_offsets_U1 = [0, 2, 2, 5]    user 0: target_items[0:2], user 1: none, user 2: [2:5]
+
+For each user with n >= 1 relevant items and hit_j = 1 when the item ranked j (1-based) is relevant:
+
+    HitRate@k   1 if any hit_j, j <= k
+    Precision@k sum_{j<=k} hit_j / k          (k, not min(k, candidates): torchmetrics' adaptive_k=False)
+    Recall@k    sum_{j<=k} hit_j / n
+    MRR@k       1 / (first j <= k with hit_j), 0 if none
+    NDCG@k      sum_{j<=k} hit_j / log2(j+1)  /  sum_{j<=min(n,k)} 1 / log2(j+1)
+
+each averaged over users: the definitions of RecBole and of `torchmetrics.retrieval` (tests check
+both). A user with no relevant item has no value: it is skipped and counted (`skipped_users`),
+never divided by zero. Ties in score are broken by `torch.topk` (as RecBole does).
+
+States are float64 sums per (metric, k) and counts, reduced with "sum": `compute()` covers every
+rank, and the same users split over 1, 2 or 4 ranks give the same value (float64 sums in another
+order: equal to ~1e-15, identical once logged as float32).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
+
+
+def _as_ks(ks: int | Sequence[int]) -> tuple[int, ...]:
+    ks_t = (ks,) if isinstance(ks, int) else tuple(ks)
+    if not ks_t or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks_t):
+        raise ValueError(f"ks={ks!r}: give one cutoff or a list of them, each an int >= 1 (e.g. ks=[10, 20])")
+    return tuple(sorted(set(ks_t)))
+
+
+def _rows_of(offsets_U1: Tensor, num_users: int, name: str) -> Tensor:
+    """CSR offsets -> the row (user) of every entry: [0, 2, 2, 5] -> [0, 0, 2, 2, 2]."""
+    offsets_U1 = offsets_U1.reshape(-1).long()
+    if offsets_U1.numel() != num_users + 1:
+        raise ValueError(f"{name} has {offsets_U1.numel()} entries for {num_users} users: give U + 1 offsets "
+                         f"starting at 0 (user u's items are items[offsets[u]:offsets[u+1]])")
+    lengths_U = offsets_U1.diff()
+    if int(offsets_U1[0]) != 0 or bool((lengths_U < 0).any()):
+        raise ValueError(f"{name} must start at 0 and never decrease, got {offsets_U1.tolist()[:8]}...")
+    return torch.repeat_interleave(torch.arange(num_users, device=offsets_U1.device), lengths_U)
+
+
+def _check_items(items: Tensor, num_items: int, name: str) -> Tensor:
+    items = items.reshape(-1).long()
+    if items.numel() and (int(items.min()) < 0 or int(items.max()) >= num_items):
+        bad = items[(items < 0) | (items >= num_items)][:5].tolist()
+        raise ValueError(f"{name} holds item ids {bad} outside the {num_items} scored items (0..{num_items - 1}): "
+                         f"score every item of the catalogue (an item never seen in training still needs a row)")
+    return items
+
+
+class RankingMetrics(Metric):
+    """NDCG, Recall, Precision, MRR and HitRate at several cutoffs, from one top-K per user batch.
+
+    Args:
+        ks: the cutoffs, e.g. [10, 20]; the top max(ks) items are taken once for all of them.
+        metrics: a subset of ("ndcg", "recall", "precision", "mrr", "hit_rate").
+        prefix: put before each name in `compute()`'s dict ("val_" -> "val_ndcg@10").
+
+    `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, ks: int | Sequence[int] = (10,), metrics: Sequence[str] = RANKING_METRICS,
+                 prefix: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ks = _as_ks(ks)
+        if isinstance(metrics, str):
+            metrics = (metrics,)
+        unknown = [m for m in metrics if m not in RANKING_METRICS]
+        if unknown or not metrics:
+            raise ValueError(f"unknown ranking metrics {unknown or metrics!r}: choose from {list(RANKING_METRICS)}")
+        self.metric_names = tuple(dict.fromkeys(metrics))
+        self.prefix = prefix
+        self._warned_short = False
+        shape = (len(RANKING_METRICS), len(self.ks))
+        self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("num_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("skipped_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+
+    @property
+    def max_k(self) -> int:
+        return self.ks[-1]
+
+    # ways in -----------------------------------------------------------------------------------
+
+    def update(self, preds: Tensor | None = None, target: Tensor | None = None, mask: Tensor | None = None, *,
+               target_offsets: Tensor | None = None, target_items: Tensor | None = None,
+               exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None,
+               hits: Tensor | None = None, num_relevant: Tensor | None = None) -> None:
+        """Candidate lists: `update(preds_UC, target_UC, mask_UC)`; the keywords are what `update_full` and
+        `update_topk` pass (every way in goes through `update`, which torchmetrics wraps: update counts,
+        the compute cache, `forward`)."""
+        if hits is not None:
+            self._update_topk(hits, num_relevant)
+        elif target_offsets is not None:
+            self._update_full(preds, target_offsets, target_items, exclude_offsets, exclude_items)
+        else:
+            self._update_candidates(preds, target, mask)
+
+    def update_full(self, scores_UI: Tensor, target_offsets: Tensor, target_items: Tensor,
+                    exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None) -> None:
+        """Full ranking of a batch of users against every item (see the module docstring)."""
+        self.update(scores_UI, target_offsets=target_offsets, target_items=target_items,
+                    exclude_offsets=exclude_offsets, exclude_items=exclude_items)
+
+    def update_topk(self, hits_UK: Tensor, num_relevant_U: Tensor) -> None:
+        """The reduced form: hits_UK[u, j] = is the item user u ranks j-th relevant (j < K; rows may be
+        shorter than max(ks): missing ranks count as misses), and each user's number of relevant items."""
+        self.update(hits=hits_UK, num_relevant=num_relevant_U)
+
+    def _update_candidates(self, preds: Tensor, target: Tensor, mask: Tensor | None) -> None:
+        if preds is None or target is None:
+            raise ValueError("update(preds, target) needs both: [U, C] scores and 0/1 relevance of the candidates")
+        if preds.dim() == 1:
+            preds, target = preds.unsqueeze(0), target.reshape(1, -1)
+            mask = None if mask is None else mask.reshape(1, -1)
+        if preds.dim() != 2 or target.shape != preds.shape or (mask is not None and mask.shape != preds.shape):
+            raise ValueError(f"update(preds, target, mask) takes [U, C] tensors of one shape (a row of candidates "
+                             f"per user), got preds {tuple(preds.shape)}, target {tuple(target.shape)}"
+                             + ("" if mask is None else f", mask {tuple(mask.shape)}"))
+        if target.dtype != torch.bool:
+            if bool(((target != 0) & (target != 1)).any()):
+                raise ValueError("target must be 0/1 relevance (graded ratings: binarize them first, e.g. "
+                                 "`target = rating >= 4`)")
+            target = target != 0
+        scores = preds.detach().float()
+        if mask is not None:
+            mask = mask.bool()
+            scores = scores.masked_fill(~mask, float("-inf"))
+            target = target & mask
+        self._update_ranked(scores, target)
+
+    def _update_full(self, scores_UI: Tensor, target_offsets: Tensor, target_items: Tensor,
+                     exclude_offsets: Tensor | None, exclude_items: Tensor | None) -> None:
+        if scores_UI is None or target_items is None:
+            raise ValueError("full ranking needs scores [U, I], target_offsets [U + 1] and target_items")
+        if scores_UI.dim() != 2:
+            raise ValueError(f"scores must be [users, items], got shape {tuple(scores_UI.shape)}")
+        num_users, num_items = scores_UI.shape
+        target_items = _check_items(target_items, num_items, "target_items")
+        rows_R = _rows_of(target_offsets, num_users, "target_offsets")
+        if rows_R.numel() != target_items.numel():
+            raise ValueError(f"target_offsets end at {rows_R.numel()} but there are {target_items.numel()} "
+                             f"target_items: the last offset must equal the number of items")
+        target_UI = torch.zeros(num_users, num_items, dtype=torch.bool, device=scores_UI.device)
+        target_UI[rows_R, target_items] = True
+        scores_UI = scores_UI.detach().float()
+        if exclude_items is not None:
+            if exclude_offsets is None:
+                raise ValueError("exclude_items needs exclude_offsets (U + 1 CSR offsets)")
+            exclude_items = _check_items(exclude_items, num_items, "exclude_items")
+            rows_X = _rows_of(exclude_offsets, num_users, "exclude_offsets")
+            if rows_X.numel() != exclude_items.numel():
+                raise ValueError(f"exclude_offsets end at {rows_X.numel()} but there are {exclude_items.numel()} "
+                                 f"exclude_items: the last offset must equal the number of items")
+            # a held-out item is never excluded, even if it was also seen in training (as RecBole does)
+            keep_X = ~target_UI[rows_X, exclude_items]
+            scores_UI = scores_UI.index_put((rows_X[keep_X], exclude_items[keep_X]),
+                                            torch.tensor(float("-inf"), device=scores_UI.device))
+        self._update_ranked(scores_UI, target_UI)
+
+    def _update_ranked(self, scores_UC: Tensor, target_UC: Tensor) -> None:
+        num_candidates = scores_UC.shape[1]
+        k = min(self.max_k, num_candidates)
+        if k < self.max_k and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(f"K={self.max_k} is larger than the {num_candidates} items ranked per user: every item is "
+                          f"in the top {self.max_k} (Recall@K is then 1 for every user, Precision@K still divides "
+                          f"by K as in torchmetrics); use ks <= {num_candidates} for meaningful values",
+                          UserWarning, stacklevel=3)
+        top_UK = torch.topk(scores_UC, k, dim=1, sorted=True).indices
+        hits_UK = target_UC.gather(1, top_UK)
+        self._update_topk(hits_UK, target_UC.sum(1))
+
+    def _update_topk(self, hits_UK: Tensor, num_relevant_U: Tensor | None) -> None:
+        if num_relevant_U is None or hits_UK.dim() != 2 or num_relevant_U.reshape(-1).numel() != hits_UK.shape[0]:
+            raise ValueError(f"update_topk takes hits [U, K] and num_relevant [U], got {tuple(hits_UK.shape)} and "
+                             f"{tuple(num_relevant_U.shape)}")
+        num_relevant_U = num_relevant_U.reshape(-1).to(torch.float64)
+        has_target_U = num_relevant_U > 0
+        self.skipped_users += (~has_target_U).sum()
+        hits_UK, num_relevant_U = hits_UK[has_target_U].to(torch.float64), num_relevant_U[has_target_U]
+        self.num_users += hits_UK.shape[0]
+        K = self.max_k
+        if hits_UK.shape[1] < K:
+            hits_UK = torch.nn.functional.pad(hits_UK, (0, K - hits_UK.shape[1]))
+        hits_UK = hits_UK[:, :K]
+        device = hits_UK.device
+        rank_K = torch.arange(1, K + 1, device=device, dtype=torch.float64)
+        discount_K = 1.0 / torch.log2(rank_K + 1)
+        cum_hits_UK = hits_UK.cumsum(1)
+        dcg_UK = (hits_UK * discount_K).cumsum(1)
+        first_UK = hits_UK * (cum_hits_UK == 1)  # the first relevant rank only
+        reciprocal_UK = (first_UK / rank_K).cumsum(1)
+        ideal_K = discount_K.cumsum(0)  # IDCG@k of a user with n relevant: ideal_K[min(n, k) - 1]
+
+        ks = torch.tensor(self.ks, device=device)
+        at_UJ = cum_hits_UK[:, ks - 1]  # J = len(ks)
+        n_ideal_UJ = torch.minimum(num_relevant_U.unsqueeze(1), ks.to(torch.float64)).long() - 1
+        per_user = {
+            "ndcg": dcg_UK[:, ks - 1] / ideal_K[n_ideal_UJ],
+            "recall": at_UJ / num_relevant_U.unsqueeze(1),
+            "precision": at_UJ / ks.to(torch.float64),
+            "mrr": reciprocal_UK[:, ks - 1],
+            "hit_rate": (at_UJ > 0).to(torch.float64),
+        }
+        self.sums += torch.stack([per_user[m].sum(0) for m in RANKING_METRICS]).to(self.sums.device)
+
+    # way out ------------------------------------------------------------------------------------
+
+    def compute(self) -> dict[str, Tensor]:
+        num_users = int(self.num_users)
+        if num_users == 0:
+            warnings.warn(f"no user with a held-out item was evaluated ({int(self.skipped_users)} skipped): "
+                          f"ranking metrics are NaN", UserWarning, stacklevel=2)
+        means = self.sums / num_users if num_users else torch.full_like(self.sums, float("nan"))
+        out = {}
+        for name in self.metric_names:
+            row = RANKING_METRICS.index(name)
+            for j, k in enumerate(self.ks):
+                out[f"{self.prefix}{name}@{k}"] = means[row, j]
+        return out
+
+
+class _OneRankingMetric(RankingMetrics):
+    """One metric: compute() gives a tensor for a single k, a dict {"ndcg@10": ...} for several."""
+
+    _name = ""
+
+    def __init__(self, ks: int | Sequence[int] = 10, **kwargs) -> None:
+        super().__init__(ks=ks, metrics=(self._name,), **kwargs)
+
+    def compute(self) -> Tensor | dict[str, Tensor]:
+        out = super().compute()
+        return next(iter(out.values())) if len(self.ks) == 1 else out
+
+
+class NDCG(_OneRankingMetric):
+    """Normalized discounted cumulative gain at k (binary relevance)."""
+
+    _name = "ndcg"
+
+
+class Recall(_OneRankingMetric):
+    """Share of a user's held-out items found in the top k."""
+
+    _name = "recall"
+
+
+class Precision(_OneRankingMetric):
+    """Share of the top k that is relevant (denominator k)."""
+
+    _name = "precision"
+
+
+class MRR(_OneRankingMetric):
+    """Reciprocal rank of the first relevant item within the top k (0 if none)."""
+
+    _name = "mrr"
+
+
+class HitRate(_OneRankingMetric):
+    """Share of users with at least one relevant item in the top k."""
+
+    _name = "hit_rate"

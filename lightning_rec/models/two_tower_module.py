@@ -1,0 +1,261 @@
+"""TwoTowerModule: two-tower retrieval (or BPR-MF) as a LightningModule, evaluated by full ranking.
+
+Training batches are `RetrievalBatch`es (user KJT, item KJT, item log q; a sampled negative for
+BPR). Evaluation batches are `RankingBatch`es of users: the item tower embeds the whole catalogue
+once per validation (`on_validation_epoch_start`, chunks of `eval_item_chunk` items), each user
+batch is scored against every item ([U, I], one batch at a time), its seen items are excluded and
+the top max(ks) go to `RankingMetrics` (NDCG, Recall, Precision, MRR, HitRate at every k).
+
+Table sizes come from the data module when not given (`configure_model`, before sharding), and are
+written back into the hyperparameters so a checkpoint rebuilds the same tables.
+
+Logged: train_loss, train_samples_per_s (all ranks), mem/rank<r>_max_rss_mb (every rank's peak
+host memory; GPU peak too on GPU), <split>_ndcg@10 ... for each evaluated split, and, on loggers with
+`log_table` (W&B), a table of a few users' top-10 items with the held-out ones marked.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Sequence
+
+import lightning.pytorch as L
+import torch
+from torch import Tensor
+
+import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.metrics.ranking import RankingMetrics
+from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
+from lightning_rec.models.two_tower import LOSSES, TwoTower, bpr_loss, in_batch_softmax_loss
+from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
+
+
+class TwoTowerModule(L.LightningModule):
+    """Two-tower retrieval on implicit feedback (MovieLensDataModule or any module giving the same batches).
+
+    Args:
+        user_num_embeddings / item_num_embeddings: {feature: rows}; None: read from the data module
+            (`user_num_embeddings`, `item_num_embeddings`) when the trainer sets the model up.
+        embedding_dim: D of every table.
+        user_layer_sizes / item_layer_sizes: the towers' MLPs ([] = no MLP: matrix factorisation).
+        score: "dot" or "cosine"; temperature divides the scores (use ~0.05-0.2 with cosine).
+        loss: "softmax" (in-batch negatives, `logq_correction`) or "bpr" (needs num_negatives=1 data).
+        embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
+            tower outputs of the batch (for MF: the embedding rows it touches); 0 = none.
+        sparse_optimizer / sparse_lr / sparse_weight_decay: the fused table update.
+        dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the MLPs (if any).
+        ks: ranking cutoffs; top_k_table_users: users shown in the top-10 table (0 = none).
+        eval_item_chunk: items embedded per item-tower call at evaluation.
+    """
+
+    def __init__(
+        self,
+        user_num_embeddings: dict[str, int] | None = None,
+        item_num_embeddings: dict[str, int] | None = None,
+        embedding_dim: int = 64,
+        user_layer_sizes: Sequence[int] = (),
+        item_layer_sizes: Sequence[int] = (),
+        score: str = "dot",
+        temperature: float = 1.0,
+        loss: str = "softmax",
+        logq_correction: bool = True,
+        embedding_l2: float = 0.0,
+        sparse_optimizer: str = "rowwise_adagrad",
+        sparse_lr: float = 0.05,
+        sparse_weight_decay: float = 0.0,
+        dense_optimizer: str = "adam",
+        dense_lr: float = 0.001,
+        dense_weight_decay: float = 0.0,
+        embedding_kernel: str = "auto",
+        ks: Sequence[int] = (10, 20),
+        top_k_table_users: int = 5,
+        eval_item_chunk: int = 8192,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
+        if dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(f"unknown dense_optimizer {dense_optimizer!r}: "
+                             f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.model: TwoTower | None = None
+        self.eval_splits = ["val"]
+        self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
+        self.test_metrics = RankingMetrics(ks=ks)
+        self._item_emb_ID: Tensor | None = None
+        if user_num_embeddings is not None and item_num_embeddings is not None:
+            self._build(dict(user_num_embeddings), dict(item_num_embeddings))
+
+    # building -----------------------------------------------------------------------------------
+
+    def _tables(self, sizes: dict[str, int], tower: str) -> EmbeddingBagCollection:
+        hp = self.hparams
+        tables = [EmbeddingBagConfig(name=f"t_{tower}_{feature}", num_embeddings=int(rows),
+                                     embedding_dim=hp.embedding_dim, feature_names=[feature])
+                  for feature, rows in sizes.items()]
+        fused = FusedOptimizerConfig(hp.sparse_optimizer, lr=hp.sparse_lr, weight_decay=hp.sparse_weight_decay)
+        return EmbeddingBagCollection(tables, optimizer=fused, kernel=hp.embedding_kernel)
+
+    def _build(self, user_sizes: dict[str, int], item_sizes: dict[str, int]) -> None:
+        hp = self.hparams
+        self.model = TwoTower(self._tables(user_sizes, "user"), self._tables(item_sizes, "item"),
+                              list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score)
+        hp.user_num_embeddings, hp.item_num_embeddings = user_sizes, item_sizes  # checkpoints rebuild these
+
+    def configure_model(self) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None and callable(getattr(datamodule, "eval_split_names", None)):
+            datamodule.setup("fit")  # Trainer has run it already; a no-op then
+            self.eval_splits = list(datamodule.eval_split_names())
+            while len(self.val_metrics) < len(self.eval_splits):
+                self.val_metrics.append(RankingMetrics(ks=self.hparams.ks))
+        if self.model is not None:
+            return
+        if datamodule is None or not hasattr(datamodule, "user_num_embeddings"):
+            raise ValueError("TwoTowerModule needs its table sizes: pass user_num_embeddings and item_num_embeddings "
+                             "({feature: rows}), or train with a data module that has them (MovieLensDataModule)")
+        self._build(dict(datamodule.user_num_embeddings), dict(datamodule.item_num_embeddings))
+
+    def _need_model(self) -> TwoTower:
+        if self.model is None:
+            raise ValueError("the towers are built by Trainer setup (configure_model) from the data module's table "
+                             "sizes: run trainer.fit/validate, or pass user_num_embeddings and item_num_embeddings")
+        return self.model
+
+    # training -----------------------------------------------------------------------------------
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        model, hp = self._need_model(), self.hparams
+        user_BD = model.user_embeddings(batch.user_features)
+        item_BD = model.item_embeddings(batch.item_features)
+        if hp.loss == "bpr":
+            if batch.neg_item_features is None:
+                raise ValueError("loss='bpr' needs a sampled negative per pair: set the data module's num_negatives=1")
+            neg_BD = model.item_embeddings(batch.neg_item_features)
+            loss = bpr_loss(user_BD, item_BD, neg_BD, hp.temperature)
+            if hp.embedding_l2:
+                loss = loss + hp.embedding_l2 * (user_BD.square() + item_BD.square() + neg_BD.square()).sum(1).mean()
+        else:
+            log_q = batch.item_log_q if hp.logq_correction else None
+            loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
+        self.log("train_loss", loss, prog_bar=True, batch_size=len(batch))
+        self._samples += len(batch)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._samples, self._epoch_start = 0, time.perf_counter()
+
+    def on_train_epoch_end(self) -> None:
+        seconds = time.perf_counter() - self._epoch_start
+        rate = torch.tensor([self._samples / max(seconds, 1e-9)], dtype=torch.float64, device=self.device)
+        self.log("train_samples_per_s", float(self.all_gather(rate).sum()), rank_zero_only=True)
+        self._log_memory()
+
+    def _log_memory(self) -> None:
+        # ru_maxrss is in KiB on Linux: this process's peak host memory
+        mem = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]
+        if self.device.type == "cuda":
+            mem.append(torch.cuda.max_memory_allocated(self.device) / 2**20)
+        per_rank = self.all_gather(torch.tensor(mem, dtype=torch.float64, device=self.device)).reshape(-1, len(mem))
+        for rank, row in enumerate(per_rank.tolist()):
+            self.log(f"mem/rank{rank}_max_rss_mb", row[0], rank_zero_only=True)
+            if len(row) > 1:
+                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], rank_zero_only=True)
+
+    # evaluation: item embeddings once, then users in batches --------------------------------------
+
+    @torch.no_grad()
+    def embed_catalog(self) -> Tensor:
+        """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None or not callable(getattr(datamodule, "item_catalog", None)):
+            raise ValueError("full-ranking evaluation needs the item catalogue: use a data module with "
+                             "item_catalog() (MovieLensDataModule)")
+        chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
+        parts = []
+        for start in range(0, num_items, chunk):
+            rows = torch.arange(start, min(start + chunk, num_items))
+            parts.append(self._need_model().item_embeddings(datamodule.item_catalog(rows).to(self.device)))
+        return torch.cat(parts)
+
+    def on_validation_epoch_start(self) -> None:
+        self._item_emb_ID = self.embed_catalog()
+
+    def on_test_epoch_start(self) -> None:
+        self._item_emb_ID = self.embed_catalog()
+
+    def _rank(self, batch, metric: RankingMetrics) -> None:
+        user_UD = self._need_model().user_embeddings(batch.user_features)
+        scores_UI = user_UD @ self._item_emb_ID.t()  # one batch of users x every item, never all users
+        metric.update_full(scores_UI, batch.target_offsets, batch.target_items, batch.exclude_offsets,
+                           batch.exclude_items)
+
+    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._rank(batch, self.val_metrics[dataloader_idx])
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._rank(batch, self.test_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        for split, metric in zip(self.eval_splits, self.val_metrics):
+            values = metric.compute()  # synced over ranks: every rank logs the same numbers
+            self.log_dict({f"{split}_{k}": v.float() for k, v in values.items()}, prog_bar=split == "val")
+            metric.reset()
+        self._log_top_k_table()
+        self._item_emb_ID = None
+
+    def on_fit_end(self) -> None:
+        # The recipe CLI prints val_* metrics; a retrieval run also wants the test split it ranked.
+        ranked = {k: float(v) for k, v in self.trainer.callback_metrics.items()
+                  if k.split("_", 1)[0] in self.eval_splits and "@" in k}
+        if ranked and self.trainer.is_global_zero:
+            shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(ranked.items()))
+            print(f"final ranking metrics: {shown}", flush=True)
+
+    def on_test_epoch_end(self) -> None:
+        values = self.test_metrics.compute()
+        self.log_dict({f"test_{k}": v.float() for k, v in values.items()})
+        self.test_metrics.reset()
+        self._item_emb_ID = None
+
+    @torch.no_grad()
+    def _log_top_k_table(self, k: int = 10) -> None:
+        n = self.hparams.top_k_table_users
+        logger = self.logger
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if not n or logger is None or not callable(getattr(logger, "log_table", None)) or datamodule is None:
+            return
+        if not hasattr(datamodule, "datasets") or "val" not in datamodule.datasets:
+            return
+        batch = datamodule.datasets["val"].__getitems__(list(range(n))).to(self.device)
+        user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
+        if not self.trainer.is_global_zero:
+            return
+        scores_UI = (user_UD @ self._item_emb_ID.t()).float()
+        rows = torch.repeat_interleave(torch.arange(len(batch), device=self.device), batch.exclude_offsets.diff())
+        scores_UI[rows, batch.exclude_items] = float("-inf")
+        top_UK = torch.topk(scores_UI, min(k, scores_UI.shape[1]), dim=1).indices.cpu()
+        titles = getattr(datamodule, "item_titles", None)
+        data = []
+        for u in range(len(batch)):
+            lo, hi = batch.target_offsets[u].item(), batch.target_offsets[u + 1].item()
+            held_out = set(batch.target_items[lo:hi].tolist())
+            for rank, item in enumerate(top_UK[u].tolist(), 1):
+                name = titles[item] if titles is not None else str(item)
+                data.append([int(batch.user_index[u]), rank, item, name, item in held_out])
+        logger.log_table(key="val_top10", columns=["user", "rank", "item", "title", "held_out"], data=data)
+
+    # optimizers --------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        model = self._need_model()
+        params = dense_parameters(model)
+        dense = (DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
+                 if params else None)
+        return combined_optimizer(model, dense)
+

@@ -1,0 +1,208 @@
+"""MovieLensDataModule: GroupLens layouts, splits (RecBole RO 8:1:1, official ml-100k), implicit feedback,
+whole batches, full-ranking users, and bad input. Real ml-100k is read from ../shared/data (skips without it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_rec.data import MovieLensDataModule, RankingBatch, RetrievalBatch, passthrough_collate, read_ratings
+from lightning_rec.data.movielens import EvalShardSampler, ro_split
+from lightning_rec.metrics import RankingMetrics
+
+ML100K = Path(__file__).parents[2] / "shared" / "data" / "movielens" / "ml-100k"
+needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
+
+
+@pytest.fixture(scope="module")
+def ro():
+    if not (ML100K / "u.data").is_file():
+        pytest.skip("shared ml-100k not present")
+    dm = MovieLensDataModule(str(ML100K), batch_size=512, eval_batch_size=128)
+    dm.setup()
+    return dm
+
+
+def _pairs(dataset):
+    return set(zip(dataset.user_N.tolist(), dataset.item_N.tolist()))
+
+
+def _csr_rows(dataset, which):
+    offsets, items = getattr(dataset, which)
+    return {u: set(items[offsets[u]:offsets[u + 1]].tolist()) for u in range(offsets.numel() - 1)}
+
+
+@needs_ml100k
+def test_ro_811_split_follows_recboles_counts_per_user(ro):
+    r = ro.report
+    assert (r.layout, r.num_users, r.num_items, r.num_interactions) == ("ml-100k", 943, 1682, 100_000)
+    users = torch.from_numpy(ro.ratings.with_format("numpy")[:]["user"])  # the HF datasets.Dataset
+    per_user = torch.bincount(users, minlength=943)
+    parts = torch.stack([torch.bincount(users[ro.part_N == p], minlength=943) for p in range(3)], 1)
+    # RecBole: int(0.1 n) for validation and for test, the rest trains (every ml-100k user has >= 20)
+    assert torch.equal(parts[:, 1], (per_user * 0.1).floor().long())
+    assert torch.equal(parts[:, 2], (per_user * 0.1).floor().long())
+    assert torch.equal(parts.sum(1), per_user)
+    assert r.split_sizes == {"train": 80_808, "val": 9_596, "test": 9_596}
+    again = ro_split(users, (0.8, 0.1, 0.1), seed=0)
+    other = ro_split(users, (0.8, 0.1, 0.1), seed=1)
+    assert torch.equal(again, ro.part_N) and not torch.equal(other, ro.part_N)  # seeded, random order
+
+
+@needs_ml100k
+def test_training_batches_are_whole_with_user_and_item_features(ro):
+    loader = ro.train_dataloader()
+    assert loader.collate_fn is passthrough_collate  # built whole by the dataset, no per-sample collate
+    batch = next(iter(loader))
+    assert isinstance(batch, RetrievalBatch) and len(batch) == 512
+    assert batch.user_features.keys() == ["user_id", "age", "gender", "occupation", "zip"]
+    assert batch.item_features.keys() == ["item_id", "year", "genre"]
+    assert batch.user_features.stride() == batch.item_features.stride() == 512
+    # u.user line 1: "1|24|M|technician|85711"; u.item line 1: Toy Story, 1995, Animation|Children's|Comedy
+    ds = ro.datasets["train"]
+    first = ds.__getitems__([int((ds.user_N == 0).nonzero()[0])])
+    feats = {k: v.values().tolist() for k, v in first.user_features.to_dict().items()}
+    assert feats["user_id"] == [0] and feats["age"] == [2]  # 18-24
+    toy = ds.__getitems__([int((ds.item_N == 0).nonzero()[0])]).item_features.to_dict()
+    assert toy["genre"].values().tolist() == [4, 5, 6]  # u.genre ids 3, 4, 5 (+1: 0 is "missing")
+    assert ro.item_titles[0] == "Toy Story (1995)"
+    # logQ: the log of each item's share of training pairs
+    counts = torch.bincount(ds.item_N, minlength=1682).double()
+    torch.testing.assert_close(batch.item_log_q, torch.log(counts[batch.item_index] / ds.item_N.numel()).float())
+    # every training pair appears once per epoch, in whole batches
+    seen = torch.cat([b.user_index * 1682 + b.item_index for b in loader])
+    assert seen.numel() == len(ds) and seen.unique().numel() == len(ds)
+
+
+@needs_ml100k
+def test_ranking_batches_hold_targets_and_seen_items(ro):
+    train = _pairs(ro.datasets["train"])
+    val, test = ro.datasets["val"], ro.datasets["test"]
+    val_targets, val_seen = _csr_rows(val, "target"), _csr_rows(val, "exclude")
+    test_targets, test_seen = _csr_rows(test, "target"), _csr_rows(test, "exclude")
+    for u in (0, 100, 942):
+        train_u = {i for (uu, i) in train if uu == u}
+        assert val_seen[u] == train_u  # validation excludes training items
+        assert test_seen[u] == train_u | val_targets[u]  # test excludes training + validation items (RecBole)
+        assert not (test_targets[u] & test_seen[u]) and not (val_targets[u] & train_u)
+    batch = next(iter(ro.val_dataloader()))
+    assert isinstance(batch, RankingBatch) and len(batch) == 128
+    assert batch.target_offsets[-1] == batch.target_items.numel()
+
+
+@needs_ml100k
+def test_official_split_u1_and_min_rating_threshold():
+    dm = MovieLensDataModule(str(ML100K), split="u1", num_negatives=1)
+    dm.setup()
+    assert dm.report.split_sizes == {"train": 80_000, "val": 20_000, "test": 20_000}
+    base = np.loadtxt(ML100K / "u1.base", dtype=np.int64)
+    assert len(_pairs(dm.datasets["train"])) == base.shape[0]
+    # users absent from u1.test are counted, and the metric skips them (no division by zero)
+    assert dm.report.users_without_heldout["test"] == 943 - np.unique(np.loadtxt(ML100K / "u1.test")[:, 0]).size
+    metric = RankingMetrics(ks=[10])
+    for b in dm.test_dataloader():
+        metric.update_full(torch.randn(len(b), dm.num_items), b.target_offsets, b.target_items,
+                           b.exclude_offsets, b.exclude_items)
+    assert int(metric.skipped_users) == dm.report.users_without_heldout["test"]
+    # test items that no training pair has are kept (they still get a row and are ranked), and counted
+    assert dm.report.heldout_items_unseen_in_train["test"] > 0
+    # BPR negatives are never one of the user's training items
+    batch = next(iter(dm.train_dataloader()))
+    pairs = _pairs(dm.datasets["train"])
+    assert not any((u, i) in pairs for u, i in zip(batch.user_index.tolist(), batch.neg_item_index.tolist()))
+    liked = MovieLensDataModule(str(ML100K), min_rating=4)
+    liked.setup()
+    assert liked.report.num_interactions == 34_174 + 21_201 and liked.report.num_ratings == 100_000
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def test_read_ratings_detects_separator_and_header(tmp_path):
+    rows = [(1, 10, 4.0, 100), (2, 20, 3.5, 200), (1, 30, 5.0, 300)]
+    layouts = {
+        "u.data": "".join(f"{u}\t{i}\t{r:g}\t{t}\n" for u, i, r, t in rows),  # ml-100k
+        "ratings.dat": "".join(f"{u}::{i}::{r:g}::{t}\n" for u, i, r, t in rows),  # ml-1m / ml-10m
+        "ratings.csv": "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in rows),
+        "semi.txt": "user;item;rating\n" + "".join(f"{u};{i};{r}\n" for u, i, r, _ in rows),  # header, 3 fields
+    }
+    for name, text in layouts.items():
+        table = read_ratings(_write(tmp_path / name, text))
+        assert table.column("user_id").to_pylist() == [1, 2, 1], name
+        assert table.column("item_id").to_pylist() == [10, 20, 30], name
+        assert table.column("rating").to_pylist() == [4.0, 3.5, 5.0], name
+    with pytest.raises(ValueError, match=r"bad\.csv.*cannot parse"):
+        read_ratings(_write(tmp_path / "bad.csv", "1,2,3,4\n1,x,3,4\n"))
+    with pytest.raises(ValueError, match="separator"):
+        read_ratings(_write(tmp_path / "one.txt", "1\n2\n"))
+    with pytest.raises(ValueError, match="is a directory"):
+        read_ratings(tmp_path)
+
+
+def _tiny_ml100k(root: Path) -> Path:
+    # 3 users, 4 items; item 4 is rated only by user 3 and u.item is latin-1 (a byte that is not UTF-8)
+    _write(root / "u.data", "1\t1\t5\t1\n1\t2\t4\t2\n1\t3\t3\t3\n2\t1\t4\t4\n2\t2\t2\t5\n3\t4\t5\t6\n3\t1\t1\t7\n")
+    _write(root / "u.user", "1|24|M|technician|85711\n2|53|F|other|94043\n3|23|M|writer|32067\n")
+    flags = "|".join(["0"] * 18)
+    _write(root / "u.item", ("1|Toy Story (1995)|01-Jan-1995||http://x|1|" + flags + "\n"
+                             "2|GoldenEye (1995)|01-Jan-1995||http://x|0|" + flags + "\n"
+                             "3|Caf\xe9 au lait (1993)|01-Jan-1993||http://x|0|" + flags + "\n"
+                             "4|Unseen (1998)|01-Jan-1998||http://x|0|" + flags + "\n").encode("latin-1"))
+    return root
+
+
+def test_latin1_item_file_other_layouts_and_bad_folders(tmp_path):
+    dm = MovieLensDataModule(str(_tiny_ml100k(tmp_path / "ml-100k")), batch_size=4)
+    dm.setup()
+    assert dm.item_titles[2] == "Café au lait (1993)"  # latin-1 decoded
+    assert dm.num_users == 3 and dm.num_items == 4
+    # ml-1m layout: '::' files, movies.dat in latin-1, genres by name
+    root = tmp_path / "ml-1m"
+    _write(root / "ratings.dat", "1::10::5::1\n1::20::4::2\n2::10::3::3\n2::30::4::4\n")
+    _write(root / "users.dat", "1::F::1::10::48067\n2::M::56::16::70072\n")
+    _write(root / "movies.dat", "10::Toy Story (1995)::Animation|Children's\n20::Jumanji (1995)::Adventure\n"
+                                "30::Caf\xe9 (1996)::Drama\n".encode("latin-1"))
+    dm1 = MovieLensDataModule(str(root))
+    dm1.setup()
+    assert dm1.report.layout == "ml-1m" and dm1.item_titles == ["Toy Story (1995)", "Jumanji (1995)", "Café (1996)"]
+    assert set(dm1.user_num_embeddings) == {"user_id", "age", "gender", "occupation", "zip"}
+    assert dm1.item_catalog().to_dict()["genre"].lengths().tolist() == [2, 1, 1]
+    # ml-20m/25m layout: ratings.csv with a header, movies.csv quoted
+    root = tmp_path / "ml-25m"
+    _write(root / "ratings.csv", "userId,movieId,rating,timestamp\n1,1,4.0,1\n1,2,3.5,2\n2,1,5.0,3\n")
+    _write(root / "movies.csv",
+           'movieId,title,genres\n1,"Toy Story, The (1995)",Animation|Comedy\n2,Heat (1995),Action\n')
+    dm25 = MovieLensDataModule(str(root))
+    dm25.setup()
+    assert dm25.report.layout == "ml-20m" and dm25.item_titles[0] == "Toy Story, The (1995)"
+    assert set(dm25.user_num_embeddings) == {"user_id"}  # no user file in these layouts
+    with pytest.raises(ValueError, match="no GroupLens ratings file"):
+        MovieLensDataModule(str(_write(tmp_path / "empty" / "README", "x").parent)).setup()
+    with pytest.raises(ValueError, match="not a folder"):
+        MovieLensDataModule(str(tmp_path / "missing")).setup()
+    with pytest.raises(ValueError, match="unknown split"):
+        MovieLensDataModule(str(tmp_path), split="u9")
+    with pytest.raises(ValueError, match="official splits.*ro_811"):
+        MovieLensDataModule(str(root), split="u1").setup()
+    with pytest.raises(ValueError, match="min_rating=6"):
+        MovieLensDataModule(str(root), min_rating=6).setup()
+    with pytest.raises(ValueError, match="setup"):
+        _ = MovieLensDataModule(str(root)).item_num_embeddings
+
+
+def test_eval_shards_cover_every_user_once_with_equal_batches():
+    class Users(torch.utils.data.Dataset):
+        def __len__(self):
+            return 943
+
+    for world in (2, 3, 4):
+        shards = [list(EvalShardSampler(Users(), world, r)) for r in range(world)]
+        assert len({len(s) for s in shards}) == 1  # the same number of samples (so of batches) on every rank
+        real = sorted(i for s in shards for i in s if i >= 0)
+        assert real == list(range(943))  # each user once: no repeated user to count twice

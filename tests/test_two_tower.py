@@ -1,0 +1,141 @@
+"""TwoTower / TwoTowerModule: losses against autograd references, errors, sharded training at 2 CPU ranks
+(evaluation identical to the unsharded module on the same weights), and the two recipes, smoke-run with
+W&B offline. The full-length recipe runs (the issue's figures) are not tests: see the README."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.models import TwoTower, TwoTowerModule
+from lightning_rec.models.two_tower import bpr_loss, in_batch_softmax_loss
+from lightning_rec.sparse import KeyedJaggedTensor
+from tests.dist_utils import run_ranks
+
+ML100K = Path(__file__).parents[2] / "shared" / "data" / "movielens" / "ml-100k"
+needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
+QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+
+
+def test_in_batch_softmax_with_logq_and_accidental_hits_equals_reference():
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    items = torch.tensor([3, 1, 3, 2, 5, 1])  # items 3 and 1 appear twice: accidental hits
+    log_q = torch.log(torch.tensor([0.1, 0.2, 0.1, 0.05, 0.3, 0.2]))
+    got = in_batch_softmax_loss(user, item, items, log_q, temperature=0.5)
+    want = 0.0
+    for b in range(6):
+        logits = [(user[b] @ item[j]) / 0.5 - log_q[j] for j in range(6) if j == b or items[j] != items[b]]
+        pos = [j for j in range(6) if j == b or items[j] != items[b]].index(b)
+        want += -torch.log_softmax(torch.stack(logits), 0)[pos]
+    torch.testing.assert_close(got, want / 6, atol=1e-6, rtol=1e-6)  # fp32, six terms
+    plain = in_batch_softmax_loss(user, item, torch.arange(6), None, 1.0)
+    torch.testing.assert_close(plain, F.cross_entropy(user @ item.t(), torch.arange(6)))
+    neg = torch.randn(6, 4, generator=g)
+    want_bpr = -F.logsigmoid((user * item).sum(1) - (user * neg).sum(1)).mean()
+    torch.testing.assert_close(bpr_loss(user, item, neg), want_bpr)
+
+
+def _ebc(prefix, sizes, dim=8):
+    return EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{prefix}_{f}", num_embeddings=n, embedding_dim=dim,
+                                                      feature_names=[f]) for f, n in sizes.items()])
+
+
+def test_two_tower_scores_and_errors():
+    model = TwoTower(_ebc("u", {"user_id": 10}), _ebc("i", {"item_id": 20, "genre": 5}), [16, 4], [16, 4], "cosine")
+    users = KeyedJaggedTensor.from_lengths_sync(["user_id"], torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.long))
+    items = KeyedJaggedTensor.from_lengths_sync(["item_id", "genre"], torch.tensor([4, 5, 6, 1, 2]),
+                                                torch.tensor([1, 1, 1, 2, 0, 0]))
+    u, v = model(users, items)
+    assert u.shape == v.shape == (3, 4)
+    torch.testing.assert_close(u.norm(dim=1), torch.ones(3))  # cosine: unit vectors
+    with pytest.raises(ValueError, match="same dim"):
+        TwoTower(_ebc("u", {"user_id": 10}), _ebc("i", {"item_id": 20}), [8], [4])
+    with pytest.raises(ValueError, match="unknown score"):
+        TwoTower(_ebc("u", {"user_id": 10}), _ebc("i", {"item_id": 20}), score="l2")
+    with pytest.raises(ValueError, match="unknown loss"):
+        TwoTowerModule(loss="hinge")
+    with pytest.raises(ValueError, match="configure_model"):
+        TwoTowerModule().configure_optimizers()
+    with pytest.raises(ValueError, match="table sizes"):
+        TwoTowerModule().configure_model()
+
+
+SMALL = dict(embedding_dim=8, user_layer_sizes=[16, 8], item_layer_sizes=[16, 8], score="cosine", temperature=0.2,
+             sparse_lr=0.05, dense_lr=0.01, top_k_table_users=0)
+
+
+def _data(**kw):
+    from lightning_rec.data import MovieLensDataModule
+
+    return MovieLensDataModule(str(ML100K), batch_size=256, eval_batch_size=200, **kw)
+
+
+def _fit_sharded(rank, world_size, ckpt):
+    L.seed_everything(0)
+    module = TwoTowerModule(**SMALL)
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, limit_train_batches=8,
+                        logger=False, num_sanity_val_steps=0, **QUIET)
+    trainer.fit(module, _data())
+    plan = str(trainer.strategy.plan)
+    trainer.save_checkpoint(ckpt)
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if "@" in k}, plan
+
+
+@needs_ml100k
+def test_sharded_two_tower_at_2_ranks_evaluates_like_the_unsharded_module(tmp_path):
+    ckpt = str(tmp_path / "tt.ckpt")
+    (metrics0, plan), (metrics1, _) = run_ranks(_fit_sharded, 2, ckpt, timeout=300)
+    assert metrics0 == metrics1  # synced: every rank logs the same values
+    assert "t_user_user_id" in plan and "t_item_item_id" in plan
+    assert metrics0["val_ndcg@10"] > 0.05  # learnt something in 8 steps (random ranking gives ~0.01)
+    # the checkpoint holds whole tables: the unsharded module, one process, ranks the same users the same way
+    state = torch.load(ckpt, weights_only=False)
+    module = TwoTowerModule(**{**SMALL, **{k: state["hyper_parameters"][k]
+                                           for k in ("user_num_embeddings", "item_num_embeddings")}})
+    module.load_state_dict(state["state_dict"])
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    single = trainer.validate(module, _data(), verbose=False)[0]
+    for key, value in metrics0.items():
+        assert single[key] == pytest.approx(value, abs=1e-6), key
+
+
+def _recipe_args(tmp_path, name, steps):
+    return ["fit", "--config", f"recipes/configs/{name}.yaml", f"--data.init_args.data_dir={ML100K}",
+            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--trainer.max_epochs=1", f"--trainer.limit_train_batches={steps}", "--trainer.check_val_every_n_epoch=1",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+@needs_ml100k
+@pytest.mark.parametrize("recipe", ["two_tower_movielens", "matrix_factorization_movielens"])
+def test_recipe_smoke_run_logs_to_wandb_offline(recipe, tmp_path, monkeypatch, capsys):
+    from lightning_rec.cli import run_cli
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    first = Path(f"recipes/configs/{recipe}.yaml").read_text().splitlines()
+    assert first[0].startswith("# lightning-rec fit --config") and first[1].startswith("# Hardware:")
+    cli = run_cli(_recipe_args(tmp_path, recipe, steps=3))
+    metrics = cli.trainer.callback_metrics
+    for key in ("val_ndcg@10", "test_ndcg@10", "val_recall@20", "test_mrr@10", "train_samples_per_s",
+                "mem/rank0_max_rss_mb"):
+        assert key in metrics, key
+    assert "final ranking metrics: test_hit_rate@10=" in capsys.readouterr().out
+    run_dir = Path(cli.trainer.logger.experiment.dir).parent  # where this run's offline file is, whatever WANDB_DIR
+    cli.trainer.logger.experiment.finish()
+    # (the sharding plan table is logged by strategy="rec": tests/test_strategy.py checks it)
+    keys = (b"val_top10", b"train_samples_per_s", b"mem/rank0_max_rss_mb", b"embedding_dim")
+    blob = b""
+    for _ in range(60):  # the W&B service writes the offline file shortly after finish() returns
+        blob = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
+        if all(k in blob for k in keys):
+            break
+        time.sleep(0.5)
+    for key in keys:
+        assert key in blob, key
