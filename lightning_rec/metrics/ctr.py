@@ -203,8 +203,8 @@ class BinnedAUC(BinaryAUROC):
     binned `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
 
     Logits (`from_logits=True`) go through a sigmoid first. `update` builds the same confusion counts as
-    torchmetrics from a histogram (O(N log T) instead of O(N T); a test checks the counts are equal). With 10,000 thresholds the value is
-    within about 1e-3 of the exact AUC for well-spread probabilities; predictions that crowd into a
+    torchmetrics from a histogram (O(N log T) instead of O(N T); a test checks the counts are equal).
+    With 10,000 thresholds the value is within about 1e-3 of the exact AUC for well-spread probabilities; predictions that crowd into a
     few bins (a very confident model) lose more, so check against `AUC` on a sample.
     """
 
