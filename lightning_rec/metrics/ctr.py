@@ -204,8 +204,9 @@ class BinnedAUC(BinaryAUROC):
 
     Logits (`from_logits=True`) go through a sigmoid first. `update` builds the same confusion counts as
     torchmetrics from a histogram (O(N log T) instead of O(N T); a test checks the counts are equal).
-    With 10,000 thresholds the value is within about 1e-3 of the exact AUC for well-spread probabilities; predictions that crowd into a
-    few bins (a very confident model) lose more, so check against `AUC` on a sample.
+    With 10,000 thresholds the value is within about 1e-3 of the exact AUC for well-spread
+    probabilities; predictions that crowd into a few bins (a very confident model) lose more, so
+    check against `AUC` on a sample.
     """
 
     def __init__(self, num_thresholds: int = 10_000, from_logits: bool = True, **kwargs) -> None:
