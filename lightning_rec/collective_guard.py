@@ -118,6 +118,7 @@ class CollectiveGuard:
         self.k = 0
         self._store = _default_store()
         self._peers_info: dict[int, tuple[str, int]] = {}
+        self._store_down = False
         if self._store is not None:
             _Watcher.ensure(self._store, self.rank)
         _GUARDS[id(pg)] = self
@@ -148,8 +149,10 @@ class CollectiveGuard:
             self._wait_plain(wait_for, tag, k, start)
             return
         self._publish({"kind": "guard", "group": self.uid, "name": self.name, "k": k, "tag": tag})
+        for p in self.ranks:  # while the Store is surely up: to name a peer that exits later
+            self._peer_info(p)
+        seen: dict[int, str] = {}
         try:
-            seen: dict[int, str] = {}
             while True:
                 waited = time.monotonic() - start
                 if waited >= self.timeout_s:
@@ -158,7 +161,8 @@ class CollectiveGuard:
                     if wait_for(min(POLL_S, self.timeout_s - waited)):
                         return
                 except RuntimeError as e:
-                    raise self.failure(tag, k, e) from e
+                    # a peer that raised a mismatch and left: what this rank saw of it says why
+                    raise self._mismatch(tag, k, time.monotonic() - start, seen, e) or self.failure(tag, k, e) from e
                 self._check_peers(tag, k, time.monotonic() - start, seen)
         finally:
             self._publish(None)
@@ -195,29 +199,42 @@ class CollectiveGuard:
             if seen.get(p) != raw:
                 seen[p] = raw
                 continue
+            err = self._mismatch(tag, k, waited, {p: raw})
             if entry["kind"] == "guard":
-                theirs = f"'{entry['tag']}' ({entry['name']} collective #{entry['k']})"
-                how = "waits in"
+                time.sleep(2 * POLL_S)  # the peer confirms on its next polls: both raise, not one
+            else:  # the peer cannot raise from inside torch.distributed: its watcher prints why we did
+                self._set(f"verdict/{p}", f"rank {self.rank} raised CollectiveMismatch: {err}")
+                time.sleep(2 * TICK_S)
+            raise err
+
+    def _mismatch(self, tag: str, k: int, waited: float, seen: dict[int, str],
+                  cause: Exception | None = None) -> CollectiveMismatch | None:
+        for p, raw in sorted(seen.items()):
+            entry = json.loads(raw)
+            if entry["kind"] == "guard":
+                if entry["group"] == self.uid and entry["k"] == k and entry["tag"] == tag:
+                    continue
+                how, theirs = "waits in", f"'{entry['tag']}' ({entry['name']} collective #{entry['k']})"
             else:
-                theirs = f"{entry['call']} (called at {entry['where']})"
-                how = "is blocked in"
+                how, theirs = "is blocked in", f"{entry['call']} (called at {entry['where']})"
             text = (f"collective mismatch: rank {self.rank} waits in {self._where(tag, k)} for {waited:.1f} s, but "
                     f"rank {p} {how} {theirs}. Every rank must run the same collectives in the same order: a "
                     f"rank that catches an error and goes on, or skips a batch, leaves the others waiting; let "
                     f"the error propagate on every rank (or skip the batch on every rank)")
-            if entry["kind"] != "guard":
-                self._set(f"verdict/{p}", f"rank {self.rank} raised CollectiveMismatch: {text}")
-            raise CollectiveMismatch(text)
+            if cause is not None:
+                text += f". Then rank {p} left: {cause}"
+            return CollectiveMismatch(text)
+        return None
 
     def _timeout(self, tag: str, k: int, waited: float) -> RuntimeError:
         dead = self.exited_peers()
         if dead:
             return PeerExited(f"{self.name} {self._where(tag, k)} on rank {self.rank}: {_describe(dead)}")
         return CollectiveTimeout(
-            f"{self.name} {self._where(tag, k)} on rank {self.rank}: a peer did not reach it within {waited:.0f} s; "
-            f"every peer is alive and none is in another collective, so one is still computing (or stuck "
-            f"outside torch.distributed). Raise the limit with {self.setting} if a step legitimately takes "
-            f"that long")
+            f"{self.name} {self._where(tag, k)} on rank {self.rank}: a peer did not reach it within "
+            f"{self.timeout_s:g} s; every peer is alive and none is in another collective, so one is still "
+            f"computing (or stuck outside torch.distributed). Raise the limit with {self.setting} if a step "
+            f"legitimately takes that long")
 
     def failure(self, tag: str, k: int, err: Exception) -> RuntimeError:
         """The error for a collective that failed: names the ranks that exited, and the setting."""
@@ -278,19 +295,24 @@ class CollectiveGuard:
         return self._peers_info[p]
 
     def _read(self, key: str) -> str:
+        if self._store_down:
+            return ""
         key = _PREFIX + key
         try:
             if not self._store.check([key]):
                 return ""
             return self._store.get(key).decode()
-        except RuntimeError:
-            return ""  # the Store's host is gone: the collective's own failure says so
+        except RuntimeError:  # the Store's host is gone: the collective's own failure says so
+            self._store_down = True
+            return ""
 
     def _set(self, key: str, value: str) -> None:
+        if self._store_down:
+            return
         try:
             self._store.set(_PREFIX + key, value)
         except RuntimeError:
-            pass
+            self._store_down = True
 
     def _publish(self, entry: dict | None) -> None:
         self._set(f"at/{self.rank}", json.dumps(entry) if entry is not None else "")

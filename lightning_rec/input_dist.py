@@ -54,8 +54,8 @@ class DistContext:
 
 def collective_error(what: str, err: Exception, timeout_s: float | None, pg=None) -> RuntimeError:
     """The error for a failed embedding collective; the group's guard names exited ranks and the setting."""
-    if isinstance(err, CollectiveMismatch):  # every rank answered, but not to the same call
-        return CollectiveMismatch(f"embedding {what} failed on rank {dist.get_rank()}: {err}")
+    if isinstance(err, CollectiveMismatch):  # its message names both calls already
+        return err
     guard = guard_of(pg.pg if isinstance(pg, SharedMemoryGroup) else pg) if pg is not None else None
     if guard is not None:
         return guard.failure(what, guard.k, err)
