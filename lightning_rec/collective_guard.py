@@ -68,7 +68,9 @@ class PeerExited(RuntimeError):
     """A peer process exited while this rank waited for it (the message names the rank)."""
 
 
-_GUARDS: dict[int, CollectiveGuard] = {}  # id(process group) -> its guard
+# id(process group) -> its guard, while its owner (DistributedModelParallel) keeps it; the guard
+# holds its group, so the id is not reused while the entry exists
+_GUARDS: weakref.WeakValueDictionary[int, CollectiveGuard] = weakref.WeakValueDictionary()
 
 
 def guard_of(pg) -> CollectiveGuard | None:
@@ -107,22 +109,27 @@ class CollectiveGuard:
         name: what the messages call the group ("embedding").
         timeout_s: the longest wait for a peer before CollectiveTimeout.
         setting: how the user sets that timeout ("DistributedModelParallel(timeout=...)").
+        enabled: False (or LIGHTNING_REC_COLLECTIVE_GUARD=0 in the environment): the group's
+            collectives wait plainly, with their timeouts only (to measure what the guard costs).
     """
 
-    def __init__(self, pg, name: str, timeout_s: float, setting: str) -> None:
+    def __init__(self, pg, name: str, timeout_s: float, setting: str, enabled: bool | None = None) -> None:
+        if enabled is None:
+            enabled = os.environ.get("LIGHTNING_REC_COLLECTIVE_GUARD", "1") != "0"
+        self.enabled = enabled
         self.pg, self.name, self.timeout_s, self.setting = pg, name, float(timeout_s), setting
         self.rank = dist.get_rank()  # global ranks: entries in the Store are keyed by them
         self.ranks = list(dist.get_process_group_ranks(pg))
         self.uid = f"{name}:{getattr(pg, 'group_name', id(pg))}"
         self.nccl = dist.get_backend(pg) == "nccl"
         self.k = 0
-        self._store = _default_store()
+        self._store = _default_store() if enabled else None
         self._peers_info: dict[int, tuple[str, int]] = {}
         self._store_down = False
         if self._store is not None:
             _Watcher.ensure(self._store, self.rank)
-        _GUARDS[id(pg)] = self
-        weakref.finalize(self, _GUARDS.pop, id(pg), None)
+        if enabled:
+            _GUARDS[id(pg)] = self
 
     # the calls ---------------------------------------------------------------------------------
 

@@ -414,7 +414,7 @@ class DistributedModelParallel(nn.Module):
         # every embedding collective (and the strategy's own) waits through this guard: a peer at another
         # collective, or gone, is named within seconds; the timeout is for a peer still computing
         self._guard = CollectiveGuard(emb_pg, "embedding", self._timeout_s, timeout_setting)
-        if transport is not None:
+        if transport is not None and self._guard.enabled:
             transport.guard = self._guard
         self._emb_pg = emb_pg
         self._transport = transport
