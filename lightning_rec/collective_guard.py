@@ -73,10 +73,12 @@ class PeerExited(RuntimeError):
 _GUARDS: weakref.WeakValueDictionary[int, CollectiveGuard] = weakref.WeakValueDictionary()
 
 
-def guard_of(pg) -> CollectiveGuard | None:
+def guard_of(pg, enabled_only: bool = True) -> CollectiveGuard | None:
     """The guard of process group `pg` (None: an unguarded group, plain waits)."""
     guard = _GUARDS.get(id(pg))
-    return guard if guard is not None and guard.pg is pg else None
+    if guard is None or guard.pg is not pg or (enabled_only and not guard.enabled):
+        return None
+    return guard
 
 
 def _default_store():
@@ -128,8 +130,7 @@ class CollectiveGuard:
         self._store_down = False
         if self._store is not None:
             _Watcher.ensure(self._store, self.rank)
-        if enabled:
-            _GUARDS[id(pg)] = self
+        _GUARDS[id(pg)] = self  # disabled too: its failure messages still name the setting
 
     # the calls ---------------------------------------------------------------------------------
 

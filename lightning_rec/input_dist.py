@@ -56,7 +56,7 @@ def collective_error(what: str, err: Exception, timeout_s: float | None, pg=None
     """The error for a failed embedding collective; the group's guard names exited ranks and the setting."""
     if isinstance(err, CollectiveMismatch):  # its message names both calls already
         return err
-    guard = guard_of(pg.pg if isinstance(pg, SharedMemoryGroup) else pg) if pg is not None else None
+    guard = guard_of(pg.pg if isinstance(pg, SharedMemoryGroup) else pg, enabled_only=False) if pg is not None else None
     if guard is not None:
         return guard.failure(what, guard.k, err)
     return RuntimeError(

@@ -274,19 +274,26 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
     return lines
 
 
-def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, pg) -> None:
+def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
+                          device: torch.device) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
 
     Ranks that disagree would route ids by different maps and return wrong embeddings without an
-    error, so this runs once at construction: a digest all-gathered, and the full descriptions only
-    when the digests differ (the same message on every rank).
+    error, so this runs once at construction: a digest all-gathered (through `guard`: a rank that
+    never comes is named or timed out), and the full descriptions only when the digests differ
+    (the same message on every rank).
     """
-    if dist.get_world_size(pg) == 1:
+    pg = guard.pg
+    W = dist.get_world_size(pg)
+    if W == 1:
         return
     lines = _describe_model(collections, plan)
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    digests: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(digests, digest, group=pg)
+    dev = device if guard.nccl else torch.device("cpu")
+    mine = torch.tensor(list(hashlib.sha256("\n".join(lines).encode()).digest()), dtype=torch.uint8, device=dev)
+    gathered = [torch.empty_like(mine) for _ in range(W)]
+    k = guard.begin()
+    guard.wait_work(dist.all_gather(gathered, mine, group=pg, async_op=True), "plan and tables digest", k)
+    digests = [bytes(t.tolist()) for t in gathered]
     if len(set(digests)) == 1:
         return
     everyone: list = [None] * len(digests)
@@ -398,7 +405,6 @@ class DistributedModelParallel(nn.Module):
                                  f"its collections are {sorted(collections)}: fix the module path")
         for path, m in collections.items():
             validate_module_plan(path, m, plan.plan[path], world_size)
-        check_same_everywhere(collections, plan, pg)
         self.plan = plan
 
         # Embedding traffic gets its own group: its own timeout, and no interleaving with DDP's.
@@ -414,8 +420,10 @@ class DistributedModelParallel(nn.Module):
         # every embedding collective (and the strategy's own) waits through this guard: a peer at another
         # collective, or gone, is named within seconds; the timeout is for a peer still computing
         self._guard = CollectiveGuard(emb_pg, "embedding", self._timeout_s, timeout_setting)
-        if transport is not None and self._guard.enabled:
-            transport.guard = self._guard
+        if transport is not None:
+            transport.timeout_setting = timeout_setting
+            transport.guard = self._guard if self._guard.enabled else None
+        check_same_everywhere(collections, plan, self._guard, device)  # before any table is built
         self._emb_pg = emb_pg
         self._transport = transport
         env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)

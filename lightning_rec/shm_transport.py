@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, PeerExited
+from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, CollectiveTimeout, PeerExited
 
 __all__ = ["CollectiveMismatch", "SharedMemoryGroup", "Writer", "ddp_comm_hook"]
 
@@ -178,6 +178,7 @@ class SharedMemoryGroup:
         # set by DistributedModelParallel: a barrier that waits past its grace asks where the peers are
         # (collective_guard.py), so a peer blocked elsewhere is named within seconds, not at the timeout
         self.guard: CollectiveGuard | None = None
+        self.timeout_setting = "DistributedModelParallel(timeout=...)"  # how messages name timeout_s
         self._tag = ""
 
     # set-up ------------------------------------------------------------------------------------
@@ -516,12 +517,14 @@ def ddp_comm_hook(group: SharedMemoryGroup):
         pending.clear()
         try:
             group.all_reduce_sum_many_(buffers, tag="DDP gradient all-reduce")
-        except CollectiveMismatch:
+        except (CollectiveMismatch, CollectiveTimeout):
             raise
         except RuntimeError as e:
-            setting = group.guard.setting if group.guard is not None else "DistributedModelParallel(timeout=...)"
+            if isinstance(e, PeerExited):
+                raise
             raise RuntimeError(f"DDP gradient all-reduce failed on rank {group.rank}: a peer rank exited or did not "
-                               f"answer within the timeout ({group.timeout_s} s; set {setting}). Cause: {e}") from e
+                               f"answer within the timeout ({group.timeout_s} s; set {group.timeout_setting}). "
+                               f"Cause: {e}") from e
         for buf, f in waiting:
             buf.div_(group.world_size)
             f.set_result(buf)

@@ -241,3 +241,32 @@ def test_planner_gives_sequence_tables_only_sequence_sharding_types():
     constraints = {"s0": ParameterConstraints(sharding_types=[ShardingType.TABLE_ROW_WISE])}
     expect_error(PlannerError, lambda: EmbeddingShardingPlanner(topology, constraints, print_stats=False).plan(ec),
                  "'s0'", "sequence", "table_row_wise", "row_wise")
+
+
+def _strategy_timeout_worker(rank, W):
+    import lightning.pytorch as L
+
+    from lightning_rec import DLRMModule, SyntheticCriteoDataModule
+    from lightning_rec.strategy import RecStrategy
+
+    class SlowOnRankOne(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            if rank == 1 and batch_idx == 1:
+                time.sleep(6.0)  # computing, not in a collective: rank 0 waits out its embedding_timeout
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=32)
+    module = SlowOnRankOne(num_embeddings_per_feature=32, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+                           over_arch_layer_sizes=[8, 1])
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), accelerator="cpu", devices=W, max_steps=3,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
+    return _outcome(lambda: trainer.fit(module, data))
+
+
+def test_timeout_under_rec_strategy_names_embedding_timeout():
+    kind, text, _ = run_ranks(_strategy_timeout_worker, 2, timeout=120)[0]
+    assert kind == CollectiveTimeout.__name__, text
+    assert "RecStrategy(embedding_timeout=...)" in text and "DistributedModelParallel" not in text, text
