@@ -334,13 +334,15 @@ def _describe(dead: list[tuple[int, str]]) -> str:
 
 def _work_done(work, seconds: float, nccl: bool) -> bool:
     if nccl:  # a timed NCCL wait may abort the communicator: poll instead, then join the streams
-        deadline = time.monotonic() + seconds
-        nap = 1e-5
+        start = time.monotonic()
+        nap = 1e-4
         while not work.is_completed():
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now - start >= seconds:
                 return False
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
+            if now - start > 2e-3:  # spin for the first 2 ms (the usual wait), then nap
+                time.sleep(nap)
+                nap = min(nap * 2, 1e-3)
         work.wait()
         return True
     try:

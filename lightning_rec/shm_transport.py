@@ -31,7 +31,9 @@ process group instead (a warning names the fix: a larger /dev/shm).
 
 Every rank must call the same operations in the same order (as with any collective); each header
 carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
-on every rank, naming both calls, instead of mixing data.
+on every rank, naming both calls, instead of mixing data. A peer that never reaches the barrier
+(blocked in a collective of its own, e.g. torch.distributed.barrier) is named by the group's
+CollectiveGuard (collective_guard.py): the barrier waits in slices and the guard looks in between.
 """
 
 from __future__ import annotations
@@ -443,7 +445,7 @@ class SharedMemoryGroup:
         code = _native_barrier()(self._arrivals, self.rank, self._k + 1, self._pids, timeout)
         if code >= 0:
             peer, dead = divmod(code, 2)
-            why = "exited" if dead else f"did not reach it within {self.timeout_s} s"
+            why = "exited" if dead else f"did not reach it within {self.timeout_s} s (set {self.timeout_setting})"
             raise RuntimeError(f"shared-memory exchange {self._k}: rank {peer} {why} (rank {self.rank} waited)")
 
     def _barrier_for(self, seconds: float) -> bool:
@@ -517,11 +519,9 @@ def ddp_comm_hook(group: SharedMemoryGroup):
         pending.clear()
         try:
             group.all_reduce_sum_many_(buffers, tag="DDP gradient all-reduce")
-        except (CollectiveMismatch, CollectiveTimeout):
-            raise
+        except (CollectiveMismatch, CollectiveTimeout, PeerExited):
+            raise  # the guard's messages name the ranks and the setting already
         except RuntimeError as e:
-            if isinstance(e, PeerExited):
-                raise
             raise RuntimeError(f"DDP gradient all-reduce failed on rank {group.rank}: a peer rank exited or did not "
                                f"answer within the timeout ({group.timeout_s} s; set {group.timeout_setting}). "
                                f"Cause: {e}") from e
