@@ -51,7 +51,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 GRACE_S = 3.0  # a wait longer than this starts watching the peers (a normal collective takes ms)
-POLL_S = 0.25  # how often a watching rank reads its peers' entries
+POLL_S = 0.25  # how often a watching rank reads its peers' entries (up to 64 ranks; longer beyond)
 TICK_S = 1.0  # the watcher thread's period: heartbeat, and a look at the main thread
 _PREFIX = "lightning_rec/guard/"
 
@@ -166,7 +166,7 @@ class CollectiveGuard:
                 if waited >= self.timeout_s:
                     raise self._timeout(tag, k, waited)
                 try:
-                    if wait_for(min(POLL_S, self.timeout_s - waited)):
+                    if wait_for(min(self._poll_s(), self.timeout_s - waited)):
                         return
                 except RuntimeError as e:
                     # a peer that raised a mismatch and left: what this rank saw of it says why
@@ -191,11 +191,25 @@ class CollectiveGuard:
     def _where(self, tag: str, k: int) -> str:
         return f"'{tag}' ({self.name} collective #{k})"
 
+    def _poll_s(self) -> float:
+        # every waiting rank reads every peer's entry: at scale, poll less often so that rank 0's Store
+        # serves about the same load (64 ranks: POLL_S; 1024 ranks: 16x longer)
+        return POLL_S * max(1.0, len(self.ranks) / 64)
+
+    def _entries(self) -> dict[int, str]:
+        """Every peer's published entry ("" when none), in one Store round trip when all exist."""
+        peers = [p for p in self.ranks if p != self.rank]
+        keys = [f"{_PREFIX}at/{p}" for p in peers]
+        if not self._store_down and callable(getattr(self._store, "multi_get", None)):
+            try:
+                if self._store.check(keys):  # multi_get would wait for a missing key
+                    return {p: v.decode() for p, v in zip(peers, self._store.multi_get(keys))}
+            except RuntimeError:
+                self._store_down = True
+        return {p: self._read(f"at/{p}") for p in peers}
+
     def _check_peers(self, tag: str, k: int, waited: float, seen: dict[int, str]) -> None:
-        for p in self.ranks:
-            if p == self.rank:
-                continue
-            raw = self._read(f"at/{p}")
+        for p, raw in self._entries().items():
             if not raw:
                 seen.pop(p, None)
                 continue
@@ -209,7 +223,7 @@ class CollectiveGuard:
                 continue
             err = self._mismatch(tag, k, waited, {p: raw})
             if entry["kind"] == "guard":
-                time.sleep(2 * POLL_S)  # the peer confirms on its next polls: both raise, not one
+                time.sleep(2 * self._poll_s())  # the peer confirms on its next polls: both raise, not one
             else:  # the peer cannot raise from inside torch.distributed: its watcher prints why we did
                 self._set(f"verdict/{p}", f"rank {self.rank} raised CollectiveMismatch: {err}")
                 time.sleep(2 * TICK_S)

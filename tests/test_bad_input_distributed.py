@@ -140,7 +140,7 @@ def _slow_peer_worker(rank, W, shared_memory):
     _fast_guard()
     dmp = _dmp(W, shared_memory)
     if rank == 1:
-        time.sleep(3.0)  # computing for three graces: slow, not elsewhere
+        time.sleep(2.5)  # computing for over two graces: slow, not elsewhere
     _step(dmp, rank)
     return dmp.step_together(True, 0)
 
@@ -166,13 +166,13 @@ def _computing_peer_worker(rank, W, shared_memory, setting):
     kwargs = {"timeout_setting": setting} if setting else {}
     dmp = _dmp(W, shared_memory, timeout=2.5, **kwargs)
     if rank == 1:
-        time.sleep(5.0)  # never in a collective while rank 0 waits: only the timeout can end the wait
+        time.sleep(3.5)  # never in a collective while rank 0 waits: only the timeout can end the wait
         return "", "", 0.0
     return _outcome(lambda: _step(dmp, rank))
 
 
-@pytest.mark.parametrize("shared_memory,setting", [(False, None), (True, "RecStrategy(embedding_timeout=...)")],
-                         ids=["gloo-dmp", "shm-strategy"])
+@pytest.mark.parametrize("shared_memory,setting", [(False, None), (True, "MyWrapper(step_timeout=...)")],
+                         ids=["gloo-dmp", "shm-wrapper"])
 def test_timeout_names_the_setting_the_user_has(shared_memory, setting):
     kind, text, seconds = run_ranks(_computing_peer_worker, 2, shared_memory, setting, timeout=60)[0]
     assert kind == CollectiveTimeout.__name__, text
