@@ -71,9 +71,9 @@ def _measure_guard(group, iters: int) -> dict:
         "shm": lambda: all_to_all(group, out, x, None, None, "bench a2a", 60.0),
     }
     times: dict[str, list[float]] = {f"{path}_{mode}": [] for path in calls for mode in ("guard", "plain")}
-    for _ in range(5):  # alternate, so both see the same machine
+    for i in range(5):  # alternate (and swap which goes first), so both see the same machine
         for path, call in calls.items():
-            for mode in ("plain", "guard"):
+            for mode in ("plain", "guard") if i % 2 else ("guard", "plain"):
                 guard.enabled = mode == "guard"
                 group.guard = guard if mode == "guard" else None
                 times[f"{path}_{mode}"].append(_time(call, iters))

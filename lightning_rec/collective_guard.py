@@ -226,7 +226,7 @@ class CollectiveGuard:
                 time.sleep(2 * self._poll_s())  # the peer confirms on its next polls: both raise, not one
             else:  # the peer cannot raise from inside torch.distributed: its watcher prints why we did
                 self._set(f"verdict/{p}", f"rank {self.rank} raised CollectiveMismatch: {err}")
-                time.sleep(2 * TICK_S)
+                time.sleep(TICK_S + self._poll_s())  # one watcher tick (and a margin) to read it
             raise err
 
     def _mismatch(self, tag: str, k: int, waited: float, seen: dict[int, str],
