@@ -128,6 +128,7 @@ class CollectiveGuard:
         self._store = _default_store() if enabled else None
         self._peers_info: dict[int, tuple[str, int]] = {}
         self._store_down = False
+        self._grace_cache: tuple[float, timedelta] = (-1.0, timedelta(0))
         if self._store is not None:
             _Watcher.ensure(self._store, self.rank)
         _GUARDS[id(pg)] = self  # disabled too: its failure messages still name the setting
@@ -143,16 +144,39 @@ class CollectiveGuard:
         if self.nccl and not host:
             work.wait()
             return
-        self.wait_until(lambda s: _work_done(work, s, self.nccl), tag, k)
-
-    def wait_until(self, wait_for, tag: str, k: int) -> None:
-        """`wait_for(seconds) -> bool` blocks at most `seconds`, True once the collective is done."""
-        start = time.monotonic()
-        try:
-            if wait_for(min(GRACE_S, self.timeout_s)):
+        if not self.nccl:  # the usual case first, in one call: the collective ends within the grace
+            try:
+                work.wait(self._grace_td)
                 return
-        except RuntimeError as e:
-            raise self.failure(tag, k, e) from e
+            except RuntimeError as e:
+                if not _is_wait_timeout(e):
+                    raise self.failure(tag, k, e) from e
+            self.wait_until(lambda s: _work_done(work, s, False), tag, k, graced=True)
+            return
+        self.wait_until(lambda s: _work_done(work, s, True), tag, k)
+
+    @property
+    def grace_s(self) -> float:
+        return min(GRACE_S, self.timeout_s)
+
+    @property
+    def _grace_td(self) -> timedelta:
+        if self._grace_cache[0] != self.grace_s:  # GRACE_S is read at call time (tests lower it)
+            self._grace_cache = (self.grace_s, timedelta(seconds=self.grace_s))
+        return self._grace_cache[1]
+
+    def wait_until(self, wait_for, tag: str, k: int, graced: bool = False) -> None:
+        """`wait_for(seconds) -> bool` blocks at most `seconds`, True once the collective is done.
+
+        graced: the caller has already waited the grace (its own fast path).
+        """
+        start = time.monotonic() - (self.grace_s if graced else 0.0)
+        if not graced:
+            try:
+                if wait_for(self.grace_s):
+                    return
+            except RuntimeError as e:
+                raise self.failure(tag, k, e) from e
         if self._store is None:
             self._wait_plain(wait_for, tag, k, start)
             return

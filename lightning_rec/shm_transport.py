@@ -436,10 +436,11 @@ class SharedMemoryGroup:
             dist.barrier(group=self.pg)  # no compiled extension: gloo carries the signal (slower, same result)
             return
         if self.guard is not None:
-            # the barrier is re-entrant (storing the same k again is a no-op): wait in slices, and
-            # between them the guard compares where the peers are
+            # the barrier is re-entrant (storing the same k again is a no-op): wait the grace, then in
+            # slices, and between them the guard compares where the peers are
             k = self.guard.begin()
-            self.guard.wait_until(self._barrier_for, self._tag, k)
+            if not self._barrier_for(self.guard.grace_s):
+                self.guard.wait_until(self._barrier_for, self._tag, k, graced=True)
             return
         timeout = self.timeout_s if self.timeout_s is not None else 0.0
         code = _native_barrier()(self._arrivals, self.rank, self._k + 1, self._pids, timeout)
