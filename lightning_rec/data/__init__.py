@@ -16,6 +16,8 @@ from lightning_rec.data.criteo_parse import (
     detect_layout,
     read_criteo,
 )
+from lightning_rec.data.criteo_shards import CriteoShardDataset
+from lightning_rec.data.preprocess import preprocess_criteo
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "CriteoDataset",
     "CriteoIterableDataset",
     "CriteoLayout",
+    "CriteoShardDataset",
     "ParseReport",
     "SyntheticCriteoDataModule",
     "SyntheticCriteoDataset",
@@ -33,5 +36,6 @@ __all__ = [
     "make_batch_loader",
     "make_criteo_batch",
     "passthrough_collate",
+    "preprocess_criteo",
     "read_criteo",
 ]
