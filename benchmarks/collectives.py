@@ -7,6 +7,8 @@ Per size: all_to_all_single (equal splits; `MB` is what each rank sends in all) 
 same processes, alternating, 1 thread per rank. Sizes are those of the DLRM benchmark's traffic
 (benchmarks/dlrm_distributed.py): ids (~0.4 MB), pooled embeddings (6.8 MB), dense gradients
 (~3 MB), plus a tiny exchange (latency). Results must match gloo's (checked before timing).
+Then the collective guard's cost (lightning_rec/collective_guard.py): a tiny all-to-all through
+input_dist.all_to_all with the guard on and off, over gloo and over shared memory, alternating.
 Last line: {"benchmark": "collectives", "results": [...], "ratios": {...}}.
 """
 
@@ -54,6 +56,31 @@ def _measure(group, x: torch.Tensor, iters: int, name: str) -> tuple[dict, dict]
     return median
 
 
+def _measure_guard(group, iters: int) -> dict:
+    """ms per tiny all-to-all (latency: where a per-call cost would show) with the collective guard
+    (lightning_rec/collective_guard.py) on and off, through gloo and through shared memory."""
+    from lightning_rec.collective_guard import CollectiveGuard
+    from lightning_rec.input_dist import all_to_all
+
+    pg = group.pg
+    guard = CollectiveGuard(pg, "bench", 60.0, "the benchmark's timeout")
+    x = torch.randn(64 * dist.get_world_size(pg))
+    out = torch.empty_like(x)
+    calls = {
+        "gloo": lambda: all_to_all(pg, out, x, None, None, "bench a2a", 60.0),
+        "shm": lambda: all_to_all(group, out, x, None, None, "bench a2a", 60.0),
+    }
+    times: dict[str, list[float]] = {f"{path}_{mode}": [] for path in calls for mode in ("guard", "plain")}
+    for i in range(5):  # alternate (and swap which goes first), so both see the same machine
+        for path, call in calls.items():
+            for mode in ("plain", "guard") if i % 2 else ("guard", "plain"):
+                guard.enabled = mode == "guard"
+                group.guard = guard if mode == "guard" else None
+                times[f"{path}_{mode}"].append(_time(call, iters))
+    group.guard = None
+    return {k: round(sorted(v)[2], 4) for k, v in times.items()}
+
+
 def rank_main(rank: int, world: int, port: int, iters: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -69,9 +96,10 @@ def rank_main(rank: int, world: int, port: int, iters: int, queue) -> None:
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         a2a, ar = _measure(group, x, iters, name)
         rows.append(dict(size=name, mb=round(n * 4 / 2**20, 2), a2a_ms=a2a, all_reduce_ms=ar))
+    guard_ms = _measure_guard(group, 10 * iters)
     group.close()
     if rank == 0:
-        queue.put(rows)
+        queue.put((rows, guard_ms))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -89,7 +117,7 @@ def main() -> None:
     procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, args.iters, queue)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    rows = queue.get(timeout=600)
+    rows, guard_ms = queue.get(timeout=600)
     for p in procs:
         p.join()
     print(f"{args.ranks} ranks, 1 thread each; median of 3 alternating rounds of {args.iters} calls (ms per call)")
@@ -102,6 +130,13 @@ def main() -> None:
         ratios[f"all_reduce_{r['size']}_gloo_over_shm"] = round(b["gloo"] / b["shm"], 2)
         print(f"{r['size']:<13}{r['mb']:>7.2f}{a['gloo']:>11.3f}{a['shm']:>10.3f}{a['gloo'] / a['shm']:>7.2f}"
               f"{b['gloo']:>13.3f}{b['shm']:>12.3f}{b['gloo'] / b['shm']:>7.2f}")
+    print(f"\ncollective guard, tiny all-to-all through input_dist.all_to_all (median of 5 alternating rounds of "
+          f"{10 * args.iters} calls, ms per call):")
+    for path in ("gloo", "shm"):
+        plain, guarded = guard_ms[f"{path}_plain"], guard_ms[f"{path}_guard"]
+        ratios[f"a2a_tiny_{path}_guard_over_plain"] = round(guarded / plain, 3)
+        print(f"{path:<6} plain {plain:.4f}  guarded {guarded:.4f}  x{guarded / plain:.3f}")
+    rows.append(dict(size="tiny", guard_ms=guard_ms))
     print(json.dumps({"benchmark": "collectives", "results": rows, "ratios": ratios}))
 
 

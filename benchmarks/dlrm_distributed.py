@@ -6,6 +6,9 @@
 over gloo's TCP instead of shared memory (DistributedModelParallel(shared_memory=False)), the
 transport before shm_transport.py, for a same-run comparison.
 
+An entry may also end in `@noguard` (or `@gloo+noguard`): the same run with the collective guard
+off (LIGHTNING_REC_COLLECTIVE_GUARD=0, lightning_rec/collective_guard.py), to measure what it costs.
+
 `--types` may also name `planner` (the plan EmbeddingShardingPlanner picks for this model);
 benchmarks/planner.py runs it that way to put measured step times next to its estimates.
 
@@ -139,10 +142,12 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     for kind in args.types:
         model = build_model("meta")  # tables are built where their shards live, never whole
         dense = None if args.dense == "none" else args.dense
-        sharding, _, transport = kind.partition("@")  # "table_wise@gloo": embedding + DDP traffic over gloo TCP
+        sharding, _, options = kind.partition("@")  # "table_wise@gloo": embedding + DDP traffic over gloo TCP
+        options = set(options.split("+"))  # "table_wise@gloo+noguard": and without the collective guard
+        os.environ["LIGHTNING_REC_COLLECTIVE_GUARD"] = "0" if "noguard" in options else "1"
         plan = plan_for(sharding, model, world_size, args.batch)
         dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120, dense=dense,
-                                       shared_memory=False if transport == "gloo" else None)
+                                       shared_memory=False if "gloo" in options else None)
         opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
                                  ("dense", torch.optim.Adagrad(dmp.parameters(), lr=0.01))])
         seconds = train(dmp, opt, batches, args.steps, args.warmup)
@@ -506,6 +511,13 @@ def main() -> None:
     ratios = {}
     if "table_wise" in args.types:
         ratios["two_rank_vs_one_process"] = round(figures["table_wise_samples_per_s"] / one, 3)
+    for kind in args.types:  # the guard's cost: guarded over unguarded throughput, same run
+        base, _, options = kind.partition("@")
+        if "noguard" in options.split("+"):
+            guarded = base + ("@" + options.replace("+noguard", "").replace("noguard", "")).rstrip("@")
+            if guarded in args.types:
+                ratios[f"{guarded}_guard_over_noguard"] = round(
+                    figures[f"{guarded}_samples_per_s"] / figures[f"{kind}_samples_per_s"], 3)
     print(json.dumps({"benchmark": "dlrm_distributed", "results": rows, "ratios": ratios, "figures": figures}))
     sys.stdout.flush()
 

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_rec.collective_guard import CollectiveMismatch, GuardedWork, guard_of
 from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
-from lightning_rec.shm_transport import CollectiveMismatch, SharedMemoryGroup, Writer
+from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -51,9 +52,13 @@ class DistContext:
     lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
 
 
-def collective_error(what: str, err: Exception, timeout_s: float | None) -> RuntimeError:
-    if isinstance(err, CollectiveMismatch):  # every rank answered, but not to the same call
-        return CollectiveMismatch(f"embedding {what} failed on rank {dist.get_rank()}: {err}")
+def collective_error(what: str, err: Exception, timeout_s: float | None, pg=None) -> RuntimeError:
+    """The error for a failed embedding collective; the group's guard names exited ranks and the setting."""
+    if isinstance(err, CollectiveMismatch):  # its message names both calls already
+        return err
+    guard = guard_of(pg.pg if isinstance(pg, SharedMemoryGroup) else pg, enabled_only=False) if pg is not None else None
+    if guard is not None:
+        return guard.failure(what, guard.k, err)
     return RuntimeError(
         f"embedding {what} failed on rank {dist.get_rank()}: a peer rank exited or did not answer within the "
         f"process group timeout ({timeout_s} s; set DistributedModelParallel(timeout=...)). Cause: {err}"
@@ -68,22 +73,36 @@ class _Done:
 
 
 def all_to_all(pg, out: Tensor, inp: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
-               what: str, timeout_s: float | None, async_op: bool = False):
-    """`pg`: a process group, or a SharedMemoryGroup (same-host CPU ranks; synchronous)."""
+               what: str, timeout_s: float | None, async_op: bool = False, host_reads: bool = False):
+    """`pg`: a process group, or a SharedMemoryGroup (same-host CPU ranks; synchronous).
+
+    A guarded group (collective_guard.py) numbers the call and waits through its guard, so a peer at
+    another collective is named within seconds. `host_reads`: the host reads the result right away
+    (NCCL then waits on the host too, and so can watch its peers).
+    """
     try:
         if isinstance(pg, SharedMemoryGroup):
             pg.all_to_all_single(out, inp, out_splits, in_splits, tag=what)
             return _Done() if async_op else None
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
+        guard = guard_of(pg)
+        if guard is None:
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=async_op)
+        k = guard.begin()
+        work = GuardedWork(dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=True),
+                           guard, what, k, host_reads or not async_op)
     except RuntimeError as e:
-        raise collective_error(what, e, timeout_s) from e
+        raise collective_error(what, e, timeout_s, pg) from e
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def wait(work, what: str, timeout_s: float | None) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        raise collective_error(what, e, timeout_s) from e
+        raise collective_error(what, e, timeout_s, getattr(getattr(work, "guard", None), "pg", None)) from e
 
 
 def _pack(parts: list[Tensor]):
@@ -147,7 +166,8 @@ class KJTAllToAll:
             counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
         counts_send = counts_send.to(self.device)
         counts_recv = torch.empty_like(counts_send)
-        all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s)
+        all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s,
+                   host_reads=True)
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
         bad = [r for r, c in enumerate(counts) if c[2]]
         if bad:
@@ -214,7 +234,7 @@ class KJTAllToAll:
         try:
             received = self.pg.exchange(sends, tag="id all-to-all")
         except RuntimeError as e:
-            raise collective_error("id all-to-all", e, self.timeout_s) from e
+            raise collective_error("id all-to-all", e, self.timeout_s, self.pg) from e
         heads = [raw[:24].view(torch.long).tolist() for raw in received]
         bad = [r for r, h in enumerate(heads) if h[2]]
         if bad:

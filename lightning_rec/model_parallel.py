@@ -30,8 +30,11 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import inspect
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.planner.fits import check_plan_fits
@@ -59,7 +63,7 @@ from lightning_rec.types import (
     ShardingType,
 )
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0  # a peer still computing after 5 minutes is stuck; a mismatch is named in seconds
 
 # plan verbs ------------------------------------------------------------------------------------
 
@@ -253,6 +257,61 @@ def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None
                          f"column sizes add up to {dim}")
 
 
+def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) -> list[str]:
+    """One line per fact every rank must agree on: each collection's kind, tables, optimizer and plan."""
+    lines = []
+    for path in sorted(collections):
+        m = collections[path]
+        where = f"module '{path}'" if path else "the model"
+        weighted = m.is_weighted() if callable(getattr(m, "is_weighted", None)) else None
+        lines.append(f"{where}: {type(m).__name__} (weighted={weighted}), tables "
+                     f"{[c.name for c in _collection_configs(m)]}")
+        opt = m.fused_optimizer_config() if callable(getattr(m, "fused_optimizer_config", None)) else None
+        lines.append(f"{where}: fused optimizer {opt}")
+        for c in _collection_configs(m):
+            fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if not f.name.startswith("weight_init")}
+            lines.append(f"{where}: table '{c.name}' {fields}")
+        for name, ps in sorted(plan.plan[path].items()):
+            lines.append(f"{where}: table '{name}' planned {ps}")
+    return lines
+
+
+def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
+                          device: torch.device) -> None:
+    """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
+
+    Ranks that disagree would route ids by different maps and return wrong embeddings without an
+    error, so this runs once at construction: a digest all-gathered (through `guard`: a rank that
+    never comes is named or timed out), and the full descriptions only when the digests differ
+    (the same message on every rank).
+    """
+    pg = guard.pg
+    W = dist.get_world_size(pg)
+    if W == 1:
+        return
+    lines = _describe_model(collections, plan)
+    dev = device if guard.nccl else torch.device("cpu")
+    mine = torch.tensor(list(hashlib.sha256("\n".join(lines).encode()).digest()), dtype=torch.uint8, device=dev)
+    gathered = [torch.empty_like(mine) for _ in range(W)]
+    k = guard.begin()
+    guard.wait_work(dist.all_gather(gathered, mine, group=pg, async_op=True), "plan and tables digest", k)
+    digests = [bytes(t.tolist()) for t in gathered]
+    if len(set(digests)) == 1:
+        return
+    everyone: list = [None] * len(digests)
+    dist.all_gather_object(everyone, lines, group=pg)
+    ranks = dist.get_process_group_ranks(pg)
+    other = next(i for i, d in enumerate(digests) if d != digests[0])
+    a, b = everyone[0], everyone[other]
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    mine = a[i] if i < len(a) else "(nothing more)"
+    theirs = b[i] if i < len(b) else "(nothing more)"
+    raise ValueError(
+        f"ranks hold different embedding tables or plans, so ids would be routed by different maps: rank "
+        f"{ranks[0]} has\n  {mine}\nbut rank {ranks[other]} has\n  {theirs}\nBuild the same model and plan on every "
+        f"rank (plan with planner.collective_plan(model), or pass plan=None and let DistributedModelParallel plan)")
+
+
 def default_plan(collections: Mapping[str, nn.Module], world_size: int) -> ShardingPlan:
     """Every table table-wise: largest first, each onto the rank with the fewest bytes so far."""
     load = [0] * world_size
@@ -311,7 +370,12 @@ class DistributedModelParallel(nn.Module):
             Embedding traffic uses NCCL on cuda, gloo on cpu.
         dense: "ddp" | "fsdp" (FSDP2 fully_shard) | None (leave the dense layers alone).
         pg: the process group to shard over (default: the world).
-        timeout: seconds an embedding collective may wait for a peer before raising.
+        timeout: seconds an embedding collective may wait for a peer before raising (default 300). A peer
+            that is alive but at another collective (a rank that caught an error and went on), or that
+            exited, is named within seconds instead (collective_guard.py); the timeout is for a peer
+            that is still computing.
+        timeout_setting: how error messages name the timeout setting; wrappers that build this
+            module pass their own (RecStrategy: "RecStrategy(embedding_timeout=...)").
         local_world_size: ranks per host (host-level types); default $LOCAL_WORLD_SIZE or the world.
         ddp_kwargs: extra DistributedDataParallel arguments.
         shared_memory: CPU only. None (default): when every rank shares this host's /dev/shm, the
@@ -323,7 +387,8 @@ class DistributedModelParallel(nn.Module):
     def __init__(self, module: nn.Module, plan: ShardingPlan | None = None, device: torch.device | str | None = None,
                  dense: str | None = "ddp", *, pg=None, timeout: float | timedelta = DEFAULT_TIMEOUT_S,
                  local_world_size: int | None = None, ddp_kwargs: dict | None = None,
-                 shared_memory: bool | None = None) -> None:
+                 shared_memory: bool | None = None,
+                 timeout_setting: str = "DistributedModelParallel(timeout=...)") -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("DistributedModelParallel needs torch.distributed: call "
@@ -367,6 +432,14 @@ class DistributedModelParallel(nn.Module):
             if transport is None and shared_memory:
                 raise ValueError("shared_memory=True, but the ranks cannot map each other's /dev/shm files (other "
                                  "hosts, or no /dev/shm): leave shared_memory=None to use gloo there")
+        # every embedding collective (and the strategy's own) waits through this guard: a peer at another
+        # collective, or gone, is named within seconds; the timeout is for a peer still computing
+        self._guard = CollectiveGuard(emb_pg, "embedding", self._timeout_s, timeout_setting)
+        if transport is not None:
+            transport.timeout_setting = timeout_setting
+            transport.guard = self._guard if self._guard.enabled else None
+        check_same_everywhere(collections, plan, self._guard, device)  # before any table is built
+        self._emb_pg = emb_pg
         self._transport = transport
         env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)
         for path, m in collections.items():
@@ -428,6 +501,65 @@ class DistributedModelParallel(nn.Module):
         if self._fused_optimizer is None:
             self._fused_optimizer = FusedOptimizer(self.module)
         return self._fused_optimizer
+
+    # collectives of the training loop, through the embedding group's guard ---------------------------
+
+    def step_together(self, have: bool, batch_index: int) -> bool:
+        """Collective: does every rank have batch `batch_index` of this epoch? (False ends it for all.)
+
+        Every rank reports (has a batch, its index): ranks at different indexes (one consumed a batch
+        the others did not) raise CollectiveMismatch on every rank, naming each rank's index, before
+        their batches are mixed in one step. One tiny all-reduce, through shared memory when the
+        tables use it.
+        """
+        W, me = dist.get_world_size(self._emb_pg), dist.get_rank(self._emb_pg)
+        tag = "ranks step together"
+        if self._transport is not None:
+            slots = torch.zeros(2 * W, dtype=torch.int64)
+            slots[2 * me], slots[2 * me + 1] = int(have), batch_index
+            self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's pair
+        else:
+            dev = self._device if self._guard.nccl else torch.device("cpu")
+            slots = torch.zeros(2 * W, dtype=torch.int64, device=dev)
+            slots[2 * me], slots[2 * me + 1] = int(have), batch_index
+            k = self._guard.begin()
+            work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
+            self._guard.wait_work(work, tag, k)
+        pairs = slots.view(W, 2).tolist()
+        indexes = [i for _, i in pairs]
+        if len(set(indexes)) > 1:
+            ranks = dist.get_process_group_ranks(self._emb_pg)
+            where = ", ".join(f"rank {ranks[r]} at batch {i}" for r, i in enumerate(indexes))
+            raise CollectiveMismatch(
+                f"ranks are at different batches of the epoch ({where}): one rank skipped or consumed a batch "
+                f"the others did not (a training_step that calls next(dataloader_iter) on some ranks only?). "
+                f"Every rank must run every step")
+        return all(h for h, _ in pairs)
+
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        """Collective: every rank's picklable `obj`, in rank order, on group rank `dst`; None elsewhere.
+
+        As torch.distributed.gather_object, but through the embedding group's guard: a rank that is
+        elsewhere is named within seconds, and the wait is bounded by this module's timeout.
+        """
+        pg, guard = self._emb_pg, self._guard
+        W, me = dist.get_world_size(pg), dist.get_rank(pg)
+        dev = self._device if guard.nccl else torch.device("cpu")
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(W)]
+        k = guard.begin()
+        work = dist.all_gather(sizes, torch.tensor([data.numel()], device=dev), group=pg, async_op=True)
+        guard.wait_work(work, "checkpoint gather (sizes)", k)
+        sizes_W = [int(t) for t in sizes]
+        buf = torch.zeros(max(sizes_W), dtype=torch.uint8, device=dev)
+        buf[: data.numel()] = data.to(dev)
+        out = [torch.empty_like(buf) for _ in range(W)] if me == dst else None
+        k = guard.begin()
+        work = dist.gather(buf, out, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
+        guard.wait_work(work, "checkpoint gather", k)
+        if out is None:
+            return None
+        return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, sizes_W)]
 
     def state_dict(self, *args, **kwargs):  # type: ignore[override]
         """The model's state dict under its own names; sharded tables as ShardedTensor (global shape + pieces)."""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_rec.collective_guard import guard_of
 from lightning_rec.input_dist import DistContext, all_to_all, collective_error, wait
 from lightning_rec.sharding.embeddings import OutputColumns, gather_columns, gather_dp, place_parts
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
@@ -98,7 +99,7 @@ def _exchange(group: SharedMemoryGroup, sends, what: str, timeout_s: float | Non
     try:
         return group.exchange(sends, tag=what)
     except RuntimeError as e:
-        raise collective_error(what, e, timeout_s) from e
+        raise collective_error(what, e, timeout_s, group) from e
 
 
 def _differentiable(t: Tensor) -> Tensor:
@@ -144,10 +145,17 @@ class SequenceAllToAll:
 
 def all_reduce_sum_(pg, tensor: Tensor, timeout_s: float | None = None) -> None:
     """In place: the sum over ranks (data-parallel replicas' gradients)."""
+    what = "replica gradient all-reduce"
     try:
         if isinstance(pg, SharedMemoryGroup):
-            pg.all_reduce_sum_(tensor, tag="replica gradient all-reduce")
-        else:
+            pg.all_reduce_sum_(tensor, tag=what)
+            return
+        guard = guard_of(pg)
+        if guard is None:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg)
+            return
+        k = guard.begin()
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        guard.wait_work(work, what, k, host=False)
     except RuntimeError as e:
-        raise collective_error("replica gradient all-reduce", e, timeout_s) from e
+        raise collective_error(what, e, timeout_s, pg) from e

@@ -48,7 +48,7 @@ from lightning_rec.sharding.ids import RouteTables
 from lightning_rec.sharding.routing import Routing, build_routing
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from lightning_rec.types import ShardingType
+from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ShardingType
 
 
 @dataclass
@@ -444,7 +444,3 @@ def shard_collection(module, table_plans, env: ShardingEnv) -> _ShardedCollectio
                 )
         return ShardedEmbeddingCollection(module, table_plans, env)
     raise AssertionError(type(module))
-
-
-SEQUENCE_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
-                           ShardingType.DATA_PARALLEL)

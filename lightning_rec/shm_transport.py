@@ -31,7 +31,9 @@ process group instead (a warning names the fix: a larger /dev/shm).
 
 Every rank must call the same operations in the same order (as with any collective); each header
 carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
-on every rank, naming both calls, instead of mixing data.
+on every rank, naming both calls, instead of mixing data. A peer that never reaches the barrier
+(blocked in a collective of its own, e.g. torch.distributed.barrier) is named by the group's
+CollectiveGuard (collective_guard.py): the barrier waits in slices and the guard looks in between.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, CollectiveTimeout, PeerExited
+
+__all__ = ["CollectiveMismatch", "SharedMemoryGroup", "Writer", "ddp_comm_hook"]
+
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _OP_ALL_TO_ALL, _OP_ALL_REDUCE, _OP_EXCHANGE = 1, 2, 3
@@ -58,10 +64,6 @@ _TAG_NAMES: dict[int, str] = {}  # what each call site calls its collective (the
 # [16:] the two slots' headers.
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
 _INITIAL_BYTES = 1 << 20
-
-
-class CollectiveMismatch(RuntimeError):
-    """Ranks reached the same exchange with different collectives (or sizes): raised on every rank."""
 
 
 def _align(n: int) -> int:
@@ -175,6 +177,11 @@ class SharedMemoryGroup:
         self._peer_pid: dict[int, int] = {}
         self._peer_data: dict[int, tuple[int, _Region]] = {}  # rank -> (generation, region)
         self.disabled = False
+        # set by DistributedModelParallel: a barrier that waits past its grace asks where the peers are
+        # (collective_guard.py), so a peer blocked elsewhere is named within seconds, not at the timeout
+        self.guard: CollectiveGuard | None = None
+        self.timeout_setting = "DistributedModelParallel(timeout=...)"  # how messages name timeout_s
+        self._tag = ""
 
     # set-up ------------------------------------------------------------------------------------
 
@@ -363,6 +370,7 @@ class SharedMemoryGroup:
                 else:
                     dst.view(piece.dtype).view(piece.shape).copy_(piece)  # copy_ takes any strides: one pass
         sizes = [hi - lo for lo, hi in zip(spans[::2], spans[1::2])]
+        self._tag = tag
         fields = [self._gen, op, ok, sum(sizes), _tag_id(tag)]  # _GEN, _OP, _OK, _SIZE, _TAG
         # all-reduce: any number of tensors, so their count and a signature of their sizes;
         # all-to-all / exchange: one (start, end) per rank
@@ -427,12 +435,26 @@ class SharedMemoryGroup:
         if _native_barrier() is None:
             dist.barrier(group=self.pg)  # no compiled extension: gloo carries the signal (slower, same result)
             return
+        if self.guard is not None:
+            # the barrier is re-entrant (storing the same k again is a no-op): wait the grace, then in
+            # slices, and between them the guard compares where the peers are
+            k = self.guard.begin()
+            if not self._barrier_for(self.guard.grace_s):
+                self.guard.wait_until(self._barrier_for, self._tag, k, graced=True)
+            return
         timeout = self.timeout_s if self.timeout_s is not None else 0.0
         code = _native_barrier()(self._arrivals, self.rank, self._k + 1, self._pids, timeout)
         if code >= 0:
             peer, dead = divmod(code, 2)
-            why = "exited" if dead else f"did not reach it within {self.timeout_s} s"
+            why = "exited" if dead else f"did not reach it within {self.timeout_s} s (set {self.timeout_setting})"
             raise RuntimeError(f"shared-memory exchange {self._k}: rank {peer} {why} (rank {self.rank} waited)")
+
+    def _barrier_for(self, seconds: float) -> bool:
+        code = _native_barrier()(self._arrivals, self.rank, self._k + 1, self._pids, max(seconds, 1e-3))
+        if code >= 0 and code % 2:
+            raise PeerExited(f"'{self._tag}' (shared-memory exchange {self._k}) on rank {self.rank}: rank "
+                             f"{code // 2} exited (its process is gone): see its log for the cause")
+        return code < 0
 
     def _fallback_a2a(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
         dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.pg)
@@ -498,10 +520,12 @@ def ddp_comm_hook(group: SharedMemoryGroup):
         pending.clear()
         try:
             group.all_reduce_sum_many_(buffers, tag="DDP gradient all-reduce")
+        except (CollectiveMismatch, CollectiveTimeout, PeerExited):
+            raise  # the guard's messages name the ranks and the setting already
         except RuntimeError as e:
             raise RuntimeError(f"DDP gradient all-reduce failed on rank {group.rank}: a peer rank exited or did not "
-                               f"answer within the timeout ({group.timeout_s} s; set DistributedModelParallel("
-                               f"timeout=...)). Cause: {e}") from e
+                               f"answer within the timeout ({group.timeout_s} s; set {group.timeout_setting}). "
+                               f"Cause: {e}") from e
         for buf, f in waiting:
             buf.div_(group.world_size)
             f.set_result(buf)

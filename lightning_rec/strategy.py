@@ -49,7 +49,9 @@ class RecStrategy(DDPStrategy):
         planner: an EmbeddingShardingPlanner to use when plan is None (default: one built from
             the machine's topology).
         dense: "ddp" | "fsdp" for the dense layers.
-        embedding_timeout: seconds an embedding collective waits for a peer before raising.
+        embedding_timeout: seconds an embedding collective (and the step agreement, and checkpoint
+            gathers) waits for a peer still computing before raising (default 300). A peer at another
+            collective, or gone, is named within seconds instead.
         pipeline: True (or a depth, or a PipelineConfig) runs every loop pipelined: the next batch is
             read, copied and its ids routed while this one computes (lightning_rec.pipeline); the
             LightningModule's steps stay as they are.
@@ -59,7 +61,7 @@ class RecStrategy(DDPStrategy):
     strategy_name = "rec"
 
     def __init__(self, plan: ShardingPlan | None = None, planner: Any = None, dense: str = "ddp",
-                 embedding_timeout: float = 1800.0, pipeline: Any = False, **kwargs: Any) -> None:
+                 embedding_timeout: float = 300.0, pipeline: Any = False, **kwargs: Any) -> None:
         from lightning_rec.pipeline import PipelineConfig
 
         if dense not in ("ddp", "fsdp"):
@@ -110,6 +112,7 @@ class RecStrategy(DDPStrategy):
         self._dmp = DistributedModelParallel(
             module, plan=plan, device=self.root_device, dense=dense,
             timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
+            timeout_setting="RecStrategy(embedding_timeout=...)",
         )
         if self.is_global_zero:
             print(f"lightning_rec sharding plan ({self.world_size} ranks):\n{self._dmp.plan}", flush=True)
@@ -167,8 +170,11 @@ class RecStrategy(DDPStrategy):
         self._pipelines = []
         super().teardown()
 
-    def _all_have_a_batch(self, have: bool) -> bool:
-        """Collective: does every rank have a batch? Through shared memory when the tables use it."""
+    def _all_have_a_batch(self, have: bool, index: int = -1) -> bool:
+        """Collective: does every rank have batch `index`? Through the embedding group's guard (and
+        shared memory when the tables use it): ranks at different batches raise on every rank."""
+        if self._dmp is not None and index >= 0:
+            return self._dmp.step_together(have, index)
         transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
         if transport is not None:
             missing = torch.tensor([0 if have else 1], dtype=torch.int64)
@@ -183,6 +189,8 @@ class RecStrategy(DDPStrategy):
     def _gather_to_zero(self, obj: Any) -> list[Any] | None:
         if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
             return [obj]
+        if self._dmp is not None:  # guarded: a rank elsewhere is named in seconds, not after 30 minutes
+            return self._dmp.gather_object(obj)
         parts = [None] * self.world_size if self.is_global_zero else None
         dist.gather_object(obj, parts, dst=0)
         return parts
@@ -256,18 +264,20 @@ def _iter_together(self):
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         yield from batches  # the loader went on to a run without ranks
         return
+    index = 0
     while True:
         try:
             batch, have = next(batches), True
         except StopIteration:
             batch, have = None, False
-        if not self._rec_all_have_a_batch(have):
+        if not self._rec_all_have_a_batch(have, index):
             if have:  # the rest is not read: parsing it could keep the others waiting
                 warnings.warn(f"rank {dist.get_rank()}: the rest of this epoch's batches are skipped: another rank's "
                               f"dataloader ran out first, and sharded embeddings need every rank in every step. "
                               f"Give every rank the same number of batches (e.g. drop_last, or an even split) to "
                               f"use them all", stacklevel=2)
             return
+        index += 1
         yield batch
 
 

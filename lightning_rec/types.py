@@ -25,6 +25,12 @@ class ShardingType(str, Enum):
         return self.value
 
 
+# What a sequence collection (EmbeddingCollection) can be sharded by: its rows travel back per id,
+# so the host-level types (whose pooled partial sums are reduced inside a host) do not apply.
+SEQUENCE_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
+                           ShardingType.DATA_PARALLEL)
+
+
 class ComputeKernel(str, Enum):
     DENSE = "dense"  # autograd gradient, a torch.optim optimizer steps the table
     FUSED = "fused"  # TBE with the update inside backward, table in device (or host on CPU) memory

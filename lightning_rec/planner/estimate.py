@@ -28,7 +28,7 @@ from lightning_rec.planner.constraints import (
 )
 from lightning_rec.planner.topology import Topology
 from lightning_rec.sharding.layout import shard_layout
-from lightning_rec.types import ComputeKernel, ShardingType
+from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ComputeKernel, ShardingType
 
 HBM, DDR, COMPUTE, COMM = 0, 1, 2, 3  # slot columns
 CACHE_LINE = 64  # a row gather moves at least one cache line / memory sector
@@ -277,7 +277,10 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
     if st == ShardingType.COLUMN_WISE:
         out, k = [], 2
         while k <= W and dim // k >= min_cols:
-            out.append((k, None, shard_layout(name, rows, dim, st, W, ranks=[0] * k)))
+            shards = shard_layout(name, rows, dim, st, W, ranks=[0] * k)
+            # sequence tables run on fbgemm, whose column blocks must be multiples of 4 (model_parallel.py)
+            if spec.pooled or dim % 4 or not any(s.shard_sizes[1] % 4 for s in shards):
+                out.append((k, None, shards))
             k *= 2
         return out, [] if out else [
             f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks"
@@ -313,6 +316,11 @@ def enumerate_options(
     options: list[ShardingOption] = []
     reasons: list[str] = []
     for st in spec.constraints.sharding_types or list(ShardingType):
+        if not spec.pooled and st not in SEQUENCE_SHARDING_TYPES:
+            # DistributedModelParallel refuses these for an EmbeddingCollection: never propose them
+            reasons.append(f"{st}: sequence (EmbeddingCollection) tables take "
+                           f"{', '.join(str(s) for s in SEQUENCE_SHARDING_TYPES)}")
+            continue
         kernels, why = _kernels_for(spec, st, t)
         reasons += why
         if not kernels:

@@ -1,0 +1,272 @@
+"""Bad distributed input (issue 15): no hang longer than it takes to notice, every error names the ranks.
+
+One case per item, each asserting the exception type and the words its message must contain; the
+2-rank cases run under a time bound (run_ranks kills a case that hangs). The guard's grace is
+lowered to 1 s in the workers (GRACE_S; 3 s by default) so that each case takes a few seconds.
+
+1. A rank that caught an error and went on to another collective: its peers raise within seconds,
+   naming both calls (gloo and shared memory; torch.distributed's own barrier, and our own calls),
+   and a rank that skipped a batch is named with its batch index. A slow peer is not a mismatch.
+2. Timeouts: minutes by default, and the message names the setting the user has.
+3. A dead peer on gloo: the error names the rank.
+4. Ranks built with different plans or tables: ValueError naming the first difference.
+5. The planner never gives a sequence table a sharding type that EmbeddingCollection refuses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import expect_error, run_ranks
+
+from lightning_rec import collective_guard
+from lightning_rec.collective_guard import CollectiveMismatch, CollectiveTimeout, PeerExited
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from lightning_rec.model_parallel import (
+    DistributedModelParallel,
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+    validate_module_plan,
+)
+from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ShardingPlan, ShardingType
+
+KEYS = ["f0", "f1"]
+
+
+def _fast_guard() -> None:
+    collective_guard.GRACE_S, collective_guard.POLL_S, collective_guard.TICK_S = 1.0, 0.2, 0.25
+
+
+def _ebc(rows: int = 10) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=rows, embedding_dim=4, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t1", num_embeddings=6, embedding_dim=4, feature_names=["f1"])]
+    return EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+
+
+def _dmp(W: int, shared_memory: bool, timeout: float = 30, plan_t0=None, rows: int = 10, **kwargs):
+    ebc = _ebc(rows)
+    plan = ShardingPlan({"": construct_module_sharding_plan(
+        ebc, {"t0": plan_t0 or row_wise(), "t1": table_wise(rank=1)}, world_size=W)})
+    return DistributedModelParallel(ebc, plan=plan, device="cpu", timeout=timeout, shared_memory=shared_memory,
+                                    **kwargs)
+
+
+def _batch(rank: int) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, torch.tensor([1, 2, 0, 1]), torch.tensor([2, 1, 1, 0]))
+
+
+def _step(dmp, rank: int) -> None:
+    dmp(_batch(rank)).values().sum().backward()
+
+
+def _outcome(fn) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and the words
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+# 1. a rank at another collective ------------------------------------------------------------------
+
+
+def _caught_and_barrier_worker(rank, W, shared_memory):
+    _fast_guard()
+    dmp = _dmp(W, shared_memory)
+    _step(dmp, rank)  # one good step: the issue's hang is mid-training
+    if rank == 1:
+        try:
+            raise ValueError("something in rank 1's forward, before the embeddings")
+        except ValueError:
+            pass  # ... caught, and on to the next collective
+        return _outcome(dist.barrier)
+    return _outcome(lambda: _step(dmp, rank))
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_rank_at_its_own_barrier_is_named_within_seconds(shared_memory):
+    start = time.monotonic()
+    (kind0, text0, s0), (kind1, _, s1) = run_ranks(_caught_and_barrier_worker, 2, shared_memory, timeout=60)
+    assert kind0 == CollectiveMismatch.__name__, text0
+    for words in ("rank 0", "rank 1", "torch.distributed.barrier", "test_bad_input_distributed.py", "id "):
+        assert words in text0, (words, text0)
+    assert s0 < 10  # the guard's grace (1 s here) plus two polls; the timeout is 30 s
+    assert kind1  # rank 1's barrier fails once rank 0 has raised and left
+    assert time.monotonic() - start < 45
+
+
+def _ours_against_ours_worker(rank, W):
+    _fast_guard()
+    dmp = _dmp(W, shared_memory=False)
+    _step(dmp, rank)
+    if rank == 1:  # skips its step, goes on to the checkpoint gather
+        return _outcome(lambda: dmp.gather_object({"rank": rank}))
+    return _outcome(lambda: _step(dmp, rank))
+
+
+def test_two_of_our_collectives_raise_on_both_ranks_naming_both_calls():
+    results = run_ranks(_ours_against_ours_worker, 2, timeout=60)
+    for kind, text, seconds in results:
+        assert kind == CollectiveMismatch.__name__, text
+        for words in ("rank 0", "rank 1", "'id counts all-to-all'", "'checkpoint gather (sizes)'"):
+            assert words in text, (words, text)
+        assert seconds < 10
+
+
+def _skipped_batch_worker(rank, W, shared_memory):
+    dmp = _dmp(W, shared_memory)
+    assert dmp.step_together(True, 0)
+    return _outcome(lambda: dmp.step_together(True, 1 if rank == 0 else 2))  # rank 1 consumed one batch more
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_a_rank_that_skipped_a_batch_is_named_with_its_index(shared_memory):
+    for kind, text, _ in run_ranks(_skipped_batch_worker, 2, shared_memory, timeout=60):
+        assert kind == CollectiveMismatch.__name__, text
+        assert "rank 0 at batch 1" in text and "rank 1 at batch 2" in text, text
+
+
+def _slow_peer_worker(rank, W, shared_memory):
+    _fast_guard()
+    dmp = _dmp(W, shared_memory)
+    if rank == 1:
+        time.sleep(2.5)  # computing for over two graces: slow, not elsewhere
+    _step(dmp, rank)
+    return dmp.step_together(True, 0)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_a_slow_peer_is_waited_for_not_reported(shared_memory):
+    assert run_ranks(_slow_peer_worker, 2, shared_memory, timeout=60) == [True, True]
+
+
+# 2. timeouts: minutes by default, named as the user sets them ----------------------------------------
+
+
+def test_default_timeouts_are_minutes():
+    from lightning_rec.strategy import RecStrategy
+
+    dmp_default = inspect.signature(DistributedModelParallel).parameters["timeout"].default
+    rec_default = inspect.signature(RecStrategy).parameters["embedding_timeout"].default
+    assert 60 <= dmp_default <= 600 and 60 <= rec_default <= 600
+
+
+def _computing_peer_worker(rank, W, shared_memory, setting):
+    _fast_guard()
+    kwargs = {"timeout_setting": setting} if setting else {}
+    dmp = _dmp(W, shared_memory, timeout=2.5, **kwargs)
+    if rank == 1:
+        time.sleep(3.5)  # never in a collective while rank 0 waits: only the timeout can end the wait
+        return "", "", 0.0
+    return _outcome(lambda: _step(dmp, rank))
+
+
+@pytest.mark.parametrize("shared_memory,setting", [(False, None), (True, "MyWrapper(step_timeout=...)")],
+                         ids=["gloo-dmp", "shm-wrapper"])
+def test_timeout_names_the_setting_the_user_has(shared_memory, setting):
+    kind, text, seconds = run_ranks(_computing_peer_worker, 2, shared_memory, setting, timeout=60)[0]
+    assert kind == CollectiveTimeout.__name__, text
+    assert (setting or "DistributedModelParallel(timeout=...)") in text, text
+    if setting:
+        assert "DistributedModelParallel(timeout" not in text, text
+    assert 2.0 < seconds < 5.0
+
+
+# 3. a dead peer is named -------------------------------------------------------------------------------
+
+
+def _dead_peer_worker(rank, W, shared_memory):
+    dmp = _dmp(W, shared_memory)
+    _step(dmp, rank)
+    if rank == 1:
+        os._exit(0)
+    return _outcome(lambda: _step(dmp, rank))
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_dead_peer_is_named(shared_memory):
+    kind, text, seconds = run_ranks(_dead_peer_worker, 2, shared_memory, timeout=60, allow_missing=True)[0]
+    assert kind == PeerExited.__name__, text
+    assert "rank 1 exited" in text or "rank(s) [1] exited" in text, text
+    assert seconds < 10
+
+
+# 4. ranks built differently ------------------------------------------------------------------------------
+
+
+def _different_worker(rank, W, what):
+    if what == "plan":
+        spec = row_wise() if rank == 0 else table_wise(rank=0)
+        return _outcome(lambda: _dmp(W, False, plan_t0=spec))
+    return _outcome(lambda: _dmp(W, False, rows=10 if rank == 0 else 12))
+
+
+@pytest.mark.parametrize("what,words", [("plan", ["table 't0'", "row_wise", "table_wise"]),
+                                        ("tables", ["table 't0'", "'num_embeddings': 10", "'num_embeddings': 12"])])
+def test_different_plans_or_tables_raise_naming_the_first_difference(what, words):
+    for kind, text, _ in run_ranks(_different_worker, 2, what, timeout=60):
+        assert kind == "ValueError", text
+        for w in ["rank 0", "rank 1", *words]:
+            assert w in text, (w, text)
+
+
+# 5. the planner proposes only what the module kind supports -----------------------------------------------
+
+
+def test_planner_gives_sequence_tables_only_sequence_sharding_types():
+    from lightning_rec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from lightning_rec.planner.plan import PlannerError
+
+    sizes = [(100_000, 64), (5_000, 16), (2_000_000, 128), (50, 8), (100, 12), (4_000, 20)]
+    ec = EmbeddingCollection([EmbeddingConfig(name=f"s{i}", num_embeddings=n, embedding_dim=d,
+                                              feature_names=[f"f{i}"]) for i, (n, d) in enumerate(sizes)],
+                             device="meta")
+    for W, L in [(8, 4), (16, 4), (4, 2), (2, 2)]:
+        topology = Topology(world_size=W, compute_device="cpu", local_world_size=L)
+        plan = EmbeddingShardingPlanner(topology, print_stats=False).plan(ec)
+        for name, ps in plan.plan[""].items():
+            assert ps.sharding_type in SEQUENCE_SHARDING_TYPES, (W, L, name, ps)
+        validate_module_plan("", ec, plan.plan[""], W)  # what DistributedModelParallel checks: it accepts
+    topology = Topology(world_size=8, compute_device="cpu", local_world_size=4)
+    constraints = {"s0": ParameterConstraints(sharding_types=[ShardingType.TABLE_ROW_WISE])}
+    expect_error(PlannerError, lambda: EmbeddingShardingPlanner(topology, constraints, print_stats=False).plan(ec),
+                 "'s0'", "sequence", "table_row_wise", "row_wise")
+
+
+def _strategy_timeout_worker(rank, W):
+    import lightning.pytorch as L
+
+    from lightning_rec import DLRMModule, SyntheticCriteoDataModule
+    from lightning_rec.strategy import RecStrategy
+
+    class SlowOnRankOne(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            if rank == 1 and batch_idx == 1:
+                time.sleep(6.0)  # computing, not in a collective: rank 0 waits out its embedding_timeout
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=32)
+    module = SlowOnRankOne(num_embeddings_per_feature=32, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+                           over_arch_layer_sizes=[8, 1])
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), accelerator="cpu", devices=W, max_steps=3,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
+    return _outcome(lambda: trainer.fit(module, data))
+
+
+def test_timeout_under_rec_strategy_names_embedding_timeout():
+    kind, text, _ = run_ranks(_strategy_timeout_worker, 2, timeout=120)[0]
+    assert kind == CollectiveTimeout.__name__, text
+    assert "RecStrategy(embedding_timeout=...)" in text and "DistributedModelParallel" not in text, text
