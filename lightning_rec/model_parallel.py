@@ -225,12 +225,8 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
         if not ps.shards:
             raise ValueError(f"table '{name}' is planned {st} but its ParameterSharding lists no shards: build it "
                              f"with construct_module_sharding_plan and a verb such as {st}(...)")
+        # Column blocks of any width work: fbgemm's kernels pad dims to multiples of 4 inside (lookup.py).
         _check_tiling(name, c.num_embeddings, c.embedding_dim, ps)
-        odd = sorted({s.shard_sizes[1] for s in ps.shards if s.shard_sizes[1] % 4})
-        if sequence and odd and c.embedding_dim % 4 == 0:
-            raise ValueError(f"table '{name}' is split into column blocks of {odd} columns, but sequence tables "
-                             f"run on fbgemm, which needs multiples of 4: choose size_per_rank in multiples of 4, "
-                             f"or fewer ranks")
 
 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
