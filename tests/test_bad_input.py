@@ -313,3 +313,16 @@ def test_check_op_passes_opcheck():
     args = (torch.tensor([5, 9]), torch.tensor([1, 2, 8]), torch.tensor([0, 1, 2, 3, 3]), torch.rand(3))
     torch.library.opcheck(torch.ops.lightning_rec.check_batch.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_planner_never_replicates_tables_whose_fused_optimizer_replicas_lack():
+    """Fused Adam on one rank: the planner used to pick data_parallel, which DistributedModelParallel then refused."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=50, embedding_dim=8, feature_names=[f"f{i}"])
+              for i in range(3)]
+    m = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("adam"))
+    for world in (1, 2):
+        plan = EmbeddingShardingPlanner(Topology(world_size=world, compute_device="cpu")).plan(m)
+        kinds = {str(ps.sharding_type) for module_plan in plan.plan.values() for ps in module_plan.values()}
+        assert "data_parallel" not in kinds, kinds

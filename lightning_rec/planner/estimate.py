@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_rec.optim import EmbOptimType
 from lightning_rec.planner.constraints import (
     DEFAULT_CACHE_LOAD_FACTOR,
     DEFAULT_MIN_PARTITION,
     ParameterConstraints,
 )
 from lightning_rec.planner.topology import Topology
+from lightning_rec.sharding.data_parallel import REPLICA_OPTIMIZERS
 from lightning_rec.sharding.layout import shard_layout
 from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ComputeKernel, ShardingType
 
@@ -320,6 +322,11 @@ def enumerate_options(
             # DistributedModelParallel refuses these for an EmbeddingCollection: never propose them
             reasons.append(f"{st}: sequence (EmbeddingCollection) tables take "
                            f"{', '.join(str(s) for s in SEQUENCE_SHARDING_TYPES)}")
+            continue
+        if st == ShardingType.DATA_PARALLEL and EmbOptimType(str(cost.optimizer)) not in REPLICA_OPTIMIZERS:
+            # replicas update with their own rule (sharding/data_parallel.py), which has these optimizers only
+            reasons.append(f"{st}: replicated tables do not implement fused {cost.optimizer} (they take "
+                           f"{', '.join(str(o) for o in REPLICA_OPTIMIZERS)})")
             continue
         kernels, why = _kernels_for(spec, st, t)
         reasons += why

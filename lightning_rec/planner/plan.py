@@ -100,7 +100,7 @@ class EmbeddingShardingPlanner:
         constraints: Mapping[str, ParameterConstraints] | None = None,
         *,
         batch_size: int = 512,
-        optimizer="rowwise_adagrad",
+        optimizer=None,
         pipelined: bool | int = True,
         reserved_fraction: float = 0.15,
         max_shard_fraction: float = 0.125,
@@ -124,9 +124,10 @@ class EmbeddingShardingPlanner:
                 raise ValueError(
                     f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)"
                 )
-        opt = getattr(optimizer, "optimizer", optimizer)  # a FusedOptimizerConfig, an EmbOptimType or a str
-        self.optimizer = str(getattr(opt, "value", opt)).lower()
-        self.cost = CostModel(self.topology, batch_size, self.optimizer, pipelined)
+        # None: the fused optimizer of the module being planned (plan()), else row-wise Adagrad.
+        self._optimizer_given = optimizer is not None
+        self._cost_args = (batch_size, pipelined)
+        self._set_optimizer(optimizer if optimizer is not None else "rowwise_adagrad")
         self.reserved_fraction = reserved_fraction
         self.max_shard_fraction = max_shard_fraction
         self.max_proposals = max_proposals
@@ -229,6 +230,11 @@ class EmbeddingShardingPlanner:
         return options
 
     # --- planning -----------------------------------------------------------------------------
+    def _set_optimizer(self, optimizer) -> None:
+        opt = getattr(optimizer, "optimizer", optimizer)  # a FusedOptimizerConfig, an EmbOptimType or a str
+        self.optimizer = str(getattr(opt, "value", opt)).lower()
+        self.cost = CostModel(self.topology, self._cost_args[0], self.optimizer, self._cost_args[1])
+
     def plan(self, module, sharders=None) -> ShardingPlan:
         """Plan every table of `module` (a model, a collection, or a list of configs).
 
@@ -237,6 +243,11 @@ class EmbeddingShardingPlanner:
         """
         del sharders
         start = time.perf_counter()
+        if not self._optimizer_given:
+            fused = [m.fused_optimizer_config() for m in _modules(module)
+                     if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
+            if fused:  # the collections' own update decides state bytes and which sharding types apply
+                self._set_optimizer(fused[0])
         specs = self._specs(module)
         options = self._options(specs)
         search = _Search(options, self.topology, self.capacity, self.max_proposals)
@@ -391,3 +402,8 @@ def _default_topology() -> Topology:
     local = torch.cuda.device_count() if device == "cuda" else world
     local = local if local and world % local == 0 else world
     return Topology(world_size=world, compute_device=device, local_world_size=min(local, world))
+
+
+def _modules(module) -> list:
+    """The module and its submodules (a list of configs has none)."""
+    return list(module.modules()) if hasattr(module, "modules") else []
