@@ -1,6 +1,7 @@
 """The recipe CLI, run for real: the default synthetic job and the Criteo recipe on real samples."""
 
 import pytest
+from conftest import needs_wandb
 
 from lightning_rec.cli import run_cli
 
@@ -28,6 +29,7 @@ def test_criteo_recipe_reaches_auc_on_real_samples(shared_data, tmp_path):
     assert val(cli, "val_auc") >= 0.70  # hashed logistic regression: about 0.69
 
 
+@needs_wandb
 def test_wandb_logger_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

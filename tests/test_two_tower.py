@@ -11,6 +11,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_wandb
 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.models import TwoTower, TwoTowerModule
@@ -113,6 +114,7 @@ def _recipe_args(tmp_path, name, steps):
             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
 
+@needs_wandb
 @needs_ml100k
 @pytest.mark.parametrize("recipe", ["two_tower_movielens", "matrix_factorization_movielens"])
 def test_recipe_smoke_run_logs_to_wandb_offline(recipe, tmp_path, monkeypatch, capsys):
