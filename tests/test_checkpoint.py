@@ -1,0 +1,280 @@
+"""Sharded DCP checkpoints: save at one world size and plan, load at another, or unsharded; export.
+
+Parity: after a load, every table, its fused optimizer state and the dense optimizer state,
+assembled whole, equal what was saved (bitwise; per-row state of a table that was split by
+columns is the width-weighted mean of its column shards, as `merge_fused_state` defines it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import expect_error, run_ranks
+
+from lightning_rec import checkpoint as ckpt
+from lightning_rec.data.synthetic import SyntheticCriteoDataModule
+from lightning_rec.model_parallel import (
+    DistributedModelParallel,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from lightning_rec.models.dlrm_module import DLRMModule
+from lightning_rec.optim import merge_fused_state
+from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.types import ShardingPlan
+
+NAMES = ["a", "b", "c", "d"]
+SMALL = dict(num_embeddings_per_feature=64, embedding_dim=8, sparse_feature_names=NAMES,
+             dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1], sparse_lr=0.05, dense_lr=0.02)
+EBC = "model.sparse_arch.embedding_bag_collection"
+
+
+def _layout(kind: str, W: int) -> dict:
+    if kind == "table_wise":
+        return {f"t_{n}": table_wise(rank=i % W) for i, n in enumerate(NAMES)}
+    if kind == "row_wise":
+        return {f"t_{n}": row_wise() for n in NAMES}
+    assert kind == "mixed"  # a column split (two per-row states per row), rows, a whole table, a replica
+    return {"t_a": column_wise(ranks=[0, W - 1]), "t_b": row_wise(), "t_c": table_wise(rank=W - 1),
+            "t_d": data_parallel()}
+
+
+def _module(sparse_optimizer: str = "rowwise_adagrad") -> DLRMModule:
+    torch.manual_seed(0)
+    return DLRMModule(**SMALL, sparse_optimizer=sparse_optimizer)
+
+
+def _shard(module, kind: str, W: int) -> DistributedModelParallel:
+    ebc = module.get_submodule(EBC)
+    plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout(kind, W), world_size=W, local_size=W)})
+    return DistributedModelParallel(module, plan=plan, device="cpu", timeout=30)
+
+
+def _train(module, dmp, optimizer, rank: int, steps: int = 3) -> None:
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, num_sparse_features=4, num_signal_features=2,
+                                     sparse_feature_names=NAMES, num_embeddings_per_feature=64, seed=rank)
+    split = data.make_split("train")
+    for step in range(steps):
+        batch = split.__getitems__(list(range(step * 16, step * 16 + 16)))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            dmp(batch.dense_features, batch.sparse_features), batch.labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _all(obj):
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _full_state(module, optimizer) -> dict:
+    """Every table, fused state and dense optimizer state, whole (collective)."""
+    local = module.state_dict()
+    sharded = {k: ShardedTensor(v.global_shape, [(m, t.clone()) for m, t in v.local_shards])
+               for k, v in local.items() if isinstance(v, ShardedTensor)}
+    parts = _all(sharded)
+    out = {k: v.clone() for k, v in local.items() if not isinstance(v, ShardedTensor)}
+    for k in sharded:
+        out[k] = ShardedTensor.merge([p[k] for p in parts]).full()
+    fused = dict(optimizer.optimizers)["fused"]
+    pieces = {k: (s, [(m, t.clone()) for m, t in p]) for k, (s, p) in fused.global_state_pieces().items()}
+    out.update({f"fused:{k}": v for k, v in merge_fused_state(_all(pieces)).items()})
+    dense = dict(optimizer.optimizers)["dense"].state_dict()
+    for pid, st in dense["state"].items():
+        for name, v in st.items():
+            out[f"dense:{pid}.{name}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+    out["lr:fused"] = torch.tensor([g["lr"] for g in fused.param_groups[:1]])
+    return out
+
+
+def _save_worker(rank, W, path, kind, sparse_optimizer="rowwise_adagrad"):
+    module = _module(sparse_optimizer)
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": module.state_dict(), "epoch": 1}, path, optimizers=[optimizer], loader_state={"r": rank})
+    return _full_state(module, optimizer)
+
+
+def _load_worker(rank, W, path, kind, sparse_optimizer="rowwise_adagrad", train_after=False):
+    module = _module(sparse_optimizer)
+    torch.manual_seed(100 + rank)  # other weights than the saved ones, so that a missed piece shows
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, 0)
+    state = _full_state(module, optimizer)
+    if train_after:
+        _train(module, dmp, optimizer, rank, steps=1)  # the loaded fused state drives the next update
+    return state
+
+
+def _same(a: dict, b: dict, per_row_tol: bool = False) -> None:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    for k in a:
+        if per_row_tol and k.startswith("fused:"):
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=0)  # a width-weighted mean, rounded once
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(("save", "load"), [
+    ((2, "row_wise"), (1, "row_wise")), ((1, "table_wise"), (2, "row_wise")), ((2, "mixed"), (3, "row_wise")),
+    ((2, "table_wise"), (4, "mixed")), ((2, "row_wise"), (2, "table_wise")),
+])
+def test_dcp_reshards_to_any_world_size_and_plan(tmp_path, save, load):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, save[0], path, save[1], timeout=120)[0]
+    # each rank wrote its own file; nothing partial is left
+    assert sorted(p.name for p in Path(path).iterdir() if p.suffix == ".distcp") == [
+        f"__{r}_0.distcp" for r in range(save[0])]
+    assert not list(tmp_path.glob(".*partial*"))
+    loaded = run_ranks(_load_worker, load[0], path, load[1], timeout=120)
+    for state in loaded:
+        _same(saved, state, per_row_tol=save[1] == "mixed")
+
+
+def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "mixed", timeout=120)[0]
+    assert not dist.is_initialized()
+    module = _module()
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, 0)
+    _same(saved, _full_state(module, optimizer), per_row_tol=True)
+
+
+def test_dcp_per_element_state_adagrad(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "mixed", "adagrad", timeout=120)[0]
+    loaded = run_ranks(_load_worker, 3, path, "row_wise", "adagrad", timeout=120)
+    _same(saved, loaded[0])
+
+
+def test_export_loads_in_a_plain_process(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "row_wise", timeout=120)[0]
+    # the module class and its arguments come from the checkpoint's Lightning part
+    meta = torch.load(Path(path) / ckpt.LIGHTNING_FILE, weights_only=False)
+    meta["hyper_parameters"] = dict(_module().hparams)
+    meta["lightning_rec"]["module_class"] = "lightning_rec.models.dlrm_module.DLRMModule"
+    torch.save(meta, Path(path) / ckpt.LIGHTNING_FILE)
+    out = ckpt.export(path, tmp_path / "export")
+    module = ckpt.load_exported(out)
+    assert isinstance(module, DLRMModule) and not module.training
+    for k, v in module.state_dict().items():
+        if k in saved:
+            assert torch.equal(v, saved[k]), k
+    half = ckpt.export(path, tmp_path / "export16", fp16_tables=True)
+    assert (half / "model.safetensors").stat().st_size < 0.75 * (out / "model.safetensors").stat().st_size
+    m16 = ckpt.load_exported(half)
+    table = f"{EBC}.embedding_bags.t_a.weight"
+    torch.testing.assert_close(m16.state_dict()[table], saved[table], atol=1e-3, rtol=1e-3)  # fp16 rounding
+
+
+# bad input -----------------------------------------------------------------------------------------
+
+
+def _other_dims_worker(rank, W, path):
+    module = DLRMModule(**{**SMALL, "num_embeddings_per_feature": [64, 64, 32, 64]})
+    _shard(module, "row_wise", W)
+    return expect_error(ValueError, lambda: ckpt.load_model(module, path), "t_c", "(64, 8)", "(32, 8)")
+
+
+def test_checkpoint_of_other_tables_names_them(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    run_ranks(_save_worker, 2, path, "row_wise", timeout=120)
+    run_ranks(_other_dims_worker, 2, path, timeout=120)
+
+
+def test_missing_rank_file_and_truncated_files_are_named(tmp_path):
+    path = tmp_path / "c.ckpt"
+    run_ranks(_save_worker, 2, str(path), "row_wise", timeout=120)
+    module = _module()
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(path, broken)
+    (broken / "__1_0.distcp").unlink()
+    before = sorted(p.name for p in broken.iterdir())
+    expect_error(ValueError, lambda: ckpt.load_model(module, broken), "__1_0.distcp", "missing")
+    assert sorted(p.name for p in broken.iterdir()) == before  # nothing overwritten or removed
+    shutil.rmtree(broken)
+    shutil.copytree(path, broken)
+    with open(broken / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    expect_error(ValueError, lambda: ckpt.load_model(module, broken), "__0_0.distcp", "incomplete")
+    # an interrupted save: no metadata / no lightning.pt
+    (broken / ckpt.LIGHTNING_FILE).unlink()
+    expect_error(ValueError, lambda: ckpt.read_lightning_state(broken), "incomplete", "ckpt_path='last'")
+
+
+def test_truncated_gathered_file_is_named(tmp_path):
+    f = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.randn(1000)}}, f)
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    expect_error(ValueError, lambda: ckpt.load_file(f), str(f), "incomplete")
+
+
+def _disk_full_worker(rank, W, path):
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank, steps=1)
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs._write_item
+
+    def full(*args, **kwargs):  # the disk fills while rank 1 writes its tables
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    fs._write_item = full
+    try:
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return f"{type(e).__name__}: {e}"
+    finally:
+        fs._write_item = real
+    return "saved"
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "row_wise", timeout=120)[0]
+    errors = run_ranks(_disk_full_worker, 2, path, timeout=120)
+    assert all(e != "saved" for e in errors), errors
+    assert not list(tmp_path.glob(".*partial*"))  # the unfinished save is removed
+    loaded = run_ranks(_load_worker, 2, path, "row_wise", timeout=120)
+    _same(saved, loaded[0])  # the previous checkpoint is whole and still loads
+
+
+def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):
+    path = tmp_path / "c.ckpt"
+    run_ranks(_piece_worker, 2, str(tmp_path), timeout=120)
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    module = _module()
+    expect_error(ValueError, lambda: module.load_state_dict(parts[0]), "ShardedTensor.merge")
+    merged = {k: ShardedTensor.merge([p[k] for p in parts]) if isinstance(v, ShardedTensor) else v
+              for k, v in parts[0].items()}
+    module.load_state_dict(merged)  # every piece there: loads whole
+    del path
+
+
+def _piece_worker(rank, W, out):
+    module = _module()
+    _shard(module, "row_wise", W)
+    torch.save(module.state_dict(), os.path.join(out, f"rank{rank}.pt"))
