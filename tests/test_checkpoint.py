@@ -59,8 +59,9 @@ def _shard(module, kind: str, W: int) -> DistributedModelParallel:
 
 
 def _train(module, dmp, optimizer, rank: int, steps: int = 3) -> None:
-    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, num_sparse_features=4, num_signal_features=2,
-                                     sparse_feature_names=NAMES, num_embeddings_per_feature=64, seed=rank)
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64, seed=rank)
     split = data.make_split("train")
     for step in range(steps):
         batch = split.__getitems__(list(range(step * 16, step * 16 + 16)))

@@ -26,10 +26,10 @@ from torch import Tensor
 from torch.utils.data import Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_rec.sparse import KeyedJaggedTensor
+
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13, at every loader construction
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-
-from lightning_rec.sparse import KeyedJaggedTensor
 
 
 @dataclass
