@@ -249,7 +249,7 @@ class RecStrategy(DDPStrategy):
             return state
         fused = state[fused_key] if fused_key else state
         fused_opt = optimizer if fused_key == "" else dict(optimizer.optimizers)[fused_key]
-        pieces = {k: (shape, [(meta, t.detach().cpu()) for meta, t in parts])
+        pieces = {k: (shape, [(meta, t.detach().cpu().clone()) for meta, t in parts])  # copies: see _cpu
                   for k, (shape, parts) in fused_opt.global_state_pieces().items()}
         gathered = self._gather_to_zero(pieces)
         if gathered is None:
@@ -312,7 +312,9 @@ def _iter_together(self):
 
 
 def _cpu(st: ShardedTensor) -> ShardedTensor:
-    return ShardedTensor(st.global_shape, [(m, t.detach().cpu()) for m, t in st.local_shards])
+    # a copy of each piece: a view into a fused kernel's weights would pickle the kernel's whole storage
+    # (once per table: 13 tables of one kernel sent 13 copies of all of them)
+    return ShardedTensor(st.global_shape, [(m, t.detach().cpu().clone()) for m, t in st.local_shards])
 
 
 if "rec" not in StrategyRegistry:
