@@ -192,7 +192,13 @@ def test_export_loads_in_a_plain_process(tmp_path):
 def _other_dims_worker(rank, W, path):
     module = DLRMModule(**{**SMALL, "num_embeddings_per_feature": [64, 64, 32, 64]})
     _shard(module, "row_wise", W)
-    return expect_error(ValueError, lambda: ckpt.load_model(module, path), "t_c", "(64, 8)", "(32, 8)")
+    expect_error(ValueError, lambda: ckpt.load_model(module, path), "t_c", "(64, 8)", "(32, 8)")
+    torch.manual_seed(0)
+    other = DLRMModule(**{**SMALL, "sparse_feature_names": ["a", "b", "c", "e"]})  # table t_e instead of t_d
+    ebc = other.get_submodule(EBC)
+    DistributedModelParallel(other, plan=ShardingPlan({EBC: construct_module_sharding_plan(
+        ebc, {f"t_{n}": row_wise() for n in "abce"}, world_size=W, local_size=W)}), device="cpu", timeout=30)
+    return expect_error(ValueError, lambda: ckpt.load_model(other, path), "t_e", "t_d", "not in the checkpoint")
 
 
 def test_checkpoint_of_other_tables_names_them(tmp_path):
