@@ -220,7 +220,7 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[s
     fused_key = fused_part(optimizer)
     state = optimizer.state_dict()
     if fused_key is None:
-        return {f"{prefix}rest": _blob(state)}
+        return {_rest_key(prefix, state): _blob(state)}
     fused = _fused_child(optimizer, fused_key)
     mine = _per_row_columns(fused)
     everyone: dict[str, set[int]] = {}
@@ -232,8 +232,24 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[s
     out = _fused_entries(fused, f"{prefix}fused.", {k: sorted(v) for k, v in everyone.items()})
     out[f"{prefix}fused.param_groups"] = _blob(fused.state_dict()["param_groups"])
     rest = {k: v for k, v in state.items() if k != fused_key} if fused_key else {}
-    out[f"{prefix}rest"] = _blob(rest)
+    out[_rest_key(prefix, rest)] = _blob(rest)
     return out
+
+
+def _rest_key(prefix: str, rest: Any) -> str:
+    """Replicated dense state (DDP) is written once; FSDP's sharded state (DTensors) once per rank."""
+    from torch.distributed.tensor import DTensor
+
+    def sharded(obj: Any) -> bool:
+        if isinstance(obj, DTensor):
+            return True
+        if isinstance(obj, Mapping):
+            return any(sharded(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(sharded(v) for v in obj)
+        return False
+
+    return f"{prefix}rest.rank{_rank_world()[0]}" if sharded(rest) else f"{prefix}rest"
 
 
 def _blob(obj: Any) -> bytes:
@@ -532,13 +548,21 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     reader, md = _read_metadata(path)
     prefix = f"optimizer_states.{index}."
     saved = md.state_dict_metadata
-    if f"{prefix}rest" not in saved:
-        raise ValueError(f"checkpoint {path} holds no state for optimizer {index}: it was saved with "
-                         f"{sum(1 for k in saved if k.endswith('.rest') and k.startswith('optimizer_states.'))} "
-                         f"optimizer(s)")
+    rest_key = f"{prefix}rest"
+    if rest_key not in saved:
+        rank, world = _rank_world()
+        rest_key = f"{prefix}rest.rank{rank}"  # FSDP dense state: one per rank
+        if not any(k.startswith(f"{prefix}rest") for k in saved):
+            raise ValueError(f"checkpoint {path} holds no state for optimizer {index}: it was saved with "
+                             f"{len({k.split('.')[1] for k in saved if k.startswith('optimizer_states.')})} "
+                             f"optimizer(s)")
+        if rest_key not in saved:
+            raise ValueError(f"checkpoint {path}: optimizer {index}'s dense state was saved sharded (FSDP) by "
+                             f"{sum(1 for k in saved if k.startswith(f'{prefix}rest.rank'))} ranks; load it at "
+                             f"that world size (its tables and fused state load at any)")
     fused_key = fused_part(optimizer)
     per_row_columns = _lightning_meta(path).get("lightning_rec", {}).get("per_row_columns", {})
-    targets: dict[str, Any] = {f"{prefix}rest": None}
+    targets: dict[str, Any] = {rest_key: None}
     post = []
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
@@ -582,7 +606,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
         else:  # a table that was split by columns kept one per-row state per column shard: their weighted mean
             acc = sum(b.view(-1).double() * w for b, w in zip(bufs, widths))
             live.copy_((acc / sum(widths)).to(live.dtype))
-    rest = _unblob(targets[f"{prefix}rest"])
+    rest = _unblob(targets[rest_key])
     if fused_key is None:
         optimizer.load_state_dict(rest)
         return

@@ -191,7 +191,8 @@ class RecStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         loader_state = loops.pop("combined_loader", None)  # one per rank: checkpoint.save keeps them all
-        rec_checkpoint.save(checkpoint, filepath, optimizers=self.optimizers, loader_state=loader_state,
+        optimizers = self.optimizers if "optimizer_states" in checkpoint else []  # weights_only=True: none
+        rec_checkpoint.save(checkpoint, filepath, optimizers=optimizers, loader_state=loader_state,
                             module_class=module_class)
 
     @override

@@ -412,3 +412,37 @@ def test_loader_state_of_another_batch_size_warns_and_starts_the_epoch_over():
     with pytest.warns(UserWarning, match="dataset_id|num_samples"):
         smaller.load_state_dict(state)
     assert len(_labels(smaller)) == len(smaller)
+
+
+def _fsdp_worker(rank, W, path, mode):
+    from torch.distributed.tensor import DTensor
+
+    module = _module()
+    if mode == "load":
+        torch.manual_seed(7)
+    ebc = module.get_submodule(EBC)
+    plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout("row_wise", W), world_size=W, local_size=W)})
+    dmp = DistributedModelParallel(module, plan=plan, device="cpu", dense="fsdp", timeout=30)
+    optimizer = module.configure_optimizers()
+    if mode == "save":
+        _train(module, dmp, optimizer, rank)
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    else:
+        ckpt.load_model(module, path)
+        ckpt.load_optimizer(optimizer, path, 0)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+    out = {k: full(v) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    for pid, st in dict(optimizer.optimizers)["dense"].state_dict()["state"].items():
+        out.update({f"dense:{pid}.{n}": full(v) for n, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def test_dcp_with_fsdp_dense_layers(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_fsdp_worker, 2, path, "save", timeout=120)[0]
+    loaded = run_ranks(_fsdp_worker, 2, path, "load", timeout=120)[0]
+    assert saved.keys() == loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
