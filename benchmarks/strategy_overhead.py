@@ -11,7 +11,8 @@ each, gloo + shared memory), dense layers in DDP. Both variants get the same pre
               plan)), max_steps, no logger / checkpoints / progress bar (what a tuned run turns off)
 
 Timing starts after `--warmup` steps on both (a barrier first) and ends after `--steps` more;
-set-up (sharding, DDP) is outside it. The variants alternate over `--rounds` rounds; the figure is
+set-up (sharding, DDP) and the end of training (Lightning's epoch-end hooks, teardown) are outside
+it: the figure is the cost per step. The variants alternate over `--rounds` rounds; the figure is
 the median over rounds of steps/s, and ratios.trainer_vs_loop = trainer steps/s / loop steps/s.
 Last line: {"benchmark": "strategy_overhead", "results": [...], "ratios": {...}, "figures": {...}}.
 """
@@ -75,12 +76,13 @@ def run_trainer(batches, steps: int, warmup: int, world_size: int) -> float:
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == warmup:
+            if batch_idx == warmup:
                 dist.barrier()
                 self.start = time.perf_counter()
 
-        def on_train_end(self, trainer, pl_module):
-            self.seconds = time.perf_counter() - self.start
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == warmup + steps - 1:  # the last timed step, as the loop's clock stops after it
+                self.seconds = time.perf_counter() - self.start
 
     module = Module()
     inner = bench.plan_for("table_wise", module.model, world_size, BATCH).plan

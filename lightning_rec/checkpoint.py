@@ -120,12 +120,31 @@ class _Pieces:
         raise AssertionError(f"no piece at {tuple(offset)}")
 
 
+_NUMPY_DTYPES = {torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8}
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """The same memory as a tensor whose storage is exactly its bytes.
+
+    DCP's writer (torch 2.11-2.13) copies a tensor whose storage is larger than itself (a table
+    view into a fused kernel's flat weights) and keeps every copy until the rank's file is
+    written: the rank's whole model in copies. Wrapped through numpy, the piece is written in
+    place, with no copy at all.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in _NUMPY_DTYPES:
+        return t
+    if t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return torch.from_numpy(t.detach().numpy())
+
+
 class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)
         if isinstance(obj, _Pieces):
-            return obj.chunk(index.offset)
-        return super().lookup_object(index)
+            return _own_storage(obj.chunk(index.offset))
+        value = super().lookup_object(index)
+        return _own_storage(value) if isinstance(value, Tensor) else value
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -331,7 +350,12 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
                 shutil.rmtree(stale, ignore_errors=True)  # a save killed earlier
             partial.mkdir(parents=True)
         _barrier()
-        dcp.save(entries, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True), planner=_SavePlanner())
+        # One file per rank when the pieces are host memory (written in place, see _own_storage); from a
+        # GPU, one file per piece, so that host copies live one piece at a time, not a rank's worth.
+        on_host = all(_device_of(v) == "cpu" for v in entries.values())
+        on_host = all(_gather(on_host))
+        writer = dcp.FileSystemWriter(str(partial), sync_files=True, single_file_per_rank=on_host)
+        dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
         if rank == 0:
             meta["lightning_rec"]["loader_states"] = loader_states
             with open(partial / (LIGHTNING_FILE + ".tmp"), "wb") as f:
@@ -352,6 +376,12 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     if rank == 0:
         _commit(partial, path)
     _barrier()
+
+
+def _device_of(value: Any) -> str:
+    if isinstance(value, _Pieces):
+        return next((t.device.type for _, _, t in value.pieces if t.device.type != "cpu"), "cpu")
+    return value.device.type if isinstance(value, Tensor) else "cpu"
 
 
 def _commit(partial: Path, path: Path) -> None:
