@@ -721,7 +721,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
         tensors[k] = v
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
-    hparams = dict(meta.get("hyper_parameters") or {})
+    # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
+    hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
     config = {"class_path": _module_class(meta), "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
               "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
