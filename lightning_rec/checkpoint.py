@@ -27,9 +27,8 @@ Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
     optimizer_states.<i>.rest                 the rest of the optimizer's state dict (the dense
                                               torch.optim part), pickled once
 
-Saving writes only this rank's pieces: DCP copies one chunk at a time out of the kernels (views
-into the fused weights are cloned chunk by chunk), so the extra host memory per rank is about the
-largest shard, not the model. Loading asks DCP for the rectangles this rank's layout holds and
+Saving writes only this rank's pieces, straight from the kernels' memory (no copy on CPU; from a
+GPU one piece at a time), so the extra host memory per rank is bounded by a piece, not the model. Loading asks DCP for the rectangles this rank's layout holds and
 copies them straight into the kernels: any world size, any plan, or the unsharded module.
 
 A save is a commit: every rank writes into `.<name>.partial-<id>/`; after rank 0 has written
