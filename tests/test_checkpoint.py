@@ -446,3 +446,35 @@ def test_dcp_with_fsdp_dense_layers(tmp_path):
     loaded = run_ranks(_fsdp_worker, 2, path, "load", timeout=120)[0]
     assert saved.keys() == loaded.keys()
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+
+
+CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+
+
+@pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_streaming_criteo_loader_resumes_exactly(num_workers):
+    import itertools
+
+    from lightning_rec import CriteoDataModule
+
+    def loader():
+        data = CriteoDataModule(train_path=str(CRITEO / "criteo_kaggle_train_sample.tsv"), batch_size=256,
+                                num_embeddings_per_feature=64, streaming=True, num_workers=num_workers, seed=5)
+        data.setup("fit")
+        return data.train_dataloader()
+
+    first = loader()
+    _labels(first)  # epoch 0
+    epoch1 = _labels(first)  # the order of epoch 1 (shuffled by epoch)
+    it = iter(first)
+    _labels(itertools.islice(it, 6))
+    first.consumed_batches = lambda: 4  # the step had trained 4 (a fetcher read 2 ahead)
+    state = first.state_dict()
+    assert state["pass"] == 2 and state["batches"] == 4
+    del it
+    again = loader()
+    again.load_state_dict({**state, "pass": 1})  # the same position in epoch 1
+    rest = _labels(again)
+    assert len(rest) == len(epoch1) - 4
+    assert all(torch.equal(a, b) for a, b in zip(rest, epoch1[4:]))
