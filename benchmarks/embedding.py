@@ -1,6 +1,13 @@
-"""Embedding forward + backward + fused update on CPU: our collection vs raw fbgemm TBE vs plain PyTorch.
+"""Embedding forward + backward + fused update: our collection vs raw fbgemm TBE vs plain PyTorch.
 
     .venv/bin/python benchmarks/embedding.py [--rounds 3] [--steps 30] [--rows 100000]
+    python benchmarks/embedding.py --device cuda      # GPU: 26 x 1M rows x dim 128, batch 16,384
+
+On CUDA (the GPU issue's configuration: 26 tables x 1M rows x dim 128, batch 16,384, one id per
+feature, row-wise Adagrad, batches already on the GPU) ours and the raw TBE (fbgemm's default
+bounds check, WARNING) run in one process in alternating blocks of steps, synchronised at block
+ends; the ratio is the median over blocks (JSON ratios.ours_vs_raw_tbe_cuda). Ours checks ids
+without a host sync there (batch_check.py: fbgemm's device-side count, read lazily).
 
 Workload (issue 3): 26 tables x 100,000 rows x dim 64, batch 2048, one id per feature, row-wise
 Adagrad. Variants, each in its own process so that its peak RSS is its own:
@@ -34,6 +41,61 @@ NUM_TABLES, DIM, BATCH = 26, 64, 2048
 def make_ids(rows: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, rows, (NUM_TABLES, BATCH), generator=g) for _ in range(steps)]
+
+
+def cuda_section(args) -> None:
+    """ours vs raw fbgemm TBE on one GPU, same process, alternating blocks (see the module docstring)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
+
+    T, D, B, rows = NUM_TABLES, args.dim, args.batch, args.rows
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = [torch.randint(0, rows, (T * B,), device=dev, generator=g) for _ in range(args.steps)]
+    keys = [f"f{t}" for t in range(T)]
+    tables = [EmbeddingBagConfig(name=f"t{t}", num_embeddings=rows, embedding_dim=D, feature_names=[keys[t]])
+              for t in range(T)]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.01), device=dev)
+    lengths = torch.ones(T * B, dtype=torch.int64, device=dev)
+    kjts = [KeyedJaggedTensor(keys, v, lengths=lengths, stride=B) for v in ids]
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, device=dev)
+    offsets = torch.arange(T * B + 1, device=dev)
+    variants = {
+        "ours": lambda i: ebc(kjts[i]).values().sum().backward(),
+        "raw_tbe": lambda i: tbe(ids[i], offsets).sum().backward(),
+    }
+    spent: dict[str, list[float]] = {v: [] for v in variants}
+    for step in variants.values():  # warm-up
+        for i in range(5):
+            step(i)
+    torch.cuda.synchronize()
+    for _ in range(args.rounds * 4):
+        for name, step in variants.items():
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                step(i)
+            torch.cuda.synchronize()
+            spent[name].append(time.perf_counter() - t0)
+    sps = {v: B * args.steps / statistics.median(t) for v, t in spent.items()}
+    ratio = statistics.median(a / b for a, b in zip(spent["raw_tbe"], spent["ours"]))
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    print(f"embedding fwd+bwd+rowwise_adagrad on {torch.cuda.get_device_name()}: {T} x {rows} rows x dim {D}, "
+          f"batch {B}, median of {len(spent['ours'])} blocks of {args.steps} steps")
+    for v, x in sps.items():
+        print(f"{v:<10}{x:>14,.0f} samples/s")
+    print(f"ours_vs_raw_tbe_cuda  {ratio:.3f}   peak GPU memory {peak:,.0f} MB")
+    results = [{"variant": v, "samples_per_s": x} for v, x in sps.items()]
+    print(json.dumps({"benchmark": "embedding_cuda", "results": results,
+                      "ratios": {"ours_vs_raw_tbe_cuda": ratio},
+                      "figures": {**{f"{v}_samples_per_s_cuda": x for v, x in sps.items()}, "peak_gpu_mb": peak}}))
 
 
 def run_ours(rows: int, ids: list[torch.Tensor], optimizer: str, kernel: str):
@@ -137,7 +199,8 @@ VARIANTS = {
     "raw_tbe": run_raw_tbe,
     "plain": run_plain,
 }
-CHILD_VARIANTS = {**VARIANTS, "native": run_native}
+CHILD_VARIANTS = {**VARIANTS, "native": run_native,
+                  "ours_native": lambda rows, ids, opt: run_ours(rows, ids, opt, kernel="native")}
 
 # Native kernel section (issue 6): per optimizer, native vs fbgemm TBE (where fbgemm has it on CPU)
 # vs plain PyTorch (EmbeddingBag(sparse=True) + torch.optim.Adagrad / SGD / SparseAdam), plus
@@ -231,17 +294,34 @@ def main() -> None:
     parser.add_argument("--optimizer", default="rowwise_adagrad")
     parser.add_argument("--child", help="internal: one variant (or 'a+b', paired) in this process")
     parser.add_argument("--no-native", action="store_true", help="skip the native kernel section")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dim", type=int, default=128, help="--device cuda: embedding dim")
+    parser.add_argument("--batch", type=int, default=16_384, help="--device cuda: batch size")
     args = parser.parse_args()
+    if args.device == "cuda":
+        global BATCH
+        BATCH = args.batch
+        if args.rows == parser.get_default("rows"):
+            args.rows = 1_000_000
+        cuda_section(args)
+        return
     if args.child:
         child(args.child, args.optimizer, args.rows, args.steps, args.threads)
         return
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     pairs: list[dict] = []
+    from lightning_rec.native_embedding import native_kernel_available
+
+    # The collection on our native kernel vs that kernel called directly (what the checks and the
+    # routing cost on the CPU default path), paired like ours vs raw TBE.
+    native_pairs: list[dict] | None = [] if native_kernel_available() else None
     for _ in range(args.rounds):
         for variant in VARIANTS:
             runs[variant].append(measure(variant, args.optimizer, args.rows, args.steps, args.threads))
         pairs.append(measure("ours+raw_tbe", args.optimizer, args.rows, args.steps, args.threads))
+        if native_pairs is not None:
+            native_pairs.append(measure("ours_native+native", args.optimizer, args.rows, args.steps, args.threads))
     med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in runs.items()}
     # Wrapper cost is a few %, below the spread between processes: take it from the paired runs.
     paired_ratio = statistics.median(p["samples_per_s"] / p["paired_samples_per_s"] for p in pairs)
@@ -253,6 +333,8 @@ def main() -> None:
         print(f"{v:<10}{m['samples_per_s']:>12,.0f}{m['peak_rss_mb']:>14,.0f}")
     ratios = {
         "ours_vs_raw_tbe": paired_ratio,
+        **({"ours_native_vs_native_tbe": statistics.median(p["samples_per_s"] / p["paired_samples_per_s"]
+                                                            for p in native_pairs)} if native_pairs else {}),
         "ours_vs_plain": med["ours"]["samples_per_s"] / med["plain"]["samples_per_s"],
         "rss_ours_vs_raw_tbe": med["ours"]["peak_rss_mb"] / med["raw_tbe"]["peak_rss_mb"],
     }

@@ -31,6 +31,9 @@ TORCH_LIBRARY(lightning_rec, m) {
   // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
   // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
   m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");
+  // Whether a jagged batch may reach a kernel (batch_check_cpu.cpp): never throws for bad data;
+  // returns {code, position, value, feature, count} (code 0: ok).
+  m.def("check_batch(Tensor rows_F, Tensor indices, Tensor offsets, Tensor? weights) -> Tensor");
 }
 
 // Importing lightning_rec._C runs the registrations above; the module itself exports nothing.

@@ -14,7 +14,7 @@ parameters are views into the kernel's storage: loading a state dict writes into
 
 from __future__ import annotations
 
-import bisect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -22,6 +22,7 @@ from enum import Enum
 import torch
 from torch import Tensor, nn
 
+from lightning_rec.batch_check import DeviceBoundsCheck, check_features, check_ids  # noqa: F401  (check_ids: old name)
 from lightning_rec.lookup import GroupedLookup, LocalTable
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -36,6 +37,22 @@ class PoolingType(str, Enum):
         return self.value
 
 
+_TABLE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def _table_dtype(table: str, value) -> torch.dtype:
+    """A table's data_type from a torch dtype or its name (YAML configs give names)."""
+    if isinstance(value, str):
+        key = value.lower().removeprefix("torch.")
+        if key in _TABLE_DTYPES:
+            return _TABLE_DTYPES[key]
+    elif value in (torch.float32, torch.float16):
+        return value
+    raise ValueError(f"table '{table}': data_type {value!r} is not supported: use torch.float32 ('float32') or "
+                     f"torch.float16 ('float16')")
+
+
 @dataclass(kw_only=True)
 class BaseEmbeddingConfig:
     num_embeddings: int
@@ -47,19 +64,31 @@ class BaseEmbeddingConfig:
     weight_init_max: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("an embedding table needs a name")
-        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
-            raise ValueError(
-                f"table '{self.name}': num_embeddings ({self.num_embeddings}) and embedding_dim "
-                f"({self.embedding_dim}) must be positive"
-            )
+        if not isinstance(self.name, str) or not self.name or "." in self.name:
+            raise ValueError(f"an embedding table needs a name without dots (it becomes a state dict key), got "
+                             f"{self.name!r}")
+        for field_name in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"table '{self.name}': {field_name} must be a positive integer, got {value!r}"
+                                 + (f": write {field_name}={value.strip()}" if isinstance(value, str) else ""))
+        if isinstance(self.feature_names, str):
+            raise ValueError(f"table '{self.name}': feature_names must be a list of names, got the string "
+                             f"{self.feature_names!r}: write feature_names=[{self.feature_names!r}]")
         if not self.feature_names:
             # TorchRec's convention: a table with no feature names is read by a feature of its own name.
             self.feature_names = [self.name]
         self.feature_names = list(self.feature_names)
-        if isinstance(self.data_type, str):
-            self.data_type = getattr(torch, self.data_type)
+        bad = [f for f in self.feature_names if not isinstance(f, str) or not f]
+        if bad:
+            raise ValueError(f"table '{self.name}': feature names must be non-empty strings, got {bad}")
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError(f"table '{self.name}' lists a feature twice: {self.feature_names}")
+        self.data_type = _table_dtype(self.name, self.data_type)
+        for field_name in ("weight_init_min", "weight_init_max"):
+            value = getattr(self, field_name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"table '{self.name}': {field_name} must be a number or None, got {value!r}")
 
     def init_range(self) -> tuple[float, float] | None:
         if self.weight_init_min is None and self.weight_init_max is None:
@@ -99,45 +128,14 @@ class EmbeddingConfig(BaseEmbeddingConfig):
     """A sequence (unpooled) table: every id gets its own embedding row out."""
 
 
-def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str]) -> None:
-    """ValueError naming the feature and table if any id is negative or >= its table's rows.
-
-    `features` holds exactly the features that rows_F / tables_F describe, in that order. One
-    vectorised pass and one host read per batch: cheap next to the lookup, and it turns what would
-    be a wrong row (or a crash in C++) into an error a user can act on.
-    """
-    values_N = features.values()
-    if values_N.numel() == 0:
-        return
-    lpk = features.length_per_key()
-    rows_F = rows_F.to(values_N.device)
-    if min(lpk) == max(lpk):
-        # Every feature has as many ids (fixed-size bags, the common case): a min and a max per
-        # feature row of values viewed as [F, N/F]. About 5x cheaper than an id-by-id limit.
-        lo_F, hi_F = torch.aminmax(values_N.view(len(lpk), -1), dim=1)
-        if not bool(((lo_F < 0) | (hi_F >= rows_F)).any()):
-            return
-    limit_N = torch.repeat_interleave(rows_F, torch.tensor(lpk, device=values_N.device),
-                                      output_size=values_N.numel())
-    bad_N = (values_N < 0) | (values_N >= limit_N)
-    if not bool(bad_N.any()):
-        return
-    first = int(bad_N.nonzero()[0, 0])
-    f = bisect.bisect_right(features.offset_per_key(), first) - 1
-    rows = int(rows_F[f])
-    raise ValueError(
-        f"feature '{features.keys()[f]}' has id {int(values_N[first])} outside table '{tables_F[f]}' "
-        f"(valid ids 0..{rows - 1}); {int(bad_N.sum())} id(s) in this batch are out of range. "
-        f"Hash or clip ids into [0, num_embeddings), or raise num_embeddings for '{tables_F[f]}'. "
-        f"Nothing was updated."
-    )
-
-
 class FeatureRouter:
-    """A KJT's features put into a collection's order, its per-id weights kept or dropped, ids checked.
+    """A KJT's features put into a collection's order, its per-id weights kept or dropped, the batch checked.
 
-    Shared by the unsharded and the sharded collections. The permutation for a given input key
-    order is computed once and cached, and is skipped when the keys already come in order.
+    Shared by the unsharded and the sharded collections. For each input key order (cached) it
+    knows the permutation and every input feature's table size; the batch is checked in the order
+    it arrives (batch_check.py), before the permutation, so that a GPU batch moved from the host is
+    checked on its host copy. A feature no table reads, and weights given to an unweighted
+    collection, are dropped with a warning (once).
     """
 
     def __init__(self, feature_names: Sequence[str], rows_F: Tensor, tables_F: Sequence[str], is_weighted: bool,
@@ -146,34 +144,73 @@ class FeatureRouter:
         self.rows_F, self.tables_F = rows_F, list(tables_F)
         self.is_weighted = is_weighted
         self.owner = owner  # how errors name the collection
-        self._cache: dict[tuple[str, ...], tuple[list[int], Tensor]] = {}
+        self._by_feature = {f: (int(r), t) for f, r, t in zip(self.feature_names, rows_F.tolist(), self.tables_F)}
+        self._cache: dict[tuple[str, ...], tuple[list[int] | None, Tensor | None, Tensor, list[str]]] = {}
+        self._warned_weights = False
+        self.device_check: DeviceBoundsCheck | None = None
+
+    def _for_keys(self, features: KeyedJaggedTensor):
+        keys = tuple(features.keys())
+        cached = self._cache.get(keys)
+        if cached is None:
+            index = features.index_per_key()
+            missing = [f for f in self.feature_names if f not in index]
+            if missing:
+                raise ValueError(
+                    f"the input has no feature(s) {missing} that this {self.owner} reads; it has "
+                    f"{list(keys)}: rename the features or the tables' feature_names so they match"
+                )
+            unread = [k for k in keys if k not in self._by_feature]
+            if unread:
+                warnings.warn(f"the input's feature(s) {unread} are read by no table of this {self.owner} and are "
+                              f"ignored: add them to a table's feature_names, or leave them out of the batch",
+                              stacklevel=4)
+            rows_in = torch.tensor([self._by_feature.get(k, (-1, ""))[0] for k in keys], dtype=torch.int64)
+            tables_in = [self._by_feature.get(k, (-1, "(none)"))[1] for k in keys]
+            if list(keys) == self.feature_names:
+                cached = (None, None, rows_in, tables_in)
+            else:
+                order = [index[f] for f in self.feature_names]
+                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device), rows_in, tables_in)
+            self._cache[keys] = cached
+        return cached
 
     def __call__(self, features: KeyedJaggedTensor, validate_ids: bool = True) -> KeyedJaggedTensor:
-        keys = tuple(features.keys())
-        if list(keys) != self.feature_names:
-            cached = self._cache.get(keys)
-            if cached is None:
-                index = features.index_per_key()
-                missing = [f for f in self.feature_names if f not in index]
-                if missing:
-                    raise ValueError(
-                        f"the input has no feature(s) {missing} that this {self.owner} reads; it has "
-                        f"{list(keys)}: rename the features or the tables' feature_names so they match"
-                    )
-                order = [index[f] for f in self.feature_names]
-                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device))
-                self._cache[keys] = cached
-            features = features.permute(cached[0], cached[1])
+        order, order_t, rows_in, tables_in = self._for_keys(features)
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
                              f"build the KJT with weights=..., or set is_weighted=False")
+        if validate_ids:
+            if features.device.type != "cpu" and self.device_check is not None:
+                self.device_check.before_lookup()  # raises for an earlier device batch with bad ids
+            check_features(features, rows_in, tables_in, self.owner)
+        if order is not None:
+            if order_t.device != features.device:
+                order_t = order_t.to(features.device)
+                self._cache[tuple(features.keys())] = (order, order_t, rows_in, tables_in)
+            features = features.permute(order, order_t)
         if not self.is_weighted and features.weights_or_none() is not None:
+            if not self._warned_weights:
+                self._warned_weights = True
+                warnings.warn(f"the input has per-id weights but this {self.owner} is unweighted, so they are "
+                              f"ignored: build it with is_weighted=True to use them, or leave them out of the batch",
+                              stacklevel=3)
             features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
                                          offsets=features.offsets_or_none(), stride=features.stride(),
-                                         length_per_key=features.length_per_key(), _validate=False)
-        if validate_ids:
-            check_ids(features, self.rows_F, self.tables_F)
+                                         length_per_key=features._length_per_key, _validate=False)
         return features
+
+
+class _Tables(nn.ModuleDict):
+    """table name -> its weight holder. Any table name works, `items` and `keys` included.
+
+    nn.ModuleDict refuses names that are attributes of the container (its methods); a table named
+    `items` would fail with "attribute 'items' already exists". Entries go straight into _modules,
+    which is all that state dicts, `named_parameters` and `tables[name]` read.
+    """
+
+    def __setitem__(self, key: str, module: nn.Module) -> None:
+        self._modules[key] = module
 
 
 class _TableWeight(nn.Module):
@@ -216,6 +253,17 @@ class _EmbeddingCollectionBase(nn.Module):
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
+        readers: dict[str, str] = {}
+        for t in tables:
+            for f in t.feature_names:
+                if f in readers:
+                    # Two tables reading one feature would give one output key twice: to_dict() and kt[key]
+                    # would silently keep one of the two embeddings.
+                    raise ValueError(
+                        f"feature '{f}' is read by tables '{readers[f]}' and '{t.name}': each feature can feed one "
+                        f"table of a collection. Give the second table its own feature name (e.g. '{f}_{t.name}') "
+                        f"and put the ids in the batch under both names, or split the tables into two collections")
+                readers[f] = t.name
         self._configs = list(tables)
         self._device = torch.device(device or "cpu")
         self._optimizer = optimizer
@@ -226,11 +274,12 @@ class _EmbeddingCollectionBase(nn.Module):
         self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
 
     def _build_lookup(self, device: torch.device) -> None:
-        lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel)
+        lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,
+                               weighted=self._is_weighted)
         # The lookup is kept out of the module tree so that the state dict shows tables, not kernel
         # internals; its tables are registered below as parameters that view the kernel's storage.
         object.__setattr__(self, "_lookup", lookup)
-        weights = nn.ModuleDict()
+        weights = _Tables()
         for name, w in lookup.table_weights().items():
             param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
             weights[name] = _TableWeight(param)
@@ -240,6 +289,9 @@ class _EmbeddingCollectionBase(nn.Module):
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
             [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__)
+        if device.type == "cuda":
+            self._router.device_check = DeviceBoundsCheck(self._router.rows_F, self._router.tables_F,
+                                                          type(self).__name__)
 
     # ---------------------------------------------------------------------------------------
 
@@ -263,6 +315,12 @@ class _EmbeddingCollectionBase(nn.Module):
     def fused_kernels(self) -> list:
         """The kernels that update their tables inside backward (for FusedOptimizer)."""
         return self._lookup.fused_kernels()
+
+    def _after_lookup(self, features: KeyedJaggedTensor) -> None:
+        """GPU batches never on the host: start the lazy copy of fbgemm's bad-id count (no sync)."""
+        check = self._router.device_check
+        if check is not None and self.validate_ids and features.host_copy() is None:
+            check.after_lookup(self._lookup.bounds_check_counters(), features)
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Features reordered into the kernels' order (a no-op when they already are), ids checked."""
@@ -331,8 +389,9 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        features = self._route(features)  # kernel order, ids checked
-        pooled = self._lookup(features)  # one [B, D_group] per kernel group
+        features = self._route(features)  # kernel order, batch checked
+        pooled = self._lookup(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
+        self._after_lookup(features)
         pooled_BD = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
         return KeyedTensor(self._feature_names, self._dims, pooled_BD)
 
@@ -356,7 +415,8 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         features = self._route(features)
-        values = self._lookup(features)  # one [N_group, D] per kernel group
+        values = self._lookup(features, checked=self.validate_ids)  # one [N_group, D] per kernel group
+        self._after_lookup(features)
         values_ND = values[0] if len(values) == 1 else None
         out: dict[str, JaggedTensor] = {}
         lpk = features.length_per_key()

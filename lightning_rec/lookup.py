@@ -105,6 +105,23 @@ def cpu_supported_optimizers() -> list[EmbOptimType]:
     return [o for o in EmbOptimType if o in FBGEMM_CPU_OPTIMIZERS or _native_supports(native, o)]
 
 
+def check_device_ready(device: torch.device) -> None:
+    """One line saying what is missing when tables are asked for on a GPU this environment cannot use."""
+    if device.type != "cuda":
+        return
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        what = "this torch is a CPU build" if torch.version.cuda is None else "torch finds no CUDA device"
+        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}: install the "
+                         f"CUDA build of torch and fbgemm-gpu (README, 'GPU'), or train with device='cpu' / "
+                         f"accelerator='cpu'")
+    import fbgemm_gpu  # noqa: F401
+
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::asynchronous_complete_cumsum", "CUDA"):
+        raise ValueError("tables on device='cuda' need fbgemm-gpu built for CUDA, but this environment has the CPU "
+                         "build (fbgemm-gpu-cpu): `pip uninstall fbgemm-gpu-cpu` and install the fbgemm-gpu that "
+                         "matches your torch (README, 'GPU'), or train on CPU")
+
+
 def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.device,
                   pooling: str = "sum") -> str:
     """Resolve "auto" to "fbgemm" or "native"; refuse combinations that cannot run."""
@@ -154,11 +171,12 @@ def _location(fb: dict, table: LocalTable, on_cpu: bool):
 
 
 def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int], pooling: str,
-                     optimizer: FusedOptimizerConfig, device: torch.device) -> nn.Module:
+                     optimizer: FusedOptimizerConfig, device: torch.device, dims: Sequence[int],
+                     grad_scale: float = 1.0) -> nn.Module:
     fb = _fbgemm()
     on_cpu = device.type == "cpu"
     compute = fb["ComputeDevice"].CPU if on_cpu else fb["ComputeDevice"].CUDA
-    specs = [(t.num_embeddings, t.embedding_dim, _location(fb, t, on_cpu), compute) for t in tables]
+    specs = [(t.num_embeddings, d, _location(fb, t, on_cpu), compute) for t, d in zip(tables, dims)]
     pooling_mode = {"sum": fb["PoolingMode"].SUM, "mean": fb["PoolingMode"].MEAN,
                     "none": fb["PoolingMode"].NONE}[pooling]
     precision = {torch.float32: fb["SparseType"].FP32, torch.float16: fb["SparseType"].FP16}
@@ -170,13 +188,14 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
     if optimizer.weight_decay:
         from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
-        # L2 adds weight_decay * w to the gradient before the update, as torch.optim does.
-        kwargs.update(weight_decay=optimizer.weight_decay, weight_decay_mode=WeightDecayMode.L2)
+        # L2 adds weight_decay * w to the gradient before the update, as torch.optim does. With a
+        # scaled gradient (padded row-wise tables, see FusedKernel) the decay term is scaled alike.
+        kwargs.update(weight_decay=optimizer.weight_decay * grad_scale, weight_decay_mode=WeightDecayMode.L2)
     tbe = fb["TBE"](
         specs,
         feature_table_map=feature_table_map,
         optimizer=getattr(fb["FbOpt"], _FBGEMM_OPTIMIZER_NAMES[opt]),
-        learning_rate=optimizer.lr,
+        learning_rate=optimizer.lr / grad_scale,
         eps=optimizer.eps,
         beta1=optimizer.beta1,
         beta2=optimizer.beta2,
@@ -185,8 +204,10 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         weights_precision=precision[dtype],
         output_dtype=precision[dtype],
         pooling_mode=pooling_mode,
-        # Ids are checked (with feature and table names) before the kernel; see check_ids.
-        bounds_check_mode=fb["BoundsCheckMode"].NONE,
+        # CPU batches are checked (with feature and table names) before the kernel (batch_check.py).
+        # On GPU, fbgemm's own check keeps the kernel safe without a host sync and counts bad ids on
+        # the device, for the lazy named error (batch_check.DeviceBoundsCheck).
+        bounds_check_mode=fb["BoundsCheckMode"].NONE if on_cpu else fb["BoundsCheckMode"].WARNING,
         device=device,
         table_names=[t.name for t in tables],
         **kwargs,
@@ -194,50 +215,159 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
     return tbe
 
 
+def pad_multiple(kernel: str) -> int:
+    """Dims a fused kernel can take are multiples of this: fbgemm's TBE (CPU and CUDA) needs 4."""
+    return 4 if kernel == "fbgemm" else 1
+
+
+def padded_dim(dim: int, multiple: int) -> int:
+    return -(-dim // multiple) * multiple
+
+
+def padding_grad_scale(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig | None,
+                       multiple: int) -> float:
+    """The gradient scale that keeps a padded row-wise Adagrad table exact (1.0: none needed).
+
+    Row-wise Adagrad keeps one accumulator per row, s += mean over the row's columns of g^2. A table of
+    dim D padded to P columns (zero gradient in the P - D padding) would add only D/P of that. Scaling
+    the gradient by c = sqrt(P/D) restores s exactly; the kernel's learning rate lr/c and weight decay
+    wd*c then give the same step w -= lr * (g + wd*w) / (sqrt(s) + eps). The scale depends on D, so
+    tables are grouped by it (one learning rate per kernel).
+    """
+    if optimizer is None or EmbOptimType(optimizer.optimizer) != EmbOptimType.ROWWISE_ADAGRAD or multiple == 1:
+        return 1.0
+    dim = tables[0].embedding_dim  # a kernel's tables share the scale (group_tables)
+    return math.sqrt(padded_dim(dim, multiple) / dim)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by `scale` (padded row-wise tables, see above)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
 class FusedKernel(nn.Module):
-    """One table-batched kernel with the optimizer fused into backward."""
+    """One table-batched kernel with the optimizer fused into backward.
+
+    Dims the kernel cannot take (fbgemm on GPU: multiples of 4) are padded inside it: the padding
+    columns are zero, never reach the output, get no gradient, and are cut from the weight and state
+    views, so outputs, gradients, state dicts and checkpoints show the configured dims. Weighted mean
+    pooling on fbgemm runs as a sum divided by the bag's id count afterwards (through autograd):
+    fbgemm's weighted MEAN divides the forward by L but not the gradient.
+    """
 
     def __init__(self, tables: Sequence[LocalTable], pooling: str, optimizer: FusedOptimizerConfig,
-                 device: torch.device, kernel: str = "auto") -> None:
+                 device: torch.device, kernel: str = "auto", weighted: bool = False) -> None:
         super().__init__()
         self.tables = list(tables)
         self.pooling = pooling
         self.optimizer_config = optimizer
+        placed = {t.name: t.compute_kernel for t in tables if t.compute_kernel != "fused"}
+        if placed and device.type == "cpu":
+            raise ValueError(f"tables {placed} are planned in GPU unified memory, but this run is on CPU, where every "
+                             f"table is in host memory already: plan them with compute_kernel 'fused' (the planner "
+                             f"does for CPU topologies), or run on GPU")
+        odd = {t.name: t.embedding_dim for t in tables if t.embedding_dim % pad_multiple("fbgemm")}
+        on_fbgemm = kernel == "fbgemm" or device.type != "cpu"
+        if odd and on_fbgemm and EmbOptimType(optimizer.optimizer) == EmbOptimType.PARTIAL_ROWWISE_ADAM:
+            raise ValueError(f"tables {odd} have dims that fbgemm's {device.type} kernel cannot take with "
+                             f"partial_rowwise_adam (padding would change its per-row moment): use dims that are "
+                             f"multiples of {pad_multiple('fbgemm')} for these tables, or the adam / rowwise_adagrad "
+                             f"optimizer")
         self.kernel = choose_kernel(kernel, optimizer, device, pooling)
+        multiple = pad_multiple(self.kernel)
         feature_table_map = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables]
+        self._grad_scale = 1.0
+        self._mean_after = False
         if self.kernel == "native":
             native = _native_module()
             self.tbe = native.NativeTableBatchedEmbeddingBags(
                 [(t.num_embeddings, t.embedding_dim) for t in tables], feature_table_map, pooling,
                 optimizer, table_names=[t.name for t in tables],
+                feature_names=[f for t in tables for f in t.feature_names],
                 weight_init=[t.init_range() for t in tables], weights_precision=tables[0].data_type,
             )
+            self._padded = self._dims
         else:
-            self.tbe = _make_fbgemm_tbe(tables, feature_table_map, pooling, optimizer, device)
+            self._padded = [padded_dim(d, multiple) for d in self._dims]
+            self._grad_scale = padding_grad_scale(tables, optimizer, multiple)
+            self._mean_after = pooling == "mean" and weighted
+            tbe_pooling = "sum" if self._mean_after else pooling
+            self.tbe = _make_fbgemm_tbe(tables, feature_table_map, tbe_pooling, optimizer, device, self._padded,
+                                        self._grad_scale)
             with torch.no_grad():
                 for t, w in zip(tables, self.tbe.split_embedding_weights()):
-                    w.uniform_(*t.init_range())
+                    w.zero_()  # padding columns stay zero
+                    w[:, : t.embedding_dim].uniform_(*t.init_range())
+        self._keep_cols: Tensor | None = None
+        if self._padded != self._dims and pooling != "none":
+            keep, col = [], 0
+            for t in feature_table_map:
+                keep += range(col, col + self._dims[t])
+                col += self._padded[t]
+            self._keep_cols = torch.tensor(keep, dtype=torch.int64, device=device)
+        if self._mean_after:
+            dims_F = torch.tensor([self._dims[t] for t in feature_table_map], dtype=torch.int64, device=device)
+            self.register_buffer("_dims_F", dims_F, persistent=False)
+            self._total_D = sum(self._dims[t] for t in feature_table_map)
 
-    def forward(self, features: KeyedJaggedTensor) -> Tensor:
+    def forward(self, features: KeyedJaggedTensor, checked: bool = False) -> Tensor:
         weights_N = features.weights_or_none()
         if weights_N is not None and weights_N.dtype != torch.float32:
             weights_N = weights_N.float()
-        return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        if self.kernel == "native":
+            # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
+            return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
+        out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        if self._grad_scale != 1.0:
+            out = _ScaleGrad.apply(out, self._grad_scale)
+        if self._keep_cols is not None:
+            out = out.index_select(1, self._keep_cols)  # padding columns out; their gradient is zero
+        elif self._padded != self._dims:  # sequence: one dim per kernel
+            out = out[:, : self._dims[0]]
+        if self._mean_after:
+            count_BF = features.lengths_FB().t().clamp(min=1).to(out.dtype)
+            out = out / torch.repeat_interleave(count_BF, self._dims_F, dim=1, output_size=self._total_D)
+        return out
 
     def split_embedding_weights(self) -> list[Tensor]:
-        return list(self.tbe.split_embedding_weights())
+        weights = list(self.tbe.split_embedding_weights())
+        if self._padded == self._dims:
+            return weights
+        return [w[:, :d] for w, d in zip(weights, self._dims)]
 
     def optimizer_states(self) -> list[dict[str, Tensor]]:
         """Per table, the optimizer's state by name (views into the kernel's storage)."""
         states = [dict(s) for s in self.tbe.get_optimizer_state()]
         # Stateless optimizers (SGD) come back as an empty list rather than one {} per table.
-        return states if states else [{} for _ in self.tables]
+        states = states if states else [{} for _ in self.tables]
+        if self._padded != self._dims:
+            states = [{k: (v[:, :d] if v.dim() == 2 else v) for k, v in st.items()}
+                      for st, d in zip(states, self._dims)]
+        return states
 
     def set_learning_rate(self, lr: float) -> None:
-        self.tbe.set_learning_rate(lr)
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+            names = ", ".join(t.name for t in self.tables)
+            raise ValueError(f"fused learning rate {lr!r} for tables {names} must be a finite number >= 0: a NaN or "
+                             f"infinite rate would write NaN into every row the next batch touches")
+        self.tbe.set_learning_rate(lr / self._grad_scale)
 
     def get_learning_rate(self) -> float:
-        return float(self.tbe.get_learning_rate())
+        return float(self.tbe.get_learning_rate()) * self._grad_scale
+
+    def bounds_check_counters(self) -> list[Tensor]:
+        """fbgemm's device-side count of bad ids (GPU), for the lazy named error."""
+        counter = getattr(self.tbe, "bounds_check_warning", None)
+        return [counter] if counter is not None and counter.device.type == "cuda" else []
 
 
 class DenseKernel(nn.Module):
@@ -278,12 +408,18 @@ class DenseKernel(nn.Module):
         return [w for w in self.weights]
 
 
-def group_tables(tables: Sequence[LocalTable]) -> list[list[LocalTable]]:
+def group_tables(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig | None = None,
+                 device: torch.device | None = None, kernel: str = "auto") -> list[list[LocalTable]]:
     """Tables that can share one kernel, in order of first appearance."""
     groups: dict[tuple, list[LocalTable]] = {}
     for t in tables:
-        # Sequence kernels need one dim per kernel; pooled kernels mix dims freely.
-        key = (t.pooling, t.data_type, t.embedding_dim if t.pooling == "none" else None)
+        # Sequence kernels need one dim per kernel; pooled kernels mix dims freely, except padded
+        # row-wise tables, whose learning rate depends on their dim (padding_grad_scale).
+        scale = 1.0
+        if optimizer is not None:
+            resolved = choose_kernel(kernel, optimizer, device, t.pooling)
+            scale = padding_grad_scale([t], optimizer, pad_multiple(resolved))
+        key = (t.pooling, t.data_type, t.embedding_dim if t.pooling == "none" else None, scale)
         groups.setdefault(key, []).append(t)
     return list(groups.values())
 
@@ -292,22 +428,24 @@ class GroupedLookup(nn.Module):
     """This process's tables, grouped into kernels. forward: KJT in `feature_names` order."""
 
     def __init__(self, tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig | None,
-                 device: torch.device | str | None = None, kernel: str = "auto") -> None:
+                 device: torch.device | str | None = None, kernel: str = "auto", weighted: bool = False) -> None:
         super().__init__()
         device = torch.device(device or "cpu")
+        check_device_ready(device)
         if optimizer is None and kernel not in ("auto", "dense"):
             raise ValueError(f"kernel={kernel!r} fuses an optimizer: pass optimizer=FusedOptimizerConfig(...) "
                              f"or use kernel='dense'")
         if optimizer is not None and kernel == "dense":
             raise ValueError("kernel='dense' trains tables with a torch.optim optimizer, so the fused optimizer "
                              "would be ignored: drop optimizer=..., or use kernel='auto' to fuse it")
-        self.groups = group_tables(tables)
+        fused = optimizer is not None and kernel != "dense"
+        self.groups = group_tables(tables, optimizer if fused else None, device if fused else None, kernel)
         self.kernels = nn.ModuleList()
         for group in self.groups:
-            if optimizer is None or kernel == "dense":
+            if not fused:
                 self.kernels.append(DenseKernel(group, group[0].pooling, device))
             else:
-                self.kernels.append(FusedKernel(group, group[0].pooling, optimizer, device, kernel))
+                self.kernels.append(FusedKernel(group, group[0].pooling, optimizer, device, kernel, weighted))
         self.tables = [t for g in self.groups for t in g]
         self.feature_names = [f for t in self.tables for f in t.feature_names]
         self.feature_dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
@@ -317,11 +455,15 @@ class GroupedLookup(nn.Module):
     def is_fused(self) -> bool:
         return any(isinstance(k, FusedKernel) for k in self.kernels)
 
-    def forward(self, features: KeyedJaggedTensor) -> list[Tensor]:
-        """One output per kernel group: pooled_BD (features side by side) or values_ND (sequence)."""
+    def forward(self, features: KeyedJaggedTensor, checked: bool = False) -> list[Tensor]:
+        """One output per kernel group: pooled_BD (features side by side) or values_ND (sequence).
+
+        checked: the batch passed batch_check already (the native kernel then skips its own check).
+        """
         assert features.keys() == self.feature_names, (features.keys(), self.feature_names)
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
-        return [kernel(part) for kernel, part in zip(self.kernels, parts)]
+        return [kernel(part, checked) if isinstance(kernel, FusedKernel) else kernel(part)
+                for kernel, part in zip(self.kernels, parts)]
 
     def table_weights(self) -> dict[str, Tensor]:
         """table name -> [rows, dim] view into the kernel's storage."""
@@ -329,3 +471,6 @@ class GroupedLookup(nn.Module):
 
     def fused_kernels(self) -> list[FusedKernel]:
         return [k for k in self.kernels if isinstance(k, FusedKernel)]
+
+    def bounds_check_counters(self) -> list[Tensor]:
+        return [c for k in self.fused_kernels() for c in k.bounds_check_counters()]

@@ -30,6 +30,7 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from torch import nn
 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
+from lightning_rec.planner.fits import check_plan_fits
 from lightning_rec.sharded_embedding import (
     SEQUENCE_SHARDING_TYPES,
     ShardingEnv,
@@ -269,6 +271,16 @@ def default_plan(collections: Mapping[str, nn.Module], world_size: int) -> Shard
     return plan
 
 
+def plan_device_bytes(plan: ShardingPlan, collections: Mapping[str, nn.Module], world_size: int) -> list[dict]:
+    """rank -> {table: bytes in device memory} for a concrete plan (see planner/fits.py)."""
+    from lightning_rec.planner.fits import device_bytes_by_rank
+
+    configs = {p: {c.name: c for c in _collection_configs(m)} for p, m in collections.items()}
+    optimizers = {p: str(m.fused_optimizer_config().optimizer) for p, m in collections.items()
+                  if m.fused_optimizer_config() is not None}
+    return device_bytes_by_rank({p: plan.plan[p] for p in collections}, configs, optimizers, world_size)
+
+
 def _planner_plan(module: nn.Module, world_size: int, local_world_size: int, device: torch.device,
                   pg) -> ShardingPlan | None:
     try:
@@ -340,6 +352,9 @@ class DistributedModelParallel(nn.Module):
                                  f"its collections are {sorted(collections)}: fix the module path")
         for path, m in collections.items():
             validate_module_plan(path, m, plan.plan[path], world_size)
+        if device.type == "cuda":  # a plan bigger than the GPU: the planner's kind of explanation, not a CUDA OOM
+            check_plan_fits(plan_device_bytes(plan, collections, world_size),
+                            torch.cuda.get_device_properties(device).total_memory)
         self.plan = plan
 
         # Embedding traffic gets its own group: its own timeout, and no interleaving with DDP's.
@@ -377,7 +392,11 @@ class DistributedModelParallel(nn.Module):
 
             device_ids = [device.index] if device.type == "cuda" else None
             # TorchRec's defaults: buffers are not re-broadcast every step; gradients share DDP's buckets.
-            kwargs = dict(forward_sync_buffers=False, gradient_as_bucket_view=True, **ddp_kwargs)
+            # forward_sync_buffers exists from torch 2.13 only (GPU users may have 2.11): passed when known.
+            kwargs = dict(gradient_as_bucket_view=True)
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+                kwargs["forward_sync_buffers"] = False
+            kwargs.update(ddp_kwargs)
             ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=pg, **kwargs)
             if transport is not None:  # gradient buckets averaged through shared memory, not gloo's TCP
                 ddp.register_comm_hook(None, ddp_comm_hook(transport))

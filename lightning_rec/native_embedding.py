@@ -99,7 +99,12 @@ def _backward(ctx, grad_BD: Tensor):
     return (None,) * len(ctx.inputs)
 
 
+def _fake_check_batch(rows_F, indices, offsets, weights):
+    return rows_F.new_empty(5, dtype=torch.int64)
+
+
 if native_kernel_available():
+    torch.library.register_fake("lightning_rec::check_batch")(_fake_check_batch)
     torch.library.register_fake("lightning_rec::tbe_forward")(_fake_forward)
     torch.library.register_fake("lightning_rec::tbe_backward_update")(_fake_backward_update)
     torch.library.register_autograd("lightning_rec::tbe_forward", _backward, setup_context=_setup_context)
@@ -190,6 +195,7 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         )
         for name, values in meta.items():
             self.register_buffer(name, torch.tensor(values, dtype=torch.int64), persistent=False)
+        self.rows_F = torch.tensor([rows_T[t] for t in self.feature_table_map], dtype=torch.int64)  # batch checks
 
         weights = _empty_huge(sum(sizes_T), weights_precision)
         for t, (rows, dim) in enumerate(self.embedding_specs):
@@ -239,8 +245,9 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         return out
 
     def set_learning_rate(self, lr: float) -> None:
-        if lr < 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"fused learning rate {lr!r} for tables {', '.join(self.table_names)} must be a finite "
+                             f"number >= 0: a NaN or infinite rate would write NaN into every row it touches")
         self._lr = float(lr)
 
     def get_learning_rate(self) -> float:
@@ -248,8 +255,14 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
 
     # ---- lookup --------------------------------------------------------------------------------
 
-    def forward(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None) -> Tensor:
-        """Pooled embeddings [B, total_D]; in training with grad enabled, backward updates the rows."""
+    def forward(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None,
+                _checked: bool = False) -> Tensor:
+        """Pooled embeddings [B, total_D]; in training with grad enabled, backward updates the rows.
+
+        The batch is checked first (offsets, ids, finite weights: batch_check.py) and a bad one is a
+        ValueError naming the feature and table; `_checked=True` (the collections, which checked it
+        already) skips that pass.
+        """
         indices_N = _as_index_tensor(indices, "indices")
         offsets = _as_index_tensor(offsets, "offsets")
         F = len(self.feature_table_map)
@@ -263,6 +276,14 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
             if not per_sample_weights.dtype.is_floating_point:
                 raise ValueError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
             per_sample_weights = per_sample_weights.to(torch.float32).contiguous()
+        if not _checked:
+            from lightning_rec.batch_check import OK, describe, find_problem
+
+            problem = find_problem(self.rows_F, indices_N, offsets, per_sample_weights)
+            if problem[0] != OK:
+                raise ValueError(describe(problem, self.feature_names,
+                                          [self.table_names[t] for t in self.feature_table_map],
+                                          self.rows_F.tolist(), per_sample_weights, "TBE"))
         cfg = self.optimizer_config
         try:
             return torch.ops.lightning_rec.tbe_forward(
@@ -271,27 +292,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
                 _POOLING_IDS[self.pooling_mode], self.total_D, self.momentum1, self.momentum2, self.step,
                 _OPTIMIZER_IDS[self.optimizer], self._lr, cfg.eps, cfg.beta1, cfg.beta2, cfg.weight_decay,
             )
-        except ValueError as e:
-            if "out of range" in str(e):
-                self._raise_bad_id(indices_N, offsets)
+        except ValueError as e:  # only for inputs that bypassed the check above (_checked=True)
             raise ValueError(f"{e} (features: {', '.join(self.feature_names)})") from None
-
-    def _raise_bad_id(self, indices_N: Tensor, offsets: Tensor) -> None:
-        """Error path only: find the first bad id with tensor ops and name its feature and table."""
-        F = len(self.feature_table_map)
-        B = (offsets.numel() - 1) // F
-        ids_per_feature = offsets[:: max(B, 1)].diff() if B > 0 else torch.zeros(F, dtype=torch.int64)
-        feature_N = torch.repeat_interleave(torch.arange(F), ids_per_feature)
-        rows_F = torch.tensor([self.embedding_specs[t][0] for t in self.feature_table_map])
-        bad = (indices_N < 0) | (indices_N >= rows_F[feature_N])
-        p = int(bad.nonzero()[0, 0])
-        f = int(feature_N[p])
-        t = self.feature_table_map[f]
-        rows = self.embedding_specs[t][0]
-        raise ValueError(
-            f"feature '{self.feature_names[f]}' has id {int(indices_N[p])} (position {p}) but its table "
-            f"'{self.table_names[t]}' has {rows} rows: ids must be in [0, {rows}); the batch was not applied"
-        )
 
     def extra_repr(self) -> str:
         return (f"tables={len(self.embedding_specs)}, features={len(self.feature_table_map)}, "

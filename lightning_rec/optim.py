@@ -8,6 +8,7 @@ both: a scheduler that writes `param_groups[i]["lr"]` of a fused group reaches t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -59,8 +60,22 @@ class FusedOptimizerConfig:
         except ValueError:
             valid = ", ".join(o.value for o in EmbOptimType)
             raise ValueError(f"unknown fused optimizer {self.optimizer!r}: choose one of {valid}") from None
-        if self.lr < 0:
-            raise ValueError(f"fused optimizer lr must be >= 0, got {self.lr}")
+        for name in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum", "eta"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = float(value)  # YAML and CLI values arrive as text: "0.1", "1e-3"
+                except ValueError:
+                    raise ValueError(f"fused optimizer {name}={value!r} is not a number: write e.g. "
+                                     f"{name}=0.01") from None
+                object.__setattr__(self, name, value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"fused optimizer {name} must be a finite number, got {value!r}: a NaN or infinite "
+                                 f"value would write NaN into every row the next batch touches")
+            if value < 0:
+                raise ValueError(f"fused optimizer {name} must be >= 0, got {value}")
+        if not (self.beta1 < 1 and self.beta2 < 1):
+            raise ValueError(f"fused optimizer betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
 
 
 class _FusedParamGroup(dict):

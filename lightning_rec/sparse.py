@@ -41,6 +41,32 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
 
 
+def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
+    """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
+
+    A KJT sliced out of a larger batch keeps its parent's offsets (starting at, say, 40): kernels
+    would read ids that are not this batch's, so it is refused here, with the fix. CPU tensors only.
+    """
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
+    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
+        raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
+    if offsets.device.type != "cpu":
+        return
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        raise ValueError(f"{what}: offsets start at {first}, not 0: rebase offsets sliced out of a larger batch "
+                         f"(offsets - offsets[0], values[offsets[0]:offsets[-1]]), or build the KJT from lengths")
+    down = (offsets[1:] < offsets[:-1]).nonzero()
+    if down.numel():
+        j = int(down[0, 0])
+        raise ValueError(f"{what}: offsets must never decrease, but offsets[{j + 1}] = {int(offsets[j + 1])} < "
+                         f"offsets[{j}] = {int(offsets[j])}: offsets are cumulative bag sizes")
+    if last != num_values:
+        raise ValueError(f"{what}: offsets end at {last} but there are {num_values} values: the last offset must "
+                         f"equal the number of ids")
+
+
 def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
     """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
     if values.dim() < 1:
@@ -49,10 +75,12 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
         raise ValueError(f"{what}: lengths must be 1-d, got shape {tuple(lengths.shape)}")
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
-    if weights is not None and weights.shape[:1] != values.shape[:1]:
+    if weights is not None and (weights.dim() != 1 or weights.shape[:1] != values.shape[:1]):
         raise ValueError(
-            f"{what}: {weights.shape[0]} weights for {values.shape[0]} values: give one weight per id"
+            f"{what}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: give one weight per id"
         )
+    if weights is not None and not weights.dtype.is_floating_point:
+        raise ValueError(f"{what}: weights must be floating point, got {weights.dtype}: pass weights.float()")
     if lengths.device.type != "cpu" or lengths.numel() == 0:
         if lengths.numel() == 0 and values.shape[0] != 0:
             raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
@@ -80,6 +108,7 @@ class JaggedTensor:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
         if lengths is None:
+            _check_offsets("JaggedTensor", offsets, values.shape[0] if values.dim() else 0)
             lengths = _lengths_from_offsets(offsets)
         _check_jagged("JaggedTensor", values, lengths, weights)
         self._values, self._weights, self._lengths, self._offsets = values, weights, lengths, offsets
@@ -163,10 +192,16 @@ class KeyedJaggedTensor:
         offset_per_key: list[int] | None = None,
         _validate: bool = True,
     ) -> None:
+        if isinstance(keys, str):
+            raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got the string {keys!r}: "
+                             f"write keys=[{keys!r}]")
         self._keys = list(keys)
+        self._host: KeyedJaggedTensor | None = None  # this batch on the host, when it was moved from there
         if lengths is None and offsets is None:
             raise ValueError("KeyedJaggedTensor needs lengths or offsets")
         if lengths is None:
+            if _validate:
+                _check_offsets("KeyedJaggedTensor", offsets, values.shape[0] if values.dim() else 0)
             lengths = _lengths_from_offsets(offsets)
         num_keys = len(self._keys)
         if stride is None:
@@ -187,9 +222,14 @@ class KeyedJaggedTensor:
                     f"KeyedJaggedTensor: {lengths.numel()} lengths for {num_keys} keys x stride "
                     f"{stride}: give one length per key per sample (key-major)"
                 )
+            if not all(isinstance(k, str) for k in self._keys):
+                raise ValueError(f"KeyedJaggedTensor: keys must be feature names (str), got {self._keys}")
             _check_jagged("KeyedJaggedTensor", values, lengths, weights)
-            if values.dtype.is_floating_point:
-                raise ValueError(f"KeyedJaggedTensor: ids must be integers, got values of {values.dtype}")
+            if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+                raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of "
+                                 f"{values.dtype}: convert them with values.long()")
+            if values.dim() != 1:
+                raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
         self._values, self._weights = values, weights
         self._lengths, self._offsets = lengths, offsets
         self._stride = stride
@@ -376,9 +416,14 @@ class KeyedJaggedTensor:
 
     def permute(self, indices: Sequence[int], indices_tensor: Tensor | None = None) -> KeyedJaggedTensor:
         """Keys reordered (or selected, or repeated) by index: keys()[i] for i in indices."""
-        lpk = self.length_per_key()
         keys = [self._keys[i] for i in indices]
-        new_lpk = [lpk[i] for i in indices]
+        if self._length_per_key is None and sorted(indices) == list(range(len(self._keys))):
+            # A reordering of every key keeps all N ids: no need to read the lengths back (a device sync).
+            new_lpk, total = None, self._values.shape[0]
+        else:
+            lpk = self.length_per_key()
+            new_lpk = [lpk[i] for i in indices]
+            total = sum(new_lpk)
         if indices_tensor is None:
             indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
         if self._stride == 0 or not keys:
@@ -387,7 +432,7 @@ class KeyedJaggedTensor:
                                      self._weights[:0], lengths=lengths, stride=self._stride,
                                      length_per_key=new_lpk, _validate=False)
         lengths_FB, values_N, weights_N = torch.ops.fbgemm.permute_2D_sparse_data(
-            indices_tensor, self.lengths_FB(), self._values, self._weights, sum(new_lpk)
+            indices_tensor, self.lengths_FB(), self._values, self._weights, total
         )
         return KeyedJaggedTensor(
             keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
@@ -440,7 +485,15 @@ class KeyedJaggedTensor:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if moved.device.type != "cpu":
+            # The host copy lets collections check ids on the host, without reading the device back.
+            moved._host = self if self.device.type == "cpu" else self._host
+        return moved
+
+    def host_copy(self) -> KeyedJaggedTensor | None:
+        """This batch on the host: itself on CPU; on a device, the KJT it was moved from, if any."""
+        return self if self.device.type == "cpu" else self._host
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return self._map(lambda t: t.pin_memory())

@@ -74,7 +74,7 @@ def test_disagreeing_keys_lengths_values_raise_at_construction():
         KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([2, -1]))
-    with pytest.raises(ValueError, match="2 weights for 3 values"):
+    with pytest.raises(ValueError, match="weights of shape \\(2,\\) for 3 values"):
         KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 3]), torch.tensor([3]), weights=torch.ones(2))
     with pytest.raises(ValueError, match="duplicate keys"):
         KeyedJaggedTensor.from_lengths_sync(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1]))

@@ -133,6 +133,11 @@ class DLRM(nn.Module):
         return InteractionArch(num_features)
 
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
+        expected = self.dense_arch[0].in_features
+        if dense_features.dim() != 2 or dense_features.shape[1] != expected:
+            raise ValueError(f"DLRM was built for {expected} dense features but the batch has dense features of shape "
+                             f"{tuple(dense_features.shape)}: build it with dense_in_features="
+                             f"{dense_features.shape[-1]} (the data's dense columns), or fix the data")
         dense_BD = self.dense_arch(dense_features)
         sparse_BFD = self.sparse_arch(sparse_features)
         return self.over_arch(self.inter_arch(dense_BD, sparse_BFD))

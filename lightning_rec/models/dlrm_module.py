@@ -103,6 +103,16 @@ class DLRMModule(L.LightningModule):
         return self.model(dense_features, sparse_features).squeeze(1)
 
     def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        labels = batch.labels
+        if labels is None:
+            raise ValueError("the batch has no labels: DLRMModule trains and evaluates on labelled click logs; an "
+                             "unlabelled file (e.g. Kaggle's test.txt) can only be used for prediction")
+        if labels.device.type == "cpu" and labels.numel() and not bool(((labels >= 0) & (labels <= 1)).all()):
+            # Checked before the forward: a NaN loss would reach the fused update and write NaN rows.
+            # (CPU batches only: on GPU this read would stall the stream; the data modules check labels.)
+            bad = labels[~((labels >= 0) & (labels <= 1))][:3].tolist()
+            raise ValueError(f"labels must be click labels in [0, 1], found {bad}: an unlabelled file (NaN labels) "
+                             f"or labels on another scale; fix the data or map labels to 0/1")
         logits_B = self(batch.dense_features, batch.sparse_features)
         if batch.labels.numel() == 0:
             # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.

@@ -1,0 +1,192 @@
+"""DLRM training throughput on one GPU: a plain loop and Trainer(strategy="rec"), fp32 / TF32 / bf16 autocast.
+
+    python benchmarks/dlrm_gpu.py [--steps 50] [--rounds 3] [--modes fp32,tf32,bf16]
+    python benchmarks/dlrm_gpu.py --device cpu --rows 1000 --batch 256 --steps 5 --rounds 1   # a smoke run
+
+Model (the GPU issue's): 13 dense features -> dense arch 512-256-128; 26 tables x 1M rows x dim 128,
+sum pooling, one id per feature, fused row-wise Adagrad (lr 0.01); dot interaction; over arch
+1024-1024-512-256-1; torch Adagrad for the dense layers; batch 16,384.
+
+- loop: batches already on the GPU (dense [B, 13], KJT, labels), forward, BCE loss, backward (the
+  fused update happens there), dense step. Synchronised only at the ends of timed blocks.
+- trainer: the same model and batches through `Trainer(strategy="rec", accelerator="gpu", devices=1)`,
+  timed from the end of the warm-up steps to the end of fit by a callback that synchronises.
+Modes: fp32 (TF32 off), tf32 (matmul and cuDNN TF32 on), bf16 (the dense part under
+torch.autocast(bfloat16); the tables stay fp32). Modes and variants alternate over rounds; figures
+are medians. Prints a table, then one JSON line with figures.dlrm_samples_s_fp32,
+figures.dlrm_samples_s_tf32, figures.dlrm_samples_s_bf16, ratios.trainer_vs_loop_cuda and the peak
+GPU memory per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+NUM_TABLES, DENSE_IN = 26, 13
+DENSE_ARCH, OVER_ARCH = [512, 256, 128], [1024, 1024, 512, 256, 1]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def set_mode(mode: str) -> contextlib.AbstractContextManager:
+    tf32 = mode in ("tf32", "bf16")
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    if mode == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_batches(args, device: torch.device):
+    from lightning_rec.data.batch import Batch
+    from lightning_rec.sparse import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(0)
+    keys = [f"C{i + 1}" for i in range(NUM_TABLES)]
+    lengths = torch.ones(NUM_TABLES * args.batch, dtype=torch.int64, device=device)
+    out = []
+    for _ in range(args.batches):
+        ids = torch.randint(0, args.rows, (NUM_TABLES * args.batch,), generator=g).to(device)
+        kjt = KeyedJaggedTensor(keys, ids, lengths=lengths, stride=args.batch)
+        dense = torch.rand(args.batch, DENSE_IN, generator=g).to(device)
+        labels = torch.randint(0, 2, (args.batch,), generator=g).float().to(device)
+        out.append(Batch(dense, kjt, labels))
+    return keys, out
+
+
+def build_module(args, keys):
+    from lightning_rec.models.dlrm_module import DLRMModule
+
+    torch.manual_seed(0)
+    return DLRMModule(num_embeddings_per_feature=args.rows, embedding_dim=DENSE_ARCH[-1], sparse_feature_names=keys,
+                      dense_in_features=DENSE_IN, dense_arch_layer_sizes=DENSE_ARCH, over_arch_layer_sizes=OVER_ARCH,
+                      sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, dense_optimizer="adagrad", dense_lr=0.01)
+
+
+def run_loop(args, mode: str, device: torch.device, keys, batches) -> tuple[float, float]:
+    """samples/s and peak memory (MB) of the hand-written loop."""
+    module = build_module(args, keys)
+    module.configure_model()
+    model = module.model.to(device)
+    dense_opt = torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    autocast = set_mode(mode)
+
+    def step(b) -> None:
+        with autocast:
+            logits = model(b.dense_features, b.sparse_features).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), b.labels)
+        loss.backward()
+        dense_opt.step()
+        dense_opt.zero_grad(set_to_none=True)
+
+    for b in batches[:3]:
+        step(b)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        step(batches[i % len(batches)])
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    return args.batch * args.steps / elapsed, peak
+
+
+def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
+    """samples/s of Trainer(strategy="rec") over the same batches, timed after 3 warm-up steps."""
+    import lightning.pytorch as pl
+
+    warmup = 3
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == warmup:
+                sync(device)
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module):
+            sync(device)
+            self.elapsed = time.perf_counter() - self.t0
+
+    class Loader:
+        def __iter__(self):
+            return (batches[i % len(batches)] for i in range(args.steps + warmup))
+
+        def __len__(self):
+            return args.steps + warmup
+
+    module = build_module(args, keys)
+    timer = Timer()
+    set_mode(mode)
+    trainer = pl.Trainer(strategy="rec", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                         max_steps=args.steps + warmup, precision="bf16-mixed" if mode == "bf16" else "32-true",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    trainer.fit(module, train_dataloaders=Loader())
+    return args.batch * args.steps / timer.elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch", type=int, default=16_384)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batches", type=int, default=8, help="distinct batches cycled through")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default="fp32,tf32,bf16")
+    parser.add_argument("--no-trainer", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    modes = args.modes.split(",")
+    if device.type != "cuda":
+        modes = [m for m in modes if m != "bf16"]
+    keys, batches = make_batches(args, device)
+    loop: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, list[float]] = {m: [] for m in modes}
+    trainer: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            sps, peak = run_loop(args, mode, device, keys, batches)
+            loop[mode].append(sps)
+            peaks[mode].append(peak)
+            if not args.no_trainer and mode == modes[0]:
+                trainer[mode].append(run_trainer(args, mode, device, keys, batches))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"DLRM on {name}: {NUM_TABLES} tables x {args.rows} rows x dim {DENSE_ARCH[-1]}, batch {args.batch}, "
+          f"median of {args.rounds} rounds of {args.steps} steps")
+    print(f"{'mode':<8}{'loop samples/s':>16}{'trainer samples/s':>20}{'peak GPU MB':>14}")
+    figures, results = {}, []
+    for mode in modes:
+        lo = statistics.median(loop[mode])
+        tr = statistics.median(trainer[mode]) if trainer[mode] else float("nan")
+        pk = statistics.median(peaks[mode])
+        print(f"{mode:<8}{lo:>16,.0f}{tr:>20,.0f}{pk:>14,.0f}")
+        figures[f"dlrm_samples_s_{mode}"] = lo
+        figures[f"peak_gpu_mb_{mode}"] = pk
+        results.append({"mode": mode, "loop_samples_per_s": lo, "trainer_samples_per_s": tr, "peak_gpu_mb": pk})
+    ratios = {}
+    if trainer[modes[0]]:
+        ratios["trainer_vs_loop_cuda" if device.type == "cuda" else "trainer_vs_loop"] = (
+            statistics.median(trainer[modes[0]]) / statistics.median(loop[modes[0]]))
+    for k, v in ratios.items():
+        print(f"{k:<24}{v:.3f}")
+    clean = lambda x: None if isinstance(x, float) and x != x else x  # NaN is not JSON  # noqa: E731
+    results = [{k: clean(v) for k, v in r.items()} for r in results]
+    figures = {k: clean(v) for k, v in figures.items()}
+    print(json.dumps({"benchmark": "dlrm_gpu", "results": results, "ratios": ratios, "figures": figures}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Bad input never crashes, hangs or corrupts (single process): one case per item of the bad-input issue.
+
+Each case asserts the exception type, the words the message must contain (what the user wrote and
+the fix), and that nothing was updated. Multi-rank cases live in test_bad_input_distributed.py.
+
+Inputs decided to be legitimate (not errors), with the reason:
+- `FusedOptimizerConfig(lr="0.1")`: YAML and command lines give numbers as text; it is read as 0.1.
+- `data_type="float16"` / `"fp16"` / `"float32"`: names as YAML writes them.
+- A table named `items`, `keys` or `values`: any name without a dot is a table name.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from lightning_rec.batch_check import _find_problem_torch, find_problem
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from lightning_rec.lookup import check_device_ready, choose_kernel
+from lightning_rec.models.dlrm import DLRM
+from lightning_rec.native_embedding import NativeTableBatchedEmbeddingBags
+from lightning_rec.optim import FusedOptimizer, FusedOptimizerConfig, combined_optimizer
+from lightning_rec.sparse import KeyedJaggedTensor
+
+KERNELS = ["native", "fbgemm"]
+
+
+def ebc(kernel="native", weighted=False, rows=(20, 30), **kw):
+    tables = [EmbeddingBagConfig(name="t_user", num_embeddings=rows[0], embedding_dim=4, feature_names=["user"]),
+              EmbeddingBagConfig(name="t_item", num_embeddings=rows[1], embedding_dim=4, feature_names=["item"])]
+    return EmbeddingBagCollection(tables, is_weighted=weighted, optimizer=FusedOptimizerConfig("sgd", lr=0.1),
+                                  kernel=kernel, **kw)
+
+
+def snapshot(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def assert_unchanged(module, before):
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed"
+
+
+# KJTs --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offsets,words", [
+    ([1, 3, 5], "offsets start at 1, not 0.*rebase"),
+    ([10**12, 10**12 + 2, 10**12 + 4], "start at 1000000000000, not 0"),
+    ([0, 3, 2], "never decrease"),
+    ([0, 2, 3], "end at 3 but there are 4 values"),
+])
+def test_kjt_offsets_are_checked_at_construction(offsets, words):
+    with pytest.raises(ValueError, match=words):
+        KeyedJaggedTensor(["user"], torch.tensor([1, 2, 3, 4]), offsets=torch.tensor(offsets))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_unrebased_slice_reaches_no_kernel(kernel):
+    """A KJT that skipped construction checks (as internal code may) is still refused before the kernel."""
+    m = ebc(kernel)
+    before = snapshot(m)
+    kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 2, 3, 4]), offsets=torch.tensor([10**12] * 3),
+                            _validate=False)
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        m(kjt).values().sum().backward()
+    assert_unchanged(m, before)
+
+
+def test_ids_and_weights_dtypes_name_the_fix():
+    with pytest.raises(ValueError, match="ids must be integers.*values.long()"):
+        KeyedJaggedTensor(["user"], torch.tensor([True, False]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="ids must be integers"):
+        KeyedJaggedTensor(["user"], torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="weights must be floating point.*weights.float()"):
+        KeyedJaggedTensor(["user"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), weights=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="keys must be a list.*keys=\\['user'\\]"):
+        KeyedJaggedTensor("user", torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+
+
+# ids and weights ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bad_id", [-1, 20, 10**15])
+def test_out_of_range_ids_use_each_tables_own_size(kernel, bad_id):
+    m = ebc(kernel, rows=(20, 300))
+    before = snapshot(m)
+    ok = KeyedJaggedTensor(["user", "item"], torch.tensor([3, 250]), lengths=torch.tensor([1, 1]))
+    m(ok)  # 250 fits table t_item (300 rows) though not t_user
+    bad = KeyedJaggedTensor(["user", "item"], torch.tensor([bad_id, 2]), lengths=torch.tensor([1, 1]))
+    words = f"feature 'user' has id {bad_id} outside table 't_user' \\(valid ids 0..19\\)"
+    with pytest.raises(ValueError, match=words):
+        m(bad).values().sum().backward()
+    assert_unchanged(m, before)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_with_feature_and_table(kernel, value):
+    m = ebc(kernel, weighted=True)
+    before = snapshot(m)
+    kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]),
+                            weights=torch.tensor([1.0, 0.5, value]))
+    with pytest.raises(ValueError, match="feature 'item' has per-id weight .* table 't_item'.*validate_ids=False"):
+        m(kjt).values().sum().backward()
+    assert_unchanged(m, before)
+
+
+def test_native_kernel_names_features_when_the_collection_does_not_check():
+    m = ebc("native", validate_ids=False)
+    before = snapshot(m)
+    kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, 99]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="feature 'item' has id 99 outside table 't_item'"):
+        m(kjt).values().sum().backward()
+    assert_unchanged(m, before)
+
+
+@pytest.mark.parametrize("threads", [2, 16])
+def test_native_kernel_bad_input_raises_at_many_threads(threads):
+    """The 16-core segfault: bad ids and offsets must be a ValueError at any thread count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tbe = NativeTableBatchedEmbeddingBags([(10, 4), (7, 8)], [0, 1, 1], table_names=["a", "b"],
+                                              feature_names=["x", "y", "z"])
+        w0 = tbe.weights.clone()
+        B = 64
+        offsets = torch.arange(3 * B + 1)
+        for bad in (-5, 7, 2**40):
+            ids = torch.randint(0, 7, (3 * B,))
+            ids[2 * B + 17] = bad
+            with pytest.raises(ValueError, match=f"feature 'z' has id {bad} outside table 'b'"):
+                tbe(ids, offsets).sum().backward()
+        down = offsets.clone()
+        down[100] = 3
+        with pytest.raises(ValueError, match="non-decreasing.*after bag 99 of feature 'y'"):
+            tbe(torch.zeros(3 * B, dtype=torch.int64), down)
+        assert torch.equal(tbe.weights, w0)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_check_op_matches_its_torch_reference():
+    g = torch.Generator().manual_seed(0)
+    rows_F = torch.tensor([5, 50, -1, 7])
+    for trial in range(200):
+        B = int(torch.randint(0, 5, (1,), generator=g))
+        lengths = torch.randint(0, 3, (4 * B,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        N = int(offsets[-1])
+        ids = torch.randint(-1, 60, (N,), generator=g) if trial % 3 else torch.randint(0, 5, (N,), generator=g)
+        weights = torch.rand(N, generator=g)
+        if N and trial % 4 == 0:
+            weights[int(torch.randint(0, N, (1,), generator=g))] = float("nan")
+        if trial % 7 == 0 and offsets.numel() > 2:
+            offsets[1] = offsets[-1] + 1
+        assert find_problem(rows_F, ids, offsets, weights) == _find_problem_torch(rows_F, ids, offsets, weights)
+
+
+# configs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(num_embeddings="10"), "num_embeddings must be a positive integer, got '10': write num_embeddings=10"),
+    (dict(embedding_dim=4.0), "embedding_dim must be a positive integer, got 4.0"),
+    (dict(data_type="float65"), "data_type 'float65' is not supported: use torch.float32"),
+    (dict(feature_names="user"), "feature_names must be a list.*feature_names=\\['user'\\]"),
+    (dict(name="a.b"), "without dots"),
+    (dict(weight_init_min="-0.1"), "weight_init_min must be a number"),
+])
+def test_config_errors_name_table_field_and_fix(kwargs, words):
+    base = dict(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
+    with pytest.raises(ValueError, match=words):
+        EmbeddingBagConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("name", ["items", "keys", "values", "train", "to"])
+def test_any_table_name_works(name):
+    m = EmbeddingBagCollection([EmbeddingBagConfig(name=name, num_embeddings=5, embedding_dim=4, feature_names=["f"])],
+                               optimizer=FusedOptimizerConfig("sgd"))
+    assert list(m.state_dict()) == [f"embedding_bags.{name}.weight"]
+    m.load_state_dict(m.state_dict())
+    assert m(KeyedJaggedTensor(["f"], torch.tensor([1]), lengths=torch.tensor([1]))).values().shape == (1, 4)
+
+
+def test_feature_read_by_two_tables_is_refused():
+    tables = [EmbeddingBagConfig(name="a", num_embeddings=5, embedding_dim=4, feature_names=["f"]),
+              EmbeddingBagConfig(name="b", num_embeddings=50, embedding_dim=4, feature_names=["f"])]
+    with pytest.raises(ValueError, match="feature 'f' is read by tables 'a' and 'b'.*'f_b'"):
+        EmbeddingBagCollection(tables)
+    seq = [EmbeddingConfig(name="a", num_embeddings=5, embedding_dim=4, feature_names=["f"]),
+           EmbeddingConfig(name="b", num_embeddings=5, embedding_dim=4, feature_names=["f"])]
+    with pytest.raises(ValueError, match="feature 'f' is read by tables 'a' and 'b'"):
+        EmbeddingCollection(seq)
+
+
+@pytest.mark.parametrize("field", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), "fast"])
+def test_fused_optimizer_numbers_are_checked(field, value):
+    with pytest.raises(ValueError, match=f"fused optimizer {field}"):
+        FusedOptimizerConfig("sgd", **{field: value})
+    assert FusedOptimizerConfig("sgd", lr="0.1").lr == 0.1  # text from YAML is read as a number
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_learning_rate_from_a_scheduler_is_refused(kernel):
+    m = ebc(kernel)
+    opt = combined_optimizer(m, None)
+    with pytest.raises(ValueError, match="fused learning rate nan for tables t_user, t_item must be a finite"):
+        opt.param_groups[0]["lr"] = math.nan
+    assert FusedOptimizer(m).param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+# warnings for input that is dropped ----------------------------------------------------------------------
+
+
+def test_unread_features_and_unused_weights_warn_once():
+    m = ebc()
+    kjt = KeyedJaggedTensor(["user", "item", "extra"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+                            weights=torch.ones(3))
+    with pytest.warns(UserWarning) as record:
+        m(kjt)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "['extra'] are read by no table" in messages and "is unweighted, so they are ignored" in messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m(kjt)  # once only
+
+
+# devices and kernels -----------------------------------------------------------------------------------
+
+
+def test_cpu_only_kernel_on_gpu_and_gpu_only_optimizer_on_cpu_name_what_each_supports():
+    with pytest.raises(ValueError, match="kernel='native' runs on CPU only: use kernel='fbgemm'"):
+        choose_kernel("native", FusedOptimizerConfig("sgd"), torch.device("cuda"))
+    with pytest.raises(ValueError, match="lamb is not available on CPU: CPU supports .*rowwise_adagrad"):
+        choose_kernel("auto", FusedOptimizerConfig("lamb"), torch.device("cpu"))
+
+
+def test_gpu_placement_on_a_cpu_run_is_refused():
+    from lightning_rec.lookup import FusedKernel, LocalTable
+
+    table = LocalTable("t", 10, 4, ("f",), "sum", compute_kernel="fused_uvm_caching")
+    with pytest.raises(ValueError, match="'t': 'fused_uvm_caching'.*GPU unified memory.*compute_kernel 'fused'"):
+        FusedKernel([table], "sum", FusedOptimizerConfig("sgd"), torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_gpu_tables_without_cuda_say_what_is_missing():
+    with pytest.raises(ValueError, match="need a CUDA GPU, but this torch is a CPU build: install the CUDA build"):
+        check_device_ready(torch.device("cuda"))
+    with pytest.raises(ValueError, match="need a CUDA GPU"):
+        ebc("auto", device="cuda")
+
+
+# models ------------------------------------------------------------------------------------------------
+
+
+def test_dlrm_with_other_dense_width_names_the_setting():
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+    model = DLRM(EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd")), 10, [8, 4], [8, 1])
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="built for 10 dense features .* \\(2, 13\\).*dense_in_features=13"):
+        model(torch.randn(2, 13), kjt)
+
+
+def test_unlabelled_training_batch_is_refused_before_any_update():
+    from lightning_rec.data.batch import Batch
+    from lightning_rec.models.dlrm_module import DLRMModule
+
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["a", "b"],
+                        dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    module.configure_model()
+    before = snapshot(module)
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=torch.ones(4, dtype=torch.int64))
+    batch = Batch(torch.randn(2, 3), kjt, torch.tensor([float("nan"), 1.0]))
+    with pytest.raises(ValueError, match="labels must be click labels in \\[0, 1\\], found \\[nan\\]"):
+        module.training_step(batch, 0)
+    assert_unchanged(module, before)
+
+
+def test_a_plan_bigger_than_the_gpu_is_explained_before_any_allocation():
+    """DistributedModelParallel checks a plan against the device's memory first (the GPU path, on metadata)."""
+    from lightning_rec.model_parallel import construct_module_sharding_plan, plan_device_bytes, row_wise, table_wise
+    from lightning_rec.planner.fits import check_plan_fits
+    from lightning_rec.types import ShardingPlan
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=10_000_000, embedding_dim=128, feature_names=[f"f{i}"])
+              for i in range(4)]
+    class Stub(torch.nn.Module):  # the collection's metadata only: 20 GB of tables are not allocated here
+        def embedding_bag_configs(self):
+            return tables
+
+        def fused_optimizer_config(self):
+            return FusedOptimizerConfig("rowwise_adagrad")
+
+    stub = Stub()
+    verbs = {f"t{i}": table_wise(rank=0) for i in range(4)}
+    plan = ShardingPlan({"": construct_module_sharding_plan(stub, verbs, world_size=2, local_size=2)})
+    by_rank = plan_device_bytes(plan, {"": stub}, 2)
+    assert sum(by_rank[0].values()) == 4 * 10_000_000 * (128 * 4 + 4) and by_rank[1] == {}
+    words = "19.2 GiB .* on rank 0, whose GPU has 16.0 GiB.*'t0' 4.8 GiB.*fused_uvm_caching"
+    with pytest.raises(ValueError, match=words):
+        check_plan_fits(by_rank, 16 * 2**30)
+    spread = ShardingPlan({"": construct_module_sharding_plan(stub, {f"t{i}": row_wise() for i in range(4)},
+                                                              world_size=2, local_size=2)})
+    check_plan_fits(plan_device_bytes(spread, {"": stub}, 2), 16 * 2**30)  # half each: fits
+
+
+def test_check_op_passes_opcheck():
+    args = (torch.tensor([5, 9]), torch.tensor([1, 2, 8]), torch.tensor([0, 1, 2, 3, 3]), torch.rand(3))
+    torch.library.opcheck(torch.ops.lightning_rec.check_batch.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
