@@ -17,6 +17,15 @@ in DDP, the tables sharded by DistributedModelParallel. One process: the unshard
 Per rank it prints the embedding bytes it holds (weights + optimizer state) and its peak RSS, and
 rank 0 profiles a few table-wise steps (where the time goes).
 Last line: {"benchmark": "dlrm_distributed", "results": [...], "ratios": {...}, "figures": {...}}.
+
+    python benchmarks/dlrm_distributed.py --pipeline [--steps 30] [--rounds 5] [--types table_wise]
+
+`--pipeline`: the same model at 2 ranks, batches from a real DataLoader (SyntheticCriteoDataModule,
+26 x 100k ids, batch 1024 per rank, different data per rank), trained by the plain loop and by
+TrainPipelineSparseDist in alternating rounds over the same sharded model (the modes alternate on
+it). Rank 0 profiles one round of each mode (where the step's time goes). Ratio:
+ratios.pipelined_vs_plain: median plain step time / median pipelined step time over every timed
+step (the per-round ratios are printed too).
 """
 
 from __future__ import annotations
@@ -196,6 +205,227 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class TrainStep(torch.nn.Module):
+    """batch -> (loss, logits): the form TrainPipelineSparseDist runs (and the plain loop here too)."""
+
+    def __init__(self, dlrm) -> None:
+        super().__init__()
+        self.dlrm = dlrm
+
+    def forward(self, batch):
+        logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
+
+
+def pipeline_loader(rank: int, batch: int, batches: int):
+    from lightning_rec.data.synthetic import SyntheticCriteoDataModule
+
+    data = SyntheticCriteoDataModule(num_train_samples=batch * batches, num_val_samples=batch, batch_size=batch,
+                                     num_embeddings_per_feature=ROWS, sparse_feature_names=[f"f{i}" for i in
+                                                                                             range(NUM_TABLES)],
+                                     seed=rank, shuffle=True)
+    data.setup("fit")
+    return data.train_dataloader()
+
+
+def run_plain(dmp, opt, loader, steps: int, warmup: int) -> list[float]:
+    """Seconds of each timed step (end to end, loader included)."""
+    it = iter(loader)
+    ends = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            ends.append(time.perf_counter())
+        batch = next(it)
+        opt.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        opt.step()
+        if i >= warmup:
+            ends.append(time.perf_counter())
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def run_pipelined(pipeline, loader, steps: int, warmup: int) -> list[float]:
+    it = iter(loader)
+    ends = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            ends.append(time.perf_counter())
+        pipeline.progress(it)
+        if i >= warmup:
+            ends.append(time.perf_counter())
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    from lightning_rec.model_parallel import DistributedModelParallel
+    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+
+    kind = args.types[0]
+    dlrm = build_model("meta")
+    model = TrainStep(dlrm)
+    plan = plan_for(kind, dlrm, world_size, args.batch)
+    plan.plan = {f"dlrm.{k}": v for k, v in plan.plan.items()}
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
+    loader = pipeline_loader(rank, args.batch, args.warmup + args.steps + 2)
+    times: dict[str, list[list[float]]] = {"plain": [], "pipelined": []}  # per round, per step
+    profiles = {}
+    for r in range(args.rounds):
+        for mode in ("plain", "pipelined") if r % 2 == 0 else ("pipelined", "plain"):
+            if mode == "plain":
+                seconds = run_plain(dmp, opt, loader, args.steps, args.warmup)
+            else:  # a new pipeline each round: built, used, thrown away over the same model
+                with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                    seconds = run_pipelined(pipeline, loader, args.steps, args.warmup)
+            times[mode].append(seconds)
+    if args.profile:  # one instrumented round of each: where the loader and the id routing ran
+        for mode in ("plain", "pipelined"):
+            profiles[mode] = timeline_round(dmp, opt, loader, mode, args.steps)
+    queue.put((rank, dict(times=times, profiles=profiles,
+                          max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class Timeline:
+    """Seconds per (thread, stage): the main thread's are the step's critical path; the feeder's run beside it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.main = threading.main_thread()
+        self.seconds: dict[tuple[str, str], float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        import threading
+
+        key = ("main" if threading.current_thread() is self.main else "feeder", stage)
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+
+    def timed(self, stage: str, fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(stage, time.perf_counter() - t)
+
+        return run
+
+
+class TimedLoader:
+    """The loader, its iterators' __next__ timed (in whichever thread reads them)."""
+
+    def __init__(self, loader, timeline: Timeline) -> None:
+        self.loader, self.timeline = loader, timeline
+
+    def __iter__(self):
+        it = iter(self.loader)
+        timed = self.timeline.timed("read batch (DataLoader)", it.__next__)
+
+        class _It:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                return timed()
+
+        return _It()
+
+
+def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
+    """ms per step by (thread, stage), one instrumented round: where the loader and the routing ran."""
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+    from lightning_rec.sharded_embedding import _ShardedCollectionBase
+
+    timeline = Timeline()
+    sharded = [m for m in dmp.modules() if isinstance(m, _ShardedCollectionBase)]
+    for m in sharded:  # instance attributes shadow the methods for this round only
+        m.route = timeline.timed("id routing (input_dist)", type(m).route.__get__(m))
+        m.input_dist = timeline.timed("input_dist call in the step (routes, or takes the routed batch)",
+                                      type(m).input_dist.__get__(m))
+    timed_loader = TimedLoader(loader, timeline)
+    total = Timeline()
+    try:
+        if mode == "plain":
+            seconds = sum(run_plain(dmp, opt, timed_loader, steps, 0))
+        else:
+            with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                seconds = sum(run_pipelined(pipeline, timed_loader, steps, 0))
+    finally:
+        for m in sharded:
+            del m.route, m.input_dist
+    del total
+    out = {f"{thread}: {stage}": 1e3 * v / steps for (thread, stage), v in sorted(timeline.seconds.items())}
+    out["main: whole step"] = 1e3 * seconds / steps
+    return out
+
+
+def pipeline_main(args) -> None:
+    world_size = 2
+    load_before = os.getloadavg()[0]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=pipeline_rank_main, args=(r, world_size, port, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    per_rank = dict(_collect(queue, procs, len(procs)))
+    for p in procs:
+        p.join()
+    global_batch = world_size * args.batch
+    rounds = len(per_rank[0]["times"]["plain"])
+    # a step ends on both ranks at about the same time (they meet in its collectives): the slower rank's
+    steps = {m: [[max(per_rank[r]["times"][m][i][j] for r in per_rank) for j in range(args.steps)]
+                 for i in range(rounds)] for m in ("plain", "pipelined")}
+    sps = {m: [global_batch * len(v) / sum(v) for v in per_round] for m, per_round in steps.items()}
+    ratio_per_round = [p / q for p, q in zip(sps["pipelined"], sps["plain"])]
+    # The figure: median step time over every timed step of each mode. This machine is shared and its
+    # load swings 3x within a minute; medians of many short, interleaved samples are what survives that.
+    median_step = {m: statistics.median(t for per_round in v for t in per_round) for m, v in steps.items()}
+    print(f"DLRM 26 x 100k x 64, 2 ranks ({args.types[0]}), batch {args.batch}/rank from a DataLoader "
+          f"(SyntheticCriteoDataModule), {args.steps} timed steps, {rounds} alternating rounds")
+    print(f"{'round':<8}{'plain samples/s':>18}{'pipelined samples/s':>22}{'ratio':>8}")
+    for i in range(rounds):
+        print(f"{i + 1:<8}{sps['plain'][i]:>18.0f}{sps['pipelined'][i]:>22.0f}{ratio_per_round[i]:>8.3f}")
+    print(f"{'median':<8}{statistics.median(sps['plain']):>18.0f}{statistics.median(sps['pipelined']):>22.0f}"
+          f"{statistics.median(ratio_per_round):>8.3f}   (of the rounds)")
+    med = {m: global_batch / median_step[m] for m in median_step}
+    ratio = median_step["plain"] / median_step["pipelined"]
+    print(f"{'step':<8}{med['plain']:>18.0f}{med['pipelined']:>22.0f}{ratio:>8.3f}   (median step time over "
+          f"{rounds * args.steps} steps per mode: the figure)")
+    profiles = per_rank[0].get("profiles", {})
+    if profiles:
+        print("\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path)")
+        stages = sorted({k for p in profiles.values() for k in p})
+        print(f"{'thread: stage':<80}{'plain':>9}{'pipelined':>11}")
+        for k in stages:
+            cells = "".join(f"{profiles[m].get(k, 0.0):>{w}.2f}" for m, w in (("plain", 9), ("pipelined", 11)))
+            print(f"{k:<80}{cells}")
+    rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
+    figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
+               "median_of_round_ratios": round(statistics.median(ratio_per_round), 3),
+               # a shared machine: with more runnable threads than cores, the pipelined run's second thread
+               # also gets a larger share of the CPU, which a dedicated machine would not give
+               "load_avg_1min_before": round(load_before, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),
+               "plain_median_step_ms": round(1e3 * median_step["plain"], 2),
+               "pipelined_median_step_ms": round(1e3 * median_step["pipelined"], 2),
+               **{f"timeline_ms_per_step.{m}.{k}": round(v, 2) for m, p in profiles.items() for k, v in p.items()},
+               "peak_rss_mb_per_rank": round(max(per_rank[r]["max_rss"] for r in per_rank) / 2**20, 1)}
+    print(json.dumps({"benchmark": "dlrm_distributed", "results": rows,
+                      "ratios": {"pipelined_vs_plain": round(ratio, 3)}, "figures": figures}))
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
@@ -206,8 +436,13 @@ def main() -> None:
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--dense", default="ddp", choices=["ddp", "fsdp", "none"],
                         help="none: dense layers not synchronised (diagnostic: the cost of DDP)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="plain loop vs TrainPipelineSparseDist, batches from a DataLoader (first of --types)")
     args = parser.parse_args()
     args.types = [t for t in args.types.split(",") if t]
+    if args.pipeline:
+        pipeline_main(args)
+        return
     world_size = 2
     ctx = mp.get_context("spawn")
 

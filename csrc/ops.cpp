@@ -34,6 +34,11 @@ TORCH_LIBRARY(lightning_rec, m) {
   // Whether a jagged batch may reach a kernel (batch_check_cpu.cpp): never throws for bad data;
   // returns {code, position, value, feature, count} (code 0: ok).
   m.def("check_batch(Tensor rows_F, Tensor indices, Tensor offsets, Tensor? weights) -> Tensor");
+  // Criteo text -> (label [N], dense [N, 13], sparse [N, 26], status [N]), one row per line of `buf`
+  // (criteo_parse_cpu.cpp). hash_mode: 0 raw 32-bit hashes, 1 reserved id 0 + modulo, 2 modulo.
+  m.def(
+      "parse_criteo(Tensor buf, int separator, int num_fields, int label_field, int[] dense_fields, "
+      "int[] sparse_fields, int[] num_embeddings, int hash_mode, bool log_dense) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 // Importing lightning_rec._C runs the registrations above; the module itself exports nothing.

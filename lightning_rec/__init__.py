@@ -28,6 +28,7 @@ _EXPORTS = {
     "table_wise": "model_parallel", "row_wise": "model_parallel", "column_wise": "model_parallel",
     "table_row_wise": "model_parallel", "table_column_wise": "model_parallel", "grid_shard": "model_parallel",
     "data_parallel": "model_parallel",
+    "TrainPipelineSparseDist": "pipeline", "PipelineConfig": "pipeline",
     # planner
     "EmbeddingShardingPlanner": "planner", "ParameterConstraints": "planner", "PlannerError": "planner",
     "PlanStats": "planner", "Topology": "planner",
@@ -84,6 +85,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         FusedOptimizerConfig,
         combined_optimizer,
     )
+    from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist  # noqa: F401
     from lightning_rec.planner import (  # noqa: F401
         EmbeddingShardingPlanner,
         ParameterConstraints,

@@ -3,6 +3,7 @@
     lightning-rec fit --config recipes/configs/dlrm_synthetic.yaml [--trainer.max_steps=200]
     lightning-rec fit --config recipes/configs/dlrm_criteo_kaggle.yaml \
         --data.train_path=train.tsv --data.val_path=valid.tsv
+    lightning-rec preprocess --input day_0.gz ... --output_dir shards/train   (lightning_rec/data/preprocess.py)
 
 Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a
 recipe can swap either without code. After `fit`, the final validation metrics are printed.
@@ -70,6 +71,11 @@ def export_main(argv: list[str]) -> int:
 
 def main() -> None:
     """Console entry point `lightning-rec`."""
+    if sys.argv[1:2] == ["preprocess"]:  # not a Trainer subcommand: its own arguments
+        from lightning_rec.data.preprocess import preprocess_main
+
+        preprocess_main(sys.argv[2:])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         sys.exit(export_main(sys.argv[2:]))
     run_cli()

@@ -171,14 +171,35 @@ class _ShardedCollectionBase(nn.Module):
 
     # the data path ------------------------------------------------------------------------------
 
+    # pipeline.py sets this (`source(module, features) -> ShardedBatch | None`) while a pipeline runs:
+    # a batch it routed during the previous step comes back from it instead of being routed here.
+    _input_source = None
+
     def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
+        source = self._input_source
+        if source is not None:
+            ready = source(self, features)
+            if ready is not None:
+                return ready
+        return self.route(features, self._ids_a2a)
+
+    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll) -> ShardedBatch:
+        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline.py)."""
         ordered, error = self._validate(features)
-        routed, ctx = self._ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
+        routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
         replicated = None
         if self._dp_features:
             replicated = ordered.permute(self._dp_features, self._dp_features_t)
         ctx.lengths_FB = ordered.lengths_FB()
         return ShardedBatch(routed, replicated, ctx, ordered)
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._env
+
+    def ids_all_to_all(self, comm) -> KJTAllToAll:
+        """This collection's id all-to-all over another channel `comm` (a process group or SharedMemoryGroup)."""
+        return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s)
 
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         owned = self._lookup(batch.routed) if self._lookup is not None else []

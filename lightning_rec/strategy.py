@@ -20,6 +20,7 @@ one file (costs rank 0 host memory for the whole model); both formats load.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -52,25 +53,33 @@ class RecStrategy(DDPStrategy):
         embedding_timeout: seconds an embedding collective waits for a peer before raising.
         checkpoint_format: "dcp" (sharded directory, each rank writes its pieces) | "gathered"
             (one file written by rank 0, every table gathered whole). Both load.
+        pipeline: True (or a depth, or a PipelineConfig) runs every loop pipelined: the next batch is
+            read, copied and its ids routed while this one computes (lightning_rec.pipeline); the
+            LightningModule's steps stay as they are.
         **kwargs: DDPStrategy's arguments (process_group_backend, find_unused_parameters, ...).
     """
 
     strategy_name = "rec"
 
     def __init__(self, plan: ShardingPlan | None = None, planner: Any = None, dense: str = "ddp",
-                 embedding_timeout: float = 1800.0, checkpoint_format: str = "dcp", **kwargs: Any) -> None:
+                 embedding_timeout: float = 1800.0, pipeline: Any = False, checkpoint_format: str = "dcp",
+                 **kwargs: Any) -> None:
+        from lightning_rec.pipeline import PipelineConfig
+
         if dense not in ("ddp", "fsdp"):
             raise ValueError(f"RecStrategy(dense={dense!r}): use 'ddp' or 'fsdp'")
         if checkpoint_format not in rec_checkpoint.FORMATS:
             raise ValueError(f"RecStrategy(checkpoint_format={checkpoint_format!r}): "
                              f"use one of {rec_checkpoint.FORMATS}")
         self._checkpoint_format = checkpoint_format
-        super().__init__(**kwargs)
+        super().__init__(**_given_ddp_kwargs(kwargs))
         self._plan = plan
         self._planner = planner
         self._dense = dense
         self._embedding_timeout = embedding_timeout
         self._dmp: DistributedModelParallel | None = None
+        self._pipeline_config = PipelineConfig.of(pipeline)
+        self._pipelines: list = []  # one per dataloader of this run's loops (closed at teardown)
 
     @property
     def dmp(self) -> DistributedModelParallel:
@@ -95,7 +104,9 @@ class RecStrategy(DDPStrategy):
         topology = Topology(world_size=self.world_size, compute_device=self.root_device.type,
                             local_world_size=self.num_processes)
         kwargs = {"optimizer": configs[0]} if configs and configs[0] is not None else {}
-        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, **kwargs)
+        pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
+        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, pipelined=pipelined,
+                                        **kwargs)
 
     def _shard(self, dense: str | None) -> None:
         module = self.lightning_module
@@ -139,10 +150,31 @@ class RecStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
+        if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
+            from lightning_rec.pipeline import InputPipeline, move_to_device, wrap_loader
+
+            # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
+            pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
+                                     to_device=lambda batch: move_to_device(batch, self.root_device))
+            self._pipelines.append(pipeline)
+            return wrap_loader(dataloader, pipeline)  # the feeder also keeps the ranks stepping together
         if self.world_size > 1 and isinstance(dataloader, DataLoader):
             _stop_together(dataloader, self._all_have_a_batch)
-        self._track_loader_position(dataloader)
         return dataloader
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if any(p.owns(batch) for p in self._pipelines):
+            return batch  # the pipeline copied it (on GPU: on its side stream, from pinned memory)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def teardown(self) -> None:
+        for pipeline in self._pipelines:  # every rank reaches teardown at the same point of its loops
+            pipeline.close()
+        self._pipelines = []
+        super().teardown()
 
     def _all_have_a_batch(self, have: bool) -> bool:
         """Collective: does every rank have a batch? Through shared memory when the tables use it."""
@@ -280,14 +312,14 @@ _TOGETHER_CLASSES: dict[type, type] = {}
 
 def _stop_together(loader: DataLoader, all_have_a_batch) -> None:
     # The loader keeps its class's behaviour (Lightning checks isinstance(DataLoader), sets worker
-    # seeding, reads .sampler), so it gets a subclass whose only change is __iter__.
-    cls = type(loader)
-    if not getattr(cls, "_rec_step_together", False):
-        sub = _TOGETHER_CLASSES.get(cls)
-        if sub is None:
-            sub = type(f"StepTogether{cls.__name__}", (cls,), {"__iter__": _iter_together, "_rec_step_together": True})
-            _TOGETHER_CLASSES[cls] = sub
-        loader.__class__ = sub
+    # seeding, reads .sampler), so it gets a subclass whose only change is __iter__ (of its own
+    # class: a loader that ran pipelined before, pipeline.wrap_loader, goes back to the plain rule).
+    cls = next(c for c in type(loader).__mro__ if "_rec_step_together" not in c.__dict__)
+    sub = _TOGETHER_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"StepTogether{cls.__name__}", (cls,), {"__iter__": _iter_together, "_rec_step_together": True})
+        _TOGETHER_CLASSES[cls] = sub
+    loader.__class__ = sub
     loader._rec_all_have_a_batch = all_have_a_batch
 
 
@@ -310,6 +342,25 @@ def _iter_together(self):
                               f"use them all", stacklevel=2)
             return
         yield batch
+
+
+def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs without DistributedDataParallel arguments set to DDP's own default.
+
+    A recipe (LightningCLI, `strategy: {class_path: ...RecStrategy}`) spells out every DDP argument
+    at its default; passed on, `process_group=None` would collide with the model-parallel group and
+    `gradient_as_bucket_view=False` undo DistributedModelParallel's choice.
+    """
+    ddp = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    own = inspect.signature(DDPStrategy.__init__).parameters
+    plain = (bool, int, float, str, type(None))
+
+    def at_default(name: str, value: Any) -> bool:
+        p = ddp.get(name)
+        return (name not in own and p is not None and p.default is not inspect.Parameter.empty
+                and isinstance(value, plain) and isinstance(p.default, plain) and value == p.default)
+
+    return {k: v for k, v in kwargs.items() if not at_default(k, v)}
 
 
 def _cpu(st: ShardedTensor) -> ShardedTensor:

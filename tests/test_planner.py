@@ -370,7 +370,13 @@ def test_shard_cost_counts_weights_state_and_buffers():
     inputs = ids * 8 + 4 * B * 2  # int64 ids + int32 lengths
     outputs = B * 2 * dim * 4  # fp32 pooled output
     assert hbm == 0  # CPU: everything in host memory
-    assert ddr == rows * dim * 4 + rows * 4 + 2 * inputs + 2 * outputs  # pipeline holds 2 inputs
+    # pipelined (depth 1): the step's routed ids, the next batch's, and the one Lightning's loop takes ahead
+    assert ddr == rows * dim * 4 + rows * 4 + 3 * inputs + 2 * outputs
+    plain = CostModel(cpu(2), batch_size=B, optimizer="rowwise_adagrad", pipelined=False)
+    deeper = CostModel(cpu(2), batch_size=B, optimizer="rowwise_adagrad", pipelined=2)
+    for model, live in ((plain, 1), (deeper, 4)):
+        got = model.shard_cost(_spec(rows, dim, pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim)[1]
+        assert got == rows * dim * 4 + rows * 4 + live * inputs + 2 * outputs
     assert compute > 0 and comm > 0
     hotter = cost.shard_cost(
         _spec(rows, dim, 4 * pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim

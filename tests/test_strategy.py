@@ -163,7 +163,7 @@ def _data(kind: str):
                             drop_last=kind == "criteo", cache_dir=os.environ["LRT_CACHE"])
 
 
-def _resume_run(rank, world_size, root, kind, kill_at, resume, every, checkpoint_format="dcp"):
+def _resume_run(rank, world_size, root, kind, kill_at, resume, every, checkpoint_format="dcp", pipeline=False):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     os.environ["LRT_CACHE"] = os.path.join(root, "cache")
@@ -172,8 +172,8 @@ def _resume_run(rank, world_size, root, kind, kill_at, resume, every, checkpoint
                                  save_last=True)]
     if kill_at is not None:
         callbacks.append(_KillAt(kill_at))
-    trainer = L.Trainer(strategy=RecStrategy(checkpoint_format=checkpoint_format), accelerator="cpu",
-                        devices=world_size, max_epochs=2, logger=False, enable_progress_bar=False,
+    strategy = RecStrategy(checkpoint_format=checkpoint_format, pipeline=pipeline)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
     module = DLRMModule(**SMALL)
     trainer.fit(module, _data(kind), ckpt_path="last" if resume else None)
@@ -183,17 +183,18 @@ def _resume_run(rank, world_size, root, kind, kill_at, resume, every, checkpoint
 _WHOLE: dict[str, list] = {}  # the uninterrupted run of each data kind (checkpoint frequency changes nothing)
 
 
-def _exact_resume(tmp_path, kind: str, kill_at: int, every: int, checkpoint_format: str = "dcp") -> None:
+def _exact_resume(tmp_path, kind: str, kill_at: int, every: int, checkpoint_format: str = "dcp",
+                  pipeline: bool = False) -> None:
     if kind not in _WHOLE:
         _WHOLE[kind] = run_ranks(_resume_run, 2, str(tmp_path / "whole"), kind, None, False, every, timeout=300)
     whole = _WHOLE[kind]
     root = str(tmp_path / "killed")
-    killed = run_ranks(_resume_run, 2, root, kind, kill_at, False, every, checkpoint_format, timeout=300,
-                       allow_missing=True)
+    killed = run_ranks(_resume_run, 2, root, kind, kill_at, False, every, checkpoint_format, pipeline,
+                       timeout=300, allow_missing=True)
     assert killed == [None, None]  # every rank died
     last = Path(root, "ckpt", "last.ckpt")
     assert last.is_dir() if checkpoint_format == "dcp" else last.is_file()
-    resumed = run_ranks(_resume_run, 2, root, kind, None, True, every, checkpoint_format, timeout=300)
+    resumed = run_ranks(_resume_run, 2, root, kind, None, True, every, checkpoint_format, pipeline, timeout=300)
     assert resumed[0][0] == whole[0][0]
     reference, state = whole[0][1], resumed[0][1]
     assert reference.keys() == state.keys()
@@ -208,6 +209,11 @@ def test_sigkill_mid_epoch_resumes_bitwise_synthetic(tmp_path):
 def test_gathered_checkpoints_still_load_and_resume_bitwise(tmp_path):
     # the previous format: one file, every table whole (rank 0's loader position serves every rank here)
     _exact_resume(tmp_path, "synthetic", kill_at=25, every=10, checkpoint_format="gathered")
+
+
+def test_sigkill_mid_epoch_resumes_bitwise_pipelined(tmp_path):
+    # the pipeline's feeder reads batches ahead of the step: the saved position is still the step's
+    _exact_resume(tmp_path, "synthetic", kill_at=25, every=10, pipeline=True)
 
 
 def test_sigkill_at_epoch_boundary_resumes_bitwise(tmp_path):

@@ -21,6 +21,8 @@ from lightning_rec.data.criteo_parse import (
     detect_layout,
     read_criteo,
 )
+from lightning_rec.data.criteo_shards import CriteoShardDataset
+from lightning_rec.data.preprocess import preprocess_criteo
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "CriteoDataset",
     "CriteoIterableDataset",
     "CriteoLayout",
+    "CriteoShardDataset",
     "ParseReport",
     "SyntheticCriteoDataModule",
     "StatefulBatchLoader",
@@ -40,5 +43,6 @@ __all__ = [
     "make_criteo_batch",
     "make_stream_loader",
     "passthrough_collate",
+    "preprocess_criteo",
     "read_criteo",
 ]

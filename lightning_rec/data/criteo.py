@@ -27,14 +27,19 @@ Missing categorical values (`missing_categorical`):
     "empty_bag"              a missing value is an empty bag (length 0, pooled to zeros);
                              a present hash v maps to v % num_embeddings.
 
-Rows that are not clean Criteo rows:
-    fewer fields than the layout   trailing empty fields were stripped: padded as missing
-                                   (counted in ParseReport.num_padded_rows)
-    more fields, a non-numeric I, a label other than 0/1, a C that is not 8 hex characters
-        on_bad_row="error"  ValueError naming file and line
+Rows that are not clean Criteo rows (both parsers, the native op and the Python reference, agree):
+    fewer fields than the layout, ending in a value
+                            trailing empty fields were stripped: padded as missing (counted in
+                            ParseReport.num_padded_rows, and a warning at the end of the file)
+    fewer fields, ending in a separator (a file cut mid-row), more fields, a non-numeric I, a label
+    other than 0/1, a C that is not 8 hex characters, a non-ASCII byte (corruption, bad encoding)
+        on_bad_row="error"  ValueError naming file, line and field
         on_bad_row="skip"   the row is dropped, counted (ParseReport.num_skipped_rows), the first
                             few logged with their line and reason; no column is ever shifted.
     blank lines             ignored (counted in ParseReport.num_blank_lines)
+Files: gzip / bz2 / zstd are detected from their first bytes (a `.tsv` holding gzip is read, with a
+warning); a directory, a fully quoted CSV, a binary file and an unlabelled file given for training
+or validation are errors that say what to pass instead.
 """
 
 from __future__ import annotations
@@ -68,11 +73,14 @@ from lightning_rec.data.criteo_parse import (
     _cache_features,
     _check_missing_categorical,
     _check_on_bad_row,
-    _parse_block,
+    check_criteo_file,
     detect_layout,
     iter_blocks,
+    parse_block,
     read_criteo,
+    resolve_parser,
 )
+from lightning_rec.data.criteo_shards import CriteoShardDataset, dist_rank_world, is_shard_dir
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -96,6 +104,7 @@ def build_criteo_cache(
     has_label: bool | None = None,
     on_bad_row: str = "error",
     block_bytes: int = 64 << 20,
+    parser: str = "auto",
 ) -> tuple[Path, ParseReport]:
     """Parse `path` once into a memory-mappable Arrow file; later calls find it and return at once.
 
@@ -106,8 +115,8 @@ def build_criteo_cache(
     from datasets.arrow_writer import ArrowWriter
 
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Criteo file {path} does not exist: check train_path / val_path / test_path")
+    check_criteo_file(path)
+    resolve_parser(parser)
     stat = path.stat()
     key_src = json.dumps(
         [str(path.resolve()), stat.st_size, stat.st_mtime_ns, _PARSER_VERSION,
@@ -125,7 +134,7 @@ def build_criteo_cache(
     report = ParseReport(path=str(path))
     try:
         with ArrowWriter(features=_cache_features(), path=str(tmp)) as writer:
-            tables = read_criteo(path, separator, has_header, has_label, on_bad_row, block_bytes)
+            tables = read_criteo(path, separator, has_header, has_label, on_bad_row, block_bytes, parser)
             for table, block_report in tables:
                 report = block_report
                 if table.num_rows:
@@ -325,11 +334,12 @@ class CriteoIterableDataset(IterableDataset):
         has_header: bool | None = None,
         has_label: bool | None = None,
         block_bytes: int = 16 << 20,
+        parser: str = "auto",
     ) -> None:
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
-        if not Path(path).is_file():
-            raise ValueError(f"Criteo file {path} does not exist: check train_path / val_path / test_path")
+        check_criteo_file(path)
+        self.parser = resolve_parser(parser)
         self.path = str(path)
         self.layout = detect_layout(path, separator, has_header, has_label)
         self.batch_size = batch_size
@@ -341,6 +351,7 @@ class CriteoIterableDataset(IterableDataset):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
         self._epoch = 0
+        self._dist = dist_rank_world()
         # The report of the latest pass made in this process (a worker's own rows, with workers).
         self.report = ParseReport(path=self.path, layout=asdict(self.layout))
 
@@ -354,10 +365,11 @@ class CriteoIterableDataset(IterableDataset):
         self._epoch = int(epoch)
 
     def _shard(self) -> tuple[int, int]:
-        rank, world = 0, 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         info = torch.utils.data.get_worker_info()
+        # DataLoader workers have no process group: they use what the main process saw (kept in their copy)
+        if info is None:
+            self._dist = dist_rank_world()
+        rank, world = self._dist
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * num_workers + worker, world * num_workers
 
@@ -378,7 +390,7 @@ class CriteoIterableDataset(IterableDataset):
         for k, (block, first_line) in enumerate(blocks):
             if not by_rows and k % num_shards != shard:
                 continue
-            arrays = _parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report)
+            arrays = parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report, self.parser)
             if by_rows:
                 n = arrays[0].shape[0]
                 mine = (np.arange(seen, seen + n) % num_shards) == shard
@@ -421,6 +433,13 @@ class CriteoDataModule(pl.LightningDataModule):
     `streaming=True`: files are parsed while iterating (no cache; for files too big to cache);
     shuffling is within blocks of `block_bytes`. See the module docstring for layouts, missing
     values and bad rows.
+
+    A path may also be a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
+    logs): each rank then reads its share of the .npy shards as batch slices
+    (`lightning_rec.data.criteo_shards`); `num_embeddings_per_feature` must match the directory's.
+    `parser`: "auto" (the native op when built), "native" or "python" (the reference).
+    Training and validation need labelled files: an unlabelled file (the Kaggle test layout) there is
+    an error, not NaN labels.
     """
 
     def __init__(
@@ -446,10 +465,12 @@ class CriteoDataModule(pl.LightningDataModule):
         has_header: bool | None = None,
         has_label: bool | None = None,
         block_bytes: int = 64 << 20,
+        parser: str = "auto",
     ) -> None:
         super().__init__()
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
+        self.parser = resolve_parser(parser)
         self.save_hyperparameters()
         self.paths = {
             "train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path
@@ -485,16 +506,36 @@ class CriteoDataModule(pl.LightningDataModule):
     def _cache(self, split: str) -> Path:
         arrow_path, report = build_criteo_cache(
             self.paths[split], self.cache_dir, on_bad_row=self.on_bad_row, block_bytes=self.block_bytes,
-            **self.layout_args,
+            parser=self.parser, **self.layout_args,
         )
         self.parse_reports[split] = report
         return arrow_path
 
+    def _check_labelled(self, split: str) -> None:
+        """Training / validation on an unlabelled file would give NaN labels and NaN loss: refuse it."""
+        path = self.paths[split]
+        if split not in ("train", "val", "test") or path is None:
+            return
+        if is_shard_dir(path):
+            from lightning_rec.data.criteo_shards import load_manifest
+
+            labelled = load_manifest(path)["has_label"]
+        else:
+            labelled = detect_layout(path, **self.layout_args).has_label
+        if not labelled:
+            raise ValueError(
+                f"{split}_path {path} has no label column (the Kaggle test layout: 39 fields, or a header without "
+                f"Label): {split} needs labelled rows. Pass a labelled file (train.txt, a day file, train.csv), "
+                f"and give unlabelled files as predict_path"
+            )
+
     def prepare_data(self) -> None:
+        for split in ("train", "val"):
+            self._check_labelled(split)
         if self.streaming:
             return
         for split, path in self.paths.items():
-            if path is not None:
+            if path is not None and not is_shard_dir(path):
                 self._cache(split)
 
     def setup(self, stage: str | None = None) -> None:
@@ -502,7 +543,23 @@ class CriteoDataModule(pl.LightningDataModule):
         for split in splits.get(stage, ("train", "val", "test", "predict")) if stage else self.paths:
             if self.paths[split] is None or split in self.datasets:
                 continue
-            if self.streaming:
+            if split in ("train", "val"):
+                self._check_labelled(split)
+            if is_shard_dir(self.paths[split]):
+                dataset = CriteoShardDataset(
+                    self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
+                    self.sparse_feature_names, shuffle=self.shuffle and split == "train", seed=self.seed,
+                    drop_last=self.drop_last and split == "train",
+                )
+                if dataset.num_embeddings_per_feature != self.num_embeddings_per_feature:
+                    raise ValueError(
+                        f"{self.paths[split]} was preprocessed for num_embeddings_per_feature="
+                        f"{dataset.num_embeddings_per_feature}, but data.num_embeddings_per_feature is "
+                        f"{self.num_embeddings_per_feature}: set the data and model num_embeddings_per_feature "
+                        f"to the directory's (manifest.json), or preprocess again"
+                    )
+                self.datasets[split] = dataset
+            elif self.streaming:
                 self.datasets[split] = CriteoIterableDataset(
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
                     self.num_embeddings_per_feature, self.sparse_feature_names, self.missing_categorical,
@@ -539,6 +596,7 @@ class CriteoDataModule(pl.LightningDataModule):
         return self._loader("val") if self.paths["val"] is not None else []
 
     def test_dataloader(self) -> DataLoader:
+        self._check_labelled("test")  # the test loop computes loss and metrics from labels
         return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:

@@ -1,9 +1,15 @@
-"""Criteo click-log files -> Arrow record batches of raw values: layout detection and the parser.
+"""Criteo click-log files -> Arrow record batches of raw values: layout detection and the parsers.
 
 Shapes: N rows (of a file or a parsed block), F = 26 sparse features, L bytes of a block.
 See `lightning_rec.data.criteo` for the layouts read, the cache and how bad rows are handled;
-this module is the part that reads bytes: whole blocks at a time, vectorised with numpy and
-Arrow (field counts per line, hex decoded through a lookup table), never a Python loop per row.
+this module is the part that reads bytes, whole blocks at a time, with one of two parsers that
+give the same rows, values, reports and error messages:
+
+    "native"  torch.ops.lightning_rec.parse_criteo (csrc/criteo_parse_cpu.cpp): one pass over the
+              block's bytes, multi-threaded over line ranges; ~10x the reference (benchmarks/criteo_ingest.py)
+    "python"  the reference: numpy line bookkeeping + Arrow's CSV reader + a vectorised hex decode,
+              never a Python loop per row; used when the extension is not built, and in the tests
+              as the parity reference for the native op
 """
 
 from __future__ import annotations
@@ -11,13 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +34,57 @@ NUM_SPARSE_FEATURES = 26
 DEFAULT_SPARSE_FEATURE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
 MISSING_CATEGORICAL = ("reserved_id", "empty_bag")
 # Bumped whenever the parser's output changes, so that old cache files are not reused.
-_PARSER_VERSION = 1
+_PARSER_VERSION = 2  # 2: rows cut after a separator and non-ASCII bytes are bad rows
 _MAX_REPORTED_BAD_ROWS = 20
+PARSERS = ("auto", "native", "python")
+
+# Row status codes of the native op (csrc/criteo_parse_cpu.cpp): kind | (field << 8).
+_STATUS_OK, _STATUS_PADDED, _STATUS_BLANK = 0, 1, 2
+_STATUS_TOO_MANY, _STATUS_LABEL, _STATUS_DENSE, _STATUS_SPARSE, _STATUS_NON_ASCII, _STATUS_CUT = 3, 4, 5, 6, 7, 8
+# hash_mode of the native op: what the sparse output holds
+HASH_RAW, HASH_RESERVED_ID, HASH_EMPTY_BAG = 0, 1, 2
+
+try:
+    import lightning_rec._C  # noqa: F401  (registers torch.ops.lightning_rec.*)
+
+    _NATIVE_IMPORT_ERROR: Exception | None = None
+except ImportError as e:  # not built: `pip install --no-build-isolation -e .` (make test does it)
+    _NATIVE_IMPORT_ERROR = e
+
+
+def native_parser_available() -> bool:
+    """True when the C++ extension is built and `torch.ops.lightning_rec.parse_criteo` exists."""
+    return _NATIVE_IMPORT_ERROR is None and hasattr(torch.ops.lightning_rec, "parse_criteo")
+
+
+def _fake_parse_criteo(buf, separator, num_fields, label_field, dense_fields, sparse_fields, num_embeddings,
+                       hash_mode, log_dense):
+    # One row per line: the count depends on the bytes, so it is a dynamic size.
+    n = torch.library.get_ctx().new_dynamic_size()
+    return (
+        buf.new_empty((n,), dtype=torch.float32),
+        buf.new_empty((n, NUM_DENSE_FEATURES), dtype=torch.float32),
+        buf.new_empty((n, NUM_SPARSE_FEATURES), dtype=torch.int64),
+        buf.new_empty((n,), dtype=torch.int32),
+    )
+
+
+if native_parser_available():
+    torch.library.register_fake("lightning_rec::parse_criteo")(_fake_parse_criteo)
+
+
+def resolve_parser(parser: str) -> str:
+    """"auto" -> "native" when the extension is built, else "python"; checks the name."""
+    if parser not in PARSERS:
+        raise ValueError(f"parser must be one of {PARSERS}, got {parser!r}")
+    if parser == "native" and not native_parser_available():
+        raise ValueError(
+            f"parser='native' needs the C++ extension, which failed to import ({_NATIVE_IMPORT_ERROR}): "
+            f"build it with `pip install --no-build-isolation -e .`, or pass parser='python'"
+        )
+    if parser == "auto":
+        return "native" if native_parser_available() else "python"
+    return parser
 
 # hex digit value of every byte; 255 marks a byte that is not a hex digit
 _HEX_LUT = np.full(256, 255, dtype=np.uint8)
@@ -75,8 +132,51 @@ def layout_width(has_label: bool) -> int:
     return int(has_label) + NUM_DENSE_FEATURES + NUM_SPARSE_FEATURES
 
 
+_MAGIC = ((b"\x1f\x8b", "gzip", ".gz"), (b"BZh", "bz2", ".bz2"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst"))
+_warned_compression: set[str] = set()
+
+
+def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file") -> None:
+    """A clear ValueError for a path that is missing or a directory (naming the fix)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        raise ValueError(
+            f"{what} {p} is a directory, not a file: pass one file (e.g. {os.path.join(p, 'train.txt')}); "
+            f"to use a directory of day files, convert it once with `lightning-rec preprocess --input "
+            f"{os.path.join(p, 'day_*')} --output_dir <dir>` and pass that output directory"
+        )
+    if not os.path.isfile(p):
+        raise ValueError(f"{what} {p} does not exist: check train_path / val_path / test_path")
+
+
+def file_compression(path: str | os.PathLike) -> str | None:
+    """gzip / bz2 / zstd from the file's first bytes (not its name), or None for plain text.
+
+    A compressed file named like text (`day_0.tsv` holding gzip) is read through the decompressor,
+    with a warning naming the rename that silences it.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    for prefix, name, suffix in _MAGIC:
+        if magic.startswith(prefix):
+            if not str(path).endswith(suffix) and str(path) not in _warned_compression:
+                _warned_compression.add(str(path))
+                log.warning(
+                    "%s is %s-compressed although its name does not end in %s: reading it through %s "
+                    "(rename it to %s%s to make this explicit)", path, name, suffix, name, path, suffix,
+                )
+            return name
+    return None
+
+
+def open_criteo_stream(path: str | os.PathLike):
+    """A byte stream of the file's text, decompressed when its first bytes say so."""
+    return pa.input_stream(str(path), compression=file_compression(path))
+
+
 def _read_head(path: str | os.PathLike, num_bytes: int = 1 << 20) -> bytes:
-    with pa.input_stream(str(path), compression="detect") as stream:
+    check_criteo_file(path)
+    with open_criteo_stream(path) as stream:
         return stream.read(num_bytes)
 
 
@@ -94,7 +194,18 @@ def detect_layout(
     if len(lines) > 1:
         lines = lines[:-1]  # the last piece may be cut in the middle
     lines = [ln.rstrip(b"\r") for ln in lines if ln.strip()]
+    if b"\0" in head:
+        raise ValueError(
+            f"{path} holds NUL bytes: it is not a Criteo text file (a binary or a compressed format this reader "
+            f"does not detect; gzip, bz2 and zstd are read as they are): decompress or convert it to text first"
+        )
     first = lines[0].decode("utf-8", errors="replace")
+    if first.startswith('"') and ('","' in first or '"\t"' in first):
+        raise ValueError(
+            f"{path}: its fields are quoted (first line {first[:40]!r}...): Criteo rows are read without quote "
+            f"handling, so every value would be refused. Remove the quotes first, e.g. "
+            f"`sed 's/\"//g' {path} > {path}.unquoted` (Criteo values never hold quotes, commas or tabs)"
+        )
     if separator is None:
         separator = "\t" if "\t" in first else ","
     if separator not in ("\t", ","):
@@ -172,22 +283,29 @@ class ParseReport:
         return ParseReport(**d)
 
     def log_skips(self) -> None:
+        """Warn once at the end of parsing about rows dropped or padded (never silent)."""
         if self.num_skipped_rows:
             first = "; ".join(f"line {ln}: {why}" for ln, why in self.skipped[:3])
             log.warning(
                 "%s: skipped %d bad rows (on_bad_row='skip'), kept %d. First: %s",
                 self.path, self.num_skipped_rows, self.num_rows, first,
             )
+        if self.num_padded_rows:
+            log.warning(
+                "%s: %d of %d rows had fewer fields than the layout and were padded with missing values "
+                "(trailing empty fields stripped, as in some copies of train.txt); a row cut after a separator "
+                "is refused instead", self.path, self.num_padded_rows, self.num_rows,
+            )
 
 
 def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
     """Yield (whole lines ending in b"\\n", 1-based line number of the first) from a file.
 
-    gzip/bz2/zstd files are read through Arrow's decompressing stream (detected from the suffix).
+    gzip/bz2/zstd files are read through Arrow's decompressing stream (detected from the first bytes).
     """
     line = 1
     rest = b""
-    with pa.input_stream(str(path), compression="detect") as stream:
+    with open_criteo_stream(path) as stream:
         while True:
             chunk = stream.read(block_bytes)
             data = rest + chunk if rest else chunk
@@ -207,6 +325,85 @@ def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) ->
             line += block.count(b"\n")
 
 
+def iter_line_blocks(
+    path: str | os.PathLike, block_bytes: int, skip_header: bool, start_byte: int = 0, progress=None
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Yield (whole lines ending in b"\\n" as a uint8 view, byte offset after them) from `start_byte` of the text.
+
+    The native parser's reader: text is read straight into one reused buffer (no copy or count per
+    block; the parser counts lines), so each view is valid only until the next one is asked for.
+    Offsets count the decompressed text (a compressed file is decompressed up to `start_byte`, since
+    streams cannot seek). `skip_header` drops the first line when starting at byte 0. `progress(n)`
+    is called with the bytes of the file itself read so far.
+    """
+    compression = file_compression(path)
+    raw = pa.OSFile(str(path), "rb")
+    stream = pa.CompressedInputStream(raw, compression) if compression else raw
+    try:
+        if start_byte and compression is None:
+            raw.seek(start_byte)
+        else:
+            left = start_byte
+            while left:
+                got = len(stream.read(min(left, block_bytes)))
+                if got == 0:
+                    raise ValueError(f"{path} is shorter than byte {start_byte}: the file changed since it was read")
+                left -= got
+        buf = np.empty(block_bytes, dtype=np.uint8)
+        filled, pos = 0, start_byte
+        header = skip_header and start_byte == 0
+        while True:
+            if filled == buf.size:  # a line longer than the buffer: grow it
+                buf = np.concatenate([buf, np.empty(buf.size, dtype=np.uint8)])
+            got = stream.readinto(memoryview(buf)[filled:])
+            if progress is not None:
+                progress(raw.tell())
+            if got == 0:
+                if filled and header:
+                    return  # a header without data rows
+                if filled:  # the last line may lack its newline
+                    if buf[filled - 1] != 10:
+                        if filled == buf.size:
+                            buf = np.concatenate([buf, np.empty(1, dtype=np.uint8)])
+                        buf[filled] = 10
+                        yield buf[:filled + 1], pos + filled
+                    else:
+                        yield buf[:filled], pos + filled
+                return
+            filled += got
+            start = 0
+            if header:
+                nl = np.flatnonzero(buf[:filled] == 10)
+                if nl.size == 0:
+                    continue
+                start = int(nl[0]) + 1
+                header = False
+            cut = _last_newline(buf, start, filled)
+            if cut <= start:
+                if start:
+                    buf[: filled - start] = buf[start:filled]
+                    pos, filled = pos + start, filled - start
+                continue
+            yield buf[start:cut], pos + cut
+            rest = filled - cut
+            buf[:rest] = buf[cut:filled]  # the cut line's start moves to the front (overlap-safe in numpy)
+            pos, filled = pos + cut, rest
+    finally:
+        raw.close()
+
+
+def _last_newline(buf: np.ndarray, start: int, end: int) -> int:
+    """1 + index of the last b"\\n" in buf[start:end], or `start` when there is none (looks back 64 KiB at a time)."""
+    hi = end
+    while hi > start:
+        lo = max(start, hi - (1 << 16))
+        hits = np.flatnonzero(buf[lo:hi] == 10)
+        if hits.size:
+            return lo + int(hits[-1]) + 1
+        hi = lo
+    return start
+
+
 def _emit(block: bytes, line: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
     if skip_header and line == 1:
         nl = block.index(b"\n") + 1
@@ -216,23 +413,62 @@ def _emit(block: bytes, line: int, skip_header: bool) -> Iterator[tuple[bytes, i
 
 
 def _raise_or_record(
-    problems: list[tuple[np.ndarray, object]], on_bad_row: str, path: str, report: ParseReport
+    problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str, report: ParseReport
 ) -> None:
-    """problems: (line numbers, reason(i) for the i-th of them). Raise for the first line, or record."""
+    """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record.
+
+    rank orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3),
+    too many fields (-2), a cut row (-1), else the field position of the first bad field.
+    """
     if not problems:
         return
     if on_bad_row == "error":
-        first_line, reason = min(
-            (int(lines.min()), why(int(lines.argmin()))) for lines, why in problems if lines.size
+        first_line, _, reason = min(
+            (int(lines.min()), rank, why(int(lines.argmin()))) for lines, why, rank in problems if lines.size
         )
         raise ValueError(
             f"{path}:{first_line}: {reason}. Fix the file, or pass on_bad_row='skip' to drop such rows "
             f"(they are counted and logged, never shifted)"
         )
-    for lines, why in problems:
-        for i in range(min(lines.size, _MAX_REPORTED_BAD_ROWS - len(report.skipped))):
-            report.skipped.append((int(lines[i]), why(i)))
+    # one reason per line (the first by rank), the first few lines of the block
+    seen: dict[int, tuple[int, str]] = {}
+    for lines, why, rank in problems:
+        for i in np.argsort(lines, kind="stable")[:_MAX_REPORTED_BAD_ROWS]:
+            line = int(lines[i])
+            if line not in seen or rank < seen[line][0]:
+                seen[line] = (rank, why(int(i)))
+    for line in sorted(seen)[: max(0, _MAX_REPORTED_BAD_ROWS - len(report.skipped))]:
+        report.skipped.append((line, seen[line][1]))
     report.skipped.sort()
+
+
+def field_name(layout: CriteoLayout, k: int) -> str:
+    """What field k (0-based) of a row holds: label, I1..I13, C1..C26, or an unused column."""
+    if k == layout.label_field:
+        return "label"
+    if k in layout.dense_fields:
+        return f"I{layout.dense_fields.index(k) + 1}"
+    if k in layout.sparse_fields:
+        return f"C{layout.sparse_fields.index(k) + 1}"
+    return f"column {k + 1}"
+
+
+def _non_ascii_reason(layout: CriteoLayout, k: int, byte: int) -> str:
+    return (
+        f"field {k + 1} ({field_name(layout, k)}) holds the non-ASCII byte 0x{byte:02x}: Criteo files are ASCII "
+        f"text, so the file is corrupt here (or not a Criteo file)"
+    )
+
+
+def _cut_reason(layout: CriteoLayout, count: int) -> str:
+    return (
+        f"{count} of {layout.num_fields} fields and the row ends in a separator: it was cut short "
+        f"(a truncated file?), not stripped of empty trailing fields"
+    )
+
+
+def _too_many_reason(layout: CriteoLayout, count: int) -> str:
+    return f"{count} fields, but this file's rows have {layout.num_fields}"
 
 
 def _strings_to_float(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -280,7 +516,7 @@ def _decode_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 def _parse_block(
     block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
+    """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
 
     Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row
     handed to Arrow has exactly `num_fields` fields and its file line number is known.
@@ -293,21 +529,38 @@ def _parse_block(
     starts[1:] = ends_incl[:-1] + 1
     has_cr = (ends_incl > starts) & (buf_L[ends_incl - 1] == 13)
     content_end = ends_incl - has_cr  # pad before a "\r\n" pair, not between its bytes
-    sep_line = np.searchsorted(ends_incl, np.flatnonzero(buf_L == sep[0]))
+    sep_pos = np.flatnonzero(buf_L == sep[0])
+    sep_line = np.searchsorted(ends_incl, sep_pos)
     num_fields = np.bincount(sep_line, minlength=ends_incl.size) + 1
     blank = content_end == starts
-    too_many = num_fields > layout.num_fields
-    short = (num_fields < layout.num_fields) & ~blank
-    keep = ~blank & ~too_many
     line_no = first_line + np.arange(ends_incl.size)
-    report.num_blank_lines += int(blank.sum())
+    problems: list[tuple[np.ndarray, object, int]] = []
 
-    problems: list[tuple[np.ndarray, object]] = []
+    # Arrow would refuse the whole block ("invalid UTF8"); Criteo text is ASCII, so any byte >= 0x80
+    # is corruption: the row is bad, the others are read.
+    non_ascii = np.zeros(ends_incl.size, dtype=bool)
+    high_pos = np.flatnonzero(buf_L >= 128)
+    if high_pos.size:
+        high_line = np.searchsorted(ends_incl, high_pos)
+        lines_with, first_idx = np.unique(high_line, return_index=True)
+        pos = high_pos[first_idx]
+        field_k = np.searchsorted(sep_pos, pos) - np.searchsorted(sep_pos, starts[lines_with])
+        non_ascii[lines_with] = True
+        problems.append((line_no[lines_with],
+                         lambda i: _non_ascii_reason(layout, int(field_k[i]), int(buf_L[pos[i]])), -3))
+    too_many = (num_fields > layout.num_fields) & ~non_ascii
+    short = (num_fields < layout.num_fields) & ~blank & ~non_ascii
+    last_byte = buf_L[np.maximum(content_end - 1, 0)]
+    cut = short & (last_byte == sep[0])
+    short &= ~cut
+    keep = ~blank & ~too_many & ~non_ascii & ~cut
+    report.num_blank_lines += int(blank.sum())
     if too_many.any():
         many_lines, many_counts = line_no[too_many], num_fields[too_many]
-        problems.append(
-            (many_lines, lambda i: f"{many_counts[i]} fields, but this file's rows have {layout.num_fields}")
-        )
+        problems.append((many_lines, lambda i: _too_many_reason(layout, int(many_counts[i])), -2))
+    if cut.any():
+        cut_lines, cut_counts = line_no[cut], num_fields[cut]
+        problems.append((cut_lines, lambda i: _cut_reason(layout, int(cut_counts[i])), -1))
 
     if short.any() or not keep.all():
         pad = np.where(short, layout.num_fields - num_fields, 0)
@@ -342,10 +595,10 @@ def _parse_block(
     n = int(rows_line.size)
     bad_N = np.zeros(n, dtype=bool)
 
-    def note(col_bad: np.ndarray, what: str, col: pa.Array) -> None:
+    def note(col_bad: np.ndarray, what: str, col: pa.Array, field_k: int) -> None:
         if col_bad.any():
             rows = np.flatnonzero(col_bad)
-            problems.append((rows_line[rows], lambda i: f"{what} {col[int(rows[i])].as_py()!r}"))
+            problems.append((rows_line[rows], lambda i: f"{what} {col[int(rows[i])].as_py()!r}", field_k))
             bad_N[rows] = True
 
     label_N = np.full(n, np.nan, dtype=np.float32)
@@ -353,31 +606,139 @@ def _parse_block(
         col = column(layout.label_field)
         values, bad = _strings_to_float(col)
         bad |= ~np.isin(values, (0.0, 1.0))  # also catches a missing label (NaN)
-        note(bad, "label must be 0 or 1, got", col)
+        note(bad, "label must be 0 or 1, got", col, layout.label_field)
         label_N[:] = values
     dense_N13 = np.empty((n, NUM_DENSE_FEATURES), dtype=np.float32)
     for j, f in enumerate(layout.dense_fields):
         if n:
             col = column(f)
             values, bad = _strings_to_float(col)
-            note(bad, f"I{j + 1} must be a number, got", col)
+            note(bad, f"I{j + 1} must be a number, got", col, f)
             dense_N13[:, j] = values
     sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
     for j, f in enumerate(layout.sparse_fields):
         if n:
             col = column(f)
             values, bad = _decode_hex(col)
-            note(bad, f"C{j + 1} must be 8 hex characters, got", col)
+            note(bad, f"C{j + 1} must be 8 hex characters, got", col, f)
             sparse_NF[:, j] = values
 
     _raise_or_record(problems, on_bad_row, path, report)
     good = ~bad_N
-    report.num_skipped_rows += int(too_many.sum()) + int(bad_N.sum())
+    report.num_skipped_rows += int(too_many.sum()) + int(non_ascii.sum()) + int(cut.sum()) + int(bad_N.sum())
     report.num_padded_rows += int((short_rows & good).sum())
     report.num_rows += int(good.sum())
     if not good.all():
         return label_N[good], dense_N13[good], sparse_NF[good]
     return label_N, dense_N13, sparse_NF
+
+
+def _native_args(layout: CriteoLayout) -> tuple:
+    return (
+        ord(layout.separator), layout.num_fields, -1 if layout.label_field is None else layout.label_field,
+        list(layout.dense_fields), list(layout.sparse_fields),
+    )
+
+
+def parse_block_native(
+    block: bytes | np.ndarray,
+    first_line: int,
+    layout: CriteoLayout,
+    path: str,
+    on_bad_row: str,
+    report: ParseReport,
+    hash_mode: int = HASH_RAW,
+    num_embeddings: Sequence[int] = (),
+    log_dense: bool = False,
+    lines_out: list[int] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The native op on whole lines; the same rows, values, report and errors as `_parse_block`.
+
+    With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the
+    op also do what `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing.
+    `lines_out[0]` is advanced by the block's line count (so it holds the next block's first line).
+    """
+    if isinstance(block, np.ndarray):
+        buf_L = torch.from_numpy(block)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a bytes block is read-only; the op never writes to it
+            buf_L = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
+    label_N, dense_N13, sparse_NF, status_N = torch.ops.lightning_rec.parse_criteo(
+        buf_L, *_native_args(layout), list(num_embeddings), hash_mode, log_dense
+    )
+    status = status_N.numpy()
+    if lines_out is not None:
+        lines_out[0] += status.shape[0]
+    kind = status & 0xFF
+    good = kind <= _STATUS_PADDED
+    report.num_blank_lines += int((kind == _STATUS_BLANK).sum())
+    bad = ~good & (kind != _STATUS_BLANK)
+    if bad.any():
+        _native_problems(block, first_line, layout, path, on_bad_row, report, status, bad)
+        report.num_skipped_rows += int(bad.sum())
+    report.num_padded_rows += int((kind == _STATUS_PADDED).sum())
+    report.num_rows += int(good.sum())
+    label, dense, sparse = label_N.numpy(), dense_N13.numpy(), sparse_NF.numpy()
+    if not good.all():
+        return label[good], dense[good], sparse[good]
+    return label, dense, sparse
+
+
+def _native_problems(
+    block, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
+    status: np.ndarray, bad: np.ndarray,
+) -> None:
+    """Reasons for the bad rows the op flagged (error path only: the line's bytes are looked at again)."""
+    buf_L = block if isinstance(block, np.ndarray) else np.frombuffer(block, dtype=np.uint8)
+    ends = np.flatnonzero(buf_L == 10)
+    bad_idx = np.flatnonzero(bad)
+    if on_bad_row == "error":
+        bad_idx = bad_idx[:1]
+    else:
+        bad_idx = bad_idx[:_MAX_REPORTED_BAD_ROWS]
+    sep = layout.separator.encode()
+    lines, reasons = [], []
+    for i in bad_idx:  # a few rows at most, on the error path
+        start = int(ends[i - 1]) + 1 if i > 0 else 0
+        text = bytes(buf_L[start:int(ends[i])])
+        if text.endswith(b"\r"):
+            text = text[:-1]
+        fields = text.split(sep)
+        kind, k = int(status[i]) & 0xFF, int(status[i]) >> 8
+
+        def value(field: int, fields: list[bytes] = fields) -> str | None:
+            v = fields[field].decode("utf-8", "backslashreplace") if field < len(fields) else ""
+            return v if v else None
+
+        if kind == _STATUS_NON_ASCII:
+            byte = next(b for b in fields[k] if b >= 128)
+            reason = _non_ascii_reason(layout, k, byte)
+        elif kind == _STATUS_TOO_MANY:
+            reason = _too_many_reason(layout, k)
+        elif kind == _STATUS_CUT:
+            reason = _cut_reason(layout, k)
+        elif kind == _STATUS_LABEL:
+            reason = f"label must be 0 or 1, got {value(layout.label_field)!r}"
+        elif kind == _STATUS_DENSE:
+            reason = f"I{k + 1} must be a number, got {value(layout.dense_fields[k])!r}"
+        elif kind == _STATUS_SPARSE:
+            reason = f"C{k + 1} must be 8 hex characters, got {value(layout.sparse_fields[k])!r}"
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown parse_criteo status {int(status[i])}")
+        lines.append(first_line + int(i))
+        reasons.append(reason)
+    _raise_or_record([(np.asarray(lines), lambda j: reasons[j], 0)], on_bad_row, path, report)
+
+
+def parse_block(
+    block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
+    parser: str = "auto",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole lines -> (label [N], dense [N, 13] raw, sparse [N, 26] raw) with `parser` (see the module doc)."""
+    if resolve_parser(parser) == "native":
+        return parse_block_native(block, first_line, layout, path, on_bad_row, report)
+    return _parse_block(block, first_line, layout, path, on_bad_row, report)
 
 
 def _check_missing_categorical(missing_categorical: str) -> None:
@@ -399,16 +760,25 @@ def read_criteo(
     has_label: bool | None = None,
     on_bad_row: str = "error",
     block_bytes: int = 64 << 20,
+    parser: str = "auto",
 ) -> Iterator[tuple[pa.Table, ParseReport]]:
     """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block.
 
-    The report is the same object every time, updated as blocks are parsed.
+    The report is the same object every time, updated as blocks are parsed. `parser`: "auto"
+    (native when built), "native" or "python" (the reference); both give the same tables.
     """
     _check_on_bad_row(on_bad_row)
+    parser = resolve_parser(parser)
     layout = detect_layout(path, separator, has_header, has_label)
     report = ParseReport(path=str(path), layout=asdict(layout))
+    if parser == "native":
+        lines = [2 if layout.has_header else 1]
+        for block, _ in iter_line_blocks(path, block_bytes, skip_header=layout.has_header):
+            arrays = parse_block_native(block, lines[0], layout, str(path), on_bad_row, report, lines_out=lines)
+            yield _to_table(*arrays), report
+        return
     for block, first_line in iter_blocks(path, block_bytes, skip_header=layout.has_header):
-        label_N, dense_N13, sparse_NF = _parse_block(block, first_line, layout, str(path), on_bad_row, report)
+        label_N, dense_N13, sparse_NF = parse_block(block, first_line, layout, str(path), on_bad_row, report, parser)
         yield _to_table(label_N, dense_N13, sparse_NF), report
 
 

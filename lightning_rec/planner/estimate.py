@@ -132,7 +132,18 @@ class CostModel:
     topology: Topology
     batch_size: int  # per rank
     optimizer: str = "rowwise_adagrad"
-    pipelined: bool = True  # the pipeline holds the next batch's inputs: input buffers twice
+    # RecStrategy(pipeline=...) / TrainPipelineSparseDist: False (plain loop), True (depth 1) or the depth K
+    pipelined: bool | int = True
+
+    @property
+    def live_batches(self) -> int:
+        """Batches whose routed ids a rank holds at once (lightning_rec/pipeline.py): the step's own;
+        pipelined with depth K, also the K routed ahead and the one Lightning's loop takes ahead
+        (the fetcher's look-ahead batch is routed too). A hand loop holds one fewer: counted anyway."""
+        if self.pipelined is False or self.pipelined is None or self.pipelined == 0:
+            return 1
+        depth = 1 if self.pipelined is True else int(self.pipelined)
+        return 2 + depth
 
     def _a2a_ms(self, nbytes: float) -> float:
         """One rank's all-to-all of `nbytes` spread evenly over all ranks, itself included: its own
@@ -182,7 +193,7 @@ class CostModel:
         state = rows * opt_row
         if kernel == ComputeKernel.DENSE:
             state += rows * cols * 4  # the dense gradient autograd materialises
-        io = in_bytes * (2 if self.pipelined else 1) + 2 * out_bytes  # output + its gradient
+        io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
         if t.compute_device == "cpu":
             hbm, ddr = 0.0, weights + state + io
         elif kernel in UVM_KERNELS:

@@ -101,7 +101,7 @@ class EmbeddingShardingPlanner:
         *,
         batch_size: int = 512,
         optimizer="rowwise_adagrad",
-        pipelined: bool = True,
+        pipelined: bool | int = True,
         reserved_fraction: float = 0.15,
         max_shard_fraction: float = 0.125,
         max_proposals: int = 200,

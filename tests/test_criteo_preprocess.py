@@ -1,0 +1,257 @@
+"""`lightning-rec preprocess` and the shard loader: same rows as the cache path, resume, vocabulary, ranks.
+
+Real data is read from ../shared/data (never copied into the repo); those tests skip without it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_rec.data.preprocess as pre
+from lightning_rec.data import CriteoDataModule, CriteoDataset, build_criteo_cache
+from lightning_rec.data.criteo_parse import native_parser_available
+from lightning_rec.data.criteo_shards import CriteoShardDataset, load_manifest, rank_segments
+from lightning_rec.data.preprocess import preprocess_criteo, preprocess_main
+
+CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo"
+TRAIN = CRITEO / "criteo_kaggle_train_sample.tsv"
+RAGGED = CRITEO / "other/pytorch-fm_criteo_train_head1000_trailing-tabs-stripped.txt"
+pytestmark = [
+    pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present"),
+    pytest.mark.skipif(not native_parser_available(), reason="lightning_rec._C is not built"),
+]
+SIZES = [500 + 11 * j for j in range(26)]
+
+
+def run(tmp_path: Path, name: str, inputs=(TRAIN, RAGGED), **kw) -> tuple[Path, dict]:
+    out = tmp_path / name
+    kw = {"num_embeddings": SIZES, "rows_per_shard": 1000, "block_mb": 1, "progress": False, **kw}
+    return out, preprocess_criteo([str(p) for p in inputs], out, **kw)
+
+
+def all_rows(directory, **kw):
+    ds = CriteoShardDataset(directory, 256, **kw)
+    batches = list(ds)
+    return (torch.cat([b.labels for b in batches]), torch.cat([b.dense_features for b in batches]),
+            torch.cat([b.sparse_features.values().view(26, -1) for b in batches], dim=1))
+
+
+def test_shards_hold_the_rows_of_the_cache_path(tmp_path):
+    """Unshuffled shards read in order == CriteoDataset (Arrow cache) batches of the same files."""
+    out, manifest = run(tmp_path, "s", shuffle_rows=False)
+    assert manifest["num_rows"] == 4380 + 1000 and manifest["num_embeddings_per_feature"] == SIZES
+    assert [r["num_padded_rows"] for r in manifest["reports"]] == [0, 498]
+    label, dense, ids_FN = all_rows(out)
+    want = [CriteoDataset(build_criteo_cache(p, tmp_path / "cache")[0], SIZES)[:] for p in (TRAIN, RAGGED)]
+    assert torch.equal(label, torch.cat([b.labels for b in want]))
+    torch.testing.assert_close(dense, torch.cat([b.dense_features for b in want]), rtol=1e-6, atol=0)
+    assert torch.equal(ids_FN, torch.cat([b.sparse_features.values().view(26, -1) for b in want], dim=1))
+
+
+def test_shuffled_shards_hold_the_same_rows(tmp_path):
+    a, _ = run(tmp_path, "a", shuffle_rows=False)
+    b, manifest = run(tmp_path, "b", seed=3)
+    la, da, _ = all_rows(a)
+    lb, db, _ = all_rows(b)
+    assert not torch.equal(da, db)  # shuffled within shards
+    assert la.sum() == lb.sum() and torch.allclose(da.double().sum(0), db.double().sum(0))
+    assert len(manifest["shards"]) > 2
+
+
+def test_interrupted_run_resumes_without_lost_or_duplicated_rows(tmp_path, monkeypatch, caplog):
+    ref_dir, ref = run(tmp_path, "ref")
+    real_write = pre._write_shard
+    calls = {"n": 0}
+
+    def dying_write(*args, **kwargs):  # dies in the middle of the 3rd shard: its files, no record
+        calls["n"] += 1
+        record = real_write(*args, **kwargs)
+        if calls["n"] == 3:
+            (tmp_path / "run" / f"{record['name']}.json").unlink()
+            raise KeyboardInterrupt
+        return record
+
+    monkeypatch.setattr(pre, "_write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "run")
+    monkeypatch.setattr(pre, "_write_shard", real_write)
+    assert not (tmp_path / "run" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="still being written or was interrupted"):
+        load_manifest(tmp_path / "run")
+    # a finished shard whose file was damaged since is redone too
+    first = json.loads((tmp_path / "run" / "shard-000-00001.json").read_text())
+    with open(tmp_path / "run" / f"{first['name']}.dense.npy", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01")
+    with caplog.at_level(logging.WARNING):
+        _, resumed = run(tmp_path, "run")
+    assert "does not match its sha256" in caplog.text
+    assert [(s["name"], s["rows"], s["sha256"]) for s in resumed["shards"]] == [
+        (s["name"], s["rows"], s["sha256"]) for s in ref["shards"]
+    ]
+    assert resumed["reports"] == ref["reports"] and resumed["num_rows"] == ref["num_rows"]
+    _, again = run(tmp_path, "run")  # a finished run: nothing to do, same manifest
+    assert again["shards"] == resumed["shards"]
+    with pytest.raises(ValueError, match="other inputs or options"):
+        run(tmp_path, "run", seed=9)
+
+
+def test_gzip_input_and_resume_inside_it(tmp_path, monkeypatch):
+    gz = tmp_path / "day_0.gz"
+    gz.write_bytes(gzip.compress(TRAIN.read_bytes()))
+    ref_dir, ref = run(tmp_path, "plain", inputs=(TRAIN,), block_mb=1, rows_per_shard=1)
+    real_write, calls = pre._write_shard, {"n": 0}
+
+    def dying_write(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pre, "_write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "gz", inputs=(gz,), block_mb=1, rows_per_shard=1)
+    monkeypatch.setattr(pre, "_write_shard", real_write)
+    _, got = run(tmp_path, "gz", inputs=(gz,), block_mb=1, rows_per_shard=1)
+    assert [s["sha256"] for s in got["shards"]] == [s["sha256"] for s in ref["shards"]]
+
+
+def test_min_frequency_vocabulary(tmp_path):
+    out, manifest = run(tmp_path, "v", inputs=(TRAIN,), min_frequency=3, shuffle_rows=False, num_embeddings=2**20)
+    _, _, ids_FN = all_rows(out)
+    raw = CriteoDataset(build_criteo_cache(TRAIN, tmp_path / "cache")[0], 2**20, missing_categorical="empty_bag")
+    hashed_FN = torch.full((26, 4380), -1, dtype=torch.int64)
+    batch = raw[:]
+    lengths = batch.sparse_features.lengths().view(26, -1).bool()
+    hashed_FN[lengths] = batch.sparse_features.values()
+    for f in range(26):
+        values, counts = np.unique(hashed_FN[f][hashed_FN[f] >= 0].numpy(), return_counts=True)
+        kept = values[counts >= 3]
+        want = np.zeros(4380, dtype=np.int64)
+        col = hashed_FN[f].numpy()
+        hit = np.isin(col, kept)
+        want[hit] = np.searchsorted(kept, col[hit]) + 1  # frequent ids 1..V in id order; rare and missing 0
+        assert np.array_equal(ids_FN[f].numpy(), want), f
+        assert manifest["num_embeddings_per_feature"][f] == kept.size + 1
+    # val data reuses train's vocabulary: same ids for the same values
+    val_dir, val = run(tmp_path, "val", inputs=(TRAIN,), vocab_from=out, shuffle_rows=False, num_embeddings=2**20)
+    assert val["num_embeddings_per_feature"] == manifest["num_embeddings_per_feature"]
+    assert torch.equal(all_rows(val_dir)[2], ids_FN)
+
+
+def test_ranks_read_equal_disjoint_shares():
+    rows = [1000, 7, 333, 1]
+    for world in (1, 2, 3, 4):
+        shares = [rank_segments(rows, r, world) for r in range(world)]
+        totals = {sum(hi - lo for _, lo, hi in s) for s in shares}
+        assert len(totals) == 1
+        covered = sorted((i, j) for s in shares for i, lo, hi in s for j in range(lo, hi))
+        assert len(covered) == len(set(covered)) and sum(rows) - len(covered) < world * len(rows)
+
+
+def _rank_reader(rank: int, world_size: int, directory: str) -> tuple[int, int, float]:
+    """Each rank iterates its share (rank and world size found from the process group)."""
+    import torch.distributed as dist
+
+    ds = CriteoShardDataset(directory, 128, shuffle=True)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))
+    rows = torch.tensor([sum(len(b) for b in batches)])
+    dist.all_reduce(rows)  # every rank reached the same collective: no rank finished early
+    return len(batches), int(rows), float(sum(b.dense_features.double().sum() for b in batches))
+
+
+def _stream_reader(rank: int, world_size: int, path: str) -> tuple[int]:
+    from lightning_rec.data import CriteoIterableDataset
+
+    ds = CriteoIterableDataset(path, batch_size=100, num_embeddings_per_feature=10)
+    return (sum(len(b) for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)),)
+
+
+def test_two_ranks_read_their_own_share(tmp_path):
+    from dist_utils import run_ranks
+
+    out, manifest = run(tmp_path, "r")
+    (n0, total, s0), (n1, _, s1) = run_ranks(_rank_reader, 2, str(out), timeout=120)
+    assert n0 == n1 and manifest["num_rows"] - len(manifest["shards"]) * 2 < total <= manifest["num_rows"]
+    # the streaming reader deals blocks to (rank, worker) pairs the same way
+    (t0,), (t1,) = run_ranks(_stream_reader, 2, str(TRAIN), timeout=120)
+    assert t0 + t1 == 4380 and abs(t0 - t1) <= 1
+    whole = sum(float(b.dense_features.double().sum()) for b in CriteoShardDataset(out, 4096))
+    assert s0 != s1 and abs((s0 + s1) - whole) < 100  # disjoint halves; a few rows of the odd shards left out
+
+
+def test_loader_workers_ranks_and_shuffle(tmp_path):
+    out, manifest = run(tmp_path, "l")
+    base = torch.cat([b.dense_features for b in CriteoShardDataset(out, 300)])
+    for world in (2, 3):
+        parts = [torch.cat([b.dense_features for b in CriteoShardDataset(out, 300, rank=r, world_size=world)])
+                 for r in range(world)]
+        assert len({p.shape[0] for p in parts}) == 1
+        got = torch.cat(parts).double().sum(0)
+        assert torch.allclose(got, base[: base.shape[0]].double().sum(0), atol=200)  # < #shards rows dropped
+    ds = CriteoShardDataset(out, 300, shuffle=True, seed=1)
+    # persistent workers count epochs (CriteoDataModule's loaders are persistent when num_workers > 0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    e1 = torch.cat([b.dense_features for b in loader])
+    e2_batches = [b.dense_features for b in loader]
+    e2 = torch.cat(e2_batches)
+    assert len(loader) == len(ds) == -(-manifest["num_rows"] // 300)
+    assert e1.shape == base.shape and not torch.equal(e1, e2)
+    assert torch.allclose(e1.double().sum(0), base.double().sum(0))
+    # mid-epoch resume: epoch 1 without its first 5 batches == the rest of epoch 1
+    again = CriteoShardDataset(out, 300, shuffle=True, seed=1)
+    again.resume_from(epoch=1, batches_done=5)
+    assert torch.equal(torch.cat([b.dense_features for b in again]), torch.cat(e2_batches[5:]))
+
+
+def test_datamodule_trains_on_a_shard_directory(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_rec.models import DLRMModule
+
+    out, manifest = run(tmp_path, "t", num_embeddings=64)
+    val, _ = run(tmp_path, "v", inputs=(CRITEO / "criteo_kaggle_valid_sample.tsv",), num_embeddings=64)
+    dm = CriteoDataModule(train_path=str(out), val_path=str(val), batch_size=256, num_embeddings_per_feature=64,
+                          num_workers=1)
+    model = DLRMModule(num_embeddings_per_feature=64, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
+                       over_arch_layer_sizes=[16, 1])
+    trainer = pl.Trainer(max_steps=5, limit_val_batches=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(model, dm)
+    assert trainer.global_step == 5
+    (metrics,) = trainer.validate(model, dm, verbose=False)
+    assert np.isfinite(metrics["val_loss"])
+    with pytest.raises(ValueError, match=r"preprocessed for num_embeddings_per_feature=\[64.*set the data and model"):
+        CriteoDataModule(train_path=str(out), num_embeddings_per_feature=100).setup("fit")
+
+
+def test_preprocess_errors_and_cli(tmp_path, capsys):
+    with pytest.raises(ValueError, match="is a directory"):
+        preprocess_criteo([str(tmp_path)], tmp_path / "o")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ValueError, match="not empty and holds no preprocess run"):
+        preprocess_criteo([str(TRAIN)], tmp_path / "full")
+    with pytest.raises(ValueError, match="reserved_id"):
+        preprocess_criteo([str(TRAIN)], tmp_path / "o", min_frequency=2, missing_categorical="empty_bag")
+    with pytest.raises(ValueError, match="one int or 26"):
+        preprocess_criteo([str(TRAIN)], tmp_path / "o", num_embeddings=[5, 5])
+    unl = tmp_path / "unl"
+    preprocess_criteo([str(CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv")], unl, num_embeddings=10,
+                      progress=False)
+    with pytest.raises(ValueError, match="has no label column"):
+        CriteoDataModule(train_path=str(unl), num_embeddings_per_feature=10).setup("fit")
+    manifest = preprocess_main(["--input", str(TRAIN), "--output_dir", str(tmp_path / "cli"), "--num_embeddings",
+                                "1000", "--no_progress"])
+    printed = capsys.readouterr().out
+    assert "4,380 rows in 1 shards" in printed and "--data.num_embeddings_per_feature=1000" in printed
+    assert manifest["num_rows"] == 4380
+    shutil.rmtree(tmp_path / "cli")

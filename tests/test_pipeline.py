@@ -1,0 +1,490 @@
+"""TrainPipelineSparseDist and RecStrategy(pipeline=True) on 2 CPU ranks: parity with the plain loop, bad input.
+
+Parity is bitwise (torch.equal): the pipeline routes the same ids with the same ops, only earlier
+and on another channel, and the step's arithmetic (lookup, output dist, dense, fused update) runs
+in the same order as in the plain loop. Batches come from a real DataLoader (the synthetic data
+module), different on each rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from torch import nn
+
+from lightning_rec.data.batch import Batch
+from lightning_rec.data.synthetic import SyntheticCriteoDataModule
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan, row_wise, table_wise
+from lightning_rec.models.dlrm import DLRM
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizerConfig
+from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist, find_kjts, path_name
+from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.types import ShardingPlan
+
+NUM_F, ROWS, DIM, BATCH = 4, 40, 8, 16
+KEYS = [f"C{i}" for i in range(1, NUM_F + 1)]
+
+
+class Step(nn.Module):
+    """model(batch) -> (loss, logits), as TrainPipelineSparseDist expects; Python around the embeddings."""
+
+    def __init__(self, inside_kjt: bool = False) -> None:
+        super().__init__()
+        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS + 3 * i, embedding_dim=DIM,
+                                     feature_names=[k]) for i, k in enumerate(KEYS)]
+        ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05))
+        self.dlrm = DLRM(ebc, 13, [16, DIM], [16, 1])
+        self.inside_kjt = inside_kjt
+        self.fail_at = -1
+        self.calls = 0
+
+    def forward(self, batch: Batch):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("boom in the user's forward")
+        kjt = batch.sparse_features
+        if self.inside_kjt:  # a KJT the model builds itself: cannot be routed ahead
+            kjt = KeyedJaggedTensor(kjt.keys(), kjt.values() % ROWS, lengths=kjt.lengths())
+        dense = batch.dense_features * (2.0 if self.calls % 2 else 1.0)  # arbitrary Python around the embeddings
+        logits = self.dlrm(dense, kjt).squeeze(1)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"), logits
+
+
+def _loader(rank: int, batches: int, seed: int = 0, pin_memory: bool = False):
+    data = SyntheticCriteoDataModule(num_train_samples=batches * BATCH, num_val_samples=BATCH, batch_size=BATCH,
+                                     num_sparse_features=NUM_F, num_embeddings_per_feature=ROWS, num_signal_features=2,
+                                     seed=seed + 7 * rank, shuffle=False, pin_memory=pin_memory)
+    data.setup("fit")
+    return data.train_dataloader()
+
+
+def _plan(kind: str, model: Step, W: int) -> ShardingPlan | None:
+    ebc = model.dlrm.sparse_arch.embedding_bag_collection
+    if kind == "planner":
+        from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+        planner = EmbeddingShardingPlanner(Topology(world_size=W, compute_device="cpu"), batch_size=BATCH,
+                                           optimizer="rowwise_adagrad", print_stats=False)
+        return planner.plan(model)
+    verb = {"table_wise": lambda i: table_wise(rank=i % W), "row_wise": lambda i: row_wise()}[kind]
+    return ShardingPlan({"dlrm.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, {f"t{i}": verb(i) for i in range(NUM_F)}, world_size=W, local_size=W)})
+
+
+def _build(kind: str, W: int, inside_kjt: bool = False, device: str = "cpu"):
+    torch.manual_seed(0)
+    model = Step(inside_kjt)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    dmp = DistributedModelParallel(model, plan=_plan(kind, model, W), device=device, timeout=30)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+    return model, dmp, opt
+
+
+def _plain_steps(dmp, opt, it, n: int | None = None) -> list[float]:
+    losses = []
+    for batch in it:
+        opt.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+        if n is not None and len(losses) == n:
+            break
+    return losses
+
+
+def _pipelined_steps(pipeline, it, n: int | None = None) -> list[float]:
+    losses = []
+    while n is None or len(losses) < n:
+        try:
+            logits = pipeline.progress(it)
+        except StopIteration:
+            break
+        losses.append(float(logits.detach().sum()))
+    return losses
+
+
+def _weights(dmp) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in dmp.state_dict().items():
+        if hasattr(v, "local_shards"):
+            for i, (_, t) in enumerate(v.local_shards):
+                out[f"{k}#{i}"] = t.clone()
+        else:
+            out[k] = v.clone()
+    return out
+
+
+def _parity_worker(rank, W, kind, steps, device="cpu"):
+    # plain: the loss each step and the weights at the end
+    model, dmp, opt = _build(kind, W, device=device)
+    plain_logit_sums = []
+    cuda = device == "cuda"
+    for batch in _take(_loader(rank, steps, pin_memory=cuda), steps):
+        batch = batch.to(device)
+        opt.zero_grad()
+        loss, logits = dmp(batch)
+        loss.backward()
+        opt.step()
+        plain_logit_sums.append(float(logits.detach().sum()))
+    plain = _weights(dmp)
+    del model, dmp, opt
+    model, dmp, opt = _build(kind, W, device=device)
+    pipeline = TrainPipelineSparseDist(dmp, opt, device)
+    piped_logit_sums = _pipelined_steps(pipeline, iter(_loader(rank, steps, pin_memory=cuda)))
+    assert pipeline.stats == {"routed_ahead": steps - 1, "routed_in_step": 1}  # only the recording batch in-step
+    pipeline.close()
+    piped = _weights(dmp)
+    assert plain.keys() == piped.keys()
+    if not cuda:  # CPU: the same ops in the same order
+        assert piped_logit_sums == plain_logit_sums, (piped_logit_sums[:5], plain_logit_sums[:5])
+        bad = [k for k in plain if not torch.equal(plain[k], piped[k])]
+        assert not bad, bad
+    else:  # GPU: the same kernels, but cuBLAS / TBE may pick other reduction orders on other streams
+        torch.testing.assert_close(torch.tensor(piped_logit_sums), torch.tensor(plain_logit_sums), rtol=1e-4,
+                                   atol=1e-3)
+        for k in plain:
+            torch.testing.assert_close(piped[k], plain[k], rtol=1e-4, atol=1e-5, msg=k)
+    return len(piped_logit_sums)
+
+
+def _take(loader, n):
+    for i, b in enumerate(loader):
+        if i == n:
+            return
+        yield b
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "planner"])
+def test_pipelined_matches_plain_bitwise_over_50_steps(kind):
+    assert run_ranks(_parity_worker, 2, kind, 50, timeout=240) == [50, 50]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
+def test_pipelined_matches_plain_nccl():
+    """One rank per visible GPU: side-stream copies from pinned memory, input_dist on its own stream."""
+    W = torch.cuda.device_count()
+    assert run_ranks(_parity_worker, W, "table_wise", 50, "cuda", timeout=600, backend="nccl") == [50] * W
+
+
+def test_find_kjts_paths():
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([1]))
+    batch = {"x": (torch.zeros(1), Batch(torch.zeros(1, 1), kjt, torch.zeros(1)))}
+    [(found, path)] = find_kjts(batch)
+    assert found is kjt and path_name(path) == "batch['x'][1].sparse_features"
+    with pytest.raises(ValueError, match="variant"):
+        PipelineConfig(variant="semi_sync_typo")
+
+
+# bad input and lifecycle (hand loop) -----------------------------------------------------------------
+
+
+def _bad_input_worker(rank, W):
+    out = {}
+    # 1. a loader that ends mid-pipeline (3 batches, depth 2): every batch is drained, in order
+    model, dmp, opt = _build("table_wise", W)
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(depth=2))
+    loader = _loader(rank, 3)
+    expected = [b.labels.clone() for b in loader]
+    seen = []
+    pipeline_model_forward = model.forward
+
+    def spy(batch):
+        seen.append(batch.labels.clone())
+        return pipeline_model_forward(batch)
+
+    model.forward = spy
+    out["drained"] = len(_pipelined_steps(pipeline, iter(loader)))
+    out["in_order"] = all(torch.equal(a, b) for a, b in zip(seen, expected)) and len(seen) == 3
+    model.forward = pipeline_model_forward
+    # 2. an empty loader: StopIteration at once, no hang
+    out["empty"] = len(_pipelined_steps(pipeline, iter([])))
+    # 3. ranks whose loaders end at different steps: everyone stops with the shortest
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["uneven"] = len(_pipelined_steps(pipeline, iter(_loader(rank, 6 if rank == 0 else 4))))
+    out["skip_warned"] = any("batches are skipped" in str(w.message) for w in caught)
+    # 4. a batch whose features differ from the model's (rank 1's 3rd batch): ValueError on every rank
+    batches = list(_loader(rank, 5))
+    if rank == 1:
+        b = batches[2]
+        kjt = b.sparse_features
+        renamed = KeyedJaggedTensor(["C1", "C2", "C3", "X9"], kjt.values(), lengths=kjt.lengths())
+        batches[2] = Batch(b.dense_features, renamed, b.labels)
+    try:
+        _pipelined_steps(pipeline, iter(batches))
+        out["bad_features"] = None
+    except ValueError as e:
+        out["bad_features"] = str(e)
+    pipeline.close()
+    # 5. an exception in the user's forward, raised on every rank: raised, not swallowed, no hang
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+    model.calls, model.fail_at = 0, 4
+    try:
+        _pipelined_steps(pipeline, iter(_loader(rank, 8)))
+        out["forward_error"] = None
+    except RuntimeError as e:
+        out["forward_error"] = str(e)
+    pipeline.close()
+    model.fail_at = -1
+    # ... and the model still trains, plain then pipelined again (a pipeline rebuilt over the same model)
+    out["after"] = len(_plain_steps(dmp, opt, iter(_loader(rank, 2)))) + len(
+        _pipelined_steps(TrainPipelineSparseDist(dmp, opt, "cpu"), iter(_loader(rank, 3))))
+    return out
+
+
+def test_bad_input_raises_on_every_rank_and_never_hangs():
+    results = run_ranks(_bad_input_worker, 2, timeout=180, pg_timeout=60)
+    for rank, out in enumerate(results):
+        assert out["drained"] == 3 and out["in_order"]
+        assert out["empty"] == 0
+        assert out["uneven"] == 4 and out["skip_warned"] == (rank == 0)
+        assert out["bad_features"] is not None and "X9" in out["bad_features"] or "rejected" in out["bad_features"]
+        assert out["forward_error"] == "boom in the user's forward"
+        assert out["after"] == 5
+    assert "C4" in results[1]["bad_features"]  # the rank with the bad batch names the missing feature
+
+
+def _rebuild_worker(rank, W):
+    """Pipelines built, thrown away and rebuilt over one model, alternating with the plain loop, against the
+    plain loop alone: same weights, bitwise."""
+    loader_batches = list(_loader(rank, 24))
+    model, dmp, opt = _build("row_wise", W)
+    _plain_steps(dmp, opt, iter(loader_batches))
+    plain = _weights(dmp)
+    del model, dmp, opt
+    model, dmp, opt = _build("row_wise", W)
+    it = iter(loader_batches)
+    first = TrainPipelineSparseDist(dmp, opt, "cpu")
+    _pipelined_steps(first, it, 8)  # 8 steps; the feeder has read ahead 1 batch: the rest go back in order
+    first.close()
+    rest = loader_batches[8:]
+    _plain_steps(dmp, opt, iter(rest[:6]))
+    second = TrainPipelineSparseDist(dmp, opt, "cpu")
+    _pipelined_steps(second, iter(rest[6:]))
+    del second  # thrown away without close: the next pipeline still builds (a new channel)
+    piped = _weights(dmp)
+    same_weights = all(torch.equal(plain[k], piped[k]) for k in plain)
+    # forward only (evaluation): the model in eval mode, no optimizer; the same outputs as a plain forward
+    dmp.eval()
+    model.calls = 0
+    with torch.no_grad():
+        expected = [dmp(b)[1] for b in loader_batches[:5]]
+    model.calls = 0  # Step's forward doubles the dense input on odd calls
+    with TrainPipelineSparseDist(dmp, None, "cpu") as evaluation:
+        got = [evaluation.progress(it) for it in [iter(loader_batches[:5])] for _ in range(5)]
+    same_outputs = all(torch.equal(a, b) and not b.requires_grad for a, b in zip(expected, got))
+    return same_weights, same_outputs, _weights(dmp).keys() == plain.keys()
+
+
+def test_pipelines_rebuilt_and_alternating_with_plain_loop_match_plain():
+    assert run_ranks(_rebuild_worker, 2, timeout=180) == [(True, True, True)] * 2
+
+
+def _inside_kjt_worker(rank, W):
+    model, dmp, opt = _build("table_wise", W, inside_kjt=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+        losses = _pipelined_steps(pipeline, iter(_loader(rank, 6)))
+    said = [str(w.message) for w in caught if "cannot route their ids ahead" in str(w.message)]
+    return len(losses), said, pipeline.stats
+
+
+def test_kjt_built_inside_the_model_says_so_once_and_runs_plain():
+    for n, said, stats in run_ranks(_inside_kjt_worker, 2, timeout=120):
+        assert n == 6 and len(said) == 1
+        assert "dlrm.sparse_arch.embedding_bag_collection" in said[0] and "not part of the batch" in said[0]
+        assert stats == {"routed_ahead": 0, "routed_in_step": 6}
+
+
+# Lightning: RecStrategy(pipeline=True) ---------------------------------------------------------------
+
+
+SMALL = dict(num_embeddings_per_feature=64, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
+             over_arch_layer_sizes=[16, 1], sparse_lr=0.05, dense_lr=0.02, sparse_feature_names=KEYS)
+
+
+def _lightning_worker(rank, W, tmp):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    results = {}
+    for mode in ("plain", "pipelined", "plain_again"):
+        L.seed_everything(0)
+        data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
+                                         num_sparse_features=NUM_F, num_embeddings_per_feature=64,
+                                         num_signal_features=2)
+        module = DLRMModule(**SMALL)
+        losses = []
+
+        stats = []
+
+        class Losses(L.Callback):
+            def __init__(self, losses, stats):
+                self.losses, self.stats = losses, stats
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.losses.append(float(outputs["loss"]))
+
+            def on_train_end(self, trainer, pl_module):
+                self.stats.extend(dict(p.stats) for p in trainer.strategy._pipelines)
+
+        strategy = RecStrategy(pipeline=(mode == "pipelined"))
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=W, max_epochs=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            gradient_clip_val=0.5, val_check_interval=0.5, callbacks=[Losses(losses, stats)])
+        trainer.fit(module, data)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        trainer.save_checkpoint(f"{tmp}/{mode}.ckpt")
+        test = trainer.validate(module, data, verbose=False)[0]  # again, after fit: a new (forward-only) pipeline
+        results[mode] = dict(losses=losses, metrics=metrics, val=test, weights=_weights(module.model),
+                             stats=stats)
+    return results
+
+
+def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
+    for rank_result in run_ranks(_lightning_worker, 2, str(tmp_path), timeout=300):
+        plain, piped = rank_result["plain"], rank_result["pipelined"]
+        assert len(plain["losses"]) == 16 and piped["losses"] == plain["losses"]
+        assert piped["metrics"] == plain["metrics"] and piped["val"] == plain["val"]
+        assert all(torch.equal(plain["weights"][k], piped["weights"][k]) for k in plain["weights"])
+        assert rank_result["plain_again"]["losses"] == plain["losses"]
+        assert plain["stats"] == [] and len(piped["stats"]) == 2  # the train and the val loader's pipelines
+        val, train = piped["stats"]  # the sanity check builds the val loader's first
+        assert train == {"routed_ahead": 15, "routed_in_step": 1}  # 16 steps: only the recording batch in-step
+        assert val == {"routed_ahead": 9, "routed_in_step": 1}  # sanity check (2) + 4 validations of 2 batches
+    state = {m: torch.load(tmp_path / f"{m}.ckpt", weights_only=False)["state_dict"] for m in ("plain", "pipelined")}
+    assert all(torch.equal(state["plain"][k], state["pipelined"][k]) for k in state["plain"])
+
+
+def _lightning_bad_input_worker(rank, W):
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_rec import DLRMModule
+    from lightning_rec.data.batch import passthrough_collate
+    from lightning_rec.strategy import RecStrategy
+
+    class Uneven(IterableDataset):  # rank 0 has 6 batches, rank 1 has 4; `bad_at`: a batch with a renamed feature
+        def __init__(self, data, bad_at):
+            self.data, self.bad_at = data, bad_at
+
+        def __iter__(self):
+            for i in range(6 if rank == 0 else 4):
+                b = self.data.__getitems__(list(range(i * 32, (i + 1) * 32)))
+                if i == self.bad_at and rank == 0:
+                    kjt = b.sparse_features
+                    b = Batch(b.dense_features, KeyedJaggedTensor(["C1", "C2", "C3", "C9"], kjt.values(),
+                                                                  lengths=kjt.lengths()), b.labels)
+                yield b
+
+    out = {}
+    for bad_at in (-1, 2):
+        class UnevenData(SyntheticCriteoDataModule):
+            bad_at = -1
+
+            def train_dataloader(self):
+                return DataLoader(Uneven(self.make_split("train"), self.bad_at), batch_size=None,
+                                  collate_fn=passthrough_collate)
+
+        UnevenData.bad_at = bad_at
+        L.seed_everything(0)
+        data = UnevenData(num_train_samples=256, num_val_samples=64, batch_size=32, num_sparse_features=NUM_F,
+                          num_embeddings_per_feature=64, num_signal_features=2)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=W, max_epochs=2,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, num_sanity_val_steps=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(DLRMModule(**SMALL), data)
+                out[bad_at] = trainer.global_step
+            except ValueError as e:
+                out[bad_at] = str(e)
+        out[f"skipped{bad_at}"] = sum("batches are skipped" in str(w.message) for w in caught)
+    return out
+
+
+def test_rec_strategy_pipeline_uneven_ranks_and_bad_batch():
+    results = run_ranks(_lightning_bad_input_worker, 2, timeout=240, pg_timeout=60)
+    for rank, out in enumerate(results):
+        assert out[-1] == 8  # 4 steps per epoch on both ranks (the shorter loader), 2 epochs
+        assert out["skipped-1"] == (2 if rank == 0 else 0)  # rank 0 says it skipped, once per epoch
+        assert isinstance(out[2], str)  # the bad batch: a ValueError on every rank, nothing hangs
+    assert "C4" in results[0][2] and "C9" in results[0][2]
+
+
+class TwoTower(nn.Module):
+    """Two collections fed from a dict batch, one of them twice: found at run time, no tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        opt = FusedOptimizerConfig("adagrad", lr=0.1)
+        user = EmbeddingBagConfig(name="u", num_embeddings=30, embedding_dim=8, feature_names=["uid"])
+        item = EmbeddingBagConfig(name="i", num_embeddings=50, embedding_dim=8, feature_names=["iid", "cat"])
+        self.user = EmbeddingBagCollection([user], optimizer=opt)
+        self.item = EmbeddingBagCollection([item], optimizer=opt)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, batch: dict):
+        u = self.proj(self.user(batch["user"]).values())
+        pos = self.item(batch["items"][0]).values().view(-1, 2, 8).sum(1)
+        neg = self.item(batch["items"][1]).values().view(-1, 2, 8).sum(1)  # the same collection again
+        logits = torch.cat([(u * pos).sum(1), (u * neg).sum(1)])
+        labels = torch.cat([torch.ones(len(u)), torch.zeros(len(u))])
+        return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"), logits
+
+
+def _two_tower_batches(rank: int, n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(rank)
+    B = 6 + rank
+
+    def kjt(keys, rows):
+        lengths = torch.randint(1, 3, (len(keys) * B,), generator=g)
+        return KeyedJaggedTensor.from_lengths_sync(keys, torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                                                   lengths)
+
+    return [{"user": kjt(["uid"], 30), "items": (kjt(["iid", "cat"], 50), kjt(["iid", "cat"], 50))}
+            for _ in range(n)]
+
+
+def _two_tower_worker(rank, W):
+    batches = _two_tower_batches(rank, 12)
+    runs = []
+    for pipelined in (False, True):
+        torch.manual_seed(0)
+        dmp = DistributedModelParallel(TwoTower(), device="cpu", timeout=30)  # the planner's plan
+        opt = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", torch.optim.SGD(
+            [p for p in dmp.parameters() if p.requires_grad], lr=0.05))])
+        if pipelined:
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+            outputs = [pipeline.progress(it) for it in [iter(batches)] for _ in batches]
+            stats = pipeline.stats
+        else:
+            outputs = []
+            for b in batches:
+                opt.zero_grad()
+                loss, logits = dmp(b)
+                loss.backward()
+                opt.step()
+                outputs.append(logits)
+        runs.append((outputs, _weights(dmp)))
+    (plain_out, plain_w), (piped_out, piped_w) = runs
+    same = all(torch.equal(a, b) for a, b in zip(plain_out, piped_out))
+    same = same and all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+    return same, stats
+
+
+def test_dict_batch_two_collections_one_called_twice():
+    for same, stats in run_ranks(_two_tower_worker, 2, timeout=120):
+        assert same
+        assert stats == {"routed_ahead": 3 * 11, "routed_in_step": 3}  # 3 inputs per batch; the first in-step
