@@ -173,8 +173,9 @@ def _resume_run(rank, world_size, root, kind, kill_at, resume, every, checkpoint
     if kill_at is not None:
         callbacks.append(_KillAt(kill_at))
     strategy = RecStrategy(checkpoint_format=checkpoint_format, pipeline=pipeline)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        num_sanity_val_steps=0)
     module = DLRMModule(**SMALL)
     trainer.fit(module, _data(kind), ckpt_path="last" if resume else None)
     return trainer.global_step, _gather_full(module)
