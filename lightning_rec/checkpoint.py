@@ -29,7 +29,8 @@ Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
 
 Saving writes only this rank's pieces, straight from the kernels' memory (no copy on CPU; from a
 GPU one piece at a time), so the extra host memory per rank is bounded by a piece, not the model.
-Loading asks DCP for the rectangles this rank's layout holds and copies them straight into the kernels: any world size, any plan, or the unsharded module.
+Loading asks DCP for the rectangles this rank's layout holds and copies them straight into the
+kernels: any world size, any plan, or the unsharded module.
 
 A save is a commit: every rank writes into `.<name>.partial-<id>/`; after rank 0 has written
 `lightning.pt`, rank 0 renames the directory to its final name. A save killed midway leaves a

@@ -140,6 +140,12 @@ class StatefulBatchLoader(StatefulDataLoader):
                 count = pending["batches"]
                 super().load_state_dict(pending["base"])
         self._rec_pass = pass_index
+        if pending is not None:
+            # A reader that starts before Lightning's set_epoch (a pipeline's feeder thread, on resume)
+            # must still draw the resumed epoch's order: the sampler gets it from the saved pass.
+            for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(pass_index)
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(pass_index)
