@@ -690,6 +690,17 @@ def _full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     return state, ckpt
 
 
+def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model's state dict with every table whole (CPU), from a DCP directory or a gathered file.
+
+    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    return _full_model_state(path)[0]
+
+
 def _module_class(meta: Mapping[str, Any]) -> str:
     cls = meta.get("lightning_rec", {}).get("module_class")
     return cls or "lightning_rec.models.dlrm_module.DLRMModule"
