@@ -130,7 +130,9 @@ class StatefulBatchLoader(StatefulDataLoader):
 
     def _resumable_batches(self) -> Iterator[Any]:
         pending, self._rec_pending = getattr(self, "_rec_pending", None), None
-        pass_index = getattr(self, "_rec_pass", 0)
+        # The pass (epoch) number: one more at every new iteration (Lightning stops a sized loader after
+        # its last batch without reaching StopIteration, so the count moves at the start, not the end).
+        pass_index = getattr(self, "_rec_pass", 0) + (1 if getattr(self, "_rec_started", False) else 0)
         count = 0
         if pending is not None:
             pass_index = pending["pass"]
@@ -139,6 +141,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             else:
                 count = pending["batches"]
                 super().load_state_dict(pending["base"])
+        self._rec_started = True
         self._rec_pass = pass_index
         if pending is not None:
             # A reader that starts before Lightning's set_epoch (a pipeline's feeder thread, on resume)
@@ -157,7 +160,6 @@ class StatefulBatchLoader(StatefulDataLoader):
                 batch = next(base)
             except StopIteration:
                 history[count] = (super().state_dict(), True)
-                self._rec_pass = pass_index + 1
                 return
             count += 1
             history[count] = (super().state_dict(), False)
