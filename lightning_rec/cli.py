@@ -7,10 +7,17 @@
 
 Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a
 recipe can swap either without code. After `fit`, the final validation metrics are printed.
+
+    lightning-rec export CHECKPOINT OUT [--fp16-tables]
+
+writes an unsharded model for inference (OUT/model.safetensors + OUT/config.json) from a sharded
+checkpoint directory or an old one-file checkpoint; `lightning_rec.checkpoint.load_exported(OUT)`
+rebuilds it on one CPU process (see checkpoint.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -42,6 +49,26 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     )
 
 
+def export_main(argv: list[str]) -> int:
+    """`lightning-rec export CHECKPOINT OUT [--fp16-tables]`."""
+    from lightning_rec.checkpoint import export
+
+    parser = argparse.ArgumentParser(prog="lightning-rec export",
+                                     description="Write an unsharded model for inference: OUT/model.safetensors + "
+                                                 "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
+    parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
+                                           "lightning_logs/version_0/checkpoints/last.ckpt")
+    parser.add_argument("out", help="the directory to write")
+    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
+    except ValueError as e:
+        parser.exit(2, f"lightning-rec export: error: {e}\n")
+    print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json", flush=True)
+    return 0
+
+
 def main() -> None:
     """Console entry point `lightning-rec`."""
     if sys.argv[1:2] == ["preprocess"]:  # not a Trainer subcommand: its own arguments
@@ -49,6 +76,8 @@ def main() -> None:
 
         preprocess_main(sys.argv[2:])
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "export":
+        sys.exit(export_main(sys.argv[2:]))
     run_cli()
 
 

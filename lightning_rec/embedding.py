@@ -219,6 +219,26 @@ class _TableWeight(nn.Module):
         self.weight = weight
 
 
+def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
+    """A sharded state dict (ShardedTensor pieces) loads into the unsharded collection when it is whole."""
+    from lightning_rec.sharding.sharded_tensor import ShardedTensor
+
+    head = f"{prefix}{module._weights_attr}."
+    for key in [k for k in state_dict if k.startswith(head)]:
+        value = state_dict[key]
+        if not isinstance(value, ShardedTensor):
+            continue
+        try:
+            state_dict[key] = value.full()
+        except ValueError:
+            raise ValueError(
+                f"'{key}' holds only some pieces of the table {tuple(value.global_shape)} ({value}): one rank's "
+                f"sharded state dict. An unsharded {type(module).__name__} needs whole tables: combine every "
+                f"rank's state dict with ShardedTensor.merge([...]) per table first, or save with RecStrategy's "
+                f"checkpoints and read them with lightning_rec.checkpoint.load_model(module, path)"
+            ) from None
+
+
 class _EmbeddingCollectionBase(nn.Module):
     """What both collections share: configs, feature routing, id checks, weights in the state dict."""
 
@@ -251,6 +271,7 @@ class _EmbeddingCollectionBase(nn.Module):
         self.validate_ids = validate_ids
         self._is_weighted = is_weighted
         self._build_lookup(self._device)
+        self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
 
     def _build_lookup(self, device: torch.device) -> None:
         lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,

@@ -9,13 +9,13 @@ or one built from the topology), and the module is wrapped in DDP (or FSDP2) for
 layers. This happens before `configure_optimizers`, so the module's combined optimizer sees the
 sharded fused kernels. Evaluation-only runs (validate/test/predict) are sharded too, without DDP.
 
-Checkpoints hold every table whole: each rank's shards and their fused optimizer state are
-gathered to rank 0, which writes one file that loads into any world size or plan, or into the
-unsharded module (optimizer state included: `optim.merge_fused_state`; row-wise state of a table
-split by columns is the width-weighted mean of its column shards' states). Gathering costs rank 0
-host memory for the whole model; for models larger than that, save per rank with
-`DistributedModelParallel.state_dict()` and merge with ShardedTensor.merge (and
-`fused_optimizer.global_state_pieces()` with `merge_fused_state`).
+Checkpoints (`checkpoint_format="dcp"`, the default) are sharded directories written through
+torch.distributed.checkpoint: every rank writes its own shards and their fused optimizer state,
+the dense layers and dense optimizer are written once, and a save commits only when whole.
+Loading reads each rank's pieces into any world size or plan, or into the unsharded module, and
+restores every rank's dataloader position (exact mid-epoch resume). See checkpoint.py.
+`checkpoint_format="gathered"` writes the previous format: every table gathered whole to rank 0,
+one file (costs rank 0 host memory for the whole model); both formats load.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec.model_parallel import DistributedModelParallel
 from lightning_rec.optim import merge_fused_state
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
@@ -52,6 +53,8 @@ class RecStrategy(DDPStrategy):
         embedding_timeout: seconds an embedding collective (and the step agreement, and checkpoint
             gathers) waits for a peer still computing before raising (default 300). A peer at another
             collective, or gone, is named within seconds instead.
+        checkpoint_format: "dcp" (sharded directory, each rank writes its pieces) | "gathered"
+            (one file written by rank 0, every table gathered whole). Both load.
         pipeline: True (or a depth, or a PipelineConfig) runs every loop pipelined: the next batch is
             read, copied and its ids routed while this one computes (lightning_rec.pipeline); the
             LightningModule's steps stay as they are.
@@ -61,11 +64,16 @@ class RecStrategy(DDPStrategy):
     strategy_name = "rec"
 
     def __init__(self, plan: ShardingPlan | None = None, planner: Any = None, dense: str = "ddp",
-                 embedding_timeout: float = 300.0, pipeline: Any = False, **kwargs: Any) -> None:
+                 embedding_timeout: float = 300.0, pipeline: Any = False, checkpoint_format: str = "dcp",
+                 **kwargs: Any) -> None:
         from lightning_rec.pipeline import PipelineConfig
 
         if dense not in ("ddp", "fsdp"):
             raise ValueError(f"RecStrategy(dense={dense!r}): use 'ddp' or 'fsdp'")
+        if checkpoint_format not in rec_checkpoint.FORMATS:
+            raise ValueError(f"RecStrategy(checkpoint_format={checkpoint_format!r}): "
+                             f"use one of {rec_checkpoint.FORMATS}")
+        self._checkpoint_format = checkpoint_format
         super().__init__(**_given_ddp_kwargs(kwargs))
         self._plan = plan
         self._planner = planner
@@ -145,6 +153,7 @@ class RecStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
             from lightning_rec.pipeline import InputPipeline, move_to_device, wrap_loader
 
@@ -184,7 +193,73 @@ class RecStrategy(DDPStrategy):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    # checkpoints: every rank's shards, gathered whole ------------------------------------------
+    # checkpoints: sharded through DCP (checkpoint.py), or gathered whole to rank 0 ------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # weights load into the sharded tables: each rank reads only its pieces
+
+    def _track_loader_position(self, dataloader: object) -> None:
+        if hasattr(dataloader, "consumed_batches"):
+            # Lightning fetches a batch ahead of the step; the loader's saved position is the step's
+            dataloader.consumed_batches = self._batches_this_epoch
+
+    def _batches_this_epoch(self) -> int:
+        return int(self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._checkpoint_format == "dcp":
+            return self.lightning_module.state_dict()  # this rank's pieces; save_checkpoint writes them
+        return self._gathered_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._checkpoint_format == "dcp":
+            return {}  # save_checkpoint reads the optimizers themselves, shard by shard
+        return self._gathered_optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        module = self.lightning_module
+        module_class = f"{type(module).__module__}.{type(module).__qualname__}"  # export rebuilds it
+        if self._checkpoint_format != "dcp":
+            checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class}
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        loader_state = loops.pop("combined_loader", None)  # one per rank: checkpoint.save keeps them all
+        optimizers = self.optimizers if "optimizer_states" in checkpoint else []  # weights_only=True: none
+        rec_checkpoint.save(checkpoint, filepath, optimizers=optimizers, loader_state=loader_state,
+                            module_class=module_class)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
+            meta = rec_checkpoint.read_lightning_state(checkpoint_path)
+            state = rec_checkpoint.loader_state_for_rank(meta, self.global_rank, self.world_size)
+            if state is not None:
+                meta.setdefault("loops", {}).setdefault("fit_loop", {}).setdefault("state_dict", {})[
+                    "combined_loader"] = state
+            return meta
+        return rec_checkpoint.load_file(checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        if isinstance(state, rec_checkpoint.DCPCheckpoint):
+            rec_checkpoint.load_model(self.lightning_module, state.path, strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        states = checkpoint["optimizer_states"]
+        if states and isinstance(states[0], rec_checkpoint.DCPCheckpoint):
+            for optimizer, ref in zip(self.optimizers, states):
+                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index)
+        else:
+            super().load_optimizer_state_dict(checkpoint)
 
     def _gather_to_zero(self, obj: Any) -> list[Any] | None:
         if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
@@ -195,8 +270,7 @@ class RecStrategy(DDPStrategy):
         dist.gather_object(obj, parts, dst=0)
         return parts
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def _gathered_state_dict(self) -> dict[str, Any]:
         local = self.lightning_module.state_dict()
         sharded = {k: v for k, v in local.items() if isinstance(v, ShardedTensor)}
         parts = self._gather_to_zero({k: _cpu(v) for k, v in sharded.items()})
@@ -207,17 +281,16 @@ class RecStrategy(DDPStrategy):
             merged[key] = ShardedTensor.merge([p[key] for p in parts]).full()
         return merged
 
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _gathered_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         state = optimizer.state_dict()
-        fused_key = _fused_part(optimizer)
+        fused_key = rec_checkpoint.fused_part(optimizer)
         if fused_key is None:
             return state
         fused = state[fused_key] if fused_key else state
         fused_opt = optimizer if fused_key == "" else dict(optimizer.optimizers)[fused_key]
-        pieces = {k: (shape, [(meta, t.detach().cpu()) for meta, t in parts])
+        pieces = {k: (shape, [(meta, t.detach().cpu().clone()) for meta, t in parts])  # copies: see _cpu
                   for k, (shape, parts) in fused_opt.global_state_pieces().items()}
         gathered = self._gather_to_zero(pieces)
         if gathered is None:
@@ -301,20 +374,9 @@ def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cpu(st: ShardedTensor) -> ShardedTensor:
-    return ShardedTensor(st.global_shape, [(m, t.detach().cpu()) for m, t in st.local_shards])
-
-
-def _fused_part(optimizer: torch.optim.Optimizer) -> str | None:
-    """Where a FusedOptimizer's state sits in `optimizer.state_dict()`: "" (itself), a child name, or None."""
-    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
-
-    if isinstance(optimizer, FusedOptimizer):
-        return ""
-    if isinstance(optimizer, CombinedOptimizer):
-        for name, child in optimizer.optimizers:
-            if isinstance(child, FusedOptimizer):
-                return name
-    return None
+    # a copy of each piece: a view into a fused kernel's weights would pickle the kernel's whole storage
+    # (once per table: 13 tables of one kernel sent 13 copies of all of them)
+    return ShardedTensor(st.global_shape, [(m, t.detach().cpu().clone()) for m, t in st.local_shards])
 
 
 if "rec" not in StrategyRegistry:

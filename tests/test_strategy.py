@@ -1,7 +1,13 @@
-"""Trainer(strategy="rec") on 2 CPU ranks (gloo): sharded tables, DDP dense layers, whole checkpoints."""
+"""Trainer(strategy="rec") on 2 CPU ranks (gloo): sharded tables, DDP dense layers, checkpoints and exact resume."""
+
+import os
+import signal
+from pathlib import Path
 
 import lightning.pytorch as L
+import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_rec import DLRMModule, SyntheticCriteoDataModule
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
@@ -20,8 +26,10 @@ def _fit(rank, world_size, ckpt, wandb_dir):
                                      num_embeddings_per_feature=64)
     module = DLRMModule(**SMALL)
     logger = WandbLogger(project="lightning_rec_test", save_dir=wandb_dir, offline=True)
-    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, logger=logger,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    # the gathered format (one file, every table whole): still written on request, still loads
+    trainer = L.Trainer(strategy=RecStrategy(checkpoint_format="gathered"), accelerator="cpu", devices=world_size,
+                        max_epochs=1, logger=logger, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
     trainer.fit(module, data)
     assert isinstance(trainer.strategy, RecStrategy)
     trainer.save_checkpoint(ckpt)
@@ -103,3 +111,120 @@ def test_ranks_with_uneven_batches_stop_together():
     results = run_ranks(_uneven_fit, 2, timeout=180, pg_timeout=60)
     assert [r[0] for r in results] == [8, 8]  # 4 steps per epoch on both ranks, 2 epochs
     assert results[0][1] == 2 and results[1][1] == 0  # rank 0 said it skipped, once per epoch
+
+
+# exact resume: SIGKILL every rank mid-epoch, resume from the last complete checkpoint ------------------
+
+CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+
+
+class _KillAt(L.Callback):
+    """SIGKILL this rank (no cleanup, no flush) when the trainer is about to take step `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _gather_full(module) -> dict:
+    """Every table, fused optimizer state and dense optimizer state, whole (collective)."""
+    from lightning_rec.optim import merge_fused_state
+
+    local = module.state_dict()
+    sharded = {k: ShardedTensor(v.global_shape, [(m, t.clone()) for m, t in v.local_shards])
+               for k, v in local.items() if isinstance(v, ShardedTensor)}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sharded)
+    out = {k: v.clone() for k, v in local.items() if not isinstance(v, ShardedTensor)}
+    out.update({k: ShardedTensor.merge([p[k] for p in parts]).full() for k in sharded})
+    optimizer = module.trainer.strategy.optimizers[0]
+    fused = dict(optimizer.optimizers)["fused"]
+    pieces = {k: (s, [(m, t.clone()) for m, t in p]) for k, (s, p) in fused.global_state_pieces().items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    out.update({f"fused:{k}": v for k, v in merge_fused_state(everyone).items()})
+    for pid, st in dict(optimizer.optimizers)["dense"].state_dict()["state"].items():
+        out.update({f"dense:{pid}.{n}": v.clone() for n, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def _data(kind: str):
+    from lightning_rec import CriteoDataModule
+
+    if kind == "synthetic":  # 16 steps per epoch at 2 ranks
+        return SyntheticCriteoDataModule(num_train_samples=4096, num_val_samples=512, batch_size=128,
+                                         num_embeddings_per_feature=64)
+    return CriteoDataModule(train_path=str(CRITEO / "criteo_kaggle_train_sample.tsv"),
+                            val_path=str(CRITEO / "criteo_kaggle_valid_sample.tsv"), batch_size=128,
+                            num_embeddings_per_feature=64, streaming=kind == "criteo_stream",
+                            drop_last=kind == "criteo", cache_dir=os.environ["LRT_CACHE"])
+
+
+def _resume_run(rank, world_size, root, kind, kill_at, resume, every, checkpoint_format="dcp", pipeline=False):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    os.environ["LRT_CACHE"] = os.path.join(root, "cache")
+    L.seed_everything(0)
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=every, save_top_k=-1,
+                                 save_last=True)]
+    if kill_at is not None:
+        callbacks.append(_KillAt(kill_at))
+    strategy = RecStrategy(checkpoint_format=checkpoint_format, pipeline=pipeline)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        num_sanity_val_steps=0)
+    module = DLRMModule(**SMALL)
+    trainer.fit(module, _data(kind), ckpt_path="last" if resume else None)
+    return trainer.global_step, _gather_full(module)
+
+
+_WHOLE: dict[str, list] = {}  # the uninterrupted run of each data kind (checkpoint frequency changes nothing)
+
+
+def _exact_resume(tmp_path, kind: str, kill_at: int, every: int, checkpoint_format: str = "dcp",
+                  pipeline: bool = False) -> None:
+    if kind not in _WHOLE:
+        _WHOLE[kind] = run_ranks(_resume_run, 2, str(tmp_path / "whole"), kind, None, False, every, timeout=300)
+    whole = _WHOLE[kind]
+    root = str(tmp_path / "killed")
+    killed = run_ranks(_resume_run, 2, root, kind, kill_at, False, every, checkpoint_format, pipeline,
+                       timeout=300, allow_missing=True)
+    assert killed == [None, None]  # every rank died
+    last = Path(root, "ckpt", "last.ckpt")
+    assert last.is_dir() if checkpoint_format == "dcp" else last.is_file()
+    resumed = run_ranks(_resume_run, 2, root, kind, None, True, every, checkpoint_format, pipeline, timeout=300)
+    assert resumed[0][0] == whole[0][0]
+    reference, state = whole[0][1], resumed[0][1]
+    assert reference.keys() == state.keys()
+    differ = [k for k in reference if not torch.equal(reference[k], state[k])]
+    assert not differ, differ  # bitwise: weights, fused optimizer state, dense optimizer state
+
+
+def test_sigkill_mid_epoch_resumes_bitwise_synthetic(tmp_path):
+    _exact_resume(tmp_path, "synthetic", kill_at=25, every=10)  # epoch 2 of 16 steps; resumes at step 20
+
+
+def test_gathered_checkpoints_still_load_and_resume_bitwise(tmp_path):
+    # the previous format: one file, every table whole (rank 0's loader position serves every rank here)
+    _exact_resume(tmp_path, "synthetic", kill_at=25, every=10, checkpoint_format="gathered")
+
+
+def test_sigkill_mid_epoch_resumes_bitwise_pipelined(tmp_path):
+    # the pipeline's feeder reads batches ahead of the step: the saved position is still the step's
+    _exact_resume(tmp_path, "synthetic", kill_at=25, every=10, pipeline=True)
+
+
+def test_sigkill_at_epoch_boundary_resumes_bitwise(tmp_path):
+    _exact_resume(tmp_path, "synthetic", kill_at=19, every=8)  # the step-16 checkpoint ends epoch 1
+
+
+needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
+
+
+@needs_criteo
+@pytest.mark.parametrize("kind", ["criteo", "criteo_stream"])
+def test_sigkill_mid_epoch_resumes_bitwise_criteo(tmp_path, kind):
+    _exact_resume(tmp_path, kind, kill_at=25, every=10)  # 17-18 steps per epoch at 2 ranks

@@ -1,12 +1,17 @@
 """Data: Criteo files, synthetic Criteo-shaped data and MovieLens, as whole batches."""
 
-from lightning_rec.data.batch import Batch, passthrough_collate
+from lightning_rec.data.batch import (
+    Batch,
+    StatefulBatchLoader,
+    make_batch_loader,
+    make_stream_loader,
+    passthrough_collate,
+)
 from lightning_rec.data.criteo import (
     CriteoDataModule,
     CriteoDataset,
     CriteoIterableDataset,
     build_criteo_cache,
-    make_batch_loader,
     make_criteo_batch,
 )
 from lightning_rec.data.criteo_parse import (
@@ -34,11 +39,13 @@ __all__ = [
     "RankingBatch",
     "RetrievalBatch",
     "SyntheticCriteoDataModule",
+    "StatefulBatchLoader",
     "SyntheticCriteoDataset",
     "build_criteo_cache",
     "detect_layout",
     "make_batch_loader",
     "make_criteo_batch",
+    "make_stream_loader",
     "passthrough_collate",
     "preprocess_criteo",
     "read_criteo",

@@ -8,16 +8,28 @@ Shapes: B samples in the batch, F sparse features (26 for Criteo), 13 dense feat
 
 Batches are built whole by the datasets (an Arrow/numpy slice per batch, never a per-sample
 collate), so the DataLoader's collate function only passes them through (`passthrough_collate`).
+
+Loaders (`make_batch_loader`, `make_stream_loader`) are `StatefulBatchLoader`s: Lightning saves
+their position in every checkpoint, and a resumed run trains exactly the batches the interrupted
+run would have trained next (mid-epoch too). Every data module builds its loaders here.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_rec.sparse import KeyedJaggedTensor
+
+# torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13, at every loader construction
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 @dataclass
@@ -60,3 +72,195 @@ class Batch:
 def passthrough_collate(batch: Batch) -> Batch:
     """collate_fn for datasets whose `__getitems__` already returns a whole `Batch`."""
     return batch
+
+
+# ------------------------------------------------------------------------------------------------
+# loaders that resume mid-epoch
+
+
+class EpochRandomSampler(RandomSampler):
+    """A shuffled order drawn from (seed, epoch) alone, so that a resumed run draws the same one.
+
+    (torch's RandomSampler draws each epoch from a generator that advances across epochs, which a
+    new process cannot reproduce.) Lightning calls `set_epoch` every epoch; it is a RandomSampler,
+    so Lightning swaps it for a shuffling DistributedSampler under DDP, as before.
+    """
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed, self.epoch = int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch * 1_000_003)  # epoch 0: torch's order for seed
+        yield from torch.randperm(len(self.data_source), generator=g).tolist()
+
+
+class StatefulBatchLoader(StatefulDataLoader):
+    """A torchdata StatefulDataLoader whose saved position is the training step's, not the fetcher's.
+
+    Lightning saves a training loader's `state_dict()` in every checkpoint and gives it back through
+    `load_state_dict()` on resume (its stateful-dataloader support); torchdata's StatefulDataLoader
+    makes the state (sampler position, IterableDataset state or a fast-forward count, worker states).
+    Two things are added here:
+
+    - The position: a fetcher that reads ahead of the step (Lightning's, for loaders without a
+      length; a pipeline) would otherwise save a position past batches that were never trained.
+      The loader keeps its state after each of the last batches it yielded, and `state_dict()`
+      returns the one after `consumed_batches()` batches of this pass (RecStrategy sets that
+      callable to the fit loop's count); without it, the state after every batch yielded.
+    - The check: the state carries a fingerprint (dataset, its size, batch size, sampler, ranks,
+      workers). A state from another dataset or batch size is not applied: a warning, and the
+      interrupted epoch starts over from its first batch (Lightning still counts the steps it had
+      taken in that epoch, so the epoch ends that many batches early). Never a silent misalignment.
+
+    The iterator starts lazily, at its first batch: after Lightning's `set_epoch`, so a resumed
+    epoch skips into its own order. A dataset with `set_epoch(epoch)` (a stream that shuffles by
+    epoch) is told the pass number, which the state also keeps.
+    """
+
+    _HISTORY = 64  # states kept: more than any fetcher or pipeline reads ahead
+
+    consumed_batches: Callable[[], int] | None = None
+
+    def __iter__(self):  # type: ignore[override]
+        return self._resumable_batches()
+
+    def _resumable_batches(self) -> Iterator[Any]:
+        pending, self._rec_pending = getattr(self, "_rec_pending", None), None
+        # The pass (epoch) number: one more at every new iteration (Lightning stops a sized loader after
+        # its last batch without reaching StopIteration, so the count moves at the start, not the end).
+        pass_index = getattr(self, "_rec_pass", 0) + (1 if getattr(self, "_rec_started", False) else 0)
+        count = 0
+        if pending is not None:
+            pass_index = pending["pass"]
+            if pending["finished"] or (pending["batches"] and pending["batches"] == _length(self)):
+                pass_index += 1  # saved at the end of a pass (or after its last batch): this is the next one
+            else:
+                count = pending["batches"]
+                super().load_state_dict(pending["base"])
+        self._rec_started = True
+        self._rec_pass = pass_index
+        if pending is not None:
+            # A reader that starts before Lightning's set_epoch (a pipeline's feeder thread, on resume)
+            # must still draw the resumed epoch's order: the sampler gets it from the saved pass.
+            for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(pass_index)
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(pass_index)
+        base = super().__iter__()
+        history: dict[int, tuple[dict, bool]] = {count: (super().state_dict(), False)}
+        self._rec_history, self._rec_history_pass = history, pass_index
+        while True:
+            try:
+                batch = next(base)
+            except StopIteration:
+                history[count] = (super().state_dict(), True)
+                return
+            count += 1
+            history[count] = (super().state_dict(), False)
+            history.pop(count - self._HISTORY, None)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        history = getattr(self, "_rec_history", None)
+        if not history:
+            pass_index = getattr(self, "_rec_pass", 0)
+            return {"pass": pass_index, "batches": 0, "finished": False, "base": {},
+                    "fingerprint": self.fingerprint()}
+        wanted = self.consumed_batches() if self.consumed_batches is not None else None
+        latest = max(history)
+        if wanted is None or wanted not in history:
+            wanted = latest
+        base, finished = history[wanted]
+        return {"pass": self._rec_history_pass, "batches": wanted, "finished": finished, "base": base,
+                "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+        mine = self.fingerprint()
+        theirs = state.get("fingerprint") if isinstance(state, dict) else None
+        if theirs != mine:
+            differ = sorted(k for k in set(mine) | set(theirs or {}) if (theirs or {}).get(k) != mine.get(k))
+            warnings.warn(
+                f"the checkpoint's dataloader state does not belong to this loader ({', '.join(differ)} differ: "
+                f"saved {({k: (theirs or {}).get(k) for k in differ})}, now {({k: mine.get(k) for k in differ})}): "
+                f"the interrupted epoch starts over from its first batch instead of resuming mid-epoch",
+                stacklevel=2,
+            )
+            self._rec_pending = None
+            self._rec_pass = int(state.get("pass", 0)) if isinstance(state, dict) else 0
+            return
+        self._rec_pending = state
+        self._rec_pass = state["pass"]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a saved position is only valid for."""
+        dataset, sampler = self.dataset, self.sampler
+        out: dict[str, Any] = {
+            "dataset": type(dataset).__name__,
+            "dataset_id": getattr(dataset, "fingerprint", None),
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "num_workers": self.num_workers,
+            "sampler": type(sampler).__name__,
+        }
+        try:
+            out["num_samples"] = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            out["num_samples"] = None
+        for attr in ("num_replicas", "rank", "shuffle", "seed"):
+            if hasattr(sampler, attr):
+                out[f"sampler_{attr}"] = getattr(sampler, attr)
+        return out
+
+
+def _length(loader: StatefulDataLoader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without a length
+        return None
+
+
+def make_batch_loader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    seed: int,
+    num_workers: int,
+    pin_memory: bool = False,
+) -> StatefulBatchLoader:
+    """A resumable loader whose dataset builds whole batches from index lists (`__getitems__`).
+
+    Automatic batching (`batch_size` + `sampler`): PyTorch's fetcher hands each batch's index list
+    to `__getitems__`, and under DDP Lightning rebuilds the loader with a DistributedSampler and
+    the same batch_size. (A loader built from `batch_sampler=BatchSampler(...)` is rebuilt by
+    Lightning without its batch size: every batch would hold one sample.)
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    sampler = EpochRandomSampler(dataset, seed=seed) if shuffle else SequentialSampler(dataset)
+    return StatefulBatchLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        collate_fn=passthrough_collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )
+
+
+def make_stream_loader(dataset: IterableDataset, num_workers: int, pin_memory: bool = False) -> StatefulBatchLoader:
+    """A resumable loader over an IterableDataset that yields whole batches."""
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    return StatefulBatchLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                               persistent_workers=num_workers > 0)

@@ -61,11 +61,9 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 
-from lightning_rec.data.batch import Batch, passthrough_collate
+from lightning_rec.data.batch import Batch, make_batch_loader, make_stream_loader
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
     DEFAULT_SPARSE_FEATURE_NAMES,
@@ -256,6 +254,11 @@ class CriteoDataset(Dataset):
         self._chunks = chunks
         self._starts = np.cumsum([0] + [c[0].shape[0] for c in chunks])
 
+    @property
+    def fingerprint(self) -> str:
+        """What a saved loader position belongs to: the cache file (its name carries the parse key)."""
+        return os.path.basename(self.arrow_path)
+
     def __getstate__(self) -> dict:
         # workers reopen the memory map instead of receiving pickled arrays
         state = dict(self.__dict__)
@@ -352,6 +355,15 @@ class CriteoIterableDataset(IterableDataset):
         # The report of the latest pass made in this process (a worker's own rows, with workers).
         self.report = ParseReport(path=self.path, layout=asdict(self.layout))
 
+    @property
+    def fingerprint(self) -> str:
+        """What a saved loader position belongs to: the file, its size and the batch size."""
+        return f"{os.path.basename(self.path)}:{os.path.getsize(self.path)}:{self.batch_size}:{int(self.shuffle)}"
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next pass shuffles for (a resumed run's loader sets it; see StatefulBatchLoader)."""
+        self._epoch = int(epoch)
+
     def _shard(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
         # DataLoader workers have no process group: they use what the main process saw (kept in their copy)
@@ -407,42 +419,6 @@ class CriteoIterableDataset(IterableDataset):
         return make_criteo_batch(
             label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical
         )
-
-
-def make_batch_loader(
-    dataset: Dataset,
-    batch_size: int,
-    shuffle: bool,
-    drop_last: bool,
-    seed: int,
-    num_workers: int,
-    pin_memory: bool = False,
-) -> DataLoader:
-    """A DataLoader whose dataset builds whole batches from index lists (`__getitems__`).
-
-    Automatic batching (`batch_size` + `sampler`): PyTorch's fetcher hands each batch's index list
-    to `__getitems__`, and under DDP Lightning rebuilds the loader with a DistributedSampler and
-    the same batch_size. (A loader built from `batch_sampler=BatchSampler(...)` is rebuilt by
-    Lightning without its batch size: every batch would hold one sample.)
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    if shuffle:
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
-    else:
-        sampler = SequentialSampler(dataset)
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=drop_last,
-        collate_fn=passthrough_collate,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=num_workers > 0,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -605,10 +581,7 @@ class CriteoDataModule(pl.LightningDataModule):
         dataset = self.datasets[split]
         train = split == "train"
         if isinstance(dataset, IterableDataset):
-            return DataLoader(
-                dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                persistent_workers=self.num_workers > 0,
-            )
+            return make_stream_loader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
         return make_batch_loader(
             dataset, self.batch_size if train else self.val_batch_size, shuffle=self.shuffle and train,
             drop_last=self.drop_last and train, seed=self.seed, num_workers=self.num_workers,

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import Batch
-from lightning_rec.data.criteo import _resolve_num_embeddings, make_batch_loader
+from lightning_rec.data.batch import Batch, make_batch_loader
+from lightning_rec.data.criteo import _resolve_num_embeddings
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _HASH_PRIME = 2_147_483_647  # 2^31 - 1: (id * a + b) mod p is a cheap per-id pseudo-random number
@@ -60,6 +60,7 @@ class SyntheticCriteoDataset(Dataset):
         self.keys = list(keys)
         # Every bag full (fixed length): the padded ids are the KJT values as they are.
         self._full = bool((lengths_NF == ids_NFL.shape[2]).all())
+        self.fingerprint: str | None = None  # set by the data module: what a saved loader position belongs to
 
     def __len__(self) -> int:
         return self.labels_N.shape[0]
@@ -199,7 +200,9 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         offset = {"train": 1, "val": 2, "test": 3}[split]
         g = torch.Generator().manual_seed(self.seed * 7919 + offset)
         dense, ids, lengths, labels, logits = self._draw(self.sizes[split], g)
-        return SyntheticCriteoDataset(dense, ids, lengths, labels, logits, self.sparse_feature_names)
+        dataset = SyntheticCriteoDataset(dense, ids, lengths, labels, logits, self.sparse_feature_names)
+        dataset.fingerprint = f"synthetic:{split}:seed={self.seed}:n={self.sizes[split]}"
+        return dataset
 
     def setup(self, stage: str | None = None) -> None:
         for split in ("train", "val", "test"):

@@ -1,0 +1,772 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): save, load, reshard, export.
+
+A checkpoint is a directory (Lightning's `ModelCheckpoint` names it `epoch=0-step=20.ckpt`):
+
+    <name>.ckpt/
+      .metadata        DCP: every tensor's global shape and where each of its chunks lies
+      __<r>_0.distcp   what rank r wrote: its own table shards and their fused optimizer state,
+                       and its share of the replicated entries (dense layers, dense optimizer:
+                       DCP writes each replicated entry once)
+      lightning.pt     the rest of Lightning's checkpoint (epoch, loops, callbacks, hparams,
+                       schedulers), with every rank's dataloader state; written last by rank 0
+
+Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
+
+    state_dict.<key>                          the LightningModule's state dict; a sharded table is
+                                              one tensor of its global shape [rows, dim], each rank
+                                              writing the chunks it holds
+    optimizer_states.<i>.fused.<path>.<t>.<s> fused state per element [rows, dim] (Adagrad, Adam)
+    ...fused.<path>.<t>.<s>@per_row           fused state per row (row-wise Adagrad): [rows, dim]
+                                              whose chunks are one column wide, at the column
+                                              offset of the shard that kept it (a table split by
+                                              columns keeps one per column shard: loading takes
+                                              their mean weighted by shard width, as
+                                              `optim.merge_fused_state` does)
+    ...fused.<path>.<t>.<s>                   a scalar (Adam's step): replicated
+    optimizer_states.<i>.fused.param_groups   the fused learning rates (bytes)
+    optimizer_states.<i>.rest                 the rest of the optimizer's state dict (the dense
+                                              torch.optim part), pickled once
+
+Saving writes only this rank's pieces, straight from the kernels' memory (no copy on CPU; from a
+GPU one piece at a time), so the extra host memory per rank is bounded by a piece, not the model.
+Loading asks DCP for the rectangles this rank's layout holds and copies them straight into the
+kernels: any world size, any plan, or the unsharded module.
+
+A save is a commit: every rank writes into `.<name>.partial-<id>/`; after rank 0 has written
+`lightning.pt`, rank 0 renames the directory to its final name. A save killed midway leaves a
+hidden partial directory that nothing loads (Lightning's `ckpt_path="last"` only sees `last*.ckpt`),
+and the previous checkpoint stays whole. The next save of that name removes the partial leftovers.
+
+Checkpoints from before (one file gathered on rank 0, `RecStrategy(checkpoint_format="gathered")`)
+still load: a file is read whole on every rank and each rank keeps its pieces.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from lightning_rec.sharding.sharded_tensor import ShardedTensor
+
+LIGHTNING_FILE = "lightning.pt"
+METADATA_FILE = ".metadata"
+PER_ROW = "@per_row"
+FORMATS = ("dcp", "gathered")
+
+
+# ------------------------------------------------------------------------------------------------
+# the pieces of one global tensor, as DCP sees them
+
+
+class _Pieces:
+    """Rectangles of a tensor of `global_shape` that this rank writes (save) or wants (load).
+
+    pieces: [(offsets, sizes, tensor)], the tensor holding (or receiving) exactly that rectangle.
+    DCP asks for its chunks (`__create_write_items__` / `__create_chunk_list__`) and for the tensor
+    of one chunk (the planners' lookup below).
+    """
+
+    def __init__(self, global_shape: Sequence[int], pieces: Sequence[tuple[Sequence[int], Sequence[int], Tensor]]):
+        self.global_shape = torch.Size(global_shape)
+        self.pieces = [(torch.Size(o), torch.Size(s), t) for o, s, t in pieces]
+
+    def size(self) -> torch.Size:
+        return self.global_shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=TensorProperties.create_from_tensor(t),
+                    size=self.global_shape,
+                ),
+            )
+            for offsets, sizes, t in self.pieces
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s, _ in self.pieces]
+
+    def chunk(self, offset: torch.Size) -> Tensor:
+        for o, _, t in self.pieces:
+            if o == offset:
+                return t
+        raise AssertionError(f"no piece at {tuple(offset)}")
+
+
+_NUMPY_DTYPES = {torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8}
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    """The same memory as a tensor whose storage is exactly its bytes.
+
+    DCP's writer (torch 2.11-2.13) copies a tensor whose storage is larger than itself (a table
+    view into a fused kernel's flat weights) and keeps every copy until the rank's file is
+    written: the rank's whole model in copies. Wrapped through numpy, the piece is written in
+    place, with no copy at all.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in _NUMPY_DTYPES:
+        return t
+    if t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return torch.from_numpy(t.detach().numpy())
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, _Pieces):
+            return _own_storage(obj.chunk(index.offset))
+        value = super().lookup_object(index)
+        return _own_storage(value) if isinstance(value, Tensor) else value
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's _init_state_dict rewrites the dict in place and turns objects it does not know into None
+        pieces = {k: v for k, v in state_dict.items() if isinstance(v, _Pieces)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(pieces)
+        self.state_dict.update(pieces)  # our dicts are flat: flattening keeps their keys
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, _Pieces):
+            return obj.chunk(index.offset)
+        return super().lookup_tensor(index)
+
+
+def _pieces_of(st: ShardedTensor) -> _Pieces:
+    return _Pieces(st.global_shape, [(m.shard_offsets, m.shard_sizes, t) for m, t in st.local_shards])
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizers: where the fused part sits
+
+
+def fused_part(optimizer: torch.optim.Optimizer) -> str | None:
+    """Where a FusedOptimizer's state sits in `optimizer.state_dict()`: "" (itself), a child name, or None."""
+    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+
+    if isinstance(optimizer, FusedOptimizer):
+        return ""
+    if isinstance(optimizer, CombinedOptimizer):
+        for name, child in optimizer.optimizers:
+            if isinstance(child, FusedOptimizer):
+                return name
+    return None
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
+
+
+def _fused_child(optimizer: torch.optim.Optimizer, key: str):
+    from lightning_rec.optim import FusedOptimizer
+
+    if key == "":
+        return optimizer
+    child = dict(optimizer.optimizers)[key]
+    assert isinstance(child, FusedOptimizer)
+    return child
+
+
+def _per_row_columns(fused) -> dict[str, list[int]]:
+    """Per-row state key -> the column offsets of the shards that keep one (this rank's)."""
+    out: dict[str, set[int]] = {}
+    for key, (_, parts) in fused.global_state_pieces().items():
+        if parts[0][1].dim() == 1:
+            out.setdefault(key, set()).update(m.shard_offsets[1] if m is not None else 0 for m, _ in parts)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _fused_entries(fused, prefix: str, columns: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """This rank's fused optimizer state as DCP entries (see the module docstring for the names).
+
+    Per-row state is stored as [rows, K], K the number of column shards of the table over all
+    ranks (`columns`: their offsets), column k holding the state kept by the k-th column shard.
+    """
+    out: dict[str, Any] = {}
+    for key, ((rows, cols), parts) in fused.global_state_pieces().items():
+        first = parts[0][1]
+        if first.dim() == 0:
+            out[f"{prefix}{key}"] = first
+            continue
+        chunks = []
+        for meta, t in parts:
+            (r, c), (nr, nc) = (meta.shard_offsets, meta.shard_sizes) if meta is not None else ((0, 0), (rows, cols))
+            if first.dim() == 1:
+                chunks.append(((r, list(columns[key]).index(c)), (nr, 1), t.view(nr, 1)))
+            else:
+                chunks.append(((r, c), (nr, nc), t))
+        if first.dim() == 1:
+            out[f"{prefix}{key}{PER_ROW}"] = _Pieces((rows, len(columns[key])), chunks)
+        else:
+            out[f"{prefix}{key}"] = _Pieces((rows, cols), chunks)
+    return out
+
+
+def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[str, list[int]]) -> dict[str, Any]:
+    """Optimizer i's DCP entries; `columns` receives its per-row keys' column offsets over all ranks."""
+    optimizer = _unwrap(optimizer)
+    prefix = f"optimizer_states.{i}."
+    fused_key = fused_part(optimizer)
+    state = optimizer.state_dict()
+    if fused_key is None:
+        return {_rest_key(prefix, state): _blob(state)}
+    fused = _fused_child(optimizer, fused_key)
+    mine = _per_row_columns(fused)
+    everyone: dict[str, set[int]] = {}
+    for part in _gather(mine):
+        for k, offsets in part.items():
+            everyone.setdefault(k, set()).update(offsets)
+    for k, offsets in everyone.items():
+        columns[f"{prefix}fused.{k}{PER_ROW}"] = sorted(offsets)
+    out = _fused_entries(fused, f"{prefix}fused.", {k: sorted(v) for k, v in everyone.items()})
+    out[f"{prefix}fused.param_groups"] = _blob(fused.state_dict()["param_groups"])
+    rest = {k: v for k, v in state.items() if k != fused_key} if fused_key else {}
+    out[_rest_key(prefix, rest)] = _blob(rest)
+    return out
+
+
+def _rest_key(prefix: str, rest: Any) -> str:
+    """Replicated dense state (DDP) is written once; FSDP's sharded state (DTensors) once per rank."""
+    from torch.distributed.tensor import DTensor
+
+    def sharded(obj: Any) -> bool:
+        if isinstance(obj, DTensor):
+            return True
+        if isinstance(obj, Mapping):
+            return any(sharded(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(sharded(v) for v in obj)
+        return False
+
+    return f"{prefix}rest.rank{_rank_world()[0]}" if sharded(rest) else f"{prefix}rest"
+
+
+def _blob(obj: Any) -> bytes:
+    """A small non-tensor object as one DCP bytes entry (DCP would otherwise split dicts into entries)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unblob(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# save
+
+
+def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir()
+
+
+def _partial_name(path: Path, tag: str) -> Path:
+    return path.parent / f".{path.name}.partial-{tag}"
+
+
+def _broadcast(obj: Any) -> Any:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Sequence[torch.optim.Optimizer] = (),
+         loader_state: Any = None, module_class: str | None = None) -> None:
+    """Write a Lightning checkpoint dict as a sharded DCP directory (collective: every rank calls it).
+
+    checkpoint: Lightning's dict, whose "state_dict" is this rank's (sharded tables as ShardedTensor);
+        its "optimizer_states" are ignored: the `optimizers` themselves are read, shard by shard.
+    loader_state: this rank's dataloader state (gathered to rank 0's `lightning.pt`, one per rank).
+    """
+    path = Path(path)
+    rank, world = _rank_world()
+    tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    partial = _partial_name(path, tag)
+    entries: dict[str, Any] = {}
+    for key, value in checkpoint["state_dict"].items():
+        entries[f"state_dict.{key}"] = _pieces_of(value) if isinstance(value, ShardedTensor) else value
+    columns: dict[str, list[int]] = {}
+    for i, optimizer in enumerate(optimizers):
+        entries.update(_optimizer_entries(optimizer, i, columns))
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
+                             "module_class": module_class, "per_row_columns": columns, "loader_states": None}
+    loader_states = _gather(loader_state)
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            for stale in path.parent.glob(f".{path.name}.partial-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # a save killed earlier
+            partial.mkdir(parents=True)
+        _barrier()
+        # One file per rank when the pieces are host memory (written in place, see _own_storage); from a
+        # GPU, one file per piece, so that host copies live one piece at a time, not a rank's worth.
+        on_host = all(_device_of(v) == "cpu" for v in entries.values())
+        on_host = all(_gather(on_host))
+        writer = dcp.FileSystemWriter(str(partial), sync_files=True, single_file_per_rank=on_host)
+        dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
+        if rank == 0:
+            meta["lightning_rec"]["loader_states"] = loader_states
+            with open(partial / (LIGHTNING_FILE + ".tmp"), "wb") as f:
+                torch.save(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial / (LIGHTNING_FILE + ".tmp"), partial / LIGHTNING_FILE)
+    except BaseException as e:  # noqa: BLE001 - every rank must still reach the agreement below
+        error = e
+    failed = [r for r, e in enumerate(_gather(error is not None)) if e]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise OSError(f"checkpoint {path}: rank(s) {failed} could not write their part; nothing was committed "
+                      f"and the previous checkpoint is unchanged")
+    if rank == 0:
+        _commit(partial, path)
+    _barrier()
+
+
+def _device_of(value: Any) -> str:
+    if isinstance(value, _Pieces):
+        return next((t.device.type for _, _, t in value.pieces if t.device.type != "cpu"), "cpu")
+    return value.device.type if isinstance(value, Tensor) else "cpu"
+
+
+def _commit(partial: Path, path: Path) -> None:
+    if path.exists() or path.is_symlink():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
+        os.replace(partial, path)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    else:
+        os.replace(partial, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# load
+
+
+class DCPCheckpoint:
+    """Stands in for the tensors of a DCP checkpoint in Lightning's loaded dict until they are read."""
+
+    def __init__(self, path: Path, index: int | None = None) -> None:
+        self.path, self.index = path, index
+
+    def __repr__(self) -> str:
+        return f"DCPCheckpoint({str(self.path)!r}{'' if self.index is None else f', optimizer {self.index}'})"
+
+
+def _check_complete(path: Path) -> None:
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if not (path / METADATA_FILE).is_file() or not (path / LIGHTNING_FILE).is_file():
+        missing = [n for n in (METADATA_FILE, LIGHTNING_FILE) if not (path / n).is_file()]
+        raise ValueError(f"checkpoint directory {path} is incomplete (no {', '.join(missing)}): its save did not "
+                         f"finish. Use an earlier checkpoint (ckpt_path='last' picks the last complete one)")
+
+
+def _read_metadata(path: Path):
+    _check_complete(path)
+    reader = dcp.FileSystemReader(str(path))
+    md = reader.read_metadata()
+    # every file that an entry lives in must be there, and long enough (a copy cut short, a lost rank's file)
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    problems = []
+    for rel, size in sorted(needed.items()):
+        f = path / rel
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+        elif f.stat().st_size < size:
+            problems.append(f"{f} is incomplete ({f.stat().st_size} of {size} bytes)")
+    if problems:
+        raise ValueError(f"checkpoint {path} is damaged: " + "; ".join(problems) +
+                         ". Restore the file(s) from where the checkpoint was written, or use an earlier checkpoint")
+    return reader, md
+
+
+def _lightning_meta(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / LIGHTNING_FILE, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"checkpoint file {path / LIGHTNING_FILE} is incomplete or damaged ({e}): "
+                         f"use an earlier checkpoint") from e
+
+
+def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's checkpoint dict of a DCP directory, its tensors left on disk (`DCPCheckpoint` markers)."""
+    path = Path(path)
+    _read_metadata(path)
+    meta = _lightning_meta(path)
+    info = meta.get("lightning_rec", {})
+    meta["state_dict"] = DCPCheckpoint(path)
+    meta["optimizer_states"] = [DCPCheckpoint(path, i) for i in range(info.get("num_optimizers", 0))]
+    return meta
+
+
+def load_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A gathered (one-file) checkpoint, with a clear error when the file is cut short."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise ValueError(f"checkpoint file {path} ({size} bytes) is incomplete or damaged and cannot be read ({e}): "
+                         f"it was probably cut short by an interrupted save or copy; use an earlier checkpoint") from e
+
+
+def _chunks(md_entry) -> list[ChunkStorageMetadata]:
+    return list(md_entry.chunks) if isinstance(md_entry, TensorStorageMetadata) else []
+
+
+def _uncovered(md_entry, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether the saved chunks (which never overlap) leave part of this rectangle unwritten."""
+    need = 1
+    for s in sizes:
+        need *= int(s)
+    got = 0
+    for ch in _chunks(md_entry):
+        area = 1
+        for o, s, co, cs in zip(offsets, sizes, ch.offsets, ch.sizes):
+            lo, hi = max(int(o), int(co)), min(int(o) + int(s), int(co) + int(cs))
+            area *= max(0, hi - lo)
+        got += area
+    return got < need
+
+
+def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict: bool = True,
+                   saved_prefix: str | None = None) -> None:
+    """Names every entry the checkpoint lacks or holds with another shape, before anything is read."""
+    saved = md.state_dict_metadata
+    missing, shapes, holes = [], [], []
+    for fqn, obj in targets.items():
+        if fqn not in saved:
+            missing.append(fqn)
+            continue
+        entry = saved[fqn]
+        if isinstance(obj, (Tensor, _Pieces)):
+            if not isinstance(entry, TensorStorageMetadata):
+                shapes.append(f"{fqn}: not a tensor in the checkpoint")
+                continue
+            if tuple(entry.size) != tuple(obj.size()):
+                shapes.append(f"{fqn}: {tuple(entry.size)} in the checkpoint, {tuple(obj.size())} here")
+                continue
+            chunks = obj.__create_chunk_list__() if isinstance(obj, _Pieces) else [
+                ChunkStorageMetadata(torch.Size([0] * obj.dim()), obj.shape)]
+            if any(_uncovered(entry, c.offsets, c.sizes) for c in chunks):
+                holes.append(fqn)
+    unexpected = []
+    if strict and saved_prefix is not None:
+        unexpected = [k for k in saved if k.startswith(saved_prefix) and k not in targets]
+    lines = []
+    if shapes:
+        lines.append("shapes differ: " + "; ".join(shapes))
+    if missing:
+        lines.append(f"not in the checkpoint: {_short(missing)}")
+    if unexpected:
+        lines.append(f"in the checkpoint but not in this model: {_short(unexpected)}")
+    if holes:
+        lines.append(f"the checkpoint's chunks do not cover what this rank holds of: {_short(holes)} "
+                     f"(a rank's part is missing)")
+    if lines:
+        raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) +
+                         "\nLoad it into a model built with the same tables and dims (resharding to another world "
+                         "size or plan is fine), or pass strict=False to skip the missing entries")
+
+
+def _short(names: Sequence[str], n: int = 8) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
+
+
+def _load(targets: dict[str, Any], reader, path: Path) -> None:
+    if not targets:
+        return
+    try:
+        with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
+                     no_dist=not (dist.is_available() and dist.is_initialized()))
+    except (Exception, CheckpointException) as e:  # DCP's errors name no file
+        raise ValueError(f"reading checkpoint {path} failed: {e}\nA file of it may be damaged or cut short: "
+                         f"use an earlier checkpoint") from e
+
+
+@torch.no_grad()
+def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = True) -> None:
+    """Read this rank's pieces of the module's state from a DCP checkpoint, in place.
+
+    The module may be sharded by any plan at any world size, or not sharded at all (then call it
+    on one process, torch.distributed not needed): every tensor reads the rectangles it holds.
+    """
+    path = Path(path)
+    reader, md = _read_metadata(path)
+    targets: dict[str, Any] = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            targets[f"state_dict.{key}"] = _pieces_of(value)
+        elif isinstance(value, Tensor):
+            targets[f"state_dict.{key}"] = value
+    if not strict:
+        targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
+    _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.")
+    _load(targets, reader, path)
+
+
+@torch.no_grad()
+def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0) -> None:
+    """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole."""
+    path = Path(path)
+    optimizer = _unwrap(optimizer)
+    reader, md = _read_metadata(path)
+    prefix = f"optimizer_states.{index}."
+    saved = md.state_dict_metadata
+    rest_key = f"{prefix}rest"
+    if rest_key not in saved:
+        rank, world = _rank_world()
+        rest_key = f"{prefix}rest.rank{rank}"  # FSDP dense state: one per rank
+        if not any(k.startswith(f"{prefix}rest") for k in saved):
+            raise ValueError(f"checkpoint {path} holds no state for optimizer {index}: it was saved with "
+                             f"{len({k.split('.')[1] for k in saved if k.startswith('optimizer_states.')})} "
+                             f"optimizer(s)")
+        if rest_key not in saved:
+            raise ValueError(f"checkpoint {path}: optimizer {index}'s dense state was saved sharded (FSDP) by "
+                             f"{sum(1 for k in saved if k.startswith(f'{prefix}rest.rank'))} ranks; load it at "
+                             f"that world size (its tables and fused state load at any)")
+    fused_key = fused_part(optimizer)
+    per_row_columns = _lightning_meta(path).get("lightning_rec", {}).get("per_row_columns", {})
+    targets: dict[str, Any] = {rest_key: None}
+    post = []
+    if fused_key is not None:
+        fused = _fused_child(optimizer, fused_key)
+        targets[f"{prefix}fused.param_groups"] = None
+        for key, ((rows, cols), parts) in fused.global_state_pieces().items():
+            first = parts[0][1]
+            fqn = f"{prefix}fused.{key}"
+            if first.dim() == 0:
+                targets[fqn] = first
+            elif first.dim() == 2:
+                targets[fqn] = _Pieces((rows, cols), [
+                    ((m.shard_offsets, m.shard_sizes) if m is not None else ((0, 0), (rows, cols))) + (t,)
+                    for m, t in parts])
+            else:
+                fqn += PER_ROW
+                col_offsets = list(per_row_columns.get(fqn, [0]))
+                widths = [b - a for a, b in zip(col_offsets, col_offsets[1:] + [cols])]
+                buffers: dict[tuple[int, int], list[Tensor]] = {}
+                chunks = []
+                for m, t in parts:
+                    r, nr = (m.shard_offsets[0], m.shard_sizes[0]) if m is not None else (0, rows)
+                    if (r, nr) not in buffers:
+                        bufs = [t.new_empty(nr, 1) for _ in col_offsets]
+                        buffers[(r, nr)] = bufs
+                        chunks += [((r, k), (nr, 1), b) for k, b in enumerate(bufs)]
+                    post.append((t, buffers[(r, nr)], widths))
+                targets[fqn] = _Pieces((rows, len(col_offsets)), chunks)
+    bytes_targets = {k for k, v in targets.items() if v is None}
+    _check_targets(path, md, {k: v for k, v in targets.items() if k not in bytes_targets}, "optimizer's fused state")
+    missing = [k for k in bytes_targets if k not in saved]
+    if missing:
+        raise ValueError(f"checkpoint {path} has no {missing}: it was saved without a fused optimizer; build the "
+                         f"model's tables with the same optimizer=FusedOptimizerConfig(...)")
+    for k in bytes_targets:
+        if not isinstance(saved[k], BytesStorageMetadata):
+            raise ValueError(f"checkpoint {path}: '{k}' is not what this version writes there")
+    _load(targets, reader, path)
+    for live, bufs, widths in post:
+        if len(bufs) == 1:
+            live.copy_(bufs[0].view(-1))
+        else:  # a table that was split by columns kept one per-row state per column shard: their weighted mean
+            acc = sum(b.view(-1).double() * w for b, w in zip(bufs, widths))
+            live.copy_((acc / sum(widths)).to(live.dtype))
+    rest = _unblob(targets[rest_key])
+    if fused_key is None:
+        optimizer.load_state_dict(rest)
+        return
+    fused = _fused_child(optimizer, fused_key)
+    by_name = {g["name"]: g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
+    for group in fused.param_groups:
+        for k, v in by_name.get(group["name"], {}).items():
+            if k not in ("name", "tables", "optimizer"):
+                group[k] = v
+    if fused_key:
+        for name, child in optimizer.optimizers:
+            if name != fused_key:
+                if name not in rest:
+                    raise ValueError(f"checkpoint {path} has no state for optimizer part '{name}'; it has {list(rest)}")
+                child.load_state_dict(rest[name])
+        optimizer._sync_groups()
+
+
+def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:
+    """This rank's dataloader state from a DCP checkpoint's Lightning dict (None: start the epoch over)."""
+    info = meta.get("lightning_rec", {})
+    states = info.get("loader_states")
+    if states is None:
+        return None
+    if len(states) != world_size:
+        warnings.warn(f"the checkpoint's dataloader state was saved by {len(states)} ranks, this run has "
+                      f"{world_size}: each rank's loader starts the interrupted epoch over (the steps already "
+                      f"taken in it are not repeated; its batches are)", stacklevel=2)
+        return None
+    return states[rank]
+
+
+# ------------------------------------------------------------------------------------------------
+# export for inference
+
+
+def _full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file."""
+    if is_dcp_checkpoint(path):
+        reader, md = _read_metadata(path)
+        meta = _lightning_meta(path)
+        targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+                   for k, v in md.state_dict_metadata.items()
+                   if k.startswith("state_dict.") and isinstance(v, TensorStorageMetadata)}
+        _load(targets, reader, path)
+        return {k[len("state_dict."):]: v for k, v in targets.items()}, meta
+    ckpt = load_file(path)
+    state = {}
+    for k, v in ckpt["state_dict"].items():
+        state[k] = v.full() if isinstance(v, ShardedTensor) else v
+    return state, ckpt
+
+
+def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model's state dict with every table whole (CPU), from a DCP directory or a gathered file.
+
+    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    return _full_model_state(path)[0]
+
+
+def _module_class(meta: Mapping[str, Any]) -> str:
+    cls = meta.get("lightning_rec", {}).get("module_class")
+    return cls or "lightning_rec.models.dlrm_module.DLRMModule"
+
+
+def _is_table(key: str) -> bool:
+    return ".embedding_bags." in key or ".embeddings." in key
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: bool = False) -> Path:
+    """Write an unsharded model for inference: `out/model.safetensors` + `out/config.json`.
+
+    Reads a DCP checkpoint directory (or an old gathered file) on one process, without
+    torch.distributed. `config.json` holds the LightningModule's class and init arguments;
+    `load_exported(out)` rebuilds the module on CPU and loads the weights. fp16_tables: tables are
+    stored in float16 (half the size; loading casts them back to the module's dtype).
+    """
+    from safetensors.torch import save_file
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not checkpoint.exists():
+        raise ValueError(f"checkpoint {checkpoint} does not exist")
+    state, meta = _full_model_state(checkpoint)
+    tensors = {}
+    for k, v in state.items():
+        v = v.detach().cpu().contiguous()
+        if fp16_tables and _is_table(k) and v.is_floating_point():
+            v = v.half()
+        tensors[k] = v
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
+    hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
+    config = {"class_path": _module_class(meta), "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
+              "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The module of an `export` directory, on CPU, in eval mode (no torch.distributed needed)."""
+    import importlib
+
+    from safetensors.torch import load_file as load_safetensors
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ValueError(f"{path} is not an export directory (needs config.json and model.safetensors): "
+                         f"write one with `lightning-rec export CHECKPOINT {path}`")
+    config = json.loads((path / "config.json").read_text())
+    if module is None:
+        mod_name, _, cls_name = config["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        module = cls(**config["init_args"])
+    state = load_safetensors(str(path / "model.safetensors"))
+    live = module.state_dict()
+    state = {k: v.to(live[k].dtype) if k in live and v.dtype != live[k].dtype else v for k, v in state.items()}
+    module.load_state_dict(state)
+    return module.eval()

@@ -1,0 +1,480 @@
+"""Sharded DCP checkpoints: save at one world size and plan, load at another, or unsharded; export.
+
+Parity: after a load, every table, its fused optimizer state and the dense optimizer state,
+assembled whole, equal what was saved (bitwise; per-row state of a table that was split by
+columns is the width-weighted mean of its column shards, as `merge_fused_state` defines it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import expect_error, run_ranks
+
+from lightning_rec import checkpoint as ckpt
+from lightning_rec.data.synthetic import SyntheticCriteoDataModule
+from lightning_rec.model_parallel import (
+    DistributedModelParallel,
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from lightning_rec.models.dlrm_module import DLRMModule
+from lightning_rec.optim import merge_fused_state
+from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.types import ShardingPlan
+
+NAMES = ["a", "b", "c", "d"]
+SMALL = dict(num_embeddings_per_feature=64, embedding_dim=8, sparse_feature_names=NAMES,
+             dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1], sparse_lr=0.05, dense_lr=0.02)
+EBC = "model.sparse_arch.embedding_bag_collection"
+
+
+def _layout(kind: str, W: int) -> dict:
+    if kind == "table_wise":
+        return {f"t_{n}": table_wise(rank=i % W) for i, n in enumerate(NAMES)}
+    if kind == "row_wise":
+        return {f"t_{n}": row_wise() for n in NAMES}
+    assert kind == "mixed"  # a column split (two per-row states per row), rows, a whole table, a replica
+    return {"t_a": column_wise(ranks=[0, W - 1]), "t_b": row_wise(), "t_c": table_wise(rank=W - 1),
+            "t_d": data_parallel()}
+
+
+def _module(sparse_optimizer: str = "rowwise_adagrad") -> DLRMModule:
+    torch.manual_seed(0)
+    return DLRMModule(**SMALL, sparse_optimizer=sparse_optimizer)
+
+
+def _shard(module, kind: str, W: int) -> DistributedModelParallel:
+    ebc = module.get_submodule(EBC)
+    plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout(kind, W), world_size=W, local_size=W)})
+    return DistributedModelParallel(module, plan=plan, device="cpu", timeout=30)
+
+
+def _train(module, dmp, optimizer, rank: int, steps: int = 3) -> None:
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64, seed=rank)
+    split = data.make_split("train")
+    for step in range(steps):
+        batch = split.__getitems__(list(range(step * 16, step * 16 + 16)))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            dmp(batch.dense_features, batch.sparse_features), batch.labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _all(obj):
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _full_state(module, optimizer) -> dict:
+    """Every table, fused state and dense optimizer state, whole (collective)."""
+    local = module.state_dict()
+    sharded = {k: ShardedTensor(v.global_shape, [(m, t.clone()) for m, t in v.local_shards])
+               for k, v in local.items() if isinstance(v, ShardedTensor)}
+    parts = _all(sharded)
+    out = {k: v.clone() for k, v in local.items() if not isinstance(v, ShardedTensor)}
+    for k in sharded:
+        out[k] = ShardedTensor.merge([p[k] for p in parts]).full()
+    fused = dict(optimizer.optimizers)["fused"]
+    pieces = {k: (s, [(m, t.clone()) for m, t in p]) for k, (s, p) in fused.global_state_pieces().items()}
+    out.update({f"fused:{k}": v for k, v in merge_fused_state(_all(pieces)).items()})
+    dense = dict(optimizer.optimizers)["dense"].state_dict()
+    for pid, st in dense["state"].items():
+        for name, v in st.items():
+            out[f"dense:{pid}.{name}"] = v.clone() if torch.is_tensor(v) else torch.tensor(v)
+    out["lr:fused"] = torch.tensor([g["lr"] for g in fused.param_groups[:1]])
+    return out
+
+
+def _save_worker(rank, W, path, kind, sparse_optimizer="rowwise_adagrad"):
+    module = _module(sparse_optimizer)
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": module.state_dict(), "epoch": 1}, path, optimizers=[optimizer], loader_state={"r": rank})
+    return _full_state(module, optimizer)
+
+
+def _load_worker(rank, W, path, kind, sparse_optimizer="rowwise_adagrad", train_after=False):
+    module = _module(sparse_optimizer)
+    torch.manual_seed(100 + rank)  # other weights than the saved ones, so that a missed piece shows
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, 0)
+    state = _full_state(module, optimizer)
+    if train_after:
+        _train(module, dmp, optimizer, rank, steps=1)  # the loaded fused state drives the next update
+    return state
+
+
+def _same(a: dict, b: dict, per_row_tol: bool = False) -> None:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    for k in a:
+        if per_row_tol and k.startswith("fused:"):
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=0)  # a width-weighted mean, rounded once
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(("save", "load"), [
+    ((2, "row_wise"), (1, "row_wise")), ((1, "table_wise"), (2, "row_wise")), ((2, "mixed"), (3, "row_wise")),
+    ((2, "table_wise"), (4, "mixed")), ((2, "row_wise"), (2, "table_wise")),
+])
+def test_dcp_reshards_to_any_world_size_and_plan(tmp_path, save, load):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, save[0], path, save[1], timeout=120)[0]
+    # each rank wrote its own file; nothing partial is left
+    assert sorted(p.name for p in Path(path).iterdir() if p.suffix == ".distcp") == [
+        f"__{r}_0.distcp" for r in range(save[0])]
+    assert not list(tmp_path.glob(".*partial*"))
+    loaded = run_ranks(_load_worker, load[0], path, load[1], timeout=120)
+    for state in loaded:
+        _same(saved, state, per_row_tol=save[1] == "mixed")
+
+
+def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "mixed", timeout=120)[0]
+    assert not dist.is_initialized()
+    module = _module()
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, 0)
+    _same(saved, _full_state(module, optimizer), per_row_tol=True)
+
+
+def test_dcp_per_element_state_adagrad(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "mixed", "adagrad", timeout=120)[0]
+    loaded = run_ranks(_load_worker, 3, path, "row_wise", "adagrad", timeout=120)
+    _same(saved, loaded[0])
+
+
+def test_export_loads_in_a_plain_process(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "row_wise", timeout=120)[0]
+    # the module class and its arguments come from the checkpoint's Lightning part
+    meta = torch.load(Path(path) / ckpt.LIGHTNING_FILE, weights_only=False)
+    meta["hyper_parameters"] = dict(_module().hparams)
+    meta["lightning_rec"]["module_class"] = "lightning_rec.models.dlrm_module.DLRMModule"
+    torch.save(meta, Path(path) / ckpt.LIGHTNING_FILE)
+    out = ckpt.export(path, tmp_path / "export")
+    module = ckpt.load_exported(out)
+    assert isinstance(module, DLRMModule) and not module.training
+    for k, v in module.state_dict().items():
+        if k in saved:
+            assert torch.equal(v, saved[k]), k
+    half = ckpt.export(path, tmp_path / "export16", fp16_tables=True)
+    assert (half / "model.safetensors").stat().st_size < 0.75 * (out / "model.safetensors").stat().st_size
+    m16 = ckpt.load_exported(half)
+    table = f"{EBC}.embedding_bags.t_a.weight"
+    torch.testing.assert_close(m16.state_dict()[table], saved[table], atol=1e-3, rtol=1e-3)  # fp16 rounding
+
+
+# bad input -----------------------------------------------------------------------------------------
+
+
+def _other_dims_worker(rank, W, path):
+    module = DLRMModule(**{**SMALL, "num_embeddings_per_feature": [64, 64, 32, 64]})
+    _shard(module, "row_wise", W)
+    expect_error(ValueError, lambda: ckpt.load_model(module, path), "t_c", "(64, 8)", "(32, 8)")
+    torch.manual_seed(0)
+    other = DLRMModule(**{**SMALL, "sparse_feature_names": ["a", "b", "c", "e"]})  # table t_e instead of t_d
+    ebc = other.get_submodule(EBC)
+    DistributedModelParallel(other, plan=ShardingPlan({EBC: construct_module_sharding_plan(
+        ebc, {f"t_{n}": row_wise() for n in "abce"}, world_size=W, local_size=W)}), device="cpu", timeout=30)
+    return expect_error(ValueError, lambda: ckpt.load_model(other, path), "t_e", "t_d", "not in the checkpoint")
+
+
+def test_checkpoint_of_other_tables_names_them(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    run_ranks(_save_worker, 2, path, "row_wise", timeout=120)
+    run_ranks(_other_dims_worker, 2, path, timeout=120)
+
+
+def test_missing_rank_file_and_truncated_files_are_named(tmp_path):
+    path = tmp_path / "c.ckpt"
+    run_ranks(_save_worker, 2, str(path), "row_wise", timeout=120)
+    module = _module()
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(path, broken)
+    (broken / "__1_0.distcp").unlink()
+    before = sorted(p.name for p in broken.iterdir())
+    expect_error(ValueError, lambda: ckpt.load_model(module, broken), "__1_0.distcp", "missing")
+    assert sorted(p.name for p in broken.iterdir()) == before  # nothing overwritten or removed
+    shutil.rmtree(broken)
+    shutil.copytree(path, broken)
+    with open(broken / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    expect_error(ValueError, lambda: ckpt.load_model(module, broken), "__0_0.distcp", "incomplete")
+    # an interrupted save: no metadata / no lightning.pt
+    (broken / ckpt.LIGHTNING_FILE).unlink()
+    expect_error(ValueError, lambda: ckpt.read_lightning_state(broken), "incomplete", "ckpt_path='last'")
+
+
+def test_truncated_gathered_file_is_named(tmp_path):
+    f = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.randn(1000)}}, f)
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    expect_error(ValueError, lambda: ckpt.load_file(f), str(f), "incomplete")
+
+
+def _disk_full_worker(rank, W, path):
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank, steps=1)
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs._write_item
+
+    def full(*args, **kwargs):  # the disk fills while rank 1 writes its tables
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    fs._write_item = full
+    try:
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return f"{type(e).__name__}: {e}"
+    finally:
+        fs._write_item = real
+    return "saved"
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "row_wise", timeout=120)[0]
+    errors = run_ranks(_disk_full_worker, 2, path, timeout=120)
+    assert all(e != "saved" for e in errors), errors
+    assert not list(tmp_path.glob(".*partial*"))  # the unfinished save is removed
+    loaded = run_ranks(_load_worker, 2, path, "row_wise", timeout=120)
+    _same(saved, loaded[0])  # the previous checkpoint is whole and still loads
+
+
+def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):
+    run_ranks(_piece_worker, 2, str(tmp_path), timeout=120)
+    parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    module = _module()
+    expect_error(ValueError, lambda: module.load_state_dict(parts[0]), "ShardedTensor.merge")
+    merged = {k: ShardedTensor.merge([p[k] for p in parts]) if isinstance(v, ShardedTensor) else v
+              for k, v in parts[0].items()}
+    module.load_state_dict(merged)  # every piece there: loads whole
+
+
+def _piece_worker(rank, W, out):
+    module = _module()
+    _shard(module, "row_wise", W)
+    torch.save(module.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+
+
+# end to end: Trainer(strategy="rec") writes sharded checkpoints; `lightning-rec export` --------------
+
+
+def _trainer_worker(rank, W, root):
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
+                                     num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64)
+    module = DLRMModule(**SMALL)
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=W, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=4)])
+    trainer.fit(module, data)
+    return _full_state(module, trainer.strategy.optimizers[0])
+
+
+def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path):
+    import subprocess
+    import sys
+
+    saved = run_ranks(_trainer_worker, 2, str(tmp_path / "ckpt"), timeout=180)[0]
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert (last / ".metadata").is_file() and (last / "__0_0.distcp").is_file() and (last / "__1_0.distcp").is_file()
+    # step 4's directory was removed when step 8's replaced it (save_top_k=1): nothing else is left
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=8.ckpt", "last.ckpt"]
+    out = tmp_path / "export"
+    done = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "export", str(last), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    module = ckpt.load_exported(out)  # this process never initialised torch.distributed
+    assert not dist.is_initialized()
+    state = module.state_dict()
+    for k, v in saved.items():
+        if k in state:
+            assert torch.equal(state[k], v), k
+    bad = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "export", str(tmp_path / "nope"), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def _killed_save_worker(rank, W, path):
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank, steps=5)
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs._write_item
+
+    def die(*args, **kwargs):  # rank 1 is killed while it writes its tables
+        if rank == 1:
+            os.kill(os.getpid(), 9)
+        return real(*args, **kwargs)
+
+    fs._write_item = die
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+
+
+def test_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    saved = run_ranks(_save_worker, 2, path, "row_wise", timeout=120)[0]
+    try:
+        run_ranks(_killed_save_worker, 2, path, timeout=60, pg_timeout=10, allow_missing=True)
+    except AssertionError:
+        pass  # rank 0 reports its peer's death (or is killed at the time limit): either way no commit
+    partial = list(tmp_path.glob(".last.ckpt.partial-*"))
+    assert partial and not (partial[0] / ckpt.LIGHTNING_FILE).exists()  # hidden and incomplete
+    expect_error(ValueError, lambda: ckpt.read_lightning_state(partial[0]), "incomplete")
+    loaded = run_ranks(_load_worker, 2, path, "table_wise", timeout=120)
+    _same(saved, loaded[0])  # last.ckpt is the previous, whole checkpoint
+    run_ranks(_save_worker, 2, path, "row_wise", timeout=120)
+    assert not list(tmp_path.glob(".last.ckpt.partial-*"))  # the next save of that name clears the leftovers
+
+
+# loader state ---------------------------------------------------------------------------------------
+
+
+def _loader(batch_size: int, n: int = 512):
+    from lightning_rec.data.batch import make_batch_loader
+
+    data = SyntheticCriteoDataModule(num_train_samples=n, num_val_samples=0, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES, num_embeddings_per_feature=64)
+    return make_batch_loader(data.make_split("train"), batch_size, shuffle=True, drop_last=False, seed=3,
+                             num_workers=0)
+
+
+def _labels(batches) -> list[torch.Tensor]:
+    return [b.labels for b in batches]
+
+
+def test_loader_resumes_exactly_where_the_step_was():
+    import itertools
+
+    loader = _loader(32)
+    loader.sampler.set_epoch(1)
+    everything = _labels(loader)
+    it = iter(loader)
+    _labels(itertools.islice(it, 5))  # read 5, of which the step "consumed" 3 (a fetcher read ahead)
+    loader.consumed_batches = lambda: 3
+    state = loader.state_dict()
+    assert state["batches"] == 3 and state["pass"] == 1
+    fresh = _loader(32)
+    fresh.load_state_dict(state)
+    fresh.sampler.set_epoch(1)  # Lightning sets the epoch before the first batch; the iterator starts after
+    rest = _labels(fresh)
+    assert len(rest) == len(everything) - 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, everything[3:]))
+
+
+def test_loader_state_of_another_batch_size_warns_and_starts_the_epoch_over():
+    import itertools
+
+    loader = _loader(32)
+    it = iter(loader)
+    _labels(itertools.islice(it, 4))
+    state = loader.state_dict()
+    other = _loader(64)
+    with pytest.warns(UserWarning, match="batch_size"):
+        other.load_state_dict(state)
+    assert len(_labels(other)) == len(other)  # the whole epoch, from its first batch
+    smaller = _loader(32, n=256)  # another dataset (size): same
+    with pytest.warns(UserWarning, match="dataset_id|num_samples"):
+        smaller.load_state_dict(state)
+    assert len(_labels(smaller)) == len(smaller)
+
+
+def _fsdp_worker(rank, W, path, mode):
+    from torch.distributed.tensor import DTensor
+
+    module = _module()
+    if mode == "load":
+        torch.manual_seed(7)
+    ebc = module.get_submodule(EBC)
+    plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout("row_wise", W), world_size=W, local_size=W)})
+    dmp = DistributedModelParallel(module, plan=plan, device="cpu", dense="fsdp", timeout=30)
+    optimizer = module.configure_optimizers()
+    if mode == "save":
+        _train(module, dmp, optimizer, rank)
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    else:
+        ckpt.load_model(module, path)
+        ckpt.load_optimizer(optimizer, path, 0)
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+    out = {k: full(v) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    for pid, st in dict(optimizer.optimizers)["dense"].state_dict()["state"].items():
+        out.update({f"dense:{pid}.{n}": full(v) for n, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def test_dcp_with_fsdp_dense_layers(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_fsdp_worker, 2, path, "save", timeout=120)[0]
+    loaded = run_ranks(_fsdp_worker, 2, path, "load", timeout=120)[0]
+    assert saved.keys() == loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+
+
+CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+
+
+@pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_streaming_criteo_loader_resumes_exactly(num_workers):
+    import itertools
+
+    from lightning_rec import CriteoDataModule
+
+    def loader():
+        data = CriteoDataModule(train_path=str(CRITEO / "criteo_kaggle_train_sample.tsv"), batch_size=256,
+                                num_embeddings_per_feature=64, streaming=True, num_workers=num_workers, seed=5)
+        data.setup("fit")
+        return data.train_dataloader()
+
+    first = loader()
+    _labels(first)  # epoch 0
+    epoch1 = _labels(first)  # the order of epoch 1 (shuffled by epoch)
+    it = iter(first)
+    _labels(itertools.islice(it, 6))
+    first.consumed_batches = lambda: 4  # the step had trained 4 (a fetcher read 2 ahead)
+    state = first.state_dict()
+    assert state["pass"] == 2 and state["batches"] == 4
+    del it
+    again = loader()
+    again.load_state_dict({**state, "pass": 1})  # the same position in epoch 1
+    rest = _labels(again)
+    assert len(rest) == len(epoch1) - 4
+    assert all(torch.equal(a, b) for a, b in zip(rest, epoch1[4:]))
