@@ -97,10 +97,11 @@ def test_sharded_two_tower_at_2_ranks_evaluates_like_the_unsharded_module(tmp_pa
     assert "t_user_user_id" in plan and "t_item_item_id" in plan
     assert metrics0["val_ndcg@10"] > 0.05  # learnt something in 8 steps (random ranking gives ~0.01)
     # the checkpoint holds whole tables: the unsharded module, one process, ranks the same users the same way
-    state = torch.load(ckpt, weights_only=False)
-    module = TwoTowerModule(**{**SMALL, **{k: state["hyper_parameters"][k]
-                                           for k in ("user_num_embeddings", "item_num_embeddings")}})
-    module.load_state_dict(state["state_dict"])
+    from lightning_rec.checkpoint import full_state_dict, read_lightning_state
+
+    hparams = read_lightning_state(ckpt)["hyper_parameters"]  # a sharded (DCP) checkpoint directory
+    module = TwoTowerModule(**{**SMALL, **{k: hparams[k] for k in ("user_num_embeddings", "item_num_embeddings")}})
+    module.load_state_dict(full_state_dict(ckpt))
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
     single = trainer.validate(module, _data(), verbose=False)[0]
     for key, value in metrics0.items():
