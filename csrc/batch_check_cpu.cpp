@@ -42,44 +42,23 @@ int64_t feature_grain(int64_t F, int64_t N) {
   return std::max<int64_t>(1, (F * (int64_t(1) << 16) + std::max<int64_t>(N, 1) - 1) / std::max<int64_t>(N, 1));
 }
 
-template <typename index_t, typename offset_t>
-void check_ids(const int64_t* rows_F, const index_t* ids, const offset_t* offsets, int64_t F, int64_t B,
-               std::atomic<int64_t>& first, std::atomic<int64_t>& count) {
-  const int64_t N = offsets[F * B];
-  at::parallel_for(0, F, feature_grain(F, N), [&](int64_t fb, int64_t fe) {
-    for (int64_t f = fb; f < fe; ++f) {
-      if (rows_F[f] < 0) continue;  // a feature no table reads: its ids reach no kernel
-      const uint64_t rows = static_cast<uint64_t>(rows_F[f]);
-      const int64_t pb = offsets[f * B], pe = offsets[(f + 1) * B];
-      int64_t bad = 0;
-      // Branch-free count over the feature's ids (vectorises); the slow path runs only when bad.
-      for (int64_t p = pb; p < pe; ++p) bad += static_cast<uint64_t>(static_cast<int64_t>(ids[p])) >= rows;
-      if (bad == 0) continue;
-      count += bad;
-      for (int64_t p = pb; p < pe; ++p) {
-        if (static_cast<uint64_t>(static_cast<int64_t>(ids[p])) >= rows) {
-          keep_first(first, p);
-          break;
-        }
-      }
-    }
-  });
-}
-
-template <typename weight_t, typename offset_t>
-void check_weights(const int64_t* rows_F, const weight_t* w, const offset_t* offsets, int64_t F, int64_t B,
+// For every feature some table reads (rows_F[f] >= 0), counts the positions of its bag range where
+// `bad(f, p)` holds and keeps the first. A branch-free count (vectorises); the slow path runs only
+// for a feature that has a bad position.
+template <typename offset_t, typename Bad>
+void scan_features(const int64_t* rows_F, const offset_t* offsets, int64_t F, int64_t B, Bad bad,
                    std::atomic<int64_t>& first, std::atomic<int64_t>& count) {
   const int64_t N = offsets[F * B];
   at::parallel_for(0, F, feature_grain(F, N), [&](int64_t fb, int64_t fe) {
     for (int64_t f = fb; f < fe; ++f) {
-      if (rows_F[f] < 0) continue;  // a feature no table reads: its weights reach no kernel
+      if (rows_F[f] < 0) continue;  // a feature no table reads: its ids and weights reach no kernel
       const int64_t pb = offsets[f * B], pe = offsets[(f + 1) * B];
-      int64_t bad = 0;
-      for (int64_t p = pb; p < pe; ++p) bad += !std::isfinite(static_cast<float>(w[p]));
-      if (bad == 0) continue;
-      count += bad;
+      int64_t n = 0;
+      for (int64_t p = pb; p < pe; ++p) n += bad(f, p);
+      if (n == 0) continue;
+      count += n;
       for (int64_t p = pb; p < pe; ++p) {
-        if (!std::isfinite(static_cast<float>(w[p]))) {
+        if (bad(f, p)) {
           keep_first(first, p);
           break;
         }
@@ -145,7 +124,12 @@ at::Tensor check_batch_cpu(const at::Tensor& rows_F, const at::Tensor& indices, 
     }
     std::atomic<int64_t> bad{kNone}, count{0};
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "check_batch_ids", [&] {
-      check_ids<index_t, offset_t>(rows.data_ptr<int64_t>(), ids.data_ptr<index_t>(), o, F, B, bad, count);
+      const int64_t* rows_p = rows.data_ptr<int64_t>();
+      const index_t* ids_p = ids.data_ptr<index_t>();
+      auto out_of_range = [&](int64_t f, int64_t p) {  // negative ids are huge as uint64
+        return static_cast<uint64_t>(static_cast<int64_t>(ids_p[p])) >= static_cast<uint64_t>(rows_p[f]);
+      };
+      scan_features(rows_p, o, F, B, out_of_range, bad, count);
       if (bad.load() != kNone) {
         r[0] = 4;
         r[1] = bad.load();
@@ -158,7 +142,9 @@ at::Tensor check_batch_cpu(const at::Tensor& rows_F, const at::Tensor& indices, 
     const at::Tensor w = weights->contiguous();
     if (w.numel() != N) return;  // sizes are checked in Python, where the KJT is built
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "check_batch_weights", [&] {
-      check_weights<scalar_t, offset_t>(rows.data_ptr<int64_t>(), w.data_ptr<scalar_t>(), o, F, B, bad, count);
+      const scalar_t* w_p = w.data_ptr<scalar_t>();
+      auto not_finite = [&](int64_t, int64_t p) { return !std::isfinite(static_cast<float>(w_p[p])); };
+      scan_features(rows.data_ptr<int64_t>(), o, F, B, not_finite, bad, count);
     });
     if (bad.load() != kNone) {
       r[0] = 5;

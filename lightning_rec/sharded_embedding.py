@@ -202,7 +202,8 @@ class _ShardedCollectionBase(nn.Module):
         return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s)
 
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
-        owned = self._lookup(batch.routed) if self._lookup is not None else []
+        # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
+        owned = self._lookup(batch.routed, checked=self.validate_ids) if self._lookup is not None else []
         replicated = self._replicas(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
 
