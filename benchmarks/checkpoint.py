@@ -6,9 +6,11 @@ Model (issue 11): 26 tables x `--rows` rows (1M: 6.7 GB of weights) x dim 64, fu
 Adagrad, sharded table-wise over 2 ranks (13 tables each), 1 thread per rank. A few training
 steps first, so the optimizer state is real.
 
-    gathered   RecStrategy(checkpoint_format="gathered"): every table and its optimizer state
-               gathered to rank 0 (gather_object), merged whole, one torch.save file. Load: every
-               rank reads the whole file (torch.load) and keeps its pieces.
+    gathered   RecStrategy(checkpoint_format="gathered"), through the functions it calls
+               (checkpoint.gathered_state_dict / gathered_optimizer_state / save_file / load_file):
+               every table and its optimizer state gathered to rank 0 one at a time (the DMP's
+               guarded gather_object), whole there, one torch.save file. Load: every rank maps the
+               file (torch.load(mmap=True)) and copies out its pieces.
     dcp        lightning_rec.checkpoint.save / load_model / load_optimizer: each rank writes and
                reads its own pieces through torch.distributed.checkpoint.
 
@@ -98,45 +100,36 @@ def train_a_little(model, dmp, rows: int, rank: int) -> None:
         dmp.module["ebc"](kjt).values().sum().backward()
 
 
-def gathered_save(model, optimizer, path: str) -> None:
-    """What RecStrategy(checkpoint_format="gathered") does: gather to rank 0, merge whole, one file."""
-    from lightning_rec.optim import merge_fused_state
-    from lightning_rec.sharding.sharded_tensor import ShardedTensor
+def gathered_save(model, dmp, optimizer, path: str) -> None:
+    """What RecStrategy(checkpoint_format="gathered") does: the same functions (one table at a time to rank 0,
+    whole there, torch.save straight to a file)."""
+    from lightning_rec import checkpoint
 
-    local = model.state_dict()
-    # copies of the pieces, as RecStrategy does (views would pickle each kernel's whole storage per table)
-    sharded = {k: ShardedTensor(v.global_shape, [(m, t.detach().cpu().clone()) for m, t in v.local_shards])
-               for k, v in local.items() if isinstance(v, ShardedTensor)}
-    zero = dist.get_rank() == 0
-    parts = [None] * dist.get_world_size() if zero else None
-    dist.gather_object(sharded, parts, dst=0)
-    pieces = {k: (s, [(m, t.detach().cpu().clone()) for m, t in p])
-              for k, (s, p) in optimizer.global_state_pieces().items()}
-    opt_parts = [None] * dist.get_world_size() if zero else None
-    dist.gather_object(pieces, opt_parts, dst=0)
-    if zero:
-        state = {k: ShardedTensor.merge([p[k] for p in parts]).full() for k in sharded}
-        opt = {**optimizer.state_dict(), "state": merge_fused_state(opt_parts)}
-        del parts, opt_parts
-        torch.save({"state_dict": state, "optimizer_states": [opt]}, path)
+    state = checkpoint.gathered_state_dict(model.state_dict(), dmp)
+    opt = checkpoint.gathered_optimizer_state(optimizer, dmp)
+    if dist.get_rank() == 0:
+        checkpoint.save_file({"state_dict": state, "optimizer_states": [opt]}, path)
+    del state, opt
     dist.barrier()
 
 
-def gathered_load(model, optimizer, path: str) -> None:
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)  # every rank reads the whole file
+def gathered_load(model, dmp, optimizer, path: str) -> None:
+    from lightning_rec import checkpoint
+
+    ckpt = checkpoint.load_file(path)  # memory-mapped: each rank pages in the pieces it copies
     model.load_state_dict(ckpt["state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_states"][0])
     del ckpt
     dist.barrier()
 
 
-def dcp_save(model, optimizer, path: str) -> None:
+def dcp_save(model, dmp, optimizer, path: str) -> None:
     from lightning_rec import checkpoint
 
     checkpoint.save({"state_dict": model.state_dict()}, path, optimizers=[optimizer])
 
 
-def dcp_load(model, optimizer, path: str) -> None:
+def dcp_load(model, dmp, optimizer, path: str) -> None:
     from lightning_rec import checkpoint
 
     checkpoint.load_model(model, path)
@@ -168,13 +161,13 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             with PeakRSS() as save_mem:
-                save(model, optimizer, path)
+                save(model, dmp, optimizer, path)
             save_s = time.perf_counter() - t0
             written = bytes_written(kind, path, rank)
             dist.barrier()
             t0 = time.perf_counter()
             with PeakRSS() as load_mem:
-                load(model, optimizer, path)
+                load(model, dmp, optimizer, path)
             load_s = time.perf_counter() - t0
             out.append({"round": r, "format": kind, "rank": rank, "save_s": save_s, "load_s": load_s,
                         "bytes_written": written, "save_peak_extra_rss": save_mem.extra,

@@ -37,8 +37,9 @@ A save is a commit: every rank writes into `.<name>.partial-<id>/`; after rank 0
 hidden partial directory that nothing loads (Lightning's `ckpt_path="last"` only sees `last*.ckpt`),
 and the previous checkpoint stays whole. The next save of that name removes the partial leftovers.
 
-Checkpoints from before (one file gathered on rank 0, `RecStrategy(checkpoint_format="gathered")`)
-still load: a file is read whole on every rank and each rank keeps its pieces.
+Checkpoints from before (one file gathered on rank 0, `RecStrategy(checkpoint_format="gathered")`,
+which still writes them) still load: the file is memory-mapped on every rank and each rank copies
+its pieces out of it (see "the gathered format" below).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import pickle
 import shutil
 import uuid
 import warnings
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -462,16 +464,6 @@ def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A gathered (one-file) checkpoint, with a clear error when the file is cut short."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        raise ValueError(f"checkpoint file {path} ({size} bytes) is incomplete or damaged and cannot be read ({e}): "
-                         f"it was probably cut short by an interrupted save or copy; use an earlier checkpoint") from e
-
-
 def _chunks(md_entry) -> list[ChunkStorageMetadata]:
     return list(md_entry.chunks) if isinstance(md_entry, TensorStorageMetadata) else []
 
@@ -667,6 +659,146 @@ def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -
                       f"taken in it are not repeated; its batches are)", stacklevel=2)
         return None
     return states[rank]
+
+
+# ------------------------------------------------------------------------------------------------
+# the gathered format: one file, every table whole, written by rank 0
+#
+# The file is Lightning's checkpoint dict as torch.save writes it, with every sharded table whole
+# under its state-dict name and the fused optimizer state whole under its global names
+# (`optim.merge_fused_state`), so it loads into any world size, plan, or the unsharded model.
+# Gathering goes one table (one state-dict key, one fused optimizer state) at a time: rank 0 holds
+# the whole model once plus one table in flight, the other ranks one table in flight.
+
+
+def _gather_to_zero(obj: Any, dmp: Any = None) -> list[Any] | None:
+    """Every rank's `obj` on rank 0 (None elsewhere); through the DistributedModelParallel's guard when given."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    if dmp is not None:  # guarded: a rank elsewhere is named in seconds, not after the process group's timeout
+        return dmp.gather_object(obj)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
+
+
+def _all_gather_object(obj: Any, dmp: Any = None) -> list[Any]:
+    if dmp is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dmp.all_gather_object(obj)
+    return _gather(obj)
+
+
+def _sendable(t: Tensor) -> Tensor:
+    """A piece that pickles as its own bytes: a view into a fused kernel's flat weights would pickle the
+    kernel's whole storage (13 tables of one kernel sent 13 copies of all of them). Host memory is
+    wrapped without a copy where it can be (`_own_storage`), else copied."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.cpu()
+    own = _own_storage(t)
+    return own if own.untyped_storage().nbytes() == own.nbytes else t.clone()
+
+
+@torch.no_grad()
+def gathered_state_dict(state_dict: Mapping[str, Any], dmp: Any = None) -> dict[str, Any]:
+    """Collective: on rank 0, `state_dict` with every sharded table whole (CPU); elsewhere `state_dict`.
+
+    state_dict: this rank's (`module.state_dict()`: sharded tables as ShardedTensor, every rank holding
+        an entry for every sharded table). dmp: the DistributedModelParallel whose guarded gather is
+        used (None: torch.distributed's gather_object). One table in flight at a time.
+    """
+    world = _rank_world()[1]
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        if not isinstance(value, ShardedTensor):
+            continue
+        mine = value if world == 1 else ShardedTensor(value.global_shape,
+                                                      [(m, _sendable(t)) for m, t in value.local_shards])
+        parts = _gather_to_zero(mine, dmp)
+        del mine
+        if parts is not None:
+            out[key] = ShardedTensor.merge(parts).full()
+        del parts
+    return out
+
+
+@torch.no_grad()
+def gathered_optimizer_state(optimizer: torch.optim.Optimizer, dmp: Any = None) -> dict[str, Any]:
+    """Collective: on rank 0, `optimizer.state_dict()` with the fused state whole under global names
+    (loads into any world size, plan, or the unsharded model); elsewhere `optimizer.state_dict()`.
+
+    One fused state (a table's `sum`, `momentum1`, ...) in flight at a time; the names are agreed first
+    (a table-wise table's state lives on one rank only).
+    """
+    optimizer = _unwrap(optimizer)
+    state = optimizer.state_dict()
+    fused_key = fused_part(optimizer)
+    if fused_key is None:
+        return state
+    rank, world = _rank_world()
+    mine = _fused_child(optimizer, fused_key).global_state_pieces()
+    names = dict.fromkeys(k for part in _all_gather_object(list(mine), dmp) for k in part)  # rank order
+    merged: dict[str, Tensor] = {}
+    for key in names:
+        piece = None
+        if key in mine:
+            shape, parts = mine[key]
+            piece = (shape, parts if world == 1 else [(m, _sendable(t)) for m, t in parts])
+        gathered = _gather_to_zero(piece, dmp)
+        del piece
+        if gathered is not None:
+            from lightning_rec.optim import merge_fused_state
+
+            merged.update(merge_fused_state([{key: p} for p in gathered if p is not None]))
+        del gathered
+    if rank != 0:
+        return state
+    fused = state[fused_key] if fused_key else state
+    fused = {**fused, "state": merged}
+    return {**state, fused_key: fused} if fused_key else fused
+
+
+def is_local_path(path: str | os.PathLike) -> bool:
+    """A path on this machine's file system (not a URL such as s3://...)."""
+    return "://" not in str(path)
+
+
+def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Write a gathered checkpoint (one process): torch.save straight into a temporary file, fsync, rename.
+
+    Nothing is buffered in memory (Lightning's default writer first serialises the whole checkpoint
+    into a BytesIO, then copies it out: twice the model on rank 0), and a save killed midway leaves
+    the previous file whole (the next save of that name removes the leftover).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.partial-*"):
+        stale.unlink(missing_ok=True)
+    tmp = _partial_name(path, uuid.uuid4().hex[:12])
+    try:
+        torch.save(checkpoint, str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A gathered (one-file) checkpoint, with a clear error when the file is cut short.
+
+    The file is memory-mapped (torch.save's zip format): its tensors are read from disk only where
+    a rank copies from them, so each rank pages in the pieces it keeps, not the whole model. Files
+    in torch's legacy format (not a zip) are read whole.
+    """
+    try:
+        mmap = zipfile.is_zipfile(path)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise ValueError(f"checkpoint file {path} ({size} bytes) is incomplete or damaged and cannot be read ({e}): "
+                         f"it was probably cut short by an interrupted save or copy; use an earlier checkpoint") from e
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import hashlib
 import inspect
 import os
 import pickle
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -532,30 +533,53 @@ class DistributedModelParallel(nn.Module):
                 f"Every rank must run every step")
         return all(h for h, _ in pairs)
 
-    def gather_object(self, obj, dst: int = 0) -> list | None:
+    def gather_object(self, obj, dst: int | None = 0) -> list | None:
         """Collective: every rank's picklable `obj`, in rank order, on group rank `dst`; None elsewhere.
 
-        As torch.distributed.gather_object, but through the embedding group's guard: a rank that is
-        elsewhere is named within seconds, and the wait is bounded by this module's timeout.
+        As torch.distributed.gather_object (dst=None: all_gather_object), but through the embedding
+        group's guard: a rank that is elsewhere is named within seconds, and the wait is bounded by
+        this module's timeout. Host memory: the pickle and one padded buffer on every rank, and the
+        world's buffers on `dst`; checkpoints send one table at a time (checkpoint.gathered_state_dict).
         """
         pg, guard = self._emb_pg, self._guard
         W, me = dist.get_world_size(pg), dist.get_rank(pg)
         dev = self._device if guard.nccl else torch.device("cpu")
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(W)]
         k = guard.begin()
-        work = dist.all_gather(sizes, torch.tensor([data.numel()], device=dev), group=pg, async_op=True)
+        work = dist.all_gather(sizes, torch.tensor([len(payload)], device=dev), group=pg, async_op=True)
         guard.wait_work(work, "checkpoint gather (sizes)", k)
         sizes_W = [int(t) for t in sizes]
-        buf = torch.zeros(max(sizes_W), dtype=torch.uint8, device=dev)
-        buf[: data.numel()] = data.to(dev)
-        out = [torch.empty_like(buf) for _ in range(W)] if me == dst else None
+        buf = torch.empty(max(sizes_W), dtype=torch.uint8, device=dev)  # gather needs one size on every rank
+        if payload:
+            with warnings.catch_warnings():  # read-only bytes, copied at once: no write goes through them
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                buf[: len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        del payload
+        gather_all = dst is None
+        if gather_all or me == dst:
+            out = [torch.empty_like(buf) for _ in range(W)]
+        else:
+            out = None
         k = guard.begin()
-        work = dist.gather(buf, out, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
+        if gather_all:
+            work = dist.all_gather(out, buf, group=pg, async_op=True)
+        else:
+            work = dist.gather(buf, out, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
         guard.wait_work(work, "checkpoint gather", k)
+        del buf
         if out is None:
             return None
-        return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, sizes_W)]
+        objs = []
+        for i, n in enumerate(sizes_W):  # each buffer freed once read
+            t, out[i] = out[i], None
+            objs.append(pickle.loads(t[:n].cpu().numpy().data) if n else None)
+            del t
+        return objs
+
+    def all_gather_object(self, obj) -> list:
+        """Collective: every rank's picklable `obj`, in rank order, on every rank (guarded: see gather_object)."""
+        return self.gather_object(obj, dst=None)
 
     def state_dict(self, *args, **kwargs):  # type: ignore[override]
         """The model's state dict under its own names; sharded tables as ShardedTensor (global shape + pieces)."""

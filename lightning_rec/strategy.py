@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
@@ -36,8 +36,6 @@ from typing_extensions import override
 
 from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec.model_parallel import DistributedModelParallel
-from lightning_rec.optim import merge_fused_state
-from lightning_rec.sharding.sharded_tensor import ShardedTensor
 from lightning_rec.types import ShardingPlan
 
 
@@ -226,7 +224,12 @@ class RecStrategy(DDPStrategy):
         module_class = f"{type(module).__module__}.{type(module).__qualname__}"  # export rebuilds it
         if self._checkpoint_format != "dcp":
             checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class}
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            if (storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO
+                    and rec_checkpoint.is_local_path(filepath)):
+                if self.is_global_zero:  # straight to disk: Lightning's writer buffers the file in memory twice
+                    rec_checkpoint.save_file(checkpoint, filepath)
+                return None
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # remote paths, custom IO
         loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         loader_state = loops.pop("combined_loader", None)  # one per rank: checkpoint.save keeps them all
         optimizers = self.optimizers if "optimizer_states" in checkpoint else []  # weights_only=True: none
@@ -261,43 +264,12 @@ class RecStrategy(DDPStrategy):
         else:
             super().load_optimizer_state_dict(checkpoint)
 
-    def _gather_to_zero(self, obj: Any) -> list[Any] | None:
-        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
-            return [obj]
-        if self._dmp is not None:  # guarded: a rank elsewhere is named in seconds, not after 30 minutes
-            return self._dmp.gather_object(obj)
-        parts = [None] * self.world_size if self.is_global_zero else None
-        dist.gather_object(obj, parts, dst=0)
-        return parts
-
     def _gathered_state_dict(self) -> dict[str, Any]:
-        local = self.lightning_module.state_dict()
-        sharded = {k: v for k, v in local.items() if isinstance(v, ShardedTensor)}
-        parts = self._gather_to_zero({k: _cpu(v) for k, v in sharded.items()})
-        if parts is None:
-            return local
-        merged = dict(local)
-        for key in sharded:
-            merged[key] = ShardedTensor.merge([p[key] for p in parts]).full()
-        return merged
+        # one table at a time, through the DMP's guarded gather (checkpoint.py, "the gathered format")
+        return rec_checkpoint.gathered_state_dict(self.lightning_module.state_dict(), self._dmp)
 
     def _gathered_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        state = optimizer.state_dict()
-        fused_key = rec_checkpoint.fused_part(optimizer)
-        if fused_key is None:
-            return state
-        fused = state[fused_key] if fused_key else state
-        fused_opt = optimizer if fused_key == "" else dict(optimizer.optimizers)[fused_key]
-        pieces = {k: (shape, [(meta, t.detach().cpu().clone()) for meta, t in parts])  # copies: see _cpu
-                  for k, (shape, parts) in fused_opt.global_state_pieces().items()}
-        gathered = self._gather_to_zero(pieces)
-        if gathered is None:
-            return state
-        # whole tables under global names: loads into any world size, plan, or the unsharded model
-        fused = {**fused, "state": merge_fused_state(gathered)}
-        return {**state, fused_key: fused} if fused_key else fused
+        return rec_checkpoint.gathered_optimizer_state(optimizer, self._dmp)
 
     @classmethod
     @override
@@ -371,12 +343,6 @@ def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                 and isinstance(value, plain) and isinstance(p.default, plain) and value == p.default)
 
     return {k: v for k, v in kwargs.items() if not at_default(k, v)}
-
-
-def _cpu(st: ShardedTensor) -> ShardedTensor:
-    # a copy of each piece: a view into a fused kernel's weights would pickle the kernel's whole storage
-    # (once per table: 13 tables of one kernel sent 13 copies of all of them)
-    return ShardedTensor(st.global_shape, [(m, t.detach().cpu().clone()) for m, t in st.local_shards])
 
 
 if "rec" not in StrategyRegistry:

@@ -235,6 +235,111 @@ def test_truncated_gathered_file_is_named(tmp_path):
     expect_error(ValueError, lambda: ckpt.load_file(f), str(f), "incomplete")
 
 
+# the gathered format (one file written by rank 0): one table in flight at a time --------------------
+
+BIG_ROWS = 4096  # 128 KB per table (dim 8, fp32): a gather holding two tables shows above the bound
+
+
+def _tree_equal(a, b, where: str = "") -> None:
+    """Same keys, same types, bitwise-equal tensors (dtype, shape, values), recursively."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), (where, set(a) ^ set(b))
+        for k in a:
+            _tree_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _tree_equal(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def _gathered_before(module, optimizer) -> dict | None:
+    """The gathered checkpoint as the previous version built it: every rank's whole dicts to rank 0 in one go."""
+    local = module.state_dict()
+    sharded = {k: ShardedTensor(v.global_shape, [(m, t.clone()) for m, t in v.local_shards])
+               for k, v in local.items() if isinstance(v, ShardedTensor)}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sharded, parts, dst=0)
+    fused = dict(optimizer.optimizers)["fused"]
+    pieces = {k: (s, [(m, t.clone()) for m, t in p]) for k, (s, p) in fused.global_state_pieces().items()}
+    opt_parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(pieces, opt_parts, dst=0)
+    if parts is None:
+        return None
+    state = {k: ShardedTensor.merge([p[k] for p in parts]).full() if k in sharded else v for k, v in local.items()}
+    opt = optimizer.state_dict()
+    opt = {**opt, "fused": {**opt["fused"], "state": merge_fused_state(opt_parts)}}
+    return {"state_dict": state, "optimizer_states": [opt], "epoch": 1}
+
+
+def _gathered_worker(rank, W, out, kind):
+    import pickle
+
+    torch.manual_seed(0)
+    module = DLRMModule(**{**SMALL, "num_embeddings_per_feature": BIG_ROWS})
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank)
+    payloads = []
+    gather = dmp.gather_object
+
+    def recording(obj, dst=0):
+        payloads.append(len(pickle.dumps(obj)))
+        return gather(obj, dst)
+
+    dmp.gather_object = recording
+    state = ckpt.gathered_state_dict(module.state_dict(), dmp)
+    opt = ckpt.gathered_optimizer_state(optimizer, dmp)
+    dmp.gather_object = gather
+    before = _gathered_before(module, optimizer)
+    if rank == 0:
+        ckpt.save_file({"state_dict": state, "optimizer_states": [opt], "epoch": 1}, os.path.join(out, "new.ckpt"))
+        torch.save(before, os.path.join(out, "before.ckpt"))
+    dist.barrier()
+    return max(payloads)
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "mixed"])
+def test_gathered_file_equals_before_and_gathers_one_table_at_a_time(tmp_path, kind):
+    largest = run_ranks(_gathered_worker, 2, str(tmp_path), kind, timeout=120)
+    new, before = ckpt.load_file(tmp_path / "new.ckpt"), ckpt.load_file(tmp_path / "before.ckpt")
+    _tree_equal(new, before)
+    assert not list(tmp_path.glob(".*partial*"))
+    # rank 0's extra memory is the model once plus one table in flight: no gather carries two tables
+    table_bytes = BIG_ROWS * SMALL["embedding_dim"] * 4
+    assert max(largest) < table_bytes + 16 * 1024, (largest, table_bytes)
+    # the file reloads into the unsharded module (the gathered format's promise)
+    module = DLRMModule(**{**SMALL, "num_embeddings_per_feature": BIG_ROWS})
+    module.load_state_dict(new["state_dict"])
+
+
+def _mapped_from(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds the tensor's memory (Linux), or None."""
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def test_gathered_file_is_mapped_and_legacy_files_still_load(tmp_path):
+    state = {"state_dict": {"w": torch.randn(64, 8), "n": torch.arange(5)}, "epoch": 3}
+    ckpt.save_file(state, tmp_path / "a.ckpt")
+    loaded = ckpt.load_file(tmp_path / "a.ckpt")
+    _tree_equal(loaded, state)
+    if os.path.exists("/proc/self/maps"):  # mapped from the file, not read whole into memory
+        assert _mapped_from(loaded["state_dict"]["w"]) == str(tmp_path / "a.ckpt")
+    torch.save(state, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)  # torch < 1.6's format
+    _tree_equal(ckpt.load_file(tmp_path / "legacy.ckpt"), state)
+
+
 def _disk_full_worker(rank, W, path):
     module = _module()
     dmp = _shard(module, "row_wise", W)
