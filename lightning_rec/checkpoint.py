@@ -234,43 +234,133 @@ def _fused_entries(fused, prefix: str, columns: Mapping[str, Sequence[int]]) -> 
     return out
 
 
-def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[str, list[int]]) -> dict[str, Any]:
+def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[str, list[int]],
+                       module: torch.nn.Module | None = None) -> dict[str, Any]:
     """Optimizer i's DCP entries; `columns` receives its per-row keys' column offsets over all ranks."""
     optimizer = _unwrap(optimizer)
     prefix = f"optimizer_states.{i}."
     fused_key = fused_part(optimizer)
     state = optimizer.state_dict()
+    out: dict[str, Any] = {}
+    if fused_key is not None:
+        fused = _fused_child(optimizer, fused_key)
+        mine = _per_row_columns(fused)
+        everyone: dict[str, set[int]] = {}
+        for part in _gather(mine):
+            for k, offsets in part.items():
+                everyone.setdefault(k, set()).update(offsets)
+        for k, offsets in everyone.items():
+            columns[f"{prefix}fused.{k}{PER_ROW}"] = sorted(offsets)
+        out = _fused_entries(fused, f"{prefix}fused.", {k: sorted(v) for k, v in everyone.items()})
+        out[f"{prefix}fused.param_groups"] = _blob(fused.state_dict()["param_groups"])
+    out.update(_dense_entries(optimizer, fused_key, state, prefix, module))
+    return out
+
+
+# The dense (torch.optim) part. Replicated (DDP) state is one pickled entry, written once. FSDP's is
+# sharded (DTensors): it goes through torch.distributed.checkpoint.state_dict's
+# get_optimizer_state_dict (state keyed by parameter name, each DTensor written as its shards), so
+# it loads at any world size; its place in the pickled entry holds DENSE_IN_DCP.
+
+DENSE_IN_DCP = "lightning_rec: state in DCP entries"
+
+try:  # torch >= 2.2; every torch this project supports (2.11-2.13) has both
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+except ImportError:  # pragma: no cover
+    get_optimizer_state_dict = set_optimizer_state_dict = None
+
+
+def _dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None,
+                 state: Mapping[str, Any]) -> tuple[Any, dict[str, torch.optim.Optimizer]]:
+    """The non-fused state (as the pickled entry holds it) and the optimizers it belongs to, by name
+    ("" when it is the whole optimizer's)."""
+    from lightning_rec.optim import CombinedOptimizer
+
+    if isinstance(optimizer, CombinedOptimizer):
+        return ({k: v for k, v in state.items() if k != fused_key},
+                {n: c for n, c in optimizer.optimizers if n != fused_key})
     if fused_key is None:
-        return {_rest_key(prefix, state): _blob(state)}
-    fused = _fused_child(optimizer, fused_key)
-    mine = _per_row_columns(fused)
-    everyone: dict[str, set[int]] = {}
-    for part in _gather(mine):
-        for k, offsets in part.items():
-            everyone.setdefault(k, set()).update(offsets)
-    for k, offsets in everyone.items():
-        columns[f"{prefix}fused.{k}{PER_ROW}"] = sorted(offsets)
-    out = _fused_entries(fused, f"{prefix}fused.", {k: sorted(v) for k, v in everyone.items()})
-    out[f"{prefix}fused.param_groups"] = _blob(fused.state_dict()["param_groups"])
-    rest = {k: v for k, v in state.items() if k != fused_key} if fused_key else {}
+        return state, {"": optimizer}
+    return {}, {}
+
+
+def _dense_key(prefix: str, name: str) -> str:
+    return f"{prefix}dense.{name}" if name else f"{prefix}dense"
+
+
+def _dense_entries(optimizer: torch.optim.Optimizer, fused_key: str | None, state: Mapping[str, Any], prefix: str,
+                   module: torch.nn.Module | None) -> dict[str, Any]:
+    rest, children = _dense_parts(optimizer, fused_key, state)
+    out: dict[str, Any] = {}
+    if module is not None and get_optimizer_state_dict is not None:
+        if "" in children:
+            if _sharded(rest):
+                out[_dense_key(prefix, "")] = get_optimizer_state_dict(module, optimizer)
+                rest = DENSE_IN_DCP
+        else:
+            rest = dict(rest)
+            for name, child in children.items():
+                if _sharded(rest[name]):  # (an empty state has nothing to shard: pickled as before)
+                    out[_dense_key(prefix, name)] = get_optimizer_state_dict(module, child)
+                    rest[name] = DENSE_IN_DCP
     out[_rest_key(prefix, rest)] = _blob(rest)
     return out
 
 
-def _rest_key(prefix: str, rest: Any) -> str:
-    """Replicated dense state (DDP) is written once; FSDP's sharded state (DTensors) once per rank."""
+def _sharded(obj: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
-    def sharded(obj: Any) -> bool:
-        if isinstance(obj, DTensor):
-            return True
-        if isinstance(obj, Mapping):
-            return any(sharded(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return any(sharded(v) for v in obj)
-        return False
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_sharded(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_sharded(v) for v in obj)
+    return False
 
-    return f"{prefix}rest.rank{_rank_world()[0]}" if sharded(rest) else f"{prefix}rest"
+
+def _rest_key(prefix: str, rest: Any) -> str:
+    """The pickled dense state is written once; sharded (DTensor) state that could not go through
+    get_optimizer_state_dict (no module given) once per rank, and loads only at that world size."""
+    return f"{prefix}rest.rank{_rank_world()[0]}" if _sharded(rest) else f"{prefix}rest"
+
+
+def _is_dense_in_dcp(value: Any) -> bool:
+    return isinstance(value, str) and value == DENSE_IN_DCP
+
+
+def _load_dense(optimizer: torch.optim.Optimizer, key: str, module: torch.nn.Module | None, path: Path) -> None:
+    """A dense optimizer's state saved through get_optimizer_state_dict: DCP reads the shards this
+    rank's parameters hold (any world size), set_optimizer_state_dict puts them in place."""
+    if module is None or set_optimizer_state_dict is None:
+        raise ValueError(f"checkpoint {path}: the dense optimizer's state was saved sharded (FSDP) by parameter "
+                         f"name: pass module= (the model the optimizer trains) to checkpoint.load_optimizer")
+    template = get_optimizer_state_dict(module, optimizer)  # this rank's layout (fresh state: zero-filled)
+    reader, _ = _read_metadata(path)
+    _load({key: template}, reader, path)
+    set_optimizer_state_dict(module, optimizer, template)
+
+
+def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, rest: Any, prefix: str,
+                      module: torch.nn.Module | None, path: Path) -> None:
+    from lightning_rec.optim import CombinedOptimizer
+
+    if isinstance(optimizer, CombinedOptimizer):
+        for name, child in optimizer.optimizers:
+            if name == fused_key:
+                continue
+            if name not in rest:
+                raise ValueError(f"checkpoint {path} has no state for optimizer part '{name}'; it has {list(rest)}")
+            if _is_dense_in_dcp(rest[name]):
+                _load_dense(child, _dense_key(prefix, name), module, path)
+            else:
+                child.load_state_dict(rest[name])
+        optimizer._sync_groups()
+    elif fused_key is None:
+        if _is_dense_in_dcp(rest):
+            _load_dense(optimizer, _dense_key(prefix, ""), module, path)
+        else:
+            optimizer.load_state_dict(rest)
 
 
 def _blob(obj: Any) -> bytes:
@@ -324,12 +414,15 @@ def _rank_world() -> tuple[int, int]:
 
 
 def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Sequence[torch.optim.Optimizer] = (),
-         loader_state: Any = None, module_class: str | None = None) -> None:
+         loader_state: Any = None, module_class: str | None = None, module: torch.nn.Module | None = None) -> None:
     """Write a Lightning checkpoint dict as a sharded DCP directory (collective: every rank calls it).
 
     checkpoint: Lightning's dict, whose "state_dict" is this rank's (sharded tables as ShardedTensor);
         its "optimizer_states" are ignored: the `optimizers` themselves are read, shard by shard.
     loader_state: this rank's dataloader state (gathered to rank 0's `lightning.pt`, one per rank).
+    module: the model the optimizers train. With FSDP dense layers it lets their optimizer state be
+        saved by parameter name (get_optimizer_state_dict), which loads at any world size; without
+        it, FSDP's dense optimizer state reloads only at this world size.
     """
     path = Path(path)
     rank, world = _rank_world()
@@ -340,7 +433,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         entries[f"state_dict.{key}"] = _pieces_of(value) if isinstance(value, ShardedTensor) else value
     columns: dict[str, list[int]] = {}
     for i, optimizer in enumerate(optimizers):
-        entries.update(_optimizer_entries(optimizer, i, columns))
+        entries.update(_optimizer_entries(optimizer, i, columns, module))
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
                              "module_class": module_class, "per_row_columns": columns, "loader_states": None}
@@ -563,8 +656,13 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
 
 
 @torch.no_grad()
-def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0) -> None:
-    """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole."""
+def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0,
+                   module: torch.nn.Module | None = None) -> None:
+    """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole.
+
+    module: the model the optimizer trains; needed when its dense state was saved sharded (FSDP),
+    which then loads at any world size (DCP reads the shards this rank's parameters hold).
+    """
     path = Path(path)
     optimizer = _unwrap(optimizer)
     reader, md = _read_metadata(path)
@@ -629,22 +727,14 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
             acc = sum(b.view(-1).double() * w for b, w in zip(bufs, widths))
             live.copy_((acc / sum(widths)).to(live.dtype))
     rest = _unblob(targets[rest_key])
-    if fused_key is None:
-        optimizer.load_state_dict(rest)
-        return
-    fused = _fused_child(optimizer, fused_key)
-    by_name = {g["name"]: g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
-    for group in fused.param_groups:
-        for k, v in by_name.get(group["name"], {}).items():
-            if k not in ("name", "tables", "optimizer"):
-                group[k] = v
-    if fused_key:
-        for name, child in optimizer.optimizers:
-            if name != fused_key:
-                if name not in rest:
-                    raise ValueError(f"checkpoint {path} has no state for optimizer part '{name}'; it has {list(rest)}")
-                child.load_state_dict(rest[name])
-        optimizer._sync_groups()
+    if fused_key is not None:
+        fused = _fused_child(optimizer, fused_key)
+        by_name = {g["name"]: g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
+        for group in fused.param_groups:
+            for k, v in by_name.get(group["name"], {}).items():
+                if k not in ("name", "tables", "optimizer"):
+                    group[k] = v
+    _load_dense_parts(optimizer, fused_key, rest, prefix, module, path)
 
 
 def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:

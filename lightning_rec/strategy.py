@@ -234,7 +234,7 @@ class RecStrategy(DDPStrategy):
         loader_state = loops.pop("combined_loader", None)  # one per rank: checkpoint.save keeps them all
         optimizers = self.optimizers if "optimizer_states" in checkpoint else []  # weights_only=True: none
         rec_checkpoint.save(checkpoint, filepath, optimizers=optimizers, loader_state=loader_state,
-                            module_class=module_class)
+                            module_class=module_class, module=module)  # module: FSDP's dense state reshards
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -260,7 +260,7 @@ class RecStrategy(DDPStrategy):
         states = checkpoint["optimizer_states"]
         if states and isinstance(states[0], rec_checkpoint.DCPCheckpoint):
             for optimizer, ref in zip(self.optimizers, states):
-                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index)
+                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module)
         else:
             super().load_optimizer_state_dict(checkpoint)
 

@@ -531,10 +531,10 @@ def _fsdp_worker(rank, W, path, mode):
     optimizer = module.configure_optimizers()
     if mode == "save":
         _train(module, dmp, optimizer, rank)
-        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=module)
     else:
         ckpt.load_model(module, path)
-        ckpt.load_optimizer(optimizer, path, 0)
+        ckpt.load_optimizer(optimizer, path, 0, module=module)
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t.clone()
@@ -545,11 +545,46 @@ def _fsdp_worker(rank, W, path, mode):
     return out
 
 
-def test_dcp_with_fsdp_dense_layers(tmp_path):
+@pytest.mark.parametrize(("save_world", "load_world"), [(2, 2), (2, 1), (1, 2)])
+def test_dcp_with_fsdp_dense_layers_reshards(tmp_path, save_world, load_world):
+    """FSDP's dense optimizer state (DTensor shards) reloads at any world size, bitwise."""
     path = str(tmp_path / "c.ckpt")
-    saved = run_ranks(_fsdp_worker, 2, path, "save", timeout=120)[0]
-    loaded = run_ranks(_fsdp_worker, 2, path, "load", timeout=120)[0]
+    saved = run_ranks(_fsdp_worker, save_world, path, "save", timeout=120)[0]
+    loaded = run_ranks(_fsdp_worker, load_world, path, "load", timeout=120)[0]
+    assert any(k.startswith("dense:") for k in saved)
     assert saved.keys() == loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+
+
+def _fsdp_trainer_worker(rank, W, root, resume):
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.tensor import DTensor
+
+    from lightning_rec.strategy import RecStrategy
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=0, batch_size=64,
+                                     num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64)
+    module = DLRMModule(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(dense="fsdp"), accelerator="cpu", devices=W, max_steps=3, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[ModelCheckpoint(dirpath=root, save_last=True)])
+    # resume: at max_steps already, fit only restores the checkpoint
+    trainer.fit(module, data, ckpt_path=os.path.join(root, "last.ckpt") if resume else None)
+    dense = dict(trainer.strategy.optimizers[0].optimizers)["dense"]
+    out = {}
+    for pid, st in dense.state_dict()["state"].items():
+        out.update({f"{pid}.{n}": (v.full_tensor() if isinstance(v, DTensor) else v.clone())
+                    for n, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def test_trainer_fsdp_dense_optimizer_state_resumes_at_another_world_size(tmp_path):
+    saved = run_ranks(_fsdp_trainer_worker, 2, str(tmp_path), False, timeout=180)[0]
+    loaded = run_ranks(_fsdp_trainer_worker, 1, str(tmp_path), True, timeout=180)[0]
+    assert saved and saved.keys() == loaded.keys()
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
 
 
