@@ -44,6 +44,7 @@ its pieces out of it (see "the gathered format" below).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -866,13 +867,36 @@ def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
         stale.unlink(missing_ok=True)
     tmp = _partial_name(path, uuid.uuid4().hex[:12])
     try:
-        torch.save(checkpoint, str(tmp))
+        with _no_crc32():
+            torch.save(checkpoint, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """torch.save without the zip records' CRC32 (where torch has the switch): torch.load never checks
+    it, and computing it costs more than the write itself (1.33 GB: 3.4-5.6 s with, 1.2-1.3 s without).
+    Completeness is what the rename guarantees."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - older torch: the CRC is computed
+        yield
+        return
+    save = getattr(config, "save", None)
+    if save is None or not hasattr(save, "compute_crc32"):  # pragma: no cover
+        yield
+        return
+    before = save.compute_crc32
+    save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        save.compute_crc32 = before
 
 
 def load_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -227,9 +227,10 @@ def test_missing_rank_file_and_truncated_files_are_named(tmp_path):
     expect_error(ValueError, lambda: ckpt.read_lightning_state(broken), "incomplete", "ckpt_path='last'")
 
 
-def test_truncated_gathered_file_is_named(tmp_path):
+@pytest.mark.parametrize("write", [torch.save, ckpt.save_file])  # save_file: no CRC32, still named
+def test_truncated_gathered_file_is_named(tmp_path, write):
     f = tmp_path / "old.ckpt"
-    torch.save({"state_dict": {"w": torch.randn(1000)}}, f)
+    write({"state_dict": {"w": torch.randn(1000)}}, f)
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
     expect_error(ValueError, lambda: ckpt.load_file(f), str(f), "incomplete")
