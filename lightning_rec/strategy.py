@@ -14,8 +14,9 @@ torch.distributed.checkpoint: every rank writes its own shards and their fused o
 the dense layers and dense optimizer are written once, and a save commits only when whole.
 Loading reads each rank's pieces into any world size or plan, or into the unsharded module, and
 restores every rank's dataloader position (exact mid-epoch resume). See checkpoint.py.
-`checkpoint_format="gathered"` writes the previous format: every table gathered whole to rank 0,
-one file (costs rank 0 host memory for the whole model); both formats load.
+`checkpoint_format="gathered"` writes the previous format: every table gathered whole to rank 0
+one table at a time, one file written straight to disk (rank 0 holds the whole model once); both
+formats load (a gathered file is memory-mapped: each rank reads only its pieces).
 """
 
 from __future__ import annotations
