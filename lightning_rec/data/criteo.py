@@ -50,9 +50,11 @@ import logging
 import math
 import os
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -75,7 +77,7 @@ from lightning_rec.data.criteo_parse import (
     _check_on_bad_row,
     check_criteo_file,
     detect_layout,
-    iter_blocks,
+    iter_blocks_resumable,
     parse_block,
     read_criteo,
     resolve_parser,
@@ -373,23 +375,65 @@ class CriteoIterableDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * num_workers + worker, world * num_workers
 
+    # Resuming (torchdata's Stateful protocol: StatefulDataLoader saves the state after every batch,
+    # per worker). The position is where the block being read began (the reader's position, the block
+    # index, the shuffling generator's state, the rows carried over from earlier blocks) plus the
+    # batches already yielded from it: a resumed pass seeks there, reads that one block again and skips
+    # those batches, instead of re-reading the stream from the start.
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": getattr(self, "_position", None)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = state.get("position")
+
+    def _resume_position(self, shard: int, num_shards: int) -> dict[str, Any] | None:
+        position, self._resume = getattr(self, "_resume", None), None
+        if position is None:
+            return None
+        mine = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
+                "fingerprint": self.fingerprint}
+        if any(position.get(k) != v for k, v in mine.items()):
+            warnings.warn(f"{self.path}: the saved reading position belongs to another file, batch size or "
+                          f"split ({ {k: position.get(k) for k in mine} } saved, {mine} here): this pass starts "
+                          f"from the beginning of the file", stacklevel=3)
+            return None
+        return position
+
     def __iter__(self) -> Iterator[Batch]:
         shard, num_shards = self._shard()
-        rng = np.random.default_rng([self.seed, self._epoch, shard])
-        self._epoch += 1  # persistent workers and the main process keep counting epochs
+        resume = self._resume_position(shard, num_shards)
+        self._position = None
+        if resume is None:
+            epoch = self._epoch
+            rng = np.random.default_rng([self.seed, epoch, shard])
+            start, k, seen, pending, skip = None, 0, 0, [], 0
+        else:
+            epoch = resume["epoch"]
+            rng = np.random.default_rng([self.seed, epoch, shard])
+            rng.bit_generator.state = resume["rng"]
+            start, k, seen, pending, skip = (resume["reader"], resume["block"], resume["seen"], list(resume["pending"]),
+                                             resume["yielded"])
+        self._epoch = epoch + 1  # persistent workers and the main process keep counting epochs
+        base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
+                "fingerprint": self.fingerprint, "epoch": epoch}
         report = ParseReport(path=self.path, layout=asdict(self.layout))
         self.report = report
-        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        num_pending = 0
-        blocks = iter_blocks(self.path, self.block_bytes, self.layout.has_header)
+        num_pending = sum(p[0].shape[0] for p in pending)
+        if resume is not None and resume.get("done"):
+            self._position = {**base, "done": True}
+            return
+        blocks = iter_blocks_resumable(self.path, self.block_bytes, self.layout.has_header, start)
         # Few blocks per shard: deal rows (every shard parses every block, keeps every num_shards-th
         # row), so ranks get equal shares of a small file; many blocks: deal whole blocks (each is
         # parsed once), and shares differ by at most about a block.
         by_rows = num_shards > 1 and math.ceil(os.path.getsize(self.path) / self.block_bytes) < 2 * num_shards
-        seen = 0
-        for k, (block, first_line) in enumerate(blocks):
-            if not by_rows and k % num_shards != shard:
+        for block, first_line, reader in blocks:
+            here, k = k, k + 1
+            if not by_rows and here % num_shards != shard:
                 continue
+            boundary = {**base, "reader": reader, "block": here, "seen": seen, "rng": rng.bit_generator.state,
+                        "pending": list(pending)}
             arrays = parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report, self.parser)
             if by_rows:
                 n = arrays[0].shape[0]
@@ -405,14 +449,20 @@ class CriteoIterableDataset(IterableDataset):
                 continue
             label, dense, sparse = (np.concatenate(parts) for parts in zip(*pending))
             full = (num_pending // self.batch_size) * self.batch_size
-            for s in range(0, full, self.batch_size):
+            for i, s in enumerate(range(0, full, self.batch_size)):
+                if i < skip:  # a resumed pass: trained before the checkpoint
+                    continue
+                self._position = {**boundary, "yielded": i + 1}  # the state once this batch is taken
                 yield self._batch(label[s:s + self.batch_size], dense[s:s + self.batch_size],
                                   sparse[s:s + self.batch_size])
+            skip = 0
             pending = [(label[full:], dense[full:], sparse[full:])]
             num_pending -= full
         if num_pending and not self.drop_last:
             label, dense, sparse = (np.concatenate(parts) for parts in zip(*pending))
+            self._position = {**base, "done": True}
             yield self._batch(label, dense, sparse)
+        self._position = {**base, "done": True}
         report.log_skips()
 
     def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> Batch:

@@ -303,23 +303,53 @@ def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) ->
 
     gzip/bz2/zstd files are read through Arrow's decompressing stream (detected from the first bytes).
     """
-    line = 1
-    rest = b""
+    for block, line, _ in iter_blocks_resumable(path, block_bytes, skip_header):
+        yield block, line
+
+
+def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header: bool,
+                          start: dict | None = None) -> Iterator[tuple[bytes, int, dict]]:
+    """iter_blocks, each block with the reader's position before it (`start` resumes there).
+
+    The position is {"read": bytes of text read, "rest": the cut line carried over, "line", "skip_header"}:
+    reading on from it gives this block and every later one exactly as the first pass cut them (the
+    text is read in the same `block_bytes` steps). An uncompressed file seeks to "read"; a compressed
+    stream cannot seek and is decompressed up to it (not parsed).
+    """
+    read, rest, line = 0, b"", 1
+    if start is not None:
+        read, rest, line = int(start["read"]), bytes(start["rest"]), int(start["line"])
+        skip_header = start["skip_header"]
     with open_criteo_stream(path) as stream:
+        if read:
+            if stream.seekable():
+                stream.seek(read)
+            else:
+                left = read
+                while left:
+                    got = len(stream.read(min(left, block_bytes)))
+                    if not got:
+                        raise ValueError(f"{path} is shorter than the saved reading position ({read} bytes of text): "
+                                         f"the file changed since the position was saved; start the epoch over")
+                    left -= got
         while True:
+            position = {"read": read, "rest": rest, "line": line, "skip_header": skip_header}
             chunk = stream.read(block_bytes)
+            read += len(chunk)
             data = rest + chunk if rest else chunk
             if not chunk:
                 if data:
                     # The last line may lack its newline (e.g. pytorch-fm's train.txt).
-                    yield from _emit(data + b"\n", line, skip_header)
+                    for block, first in _emit(data + b"\n", line, skip_header):
+                        yield block, first, position
                 return
             cut = data.rfind(b"\n") + 1
             if cut == 0:
                 rest = data
                 continue
             block, rest = data[:cut], data[cut:]
-            yield from _emit(block, line, skip_header)
+            for piece, first in _emit(block, line, skip_header):
+                yield piece, first, position
             if skip_header and line == 1:
                 skip_header = False
             line += block.count(b"\n")
