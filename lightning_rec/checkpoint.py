@@ -45,6 +45,7 @@ its pieces out of it (see "the gathered format" below).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -795,12 +796,20 @@ def gathered_state_dict(state_dict: Mapping[str, Any], dmp: Any = None) -> dict[
     """Collective: on rank 0, `state_dict` with every sharded table whole (CPU); elsewhere `state_dict`.
 
     state_dict: this rank's (`module.state_dict()`: sharded tables as ShardedTensor, every rank holding
-        an entry for every sharded table). dmp: the DistributedModelParallel whose guarded gather is
-        used (None: torch.distributed's gather_object). One table in flight at a time.
+        an entry for every sharded table; FSDP's dense layers as DTensors). dmp: the
+        DistributedModelParallel whose guarded gather is used (None: torch.distributed's
+        gather_object). One table in flight at a time.
     """
-    world = _rank_world()[1]
+    from torch.distributed.tensor import DTensor
+
+    rank, world = _rank_world()
     out = dict(state_dict)
     for key, value in state_dict.items():
+        if isinstance(value, DTensor):  # FSDP: whole (every rank of its mesh calls this, in one order)
+            full = value.full_tensor()
+            if rank == 0:
+                out[key] = full.cpu()
+            continue
         if not isinstance(value, ShardedTensor):
             continue
         mine = value if world == 1 else ShardedTensor(value.global_shape,
@@ -813,20 +822,45 @@ def gathered_state_dict(state_dict: Mapping[str, Any], dmp: Any = None) -> dict[
     return out
 
 
+# A dense optimizer part whose state was sharded (FSDP) is stored whole, by parameter name
+# (get_optimizer_state_dict(full_state_dict=True)), as {FULL_BY_NAME: that state}.
+FULL_BY_NAME = "lightning_rec: whole state by parameter name"
+
+
+def _full_options(**kwargs: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
 @torch.no_grad()
-def gathered_optimizer_state(optimizer: torch.optim.Optimizer, dmp: Any = None) -> dict[str, Any]:
+def gathered_optimizer_state(optimizer: torch.optim.Optimizer, dmp: Any = None,
+                             module: torch.nn.Module | None = None) -> dict[str, Any]:
     """Collective: on rank 0, `optimizer.state_dict()` with the fused state whole under global names
     (loads into any world size, plan, or the unsharded model); elsewhere `optimizer.state_dict()`.
 
     One fused state (a table's `sum`, `momentum1`, ...) in flight at a time; the names are agreed first
-    (a table-wise table's state lives on one rank only).
+    (a table-wise table's state lives on one rank only). module: the model the optimizer trains, needed
+    when its dense state is sharded (FSDP): that part is stored whole by parameter name (FULL_BY_NAME).
     """
     optimizer = _unwrap(optimizer)
     state = optimizer.state_dict()
     fused_key = fused_part(optimizer)
+    rank, world = _rank_world()
+    rest, children = _dense_parts(optimizer, fused_key, state)
+    for name, child in children.items():
+        if not _sharded(rest[name] if name else rest):
+            continue
+        if module is None or get_optimizer_state_dict is None:
+            raise ValueError("the dense optimizer's state is sharded (FSDP): pass module= (the model it trains) to "
+                             "gathered_optimizer_state, or save with checkpoint_format='dcp'")
+        whole = {FULL_BY_NAME: get_optimizer_state_dict(module, child, options=_full_options(cpu_offload=True))}
+        if name:
+            state = {**state, name: whole}
+        else:
+            state = whole
     if fused_key is None:
         return state
-    rank, world = _rank_world()
     mine = _fused_child(optimizer, fused_key).global_state_pieces()
     names = dict.fromkeys(k for part in _all_gather_object(list(mine), dmp) for k in part)  # rank order
     merged: dict[str, Tensor] = {}
@@ -847,6 +881,60 @@ def gathered_optimizer_state(optimizer: torch.optim.Optimizer, dmp: Any = None) 
     fused = state[fused_key] if fused_key else state
     fused = {**fused, "state": merged}
     return {**state, fused_key: fused} if fused_key else fused
+
+
+def has_whole_by_name(optimizer_states: Sequence[Any]) -> bool:
+    """Whether a gathered checkpoint's optimizer states hold a part stored whole by parameter name."""
+    def found(obj: Any) -> bool:
+        return isinstance(obj, Mapping) and (FULL_BY_NAME in obj or any(found(v) for v in obj.values()
+                                                                        if isinstance(v, Mapping)))
+
+    return any(found(s) for s in optimizer_states)
+
+
+@torch.no_grad()
+def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
+                            module: torch.nn.Module | None = None) -> None:
+    """An optimizer's state from a gathered checkpoint; parts stored whole by parameter name (FSDP)
+    go through set_optimizer_state_dict, which keeps this rank's shards (any world size)."""
+    from lightning_rec.optim import CombinedOptimizer
+
+    optimizer = _unwrap(optimizer)
+
+    def load(part: torch.optim.Optimizer, saved: Any) -> None:
+        if isinstance(saved, Mapping) and FULL_BY_NAME in saved:
+            if module is None or set_optimizer_state_dict is None:
+                raise ValueError("the checkpoint's dense optimizer state is stored by parameter name (FSDP): pass "
+                                 "module= (the model the optimizer trains)")
+            set_optimizer_state_dict(module, part, saved[FULL_BY_NAME], options=_full_options())
+        else:
+            part.load_state_dict(saved)
+
+    if isinstance(optimizer, CombinedOptimizer):
+        for name, child in optimizer.optimizers:
+            if name not in state:
+                raise ValueError(f"the checkpoint has no optimizer state for '{name}'; it has {list(state)}")
+            load(child, state[name])
+        optimizer._sync_groups()
+    else:
+        load(optimizer, state)
+
+
+def localize_full_state(module: torch.nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A whole-tensor state dict with the entries that are DTensors in `module` (FSDP) cut to this
+    rank's shards, so that `module.load_state_dict` takes it (at any world size)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    live = module.state_dict()
+    local_only = "src_data_rank" in inspect.signature(distribute_tensor).parameters  # torch >= 2.6
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        cur = live.get(key)
+        if isinstance(cur, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+            value = value.to(device=cur.device, dtype=cur.dtype)
+            kwargs = {"src_data_rank": None} if local_only else {}  # every rank holds the whole tensor
+            out[key] = distribute_tensor(value, cur.device_mesh, cur.placements, **kwargs)
+    return out
 
 
 def is_local_path(path: str | os.PathLike) -> bool:

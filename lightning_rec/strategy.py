@@ -253,8 +253,9 @@ class RecStrategy(DDPStrategy):
         state = checkpoint["state_dict"]
         if isinstance(state, rec_checkpoint.DCPCheckpoint):
             rec_checkpoint.load_model(self.lightning_module, state.path, strict=strict)
-        else:
-            super().load_model_state_dict(checkpoint, strict=strict)
+        else:  # a gathered file: whole tensors (FSDP's dense layers are cut to this rank's shards first)
+            state = rec_checkpoint.localize_full_state(self.lightning_module, state)
+            super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
@@ -262,6 +263,9 @@ class RecStrategy(DDPStrategy):
         if states and isinstance(states[0], rec_checkpoint.DCPCheckpoint):
             for optimizer, ref in zip(self.optimizers, states):
                 rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module)
+        elif rec_checkpoint.has_whole_by_name(states):  # a gathered file written with FSDP dense layers
+            for optimizer, state in zip(self.optimizers, states):
+                rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)
         else:
             super().load_optimizer_state_dict(checkpoint)
 
@@ -270,7 +274,7 @@ class RecStrategy(DDPStrategy):
         return rec_checkpoint.gathered_state_dict(self.lightning_module.state_dict(), self._dmp)
 
     def _gathered_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return rec_checkpoint.gathered_optimizer_state(optimizer, self._dmp)
+        return rec_checkpoint.gathered_optimizer_state(optimizer, self._dmp, module=self.lightning_module)
 
     @classmethod
     @override

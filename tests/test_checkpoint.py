@@ -557,7 +557,7 @@ def test_dcp_with_fsdp_dense_layers_reshards(tmp_path, save_world, load_world):
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
 
 
-def _fsdp_trainer_worker(rank, W, root, resume):
+def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp"):
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.tensor import DTensor
@@ -569,7 +569,8 @@ def _fsdp_trainer_worker(rank, W, root, resume):
                                      num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
                                      num_embeddings_per_feature=64)
     module = DLRMModule(**SMALL)
-    trainer = L.Trainer(strategy=RecStrategy(dense="fsdp"), accelerator="cpu", devices=W, max_steps=3, logger=False,
+    trainer = L.Trainer(strategy=RecStrategy(dense="fsdp", checkpoint_format=checkpoint_format), accelerator="cpu",
+                        devices=W, max_steps=3, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[ModelCheckpoint(dirpath=root, save_last=True)])
     # resume: at max_steps already, fit only restores the checkpoint
@@ -579,13 +580,18 @@ def _fsdp_trainer_worker(rank, W, root, resume):
     for pid, st in dense.state_dict()["state"].items():
         out.update({f"{pid}.{n}": (v.full_tensor() if isinstance(v, DTensor) else v.clone())
                     for n, v in st.items() if torch.is_tensor(v)})
+    out.update({k: v.full_tensor() for k, v in module.state_dict().items() if isinstance(v, DTensor)})
     return out
 
 
-def test_trainer_fsdp_dense_optimizer_state_resumes_at_another_world_size(tmp_path):
-    saved = run_ranks(_fsdp_trainer_worker, 2, str(tmp_path), False, timeout=180)[0]
-    loaded = run_ranks(_fsdp_trainer_worker, 1, str(tmp_path), True, timeout=180)[0]
-    assert saved and saved.keys() == loaded.keys()
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_trainer_fsdp_dense_optimizer_state_resumes_at_another_world_size(tmp_path, checkpoint_format):
+    """Dense layers and their optimizer state under FSDP, saved at 2 ranks, resumed at 1: bitwise (the
+    gathered format stores them whole: every rank's shards, by parameter name)."""
+    saved = run_ranks(_fsdp_trainer_worker, 2, str(tmp_path), False, checkpoint_format, timeout=180)[0]
+    loaded = run_ranks(_fsdp_trainer_worker, 1, str(tmp_path), True, checkpoint_format, timeout=180)[0]
+    assert any(k.endswith(".sum") for k in saved) and any(k.endswith(".weight") for k in saved)
+    assert saved.keys() == loaded.keys()
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
 
 
