@@ -341,6 +341,34 @@ def test_gathered_file_is_mapped_and_legacy_files_still_load(tmp_path):
     _tree_equal(ckpt.load_file(tmp_path / "legacy.ckpt"), state)
 
 
+def _custom_io_worker(rank, W, root):
+    import lightning.pytorch as L
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_rec.strategy import RecStrategy
+
+    calls = []
+
+    class RecordingIO(TorchCheckpointIO):  # a user's plugin (remote storage, say): it must still be used
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            calls.append(os.path.basename(path))
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES, num_embeddings_per_feature=64)
+    trainer = L.Trainer(strategy=RecStrategy(checkpoint_format="gathered"), plugins=[RecordingIO()], accelerator="cpu",
+                        devices=W, max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(DLRMModule(**SMALL), data)
+    trainer.save_checkpoint(os.path.join(root, "custom.ckpt"))
+    return calls
+
+
+def test_gathered_format_keeps_a_custom_checkpoint_io(tmp_path):
+    assert run_ranks(_custom_io_worker, 1, str(tmp_path), timeout=120)[0] == ["custom.ckpt"]
+    assert "state_dict" in ckpt.load_file(tmp_path / "custom.ckpt")
+
+
 def _disk_full_worker(rank, W, path):
     module = _module()
     dmp = _shard(module, "row_wise", W)
