@@ -11,7 +11,9 @@ Legend: i the batch the step computes, K the depth (batches routed ahead, 1 by d
          pipeline's own channel)
 
 So the loader, the host-to-device copy and the id routing (its local work and its all-to-all)
-leave the step's critical path. Batches come out in order; the last ones are drained.
+leave the step's critical path. Batches come out in order; the last ones are drained. Under
+RecStrategy, "copy" is Lightning's three batch hooks (strategy.py `_batch_hooks_for`), so the ids
+routed are those of the batch the hooks return.
 
 No tracing. The first batch of a pipeline runs plainly while the pipeline records which input each
 sharded collection is called with: a KeyedJaggedTensor found, by identity, inside the batch (a

@@ -318,13 +318,34 @@ def _lightning_worker(rank, W, tmp):
     from lightning_rec import DLRMModule
     from lightning_rec.strategy import RecStrategy
 
+    class Hooked(DLRMModule):
+        """Batch hooks that change the batch (a new KJT object, scaled dense features) and count their calls."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hook_calls = {"before": 0, "transfer": 0, "after": 0}
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            self.hook_calls["before"] += 1
+            kjt = batch.sparse_features
+            return Batch(batch.dense_features, KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths()),
+                         batch.labels)
+
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            self.hook_calls["transfer"] += 1
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            self.hook_calls["after"] += 1
+            return Batch(batch.dense_features * 0.5, batch.sparse_features, batch.labels)
+
     results = {}
     for mode in ("plain", "pipelined", "plain_again"):
         L.seed_everything(0)
         data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
                                          num_sparse_features=NUM_F, num_embeddings_per_feature=64,
                                          num_signal_features=2)
-        module = DLRMModule(**SMALL)
+        module = Hooked(**SMALL)
         losses = []
 
         stats = []
@@ -348,7 +369,7 @@ def _lightning_worker(rank, W, tmp):
         trainer.save_checkpoint(f"{tmp}/{mode}.ckpt")
         test = trainer.validate(module, data, verbose=False)[0]  # again, after fit: a new (forward-only) pipeline
         results[mode] = dict(losses=losses, metrics=metrics, val=test, weights=_weights(module.model),
-                             stats=stats)
+                             stats=stats, hook_calls=dict(module.hook_calls))
     return results
 
 
@@ -359,6 +380,10 @@ def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
         assert piped["metrics"] == plain["metrics"] and piped["val"] == plain["val"]
         assert all(torch.equal(plain["weights"][k], piped["weights"][k]) for k in plain["weights"])
         assert rank_result["plain_again"]["losses"] == plain["losses"]
+        # the batch hooks ran once per batch in both modes (pipelined: in the feeder, before routing):
+        # 16 training batches, sanity check 2, 4 validations x 2, validate() 2
+        assert piped["hook_calls"] == plain["hook_calls"] and plain["hook_calls"]["before"] == 16 + 2 + 4 * 2 + 2
+        assert set(plain["hook_calls"].values()) == {plain["hook_calls"]["before"]}
         assert plain["stats"] == [] and len(piped["stats"]) == 2  # the train and the val loader's pipelines
         val, train = piped["stats"]  # the sanity check builds the val loader's first
         assert train == {"routed_ahead": 15, "routed_in_step": 1}  # 16 steps: only the recording batch in-step
