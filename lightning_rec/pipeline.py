@@ -25,7 +25,8 @@ that is not in the batch (computed inside the model) cannot be routed ahead: the
 once, naming the collection and the reason, and that collection routes its ids inside the step, as
 in the plain loop (the others stay pipelined).
 
-Agreement, and why nothing hangs. Each channel carries the same collectives in the same order on
+Agreement, and why nothing hangs (the channel has a CollectiveGuard of its own, in its own slot: a peer that
+exits is named within seconds, a timeout names the model's setting). Each channel carries the same collectives in the same order on
 every rank: the step's run on the model's channel (main thread), the feeder's on the pipeline's own
 (a second process group, plus a second shared-memory group on CPU). The feeder starts batch k only
 while k < taken + K (taken: batches the loop has taken), the same on every rank, so whenever a pass
@@ -66,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, CollectiveTimeout, PeerExited, guard_of
 from lightning_rec.sharded_embedding import ShardedBatch, _ShardedCollectionBase
 from lightning_rec.shm_transport import SharedMemoryGroup
 from lightning_rec.sparse import KeyedJaggedTensor
@@ -209,6 +211,17 @@ class _Channel:
         self.pg = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
         self.transport = SharedMemoryGroup.create(self.pg, env.timeout_s) if env.transport is not None else None
         self.comm = self.transport if self.transport is not None else self.pg
+        # under a guard of its own, as the model's collectives are (collective_guard.py): a peer that
+        # exited is named, a timeout names the model's setting; its entries live in their own slot,
+        # since the feeder thread waits while the step's thread may wait elsewhere
+        model_guard = guard_of(env.pg, enabled_only=False)
+        setting = model_guard.setting if model_guard is not None else "DistributedModelParallel(timeout=...)"
+        self.guard = CollectiveGuard(self.pg, "pipeline", env.timeout_s or 1800.0, setting,
+                                     enabled=model_guard.enabled if model_guard is not None else None,
+                                     slot="pipeline")
+        if self.transport is not None:
+            self.transport.timeout_setting = setting
+            self.transport.guard = self.guard if self.guard.enabled else None
         self.rank, self.world_size = env.rank, env.world_size
         self.device, self.timeout_s = env.device, env.timeout_s
         self._a2a: dict[int, Any] = {}
@@ -223,13 +236,17 @@ class _Channel:
         """Collective: the ranks without a batch, and the ranks whose loader raised."""
         status = torch.zeros(2, self.world_size, dtype=torch.int64)
         status[0, self.rank], status[1, self.rank] = int(missing), int(failed)
+        tag = "pipeline: every rank has a batch"
         try:
             if self.transport is not None:
-                self.transport.all_reduce_sum_(status, tag="pipeline: every rank has a batch")
+                self.transport.all_reduce_sum_(status, tag=tag)
             else:
                 on_device = status.to(self.device)
-                dist.all_reduce(on_device, group=self.pg)
+                k = self.guard.begin()
+                self.guard.wait_work(dist.all_reduce(on_device, group=self.pg, async_op=True), tag, k)
                 status = on_device.cpu()
+        except (CollectiveMismatch, CollectiveTimeout, PeerExited):
+            raise  # they name the ranks and the setting already
         except RuntimeError as e:
             raise RuntimeError(f"pipeline: rank {self.rank} could not agree with its peers on the next batch: a peer "
                                f"exited or did not answer within the timeout ({self.timeout_s} s). Cause: {e}") from e

@@ -515,3 +515,45 @@ def test_dict_batch_two_collections_one_called_twice():
     for same, stats in run_ranks(_two_tower_worker, 2, timeout=120):
         assert same
         assert stats == {"routed_ahead": 3 * 11, "routed_in_step": 3}  # 3 inputs per batch; the first in-step
+
+
+# a rank that dies mid-pipeline is named, on either transport ------------------------------------------
+
+
+def _dead_in_loader_worker(rank, W, shared_memory, slow_s):
+    import os
+    import time
+
+    torch.manual_seed(0)
+    model = Step()
+    dmp = DistributedModelParallel(model, plan=_plan("table_wise", model, W), device="cpu", timeout=30,
+                                   shared_memory=shared_memory)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+
+    def batches():
+        for i, b in enumerate(_loader(rank, 8)):
+            if i == 3 and rank == 1:
+                time.sleep(slow_s)  # rank 0's step waits for its next batch; only its feeder is in a collective
+                os._exit(0)  # gone without a word, in the feeder thread
+            yield b
+
+    start = time.monotonic()
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+    try:
+        _pipelined_steps(pipeline, batches())
+    except Exception as e:  # noqa: BLE001 - what rank 0 sees, and how long it took
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("shared_memory,slow_s", [(False, 0.0), (True, 0.0), (False, 2.0), (True, 2.0)],
+                         ids=["gloo", "shm", "gloo-feeder-only", "shm-feeder-only"])
+def test_rank_dying_in_its_loader_is_named_not_waited_for(shared_memory, slow_s):
+    kind, text, seconds = run_ranks(_dead_in_loader_worker, 2, shared_memory, slow_s, timeout=90,
+                                    allow_missing=True)[0]
+    assert kind == "PeerExited", text
+    assert "rank 1 exited" in text or "rank(s) [1] exited" in text, text
+    if slow_s:  # the feeder's own collective found it (its guard names the rank)
+        assert "pipeline" in text, text
+    assert seconds < 15, (seconds, text)
