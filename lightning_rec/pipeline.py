@@ -25,15 +25,16 @@ that is not in the batch (computed inside the model) cannot be routed ahead: the
 once, naming the collection and the reason, and that collection routes its ids inside the step, as
 in the plain loop (the others stay pipelined).
 
-Agreement, and why nothing hangs (the channel has a CollectiveGuard of its own, in its own slot: a peer that
-exits is named within seconds, a timeout names the model's setting). Each channel carries the same collectives in the same order on
-every rank: the step's run on the model's channel (main thread), the feeder's on the pipeline's own
-(a second process group, plus a second shared-memory group on CPU). The feeder starts batch k only
-while k < taken + K (taken: batches the loop has taken), the same on every rank, so whenever a pass
-stops (end of data, an exception in the step, a loop cut short) every rank's feeder has run the
-same collectives and stops at the same point. A rank whose loader ends first ends the pass for all
-(the step-together rule of strategy.py); a batch whose features do not match raises the same
-ValueError on every rank at that batch; an exception in one rank's loader stops every rank there.
+Agreement, and why nothing hangs (each channel also waits through a CollectiveGuard of its own, in a
+slot of its own: a peer that exits is named within seconds, a timeout names the model's setting).
+Each channel carries the same collectives in the same order on every rank: the step's run on the
+model's channel (main thread), the feeder's on the pipeline's own (a second process group, plus a
+second shared-memory group on CPU). The feeder starts batch k only while k < taken + K (taken:
+batches the loop has taken), the same on every rank, so whenever a pass stops (end of data, an
+exception in the step, a loop cut short) every rank's feeder has run the same collectives and stops
+at the same point. A rank whose loader ends first ends the pass for all (the step-together rule of
+strategy.py); a batch whose features do not match raises the same ValueError on every rank at that
+batch; an exception in one rank's loader stops every rank there.
 
 Variants are a field (`PipelineConfig.variant`), not subclasses: "sparse_dist" runs read, copy and
 input_dist ahead (TorchRec's TrainPipelineSparseDist). A semi-synchronous variant would add the
