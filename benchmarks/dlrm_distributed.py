@@ -219,7 +219,7 @@ class TrainStep(torch.nn.Module):
 
     def forward(self, batch):
         logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(1)
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels), logits
 
 
 def pipeline_loader(rank: int, batch: int, batches: int):

@@ -151,24 +151,13 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
 TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist, lent H100
 
 
-class TrainStep(torch.nn.Module):
-    """batch -> (loss, logits): the form TrainPipelineSparseDist runs (the plain loop runs it too)."""
-
-    def __init__(self, dlrm) -> None:
-        super().__init__()
-        self.dlrm = dlrm
-
-    def forward(self, batch):
-        logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(1)
-        return F.binary_cross_entropy_with_logits(logits.float(), batch.labels), logits
-
-
 def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:
     """samples/s per mode of the plain loop and the pipeline over the same pinned host batches."""
     import os
     import socket
 
     import torch.distributed as dist
+    from dlrm_distributed import TrainStep  # the same step as the CPU pipeline benchmark (this folder)
     from torch.utils.data import DataLoader
 
     from lightning_rec.model_parallel import DistributedModelParallel
