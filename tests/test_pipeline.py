@@ -552,8 +552,11 @@ def _dead_in_loader_worker(rank, W, shared_memory, slow_s):
 def test_rank_dying_in_its_loader_is_named_not_waited_for(shared_memory, slow_s):
     kind, text, seconds = run_ranks(_dead_in_loader_worker, 2, shared_memory, slow_s, timeout=90,
                                     allow_missing=True)[0]
-    assert kind == "PeerExited", text
-    assert "rank 1 exited" in text or "rank(s) [1] exited" in text, text
-    if slow_s:  # the feeder's own collective found it (its guard names the rank)
-        assert "pipeline" in text, text
+    assert kind, "rank 0 trained on without its peer"
     assert seconds < 15, (seconds, text)
+    if slow_s:  # only the feeder waits in a collective: its own guard finds the dead rank and names it
+        assert kind == "PeerExited" and "pipeline" in text, text
+        assert "rank 1 exited" in text or "rank(s) [1] exited" in text, text
+    else:  # the step's collectives may notice first (the embedding exchange names the rank; DDP's
+        # gradient all-reduce over gloo is torch's own: "Connection closed by peer")
+        assert "exited" in text or "closed" in text, text
