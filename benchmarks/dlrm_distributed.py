@@ -219,7 +219,7 @@ class TrainStep(torch.nn.Module):
 
     def forward(self, batch):
         logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(1)
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels), logits
 
 
 def pipeline_loader(rank: int, batch: int, batches: int):
@@ -233,14 +233,15 @@ def pipeline_loader(rank: int, batch: int, batches: int):
     return data.train_dataloader()
 
 
-def run_plain(dmp, opt, loader, steps: int, warmup: int) -> list[float]:
-    """Seconds of each timed step (end to end, loader included)."""
+def run_plain(dmp, opt, loader, steps: int, warmup: int, cpu: list | None = None) -> list[float]:
+    """Seconds of each timed step (end to end, loader included); `cpu` gets the main thread's CPU seconds."""
     it = iter(loader)
     ends = []
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
             ends.append(time.perf_counter())
+            cpu0 = time.thread_time()
         batch = next(it)
         opt.zero_grad()
         loss, _ = dmp(batch)
@@ -248,6 +249,8 @@ def run_plain(dmp, opt, loader, steps: int, warmup: int) -> list[float]:
         opt.step()
         if i >= warmup:
             ends.append(time.perf_counter())
+    if cpu is not None:
+        cpu.append(time.thread_time() - cpu0)
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
@@ -282,11 +285,12 @@ def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> No
                              ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
     loader = pipeline_loader(rank, args.batch, args.warmup + args.steps + 2)
     times: dict[str, list[list[float]]] = {"plain": [], "pipelined": []}  # per round, per step
+    plain_cpu: list[float] = []  # the plain loop's main-thread CPU seconds per round
     profiles = {}
     for r in range(args.rounds):
         for mode in ("plain", "pipelined") if r % 2 == 0 else ("pipelined", "plain"):
             if mode == "plain":
-                seconds = run_plain(dmp, opt, loader, args.steps, args.warmup)
+                seconds = run_plain(dmp, opt, loader, args.steps, args.warmup, plain_cpu)
             else:  # a new pipeline each round: built, used, thrown away over the same model
                 with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
                     seconds = run_pipelined(pipeline, loader, args.steps, args.warmup)
@@ -294,7 +298,7 @@ def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> No
     if args.profile:  # one instrumented round of each: where the loader and the id routing ran
         for mode in ("plain", "pipelined"):
             profiles[mode] = timeline_round(dmp, opt, loader, mode, args.steps)
-    queue.put((rank, dict(times=times, profiles=profiles,
+    queue.put((rank, dict(times=times, profiles=profiles, plain_cpu=plain_cpu,
                           max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
     dist.barrier()
     dist.destroy_process_group()
@@ -408,6 +412,13 @@ def pipeline_main(args) -> None:
     ratio = median_step["plain"] / median_step["pipelined"]
     print(f"{'step':<8}{med['plain']:>18.0f}{med['pipelined']:>22.0f}{ratio:>8.3f}   (median step time over "
           f"{rounds * args.steps} steps per mode: the figure)")
+    # What a pipeline can gain here at most: the feeder only helps where the step's thread leaves its
+    # core idle (waiting for a peer, in a sleep). Busy = the plain loop's main-thread CPU time over its
+    # wall time, per rank per round; with every core busy, moving work to another thread saves nothing.
+    busy = statistics.median(per_rank[r]["plain_cpu"][i] / sum(per_rank[r]["times"]["plain"][i])
+                             for r in per_rank for i in range(rounds))
+    print(f"plain loop: the step's thread is busy {100 * busy:.1f}% of the step (its CPU time / wall time, median "
+          f"over ranks and rounds): overlapping can gain at most {1 / busy:.3f}x on this machine")
     profiles = per_rank[0].get("profiles", {})
     if profiles:
         print("\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path)")
@@ -419,6 +430,7 @@ def pipeline_main(args) -> None:
     rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
     figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
                "median_of_round_ratios": round(statistics.median(ratio_per_round), 3),
+               "plain_step_thread_busy_fraction": round(busy, 4), "overlap_bound_vs_plain": round(1 / busy, 3),
                # a shared machine: with more runnable threads than cores, the pipelined run's second thread
                # also gets a larger share of the CPU, which a dedicated machine would not give
                "load_avg_1min_before": round(load_before, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),

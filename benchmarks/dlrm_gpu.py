@@ -16,6 +16,17 @@ torch.autocast(bfloat16); the tables stay fp32). Modes and variants alternate ov
 are medians. Prints a table, then one JSON line with figures.dlrm_samples_s_fp32,
 figures.dlrm_samples_s_tf32, figures.dlrm_samples_s_bf16, ratios.trainer_vs_loop_cuda and the peak
 GPU memory per mode.
+
+    python benchmarks/dlrm_gpu.py --pipeline [--modes fp32,tf32] [--rounds 3]
+
+`--pipeline` (issue 10): the same model as a one-rank DistributedModelParallel (NCCL on GPU, gloo on
+CPU), batches from pinned host memory through a DataLoader, trained by the plain loop (each batch
+copied with .to(device, non_blocking=True) in the step) and by TrainPipelineSparseDist (the copy on a
+side stream, input_dist on its own stream, one batch ahead), alternating within each round over the
+same model. JSON: ratios.pipelined_vs_plain_cuda (median pipelined / median plain samples/s of the
+first mode), figures.pipelined_samples_s_<mode>, figures.plain_host_samples_s_<mode>, and TorchRec
+1.6.1's pipelined figures on the lent H100 for the same shapes (1.67M fp32 / 1.83M TF32, measured by
+the GPU issue) as figures.torchrec_pipelined_samples_s_<mode> for comparison.
 """
 
 from __future__ import annotations
@@ -137,6 +148,97 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
     return args.batch * args.steps / timer.elapsed
 
 
+TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist, lent H100
+
+
+def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:
+    """samples/s per mode of the plain loop and the pipeline over the same pinned host batches."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from dlrm_distributed import TrainStep  # the same step as the CPU pipeline benchmark (this folder)
+    from torch.utils.data import DataLoader
+
+    from lightning_rec.model_parallel import DistributedModelParallel
+    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+
+    if not dist.is_initialized():  # a one-rank world: DistributedModelParallel and the pipeline need one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    keys, host = make_batches(args, torch.device("cpu"))
+    if device.type == "cuda":
+        host = [b.pin_memory() for b in host]
+    steps, warmup = args.steps, 3
+    loader = DataLoader([host[i % len(host)] for i in range(steps + warmup)], batch_size=None)
+    module = build_module(args, keys)
+    module.configure_model()
+    dmp = DistributedModelParallel(TrainStep(module.model), device=device)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
+    out = {m: {"plain": [], "pipelined": []} for m in modes}
+
+    def plain() -> float:
+        for i, b in enumerate(loader):
+            if i == warmup:
+                sync(device)
+                t0 = time.perf_counter()
+            b = b.to(device, non_blocking=True)
+            opt.zero_grad()
+            loss, _ = dmp(b)
+            loss.backward()
+            opt.step()
+        sync(device)
+        return args.batch * steps / (time.perf_counter() - t0)
+
+    def pipelined() -> float:
+        with TrainPipelineSparseDist(dmp, opt, device) as pipeline:
+            it = iter(loader)
+            for i in range(steps + warmup):
+                if i == warmup:
+                    sync(device)
+                    t0 = time.perf_counter()
+                pipeline.progress(it)
+            sync(device)
+            return args.batch * steps / (time.perf_counter() - t0)
+
+    for r in range(args.rounds):
+        for mode in modes:
+            with set_mode(mode):
+                for kind in ("plain", "pipelined") if r % 2 == 0 else ("pipelined", "plain"):
+                    out[mode][kind].append(plain() if kind == "plain" else pipelined())
+    return out
+
+
+def pipeline_main(args, modes, device: torch.device) -> None:
+    runs = run_pipeline_compare(args, modes, device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"DLRM on {name}, one rank, batches from pinned host memory through a DataLoader: {NUM_TABLES} tables x "
+          f"{args.rows} rows x dim {DENSE_ARCH[-1]}, batch {args.batch}, median of {args.rounds} rounds of "
+          f"{args.steps} steps")
+    print(f"{'mode':<8}{'plain samples/s':>18}{'pipelined samples/s':>22}{'ratio':>8}{'TorchRec pipelined':>20}")
+    figures, results = {}, []
+    for mode in modes:
+        pl_, pi = statistics.median(runs[mode]["plain"]), statistics.median(runs[mode]["pipelined"])
+        ref = TORCHREC_PIPELINED.get(mode) if device.type == "cuda" else None
+        print(f"{mode:<8}{pl_:>18,.0f}{pi:>22,.0f}{pi / pl_:>8.3f}{(ref or float('nan')):>20,.0f}")
+        figures[f"plain_host_samples_s_{mode}"] = pl_
+        figures[f"pipelined_samples_s_{mode}"] = pi
+        if ref is not None and device.type == "cuda":
+            figures[f"torchrec_pipelined_samples_s_{mode}"] = ref
+            figures[f"pipelined_vs_torchrec_{mode}"] = pi / ref
+        results.append({"mode": mode, "plain_samples_per_s": pl_, "pipelined_samples_per_s": pi,
+                        "per_round_plain": runs[mode]["plain"], "per_round_pipelined": runs[mode]["pipelined"]})
+    first = modes[0]
+    key = "pipelined_vs_plain_cuda" if device.type == "cuda" else "pipelined_vs_plain"
+    ratios = {key: statistics.median(runs[first]["pipelined"]) / statistics.median(runs[first]["plain"])}
+    print(json.dumps({"benchmark": "dlrm_gpu", "results": results, "ratios": ratios, "figures": figures}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -147,11 +249,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default="fp32,tf32,bf16")
     parser.add_argument("--no-trainer", action="store_true")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="plain loop vs TrainPipelineSparseDist over pinned host batches (see the module doc)")
     args = parser.parse_args()
     device = torch.device(args.device)
     modes = args.modes.split(",")
     if device.type != "cuda":
         modes = [m for m in modes if m != "bf16"]
+    if args.pipeline:
+        pipeline_main(args, [m for m in modes if m != "bf16"] or ["fp32"], device)
+        return
     keys, batches = make_batches(args, device)
     loop: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, list[float]] = {m: [] for m in modes}

@@ -5,12 +5,15 @@ a planner, and Lightning integration (`Trainer(strategy="rec")`, the `lightning-
 
 Names are imported on first use: `import lightning_rec` stays light (no Lightning, datasets or
 wandb until a name that needs them is touched), which keeps an embedding-only process small.
-Importing any LightningModule or the CLI registers `strategy="rec"` with Lightning.
+Importing any LightningModule or the CLI registers `strategy="rec"` with Lightning, and so does
+`import lightning_rec` itself when Lightning is already imported (`import lightning.pytorch as L`
+first, as isort orders them): then `L.Trainer(strategy="rec")` works with any LightningModule.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
@@ -55,6 +58,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: registering costs nothing more
+    importlib.import_module("lightning_rec.strategy")
 
 
 if TYPE_CHECKING:  # static tools see the names as if imported eagerly

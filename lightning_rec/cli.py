@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
@@ -28,6 +29,21 @@ import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
 
 
 class RecCLI(LightningCLI):
+    def instantiate_trainer(self, **kwargs):
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as e:
+            # Lightning's "No supported gpu backend found!" names neither what is missing nor the fix
+            from lightning_rec.lookup import cuda_missing
+
+            accelerator = str(self._get(self.config_init, "trainer", {}).get("accelerator", "")).lower()
+            what = cuda_missing()
+            if accelerator in ("gpu", "cuda") and what is not None:
+                raise SystemExit(f"lightning-rec: --trainer.accelerator={accelerator} needs a CUDA GPU, but {what}: "
+                                 f"install the CUDA build of torch and the fbgemm-gpu that matches it (README, "
+                                 f"'GPU'), or use --trainer.accelerator=cpu") from e
+            raise
+
     def after_fit(self) -> None:
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val_")}
         if metrics and self.trainer.is_global_zero:

@@ -117,9 +117,13 @@ class CollectiveGuard:
         setting: how the user sets that timeout ("DistributedModelParallel(timeout=...)").
         enabled: False (or LIGHTNING_REC_COLLECTIVE_GUARD=0 in the environment): the group's
             collectives wait plainly, with their timeouts only (to measure what the guard costs).
+        slot: "" for the main thread's groups; another name for a group whose collectives run in a
+            thread of their own (the pipeline's feeder): its waits are published, and its peers'
+            read, under that slot, so two threads of a rank never overwrite each other's entry.
     """
 
-    def __init__(self, pg, name: str, timeout_s: float, setting: str, enabled: bool | None = None) -> None:
+    def __init__(self, pg, name: str, timeout_s: float, setting: str, enabled: bool | None = None,
+                 slot: str = "") -> None:
         if enabled is None:
             enabled = os.environ.get("LIGHTNING_REC_COLLECTIVE_GUARD", "1") != "0"
         self.enabled = enabled
@@ -129,6 +133,7 @@ class CollectiveGuard:
         self.uid = f"{name}:{getattr(pg, 'group_name', id(pg))}"
         self.nccl = dist.get_backend(pg) == "nccl"
         self.k = 0
+        self._slot = f"/{slot}" if slot else ""
         self._store = _default_store() if enabled else None
         self._peers_info: dict[int, tuple[str, int]] = {}
         self._store_down = False
@@ -227,14 +232,14 @@ class CollectiveGuard:
     def _entries(self) -> dict[int, str]:
         """Every peer's published entry ("" when none), in one Store round trip when all exist."""
         peers = [p for p in self.ranks if p != self.rank]
-        keys = [f"{_PREFIX}at/{p}" for p in peers]
+        keys = [f"{_PREFIX}at/{p}{self._slot}" for p in peers]
         if not self._store_down and callable(getattr(self._store, "multi_get", None)):
             try:
                 if self._store.check(keys):  # multi_get would wait for a missing key
                     return {p: v.decode() for p, v in zip(peers, self._store.multi_get(keys))}
             except RuntimeError:
                 self._store_down = True
-        return {p: self._read(f"at/{p}") for p in peers}
+        return {p: self._read(f"at/{p}{self._slot}") for p in peers}
 
     def _check_peers(self, tag: str, k: int, waited: float, seen: dict[int, str]) -> None:
         for p, raw in self._entries().items():
@@ -365,7 +370,7 @@ class CollectiveGuard:
             self._store_down = True
 
     def _publish(self, entry: dict | None) -> None:
-        self._set(f"at/{self.rank}", json.dumps(entry) if entry is not None else "")
+        self._set(f"at/{self.rank}{self._slot}", json.dumps(entry) if entry is not None else "")
 
 
 def _describe(dead: list[tuple[int, str]]) -> str:

@@ -105,12 +105,21 @@ def cpu_supported_optimizers() -> list[EmbOptimType]:
     return [o for o in EmbOptimType if o in FBGEMM_CPU_OPTIMIZERS or _native_supports(native, o)]
 
 
+def cuda_missing() -> str | None:
+    """What this environment lacks for CUDA training (None when torch sees a CUDA device)."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU build"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} finds no CUDA device (driver, CUDA_VISIBLE_DEVICES?)"
+    return None
+
+
 def check_device_ready(device: torch.device) -> None:
     """One line saying what is missing when tables are asked for on a GPU this environment cannot use."""
     if device.type != "cuda":
         return
-    if torch.version.cuda is None or not torch.cuda.is_available():
-        what = "this torch is a CPU build" if torch.version.cuda is None else "torch finds no CUDA device"
+    what = cuda_missing()
+    if what is not None:
         raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}: install the "
                          f"CUDA build of torch and fbgemm-gpu (README, 'GPU'), or train with device='cpu' / "
                          f"accelerator='cpu'")

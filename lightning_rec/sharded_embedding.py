@@ -171,7 +171,7 @@ class _ShardedCollectionBase(nn.Module):
 
     # the data path ------------------------------------------------------------------------------
 
-    # pipeline.py sets this (`source(module, features) -> ShardedBatch | None`) while a pipeline runs:
+    # pipeline/feeder.py sets this (`source(module, features) -> ShardedBatch | None`) while a pipeline runs:
     # a batch it routed during the previous step comes back from it instead of being routed here.
     _input_source = None
 
@@ -184,7 +184,7 @@ class _ShardedCollectionBase(nn.Module):
         return self.route(features, self._ids_a2a)
 
     def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll) -> ShardedBatch:
-        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline.py)."""
+        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py)."""
         ordered, error = self._validate(features)
         routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
         replicated = None

@@ -154,12 +154,13 @@ class RecStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
-            from lightning_rec.pipeline import InputPipeline, move_to_device, wrap_loader
+            from lightning_rec.pipeline import InputPipeline, wrap_loader
 
             # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
-                                     to_device=lambda batch: move_to_device(batch, self.root_device))
+                                     to_device=self._batch_hooks_for(dataloader))
             self._pipelines.append(pipeline)
+            self._skip_hooks_for_pipelined_batches()
             return wrap_loader(dataloader, pipeline)  # the feeder also keeps the ranks stepping together
         if self.world_size > 1 and isinstance(dataloader, DataLoader):
             _stop_together(dataloader, self._all_have_a_batch)
@@ -171,11 +172,57 @@ class RecStrategy(DDPStrategy):
             return batch  # the pipeline copied it (on GPU: on its side stream, from pinned memory)
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    # The batch hooks of a pipelined loop. Lightning runs on_before_batch_transfer,
+    # transfer_batch_to_device and on_after_batch_transfer (the module's or the datamodule's) on each
+    # batch just before its step. Pipelined, the feeder thread runs the same three, in that order, once
+    # per batch, ahead of the step (on GPU inside the copy stream), and the ids it routes are those of
+    # the batch the hooks returned; the loop's own calls then see a batch the pipeline owns and pass it
+    # through. The hooks are called directly, not through the Trainer's hook runner, which records the
+    # running hook on the module (`_current_fx_name`, read by self.log in the step running meanwhile).
+
+    def _batch_hooks_for(self, loader: DataLoader):
+        """batch -> the batch the step gets: the three batch hooks, for the feeder thread."""
+        trainer = self.lightning_module.trainer
+        selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
+        device = self.root_device
+        index: list[int] = []
+
+        def hook(name: str):
+            if selector is not None:
+                return getattr(selector.get_instance(name), name)
+            return getattr(self.lightning_module, name)
+
+        def transfer(batch: Any) -> Any:
+            if not index:  # which dataloader of its loop: the hooks' dataloader_idx
+                index.append(_dataloader_index(trainer, loader))
+            i = index[0]
+            batch = hook("on_before_batch_transfer")(batch, i)
+            batch = hook("transfer_batch_to_device")(batch, device, i)
+            return hook("on_after_batch_transfer")(batch, i)
+
+        return transfer
+
+    def _skip_hooks_for_pipelined_batches(self) -> None:
+        module = self.lightning_module
+        if "_on_before_batch_transfer" in vars(module):
+            return
+        hooks = module._on_before_batch_transfer  # Lightning's runner, bound
+
+        def on_before_batch_transfer(batch: Any, dataloader_idx: int = 0) -> Any:
+            if any(p.owns(batch) for p in self._pipelines):
+                return batch  # the feeder ran it (and the other two) already
+            return hooks(batch, dataloader_idx=dataloader_idx)
+
+        module._on_before_batch_transfer = on_before_batch_transfer  # this run only: teardown removes it
+
     @override
     def teardown(self) -> None:
         for pipeline in self._pipelines:  # every rank reaches teardown at the same point of its loops
             pipeline.close()
         self._pipelines = []
+        module = self.lightning_module
+        if module is not None:
+            vars(module).pop("_on_before_batch_transfer", None)
         super().teardown()
 
     def _all_have_a_batch(self, have: bool, index: int = -1) -> bool:
@@ -282,6 +329,19 @@ class RecStrategy(DDPStrategy):
         strategy_registry.register(
             "rec", cls, description="lightning_rec: sharded embedding tables + data-parallel dense layers"
         )
+
+
+def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:
+    """`loader`'s dataloader_idx in its loop (0 for training, as Lightning passes; 0 when not found)."""
+    if trainer.training:
+        return 0
+    loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    for loop in loops:
+        combined = getattr(loop, "_combined_loader", None)
+        for i, dl in enumerate(getattr(combined, "flattened", None) or []):
+            if dl is loader:
+                return i
+    return 0
 
 
 # Ranks that step together ------------------------------------------------------------------------

@@ -47,3 +47,12 @@ def test_unknown_model_argument_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--model.init_args.no_such_arg=1"])
     assert "no_such_arg" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_accelerator_without_cuda_says_what_is_missing(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.accelerator=gpu",
+                 f"--trainer.default_root_dir={tmp_path}"])
+    text = str(e.value)
+    assert "needs a CUDA GPU" in text and "CPU build" in text and "--trainer.accelerator=cpu" in text, text

@@ -318,13 +318,34 @@ def _lightning_worker(rank, W, tmp):
     from lightning_rec import DLRMModule
     from lightning_rec.strategy import RecStrategy
 
+    class Hooked(DLRMModule):
+        """Batch hooks that change the batch (a new KJT object, scaled dense features) and count their calls."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hook_calls = {"before": 0, "transfer": 0, "after": 0}
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            self.hook_calls["before"] += 1
+            kjt = batch.sparse_features
+            return Batch(batch.dense_features, KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths()),
+                         batch.labels)
+
+        def transfer_batch_to_device(self, batch, device, dataloader_idx):
+            self.hook_calls["transfer"] += 1
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            self.hook_calls["after"] += 1
+            return Batch(batch.dense_features * 0.5, batch.sparse_features, batch.labels)
+
     results = {}
     for mode in ("plain", "pipelined", "plain_again"):
         L.seed_everything(0)
         data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
                                          num_sparse_features=NUM_F, num_embeddings_per_feature=64,
                                          num_signal_features=2)
-        module = DLRMModule(**SMALL)
+        module = Hooked(**SMALL)
         losses = []
 
         stats = []
@@ -348,7 +369,7 @@ def _lightning_worker(rank, W, tmp):
         trainer.save_checkpoint(f"{tmp}/{mode}.ckpt")
         test = trainer.validate(module, data, verbose=False)[0]  # again, after fit: a new (forward-only) pipeline
         results[mode] = dict(losses=losses, metrics=metrics, val=test, weights=_weights(module.model),
-                             stats=stats)
+                             stats=stats, hook_calls=dict(module.hook_calls))
     return results
 
 
@@ -359,6 +380,10 @@ def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
         assert piped["metrics"] == plain["metrics"] and piped["val"] == plain["val"]
         assert all(torch.equal(plain["weights"][k], piped["weights"][k]) for k in plain["weights"])
         assert rank_result["plain_again"]["losses"] == plain["losses"]
+        # the batch hooks ran once per batch in both modes (pipelined: in the feeder, before routing):
+        # 16 training batches, sanity check 2, 4 validations x 2, validate() 2
+        assert piped["hook_calls"] == plain["hook_calls"] and plain["hook_calls"]["before"] == 16 + 2 + 4 * 2 + 2
+        assert set(plain["hook_calls"].values()) == {plain["hook_calls"]["before"]}
         assert plain["stats"] == [] and len(piped["stats"]) == 2  # the train and the val loader's pipelines
         val, train = piped["stats"]  # the sanity check builds the val loader's first
         assert train == {"routed_ahead": 15, "routed_in_step": 1}  # 16 steps: only the recording batch in-step
@@ -490,3 +515,48 @@ def test_dict_batch_two_collections_one_called_twice():
     for same, stats in run_ranks(_two_tower_worker, 2, timeout=120):
         assert same
         assert stats == {"routed_ahead": 3 * 11, "routed_in_step": 3}  # 3 inputs per batch; the first in-step
+
+
+# a rank that dies mid-pipeline is named, on either transport ------------------------------------------
+
+
+def _dead_in_loader_worker(rank, W, shared_memory, slow_s):
+    import os
+    import time
+
+    torch.manual_seed(0)
+    model = Step()
+    dmp = DistributedModelParallel(model, plan=_plan("table_wise", model, W), device="cpu", timeout=30,
+                                   shared_memory=shared_memory)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+
+    def batches():
+        for i, b in enumerate(_loader(rank, 8)):
+            if i == 3 and rank == 1:
+                time.sleep(slow_s)  # rank 0's step waits for its next batch; only its feeder is in a collective
+                os._exit(0)  # gone without a word, in the feeder thread
+            yield b
+
+    start = time.monotonic()
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+    try:
+        _pipelined_steps(pipeline, batches())
+    except Exception as e:  # noqa: BLE001 - what rank 0 sees, and how long it took
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("shared_memory,slow_s", [(False, 0.0), (True, 0.0), (False, 2.0), (True, 2.0)],
+                         ids=["gloo", "shm", "gloo-feeder-only", "shm-feeder-only"])
+def test_rank_dying_in_its_loader_is_named_not_waited_for(shared_memory, slow_s):
+    kind, text, seconds = run_ranks(_dead_in_loader_worker, 2, shared_memory, slow_s, timeout=90,
+                                    allow_missing=True)[0]
+    assert kind, "rank 0 trained on without its peer"
+    assert seconds < 15, (seconds, text)
+    if slow_s:  # only the feeder waits in a collective: its own guard finds the dead rank and names it
+        assert kind == "PeerExited" and "pipeline" in text, text
+        assert "rank 1 exited" in text or "rank(s) [1] exited" in text, text
+    else:  # the step's collectives may notice first (the embedding exchange names the rank; DDP's
+        # gradient all-reduce over gloo is torch's own: "Connection closed by peer")
+        assert "exited" in text or "closed" in text, text

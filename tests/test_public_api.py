@@ -24,3 +24,12 @@ def test_rec_strategy_is_registered_with_lightning():
     from lightning_rec import DLRMModule  # noqa: F401  (any LightningModule of ours registers it)
 
     assert "rec" in StrategyRegistry
+
+
+def test_import_after_lightning_registers_the_strategy_for_any_module():
+    """`import lightning.pytorch as L; import lightning_rec` (isort's order): Trainer(strategy="rec") works."""
+    code = ("import lightning.pytorch as L, lightning_rec; "
+            "t = L.Trainer(strategy='rec', accelerator='cpu', devices=1, logger=False); "
+            "print(type(t.strategy).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "RecStrategy"

@@ -139,7 +139,7 @@ class CostModel:
 
     @property
     def live_batches(self) -> int:
-        """Batches whose routed ids a rank holds at once (lightning_rec/pipeline.py): the step's own;
+        """Batches whose routed ids a rank holds at once (lightning_rec/pipeline/): the step's own;
         pipelined with depth K, also the K routed ahead and the one Lightning's loop takes ahead
         (the fetcher's look-ahead batch is routed too). A hand loop holds one fewer: counted anyway."""
         if self.pipelined is False or self.pipelined is None or self.pipelined == 0:

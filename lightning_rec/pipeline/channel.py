@@ -1,0 +1,79 @@
+"""The feeder's collectives: a process group of its own (+ a shared-memory group), under a guard of its own."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, CollectiveTimeout, PeerExited, guard_of
+from lightning_rec.sharded_embedding import _ShardedCollectionBase
+from lightning_rec.shm_transport import SharedMemoryGroup
+
+
+class _Channel:
+    """The feeder's collectives: a process group of its own (+ a shared-memory group when the model uses one).
+
+    Its own group, so the feeder's all-to-alls never interleave with the step's (each channel keeps
+    one order on every rank). Built collectively; kept in a pool on the collections' ShardingEnv.
+    """
+
+    def __init__(self, env) -> None:
+        ranks = dist.get_process_group_ranks(env.pg)
+        timeout = None if env.timeout_s is None else timedelta(seconds=env.timeout_s)
+        self.pg = dist.new_group(ranks=ranks, backend=dist.get_backend(env.pg), timeout=timeout)
+        self.transport = SharedMemoryGroup.create(self.pg, env.timeout_s) if env.transport is not None else None
+        self.comm = self.transport if self.transport is not None else self.pg
+        # under a guard of its own, as the model's collectives are (collective_guard.py): a peer that
+        # exited is named, a timeout names the model's setting; its entries live in their own slot,
+        # since the feeder thread waits while the step's thread may wait elsewhere
+        model_guard = guard_of(env.pg, enabled_only=False)
+        setting = model_guard.setting if model_guard is not None else "DistributedModelParallel(timeout=...)"
+        self.guard = CollectiveGuard(self.pg, "pipeline", env.timeout_s or 1800.0, setting,
+                                     enabled=model_guard.enabled if model_guard is not None else None,
+                                     slot="pipeline")
+        if self.transport is not None:
+            self.transport.timeout_setting = setting
+            self.transport.guard = self.guard if self.guard.enabled else None
+        self.rank, self.world_size = env.rank, env.world_size
+        self.device, self.timeout_s = env.device, env.timeout_s
+        self._a2a: dict[int, Any] = {}
+
+    def ids_all_to_all(self, module: _ShardedCollectionBase):
+        a2a = self._a2a.get(id(module))
+        if a2a is None:
+            a2a = self._a2a[id(module)] = module.ids_all_to_all(self.comm)
+        return a2a
+
+    def agree(self, missing: bool, failed: bool) -> tuple[list[int], list[int]]:
+        """Collective: the ranks without a batch, and the ranks whose loader raised."""
+        status = torch.zeros(2, self.world_size, dtype=torch.int64)
+        status[0, self.rank], status[1, self.rank] = int(missing), int(failed)
+        tag = "pipeline: every rank has a batch"
+        try:
+            if self.transport is not None:
+                self.transport.all_reduce_sum_(status, tag=tag)
+            else:
+                on_device = status.to(self.device)
+                k = self.guard.begin()
+                self.guard.wait_work(dist.all_reduce(on_device, group=self.pg, async_op=True), tag, k)
+                status = on_device.cpu()
+        except (CollectiveMismatch, CollectiveTimeout, PeerExited):
+            raise  # they name the ranks and the setting already
+        except RuntimeError as e:
+            raise RuntimeError(f"pipeline: rank {self.rank} could not agree with its peers on the next batch: a peer "
+                               f"exited or did not answer within the timeout ({self.timeout_s} s). Cause: {e}") from e
+        missing_r, failed_r = status.tolist()
+        return [r for r, m in enumerate(missing_r) if m], [r for r, f in enumerate(failed_r) if f]
+
+    @staticmethod
+    def acquire(env) -> _Channel:
+        """A free channel of `env`'s pool, else a new one (collective). Deterministic on every rank."""
+        pool = env.__dict__.setdefault("_pipeline_channels", [])
+        return pool.pop() if pool else _Channel(env)
+
+    @staticmethod
+    def release(env, channel: _Channel) -> None:
+        env.__dict__.setdefault("_pipeline_channels", []).append(channel)

@@ -1,0 +1,37 @@
+"""PipelineConfig: how far ahead the pipeline works, and which stages it runs there (a field, not subclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_STAGES_AHEAD = {"sparse_dist": ("read", "copy", "input_dist")}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: see the module doc."""
+
+    depth: int = 1
+    variant: str = "sparse_dist"
+
+    def __post_init__(self) -> None:
+        if self.variant not in _STAGES_AHEAD:
+            raise ValueError(f"PipelineConfig(variant={self.variant!r}): choose one of {sorted(_STAGES_AHEAD)}")
+        if int(self.depth) < 1:
+            raise ValueError(f"PipelineConfig(depth={self.depth}): use depth >= 1 (batches routed ahead)")
+
+    @classmethod
+    def of(cls, value: bool | int | dict | PipelineConfig | None) -> PipelineConfig | None:
+        """What RecStrategy(pipeline=...) and recipes accept: False/None (off), True, a depth, a dict."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, PipelineConfig):
+            return value
+        if isinstance(value, int):
+            return cls(depth=value)
+        if isinstance(value, dict):
+            return cls(**value)
+        raise ValueError(f"pipeline={value!r}: use True/False, a depth (int), a dict of PipelineConfig fields, "
+                         f"or a PipelineConfig")

@@ -1,0 +1,388 @@
+"""One pass over a loader: the feeder thread reads, copies and routes batches ahead; the plan it follows."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_rec.pipeline.batch import _follow, _pinned, _record_stream, find_kjts, path_name
+from lightning_rec.pipeline.config import PipelineConfig
+from lightning_rec.sharded_embedding import ShardedBatch, _ShardedCollectionBase
+from lightning_rec.sparse import KeyedJaggedTensor
+
+# what the feeders of one model share -------------------------------------------------------------
+
+
+@dataclass
+class _Registered:
+    kjt: KeyedJaggedTensor  # held, so its id is not reused while registered
+    entry: _Entry
+    path: tuple
+
+
+class _Inputs:
+    """One per model: its sharded collections' input source, and which batch every KJT came from."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {m: name or type(m).__name__ for name, m in model.named_modules()
+                      if isinstance(m, _ShardedCollectionBase)}
+        self.modules = list(self.names)
+        self._registered: dict[int, _Registered] = {}
+        self._batches: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.recording: _Feeder | None = None  # the feeder whose first batch is running plainly
+        self.current: _Feeder | None = None  # the feeder that handed out the last batch
+        for m in self.modules:
+            m._input_source = self.claim
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Inputs:
+        """The model's (attached on first use; every pipeline over the model shares it)."""
+        for m in model.modules():
+            if isinstance(m, _ShardedCollectionBase):
+                source = m._input_source
+                owner = getattr(source, "__self__", None)
+                if isinstance(owner, _Inputs) and set(owner.modules) == {
+                        x for x in model.modules() if isinstance(x, _ShardedCollectionBase)}:
+                    return owner
+                break
+        return cls(model)
+
+    def envs(self) -> list:
+        out: list = []
+        for m in self.modules:
+            if all(m.env is not e for e in out):
+                out.append(m.env)
+        return out
+
+    def register(self, entry: _Entry) -> None:
+        with self._lock:
+            for kjt, path in entry.kjts:
+                self._registered[id(kjt)] = _Registered(kjt, entry, path)
+            self._batches[id(entry.batch)] = entry.batch
+
+    def unregister(self, entry: _Entry) -> None:
+        with self._lock:
+            for kjt, _ in entry.kjts:
+                reg = self._registered.get(id(kjt))
+                if reg is not None and reg.kjt is kjt:
+                    del self._registered[id(kjt)]
+            if self._batches.get(id(entry.batch)) is entry.batch:
+                del self._batches[id(entry.batch)]
+
+    def owns(self, batch: Any) -> bool:
+        """Was `batch` handed out by a feeder (so it is on the device already)?"""
+        with self._lock:
+            return self._batches.get(id(batch)) is batch
+
+    def claim(self, module: _ShardedCollectionBase, features: KeyedJaggedTensor) -> ShardedBatch | None:
+        """The sharded collections' input source: a routed batch, or None (route it in the step)."""
+        with self._lock:
+            reg = self._registered.get(id(features))
+        if reg is None or reg.kjt is not features:
+            if self.current is not None:
+                self.current.stats["routed_in_step"] += 1
+            recording = self.recording
+            if recording is not None:
+                recording.plan.note(module, self.names[module],
+                                    "it was called with a KeyedJaggedTensor that is not part of the batch (computed "
+                                    "inside the model, or replaced by a batch hook)")
+            return None
+        return reg.entry.feeder.claim(module, features, reg.entry, reg.path)
+
+
+# the plan: which collection reads which KJT of the batch -------------------------------------------
+
+
+class _Plan:
+    """Recorded on a pipeline's first batch; the same on every rank (same code, same batch layout)."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[_ShardedCollectionBase, tuple]] = []
+        self.not_pipelined: dict[str, str] = {}
+        self.final = threading.Event()
+        self.record_entry: _Entry | None = None
+        self._warned = False
+
+    def record(self, module: _ShardedCollectionBase, path: tuple) -> None:
+        if (module, path) not in self.routes:
+            self.routes.append((module, path))
+
+    def note(self, module, name: str, why: str) -> None:
+        self.not_pipelined.setdefault(name, why)
+
+    def finalize(self, inputs: _Inputs) -> None:
+        if self.final.is_set():
+            return
+        if inputs.recording is not None and inputs.recording.plan is self:
+            inputs.recording = None
+        if self.not_pipelined and not self._warned:
+            self._warned = True
+            what = "; ".join(f"'{n}': {why}" for n, why in self.not_pipelined.items())
+            rest = ("the other collections stay pipelined" if self.routes else
+                    "nothing is left to pipeline: this runs the plain loop")
+            warnings.warn(f"lightning_rec pipeline: these sharded collections cannot route their ids ahead of the "
+                          f"step ({what}); they route inside the step as in the plain loop, {rest}. To pipeline "
+                          f"them, build the KeyedJaggedTensor in the dataset or collate_fn and pass it to the "
+                          f"collection unchanged", stacklevel=3)
+        self.final.set()
+
+
+# one pass over a loader --------------------------------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder")
+
+    def __init__(self, index: int, batch: Any, feeder: _Feeder) -> None:
+        self.index, self.batch, self.feeder = index, batch, feeder
+        self.kjts = find_kjts(batch)
+        self.routed: dict[tuple, ShardedBatch] = {}
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.copied = None  # CUDA events (GPU only)
+        self.routed_event = None
+
+
+_END = object()
+
+
+class _Feeder(Iterator):
+    """Iterates `source` with the feeder thread working ahead; yields the batches, on the device, in order."""
+
+    def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
+                 config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int]) -> None:
+        self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
+        self.stats = stats
+        self.device, self.config, self.to_device = device, config, to_device
+        self.taken = 0
+        self._queue: deque = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._finished = False
+        self._live: deque[_Entry] = deque()  # entries handed out, still registered
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        self._copy_stream = torch.cuda.Stream(device) if cuda else None
+        self._dist_stream = torch.cuda.Stream(device) if cuda else None
+        self._thread = threading.Thread(target=self._run, name="lightning_rec-pipeline-feeder", daemon=True)
+        self._thread.start()
+
+    # main thread ---------------------------------------------------------------------------------
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        plan = self.plan
+        if not plan.final.is_set() and plan.record_entry is not None and self.taken >= plan.record_entry.index + 2:
+            plan.finalize(self.inputs)  # the recording step is over (a loop takes at most one batch ahead)
+        with self._cond:
+            while not self._queue:
+                if not self._thread.is_alive() and not self._queue:
+                    break
+                self._cond.wait(1.0)
+            item = self._queue.popleft() if self._queue else RuntimeError(
+                "lightning_rec pipeline: the feeder thread ended without a result")
+            if isinstance(item, _Entry):
+                self.taken += 1
+                self._cond.notify_all()
+        if item is _END:
+            self._finished = True
+            self._release_all()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            self._release_all()
+            raise item
+        entry: _Entry = item
+        if entry is plan.record_entry:
+            self.inputs.recording = self
+        self.inputs.current = self
+        self._live.append(entry)
+        while len(self._live) > 2:  # this step's batch and the one a loop may take ahead stay registered
+            self.inputs.unregister(self._live.popleft())
+        if self._copy_stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(entry.copied)
+            _record_stream(entry.batch, current)
+        return entry.batch
+
+    def claim(self, module, features, entry: _Entry, path: tuple) -> ShardedBatch | None:
+        plan = self.plan
+        if entry is plan.record_entry and not plan.final.is_set():
+            plan.record(module, path)
+            self.stats["routed_in_step"] += 1
+            return None  # the first batch routes in the step, as in the plain loop
+        plan.finalize(self.inputs)
+        if (module, path) not in plan.routes:
+            self.stats["routed_in_step"] += 1
+            return None
+        while not entry.ready.wait(1.0):
+            if not self._thread.is_alive() and not entry.ready.is_set():
+                raise RuntimeError("lightning_rec pipeline: the feeder thread ended before routing this batch")
+        if entry.error is not None:
+            raise entry.error
+        routed = entry.routed[(module, path)]
+        if self._dist_stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(entry.routed_event)
+            _record_stream(routed, current)
+        self.stats["routed_ahead"] += 1
+        return routed
+
+    def forward_done(self) -> None:
+        """The step's forward has run: the recording (if any) is complete."""
+        if not self.plan.final.is_set() and self.inputs.recording is self:
+            self.plan.finalize(self.inputs)
+
+    def stop_soon(self) -> None:
+        """Let the thread end once idle (at the same point on every rank); no join."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join."""
+        self.stop_soon()
+        timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
+        self._thread.join(timeout + 30.0)
+        self._finished = True
+        self._release_all()
+
+    def _release_all(self) -> None:
+        while self._live:
+            self.inputs.unregister(self._live.popleft())
+        with self._cond:
+            for item in self._queue:
+                if isinstance(item, _Entry):
+                    self.inputs.unregister(item)
+            self._queue.clear()
+        if self.inputs.recording is self:
+            self.inputs.recording = None
+        if self.inputs.current is self:
+            self.inputs.current = None
+
+    # feeder thread -------------------------------------------------------------------------------
+
+    def _put(self, item: Any) -> None:
+        with self._cond:
+            self._queue.append(item)
+            self._cond.notify_all()
+
+    def _may_start(self, k: int) -> bool:
+        """Wait until batch k may start (k < taken + depth); False when stopped while waiting."""
+        with self._cond:
+            while k >= self.taken + self.config.depth:
+                if self._stop:
+                    return False
+                self._cond.wait()
+            return True
+
+    def _wait_plan(self) -> bool:
+        while not self.plan.final.wait(0.2):
+            with self._cond:
+                if self._stop:
+                    return False
+        return True
+
+    def _run(self) -> None:
+        try:
+            if self._copy_stream is not None:
+                torch.cuda.set_device(self.device)
+            with torch.no_grad():
+                self._feed()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, raised there
+            self._put(e)
+
+    def _feed(self) -> None:
+        k = 0
+        channel = next(iter(self.channels.values()), None)
+        while self._may_start(k):
+            batch, error = None, None
+            try:
+                batch = next(self.source)
+            except StopIteration:
+                pass
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it first
+                error = e
+            if channel is not None:
+                missing, failed = channel.agree(batch is None and error is None, error is not None)
+            else:
+                missing, failed = ([0] if batch is None and error is None else []), ([0] if error else [])
+            if failed:
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"the dataloader of rank(s) {failed} raised at batch {k} (see the error on those "
+                                   f"ranks); this rank stopped there too")
+            if missing:
+                if batch is not None:
+                    warnings.warn(f"rank {channel.rank if channel else 0}: the rest of this epoch's batches are "
+                                  f"skipped: another rank's dataloader ran out first, and sharded embeddings need "
+                                  f"every rank in every step. Give every rank the same number of batches (e.g. "
+                                  f"drop_last, or an even split) to use them all", stacklevel=2)
+                self._put(_END)
+                return
+            entry = self._prepare(k, batch)
+            recording = k == 0 and self.plan.record_entry is None and not self.plan.final.is_set()
+            if recording:
+                self.plan.record_entry = entry  # the recording batch: routed in the step
+                entry.ready.set()
+            self._put(entry)  # the loop may take it now; its routing follows
+            if recording:
+                pass
+            elif not self._wait_plan():
+                entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
+                entry.ready.set()
+                return
+            else:
+                self._route(entry)
+            k += 1
+
+    def _prepare(self, k: int, batch: Any) -> _Entry:
+        if self._copy_stream is None:
+            return self._register(_Entry(k, self.to_device(batch), self))
+        batch = _pinned(batch)
+        with torch.cuda.stream(self._copy_stream):
+            batch = self.to_device(batch)
+        entry = _Entry(k, batch, self)
+        entry.copied = torch.cuda.Event()
+        entry.copied.record(self._copy_stream)
+        _record_stream(batch, self._copy_stream)
+        return self._register(entry)
+
+    def _register(self, entry: _Entry) -> _Entry:
+        self.inputs.register(entry)
+        return entry
+
+    def _route(self, entry: _Entry) -> None:
+        try:
+            if self._dist_stream is None:
+                self._route_all(entry)
+            else:
+                self._dist_stream.wait_event(entry.copied)
+                with torch.cuda.stream(self._dist_stream):
+                    _record_stream(entry.batch, self._dist_stream)
+                    self._route_all(entry)
+                entry.routed_event = torch.cuda.Event()
+                entry.routed_event.record(self._dist_stream)
+        except BaseException as e:
+            entry.error = e  # a bad batch: the same ValueError on every rank (input_dist agrees first)
+            entry.ready.set()
+            raise
+        entry.ready.set()
+
+    def _route_all(self, entry: _Entry) -> None:
+        for module, path in self.plan.routes:
+            kjt = _follow(entry.batch, path)
+            if kjt is None:
+                raise ValueError(f"batch {entry.index} has no KeyedJaggedTensor at {path_name(path)}, where the "
+                                 f"first batch had the input of '{self.inputs.names[module]}': give every batch "
+                                 f"the same layout")
+            channel = self.channels[id(module.env)]
+            entry.routed[(module, path)] = module.route(kjt, channel.ids_all_to_all(module))

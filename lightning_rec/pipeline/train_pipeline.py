@@ -1,0 +1,140 @@
+"""The two ways in: InputPipeline (what RecStrategy drives) and TrainPipelineSparseDist (hand-written loops)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_rec.pipeline.batch import move_to_device
+from lightning_rec.pipeline.channel import _Channel
+from lightning_rec.pipeline.config import PipelineConfig
+from lightning_rec.pipeline.feeder import _Feeder, _Inputs, _Plan
+
+
+class InputPipeline:
+    """The parts a pipeline over one model needs: its channels, its plan, one feeder per pass.
+
+    TrainPipelineSparseDist drives it from a hand loop; RecStrategy(pipeline=True) builds one per
+    dataloader of Lightning's loops (lightning_rec.pipeline.wrap_loader).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
+                 to_device: Callable[[Any], Any] | None = None) -> None:
+        self.config = config or PipelineConfig()
+        self.device = torch.device(device)
+        self.inputs = _Inputs.of(model)
+        self.to_device = to_device or (lambda b: move_to_device(b, self.device))
+        self.plan = _Plan()
+        self.channels: dict[int, _Channel] = {}
+        for env in self.inputs.envs():  # collective: every rank builds its pipelines in the same order
+            self.channels[id(env)] = _Channel.acquire(env)
+        self._envs = {id(e): e for e in self.inputs.envs()}
+        self.feeder: _Feeder | None = None
+        self.closed = False
+        # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
+        self.stats = {"routed_ahead": 0, "routed_in_step": 0}
+
+    def iterate(self, source: Iterator) -> _Feeder:
+        """A new pass over `source` (the previous pass, if any, is stopped first)."""
+        if self.closed:
+            raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
+        if self.feeder is not None:
+            self.feeder.close()
+        plan = self.plan
+        if not plan.final.is_set() and plan.record_entry is not None:  # the last pass stopped while recording
+            if plan.routes or plan.not_pipelined:
+                plan.finalize(self.inputs)
+            else:
+                plan.record_entry = None  # nothing was called: record on this pass
+        self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
+                              self.to_device, self.stats)
+        return self.feeder
+
+    def owns(self, batch: Any) -> bool:
+        return self.inputs.owns(batch)
+
+    def forward_done(self) -> None:
+        if self.feeder is not None:
+            self.feeder.forward_done()
+
+    def close(self) -> None:
+        """Stop the feeder and give the channels back (call it at the same point on every rank)."""
+        if self.closed:
+            return
+        if self.feeder is not None:
+            self.feeder.close()
+            self.feeder = None
+        for key, channel in self.channels.items():
+            _Channel.release(self._envs[key], channel)
+        self.channels = {}
+        self.closed = True
+
+    def __del__(self) -> None:
+        # let go without close(): the thread ends when idle; the channels are not reused (a garbage
+        # collector's timing differs between ranks, and channels must be handed out in one order)
+        feeder = getattr(self, "feeder", None)
+        if feeder is not None:
+            try:
+                feeder.stop_soon()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+class TrainPipelineSparseDist:
+    """TorchRec's pipeline for hand-written loops, without tracing.
+
+        pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)   # one step: batch i computes, batch i+1 is routed
+            except StopIteration:
+                break
+
+    `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
+    `loss.sum().backward()` and `optimizer.step()`, and returns `output`. With the model in eval
+    mode (or optimizer=None) it runs the forward only, without gradients. Batches come out in
+    order; StopIteration comes once every batch is done. A new iterator starts a new pass. Build,
+    close (or let go) and rebuild pipelines over the same model freely; the plain loop
+    (`model(batch)` yourself) works in between.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
+                 config: PipelineConfig | None = None) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._pipeline = InputPipeline(model, device, config)
+        self._source: Iterator | None = None
+
+    def progress(self, dataloader_iter: Iterator) -> Any:
+        if self._source is not dataloader_iter or self._pipeline.feeder is None:
+            self._pipeline.iterate(dataloader_iter)
+            self._source = dataloader_iter
+        batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
+        training = self._model.training and self._optimizer is not None
+        if training:
+            self._optimizer.zero_grad()
+        with torch.set_grad_enabled(training and torch.is_grad_enabled()):
+            losses, output = self._model(batch)
+        self._pipeline.forward_done()
+        if training:
+            torch.sum(losses).backward()
+            self._optimizer.step()
+        return output
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """How many collection inputs came routed ahead, and how many were routed inside the step."""
+        return dict(self._pipeline.stats)
+
+    def close(self) -> None:
+        self._pipeline.close()
+
+    def __enter__(self) -> TrainPipelineSparseDist:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
