@@ -26,6 +26,10 @@ Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
     optimizer_states.<i>.fused.param_groups   the fused learning rates (bytes)
     optimizer_states.<i>.rest                 the rest of the optimizer's state dict (the dense
                                               torch.optim part), pickled once
+    optimizer_states.<i>.dense[.<part>]....   a dense part sharded by FSDP, by parameter name
+                                              (get_optimizer_state_dict): DTensors written as their
+                                              shards, so it loads at any world size; `rest` holds
+                                              DENSE_IN_DCP in its place
 
 Saving writes only this rank's pieces, straight from the kernels' memory (no copy on CPU; from a
 GPU one piece at a time), so the extra host memory per rank is bounded by a piece, not the model.
