@@ -40,6 +40,9 @@ class TwoTowerModule(L.LightningModule):
             (`user_num_embeddings`, `item_num_embeddings`) when the trainer sets the model up.
         embedding_dim: D of every table.
         user_layer_sizes / item_layer_sizes: the towers' MLPs ([] = no MLP: matrix factorisation).
+        id_skip: each tower's output is its id embedding (user_id / item_id) + the MLP of all its
+            features (a residual path; the last layer sizes must equal embedding_dim).
+        tower_dropout: dropout on the MLPs' inputs and hidden layers (training only).
         score: "dot" or "cosine"; temperature divides the scores (use ~0.05-0.2 with cosine).
         loss: "softmax" (in-batch negatives, `logq_correction`) or "bpr" (needs num_negatives=1 data).
         embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
@@ -57,6 +60,8 @@ class TwoTowerModule(L.LightningModule):
         embedding_dim: int = 64,
         user_layer_sizes: Sequence[int] = (),
         item_layer_sizes: Sequence[int] = (),
+        id_skip: bool = False,
+        tower_dropout: float = 0.0,
         score: str = "dot",
         temperature: float = 1.0,
         loss: str = "softmax",
@@ -102,8 +107,16 @@ class TwoTowerModule(L.LightningModule):
 
     def _build(self, user_sizes: dict[str, int], item_sizes: dict[str, int]) -> None:
         hp = self.hparams
+        skips = (None, None)
+        if hp.id_skip:
+            if "user_id" not in user_sizes or "item_id" not in item_sizes:
+                raise ValueError(f"id_skip adds the user_id / item_id embedding to each tower's MLP output, but the "
+                                 f"towers' features are {sorted(user_sizes)} and {sorted(item_sizes)}: name the id "
+                                 f"features user_id and item_id, or set id_skip=False")
+            skips = ("user_id", "item_id")
         self.model = TwoTower(self._tables(user_sizes, "user"), self._tables(item_sizes, "item"),
-                              list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score)
+                              list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score, *skips,
+                              dropout=hp.tower_dropout)
         hp.user_num_embeddings, hp.item_num_embeddings = user_sizes, item_sizes  # checkpoints rebuild these
 
     def configure_model(self) -> None:
