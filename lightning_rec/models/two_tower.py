@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_rec.embedding import EmbeddingBagCollection
-from lightning_rec.models.dlrm import MLP
 from lightning_rec.sparse import KeyedJaggedTensor
 
 SCORES = ("dot", "cosine")
