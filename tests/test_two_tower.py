@@ -105,8 +105,9 @@ def test_module_id_skip_builds_residual_towers_and_names_the_id_features():
                        id_skip=True)
 
 
+# side features (the data module's default) + residual towers: the skip reads one feature of the sharded output
 SMALL = dict(embedding_dim=8, user_layer_sizes=[16, 8], item_layer_sizes=[16, 8], score="cosine", temperature=0.2,
-             sparse_lr=0.05, dense_lr=0.01, top_k_table_users=0)
+             sparse_lr=0.05, dense_lr=0.01, top_k_table_users=0, id_skip=True, tower_dropout=0.1)
 
 
 def _data(**kw):
