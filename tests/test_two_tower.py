@@ -15,7 +15,7 @@ from conftest import needs_wandb
 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.models import TwoTower, TwoTowerModule
-from lightning_rec.models.two_tower import bpr_loss, in_batch_softmax_loss
+from lightning_rec.models.two_tower import Tower, bpr_loss, in_batch_softmax_loss
 from lightning_rec.sparse import KeyedJaggedTensor
 from tests.dist_utils import run_ranks
 
@@ -68,8 +68,46 @@ def test_two_tower_scores_and_errors():
         TwoTowerModule().configure_model()
 
 
+def test_tower_skip_feature_adds_the_id_embedding_to_the_mlp_output_and_checks_its_shape():
+    torch.manual_seed(0)
+    ebc = _ebc("i", {"item_id": 20, "genre": 5})
+    tower = Tower(ebc, [16, 8], skip_feature="item_id", dropout=0.5)
+    items = KeyedJaggedTensor.from_lengths_sync(["item_id", "genre"], torch.tensor([4, 5, 6, 1, 2, 3]),
+                                                torch.tensor([1, 1, 1, 2, 0, 1]))
+    tower.eval()  # dropout off: the reference below has none
+    got = tower(items)
+    pooled = ebc(items)
+    want = tower.mlp(torch.cat([pooled["item_id"], pooled["genre"]], 1)) + pooled["item_id"]
+    torch.testing.assert_close(got, want)
+    # the residual path: with the MLP's last layer zeroed the tower is the id embedding alone (matrix factorisation)
+    last = [m for m in tower.mlp if isinstance(m, torch.nn.Linear)][-1]
+    torch.nn.init.zeros_(last.weight)
+    torch.nn.init.zeros_(last.bias)
+    torch.testing.assert_close(tower(items), pooled["item_id"])
+    tower.train()  # dropout acts on the MLP in training (a different output), never on the id path
+    assert [type(m).__name__ for m in tower.mlp] == ["Dropout", "Linear", "ReLU", "Dropout", "Linear"]
+    with pytest.raises(ValueError, match="choose one of item_id, genre"):
+        Tower(ebc, [16, 8], skip_feature="user_id")
+    with pytest.raises(ValueError, match="no MLP"):
+        Tower(ebc, [], skip_feature="item_id")
+    with pytest.raises(ValueError, match="make the last layer size 8"):
+        Tower(ebc, [16, 4], skip_feature="item_id")
+    with pytest.raises(ValueError, match="dropout"):
+        Tower(ebc, [8], dropout=1.0)
+
+
+def test_module_id_skip_builds_residual_towers_and_names_the_id_features():
+    module = TwoTowerModule({"user_id": 10, "age": 8}, {"item_id": 20, "genre": 5}, embedding_dim=8,
+                            user_layer_sizes=[16, 8], item_layer_sizes=[16, 8], id_skip=True, tower_dropout=0.1)
+    assert module.model.user_tower.skip_feature == "user_id" and module.model.item_tower.skip_feature == "item_id"
+    with pytest.raises(ValueError, match="name the id features user_id and item_id"):
+        TwoTowerModule({"uid": 10}, {"item_id": 20}, embedding_dim=8, user_layer_sizes=[8], item_layer_sizes=[8],
+                       id_skip=True)
+
+
+# side features (the data module's default) + residual towers: the skip reads one feature of the sharded output
 SMALL = dict(embedding_dim=8, user_layer_sizes=[16, 8], item_layer_sizes=[16, 8], score="cosine", temperature=0.2,
-             sparse_lr=0.05, dense_lr=0.01, top_k_table_users=0)
+             sparse_lr=0.05, dense_lr=0.01, top_k_table_users=0, id_skip=True, tower_dropout=0.1)
 
 
 def _data(**kw):

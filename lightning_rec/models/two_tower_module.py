@@ -31,6 +31,11 @@ from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
 from lightning_rec.models.two_tower import LOSSES, TwoTower, bpr_loss, in_batch_softmax_loss
 from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
 
+# Values every rank already holds (torchmetrics synced them, or they were all-gathered): Lightning's
+# reduce over ranks is then the identity with "max" (exact, where a mean of 3 equal floats may round),
+# and logging them as synced stops Lightning's "use sync_dist=True" warning, one per metric, at >1 rank.
+_SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
+
 
 class TwoTowerModule(L.LightningModule):
     """Two-tower retrieval on implicit feedback (MovieLensDataModule or any module giving the same batches).
@@ -40,6 +45,9 @@ class TwoTowerModule(L.LightningModule):
             (`user_num_embeddings`, `item_num_embeddings`) when the trainer sets the model up.
         embedding_dim: D of every table.
         user_layer_sizes / item_layer_sizes: the towers' MLPs ([] = no MLP: matrix factorisation).
+        id_skip: each tower's output is its id embedding (user_id / item_id) + the MLP of all its
+            features (a residual path; the last layer sizes must equal embedding_dim).
+        tower_dropout: dropout on the MLPs' inputs and hidden layers (training only).
         score: "dot" or "cosine"; temperature divides the scores (use ~0.05-0.2 with cosine).
         loss: "softmax" (in-batch negatives, `logq_correction`) or "bpr" (needs num_negatives=1 data).
         embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
@@ -57,6 +65,8 @@ class TwoTowerModule(L.LightningModule):
         embedding_dim: int = 64,
         user_layer_sizes: Sequence[int] = (),
         item_layer_sizes: Sequence[int] = (),
+        id_skip: bool = False,
+        tower_dropout: float = 0.0,
         score: str = "dot",
         temperature: float = 1.0,
         loss: str = "softmax",
@@ -102,8 +112,16 @@ class TwoTowerModule(L.LightningModule):
 
     def _build(self, user_sizes: dict[str, int], item_sizes: dict[str, int]) -> None:
         hp = self.hparams
+        skips = (None, None)
+        if hp.id_skip:
+            if "user_id" not in user_sizes or "item_id" not in item_sizes:
+                raise ValueError(f"id_skip adds the user_id / item_id embedding to each tower's MLP output, but the "
+                                 f"towers' features are {sorted(user_sizes)} and {sorted(item_sizes)}: name the id "
+                                 f"features user_id and item_id, or set id_skip=False")
+            skips = ("user_id", "item_id")
         self.model = TwoTower(self._tables(user_sizes, "user"), self._tables(item_sizes, "item"),
-                              list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score)
+                              list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score, *skips,
+                              dropout=hp.tower_dropout)
         hp.user_num_embeddings, hp.item_num_embeddings = user_sizes, item_sizes  # checkpoints rebuild these
 
     def configure_model(self) -> None:
@@ -152,7 +170,7 @@ class TwoTowerModule(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         seconds = time.perf_counter() - self._epoch_start
         rate = torch.tensor([self._samples / max(seconds, 1e-9)], dtype=torch.float64, device=self.device)
-        self.log("train_samples_per_s", float(self.all_gather(rate).sum()), rank_zero_only=True)
+        self.log("train_samples_per_s", float(self.all_gather(rate).sum()), **_SAME_ON_EVERY_RANK)
         self._log_memory()
 
     def _log_memory(self) -> None:
@@ -162,9 +180,9 @@ class TwoTowerModule(L.LightningModule):
             mem.append(torch.cuda.max_memory_allocated(self.device) / 2**20)
         per_rank = self.all_gather(torch.tensor(mem, dtype=torch.float64, device=self.device)).reshape(-1, len(mem))
         for rank, row in enumerate(per_rank.tolist()):
-            self.log(f"mem/rank{rank}_max_rss_mb", row[0], rank_zero_only=True)
+            self.log(f"mem/rank{rank}_max_rss_mb", row[0], **_SAME_ON_EVERY_RANK)
             if len(row) > 1:
-                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], rank_zero_only=True)
+                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], **_SAME_ON_EVERY_RANK)
 
     # evaluation: item embeddings once, then users in batches --------------------------------------
 
@@ -203,7 +221,8 @@ class TwoTowerModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         for split, metric in zip(self.eval_splits, self.val_metrics):
             values = metric.compute()  # synced over ranks: every rank logs the same numbers
-            self.log_dict({f"{split}_{k}": v.float() for k, v in values.items()}, prog_bar=split == "val")
+            self.log_dict({f"{split}_{k}": v.float() for k, v in values.items()}, prog_bar=split == "val",
+                          **_SAME_ON_EVERY_RANK)
             metric.reset()
         self._log_top_k_table()
         self._item_emb_ID = None
@@ -218,7 +237,7 @@ class TwoTowerModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         values = self.test_metrics.compute()
-        self.log_dict({f"test_{k}": v.float() for k, v in values.items()})
+        self.log_dict({f"test_{k}": v.float() for k, v in values.items()}, **_SAME_ON_EVERY_RANK)
         self.test_metrics.reset()
         self._item_emb_ID = None
 
