@@ -45,10 +45,13 @@ class RecCLI(LightningCLI):
             raise
 
     def after_fit(self) -> None:
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val_")}
-        if metrics and self.trainer.is_global_zero:
-            shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
-            print(f"final validation: {shown}", flush=True)
+        # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)
+        # log test_* there too
+        for prefix, what in (("val_", "validation"), ("test_", "test")):
+            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(prefix)}
+            if metrics and self.trainer.is_global_zero:
+                shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+                print(f"final {what}: {shown}", flush=True)
 
 
 def run_cli(args: list[str] | None = None) -> RecCLI:
