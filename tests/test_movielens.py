@@ -206,3 +206,47 @@ def test_eval_shards_cover_every_user_once_with_equal_batches():
         assert len({len(s) for s in shards}) == 1  # the same number of samples (so of batches) on every rank
         real = sorted(i for s in shards for i in s if i >= 0)
         assert real == list(range(943))  # each user once: no repeated user to count twice
+
+
+def _generated_ml100k(root: Path, users: int = 30, items: int = 40) -> Path:
+    g = np.random.default_rng(0)
+    rows = [(u, i, int(g.integers(1, 6)), 10 * u + i) for u in range(1, users + 1)
+            for i in sorted(g.choice(np.arange(1, items + 1), size=12, replace=False).tolist())]
+    _write(root / "u.data", "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
+    _write(root / "u.user", "".join(f"{u}|{20 + u}|{'MF'[u % 2]}|other|{10000 + u}\n" for u in range(1, users + 1)))
+    flags = "|".join(["0"] * 18)
+    _write(root / "u.item", "".join(f"{i}|Item {i} (1995)|01-Jan-1995||http://x|{flags}|0\n"
+                                    for i in range(1, items + 1)))
+    return root
+
+
+def test_bpr_loader_resumes_mid_epoch_with_the_same_negatives(tmp_path):
+    """The negatives of a batch depend on the batch, not on how many batches this process drew before."""
+    import itertools
+
+    root = _generated_ml100k(tmp_path / "ml-100k")
+
+    def loader():
+        dm = MovieLensDataModule(str(root), batch_size=16, num_negatives=1, seed=3)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    def triples(batches):
+        return [torch.stack([b.user_index, b.item_index, b.neg_item_index]) for b in batches]
+
+    first = loader()
+    first.sampler.set_epoch(1)
+    everything = triples(first)
+    it = iter(first)
+    triples(itertools.islice(it, 5))  # read 5, of which the step "consumed" 3 (a fetcher read ahead)
+    first.consumed_batches = lambda: 3
+    state = first.state_dict()
+    fresh = loader()
+    fresh.load_state_dict(state)
+    fresh.sampler.set_epoch(1)
+    rest = triples(fresh)
+    assert len(everything) > 5 and len(rest) == len(everything) - 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, everything[3:]))
+    again = loader()  # and a new pass over the same epoch draws the same negatives
+    again.sampler.set_epoch(1)
+    assert all(torch.equal(a, b) for a, b in zip(triples(again), everything))

@@ -42,6 +42,7 @@ Id 0 of every side feature is "missing".
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import re
@@ -366,20 +367,32 @@ class InteractionDataset(Dataset):
         self.log_q_I = torch.log(counts_I.clamp(min=1) / max(item_N.shape[0], 1)).float()
         self.num_negatives = num_negatives
         self._pairs_sorted = torch.sort(user_N * num_items + item_N).values
-        self._gen = torch.Generator().manual_seed(seed + 7)
+        self._seed_key = (seed + 7).to_bytes(8, "little", signed=True)
 
     def __len__(self) -> int:
         return self.user_N.shape[0]
 
-    def _negatives(self, user_B: Tensor) -> Tensor:
-        neg_B = torch.randint(self.num_items, user_B.shape, generator=self._gen)
+    def _batch_generator(self, idx_B: Tensor) -> torch.Generator:
+        """A generator seeded by the batch itself (its pair indices and the module's seed).
+
+        Not one generator advanced batch by batch: that would tie a batch's negatives to how many
+        batches this process drew before (a resumed run, a loader worker, the loop's read-ahead), so a
+        run resumed mid-epoch would train other negatives. Seeded by content, a batch is the same
+        wherever and whenever it is drawn; shuffling makes each epoch's batches differ.
+        """
+        digest = hashlib.blake2b(idx_B.numpy().tobytes(), digest_size=8, key=self._seed_key).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+    def _negatives(self, user_B: Tensor, idx_B: Tensor) -> Tensor:
+        gen = self._batch_generator(idx_B)
+        neg_B = torch.randint(self.num_items, user_B.shape, generator=gen)
         for _ in range(10):  # redraw the ones the user has (few: ml-100k users hold ~6% of items)
             key_B = user_B * self.num_items + neg_B
             pos = torch.searchsorted(self._pairs_sorted, key_B).clamp(max=self._pairs_sorted.numel() - 1)
             seen_B = self._pairs_sorted[pos] == key_B
             if not bool(seen_B.any()):
                 break
-            neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=self._gen), neg_B)
+            neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=gen), neg_B)
         return neg_B
 
     def __getitems__(self, indices: Sequence[int]) -> RetrievalBatch:
@@ -387,7 +400,7 @@ class InteractionDataset(Dataset):
         user_B, item_B = self.user_N[idx_B], self.item_N[idx_B]
         batch = RetrievalBatch(self.users.kjt(user_B), self.items.kjt(item_B), user_B, item_B, self.log_q_I[item_B])
         if self.num_negatives:
-            neg_B = self._negatives(user_B)
+            neg_B = self._negatives(user_B, idx_B)
             batch.neg_item_features, batch.neg_item_index = self.items.kjt(neg_B), neg_B
         return batch
 
