@@ -356,15 +356,11 @@ _TOGETHER_CLASSES: dict[type, type] = {}
 
 
 def _stop_together(loader: DataLoader, all_have_a_batch) -> None:
-    # The loader keeps its class's behaviour (Lightning checks isinstance(DataLoader), sets worker
-    # seeding, reads .sampler), so it gets a subclass whose only change is __iter__ (of its own
-    # class: a loader that ran pipelined before, pipeline.wrap_loader, goes back to the plain rule).
-    cls = next(c for c in type(loader).__mro__ if "_rec_step_together" not in c.__dict__)
-    sub = _TOGETHER_CLASSES.get(cls)
-    if sub is None:
-        sub = type(f"StepTogether{cls.__name__}", (cls,), {"__iter__": _iter_together, "_rec_step_together": True})
-        _TOGETHER_CLASSES[cls] = sub
-    loader.__class__ = sub
+    # a subclass whose only change is __iter__ (of the loader's own class: a loader that ran
+    # pipelined before, pipeline.wrap_loader, goes back to the plain rule)
+    from lightning_rec.pipeline.lightning import swap_iter
+
+    swap_iter(loader, "StepTogether", _iter_together, _TOGETHER_CLASSES)
     loader._rec_all_have_a_batch = all_have_a_batch
 
 

@@ -12,15 +12,24 @@ def base_loader_class(cls: type) -> type:
     return next(c for c in cls.__mro__ if "_rec_step_together" not in c.__dict__)
 
 
-def wrap_loader(loader, pipeline: InputPipeline):
-    """The loader iterates through `pipeline` (its class swapped for a subclass whose only change is __iter__)."""
+def swap_iter(loader, prefix: str, iter_fn, cache: dict[type, type]) -> None:
+    """Give `loader` a subclass of its own class whose only change is `__iter__` (one per class, cached).
+
+    The loader keeps its class's behaviour (Lightning checks isinstance(DataLoader), sets worker
+    seeding, reads .sampler). `_rec_step_together` marks our subclasses: a loader that ran under one
+    wrapper goes back to its own class before getting another.
+    """
     cls = base_loader_class(type(loader))
-    sub = _PIPELINED_CLASSES.get(cls)
+    sub = cache.get(cls)
     if sub is None:
-        # `_rec_step_together`: the feeder keeps the ranks stepping together (strategy.py's rule)
-        sub = type(f"Pipelined{cls.__name__}", (cls,), {"__iter__": _iter_pipelined, "_rec_step_together": True})
-        _PIPELINED_CLASSES[cls] = sub
+        sub = type(f"{prefix}{cls.__name__}", (cls,), {"__iter__": iter_fn, "_rec_step_together": True})
+        cache[cls] = sub
     loader.__class__ = sub
+
+
+def wrap_loader(loader, pipeline: InputPipeline):
+    """The loader iterates through `pipeline` (the feeder also keeps the ranks stepping together)."""
+    swap_iter(loader, "Pipelined", _iter_pipelined, _PIPELINED_CLASSES)
     loader._rec_pipeline = pipeline
     return loader
 
