@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spawn_utils import collect_rows, free_port  # noqa: E402  (this folder)
 
 NUM_TABLES, DIM = 26, 64
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -181,30 +183,6 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def collect(queue, procs) -> list:
-    """Every rank's rows; a rank that dies ends the run with its exit code instead of a wait forever."""
-    import queue as queue_module
-
-    rows, done = [], 0
-    while done < len(procs):
-        try:
-            rows += queue.get(timeout=5)
-            done += 1
-        except queue_module.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"rank(s) died: {dead} (rank, exit code); see the traceback above") from None
-    return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows per table (1M: 6.7 GB of weights)")
@@ -224,7 +202,7 @@ def main() -> None:
         p.start()
     rows = []
     try:
-        rows = collect(queue, procs)
+        rows = collect_rows(queue, procs)
     finally:
         for p in procs:
             p.join()

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn_utils import free_port  # this folder (sys.path[0] when run as a script)
 
 NUM_TABLES, ROWS, DIM, DENSE_IN = 26, 100_000, 64, 13
 DENSE_ARCH, OVER_ARCH = [512, 256, 64], [512, 512, 256, 1]
@@ -204,12 +204,6 @@ def _collect(queue, procs, count: int) -> list:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TrainStep(torch.nn.Module):
     """batch -> (loss, logits): the form TrainPipelineSparseDist runs (and the plain loop here too)."""
 
@@ -233,20 +227,15 @@ def pipeline_loader(rank: int, batch: int, batches: int):
     return data.train_dataloader()
 
 
-def run_plain(dmp, opt, loader, steps: int, warmup: int, cpu: list | None = None) -> list[float]:
-    """Seconds of each timed step (end to end, loader included); `cpu` gets the main thread's CPU seconds."""
-    it = iter(loader)
+def _timed_steps(step, steps: int, warmup: int, cpu: list | None = None) -> list[float]:
+    """Seconds of each timed `step()` (end to end); `cpu` gets the main thread's CPU seconds of them."""
     ends = []
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
             ends.append(time.perf_counter())
             cpu0 = time.thread_time()
-        batch = next(it)
-        opt.zero_grad()
-        loss, _ = dmp(batch)
-        loss.backward()
-        opt.step()
+        step()
         if i >= warmup:
             ends.append(time.perf_counter())
     if cpu is not None:
@@ -254,17 +243,23 @@ def run_plain(dmp, opt, loader, steps: int, warmup: int, cpu: list | None = None
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
+def run_plain(dmp, opt, loader, steps: int, warmup: int, cpu: list | None = None) -> list[float]:
+    """The plain loop over `loader` (the loader read in the step)."""
+    it = iter(loader)
+
+    def step() -> None:
+        batch = next(it)
+        opt.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        opt.step()
+
+    return _timed_steps(step, steps, warmup, cpu)
+
+
 def run_pipelined(pipeline, loader, steps: int, warmup: int) -> list[float]:
     it = iter(loader)
-    ends = []
-    for i in range(warmup + steps):
-        if i == warmup:
-            dist.barrier()
-            ends.append(time.perf_counter())
-        pipeline.progress(it)
-        if i >= warmup:
-            ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return _timed_steps(lambda: pipeline.progress(it), steps, warmup)
 
 
 def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> None:

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dlrm_distributed as bench  # noqa: E402  (the model, batches and plan of the distributed benchmark)
+from spawn_utils import collect_rows, free_port  # noqa: E402
 
 BATCH = 1024
 
@@ -117,30 +117,6 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def collect(queue, procs) -> list:
-    """Every rank's rows; a rank that dies ends the run with its exit code instead of a wait forever."""
-    import queue as queue_module
-
-    rows, done = [], 0
-    while done < len(procs):
-        try:
-            rows += queue.get(timeout=5)
-            done += 1
-        except queue_module.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"rank(s) died: {dead} (rank, exit code); see the traceback above") from None
-    return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -154,7 +130,7 @@ def main() -> None:
     procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    rows = collect(queue, procs)
+    rows = collect_rows(queue, procs)
     for p in procs:
         p.join()
 

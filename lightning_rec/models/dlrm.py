@@ -24,14 +24,23 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 
 class MLP(nn.Sequential):
-    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`."""
+    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`.
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True) -> None:
-        layers: list[nn.Module] = []
+    dropout > 0: on the input and after every hidden layer's ReLU (none after the last layer).
+    """
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True,
+                 dropout: float = 0.0) -> None:
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        layers: list[nn.Module] = [nn.Dropout(dropout)] if dropout else []
         for i, out_features in enumerate(layer_sizes):
+            last = i == len(layer_sizes) - 1
             layers.append(nn.Linear(in_features, out_features))
-            if last_activation or i < len(layer_sizes) - 1:
+            if last_activation or not last:
                 layers.append(nn.ReLU())
+            if dropout and not last:
+                layers.append(nn.Dropout(dropout))
             in_features = out_features
         super().__init__(*layers)
 

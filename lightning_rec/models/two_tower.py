@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_rec.embedding import EmbeddingBagCollection
+from lightning_rec.models.dlrm import MLP
 from lightning_rec.sparse import KeyedJaggedTensor
 
 SCORES = ("dot", "cosine")
@@ -57,17 +58,8 @@ class Tower(nn.Module):
         layer_sizes = list(layer_sizes)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if layer_sizes:
-            layers: list[nn.Module] = [nn.Dropout(dropout)] if dropout else []
-            for i, size in enumerate(layer_sizes):
-                layers.append(nn.Linear(in_features if i == 0 else layer_sizes[i - 1], size))
-                if i < len(layer_sizes) - 1:
-                    layers.append(nn.ReLU())
-                    if dropout:
-                        layers.append(nn.Dropout(dropout))
-            self.mlp: nn.Module = nn.Sequential(*layers)
-        else:
-            self.mlp = nn.Identity()
+        self.mlp: nn.Module = (MLP(in_features, layer_sizes, last_activation=False, dropout=dropout)
+                               if layer_sizes else nn.Identity())
         self.out_features = layer_sizes[-1] if layer_sizes else in_features
         self.skip_feature = skip_feature
         if skip_feature is not None:
