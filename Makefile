@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 	# torch first and pinned: anything that later asks for "torch" then finds it and pulls no CUDA wheels.
 	$(PY) -m pip install -q torch==2.13.0
 	# No build isolation: an isolated build would fetch an unpinned torch to compile csrc/.
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[cpu,dev]'
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -414,6 +414,34 @@ class GuardedWork:
         return True
 
 
+def named_failure_allreduce_hook(guard: CollectiveGuard, pg):
+    """A DDP comm hook for gloo groups: torch's own averaging all-reduce of each gradient bucket, whose
+    failure names the peer that exited (gloo itself says "Connection closed by peer" or "Read error
+    ... Connection reset by peer", depending on the torch release).
+
+    The hook does not number its calls in the guard: DDP reduces buckets from the autograd engine,
+    whose order beside the embedding exchanges is not the same on every rank.
+    """
+    world = dist.get_world_size(pg)
+    calls = [0]
+
+    def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them
+        calls[0] += 1
+        n = calls[0]
+        buf = bucket.buffer().div_(world)  # torch's allreduce_hook: average, in the bucket's own dtype
+        fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
+
+        def done(f):
+            try:
+                return f.value()[0]
+            except RuntimeError as e:
+                raise guard.failure("DDP gradient all-reduce", n, e) from e
+
+        return fut.then(done)
+
+    return hook
+
+
 # the watcher thread ----------------------------------------------------------------------------------
 
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")

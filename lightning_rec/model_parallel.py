@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch
+from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.optim import FusedOptimizer
 from lightning_rec.planner.fits import check_plan_fits
@@ -448,28 +448,37 @@ class DistributedModelParallel(nn.Module):
         module.to(device)
         self._sharded_paths = list(collections)
         self._device = device
-        self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {}, transport)
+        self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {}, transport,
+                                                    self._guard)
         object.__setattr__(self, "_unwrapped", module)
         self._fused_optimizer: FusedOptimizer | None = None
 
     @staticmethod
     def _wrap_dense(module: nn.Module, dense: str | None, device: torch.device, pg, ddp_kwargs: dict,
-                    transport: SharedMemoryGroup | None = None) -> nn.Module:
+                    transport: SharedMemoryGroup | None = None, guard: CollectiveGuard | None = None) -> nn.Module:
         if dense is None or not any(p.requires_grad for p in module.parameters()):
             return module
         if dense == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [device.index] if device.type == "cuda" else None
-            # TorchRec's defaults: buffers are not re-broadcast every step; gradients share DDP's buckets.
-            # forward_sync_buffers exists from torch 2.13 only (GPU users may have 2.11): passed when known.
+            # TorchRec's defaults: buffers are synced once at construction, not re-broadcast every step
+            # (a collective per forward); gradients share DDP's buckets.
             kwargs = dict(gradient_as_bucket_view=True)
-            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            new_ddp = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+            if new_ddp:  # torch >= 2.13
                 kwargs["forward_sync_buffers"] = False
             kwargs.update(ddp_kwargs)
             ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=pg, **kwargs)
+            if not new_ddp and "broadcast_buffers" not in ddp_kwargs:
+                # torch 2.11 / 2.12: broadcast_buffers=False would skip the construction sync too, so keep
+                # the default for __init__ and turn the per-forward broadcast off after it (DDP reads the
+                # attribute at every forward).
+                ddp.broadcast_buffers = False
             if transport is not None:  # gradient buckets averaged through shared memory, not gloo's TCP
                 ddp.register_comm_hook(None, ddp_comm_hook(transport))
+            elif guard is not None and not guard.nccl:  # gloo: a dead peer is named, not "Connection closed"
+                ddp.register_comm_hook(None, named_failure_allreduce_hook(guard, pg))
             return ddp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

@@ -25,9 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 import torch
 from torch import Tensor
+
+try:
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
+except (ImportError, OSError) as _e:  # absent, or built for another torch (its .so fails to load)
+    raise ImportError(
+        f"lightning_rec needs fbgemm-gpu built for the installed torch {torch.__version__} ({_e}). CPU: "
+        "pip install 'lightning_rec[cpu]' (torch 2.13.0 + fbgemm-gpu-cpu 1.8.0). GPU: the fbgemm-gpu release "
+        "built for your CUDA torch (1.8.0 for torch 2.13, 1.6.0 for 2.11; README, 'GPU'); never both"
+    ) from _e
 
 
 def _cumsum_with_zero(lengths: Tensor) -> Tensor:

@@ -249,7 +249,11 @@ def test_gpu_placement_on_a_cpu_run_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_tables_without_cuda_say_what_is_missing():
-    with pytest.raises(ValueError, match=r"need a CUDA GPU, but this torch \(.*\) is a CPU build: install the CUDA"):
+    if torch.version.cuda is None:  # CI's CPU build of torch
+        missing = r"need a CUDA GPU, but this torch \(.*\) is a CPU build: install the CUDA"
+    else:  # a CUDA build of torch on a machine without a GPU (or with none visible)
+        missing = r"need a CUDA GPU, but torch .*\+cu.* finds no CUDA device \(driver, CUDA_VISIBLE_DEVICES\?\)"
+    with pytest.raises(ValueError, match=missing):
         check_device_ready(torch.device("cuda"))
     with pytest.raises(ValueError, match="need a CUDA GPU"):
         ebc("auto", device="cuda")
@@ -326,3 +330,15 @@ def test_planner_never_replicates_tables_whose_fused_optimizer_replicas_lack():
         plan = EmbeddingShardingPlanner(Topology(world_size=world, compute_device="cpu")).plan(m)
         kinds = {str(ps.sharding_type) for module_plan in plan.plan.values() for ps in module_plan.values()}
         assert "data_parallel" not in kinds, kinds
+
+
+def test_missing_fbgemm_names_the_pair_to_install():
+    """A GPU user's `pip install -e .` installs no kernels: without fbgemm-gpu, import says what to add."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['fbgemm_gpu'] = None\nimport lightning_rec.sparse"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "lightning_rec needs fbgemm-gpu built for the installed torch" in done.stderr, done.stderr[-2000:]
+    assert "pip install 'lightning_rec[cpu]'" in done.stderr and "1.6.0 for 2.11" in done.stderr, done.stderr[-2000:]

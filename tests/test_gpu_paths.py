@@ -172,7 +172,8 @@ def test_fixed_size_batch_path_reads_nothing_back(monkeypatch):
 
 
 def test_ddp_arguments_are_feature_detected(monkeypatch):
-    """torch 2.11's DDP has no forward_sync_buffers: DistributedModelParallel must not pass it there."""
+    """torch 2.11's DDP has no forward_sync_buffers: DistributedModelParallel must not pass it there, and
+    turns the per-forward buffer broadcast off the old way (tests/test_model_parallel.py checks it for real)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_rec import model_parallel
@@ -186,8 +187,9 @@ def test_ddp_arguments_are_feature_detected(monkeypatch):
 
     assert "forward_sync_buffers" not in inspect.signature(DDP211.__init__).parameters
     monkeypatch.setattr("torch.nn.parallel.DistributedDataParallel", DDP211)
-    model_parallel.DistributedModelParallel._wrap_dense(nn.Linear(2, 2), "ddp", torch.device("cpu"), None, {})
+    ddp = model_parallel.DistributedModelParallel._wrap_dense(nn.Linear(2, 2), "ddp", torch.device("cpu"), None, {})
     assert seen["kwargs"]["gradient_as_bucket_view"] is True
+    assert ddp.broadcast_buffers is False  # synced at construction, not before every forward
 
 
 # On a GPU (`pytest -m gpu`; skipped elsewhere) ---------------------------------------------------------

@@ -328,6 +328,73 @@ def test_dead_rank_times_out_with_clear_error():
     assert seconds < 30
 
 
+class _CountingModel(PooledModel):
+    """A dense buffer each rank changes in its own way at every forward (as BatchNorm statistics do)."""
+
+    def __init__(self, ebc):
+        super().__init__(ebc)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, kjt):
+        self.seen += 1 + dist_rank()
+        return super().forward(kjt)
+
+
+def dist_rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _buffer_sync_worker(rank, W, shared_memory):
+    torch.manual_seed(0)
+    model = _CountingModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+    model.seen.fill_(100.0 * rank)  # ranks start apart
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan("table_wise", W, W), world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30, shared_memory=shared_memory)
+    synced = model.seen.item()
+    for step in range(2):
+        dmp(_batch(rank, step, False)).sum().backward()
+    return synced, model.seen.item()
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
+def test_dense_buffers_sync_at_construction_not_every_forward(shared_memory):
+    """On every torch (2.13: forward_sync_buffers=False; 2.11 / 2.12: broadcast_buffers turned off after
+    DDP's construction) buffers start from rank 0's and are not broadcast again before each forward: that
+    would cost a collective per step and undo each rank's own updates."""
+    (synced0, after0), (synced1, after1) = run_ranks(_buffer_sync_worker, 2, shared_memory, timeout=60)
+    assert synced0 == synced1 == 0.0  # rank 0's value, everywhere
+    assert (after0, after1) == (2.0, 4.0)  # each rank's own two updates (a forward broadcast gives rank 1 3.0)
+
+
+class _DetachedModel(PooledModel):
+    def forward(self, kjt):  # no embedding exchange in the backward: DDP's all-reduce is its only collective
+        return self.dense(self.ebc(kjt).values().detach())
+
+
+def _dead_rank_in_ddp_worker(rank, W):
+    torch.manual_seed(0)
+    model = _DetachedModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan("table_wise", W, W), world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30, shared_memory=False)
+    dmp(_batch(rank, 0, False)).sum().backward()
+    out = dmp(_batch(rank, 1, False))
+    if rank == 1:
+        os._exit(0)  # gone between its forward and its backward
+    start = time.monotonic()
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "DDP gradient all-reduce" in str(e) and "rank(s) [1] exited" in str(e), str(e)
+        return time.monotonic() - start
+    raise AssertionError("the backward went through without rank 1")
+
+
+def test_dead_rank_in_ddp_gradient_all_reduce_is_named():
+    """gloo alone says "Connection closed by peer" (torch 2.13) or "Read error ... reset by peer" (2.11)."""
+    seconds = run_ranks(_dead_rank_in_ddp_worker, 2, timeout=60, allow_missing=True)[0]
+    assert seconds < 15
+
+
 # state dict: global shapes + offsets; loads across layouts and world sizes ------------------------
 
 
