@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# ../shared/data beside the checkout; a copy of the checkout elsewhere (.ci/torch-range) names it
+SHARED_DATA = Path(os.environ.get("LIGHTNING_REC_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import SHARED_DATA
 from dist_utils import expect_error, run_ranks
 
 from lightning_rec import checkpoint as ckpt
@@ -623,7 +624,7 @@ def test_trainer_fsdp_dense_optimizer_state_resumes_at_another_world_size(tmp_pa
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
 
 
-CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+CRITEO = SHARED_DATA / "criteo"
 
 
 @pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")

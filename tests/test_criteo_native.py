@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from lightning_rec.data import CriteoDataModule, CriteoIterableDataset, build_criteo_cache, make_criteo_batch
 from lightning_rec.data.criteo_parse import (
@@ -27,7 +28,7 @@ from lightning_rec.data.criteo_parse import (
     read_criteo,
 )
 
-CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo"
+CRITEO = SHARED_DATA / "criteo"
 needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
 pytestmark = pytest.mark.skipif(not native_parser_available(), reason="lightning_rec._C is not built")
 SHARED_FILES = sorted(p.relative_to(CRITEO).as_posix() for p in CRITEO.rglob("*") if p.is_file()) if CRITEO.is_dir() else []  # noqa: E501

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 import lightning_rec.data.preprocess as pre
 from lightning_rec.data import CriteoDataModule, CriteoDataset, build_criteo_cache
@@ -21,7 +22,7 @@ from lightning_rec.data.criteo_parse import native_parser_available
 from lightning_rec.data.criteo_shards import CriteoShardDataset, load_manifest, rank_segments
 from lightning_rec.data.preprocess import preprocess_criteo, preprocess_main
 
-CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo"
+CRITEO = SHARED_DATA / "criteo"
 TRAIN = CRITEO / "criteo_kaggle_train_sample.tsv"
 RAGGED = CRITEO / "other/pytorch-fm_criteo_train_head1000_trailing-tabs-stripped.txt"
 pytestmark = [

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from lightning_rec.data import (
     Batch,
@@ -26,7 +27,7 @@ from lightning_rec.data import (
 )
 from lightning_rec.sparse import KeyedJaggedTensor
 
-CRITEO = Path(__file__).parents[2] / "shared" / "data" / "criteo"
+CRITEO = SHARED_DATA / "criteo"
 needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
 
 # file, data rows, labelled, positives (None: not given by the data README), rows padded

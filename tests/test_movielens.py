@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from lightning_rec.data import MovieLensDataModule, RankingBatch, RetrievalBatch, passthrough_collate, read_ratings
 from lightning_rec.data.movielens import EvalShardSampler, ro_split
 from lightning_rec.metrics import RankingMetrics
 
-ML100K = Path(__file__).parents[2] / "shared" / "data" / "movielens" / "ml-100k"
+ML100K = SHARED_DATA / "movielens" / "ml-100k"
 needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
 
 

@@ -8,6 +8,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import SHARED_DATA
 
 from lightning_rec import DLRMModule, SyntheticCriteoDataModule
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
@@ -115,7 +116,7 @@ def test_ranks_with_uneven_batches_stop_together():
 
 # exact resume: SIGKILL every rank mid-epoch, resume from the last complete checkpoint ------------------
 
-CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+CRITEO = SHARED_DATA / "criteo"
 
 
 class _KillAt(L.Callback):

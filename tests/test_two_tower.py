@@ -11,7 +11,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_wandb
+from conftest import SHARED_DATA, needs_wandb
 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.models import TwoTower, TwoTowerModule
@@ -19,7 +19,7 @@ from lightning_rec.models.two_tower import Tower, bpr_loss, in_batch_softmax_los
 from lightning_rec.sparse import KeyedJaggedTensor
 from tests.dist_utils import run_ranks
 
-ML100K = Path(__file__).parents[2] / "shared" / "data" / "movielens" / "ml-100k"
+ML100K = SHARED_DATA / "movielens" / "ml-100k"
 needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 
