@@ -18,7 +18,8 @@ through the CollectiveGuard of its process group:
                    nothing published               computing (or loading data): keep waiting, until
                                                    the timeout, whose message names `setting`
     failure      a collective that fails (gloo: "Connection closed by peer") names the ranks that
-                 exited: on this host, their pid is gone; elsewhere, their heartbeat stopped
+                 exited: on this host, their pid is gone; elsewhere, their heartbeat stopped. DDP's
+                 gradient all-reduce over gloo gets this too (named_failure_allreduce_hook), not the rest
 
 A rank blocked inside torch.distributed runs no code of ours, so every process runs one watcher
 thread: each TICK_S it bumps its heartbeat and looks at the main thread's Python stack; once that

@@ -477,7 +477,7 @@ class DistributedModelParallel(nn.Module):
                 ddp.broadcast_buffers = False
             if transport is not None:  # gradient buckets averaged through shared memory, not gloo's TCP
                 ddp.register_comm_hook(None, ddp_comm_hook(transport))
-            elif guard is not None and not guard.nccl:  # gloo: a dead peer is named, not "Connection closed"
+            elif guard is not None and guard.enabled and not guard.nccl:  # gloo: a dead peer is named
                 ddp.register_comm_hook(None, named_failure_allreduce_hook(guard, pg))
             return ddp
         from torch.distributed.device_mesh import init_device_mesh
