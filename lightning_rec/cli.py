@@ -39,9 +39,8 @@ class RecCLI(LightningCLI):
             accelerator = str(self._get(self.config_init, "trainer", {}).get("accelerator", "")).lower()
             what = cuda_missing()
             if accelerator in ("gpu", "cuda") and what is not None:
-                raise SystemExit(f"lightning-rec: --trainer.accelerator={accelerator} needs a CUDA GPU, but {what}: "
-                                 f"install the CUDA build of torch and the fbgemm-gpu that matches it (README, "
-                                 f"'GPU'), or use --trainer.accelerator=cpu") from e
+                raise SystemExit(f"lightning-rec: --trainer.accelerator={accelerator} needs a CUDA GPU, but {what}; "
+                                 f"or use --trainer.accelerator=cpu") from e
             raise
 
     def after_fit(self) -> None:

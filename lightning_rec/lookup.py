@@ -106,11 +106,13 @@ def cpu_supported_optimizers() -> list[EmbOptimType]:
 
 
 def cuda_missing() -> str | None:
-    """What this environment lacks for CUDA training (None when torch sees a CUDA device)."""
+    """What this environment lacks for CUDA training, and the fix (None when torch sees a CUDA device)."""
     if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is a CPU build"
+        return (f"this torch ({torch.__version__}) is a CPU build: install the CUDA build of torch and the "
+                f"fbgemm-gpu that matches it (README, 'GPU')")
     if not torch.cuda.is_available():
-        return f"torch {torch.__version__} finds no CUDA device (driver, CUDA_VISIBLE_DEVICES?)"
+        return (f"torch {torch.__version__} finds no CUDA device: check that the GPU and its driver work "
+                f"(`nvidia-smi`) and that CUDA_VISIBLE_DEVICES does not hide it")
     return None
 
 
@@ -120,9 +122,8 @@ def check_device_ready(device: torch.device) -> None:
         return
     what = cuda_missing()
     if what is not None:
-        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}: install the "
-                         f"CUDA build of torch and fbgemm-gpu (README, 'GPU'), or train with device='cpu' / "
-                         f"accelerator='cpu'")
+        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}; or train "
+                         f"with device='cpu' / accelerator='cpu'")
     import fbgemm_gpu  # noqa: F401
 
     if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::asynchronous_complete_cumsum", "CUDA"):
