@@ -138,14 +138,25 @@ def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[st
     check_features(features, rows_F, tables_F)
 
 
+class _Arrived:
+    """The event of a host copy: recorded and complete at once."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class DeviceBoundsCheck:
     """Bad ids on GPU batches that were never on the host, reported without a per-step sync.
 
     After each lookup, `after_lookup(counters, features)` copies the kernels' device-side bad-id
-    counters into a pinned host slot without waiting and records an event; `before_lookup()` raises
-    once an earlier copy has arrived with a count above the last one seen. Only then, on the error
-    path, is the offending batch read back to name its feature and table. The slots and events are
-    allocated once (a ring of SLOTS), so a step adds one async copy and one event record.
+    counters (fbgemm's, one per fused kernel) into a pinned host slot without waiting and records an
+    event; `before_lookup()` raises once an earlier copy has arrived with a count above the last one
+    seen. The slots and events are allocated once (a ring of SLOTS), so a step adds one async copy
+    and one event record. fbgemm's check replaces each bad id by 0 in the ids it reads, so the message
+    names the tables of the kernels whose count rose (and the feature, where the batch still shows it).
     """
 
     SLOTS = 4
@@ -153,44 +164,53 @@ class DeviceBoundsCheck:
     def __init__(self, rows_F: Tensor, tables_F: Sequence[str], owner: str) -> None:
         self.rows_F, self.tables_F, self.owner = rows_F, list(tables_F), owner
         self._ring: list[tuple[Tensor, object]] | None = None
+        self._tables_K: list[list[str]] = []  # the tables behind each counter
         self._pending: list[tuple[int, KeyedJaggedTensor]] = []  # (slot, batch), oldest first
         self._next = 0
-        self._seen = 0
+        self._seen_K: list[int] = []
 
     def before_lookup(self) -> None:
         while self._pending and self._ring[self._pending[0][0]][1].query():
             slot, features = self._pending.pop(0)
-            total = int(self._ring[slot][0].sum())
-            if total > self._seen:
-                self._seen = total
+            counts_K = self._ring[slot][0].tolist()
+            rose = [k for k, (n, seen) in enumerate(zip(counts_K, self._seen_K)) if n > seen]
+            if rose:
+                self._seen_K = counts_K
                 self._pending.clear()
-                raise ValueError(self._message(features))
+                raise ValueError(self._message(features, [t for k in rose for t in self._tables_K[k]]))
 
-    def after_lookup(self, counters: Sequence[Tensor], features: KeyedJaggedTensor) -> None:
-        if not counters or not torch.cuda.is_available():
+    def after_lookup(self, counters: Sequence[tuple[Tensor, Sequence[str]]], features: KeyedJaggedTensor) -> None:
+        if not counters:
             return
         if self._ring is None:
-            size = sum(c.numel() for c in counters)
-            self._ring = [(torch.zeros(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                          for _ in range(self.SLOTS)]
+            self._tables_K = [list(tables) for _, tables in counters]
+            self._seen_K = [0] * len(counters)
+            # CPU counters (fbgemm's CPU kernel in the same mode, for tests): the copy is done when it returns
+            cuda = counters[0][0].is_cuda
+            self._ring = [(torch.zeros(len(counters), dtype=torch.int64, pin_memory=cuda),
+                           torch.cuda.Event() if cuda else _Arrived()) for _ in range(self.SLOTS)]
         if len(self._pending) == self.SLOTS:  # the stream is far behind: this slot's copy is overwritten
             self._pending.pop(0)
         slot = self._next
         self._next = (slot + 1) % self.SLOTS
         host, event = self._ring[slot]
         if len(counters) == 1:
-            host.copy_(counters[0].view(-1), non_blocking=True)
+            host.copy_(counters[0][0].view(-1), non_blocking=True)
         else:
-            host.copy_(torch.cat([c.view(-1) for c in counters]), non_blocking=True)
+            host.copy_(torch.cat([c.view(-1) for c, _ in counters]), non_blocking=True)
         event.record()
         self._pending.append((slot, features))
 
-    def _message(self, features: KeyedJaggedTensor) -> str:
+    def _message(self, features: KeyedJaggedTensor, tables: list[str]) -> str:
         cpu = features.to("cpu")
         problem = find_problem(self.rows_F, cpu.values(), cpu.offsets(), cpu.weights_or_none())
-        where = (describe(problem, features.keys(), self.tables_F, self.rows_F.tolist(), cpu.weights_or_none(),
-                          self.owner) if problem[0] != OK else "an id or offset outside its table")
-        where = where.rstrip(".").replace(" Nothing was updated", "")
-        return (f"a GPU batch had {where}. It was checked on the device "
-                f"(the batch was never on the host), so it trained with bad ids read as row 0; build batches on the "
-                f"host and move them with .to('cuda') to have them refused before any update.")
+        if problem[0] != OK:  # the batch still shows it (the kernel read a copy), or holds another problem
+            where = describe(problem, features.keys(), self.tables_F, self.rows_F.tolist(), cpu.weights_or_none(),
+                             self.owner).rstrip(".").replace(" Nothing was updated", "")
+        else:
+            read_by = [f for f, t in zip(features.keys(), self.tables_F) if t in tables]
+            where = (f"an id outside its table in table(s) {', '.join(repr(t) for t in tables)} of {self.owner}, "
+                     f"read by feature(s) {', '.join(repr(f) for f in read_by)}")
+        return (f"a GPU batch had {where}. It was checked on the device (the batch was never on the host), so it "
+                f"trained with the bad ids read as row 0; build batches on the host and move them with .to('cuda') "
+                f"to have them refused, naming the feature, before any update.")

@@ -374,10 +374,12 @@ class FusedKernel(nn.Module):
     def get_learning_rate(self) -> float:
         return float(self.tbe.get_learning_rate()) * self._grad_scale
 
-    def bounds_check_counters(self) -> list[Tensor]:
-        """fbgemm's device-side count of bad ids (GPU), for the lazy named error."""
+    def bounds_check_counters(self) -> list[tuple[Tensor, list[str]]]:
+        """fbgemm's device-side count of bad ids (GPU), with the kernel's tables, for the lazy named error."""
         counter = getattr(self.tbe, "bounds_check_warning", None)
-        return [counter] if counter is not None and counter.device.type == "cuda" else []
+        if counter is None or counter.device.type != "cuda":
+            return []
+        return [(counter, [t.name for t in self.tables])]
 
 
 class DenseKernel(nn.Module):
@@ -482,5 +484,5 @@ class GroupedLookup(nn.Module):
     def fused_kernels(self) -> list[FusedKernel]:
         return [k for k in self.kernels if isinstance(k, FusedKernel)]
 
-    def bounds_check_counters(self) -> list[Tensor]:
+    def bounds_check_counters(self) -> list[tuple[Tensor, list[str]]]:
         return [c for k in self.fused_kernels() for c in k.bounds_check_counters()]

@@ -192,6 +192,43 @@ def test_ddp_arguments_are_feature_detected(monkeypatch):
     assert ddp.broadcast_buffers is False  # synced at construction, not before every forward
 
 
+def test_device_bounds_check_names_the_bad_batch_on_the_next_call():
+    """The lazy check of GPU-built batches (batch_check.DeviceBoundsCheck), run here on fbgemm's CPU kernel in
+    the mode the GPU path uses (BoundsCheckMode.WARNING: a bad id is counted and replaced by 0 in the ids the
+    kernel reads; the counter is the same in fbgemm 1.6-1.8): the step with the bad id goes through, the next
+    call raises naming the table of the kernel that counted it, once; a full ring of pending copies drops the
+    oldest, never blocks. Two kernels (one table each), as a collection groups tables by dim and optimizer."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from lightning_rec.batch_check import DeviceBoundsCheck
+
+    kernels = {t: SplitTableBatchedEmbeddingBagsCodegen([(rows, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                                        bounds_check_mode=BoundsCheckMode.WARNING, device="cpu")
+               for t, rows in (("users", 10), ("items", 20))}
+    check = DeviceBoundsCheck(torch.tensor([10, 20]), ["users", "items"], "EmbeddingBagCollection")
+
+    def step(item_id: int) -> None:
+        kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, item_id]), lengths=torch.tensor([1, 1]),
+                                _validate=False)
+        check.before_lookup()
+        for tbe, ids in zip(kernels.values(), kjt.values().split(1)):  # views: fbgemm writes through
+            tbe(ids, torch.tensor([0, 1]))
+        check.after_lookup([(tbe.bounds_check_warning, [t]) for t, tbe in kernels.items()], kjt)
+
+    for _ in range(2 * DeviceBoundsCheck.SLOTS):  # more good steps than ring slots
+        step(3)
+    step(25)  # trains, reading row 0
+    with pytest.raises(ValueError, match=r"GPU batch had an id outside its table in table\(s\) 'items' of "
+                                         r"EmbeddingBagCollection, read by feature\(s\) 'item'.*\.to\('cuda'\)"):
+        step(3)
+    for _ in range(3):  # reported once
+        step(3)
+
+
 # On a GPU (`pytest -m gpu`; skipped elsewhere) ---------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
@@ -241,7 +278,10 @@ def test_cuda_bad_ids_built_on_the_device_are_reported_on_a_later_call():
     good = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4], device="cuda"), lengths=lengths)
     gpu(bad).values().sum().backward()  # no sync here: fbgemm reads row 0 and counts the bad id
     torch.cuda.synchronize()
-    with pytest.raises(ValueError, match="feature 'f1' has id 99 outside table 't1'.*never on the host"):
+    # fbgemm replaced the id by 0 in what it read: the table(s) of the kernel that counted it are named (the
+    # feature itself where the batch still shows it: the kernel read a copy)
+    named = r"(feature 'f1' has id 99 outside table 't1'|table\(s\) .*'t1'.* read by feature\(s\) .*'f1')"
+    with pytest.raises(ValueError, match=named + ".*never on the host"):
         gpu(good)
 
 
