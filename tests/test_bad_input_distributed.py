@@ -80,9 +80,11 @@ def _outcome(fn) -> tuple[str, str, float]:
 # 1. a rank at another collective ------------------------------------------------------------------
 
 
-def _caught_and_barrier_worker(rank, W, shared_memory):
+def _caught_and_barrier_worker(rank, W, shared_memory, nccl_branch=False):
     _fast_guard()
     dmp = _dmp(W, shared_memory)
+    if nccl_branch:  # the guard's NCCL code path (poll Work.is_completed, guard only the host's own waits), on gloo
+        dmp._guard.nccl = True
     _step(dmp, rank)  # one good step: the issue's hang is mid-training
     if rank == 1:
         try:
@@ -93,10 +95,13 @@ def _caught_and_barrier_worker(rank, W, shared_memory):
     return _outcome(lambda: _step(dmp, rank))
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shm"])
-def test_rank_at_its_own_barrier_is_named_within_seconds(shared_memory):
+@pytest.mark.parametrize("shared_memory,nccl_branch", [(False, False), (True, False), (False, True)],
+                         ids=["gloo", "shm", "nccl-branch-on-gloo"])
+def test_rank_at_its_own_barrier_is_named_within_seconds(shared_memory, nccl_branch):
+    """nccl-branch-on-gloo: no GPU here, so the guard's NCCL path runs over gloo (NCCL itself: GPU issue)."""
     start = time.monotonic()
-    (kind0, text0, s0), (kind1, _, s1) = run_ranks(_caught_and_barrier_worker, 2, shared_memory, timeout=60)
+    (kind0, text0, s0), (kind1, _, s1) = run_ranks(_caught_and_barrier_worker, 2, shared_memory, nccl_branch,
+                                                   timeout=60)
     assert kind0 == CollectiveMismatch.__name__, text0
     for words in ("rank 0", "rank 1", "torch.distributed.barrier", "test_bad_input_distributed.py", "id "):
         assert words in text0, (words, text0)
