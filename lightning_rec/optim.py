@@ -90,10 +90,14 @@ class _FusedParamGroup(dict):
         self._kernels = list(kernels)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        if key == "lr":
+        if key == "lr":  # the kernels refuse a NaN or negative rate first: the group keeps the rate they use
+            try:
+                rate = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"fused learning rate param_group['lr'] = {value!r} is not a number") from None
             for kernel in self._kernels:
-                kernel.set_learning_rate(float(value))
+                kernel.set_learning_rate(rate)
+        super().__setitem__(key, value)
 
 
 def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

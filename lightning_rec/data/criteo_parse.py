@@ -177,7 +177,10 @@ def open_criteo_stream(path: str | os.PathLike):
 def _read_head(path: str | os.PathLike, num_bytes: int = 1 << 20) -> bytes:
     check_criteo_file(path)
     with open_criteo_stream(path) as stream:
-        return stream.read(num_bytes)
+        try:
+            return stream.read(num_bytes)
+        except OSError as e:
+            raise _unreadable(path, e) from e
 
 
 def detect_layout(
@@ -307,6 +310,12 @@ def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) ->
         yield block, line
 
 
+def _unreadable(path, e: OSError) -> ValueError:
+    """Arrow's decompressor says 'Truncated compressed stream' without naming the file."""
+    return ValueError(f"{path}: cannot read it ({e}): a compressed file cut short (an interrupted download or "
+                      f"copy?), or not the format its first bytes say: fetch or compress it again")
+
+
 def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header: bool,
                           start: dict | None = None) -> Iterator[tuple[bytes, int, dict]]:
     """iter_blocks, each block with the reader's position before it (`start` resumes there).
@@ -334,7 +343,10 @@ def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header
                     left -= got
         while True:
             position = {"read": read, "rest": rest, "line": line, "skip_header": skip_header}
-            chunk = stream.read(block_bytes)
+            try:
+                chunk = stream.read(block_bytes)
+            except OSError as e:
+                raise _unreadable(path, e) from e
             read += len(chunk)
             data = rest + chunk if rest else chunk
             if not chunk:
@@ -385,7 +397,10 @@ def iter_line_blocks(
         while True:
             if filled == buf.size:  # a line longer than the buffer: grow it
                 buf = np.concatenate([buf, np.empty(buf.size, dtype=np.uint8)])
-            got = stream.readinto(memoryview(buf)[filled:])
+            try:
+                got = stream.readinto(memoryview(buf)[filled:])
+            except OSError as e:
+                raise _unreadable(path, e) from e
             if progress is not None:
                 progress(raw.tell())
             if got == 0:

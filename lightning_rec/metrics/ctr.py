@@ -195,6 +195,11 @@ class AUC(Metric):
         nan = _one_class_nan(num_pos, labels_N.numel() - num_pos, "AUC")
         if nan is not None:
             return nan
+        num_nan = int(torch.isnan(preds_N).sum())
+        if num_nan:  # NaN sorts as the largest score: the rank statistic would look like a valid AUC
+            warnings.warn(f"AUC: {num_nan} of {preds_N.numel()} predictions are NaN (a diverged model?), so the "
+                          f"AUC is undefined: NaN", stacklevel=2)
+            return torch.tensor(float("nan"))
         return exact_auc(preds_N, labels_N)
 
 
