@@ -342,3 +342,171 @@ def test_missing_fbgemm_names_the_pair_to_install():
     assert done.returncode != 0
     assert "lightning_rec needs fbgemm-gpu built for the installed torch" in done.stderr, done.stderr[-2000:]
     assert "pip install 'lightning_rec[cpu]'" in done.stderr and "1.6.0 for 2.11" in done.stderr, done.stderr[-2000:]
+
+
+# Found by benchmarks/bad_input_battery.py (inputs tried independently of the cases above) ----------
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda k: k.permute([-1, 0]), r"permute: indices \[-1\] are not key positions: use 0..1"),  # was a segfault
+    (lambda k: k.permute([0, 5]), r"permute: indices \[5\]"),
+    (lambda k: k.split([3, -1]), r"segments \[3, -1\] must be >= 0"),
+])
+def test_kjt_methods_check_their_arguments(make, words):
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 0]), lengths=torch.tensor([2, 1, 1, 0]))
+    with pytest.raises(ValueError, match=words):
+        make(kjt)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3])), "lengths and offsets were both given"),
+    (dict(values=torch.tensor([1, 2, 3], dtype=torch.int8), lengths=torch.tensor([1, 2])),
+     r"ids must be integers \(int64 or int32\), got values of torch.int8: convert them with values.long\(\)"),
+    (dict(lengths=torch.tensor([1, 2], dtype=torch.int16)), r"lengths must be int32 or int64, got torch.int16"),
+    (dict(values=[1, 2, 3], lengths=torch.tensor([1, 2])), r"values must be a torch.Tensor, got list"),
+    (dict(lengths=[1, 2]), r"lengths must be a torch.Tensor, got list"),
+    (dict(keys=None), "keys must be a list of feature names, got None"),
+    (dict(values=torch.tensor([1, 2, 3], device="meta"), lengths=torch.tensor([1, 2])),
+     "values on meta, lengths on cpu: put them on one device"),
+])
+def test_kjt_construction_refuses_what_no_kernel_reads(kwargs, words):
+    args = {"keys": ["a", "b"], "values": torch.tensor([1, 2, 3]), **kwargs}
+    with pytest.raises(ValueError, match=words):
+        KeyedJaggedTensor(**args)
+
+
+def test_from_jt_dict_names_each_features_batch_size():
+    from lightning_rec.sparse import JaggedTensor
+
+    with pytest.raises(ValueError, match="different batch sizes \\('a': 1, 'b': 3\\)"):
+        KeyedJaggedTensor.from_jt_dict({"a": JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1])),
+                                        "b": JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1]))})
+
+
+@pytest.mark.parametrize("args,words", [
+    ((["a", "a"], [2, 3], torch.zeros(3, 5)), r"duplicate keys \['a'\]"),
+    ((["a", "b"], [-1, 6], torch.zeros(3, 5)), "widths must be >= 0"),
+    ((["a"], [5], torch.zeros(3, 5), 2), "key_dim=2 is not a dim"),
+])
+def test_keyed_tensor_refuses_ambiguous_blocks(args, words):
+    from lightning_rec.sparse import KeyedTensor
+
+    with pytest.raises(ValueError, match=words):
+        KeyedTensor(*args)
+
+
+def test_keyed_tensor_from_list_names_the_mismatched_block():
+    from lightning_rec.sparse import KeyedTensor
+
+    with pytest.raises(ValueError, match=r"differ outside key_dim=1.*'b': \(4, 2\)"):
+        KeyedTensor.from_tensor_list(["a", "b"], [torch.zeros(3, 2), torch.zeros(4, 2)])
+
+
+@pytest.mark.parametrize("lo,hi,words", [
+    (0.5, -0.5, "weight_init_min=0.5 is above weight_init_max=-0.5"),
+    (float("nan"), 0.1, "weight_init_min must be a number \\(finite\\)"),
+])
+def test_init_range_is_checked_in_the_config(lo, hi, words):
+    with pytest.raises(ValueError, match=words):
+        EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, weight_init_min=lo, weight_init_max=hi)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda t: EmbeddingBagCollection([{"name": "t"}]), "takes EmbeddingBagConfig tables, got a dict"),
+    (lambda t: EmbeddingBagCollection(t, optimizer="adam"), "optimizer='adam': pass a FusedOptimizerConfig"),
+    (lambda t: EmbeddingBagCollection(t, device="meta"), "device='meta'.*'cpu' or 'cuda'"),
+    (lambda t: EmbeddingBagCollection([EmbeddingBagConfig(name="t_huge", num_embeddings=10**13, embedding_dim=16)],
+                                      optimizer=FusedOptimizerConfig("sgd")), "'t_huge' 10000000000000 x 16.*shard"),
+])
+def test_collection_arguments_are_checked(make, words):
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4)]
+    with pytest.raises(ValueError, match=words):
+        make(tables)
+
+
+def test_collection_given_a_tensor_says_it_takes_a_kjt():
+    with pytest.raises(TypeError, match="takes a KeyedJaggedTensor of ids, got a Tensor"):
+        ebc()(torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_refused_learning_rate_stays_out_of_the_param_group(kernel):
+    module = ebc(kernel)
+    opt = FusedOptimizer(module)
+    with pytest.raises(ValueError, match="fused learning rate nan"):
+        opt.param_groups[0]["lr"] = float("nan")
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # what the kernels still use (and a checkpoint would save)
+
+
+def test_auc_of_nan_scores_is_nan_not_a_number_that_looks_valid():
+    from lightning_rec.metrics import AUC
+
+    auc = AUC()
+    auc.update(torch.tensor([0.1, float("nan"), 0.3, 0.9]), torch.tensor([0, 1, 0, 1]))
+    with pytest.warns(UserWarning, match="1 of 4 predictions are NaN"):
+        assert math.isnan(float(auc.compute()))  # NaN sorts as the top score: it was 1.0
+
+
+def test_ratings_files_are_read_by_column_name_and_bad_rows_name_their_line(tmp_path):
+    from lightning_rec.data.movielens import read_ratings
+
+    (tmp_path / "ratings.csv").write_text("userId,rating,timestamp\n1,5,1\n2,4,2\n")
+    with pytest.raises(ValueError, match=r"ratings.csv:1: the header .* no column for \['item_id'\]"):
+        read_ratings(tmp_path / "ratings.csv")  # rating was read as the item, silently
+    (tmp_path / "ratings.csv").write_text("movieId,userId,rating\n10,1,5\n20,2,4\n")  # another column order
+    table = read_ratings(tmp_path / "ratings.csv")
+    assert table.column("item_id").to_pylist() == [10, 20] and table.column("user_id").to_pylist() == [1, 2]
+    (tmp_path / "u.data").write_text("1\t1\t5\t881250949\n2\t3\t4\t881250950\nx\ty\tz\tw\n")
+    with pytest.raises(ValueError, match=r"u.data:3: cannot parse"):
+        read_ratings(tmp_path / "u.data")
+
+
+def test_a_truncated_gzip_file_is_named(tmp_path):
+    import gzip
+
+    from lightning_rec.data.criteo_parse import read_criteo
+
+    row = "0\t" + "\t".join(str(i) for i in range(13)) + "\t" + "\t".join(f"{i:08x}" for i in range(26)) + "\n"
+    data = gzip.compress((row * 400).encode())
+    (tmp_path / "day.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="day.gz: cannot read it .*cut short"):
+        list(read_criteo(tmp_path / "day.gz"))
+
+
+def test_damaged_checkpoint_index_is_named(tmp_path):
+    from lightning_rec import checkpoint
+
+    module = ebc()
+    checkpoint.save({"state_dict": module.state_dict()}, tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").write_bytes((tmp_path / "ck" / ".metadata").read_bytes()[:20])
+    before = snapshot(module)
+    with pytest.raises(ValueError, match="checkpoint .*ck is damaged: its index .*.metadata cannot be read"):
+        checkpoint.load_model(module, tmp_path / "ck")
+    assert_unchanged(module, before)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda: __import__("lightning_rec.strategy").strategy.RecStrategy(embedding_timeout=-5),
+     "embedding_timeout=-5.*> 0"),
+    (lambda: __import__("lightning_rec.strategy").strategy.RecStrategy(plan={"t": "row_wise"}),
+     "takes a ShardingPlan, got a dict"),
+    (lambda: __import__("lightning_rec.data").data.CriteoDataModule(batch_size=0), "batch_size=0"),
+    (lambda: __import__("lightning_rec.data").data.MovieLensDataModule("x", batch_size=0), "batch_size=0"),
+    (lambda: __import__("lightning_rec.metrics").metrics.NDCG(ks=2.5), "ks=2.5"),
+    (lambda: __import__("lightning_rec.models").models.DLRMModule(sparse_lr=-1, num_embeddings_per_feature=4),
+     "DLRMModule\\(sparse_optimizer='rowwise_adagrad', sparse_lr=-1.*>= 0"),
+])
+def test_module_arguments_are_checked(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
+def test_labels_of_another_shape_are_refused_before_any_update():
+    from lightning_rec.data.batch import Batch
+    from lightning_rec.models.dlrm_module import DLRMModule
+
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["a", "b"],
+                        dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"labels of shape \(3,\) for a batch of 2 samples"):
+        module.training_step(Batch(torch.randn(2, 3), kjt, torch.zeros(3)), 0)

@@ -121,8 +121,9 @@ class TrainPipelineSparseDist:
             result = self._model(batch)
         self._pipeline.forward_done()
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            model = type(getattr(self._model, "module", self._model)).__name__  # the user's, inside DMP
             raise TypeError(f"TrainPipelineSparseDist: model(batch) must return (loss, output), TorchRec's convention; "
-                            f"{type(self._model).__name__} returned a {type(result).__name__}"
+                            f"{model} returned a {type(result).__name__}"
                             + (f" of {len(result)} items" if isinstance(result, (tuple, list)) else "")
                             + ": return (loss, output) from its forward (output may be None)")
         losses, output = result
