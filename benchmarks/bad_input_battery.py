@@ -836,6 +836,32 @@ def _expect_lr(cfg, lr):
     expect(cfg.lr == lr, f"lr {cfg.lr!r} != {lr}")
 
 
+def _decay_parity(kernel: str, opt_name: str) -> None:
+    """One fused step with weight_decay == torch.optim's step on the touched rows (L2: g + wd * w)."""
+    torch = _t()
+    from lightning_rec import EmbeddingBagCollection, FusedOptimizerConfig
+    lr, wd, eps = 0.1, 0.5, 1e-8
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection([bag_cfg("t_a", 10, 4, ["a"])], kernel=kernel,
+                                 optimizer=FusedOptimizerConfig(opt_name, lr=lr, weight_decay=wd, eps=eps))
+    w0 = ebc_weights(ebc)["t_a"].clone()
+    ebc(kjt_lengths(["a"], [3, 3, 4], [2, 1])).values().sum().backward()
+    got = ebc_weights(ebc)["t_a"]
+    g = torch.zeros_like(w0)
+    g[3], g[4] = 2.0, 1.0
+    touched = g.abs().sum(1, keepdim=True) > 0
+    g = torch.where(touched, g + wd * w0, g)
+    if opt_name == "sgd":
+        ref = w0 - lr * g
+    elif opt_name == "adagrad":
+        ref = w0 - lr * g / (g.abs() + eps)
+    else:
+        ref = w0 - lr * g / ((g * g).mean(1, keepdim=True).sqrt() + eps)
+    ref = torch.where(touched, ref, w0)
+    expect(torch.allclose(got, ref, atol=1e-5), f"{kernel} {opt_name} weight_decay={wd}: max |diff| "
+           f"{float((got - ref).abs().max()):.3g} vs torch.optim")
+
+
 def _parity(kernel: str, opt_name: str) -> None:
     """One fused step with duplicate ids == the same step by torch.optim on a plain nn.Parameter."""
     torch = _t()
@@ -1737,6 +1763,115 @@ def rank_trainer_uneven_pipelined(rank, W):
     return rank_trainer_uneven_loaders(rank, W, pipeline=True)
 
 
+def rank_mixed_id_dtypes(rank, W, kind, shm):
+    """Rank 0 sends int64 ids, rank 1 int32 (and keys in another order): outputs equal the unsharded module."""
+    _threads()
+    torch = _t()
+    ebc, ref = make_ebc(), make_ebc()
+    dmp = _dmp_of(ebc, _verbs(kind), W, shm)
+
+    def go():
+        if rank == 0:
+            k = kjt_lengths(["a", "b"], T([1, 2, 3, 0]), [2, 1, 1, 0])
+        else:
+            k = kjt_lengths(["b", "a"], T([5, 9, 4, 4], torch.int32), T([1, 0, 2, 1], torch.int32))
+        out = dmp(k)
+        r = ref(k)
+        for key in ("a", "b"):
+            expect(torch.allclose(out[key], r[key], atol=1e-6), f"rank {rank}: feature {key} differs from unsharded")
+        return True
+    return _outcome(go)
+
+
+def rank_save_checkpoint(rank, W, path, kind):
+    """Two ranks save a sharded checkpoint (plan `kind`) after one step; returns the whole tables."""
+    _threads()
+    from lightning_rec import checkpoint as ck
+    ebc = make_ebc(opt="adagrad")
+    dmp = _dmp_of(ebc, _verbs(kind), W, True)
+    dmp(_rank_batches(rank)).values().sum().backward()
+    ck.save({"state_dict": dmp.module.state_dict()}, path)
+
+
+def saved_whole(path):
+    """The whole tables of a checkpoint, read in this (non-distributed) process."""
+    from lightning_rec.checkpoint import full_state_dict
+    return {k: v.clone() for k, v in full_state_dict(path).items()}
+
+
+def rank_load_checkpoint(rank, W, path, kind, whole):
+    _threads()
+    torch = _t()
+    from lightning_rec import checkpoint as ck
+    ebc = make_ebc(opt="adagrad")
+    dmp = _dmp_of(ebc, _verbs(kind), W, True)
+
+    def go():
+        ck.load_model(dmp.module, path)
+        for key, st in dmp.module.state_dict().items():
+            pieces = getattr(st, "local_shards", None)
+            if pieces is None:  # a replicated or plain tensor: whole
+                expect(torch.equal(whole[key], st), f"rank {rank}: {key} differs")
+                continue
+            for meta, t in (pieces() if callable(pieces) else pieces):
+                (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                expect(torch.equal(whole[key][r:r + nr, c:c + nc], t), f"rank {rank}: {key} piece differs")
+        return True
+    return _outcome(go)
+
+
+def rank_trainer_rank_raises(rank, W):
+    """Rank 1's training_step raises at step 2: rank 0 must hear of it within seconds, not wait 300 s."""
+    _threads()
+    _fast_guard()
+    import lightning.pytorch as L
+
+    from lightning_rec import DLRMModule, SyntheticCriteoDataModule
+
+    class Raises(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            if rank == 1 and batch_idx == 2:
+                raise RuntimeError("rank 1's training_step failed (user code)")
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=32)
+    m = Raises(num_embeddings_per_feature=32, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+               over_arch_layer_sizes=[8, 1])
+
+    def go():
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=W, max_epochs=1, logger=False,
+                                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                                num_sanity_val_steps=0, limit_val_batches=0)
+            trainer.fit(m, data)
+    out = _outcome(go)
+    if rank == 1:
+        os._exit(0)  # as a crashed rank would: gone without a goodbye
+    return out
+
+
+def rank_trainer_planner_impossible(rank, W):
+    _threads()
+    import lightning.pytorch as L
+
+    from lightning_rec import DLRMModule, EmbeddingShardingPlanner, RecStrategy, SyntheticCriteoDataModule, Topology
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=64, batch_size=64,
+                                     num_embeddings_per_feature=1000)
+    m = DLRMModule(num_embeddings_per_feature=1000, embedding_dim=8, dense_arch_layer_sizes=[8],
+                   over_arch_layer_sizes=[8, 1])
+    planner = EmbeddingShardingPlanner(Topology(world_size=W, ddr_cap=10_000), print_stats=False)
+
+    def go():
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            trainer = L.Trainer(strategy=RecStrategy(planner=planner), accelerator="cpu", devices=W, max_steps=1,
+                                logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
+            trainer.fit(m, data)
+    return _outcome(go)
+
+
 def run_two_ranks(fn, *args, timeout=50.0, W=2):
     sys.path.insert(0, str(ROOT / "tests"))
     from dist_utils import RankFailed, run_ranks
@@ -1843,11 +1978,242 @@ def _dist_cases():
         expect(steps[0] == steps[1] == 2, f"global steps {steps}")
 
 
+def _more_cases():
+    """Second wave: edges of the numbers, the files and the optimizers."""
+    torch = _t()
+    from lightning_rec import NDCG, BinnedAUC, EmbeddingBagCollection, FusedOptimizerConfig, KeyedJaggedTensor
+
+    simple("more.lengths_huge_few_values", lambda: KJT(["a"], T([1, 2]), lengths=T([2 ** 40])), ValueError,
+           ["add up to 1099511627776", "2 values"])
+    simple("more.offsets_int32_huge_end", lambda: KJT(["a"], T([1, 2]), offsets=T([0, 2 ** 31 - 1], torch.int32)),
+           ValueError, ["end at 2147483647"])
+    simple("more.kjt_to_cuda_without_gpu", lambda: good_batch().to("cuda"), (RuntimeError, AssertionError, ValueError),
+           ["cuda"])
+
+    @case("more.keys_as_tuple", legit="any sequence of names is keys")
+    def _(ctx):
+        check_ebc(make_ebc(), KeyedJaggedTensor.from_lengths_sync(("a", "b"), T([1, 2, 3, 0]), T([2, 1, 1, 0])))
+
+    @case("more.one_row_one_dim_tables", legit="num_embeddings=1 and embedding_dim=1 are valid sizes")
+    def _(ctx):
+        for kernel in ("native", "fbgemm"):
+            ebc = EmbeddingBagCollection([bag_cfg("t_a", 1, 1, ["a"]), bag_cfg("t_b", 1, 1, ["b"])],
+                                         optimizer=FusedOptimizerConfig("rowwise_adagrad"), kernel=kernel)
+            check_ebc(ebc, kjt_lengths(["a", "b"], [0, 0, 0], [2, 0, 1, 0]))
+
+    @case("more.dim_3_fbgemm_cpu", legit="any dim on CPU")
+    def _(ctx):
+        check_ebc(make_ebc(kernel="fbgemm", dims=(3, 5), opt="adagrad"), good_batch())
+
+    @case("more.lr_zero_changes_nothing", legit="lr=0 is a frozen table")
+    def _(ctx):
+        for kernel, opt in (("native", "adam"), ("fbgemm", "rowwise_adagrad"), ("native", "sgd")):
+            ebc = make_ebc(opt=opt, lr=0.0, kernel=kernel)
+            before = tables_of(ebc)
+            ebc(good_batch()).values().sum().backward()
+            unchanged(ebc, before, f"{kernel} {opt} lr=0")()
+
+    for opt_name in ("adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam"):
+        @case(f"more.{opt_name}_eps_zero_zero_gradient", ValueError, ["eps", opt_name], ok=True,
+              legit="eps=0 is allowed if a row with zero gradient stays finite")
+        def _(ctx, opt_name=opt_name):
+            for kernel in (("native", "fbgemm") if opt_name in ("adagrad", "rowwise_adagrad") else ("native",)):
+                from lightning_rec import EmbeddingBagCollection as EBC
+                ebc = EBC([bag_cfg("t_a", 10, 4, ["a"])], optimizer=FusedOptimizerConfig(opt_name, lr=0.1, eps=0.0),
+                          kernel=kernel)
+                # row 3 is looked up but its bag's output is multiplied by 0: a zero gradient
+                (ebc(kjt_lengths(["a"], [3, 4], [1, 1])).values() * T([[0.0], [1.0]])).sum().backward()
+                w = ebc_weights(ebc)["t_a"]
+                expect(bool(torch.isfinite(w).all()), f"{kernel} {opt_name} eps=0: NaN rows after a zero gradient")
+
+    for kernel in ("native", "fbgemm", "auto"):
+        for opt_name in ("sgd", "adagrad", "rowwise_adagrad"):
+            @case(f"more.{opt_name}_weight_decay_vs_torch.{kernel}", ValueError, ["weight_decay", "native"], ok=True,
+                  legit="weight decay as torch.optim applies it (L2 on the rows a batch touches)")
+            def _(ctx, kernel=kernel, opt_name=opt_name):
+                _decay_parity(kernel, opt_name)
+
+    @case("more.ec_sgd_weight_decay", ValueError, ["weight_decay", "adagrad"], ok=True)
+    def _(ctx):
+        from lightning_rec import EmbeddingCollection as EC
+        ec = EC([seq_cfg("t_a", 10, 4, ["a"])], optimizer=FusedOptimizerConfig("sgd", lr=0.1, weight_decay=0.5))
+        w0 = {k: v.clone() for k, v in ec.state_dict().items()}["embeddings.t_a.weight"]
+        ec(kjt_lengths(["a"], [3], [1]))["a"].values().sum().backward()
+        w1 = ec.state_dict()["embeddings.t_a.weight"]
+        expect(torch.allclose(w1[3], w0[3] - 0.1 * (1 + 0.5 * w0[3]), atol=1e-6), "EC SGD ignored weight_decay")
+
+    @case("more.ndcg_k_above_items", legit="k larger than the candidate list: all of it is ranked")
+    def _(ctx):
+        from torchmetrics.retrieval import RetrievalNormalizedDCG
+        preds, target = T([[0.9, 0.1, 0.5], [0.2, 0.3, 0.1]]), T([[True, False, True], [False, True, False]])
+        m = NDCG(ks=100)
+        m.update(preds, target)
+        v = m.compute()
+        v = v if isinstance(v, torch.Tensor) else next(iter(v.values()))
+        ref = RetrievalNormalizedDCG(top_k=100)
+        ref.update(preds.flatten(), target.flatten(), indexes=torch.arange(2).repeat_interleave(3))
+        expect(abs(float(v) - float(ref.compute())) < 1e-5, f"NDCG@100 {float(v)} vs {float(ref.compute())}")
+
+    @case("more.binned_auc_nan_scores", ValueError, ["nan"], ok=True, legit="NaN out for NaN scores is honest")
+    def _(ctx):
+        m = BinnedAUC(num_thresholds=100, from_logits=False)
+        m.update(T([0.1, float("nan"), 0.3, 0.9]), T([0, 1, 0, 1]))
+        v = m.compute()
+        expect(bool(torch.isnan(v)), f"BinnedAUC with a NaN score is {float(v)}")
+
+    @case("more.ranking_topk_hits_shape", ValueError, ["hits"])
+    def _(ctx):
+        m = NDCG(ks=2)
+        m.update_topk(torch.ones(3, 2, dtype=torch.bool), T([1, 1]))
+        m.compute()
+
+    # files
+    @case("more.criteo_binary_file", ValueError, ["junk.bin"])
+    def _(ctx):
+        import random
+        rnd = random.Random(0)
+        parse_all(write(ctx.tmp / "junk.bin", bytes(rnd.randrange(256) for _ in range(5000))))
+
+    @case("more.criteo_nul_bytes", ValueError, ["nul.tsv", ":2"])
+    def _(ctx):
+        second = criteo_row().replace("\t3\t", "\t\x00\t", 1)
+        parse_all(write(ctx.tmp / "nul.tsv", (criteo_text(1) + second + "\n").encode()))
+
+    @case("more.criteo_one_10mb_line", ValueError, ["long.tsv", ":1"], timeout=30)
+    def _(ctx):
+        parse_all(write(ctx.tmp / "long.tsv", "0\t" + "1" * (10 << 20) + "\n"))
+
+    @case("more.criteo_bom_first_line", ValueError, ["bom.tsv"], ok=True,
+          legit="a UTF-8 byte-order mark before the first row may be skipped: same rows")
+    def _(ctx):
+        table, _ = parse_all(write(ctx.tmp / "bom.tsv", b"\xef\xbb\xbf" + criteo_text(3).encode()))
+        ref, _ = parse_all(write(ctx.tmp / "ref.tsv", criteo_text(3)))
+        expect(table.equals(ref), "rows after a BOM differ")
+
+    @case("more.criteo_label_float_text", ValueError, ["lf.tsv", "label"], ok=True,
+          legit="'1.0' is the label 1")
+    def _(ctx):
+        table, _ = parse_all(write(ctx.tmp / "lf.tsv", criteo_row(label="1.0") + "\n" + criteo_row(label="0.0") + "\n"))
+        ref, _ = parse_all(write(ctx.tmp / "ref.tsv", criteo_row(label="1") + "\n" + criteo_row(label="0") + "\n"))
+        expect(table.equals(ref), "labels '1.0'/'0.0' read differently from 1/0")
+
+    @case("more.criteo_kaggle_quoted_csv", ValueError, ["q.csv", "quoted", "sed"], ok=True,
+          legit="quoted rows may be read as unquoted (same rows), or refused with the fix (the project's choice)")
+    def _(ctx):
+        hdr = "Id,Label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+        row = ",".join(f'"{x}"' for x in ["10000000", "1"] + [str(i) for i in range(13)] +
+                       [f"{i + 1:08x}" for i in range(26)])
+        table, _ = parse_all(write(ctx.tmp / "q.csv", hdr + "\n" + row + "\n"))
+        plain = ",".join(["10000000", "1"] + [str(i) for i in range(13)] + [f"{i + 1:08x}" for i in range(26)])
+        ref, _ = parse_all(write(ctx.tmp / "p.csv", hdr + "\n" + plain + "\n"))
+        expect(table.equals(ref), "quoted Kaggle CSV rows differ from unquoted")
+
+    @case("more.preprocess_vocab_from_missing", ValueError, ["--vocab_from", "nowhere_vocab", "vocab.npz"])
+    def _(ctx):
+        from lightning_rec.data.preprocess import preprocess_main
+        p = write(ctx.tmp / "d.tsv", criteo_text(10))
+        ctx.after(lambda: expect(not (ctx.tmp / "o").exists(), "a refused run left an output directory"))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100",
+                             "--vocab_from", str(ctx.tmp / "nowhere_vocab")])
+
+    @case("more.preprocess_then_train_shapes", timeout=60, legit="preprocess -> CriteoDataModule on the directory")
+    def _(ctx):
+        from lightning_rec import CriteoDataModule
+        from lightning_rec.data.preprocess import preprocess_main
+        p = write(ctx.tmp / "d.tsv", criteo_text(50))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100"])
+        dm = CriteoDataModule(train_path=str(ctx.tmp / "o"), batch_size=16, num_embeddings_per_feature=100)
+        dm.setup("fit")
+        n = sum(int(b.labels.numel()) for b in dm.train_dataloader())
+        expect(n == 50, f"{n} rows from 50")
+
+    @case("more.movielens_ml1m_colons", timeout=40, legit="ml-1m's '::' separator")
+    def _(ctx):
+        from lightning_rec.data.movielens import read_ratings
+        p = write(ctx.tmp / "ratings.dat", "1::10::5::978300760\n2::20::3::978302109\n")
+        t = read_ratings(p)
+        expect(t.column("item_id").to_pylist() == [10, 20] and t.column("rating").to_pylist() == [5.0, 3.0],
+               f"ml-1m rows {t.to_pylist()}")
+
+
+def _dist_more_cases():
+    for kind in ("tw", "rw", "cw"):
+        @case(f"dmp.shm.{kind}.int32_ids_and_other_key_order_on_one_rank", timeout=60,
+              legit="each rank's KJT is valid on its own: id dtype and key order may differ between ranks")
+        def _(ctx, kind=kind):
+            raise_first_error(run_two_ranks(rank_mixed_id_dtypes, kind, True))
+
+    @case("dmp.gloo.rw.int32_ids_and_other_key_order_on_one_rank", timeout=60,
+          legit="each rank's KJT is valid on its own")
+    def _(ctx):
+        raise_first_error(run_two_ranks(rank_mixed_id_dtypes, "rw", False))
+
+    for save_kind, load_kind in (("tw", "rw"), ("rw", "cw")):
+        @case(f"ckpt.2ranks_{save_kind}_to_{load_kind}_exact", timeout=90,
+              legit="README: checkpoints load into another plan")
+        def _(ctx, save_kind=save_kind, load_kind=load_kind):
+            path = str(ctx.tmp / "ck")
+            run_two_ranks(rank_save_checkpoint, path, save_kind)
+            raise_first_error(run_two_ranks(rank_load_checkpoint, path, load_kind, saved_whole(path)))
+
+    @case("ckpt.2ranks_to_one_process_exact", timeout=90, legit="README: into the unsharded module on one process")
+    def _(ctx):
+        torch = _t()
+        from lightning_rec import checkpoint as ck
+        path = str(ctx.tmp / "ck")
+        run_two_ranks(rank_save_checkpoint, path, "rw")
+        whole = saved_whole(path)
+        m = make_ebc(opt="adagrad")
+        ck.load_model(m, path)
+        for k, v in m.state_dict().items():
+            expect(torch.equal(v, whole[k]), f"{k} differs after loading 2 ranks' checkpoint in one process")
+
+    @case("ckpt.2ranks_one_rank_file_missing", ValueError, ["missing", ".distcp"], timeout=90)
+    def _(ctx):
+        from lightning_rec import checkpoint as ck
+        path = ctx.tmp / "ck"
+        run_two_ranks(rank_save_checkpoint, str(path), "tw")
+        files = sorted(path.glob("*.distcp"))
+        files[-1].unlink()
+        m = make_ebc(opt="adagrad")
+        ctx.after(unchanged(m, tables_of(m), "module"))
+        ck.load_model(m, path)
+
+    @case("ckpt.export_real_checkpoint_cli", timeout=90, legit="lightning-rec export of a 2-rank DCP checkpoint")
+    def _(ctx):
+        torch = _t()
+        from lightning_rec import checkpoint as ck
+        from lightning_rec import cli as cli_mod
+        path = ctx.tmp / "ck"
+        run_two_ranks(rank_save_checkpoint, str(path), "cw")
+        whole = saved_whole(path)
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli_mod.export_main([str(path), str(ctx.tmp / "out")])
+        from safetensors.torch import load_file
+        got = load_file(str(ctx.tmp / "out" / "model.safetensors"))
+        for k, v in whole.items():
+            expect(k in got and torch.equal(got[k], v), f"exported {k} differs")
+        expect(ck is not None, "")
+
+    @case("trainer.rank1_raises_in_training_step", Exception, ["rank 1"], timeout=120)
+    def _(ctx):
+        out = run_two_ranks(rank_trainer_rank_raises, timeout=110)
+        r0 = out[0]
+        expect(r0 is not None and r0[0] == "error", f"rank 0 went on without an error: {r0}")
+        raise_first_error([r0], max_s=60)
+
+    @case("trainer.planner_cannot_fit", ValueError, ["t_C", "ddr_cap"], timeout=120)
+    def _(ctx):
+        raise_first_error(run_two_ranks(rank_trainer_planner_impossible, timeout=110), need_all=True)
+
+
 def register_all() -> None:
     if CASES:
         return
     for group in (_kjt_cases, _config_cases, _optim_cases, _planner_cases, _metric_cases, _data_cases,
-                  _model_cli_ckpt_cases, _strategy_cases, _dist_cases):
+                  _model_cli_ckpt_cases, _strategy_cases, _more_cases, _dist_cases, _dist_more_cases):
         group()
 
 

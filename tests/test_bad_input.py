@@ -510,3 +510,61 @@ def test_labels_of_another_shape_are_refused_before_any_update():
     kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"labels of shape \(3,\) for a batch of 2 samples"):
         module.training_step(Batch(torch.randn(2, 3), kjt, torch.zeros(3)), 0)
+
+
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam"])
+def test_eps_zero_is_refused_where_a_zero_gradient_would_divide_0_by_0(opt):
+    with pytest.raises(ValueError, match=f"fused optimizer {opt} needs eps > 0.*0 / 0 = NaN"):
+        FusedOptimizerConfig(opt, eps=0.0)
+    FusedOptimizerConfig("sgd", eps=0.0)  # SGD does not divide
+
+
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
+def test_fbgemm_cpu_weight_decay_that_it_would_ignore_is_refused(opt):
+    """fbgemm-gpu-cpu's EXACT_SGD / EXACT_ROWWISE_ADAGRAD leave weight_decay out: the tables trained as if it were 0."""
+    cfg = FusedOptimizerConfig(opt, weight_decay=0.5)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4)]
+    with pytest.raises(ValueError, match=f"ignores weight_decay=0.5 for fused optimizer {opt}: use kernel='native'"):
+        EmbeddingBagCollection(tables, optimizer=cfg, kernel="fbgemm")
+    with pytest.raises(ValueError, match="sequence tables .* use optimizer adagrad"):
+        EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4)], optimizer=cfg)
+    EmbeddingBagCollection(tables, optimizer=cfg)  # auto: the native kernel, which applies it
+
+
+def test_binned_auc_of_nan_scores_is_nan():
+    from lightning_rec.metrics import BinnedAUC
+
+    auc = BinnedAUC(num_thresholds=100, from_logits=False)
+    auc.update(torch.tensor([0.1, float("nan"), 0.3, 0.9]), torch.tensor([0, 1, 0, 1]))
+    with pytest.warns(UserWarning, match="1 predictions are NaN"):
+        assert math.isnan(float(auc.compute()))  # NaN fell in the top bin: it was 1.0
+
+
+def test_criteo_layout_errors_name_the_line(tmp_path):
+    from lightning_rec.data.criteo_parse import read_criteo
+
+    row = "0\t" + "\t".join(str(i) for i in range(13)) + "\t" + "\t".join(f"{i:08x}" for i in range(26)) + "\n"
+    (tmp_path / "nul.tsv").write_bytes((row + row.replace("\t3\t", "\t\0\t", 1)).encode())
+    with pytest.raises(ValueError, match="nul.tsv:2 holds NUL bytes"):
+        list(read_criteo(tmp_path / "nul.tsv"))
+    (tmp_path / "wide.tsv").write_text("\n0\t" + "1" * 1000 + "\n")
+    with pytest.raises(ValueError, match="wide.tsv:2: rows have 2 fields"):
+        list(read_criteo(tmp_path / "wide.tsv"))
+    header = "Id,Label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    quoted = ",".join(f'"{v}"' for v in ["1", "0"] + [str(i) for i in range(13)] + [f"{i:08x}" for i in range(26)])
+    (tmp_path / "q.csv").write_text(header + "\n" + quoted + "\n")  # header plain, rows quoted
+    with pytest.raises(ValueError, match="q.csv: its fields are quoted.*sed"):
+        list(read_criteo(tmp_path / "q.csv"))
+
+
+def test_preprocess_vocab_from_without_vocabulary_is_refused_before_writing(tmp_path):
+    from lightning_rec.data.criteo_parse import native_parser_available
+    from lightning_rec.data.preprocess import preprocess_criteo
+
+    if not native_parser_available():
+        pytest.skip("preprocess needs the native parser")
+    row = "0\t" + "\t".join(str(i) for i in range(13)) + "\t" + "\t".join(f"{i:08x}" for i in range(26)) + "\n"
+    (tmp_path / "val.tsv").write_text(row * 4)
+    with pytest.raises(ValueError, match="--vocab_from .*train has no vocab.npz: point it at the --output_dir"):
+        preprocess_criteo([tmp_path / "val.tsv"], tmp_path / "out", num_embeddings=100, vocab_from=tmp_path / "train")
+    assert not (tmp_path / "out").exists()

@@ -196,16 +196,20 @@ def detect_layout(
     lines = head.split(b"\n")
     if len(lines) > 1:
         lines = lines[:-1]  # the last piece may be cut in the middle
+    numbers = [i + 1 for i, ln in enumerate(lines) if ln.strip()]  # 1-based line of each non-blank line
     lines = [ln.rstrip(b"\r") for ln in lines if ln.strip()]
     if b"\0" in head:
+        nul_line = head[: head.index(b"\0")].count(b"\n") + 1
         raise ValueError(
-            f"{path} holds NUL bytes: it is not a Criteo text file (a binary or a compressed format this reader "
-            f"does not detect; gzip, bz2 and zstd are read as they are): decompress or convert it to text first"
+            f"{path}:{nul_line} holds NUL bytes: it is not a Criteo text file (a binary or a compressed format this "
+            f"reader does not detect; gzip, bz2 and zstd are read as they are): decompress or convert it to text first"
         )
     first = lines[0].decode("utf-8", errors="replace")
-    if first.startswith('"') and ('","' in first or '"\t"' in first):
+    quoted = [ln for ln in (first, lines[1].decode("utf-8", errors="replace") if len(lines) > 1 else "")
+              if ln.startswith('"') and ('","' in ln or '"\t"' in ln)]  # the header, or the rows only
+    if quoted:
         raise ValueError(
-            f"{path}: its fields are quoted (first line {first[:40]!r}...): Criteo rows are read without quote "
+            f"{path}: its fields are quoted (line {quoted[0][:40]!r}...): Criteo rows are read without quote "
             f"handling, so every value would be refused. Remove the quotes first, e.g. "
             f"`sed 's/\"//g' {path} > {path}.unquoted` (Criteo values never hold quotes, commas or tabs)"
         )
@@ -246,7 +250,7 @@ def detect_layout(
         n40, n39 = counts.count(40), counts.count(39)
         if n40 == 0 and n39 == 0:
             raise ValueError(
-                f"{path}: rows have {max(counts)} fields, not 40 (label + I1..I13 + C1..C26) or 39 (no "
+                f"{path}:{numbers[0]}: rows have {max(counts)} fields, not 40 (label + I1..I13 + C1..C26) or 39 (no "
                 f"label): check the separator (got {separator!r}) or pass has_label=True/False"
             )
         # The majority decides: a stripped row of a labelled file can have 39 fields too.
