@@ -583,7 +583,17 @@ def _config_cases():
            ["EmbeddingBagConfig"])
     simple("coll.kernel_unknown", lambda: make_ebc(kernel="cuda_fast"), ValueError, ["cuda_fast", "native", "fbgemm"])
     simple("coll.device_cuda_without_gpu", lambda: make_ebc(device="cuda"), ValueError, ["cuda"], ok=False)
-    simple("coll.device_meta", lambda: make_ebc(device="meta"), ValueError, ["meta", "cpu"])
+    simple("coll.device_mps", lambda: make_ebc(device="mps"), ValueError, ["mps", "cpu"])
+
+    @case("coll.device_meta_plans_without_memory", legit="device='meta' builds tables without allocating them, "
+          "to plan a model bigger than this machine (tests/test_bad_input_distributed.py does)")
+    def _(ctx):
+        from lightning_rec import EmbeddingShardingPlanner, Topology
+        ebc = EmbeddingBagCollection([bag_cfg("t_big", 10 ** 9, 128, ["f"])], device="meta",
+                                     optimizer=FusedOptimizerConfig("rowwise_adagrad"))
+        plan = EmbeddingShardingPlanner(Topology(world_size=64, local_world_size=8, ddr_cap=1 << 40),
+                                        print_stats=False).plan(ebc)
+        expect("t_big" in plan.plan[""], f"plan {plan}")
     simple("coll.optimizer_as_string", lambda: make_ebc_opt("adam"), ValueError, ["FusedOptimizerConfig"])
     simple("coll.optimizer_torch_class", lambda: make_ebc_opt(torch.optim.Adam), ValueError, ["FusedOptimizerConfig"])
     simple("coll.ec_on_native_kernel", lambda: EmbeddingCollection(

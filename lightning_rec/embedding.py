@@ -269,8 +269,9 @@ class _EmbeddingCollectionBase(nn.Module):
         if optimizer is not None and not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"optimizer={optimizer!r}: pass a FusedOptimizerConfig (e.g. "
                              f"FusedOptimizerConfig('rowwise_adagrad', lr=0.01)), or None for plain parameters")
-        if torch.device(device or "cpu").type not in ("cpu", "cuda"):
-            raise ValueError(f"{type(self).__name__}(device={str(device)!r}): tables live on 'cpu' or 'cuda'")
+        if torch.device(device or "cpu").type not in ("cpu", "cuda", "meta"):  # meta: plan without memory
+            raise ValueError(f"{type(self).__name__}(device={str(device)!r}): tables live on 'cpu' or 'cuda' "
+                             f"('meta' to plan a model without allocating it)")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
