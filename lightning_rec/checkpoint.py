@@ -524,7 +524,12 @@ def _check_complete(path: Path) -> None:
 def _read_metadata(path: Path):
     _check_complete(path)
     reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata()
+    try:
+        md = reader.read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise ValueError(f"checkpoint {path} is damaged: its index {path / '.metadata'} cannot be read "
+                         f"({type(e).__name__}: {e}): restore it from where the checkpoint was written, or use an "
+                         f"earlier checkpoint") from e
     # every file that an entry lives in must be there, and long enough (a copy cut short, a lost rank's file)
     needed: dict[str, int] = {}
     for info in (md.storage_data or {}).values():

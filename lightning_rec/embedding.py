@@ -14,6 +14,7 @@ parameters are views into the kernel's storage: loading a state dict writes into
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,8 +88,13 @@ class BaseEmbeddingConfig:
         self.data_type = _table_dtype(self.name, self.data_type)
         for field_name in ("weight_init_min", "weight_init_max"):
             value = getattr(self, field_name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"table '{self.name}': {field_name} must be a number or None, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"table '{self.name}': {field_name} must be a number (finite) or None, got {value!r}")
+        lo_hi = self.init_range()
+        if lo_hi is not None and lo_hi[0] > lo_hi[1]:
+            raise ValueError(f"table '{self.name}': weight_init_min={lo_hi[0]} is above weight_init_max={lo_hi[1]}: "
+                             f"rows are drawn uniformly from [weight_init_min, weight_init_max]")
 
     def init_range(self) -> tuple[float, float] | None:
         if self.weight_init_min is None and self.weight_init_max is None:
@@ -156,8 +162,9 @@ class FeatureRouter:
             index = features.index_per_key()
             missing = [f for f in self.feature_names if f not in index]
             if missing:
+                read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing)
                 raise ValueError(
-                    f"the input has no feature(s) {missing} that this {self.owner} reads; it has "
+                    f"the input has no feature(s) {missing} that this {self.owner} reads ({read_by}); it has "
                     f"{list(keys)}: rename the features or the tables' feature_names so they match"
                 )
             unread = [k for k in keys if k not in self._by_feature]
@@ -176,6 +183,9 @@ class FeatureRouter:
         return cached
 
     def __call__(self, features: KeyedJaggedTensor, validate_ids: bool = True) -> KeyedJaggedTensor:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"{self.owner} takes a KeyedJaggedTensor of ids, got a {type(features).__name__}: build "
+                            f"one with KeyedJaggedTensor.from_lengths_sync(keys=..., values=..., lengths=...)")
         order, order_t, rows_in, tables_in = self._for_keys(features)
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
@@ -250,6 +260,18 @@ class _EmbeddingCollectionBase(nn.Module):
         super().__init__()
         if not tables:
             raise ValueError(f"{type(self).__name__} needs at least one table config")
+        config_type = EmbeddingConfig if isinstance(self, EmbeddingCollection) else EmbeddingBagConfig
+        for t in tables:
+            if not isinstance(t, BaseEmbeddingConfig):
+                raise ValueError(f"{type(self).__name__} takes {config_type.__name__} tables, got a "
+                                 f"{type(t).__name__}: write {config_type.__name__}(name=..., num_embeddings=..., "
+                                 f"embedding_dim=..., feature_names=[...])")
+        if optimizer is not None and not isinstance(optimizer, FusedOptimizerConfig):
+            raise ValueError(f"optimizer={optimizer!r}: pass a FusedOptimizerConfig (e.g. "
+                             f"FusedOptimizerConfig('rowwise_adagrad', lr=0.01)), or None for plain parameters")
+        if torch.device(device or "cpu").type not in ("cpu", "cuda", "meta"):  # meta: plan without memory
+            raise ValueError(f"{type(self).__name__}(device={str(device)!r}): tables live on 'cpu' or 'cuda' "
+                             f"('meta' to plan a model without allocating it)")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
@@ -270,7 +292,17 @@ class _EmbeddingCollectionBase(nn.Module):
         self._kernel = kernel
         self.validate_ids = validate_ids
         self._is_weighted = is_weighted
-        self._build_lookup(self._device)
+        try:
+            self._build_lookup(self._device)
+        except (RuntimeError, MemoryError) as e:
+            if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+                raise
+            # the allocator's message gives bytes, not which table asked for them
+            sizes = ", ".join(f"'{t.name}' {t.num_embeddings} x {t.embedding_dim}" for t in
+                              sorted(tables, key=lambda t: -t.num_embeddings * t.embedding_dim)[:4])
+            raise ValueError(f"{type(self).__name__}: the tables do not fit in {self._device} memory ({sizes} rows x "
+                             f"dims): lower num_embeddings (hash ids into fewer rows), or shard the tables over "
+                             f"ranks with DistributedModelParallel ({type(e).__name__}: {str(e)[:200]})") from e
         self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
 
     def _build_lookup(self, device: torch.device) -> None:
@@ -379,7 +411,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
                  device: torch.device | str | None = None, optimizer: FusedOptimizerConfig | None = None,
                  kernel: str = "auto", validate_ids: bool = True) -> None:
         for t in tables:
-            if not isinstance(t, EmbeddingBagConfig):
+            if isinstance(t, BaseEmbeddingConfig) and not isinstance(t, EmbeddingBagConfig):
                 raise ValueError(f"EmbeddingBagCollection takes EmbeddingBagConfig tables, got {type(t).__name__} "
                                  f"for '{t.name}': use EmbeddingCollection for sequence tables")
         super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted)

@@ -160,13 +160,26 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
         native.prefer_native(opt) or opt not in FBGEMM_CPU_OPTIMIZERS
     ):
         return "native"
+    if optimizer.weight_decay and opt in _FBGEMM_CPU_NO_DECAY:
+        # fbgemm-gpu-cpu's EXACT_SGD / EXACT_ROWWISE_ADAGRAD apply w -= lr * g (/ ...) without the decay term
+        # (tests/test_native_embedding.py): the tables would train as if weight_decay were 0, silently
+        fix = ("use kernel='native' (or 'auto')" if pooling in NATIVE_POOLINGS else
+               "sequence tables (EmbeddingCollection) run on fbgemm on CPU: use optimizer adagrad")
+        raise ValueError(f"fbgemm's CPU kernel ignores weight_decay={optimizer.weight_decay} for fused optimizer "
+                         f"{opt}: {fix}, or weight_decay=0")
     if opt not in FBGEMM_CPU_OPTIMIZERS:
         supported = ", ".join(str(o) for o in cpu_supported_optimizers())
+        if kernel == "fbgemm" and opt in cpu_supported_optimizers():
+            raise ValueError(f"fbgemm's CPU kernel does not implement fused optimizer {opt}: use kernel='native' "
+                             f"(or 'auto'), which does on CPU; kernel='fbgemm' runs {opt} on GPU (device='cuda')")
         raise ValueError(
             f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
             f"{opt} runs on GPU (device='cuda')"
         )
     return "fbgemm"
+
+
+_FBGEMM_CPU_NO_DECAY = (EmbOptimType.SGD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
 def _location(fb: dict, table: LocalTable, on_cpu: bool):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 import os
 import pickle
 import warnings
@@ -395,6 +396,9 @@ class DistributedModelParallel(nn.Module):
         pg = pg if pg is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         self._timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if not (math.isfinite(self._timeout_s) and self._timeout_s > 0):  # gloo would abort on its own assertion
+            raise ValueError(f"{timeout_setting.replace('...', repr(timeout))}: the timeout is the seconds a rank "
+                             f"waits for a slow peer; give a number > 0 (default {DEFAULT_TIMEOUT_S})")
         if device is None:
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -510,8 +514,11 @@ class DistributedModelParallel(nn.Module):
 
     # collectives of the training loop, through the embedding group's guard ---------------------------
 
-    def step_together(self, have: bool, batch_index: int) -> bool:
+    def step_together(self, have: bool, batch_index: int, last: bool = False) -> bool:
         """Collective: does every rank have batch `batch_index` of this epoch? (False ends it for all.)
+
+        last: this rank's batch is its loader's last (a sized loader, which Lightning does not ask
+        again): `self.last_batch_agreed` then tells every rank that the epoch ends after this batch.
 
         Every rank reports (has a batch, its index): ranks at different indexes (one consumed a batch
         the others did not) raise CollectiveMismatch on every rank, naming each rank's index, before
@@ -522,12 +529,12 @@ class DistributedModelParallel(nn.Module):
         tag = "ranks step together"
         if self._transport is not None:
             slots = torch.zeros(2 * W, dtype=torch.int64)
-            slots[2 * me], slots[2 * me + 1] = int(have), batch_index
+            slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
             self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's pair
         else:
             dev = self._device if self._guard.nccl else torch.device("cpu")
             slots = torch.zeros(2 * W, dtype=torch.int64, device=dev)
-            slots[2 * me], slots[2 * me + 1] = int(have), batch_index
+            slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
             k = self._guard.begin()
             work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
             self._guard.wait_work(work, tag, k)
@@ -540,6 +547,7 @@ class DistributedModelParallel(nn.Module):
                 f"ranks are at different batches of the epoch ({where}): one rank skipped or consumed a batch "
                 f"the others did not (a training_step that calls next(dataloader_iter) on some ranks only?). "
                 f"Every rank must run every step")
+        self.last_batch_agreed = any(h == 2 for h, _ in pairs)  # 2: a rank's last batch (see `last`)
         return all(h for h, _ in pairs)
 
     def gather_object(self, obj, dst: int | None = 0) -> list | None:

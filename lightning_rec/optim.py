@@ -34,6 +34,11 @@ class EmbOptimType(str, Enum):
 FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
+# optimizers whose update divides by sqrt(state) + eps (a touched row with a zero gradient has state 0)
+_DIVIDES_BY_EPS = (EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD, EmbOptimType.ADAM,
+                   EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
+
+
 @dataclass(frozen=True)
 class FusedOptimizerConfig:
     """The update applied inside the embedding backward.
@@ -74,6 +79,9 @@ class FusedOptimizerConfig:
                                  f"value would write NaN into every row the next batch touches")
             if value < 0:
                 raise ValueError(f"fused optimizer {name} must be >= 0, got {value}")
+        if self.eps == 0 and self.optimizer in _DIVIDES_BY_EPS:
+            raise ValueError(f"fused optimizer {self.optimizer} needs eps > 0, got eps=0: a row whose gradient is 0 "
+                             f"in a batch would be updated by 0 / 0 = NaN. Use a small eps, e.g. eps=1e-8")
         if not (self.beta1 < 1 and self.beta2 < 1):
             raise ValueError(f"fused optimizer betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
 
@@ -90,10 +98,14 @@ class _FusedParamGroup(dict):
         self._kernels = list(kernels)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        if key == "lr":
+        if key == "lr":  # the kernels refuse a NaN or negative rate first: the group keeps the rate they use
+            try:
+                rate = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"fused learning rate param_group['lr'] = {value!r} is not a number") from None
             for kernel in self._kernels:
-                kernel.set_learning_rate(float(value))
+                kernel.set_learning_rate(rate)
+        super().__setitem__(key, value)
 
 
 def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

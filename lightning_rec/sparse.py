@@ -49,6 +49,22 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
 
 
+_ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
+
+
+def _need_tensor(what: str, name: str, value) -> None:
+    """Lists and numpy arrays would fail later with an AttributeError naming nothing the user wrote."""
+    if value is not None and not isinstance(value, Tensor):
+        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(value).__name__}: "
+                         f"wrap it with torch.tensor({name})")
+
+
+def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
+    """Lengths and offsets of int8/int16/uint8 have no kernel (fbgemm: 'not implemented for Short')."""
+    if t.dtype not in _ID_DTYPES and not (t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex):
+        raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}: convert them with {name}.long()")
+
+
 def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
     """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
 
@@ -59,6 +75,7 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
         raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
     if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
         raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
+    _check_index_dtype(what, "offsets", offsets)
     if offsets.device.type != "cpu":
         return
     first, last = int(offsets[0]), int(offsets[-1])
@@ -83,6 +100,11 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
         raise ValueError(f"{what}: lengths must be 1-d, got shape {tuple(lengths.shape)}")
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
+    _check_index_dtype(what, "lengths", lengths)
+    if values.device != lengths.device or (weights is not None and weights.device != values.device):
+        where = f"values on {values.device}, lengths on {lengths.device}" + (
+            f", weights on {weights.device}" if weights is not None else "")
+        raise ValueError(f"{what}: {where}: put them on one device (kjt.to(device) moves them together)")
     if weights is not None and (weights.dim() != 1 or weights.shape[:1] != values.shape[:1]):
         raise ValueError(
             f"{what}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: give one weight per id"
@@ -115,6 +137,8 @@ class JaggedTensor:
     ) -> None:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
+        for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
+            _need_tensor("JaggedTensor", name, t)
         if lengths is None:
             _check_offsets("JaggedTensor", offsets, values.shape[0] if values.dim() else 0)
             lengths = _lengths_from_offsets(offsets)
@@ -146,6 +170,8 @@ class JaggedTensor:
         """[B, L]: each bag left-aligned, cut or padded to L (default: the longest bag)."""
         lengths_B = self._lengths
         B = lengths_B.numel()
+        if desired_length is not None and desired_length < 0:
+            raise ValueError(f"to_padded_dense: desired_length={desired_length} must be >= 0 (None: the longest bag)")
         L = desired_length if desired_length is not None else int(lengths_B.max()) if B else 0
         out = self._values.new_full((B, L) + tuple(self._values.shape[1:]), padding_value)
         sample_N = torch.arange(B, device=lengths_B.device).repeat_interleave(lengths_B)
@@ -203,8 +229,14 @@ class KeyedJaggedTensor:
         if isinstance(keys, str):
             raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got the string {keys!r}: "
                              f"write keys=[{keys!r}]")
+        if _validate:
+            if keys is None or isinstance(keys, Tensor) or not hasattr(keys, "__iter__"):
+                raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got {keys!r}")
+            for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
+                _need_tensor("KeyedJaggedTensor", name, t)
         self._keys = list(keys)
         self._host: KeyedJaggedTensor | None = None  # this batch on the host, when it was moved from there
+        given_lengths = lengths
         if lengths is None and offsets is None:
             raise ValueError("KeyedJaggedTensor needs lengths or offsets")
         if lengths is None:
@@ -233,9 +265,15 @@ class KeyedJaggedTensor:
             if not all(isinstance(k, str) for k in self._keys):
                 raise ValueError(f"KeyedJaggedTensor: keys must be feature names (str), got {self._keys}")
             _check_jagged("KeyedJaggedTensor", values, lengths, weights)
-            if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            if values.dtype not in _ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
                 raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of "
                                  f"{values.dtype}: convert them with values.long()")
+            if offsets is not None and given_lengths is not None and lengths.device.type == "cpu" and (
+                    offsets.numel() != lengths.numel() + 1 or not torch.equal(_lengths_from_offsets(offsets),
+                                                                              lengths.to(offsets.dtype))):
+                raise ValueError("KeyedJaggedTensor: lengths and offsets were both given and describe different "
+                                 f"bags (lengths {lengths.tolist()[:8]}, offsets {offsets.tolist()[:9]}): pass one "
+                                 "of them (the other is derived)")
             if values.dim() != 1:
                 raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
         self._values, self._weights = values, weights
@@ -270,7 +308,9 @@ class KeyedJaggedTensor:
         jts = list(jt_dict.values())
         strides = {jt.lengths().numel() for jt in jts}
         if len(strides) != 1:
-            raise ValueError(f"from_jt_dict: features have different batch sizes {sorted(strides)}")
+            sizes = ", ".join(f"'{k}': {jt.lengths().numel()}" for k, jt in zip(keys, jts))
+            raise ValueError(f"from_jt_dict: features have different batch sizes ({sizes}): every feature needs "
+                             f"one bag per sample (an empty bag is length 0)")
         weighted = [jt.weights_or_none() is not None for jt in jts]
         if any(weighted) and not all(weighted):
             raise ValueError("from_jt_dict: either every JaggedTensor has weights or none does")
@@ -401,8 +441,8 @@ class KeyedJaggedTensor:
 
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Consecutive key groups of the given sizes, each its own KJT (views, no copy)."""
-        if sum(segments) != len(self._keys):
-            raise ValueError(f"split: segments {list(segments)} must add up to the {len(self._keys)} keys")
+        if sum(segments) != len(self._keys) or any(int(n) < 0 for n in segments):
+            raise ValueError(f"split: segments {list(segments)} must be >= 0 and add up to the {len(self._keys)} keys")
         opk = self.offset_per_key()
         lpk = self.length_per_key()
         out, k = [], 0
@@ -424,6 +464,10 @@ class KeyedJaggedTensor:
 
     def permute(self, indices: Sequence[int], indices_tensor: Tensor | None = None) -> KeyedJaggedTensor:
         """Keys reordered (or selected, or repeated) by index: keys()[i] for i in indices."""
+        bad = [i for i in indices if isinstance(i, bool) or not 0 <= int(i) < len(self._keys)]
+        if bad:  # fbgemm's permute reads out of bounds (a segfault) on a bad index
+            raise ValueError(f"permute: indices {bad} are not key positions: use 0..{len(self._keys) - 1} "
+                             f"(keys {self._keys})")
         keys = [self._keys[i] for i in indices]
         if self._length_per_key is None and sorted(indices) == list(range(len(self._keys))):
             # A reordering of every key keeps all N ids: no need to read the lengths back (a device sync).
@@ -539,6 +583,14 @@ class KeyedTensor:
         self._length_per_key = list(length_per_key)
         if len(self._keys) != len(self._length_per_key):
             raise ValueError(f"KeyedTensor: {len(self._keys)} keys but {len(self._length_per_key)} widths")
+        if len(set(self._keys)) != len(self._keys):  # kt[key] / to_dict() would keep one of the two blocks
+            dup = sorted({k for k in self._keys if self._keys.count(k) > 1})
+            raise ValueError(f"KeyedTensor: duplicate keys {dup} in {self._keys}: give every block its own key")
+        if any(n < 0 for n in self._length_per_key):
+            raise ValueError(f"KeyedTensor: widths must be >= 0, got {self._length_per_key} for keys {self._keys}")
+        if not -values.dim() <= key_dim < values.dim():
+            raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
+                             f"{tuple(values.shape)} (1 for [B, sum of widths])")
         if values.shape[key_dim] != sum(self._length_per_key):
             raise ValueError(
                 f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
@@ -552,6 +604,11 @@ class KeyedTensor:
     def from_tensor_list(keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1,
                          cat_dim: int = 1) -> KeyedTensor:
         widths = [t.shape[key_dim] for t in tensors]
+        other = {tuple(s for d, s in enumerate(t.shape) if d != key_dim % t.dim()) for t in tensors}
+        if len(other) > 1:
+            shapes = ", ".join(f"'{k}': {tuple(t.shape)}" for k, t in zip(keys, tensors))
+            raise ValueError(f"KeyedTensor.from_tensor_list: the tensors differ outside key_dim={key_dim} (batch "
+                             f"sizes?): {shapes}")
         return KeyedTensor(keys, widths, torch.cat(list(tensors), dim=cat_dim), key_dim)
 
     def keys(self) -> list[str]:

@@ -22,6 +22,7 @@ formats load (a gathered file is memory-mapped: each rank reads only its pieces)
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -72,6 +73,14 @@ class RecStrategy(DDPStrategy):
         if checkpoint_format not in rec_checkpoint.FORMATS:
             raise ValueError(f"RecStrategy(checkpoint_format={checkpoint_format!r}): "
                              f"use one of {rec_checkpoint.FORMATS}")
+        if isinstance(embedding_timeout, bool) or not isinstance(embedding_timeout, (int, float)) or not (
+                math.isfinite(embedding_timeout) and embedding_timeout > 0):
+            raise ValueError(f"RecStrategy(embedding_timeout={embedding_timeout!r}): give the seconds a rank waits "
+                             f"for a slow peer, a number > 0 (default 300)")
+        if plan is not None and not isinstance(plan, ShardingPlan):
+            raise ValueError(f"RecStrategy(plan=...) takes a ShardingPlan, got a {type(plan).__name__}: build it with "
+                             f"ShardingPlan({{module_path: construct_module_sharding_plan(collection, {{table: "
+                             f"row_wise(), ...}})}}) (README, 'Many ranks')")
         self._checkpoint_format = checkpoint_format
         super().__init__(**_given_ddp_kwargs(kwargs))
         self._plan = plan
@@ -225,19 +234,22 @@ class RecStrategy(DDPStrategy):
             vars(module).pop("_on_before_batch_transfer", None)
         super().teardown()
 
-    def _all_have_a_batch(self, have: bool, index: int = -1) -> bool:
-        """Collective: does every rank have batch `index`? Through the embedding group's guard (and
-        shared memory when the tables use it): ranks at different batches raise on every rank."""
+    def _all_have_a_batch(self, have: bool, index: int = -1, last: bool = False) -> tuple[bool, bool]:
+        """Collective: (does every rank have batch `index`, is it some rank's last). Through the embedding
+        group's guard (and shared memory when the tables use it): ranks at different batches raise on
+        every rank. `last`: this rank's sized loader has no batch after this one."""
         if self._dmp is not None and index >= 0:
-            return self._dmp.step_together(have, index)
+            all_have = self._dmp.step_together(have, index, last)
+            return all_have, self._dmp.last_batch_agreed
         transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
+        flags = torch.tensor([0 if have else 1, int(have and last)], dtype=torch.int64)  # (missing, last) counts
         if transport is not None:
-            missing = torch.tensor([0 if have else 1], dtype=torch.int64)
-            transport.all_reduce_sum_(missing, tag="ranks step together")
-            return not int(missing.item())
-        flag = torch.tensor([1 if have else 0], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+            transport.all_reduce_sum_(flags, tag="ranks step together")
+        else:
+            flags = flags.to(self.root_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        missing, lasts = flags.tolist()
+        return not missing, bool(lasts)
 
     # checkpoints: sharded through DCP (checkpoint.py), or gathered whole to rank 0 ------------------
 
@@ -370,21 +382,33 @@ def _iter_together(self):
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         yield from batches  # the loader went on to a run without ranks
         return
+    try:  # a sized loader's last batch is known: Lightning does not ask such a loader for one more
+        length = len(self)
+    except TypeError:
+        length = None
+    skipped = (f"rank {dist.get_rank()}: the rest of this epoch's batches are skipped: another rank's dataloader "
+               f"ran out first, and sharded embeddings need every rank in every step. Give every rank the same "
+               f"number of batches (e.g. drop_last, or an even split) to use them all")
     index = 0
     while True:
         try:
             batch, have = next(batches), True
         except StopIteration:
             batch, have = None, False
-        if not self._rec_all_have_a_batch(have, index):
+        last = length is not None and index == length - 1
+        all_have, someones_last = self._rec_all_have_a_batch(have, index, last)
+        if not all_have:
             if have:  # the rest is not read: parsing it could keep the others waiting
-                warnings.warn(f"rank {dist.get_rank()}: the rest of this epoch's batches are skipped: another rank's "
-                              f"dataloader ran out first, and sharded embeddings need every rank in every step. "
-                              f"Give every rank the same number of batches (e.g. drop_last, or an even split) to "
-                              f"use them all", stacklevel=2)
+                warnings.warn(skipped, stacklevel=2)
             return
         index += 1
         yield batch
+        if someones_last:
+            # a rank's sized loader gave its last batch: it will not be asked again, so the epoch ends here
+            # for every rank, with no further agreement (without this, the others would wait for it there)
+            if not last:
+                warnings.warn(skipped, stacklevel=2)
+            return
 
 
 def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

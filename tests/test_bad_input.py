@@ -7,6 +7,17 @@ Inputs decided to be legitimate (not errors), with the reason:
 - `FusedOptimizerConfig(lr="0.1")`: YAML and command lines give numbers as text; it is read as 0.1.
 - `data_type="float16"` / `"fp16"` / `"float32"`: names as YAML writes them.
 - A table named `items`, `keys` or `values`: any name without a dot is a table name.
+
+Judged legitimate by benchmarks/bad_input_battery.py (each case checks the result against torch):
+- int32 ids or lengths, strided (non-contiguous) views and slices of ids, keys given as a tuple: valid
+  tensors and sequences, the same result.
+- Ranks with different batch sizes, id dtypes or key orders, or an empty batch on one rank: each
+  rank's KJT is valid on its own (TorchRec allows it); every rank's output equals the unsharded one.
+- `construct_module_sharding_plan` with a table left out: a partial plan, as TorchRec's; the plan
+  check of DistributedModelParallel names the missing table.
+- AUC / BinnedAUC of NaN scores: NaN with a warning (the AUC is undefined), not an error.
+- `validate_ids=False` with bad ids: the user opted out of the check (README); the kernels stay
+  memory-safe.
 """
 
 import math
@@ -342,3 +353,229 @@ def test_missing_fbgemm_names_the_pair_to_install():
     assert done.returncode != 0
     assert "lightning_rec needs fbgemm-gpu built for the installed torch" in done.stderr, done.stderr[-2000:]
     assert "pip install 'lightning_rec[cpu]'" in done.stderr and "1.6.0 for 2.11" in done.stderr, done.stderr[-2000:]
+
+
+# Found by benchmarks/bad_input_battery.py (inputs tried independently of the cases above) ----------
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda k: k.permute([-1, 0]), r"permute: indices \[-1\] are not key positions: use 0..1"),  # was a segfault
+    (lambda k: k.permute([0, 5]), r"permute: indices \[5\]"),
+    (lambda k: k.split([3, -1]), r"segments \[3, -1\] must be >= 0"),
+])
+def test_kjt_methods_check_their_arguments(make, words):
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 0]), lengths=torch.tensor([2, 1, 1, 0]))
+    with pytest.raises(ValueError, match=words):
+        make(kjt)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3])), "lengths and offsets were both given"),
+    (dict(values=torch.tensor([1, 2, 3], dtype=torch.int8), lengths=torch.tensor([1, 2])),
+     r"ids must be integers \(int64 or int32\), got values of torch.int8: convert them with values.long\(\)"),
+    (dict(lengths=torch.tensor([1, 2], dtype=torch.int16)), r"lengths must be int32 or int64, got torch.int16"),
+    (dict(values=[1, 2, 3], lengths=torch.tensor([1, 2])), r"values must be a torch.Tensor, got list"),
+    (dict(lengths=[1, 2]), r"lengths must be a torch.Tensor, got list"),
+    (dict(keys=None), "keys must be a list of feature names, got None"),
+    (dict(values=torch.tensor([1, 2, 3], device="meta"), lengths=torch.tensor([1, 2])),
+     "values on meta, lengths on cpu: put them on one device"),
+])
+def test_kjt_construction_refuses_what_no_kernel_reads(kwargs, words):
+    args = {"keys": ["a", "b"], "values": torch.tensor([1, 2, 3]), **kwargs}
+    with pytest.raises(ValueError, match=words):
+        KeyedJaggedTensor(**args)
+
+
+def test_from_jt_dict_names_each_features_batch_size():
+    from lightning_rec.sparse import JaggedTensor
+
+    with pytest.raises(ValueError, match="different batch sizes \\('a': 1, 'b': 3\\)"):
+        KeyedJaggedTensor.from_jt_dict({"a": JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1])),
+                                        "b": JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1]))})
+
+
+@pytest.mark.parametrize("args,words", [
+    ((["a", "a"], [2, 3], torch.zeros(3, 5)), r"duplicate keys \['a'\]"),
+    ((["a", "b"], [-1, 6], torch.zeros(3, 5)), "widths must be >= 0"),
+    ((["a"], [5], torch.zeros(3, 5), 2), "key_dim=2 is not a dim"),
+])
+def test_keyed_tensor_refuses_ambiguous_blocks(args, words):
+    from lightning_rec.sparse import KeyedTensor
+
+    with pytest.raises(ValueError, match=words):
+        KeyedTensor(*args)
+
+
+def test_keyed_tensor_from_list_names_the_mismatched_block():
+    from lightning_rec.sparse import KeyedTensor
+
+    with pytest.raises(ValueError, match=r"differ outside key_dim=1.*'b': \(4, 2\)"):
+        KeyedTensor.from_tensor_list(["a", "b"], [torch.zeros(3, 2), torch.zeros(4, 2)])
+
+
+@pytest.mark.parametrize("lo,hi,words", [
+    (0.5, -0.5, "weight_init_min=0.5 is above weight_init_max=-0.5"),
+    (float("nan"), 0.1, "weight_init_min must be a number \\(finite\\)"),
+])
+def test_init_range_is_checked_in_the_config(lo, hi, words):
+    with pytest.raises(ValueError, match=words):
+        EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, weight_init_min=lo, weight_init_max=hi)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda t: EmbeddingBagCollection([{"name": "t"}]), "takes EmbeddingBagConfig tables, got a dict"),
+    (lambda t: EmbeddingBagCollection(t, optimizer="adam"), "optimizer='adam': pass a FusedOptimizerConfig"),
+    (lambda t: EmbeddingBagCollection(t, device="mps"), "device='mps'.*'cpu' or 'cuda'"),
+    (lambda t: EmbeddingBagCollection([EmbeddingBagConfig(name="t_huge", num_embeddings=10**13, embedding_dim=16)],
+                                      optimizer=FusedOptimizerConfig("sgd")), "'t_huge' 10000000000000 x 16.*shard"),
+])
+def test_collection_arguments_are_checked(make, words):
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4)]
+    with pytest.raises(ValueError, match=words):
+        make(tables)
+
+
+def test_collection_given_a_tensor_says_it_takes_a_kjt():
+    with pytest.raises(TypeError, match="takes a KeyedJaggedTensor of ids, got a Tensor"):
+        ebc()(torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_refused_learning_rate_stays_out_of_the_param_group(kernel):
+    module = ebc(kernel)
+    opt = FusedOptimizer(module)
+    with pytest.raises(ValueError, match="fused learning rate nan"):
+        opt.param_groups[0]["lr"] = float("nan")
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # what the kernels still use (and a checkpoint would save)
+
+
+def test_auc_of_nan_scores_is_nan_not_a_number_that_looks_valid():
+    from lightning_rec.metrics import AUC
+
+    auc = AUC()
+    auc.update(torch.tensor([0.1, float("nan"), 0.3, 0.9]), torch.tensor([0, 1, 0, 1]))
+    with pytest.warns(UserWarning, match="1 of 4 predictions are NaN"):
+        assert math.isnan(float(auc.compute()))  # NaN sorts as the top score: it was 1.0
+
+
+def test_ratings_files_are_read_by_column_name_and_bad_rows_name_their_line(tmp_path):
+    from lightning_rec.data.movielens import read_ratings
+
+    (tmp_path / "ratings.csv").write_text("userId,rating,timestamp\n1,5,1\n2,4,2\n")
+    with pytest.raises(ValueError, match=r"ratings.csv:1: the header .* no column for \['item_id'\]"):
+        read_ratings(tmp_path / "ratings.csv")  # rating was read as the item, silently
+    (tmp_path / "ratings.csv").write_text("movieId,userId,rating\n10,1,5\n20,2,4\n")  # another column order
+    table = read_ratings(tmp_path / "ratings.csv")
+    assert table.column("item_id").to_pylist() == [10, 20] and table.column("user_id").to_pylist() == [1, 2]
+    (tmp_path / "u.data").write_text("1\t1\t5\t881250949\n2\t3\t4\t881250950\nx\ty\tz\tw\n")
+    with pytest.raises(ValueError, match=r"u.data:3: cannot parse"):
+        read_ratings(tmp_path / "u.data")
+
+
+def test_a_truncated_gzip_file_is_named(tmp_path):
+    import gzip
+
+    from lightning_rec.data.criteo_parse import read_criteo
+
+    row = "0\t" + "\t".join(str(i) for i in range(13)) + "\t" + "\t".join(f"{i:08x}" for i in range(26)) + "\n"
+    data = gzip.compress((row * 400).encode())
+    (tmp_path / "day.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="day.gz: cannot read it .*cut short"):
+        list(read_criteo(tmp_path / "day.gz"))
+
+
+def test_damaged_checkpoint_index_is_named(tmp_path):
+    from lightning_rec import checkpoint
+
+    module = ebc()
+    checkpoint.save({"state_dict": module.state_dict()}, tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").write_bytes((tmp_path / "ck" / ".metadata").read_bytes()[:20])
+    before = snapshot(module)
+    with pytest.raises(ValueError, match="checkpoint .*ck is damaged: its index .*.metadata cannot be read"):
+        checkpoint.load_model(module, tmp_path / "ck")
+    assert_unchanged(module, before)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda: __import__("lightning_rec.strategy").strategy.RecStrategy(embedding_timeout=-5),
+     "embedding_timeout=-5.*> 0"),
+    (lambda: __import__("lightning_rec.strategy").strategy.RecStrategy(plan={"t": "row_wise"}),
+     "takes a ShardingPlan, got a dict"),
+    (lambda: __import__("lightning_rec.data").data.CriteoDataModule(batch_size=0), "batch_size=0"),
+    (lambda: __import__("lightning_rec.data").data.MovieLensDataModule("x", batch_size=0), "batch_size=0"),
+    (lambda: __import__("lightning_rec.metrics").metrics.NDCG(ks=2.5), "ks=2.5"),
+    (lambda: __import__("lightning_rec.models").models.DLRMModule(sparse_lr=-1, num_embeddings_per_feature=4),
+     "DLRMModule\\(sparse_optimizer='rowwise_adagrad', sparse_lr=-1.*>= 0"),
+])
+def test_module_arguments_are_checked(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
+def test_labels_of_another_shape_are_refused_before_any_update():
+    from lightning_rec.data.batch import Batch
+    from lightning_rec.models.dlrm_module import DLRMModule
+
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["a", "b"],
+                        dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4]), lengths=torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"labels of shape \(3,\) for a batch of 2 samples"):
+        module.training_step(Batch(torch.randn(2, 3), kjt, torch.zeros(3)), 0)
+
+
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam"])
+def test_eps_zero_is_refused_where_a_zero_gradient_would_divide_0_by_0(opt):
+    with pytest.raises(ValueError, match=f"fused optimizer {opt} needs eps > 0.*0 / 0 = NaN"):
+        FusedOptimizerConfig(opt, eps=0.0)
+    FusedOptimizerConfig("sgd", eps=0.0)  # SGD does not divide
+
+
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
+def test_fbgemm_cpu_weight_decay_that_it_would_ignore_is_refused(opt):
+    """fbgemm-gpu-cpu's EXACT_SGD / EXACT_ROWWISE_ADAGRAD leave weight_decay out: the tables trained as if it were 0."""
+    cfg = FusedOptimizerConfig(opt, weight_decay=0.5)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4)]
+    with pytest.raises(ValueError, match=f"ignores weight_decay=0.5 for fused optimizer {opt}: use kernel='native'"):
+        EmbeddingBagCollection(tables, optimizer=cfg, kernel="fbgemm")
+    with pytest.raises(ValueError, match="sequence tables .* use optimizer adagrad"):
+        EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4)], optimizer=cfg)
+    EmbeddingBagCollection(tables, optimizer=cfg)  # auto: the native kernel, which applies it
+
+
+def test_binned_auc_of_nan_scores_is_nan():
+    from lightning_rec.metrics import BinnedAUC
+
+    auc = BinnedAUC(num_thresholds=100, from_logits=False)
+    auc.update(torch.tensor([0.1, float("nan"), 0.3, 0.9]), torch.tensor([0, 1, 0, 1]))
+    with pytest.warns(UserWarning, match="1 predictions are NaN"):
+        assert math.isnan(float(auc.compute()))  # NaN fell in the top bin: it was 1.0
+
+
+def test_criteo_layout_errors_name_the_line(tmp_path):
+    from lightning_rec.data.criteo_parse import read_criteo
+
+    row = "0\t" + "\t".join(str(i) for i in range(13)) + "\t" + "\t".join(f"{i:08x}" for i in range(26)) + "\n"
+    (tmp_path / "nul.tsv").write_bytes((row + row.replace("\t3\t", "\t\0\t", 1)).encode())
+    with pytest.raises(ValueError, match="nul.tsv:2 holds NUL bytes"):
+        list(read_criteo(tmp_path / "nul.tsv"))
+    (tmp_path / "wide.tsv").write_text("\n0\t" + "1" * 1000 + "\n")
+    with pytest.raises(ValueError, match="wide.tsv:2: rows have 2 fields"):
+        list(read_criteo(tmp_path / "wide.tsv"))
+    header = "Id,Label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    quoted = ",".join(f'"{v}"' for v in ["1", "0"] + [str(i) for i in range(13)] + [f"{i:08x}" for i in range(26)])
+    (tmp_path / "q.csv").write_text(header + "\n" + quoted + "\n")  # header plain, rows quoted
+    with pytest.raises(ValueError, match="q.csv: its fields are quoted.*sed"):
+        list(read_criteo(tmp_path / "q.csv"))
+
+
+def test_preprocess_vocab_from_without_vocabulary_is_refused_before_writing(tmp_path):
+    from lightning_rec.data.criteo_parse import native_parser_available
+    from lightning_rec.data.preprocess import preprocess_criteo
+
+    if not native_parser_available():
+        pytest.skip("preprocess needs the native parser")
+    row = "0\t" + "\t".join(str(i) for i in range(13)) + "\t" + "\t".join(f"{i:08x}" for i in range(26)) + "\n"
+    (tmp_path / "val.tsv").write_text(row * 4)
+    with pytest.raises(ValueError, match="--vocab_from .*train has no vocab.npz: point it at the --output_dir"):
+        preprocess_criteo([tmp_path / "val.tsv"], tmp_path / "out", num_embeddings=100, vocab_from=tmp_path / "train")
+    assert not (tmp_path / "out").exists()

@@ -275,3 +275,77 @@ def test_timeout_under_rec_strategy_names_embedding_timeout():
     kind, text, _ = run_ranks(_strategy_timeout_worker, 2, timeout=120)[0]
     assert kind == CollectiveTimeout.__name__, text
     assert "RecStrategy(embedding_timeout=...)" in text and "DistributedModelParallel" not in text, text
+
+
+# Found by benchmarks/bad_input_battery.py -----------------------------------------------------------
+
+
+def _arguments_worker(rank, W):
+    from lightning_rec import TrainPipelineSparseDist
+    from lightning_rec.data import Batch
+
+    out = {"timeout": _outcome(lambda: _dmp(W, False, timeout=-1))}
+
+    class ReturnsALoss(torch.nn.Module):  # not TorchRec's (loss, output)
+        def __init__(self):
+            super().__init__()
+            self.ebc = _ebc()
+
+        def forward(self, batch):
+            return self.ebc(batch.sparse_features).values().sum()
+
+    model = ReturnsALoss()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1)},
+                                                               world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", dense=None, timeout=30)
+    batch = Batch(torch.zeros(2, 1), _batch(rank), torch.zeros(2))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def progress():
+        with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+            pipeline.progress(iter([batch]))
+    out["pipeline"] = _outcome(progress)
+    return out
+
+
+def test_dmp_timeout_and_pipeline_model_output_are_checked():
+    for out in run_ranks(_arguments_worker, 2, timeout=60):
+        kind, text, _ = out["timeout"]  # was gloo's own "timeout.count() >= 0" assertion
+        assert kind == "ValueError" and "DistributedModelParallel(timeout=-1)" in text and "> 0" in text, text
+        kind, text, _ = out["pipeline"]  # was "iteration over a 0-d tensor"
+        assert kind == "TypeError" and "must return (loss, output)" in text and "ReturnsALoss" in text, text
+
+
+def _uneven_sized_loaders_worker(rank, W):
+    import warnings
+
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_rec import DLRMModule
+    from lightning_rec.data import Batch
+
+    L.seed_everything(0)
+    n = 3 if rank == 0 else 2  # each rank's own loader, of known length (use_distributed_sampler=False)
+    batches = [Batch(torch.rand(4, 3), KeyedJaggedTensor(["c1", "c2"], torch.randint(0, 20, (8,)),
+                                                         lengths=torch.ones(8, dtype=torch.int64)),
+                     (torch.rand(4) > 0.5).float()) for _ in range(n)]
+    module = DLRMModule(num_embeddings_per_feature=20, embedding_dim=4, sparse_feature_names=["c1", "c2"],
+                        dense_arch_layer_sizes=[8, 4], over_arch_layer_sizes=[8, 1], dense_in_features=3)
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=W, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        use_distributed_sampler=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = _outcome(lambda: trainer.fit(module, DataLoader(batches, batch_size=None)))
+    skipped = [str(w.message) for w in caught if "batches are skipped" in str(w.message)]
+    return outcome, trainer.global_step, skipped
+
+
+def test_sized_loaders_of_unequal_length_end_the_epoch_together():
+    """Lightning never asks a sized loader past its length, so the shorter rank could not tell the others
+    that it ran out: the longer rank waited for it (PeerExited once it left). Its last batch now says so."""
+    (out0, steps0, warned0), (out1, steps1, warned1) = run_ranks(_uneven_sized_loaders_worker, 2, timeout=120)
+    assert out0[0] == "" and out1[0] == "", (out0, out1)
+    assert steps0 == steps1 == 2
+    assert warned0 and not warned1  # the rank that had a batch left says so

@@ -525,6 +525,9 @@ class CriteoDataModule(pl.LightningDataModule):
         self.paths = {
             "train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path
         }
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"CriteoDataModule {name}={value!r}: give a positive number of samples per batch")
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size or batch_size
         self.num_embeddings_per_feature = _resolve_num_embeddings(

@@ -177,7 +177,10 @@ def open_criteo_stream(path: str | os.PathLike):
 def _read_head(path: str | os.PathLike, num_bytes: int = 1 << 20) -> bytes:
     check_criteo_file(path)
     with open_criteo_stream(path) as stream:
-        return stream.read(num_bytes)
+        try:
+            return stream.read(num_bytes)
+        except OSError as e:
+            raise _unreadable(path, e) from e
 
 
 def detect_layout(
@@ -193,16 +196,20 @@ def detect_layout(
     lines = head.split(b"\n")
     if len(lines) > 1:
         lines = lines[:-1]  # the last piece may be cut in the middle
+    numbers = [i + 1 for i, ln in enumerate(lines) if ln.strip()]  # 1-based line of each non-blank line
     lines = [ln.rstrip(b"\r") for ln in lines if ln.strip()]
     if b"\0" in head:
+        nul_line = head[: head.index(b"\0")].count(b"\n") + 1
         raise ValueError(
-            f"{path} holds NUL bytes: it is not a Criteo text file (a binary or a compressed format this reader "
-            f"does not detect; gzip, bz2 and zstd are read as they are): decompress or convert it to text first"
+            f"{path}:{nul_line} holds NUL bytes: it is not a Criteo text file (a binary or a compressed format this "
+            f"reader does not detect; gzip, bz2 and zstd are read as they are): decompress or convert it to text first"
         )
     first = lines[0].decode("utf-8", errors="replace")
-    if first.startswith('"') and ('","' in first or '"\t"' in first):
+    quoted = [ln for ln in (first, lines[1].decode("utf-8", errors="replace") if len(lines) > 1 else "")
+              if ln.startswith('"') and ('","' in ln or '"\t"' in ln)]  # the header, or the rows only
+    if quoted:
         raise ValueError(
-            f"{path}: its fields are quoted (first line {first[:40]!r}...): Criteo rows are read without quote "
+            f"{path}: its fields are quoted (line {quoted[0][:40]!r}...): Criteo rows are read without quote "
             f"handling, so every value would be refused. Remove the quotes first, e.g. "
             f"`sed 's/\"//g' {path} > {path}.unquoted` (Criteo values never hold quotes, commas or tabs)"
         )
@@ -243,7 +250,7 @@ def detect_layout(
         n40, n39 = counts.count(40), counts.count(39)
         if n40 == 0 and n39 == 0:
             raise ValueError(
-                f"{path}: rows have {max(counts)} fields, not 40 (label + I1..I13 + C1..C26) or 39 (no "
+                f"{path}:{numbers[0]}: rows have {max(counts)} fields, not 40 (label + I1..I13 + C1..C26) or 39 (no "
                 f"label): check the separator (got {separator!r}) or pass has_label=True/False"
             )
         # The majority decides: a stripped row of a labelled file can have 39 fields too.
@@ -307,6 +314,12 @@ def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) ->
         yield block, line
 
 
+def _unreadable(path, e: OSError) -> ValueError:
+    """Arrow's decompressor says 'Truncated compressed stream' without naming the file."""
+    return ValueError(f"{path}: cannot read it ({e}): a compressed file cut short (an interrupted download or "
+                      f"copy?), or not the format its first bytes say: fetch or compress it again")
+
+
 def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header: bool,
                           start: dict | None = None) -> Iterator[tuple[bytes, int, dict]]:
     """iter_blocks, each block with the reader's position before it (`start` resumes there).
@@ -334,7 +347,10 @@ def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header
                     left -= got
         while True:
             position = {"read": read, "rest": rest, "line": line, "skip_header": skip_header}
-            chunk = stream.read(block_bytes)
+            try:
+                chunk = stream.read(block_bytes)
+            except OSError as e:
+                raise _unreadable(path, e) from e
             read += len(chunk)
             data = rest + chunk if rest else chunk
             if not chunk:
@@ -385,7 +401,10 @@ def iter_line_blocks(
         while True:
             if filled == buf.size:  # a line longer than the buffer: grow it
                 buf = np.concatenate([buf, np.empty(buf.size, dtype=np.uint8)])
-            got = stream.readinto(memoryview(buf)[filled:])
+            try:
+                got = stream.readinto(memoryview(buf)[filled:])
+            except OSError as e:
+                raise _unreadable(path, e) from e
             if progress is not None:
                 progress(raw.tell())
             if got == 0:

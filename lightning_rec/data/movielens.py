@@ -191,6 +191,24 @@ def _sniff(path: Path) -> tuple[str, bool]:
                      f"separated by '::', a tab, ',', ';', '|' or a space")
 
 
+_HEADER_NAMES = {"userid": "user_id", "user_id": "user_id", "user": "user_id", "movieid": "item_id",
+                 "movie_id": "item_id", "itemid": "item_id", "item_id": "item_id", "item": "item_id",
+                 "rating": "rating", "timestamp": "timestamp"}
+
+
+def _first_bad_line(data: bytes, sep: str, has_header: bool) -> str:
+    """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column)."""
+    for i, raw in enumerate(data.split(b"\n"), start=1):
+        if (has_header and i == 1) or not raw.strip():
+            continue
+        fields = raw.decode("latin-1").rstrip("\r").split(sep)
+        try:
+            int(fields[0]), int(fields[1]), float(fields[2])
+        except (ValueError, IndexError):
+            return f":{i}"
+    return ""
+
+
 def read_ratings(path: str | Path) -> pa.Table:
     """A ratings file (any GroupLens layout, header or not) -> Arrow table user_id, item_id, rating, timestamp."""
     path = Path(path)
@@ -203,20 +221,30 @@ def read_ratings(path: str | Path) -> pa.Table:
     names = ["user_id", "item_id", "rating", "timestamp"]
     first_line = data.split(b"\n", 2)[1 if has_header else 0]
     num_fields = len(first_line.decode("latin-1").rstrip("\r").split(sep))
-    if num_fields not in (3, 4):
+    column_names = names[:num_fields]
+    if has_header:  # columns by name: a header without movieId must not shift rating into the item column
+        header = data.split(b"\n", 1)[0].decode("latin-1").rstrip("\r").split(sep)
+        column_names = [_HEADER_NAMES.get(h.strip().strip('"').lower(), f"_unused{i}") for i, h in enumerate(header)]
+        missing = [n for n in names[:3] if n not in column_names]
+        if missing:
+            raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
+                             f"rating[, timestamp] (ml-20m/25m's ratings.csv)")
+        num_fields = 4 if "timestamp" in column_names else 3
+    elif num_fields not in (3, 4):
         raise ValueError(f"{path}:{2 if has_header else 1}: {num_fields} fields separated by {sep!r}; expected "
                          f"user, item, rating[, timestamp]")
     try:
         table = pacsv.read_csv(
             io.BytesIO(data),
-            read_options=pacsv.ReadOptions(column_names=names[:num_fields], skip_rows=1 if has_header else 0),
+            read_options=pacsv.ReadOptions(column_names=column_names, skip_rows=1 if has_header else 0),
             parse_options=pacsv.ParseOptions(delimiter=sep),
             convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
-                                                               "rating": pa.float32(), "timestamp": pa.int64()}),
+                                                               "rating": pa.float32(), "timestamp": pa.int64()},
+                                                 include_columns=names[:num_fields]),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise ValueError(f"{path}: cannot parse the ratings ({e}); expected numeric user, item, rating[, timestamp] "
-                         f"separated by {sep!r}") from None
+        raise ValueError(f"{path}{_first_bad_line(data, sep, has_header)}: cannot parse the ratings ({e}); expected "
+                         f"numeric user, item, rating[, timestamp] separated by {sep!r}") from None
     if num_fields == 3:
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
     return table
@@ -490,6 +518,9 @@ class MovieLensDataModule(pl.LightningDataModule):
             raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
         if num_negatives not in (0, 1):
             raise ValueError(f"num_negatives={num_negatives}: use 0 (in-batch negatives) or 1 (BPR)")
+        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MovieLensDataModule {name}={value!r}: give a positive number per batch")
         self.data_dir = Path(data_dir)
         self.split, self.min_rating, self.side_features = split, min_rating, side_features
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size

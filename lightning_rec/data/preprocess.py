@@ -170,6 +170,9 @@ def preprocess_criteo(
         raise ValueError(f"--rows_per_shard and --block_mb must be >= 1, got {rows_per_shard} and {block_mb}")
     if min_frequency < 0:
         raise ValueError(f"--min_frequency must be >= 0 (0: no threshold), got {min_frequency}")
+    if vocab_from is not None and not (Path(vocab_from) / "vocab.npz").is_file():
+        raise ValueError(f"--vocab_from {vocab_from} has no vocab.npz: point it at the --output_dir of the train "
+                         f"split's preprocess run (which writes it when --min_frequency is set)")
     if (min_frequency or vocab_from) and missing_categorical != "reserved_id":
         raise ValueError("--min_frequency / --vocab_from map rare ids to id 0 with the missing values: "
                          "they need --missing_categorical reserved_id")

@@ -195,6 +195,11 @@ class AUC(Metric):
         nan = _one_class_nan(num_pos, labels_N.numel() - num_pos, "AUC")
         if nan is not None:
             return nan
+        num_nan = int(torch.isnan(preds_N).sum())
+        if num_nan:  # NaN sorts as the largest score: the rank statistic would look like a valid AUC
+            warnings.warn(f"AUC: {num_nan} of {preds_N.numel()} predictions are NaN (a diverged model?), so the "
+                          f"AUC is undefined: NaN", stacklevel=2)
+            return torch.tensor(float("nan"))
         return exact_auc(preds_N, labels_N)
 
 
@@ -216,12 +221,15 @@ class BinnedAUC(BinaryAUROC):
         super().__init__(thresholds=num_thresholds, validate_args=False, **kwargs)
         self.from_logits = from_logits
         self.add_state("bad_labels", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        # NaN scores fall in the top bin: counted (on the device, no sync) so compute() says so instead
+        self.add_state("nan_preds", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
         preds_B, labels_B = _flat(preds, labels)
         bad = _check_labels_now(labels_B, "BinnedAUC.update")
         if bad is not None:
             self.bad_labels += bad
+        self.nan_preds += torch.isnan(preds_B).sum()
         probs_B = torch.sigmoid(preds_B.float()) if self.from_logits else preds_B.float()
         # torchmetrics compares every sample with every threshold (O(B T): 16 s per million samples at
         # T = 10,000 on a 2-core CPU); a histogram over the thresholds gives the same counts in O(B log T)
@@ -244,6 +252,10 @@ class BinnedAUC(BinaryAUROC):
         nan = _one_class_nan(float(counts[1].sum()), float(counts[0].sum()), "BinnedAUC")
         if nan is not None:
             return nan
+        if int(self.nan_preds):
+            warnings.warn(f"BinnedAUC: {int(self.nan_preds)} predictions are NaN (a diverged model?), so the AUC is "
+                          f"undefined: NaN", stacklevel=2)
+            return torch.tensor(float("nan"), dtype=torch.float64)
         return super().compute().double()
 
 

@@ -45,7 +45,7 @@ RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
 
 
 def _as_ks(ks: int | Sequence[int]) -> tuple[int, ...]:
-    ks_t = (ks,) if isinstance(ks, int) else tuple(ks)
+    ks_t = tuple(ks) if isinstance(ks, (list, tuple, range, set, frozenset)) else (ks,)
     if not ks_t or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks_t):
         raise ValueError(f"ks={ks!r}: give one cutoff or a list of them, each an int >= 1 (e.g. ks=[10, 20])")
     return tuple(sorted(set(ks_t)))

@@ -133,7 +133,8 @@ class DLRM(nn.Module):
             raise ValueError(f"the dense arch's last layer ({list(dense_arch_layer_sizes)}) must equal the "
                              f"embedding_dim {D}: make them the same")
         if not over_arch_layer_sizes or over_arch_layer_sizes[-1] != 1:
-            raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch_layer_sizes)}")
+            raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch_layer_sizes)}: "
+                             f"make the last size 1")
         self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes)
         self.inter_arch = self._interaction(self.sparse_arch.num_features, D)
         self.over_arch = MLP(self.inter_arch.output_dim(D), over_arch_layer_sizes, last_activation=False)

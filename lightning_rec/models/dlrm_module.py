@@ -89,7 +89,12 @@ class DLRMModule(L.LightningModule):
             EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[name])
             for name, rows in zip(names, _per_feature(num_embeddings_per_feature, names))
         ]
-        fused = FusedOptimizerConfig(sparse_optimizer, lr=sparse_lr, eps=sparse_eps, weight_decay=sparse_weight_decay)
+        try:
+            fused = FusedOptimizerConfig(sparse_optimizer, lr=sparse_lr, eps=sparse_eps,
+                                         weight_decay=sparse_weight_decay)
+        except ValueError as e:  # name the DLRMModule arguments the user set, not the config's fields
+            raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
+                             f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel)
         dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
         if interaction == "dcn":
@@ -113,6 +118,10 @@ class DLRMModule(L.LightningModule):
             bad = labels[~((labels >= 0) & (labels <= 1))][:3].tolist()
             raise ValueError(f"labels must be click labels in [0, 1], found {bad}: an unlabelled file (NaN labels) "
                              f"or labels on another scale; fix the data or map labels to 0/1")
+        if labels.dim() > 2 or labels.numel() != batch.sparse_features.stride():
+            # before the forward: the fused update in backward must not run for a batch whose loss cannot be formed
+            raise ValueError(f"labels of shape {tuple(labels.shape)} for a batch of {batch.sparse_features.stride()} "
+                             f"samples: give one label per sample (shape [B])")
         logits_B = self(batch.dense_features, batch.sparse_features)
         if batch.labels.numel() == 0:
             # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.

@@ -118,8 +118,15 @@ class TrainPipelineSparseDist:
         if training:
             self._optimizer.zero_grad()
         with torch.set_grad_enabled(training and torch.is_grad_enabled()):
-            losses, output = self._model(batch)
+            result = self._model(batch)
         self._pipeline.forward_done()
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            model = type(getattr(self._model, "module", self._model)).__name__  # the user's, inside DMP
+            raise TypeError(f"TrainPipelineSparseDist: model(batch) must return (loss, output), TorchRec's convention; "
+                            f"{model} returned a {type(result).__name__}"
+                            + (f" of {len(result)} items" if isinstance(result, (tuple, list)) else "")
+                            + ": return (loss, output) from its forward (output may be None)")
+        losses, output = result
         if training:
             torch.sum(losses).backward()
             self._optimizer.step()

@@ -285,7 +285,8 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
                 out.append((k, None, shards))
             k *= 2
         return out, [] if out else [
-            f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks"
+            f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks "
+            f"(min_partition={min_cols}: lower it to at most {dim // 2})"
         ]
     if st == ShardingType.TABLE_COLUMN_WISE:
         if H == 1 and not user_only:
