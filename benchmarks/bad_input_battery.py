@@ -1999,8 +1999,7 @@ def _more_cases():
            ["add up to 1099511627776", "2 values"])
     simple("more.offsets_int32_huge_end", lambda: KJT(["a"], T([1, 2]), offsets=T([0, 2 ** 31 - 1], torch.int32)),
            ValueError, ["end at 2147483647"])
-    simple("more.kjt_to_cuda_without_gpu", lambda: good_batch().to("cuda"), (RuntimeError, AssertionError, ValueError),
-           ["cuda"])
+    simple("more.kjt_to_cuda_without_gpu", lambda: good_batch().to("cuda"), ValueError, ["needs a CUDA GPU"])
 
     @case("more.keys_as_tuple", legit="any sequence of names is keys")
     def _(ctx):

@@ -209,7 +209,8 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
     opt = EmbOptimType(optimizer.optimizer)
     kwargs = {}
     if optimizer.weight_decay:
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+        # this module has it in fbgemm 1.6-1.8 (fbgemm_gpu.tbe.config, where 1.7+ define it, is absent in 1.6)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
         # L2 adds weight_decay * w to the gradient before the update, as torch.optim does. With a
         # scaled gradient (padded row-wise tables, see FusedKernel) the decay term is scaled alike.

@@ -537,7 +537,16 @@ class KeyedJaggedTensor:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        try:
+            moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        except (RuntimeError, AssertionError) as e:  # torch's words differ by build: say which part is missing
+            from lightning_rec.lookup import cuda_missing
+
+            what = cuda_missing() if torch.device(device).type == "cuda" else None
+            if what is None:
+                raise
+            raise ValueError(f"KeyedJaggedTensor.to({device!r}) needs a CUDA GPU, but {what}; or keep the batch "
+                             f"on the CPU (accelerator='cpu'). torch said: {e}") from e
         if moved.device.type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
             moved._host = self if self.device.type == "cpu" else self._host

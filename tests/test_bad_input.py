@@ -259,6 +259,14 @@ def test_gpu_placement_on_a_cpu_run_is_refused():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_batch_to_cuda_without_cuda_says_what_is_missing():
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1]), torch.tensor([1]))
+    missing = "is a CPU build" if torch.version.cuda is None else "finds no CUDA device"
+    with pytest.raises(ValueError, match=rf"KeyedJaggedTensor.to\('cuda'\) needs a CUDA GPU, but .*{missing}"):
+        kjt.to("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_tables_without_cuda_say_what_is_missing():
     if torch.version.cuda is None:  # CI's CPU build of torch
         missing = r"need a CUDA GPU, but this torch \(.*\) is a CPU build: install the CUDA"
