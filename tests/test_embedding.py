@@ -272,8 +272,8 @@ def test_adagrad_weight_decay_matches_the_l2_step_on_touched_rows(kernel):
     rows the batch touches: G += g^2, w -= lr * g / (sqrt(G) + eps)."""
     lr, wd, eps = 0.1, 0.5, 1e-8
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a"])],
-                                 optimizer=FusedOptimizerConfig("adagrad", lr=lr, weight_decay=wd, eps=eps),
+    table = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a"])
+    ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("adagrad", lr=lr, weight_decay=wd, eps=eps),
                                  kernel=kernel)
     w0 = ebc.state_dict()["embedding_bags.t.weight"].clone()
     kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([3, 3, 4]), torch.tensor([2, 1]))
