@@ -8,7 +8,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, needs_wandb
 
 from lightning_rec import DLRMModule, SyntheticCriteoDataModule
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
@@ -41,6 +41,7 @@ def _fit(rank, world_size, ckpt, wandb_dir):
     return float(trainer.callback_metrics["val_auc"]), str(trainer.strategy.plan), shards
 
 
+@needs_wandb  # the plan goes to W&B (offline); the lent GPU machine has no wandb
 def test_rec_strategy_trains_and_writes_whole_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     ckpt = str(tmp_path / "rec.ckpt")
