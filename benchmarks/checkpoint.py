@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn_utils import collect_rows, free_port  # noqa: E402  (this folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # free_port, collect_rows: tests/dist_utils.py
+from dist_utils import collect_rows, free_port  # noqa: E402
 
 NUM_TABLES, DIM = 26, 64
 PAGE = os.sysconf("SC_PAGE_SIZE")

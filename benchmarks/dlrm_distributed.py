@@ -41,11 +41,14 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_utils import free_port  # this folder (sys.path[0] when run as a script)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dist_utils import free_port  # noqa: E402  (tests/dist_utils.py)
 
 NUM_TABLES, ROWS, DIM, DENSE_IN = 26, 100_000, 64, 13
 DENSE_ARCH, OVER_ARCH = [512, 256, 64], [512, 512, 256, 1]

@@ -34,8 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # free_port, collect_rows: tests/dist_utils.py
 import dlrm_distributed as bench  # noqa: E402  (the model, batches and plan of the distributed benchmark)
-from spawn_utils import collect_rows, free_port  # noqa: E402
+from dist_utils import collect_rows, free_port  # noqa: E402
 
 BATCH = 1024
 

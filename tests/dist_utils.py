@@ -1,4 +1,5 @@
 """One helper to run a function on N CPU ranks (gloo) from a test: `run_ranks(fn, world_size, *args)`.
+(The benchmarks in benchmarks/ that spawn ranks themselves use `free_port` and `collect_rows` from here.)
 
 Each rank runs `fn(rank, world_size, *args)` in its own process with the process group already
 initialised, and its return value (or its exception, with traceback) comes back through a file.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_module
 import socket
 import tempfile
 import time
@@ -34,6 +36,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def collect_rows(queue, procs) -> list:
+    """Every rank's rows (each rank puts one list on `queue`); a rank that dies ends the run with its exit code."""
+    rows, done = [], 0
+    while done < len(procs):
+        try:
+            rows += queue.get(timeout=5)
+            done += 1
+        except queue_module.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"rank(s) died: {dead} (rank, exit code); see the traceback above") from None
+    return rows
 
 
 class RankFailed(AssertionError):
