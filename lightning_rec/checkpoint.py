@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from lightning_rec.collective_guard import peer_failure
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 
 LIGHTNING_FILE = "lightning.pt"
@@ -466,7 +467,16 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
             os.replace(partial / (LIGHTNING_FILE + ".tmp"), partial / LIGHTNING_FILE)
     except BaseException as e:  # noqa: BLE001 - every rank must still reach the agreement below
         error = e
-    failed = [r for r, e in enumerate(_gather(error is not None)) if e]
+    try:
+        failed = [r for r, e in enumerate(_gather(error is not None)) if e]
+    except Exception as e:  # noqa: BLE001 - a peer is gone: say which, and that nothing was committed
+        kept = f"Nothing was committed: {path} is unchanged (the partial directory {partial.name} is removed by the " \
+               f"next save of that name)."
+        peer = peer_failure(f"saving checkpoint {path}", error or e, kept)
+        if peer is not None:
+            raise peer from (error or e)
+        raise RuntimeError(f"saving checkpoint {path}: the ranks could not agree that every part was written "
+                           f"({e}). {kept}") from (error or e)
     if failed:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -641,6 +651,10 @@ def _load(targets: dict[str, Any], reader, path: Path) -> None:
             dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
                      no_dist=not (dist.is_available() and dist.is_initialized()))
     except (Exception, CheckpointException) as e:  # DCP's errors name no file
+        peer = peer_failure(f"reading checkpoint {path}", e, "Its files are not at fault: load it again with every "
+                                                               "rank running.")
+        if peer is not None:
+            raise peer from e
         raise ValueError(f"reading checkpoint {path} failed: {e}\nA file of it may be damaged or cut short: "
                          f"use an earlier checkpoint") from e
 

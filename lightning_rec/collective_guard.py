@@ -19,7 +19,8 @@ through the CollectiveGuard of its process group:
                                                    the timeout, whose message names `setting`
     failure      a collective that fails (gloo: "Connection closed by peer") names the ranks that
                  exited: on this host, their pid is gone; elsewhere, their heartbeat stopped. DDP's
-                 gradient all-reduce over gloo gets this too (named_failure_allreduce_hook), not the rest
+                 gradient all-reduce over gloo gets this too (named_failure_allreduce_hook), and so do
+                 checkpoint saves and loads (peer_failure: DCP's exchanges on the default group)
 
 A rank blocked inside torch.distributed runs no code of ours, so every process runs one watcher
 thread: each TICK_S it bumps its heartbeat and looks at the main thread's Python stack; once that
@@ -51,6 +52,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -296,12 +298,7 @@ class CollectiveGuard:
         """The error for a collective that failed: names the ranks that exited, and the setting."""
         if isinstance(err, (CollectiveMismatch, CollectiveTimeout, PeerExited)):
             return err
-        dead = self.exited_peers()
-        for _ in range(10):  # gloo notices a closed connection before the peer's process is gone
-            if dead or self._store is None:
-                break
-            time.sleep(0.1)
-            dead = self.exited_peers(remote=False)
+        dead = self.exited_after_failure()
         head = f"{self.name} {self._where(tag, k)} failed on rank {self.rank}"
         if dead:
             return PeerExited(f"{head}: {_describe(dead)}. Cause: {err}")
@@ -311,13 +308,24 @@ class CollectiveGuard:
         return RuntimeError(f"{head}: a peer rank failed or closed its connection (no peer is known to have exited; "
                             f"see the other ranks' logs). Cause: {err}")
 
-    def exited_peers(self, remote: bool = True) -> list[tuple[int, str]]:
-        """(rank, how we know) for every peer known to have exited."""
+    def exited_after_failure(self, ranks: Sequence[int] | None = None) -> list[tuple[int, str]]:
+        """exited_peers() after a collective failed: gloo notices a closed connection before the peer's
+        process is gone, so an empty answer is asked again for up to a second."""
+        dead = self.exited_peers(ranks=ranks)
+        for _ in range(10):
+            if dead or self._store is None:
+                break
+            time.sleep(0.1)
+            dead = self.exited_peers(remote=False, ranks=ranks)
+        return dead
+
+    def exited_peers(self, remote: bool = True, ranks: Sequence[int] | None = None) -> list[tuple[int, str]]:
+        """(rank, how we know) for every peer (of this group, or of `ranks`) known to have exited."""
         if self._store is None:
             return []
         me = socket.gethostname()
         out, others = [], []
-        for p in self.ranks:
+        for p in self.ranks if ranks is None else ranks:
             if p == self.rank:
                 continue
             info = self._peer_info(p)
@@ -372,6 +380,21 @@ class CollectiveGuard:
 
     def _publish(self, entry: dict | None) -> None:
         self._set(f"at/{self.rank}{self._slot}", json.dumps(entry) if entry is not None else "")
+
+
+def peer_failure(what: str, err: BaseException, then: str = "") -> PeerExited | None:
+    """For a failed torch.distributed call of ours outside the guarded groups (a checkpoint's DCP
+    exchanges, on the default group): PeerExited naming the ranks of the world that exited, when
+    that explains `err`, with `then` (what became of the work) after it; None when no peer is known
+    to have exited, or no guard runs in this process (nothing publishes the ranks' pids then)."""
+    guard = next((g for g in list(_GUARDS.values()) if g._store is not None), None)
+    if guard is None or not dist.is_initialized():
+        return None
+    dead = guard.exited_after_failure(ranks=range(dist.get_world_size()))
+    if not dead:
+        return None
+    return PeerExited(f"{what} failed on rank {guard.rank}: {_describe(dead)}. {then}{' ' if then else ''}"
+                      f"Cause: {err}")
 
 
 def _describe(dead: list[tuple[int, str]]) -> str:

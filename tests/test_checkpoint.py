@@ -484,10 +484,11 @@ def _killed_save_worker(rank, W, path):
 def test_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     path = str(tmp_path / "last.ckpt")
     saved = run_ranks(_save_worker, 2, path, "row_wise", timeout=120)[0]
-    try:
+    with pytest.raises(AssertionError) as failed:
         run_ranks(_killed_save_worker, 2, path, timeout=60, pg_timeout=10, allow_missing=True)
-    except AssertionError:
-        pass  # rank 0 reports its peer's death (or is killed at the time limit): either way no commit
+    # rank 0 names its peer's death (not gloo's "Connection closed by peer" alone) and what became of the save
+    assert "rank 0: PeerExited: saving checkpoint" in str(failed.value), failed.value
+    assert "rank(s) [1] exited" in str(failed.value) and "is unchanged" in str(failed.value), failed.value
     partial = list(tmp_path.glob(".last.ckpt.partial-*"))
     assert partial and not (partial[0] / ckpt.LIGHTNING_FILE).exists()  # hidden and incomplete
     expect_error(ValueError, lambda: ckpt.read_lightning_state(partial[0]), "incomplete")
@@ -495,6 +496,33 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     _same(saved, loaded[0])  # last.ckpt is the previous, whole checkpoint
     run_ranks(_save_worker, 2, path, "row_wise", timeout=120)
     assert not list(tmp_path.glob(".last.ckpt.partial-*"))  # the next save of that name clears the leftovers
+
+
+def _killed_load_worker(rank, W, path):
+    module = _module()
+    dmp = _shard(module, "table_wise", W)  # noqa: F841 - its guard publishes the ranks' pids
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs.FileSystemReader.read_data
+
+    def die(self, *args, **kwargs):  # rank 1 is killed while it reads its tables
+        if rank == 1:
+            os.kill(os.getpid(), 9)
+        return real(self, *args, **kwargs)
+
+    fs.FileSystemReader.read_data = die
+    ckpt.load_model(module, path)
+
+
+def test_peer_killed_during_load_is_named_not_a_damaged_file(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    run_ranks(_save_worker, 2, path, "row_wise", timeout=120)
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_killed_load_worker, 2, path, timeout=60, pg_timeout=10, allow_missing=True)
+    text = str(failed.value)
+    assert "rank 0: PeerExited: reading checkpoint" in text and "rank(s) [1] exited" in text, text
+    assert "not at fault" in text and "damaged" not in text.split("Traceback")[0], text
+    run_ranks(_load_worker, 2, path, "table_wise", timeout=120)  # the files were fine
 
 
 # loader state ---------------------------------------------------------------------------------------
