@@ -250,6 +250,22 @@ def test_gzip_named_as_text_is_detected_and_read(tmp_path, parser, caplog):
     assert "gzip-compressed" in caplog.text and "day_0.tsv.gz" in caplog.text
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("header", [False, True])
+def test_byte_order_mark_before_the_first_row_is_skipped(tmp_path, parser, header):
+    """Excel's "CSV UTF-8" and Windows editors write one; the rows after it are the file's rows."""
+    text = (HEADER_FEATURES.replace(",", "\t") + "\n" if header else "")
+    text = ("label\t" if header else "") + text + "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(40))
+    plain = write(tmp_path, "plain.tsv", text)
+    for bommed in (write(tmp_path, "bom.tsv", b"\xef\xbb\xbf" + text.encode()),
+                   write(tmp_path, "bom.tsv.gz", gzip.compress(b"\xef\xbb\xbf" + text.encode()))):
+        for want, got in zip(parse_all(plain, parser=parser)[:3], parse_all(bommed, parser=parser)[:3]):
+            np.testing.assert_array_equal(got, want)
+        rows = [b for b in CriteoIterableDataset(bommed, batch_size=16, num_embeddings_per_feature=10)]  # streamed
+        assert torch.cat([b.dense_features for b in rows]).shape[0] == 40
+    assert torch.equal(torch.cat([b.labels for b in rows]), torch.tensor([k % 2 for k in range(40)], dtype=torch.float))
+
+
 def test_directory_quoted_csv_and_binary_files_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"is a directory, not a file.*lightning-rec preprocess"):
         build_criteo_cache(tmp_path, tmp_path / "c")

@@ -174,13 +174,19 @@ def open_criteo_stream(path: str | os.PathLike):
     return pa.input_stream(str(path), compression=file_compression(path))
 
 
+# A UTF-8 byte-order mark, which editors on Windows (and Excel's "CSV UTF-8") put before the first row: the
+# readers skip it at the start of the text, as Python's "utf-8-sig" does (it is no field's byte).
+BOM = b"\xef\xbb\xbf"
+
+
 def _read_head(path: str | os.PathLike, num_bytes: int = 1 << 20) -> bytes:
     check_criteo_file(path)
     with open_criteo_stream(path) as stream:
         try:
-            return stream.read(num_bytes)
+            head = stream.read(num_bytes)
         except OSError as e:
             raise _unreadable(path, e) from e
+    return head[len(BOM):] if head.startswith(BOM) else head
 
 
 def detect_layout(
@@ -345,6 +351,13 @@ def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header
                         raise ValueError(f"{path} is shorter than the saved reading position ({read} bytes of text): "
                                          f"the file changed since the position was saved; start the epoch over")
                     left -= got
+        if not read:  # the text's first bytes: a byte-order mark is skipped, anything else carried over
+            try:
+                rest = stream.read(len(BOM))
+            except OSError as e:
+                raise _unreadable(path, e) from e
+            read = len(rest)
+            rest = b"" if rest == BOM else rest
         while True:
             position = {"read": read, "rest": rest, "line": line, "skip_header": skip_header}
             try:
@@ -395,9 +408,16 @@ def iter_line_blocks(
                 if got == 0:
                     raise ValueError(f"{path} is shorter than byte {start_byte}: the file changed since it was read")
                 left -= got
-        buf = np.empty(block_bytes, dtype=np.uint8)
+        buf = np.empty(max(block_bytes, len(BOM)), dtype=np.uint8)
         filled, pos = 0, start_byte
         header = skip_header and start_byte == 0
+        if start_byte == 0:  # a byte-order mark before the first row is skipped (offsets still count it)
+            try:
+                filled = stream.readinto(memoryview(buf)[:len(BOM)])
+            except OSError as e:
+                raise _unreadable(path, e) from e
+            if bytes(buf[:filled]) == BOM:
+                filled, pos = 0, len(BOM)
         while True:
             if filled == buf.size:  # a line longer than the buffer: grow it
                 buf = np.concatenate([buf, np.empty(buf.size, dtype=np.uint8)])
