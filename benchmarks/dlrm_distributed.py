@@ -28,7 +28,10 @@ Last line: {"benchmark": "dlrm_distributed", "results": [...], "ratios": {...}, 
 TrainPipelineSparseDist in alternating rounds over the same sharded model (the modes alternate on
 it). Rank 0 profiles one round of each mode (where the step's time goes). Ratio:
 ratios.pipelined_vs_plain: median plain step time / median pipelined step time over every timed
-step (the per-round ratios are printed too).
+step (the per-round ratios are printed too). Two bounds are printed beside it:
+figures.overlap_bound_vs_plain (what the idle time of the plain step's thread allows on this
+machine) and figures.offload_bound_vs_plain (from the profile: the step without its read and id
+routing, what a free core per rank would allow).
 """
 
 from __future__ import annotations
@@ -425,10 +428,19 @@ def pipeline_main(args) -> None:
         for k in stages:
             cells = "".join(f"{profiles[m].get(k, 0.0):>{w}.2f}" for m, w in (("plain", 9), ("pipelined", 11)))
             print(f"{k:<80}{cells}")
+    offload_bound = None
+    if "plain" in profiles:  # with a free core per rank: the work a feeder can take off the step, at most
+        plain = profiles["plain"]
+        movable = plain.get("main: read batch (DataLoader)", 0.0) + plain.get("main: id routing (input_dist)", 0.0)
+        offload_bound = plain["main: whole step"] / (plain["main: whole step"] - movable)
+        print(f"with an idle core per rank, moving the read ({plain.get('main: read batch (DataLoader)', 0.0):.2f} ms) "
+              f"and the id routing ({plain.get('main: id routing (input_dist)', 0.0):.2f} ms) off a "
+              f"{plain['main: whole step']:.1f} ms step gains at most {offload_bound:.3f}x")
     rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
     figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
                "median_of_round_ratios": round(statistics.median(ratio_per_round), 3),
                "plain_step_thread_busy_fraction": round(busy, 4), "overlap_bound_vs_plain": round(1 / busy, 3),
+               **({"offload_bound_vs_plain": round(offload_bound, 3)} if offload_bound else {}),
                # a shared machine: with more runnable threads than cores, the pipelined run's second thread
                # also gets a larger share of the CPU, which a dedicated machine would not give
                "load_avg_1min_before": round(load_before, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),
