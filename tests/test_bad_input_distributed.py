@@ -170,10 +170,18 @@ def _computing_peer_worker(rank, W, shared_memory, setting):
     _fast_guard()
     kwargs = {"timeout_setting": setting} if setting else {}
     dmp = _dmp(W, shared_memory, timeout=2.5, **kwargs)
-    if rank == 1:
-        time.sleep(3.5)  # never in a collective while rank 0 waits: only the timeout can end the wait
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # never in a collective while rank 0 waits, and alive until it has its verdict (a rank that
+        deadline = time.monotonic() + 60  # exited first would be named instead: seen under load, with -n 4)
+        try:
+            while not store.check(["verdict"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except dist.DistError:  # rank 0, the Store's host, is done and gone
+            pass
         return "", "", 0.0
-    return _outcome(lambda: _step(dmp, rank))
+    outcome = _outcome(lambda: _step(dmp, rank))
+    store.set("verdict", "1")
+    return outcome
 
 
 @pytest.mark.parametrize("shared_memory,setting", [(False, None), (True, "MyWrapper(step_timeout=...)")],
