@@ -528,7 +528,8 @@ def _check_complete(path: Path) -> None:
     if not (path / METADATA_FILE).is_file() or not (path / LIGHTNING_FILE).is_file():
         missing = [n for n in (METADATA_FILE, LIGHTNING_FILE) if not (path / n).is_file()]
         raise ValueError(f"checkpoint directory {path} is incomplete (no {', '.join(missing)}): its save did not "
-                         f"finish. Use an earlier checkpoint (ckpt_path='last' picks the last complete one)")
+                         f"finish. Use an earlier checkpoint (with ModelCheckpoint(save_last=True), ckpt_path='last' "
+                         f"picks the last complete one)")
 
 
 def _read_metadata(path: Path):
