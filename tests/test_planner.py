@@ -226,6 +226,15 @@ def test_dlrm_on_2_ranks_of_24gb_fits_by_uvm():
     assert all(r.hbm_used <= r.hbm_cap and r.ddr_used <= r.ddr_cap for r in planner.stats.ranks)
 
 
+def test_a_small_cluster_is_explained_in_units_that_show_the_numbers():
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=1000, embedding_dim=8)]  # 32,000 bytes of weights
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(cpu(2, ddr_cap=8 * 1024), print_stats=False).plan(tables)
+    msg = str(err.value)
+    assert "0.00 GB" not in msg and "KB" in msg, msg  # "needs 0.00 GB, holds 0.00 GB" said nothing
+    assert "DDR 13.60 KB for tables" in msg, msg  # the cluster: 2 ranks x 8 KB, less the reserved 15%
+
+
 def test_dlrm_on_2_ranks_of_24gb_without_host_memory_explains():
     tables, _ = dlrm_tables()
     planner = dlrm_planner(Topology(world_size=2, compute_device="cuda", hbm_cap=24 * GB, ddr_cap=24 * GB))

@@ -373,7 +373,11 @@ class EmbeddingShardingPlanner:
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.2f} GB"
+    """Bytes in GB, or in MB / KB / bytes below 1 GB (a small cluster's "needs 0.00 GB, holds 0.00 GB" said nothing)."""
+    for unit, scale in (("GB", GB), ("MB", 1024**2), ("KB", 1024)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def _mem(pair) -> str:
