@@ -31,6 +31,7 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import inspect
 import math
@@ -40,6 +41,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -255,6 +257,10 @@ def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None
                          f"column sizes add up to {dim}")
 
 
+def _plain(value: Any) -> str:
+    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
+
+
 def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) -> list[str]:
     """One line per fact every rank must agree on: each collection's kind, tables, optimizer and plan."""
     lines = []
@@ -266,9 +272,10 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
                      f"{[c.name for c in _collection_configs(m)]}")
         opt = m.fused_optimizer_config() if callable(getattr(m, "fused_optimizer_config", None)) else None
         lines.append(f"{where}: fused optimizer {opt}")
-        for c in _collection_configs(m):
-            fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if not f.name.startswith("weight_init")}
-            lines.append(f"{where}: table '{c.name}' {fields}")
+        for c in _collection_configs(m):  # a line per field: the message shows the one that differs, alone
+            for f in dataclasses.fields(c):
+                if not f.name.startswith("weight_init"):
+                    lines.append(f"{where}: table '{c.name}' {f.name}={_plain(getattr(c, f.name))}")
         for name, ps in sorted(plan.plan[path].items()):
             lines.append(f"{where}: table '{name}' planned {ps}")
     return lines
