@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 import hashlib
 import inspect
 import math
@@ -413,6 +414,11 @@ class DistributedModelParallel(nn.Module):
         local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
         collections = find_collections(module)
+        already = [p for p, m in module.named_modules() if isinstance(m, _ShardedCollectionBase)]
+        if already:
+            raise ValueError(f"the model's embedding collection(s) {already} are sharded already, by an earlier "
+                             f"DistributedModelParallel: keep using that one (its .module is this model), or build a "
+                             f"new model (a checkpoint of this one loads into it at any world size and plan)")
         if plan is None and collections:
             plan = _planner_plan(module, world_size, local_world_size, device, pg)
         plan = plan or ShardingPlan()
@@ -459,10 +465,28 @@ class DistributedModelParallel(nn.Module):
         module.to(device)
         self._sharded_paths = list(collections)
         self._device = device
+        self._pg, self.world_size = pg, world_size
         self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {}, transport,
                                                     self._guard)
+        self.dense = dense if self._dmp_wrapped_module is not module or dense == "fsdp" else None
         object.__setattr__(self, "_unwrapped", module)
         self._fused_optimizer: FusedOptimizer | None = None
+
+    def wrap_dense(self, dense: str, ddp_kwargs: dict | None = None) -> None:
+        """(Re)wrap the dense layers for a new training run ("ddp" | "fsdp"): a model sharded with dense=None
+        (evaluation) that goes on to train, or another fit over this model. DDP gets a new wrapper, as
+        Lightning gives a plain model one per fit; the old one is dropped first, so that its gradient hooks
+        go with it. FSDP's sharding is in place and stays."""
+        if self.dense is not None and self.dense != dense:
+            raise ValueError(f"the dense layers are wrapped with {self.dense!r} already, not {dense!r}")
+        if self.dense == "fsdp":
+            return
+        if self._dmp_wrapped_module is not self._unwrapped:
+            self._dmp_wrapped_module = self._unwrapped
+            gc.collect()  # the old DDP and its reducer (whose autograd hooks are on these parameters) are freed now
+        self._dmp_wrapped_module = self._wrap_dense(self._unwrapped, dense, self._device, self._pg, ddp_kwargs or {},
+                                                    self._transport, self._guard)
+        self.dense = dense if self._dmp_wrapped_module is not self._unwrapped or dense == "fsdp" else None
 
     @staticmethod
     def _wrap_dense(module: nn.Module, dense: str | None, device: torch.device, pg, ddp_kwargs: dict,

@@ -40,6 +40,8 @@ from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec.model_parallel import DistributedModelParallel
 from lightning_rec.types import ShardingPlan
 
+_SHARDED_BY = "_lightning_rec_dmp"  # LightningModule.__dict__ key: the DistributedModelParallel of its tables
+
 
 class RecStrategy(DDPStrategy):
     """DDP for dense layers + model-parallel embedding tables.
@@ -120,6 +122,10 @@ class RecStrategy(DDPStrategy):
 
     def _shard(self, dense: str | None) -> None:
         module = self.lightning_module
+        prior = vars(module).get(_SHARDED_BY)
+        if prior is not None:
+            self._dmp = self._reuse(prior, dense)
+            return
         plan = self._plan
         if plan is None:
             planner = self._planner or self._default_planner()
@@ -130,8 +136,28 @@ class RecStrategy(DDPStrategy):
             timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
             timeout_setting="RecStrategy(embedding_timeout=...)",
         )
+        # in the module's own __dict__ (not a submodule): a later Trainer over this module finds its tables sharded
+        vars(module)[_SHARDED_BY] = self._dmp
         if self.is_global_zero:
             print(f"lightning_rec sharding plan ({self.world_size} ranks):\n{self._dmp.plan}", flush=True)
+
+    def _reuse(self, prior: DistributedModelParallel, dense: str | None) -> DistributedModelParallel:
+        """An earlier Trainer in this process sharded this module's tables (fit, then a new Trainer to test or
+        to fit on): they stay sharded as they are, with that run's plan, groups and timeout."""
+        fix = ("build a new LightningModule (or load this run's checkpoint into one: checkpoints reshard to any "
+               "world size and plan) for this Trainer")
+        if prior.world_size != self.world_size:
+            raise ValueError(f"this LightningModule's tables were sharded for {prior.world_size} ranks by an earlier "
+                             f"Trainer, and this one runs {self.world_size}: {fix}")
+        if self._plan is not None and self._plan != prior.plan:
+            raise ValueError(f"RecStrategy(plan=...) differs from the plan this LightningModule's tables were sharded "
+                             f"with by an earlier Trainer:\n{prior.plan}\nLeave plan=None to keep it, or {fix}")
+        if dense is not None and prior.dense not in (None, dense):
+            raise ValueError(f"RecStrategy(dense={dense!r}), but an earlier Trainer wrapped this LightningModule's "
+                             f"dense layers with {prior.dense!r}: use dense={prior.dense!r}, or {fix}")
+        if dense is not None:  # a fit: a new DDP wrapper (Lightning unwrapped the last one at teardown)
+            prior.wrap_dense(dense, self._ddp_kwargs)
+        return prior
 
     def _log_plan_stats(self, planner) -> None:
         """Print the planner's per-rank table once, and give it to the logger (a W&B table)."""

@@ -77,6 +77,94 @@ def test_rec_strategy_trains_and_writes_whole_tables(tmp_path, monkeypatch):
     torch.testing.assert_close(restored["sum"], sums)
 
 
+def _trainers_worker(rank, world_size, pipeline):
+    """Several Trainers over one LightningModule, as in a notebook: its tables stay sharded between them."""
+    from lightning_rec.model_parallel import construct_module_sharding_plan, row_wise
+    from lightning_rec.types import ShardingPlan
+
+    def data():
+        return SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
+                                         num_embeddings_per_feature=64)
+
+    def trainer(**kw):
+        kw = {"max_epochs": 1, **kw}
+        return L.Trainer(strategy=RecStrategy(pipeline=pipeline, **kw.pop("rec", {})), accelerator="cpu",
+                         devices=world_size, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, **kw)
+
+    def weights(module):
+        return {k: (torch.cat([t.reshape(-1) for _, t in v.local_shards] + [torch.empty(0)])
+                    if isinstance(v, ShardedTensor) else v).clone() for k, v in module.state_dict().items()}
+
+    out = {}
+    # evaluation shards the tables (no dense wrapper); a new Trainer then trains them (DDP added then)
+    L.seed_everything(0)
+    evaluated_first = DLRMModule(**SMALL)
+    out["validate_then_fit_val"] = trainer().validate(evaluated_first, data(), verbose=False)
+    L.seed_everything(1)
+    trainer().fit(evaluated_first, data())
+    L.seed_everything(0)
+    fresh = DLRMModule(**SMALL)
+    L.seed_everything(1)
+    trainer().fit(fresh, data())
+    out["validate_then_fit"], out["fit_alone"] = weights(evaluated_first), weights(fresh)
+    # fit, then new Trainers: validate (same numbers as the fit's own Trainer) and fit on
+    fit_trainer = trainer()
+    fit_trainer.fit(fresh, data())
+    out["same_trainer_val"] = fit_trainer.validate(fresh, data(), verbose=False)
+    out["new_trainer_val"] = trainer().validate(fresh, data(), verbose=False)
+    before = weights(fresh)
+    import weakref
+
+    first_ddp = weakref.ref(fit_trainer.strategy.dmp._dmp_wrapped_module)
+    second = trainer(max_steps=4)
+    second.fit(fresh, data())
+    out["first_ddp_freed"] = first_ddp() is None  # its gradient hooks went with it: one reduction per bucket
+    out["second_fit_steps"] = second.global_step
+    out["second_fit_changed"] = sorted(k for k in before if not torch.equal(before[k], weights(fresh)[k]))
+    dense = {k: v for k, v in weights(fresh).items() if "embedding_bags" not in k}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, dense)
+    out["dense_same_on_ranks"] = all(torch.equal(everyone[0][k], everyone[q][k]) for q in range(world_size)
+                                     for k in dense)
+    out["after_second_fit"] = weights(fresh)
+    # another plan for the sharded tables: refused, naming the way out
+    ebc = fresh.get_submodule("model.sparse_arch.embedding_bag_collection")
+    tables = {c.name: row_wise() for c in ebc._configs}
+    other = ShardingPlan({"model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        DLRMModule(**SMALL).get_submodule("model.sparse_arch.embedding_bag_collection"), tables,
+        world_size=world_size)})
+    try:
+        trainer(rec={"plan": other}).fit(fresh, data())
+        out["other_plan"] = "accepted"
+    except ValueError as e:
+        out["other_plan"] = str(e)
+    from lightning_rec.model_parallel import DistributedModelParallel
+
+    try:  # the plain API: a second DistributedModelParallel over the sharded model says what it is
+        DistributedModelParallel(fresh, device="cpu")
+        out["dmp_again"] = "accepted"
+    except ValueError as e:
+        out["dmp_again"] = str(e)
+    return out
+
+
+def test_new_trainers_over_a_sharded_module_reuse_its_tables():
+    plain = run_ranks(_trainers_worker, 2, False, timeout=300)
+    pipelined = run_ranks(_trainers_worker, 2, True, timeout=300)
+    for r in plain + pipelined:
+        # validate, then fit with a new Trainer == fit alone (bitwise): the dense layers got DDP when training began
+        assert all(torch.equal(r["validate_then_fit"][k], r["fit_alone"][k]) for k in r["fit_alone"])
+        assert r["new_trainer_val"] == r["same_trainer_val"]  # a new Trainer evaluates the same sharded tables
+        assert r["second_fit_steps"] == 4 and any("embedding_bags" in k for k in r["second_fit_changed"])
+        assert any("embedding_bags" not in k for k in r["second_fit_changed"])
+        assert r["dense_same_on_ranks"] and r["first_ddp_freed"]  # one DDP wrapper at a time
+        assert "differs from the plan" in r["other_plan"] and "checkpoints reshard" in r["other_plan"]
+        assert "sharded already" in r["dmp_again"] and "embedding_bag_collection" in r["dmp_again"]
+    for p, q in zip(plain, pipelined):  # the pipelined Trainers give what the plain ones give, bit for bit
+        assert all(torch.equal(p["after_second_fit"][k], q["after_second_fit"][k]) for k in p["after_second_fit"])
+
+
 def _uneven_fit(rank, world_size):
     import warnings
 
