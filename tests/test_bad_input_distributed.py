@@ -192,7 +192,7 @@ def test_timeout_names_the_setting_the_user_has(shared_memory, setting):
     assert (setting or "DistributedModelParallel(timeout=...)") in text, text
     if setting:
         assert "DistributedModelParallel(timeout" not in text, text
-    assert 2.0 < seconds < 5.0
+    assert 2.0 < seconds < 30  # waited its 2.5 s timeout, not the default minutes (slack: a loaded machine)
 
 
 # 3. a dead peer is named -------------------------------------------------------------------------------
