@@ -267,7 +267,7 @@ def _expect_runtime_error(fn, *words) -> str:
 
 
 def _mismatch_worker(rank, W):
-    group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=5)
+    group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
     x = torch.ones(6)
     group.all_reduce_sum_(x)  # a good exchange first
     assert torch.equal(x, torch.full((6,), float(W)))
@@ -280,8 +280,9 @@ def _mismatch_worker(rank, W):
 
 
 def test_all_to_all_against_all_reduce_raises_mismatch_on_every_rank():
-    for seconds, text in run_ranks(_mismatch_worker, 2, timeout=30):
-        assert seconds < 4, f"a mismatch took {seconds:.1f} s to raise: {text}"
+    for seconds, text in run_ranks(_mismatch_worker, 2, timeout=60):
+        # found by comparing the ranks' calls, well before the 30 s timeout (slack for a loaded machine)
+        assert seconds < 15, f"a mismatch took {seconds:.1f} s to raise: {text}"
 
 
 def _size_mismatch_worker(rank, W):
@@ -323,7 +324,7 @@ def _dead_peer_worker(rank, W):
 @pytest.mark.skipif(_native_barrier() is None, reason="the /proc liveness check is in the compiled barrier")
 def test_dead_peer_raises_within_seconds_not_the_timeout():
     seconds = run_ranks(_dead_peer_worker, 2, timeout=40, allow_missing=True)[0]
-    assert seconds < 5, f"rank 0 noticed rank 1's exit after {seconds:.1f} s (timeout_s=60)"
+    assert seconds < 20, f"rank 0 noticed rank 1's exit after {seconds:.1f} s (timeout_s=60)"
 
 
 # 6. /dev/shm full: every rank falls back to gloo together -----------------------------------------------
