@@ -8,6 +8,7 @@ both: a scheduler that writes `param_groups[i]["lr"]` of a fused group reaches t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,8 +59,20 @@ class FusedOptimizerConfig:
     beta2: float = 0.999
     momentum: float = 0.9  # LARS
     eta: float = 0.001  # LARS trust coefficient
+    # torch.optim.Adam's spelling, for beta1 / beta2 (fbgemm's and TorchRec's): init-only, not a field
+    betas: dataclasses.InitVar[tuple[float, float] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, betas: tuple[float, float] | None = None) -> None:
+        if betas is not None:
+            pair = tuple(betas) if isinstance(betas, (tuple, list)) else ()
+            if len(pair) != 2:
+                raise ValueError(f"fused optimizer betas={betas!r}: give two numbers, e.g. betas=(0.9, 0.999) (or "
+                                 f"beta1=0.9, beta2=0.999)")
+            if (self.beta1, self.beta2) != (0.9, 0.999) and (self.beta1, self.beta2) != pair:
+                raise ValueError(f"fused optimizer betas={betas!r} and beta1={self.beta1}, beta2={self.beta2} "
+                                 f"disagree: give one of the two")
+            object.__setattr__(self, "beta1", pair[0])
+            object.__setattr__(self, "beta2", pair[1])
         try:
             object.__setattr__(self, "optimizer", EmbOptimType(str(self.optimizer).lower()))
         except ValueError:

@@ -215,6 +215,15 @@ def test_fused_optimizer_numbers_are_checked(field, value):
     assert FusedOptimizerConfig("sgd", lr="0.1").lr == 0.1  # text from YAML is read as a number
 
 
+def test_fused_optimizer_takes_torch_optims_betas_too():
+    assert FusedOptimizerConfig("adam", betas=(0.8, 0.99)) == FusedOptimizerConfig("adam", beta1=0.8, beta2=0.99)
+    assert FusedOptimizerConfig("adam", betas=[0.9, 0.999]) == FusedOptimizerConfig("adam")
+    with pytest.raises(ValueError, match=r"betas=\(0.9,\): give two numbers"):
+        FusedOptimizerConfig("adam", betas=(0.9,))
+    with pytest.raises(ValueError, match="disagree: give one of the two"):
+        FusedOptimizerConfig("adam", betas=(0.8, 0.9), beta1=0.5)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_learning_rate_from_a_scheduler_is_refused(kernel):
     m = ebc(kernel)
