@@ -149,6 +149,9 @@ class RecStrategy(DDPStrategy):
         if prior.world_size != self.world_size:
             raise ValueError(f"this LightningModule's tables were sharded for {prior.world_size} ranks by an earlier "
                              f"Trainer, and this one runs {self.world_size}: {fix}")
+        if torch.device(prior._device) != torch.device(self.root_device):
+            raise ValueError(f"this LightningModule's tables were sharded onto {prior._device} by an earlier Trainer, "
+                             f"and this one runs on {self.root_device}: {fix}")
         if self._plan is not None and self._plan != prior.plan:
             raise ValueError(f"RecStrategy(plan=...) differs from the plan this LightningModule's tables were sharded "
                              f"with by an earlier Trainer:\n{prior.plan}\nLeave plan=None to keep it, or {fix}")
