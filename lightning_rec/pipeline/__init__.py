@@ -47,7 +47,12 @@ waits for the copy's event; the step's stream waits for each event before using 
 routed ids, and every tensor crossing streams is `record_stream`-ed so the caching allocator keeps
 it until the step is done. The feeder's all-to-alls are NCCL calls on the pipeline's own
 communicator, issued from the feeder thread while the step's run on the model's: to be checked for
-overlap (and for NCCL's rule on concurrent communicators) on real GPUs.
+overlap (and for NCCL's rule on concurrent communicators) on real GPUs. With more than one GPU the two
+communicators' launches may come in another order on each rank, which NCCL calls deadlock-prone when
+their kernels cannot all be resident or a device sync intervenes; if that shows, launch the feeder's
+collectives at a fixed point of the step instead (the step's thread waits, when it takes batch i, for
+batch i+1's counts exchange; the id payload stays asynchronous on the side stream), as TorchRec orders
+them from one thread. One GPU exchanges nothing.
 
 Memory: with depth K the step holds 1 + K batches' routed ids (Lightning's loop takes one more
 batch ahead: 2 + K); the planner counts them (`planner.CostModel(pipelined=K)`).
