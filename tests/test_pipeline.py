@@ -123,7 +123,7 @@ def _weights(dmp) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity_worker(rank, W, kind, steps, device="cpu"):
+def _parity_worker(rank, W, kind, steps, device="cpu", feeder_collectives="auto"):
     # plain: the loss each step and the weights at the end
     model, dmp, opt = _build(kind, W, device=device)
     plain_logit_sums = []
@@ -138,7 +138,7 @@ def _parity_worker(rank, W, kind, steps, device="cpu"):
     plain = _weights(dmp)
     del model, dmp, opt
     model, dmp, opt = _build(kind, W, device=device)
-    pipeline = TrainPipelineSparseDist(dmp, opt, device)
+    pipeline = TrainPipelineSparseDist(dmp, opt, device, PipelineConfig(feeder_collectives=feeder_collectives))
     piped_logit_sums = _pipelined_steps(pipeline, iter(_loader(rank, steps, pin_memory=cuda)))
     assert pipeline.stats == {"routed_ahead": steps - 1, "routed_in_step": 1}  # only the recording batch in-step
     pipeline.close()
@@ -163,9 +163,58 @@ def _take(loader, n):
         yield b
 
 
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "planner"])
-def test_pipelined_matches_plain_bitwise_over_50_steps(kind):
-    assert run_ranks(_parity_worker, 2, kind, 50, timeout=240) == [50, 50]
+@pytest.mark.parametrize("kind,feeder_collectives", [("table_wise", "auto"), ("row_wise", "auto"), ("planner", "auto"),
+                                                     ("row_wise", "in_step_order")])
+def test_pipelined_matches_plain_bitwise_over_50_steps(kind, feeder_collectives):
+    assert run_ranks(_parity_worker, 2, kind, 50, "cpu", feeder_collectives, timeout=240) == [50, 50]
+
+
+def _launch_order_worker(rank, W, feeder_collectives):
+    import threading
+    import time
+
+    from lightning_rec.shm_transport import SharedMemoryGroup
+
+    log = []  # every shared-memory collective this rank starts: (by the feeder thread?, tag)
+    real = SharedMemoryGroup._write
+
+    def logged(self, slot, pieces, op, tag):
+        log.append((threading.current_thread().name == "lightning_rec-pipeline-feeder", tag))
+        return real(self, slot, pieces, op, tag)
+
+    SharedMemoryGroup._write = logged
+    model, dmp, opt = _build("row_wise", W)
+    assert dmp._transport is not None  # the collectives below go through shared memory
+
+    def uneven(loader):  # rank 1 reads slowly, rank 0 computes slowly: the threads' timing differs by rank
+        for b in loader:
+            time.sleep(0.01 if rank == 1 else 0.0)
+            yield b
+
+    class Slow(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch):
+            time.sleep(0.01 if rank == 0 else 0.0)
+            return self.inner(batch)
+
+    pipeline = TrainPipelineSparseDist(Slow(dmp), opt, "cpu", PipelineConfig(feeder_collectives=feeder_collectives))
+    steps = len(_pipelined_steps(pipeline, iter(uneven(_loader(rank, 12)))))
+    pipeline.close()
+    SharedMemoryGroup._write = real
+    return steps, log
+
+
+def test_in_step_order_launches_both_threads_collectives_in_one_order_on_every_rank():
+    """What NCCL asks of two communicators driven from two threads (feeder_collectives="auto" picks this on
+    NCCL); shown here on the shared-memory transport, with ranks whose loader and step run at other speeds."""
+    (steps0, log0), (steps1, log1) = run_ranks(_launch_order_worker, 2, "in_step_order", timeout=120)
+    assert steps0 == steps1 == 12
+    feeder = [tag for by_feeder, tag in log0 if by_feeder]
+    assert feeder and len(feeder) < len(log0)  # both threads ran collectives ...
+    assert log0 == log1  # ... in the same order on both ranks
 
 
 @pytest.mark.gpu
@@ -188,11 +237,12 @@ def test_find_kjts_paths():
 # bad input and lifecycle (hand loop) -----------------------------------------------------------------
 
 
-def _bad_input_worker(rank, W):
+def _bad_input_worker(rank, W, feeder_collectives="auto"):
     out = {}
+    config = PipelineConfig(feeder_collectives=feeder_collectives)
     # 1. a loader that ends mid-pipeline (3 batches, depth 2): every batch is drained, in order
     model, dmp, opt = _build("table_wise", W)
-    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(depth=2))
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(depth=2, feeder_collectives=feeder_collectives))
     loader = _loader(rank, 3)
     expected = [b.labels.clone() for b in loader]
     seen = []
@@ -227,7 +277,7 @@ def _bad_input_worker(rank, W):
         out["bad_features"] = str(e)
     pipeline.close()
     # 5. an exception in the user's forward, raised on every rank: raised, not swallowed, no hang
-    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", config)
     model.calls, model.fail_at = 0, 4
     try:
         _pipelined_steps(pipeline, iter(_loader(rank, 8)))
@@ -238,12 +288,13 @@ def _bad_input_worker(rank, W):
     model.fail_at = -1
     # ... and the model still trains, plain then pipelined again (a pipeline rebuilt over the same model)
     out["after"] = len(_plain_steps(dmp, opt, iter(_loader(rank, 2)))) + len(
-        _pipelined_steps(TrainPipelineSparseDist(dmp, opt, "cpu"), iter(_loader(rank, 3))))
+        _pipelined_steps(TrainPipelineSparseDist(dmp, opt, "cpu", config), iter(_loader(rank, 3))))
     return out
 
 
-def test_bad_input_raises_on_every_rank_and_never_hangs():
-    results = run_ranks(_bad_input_worker, 2, timeout=180, pg_timeout=60)
+@pytest.mark.parametrize("feeder_collectives", ["auto", "in_step_order"])
+def test_bad_input_raises_on_every_rank_and_never_hangs(feeder_collectives):
+    results = run_ranks(_bad_input_worker, 2, feeder_collectives, timeout=180, pg_timeout=60)
     for rank, out in enumerate(results):
         assert out["drained"] == 3 and out["in_order"]
         assert out["empty"] == 0
@@ -520,7 +571,7 @@ def test_dict_batch_two_collections_one_called_twice():
 # a rank that dies mid-pipeline is named, on either transport ------------------------------------------
 
 
-def _dead_in_loader_worker(rank, W, shared_memory, slow_s):
+def _dead_in_loader_worker(rank, W, shared_memory, slow_s, feeder_collectives="auto"):
     import os
     import time
 
@@ -539,7 +590,7 @@ def _dead_in_loader_worker(rank, W, shared_memory, slow_s):
             yield b
 
     start = time.monotonic()
-    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(feeder_collectives=feeder_collectives))
     try:
         _pipelined_steps(pipeline, batches())
     except Exception as e:  # noqa: BLE001 - what rank 0 sees, and how long it took
@@ -547,11 +598,13 @@ def _dead_in_loader_worker(rank, W, shared_memory, slow_s):
     return "", "", time.monotonic() - start
 
 
-@pytest.mark.parametrize("shared_memory,slow_s", [(False, 0.0), (True, 0.0), (False, 2.0), (True, 2.0)],
-                         ids=["gloo", "shm", "gloo-feeder-only", "shm-feeder-only"])
-def test_rank_dying_in_its_loader_is_named_not_waited_for(shared_memory, slow_s):
-    kind, text, seconds = run_ranks(_dead_in_loader_worker, 2, shared_memory, slow_s, timeout=90,
-                                    allow_missing=True)[0]
+@pytest.mark.parametrize("shared_memory,slow_s,feeder_collectives", [
+    (False, 0.0, "auto"), (True, 0.0, "auto"), (False, 2.0, "auto"), (True, 2.0, "auto"),
+    (False, 0.0, "in_step_order"), (True, 2.0, "in_step_order")],
+    ids=["gloo", "shm", "gloo-feeder-only", "shm-feeder-only", "gloo-in-step-order", "shm-feeder-only-in-step-order"])
+def test_rank_dying_in_its_loader_is_named_not_waited_for(shared_memory, slow_s, feeder_collectives):
+    kind, text, seconds = run_ranks(_dead_in_loader_worker, 2, shared_memory, slow_s, feeder_collectives,
+                                    timeout=90, allow_missing=True)[0]
     assert kind, "rank 0 trained on without its peer"
     assert seconds < 15, (seconds, text)
     if slow_s:  # only the feeder waits in a collective: its own guard finds the dead rank and names it

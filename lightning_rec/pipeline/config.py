@@ -7,16 +7,31 @@ from dataclasses import dataclass
 _STAGES_AHEAD = {"sparse_dist": ("read", "copy", "input_dist")}
 
 
+FEEDER_COLLECTIVES = ("auto", "concurrent", "in_step_order")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
-    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: see the module doc."""
+    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: see the module doc.
+
+    feeder_collectives: when the feeder runs its collectives (the agreement on the next batch, the id
+    all-to-alls). "concurrent": as soon as a batch is read, beside the step's own (gloo and shared
+    memory: every group is independent). "in_step_order": only while the step's thread waits for that
+    batch, so every rank launches the two threads' collectives in one order, which NCCL asks of several
+    communicators; reading, copying and checking stay ahead, and on GPU the id payload still runs
+    asynchronously beside the compute. "auto": in_step_order on NCCL, concurrent otherwise.
+    """
 
     depth: int = 1
     variant: str = "sparse_dist"
+    feeder_collectives: str = "auto"
 
     def __post_init__(self) -> None:
         if self.variant not in _STAGES_AHEAD:
             raise ValueError(f"PipelineConfig(variant={self.variant!r}): choose one of {sorted(_STAGES_AHEAD)}")
+        if self.feeder_collectives not in FEEDER_COLLECTIVES:
+            raise ValueError(f"PipelineConfig(feeder_collectives={self.feeder_collectives!r}): choose one of "
+                             f"{FEEDER_COLLECTIVES}")
         if int(self.depth) < 1:
             raise ValueError(f"PipelineConfig(depth={self.depth}): use depth >= 1 (batches routed ahead)")
 

@@ -139,7 +139,7 @@ class _Plan:
 
 
 class _Entry:
-    __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder")
+    __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder", "in_step")
 
     def __init__(self, index: int, batch: Any, feeder: _Feeder) -> None:
         self.index, self.batch, self.feeder = index, batch, feeder
@@ -149,9 +149,18 @@ class _Entry:
         self.error: BaseException | None = None
         self.copied = None  # CUDA events (GPU only)
         self.routed_event = None
+        self.in_step = False  # in_step_order: its turn came before the plan was recorded; it routes in the step
 
 
 _END = object()
+
+
+def _in_step_order(config: PipelineConfig, channels: dict) -> bool:
+    if config.feeder_collectives != "auto":
+        return config.feeder_collectives == "in_step_order"
+    import torch.distributed as dist
+
+    return any(dist.get_backend(c.pg) == "nccl" for c in channels.values())
 
 
 class _Feeder(Iterator):
@@ -168,6 +177,10 @@ class _Feeder(Iterator):
         self._stop = False
         self._finished = False
         self._live: deque[_Entry] = deque()  # entries handed out, still registered
+        # in_step_order: the feeder runs batch k's collectives only while the step's thread waits in
+        # __next__ for batch k (its turn: `_turn`), so both threads' collectives come in one order on every rank
+        self._ordered = _in_step_order(config, channels)
+        self._turn = -1
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._dist_stream = torch.cuda.Stream(device) if cuda else None
@@ -183,6 +196,9 @@ class _Feeder(Iterator):
         if not plan.final.is_set() and plan.record_entry is not None and self.taken >= plan.record_entry.index + 2:
             plan.finalize(self.inputs)  # the recording step is over (a loop takes at most one batch ahead)
         with self._cond:
+            if self._ordered:
+                self._turn = self.taken  # batch `taken`'s collectives may run now: this thread waits here
+                self._cond.notify_all()
             while not self._queue:
                 if not self._thread.is_alive() and not self._queue:
                     break
@@ -228,6 +244,9 @@ class _Feeder(Iterator):
                 raise RuntimeError("lightning_rec pipeline: the feeder thread ended before routing this batch")
         if entry.error is not None:
             raise entry.error
+        if entry.in_step:
+            self.stats["routed_in_step"] += 1
+            return None
         routed = entry.routed[(module, path)]
         if self._dist_stream is not None:
             current = torch.cuda.current_stream(self.device)
@@ -284,6 +303,15 @@ class _Feeder(Iterator):
                 self._cond.wait()
             return True
 
+    def _wait_turn(self, k: int) -> bool:
+        """in_step_order: wait until the step's thread waits for batch k; False when stopped first."""
+        with self._cond:
+            while self._turn < k:
+                if self._stop:
+                    return False
+                self._cond.wait()
+            return True
+
     def _wait_plan(self) -> bool:
         while not self.plan.final.wait(0.2):
             with self._cond:
@@ -311,6 +339,11 @@ class _Feeder(Iterator):
                 pass
             except Exception as e:  # noqa: BLE001 - every rank must hear of it first
                 error = e
+            if self._ordered:
+                if batch is not None and error is None:
+                    batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
+                if not self._wait_turn(k):
+                    return
             if channel is not None:
                 missing, failed = channel.agree(batch is None and error is None, error is not None)
             else:
@@ -328,13 +361,21 @@ class _Feeder(Iterator):
                                   f"drop_last, or an even split) to use them all", stacklevel=2)
                 self._put(_END)
                 return
-            entry = self._prepare(k, batch)
+            entry = self._entry(k, batch) if self._ordered else self._prepare(k, batch)
             recording = k == 0 and self.plan.record_entry is None and not self.plan.final.is_set()
             if recording:
                 self.plan.record_entry = entry  # the recording batch: routed in the step
                 entry.ready.set()
-            self._put(entry)  # the loop may take it now; its routing follows
-            if recording:
+            if self._ordered and not recording:  # routed in its turn, then handed out
+                if self.plan.final.is_set():
+                    self._route(entry, put_on_error=True)
+                else:  # the plan is still being recorded (a loop that takes a batch ahead): route it in the step
+                    entry.in_step = True
+                    entry.ready.set()
+                self._put(entry)
+            else:
+                self._put(entry)  # the loop may take it now; its routing follows
+            if recording or self._ordered:
                 pass
             elif not self._wait_plan():
                 entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
@@ -345,22 +386,29 @@ class _Feeder(Iterator):
             k += 1
 
     def _prepare(self, k: int, batch: Any) -> _Entry:
+        return self._entry(k, self._copy(batch))
+
+    def _copy(self, batch: Any) -> Any:
+        """The batch on the device (GPU: on the copy stream, from pinned memory; `_entry` records the event)."""
         if self._copy_stream is None:
-            return self._register(_Entry(k, self.to_device(batch), self))
+            return self.to_device(batch)
         batch = _pinned(batch)
         with torch.cuda.stream(self._copy_stream):
-            batch = self.to_device(batch)
+            return self.to_device(batch)
+
+    def _entry(self, k: int, batch: Any) -> _Entry:
         entry = _Entry(k, batch, self)
-        entry.copied = torch.cuda.Event()
-        entry.copied.record(self._copy_stream)
-        _record_stream(batch, self._copy_stream)
+        if self._copy_stream is not None:
+            entry.copied = torch.cuda.Event()
+            entry.copied.record(self._copy_stream)
+            _record_stream(batch, self._copy_stream)
         return self._register(entry)
 
     def _register(self, entry: _Entry) -> _Entry:
         self.inputs.register(entry)
         return entry
 
-    def _route(self, entry: _Entry) -> None:
+    def _route(self, entry: _Entry, put_on_error: bool = False) -> None:
         try:
             if self._dist_stream is None:
                 self._route_all(entry)
@@ -374,6 +422,8 @@ class _Feeder(Iterator):
         except BaseException as e:
             entry.error = e  # a bad batch: the same ValueError on every rank (input_dist agrees first)
             entry.ready.set()
+            if put_on_error:  # handed out all the same: the step raises it where the plain loop would
+                self._put(entry)
             raise
         entry.ready.set()
 
