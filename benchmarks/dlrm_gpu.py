@@ -26,7 +26,9 @@ side stream, input_dist on its own stream, one batch ahead), alternating within 
 same model. JSON: ratios.pipelined_vs_plain_cuda (median pipelined / median plain samples/s of the
 first mode), figures.pipelined_samples_s_<mode>, figures.plain_host_samples_s_<mode>, and TorchRec
 1.6.1's pipelined figures on the lent H100 for the same shapes (1.67M fp32 / 1.83M TF32, measured by
-the GPU issue) as figures.torchrec_pipelined_samples_s_<mode> for comparison.
+the GPU issue) as figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with
+its default PipelineConfig (feeder_collectives="auto": in_step_order on NCCL) and, in the same rounds,
+with the other order (figures.pipelined_concurrent_samples_s_<mode> on GPU, _in_step_order_ on CPU).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
 
     from lightning_rec.model_parallel import DistributedModelParallel
     from lightning_rec.optim import CombinedOptimizer
-    from lightning_rec.pipeline import TrainPipelineSparseDist
+    from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
 
     if not dist.is_initialized():  # a one-rank world: DistributedModelParallel and the pipeline need one
         with socket.socket() as sock:
@@ -180,7 +182,9 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
     dmp = DistributedModelParallel(TrainStep(module.model), device=device)
     opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
                              ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
-    out = {m: {"plain": [], "pipelined": []} for m in modes}
+    # the default pipeline (feeder_collectives="auto": in_step_order on NCCL) and the other order, for comparison
+    other = "concurrent" if device.type == "cuda" else "in_step_order"
+    out = {m: {"plain": [], "pipelined": [], f"pipelined_{other}": []} for m in modes}
 
     def plain() -> float:
         for i, b in enumerate(loader):
@@ -195,8 +199,9 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
         sync(device)
         return args.batch * steps / (time.perf_counter() - t0)
 
-    def pipelined() -> float:
-        with TrainPipelineSparseDist(dmp, opt, device) as pipeline:
+    def pipelined(feeder_collectives: str = "auto") -> float:
+        config = PipelineConfig(feeder_collectives=feeder_collectives)
+        with TrainPipelineSparseDist(dmp, opt, device, config) as pipeline:
             it = iter(loader)
             for i in range(steps + warmup):
                 if i == warmup:
@@ -209,8 +214,10 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
     for r in range(args.rounds):
         for mode in modes:
             with set_mode(mode):
-                for kind in ("plain", "pipelined") if r % 2 == 0 else ("pipelined", "plain"):
-                    out[mode][kind].append(plain() if kind == "plain" else pipelined())
+                kinds = ["plain", "pipelined", f"pipelined_{other}"]
+                for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                    out[mode][kind].append(plain() if kind == "plain" else
+                                           pipelined() if kind == "pipelined" else pipelined(other))
     return out
 
 
@@ -231,8 +238,13 @@ def pipeline_main(args, modes, device: torch.device) -> None:
         if ref is not None and device.type == "cuda":
             figures[f"torchrec_pipelined_samples_s_{mode}"] = ref
             figures[f"pipelined_vs_torchrec_{mode}"] = pi / ref
+        other = next(k for k in runs[mode] if k.startswith("pipelined_"))
+        po = statistics.median(runs[mode][other])
+        print(f"{'':<8}{other + ' (feeder_collectives)':>48}{po:>12,.0f}{po / pl_:>8.3f}")
+        figures[f"{other}_samples_s_{mode}"] = po
         results.append({"mode": mode, "plain_samples_per_s": pl_, "pipelined_samples_per_s": pi,
-                        "per_round_plain": runs[mode]["plain"], "per_round_pipelined": runs[mode]["pipelined"]})
+                        f"{other}_samples_per_s": po, "per_round_plain": runs[mode]["plain"],
+                        "per_round_pipelined": runs[mode]["pipelined"], f"per_round_{other}": runs[mode][other]})
     first = modes[0]
     key = "pipelined_vs_plain_cuda" if device.type == "cuda" else "pipelined_vs_plain"
     ratios = {key: statistics.median(runs[first]["pipelined"]) / statistics.median(runs[first]["plain"])}
