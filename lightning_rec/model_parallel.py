@@ -466,10 +466,10 @@ class DistributedModelParallel(nn.Module):
         self._sharded_paths = list(collections)
         self._device = device
         self._pg, self.world_size = pg, world_size
-        self._dmp_wrapped_module = self._wrap_dense(module, dense, device, pg, ddp_kwargs or {}, transport,
-                                                    self._guard)
-        self.dense = dense if self._dmp_wrapped_module is not module or dense == "fsdp" else None
         object.__setattr__(self, "_unwrapped", module)
+        self._dmp_wrapped_module, self.dense = module, None
+        if dense is not None:
+            self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
 
     def wrap_dense(self, dense: str, ddp_kwargs: dict | None = None) -> None:
