@@ -18,15 +18,68 @@ rebuilds it on one CPU process (see checkpoint.py).
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import inspect
 import os
+import re
 import sys
 import warnings
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
+
+
+def _option_names(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its subcommands' parsers (`--trainer.max_epochs`, ...)."""
+    names = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action.choices, dict):  # a subcommands action: name -> parser
+            for sub in action.choices.values():
+                if isinstance(sub, argparse.ArgumentParser):
+                    names |= _option_names(sub)
+    return names
+
+
+def _init_arg_names(class_path: str) -> list[str]:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+
+
+def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
+
+    jsonargparse refuses a misspelt option in three ways: on the command line ("unrecognized arguments:
+    --trainer.max_epocs=1"), as a key of the config file ("does not accept option 'trainer.max_epocs'") and
+    as an init argument of a class_path ("Problem with given class_path 'X': Option 'embeding_dim' is not
+    accepted"); none says what was meant.
+    """
+    options = _option_names(parser)
+    _, _, unrecognized = message.partition("unrecognized arguments:")
+    hints = [(unknown, m) for unknown in re.findall(r"(--[\w.\-]+)", unrecognized)
+             for m in difflib.get_close_matches(unknown, options, n=1)]
+    keys = {o[2:] for o in options if o.startswith("--")}  # a config file's keys: trainer.max_epochs
+    hints += [(unknown, m) for unknown in re.findall(r"does not accept option '([\w.\-]+)'", message)
+              for m in difflib.get_close_matches(unknown, keys, n=1)]
+    for class_path, unknown in dict.fromkeys(
+            re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
+        hints += [(unknown, f"{m} (an argument of {class_path})")
+                  for m in difflib.get_close_matches(unknown, _init_arg_names(class_path), n=1)]
+    return "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+
+
+class RecArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose refusal of a misspelt option also names the option that was meant."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        return super().error(message + did_you_mean(self, message), ex)
 
 
 class RecCLI(LightningCLI):
@@ -68,6 +121,7 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_class=RecArgumentParser,
         args=args,  # None: LightningCLI reads sys.argv itself (passing it too makes Lightning warn)
     )
 

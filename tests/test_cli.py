@@ -49,6 +49,31 @@ def test_unknown_model_argument_is_refused(tmp_path, capsys):
     assert "no_such_arg" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("wrong, meant", [
+    (["--trainer.max_epocs=1"], "did you mean --trainer.max_epochs instead of --trainer.max_epocs?"),
+    (["--model.init_args.embeding_dim=8"],
+     "did you mean embedding_dim (an argument of lightning_rec.models.DLRMModule) instead of embeding_dim?"),
+    (["--data.init_args.batch_sise=8"],
+     "did you mean batch_size (an argument of lightning_rec.data.SyntheticCriteoDataModule) instead of batch_sise?"),
+    ("config", "did you mean trainer.max_epochs instead of trainer.max_epocs?"),
+])
+def test_a_misspelt_option_names_the_one_meant(tmp_path, capsys, wrong, meant):
+    if wrong == "config":  # the same misspelling as a key of the recipe file
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(open("recipes/configs/dlrm_synthetic.yaml").read().replace("max_epochs:", "max_epocs:"))
+        wrong = ["--config", str(recipe)]
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", *wrong])
+    assert meant in capsys.readouterr().err
+
+
+def test_an_option_like_no_other_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--zzzz=1"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzz=1" in err and "did you mean" not in err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_gpu_accelerator_without_cuda_says_what_is_missing(tmp_path):
     with pytest.raises(SystemExit) as e:
