@@ -61,6 +61,12 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     as an init argument of a class_path ("Problem with given class_path 'X': Option 'embeding_dim' is not
     accepted"); none says what was meant.
     """
+    command = re.search(r"invalid choice: '([^']*)' \(choose from 'fit'", message)
+    if command:  # a misspelt command; main() runs two more than LightningCLI knows
+        commands = ["fit", "validate", "test", "predict", "preprocess", "export"]
+        meant = difflib.get_close_matches(command[1], commands, n=1)
+        return (f"\n  did you mean {meant[0]} instead of {command[1]}?" if meant else "") + \
+            "\n  (the commands are fit, validate, test, predict, preprocess and export)"
     options = _option_names(parser)
     _, _, unrecognized = message.partition("unrecognized arguments:")
     hints = [(unknown, m) for unknown in re.findall(r"(--[\w.\-]+)", unrecognized)
@@ -80,6 +86,14 @@ class RecArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None):
         return super().error(message + did_you_mean(self, message), ex)
+
+    def print_usage(self, file=None) -> None:
+        # argparse prints the usage before an error: for `fit` that is 50 lines of every option, which push
+        # the one line that matters off the screen; the tip after it names --help for the whole list
+        usage = self.format_usage()
+        if usage.count("\n") > 3:
+            usage = f"usage: {self.prog} [options]\n"
+        self._print_message(usage, file or sys.stderr)
 
 
 class RecCLI(LightningCLI):
@@ -122,6 +136,11 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         parser_class=RecArgumentParser,
+        # the two commands main() runs itself are not LightningCLI's subcommands: --help names them too
+        parser_kwargs={"description": "Train, evaluate and predict with a recipe (fit / validate / test / predict "
+                                      "--config recipes/configs/<recipe>.yaml); also `lightning-rec preprocess "
+                                      "--help` (Criteo days to shards) and `lightning-rec export --help` (a "
+                                      "checkpoint to an unsharded model for inference)."},
         args=args,  # None: LightningCLI reads sys.argv itself (passing it too makes Lightning warn)
     )
 

@@ -67,6 +67,22 @@ def test_a_misspelt_option_names_the_one_meant(tmp_path, capsys, wrong, meant):
     assert meant in capsys.readouterr().err
 
 
+def test_a_misspelt_command_names_every_command_and_errors_are_short(capsys):
+    with pytest.raises(SystemExit):
+        run_cli(["exprt"])
+    err = capsys.readouterr().err
+    assert "did you mean export instead of exprt?" in err and "preprocess" in err
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.max_epocs=1"])
+    err = capsys.readouterr().err
+    # the usage line, --help's tip, the error and the guess: not fit's 50-line option list before them
+    assert len(err.splitlines()) <= 5 and "fit --help" in err, err
+    with pytest.raises(SystemExit):
+        run_cli(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
+    assert "lightning-rec preprocess --help" in out and "lightning-rec export --help" in out
+
+
 def test_an_option_like_no_other_gets_no_guess(capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--zzzz=1"])
