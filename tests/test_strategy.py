@@ -315,6 +315,24 @@ needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo sam
 
 
 @needs_criteo
+def test_plain_lightning_resumes_a_criteo_stream_mid_epoch_exactly(tmp_path):
+    """Without strategy="rec": Lightning reads a stream a batch ahead of the step and reads its checkpoint
+    back with weights_only=True; the resumed run still ends on the uninterrupted one's weights."""
+    from lightning_rec.cli import run_cli
+
+    args = ["fit", "--config", "recipes/configs/dlrm_criteo_kaggle.yaml",
+            f"--data.train_path={CRITEO / 'criteo_kaggle_train_sample.tsv'}", "--data.val_path=null",
+            "--data.streaming=true", "--data.block_bytes=100000", "--trainer.max_steps=16",
+            "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps=7", f"--trainer.callbacks.dirpath={tmp_path}",
+            "--trainer.callbacks.save_top_k=-1", f"--trainer.default_root_dir={tmp_path}"]
+    whole = run_cli(args).model.state_dict()
+    resumed = run_cli([*args, f"--ckpt_path={tmp_path / 'epoch=0-step=7.ckpt'}"]).model.state_dict()
+    assert not [k for k in whole if not torch.equal(whole[k], resumed[k])]
+
+
+@needs_criteo
 @pytest.mark.parametrize("kind", ["criteo", "criteo_stream"])
 def test_sigkill_mid_epoch_resumes_bitwise_criteo(tmp_path, kind):
     _exact_resume(tmp_path, kind, kill_at=25, every=10)  # 17-18 steps per epoch at 2 ranks

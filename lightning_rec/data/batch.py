@@ -218,6 +218,19 @@ class StatefulBatchLoader(StatefulDataLoader):
         return out
 
 
+def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoader:
+    """Make `loader`'s saved position the fit loop's step, under any strategy; returns `loader`.
+
+    A data module calls it on its training loader with its `trainer` (None outside a Trainer). Lightning
+    reads a batch ahead of the step for a loader without a length, so without this a checkpoint of a
+    plain (not `strategy="rec"`) run would resume one batch past the last one trained.
+    """
+    if trainer is not None and isinstance(loader, StatefulBatchLoader):
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        loader.consumed_batches = lambda: int(progress.current.processed)
+    return loader
+
+
 def _length(loader: StatefulDataLoader) -> int | None:
     try:
         return len(loader)

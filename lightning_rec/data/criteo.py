@@ -65,7 +65,7 @@ from torch.utils.data import (
     IterableDataset,
 )
 
-from lightning_rec.data.batch import Batch, make_batch_loader, make_stream_loader
+from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader, make_stream_loader
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
     DEFAULT_SPARSE_FEATURE_NAMES,
@@ -381,11 +381,21 @@ class CriteoIterableDataset(IterableDataset):
     # batches already yielded from it: a resumed pass seeks there, reads that one block again and skips
     # those batches, instead of re-reading the stream from the start.
 
+    # The carried-over rows travel as tensors: checkpoints are read back with torch.load(weights_only=True)
+    # (Lightning's default), which refuses numpy arrays ("Unsupported global ... _reconstruct").
+
     def state_dict(self) -> dict[str, Any]:
-        return {"position": getattr(self, "_position", None)}
+        position = getattr(self, "_position", None)
+        if position is not None and position.get("pending"):
+            position = {**position, "pending": [tuple(torch.from_numpy(a) for a in rows)
+                                                for rows in position["pending"]]}
+        return {"position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume = state.get("position")
+        position = state.get("position")
+        if position is not None and position.get("pending"):
+            position = {**position, "pending": [tuple(np.asarray(a) for a in rows) for rows in position["pending"]]}
+        self._resume = position
 
     def _resume_position(self, shard: int, num_shards: int) -> dict[str, Any] | None:
         position, self._resume = getattr(self, "_resume", None), None
@@ -642,7 +652,7 @@ class CriteoDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        return follow_fit_loop(self._loader("train"), self.trainer)
 
     def val_dataloader(self) -> DataLoader | list:
         # no val_path: an empty list tells Lightning there is no validation loop

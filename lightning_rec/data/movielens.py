@@ -58,8 +58,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_rec.data.batch import passthrough_collate
-from lightning_rec.data.criteo import make_batch_loader
+from lightning_rec.data.batch import follow_fit_loop, make_batch_loader, passthrough_collate
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -680,9 +679,10 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
-        return make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
-                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                 pin_memory=self.pin_memory)
+        loader = make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
+                                   drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
+                                   pin_memory=self.pin_memory)
+        return follow_fit_loop(loader, self.trainer)
 
     def val_dataloader(self):
         loaders = [self._ranking_loader("val")]

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import Batch, make_batch_loader
+from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader
 from lightning_rec.data.criteo import _resolve_num_embeddings
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -222,7 +222,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
+        return follow_fit_loop(self._loader("train"), self.trainer)
 
     def val_dataloader(self) -> DataLoader | list:
         # num_val_samples=0: an empty list tells Lightning there is no validation loop
