@@ -180,3 +180,21 @@ def test_recipe_smoke_run_logs_to_wandb_offline(recipe, tmp_path, monkeypatch, c
         time.sleep(0.5)
     for key in keys:
         assert key in blob, key
+
+
+@needs_ml100k
+def test_resumed_mid_epoch_ends_on_the_uninterrupted_weights(tmp_path):
+    """A checkpoint from inside an epoch (Lightning then skips that epoch's on_train_epoch_start)."""
+    from lightning_rec.cli import run_cli
+
+    args = ["fit", "--config", "recipes/configs/matrix_factorization_movielens.yaml",
+            f"--data.init_args.data_dir={ML100K}", "--trainer.logger=false", "--trainer.max_steps=12",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps=5", f"--trainer.callbacks.dirpath={tmp_path}",
+            "--trainer.callbacks.save_top_k=-1", f"--trainer.default_root_dir={tmp_path}"]
+    whole = run_cli(args)
+    assert whole.trainer.num_training_batches > 12  # step 5 is inside the first epoch
+    resumed = run_cli([*args, f"--ckpt_path={tmp_path / 'epoch=0-step=5.ckpt'}"])
+    a, b = whole.model.state_dict(), resumed.model.state_dict()
+    assert not [k for k in a if not torch.equal(a[k], b[k])]

@@ -164,6 +164,10 @@ class TwoTowerModule(L.LightningModule):
         self._samples += len(batch)
         return loss
 
+    def on_train_start(self) -> None:
+        # a run resumed mid-epoch starts there: Lightning skips that epoch's on_train_epoch_start
+        self.on_train_epoch_start()
+
     def on_train_epoch_start(self) -> None:
         self._samples, self._epoch_start = 0, time.perf_counter()
 
