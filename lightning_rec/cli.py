@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import warnings
+from typing import Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -111,6 +112,35 @@ class RecCLI(LightningCLI):
                                  f"or use --trainer.accelerator=cpu") from e
             raise
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # every command's parser gets them (LightningCLI adds arguments to all alike); only predict reads them
+        parser.add_argument("--predictions.output_path", type=Optional[str], default=None,
+                            help="predict: the file to write (.csv, .tsv or .parquet); default "
+                                 "<trainer.default_root_dir>/predictions.csv (or the next free predictions_<n>.csv)")
+        parser.add_argument("--predictions.overwrite", type=bool, default=False,
+                            help="predict: replace an existing predictions.output_path (default: refuse it)")
+
+    def before_predict(self) -> None:
+        # Lightning's predict keeps what predict_step returns in memory and writes nothing: add the writer
+        from lightning.pytorch.callbacks import BasePredictionWriter
+
+        from lightning_rec.predict import PredictionWriter
+
+        options = self._get(self.config, "predictions", None) or {}
+        given = [c for c in self.trainer.callbacks if isinstance(c, BasePredictionWriter)]
+        if given and (options.get("output_path") is not None or options.get("overwrite")):
+            raise ValueError(f"--predictions.* set the writer that predict adds, but trainer.callbacks has one "
+                             f"already ({type(given[0]).__name__}): set its own options, or drop it")
+        if not given:
+            self.trainer.callbacks.append(PredictionWriter(options.get("output_path"), bool(options.get("overwrite"))))
+
+    def after_predict(self) -> None:
+        from lightning_rec.predict import PredictionWriter
+
+        for writer in self.trainer.callbacks:
+            if isinstance(writer, PredictionWriter) and writer.written_path is not None and self.trainer.is_global_zero:
+                print(f"predictions: {writer.num_rows} rows written to {writer.written_path}", flush=True)
+
     def after_fit(self) -> None:
         # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)
         # log test_* there too
@@ -174,6 +204,12 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         sys.exit(export_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["predict"]:
+        try:
+            run_cli()
+        except ValueError as e:  # a user error (a missing predict_path, an existing output file): its message
+            sys.exit(f"lightning-rec predict: error: {e}")
+        return
     run_cli()
 
 

@@ -485,6 +485,9 @@ class CriteoIterableDataset(IterableDataset):
 # LightningDataModule
 
 
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+
+
 class CriteoDataModule(pl.LightningDataModule):
     """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es.
 
@@ -592,19 +595,36 @@ class CriteoDataModule(pl.LightningDataModule):
                 f"and give unlabelled files as predict_path"
             )
 
+    def _splits_of(self, stage: str | None) -> tuple[str, ...]:
+        """The splits a Trainer stage reads (fit: train and val, if given; predict: predict); every split
+        given when the stage is unknown (outside a Trainer). A split the stage needs but has no path is
+        an error naming the option to set."""
+        if stage is None:
+            return tuple(s for s, p in self.paths.items() if p is not None)
+        needed = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}.get(stage)
+        if needed is not None and self.paths[needed] is None:
+            what = {"predict": "the rows to predict (labelled or not; default: test_path)"}.get(
+                needed, f"labelled rows to {stage} on")
+            raise ValueError(f"CriteoDataModule has no {needed}_path, which {stage} needs: set --data.{needed}_path="
+                             f"FILE ({what})")
+        return tuple(s for s in _STAGE_SPLITS.get(stage, tuple(self.paths)) if self.paths[s] is not None)
+
     def prepare_data(self) -> None:
-        for split in ("train", "val"):
+        # Lightning's prepare_data has no stage argument: the attached Trainer's state names it
+        trainer = self.trainer
+        stage = trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else None
+        splits = self._splits_of(stage)
+        for split in splits:
             self._check_labelled(split)
         if self.streaming:
             return
-        for split, path in self.paths.items():
-            if path is not None and not is_shard_dir(path):
+        for split in splits:
+            if not is_shard_dir(self.paths[split]):
                 self._cache(split)
 
     def setup(self, stage: str | None = None) -> None:
-        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
-        for split in splits.get(stage, ("train", "val", "test", "predict")) if stage else self.paths:
-            if self.paths[split] is None or split in self.datasets:
+        for split in self._splits_of(stage):
+            if split in self.datasets:
                 continue
             if split in ("train", "val"):
                 self._check_labelled(split)
@@ -663,4 +683,10 @@ class CriteoDataModule(pl.LightningDataModule):
         return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("predict")
+        loader = self._loader("predict")
+        if isinstance(loader.dataset, IterableDataset):
+            return loader
+        # in input order, every rank the same number of steps (lightning_rec.predict)
+        from lightning_rec.predict import make_predict_loader
+
+        return make_predict_loader(loader.dataset, self.val_batch_size, self.num_workers, self.pin_memory)

@@ -693,6 +693,10 @@ class MovieLensDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._ranking_loader("test")
 
+    def predict_dataloader(self) -> DataLoader:
+        # a retrieval model's predictions: the test split's users (every user), ranked against every item
+        return self._ranking_loader("test")
+
     def eval_split_names(self) -> list[str]:
         """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
         return ["val", "test"] if self.eval_test_in_fit else ["val"]

@@ -205,7 +205,10 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         return dataset
 
     def setup(self, stage: str | None = None) -> None:
-        for split in ("train", "val", "test"):
+        # only what the stage reads (test and predict read the test split, or val when it has no samples)
+        evaluated = ("test",) if self.sizes["test"] > 0 else ("val",)
+        splits = {"fit": ("train", "val"), "validate": ("val",), "test": evaluated, "predict": evaluated}
+        for split in splits.get(stage, ("train", "val", "test")):
             if split not in self.datasets and self.sizes[split] > 0:
                 self.datasets[split] = self.make_split(split)
 
@@ -232,4 +235,8 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         return self._loader("test" if self.sizes["test"] > 0 else "val")
 
     def predict_dataloader(self) -> DataLoader:
-        return self.test_dataloader()
+        # the test split (val when it has none), in order, every rank the same number of steps (lightning_rec.predict)
+        from lightning_rec.predict import make_predict_loader
+
+        dataset = self._loader("test" if self.sizes["test"] > 0 else "val").dataset
+        return make_predict_loader(dataset, self.val_batch_size, self.num_workers, self.pin_memory)

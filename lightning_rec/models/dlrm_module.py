@@ -151,8 +151,11 @@ class DLRMModule(L.LightningModule):
         self.log_dict(self.test_metrics.compute(), sync_dist=True)
         self.test_metrics.reset()
 
-    def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        return torch.sigmoid(self(batch.dense_features, batch.sparse_features))
+    def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, Tensor]:
+        """The click probability of each row, and its label (NaN in an unlabelled file: the writer then leaves
+        the label column out). Written by lightning_rec.predict.PredictionWriter (`lightning-rec predict`)."""
+        return {"probability": torch.sigmoid(self(batch.dense_features, batch.sparse_features)),
+                "label": batch.labels}
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -56,6 +56,12 @@ class TwoTowerModule(L.LightningModule):
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the MLPs (if any).
         ks: ranking cutoffs; top_k_table_users: users shown in the top-10 table (0 = none).
         eval_item_chunk: items embedded per item-tower call at evaluation.
+        predict_top_k: items per user that `predict` writes (None: max(ks)).
+
+    Predict (`lightning-rec predict`, `trainer.predict`): every user of the data module's predict split (MovieLens:
+    the test split's users, every user) gets its top predict_top_k items among those it has not seen (in training
+    and validation), best first: columns row (the user's row in the split), user and item (the data's own ids, when
+    the data module has them: `user_ids`, `item_ids`), score (the model's score; -inf once no unseen item is left).
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class TwoTowerModule(L.LightningModule):
         ks: Sequence[int] = (10, 20),
         top_k_table_users: int = 5,
         eval_item_chunk: int = 8192,
+        predict_top_k: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -92,6 +99,9 @@ class TwoTowerModule(L.LightningModule):
                              f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
+            raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
+                             f"or None for max(ks)")
         self.model: TwoTower | None = None
         self.eval_splits = ["val"]
         self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
@@ -245,6 +255,35 @@ class TwoTowerModule(L.LightningModule):
         self.test_metrics.reset()
         self._item_emb_ID = None
 
+    # prediction: each user's top items among those it has not seen -------------------------------
+
+    def on_predict_epoch_start(self) -> None:
+        self._item_emb_ID = self.embed_catalog()
+        datamodule = self._trainer.datamodule
+        num_items = self._item_emb_ID.shape[0]
+        # the data's own ids (MovieLens' user_id / item_id) where the data module keeps them; else positions
+        self._predict_user_ids = _ids_of(datamodule, "user_ids")
+        self._predict_item_ids = _ids_of(datamodule, "item_ids", num_items)
+
+    @torch.no_grad()
+    def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        k = min(self.hparams.predict_top_k or max(self.hparams.ks), self._item_emb_ID.shape[0])
+        user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
+        scores_UI = user_UD @ self._item_emb_ID.t()
+        rows = torch.repeat_interleave(torch.arange(len(batch), device=scores_UI.device), batch.exclude_offsets.diff())
+        scores_UI[rows, batch.exclude_items] = float("-inf")  # seen items are not recommended
+        top_UK = torch.topk(scores_UI, k, dim=1)
+        users_U, items_UK = batch.user_index.cpu(), top_UK.indices.cpu()
+        return {
+            "row": users_U,  # the split's users are its rows (the writer puts them in this order, each once)
+            "user": users_U if self._predict_user_ids is None else self._predict_user_ids[users_U],
+            "item": items_UK if self._predict_item_ids is None else self._predict_item_ids[items_UK],
+            "score": top_UK.values,
+        }
+
+    def on_predict_epoch_end(self) -> None:
+        self._item_emb_ID = None
+
     @torch.no_grad()
     def _log_top_k_table(self, k: int = 10) -> None:
         n = self.hparams.top_k_table_users
@@ -282,3 +321,10 @@ class TwoTowerModule(L.LightningModule):
                  if params else None)
         return combined_optimizer(model, dense)
 
+
+def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | None:
+    ids = getattr(datamodule, name, None)
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids)
+    return ids if size is None or ids.shape[0] == size else None

@@ -1,0 +1,249 @@
+"""`lightning-rec predict` writes one row per input row, in input order, equal to the model's forward on that row
+(1 process, and 2 ranks with sharded tables); each data module reads only what the stage needs; a two-tower
+recipe predicts each user's top unseen items; bad input gets a one-line error that names the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import SHARED_DATA
+
+from tests.dist_utils import run_ranks
+
+CRITEO = SHARED_DATA / "criteo"
+UNLABELLED = CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv"
+LABELLED = CRITEO / "criteo_kaggle_valid_sample.tsv"
+ML100K = SHARED_DATA / "movielens" / "ml-100k"
+needs_criteo = pytest.mark.skipif(not UNLABELLED.is_file(), reason="shared Criteo samples not present")
+needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
+QUIET = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    if path.suffix == ".parquet":
+        table = pq.read_table(path)
+    else:
+        table = pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="\t" if path.suffix == ".tsv" else ","))
+    return {name: table.column(name).to_numpy() for name in table.column_names}
+
+
+# DLRM on Criteo ---------------------------------------------------------------------------------------------
+
+
+def _criteo_args(root: Path, *extra: str) -> list[str]:
+    return ["--config", "recipes/configs/dlrm_criteo_kaggle.yaml", f"--trainer.default_root_dir={root}",
+            f"--data.init_args.cache_dir={root / 'cache'}", *QUIET, *extra]
+
+
+@pytest.fixture(scope="module")
+def criteo_ckpt(tmp_path_factory) -> Path:
+    """A DLRM checkpoint after a few steps of the recipe (trained weights, not the initial ones)."""
+    from lightning_rec.cli import run_cli
+
+    if not UNLABELLED.is_file():
+        pytest.skip("shared Criteo samples not present")
+    root = tmp_path_factory.mktemp("criteo_fit")
+    run_cli(["fit", *_criteo_args(root, "--data.val_path=null", "--trainer.max_steps=6",
+                                  "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+                                  f"--trainer.callbacks.dirpath={root}", "--trainer.callbacks.filename=last")])
+    return root / "last.ckpt"
+
+
+def _forward(ckpt: Path, path: Path, root: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The unsharded module's probability of every row of `path`, in file order, and the file's labels."""
+    from lightning_rec.data.criteo import CriteoDataset, build_criteo_cache
+    from lightning_rec.models import DLRMModule
+
+    module = DLRMModule.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    dataset = CriteoDataset(build_criteo_cache(path, root / "ref_cache")[0], module.hparams.num_embeddings_per_feature)
+    batch = dataset[:]
+    with torch.no_grad():
+        return torch.sigmoid(module(batch.dense_features, batch.sparse_features)).numpy(), batch.labels.numpy()
+
+
+@needs_criteo
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_predict_writes_every_row_in_order_equal_to_forward(criteo_ckpt, tmp_path, suffix, capsys):
+    from lightning_rec.cli import run_cli
+
+    out = tmp_path / f"preds{suffix}"
+    # the recipe's train and val paths stay set: predict reads only the predict path
+    run_cli(["predict", *_criteo_args(tmp_path), f"--ckpt_path={criteo_ckpt}", f"--data.predict_path={UNLABELLED}",
+             f"--predictions.output_path={out}"])
+    assert f"predictions: 1999 rows written to {out}" in capsys.readouterr().out
+    got = _read(out)
+    want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
+    assert list(got) == ["row", "probability"]  # an unlabelled file: no label column
+    np.testing.assert_array_equal(got["row"], np.arange(1999))
+    np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)  # fp32, same ops; CSV keeps 9 digits
+    assert want.std() > 1e-3  # trained weights: the rows differ, so an order mix-up would show
+
+
+@needs_criteo
+def test_predict_on_a_labelled_file_keeps_the_labels_and_defaults_to_the_run_dir(criteo_ckpt, tmp_path, capsys):
+    from lightning_rec.cli import run_cli
+
+    args = ["predict", *_criteo_args(tmp_path), f"--ckpt_path={criteo_ckpt}", f"--data.predict_path={LABELLED}",
+            "--data.batch_size=100"]
+    run_cli(args)
+    first = tmp_path / "predictions.csv"
+    got = _read(first)
+    want, labels = _forward(criteo_ckpt, LABELLED, tmp_path)
+    assert list(got) == ["row", "probability", "label"]
+    np.testing.assert_array_equal(got["label"], labels)
+    np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)
+    run_cli(args)  # a default path never overwrites an earlier run's file
+    assert f"rows written to {tmp_path / 'predictions_1.csv'}" in capsys.readouterr().out
+    assert _read(first)["row"].shape == (len(labels),)
+
+
+def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool) -> int:
+    from lightning_rec.cli import run_cli
+
+    strategy = (["--trainer.strategy=lightning_rec.strategy.RecStrategy", "--trainer.strategy.pipeline=true"]
+                if pipeline else ["--trainer.strategy=rec"])
+    # 1999 rows, 2 ranks, batches of 128: 1000 rows a rank (one repeated), 8 steps each; the last one short
+    cli = run_cli(["predict", *_criteo_args(root), *strategy, f"--trainer.devices={world_size}",
+                   f"--ckpt_path={ckpt}", f"--data.predict_path={UNLABELLED}",
+                   f"--predictions.output_path={root / 'preds.csv'}"])
+    return next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
+
+
+@needs_criteo
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+def test_predict_at_two_ranks_with_sharded_tables_writes_each_row_once_in_order(criteo_ckpt, tmp_path, pipeline):
+    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, pipeline, timeout=180)
+    assert rows == [1999, 1999]  # every rank returns once the file is whole
+    got = _read(tmp_path / "preds.csv")
+    want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
+    np.testing.assert_array_equal(got["row"], np.arange(1999))
+    np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)  # one id per bag: same sums
+
+
+# each stage reads only its own paths ------------------------------------------------------------------------
+
+
+@needs_criteo
+def test_each_stage_checks_only_its_paths(tmp_path):
+    from lightning_rec.data import CriteoDataModule
+
+    missing = str(tmp_path / "nope.tsv")
+    dm = CriteoDataModule(train_path=missing, val_path=missing, predict_path=str(UNLABELLED),
+                          cache_dir=str(tmp_path / "cache"), batch_size=512)
+    dm.setup("predict")  # the missing train/val files are not read
+    assert set(dm.datasets) == {"predict"} and len(dm.datasets["predict"]) == 1999
+    with pytest.raises(ValueError, match="nope.tsv"):
+        dm.setup("fit")
+    with pytest.raises(ValueError, match=r"no predict_path, which predict needs: set --data.predict_path"):
+        CriteoDataModule(train_path=str(LABELLED)).setup("predict")
+    with pytest.raises(ValueError, match=r"no val_path, which validate needs: set --data.val_path"):
+        CriteoDataModule(train_path=str(LABELLED)).setup("validate")
+
+
+# bad input: one line, naming the fix ------------------------------------------------------------------------
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    code = "import sys; from lightning_rec.cli import main; sys.argv[0] = 'lightning-rec'; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@needs_criteo
+def test_predict_errors_name_the_fix(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    base = ["predict", *_criteo_args(tmp_path)]
+    no_path = _cli(*base, cwd=repo)
+    assert no_path.returncode != 0
+    assert "lightning-rec predict: error: CriteoDataModule has no predict_path" in no_path.stderr
+    assert "--data.predict_path=FILE" in no_path.stderr and "Traceback" not in no_path.stderr
+    out = tmp_path / "taken.csv"
+    out.write_text("keep me\n")
+    taken = _cli(*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}", cwd=repo)
+    assert taken.returncode != 0 and "Traceback" not in taken.stderr
+    assert f"prediction output {out} exists" in taken.stderr and "--predictions.overwrite=true" in taken.stderr
+    assert out.read_text() == "keep me\n"  # refused before predicting: nothing lost
+    bad = _cli(*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={tmp_path / 'p.json'}",
+               cwd=repo)
+    assert "unknown format '.json'" in bad.stderr and ".parquet" in bad.stderr and "Traceback" not in bad.stderr
+    replaced = _cli(*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}",
+                    "--predictions.overwrite=true", cwd=repo)
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"predictions: 1999 rows written to {out}" in replaced.stdout
+    assert _read(out)["row"].shape == (1999,)
+
+
+# two-tower: each user's top unseen items --------------------------------------------------------------------
+
+
+def _two_tower_args(root: Path, *extra: str) -> list[str]:
+    return ["--config", "recipes/configs/matrix_factorization_movielens.yaml", f"--data.init_args.data_dir={ML100K}",
+            f"--trainer.default_root_dir={root}", *QUIET, *extra]
+
+
+@pytest.fixture(scope="module")
+def two_tower_ckpt(tmp_path_factory) -> Path:
+    from lightning_rec.cli import run_cli
+
+    if not (ML100K / "u.data").is_file():
+        pytest.skip("shared ml-100k not present")
+    root = tmp_path_factory.mktemp("two_tower_fit")
+    run_cli(["fit", *_two_tower_args(root, "--trainer.max_steps=4", "--trainer.limit_val_batches=0",
+                                     "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+                                     f"--trainer.callbacks.dirpath={root}", "--trainer.callbacks.filename=last")])
+    return root / "last.ckpt"
+
+
+@needs_ml100k
+def test_two_tower_predict_writes_each_users_top_unseen_items(two_tower_ckpt, tmp_path):
+    from lightning_rec.cli import run_cli
+
+    out = tmp_path / "top.parquet"
+    cli = run_cli(["predict", *_two_tower_args(tmp_path), f"--ckpt_path={two_tower_ckpt}",
+                   "--model.init_args.predict_top_k=5", f"--predictions.output_path={out}"])
+    got = pq.read_table(out).to_pydict()
+    dm, module = cli.datamodule, cli.model
+    assert list(got) == ["row", "user", "item", "score"]
+    assert got["row"] == list(range(dm.num_users)) and got["user"] == dm.user_ids.tolist()
+    # the reference: every user against every item, the items it saw in training and validation excluded
+    test = dm.datasets["test"][list(range(dm.num_users))]
+    with torch.no_grad():
+        scores = module.model.user_embeddings(test.user_features) @ module.model.item_embeddings(dm.item_catalog()).t()
+    rows = torch.repeat_interleave(torch.arange(dm.num_users), test.exclude_offsets.diff())
+    scores[rows, test.exclude_items] = float("-inf")
+    top = torch.topk(scores, 5, dim=1)
+    np.testing.assert_allclose(np.array(got["score"]), top.values.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.array(got["item"]).tolist() == dm.item_ids[top.indices.numpy()].tolist()
+    # no recommended item is one the user has seen
+    seen = {(int(u), int(i)) for u, i in zip(rows, test.exclude_items)}
+    index_of = {int(v): j for j, v in enumerate(dm.item_ids)}
+    assert not [(u, i) for u, items in enumerate(got["item"]) for i in items if (u, index_of[i]) in seen]
+
+
+def _two_tower_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path) -> None:
+    from lightning_rec.cli import run_cli
+
+    run_cli(["predict", *_two_tower_args(root), "--trainer.strategy=rec", f"--trainer.devices={world_size}",
+             f"--ckpt_path={ckpt}", f"--predictions.output_path={root / 'top2.csv'}",
+             "--model.init_args.predict_top_k=3"])
+
+
+@needs_ml100k
+def test_two_tower_predict_at_two_ranks_equals_one_process(two_tower_ckpt, tmp_path):
+    from lightning_rec.cli import run_cli
+
+    run_cli(["predict", *_two_tower_args(tmp_path), f"--ckpt_path={two_tower_ckpt}",
+             f"--predictions.output_path={tmp_path / 'top1.csv'}", "--model.init_args.predict_top_k=3"])
+    run_ranks(_two_tower_two_ranks, 2, two_tower_ckpt, tmp_path, timeout=180)
+    one, two = _read(tmp_path / "top1.csv"), _read(tmp_path / "top2.csv")
+    assert list(two) == ["row", "user", "item_1", "item_2", "item_3", "score_1", "score_2", "score_3"]
+    np.testing.assert_array_equal(two["row"], one["row"])
+    for k in ("user", "item_1", "item_2", "item_3"):
+        np.testing.assert_array_equal(two[k], one[k], err_msg=k)
+    np.testing.assert_allclose(two["score_1"], one["score_1"], rtol=1e-5, atol=1e-6)
