@@ -4,7 +4,6 @@ recipe predicts each user's top unseen items; bad input gets a one-line error th
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -150,32 +149,36 @@ def test_each_stage_checks_only_its_paths(tmp_path):
 # bad input: one line, naming the fix ------------------------------------------------------------------------
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    code = "import sys; from lightning_rec.cli import main; sys.argv[0] = 'lightning-rec'; main()"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+def _main(monkeypatch, *args: str) -> str:
+    """`lightning-rec ARGS` in this process: the message it exits with (sys.exit prints it, no traceback)."""
+    from lightning_rec.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-rec", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert isinstance(exit_.value.code, str), exit_.value.code  # a message, not a status from a deeper error
+    return exit_.value.code
 
 
 @needs_criteo
-def test_predict_errors_name_the_fix(tmp_path):
-    repo = Path(__file__).resolve().parents[1]
+def test_predict_errors_name_the_fix(tmp_path, monkeypatch, capsys):
+    from lightning_rec.cli import run_cli
+
     base = ["predict", *_criteo_args(tmp_path)]
-    no_path = _cli(*base, cwd=repo)
-    assert no_path.returncode != 0
-    assert "lightning-rec predict: error: CriteoDataModule has no predict_path" in no_path.stderr
-    assert "--data.predict_path=FILE" in no_path.stderr and "Traceback" not in no_path.stderr
+    message = _main(monkeypatch, *base)  # the recipe names no predict_path (nor test_path)
+    assert message.startswith("lightning-rec predict: error: CriteoDataModule has no predict_path")
+    assert "--data.predict_path=FILE" in message
     out = tmp_path / "taken.csv"
     out.write_text("keep me\n")
-    taken = _cli(*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}", cwd=repo)
-    assert taken.returncode != 0 and "Traceback" not in taken.stderr
-    assert f"prediction output {out} exists" in taken.stderr and "--predictions.overwrite=true" in taken.stderr
+    message = _main(monkeypatch, *base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}")
+    assert f"prediction output {out} exists" in message and "--predictions.overwrite=true" in message
     assert out.read_text() == "keep me\n"  # refused before predicting: nothing lost
-    bad = _cli(*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={tmp_path / 'p.json'}",
-               cwd=repo)
-    assert "unknown format '.json'" in bad.stderr and ".parquet" in bad.stderr and "Traceback" not in bad.stderr
-    replaced = _cli(*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}",
-                    "--predictions.overwrite=true", cwd=repo)
-    assert replaced.returncode == 0, replaced.stderr
-    assert f"predictions: 1999 rows written to {out}" in replaced.stdout
+    message = _main(monkeypatch, *base, f"--data.predict_path={UNLABELLED}",
+                    f"--predictions.output_path={tmp_path / 'p.json'}")
+    assert "unknown format '.json'" in message and ".parquet" in message
+    run_cli([*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}",
+             "--predictions.overwrite=true"])
+    assert f"predictions: 1999 rows written to {out}" in capsys.readouterr().out
     assert _read(out)["row"].shape == (1999,)
 
 
@@ -194,8 +197,9 @@ def two_tower_ckpt(tmp_path_factory) -> Path:
     if not (ML100K / "u.data").is_file():
         pytest.skip("shared ml-100k not present")
     root = tmp_path_factory.mktemp("two_tower_fit")
-    run_cli(["fit", *_two_tower_args(root, "--trainer.max_steps=4", "--trainer.limit_val_batches=0",
-                                     "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+    run_cli(["fit", *_two_tower_args(root, "--trainer.max_epochs=1", "--trainer.limit_train_batches=4",
+                                     "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=true",
+                                     "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
                                      f"--trainer.callbacks.dirpath={root}", "--trainer.callbacks.filename=last")])
     return root / "last.ckpt"
 

@@ -91,7 +91,11 @@ class TwoTowerModule(L.LightningModule):
         predict_top_k: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
+        # `lightning-rec predict --ckpt_path=...` takes it from the command line (LightningCLI would
+        # otherwise override the command line with the checkpoint's value)
+        self.save_hyperparameters(ignore=["predict_top_k"])
+        self.predict_top_k = predict_top_k
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
         if dense_optimizer not in DENSE_OPTIMIZERS:
@@ -267,7 +271,7 @@ class TwoTowerModule(L.LightningModule):
 
     @torch.no_grad()
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        k = min(self.hparams.predict_top_k or max(self.hparams.ks), self._item_emb_ID.shape[0])
+        k = min(self.predict_top_k or max(self.hparams.ks), self._item_emb_ID.shape[0])
         user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
         scores_UI = user_UD @ self._item_emb_ID.t()
         rows = torch.repeat_interleave(torch.arange(len(batch), device=scores_UI.device), batch.exclude_offsets.diff())
