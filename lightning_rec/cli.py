@@ -25,7 +25,6 @@ import os
 import re
 import sys
 import warnings
-from typing import Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -114,7 +113,7 @@ class RecCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # every command's parser gets them (LightningCLI adds arguments to all alike); only predict reads them
-        parser.add_argument("--predictions.output_path", type=Optional[str], default=None,
+        parser.add_argument("--predictions.output_path", type=str | None, default=None,
                             help="predict: the file to write (.csv, .tsv or .parquet); default "
                                  "<trainer.default_root_dir>/predictions.csv (or the next free predictions_<n>.csv)")
         parser.add_argument("--predictions.overwrite", type=bool, default=False,

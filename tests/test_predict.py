@@ -199,8 +199,8 @@ def two_tower_ckpt(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("two_tower_fit")
     run_cli(["fit", *_two_tower_args(root, "--trainer.max_epochs=1", "--trainer.limit_train_batches=4",
                                      "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=true",
-                                     "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
-                                     f"--trainer.callbacks.dirpath={root}", "--trainer.callbacks.filename=last")])
+                                     "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={root}",
+                                     "--trainer.callbacks.every_n_train_steps=4", "--trainer.callbacks.filename=last")])
     return root / "last.ckpt"
 
 
