@@ -232,7 +232,11 @@ def write_table(table: dict[str, np.ndarray], path: Path) -> None:
         else:
             import pyarrow.csv as pcsv
 
-            pcsv.write_csv(arrow, tmp, pcsv.WriteOptions(delimiter=FORMATS[suffix], quoting_style="none"))
+            sep = FORMATS[suffix]
+            with pa.OSFile(str(tmp), "wb") as sink:  # the header unquoted too (pyarrow quotes it always)
+                sink.write((sep.join(arrow.column_names) + "\n").encode())
+                pcsv.write_csv(arrow, sink, pcsv.WriteOptions(include_header=False, delimiter=sep,
+                                                              quoting_style="none"))
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -595,15 +595,17 @@ class CriteoDataModule(pl.LightningDataModule):
                 f"and give unlabelled files as predict_path"
             )
 
-    def _splits_of(self, stage: str | None) -> tuple[str, ...]:
+    def _splits_of(self, stage: str | None, check: bool = True) -> tuple[str, ...]:
         """The splits a Trainer stage reads (fit: train and val, if given; predict: predict); every split
-        given when the stage is unknown (outside a Trainer). A split the stage needs but has no path is
-        an error naming the option to set."""
+        given when the stage is unknown (outside a Trainer). `check`: a split the stage needs but has no
+        path is an error naming the option to set (raised by setup: it runs on every rank, where
+        prepare_data runs on one while the others wait for it)."""
         if stage is None:
             return tuple(s for s, p in self.paths.items() if p is not None)
+        stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn (a str enum)
         needed = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}.get(stage)
-        if needed is not None and self.paths[needed] is None:
-            what = {"predict": "the rows to predict (labelled or not; default: test_path)"}.get(
+        if check and needed is not None and self.paths[needed] is None:
+            what = {"predict": "the rows to predict, labelled or not; default: test_path"}.get(
                 needed, f"labelled rows to {stage} on")
             raise ValueError(f"CriteoDataModule has no {needed}_path, which {stage} needs: set --data.{needed}_path="
                              f"FILE ({what})")
@@ -613,9 +615,10 @@ class CriteoDataModule(pl.LightningDataModule):
         # Lightning's prepare_data has no stage argument: the attached Trainer's state names it
         trainer = self.trainer
         stage = trainer.state.fn.value if trainer is not None and trainer.state.fn is not None else None
-        splits = self._splits_of(stage)
-        for split in splits:
-            self._check_labelled(split)
+        splits = self._splits_of(stage, check=False)
+        for split in ("train", "val"):  # (test_dataloader checks test: an unlabelled test_path may be predicted)
+            if split in splits:
+                self._check_labelled(split)
         if self.streaming:
             return
         for split in splits:
