@@ -49,7 +49,8 @@ def criteo_ckpt(tmp_path_factory) -> Path:
     if not UNLABELLED.is_file():
         pytest.skip("shared Criteo samples not present")
     root = tmp_path_factory.mktemp("criteo_fit")
-    run_cli(["fit", *_criteo_args(root, "--data.val_path=null", "--trainer.max_steps=6",
+    run_cli(["fit", *_criteo_args(root, f"--data.train_path={CRITEO / 'criteo_kaggle_train_sample.tsv'}",
+                                  "--data.val_path=null", "--trainer.max_steps=6",
                                   "--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
                                   f"--trainer.callbacks.dirpath={root}", "--trainer.callbacks.filename=last")])
     return root / "last.ckpt"
@@ -108,9 +109,10 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
 
     strategy = (["--trainer.strategy=lightning_rec.strategy.RecStrategy", "--trainer.strategy.pipeline=true"]
                 if pipeline else ["--trainer.strategy=rec"])
-    # 1999 rows, 2 ranks, batches of 128: 1000 rows a rank (one repeated), 8 steps each; the last one short
-    cli = run_cli(["predict", *_criteo_args(root), *strategy, f"--trainer.devices={world_size}",
-                   f"--ckpt_path={ckpt}", f"--data.predict_path={UNLABELLED}",
+    # 1999 rows, 2 ranks, batches of 999: 1000 rows a rank (one repeated), 2 steps each (Lightning's own predict
+    # sampler gives 1000 and 999 rows: 2 steps and 1, and rank 0's second batch was skipped)
+    cli = run_cli(["predict", *_criteo_args(root, "--data.batch_size=999"), *strategy,
+                   f"--trainer.devices={world_size}", f"--ckpt_path={ckpt}", f"--data.predict_path={UNLABELLED}",
                    f"--predictions.output_path={root / 'preds.csv'}"])
     return next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
 
