@@ -155,10 +155,10 @@ class PredictionWriter(BasePredictionWriter):
                                      f"return one row per sample, or a 'row' column with each row's input index")
                 columns[ROW] = np.asarray(batch_indices, dtype=np.int64)
             elif trainer.world_size > 1:
-                raise ValueError("predictions at more than one rank need each row's place in the input: this "
-                                 "predict dataloader gives no sample indices (an iterable dataset, e.g. "
-                                 "data.streaming=true or a preprocessed shard directory); predict on 1 device, or "
-                                 "from a map-style dataset (streaming=false)")
+                raise ValueError("predictions at more than one rank need each row's place in the input, and this "
+                                 "predict dataloader gives no sample indices (an iterable dataset: "
+                                 "data.streaming=true or a preprocessed shard directory): predict on one device "
+                                 "(--trainer.devices=1), or from a map-style file (--data.streaming=false)")
             else:  # one rank, an iterable dataset: its own order is the input order
                 columns[ROW] = np.arange(self._stream_rows, self._stream_rows + num, dtype=np.int64)
         self._stream_rows += num
