@@ -42,6 +42,7 @@ _EXPORTS = {
     "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
     "Recall": "metrics", "Precision": "metrics", "MRR": "metrics", "HitRate": "metrics",
     "MovieLensDataModule": "data", "TwoTower": "models", "TwoTowerModule": "models",
+    "PredictionWriter": "predict",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -115,6 +116,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         PlanStats,
         Topology,
     )
+    from lightning_rec.predict import PredictionWriter  # noqa: F401
     from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor  # noqa: F401
     from lightning_rec.strategy import RecStrategy  # noqa: F401
     from lightning_rec.types import (  # noqa: F401
