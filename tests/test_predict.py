@@ -253,3 +253,41 @@ def test_two_tower_predict_at_two_ranks_equals_one_process(two_tower_ckpt, tmp_p
     for k in ("user", "item_1", "item_2", "item_3"):
         np.testing.assert_array_equal(two[k], one[k], err_msg=k)
     np.testing.assert_allclose(two["score_1"], one["score_1"], rtol=1e-5, atol=1e-6)
+
+
+# the writer's own rules, without a Trainer ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".parquet"])
+def test_rows_come_out_once_in_input_order_and_an_all_nan_column_is_left_out(tmp_path, suffix):
+    from lightning_rec.predict import _in_input_order, write_table
+
+    # two ranks' rows, interleaved, with the padding repeats of a distributed sampler (rows 0 and 1 twice)
+    row = np.array([0, 2, 4, 1, 3, 0, 1])
+    table = _in_input_order({"row": row, "p": row * 0.5, "label": np.full(7, np.nan),
+                             "item": np.stack([row * 10, row * 10 + 1], axis=1)})
+    write_table(table, tmp_path / f"out{suffix}")
+    assert [p.name for p in tmp_path.iterdir()] == [f"out{suffix}"]  # the temporary file was renamed into place
+    got = _read(tmp_path / f"out{suffix}")
+    if suffix == ".parquet":
+        assert list(got) == ["row", "p", "item"]
+        assert [list(x) for x in got["item"]] == [[r * 10, r * 10 + 1] for r in range(5)]
+    else:
+        assert list(got) == ["row", "p", "item_1", "item_2"]
+        np.testing.assert_array_equal(got["item_2"], np.arange(5) * 10 + 1)
+    np.testing.assert_array_equal(got["row"], np.arange(5))
+    np.testing.assert_array_equal(got["p"], np.arange(5) * 0.5)
+
+
+def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
+    from lightning_rec import PredictionWriter
+
+    with pytest.raises(ValueError, match=r"unknown format '.txt'.*\.csv, \.tsv, \.parquet"):
+        PredictionWriter(str(tmp_path / "p.txt"))
+    (tmp_path / "p.csv").write_text("x\n")
+    trainer = type("T", (), {"default_root_dir": str(tmp_path)})()
+    with pytest.raises(ValueError, match="exists: give another path, or overwrite=True"):
+        PredictionWriter(str(tmp_path / "p.csv")).resolve_path(trainer)
+    assert PredictionWriter(str(tmp_path / "p.csv"), overwrite=True).resolve_path(trainer) == tmp_path / "p.csv"
+    (tmp_path / "predictions.csv").write_text("x\n")
+    assert PredictionWriter().resolve_path(trainer) == tmp_path / "predictions_1.csv"
