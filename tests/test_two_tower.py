@@ -198,3 +198,33 @@ def test_resumed_mid_epoch_ends_on_the_uninterrupted_weights(tmp_path):
     resumed = run_cli([*args, f"--ckpt_path={tmp_path / 'epoch=0-step=5.ckpt'}"])
     a, b = whole.model.state_dict(), resumed.model.state_dict()
     assert not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@needs_ml100k
+def test_export_of_a_plain_lightning_checkpoint_rebuilds_the_two_tower_module(tmp_path):
+    """Saved without strategy="rec" or the CLI: the module's own hook says which class wrote it."""
+    import json
+
+    from lightning_rec import checkpoint as ckpt
+
+    L.seed_everything(0)
+    module = TwoTowerModule(**SMALL)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, **QUIET)
+    trainer.fit(module, _data())
+    trainer.save_checkpoint(tmp_path / "tt.ckpt")
+    exported = ckpt.load_exported(ckpt.export(tmp_path / "tt.ckpt", tmp_path / "out"))
+    assert isinstance(exported, TwoTowerModule)
+    for k, v in module.state_dict().items():
+        assert torch.equal(exported.state_dict()[k], v), k
+    # a checkpoint that names no class (a user's own module, plain Lightning): said, never guessed
+    state = torch.load(tmp_path / "tt.ckpt", weights_only=False)
+    del state["lightning_rec_module_class"]
+    torch.save(state, tmp_path / "anon.ckpt")
+    with pytest.warns(UserWarning, match="does not say which LightningModule"):
+        out = ckpt.export(tmp_path / "anon.ckpt", tmp_path / "anon")
+    assert json.loads((out / "config.json").read_text())["class_path"] is None
+    with pytest.raises(ValueError, match=r"module=YourModule"):
+        ckpt.load_exported(out)
+    assert isinstance(ckpt.load_exported(out, module=TwoTowerModule(**{**SMALL, **{
+        k: module.hparams[k] for k in ("user_num_embeddings", "item_num_embeddings")}})), TwoTowerModule)

@@ -20,6 +20,7 @@ from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
+from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
 
 DENSE_OPTIMIZERS = {
@@ -39,7 +40,7 @@ def _per_feature(value: int | Sequence[int], names: Sequence[str]) -> list[int]:
     return sizes
 
 
-class DLRMModule(L.LightningModule):
+class DLRMModule(RecModuleHooks, L.LightningModule):
     """DLRM on click logs: `batch` is a lightning_rec.data.Batch (dense [B, I], KJT, labels [B]).
 
     Args:

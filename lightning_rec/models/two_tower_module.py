@@ -28,6 +28,7 @@ import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.metrics.ranking import RankingMetrics
 from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
+from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.models.two_tower import LOSSES, TwoTower, bpr_loss, in_batch_softmax_loss
 from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
 
@@ -37,7 +38,7 @@ from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
 
 
-class TwoTowerModule(L.LightningModule):
+class TwoTowerModule(RecModuleHooks, L.LightningModule):
     """Two-tower retrieval on implicit feedback (MovieLensDataModule or any module giving the same batches).
 
     Args:
