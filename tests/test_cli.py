@@ -99,3 +99,23 @@ def test_gpu_accelerator_without_cuda_says_what_is_missing(tmp_path):
     # CI's CPU build of torch, or a CUDA build on a machine with no GPU visible
     missing = "CPU build" if __import__("torch").version.cuda is None else "finds no CUDA device"
     assert "needs a CUDA GPU" in text and missing in text and "--trainer.accelerator=cpu" in text, text
+
+
+@needs_wandb
+@pytest.mark.parametrize("recipe", ["two_tower_movielens", "matrix_factorization_movielens"])
+def test_recipe_logger_leaves_wandb_mode_to_the_user(recipe, monkeypatch, capsys):
+    """The CLI makes W&B offline by default; WANDB_MODE=online (the README's way to upload) must win."""
+    import os
+
+    import yaml
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = yaml.safe_load(open(f"recipes/configs/{recipe}.yaml"))["trainer"]["logger"]
+    assert logger["class_path"].endswith("WandbLogger")
+    # WandbLogger(offline=True) sets WANDB_MODE=dryrun when its run starts, over the user's WANDB_MODE=online
+    # (a run cannot start here: no network); the CLI's default is WANDB_MODE=offline when the user sets none
+    assert not WandbLogger(**logger["init_args"])._offline
+    monkeypatch.delenv("WANDB_MODE")
+    with pytest.raises(SystemExit):  # (--print_config: parse, print, exit)
+        run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", "--print_config"])
+    assert os.environ["WANDB_MODE"] == "offline"
