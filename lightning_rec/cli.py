@@ -78,7 +78,13 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")
                   for m in difflib.get_close_matches(unknown, _init_arg_names(class_path), n=1)]
-    return "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+    said = "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+    nested = re.search(r"Parser key \"trainer.strategy\":[\s\S]*dot import path string: (\w+)[\s\S]*"
+                       r"NestedArg\(key='(\w+)'", message)
+    if nested:  # --trainer.strategy=rec --trainer.strategy.pipeline=true: a registered name takes no options
+        said += (f"\n  a strategy with options is named by its class: --trainer.strategy=RecStrategy "
+                 f"--trainer.strategy.{nested[2]}=... (the short name '{nested[1]}' takes none)")
+    return said
 
 
 class RecArgumentParser(LightningArgumentParser):

@@ -56,6 +56,8 @@ def test_unknown_model_argument_is_refused(tmp_path, capsys):
     (["--data.init_args.batch_sise=8"],
      "did you mean batch_size (an argument of lightning_rec.data.SyntheticCriteoDataModule) instead of batch_sise?"),
     ("config", "did you mean trainer.max_epochs instead of trainer.max_epocs?"),
+    (["--trainer.strategy=rec", "--trainer.strategy.pipeline=true"],
+     "--trainer.strategy=RecStrategy --trainer.strategy.pipeline=... (the short name 'rec' takes none)"),
 ])
 def test_a_misspelt_option_names_the_one_meant(tmp_path, capsys, wrong, meant):
     if wrong == "config":  # the same misspelling as a key of the recipe file
