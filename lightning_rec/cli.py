@@ -117,6 +117,21 @@ class RecCLI(LightningCLI):
                                  f"or use --trainer.accelerator=cpu") from e
             raise
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
+        if ckpt_path not in (None, "last", "best", "hpc", "registry") and os.path.isdir(str(ckpt_path)):
+            from lightning_rec.checkpoint import LIGHTNING_FILE
+            from lightning_rec.strategy import RecStrategy
+
+            if os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)) and \
+                    not isinstance(self.trainer.strategy, RecStrategy):
+                # Lightning's own strategies torch.load() it: "IsADirectoryError: [Errno 21] Is a directory"
+                raise SystemExit(
+                    f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint (a directory written by "
+                    f"strategy=rec): load it with --trainer.strategy=rec (any number of devices), or write a one-file "
+                    f"model with `lightning-rec export {ckpt_path} OUT`")
+        super()._run_subcommand(subcommand)
+
     def after_fit(self) -> None:
         # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)
         # log test_* there too

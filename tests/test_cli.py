@@ -121,3 +121,15 @@ def test_recipe_logger_leaves_wandb_mode_to_the_user(recipe, monkeypatch, capsys
     with pytest.raises(SystemExit):  # (--print_config: parse, print, exit)
         run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", "--print_config"])
     assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_sharded_checkpoint_without_rec_names_the_strategy(tmp_path):
+    # the directory strategy=rec writes (lightning.pt beside the DCP shards); Lightning's own strategies
+    # would torch.load() it and fail with "IsADirectoryError: [Errno 21] Is a directory"
+    sharded = tmp_path / "epoch=0-step=8.ckpt"
+    sharded.mkdir()
+    (sharded / "lightning.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
+                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=rec" in str(e.value), e.value
