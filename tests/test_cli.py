@@ -133,3 +133,13 @@ def test_sharded_checkpoint_without_rec_names_the_strategy(tmp_path):
         run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
                  f"--trainer.default_root_dir={tmp_path}", *QUIET])
     assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=rec" in str(e.value), e.value
+
+
+def test_data_and_model_table_sizes_are_compared_before_training(tmp_path):
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}", *QUIET]
+    # tables larger than the data's id range: fine (Lightning refused the two differing hparams when logging)
+    cli = run_cli([*args, "--data.num_embeddings_per_feature=500"])
+    assert cli.trainer.global_step == 1
+    with pytest.raises(ValueError, match=r"feature C1's ids from 2000 values but the model's table for it has 1000"):
+        run_cli([*args, "--data.num_embeddings_per_feature=2000"])

@@ -105,6 +105,35 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.val_metrics = RecMetricCollection(prefix="val_")
         self.test_metrics = RecMetricCollection(prefix="test_")
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self._check_data_sizes()
+
+    def _check_data_sizes(self) -> None:
+        """The data module's id ranges against the tables' rows, named before any batch (and before Lightning's
+        "Error while merging hparams", which refuses the two num_embeddings_per_feature values for differing)."""
+        data = getattr(self.trainer, "datamodule", None)
+        theirs = getattr(data, "hparams", {}).get("num_embeddings_per_feature")
+        ours = self.hparams.num_embeddings_per_feature
+        if theirs is None or theirs == ours:
+            return
+        names = list(self.hparams.sparse_feature_names or CRITEO_SPARSE_FEATURES)
+        try:
+            pairs = list(zip(names, _per_feature(theirs, names), _per_feature(ours, names)))
+        except ValueError:
+            return  # another feature list: the batch check names the features
+        over = [(name, d, m) for name, d, m in pairs if d > m]
+        if over:
+            name, d, m = over[0]
+            raise ValueError(
+                f"the data module draws feature {name}'s ids from {d} values but the model's table for it has {m} "
+                f"rows ({len(over)} feature(s) like it): give both the same sizes, --data.num_embeddings_per_feature "
+                f"and --model.num_embeddings_per_feature (`lightning-rec preprocess` prints them)")
+        # tables larger than the data needs are fine: log the data's value under its own name
+        initial = getattr(data, "_hparams_initial", None)
+        if initial is not None and "num_embeddings_per_feature" in initial:
+            initial["data_num_embeddings_per_feature"] = initial.pop("num_embeddings_per_feature")
+
     def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
         return self.model(dense_features, sparse_features).squeeze(1)
 
