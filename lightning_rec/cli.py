@@ -117,6 +117,17 @@ class RecCLI(LightningCLI):
                                  f"or use --trainer.accelerator=cpu") from e
             raise
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            # A model's or data module's own ValueError (our way of naming a bad argument and its fix) comes
+            # wrapped in jsonargparse's Union report, after two tracebacks: 70 lines for one sentence
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, ValueError):
+                raise SystemExit(f"lightning-rec: error: {cause}") from None
+            raise
+
     def _run_subcommand(self, subcommand: str) -> None:
         ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
         if ckpt_path not in (None, "last", "best", "hpc", "registry") and os.path.isdir(str(ckpt_path)):

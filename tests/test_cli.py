@@ -85,6 +85,16 @@ def test_a_misspelt_command_names_every_command_and_errors_are_short(capsys):
     assert "lightning-rec preprocess --help" in out and "lightning-rec export --help" in out
 
 
+@pytest.mark.parametrize("wrong, said", [
+    ("--model.sparse_optimizer=rowwise_adagard", "unknown fused optimizer 'rowwise_adagard': choose one of"),
+    ("--data.batch_size=0", "SyntheticCriteoDataModule batch_size=0: give a positive number"),
+])
+def test_a_constructor_refusal_is_one_line(wrong, said):
+    with pytest.raises(SystemExit) as e:  # (jsonargparse wrapped it in two tracebacks and its Union report)
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong])
+    assert str(e.value).startswith("lightning-rec: error: ") and said in str(e.value), e.value
+
+
 def test_an_option_like_no_other_gets_no_guess(capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--zzzz=1"])

@@ -112,6 +112,10 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"SyntheticCriteoDataModule {name}={value!r}: give a positive number of samples "
+                                 f"per batch")
         if min(num_train_samples, num_val_samples, num_test_samples) < 0:
             raise ValueError("sample counts must be >= 0")
         if num_dense_features < 1 or num_sparse_features < 1:
