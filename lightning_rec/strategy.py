@@ -329,6 +329,8 @@ class RecStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
             meta = rec_checkpoint.read_lightning_state(checkpoint_path)
+            if not self.lightning_module.trainer.training:  # validate / test / predict: no loader to resume
+                return meta
             state = rec_checkpoint.loader_state_for_rank(meta, self.global_rank, self.world_size)
             if state is not None:
                 meta.setdefault("loops", {}).setdefault("fit_loop", {}).setdefault("state_dict", {})[
