@@ -368,3 +368,13 @@ def _plain_ddp_worker(rank, world_size):
 def test_fused_tables_under_plain_ddp_are_refused_not_left_to_drift():
     for count, message, _ in run_ranks(_plain_ddp_worker, 2, timeout=120):
         assert count == 1 and "2 ranks" in message and "--trainer.strategy=rec" in message, message
+
+
+def test_gradient_accumulation_says_the_fused_tables_update_every_batch(tmp_path):
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="accumulate_grad_batches=2 accumulates the dense layers' gradients only"):
+        trainer.fit(DLRMModule(**SMALL), data)
