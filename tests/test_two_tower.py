@@ -167,7 +167,8 @@ def test_recipe_smoke_run_logs_to_wandb_offline(recipe, tmp_path, monkeypatch, c
     for key in ("val_ndcg@10", "test_ndcg@10", "val_recall@20", "test_mrr@10", "train_samples_per_s",
                 "mem/rank0_max_rss_mb"):
         assert key in metrics, key
-    assert "final ranking metrics: test_hit_rate@10=" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "final test: test_hit_rate@10=" in printed and printed.count("test_ndcg@10=") == 1, printed
     run_dir = Path(cli.trainer.logger.experiment.dir).parent  # where this run's offline file is, whatever WANDB_DIR
     cli.trainer.logger.experiment.finish()
     # (the sharding plan table is logged by strategy="rec": tests/test_strategy.py checks it)
@@ -228,3 +229,16 @@ def test_export_of_a_plain_lightning_checkpoint_rebuilds_the_two_tower_module(tm
         ckpt.load_exported(out)
     assert isinstance(ckpt.load_exported(out, module=TwoTowerModule(**{**SMALL, **{
         k: module.hparams[k] for k in ("user_num_embeddings", "item_num_embeddings")}})), TwoTowerModule)
+
+
+@needs_ml100k
+def test_validate_ranks_the_validation_split_once_even_when_fit_also_ranks_test():
+    L.seed_everything(0)
+    module, data = TwoTowerModule(**SMALL), _data(eval_test_in_fit=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, num_sanity_val_steps=0,
+                        limit_train_batches=1, **QUIET)
+    trainer.fit(module, data)
+    assert "val_ndcg@10" in trainer.callback_metrics and "test_ndcg@10" in trainer.callback_metrics  # fit: both
+    results = trainer.validate(module, data, verbose=False)
+    # one dataloader, val_* only (it printed every metric under "DataLoader 0" and again under "DataLoader 1")
+    assert len(results) == 1 and "val_ndcg@10" in results[0] and not [k for k in results[0] if k.startswith("test_")]

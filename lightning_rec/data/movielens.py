@@ -685,9 +685,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return follow_fit_loop(loader, self.trainer)
 
     def val_dataloader(self):
-        loaders = [self._ranking_loader("val")]
-        if self.eval_test_in_fit:
-            loaders.append(self._ranking_loader("test"))
+        loaders = [self._ranking_loader(split) for split in self.eval_split_names()]
         return loaders if len(loaders) > 1 else loaders[0]
 
     def test_dataloader(self) -> DataLoader:
@@ -695,4 +693,7 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def eval_split_names(self) -> list[str]:
         """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
-        return ["val", "test"] if self.eval_test_in_fit else ["val"]
+        # in fit only: `validate` ranks the validation split (Lightning would show every metric under both
+        # dataloaders, as they are logged once per epoch), and `test` the test split
+        fitting = self.trainer is None or self.trainer.state.fn == "fit"
+        return ["val", "test"] if self.eval_test_in_fit and fitting else ["val"]

@@ -232,14 +232,6 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         self._log_top_k_table()
         self._item_emb_ID = None
 
-    def on_fit_end(self) -> None:
-        # The recipe CLI prints val_* metrics; a retrieval run also wants the test split it ranked.
-        ranked = {k: float(v) for k, v in self.trainer.callback_metrics.items()
-                  if k.split("_", 1)[0] in self.eval_splits and "@" in k}
-        if ranked and self.trainer.is_global_zero:
-            shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(ranked.items()))
-            print(f"final ranking metrics: {shown}", flush=True)
-
     def on_test_epoch_end(self) -> None:
         values = self.test_metrics.compute()
         self.log_dict({f"test_{k}": v.float() for k, v in values.items()}, **_SAME_ON_EVERY_RANK)
