@@ -27,7 +27,7 @@ class RecModuleHooks:
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} accumulates the dense layers' gradients "
                 f"only: the fused tables ({fused[0]}) update inside every batch's backward, "
                 f"{trainer.accumulate_grad_batches}x as often as the dense layers. To give both one larger batch, "
-                f"raise the data module's batch_size instead")
+                f"raise the data module's batch_size instead", stacklevel=1)
         if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
             # evaluation may replicate the tables (every rank holds the same weights); training may not
             raise ValueError(
