@@ -1096,8 +1096,16 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
         if fp16_tables and _is_table(k) and v.is_floating_point():
             v = v.half()
         tensors[k] = v
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: give export a directory to write model.safetensors and config.json in "
+                         f"(a new one, or an earlier export's, whose two files are replaced)")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
+    # safetensors creates the file 0600; an export is meant to be served, so the user's umask decides, as for
+    # config.json
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)
     # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
     hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
     class_path = _module_class(meta)

@@ -478,6 +478,12 @@ def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "export", str(tmp_path / "nope"), str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+    (tmp_path / "a_file").write_text("x")
+    bad = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "export", str(last), str(tmp_path / "a_file")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is a file: give export a directory" in bad.stderr, bad.stderr
+    # the user's umask decides, as for config.json (safetensors made it 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
     # validated at another world size: no word about the training loader's position, which it does not use
     (metrics, said), = run_ranks(_validate_worker, 1, str(last), timeout=120)
     assert "val_auc" in metrics and not said, said
