@@ -280,6 +280,17 @@ class RecStrategy(DDPStrategy):
         missing, lasts = flags.tolist()
         return not missing, bool(lasts)
 
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        # LightningModule.all_gather: Lightning gathers through torch.distributed.nn.functional.all_gather, which
+        # torch 2.13 deprecates with a warning on every call; without gradients plain all_gather does the same
+        if sync_grads or not dist.is_initialized():
+            return super().all_gather(tensor, group, sync_grads)
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(gathered)
+
     # checkpoints: sharded through DCP (checkpoint.py), or gathered whole to rank 0 ------------------
 
     @property
