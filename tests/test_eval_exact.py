@@ -121,8 +121,8 @@ def test_shards_test_scores_every_row_once(tmp_path):
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
 def test_streaming_validate_scores_every_row_once(tmp_path, pipeline):
     path = write_criteo_tsv(tmp_path / "val.tsv", ROWS)
-    # blocks of ~2 KB dealt to the ranks: the streams end at different batches
-    one, two = _both("validate", dict(val_path=path, batch_size=16, streaming=True, block_bytes=2000), pipeline)
+    # 5 blocks of ~8 KB dealt to the ranks (3 and 2): the streams end at different batches
+    one, two = _both("validate", dict(val_path=path, batch_size=16, streaming=True, block_bytes=8000), pipeline)
     _check_exact(one, two, ROWS)
 
 
