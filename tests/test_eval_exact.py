@@ -136,3 +136,24 @@ def test_kaggle_sample_validate_is_exact_at_two_ranks(tmp_path):
     rows = one[0]["seen"]["rows"]
     assert rows == 2055 and math.isclose(one[0]["metrics"]["ctr"], 544 / 2055, rel_tol=1e-9)
     _check_exact(one, two, rows)
+
+
+def _predict(rank, world_size, data_kwargs: dict):
+    L.seed_everything(0)
+    data = CriteoDataModule(num_embeddings_per_feature=64, parser="python", **data_kwargs)
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    predictions = trainer.predict(CountingDLRM(**SMALL), data)
+    return sorted(float(p) for batch in predictions for p in batch)
+
+
+@pytest.mark.parametrize("kind", ["map_style", "streaming"])
+def test_predict_gives_every_row_once(tmp_path, kind):
+    path = write_criteo_tsv(tmp_path / "rows.tsv", ROWS)
+    kw = dict(predict_path=path, batch_size=32, cache_dir=str(tmp_path / "cache"))
+    if kind == "streaming":
+        kw.update(streaming=True, block_bytes=8000)
+    one = run_ranks(_predict, 1, kw, timeout=120)[0]
+    two = run_ranks(_predict, 2, kw, timeout=120)
+    assert len(one) == ROWS and sum(len(r) for r in two) == ROWS  # no row repeated, none left out
+    np.testing.assert_allclose(sorted(two[0] + two[1]), one, atol=1e-6)  # the same rows' probabilities
