@@ -40,9 +40,19 @@ def write_criteo_tsv(path, rows: int, seed: int = 0) -> str:
 class CountingDLRM(DLRMModule):
     """Keeps this rank's metric states of the last evaluation (rows seen, clicks) before they are reset."""
 
+    empty_steps = 0
+
+    def validation_step(self, batch, batch_idx):
+        self.empty_steps += len(batch) == 0
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        self.empty_steps += len(batch) == 0
+        return super().test_step(batch, batch_idx)
+
     def _keep(self, metrics) -> None:
         ctr = metrics["ctr"]
-        self.seen = {"rows": int(ctr.count), "clicks": float(ctr.label_sum)}
+        self.seen = {"rows": int(ctr.count), "clicks": float(ctr.label_sum), "empty_steps": self.empty_steps}
 
     def on_validation_epoch_end(self) -> None:
         self._keep(self.val_metrics)
@@ -110,12 +120,13 @@ def test_shards_test_scores_every_row_once(tmp_path):
     from lightning_rec.data.preprocess import preprocess_criteo
 
     path = write_criteo_tsv(tmp_path / "val.tsv", ROWS)
-    # shards of 100, 100, 101 rows: rank 0 reads 150 rows (3 batches of 50), rank 1 151 (4 batches): rank 0
-    # steps once with an empty batch
-    preprocess_criteo([path], tmp_path / "shards", num_embeddings=64, rows_per_shard=100, shuffle_rows=False,
-                      progress=False)
+    # rank 0 reads 150 rows (3 batches of 50), rank 1 151 (4 batches): rank 0 steps once with an empty batch
+    # (training drops rank 1's extra row, so that the shares are equal)
+    manifest = preprocess_criteo([path], tmp_path / "shards", num_embeddings=64, shuffle_rows=False, progress=False)
+    assert [s["rows"] for s in manifest["shards"]] == [ROWS]
     one, two = _both("test", dict(test_path=str(tmp_path / "shards"), batch_size=50))
     _check_exact(one, two, ROWS)
+    assert [r["seen"]["empty_steps"] for r in two] == [1, 0]  # a batch of 0 rows went through the sharded model
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
@@ -124,6 +135,7 @@ def test_streaming_validate_scores_every_row_once(tmp_path, pipeline):
     # 5 blocks of ~8 KB dealt to the ranks (3 and 2): the streams end at different batches
     one, two = _both("validate", dict(val_path=path, batch_size=16, streaming=True, block_bytes=8000), pipeline)
     _check_exact(one, two, ROWS)
+    assert sum(r["seen"]["empty_steps"] for r in two) > 0  # the rank whose stream ended first stepped on
 
 
 def test_kaggle_sample_validate_is_exact_at_two_ranks(tmp_path):
@@ -157,3 +169,25 @@ def test_predict_gives_every_row_once(tmp_path, kind):
     two = run_ranks(_predict, 2, kw, timeout=120)
     assert len(one) == ROWS and sum(len(r) for r in two) == ROWS  # no row repeated, none left out
     np.testing.assert_allclose(sorted(two[0] + two[1]), one, atol=1e-6)  # the same rows' probabilities
+
+
+def test_shard_shares_cover_every_row_once_with_equal_batch_counts(tmp_path):
+    """One process: each rank's `every_row` share, at 2-5 ranks, over several shards (no communication)."""
+    from lightning_rec.data.criteo_shards import CriteoShardDataset, rank_segments
+
+    for shard_rows in ([301], [100, 7, 0, 55], [3, 1]):
+        for world in (2, 3, 5):
+            covered = sorted((i, row) for r in range(world) for i, lo, hi in rank_segments(shard_rows, r, world, True)
+                             for row in range(lo, hi))
+            assert covered == [(i, row) for i, n in enumerate(shard_rows) for row in range(n)]
+    path = write_criteo_tsv(tmp_path / "rows.tsv", ROWS)
+    from lightning_rec.data.preprocess import preprocess_criteo
+
+    preprocess_criteo([path], tmp_path / "shards", num_embeddings=64, shuffle_rows=False, progress=False)
+    whole = [b.dense_features for b in CriteoShardDataset(tmp_path / "shards", 7, rank=0, world_size=1)]
+    for world in (2, 3, 5):
+        shares = [list(CriteoShardDataset(tmp_path / "shards", 7, rank=r, world_size=world, every_row=True))
+                  for r in range(world)]
+        assert len({len(s) for s in shares}) == 1  # every rank steps the same number of times
+        dense = np.concatenate([b.dense_features.numpy() for s in shares for b in s])
+        np.testing.assert_array_equal(dense, np.concatenate([d.numpy() for d in whole]))  # rank order = file order
