@@ -63,13 +63,34 @@ class CountingDLRM(DLRMModule):
         super().on_test_epoch_end()
 
 
-def _evaluate(rank, world_size, how: str, data_kwargs: dict, pipeline: bool = False):
+def _every_sharding_type(module, world_size: int):
+    """A plan that gives the 26 tables every sharding type in turn (each sees the empty batches)."""
+    from lightning_rec.model_parallel import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
+    from lightning_rec.types import ShardingPlan
+
+    path = "model.sparse_arch.embedding_bag_collection"
+    ebc = module.get_submodule(path)
+    verbs = [row_wise(), column_wise([0, 1]), table_wise(0), table_wise(1), data_parallel(), table_row_wise(0)]
+    names = [c.name for c in ebc.embedding_bag_configs()]
+    return ShardingPlan({path: construct_module_sharding_plan(ebc, {n: verbs[i % len(verbs)] for i, n in
+                                                                    enumerate(names)}, world_size=world_size)})
+
+
+def _evaluate(rank, world_size, how: str, data_kwargs: dict, pipeline: bool = False, every_type: bool = False):
     import warnings
 
     L.seed_everything(0)
     data = CriteoDataModule(num_embeddings_per_feature=64, parser="python", **data_kwargs)
     module = CountingDLRM(**SMALL)
-    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=world_size,
+    plan = _every_sharding_type(module, world_size) if every_type and world_size > 1 else None
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, plan=plan), accelerator="cpu", devices=world_size,
                         max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -100,9 +121,9 @@ def _check_exact(one: list, two: list, rows: int) -> None:
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
 
-def _both(how: str, data_kwargs: dict, pipeline: bool = False):
+def _both(how: str, data_kwargs: dict, pipeline: bool = False, every_type: bool = False):
     one = run_ranks(_evaluate, 1, how, data_kwargs, False, timeout=120)
-    two = run_ranks(_evaluate, 2, how, data_kwargs, pipeline, timeout=120)
+    two = run_ranks(_evaluate, 2, how, data_kwargs, pipeline, every_type, timeout=120)
     return one, two
 
 
@@ -124,7 +145,8 @@ def test_shards_test_scores_every_row_once(tmp_path):
     # (training drops rank 1's extra row, so that the shares are equal)
     manifest = preprocess_criteo([path], tmp_path / "shards", num_embeddings=64, shuffle_rows=False, progress=False)
     assert [s["rows"] for s in manifest["shards"]] == [ROWS]
-    one, two = _both("test", dict(test_path=str(tmp_path / "shards"), batch_size=50))
+    # every sharding type (row-, column-, table-wise, data parallel, table-row-wise) takes the empty batch
+    one, two = _both("test", dict(test_path=str(tmp_path / "shards"), batch_size=50), every_type=True)
     _check_exact(one, two, ROWS)
     assert [r["seen"]["empty_steps"] for r in two] == [1, 0]  # a batch of 0 rows went through the sharded model
 
@@ -133,7 +155,8 @@ def test_shards_test_scores_every_row_once(tmp_path):
 def test_streaming_validate_scores_every_row_once(tmp_path, pipeline):
     path = write_criteo_tsv(tmp_path / "val.tsv", ROWS)
     # 5 blocks of ~8 KB dealt to the ranks (3 and 2): the streams end at different batches
-    one, two = _both("validate", dict(val_path=path, batch_size=16, streaming=True, block_bytes=8000), pipeline)
+    one, two = _both("validate", dict(val_path=path, batch_size=16, streaming=True, block_bytes=8000), pipeline,
+                     every_type=pipeline)
     _check_exact(one, two, ROWS)
     assert sum(r["seen"]["empty_steps"] for r in two) > 0  # the rank whose stream ended first stepped on
 
