@@ -214,3 +214,23 @@ def test_shard_shares_cover_every_row_once_with_equal_batch_counts(tmp_path):
         assert len({len(s) for s in shares}) == 1  # every rank steps the same number of times
         dense = np.concatenate([b.dense_features.numpy() for s in shares for b in s])
         np.testing.assert_array_equal(dense, np.concatenate([d.numpy() for d in whole]))  # rank order = file order
+
+
+def _evaluate_synthetic(rank, world_size):
+    from lightning_rec import SyntheticCriteoDataModule
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=ROWS, batch_size=32,
+                                     num_embeddings_per_feature=64)
+    module = CountingDLRM(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, data, verbose=False)
+    metrics = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    return {"metrics": metrics, "seen": module.seen, "skipped": 0}
+
+
+def test_synthetic_validate_scores_every_row_once():
+    one = run_ranks(_evaluate_synthetic, 1, timeout=120)
+    two = run_ranks(_evaluate_synthetic, 2, timeout=120)
+    _check_exact(one, two, ROWS)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader
+from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader, make_eval_loader
 from lightning_rec.data.criteo import _resolve_num_embeddings
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -67,6 +67,7 @@ class SyntheticCriteoDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         idx_B = torch.as_tensor(indices, dtype=torch.int64)
+        idx_B = idx_B[idx_B != -1]  # -1: an evaluation share's padding (EvalDistributedSampler), no row
         ids_FBL = self.ids_NFL[idx_B].permute(1, 0, 2)
         lengths_FB = self.lengths_NF[idx_B].t()
         if self._full:
@@ -218,10 +219,11 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
             if self.sizes[split] == 0:
                 raise ValueError(f"num_{split}_samples=0: set it > 0 to use the {split} loop")
             raise ValueError(f"SyntheticCriteoDataModule.setup() has not run for {split}: call setup() first")
-        train = split == "train"
+        if split != "train":  # every row once at any world size (Lightning's DistributedSampler repeats some)
+            return make_eval_loader(self.datasets[split], self.val_batch_size, num_workers=self.num_workers,
+                                    pin_memory=self.pin_memory)
         return make_batch_loader(
-            self.datasets[split], self.batch_size if train else self.val_batch_size,
-            shuffle=self.shuffle and train, drop_last=self.drop_last and train, seed=self.seed,
+            self.datasets[split], self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last, seed=self.seed,
             num_workers=self.num_workers, pin_memory=self.pin_memory,
         )
 
