@@ -1059,9 +1059,17 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return _full_model_state(path)[0]
 
 
-def _module_class(meta: Mapping[str, Any]) -> str:
-    cls = meta.get("lightning_rec", {}).get("module_class")
-    return cls or "lightning_rec.models.dlrm_module.DLRMModule"
+def _module_class(meta: Mapping[str, Any]) -> str | None:
+    """The LightningModule class that wrote a checkpoint; None when nothing in it says.
+
+    strategy="rec" records it, as do DLRMModule / TwoTowerModule under any strategy, and LightningCLI
+    keeps `_class_path` in the hyperparameters; a user's own module saved by plain Lightning from Python
+    carries none of them.
+    """
+    from lightning_rec.models.module_hooks import MODULE_CLASS_KEY
+
+    return (meta.get("lightning_rec", {}).get("module_class") or meta.get(MODULE_CLASS_KEY)
+            or (meta.get("hyper_parameters") or {}).get("_class_path"))
 
 
 def _is_table(key: str) -> bool:
@@ -1088,11 +1096,24 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
         if fp16_tables and _is_table(k) and v.is_floating_point():
             v = v.half()
         tensors[k] = v
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: give export a directory to write model.safetensors and config.json in "
+                         f"(a new one, or an earlier export's, whose two files are replaced)")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
+    # safetensors creates the file 0600; an export is meant to be served, so the user's umask decides, as for
+    # config.json
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)
     # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
     hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
-    config = {"class_path": _module_class(meta), "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
+    class_path = _module_class(meta)
+    if class_path is None:
+        warnings.warn(f"{checkpoint} does not say which LightningModule wrote it (saved by plain Lightning from "
+                      f"Python, without strategy='rec'): {out}/config.json names no class, so load it with "
+                      f"load_exported({str(out)!r}, module=YourModule(...))", stacklevel=2)
+    config = {"class_path": class_path, "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
               "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
@@ -1120,6 +1141,9 @@ def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None
                          f"write one with `lightning-rec export CHECKPOINT {path}`")
     config = json.loads((path / "config.json").read_text())
     if module is None:
+        if not config.get("class_path"):
+            raise ValueError(f"{path}/config.json names no LightningModule class (its checkpoint did not say): pass "
+                             f"the module to load into, load_exported({str(path)!r}, module=YourModule(...))")
         mod_name, _, cls_name = config["class_path"].rpartition(".")
         cls = getattr(importlib.import_module(mod_name), cls_name)
         module = cls(**config["init_args"])

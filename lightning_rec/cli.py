@@ -78,7 +78,13 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")
                   for m in difflib.get_close_matches(unknown, _init_arg_names(class_path), n=1)]
-    return "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+    said = "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+    nested = re.search(r"Parser key \"trainer.strategy\":[\s\S]*dot import path string: (\w+)[\s\S]*"
+                       r"NestedArg\(key='(\w+)'", message)
+    if nested:  # --trainer.strategy=rec --trainer.strategy.pipeline=true: a registered name takes no options
+        said += (f"\n  a strategy with options is named by its class: --trainer.strategy=RecStrategy "
+                 f"--trainer.strategy.{nested[2]}=... (the short name '{nested[1]}' takes none)")
+    return said
 
 
 class RecArgumentParser(LightningArgumentParser):
@@ -139,6 +145,32 @@ class RecCLI(LightningCLI):
         for writer in self.trainer.callbacks:
             if isinstance(writer, PredictionWriter) and writer.written_path is not None and self.trainer.is_global_zero:
                 print(f"predictions: {writer.num_rows} rows written to {writer.written_path}", flush=True)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            # A model's or data module's own ValueError (our way of naming a bad argument and its fix) comes
+            # wrapped in jsonargparse's Union report, after two tracebacks: 70 lines for one sentence
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, ValueError):
+                raise SystemExit(f"lightning-rec: error: {cause}") from None
+            raise
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
+        if ckpt_path not in (None, "last", "best", "hpc", "registry") and os.path.isdir(str(ckpt_path)):
+            from lightning_rec.checkpoint import LIGHTNING_FILE
+            from lightning_rec.strategy import RecStrategy
+
+            if os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)) and \
+                    not isinstance(self.trainer.strategy, RecStrategy):
+                # Lightning's own strategies torch.load() it: "IsADirectoryError: [Errno 21] Is a directory"
+                raise SystemExit(
+                    f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint (a directory written by "
+                    f"strategy=rec): load it with --trainer.strategy=rec (any number of devices), or write a one-file "
+                    f"model with `lightning-rec export {ckpt_path} OUT`")
+        super()._run_subcommand(subcommand)
 
     def after_fit(self) -> None:
         # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)

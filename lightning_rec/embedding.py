@@ -292,6 +292,7 @@ class _EmbeddingCollectionBase(nn.Module):
         self._kernel = kernel
         self.validate_ids = validate_ids
         self._is_weighted = is_weighted
+        self._warned_replicas = False
         try:
             self._build_lookup(self._device)
         except (RuntimeError, MemoryError) as e:
@@ -356,7 +357,21 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Features reordered into the kernels' order (a no-op when they already are), ids checked."""
+        if not self._warned_replicas and self._optimizer is not None and self.training and torch.is_grad_enabled():
+            self._warn_if_replicated()
         return self._router(features, self.validate_ids)
+
+    def _warn_if_replicated(self) -> None:
+        # A fused update trains the tables inside backward, where DDP / FSDP never see a gradient to average:
+        # unsharded in a multi-rank run, every rank's copy takes only its own batches and they drift apart.
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._warned_replicas = True
+            warnings.warn(
+                f"{type(self).__name__} (tables {[t.name for t in self._configs][:4]}...) trains unsharded in a run "
+                f"of {dist.get_world_size()} ranks: its fused optimizer updates this rank's copy only, so the ranks' "
+                f"tables drift apart (DDP averages no gradient of theirs). Shard it: Trainer(strategy='rec') "
+                f"(--trainer.strategy=rec) or DistributedModelParallel(model)", stacklevel=4)
 
     # device moves: rebuild the kernels where they now live -----------------------------------
 

@@ -579,6 +579,7 @@ class DistributedModelParallel(nn.Module):
                 f"the others did not (a training_step that calls next(dataloader_iter) on some ranks only?). "
                 f"Every rank must run every step")
         self.last_batch_agreed = any(h == 2 for h, _ in pairs)  # 2: a rank's last batch (see `last`)
+        self.any_batch_agreed = any(h for h, _ in pairs)  # evaluation steps on while any rank has data
         return all(h for h, _ in pairs)
 
     def gather_object(self, obj, dst: int | None = 0) -> list | None:

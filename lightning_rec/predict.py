@@ -9,11 +9,13 @@ one, else the index Lightning's predict loop records for it (map-style datasets)
 this rank's stream (one rank only). Rows are written once each, in input order:
 
     rank 0: rows r0 --\
-    rank 1: rows r1 ---> gather to rank 0 (torch.distributed.gather_object) --> sort by row, drop repeats
+    rank 1: rows r1 ---> gather to rank 0 (torch.distributed.gather_object) --> sort by row (a repeat once)
                                                                              --> one file, renamed into place
 
-(A distributed sampler pads the ranks' shares with repeated rows so that every rank runs the same
-number of steps, which sharded tables need: those repeats are dropped here.)
+(The data modules' evaluation loaders give every rank the same number of steps, which sharded tables
+need, by padding a shorter share with the index -1, which the dataset drops (lightning_rec.data.batch.
+EvalDistributedSampler): the -1 indices are dropped here too. A sampler that pads with repeated rows
+instead, torch's DistributedSampler, also gives each row once: repeats are dropped.)
 
 File formats, chosen by the output path's suffix:
     .csv / .tsv   a header, then one line per row; a [R, K] column becomes K columns name_1..name_K
@@ -38,33 +40,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
-from torch.utils.data import Dataset, DistributedSampler, Sampler, SequentialSampler
 
 FORMATS = {".csv": ",", ".tsv": "\t", ".parquet": None}
 ROW = "row"
-
-
-def predict_sampler(dataset: Dataset) -> Sampler:
-    """The sampler of a map-style predict loader: every rank the same number of rows (so every rank runs the
-    same number of steps: sharded tables need every rank in every step), in input order.
-
-    At more than one rank: torch's DistributedSampler without shuffling, whose shares are evened out with a
-    few repeated rows (the writer drops the repeats). Lightning keeps a DistributedSampler as it is; its own
-    predict sampler gives uneven shares, and a rank with one batch more would have it skipped.
-    """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
-                                  shuffle=False, drop_last=False)
-    return SequentialSampler(dataset)
-
-
-def make_predict_loader(dataset: Dataset, batch_size: int, num_workers: int = 0, pin_memory: bool = False):
-    """A data module's predict loader over a map-style `dataset` whose `__getitems__` builds whole batches."""
-    from lightning_rec.data.batch import StatefulBatchLoader, passthrough_collate
-
-    return StatefulBatchLoader(dataset, batch_size=batch_size, sampler=predict_sampler(dataset),
-                               collate_fn=passthrough_collate, num_workers=num_workers, pin_memory=pin_memory,
-                               persistent_workers=num_workers > 0)
 
 
 def _suffix(path: Path) -> str:
@@ -149,11 +127,12 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError(f"{type(pl_module).__name__}.predict_step returned columns of shapes {shapes}: each "
                              f"must be [rows] or [rows, K] with the same rows")
         if ROW not in columns:
-            if batch_indices:
-                if len(batch_indices) != num:
-                    raise ValueError(f"predict_step returned {num} rows for a batch of {len(batch_indices)} samples: "
+            if batch_indices:  # a map-style loader: Lightning recorded the indices of the batch
+                indices = [i for i in batch_indices if i != -1]  # -1: a share's padding, no row
+                if len(indices) != num:
+                    raise ValueError(f"predict_step returned {num} rows for a batch of {len(indices)} samples: "
                                      f"return one row per sample, or a 'row' column with each row's input index")
-                columns[ROW] = np.asarray(batch_indices, dtype=np.int64)
+                columns[ROW] = np.asarray(indices, dtype=np.int64)
             elif trainer.world_size > 1:
                 raise ValueError("predictions at more than one rank need each row's place in the input, and this "
                                  "predict dataloader gives no sample indices (an iterable dataset: "

@@ -199,10 +199,20 @@ class RecStrategy(DDPStrategy):
                                      to_device=self._batch_hooks_for(dataloader))
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
-            return wrap_loader(dataloader, pipeline)  # the feeder also keeps the ranks stepping together
+            return wrap_loader(dataloader, pipeline, self._padding_for(dataloader))  # it keeps ranks together too
         if self.world_size > 1 and isinstance(dataloader, DataLoader):
-            _stop_together(dataloader, self._all_have_a_batch)
+            _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
         return dataloader
+
+    def _padding_for(self, loader: object):
+        """Evaluation: what a rank whose data ran out steps with while others still have batches (the dataset's
+        `empty_batch`, a batch of 0 rows that the metrics do not see), so every row is scored. Training: None
+        (the first rank to run out ends the epoch for all)."""
+        trainer = self.lightning_module.trainer
+        if trainer is None or trainer.training:
+            return None
+        pad = getattr(getattr(loader, "dataset", None), "empty_batch", None)
+        return pad if callable(pad) else None
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -263,13 +273,13 @@ class RecStrategy(DDPStrategy):
             vars(module).pop("_on_before_batch_transfer", None)
         super().teardown()
 
-    def _all_have_a_batch(self, have: bool, index: int = -1, last: bool = False) -> tuple[bool, bool]:
-        """Collective: (does every rank have batch `index`, is it some rank's last). Through the embedding
-        group's guard (and shared memory when the tables use it): ranks at different batches raise on
-        every rank. `last`: this rank's sized loader has no batch after this one."""
+    def _all_have_a_batch(self, have: bool, index: int = -1, last: bool = False) -> tuple[bool, bool, bool]:
+        """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).
+        Through the embedding group's guard (and shared memory when the tables use it): ranks at different
+        batches raise on every rank. `last`: this rank's sized loader has no batch after this one."""
         if self._dmp is not None and index >= 0:
             all_have = self._dmp.step_together(have, index, last)
-            return all_have, self._dmp.last_batch_agreed
+            return all_have, self._dmp.last_batch_agreed, self._dmp.any_batch_agreed
         transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
         flags = torch.tensor([0 if have else 1, int(have and last)], dtype=torch.int64)  # (missing, last) counts
         if transport is not None:
@@ -278,7 +288,18 @@ class RecStrategy(DDPStrategy):
             flags = flags.to(self.root_device)
             dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         missing, lasts = flags.tolist()
-        return not missing, bool(lasts)
+        return not missing, bool(lasts), missing < self.world_size
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        # LightningModule.all_gather: Lightning gathers through torch.distributed.nn.functional.all_gather, which
+        # torch 2.13 deprecates with a warning on every call; without gradients plain all_gather does the same
+        if sync_grads or not dist.is_initialized():
+            return super().all_gather(tensor, group, sync_grads)
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(gathered)
 
     # checkpoints: sharded through DCP (checkpoint.py), or gathered whole to rank 0 ------------------
 
@@ -329,6 +350,8 @@ class RecStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
             meta = rec_checkpoint.read_lightning_state(checkpoint_path)
+            if not self.lightning_module.trainer.training:  # validate / test / predict: no loader to resume
+                return meta
             state = rec_checkpoint.loader_state_for_rank(meta, self.global_rank, self.world_size)
             if state is not None:
                 meta.setdefault("loops", {}).setdefault("fit_loop", {}).setdefault("state_dict", {})[
@@ -390,19 +413,22 @@ def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:
 # Every step runs embedding collectives, so a rank with one more batch than the others (a streaming
 # dataset whose blocks do not split evenly, an IterableDataset of any kind) would wait in its
 # all-to-all for peers that have finished the epoch, until the timeout. Instead, before each batch
-# the ranks agree (one tiny all-reduce) that all of them have one; the first rank to run out ends
-# the epoch for everyone, and a rank that had more says so.
+# the ranks agree (one tiny all-reduce) that all of them have one. Training: the first rank to run
+# out ends the epoch for everyone, and a rank that had more says so. Evaluation (validate, test,
+# predict, fit's validation), when the dataset has `empty_batch()`: a rank that ran out steps on with
+# empty batches until every rank has, so every row of the split is scored exactly once.
 
 _TOGETHER_CLASSES: dict[type, type] = {}
 
 
-def _stop_together(loader: DataLoader, all_have_a_batch) -> None:
+def _stop_together(loader: DataLoader, all_have_a_batch, pad=None) -> None:
     # a subclass whose only change is __iter__ (of the loader's own class: a loader that ran
     # pipelined before, pipeline.wrap_loader, goes back to the plain rule)
     from lightning_rec.pipeline.lightning import swap_iter
 
     swap_iter(loader, "StepTogether", _iter_together, _TOGETHER_CLASSES)
     loader._rec_all_have_a_batch = all_have_a_batch
+    loader._rec_pad_batch = pad
 
 
 def _iter_together(self):
@@ -418,18 +444,27 @@ def _iter_together(self):
     skipped = (f"rank {dist.get_rank()}: the rest of this epoch's batches are skipped: another rank's dataloader "
                f"ran out first, and sharded embeddings need every rank in every step. Give every rank the same "
                f"number of batches (e.g. drop_last, or an even split) to use them all")
-    index = 0
+    pad = getattr(self, "_rec_pad_batch", None)
+    if pad is None and not length:
+        skipped += (" (in evaluation, a dataset with an `empty_batch()` method lets a rank that ran out step on with "
+                    "empty batches instead, so that every row is scored)")
+    index, exhausted = 0, False
     while True:
-        try:
-            batch, have = next(batches), True
-        except StopIteration:
-            batch, have = None, False
+        batch, have = None, False
+        if not exhausted:
+            try:
+                batch, have = next(batches), True
+            except StopIteration:
+                exhausted = True
         last = length is not None and index == length - 1
-        all_have, someones_last = self._rec_all_have_a_batch(have, index, last)
+        all_have, someones_last, any_has = self._rec_all_have_a_batch(have, index, last)
         if not all_have:
-            if have:  # the rest is not read: parsing it could keep the others waiting
-                warnings.warn(skipped, stacklevel=2)
-            return
+            if pad is None or not any_has:
+                if have:  # the rest is not read: parsing it could keep the others waiting
+                    warnings.warn(skipped, stacklevel=2)
+                return
+            if not have:  # evaluation: this rank's data ran out, another's has not: an empty batch keeps it stepping
+                batch = pad()
         index += 1
         yield batch
         if someones_last:

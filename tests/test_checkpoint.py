@@ -440,6 +440,22 @@ def _trainer_worker(rank, W, root):
     return _full_state(module, trainer.strategy.optimizers[0])
 
 
+def _validate_worker(rank, W, path):
+    import warnings
+
+    import lightning.pytorch as L
+
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=256, batch_size=64,
+                                     num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64)
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=W, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = trainer.validate(DLRMModule(**SMALL), data, ckpt_path=path, verbose=False)[0]
+    return metrics, [str(w.message) for w in caught if "dataloader state" in str(w.message)]
+
+
 def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path):
     import subprocess
     import sys
@@ -462,6 +478,15 @@ def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "export", str(tmp_path / "nope"), str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+    (tmp_path / "a_file").write_text("x")
+    bad = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "export", str(last), str(tmp_path / "a_file")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is a file: give export a directory" in bad.stderr, bad.stderr
+    # the user's umask decides, as for config.json (safetensors made it 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
+    # validated at another world size: no word about the training loader's position, which it does not use
+    (metrics, said), = run_ranks(_validate_worker, 1, str(last), timeout=120)
+    assert "val_auc" in metrics and not said, said
 
 
 def _killed_save_worker(rank, W, path):

@@ -56,6 +56,8 @@ def test_unknown_model_argument_is_refused(tmp_path, capsys):
     (["--data.init_args.batch_sise=8"],
      "did you mean batch_size (an argument of lightning_rec.data.SyntheticCriteoDataModule) instead of batch_sise?"),
     ("config", "did you mean trainer.max_epochs instead of trainer.max_epocs?"),
+    (["--trainer.strategy=rec", "--trainer.strategy.pipeline=true"],
+     "--trainer.strategy=RecStrategy --trainer.strategy.pipeline=... (the short name 'rec' takes none)"),
 ])
 def test_a_misspelt_option_names_the_one_meant(tmp_path, capsys, wrong, meant):
     if wrong == "config":  # the same misspelling as a key of the recipe file
@@ -83,6 +85,16 @@ def test_a_misspelt_command_names_every_command_and_errors_are_short(capsys):
     assert "lightning-rec preprocess --help" in out and "lightning-rec export --help" in out
 
 
+@pytest.mark.parametrize("wrong, said", [
+    ("--model.sparse_optimizer=rowwise_adagard", "unknown fused optimizer 'rowwise_adagard': choose one of"),
+    ("--data.batch_size=0", "SyntheticCriteoDataModule batch_size=0: give a positive number"),
+])
+def test_a_constructor_refusal_is_one_line(wrong, said):
+    with pytest.raises(SystemExit) as e:  # (jsonargparse wrapped it in two tracebacks and its Union report)
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong])
+    assert str(e.value).startswith("lightning-rec: error: ") and said in str(e.value), e.value
+
+
 def test_an_option_like_no_other_gets_no_guess(capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--zzzz=1"])
@@ -99,3 +111,45 @@ def test_gpu_accelerator_without_cuda_says_what_is_missing(tmp_path):
     # CI's CPU build of torch, or a CUDA build on a machine with no GPU visible
     missing = "CPU build" if __import__("torch").version.cuda is None else "finds no CUDA device"
     assert "needs a CUDA GPU" in text and missing in text and "--trainer.accelerator=cpu" in text, text
+
+
+@needs_wandb
+@pytest.mark.parametrize("recipe", ["two_tower_movielens", "matrix_factorization_movielens"])
+def test_recipe_logger_leaves_wandb_mode_to_the_user(recipe, monkeypatch, capsys):
+    """The CLI makes W&B offline by default; WANDB_MODE=online (the README's way to upload) must win."""
+    import os
+
+    import yaml
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = yaml.safe_load(open(f"recipes/configs/{recipe}.yaml"))["trainer"]["logger"]
+    assert logger["class_path"].endswith("WandbLogger")
+    # WandbLogger(offline=True) sets WANDB_MODE=dryrun when its run starts, over the user's WANDB_MODE=online
+    # (a run cannot start here: no network); the CLI's default is WANDB_MODE=offline when the user sets none
+    assert not WandbLogger(**logger["init_args"])._offline
+    monkeypatch.delenv("WANDB_MODE")
+    with pytest.raises(SystemExit):  # (--print_config: parse, print, exit)
+        run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", "--print_config"])
+    assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_sharded_checkpoint_without_rec_names_the_strategy(tmp_path):
+    # the directory strategy=rec writes (lightning.pt beside the DCP shards); Lightning's own strategies
+    # would torch.load() it and fail with "IsADirectoryError: [Errno 21] Is a directory"
+    sharded = tmp_path / "epoch=0-step=8.ckpt"
+    sharded.mkdir()
+    (sharded / "lightning.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
+                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=rec" in str(e.value), e.value
+
+
+def test_data_and_model_table_sizes_are_compared_before_training(tmp_path):
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}", *QUIET]
+    # tables larger than the data's id range: fine (Lightning refused the two differing hparams when logging)
+    cli = run_cli([*args, "--data.num_embeddings_per_feature=500"])
+    assert cli.trainer.global_step == 1
+    with pytest.raises(ValueError, match=r"feature C1's ids from 2000 values but the model's table for it has 1000"):
+        run_cli([*args, "--data.num_embeddings_per_feature=2000"])

@@ -254,7 +254,24 @@ def test_preprocess_errors_and_cli(tmp_path, capsys):
                                 "1000", "--no_progress"])
     printed = capsys.readouterr().out
     assert "4,380 rows in 1 shards" in printed and "--data.num_embeddings_per_feature=1000" in printed
+    assert f"train on it with:\n  --data.train_path={tmp_path / 'cli'}" in printed
     assert manifest["num_rows"] == 4380
+    # a split preprocessed with the train split's vocabulary is evaluated, an unlabelled one predicted on
+    preprocess_main(["--input", str(TRAIN), "--output_dir", str(tmp_path / "cli_train"), "--num_embeddings", "1000",
+                     "--min_frequency", "2", "--no_progress"])
+    capsys.readouterr()
+    preprocess_main(["--input", str(CRITEO / "criteo_kaggle_valid_sample.tsv"), "--output_dir",
+                     str(tmp_path / "cli_val"), "--num_embeddings", "1000", "--vocab_from", str(tmp_path / "cli_train"),
+                     "--no_progress"])
+    assert f"evaluate on it with:\n  --data.val_path={tmp_path / 'cli_val'}" in capsys.readouterr().out
+    preprocess_main(["--input", str(CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv"), "--output_dir",
+                     str(tmp_path / "cli_test"), "--num_embeddings", "1000", "--no_progress"])
+    assert f"predict on it with:\n  --data.predict_path={tmp_path / 'cli_test'}" in capsys.readouterr().out
+    # a bad input is one line naming the option, as argparse's own errors
+    with pytest.raises(SystemExit) as e:
+        preprocess_main(["--input", "nope.gz", "--output_dir", str(tmp_path / "x"), "--no_progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "input nope.gz does not exist: check --input" in err, err
     shutil.rmtree(tmp_path / "cli")
 
 

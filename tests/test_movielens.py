@@ -3,6 +3,7 @@ whole batches, full-ranking users, and bad input. Real ml-100k is read from ../s
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +184,13 @@ def test_latin1_item_file_other_layouts_and_bad_folders(tmp_path):
     dm25.setup()
     assert dm25.report.layout == "ml-20m" and dm25.item_titles[0] == "Toy Story, The (1995)"
     assert set(dm25.user_num_embeddings) == {"user_id"}  # no user file in these layouts
+    # a ratings file alone: side features cannot be read, and it is said (they were dropped silently)
+    _write(tmp_path / "ratings_only" / "ratings.dat", "1::10::5::1\n1::20::4::2\n2::10::3::3\n2::30::4::4\n")
+    with pytest.warns(UserWarning, match="has no user or item file"):
+        MovieLensDataModule(str(tmp_path / "ratings_only")).setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MovieLensDataModule(str(tmp_path / "ratings_only"), side_features=False).setup()
     with pytest.raises(ValueError, match="no GroupLens ratings file"):
         MovieLensDataModule(str(_write(tmp_path / "empty" / "README", "x").parent)).setup()
     with pytest.raises(ValueError, match="not a folder"):

@@ -109,8 +109,8 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
 
     strategy = (["--trainer.strategy=lightning_rec.strategy.RecStrategy", "--trainer.strategy.pipeline=true"]
                 if pipeline else ["--trainer.strategy=rec"])
-    # 1999 rows, 2 ranks, batches of 999: 1000 rows a rank (one repeated), 2 steps each (Lightning's own predict
-    # sampler gives 1000 and 999 rows: 2 steps and 1, and rank 0's second batch was skipped)
+    # 1999 rows, 2 ranks, batches of 999: rank 0 has 1000 rows (2 steps), rank 1 999 and an empty second batch
+    # (its share padded with -1); rank 0's second batch must not be skipped, nor rank 1's empty one confuse the writer
     cli = run_cli(["predict", *_criteo_args(root, "--data.batch_size=999"), *strategy,
                    f"--trainer.devices={world_size}", f"--ckpt_path={ckpt}", f"--data.predict_path={UNLABELLED}",
                    f"--predictions.output_path={root / 'preds.csv'}"])

@@ -336,3 +336,45 @@ def test_plain_lightning_resumes_a_criteo_stream_mid_epoch_exactly(tmp_path):
 @pytest.mark.parametrize("kind", ["criteo", "criteo_stream"])
 def test_sigkill_mid_epoch_resumes_bitwise_criteo(tmp_path, kind):
     _exact_resume(tmp_path, kind, kill_at=25, every=10)  # 17-18 steps per epoch at 2 ranks
+
+
+def _plain_ddp_worker(rank, world_size):
+    import warnings
+
+    from tests.dist_utils import expect_error
+
+    def trainer():
+        return L.Trainer(strategy="ddp", accelerator="cpu", devices=world_size, max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0)
+
+    data = SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    module = DLRMModule(**SMALL)
+    # training: each rank's fused update would move its own copy of the tables
+    expect_error(ValueError, lambda: trainer().fit(module, data), "DDPStrategy", "drift apart", "strategy='rec'")
+    metrics = trainer().validate(module, data, verbose=False)  # evaluation replicates the same weights: allowed
+    # a user's own module around a collection: the collection itself says so, once
+    ebc = module.model.sparse_arch.embedding_bag_collection
+    batch = next(iter(data.train_dataloader()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ebc(batch.sparse_features).values().sum().backward()
+    said = [str(w.message) for w in caught if "drift apart" in str(w.message)]
+    return len(said), said[0] if said else "", metrics[0]["val_auc"]
+
+
+def test_fused_tables_under_plain_ddp_are_refused_not_left_to_drift():
+    for count, message, _ in run_ranks(_plain_ddp_worker, 2, timeout=120):
+        assert count == 1 and "2 ranks" in message and "--trainer.strategy=rec" in message, message
+
+
+def test_gradient_accumulation_says_the_fused_tables_update_every_batch(tmp_path):
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="accumulate_grad_batches=2 accumulates the dense layers' gradients only"):
+        trainer.fit(DLRMModule(**SMALL), data)

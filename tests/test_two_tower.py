@@ -5,6 +5,7 @@ W&B offline. The full-length recipe runs (the issue's figures) are not tests: se
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -121,7 +122,11 @@ def _fit_sharded(rank, world_size, ckpt):
     module = TwoTowerModule(**SMALL)
     trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, limit_train_batches=8,
                         logger=False, num_sanity_val_steps=0, **QUIET)
-    trainer.fit(module, _data())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, _data())
+    # the module's all_gather (throughput, memory) goes through the strategy's, not torch's deprecated one
+    assert not [w for w in caught if "nn.functional.all_gather is deprecated" in str(w.message)]
     plan = str(trainer.strategy.plan)
     trainer.save_checkpoint(ckpt)
     return {k: float(v) for k, v in trainer.callback_metrics.items() if "@" in k}, plan
@@ -167,7 +172,8 @@ def test_recipe_smoke_run_logs_to_wandb_offline(recipe, tmp_path, monkeypatch, c
     for key in ("val_ndcg@10", "test_ndcg@10", "val_recall@20", "test_mrr@10", "train_samples_per_s",
                 "mem/rank0_max_rss_mb"):
         assert key in metrics, key
-    assert "final ranking metrics: test_hit_rate@10=" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "final test: test_hit_rate@10=" in printed and printed.count("test_ndcg@10=") == 1, printed
     run_dir = Path(cli.trainer.logger.experiment.dir).parent  # where this run's offline file is, whatever WANDB_DIR
     cli.trainer.logger.experiment.finish()
     # (the sharding plan table is logged by strategy="rec": tests/test_strategy.py checks it)
@@ -198,3 +204,46 @@ def test_resumed_mid_epoch_ends_on_the_uninterrupted_weights(tmp_path):
     resumed = run_cli([*args, f"--ckpt_path={tmp_path / 'epoch=0-step=5.ckpt'}"])
     a, b = whole.model.state_dict(), resumed.model.state_dict()
     assert not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@needs_ml100k
+def test_export_of_a_plain_lightning_checkpoint_rebuilds_the_two_tower_module(tmp_path):
+    """Saved without strategy="rec" or the CLI: the module's own hook says which class wrote it."""
+    import json
+
+    from lightning_rec import checkpoint as ckpt
+
+    L.seed_everything(0)
+    module = TwoTowerModule(**SMALL)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, **QUIET)
+    trainer.fit(module, _data())
+    trainer.save_checkpoint(tmp_path / "tt.ckpt")
+    exported = ckpt.load_exported(ckpt.export(tmp_path / "tt.ckpt", tmp_path / "out"))
+    assert isinstance(exported, TwoTowerModule)
+    for k, v in module.state_dict().items():
+        assert torch.equal(exported.state_dict()[k], v), k
+    # a checkpoint that names no class (a user's own module, plain Lightning): said, never guessed
+    state = torch.load(tmp_path / "tt.ckpt", weights_only=False)
+    del state["lightning_rec_module_class"]
+    torch.save(state, tmp_path / "anon.ckpt")
+    with pytest.warns(UserWarning, match="does not say which LightningModule"):
+        out = ckpt.export(tmp_path / "anon.ckpt", tmp_path / "anon")
+    assert json.loads((out / "config.json").read_text())["class_path"] is None
+    with pytest.raises(ValueError, match=r"module=YourModule"):
+        ckpt.load_exported(out)
+    assert isinstance(ckpt.load_exported(out, module=TwoTowerModule(**{**SMALL, **{
+        k: module.hparams[k] for k in ("user_num_embeddings", "item_num_embeddings")}})), TwoTowerModule)
+
+
+@needs_ml100k
+def test_validate_ranks_the_validation_split_once_even_when_fit_also_ranks_test():
+    L.seed_everything(0)
+    module, data = TwoTowerModule(**SMALL), _data(eval_test_in_fit=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, num_sanity_val_steps=0,
+                        limit_train_batches=1, **QUIET)
+    trainer.fit(module, data)
+    assert "val_ndcg@10" in trainer.callback_metrics and "test_ndcg@10" in trainer.callback_metrics  # fit: both
+    results = trainer.validate(module, data, verbose=False)
+    # one dataloader, val_* only (it printed every metric under "DataLoader 0" and again under "DataLoader 1")
+    assert len(results) == 1 and "val_ndcg@10" in results[0] and not [k for k in results[0] if k.startswith("test_")]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_rec.sparse import KeyedJaggedTensor
@@ -269,6 +269,47 @@ def make_batch_loader(
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
     )
+
+
+class EvalDistributedSampler(DistributedSampler):
+    """Evaluation at W ranks: every row exactly once over all ranks, every rank the same number of batches.
+
+    Rank r takes rows r, r + W, r + 2W, ...; a share one row shorter is padded with -1 at its end,
+    which the dataset drops (`CriteoDataset.__getitems__`), so that share's last batch is one row short
+    (empty when batch_size is 1). torch's DistributedSampler, which Lightning puts into evaluation loaders
+    otherwise, pads with repeated rows instead: they would be scored twice. It is a DistributedSampler,
+    so Lightning keeps it. In prediction, `batch_indices` hold -1 where a share was padded.
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    def __iter__(self) -> Iterator[int]:
+        mine = list(range(self.rank, len(self.dataset), self.num_replicas))
+        return iter(mine + [-1] * (self.num_samples - len(mine)))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def make_eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool = False
+                     ) -> StatefulBatchLoader:
+    """`make_batch_loader` for validation / test / prediction: in order, every row once at any world size.
+
+    Under torch.distributed (W > 1) the sampler is an `EvalDistributedSampler`: the dataset's
+    `__getitems__` must drop the index -1 (padding).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    sampler: Sampler = SequentialSampler(dataset)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sampler = EvalDistributedSampler(dataset, dist.get_world_size(), dist.get_rank())
+    return StatefulBatchLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
+                               collate_fn=passthrough_collate, num_workers=num_workers, pin_memory=pin_memory,
+                               persistent_workers=num_workers > 0)
 
 
 def make_stream_loader(dataset: IterableDataset, num_workers: int, pin_memory: bool = False) -> StatefulBatchLoader:

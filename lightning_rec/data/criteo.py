@@ -65,7 +65,13 @@ from torch.utils.data import (
     IterableDataset,
 )
 
-from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader, make_stream_loader
+from lightning_rec.data.batch import (
+    Batch,
+    follow_fit_loop,
+    make_batch_loader,
+    make_eval_loader,
+    make_stream_loader,
+)
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
     DEFAULT_SPARSE_FEATURE_NAMES,
@@ -294,12 +300,18 @@ class CriteoDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         idx_B = np.asarray(indices, dtype=np.int64)
+        if idx_B.size and idx_B.min() < 0:
+            idx_B = idx_B[idx_B != -1]  # -1: an evaluation share's padding (EvalDistributedSampler), no row
         if idx_B.size and (idx_B.min() < 0 or idx_B.max() >= len(self)):
             raise IndexError(f"indices out of range for {len(self)} rows")
         label_B, dense_B13, sparse_BF = self._gather(idx_B)
         return make_criteo_batch(
             label_B, dense_B13, sparse_BF, self.num_embeddings_F, self.keys, self.missing_categorical
         )
+
+    def empty_batch(self) -> Batch:
+        """A batch of 0 rows: what a rank whose evaluation share ran out steps with (strategy.py)."""
+        return self.__getitems__([])
 
     def __getitem__(self, index: int | Sequence[int] | slice) -> Batch:
         """A batch of the given rows (an int gives a batch of one)."""
@@ -475,6 +487,12 @@ class CriteoIterableDataset(IterableDataset):
         self._position = {**base, "done": True}
         report.log_skips()
 
+    def empty_batch(self) -> Batch:
+        """A batch of 0 rows. Streams of ranks end at different batches: in evaluation, a rank whose stream
+        ran out steps with these until every rank's has (RecStrategy), so every row is scored once."""
+        return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+                           np.empty((0, NUM_SPARSE_FEATURES), np.int64))
+
     def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> Batch:
         return make_criteo_batch(
             label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical
@@ -635,7 +653,7 @@ class CriteoDataModule(pl.LightningDataModule):
                 dataset = CriteoShardDataset(
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
                     self.sparse_feature_names, shuffle=self.shuffle and split == "train", seed=self.seed,
-                    drop_last=self.drop_last and split == "train",
+                    drop_last=self.drop_last and split == "train", every_row=split != "train",
                 )
                 if dataset.num_embeddings_per_feature != self.num_embeddings_per_feature:
                     raise ValueError(
@@ -668,6 +686,9 @@ class CriteoDataModule(pl.LightningDataModule):
         train = split == "train"
         if isinstance(dataset, IterableDataset):
             return make_stream_loader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+        if not train:  # every row once at any world size (not torch's DistributedSampler: it repeats rows)
+            return make_eval_loader(dataset, self.val_batch_size, num_workers=self.num_workers,
+                                    pin_memory=self.pin_memory)
         return make_batch_loader(
             dataset, self.batch_size if train else self.val_batch_size, shuffle=self.shuffle and train,
             drop_last=self.drop_last and train, seed=self.seed, num_workers=self.num_workers,
@@ -686,10 +707,4 @@ class CriteoDataModule(pl.LightningDataModule):
         return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:
-        loader = self._loader("predict")
-        if isinstance(loader.dataset, IterableDataset):
-            return loader
-        # in input order, every rank the same number of steps (lightning_rec.predict)
-        from lightning_rec.predict import make_predict_loader
-
-        return make_predict_loader(loader.dataset, self.val_batch_size, self.num_workers, self.pin_memory)
+        return self._loader("predict")

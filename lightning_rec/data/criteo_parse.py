@@ -136,7 +136,8 @@ _MAGIC = ((b"\x1f\x8b", "gzip", ".gz"), (b"BZh", "bz2", ".bz2"), (b"\x28\xb5\x2f
 _warned_compression: set[str] = set()
 
 
-def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file") -> None:
+def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file",
+                      fix: str = "check train_path / val_path / test_path") -> None:
     """A clear ValueError for a path that is missing or a directory (naming the fix)."""
     p = os.fspath(path)
     if os.path.isdir(p):
@@ -146,7 +147,7 @@ def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file") -> Non
             f"{os.path.join(p, 'day_*')} --output_dir <dir>` and pass that output directory"
         )
     if not os.path.isfile(p):
-        raise ValueError(f"{what} {p} does not exist: check train_path / val_path / test_path")
+        raise ValueError(f"{what} {p} does not exist: {fix}")
 
 
 def file_compression(path: str | os.PathLike) -> str | None:

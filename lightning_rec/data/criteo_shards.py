@@ -17,8 +17,10 @@ against the Arrow IPC file of `datasets` and parquet for the same batches: the "
 How the rows are dealt (every rank computes the same split from the manifest, no communication):
 
     shard i, rows [0, n_i)  ->  rank r reads rows [n_i * r / W, n_i * (r + 1) / W) of every shard
-    every rank then keeps the same number of rows (the smallest share: fewer than #shards rows of a
-    rank are left out per epoch), so all ranks run the same number of steps (DDP needs it)
+    training: every rank then keeps the same number of rows (the smallest share: fewer than #shards
+    rows of a rank are left out per epoch), so all ranks run the same number of steps (DDP needs it)
+    evaluation (`every_row=True`): every rank keeps its whole share, so every row is scored once; a rank
+    with fewer batches than the longest share steps on with empty batches (0 rows) to the same count
     batch k of a rank = its rows [k * B, (k + 1) * B): slices, never a per-sample gather
     workers of a rank take batches k = worker, worker + num_workers, ... (the DataLoader interleaves
     them back in order); shuffle=True permutes the batch order each epoch (rows were already shuffled
@@ -109,11 +111,15 @@ def dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
-    """(shard, lo, hi) row ranges of `rank`, every rank with the same total (see the module doc)."""
+def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_row: bool = False
+                  ) -> list[tuple[int, int, int]]:
+    """(shard, lo, hi) row ranges of `rank`: every rank with the same total (training), or the rank's whole
+    share (`every_row`: evaluation, where no row may be left out; see the module doc)."""
     segs_per_rank = []
     for r in range(world_size):
         segs_per_rank.append([(i, n * r // world_size, n * (r + 1) // world_size) for i, n in enumerate(shard_rows)])
+    if every_row:
+        return [seg for seg in segs_per_rank[rank] if seg[2] > seg[1]]
     common = min(sum(hi - lo for _, lo, hi in segs) for segs in segs_per_rank)
     out, left = [], common
     for i, lo, hi in segs_per_rank[rank]:
@@ -129,6 +135,8 @@ class CriteoShardDataset(IterableDataset):
 
     Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
     `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
+    `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
+    and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class CriteoShardDataset(IterableDataset):
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        every_row: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -154,6 +163,7 @@ class CriteoShardDataset(IterableDataset):
         self.has_label = bool(self.manifest["has_label"])
         self.empty_bag = self.manifest["missing_categorical"] == "empty_bag"
         self._rank, self._world = rank, world_size
+        self.every_row = every_row
         self._dist = dist_rank_world()
         self._epoch = 0
         self._skip = 0  # batches of the next epoch already trained on (resume_from)
@@ -172,16 +182,21 @@ class CriteoShardDataset(IterableDataset):
             self._dist = dist_rank_world()
         return self._dist
 
-    def segments(self) -> list[tuple[int, int, int]]:
-        rank, world = self._rank_world()
-        return rank_segments([s["rows"] for s in self.manifest["shards"]], rank, world)
+    def segments(self, rank: int | None = None) -> list[tuple[int, int, int]]:
+        me, world = self._rank_world()
+        return rank_segments([s["rows"] for s in self.manifest["shards"]], me if rank is None else rank, world,
+                             every_row=self.every_row)
 
-    def rank_rows(self) -> int:
-        return sum(hi - lo for _, lo, hi in self.segments())
+    def rank_rows(self, rank: int | None = None) -> int:
+        return sum(hi - lo for _, lo, hi in self.segments(rank))
+
+    def _num_batches(self, rows: int) -> int:
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     def __len__(self) -> int:
-        rows = self.rank_rows()
-        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        if self.every_row:  # the same on every rank (each rank computes every share): they step together
+            return max(self._num_batches(self.rank_rows(r)) for r in range(self._rank_world()[1]))
+        return self._num_batches(self.rank_rows())
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order the next iteration uses (shuffle=True).
@@ -236,6 +251,9 @@ class CriteoShardDataset(IterableDataset):
         rows = int(seg_start[-1])
         for k in order[worker::num_workers]:
             lo, hi = int(k) * self.batch_size, min((int(k) + 1) * self.batch_size, rows)
+            if lo >= hi:  # every_row: past this rank's share, an empty batch keeps it stepping with the others
+                yield self.empty_batch()
+                continue
             first = int(np.searchsorted(seg_start, lo, side="right")) - 1
             pieces = []
             s = first
@@ -248,6 +266,11 @@ class CriteoShardDataset(IterableDataset):
                 s += 1
             yield self.make_batch(*(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
                                     for parts in zip(*pieces)))
+
+    def empty_batch(self) -> Batch:
+        """A batch of 0 rows (evaluation padding; see `every_row`)."""
+        return self.make_batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+                               np.empty((0, NUM_SPARSE_FEATURES), np.int32))
 
     def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
         """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.

@@ -46,6 +46,7 @@ import hashlib
 import io
 import logging
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -564,6 +565,10 @@ class MovieLensDataModule(pl.LightningDataModule):
             raise ValueError(f"no interactions left in {ratings_path}" +
                              (f" with min_rating={self.min_rating}: lower it" if self.min_rating is not None else ""))
         users, items, titles, sizes = _read_side(self.data_dir, layout)
+        if self.side_features and not users and not items:
+            warnings.warn(f"side_features=True, but {self.data_dir} has no user or item file to read them from "
+                          f"(u.user / u.item, users.dat / movies.dat, movies.csv): the towers get the id features "
+                          f"only; side_features=False says so without this warning", stacklevel=2)
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
         raw_user = np.asarray(table.column("user_id"))
@@ -685,9 +690,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return follow_fit_loop(loader, self.trainer)
 
     def val_dataloader(self):
-        loaders = [self._ranking_loader("val")]
-        if self.eval_test_in_fit:
-            loaders.append(self._ranking_loader("test"))
+        loaders = [self._ranking_loader(split) for split in self.eval_split_names()]
         return loaders if len(loaders) > 1 else loaders[0]
 
     def test_dataloader(self) -> DataLoader:
@@ -699,4 +702,7 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def eval_split_names(self) -> list[str]:
         """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
-        return ["val", "test"] if self.eval_test_in_fit else ["val"]
+        # in fit only: `validate` ranks the validation split (Lightning would show every metric under both
+        # dataloaders, as they are logged once per epoch), and `test` the test split
+        fitting = self.trainer is None or self.trainer.state.fn == "fit"
+        return ["val", "test"] if self.eval_test_in_fit and fitting else ["val"]

@@ -161,7 +161,7 @@ def preprocess_criteo(
         raise ValueError("--input needs at least one Criteo file (day_0 ... day_23, train.txt, train.csv)")
     inputs = [str(p) for p in inputs]
     for p in inputs:
-        check_criteo_file(p, "input")
+        check_criteo_file(p, "input", fix="check --input (a Criteo file: day_0.gz, train.txt, ...)")
     if missing_categorical not in MISSING_CATEGORICAL:
         raise ValueError(f"--missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}")
     if on_bad_row not in ("error", "skip"):
@@ -410,11 +410,14 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--num_embeddings", default="40000000",
                         help="rows per table: one int, or 26 comma-separated ints (default 40000000, TorchRec's)")
     parser.add_argument("--min_frequency", type=int, default=0,
-                        help="ids seen fewer times map to id 0 (0: no threshold; the DLRM reference uses 3)")
+                        help="ids seen fewer times map to id 0 (0: no threshold; the DLRM reference uses 3); writes "
+                             "OUTPUT_DIR/vocab.npz, 4 bytes per table row (26 x 10M rows: 1.04 GB)")
     parser.add_argument("--vocab_from", default=None, help="reuse the vocabulary of a train --output_dir (val/test)")
     parser.add_argument("--missing_categorical", default="reserved_id", choices=MISSING_CATEGORICAL)
     parser.add_argument("--rows_per_shard", type=int, default=1_000_000,
-                        help="rows per shard; memory is about 3 x 160 bytes x this (default 1000000)")
+                        help="a shard closes at the first --block_mb block that brings it to at least this many rows "
+                             "(so a shard holds this many up to one block more); memory is about 3 x 160 bytes x "
+                             "this (default 1000000)")
     parser.add_argument("--block_mb", type=int, default=8, help="text read and parsed at a time (MiB)")
     parser.add_argument("--no_shuffle_rows", action="store_true", help="keep the file order inside each shard")
     parser.add_argument("--seed", type=int, default=0)
@@ -430,20 +433,28 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    manifest = preprocess_criteo(
-        args.input, args.output_dir, num_embeddings=sizes[0] if len(sizes) == 1 else sizes,
-        min_frequency=args.min_frequency, vocab_from=args.vocab_from, missing_categorical=args.missing_categorical,
-        rows_per_shard=args.rows_per_shard, block_mb=args.block_mb, shuffle_rows=not args.no_shuffle_rows,
-        seed=args.seed, on_bad_row=args.on_bad_row,
-        separator={"tab": "\t", "comma": ","}.get(args.separator),
-        verify=not args.no_verify, progress=not args.no_progress,
-    )
+    try:
+        manifest = preprocess_criteo(
+            args.input, args.output_dir, num_embeddings=sizes[0] if len(sizes) == 1 else sizes,
+            min_frequency=args.min_frequency, vocab_from=args.vocab_from,
+            missing_categorical=args.missing_categorical, rows_per_shard=args.rows_per_shard,
+            block_mb=args.block_mb, shuffle_rows=not args.no_shuffle_rows, seed=args.seed,
+            on_bad_row=args.on_bad_row, separator={"tab": "\t", "comma": ","}.get(args.separator),
+            verify=not args.no_verify, progress=not args.no_progress,
+        )
+    except ValueError as e:  # the input's or the options' fault, said in one line (as argparse's own errors)
+        parser.exit(2, f"lightning-rec preprocess: error: {e}\n")
     seconds = time.perf_counter() - t0
     skipped = sum(r["num_skipped_rows"] for r in manifest["reports"])
     print(f"{manifest['num_rows']:,} rows in {len(manifest['shards'])} shards under {args.output_dir} "
           f"({seconds:.1f} s this run, {skipped} bad rows skipped)")
     sizes_out = manifest["num_embeddings_per_feature"]
     shown = sizes_out[0] if len(set(sizes_out)) == 1 else f"'{sizes_out}'"
-    print(f"train on it with:\n  --data.train_path={args.output_dir} --data.num_embeddings_per_feature={shown} "
-          f"--model.num_embeddings_per_feature={shown}")
+    sizes_args = f"--data.num_embeddings_per_feature={shown} --model.num_embeddings_per_feature={shown}"
+    if not manifest["has_label"]:
+        print(f"predict on it with:\n  --data.predict_path={args.output_dir} {sizes_args}")
+    elif args.vocab_from:  # a split preprocessed with the train split's vocabulary: validation or test
+        print(f"evaluate on it with:\n  --data.val_path={args.output_dir} (or --data.test_path=) {sizes_args}")
+    else:
+        print(f"train on it with:\n  --data.train_path={args.output_dir} {sizes_args}")
     return manifest

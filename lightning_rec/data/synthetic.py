@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader
+from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader, make_eval_loader
 from lightning_rec.data.criteo import _resolve_num_embeddings
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -67,6 +67,7 @@ class SyntheticCriteoDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> Batch:
         idx_B = torch.as_tensor(indices, dtype=torch.int64)
+        idx_B = idx_B[idx_B != -1]  # -1: an evaluation share's padding (EvalDistributedSampler), no row
         ids_FBL = self.ids_NFL[idx_B].permute(1, 0, 2)
         lengths_FB = self.lengths_NF[idx_B].t()
         if self._full:
@@ -112,6 +113,10 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"SyntheticCriteoDataModule {name}={value!r}: give a positive number of samples "
+                                 f"per batch")
         if min(num_train_samples, num_val_samples, num_test_samples) < 0:
             raise ValueError("sample counts must be >= 0")
         if num_dense_features < 1 or num_sparse_features < 1:
@@ -208,7 +213,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         # only what the stage reads (test and predict read the test split, or val when it has no samples)
         evaluated = ("test",) if self.sizes["test"] > 0 else ("val",)
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": evaluated, "predict": evaluated}
-        for split in splits.get(stage, ("train", "val", "test")):
+        for split in splits.get(getattr(stage, "value", stage), ("train", "val", "test")):  # Lightning: a TrainerFn
             if split not in self.datasets and self.sizes[split] > 0:
                 self.datasets[split] = self.make_split(split)
 
@@ -217,10 +222,11 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
             if self.sizes[split] == 0:
                 raise ValueError(f"num_{split}_samples=0: set it > 0 to use the {split} loop")
             raise ValueError(f"SyntheticCriteoDataModule.setup() has not run for {split}: call setup() first")
-        train = split == "train"
+        if split != "train":  # every row once at any world size (Lightning's DistributedSampler repeats some)
+            return make_eval_loader(self.datasets[split], self.val_batch_size, num_workers=self.num_workers,
+                                    pin_memory=self.pin_memory)
         return make_batch_loader(
-            self.datasets[split], self.batch_size if train else self.val_batch_size,
-            shuffle=self.shuffle and train, drop_last=self.drop_last and train, seed=self.seed,
+            self.datasets[split], self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last, seed=self.seed,
             num_workers=self.num_workers, pin_memory=self.pin_memory,
         )
 
@@ -235,8 +241,4 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         return self._loader("test" if self.sizes["test"] > 0 else "val")
 
     def predict_dataloader(self) -> DataLoader:
-        # the test split (val when it has none), in order, every rank the same number of steps (lightning_rec.predict)
-        from lightning_rec.predict import make_predict_loader
-
-        dataset = self._loader("test" if self.sizes["test"] > 0 else "val").dataset
-        return make_predict_loader(dataset, self.val_batch_size, self.num_workers, self.pin_memory)
+        return self.test_dataloader()

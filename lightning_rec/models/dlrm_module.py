@@ -20,6 +20,7 @@ from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
+from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
 
 DENSE_OPTIMIZERS = {
@@ -39,7 +40,7 @@ def _per_feature(value: int | Sequence[int], names: Sequence[str]) -> list[int]:
     return sizes
 
 
-class DLRMModule(L.LightningModule):
+class DLRMModule(RecModuleHooks, L.LightningModule):
     """DLRM on click logs: `batch` is a lightning_rec.data.Batch (dense [B, I], KJT, labels [B]).
 
     Args:
@@ -104,6 +105,35 @@ class DLRMModule(L.LightningModule):
         self.val_metrics = RecMetricCollection(prefix="val_")
         self.test_metrics = RecMetricCollection(prefix="test_")
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self._check_data_sizes()
+
+    def _check_data_sizes(self) -> None:
+        """The data module's id ranges against the tables' rows, named before any batch (and before Lightning's
+        "Error while merging hparams", which refuses the two num_embeddings_per_feature values for differing)."""
+        data = getattr(self.trainer, "datamodule", None)
+        theirs = getattr(data, "hparams", {}).get("num_embeddings_per_feature")
+        ours = self.hparams.num_embeddings_per_feature
+        if theirs is None or theirs == ours:
+            return
+        names = list(self.hparams.sparse_feature_names or CRITEO_SPARSE_FEATURES)
+        try:
+            pairs = list(zip(names, _per_feature(theirs, names), _per_feature(ours, names)))
+        except ValueError:
+            return  # another feature list: the batch check names the features
+        over = [(name, d, m) for name, d, m in pairs if d > m]
+        if over:
+            name, d, m = over[0]
+            raise ValueError(
+                f"the data module draws feature {name}'s ids from {d} values but the model's table for it has {m} "
+                f"rows ({len(over)} feature(s) like it): give both the same sizes, --data.num_embeddings_per_feature "
+                f"and --model.num_embeddings_per_feature (`lightning-rec preprocess` prints them)")
+        # tables larger than the data needs are fine: log the data's value under its own name
+        initial = getattr(data, "_hparams_initial", None)
+        if initial is not None and "num_embeddings_per_feature" in initial:
+            initial["data_num_embeddings_per_feature"] = initial.pop("num_embeddings_per_feature")
+
     def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
         return self.model(dense_features, sparse_features).squeeze(1)
 
@@ -134,13 +164,16 @@ class DLRMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        loss, logits_B = self._loss(batch)
+        _, logits_B = self._loss(batch)
         self.val_metrics.update(logits_B, batch.labels)
-        self.log("val_loss", loss, batch_size=max(len(batch), 1), sync_dist=True)  # the mean over every rank
 
     def on_validation_epoch_end(self) -> None:
         # compute() already covers every rank's samples (torchmetrics syncs); sync_dist averages equal values
-        self.log_dict(self.val_metrics.compute(), prog_bar=True, sync_dist=True)
+        values = self.val_metrics.compute()
+        self.log_dict(values, prog_bar=True, sync_dist=True)
+        # val_loss (the mean BCE over every row of every rank) is the log loss metric: exact at any world size.
+        # (Logged per batch with batch_size=, Lightning's sync truncates the rows counted to an integer mean.)
+        self.log("val_loss", values["val_logloss"], sync_dist=True)
         self.val_metrics.reset()
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:

@@ -28,6 +28,7 @@ import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.metrics.ranking import RankingMetrics
 from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
+from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.models.two_tower import LOSSES, TwoTower, bpr_loss, in_batch_softmax_loss
 from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
 
@@ -37,7 +38,7 @@ from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
 
 
-class TwoTowerModule(L.LightningModule):
+class TwoTowerModule(RecModuleHooks, L.LightningModule):
     """Two-tower retrieval on implicit feedback (MovieLensDataModule or any module giving the same batches).
 
     Args:
@@ -244,14 +245,6 @@ class TwoTowerModule(L.LightningModule):
             metric.reset()
         self._log_top_k_table()
         self._item_emb_ID = None
-
-    def on_fit_end(self) -> None:
-        # The recipe CLI prints val_* metrics; a retrieval run also wants the test split it ranked.
-        ranked = {k: float(v) for k, v in self.trainer.callback_metrics.items()
-                  if k.split("_", 1)[0] in self.eval_splits and "@" in k}
-        if ranked and self.trainer.is_global_zero:
-            shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(ranked.items()))
-            print(f"final ranking metrics: {shown}", flush=True)
 
     def on_test_epoch_end(self) -> None:
         values = self.test_metrics.compute()

@@ -33,7 +33,8 @@ second shared-memory group on CPU). The feeder starts batch k only while k < tak
 batches the loop has taken), the same on every rank, so whenever a pass stops (end of data, an
 exception in the step, a loop cut short) every rank's feeder has run the same collectives and stops
 at the same point. A rank whose loader ends first ends the pass for all (the step-together rule of
-strategy.py); a batch whose features do not match raises the same ValueError on every rank at that
+strategy.py), except in evaluation, where it steps on with its dataset's empty batches until all have
+ended; a batch whose features do not match raises the same ValueError on every rank at that
 batch; an exception in one rank's loader stops every rank there.
 
 Variants are a field (`PipelineConfig.variant`), not subclasses: "sparse_dist" runs read, copy and

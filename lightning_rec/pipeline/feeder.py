@@ -167,8 +167,10 @@ class _Feeder(Iterator):
     """Iterates `source` with the feeder thread working ahead; yields the batches, on the device, in order."""
 
     def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
-                 config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int]) -> None:
+                 config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int],
+                 pad: Callable[[], Any] | None = None) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
+        self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data
         self.stats = stats
         self.device, self.config, self.to_device = device, config, to_device
         self.taken = 0
@@ -329,14 +331,15 @@ class _Feeder(Iterator):
             self._put(e)
 
     def _feed(self) -> None:
-        k = 0
+        k, exhausted = 0, False
         channel = next(iter(self.channels.values()), None)
         while self._may_start(k):
             batch, error = None, None
             try:
-                batch = next(self.source)
+                if not exhausted:
+                    batch = next(self.source)
             except StopIteration:
-                pass
+                exhausted = True
             except Exception as e:  # noqa: BLE001 - every rank must hear of it first
                 error = e
             if self._ordered:
@@ -353,7 +356,10 @@ class _Feeder(Iterator):
                     raise error
                 raise RuntimeError(f"the dataloader of rank(s) {failed} raised at batch {k} (see the error on those "
                                    f"ranks); this rank stopped there too")
-            if missing:
+            if missing and self.pad is not None and channel is not None and len(missing) < channel.world_size:
+                if batch is None:  # evaluation: this rank ran out, another has not: step on with an empty batch
+                    batch = self._copy(self.pad()) if self._ordered else self.pad()
+            elif missing:
                 if batch is not None:
                     warnings.warn(f"rank {channel.rank if channel else 0}: the rest of this epoch's batches are "
                                   f"skipped: another rank's dataloader ran out first, and sharded embeddings need "

@@ -27,10 +27,15 @@ def swap_iter(loader, prefix: str, iter_fn, cache: dict[type, type]) -> None:
     loader.__class__ = sub
 
 
-def wrap_loader(loader, pipeline: InputPipeline):
-    """The loader iterates through `pipeline` (the feeder also keeps the ranks stepping together)."""
+def wrap_loader(loader, pipeline: InputPipeline, pad=None):
+    """The loader iterates through `pipeline` (the feeder also keeps the ranks stepping together).
+
+    pad: evaluation: a callable giving an empty batch, which a rank whose data ran out steps with while
+    another rank still has batches (None: the first rank to run out ends the pass for all).
+    """
     swap_iter(loader, "Pipelined", _iter_pipelined, _PIPELINED_CLASSES)
     loader._rec_pipeline = pipeline
+    loader._rec_pad_batch = pad
     return loader
 
 
@@ -39,4 +44,4 @@ def _iter_pipelined(self):
     pipeline: InputPipeline = self._rec_pipeline
     if pipeline.closed:  # the loader went on to a run without this strategy
         return batches
-    return pipeline.iterate(batches)
+    return pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None))

@@ -37,8 +37,11 @@ class InputPipeline:
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
-    def iterate(self, source: Iterator) -> _Feeder:
-        """A new pass over `source` (the previous pass, if any, is stopped first)."""
+    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None) -> _Feeder:
+        """A new pass over `source` (the previous pass, if any, is stopped first).
+
+        pad: evaluation: an empty batch for a rank whose `source` ran out while another's has not, so that
+        every rank's batches are all used (None: the pass ends when the first rank's source does)."""
         if self.closed:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
         if self.feeder is not None:
@@ -50,7 +53,7 @@ class InputPipeline:
             else:
                 plan.record_entry = None  # nothing was called: record on this pass
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
-                              self.to_device, self.stats)
+                              self.to_device, self.stats, pad)
         return self.feeder
 
     def owns(self, batch: Any) -> bool:

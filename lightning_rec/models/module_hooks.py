@@ -1,0 +1,41 @@
+"""Lightning hooks that the library's LightningModules (DLRMModule, TwoTowerModule) share."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+# export (lightning_rec/checkpoint.py) reads it to rebuild the module from a checkpoint of any strategy
+MODULE_CLASS_KEY = "lightning_rec_module_class"
+
+
+class RecModuleHooks:
+    """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        trainer = self.trainer
+        if stage != "fit":
+            return
+        from lightning_rec.embedding import _EmbeddingCollectionBase
+        from lightning_rec.strategy import RecStrategy
+
+        fused = [name for name, m in self.named_modules()
+                 if isinstance(m, _EmbeddingCollectionBase) and m.fused_optimizer_config() is not None]
+        if fused and trainer.accumulate_grad_batches > 1:
+            warnings.warn(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} accumulates the dense layers' gradients "
+                f"only: the fused tables ({fused[0]}) update inside every batch's backward, "
+                f"{trainer.accumulate_grad_batches}x as often as the dense layers. To give both one larger batch, "
+                f"raise the data module's batch_size instead", stacklevel=1)
+        if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
+            # evaluation may replicate the tables (every rank holds the same weights); training may not
+            raise ValueError(
+                f"{type(self).__name__} trains its tables with a fused optimizer ({fused[0]}), which "
+                f"{type(trainer.strategy).__name__} cannot keep in step across {trainer.world_size} processes: each "
+                f"rank would update its own copy and the tables would drift apart. Use Trainer(strategy='rec') "
+                f"(--trainer.strategy=rec), which shards them")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"

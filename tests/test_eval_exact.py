@@ -1,0 +1,236 @@
+"""Evaluation at 2 ranks scores every row of the split exactly once: metrics equal the 1-rank run's.
+
+Map-style (a DistributedSampler would repeat a row to even the shares), preprocessed shards (training
+drops the rows that do not split evenly), streaming (ranks' streams end at different batches), plain and
+pipelined, in validate, test and fit's validation. Tolerances: the row count and the label sum are exact
+(sums of integers); log loss and AUC are computed from the same rows' predictions, which differ only by
+the dense layers' float summation order in batches of another size (rtol 1e-6 / atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+from conftest import SHARED_DATA
+
+from lightning_rec import CriteoDataModule, DLRMModule
+from lightning_rec.strategy import RecStrategy
+from tests.dist_utils import run_ranks
+
+SMALL = dict(num_embeddings_per_feature=64, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
+             over_arch_layer_sizes=[16, 1], sparse_lr=0.0, dense_lr=0.0)  # lr 0: fit's validation sees the init
+ROWS = 301  # odd: 151 + 150 rows at 2 ranks
+
+
+def write_criteo_tsv(path, rows: int, seed: int = 0) -> str:
+    """Labelled Criteo rows (label, I1..I13, C1..C26), some values missing."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(rows):
+        ints = [str(v) if v >= 0 else "" for v in rng.integers(-3, 50, 13)]
+        cats = [f"{v:08x}" if v % 7 else "" for v in rng.integers(0, 40, 26)]
+        lines.append("\t".join([str(int(rng.random() < 0.3))] + ints + cats))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+class CountingDLRM(DLRMModule):
+    """Keeps this rank's metric states of the last evaluation (rows seen, clicks) before they are reset."""
+
+    empty_steps = 0
+
+    def validation_step(self, batch, batch_idx):
+        self.empty_steps += len(batch) == 0
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        self.empty_steps += len(batch) == 0
+        return super().test_step(batch, batch_idx)
+
+    def _keep(self, metrics) -> None:
+        ctr = metrics["ctr"]
+        self.seen = {"rows": int(ctr.count), "clicks": float(ctr.label_sum), "empty_steps": self.empty_steps}
+
+    def on_validation_epoch_end(self) -> None:
+        self._keep(self.val_metrics)
+        super().on_validation_epoch_end()
+
+    def on_test_epoch_end(self) -> None:
+        self._keep(self.test_metrics)
+        super().on_test_epoch_end()
+
+
+def _every_sharding_type(module, world_size: int):
+    """A plan that gives the 26 tables every sharding type in turn (each sees the empty batches)."""
+    from lightning_rec.model_parallel import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
+    from lightning_rec.types import ShardingPlan
+
+    path = "model.sparse_arch.embedding_bag_collection"
+    ebc = module.get_submodule(path)
+    verbs = [row_wise(), column_wise([0, 1]), table_wise(0), table_wise(1), data_parallel(), table_row_wise(0)]
+    names = [c.name for c in ebc.embedding_bag_configs()]
+    return ShardingPlan({path: construct_module_sharding_plan(ebc, {n: verbs[i % len(verbs)] for i, n in
+                                                                    enumerate(names)}, world_size=world_size)})
+
+
+def _evaluate(rank, world_size, how: str, data_kwargs: dict, pipeline: bool = False, every_type: bool = False):
+    import warnings
+
+    L.seed_everything(0)
+    data = CriteoDataModule(num_embeddings_per_feature=64, parser="python", **data_kwargs)
+    module = CountingDLRM(**SMALL)
+    plan = _every_sharding_type(module, world_size) if every_type and world_size > 1 else None
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, plan=plan), accelerator="cpu", devices=world_size,
+                        max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "fit":
+            trainer.fit(module, data)
+        else:
+            getattr(trainer, how)(module, data)
+    prefix = "test_" if how == "test" else "val_"
+    metrics = {k[len(prefix):]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
+    skipped = sum("batches are skipped" in str(w.message) for w in caught)
+    return {"metrics": metrics, "seen": module.seen, "skipped": skipped}
+
+
+def _check_exact(one: list, two: list, rows: int) -> None:
+    ref = one[0]
+    assert ref["seen"]["rows"] == rows
+    assert sum(r["seen"]["rows"] for r in two) == rows  # every row once over the ranks
+    assert sum(r["seen"]["clicks"] for r in two) == ref["seen"]["clicks"]
+    assert all(r["skipped"] == 0 for r in two)
+    for r in two:
+        got, want = r["metrics"], ref["metrics"]
+        assert got["ctr"] == pytest.approx(want["ctr"], rel=1e-12, abs=0)  # the same clicks over the same rows
+        assert got["ctr"] == pytest.approx(ref["seen"]["clicks"] / rows, rel=1e-12)
+        assert got["logloss"] == pytest.approx(want["logloss"], rel=1e-6)
+        assert got["auc"] == pytest.approx(want["auc"], abs=1e-6)
+        if "loss" in want:  # val_loss: the mean over rows (it was a batch-weighted mean with a truncated count)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+def _both(how: str, data_kwargs: dict, pipeline: bool = False, every_type: bool = False):
+    one = run_ranks(_evaluate, 1, how, data_kwargs, False, timeout=120)
+    two = run_ranks(_evaluate, 2, how, data_kwargs, pipeline, every_type, timeout=120)
+    return one, two
+
+
+def test_map_style_validate_and_fit_score_every_row_once(tmp_path):
+    path = write_criteo_tsv(tmp_path / "val.tsv", ROWS)
+    kw = dict(val_path=path, batch_size=32, cache_dir=str(tmp_path / "cache"))
+    one, two = _both("validate", kw)
+    _check_exact(one, two, ROWS)
+    # fit's validation loop too (lr 0: the weights stay the initial ones the 1-rank validate saw)
+    fit = run_ranks(_evaluate, 2, "fit", {**kw, "train_path": path}, timeout=120)
+    _check_exact(one, fit, ROWS)
+
+
+def test_shards_test_scores_every_row_once(tmp_path):
+    from lightning_rec.data.preprocess import preprocess_criteo
+
+    path = write_criteo_tsv(tmp_path / "val.tsv", ROWS)
+    # rank 0 reads 150 rows (3 batches of 50), rank 1 151 (4 batches): rank 0 steps once with an empty batch
+    # (training drops rank 1's extra row, so that the shares are equal)
+    manifest = preprocess_criteo([path], tmp_path / "shards", num_embeddings=64, shuffle_rows=False, progress=False)
+    assert [s["rows"] for s in manifest["shards"]] == [ROWS]
+    # every sharding type (row-, column-, table-wise, data parallel, table-row-wise) takes the empty batch
+    one, two = _both("test", dict(test_path=str(tmp_path / "shards"), batch_size=50), every_type=True)
+    _check_exact(one, two, ROWS)
+    assert [r["seen"]["empty_steps"] for r in two] == [1, 0]  # a batch of 0 rows went through the sharded model
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+def test_streaming_validate_scores_every_row_once(tmp_path, pipeline):
+    path = write_criteo_tsv(tmp_path / "val.tsv", ROWS)
+    # 5 blocks of ~8 KB dealt to the ranks (3 and 2): the streams end at different batches
+    one, two = _both("validate", dict(val_path=path, batch_size=16, streaming=True, block_bytes=8000), pipeline,
+                     every_type=pipeline)
+    _check_exact(one, two, ROWS)
+    assert sum(r["seen"]["empty_steps"] for r in two) > 0  # the rank whose stream ended first stepped on
+
+
+def test_kaggle_sample_validate_is_exact_at_two_ranks(tmp_path):
+    """The user's report: the Kaggle validation sample (2055 rows) at 2 ranks scored 2056 rows."""
+    path = SHARED_DATA / "criteo" / "criteo_kaggle_valid_sample.tsv"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    kw = dict(val_path=str(path), batch_size=256, cache_dir=str(tmp_path / "cache"))
+    one, two = _both("validate", kw)
+    rows = one[0]["seen"]["rows"]
+    assert rows == 2055 and math.isclose(one[0]["metrics"]["ctr"], 544 / 2055, rel_tol=1e-9)
+    _check_exact(one, two, rows)
+
+
+def _predict(rank, world_size, data_kwargs: dict):
+    L.seed_everything(0)
+    data = CriteoDataModule(num_embeddings_per_feature=64, parser="python", **data_kwargs)
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    predictions = trainer.predict(CountingDLRM(**SMALL), data)
+    return sorted(float(p) for batch in predictions for p in batch)
+
+
+@pytest.mark.parametrize("kind", ["map_style", "streaming"])
+def test_predict_gives_every_row_once(tmp_path, kind):
+    path = write_criteo_tsv(tmp_path / "rows.tsv", ROWS)
+    kw = dict(predict_path=path, batch_size=32, cache_dir=str(tmp_path / "cache"))
+    if kind == "streaming":
+        kw.update(streaming=True, block_bytes=8000)
+    one = run_ranks(_predict, 1, kw, timeout=120)[0]
+    two = run_ranks(_predict, 2, kw, timeout=120)
+    assert len(one) == ROWS and sum(len(r) for r in two) == ROWS  # no row repeated, none left out
+    np.testing.assert_allclose(sorted(two[0] + two[1]), one, atol=1e-6)  # the same rows' probabilities
+
+
+def test_shard_shares_cover_every_row_once_with_equal_batch_counts(tmp_path):
+    """One process: each rank's `every_row` share, at 2-5 ranks, over several shards (no communication)."""
+    from lightning_rec.data.criteo_shards import CriteoShardDataset, rank_segments
+
+    for shard_rows in ([301], [100, 7, 0, 55], [3, 1]):
+        for world in (2, 3, 5):
+            covered = sorted((i, row) for r in range(world) for i, lo, hi in rank_segments(shard_rows, r, world, True)
+                             for row in range(lo, hi))
+            assert covered == [(i, row) for i, n in enumerate(shard_rows) for row in range(n)]
+    path = write_criteo_tsv(tmp_path / "rows.tsv", ROWS)
+    from lightning_rec.data.preprocess import preprocess_criteo
+
+    preprocess_criteo([path], tmp_path / "shards", num_embeddings=64, shuffle_rows=False, progress=False)
+    whole = [b.dense_features for b in CriteoShardDataset(tmp_path / "shards", 7, rank=0, world_size=1)]
+    for world in (2, 3, 5):
+        shares = [list(CriteoShardDataset(tmp_path / "shards", 7, rank=r, world_size=world, every_row=True))
+                  for r in range(world)]
+        assert len({len(s) for s in shares}) == 1  # every rank steps the same number of times
+        dense = np.concatenate([b.dense_features.numpy() for s in shares for b in s])
+        np.testing.assert_array_equal(dense, np.concatenate([d.numpy() for d in whole]))  # rank order = file order
+
+
+def _evaluate_synthetic(rank, world_size):
+    from lightning_rec import SyntheticCriteoDataModule
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=ROWS, batch_size=32,
+                                     num_embeddings_per_feature=64)
+    module = CountingDLRM(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, data, verbose=False)
+    metrics = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    return {"metrics": metrics, "seen": module.seen, "skipped": 0}
+
+
+def test_synthetic_validate_scores_every_row_once():
+    one = run_ranks(_evaluate_synthetic, 1, timeout=120)
+    two = run_ranks(_evaluate_synthetic, 2, timeout=120)
+    _check_exact(one, two, ROWS)
