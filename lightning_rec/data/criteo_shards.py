@@ -225,7 +225,11 @@ class CriteoShardDataset(IterableDataset):
         return self._arrays
 
     def _ones(self, n: int) -> torch.Tensor:
-        # one id per bag: the same lengths every batch of this size (never written to downstream)
+        # one id per bag: the same lengths every batch of this size (never written to downstream). Not in a
+        # DataLoader worker: each batch crosses to the main process through shared memory, and one storage sent
+        # again and again is a hazard for nothing (the copy into shared memory is made anyway)
+        if torch.utils.data.get_worker_info() is not None:
+            return torch.ones(n, dtype=torch.int64)
         if getattr(self, "_ones_n", None) is None or self._ones_n.numel() != n:
             self._ones_n = torch.from_numpy(np.ones(n, dtype=np.int64))
         return self._ones_n
