@@ -752,7 +752,12 @@ def _optim_cases():
     simple("opt.beta1_one", lambda: F("adam", beta1=1.0), ValueError, ["beta1", "[0, 1)"])
     simple("opt.beta2_above_one", lambda: F("partial_rowwise_adam", beta2=1.5), ValueError, ["beta2"])
     simple("opt.momentum_negative", lambda: F("lars_sgd", momentum=-0.5), ValueError, ["momentum"])
-    simple("opt.unknown_keyword", lambda: F("adam", betas=(0.9, 0.99)), TypeError, ["betas"])
+    simple("opt.unknown_keyword", lambda: F("adam", bettas=(0.9, 0.99)), TypeError, ["bettas"])
+
+    @case("opt.torch_style_betas", ok=True, legit="torch.optim.Adam's betas=(b1, b2) is accepted as beta1 / beta2")
+    def _(ctx):
+        c = F("adam", betas=(0.8, 0.99))
+        expect((c.beta1, c.beta2) == (0.8, 0.99), f"betas=(0.8, 0.99) gave beta1={c.beta1}, beta2={c.beta2}")
     simple("opt.lamb_on_cpu", lambda: make_ebc(opt="lamb"), ValueError, ["lamb", "GPU"])
     simple("opt.lars_on_cpu_fbgemm", lambda: make_ebc(opt="lars_sgd", kernel="fbgemm"), ValueError, ["lars_sgd"])
     simple("opt.adam_on_fbgemm_cpu", lambda: make_ebc(opt="adam", kernel="fbgemm"), ValueError, ["adam", "native"])
@@ -1397,7 +1402,7 @@ def _model_cli_ckpt_cases():
            ["NoSuchModel"], timeout=60)
     simple("cli.fit_negative_sparse_lr", lambda: cli("--config", str(ROOT / "recipes/configs/dlrm_synthetic.yaml"),
                                                       "--model.init_args.sparse_lr=-1", "--trainer.max_steps=1"),
-           ValueError, ["sparse_lr=-1", ">= 0"], timeout=60)
+           CLIError, ["sparse_lr=-1", ">= 0"], timeout=60)
     simple("cli.export_missing_checkpoint", lambda: cli("/nonexistent/x.ckpt", "/tmp/out_never", entry="export"),
            (CLIError, ValueError, FileNotFoundError), ["x.ckpt"])
     simple("cli.preprocess_26_sizes_wrong", lambda: cli("--input", str(ROOT / "README.md"), "--output_dir",
@@ -2119,14 +2124,18 @@ def _more_cases():
         ref, _ = parse_all(write(ctx.tmp / "p.csv", hdr + "\n" + plain + "\n"))
         expect(table.equals(ref), "quoted Kaggle CSV rows differ from unquoted")
 
-    @case("more.preprocess_vocab_from_missing", ValueError, ["--vocab_from", "nowhere_vocab", "vocab.npz"])
+    @case("more.preprocess_vocab_from_missing", CLIError, ["--vocab_from", "nowhere_vocab", "vocab.npz"])
     def _(ctx):
         from lightning_rec.data.preprocess import preprocess_main
         p = write(ctx.tmp / "d.tsv", criteo_text(10))
         ctx.after(lambda: expect(not (ctx.tmp / "o").exists(), "a refused run left an output directory"))
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100",
-                             "--vocab_from", str(ctx.tmp / "nowhere_vocab")])
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100",
+                                 "--vocab_from", str(ctx.tmp / "nowhere_vocab")])
+            except SystemExit as e:  # the command's one-line error, as the user sees it
+                raise CLIError(err.getvalue() or f"exit {e.code}") from None
 
     @case("more.preprocess_then_train_shapes", timeout=60, legit="preprocess -> CriteoDataModule on the directory")
     def _(ctx):
