@@ -85,13 +85,19 @@ def test_a_misspelt_command_names_every_command_and_errors_are_short(capsys):
     assert "lightning-rec preprocess --help" in out and "lightning-rec export --help" in out
 
 
-@pytest.mark.parametrize("wrong, said", [
-    ("--model.sparse_optimizer=rowwise_adagard", "unknown fused optimizer 'rowwise_adagard': choose one of"),
-    ("--data.batch_size=0", "SyntheticCriteoDataModule batch_size=0: give a positive number"),
+@pytest.mark.parametrize("recipe, wrong, said", [
+    ("dlrm_synthetic", "--model.sparse_optimizer=rowwise_adagard",
+     "unknown fused optimizer 'rowwise_adagard': choose one of"),
+    ("dlrm_synthetic", "--data.batch_size=0", "SyntheticCriteoDataModule batch_size=0: give a positive number"),
+    # a missing file is found in the constructor, on every rank before any process group: found in prepare_data
+    # (local rank 0 only), it left rank 1's gloo "Connection closed by peer" traceback last on the screen
+    ("dlrm_criteo_kaggle", "--data.train_path=/no/such/train.txt",
+     "CriteoDataModule train_path /no/such/train.txt does not exist: check the path (--data.train_path"),
+    ("two_tower_movielens", "--data.data_dir=/no/such/ml-100k", "MovieLens data_dir /no/such/ml-100k is not a folder"),
 ])
-def test_a_constructor_refusal_is_one_line(wrong, said):
+def test_a_constructor_refusal_is_one_line(recipe, wrong, said):
     with pytest.raises(SystemExit) as e:  # (jsonargparse wrapped it in two tracebacks and its Union report)
-        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong])
+        run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", wrong])
     assert str(e.value).startswith("lightning-rec: error: ") and said in str(e.value), e.value
 
 

@@ -522,6 +522,10 @@ class MovieLensDataModule(pl.LightningDataModule):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MovieLensDataModule {name}={value!r}: give a positive number per batch")
         self.data_dir = Path(data_dir)
+        # here, on every rank before any process group exists, as well as in prepare_data (the folder may be
+        # removed in between): found only in prepare_data (local rank 0), it left rank 1 in a barrier, whose gloo
+        # "Connection closed by peer" traceback was the last thing on the screen
+        self._check_data_dir()
         self.split, self.min_rating, self.side_features = split, min_rating, side_features
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.num_negatives, self.eval_test_in_fit, self.seed = num_negatives, eval_test_in_fit, seed
@@ -638,10 +642,14 @@ class MovieLensDataModule(pl.LightningDataModule):
             bag_tables[name] = (offsets, values, max(sizes[name], int(values.max()) + 1))
         return FeatureTable(single, bag_tables)
 
-    def prepare_data(self) -> None:
+    def _check_data_dir(self) -> None:
         if not self.data_dir.is_dir():
             raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
-                             f"folder (download https://grouplens.org/datasets/movielens/)")
+                             f"folder (download https://grouplens.org/datasets/movielens/; --data.data_dir on the "
+                             f"command line)")
+
+    def prepare_data(self) -> None:
+        self._check_data_dir()
 
     def setup(self, stage: str | None = None) -> None:
         if not self._built:
