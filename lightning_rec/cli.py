@@ -117,6 +117,37 @@ class RecCLI(LightningCLI):
                                  f"or use --trainer.accelerator=cpu") from e
             raise
 
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning rebuilds the model from the checkpoint's hyperparameters, replacing what the command line
+        # said: `validate --ckpt_path=X --model.embedding_dim=8` ran the checkpoint's 16 without a word. The
+        # checkpoint must win (its weights only fit its own shapes); the user is told which options were not used
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return super()._parse_ckpt_path()
+        def init_args() -> dict:
+            model = self.config[subcommand].get("model")
+            return dict(vars(model.get("init_args") or {})) if model is not None else {}
+
+        before = init_args()
+        super()._parse_ckpt_path()
+        after = init_args()
+        given = dict.fromkeys(m[1] for a in getattr(self, "_argv", [])
+                              for m in [re.match(r"--model\.(?:init_args\.)?(\w+)", str(a))] if m)
+        unused = [k for k in given if k in before and k in after and before[k] != after[k]]
+        if unused:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"lightning-rec {subcommand}: {', '.join(f'--model.{k}={before[k]!r}' for k in unused)} "
+                f"{'is' if len(unused) == 1 else 'are'} not used: "
+                f"--ckpt_path rebuilds the model with the checkpoint's own hyperparameters "
+                f"({', '.join(f'{k}={after[k]!r}' for k in unused)}); start without --ckpt_path to train another "
+                f"configuration", category=UserWarning)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # every command's parser gets them (LightningCLI adds arguments to all alike); only predict reads them
         parser.add_argument("--predictions.output_path", type=str | None, default=None,
