@@ -201,6 +201,12 @@ class RecCLI(LightningCLI):
                     f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint (a directory written by "
                     f"strategy=rec): load it with --trainer.strategy=rec (any number of devices), or write a one-file "
                     f"model with `lightning-rec export {ckpt_path} OUT`")
+        check_paths = getattr(self.datamodule, "check_paths", None)
+        if callable(check_paths):  # a missing file: one line here, before N ranks start (not N tracebacks)
+            try:
+                check_paths(subcommand)
+            except ValueError as e:
+                raise SystemExit(f"lightning-rec {subcommand}: error: {e}") from None
         super()._run_subcommand(subcommand)
 
     def after_fit(self) -> None:

@@ -89,16 +89,27 @@ def test_a_misspelt_command_names_every_command_and_errors_are_short(capsys):
     ("dlrm_synthetic", "--model.sparse_optimizer=rowwise_adagard",
      "unknown fused optimizer 'rowwise_adagard': choose one of"),
     ("dlrm_synthetic", "--data.batch_size=0", "SyntheticCriteoDataModule batch_size=0: give a positive number"),
-    # a missing file is found in the constructor, on every rank before any process group: found in prepare_data
-    # (local rank 0 only), it left rank 1's gloo "Connection closed by peer" traceback last on the screen
-    ("dlrm_criteo_kaggle", "--data.train_path=/no/such/train.txt",
-     "CriteoDataModule train_path /no/such/train.txt does not exist: check the path (--data.train_path"),
+    # a missing folder is found in the constructor, on every rank before any process group: found in
+    # prepare_data (local rank 0 only), it left rank 1's gloo "Connection closed by peer" traceback last on screen
     ("two_tower_movielens", "--data.data_dir=/no/such/ml-100k", "MovieLens data_dir /no/such/ml-100k is not a folder"),
 ])
 def test_a_constructor_refusal_is_one_line(recipe, wrong, said):
     with pytest.raises(SystemExit) as e:  # (jsonargparse wrapped it in two tracebacks and its Union report)
         run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", wrong])
     assert str(e.value).startswith("lightning-rec: error: ") and said in str(e.value), e.value
+
+
+@pytest.mark.parametrize("command, wrong", [("fit", "--data.train_path=/no/such/train.txt"),
+                                            ("predict", "--data.predict_path=/no/such/train.txt")])
+def test_a_missing_criteo_file_is_one_line_before_the_trainer_starts(command, wrong):
+    # found in prepare_data (local rank 0 only), it left rank 1's gloo "Connection closed by peer" traceback last
+    # on the screen at 2 ranks; only the stage's own files are checked (predict needs no training file)
+    with pytest.raises(SystemExit) as e:
+        run_cli([command, "--config", "recipes/configs/dlrm_criteo_kaggle.yaml", "--trainer.devices=2",
+                 "--trainer.strategy=rec", "--data.val_path=/no/such/valid.txt", wrong])
+    split = wrong.split(".")[1].split("=")[0]
+    assert str(e.value) == (f"lightning-rec {command}: error: CriteoDataModule {split} /no/such/train.txt does not "
+                            f"exist: check the path (--data.{split} on the command line)"), e.value
 
 
 def test_an_option_like_no_other_gets_no_guess(capsys):

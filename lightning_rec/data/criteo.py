@@ -506,16 +506,6 @@ class CriteoIterableDataset(IterableDataset):
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
 
-def _check_path_exists(split: str, path: str | os.PathLike | None) -> None:
-    """A missing file fails here, in the constructor, on every rank before any process group exists: found
-    later (prepare_data runs on local rank 0 only) it killed rank 0 while rank 1 waited in a barrier, and
-    the last thing on the screen was rank 1's gloo "Connection closed by peer" traceback."""
-    if path is None or is_shard_dir(path):
-        return
-    check_criteo_file(path, what=f"CriteoDataModule {split}_path", fix=f"check the path (--data.{split}_path on the "
-                                                                         f"command line)")
-
-
 class CriteoDataModule(pl.LightningDataModule):
     """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es.
 
@@ -566,8 +556,6 @@ class CriteoDataModule(pl.LightningDataModule):
         self.paths = {
             "train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path
         }
-        for split, path in self.paths.items():
-            _check_path_exists(split, path)
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"CriteoDataModule {name}={value!r}: give a positive number of samples per batch")
@@ -640,6 +628,17 @@ class CriteoDataModule(pl.LightningDataModule):
             raise ValueError(f"CriteoDataModule has no {needed}_path, which {stage} needs: set --data.{needed}_path="
                              f"FILE ({what})")
         return tuple(s for s in _STAGE_SPLITS.get(stage, tuple(self.paths)) if self.paths[s] is not None)
+
+    def check_paths(self, stage: str) -> None:
+        """A clear ValueError for a file that `stage` reads and that does not exist (or a split it needs and has
+        no path for). The CLI calls it before the Trainer starts, so that at N ranks the error comes once, before
+        any process group: found in prepare_data (local rank 0 only), it left rank 1 in a barrier, whose gloo
+        "Connection closed by peer" traceback was the last thing on the screen. Only the stage's files: predict
+        on a machine without the recipe's training files works."""
+        for split in self._splits_of(stage):
+            if not is_shard_dir(self.paths[split]):
+                check_criteo_file(self.paths[split], what=f"CriteoDataModule {split}_path",
+                                  fix=f"check the path (--data.{split}_path on the command line)")
 
     def prepare_data(self) -> None:
         # Lightning's prepare_data has no stage argument: the attached Trainer's state names it
