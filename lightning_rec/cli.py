@@ -21,6 +21,7 @@ import argparse
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -219,6 +220,11 @@ class RecCLI(LightningCLI):
                 print(f"final {what}: {shown}", flush=True)
 
 
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in str(record.msg)
+
+
 def run_cli(args: list[str] | None = None) -> RecCLI:
     """Run the CLI and return it (tests read its trainer and model)."""
     # W&B never reaches the network unless the user asks for it (WANDB_MODE=online).
@@ -227,6 +233,13 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     # run (each rank) that no recipe can act on; Lightning's to change
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    # two lines of Lightning's in every run that no recipe can act on: the litlogger advertisement, and that the
+    # default logger is a CSVLogger when tensorboard is absent (the recipes say where their logs go)
+    warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed")
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        rank_zero_log = logging.getLogger(name)
+        if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
+            rank_zero_log.addFilter(_NoLitLoggerTip())
     return RecCLI(
         LightningModule,
         LightningDataModule,

@@ -1,5 +1,7 @@
 """The recipe CLI, run for real: the default synthetic job and the Criteo recipe on real samples."""
 
+import logging
+
 import pytest
 from conftest import needs_wandb
 
@@ -12,9 +14,12 @@ def val(cli, name):
     return float(cli.trainer.callback_metrics[name])
 
 
-def test_default_synthetic_recipe_learns(tmp_path):
+def test_default_synthetic_recipe_learns(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml",
                    f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    said = [r.getMessage() for r in caplog.records]
+    assert "Seed set to 0" in said and not [m for m in said if "litlogger" in m]  # Lightning's advert in every run
     assert val(cli, "val_auc") > 0.7  # planted signal: a model that learns nothing sits at 0.5
     assert val(cli, "val_ne") < 1.0
 
