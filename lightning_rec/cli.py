@@ -202,6 +202,8 @@ class RecCLI(LightningCLI):
                     f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint (a directory written by "
                     f"strategy=rec): load it with --trainer.strategy=rec (any number of devices), or write a one-file "
                     f"model with `lightning-rec export {ckpt_path} OUT`")
+        if subcommand != "fit":  # evaluation restores no callback state: Lightning's advice has nothing to act on
+            warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create")
         check_paths = getattr(self.datamodule, "check_paths", None)
         if callable(check_paths):  # a missing file: one line here, before N ranks start (not N tracebacks)
             try:

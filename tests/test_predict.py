@@ -102,8 +102,10 @@ def test_predict_on_a_labelled_file_keeps_the_labels_and_defaults_to_the_run_dir
     # a default path never overwrites an earlier run's file; a --model option that the checkpoint's own
     # hyperparameters replace is named (Lightning replaced it without a word), and the output stays the checkpoint's
     with pytest.warns(UserWarning, match=r"--model.embedding_dim=4 is not used: --ckpt_path rebuilds the model "
-                                         r"with the checkpoint's own hyperparameters \(embedding_dim=8\)"):
+                                         r"with the checkpoint's own hyperparameters \(embedding_dim=8\)") as said:
         run_cli([*args, "--model.init_args.embedding_dim=4"])
+    # (and not Lightning's advice to add the fit's callbacks, which predict has no use for)
+    assert not [w for w in said if "callbacks used to create the checkpoint" in str(w.message)]
     np.testing.assert_allclose(_read(tmp_path / "predictions_1.csv")["probability"], want, rtol=0, atol=1e-6)
     assert f"rows written to {tmp_path / 'predictions_1.csv'}" in capsys.readouterr().out
     assert _read(first)["row"].shape == (len(labels),)
