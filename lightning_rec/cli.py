@@ -149,6 +149,18 @@ class RecCLI(LightningCLI):
                 f"({', '.join(f'{k}={after[k]!r}' for k in unused)}); start without --ckpt_path to train another "
                 f"configuration", category=UserWarning)
 
+    def _instantiate_trainer(self, config: dict, callbacks: list):
+        # Every recipe says enable_checkpointing: false (no checkpoints unless asked); asking is adding a
+        # ModelCheckpoint (`--trainer.callbacks+=ModelCheckpoint`, as the README shows), which Lightning then
+        # refused with a MisconfigurationException traceback. The callback the user added is the ask.
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_checkpointing") is False and any(isinstance(c, ModelCheckpoint) for c in given):
+            config = {**config, "enable_checkpointing": True}
+        return super()._instantiate_trainer(config, callbacks)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # every command's parser gets them (LightningCLI adds arguments to all alike); only predict reads them
         parser.add_argument("--predictions.output_path", type=str | None, default=None,

@@ -175,3 +175,13 @@ def test_data_and_model_table_sizes_are_compared_before_training(tmp_path):
     assert cli.trainer.global_step == 1
     with pytest.raises(ValueError, match=r"feature C1's ids from 2000 values but the model's table for it has 1000"):
         run_cli([*args, "--data.num_embeddings_per_feature=2000"])
+
+
+def test_an_added_model_checkpoint_is_the_ask_for_checkpoints(tmp_path):
+    # every recipe says enable_checkpointing: false; the README's way to ask for checkpoints on the command line
+    # (adding a ModelCheckpoint) was refused by Lightning with a MisconfigurationException traceback
+    run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+             "--data.init_args.num_train_samples=1024", "--trainer.max_epochs=1", "--trainer.limit_val_batches=1",
+             "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ck'}",
+             "--trainer.callbacks.save_last=true", *QUIET])
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
