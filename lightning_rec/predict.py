@@ -5,8 +5,9 @@ Shapes: R rows predicted (on this rank, or over every rank once gathered), K col
 What a module's `predict_step` returns: a dict of columns, each a tensor whose first dim is the batch's
 rows, e.g. DLRMModule {"probability": p_B, "label": y_B} and TwoTowerModule {"row": u_U, "user": id_U,
 "item": id_UK, "score": s_UK}. Each row's place in the input is its "row" column when the step gives
-one, else the index Lightning's predict loop records for it (map-style datasets), else its order in
-this rank's stream (one rank only). Rows are written once each, in input order:
+one, else the index Lightning's predict loop records for it (map-style datasets), else the batch's
+`row_ids` (a preprocessed directory), else its order in this rank's stream (one rank only). Rows are
+written once each, in input order:
 
     rank 0: rows r0 --\
     rank 1: rows r1 ---> gather to rank 0 (torch.distributed.gather_object) --> sort by row (a repeat once)
@@ -133,11 +134,17 @@ class PredictionWriter(BasePredictionWriter):
                     raise ValueError(f"predict_step returned {num} rows for a batch of {len(indices)} samples: "
                                      f"return one row per sample, or a 'row' column with each row's input index")
                 columns[ROW] = np.asarray(indices, dtype=np.int64)
+            elif getattr(batch, "row_ids", None) is not None:  # a dataset that knows each row's place
+                if len(batch.row_ids) != num:
+                    raise ValueError(f"predict_step returned {num} rows for a batch of {len(batch.row_ids)} samples: "
+                                     f"return one row per sample, or a 'row' column with each row's input index")
+                columns[ROW] = batch.row_ids.cpu().numpy().astype(np.int64)
             elif trainer.world_size > 1:
                 raise ValueError("predictions at more than one rank need each row's place in the input, and this "
-                                 "predict dataloader gives no sample indices (an iterable dataset: "
-                                 "data.streaming=true or a preprocessed shard directory): predict on one device "
-                                 "(--trainer.devices=1), or from a map-style file (--data.streaming=false)")
+                                 "predict dataloader gives neither sample indices nor row ids (a text stream: "
+                                 "data.streaming=true): predict on one device (--trainer.devices=1), from a map-style "
+                                 "file (--data.streaming=false), or from a directory written by `lightning-rec "
+                                 "preprocess`")
             else:  # one rank, an iterable dataset: its own order is the input order
                 columns[ROW] = np.arange(self._stream_rows, self._stream_rows + num, dtype=np.int64)
         self._stream_rows += num

@@ -111,7 +111,8 @@ def test_predict_on_a_labelled_file_keeps_the_labels_and_defaults_to_the_run_dir
     assert _read(first)["row"].shape == (len(labels),)
 
 
-def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool) -> int:
+def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool,
+                       predict_path: Path = UNLABELLED) -> int:
     from lightning_rec.cli import run_cli
 
     strategy = (["--trainer.strategy=lightning_rec.strategy.RecStrategy", "--trainer.strategy.pipeline=true"]
@@ -119,7 +120,7 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
     # 1999 rows, 2 ranks, batches of 999: rank 0 has 1000 rows (2 steps), rank 1 999 and an empty second batch
     # (its share padded with -1); rank 0's second batch must not be skipped, nor rank 1's empty one confuse the writer
     cli = run_cli(["predict", *_criteo_args(root, "--data.batch_size=999"), *strategy,
-                   f"--trainer.devices={world_size}", f"--ckpt_path={ckpt}", f"--data.predict_path={UNLABELLED}",
+                   f"--trainer.devices={world_size}", f"--ckpt_path={ckpt}", f"--data.predict_path={predict_path}",
                    f"--predictions.output_path={root / 'preds.csv'}"])
     return next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
 
@@ -133,6 +134,27 @@ def test_predict_at_two_ranks_with_sharded_tables_writes_each_row_once_in_order(
     want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
     np.testing.assert_array_equal(got["row"], np.arange(1999))
     np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)  # one id per bag: same sums
+
+
+@needs_criteo
+def test_predict_at_two_ranks_from_a_preprocessed_directory_writes_each_row_once_in_order(criteo_ckpt, tmp_path):
+    """A shard directory's rows carry their place (Batch.row_ids); it was refused at 2 ranks before."""
+    from lightning_rec.data.criteo_shards import CriteoShardDataset
+    from lightning_rec.data.preprocess import preprocess_criteo
+    from lightning_rec.models import DLRMModule
+
+    shards = tmp_path / "shards"  # 700 + 700 + 599 rows: rank 1's share starts inside the first shard
+    preprocess_criteo([UNLABELLED], shards, num_embeddings=1000, rows_per_shard=700, shuffle_rows=False,
+                      progress=False)
+    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, True, shards, timeout=180)
+    assert rows == [1999, 1999]
+    got = _read(tmp_path / "preds.csv")
+    module = DLRMModule.load_from_checkpoint(criteo_ckpt, map_location="cpu").eval()
+    with torch.no_grad():  # the unsharded module over the directory in its own order, one process
+        want = np.concatenate([torch.sigmoid(module(b.dense_features, b.sparse_features)).numpy()
+                               for b in CriteoShardDataset(shards, 512, rank=0, world_size=1)])
+    np.testing.assert_array_equal(got["row"], np.arange(1999))
+    np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)
 
 
 # each stage reads only its own paths ------------------------------------------------------------------------

@@ -5,6 +5,9 @@ Shapes: B samples in the batch, F sparse features (26 for Criteo), 13 dense feat
     dense_features   [B, 13] float32   log(1 + max(x, 0)) of the integer counts, missing -> 0
     sparse_features  KeyedJaggedTensor, keys F, stride B, lengths key-major [F*B], int64 ids
     labels           [B] float32       0. / 1. (NaN for unlabelled data such as the Kaggle test file)
+    row_ids          [B] int64 or None each row's place in its input, where the dataset knows it and no
+                                       sampler index says it (an evaluation share of a preprocessed
+                                       directory): how predictions at N ranks are put back in input order
 
 Batches are built whole by the datasets (an Arrow/numpy slice per batch, never a per-sample
 collate), so the DataLoader's collate function only passes them through (`passthrough_collate`).
@@ -37,6 +40,7 @@ class Batch:
     dense_features: Tensor
     sparse_features: KeyedJaggedTensor
     labels: Tensor
+    row_ids: Tensor | None = None
 
     # Lightning moves any object with a callable `.to` (its `_TransferableDataType` protocol) through
     # `move_data_to_device`, so this method is what `transfer_batch_to_device` calls by default.
@@ -45,6 +49,7 @@ class Batch:
             dense_features=self.dense_features.to(device, non_blocking=non_blocking),
             sparse_features=self.sparse_features.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            row_ids=self.row_ids,  # bookkeeping for the host (the prediction writer), never read on the device
         )
 
     # The DataLoader's pin-memory thread calls `.pin_memory()` on objects that have one.
@@ -53,6 +58,7 @@ class Batch:
             dense_features=self.dense_features.pin_memory(),
             sparse_features=self.sparse_features.pin_memory(),
             labels=self.labels.pin_memory(),
+            row_ids=self.row_ids,
         )
 
     def record_stream(self, stream: torch.Stream) -> None:

@@ -253,28 +253,37 @@ class CriteoShardDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         arrays = self._open()
         rows = int(seg_start[-1])
+        # where each shard starts in the directory's row order: an evaluation share's rows carry their place
+        # (Batch.row_ids), which puts predictions made at N ranks back in order
+        shard_start = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
         for k in order[worker::num_workers]:
             lo, hi = int(k) * self.batch_size, min((int(k) + 1) * self.batch_size, rows)
             if lo >= hi:  # every_row: past this rank's share, an empty batch keeps it stepping with the others
                 yield self.empty_batch()
                 continue
             first = int(np.searchsorted(seg_start, lo, side="right")) - 1
-            pieces = []
+            pieces, places = [], []
             s = first
             while lo < hi:  # a batch spans at most a few shards
                 shard, seg_lo, _ = segments[s]
                 a = seg_lo + lo - int(seg_start[s])
                 take = min(hi - lo, int(seg_start[s + 1]) - lo)
                 pieces.append(tuple(arr[a:a + take] for arr in arrays[shard]))
+                places.append((int(shard_start[shard]) + a, take))
                 lo += take
                 s += 1
-            yield self.make_batch(*(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
-                                    for parts in zip(*pieces)))
+            batch = self.make_batch(*(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+                                      for parts in zip(*pieces)))
+            if self.every_row:
+                batch.row_ids = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in places]))
+            yield batch
 
     def empty_batch(self) -> Batch:
         """A batch of 0 rows (evaluation padding; see `every_row`)."""
-        return self.make_batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
-                               np.empty((0, NUM_SPARSE_FEATURES), np.int32))
+        batch = self.make_batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+                                np.empty((0, NUM_SPARSE_FEATURES), np.int32))
+        batch.row_ids = torch.empty(0, dtype=torch.int64)
+        return batch
 
     def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
         """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.
