@@ -6,8 +6,8 @@ What a module's `predict_step` returns: a dict of columns, each a tensor whose f
 rows, e.g. DLRMModule {"probability": p_B, "label": y_B} and TwoTowerModule {"row": u_U, "user": id_U,
 "item": id_UK, "score": s_UK}. Each row's place in the input is its "row" column when the step gives
 one, else the index Lightning's predict loop records for it (map-style datasets), else the batch's
-`row_ids` (a preprocessed directory), else its order in this rank's stream (one rank only). Rows are
-written once each, in input order:
+`row_ids` (order keys from a preprocessed directory or a text stream; rows are numbered 0..R-1 in that
+order), else its order in this rank's stream (one rank only). Rows are written once each, in input order:
 
     rank 0: rows r0 --\
     rank 1: rows r1 ---> gather to rank 0 (torch.distributed.gather_object) --> sort by row (a repeat once)
@@ -108,6 +108,7 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._parts = []
         self._stream_rows = 0
+        self._renumber = False
 
     # every batch: this rank's rows, on the host ----------------------------------------------------------
 
@@ -134,17 +135,17 @@ class PredictionWriter(BasePredictionWriter):
                     raise ValueError(f"predict_step returned {num} rows for a batch of {len(indices)} samples: "
                                      f"return one row per sample, or a 'row' column with each row's input index")
                 columns[ROW] = np.asarray(indices, dtype=np.int64)
-            elif getattr(batch, "row_ids", None) is not None:  # a dataset that knows each row's place
+            elif getattr(batch, "row_ids", None) is not None:  # a dataset that knows each row's order key
                 if len(batch.row_ids) != num:
                     raise ValueError(f"predict_step returned {num} rows for a batch of {len(batch.row_ids)} samples: "
                                      f"return one row per sample, or a 'row' column with each row's input index")
                 columns[ROW] = batch.row_ids.cpu().numpy().astype(np.int64)
+                self._renumber = True  # order keys (a stream's may skip numbers): rows 0..R-1 once sorted
             elif trainer.world_size > 1:
                 raise ValueError("predictions at more than one rank need each row's place in the input, and this "
-                                 "predict dataloader gives neither sample indices nor row ids (a text stream: "
-                                 "data.streaming=true): predict on one device (--trainer.devices=1), from a map-style "
-                                 "file (--data.streaming=false), or from a directory written by `lightning-rec "
-                                 "preprocess`")
+                                 "predict dataloader gives neither sample indices nor Batch.row_ids (an iterable "
+                                 "dataset of your own?): predict on one device (--trainer.devices=1), or give "
+                                 "each batch its rows' order in row_ids")
             else:  # one rank, an iterable dataset: its own order is the input order
                 columns[ROW] = np.arange(self._stream_rows, self._stream_rows + num, dtype=np.int64)
         self._stream_rows += num
@@ -162,8 +163,15 @@ class PredictionWriter(BasePredictionWriter):
         else:
             table = local
         count = torch.zeros(1, dtype=torch.int64)
+        renumber = self._renumber
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([int(renumber)], device=trainer.strategy.root_device)
+            dist.all_reduce(flag)  # a rank whose share was empty saw no row_ids; the others did
+            renumber = bool(flag.item())
         if trainer.is_global_zero:
             table = _in_input_order(table or {})
+            if renumber and table:
+                table[ROW] = np.arange(len(table[ROW]), dtype=np.int64)
             write_table(table, self._path)
             count[0] = len(table[ROW]) if table else 0
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():

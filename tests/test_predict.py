@@ -112,7 +112,7 @@ def test_predict_on_a_labelled_file_keeps_the_labels_and_defaults_to_the_run_dir
 
 
 def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool,
-                       predict_path: Path = UNLABELLED) -> int:
+                       predict_path: Path = UNLABELLED, *extra: str) -> int:
     from lightning_rec.cli import run_cli
 
     strategy = (["--trainer.strategy=lightning_rec.strategy.RecStrategy", "--trainer.strategy.pipeline=true"]
@@ -121,7 +121,7 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
     # (its share padded with -1); rank 0's second batch must not be skipped, nor rank 1's empty one confuse the writer
     cli = run_cli(["predict", *_criteo_args(root, "--data.batch_size=999"), *strategy,
                    f"--trainer.devices={world_size}", f"--ckpt_path={ckpt}", f"--data.predict_path={predict_path}",
-                   f"--predictions.output_path={root / 'preds.csv'}"])
+                   f"--predictions.output_path={root / 'preds.csv'}", *extra])
     return next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
 
 
@@ -137,6 +137,20 @@ def test_predict_at_two_ranks_with_sharded_tables_writes_each_row_once_in_order(
 
 
 @needs_criteo
+@pytest.mark.parametrize("block_bytes", [32768, 1 << 20], ids=["blocks_dealt", "rows_dealt"])
+def test_predict_at_two_ranks_from_a_text_stream_writes_each_row_once_in_order(criteo_ckpt, tmp_path, block_bytes):
+    """A stream's rows carry an order key (Batch.row_ids); it was refused at 2 ranks before. Pipelined and plain
+    read the same batches; the pipelined loop is the one with more between the loader and the writer."""
+    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, True, UNLABELLED, "--data.streaming=true",
+                     f"--data.block_bytes={block_bytes}", timeout=180)
+    assert rows == [1999, 1999]
+    got = _read(tmp_path / "preds.csv")
+    want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
+    np.testing.assert_array_equal(got["row"], np.arange(1999))
+    np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)
+
+
+@needs_criteo
 def test_predict_at_two_ranks_from_a_preprocessed_directory_writes_each_row_once_in_order(criteo_ckpt, tmp_path):
     """A shard directory's rows carry their place (Batch.row_ids); it was refused at 2 ranks before."""
     from lightning_rec.data.criteo_shards import CriteoShardDataset
@@ -146,7 +160,7 @@ def test_predict_at_two_ranks_from_a_preprocessed_directory_writes_each_row_once
     shards = tmp_path / "shards"  # 700 + 700 + 599 rows: rank 1's share starts inside the first shard
     preprocess_criteo([UNLABELLED], shards, num_embeddings=1000, rows_per_shard=700, shuffle_rows=False,
                       progress=False)
-    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, True, shards, timeout=180)
+    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, False, shards, timeout=180)
     assert rows == [1999, 1999]
     got = _read(tmp_path / "preds.csv")
     module = DLRMModule.load_from_checkpoint(criteo_ckpt, map_location="cpu").eval()

@@ -331,6 +331,11 @@ class CriteoIterableDataset(IterableDataset):
     With `shuffle`, rows are shuffled within each block (and the order differs per epoch); the
     block order stays the file order. Rows left over at the end of a block carry into the next
     block's batches, so only the last batch can be short.
+
+    `row_ids=True` (CriteoDataModule's predict set): each batch carries an order key per row
+    (`Batch.row_ids`): its line's place among the file's rows when rows are dealt, (block << 32) + its place
+    in the block when blocks are. Keys grow with the file order, so predictions made at N ranks are put
+    back in input order by sorting them (lightning_rec.predict renumbers them 0..R-1).
     """
 
     def __init__(
@@ -349,10 +354,12 @@ class CriteoIterableDataset(IterableDataset):
         has_label: bool | None = None,
         block_bytes: int = 16 << 20,
         parser: str = "auto",
+        row_ids: bool = False,
     ) -> None:
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
         check_criteo_file(path)
+        self.row_ids = row_ids
         self.parser = resolve_parser(parser)
         self.path = str(path)
         self.layout = detect_layout(path, separator, has_header, has_label)
@@ -457,8 +464,10 @@ class CriteoIterableDataset(IterableDataset):
             boundary = {**base, "reader": reader, "block": here, "seen": seen, "rng": rng.bit_generator.state,
                         "pending": list(pending)}
             arrays = parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report, self.parser)
+            n = arrays[0].shape[0]
+            if self.row_ids:  # an order key per row (see the class doc), carried beside the rows
+                arrays = (*arrays, np.arange(seen, seen + n) if by_rows else (here << 32) + np.arange(n))
             if by_rows:
-                n = arrays[0].shape[0]
                 mine = (np.arange(seen, seen + n) % num_shards) == shard
                 seen += n
                 arrays = tuple(a[mine] for a in arrays)
@@ -469,21 +478,20 @@ class CriteoIterableDataset(IterableDataset):
             num_pending += arrays[0].shape[0]
             if num_pending < self.batch_size:
                 continue
-            label, dense, sparse = (np.concatenate(parts) for parts in zip(*pending))
+            columns = [np.concatenate(parts) for parts in zip(*pending)]  # label, dense, sparse (, row ids)
             full = (num_pending // self.batch_size) * self.batch_size
             for i, s in enumerate(range(0, full, self.batch_size)):
                 if i < skip:  # a resumed pass: trained before the checkpoint
                     continue
                 self._position = {**boundary, "yielded": i + 1}  # the state once this batch is taken
-                yield self._batch(label[s:s + self.batch_size], dense[s:s + self.batch_size],
-                                  sparse[s:s + self.batch_size])
+                yield self._batch(*(c[s:s + self.batch_size] for c in columns))
             skip = 0
-            pending = [(label[full:], dense[full:], sparse[full:])]
+            pending = [tuple(c[full:] for c in columns)]
             num_pending -= full
         if num_pending and not self.drop_last:
-            label, dense, sparse = (np.concatenate(parts) for parts in zip(*pending))
+            columns = [np.concatenate(parts) for parts in zip(*pending)]
             self._position = {**base, "done": True}
-            yield self._batch(label, dense, sparse)
+            yield self._batch(*columns)
         self._position = {**base, "done": True}
         report.log_skips()
 
@@ -491,12 +499,15 @@ class CriteoIterableDataset(IterableDataset):
         """A batch of 0 rows. Streams of ranks end at different batches: in evaluation, a rank whose stream
         ran out steps with these until every rank's has (RecStrategy), so every row is scored once."""
         return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
-                           np.empty((0, NUM_SPARSE_FEATURES), np.int64))
+                           np.empty((0, NUM_SPARSE_FEATURES), np.int64),
+                           *((np.empty(0, np.int64),) if self.row_ids else ()))
 
-    def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> Batch:
-        return make_criteo_batch(
-            label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical
-        )
+    def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
+               row_ids: np.ndarray | None = None) -> Batch:
+        batch = make_criteo_batch(label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical)
+        if row_ids is not None:
+            batch.row_ids = torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64))
+        return batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -680,7 +691,7 @@ class CriteoDataModule(pl.LightningDataModule):
                     self.num_embeddings_per_feature, self.sparse_feature_names, self.missing_categorical,
                     shuffle=self.shuffle and split == "train", seed=self.seed,
                     drop_last=self.drop_last and split == "train", on_bad_row=self.on_bad_row,
-                    block_bytes=min(self.block_bytes, 16 << 20), **self.layout_args,
+                    block_bytes=min(self.block_bytes, 16 << 20), row_ids=split == "predict", **self.layout_args,
                 )
             else:
                 self.datasets[split] = CriteoDataset(
