@@ -235,8 +235,8 @@ class RecCLI(LightningCLI):
 
 
 class _NoLitLoggerTip(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in str(record.msg)
+    def filter(self, record: logging.LogRecord) -> bool:  # Lightning's advertisements (litlogger, litmodels)
+        return not str(record.msg).startswith("💡 Tip")
 
 
 def run_cli(args: list[str] | None = None) -> RecCLI:
@@ -247,8 +247,8 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     # run (each rank) that no recipe can act on; Lightning's to change
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
-    # two lines of Lightning's in every run that no recipe can act on: the litlogger advertisement, and that the
-    # default logger is a CSVLogger when tensorboard is absent (the recipes say where their logs go)
+    # lines of Lightning's in every run that no recipe can act on: its advertisements (litlogger, litmodels), and
+    # that the default logger is a CSVLogger when tensorboard is absent (the recipes say where their logs go)
     warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         rank_zero_log = logging.getLogger(name)
@@ -304,8 +304,11 @@ def main() -> None:
             run_cli()
         except ValueError as e:  # a user error (a missing predict_path, an existing output file): its message
             sys.exit(f"lightning-rec predict: error: {e}")
-        return
-    run_cli()
+    else:
+        run_cli()
+    from lightning_rec.strategy import close_process_groups
+
+    close_process_groups()  # after a run that ended well (an error above leaves the groups alone)
 
 
 if __name__ == "__main__":

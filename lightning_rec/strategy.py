@@ -43,6 +43,42 @@ from lightning_rec.types import ShardingPlan
 _SHARDED_BY = "_lightning_rec_dmp"  # LightningModule.__dict__ key: the DistributedModelParallel of its tables
 
 
+def close_process_groups() -> None:
+    """Destroy every process group and collect the objects that held one, while the interpreter is whole.
+
+    Lightning leaves the process group open (another fit may follow in the same process). A process that
+    then exits with gloo's worker threads alive aborted now and then after its work was done ("terminate
+    called without an active exception", 2 of 8 two-rank CLI predicts, SIGABRT: torchrun reports the job
+    failed): a worker releasing the last reference to a finished collective's tensors needs the GIL, which a
+    finalizing interpreter no longer gives. Destroyed here, each group's destructor (which releases the GIL)
+    joins its workers first. Call it after a run that ended well: not after an error, when a rank still inside
+    a collective could wait on this one (on NCCL).
+    """
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()  # our modules, guards and pipelines hold groups too, in reference cycles
+
+
+_exit_hook: list[bool] = []
+
+
+def _close_gloo_groups_at_exit() -> None:
+    """For scripts (`python train.py` with RecStrategy on CPU): close_process_groups at exit, unless the script
+    ends in an uncaught exception (then nothing is touched). gloo's destroy is local to the rank."""
+    import atexit
+    import sys
+
+    def close() -> None:
+        if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
+            close_process_groups()
+
+    if not _exit_hook:
+        _exit_hook.append(True)
+        atexit.register(close)
+
+
 class RecStrategy(DDPStrategy):
     """DDP for dense layers + model-parallel embedding tables.
 
@@ -262,6 +298,12 @@ class RecStrategy(DDPStrategy):
             return hooks(batch, dataloader_idx=dataloader_idx)
 
         module._on_before_batch_transfer = on_before_batch_transfer  # this run only: teardown removes it
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            _close_gloo_groups_at_exit()
 
     @override
     def teardown(self) -> None:

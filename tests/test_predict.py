@@ -122,7 +122,19 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
     cli = run_cli(["predict", *_criteo_args(root, "--data.batch_size=999"), *strategy,
                    f"--trainer.devices={world_size}", f"--ckpt_path={ckpt}", f"--data.predict_path={predict_path}",
                    f"--predictions.output_path={root / 'preds.csv'}", *extra])
-    return next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
+    rows = next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
+    del cli
+    # what `lightning-rec` does after a run that ended well: every group destroyed and collected while the
+    # interpreter is whole (one left to the exit made gloo abort the process now and then, SIGABRT)
+    import gc
+
+    import torch.distributed as dist
+
+    from lightning_rec.strategy import close_process_groups
+
+    close_process_groups()
+    assert not dist.is_initialized() and not [o for o in gc.get_objects() if isinstance(o, dist.ProcessGroup)]
+    return rows
 
 
 @needs_criteo

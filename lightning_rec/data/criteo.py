@@ -684,6 +684,11 @@ class CriteoDataModule(pl.LightningDataModule):
                         f"{self.num_embeddings_per_feature}: set the data and model num_embeddings_per_feature "
                         f"to the directory's (manifest.json), or preprocess again"
                     )
+                if split == "predict" and dataset.manifest["options"].get("shuffle_rows"):
+                    warnings.warn(f"{self.paths[split]}: preprocess shuffled the rows within each shard, so the "
+                                  f"predictions' row column counts the directory's order, not the input file's; "
+                                  f"to predict in the input's order, preprocess it again with --no_shuffle_rows",
+                                  stacklevel=2)
                 self.datasets[split] = dataset
             elif self.streaming:
                 self.datasets[split] = CriteoIterableDataset(

@@ -10,7 +10,8 @@ as they are):
 
     text --(blocks of --block_mb, cut at newlines)--> torch.ops.lightning_rec.parse_criteo
          (ids hashed into the tables, log(1 + max(x, 0)) dense, all in the op) --> rows of a shard
-    --(>= --rows_per_shard rows: shuffled within the shard, seeded)--> <shard>.{label,dense,sparse}.npy
+    --(>= --rows_per_shard rows: shuffled within the shard, seeded; unlabelled inputs, which are for
+       predict, keep their order)--> <shard>.{label,dense,sparse}.npy
     --> <shard>.json (rows, sha256 of each file, the input byte range it came from)
     --> manifest.json when every input is done (CriteoDataModule reads the directory through it)
 
@@ -147,7 +148,7 @@ def preprocess_criteo(
     missing_categorical: str = "reserved_id",
     rows_per_shard: int = 1_000_000,
     block_mb: int = 8,
-    shuffle_rows: bool = True,
+    shuffle_rows: bool | None = None,
     seed: int = 0,
     on_bad_row: str = "error",
     separator: str | None = None,
@@ -185,6 +186,9 @@ def preprocess_criteo(
     labelled = {lay.has_label for lay in layouts}
     if len(labelled) > 1:
         raise ValueError(f"some inputs have a label column and some do not ({inputs}): preprocess them separately")
+    if shuffle_rows is None:
+        # shuffling serves training; rows without labels are for predict, whose output follows the input order
+        shuffle_rows = next(iter(labelled))
     options = dict(
         num_embeddings=sizes, min_frequency=min_frequency, vocab_from=str(vocab_from) if vocab_from else None,
         missing_categorical=missing_categorical, rows_per_shard=rows_per_shard, block_mb=block_mb,
@@ -419,7 +423,9 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
                              "(so a shard holds this many up to one block more); memory is about 3 x 160 bytes x "
                              "this (default 1000000)")
     parser.add_argument("--block_mb", type=int, default=8, help="text read and parsed at a time (MiB)")
-    parser.add_argument("--no_shuffle_rows", action="store_true", help="keep the file order inside each shard")
+    parser.add_argument("--no_shuffle_rows", action="store_true",
+                        help="keep the file order inside each shard (unlabelled inputs, which are for predict, "
+                             "always keep it: predictions follow the directory's row order)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--on_bad_row", default="error", choices=("error", "skip"))
     parser.add_argument("--separator", default=None, choices=("tab", "comma"), help="default: detected")
@@ -438,7 +444,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
             args.input, args.output_dir, num_embeddings=sizes[0] if len(sizes) == 1 else sizes,
             min_frequency=args.min_frequency, vocab_from=args.vocab_from,
             missing_categorical=args.missing_categorical, rows_per_shard=args.rows_per_shard,
-            block_mb=args.block_mb, shuffle_rows=not args.no_shuffle_rows, seed=args.seed,
+            block_mb=args.block_mb, shuffle_rows=False if args.no_shuffle_rows else None, seed=args.seed,
             on_bad_row=args.on_bad_row, separator={"tab": "\t", "comma": ","}.get(args.separator),
             verify=not args.no_verify, progress=not args.no_progress,
         )
