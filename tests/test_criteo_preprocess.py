@@ -67,6 +67,22 @@ def test_shuffled_shards_hold_the_same_rows(tmp_path):
     assert len(manifest["shards"]) > 2
 
 
+def test_unlabelled_inputs_keep_their_order_for_predict(tmp_path):
+    """Rows without labels are for predict, whose output follows the directory's order: not shuffled unless asked.
+    Predicting from a shuffled directory says that its row column is not the input file's line order."""
+    unlabelled = CRITEO / "criteo_kaggle_test_head1999_nolabel.tsv"
+    out, manifest = run(tmp_path, "test", inputs=(unlabelled,))
+    assert manifest["options"]["shuffle_rows"] is False
+    _, dense, _ = all_rows(out)
+    want = CriteoDataset(build_criteo_cache(unlabelled, tmp_path / "cache")[0], SIZES)[:]
+    torch.testing.assert_close(dense, want.dense_features, rtol=1e-6, atol=0)
+    shuffled, manifest = run(tmp_path, "train", inputs=(TRAIN,))
+    assert manifest["options"]["shuffle_rows"] is True
+    dm = CriteoDataModule(predict_path=str(shuffled), num_embeddings_per_feature=SIZES)
+    with pytest.warns(UserWarning, match="shuffled the rows within each shard.*--no_shuffle_rows"):
+        dm.setup("predict")
+
+
 def test_interrupted_run_resumes_without_lost_or_duplicated_rows(tmp_path, monkeypatch, caplog):
     ref_dir, ref = run(tmp_path, "ref")
     real_write = pre._write_shard
