@@ -59,6 +59,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -685,10 +686,10 @@ class CriteoDataModule(pl.LightningDataModule):
                         f"to the directory's (manifest.json), or preprocess again"
                     )
                 if split == "predict" and dataset.manifest["options"].get("shuffle_rows"):
-                    warnings.warn(f"{self.paths[split]}: preprocess shuffled the rows within each shard, so the "
-                                  f"predictions' row column counts the directory's order, not the input file's; "
-                                  f"to predict in the input's order, preprocess it again with --no_shuffle_rows",
-                                  stacklevel=2)
+                    rank_zero_warn(f"{self.paths[split]}: preprocess shuffled the rows within each shard, so the "
+                                   f"predictions' row column counts the directory's order, not the input file's; "
+                                   f"to predict in the input's order, preprocess it again with --no_shuffle_rows",
+                                   category=UserWarning)
                 self.datasets[split] = dataset
             elif self.streaming:
                 self.datasets[split] = CriteoIterableDataset(
