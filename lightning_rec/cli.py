@@ -250,6 +250,10 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     # lines of Lightning's in every run that no recipe can act on: its advertisements (litlogger, litmodels), and
     # that the default logger is a CSVLogger when tensorboard is absent (the recipes say where their logs go)
     warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed")
+    # and two about our loaders that do not apply: streams and shard sets split rows between workers themselves
+    # (their len() is exact), and predictions find each row's place without the loader's sample indices
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", message=r"Couldn't infer the batch indices fetched from your dataloader")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
