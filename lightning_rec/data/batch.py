@@ -58,7 +58,8 @@ class Batch:
             dense_features=self.dense_features.pin_memory(),
             sparse_features=self.sparse_features.pin_memory(),
             labels=self.labels.pin_memory(),
-            row_ids=self.row_ids,
+            # (pinned too, though it stays on the host: a batch is "pinned" when every tensor in it is)
+            row_ids=None if self.row_ids is None else self.row_ids.pin_memory(),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
