@@ -484,3 +484,25 @@ def test_streaming_small_file_splits_rows_evenly_between_readers(tmp_path):
                                                                   collate_fn=passthrough_collate)])
     assert sorted(sizes) == sorted([16, 16, 16, 2] * 2)  # 50 rows per reader
     assert torch.unique(rows).numel() == 100 and rows.numel() == 100
+
+
+def _hand_loop_rows(rank: int, world_size: int) -> list[list[tuple]]:
+    """Two passes of the synthetic training loader, outside a Trainer: each row as its dense features."""
+    dm = SyntheticCriteoDataModule(num_train_samples=96, num_val_samples=8, batch_size=16, seed=1)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    return [[tuple(r) for b in loader for r in b.dense_features.tolist()] for _ in range(2)]
+
+
+def test_training_loaders_outside_a_trainer_shard_by_rank_and_reshuffle_every_pass():
+    """A hand-written loop (TrainPipelineSparseDist, DistributedModelParallel without Lightning): every rank read
+    every row (the ranks trained on copies), and each pass drew the first pass's order again."""
+    from tests.dist_utils import run_ranks
+
+    alone = _hand_loop_rows(0, 1)
+    assert sorted(alone[0]) == sorted(alone[1]) and alone[0] != alone[1] and len(alone[0]) == 96
+    ranks = run_ranks(_hand_loop_rows, 2, timeout=60)
+    for pass_ in range(2):
+        a, b = ranks[0][pass_], ranks[1][pass_]
+        assert len(a) == len(b) == 48 and not set(a) & set(b) and sorted(a + b) == sorted(alone[0])
+    assert ranks[0][0] != ranks[0][1]

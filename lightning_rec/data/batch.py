@@ -131,9 +131,23 @@ class StatefulBatchLoader(StatefulDataLoader):
     _HISTORY = 64  # states kept: more than any fetcher or pipeline reads ahead
 
     consumed_batches: Callable[[], int] | None = None
+    own_epochs: bool = False
 
     def __iter__(self):  # type: ignore[override]
         return self._resumable_batches()
+
+    def _next_own_epoch(self) -> None:
+        """Outside Lightning: a pass whose sampler epoch nobody set since the last pass draws the next epoch's
+        order (as torch's RandomSampler reshuffles every pass); an epoch the user set (torch's
+        `sampler.set_epoch(e)` convention) is kept."""
+        sampler = self.sampler
+        epoch = getattr(sampler, "epoch", None)
+        if not callable(getattr(sampler, "set_epoch", None)) or not isinstance(epoch, int):
+            return
+        seen, self._rec_seen_epoch = getattr(self, "_rec_seen_epoch", None), epoch
+        if seen is not None and epoch == seen:
+            sampler.set_epoch(epoch + 1)
+            self._rec_seen_epoch = epoch + 1
 
     def _resumable_batches(self) -> Iterator[Any]:
         pending, self._rec_pending = getattr(self, "_rec_pending", None), None
@@ -156,6 +170,8 @@ class StatefulBatchLoader(StatefulDataLoader):
             for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
                 if callable(getattr(sampler, "set_epoch", None)):
                     sampler.set_epoch(pass_index)
+        elif self.own_epochs:
+            self._next_own_epoch()
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(pass_index)
@@ -235,6 +251,10 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
     if trainer is not None and isinstance(loader, StatefulBatchLoader):
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader.consumed_batches = lambda: int(progress.current.processed)
+    elif isinstance(loader, StatefulBatchLoader):
+        # a hand-written loop: no Lightning to call the sampler's set_epoch, so each pass numbers itself
+        # (a shuffled loader drew the same order every epoch, unlike torch's RandomSampler)
+        loader.own_epochs = True
     return loader
 
 
@@ -253,6 +273,7 @@ def make_batch_loader(
     seed: int,
     num_workers: int,
     pin_memory: bool = False,
+    shard_by_rank: bool = False,
 ) -> StatefulBatchLoader:
     """A resumable loader whose dataset builds whole batches from index lists (`__getitems__`).
 
@@ -260,12 +281,19 @@ def make_batch_loader(
     to `__getitems__`, and under DDP Lightning rebuilds the loader with a DistributedSampler and
     the same batch_size. (A loader built from `batch_sampler=BatchSampler(...)` is rebuilt by
     Lightning without its batch size: every batch would hold one sample.)
+
+    `shard_by_rank` (the data modules' training loaders outside a Trainer: a hand-written loop): in a
+    process group of W > 1 ranks, each rank reads its 1/W of the rows through a DistributedSampler, as
+    Lightning would arrange; without it every rank read every row, and the ranks trained on copies.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     sampler = EpochRandomSampler(dataset, seed=seed) if shuffle else SequentialSampler(dataset)
+    if shard_by_rank and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return StatefulBatchLoader(
         dataset,
         batch_size=batch_size,

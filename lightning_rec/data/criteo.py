@@ -720,7 +720,7 @@ class CriteoDataModule(pl.LightningDataModule):
         return make_batch_loader(
             dataset, self.batch_size if train else self.val_batch_size, shuffle=self.shuffle and train,
             drop_last=self.drop_last and train, seed=self.seed, num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self.pin_memory, shard_by_rank=self.trainer is None,
         )
 
     def train_dataloader(self) -> DataLoader:

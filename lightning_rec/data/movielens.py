@@ -694,7 +694,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self._need_setup()
         loader = make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
                                    drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                   pin_memory=self.pin_memory)
+                                   pin_memory=self.pin_memory, shard_by_rank=self.trainer is None)
         return follow_fit_loop(loader, self.trainer)
 
     def val_dataloader(self):
