@@ -486,22 +486,26 @@ def test_streaming_small_file_splits_rows_evenly_between_readers(tmp_path):
     assert torch.unique(rows).numel() == 100 and rows.numel() == 100
 
 
-def _hand_loop_rows(rank: int, world_size: int) -> list[list[tuple]]:
-    """Two passes of the synthetic training loader, outside a Trainer: each row as its dense features."""
-    dm = SyntheticCriteoDataModule(num_train_samples=96, num_val_samples=8, batch_size=16, seed=1)
+def _hand_loop_rows(rank: int, world_size: int, path: str, cache: str) -> list[list[tuple]]:
+    """Two passes of a Criteo training loader, outside a Trainer: each row as its dense features."""
+    dm = CriteoDataModule(train_path=path, batch_size=16, cache_dir=cache, seed=1)
     dm.setup("fit")
     loader = dm.train_dataloader()
     return [[tuple(r) for b in loader for r in b.dense_features.tolist()] for _ in range(2)]
 
 
-def test_training_loaders_outside_a_trainer_shard_by_rank_and_reshuffle_every_pass():
-    """A hand-written loop (TrainPipelineSparseDist, DistributedModelParallel without Lightning): every rank read
-    every row (the ranks trained on copies), and each pass drew the first pass's order again."""
+def test_training_loaders_outside_a_trainer_shard_by_rank_and_reshuffle_every_pass(tmp_path):
+    """A hand-written loop (TrainPipelineSparseDist, DistributedModelParallel without Lightning): at 2 ranks every
+    rank read every row of a map-style file (the ranks trained on copies; streams and shard sets were dealt by
+    rank already), and each pass drew the first pass's order again. (The synthetic module is left per rank: its
+    rows come from its seed, which a hand loop sets per rank.)"""
     from tests.dist_utils import run_ranks
 
-    alone = _hand_loop_rows(0, 1)
-    assert sorted(alone[0]) == sorted(alone[1]) and alone[0] != alone[1] and len(alone[0]) == 96
-    ranks = run_ranks(_hand_loop_rows, 2, timeout=60)
+    path = str(write(tmp_path, "rows.tsv", "\n".join(good_row(n % 2, i1=str(n)) for n in range(96)) + "\n"))
+    build_criteo_cache(path, tmp_path / "cache")  # once, before the ranks read it
+    alone = _hand_loop_rows(0, 1, path, str(tmp_path / "cache"))
+    assert sorted(alone[0]) == sorted(alone[1]) and alone[0] != alone[1] and len(set(alone[0])) == 96
+    ranks = run_ranks(_hand_loop_rows, 2, path, str(tmp_path / "cache"), timeout=60)
     for pass_ in range(2):
         a, b = ranks[0][pass_], ranks[1][pass_]
         assert len(a) == len(b) == 48 and not set(a) & set(b) and sorted(a + b) == sorted(alone[0])

@@ -227,7 +227,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
                                     pin_memory=self.pin_memory)
         return make_batch_loader(
             self.datasets[split], self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last, seed=self.seed,
-            num_workers=self.num_workers, pin_memory=self.pin_memory, shard_by_rank=self.trainer is None,
+            num_workers=self.num_workers, pin_memory=self.pin_memory,
         )
 
     def train_dataloader(self) -> DataLoader:
