@@ -239,6 +239,31 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
     return tbe
 
 
+# fbgemm's state names where fbgemm's get_optimizer_state has none (LARS-SGD: NotImplementedError in 1.6-1.8)
+_FBGEMM_SPLIT_STATE_NAMES = {EmbOptimType.LARS_SGD: ("momentum_buffer",)}
+# optimizers whose bias correction counts steps: fbgemm keeps the count in `tbe.iter` ([1], on the
+# kernel's device) and leaves it out of get_optimizer_state; the native kernel calls it "step" ([])
+_STEP_OPTIMIZERS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
+
+
+def fbgemm_optimizer_states(tbe: nn.Module, opt: EmbOptimType) -> list[dict[str, Tensor]]:
+    """Per table, an fbgemm TBE's optimizer state under the names the native kernel uses (views).
+
+    Same names on every kernel and device, so that state saved on GPU (fbgemm) loads on CPU (native)
+    and back, and `.to(device)` carries it: Adam / LAMB add the shared step counter as "step" (a
+    0-dim view of fbgemm's `iter`; without it a resumed run restarts bias correction, and a CPU
+    checkpoint's "step" had nowhere to go); LARS-SGD's momentum comes from split_optimizer_states.
+    """
+    if opt in _FBGEMM_SPLIT_STATE_NAMES:
+        names = _FBGEMM_SPLIT_STATE_NAMES[opt]
+        return [dict(zip(names, per_table)) for per_table in tbe.split_optimizer_states()]
+    states = [dict(s) for s in tbe.get_optimizer_state()]
+    if opt in _STEP_OPTIMIZERS:
+        step = tbe.iter.view(())  # one counter per kernel, shared by its tables (as the native "step")
+        states = [{**s, "step": step} for s in states]
+    return states
+
+
 def pad_multiple(kernel: str) -> int:
     """Dims a fused kernel can take are multiples of this: fbgemm's TBE (CPU and CUDA) needs 4."""
     return 4 if kernel == "fbgemm" else 1
@@ -370,13 +395,26 @@ class FusedKernel(nn.Module):
 
     def optimizer_states(self) -> list[dict[str, Tensor]]:
         """Per table, the optimizer's state by name (views into the kernel's storage)."""
-        states = [dict(s) for s in self.tbe.get_optimizer_state()]
+        if self.kernel == "native":
+            states = [dict(s) for s in self.tbe.get_optimizer_state()]
+        else:
+            states = fbgemm_optimizer_states(self.tbe, EmbOptimType(self.optimizer_config.optimizer))
         # Stateless optimizers (SGD) come back as an empty list rather than one {} per table.
         states = states if states else [{} for _ in self.tables]
         if self._padded != self._dims:
             states = [{k: (v[:, :d] if v.dim() == 2 else v) for k, v in st.items()}
                       for st, d in zip(states, self._dims)]
         return states
+
+    def state_loaded(self) -> None:
+        """The state views were written (a checkpoint, a device move): fbgemm re-reads its step counter.
+
+        fbgemm (1.6-1.8) keeps a host copy of the Adam / LAMB step (`iter_cpu`) that it refreshes from
+        the device counter only while the host copy is 0; zeroing it makes the next forward read the
+        loaded step (one host read, once)."""
+        iter_cpu = getattr(self.tbe, "iter_cpu", None)
+        if self.kernel != "native" and isinstance(iter_cpu, Tensor):
+            iter_cpu.zero_()
 
     def set_learning_rate(self, lr: float) -> None:
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:

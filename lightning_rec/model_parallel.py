@@ -39,7 +39,7 @@ import math
 import os
 import pickle
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -282,6 +282,17 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
     return lines
 
 
+def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
+    """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
+
+    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0"): a bare "cuda"
+    kept in the sharding env and compared with its own tensors' devices reads as another device.
+    """
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", current_index())
+
+
 def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
                           device: torch.device) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
@@ -410,7 +421,11 @@ class DistributedModelParallel(nn.Module):
         if device is None:
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        device = torch.device(device)
+        device = with_cuda_index(torch.device(device), torch.cuda.current_device)
+        if device.type == "cuda":
+            # NCCL's object collectives (the planner's broadcast below, checkpoint gathers) stage through the
+            # current device: a rank left at cuda:0 would meet rank 0 there
+            torch.cuda.set_device(device)
         local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
         collections = find_collections(module)
