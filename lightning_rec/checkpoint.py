@@ -685,6 +685,9 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
         targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
     _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.")
     _load(targets, reader, path)
+    for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
+        if callable(getattr(m, "weights_written", None)):
+            m.weights_written()
 
 
 @torch.no_grad()

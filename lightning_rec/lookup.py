@@ -387,7 +387,15 @@ class FusedKernel(nn.Module):
             out = out / torch.repeat_interleave(count_BF, self._dims_F, dim=1, output_size=self._total_D)
         return out
 
+    def _has_cache(self) -> bool:
+        """fbgemm keeps a device cache of rows (fused_uvm_caching tables): trained rows live there until evicted."""
+        cache = getattr(self.tbe, "lxu_cache_weights", None) if self.kernel != "native" else None
+        return isinstance(cache, Tensor) and cache.numel() > 0
+
     def split_embedding_weights(self) -> list[Tensor]:
+        """Views of the tables; with a row cache, its rows are written back first, so the views are current."""
+        if self._has_cache():
+            self.tbe.flush()
         weights = list(self.tbe.split_embedding_weights())
         if self._padded == self._dims:
             return weights
@@ -405,6 +413,11 @@ class FusedKernel(nn.Module):
             states = [{k: (v[:, :d] if v.dim() == 2 else v) for k, v in st.items()}
                       for st, d in zip(states, self._dims)]
         return states
+
+    def weights_written(self) -> None:
+        """The table views were written (a checkpoint load): cached rows are stale, so the cache starts empty."""
+        if self._has_cache():
+            self.tbe.reset_cache_states()
 
     def state_loaded(self) -> None:
         """The state views were written (a checkpoint, a device move): fbgemm re-reads its step counter.
@@ -538,3 +551,8 @@ class GroupedLookup(nn.Module):
 
     def bounds_check_counters(self) -> list[tuple[Tensor, list[str]]]:
         return [c for k in self.fused_kernels() for c in k.bounds_check_counters()]
+
+    def weights_written(self) -> None:
+        """Call after writing through `table_weights()` views (see FusedKernel.weights_written)."""
+        for k in self.fused_kernels():
+            k.weights_written()

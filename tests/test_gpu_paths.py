@@ -373,6 +373,19 @@ def _planner_uvm_worker(rank, W):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
         a.sum().backward()
         b.sum().backward()
+
+    # trained rows sit in fbgemm's device cache (fused_uvm_caching) until evicted: the state dict flushes them
+    def whole(dmp):
+        return {k: v.full() if hasattr(v, "full") else v for k, v in dmp.module["ebc"].state_dict().items()}
+
+    for k, v in whole(roomy).items():
+        torch.testing.assert_close(whole(short)[k].to(v.device), v, atol=1e-6, rtol=1e-5, msg=k)
+    # a load after training replaces cached rows too (else the next lookup reads the stale cache)
+    _, fresh, _ = build(hbm_cap=None)
+    short.module["ebc"].load_state_dict(whole(fresh))
+    kjt = random_kjt(["f0", "f1"], [2_000_000, 1000], B=64, seed=0).to(torch.device("cuda", rank))
+    torch.testing.assert_close(short.module["ebc"](kjt).values(), fresh.module["ebc"](kjt).values(),
+                               atol=1e-6, rtol=1e-5)
     return kernels
 
 
