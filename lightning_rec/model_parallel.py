@@ -30,6 +30,7 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import gc
@@ -486,6 +487,7 @@ class DistributedModelParallel(nn.Module):
         if dense is not None:
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
+        self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
 
     def wrap_dense(self, dense: str, ddp_kwargs: dict | None = None) -> None:
         """(Re)wrap the dense layers for a new training run ("ddp" | "fsdp"): a model sharded with dense=None
@@ -578,12 +580,18 @@ class DistributedModelParallel(nn.Module):
             slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
             self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's pair
         else:
-            dev = self._device if self._guard.nccl else torch.device("cpu")
-            slots = torch.zeros(2 * W, dtype=torch.int64, device=dev)
+            slots = torch.zeros(2 * W, dtype=torch.int64)
             slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
-            k = self._guard.begin()
-            work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
-            self._guard.wait_work(work, tag, k)
+            # NCCL: on a side stream of its own, so that neither the all-reduce nor reading it back waits for
+            # the steps queued on the compute stream (a drained GPU every step)
+            side = self._control_stream if self._guard.nccl else None
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                if self._guard.nccl:
+                    slots = slots.to(self._device)
+                k = self._guard.begin()
+                work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
+                self._guard.wait_work(work, tag, k)
+                slots = slots.cpu()
         pairs = slots.view(W, 2).tolist()
         indexes = [i for _, i in pairs]
         if len(set(indexes)) > 1:
