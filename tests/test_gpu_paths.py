@@ -599,3 +599,47 @@ def test_cuda_dmp_with_a_bare_cuda_device():
 
     device, current = run_ranks(_dmp_bare_cuda_worker, 1, timeout=300, backend="nccl")[0]
     assert device == "cuda:0" and current == 0
+
+
+def _empty_batch_worker(rank, W, device_type="cuda"):
+    """A batch of 0 rows (evaluation padding) through every sharding type on CUDA: zero-size tensors to fbgemm's
+    CUDA kernels and NCCL's all-to-all, in evaluation and through a training backward; then a real batch."""
+    from test_model_parallel import KEYS, PooledModel, _batch, _plan
+    from test_model_parallel import _tables as mp_tables
+
+    from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan
+    from lightning_rec.types import ShardingPlan
+
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
+    done = []
+    for kind in ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "grid_shard",
+                 "data_parallel", "mixed"]:
+        for weighted, pooling in [(False, "sum"), (True, "mean")]:
+            torch.manual_seed(0)
+            model = PooledModel(EmbeddingBagCollection(mp_tables(pooling), is_weighted=weighted, device=device,
+                                                       optimizer=FusedOptimizerConfig("adagrad", lr=0.1)))
+            plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, W), local_size=W,
+                                                                       world_size=W)})
+            dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=60)
+            empty = KeyedJaggedTensor.from_lengths_sync(
+                KEYS, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                weights=torch.empty(0) if weighted else None).to(device)
+            with torch.no_grad():
+                assert dmp(empty).shape == (0, 3)
+            out = dmp(empty)
+            out.sum().backward()  # nothing to update, nothing to fail
+            dmp(_batch(rank, 0, weighted).to(device)).sum().backward()
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            done.append(f"{kind}/{pooling}")
+    return done
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_zero_row_batch_through_every_sharding_type():
+    from dist_utils import run_ranks
+
+    W = torch.cuda.device_count()
+    done = run_ranks(_empty_batch_worker, W, timeout=500, backend="nccl")
+    assert len(done[0]) == 16
