@@ -356,6 +356,8 @@ class FusedKernel(nn.Module):
                 for t, w in zip(tables, self.tbe.split_embedding_weights()):
                     w.zero_()  # padding columns stay zero
                     w[:, : t.embedding_dim].uniform_(*t.init_range())
+        self._counts_steps = (self.kernel != "native" and EmbOptimType(optimizer.optimizer) in _STEP_OPTIMIZERS
+                              and isinstance(getattr(self.tbe, "iter_cpu", None), Tensor))
         self._keep_cols: Tensor | None = None
         if self._padded != self._dims and pooling != "none":
             keep, col = [], 0
@@ -376,6 +378,11 @@ class FusedKernel(nn.Module):
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
         out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        if self._counts_steps and not out.requires_grad:
+            # fbgemm advances Adam's / LAMB's step at every forward; a lookup without backward (evaluation)
+            # updates nothing, so take the step back: bias correction counts updates (torch.optim, native)
+            self.tbe.iter.sub_(1)
+            self.tbe.iter_cpu.sub_(1)
         if self._grad_scale != 1.0:
             out = _ScaleGrad.apply(out, self._grad_scale)
         if self._keep_cols is not None:

@@ -643,3 +643,27 @@ def test_cuda_zero_row_batch_through_every_sharding_type():
     W = torch.cuda.device_count()
     done = run_ranks(_empty_batch_worker, W, timeout=500, backend="nccl")
     assert len(done[0]) == 16
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("optimizer", ["adam", "partial_rowwise_adam"])
+def test_cuda_evaluation_lookups_do_not_advance_adams_step(optimizer):
+    """fbgemm counts Adam's step per forward: evaluation lookups (no backward) between updates must not change
+    the bias correction. GPU with 3 no-grad lookups after every update vs the CPU kernel without them."""
+    opt = FusedOptimizerConfig(optimizer, lr=0.05)
+    cpu = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, kernel="native")
+    gpu = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    for s in range(4):
+        kjt = random_kjt(["f0", "f1"], [40, 40], B=8, seed=s)
+        _train(cpu, [kjt])
+        _train(gpu, [kjt.to("cuda")])
+        gpu.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                gpu(kjt.to("cuda"))
+        gpu.train()
+    assert int(FusedOptimizer(gpu).state_dict()["state"]["t0.step"]) == 4
+    for name, w in cpu.state_dict().items():
+        torch.testing.assert_close(gpu.state_dict()[name].cpu(), w, atol=1e-5, rtol=1e-4)
