@@ -58,7 +58,7 @@ import shutil
 import uuid
 import warnings
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -409,9 +409,15 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+def barrier_device_ids(backend: str, current_index: Callable[[], int]) -> dict[str, Any]:
+    """dist.barrier's device_ids on NCCL (the current device), so that it neither warns nor guesses a
+    device from the rank; nothing for gloo, whose barrier takes none."""
+    return {"device_ids": [current_index()]} if backend == "nccl" else {}
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(**barrier_device_ids(dist.get_backend(), torch.cuda.current_device))
 
 
 def _rank_world() -> tuple[int, int]:
@@ -679,6 +685,9 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
         targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
     _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.")
     _load(targets, reader, path)
+    for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
+        if callable(getattr(m, "weights_written", None)):
+            m.weights_written()
 
 
 @torch.no_grad()
@@ -755,6 +764,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     rest = _unblob(targets[rest_key])
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
+        fused.state_loaded()
         by_name = {g["name"]: g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
         for group in fused.param_groups:
             for k, v in by_name.get(group["name"], {}).items():

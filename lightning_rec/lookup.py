@@ -239,6 +239,31 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
     return tbe
 
 
+# fbgemm's state names where fbgemm's get_optimizer_state has none (LARS-SGD: NotImplementedError in 1.6-1.8)
+_FBGEMM_SPLIT_STATE_NAMES = {EmbOptimType.LARS_SGD: ("momentum_buffer",)}
+# optimizers whose bias correction counts steps: fbgemm keeps the count in `tbe.iter` ([1], on the
+# kernel's device) and leaves it out of get_optimizer_state; the native kernel calls it "step" ([])
+_STEP_OPTIMIZERS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
+
+
+def fbgemm_optimizer_states(tbe: nn.Module, opt: EmbOptimType) -> list[dict[str, Tensor]]:
+    """Per table, an fbgemm TBE's optimizer state under the names the native kernel uses (views).
+
+    Same names on every kernel and device, so that state saved on GPU (fbgemm) loads on CPU (native)
+    and back, and `.to(device)` carries it: Adam / LAMB add the shared step counter as "step" (a
+    0-dim view of fbgemm's `iter`; without it a resumed run restarts bias correction, and a CPU
+    checkpoint's "step" had nowhere to go); LARS-SGD's momentum comes from split_optimizer_states.
+    """
+    if opt in _FBGEMM_SPLIT_STATE_NAMES:
+        names = _FBGEMM_SPLIT_STATE_NAMES[opt]
+        return [dict(zip(names, per_table)) for per_table in tbe.split_optimizer_states()]
+    states = [dict(s) for s in tbe.get_optimizer_state()]
+    if opt in _STEP_OPTIMIZERS:
+        step = tbe.iter.view(())  # one counter per kernel, shared by its tables (as the native "step")
+        states = [{**s, "step": step} for s in states]
+    return states
+
+
 def pad_multiple(kernel: str) -> int:
     """Dims a fused kernel can take are multiples of this: fbgemm's TBE (CPU and CUDA) needs 4."""
     return 4 if kernel == "fbgemm" else 1
@@ -331,6 +356,8 @@ class FusedKernel(nn.Module):
                 for t, w in zip(tables, self.tbe.split_embedding_weights()):
                     w.zero_()  # padding columns stay zero
                     w[:, : t.embedding_dim].uniform_(*t.init_range())
+        self._counts_steps = (self.kernel != "native" and EmbOptimType(optimizer.optimizer) in _STEP_OPTIMIZERS
+                              and isinstance(getattr(self.tbe, "iter_cpu", None), Tensor))
         self._keep_cols: Tensor | None = None
         if self._padded != self._dims and pooling != "none":
             keep, col = [], 0
@@ -351,6 +378,11 @@ class FusedKernel(nn.Module):
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
         out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        if self._counts_steps and not out.requires_grad:
+            # fbgemm advances Adam's / LAMB's step at every forward; a lookup without backward (evaluation)
+            # updates nothing, so take the step back: bias correction counts updates (torch.optim, native)
+            self.tbe.iter.sub_(1)
+            self.tbe.iter_cpu.sub_(1)
         if self._grad_scale != 1.0:
             out = _ScaleGrad.apply(out, self._grad_scale)
         if self._keep_cols is not None:
@@ -362,7 +394,15 @@ class FusedKernel(nn.Module):
             out = out / torch.repeat_interleave(count_BF, self._dims_F, dim=1, output_size=self._total_D)
         return out
 
+    def _has_cache(self) -> bool:
+        """fbgemm keeps a device cache of rows (fused_uvm_caching tables): trained rows live there until evicted."""
+        cache = getattr(self.tbe, "lxu_cache_weights", None) if self.kernel != "native" else None
+        return isinstance(cache, Tensor) and cache.numel() > 0
+
     def split_embedding_weights(self) -> list[Tensor]:
+        """Views of the tables; with a row cache, its rows are written back first, so the views are current."""
+        if self._has_cache():
+            self.tbe.flush()
         weights = list(self.tbe.split_embedding_weights())
         if self._padded == self._dims:
             return weights
@@ -370,13 +410,31 @@ class FusedKernel(nn.Module):
 
     def optimizer_states(self) -> list[dict[str, Tensor]]:
         """Per table, the optimizer's state by name (views into the kernel's storage)."""
-        states = [dict(s) for s in self.tbe.get_optimizer_state()]
+        if self.kernel == "native":
+            states = [dict(s) for s in self.tbe.get_optimizer_state()]
+        else:
+            states = fbgemm_optimizer_states(self.tbe, EmbOptimType(self.optimizer_config.optimizer))
         # Stateless optimizers (SGD) come back as an empty list rather than one {} per table.
         states = states if states else [{} for _ in self.tables]
         if self._padded != self._dims:
             states = [{k: (v[:, :d] if v.dim() == 2 else v) for k, v in st.items()}
                       for st, d in zip(states, self._dims)]
         return states
+
+    def weights_written(self) -> None:
+        """The table views were written (a checkpoint load): cached rows are stale, so the cache starts empty."""
+        if self._has_cache():
+            self.tbe.reset_cache_states()
+
+    def state_loaded(self) -> None:
+        """The state views were written (a checkpoint, a device move): fbgemm re-reads its step counter.
+
+        fbgemm (1.6-1.8) keeps a host copy of the Adam / LAMB step (`iter_cpu`) that it refreshes from
+        the device counter only while the host copy is 0; zeroing it makes the next forward read the
+        loaded step (one host read, once)."""
+        iter_cpu = getattr(self.tbe, "iter_cpu", None)
+        if self.kernel != "native" and isinstance(iter_cpu, Tensor):
+            iter_cpu.zero_()
 
     def set_learning_rate(self, lr: float) -> None:
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
@@ -500,3 +558,8 @@ class GroupedLookup(nn.Module):
 
     def bounds_check_counters(self) -> list[tuple[Tensor, list[str]]]:
         return [c for k in self.fused_kernels() for c in k.bounds_check_counters()]
+
+    def weights_written(self) -> None:
+        """Call after writing through `table_weights()` views (see FusedKernel.weights_written)."""
+        for k in self.fused_kernels():
+            k.weights_written()

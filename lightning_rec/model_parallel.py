@@ -30,6 +30,7 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import gc
@@ -39,7 +40,7 @@ import math
 import os
 import pickle
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -282,6 +283,17 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
     return lines
 
 
+def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
+    """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
+
+    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0"): a bare "cuda"
+    kept in the sharding env and compared with its own tensors' devices reads as another device.
+    """
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", current_index())
+
+
 def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
                           device: torch.device) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
@@ -410,7 +422,11 @@ class DistributedModelParallel(nn.Module):
         if device is None:
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        device = torch.device(device)
+        device = with_cuda_index(torch.device(device), torch.cuda.current_device)
+        if device.type == "cuda":
+            # NCCL's object collectives (the planner's broadcast below, checkpoint gathers) stage through the
+            # current device: a rank left at cuda:0 would meet rank 0 there
+            torch.cuda.set_device(device)
         local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
         collections = find_collections(module)
@@ -471,6 +487,7 @@ class DistributedModelParallel(nn.Module):
         if dense is not None:
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
+        self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
 
     def wrap_dense(self, dense: str, ddp_kwargs: dict | None = None) -> None:
         """(Re)wrap the dense layers for a new training run ("ddp" | "fsdp"): a model sharded with dense=None
@@ -563,12 +580,18 @@ class DistributedModelParallel(nn.Module):
             slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
             self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's pair
         else:
-            dev = self._device if self._guard.nccl else torch.device("cpu")
-            slots = torch.zeros(2 * W, dtype=torch.int64, device=dev)
+            slots = torch.zeros(2 * W, dtype=torch.int64)
             slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
-            k = self._guard.begin()
-            work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
-            self._guard.wait_work(work, tag, k)
+            # NCCL: on a side stream of its own, so that neither the all-reduce nor reading it back waits for
+            # the steps queued on the compute stream (a drained GPU every step)
+            side = self._control_stream if self._guard.nccl else None
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                if self._guard.nccl:
+                    slots = slots.to(self._device)
+                k = self._guard.begin()
+                work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
+                self._guard.wait_work(work, tag, k)
+                slots = slots.cpu()
         pairs = slots.view(W, 2).tolist()
         indexes = [i for _, i in pairs]
         if len(set(indexes)) > 1:

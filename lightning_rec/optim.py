@@ -186,6 +186,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": state, "param_groups": groups}
 
+    def state_loaded(self) -> None:
+        """The state views were written in place: fbgemm kernels re-read their step (FusedKernel.state_loaded)."""
+        for kernel, _ in self._tables.values():
+            if callable(getattr(kernel, "state_loaded", None)):
+                kernel.state_loaded()
+
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
         """This rank's optimizer state under whole-table names, for resharding.
 
@@ -226,6 +232,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"fused optimizer state '{local_key}' has shape {tuple(value.shape)} in the "
                                  f"checkpoint but {tuple(tensor.shape)} here: the table sizes differ")
             tensor.copy_(value)
+        self.state_loaded()
         by_name = {g["name"]: g for g in state_dict.get("param_groups", [])}
         for group in self.param_groups:
             for key, value in by_name.get(group["name"], {}).items():

@@ -326,6 +326,12 @@ class _ShardedCollectionBase(nn.Module):
                 w.copy_(piece)
             except ValueError as e:
                 error_msgs.append(str(e))
+        self.weights_written()
+
+    def weights_written(self) -> None:
+        """The table views were written in place (load_state_dict, a DCP load): row caches start empty."""
+        if self._lookup is not None:
+            self._lookup.weights_written()
 
     def _global_shape(self, table: str) -> tuple[int, int]:
         c = next(c for c in self._configs if c.name == table)

@@ -373,6 +373,19 @@ def _planner_uvm_worker(rank, W):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
         a.sum().backward()
         b.sum().backward()
+
+    # trained rows sit in fbgemm's device cache (fused_uvm_caching) until evicted: the state dict flushes them
+    def whole(dmp):
+        return {k: v.full() if hasattr(v, "full") else v for k, v in dmp.module["ebc"].state_dict().items()}
+
+    for k, v in whole(roomy).items():
+        torch.testing.assert_close(whole(short)[k].to(v.device), v, atol=1e-6, rtol=1e-5, msg=k)
+    # a load after training replaces cached rows too (else the next lookup reads the stale cache)
+    _, fresh, _ = build(hbm_cap=None)
+    short.module["ebc"].load_state_dict(whole(fresh))
+    kjt = random_kjt(["f0", "f1"], [2_000_000, 1000], B=64, seed=0).to(torch.device("cuda", rank))
+    torch.testing.assert_close(short.module["ebc"](kjt).values(), fresh.module["ebc"](kjt).values(),
+                               atol=1e-6, rtol=1e-5)
     return kernels
 
 
@@ -440,3 +453,217 @@ def test_cuda_recipe_runs_with_accelerator_gpu(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "final validation" in done.stdout, done.stdout[-2000:]
+
+
+# GPU-only code paths, their device-independent decisions checked here (review for issue 14) ----------------
+
+
+class _FbgemmStateApi:
+    """fbgemm 1.6-1.8's TBE state API (get_optimizer_state / split_optimizer_states / iter [1] int64), as its
+    source defines it for Adam (names exp_avg / exp_avg_sq, no step) and LARS-SGD (get_optimizer_state raises
+    NotImplementedError): fbgemm's CPU build refuses to construct these optimizers, so the mapping is checked
+    on this stand-in here and on the real kernel by the `gpu` tests below."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.iter = torch.zeros(1, dtype=torch.int64)
+        self.m1 = torch.zeros(5, 4)
+
+    def get_optimizer_state(self):
+        if self.opt == "lars_sgd":
+            raise NotImplementedError("Getting optimizer state lars_sgd is not implmeneted")
+        return [{"exp_avg": self.m1, "exp_avg_sq": self.m1.clone()}]
+
+    def split_optimizer_states(self):
+        return [[self.m1]]
+
+
+def test_fbgemm_adam_state_has_the_native_kernels_names_and_step():
+    """GPU Adam state (fbgemm) and CPU Adam state (native) had different names: `.to('cuda')` of a CPU Adam
+    collection raised KeyError 'step', a GPU checkpoint missed 'step' on CPU, and a resumed GPU run restarted
+    Adam's bias correction. Now both kernels name the same states, step included (a view of fbgemm's iter)."""
+    from lightning_rec.optim import EmbOptimType
+
+    api = _FbgemmStateApi("adam")
+    states = lookup.fbgemm_optimizer_states(api, EmbOptimType.ADAM)
+    native = EmbeddingBagCollection(_tables([4]), optimizer=FusedOptimizerConfig("adam"), kernel="native")
+    assert set(states[0]) == set(native.fused_kernels()[0].optimizer_states()[0]) == {"exp_avg", "exp_avg_sq", "step"}
+    assert states[0]["step"].shape == native.fused_kernels()[0].optimizer_states()[0]["step"].shape == ()
+    states[0]["step"].fill_(7)  # a checkpoint's step lands in fbgemm's counter
+    assert api.iter.tolist() == [7]
+
+
+def test_fbgemm_lars_state_comes_from_split_states():
+    from lightning_rec.optim import EmbOptimType
+
+    api = _FbgemmStateApi("lars_sgd")
+    states = lookup.fbgemm_optimizer_states(api, EmbOptimType.LARS_SGD)
+    assert list(states[0]) == ["momentum_buffer"] and states[0]["momentum_buffer"] is api.m1
+
+
+def test_bare_cuda_device_gets_the_current_index():
+    """DistributedModelParallel(device='cuda') keeps the current device's index (torch.device('cuda') is not
+    torch.device('cuda:0'), the device its tensors report)."""
+    from lightning_rec.model_parallel import with_cuda_index
+
+    assert with_cuda_index(torch.device("cuda"), lambda: 3) == torch.device("cuda", 3)
+    assert with_cuda_index(torch.device("cuda", 1), lambda: 3) == torch.device("cuda", 1)
+    assert with_cuda_index(torch.device("cpu"), lambda: 3) == torch.device("cpu")
+
+
+def test_nccl_barrier_names_its_device():
+    from lightning_rec.checkpoint import barrier_device_ids
+
+    assert barrier_device_ids("nccl", lambda: 2) == {"device_ids": [2]}
+    assert barrier_device_ids("gloo", lambda: 2) == {}
+
+
+def _adam_pair(device_b="cpu"):
+    opt = FusedOptimizerConfig("adam", lr=0.05)
+    a = EmbeddingBagCollection(_tables([8, 6]), optimizer=opt, kernel="native")
+    b = EmbeddingBagCollection(_tables([8, 6]), optimizer=opt, kernel="native")
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_adam_collection_moves_to_the_gpu_and_back_with_its_state():
+    """A CPU Adam collection (native kernel) trained 3 steps, moved to the GPU (fbgemm), trained 2 more: the same
+    as 5 steps on CPU, step counter included (bias correction goes on, not over); and back to CPU."""
+    ref, moved = _adam_pair()
+    kjts = [random_kjt(["f0", "f1"], [40, 40], B=8, seed=s) for s in range(5)]
+    _train(ref, kjts[:3])
+    _train(moved, kjts[:3])
+    moved.to("cuda")  # was KeyError: 'step'
+    assert int(moved.fused_kernels()[0].optimizer_states()[0]["step"]) == 3
+    _train(ref, kjts[3:])
+    _train(moved, [k.to("cuda") for k in kjts[3:]])
+    for name, w in ref.state_dict().items():
+        torch.testing.assert_close(moved.state_dict()[name].cpu(), w, atol=1e-5, rtol=1e-4)
+    moved.to("cpu")
+    assert int(moved.fused_kernels()[0].optimizer_states()[0]["step"]) == 5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_adam_checkpoint_resumes_bias_correction_on_cpu_and_gpu():
+    """GPU Adam state saved after 3 steps loads on CPU (it needs 'step') and into a fresh GPU collection; both
+    then train like the uninterrupted GPU run."""
+    opt = FusedOptimizerConfig("adam", lr=0.05)
+    gpu = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, device="cuda")
+    kjts = [random_kjt(["f0", "f1"], [40, 40], B=8, seed=s) for s in range(5)]
+    _train(gpu, [k.to("cuda") for k in kjts[:3]])
+    weights, state = gpu.state_dict(), FusedOptimizer(gpu).state_dict()
+    assert int(state["state"]["t0.step"]) == 3
+    cpu = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, kernel="native")
+    again = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, device="cuda")
+    for m in (cpu, again):
+        m.load_state_dict({k: v.to(m.device) for k, v in weights.items()})
+        FusedOptimizer(m).load_state_dict(state)
+    _train(gpu, [k.to("cuda") for k in kjts[3:]])
+    _train(cpu, kjts[3:])
+    _train(again, [k.to("cuda") for k in kjts[3:]])
+    for name, w in gpu.state_dict().items():
+        torch.testing.assert_close(cpu.state_dict()[name], w.cpu(), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(again.state_dict()[name], w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_lars_state_dict():
+    """fbgemm's get_optimizer_state raises NotImplementedError for LARS-SGD: its state comes from the split states."""
+    gpu = EmbeddingBagCollection(_tables([8]), optimizer=FusedOptimizerConfig("lars_sgd", lr=0.01), device="cuda")
+    _train(gpu, [random_kjt(["f0"], [40], B=8, seed=0).to("cuda")])
+    state = FusedOptimizer(gpu).state_dict()["state"]
+    assert set(state) == {"t0.momentum_buffer"} and state["t0.momentum_buffer"].abs().sum() > 0
+
+
+def _dmp_bare_cuda_worker(rank, W):
+    from lightning_rec.model_parallel import DistributedModelParallel
+
+    torch.cuda.set_device(0)  # a rank that left the current device alone: DMP makes its own device current
+    model = nn.ModuleDict({"ebc": EmbeddingBagCollection(_tables([8, 6]), optimizer=FusedOptimizerConfig("sgd"),
+                                                         device="meta"), "dense": nn.Linear(4, 1)})
+    dmp = DistributedModelParallel(model, device="cuda", dense="ddp")
+    kjt = random_kjt(["f0", "f1"], [40, 40], B=4, seed=rank).to(dmp._device)
+    out = dmp.module["ebc"](kjt).values()
+    out.sum().backward()
+    return str(dmp._device), torch.cuda.current_device()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_dmp_with_a_bare_cuda_device():
+    from dist_utils import run_ranks
+
+    device, current = run_ranks(_dmp_bare_cuda_worker, 1, timeout=300, backend="nccl")[0]
+    assert device == "cuda:0" and current == 0
+
+
+def _empty_batch_worker(rank, W, device_type="cuda"):
+    """A batch of 0 rows (evaluation padding) through every sharding type on CUDA: zero-size tensors to fbgemm's
+    CUDA kernels and NCCL's all-to-all, in evaluation and through a training backward; then a real batch."""
+    from test_model_parallel import KEYS, PooledModel, _batch, _plan
+    from test_model_parallel import _tables as mp_tables
+
+    from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan
+    from lightning_rec.types import ShardingPlan
+
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
+    done = []
+    for kind in ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "grid_shard",
+                 "data_parallel", "mixed"]:
+        for weighted, pooling in [(False, "sum"), (True, "mean")]:
+            torch.manual_seed(0)
+            model = PooledModel(EmbeddingBagCollection(mp_tables(pooling), is_weighted=weighted, device=device,
+                                                       optimizer=FusedOptimizerConfig("adagrad", lr=0.1)))
+            plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, W), local_size=W,
+                                                                       world_size=W)})
+            dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=60)
+            empty = KeyedJaggedTensor.from_lengths_sync(
+                KEYS, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                weights=torch.empty(0) if weighted else None).to(device)
+            with torch.no_grad():
+                assert dmp(empty).shape == (0, 3)
+            out = dmp(empty)
+            out.sum().backward()  # nothing to update, nothing to fail
+            dmp(_batch(rank, 0, weighted).to(device)).sum().backward()
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            done.append(f"{kind}/{pooling}")
+    return done
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_zero_row_batch_through_every_sharding_type():
+    from dist_utils import run_ranks
+
+    W = torch.cuda.device_count()
+    done = run_ranks(_empty_batch_worker, W, timeout=500, backend="nccl")
+    assert len(done[0]) == 16
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("optimizer", ["adam", "partial_rowwise_adam"])
+def test_cuda_evaluation_lookups_do_not_advance_adams_step(optimizer):
+    """fbgemm counts Adam's step per forward: evaluation lookups (no backward) between updates must not change
+    the bias correction. GPU with 3 no-grad lookups after every update vs the CPU kernel without them."""
+    opt = FusedOptimizerConfig(optimizer, lr=0.05)
+    cpu = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, kernel="native")
+    gpu = EmbeddingBagCollection(_tables([8, 12]), optimizer=opt, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    for s in range(4):
+        kjt = random_kjt(["f0", "f1"], [40, 40], B=8, seed=s)
+        _train(cpu, [kjt])
+        _train(gpu, [kjt.to("cuda")])
+        gpu.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                gpu(kjt.to("cuda"))
+        gpu.train()
+    assert int(FusedOptimizer(gpu).state_dict()["state"]["t0.step"]) == 4
+    for name, w in cpu.state_dict().items():
+        torch.testing.assert_close(gpu.state_dict()[name].cpu(), w, atol=1e-5, rtol=1e-4)

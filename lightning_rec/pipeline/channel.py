@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -47,8 +48,12 @@ class _Channel:
             a2a = self._a2a[id(module)] = module.ids_all_to_all(self.comm)
         return a2a
 
-    def agree(self, missing: bool, failed: bool) -> tuple[list[int], list[int]]:
-        """Collective: the ranks without a batch, and the ranks whose loader raised."""
+    def agree(self, missing: bool, failed: bool, stream: Any = None) -> tuple[list[int], list[int]]:
+        """Collective: the ranks without a batch, and the ranks whose loader raised.
+
+        stream: a side CUDA stream (the feeder's) for the NCCL flags: on the current (compute) stream the
+        all-reduce would wait for every queued step, and reading the flags back would drain the GPU.
+        """
         status = torch.zeros(2, self.world_size, dtype=torch.int64)
         status[0, self.rank], status[1, self.rank] = int(missing), int(failed)
         tag = "pipeline: every rank has a batch"
@@ -56,10 +61,11 @@ class _Channel:
             if self.transport is not None:
                 self.transport.all_reduce_sum_(status, tag=tag)
             else:
-                on_device = status.to(self.device)
-                k = self.guard.begin()
-                self.guard.wait_work(dist.all_reduce(on_device, group=self.pg, async_op=True), tag, k)
-                status = on_device.cpu()
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    on_device = status.to(self.device)
+                    k = self.guard.begin()
+                    self.guard.wait_work(dist.all_reduce(on_device, group=self.pg, async_op=True), tag, k)
+                    status = on_device.cpu()
         except (CollectiveMismatch, CollectiveTimeout, PeerExited):
             raise  # they name the ranks and the setting already
         except RuntimeError as e:

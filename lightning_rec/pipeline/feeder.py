@@ -348,7 +348,7 @@ class _Feeder(Iterator):
                 if not self._wait_turn(k):
                     return
             if channel is not None:
-                missing, failed = channel.agree(batch is None and error is None, error is not None)
+                missing, failed = channel.agree(batch is None and error is None, error is not None, self._dist_stream)
             else:
                 missing, failed = ([0] if batch is None and error is None else []), ([0] if error else [])
             if failed:
