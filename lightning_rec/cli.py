@@ -104,19 +104,24 @@ class RecArgumentParser(LightningArgumentParser):
 
 
 class RecCLI(LightningCLI):
+    def _check_accelerator(self, config) -> None:
+        # Lightning's "No supported gpu backend found!" names neither what is missing nor the fix; and
+        # LightningCLI builds the model before the Trainer, so a GPU recipe on a CPU machine first tried to
+        # allocate its GPU-sized tables in host memory and reported that instead of the missing GPU
+        from lightning_rec.lookup import cuda_missing
+
+        accelerator = str(self._get(config, "trainer", {}).get("accelerator", "")).lower()
+        what = cuda_missing() if accelerator in ("gpu", "cuda") else None
+        if what is not None:
+            raise SystemExit(f"lightning-rec: --trainer.accelerator={accelerator} needs a CUDA GPU, but {what}; "
+                             f"or use --trainer.accelerator=cpu")
+
     def instantiate_trainer(self, **kwargs):
         try:
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException as e:
-            # Lightning's "No supported gpu backend found!" names neither what is missing nor the fix
-            from lightning_rec.lookup import cuda_missing
-
-            accelerator = str(self._get(self.config_init, "trainer", {}).get("accelerator", "")).lower()
-            what = cuda_missing()
-            if accelerator in ("gpu", "cuda") and what is not None:
-                raise SystemExit(f"lightning-rec: --trainer.accelerator={accelerator} needs a CUDA GPU, but {what}; "
-                                 f"or use --trainer.accelerator=cpu") from e
-            raise
+            self._check_accelerator(self.config_init)
+            raise e
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
@@ -191,6 +196,7 @@ class RecCLI(LightningCLI):
                 print(f"predictions: {writer.num_rows} rows written to {writer.written_path}", flush=True)
 
     def instantiate_classes(self) -> None:
+        self._check_accelerator(self.config)
         try:
             super().instantiate_classes()
         except ValueError as e:

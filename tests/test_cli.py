@@ -135,6 +135,15 @@ def test_gpu_accelerator_without_cuda_says_what_is_missing(tmp_path):
     assert "needs a CUDA GPU" in text and missing in text and "--trainer.accelerator=cpu" in text, text
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_a_gpu_recipe_without_cuda_says_so_before_building_its_tables(tmp_path):
+    # the 1TB recipe's tables (26 x 40M x 128) do not fit a CPU's memory: the missing GPU is the news, not that
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_criteo_1tb.yaml", f"--trainer.default_root_dir={tmp_path}"])
+    text = str(e.value)
+    assert "needs a CUDA GPU" in text and "--trainer.accelerator=cpu" in text and "memory" not in text, text
+
+
 @needs_wandb
 @pytest.mark.parametrize("recipe", ["two_tower_movielens", "matrix_factorization_movielens"])
 def test_recipe_logger_leaves_wandb_mode_to_the_user(recipe, monkeypatch, capsys):
