@@ -10,7 +10,7 @@ one, else the index Lightning's predict loop records for it (map-style datasets)
 order), else its order in this rank's stream (one rank only). Rows are written once each, in input order:
 
     rank 0: rows r0 --\
-    rank 1: rows r1 ---> gather to rank 0 (torch.distributed.gather_object) --> sort by row (a repeat once)
+    rank 1: rows r1 ---> gather to rank 0 (gather_object, 64 MB pieces) --> sort by row (a repeat once)
                                                                              --> one file, renamed into place
 
 (The data modules' evaluation loaders give every rank the same number of steps, which sharded tables
@@ -74,6 +74,9 @@ class PredictionWriter(BasePredictionWriter):
 
     After the run, `written_path` is the file written and `num_rows` its rows (every rank knows them).
     """
+
+    # the most bytes of rows one rank sends rank 0 at a time (see _gather_to_rank_zero)
+    gather_chunk_bytes: int = 64 << 20
 
     def __init__(self, output_path: str | None = None, overwrite: bool = False) -> None:
         super().__init__(write_interval="batch")
@@ -157,9 +160,7 @@ class PredictionWriter(BasePredictionWriter):
         local = _concat(self._parts)
         self._parts = []
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(local, gathered, dst=0)  # rank 0 holds every row once (plus the padding repeats)
-            table = _concat([t for t in gathered if t]) if gathered is not None else None
+            table = self._gather_to_rank_zero(local, trainer.strategy.root_device)
         else:
             table = local
         count = torch.zeros(1, dtype=torch.int64)
@@ -179,6 +180,26 @@ class PredictionWriter(BasePredictionWriter):
             count = count.to(trainer.strategy.root_device)
             dist.broadcast(count, src=0)
         self.written_path, self.num_rows = self._path, int(count[0])
+
+
+    def _gather_to_rank_zero(self, local: dict[str, np.ndarray], device: torch.device) -> dict | None:
+        """Every rank's rows on rank 0 (plus the padding repeats), None elsewhere: in pieces of at most
+        `gather_chunk_bytes` per rank, so a large predict set never needs one object the size of a rank's share
+        (gather_object pickles it into one tensor, on the GPU under NCCL, W of them at once on rank 0)."""
+        row_bytes = sum(v.itemsize * (v.shape[1] if v.ndim == 2 else 1) for v in local.values()) or 1
+        rows = len(local[ROW]) if local else 0
+        per_piece = max(1, self.gather_chunk_bytes // row_bytes)
+        pieces = torch.tensor([-(-rows // per_piece)], device=device)
+        dist.all_reduce(pieces, op=dist.ReduceOp.MAX)  # every rank takes part in each gather, even with no rows
+        is_zero = dist.get_rank() == 0
+        received: list[dict[str, np.ndarray]] = []
+        for i in range(int(pieces.item())):
+            piece = {k: v[i * per_piece:(i + 1) * per_piece] for k, v in local.items()} if local else {}
+            gathered: list | None = [None] * dist.get_world_size() if is_zero else None
+            dist.gather_object(piece if piece and len(piece[ROW]) else None, gathered, dst=0)
+            if gathered is not None:
+                received.extend(t for t in gathered if t)
+        return _concat(received) if is_zero else None
 
 
 def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

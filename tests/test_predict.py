@@ -137,11 +137,41 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
     return rows
 
 
+def _predict_two_ranks_in_pieces(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool,
+                                 chunk_bytes: int) -> tuple[int, list[int]]:
+    """_predict_two_ranks with the writer's gather in pieces of `chunk_bytes`: the rows and the pickled size of
+    each object this rank handed to gather_object."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from lightning_rec.predict import PredictionWriter
+
+    sizes: list[int] = []
+    gather_object = dist.gather_object
+
+    def recording(obj, *args, **kwargs):
+        sizes.append(len(pickle.dumps(obj)))
+        return gather_object(obj, *args, **kwargs)
+
+    PredictionWriter.gather_chunk_bytes = chunk_bytes
+    dist.gather_object = recording
+    return _predict_two_ranks(rank, world_size, ckpt, root, pipeline), sizes
+
+
 @needs_criteo
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
 def test_predict_at_two_ranks_with_sharded_tables_writes_each_row_once_in_order(criteo_ckpt, tmp_path, pipeline):
-    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, pipeline, timeout=180)
-    assert rows == [1999, 1999]  # every rank returns once the file is whole
+    # pipelined: rows reach rank 0 in pieces of at most 4 KB per rank (~256 rows of 16 bytes), not one object the
+    # size of a rank's share (on NCCL gather_object makes it one GPU tensor, W of them on rank 0)
+    chunk = 4096 if pipeline else 64 << 20
+    rows, sizes = zip(*run_ranks(_predict_two_ranks_in_pieces, 2, criteo_ckpt, tmp_path, pipeline, chunk,
+                                 timeout=180))
+    assert rows == (1999, 1999)  # every rank returns once the file is whole
+    if pipeline:
+        assert all(len(s) == 4 and max(s) < chunk + 1024 for s in sizes), sizes  # ceil(1000 / 256) pieces each
+    else:
+        assert all(len(s) == 1 for s in sizes), sizes
     got = _read(tmp_path / "preds.csv")
     want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
     np.testing.assert_array_equal(got["row"], np.arange(1999))
