@@ -195,8 +195,21 @@ class RecCLI(LightningCLI):
             if isinstance(writer, PredictionWriter) and writer.written_path is not None and self.trainer.is_global_zero:
                 print(f"predictions: {writer.num_rows} rows written to {writer.written_path}", flush=True)
 
+    def _logs_under_root_dir(self, config) -> None:
+        # A W&B logger with no save_dir of its own writes where the run writes (--trainer.default_root_dir), as
+        # Lightning's default logger does; WandbLogger's own default is the working directory
+        trainer = self._get(config, "trainer", {})
+        loggers = trainer.get("logger")
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            init = getattr(logger, "init_args", None) if str(getattr(logger, "class_path", "")).endswith(
+                "WandbLogger") else None
+            if init is not None and init.get("save_dir") in (None, ".") and not init.get("dir") and \
+                    trainer.get("default_root_dir"):
+                init.save_dir = trainer.get("default_root_dir")
+
     def instantiate_classes(self) -> None:
         self._check_accelerator(self.config)
+        self._logs_under_root_dir(self.config)
         try:
             super().instantiate_classes()
         except ValueError as e:

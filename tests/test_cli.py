@@ -194,3 +194,16 @@ def test_an_added_model_checkpoint_is_the_ask_for_checkpoints(tmp_path):
              "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ck'}",
              "--trainer.callbacks.save_last=true", *QUIET])
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+
+
+@needs_wandb
+def test_a_recipes_wandb_logs_go_under_the_runs_root_dir(tmp_path):
+    # the recipes named a save_dir of their own: --trainer.default_root_dir moved checkpoints and predictions but
+    # left W&B's files (and Lightning's checkpoints under a logger) in ./runs/<recipe>
+    from pathlib import Path
+
+    if not Path("../shared/data/movielens/ml-100k").is_dir():
+        pytest.skip("needs ../shared/data/movielens/ml-100k")
+    cli = run_cli(["validate", "--config", "recipes/configs/matrix_factorization_movielens.yaml",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=1"])
+    assert Path(cli.trainer.logger.save_dir) == tmp_path and (tmp_path / "wandb").is_dir()
