@@ -137,7 +137,10 @@ class KJTAllToAll:
                  weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
-        exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
+        if self.world_size == 1:
+            exchange = self._exchange_self
+        else:
+            exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
         B_src, N_src, lengths_src, values_src, recv_w, bad = exchange(routed, B, weighted)
         if bad:
             if error is not None:
@@ -146,14 +149,30 @@ class KJTAllToAll:
                 f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
                 f"ranks); this rank stopped too, nothing was sent or updated"
             )
-        perm = self._permutation(self.routing.rank_sf_counts[self.rank], B_src)
         sequence = not self.routing.pooled
-        lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
+        if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
+            lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
+            pos = torch.arange(values_src.numel(), device=values_src.device) if sequence else None
+        else:
+            perm = self._permutation(self.routing.rank_sf_counts[self.rank], B_src)
+            lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
         local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
                                   stride=sum(B_src), _validate=False)
         ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
                           positions_N=pos)
         return local, ctx
+
+    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool):
+        """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
+        counts read made the host wait for the device: no launch ahead of the kernels)."""
+        if routed is None:
+            return None, None, None, None, None, [self.rank]
+        values = routed.values_N.long()
+        recv_w = None
+        if weighted:
+            recv_w = routed.weights_N.float() if routed.weights_N is not None else \
+                torch.ones(values.numel(), device=values.device)
+        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, []
 
     def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool):
         """Through the process group: counts first (they size the receive buffers), then the payload."""

@@ -510,6 +510,8 @@ class DistributedModelParallel(nn.Module):
                     transport: SharedMemoryGroup | None = None, guard: CollectiveGuard | None = None) -> nn.Module:
         if dense is None or not any(p.requires_grad for p in module.parameters()):
             return module
+        if dense == "ddp" and dist.get_world_size(pg) == 1:
+            return module  # one rank: DDP would copy every gradient into its buckets to average it with nobody
         if dense == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -575,7 +577,9 @@ class DistributedModelParallel(nn.Module):
         """
         W, me = dist.get_world_size(self._emb_pg), dist.get_rank(self._emb_pg)
         tag = "ranks step together"
-        if self._transport is not None:
+        if W == 1:  # nobody to agree with (on a GPU, each step's read-back was a wait)
+            slots = torch.tensor([int(have) + int(have and last), batch_index], dtype=torch.int64)
+        elif self._transport is not None:
             slots = torch.zeros(2 * W, dtype=torch.int64)
             slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
             self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's pair

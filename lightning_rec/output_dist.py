@@ -123,6 +123,8 @@ class PooledAllToAll:
                                            "pooled embedding all-to-all", self.timeout_s)
 
     def __call__(self, pooled_BD: Tensor, ctx: DistContext) -> Tensor:
+        if len(self.rank_dims) == 1:  # one rank: the rows are already where they go
+            return pooled_BD.reshape(-1)
         D_me = self.rank_dims[self.rank]
         in_splits = [b * D_me for b in ctx.batch_per_source]
         out_splits = [ctx.batch * d for d in self.rank_dims]
@@ -137,6 +139,8 @@ class SequenceAllToAll:
         self.pg, self.rank, self.timeout_s = pg, rank, timeout_s
 
     def __call__(self, rows_ND: Tensor, ctx: DistContext) -> Tensor:
+        if len(ctx.ids_per_source) == 1:  # one rank: the rows are already where they go
+            return rows_ND
         in_splits = list(ctx.ids_per_source)
         out_splits = list(ctx.routed.ids_per_rank)
         return _AllToAll.apply(_differentiable(rows_ND), self.pg, out_splits, in_splits,
@@ -145,6 +149,8 @@ class SequenceAllToAll:
 
 def all_reduce_sum_(pg, tensor: Tensor, timeout_s: float | None = None) -> None:
     """In place: the sum over ranks (data-parallel replicas' gradients)."""
+    if not isinstance(pg, SharedMemoryGroup) and dist.get_world_size(pg) == 1:
+        return  # one rank: its gradient is the sum
     what = "replica gradient all-reduce"
     try:
         if isinstance(pg, SharedMemoryGroup):

@@ -162,7 +162,7 @@ def _pooled_case(rank, W, lws, kind, pooling, weighted, opt, device="cpu", share
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, lws), local_size=lws,
                                                                world_size=W)})
     dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=30, shared_memory=shared_memory)
-    assert (dmp._transport is None) == (shared_memory is False or device != "cpu")
+    assert (dmp._transport is None) == (shared_memory is False or device != "cpu" or W == 1)  # one rank: no peers
     what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} W={W} {device} shm={shared_memory}"
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
@@ -226,13 +226,39 @@ def _parity_worker(rank, W, lws, device="cpu", shared_memory=None):
 
 
 # CPU ranks of one host talk through shared memory by default (shm_transport.py); gloo's own
-# path (other hosts, shared_memory=False) gets the same cases.
-@pytest.mark.parametrize("world_size,local_world_size,shared_memory", [(2, 2, None), (4, 2, None), (3, 3, None),
-                                                                       (2, 2, False)])
+# path (other hosts, shared_memory=False) gets the same cases; one rank exchanges nothing (no collective at all).
+@pytest.mark.parametrize("world_size,local_world_size,shared_memory", [(1, 1, None), (2, 2, None), (4, 2, None),
+                                                                       (3, 3, None), (2, 2, False)])
 def test_parity_every_sharding_type(world_size, local_world_size, shared_memory):
     done = run_ranks(_parity_worker, world_size, local_world_size, timeout=240,
                      local_world_size=local_world_size, shared_memory=shared_memory)
     assert len(done[0]) == len(POOLED_CASES) + len(SEQUENCE_CASES)
+
+
+def _one_rank_collectives_worker(rank, W):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig("adagrad", lr=0.1)
+    model = PooledModel(EmbeddingBagCollection(_tables("sum"), is_weighted=True, optimizer=config))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan("mixed", 1, 1), local_size=1,
+                                                               world_size=1)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    calls = []
+    for name in ("all_to_all_single", "all_reduce", "all_gather", "broadcast", "barrier"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    for step in range(3):
+        assert dmp.step_together(True, step)
+        dmp(_batch(0, step, True)).sum().backward()
+    return calls
+
+
+def test_one_rank_runs_no_collective_in_a_step():
+    """At world size 1 (Trainer(strategy="rec") on one device) the embedding exchanges and the step agreement
+    have nobody to talk to: no collective, and on a GPU no host read of their counts (a drained stream each step).
+    The dense layers' DDP all-reduce is DDP's (a C++ reducer, not counted here)."""
+    assert run_ranks(_one_rank_collectives_worker, 1, timeout=60) == [[]]
 
 
 @pytest.mark.gpu

@@ -169,6 +169,22 @@ def test_pipelined_matches_plain_bitwise_over_50_steps(kind, feeder_collectives)
     assert run_ranks(_parity_worker, 2, kind, 50, "cpu", feeder_collectives, timeout=240) == [50, 50]
 
 
+def _one_rank_worker(rank, W, steps):
+    import torch.distributed as dist
+
+    calls = []
+    for name in ("all_to_all_single", "all_reduce"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return _parity_worker(rank, W, "planner", steps), calls
+
+
+def test_one_rank_pipeline_matches_plain_and_exchanges_nothing():
+    """One device (Trainer(strategy="rec") on one GPU): ids, rows and the next-batch agreement stay on the rank;
+    no collective, so no per-step host read of counts or flags on a GPU."""
+    assert run_ranks(_one_rank_worker, 1, 12, timeout=120) == [(12, [])]
+
+
 def _launch_order_worker(rank, W, feeder_collectives):
     import threading
     import time

@@ -58,7 +58,9 @@ class _Channel:
         status[0, self.rank], status[1, self.rank] = int(missing), int(failed)
         tag = "pipeline: every rank has a batch"
         try:
-            if self.transport is not None:
+            if self.world_size == 1:
+                pass  # nobody to agree with (on a GPU, each batch's read-back was a wait)
+            elif self.transport is not None:
                 self.transport.all_reduce_sum_(status, tag=tag)
             else:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -69,12 +69,15 @@ class RouteTables:
 
 def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
     """`features` in the collection's feature order -> ids grouped by destination rank (see top)."""
+    one_rank = tables.routing.world_size == 1  # every id goes to rank 0: its count needs no host read
     if tables.fast:
         routed = features.permute(tables.sf_feature, tables.sf_feature_t)
-        lpk = routed.length_per_key()
-        per_rank = [0] * tables.routing.world_size
-        for p, n in zip(tables.rank_of_sf, lpk):
-            per_rank[p] += n
+        if one_rank:
+            per_rank = [routed.values().numel()]
+        else:
+            per_rank = [0] * tables.routing.world_size
+            for p, n in zip(tables.rank_of_sf, routed.length_per_key()):
+                per_rank[p] += n
         return RoutedIds(routed.lengths(), routed.values(), routed.weights_or_none(), per_rank, None, None)
     copies = features.permute(tables.copy_feature, tables.copy_feature_t)
     B = features.stride()
@@ -92,7 +95,9 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
     key_sorted_N, order_N = torch.sort(key_N, stable=True)
     lengths_SB = torch.bincount(key_sorted_N, minlength=tables.num_sf * B)
     weights_N = copies.weights_or_none()
-    if tables.num_sf and B:
+    if one_rank:
+        per_rank = [N]
+    elif tables.num_sf and B:
         # ids per rank: the end of each rank's keys in the sorted order (one host read)
         ends = torch.searchsorted(key_sorted_N, tables.rank_sf_end * B)
         per_rank = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
