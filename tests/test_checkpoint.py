@@ -209,6 +209,36 @@ def test_checkpoint_of_other_tables_names_them(tmp_path):
     run_ranks(_other_dims_worker, 2, path, timeout=120)
 
 
+def _plain_dcp_worker(rank, W, path):
+    import torch.distributed.checkpoint as dcp
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    try:  # DCP's default planner pickled each table once and kept one rank's rows, silently
+        dcp.save(dmp.state_dict(), checkpoint_id=path)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        text = str(e)
+    else:
+        raise AssertionError("dcp.save of a sharded state dict wrote a checkpoint")
+    assert "lightning_rec.checkpoint.save" in text and "t_a.weight" in text, text
+    ckpt.save({"state_dict": dmp.state_dict()}, path)  # the way that keeps every rank's rows
+    return _full_state_of(dmp)
+
+
+def _full_state_of(dmp) -> dict:
+    return {k: ShardedTensor.merge(_all(ShardedTensor(v.global_shape, [(m, t.clone()) for m, t in v.local_shards])))
+            .full() if isinstance(v, ShardedTensor) else v for k, v in dmp.state_dict().items()}
+
+
+def test_plain_dcp_save_of_a_sharded_model_refuses_and_names_ours(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_plain_dcp_worker, 2, path, timeout=120)[0]
+    loaded = ckpt.full_state_dict(path)
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
 def test_missing_rank_file_and_truncated_files_are_named(tmp_path):
     path = tmp_path / "c.ckpt"
     run_ranks(_save_worker, 2, str(path), "row_wise", timeout=120)
