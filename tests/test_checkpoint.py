@@ -435,6 +435,39 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
     _same(saved, loaded[0])  # the previous checkpoint is whole and still loads
 
 
+def test_swapped_or_wrong_arguments_name_the_signature(tmp_path):
+    """A model, an optimizer and a path swapped used to fail deep inside ('object is not subscriptable') or be
+    written as something else (a model in `optimizers` was saved as an optimizer, a path as `module` ignored)."""
+    module = _module()
+    optimizer = module.configure_optimizers()
+    path = tmp_path / "c.ckpt"
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    other = tmp_path / "other.ckpt"
+    ck = {"state_dict": module.state_dict()}
+    calls = [
+        (TypeError, lambda: ckpt.save(module, other),
+         ["checkpoint", "got a model (DLRMModule)", "Call it as lightning_rec.checkpoint.save({'state_dict'"]),
+        (ValueError, lambda: ckpt.save(module.state_dict(), other), ["no 'state_dict' entry", "{'state_dict'"]),
+        (TypeError, lambda: ckpt.save(other, ck), ["checkpoint", "got a path"]),
+        (TypeError, lambda: ckpt.save(ck, optimizer), ["path must be", "got an optimizer"]),
+        (TypeError, lambda: ckpt.save(ck, other, optimizer), ["optimizers=[optimizer]", "got an optimizer"]),
+        (TypeError, lambda: ckpt.save(ck, other, [module]), ["optimizers[0]", "got a model"]),
+        (TypeError, lambda: ckpt.save(ck, other, [optimizer], module=optimizer), ["module must", "got an optimizer"]),
+        (TypeError, lambda: ckpt.save(ck, other, [optimizer], module=str(path)), ["module must", "got a path"]),
+        (TypeError, lambda: ckpt.load_model(path, module), ["load_model", "got a path", "load_model(model, path)"]),
+        (TypeError, lambda: ckpt.load_model(optimizer, path), ["load_model", "got an optimizer"]),
+        (TypeError, lambda: ckpt.load_optimizer(path, optimizer),
+         ["load_optimizer", "got a path", "load_optimizer(optimizer, path, index=0"]),
+        (TypeError, lambda: ckpt.load_optimizer(module, path), ["optimizer must", "got a model"]),
+        (TypeError, lambda: ckpt.load_optimizer([optimizer, optimizer], path), ["one optimizer", "index=i"]),
+        (TypeError, lambda: ckpt.load_optimizer(optimizer, path, module), ["index must", "got a model"]),
+        (TypeError, lambda: ckpt.load_optimizer(optimizer, path, module=str(path)), ["module must", "got a path"]),
+    ]
+    for exc, call, words in calls:
+        expect_error(exc, call, *words)
+    assert not other.exists() and not list(tmp_path.glob(".other*"))  # refused before anything was written
+
+
 def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):
     run_ranks(_piece_worker, 2, str(tmp_path), timeout=120)
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
