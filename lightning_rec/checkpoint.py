@@ -596,9 +596,45 @@ class DCPCheckpoint:
         return f"DCPCheckpoint({str(self.path)!r}{'' if self.index is None else f', optimizer {self.index}'})"
 
 
+def _not_a_dcp_checkpoint(path: Path, wanted: str = "a checkpoint directory written by lightning_rec.checkpoint.save "
+                                                          "(DCP)") -> str | None:
+    """What `path` is, and what loads it, when it is not a DCP checkpoint directory; None when it may be one
+    (a file or an export directory was reported as "a checkpoint directory whose save did not finish")."""
+    if path.is_dir():
+        if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
+            return (f"{path} is an export directory (lightning-rec export / checkpoint.export), not a checkpoint: "
+                    f"load it with lightning_rec.checkpoint.load_exported({str(path)!r})")
+        return None
+    head = f"{path} is a file, not {wanted}"
+    if path.suffix == ".safetensors":
+        return (f"{head}: a safetensors file; an export's loads with lightning_rec.checkpoint.load_exported"
+                f"({str(path.parent)!r})")
+    try:
+        obj = load_file(path)
+    except ValueError:
+        return f"{head}, and not one torch.load reads either"
+    if isinstance(obj, Mapping) and "state_dict" in obj:
+        return (f"{head}: a one-file Lightning checkpoint (RecStrategy(checkpoint_format='gathered') or another "
+                f"strategy). Resume from it with trainer.fit(..., ckpt_path={str(path)!r}), or load its weights with "
+                f"model.load_state_dict(lightning_rec.checkpoint.full_state_dict({str(path)!r}))")
+    if isinstance(obj, Mapping) and any(isinstance(v, ShardedTensor) for v in obj.values()):
+        return (f"{head}: one rank's state dict written by torch.save(dmp.state_dict()), holding only that rank's "
+                f"pieces of the sharded tables. Combine every rank's file (ShardedTensor.merge per table) and load "
+                f"with dmp.load_state_dict(merged); lightning_rec.checkpoint.save writes one checkpoint every layout "
+                f"loads")
+    if isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
+        return (f"{head}: a state dict written by torch.save(model.state_dict()). Load it with "
+                f"model.load_state_dict(torch.load({str(path)!r})) (a sharded model takes whole tables too, "
+                f"each rank keeping its pieces)")
+    return f"{head}: torch.save wrote a {type(obj).__name__} into it"
+
+
 def _check_complete(path: Path) -> None:
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
+    other = _not_a_dcp_checkpoint(path)
+    if other is not None:
+        raise ValueError(other)
     if not (path / METADATA_FILE).is_file() or not (path / LIGHTNING_FILE).is_file():
         missing = [n for n in (METADATA_FILE, LIGHTNING_FILE) if not (path / n).is_file()]
         raise ValueError(f"checkpoint directory {path} is incomplete (no {', '.join(missing)}): its save did not "
@@ -1130,7 +1166,10 @@ def _full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
                    if k.startswith("state_dict.") and isinstance(v, TensorStorageMetadata)}
         _load(targets, reader, path)
         return {k[len("state_dict."):]: v for k, v in targets.items()}, meta
-    ckpt = load_file(path)
+    ckpt = load_file(path) if path.suffix != ".safetensors" else None
+    if not (isinstance(ckpt, Mapping) and "state_dict" in ckpt):  # not a one-file Lightning checkpoint
+        raise ValueError(_not_a_dcp_checkpoint(path, "a checkpoint (a directory written by lightning_rec.checkpoint"
+                                                     ".save, or a one-file Lightning checkpoint)"))
     state = {}
     for k, v in ckpt["state_dict"].items():
         state[k] = v.full() if isinstance(v, ShardedTensor) else v

@@ -468,6 +468,36 @@ def test_swapped_or_wrong_arguments_name_the_signature(tmp_path):
     assert not other.exists() and not list(tmp_path.glob(".other*"))  # refused before anything was written
 
 
+def test_a_torch_save_file_is_named_with_what_loads_it(tmp_path):
+    """A file written by torch.save was reported as 'checkpoint directory ... is incomplete: its save did not
+    finish' (load_model) or a KeyError 'state_dict' (full_state_dict)."""
+    from lightning_rec.types import ShardMetadata
+
+    module = _module()
+    optimizer = module.configure_optimizers()
+    state = module.state_dict()
+    torch.save(state, tmp_path / "model.pt")
+    table = f"{EBC}.embedding_bags.t_a.weight"
+    one_rank = {**state, table: ShardedTensor((64, 8), [(ShardMetadata((0, 0), (32, 8), 0), state[table][:32])])}
+    torch.save(one_rank, tmp_path / "rank0.pt")
+    ckpt.save_file({"state_dict": state, "optimizer_states": [optimizer.state_dict()]}, tmp_path / "one.ckpt")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    (tmp_path / "export" / "model.safetensors").write_bytes(b"")
+    for name, words in [("model.pt", ["torch.save(model.state_dict())", "model.load_state_dict(torch.load("]),
+                        ("rank0.pt", ["one rank's state dict", "ShardedTensor.merge"]),
+                        ("one.ckpt", ["one-file Lightning checkpoint", "ckpt_path=", "full_state_dict("]),
+                        ("export", ["export directory", "load_exported("])]:
+        path = tmp_path / name
+        loaders = [lambda p=path: ckpt.load_model(module, p), lambda p=path: ckpt.load_optimizer(optimizer, p)]
+        if name != "one.ckpt":  # full_state_dict reads one-file checkpoints
+            loaders.append(lambda p=path: ckpt.full_state_dict(p))
+        for load in loaders:
+            text = expect_error(ValueError, load, name, *words)
+            assert "incomplete" not in text, text
+    ckpt.full_state_dict(tmp_path / "one.ckpt")
+
+
 def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):
     run_ranks(_piece_worker, 2, str(tmp_path), timeout=120)
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
