@@ -52,6 +52,25 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
 _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
 
 
+def _moved(call: str, device: torch.device | str | int | None, move):
+    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so."""
+    try:
+        return move()
+    except (RuntimeError, AssertionError):  # torch's words differ by build: check what is missing
+        from lightning_rec.lookup import no_cuda_error
+
+        if device is None:
+            error = no_cuda_error(call, "pinned memory only speeds up copies to a GPU: leave pin_memory=False here "
+                                        "(the data modules' pin_memory, DataLoader(pin_memory=...))")
+        elif torch.device(device).type == "cuda":
+            error = no_cuda_error(call, "or keep it on the CPU (device='cpu', accelerator='cpu')")
+        else:
+            error = None
+        if error is None:
+            raise
+        raise error from None
+
+
 def _need_tensor(what: str, name: str, value) -> None:
     """Lists and numpy arrays would fail later with an AttributeError naming nothing the user wrote."""
     if value is not None and not isinstance(value, Tensor):
@@ -200,11 +219,15 @@ class JaggedTensor:
         return self._offsets
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        return _moved(f"JaggedTensor.to({device!r})", device, lambda: self._map(
+            lambda t: t.to(device, non_blocking=non_blocking)))
+
+    def _map(self, fn) -> JaggedTensor:
         jt = JaggedTensor.__new__(JaggedTensor)
-        jt._values = self._values.to(device, non_blocking=non_blocking)
-        jt._weights = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
-        jt._lengths = self._lengths.to(device, non_blocking=non_blocking)
-        jt._offsets = None if self._offsets is None else self._offsets.to(device, non_blocking=non_blocking)
+        jt._values = fn(self._values)
+        jt._weights = None if self._weights is None else fn(self._weights)
+        jt._lengths = fn(self._lengths)
+        jt._offsets = None if self._offsets is None else fn(self._offsets)
         return jt
 
     def __repr__(self) -> str:
@@ -537,16 +560,8 @@ class KeyedJaggedTensor:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        try:
-            moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
-        except (RuntimeError, AssertionError) as e:  # torch's words differ by build: say which part is missing
-            from lightning_rec.lookup import cuda_missing
-
-            what = cuda_missing() if torch.device(device).type == "cuda" else None
-            if what is None:
-                raise
-            raise ValueError(f"KeyedJaggedTensor.to({device!r}) needs a CUDA GPU, but {what}; or keep the batch "
-                             f"on the CPU (accelerator='cpu'). torch said: {e}") from e
+        moved = _moved(f"KeyedJaggedTensor.to({device!r})", device,
+                       lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
         if moved.device.type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
             moved._host = self if self.device.type == "cpu" else self._host
@@ -557,7 +572,7 @@ class KeyedJaggedTensor:
         return self if self.device.type == "cpu" else self._host
 
     def pin_memory(self) -> KeyedJaggedTensor:
-        return self._map(lambda t: t.pin_memory())
+        return _moved("KeyedJaggedTensor.pin_memory()", None, lambda: self._map(lambda t: t.pin_memory()))
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
@@ -668,8 +683,9 @@ class KeyedTensor:
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
-        return KeyedTensor(self._keys, self._length_per_key,
-                           self._values.to(device, non_blocking=non_blocking), self._key_dim)
+        values = _moved(f"KeyedTensor.to({device!r})", device,
+                        lambda: self._values.to(device, non_blocking=non_blocking))
+        return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"

@@ -32,7 +32,7 @@ from lightning_rec.lookup import check_device_ready, choose_kernel
 from lightning_rec.models.dlrm import DLRM
 from lightning_rec.native_embedding import NativeTableBatchedEmbeddingBags
 from lightning_rec.optim import FusedOptimizer, FusedOptimizerConfig, combined_optimizer
-from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 KERNELS = ["native", "fbgemm"]
 
@@ -273,6 +273,28 @@ def test_batch_to_cuda_without_cuda_says_what_is_missing():
     missing = "is a CPU build" if torch.version.cuda is None else "finds no CUDA device"
     with pytest.raises(ValueError, match=rf"KeyedJaggedTensor.to\('cuda'\) needs a CUDA GPU, but .*{missing}"):
         kjt.to("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_moves_to_cuda_and_pinning_without_cuda_are_one_line():
+    """JaggedTensor / KeyedTensor .to('cuda'), KeyedJaggedTensor.pin_memory() and the collections' .to('cuda') /
+    .cuda() raised torch's AssertionError / RuntimeError from inside the copy, naming neither the call nor the fix."""
+    jt = JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    kt = KeyedTensor(["a"], [2], torch.zeros(2, 2))
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    tables = [EmbeddingConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"])]
+    calls = [(lambda: jt.to("cuda"), "JaggedTensor.to('cuda')", "keep it on the CPU"),
+             (lambda: kt.to(torch.device("cuda", 0)), "KeyedTensor.to(", "keep it on the CPU"),
+             (lambda: kjt.to("cuda"), "KeyedJaggedTensor.to('cuda')", "keep it on the CPU"),
+             (lambda: kjt.pin_memory(), "KeyedJaggedTensor.pin_memory()", "pin_memory=False"),
+             (lambda: ebc("auto").to("cuda"), "moving EmbeddingBagCollection", "keep it on the CPU"),
+             (lambda: EmbeddingCollection(tables).cuda(), "moving EmbeddingCollection", "keep it on the CPU")]
+    for call, what, fix in calls:
+        with pytest.raises(ValueError, match="^CUDA is not available: ") as info:
+            call()
+        assert what in str(info.value) and fix in str(info.value), str(info.value)
+        assert info.value.__cause__ is None and info.value.__suppress_context__  # no torch traceback above it
+    assert kjt.device.type == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
