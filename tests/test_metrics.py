@@ -92,6 +92,26 @@ def test_ne_of_the_constant_ctr_predictor_is_one(data):
     assert float(ne.compute()) == pytest.approx(1.0, rel=1e-9)
 
 
+def test_click_metrics_take_torchmetrics_target_keyword(data):
+    """update(preds=..., target=...), torchmetrics' names, was a TypeError (the labels were called `labels`)."""
+    logits, labels = data
+    for cls in (AUC, BinnedAUC, NormalizedEntropy, LogLoss, CTR):
+        by_name, by_place, old_name = cls(), cls(), cls()
+        by_name.update(preds=logits, target=labels)
+        by_place.update(logits, labels)
+        old_name.update(logits, labels=labels)
+        assert float(by_name.compute()) == float(by_place.compute()) == float(old_name.compute()), cls.__name__
+        with pytest.raises(TypeError, match="target"):
+            cls().update(logits, labels, labels=labels)
+    collection = RecMetricCollection(prefix="")
+    collection.update(preds=logits, target=labels)
+    assert float(collection.compute()["auc"]) == pytest.approx(ref_auc(logits.numpy(), labels.numpy()), abs=1e-12)
+    binned = BinnedAUC(num_thresholds=100)
+    reference = BinaryAUROC(thresholds=100)
+    assert float(binned(preds=logits, target=labels)) == pytest.approx(
+        float(reference(preds=torch.sigmoid(logits), target=labels.long())), abs=1e-6)
+
+
 def test_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="one prediction per sample"):
         LogLoss().update(torch.zeros(4, 2), torch.zeros(4))
