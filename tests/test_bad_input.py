@@ -224,6 +224,47 @@ def test_fused_optimizer_takes_torch_optims_betas_too():
         FusedOptimizerConfig("adam", betas=(0.8, 0.9), beta1=0.5)
 
 
+def test_fused_optimizer_takes_fbgemm_torchrec_and_torch_optim_names():
+    """fbgemm's / TorchRec's EmbOptimType names and torch.optim classes were 'unknown fused optimizer'."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOpt
+
+    same = {
+        "rowwise_adagrad": [FbgemmOpt.EXACT_ROWWISE_ADAGRAD, FbgemmOpt.ROWWISE_ADAGRAD, "EXACT_ROWWISE_ADAGRAD",
+                            "exact_rowwise_adagrad", "exact_row_wise_adagrad"],
+        "sgd": [FbgemmOpt.EXACT_SGD, "exact_sgd", "EXACT_SGD", torch.optim.SGD],
+        "adagrad": [FbgemmOpt.EXACT_ADAGRAD, "exact_adagrad", torch.optim.Adagrad],
+        "adam": [FbgemmOpt.ADAM, torch.optim.Adam, "Adam"],
+        "partial_rowwise_adam": [FbgemmOpt.PARTIAL_ROWWISE_ADAM, "PARTIAL_ROWWISE_ADAM"],
+        "lamb": [FbgemmOpt.LAMB], "lars_sgd": [FbgemmOpt.LARS_SGD, "LARS_SGD"],
+    }
+    for ours, names in same.items():
+        for name in names:
+            assert FusedOptimizerConfig(name, lr=0.1) == FusedOptimizerConfig(ours, lr=0.1), name
+    with pytest.raises(ValueError, match="torch.optim.AdamW has no fused version"):
+        FusedOptimizerConfig(torch.optim.AdamW)
+    with pytest.raises(ValueError, match="unknown fused optimizer .*shampoo.*EXACT_ROWWISE_ADAGRAD"):
+        FusedOptimizerConfig(FbgemmOpt.SHAMPOO)
+    with pytest.raises(ValueError, match=r"pass its class and hyper-parameters, e.g. .*torch.optim.SGD"):
+        FusedOptimizerConfig(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_fused_optimizer_refuses_hyper_parameters_it_would_ignore():
+    """SGD with momentum=0.9 trained as plain SGD, silently (and betas / eta outside the updates that use them)."""
+    with pytest.raises(ValueError, match="fused sgd has no momentum .*'lars_sgd'.*torch.optim.SGD\\(momentum=0.9\\)"):
+        FusedOptimizerConfig(torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="fused rowwise_adagrad has no momentum"):
+        FusedOptimizerConfig("rowwise_adagrad", momentum=0.5)
+    with pytest.raises(ValueError, match="fused adagrad uses no betas .*adam, partial_rowwise_adam, lamb"):
+        FusedOptimizerConfig(torch.optim.Adagrad, betas=(0.8, 0.99))
+    with pytest.raises(ValueError, match="eta=0.01 is lars_sgd's trust coefficient; fused adam has none"):
+        FusedOptimizerConfig("adam", eta=0.01)
+    # what each update does use, and torch.optim.SGD's own default momentum=0, are taken
+    assert FusedOptimizerConfig(torch.optim.SGD, momentum=0) == FusedOptimizerConfig("sgd")
+    lars = FusedOptimizerConfig("lars_sgd", momentum=0.5)
+    assert (lars.momentum, lars.eta) == (0.5, 0.001) and FusedOptimizerConfig("lars_sgd").momentum == 0.9
+    assert FusedOptimizerConfig("lamb", betas=(0.8, 0.99)).beta1 == 0.8
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_learning_rate_from_a_scheduler_is_refused(kernel):
     m = ebc(kernel)
