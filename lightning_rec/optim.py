@@ -42,7 +42,7 @@ _TORCH_OPTIMIZERS = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: Emb
 _USES_BETAS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
 
 
-def _optimizer_type(value: Any) -> EmbOptimType:
+def emb_optim_type(value: Any) -> EmbOptimType:
     """Ours, fbgemm's / TorchRec's (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "exact_row_wise_adagrad", "EXACT_SGD")
     or a torch.optim class -> our EmbOptimType. fbgemm's non-exact variants name the same update (ours is exact)."""
     valid = ", ".join(o.value for o in EmbOptimType)
@@ -109,7 +109,7 @@ class FusedOptimizerConfig:
                                  f"disagree: give one of the two")
             object.__setattr__(self, "beta1", pair[0])
             object.__setattr__(self, "beta2", pair[1])
-        object.__setattr__(self, "optimizer", _optimizer_type(self.optimizer))
+        object.__setattr__(self, "optimizer", emb_optim_type(self.optimizer))
         for name in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum", "eta"):
             value = getattr(self, name)
             if value is None and name in ("momentum", "eta"):
