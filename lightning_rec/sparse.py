@@ -52,8 +52,9 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
 _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
 
 
-def _moved(call: str, device: torch.device | str | int | None, move):
-    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so."""
+def move_or_explain(call: str, device: torch.device | str | int | None, move):
+    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so.
+    (The batches' `.to` / `.pin_memory` go through it too.)"""
     try:
         return move()
     except (RuntimeError, AssertionError):  # torch's words differ by build: check what is missing
@@ -243,7 +244,7 @@ class JaggedTensor:
         return self._offsets
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
-        return _moved(f"JaggedTensor.to({device!r})", device, lambda: self._map(
+        return move_or_explain(f"JaggedTensor.to({device!r})", device, lambda: self._map(
             lambda t: t.to(device, non_blocking=non_blocking)))
 
     def _map(self, fn) -> JaggedTensor:
@@ -601,7 +602,7 @@ class KeyedJaggedTensor:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        moved = _moved(f"KeyedJaggedTensor.to({device!r})", device,
+        moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device,
                        lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
         if moved.device.type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
@@ -613,7 +614,7 @@ class KeyedJaggedTensor:
         return self if self.device.type == "cpu" else self._host
 
     def pin_memory(self) -> KeyedJaggedTensor:
-        return _moved("KeyedJaggedTensor.pin_memory()", None, lambda: self._map(lambda t: t.pin_memory()))
+        return move_or_explain("KeyedJaggedTensor.pin_memory()", None, lambda: self._map(lambda t: t.pin_memory()))
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
@@ -732,7 +733,7 @@ class KeyedTensor:
         return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
-        values = _moved(f"KeyedTensor.to({device!r})", device,
+        values = move_or_explain(f"KeyedTensor.to({device!r})", device,
                         lambda: self._values.to(device, non_blocking=non_blocking))
         return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
 

@@ -318,18 +318,24 @@ def test_batch_to_cuda_without_cuda_says_what_is_missing():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_moves_to_cuda_and_pinning_without_cuda_are_one_line():
-    """JaggedTensor / KeyedTensor .to('cuda'), KeyedJaggedTensor.pin_memory() and the collections' .to('cuda') /
-    .cuda() raised torch's AssertionError / RuntimeError from inside the copy, naming neither the call nor the fix."""
+    """JaggedTensor / KeyedTensor / Batch .to('cuda'), KeyedJaggedTensor / Batch .pin_memory() and the collections'
+    .to('cuda') / .cuda() raised torch's AssertionError / RuntimeError from inside the copy, naming neither the call
+    nor the fix."""
     jt = JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
     kt = KeyedTensor(["a"], [2], torch.zeros(2, 2))
     kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
     tables = [EmbeddingConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"])]
+    from lightning_rec.data.batch import Batch
+
+    batch = Batch(torch.zeros(2, 3), kjt, torch.zeros(2))  # the dense tensor moves first: torch's error came first
     calls = [(lambda: jt.to("cuda"), "JaggedTensor.to('cuda')", "keep it on the CPU"),
              (lambda: kt.to(torch.device("cuda", 0)), "KeyedTensor.to(", "keep it on the CPU"),
              (lambda: kjt.to("cuda"), "KeyedJaggedTensor.to('cuda')", "keep it on the CPU"),
              (lambda: kjt.pin_memory(), "KeyedJaggedTensor.pin_memory()", "pin_memory=False"),
              (lambda: ebc("auto").to("cuda"), "moving EmbeddingBagCollection", "keep it on the CPU"),
-             (lambda: EmbeddingCollection(tables).cuda(), "moving EmbeddingCollection", "keep it on the CPU")]
+             (lambda: EmbeddingCollection(tables).cuda(), "moving EmbeddingCollection", "keep it on the CPU"),
+             (lambda: batch.to("cuda"), "Batch.to('cuda')", "keep it on the CPU"),
+             (lambda: batch.pin_memory(), "Batch.pin_memory()", "pin_memory=False")]
     for call, what, fix in calls:
         with pytest.raises(ValueError, match="^CUDA is not available: ") as info:
             call()
