@@ -381,6 +381,73 @@ def _unblob(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
+
+# ------------------------------------------------------------------------------------------------
+# the public calls' arguments: a model, an optimizer and a path are easy to swap, and each of them
+# used to fail deep inside (`'DLRMModule' object is not subscriptable`) or, worse, be written as
+# something else (a model in `optimizers` was saved as an optimizer)
+
+SAVE_SIGNATURE = ("lightning_rec.checkpoint.save({'state_dict': model.state_dict(), ...}, path, "
+                  "optimizers=[optimizer], module=model)")
+LOAD_MODEL_SIGNATURE = "lightning_rec.checkpoint.load_model(model, path)"
+LOAD_OPTIMIZER_SIGNATURE = "lightning_rec.checkpoint.load_optimizer(optimizer, path, index=0, module=model)"
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(_unwrap(obj), torch.optim.Optimizer)
+
+
+def _is_path(obj: Any) -> bool:
+    return isinstance(obj, (str, os.PathLike))
+
+
+def _what(obj: Any) -> str:
+    name = type(obj).__name__
+    if isinstance(obj, torch.nn.Module):
+        return f"a model ({name})"
+    if _is_optimizer(obj):
+        return f"an optimizer ({name})"
+    if _is_path(obj):
+        return f"a path ({str(obj)!r})"
+    if isinstance(obj, (list, tuple)):
+        return f"a {name} of {len(obj)}: [{', '.join(type(o).__name__ for o in obj)}]"
+    return f"a {name}"
+
+
+def _wrong(signature: str, arg: str, obj: Any, want: str) -> TypeError:
+    return TypeError(f"{signature.split('(')[0]}: {arg} must be {want}, got {_what(obj)}. Call it as {signature}")
+
+
+def _check_path(signature: str, path: Any) -> None:
+    if not _is_path(path):
+        raise _wrong(signature, "path", path, "a path (str or os.PathLike)")
+
+
+def _check_module(signature: str, module: Any, optional: bool = False) -> None:
+    if optional and module is None:
+        return
+    if not isinstance(module, torch.nn.Module):
+        raise _wrong(signature, "module" if optional else "model", module,
+                     "the model (an nn.Module: the DistributedModelParallel, LightningModule or unsharded model)")
+
+
+def _check_save_args(checkpoint: Any, path: Any, optimizers: Any, module: Any) -> None:
+    if not isinstance(checkpoint, Mapping):
+        raise _wrong(SAVE_SIGNATURE, "checkpoint (the first argument)", checkpoint,
+                     "a dict holding the model's state dict: {'state_dict': model.state_dict()}")
+    if "state_dict" not in checkpoint:
+        raise ValueError(f"lightning_rec.checkpoint.save: the checkpoint dict has no 'state_dict' entry (its keys: "
+                         f"{_short([str(k) for k in checkpoint], 4)}); a model's state dict goes in as "
+                         f"{{'state_dict': model.state_dict()}}. Call it as {SAVE_SIGNATURE}")
+    _check_path(SAVE_SIGNATURE, path)
+    if not isinstance(optimizers, Sequence) or isinstance(optimizers, (str, bytes)):
+        raise _wrong(SAVE_SIGNATURE, "optimizers", optimizers, "a list of optimizers: optimizers=[optimizer]")
+    for i, opt in enumerate(optimizers):
+        if not _is_optimizer(opt):
+            raise _wrong(SAVE_SIGNATURE, f"optimizers[{i}]", opt, "an optimizer (torch.optim.Optimizer)")
+    _check_module(SAVE_SIGNATURE, module, optional=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # save
 
@@ -437,6 +504,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         saved by parameter name (get_optimizer_state_dict), which loads at any world size; without
         it, FSDP's dense optimizer state reloads only at this world size.
     """
+    _check_save_args(checkpoint, path, optimizers, module)
     path = Path(path)
     rank, world = _rank_world()
     tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
@@ -528,9 +596,45 @@ class DCPCheckpoint:
         return f"DCPCheckpoint({str(self.path)!r}{'' if self.index is None else f', optimizer {self.index}'})"
 
 
+def _not_a_dcp_checkpoint(path: Path, wanted: str = "a checkpoint directory written by lightning_rec.checkpoint.save "
+                                                          "(DCP)") -> str | None:
+    """What `path` is, and what loads it, when it is not a DCP checkpoint directory; None when it may be one
+    (a file or an export directory was reported as "a checkpoint directory whose save did not finish")."""
+    if path.is_dir():
+        if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
+            return (f"{path} is an export directory (lightning-rec export / checkpoint.export), not a checkpoint: "
+                    f"load it with lightning_rec.checkpoint.load_exported({str(path)!r})")
+        return None
+    head = f"{path} is a file, not {wanted}"
+    if path.suffix == ".safetensors":
+        return (f"{head}: a safetensors file; an export's loads with lightning_rec.checkpoint.load_exported"
+                f"({str(path.parent)!r})")
+    try:
+        obj = load_file(path)
+    except ValueError:
+        return f"{head}, and not one torch.load reads either"
+    if isinstance(obj, Mapping) and "state_dict" in obj:
+        return (f"{head}: a one-file Lightning checkpoint (RecStrategy(checkpoint_format='gathered') or another "
+                f"strategy). Resume from it with trainer.fit(..., ckpt_path={str(path)!r}), or load its weights with "
+                f"model.load_state_dict(lightning_rec.checkpoint.full_state_dict({str(path)!r}))")
+    if isinstance(obj, Mapping) and any(isinstance(v, ShardedTensor) for v in obj.values()):
+        return (f"{head}: one rank's state dict written by torch.save(dmp.state_dict()), holding only that rank's "
+                f"pieces of the sharded tables. Combine every rank's file (ShardedTensor.merge per table) and load "
+                f"with dmp.load_state_dict(merged); lightning_rec.checkpoint.save writes one checkpoint every layout "
+                f"loads")
+    if isinstance(obj, Mapping) and obj and all(isinstance(v, Tensor) for v in obj.values()):
+        return (f"{head}: a state dict written by torch.save(model.state_dict()). Load it with "
+                f"model.load_state_dict(torch.load({str(path)!r})) (a sharded model takes whole tables too, "
+                f"each rank keeping its pieces)")
+    return f"{head}: torch.save wrote a {type(obj).__name__} into it"
+
+
 def _check_complete(path: Path) -> None:
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
+    other = _not_a_dcp_checkpoint(path)
+    if other is not None:
+        raise ValueError(other)
     if not (path / METADATA_FILE).is_file() or not (path / LIGHTNING_FILE).is_file():
         missing = [n for n in (METADATA_FILE, LIGHTNING_FILE) if not (path / n).is_file()]
         raise ValueError(f"checkpoint directory {path} is incomplete (no {', '.join(missing)}): its save did not "
@@ -673,6 +777,8 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     The module may be sharded by any plan at any world size, or not sharded at all (then call it
     on one process, torch.distributed not needed): every tensor reads the rectangles it holds.
     """
+    _check_module(LOAD_MODEL_SIGNATURE, module)
+    _check_path(LOAD_MODEL_SIGNATURE, path)
     path = Path(path)
     reader, md = _read_metadata(path)
     targets: dict[str, Any] = {}
@@ -698,6 +804,15 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     module: the model the optimizer trains; needed when its dense state was saved sharded (FSDP),
     which then loads at any world size (DCP reads the shards this rank's parameters hold).
     """
+    if isinstance(optimizer, (list, tuple)):
+        raise TypeError(f"lightning_rec.checkpoint.load_optimizer restores one optimizer, got {_what(optimizer)}: call "
+                        f"it once per optimizer, load_optimizer(optimizers[i], path, index=i, module=model)")
+    if not _is_optimizer(optimizer):
+        raise _wrong(LOAD_OPTIMIZER_SIGNATURE, "optimizer", optimizer, "an optimizer (torch.optim.Optimizer)")
+    _check_path(LOAD_OPTIMIZER_SIGNATURE, path)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise _wrong(LOAD_OPTIMIZER_SIGNATURE, "index", index, "the optimizer's place in save's optimizers (an int)")
+    _check_module(LOAD_OPTIMIZER_SIGNATURE, module, optional=True)
     path = Path(path)
     optimizer = _unwrap(optimizer)
     reader, md = _read_metadata(path)
@@ -1051,7 +1166,10 @@ def _full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
                    if k.startswith("state_dict.") and isinstance(v, TensorStorageMetadata)}
         _load(targets, reader, path)
         return {k[len("state_dict."):]: v for k, v in targets.items()}, meta
-    ckpt = load_file(path)
+    ckpt = load_file(path) if path.suffix != ".safetensors" else None
+    if not (isinstance(ckpt, Mapping) and "state_dict" in ckpt):  # not a one-file Lightning checkpoint
+        raise ValueError(_not_a_dcp_checkpoint(path, "a checkpoint (a directory written by lightning_rec.checkpoint"
+                                                     ".save, or a one-file Lightning checkpoint)"))
     state = {}
     for k, v in ckpt["state_dict"].items():
         state[k] = v.full() if isinstance(v, ShardedTensor) else v

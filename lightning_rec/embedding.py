@@ -376,7 +376,18 @@ class _EmbeddingCollectionBase(nn.Module):
     # device moves: rebuild the kernels where they now live -----------------------------------
 
     def _apply(self, fn, recurse: bool = True):
-        probe = fn(torch.empty(0, device=self._device))
+        # .to(...) / .cuda() / a parent's, all through here: without CUDA, one line instead of torch's
+        # AssertionError from inside the copy ("Torch not compiled with CUDA enabled")
+        try:
+            probe = fn(torch.empty(0, device=self._device))
+        except (RuntimeError, AssertionError) as e:
+            from lightning_rec.lookup import no_cuda_error
+
+            error = no_cuda_error(f"moving {type(self).__name__} to the GPU (.to('cuda') / .cuda())",
+                                  f"or keep it on the CPU (device='cpu', accelerator='cpu'). torch said: {e}")
+            if error is None:
+                raise
+            raise error from None
         if probe.dtype != torch.float32:
             raise ValueError(
                 f"{type(self).__name__} tables keep their configured data_type; set data_type in the "

@@ -116,6 +116,16 @@ def cuda_missing() -> str | None:
     return None
 
 
+def no_cuda_error(call: str, fix: str) -> ValueError | None:
+    """The one-line error for `call` (a move to CUDA, pinning memory) where this environment has no usable
+    CUDA; None where it has one. torch's own (an AssertionError or RuntimeError from inside the copy) names
+    neither the call nor the fix."""
+    what = cuda_missing()
+    if what is None:
+        return None
+    return ValueError(f"CUDA is not available: {call} needs a CUDA GPU, but {what}; {fix}")
+
+
 def check_device_ready(device: torch.device) -> None:
     """One line saying what is missing when tables are asked for on a GPU this environment cannot use."""
     if device.type != "cuda":
@@ -223,8 +233,8 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         eps=optimizer.eps,
         beta1=optimizer.beta1,
         beta2=optimizer.beta2,
-        momentum=optimizer.momentum,
-        eta=optimizer.eta,
+        # LARS's own (None for the other updates, which have neither): fbgemm's defaults then
+        **{k: v for k, v in (("momentum", optimizer.momentum), ("eta", optimizer.eta)) if v is not None},
         weights_precision=precision[dtype],
         output_dtype=precision[dtype],
         pooling_mode=pooling_mode,

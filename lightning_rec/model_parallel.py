@@ -394,6 +394,9 @@ class DistributedModelParallel(nn.Module):
             that is still computing.
         timeout_setting: how error messages name the timeout setting; wrappers that build this
             module pass their own (RecStrategy: "RecStrategy(embedding_timeout=...)").
+        sharders: TorchRec's argument, taken so that its code reads here; None only. Every collection
+            is sharded without one: sharding types per table come from the plan (or the planner's
+            ParameterConstraints), the fused optimizer from the collection's FusedOptimizerConfig.
         local_world_size: ranks per host (host-level types); default $LOCAL_WORLD_SIZE or the world.
         ddp_kwargs: extra DistributedDataParallel arguments.
         shared_memory: CPU only. None (default): when every rank shares this host's /dev/shm, the
@@ -406,8 +409,16 @@ class DistributedModelParallel(nn.Module):
                  dense: str | None = "ddp", *, pg=None, timeout: float | timedelta = DEFAULT_TIMEOUT_S,
                  local_world_size: int | None = None, ddp_kwargs: dict | None = None,
                  shared_memory: bool | None = None,
-                 timeout_setting: str = "DistributedModelParallel(timeout=...)") -> None:
+                 timeout_setting: str = "DistributedModelParallel(timeout=...)", sharders=None) -> None:
         super().__init__()
+        if sharders is not None:  # TorchRec's list of EmbeddingBagCollectionSharder(fused_params=...) and the like
+            raise ValueError(
+                f"DistributedModelParallel(sharders={_short_repr(sharders)}): no sharders are needed here, every "
+                f"EmbeddingBagCollection / EmbeddingCollection is sharded by DistributedModelParallel itself. Drop "
+                f"sharders=; choose sharding types per table with plan= (construct_module_sharding_plan) or "
+                f"EmbeddingShardingPlanner(constraints={{table: ParameterConstraints(sharding_types=[...])}}), and the "
+                f"fused optimizer (a sharder's fused_params) with EmbeddingBagCollection(optimizer="
+                f"FusedOptimizerConfig(...))")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("DistributedModelParallel needs torch.distributed: call "
                              "torch.distributed.init_process_group(backend='gloo' or 'nccl') on every rank first")
@@ -664,6 +675,11 @@ class DistributedModelParallel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Full tensors or ShardedTensors from any world size; each rank reads the pieces it owns."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _short_repr(obj) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _dense_children(module: nn.Module) -> list[nn.Module]:

@@ -35,6 +35,35 @@ class EmbOptimType(str, Enum):
 FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
+# torch.optim classes with a fused twin of the same update (AdamW's decoupled decay has none: fused adam
+# applies weight_decay as torch.optim.Adam does, to the gradient)
+_TORCH_OPTIMIZERS = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: EmbOptimType.ADAGRAD,
+                     torch.optim.Adam: EmbOptimType.ADAM}
+_USES_BETAS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
+
+
+def emb_optim_type(value: Any) -> EmbOptimType:
+    """Ours, fbgemm's / TorchRec's (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "exact_row_wise_adagrad", "EXACT_SGD")
+    or a torch.optim class -> our EmbOptimType. fbgemm's non-exact variants name the same update (ours is exact)."""
+    valid = ", ".join(o.value for o in EmbOptimType)
+    if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        if value in _TORCH_OPTIMIZERS:
+            return _TORCH_OPTIMIZERS[value]
+        raise ValueError(f"torch.optim.{value.__name__} has no fused version: use torch.optim.SGD, Adagrad or Adam, or "
+                         f"one of {valid} (or leave the tables unfused, optimizer=None, and train them with it)")
+    if isinstance(value, torch.optim.Optimizer):
+        raise ValueError(f"fused optimizer {type(value).__name__}(...) is an optimizer built on parameters: pass its "
+                         f"class and hyper-parameters, e.g. FusedOptimizerConfig(torch.optim.{type(value).__name__}, "
+                         f"lr=0.01)")
+    name = str(getattr(value, "value", value)).lower().replace("row_wise", "rowwise")
+    name = name.removeprefix("exact_")
+    try:
+        return EmbOptimType(name)
+    except ValueError:
+        raise ValueError(f"unknown fused optimizer {value!r}: choose one of {valid} (fbgemm's / TorchRec's names, "
+                         f"e.g. EXACT_ROWWISE_ADAGRAD, and torch.optim.SGD / Adagrad / Adam are taken too)") from None
+
+
 # optimizers whose update divides by sqrt(state) + eps (a touched row with a zero gradient has state 0)
 _DIVIDES_BY_EPS = (EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD, EmbOptimType.ADAM,
                    EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
@@ -49,6 +78,13 @@ class FusedOptimizerConfig:
     weight_decay). `rowwise_adagrad` keeps one accumulator per row: the mean of the squared
     gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
     and its second moment per row.
+
+    optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_SGD", "row_wise_adagrad") or the class torch.optim.SGD /
+    Adagrad / Adam (their defaults are ours, not torch's: give eps for Adagrad's 1e-10). A hyper-parameter
+    the update would not use is refused, not ignored: momentum (lars_sgd's only), eta (lars_sgd's),
+    betas (adam, partial_rowwise_adam, lamb). eps is taken by every optimizer (sgd and lars_sgd divide
+    by nothing).
     """
 
     optimizer: EmbOptimType | str = EmbOptimType.ROWWISE_ADAGRAD
@@ -57,8 +93,8 @@ class FusedOptimizerConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
-    momentum: float = 0.9  # LARS
-    eta: float = 0.001  # LARS trust coefficient
+    momentum: float | None = None  # LARS (default 0.9 there); no other fused update has one
+    eta: float | None = None  # LARS trust coefficient (default 0.001 there)
     # torch.optim.Adam's spelling, for beta1 / beta2 (fbgemm's and TorchRec's): init-only, not a field
     betas: dataclasses.InitVar[tuple[float, float] | None] = None
 
@@ -73,13 +109,11 @@ class FusedOptimizerConfig:
                                  f"disagree: give one of the two")
             object.__setattr__(self, "beta1", pair[0])
             object.__setattr__(self, "beta2", pair[1])
-        try:
-            object.__setattr__(self, "optimizer", EmbOptimType(str(self.optimizer).lower()))
-        except ValueError:
-            valid = ", ".join(o.value for o in EmbOptimType)
-            raise ValueError(f"unknown fused optimizer {self.optimizer!r}: choose one of {valid}") from None
+        object.__setattr__(self, "optimizer", emb_optim_type(self.optimizer))
         for name in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum", "eta"):
             value = getattr(self, name)
+            if value is None and name in ("momentum", "eta"):
+                continue
             if isinstance(value, str):
                 try:
                     value = float(value)  # YAML and CLI values arrive as text: "0.1", "1e-3"
@@ -97,6 +131,29 @@ class FusedOptimizerConfig:
                              f"in a batch would be updated by 0 / 0 = NaN. Use a small eps, e.g. eps=1e-8")
         if not (self.beta1 < 1 and self.beta2 < 1):
             raise ValueError(f"fused optimizer betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
+        self._refuse_unused()
+
+    def _refuse_unused(self) -> None:
+        """A hyper-parameter this update has no use for was ignored, silently (SGD with momentum=0.9 trained
+        as plain SGD): refused, naming an optimizer that has it."""
+        opt = self.optimizer
+        if opt == EmbOptimType.LARS_SGD:
+            object.__setattr__(self, "momentum", 0.9 if self.momentum is None else self.momentum)
+            object.__setattr__(self, "eta", 0.001 if self.eta is None else self.eta)
+        else:
+            if self.momentum:
+                raise ValueError(f"fused {opt} has no momentum (momentum={self.momentum} would be ignored): use "
+                                 f"optimizer='lars_sgd' (SGD with momentum and a layer-wise trust ratio), 'adam' or "
+                                 f"'rowwise_adagrad', or leave these tables unfused (optimizer=None) and train them "
+                                 f"with torch.optim.SGD(momentum={self.momentum})")
+            object.__setattr__(self, "momentum", None)  # momentum=0 is torch.optim.SGD's default: no momentum
+            if self.eta is not None:
+                raise ValueError(f"eta={self.eta} is lars_sgd's trust coefficient; fused {opt} has none: leave it "
+                                 f"out, or use optimizer='lars_sgd'")
+        if opt not in _USES_BETAS and (self.beta1, self.beta2) != (0.9, 0.999):
+            raise ValueError(f"fused {opt} uses no betas (beta1={self.beta1}, beta2={self.beta2} would be ignored): "
+                             f"they belong to {', '.join(o.value for o in _USES_BETAS)}; leave them out or use one "
+                             f"of those")
 
 
 class _FusedParamGroup(dict):

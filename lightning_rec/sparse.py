@@ -52,6 +52,26 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
 _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
 
 
+def move_or_explain(call: str, device: torch.device | str | int | None, move):
+    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so.
+    (The batches' `.to` / `.pin_memory` go through it too.)"""
+    try:
+        return move()
+    except (RuntimeError, AssertionError):  # torch's words differ by build: check what is missing
+        from lightning_rec.lookup import no_cuda_error
+
+        if device is None:
+            error = no_cuda_error(call, "pinned memory only speeds up copies to a GPU: leave pin_memory=False here "
+                                        "(the data modules' pin_memory, DataLoader(pin_memory=...))")
+        elif torch.device(device).type == "cuda":
+            error = no_cuda_error(call, "or keep it on the CPU (device='cpu', accelerator='cpu')")
+        else:
+            error = None
+        if error is None:
+            raise
+        raise error from None
+
+
 def _need_tensor(what: str, name: str, value) -> None:
     """Lists and numpy arrays would fail later with an AttributeError naming nothing the user wrote."""
     if value is not None and not isinstance(value, Tensor):
@@ -166,18 +186,34 @@ class JaggedTensor:
         """One tensor per sample (splits values by lengths; a convenience, not a hot path)."""
         return list(torch.split(self._values, self._lengths.tolist()))
 
+    def to_dense_weights(self) -> list[Tensor] | None:
+        """Each sample's weights (as `to_dense` splits values); None when there are no weights (TorchRec's)."""
+        if self._weights is None:
+            return None
+        return list(torch.split(self._weights, self._lengths.tolist()))
+
     def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0) -> Tensor:
         """[B, L]: each bag left-aligned, cut or padded to L (default: the longest bag)."""
+        return self._padded(self._values, desired_length, padding_value, "to_padded_dense")
+
+    def to_padded_dense_weights(self, desired_length: int | None = None,
+                                padding_value: float = 0) -> Tensor | None:
+        """`to_padded_dense` of the weights: [B, L]; None when there are no weights (TorchRec's)."""
+        if self._weights is None:
+            return None
+        return self._padded(self._weights, desired_length, padding_value, "to_padded_dense_weights")
+
+    def _padded(self, data_N: Tensor, desired_length: int | None, padding_value: float, name: str) -> Tensor:
         lengths_B = self._lengths
         B = lengths_B.numel()
         if desired_length is not None and desired_length < 0:
-            raise ValueError(f"to_padded_dense: desired_length={desired_length} must be >= 0 (None: the longest bag)")
+            raise ValueError(f"{name}: desired_length={desired_length} must be >= 0 (None: the longest bag)")
         L = desired_length if desired_length is not None else int(lengths_B.max()) if B else 0
-        out = self._values.new_full((B, L) + tuple(self._values.shape[1:]), padding_value)
+        out = data_N.new_full((B, L) + tuple(data_N.shape[1:]), padding_value)
         sample_N = torch.arange(B, device=lengths_B.device).repeat_interleave(lengths_B)
-        position_N = torch.arange(self._values.shape[0], device=lengths_B.device) - self.offsets()[sample_N]
+        position_N = torch.arange(data_N.shape[0], device=lengths_B.device) - self.offsets()[sample_N]
         keep_N = position_N < L
-        out[sample_N[keep_N], position_N[keep_N]] = self._values[keep_N]
+        out[sample_N[keep_N], position_N[keep_N]] = data_N[keep_N]
         return out
 
     def values(self) -> Tensor:
@@ -194,17 +230,29 @@ class JaggedTensor:
     def lengths(self) -> Tensor:
         return self._lengths
 
+    def lengths_or_none(self) -> Tensor | None:
+        """TorchRec's: the lengths if held, else None (a JaggedTensor here always holds them)."""
+        return self._lengths
+
     def offsets(self) -> Tensor:
         if self._offsets is None:
             self._offsets = _cumsum_with_zero(self._lengths)
         return self._offsets
 
+    def offsets_or_none(self) -> Tensor | None:
+        """TorchRec's: the offsets if given or computed already (`offsets()`), else None."""
+        return self._offsets
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        return move_or_explain(f"JaggedTensor.to({device!r})", device, lambda: self._map(
+            lambda t: t.to(device, non_blocking=non_blocking)))
+
+    def _map(self, fn) -> JaggedTensor:
         jt = JaggedTensor.__new__(JaggedTensor)
-        jt._values = self._values.to(device, non_blocking=non_blocking)
-        jt._weights = None if self._weights is None else self._weights.to(device, non_blocking=non_blocking)
-        jt._lengths = self._lengths.to(device, non_blocking=non_blocking)
-        jt._offsets = None if self._offsets is None else self._offsets.to(device, non_blocking=non_blocking)
+        jt._values = fn(self._values)
+        jt._weights = None if self._weights is None else fn(self._weights)
+        jt._lengths = fn(self._lengths)
+        jt._offsets = None if self._offsets is None else fn(self._offsets)
         return jt
 
     def __repr__(self) -> str:
@@ -405,6 +453,15 @@ class KeyedJaggedTensor:
     def stride(self) -> int:
         return self._stride
 
+    def stride_per_key(self) -> list[int]:
+        """TorchRec's: samples per key; every key has the batch's stride (variable batch per key is not
+        supported here)."""
+        return [self._stride] * len(self._keys)
+
+    def variable_stride_per_key(self) -> bool:
+        """TorchRec's: whether keys have their own batch sizes; never here (every key has `stride()` samples)."""
+        return False
+
     def lengths_FB(self) -> Tensor:
         """Lengths as a [F, B] view."""
         return self._lengths.view(len(self._keys), self._stride)
@@ -420,6 +477,10 @@ class KeyedJaggedTensor:
                 self._length_per_key = self.lengths_FB().sum(dim=1).tolist()
         return self._length_per_key
 
+    def length_per_key_or_none(self) -> list[int] | None:
+        """TorchRec's: the ids per key if known already (no host read), else None."""
+        return self._length_per_key
+
     def offset_per_key(self) -> list[int]:
         if self._offset_per_key is None:
             acc, out = 0, [0]
@@ -427,6 +488,10 @@ class KeyedJaggedTensor:
                 acc += n
                 out.append(acc)
             self._offset_per_key = out
+        return self._offset_per_key
+
+    def offset_per_key_or_none(self) -> list[int] | None:
+        """TorchRec's: `offset_per_key()` if computed already, else None."""
         return self._offset_per_key
 
     def index_per_key(self) -> dict[str, int]:
@@ -537,16 +602,8 @@ class KeyedJaggedTensor:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        try:
-            moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
-        except (RuntimeError, AssertionError) as e:  # torch's words differ by build: say which part is missing
-            from lightning_rec.lookup import cuda_missing
-
-            what = cuda_missing() if torch.device(device).type == "cuda" else None
-            if what is None:
-                raise
-            raise ValueError(f"KeyedJaggedTensor.to({device!r}) needs a CUDA GPU, but {what}; or keep the batch "
-                             f"on the CPU (accelerator='cpu'). torch said: {e}") from e
+        moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device,
+                       lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
         if moved.device.type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
             moved._host = self if self.device.type == "cpu" else self._host
@@ -557,7 +614,7 @@ class KeyedJaggedTensor:
         return self if self.device.type == "cpu" else self._host
 
     def pin_memory(self) -> KeyedJaggedTensor:
-        return self._map(lambda t: t.pin_memory())
+        return move_or_explain("KeyedJaggedTensor.pin_memory()", None, lambda: self._map(lambda t: t.pin_memory()))
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self._values, self._weights, self._lengths, self._offsets):
@@ -667,9 +724,18 @@ class KeyedTensor:
             out.append(torch.cat([blocks[k] for k in group], dim=keyed_tensors[0].key_dim()))
         return out
 
+    @staticmethod
+    def regroup_as_dict(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]],
+                        keys: Sequence[str]) -> dict[str, Tensor]:
+        """`regroup`, each group's tensor under its name: {keys[i]: columns of groups[i]} (TorchRec's)."""
+        if len(groups) != len(keys):
+            raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys: give one name per group")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
-        return KeyedTensor(self._keys, self._length_per_key,
-                           self._values.to(device, non_blocking=non_blocking), self._key_dim)
+        values = move_or_explain(f"KeyedTensor.to({device!r})", device,
+                        lambda: self._values.to(device, non_blocking=non_blocking))
+        return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"

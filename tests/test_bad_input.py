@@ -32,7 +32,7 @@ from lightning_rec.lookup import check_device_ready, choose_kernel
 from lightning_rec.models.dlrm import DLRM
 from lightning_rec.native_embedding import NativeTableBatchedEmbeddingBags
 from lightning_rec.optim import FusedOptimizer, FusedOptimizerConfig, combined_optimizer
-from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 KERNELS = ["native", "fbgemm"]
 
@@ -224,6 +224,47 @@ def test_fused_optimizer_takes_torch_optims_betas_too():
         FusedOptimizerConfig("adam", betas=(0.8, 0.9), beta1=0.5)
 
 
+def test_fused_optimizer_takes_fbgemm_torchrec_and_torch_optim_names():
+    """fbgemm's / TorchRec's EmbOptimType names and torch.optim classes were 'unknown fused optimizer'."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOpt
+
+    same = {
+        "rowwise_adagrad": [FbgemmOpt.EXACT_ROWWISE_ADAGRAD, FbgemmOpt.ROWWISE_ADAGRAD, "EXACT_ROWWISE_ADAGRAD",
+                            "exact_rowwise_adagrad", "exact_row_wise_adagrad"],
+        "sgd": [FbgemmOpt.EXACT_SGD, "exact_sgd", "EXACT_SGD", torch.optim.SGD],
+        "adagrad": [FbgemmOpt.EXACT_ADAGRAD, "exact_adagrad", torch.optim.Adagrad],
+        "adam": [FbgemmOpt.ADAM, torch.optim.Adam, "Adam"],
+        "partial_rowwise_adam": [FbgemmOpt.PARTIAL_ROWWISE_ADAM, "PARTIAL_ROWWISE_ADAM"],
+        "lamb": [FbgemmOpt.LAMB], "lars_sgd": [FbgemmOpt.LARS_SGD, "LARS_SGD"],
+    }
+    for ours, names in same.items():
+        for name in names:
+            assert FusedOptimizerConfig(name, lr=0.1) == FusedOptimizerConfig(ours, lr=0.1), name
+    with pytest.raises(ValueError, match="torch.optim.AdamW has no fused version"):
+        FusedOptimizerConfig(torch.optim.AdamW)
+    with pytest.raises(ValueError, match="unknown fused optimizer .*shampoo.*EXACT_ROWWISE_ADAGRAD"):
+        FusedOptimizerConfig(FbgemmOpt.SHAMPOO)
+    with pytest.raises(ValueError, match=r"pass its class and hyper-parameters, e.g. .*torch.optim.SGD"):
+        FusedOptimizerConfig(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_fused_optimizer_refuses_hyper_parameters_it_would_ignore():
+    """SGD with momentum=0.9 trained as plain SGD, silently (and betas / eta outside the updates that use them)."""
+    with pytest.raises(ValueError, match="fused sgd has no momentum .*'lars_sgd'.*torch.optim.SGD\\(momentum=0.9\\)"):
+        FusedOptimizerConfig(torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="fused rowwise_adagrad has no momentum"):
+        FusedOptimizerConfig("rowwise_adagrad", momentum=0.5)
+    with pytest.raises(ValueError, match="fused adagrad uses no betas .*adam, partial_rowwise_adam, lamb"):
+        FusedOptimizerConfig(torch.optim.Adagrad, betas=(0.8, 0.99))
+    with pytest.raises(ValueError, match="eta=0.01 is lars_sgd's trust coefficient; fused adam has none"):
+        FusedOptimizerConfig("adam", eta=0.01)
+    # what each update does use, and torch.optim.SGD's own default momentum=0, are taken
+    assert FusedOptimizerConfig(torch.optim.SGD, momentum=0) == FusedOptimizerConfig("sgd")
+    lars = FusedOptimizerConfig("lars_sgd", momentum=0.5)
+    assert (lars.momentum, lars.eta) == (0.5, 0.001) and FusedOptimizerConfig("lars_sgd").momentum == 0.9
+    assert FusedOptimizerConfig("lamb", betas=(0.8, 0.99)).beta1 == 0.8
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_learning_rate_from_a_scheduler_is_refused(kernel):
     m = ebc(kernel)
@@ -273,6 +314,34 @@ def test_batch_to_cuda_without_cuda_says_what_is_missing():
     missing = "is a CPU build" if torch.version.cuda is None else "finds no CUDA device"
     with pytest.raises(ValueError, match=rf"KeyedJaggedTensor.to\('cuda'\) needs a CUDA GPU, but .*{missing}"):
         kjt.to("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_moves_to_cuda_and_pinning_without_cuda_are_one_line():
+    """JaggedTensor / KeyedTensor / Batch .to('cuda'), KeyedJaggedTensor / Batch .pin_memory() and the collections'
+    .to('cuda') / .cuda() raised torch's AssertionError / RuntimeError from inside the copy, naming neither the call
+    nor the fix."""
+    jt = JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    kt = KeyedTensor(["a"], [2], torch.zeros(2, 2))
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    tables = [EmbeddingConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"])]
+    from lightning_rec.data.batch import Batch
+
+    batch = Batch(torch.zeros(2, 3), kjt, torch.zeros(2))  # the dense tensor moves first: torch's error came first
+    calls = [(lambda: jt.to("cuda"), "JaggedTensor.to('cuda')", "keep it on the CPU"),
+             (lambda: kt.to(torch.device("cuda", 0)), "KeyedTensor.to(", "keep it on the CPU"),
+             (lambda: kjt.to("cuda"), "KeyedJaggedTensor.to('cuda')", "keep it on the CPU"),
+             (lambda: kjt.pin_memory(), "KeyedJaggedTensor.pin_memory()", "pin_memory=False"),
+             (lambda: ebc("auto").to("cuda"), "moving EmbeddingBagCollection", "keep it on the CPU"),
+             (lambda: EmbeddingCollection(tables).cuda(), "moving EmbeddingCollection", "keep it on the CPU"),
+             (lambda: batch.to("cuda"), "Batch.to('cuda')", "keep it on the CPU"),
+             (lambda: batch.pin_memory(), "Batch.pin_memory()", "pin_memory=False")]
+    for call, what, fix in calls:
+        with pytest.raises(ValueError, match="^CUDA is not available: ") as info:
+            call()
+        assert what in str(info.value) and fix in str(info.value), str(info.value)
+        assert info.value.__cause__ is None and info.value.__suppress_context__  # no torch traceback above it
+    assert kjt.device.type == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -209,6 +209,36 @@ def test_checkpoint_of_other_tables_names_them(tmp_path):
     run_ranks(_other_dims_worker, 2, path, timeout=120)
 
 
+def _plain_dcp_worker(rank, W, path):
+    import torch.distributed.checkpoint as dcp
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    try:  # DCP's default planner pickled each table once and kept one rank's rows, silently
+        dcp.save(dmp.state_dict(), checkpoint_id=path)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        text = str(e)
+    else:
+        raise AssertionError("dcp.save of a sharded state dict wrote a checkpoint")
+    assert "lightning_rec.checkpoint.save" in text and "t_a.weight" in text, text
+    ckpt.save({"state_dict": dmp.state_dict()}, path)  # the way that keeps every rank's rows
+    return _full_state_of(dmp)
+
+
+def _full_state_of(dmp) -> dict:
+    return {k: ShardedTensor.merge(_all(ShardedTensor(v.global_shape, [(m, t.clone()) for m, t in v.local_shards])))
+            .full() if isinstance(v, ShardedTensor) else v for k, v in dmp.state_dict().items()}
+
+
+def test_plain_dcp_save_of_a_sharded_model_refuses_and_names_ours(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_plain_dcp_worker, 2, path, timeout=120)[0]
+    loaded = ckpt.full_state_dict(path)
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+
+
 def test_missing_rank_file_and_truncated_files_are_named(tmp_path):
     path = tmp_path / "c.ckpt"
     run_ranks(_save_worker, 2, str(path), "row_wise", timeout=120)
@@ -403,6 +433,69 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert not list(tmp_path.glob(".*partial*"))  # the unfinished save is removed
     loaded = run_ranks(_load_worker, 2, path, "row_wise", timeout=120)
     _same(saved, loaded[0])  # the previous checkpoint is whole and still loads
+
+
+def test_swapped_or_wrong_arguments_name_the_signature(tmp_path):
+    """A model, an optimizer and a path swapped used to fail deep inside ('object is not subscriptable') or be
+    written as something else (a model in `optimizers` was saved as an optimizer, a path as `module` ignored)."""
+    module = _module()
+    optimizer = module.configure_optimizers()
+    path = tmp_path / "c.ckpt"
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    other = tmp_path / "other.ckpt"
+    ck = {"state_dict": module.state_dict()}
+    calls = [
+        (TypeError, lambda: ckpt.save(module, other),
+         ["checkpoint", "got a model (DLRMModule)", "Call it as lightning_rec.checkpoint.save({'state_dict'"]),
+        (ValueError, lambda: ckpt.save(module.state_dict(), other), ["no 'state_dict' entry", "{'state_dict'"]),
+        (TypeError, lambda: ckpt.save(other, ck), ["checkpoint", "got a path"]),
+        (TypeError, lambda: ckpt.save(ck, optimizer), ["path must be", "got an optimizer"]),
+        (TypeError, lambda: ckpt.save(ck, other, optimizer), ["optimizers=[optimizer]", "got an optimizer"]),
+        (TypeError, lambda: ckpt.save(ck, other, [module]), ["optimizers[0]", "got a model"]),
+        (TypeError, lambda: ckpt.save(ck, other, [optimizer], module=optimizer), ["module must", "got an optimizer"]),
+        (TypeError, lambda: ckpt.save(ck, other, [optimizer], module=str(path)), ["module must", "got a path"]),
+        (TypeError, lambda: ckpt.load_model(path, module), ["load_model", "got a path", "load_model(model, path)"]),
+        (TypeError, lambda: ckpt.load_model(optimizer, path), ["load_model", "got an optimizer"]),
+        (TypeError, lambda: ckpt.load_optimizer(path, optimizer),
+         ["load_optimizer", "got a path", "load_optimizer(optimizer, path, index=0"]),
+        (TypeError, lambda: ckpt.load_optimizer(module, path), ["optimizer must", "got a model"]),
+        (TypeError, lambda: ckpt.load_optimizer([optimizer, optimizer], path), ["one optimizer", "index=i"]),
+        (TypeError, lambda: ckpt.load_optimizer(optimizer, path, module), ["index must", "got a model"]),
+        (TypeError, lambda: ckpt.load_optimizer(optimizer, path, module=str(path)), ["module must", "got a path"]),
+    ]
+    for exc, call, words in calls:
+        expect_error(exc, call, *words)
+    assert not other.exists() and not list(tmp_path.glob(".other*"))  # refused before anything was written
+
+
+def test_a_torch_save_file_is_named_with_what_loads_it(tmp_path):
+    """A file written by torch.save was reported as 'checkpoint directory ... is incomplete: its save did not
+    finish' (load_model) or a KeyError 'state_dict' (full_state_dict)."""
+    from lightning_rec.types import ShardMetadata
+
+    module = _module()
+    optimizer = module.configure_optimizers()
+    state = module.state_dict()
+    torch.save(state, tmp_path / "model.pt")
+    table = f"{EBC}.embedding_bags.t_a.weight"
+    one_rank = {**state, table: ShardedTensor((64, 8), [(ShardMetadata((0, 0), (32, 8), 0), state[table][:32])])}
+    torch.save(one_rank, tmp_path / "rank0.pt")
+    ckpt.save_file({"state_dict": state, "optimizer_states": [optimizer.state_dict()]}, tmp_path / "one.ckpt")
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    (tmp_path / "export" / "model.safetensors").write_bytes(b"")
+    for name, words in [("model.pt", ["torch.save(model.state_dict())", "model.load_state_dict(torch.load("]),
+                        ("rank0.pt", ["one rank's state dict", "ShardedTensor.merge"]),
+                        ("one.ckpt", ["one-file Lightning checkpoint", "ckpt_path=", "full_state_dict("]),
+                        ("export", ["export directory", "load_exported("])]:
+        path = tmp_path / name
+        loaders = [lambda p=path: ckpt.load_model(module, p), lambda p=path: ckpt.load_optimizer(optimizer, p)]
+        if name != "one.ckpt":  # full_state_dict reads one-file checkpoints
+            loaders.append(lambda p=path: ckpt.full_state_dict(p))
+        for load in loaders:
+            text = expect_error(ValueError, load, name, *words)
+            assert "incomplete" not in text, text
+    ckpt.full_state_dict(tmp_path / "one.ckpt")
 
 
 def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):

@@ -92,6 +92,26 @@ def test_ne_of_the_constant_ctr_predictor_is_one(data):
     assert float(ne.compute()) == pytest.approx(1.0, rel=1e-9)
 
 
+def test_click_metrics_take_torchmetrics_target_keyword(data):
+    """update(preds=..., target=...), torchmetrics' names, was a TypeError (the labels were called `labels`)."""
+    logits, labels = data
+    for cls in (AUC, BinnedAUC, NormalizedEntropy, LogLoss, CTR):
+        by_name, by_place, old_name = cls(), cls(), cls()
+        by_name.update(preds=logits, target=labels)
+        by_place.update(logits, labels)
+        old_name.update(logits, labels=labels)
+        assert float(by_name.compute()) == float(by_place.compute()) == float(old_name.compute()), cls.__name__
+        with pytest.raises(TypeError, match="target"):
+            cls().update(logits, labels, labels=labels)
+    collection = RecMetricCollection(prefix="")
+    collection.update(preds=logits, target=labels)
+    assert float(collection.compute()["auc"]) == pytest.approx(ref_auc(logits.numpy(), labels.numpy()), abs=1e-12)
+    binned = BinnedAUC(num_thresholds=100)
+    reference = BinaryAUROC(thresholds=100)
+    assert float(binned(preds=logits, target=labels)) == pytest.approx(
+        float(reference(preds=torch.sigmoid(logits), target=labels.long())), abs=1e-6)
+
+
 def test_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="one prediction per sample"):
         LogLoss().update(torch.zeros(4, 2), torch.zeros(4))
@@ -300,6 +320,42 @@ def test_ranking_metrics_equal_torchmetrics_retrieval(k):
     singles = {"ndcg": NDCG, "recall": Recall, "precision": Precision, "mrr": MRR, "hit_rate": HitRate}
     for name, cls in singles.items():
         assert float(cls(ks=k)(scores, target)) == pytest.approx(float(got[f"{name}@{k}"]), abs=1e-12)
+
+
+def test_ranking_metrics_take_torchmetrics_flat_indexes_and_top_k():
+    """torchmetrics' retrieval form, update(preds, target, indexes) with flat tensors and top_k=, was refused (no
+    top_k) or misread (the third positional argument was a mask)."""
+    from torchmetrics import retrieval as tr
+
+    scores, target = _random_lists(11, num_users=30, num_items=12)
+    g = torch.Generator().manual_seed(2)
+    keep = torch.rand(scores.shape, generator=g) < 0.7  # lists of different lengths
+    ids = torch.randperm(1000, generator=g)[: scores.shape[0]]  # any ids, not 0..U-1
+    indexes = ids.unsqueeze(1).expand_as(scores)[keep]
+    preds, relevant = scores[keep], target[keep]
+    order = torch.randperm(preds.numel(), generator=g)  # entries of one user need not be together
+    preds, relevant, indexes = preds[order], relevant[order], indexes[order]
+    references = {NDCG: tr.RetrievalNormalizedDCG, Recall: tr.RetrievalRecall, Precision: tr.RetrievalPrecision,
+                  MRR: tr.RetrievalMRR, HitRate: tr.RetrievalHitRate}
+    for k in (3, 10):  # 10: longer than some lists
+        for ours, theirs in references.items():
+            want = theirs(top_k=k, empty_target_action="skip")(preds, relevant, indexes=indexes)
+            metric = ours(top_k=k)
+            metric.update(preds, relevant, indexes)  # positional, as torchmetrics takes it
+            assert float(metric.compute()) == pytest.approx(float(want), abs=1e-6), (ours.__name__, k)
+            assert float(ours(top_k=k)(preds=preds, target=relevant, indexes=indexes)) == pytest.approx(
+                float(want), abs=1e-6)
+    # the same as the padded candidate form
+    padded = RankingMetrics(top_k=5)
+    padded.update(scores, target, mask=keep)
+    flat = RankingMetrics(ks=5)
+    flat.update(preds, relevant, indexes=indexes)
+    for key, value in padded.compute().items():
+        assert float(flat.compute()[key]) == pytest.approx(float(value), abs=1e-12), key
+    with pytest.raises(ValueError, match="mask="):  # a bool mask where torchmetrics puts indexes
+        RankingMetrics(ks=5).update(scores, target, keep)
+    with pytest.raises(ValueError, match="give one of them"):
+        NDCG(ks=5, top_k=10)
 
 
 def _csr(rows_of_items):

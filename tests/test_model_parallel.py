@@ -330,6 +330,15 @@ def test_bad_input_raises_on_every_rank():
     assert "oops" in texts[1] or "f3" in texts[1]
 
 
+def test_torchrec_sharders_argument_is_explained():
+    """DistributedModelParallel(model, sharders=[...]), TorchRec's call, was Python's 'unexpected keyword argument'."""
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    expect_error(ValueError, lambda: DistributedModelParallel(ebc, sharders=[object()]), "no sharders are needed",
+                 "Drop sharders=", "ParameterConstraints(sharding_types=", "FusedOptimizerConfig(")
+    # sharders=None is taken: what stops this one process is the missing process group, named as before
+    expect_error(ValueError, lambda: DistributedModelParallel(ebc, sharders=None), "init_process_group")
+
+
 def _dead_rank_worker(rank, W):
     torch.manual_seed(0)
     # the collection alone (no DDP, whose own collectives would notice first): the embedding path is tested

@@ -150,6 +150,19 @@ def test_optimizer_state_per_row():
     ] == [0, 256, 4, 512, 260]
 
 
+def test_planner_takes_the_optimizer_names_fused_optimizer_config_takes():
+    """EmbeddingShardingPlanner(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD), TorchRec's, planned nothing: a
+    ValueError from inside ('exact_row_wise_adagrad' is not a valid EmbOptimType)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOpt
+
+    want = EmbeddingShardingPlanner(cpu(), optimizer="rowwise_adagrad", print_stats=False).plan(small_tables())
+    for name in (FbgemmOpt.EXACT_ROWWISE_ADAGRAD, "EXACT_ROWWISE_ADAGRAD"):
+        planner = EmbeddingShardingPlanner(cpu(), optimizer=name, print_stats=False)
+        assert planner.optimizer == "rowwise_adagrad"
+        assert str(planner.plan(small_tables())) == str(want)
+    assert EmbeddingShardingPlanner(cpu(), optimizer=torch.optim.Adam, print_stats=False).optimizer == "adam"
+
+
 # --- options and errors ---------------------------------------------------------------------------
 
 

@@ -117,3 +117,38 @@ def test_jagged_tensor():
     assert jt.lengths().tolist() == [2, 0, 1] and jt.offsets().tolist() == [0, 2, 2, 3]
     with pytest.raises(ValueError, match="lengths add up"):
         JaggedTensor(values=torch.tensor([1]), lengths=torch.tensor([2]))
+
+
+def test_torchrec_accessors():
+    """TorchRec's accessors that TorchRec users call, with its semantics (its docstrings' examples)."""
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    weights = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    offsets = torch.tensor([0, 2, 2, 3, 4, 5, 8])
+    jt = JaggedTensor(values=values, weights=weights, offsets=offsets)
+    for got, want in zip(jt.to_dense_weights(), [[0.1, 0.2], [], [0.3], [0.4], [0.5], [0.6, 0.7, 0.8]]):
+        torch.testing.assert_close(got, torch.tensor(want))
+    torch.testing.assert_close(jt.to_padded_dense_weights(desired_length=2, padding_value=1.0), torch.tensor(
+        [[0.1, 0.2], [1.0, 1.0], [0.3, 1.0], [0.4, 1.0], [0.5, 1.0], [0.6, 0.7]]))
+    assert torch.equal(jt.offsets_or_none(), offsets) and jt.lengths_or_none().tolist() == [2, 0, 1, 1, 1, 3]
+    unweighted = JaggedTensor(values=values, lengths=torch.tensor([2, 0, 1, 1, 1, 3]))
+    assert unweighted.to_dense_weights() is None and unweighted.to_padded_dense_weights() is None
+    assert unweighted.offsets_or_none() is None  # not computed yet
+    unweighted.offsets()
+    assert unweighted.offsets_or_none().tolist() == offsets.tolist()
+
+    kjt = drawn()  # 2 keys, stride 3
+    assert kjt.stride_per_key() == [3, 3] and kjt.variable_stride_per_key() is False
+    lazy = KeyedJaggedTensor(["f1", "f2"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2, 0]))
+    assert lazy.length_per_key_or_none() is None and lazy.offset_per_key_or_none() is None
+    assert lazy.offset_per_key() == [0, 1, 3]
+    assert lazy.length_per_key_or_none() == [1, 2] and lazy.offset_per_key_or_none() == [0, 1, 3]
+    assert lazy.lengths_or_none().tolist() == [1, 0, 2, 0]
+
+    a, b, c = torch.randn(4, 2), torch.randn(4, 3), torch.randn(4, 1)
+    kt1, kt2 = KeyedTensor.from_tensor_list(["a", "b"], [a, b]), KeyedTensor.from_tensor_list(["c"], [c])
+    grouped = KeyedTensor.regroup_as_dict([kt1, kt2], [["c", "a"], ["b"]], ["user", "item"])
+    assert list(grouped) == ["user", "item"]
+    torch.testing.assert_close(grouped["user"], torch.cat([c, a], dim=1))
+    torch.testing.assert_close(grouped["item"], b)
+    with pytest.raises(ValueError, match="one name per group"):
+        KeyedTensor.regroup_as_dict([kt1], [["a"], ["b"]], ["x"])

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13, at every loader construction
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -45,22 +45,22 @@ class Batch:
     # Lightning moves any object with a callable `.to` (its `_TransferableDataType` protocol) through
     # `move_data_to_device`, so this method is what `transfer_batch_to_device` calls by default.
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(
+        return move_or_explain(f"Batch.to({device!r})", device, lambda: Batch(
             dense_features=self.dense_features.to(device, non_blocking=non_blocking),
             sparse_features=self.sparse_features.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             row_ids=self.row_ids,  # bookkeeping for the host (the prediction writer), never read on the device
-        )
+        ))
 
     # The DataLoader's pin-memory thread calls `.pin_memory()` on objects that have one.
     def pin_memory(self) -> Batch:
-        return Batch(
+        return move_or_explain("Batch.pin_memory()", None, lambda: Batch(
             dense_features=self.dense_features.pin_memory(),
             sparse_features=self.sparse_features.pin_memory(),
             labels=self.labels.pin_memory(),
             # (pinned too, though it stays on the host: a batch is "pinned" when every tensor in it is)
             row_ids=None if self.row_ids is None else self.row_ids.pin_memory(),
-        )
+        ))
 
     def record_stream(self, stream: torch.Stream) -> None:
         """Keep the memory alive until `stream` is done with it (batches copied on a side stream)."""

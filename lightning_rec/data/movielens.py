@@ -60,7 +60,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_rec.data.batch import follow_fit_loop, make_batch_loader, passthrough_collate
-from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,12 @@ class RetrievalBatch:
 
     def to(self, device, non_blocking: bool = False) -> RetrievalBatch:
         mv = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
-        return RetrievalBatch(*(mv(getattr(self, f)) for f in self.__dataclass_fields__))
+        return move_or_explain(f"RetrievalBatch.to({device!r})", device, lambda: RetrievalBatch(
+            *(mv(getattr(self, f)) for f in self.__dataclass_fields__)))
 
     def pin_memory(self) -> RetrievalBatch:
-        return RetrievalBatch(*(None if (x := getattr(self, f)) is None else x.pin_memory()
-                                for f in self.__dataclass_fields__))
+        return move_or_explain("RetrievalBatch.pin_memory()", None, lambda: RetrievalBatch(
+            *(None if (x := getattr(self, f)) is None else x.pin_memory() for f in self.__dataclass_fields__)))
 
     def __len__(self) -> int:
         return self.user_index.shape[0]
@@ -115,11 +116,12 @@ class RankingBatch:
     exclude_items: Tensor  # [X]
 
     def to(self, device, non_blocking: bool = False) -> RankingBatch:
-        return RankingBatch(*(getattr(self, f).to(device, non_blocking=non_blocking)
-                              for f in self.__dataclass_fields__))
+        return move_or_explain(f"RankingBatch.to({device!r})", device, lambda: RankingBatch(
+            *(getattr(self, f).to(device, non_blocking=non_blocking) for f in self.__dataclass_fields__)))
 
     def pin_memory(self) -> RankingBatch:
-        return RankingBatch(*(getattr(self, f).pin_memory() for f in self.__dataclass_fields__))
+        return move_or_explain("RankingBatch.pin_memory()", None, lambda: RankingBatch(
+            *(getattr(self, f).pin_memory() for f in self.__dataclass_fields__)))
 
     def __len__(self) -> int:
         return self.user_index.shape[0]

@@ -2,9 +2,10 @@
 
 Shapes: B predictions in one update, N predictions in all (every update, every rank).
 
-Every metric takes `update(preds_B, labels_B)`, with `preds` logits (`from_logits=True`, the
-default: what a CTR model outputs before its sigmoid) or probabilities, and labels 0./1. States
-are torchmetrics states with a `dist_reduce_fx`, so `compute()` is over all ranks:
+Every metric takes `update(preds_B, target_B)` (torchmetrics' names; `labels=` is taken too), with
+`preds` logits (`from_logits=True`, the default: what a CTR model outputs before its sigmoid) or
+probabilities, and labels 0./1. States are torchmetrics states with a `dist_reduce_fx`, so
+`compute()` is over all ranks:
 
     LogLoss   sum of per-sample BCE, count                  ("sum")   -> mean BCE
     CTR       sum of labels, count                          ("sum")   -> positives / count
@@ -43,6 +44,14 @@ from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.utilities import dim_zero_cat
+
+
+def _target_of(target: Tensor | None, labels: Tensor | None, where: str) -> Tensor:
+    """torchmetrics' `target`, or `labels` (this module's earlier name): one of them."""
+    if (target is None) == (labels is None):
+        raise TypeError(f"{where}(preds, target) takes the 0/1 labels once, as target (torchmetrics' name) or "
+                        f"labels, got {'both' if target is not None else 'neither'}")
+    return target if target is not None else labels
 
 
 def _flat(preds: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,9 +127,10 @@ class _SumMetric(Metric):
         self.add_state("count", default=zero(), dist_reduce_fx="sum")
         self.add_state("bad_labels", default=zero(), dist_reduce_fx="sum")
 
-    def update(self, preds: Tensor, labels: Tensor) -> None:
-        preds_B, labels_B = _flat(preds, labels)
-        bad = _check_labels_now(labels_B, f"{type(self).__name__}.update")
+    def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
+        where = f"{type(self).__name__}.update"
+        preds_B, labels_B = _flat(preds, _target_of(target, labels, where))
+        bad = _check_labels_now(labels_B, where)
         if bad is not None:
             self.bad_labels += bad
         self.loss_sum += _bce_sum(preds_B, labels_B, self.from_logits)
@@ -178,8 +188,8 @@ class AUC(Metric):
         self.add_state("preds", default=[], dist_reduce_fx="cat")
         self.add_state("labels", default=[], dist_reduce_fx="cat")
 
-    def update(self, preds: Tensor, labels: Tensor) -> None:
-        preds_B, labels_B = _flat(preds, labels)
+    def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
+        preds_B, labels_B = _flat(preds, _target_of(target, labels, "AUC.update"))
         _check_labels_now(labels_B, "AUC.update")  # off CPU, compute() checks all labels once
         self.preds.append(preds_B.float())
         self.labels.append(labels_B.float())
@@ -224,8 +234,8 @@ class BinnedAUC(BinaryAUROC):
         # NaN scores fall in the top bin: counted (on the device, no sync) so compute() says so instead
         self.add_state("nan_preds", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
-    def update(self, preds: Tensor, labels: Tensor) -> None:
-        preds_B, labels_B = _flat(preds, labels)
+    def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
+        preds_B, labels_B = _flat(preds, _target_of(target, labels, "BinnedAUC.update"))
         bad = _check_labels_now(labels_B, "BinnedAUC.update")
         if bad is not None:
             self.bad_labels += bad

@@ -10,8 +10,11 @@ than one batch of users x items ever exists:
                                exclude_offsets_U1, exclude_items_X)
                    every item scored for every user of the batch; the user's training items
                    (exclude) are pushed to -inf, the held-out items (target) are the relevant ones
-    candidates     update(preds_UC, target_UC, mask_UC=None)
+    candidates     update(preds_UC, target_UC, mask=mask_UC)
                    given candidate lists (padded to C; mask False marks padding)
+    flat           update(preds_N, target_N, indexes_N)
+                   torchmetrics' retrieval form: one entry per (user, candidate), `indexes` saying
+                   whose (any ids, any order); regrouped into padded candidate lists
 
     target_offsets_U1 = [0, 2, 2, 5]    user 0: target_items[0:2], user 1: none, user 2: [2:5]
 
@@ -44,6 +47,19 @@ from torchmetrics import Metric
 RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
 
 
+def _cutoffs(ks: int | Sequence[int] | None, top_k: int | None, default: int | Sequence[int]) -> tuple[int, ...]:
+    """`ks`, or torchmetrics' `top_k` (RetrievalNormalizedDCG(top_k=10)): one name for the cutoffs."""
+    if top_k is not None:
+        if ks is not None:
+            raise ValueError(f"ks={ks!r} and top_k={top_k!r}: give one of them (top_k is torchmetrics' name for one "
+                             f"cutoff, ks takes one or a list)")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"top_k={top_k!r}: give an int >= 1 (every item ranked is not a cutoff here: use the "
+                             f"largest list length)")
+        ks = top_k
+    return _as_ks(default if ks is None else ks)
+
+
 def _as_ks(ks: int | Sequence[int]) -> tuple[int, ...]:
     ks_t = tuple(ks) if isinstance(ks, (list, tuple, range, set, frozenset)) else (ks,)
     if not ks_t or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks_t):
@@ -72,11 +88,40 @@ def _check_items(items: Tensor, num_items: int, name: str) -> Tensor:
     return items
 
 
+def _padded_by_query(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """torchmetrics' flat retrieval form -> [U, C] candidate lists padded to the longest, and their mask.
+
+        indexes_N = [7, 3, 7, 3, 3]       preds_UC = [[p1, p3, p4],     (user 3: entries 1, 3, 4)
+        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)
+    """
+    if indexes_N.dtype.is_floating_point or indexes_N.dtype == torch.bool or indexes_N.is_complex():
+        raise ValueError(f"indexes must be integer ids (whose list each entry belongs to, as in torchmetrics' "
+                         f"retrieval metrics), got {indexes_N.dtype}; a bool mask of [U, C] candidates goes as mask=")
+    if not (preds_N.shape == target_N.shape == indexes_N.shape):
+        raise ValueError(f"update(preds, target, indexes) takes three tensors of one shape (one entry per user and "
+                         f"candidate), got {tuple(preds_N.shape)}, {tuple(target_N.shape)}, {tuple(indexes_N.shape)}")
+    preds_N, target_N, indexes_N = preds_N.reshape(-1), target_N.reshape(-1), indexes_N.reshape(-1)
+    order_N = torch.argsort(indexes_N, stable=True)
+    _, count_U = torch.unique_consecutive(indexes_N[order_N], return_counts=True)
+    num_users, N = count_U.numel(), indexes_N.numel()
+    C = int(count_U.max()) if num_users else 0
+    user_N = torch.repeat_interleave(torch.arange(num_users, device=preds_N.device), count_U)
+    slot_N = torch.arange(N, device=preds_N.device) - (count_U.cumsum(0) - count_U)[user_N]
+    preds_UC = preds_N.new_zeros(num_users, C)
+    target_UC = target_N.new_zeros(num_users, C)
+    mask_UC = torch.zeros(num_users, C, dtype=torch.bool, device=preds_N.device)
+    preds_UC[user_N, slot_N] = preds_N[order_N]
+    target_UC[user_N, slot_N] = target_N[order_N]
+    mask_UC[user_N, slot_N] = True
+    return preds_UC, target_UC, mask_UC
+
+
 class RankingMetrics(Metric):
     """NDCG, Recall, Precision, MRR and HitRate at several cutoffs, from one top-K per user batch.
 
     Args:
         ks: the cutoffs, e.g. [10, 20]; the top max(ks) items are taken once for all of them.
+        top_k: torchmetrics' name for one cutoff (`NDCG(top_k=10)` = `NDCG(ks=10)`).
         metrics: a subset of ("ndcg", "recall", "precision", "mrr", "hit_rate").
         prefix: put before each name in `compute()`'s dict ("val_" -> "val_ndcg@10").
 
@@ -87,10 +132,10 @@ class RankingMetrics(Metric):
     higher_is_better = True
     full_state_update = False
 
-    def __init__(self, ks: int | Sequence[int] = (10,), metrics: Sequence[str] = RANKING_METRICS,
-                 prefix: str = "", **kwargs) -> None:
+    def __init__(self, ks: int | Sequence[int] | None = None, metrics: Sequence[str] = RANKING_METRICS,
+                 prefix: str = "", top_k: int | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.ks = _as_ks(ks)
+        self.ks = _cutoffs(ks, top_k, default=(10,))
         if isinstance(metrics, str):
             metrics = (metrics,)
         unknown = [m for m in metrics if m not in RANKING_METRICS]
@@ -110,17 +155,25 @@ class RankingMetrics(Metric):
 
     # ways in -----------------------------------------------------------------------------------
 
-    def update(self, preds: Tensor | None = None, target: Tensor | None = None, mask: Tensor | None = None, *,
-               target_offsets: Tensor | None = None, target_items: Tensor | None = None,
+    def update(self, preds: Tensor | None = None, target: Tensor | None = None, indexes: Tensor | None = None, *,
+               mask: Tensor | None = None, target_offsets: Tensor | None = None, target_items: Tensor | None = None,
                exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None,
                hits: Tensor | None = None, num_relevant: Tensor | None = None) -> None:
-        """Candidate lists: `update(preds_UC, target_UC, mask_UC)`; the keywords are what `update_full` and
-        `update_topk` pass (every way in goes through `update`, which torchmetrics wraps: update counts,
-        the compute cache, `forward`)."""
+        """Candidate lists: `update(preds_UC, target_UC, mask=mask_UC)`; torchmetrics' flat retrieval form:
+        `update(preds_N, target_N, indexes_N)` (the third argument is `indexes`, as in torchmetrics). The other
+        keywords are what `update_full` and `update_topk` pass (every way in goes through `update`, which
+        torchmetrics wraps: update counts, the compute cache, `forward`)."""
         if hits is not None:
             self._update_topk(hits, num_relevant)
         elif target_offsets is not None:
             self._update_full(preds, target_offsets, target_items, exclude_offsets, exclude_items)
+        elif indexes is not None:
+            if mask is not None:
+                raise ValueError("update(preds, target, indexes) takes no mask: leave out the entries to skip")
+            if preds is None or target is None:
+                raise ValueError("update(preds, target, indexes) needs all three, one entry per user and candidate")
+            if indexes.numel():  # (an empty batch has no user: nothing to count)
+                self._update_candidates(*_padded_by_query(preds, target, indexes))
         else:
             self._update_candidates(preds, target, mask)
 
@@ -254,8 +307,8 @@ class _OneRankingMetric(RankingMetrics):
 
     _name = ""
 
-    def __init__(self, ks: int | Sequence[int] = 10, **kwargs) -> None:
-        super().__init__(ks=ks, metrics=(self._name,), **kwargs)
+    def __init__(self, ks: int | Sequence[int] | None = None, top_k: int | None = None, **kwargs) -> None:
+        super().__init__(ks=_cutoffs(ks, top_k, default=10), metrics=(self._name,), **kwargs)
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         out = super().compute()

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from lightning_rec.optim import emb_optim_type
 from lightning_rec.planner.constraints import ParameterConstraints
 from lightning_rec.planner.estimate import (
     COMM,
@@ -231,8 +232,8 @@ class EmbeddingShardingPlanner:
 
     # --- planning -----------------------------------------------------------------------------
     def _set_optimizer(self, optimizer) -> None:
-        opt = getattr(optimizer, "optimizer", optimizer)  # a FusedOptimizerConfig, an EmbOptimType or a str
-        self.optimizer = str(getattr(opt, "value", opt)).lower()
+        # a FusedOptimizerConfig, or any name FusedOptimizerConfig takes (ours, fbgemm's / TorchRec's, torch.optim's)
+        self.optimizer = str(emb_optim_type(getattr(optimizer, "optimizer", optimizer)))
         self.cost = CostModel(self.topology, self._cost_args[0], self.optimizer, self._cost_args[1])
 
     def plan(self, module, sharders=None) -> ShardingPlan:

@@ -9,6 +9,11 @@ any rectangle it owns from the pieces that cover it (`read`). Per-rank checkpoin
 with `ShardedTensor.merge([...])`; `full()` assembles the whole table when every piece is there.
 Pure tensor code; pickles with torch.save (load with weights_only=False, or add
 `ShardedTensor` and `ShardMetadata` to torch.serialization's safe globals).
+
+torch.distributed.checkpoint with its default planners cannot hold one: DCP looks up the chunks it
+planned only in real tensors (`find_state_dict_object`), and a non-tensor value it pickles per rank
+and keeps one rank's copy. So `dcp.save(dmp.state_dict())` refuses (the hook below) instead of
+writing one rank's pieces; `lightning_rec.checkpoint.save` / `load_model` write and read every piece.
 """
 
 from __future__ import annotations
@@ -74,3 +79,15 @@ class ShardedTensor:
 
     def full(self) -> Tensor:
         return self.read(0, 0, *self.global_shape)
+
+    # DCP's save hook (torch.distributed.checkpoint.planner_helpers._create_write_items), reached only through
+    # its default planner (lightning_rec.checkpoint hands DCP its own objects): without it DCP pickled the
+    # table as one object and kept one rank's copy, so a 2-rank save silently lost the other rank's rows.
+    # (Its default load planner turns objects it does not know into None first: a load fails on its own.)
+    def __create_write_items__(self, fqn: str, obj: object) -> list:
+        raise TypeError(
+            f"torch.distributed.checkpoint.save cannot save {fqn}: it is a lightning_rec ShardedTensor (each rank "
+            f"holds some of the table's rows), of which DCP's default planner would keep one rank's copy. Use "
+            f"lightning_rec.checkpoint.save({{'state_dict': dmp.state_dict()}}, path, optimizers=[optimizer]), and "
+            f"lightning_rec.checkpoint.load_model(dmp, path) / load_optimizer(optimizer, path) to load it (at any "
+            f"world size and plan)")
