@@ -531,7 +531,9 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         on_host = all(_device_of(v) == "cpu" for v in entries.values())
         on_host = all(_gather(on_host))
         writer = dcp.FileSystemWriter(str(partial), sync_files=True, single_file_per_rank=on_host)
-        dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
+        with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
         if rank == 0:
             meta["lightning_rec"]["loader_states"] = loader_states
             with open(partial / (LIGHTNING_FILE + ".tmp"), "wb") as f:

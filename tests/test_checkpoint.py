@@ -852,3 +852,15 @@ def test_streaming_criteo_resume_seeks_to_the_saved_block(tmp_path, num_workers,
     if num_workers == 0:  # (workers parse in their own processes)
         size = (CRITEO / "criteo_kaggle_train_sample.tsv").stat().st_size
         assert 0 < sum(parsed) < size * 0.8, (sum(parsed), size)  # ~30 of ~45 batches were not read again
+
+
+def test_one_process_save_and_load_say_nothing_about_torch_distributed(tmp_path):
+    # DCP warns "torch.distributed is disabled, unavailable or uninitialized" on every call without a process
+    # group; one process is a use we support, not a mistake to warn about
+    import warnings
+
+    model = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.save({"state_dict": model.state_dict()}, tmp_path / "c")
+        ckpt.load_model(model, tmp_path / "c")
