@@ -247,3 +247,32 @@ def test_validate_ranks_the_validation_split_once_even_when_fit_also_ranks_test(
     results = trainer.validate(module, data, verbose=False)
     # one dataloader, val_* only (it printed every metric under "DataLoader 0" and again under "DataLoader 1")
     assert len(results) == 1 and "val_ndcg@10" in results[0] and not [k for k in results[0] if k.startswith("test_")]
+
+
+def _tiny_data(tmp_path, **kw):
+    from test_movielens import _generated_ml100k
+
+    from lightning_rec.data import MovieLensDataModule
+
+    dm = MovieLensDataModule(str(_generated_ml100k(tmp_path / "ml-100k")), batch_size=64, side_features=False, **kw)
+    dm.setup("fit")
+    return dm
+
+
+def test_training_step_runs_in_a_hand_written_loop(tmp_path):
+    """No Trainer, so no on_train_epoch_start: training_step raised AttributeError '_samples'."""
+    dm = _tiny_data(tmp_path, num_negatives=1)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, loss="bpr",
+                            top_k_table_users=0)
+    optimizer = module.configure_optimizers()
+    before = module.model.user_tower.embedding_bag_collection.state_dict()
+    before = {k: v.clone() for k, v in before.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer warns (Lightning's own)
+        for i, batch in enumerate(dm.train_dataloader()):
+            loss = module.training_step(batch, i)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    after = module.model.user_tower.embedding_bag_collection.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the fused update ran

@@ -112,6 +112,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
         self.test_metrics = RankingMetrics(ks=ks)
         self._item_emb_ID: Tensor | None = None
+        # set here as well as per epoch: a hand-written loop calls training_step without the Trainer's hooks
+        self._samples, self._epoch_start = 0, time.perf_counter()
         if user_num_embeddings is not None and item_num_embeddings is not None:
             self._build(dict(user_num_embeddings), dict(item_num_embeddings))
 
