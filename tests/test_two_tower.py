@@ -276,3 +276,29 @@ def test_training_step_runs_in_a_hand_written_loop(tmp_path):
             optimizer.step()
     after = module.model.user_tower.embedding_bag_collection.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the fused update ran
+
+
+def test_embed_catalog_exports_item_embeddings_outside_the_trainer_in_eval_mode(tmp_path):
+    """embed_catalog() took no data module (only the Trainer's), and a module in train mode gave dropout noise."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, user_layer_sizes=[8],
+                            item_layer_sizes=[16, 8], tower_dropout=0.5, top_k_table_users=0, ks=[5])
+    module.train()
+    items_ID = module.embed_catalog(dm)
+    assert module.training and module.model.item_tower.training  # the caller's mode is left as it was
+    module.eval()
+    with torch.no_grad():
+        expected_ID = module.model.item_embeddings(dm.item_catalog())
+        users_UD = module.model.user_embeddings(dm.user_catalog())
+    torch.testing.assert_close(items_ID, expected_ID)
+    # scoring users against the export by hand ranks as the Trainer's validation does
+    from lightning_rec.metrics import RankingMetrics
+
+    metric = RankingMetrics(ks=[5])
+    val = dm.datasets["val"]
+    metric.update_full(users_UD @ items_ID.t(), val.target[0], val.target[1], val.exclude[0], val.exclude[1])
+    ours = metric.compute()["ndcg@5"]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    assert trainer.validate(module, dm, verbose=False)[0]["val_ndcg@5"] == pytest.approx(float(ours), abs=1e-6)
+    with pytest.raises(ValueError, match=r"embed_catalog\(dm\)"):
+        TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8).embed_catalog()

@@ -673,6 +673,12 @@ class MovieLensDataModule(pl.LightningDataModule):
         self._need_setup()
         return self.item_features.num_embeddings
 
+    def user_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
+        """Users' features (all, rows 0..U-1, or the given rows): what the user tower embeds (`user_ids[row]` is
+        the data's own id)."""
+        self._need_setup()
+        return self.user_features.kjt(torch.arange(self.num_users) if rows is None else rows.cpu())
+
     def item_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
         """Items' features (all, rows 0..I-1, or the given rows): what a retrieval model embeds per evaluation."""
         self._need_setup()

@@ -208,17 +208,33 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     # evaluation: item embeddings once, then users in batches --------------------------------------
 
     @torch.no_grad()
-    def embed_catalog(self) -> Tensor:
-        """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if datamodule is None or not callable(getattr(datamodule, "item_catalog", None)):
-            raise ValueError("full-ranking evaluation needs the item catalogue: use a data module with "
-                             "item_catalog() (MovieLensDataModule)")
+    def embed_catalog(self, datamodule=None) -> Tensor:
+        """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded): [I, D].
+
+        `datamodule` (one with `item_catalog()` and `num_items`, e.g. a set-up MovieLensDataModule) defaults to the
+        Trainer's. The tower runs in eval mode (no dropout), whatever mode the module is in: an export from a
+        hand-written loop gets the embeddings evaluation uses. Score users against it with
+        `model.user_embeddings(kjt) @ items_ID.t()`.
+        """
+        if datamodule is None and self._trainer is not None:
+            datamodule = getattr(self._trainer, "datamodule", None)
+        if datamodule is None:
+            raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
+                             "module.embed_catalog(dm) (set up, e.g. MovieLensDataModule after dm.setup()), or call it "
+                             "inside trainer.fit/validate/predict")
+        if not callable(getattr(datamodule, "item_catalog", None)):
+            raise ValueError(f"full-ranking evaluation needs the item catalogue, but {type(datamodule).__name__} has "
+                             f"no item_catalog(): use a data module with item_catalog() and num_items "
+                             f"(MovieLensDataModule)")
+        model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
-        parts = []
-        for start in range(0, num_items, chunk):
-            rows = torch.arange(start, min(start + chunk, num_items))
-            parts.append(self._need_model().item_embeddings(datamodule.item_catalog(rows).to(self.device)))
+        tower, was_training = model.item_tower, model.item_tower.training
+        tower.eval()
+        try:
+            parts = [model.item_embeddings(datamodule.item_catalog(torch.arange(s, min(s + chunk, num_items)))
+                                           .to(self.device)) for s in range(0, num_items, chunk)]
+        finally:
+            tower.train(was_training)
         return torch.cat(parts)
 
     def on_validation_epoch_start(self) -> None:
