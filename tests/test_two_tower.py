@@ -302,3 +302,13 @@ def test_embed_catalog_exports_item_embeddings_outside_the_trainer_in_eval_mode(
     assert trainer.validate(module, dm, verbose=False)[0]["val_ndcg@5"] == pytest.approx(float(ours), abs=1e-6)
     with pytest.raises(ValueError, match=r"embed_catalog\(dm\)"):
         TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8).embed_catalog()
+
+
+def test_towers_without_mlp_on_side_features_say_to_turn_them_off():
+    """MF (no MLP) on the data module's default side_features=True: the message spoke of layer sizes only."""
+    user, item = {"user_id": 10, "age": 8, "gender": 3}, {"item_id": 20, "genre": 5}
+    with pytest.raises(ValueError, match=r"3 features \(user_id, age, gender\) x embedding_dim 8.*side_features=False"):
+        TwoTowerModule(user, item, embedding_dim=8)
+    with pytest.raises(ValueError, match=r"its MLP's last layer.*side_features=False"):
+        TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[24])
+    TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[16], item_layer_sizes=[16])  # fine

@@ -136,6 +136,18 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                                  f"towers' features are {sorted(user_sizes)} and {sorted(item_sizes)}: name the id "
                                  f"features user_id and item_id, or set id_skip=False")
             skips = ("user_id", "item_id")
+        outs = {tower: (list(layers)[-1] if layers else hp.embedding_dim * len(sizes), sizes, layers)
+                for tower, sizes, layers in (("user", user_sizes, hp.user_layer_sizes),
+                                             ("item", item_sizes, hp.item_layer_sizes))}
+        if outs["user"][0] != outs["item"][0] and not (hp.user_layer_sizes and hp.item_layer_sizes):
+            # a tower without MLP outputs its features' embeddings side by side: the data module's side
+            # features (on by default) widen it, which the generic message of TwoTower did not say
+            said = "; ".join(f"the {tower} tower gives {dim} = " + ("its MLP's last layer" if layers else
+                             f"{len(sizes)} features ({', '.join(sizes)}) x embedding_dim {hp.embedding_dim}")
+                             for tower, (dim, sizes, layers) in outs.items())
+            raise ValueError(f"the towers must end in the same dim to be scored: {said}. For matrix factorisation "
+                             f"(no MLP) use the ids only: MovieLensDataModule(side_features=False); with side "
+                             f"features, give both towers layer sizes ending in the same size")
         self.model = TwoTower(self._tables(user_sizes, "user"), self._tables(item_sizes, "item"),
                               list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score, *skips,
                               dropout=hp.tower_dropout)
