@@ -259,3 +259,24 @@ def test_bpr_loader_resumes_mid_epoch_with_the_same_negatives(tmp_path):
     again = loader()  # and a new pass over the same epoch draws the same negatives
     again.sampler.set_epoch(1)
     assert all(torch.equal(a, b) for a, b in zip(triples(again), everything))
+
+
+def test_repeated_pairs_are_one_interaction_so_no_test_target_was_seen_in_training(tmp_path):
+    """A click log saved as ratings.csv: repeats of a pair went to training and test alike (8 of 20 test targets
+    were training pairs on this file), each scored as a find."""
+    g = np.random.default_rng(0)
+    rows = [(u, int(i), 100 * u + k) for u in range(1, 21) for k, i in enumerate(g.integers(1, 30, size=15))]
+    path = _write(tmp_path / "clicks" / "ratings.csv",
+                  "user,item,rating,timestamp\n" + "".join(f"{u},{i},1,{t}\n" for u, i, t in rows))
+    dm = MovieLensDataModule(str(path.parent), side_features=False)
+    with pytest.warns(UserWarning, match=r"\d+ repeated \(user, item\) rows dropped"):
+        dm.setup()
+    distinct = {(u, i) for u, i, _ in rows}
+    assert dm.report.duplicates_dropped == len(rows) - len(distinct) > 0
+    assert dm.report.num_interactions == len(distinct) == len(dm.ratings)
+    train = dm.datasets["train"]
+    seen = set(zip(train.user_N.tolist(), train.item_N.tolist()))
+    for split in ("val", "test"):
+        offsets, items = dm.datasets[split].target
+        held_out = [(u, i) for u in range(dm.num_users) for i in items[offsets[u]:offsets[u + 1]].tolist()]
+        assert held_out and not seen.intersection(held_out), split

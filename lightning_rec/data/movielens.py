@@ -19,7 +19,8 @@ latin-1). Ratings are parsed by pyarrow into one Arrow table and kept as a Huggi
 
 Implicit feedback: every rating is an interaction (`min_rating=None`, RecBole's ml-100k setting),
 or only ratings >= `min_rating` (e.g. 4: "liked"); lower ratings are dropped before splitting, so
-they are neither positives nor excluded at evaluation.
+they are neither positives nor excluded at evaluation. A (user, item) pair rated twice (a log of
+clicks saved as ratings.csv) is one interaction: repeats are dropped, counted and warned about.
 
 Splits (`split=`):
     "ro_811"          RecBole's RO 8:1:1: per user, interactions in random order (seeded), the last
@@ -493,6 +494,7 @@ class MovieLensReport:
     split_sizes: dict = field(default_factory=dict)
     heldout_items_unseen_in_train: dict = field(default_factory=dict)  # split -> pairs whose item has no train row
     users_without_heldout: dict = field(default_factory=dict)  # split -> users skipped by the ranking metrics
+    duplicates_dropped: int = 0  # repeated (user, item) rows, only the first kept
 
 
 class MovieLensDataModule(pl.LightningDataModule):
@@ -583,6 +585,19 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.item_ids = np.unique(np.concatenate([raw_item, np.fromiter(items, np.int64, len(items))]))
         user_N = torch.from_numpy(np.searchsorted(self.user_ids, raw_user))
         item_N = torch.from_numpy(np.searchsorted(self.item_ids, raw_item))
+        # implicit feedback is one interaction per (user, item): a repeated pair (a log of clicks or re-ratings,
+        # never in GroupLens' files) would be split into training and test alike, and the test copy, kept as a
+        # target though seen in training, scored as found: metrics inflated, silently
+        _, first_P = np.unique(user_N.numpy() * len(self.item_ids) + item_N.numpy(), return_index=True)
+        if first_P.shape[0] < table.num_rows:
+            keep_N = np.sort(first_P)
+            self.report.duplicates_dropped = table.num_rows - keep_N.shape[0]
+            warnings.warn(f"{ratings_path.parent}: {self.report.duplicates_dropped} repeated (user, item) rows dropped "
+                          f"(the first of each pair kept): an interaction is a (user, item) pair, and a repeat split "
+                          f"into both training and test would be a target the model has seen", stacklevel=2)
+            table, user_N, item_N = table.take(pa.array(keep_N)), user_N[keep_N], item_N[keep_N]
+            if part_N is not None:
+                part_N = part_N[keep_N]
         table = table.append_column("user", pa.array(user_N.numpy())).append_column("item", pa.array(item_N.numpy()))
         self.ratings = datasets.Dataset(table)  # Arrow-backed; columns read zero-copy below
         num_users, num_items = len(self.user_ids), len(self.item_ids)
