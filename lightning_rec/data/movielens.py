@@ -334,13 +334,17 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
     return users, items, titles, sizes
 
 
+_OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
+             "(integer ids; give a constant rating for implicit data) and pass the folder")
+
+
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv")):
         if (data_dir / name).is_file():
             return layout, data_dir / name
     raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
                      f"(ml-1m, ml-10m) or ratings.csv (ml-20m, ml-25m, ml-latest); pass the unpacked folder "
-                     f"as data_dir")
+                     f"as data_dir. {_OWN_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -660,6 +664,8 @@ class MovieLensDataModule(pl.LightningDataModule):
         return FeatureTable(single, bag_tables)
 
     def _check_data_dir(self) -> None:
+        if self.data_dir.is_file():
+            raise ValueError(f"MovieLens data_dir {self.data_dir} is a file, not a folder. {_OWN_FILE}")
         if not self.data_dir.is_dir():
             raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
                              f"folder (download https://grouplens.org/datasets/movielens/; --data.data_dir on the "
