@@ -312,3 +312,25 @@ def test_towers_without_mlp_on_side_features_say_to_turn_them_off():
     with pytest.raises(ValueError, match=r"its MLP's last layer.*side_features=False"):
         TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[24])
     TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[16], item_layer_sizes=[16])  # fine
+
+
+def test_top_k_table_with_more_users_asked_than_the_data_has(tmp_path):
+    """top_k_table_users=50 on 30 users raised IndexError at the end of validation, losing the run."""
+    from lightning.pytorch.loggers import Logger
+
+    class TableLogger(Logger):
+        name, version, tables = "t", 0, []
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+        def log_table(self, key, columns, data):
+            self.tables.append(data)
+
+    dm, logger = _tiny_data(tmp_path), TableLogger()
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=50)
+    L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
+    assert len(logger.tables) == 1 and {row[0] for row in logger.tables[0]} == set(range(dm.num_users))

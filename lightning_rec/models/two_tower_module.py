@@ -320,6 +320,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             return
         if not hasattr(datamodule, "datasets") or "val" not in datamodule.datasets:
             return
+        n = min(n, len(datamodule.datasets["val"]))  # fewer users than asked for: show them all (it raised IndexError)
         batch = datamodule.datasets["val"].__getitems__(list(range(n))).to(self.device)
         user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
         if not self.trainer.is_global_zero:
