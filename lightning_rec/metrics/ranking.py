@@ -32,6 +32,7 @@ never divided by zero. Ties in score are broken by `torch.topk` (as RecBole does
 may differ between CPU and GPU; torchmetrics' NDCG instead averages the gain over tied items. With
 discrete scores the two differ (ml-100k validation, popularity scores = training counts: NDCG@10
 0.1221 here, 0.1223 in torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
+A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
 
 States are float64 sums per (metric, k) and counts, reduced with "sum": `compute()` covers every
 rank, and the same users split over 1, 2 or 4 ranks give the same value (float64 sums in another
@@ -147,6 +148,7 @@ class RankingMetrics(Metric):
         self.metric_names = tuple(dict.fromkeys(metrics))
         self.prefix = prefix
         self._warned_short = False
+        self._warned_nan = False
         shape = (len(RANKING_METRICS), len(self.ks))
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("num_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
@@ -251,8 +253,17 @@ class RankingMetrics(Metric):
                           f"in the top {self.max_k} (Recall@K is then 1 for every user, Precision@K still divides "
                           f"by K as in torchmetrics); use ks <= {num_candidates} for meaningful values",
                           UserWarning, stacklevel=3)
+        # topk ranks NaN above everything: a relevant item the model scored NaN was "found" at rank 1 (a
+        # diverging model looked perfect). NaN ranks last here and is never a hit, even within a K that
+        # reaches the -inf entries
+        nan_UC = torch.isnan(scores_UC)
+        if not self._warned_nan and bool(nan_UC.any()):
+            self._warned_nan = True
+            warnings.warn(f"{int(nan_UC.sum())} of the scores are NaN: ranked last and never counted as found; "
+                          f"check the model for divergence", UserWarning, stacklevel=3)
+        scores_UC = scores_UC.masked_fill(nan_UC, float("-inf"))
         top_UK = torch.topk(scores_UC, k, dim=1, sorted=True).indices
-        hits_UK = target_UC.gather(1, top_UK)
+        hits_UK = target_UC.gather(1, top_UK) & ~nan_UC.gather(1, top_UK)
         self._update_topk(hits_UK, target_UC.sum(1))
 
     def _update_topk(self, hits_UK: Tensor, num_relevant_U: Tensor | None) -> None:
