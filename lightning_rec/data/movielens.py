@@ -637,6 +637,14 @@ class MovieLensDataModule(pl.LightningDataModule):
             r.heldout_items_unseen_in_train[name] = int((~train_items[item_N[in_part]]).sum())
             r.users_without_heldout[name] = int((csr[p][0].diff() == 0).sum())
         r.split_sizes["train"] = int(train.sum())
+        empty = [name for name in ("val", "test") if r.split_sizes[name] == 0]
+        if empty:  # said here, with the cause; the metrics can only say "NaN" at the end of the first validation
+            warnings.warn(f"{self.data_dir}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
+                          f"empty, so {'its' if len(empty) == 1 else 'their'} ranking metrics will be NaN: split "
+                          f"{self.split!r} holds a user's item out only from "
+                          f"{'3 (validation) or 2 (test)' if self.split == 'ro_811' else 'its .test file'} "
+                          f"interactions on, and these {r.num_users} users have at most "
+                          f"{int(torch.bincount(user_N).max())}", stacklevel=2)
         unseen = r.heldout_items_unseen_in_train["test"]
         if unseen:
             log.info("MovieLens %s: %d held-out test pairs are items never seen in training (still ranked)",

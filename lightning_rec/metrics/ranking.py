@@ -30,10 +30,11 @@ each averaged over users: the definitions of RecBole and of `torchmetrics.retrie
 both). A user with no relevant item has no value: it is skipped and counted (`skipped_users`),
 never divided by zero. (torchmetrics' default, empty_target_action="neg", counts such a user as 0
 instead: compare with `RetrievalRecall(top_k=k, empty_target_action="skip")`. It matters on
-ml-100k's official splits, whose test files hold about half of the users.) Ties in score are broken by `torch.topk` (as RecBole does), in an order that
-may differ between CPU and GPU; torchmetrics' NDCG instead averages the gain over tied items. With
-discrete scores the two differ (ml-100k validation, popularity scores = training counts: NDCG@10
-0.1221 here, 0.1223 in torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
+ml-100k's official splits, whose test files hold about half of the users.) Ties in score are
+broken by `torch.topk` (as RecBole does), in an order that may differ between CPU and GPU;
+torchmetrics' NDCG instead averages the gain over tied items. With discrete scores the two
+differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 here, 0.1223 in
+torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
 A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
 
 States are float64 sums per (metric, k) and counts, reduced with "sum": `compute()` covers every
