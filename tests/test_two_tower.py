@@ -334,3 +334,11 @@ def test_top_k_table_with_more_users_asked_than_the_data_has(tmp_path):
     module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=50)
     L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
     assert len(logger.tables) == 1 and {row[0] for row in logger.tables[0]} == set(range(dm.num_users))
+
+
+def test_evaluation_sizes_are_checked_when_the_module_is_made():
+    """eval_item_chunk=0 raised "range() arg 3 must not be zero" at the first validation, after training."""
+    for kwargs in (dict(eval_item_chunk=0), dict(top_k_table_users=-1), dict(eval_item_chunk=2.5)):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=f"{name}=.*give an int"):
+            TwoTowerModule({"user_id": 4}, {"item_id": 5}, embedding_dim=4, **kwargs)

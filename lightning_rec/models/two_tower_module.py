@@ -107,6 +107,11 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
                              f"or None for max(ks)")
+        # checked here: eval_item_chunk=0 failed only at the first validation, after training, in range()
+        for name, value, least in (("eval_item_chunk", eval_item_chunk, 1),
+                                   ("top_k_table_users", top_k_table_users, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r}: give an int >= {least}")
         self.model: TwoTower | None = None
         self.eval_splits = ["val"]
         self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
