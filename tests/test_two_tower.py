@@ -342,3 +342,14 @@ def test_evaluation_sizes_are_checked_when_the_module_is_made():
         name = next(iter(kwargs))
         with pytest.raises(ValueError, match=f"{name}=.*give an int"):
             TwoTowerModule({"user_id": 4}, {"item_id": 5}, embedding_dim=4, **kwargs)
+
+
+def test_predict_never_recommends_an_item_scored_nan_first(tmp_path):
+    """topk ranked a NaN score first: a diverged item row topped every user's recommendations."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, predict_top_k=5)
+    module._item_emb_ID = module.embed_catalog(dm)
+    module._item_emb_ID[7] = float("nan")
+    module._predict_user_ids = module._predict_item_ids = None
+    out = module.predict_step(dm.datasets["test"].__getitems__(list(range(6))), 0)
+    assert not (out["item"] == 7).any() and torch.isfinite(out["score"]).all()

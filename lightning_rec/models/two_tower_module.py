@@ -301,7 +301,9 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         k = min(self.predict_top_k or max(self.hparams.ks), self._item_emb_ID.shape[0])
         user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
-        scores_UI = user_UD @ self._item_emb_ID.t()
+        # topk puts NaN first: an item the model scores NaN (a diverged row) is recommended last, as in the metrics
+        scores_UI = (user_UD @ self._item_emb_ID.t()).nan_to_num(nan=float("-inf"), posinf=float("inf"),
+                                                                  neginf=float("-inf"))
         rows = torch.repeat_interleave(torch.arange(len(batch), device=scores_UI.device), batch.exclude_offsets.diff())
         scores_UI[rows, batch.exclude_items] = float("-inf")  # seen items are not recommended
         top_UK = torch.topk(scores_UI, k, dim=1)
