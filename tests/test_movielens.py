@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from conftest import SHARED_DATA
@@ -139,6 +140,11 @@ def test_read_ratings_detects_separator_and_header(tmp_path):
         assert table.column("user_id").to_pylist() == [1, 2, 1], name
         assert table.column("item_id").to_pylist() == [10, 20, 30], name
         assert table.column("rating").to_pylist() == [4.0, 3.5, 5.0], name
+        assert table.column("timestamp").type == pa.int64(), name
+    # a log's fractional timestamps (were refused: "conversion error to int64"), kept as whole seconds
+    table = read_ratings(_write(tmp_path / "log" / "ratings.csv", "user,item,rating,timestamp\n1,2,1,1700000000.75\n"
+                                                                "1,3,1,1700000001\n"))
+    assert table.column("timestamp").to_pylist() == [1700000000, 1700000001]
     with pytest.raises(ValueError, match=r"bad\.csv.*cannot parse"):
         read_ratings(_write(tmp_path / "bad.csv", "1,2,3,4\n1,x,3,4\n"))
     with pytest.raises(ValueError, match="separator"):

@@ -242,7 +242,7 @@ def read_ratings(path: str | Path) -> pa.Table:
             read_options=pacsv.ReadOptions(column_names=column_names, skip_rows=1 if has_header else 0),
             parse_options=pacsv.ParseOptions(delimiter=sep),
             convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
-                                                               "rating": pa.float32(), "timestamp": pa.int64()},
+                                                               "rating": pa.float32(), "timestamp": pa.float64()},
                                                  include_columns=names[:num_fields]),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
@@ -250,6 +250,13 @@ def read_ratings(path: str | Path) -> pa.Table:
                          f"numeric user, item, rating[, timestamp] separated by {sep!r}") from None
     if num_fields == 3:
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
+    else:
+        # read as float, kept as whole seconds: a log's fractional timestamps (1700000000.25) were refused, though
+        # no split uses them (GroupLens' integer seconds, < 2**53, pass through float64 exactly)
+        import pyarrow.compute as pc
+
+        where = table.column_names.index("timestamp")
+        table = table.set_column(where, "timestamp", pc.cast(pc.floor(table.column("timestamp")), pa.int64()))
     return table
 
 
