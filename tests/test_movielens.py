@@ -301,3 +301,30 @@ def test_an_empty_validation_split_is_said_at_setup_with_its_cause(tmp_path):
     with pytest.warns(UserWarning, match=r"the val split is empty.*from 3 \(validation\).*at most 2"):
         dm.setup()
     assert dm.report.split_sizes == {"val": 0, "test": 5, "train": 5}
+
+
+def test_recbole_atomic_files_read_like_the_grouplens_folder(tmp_path):
+    """RecBole's ml-100k download (ml-100k.inter/.user/.item) was refused: "holds no GroupLens ratings file"."""
+    grouplens = _generated_ml100k(tmp_path / "ml-100k", users=12, items=20)
+    rows = [line.split("\t") for line in (grouplens / "u.data").read_text().splitlines()]
+    recbole = tmp_path / "recbole"
+    _write(recbole / "ml-100k.inter", "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+           + "".join("\t".join(r) + "\n" for r in rows))
+    _write(recbole / "ml-100k.user", "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
+           + "".join(f"{u}\t{20 + u}\t{'MF'[u % 2]}\tother\t{10000 + u}\n" for u in range(1, 13)))
+    _write(recbole / "ml-100k.item", "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+           + "".join(f"{i}\tItem {i}\t1995\tDrama Comedy\n" for i in range(1, 21)))
+    a, b = MovieLensDataModule(str(grouplens)), MovieLensDataModule(str(recbole))
+    a.setup()
+    b.setup()
+    assert b.report.layout == "recbole" and b.report.num_interactions == len(rows)
+    assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all() and torch.equal(a.part_N, b.part_N)
+    assert a.user_num_embeddings == b.user_num_embeddings
+    ua, ub = a.user_catalog().to_dict(), b.user_catalog().to_dict()
+    for feature in ("age", "gender", "zip"):
+        assert torch.equal(ua[feature].values(), ub[feature].values()), feature
+    items = b.item_catalog().to_dict()
+    assert items["genre"].lengths().tolist() == [2] * 20 and b.item_titles[0] == "Item 1"
+    _write(recbole / "other.inter", "user_id:token\titem_id:token\n")
+    with pytest.raises(ValueError, match="several RecBole .inter files"):
+        MovieLensDataModule(str(recbole)).setup()

@@ -4,7 +4,9 @@ Shapes: N interactions of a split, B interactions in a batch, U users in an eval
 I items, R held-out items of an evaluation batch, X excluded (already seen) items of it.
 
 Layouts read from `data_dir` (a GroupLens folder as unpacked; the separator and a header line are
-detected from the first line, so a ratings file re-saved with a header or commas also reads):
+detected from the first line, so a ratings file re-saved with a header or commas also reads; RecBole's
+atomic files too, `<name>.inter` with `<name>.user` / `<name>.item`: its ml-100k gives the same ids,
+split and features, except the release decade, read from the title's year there):
 
     ml-100k    u.data       user \\t item \\t rating \\t time     u.user  id|age|gender|occupation|zip
                                                                 u.item  id|title|date|video date|url|19 genre flags
@@ -227,7 +229,9 @@ def read_ratings(path: str | Path) -> pa.Table:
     column_names = names[:num_fields]
     if has_header:  # columns by name: a header without movieId must not shift rating into the item column
         header = data.split(b"\n", 1)[0].decode("latin-1").rstrip("\r").split(sep)
-        column_names = [_HEADER_NAMES.get(h.strip().strip('"').lower(), f"_unused{i}") for i, h in enumerate(header)]
+        # ":token" / ":float": RecBole's atomic files type their columns in the header ("user_id:token")
+        column_names = [_HEADER_NAMES.get(h.strip().strip('"').split(":")[0].lower(), f"_unused{i}")
+                        for i, h in enumerate(header)]
         missing = [n for n in names[:3] if n not in column_names]
         if missing:
             raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
@@ -285,6 +289,17 @@ class _Vocab:
         return len(self.ids) + 1
 
 
+def _atomic_rows(path: Path):
+    """RecBole's atomic file (tab-separated, header "name:type"): one {name: text} per line; none if absent."""
+    if not path.is_file():
+        return
+    lines = _read_text(path).splitlines()
+    names = [h.split(":")[0] for h in lines[0].split("\t")] if lines else []
+    for line in lines[1:]:
+        if line.strip():
+            yield dict(zip(names, line.split("\t")))
+
+
 def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, dict], dict[int, str], dict]:
     """Raw user id -> {feature: id}, raw item id -> {feature: id or [ids]}, item id -> title, feature sizes."""
     users: dict[int, dict] = {}
@@ -324,6 +339,20 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
                 items[int(f[0])] = {"genre": [genre(g) for g in f[2].split("|") if g],
                                     "year": _decade(int(year.group(1)) if year else None)}
                 titles[int(f[0])] = f[1]
+    elif layout == "recbole":
+        stem = detect_layout(data_dir)[1].stem
+        for row in _atomic_rows(data_dir / f"{stem}.user"):
+            age = row.get("age", "")
+            users[int(row["user_id"])] = {"age": _bucket_age(int(age)) if age.isdigit() else 0,
+                                          "gender": gender(row.get("gender", "")),
+                                          "occupation": occupation(row.get("occupation", "")),
+                                          "zip": _zip_bucket(row["zip_code"]) if row.get("zip_code") else 0}
+        for row in _atomic_rows(data_dir / f"{stem}.item"):
+            year = row.get("release_year", "")
+            genres = (row.get("class") or row.get("genre", "")).split()  # ml-100k: "class", ml-1m: "genre"
+            items[int(row["item_id"])] = {"genre": [genre(g) for g in genres],
+                                          "year": _decade(int(year)) if year.isdigit() else 0}
+            titles[int(row["item_id"])] = row.get("movie_title", "")
     elif (data_dir / "movies.csv").is_file():
         import csv
 
@@ -349,9 +378,15 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv")):
         if (data_dir / name).is_file():
             return layout, data_dir / name
+    inter = sorted(data_dir.glob("*.inter"))  # RecBole's atomic files (its dataset downloads): ml-100k.inter
+    if len(inter) == 1:
+        return "recbole", inter[0]
+    if inter:
+        raise ValueError(f"{data_dir} holds several RecBole .inter files ({', '.join(p.name for p in inter)}): "
+                         f"keep one per folder")
     raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
-                     f"(ml-1m, ml-10m) or ratings.csv (ml-20m, ml-25m, ml-latest); pass the unpacked folder "
-                     f"as data_dir. {_OWN_FILE}")
+                     f"(ml-1m, ml-10m), ratings.csv (ml-20m, ml-25m, ml-latest) or RecBole's <name>.inter; pass "
+                     f"the unpacked folder as data_dir. {_OWN_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,8 +621,9 @@ class MovieLensDataModule(pl.LightningDataModule):
         users, items, titles, sizes = _read_side(self.data_dir, layout)
         if self.side_features and not users and not items:
             warnings.warn(f"side_features=True, but {self.data_dir} has no user or item file to read them from "
-                          f"(u.user / u.item, users.dat / movies.dat, movies.csv): the towers get the id features "
-                          f"only; side_features=False says so without this warning", stacklevel=2)
+                          f"(u.user / u.item, users.dat / movies.dat, movies.csv, RecBole's .user / .item): the "
+                          f"towers get the id features only; side_features=False says so without this warning",
+                          stacklevel=2)
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
         raw_user = np.asarray(table.column("user_id"))
