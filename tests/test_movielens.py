@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from conftest import SHARED_DATA
@@ -139,6 +140,11 @@ def test_read_ratings_detects_separator_and_header(tmp_path):
         assert table.column("user_id").to_pylist() == [1, 2, 1], name
         assert table.column("item_id").to_pylist() == [10, 20, 30], name
         assert table.column("rating").to_pylist() == [4.0, 3.5, 5.0], name
+        assert table.column("timestamp").type == pa.int64(), name
+    # a log's fractional timestamps (were refused: "conversion error to int64"), kept as whole seconds
+    table = read_ratings(_write(tmp_path / "log" / "ratings.csv", "user,item,rating,timestamp\n1,2,1,1700000000.75\n"
+                                                                "1,3,1,1700000001\n"))
+    assert table.column("timestamp").to_pylist() == [1700000000, 1700000001]
     with pytest.raises(ValueError, match=r"bad\.csv.*cannot parse"):
         read_ratings(_write(tmp_path / "bad.csv", "1,2,3,4\n1,x,3,4\n"))
     with pytest.raises(ValueError, match="separator"):
@@ -188,11 +194,17 @@ def test_latin1_item_file_other_layouts_and_bad_folders(tmp_path):
     _write(tmp_path / "ratings_only" / "ratings.dat", "1::10::5::1\n1::20::4::2\n2::10::3::3\n2::30::4::4\n")
     with pytest.warns(UserWarning, match="has no user or item file"):
         MovieLensDataModule(str(tmp_path / "ratings_only")).setup()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         MovieLensDataModule(str(tmp_path / "ratings_only"), side_features=False).setup()
+    assert not [w for w in caught if "no user or item file" in str(w.message)]
     with pytest.raises(ValueError, match="no GroupLens ratings file"):
         MovieLensDataModule(str(_write(tmp_path / "empty" / "README", "x").parent)).setup()
+    # a user's own file: the messages say how to name it (a file as data_dir was told to "download GroupLens")
+    own = _write(tmp_path / "own" / "interactions.csv", "user,item,rating,timestamp\n1,2,1,0\n")
+    for where in (own, own.parent):
+        with pytest.raises(ValueError, match=r"<folder>/ratings.csv with the header user,item,rating"):
+            MovieLensDataModule(str(where)).setup()
     with pytest.raises(ValueError, match="not a folder"):
         MovieLensDataModule(str(tmp_path / "missing")).setup()
     with pytest.raises(ValueError, match="unknown split"):
@@ -259,3 +271,60 @@ def test_bpr_loader_resumes_mid_epoch_with_the_same_negatives(tmp_path):
     again = loader()  # and a new pass over the same epoch draws the same negatives
     again.sampler.set_epoch(1)
     assert all(torch.equal(a, b) for a, b in zip(triples(again), everything))
+
+
+def test_repeated_pairs_are_one_interaction_so_no_test_target_was_seen_in_training(tmp_path):
+    """A click log saved as ratings.csv: repeats of a pair went to training and test alike (8 of 20 test targets
+    were training pairs on this file), each scored as a find."""
+    g = np.random.default_rng(0)
+    rows = [(u, int(i), 100 * u + k) for u in range(1, 21) for k, i in enumerate(g.integers(1, 30, size=15))]
+    path = _write(tmp_path / "clicks" / "ratings.csv",
+                  "user,item,rating,timestamp\n" + "".join(f"{u},{i},1,{t}\n" for u, i, t in rows))
+    dm = MovieLensDataModule(str(path.parent), side_features=False)
+    with pytest.warns(UserWarning, match=r"\d+ repeated \(user, item\) rows dropped"):
+        dm.setup()
+    distinct = {(u, i) for u, i, _ in rows}
+    assert dm.report.duplicates_dropped == len(rows) - len(distinct) > 0
+    assert dm.report.num_interactions == len(distinct) == len(dm.ratings)
+    train = dm.datasets["train"]
+    seen = set(zip(train.user_N.tolist(), train.item_N.tolist()))
+    for split in ("val", "test"):
+        offsets, items = dm.datasets[split].target
+        held_out = [(u, i) for u in range(dm.num_users) for i in items[offsets[u]:offsets[u + 1]].tolist()]
+        assert held_out and not seen.intersection(held_out), split
+
+
+def test_an_empty_validation_split_is_said_at_setup_with_its_cause(tmp_path):
+    """Users with 2 interactions each: RO 8:1:1 holds out no validation item, which showed only as NaN metrics."""
+    path = _write(tmp_path / "two" / "u.data", "".join(f"{u}\t{i}\t5\t0\n" for u in range(1, 6) for i in (u, u + 1)))
+    dm = MovieLensDataModule(str(path.parent), side_features=False)
+    with pytest.warns(UserWarning, match=r"the val split is empty.*from 3 \(validation\).*at most 2"):
+        dm.setup()
+    assert dm.report.split_sizes == {"val": 0, "test": 5, "train": 5}
+
+
+def test_recbole_atomic_files_read_like_the_grouplens_folder(tmp_path):
+    """RecBole's ml-100k download (ml-100k.inter/.user/.item) was refused: "holds no GroupLens ratings file"."""
+    grouplens = _generated_ml100k(tmp_path / "ml-100k", users=12, items=20)
+    rows = [line.split("\t") for line in (grouplens / "u.data").read_text().splitlines()]
+    recbole = tmp_path / "recbole"
+    _write(recbole / "ml-100k.inter", "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+           + "".join("\t".join(r) + "\n" for r in rows))
+    _write(recbole / "ml-100k.user", "user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n"
+           + "".join(f"{u}\t{20 + u}\t{'MF'[u % 2]}\tother\t{10000 + u}\n" for u in range(1, 13)))
+    _write(recbole / "ml-100k.item", "item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n"
+           + "".join(f"{i}\tItem {i}\t1995\tDrama Comedy\n" for i in range(1, 21)))
+    a, b = MovieLensDataModule(str(grouplens)), MovieLensDataModule(str(recbole))
+    a.setup()
+    b.setup()
+    assert b.report.layout == "recbole" and b.report.num_interactions == len(rows)
+    assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all() and torch.equal(a.part_N, b.part_N)
+    assert a.user_num_embeddings == b.user_num_embeddings
+    ua, ub = a.user_catalog().to_dict(), b.user_catalog().to_dict()
+    for feature in ("age", "gender", "zip"):
+        assert torch.equal(ua[feature].values(), ub[feature].values()), feature
+    items = b.item_catalog().to_dict()
+    assert items["genre"].lengths().tolist() == [2] * 20 and b.item_titles[0] == "Item 1"
+    _write(recbole / "other.inter", "user_id:token\titem_id:token\n")
+    with pytest.raises(ValueError, match="several RecBole .inter files"):
+        MovieLensDataModule(str(recbole)).setup()

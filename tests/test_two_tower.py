@@ -247,3 +247,109 @@ def test_validate_ranks_the_validation_split_once_even_when_fit_also_ranks_test(
     results = trainer.validate(module, data, verbose=False)
     # one dataloader, val_* only (it printed every metric under "DataLoader 0" and again under "DataLoader 1")
     assert len(results) == 1 and "val_ndcg@10" in results[0] and not [k for k in results[0] if k.startswith("test_")]
+
+
+def _tiny_data(tmp_path, **kw):
+    from test_movielens import _generated_ml100k
+
+    from lightning_rec.data import MovieLensDataModule
+
+    dm = MovieLensDataModule(str(_generated_ml100k(tmp_path / "ml-100k")), batch_size=64, side_features=False, **kw)
+    dm.setup("fit")
+    return dm
+
+
+def test_training_step_runs_in_a_hand_written_loop(tmp_path):
+    """No Trainer, so no on_train_epoch_start: training_step raised AttributeError '_samples'."""
+    dm = _tiny_data(tmp_path, num_negatives=1)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, loss="bpr",
+                            top_k_table_users=0)
+    optimizer = module.configure_optimizers()
+    before = module.model.user_tower.embedding_bag_collection.state_dict()
+    before = {k: v.clone() for k, v in before.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer warns (Lightning's own)
+        for i, batch in enumerate(dm.train_dataloader()):
+            loss = module.training_step(batch, i)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    after = module.model.user_tower.embedding_bag_collection.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the fused update ran
+
+
+def test_embed_catalog_exports_item_embeddings_outside_the_trainer_in_eval_mode(tmp_path):
+    """embed_catalog() took no data module (only the Trainer's), and a module in train mode gave dropout noise."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, user_layer_sizes=[8],
+                            item_layer_sizes=[16, 8], tower_dropout=0.5, top_k_table_users=0, ks=[5])
+    module.train()
+    items_ID = module.embed_catalog(dm)
+    assert module.training and module.model.item_tower.training  # the caller's mode is left as it was
+    module.eval()
+    with torch.no_grad():
+        expected_ID = module.model.item_embeddings(dm.item_catalog())
+        users_UD = module.model.user_embeddings(dm.user_catalog())
+    torch.testing.assert_close(items_ID, expected_ID)
+    # scoring users against the export by hand ranks as the Trainer's validation does
+    from lightning_rec.metrics import RankingMetrics
+
+    metric = RankingMetrics(ks=[5])
+    val = dm.datasets["val"]
+    metric.update_full(users_UD @ items_ID.t(), val.target[0], val.target[1], val.exclude[0], val.exclude[1])
+    ours = metric.compute()["ndcg@5"]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    assert trainer.validate(module, dm, verbose=False)[0]["val_ndcg@5"] == pytest.approx(float(ours), abs=1e-6)
+    with pytest.raises(ValueError, match=r"embed_catalog\(dm\)"):
+        TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8).embed_catalog()
+
+
+def test_towers_without_mlp_on_side_features_say_to_turn_them_off():
+    """MF (no MLP) on the data module's default side_features=True: the message spoke of layer sizes only."""
+    user, item = {"user_id": 10, "age": 8, "gender": 3}, {"item_id": 20, "genre": 5}
+    with pytest.raises(ValueError, match=r"3 features \(user_id, age, gender\) x embedding_dim 8.*side_features=False"):
+        TwoTowerModule(user, item, embedding_dim=8)
+    with pytest.raises(ValueError, match=r"its MLP's last layer.*side_features=False"):
+        TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[24])
+    TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[16], item_layer_sizes=[16])  # fine
+
+
+def test_top_k_table_with_more_users_asked_than_the_data_has(tmp_path):
+    """top_k_table_users=50 on 30 users raised IndexError at the end of validation, losing the run."""
+    from lightning.pytorch.loggers import Logger
+
+    class TableLogger(Logger):
+        name, version, tables = "t", 0, []
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+        def log_table(self, key, columns, data):
+            self.tables.append(data)
+
+    dm, logger = _tiny_data(tmp_path), TableLogger()
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=50)
+    L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
+    assert len(logger.tables) == 1 and {row[0] for row in logger.tables[0]} == set(range(dm.num_users))
+
+
+def test_evaluation_sizes_are_checked_when_the_module_is_made():
+    """eval_item_chunk=0 raised "range() arg 3 must not be zero" at the first validation, after training."""
+    for kwargs in (dict(eval_item_chunk=0), dict(top_k_table_users=-1), dict(eval_item_chunk=2.5)):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=f"{name}=.*give an int"):
+            TwoTowerModule({"user_id": 4}, {"item_id": 5}, embedding_dim=4, **kwargs)
+
+
+def test_predict_never_recommends_an_item_scored_nan_first(tmp_path):
+    """topk ranked a NaN score first: a diverged item row topped every user's recommendations."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, predict_top_k=5)
+    module._item_emb_ID = module.embed_catalog(dm)
+    module._item_emb_ID[7] = float("nan")
+    module._predict_user_ids = module._predict_item_ids = None
+    out = module.predict_step(dm.datasets["test"].__getitems__(list(range(6))), 0)
+    assert not (out["item"] == 7).any() and torch.isfinite(out["score"]).all()

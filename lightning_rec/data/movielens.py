@@ -4,7 +4,9 @@ Shapes: N interactions of a split, B interactions in a batch, U users in an eval
 I items, R held-out items of an evaluation batch, X excluded (already seen) items of it.
 
 Layouts read from `data_dir` (a GroupLens folder as unpacked; the separator and a header line are
-detected from the first line, so a ratings file re-saved with a header or commas also reads):
+detected from the first line, so a ratings file re-saved with a header or commas also reads; RecBole's
+atomic files too, `<name>.inter` with `<name>.user` / `<name>.item`: its ml-100k gives the same ids,
+split and features, except the release decade, read from the title's year there):
 
     ml-100k    u.data       user \\t item \\t rating \\t time     u.user  id|age|gender|occupation|zip
                                                                 u.item  id|title|date|video date|url|19 genre flags
@@ -19,7 +21,8 @@ latin-1). Ratings are parsed by pyarrow into one Arrow table and kept as a Huggi
 
 Implicit feedback: every rating is an interaction (`min_rating=None`, RecBole's ml-100k setting),
 or only ratings >= `min_rating` (e.g. 4: "liked"); lower ratings are dropped before splitting, so
-they are neither positives nor excluded at evaluation.
+they are neither positives nor excluded at evaluation. A (user, item) pair rated twice (a log of
+clicks saved as ratings.csv) is one interaction: repeats are dropped, counted and warned about.
 
 Splits (`split=`):
     "ro_811"          RecBole's RO 8:1:1: per user, interactions in random order (seeded), the last
@@ -226,7 +229,9 @@ def read_ratings(path: str | Path) -> pa.Table:
     column_names = names[:num_fields]
     if has_header:  # columns by name: a header without movieId must not shift rating into the item column
         header = data.split(b"\n", 1)[0].decode("latin-1").rstrip("\r").split(sep)
-        column_names = [_HEADER_NAMES.get(h.strip().strip('"').lower(), f"_unused{i}") for i, h in enumerate(header)]
+        # ":token" / ":float": RecBole's atomic files type their columns in the header ("user_id:token")
+        column_names = [_HEADER_NAMES.get(h.strip().strip('"').split(":")[0].lower(), f"_unused{i}")
+                        for i, h in enumerate(header)]
         missing = [n for n in names[:3] if n not in column_names]
         if missing:
             raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
@@ -241,7 +246,7 @@ def read_ratings(path: str | Path) -> pa.Table:
             read_options=pacsv.ReadOptions(column_names=column_names, skip_rows=1 if has_header else 0),
             parse_options=pacsv.ParseOptions(delimiter=sep),
             convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
-                                                               "rating": pa.float32(), "timestamp": pa.int64()},
+                                                               "rating": pa.float32(), "timestamp": pa.float64()},
                                                  include_columns=names[:num_fields]),
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
@@ -249,6 +254,13 @@ def read_ratings(path: str | Path) -> pa.Table:
                          f"numeric user, item, rating[, timestamp] separated by {sep!r}") from None
     if num_fields == 3:
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
+    else:
+        # read as float, kept as whole seconds: a log's fractional timestamps (1700000000.25) were refused, though
+        # no split uses them (GroupLens' integer seconds, < 2**53, pass through float64 exactly)
+        import pyarrow.compute as pc
+
+        where = table.column_names.index("timestamp")
+        table = table.set_column(where, "timestamp", pc.cast(pc.floor(table.column("timestamp")), pa.int64()))
     return table
 
 
@@ -275,6 +287,17 @@ class _Vocab:
 
     def __len__(self) -> int:
         return len(self.ids) + 1
+
+
+def _atomic_rows(path: Path):
+    """RecBole's atomic file (tab-separated, header "name:type"): one {name: text} per line; none if absent."""
+    if not path.is_file():
+        return
+    lines = _read_text(path).splitlines()
+    names = [h.split(":")[0] for h in lines[0].split("\t")] if lines else []
+    for line in lines[1:]:
+        if line.strip():
+            yield dict(zip(names, line.split("\t")))
 
 
 def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, dict], dict[int, str], dict]:
@@ -316,6 +339,20 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
                 items[int(f[0])] = {"genre": [genre(g) for g in f[2].split("|") if g],
                                     "year": _decade(int(year.group(1)) if year else None)}
                 titles[int(f[0])] = f[1]
+    elif layout == "recbole":
+        stem = detect_layout(data_dir)[1].stem
+        for row in _atomic_rows(data_dir / f"{stem}.user"):
+            age = row.get("age", "")
+            users[int(row["user_id"])] = {"age": _bucket_age(int(age)) if age.isdigit() else 0,
+                                          "gender": gender(row.get("gender", "")),
+                                          "occupation": occupation(row.get("occupation", "")),
+                                          "zip": _zip_bucket(row["zip_code"]) if row.get("zip_code") else 0}
+        for row in _atomic_rows(data_dir / f"{stem}.item"):
+            year = row.get("release_year", "")
+            genres = (row.get("class") or row.get("genre", "")).split()  # ml-100k: "class", ml-1m: "genre"
+            items[int(row["item_id"])] = {"genre": [genre(g) for g in genres],
+                                          "year": _decade(int(year)) if year.isdigit() else 0}
+            titles[int(row["item_id"])] = row.get("movie_title", "")
     elif (data_dir / "movies.csv").is_file():
         import csv
 
@@ -333,13 +370,23 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
     return users, items, titles, sizes
 
 
+_OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
+             "(integer ids; give a constant rating for implicit data) and pass the folder")
+
+
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv")):
         if (data_dir / name).is_file():
             return layout, data_dir / name
+    inter = sorted(data_dir.glob("*.inter"))  # RecBole's atomic files (its dataset downloads): ml-100k.inter
+    if len(inter) == 1:
+        return "recbole", inter[0]
+    if inter:
+        raise ValueError(f"{data_dir} holds several RecBole .inter files ({', '.join(p.name for p in inter)}): "
+                         f"keep one per folder")
     raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
-                     f"(ml-1m, ml-10m) or ratings.csv (ml-20m, ml-25m, ml-latest); pass the unpacked folder "
-                     f"as data_dir")
+                     f"(ml-1m, ml-10m), ratings.csv (ml-20m, ml-25m, ml-latest) or RecBole's <name>.inter; pass "
+                     f"the unpacked folder as data_dir. {_OWN_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,6 +540,7 @@ class MovieLensReport:
     split_sizes: dict = field(default_factory=dict)
     heldout_items_unseen_in_train: dict = field(default_factory=dict)  # split -> pairs whose item has no train row
     users_without_heldout: dict = field(default_factory=dict)  # split -> users skipped by the ranking metrics
+    duplicates_dropped: int = 0  # repeated (user, item) rows, only the first kept
 
 
 class MovieLensDataModule(pl.LightningDataModule):
@@ -573,8 +621,9 @@ class MovieLensDataModule(pl.LightningDataModule):
         users, items, titles, sizes = _read_side(self.data_dir, layout)
         if self.side_features and not users and not items:
             warnings.warn(f"side_features=True, but {self.data_dir} has no user or item file to read them from "
-                          f"(u.user / u.item, users.dat / movies.dat, movies.csv): the towers get the id features "
-                          f"only; side_features=False says so without this warning", stacklevel=2)
+                          f"(u.user / u.item, users.dat / movies.dat, movies.csv, RecBole's .user / .item): the "
+                          f"towers get the id features only; side_features=False says so without this warning",
+                          stacklevel=2)
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
         raw_user = np.asarray(table.column("user_id"))
@@ -583,6 +632,19 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.item_ids = np.unique(np.concatenate([raw_item, np.fromiter(items, np.int64, len(items))]))
         user_N = torch.from_numpy(np.searchsorted(self.user_ids, raw_user))
         item_N = torch.from_numpy(np.searchsorted(self.item_ids, raw_item))
+        # implicit feedback is one interaction per (user, item): a repeated pair (a log of clicks or re-ratings,
+        # never in GroupLens' files) would be split into training and test alike, and the test copy, kept as a
+        # target though seen in training, scored as found: metrics inflated, silently
+        _, first_P = np.unique(user_N.numpy() * len(self.item_ids) + item_N.numpy(), return_index=True)
+        if first_P.shape[0] < table.num_rows:
+            keep_N = np.sort(first_P)
+            self.report.duplicates_dropped = table.num_rows - keep_N.shape[0]
+            warnings.warn(f"{ratings_path.parent}: {self.report.duplicates_dropped} repeated (user, item) rows dropped "
+                          f"(the first of each pair kept): an interaction is a (user, item) pair, and a repeat split "
+                          f"into both training and test would be a target the model has seen", stacklevel=2)
+            table, user_N, item_N = table.take(pa.array(keep_N)), user_N[keep_N], item_N[keep_N]
+            if part_N is not None:
+                part_N = part_N[keep_N]
         table = table.append_column("user", pa.array(user_N.numpy())).append_column("item", pa.array(item_N.numpy()))
         self.ratings = datasets.Dataset(table)  # Arrow-backed; columns read zero-copy below
         num_users, num_items = len(self.user_ids), len(self.item_ids)
@@ -618,6 +680,14 @@ class MovieLensDataModule(pl.LightningDataModule):
             r.heldout_items_unseen_in_train[name] = int((~train_items[item_N[in_part]]).sum())
             r.users_without_heldout[name] = int((csr[p][0].diff() == 0).sum())
         r.split_sizes["train"] = int(train.sum())
+        empty = [name for name in ("val", "test") if r.split_sizes[name] == 0]
+        if empty:  # said here, with the cause; the metrics can only say "NaN" at the end of the first validation
+            warnings.warn(f"{self.data_dir}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
+                          f"empty, so {'its' if len(empty) == 1 else 'their'} ranking metrics will be NaN: split "
+                          f"{self.split!r} holds a user's item out only from "
+                          f"{'3 (validation) or 2 (test)' if self.split == 'ro_811' else 'its .test file'} "
+                          f"interactions on, and these {r.num_users} users have at most "
+                          f"{int(torch.bincount(user_N).max())}", stacklevel=2)
         unseen = r.heldout_items_unseen_in_train["test"]
         if unseen:
             log.info("MovieLens %s: %d held-out test pairs are items never seen in training (still ranked)",
@@ -645,6 +715,8 @@ class MovieLensDataModule(pl.LightningDataModule):
         return FeatureTable(single, bag_tables)
 
     def _check_data_dir(self) -> None:
+        if self.data_dir.is_file():
+            raise ValueError(f"MovieLens data_dir {self.data_dir} is a file, not a folder. {_OWN_FILE}")
         if not self.data_dir.is_dir():
             raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
                              f"folder (download https://grouplens.org/datasets/movielens/; --data.data_dir on the "
@@ -672,6 +744,12 @@ class MovieLensDataModule(pl.LightningDataModule):
     def item_num_embeddings(self) -> dict[str, int]:
         self._need_setup()
         return self.item_features.num_embeddings
+
+    def user_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
+        """Users' features (all, rows 0..U-1, or the given rows): what the user tower embeds (`user_ids[row]` is
+        the data's own id)."""
+        self._need_setup()
+        return self.user_features.kjt(torch.arange(self.num_users) if rows is None else rows.cpu())
 
     def item_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
         """Items' features (all, rows 0..I-1, or the given rows): what a retrieval model embeds per evaluation."""

@@ -3,8 +3,8 @@
 Shapes: U users in one update (one batch of users), I items in the catalogue, C candidates per
 user, K the largest cutoff asked for, R held-out (relevant) items of the batch, X excluded ones.
 
-Two ways in, both reduced at once to the top K of each user (`torch.topk`), so nothing larger
-than one batch of users x items ever exists:
+Three ways in; the first two are reduced at once to the top K of each user (`torch.topk`), so
+nothing larger than one batch of users x items ever exists:
 
     full ranking   update_full(scores_UI, target_offsets_U1, target_items_R,
                                exclude_offsets_U1, exclude_items_X)
@@ -14,7 +14,9 @@ than one batch of users x items ever exists:
                    given candidate lists (padded to C; mask False marks padding)
     flat           update(preds_N, target_N, indexes_N)
                    torchmetrics' retrieval form: one entry per (user, candidate), `indexes` saying
-                   whose (any ids, any order); regrouped into padded candidate lists
+                   whose (any ids, any order, a user's entries spread over updates and ranks);
+                   kept until compute, as torchmetrics keeps them, then regrouped into padded
+                   candidate lists (the one way in whose memory grows with the data)
 
     target_offsets_U1 = [0, 2, 2, 5]    user 0: target_items[0:2], user 1: none, user 2: [2:5]
 
@@ -28,7 +30,14 @@ For each user with n >= 1 relevant items and hit_j = 1 when the item ranked j (1
 
 each averaged over users: the definitions of RecBole and of `torchmetrics.retrieval` (tests check
 both). A user with no relevant item has no value: it is skipped and counted (`skipped_users`),
-never divided by zero. Ties in score are broken by `torch.topk` (as RecBole does).
+never divided by zero. (torchmetrics' default, empty_target_action="neg", counts such a user as 0
+instead: compare with `RetrievalRecall(top_k=k, empty_target_action="skip")`. It matters on
+ml-100k's official splits, whose test files hold about half of the users.) Ties in score are
+broken by `torch.topk` (as RecBole does), in an order that may differ between CPU and GPU;
+torchmetrics' NDCG instead averages the gain over tied items. With discrete scores the two
+differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 here, 0.1223 in
+torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
+A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
 
 States are float64 sums per (metric, k) and counts, reduced with "sum": `compute()` covers every
 rank, and the same users split over 1, 2 or 4 ranks give the same value (float64 sums in another
@@ -43,6 +52,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_cat
 
 RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
 
@@ -88,18 +98,24 @@ def _check_items(items: Tensor, num_items: int, name: str) -> Tensor:
     return items
 
 
-def _padded_by_query(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """torchmetrics' flat retrieval form -> [U, C] candidate lists padded to the longest, and their mask.
-
-        indexes_N = [7, 3, 7, 3, 3]       preds_UC = [[p1, p3, p4],     (user 3: entries 1, 3, 4)
-        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)
-    """
+def _check_flat(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> None:
     if indexes_N.dtype.is_floating_point or indexes_N.dtype == torch.bool or indexes_N.is_complex():
         raise ValueError(f"indexes must be integer ids (whose list each entry belongs to, as in torchmetrics' "
                          f"retrieval metrics), got {indexes_N.dtype}; a bool mask of [U, C] candidates goes as mask=")
     if not (preds_N.shape == target_N.shape == indexes_N.shape):
         raise ValueError(f"update(preds, target, indexes) takes three tensors of one shape (one entry per user and "
                          f"candidate), got {tuple(preds_N.shape)}, {tuple(target_N.shape)}, {tuple(indexes_N.shape)}")
+    if target_N.dtype != torch.bool and bool(((target_N != 0) & (target_N != 1)).any()):
+        raise ValueError("target must be 0/1 relevance (graded ratings: binarize them first, e.g. "
+                         "`target = rating >= 4`)")
+
+
+def _padded_by_query(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """torchmetrics' flat retrieval form -> [U, C] candidate lists padded to the longest, and their mask.
+
+        indexes_N = [7, 3, 7, 3, 3]       preds_UC = [[p1, p3, p4],     (user 3: entries 1, 3, 4)
+        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)
+    """
     preds_N, target_N, indexes_N = preds_N.reshape(-1), target_N.reshape(-1), indexes_N.reshape(-1)
     order_N = torch.argsort(indexes_N, stable=True)
     _, count_U = torch.unique_consecutive(indexes_N[order_N], return_counts=True)
@@ -144,10 +160,19 @@ class RankingMetrics(Metric):
         self.metric_names = tuple(dict.fromkeys(metrics))
         self.prefix = prefix
         self._warned_short = False
+        self._warned_nan = False
         shape = (len(RANKING_METRICS), len(self.ks))
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("num_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("skipped_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
+        # several updates (rows of (user, item, label) in batches), and regrouped per update they counted as
+        # several users with partial lists (NDCG@5 0.64 where torchmetrics gives 0.27)
+        # All three kept as float64 (ids exact to 2**53), the dtype torchmetrics gives the empty placeholder of a
+        # rank without entries: gloo aborted the process gathering int64 ids against that float placeholder
+        for name in ("flat_preds", "flat_target", "flat_indexes"):
+            self.add_state(name, default=[], dist_reduce_fx="cat")
+        self._dtype = torch.float64
 
     @property
     def max_k(self) -> int:
@@ -172,8 +197,11 @@ class RankingMetrics(Metric):
                 raise ValueError("update(preds, target, indexes) takes no mask: leave out the entries to skip")
             if preds is None or target is None:
                 raise ValueError("update(preds, target, indexes) needs all three, one entry per user and candidate")
+            _check_flat(preds, target, indexes)
             if indexes.numel():  # (an empty batch has no user: nothing to count)
-                self._update_candidates(*_padded_by_query(preds, target, indexes))
+                self.flat_preds.append(preds.detach().reshape(-1).double())
+                self.flat_target.append((target.reshape(-1) != 0).double())
+                self.flat_indexes.append(indexes.reshape(-1).double())
         else:
             self._update_candidates(preds, target, mask)
 
@@ -248,8 +276,17 @@ class RankingMetrics(Metric):
                           f"in the top {self.max_k} (Recall@K is then 1 for every user, Precision@K still divides "
                           f"by K as in torchmetrics); use ks <= {num_candidates} for meaningful values",
                           UserWarning, stacklevel=3)
+        # topk ranks NaN above everything: a relevant item the model scored NaN was "found" at rank 1 (a
+        # diverging model looked perfect). NaN ranks last here and is never a hit, even within a K that
+        # reaches the -inf entries
+        nan_UC = torch.isnan(scores_UC)
+        if not self._warned_nan and bool(nan_UC.any()):
+            self._warned_nan = True
+            warnings.warn(f"{int(nan_UC.sum())} of the scores are NaN: ranked last and never counted as found; "
+                          f"check the model for divergence", UserWarning, stacklevel=3)
+        scores_UC = scores_UC.masked_fill(nan_UC, float("-inf"))
         top_UK = torch.topk(scores_UC, k, dim=1, sorted=True).indices
-        hits_UK = target_UC.gather(1, top_UK)
+        hits_UK = target_UC.gather(1, top_UK) & ~nan_UC.gather(1, top_UK)
         self._update_topk(hits_UK, target_UC.sum(1))
 
     def _update_topk(self, hits_UK: Tensor, num_relevant_U: Tensor | None) -> None:
@@ -289,11 +326,19 @@ class RankingMetrics(Metric):
     # way out ------------------------------------------------------------------------------------
 
     def compute(self) -> dict[str, Tensor]:
-        num_users = int(self.num_users)
+        sums, num_users, skipped = self.sums, int(self.num_users), int(self.skipped_users)
+        if len(self.flat_indexes):  # every rank's entries (synced by "cat"), grouped per user once, here
+            flat = RankingMetrics(ks=self.ks)
+            indexes = dim_zero_cat(self.flat_indexes).long()
+            if indexes.numel():
+                flat._update_candidates(*_padded_by_query(dim_zero_cat(self.flat_preds).float(),
+                                                          dim_zero_cat(self.flat_target).bool(), indexes))
+            sums = sums + flat.sums.to(sums.device)
+            num_users, skipped = num_users + int(flat.num_users), skipped + int(flat.skipped_users)
         if num_users == 0:
-            warnings.warn(f"no user with a held-out item was evaluated ({int(self.skipped_users)} skipped): "
+            warnings.warn(f"no user with a held-out item was evaluated ({skipped} skipped): "
                           f"ranking metrics are NaN", UserWarning, stacklevel=2)
-        means = self.sums / num_users if num_users else torch.full_like(self.sums, float("nan"))
+        means = sums / num_users if num_users else torch.full_like(sums, float("nan"))
         out = {}
         for name in self.metric_names:
             row = RANKING_METRICS.index(name)

@@ -107,11 +107,18 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
                              f"or None for max(ks)")
+        # checked here: eval_item_chunk=0 failed only at the first validation, after training, in range()
+        for name, value, least in (("eval_item_chunk", eval_item_chunk, 1),
+                                   ("top_k_table_users", top_k_table_users, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}={value!r}: give an int >= {least}")
         self.model: TwoTower | None = None
         self.eval_splits = ["val"]
         self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
         self.test_metrics = RankingMetrics(ks=ks)
         self._item_emb_ID: Tensor | None = None
+        # set here as well as per epoch: a hand-written loop calls training_step without the Trainer's hooks
+        self._samples, self._epoch_start = 0, time.perf_counter()
         if user_num_embeddings is not None and item_num_embeddings is not None:
             self._build(dict(user_num_embeddings), dict(item_num_embeddings))
 
@@ -134,6 +141,18 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                                  f"towers' features are {sorted(user_sizes)} and {sorted(item_sizes)}: name the id "
                                  f"features user_id and item_id, or set id_skip=False")
             skips = ("user_id", "item_id")
+        outs = {tower: (list(layers)[-1] if layers else hp.embedding_dim * len(sizes), sizes, layers)
+                for tower, sizes, layers in (("user", user_sizes, hp.user_layer_sizes),
+                                             ("item", item_sizes, hp.item_layer_sizes))}
+        if outs["user"][0] != outs["item"][0] and not (hp.user_layer_sizes and hp.item_layer_sizes):
+            # a tower without MLP outputs its features' embeddings side by side: the data module's side
+            # features (on by default) widen it, which the generic message of TwoTower did not say
+            said = "; ".join(f"the {tower} tower gives {dim} = " + ("its MLP's last layer" if layers else
+                             f"{len(sizes)} features ({', '.join(sizes)}) x embedding_dim {hp.embedding_dim}")
+                             for tower, (dim, sizes, layers) in outs.items())
+            raise ValueError(f"the towers must end in the same dim to be scored: {said}. For matrix factorisation "
+                             f"(no MLP) use the ids only: MovieLensDataModule(side_features=False); with side "
+                             f"features, give both towers layer sizes ending in the same size")
         self.model = TwoTower(self._tables(user_sizes, "user"), self._tables(item_sizes, "item"),
                               list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score, *skips,
                               dropout=hp.tower_dropout)
@@ -206,17 +225,33 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     # evaluation: item embeddings once, then users in batches --------------------------------------
 
     @torch.no_grad()
-    def embed_catalog(self) -> Tensor:
-        """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if datamodule is None or not callable(getattr(datamodule, "item_catalog", None)):
-            raise ValueError("full-ranking evaluation needs the item catalogue: use a data module with "
-                             "item_catalog() (MovieLensDataModule)")
+    def embed_catalog(self, datamodule=None) -> Tensor:
+        """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded): [I, D].
+
+        `datamodule` (one with `item_catalog()` and `num_items`, e.g. a set-up MovieLensDataModule) defaults to the
+        Trainer's. The tower runs in eval mode (no dropout), whatever mode the module is in: an export from a
+        hand-written loop gets the embeddings evaluation uses. Score users against it with
+        `model.user_embeddings(kjt) @ items_ID.t()`.
+        """
+        if datamodule is None and self._trainer is not None:
+            datamodule = getattr(self._trainer, "datamodule", None)
+        if datamodule is None:
+            raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
+                             "module.embed_catalog(dm) (set up, e.g. MovieLensDataModule after dm.setup()), or call it "
+                             "inside trainer.fit/validate/predict")
+        if not callable(getattr(datamodule, "item_catalog", None)):
+            raise ValueError(f"full-ranking evaluation needs the item catalogue, but {type(datamodule).__name__} has "
+                             f"no item_catalog(): use a data module with item_catalog() and num_items "
+                             f"(MovieLensDataModule)")
+        model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
-        parts = []
-        for start in range(0, num_items, chunk):
-            rows = torch.arange(start, min(start + chunk, num_items))
-            parts.append(self._need_model().item_embeddings(datamodule.item_catalog(rows).to(self.device)))
+        tower, was_training = model.item_tower, model.item_tower.training
+        tower.eval()
+        try:
+            parts = [model.item_embeddings(datamodule.item_catalog(torch.arange(s, min(s + chunk, num_items)))
+                                           .to(self.device)) for s in range(0, num_items, chunk)]
+        finally:
+            tower.train(was_training)
         return torch.cat(parts)
 
     def on_validation_epoch_start(self) -> None:
@@ -266,7 +301,9 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         k = min(self.predict_top_k or max(self.hparams.ks), self._item_emb_ID.shape[0])
         user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
-        scores_UI = user_UD @ self._item_emb_ID.t()
+        # topk puts NaN first: an item the model scores NaN (a diverged row) is recommended last, as in the metrics
+        scores_UI = (user_UD @ self._item_emb_ID.t()).nan_to_num(nan=float("-inf"), posinf=float("inf"),
+                                                                  neginf=float("-inf"))
         rows = torch.repeat_interleave(torch.arange(len(batch), device=scores_UI.device), batch.exclude_offsets.diff())
         scores_UI[rows, batch.exclude_items] = float("-inf")  # seen items are not recommended
         top_UK = torch.topk(scores_UI, k, dim=1)
@@ -290,6 +327,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             return
         if not hasattr(datamodule, "datasets") or "val" not in datamodule.datasets:
             return
+        n = min(n, len(datamodule.datasets["val"]))  # fewer users than asked for: show them all (it raised IndexError)
         batch = datamodule.datasets["val"].__getitems__(list(range(n))).to(self.device)
         user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
         if not self.trainer.is_global_zero:
