@@ -365,7 +365,7 @@ def _planner_plan(module: nn.Module, world_size: int, local_world_size: int, dev
     except ImportError:
         return None
     topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
-    return EmbeddingShardingPlanner(topology).collective_plan(module, pg)
+    return EmbeddingShardingPlanner(topology).collective_plan(module, pg=pg)
 
 
 # DistributedModelParallel ----------------------------------------------------------------------
