@@ -36,7 +36,7 @@ _EXPORTS = {
     "EmbeddingShardingPlanner": "planner", "ParameterConstraints": "planner", "PlannerError": "planner",
     "PlanStats": "planner", "Topology": "planner",
     # Lightning side
-    "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models",
+    "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models", "DLRMTrain": "models",
     "Batch": "data", "CriteoDataModule": "data", "SyntheticCriteoDataModule": "data",
     "AUC": "metrics", "CTR": "metrics", "LogLoss": "metrics", "NormalizedEntropy": "metrics",
     "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
@@ -100,7 +100,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         table_row_wise,
         table_wise,
     )
-    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, TwoTower, TwoTowerModule  # noqa: F401
+    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, DLRMTrain, TwoTower, TwoTowerModule  # noqa: F401
     from lightning_rec.optim import (  # noqa: F401
         CombinedOptimizer,
         EmbOptimType,
