@@ -23,7 +23,8 @@ _EXPORTS = {
     "BaseEmbeddingConfig": "embedding", "EmbeddingBagCollection": "embedding", "EmbeddingBagConfig": "embedding",
     "EmbeddingCollection": "embedding", "EmbeddingConfig": "embedding", "PoolingType": "embedding",
     "CombinedOptimizer": "optim", "EmbOptimType": "optim", "FusedOptimizer": "optim",
-    "FusedOptimizerConfig": "optim", "combined_optimizer": "optim",
+    "FusedOptimizerConfig": "optim", "combined_optimizer": "optim", "apply_optimizer_in_backward": "optim",
+    "KeyedOptimizerWrapper": "optim", "in_backward_optimizer_filter": "optim",
     # sharding
     "ComputeKernel": "types", "EmbeddingModuleShardingPlan": "types", "ParameterSharding": "types",
     "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
@@ -106,7 +107,10 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         EmbOptimType,
         FusedOptimizer,
         FusedOptimizerConfig,
+        KeyedOptimizerWrapper,
+        apply_optimizer_in_backward,
         combined_optimizer,
+        in_backward_optimizer_filter,
     )
     from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist  # noqa: F401
     from lightning_rec.planner import (  # noqa: F401

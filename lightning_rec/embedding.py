@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -211,6 +212,21 @@ class FeatureRouter:
         return features
 
 
+# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward, which gets parameters only.
+# By id, not an attribute on the parameter (a weakref there would make the parameter unpicklable); a stale id is
+# caught by table_owner's identity check.
+_TABLE_OWNERS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def table_owner(param: Tensor) -> tuple[_EmbeddingCollectionBase, str] | None:
+    """The unsharded collection and table name whose weight `param` is, or None."""
+    entry = _TABLE_OWNERS.get(id(param))
+    owner = entry[0]() if entry is not None else None
+    if owner is None or owner.table_parameters().get(entry[1]) is not param:
+        return None
+    return owner, entry[1]
+
+
 class _Tables(nn.ModuleDict):
     """table name -> its weight holder. Any table name works, `items` and `keys` included.
 
@@ -315,6 +331,7 @@ class _EmbeddingCollectionBase(nn.Module):
         weights = _Tables()
         for name, w in lookup.table_weights().items():
             param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+            _TABLE_OWNERS[id(param)] = (weakref.ref(self), name)
             weights[name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
@@ -348,6 +365,28 @@ class _EmbeddingCollectionBase(nn.Module):
     def fused_kernels(self) -> list:
         """The kernels that update their tables inside backward (for FusedOptimizer)."""
         return self._lookup.fused_kernels()
+
+    def table_parameters(self) -> dict[str, nn.Parameter]:
+        """table name -> its weight parameter (a view into the kernel's storage)."""
+        tables = getattr(self, self._weights_attr)
+        return {name: tables[name].weight for name in tables}
+
+    def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
+        """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in).
+
+        The kernels are built anew around the current weights (fresh optimizer state): the table
+        parameters are new objects, so build optimizers over the model after this call.
+        """
+        if not isinstance(optimizer, FusedOptimizerConfig):
+            raise ValueError(f"use_fused_optimizer takes a FusedOptimizerConfig, got {type(optimizer).__name__}")
+        weights = {n: w.detach().clone() for n, w in self._lookup.table_weights().items()}
+        self._optimizer = optimizer
+        self._build_lookup(self._device)
+        self._lookup.train(self.training)
+        with torch.no_grad():
+            for name, w in self._lookup.table_weights().items():
+                w.copy_(weights[name])
+        self._lookup.weights_written()
 
     def _after_lookup(self, features: KeyedJaggedTensor) -> None:
         """GPU batches never on the host: start the lazy copy of fbgemm's bad-id count (no sync)."""

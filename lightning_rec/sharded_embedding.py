@@ -139,7 +139,9 @@ class _ShardedCollectionBase(nn.Module):
         if optimizer is None:
             raise ValueError(
                 f"{type(module).__name__} has no fused optimizer: DistributedModelParallel shards fused tables; "
-                f"build it with optimizer=FusedOptimizerConfig(...)"
+                f"build it with optimizer=FusedOptimizerConfig(...), or (TorchRec's way) call "
+                f"apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {{'lr': 0.01}}) before "
+                f"DistributedModelParallel"
             )
         self._configs = list(_configs(module))
         self._feature_names = module.feature_names()
