@@ -329,13 +329,27 @@ class _EmbeddingCollectionBase(nn.Module):
         # internals; its tables are registered below as parameters that view the kernel's storage.
         object.__setattr__(self, "_lookup", lookup)
         weights = _Tables()
-        for name, w in lookup.table_weights().items():
+        table_weights = lookup.table_weights()
+        for c in self._configs:  # the configs' order (TorchRec's), not the kernels'
+            w = table_weights[c.name]
             param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
-            _TABLE_OWNERS[id(param)] = (weakref.ref(self), name)
-            weights[name] = _TableWeight(param)
+            _TABLE_OWNERS[id(param)] = (weakref.ref(self), c.name)
+            weights[c.name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
-        self._feature_names = lookup.feature_names
+        self._feature_names = lookup.feature_names  # the kernels' order: tables grouped by pooling and data type
+        # Outputs come in the configs' order, as TorchRec's: a KeyedTensor read by position (values()[:, :D],
+        # DLRM's interaction) must not depend on how the tables were grouped into kernels.
+        self._output_names = [f for c in self._configs for f in c.feature_names]
+        self._output_dims = [by_feature[f].embedding_dim for f in self._output_names]
+        self._column_order = None
+        if self._output_names != self._feature_names:
+            start, at = 0, {}
+            for f in self._feature_names:
+                at[f] = start
+                start += by_feature[f].embedding_dim
+            self._column_order = torch.cat([torch.arange(at[f], at[f] + by_feature[f].embedding_dim)
+                                            for f in self._output_names]).to(device)
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
             [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__)
@@ -354,7 +368,8 @@ class _EmbeddingCollectionBase(nn.Module):
         return self._device
 
     def feature_names(self) -> list[str]:
-        return list(self._feature_names)
+        """The features in the order of the outputs: each table's, in the order of the configs."""
+        return list(self._output_names)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -480,7 +495,6 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
                 raise ValueError(f"EmbeddingBagCollection takes EmbeddingBagConfig tables, got {type(t).__name__} "
                                  f"for '{t.name}': use EmbeddingCollection for sequence tables")
         super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted)
-        self._dims = self._lookup.feature_dims
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._configs)
@@ -490,7 +504,9 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         pooled = self._lookup(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
         self._after_lookup(features)
         pooled_BD = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
-        return KeyedTensor(self._feature_names, self._dims, pooled_BD)
+        if self._column_order is not None:  # kernel groups -> the configs' order
+            pooled_BD = pooled_BD.index_select(1, self._column_order)
+        return KeyedTensor(self._output_names, self._output_dims, pooled_BD)
 
 
 class EmbeddingCollection(_EmbeddingCollectionBase):
@@ -524,4 +540,4 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
             for part, name in zip(torch.split(group_values, lpk[k : k + n]), self._feature_names[k : k + n]):
                 out[name] = JaggedTensor(values=part, lengths=features[name].lengths())
             k += n
-        return out
+        return {name: out[name] for name in self._output_names}  # the configs' order

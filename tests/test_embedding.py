@@ -363,3 +363,26 @@ def test_keyed_optimizer_wrapper_steps_the_dense_parameters_only():
         ref_opt.step()
     torch.testing.assert_close(model["dense"].weight, reference.weight)
     assert len(combined.state) == 2  # Adagrad's sum for the two dense parameters, none for the tables
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_outputs_and_state_dict_follow_the_configs_order(fused):
+    """Tables of other poolings or data types sit in other kernels; the outputs still come in the configs' order
+    (TorchRec's), so that values() read by position holds each feature where the configs put it."""
+    tables = [EmbeddingBagConfig(name="a", num_embeddings=10, embedding_dim=4, feature_names=["fa"], pooling="mean"),
+              EmbeddingBagConfig(name="b", num_embeddings=10, embedding_dim=8, feature_names=["fb", "fb2"]),
+              EmbeddingBagConfig(name="c", num_embeddings=10, embedding_dim=4, feature_names=["fc"], pooling="mean"),
+              EmbeddingBagConfig(name="d", num_embeddings=10, embedding_dim=4, feature_names=["fd"])]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1) if fused else None)
+    kjt = random_kjt(["fd", "fc", "fb2", "fb", "fa"], [10] * 5, B=3)
+    kt = ebc(kjt)
+    assert kt.keys() == ebc.feature_names() == ["fa", "fb", "fb2", "fc", "fd"]
+    assert kt.length_per_key() == [4, 8, 8, 4, 4]
+    expected = torch.cat([reference_forward(reference_bags(ebc, c.pooling.value), [c], kjt, c.pooling.value)
+                          for c in tables], dim=1)
+    torch.testing.assert_close(kt.values(), expected, atol=ATOL, rtol=0)
+    assert list(ebc.state_dict()) == [f"embedding_bags.{t}.weight" for t in "abcd"]
+    ec = EmbeddingCollection([EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, feature_names=["fs"]),
+                              EmbeddingConfig(name="w", num_embeddings=10, embedding_dim=8, feature_names=["fw"]),
+                              EmbeddingConfig(name="x", num_embeddings=10, embedding_dim=4, feature_names=["fx"])])
+    assert list(ec(random_kjt(["fs", "fw", "fx"], [10] * 3, B=2))) == ["fs", "fw", "fx"]
