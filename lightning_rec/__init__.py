@@ -22,12 +22,13 @@ _EXPORTS = {
     # embeddings and optimizers
     "BaseEmbeddingConfig": "embedding", "EmbeddingBagCollection": "embedding", "EmbeddingBagConfig": "embedding",
     "EmbeddingCollection": "embedding", "EmbeddingConfig": "embedding", "PoolingType": "embedding",
+    "DataType": "embedding",
     "CombinedOptimizer": "optim", "EmbOptimType": "optim", "FusedOptimizer": "optim",
     "FusedOptimizerConfig": "optim", "combined_optimizer": "optim", "apply_optimizer_in_backward": "optim",
     "KeyedOptimizerWrapper": "optim", "in_backward_optimizer_filter": "optim",
     # sharding
-    "ComputeKernel": "types", "EmbeddingModuleShardingPlan": "types", "ParameterSharding": "types",
-    "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
+    "ComputeKernel": "types", "EmbeddingComputeKernel": "types", "EmbeddingModuleShardingPlan": "types",
+    "ParameterSharding": "types", "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
     "DistributedModelParallel": "model_parallel", "construct_module_sharding_plan": "model_parallel",
     "table_wise": "model_parallel", "row_wise": "model_parallel", "column_wise": "model_parallel",
     "table_row_wise": "model_parallel", "table_column_wise": "model_parallel", "grid_shard": "model_parallel",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
     from lightning_rec.data import Batch, CriteoDataModule, MovieLensDataModule, SyntheticCriteoDataModule  # noqa: F401
     from lightning_rec.embedding import (  # noqa: F401
         BaseEmbeddingConfig,
+        DataType,
         EmbeddingBagCollection,
         EmbeddingBagConfig,
         EmbeddingCollection,
@@ -125,6 +127,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
     from lightning_rec.strategy import RecStrategy  # noqa: F401
     from lightning_rec.types import (  # noqa: F401
         ComputeKernel,
+        EmbeddingComputeKernel,
         EmbeddingModuleShardingPlan,
         ParameterSharding,
         ShardingPlan,

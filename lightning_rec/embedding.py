@@ -39,6 +39,19 @@ class PoolingType(str, Enum):
         return self.value
 
 
+class DataType(str, Enum):
+    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`); torch dtypes work as well.
+
+    The two that the tables store: TorchRec's other members (BF16, INT8, ...) have no kernel here.
+    """
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 _TABLE_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
                  "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 

@@ -386,3 +386,12 @@ def test_outputs_and_state_dict_follow_the_configs_order(fused):
                               EmbeddingConfig(name="w", num_embeddings=10, embedding_dim=8, feature_names=["fw"]),
                               EmbeddingConfig(name="x", num_embeddings=10, embedding_dim=4, feature_names=["fx"])])
     assert list(ec(random_kjt(["fs", "fw", "fx"], [10] * 3, B=2))) == ["fs", "fw", "fx"]
+
+
+def test_torchrec_data_type_names():
+    from lightning_rec import DataType
+
+    fp16 = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, data_type=DataType.FP16)
+    assert fp16.data_type == torch.float16
+    assert EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, data_type=DataType.FP32).data_type == \
+        torch.float32

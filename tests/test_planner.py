@@ -349,6 +349,13 @@ def test_collective_plan_broadcasts_from_rank_0():
             dist.destroy_process_group()
 
 
+def test_torchrec_compute_kernel_name():
+    from lightning_rec import EmbeddingComputeKernel
+
+    c = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE])
+    assert c.compute_kernels == [ComputeKernel.FUSED, ComputeKernel.DENSE]
+
+
 def test_collective_plan_takes_torchrecs_argument_order():
     """TorchRec's tutorials call planner.collective_plan(module, sharders, pg): pg third, sharders ignored."""
     import torch.distributed as dist
