@@ -25,7 +25,7 @@ _EXPORTS = {
     "DataType": "embedding",
     "CombinedOptimizer": "optim", "EmbOptimType": "optim", "FusedOptimizer": "optim",
     "FusedOptimizerConfig": "optim", "combined_optimizer": "optim", "apply_optimizer_in_backward": "optim",
-    "KeyedOptimizerWrapper": "optim", "in_backward_optimizer_filter": "optim",
+    "KeyedOptimizerWrapper": "optim", "in_backward_optimizer_filter": "optim", "RowWiseAdagrad": "optim",
     # sharding
     "ComputeKernel": "types", "EmbeddingComputeKernel": "types", "EmbeddingModuleShardingPlan": "types",
     "ParameterSharding": "types", "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
@@ -110,6 +110,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         FusedOptimizer,
         FusedOptimizerConfig,
         KeyedOptimizerWrapper,
+        RowWiseAdagrad,
         apply_optimizer_in_backward,
         combined_optimizer,
         in_backward_optimizer_filter,

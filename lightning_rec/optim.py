@@ -445,7 +445,7 @@ def _fused_config_for(optimizer_class: Any, optimizer_kwargs: dict[str, Any]) ->
         return optimizer_class
     if isinstance(optimizer_class, (str, EmbOptimType)):
         return FusedOptimizerConfig(optimizer_class, **kwargs)
-    opt = _TORCH_TO_FUSED.get(optimizer_class)
+    opt = EmbOptimType.ROWWISE_ADAGRAD if optimizer_class is RowWiseAdagrad else _TORCH_TO_FUSED.get(optimizer_class)
     if opt is None:
         name = getattr(optimizer_class, "__name__", repr(optimizer_class))
         raise ValueError(f"apply_optimizer_in_backward({name}, ...): the fused tables implement torch.optim.SGD, "
@@ -570,3 +570,50 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"KeyedOptimizerWrapper({self._optimizer!r})"
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """TorchRec's row-wise Adagrad as a plain torch optimizer: one accumulator per row of each 2-d parameter.
+
+    state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps). It is the
+    fused "rowwise_adagrad" update, so `apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(),
+    {"lr": 0.05})` fuses it into the tables (TorchRec's golden DLRM example does that), and it trains
+    unfused tables or other 2-d weights directly. 1-d parameters keep one accumulator per element.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> None:
+        for name, value in (("lr", lr), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
+                            ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
+            if not value >= 0:
+                raise ValueError(f"RowWiseAdagrad {name}={value!r} must be >= 0")
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if not group["weight_decay"] else p.grad.add(p, alpha=group["weight_decay"])
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    rows = p.shape[:1] if p.dim() > 1 else p.shape
+                    state["sum"] = torch.full(rows, group["initial_accumulator_value"], dtype=p.dtype,
+                                              device=p.device)
+                state["step"] += 1
+                clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
+                if p.dim() > 1:
+                    state["sum"].add_(grad.pow(2).flatten(1).mean(dim=1))
+                    std = state["sum"].sqrt().add_(group["eps"]).view(-1, *([1] * (p.dim() - 1)))
+                else:
+                    state["sum"].add_(grad.pow(2))
+                    std = state["sum"].sqrt().add_(group["eps"])
+                p.addcdiv_(grad, std, value=-clr)
+        return loss

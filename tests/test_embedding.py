@@ -5,7 +5,13 @@ import torch
 from torch import nn
 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerConfig, combined_optimizer
+from lightning_rec.optim import (
+    CombinedOptimizer,
+    FusedOptimizer,
+    FusedOptimizerConfig,
+    RowWiseAdagrad,
+    combined_optimizer,
+)
 from lightning_rec.sparse import KeyedJaggedTensor
 
 # fp32 everywhere; the kernels sum a bag's rows in another order than torch's embedding_bag and
@@ -295,6 +301,7 @@ def test_adagrad_weight_decay_matches_the_l2_step_on_touched_rows(kernel):
     # a fused Adam moves only the rows in the batch: torch.optim.SparseAdam's rule (Adam would move every row
     # whose moments are non-zero)
     (torch.optim.Adam, {"lr": 0.01}, torch.optim.SparseAdam),
+    (RowWiseAdagrad, {"lr": 0.1}, RowWiseAdagrad),  # TorchRec's, as a plain optimizer: its eps is 1e-10
 ])
 def test_apply_optimizer_in_backward_trains_as_the_torch_optimizer(cls, kwargs, reference_cls):
     """TorchRec's apply_optimizer_in_backward(cls, ebc.parameters(), kwargs): the class's update, its defaults too
@@ -307,7 +314,8 @@ def test_apply_optimizer_in_backward_trains_as_the_torch_optimizer(cls, kwargs, 
     for bag in bags.values():
         bag.sparse = reference_cls is torch.optim.SparseAdam
     apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
-    assert ebc.fused_optimizer_config().optimizer == cls.__name__.lower()
+    assert ebc.fused_optimizer_config().optimizer == {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam",
+                                                      "RowWiseAdagrad": "rowwise_adagrad"}[cls.__name__]
     assert all(not p.requires_grad for p in ebc.parameters())  # fused: no gradient is kept
     reference = reference_cls([p for b in bags.values() for p in b.parameters()], **kwargs)
     for step in range(3):
