@@ -489,6 +489,8 @@ class DistributedModelParallel(nn.Module):
             sharded = shard_collection(m, plan.plan[path], env)
             if built_on_meta:  # values drawn now: the same replicas everywhere, no two pieces alike
                 sharded.init_weights(init_seed)
+            else:
+                self._broadcast_replicas(sharded, device)
             if path:
                 _set_submodule(module, path, sharded)
             else:
@@ -520,6 +522,21 @@ class DistributedModelParallel(nn.Module):
             work = dist.broadcast(seed, src=dist.get_global_rank(self._emb_pg, 0), group=self._emb_pg, async_op=True)
             self._guard.wait_work(work, "initial values of tables built on 'meta' (seed)", k)
         return int(seed)
+
+    @torch.no_grad()
+    def _broadcast_replicas(self, sharded: _ShardedCollectionBase, device: torch.device) -> None:
+        """Collective: data-parallel replicas take rank 0's values, as DDP does for dense layers.
+
+        Each rank copies its replicas from its own unsharded model; ranks seeded apart would otherwise
+        train different copies of one table for good (every rank applies the same summed update).
+        """
+        if dist.get_world_size(self._emb_pg) == 1:
+            return
+        src = dist.get_global_rank(self._emb_pg, 0)
+        for name, w in sharded.replica_weights().items():
+            k = self._guard.begin()
+            work = dist.broadcast(w.data, src=src, group=self._emb_pg, async_op=True)
+            self._guard.wait_work(work, f"data-parallel table '{name}' from rank 0", k)
 
     def wrap_dense(self, dense: str, ddp_kwargs: dict | None = None) -> None:
         """(Re)wrap the dense layers for a new training run ("ddp" | "fsdp"): a model sharded with dense=None

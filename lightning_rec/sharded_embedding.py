@@ -247,6 +247,10 @@ class _ShardedCollectionBase(nn.Module):
             out.update(self._replicas.table_weights())
         return out
 
+    def replica_weights(self) -> dict[str, Tensor]:
+        """Data-parallel table name -> this rank's whole copy (the same on every rank)."""
+        return dict(self._replicas.table_weights()) if self._replicas is not None else {}
+
     def shard_of(self, local_name: str) -> tuple[str, object, tuple[int, int]]:
         """A shard-local table name -> (global table, ShardMetadata or None for a replica, global shape)."""
         piece = self.routing.pieces.get((self._env.rank, local_name))

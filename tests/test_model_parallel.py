@@ -581,12 +581,12 @@ def test_fused_state_reshards_to_another_world_size_and_plan(tmp_path, opt):
     assert all(n > 0 for n in run_ranks(_reshard_worker, 3, path, opt, "load", timeout=90))
 
 
-def _meta_init_worker(rank, W, same_seed):
-    # TorchRec's way: the collection built on "meta", DistributedModelParallel draws the values
+def _init_worker(rank, W, device, same_seed):
+    # "meta": TorchRec's way, DistributedModelParallel draws the values
     torch.manual_seed(0 if same_seed else rank)
     tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=40, embedding_dim=4, feature_names=[f"f{i}"])
               for i in range(4)]
-    ebc = EmbeddingBagCollection(tables, device="meta", optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    ebc = EmbeddingBagCollection(tables, device=device, optimizer=FusedOptimizerConfig("sgd", lr=0.1))
     plan = construct_module_sharding_plan(ebc, {"t0": data_parallel(), "t1": row_wise(), "t2": table_wise(rank=0),
                                                 "t3": table_wise(rank=1)})
     from lightning_rec.types import ShardingPlan
@@ -600,11 +600,12 @@ def _meta_init_worker(rank, W, same_seed):
     return pieces
 
 
-@pytest.mark.parametrize("same_seed", [True, False])
-def test_tables_built_on_meta_start_distinct_and_replicas_alike(same_seed):
-    """Before: ranks seeded alike drew the same values for rank 0's t2 and rank 1's t3 (and for t1's two row blocks);
-    ranks seeded apart started the data-parallel replica t0 differently on each rank, for good."""
-    per_rank = run_ranks(_meta_init_worker, 2, same_seed, timeout=60)
+@pytest.mark.parametrize("device, same_seed", [("meta", True), ("meta", False), ("cpu", False)])
+def test_tables_start_distinct_and_replicas_alike(device, same_seed):
+    """Before: on "meta", ranks seeded alike drew the same values for rank 0's t2 and rank 1's t3 (and for t1's two
+    row blocks); ranks seeded apart (on "meta" or "cpu") started the data-parallel replica t0 differently on each
+    rank, for good. Now replicas take rank 0's values, as DDP's dense layers do."""
+    per_rank = run_ranks(_init_worker, 2, device, same_seed, timeout=60)
     replica = ("embedding_bags.t0.weight", None)
     torch.testing.assert_close(per_rank[0][replica], per_rank[1][replica], atol=0, rtol=0)
     pieces = [t for rank_pieces in per_rank for key, t in rank_pieces.items() if key != replica] + \
@@ -615,3 +616,4 @@ def test_tables_built_on_meta_start_distinct_and_replicas_alike(same_seed):
         assert a.abs().max() <= bound and a.std() > bound / 4
         for b in pieces[i + 1 :]:
             assert not torch.equal(a[:5], b[:5])
+
