@@ -617,3 +617,12 @@ def test_tables_start_distinct_and_replicas_alike(device, same_seed):
         for b in pieces[i + 1 :]:
             assert not torch.equal(a[:5], b[:5])
 
+
+def test_full_of_one_ranks_state_dict_names_merge():
+    """Before: "table: the checkpoint's pieces ... do not cover" for dmp.state_dict()[key].full() on one rank."""
+    from lightning_rec.types import ShardMetadata
+
+    mine = ShardedTensor((4, 2), [(ShardMetadata((0, 0), (2, 2), 0), torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match=r"ShardedTensor.full\(\) of a \(4, 2\) table: the pieces held .* do not "
+                                         r"cover rows 0:4 .* ShardedTensor.merge"):
+        mine.full()
