@@ -22,11 +22,13 @@ _EXPORTS = {
     # embeddings and optimizers
     "BaseEmbeddingConfig": "embedding", "EmbeddingBagCollection": "embedding", "EmbeddingBagConfig": "embedding",
     "EmbeddingCollection": "embedding", "EmbeddingConfig": "embedding", "PoolingType": "embedding",
+    "DataType": "embedding",
     "CombinedOptimizer": "optim", "EmbOptimType": "optim", "FusedOptimizer": "optim",
-    "FusedOptimizerConfig": "optim", "combined_optimizer": "optim",
+    "FusedOptimizerConfig": "optim", "combined_optimizer": "optim", "apply_optimizer_in_backward": "optim",
+    "KeyedOptimizerWrapper": "optim", "in_backward_optimizer_filter": "optim", "RowWiseAdagrad": "optim",
     # sharding
-    "ComputeKernel": "types", "EmbeddingModuleShardingPlan": "types", "ParameterSharding": "types",
-    "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
+    "ComputeKernel": "types", "EmbeddingComputeKernel": "types", "EmbeddingModuleShardingPlan": "types",
+    "ParameterSharding": "types", "ShardingPlan": "types", "ShardingType": "types", "ShardMetadata": "types",
     "DistributedModelParallel": "model_parallel", "construct_module_sharding_plan": "model_parallel",
     "table_wise": "model_parallel", "row_wise": "model_parallel", "column_wise": "model_parallel",
     "table_row_wise": "model_parallel", "table_column_wise": "model_parallel", "grid_shard": "model_parallel",
@@ -36,7 +38,7 @@ _EXPORTS = {
     "EmbeddingShardingPlanner": "planner", "ParameterConstraints": "planner", "PlannerError": "planner",
     "PlanStats": "planner", "Topology": "planner",
     # Lightning side
-    "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models",
+    "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models", "DLRMTrain": "models",
     "Batch": "data", "CriteoDataModule": "data", "SyntheticCriteoDataModule": "data",
     "AUC": "metrics", "CTR": "metrics", "LogLoss": "metrics", "NormalizedEntropy": "metrics",
     "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
     from lightning_rec.data import Batch, CriteoDataModule, MovieLensDataModule, SyntheticCriteoDataModule  # noqa: F401
     from lightning_rec.embedding import (  # noqa: F401
         BaseEmbeddingConfig,
+        DataType,
         EmbeddingBagCollection,
         EmbeddingBagConfig,
         EmbeddingCollection,
@@ -100,13 +103,17 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         table_row_wise,
         table_wise,
     )
-    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, TwoTower, TwoTowerModule  # noqa: F401
+    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, DLRMTrain, TwoTower, TwoTowerModule  # noqa: F401
     from lightning_rec.optim import (  # noqa: F401
         CombinedOptimizer,
         EmbOptimType,
         FusedOptimizer,
         FusedOptimizerConfig,
+        KeyedOptimizerWrapper,
+        RowWiseAdagrad,
+        apply_optimizer_in_backward,
         combined_optimizer,
+        in_backward_optimizer_filter,
     )
     from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist  # noqa: F401
     from lightning_rec.planner import (  # noqa: F401
@@ -121,6 +128,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
     from lightning_rec.strategy import RecStrategy  # noqa: F401
     from lightning_rec.types import (  # noqa: F401
         ComputeKernel,
+        EmbeddingComputeKernel,
         EmbeddingModuleShardingPlan,
         ParameterSharding,
         ShardingPlan,

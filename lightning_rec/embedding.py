@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -33,6 +34,19 @@ class PoolingType(str, Enum):
     SUM = "sum"
     MEAN = "mean"
     NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DataType(str, Enum):
+    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`); torch dtypes work as well.
+
+    The two that the tables store: TorchRec's other members (BF16, INT8, ...) have no kernel here.
+    """
+
+    FP32 = "fp32"
+    FP16 = "fp16"
 
     def __str__(self) -> str:
         return self.value
@@ -211,6 +225,21 @@ class FeatureRouter:
         return features
 
 
+# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward, which gets parameters only.
+# By id, not an attribute on the parameter (a weakref there would make the parameter unpicklable); a stale id is
+# caught by table_owner's identity check.
+_TABLE_OWNERS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def table_owner(param: Tensor) -> tuple[_EmbeddingCollectionBase, str] | None:
+    """The unsharded collection and table name whose weight `param` is, or None."""
+    entry = _TABLE_OWNERS.get(id(param))
+    owner = entry[0]() if entry is not None else None
+    if owner is None or owner.table_parameters().get(entry[1]) is not param:
+        return None
+    return owner, entry[1]
+
+
 class _Tables(nn.ModuleDict):
     """table name -> its weight holder. Any table name works, `items` and `keys` included.
 
@@ -313,12 +342,27 @@ class _EmbeddingCollectionBase(nn.Module):
         # internals; its tables are registered below as parameters that view the kernel's storage.
         object.__setattr__(self, "_lookup", lookup)
         weights = _Tables()
-        for name, w in lookup.table_weights().items():
+        table_weights = lookup.table_weights()
+        for c in self._configs:  # the configs' order (TorchRec's), not the kernels'
+            w = table_weights[c.name]
             param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
-            weights[name] = _TableWeight(param)
+            _TABLE_OWNERS[id(param)] = (weakref.ref(self), c.name)
+            weights[c.name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
-        self._feature_names = lookup.feature_names
+        self._feature_names = lookup.feature_names  # the kernels' order: tables grouped by pooling and data type
+        # Outputs come in the configs' order, as TorchRec's: a KeyedTensor read by position (values()[:, :D],
+        # DLRM's interaction) must not depend on how the tables were grouped into kernels.
+        self._output_names = [f for c in self._configs for f in c.feature_names]
+        self._output_dims = [by_feature[f].embedding_dim for f in self._output_names]
+        self._column_order = None
+        if self._output_names != self._feature_names:
+            start, at = 0, {}
+            for f in self._feature_names:
+                at[f] = start
+                start += by_feature[f].embedding_dim
+            self._column_order = torch.cat([torch.arange(at[f], at[f] + by_feature[f].embedding_dim)
+                                            for f in self._output_names]).to(device)
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
             [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__)
@@ -337,7 +381,8 @@ class _EmbeddingCollectionBase(nn.Module):
         return self._device
 
     def feature_names(self) -> list[str]:
-        return list(self._feature_names)
+        """The features in the order of the outputs: each table's, in the order of the configs."""
+        return list(self._output_names)
 
     def is_weighted(self) -> bool:
         return self._is_weighted
@@ -348,6 +393,28 @@ class _EmbeddingCollectionBase(nn.Module):
     def fused_kernels(self) -> list:
         """The kernels that update their tables inside backward (for FusedOptimizer)."""
         return self._lookup.fused_kernels()
+
+    def table_parameters(self) -> dict[str, nn.Parameter]:
+        """table name -> its weight parameter (a view into the kernel's storage)."""
+        tables = getattr(self, self._weights_attr)
+        return {name: tables[name].weight for name in tables}
+
+    def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
+        """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in).
+
+        The kernels are built anew around the current weights (fresh optimizer state): the table
+        parameters are new objects, so build optimizers over the model after this call.
+        """
+        if not isinstance(optimizer, FusedOptimizerConfig):
+            raise ValueError(f"use_fused_optimizer takes a FusedOptimizerConfig, got {type(optimizer).__name__}")
+        weights = {n: w.detach().clone() for n, w in self._lookup.table_weights().items()}
+        self._optimizer = optimizer
+        self._build_lookup(self._device)
+        self._lookup.train(self.training)
+        with torch.no_grad():
+            for name, w in self._lookup.table_weights().items():
+                w.copy_(weights[name])
+        self._lookup.weights_written()
 
     def _after_lookup(self, features: KeyedJaggedTensor) -> None:
         """GPU batches never on the host: start the lazy copy of fbgemm's bad-id count (no sync)."""
@@ -441,7 +508,6 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
                 raise ValueError(f"EmbeddingBagCollection takes EmbeddingBagConfig tables, got {type(t).__name__} "
                                  f"for '{t.name}': use EmbeddingCollection for sequence tables")
         super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted)
-        self._dims = self._lookup.feature_dims
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._configs)
@@ -451,7 +517,9 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         pooled = self._lookup(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
         self._after_lookup(features)
         pooled_BD = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
-        return KeyedTensor(self._feature_names, self._dims, pooled_BD)
+        if self._column_order is not None:  # kernel groups -> the configs' order
+            pooled_BD = pooled_BD.index_select(1, self._column_order)
+        return KeyedTensor(self._output_names, self._output_dims, pooled_BD)
 
 
 class EmbeddingCollection(_EmbeddingCollectionBase):
@@ -485,4 +553,4 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
             for part, name in zip(torch.split(group_values, lpk[k : k + n]), self._feature_names[k : k + n]):
                 out[name] = JaggedTensor(values=part, lengths=features[name].lengths())
             k += n
-        return out
+        return {name: out[name] for name in self._output_names}  # the configs' order

@@ -365,7 +365,7 @@ def _planner_plan(module: nn.Module, world_size: int, local_world_size: int, dev
     except ImportError:
         return None
     topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local_world_size)
-    return EmbeddingShardingPlanner(topology).collective_plan(module, pg)
+    return EmbeddingShardingPlanner(topology).collective_plan(module, pg=pg)
 
 
 # DistributedModelParallel ----------------------------------------------------------------------
@@ -483,8 +483,14 @@ class DistributedModelParallel(nn.Module):
         self._emb_pg = emb_pg
         self._transport = transport
         env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)
+        init_seed = self._agree_init_seed(collections, device)
         for path, m in collections.items():
+            built_on_meta = any(w.is_meta for w in m.lookup.table_weights().values())
             sharded = shard_collection(m, plan.plan[path], env)
+            if built_on_meta:  # values drawn now: the same replicas everywhere, no two pieces alike
+                sharded.init_weights(init_seed)
+            else:
+                self._broadcast_replicas(sharded, device)
             if path:
                 _set_submodule(module, path, sharded)
             else:
@@ -499,6 +505,38 @@ class DistributedModelParallel(nn.Module):
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
         self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
+
+    def _agree_init_seed(self, collections: Mapping[str, nn.Module], device: torch.device) -> int:
+        """Collective (when a collection was built on "meta"): rank 0's draw from its global RNG, on every rank.
+
+        Ranks seeded alike would otherwise draw the same values for different tables (rank 0's first table
+        = rank 1's first table), and ranks seeded apart would start data-parallel replicas apart for good.
+        """
+        if not any(w.is_meta for m in collections.values() for w in m.lookup.table_weights().values()):
+            return 0
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        if dist.get_world_size(self._emb_pg) > 1:
+            dev = device if self._guard.nccl else torch.device("cpu")
+            seed = seed.to(dev)
+            k = self._guard.begin()
+            work = dist.broadcast(seed, src=dist.get_global_rank(self._emb_pg, 0), group=self._emb_pg, async_op=True)
+            self._guard.wait_work(work, "initial values of tables built on 'meta' (seed)", k)
+        return int(seed)
+
+    @torch.no_grad()
+    def _broadcast_replicas(self, sharded: _ShardedCollectionBase, device: torch.device) -> None:
+        """Collective: data-parallel replicas take rank 0's values, as DDP does for dense layers.
+
+        Each rank copies its replicas from its own unsharded model; ranks seeded apart would otherwise
+        train different copies of one table for good (every rank applies the same summed update).
+        """
+        if dist.get_world_size(self._emb_pg) == 1:
+            return
+        src = dist.get_global_rank(self._emb_pg, 0)
+        for name, w in sharded.replica_weights().items():
+            k = self._guard.begin()
+            work = dist.broadcast(w.data, src=src, group=self._emb_pg, async_op=True)
+            self._guard.wait_work(work, f"data-parallel table '{name}' from rank 0", k)
 
     def wrap_dense(self, dense: str, ddp_kwargs: dict | None = None) -> None:
         """(Re)wrap the dense layers for a new training run ("ddp" | "fsdp"): a model sharded with dense=None

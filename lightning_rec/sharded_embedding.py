@@ -24,6 +24,7 @@ it is whole) name each piece's kernel table and so its fused optimizer state.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,7 +140,9 @@ class _ShardedCollectionBase(nn.Module):
         if optimizer is None:
             raise ValueError(
                 f"{type(module).__name__} has no fused optimizer: DistributedModelParallel shards fused tables; "
-                f"build it with optimizer=FusedOptimizerConfig(...)"
+                f"build it with optimizer=FusedOptimizerConfig(...), or (TorchRec's way) call "
+                f"apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {{'lr': 0.01}}) before "
+                f"DistributedModelParallel"
             )
         self._configs = list(_configs(module))
         self._feature_names = module.feature_names()
@@ -244,6 +247,10 @@ class _ShardedCollectionBase(nn.Module):
             out.update(self._replicas.table_weights())
         return out
 
+    def replica_weights(self) -> dict[str, Tensor]:
+        """Data-parallel table name -> this rank's whole copy (the same on every rank)."""
+        return dict(self._replicas.table_weights()) if self._replicas is not None else {}
+
     def shard_of(self, local_name: str) -> tuple[str, object, tuple[int, int]]:
         """A shard-local table name -> (global table, ShardMetadata or None for a replica, global shape)."""
         piece = self.routing.pieces.get((self._env.rank, local_name))
@@ -326,6 +333,25 @@ class _ShardedCollectionBase(nn.Module):
                 w.copy_(piece)
             except ValueError as e:
                 error_msgs.append(str(e))
+        self.weights_written()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets).
+
+        For collections built on "meta", whose values are first drawn here: with one `seed` on every rank
+        (DistributedModelParallel broadcasts rank 0's), a replica is the same on every rank, and no two
+        tables or row blocks start as copies of each other, however the ranks' global RNGs were seeded.
+        """
+        init = {c.name: c.local_table().init_range() for c in self._configs}
+        for table, meta, w in self._pieces():
+            (r, c) = meta.shard_offsets if meta is not None else (0, 0)
+            digest = hashlib.sha256(f"{seed}:{table}:{r}:{c}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            rows_per_chunk = max(1, (1 << 22) // max(1, w.shape[1]))  # a bounded host buffer for huge tables
+            for r0 in range(0, w.shape[0], rows_per_chunk):
+                chunk = torch.empty(min(rows_per_chunk, w.shape[0] - r0), w.shape[1], dtype=torch.float32)
+                w[r0 : r0 + chunk.shape[0]].copy_(chunk.uniform_(*init[table], generator=g))
         self.weights_written()
 
     def weights_written(self) -> None:

@@ -41,6 +41,9 @@ class ComputeKernel(str, Enum):
         return self.value
 
 
+EmbeddingComputeKernel = ComputeKernel  # TorchRec's name (its members' values are the same strings)
+
+
 @dataclass(frozen=True)
 class ShardMetadata:
     """One rectangular piece of a table: rows [row_offset, row_offset+rows), same for columns."""

@@ -207,6 +207,25 @@ def test_dense_negative_counts_clip_to_zero(cache_dir):
     assert torch.isclose(batch.dense_features[0, 4], torch.tensor(math.log1p(1493.0)))
 
 
+def test_torchrec_criteo_names_match_our_batches():
+    """torchrec.datasets.criteo's constants: tables named from DEFAULT_CAT_NAMES read our data modules' batches."""
+    from lightning_rec.data import (
+        CAT_FEATURE_COUNT,
+        DEFAULT_CAT_NAMES,
+        DEFAULT_INT_NAMES,
+        DEFAULT_LABEL_NAME,
+        INT_FEATURE_COUNT,
+    )
+
+    assert (CAT_FEATURE_COUNT, INT_FEATURE_COUNT, DEFAULT_LABEL_NAME) == (26, 13, "label")
+    assert len(DEFAULT_CAT_NAMES) == 26 and len(DEFAULT_INT_NAMES) == 13
+    data = SyntheticCriteoDataModule(num_train_samples=8, num_val_samples=0, batch_size=4)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch.sparse_features.keys() == DEFAULT_CAT_NAMES
+    assert batch.dense_features.shape[1] == len(DEFAULT_INT_NAMES)
+
+
 def test_batch_to_and_len():
     kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.arange(3), torch.tensor([1, 0, 1, 1]))
     batch = Batch(torch.zeros(2, 13), kjt, torch.tensor([0.0, 1.0]))

@@ -5,7 +5,13 @@ import torch
 from torch import nn
 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerConfig, combined_optimizer
+from lightning_rec.optim import (
+    CombinedOptimizer,
+    FusedOptimizer,
+    FusedOptimizerConfig,
+    RowWiseAdagrad,
+    combined_optimizer,
+)
 from lightning_rec.sparse import KeyedJaggedTensor
 
 # fp32 everywhere; the kernels sum a bag's rows in another order than torch's embedding_bag and
@@ -284,3 +290,116 @@ def test_adagrad_weight_decay_matches_the_l2_step_on_touched_rows(kernel):
     g = torch.where(touched, g + wd * w0, g)
     ref = torch.where(touched, w0 - lr * g / (g.abs() + eps), w0)
     torch.testing.assert_close(ebc.state_dict()["embedding_bags.t.weight"], ref, atol=1e-5, rtol=0)
+
+
+# TorchRec's ways in: apply_optimizer_in_backward, KeyedOptimizerWrapper ----------------------------
+
+
+@pytest.mark.parametrize("cls, kwargs, reference_cls", [
+    (torch.optim.SGD, {"lr": 0.1}, torch.optim.SGD),
+    (torch.optim.Adagrad, {"lr": 0.1}, torch.optim.Adagrad),
+    # a fused Adam moves only the rows in the batch: torch.optim.SparseAdam's rule (Adam would move every row
+    # whose moments are non-zero)
+    (torch.optim.Adam, {"lr": 0.01}, torch.optim.SparseAdam),
+    (RowWiseAdagrad, {"lr": 0.1}, RowWiseAdagrad),  # TorchRec's, as a plain optimizer: its eps is 1e-10
+])
+def test_apply_optimizer_in_backward_trains_as_the_torch_optimizer(cls, kwargs, reference_cls):
+    """TorchRec's apply_optimizer_in_backward(cls, ebc.parameters(), kwargs): the class's update, its defaults too
+    (Adagrad's eps is 1e-10), fused into backward; every row against nn.EmbeddingBag + torch.optim."""
+    from lightning_rec.optim import apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(TABLES)  # plain parameters, as TorchRec's collections are built
+    bags = reference_bags(ebc, "sum")
+    for bag in bags.values():
+        bag.sparse = reference_cls is torch.optim.SparseAdam
+    apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+    assert ebc.fused_optimizer_config().optimizer == {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam",
+                                                      "RowWiseAdagrad": "rowwise_adagrad"}[cls.__name__]
+    assert all(not p.requires_grad for p in ebc.parameters())  # fused: no gradient is kept
+    reference = reference_cls([p for b in bags.values() for p in b.parameters()], **kwargs)
+    for step in range(3):
+        kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=5, seed=step)
+        (ebc(kjt).values() ** 2).sum().backward()
+        reference.zero_grad()
+        (reference_forward(bags, TABLES, kjt, "sum") ** 2).sum().backward()
+        reference.step()
+    # Adam divides by sqrt(v) of a few squared gradients: the summation-order rounding is scaled up by it
+    atol = 1e-4 if cls is torch.optim.Adam else ATOL
+    for name, bag in bags.items():
+        torch.testing.assert_close(ebc.embedding_bags[name].weight, bag.weight, atol=atol, rtol=0)
+
+
+def test_apply_optimizer_in_backward_refuses_what_it_cannot_fuse():
+    from lightning_rec.optim import apply_optimizer_in_backward
+
+    ebc = EmbeddingBagCollection(TABLES)
+    with pytest.raises(ValueError, match=r"got tables \['t0'\] .* but not \['t1'\]"):
+        apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["t0"].weight], {"lr": 0.1})
+    with pytest.raises(ValueError, match="not a table of an unsharded EmbeddingBagCollection"):
+        apply_optimizer_in_backward(torch.optim.SGD, nn.Linear(2, 2).parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError, match="has no momentum"):
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.1, "momentum": 0.9})
+    with pytest.raises(ValueError, match="torch.optim.SGD, torch.optim.Adagrad and torch.optim.Adam"):
+        apply_optimizer_in_backward(torch.optim.RMSprop, ebc.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward("rowwise_adagrad", ebc.parameters(), {"lr": 0.2})  # our fused names work too
+    assert ebc.fused_optimizer_config() == FusedOptimizerConfig("rowwise_adagrad", lr=0.2)
+
+
+def test_keyed_optimizer_wrapper_steps_the_dense_parameters_only():
+    """KeyedOptimizerWrapper(dict(model.named_parameters()), factory): fused tables are left out (no Adagrad state
+    for them), the dense layers step as the factory's optimizer would."""
+    from lightning_rec.optim import KeyedOptimizerWrapper, in_backward_optimizer_filter
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"ebc": EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1)),
+                           "dense": nn.Linear(20, 1)})
+    reference = nn.Linear(20, 1)
+    reference.load_state_dict(model["dense"].state_dict())
+    wrapped = KeyedOptimizerWrapper(dict(model.named_parameters()), lambda ps: torch.optim.Adagrad(ps, lr=0.1))
+    assert sorted(wrapped.params) == ["dense.bias", "dense.weight"]
+    assert [n for n, _ in in_backward_optimizer_filter(model.named_parameters())] == ["dense.weight", "dense.bias"]
+    combined = CombinedOptimizer([("fused", FusedOptimizer(model)), ("dense", wrapped)])
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x = model["ebc"](random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4, seed=step)).values().detach()
+        combined.zero_grad()
+        model["dense"](x).sum().backward()
+        combined.step()
+        ref_opt.zero_grad()
+        reference(x).sum().backward()
+        ref_opt.step()
+    torch.testing.assert_close(model["dense"].weight, reference.weight)
+    assert len(combined.state) == 2  # Adagrad's sum for the two dense parameters, none for the tables
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_outputs_and_state_dict_follow_the_configs_order(fused):
+    """Tables of other poolings or data types sit in other kernels; the outputs still come in the configs' order
+    (TorchRec's), so that values() read by position holds each feature where the configs put it."""
+    tables = [EmbeddingBagConfig(name="a", num_embeddings=10, embedding_dim=4, feature_names=["fa"], pooling="mean"),
+              EmbeddingBagConfig(name="b", num_embeddings=10, embedding_dim=8, feature_names=["fb", "fb2"]),
+              EmbeddingBagConfig(name="c", num_embeddings=10, embedding_dim=4, feature_names=["fc"], pooling="mean"),
+              EmbeddingBagConfig(name="d", num_embeddings=10, embedding_dim=4, feature_names=["fd"])]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1) if fused else None)
+    kjt = random_kjt(["fd", "fc", "fb2", "fb", "fa"], [10] * 5, B=3)
+    kt = ebc(kjt)
+    assert kt.keys() == ebc.feature_names() == ["fa", "fb", "fb2", "fc", "fd"]
+    assert kt.length_per_key() == [4, 8, 8, 4, 4]
+    expected = torch.cat([reference_forward(reference_bags(ebc, c.pooling.value), [c], kjt, c.pooling.value)
+                          for c in tables], dim=1)
+    torch.testing.assert_close(kt.values(), expected, atol=ATOL, rtol=0)
+    assert list(ebc.state_dict()) == [f"embedding_bags.{t}.weight" for t in "abcd"]
+    ec = EmbeddingCollection([EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, feature_names=["fs"]),
+                              EmbeddingConfig(name="w", num_embeddings=10, embedding_dim=8, feature_names=["fw"]),
+                              EmbeddingConfig(name="x", num_embeddings=10, embedding_dim=4, feature_names=["fx"])])
+    assert list(ec(random_kjt(["fs", "fw", "fx"], [10] * 3, B=2))) == ["fs", "fw", "fx"]
+
+
+def test_torchrec_data_type_names():
+    from lightning_rec import DataType
+
+    fp16 = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, data_type=DataType.FP16)
+    assert fp16.data_type == torch.float16
+    assert EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, data_type=DataType.FP32).data_type == \
+        torch.float32

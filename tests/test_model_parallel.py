@@ -579,3 +579,50 @@ def test_fused_state_reshards_to_another_world_size_and_plan(tmp_path, opt):
     keys = run_ranks(_reshard_worker, 2, path, opt, "save", timeout=90)[0]
     assert any(k.startswith("ebc.t0.") for k in keys) and all("@" not in k for k in keys)  # whole-table names
     assert all(n > 0 for n in run_ranks(_reshard_worker, 3, path, opt, "load", timeout=90))
+
+
+def _init_worker(rank, W, device, same_seed):
+    # "meta": TorchRec's way, DistributedModelParallel draws the values
+    torch.manual_seed(0 if same_seed else rank)
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=40, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(4)]
+    ebc = EmbeddingBagCollection(tables, device=device, optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    plan = construct_module_sharding_plan(ebc, {"t0": data_parallel(), "t1": row_wise(), "t2": table_wise(rank=0),
+                                                "t3": table_wise(rank=1)})
+    from lightning_rec.types import ShardingPlan
+
+    dmp = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), device="cpu", timeout=30)
+    pieces = {}
+    for key, value in dmp.state_dict().items():
+        shards = [(None, value)] if isinstance(value, torch.Tensor) else value.local_shards
+        for meta, t in shards:
+            pieces[(key, None if meta is None else meta.shard_offsets)] = t.clone()
+    return pieces
+
+
+@pytest.mark.parametrize("device, same_seed", [("meta", True), ("meta", False), ("cpu", False)])
+def test_tables_start_distinct_and_replicas_alike(device, same_seed):
+    """Before: on "meta", ranks seeded alike drew the same values for rank 0's t2 and rank 1's t3 (and for t1's two
+    row blocks); ranks seeded apart (on "meta" or "cpu") started the data-parallel replica t0 differently on each
+    rank, for good. Now replicas take rank 0's values, as DDP's dense layers do."""
+    per_rank = run_ranks(_init_worker, 2, device, same_seed, timeout=60)
+    replica = ("embedding_bags.t0.weight", None)
+    torch.testing.assert_close(per_rank[0][replica], per_rank[1][replica], atol=0, rtol=0)
+    pieces = [t for rank_pieces in per_rank for key, t in rank_pieces.items() if key != replica] + \
+        [per_rank[0][replica]]
+    assert len(pieces) == 5  # t0 (one replica), t1's two row blocks, t2, t3
+    bound = (1 / 40) ** 0.5  # TorchRec's default range: +-sqrt(1 / rows) of the whole table
+    for i, a in enumerate(pieces):
+        assert a.abs().max() <= bound and a.std() > bound / 4
+        for b in pieces[i + 1 :]:
+            assert not torch.equal(a[:5], b[:5])
+
+
+def test_full_of_one_ranks_state_dict_names_merge():
+    """Before: "table: the checkpoint's pieces ... do not cover" for dmp.state_dict()[key].full() on one rank."""
+    from lightning_rec.types import ShardMetadata
+
+    mine = ShardedTensor((4, 2), [(ShardMetadata((0, 0), (2, 2), 0), torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match=r"ShardedTensor.full\(\) of a \(4, 2\) table: the pieces held .* do not "
+                                         r"cover rows 0:4 .* ShardedTensor.merge"):
+        mine.full()

@@ -6,7 +6,7 @@ import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
 from lightning_rec.data import Batch, SyntheticCriteoDataModule
-from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule
+from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, DLRMTrain
 from lightning_rec.optim import FusedOptimizer
 
 KEYS = ["a", "b", "c"]
@@ -31,6 +31,30 @@ def test_dlrm_shapes_and_backward(cls):
     assert logits.shape == (6, 1)
     logits.sum().backward()
     assert all(p.grad is not None for p in model.dense_arch.parameters())
+
+
+@pytest.mark.parametrize("cls", [DLRM, DLRM_DCN])
+def test_dense_device_places_the_dense_layers_as_torchrec(cls):
+    """TorchRec's DLRM(..., dense_device=device): the dense layers go there, the tables stay where they are."""
+    model = cls(ebc(), dense_in_features=5, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1],
+                dense_device=torch.device("meta"))  # meta: a device other than the default, on any machine
+    dense = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")]
+    assert dense and all(p.device.type == "meta" for p in dense)
+    assert model.sparse_arch.embedding_bag_collection.embedding_bags["t_a"].weight.device.type == "cpu"
+
+
+def test_dlrm_train_returns_torchrecs_loss_and_outputs():
+    """DLRMTrain(dlrm)(batch) -> (loss, (loss, logits, labels)): mean BCE-with-logits, as TorchRec's."""
+    torch.manual_seed(0)
+    model = DLRM(ebc(), 5, [16, 8], [8, 1])
+    batch = Batch(dense_features=torch.randn(4, 5), sparse_features=kjt(4), labels=torch.tensor([0, 1, 1, 0]))
+    loss, (loss_d, logits, labels) = DLRMTrain(model)(batch)
+    expected_logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
+    torch.testing.assert_close(logits, expected_logits.detach())
+    torch.testing.assert_close(loss, torch.nn.functional.binary_cross_entropy_with_logits(
+        expected_logits, batch.labels.float()))
+    assert loss.requires_grad and not (loss_d.requires_grad or logits.requires_grad)
+    assert labels.dtype == torch.float32 and labels.tolist() == [0.0, 1.0, 1.0, 0.0]
 
 
 def test_dot_interaction_is_pairwise_dots():

@@ -629,3 +629,27 @@ def test_rank_dying_in_its_loader_is_named_not_waited_for(shared_memory, slow_s,
     else:  # the step's collectives may notice first: the embedding exchange or DDP's gradient all-reduce,
         # each naming the rank (gloo alone says "Connection closed by peer" / "Connection reset by peer")
         assert "rank 1 exited" in text or "rank(s) [1] exited" in text, text
+
+
+def test_torchrecs_execute_all_batches_argument():
+    """TorchRec's TrainPipelineSparseDist(..., execute_all_batches=True) is what this pipeline does; False is
+    refused (it was a TypeError)."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, x):
+            loss = self.linear(x).sum()
+            return loss, loss.detach()
+
+    model = Model()
+    with pytest.raises(ValueError, match="always runs every batch"):
+        TrainPipelineSparseDist(model, None, "cpu", execute_all_batches=False)
+    with TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu",
+                                 execute_all_batches=True) as pipeline:
+        batches = iter([torch.ones(3, 2), torch.ones(1, 2)])
+        assert len([pipeline.progress(batches) for _ in range(2)]) == 2
+        with pytest.raises(StopIteration):
+            pipeline.progress(batches)

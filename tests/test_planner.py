@@ -349,6 +349,32 @@ def test_collective_plan_broadcasts_from_rank_0():
             dist.destroy_process_group()
 
 
+def test_torchrec_compute_kernel_name():
+    from lightning_rec import EmbeddingComputeKernel
+
+    c = ParameterConstraints(compute_kernels=[EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE])
+    assert c.compute_kernels == [ComputeKernel.FUSED, ComputeKernel.DENSE]
+
+
+def test_collective_plan_takes_torchrecs_argument_order():
+    """TorchRec's tutorials call planner.collective_plan(module, sharders, pg): pg third, sharders ignored."""
+    import torch.distributed as dist
+
+    tables = small_tables()
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
+        try:
+            expected = EmbeddingShardingPlanner(cpu(1), print_stats=False).plan(tables)
+            planner = EmbeddingShardingPlanner(cpu(1), print_stats=False)
+            assert planner.collective_plan(tables, [], dist.GroupMember.WORLD) == expected
+            assert planner.collective_plan(tables, None, pg=dist.group.WORLD) == expected
+            assert planner.collective_plan(tables, dist.group.WORLD) == expected  # (module, pg) still works
+            with pytest.raises(ValueError, match="pg must be a torch.distributed ProcessGroup"):
+                planner.collective_plan(tables, None, "world")
+        finally:
+            dist.destroy_process_group()
+
+
 def _two_rank_worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 

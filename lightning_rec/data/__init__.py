@@ -15,7 +15,12 @@ from lightning_rec.data.criteo import (
     make_criteo_batch,
 )
 from lightning_rec.data.criteo_parse import (
+    CAT_FEATURE_COUNT,
+    DEFAULT_CAT_NAMES,
+    DEFAULT_INT_NAMES,
+    DEFAULT_LABEL_NAME,
     DEFAULT_SPARSE_FEATURE_NAMES,
+    INT_FEATURE_COUNT,
     CriteoLayout,
     ParseReport,
     detect_layout,
@@ -27,7 +32,12 @@ from lightning_rec.data.preprocess import preprocess_criteo
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
 
 __all__ = [
+    "CAT_FEATURE_COUNT",
+    "DEFAULT_CAT_NAMES",
+    "DEFAULT_INT_NAMES",
+    "DEFAULT_LABEL_NAME",
     "DEFAULT_SPARSE_FEATURE_NAMES",
+    "INT_FEATURE_COUNT",
     "Batch",
     "CriteoDataModule",
     "CriteoDataset",

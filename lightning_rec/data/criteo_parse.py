@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 NUM_DENSE_FEATURES = 13
 NUM_SPARSE_FEATURES = 26
 DEFAULT_SPARSE_FEATURE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
+# TorchRec's torchrec.datasets.criteo names, with the values our loaders use: the KJT keys of every Criteo
+# and synthetic data module (TorchRec's loaders say cat_0..cat_25; tables built from these names read our
+# batches, and a data module's sparse_feature_names=... gives other keys).
+CAT_FEATURE_COUNT, INT_FEATURE_COUNT = NUM_SPARSE_FEATURES, NUM_DENSE_FEATURES
+DEFAULT_CAT_NAMES = DEFAULT_SPARSE_FEATURE_NAMES
+DEFAULT_INT_NAMES = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)]
+DEFAULT_LABEL_NAME = "label"
 MISSING_CATEGORICAL = ("reserved_id", "empty_bag")
 # Bumped whenever the parser's output changes, so that old cache files are not reused.
 _PARSER_VERSION = 2  # 2: rows cut after a separator and non-ASCII bytes are bad rows

@@ -122,10 +122,14 @@ class DLRM(nn.Module):
         dense_in_features: I, the number of dense inputs.
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
         over_arch_layer_sizes: MLP sizes after the interaction; the last must be 1 (the logit).
+        dense_device: where the dense layers (dense arch, interaction, over arch) are built; None: the
+            default device. The tables stay where the collection put them (TorchRec's argument: build the
+            collection on "meta" and let DistributedModelParallel place the shards).
     """
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
-                 dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int]) -> None:
+                 dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
+                 dense_device: torch.device | str | None = None) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(embedding_bag_collection)
         D = self.sparse_arch.embedding_dim
@@ -138,6 +142,9 @@ class DLRM(nn.Module):
         self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes)
         self.inter_arch = self._interaction(self.sparse_arch.num_features, D)
         self.over_arch = MLP(self.inter_arch.output_dim(D), over_arch_layer_sizes, last_activation=False)
+        if dense_device is not None:
+            for arch in (self.dense_arch, self.inter_arch, self.over_arch):
+                arch.to(dense_device)
 
     def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
         return InteractionArch(num_features)
@@ -158,9 +165,31 @@ class DLRM_DCN(DLRM):
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
-                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64) -> None:
+                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64,
+                 dense_device: torch.device | str | None = None) -> None:
         self._dcn = (dcn_num_layers, dcn_low_rank_dim)
-        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes)
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
+                         dense_device)
 
     def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
         return InteractionDCNArch(num_features, embedding_dim, *self._dcn)
+
+
+class DLRMTrain(nn.Module):
+    """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached.
+
+    The loss is BCE-with-logits, the mean over the batch. This is the `(loss, output)` pair that
+    TrainPipelineSparseDist expects; `batch` is a lightning_rec.data.Batch (dense_features,
+    sparse_features, labels), or anything with those three attributes.
+    """
+
+    def __init__(self, dlrm_module: DLRM) -> None:
+        super().__init__()
+        self.model = dlrm_module
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        logits_B = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        labels_B = batch.labels.to(logits_B.dtype)  # integer click labels are fine: BCE needs floats
+        loss = self.loss_fn(logits_B, labels_B)
+        return loss, (loss.detach(), logits_B.detach(), labels_B.detach())

@@ -106,7 +106,13 @@ class TrainPipelineSparseDist:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
-                 config: PipelineConfig | None = None) -> None:
+                 config: PipelineConfig | None = None, *, execute_all_batches: bool = True) -> None:
+        if isinstance(config, bool):  # TorchRec's fourth positional argument is execute_all_batches
+            config, execute_all_batches = None, config
+        if not execute_all_batches:
+            raise ValueError("TrainPipelineSparseDist(execute_all_batches=False): this pipeline always runs every "
+                             "batch (StopIteration comes after the last one); to stop earlier, give it fewer "
+                             "batches (itertools.islice(dataloader, n)). Leave execute_all_batches out")
         self._model = model
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)

@@ -268,10 +268,20 @@ class EmbeddingShardingPlanner:
             print(self._stats)
         return plan
 
-    def collective_plan(self, module, pg=None, sharders=None) -> ShardingPlan:
-        """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error)."""
+    def collective_plan(self, module, sharders=None, pg=None) -> ShardingPlan:
+        """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error).
+
+        TorchRec's argument order, `collective_plan(module, sharders, pg)`: `sharders` is accepted and
+        ignored (as in `plan`); `pg` is the process group to plan for (default: the world).
+        """
         import torch.distributed as dist
 
+        if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all
+            sharders, pg = None, sharders
+        if pg is not None and not isinstance(pg, dist.ProcessGroup):
+            raise ValueError(f"collective_plan(module, sharders, pg): pg must be a torch.distributed ProcessGroup "
+                             f"(or None for the world), got a {type(pg).__name__}: pass pg=dist.GroupMember.WORLD "
+                             f"or a group from dist.new_group")
         if not (dist.is_available() and dist.is_initialized()):
             return self.plan(module, sharders)
         group_size = dist.get_world_size(pg)

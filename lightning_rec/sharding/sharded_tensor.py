@@ -71,14 +71,15 @@ class ShardedTensor:
             covered[a - row : b - row, c - col : d - col] = True
         if rows and cols and not bool(covered.all()):
             raise ValueError(
-                f"{what}: the checkpoint's pieces {[str(m) for m, _ in self.local_shards]} do not cover rows "
-                f"{row}:{row + rows} cols {col}:{col + cols}: combine every rank's checkpoint with "
-                f"ShardedTensor.merge (or save a full state dict) before loading into another layout"
+                f"{what}: the pieces held {[str(m) for m, _ in self.local_shards]} do not cover rows "
+                f"{row}:{row + rows} cols {col}:{col + cols} (a rank's state dict holds that rank's pieces): "
+                f"combine every rank's with ShardedTensor.merge([...]) first (e.g. after "
+                f"dist.all_gather_object), or save a full state dict"
             )
         return out if out is not None else torch.empty(rows, cols)
 
     def full(self) -> Tensor:
-        return self.read(0, 0, *self.global_shape)
+        return self.read(0, 0, *self.global_shape, what=f"ShardedTensor.full() of a {tuple(self.global_shape)} table")
 
     # DCP's save hook (torch.distributed.checkpoint.planner_helpers._create_write_items), reached only through
     # its default planner (lightning_rec.checkpoint hands DCP its own objects): without it DCP pickled the
