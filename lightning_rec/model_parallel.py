@@ -559,7 +559,7 @@ class DistributedModelParallel(nn.Module):
                     transport: SharedMemoryGroup | None = None, guard: CollectiveGuard | None = None) -> nn.Module:
         if dense is None or not any(p.requires_grad for p in module.parameters()):
             return module
-        if dense == "ddp" and dist.get_world_size(pg) == 1:
+        if dense == "ddp" and dist.is_initialized() and dist.get_world_size(pg) == 1:
             return module  # one rank: DDP would copy every gradient into its buckets to average it with nobody
         if dense == "ddp":
             from torch.nn.parallel import DistributedDataParallel
