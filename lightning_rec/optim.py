@@ -9,6 +9,7 @@ both: a scheduler that writes `param_groups[i]["lr"]` of a fused group reaches t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,15 @@ def emb_optim_type(value: Any) -> EmbOptimType:
                          f"e.g. EXACT_ROWWISE_ADAGRAD, and torch.optim.SGD / Adagrad / Adam are taken too)") from None
 
 
+def _torch_default(optimizer: Any, name: str, ours: float) -> float:
+    """`name`'s default in a torch.optim class's signature (Adagrad's eps 1e-10, Adam's lr 1e-3); `ours` otherwise."""
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        param = inspect.signature(optimizer.__init__).parameters.get(name)
+        if param is not None and isinstance(param.default, (int, float)) and not isinstance(param.default, bool):
+            return float(param.default)
+    return ours
+
+
 # optimizers whose update divides by sqrt(state) + eps (a touched row with a zero gradient has state 0)
 _DIVIDES_BY_EPS = (EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD, EmbOptimType.ADAM,
                    EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
@@ -81,15 +91,16 @@ class FusedOptimizerConfig:
 
     optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_SGD", "row_wise_adagrad") or the class torch.optim.SGD /
-    Adagrad / Adam (their defaults are ours, not torch's: give eps for Adagrad's 1e-10). A hyper-parameter
+    Adagrad / Adam, with that class's defaults for what is not given (Adagrad's eps 1e-10, Adam's lr 1e-3, as
+    apply_optimizer_in_backward; otherwise lr 0.01, eps 1e-8). A hyper-parameter
     the update would not use is refused, not ignored: momentum (lars_sgd's only), eta (lars_sgd's),
     betas (adam, partial_rowwise_adam, lamb). eps is taken by every optimizer (sgd and lars_sgd divide
     by nothing).
     """
 
     optimizer: EmbOptimType | str = EmbOptimType.ROWWISE_ADAGRAD
-    lr: float = 0.01
-    eps: float = 1e-8
+    lr: float | None = None  # None: 0.01, or the torch.optim class's own default (Adam 1e-3)
+    eps: float | None = None  # None: 1e-8, or the torch.optim class's own default (Adagrad 1e-10)
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
@@ -109,6 +120,9 @@ class FusedOptimizerConfig:
                                  f"disagree: give one of the two")
             object.__setattr__(self, "beta1", pair[0])
             object.__setattr__(self, "beta2", pair[1])
+        for name, ours in (("lr", 0.01), ("eps", 1e-8)):
+            if getattr(self, name) is None:  # a torch.optim class brings its own defaults, as in torch
+                object.__setattr__(self, name, _torch_default(self.optimizer, name, ours))
         object.__setattr__(self, "optimizer", emb_optim_type(self.optimizer))
         for name in ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum", "eta"):
             value = getattr(self, name)

@@ -239,7 +239,10 @@ def test_fused_optimizer_takes_fbgemm_torchrec_and_torch_optim_names():
     }
     for ours, names in same.items():
         for name in names:
-            assert FusedOptimizerConfig(name, lr=0.1) == FusedOptimizerConfig(ours, lr=0.1), name
+            assert FusedOptimizerConfig(name, lr=0.1, eps=1e-8) == FusedOptimizerConfig(ours, lr=0.1), name
+    # a torch.optim class brings its own defaults for what is not given, as apply_optimizer_in_backward does
+    assert FusedOptimizerConfig(torch.optim.Adagrad).eps == 1e-10 and FusedOptimizerConfig(torch.optim.Adam).lr == 1e-3
+    assert (FusedOptimizerConfig("adagrad").eps, FusedOptimizerConfig("adam").lr) == (1e-8, 0.01)
     with pytest.raises(ValueError, match="torch.optim.AdamW has no fused version"):
         FusedOptimizerConfig(torch.optim.AdamW)
     with pytest.raises(ValueError, match="unknown fused optimizer .*shampoo.*EXACT_ROWWISE_ADAGRAD"):
@@ -259,7 +262,7 @@ def test_fused_optimizer_refuses_hyper_parameters_it_would_ignore():
     with pytest.raises(ValueError, match="eta=0.01 is lars_sgd's trust coefficient; fused adam has none"):
         FusedOptimizerConfig("adam", eta=0.01)
     # what each update does use, and torch.optim.SGD's own default momentum=0, are taken
-    assert FusedOptimizerConfig(torch.optim.SGD, momentum=0) == FusedOptimizerConfig("sgd")
+    assert FusedOptimizerConfig(torch.optim.SGD, lr=0.01, momentum=0) == FusedOptimizerConfig("sgd")
     lars = FusedOptimizerConfig("lars_sgd", momentum=0.5)
     assert (lars.momentum, lars.eta) == (0.5, 0.001) and FusedOptimizerConfig("lars_sgd").momentum == 0.9
     assert FusedOptimizerConfig("lamb", betas=(0.8, 0.99)).beta1 == 0.8
