@@ -347,6 +347,7 @@ class _EmbeddingCollectionBase(nn.Module):
             w = table_weights[c.name]
             param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
             _TABLE_OWNERS[id(param)] = (weakref.ref(self), c.name)
+            weakref.finalize(param, _TABLE_OWNERS.pop, id(param), None)  # gone with the parameter, not kept forever
             weights[c.name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}

@@ -403,3 +403,24 @@ def test_torchrec_data_type_names():
     assert fp16.data_type == torch.float16
     assert EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, data_type=DataType.FP32).data_type == \
         torch.float32
+
+
+def test_the_table_owner_registry_forgets_collections_that_are_gone():
+    # apply_optimizer_in_backward finds a table's collection by its parameter's id; every collection built (a
+    # notebook, a sweep, kernels rebuilt on a device move) left its entries behind for the life of the process
+    import gc
+
+    from lightning_rec import embedding
+
+    def build():
+        return EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", num_embeddings=4, embedding_dim=4,
+                                                          feature_names=[f"f{i}"]) for i in range(3)])
+
+    kept = build()
+    gc.collect()
+    before = len(embedding._TABLE_OWNERS)
+    for _ in range(5):
+        build()
+    gc.collect()
+    assert len(embedding._TABLE_OWNERS) == before
+    assert embedding.table_owner(kept.embedding_bags["t1"].weight) == (kept, "t1")
