@@ -353,3 +353,30 @@ def test_predict_never_recommends_an_item_scored_nan_first(tmp_path):
     module._predict_user_ids = module._predict_item_ids = None
     out = module.predict_step(dm.datasets["test"].__getitems__(list(range(6))), 0)
     assert not (out["item"] == 7).any() and torch.isfinite(out["score"]).all()
+
+
+def test_empty_target_action_is_forwarded_to_the_ranking_metrics(tmp_path):
+    """Validation always skipped users without a held-out item: torchmetrics' empty_target_action="neg" (count them
+    as 0) could not be asked of the module."""
+    from test_movielens import _generated_ml100k
+
+    from lightning_rec.data import MovieLensDataModule
+
+    dm = MovieLensDataModule(str(_generated_ml100k(tmp_path / "ml-100k")), batch_size=64, side_features=False,
+                             min_rating=4)  # ratings >= 4 only: 1 of the 30 users has no validation item
+    dm.setup("fit")
+    assert dm.report.users_without_heldout["val"] == 1 and len(dm.datasets["val"]) == 30
+    got = {}
+    for action in ("skip", "neg", "pos"):
+        L.seed_everything(0)  # the same weights for each
+        module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, ks=[5],
+                                top_k_table_users=0, empty_target_action=action)
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+        got[action] = {k: v for k, v in trainer.validate(module, dm, verbose=False)[0].items()}
+    assert got["skip"]["val_hit_rate@5"] > 0  # else "neg" equals "skip"
+    for key, skip in got["skip"].items():
+        assert got["neg"][key] == pytest.approx(skip * 29 / 30, abs=1e-6), key
+        assert got["pos"][key] == pytest.approx((skip * 29 + 1) / 30, abs=1e-6), key
+    assert module.test_metrics.empty_target_action == "pos"
+    with pytest.raises(ValueError, match="empty_target_action='zero'"):
+        TwoTowerModule({"user_id": 4}, {"item_id": 5}, embedding_dim=4, empty_target_action="zero")

@@ -56,6 +56,9 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         sparse_optimizer / sparse_lr / sparse_weight_decay: the fused table update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the MLPs (if any).
         ks: ranking cutoffs; top_k_table_users: users shown in the top-10 table (0 = none).
+        empty_target_action: what an evaluated user with no held-out item counts for in the ranking metrics, with
+            torchmetrics' meaning: "skip" (left out of the mean; the default), "neg" (0: torchmetrics' default),
+            "pos" (1) or "error" (raise). ml-100k's official test splits leave about half the users without one.
         eval_item_chunk: items embedded per item-tower call at evaluation.
         predict_top_k: items per user that `predict` writes (None: max(ks)).
 
@@ -90,6 +93,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         top_k_table_users: int = 5,
         eval_item_chunk: int = 8192,
         predict_top_k: int | None = None,
+        empty_target_action: str = "skip",
     ) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
@@ -114,8 +118,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 raise ValueError(f"{name}={value!r}: give an int >= {least}")
         self.model: TwoTower | None = None
         self.eval_splits = ["val"]
-        self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
-        self.test_metrics = RankingMetrics(ks=ks)
+        self.val_metrics = torch.nn.ModuleList([self._ranking_metrics()])
+        self.test_metrics = self._ranking_metrics()
         self._item_emb_ID: Tensor | None = None
         # set here as well as per epoch: a hand-written loop calls training_step without the Trainer's hooks
         self._samples, self._epoch_start = 0, time.perf_counter()
@@ -123,6 +127,9 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             self._build(dict(user_num_embeddings), dict(item_num_embeddings))
 
     # building -----------------------------------------------------------------------------------
+
+    def _ranking_metrics(self) -> RankingMetrics:
+        return RankingMetrics(ks=self.hparams.ks, empty_target_action=self.hparams.empty_target_action)
 
     def _tables(self, sizes: dict[str, int], tower: str) -> EmbeddingBagCollection:
         hp = self.hparams
@@ -164,7 +171,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
             while len(self.val_metrics) < len(self.eval_splits):
-                self.val_metrics.append(RankingMetrics(ks=self.hparams.ks))
+                self.val_metrics.append(self._ranking_metrics())
         if self.model is not None:
             return
         if datamodule is None or not hasattr(datamodule, "user_num_embeddings"):
