@@ -380,3 +380,14 @@ def test_empty_target_action_is_forwarded_to_the_ranking_metrics(tmp_path):
     assert module.test_metrics.empty_target_action == "pos"
     with pytest.raises(ValueError, match="empty_target_action='zero'"):
         TwoTowerModule({"user_id": 4}, {"item_id": 5}, embedding_dim=4, empty_target_action="zero")
+
+
+def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_path):
+    """loss="softmax" on num_negatives=1 data trained on in-batch negatives only: every batch's sampled negatives were
+    drawn (and their KJT built) for nothing, without a word."""
+    dm = _tiny_data(tmp_path, num_negatives=1)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.neg_item_features is not None
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    with pytest.raises(ValueError, match="num_negatives=0.*loss='bpr'"):
+        module.training_step(batch, 0)

@@ -50,7 +50,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             features (a residual path; the last layer sizes must equal embedding_dim).
         tower_dropout: dropout on the MLPs' inputs and hidden layers (training only).
         score: "dot" or "cosine"; temperature divides the scores (use ~0.05-0.2 with cosine).
-        loss: "softmax" (in-batch negatives, `logq_correction`) or "bpr" (needs num_negatives=1 data).
+        loss: "softmax" (in-batch negatives, `logq_correction`; needs num_negatives=0 data) or "bpr" (needs
+            num_negatives=1 data).
         embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
             tower outputs of the batch (for MF: the embedding rows it touches); 0 = none.
         sparse_optimizer / sparse_lr / sparse_weight_decay: the fused table update.
@@ -199,6 +200,13 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             if hp.embedding_l2:
                 loss = loss + hp.embedding_l2 * (user_BD.square() + item_BD.square() + neg_BD.square()).sum(1).mean()
         else:
+            if batch.neg_item_features is not None:
+                # drawn per batch (a rejection loop and a second item KJT) and never read: time lost in silence.
+                # Refused rather than mixed into the softmax: its logQ correction is for in-batch (frequency-
+                # sampled) negatives, not uniform ones
+                raise ValueError("loss='softmax' takes its negatives from the batch's other items, but the batches "
+                                 "carry sampled negatives it would never use: set the data module's num_negatives=0 "
+                                 "(or loss='bpr' to train on them)")
             log_q = batch.item_log_q if hp.logq_correction else None
             loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
         self.log("train_loss", loss, prog_bar=True, batch_size=len(batch))
