@@ -11,7 +11,8 @@ written back into the hyperparameters so a checkpoint rebuilds the same tables.
 
 Logged: train_loss, train_samples_per_s (all ranks), mem/rank<r>_max_rss_mb (every rank's peak
 host memory; GPU peak too on GPU), <split>_ndcg@10 ... for each evaluated split, and, on loggers with
-`log_table` (W&B), a table of a few users' top-10 items with the held-out ones marked.
+`log_table` (W&B), a table of a few users' top-10 unseen items (fewer where fewer are left) with the held-out
+ones marked.
 """
 
 from __future__ import annotations
@@ -350,13 +351,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         scores_UI = (user_UD @ self._item_emb_ID.t()).float()
         rows = torch.repeat_interleave(torch.arange(len(batch), device=self.device), batch.exclude_offsets.diff())
         scores_UI[rows, batch.exclude_items] = float("-inf")
-        top_UK = torch.topk(scores_UI, min(k, scores_UI.shape[1]), dim=1).indices.cpu()
+        scores_UI = scores_UI.masked_fill(scores_UI.isnan(), float("-inf"))  # topk puts NaN first: last here
+        top_UK = torch.topk(scores_UI, min(k, scores_UI.shape[1]), dim=1)
+        # a user with fewer than k unseen items gets a shorter list: its seen (-inf) items are no recommendation
+        shown_UK, top_UK = (top_UK.values > float("-inf")).cpu(), top_UK.indices.cpu()
         titles = getattr(datamodule, "item_titles", None)
         data = []
         for u in range(len(batch)):
             lo, hi = batch.target_offsets[u].item(), batch.target_offsets[u + 1].item()
             held_out = set(batch.target_items[lo:hi].tolist())
-            for rank, item in enumerate(top_UK[u].tolist(), 1):
+            for rank, item in enumerate(top_UK[u][shown_UK[u]].tolist(), 1):
                 name = titles[item] if titles is not None else str(item)
                 data.append([int(batch.user_index[u]), rank, item, name, item in held_out])
         logger.log_table(key="val_top10", columns=["user", "rank", "item", "title", "held_out"], data=data)
