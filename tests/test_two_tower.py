@@ -314,12 +314,16 @@ def test_towers_without_mlp_on_side_features_say_to_turn_them_off():
     TwoTowerModule(user, item, embedding_dim=8, user_layer_sizes=[16], item_layer_sizes=[16])  # fine
 
 
-def test_top_k_table_with_more_users_asked_than_the_data_has(tmp_path):
-    """top_k_table_users=50 on 30 users raised IndexError at the end of validation, losing the run."""
+def _table_logger():
+    """A Lightning logger with W&B's log_table, keeping the tables it is given."""
     from lightning.pytorch.loggers import Logger
 
     class TableLogger(Logger):
-        name, version, tables = "t", 0, []
+        name, version = "t", 0
+
+        def __init__(self):
+            super().__init__()
+            self.tables = []
 
         def log_metrics(self, metrics, step=None):
             pass
@@ -330,7 +334,12 @@ def test_top_k_table_with_more_users_asked_than_the_data_has(tmp_path):
         def log_table(self, key, columns, data):
             self.tables.append(data)
 
-    dm, logger = _tiny_data(tmp_path), TableLogger()
+    return TableLogger()
+
+
+def test_top_k_table_with_more_users_asked_than_the_data_has(tmp_path):
+    """top_k_table_users=50 on 30 users raised IndexError at the end of validation, losing the run."""
+    dm, logger = _tiny_data(tmp_path), _table_logger()
     module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=50)
     L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
     assert len(logger.tables) == 1 and {row[0] for row in logger.tables[0]} == set(range(dm.num_users))
@@ -353,3 +362,77 @@ def test_predict_never_recommends_an_item_scored_nan_first(tmp_path):
     module._predict_user_ids = module._predict_item_ids = None
     out = module.predict_step(dm.datasets["test"].__getitems__(list(range(6))), 0)
     assert not (out["item"] == 7).any() and torch.isfinite(out["score"]).all()
+
+
+def test_empty_target_action_is_forwarded_to_the_ranking_metrics(tmp_path):
+    """Validation always skipped users without a held-out item: torchmetrics' empty_target_action="neg" (count them
+    as 0) could not be asked of the module."""
+    from test_movielens import _generated_ml100k
+
+    from lightning_rec.data import MovieLensDataModule
+
+    dm = MovieLensDataModule(str(_generated_ml100k(tmp_path / "ml-100k")), batch_size=64, side_features=False,
+                             min_rating=4)  # ratings >= 4 only: 1 of the 30 users has no validation item
+    dm.setup("fit")
+    assert dm.report.users_without_heldout["val"] == 1 and len(dm.datasets["val"]) == 30
+    got = {}
+    for action in ("skip", "neg", "pos"):
+        L.seed_everything(0)  # the same weights for each
+        module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, ks=[5],
+                                top_k_table_users=0, empty_target_action=action)
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+        got[action] = {k: v for k, v in trainer.validate(module, dm, verbose=False)[0].items()}
+    assert got["skip"]["val_hit_rate@5"] > 0  # else "neg" equals "skip"
+    for key, skip in got["skip"].items():
+        assert got["neg"][key] == pytest.approx(skip * 29 / 30, abs=1e-6), key
+        assert got["pos"][key] == pytest.approx((skip * 29 + 1) / 30, abs=1e-6), key
+    assert module.test_metrics.empty_target_action == "pos"
+    with pytest.raises(ValueError, match="empty_target_action='zero'"):
+        TwoTowerModule({"user_id": 4}, {"item_id": 5}, embedding_dim=4, empty_target_action="zero")
+
+
+def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_path):
+    """loss="softmax" on num_negatives=1 data trained on in-batch negatives only: every batch's sampled negatives were
+    drawn (and their KJT built) for nothing, without a word."""
+    dm = _tiny_data(tmp_path, num_negatives=1)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.neg_item_features is not None
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    with pytest.raises(ValueError, match="num_negatives=0.*loss='bpr'"):
+        module.training_step(batch, 0)
+
+
+def test_top_k_table_lists_only_unseen_items(tmp_path):
+    """A user with fewer than 10 unseen items had its list filled up with items it was seen with in training (scored
+    -inf), shown as recommendations."""
+    from test_movielens import _generated_ml100k
+
+    from lightning_rec.data import MovieLensDataModule
+
+    dm = MovieLensDataModule(str(_generated_ml100k(tmp_path / "ml-100k", items=12)), batch_size=64,
+                             side_features=False)  # every user rated all 12 items: 10 in training, 2 unseen
+    dm.setup("fit")
+    logger = _table_logger()
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=4)
+    L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
+    (rows,) = logger.tables
+    val = dm.datasets["val"]
+    for u in range(4):
+        seen = set(val.exclude[1][val.exclude[0][u]:val.exclude[0][u + 1]].tolist())
+        mine = [row for row in rows if row[0] == u]
+        assert [row[1] for row in mine] == [1, 2] and not {row[2] for row in mine} & seen, mine
+        assert sum(row[4] for row in mine) == 1  # the held-out item is one of the two
+    # items scored NaN (diverged rows) are no recommendations either: topk put them first, filling the list
+    dm, logger = _tiny_data(tmp_path / "40"), _table_logger()  # 30 unseen items per user
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=4)
+    embed_catalog = module.embed_catalog
+
+    def diverged(datamodule=None):
+        items_ID = embed_catalog(datamodule)
+        items_ID[:20] = float("nan")
+        return items_ID
+
+    module.embed_catalog = diverged
+    L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
+    items = [row[2] for row in logger.tables[0] if row[0] == 0]
+    assert len(items) == 10 and min(items) >= 20, items  # user 0 has >= 10 unseen items among 20..39

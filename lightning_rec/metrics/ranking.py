@@ -29,10 +29,18 @@ For each user with n >= 1 relevant items and hit_j = 1 when the item ranked j (1
     NDCG@k      sum_{j<=k} hit_j / log2(j+1)  /  sum_{j<=min(n,k)} 1 / log2(j+1)
 
 each averaged over users: the definitions of RecBole and of `torchmetrics.retrieval` (tests check
-both). A user with no relevant item has no value: it is skipped and counted (`skipped_users`),
-never divided by zero. (torchmetrics' default, empty_target_action="neg", counts such a user as 0
-instead: compare with `RetrievalRecall(top_k=k, empty_target_action="skip")`. It matters on
-ml-100k's official splits, whose test files hold about half of the users.) Ties in score are
+both). A user with no relevant item has no value of its own; torchmetrics' `empty_target_action`
+says what it counts for, with torchmetrics' meaning:
+
+    "skip"   (ours by default) left out of the mean, and counted in `skipped_users`: never a division by zero
+    "neg"    (torchmetrics' default) counts as 0 for every metric
+    "pos"    counts as 1 for every metric
+    "error"  compute() raises (after the ranks' sync, so that every rank raises, none waits)
+
+Our default stays "skip", so compare with `RetrievalRecall(top_k=k, empty_target_action="skip")`, or
+pass empty_target_action="neg" for torchmetrics' default numbers. It matters on ml-100k's official
+splits, whose test files hold about half of the users. (One difference: when every user is skipped
+torchmetrics returns 0, this returns NaN with a warning, as no user was evaluated.) Ties in score are
 broken by `torch.topk` (as RecBole does), in an order that may differ between CPU and GPU;
 torchmetrics' NDCG instead averages the gain over tied items. With discrete scores the two
 differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 here, 0.1223 in
@@ -55,6 +63,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
+EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, with its meaning
 
 
 def _cutoffs(ks: int | Sequence[int] | None, top_k: int | None, default: int | Sequence[int]) -> tuple[int, ...]:
@@ -140,6 +149,8 @@ class RankingMetrics(Metric):
         top_k: torchmetrics' name for one cutoff (`NDCG(top_k=10)` = `NDCG(ks=10)`).
         metrics: a subset of ("ndcg", "recall", "precision", "mrr", "hit_rate").
         prefix: put before each name in `compute()`'s dict ("val_" -> "val_ndcg@10").
+        empty_target_action: what a user with no relevant item counts for, as in torchmetrics: "skip" (left
+            out; our default), "neg" (0; torchmetrics' default), "pos" (1) or "error" (compute() raises).
 
     `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`.
     """
@@ -149,9 +160,15 @@ class RankingMetrics(Metric):
     full_state_update = False
 
     def __init__(self, ks: int | Sequence[int] | None = None, metrics: Sequence[str] = RANKING_METRICS,
-                 prefix: str = "", top_k: int | None = None, **kwargs) -> None:
+                 prefix: str = "", top_k: int | None = None, empty_target_action: str = "skip",
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.ks = _cutoffs(ks, top_k, default=(10,))
+        if empty_target_action not in EMPTY_TARGET_ACTIONS:
+            raise ValueError(f"empty_target_action={empty_target_action!r}: choose one of "
+                             f"{', '.join(map(repr, EMPTY_TARGET_ACTIONS))} (what a user with no relevant item counts "
+                             f"for, as in torchmetrics)")
+        self.empty_target_action = empty_target_action
         if isinstance(metrics, str):
             metrics = (metrics,)
         unknown = [m for m in metrics if m not in RANKING_METRICS]
@@ -295,7 +312,13 @@ class RankingMetrics(Metric):
                              f"{tuple(num_relevant_U.shape)}")
         num_relevant_U = num_relevant_U.reshape(-1).to(torch.float64)
         has_target_U = num_relevant_U > 0
-        self.skipped_users += (~has_target_U).sum()
+        num_empty = (~has_target_U).sum()
+        if self.empty_target_action in ("neg", "pos"):  # such a user counts, as 0 or 1 for every metric and k
+            self.num_users += num_empty
+            if self.empty_target_action == "pos":
+                self.sums += num_empty.to(self.sums)
+        else:  # "skip", and "error", which compute() raises for once every rank's count is in
+            self.skipped_users += num_empty
         hits_UK, num_relevant_U = hits_UK[has_target_U].to(torch.float64), num_relevant_U[has_target_U]
         self.num_users += hits_UK.shape[0]
         K = self.max_k
@@ -328,13 +351,17 @@ class RankingMetrics(Metric):
     def compute(self) -> dict[str, Tensor]:
         sums, num_users, skipped = self.sums, int(self.num_users), int(self.skipped_users)
         if len(self.flat_indexes):  # every rank's entries (synced by "cat"), grouped per user once, here
-            flat = RankingMetrics(ks=self.ks)
+            flat = RankingMetrics(ks=self.ks, empty_target_action=self.empty_target_action)
             indexes = dim_zero_cat(self.flat_indexes).long()
             if indexes.numel():
                 flat._update_candidates(*_padded_by_query(dim_zero_cat(self.flat_preds).float(),
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
             sums = sums + flat.sums.to(sums.device)
             num_users, skipped = num_users + int(flat.num_users), skipped + int(flat.skipped_users)
+        if skipped and self.empty_target_action == "error":
+            raise ValueError(f"{skipped} users have no relevant (held-out) item and empty_target_action='error': "
+                             f"pass empty_target_action='skip' to leave them out, 'neg' to count them as 0 "
+                             f"(torchmetrics' default) or 'pos' as 1, or evaluate only users with a held-out item")
         if num_users == 0:
             warnings.warn(f"no user with a held-out item was evaluated ({skipped} skipped): "
                           f"ranking metrics are NaN", UserWarning, stacklevel=2)

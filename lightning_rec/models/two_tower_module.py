@@ -11,7 +11,8 @@ written back into the hyperparameters so a checkpoint rebuilds the same tables.
 
 Logged: train_loss, train_samples_per_s (all ranks), mem/rank<r>_max_rss_mb (every rank's peak
 host memory; GPU peak too on GPU), <split>_ndcg@10 ... for each evaluated split, and, on loggers with
-`log_table` (W&B), a table of a few users' top-10 items with the held-out ones marked.
+`log_table` (W&B), a table of a few users' top-10 unseen items (fewer where fewer are left) with the held-out
+ones marked.
 """
 
 from __future__ import annotations
@@ -50,12 +51,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             features (a residual path; the last layer sizes must equal embedding_dim).
         tower_dropout: dropout on the MLPs' inputs and hidden layers (training only).
         score: "dot" or "cosine"; temperature divides the scores (use ~0.05-0.2 with cosine).
-        loss: "softmax" (in-batch negatives, `logq_correction`) or "bpr" (needs num_negatives=1 data).
+        loss: "softmax" (in-batch negatives, `logq_correction`; needs num_negatives=0 data) or "bpr" (needs
+            num_negatives=1 data).
         embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
             tower outputs of the batch (for MF: the embedding rows it touches); 0 = none.
         sparse_optimizer / sparse_lr / sparse_weight_decay: the fused table update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the MLPs (if any).
         ks: ranking cutoffs; top_k_table_users: users shown in the top-10 table (0 = none).
+        empty_target_action: what an evaluated user with no held-out item counts for in the ranking metrics, with
+            torchmetrics' meaning: "skip" (left out of the mean; the default), "neg" (0: torchmetrics' default),
+            "pos" (1) or "error" (raise). ml-100k's official test splits leave about half the users without one.
         eval_item_chunk: items embedded per item-tower call at evaluation.
         predict_top_k: items per user that `predict` writes (None: max(ks)).
 
@@ -90,6 +95,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         top_k_table_users: int = 5,
         eval_item_chunk: int = 8192,
         predict_top_k: int | None = None,
+        empty_target_action: str = "skip",
     ) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
@@ -114,8 +120,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 raise ValueError(f"{name}={value!r}: give an int >= {least}")
         self.model: TwoTower | None = None
         self.eval_splits = ["val"]
-        self.val_metrics = torch.nn.ModuleList([RankingMetrics(ks=ks)])
-        self.test_metrics = RankingMetrics(ks=ks)
+        self.val_metrics = torch.nn.ModuleList([self._ranking_metrics()])
+        self.test_metrics = self._ranking_metrics()
         self._item_emb_ID: Tensor | None = None
         # set here as well as per epoch: a hand-written loop calls training_step without the Trainer's hooks
         self._samples, self._epoch_start = 0, time.perf_counter()
@@ -123,6 +129,9 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             self._build(dict(user_num_embeddings), dict(item_num_embeddings))
 
     # building -----------------------------------------------------------------------------------
+
+    def _ranking_metrics(self) -> RankingMetrics:
+        return RankingMetrics(ks=self.hparams.ks, empty_target_action=self.hparams.empty_target_action)
 
     def _tables(self, sizes: dict[str, int], tower: str) -> EmbeddingBagCollection:
         hp = self.hparams
@@ -164,7 +173,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
             while len(self.val_metrics) < len(self.eval_splits):
-                self.val_metrics.append(RankingMetrics(ks=self.hparams.ks))
+                self.val_metrics.append(self._ranking_metrics())
         if self.model is not None:
             return
         if datamodule is None or not hasattr(datamodule, "user_num_embeddings"):
@@ -192,6 +201,13 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             if hp.embedding_l2:
                 loss = loss + hp.embedding_l2 * (user_BD.square() + item_BD.square() + neg_BD.square()).sum(1).mean()
         else:
+            if batch.neg_item_features is not None:
+                # drawn per batch (a rejection loop and a second item KJT) and never read: time lost in silence.
+                # Refused rather than mixed into the softmax: its logQ correction is for in-batch (frequency-
+                # sampled) negatives, not uniform ones
+                raise ValueError("loss='softmax' takes its negatives from the batch's other items, but the batches "
+                                 "carry sampled negatives it would never use: set the data module's num_negatives=0 "
+                                 "(or loss='bpr' to train on them)")
             log_q = batch.item_log_q if hp.logq_correction else None
             loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
         self.log("train_loss", loss, prog_bar=True, batch_size=len(batch))
@@ -335,13 +351,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         scores_UI = (user_UD @ self._item_emb_ID.t()).float()
         rows = torch.repeat_interleave(torch.arange(len(batch), device=self.device), batch.exclude_offsets.diff())
         scores_UI[rows, batch.exclude_items] = float("-inf")
-        top_UK = torch.topk(scores_UI, min(k, scores_UI.shape[1]), dim=1).indices.cpu()
+        scores_UI = scores_UI.masked_fill(scores_UI.isnan(), float("-inf"))  # topk puts NaN first: last here
+        top_UK = torch.topk(scores_UI, min(k, scores_UI.shape[1]), dim=1)
+        # a user with fewer than k unseen items gets a shorter list: its seen (-inf) items are no recommendation
+        shown_UK, top_UK = (top_UK.values > float("-inf")).cpu(), top_UK.indices.cpu()
         titles = getattr(datamodule, "item_titles", None)
         data = []
         for u in range(len(batch)):
             lo, hi = batch.target_offsets[u].item(), batch.target_offsets[u + 1].item()
             held_out = set(batch.target_items[lo:hi].tolist())
-            for rank, item in enumerate(top_UK[u].tolist(), 1):
+            for rank, item in enumerate(top_UK[u][shown_UK[u]].tolist(), 1):
                 name = titles[item] if titles is not None else str(item)
                 data.append([int(batch.user_index[u]), rank, item, name, item in held_out])
         logger.log_table(key="val_top10", columns=["user", "rank", "item", "title", "held_out"], data=data)
