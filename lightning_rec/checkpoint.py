@@ -381,7 +381,6 @@ def _unblob(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # the public calls' arguments: a model, an optimizer and a path are easy to swap, and each of them
 # used to fail deep inside (`'DLRMModule' object is not subscriptable`) or, worse, be written as

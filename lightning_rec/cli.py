@@ -119,9 +119,9 @@ class RecCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         try:
             return super().instantiate_trainer(**kwargs)
-        except MisconfigurationException as e:
+        except MisconfigurationException:
             self._check_accelerator(self.config_init)
-            raise e
+            raise
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []

@@ -37,9 +37,10 @@ FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.RO
 
 
 # torch.optim classes with a fused twin of the same update (AdamW's decoupled decay has none: fused adam
-# applies weight_decay as torch.optim.Adam does, to the gradient)
+# applies weight_decay as torch.optim.Adam does, to the gradient; it moves only the rows in the batch, which
+# is SparseAdam's rule). RowWiseAdagrad (below) joins them once defined.
 _TORCH_OPTIMIZERS = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: EmbOptimType.ADAGRAD,
-                     torch.optim.Adam: EmbOptimType.ADAM}
+                     torch.optim.Adam: EmbOptimType.ADAM, torch.optim.SparseAdam: EmbOptimType.ADAM}
 _USES_BETAS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
 
 
@@ -439,10 +440,6 @@ def dense_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
 
 # TorchRec's ways in: apply_optimizer_in_backward, KeyedOptimizerWrapper, in_backward_optimizer_filter ----------
 
-# torch.optim classes whose update the fused kernels implement, and the arguments that carry over
-# (Adam: the fused update moves only the rows in the batch, which is SparseAdam's rule.)
-_TORCH_TO_FUSED = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: EmbOptimType.ADAGRAD,
-                   torch.optim.Adam: EmbOptimType.ADAM, torch.optim.SparseAdam: EmbOptimType.ADAM}
 # arguments whose torch default the fused update matches; any other value would train differently
 _TORCH_ONLY_DEFAULTS = {"momentum": 0, "dampening": 0, "nesterov": False, "lr_decay": 0,
                         "initial_accumulator_value": 0, "amsgrad": False, "maximize": False}
@@ -450,8 +447,6 @@ _TORCH_ONLY_DEFAULTS = {"momentum": 0, "dampening": 0, "nesterov": False, "lr_de
 
 def _fused_config_for(optimizer_class: Any, optimizer_kwargs: dict[str, Any]) -> FusedOptimizerConfig:
     """torch.optim.SGD / Adagrad / Adam (their defaults included), an EmbOptimType or a name -> the fused config."""
-    import inspect
-
     kwargs = dict(optimizer_kwargs or {})
     if isinstance(optimizer_class, FusedOptimizerConfig):
         if kwargs:
@@ -459,32 +454,25 @@ def _fused_config_for(optimizer_class: Any, optimizer_kwargs: dict[str, Any]) ->
         return optimizer_class
     if isinstance(optimizer_class, (str, EmbOptimType)):
         return FusedOptimizerConfig(optimizer_class, **kwargs)
-    opt = EmbOptimType.ROWWISE_ADAGRAD if optimizer_class is RowWiseAdagrad else _TORCH_TO_FUSED.get(optimizer_class)
-    if opt is None:
+    if optimizer_class not in _TORCH_OPTIMIZERS:
         name = getattr(optimizer_class, "__name__", repr(optimizer_class))
         raise ValueError(f"apply_optimizer_in_backward({name}, ...): the fused tables implement torch.optim.SGD, "
                          f"torch.optim.Adagrad and torch.optim.Adam (SparseAdam), or a fused optimizer by name: "
                          f"pass e.g. apply_optimizer_in_backward('rowwise_adagrad', params, {{'lr': 0.01}}) (names: "
                          f"{', '.join(o.value for o in EmbOptimType)})")
-    # torch's own defaults (Adagrad's eps is 1e-10, not the fused config's 1e-8): the same update as the class
-    defaults = {k: p.default for k, p in inspect.signature(optimizer_class.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    merged = {**defaults, **kwargs}
-    for key, expected in _TORCH_ONLY_DEFAULTS.items():
-        if key in merged and merged[key] != expected:
-            raise ValueError(f"apply_optimizer_in_backward({optimizer_class.__name__}, ..., {{'{key}': "
-                             f"{merged[key]!r}}}): the fused update has no {key}; leave it at {expected!r}, or train "
-                             f"the tables unfused (a plain torch.optim optimizer over an unsharded collection)")
-    config: dict[str, Any] = {"lr": float(merged["lr"]), "weight_decay": float(merged.get("weight_decay", 0.0))}
-    if "eps" in merged:
-        config["eps"] = float(merged["eps"])
-    if "betas" in merged:
-        config["betas"] = tuple(merged["betas"])
-    unknown = sorted(set(kwargs) - set(defaults))
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    unknown = sorted(k for k in kwargs if k not in accepted or k in ("self", "params"))
     if unknown:
         raise ValueError(f"apply_optimizer_in_backward({optimizer_class.__name__}, ...): {optimizer_class.__name__} "
                          f"takes no argument(s) {unknown}")
-    return FusedOptimizerConfig(opt, **config)
+    for key, expected in _TORCH_ONLY_DEFAULTS.items():
+        if key in kwargs and kwargs[key] != expected:
+            raise ValueError(f"apply_optimizer_in_backward({optimizer_class.__name__}, ..., {{'{key}': "
+                             f"{kwargs[key]!r}}}): the fused update has no {key}; leave it at {expected!r}, or train "
+                             f"the tables unfused (a plain torch.optim optimizer over an unsharded collection)")
+    # what is left out takes the class's own default (Adagrad's eps 1e-10): FusedOptimizerConfig does that
+    config = {k: kwargs[k] for k in ("lr", "eps", "weight_decay", "betas") if k in kwargs}
+    return FusedOptimizerConfig(optimizer_class, **config)
 
 
 def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.Parameter],
@@ -631,3 +619,6 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     std = state["sum"].sqrt().add_(group["eps"])
                 p.addcdiv_(grad, std, value=-clr)
         return loss
+
+
+_TORCH_OPTIMIZERS[RowWiseAdagrad] = EmbOptimType.ROWWISE_ADAGRAD  # its eps default (1e-10) comes with it

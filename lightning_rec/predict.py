@@ -181,7 +181,6 @@ class PredictionWriter(BasePredictionWriter):
             dist.broadcast(count, src=0)
         self.written_path, self.num_rows = self._path, int(count[0])
 
-
     def _gather_to_rank_zero(self, local: dict[str, np.ndarray], device: torch.device) -> dict | None:
         """Every rank's rows on rank 0 (plus the padding repeats), None elsewhere: in pieces of at most
         `gather_chunk_bytes` per rank, so a large predict set never needs one object the size of a rank's share

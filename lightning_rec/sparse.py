@@ -533,6 +533,8 @@ class KeyedJaggedTensor:
         if bad:  # fbgemm's permute reads out of bounds (a segfault) on a bad index
             raise ValueError(f"permute: indices {bad} are not key positions: use 0..{len(self._keys) - 1} "
                              f"(keys {self._keys})")
+        if list(indices) == list(range(len(self._keys))):
+            return self  # every key in its place: nothing to move (a routing of one rank, a collection's own order)
         keys = [self._keys[i] for i in indices]
         if self._length_per_key is None and sorted(indices) == list(range(len(self._keys))):
             # A reordering of every key keeps all N ids: no need to read the lengths back (a device sync).
@@ -603,7 +605,7 @@ class KeyedJaggedTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
         moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device,
-                       lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
+                                lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
         if moved.device.type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
             moved._host = self if self.device.type == "cpu" else self._host
@@ -734,7 +736,7 @@ class KeyedTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
         values = move_or_explain(f"KeyedTensor.to({device!r})", device,
-                        lambda: self._values.to(device, non_blocking=non_blocking))
+                                 lambda: self._values.to(device, non_blocking=non_blocking))
         return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
 
     def __repr__(self) -> str:

@@ -177,11 +177,11 @@ class RankingMetrics(Metric):
         self.metric_names = tuple(dict.fromkeys(metrics))
         self.prefix = prefix
         self._warned_short = False
-        self._warned_nan = False
         shape = (len(RANKING_METRICS), len(self.ks))
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("num_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("skipped_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("nan_scores", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
         # several updates (rows of (user, item, label) in batches), and regrouped per update they counted as
         # several users with partial lists (NDCG@5 0.64 where torchmetrics gives 0.27)
@@ -296,11 +296,9 @@ class RankingMetrics(Metric):
         # topk ranks NaN above everything: a relevant item the model scored NaN was "found" at rank 1 (a
         # diverging model looked perfect). NaN ranks last here and is never a hit, even within a K that
         # reaches the -inf entries
+        # (counted on the device and said at compute: reading it back here was a host sync per batch)
         nan_UC = torch.isnan(scores_UC)
-        if not self._warned_nan and bool(nan_UC.any()):
-            self._warned_nan = True
-            warnings.warn(f"{int(nan_UC.sum())} of the scores are NaN: ranked last and never counted as found; "
-                          f"check the model for divergence", UserWarning, stacklevel=3)
+        self.nan_scores += nan_UC.sum()
         scores_UC = scores_UC.masked_fill(nan_UC, float("-inf"))
         top_UK = torch.topk(scores_UC, k, dim=1, sorted=True).indices
         hits_UK = target_UC.gather(1, top_UK) & ~nan_UC.gather(1, top_UK)
@@ -358,6 +356,9 @@ class RankingMetrics(Metric):
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
             sums = sums + flat.sums.to(sums.device)
             num_users, skipped = num_users + int(flat.num_users), skipped + int(flat.skipped_users)
+        if int(self.nan_scores):
+            warnings.warn(f"{int(self.nan_scores)} of the scores are NaN: ranked last and never counted as found; "
+                          f"check the model for divergence", UserWarning, stacklevel=2)
         if skipped and self.empty_target_action == "error":
             raise ValueError(f"{skipped} users have no relevant (held-out) item and empty_target_action='error': "
                              f"pass empty_target_action='skip' to leave them out, 'neg' to count them as 0 "
