@@ -3,7 +3,7 @@
 
 Each rank runs `fn(rank, world_size, *args)` in its own process with the process group already
 initialised, and its return value (or its exception, with traceback) comes back through a file.
-Processes come from a forkserver that has torch and lightning_rec imported once, so a run starts
+Processes come from a forkserver that has torch, lightning and lightning_rec imported once, so a run starts
 in well under a second instead of re-importing torch per rank. A run that exceeds `timeout`
 seconds is killed and fails the test (a broken collective never hangs the suite).
 `fn` must be a module-level function of an importable module (it is pickled by reference).
@@ -28,7 +28,10 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fbgemm_gpu", "lightning_rec.model_parallel"])
+        # lightning too: most ranks run a Trainer, and importing it costs each rank ~2 s of a 2-core machine
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fbgemm_gpu", "lightning.pytorch",
+                                     "lightning_rec.model_parallel", "lightning_rec.strategy", "lightning_rec.models",
+                                     "lightning_rec.data"])
     return _CTX
 
 
@@ -63,6 +66,9 @@ def _worker(fn, rank, world_size, port, out_path, pg_timeout, backend, args, kwa
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # a rank's own children (DataLoader workers) fork, as under torchrun or Lightning's launcher: a forkserver
+    # child would inherit "forkserver" and start a fresh server importing torch again (~4 s per loader)
+    mp.set_start_method("fork", force=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(kwargs.pop("_local_world_size", world_size)))
     result: tuple
