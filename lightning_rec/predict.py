@@ -7,11 +7,13 @@ rows, e.g. DLRMModule {"probability": p_B, "label": y_B} and TwoTowerModule {"ro
 "item": id_UK, "score": s_UK}. Each row's place in the input is its "row" column when the step gives
 one, else the index Lightning's predict loop records for it (map-style datasets), else the batch's
 `row_ids` (order keys from a preprocessed directory or a text stream; rows are numbered 0..R-1 in that
-order), else its order in this rank's stream (one rank only). Rows are written once each, in input order:
+order), else its order in this rank's stream (one rank only). Rows are written once each, in input
+order, in bounded memory (lightning_rec.predict_rows):
 
-    rank 0: rows r0 --\
-    rank 1: rows r1 ---> gather to rank 0 (gather_object, 64 MB pieces) --> sort by row (a repeat once)
-                                                                             --> one file, renamed into place
+    rank r: rows --> memory, up to spill_bytes; then sorted runs on disk, next to the output file
+                 --> its runs merged in row order, a chunk at a time
+    rank 0: asks the ranks whose next rows it needs for a chunk each (gather_object, gather_chunk_bytes)
+                 --> merges them in row order (a repeat once) --> writes them --> the file, renamed into place
 
 (The data modules' evaluation loaders give every rank the same number of steps, which sharded tables
 need, by padding a shorter share with the index -1, which the dataset drops (lightning_rec.data.batch.
@@ -21,7 +23,7 @@ instead, torch's DistributedSampler, also gives each row once: repeats are dropp
 File formats, chosen by the output path's suffix:
     .csv / .tsv   a header, then one line per row; a [R, K] column becomes K columns name_1..name_K
     .parquet      one column per output; a [R, K] column is a list column (fixed size K)
-A float column that is NaN in every row (the label of an unlabelled file) is left out.
+A float column that is NaN in every row on every rank (the label of an unlabelled file) is left out.
 
 The output path defaults to <trainer.default_root_dir>/predictions.csv; when that file exists, the
 next free predictions_1.csv, predictions_2.csv, ... is taken (a default never overwrites a run).
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +44,18 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-FORMATS = {".csv": ",", ".tsv": "\t", ".parquet": None}
-ROW = "row"
+from lightning_rec.predict_rows import (
+    FORMATS,
+    ROW,
+    RunSpill,
+    SortedMerge,
+    TableWriter,
+    suffix_of,
+    write_table,
+    written_columns,
+)
 
-
-def _suffix(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"prediction output {path}: unknown format {suffix or '(no suffix)'!r}; end the path in "
-                         f"{', '.join(FORMATS)}")
-    return suffix
+__all__ = ["PredictionWriter", "default_output_path", "write_table"]
 
 
 def default_output_path(root: str | os.PathLike) -> Path:
@@ -72,10 +76,13 @@ class PredictionWriter(BasePredictionWriter):
             next free predictions_<n>.csv).
         overwrite: replace an existing output_path (otherwise an existing file is refused before predicting).
 
-    After the run, `written_path` is the file written and `num_rows` its rows (every rank knows them).
+    After the run, `written_path` is the file written and `num_rows` its rows (every rank knows them), and
+    `held_rows_peak` the most rows this rank held in memory at once.
     """
 
-    # the most bytes of rows one rank sends rank 0 at a time (see _gather_to_rank_zero)
+    # the most bytes of rows a rank keeps in memory before it writes them, sorted, to a run file on disk
+    spill_bytes: int = 256 << 20
+    # the most bytes of rows one rank sends rank 0 at a time (and that rank 0 holds per rank while merging)
     gather_chunk_bytes: int = 64 << 20
 
     def __init__(self, output_path: str | None = None, overwrite: bool = False) -> None:
@@ -84,10 +91,12 @@ class PredictionWriter(BasePredictionWriter):
         self.overwrite = overwrite
         self.written_path: Path | None = None
         self.num_rows: int | None = None
-        self._parts: list[dict[str, np.ndarray]] = []
+        self.held_rows_peak = 0
+        self._spill: RunSpill | None = None
+        self._writer: TableWriter | None = None
         self._path: Path | None = None
         if output_path is not None:
-            _suffix(Path(output_path))
+            suffix_of(Path(output_path))
 
     # before predicting: where to write, checked on every rank (each raises the same error) -------------------
 
@@ -95,7 +104,7 @@ class PredictionWriter(BasePredictionWriter):
         if self.output_path is None:
             return default_output_path(trainer.default_root_dir)
         path = Path(self.output_path)
-        _suffix(path)
+        suffix_of(path)
         if path.is_dir():
             raise ValueError(f"prediction output {path} is a directory: give a file path ending in "
                              f"{', '.join(FORMATS)}")
@@ -109,7 +118,16 @@ class PredictionWriter(BasePredictionWriter):
             self._path = self.resolve_path(trainer)
 
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._parts = []
+        self._close()
+        path, rank = self._path, trainer.global_rank
+
+        def spill_dir() -> Path:  # this rank's runs, beside the output (where the space for the file is)
+            directory = path.parent / f".{path.name}.rows-{uuid.uuid4().hex[:8]}-rank{rank}"
+            directory.mkdir(parents=True)
+            return directory
+
+        self._spill = RunSpill(self.spill_bytes, spill_dir)
+        self.held_rows_peak = 0
         self._stream_rows = 0
         self._renumber = False
 
@@ -152,106 +170,93 @@ class PredictionWriter(BasePredictionWriter):
             else:  # one rank, an iterable dataset: its own order is the input order
                 columns[ROW] = np.arange(self._stream_rows, self._stream_rows + num, dtype=np.int64)
         self._stream_rows += num
-        self._parts.append(columns)
+        self._spill.add(columns)
 
-    # at the end: gather, order, write ------------------------------------------------------------------------
+    # at the end: merge in row order, write ----------------------------------------------------------------
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        local = _concat(self._parts)
-        self._parts = []
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            table = self._gather_to_rank_zero(local, trainer.strategy.root_device)
-        else:
-            table = local
+        spill, self._spill = self._spill, None
+        distributed = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        device = trainer.strategy.root_device
         count = torch.zeros(1, dtype=torch.int64)
-        renumber = self._renumber
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([int(renumber)], device=trainer.strategy.root_device)
-            dist.all_reduce(flag)  # a rank whose share was empty saw no row_ids; the others did
-            renumber = bool(flag.item())
-        if trainer.is_global_zero:
-            table = _in_input_order(table or {})
-            if renumber and table:
-                table[ROW] = np.arange(len(table[ROW]), dtype=np.int64)
-            write_table(table, self._path)
-            count[0] = len(table[ROW]) if table else 0
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        try:
+            local = spill.stream(self.gather_chunk_bytes)
+            shape = (spill.columns, spill.all_nan, self._renumber)
+            shapes: list | None = [shape]
+            if distributed:  # rank 0 learns every rank's columns (a rank whose share was empty has none)
+                shapes = [None] * dist.get_world_size() if trainer.is_global_zero else None
+                dist.gather_object(shape, shapes, dst=0)
+            if trainer.is_global_zero:
+                self._writer = self._open_writer(shapes)
+            merge_peak = self._merge_ranks(local, device) if distributed else self._write_all(local)
+            if trainer.is_global_zero:
+                writer, self._writer = self._writer, None
+                writer.close()
+                count[0] = writer.num_rows
+            self.held_rows_peak = max(spill.held_rows_peak, merge_peak)
+        finally:
+            spill.close()
+        if distributed:
             # every rank learns what was written (and waits for it: the file is whole when predict returns)
-            count = count.to(trainer.strategy.root_device)
+            count = count.to(device)
             dist.broadcast(count, src=0)
         self.written_path, self.num_rows = self._path, int(count[0])
 
-    def _gather_to_rank_zero(self, local: dict[str, np.ndarray], device: torch.device) -> dict | None:
-        """Every rank's rows on rank 0 (plus the padding repeats), None elsewhere: in pieces of at most
-        `gather_chunk_bytes` per rank, so a large predict set never needs one object the size of a rank's share
-        (gather_object pickles it into one tensor, on the GPU under NCCL, W of them at once on rank 0)."""
-        row_bytes = sum(v.itemsize * (v.shape[1] if v.ndim == 2 else 1) for v in local.values()) or 1
-        rows = len(local[ROW]) if local else 0
-        per_piece = max(1, self.gather_chunk_bytes // row_bytes)
-        pieces = torch.tensor([-(-rows // per_piece)], device=device)
-        dist.all_reduce(pieces, op=dist.ReduceOp.MAX)  # every rank takes part in each gather, even with no rows
-        is_zero = dist.get_rank() == 0
-        received: list[dict[str, np.ndarray]] = []
-        for i in range(int(pieces.item())):
-            piece = {k: v[i * per_piece:(i + 1) * per_piece] for k, v in local.items()} if local else {}
-            gathered: list | None = [None] * dist.get_world_size() if is_zero else None
-            dist.gather_object(piece if piece and len(piece[ROW]) else None, gathered, dst=0)
-            if gathered is not None:
-                received.extend(t for t in gathered if t)
-        return _concat(received) if is_zero else None
+    def _open_writer(self, shapes: list) -> TableWriter:
+        given = [s for s in shapes if s[0]]
+        columns = given[0][0] if given else {}
+        all_nan = {k: all(s[1].get(k, True) for s in given) for k in columns}
+        renumber = any(s[2] for s in shapes)  # a rank whose share was empty saw no row_ids; the others did
+        return TableWriter(self._path, written_columns(columns, all_nan), renumber=renumber)
 
+    def _write_all(self, local: Iterator[dict[str, np.ndarray]]) -> int:
+        for table in local:  # one rank: its stream is in row order already
+            self._writer.write(table)
+        return 0
 
-def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    if not parts:
-        return {}
-    keys = list(parts[0])
-    return {k: np.concatenate([p[k] for p in parts]) for k in keys}
+    def _merge_ranks(self, local: Iterator[dict[str, np.ndarray]], device: torch.device) -> int:
+        """Rank 0 writes every rank's rows in row order, holding at most a chunk per rank: each round it tells the
+        ranks whose rows it needs next (a broadcast flag per rank) to send their next chunk (gather_object).
+        Returns the most rows rank 0's merge held at once (0 elsewhere)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        merge = SortedMerge(world) if rank == 0 else None
+        while True:
+            asked = torch.zeros(world + 1, dtype=torch.int64)  # [r]: rank r sends a chunk; [world]: all written
+            if merge is not None:
+                if merge.done:
+                    asked[world] = 1
+                else:
+                    asked[merge.needs()] = 1
+            asked = asked.to(device)
+            dist.broadcast(asked, src=0)
+            asked = asked.cpu()
+            if asked[world]:
+                return merge.held_rows_peak if merge is not None else 0
+            chunk = next(local, None) if asked[rank] else None
+            if merge is not None and asked[0]:
+                merge.feed(0, chunk)
+            if asked[1:world].any():  # only rank 0 asked: no gather
+                got: list | None = [None] * world if merge is not None else None
+                dist.gather_object(chunk if rank else None, got, dst=0)
+                if merge is not None:
+                    for r in range(1, world):
+                        if asked[r]:
+                            merge.feed(r, got[r])
+            if merge is not None:
+                self._writer.write(merge.pop())
 
+    # a predict that fails leaves neither runs nor a partial file ---------------------------------------------
 
-def _in_input_order(table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Rows sorted by their input index, each once (a padding repeat is the same row, predicted the same)."""
-    if not table:
-        return table
-    _, first = np.unique(table[ROW], return_index=True)  # sorted unique rows, the first occurrence of each
-    ordered = {ROW: table[ROW][first]}
-    ordered.update((k, v[first]) for k, v in table.items() if k != ROW)
-    return ordered
+    def _close(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
 
-def write_table(table: dict[str, np.ndarray], path: Path) -> None:
-    """Write `table` (columns of equal rows) to `path` (.csv, .tsv or .parquet): all or nothing (a temporary
-    file renamed into place)."""
-    import pyarrow as pa
-
-    suffix = _suffix(path)
-    columns: dict[str, Any] = {}
-    for name, values in table.items():
-        if values.dtype.kind == "f" and values.size and np.isnan(values).all():
-            continue  # e.g. the label column of an unlabelled file
-        if values.ndim == 2 and suffix == ".parquet":
-            flat = pa.array(values.reshape(-1))
-            columns[name] = pa.FixedSizeListArray.from_arrays(flat, values.shape[1])
-        elif values.ndim == 2:
-            columns.update((f"{name}_{j + 1}", pa.array(values[:, j])) for j in range(values.shape[1]))
-        else:
-            columns[name] = pa.array(values)
-    arrow = pa.table(columns) if columns else pa.table({ROW: pa.array([], pa.int64())})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            pq.write_table(arrow, tmp)
-        else:
-            import pyarrow.csv as pcsv
-
-            sep = FORMATS[suffix]
-            with pa.OSFile(str(tmp), "wb") as sink:  # the header unquoted too (pyarrow quotes it always)
-                sink.write((sep.join(arrow.column_names) + "\n").encode())
-                pcsv.write_csv(arrow, sink, pcsv.WriteOptions(include_header=False, delimiter=sep,
-                                                              quoting_style="none"))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()

@@ -137,10 +137,12 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
     return rows
 
 
-def _predict_two_ranks_in_pieces(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool,
-                                 chunk_bytes: int) -> tuple[int, list[int]]:
-    """_predict_two_ranks with the writer's gather in pieces of `chunk_bytes`: the rows and the pickled size of
-    each object this rank handed to gather_object."""
+def _predict_two_ranks_in_pieces(rank: int, world_size: int, ckpt: Path, root: Path, pipeline: bool, chunk_bytes: int,
+                                 spill_bytes: int, predict_path: Path = UNLABELLED,
+                                 *extra: str) -> tuple[int, list[int], int]:
+    """_predict_two_ranks with the writer's gather in pieces of `chunk_bytes` and its rows spilled to disk past
+    `spill_bytes`: the rows, the pickled size of each object this rank handed to gather_object, and the most rows
+    the writer held in memory at once."""
     import pickle
 
     import torch.distributed as dist
@@ -149,29 +151,38 @@ def _predict_two_ranks_in_pieces(rank: int, world_size: int, ckpt: Path, root: P
 
     sizes: list[int] = []
     gather_object = dist.gather_object
+    peaks: list[int] = []
+    epoch_end = PredictionWriter.on_predict_epoch_end
 
     def recording(obj, *args, **kwargs):
         sizes.append(len(pickle.dumps(obj)))
         return gather_object(obj, *args, **kwargs)
 
-    PredictionWriter.gather_chunk_bytes = chunk_bytes
+    def keeping_the_peak(self, *args):
+        epoch_end(self, *args)
+        peaks.append(self.held_rows_peak)
+
+    PredictionWriter.gather_chunk_bytes, PredictionWriter.spill_bytes = chunk_bytes, spill_bytes
+    PredictionWriter.on_predict_epoch_end = keeping_the_peak
     dist.gather_object = recording
-    return _predict_two_ranks(rank, world_size, ckpt, root, pipeline), sizes
+    return _predict_two_ranks(rank, world_size, ckpt, root, pipeline, predict_path, *extra), sizes, peaks[0]
 
 
 @needs_criteo
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
 def test_predict_at_two_ranks_with_sharded_tables_writes_each_row_once_in_order(criteo_ckpt, tmp_path, pipeline):
     # pipelined: rows reach rank 0 in pieces of at most 4 KB per rank (~256 rows of 16 bytes), not one object the
-    # size of a rank's share (on NCCL gather_object makes it one GPU tensor, W of them on rank 0)
+    # size of a rank's share (on NCCL gather_object makes it one GPU tensor, W of them on rank 0), and each rank
+    # spills its rows to disk past 4 KB (a batch of 999 rows: every batch)
     chunk = 4096 if pipeline else 64 << 20
-    rows, sizes = zip(*run_ranks(_predict_two_ranks_in_pieces, 2, criteo_ckpt, tmp_path, pipeline, chunk,
-                                 timeout=180))
+    rows, sizes, _ = zip(*run_ranks(_predict_two_ranks_in_pieces, 2, criteo_ckpt, tmp_path, pipeline, chunk, chunk,
+                                    timeout=180))
     assert rows == (1999, 1999)  # every rank returns once the file is whole
-    if pipeline:
-        assert all(len(s) == 4 and max(s) < chunk + 1024 for s in sizes), sizes  # ceil(1000 / 256) pieces each
-    else:
-        assert all(len(s) == 1 for s in sizes), sizes
+    assert max(sizes[1]) < chunk + 1024, sizes
+    # rank 1 sends its rows: in one piece, or in ceil(999 / 256) = 4 (plus the columns it has, and rounds in which
+    # rank 0 asks it for nothing)
+    assert sum(s > 1024 for s in sizes[1]) == (4 if pipeline else 1), sizes
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no run file left
     got = _read(tmp_path / "preds.csv")
     want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
     np.testing.assert_array_equal(got["row"], np.arange(1999))
@@ -202,8 +213,13 @@ def test_predict_at_two_ranks_from_a_preprocessed_directory_writes_each_row_once
     shards = tmp_path / "shards"  # 700 + 700 + 599 rows: rank 1's share starts inside the first shard
     preprocess_criteo([UNLABELLED], shards, num_embeddings=1000, rows_per_shard=700, shuffle_rows=False,
                       progress=False)
-    rows = run_ranks(_predict_two_ranks, 2, criteo_ckpt, tmp_path, False, shards, timeout=180)
-    assert rows == [1999, 1999]
+    # each rank's share is one block of rows (0..999, 1000..1998): rank 0 writes its own before it needs any of
+    # rank 1's, which it holds a piece of at a time; batches of 100, runs spilled past 4 KB (300 rows)
+    (rows0, _, peak0), (rows1, _, peak1) = run_ranks(_predict_two_ranks_in_pieces, 2, criteo_ckpt, tmp_path, False,
+                                                     4096, 4096, shards, "--data.batch_size=100", timeout=180)
+    assert rows0 == rows1 == 1999
+    assert peak0 <= 2 * 256 and peak1 <= 300, (peak0, peak1)  # it held all 1999 rows on rank 0 before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     got = _read(tmp_path / "preds.csv")
     module = DLRMModule.load_from_checkpoint(criteo_ckpt, map_location="cpu").eval()
     with torch.no_grad():  # the unsharded module over the directory in its own order, one process
@@ -345,14 +361,28 @@ def test_two_tower_predict_at_two_ranks_equals_one_process(two_tower_ckpt, tmp_p
 
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".parquet"])
 def test_rows_come_out_once_in_input_order_and_an_all_nan_column_is_left_out(tmp_path, suffix):
-    from lightning_rec.predict import _in_input_order, write_table
+    from lightning_rec.predict_rows import RunSpill, SortedMerge, TableWriter, written_columns
 
-    # two ranks' rows, interleaved, with the padding repeats of a distributed sampler (rows 0 and 1 twice)
-    row = np.array([0, 2, 4, 1, 3, 0, 1])
-    table = _in_input_order({"row": row, "p": row * 0.5, "label": np.full(7, np.nan),
-                             "item": np.stack([row * 10, row * 10 + 1], axis=1)})
-    write_table(table, tmp_path / f"out{suffix}")
-    assert [p.name for p in tmp_path.iterdir()] == [f"out{suffix}"]  # the temporary file was renamed into place
+    # two ranks' rows, each in its own order, with the padding repeats of a distributed sampler (rows 0 and 1 twice)
+    ranks = [np.array([0, 2, 4, 0]), np.array([3, 1, 1])]
+    spills = [RunSpill(16, lambda r=r: Path(tmp_path / f"rank{r}").resolve()) for r in range(2)]
+    for rank, rows in enumerate(ranks):
+        (tmp_path / f"rank{rank}").mkdir()
+        for lo in range(0, len(rows), 2):  # batches of 2 rows, spilled past 16 bytes: one run per batch
+            row = rows[lo:lo + 2]
+            spills[rank].add({"row": row, "p": row * 0.5, "label": np.full(len(row), np.nan),
+                              "item": np.stack([row * 10, row * 10 + 1], axis=1)})
+    assert [s.num_runs for s in spills] == [2, 2]
+    writer = TableWriter(tmp_path / f"out{suffix}", written_columns(spills[0].columns, spills[0].all_nan))
+    merge, streams = SortedMerge(2), [s.stream(64) for s in spills]
+    while not merge.done:
+        for r in merge.needs():
+            merge.feed(r, next(streams[r], None))
+        writer.write(merge.pop())
+    writer.close()
+    for s in spills:
+        s.close()
+    assert [p.name for p in tmp_path.iterdir()] == [f"out{suffix}"]  # runs removed, the file renamed into place
     got = _read(tmp_path / f"out{suffix}")
     if suffix == ".parquet":
         assert list(got) == ["row", "p", "item"]
@@ -362,6 +392,84 @@ def test_rows_come_out_once_in_input_order_and_an_all_nan_column_is_left_out(tmp
         np.testing.assert_array_equal(got["item_2"], np.arange(5) * 10 + 1)
     np.testing.assert_array_equal(got["row"], np.arange(5))
     np.testing.assert_array_equal(got["p"], np.arange(5) * 0.5)
+
+
+def test_merge_of_spilled_runs_equals_a_sort_and_holds_a_chunk_per_stream(tmp_path):
+    """Random shares (sorted or not, repeats within and across ranks, an empty one), spilled in runs and merged
+    rank by rank: the rows of np.unique, each with its first copy's values, holding at most a chunk per stream."""
+    from lightning_rec.predict_rows import RunSpill, SortedMerge
+
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        ranks = int(rng.integers(1, 5))
+        shares = [rng.integers(0, 300, size=int(rng.integers(0, 400))) for _ in range(ranks)]
+        if trial % 2:
+            shares = [np.sort(s) for s in shares]  # in input order, as a sampler gives them
+        spills = []
+        for r, share in enumerate(shares):
+            directory = tmp_path / f"t{trial}r{r}"
+            spill = RunSpill(int(rng.integers(16, 2000)), lambda d=directory: (d.mkdir(), d)[1])
+            for lo in range(0, len(share), 37):
+                rows = share[lo:lo + 37].astype(np.int64)
+                spill.add({"row": rows, "v": rows * 2 + r, "w": np.stack([rows, -rows], 1).astype(np.float32)})
+            spills.append(spill)
+        chunk_bytes = int(rng.integers(16, 3000))
+        merge, streams = SortedMerge(ranks), [s.stream(chunk_bytes) for s in spills]
+        out = []
+        while not merge.done:
+            for r in merge.needs():
+                merge.feed(r, next(streams[r], None))
+            out.append(merge.pop())
+        got = {k: np.concatenate([t[k] for t in out if t]) for k in ("row", "v", "w")} if any(out) else None
+        every = np.concatenate(shares)
+        want_rows = np.unique(every)
+        if got is None:
+            assert len(want_rows) == 0
+            continue
+        np.testing.assert_array_equal(got["row"], want_rows)
+        np.testing.assert_array_equal(got["w"][:, 1], -want_rows.astype(np.float32))
+        # the first copy: the lowest rank that has the row (a rank's copies of one row are alike)
+        owner = np.array([min(r for r, s in enumerate(shares) if row in s) for row in want_rows])
+        np.testing.assert_array_equal(got["v"], want_rows * 2 + owner)
+        per_row = 8 + 8 + 8
+        assert merge.held_rows_peak <= ranks * max(1, chunk_bytes // per_row)
+        for s in spills:
+            s.close()
+        assert not any(tmp_path.glob(f"t{trial}r*/*"))
+
+
+def test_a_failed_predict_leaves_no_run_and_no_partial_file(tmp_path):
+    import lightning.pytorch as L
+
+    from lightning_rec.predict import PredictionWriter
+
+    class Failing(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def predict_step(self, batch, batch_idx):
+            if batch_idx == 5:
+                raise RuntimeError("the model failed at batch 5")
+            return {"score": self.layer(batch[0]).squeeze(1)}
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(80, 1)), batch_size=10)
+    writer = PredictionWriter(str(tmp_path / "out" / "p.csv"))
+    writer.spill_bytes = 64  # every batch is a run on disk
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[writer],
+                        default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="failed at batch 5"):
+        trainer.predict(Failing(), data)
+    assert list((tmp_path / "out").iterdir()) == []  # the runs of batches 0-4 removed, no temporary file
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[writer],
+                        default_root_dir=tmp_path)
+    module = Failing()
+    module.predict_step = lambda batch, batch_idx: {"score": batch[0].squeeze(1)}
+    trainer.predict(module, data)
+    assert writer.num_rows == 80 and writer.held_rows_peak == 10  # spilled each batch
+    got = _read(tmp_path / "out" / "p.csv")["score"].astype(np.float32)  # float32 written in its shortest form
+    np.testing.assert_array_equal(got, data.dataset.tensors[0][:, 0].numpy())
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["p.csv"]
 
 
 def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
