@@ -50,6 +50,7 @@ from lightning_rec.predict_rows import (
     RunSpill,
     SortedMerge,
     TableWriter,
+    promoted,
     suffix_of,
     write_table,
     written_columns,
@@ -204,7 +205,7 @@ class PredictionWriter(BasePredictionWriter):
 
     def _open_writer(self, shapes: list) -> TableWriter:
         given = [s for s in shapes if s[0]]
-        columns = given[0][0] if given else {}
+        columns = promoted([s[0] for s in given]) if given else {}
         all_nan = {k: all(s[1].get(k, True) for s in given) for k in columns}
         renumber = any(s[2] for s in shapes)  # a rank whose share was empty saw no row_ids; the others did
         return TableWriter(self._path, written_columns(columns, all_nan), renumber=renumber)

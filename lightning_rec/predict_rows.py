@@ -136,6 +136,27 @@ def merged(streams: list[Iterator[dict[str, np.ndarray]]]) -> Iterator[dict[str,
             yield table
 
 
+def promoted(shapes: list[dict[str, tuple[np.dtype, tuple[int, ...]]]]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """One set of columns for batches (or ranks) whose columns are `shapes`: a column's dtype is the one that holds
+    each batch's (float32 and float64: float64); its names and shape past the rows must agree."""
+    first = shapes[0]
+
+    def shown(shape: tuple[int, ...]) -> str:
+        return f"[rows, {', '.join(map(str, shape))}]" if shape else "[rows]"
+
+    for other in shapes[1:]:
+        if set(other) != set(first):
+            raise ValueError(f"predict_step returned the columns {sorted(other)} after {sorted(first)}: return the "
+                             f"same columns for every batch")
+        for k, (_, shape) in other.items():
+            if shape != first[k][1]:
+                raise ValueError(f"predict_step returned column {k!r} of shape {shown(shape)} after "
+                                 f"{shown(first[k][1])}: return the same shape per row in every batch (pad a shorter "
+                                 f"top-K list, e.g. with -1)")
+        first = {k: (np.result_type(dtype, other[k][0]), shape) for k, (dtype, shape) in first.items()}
+    return first
+
+
 class RunSpill:
     """One rank's rows: in memory up to `spill_bytes`, then sorted and written as a run (one .npy per column) into a
     directory that `make_dir()` gives on the first spill. `stream(chunk_bytes)` gives every row in ROW order, each
@@ -156,9 +177,8 @@ class RunSpill:
         if not self.columns:
             self.columns = {k: (v.dtype, v.shape[1:]) for k, v in table.items()}
             self.all_nan = {k: v.dtype.kind == "f" for k, v in table.items()}
-        elif set(table) != set(self.columns):
-            raise ValueError(f"predict_step returned the columns {sorted(table)} after {sorted(self.columns)}: "
-                             f"return the same columns for every batch")
+        else:
+            self.columns = promoted([self.columns, {k: (v.dtype, v.shape[1:]) for k, v in table.items()}])
         for k, v in table.items():
             if self.all_nan[k] and v.size and not np.isnan(v).all():
                 self.all_nan[k] = False
@@ -257,8 +277,8 @@ class TableWriter:
         if self.renumber:
             table = {**table, ROW: np.arange(self.num_rows, self.num_rows + rows, dtype=np.int64)}
         arrays = []
-        for name, (_, shape) in self.columns.items():
-            values = table[name]
+        for name, (dtype, shape) in self.columns.items():
+            values = table[name].astype(dtype, copy=False)  # a batch of a narrower type than another's
             if shape and self.suffix == ".parquet":
                 arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), int(shape[0])))
             elif shape:

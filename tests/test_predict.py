@@ -484,3 +484,23 @@ def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
     assert PredictionWriter(str(tmp_path / "p.csv"), overwrite=True).resolve_path(trainer) == tmp_path / "p.csv"
     (tmp_path / "predictions.csv").write_text("x\n")
     assert PredictionWriter().resolve_path(trainer) == tmp_path / "predictions_1.csv"
+
+
+def test_batches_of_other_dtypes_are_widened_and_other_shapes_refused(tmp_path):
+    from lightning_rec.predict_rows import RunSpill, TableWriter, written_columns
+
+    spill = RunSpill(1 << 20, lambda: tmp_path)
+    spill.add({"row": np.arange(2), "p": np.array([0.25, 0.5], np.float32)})
+    spill.add({"row": np.arange(2, 4), "p": np.array([1 / 3, 0.75], np.float64)})  # a float64 batch after float32
+    writer = TableWriter(tmp_path / "p.parquet", written_columns(spill.columns, spill.all_nan))
+    for table in spill.stream(1 << 20):
+        writer.write(table)
+    writer.close()
+    np.testing.assert_array_equal(_read(tmp_path / "p.parquet")["p"], [0.25, 0.5, 1 / 3, 0.75])  # none narrowed
+    spill = RunSpill(1 << 20, lambda: tmp_path)
+    spill.add({"row": np.arange(2), "item": np.zeros((2, 5))})
+    with pytest.raises(ValueError, match=r"column 'item' of shape \[rows, 3\] after \[rows, 5\]: return the same "
+                                         r"shape per row in every batch \(pad a shorter top-K list"):
+        spill.add({"row": np.arange(2, 4), "item": np.zeros((2, 3))})
+    with pytest.raises(ValueError, match=r"the columns \['row', 'score'\] after \['item', 'row'\]: return the same"):
+        spill.add({"row": np.arange(2, 4), "score": np.zeros(2)})
