@@ -273,6 +273,9 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     # (their len() is exact), and predictions find each row's place without the loader's sample indices
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"Couldn't infer the batch indices fetched from your dataloader")
+    # and that a fit without --data.val_path has no validation batches: the data module's empty list says so on
+    # purpose (an empty val file is a DataLoader of length zero, and Lightning still names it)
+    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):

@@ -34,6 +34,20 @@ def test_criteo_recipe_reaches_auc_on_real_samples(shared_data, tmp_path):
     assert val(cli, "val_auc") >= 0.70  # hashed logistic regression: about 0.69
 
 
+def test_a_fit_without_validation_says_nothing_of_it(shared_data, tmp_path):
+    import warnings
+
+    criteo = shared_data / "criteo"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_cli(["fit", "--config", "recipes/configs/dlrm_criteo_kaggle.yaml",
+                 f"--data.init_args.train_path={criteo / 'criteo_kaggle_train_sample.tsv'}", "--data.val_path=null",
+                 f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=2",
+                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "across ranks is zero" in m], said  # Lightning's word on the empty val list
+
+
 @needs_wandb
 def test_wandb_logger_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
