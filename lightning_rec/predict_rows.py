@@ -193,13 +193,19 @@ class RunSpill:
         self._parts, self._bytes = [], 0
         if not num_rows(table):
             return
-        if self._dir is None:
-            self._dir = self._make_dir()
-        run = self._dir / f"run{len(self._runs)}"
-        run.mkdir()
-        for i, k in enumerate(self.columns):  # read back in the same order (_read_run)
-            np.save(run / f"{i}.npy", table[k], allow_pickle=False)
-        self._runs.append(run)
+        try:
+            if self._dir is None:
+                self._dir = self._make_dir()
+            run = self._dir / f"run{len(self._runs)}"
+            self._runs.append(run)  # removed by close() even when written only in part
+            run.mkdir()
+            for i, k in enumerate(self.columns):  # read back in the same order (_read_run)
+                np.save(run / f"{i}.npy", table[k], allow_pickle=False)
+        except OSError as e:
+            raise OSError(e.errno, f"predictions past {self.spill_bytes >> 20} MB per rank are written to disk beside "
+                                   f"the output file, and writing {self._dir or 'there'} failed ({e.strerror or e}): "
+                                   f"free space there, or write the predictions to another disk "
+                                   f"(--predictions.output_path)") from e
 
     def _read_run(self, run: Path, chunk_rows: int) -> Iterator[dict[str, np.ndarray]]:
         columns = {k: np.load(run / f"{i}.npy", mmap_mode="r") for i, k in enumerate(self.columns)}

@@ -504,3 +504,26 @@ def test_batches_of_other_dtypes_are_widened_and_other_shapes_refused(tmp_path):
         spill.add({"row": np.arange(2, 4), "item": np.zeros((2, 3))})
     with pytest.raises(ValueError, match=r"the columns \['row', 'score'\] after \['item', 'row'\]: return the same"):
         spill.add({"row": np.arange(2, 4), "score": np.zeros(2)})
+
+
+def test_a_full_disk_while_spilling_names_the_fix_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from lightning_rec.predict_rows import RunSpill
+
+    directory = tmp_path / "runs"
+    spill = RunSpill(16, lambda: (directory.mkdir(), directory)[1])
+    spill.add({"row": np.arange(4)})  # the first run is written
+    real_save = np.save
+
+    def full(path, *args, **kwargs):
+        real_save(path, *args, **kwargs)  # a part of the run is on disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(OSError, match=r"written to disk beside the output file, and writing .*runs failed \(No space "
+                                      r"left on device\): free space there, or write the predictions to another disk "
+                                      r"\(--predictions.output_path\)"):
+        spill.add({"row": np.arange(4, 8)})
+    spill.close()
+    assert not directory.exists()
