@@ -202,6 +202,89 @@ def _sharding_tutorial_worker(rank: int, world_size: int) -> float:
     return _local_error(dmp.state_dict(), reference.state_dict())
 
 
+def _torchrec_dlrm_state(tables: dict[str, torch.Tensor], dense: list[int], over: list[int], dense_in: int,
+                         dcn: tuple[int, int] | None, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A state dict with TorchRec's DLRM / DLRM_DCN names and shapes (torchrec/models/dlrm.py, modules/mlp.py,
+    modules/crossnet.py), random values."""
+    state = {f"sparse_arch.embedding_bag_collection.embedding_bags.{t}.weight": w for t, w in tables.items()}
+    sizes = [dense_in, *dense]
+    for i in range(len(dense)):
+        state[f"dense_arch.model._mlp.{i}._linear.weight"] = torch.randn(sizes[i + 1], sizes[i], generator=g) * 0.3
+        state[f"dense_arch.model._mlp.{i}._linear.bias"] = torch.randn(sizes[i + 1], generator=g) * 0.1
+    F, D = len(tables), dense[-1]
+    if dcn is None:
+        over_in = D + (F + 1) * F // 2
+    else:
+        over_in = (F + 1) * D
+        for layer in range(dcn[0]):
+            state[f"inter_arch.crossnet.W_kernels.{layer}"] = torch.randn(over_in, dcn[1], generator=g) * 0.2
+            state[f"inter_arch.crossnet.V_kernels.{layer}"] = torch.randn(dcn[1], over_in, generator=g) * 0.2
+            state[f"inter_arch.crossnet.bias.{layer}"] = torch.randn(over_in, 1, generator=g) * 0.1
+    sizes = [over_in, *over]
+    for i in range(len(over) - 1):
+        state[f"over_arch.model.0._mlp.{i}._linear.weight"] = torch.randn(sizes[i + 1], sizes[i], generator=g) * 0.3
+        state[f"over_arch.model.0._mlp.{i}._linear.bias"] = torch.randn(sizes[i + 1], generator=g) * 0.1
+    state["over_arch.model.1.weight"] = torch.randn(over[-1], over[-2], generator=g) * 0.3
+    state["over_arch.model.1.bias"] = torch.randn(over[-1], generator=g) * 0.1
+    return state
+
+
+def _torchrec_dlrm_forward(state: dict[str, torch.Tensor], dense_x: torch.Tensor, pooled_BFD: torch.Tensor,
+                           dcn_layers: int | None) -> torch.Tensor:
+    """TorchRec's DLRM forward in a few lines, read from its state dict: DenseArch (ReLU after every layer),
+    InteractionArch (dense + upper-triangle dots) or InteractionDCNArch (LowRankCrossNet over [dense, sparse]),
+    OverArch (ReLU layers, then the logit layer)."""
+    def mlp(x, name, n):
+        for i in range(n):
+            x = torch.relu(x @ state[f"{name}._mlp.{i}._linear.weight"].t() + state[f"{name}._mlp.{i}._linear.bias"])
+        return x
+
+    dense_BD = mlp(dense_x, "dense_arch.model", sum(k.startswith("dense_arch.") and k.endswith("weight")
+                                                    for k in state))
+    vectors_BND = torch.cat([dense_BD.unsqueeze(1), pooled_BFD], dim=1)
+    if dcn_layers is None:
+        rows, cols = torch.triu_indices(vectors_BND.shape[1], vectors_BND.shape[1], offset=1)
+        inter = torch.cat([dense_BD, torch.bmm(vectors_BND, vectors_BND.transpose(1, 2))[:, rows, cols]], dim=1)
+    else:
+        x0 = vectors_BND.reshape(len(dense_x), -1).unsqueeze(2)
+        x = x0
+        for layer in range(dcn_layers):
+            w = state[f"inter_arch.crossnet.W_kernels.{layer}"] @ (state[f"inter_arch.crossnet.V_kernels.{layer}"] @ x)
+            x = x0 * (w + state[f"inter_arch.crossnet.bias.{layer}"]) + x
+        inter = x.squeeze(2)
+    hidden = sum(k.startswith("over_arch.model.0.") and k.endswith("weight") for k in state)
+    logit_layer = state["over_arch.model.1.weight"], state["over_arch.model.1.bias"]
+    return mlp(inter, "over_arch.model.0", hidden) @ logit_layer[0].t() + logit_layer[1]
+
+
+def test_a_torchrec_dlrm_state_dict_loads_by_its_own_names_and_predicts_the_same():
+    from lightning_rec.models import DLRM_DCN
+
+    g = torch.Generator().manual_seed(0)
+    names = ["f1", "f2", "f3"]
+    tables = {f"t_{f}": torch.randn(20, 8, generator=g) for f in names}
+    dense_x = torch.randn(5, 4, generator=g)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.randint(0, 20, (15,), generator=g),
+                                              lengths=torch.ones(15, dtype=torch.int64))
+    pooled_BFD = torch.stack([tables[f"t_{f}"][kjt[f].values()] for f in names], dim=1)
+    for dcn in (None, (2, 3)):
+        ebc = torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(name=f"t_{f}", embedding_dim=8,
+                                                                           num_embeddings=20, feature_names=[f])
+                                               for f in names])
+        args = dict(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8],
+                    over_arch_layer_sizes=[12, 6, 1])
+        model = DLRM(**args) if dcn is None else DLRM_DCN(**args, dcn_num_layers=dcn[0], dcn_low_rank_dim=dcn[1])
+        state = _torchrec_dlrm_state(tables, [16, 8], [12, 6, 1], 4, dcn, g)
+        model.load_state_dict(state)  # strict: every TorchRec name found its place, and no parameter was left
+        want = _torchrec_dlrm_forward(state, dense_x, pooled_BFD, None if dcn is None else dcn[0])
+        with torch.no_grad():
+            torch.testing.assert_close(model(dense_x, kjt), want, rtol=1e-5, atol=1e-5)
+        # inside DLRMTrain (TorchRec's `model.` prefix) too, and our own names still load
+        train = DLRMTrain(model)
+        train.load_state_dict({f"model.{k}": v for k, v in state.items()})
+        model.load_state_dict(model.state_dict())
+
+
 def test_sharding_tutorial_on_two_ranks_trains_as_plain_pytorch():
     for error in run_ranks(_sharding_tutorial_worker, 2, timeout=120):
         assert error < 1e-6

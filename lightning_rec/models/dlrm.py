@@ -1,4 +1,4 @@
-"""DLRM and DLRM-DCNv2 (TorchRec's module layout, so its checkpoints' names feel familiar).
+"""DLRM and DLRM-DCNv2 (TorchRec's module layout; a TorchRec DLRM's state dict loads by its own names).
 
 Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last layer), I dense inputs.
 
@@ -145,6 +145,47 @@ class DLRM(nn.Module):
         if dense_device is not None:
             for arch in (self.dense_arch, self.inter_arch, self.over_arch):
                 arch.to(dense_device)
+        self._register_load_state_dict_pre_hook(self._rename_torchrec_keys)
+
+    def torchrec_names(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+        """TorchRec's name of each dense parameter -> (ours, our shape where TorchRec's differs; else None).
+
+        TorchRec's DenseArch is `model._mlp.<i>._linear` (a Perceptron per layer, ReLU after each), its OverArch
+        `model.0._mlp.<i>._linear` (the layers but the last, ReLU after each) then `model.1` (the logit), and its
+        LowRankCrossNet `W_kernels.<l>` [K, r], `V_kernels.<l>` [r, K], `bias.<l>` [K, 1] (or [K]): our U.<l>.weight,
+        V.<l>.weight and U.<l>.bias. The same layers and the same arithmetic, so a TorchRec DLRM's state dict loads
+        as is (the tables' names are the same already)."""
+        names: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+
+        def linears(arch: nn.Sequential) -> list[int]:
+            return [i for i, layer in enumerate(arch) if isinstance(layer, nn.Linear)]
+
+        for i, at in enumerate(linears(self.dense_arch)):
+            for p in ("weight", "bias"):
+                names[f"dense_arch.model._mlp.{i}._linear.{p}"] = (f"dense_arch.{at}.{p}", None)
+        *hidden, last = linears(self.over_arch)
+        for i, at in enumerate(hidden):
+            for p in ("weight", "bias"):
+                names[f"over_arch.model.0._mlp.{i}._linear.{p}"] = (f"over_arch.{at}.{p}", None)
+        for p in ("weight", "bias"):
+            names[f"over_arch.model.1.{p}"] = (f"over_arch.{last}.{p}", None)
+        crossnet = getattr(self.inter_arch, "crossnet", None)
+        if crossnet is not None:
+            for layer, U in enumerate(crossnet.U):
+                names[f"inter_arch.crossnet.W_kernels.{layer}"] = (f"inter_arch.crossnet.U.{layer}.weight", None)
+                names[f"inter_arch.crossnet.V_kernels.{layer}"] = (f"inter_arch.crossnet.V.{layer}.weight", None)
+                names[f"inter_arch.crossnet.bias.{layer}"] = (f"inter_arch.crossnet.U.{layer}.bias",
+                                                              tuple(U.bias.shape))
+        return names
+
+    def _rename_torchrec_keys(self, state_dict, prefix, *args) -> None:
+        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched
+        for theirs, (ours, shape) in self.torchrec_names().items():
+            if prefix + theirs in state_dict and prefix + ours not in state_dict:
+                value = state_dict.pop(prefix + theirs)
+                if shape is not None and value.numel() == torch.Size(shape).numel():
+                    value = value.reshape(shape)  # else load_state_dict names the size mismatch
+                state_dict[prefix + ours] = value
 
     def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
         return InteractionArch(num_features)
