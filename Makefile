@@ -11,11 +11,12 @@ ARGS ?=
 
 $(STAMP): pyproject.toml setup.py $(CSRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip "setuptools>=68" wheel
+	# ninja: torch's extension builder compiles csrc/'s files in parallel with it (one at a time without)
+	$(PY) -m pip install -q --upgrade pip "setuptools>=68" wheel ninja==1.13.2
 	# torch first and pinned: anything that later asks for "torch" then finds it and pulls no CUDA wheels.
 	$(PY) -m pip install -q torch==2.13.0
 	# No build isolation: an isolated build would fetch an unpinned torch to compile csrc/.
-	$(PY) -m pip install -q --no-build-isolation -e '.[cpu,dev]'
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation -e '.[cpu,dev]'
 	touch $(STAMP)
 
 train: $(STAMP)
