@@ -178,30 +178,19 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         spill, self._spill = self._spill, None
         distributed = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
-        device = trainer.strategy.root_device
-        count = torch.zeros(1, dtype=torch.int64)
         try:
             local = spill.stream(self.gather_chunk_bytes)
             shape = (spill.columns, spill.all_nan, self._renumber)
-            shapes: list | None = [shape]
             if distributed:  # rank 0 learns every rank's columns (a rank whose share was empty has none)
                 shapes = [None] * dist.get_world_size() if trainer.is_global_zero else None
                 dist.gather_object(shape, shapes, dst=0)
-            if trainer.is_global_zero:
-                self._writer = self._open_writer(shapes)
-            merge_peak = self._merge_ranks(local, device) if distributed else self._write_all(local)
-            if trainer.is_global_zero:
-                writer, self._writer = self._writer, None
-                writer.close()
-                count[0] = writer.num_rows
+                written, merge_peak = self._merge_ranks(local, trainer.strategy.root_device, shapes)
+            else:
+                written, merge_peak = self._write_alone(local, [shape])
             self.held_rows_peak = max(spill.held_rows_peak, merge_peak)
         finally:
             spill.close()
-        if distributed:
-            # every rank learns what was written (and waits for it: the file is whole when predict returns)
-            count = count.to(device)
-            dist.broadcast(count, src=0)
-        self.written_path, self.num_rows = self._path, int(count[0])
+        self.written_path, self.num_rows = self._path, written
 
     def _open_writer(self, shapes: list) -> TableWriter:
         given = [s for s in shapes if s[0]]
@@ -210,41 +199,73 @@ class PredictionWriter(BasePredictionWriter):
         renumber = any(s[2] for s in shapes)  # a rank whose share was empty saw no row_ids; the others did
         return TableWriter(self._path, written_columns(columns, all_nan), renumber=renumber)
 
-    def _write_all(self, local: Iterator[dict[str, np.ndarray]]) -> int:
+    def _close_writer(self) -> int:
+        writer, self._writer = self._writer, None
+        try:
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.num_rows
+
+    def _write_alone(self, local: Iterator[dict[str, np.ndarray]], shapes: list) -> tuple[int, int]:
+        self._writer = self._open_writer(shapes)
         for table in local:  # one rank: its stream is in row order already
             self._writer.write(table)
-        return 0
+        return self._close_writer(), 0
 
-    def _merge_ranks(self, local: Iterator[dict[str, np.ndarray]], device: torch.device) -> int:
+    def _merge_ranks(self, local: Iterator[dict[str, np.ndarray]], device: torch.device,
+                     shapes: list | None) -> tuple[int, int]:
         """Rank 0 writes every rank's rows in row order, holding at most a chunk per rank: each round it tells the
         ranks whose rows it needs next (a broadcast flag per rank) to send their next chunk (gather_object).
-        Returns the most rows rank 0's merge held at once (0 elsewhere)."""
+        The last round tells every rank the rows written (the file is whole by then), or that rank 0 failed
+        (its disk, say): every rank raises then, none waits for a round that will not come.
+        Returns (rows written, the most rows rank 0's merge held at once; 0 elsewhere)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         merge = SortedMerge(world) if rank == 0 else None
+        failure: BaseException | None = None
+        if merge is not None:
+            try:
+                self._writer = self._open_writer(shapes)
+            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
+                failure = e
+        DONE, FAILED, ROWS = world, world + 1, world + 2  # flags past the per-rank asks
         while True:
-            asked = torch.zeros(world + 1, dtype=torch.int64)  # [r]: rank r sends a chunk; [world]: all written
+            flags = torch.zeros(world + 3, dtype=torch.int64)
             if merge is not None:
-                if merge.done:
-                    asked[world] = 1
+                if failure is None and merge.done:
+                    try:
+                        flags[ROWS] = self._close_writer()
+                    except Exception as e:  # noqa: BLE001
+                        failure = e
+                if failure is not None:
+                    flags[FAILED] = 1
+                elif merge.done:
+                    flags[DONE] = 1
                 else:
-                    asked[merge.needs()] = 1
-            asked = asked.to(device)
-            dist.broadcast(asked, src=0)
-            asked = asked.cpu()
-            if asked[world]:
-                return merge.held_rows_peak if merge is not None else 0
-            chunk = next(local, None) if asked[rank] else None
-            if merge is not None and asked[0]:
-                merge.feed(0, chunk)
-            if asked[1:world].any():  # only rank 0 asked: no gather
-                got: list | None = [None] * world if merge is not None else None
+                    flags[merge.needs()] = 1
+            flags = flags.to(device)
+            dist.broadcast(flags, src=0)
+            flags = flags.cpu()
+            if flags[FAILED]:
+                if failure is not None:
+                    raise failure
+                raise RuntimeError(f"rank 0 could not write the predictions to {self._path} (its error says why): "
+                                   f"rank {rank} stopped with it, and no file was written")
+            if flags[DONE]:
+                return int(flags[ROWS]), merge.held_rows_peak if merge is not None else 0
+            chunk = next(local, None) if flags[rank] else None
+            got: list | None = [None] * world if merge is not None else None
+            if flags[1:world].any():  # only rank 0 asked: no gather
                 dist.gather_object(chunk if rank else None, got, dst=0)
-                if merge is not None:
-                    for r in range(1, world):
-                        if asked[r]:
-                            merge.feed(r, got[r])
             if merge is not None:
-                self._writer.write(merge.pop())
+                try:
+                    for r in range(world):
+                        if flags[r]:
+                            merge.feed(r, chunk if r == 0 else got[r])
+                    self._writer.write(merge.pop())
+                except Exception as e:  # noqa: BLE001 - told to every rank at the next round
+                    failure = e
 
     # a predict that fails leaves neither runs nor a partial file ---------------------------------------------
 

@@ -189,6 +189,43 @@ def test_predict_at_two_ranks_with_sharded_tables_writes_each_row_once_in_order(
     np.testing.assert_allclose(got["probability"], want, rtol=0, atol=1e-6)  # one id per bag: same sums
 
 
+def _predict_two_ranks_rank0_disk_full(rank: int, world_size: int, ckpt: Path, root: Path) -> str:
+    """_predict_two_ranks where rank 0's disk fills after the first piece of the file: what each rank raised."""
+    import errno
+
+    from lightning_rec.predict import PredictionWriter
+    from lightning_rec.predict_rows import TableWriter
+
+    if rank == 0:
+        write = TableWriter.write
+
+        def filling(self, table):
+            if self.num_rows:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            write(self, table)
+
+        TableWriter.write = filling
+    PredictionWriter.gather_chunk_bytes = 4096  # pieces of ~256 rows: the disk fills with rows still to come
+    try:
+        _predict_two_ranks(rank, world_size, ckpt, root, False)
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@needs_criteo
+def test_rank_0_failing_to_write_stops_every_rank_and_leaves_no_file(criteo_ckpt, tmp_path):
+    import time
+
+    start = time.monotonic()
+    said = run_ranks(_predict_two_ranks_rank0_disk_full, 2, criteo_ckpt, tmp_path, timeout=120)
+    assert "No space left on device" in said[0], said
+    assert "rank 0 could not write the predictions to" in said[1] and "no file was written" in said[1], said
+    assert time.monotonic() - start < 60  # rank 1 was told at the next round; it did not wait out a timeout
+    assert not (tmp_path / "preds.csv").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file, no run
+
+
 @needs_criteo
 @pytest.mark.parametrize("block_bytes", [32768, 1 << 20], ids=["blocks_dealt", "rows_dealt"])
 def test_predict_at_two_ranks_from_a_text_stream_writes_each_row_once_in_order(criteo_ckpt, tmp_path, block_bytes):
