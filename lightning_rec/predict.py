@@ -33,6 +33,7 @@ A path the user gives that exists is refused unless `overwrite=True`.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -102,6 +103,19 @@ class PredictionWriter(BasePredictionWriter):
     # before predicting: where to write, checked on every rank (each raises the same error) -------------------
 
     def resolve_path(self, trainer: pl.Trainer) -> Path:
+        path = self._resolve(trainer)
+        try:  # a directory that cannot take the file (nor this rank's spilled rows) is found now, not after predict
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
+                pass
+        except OSError as e:
+            why = "it is a file" if path.parent.is_file() else e.strerror or e
+            raise ValueError(f"prediction output {path}: cannot write in {path.parent} ({why}): give "
+                             f"a path in a directory you can write (--predictions.output_path; each rank also "
+                             f"keeps its spilled rows there)") from e
+        return path
+
+    def _resolve(self, trainer: pl.Trainer) -> Path:
         if self.output_path is None:
             return default_output_path(trainer.default_root_dir)
         path = Path(self.output_path)

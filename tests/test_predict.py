@@ -521,6 +521,12 @@ def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
     assert PredictionWriter(str(tmp_path / "p.csv"), overwrite=True).resolve_path(trainer) == tmp_path / "p.csv"
     (tmp_path / "predictions.csv").write_text("x\n")
     assert PredictionWriter().resolve_path(trainer) == tmp_path / "predictions_1.csv"
+    # a directory that cannot be made is found before predicting (it was found writing the file, after it)
+    (tmp_path / "a_file").write_text("x\n")
+    with pytest.raises(ValueError, match=r"p.csv: cannot write in .*a_file \(it is a file\): give a path in a "
+                                         r"directory you can write \(--predictions.output_path"):
+        PredictionWriter(str(tmp_path / "a_file" / "p.csv")).resolve_path(trainer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "p.csv", "predictions.csv"]  # no probe left
 
 
 def test_batches_of_other_dtypes_are_widened_and_other_shapes_refused(tmp_path):
