@@ -187,6 +187,11 @@ class RecCLI(LightningCLI):
                              f"already ({type(given[0]).__name__}): set its own options, or drop it")
         if not given:
             self.trainer.callbacks.append(PredictionWriter(options.get("output_path"), bool(options.get("overwrite"))))
+        arguments = self.config_init[self.subcommand]
+        if arguments.get("return_predictions") is None:
+            # the writer has every row; Lightning would also keep every batch's output in memory to return them,
+            # and the CLI drops what predict returns (--return_predictions=true still asks for it)
+            arguments["return_predictions"] = False
 
     def after_predict(self) -> None:
         from lightning_rec.predict import PredictionWriter

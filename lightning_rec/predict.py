@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_rec.predict_rows import (
     FORMATS,
@@ -142,6 +143,9 @@ class PredictionWriter(BasePredictionWriter):
             return directory
 
         self._spill = RunSpill(self.spill_bytes, spill_dir)
+        if trainer.predict_loop.return_predictions:
+            rank_zero_info(f"PredictionWriter writes every row to {path}; trainer.predict also keeps every batch's "
+                           f"output in memory to return it: trainer.predict(..., return_predictions=False) does not")
         self.held_rows_peak = 0
         self._stream_rows = 0
         self._renumber = False

@@ -75,9 +75,11 @@ def test_predict_writes_every_row_in_order_equal_to_forward(criteo_ckpt, tmp_pat
 
     out = tmp_path / f"preds{suffix}"
     # the recipe's train and val paths stay set: predict reads only the predict path
-    run_cli(["predict", *_criteo_args(tmp_path), f"--ckpt_path={criteo_ckpt}", f"--data.predict_path={UNLABELLED}",
-             f"--predictions.output_path={out}"])
+    cli = run_cli(["predict", *_criteo_args(tmp_path), f"--ckpt_path={criteo_ckpt}",
+                   f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}"])
     assert f"predictions: 1999 rows written to {out}" in capsys.readouterr().out
+    # the file has the rows: Lightning did not keep every batch's output too (it did by default, all of them)
+    assert not cli.trainer.predict_loop.return_predictions and not cli.trainer.predict_loop.predictions
     got = _read(out)
     want, _ = _forward(criteo_ckpt, UNLABELLED, tmp_path)
     assert list(got) == ["row", "probability"]  # an unlabelled file: no label column
@@ -475,7 +477,9 @@ def test_merge_of_spilled_runs_equals_a_sort_and_holds_a_chunk_per_stream(tmp_pa
         assert not any(tmp_path.glob(f"t{trial}r*/*"))
 
 
-def test_a_failed_predict_leaves_no_run_and_no_partial_file(tmp_path):
+def test_a_failed_predict_leaves_no_run_and_no_partial_file(tmp_path, caplog):
+    import logging
+
     import lightning.pytorch as L
 
     from lightning_rec.predict import PredictionWriter
@@ -502,7 +506,10 @@ def test_a_failed_predict_leaves_no_run_and_no_partial_file(tmp_path):
                         default_root_dir=tmp_path)
     module = Failing()
     module.predict_step = lambda batch, batch_idx: {"score": batch[0].squeeze(1)}
+    caplog.set_level(logging.INFO)
     trainer.predict(module, data)
+    # Lightning kept the outputs too (its default): the writer says how not to
+    assert [r for r in caplog.records if "trainer.predict(..., return_predictions=False) does not" in r.getMessage()]
     assert writer.num_rows == 80 and writer.held_rows_peak == 10  # spilled each batch
     got = _read(tmp_path / "out" / "p.csv")["score"].astype(np.float32)  # float32 written in its shortest form
     np.testing.assert_array_equal(got, data.dataset.tensors[0][:, 0].numpy())
