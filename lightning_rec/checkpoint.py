@@ -1144,6 +1144,9 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     a rank copies from them, so each rank pages in the pieces it keeps, not the whole model. Files
     in torch's legacy format (not a zip) are read whole.
     """
+    if not os.path.exists(path):  # not a damaged file: there is none (a typo, or a fit that saved nothing)
+        raise ValueError(f"checkpoint {path} does not exist: check the path (a fit writes its checkpoints where "
+                         f"ModelCheckpoint's dirpath says, by default <default_root_dir>/.../checkpoints)")
     try:
         mmap = zipfile.is_zipfile(path)
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)

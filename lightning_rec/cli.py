@@ -256,6 +256,25 @@ class RecCLI(LightningCLI):
             if metrics and self.trainer.is_global_zero:
                 shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
                 print(f"final {what}: {shown}", flush=True)
+        self._say_if_no_checkpoint_was_saved()
+
+    def _say_if_no_checkpoint_was_saved(self) -> None:
+        # A ModelCheckpoint without a monitor saves after validation when validation is not every epoch: a fit
+        # shorter than the recipe's check_val_every_n_epoch (1 epoch of a 40-epoch recipe, say) saved nothing, and
+        # Lightning does not say so
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer = self.trainer
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and trainer.global_step > 0 and not callback.best_model_path \
+                    and not callback.last_model_path and trainer.is_global_zero:
+                every = trainer.check_val_every_n_epoch
+                why = (f"it saves after validation, which runs every {every} epochs here and did not run in "
+                       f"{trainer.current_epoch} epoch(s)" if every and every > trainer.current_epoch
+                       else "none of its save points was reached")
+                warnings.warn(f"ModelCheckpoint(dirpath={callback.dirpath}) saved no checkpoint in this fit: {why}. "
+                              f"Add --trainer.callbacks.save_last=true (a last.ckpt when fit ends) or "
+                              f"--trainer.callbacks.every_n_train_steps=N", stacklevel=1)
 
 
 class _NoLitLoggerTip(logging.Filter):

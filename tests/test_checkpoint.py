@@ -266,6 +266,9 @@ def test_truncated_gathered_file_is_named(tmp_path, write):
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
     expect_error(ValueError, lambda: ckpt.load_file(f), str(f), "incomplete")
+    # no file at all is not a damaged one (it said "(0 bytes) is incomplete or damaged ... interrupted save")
+    missing = tmp_path / "nope.ckpt"
+    expect_error(ValueError, lambda: ckpt.load_file(missing), f"checkpoint {missing} does not exist: check the path")
 
 
 # the gathered format (one file written by rank 0): one table in flight at a time --------------------

@@ -48,6 +48,26 @@ def test_a_fit_without_validation_says_nothing_of_it(shared_data, tmp_path):
     assert not [m for m in said if "across ranks is zero" in m], said  # Lightning's word on the empty val list
 
 
+def test_a_fit_whose_model_checkpoint_saved_nothing_says_so(tmp_path):
+    # 1 epoch of a recipe that validates every 3 (the MovieLens recipes validate every 40): Lightning's
+    # ModelCheckpoint waits for a validation that never comes, and said nothing
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=3", "--trainer.limit_train_batches=4",
+            "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", *QUIET]
+    with pytest.warns(UserWarning, match=r"saved no checkpoint in this fit: it saves after validation, which runs "
+                                         r"every 3 epochs here and did not run in 1 epoch\(s\). Add "
+                                         r"--trainer.callbacks.save_last=true"):
+        run_cli(args)
+    assert not (tmp_path / "ckpt").exists()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the advice taken: a last.ckpt, and no word
+        warnings.filterwarnings("ignore", message=r"(?!.*saved no checkpoint)")
+        run_cli([*args, "--trainer.callbacks.save_last=true"])
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
 @needs_wandb
 def test_wandb_logger_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
