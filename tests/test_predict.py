@@ -318,6 +318,9 @@ def test_predict_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     message = _main(monkeypatch, *base, f"--data.predict_path={UNLABELLED}",
                     f"--predictions.output_path={tmp_path / 'p.json'}")
     assert "unknown format '.json'" in message and ".parquet" in message
+    message = _main(monkeypatch, *base, f"--data.predict_path={UNLABELLED}", f"--ckpt_path={tmp_path / 'nope.ckpt'}")
+    assert message == (f"lightning-rec predict: error: --ckpt_path {tmp_path / 'nope.ckpt'} does not exist: check "
+                       f"the path (a fit writes its checkpoints where ModelCheckpoint's dirpath says)")
     run_cli([*base, f"--data.predict_path={UNLABELLED}", f"--predictions.output_path={out}",
              "--predictions.overwrite=true"])
     assert f"predictions: 1999 rows written to {out}" in capsys.readouterr().out
