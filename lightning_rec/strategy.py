@@ -64,19 +64,59 @@ def close_process_groups() -> None:
 _exit_hook: list[bool] = []
 
 
+# after an uncaught exception, how long the exit hook waits for the groups to close before it leaves without them
+CLOSE_AFTER_ERROR_S = 10.0
+
+
 def _close_gloo_groups_at_exit() -> None:
-    """For scripts (`python train.py` with RecStrategy on CPU): close_process_groups at exit, unless the script
-    ends in an uncaught exception (then nothing is touched). gloo's destroy is local to the rank."""
+    """For scripts (`python train.py` with RecStrategy on CPU): close_process_groups at exit. gloo's destroy is
+    local to the rank.
+
+    After an uncaught exception too (a peer that died, say): left open, gloo's threads aborted the process at
+    finalization ("terminate called without an active exception", exit 134 and a core file where those are on)
+    after our error was printed. But a destroy can wait on a collective still pending with a live, stuck peer,
+    so it runs on a side thread for at most CLOSE_AFTER_ERROR_S; past that the process leaves at once, with
+    status 1 as for any uncaught exception, its output flushed."""
     import atexit
     import sys
 
     def close() -> None:
         if getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None:
             close_process_groups()
+        else:
+            _close_after_error(CLOSE_AFTER_ERROR_S)
 
     if not _exit_hook:
         _exit_hook.append(True)
         atexit.register(close)
+
+
+def _close_after_error(timeout_s: float) -> None:
+    import logging
+    import os
+    import sys
+    import threading
+
+    closed = threading.Event()
+
+    def close() -> None:
+        try:
+            close_process_groups()
+        except Exception:  # noqa: BLE001, S110 - a group broken by the error: leaving is all that is left to do
+            pass
+        finally:
+            closed.set()
+
+    threading.Thread(target=close, name="lightning_rec: close process groups", daemon=True).start()
+    if closed.wait(timeout_s):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110
+            pass
+    logging.shutdown()
+    os._exit(1)
 
 
 class RecStrategy(DDPStrategy):

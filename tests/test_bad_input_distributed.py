@@ -224,6 +224,41 @@ def _different_worker(rank, W, what):
     return _outcome(lambda: _dmp(W, False, rows=10 if rank == 0 else 12))
 
 
+_PEER_KILLED_SCRIPT = """
+import os, signal
+import lightning.pytorch as L
+from lightning_rec.data import SyntheticCriteoDataModule
+from lightning_rec.models import DLRMModule
+
+class KillRankOne(L.Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_rank == 1 and batch_idx == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+if __name__ == "__main__":
+    data = SyntheticCriteoDataModule(num_train_samples=4096, num_val_samples=256, batch_size=64)
+    L.Trainer(strategy="rec", accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
+              enable_checkpointing=False, callbacks=[KillRankOne()], default_root_dir=os.path.dirname(__file__)
+              ).fit(DLRMModule(), data)
+"""
+
+
+def test_a_rank_whose_peer_died_exits_1_after_naming_it_without_aborting(tmp_path):
+    """A script (Lightning's own launcher: rank 0 is the script, rank 1 its child) whose rank 1 is SIGKILLed: rank 0
+    names the dead peer and exits with status 1. Before, gloo's threads aborted it at interpreter exit after the
+    error ("terminate called without an active exception", status 134, SIGABRT)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_PEER_KILLED_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=env)
+    assert "rank 1 exited (its process is gone)" in done.stderr, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr and done.returncode == 1, (done.returncode, done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("what,words", [
     ("plan", ["table 't0'", "row_wise", "table_wise"]),
     ("tables", ["table 't0' num_embeddings=10\n", "table 't0' num_embeddings=12\n"]),  # the field alone
