@@ -227,11 +227,11 @@ class RecCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
-        if ckpt_path not in (None, "last", "best", "hpc", "registry") and "://" not in str(ckpt_path) and \
-                not os.path.exists(str(ckpt_path)):  # one line now, not after the model is built on every rank
+        local = ckpt_path not in (None, "last", "best", "hpc", "registry") and "://" not in str(ckpt_path)
+        if local and not os.path.exists(str(ckpt_path)):  # one line now, not after the model is built on every rank
             raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path {ckpt_path} does not exist: check the "
                              f"path (a fit writes its checkpoints where ModelCheckpoint's dirpath says)")
-        if ckpt_path not in (None, "last", "best", "hpc", "registry") and os.path.isdir(str(ckpt_path)):
+        if local and os.path.isdir(str(ckpt_path)):
             from lightning_rec.checkpoint import LIGHTNING_FILE
             from lightning_rec.strategy import RecStrategy
 

@@ -41,10 +41,6 @@ def num_rows(table: dict[str, np.ndarray]) -> int:
     return len(table[ROW]) if table else 0
 
 
-def row_bytes(table: dict[str, np.ndarray]) -> int:
-    return sum(v.itemsize * (v.shape[1] if v.ndim == 2 else 1) for v in table.values()) or 1
-
-
 def concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     parts = [p for p in parts if num_rows(p)]
     if not parts:
@@ -167,7 +163,7 @@ class RunSpill:
         self._make_dir = make_dir
         self._dir: Path | None = None
         self._parts: list[dict[str, np.ndarray]] = []
-        self._bytes = 0
+        self._bytes = self._rows = 0
         self._runs: list[Path] = []
         self.columns: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}  # name -> (dtype, shape past the rows)
         self.all_nan: dict[str, bool] = {}  # a float column NaN in every row so far (an unlabelled file's label)
@@ -183,14 +179,15 @@ class RunSpill:
             if self.all_nan[k] and v.size and not np.isnan(v).all():
                 self.all_nan[k] = False
         self._parts.append(table)
-        self._bytes += num_rows(table) * row_bytes(table)
-        self.held_rows_peak = max(self.held_rows_peak, sum(num_rows(p) for p in self._parts))
+        self._bytes += sum(v.nbytes for v in table.values())
+        self._rows += num_rows(table)  # a running count: a sum over the parts per batch grew with the parts
+        self.held_rows_peak = max(self.held_rows_peak, self._rows)
         if self._bytes >= self.spill_bytes:
             self._spill()
 
     def _spill(self) -> None:
         table = sort_by_row(concat(self._parts))
-        self._parts, self._bytes = [], 0
+        self._parts, self._bytes, self._rows = [], 0, 0
         if not num_rows(table):
             return
         try:
