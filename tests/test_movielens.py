@@ -1,5 +1,6 @@
-"""MovieLensDataModule: GroupLens layouts, splits (RecBole RO 8:1:1, official ml-100k), implicit feedback,
-whole batches, full-ranking users, and bad input. Real ml-100k is read from ../shared/data (skips without it)."""
+"""MovieLensDataModule: GroupLens layouts, splits (RecBole RO / TO 8:1:1, leave-one-out, official ml-100k),
+implicit feedback, whole batches, full-ranking users, and bad input. Real ml-100k is read from ../shared/data
+(skips without it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from conftest import SHARED_DATA
 
 from lightning_rec.data import MovieLensDataModule, RankingBatch, RetrievalBatch, passthrough_collate, read_ratings
-from lightning_rec.data.movielens import EvalShardSampler, ro_split
+from lightning_rec.data.movielens import EvalShardSampler, loo_split, ro_split, to_split
 from lightning_rec.metrics import RankingMetrics
 
 ML100K = SHARED_DATA / "movielens" / "ml-100k"
@@ -53,6 +54,84 @@ def test_ro_811_split_follows_recboles_counts_per_user(ro):
     again = ro_split(users, (0.8, 0.1, 0.1), seed=0)
     other = ro_split(users, (0.8, 0.1, 0.1), seed=1)
     assert torch.equal(again, ro.part_N) and not torch.equal(other, ro.part_N)  # seeded, random order
+
+
+def _temporal_reference(user_N, time_N, split):
+    """A per-user loop: each user's interactions sorted by (time, file position), then RecBole's counts."""
+    part = [0] * len(user_N)
+    for u in set(user_N):
+        mine = sorted((t, n) for n, (v, t) in enumerate(zip(user_N, time_N)) if v == u)
+        tot = len(mine)
+        if split == "loo":
+            held = [1, 2][-min(2, tot - 1):] if tot > 1 else []
+        else:
+            val = test = int(0.1 * tot)
+            if tot - val - test > 1 and 0 < 0.1 * tot < 1:  # RecBole: an empty part takes one from training
+                test += 1
+                if tot - val - test > 1:
+                    val += 1
+            held = [1] * val + [2] * test
+        for (_, n), p in zip(mine[tot - len(held):], held):
+            part[n] = p
+    return part
+
+
+@pytest.mark.parametrize("split", ["to_811", "loo"])
+def test_temporal_splits_hold_out_each_users_newest_interactions(split):
+    g = np.random.default_rng(1)
+    user_N = g.integers(0, 40, size=600)  # users with 1 to ~30 interactions; many equal timestamps
+    time_N = g.integers(0, 25, size=600)
+    fn = (lambda u, t: loo_split(u, t)) if split == "loo" else (lambda u, t: to_split(u, t, (0.8, 0.1, 0.1)))
+    got = fn(torch.from_numpy(user_N), torch.from_numpy(time_N))
+    assert got.tolist() == _temporal_reference(user_N.tolist(), time_N.tolist(), split)
+    assert set(got.tolist()) == {0, 1, 2}
+
+
+def test_temporal_splits_through_the_data_module(tmp_path):
+    """Each user's test item is the newest, validation the one before; a repeat keeps its earliest copy;
+    a file without timestamps has no time order to split by, and says so."""
+    rows = [(1, 10, 300), (1, 11, 100), (1, 12, 200), (1, 13, 50),  # user 1: 13, 11 train; 12 val; 10 test
+            (2, 10, 7), (2, 11, 5),                                  # two: 11 trains, 10 is the test item
+            (3, 12, 1),                                              # one: trains only
+            (4, 10, 9), (4, 11, 1), (4, 12, 2), (4, 10, 0)]          # 10 again, earlier: now the oldest
+    path = _write(tmp_path / "log" / "ratings.csv",
+                  "user,item,rating,timestamp\n" + "".join(f"{u},{i},1,{t}\n" for u, i, t in rows))
+    dm = MovieLensDataModule(str(path.parent), split="loo", side_features=False)
+    with pytest.warns(UserWarning, match="1 repeated"):
+        dm.setup()
+
+    def held(split):
+        offsets, items = dm.datasets[split].target
+        return {int(dm.user_ids[u]): [int(dm.item_ids[i]) for i in items[offsets[u]:offsets[u + 1]]]
+                for u in range(dm.num_users)}
+
+    assert held("test") == {1: [10], 2: [10], 3: [], 4: [12]}
+    assert held("val") == {1: [12], 2: [], 3: [], 4: [11]}
+    assert dm.report.split_sizes == {"train": 5, "val": 2, "test": 3}
+    to = MovieLensDataModule(str(path.parent), split="to_811", side_features=False)
+    with pytest.warns(UserWarning, match="1 repeated"):
+        to.setup()
+    assert to.report.split_sizes == {"train": 5, "val": 2, "test": 3}  # RecBole's rounding gives the same here
+    untimed = _write(tmp_path / "untimed" / "ratings.csv", "user,item,rating\n1,2,5\n1,3,4\n1,4,5\n")
+    with pytest.raises(ValueError, match=r"split='loo' orders .* by time.*no timestamp column.*split='ro_811'"):
+        MovieLensDataModule(str(untimed.parent), split="loo").setup()
+    MovieLensDataModule(str(untimed.parent), split="ro_811", side_features=False).setup()  # no time needed
+
+
+@needs_ml100k
+def test_leave_one_out_on_ml100k_holds_out_each_users_two_newest(ro):
+    dm = MovieLensDataModule(str(ML100K), split="loo", side_features=False)
+    dm.setup()
+    assert dm.report.split_sizes == {"train": 98_114, "val": 943, "test": 943}
+    cols = dm.ratings.with_format("numpy")[:]
+    user, time, part = cols["user"], cols["timestamp"], dm.part_N.numpy()
+    newest_U = np.full(943, -1)
+    np.maximum.at(newest_U, user, time)
+    assert (time[part == 2] == newest_U[user[part == 2]]).all()  # every test item is its user's newest
+    assert (time[part == 1] <= newest_U[user[part == 1]]).all()
+    before_U = np.full(943, -1)
+    np.maximum.at(before_U, user[part == 0], time[part == 0])
+    assert (before_U[user[part == 1]] <= time[part == 1]).all()  # nothing training is newer than validation
 
 
 @needs_ml100k

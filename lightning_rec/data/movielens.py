@@ -28,8 +28,17 @@ Splits (`split=`):
     "ro_811"          RecBole's RO 8:1:1: per user, interactions in random order (seeded), the last
                       10% test, the 10% before validation (RecBole's rounding: int(0.1 n) each, and
                       at least one when 0.1 n < 1 and training keeps two)
+    "to_811"          RecBole's TO 8:1:1: the same counts, each user's interactions in time order
+                      (the newest 10% test, the 10% before them validation)
+    "loo"             leave-one-out (RecBole's LS "valid_and_test"): each user's newest interaction is the
+                      test item, the one before it validation; a user with two interactions gives only
+                      a test item, one with one only trains
     "u1".."u5","ua","ub"  ml-100k's official splits: <split>.base trains, <split>.test is both the
                       validation and the test set (the official splits have no validation part)
+
+Time order is the timestamp column's, ties in the file's order (a stable sort, as RecBole's); a
+ratings file without timestamps has no temporal split. A repeated (user, item) pair keeps its
+earliest copy under a temporal split (the first in the file otherwise).
 
 Evaluation is full ranking: one sample per user, scored against every item; the held-out items of
 the split are the targets and the items the user already has are excluded: training items for
@@ -67,7 +76,10 @@ from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("ro_811", "u1", "u2", "u3", "u4", "u5", "ua", "ub")
+OFFICIAL_SPLITS = ("u1", "u2", "u3", "u4", "u5", "ua", "ub")  # ml-100k's own files
+TEMPORAL_SPLITS = ("to_811", "loo")  # each user's interactions in time order
+SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS)
+_NO_TIME = b"lightning_rec.no_timestamp"  # schema mark of a ratings table whose file had no timestamp column
 _AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
 
 
@@ -253,7 +265,9 @@ def read_ratings(path: str | Path) -> pa.Table:
         raise ValueError(f"{path}{_first_bad_line(data, sep, has_header)}: cannot parse the ratings ({e}); expected "
                          f"numeric user, item, rating[, timestamp] separated by {sep!r}") from None
     if num_fields == 3:
+        # zeros keep one schema for every file; the mark tells a temporal split there is no time to order by
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
+        table = table.replace_schema_metadata({_NO_TIME: b"1"})
     else:
         # read as float, kept as whole seconds: a log's fractional timestamps (1700000000.25) were refused, though
         # no split uses them (GroupLens' integer seconds, < 2**53, pass through float64 exactly)
@@ -395,10 +409,39 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
 
 def ro_split(user_N: Tensor, ratios: Sequence[float], seed: int) -> Tensor:
     """RecBole's RO split: per user, random order, ratio counts -> part of each interaction (0, 1, 2)."""
-    n = user_N.shape[0]
     g = torch.Generator().manual_seed(seed)
-    perm_N = torch.randperm(n, generator=g)
-    order_N = perm_N[torch.sort(user_N[perm_N], stable=True).indices]  # grouped by user, random inside
+    return _ratio_parts(user_N, ratios, torch.randperm(user_N.shape[0], generator=g))
+
+
+def to_split(user_N: Tensor, time_N: Tensor, ratios: Sequence[float]) -> Tensor:
+    """RecBole's TO split: per user, time order (ties: file order), ratio counts -> part (0, 1, 2)."""
+    return _ratio_parts(user_N, ratios, torch.sort(time_N, stable=True).indices)
+
+
+def loo_split(user_N: Tensor, time_N: Tensor) -> Tensor:
+    """Leave-one-out (RecBole's LS "valid_and_test"): per user in time order, the last interaction is
+    test (2), the one before validation (1), the rest train (0); a user leaves out at most n - 1."""
+    order_N, pos_N, count_N = _grouped(user_N, torch.sort(time_N, stable=True).indices)
+    left_out_N = torch.clamp(count_N - 1, max=2)
+    part_sorted = torch.where(pos_N >= count_N - left_out_N, pos_N - count_N + 3, 0)
+    part_N = torch.empty_like(part_sorted)
+    part_N[order_N] = part_sorted
+    return part_N
+
+
+def _grouped(user_N: Tensor, within_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Interactions grouped by user, in `within_N`'s order inside a user: (order_N, position in its user,
+    its user's count), the last two in that grouped order."""
+    order_N = within_N[torch.sort(user_N[within_N], stable=True).indices]
+    _, counts_U = torch.unique_consecutive(user_N[order_N], return_counts=True)
+    starts_U = torch.cumsum(counts_U, 0) - counts_U
+    pos_N = torch.arange(user_N.shape[0]) - torch.repeat_interleave(starts_U, counts_U)
+    return order_N, pos_N, torch.repeat_interleave(counts_U, counts_U)
+
+
+def _ratio_parts(user_N: Tensor, ratios: Sequence[float], within_N: Tensor) -> Tensor:
+    """Per user, in `within_N`'s order, RecBole's ratio counts: the first int-rounded share trains, and so on."""
+    order_N, pos_in_user, _ = _grouped(user_N, within_N)
     _, counts_U = torch.unique_consecutive(user_N[order_N], return_counts=True)
     tot_U = counts_U.double()
     cnt_UP = torch.stack([torch.floor(tot_U * r) for r in ratios], 1)  # int(ratio * tot), as RecBole
@@ -407,12 +450,9 @@ def ro_split(user_N: Tensor, ratios: Sequence[float], seed: int) -> Tensor:
         bump = (cnt_UP[:, 0] > 1) & (tot_U * ratios[p] > 0) & (tot_U * ratios[p] < 1)
         cnt_UP[bump, p] += 1
         cnt_UP[bump, 0] -= 1
-    ends_UP = cnt_UP.cumsum(1)
-    starts_U = torch.cumsum(counts_U, 0) - counts_U
-    pos_in_user = torch.arange(n) - torch.repeat_interleave(starts_U, counts_U)
-    ends_NP = torch.repeat_interleave(ends_UP, counts_U, dim=0)
+    ends_NP = torch.repeat_interleave(cnt_UP.cumsum(1), counts_U, dim=0)
     part_sorted = (pos_in_user.unsqueeze(1).double() >= ends_NP).sum(1)
-    part_N = torch.empty(n, dtype=torch.int64)
+    part_N = torch.empty(user_N.shape[0], dtype=torch.int64)
     part_N[order_N] = part_sorted
     return part_N
 
@@ -548,14 +588,15 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     Args:
         data_dir: an unpacked GroupLens folder (ml-100k, ml-1m, ml-20m, ml-25m, ...).
-        split: "ro_811" (RecBole's random-order 8:1:1 per user) or ml-100k's "u1".."u5", "ua", "ub".
+        split: "ro_811" (RecBole's random-order 8:1:1 per user), "to_811" (the same in time order), "loo"
+            (leave-one-out in time order) or ml-100k's "u1".."u5", "ua", "ub" (see the module's docstring).
         min_rating: None: every rating is an interaction; a number: only ratings >= it.
         side_features: add age/gender/occupation/zip and genre/year features where the layout has them.
         batch_size: training pairs per batch; eval_batch_size: users per evaluation batch.
         num_negatives: 0 (in-batch negatives) or 1 (one sampled negative per pair, for BPR).
         eval_test_in_fit: the validation loop also ranks the test split (logged as test_*), so one
             `fit` reports both; `trainer.test` works either way.
-        seed: the split and the negatives (the shuffle order too).
+        seed: the random split (ro_811) and the negatives (the shuffle order too).
     """
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
@@ -603,7 +644,7 @@ class MovieLensDataModule(pl.LightningDataModule):
                              f"folder (e.g. ml-100k/ with u.data, u.user, u.item)")
         layout, ratings_path = detect_layout(self.data_dir)
         self.report.layout = layout
-        if self.split != "ro_811":
+        if self.split in OFFICIAL_SPLITS:
             if layout != "ml-100k":
                 raise ValueError(f"split={self.split!r} is one of ml-100k's official splits, but {self.data_dir} is "
                                  f"{layout}: use split='ro_811'")
@@ -615,6 +656,10 @@ class MovieLensDataModule(pl.LightningDataModule):
         else:
             table = self._ratings_of(ratings_path)
             part_N = None
+            if self.split in TEMPORAL_SPLITS and table.schema.metadata and _NO_TIME in table.schema.metadata:
+                raise ValueError(f"split={self.split!r} orders each user's interactions by time, but {ratings_path} "
+                                 f"has no timestamp column: add one (user, item, rating, timestamp) or use "
+                                 f"split='ro_811'")
         if table.num_rows == 0:
             raise ValueError(f"no interactions left in {ratings_path}" +
                              (f" with min_rating={self.min_rating}: lower it" if self.min_rating is not None else ""))
@@ -635,9 +680,12 @@ class MovieLensDataModule(pl.LightningDataModule):
         # implicit feedback is one interaction per (user, item): a repeated pair (a log of clicks or re-ratings,
         # never in GroupLens' files) would be split into training and test alike, and the test copy, kept as a
         # target though seen in training, scored as found: metrics inflated, silently
-        _, first_P = np.unique(user_N.numpy() * len(self.item_ids) + item_N.numpy(), return_index=True)
+        # under a temporal split the earliest copy is the interaction (the file's first may be a later one)
+        time_N = np.asarray(table.column("timestamp"))
+        first_N = np.argsort(time_N, kind="stable") if self.split in TEMPORAL_SPLITS else np.arange(table.num_rows)
+        _, first_P = np.unique((user_N.numpy() * len(self.item_ids) + item_N.numpy())[first_N], return_index=True)
         if first_P.shape[0] < table.num_rows:
-            keep_N = np.sort(first_P)
+            keep_N = np.sort(first_N[first_P])
             self.report.duplicates_dropped = table.num_rows - keep_N.shape[0]
             warnings.warn(f"{ratings_path.parent}: {self.report.duplicates_dropped} repeated (user, item) rows dropped "
                           f"(the first of each pair kept): an interaction is a (user, item) pair, and a repeat split "
@@ -655,7 +703,10 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.item_titles = [titles.get(int(i), str(int(i))) for i in self.item_ids]
 
         if part_N is None:
-            part_N = ro_split(user_N, (0.8, 0.1, 0.1), self.seed)
+            time_N = torch.tensor(np.asarray(table.column("timestamp")))
+            part_N = {"ro_811": lambda: ro_split(user_N, (0.8, 0.1, 0.1), self.seed),
+                      "to_811": lambda: to_split(user_N, time_N, (0.8, 0.1, 0.1)),
+                      "loo": lambda: loo_split(user_N, time_N)}[self.split]()
         self.part_N = part_N
         r = self.report
         r.num_interactions, r.num_users, r.num_items = table.num_rows, num_users, num_items
@@ -664,7 +715,8 @@ class MovieLensDataModule(pl.LightningDataModule):
         seen_val = csr[0]
         tv = (part_N == 0) | (part_N == 1)
         seen_test = _csr_by_user(user_N[tv], item_N[tv], num_users)
-        if self.split != "ro_811":
+        official = self.split in OFFICIAL_SPLITS
+        if official:
             csr[1], seen_val = csr[2], csr[0]  # official splits: validation = test
         train_items = torch.zeros(num_items, dtype=torch.bool)
         train_items[item_N[train]] = True
@@ -673,9 +725,9 @@ class MovieLensDataModule(pl.LightningDataModule):
                                                     self.item_features, num_items, self.num_negatives, self.seed)
         self.datasets["val"] = UserRankingDataset(all_users, self.user_features, csr[1], seen_val)
         self.datasets["test"] = UserRankingDataset(all_users, self.user_features, csr[2],
-                                                   seen_test if self.split == "ro_811" else csr[0])
+                                                   csr[0] if official else seen_test)
         for name, p in (("val", 1), ("test", 2)):
-            in_part = part_N == (2 if self.split != "ro_811" else p)
+            in_part = part_N == (2 if official else p)
             r.split_sizes[name] = int(in_part.sum())
             r.heldout_items_unseen_in_train[name] = int((~train_items[item_N[in_part]]).sum())
             r.users_without_heldout[name] = int((csr[p][0].diff() == 0).sum())
@@ -685,7 +737,7 @@ class MovieLensDataModule(pl.LightningDataModule):
             warnings.warn(f"{self.data_dir}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
                           f"empty, so {'its' if len(empty) == 1 else 'their'} ranking metrics will be NaN: split "
                           f"{self.split!r} holds a user's item out only from "
-                          f"{'3 (validation) or 2 (test)' if self.split == 'ro_811' else 'its .test file'} "
+                          f"{'its .test file' if official else '3 (validation) or 2 (test)'} "
                           f"interactions on, and these {r.num_users} users have at most "
                           f"{int(torch.bincount(user_N).max())}", stacklevel=2)
         unseen = r.heldout_items_unseen_in_train["test"]
