@@ -1317,6 +1317,12 @@ def _data_cases():
         write(d / "ratings.csv", "userId,rating,timestamp\n1,5,1\n2,4,2\n")
         MovieLensDataModule(str(d), side_features=False).setup("fit")
 
+    @case("ml.leave_one_out_without_timestamps", ValueError, ["split='loo'", "no timestamp", "ro_811"], timeout=40)
+    def _(ctx):
+        d = ctx.tmp / "ml-untimed"
+        write(d / "ratings.csv", "user,item,rating\n1,2,5\n1,3,4\n1,4,5\n")
+        MovieLensDataModule(str(d), split="loo", side_features=False).setup("fit")
+
     @case("ml.min_rating_above_scale", ValueError, ["min_rating"], timeout=60)
     def _(ctx):
         src = DATA / "movielens" / "ml-100k"
