@@ -1205,6 +1205,57 @@ def _data_cases():
         text = criteo_text(3).encode() + b"0\t\xff" + b"\t1" * 38 + b"\n"
         parse_all(write(ctx.tmp / "byte.tsv", text))
 
+    def criteo_parquet(path: Path, n: int = 20, change=None) -> Path:
+        """Criteo rows as a Parquet table (int counts, hash strings), `change(table)` applied first."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        cols = {"label": pa.array([i % 2 for i in range(n)])}
+        cols |= {f"I{j + 1}": pa.array([j] * n) for j in range(13)}
+        cols |= {f"C{j + 1}": pa.array([f"{j + 1:08x}"] * n) for j in range(26)}
+        table = pa.table(cols)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(change(table) if change else table, path)
+        return path
+
+    def criteo_table_module(path: Path, ctx, **kw):
+        dm = CriteoDataModule(train_path=str(path), batch_size=8, cache_dir=str(ctx.tmp / "c"),
+                              num_embeddings_per_feature=100, **kw)
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm
+
+    @case("criteo.parquet_label_two", ValueError, ["lab.parquet", "row 3", "label", "on_bad_row"])
+    def _(ctx):
+        import pyarrow as pa
+
+        labels = pa.array([0, 1, 0, 2] + [0] * 16)
+        criteo_table_module(criteo_parquet(ctx.tmp / "lab.parquet", change=lambda t: t.set_column(0, "label", labels)),
+                            ctx)
+
+    @case("criteo.parquet_missing_columns", ValueError, ["cols.parquet", "'C26'", "rename"])
+    def _(ctx):
+        criteo_table_module(criteo_parquet(ctx.tmp / "cols.parquet", change=lambda t: t.drop_columns(["C26"])), ctx)
+
+    @case("criteo.parquet_streaming", ValueError, ["stream.parquet", "streaming=True", "leave streaming off"])
+    def _(ctx):
+        criteo_table_module(criteo_parquet(ctx.tmp / "stream.parquet"), ctx, streaming=True)
+
+    @case("criteo.parquet_negative_id", ValueError, ["neg.parquet", "row 0", "C1", "-5"])
+    def _(ctx):
+        import pyarrow as pa
+
+        ids = pa.array([-5] + [1] * 19)
+        criteo_table_module(criteo_parquet(ctx.tmp / "neg.parquet", change=lambda t: t.set_column(14, "C1", ids)), ctx)
+
+    @case("criteo.parquet_same_as_text", legit="a table holds the same rows as the text file")
+    def _(ctx):
+        text = criteo_table_module(write(ctx.tmp / "rows.tsv", criteo_text(20)), ctx)
+        table = criteo_table_module(criteo_parquet(ctx.tmp / "rows.parquet"), ctx)
+        a, b = (next(iter(m.train_dataloader())) for m in (text, table))
+        expect(a.labels.tolist() == b.labels.tolist() and a.sparse_features.values().tolist()
+               == b.sparse_features.values().tolist(), "the Parquet rows differ from the text rows")
+
     @case("criteo.directory_as_file", ValueError, ["directory"])
     def _(ctx):
         (ctx.tmp / "dir.tsv").mkdir()

@@ -9,6 +9,9 @@ Layouts read (detected from the first lines, each overridable):
     Kaggle test file    I1..I13 \\t C1..C26                    39 fields, no header, no label
     Kaggle train.csv    Id,Label,I1..I13,C1..C26              header, comma (test.csv: no Label)
     DeepCTR sample      label,I1..I13,C1..C26                 header, comma, ints may be "260.0"
+    Parquet / datasets  columns label (optional), I1..I13, C1..C26 by name: a .parquet file, a folder
+                        of them (the Hugging Face Hub's layout) or a `save_to_disk` folder; C as hash
+                        strings or integer ids (`lightning_rec.data.criteo_tables`); cached like text
 
 How a file becomes batches:
 
@@ -90,6 +93,13 @@ from lightning_rec.data.criteo_parse import (
     resolve_parser,
 )
 from lightning_rec.data.criteo_shards import CriteoShardDataset, dist_rank_world, is_shard_dir
+from lightning_rec.data.criteo_tables import (
+    TABLE_SOURCE_VERSION,
+    read_criteo_table,
+    source_files,
+    table_has_label,
+    table_source_kind,
+)
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -124,13 +134,18 @@ def build_criteo_cache(
     from datasets.arrow_writer import ArrowWriter
 
     path = Path(path)
-    check_criteo_file(path)
-    resolve_parser(parser)
-    stat = path.stat()
-    key_src = json.dumps(
-        [str(path.resolve()), stat.st_size, stat.st_mtime_ns, _PARSER_VERSION,
-         separator, has_header, has_label, on_bad_row]
-    )
+    table_source = table_source_kind(path) is not None
+    if table_source:  # Parquet / a saved `datasets` folder: every file it reads is in the key
+        files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(path)]
+        key_src = json.dumps([str(path.resolve()), files, "table", TABLE_SOURCE_VERSION, has_label, on_bad_row])
+    else:
+        check_criteo_file(path)
+        resolve_parser(parser)
+        stat = path.stat()
+        key_src = json.dumps(
+            [str(path.resolve()), stat.st_size, stat.st_mtime_ns, _PARSER_VERSION,
+             separator, has_header, has_label, on_bad_row]
+        )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -143,7 +158,8 @@ def build_criteo_cache(
     report = ParseReport(path=str(path))
     try:
         with ArrowWriter(features=_cache_features(), path=str(tmp)) as writer:
-            tables = read_criteo(path, separator, has_header, has_label, on_bad_row, block_bytes, parser)
+            tables = (read_criteo_table(path, has_label, on_bad_row) if table_source else
+                      read_criteo(path, separator, has_header, has_label, on_bad_row, block_bytes, parser))
             for table, block_report in tables:
                 report = block_report
                 if table.num_rows:
@@ -527,7 +543,10 @@ class CriteoDataModule(pl.LightningDataModule):
     shuffling is within blocks of `block_bytes`. See the module docstring for layouts, missing
     values and bad rows.
 
-    A path may also be a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
+    A path may also be a table: a Parquet file, a folder of them (a Hugging Face Hub dataset's files) or a
+    `datasets` save_to_disk folder, with columns label, I1..I13, C1..C26; it is converted once into the
+    same cache and gives the batches its text would (`lightning_rec.data.criteo_tables`; not streamed).
+    Or a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
     logs): each rank then reads its share of the .npy shards as batch slices
     (`lightning_rec.data.criteo_shards`); `num_embeddings_per_feature` must match the directory's.
     `parser`: "auto" (the native op when built), "native" or "python" (the reference).
@@ -616,6 +635,8 @@ class CriteoDataModule(pl.LightningDataModule):
             from lightning_rec.data.criteo_shards import load_manifest
 
             labelled = load_manifest(path)["has_label"]
+        elif table_source_kind(path):
+            labelled = table_has_label(path, self.layout_args["has_label"])
         else:
             labelled = detect_layout(path, **self.layout_args).has_label
         if not labelled:
@@ -648,9 +669,18 @@ class CriteoDataModule(pl.LightningDataModule):
         "Connection closed by peer" traceback was the last thing on the screen. Only the stage's files: predict
         on a machine without the recipe's training files works."""
         for split in self._splits_of(stage):
-            if not is_shard_dir(self.paths[split]):
+            self._check_table_streaming(split)
+            if not is_shard_dir(self.paths[split]) and not table_source_kind(self.paths[split]):
                 check_criteo_file(self.paths[split], what=f"CriteoDataModule {split}_path",
                                   fix=f"check the path (--data.{split}_path on the command line)")
+
+    def _check_table_streaming(self, split: str) -> None:
+        kind = table_source_kind(self.paths[split])
+        if self.streaming and kind:
+            raise ValueError(f"CriteoDataModule {split}_path {self.paths[split]} is a "
+                             f"{'Parquet' if kind == 'parquet' else 'datasets save_to_disk'} table, and streaming=True "
+                             f"reads text files: leave streaming off (a table is converted once into the memory-mapped "
+                             f"cache, then read at any size)")
 
     def prepare_data(self) -> None:
         # Lightning's prepare_data has no stage argument: the attached Trainer's state names it
@@ -672,6 +702,7 @@ class CriteoDataModule(pl.LightningDataModule):
                 continue
             if split in ("train", "val"):
                 self._check_labelled(split)
+            self._check_table_streaming(split)
             if is_shard_dir(self.paths[split]):
                 dataset = CriteoShardDataset(
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,

@@ -151,7 +151,8 @@ def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file",
         raise ValueError(
             f"{what} {p} is a directory, not a file: pass one file (e.g. {os.path.join(p, 'train.txt')}); "
             f"to use a directory of day files, convert it once with `lightning-rec preprocess --input "
-            f"{os.path.join(p, 'day_*')} --output_dir <dir>` and pass that output directory"
+            f"{os.path.join(p, 'day_*')} --output_dir <dir>` and pass that output directory (a folder of .parquet "
+            f"files, or one that datasets' save_to_disk wrote, is read as it is)"
         )
     if not os.path.isfile(p):
         raise ValueError(f"{what} {p} does not exist: {fix}")

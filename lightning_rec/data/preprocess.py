@@ -68,6 +68,7 @@ from lightning_rec.data.criteo_shards import (
     shard_files,
     verify_shard,
 )
+from lightning_rec.data.criteo_tables import table_source_kind
 
 log = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
@@ -162,6 +163,10 @@ def preprocess_criteo(
         raise ValueError("--input needs at least one Criteo file (day_0 ... day_23, train.txt, train.csv)")
     inputs = [str(p) for p in inputs]
     for p in inputs:
+        if table_source_kind(p):  # its bytes would be called "not a Criteo text file": say what it is and where it goes
+            raise ValueError(f"--input {p} is a Parquet / datasets table: preprocess reads Criteo text files. Pass "
+                             f"the table to the data module as it is (--data.train_path={p}): it is converted once "
+                             f"into the memory-mapped cache, with each rank reading its share")
         check_criteo_file(p, "input", fix="check --input (a Criteo file: day_0.gz, train.txt, ...)")
     if missing_categorical not in MISSING_CATEGORICAL:
         raise ValueError(f"--missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}")

@@ -1,0 +1,241 @@
+"""Criteo rows that are already tables: Parquet files (what the Hugging Face Hub serves) and `datasets` folders.
+
+Shapes: N rows of a record batch, F = 26 sparse features (C1..C26), 13 dense features (I1..I13).
+
+A source is
+    a `.parquet` file (found by its first bytes, "PAR1"),
+    a folder of `.parquet` files, read in name order (`train-00000-of-00004.parquet`, ...; the Hub's
+        layout, or `Dataset.to_parquet` / pandas' `to_parquet` in pieces), or
+    a folder written by `datasets.Dataset.save_to_disk` (dataset_info.json + state.json).
+Columns are found by name, as in a text file's header (case ignored): `label` (optional), I1..I13,
+C1..C26; others (an `Id`) are left alone. The values become the cache's raw values
+(`lightning_rec.data.criteo`), so a table and the text file it came from give the same batches:
+    label   0/1 as any integer, float or bool type (null or another value: a bad row)
+    I1..13  any number type (null: missing); strings as in text files
+    C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
+            column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
+            an integer column with missing values; NaN: missing)
+Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lightning_rec.data.criteo_parse import (
+    NUM_DENSE_FEATURES,
+    NUM_SPARSE_FEATURES,
+    ParseReport,
+    _check_on_bad_row,
+    _decode_hex,
+    _raise_or_record,
+    _strings_to_float,
+    _to_table,
+)
+
+_PARQUET_MAGIC = b"PAR1"
+_SAVED_DATASET = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside its .arrow files
+TABLE_SOURCE_VERSION = 1  # part of the cache key: bumped when the conversion below changes its output
+
+
+def _is_parquet_file(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _PARQUET_MAGIC
+    except OSError:
+        return False
+
+
+def table_source_kind(path: str | os.PathLike | None) -> str | None:
+    """"parquet" (a file, or a folder of .parquet files), "saved_dataset" (datasets' save_to_disk), or None."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_file():
+        return "parquet" if _is_parquet_file(p) else None
+    if p.is_dir():
+        if all((p / name).is_file() for name in _SAVED_DATASET) or (p / "dataset_dict.json").is_file():
+            return "saved_dataset"
+        if any(p.glob("*.parquet")):
+            return "parquet"
+    return None
+
+
+def source_files(path: str | os.PathLike) -> list[Path]:
+    """The files a table source reads, in order (what its cache key covers)."""
+    p = Path(path)
+    kind = table_source_kind(p)
+    if kind == "saved_dataset":
+        return sorted(f for f in p.iterdir() if f.is_file())
+    if kind == "parquet":
+        return [p] if p.is_file() else sorted(p.glob("*.parquet"))
+    raise ValueError(f"{path} is neither a Parquet file, a folder of .parquet files nor a datasets save_to_disk "
+                     f"folder")
+
+
+def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None) -> dict[str, str | None]:
+    """Our field ("label", "I1".."I13", "C1".."C26") -> the source's column name (None: no label)."""
+    by_lower = {name.lower(): name for name in schema.names}
+    wanted = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)] + [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
+    missing = [w for w in wanted if w.lower() not in by_lower]
+    if missing:
+        raise ValueError(f"{path}: the table has no column for {missing} (its columns: {schema.names[:8]}"
+                         f"{' ...' if len(schema.names) > 8 else ''}): a Criteo table names label (optional), I1..I13 "
+                         f"and C1..C26; rename its columns (e.g. `ds.rename_columns({{...}})`) first")
+    columns: dict[str, str | None] = {w: by_lower[w.lower()] for w in wanted}
+    columns["label"] = None if has_label is False else by_lower.get("label")
+    if has_label is True and columns["label"] is None:
+        raise ValueError(f"{path}: has_label=True but the table has no 'label' column")
+    return columns
+
+
+def _schema(path: str | os.PathLike) -> pa.Schema:
+    kind = table_source_kind(path)
+    if kind == "saved_dataset":
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):  # save_to_disk of a DatasetDict: one folder per split
+            raise ValueError(f"{path} holds the splits {list(ds)} (a DatasetDict saved to disk): pass one split's "
+                             f"folder, e.g. {Path(path) / next(iter(ds))}")
+        return ds.data.schema
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(source_files(path)[0])
+
+
+def table_has_label(path: str | os.PathLike, has_label: bool | None = None) -> bool:
+    """Whether a table source has a label column (after `has_label`, as for text files)."""
+    return _columns(path, _schema(path), has_label)["label"] is not None
+
+
+def _record_batches(path: str | os.PathLike, columns: list[str],
+                    batch_rows: int) -> Iterator[tuple[Path, int, pa.RecordBatch]]:
+    """(file, index of the batch's first row in that file, record batch of `columns`), in order."""
+    kind = table_source_kind(path)
+    if kind == "saved_dataset":
+        import datasets
+
+        table = datasets.load_from_disk(str(path)).data.table  # memory-mapped; the folder's files in order
+        first = 0
+        for rb in table.select(columns).to_batches(max_chunksize=batch_rows):
+            yield Path(path), first, rb
+            first += rb.num_rows
+        return
+    import pyarrow.parquet as pq
+
+    for f in source_files(path):
+        pf = pq.ParquetFile(f)
+        missing = [c for c in columns if c not in pf.schema_arrow.names]
+        if missing:
+            raise ValueError(f"{f}: no column {missing}, which {source_files(path)[0].name} has: the .parquet files "
+                             f"of {path} must share their columns")
+        first = 0
+        for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            yield f, first, rb
+            first += rb.num_rows
+
+
+def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Any number / bool / string column -> float64 [N] (NaN: null) and a bad-value mask [N]."""
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return _strings_to_float(col.cast(pa.string()))
+    if pa.types.is_dictionary(col.type):
+        return _numbers(col.dictionary_decode())
+    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
+        raise TypeError(col.type)
+    values_N = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN
+    null_N = col.is_null().to_numpy(zero_copy_only=False)
+    return values_N, ~np.isfinite(values_N) & ~null_N
+
+
+def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A C column -> raw ids int64 [N] (-1: missing) and a bad-value mask [N]."""
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return _decode_hex(col.cast(pa.string()))
+    if pa.types.is_integer(col.type):
+        ids_N = pc.fill_null(pc.cast(col, pa.int64()), -1).to_numpy(zero_copy_only=False)
+        bad_N = ids_N < 0
+        bad_N &= col.is_valid().to_numpy(zero_copy_only=False)
+        return np.where(bad_N, -1, ids_N), bad_N
+    if pa.types.is_floating(col.type):
+        values_N = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
+        missing_N = np.isnan(values_N)
+        bad_N = ~missing_N & ~((values_N >= 0) & (values_N < 2.0**53) & (np.floor(values_N) == values_N))
+        ids_N = np.where(missing_N | bad_N, -1, np.nan_to_num(values_N)).astype(np.int64)
+        return ids_N, bad_N
+    raise TypeError(col.type)
+
+
+def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, first: int, seen: int):
+    """One record batch -> (label [N], dense [N, 13], sparse [N, 26]) raw values, the bad-row mask [N] and the
+    problems as `_raise_or_record` takes them (rows counted over the source, reasons naming the file's row)."""
+    n = rb.num_rows
+    problems: list[tuple[np.ndarray, object, int]] = []
+    bad_N = np.zeros(n, dtype=bool)
+
+    def column(field: str, to, what: str, rank: int) -> np.ndarray:
+        col = rb.column(columns[field])
+        try:
+            values, bad = to(col)
+        except TypeError:
+            raise ValueError(f"{file}: column {columns[field]!r} ({field}) is of type {col.type}: {what}; cast it "
+                             f"first") from None
+        if field == "label":
+            bad |= ~np.isin(values, (0.0, 1.0))  # a missing label too
+        if bad.any():
+            rows = np.flatnonzero(bad)
+            problems.append((seen + rows, lambda i: f"{file}, row {first + int(rows[i])}: {field} {what.split(':')[0]},"
+                                                    f" got {col[int(rows[i])].as_py()!r}", rank))
+            bad_N[rows] = True
+        return values
+
+    label_N = np.full(n, np.nan, dtype=np.float32)
+    if columns["label"] is not None:
+        label_N[:] = column("label", _numbers, "must be 0 or 1: an integer, float or bool column", 0)
+    dense_N13 = np.empty((n, NUM_DENSE_FEATURES), dtype=np.float32)
+    for j in range(NUM_DENSE_FEATURES):
+        dense_N13[:, j] = column(f"I{j + 1}", _numbers, "must be a number: a number column, or strings of numbers",
+                                 1 + j)
+    sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
+    for j in range(NUM_SPARSE_FEATURES):
+        sparse_NF[:, j] = column(f"C{j + 1}", _ids, "must be 8 hex characters or an integer id >= 0: a string "
+                                 "column of hashes, or an integer one of ids", 14 + j)
+    return label_N, dense_N13, sparse_NF, bad_N, problems
+
+
+def read_criteo_table(
+    path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error", batch_rows: int = 1 << 20,
+) -> Iterator[tuple[pa.Table, ParseReport]]:
+    """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text.
+
+    The report is the same object every time; `skipped` holds (row, reason) with the row counted over the
+    whole source (0-based), and the reasons name the file and its own row.
+    """
+    _check_on_bad_row(on_bad_row)
+    columns = _columns(path, _schema(path), has_label)
+    names = [c for c in [columns["label"], *(columns[f"I{i}"] for i in range(1, NUM_DENSE_FEATURES + 1)),
+                         *(columns[f"C{i}"] for i in range(1, NUM_SPARSE_FEATURES + 1))] if c is not None]
+    report = ParseReport(path=str(path), layout={"format": table_source_kind(path), "columns": columns})
+    seen = 0
+    for file, first, rb in _record_batches(path, names, batch_rows):
+        label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen)
+        if problems and on_bad_row == "error":  # the first bad row, its first bad field (by rank)
+            rows, why, _ = min(problems, key=lambda p: (int(p[0].min()), p[2]))
+            raise ValueError(f"{why(int(rows.argmin()))}. Fix the table, or pass on_bad_row='skip' to drop such "
+                             f"rows (they are counted and logged)")
+        _raise_or_record(problems, on_bad_row, str(path), report)
+        report.num_skipped_rows += int(bad_N.sum())
+        report.num_rows += int((~bad_N).sum())
+        seen += rb.num_rows
+        if bad_N.any():
+            label_N, dense_N13, sparse_NF = label_N[~bad_N], dense_N13[~bad_N], sparse_NF[~bad_N]
+        yield _to_table(label_N, dense_N13, sparse_NF), report

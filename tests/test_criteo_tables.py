@@ -1,0 +1,161 @@
+"""Criteo rows as tables (Parquet files, a folder of them, a `datasets` save_to_disk folder): the same batches as
+the text file they hold, bad rows named by file and row, and what a table cannot be used for refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from lightning_rec.data import CriteoDataModule
+
+NAMES = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+
+
+def _text_rows(n: int, seed: int = 0) -> str:
+    """Criteo text rows with missing counts and ids, negative counts, labels 0/1."""
+    g = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        dense = ["" if g.random() < 0.2 else str(int(g.integers(-2, 500))) for _ in range(13)]
+        sparse = ["" if g.random() < 0.15 else f"{int(g.integers(0, 2**32)):08x}" for _ in range(26)]
+        lines.append("\t".join([str(int(g.integers(0, 2)))] + dense + sparse))
+    return "\n".join(lines) + "\n"
+
+
+def _as_table(text_path: Path) -> pa.Table:
+    """What pandas' / Arrow's readers make of the text: integer counts with nulls, hash strings."""
+    return pacsv.read_csv(text_path, read_options=pacsv.ReadOptions(column_names=NAMES),
+                          parse_options=pacsv.ParseOptions(delimiter="\t"),
+                          convert_options=pacsv.ConvertOptions(
+                              column_types={f"C{i}": pa.string() for i in range(1, 27)} | {"label": pa.int64()},
+                              strings_can_be_null=True))
+
+
+def _batches(path, cache: Path, **kwargs) -> list:
+    dm = CriteoDataModule(train_path=str(path), batch_size=64, shuffle=False, cache_dir=str(cache),
+                          num_embeddings_per_feature=[1000 + 7 * f for f in range(26)], **kwargs)
+    dm.prepare_data()
+    dm.setup("fit")
+    return [(b.labels, b.dense_features, b.sparse_features.values(), b.sparse_features.lengths())
+            for b in dm.train_dataloader()]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for p, q in zip(a, b) for x, y in zip(p, q))
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tables") / "train.txt"
+    path.write_text(_text_rows(300))
+    return path
+
+
+@pytest.mark.parametrize("missing_categorical", ["reserved_id", "empty_bag"])
+@pytest.mark.parametrize("form", ["parquet", "pieces", "saved_dataset", "int_ids", "pandas_floats"])
+def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_categorical):
+    table = _as_table(text)
+    reference = _batches(text, tmp_path / "cache", missing_categorical=missing_categorical)
+    source = tmp_path / "source"
+    if form == "parquet":
+        source = source.with_suffix(".parquet")
+        pq.write_table(table, source, row_group_size=70)
+    elif form == "pieces":  # the Hub's layout; files are read in name order, whatever order they were written in
+        source.mkdir()
+        for k in (2, 0, 1):
+            pq.write_table(table.slice(100 * k, 100), source / f"train-{k:05d}-of-00003.parquet")
+    elif form == "saved_dataset":
+        import datasets
+
+        datasets.Dataset(table).save_to_disk(str(source), max_shard_size="8KB")  # several .arrow files
+        assert len(list(source.glob("*.arrow"))) > 1
+    elif form == "int_ids":  # C columns already decoded to integers (null: missing)
+        for j in range(26):
+            col = table.column(f"C{j + 1}").to_pylist()
+            table = table.set_column(14 + j, f"C{j + 1}",
+                                     pa.array([None if v is None else int(v, 16) for v in col], pa.int64()))
+        source = source.with_suffix(".parquet")
+        pq.write_table(table, source)
+    else:  # pandas: integer columns with missing values become float64 with NaN, an index column, "Label"
+        df = table.to_pandas()
+        for j in range(26):
+            df[f"C{j + 1}"] = [float(int(v, 16)) if isinstance(v, str) else np.nan for v in df[f"C{j + 1}"]]
+        df["label"] = df["label"].astype(bool)
+        df = df.rename(columns={"label": "Label"})
+        df.insert(0, "Id", np.arange(len(df)) + 10_000_000)
+        source = source.with_suffix(".parquet")
+        df.to_parquet(source)
+    got = _batches(source, tmp_path / "cache", missing_categorical=missing_categorical)
+    assert _same(got, reference)
+
+
+def test_bad_table_rows_name_the_file_and_row_or_are_skipped_and_counted(text, tmp_path):
+    table = _as_table(text)
+    folder = tmp_path / "pieces"
+    folder.mkdir()
+    pq.write_table(table.slice(0, 150), folder / "a.parquet")
+    labels = table.column("label").to_pylist()
+    labels[150 + 5] = 2
+    c3 = table.column("C3").to_pylist()
+    c3[150 + 9] = "not-hex!"
+    bad = table.set_column(0, "label", pa.array(labels, pa.int64())).set_column(16, "C3", pa.array(c3, pa.string()))
+    bad = bad.slice(150)
+    pq.write_table(bad, folder / "b.parquet")
+    with pytest.raises(ValueError, match=r"b\.parquet, row 5: label must be 0 or 1, got 2\. .*on_bad_row='skip'"):
+        _batches(folder, tmp_path / "cache")
+    dm = CriteoDataModule(train_path=str(folder), batch_size=64, cache_dir=str(tmp_path / "cache"),
+                          on_bad_row="skip", num_embeddings_per_feature=1000)
+    dm.prepare_data()
+    dm.setup("fit")
+    report = dm.parse_reports["train"]
+    assert (report.num_rows, report.num_skipped_rows) == (298, 2)
+    assert [why for _, why in report.skipped] == [
+        f"{folder / 'b.parquet'}, row 5: label must be 0 or 1, got 2",
+        f"{folder / 'b.parquet'}, row 9: C3 must be 8 hex characters or an integer id >= 0, got 'not-hex!'"]
+    # integer ids below 0 and float ids that are not whole numbers are bad rows too
+    for values, shown in (([-3] + [1] * 299, "-3"), ([0.5] + [1.0] * 299, "0.5")):
+        f = tmp_path / f"ids_{shown}.parquet"
+        pq.write_table(table.set_column(14, "C1", pa.array(values)), f)
+        with pytest.raises(ValueError, match=rf"row 0: C1 must be .* id >= 0, got {shown}"):
+            _batches(f, tmp_path / "cache")
+
+
+def test_what_a_table_cannot_be_is_said(text, tmp_path):
+    table = _as_table(text)
+    f = tmp_path / "t.parquet"
+    pq.write_table(table.drop_columns(["I7", "C20"]), f)
+    with pytest.raises(ValueError, match=r"t\.parquet: the table has no column for \['I7', 'C20'\].*rename"):
+        _batches(f, tmp_path / "cache")
+    pq.write_table(table, f)
+    with pytest.raises(ValueError, match=r"streaming=True reads text files: leave streaming off"):
+        CriteoDataModule(train_path=str(f), streaming=True, num_embeddings_per_feature=100).setup("fit")
+    from lightning_rec.data import preprocess_criteo
+
+    with pytest.raises(ValueError, match=r"t\.parquet is a Parquet / datasets table: preprocess reads Criteo text.*"
+                                         r"--data\.train_path="):
+        preprocess_criteo([str(f)], str(tmp_path / "shards"), num_embeddings=100)
+    unlabelled = tmp_path / "test.parquet"
+    pq.write_table(table.drop_columns(["label"]), unlabelled)
+    with pytest.raises(ValueError, match=r"train_path .*test\.parquet has no label column"):
+        _batches(unlabelled, tmp_path / "cache")
+    listed = tmp_path / "listed.parquet"
+    pq.write_table(table.set_column(1, "I1", pa.array([[1]] * table.num_rows)), listed)
+    with pytest.raises(ValueError, match=r"column 'I1' \(I1\) is of type list<.*: int64>: must be a number.*cast it first"):
+        _batches(listed, tmp_path / "cache")
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset(table)}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=r"holds the splits \['train'\].*pass one split's folder.*dict/train"):
+        _batches(tmp_path / "dict", tmp_path / "cache")
+    # a table rewritten in place is read again (the cache key holds each file's size and time)
+    before = _batches(f, tmp_path / "cache")
+    pq.write_table(table.slice(0, 100), f)
+    os.utime(f, ns=(1, 1))
+    assert len(_batches(f, tmp_path / "cache")) == 2 and len(before) == 5
