@@ -99,7 +99,6 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_LUT[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX_LUT[_c] = 10 + _i
-_HEX_SHIFTS_8 = np.arange(28, -1, -4, dtype=np.int64)  # first character is the high nibble
 # What Arrow's string -> double cast accepts, minus nan/inf (checked separately); used only to
 # find which values broke a cast, so that the error names a line.
 _NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
@@ -583,9 +582,16 @@ def _decode_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     bad_N = present_N & (lengths_N != 8)
     rows = np.flatnonzero(present_N & (lengths_N == 8))
     if rows.size:
-        nibbles = _HEX_LUT[data[offsets[rows, None] + np.arange(8)]]  # [n8, 8]
+        if int(offsets[n] - offsets[0]) == 8 * rows.size:
+            # every other value is empty, so the 8-character ones lie back to back: no gather (3x faster)
+            chars = data[offsets[0]:offsets[n]].reshape(-1, 8)
+        else:
+            chars = data[offsets[rows, None] + np.arange(8)]  # [n8, 8]
+        nibbles = _HEX_LUT[chars]
         not_hex = (nibbles == 255).any(axis=1)
-        out_N[rows] = (nibbles.astype(np.int64) << _HEX_SHIFTS_8).sum(axis=1)
+        # two nibbles -> a byte, four bytes -> the big-endian 32-bit value the 8 characters spell
+        packed = np.ascontiguousarray((nibbles[:, 0::2] << 4) | nibbles[:, 1::2])
+        out_N[rows] = packed.view(">u4").reshape(-1)
         out_N[rows[not_hex]] = -1
         bad_N[rows[not_hex]] = True
     return out_N, bad_N
