@@ -459,7 +459,8 @@ class _EmbeddingCollectionBase(nn.Module):
         if probe.dtype != torch.float32:
             raise ValueError(
                 f"{type(self).__name__} tables keep their configured data_type; set data_type in the "
-                f"table configs instead of converting the module to {probe.dtype}"
+                f"table configs instead of converting the module to {probe.dtype} (Lightning's "
+                f"precision='bf16-true' / '16-true' converts it: use 'bf16-mixed')"
             )
         if probe.device != self._device:
             self._move_to(probe.device)

@@ -370,6 +370,21 @@ def test_fused_tables_under_plain_ddp_are_refused_not_left_to_drift():
         assert count == 1 and "2 ranks" in message and "--trainer.strategy=rec" in message, message
 
 
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_true_half_precision_is_refused_naming_bf16_mixed(tmp_path, stage):
+    """It failed deep in Lightning's module conversion, "tables keep their configured data_type", naming no
+    Trainer argument; bf16-mixed trains (the dense layers autocast, the tables keep float32)."""
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=64, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    kw = dict(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"precision='bf16-true'\) converts every parameter.*bf16-mixed"):
+        getattr(L.Trainer(precision="bf16-true", **kw), stage)(DLRMModule(**SMALL), data)
+    module = DLRMModule(**SMALL)
+    getattr(L.Trainer(precision="bf16-mixed", **kw), stage)(module, data)
+    assert next(module.model.dense_arch.parameters()).dtype == torch.float32
+
+
 def test_gradient_accumulation_says_the_fused_tables_update_every_batch(tmp_path):
     data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64,
                                      num_embeddings_per_feature=64)

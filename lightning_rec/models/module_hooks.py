@@ -15,10 +15,20 @@ class RecModuleHooks:
     def setup(self, stage: str) -> None:
         super().setup(stage)
         trainer = self.trainer
-        if stage != "fit":
-            return
         from lightning_rec.embedding import _EmbeddingCollectionBase
         from lightning_rec.strategy import RecStrategy
+
+        precision = str(trainer.precision)
+        if precision.endswith("-true") and precision != "32-true":
+            # said here, before Lightning converts the module (the collections refuse a dtype cast, without
+            # knowing who asked for it)
+            raise ValueError(
+                f"Trainer(precision={precision!r}) converts every parameter, the embedding tables too, which keep "
+                f"the data_type of their configs: use precision='bf16-mixed' (--trainer.precision=bf16-mixed: the "
+                f"dense layers compute in bfloat16 under autocast), and DataType.FP16 in the table configs "
+                f"for half-size tables")
+        if stage != "fit":
+            return
 
         fused = [name for name, m in self.named_modules()
                  if isinstance(m, _EmbeddingCollectionBase) and m.fused_optimizer_config() is not None]
