@@ -118,6 +118,37 @@ def test_temporal_splits_through_the_data_module(tmp_path):
     MovieLensDataModule(str(untimed.parent), split="ro_811", side_features=False).setup()  # no time needed
 
 
+def test_a_parquet_log_reads_like_its_csv(tmp_path):
+    """Interactions kept as Parquet (a log's usual format) read as ratings.csv does; no rating column is implicit
+    feedback; an Arrow timestamp column orders the temporal splits; bad columns are named."""
+    import pyarrow.parquet as pq
+
+    g = np.random.default_rng(3)
+    rows = sorted({(int(u), int(i)) for u, i in zip(g.integers(1, 30, 400), g.integers(1, 80, 400))})
+    time = g.integers(1_600_000_000, 1_600_100_000, len(rows))
+    _write(tmp_path / "csv" / "ratings.csv", "userId,movieId,rating,timestamp\n"
+           + "".join(f"{u},{i},1,{t}\n" for (u, i), t in zip(rows, time)))
+    log = pa.table({"user": [u for u, _ in rows], "item": [i for _, i in rows],
+                    "clicked_at": pa.array(time * 1000 + 250, pa.timestamp("ms"))})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(log.rename_columns(["user", "item", "timestamp"]), tmp_path / "pq" / "ratings.parquet")
+    a, b = (MovieLensDataModule(str(tmp_path / d), split="loo", side_features=False) for d in ("csv", "pq"))
+    a.setup()
+    b.setup()
+    assert b.report.layout == "parquet" and b.report.num_interactions == len(rows)
+    assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all() and torch.equal(a.part_N, b.part_N)
+    for name, table, match in (
+            ("no_time", log.drop_columns(["clicked_at"]), r"split='loo' orders .*no timestamp column"),
+            ("str_ids", log.set_column(1, "item", pa.array([f"m{i}" for _, i in rows])), r"'item' is string: ids must"),
+            ("null_item", log.set_column(1, "item", pa.array([None] + [i for _, i in rows[1:]], pa.int64())),
+             r"row 0: item is null"),
+            ("no_item", log.drop_columns(["item"]), r"no column for \['item_id'\].*name the columns")):
+        (tmp_path / name).mkdir()
+        pq.write_table(table, tmp_path / name / "ratings.parquet")
+        with pytest.raises(ValueError, match=match):
+            MovieLensDataModule(str(tmp_path / name), split="loo", side_features=False).setup()
+
+
 @needs_ml100k
 def test_leave_one_out_on_ml100k_holds_out_each_users_two_newest(ro):
     dm = MovieLensDataModule(str(ML100K), split="loo", side_features=False)

@@ -14,6 +14,8 @@ split and features, except the release decade, read from the title's year there)
                                                                 movies.dat id::title (year)::Genre|Genre
     ml-20m/25m ratings.csv  userId,movieId,rating,timestamp      movies.csv movieId,title,genres
                (and ml-latest)
+    your own   ratings.parquet  columns user, item[, rating][, timestamp] by name (as in a ratings.csv
+               header; no rating: implicit, 1.0; timestamp: seconds or an Arrow timestamp)
 
 Text files are decoded as UTF-8, else latin-1 (ml-100k's u.item and ml-1m's movies.dat are
 latin-1). Ratings are parsed by pyarrow into one Arrow table and kept as a Hugging Face
@@ -226,11 +228,65 @@ def _first_bad_line(data: bytes, sep: str, has_header: bool) -> str:
     return ""
 
 
+def _read_ratings_parquet(path: Path) -> pa.Table:
+    """A Parquet log of interactions, columns by name as in a ratings.csv header: user, item[, rating][, timestamp].
+
+    A missing rating column is implicit feedback (every row 1.0); a timestamp column may be integer seconds or an
+    Arrow timestamp; without one there is no time order (the temporal splits refuse it)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    ours = {}
+    for name in schema.names:
+        mapped = _HEADER_NAMES.get(name.strip().lower())
+        if mapped and mapped not in ours:
+            ours[mapped] = name
+    missing = [n for n in ("user_id", "item_id") if n not in ours]
+    if missing:
+        raise ValueError(f"{path}: no column for {missing} among {schema.names[:8]}: name the columns user (or userId, "
+                         f"user_id), item (or movieId, item_id)[, rating][, timestamp]")
+    table = pq.read_table(path, columns=list(ours.values()))
+    out = {}
+    for column, kind in (("user_id", pa.int64()), ("item_id", pa.int64()), ("rating", pa.float32())):
+        if column not in ours:
+            out[column] = pa.array(np.ones(table.num_rows, np.float32))  # implicit feedback
+            continue
+        col = table.column(ours[column])
+        if col.null_count:
+            row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            raise ValueError(f"{path}, row {row}: {ours[column]} is null: every interaction needs a user, an item and "
+                             f"(when the column is there) a rating")
+        whole = column != "rating"
+        if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)) or (
+                whole and pa.types.is_floating(col.type) and not bool(pc.all(pc.equal(pc.floor(col), col)).as_py())):
+            need = "ids must be integers (map string ids to integers first)" if whole else "ratings must be numbers"
+            raise ValueError(f"{path}: column {ours[column]!r} is {col.type}: {need}")
+        out[column] = pc.cast(col, kind)
+    if "timestamp" in ours:
+        col = table.column(ours["timestamp"])
+        if col.null_count or not (pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type)
+                                  or pa.types.is_floating(col.type)):
+            raise ValueError(f"{path}: column {ours['timestamp']!r} ({col.type}"
+                             f"{f', {col.null_count} nulls' if col.null_count else ''}): a timestamp is a time or "
+                             f"a number of seconds in every row")
+        if pa.types.is_timestamp(col.type):  # whole seconds, as GroupLens' files (sub-second ties keep file order)
+            out["timestamp"] = pc.cast(pc.cast(col, pa.timestamp("s"), safe=False), pa.int64())
+        else:
+            out["timestamp"] = pc.cast(pc.floor(pc.cast(col, pa.float64())), pa.int64())
+        return pa.table(out)
+    out["timestamp"] = pa.array(np.zeros(table.num_rows, np.int64))
+    return pa.table(out).replace_schema_metadata({_NO_TIME: b"1"})
+
+
 def read_ratings(path: str | Path) -> pa.Table:
-    """A ratings file (any GroupLens layout, header or not) -> Arrow table user_id, item_id, rating, timestamp."""
+    """A ratings file (any GroupLens layout, header or not; or a Parquet log) -> Arrow table user_id, item_id,
+    rating, timestamp."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
+    if path.suffix == ".parquet":
+        return _read_ratings_parquet(path)
     sep, has_header = _sniff(path)
     data = path.read_bytes()
     if sep == "::":
@@ -385,11 +441,13 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
 
 
 _OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
-             "(integer ids; give a constant rating for implicit data) and pass the folder")
+             "(integer ids; give a constant rating for implicit data), or as <folder>/ratings.parquet with columns "
+             "user, item[, rating][, timestamp], and pass the folder")
 
 
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
-    for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv")):
+    for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv"),
+                         ("parquet", "ratings.parquet")):
         if (data_dir / name).is_file():
             return layout, data_dir / name
     inter = sorted(data_dir.glob("*.inter"))  # RecBole's atomic files (its dataset downloads): ml-100k.inter
