@@ -59,7 +59,7 @@ def text(tmp_path_factory):
 
 
 @pytest.mark.parametrize("missing_categorical", ["reserved_id", "empty_bag"])
-@pytest.mark.parametrize("form", ["parquet", "pieces", "saved_dataset", "int_ids", "pandas_floats"])
+@pytest.mark.parametrize("form", ["parquet", "pieces", "hub_split", "saved_dataset", "int_ids", "pandas_floats"])
 def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_categorical):
     table = _as_table(text)
     reference = _batches(text, tmp_path / "cache", missing_categorical=missing_categorical)
@@ -67,10 +67,19 @@ def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_catego
     if form == "parquet":
         source = source.with_suffix(".parquet")
         pq.write_table(table, source, row_group_size=70)
-    elif form == "pieces":  # the Hub's layout; files are read in name order, whatever order they were written in
+    elif form == "pieces":  # files are read in name order, whatever order they were written in
+        source.mkdir()
+        for k in (2, 0, 1):
+            pq.write_table(table.slice(100 * k, 100), source / f"part-{k}.parquet")
+    elif form == "hub_split":  # the Hub's data/ folder holds every split: a pattern picks one
         source.mkdir()
         for k in (2, 0, 1):
             pq.write_table(table.slice(100 * k, 100), source / f"train-{k:05d}-of-00003.parquet")
+        pq.write_table(table.slice(0, 10), source / "test-00000-of-00001.parquet")
+        with pytest.raises(ValueError, match=r"holds the \.parquet files of several splits \(test, train\): pass "
+                                             r"one split's files as a pattern, e.g. '.*/train-\*\.parquet'"):
+            _batches(source, tmp_path / "cache")
+        source = source / "train-*.parquet"
     elif form == "saved_dataset":
         import datasets
 

@@ -136,7 +136,7 @@ def build_criteo_cache(
     path = Path(path)
     table_source = table_source_kind(path) is not None
     if table_source:  # Parquet / a saved `datasets` folder: every file it reads is in the key
-        files = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(path)]
+        files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(path)]
         key_src = json.dumps([str(path.resolve()), files, "table", TABLE_SOURCE_VERSION, has_label, on_bad_row])
     else:
         check_criteo_file(path)
@@ -149,8 +149,9 @@ def build_criteo_cache(
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    arrow_path = cache_dir / f"{path.name}-{key}.arrow"
-    meta_path = cache_dir / f"{path.name}-{key}.json"
+    stem = "".join("_" if c in "*?[]" else c for c in path.name)  # a pattern's name: train-_.parquet
+    arrow_path = cache_dir / f"{stem}-{key}.arrow"
+    meta_path = cache_dir / f"{stem}-{key}.json"
     if arrow_path.is_file() and meta_path.is_file():
         return arrow_path, ParseReport.from_json(meta_path.read_text())
 
@@ -670,7 +671,9 @@ class CriteoDataModule(pl.LightningDataModule):
         on a machine without the recipe's training files works."""
         for split in self._splits_of(stage):
             self._check_table_streaming(split)
-            if not is_shard_dir(self.paths[split]) and not table_source_kind(self.paths[split]):
+            if table_source_kind(self.paths[split]):
+                source_files(self.paths[split])  # a folder of several splits' files is refused here, before any rank
+            elif not is_shard_dir(self.paths[split]):
                 check_criteo_file(self.paths[split], what=f"CriteoDataModule {split}_path",
                                   fix=f"check the path (--data.{split}_path on the command line)")
 

@@ -4,8 +4,9 @@ Shapes: N rows of a record batch, F = 26 sparse features (C1..C26), 13 dense fea
 
 A source is
     a `.parquet` file (found by its first bytes, "PAR1"),
-    a folder of `.parquet` files, read in name order (`train-00000-of-00004.parquet`, ...; the Hub's
-        layout, or `Dataset.to_parquet` / pandas' `to_parquet` in pieces), or
+    a folder of `.parquet` files, read in name order (`Dataset.to_parquet` / pandas' `to_parquet` in
+        pieces; a folder holding several splits' files, the Hub's `data/`, is refused),
+    a pattern naming them (`data/train-*.parquet`: one split of a Hub dataset's files), or
     a folder written by `datasets.Dataset.save_to_disk` (dataset_info.json + state.json).
 Columns are found by name, as in a text file's header (case ignored): `label` (optional), I1..I13,
 C1..C26; others (an `Id`) are left alone. The values become the cache's raw values
@@ -20,7 +21,9 @@ Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, w
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +43,7 @@ from lightning_rec.data.criteo_parse import (
 )
 
 _PARQUET_MAGIC = b"PAR1"
+_SPLIT_FILE = re.compile(r"^(.+?)-\d+-of-\d+")  # the Hub's shard names: <split>-00000-of-00004[-hash].parquet
 _SAVED_DATASET = ("dataset_info.json", "state.json")  # what datasets' save_to_disk writes beside its .arrow files
 TABLE_SOURCE_VERSION = 1  # part of the cache key: bumped when the conversion below changes its output
 
@@ -52,10 +56,22 @@ def _is_parquet_file(path: str | os.PathLike) -> bool:
         return False
 
 
+def _glob(path: str | os.PathLike) -> list[Path]:
+    """The files a pattern such as `data/train-*.parquet` names (none for a path without * ? [)."""
+    text = os.fspath(path)
+    if not any(c in text for c in "*?[") or os.path.exists(text):
+        return []
+    return sorted(Path(m) for m in glob.glob(text) if os.path.isfile(m))
+
+
 def table_source_kind(path: str | os.PathLike | None) -> str | None:
-    """"parquet" (a file, or a folder of .parquet files), "saved_dataset" (datasets' save_to_disk), or None."""
+    """"parquet" (a file, a folder of .parquet files, or a pattern naming them), "saved_dataset" (datasets'
+    save_to_disk), or None."""
     if path is None:
         return None
+    matches = _glob(path)
+    if matches:
+        return "parquet" if all(_is_parquet_file(m) for m in matches) else None
     p = Path(path)
     if p.is_file():
         return "parquet" if _is_parquet_file(p) else None
@@ -74,7 +90,17 @@ def source_files(path: str | os.PathLike) -> list[Path]:
     if kind == "saved_dataset":
         return sorted(f for f in p.iterdir() if f.is_file())
     if kind == "parquet":
-        return [p] if p.is_file() else sorted(p.glob("*.parquet"))
+        if not p.is_dir():
+            return _glob(path) or [p]
+        files = sorted(p.glob("*.parquet"))
+        # the Hub's data/ folder holds every split's files side by side (train-00000-of-00004.parquet, test-...):
+        # read whole, it would train on the test rows
+        splits = sorted({m.group(1) for f in files if (m := _SPLIT_FILE.match(f.name))})
+        if len(splits) > 1:
+            example = "train" if "train" in splits else splits[0]
+            raise ValueError(f"{path} holds the .parquet files of several splits ({', '.join(splits)}): pass one "
+                             f"split's files as a pattern, e.g. '{p / f'{example}-*.parquet'}'")
+        return files
     raise ValueError(f"{path} is neither a Parquet file, a folder of .parquet files nor a datasets save_to_disk "
                      f"folder")
 
