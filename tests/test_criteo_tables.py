@@ -79,6 +79,8 @@ def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_catego
         with pytest.raises(ValueError, match=r"holds the \.parquet files of several splits \(test, train\): pass "
                                              r"one split's files as a pattern, e.g. '.*/train-\*\.parquet'"):
             _batches(source, tmp_path / "cache")
+        with pytest.raises(ValueError, match="several splits"):  # what the CLI asks before the Trainer starts
+            CriteoDataModule(train_path=str(source), num_embeddings_per_feature=100).check_paths("fit")
         source = source / "train-*.parquet"
     elif form == "saved_dataset":
         import datasets
