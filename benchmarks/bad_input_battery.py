@@ -1374,6 +1374,23 @@ def _data_cases():
         write(d / "ratings.csv", "user,item,rating\n1,2,5\n1,3,4\n1,4,5\n")
         MovieLensDataModule(str(d), split="loo", side_features=False).setup("fit")
 
+    @case("ml.parquet_string_ids", ValueError, ["ratings.parquet", "'item'", "integers"], timeout=40)
+    def _(ctx):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        d = ctx.tmp / "ml-pq"
+        d.mkdir()
+        pq.write_table(pa.table({"user": [1, 1, 2], "item": ["a", "b", "a"]}), d / "ratings.parquet")
+        MovieLensDataModule(str(d), side_features=False).setup("fit")
+
+    @case("criteo.parquet_hub_data_folder", ValueError, ["several splits", "train-*.parquet"])
+    def _(ctx):
+        d = ctx.tmp / "data"
+        for name in ("train-00000-of-00001.parquet", "test-00000-of-00001.parquet"):
+            criteo_parquet(d / name)
+        criteo_table_module(d, ctx)
+
     @case("ml.min_rating_above_scale", ValueError, ["min_rating"], timeout=60)
     def _(ctx):
         src = DATA / "movielens" / "ml-100k"
