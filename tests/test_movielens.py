@@ -137,6 +137,16 @@ def test_a_parquet_log_reads_like_its_csv(tmp_path):
     b.setup()
     assert b.report.layout == "parquet" and b.report.num_interactions == len(rows)
     assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all() and torch.equal(a.part_N, b.part_N)
+    # data_dir may name the log itself: a file, or a pattern of a Hub dataset's pieces (read in name order)
+    hub = tmp_path / "hub" / "data"
+    hub.mkdir(parents=True)
+    named = log.rename_columns(["user_id", "movie_id", "timestamp"])
+    pq.write_table(named.slice(0, 150), hub / "train-00000-of-00002.parquet")
+    pq.write_table(named.slice(150), hub / "train-00001-of-00002.parquet")
+    for data_dir in (tmp_path / "pq" / "ratings.parquet", hub / "train-*.parquet"):
+        c = MovieLensDataModule(str(data_dir), split="loo", side_features=False)
+        c.setup()
+        assert torch.equal(c.part_N, a.part_N) and (c.item_ids == a.item_ids).all(), data_dir
     for name, table, match in (
             ("no_time", log.drop_columns(["clicked_at"]), r"split='loo' orders .*no timestamp column"),
             ("str_ids", log.set_column(1, "item", pa.array([f"m{i}" for _, i in rows])), r"'item' is string: ids must"),

@@ -56,7 +56,7 @@ def _is_parquet_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def _glob(path: str | os.PathLike) -> list[Path]:
+def glob_files(path: str | os.PathLike) -> list[Path]:
     """The files a pattern such as `data/train-*.parquet` names (none for a path without * ? [)."""
     text = os.fspath(path)
     if not any(c in text for c in "*?[") or os.path.exists(text):
@@ -69,7 +69,7 @@ def table_source_kind(path: str | os.PathLike | None) -> str | None:
     save_to_disk), or None."""
     if path is None:
         return None
-    matches = _glob(path)
+    matches = glob_files(path)
     if matches:
         return "parquet" if all(_is_parquet_file(m) for m in matches) else None
     p = Path(path)
@@ -91,7 +91,7 @@ def source_files(path: str | os.PathLike) -> list[Path]:
         return sorted(f for f in p.iterdir() if f.is_file())
     if kind == "parquet":
         if not p.is_dir():
-            return _glob(path) or [p]
+            return glob_files(path) or [p]
         files = sorted(p.glob("*.parquet"))
         # the Hub's data/ folder holds every split's files side by side (train-00000-of-00004.parquet, test-...):
         # read whole, it would train on the test rows

@@ -15,7 +15,9 @@ split and features, except the release decade, read from the title's year there)
     ml-20m/25m ratings.csv  userId,movieId,rating,timestamp      movies.csv movieId,title,genres
                (and ml-latest)
     your own   ratings.parquet  columns user, item[, rating][, timestamp] by name (as in a ratings.csv
-               header; no rating: implicit, 1.0; timestamp: seconds or an Arrow timestamp)
+               header; no rating: implicit, 1.0; timestamp: seconds or an Arrow timestamp); data_dir
+               may also be such a .parquet file itself, or a pattern of them (a Hub dataset's
+               data/train-*.parquet)
 
 Text files are decoded as UTF-8, else latin-1 (ml-100k's u.item and ml-1m's movies.dat are
 latin-1). Ratings are parsed by pyarrow into one Arrow table and kept as a Hugging Face
@@ -74,6 +76,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_rec.data.batch import follow_fit_loop, make_batch_loader, passthrough_collate
+from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 log = logging.getLogger(__name__)
@@ -279,10 +282,24 @@ def _read_ratings_parquet(path: Path) -> pa.Table:
     return pa.table(out).replace_schema_metadata({_NO_TIME: b"1"})
 
 
+def parquet_ratings(path: Path) -> list[Path]:
+    """The Parquet files that `path` itself names (a .parquet file, or a pattern such as data/train-*.parquet)."""
+    if path.is_file():
+        return [path] if path.suffix == ".parquet" else []
+    return [f for f in glob_files(path) if f.suffix == ".parquet"]
+
+
 def read_ratings(path: str | Path) -> pa.Table:
-    """A ratings file (any GroupLens layout, header or not; or a Parquet log) -> Arrow table user_id, item_id,
-    rating, timestamp."""
+    """A ratings file (any GroupLens layout, header or not; or a Parquet log, or a pattern naming its pieces)
+    -> Arrow table user_id, item_id, rating, timestamp."""
     path = Path(path)
+    pieces = parquet_ratings(path)
+    if len(pieces) > 1 or (pieces and pieces[0] != path):
+        tables = [_read_ratings_parquet(f) for f in pieces]
+        if len({_NO_TIME in (t.schema.metadata or {}) for t in tables}) > 1:
+            raise ValueError(f"{path}: some of its files have a timestamp column and some not: give all of them one, "
+                             f"or none")
+        return pa.concat_tables(tables)
     if not path.is_file():
         raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     if path.suffix == ".parquet":
@@ -442,10 +459,12 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
 
 _OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
              "(integer ids; give a constant rating for implicit data), or as <folder>/ratings.parquet with columns "
-             "user, item[, rating][, timestamp], and pass the folder")
+             "user, item[, rating][, timestamp], and pass the folder (or pass a .parquet file or pattern itself)")
 
 
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
+    if parquet_ratings(data_dir):  # data_dir names the Parquet log itself (a Hub dataset's file, or a pattern)
+        return "parquet", data_dir
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv"),
                          ("parquet", "ratings.parquet")):
         if (data_dir / name).is_file():
@@ -697,7 +716,7 @@ class MovieLensDataModule(pl.LightningDataModule):
     def _build(self) -> None:
         import datasets
 
-        if not self.data_dir.is_dir():
+        if not self.data_dir.is_dir() and not parquet_ratings(self.data_dir):
             raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
                              f"folder (e.g. ml-100k/ with u.data, u.user, u.item)")
         layout, ratings_path = detect_layout(self.data_dir)
@@ -825,6 +844,8 @@ class MovieLensDataModule(pl.LightningDataModule):
         return FeatureTable(single, bag_tables)
 
     def _check_data_dir(self) -> None:
+        if parquet_ratings(self.data_dir):
+            return
         if self.data_dir.is_file():
             raise ValueError(f"MovieLens data_dir {self.data_dir} is a file, not a folder. {_OWN_FILE}")
         if not self.data_dir.is_dir():
