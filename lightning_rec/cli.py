@@ -255,12 +255,37 @@ class RecCLI(LightningCLI):
     def after_fit(self) -> None:
         # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)
         # log test_* there too
+        trainer = self.trainer
+        validated = False
         for prefix, what in (("val_", "validation"), ("test_", "test")):
-            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith(prefix)}
-            if metrics and self.trainer.is_global_zero:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
+            validated |= bool(metrics) and prefix == "val_"
+            if metrics and trainer.is_global_zero:
                 shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
                 print(f"final {what}: {shown}", flush=True)
+        # a recipe that validates every 16 epochs, run for 3: the sanity check read validation batches, so there is
+        # data to validate on, yet the run ended without a metric and without a word
+        if not validated and trainer.is_global_zero and trainer.global_step > 0 and self._has_validation_data():
+            every = trainer.check_val_every_n_epoch
+            why = (f"it runs every {every} epochs here and this fit ran {trainer.current_epoch}" if every and
+                   every > trainer.current_epoch else f"none of its points was reached in {trainer.global_step} steps")
+            print(f"final validation: none ran ({why}): set --trainer.check_val_every_n_epoch (or "
+                  f"--trainer.val_check_interval), or run `lightning-rec validate` with the fit's checkpoint",
+                  flush=True)
         self._say_if_no_checkpoint_was_saved()
+
+    def _has_validation_data(self) -> bool:
+        trainer = self.trainer
+        if sum(trainer.num_val_batches or [0]) > 0:  # the sanity check read some
+            return True
+        if not trainer.limit_val_batches or trainer.datamodule is None:
+            return False
+        try:  # no sanity check (the MovieLens recipes skip it): ask the data module; building a loader reads nothing
+            loaders = trainer.datamodule.val_dataloader()
+            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+            return any(len(loader) > 0 for loader in loaders)
+        except Exception:  # noqa: BLE001 (a stream without a length, a module without validation: stay quiet)
+            return False
 
     def _say_if_no_checkpoint_was_saved(self) -> None:
         # A ModelCheckpoint without a monitor saves after validation when validation is not every epoch: a fit

@@ -34,7 +34,7 @@ def test_criteo_recipe_reaches_auc_on_real_samples(shared_data, tmp_path):
     assert val(cli, "val_auc") >= 0.70  # hashed logistic regression: about 0.69
 
 
-def test_a_fit_without_validation_says_nothing_of_it(shared_data, tmp_path):
+def test_a_fit_without_validation_says_nothing_of_it(shared_data, tmp_path, capsys):
     import warnings
 
     criteo = shared_data / "criteo"
@@ -46,9 +46,10 @@ def test_a_fit_without_validation_says_nothing_of_it(shared_data, tmp_path):
                  f"--trainer.default_root_dir={tmp_path}", *QUIET])
     said = [str(w.message) for w in caught]
     assert not [m for m in said if "across ranks is zero" in m], said  # Lightning's word on the empty val list
+    assert "final validation" not in capsys.readouterr().out  # nor ours that none ran: there is nothing to run
 
 
-def test_a_fit_whose_model_checkpoint_saved_nothing_says_so(tmp_path):
+def test_a_fit_whose_model_checkpoint_saved_nothing_says_so(tmp_path, capsys):
     # 1 epoch of a recipe that validates every 3 (the MovieLens recipes validate every 40): Lightning's
     # ModelCheckpoint waits for a validation that never comes, and said nothing
     args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
@@ -57,8 +58,11 @@ def test_a_fit_whose_model_checkpoint_saved_nothing_says_so(tmp_path):
     with pytest.warns(UserWarning, match=r"saved no checkpoint in this fit: it saves after validation, which runs "
                                          r"every 3 epochs here and did not run in 1 epoch\(s\). Add "
                                          r"--trainer.callbacks.save_last=true"):
-        run_cli(args)
+        run_cli([*args, "--trainer.num_sanity_val_steps=0"])  # no sanity check either (as the MovieLens recipes)
     assert not (tmp_path / "ckpt").exists()
+    # nor did it say that no validation ran, though the sanity check had read validation batches
+    assert ("final validation: none ran (it runs every 3 epochs here and this fit ran 1): set "
+            "--trainer.check_val_every_n_epoch") in capsys.readouterr().out
     import warnings
 
     with warnings.catch_warnings():
