@@ -1374,15 +1374,25 @@ def _data_cases():
         write(d / "ratings.csv", "user,item,rating\n1,2,5\n1,3,4\n1,4,5\n")
         MovieLensDataModule(str(d), split="loo", side_features=False).setup("fit")
 
-    @case("ml.parquet_string_ids", ValueError, ["ratings.parquet", "'item'", "integers"], timeout=40)
+    @case("ml.parquet_list_ids", ValueError, ["ratings.parquet", "'item'", "integers or strings"], timeout=40)
     def _(ctx):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         d = ctx.tmp / "ml-pq"
         d.mkdir()
-        pq.write_table(pa.table({"user": [1, 1, 2], "item": ["a", "b", "a"]}), d / "ratings.parquet")
+        pq.write_table(pa.table({"user": [1, 1, 2], "item": [[1], [2], [1]]}), d / "ratings.parquet")
         MovieLensDataModule(str(d), side_features=False).setup("fit")
+
+    @case("ml.string_ids", legit="shop logs name users and items by strings: kept as the data's own ids")
+    def _(ctx):
+        d = ctx.tmp / "ml-str"
+        write(d / "ratings.csv", "user,item,rating\n" + "".join(f"u{u},B0{i:03d},1\n" for u in range(6)
+                                                                 for i in range(u, u + 5)))
+        dm = MovieLensDataModule(str(d), side_features=False)
+        dm.setup("fit")
+        expect(dm.user_ids.tolist() == [f"u{u}" for u in range(6)] and dm.report.num_interactions == 30,
+               f"ids {dm.user_ids.tolist()}, {dm.report.num_interactions} interactions")
 
     @case("criteo.parquet_hub_data_folder", ValueError, ["several splits", "train-*.parquet"])
     def _(ctx):

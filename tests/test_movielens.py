@@ -149,7 +149,7 @@ def test_a_parquet_log_reads_like_its_csv(tmp_path):
         assert torch.equal(c.part_N, a.part_N) and (c.item_ids == a.item_ids).all(), data_dir
     for name, table, match in (
             ("no_time", log.drop_columns(["clicked_at"]), r"split='loo' orders .*no timestamp column"),
-            ("str_ids", log.set_column(1, "item", pa.array([f"m{i}" for _, i in rows])), r"'item' is string: ids must"),
+            ("list_ids", log.set_column(1, "item", pa.array([[i] for _, i in rows])), r"'item' is list.*: ids must"),
             ("null_item", log.set_column(1, "item", pa.array([None] + [i for _, i in rows[1:]], pa.int64())),
              r"row 0: item is null"),
             ("no_item", log.drop_columns(["item"]), r"no column for \['item_id'\].*name the columns")):
@@ -157,6 +157,53 @@ def test_a_parquet_log_reads_like_its_csv(tmp_path):
         pq.write_table(table, tmp_path / name / "ratings.parquet")
         with pytest.raises(ValueError, match=match):
             MovieLensDataModule(str(tmp_path / name), split="loo", side_features=False).setup()
+
+
+def _string_id_log(n_users: int = 40, n_items: int = 60, seed: int = 5) -> list[tuple[str, str, int]]:
+    """A log named the way shops name things: user ids like "A3SG..." and items that are ASINs or ISBN-like digits."""
+    g = np.random.default_rng(seed)
+    users = [f"A{k:05X}Q" for k in g.choice(2**20, n_users, replace=False)]
+    items = [f"B0{k:08d}" if k % 3 else f"{k:010d}" for k in g.choice(10**8, n_items, replace=False)]
+    pairs = sorted({(users[u], items[i]) for u, i in zip(g.integers(0, n_users, 900), g.integers(0, n_items, 900))})
+    return [(u, i, int(t)) for (u, i), t in zip(pairs, g.integers(1_600_000_000, 1_600_900_000, len(pairs)))]
+
+
+def test_string_ids_are_kept_as_the_datas_own_ids(tmp_path):
+    """A log keyed by strings was refused ("cannot parse the ratings": integer ids only); now ids are read as text
+    and kept as integers only when every one is. ISBN-like digits beside ASINs stay strings, with a word."""
+    import pyarrow.parquet as pq
+
+    log = _string_id_log()
+    _write(tmp_path / "csv" / "ratings.csv", "user,item,rating,timestamp\n"
+           + "".join(f"{u},{i},1,{t}\n" for u, i, t in log))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [u for u, _, _ in log], "item": [i for _, i, _ in log],
+                             "timestamp": [t for _, _, t in log]}), tmp_path / "pq" / "ratings.parquet")
+    a = MovieLensDataModule(str(tmp_path / "csv"), split="loo", side_features=False)
+    with pytest.warns(UserWarning, match=r"\d+ of \d+ item ids are not integers \(the first, 'B0\d+', on line \d+\)"):
+        a.setup()
+    b = MovieLensDataModule(str(tmp_path / "pq"), split="loo", side_features=False)
+    b.setup()
+    assert a.user_ids.dtype.kind == a.item_ids.dtype.kind == "U"
+    assert a.user_ids.tolist() == sorted({u for u, _, _ in log})
+    assert a.item_ids.tolist() == sorted({i for _, i, _ in log})
+    assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all() and torch.equal(a.part_N, b.part_N)
+    assert a.item_titles == a.item_ids.tolist()  # no title file: the id names the item
+    # every test item is its user's newest interaction, found through the string ids
+    newest = {}
+    for u, i, t in log:
+        newest[u] = max(newest.get(u, (0, "")), (t, i))
+    offsets, items = a.datasets["test"].target
+    got = {a.user_ids[u]: a.item_ids[items[offsets[u]]] for u in range(a.num_users) if offsets[u + 1] > offsets[u]}
+    assert got == {u: i for u, (t, i) in newest.items() if sum(v == u for v, _, _ in log) > 1}
+    # integers in a headed file stay integers; a damaged row among them is a string id, said with its line
+    _write(tmp_path / "ints" / "ratings.csv", "user,item,rating\n1,10,5\n2,11,4\n2,12,5\n")
+    ints = MovieLensDataModule(str(tmp_path / "ints"), side_features=False)
+    ints.setup()
+    assert ints.user_ids.dtype == np.int64 and ints.item_ids.tolist() == [10, 11, 12]
+    _write(tmp_path / "damaged" / "ratings.csv", "user,item,rating\n1,10,5\n2,1l,4\n2,12,5\n")
+    with pytest.warns(UserWarning, match=r"1 of 3 item ids are not integers \(the first, '1l', on line 3\).*fix them"):
+        MovieLensDataModule(str(tmp_path / "damaged"), side_features=False).setup()
 
 
 @needs_ml100k

@@ -375,6 +375,41 @@ def test_two_tower_predict_writes_each_users_top_unseen_items(two_tower_ckpt, tm
     assert not [(u, i) for u, items in enumerate(got["item"]) for i in items if (u, index_of[i]) in seen]
 
 
+@pytest.mark.parametrize("suffix", [".parquet", ".csv"])
+def test_two_tower_predict_names_users_and_items_by_their_string_ids(tmp_path, suffix):
+    """A log keyed by strings (shop user ids, ASINs): predictions name the data's own ids, not positions."""
+    import lightning.pytorch as L
+
+    from lightning_rec import PredictionWriter
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.models import TwoTowerModule
+    from tests.test_movielens import _string_id_log
+
+    log = _string_id_log()
+    folder = tmp_path / "shop"
+    folder.mkdir()
+    (folder / "ratings.csv").write_text("user,item,rating,timestamp\n" + "".join(f"{u},{i},1,{t}\n" for u, i, t in log))
+    dm = MovieLensDataModule(str(folder), split="loo", side_features=False, batch_size=64, eval_batch_size=16)
+    module = TwoTowerModule(embedding_dim=8, ks=[5], predict_top_k=3)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="ids are not integers"):
+        L.Trainer(max_epochs=1, enable_checkpointing=False, **kw).fit(module, dm)
+    out = tmp_path / f"top{suffix}"
+    L.Trainer(callbacks=[PredictionWriter(str(out))], **kw).predict(module, dm, return_predictions=False)
+    got = pq.read_table(out).to_pydict() if suffix == ".parquet" else {k: v.tolist() for k, v in _read(out).items()}
+    assert got["user"] == dm.user_ids.tolist()
+    items = got["item"] if suffix == ".parquet" else [list(t) for t in zip(*(got[f"item_{k}"] for k in (1, 2, 3)))]
+    assert all(len(row) == 3 for row in items) and set(sum(items, [])) <= set(dm.item_ids.tolist())
+    module.eval()
+    test = dm.datasets["test"][list(range(dm.num_users))]
+    with torch.no_grad():
+        scores = module.model.user_embeddings(test.user_features) @ module.model.item_embeddings(dm.item_catalog()).t()
+    rows = torch.repeat_interleave(torch.arange(dm.num_users), test.exclude_offsets.diff())
+    scores[rows, test.exclude_items] = float("-inf")
+    assert items == dm.item_ids[torch.topk(scores, 3, dim=1).indices.numpy()].tolist()
+
+
 def _two_tower_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path) -> None:
     from lightning_rec.cli import run_cli
 

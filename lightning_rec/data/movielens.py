@@ -14,7 +14,9 @@ split and features, except the release decade, read from the title's year there)
                                                                 movies.dat id::title (year)::Genre|Genre
     ml-20m/25m ratings.csv  userId,movieId,rating,timestamp      movies.csv movieId,title,genres
                (and ml-latest)
-    your own   ratings.parquet  columns user, item[, rating][, timestamp] by name (as in a ratings.csv
+    your own   ratings.csv with a header (user,item,rating[,timestamp]; ids integers or strings: a column is
+               read as integers when every id is one), or
+               ratings.parquet  columns user, item[, rating][, timestamp] by name (as in a ratings.csv
                header; no rating: implicit, 1.0; timestamp: seconds or an Arrow timestamp); data_dir
                may also be such a .parquet file itself, or a pattern of them (a Hub dataset's
                data/train-*.parquet)
@@ -47,8 +49,9 @@ earliest copy under a temporal split (the first in the file otherwise).
 Evaluation is full ranking: one sample per user, scored against every item; the held-out items of
 the split are the targets and the items the user already has are excluded: training items for
 validation, training + validation items for test (as RecBole does). Ids are re-indexed to 0..U-1
-and 0..I-1 (`user_ids`, `item_ids` hold the raw ids); every item of the ratings and item files has
-a row, so an item never seen in training is still ranked (`report` counts those held-out pairs).
+and 0..I-1 (`user_ids`, `item_ids` hold the raw ids: int64, or str for string ids); every item of the
+ratings and item files has a row, so an item never seen in training is still ranked (`report` counts
+those held-out pairs).
 
 Features (KJT keys; side features on when `side_features=True` and the layout has them):
     user: user_id, and for ml-100k/1m age (7 buckets), gender, occupation, zip (first digit)
@@ -218,14 +221,17 @@ _HEADER_NAMES = {"userid": "user_id", "user_id": "user_id", "user": "user_id", "
                  "rating": "rating", "timestamp": "timestamp"}
 
 
-def _first_bad_line(data: bytes, sep: str, has_header: bool) -> str:
-    """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column)."""
+def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = ()) -> str:
+    """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
+    `string_fields` hold string ids, any text."""
     for i, raw in enumerate(data.split(b"\n"), start=1):
         if (has_header and i == 1) or not raw.strip():
             continue
         fields = raw.decode("latin-1").rstrip("\r").split(sep)
         try:
-            int(fields[0]), int(fields[1]), float(fields[2])
+            for k, parse in ((0, int), (1, int), (2, float)):
+                if k not in string_fields:
+                    parse(fields[k])
         except (ValueError, IndexError):
             return f":{i}"
     return ""
@@ -261,9 +267,12 @@ def _read_ratings_parquet(path: Path) -> pa.Table:
             raise ValueError(f"{path}, row {row}: {ours[column]} is null: every interaction needs a user, an item and "
                              f"(when the column is there) a rating")
         whole = column != "rating"
+        if whole and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            out[column] = pc.cast(col, pa.string())  # string ids ("A3SGXH7AUHU8GW"): kept as the data's own ids
+            continue
         if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)) or (
                 whole and pa.types.is_floating(col.type) and not bool(pc.all(pc.equal(pc.floor(col), col)).as_py())):
-            need = "ids must be integers (map string ids to integers first)" if whole else "ratings must be numbers"
+            need = "ids must be integers or strings" if whole else "ratings must be numbers"
             raise ValueError(f"{path}: column {ours[column]!r} is {col.type}: {need}")
         out[column] = pc.cast(col, kind)
     if "timestamp" in ours:
@@ -325,18 +334,41 @@ def read_ratings(path: str | Path) -> pa.Table:
     elif num_fields not in (3, 4):
         raise ValueError(f"{path}:{2 if has_header else 1}: {num_fields} fields separated by {sep!r}; expected "
                          f"user, item, rating[, timestamp]")
-    try:
-        table = pacsv.read_csv(
+
+    def read(string_ids: set[str]) -> pa.Table:
+        return pacsv.read_csv(
             io.BytesIO(data),
             read_options=pacsv.ReadOptions(column_names=column_names, skip_rows=1 if has_header else 0),
             parse_options=pacsv.ParseOptions(delimiter=sep),
             convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
-                                                               "rating": pa.float32(), "timestamp": pa.float64()},
+                                                               "rating": pa.float32(), "timestamp": pa.float64(),
+                                                               **{n: pa.string() for n in string_ids}},
                                                  include_columns=names[:num_fields]),
         )
+
+    # your own file may name users and items by strings ("A3SGXH7AUHU8GW", an ASIN): when integer ids do not parse,
+    # a file with a header is read again with its ids as text (GroupLens' headerless files keep integer ids: a
+    # letter there is damage). Integers first: reading text and casting it costs 2.3x on ml-25m-like files
+    string_ids: set[str] = set()
+    try:
+        table = read(string_ids)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise ValueError(f"{path}{_first_bad_line(data, sep, has_header)}: cannot parse the ratings ({e}); expected "
-                         f"numeric user, item, rating[, timestamp] separated by {sep!r}") from None
+        error = e
+        table = None
+        if has_header:
+            string_ids = {"user_id", "item_id"}
+            try:
+                table = read(string_ids)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e2:
+                error = e2
+        if table is None:
+            ids = "numeric user, item" if not string_ids else "user, item"
+            bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids])
+            raise ValueError(f"{path}{bad_line}: cannot parse the ratings ({error}); expected {ids}, a numeric "
+                             f"rating[, timestamp] separated by {sep!r}") from None
+    for name in string_ids:
+        table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), path, name,
+                                                                                      has_header))
     if num_fields == 3:
         # zeros keep one schema for every file; the mark tells a temporal split there is no time to order by
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
@@ -349,6 +381,34 @@ def read_ratings(path: str | Path) -> pa.Table:
         where = table.column_names.index("timestamp")
         table = table.set_column(where, "timestamp", pc.cast(pc.floor(table.column("timestamp")), pa.int64()))
     return table
+
+
+def _ids_from_text(col: pa.ChunkedArray, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
+    """A header-named id column read as text: int64 when every id is an integer, else the strings (with a warning
+    when integers and other ids are mixed: ISBN-like ids beside ASINs are fine, a damaged row is not)."""
+    import pyarrow.compute as pc
+
+    col = pc.utf8_trim_whitespace(col)
+    if col.null_count:
+        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"{path}:{row + 1 + has_header}: no {name.split('_')[0]} id: every interaction needs a user "
+                         f"and an item")
+    is_int = pc.match_substring_regex(col, r"^-?\d{1,18}$").to_numpy(zero_copy_only=False)
+    if is_int.all():
+        return pc.cast(col, pa.int64())
+    if is_int.any():
+        row = int(np.flatnonzero(~is_int)[0])
+        warnings.warn(f"{path}: {int((~is_int).sum())} of {len(is_int)} {name.split('_')[0]} ids are not integers "
+                      f"(the first, {col[row].as_py()!r}, on line {row + 1 + has_header}): every {name.split('_')[0]} "
+                      f"id is read as a string. If those rows are damage, not ids, fix them", stacklevel=3)
+    return col
+
+
+def _id_array(column: pa.ChunkedArray) -> np.ndarray:
+    """Raw ids as numpy: int64, or fixed-width unicode for string ids (sortable, searchable, saved without pickle)."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return np.asarray(column.to_pylist(), dtype=str)
+    return np.asarray(column)
 
 
 def _bucket_age(age: int) -> int:
@@ -458,8 +518,9 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
 
 
 _OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
-             "(integer ids; give a constant rating for implicit data), or as <folder>/ratings.parquet with columns "
-             "user, item[, rating][, timestamp], and pass the folder (or pass a .parquet file or pattern itself)")
+             "(integer or string ids; give a constant rating for implicit data), or as <folder>/ratings.parquet with "
+             "columns user, item[, rating][, timestamp], and pass the folder (or pass a .parquet file or pattern "
+             "itself)")
 
 
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
@@ -748,10 +809,20 @@ class MovieLensDataModule(pl.LightningDataModule):
                           stacklevel=2)
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
-        raw_user = np.asarray(table.column("user_id"))
-        raw_item = np.asarray(table.column("item_id"))
-        self.user_ids = np.unique(np.concatenate([raw_user, np.fromiter(users, np.int64, len(users))]))
-        self.item_ids = np.unique(np.concatenate([raw_item, np.fromiter(items, np.int64, len(items))]))
+        raw_user, raw_item = _id_array(table.column("user_id")), _id_array(table.column("item_id"))
+        # side files (GroupLens', movies.csv) key users and items by integer ids: they cannot join string ids
+        if raw_user.dtype.kind == "U" and users:
+            log.info("%s: the user ids are strings, so %d users' side features are not joined", self.data_dir,
+                     len(users))
+            users = {}
+        if raw_item.dtype.kind == "U" and items:
+            log.info("%s: the item ids are strings, so %d items' side features are not joined", self.data_dir,
+                     len(items))
+            items, titles = {}, {}
+        self.user_ids = np.unique(np.concatenate([raw_user, np.fromiter(users, np.int64, len(users))])
+                                  if users else raw_user)
+        self.item_ids = np.unique(np.concatenate([raw_item, np.fromiter(items, np.int64, len(items))])
+                                  if items else raw_item)
         user_N = torch.from_numpy(np.searchsorted(self.user_ids, raw_user))
         item_N = torch.from_numpy(np.searchsorted(self.item_ids, raw_item))
         # implicit feedback is one interaction per (user, item): a repeated pair (a log of clicks or re-ratings,
@@ -777,7 +848,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.user_features = self._feature_table("user", self.user_ids, users, ("age", "gender", "occupation", "zip"),
                                                  sizes)
         self.item_features = self._feature_table("item", self.item_ids, items, ("year",), sizes, bags=("genre",))
-        self.item_titles = [titles.get(int(i), str(int(i))) for i in self.item_ids]
+        self.item_titles = [titles.get(i, str(i)) for i in self.item_ids.tolist()]
 
         if part_N is None:
             time_N = torch.tensor(np.asarray(table.column("timestamp")))

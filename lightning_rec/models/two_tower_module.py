@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 import lightning.pytorch as L
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -326,8 +327,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         users_U, items_UK = batch.user_index.cpu(), top_UK.indices.cpu()
         return {
             "row": users_U,  # the split's users are its rows (the writer puts them in this order, each once)
-            "user": users_U if self._predict_user_ids is None else self._predict_user_ids[users_U],
-            "item": items_UK if self._predict_item_ids is None else self._predict_item_ids[items_UK],
+            "user": _take(self._predict_user_ids, users_U),
+            "item": _take(self._predict_item_ids, items_UK),
             "score": top_UK.values,
         }
 
@@ -376,9 +377,17 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         return combined_optimizer(model, dense)
 
 
-def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | None:
+def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | np.ndarray | None:
+    """The data's own ids (a tensor; a numpy array of str for string ids), or None."""
     ids = getattr(datamodule, name, None)
     if ids is None:
         return None
-    ids = torch.as_tensor(ids)
+    ids = np.asarray(ids) if np.asarray(ids).dtype.kind == "U" else torch.as_tensor(ids)
     return ids if size is None or ids.shape[0] == size else None
+
+
+def _take(ids: Tensor | np.ndarray | None, index: Tensor) -> Tensor | np.ndarray:
+    """ids[index] (positions where the data module keeps no ids); string ids stay numpy str arrays."""
+    if ids is None:
+        return index
+    return ids[index.numpy()] if isinstance(ids, np.ndarray) else ids[index]
