@@ -25,11 +25,13 @@ import glob
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from lightning_rec.data.criteo_parse import (
     NUM_DENSE_FEATURES,
@@ -225,16 +227,27 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
         return values
 
     label_N = np.full(n, np.nan, dtype=np.float32)
-    if columns["label"] is not None:
-        label_N[:] = column("label", _numbers, "must be 0 or 1: an integer, float or bool column", 0)
     dense_N13 = np.empty((n, NUM_DENSE_FEATURES), dtype=np.float32)
-    for j in range(NUM_DENSE_FEATURES):
+    sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
+
+    def label() -> None:
+        label_N[:] = column("label", _numbers, "must be 0 or 1: an integer, float or bool column", 0)
+
+    def dense(j: int) -> None:
         dense_N13[:, j] = column(f"I{j + 1}", _numbers, "must be a number: a number column, or strings of numbers",
                                  1 + j)
-    sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
-    for j in range(NUM_SPARSE_FEATURES):
+
+    def sparse(j: int) -> None:
         sparse_NF[:, j] = column(f"C{j + 1}", _ids, "must be 8 hex characters or an integer id >= 0: a string "
                                  "column of hashes, or an integer one of ids", 14 + j)
+
+    jobs = ([label] if columns["label"] is not None else []) + [lambda j=j: dense(j) for j in range(NUM_DENSE_FEATURES)]
+    jobs += [lambda j=j: sparse(j) for j in range(NUM_SPARSE_FEATURES)]
+    # columns convert independently and numpy / Arrow release the GIL in them: one thread per core. The problems
+    # may come in any order; the first bad row and its reason are chosen by (row, rank) all the same
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), torch.get_num_threads()))) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
     return label_N, dense_N13, sparse_NF, bad_N, problems
 
 
