@@ -130,6 +130,17 @@ def test_bad_table_rows_name_the_file_and_row_or_are_skipped_and_counted(text, t
     assert [why for _, why in report.skipped] == [
         f"{folder / 'b.parquet'}, row 5: label must be 0 or 1, got 2",
         f"{folder / 'b.parquet'}, row 9: C3 must be 8 hex characters or an integer id >= 0, got 'not-hex!'"]
+    # a row bad in several columns names its first bad field, whichever thread converted which column first
+    labels2, c26 = table.column("label").to_pylist(), table.column("C26").to_pylist()
+    labels2[7], c26[7], c26[3] = 5, "nothex!!", "zzzzzzzz"
+    twice = table.set_column(0, "label", pa.array(labels2)).set_column(39, "C26", pa.array(c26, pa.string()))
+    pq.write_table(twice, tmp_path / "twice.parquet")
+    for _ in range(3):
+        with pytest.raises(ValueError, match=r"twice\.parquet, row 3: C26 must be .*'zzzzzzzz'"):
+            _batches(tmp_path / "twice.parquet", tmp_path / "cache")
+    pq.write_table(twice.slice(4), tmp_path / "twice.parquet")
+    with pytest.raises(ValueError, match=r"twice\.parquet, row 3: label must be 0 or 1, got 5"):
+        _batches(tmp_path / "twice.parquet", tmp_path / "cache")
     # integer ids below 0 and float ids that are not whole numbers are bad rows too
     for values, shown in (([-3] + [1] * 299, "-3"), ([0.5] + [1.0] * 299, "0.5")):
         f = tmp_path / f"ids_{shown}.parquet"
