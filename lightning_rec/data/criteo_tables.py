@@ -150,11 +150,13 @@ def _record_batches(path: str | os.PathLike, columns: list[str],
     if kind == "saved_dataset":
         import datasets
 
-        table = datasets.load_from_disk(str(path)).data.table  # memory-mapped; the folder's files in order
-        first = 0
-        for rb in table.select(columns).to_batches(max_chunksize=batch_rows):
-            yield Path(path), first, rb
-            first += rb.num_rows
+        table = datasets.load_from_disk(str(path)).data.table.select(columns)  # memory-mapped, files in order
+        # its record batches are small (datasets writes 1000 rows each, or fewer): converted one by one, the
+        # per-batch work dominated (6x slower than Parquet); pieces of batch_rows are gathered into one batch
+        for first in range(0, table.num_rows, batch_rows):
+            for rb in table.slice(first, batch_rows).combine_chunks().to_batches():
+                yield Path(path), first, rb
+                first += rb.num_rows
         return
     import pyarrow.parquet as pq
 
