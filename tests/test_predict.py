@@ -448,7 +448,9 @@ def test_rows_come_out_once_in_input_order_and_an_all_nan_column_is_left_out(tmp
         for lo in range(0, len(rows), 2):  # batches of 2 rows, spilled past 16 bytes: one run per batch
             row = rows[lo:lo + 2]
             spills[rank].add({"row": row, "p": row * 0.5, "label": np.full(len(row), np.nan),
-                              "item": np.stack([row * 10, row * 10 + 1], axis=1)})
+                              "item": np.stack([row * 10, row * 10 + 1], axis=1),
+                              # string ids (a shop's users), of another width in each batch: spilled, merged, written
+                              "user": np.array([f"u{'x' * int(r)}" for r in row])})
     assert [s.num_runs for s in spills] == [2, 2]
     writer = TableWriter(tmp_path / f"out{suffix}", written_columns(spills[0].columns, spills[0].all_nan))
     merge, streams = SortedMerge(2), [s.stream(64) for s in spills]
@@ -462,11 +464,12 @@ def test_rows_come_out_once_in_input_order_and_an_all_nan_column_is_left_out(tmp
     assert [p.name for p in tmp_path.iterdir()] == [f"out{suffix}"]  # runs removed, the file renamed into place
     got = _read(tmp_path / f"out{suffix}")
     if suffix == ".parquet":
-        assert list(got) == ["row", "p", "item"]
+        assert list(got) == ["row", "p", "item", "user"]
         assert [list(x) for x in got["item"]] == [[r * 10, r * 10 + 1] for r in range(5)]
     else:
-        assert list(got) == ["row", "p", "item_1", "item_2"]
+        assert list(got) == ["row", "p", "item_1", "item_2", "user"]
         np.testing.assert_array_equal(got["item_2"], np.arange(5) * 10 + 1)
+    assert [str(u) for u in got["user"]] == [f"u{'x' * r}" for r in range(5)]
     np.testing.assert_array_equal(got["row"], np.arange(5))
     np.testing.assert_array_equal(got["p"], np.arange(5) * 0.5)
 
