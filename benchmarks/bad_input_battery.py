@@ -1237,9 +1237,14 @@ def _data_cases():
     def _(ctx):
         criteo_table_module(criteo_parquet(ctx.tmp / "cols.parquet", change=lambda t: t.drop_columns(["C26"])), ctx)
 
-    @case("criteo.parquet_streaming", ValueError, ["stream.parquet", "streaming=True", "leave streaming off"])
+    @case("criteo.parquet_streaming_bad_row", ValueError, ["stream.parquet", "row 17", "label", "on_bad_row"])
     def _(ctx):
-        criteo_table_module(criteo_parquet(ctx.tmp / "stream.parquet"), ctx, streaming=True)
+        import pyarrow as pa
+
+        labels = pa.array([0] * 17 + [3] + [1] * 2)
+        dm = criteo_table_module(criteo_parquet(ctx.tmp / "stream.parquet",
+                                                change=lambda t: t.set_column(0, "label", labels)), ctx, streaming=True)
+        list(dm.train_dataloader())
 
     @case("criteo.parquet_negative_id", ValueError, ["neg.parquet", "row 0", "C1", "-5"])
     def _(ctx):

@@ -1,5 +1,6 @@
 """Criteo rows as tables (Parquet files, a folder of them, a `datasets` save_to_disk folder): the same batches as
-the text file they hold, bad rows named by file and row, and what a table cannot be used for refused."""
+the text file they hold, cached or streamed (sharded, resumed), bad rows named by file and row, and what a table
+cannot be used for refused."""
 
 from __future__ import annotations
 
@@ -156,8 +157,6 @@ def test_what_a_table_cannot_be_is_said(text, tmp_path):
     with pytest.raises(ValueError, match=r"t\.parquet: the table has no column for \['I7', 'C20'\].*rename"):
         _batches(f, tmp_path / "cache")
     pq.write_table(table, f)
-    with pytest.raises(ValueError, match=r"streaming=True reads text files: leave streaming off"):
-        CriteoDataModule(train_path=str(f), streaming=True, num_embeddings_per_feature=100).setup("fit")
     from lightning_rec.data import preprocess_criteo
 
     with pytest.raises(ValueError, match=r"t\.parquet is a Parquet / datasets table: preprocess reads Criteo text.*"
@@ -181,3 +180,72 @@ def test_what_a_table_cannot_be_is_said(text, tmp_path):
     pq.write_table(table.slice(0, 100), f)
     os.utime(f, ns=(1, 1))
     assert len(_batches(f, tmp_path / "cache")) == 2 and len(before) == 5
+
+
+def _streamed(path, *, num_workers: int = 0, shuffle: bool = False, **kwargs):
+    from lightning_rec.data.batch import make_stream_loader
+    from lightning_rec.data.criteo import CriteoIterableDataset
+
+    data = CriteoIterableDataset(str(path), batch_size=32, num_embeddings_per_feature=1000, shuffle=shuffle, seed=3,
+                                 block_bytes=64 * 256, **kwargs)  # blocks of 64 rows (of text: 16 KiB)
+    return make_stream_loader(data, num_workers=num_workers)
+
+
+def _rows(batches) -> list[tuple]:
+    """Each row's label, counts and ids, whatever batch it came in."""
+    out = []
+    for b in batches:
+        ids_FB = b.sparse_features.values().view(26, len(b))
+        out += [(float(b.labels[i]), *b.dense_features[i].tolist(), *ids_FB[:, i].tolist()) for i in range(len(b))]
+    return out
+
+
+@pytest.mark.parametrize("form", ["pieces", "saved_dataset"])
+def test_tables_stream_like_their_text_shared_and_resumed(text, tmp_path, form):
+    """streaming=True was refused for tables ("reads text files"): now a table streams in blocks of rows, read by
+    index (Parquet row groups, or slices of a save_to_disk folder), with the text stream's sharing and resume."""
+    import io
+
+    import datasets
+
+    table = _as_table(text)
+    source = tmp_path / "source"
+    if form == "pieces":  # row groups of 50 rows in files of 120: blocks of 64 rows cross both
+        source.mkdir()
+        for k, lo in enumerate(range(0, 300, 120)):
+            pq.write_table(table.slice(lo, 120), source / f"part-{k}.parquet", row_group_size=50)
+    else:
+        datasets.Dataset(table).save_to_disk(str(source), max_shard_size="8KB")
+    batches = lambda b: [(x.labels, x.dense_features, x.sparse_features.values()) for x in b]  # noqa: E731
+    plain = batches(_streamed(text))
+    assert _same(batches(_streamed(source)), plain)  # in order, unshuffled: the text stream's batches
+    # two readers (workers; ranks share the same way): every row once
+    both = _rows(_streamed(source, num_workers=2, shuffle=True))
+    assert sorted(both) == sorted(_rows(_streamed(text)))
+    # a pass stopped after 4 batches resumes at its block, from a state saved as a checkpoint holds it
+    whole = batches(_streamed(source, shuffle=True))
+    first = _streamed(source, shuffle=True)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    saved = io.BytesIO()
+    torch.save(first.state_dict(), saved)
+    again = _streamed(source, shuffle=True)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert _same(batches(again), whole[4:])
+    # the data module streams it too
+    dm = CriteoDataModule(train_path=str(source), streaming=True, batch_size=64, num_embeddings_per_feature=100)
+    dm.setup("fit")
+    assert sum(len(b) for b in dm.train_dataloader()) == 300
+
+
+def test_a_bad_row_in_a_streamed_table_is_named_or_skipped(text, tmp_path):
+    table = _as_table(text)
+    labels = table.column("label").to_pylist()
+    labels[200] = 7
+    f = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(0, "label", pa.array(labels)), f, row_group_size=100)
+    with pytest.raises(ValueError, match=r"bad\.parquet, row 200: label must be 0 or 1, got 7"):
+        list(_streamed(f))
+    loader = _streamed(f, on_bad_row="skip")
+    assert len(_rows(loader)) == 299 and loader.dataset.report.num_skipped_rows == 1

@@ -11,7 +11,8 @@ Layouts read (detected from the first lines, each overridable):
     DeepCTR sample      label,I1..I13,C1..C26                 header, comma, ints may be "260.0"
     Parquet / datasets  columns label (optional), I1..I13, C1..C26 by name: a .parquet file, a folder
                         of them (the Hugging Face Hub's layout) or a `save_to_disk` folder; C as hash
-                        strings or integer ids (`lightning_rec.data.criteo_tables`); cached like text
+                        strings or integer ids (`lightning_rec.data.criteo_tables`); cached or
+                        streamed like text
 
 How a file becomes batches:
 
@@ -95,6 +96,7 @@ from lightning_rec.data.criteo_parse import (
 from lightning_rec.data.criteo_shards import CriteoShardDataset, dist_rank_world, is_shard_dir
 from lightning_rec.data.criteo_tables import (
     TABLE_SOURCE_VERSION,
+    TableBlocks,
     read_criteo_table,
     source_files,
     table_has_label,
@@ -376,11 +378,15 @@ class CriteoIterableDataset(IterableDataset):
     ) -> None:
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
-        check_criteo_file(path)
+        # a table (Parquet, a save_to_disk folder) streams in blocks of rows instead of bytes: about as many rows
+        # as block_bytes of the cache's rows (264 bytes each)
+        self.table = TableBlocks(path, has_label, block_bytes // 256) if table_source_kind(path) else None
+        if self.table is None:
+            check_criteo_file(path)
         self.row_ids = row_ids
         self.parser = resolve_parser(parser)
         self.path = str(path)
-        self.layout = detect_layout(path, separator, has_header, has_label)
+        self.layout = detect_layout(path, separator, has_header, has_label) if self.table is None else None
         self.batch_size = batch_size
         self.num_embeddings_F = np.asarray(
             _resolve_num_embeddings(num_embeddings_per_feature, NUM_SPARSE_FEATURES), dtype=np.int64
@@ -392,12 +398,17 @@ class CriteoIterableDataset(IterableDataset):
         self._epoch = 0
         self._dist = dist_rank_world()
         # The report of the latest pass made in this process (a worker's own rows, with workers).
-        self.report = ParseReport(path=self.path, layout=asdict(self.layout))
+        self.report = self._new_report()
+
+    def _new_report(self) -> ParseReport:
+        return ParseReport(path=self.path, layout=asdict(self.layout) if self.table is None else self.table.layout)
 
     @property
     def fingerprint(self) -> str:
         """What a saved loader position belongs to: the file, its size and the batch size."""
-        return f"{os.path.basename(self.path)}:{os.path.getsize(self.path)}:{self.batch_size}:{int(self.shuffle)}"
+        source = self.table.fingerprint if self.table is not None else \
+            f"{os.path.basename(self.path)}:{os.path.getsize(self.path)}"
+        return f"{source}:{self.batch_size}:{int(self.shuffle)}"
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next pass shuffles for (a resumed run's loader sets it; see StatefulBatchLoader)."""
@@ -464,24 +475,34 @@ class CriteoIterableDataset(IterableDataset):
         self._epoch = epoch + 1  # persistent workers and the main process keep counting epochs
         base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
                 "fingerprint": self.fingerprint, "epoch": epoch}
-        report = ParseReport(path=self.path, layout=asdict(self.layout))
+        report = self._new_report()
         self.report = report
         num_pending = sum(p[0].shape[0] for p in pending)
         if resume is not None and resume.get("done"):
             self._position = {**base, "done": True}
             return
-        blocks = iter_blocks_resumable(self.path, self.block_bytes, self.layout.has_header, start)
+        # (where the block begins: a byte offset, or a table's block index; its rows, parsed when asked for)
+        if self.table is None:
+            blocks = ((reader, lambda b=block, line=first_line: parse_block(
+                b, line, self.layout, self.path, self.on_bad_row, report, self.parser))
+                for block, first_line, reader in iter_blocks_resumable(self.path, self.block_bytes,
+                                                                       self.layout.has_header, start))
+            num_blocks = math.ceil(os.path.getsize(self.path) / self.block_bytes)
+        else:
+            blocks = ((b, lambda b=b: self.table.read(b, self.on_bad_row, report))
+                      for b in range(k, self.table.num_blocks))
+            num_blocks = self.table.num_blocks
         # Few blocks per shard: deal rows (every shard parses every block, keeps every num_shards-th
         # row), so ranks get equal shares of a small file; many blocks: deal whole blocks (each is
         # parsed once), and shares differ by at most about a block.
-        by_rows = num_shards > 1 and math.ceil(os.path.getsize(self.path) / self.block_bytes) < 2 * num_shards
-        for block, first_line, reader in blocks:
+        by_rows = num_shards > 1 and num_blocks < 2 * num_shards
+        for reader, parse in blocks:
             here, k = k, k + 1
             if not by_rows and here % num_shards != shard:
                 continue
             boundary = {**base, "reader": reader, "block": here, "seen": seen, "rng": rng.bit_generator.state,
                         "pending": list(pending)}
-            arrays = parse_block(block, first_line, self.layout, self.path, self.on_bad_row, report, self.parser)
+            arrays = parse()
             n = arrays[0].shape[0]
             if self.row_ids:  # an order key per row (see the class doc), carried beside the rows
                 arrays = (*arrays, np.arange(seen, seen + n) if by_rows else (here << 32) + np.arange(n))
@@ -546,7 +567,8 @@ class CriteoDataModule(pl.LightningDataModule):
 
     A path may also be a table: a Parquet file, a folder of them (a Hugging Face Hub dataset's files) or a
     `datasets` save_to_disk folder, with columns label, I1..I13, C1..C26; it is converted once into the
-    same cache and gives the batches its text would (`lightning_rec.data.criteo_tables`; not streamed).
+    same cache, or streamed in blocks of rows, and gives the batches its text would
+    (`lightning_rec.data.criteo_tables`).
     Or a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
     logs): each rank then reads its share of the .npy shards as batch slices
     (`lightning_rec.data.criteo_shards`); `num_embeddings_per_feature` must match the directory's.
@@ -670,20 +692,11 @@ class CriteoDataModule(pl.LightningDataModule):
         "Connection closed by peer" traceback was the last thing on the screen. Only the stage's files: predict
         on a machine without the recipe's training files works."""
         for split in self._splits_of(stage):
-            self._check_table_streaming(split)
             if table_source_kind(self.paths[split]):
                 source_files(self.paths[split])  # a folder of several splits' files is refused here, before any rank
             elif not is_shard_dir(self.paths[split]):
                 check_criteo_file(self.paths[split], what=f"CriteoDataModule {split}_path",
                                   fix=f"check the path (--data.{split}_path on the command line)")
-
-    def _check_table_streaming(self, split: str) -> None:
-        kind = table_source_kind(self.paths[split])
-        if self.streaming and kind:
-            raise ValueError(f"CriteoDataModule {split}_path {self.paths[split]} is a "
-                             f"{'Parquet' if kind == 'parquet' else 'datasets save_to_disk'} table, and streaming=True "
-                             f"reads text files: leave streaming off (a table is converted once into the memory-mapped "
-                             f"cache, then read at any size)")
 
     def prepare_data(self) -> None:
         # Lightning's prepare_data has no stage argument: the attached Trainer's state names it
@@ -705,7 +718,6 @@ class CriteoDataModule(pl.LightningDataModule):
                 continue
             if split in ("train", "val"):
                 self._check_labelled(split)
-            self._check_table_streaming(split)
             if is_shard_dir(self.paths[split]):
                 dataset = CriteoShardDataset(
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,

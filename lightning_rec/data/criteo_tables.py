@@ -22,6 +22,8 @@ Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, w
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -253,6 +255,33 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
     return label_N, dense_N13, sparse_NF, bad_N, problems
 
 
+def _checked(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, first: int, seen: int,
+             on_bad_row: str, report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_convert, then `on_bad_row`: raise for the first bad row (its first bad field), or drop, count and record."""
+    label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen)
+    if problems and on_bad_row == "error":  # the first bad row, its first bad field (by rank)
+        rows, why, _ = min(problems, key=lambda p: (int(p[0].min()), p[2]))
+        raise ValueError(f"{why(int(rows.argmin()))}. Fix the table, or pass on_bad_row='skip' to drop such "
+                         f"rows (they are counted and logged)")
+    _raise_or_record(problems, on_bad_row, str(report.path), report)
+    report.num_skipped_rows += int(bad_N.sum())
+    report.num_rows += int((~bad_N).sum())
+    if bad_N.any():
+        return label_N[~bad_N], dense_N13[~bad_N], sparse_NF[~bad_N]
+    return label_N, dense_N13, sparse_NF
+
+
+def _names(columns: dict[str, str | None]) -> list[str]:
+    """The source's columns to read, in our order: label (if any), I1..I13, C1..C26."""
+    return [c for c in [columns["label"], *(columns[f"I{i}"] for i in range(1, NUM_DENSE_FEATURES + 1)),
+                        *(columns[f"C{i}"] for i in range(1, NUM_SPARSE_FEATURES + 1))] if c is not None]
+
+
+def table_layout(path: str | os.PathLike, has_label: bool | None = None) -> dict:
+    """What a report says of a table source's layout: its format and which column holds each field."""
+    return {"format": table_source_kind(path), "columns": _columns(path, _schema(path), has_label)}
+
+
 def read_criteo_table(
     path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error", batch_rows: int = 1 << 20,
 ) -> Iterator[tuple[pa.Table, ParseReport]]:
@@ -262,21 +291,85 @@ def read_criteo_table(
     whole source (0-based), and the reasons name the file and its own row.
     """
     _check_on_bad_row(on_bad_row)
-    columns = _columns(path, _schema(path), has_label)
-    names = [c for c in [columns["label"], *(columns[f"I{i}"] for i in range(1, NUM_DENSE_FEATURES + 1)),
-                         *(columns[f"C{i}"] for i in range(1, NUM_SPARSE_FEATURES + 1))] if c is not None]
-    report = ParseReport(path=str(path), layout={"format": table_source_kind(path), "columns": columns})
+    layout = table_layout(path, has_label)
+    report = ParseReport(path=str(path), layout=layout)
     seen = 0
-    for file, first, rb in _record_batches(path, names, batch_rows):
-        label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen)
-        if problems and on_bad_row == "error":  # the first bad row, its first bad field (by rank)
-            rows, why, _ = min(problems, key=lambda p: (int(p[0].min()), p[2]))
-            raise ValueError(f"{why(int(rows.argmin()))}. Fix the table, or pass on_bad_row='skip' to drop such "
-                             f"rows (they are counted and logged)")
-        _raise_or_record(problems, on_bad_row, str(path), report)
-        report.num_skipped_rows += int(bad_N.sum())
-        report.num_rows += int((~bad_N).sum())
+    for file, first, rb in _record_batches(path, _names(layout["columns"]), batch_rows):
+        arrays = _checked(rb, layout["columns"], file, first, seen, on_bad_row, report)
         seen += rb.num_rows
-        if bad_N.any():
-            label_N, dense_N13, sparse_NF = label_N[~bad_N], dense_N13[~bad_N], sparse_NF[~bad_N]
-        yield _to_table(label_N, dense_N13, sparse_NF), report
+        yield _to_table(*arrays), report
+
+
+class TableBlocks:
+    """A table source cut into blocks of `block_rows` rows of the whole (its files end to end), read by index:
+    what streaming reads instead of text blocks. Block k is found from the Parquet files' row-group sizes (the
+    row groups it spans are read; the last one is kept for the next block) or sliced from a save_to_disk
+    folder's memory-mapped table, so a resumed or sharded pass reads only its own blocks."""
+
+    def __init__(self, path: str | os.PathLike, has_label: bool | None, block_rows: int) -> None:
+        self.path, self.block_rows = str(path), max(1, int(block_rows))
+        self.layout = table_layout(path, has_label)
+        self.columns = self.layout["columns"]
+        self._names = _names(self.columns)
+        self._table = None
+        self._kept: tuple[tuple[int, int], pa.Table] | None = None
+        if table_source_kind(path) == "saved_dataset":
+            import datasets
+
+            self._table = datasets.load_from_disk(str(path)).data.table.select(self._names)
+            self.num_rows = self._table.num_rows
+            self._groups: list[tuple[Path, int, int, int]] = []
+        else:
+            import pyarrow.parquet as pq
+
+            self._files = source_files(path)
+            self._groups = []  # (file, row group, its first row in the whole, its first row in its file)
+            start = 0
+            for f in self._files:
+                meta = pq.ParquetFile(f).metadata
+                in_file = 0
+                for g in range(meta.num_row_groups):
+                    self._groups.append((f, g, start, in_file))
+                    rows = meta.row_group(g).num_rows
+                    start, in_file = start + rows, in_file + rows
+            self._starts = np.array([g[2] for g in self._groups] + [start], dtype=np.int64)
+            self.num_rows = start
+        sizes = json.dumps([[f.name, f.stat().st_size] for f in source_files(path)])
+        digest = hashlib.sha1(sizes.encode()).hexdigest()[:8]  # not hash(): it differs between processes
+        self.fingerprint = f"{os.path.basename(self.path)}:{self.num_rows}:{digest}"
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_rows // self.block_rows)
+
+    def _row_group(self, index: int) -> pa.Table:
+        import pyarrow.parquet as pq
+
+        if self._kept is None or self._kept[0] != index:
+            f, g, _, _ = self._groups[index]
+            self._kept = (index, pq.ParquetFile(f).read_row_group(g, columns=self._names))
+        return self._kept[1]
+
+    def read(self, k: int, on_bad_row: str, report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block k's rows as raw values (label [N], dense [N, 13], sparse [N, 26]), bad rows per `on_bad_row`."""
+        lo, hi = k * self.block_rows, min((k + 1) * self.block_rows, self.num_rows)
+        pieces = []  # (file, first row in that file, first row in the whole, record batch)
+        if self._table is not None:
+            for rb in self._table.slice(lo, hi - lo).combine_chunks().to_batches():
+                pieces.append((Path(self.path), lo, lo, rb))
+                lo += rb.num_rows
+        else:
+            g = int(np.searchsorted(self._starts, lo, side="right")) - 1
+            while lo < hi:
+                f, _, start, in_file = self._groups[g]
+                take = min(hi, int(self._starts[g + 1])) - lo
+                if take > 0:
+                    for rb in self._row_group(g).slice(lo - start, take).combine_chunks().to_batches():
+                        pieces.append((f, in_file + lo - start, lo, rb))
+                        lo += rb.num_rows
+                g += 1
+        arrays = [_checked(rb, self.columns, f, first, whole, on_bad_row, report) for f, first, whole, rb in pieces]
+        if not arrays:
+            return (np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+                    np.empty((0, NUM_SPARSE_FEATURES), np.int64))
+        return tuple(np.concatenate(parts) for parts in zip(*arrays))
