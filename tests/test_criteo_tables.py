@@ -233,6 +233,10 @@ def test_tables_stream_like_their_text_shared_and_resumed(text, tmp_path, form):
     again = _streamed(source, shuffle=True)
     again.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
     assert _same(batches(again), whole[4:])
+    # a worker is handed the source, not its rows (a pickled Arrow table would carry them all)
+    import pickle
+
+    assert len(pickle.dumps(_streamed(source).dataset)) < 4000
     # the data module streams it too
     dm = CriteoDataModule(train_path=str(source), streaming=True, batch_size=64, num_embeddings_per_feature=100)
     dm.setup("fit")

@@ -313,11 +313,9 @@ class TableBlocks:
         self._names = _names(self.columns)
         self._table = None
         self._kept: tuple[tuple[int, int], pa.Table] | None = None
-        if table_source_kind(path) == "saved_dataset":
-            import datasets
-
-            self._table = datasets.load_from_disk(str(path)).data.table.select(self._names)
-            self.num_rows = self._table.num_rows
+        self._is_saved = table_source_kind(path) == "saved_dataset"
+        if self._is_saved:
+            self.num_rows = self._saved().num_rows
             self._groups: list[tuple[Path, int, int, int]] = []
         else:
             import pyarrow.parquet as pq
@@ -338,6 +336,17 @@ class TableBlocks:
         digest = hashlib.sha1(sizes.encode()).hexdigest()[:8]  # not hash(): it differs between processes
         self.fingerprint = f"{os.path.basename(self.path)}:{self.num_rows}:{digest}"
 
+    def _saved(self) -> pa.Table:
+        if self._table is None:  # memory-mapped, once per process
+            import datasets
+
+            self._table = datasets.load_from_disk(self.path).data.table.select(self._names)
+        return self._table
+
+    def __getstate__(self) -> dict:
+        # a DataLoader worker gets the source, not its rows: a pickled Arrow table would carry every row with it
+        return {**self.__dict__, "_table": None, "_kept": None}
+
     @property
     def num_blocks(self) -> int:
         return -(-self.num_rows // self.block_rows)
@@ -354,8 +363,8 @@ class TableBlocks:
         """Block k's rows as raw values (label [N], dense [N, 13], sparse [N, 26]), bad rows per `on_bad_row`."""
         lo, hi = k * self.block_rows, min((k + 1) * self.block_rows, self.num_rows)
         pieces = []  # (file, first row in that file, first row in the whole, record batch)
-        if self._table is not None:
-            for rb in self._table.slice(lo, hi - lo).combine_chunks().to_batches():
+        if self._is_saved:
+            for rb in self._saved().slice(lo, hi - lo).combine_chunks().to_batches():
                 pieces.append((Path(self.path), lo, lo, rb))
                 lo += rb.num_rows
         else:
