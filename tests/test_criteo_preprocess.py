@@ -164,6 +164,54 @@ def test_min_frequency_vocabulary(tmp_path):
     assert torch.equal(all_rows(val_dir)[2], ids_FN)
 
 
+def _as_parquet_pieces(text: Path, folder: Path, pieces: int = 3) -> Path:
+    """The text file's rows as Parquet pieces (hash strings, counts with gaps), as a Hub dataset holds them."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+    table = pacsv.read_csv(text, read_options=pacsv.ReadOptions(column_names=names),
+                           parse_options=pacsv.ParseOptions(delimiter="\t"),
+                           convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names[14:]},
+                                                                strings_can_be_null=True))
+    folder.mkdir()
+    step = -(-table.num_rows // pieces)
+    for k in range(pieces):
+        pq.write_table(table.slice(k * step, step), folder / f"train-{k:05d}-of-{pieces:05d}.parquet",
+                       row_group_size=700)
+    return folder
+
+
+@pytest.mark.parametrize("min_frequency", [0, 2])
+def test_a_table_preprocesses_to_the_rows_of_its_text(tmp_path, monkeypatch, min_frequency):
+    """preprocess refused tables ("reads Criteo text files"): a Parquet source now gives the shards' rows of its
+    text, through the vocabulary of --min_frequency too, and an interrupted run resumes at its block."""
+    pieces = _as_parquet_pieces(TRAIN, tmp_path / "pq")
+    kw = dict(shuffle_rows=False, min_frequency=min_frequency, block_mb=1)
+    text_dir, text_manifest = run(tmp_path, "text", inputs=(TRAIN,), **kw)
+    real_write, calls = pre._write_shard, {"n": 0}
+
+    def dying_write(*args, **kwargs):  # dies after writing its 2nd shard's files, before the record
+        calls["n"] += 1
+        record = real_write(*args, **kwargs)
+        if calls["n"] == 2:
+            (tmp_path / "table" / f"{record['name']}.json").unlink()
+            raise KeyboardInterrupt
+        return record
+
+    monkeypatch.setattr(pre, "_write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, "table", inputs=(pieces / "train-*.parquet",), rows_per_shard=1000, block_mb=1,
+            shuffle_rows=False, min_frequency=min_frequency)
+    monkeypatch.setattr(pre, "_write_shard", real_write)
+    table_dir, manifest = run(tmp_path, "table", inputs=(pieces / "train-*.parquet",), **kw)
+    assert manifest["num_rows"] == text_manifest["num_rows"] == 4380 and len(manifest["shards"]) == 2  # blocks of 4096
+    assert manifest["num_embeddings_per_feature"] == text_manifest["num_embeddings_per_feature"]
+    for a, b in zip(all_rows(table_dir), all_rows(text_dir)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
 def test_ranks_read_equal_disjoint_shares():
     rows = [1000, 7, 333, 1]
     for world in (1, 2, 3, 4):

@@ -6,7 +6,9 @@
 Shapes: n rows of a shard, F = 26 sparse features, 13 dense features.
 
 What it does, per input file in order (day files, Kaggle train.txt / train.csv; gzip / bz2 / zstd read
-as they are):
+as they are; or a table: a Parquet file, a folder or pattern of them, a save_to_disk folder, read in
+blocks of about --block_mb of rows and hashed as the op hashes text, its records' byte_start / byte_end
+then counting blocks):
 
     text --(blocks of --block_mb, cut at newlines)--> torch.ops.lightning_rec.parse_criteo
          (ids hashed into the tables, log(1 + max(x, 0)) dense, all in the op) --> rows of a shard
@@ -68,7 +70,7 @@ from lightning_rec.data.criteo_shards import (
     shard_files,
     verify_shard,
 )
-from lightning_rec.data.criteo_tables import table_source_kind
+from lightning_rec.data.criteo_tables import TableBlocks, source_files, table_source_kind
 
 log = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
@@ -158,16 +160,15 @@ def preprocess_criteo(
     verify: bool = True,
     progress: bool = True,
 ) -> dict:
-    """Convert Criteo text files into a shard directory (see the module doc); returns the manifest."""
+    """Convert Criteo text files (or tables: see `lightning_rec.data.criteo_tables`) into a shard directory (see
+    the module doc); returns the manifest."""
     if not inputs:
         raise ValueError("--input needs at least one Criteo file (day_0 ... day_23, train.txt, train.csv)")
     inputs = [str(p) for p in inputs]
     for p in inputs:
-        if table_source_kind(p):  # its bytes would be called "not a Criteo text file": say what it is and where it goes
-            raise ValueError(f"--input {p} is a Parquet / datasets table: preprocess reads Criteo text files. Pass "
-                             f"the table to the data module as it is (--data.train_path={p}): it is converted once "
-                             f"into the memory-mapped cache, with each rank reading its share")
-        check_criteo_file(p, "input", fix="check --input (a Criteo file: day_0.gz, train.txt, ...)")
+        if not table_source_kind(p):
+            check_criteo_file(p, "input", fix="check --input (a Criteo file: day_0.gz, train.txt, ...; or a table: "
+                                              "a .parquet file, a folder or pattern of them, a save_to_disk folder)")
     if missing_categorical not in MISSING_CATEGORICAL:
         raise ValueError(f"--missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}")
     if on_bad_row not in ("error", "skip"):
@@ -182,13 +183,17 @@ def preprocess_criteo(
     if (min_frequency or vocab_from) and missing_categorical != "reserved_id":
         raise ValueError("--min_frequency / --vocab_from map rare ids to id 0 with the missing values: "
                          "they need --missing_categorical reserved_id")
-    resolve_parser("native")  # the op does the hashing; without it this would take days on the 1TB logs
+    block_bytes = block_mb << 20
+    # a table input (Parquet, a save_to_disk folder) is read in blocks of rows, about block_bytes of them
+    tables = [TableBlocks(p, has_label, block_bytes // 256) if table_source_kind(p) else None for p in inputs]
+    if any(t is None for t in tables):
+        resolve_parser("native")  # the op does the hashing; without it this would take days on the 1TB logs
     sizes = _resolve_sizes(num_embeddings)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    block_bytes = block_mb << 20
-    layouts = [detect_layout(p, separator, has_header, has_label) for p in inputs]
-    labelled = {lay.has_label for lay in layouts}
+    layouts = [detect_layout(p, separator, has_header, has_label) if t is None else None
+               for p, t in zip(inputs, tables)]
+    labelled = {lay.has_label if t is None else t.columns["label"] is not None for lay, t in zip(layouts, tables)}
     if len(labelled) > 1:
         raise ValueError(f"some inputs have a label column and some do not ({inputs}): preprocess them separately")
     if shuffle_rows is None:
@@ -199,8 +204,7 @@ def preprocess_criteo(
         missing_categorical=missing_categorical, rows_per_shard=rows_per_shard, block_mb=block_mb,
         shuffle_rows=shuffle_rows, seed=seed, on_bad_row=on_bad_row,
     )
-    sources = [dict(path=str(Path(p).resolve()), size=os.path.getsize(p), mtime_ns=os.stat(p).st_mtime_ns)
-               for p in inputs]
+    sources = [_source(p, t) for p, t in zip(inputs, tables)]
     _check_same_run(out, options, sources)
 
     remaps = None
@@ -210,7 +214,8 @@ def preprocess_criteo(
         if (out / "vocab.npz").is_file():
             remaps = _load_vocab(out / "vocab.npz", sizes)
         else:
-            remaps = _count_vocabulary(inputs, layouts, sizes, min_frequency, block_bytes, on_bad_row, progress)
+            remaps = _count_vocabulary(inputs, layouts, tables, sizes, min_frequency, block_bytes, on_bad_row,
+                                       progress)
             _save_vocab(out, remaps)
     final_sizes = sizes if remaps is None else [int(r.max()) + 1 for r in remaps]
 
@@ -221,7 +226,7 @@ def preprocess_criteo(
     for idx, (path, layout) in enumerate(zip(inputs, layouts)):
         done = _resume(out, idx, verify)
         shards += done
-        report = ParseReport(path=path, layout=asdict(layout))
+        report = ParseReport(path=path, layout=asdict(layout) if layout is not None else tables[idx].layout)
         if done:
             for key, value in done[-1]["report"].items():  # counts so far: the report covers the whole input
                 setattr(report, key, value)
@@ -231,6 +236,13 @@ def preprocess_criteo(
                 bar.raw_progress(int(offsets[idx]))(sources[idx]["size"])
                 reports.append(asdict(report))
                 continue
+        if tables[idx] is not None:
+            shards += _table_shards(out, idx, tables[idx], done, report, sizes, remaps, missing_categorical,
+                                    rows_per_shard, seed, shuffle_rows, on_bad_row,
+                                    bar.raw_progress(int(offsets[idx])), sources[idx]["size"], bar)
+            report.log_skips()
+            reports.append(asdict(report))
+            continue
         start_byte = done[-1]["byte_end"] if done else 0
         start_line = done[-1]["line_end"] if done else 1
         if start_byte == 0 and layout.has_header:
@@ -325,11 +337,70 @@ def _parse(block, first_line, layout: CriteoLayout, path, on_bad_row, report, si
     return label, dense, ids
 
 
-def _count_vocabulary(inputs, layouts, sizes, min_frequency, block_bytes, on_bad_row, progress) -> list[np.ndarray]:
+def _source(path: str, table: TableBlocks | None) -> dict:
+    """What run.json records of an input, so that a resumed run knows it is the same one."""
+    if table is None:
+        return dict(path=str(Path(path).resolve()), size=os.path.getsize(path), mtime_ns=os.stat(path).st_mtime_ns)
+    files = source_files(path)
+    return dict(path=str(Path(path).resolve()), size=sum(f.stat().st_size for f in files),
+                mtime_ns=max(f.stat().st_mtime_ns for f in files), files=len(files), rows=table.num_rows)
+
+
+def _hashed(sparse_raw: np.ndarray, sizes: Sequence[int], remaps, missing_categorical: str) -> np.ndarray:
+    """Raw 32-bit ids [n, F] (-1: missing) -> table ids, as the native op hashes text (and CriteoDataModule
+    hashes its cache): reserved_id 1 + v % (n_f - 1) (0: missing), empty_bag v % n_f (-1); or through the
+    vocabulary of --min_frequency (0: rare or missing)."""
+    present = sparse_raw >= 0
+    mod = np.asarray(sizes, dtype=np.int64)[None, :]
+    if remaps is None and missing_categorical == "reserved_id":
+        return np.where(present, sparse_raw % (mod - 1) + 1, 0).astype(np.int32)
+    hashed = np.where(present, sparse_raw % mod, -1)
+    if remaps is None:
+        return hashed.astype(np.int32)
+    ids = np.zeros(hashed.shape, dtype=np.int32)
+    for f, remap in enumerate(remaps):
+        ids[present[:, f], f] = remap[hashed[present[:, f], f]]
+    return ids
+
+
+def _table_shards(out: Path, idx: int, table: TableBlocks, done: list[dict], report: ParseReport, sizes, remaps,
+                  missing_categorical: str, rows_per_shard: int, seed: int, shuffle_rows: bool, on_bad_row: str,
+                  progress, size: int, bar) -> list[dict]:
+    """A table input's shards. Its records' byte_start / byte_end are block indices of the table (line_start /
+    line_end: its rows), so a resumed run goes on from the block where the good shards ended."""
+    start = done[-1]["byte_end"] if done else 0
+    k, shards, pending, pending_rows, shard_start = len(done), [], [], 0, start
+    for b in range(start, table.num_blocks):
+        label, dense_raw, sparse_raw = table.read(b, on_bad_row, report)
+        dense = np.log1p(np.fmax(dense_raw, 0.0)).astype(np.float32)  # as the op's log_dense
+        pending.append((label, dense, _hashed(sparse_raw, sizes, remaps, missing_categorical)))
+        pending_rows += label.shape[0]
+        bar.rows(label.shape[0])
+        progress(size * (b + 1) // max(table.num_blocks, 1))
+        if pending_rows >= rows_per_shard:
+            shards.append(_write_shard(out, idx, k, pending, seed, shuffle_rows, (shard_start, b + 1),
+                                       (shard_start * table.block_rows, (b + 1) * table.block_rows), report))
+            k, pending, pending_rows, shard_start = k + 1, [], 0, b + 1
+    if pending_rows or (k == 0 and not done):
+        shards.append(_write_shard(out, idx, k, pending, seed, shuffle_rows, (shard_start, None),
+                                   (shard_start * table.block_rows, None), report))
+    return shards
+
+
+def _count_vocabulary(inputs, layouts, tables, sizes, min_frequency, block_bytes, on_bad_row,
+                      progress) -> list[np.ndarray]:
     vocab = _Vocabulary(sizes, min_frequency)
-    sizes_b = [os.path.getsize(p) for p in inputs]
+    sizes_b = [_source(p, t)["size"] for p, t in zip(inputs, tables)]
     bar = _Progress(sum(sizes_b), "count ids", progress)
     for idx, (path, layout) in enumerate(zip(inputs, layouts)):
+        if tables[idx] is not None:
+            report = ParseReport(path=path)
+            for b in range(tables[idx].num_blocks):
+                raw = tables[idx].read(b, on_bad_row, report)[2]
+                vocab.count(np.where(raw >= 0, raw % np.asarray(sizes, dtype=np.int64)[None, :], -1))
+                bar.rows(raw.shape[0])
+                bar.raw_progress(sum(sizes_b[:idx]))(sizes_b[idx] * (b + 1) // tables[idx].num_blocks)
+            continue
         report = ParseReport(path=path)
         lines = [2 if layout.has_header else 1]
         for block, _ in iter_line_blocks(path, block_bytes, layout.has_header, 0, bar.raw_progress(sum(sizes_b[:idx]))):
@@ -414,7 +485,9 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
         description="Convert Criteo text (day files, Kaggle train.txt / train.csv; .gz read as is) into memory-mapped "
         ".npy shards for CriteoDataModule. Resumable: rerun the same command after an interruption.",
     )
-    parser.add_argument("--input", nargs="+", required=True, help="Criteo files, in order (e.g. day_0 ... day_22)")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="Criteo files, in order (e.g. day_0 ... day_22), or tables (a .parquet file, a folder or "
+                             "quoted pattern of them: 'data/train-*.parquet', a save_to_disk folder)")
     parser.add_argument("--output_dir", required=True, help="where the shards and manifest.json go (one per split)")
     parser.add_argument("--num_embeddings", default="40000000",
                         help="rows per table: one int, or 26 comma-separated ints (default 40000000, TorchRec's)")
