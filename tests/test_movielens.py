@@ -206,6 +206,31 @@ def test_string_ids_are_kept_as_the_datas_own_ids(tmp_path):
         MovieLensDataModule(str(tmp_path / "damaged"), side_features=False).setup()
 
 
+def test_a_log_with_its_own_column_names_says_which_is_which(tmp_path):
+    """A shop's review log ("user_id,parent_asin,rating,timestamp,helpful_vote") was refused ("the header has no
+    column for ['item_id']"), with no way to name the item column: `columns=` names it, for CSV and Parquet."""
+    import pyarrow.parquet as pq
+
+    log = _string_id_log()
+    _write(tmp_path / "csv" / "ratings.csv", "user_id,parent_asin,rating,timestamp,helpful_vote\n"
+           + "".join(f"{u},{i},5,{t},0\n" for u, i, t in log))
+    with pytest.raises(ValueError, match=r"no column for \['item_id'\].*columns=\{'user': \.\.\., 'item'"):
+        MovieLensDataModule(str(tmp_path / "csv"), side_features=False).setup()
+    a = MovieLensDataModule(str(tmp_path / "csv"), split="loo", side_features=False, columns={"item": "parent_asin"})
+    with pytest.warns(UserWarning, match="ids are not integers"):
+        a.setup()
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"reviewer": [u for u, _, _ in log], "user": [0] * len(log),  # "user": not the user
+                             "asin": [i for _, i, _ in log], "stars": [5.0] * len(log),
+                             "time": [t for _, _, t in log]}), tmp_path / "pq" / "ratings.parquet")
+    b = MovieLensDataModule(str(tmp_path / "pq"), split="loo", side_features=False, min_rating=4,
+                            columns={"user": "reviewer", "item": "asin", "rating": "stars", "timestamp": "time"})
+    b.setup()
+    assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all() and torch.equal(a.part_N, b.part_N)
+    with pytest.raises(ValueError, match=r"'product' is not one of user, item, rating, timestamp"):
+        MovieLensDataModule(str(tmp_path / "pq"), columns={"product": "asin"})
+
+
 @needs_ml100k
 def test_leave_one_out_on_ml100k_holds_out_each_users_two_newest(ro):
     dm = MovieLensDataModule(str(ML100K), split="loo", side_features=False)

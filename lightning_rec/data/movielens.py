@@ -219,6 +219,25 @@ def _sniff(path: Path) -> tuple[str, bool]:
 _HEADER_NAMES = {"userid": "user_id", "user_id": "user_id", "user": "user_id", "movieid": "item_id",
                  "movie_id": "item_id", "itemid": "item_id", "item_id": "item_id", "item": "item_id",
                  "rating": "rating", "timestamp": "timestamp"}
+_FIELDS = {"user": "user_id", "item": "item_id", "rating": "rating", "timestamp": "timestamp"}
+
+
+def _header_map(columns: dict[str, str] | None) -> dict[str, str]:
+    """Lower-cased header name -> our column, with `columns` ({"item": "parent_asin", ...}: a log's own names)
+    taking precedence over the GroupLens / RecBole names."""
+    names = dict(_HEADER_NAMES)
+    if columns is not None and not isinstance(columns, dict):
+        raise ValueError(f"columns={columns!r}: give a mapping of user / item / rating / timestamp to your file's "
+                         f"column names, e.g. columns={{'item': 'parent_asin'}}")
+    for what, name in (columns or {}).items():
+        if what not in _FIELDS:
+            raise ValueError(f"columns={columns!r}: {what!r} is not one of {', '.join(_FIELDS)} (give your file's "
+                             f"column name for each, e.g. columns={{'item': 'parent_asin'}})")
+        names = {k: v for k, v in names.items() if v != _FIELDS[what]}  # only the given name means that field
+        names[str(name).strip().lower()] = _FIELDS[what]
+    return names
+
+
 
 
 def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = ()) -> str:
@@ -237,7 +256,7 @@ def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequ
     return ""
 
 
-def _read_ratings_parquet(path: Path) -> pa.Table:
+def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> pa.Table:
     """A Parquet log of interactions, columns by name as in a ratings.csv header: user, item[, rating][, timestamp].
 
     A missing rating column is implicit feedback (every row 1.0); a timestamp column may be integer seconds or an
@@ -246,15 +265,17 @@ def _read_ratings_parquet(path: Path) -> pa.Table:
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(path)
+    header_names = _header_map(columns)
     ours = {}
     for name in schema.names:
-        mapped = _HEADER_NAMES.get(name.strip().lower())
+        mapped = header_names.get(name.strip().lower())
         if mapped and mapped not in ours:
             ours[mapped] = name
     missing = [n for n in ("user_id", "item_id") if n not in ours]
     if missing:
         raise ValueError(f"{path}: no column for {missing} among {schema.names[:8]}: name the columns user (or userId, "
-                         f"user_id), item (or movieId, item_id)[, rating][, timestamp]")
+                         f"user_id), item (or movieId, item_id)[, rating][, timestamp], or say which are which: "
+                         f"columns={{'user': ..., 'item': ...}} (--data.init_args.columns)")
     table = pq.read_table(path, columns=list(ours.values()))
     out = {}
     for column, kind in (("user_id", pa.int64()), ("item_id", pa.int64()), ("rating", pa.float32())):
@@ -298,13 +319,13 @@ def parquet_ratings(path: Path) -> list[Path]:
     return [f for f in glob_files(path) if f.suffix == ".parquet"]
 
 
-def read_ratings(path: str | Path) -> pa.Table:
+def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.Table:
     """A ratings file (any GroupLens layout, header or not; or a Parquet log, or a pattern naming its pieces)
     -> Arrow table user_id, item_id, rating, timestamp."""
     path = Path(path)
     pieces = parquet_ratings(path)
     if len(pieces) > 1 or (pieces and pieces[0] != path):
-        tables = [_read_ratings_parquet(f) for f in pieces]
+        tables = [_read_ratings_parquet(f, columns) for f in pieces]
         if len({_NO_TIME in (t.schema.metadata or {}) for t in tables}) > 1:
             raise ValueError(f"{path}: some of its files have a timestamp column and some not: give all of them one, "
                              f"or none")
@@ -312,7 +333,7 @@ def read_ratings(path: str | Path) -> pa.Table:
     if not path.is_file():
         raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     if path.suffix == ".parquet":
-        return _read_ratings_parquet(path)
+        return _read_ratings_parquet(path, columns)
     sep, has_header = _sniff(path)
     data = path.read_bytes()
     if sep == "::":
@@ -324,12 +345,14 @@ def read_ratings(path: str | Path) -> pa.Table:
     if has_header:  # columns by name: a header without movieId must not shift rating into the item column
         header = data.split(b"\n", 1)[0].decode("latin-1").rstrip("\r").split(sep)
         # ":token" / ":float": RecBole's atomic files type their columns in the header ("user_id:token")
-        column_names = [_HEADER_NAMES.get(h.strip().strip('"').split(":")[0].lower(), f"_unused{i}")
+        header_names = _header_map(columns)
+        column_names = [header_names.get(h.strip().strip('"').split(":")[0].lower(), f"_unused{i}")
                         for i, h in enumerate(header)]
         missing = [n for n in names[:3] if n not in column_names]
         if missing:
             raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
-                             f"rating[, timestamp] (ml-20m/25m's ratings.csv)")
+                             f"rating[, timestamp] (ml-20m/25m's ratings.csv), or name yours: columns={{'user': ..., "
+                             f"'item': ..., 'rating': ...}} (--data.init_args.columns)")
         num_fields = 4 if "timestamp" in column_names else 3
     elif num_fields not in (3, 4):
         raise ValueError(f"{path}:{2 if has_header else 1}: {num_fields} fields separated by {sep!r}; expected "
@@ -735,12 +758,15 @@ class MovieLensDataModule(pl.LightningDataModule):
         eval_test_in_fit: the validation loop also ranks the test split (logged as test_*), so one
             `fit` reports both; `trainer.test` works either way.
         seed: the random split (ro_811) and the negatives (the shuffle order too).
+        columns: your log's column names where they are not GroupLens' (a headed ratings.csv or a Parquet log):
+            {"user": "reviewer_id", "item": "parent_asin", "rating": "stars", "timestamp": "time"}, any of them.
     """
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
                  num_negatives: int = 0, eval_test_in_fit: bool = False, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> None:
+                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
+                 columns: dict[str, str] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         if split not in SPLITS:
@@ -750,6 +776,8 @@ class MovieLensDataModule(pl.LightningDataModule):
         for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MovieLensDataModule {name}={value!r}: give a positive number per batch")
+        _header_map(columns)  # an unknown field is said here, not at setup
+        self.columns = dict(columns) if columns else None
         self.data_dir = Path(data_dir)
         # here, on every rank before any process group exists, as well as in prepare_data (the folder may be
         # removed in between): found only in prepare_data (local rank 0), it left rank 1 in a barrier, whose gloo
@@ -767,7 +795,7 @@ class MovieLensDataModule(pl.LightningDataModule):
     # building ---------------------------------------------------------------------------------
 
     def _ratings_of(self, path: Path) -> pa.Table:
-        table = read_ratings(path)
+        table = read_ratings(path, self.columns)
         self.report.num_ratings += table.num_rows
         if self.min_rating is not None:
             keep = np.asarray(table.column("rating")) >= self.min_rating
