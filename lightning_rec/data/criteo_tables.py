@@ -17,6 +17,10 @@ C1..C26; others (an `Id`) are left alone. The values become the cache's raw valu
             column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
             an integer column with missing values; NaN: missing)
 Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file).
+
+Read three ways, as text is: converted once into the memory-mapped cache (`read_criteo_table`, through
+`build_criteo_cache`), streamed in blocks of rows read by index (`TableBlocks`, through
+`CriteoIterableDataset`), or cut into `lightning-rec preprocess` shards (`TableBlocks` again).
 """
 
 from __future__ import annotations
