@@ -5,7 +5,8 @@ the same rows (the native parser and the Python reference), alternating rounds, 
 
 The rows are ../shared/data's Kaggle train sample repeated (a generated tab file without it). Every round builds
 each cache from scratch (`build_criteo_cache` into a new directory: the one-time conversion a user waits for),
-and checks the caches hold the same rows. Last line: {"benchmark": "criteo_tables", "ratios":
+and checks the caches hold the same rows; then one streaming pass of each (batches of 2048, one process: what
+an epoch costs without a cache). Last line: {"benchmark": "criteo_tables", "ratios":
 {"parquet_vs_text_native", "parquet_vs_text_python"}, "figures": {"<source>_rows_per_s", ...}}.
 """
 
@@ -76,6 +77,16 @@ def _arrays(arrow: Path) -> list[np.ndarray]:
             table.column("sparse").combine_chunks().flatten().to_numpy()]
 
 
+def stream(source: Path, parser: str) -> tuple[float, int]:
+    """One pass of the streaming loader (batches of 2048, one process): what every epoch costs without a cache."""
+    from lightning_rec.data.criteo import CriteoIterableDataset
+
+    data = CriteoIterableDataset(str(source), batch_size=2048, num_embeddings_per_feature=100_000, parser=parser)
+    start = time.perf_counter()
+    rows = sum(len(batch) for batch in data)
+    return time.perf_counter() - start, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -102,14 +113,25 @@ def main() -> None:
                 assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(_arrays(arrow), first)), name
             for name in sources:
                 shutil.rmtree(work / f"cache_{r}_{name}", ignore_errors=True)
+        streamed: dict[str, list[float]] = {name: [] for name in sources}
+        for r in range(args.rounds):
+            for name in (list(sources) if r % 2 == 0 else list(reversed(sources))):
+                dt, n = stream(sources[name], "python" if name == "text_python" else "auto")
+                assert n == rows[name], (name, n)
+                streamed[name].append(dt)
         figures = {f"{name}_rows_per_s": round(rows[name] / statistics.median(s)) for name, s in seconds.items()}
-        print(f"{'source':<16}{'rows':>10}{'median s':>10}{'rows/s':>12}")
+        figures |= {f"{name}_stream_rows_per_s": round(rows[name] / statistics.median(s))
+                    for name, s in streamed.items()}
+        print(f"{'source':<16}{'rows':>10}{'cache s':>10}{'cache rows/s':>14}{'stream rows/s':>15}")
         for name, s in seconds.items():
-            print(f"{name:<16}{rows[name]:>10}{statistics.median(s):>10.2f}{figures[f'{name}_rows_per_s']:>12,}")
+            print(f"{name:<16}{rows[name]:>10}{statistics.median(s):>10.2f}{figures[f'{name}_rows_per_s']:>14,}"
+                  f"{figures[f'{name}_stream_rows_per_s']:>15,}")
         ratios = {"parquet_vs_text_native": round(figures["parquet_rows_per_s"] / figures["text_native_rows_per_s"], 3),
                   "parquet_vs_text_python": round(figures["parquet_rows_per_s"] / figures["text_python_rows_per_s"], 3),
                   "saved_dataset_vs_parquet": round(figures["saved_dataset_rows_per_s"]
-                                                    / figures["parquet_rows_per_s"], 3)}
+                                                    / figures["parquet_rows_per_s"], 3),
+                  "parquet_stream_vs_text_stream": round(figures["parquet_stream_rows_per_s"]
+                                                         / figures["text_native_stream_rows_per_s"], 3)}
         print(json.dumps({"benchmark": "criteo_tables", "ratios": ratios,
                           "figures": {**figures, "rows": rows["parquet"], "rounds": args.rounds}}))
     finally:
