@@ -231,6 +231,23 @@ def test_a_log_with_its_own_column_names_says_which_is_which(tmp_path):
         MovieLensDataModule(str(tmp_path / "pq"), columns={"product": "asin"})
 
 
+def test_recbole_atomic_files_with_string_ids_join_their_item_file(tmp_path):
+    """RecBole's Amazon sets key users and items by strings in .inter and .item: the side file was read with
+    int(item_id) and failed ("invalid literal for int() with base 10: 'B00A'")."""
+    _write(tmp_path / "amz" / "amz.inter", "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+           + "".join(f"A{u}X\tB00{i}\t5.0\t{1600000000 + 10 * u + k}\n" for u in range(4)
+                     for k, i in enumerate("ABCD"[u % 2:])))
+    _write(tmp_path / "amz" / "amz.item", "item_id:token\ttitle:token_seq\tcategories:token_seq\n"
+           "B00A\tA kettle\tHome Kitchen\nB00B\tA lamp\tHome\nB00E\tNever rated\tGarden\n")
+    dm = MovieLensDataModule(str(tmp_path / "amz"), split="loo")
+    dm.setup()
+    assert dm.report.layout == "recbole" and dm.user_ids.tolist() == ["A0X", "A1X", "A2X", "A3X"]
+    assert dm.item_ids.tolist() == ["B00A", "B00B", "B00C", "B00D", "B00E"]  # the item file's own items too
+    assert dm.item_titles == ["A kettle", "A lamp", "B00C", "B00D", "Never rated"]
+    genre = dm.item_catalog().to_dict()["genre"]
+    assert genre.lengths().tolist() == [2, 1, 0, 0, 1]  # categories as the genre bag
+
+
 @needs_ml100k
 def test_leave_one_out_on_ml100k_holds_out_each_users_two_newest(ro):
     dm = MovieLensDataModule(str(ML100K), split="loo", side_features=False)

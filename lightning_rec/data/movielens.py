@@ -427,6 +427,18 @@ def _ids_from_text(col: pa.ChunkedArray, path: Path, name: str, has_header: bool
     return col
 
 
+def _keyed_like(side: dict, ids: np.ndarray, where: Path, what: str) -> dict:
+    """A side file's rows keyed as the ratings' ids are: str keys for string ids, int keys for integer ids; a key
+    of the other kind cannot be one of the ratings' users or items (dropped, logged)."""
+    if ids.dtype.kind == "U":
+        return {str(k): v for k, v in side.items()}
+    kept = {k: v for k, v in side.items() if isinstance(k, int)}
+    if len(kept) < len(side) and what:
+        log.info("%s: %d %s rows of the side file have ids that are not integers, unlike the ratings': not joined",
+                 where, len(side) - len(kept), what)
+    return kept
+
+
 def _id_array(column: pa.ChunkedArray) -> np.ndarray:
     """Raw ids as numpy: int64, or fixed-width unicode for string ids (sortable, searchable, saved without pickle)."""
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
@@ -457,6 +469,12 @@ class _Vocab:
 
     def __len__(self) -> int:
         return len(self.ids) + 1
+
+
+def _token(value: str) -> int | str:
+    """An id of a side file: an int where it is one (GroupLens, RecBole's ml-100k), else the string (an ASIN)."""
+    text = value.strip()
+    return int(text) if re.fullmatch(r"-?\d{1,18}", text) else text
 
 
 def _atomic_rows(path: Path):
@@ -513,16 +531,17 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
         stem = detect_layout(data_dir)[1].stem
         for row in _atomic_rows(data_dir / f"{stem}.user"):
             age = row.get("age", "")
-            users[int(row["user_id"])] = {"age": _bucket_age(int(age)) if age.isdigit() else 0,
+            users[_token(row["user_id"])] = {"age": _bucket_age(int(age)) if age.isdigit() else 0,
                                           "gender": gender(row.get("gender", "")),
                                           "occupation": occupation(row.get("occupation", "")),
                                           "zip": _zip_bucket(row["zip_code"]) if row.get("zip_code") else 0}
         for row in _atomic_rows(data_dir / f"{stem}.item"):
             year = row.get("release_year", "")
-            genres = (row.get("class") or row.get("genre", "")).split()  # ml-100k: "class", ml-1m: "genre"
-            items[int(row["item_id"])] = {"genre": [genre(g) for g in genres],
+            # ml-100k: "class", ml-1m: "genre", RecBole's Amazon sets: "categories"
+            genres = (row.get("class") or row.get("genre") or row.get("categories") or "").split()
+            items[_token(row["item_id"])] = {"genre": [genre(g) for g in genres],
                                           "year": _decade(int(year)) if year.isdigit() else 0}
-            titles[int(row["item_id"])] = row.get("movie_title", "")
+            titles[_token(row["item_id"])] = row.get("movie_title") or row.get("title") or ""
     elif (data_dir / "movies.csv").is_file():
         import csv
 
@@ -838,18 +857,14 @@ class MovieLensDataModule(pl.LightningDataModule):
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
         raw_user, raw_item = _id_array(table.column("user_id")), _id_array(table.column("item_id"))
-        # side files (GroupLens', movies.csv) key users and items by integer ids: they cannot join string ids
-        if raw_user.dtype.kind == "U" and users:
-            log.info("%s: the user ids are strings, so %d users' side features are not joined", self.data_dir,
-                     len(users))
-            users = {}
-        if raw_item.dtype.kind == "U" and items:
-            log.info("%s: the item ids are strings, so %d items' side features are not joined", self.data_dir,
-                     len(items))
-            items, titles = {}, {}
-        self.user_ids = np.unique(np.concatenate([raw_user, np.fromiter(users, np.int64, len(users))])
+        # side files key users and items as the ratings do (ints; RecBole's Amazon files: strings): keys of the
+        # other kind cannot be one of these users or items
+        users = _keyed_like(users, raw_user, self.data_dir, "user")
+        items = _keyed_like(items, raw_item, self.data_dir, "item")
+        titles = _keyed_like(titles, raw_item, self.data_dir, "")
+        self.user_ids = np.unique(np.concatenate([raw_user, np.array(list(users), dtype=raw_user.dtype)])
                                   if users else raw_user)
-        self.item_ids = np.unique(np.concatenate([raw_item, np.fromiter(items, np.int64, len(items))])
+        self.item_ids = np.unique(np.concatenate([raw_item, np.array(list(items), dtype=raw_item.dtype)])
                                   if items else raw_item)
         user_N = torch.from_numpy(np.searchsorted(self.user_ids, raw_user))
         item_N = torch.from_numpy(np.searchsorted(self.item_ids, raw_item))
@@ -876,7 +891,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.user_features = self._feature_table("user", self.user_ids, users, ("age", "gender", "occupation", "zip"),
                                                  sizes)
         self.item_features = self._feature_table("item", self.item_ids, items, ("year",), sizes, bags=("genre",))
-        self.item_titles = [titles.get(i, str(i)) for i in self.item_ids.tolist()]
+        self.item_titles = [titles.get(i) or str(i) for i in self.item_ids.tolist()]
 
         if part_N is None:
             time_N = torch.tensor(np.asarray(table.column("timestamp")))
@@ -928,12 +943,12 @@ class MovieLensDataModule(pl.LightningDataModule):
         single = {f"{kind}_id": (torch.arange(n), n)}
         if side:
             for name in names:
-                col = torch.tensor([side.get(int(i), {}).get(name, 0) for i in ids], dtype=torch.int64)
+                col = torch.tensor([side.get(i, {}).get(name, 0) for i in ids.tolist()], dtype=torch.int64)
                 if bool((col != 0).any()):
                     single[name] = (col, max(sizes[name], int(col.max()) + 1))
         bag_tables = {}
         for name in bags if side else ():
-            rows = [side.get(int(i), {}).get(name, []) for i in ids]
+            rows = [side.get(i, {}).get(name, []) for i in ids.tolist()]
             if not any(rows):
                 continue
             lengths = torch.tensor([len(x) for x in rows], dtype=torch.int64)
