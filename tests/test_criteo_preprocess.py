@@ -83,23 +83,27 @@ def test_unlabelled_inputs_keep_their_order_for_predict(tmp_path):
         dm.setup("predict")
 
 
-def test_interrupted_run_resumes_without_lost_or_duplicated_rows(tmp_path, monkeypatch, caplog):
-    ref_dir, ref = run(tmp_path, "ref")
-    real_write = pre._write_shard
-    calls = {"n": 0}
+def _run_dying_mid_shard(tmp_path: Path, monkeypatch, at: int, name: str, **kw) -> None:
+    """A run that dies in its `at`-th shard: that shard's files are written, its record is not."""
+    real_write, calls = pre._write_shard, {"n": 0}
 
-    def dying_write(*args, **kwargs):  # dies in the middle of the 3rd shard: its files, no record
+    def dying_write(*args, **kwargs):
         calls["n"] += 1
         record = real_write(*args, **kwargs)
-        if calls["n"] == 3:
-            (tmp_path / "run" / f"{record['name']}.json").unlink()
+        if calls["n"] == at:
+            (tmp_path / name / f"{record['name']}.json").unlink()
             raise KeyboardInterrupt
         return record
 
     monkeypatch.setattr(pre, "_write_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, "run")
+        run(tmp_path, name, **kw)
     monkeypatch.setattr(pre, "_write_shard", real_write)
+
+
+def test_interrupted_run_resumes_without_lost_or_duplicated_rows(tmp_path, monkeypatch, caplog):
+    ref_dir, ref = run(tmp_path, "ref")
+    _run_dying_mid_shard(tmp_path, monkeypatch, 3, "run")  # dies in the 3rd shard: its files, no record
     assert not (tmp_path / "run" / "manifest.json").exists()
     with pytest.raises(ValueError, match="still being written or was interrupted"):
         load_manifest(tmp_path / "run")
@@ -190,21 +194,7 @@ def test_a_table_preprocesses_to_the_rows_of_its_text(tmp_path, monkeypatch, min
     pieces = _as_parquet_pieces(TRAIN, tmp_path / "pq")
     kw = dict(shuffle_rows=False, min_frequency=min_frequency, block_mb=1)
     text_dir, text_manifest = run(tmp_path, "text", inputs=(TRAIN,), **kw)
-    real_write, calls = pre._write_shard, {"n": 0}
-
-    def dying_write(*args, **kwargs):  # dies after writing its 2nd shard's files, before the record
-        calls["n"] += 1
-        record = real_write(*args, **kwargs)
-        if calls["n"] == 2:
-            (tmp_path / "table" / f"{record['name']}.json").unlink()
-            raise KeyboardInterrupt
-        return record
-
-    monkeypatch.setattr(pre, "_write_shard", dying_write)
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, "table", inputs=(pieces / "train-*.parquet",), rows_per_shard=1000, block_mb=1,
-            shuffle_rows=False, min_frequency=min_frequency)
-    monkeypatch.setattr(pre, "_write_shard", real_write)
+    _run_dying_mid_shard(tmp_path, monkeypatch, 2, "table", inputs=(pieces / "train-*.parquet",), **kw)
     table_dir, manifest = run(tmp_path, "table", inputs=(pieces / "train-*.parquet",), **kw)
     assert manifest["num_rows"] == text_manifest["num_rows"] == 4380 and len(manifest["shards"]) == 2  # blocks of 4096
     assert manifest["num_embeddings_per_feature"] == text_manifest["num_embeddings_per_feature"]
