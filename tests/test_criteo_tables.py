@@ -143,8 +143,9 @@ def test_bad_table_rows_name_the_file_and_row_or_are_skipped_and_counted(text, t
     with pytest.raises(ValueError, match=r"twice\.parquet, row 3: label must be 0 or 1, got 5"):
         _batches(tmp_path / "twice.parquet", tmp_path / "cache")
     # integer ids below 0 and float ids that are not whole numbers are bad rows too
-    for values, shown in (([-3] + [1] * 299, "-3"), ([0.5] + [1.0] * 299, "0.5")):
-        f = tmp_path / f"ids_{shown}.parquet"
+    for values, shown in (([-3] + [1] * 299, "-3"), ([0.5] + [1.0] * 299, "0.5"),
+                          (pa.array([2**64 - 1] + [1] * 299, pa.uint64()), str(2**64 - 1))):
+        f = tmp_path / f"ids_{len(shown)}.parquet"
         pq.write_table(table.set_column(14, "C1", pa.array(values)), f)
         with pytest.raises(ValueError, match=rf"row 0: C1 must be .* id >= 0, got {shown}"):
             _batches(f, tmp_path / "cache")

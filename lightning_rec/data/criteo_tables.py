@@ -198,7 +198,8 @@ def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
         return _decode_hex(col.cast(pa.string()))
     if pa.types.is_integer(col.type):
-        ids_N = pc.fill_null(pc.cast(col, pa.int64()), -1).to_numpy(zero_copy_only=False)
+        # uint64 ids past 2^63 wrap to negatives here: bad rows that name the value, not Arrow's cast error
+        ids_N = pc.fill_null(pc.cast(col, pa.int64(), safe=False), -1).to_numpy(zero_copy_only=False)
         bad_N = ids_N < 0
         bad_N &= col.is_valid().to_numpy(zero_copy_only=False)
         return np.where(bad_N, -1, ids_N), bad_N
