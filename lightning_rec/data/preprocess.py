@@ -482,8 +482,9 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(
         prog="lightning-rec preprocess",
-        description="Convert Criteo text (day files, Kaggle train.txt / train.csv; .gz read as is) into memory-mapped "
-        ".npy shards for CriteoDataModule. Resumable: rerun the same command after an interruption.",
+        description="Convert Criteo text (day files, Kaggle train.txt / train.csv; .gz read as is) or tables (Parquet, "
+        "a save_to_disk folder) into memory-mapped .npy shards for CriteoDataModule. Resumable: rerun the same "
+        "command after an interruption.",
     )
     parser.add_argument("--input", nargs="+", required=True,
                         help="Criteo files, in order (e.g. day_0 ... day_22), or tables (a .parquet file, a folder or "
