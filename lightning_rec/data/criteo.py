@@ -92,6 +92,7 @@ from lightning_rec.data.criteo_parse import (
     parse_block,
     read_criteo,
     resolve_parser,
+    table_ids,
 )
 from lightning_rec.data.criteo_shards import CriteoShardDataset, dist_rank_world, is_shard_dir
 from lightning_rec.data.criteo_tables import (
@@ -216,14 +217,15 @@ def make_criteo_batch(
     # fmax ignores NaN, so a missing count becomes log(1 + 0) = 0
     dense_B13 = np.log1p(np.fmax(dense_raw_B13, 0.0)).astype(np.float32, copy=False)
     sparse_FB = sparse_raw_BF.T
-    present_FB = sparse_FB >= 0
     mod_F1 = num_embeddings_F[:, None]
     batch_size = label_B.shape[0]
     if missing_categorical == "reserved_id":
-        ids_FB = np.where(present_FB, sparse_FB % (mod_F1 - 1) + 1, 0)
+        ids_FB = table_ids(sparse_FB, mod_F1, missing_categorical)
         values_N = ids_FB.reshape(-1)
         lengths_FB = np.ones(ids_FB.size, dtype=np.int64)
     else:
+        present_FB = sparse_FB >= 0
+        # table_ids' empty_bag rows of the present ids only (no where over the missing ones: a hot path)
         values_N = (sparse_FB % mod_F1)[present_FB]  # boolean mask keeps [F, B] order: key-major
         lengths_FB = present_FB.reshape(-1).astype(np.int64)
     kjt = KeyedJaggedTensor.from_lengths_sync(

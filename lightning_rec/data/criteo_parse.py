@@ -825,6 +825,15 @@ def parse_block(
     return _parse_block(block, first_line, layout, path, on_bad_row, report)
 
 
+def table_ids(raw: np.ndarray, num_embeddings: np.ndarray, missing_categorical: str) -> np.ndarray:
+    """Raw 32-bit hashes (-1: missing) -> table rows, `num_embeddings` broadcast against `raw`: reserved_id
+    1 + v % (n - 1) (0: missing), empty_bag v % n (-1: missing). The native op's hash modes compute the same."""
+    present = raw >= 0
+    if missing_categorical == "reserved_id":
+        return np.where(present, raw % (num_embeddings - 1) + 1, 0)
+    return np.where(present, raw % num_embeddings, -1)
+
+
 def _check_missing_categorical(missing_categorical: str) -> None:
     if missing_categorical not in MISSING_CATEGORICAL:
         raise ValueError(

@@ -149,35 +149,6 @@ def table_has_label(path: str | os.PathLike, has_label: bool | None = None) -> b
     return _columns(path, _schema(path), has_label)["label"] is not None
 
 
-def _record_batches(path: str | os.PathLike, columns: list[str],
-                    batch_rows: int) -> Iterator[tuple[Path, int, pa.RecordBatch]]:
-    """(file, index of the batch's first row in that file, record batch of `columns`), in order."""
-    kind = table_source_kind(path)
-    if kind == "saved_dataset":
-        import datasets
-
-        table = datasets.load_from_disk(str(path)).data.table.select(columns)  # memory-mapped, files in order
-        # its record batches are small (datasets writes 1000 rows each, or fewer): converted one by one, the
-        # per-batch work dominated (6x slower than Parquet); pieces of batch_rows are gathered into one batch
-        for first in range(0, table.num_rows, batch_rows):
-            for rb in table.slice(first, batch_rows).combine_chunks().to_batches():
-                yield Path(path), first, rb
-                first += rb.num_rows
-        return
-    import pyarrow.parquet as pq
-
-    for f in source_files(path):
-        pf = pq.ParquetFile(f)
-        missing = [c for c in columns if c not in pf.schema_arrow.names]
-        if missing:
-            raise ValueError(f"{f}: no column {missing}, which {source_files(path)[0].name} has: the .parquet files "
-                             f"of {path} must share their columns")
-        first = 0
-        for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
-            yield f, first, rb
-            first += rb.num_rows
-
-
 def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Any number / bool / string column -> float64 [N] (NaN: null) and a bad-value mask [N]."""
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -296,20 +267,18 @@ def read_criteo_table(
     whole source (0-based), and the reasons name the file and its own row.
     """
     _check_on_bad_row(on_bad_row)
-    layout = table_layout(path, has_label)
-    report = ParseReport(path=str(path), layout=layout)
-    seen = 0
-    for file, first, rb in _record_batches(path, _names(layout["columns"]), batch_rows):
-        arrays = _checked(rb, layout["columns"], file, first, seen, on_bad_row, report)
-        seen += rb.num_rows
-        yield _to_table(*arrays), report
+    blocks = TableBlocks(path, has_label, batch_rows)
+    report = ParseReport(path=str(path), layout=blocks.layout)
+    for k in range(blocks.num_blocks):
+        yield _to_table(*blocks.read(k, on_bad_row, report)), report
 
 
 class TableBlocks:
     """A table source cut into blocks of `block_rows` rows of the whole (its files end to end), read by index:
-    what streaming reads instead of text blocks. Block k is found from the Parquet files' row-group sizes (the
-    row groups it spans are read; the last one is kept for the next block) or sliced from a save_to_disk
-    folder's memory-mapped table, so a resumed or sharded pass reads only its own blocks."""
+    what streaming and preprocess read instead of text blocks, and the cache is built from. Block k is found from
+    the Parquet files' row-group sizes (the row groups of a file that it spans are read in one call and converted
+    together, then kept for the next block) or sliced from a save_to_disk folder's memory-mapped table, so a
+    resumed or sharded pass reads only its own blocks."""
 
     def __init__(self, path: str | os.PathLike, has_label: bool | None, block_rows: int) -> None:
         self.path, self.block_rows = str(path), max(1, int(block_rows))
@@ -317,7 +286,7 @@ class TableBlocks:
         self.columns = self.layout["columns"]
         self._names = _names(self.columns)
         self._table = None
-        self._kept: tuple[tuple[int, int], pa.Table] | None = None
+        self._kept: tuple[tuple[int, int], pa.Table] | None = None  # (first, last row group), their rows
         self._is_saved = table_source_kind(path) == "saved_dataset"
         if self._is_saved:
             self.num_rows = self._saved().num_rows
@@ -329,7 +298,12 @@ class TableBlocks:
             self._groups = []  # (file, row group, its first row in the whole, its first row in its file)
             start = 0
             for f in self._files:
-                meta = pq.ParquetFile(f).metadata
+                parquet = pq.ParquetFile(f)
+                missing = [c for c in self._names if c not in parquet.schema_arrow.names]
+                if missing:
+                    raise ValueError(f"{f}: no column {missing}, which {self._files[0].name} has: the .parquet files "
+                                     f"of {path} must share their columns")
+                meta = parquet.metadata
                 in_file = 0
                 for g in range(meta.num_row_groups):
                     self._groups.append((f, g, start, in_file))
@@ -356,12 +330,14 @@ class TableBlocks:
     def num_blocks(self) -> int:
         return -(-self.num_rows // self.block_rows)
 
-    def _row_group(self, index: int) -> pa.Table:
+    def _row_groups(self, first: int, last: int) -> pa.Table:
+        """Row groups first..last (of one file) in one read; kept for the next block, which often starts there."""
         import pyarrow.parquet as pq
 
-        if self._kept is None or self._kept[0] != index:
-            f, g, _, _ = self._groups[index]
-            self._kept = (index, pq.ParquetFile(f).read_row_group(g, columns=self._names))
+        if self._kept is None or self._kept[0] != (first, last):
+            f = self._groups[first][0]
+            groups = [g for _, g, _, _ in self._groups[first:last + 1]]
+            self._kept = ((first, last), pq.ParquetFile(f).read_row_groups(groups, columns=self._names))
         return self._kept[1]
 
     def read(self, k: int, on_bad_row: str, report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -374,14 +350,17 @@ class TableBlocks:
                 lo += rb.num_rows
         else:
             g = int(np.searchsorted(self._starts, lo, side="right")) - 1
-            while lo < hi:
+            while lo < hi:  # one piece per file: the row groups of it that the block spans, converted together
                 f, _, start, in_file = self._groups[g]
-                take = min(hi, int(self._starts[g + 1])) - lo
+                last = g
+                while last + 1 < len(self._groups) and self._groups[last + 1][0] == f and self._starts[last + 1] < hi:
+                    last += 1
+                take = min(hi, int(self._starts[last + 1])) - lo
                 if take > 0:
-                    for rb in self._row_group(g).slice(lo - start, take).combine_chunks().to_batches():
+                    for rb in self._row_groups(g, last).slice(lo - start, take).combine_chunks().to_batches():
                         pieces.append((f, in_file + lo - start, lo, rb))
                         lo += rb.num_rows
-                g += 1
+                g = last + 1
         arrays = [_checked(rb, self.columns, f, first, whole, on_bad_row, report) for f, first, whole, rb in pieces]
         if not arrays:
             return (np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),

@@ -61,6 +61,7 @@ from lightning_rec.data.criteo_parse import (
     iter_line_blocks,
     parse_block_native,
     resolve_parser,
+    table_ids,
 )
 from lightning_rec.data.criteo_shards import (
     ARRAYS,
@@ -347,19 +348,16 @@ def _source(path: str, table: TableBlocks | None) -> dict:
 
 
 def _hashed(sparse_raw: np.ndarray, sizes: Sequence[int], remaps, missing_categorical: str) -> np.ndarray:
-    """Raw 32-bit ids [n, F] (-1: missing) -> table ids, as the native op hashes text (and CriteoDataModule
-    hashes its cache): reserved_id 1 + v % (n_f - 1) (0: missing), empty_bag v % n_f (-1); or through the
-    vocabulary of --min_frequency (0: rare or missing)."""
-    present = sparse_raw >= 0
-    mod = np.asarray(sizes, dtype=np.int64)[None, :]
-    if remaps is None and missing_categorical == "reserved_id":
-        return np.where(present, sparse_raw % (mod - 1) + 1, 0).astype(np.int32)
-    hashed = np.where(present, sparse_raw % mod, -1)
+    """Raw 32-bit ids [n, F] (-1: missing) -> table ids int32, as the native op hashes text (`table_ids`), or
+    through the vocabulary of --min_frequency (0: rare or missing)."""
+    mod_1F = np.asarray(sizes, dtype=np.int64)[None, :]
     if remaps is None:
-        return hashed.astype(np.int32)
+        return table_ids(sparse_raw, mod_1F, missing_categorical).astype(np.int32)
+    hashed = table_ids(sparse_raw, mod_1F, "empty_bag")
     ids = np.zeros(hashed.shape, dtype=np.int32)
     for f, remap in enumerate(remaps):
-        ids[present[:, f], f] = remap[hashed[present[:, f], f]]
+        present = hashed[:, f] >= 0
+        ids[present, f] = remap[hashed[present, f]]
     return ids
 
 
@@ -397,7 +395,7 @@ def _count_vocabulary(inputs, layouts, tables, sizes, min_frequency, block_bytes
             report = ParseReport(path=path)
             for b in range(tables[idx].num_blocks):
                 raw = tables[idx].read(b, on_bad_row, report)[2]
-                vocab.count(np.where(raw >= 0, raw % np.asarray(sizes, dtype=np.int64)[None, :], -1))
+                vocab.count(table_ids(raw, np.asarray(sizes, dtype=np.int64)[None, :], "empty_bag"))
                 bar.rows(raw.shape[0])
                 bar.raw_progress(sum(sizes_b[:idx]))(sizes_b[idx] * (b + 1) // tables[idx].num_blocks)
             continue
