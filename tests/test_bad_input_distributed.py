@@ -227,8 +227,14 @@ def _different_worker(rank, W, what):
 _PEER_KILLED_SCRIPT = """
 import os, signal
 import lightning.pytorch as L
+from lightning.fabric.strategies.launchers import subprocess_script
 from lightning_rec.data import SyntheticCriteoDataModule
 from lightning_rec.models import DLRMModule
+
+# Lightning's launcher looks at its children every 5 s and SIGKILLs rank 0 once one has died: a race with rank 0's own
+# exit (Python's finalisation alone takes ~2 s with torch and Lightning loaded) that is Lightning's, not what this
+# tests. Here it looks every 10 minutes, so rank 0's exit status is its own.
+subprocess_script._ChildProcessObserver.__init__.__defaults__ = (600,)
 
 class KillRankOne(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -236,17 +242,21 @@ class KillRankOne(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 if __name__ == "__main__":
-    data = SyntheticCriteoDataModule(num_train_samples=4096, num_val_samples=256, batch_size=64)
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=64, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    module = DLRMModule(num_embeddings_per_feature=64, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
+                        over_arch_layer_sizes=[16, 1])
     L.Trainer(strategy="rec", accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
               enable_checkpointing=False, callbacks=[KillRankOne()], default_root_dir=os.path.dirname(__file__)
-              ).fit(DLRMModule(), data)
+              ).fit(module, data)
 """
 
 
 def test_a_rank_whose_peer_died_exits_1_after_naming_it_without_aborting(tmp_path):
     """A script (Lightning's own launcher: rank 0 is the script, rank 1 its child) whose rank 1 is SIGKILLed: rank 0
     names the dead peer and exits with status 1. Before, gloo's threads aborted it at interpreter exit after the
-    error ("terminate called without an active exception", status 134, SIGABRT)."""
+    error ("terminate called without an active exception", status 134, SIGABRT; 1 of 3 SIGKILLs by hand then, none
+    of 12 here in November 2026 with the exit hook turned off, so this guards the exit status more than the abort)."""
     import subprocess
     import sys
 
