@@ -40,7 +40,8 @@ def _as_table(text_path: Path) -> pa.Table:
 
 
 def _batches(path, cache: Path, **kwargs) -> list:
-    dm = CriteoDataModule(train_path=str(path), batch_size=64, shuffle=False, cache_dir=str(cache),
+    path = str(path) if isinstance(path, (str, Path)) else path  # or a datasets object
+    dm = CriteoDataModule(train_path=path, batch_size=64, shuffle=False, cache_dir=str(cache),
                           num_embeddings_per_feature=[1000 + 7 * f for f in range(26)], **kwargs)
     dm.prepare_data()
     dm.setup("fit")
@@ -60,7 +61,8 @@ def text(tmp_path_factory):
 
 
 @pytest.mark.parametrize("missing_categorical", ["reserved_id", "empty_bag"])
-@pytest.mark.parametrize("form", ["parquet", "pieces", "hub_split", "saved_dataset", "int_ids", "pandas_floats"])
+@pytest.mark.parametrize("form", ["parquet", "pieces", "hub_split", "saved_dataset", "dataset_object", "int_ids",
+                                  "pandas_floats"])
 def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_categorical):
     table = _as_table(text)
     reference = _batches(text, tmp_path / "cache", missing_categorical=missing_categorical)
@@ -88,6 +90,18 @@ def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_catego
 
         datasets.Dataset(table).save_to_disk(str(source), max_shard_size="8KB")  # several .arrow files
         assert len(list(source.glob("*.arrow"))) > 1
+    elif form == "dataset_object":  # in Python: written once with save_to_disk, pending index mappings applied
+        import datasets
+
+        rows = datasets.Dataset(table.append_column("row", pa.array(range(table.num_rows))))
+        source = rows.shuffle(seed=1).sort("row")  # two index mappings: the rows in their order again
+        assert source._indices is not None
+        got = _batches(source, tmp_path / "cache", missing_categorical=missing_categorical)
+        copies = [c for c in (tmp_path / "cache" / "hf_datasets").iterdir() if c.is_dir()]
+        assert [c.name for c in copies] == [f"{source._fingerprint}-saved_dataset"], copies
+        written = (copies[0] / "lightning_rec_complete").stat().st_mtime_ns
+        assert _same(got, reference)  # and once more: the copy is found, not written again
+        assert (copies[0] / "lightning_rec_complete").stat().st_mtime_ns == written
     elif form == "int_ids":  # C columns already decoded to integers (null: missing)
         for j in range(26):
             col = table.column(f"C{j + 1}").to_pylist()
@@ -175,11 +189,63 @@ def test_what_a_table_cannot_be_is_said(text, tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset(table)}).save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(ValueError, match=r"holds the splits \['train'\].*pass one split's folder.*dict/train"):
         _batches(tmp_path / "dict", tmp_path / "cache")
+    # the same as objects, in Python (they were "expected str, bytes or os.PathLike object, not DatasetDict")
+    with pytest.raises(ValueError, match=r"train_path is a DatasetDict of the splits \['train'\]: pass one split, "
+                                         r"e\.g\. ds\['train'\]"):
+        _batches(datasets.DatasetDict({"train": datasets.Dataset(table)}), tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"train_path is an IterableDataset .*pass its files instead.*streaming=True"):
+        _batches(datasets.Dataset(table).to_iterable_dataset(), tmp_path / "cache")
     # a table rewritten in place is read again (the cache key holds each file's size and time)
     before = _batches(f, tmp_path / "cache")
     pq.write_table(table.slice(0, 100), f)
     os.utime(f, ns=(1, 1))
     assert len(_batches(f, tmp_path / "cache")) == 2 and len(before) == 5
+
+
+def test_a_dataset_objects_copy_is_written_once_and_whole(text, tmp_path, monkeypatch):
+    """Ranks that build the same Dataset (Lightning's launcher runs the script once per rank) write one copy: the
+    others wait for it. A write cut short leaves nothing that is read, and the next call writes the copy whole."""
+    import threading
+    import time
+
+    import datasets
+
+    from lightning_rec.data.hf_dataset import dataset_path
+
+    ds = datasets.Dataset(_as_table(text))
+    real, calls = datasets.Dataset.save_to_disk, []
+
+    def slow(self, path, **kwargs):
+        calls.append(path)
+        time.sleep(0.3)  # the other "ranks" arrive while this one writes
+        return real(self, path, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", slow)
+    got: list[str] = []
+    ranks = [threading.Thread(target=lambda: got.append(dataset_path(ds, "train_path", tmp_path, "saved_dataset")))
+             for _ in range(3)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
+    assert len(datasets.load_from_disk(got[0])) == len(ds)
+
+    def killed(self, path, **kwargs):
+        real(self, path, **kwargs)
+        raise KeyboardInterrupt  # after the data, before the copy is marked whole and moved into place
+
+    part = ds.select(range(10))
+    final = tmp_path / "hf_datasets" / f"{part._fingerprint}-saved_dataset"
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", killed)
+    with pytest.raises(KeyboardInterrupt):
+        dataset_path(part, "train_path", tmp_path, "saved_dataset")
+    assert not final.exists() and not list((tmp_path / "hf_datasets").glob(".*"))  # nothing half-written is left
+    final.mkdir()  # a folder without the mark (an older interrupted copy) is not read: it is replaced
+    (final / "junk").write_text("x")
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", real)
+    assert dataset_path(part, "train_path", tmp_path, "saved_dataset") == str(final)
+    assert len(datasets.load_from_disk(str(final))) == 10 and not (final / "junk").exists()
 
 
 def _streamed(path, *, num_workers: int = 0, shuffle: bool = False, **kwargs):

@@ -231,6 +231,41 @@ def test_a_log_with_its_own_column_names_says_which_is_which(tmp_path):
         MovieLensDataModule(str(tmp_path / "pq"), columns={"product": "asin"})
 
 
+def test_a_datasets_dataset_is_read_as_its_parquet_copy(tmp_path, monkeypatch):
+    """In Python, a `datasets.Dataset` of interactions (what `load_dataset` gives) is data_dir: it was "expected str,
+    bytes or os.PathLike object, not Dataset". It is written once as ratings.parquet, named by its fingerprint (a
+    filtered Dataset is another copy), and the hyperparameters hold that folder's path."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from lightning_rec.data import movielens
+
+    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    log = _string_id_log()
+    table = pa.table({"reviewer": [u for u, _, _ in log], "asin": [i for _, i, _ in log],
+                      "stars": [float(1 + t % 5) for _, _, t in log], "time": [t for _, _, t in log]})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table, tmp_path / "pq" / "ratings.parquet")
+    columns = {"user": "reviewer", "item": "asin", "rating": "stars", "timestamp": "time"}
+    ds = datasets.Dataset(table).shuffle(seed=3)  # an index mapping, applied in the copy
+    for min_rating, given in ((None, ds), (None, ds), (3, ds.filter(lambda r: r["stars"] >= 3))):
+        a = MovieLensDataModule(str(tmp_path / "pq"), split="loo", side_features=False, columns=columns,
+                                min_rating=min_rating)
+        b = MovieLensDataModule(given, split="loo", side_features=False, columns=columns, min_rating=min_rating)
+        assert isinstance(b.hparams["data_dir"], str) and "ratings_parquet" in b.hparams["data_dir"]
+        a.setup()
+        b.setup()
+        assert (a.user_ids == b.user_ids).all() and (a.item_ids == b.item_ids).all()
+        assert a.report.num_interactions == b.report.num_interactions
+        for split in ("train", "val", "test"):
+            assert len(a.datasets[split]) == len(b.datasets[split])
+        assert [x.tolist() for x in a.datasets["test"].target] == [x.tolist() for x in b.datasets["test"].target]
+    assert len(list((tmp_path / "cache" / "hf_datasets").glob("*-ratings_parquet"))) == 2  # ds once, filtered once
+    with pytest.raises(ValueError, match=r"data_dir is a DatasetDict of the splits \['train'\]: pass one split, "
+                                         r"e.g. ds\['train'\]"):
+        MovieLensDataModule(datasets.DatasetDict({"train": ds}))
+
+
 def test_recbole_atomic_files_with_string_ids_join_their_item_file(tmp_path):
     """RecBole's Amazon sets key users and items by strings in .inter and .item: the side file was read with
     int(item_id) and failed ("invalid literal for int() with base 10: 'B00A'")."""

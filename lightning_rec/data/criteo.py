@@ -103,6 +103,7 @@ from lightning_rec.data.criteo_tables import (
     table_has_label,
     table_source_kind,
 )
+from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -570,7 +571,9 @@ class CriteoDataModule(pl.LightningDataModule):
     A path may also be a table: a Parquet file, a folder of them (a Hugging Face Hub dataset's files) or a
     `datasets` save_to_disk folder, with columns label, I1..I13, C1..C26; it is converted once into the
     same cache, or streamed in blocks of rows, and gives the batches its text would
-    (`lightning_rec.data.criteo_tables`).
+    (`lightning_rec.data.criteo_tables`). In Python, a `datasets.Dataset` with those columns may be passed
+    as a path: it is written once with save_to_disk under `cache_dir`, in a folder named by its fingerprint
+    (`lightning_rec.data.hf_dataset`), and read as that folder.
     Or a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
     logs): each rank then reads its share of the .npy shards as batch slices
     (`lightning_rec.data.criteo_shards`); `num_embeddings_per_feature` must match the directory's.
@@ -608,6 +611,12 @@ class CriteoDataModule(pl.LightningDataModule):
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
         self.parser = resolve_parser(parser)
+        # a datasets.Dataset becomes the path of its save_to_disk copy, before the arguments are saved as
+        # hyperparameters (lightning_rec.data.hf_dataset)
+        root = cache_dir or default_cache_dir()
+        train_path, val_path, test_path, predict_path = (
+            dataset_path(p, f"CriteoDataModule {n}_path", root, "saved_dataset")
+            for n, p in (("train", train_path), ("val", val_path), ("test", test_path), ("predict", predict_path)))
         self.save_hyperparameters()
         self.paths = {
             "train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path

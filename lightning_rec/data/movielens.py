@@ -80,6 +80,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_rec.data.batch import follow_fit_loop, make_batch_loader, passthrough_collate
 from lightning_rec.data.criteo_tables import glob_files
+from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 log = logging.getLogger(__name__)
@@ -781,11 +782,21 @@ class MovieLensReport:
     duplicates_dropped: int = 0  # repeated (user, item) rows, only the first kept
 
 
+def default_cache_dir() -> Path:
+    """Where a `datasets.Dataset` given as data_dir is written (beside datasets' own cache)."""
+    import datasets.config
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "lightning_rec" / "movielens"
+
+
 class MovieLensDataModule(pl.LightningDataModule):
     """MovieLens as implicit feedback: training pairs (RetrievalBatch) and full-ranking users (RankingBatch).
 
     Args:
-        data_dir: an unpacked GroupLens folder (ml-100k, ml-1m, ml-20m, ml-25m, ...).
+        data_dir: an unpacked GroupLens folder (ml-100k, ml-1m, ml-20m, ml-25m, ...), your own log (a folder
+            with ratings.csv or ratings.parquet, a .parquet file or a pattern), or, in Python, a
+            `datasets.Dataset` of interactions (written once as ratings.parquet in a folder named by its
+            fingerprint, under datasets' cache: `lightning_rec.data.hf_dataset`).
         split: "ro_811" (RecBole's random-order 8:1:1 per user), "to_811" (the same in time order), "loo"
             (leave-one-out in time order) or ml-100k's "u1".."u5", "ua", "ub" (see the module's docstring).
         min_rating: None: every rating is an interaction; a number: only ratings >= it.
@@ -805,6 +816,9 @@ class MovieLensDataModule(pl.LightningDataModule):
                  drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
                  columns: dict[str, str] | None = None) -> None:
         super().__init__()
+        # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet, before the arguments
+        # are saved as hyperparameters (lightning_rec.data.hf_dataset)
+        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings_parquet")
         self.save_hyperparameters()
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
