@@ -90,7 +90,7 @@ def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_catego
 
         datasets.Dataset(table).save_to_disk(str(source), max_shard_size="8KB")  # several .arrow files
         assert len(list(source.glob("*.arrow"))) > 1
-    elif form == "dataset_object":  # in Python: written once with save_to_disk, pending index mappings applied
+    elif form == "dataset_object":  # in Python: written once as Parquet, pending index mappings applied
         import datasets
 
         rows = datasets.Dataset(table.append_column("row", pa.array(range(table.num_rows))))
@@ -98,7 +98,7 @@ def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_catego
         assert source._indices is not None
         got = _batches(source, tmp_path / "cache", missing_categorical=missing_categorical)
         copies = [c for c in (tmp_path / "cache" / "hf_datasets").iterdir() if c.is_dir()]
-        assert [c.name for c in copies] == [f"{source._fingerprint}-saved_dataset"], copies
+        assert [c.name for c in copies] == [source._fingerprint] and (copies[0] / "data.parquet").is_file(), copies
         written = (copies[0] / "lightning_rec_complete").stat().st_mtime_ns
         assert _same(got, reference)  # and once more: the copy is found, not written again
         assert (copies[0] / "lightning_rec_complete").stat().st_mtime_ns == written
@@ -210,42 +210,44 @@ def test_a_dataset_objects_copy_is_written_once_and_whole(text, tmp_path, monkey
 
     import datasets
 
-    from lightning_rec.data.hf_dataset import dataset_path
+    from lightning_rec.data import hf_dataset
 
     ds = datasets.Dataset(_as_table(text))
-    real, calls = datasets.Dataset.save_to_disk, []
+    real, calls = hf_dataset.write_parquet, []
 
-    def slow(self, path, **kwargs):
+    def slow(value, path, **kwargs):
         calls.append(path)
         time.sleep(0.3)  # the other "ranks" arrive while this one writes
-        return real(self, path, **kwargs)
+        return real(value, path, **kwargs)
 
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", slow)
+    def copy_of(value) -> str:
+        return hf_dataset.dataset_path(value, "train_path", tmp_path, "data.parquet")
+
+    monkeypatch.setattr(hf_dataset, "write_parquet", slow)
     got: list[str] = []
-    ranks = [threading.Thread(target=lambda: got.append(dataset_path(ds, "train_path", tmp_path, "saved_dataset")))
-             for _ in range(3)]
+    ranks = [threading.Thread(target=lambda: got.append(copy_of(ds))) for _ in range(3)]
     for t in ranks:
         t.start()
     for t in ranks:
         t.join()
     assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
-    assert len(datasets.load_from_disk(got[0])) == len(ds)
+    assert pq.read_table(Path(got[0]) / "data.parquet").equals(ds.data.table)
 
-    def killed(self, path, **kwargs):
-        real(self, path, **kwargs)
+    def killed(value, path, **kwargs):
+        real(value, path, **kwargs)
         raise KeyboardInterrupt  # after the data, before the copy is marked whole and moved into place
 
-    part = ds.select(range(10))
-    final = tmp_path / "hf_datasets" / f"{part._fingerprint}-saved_dataset"
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", killed)
+    part = ds.shuffle(seed=2).select(range(10))
+    final = tmp_path / "hf_datasets" / part._fingerprint
+    monkeypatch.setattr(hf_dataset, "write_parquet", killed)
     with pytest.raises(KeyboardInterrupt):
-        dataset_path(part, "train_path", tmp_path, "saved_dataset")
+        copy_of(part)
     assert not final.exists() and not list((tmp_path / "hf_datasets").glob(".*"))  # nothing half-written is left
     final.mkdir()  # a folder without the mark (an older interrupted copy) is not read: it is replaced
     (final / "junk").write_text("x")
-    monkeypatch.setattr(datasets.Dataset, "save_to_disk", real)
-    assert dataset_path(part, "train_path", tmp_path, "saved_dataset") == str(final)
-    assert len(datasets.load_from_disk(str(final))) == 10 and not (final / "junk").exists()
+    monkeypatch.setattr(hf_dataset, "write_parquet", real)
+    assert copy_of(part) == str(final) and not (final / "junk").exists()
+    assert pq.read_table(final / "data.parquet").to_pylist() == part.to_list()  # shuffled, then its first 10
 
 
 def _streamed(path, *, num_workers: int = 0, shuffle: bool = False, **kwargs):

@@ -572,7 +572,7 @@ class CriteoDataModule(pl.LightningDataModule):
     `datasets` save_to_disk folder, with columns label, I1..I13, C1..C26; it is converted once into the
     same cache, or streamed in blocks of rows, and gives the batches its text would
     (`lightning_rec.data.criteo_tables`). In Python, a `datasets.Dataset` with those columns may be passed
-    as a path: it is written once with save_to_disk under `cache_dir`, in a folder named by its fingerprint
+    as a path: it is written once as Parquet under `cache_dir`, in a folder named by its fingerprint
     (`lightning_rec.data.hf_dataset`), and read as that folder.
     Or a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
     logs): each rank then reads its share of the .npy shards as batch slices
@@ -611,11 +611,11 @@ class CriteoDataModule(pl.LightningDataModule):
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
         self.parser = resolve_parser(parser)
-        # a datasets.Dataset becomes the path of its save_to_disk copy, before the arguments are saved as
+        # a datasets.Dataset becomes the path of its Parquet copy, before the arguments are saved as
         # hyperparameters (lightning_rec.data.hf_dataset)
         root = cache_dir or default_cache_dir()
         train_path, val_path, test_path, predict_path = (
-            dataset_path(p, f"CriteoDataModule {n}_path", root, "saved_dataset")
+            dataset_path(p, f"CriteoDataModule {n}_path", root, "data.parquet")
             for n, p in (("train", train_path), ("val", val_path), ("test", test_path), ("predict", predict_path)))
         self.save_hyperparameters()
         self.paths = {

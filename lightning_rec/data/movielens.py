@@ -818,7 +818,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         super().__init__()
         # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet, before the arguments
         # are saved as hyperparameters (lightning_rec.data.hf_dataset)
-        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings_parquet")
+        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet")
         self.save_hyperparameters()
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
