@@ -1219,7 +1219,8 @@ def _data_cases():
         return path
 
     def criteo_table_module(path: Path, ctx, **kw):
-        dm = CriteoDataModule(train_path=str(path), batch_size=8, cache_dir=str(ctx.tmp / "c"),
+        path = str(path) if isinstance(path, Path) else path  # or a datasets.Dataset
+        dm = CriteoDataModule(train_path=path, batch_size=8, cache_dir=str(ctx.tmp / "c"),
                               num_embeddings_per_feature=100, **kw)
         dm.prepare_data()
         dm.setup("fit")
@@ -1405,6 +1406,43 @@ def _data_cases():
         for name in ("train-00000-of-00001.parquet", "test-00000-of-00001.parquet"):
             criteo_parquet(d / name)
         criteo_table_module(d, ctx)
+
+    def criteo_dataset(ctx, n: int = 20):
+        import datasets
+        import pyarrow.parquet as pq
+
+        return datasets.Dataset(pq.read_table(criteo_parquet(ctx.tmp / "dataset.parquet", n)))
+
+    @case("criteo.dataset_dict_object", ValueError, ["DatasetDict", "pass one split", "ds['train']"])
+    def _(ctx):
+        import datasets
+
+        CriteoDataModule(train_path=datasets.DatasetDict({"train": criteo_dataset(ctx), "test": criteo_dataset(ctx)}))
+
+    @case("criteo.iterable_dataset_object", ValueError, ["IterableDataset", "pass its files", "streaming=True"])
+    def _(ctx):
+        CriteoDataModule(train_path=criteo_dataset(ctx).to_iterable_dataset())
+
+    @case("criteo.dataset_object_bad_label", ValueError, ["data.parquet", "row 3", "label", "on_bad_row"])
+    def _(ctx):
+        ds = criteo_dataset(ctx)
+        criteo_table_module(ds.map(lambda r, i: {"label": 2 if i == 3 else r["label"]}, with_indices=True), ctx)
+
+    @case("criteo.dataset_object_same_as_text", legit="a datasets.Dataset gives the rows of its text file")
+    def _(ctx):
+        text = criteo_table_module(write(ctx.tmp / "rows.tsv", criteo_text(20)), ctx)
+        rows = criteo_dataset(ctx).add_column("row", list(range(20)))
+        table = criteo_table_module(rows.shuffle(seed=0).sort("row"), ctx)  # two index mappings: the same order
+        a, b = (next(iter(m.train_dataloader())) for m in (text, table))
+        expect(a.labels.tolist() == b.labels.tolist() and a.sparse_features.values().tolist()
+               == b.sparse_features.values().tolist(), "the Dataset's rows differ from the text rows")
+
+    @case("ml.dataset_dict_object", ValueError, ["data_dir", "DatasetDict", "pass one split"])
+    def _(ctx):
+        import datasets
+
+        rows = datasets.Dataset.from_dict({"user": [1, 2], "item": [3, 4]})
+        MovieLensDataModule(datasets.DatasetDict({"train": rows}))
 
     @case("ml.min_rating_above_scale", ValueError, ["min_rating"], timeout=60)
     def _(ctx):
