@@ -267,6 +267,71 @@ def test_a_datasets_dataset_is_read_as_its_parquet_copy(tmp_path, monkeypatch):
         MovieLensDataModule(datasets.DatasetDict({"train": ds}))
 
 
+def test_given_splits_train_validate_and_test_on_the_logs_own_files(tmp_path, monkeypatch):
+    """split="given": a log split already (Amazon Reviews'23's benchmark files, a Hub dataset's DatasetDict) trains,
+    validates and tests on its own files: they were read as one log and split again, or refused."""
+    import datasets
+
+    from lightning_rec.data import movielens
+
+    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    log = _string_id_log()
+    by_user: dict[str, list] = {}
+    for u, i, t in log:
+        by_user.setdefault(u, []).append((u, i, t))
+    parts = {0: [], 1: [], 2: []}
+    for rows in by_user.values():  # each user's last row tests, the one before validates (when there are three)
+        rows.sort(key=lambda r: r[2])
+        for k, r in enumerate(rows):
+            parts[2 if k == len(rows) - 1 else 1 if k == len(rows) - 2 and len(rows) > 2 else 0].append(r)
+    parts[2].append(parts[0][0])  # a test pair seen in training: dropped from the test split, with a word
+    folder = tmp_path / "All_Beauty"
+    for p, name in ((0, "train"), (1, "valid"), (2, "test")):
+        _write(folder / f"All_Beauty.{name}.csv", "user_id,parent_asin,rating,timestamp\n"
+               + "".join(f"{u},{i},5.0,{t}\n" for u, i, t in parts[p]))
+    _write(folder / "meta_All_Beauty.csv", "parent_asin,title\n")  # no split word: left alone
+    columns = {"item": "parent_asin"}
+    dm = MovieLensDataModule(str(folder), split="given", side_features=False, columns=columns)
+    with pytest.warns(UserWarning, match="1 repeated"):
+        dm.setup()
+    ids = {(str(dm.user_ids[u]), str(dm.item_ids[i])) for u, i in zip(dm.ratings["user"], dm.ratings["item"])}
+    assert ids == {(u, i) for u, i, _ in log}
+    held = {}
+    for split, p in (("val", 1), ("test", 2)):
+        offsets, items = dm.datasets[split].target
+        held[split] = {(str(dm.user_ids[u]), str(dm.item_ids[x])) for u in range(dm.num_users)
+                       for x in items[offsets[u]:offsets[u + 1]].tolist()}
+        assert held[split] == {(u, i) for u, i, _ in parts[p]} - {(u, i) for u, i, _ in parts[0]}
+    assert dm.report.split_sizes == {"train": len(parts[0]), "val": len(parts[1]), "test": len(parts[2]) - 1}
+    # the same splits as a DatasetDict (a Hub dataset's), and without a validation file: validation = test
+    table = {p: pa.table({"user_id": [u for u, _, _ in parts[p]], "parent_asin": [i for _, i, _ in parts[p]],
+                          "timestamp": [t for _, _, t in parts[p]]}) for p in parts}
+    splits = datasets.DatasetDict({"train": datasets.Dataset(table[0]), "validation": datasets.Dataset(table[1]),
+                                   "test": datasets.Dataset(table[2])})
+    same = MovieLensDataModule(splits, split="given", side_features=False, columns=columns)
+    with pytest.warns(UserWarning, match="1 repeated"):
+        same.setup()
+    assert (same.user_ids == dm.user_ids).all() and torch.equal(same.part_N, dm.part_N)
+    no_val = MovieLensDataModule(datasets.DatasetDict({"train": splits["train"], "test": splits["test"]}),
+                                 split="given", side_features=False, columns=columns)
+    with pytest.warns(UserWarning, match="1 repeated"):
+        no_val.setup()
+    assert [x.tolist() for x in no_val.datasets["val"].target] == [x.tolist() for x in no_val.datasets["test"].target]
+    # what given splits cannot be is said
+    with pytest.raises(ValueError, match=r"DatasetDict of the splits \['train', 'validation', 'test'\]: pass one "
+                                         r"split, e\.g\. ds\['train'\], or split='given'"):
+        MovieLensDataModule(splits)
+    with pytest.raises(ValueError, match=r"its splits \['extra'\] are none of"):
+        MovieLensDataModule(datasets.DatasetDict({"train": splits["train"], "extra": splits["test"]}), split="given")
+    (folder / "All_Beauty.test.csv").unlink()
+    with pytest.raises(ValueError, match=r"split='given' needs a train and a test file in .*All_Beauty.*\(no test "
+                                         r"file\)"):
+        MovieLensDataModule(str(folder), split="given", columns=columns).setup()
+    _write(folder / "train_test.csv", "user_id,parent_asin,rating\n")
+    with pytest.raises(ValueError, match=r"train_test\.csv: its name says more than one split"):
+        MovieLensDataModule(str(folder), split="given", columns=columns).setup()
+
+
 def test_recbole_atomic_files_with_string_ids_join_their_item_file(tmp_path):
     """RecBole's Amazon sets key users and items by strings in .inter and .item: the side file was read with
     int(item_id) and failed ("invalid literal for int() with base 10: 'B00A'")."""

@@ -18,10 +18,12 @@ others wait, and the copy appears whole or not at all (written aside, marked who
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -83,25 +85,39 @@ def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_gr
             writer.write_table(piece, row_group_size=row_group_rows)
 
 
-def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name: str) -> Any:
+def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name: str,
+                 split_names: Sequence[str] = (), dict_hint: str = "") -> Any:
     """`value` unchanged unless it is a `datasets` object; a Dataset: the path of the folder holding its copy,
-    `file_name` (a .parquet file).
+    `file_name` (a .parquet file); a DatasetDict whose splits are all `split_names` (none: refused, `dict_hint`
+    saying what to do): the folder holding `<split>.parquet` for each.
 
     `what` names the argument in errors ("CriteoDataModule train_path")."""
     if not is_hf_dataset(value):
         return value
     dataset, dicts, iterable = _dataset_types()
-    if isinstance(value, dicts):
-        splits = list(value)
-        example = next((s for s in ("train", "validation", "test") if s in splits), splits[0] if splits else "train")
-        raise ValueError(f"{what} is a {type(value).__name__} of the splits {splits}: pass one split, e.g. "
-                         f"ds[{example!r}]")
-    if isinstance(value, iterable):
-        raise ValueError(f"{what} is an IterableDataset (load_dataset(..., streaming=True)), which is read only in "
-                         f"order, once: pass its files instead (a Parquet file, folder or pattern such as "
+    if isinstance(value, iterable) or isinstance(value, dicts[1]):  # IterableDataset(Dict)
+        raise ValueError(f"{what} is an {type(value).__name__} (load_dataset(..., streaming=True)), which is read only "
+                         f"in order, once: pass its files instead (a Parquet file, folder or pattern such as "
                          f"'data/train-*.parquet', with streaming=True to read them in blocks), or load it without "
                          f"streaming=True")
-    folder = Path(cache_root) / "hf_datasets" / value._fingerprint
+    if isinstance(value, dicts):
+        splits = list(value)
+        unknown = [k for k in splits if k not in split_names]
+        if not split_names or unknown or not splits:
+            example = next((k for k in ("train", "validation", "test") if k in splits), (splits or ["train"])[0])
+            raise ValueError(f"{what} is a DatasetDict of the splits {splits}: pass one split, e.g. ds[{example!r}]"
+                             + (f" (its splits {unknown} are none of {list(split_names)})" if split_names and unknown
+                                else dict_hint))
+        key = hashlib.sha256("".join(f"{k}={v._fingerprint};" for k, v in sorted(value.items())).encode())
+        return _written(dict(value), key.hexdigest()[:16], cache_root, what)
+    return _written({file_name: value}, value._fingerprint, cache_root, what)
+
+
+def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what: str) -> str:
+    """The folder `<cache_root>/hf_datasets/<fingerprint>` holding each Dataset of `files` as `<name>` (a split
+    name gets ".parquet"), written once."""
+    files = {name if name.endswith(".parquet") else f"{name}.parquet": ds for name, ds in files.items()}
+    folder = Path(cache_root) / "hf_datasets" / fingerprint
     if (folder / _READY).is_file():
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -110,10 +126,11 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
             return str(folder)
         aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         try:
-            log.info("%s: writing the Dataset (%d rows, fingerprint %s) to %s", what, len(value), value._fingerprint,
-                     folder / file_name)
-            write_parquet(value, aside / file_name)
-            (aside / _READY).write_text(f"{value._fingerprint}\n")
+            for name, ds in files.items():
+                log.info("%s: writing the Dataset (%d rows, fingerprint %s) to %s", what, len(ds), ds._fingerprint,
+                         folder / name)
+                write_parquet(ds, aside / name)
+            (aside / _READY).write_text(f"{fingerprint}\n")
             if folder.exists():  # a copy left incomplete by an interrupted run
                 shutil.rmtree(folder)
             os.replace(aside, folder)

@@ -41,6 +41,13 @@ Splits (`split=`):
                       a test item, one with one only trains
     "u1".."u5","ua","ub"  ml-100k's official splits: <split>.base trains, <split>.test is both the
                       validation and the test set (the official splits have no validation part)
+    "given"           a log split already (Amazon Reviews'23's benchmark files, a Hub dataset's splits): data_dir
+                      holds one file per split (.csv with a header, or .parquet), named by a word of its name:
+                      train, valid / validation / val / dev, test (All_Beauty.train.csv, test.parquet,
+                      train-00000-of-00002.parquet: several files of a split are read in name order); without a
+                      validation file the test file is both, as in the official splits. In Python, a
+                      `datasets.DatasetDict` of such splits. A pair repeated in a later split is dropped
+                      there (its first copy kept), so no test target was seen in training.
 
 Time order is the timestamp column's, ties in the file's order (a stable sort, as RecBole's); a
 ratings file without timestamps has no temporal split. A repeated (user, item) pair keeps its
@@ -87,7 +94,11 @@ log = logging.getLogger(__name__)
 
 OFFICIAL_SPLITS = ("u1", "u2", "u3", "u4", "u5", "ua", "ub")  # ml-100k's own files
 TEMPORAL_SPLITS = ("to_811", "loo")  # each user's interactions in time order
-SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS)
+GIVEN = "given"  # the log's own split files (train / validation / test)
+SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS, GIVEN)
+# a word of a file's name -> the part it holds (0 train, 1 validation, 2 test), for split="given"
+_SPLIT_WORDS = {"train": 0, "training": 0, "valid": 1, "validation": 1, "val": 1, "dev": 1, "test": 2}
+_LOG_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet")
 _NO_TIME = b"lightning_rec.no_timestamp"  # schema mark of a ratings table whose file had no timestamp column
 _AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
 
@@ -584,6 +595,43 @@ _OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the 
              "itself)")
 
 
+def given_split_files(data_dir: Path) -> dict[int, list[Path]]:
+    """split="given": part (0 train, 1 validation, 2 test) -> its files in data_dir, in name order. A file belongs
+    to the split a word of its name says (words between . _ - and spaces); other files are left alone."""
+    if not data_dir.is_dir():
+        raise ValueError(f"split='given' reads a folder of split files (train / valid / test), but {data_dir} is "
+                         f"not a folder")
+    parts: dict[int, list[Path]] = {0: [], 1: [], 2: []}
+    for f in sorted(data_dir.iterdir()):
+        if not f.is_file() or f.suffix.lower() not in _LOG_SUFFIXES:
+            continue
+        said = {_SPLIT_WORDS[w] for w in re.split(r"[._\-\s]+", f.stem.lower()) if w in _SPLIT_WORDS}
+        if len(said) > 1:
+            raise ValueError(f"{f}: its name says more than one split (train / valid / test): rename it")
+        if said:
+            parts[said.pop()].append(f)
+    if not parts[0] or not parts[2]:
+        found = [f.name for f in sorted(data_dir.iterdir()) if f.is_file()][:10]
+        raise ValueError(f"split='given' needs a train and a test file in {data_dir} (named by a word of their names: "
+                         f"train, valid / validation / val / dev, test; .csv with a header, or .parquet), found "
+                         f"{found or 'no files'}{' (no train file)' if not parts[0] else ''}"
+                         f"{' (no test file)' if not parts[2] else ''}")
+    return parts
+
+
+def _concat_splits(tables: list[pa.Table], files: list[Path]) -> pa.Table:
+    """The split files' tables as one: ids that are integers in one file and strings in another become strings."""
+    if len({_NO_TIME in (t.schema.metadata or {}) for t in tables}) > 1:
+        have = [f.name for f, t in zip(files, tables) if _NO_TIME not in (t.schema.metadata or {})]
+        raise ValueError(f"{files[0].parent}: only {have} of its split files have a timestamp column: give all of "
+                         f"them one, or none")
+    for name in ("user_id", "item_id", "timestamp", "rating"):
+        if len({t.schema.field(name).type for t in tables}) > 1:
+            to = pa.string() if name in ("user_id", "item_id") else pa.float64()
+            tables = [t.set_column(t.schema.get_field_index(name), name, t.column(name).cast(to)) for t in tables]
+    return pa.concat_tables([t.replace_schema_metadata(tables[0].schema.metadata) for t in tables])
+
+
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
     if parquet_ratings(data_dir):  # data_dir names the Parquet log itself (a Hub dataset's file, or a pattern)
         return "parquet", data_dir
@@ -816,9 +864,12 @@ class MovieLensDataModule(pl.LightningDataModule):
                  drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
                  columns: dict[str, str] | None = None) -> None:
         super().__init__()
-        # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet, before the arguments
-        # are saved as hyperparameters (lightning_rec.data.hf_dataset)
-        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet")
+        # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
+        # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
+        # (lightning_rec.data.hf_dataset)
+        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet",
+                                split_names=tuple(_SPLIT_WORDS) if split == GIVEN else (),
+                                dict_hint=", or split='given' to train, validate and test on its splits as they are")
         self.save_hyperparameters()
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
@@ -859,9 +910,16 @@ class MovieLensDataModule(pl.LightningDataModule):
         if not self.data_dir.is_dir() and not parquet_ratings(self.data_dir):
             raise ValueError(f"MovieLens data_dir {self.data_dir} is not a folder: pass the unpacked GroupLens "
                              f"folder (e.g. ml-100k/ with u.data, u.user, u.item)")
-        layout, ratings_path = detect_layout(self.data_dir)
+        given = given_split_files(self.data_dir) if self.split == GIVEN else None
+        layout, ratings_path = ("given", given[0][0]) if given else detect_layout(self.data_dir)
         self.report.layout = layout
-        if self.split in OFFICIAL_SPLITS:
+        if given:
+            files = [f for p in (0, 1, 2) for f in given[p]]
+            tables = [self._ratings_of(f) for f in files]
+            table = _concat_splits(tables, files)
+            part_N = torch.from_numpy(np.concatenate([np.full(t.num_rows, p) for t, p in zip(
+                tables, [p for p in (0, 1, 2) for _ in given[p]])]))
+        elif self.split in OFFICIAL_SPLITS:
             if layout != "ml-100k":
                 raise ValueError(f"split={self.split!r} is one of ml-100k's official splits, but {self.data_dir} is "
                                  f"{layout}: use split='ro_811'")
@@ -935,9 +993,10 @@ class MovieLensDataModule(pl.LightningDataModule):
         seen_val = csr[0]
         tv = (part_N == 0) | (part_N == 1)
         seen_test = _csr_by_user(user_N[tv], item_N[tv], num_users)
-        official = self.split in OFFICIAL_SPLITS
+        # ml-100k's official splits, and given splits without a validation file: validation = test
+        official = self.split in OFFICIAL_SPLITS or (given is not None and not given[1])
         if official:
-            csr[1], seen_val = csr[2], csr[0]  # official splits: validation = test
+            csr[1], seen_val = csr[2], csr[0]
         train_items = torch.zeros(num_items, dtype=torch.bool)
         train_items[item_N[train]] = True
         all_users = torch.arange(num_users)
@@ -953,7 +1012,12 @@ class MovieLensDataModule(pl.LightningDataModule):
             r.users_without_heldout[name] = int((csr[p][0].diff() == 0).sum())
         r.split_sizes["train"] = int(train.sum())
         empty = [name for name in ("val", "test") if r.split_sizes[name] == 0]
-        if empty:  # said here, with the cause; the metrics can only say "NaN" at the end of the first validation
+        if empty and given:
+            warnings.warn(f"{self.data_dir}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
+                          f"empty, so {'its' if len(empty) == 1 else 'their'} ranking metrics will be NaN: its file "
+                          f"holds no interaction left after min_rating and repeated pairs (a pair also in an earlier "
+                          f"split counts there)", stacklevel=2)
+        elif empty:  # said here, with the cause; the metrics can only say "NaN" at the end of the first validation
             warnings.warn(f"{self.data_dir}: the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} "
                           f"empty, so {'its' if len(empty) == 1 else 'their'} ranking metrics will be NaN: split "
                           f"{self.split!r} holds a user's item out only from "
