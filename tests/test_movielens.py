@@ -323,6 +323,30 @@ def test_given_splits_train_validate_and_test_on_the_logs_own_files(tmp_path, mo
         MovieLensDataModule(splits)
     with pytest.raises(ValueError, match=r"its splits \['extra'\] are none of"):
         MovieLensDataModule(datasets.DatasetDict({"train": splits["train"], "extra": splits["test"]}), split="given")
+    # GroupLens side files beside the split files are read: the split files of loo give loo's module
+    ml = _generated_ml100k(tmp_path / "ml")
+    loo = MovieLensDataModule(str(ml), split="loo")
+    loo.setup()
+    table = loo.ratings.data.table
+    for p, name in ((0, "train"), (1, "valid"), (2, "test")):
+        rows = table.take(pa.array(np.nonzero(loo.part_N.numpy() == p)[0]))
+        _write(tmp_path / "ml_given" / f"ml.{name}.csv", "user,item,rating,timestamp\n" + "".join(
+            f"{u},{i},{r},{int(t)}\n" for u, i, r, t in zip(*(rows.column(c).to_pylist() for c in
+                                                              ("user_id", "item_id", "rating", "timestamp")))))
+    for side in ("u.user", "u.item"):
+        (tmp_path / "ml_given" / side).write_bytes((ml / side).read_bytes())
+    given = MovieLensDataModule(str(tmp_path / "ml_given"), split="given")
+    given.setup()
+    for split in ("val", "test"):  # the same held-out and excluded items per user (rows are in another order)
+        for a, b in zip((*given.datasets[split].target, *given.datasets[split].exclude),
+                        (*loo.datasets[split].target, *loo.datasets[split].exclude)):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), split
+    for kind in ("user_features", "item_features"):
+        a, b = getattr(given, kind), getattr(loo, kind)
+        assert a.keys == b.keys and len(a.keys) > 1 and a.num_embeddings == b.num_embeddings, kind
+        rows = torch.arange(len(given.user_ids if kind == "user_features" else given.item_ids))
+        assert torch.equal(a.kjt(rows).values(), b.kjt(rows).values()), kind
+    assert given.item_titles == loo.item_titles and given.item_titles[0] == "Item 1 (1995)"
     (folder / "All_Beauty.test.csv").unlink()
     with pytest.raises(ValueError, match=r"split='given' needs a train and a test file in .*All_Beauty.*\(no test "
                                          r"file\)"):

@@ -47,7 +47,8 @@ Splits (`split=`):
                       train-00000-of-00002.parquet: several files of a split are read in name order); without a
                       validation file the test file is both, as in the official splits. In Python, a
                       `datasets.DatasetDict` of such splits. A pair repeated in a later split is dropped
-                      there (its first copy kept), so no test target was seen in training.
+                      there (its first copy kept), so no test target was seen in training. GroupLens side
+                      files beside them (u.user / u.item, users.dat / movies.dat, movies.csv) are read.
 
 Time order is the timestamp column's, ties in the file's order (a stable sort, as RecBole's); a
 ratings file without timestamps has no temporal split. A repeated (user, item) pair keeps its
@@ -938,7 +939,12 @@ class MovieLensDataModule(pl.LightningDataModule):
         if table.num_rows == 0:
             raise ValueError(f"no interactions left in {ratings_path}" +
                              (f" with min_rating={self.min_rating}: lower it" if self.min_rating is not None else ""))
-        users, items, titles, sizes = _read_side(self.data_dir, layout)
+        side_layout = layout
+        if given:  # split files beside GroupLens' side files (u.user / u.item, users.dat / movies.dat, movies.csv)
+            side_layout = next((name for name, files in (("ml-100k", ("u.user", "u.item")),
+                                                         ("ml-1m", ("users.dat", "movies.dat")))
+                                if any((self.data_dir / f).is_file() for f in files)), layout)
+        users, items, titles, sizes = _read_side(self.data_dir, side_layout)
         if self.side_features and not users and not items:
             warnings.warn(f"side_features=True, but {self.data_dir} has no user or item file to read them from "
                           f"(u.user / u.item, users.dat / movies.dat, movies.csv, RecBole's .user / .item): the "
