@@ -1444,6 +1444,35 @@ def _data_cases():
         rows = datasets.Dataset.from_dict({"user": [1, 2], "item": [3, 4]})
         MovieLensDataModule(datasets.DatasetDict({"train": rows}))
 
+    @case("ml.given_without_test_file", ValueError, ["split='given'", "train and a test file", "(no test file)"])
+    def _(ctx):
+        d = ctx.tmp / "given"
+        write(d / "shop.train.csv", "user,item,rating\n1,2,5\n")
+        write(d / "shop.valid.csv", "user,item,rating\n1,3,5\n")
+        MovieLensDataModule(str(d), split="given", side_features=False).setup("fit")
+
+    @case("ml.given_name_says_two_splits", ValueError, ["train_test.csv", "more than one split", "rename"])
+    def _(ctx):
+        d = ctx.tmp / "given2"
+        write(d / "train_test.csv", "user,item,rating\n1,2,5\n")
+        write(d / "test.csv", "user,item,rating\n1,3,5\n")
+        MovieLensDataModule(str(d), split="given", side_features=False).setup("fit")
+
+    @case("ml.given_holds_out_the_test_file", legit="split='given' holds out exactly the test file's new pairs")
+    def _(ctx):
+        d = ctx.tmp / "given3"
+        trained = "".join(f"{u},{i},5\n" for u in range(4) for i in range(u, u + 4))
+        write(d / "train.csv", "user,item,rating\n" + trained)
+        write(d / "test.csv", "user,item,rating\n0,9,5\n1,1,5\n2,8,4\n")  # (1, 1) was trained on: dropped
+        dm = MovieLensDataModule(str(d), split="given", side_features=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dm.setup("fit")
+        offsets, items = dm.datasets["test"].target
+        got = {(int(dm.user_ids[u]), int(dm.item_ids[i])) for u in range(dm.num_users)
+               for i in items[offsets[u]:offsets[u + 1]].tolist()}
+        expect(got == {(0, 9), (2, 8)}, f"held out {got}")
+
     @case("ml.min_rating_above_scale", ValueError, ["min_rating"], timeout=60)
     def _(ctx):
         src = DATA / "movielens" / "ml-100k"
