@@ -847,7 +847,8 @@ class MovieLensDataModule(pl.LightningDataModule):
             `datasets.Dataset` of interactions (written once as ratings.parquet in a folder named by its
             fingerprint, under datasets' cache: `lightning_rec.data.hf_dataset`).
         split: "ro_811" (RecBole's random-order 8:1:1 per user), "to_811" (the same in time order), "loo"
-            (leave-one-out in time order) or ml-100k's "u1".."u5", "ua", "ub" (see the module's docstring).
+            (leave-one-out in time order), ml-100k's "u1".."u5", "ua", "ub", or "given" (data_dir holds the log's own
+            train / valid / test files, or is a DatasetDict) (see the module's docstring).
         min_rating: None: every rating is an interaction; a number: only ratings >= it.
         side_features: add age/gender/occupation/zip and genre/year features where the layout has them.
         batch_size: training pairs per batch; eval_batch_size: users per evaluation batch.
