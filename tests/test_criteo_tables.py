@@ -100,8 +100,11 @@ def test_tables_give_the_text_files_batches(text, tmp_path, form, missing_catego
         copies = [c for c in (tmp_path / "cache" / "hf_datasets").iterdir() if c.is_dir()]
         assert [c.name for c in copies] == [source._fingerprint] and (copies[0] / "data.parquet").is_file(), copies
         written = (copies[0] / "lightning_rec_complete").stat().st_mtime_ns
-        assert _same(got, reference)  # and once more: the copy is found, not written again
+        assert _same(got, reference)
+        again = rows.shuffle(seed=1).sort("row")  # the same Dataset built again: its copy is found, not rewritten
+        assert _same(_batches(again, tmp_path / "cache", missing_categorical=missing_categorical), reference)
         assert (copies[0] / "lightning_rec_complete").stat().st_mtime_ns == written
+        assert [c for c in (tmp_path / "cache" / "hf_datasets").iterdir() if c.is_dir()] == copies
     elif form == "int_ids":  # C columns already decoded to integers (null: missing)
         for j in range(26):
             col = table.column(f"C{j + 1}").to_pylist()
