@@ -33,18 +33,14 @@ log = logging.getLogger(__name__)
 _READY = "lightning_rec_complete"  # written last inside a copy: a folder without it is not used
 
 
-def _dataset_types():
-    import datasets
-
-    return datasets.Dataset, (datasets.DatasetDict, datasets.IterableDatasetDict), datasets.IterableDataset
-
-
 def is_hf_dataset(value: Any) -> bool:
     """Whether `value` is any `datasets` object (Dataset, DatasetDict, IterableDataset, IterableDatasetDict)."""
     if type(value).__module__.split(".")[0] != "datasets":  # no import of datasets for an ordinary path
         return False
-    dataset, dicts, iterable = _dataset_types()
-    return isinstance(value, (dataset, iterable, *dicts))
+    import datasets
+
+    return isinstance(value, (datasets.Dataset, datasets.DatasetDict, datasets.IterableDataset,
+                              datasets.IterableDatasetDict))
 
 
 @contextlib.contextmanager
@@ -94,13 +90,14 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
     `what` names the argument in errors ("CriteoDataModule train_path")."""
     if not is_hf_dataset(value):
         return value
-    dataset, dicts, iterable = _dataset_types()
-    if isinstance(value, iterable) or isinstance(value, dicts[1]):  # IterableDataset(Dict)
+    import datasets
+
+    if isinstance(value, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise ValueError(f"{what} is an {type(value).__name__} (load_dataset(..., streaming=True)), which is read only "
                          f"in order, once: pass its files instead (a Parquet file, folder or pattern such as "
                          f"'data/train-*.parquet', with streaming=True to read them in blocks), or load it without "
                          f"streaming=True")
-    if isinstance(value, dicts):
+    if isinstance(value, datasets.DatasetDict):
         splits = list(value)
         unknown = [k for k in splits if k not in split_names]
         if not split_names or unknown or not splits:

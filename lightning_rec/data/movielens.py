@@ -338,11 +338,7 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
     path = Path(path)
     pieces = parquet_ratings(path)
     if len(pieces) > 1 or (pieces and pieces[0] != path):
-        tables = [_read_ratings_parquet(f, columns) for f in pieces]
-        if len({_NO_TIME in (t.schema.metadata or {}) for t in tables}) > 1:
-            raise ValueError(f"{path}: some of its files have a timestamp column and some not: give all of them one, "
-                             f"or none")
-        return pa.concat_tables(tables)
+        return _concat_logs([_read_ratings_parquet(f, columns) for f in pieces], pieces, path)
     if not path.is_file():
         raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     if path.suffix == ".parquet":
@@ -620,12 +616,12 @@ def given_split_files(data_dir: Path) -> dict[int, list[Path]]:
     return parts
 
 
-def _concat_splits(tables: list[pa.Table], files: list[Path]) -> pa.Table:
-    """The split files' tables as one: ids that are integers in one file and strings in another become strings."""
+def _concat_logs(tables: list[pa.Table], files: list[Path], what: Path) -> pa.Table:
+    """Several files' ratings tables as one (a Parquet log's pieces, or split="given"'s files): ids that are integers
+    in one file and strings in another become strings; some files with a timestamp and some without are refused."""
     if len({_NO_TIME in (t.schema.metadata or {}) for t in tables}) > 1:
         have = [f.name for f, t in zip(files, tables) if _NO_TIME not in (t.schema.metadata or {})]
-        raise ValueError(f"{files[0].parent}: only {have} of its split files have a timestamp column: give all of "
-                         f"them one, or none")
+        raise ValueError(f"{what}: only {have} of its files have a timestamp column: give all of them one, or none")
     for name in ("user_id", "item_id", "timestamp", "rating"):
         if len({t.schema.field(name).type for t in tables}) > 1:
             to = pa.string() if name in ("user_id", "item_id") else pa.float64()
@@ -916,11 +912,10 @@ class MovieLensDataModule(pl.LightningDataModule):
         layout, ratings_path = ("given", given[0][0]) if given else detect_layout(self.data_dir)
         self.report.layout = layout
         if given:
-            files = [f for p in (0, 1, 2) for f in given[p]]
+            files, parts = zip(*[(f, p) for p in (0, 1, 2) for f in given[p]])
             tables = [self._ratings_of(f) for f in files]
-            table = _concat_splits(tables, files)
-            part_N = torch.from_numpy(np.concatenate([np.full(t.num_rows, p) for t, p in zip(
-                tables, [p for p in (0, 1, 2) for _ in given[p]])]))
+            table = _concat_logs(tables, list(files), self.data_dir)
+            part_N = torch.from_numpy(np.concatenate([np.full(t.num_rows, p) for t, p in zip(tables, parts)]))
         elif self.split in OFFICIAL_SPLITS:
             if layout != "ml-100k":
                 raise ValueError(f"split={self.split!r} is one of ml-100k's official splits, but {self.data_dir} is "
