@@ -113,6 +113,11 @@ def run_loop(args, mode: str, device: torch.device, keys, batches) -> tuple[floa
     sync(device)
     elapsed = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    if args.profile and device.type == "cuda" and not getattr(args, "_profiled", set()) >= {mode}:
+        from gpu_profile import print_profile  # this folder
+
+        args._profiled = getattr(args, "_profiled", set()) | {mode}
+        print_profile(f"loop {mode}", lambda i: step(batches[i % len(batches)]))
     return args.batch * args.steps / elapsed, peak
 
 
@@ -261,6 +266,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default="fp32,tf32,bf16")
     parser.add_argument("--no-trainer", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also print where a loop step's time goes (once a mode)")
     parser.add_argument("--pipeline", action="store_true",
                         help="plain loop vs TrainPipelineSparseDist over pinned host batches (see the module doc)")
     args = parser.parse_args()

@@ -87,6 +87,11 @@ def cuda_section(args) -> None:
     sps = {v: B * args.steps / statistics.median(t) for v, t in spent.items()}
     ratio = statistics.median(a / b for a, b in zip(spent["raw_tbe"], spent["ours"]))
     peak = torch.cuda.max_memory_allocated() / 2**20
+    if args.profile:
+        from gpu_profile import print_profile  # this folder
+
+        for name, step in variants.items():
+            print_profile(name, step)
     print(f"embedding fwd+bwd+rowwise_adagrad on {torch.cuda.get_device_name()}: {T} x {rows} rows x dim {D}, "
           f"batch {B}, median of {len(spent['ours'])} blocks of {args.steps} steps")
     for v, x in sps.items():
@@ -299,6 +304,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dim", type=int, default=128, help="--device cuda: embedding dim")
     parser.add_argument("--batch", type=int, default=16_384, help="--device cuda: batch size")
+    parser.add_argument("--profile", action="store_true", help="--device cuda: also print where a step's time goes")
     args = parser.parse_args()
     if args.device == "cuda":
         global BATCH

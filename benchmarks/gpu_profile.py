@@ -1,0 +1,54 @@
+"""A short torch.profiler look at a GPU step, printed by the GPU benchmarks under --profile.
+
+Device time is scarce (one call per lent session): when a figure falls short, the same call's log must
+already say where the step's time goes. Prints host (CPU) time per step against GPU kernel time per
+step, the host-device syncs and copies per step (each one a stall of the host-bound step), and the
+ops that cost the host most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+               "cudaMemcpy", "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def print_profile(label: str, step: Callable[[int], None], steps: int = 5, top: int = 18) -> None:
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(2):
+        step(i)
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    host_s = time.perf_counter() - t0  # the host's enqueue time: the wall time when the step is host-bound
+    _sync()
+    wall_s = time.perf_counter() - t0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        _sync()
+    events = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) for e in events)
+    print(f"--- profile {label}: {steps} steps; unprofiled: host {host_s / steps * 1e3:.2f} ms/step, wall "
+          f"{wall_s / steps * 1e3:.2f} ms/step; profiled GPU kernel time {gpu_us / steps / 1e3:.2f} ms/step")
+    for e in events:
+        if e.key in SYNC_EVENTS:
+            print(f"    {e.key:<28}{e.count / steps:>6.1f} per step  {e.cpu_time_total / steps:>9.0f} us host per step")
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    print(f"    {'op (by self host time)':<52}{'calls/step':>10}{'self host us/step':>18}{'GPU us/step':>12}")
+    for e in rows:
+        dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        print(f"    {e.key[:52]:<52}{e.count / steps:>10.1f}{e.self_cpu_time_total / steps:>18.0f}{dev / steps:>12.0f}")
