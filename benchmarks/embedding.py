@@ -43,6 +43,18 @@ def make_ids(rows: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(0, rows, (NUM_TABLES, BATCH), generator=g) for _ in range(steps)]
 
 
+def _time_blocks(step, steps: int, blocks: int) -> float:
+    """Median seconds of `blocks` blocks of `steps` GPU steps, synchronised at block ends."""
+    spent = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+        spent.append(time.perf_counter() - t0)
+    return statistics.median(spent)
+
+
 def cuda_section(args) -> None:
     """ours vs raw fbgemm TBE on one GPU, same process, alternating blocks (see the module docstring)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -88,10 +100,27 @@ def cuda_section(args) -> None:
     ratio = statistics.median(a / b for a, b in zip(spent["raw_tbe"], spent["ours"]))
     peak = torch.cuda.max_memory_allocated() / 2**20
     if args.profile:
-        from gpu_profile import print_profile  # this folder
+        from gpu_profile import print_profile, print_python_profile  # this folder
 
         for name, step in variants.items():
             print_profile(name, step)
+        print_python_profile("ours", variants["ours"], args.steps)
+        # the id check's share of the host time: the same collection without it, timed like the others
+        from lightning_rec.batch_check import DeviceBoundsCheck
+
+        for _ in range(2):  # the host's share of the id check: without it, and copying its count less often
+            ebc.validate_ids = False
+            unchecked = _time_blocks(variants["ours"], args.steps, 4)
+            ebc.validate_ids = True
+            times = {}
+            for every in (1, 8):
+                DeviceBoundsCheck.copy_every = every
+                times[every] = _time_blocks(variants["ours"], args.steps, 4)
+            DeviceBoundsCheck.copy_every = 1
+            raw = _time_blocks(variants["raw_tbe"], args.steps, 4)
+            print(f"raw TBE {B * args.steps / raw:,.0f} samples/s; ours: validate_ids=False "
+                  f"{B * args.steps / unchecked:,.0f}, count copied every lookup {B * args.steps / times[1]:,.0f}, "
+                  f"every 8th {B * args.steps / times[8]:,.0f} (same minute)")
     print(f"embedding fwd+bwd+rowwise_adagrad on {torch.cuda.get_device_name()}: {T} x {rows} rows x dim {D}, "
           f"batch {B}, median of {len(spent['ours'])} blocks of {args.steps} steps")
     for v, x in sps.items():

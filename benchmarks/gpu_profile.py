@@ -52,3 +52,18 @@ def print_profile(label: str, step: Callable[[int], None], steps: int = 5, top: 
     for e in rows:
         dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
         print(f"    {e.key[:52]:<52}{e.count / steps:>10.1f}{e.self_cpu_time_total / steps:>18.0f}{dev / steps:>12.0f}")
+
+
+def print_python_profile(label: str, step: Callable[[int], None], steps: int, top: int = 22) -> None:
+    """cProfile of `steps` steps: which Python functions (ours, fbgemm's, torch's) spend the host's time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(steps):
+        step(i)
+    _sync()
+    profiler.disable()
+    print(f"--- python profile {label}: {steps} steps (tottime, cumtime: seconds over all steps)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)

@@ -353,7 +353,18 @@ class RecStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             vars(module).pop("_on_before_batch_transfer", None)
-        super().teardown()
+        if module is None or self._dmp is None or self.root_device.type == "cpu":
+            super().teardown()
+            return
+        # Lightning moves the module to the CPU here. Sharded tables cannot follow (each rank holds its pieces in
+        # the device's kernels, and a replica moved alone left a module on two devices: a forward after fit then
+        # failed with "indices is on cpu"), so the whole module stays on its device, as a later Trainer or
+        # `module(...)` expects it: module.device stays the device it trained on.
+        vars(module)["cpu"] = lambda: module
+        try:
+            super().teardown()
+        finally:
+            vars(module).pop("cpu", None)
 
     def _all_have_a_batch(self, have: bool, index: int = -1, last: bool = False) -> tuple[bool, bool, bool]:
         """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).

@@ -10,6 +10,16 @@ REPO = Path(__file__).resolve().parents[1]
 # ../shared/data beside the checkout; a copy of the checkout elsewhere (.ci/torch-range) names it
 SHARED_DATA = Path(os.environ.get("LIGHTNING_REC_SHARED_DATA", REPO.parent / "shared" / "data"))
 
+# `pytest -n W`: each worker (and the rank processes it starts) gets its share of the cores. torch's default, one
+# thread per core in every worker, oversubscribed a 16-core machine 8 times under -n 8: a 20 s recipe test ran past
+# 150 s there. An OMP_NUM_THREADS the caller set is kept (the 16-thread native kernel runs set it on purpose).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

@@ -23,8 +23,11 @@ class InputPipeline:
 
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
+        from lightning_rec.model_parallel import with_cuda_index
+
         self.config = config or PipelineConfig()
-        self.device = torch.device(device)
+        # "cuda" alone: the current device's index (the feeder thread sets it, and set_device needs one)
+        self.device = with_cuda_index(torch.device(device), torch.cuda.current_device)
         self.inputs = _Inputs.of(model)
         self.to_device = to_device or (lambda b: move_to_device(b, self.device))
         self.plan = _Plan()
