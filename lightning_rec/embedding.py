@@ -367,9 +367,10 @@ class _EmbeddingCollectionBase(nn.Module):
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
             [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__)
-        if device.type == "cuda":
+        checked = self._lookup.bounds_checked()
+        if device.type == "cuda" and checked:
             self._router.device_check = DeviceBoundsCheck(self._router.rows_F, self._router.tables_F,
-                                                          type(self).__name__)
+                                                          type(self).__name__, checked, self._feature_names)
 
     # ---------------------------------------------------------------------------------------
 
@@ -421,7 +422,7 @@ class _EmbeddingCollectionBase(nn.Module):
         """GPU batches never on the host: start the lazy copy of fbgemm's bad-id count (no sync)."""
         check = self._router.device_check
         if check is not None and self.validate_ids and features.host_copy() is None:
-            check.after_lookup(self._lookup.bounds_check_counters(), features)
+            check.after_lookup()
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Features reordered into the kernels' order (a no-op when they already are), ids checked."""

@@ -456,12 +456,12 @@ class FusedKernel(nn.Module):
     def get_learning_rate(self) -> float:
         return float(self.tbe.get_learning_rate()) * self._grad_scale
 
-    def bounds_check_counters(self) -> list[tuple[Tensor, list[str]]]:
-        """fbgemm's device-side count of bad ids (GPU), with the kernel's tables, for the lazy named error."""
-        counter = getattr(self.tbe, "bounds_check_warning", None)
-        if counter is None or counter.device.type != "cuda":
+    def bounds_checked(self) -> list[tuple[nn.Module, list[str]]]:
+        """fbgemm's TBE (GPU) with the kernel's tables: its device-side bad-id counter feeds the lazy named error."""
+        counter = getattr(self.tbe, "bounds_check_warning", None) if self.kernel != "native" else None
+        if not isinstance(counter, Tensor) or counter.device.type != "cuda":
             return []
-        return [(counter, [t.name for t in self.tables])]
+        return [(self.tbe, [t.name for t in self.tables])]
 
 
 class DenseKernel(nn.Module):
@@ -566,8 +566,8 @@ class GroupedLookup(nn.Module):
     def fused_kernels(self) -> list[FusedKernel]:
         return [k for k in self.kernels if isinstance(k, FusedKernel)]
 
-    def bounds_check_counters(self) -> list[tuple[Tensor, list[str]]]:
-        return [c for k in self.fused_kernels() for c in k.bounds_check_counters()]
+    def bounds_checked(self) -> list[tuple[nn.Module, list[str]]]:
+        return [c for k in self.fused_kernels() for c in k.bounds_checked()]
 
     def weights_written(self) -> None:
         """Call after writing through `table_weights()` views (see FusedKernel.weights_written)."""

@@ -192,12 +192,13 @@ def test_ddp_arguments_are_feature_detected(monkeypatch):
     assert ddp.broadcast_buffers is False  # synced at construction, not before every forward
 
 
-def test_device_bounds_check_names_the_bad_batch_on_the_next_call():
+def test_device_bounds_check_reports_every_bad_lookup_from_its_block(monkeypatch):
     """The lazy check of GPU-built batches (batch_check.DeviceBoundsCheck), run here on fbgemm's CPU kernel in
-    the mode the GPU path uses (BoundsCheckMode.WARNING: a bad id is counted and replaced by 0 in the ids the
-    kernel reads; the counter is the same in fbgemm 1.6-1.8): the step with the bad id goes through, the next
-    call raises naming the table of the kernel that counted it, once; a full ring of pending copies drops the
-    oldest, never blocks. Two kernels (one table each), as a collection groups tables by dim and optimizer."""
+    the mode the GPU path uses (BoundsCheckMode.WARNING: fbgemm zeroes its counter at each call, counts the bad
+    ids and reads them as row 0). Each lookup counts into its own slot; a block of copy_every lookups is read
+    back at once; a later call raises naming the tables, the features and the lookup, once per bad batch (a
+    second bad batch with the same count too: comparing with the last count seen missed it); a block is never
+    overwritten unread. Two kernels (one table each), as a collection groups tables by dim and optimizer."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -206,27 +207,43 @@ def test_device_bounds_check_names_the_bad_batch_on_the_next_call():
 
     from lightning_rec.batch_check import DeviceBoundsCheck
 
+    monkeypatch.setattr(DeviceBoundsCheck, "copy_every", 4)
     kernels = {t: SplitTableBatchedEmbeddingBagsCodegen([(rows, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
                                                         bounds_check_mode=BoundsCheckMode.WARNING, device="cpu")
                for t, rows in (("users", 10), ("items", 20))}
-    check = DeviceBoundsCheck(torch.tensor([10, 20]), ["users", "items"], "EmbeddingBagCollection")
+    check = DeviceBoundsCheck(torch.tensor([10, 20]), ["users", "items"], "EmbeddingBagCollection",
+                              [(tbe, [t]) for t, tbe in kernels.items()], ["user", "item"])
 
-    def step(item_id: int) -> None:
+    def step(item_id: int, before: bool = True) -> None:
         kjt = KeyedJaggedTensor(["user", "item"], torch.tensor([1, item_id]), lengths=torch.tensor([1, 1]),
                                 _validate=False)
-        check.before_lookup()
+        if before:
+            check.before_lookup()
         for tbe, ids in zip(kernels.values(), kjt.values().split(1)):  # views: fbgemm writes through
             tbe(ids, torch.tensor([0, 1]))
-        check.after_lookup([(tbe.bounds_check_warning, [t]) for t, tbe in kernels.items()], kjt)
+        check.after_lookup()
 
-    for _ in range(2 * DeviceBoundsCheck.SLOTS):  # more good steps than ring slots
+    for _ in range(2 * DeviceBoundsCheck.SLOTS * 4):  # more blocks than the ring has
         step(3)
-    step(25)  # trains, reading row 0
-    with pytest.raises(ValueError, match=r"GPU batch had an id outside its table in table\(s\) 'items' of "
-                                         r"EmbeddingBagCollection, read by feature\(s\) 'item'.*\.to\('cuda'\)"):
+    step(25)  # lookup 33: trains, reading row 0
+    for _ in range(3):  # lookups 34-36: the block is read back after 36
         step(3)
-    for _ in range(3):  # reported once
+    said = (r"GPU batch had 1 id\(s\) outside their table in table\(s\) 'items' of EmbeddingBagCollection, read "
+            r"by feature\(s\) 'item': the batch of lookup {} of this EmbeddingBagCollection \(its latest: {}\)"
+            r".*\.to\('cuda'\)")
+    with pytest.raises(ValueError, match=said.format(33, 36)):
         step(3)
+    for _ in range(7):  # reported once (lookups 37-43: the call that raised looked nothing up)
+        step(3)
+    step(25)  # lookup 44, the last of its block: the same count again is a new bad batch, reported too
+    with pytest.raises(ValueError, match=said.format(44, 44)):
+        step(3)
+    # nobody asks (no before_lookup) while the ring goes round: the block holding a bad lookup is read before its
+    # slot is reused, so the count is never lost
+    for i in range(DeviceBoundsCheck.SLOTS * 4 + 3):  # lookups 45-63, the bad one 46
+        step(25 if i == 1 else 3, before=False)
+    with pytest.raises(ValueError, match=r"lookup 46 of .*\(its latest: 64\)"):
+        step(3, before=False)  # lookup 64 ends a block that reuses 45-48's slot
 
 
 # On a GPU (`pytest -m gpu`; skipped elsewhere) ---------------------------------------------------------
@@ -276,12 +293,17 @@ def test_cuda_bad_ids_built_on_the_device_are_reported_on_a_later_call():
     lengths = torch.ones(4, dtype=torch.int64, device="cuda")
     bad = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 99], device="cuda"), lengths=lengths)
     good = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4], device="cuda"), lengths=lengths)
-    gpu(bad).values().sum().backward()  # no sync here: fbgemm reads row 0 and counts the bad id
+    from lightning_rec.batch_check import DeviceBoundsCheck
+
+    gpu(bad).values().sum().backward()  # lookup 1, no sync: fbgemm reads row 0 and counts the bad id
+    for _ in range(DeviceBoundsCheck.copy_every - 1):  # the rest of its block: read back after the block's last
+        gpu(good)
     torch.cuda.synchronize()
-    # fbgemm replaced the id by 0 in what it read: the table(s) of the kernel that counted it are named (the
-    # feature itself where the batch still shows it: the kernel read a copy)
-    named = r"(feature 'f1' has id 99 outside table 't1'|table\(s\) .*'t1'.* read by feature\(s\) .*'f1')"
+    named = (r"1 id\(s\) outside their table in table\(s\) 't1' of EmbeddingBagCollection, read by feature\(s\) "
+             r"'f1': the batch of lookup 1 of this EmbeddingBagCollection")
     with pytest.raises(ValueError, match=named + ".*never on the host"):
+        gpu(good)
+    for _ in range(2 * DeviceBoundsCheck.copy_every):  # reported once; good batches go on
         gpu(good)
 
 

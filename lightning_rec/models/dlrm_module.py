@@ -160,7 +160,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, _ = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, batch_size=max(len(batch), 1))
+        self.log_train_loss(loss, batch_size=max(len(batch), 1))
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:

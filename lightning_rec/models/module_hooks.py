@@ -46,6 +46,16 @@ class RecModuleHooks:
                 f"rank would update its own copy and the tables would drift apart. Use Trainer(strategy='rec') "
                 f"(--trainer.strategy=rec), which shards them")
 
+    def log_train_loss(self, loss, batch_size: int) -> None:
+        """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync.
+
+        Lightning turns every progress-bar value into a Python number at each batch end (`.item()`). On a GPU
+        that waits for the step's kernels, and the host then starts the next step from an idle GPU: DLRM through
+        the Trainer ran at 0.93x the hand loop on an H200 with it. On GPU the loss goes to the loggers (they read
+        it every `log_every_n_steps`) and to callbacks, not to the bar; the bar shows the validation metrics.
+        """
+        self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"

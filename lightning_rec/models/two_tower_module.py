@@ -211,7 +211,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                                  "(or loss='bpr' to train on them)")
             log_q = batch.item_log_q if hp.logq_correction else None
             loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
-        self.log("train_loss", loss, prog_bar=True, batch_size=len(batch))
+        self.log_train_loss(loss, batch_size=len(batch))
         self._samples += len(batch)
         return loss
 
