@@ -517,12 +517,12 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         features = self._route(features)  # kernel order, batch checked
-        pooled = self._lookup(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
+        pooled = self._lookup.forward(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
         self._after_lookup(features)
         pooled_BD = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
         if self._column_order is not None:  # kernel groups -> the configs' order
             pooled_BD = pooled_BD.index_select(1, self._column_order)
-        return KeyedTensor(self._output_names, self._output_dims, pooled_BD)
+        return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
 
 
 class EmbeddingCollection(_EmbeddingCollectionBase):
@@ -544,7 +544,7 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         features = self._route(features)
-        values = self._lookup(features, checked=self.validate_ids)  # one [N_group, D] per kernel group
+        values = self._lookup.forward(features, checked=self.validate_ids)  # one [N_group, D] per kernel group
         self._after_lookup(features)
         values_ND = values[0] if len(values) == 1 else None
         out: dict[str, JaggedTensor] = {}

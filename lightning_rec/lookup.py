@@ -556,7 +556,9 @@ class GroupedLookup(nn.Module):
         """
         assert features.keys() == self.feature_names, (features.keys(), self.feature_names)
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
-        return [kernel(part, checked) if isinstance(kernel, FusedKernel) else kernel(part)
+        # .forward, not __call__: kernels are internal (outside the module tree), and a module call's hook
+        # machinery is a few us of a host-bound GPU step
+        return [kernel.forward(part, checked) if isinstance(kernel, FusedKernel) else kernel.forward(part)
                 for kernel, part in zip(self.kernels, parts)]
 
     def table_weights(self) -> dict[str, Tensor]:

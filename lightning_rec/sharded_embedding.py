@@ -409,7 +409,7 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         else:
             received = self._pooled_a2a(out.owned, ctx)
             pooled_BD = assemble_pooled(received, ctx.batch, dp_BD, self._columns, ctx.lengths_FB)
-        return KeyedTensor(self._feature_names, self._dims, pooled_BD)
+        return KeyedTensor._of_collection(self._feature_names, self._dims, pooled_BD)
 
 
 class ShardedEmbeddingCollection(_ShardedCollectionBase):

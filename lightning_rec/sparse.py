@@ -668,6 +668,16 @@ class KeyedTensor:
         self._key_dim = key_dim
         self._offset_per_key: list[int] | None = None
 
+    @classmethod
+    def _of_collection(cls, keys: list[str], length_per_key: list[int], values_BD: Tensor) -> KeyedTensor:
+        """A collection's output, whose keys and widths were checked when it was built: no checks per batch
+        (they were ~10 us of a host-bound GPU step). Copies of the lists, so a caller that edits keys() does
+        not edit the collection's."""
+        kt = cls.__new__(cls)
+        kt._keys, kt._length_per_key, kt._values = list(keys), list(length_per_key), values_BD
+        kt._key_dim, kt._offset_per_key = 1, None
+        return kt
+
     @staticmethod
     def from_tensor_list(keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1,
                          cat_dim: int = 1) -> KeyedTensor:
