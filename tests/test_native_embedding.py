@@ -280,6 +280,38 @@ def test_long_bags_and_threads_are_deterministic():
     torch.testing.assert_close(tbe(indices, offsets, psw).detach(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_large_tables_initialise_on_every_thread_with_the_seeds_values(monkeypatch):
+    """Tables over two init chunks draw in parallel (one generator per chunk, seeded from the global one): the
+    same values for 1 and 2 threads and for the same torch.manual_seed, others for another seed, inside the
+    table's bounds; small tables draw as plain uniform_ did."""
+    from lightning_rec import native_embedding
+
+    monkeypatch.setattr(native_embedding, "_INIT_CHUNK", 1000)
+    specs, ft = [(2000, 8), (100, 4)], [0, 1]  # 16,000 elements: 16 chunks; 400: one plain draw
+
+    def build(seed: int, threads: int) -> list[torch.Tensor]:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(seed)
+            tbe = NativeTableBatchedEmbeddingBags(specs, ft, "sum", FusedOptimizerConfig("sgd"))
+            return tbe.split_embedding_weights()
+        finally:
+            torch.set_num_threads(prev)
+
+    one, two, other = build(0, 1), build(0, 2), build(1, 2)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    assert not torch.equal(one[0], other[0])
+    bound = (1 / 2000) ** 0.5
+    assert -bound <= float(one[0].min()) and float(one[0].max()) < bound and float(one[0].std()) > bound / 3
+    assert len({tuple(one[0].view(-1)[i * 1000 : i * 1000 + 4].tolist()) for i in range(16)}) == 16  # no chunk repeats
+    torch.manual_seed(0)
+    torch.randint(0, 2**62, (1,))  # the big table's one draw from the global generator (its chunks' seed) ...
+    small = torch.empty(400).uniform_(-0.1, 0.1)  # ... then the small table drew plainly, as before
+    assert torch.equal(one[1].reshape(-1), small)
+
+
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_one_id_per_bag_wide_rows_and_broadcast_gradient(opt):
     """The benchmark's shape in small: one id per bag, dims that are multiples of 16 (the vectorised
