@@ -26,11 +26,15 @@ def _extensions():
     if os.environ.get("LIGHTNING_REC_NATIVE_ARCH", "1") == "1":
         # Kernels are built on the machine that runs them (make test / make train), so tune for it.
         cxx_flags.append("-march=native")
+    link_flags = ["-fopenmp"]
+    if os.environ.get("LIGHTNING_REC_SANITIZE") == "address":  # .ci/asan: the kernels under AddressSanitizer
+        cxx_flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address", "-fopenmp", "-std=c++17"]
+        link_flags.append("-fsanitize=address")
     kwargs = dict(
         name="lightning_rec._C",
         sources=cpu_sources + (cuda_sources if use_cuda else []),
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]} if use_cuda else {"cxx": cxx_flags},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_flags,
         define_macros=[("WITH_CUDA", None)] if use_cuda else [],
     )
     ext = CUDAExtension(**kwargs) if use_cuda else CppExtension(**kwargs)
