@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_rec.batch_check import DeviceIdGuard
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, FeatureRouter
 from lightning_rec.input_dist import DistContext, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup
@@ -167,6 +168,9 @@ class _ShardedCollectionBase(nn.Module):
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
             [by_feature[f].name for f in self._feature_names], self._is_weighted, f"sharded {self._kind()}")
+        # GPU batches never on the host: ids checked on the device before routing, reported lazily (batch_check.py)
+        self._device_guard = DeviceIdGuard(self._router.rows_F, self._router.tables_F, self._feature_names,
+                                           f"sharded {self._kind()}", device) if device.type == "cuda" else None
         self._dp_features = self.routing.dp_feature_index
         self._dp_features_t = torch.tensor(self._dp_features, dtype=torch.int32, device=device)
         self._routed = self.routing.num_routed > 0
@@ -219,7 +223,10 @@ class _ShardedCollectionBase(nn.Module):
             return None, str(e)
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        return self._router(features, self.validate_ids)
+        ordered = self._router(features, self.validate_ids)
+        if self.validate_ids and self._device_guard is not None and features.host_copy() is None:
+            ordered = self._device_guard(ordered)  # on the device, no sync: bad ids read row 0, counted, reported
+        return ordered
 
     def _kind(self) -> str:
         return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"

@@ -246,6 +246,40 @@ def test_device_bounds_check_reports_every_bad_lookup_from_its_block(monkeypatch
         step(3, before=False)  # lookup 64 ends a block that reuses 45-48's slot
 
 
+def test_device_id_guard_reads_bad_ids_as_row_0_and_names_the_feature():
+    """The sharded collections' check of GPU batches never on the host (batch_check.DeviceIdGuard), run here on
+    CPU tensors: ids outside their table (and negative ones) are read as row 0 before routing (row-wise routing
+    would send them to another shard's rows, or past its tables), counted per feature on the device, and a later
+    call raises naming the feature, its table and the lookup; an empty batch goes through."""
+    from lightning_rec.batch_check import DeviceIdGuard
+
+    guard = DeviceIdGuard(torch.tensor([10, 20]), ["users", "items"], ["user", "item"],
+                          "sharded EmbeddingBagCollection", torch.device("cpu"), copy_every=4)
+
+    def kjt(user_ids, item_ids):
+        return KeyedJaggedTensor(["user", "item"], torch.tensor(user_ids + item_ids),
+                                 lengths=torch.tensor([1] * len(user_ids) + [1] * len(item_ids)), _validate=False)
+
+    assert guard(kjt([1, 2], [3, 4])).values().tolist() == [1, 2, 3, 4]  # lookup 1
+    assert guard(kjt([1, -1], [25, 19])).values().tolist() == [1, 0, 0, 19]  # lookup 2: a bad id in each
+    empty = KeyedJaggedTensor(["user", "item"], torch.empty(0, dtype=torch.int64),
+                              lengths=torch.empty(0, dtype=torch.int64), _validate=False)
+    assert guard(empty).values().numel() == 0  # lookup 3
+    guard(kjt([1, 2], [3, 4]))  # lookup 4: the block is read back
+    said = (r"GPU batch had ids outside their tables \(feature 'user': 1 id\(s\) outside table 'users' \(valid "
+            r"ids 0\.\.9\); feature 'item': 1 id\(s\) outside table 'items' \(valid ids 0\.\.19\)\) of sharded "
+            r"EmbeddingBagCollection: the batch of lookup 2 .*\(its latest: 4\)")
+    with pytest.raises(ValueError, match=said):
+        guard(kjt([1, 2], [3, 4]))
+    for _ in range(6):  # reported once (lookups 5-10)
+        guard(kjt([1, 2], [3, 4]))
+    guard(kjt([1, 2], [3, 20]))  # lookup 11
+    guard(kjt([1, 2], [3, 4]))  # lookup 12
+    with pytest.raises(ValueError, match=r"\(feature 'item': 1 id\(s\) outside table 'items' \(valid ids 0\.\.19\)\)"
+                                         r" of sharded EmbeddingBagCollection: the batch of lookup 11"):
+        guard(kjt([1, 2], [3, 4]))
+
+
 # On a GPU (`pytest -m gpu`; skipped elsewhere) ---------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
@@ -692,3 +726,47 @@ def test_cuda_evaluation_lookups_do_not_advance_adams_step(optimizer):
     assert int(FusedOptimizer(gpu).state_dict()["state"]["t0.step"]) == 4
     for name, w in cpu.state_dict().items():
         torch.testing.assert_close(gpu.state_dict()[name].cpu(), w, atol=1e-5, rtol=1e-4)
+
+
+def _device_guard_worker(rank, W):
+    """Row-wise and table-wise plans, one GPU: a batch built on the GPU with an id past its table and a negative
+    one trains as if they were 0, and a later call raises naming the feature."""
+    from test_model_parallel import KEYS, ROWS_F, PooledModel, _plan
+    from test_model_parallel import _tables as mp_tables
+
+    from lightning_rec.batch_check import DeviceIdGuard
+    from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan
+    from lightning_rec.types import ShardingPlan
+
+    device = torch.device("cuda", rank)
+    said = []
+    for kind in ["row_wise", "table_wise"]:
+        torch.manual_seed(0)
+        model = PooledModel(EmbeddingBagCollection(mp_tables("sum"), device=device,
+                                                   optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, W), local_size=W,
+                                                                   world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=60)
+        lengths = torch.ones(len(KEYS) * 2, dtype=torch.int64, device=device)
+        bad = KeyedJaggedTensor(KEYS, torch.tensor([1, 2, 3, ROWS_F[1], 4, 5, -1, 2], device=device),
+                                lengths=lengths)  # built on the GPU: no host copy to check
+        zero = KeyedJaggedTensor(KEYS, torch.tensor([1, 2, 3, 0, 4, 5, 0, 2], device=device), lengths=lengths)
+        with torch.no_grad():
+            torch.testing.assert_close(dmp(bad), dmp(zero))  # lookups 1 and 2
+            for _ in range(DeviceIdGuard.copy_every - 2):
+                dmp(zero)
+        torch.cuda.synchronize()
+        with pytest.raises(Exception, match=r"feature 'f1': 1 id\(s\) outside table 't0'.*; feature 'f3': 1 id\(s\)"
+                                            r".*lookup 1 ") as caught:
+            dmp(zero)
+        said.append(str(caught.value))
+    return said
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_sharded_collections_read_bad_ids_of_gpu_built_batches_as_row_0_and_name_them():
+    from dist_utils import run_ranks
+
+    said = run_ranks(_device_guard_worker, 1, timeout=300, backend="nccl")[0]
+    assert len(said) == 2, said
