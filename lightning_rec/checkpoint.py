@@ -1240,6 +1240,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     os.chmod(out / "model.safetensors", 0o666 & ~mask)
     # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
     hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
+    if hparams.get("embedding_device") == "meta":
+        hparams["embedding_device"] = "cpu"  # an export is one unsharded module: its tables are the file's values
     class_path = _module_class(meta)
     if class_path is None:
         warnings.warn(f"{checkpoint} does not say which LightningModule wrote it (saved by plain Lightning from "

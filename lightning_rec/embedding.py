@@ -426,6 +426,10 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Features reordered into the kernels' order (a no-op when they already are), ids checked."""
+        if self._device.type == "meta":
+            raise ValueError(f"this {type(self).__name__} was built on device='meta': its tables hold no values "
+                             f"until DistributedModelParallel(model) or Trainer(strategy='rec') shards them (each "
+                             f"shard drawn where it lives); build it on 'cpu' or 'cuda' to use it unsharded")
         if not self._warned_replicas and self._optimizer is not None and self.training and torch.is_grad_enabled():
             self._warn_if_replicated()
         return self._router(features, self.validate_ids)
@@ -445,6 +449,12 @@ class _EmbeddingCollectionBase(nn.Module):
     # device moves: rebuild the kernels where they now live -----------------------------------
 
     def _apply(self, fn, recurse: bool = True):
+        if self._device.type == "meta":
+            # Built on "meta" (TorchRec's way to build tables larger than one device): no values to move. They
+            # stay there until DistributedModelParallel (Trainer(strategy="rec")) draws each shard where it lives;
+            # Lightning moves the module to its device before the strategy shards it (that move failed with
+            # "Cannot copy out of meta tensor"). A forward before sharding says so (_route).
+            return self
         # .to(...) / .cuda() / a parent's, all through here: without CUDA, one line instead of torch's
         # AssertionError from inside the copy ("Torch not compiled with CUDA enabled")
         try:

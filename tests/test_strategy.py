@@ -393,3 +393,38 @@ def test_gradient_accumulation_says_the_fused_tables_update_every_batch(tmp_path
                         default_root_dir=tmp_path)
     with pytest.warns(UserWarning, match="accumulate_grad_batches=2 accumulates the dense layers' gradients only"):
         trainer.fit(DLRMModule(**SMALL), data)
+
+
+def test_tables_built_on_meta_are_drawn_where_the_strategy_shards_them(tmp_path):
+    """DLRMModule(embedding_device="meta"): no table values until Trainer(strategy="rec") shards them (Lightning's
+    move to the device before sharding failed with "Cannot copy out of meta tensor", reported as a missing CUDA).
+    It trains (loss falls), its checkpoint exports to a CPU module with the trained logits, and without
+    strategy="rec" (or used unsharded) it says what gives the tables their values."""
+    from lightning_rec import checkpoint as ckpt
+
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, default_root_dir=tmp_path)
+    data = SyntheticCriteoDataModule(num_train_samples=2048, num_val_samples=512, batch_size=128,
+                                     num_embeddings_per_feature=64)
+    with pytest.raises(ValueError, match=r"built on device='meta' \(embedding_device='meta'\).*strategy='rec'"):
+        L.Trainer(max_steps=1, **kw).fit(DLRMModule(**SMALL, embedding_device="meta"), data)
+    with pytest.raises(ValueError, match="use 'cpu'.*or 'meta'"):
+        DLRMModule(**SMALL, embedding_device="cuda:3")
+    unsharded = DLRMModule(**SMALL, embedding_device="meta")
+    data.setup("fit")
+    batch = next(iter(data.val_dataloader()))
+    with pytest.raises(ValueError, match=r"built on device='meta': its tables hold no values until"):
+        unsharded(batch.dense_features, batch.sparse_features)
+
+    L.seed_everything(0)
+    module = DLRMModule(**SMALL, embedding_device="meta")
+    trainer = L.Trainer(strategy="rec", max_epochs=2, **kw)
+    first = trainer.validate(module, data, verbose=False)[0]["val_loss"]
+    trainer.fit(module, data)
+    after = trainer.validate(module, data, verbose=False)[0]["val_loss"]
+    assert after < first, (first, after)
+    trainer.save_checkpoint(tmp_path / "meta.ckpt")
+    cpu = ckpt.load_exported(ckpt.export(tmp_path / "meta.ckpt", tmp_path / "export"))
+    with torch.no_grad():
+        torch.testing.assert_close(cpu(batch.dense_features, batch.sparse_features),
+                                   module(batch.dense_features, batch.sparse_features))

@@ -54,6 +54,9 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
+        embedding_device: "cpu": the tables are drawn here, then moved or sharded (26 tables x 1M rows x 128: 13 GB
+            of host memory first); "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
+            on the device where it lives (TorchRec's way: tables larger than one machine's memory).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         dense_weight_decay: float = 0.0,
         embedding_kernel: str = "auto",
         warmup_steps: int = 0,
+        embedding_device: str = "cpu",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -96,7 +100,10 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         except ValueError as e:  # name the DLRMModule arguments the user set, not the config's fields
             raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
                              f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
-        ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel)
+        if embedding_device not in ("cpu", "meta"):
+            raise ValueError(f"DLRMModule(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
+                             f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
+        ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
         dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)

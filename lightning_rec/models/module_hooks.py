@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
+
 # export (lightning_rec/checkpoint.py) reads it to rebuild the module from a checkpoint of any strategy
 MODULE_CLASS_KEY = "lightning_rec_module_class"
 
@@ -27,6 +29,13 @@ class RecModuleHooks:
                 f"the data_type of their configs: use precision='bf16-mixed' (--trainer.precision=bf16-mixed: the "
                 f"dense layers compute in bfloat16 under autocast), and DataType.FP16 in the table configs "
                 f"for half-size tables")
+        on_meta = [name for name, m in self.named_modules()
+                   if isinstance(m, _EmbeddingCollectionBase) and getattr(m, "_device", None) == torch.device("meta")]
+        if on_meta and not isinstance(trainer.strategy, RecStrategy):
+            raise ValueError(
+                f"{type(self).__name__}'s tables ({on_meta[0]}) were built on device='meta' (embedding_device='meta'): "
+                f"they get their values when Trainer(strategy='rec') shards them (--trainer.strategy=rec); with "
+                f"{type(trainer.strategy).__name__}, build them on the CPU (embedding_device='cpu')")
         if stage != "fit":
             return
 
