@@ -455,7 +455,7 @@ def test_cuda_planner_chooses_uvm_when_hbm_is_short_and_it_matches_hbm():
     assert kernels["big"].startswith("fused_uvm")
 
 
-def _trainer_gpu_worker(rank, W, tmp, accelerator="gpu"):
+def _trainer_gpu_worker(rank, W, tmp, accelerator="gpu", embedding_device="cpu"):
     import lightning.pytorch as L
 
     from lightning_rec import DLRMModule
@@ -464,7 +464,7 @@ def _trainer_gpu_worker(rank, W, tmp, accelerator="gpu"):
 
     small = dict(num_embeddings_per_feature=100, embedding_dim=6, dense_arch_layer_sizes=[16, 6],
                  over_arch_layer_sizes=[16, 1], sparse_lr=0.05, dense_lr=0.02,
-                 sparse_feature_names=[f"C{i}" for i in range(1, 5)])
+                 sparse_feature_names=[f"C{i}" for i in range(1, 5)], embedding_device=embedding_device)
     L.seed_everything(0)
     data = SyntheticCriteoDataModule(num_train_samples=4096, num_val_samples=1024, num_test_samples=1024,
                                      batch_size=128, num_sparse_features=4, num_embeddings_per_feature=100,
@@ -489,10 +489,12 @@ def _trainer_gpu_worker(rank, W, tmp, accelerator="gpu"):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_trainer_fit_validate_test_and_checkpoint_to_cpu(tmp_path):
+@pytest.mark.parametrize("embedding_device", ["cpu", "meta"])  # meta: each shard drawn on the GPU
+def test_cuda_trainer_fit_validate_test_and_checkpoint_to_cpu(tmp_path, embedding_device):
     from dist_utils import run_ranks
 
-    val, test, diff = run_ranks(_trainer_gpu_worker, 1, str(tmp_path), timeout=300, backend="nccl")[0]
+    val, test, diff = run_ranks(_trainer_gpu_worker, 1, str(tmp_path), timeout=300, backend="nccl",
+                                embedding_device=embedding_device)[0]
     assert val["val_auc"] > 0.6 and test["test_auc"] > 0.6, (val, test)  # the planted signal is learnt
     assert diff < 1e-4, diff  # GPU logits vs the exported CPU module's (TF32 off by default in torch)
 
