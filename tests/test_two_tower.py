@@ -436,3 +436,23 @@ def test_top_k_table_lists_only_unseen_items(tmp_path):
     L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
     items = [row[2] for row in logger.tables[0] if row[0] == 0]
     assert len(items) == 10 and min(items) >= 20, items  # user 0 has >= 10 unseen items among 20..39
+
+
+def test_tables_built_on_meta_train_sharded_and_export_to_cpu(tmp_path):
+    """TwoTowerModule(embedding_device="meta"): the towers' tables get values when Trainer(strategy="rec") shards
+    them; it trains, ranks, and its checkpoint exports to a CPU module with the same item embeddings."""
+    from lightning_rec import checkpoint as ckpt
+
+    with pytest.raises(ValueError, match="use 'cpu'.*or 'meta'"):
+        TwoTowerModule(**SMALL, embedding_device="cuda")
+    dm = _tiny_data(tmp_path)
+    L.seed_everything(0)
+    module = TwoTowerModule(**SMALL, ks=[5], embedding_device="meta")
+    trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=1, max_epochs=3, logger=False,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path, **QUIET)
+    trainer.fit(module, dm)
+    assert 0 <= float(trainer.callback_metrics["val_ndcg@5"]) <= 1
+    trainer.save_checkpoint(tmp_path / "meta.ckpt")
+    cpu = ckpt.load_exported(ckpt.export(tmp_path / "meta.ckpt", tmp_path / "out"))
+    assert cpu.hparams.embedding_device == "cpu"
+    torch.testing.assert_close(cpu.embed_catalog(dm), module.embed_catalog(dm))

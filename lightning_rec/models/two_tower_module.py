@@ -64,6 +64,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             "pos" (1) or "error" (raise). ml-100k's official test splits leave about half the users without one.
         eval_item_chunk: items embedded per item-tower call at evaluation.
         predict_top_k: items per user that `predict` writes (None: max(ks)).
+        embedding_device: "cpu" (tables drawn here, then moved or sharded) or "meta" (no values until
+            Trainer(strategy="rec") shards them, each shard drawn where it lives), as DLRMModule's.
 
     Predict (`lightning-rec predict`, `trainer.predict`): every user of the data module's predict split (MovieLens:
     the test split's users, every user) gets its top predict_top_k items among those it has not seen (in training
@@ -97,6 +99,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         eval_item_chunk: int = 8192,
         predict_top_k: int | None = None,
         empty_target_action: str = "skip",
+        embedding_device: str = "cpu",
     ) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
@@ -111,6 +114,10 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                              f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if embedding_device not in ("cpu", "meta"):
+            raise ValueError(f"TwoTowerModule(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, "
+                             f"then moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each "
+                             f"shard)")
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
                              f"or None for max(ks)")
@@ -140,7 +147,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                                      embedding_dim=hp.embedding_dim, feature_names=[feature])
                   for feature, rows in sizes.items()]
         fused = FusedOptimizerConfig(hp.sparse_optimizer, lr=hp.sparse_lr, weight_decay=hp.sparse_weight_decay)
-        return EmbeddingBagCollection(tables, optimizer=fused, kernel=hp.embedding_kernel)
+        return EmbeddingBagCollection(tables, optimizer=fused, kernel=hp.embedding_kernel,
+                                      device=hp.get("embedding_device", "cpu"))
 
     def _build(self, user_sizes: dict[str, int], item_sizes: dict[str, int]) -> None:
         hp = self.hparams
