@@ -77,13 +77,16 @@ def make_batches(args, device: torch.device):
     return keys, out
 
 
-def build_module(args, keys):
+def build_module(args, keys, embedding_device: str = "cpu"):
+    """embedding_device="meta" where the module is sharded (Trainer, pipeline): each shard drawn on the GPU, no
+    13 GB host copy to initialise first; the plain loop moves an unsharded module, built on the host."""
     from lightning_rec.models.dlrm_module import DLRMModule
 
     torch.manual_seed(0)
     return DLRMModule(num_embeddings_per_feature=args.rows, embedding_dim=DENSE_ARCH[-1], sparse_feature_names=keys,
                       dense_in_features=DENSE_IN, dense_arch_layer_sizes=DENSE_ARCH, over_arch_layer_sizes=OVER_ARCH,
-                      sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, dense_optimizer="adagrad", dense_lr=0.01)
+                      sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, dense_optimizer="adagrad", dense_lr=0.01,
+                      embedding_device=embedding_device)
 
 
 def run_loop(args, mode: str, device: torch.device, keys, batches) -> tuple[float, float]:
@@ -149,7 +152,7 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
             return args.steps + warmup
 
     # one module for every round: a later Trainer finds its tables sharded as the first left them (on the device)
-    module = args._trainer_module = getattr(args, "_trainer_module", None) or build_module(args, keys)
+    module = args._trainer_module = getattr(args, "_trainer_module", None) or build_module(args, keys, "meta")
     timer = Timer()
     set_mode(mode)
     trainer = pl.Trainer(strategy="rec", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
@@ -187,7 +190,7 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
         host = [b.pin_memory() for b in host]
     steps, warmup = args.steps, 3
     loader = DataLoader([host[i % len(host)] for i in range(steps + warmup)], batch_size=None)
-    module = build_module(args, keys)
+    module = build_module(args, keys, "meta")
     module.configure_model()
     dmp = DistributedModelParallel(TrainStep(module.model), device=device)
     opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
