@@ -120,7 +120,7 @@ def run_loop(args, mode: str, device: torch.device, keys, batches) -> tuple[floa
     sync(device)
     elapsed = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    if args.profile and device.type == "cuda" and not getattr(args, "_profiled", set()) >= {mode}:
+    if args.profile and not getattr(args, "_profiled", set()) >= {mode}:
         from gpu_profile import print_profile  # this folder
 
         args._profiled = getattr(args, "_profiled", set()) | {mode}
@@ -133,32 +133,47 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
     import lightning.pytorch as pl
 
     warmup = 3
+    # --profile: 5 more steps under torch.profiler, after the timed ones (once a mode)
+    profiled = 5 if args.profile and mode not in getattr(args, "_trainer_profiled", set()) else 0
+    total = warmup + args.steps + profiled
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == warmup:
                 sync(device)
                 self.t0 = time.perf_counter()
+            elif batch_idx == warmup + args.steps:
+                self._stop()
 
         def on_train_end(self, trainer, pl_module):
+            if not hasattr(self, "elapsed"):
+                self._stop()
+
+        def _stop(self):
             sync(device)
             self.elapsed = time.perf_counter() - self.t0
 
     class Loader:
         def __iter__(self):
-            return (batches[i % len(batches)] for i in range(args.steps + warmup))
+            return (batches[i % len(batches)] for i in range(total))
 
         def __len__(self):
-            return args.steps + warmup
+            return total
 
     # one module for every round: a later Trainer finds its tables sharded as the first left them (on the device)
     module = args._trainer_module = getattr(args, "_trainer_module", None) or build_module(args, keys, "meta")
     timer = Timer()
+    callbacks = [timer]
+    if profiled:
+        from gpu_profile import trainer_step_profile  # this folder
+
+        args._trainer_profiled = getattr(args, "_trainer_profiled", set()) | {mode}
+        callbacks.append(trainer_step_profile(mode, warmup + args.steps, profiled))
     set_mode(mode)
     trainer = pl.Trainer(strategy="rec", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                         max_steps=args.steps + warmup, precision="bf16-mixed" if mode == "bf16" else "32-true",
+                         max_steps=total, precision="bf16-mixed" if mode == "bf16" else "32-true",
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=Loader())
     return args.batch * args.steps / timer.elapsed
 

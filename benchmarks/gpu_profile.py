@@ -40,10 +40,14 @@ def print_profile(label: str, step: Callable[[int], None], steps: int = 5, top: 
         for i in range(steps):
             step(i)
         _sync()
-    events = prof.key_averages()
+    _print_events(label, prof.key_averages(), steps, host_s, wall_s, top)
+
+
+def _print_events(label: str, events, steps: int, host_s: float | None, wall_s: float | None, top: int = 18) -> None:
     gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) for e in events)
-    print(f"--- profile {label}: {steps} steps; unprofiled: host {host_s / steps * 1e3:.2f} ms/step, wall "
-          f"{wall_s / steps * 1e3:.2f} ms/step; profiled GPU kernel time {gpu_us / steps / 1e3:.2f} ms/step")
+    timing = (f"unprofiled: host {host_s / steps * 1e3:.2f} ms/step, wall {wall_s / steps * 1e3:.2f} ms/step; "
+              if host_s is not None else "")
+    print(f"--- profile {label}: {steps} steps; {timing}profiled GPU kernel time {gpu_us / steps / 1e3:.2f} ms/step")
     for e in events:
         if e.key in SYNC_EVENTS:
             print(f"    {e.key:<28}{e.count / steps:>6.1f} per step  {e.cpu_time_total / steps:>9.0f} us host per step")
@@ -52,6 +56,31 @@ def print_profile(label: str, step: Callable[[int], None], steps: int = 5, top: 
     for e in rows:
         dev = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
         print(f"    {e.key[:52]:<52}{e.count / steps:>10.1f}{e.self_cpu_time_total / steps:>18.0f}{dev / steps:>12.0f}")
+
+
+def trainer_step_profile(label: str, start: int, steps: int = 5):
+    """A Lightning callback: torch.profiler over batches start..start+steps-1 of a Trainer run, printed as
+    print_profile's table, so that the Trainer's step can be set beside the hand loop's (syncs, host ops)."""
+    import lightning.pytorch as pl
+    from torch.profiler import ProfilerActivity, profile
+
+    class StepProfile(pl.Callback):
+        prof = None
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == start:
+                _sync()
+                cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+                self.prof = profile(activities=[ProfilerActivity.CPU, *cuda])
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == start + steps - 1 and self.prof is not None:
+                _sync()
+                self.prof.__exit__(None, None, None)
+                _print_events(f"trainer {label}", self.prof.key_averages(), steps, None, None)
+
+    return StepProfile()
 
 
 def print_python_profile(label: str, step: Callable[[int], None], steps: int, top: int = 22) -> None:
