@@ -299,7 +299,7 @@ class DeviceIdGuard:
         row = self._ring.row()
         row.zero_().index_add_(0, feature_N, bad_N.long())
         found = self._ring.advance()
-        guarded = KeyedJaggedTensor(features.keys(), torch.where(bad_N, torch.zeros_like(values_N), values_N),
+        guarded = KeyedJaggedTensor(features.keys(), values_N.masked_fill(bad_N, 0),
                                     features.weights_or_none(), lengths=features.lengths(),
                                     offsets=features.offsets_or_none(), stride=features.stride(),
                                     length_per_key=features._length_per_key, _validate=False)
