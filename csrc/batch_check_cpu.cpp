@@ -18,6 +18,8 @@
 //        5 weight at `position` of `feature` is NaN or infinite (count) | 6 offsets length is not F * B + 1
 #include <torch/extension.h>
 
+#include "check_message.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -77,9 +79,9 @@ int64_t feature_of(const offset_t* offsets, int64_t n_off, int64_t B, int64_t p)
 
 at::Tensor check_batch_cpu(const at::Tensor& rows_F, const at::Tensor& indices, const at::Tensor& offsets,
                            const c10::optional<at::Tensor>& weights) {
-  TORCH_CHECK(rows_F.device().is_cpu() && indices.device().is_cpu() && offsets.device().is_cpu(),
+  LR_CHECK(rows_F.device().is_cpu() && indices.device().is_cpu() && offsets.device().is_cpu(),
               "lightning_rec::check_batch runs on CPU tensors");
-  TORCH_CHECK(rows_F.scalar_type() == at::kLong && rows_F.dim() == 1, "lightning_rec::check_batch: rows_F must be int64 [F]");
+  LR_CHECK(rows_F.scalar_type() == at::kLong && rows_F.dim() == 1, "lightning_rec::check_batch: rows_F must be int64 [F]");
   const at::Tensor rows = rows_F.contiguous();
   const at::Tensor ids = indices.contiguous();
   const at::Tensor offs = offsets.contiguous();

@@ -17,6 +17,8 @@
 // once by the parse; nothing is allocated per row.
 #include <torch/extension.h>
 
+#include "check_message.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
 
@@ -252,20 +254,20 @@ void parallel_ranges(int64_t n, int64_t threads, const std::function<void(int64_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     const at::Tensor& buf, int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
     at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense) {
-  TORCH_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
+  LR_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
               "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
-  TORCH_CHECK(separator >= 0 && separator < 128 && separator != '\n' && separator != '\r',
+  LR_CHECK(separator >= 0 && separator < 128 && separator != '\n' && separator != '\r',
               "parse_criteo: separator must be an ASCII byte other than a line end, got ", separator);
-  TORCH_CHECK(dense_fields.size() == kDense && sparse_fields.size() == kSparse,
+  LR_CHECK(dense_fields.size() == kDense && sparse_fields.size() == kSparse,
               "parse_criteo: need 13 dense and 26 sparse field indices, got ", dense_fields.size(), " and ",
               sparse_fields.size());
-  TORCH_CHECK(num_fields >= 1 && num_fields < (1 << 22), "parse_criteo: num_fields out of range: ", num_fields);
-  TORCH_CHECK(hash_mode >= 0 && hash_mode <= 2, "parse_criteo: hash_mode must be 0, 1 or 2, got ", hash_mode);
+  LR_CHECK(num_fields >= 1 && num_fields < (1 << 22), "parse_criteo: num_fields out of range: ", num_fields);
+  LR_CHECK(hash_mode >= 0 && hash_mode <= 2, "parse_criteo: hash_mode must be 0, 1 or 2, got ", hash_mode);
   if (hash_mode != 0) {
-    TORCH_CHECK(num_embeddings.size() == kSparse, "parse_criteo: num_embeddings needs 26 sizes, got ",
+    LR_CHECK(num_embeddings.size() == kSparse, "parse_criteo: num_embeddings needs 26 sizes, got ",
                 num_embeddings.size());
     for (int64_t n : num_embeddings) {
-      TORCH_CHECK(n >= 2 && n <= (int64_t{1} << 32), "parse_criteo: every num_embeddings must be in [2, 2^32], got ", n);
+      LR_CHECK(n >= 2 && n <= (int64_t{1} << 32), "parse_criteo: every num_embeddings must be in [2, 2^32], got ", n);
     }
   }
   Layout L;
@@ -273,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
   L.num_fields = static_cast<int>(num_fields);
   L.role.assign(num_fields, -1);
   auto set_role = [&](int64_t field, int role) {
-    TORCH_CHECK(field >= 0 && field < num_fields && L.role[field] == -1,
+    LR_CHECK(field >= 0 && field < num_fields && L.role[field] == -1,
                 "parse_criteo: field index ", field, " out of range or used twice (num_fields=", num_fields, ")");
     L.role[field] = role;
   };
@@ -292,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
   const at::Tensor b = buf.contiguous();
   const uint8_t* data = b.data_ptr<uint8_t>();
   const int64_t size = b.numel();
-  TORCH_CHECK(size == 0 || data[size - 1] == '\n', "parse_criteo: buf must end with a newline (whole lines only)");
+  LR_CHECK(size == 0 || data[size - 1] == '\n', "parse_criteo: buf must end with a newline (whole lines only)");
 
   // Line ranges, each starting right after a newline, many more than threads. Their lines are counted
   // first (memchr, ~5% of the parse), so every range knows where its rows go.

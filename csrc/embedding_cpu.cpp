@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "check_message.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -58,9 +60,9 @@ struct Layout {
 };
 
 void check_meta(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "lightning_rec: ", name, " must be on CPU");
-  TORCH_CHECK(t.scalar_type() == at::kLong, "lightning_rec: ", name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "lightning_rec: ", name, " must be 1-D and contiguous");
+  LR_CHECK(t.device().is_cpu(), "lightning_rec: ", name, " must be on CPU");
+  LR_CHECK(t.scalar_type() == at::kLong, "lightning_rec: ", name, " must be int64, got ", t.scalar_type());
+  LR_CHECK(t.dim() == 1 && t.is_contiguous(), "lightning_rec: ", name, " must be 1-D and contiguous");
 }
 
 // Validates the batch (dtypes, offsets, ids) and fills a Layout. Every check happens here, before
@@ -82,12 +84,12 @@ Layout make_layout(
   check_meta(D_offsets, "D_offsets");
   check_meta(indices, "indices");
   check_meta(offsets, "offsets");
-  TORCH_CHECK_VALUE(pooling_mode == 0 || pooling_mode == 1, "lightning_rec: pooling_mode must be 0 (sum) or 1 (mean)");
+  LR_CHECK_VALUE(pooling_mode == 0 || pooling_mode == 1, "lightning_rec: pooling_mode must be 0 (sum) or 1 (mean)");
   Layout L{};
   L.T = table_dims.numel();
   L.F = feature_table.numel();
-  TORCH_CHECK(weights_offsets.numel() == L.T && row_offsets.numel() == L.T + 1, "lightning_rec: table metadata sizes disagree");
-  TORCH_CHECK(D_offsets.numel() == L.F + 1 && L.F > 0, "lightning_rec: feature metadata sizes disagree");
+  LR_CHECK(weights_offsets.numel() == L.T && row_offsets.numel() == L.T + 1, "lightning_rec: table metadata sizes disagree");
+  LR_CHECK(D_offsets.numel() == L.F + 1 && L.F > 0, "lightning_rec: feature metadata sizes disagree");
   L.weights_offsets = weights_offsets.data_ptr<int64_t>();
   L.row_offsets = row_offsets.data_ptr<int64_t>();
   L.table_dims = table_dims.data_ptr<int64_t>();
@@ -101,17 +103,17 @@ Layout make_layout(
   for (int64_t t = 0; t < L.T; ++t) L.max_D = std::max(L.max_D, L.table_dims[t]);
   L.mean = pooling_mode == 1;
   for (int64_t f = 0; f < L.F; ++f) {
-    TORCH_CHECK(L.feature_table[f] >= 0 && L.feature_table[f] < L.T, "lightning_rec: feature_table[", f, "] out of range");
-    TORCH_CHECK(L.D_offsets[f + 1] - L.D_offsets[f] == L.table_dims[L.feature_table[f]], "lightning_rec: D_offsets disagree with table_dims");
+    LR_CHECK(L.feature_table[f] >= 0 && L.feature_table[f] < L.T, "lightning_rec: feature_table[", f, "] out of range");
+    LR_CHECK(L.D_offsets[f + 1] - L.D_offsets[f] == L.table_dims[L.feature_table[f]], "lightning_rec: D_offsets disagree with table_dims");
   }
-  TORCH_CHECK(L.row_offsets[L.T] < (int64_t(1) << 31) && L.N < (int64_t(1) << 31),
+  LR_CHECK(L.row_offsets[L.T] < (int64_t(1) << 31) && L.N < (int64_t(1) << 31),
               "lightning_rec: more than 2^31 rows or ids in one TBE");
 
   const int64_t n_off = offsets.numel();
-  TORCH_CHECK_VALUE(n_off >= 1 && (n_off - 1) % L.F == 0, "lightning_rec: offsets has ", n_off,
+  LR_CHECK_VALUE(n_off >= 1 && (n_off - 1) % L.F == 0, "lightning_rec: offsets has ", n_off,
                     " entries; expected F * B + 1 with F = ", L.F, " features");
   L.B = (n_off - 1) / L.F;
-  TORCH_CHECK_VALUE(L.offsets[0] == 0 && L.offsets[n_off - 1] == L.N, "lightning_rec: offsets must start at 0 and end at the number of ids (",
+  LR_CHECK_VALUE(L.offsets[0] == 0 && L.offsets[n_off - 1] == L.N, "lightning_rec: offsets must start at 0 and end at the number of ids (",
                     L.N, "), got ", L.offsets[0], " and ", L.offsets[n_off - 1]);
   std::atomic<int64_t> bad_bag{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, n_off - 1, 4096, [&](int64_t begin, int64_t end) {
@@ -125,16 +127,16 @@ Layout make_layout(
   });
   if (bad_bag.load() != std::numeric_limits<int64_t>::max()) {
     const int64_t j = bad_bag.load();
-    TORCH_CHECK_VALUE(false, "lightning_rec: offsets must be non-decreasing, but offsets[", j + 1, "] = ", L.offsets[j + 1],
+    LR_CHECK_VALUE(false, "lightning_rec: offsets must be non-decreasing, but offsets[", j + 1, "] = ", L.offsets[j + 1],
                       " < offsets[", j, "] = ", L.offsets[j], " (feature #", j / std::max<int64_t>(L.B, 1), ")");
   }
 
   L.per_sample_weights = nullptr;
   if (per_sample_weights.has_value()) {
     const auto& w = *per_sample_weights;
-    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous(),
+    LR_CHECK_VALUE(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous(),
                       "lightning_rec: per_sample_weights must be a contiguous 1-D float32 tensor");
-    TORCH_CHECK_VALUE(w.numel() == L.N, "lightning_rec: per_sample_weights has ", w.numel(), " entries but there are ", L.N, " ids");
+    LR_CHECK_VALUE(w.numel() == L.N, "lightning_rec: per_sample_weights has ", w.numel(), " entries but there are ", L.N, " ids");
     L.per_sample_weights = w.data_ptr<float>();
   }
 
@@ -162,7 +164,7 @@ Layout make_layout(
     const int64_t bag = std::upper_bound(L.offsets, L.offsets + n_off, p) - L.offsets - 1;
     const int64_t f = bag / L.B;
     const int64_t t = L.feature_table[f];
-    TORCH_CHECK_VALUE(false, "lightning_rec: id ", L.indices[p], " at position ", p, " (feature #", f, ", sample ", bag % L.B,
+    LR_CHECK_VALUE(false, "lightning_rec: id ", L.indices[p], " at position ", p, " (feature #", f, ", sample ", bag % L.B,
                       ") is out of range for table #", t, " with ", L.row_offsets[t + 1] - L.row_offsets[t], " rows");
   }
   return L;
@@ -526,14 +528,14 @@ void backward_update_kernel(scalar_t* W, float* M1, float* M2, const Layout& L, 
 }
 
 void check_weights(const at::Tensor& weights, const Layout& L) {
-  TORCH_CHECK(weights.device().is_cpu() && weights.dim() == 1 && weights.is_contiguous(),
+  LR_CHECK(weights.device().is_cpu() && weights.dim() == 1 && weights.is_contiguous(),
               "lightning_rec: weights must be a contiguous 1-D CPU tensor");
-  TORCH_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kHalf,
+  LR_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kHalf,
               "lightning_rec: weights must be float32 or float16, got ", weights.scalar_type());
   int64_t need = 0;
   for (int64_t t = 0; t < L.T; ++t)
     need = std::max(need, L.weights_offsets[t] + (L.row_offsets[t + 1] - L.row_offsets[t]) * L.table_dims[t]);
-  TORCH_CHECK(weights.numel() >= need, "lightning_rec: weights has ", weights.numel(), " elements, layout needs ", need);
+  LR_CHECK(weights.numel() >= need, "lightning_rec: weights has ", weights.numel(), " elements, layout needs ", need);
 }
 
 // The forward output ([B, total_D] floats, 13.6 MB for 26 features x D 64 x B 2048) comes from a
@@ -595,7 +597,7 @@ at::Tensor tbe_forward_cpu(
   const Layout L = make_layout(weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets,
                                per_sample_weights, pooling_mode);
   check_weights(weights, L);
-  TORCH_CHECK(total_D == L.total_D, "lightning_rec: total_D = ", total_D, " but D_offsets ends at ", L.total_D);
+  LR_CHECK(total_D == L.total_D, "lightning_rec: total_D = ", total_D, " but D_offsets ends at ", L.total_D);
   at::Tensor out = pooled_output(L.B, L.total_D);
   if (weights.scalar_type() == at::kFloat) {
     forward_kernel<float>(weights.data_ptr<float>(), L, out.data_ptr<float>());
@@ -631,8 +633,8 @@ void tbe_backward_update_cpu(
                                per_sample_weights, pooling_mode);
   check_weights(weights, L);
   LR_TICK("layout");
-  TORCH_CHECK_VALUE(optimizer >= kSGD && optimizer <= kPartialRowwiseAdam, "lightning_rec: unknown optimizer id ", optimizer);
-  TORCH_CHECK(grad_output.dim() == 2 && grad_output.size(0) == L.B && grad_output.size(1) == L.total_D,
+  LR_CHECK_VALUE(optimizer >= kSGD && optimizer <= kPartialRowwiseAdam, "lightning_rec: unknown optimizer id ", optimizer);
+  LR_CHECK(grad_output.dim() == 2 && grad_output.size(0) == L.B && grad_output.size(1) == L.total_D,
               "lightning_rec: grad_output must be [B, total_D] = [", L.B, ", ", L.total_D, "], got ", grad_output.sizes());
   // The gradient is read through its strides: a broadcast one (the gradient of out.sum()) or a
   // slice of a wider one is not copied.
@@ -641,9 +643,9 @@ void tbe_backward_update_cpu(
   LR_TICK("grad");
   const int64_t total_rows = L.row_offsets[L.T];
   auto state = [&](const at::Tensor& m, const char* name, bool rowwise) -> float* {
-    TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.device().is_cpu(),
+    LR_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.device().is_cpu(),
                 "lightning_rec: ", name, " must be a contiguous float32 CPU tensor");
-    TORCH_CHECK(m.numel() >= (rowwise ? total_rows : weights.numel()), "lightning_rec: ", name, " is too small for the optimizer");
+    LR_CHECK(m.numel() >= (rowwise ? total_rows : weights.numel()), "lightning_rec: ", name, " is too small for the optimizer");
     return m.data_ptr<float>();
   };
   float* M1 = nullptr;
@@ -656,7 +658,7 @@ void tbe_backward_update_cpu(
   OptimArgs a{optimizer, static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(beta1),
               static_cast<float>(beta2), static_cast<float>(weight_decay), 1.0f, 1.0f};
   if (optimizer == kAdam || optimizer == kPartialRowwiseAdam) {
-    TORCH_CHECK(step.scalar_type() == at::kLong && step.numel() == 1, "lightning_rec: step must be a one-element int64 tensor");
+    LR_CHECK(step.scalar_type() == at::kLong && step.numel() == 1, "lightning_rec: step must be a one-element int64 tensor");
     int64_t* s = step.data_ptr<int64_t>();
     *s += 1;  // the update of this batch is step s (1-based), as in torch.optim.Adam
     a.bias_correction1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(*s)));

@@ -11,6 +11,8 @@
 // dead peer is reported at once instead of after the timeout.
 #include <torch/extension.h>
 
+#include "check_message.h"
+
 #include <sched.h>
 #include <time.h>
 
@@ -50,7 +52,7 @@ int64_t shm_barrier(at::TensorList arrive, int64_t rank, int64_t k, at::IntArray
   const int64_t W = static_cast<int64_t>(arrive.size());
   std::vector<int64_t*> counters(W);
   for (int64_t p = 0; p < W; ++p) {
-    TORCH_CHECK(arrive[p].scalar_type() == at::kLong && arrive[p].numel() >= 1, "shm_barrier: int64 counters");
+    LR_CHECK(arrive[p].scalar_type() == at::kLong && arrive[p].numel() >= 1, "shm_barrier: int64 counters");
     counters[p] = arrive[p].data_ptr<int64_t>();
   }
   __atomic_store_n(counters[rank], k, __ATOMIC_RELEASE);

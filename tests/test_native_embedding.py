@@ -7,6 +7,9 @@ which amplifies ulp-level differences in the gradient sum: atol 1e-5 after 10 st
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -488,6 +491,35 @@ def test_bad_offsets(offsets, match):
     with pytest.raises(ValueError, match=match):
         tbe(torch.arange(6), torch.tensor(offsets))
     assert torch.equal(tbe.weights, w0)
+
+
+@pytest.mark.parametrize(
+    "indices,offsets,match",
+    [
+        ([0, 1, 2, 3, 4, 13], [0, 1, 2, 3, 4, 5, 6], r"id 13 at position 5 \(feature #2, sample 1\) is out of range "
+                                                      r"for table #0 with 13 rows \(features: user, item, user_hist\)"),
+        ([0, 1, 2, 3, 4, 5], [0, 2, 1, 3, 4, 5, 6], r"offsets\[2\] = 1 < offsets\[1\] = 2 \(feature #0\)"),
+        ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 5], r"end at the number of ids \(6\), got 0 and 5"),
+    ],
+)
+def test_the_kernels_own_checks_format_their_values(indices, offsets, match):
+    """The C++ kernel's checks (inputs that skip the Python pass: _checked=True) raise with their values. Built with
+    lightning_rec::message, not c10::str's ostringstream, which segfaulted on the lent H200 (csrc/check_message.h)."""
+    tbe, w0, _ = bad_input_tbe()
+    with pytest.raises(ValueError, match=match):
+        tbe(torch.tensor(indices), torch.tensor(offsets), _checked=True).sum().backward()
+    assert torch.equal(tbe.weights, w0)
+
+
+def test_csrc_checks_go_through_check_message():
+    """Every C++ check builds its message with csrc/check_message.h (see there): a TORCH_CHECK with formatted values
+    crashed the GPU machine instead of raising."""
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    for path in sorted(csrc.glob("*.c*")):
+        text = path.read_text()
+        assert not re.search(r"\bTORCH_CHECK\w*\(", text), f"{path.name}: use LR_CHECK / LR_CHECK_VALUE"
+        if "LR_CHECK" in text:
+            assert '#include "check_message.h"' in text, path.name
 
 
 def test_bad_per_sample_weights_and_dtypes():

@@ -1,0 +1,45 @@
+// LR_CHECK / LR_CHECK_VALUE: TORCH_CHECK / TORCH_CHECK_VALUE whose message is built without std::ostringstream.
+//
+// Why: on the lent H200 (torch 2.11.0+cu130, this extension built there with GCC 13.3) every TORCH_CHECK whose
+// message formats a value segfaulted, while a check with one literal message threw cleanly (.ci/criteo_op_probe.py:
+// all six formatted refusals of parse_criteo crashed, the literal one raised). TORCH_CHECK formats its arguments
+// through c10::str, i.e. a std::ostringstream instantiated in this library; with one std::string argument c10::str
+// returns it untouched. So the message is assembled here from std::to_string and std::string alone, and only when
+// the check fails (the macro evaluates its message in the failing branch).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <type_traits>
+
+namespace lightning_rec {
+
+inline void append(std::string& s, const char* piece) { s += piece; }
+inline void append(std::string& s, const std::string& piece) { s += piece; }
+inline void append(std::string& s, char piece) { s += piece; }
+inline void append(std::string& s, at::ScalarType type) { s += c10::toString(type); }
+inline void append(std::string& s, at::IntArrayRef sizes) {
+  s += '[';
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  s += ']';
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, char>, int> = 0>
+inline void append(std::string& s, T value) {
+  s += std::to_string(value);
+}
+
+template <typename... Pieces>
+std::string message(const Pieces&... pieces) {
+  std::string s;
+  (append(s, pieces), ...);
+  return s;
+}
+
+}  // namespace lightning_rec
+
+#define LR_CHECK(cond, ...) TORCH_CHECK(cond, ::lightning_rec::message(__VA_ARGS__))
+#define LR_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::lightning_rec::message(__VA_ARGS__))
