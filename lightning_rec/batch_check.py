@@ -21,8 +21,11 @@ Where the check runs, and what it costs:
   stream, so the check is lazy: fbgemm's own bounds check (BoundsCheckMode.WARNING) keeps the kernel
   safe (a bad id reads row 0) and counts bad ids on the device, each lookup into its own slot of a
   device ring; every DeviceBoundsCheck.copy_every (32) lookups the ring's block travels to pinned host
-  memory without waiting, and a later call raises once it has arrived, naming the tables, the
-  features that read them and the lookup that had them. That batch has trained (as row 0); build
+  memory without waiting, and a later call raises once it has arrived, naming the lookup that had
+  them and the tables of the kernel that counted them (fbgemm counts a kernel's tables together).
+  That call's own batch is then checked on the host (a sync on the error path only) and, when it
+  has bad ids too (a data pipeline's usually recur), the message names its feature, table and id.
+  The bad batch has trained (as row 0), and fbgemm rewrote its bad ids to 0 in place; build
   batches on the host for the strict check.
 
 `validate_ids=False` on a collection turns the id and weight checks off (the kernels' own memory
@@ -247,9 +250,25 @@ class DeviceBoundsCheck:
         for tbe, view in zip(self._tbes, self._slots[self._ring.block][self._ring.j]):
             tbe._buffers["bounds_check_warning"] = view  # fbgemm reads the attribute at each call
 
-    def before_lookup(self) -> None:
-        """Raise for an earlier lookup whose count has arrived with bad ids (never waits)."""
-        self._raise(self._ring.drain())
+    def before_lookup(self, now: KeyedJaggedTensor | None = None, rows_F: Tensor | None = None,
+                      tables_F: Sequence[str] | None = None) -> None:
+        """Raise for an earlier lookup whose count has arrived with bad ids (never waits).
+
+        now, rows_F, tables_F: the batch about to be looked up and its features' table sizes and names (its own key
+        order). Only when raising, it is checked on the host (one sync, on the error path alone): fbgemm counts a
+        kernel's tables together, so this names the feature, table and id when the data still has the problem."""
+        found = self._ring.drain()
+        if found is not None and now is not None and rows_F is not None and tables_F is not None:
+            self._raise(found, self._check_now(now, rows_F, tables_F))
+        self._raise(found)
+
+    def _check_now(self, now: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str]) -> str:
+        host = now.to("cpu")
+        problem = find_problem(rows_F, host.values(), host.offsets(), host.weights_or_none())
+        if problem[0] == OK:
+            return " The batch of this call is fine (not looked up)."
+        said = describe(problem, now.keys(), tables_F, rows_F.tolist(), host.weights_or_none(), self.owner)
+        return f" The batch of this call has the problem too (not looked up): {said}"
 
     def after_lookup(self) -> None:
         """A device batch went through the kernels: the next lookup gets the next slot; a full block is copied."""
@@ -257,15 +276,18 @@ class DeviceBoundsCheck:
         self._point()
         self._raise(found)
 
-    def _raise(self, found: tuple[int, Tensor] | None) -> None:
+    def _raise(self, found: tuple[int, Tensor] | None, now: str = "") -> None:
         if found is None:
             return
         lookup, counts_K = found
         k = int(counts_K.nonzero()[0, 0])
         tables = self._tables_K[k]
         read_by = [f for f, t in zip(self.feature_names, self.tables_F) if t in tables]
-        raise ValueError(_device_message(int(counts_K[k]), f"table(s) {', '.join(repr(t) for t in tables)}",
-                                         read_by, lookup, self._ring.lookups, self.owner))
+        where = f"table(s) {', '.join(repr(t) for t in tables)}"
+        if len(tables) > 1:  # fbgemm's count is per kernel: which of its tables is not known
+            where = f"one or more of the {len(tables)} {where} (one fbgemm kernel, one count)"
+        raise ValueError(_device_message(int(counts_K[k]), where, read_by, lookup, self._ring.lookups, self.owner)
+                         + now)
 
 
 class DeviceIdGuard:

@@ -206,7 +206,7 @@ class FeatureRouter:
                              f"build the KJT with weights=..., or set is_weighted=False")
         if validate_ids:
             if features.device.type != "cpu" and self.device_check is not None:
-                self.device_check.before_lookup()  # raises for an earlier device batch with bad ids
+                self.device_check.before_lookup(features, rows_in, tables_in)  # raises for an earlier bad batch
             check_features(features, rows_in, tables_in, self.owner)
         if order is not None:
             if order_t.device != features.device:

@@ -246,6 +246,50 @@ def test_device_bounds_check_reports_every_bad_lookup_from_its_block(monkeypatch
         step(3, before=False)  # lookup 64 ends a block that reuses 45-48's slot
 
 
+def test_device_bounds_check_of_a_kernel_with_several_tables_names_the_feature_from_the_batch_of_the_call(monkeypatch):
+    """fbgemm counts the bad ids of a kernel's tables together (a collection puts every table of one dim and
+    optimizer in one kernel), so the count alone says "one or more of these tables". When it is read back, the
+    batch of that call is checked on the host (a sync on the error path only): a data pipeline's bad ids recur, and
+    then the error names the feature, table and id exactly, and that batch is not looked up."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    from lightning_rec.batch_check import DeviceBoundsCheck
+
+    monkeypatch.setattr(DeviceBoundsCheck, "copy_every", 2)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU),
+                                                 (20, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                                bounds_check_mode=BoundsCheckMode.WARNING, device="cpu")
+    rows_F, tables_F = torch.tensor([10, 20]), ["users", "items"]
+    check = DeviceBoundsCheck(rows_F, tables_F, "EmbeddingBagCollection", [(tbe, tables_F)], ["user", "item"])
+
+    def batch(item_id: int) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(["user", "item"], torch.tensor([1, item_id]), lengths=torch.tensor([1, 1]))
+
+    def step(kjt: KeyedJaggedTensor) -> None:
+        check.before_lookup(kjt, rows_F, tables_F)
+        tbe(kjt.values(), kjt.offsets())
+        check.after_lookup()
+
+    step(batch(25))  # lookup 1: counted, read as row 0
+    step(batch(3))  # lookup 2 ends the block
+    kernel = (r"1 id\(s\) outside their table in one or more of the 2 table\(s\) 'users', 'items' \(one fbgemm "
+              r"kernel, one count\) of EmbeddingBagCollection, read by feature\(s\) 'user', 'item': the batch of "
+              r"lookup 1 ")
+    with pytest.raises(ValueError, match=kernel + r".*The batch of this call is fine \(not looked up\)\.$"):
+        step(batch(3))
+    step(batch(21))  # lookup 3
+    step(batch(3))  # lookup 4 ends the block
+    before = tbe.split_embedding_weights()[1].clone()
+    with pytest.raises(ValueError, match=r"lookup 3 .*The batch of this call has the problem too \(not looked up\): "
+                                         r"feature 'item' has id 30 outside table 'items' \(valid ids 0..19\)"):
+        step(batch(30))
+    assert torch.equal(tbe.split_embedding_weights()[1], before)
+
+
 def test_device_id_guard_reads_bad_ids_as_row_0_and_names_the_feature():
     """The sharded collections' check of GPU batches never on the host (batch_check.DeviceIdGuard), run here on
     CPU tensors: ids outside their table (and negative ones) are read as row 0 before routing (row-wise routing
@@ -325,18 +369,28 @@ def test_cuda_bad_ids_from_the_host_are_refused_before_any_update():
 def test_cuda_bad_ids_built_on_the_device_are_reported_on_a_later_call():
     gpu = EmbeddingBagCollection(_tables([8, 8]), optimizer=FusedOptimizerConfig("sgd"), device="cuda")
     lengths = torch.ones(4, dtype=torch.int64, device="cuda")
-    bad = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 99], device="cuda"), lengths=lengths)
     good = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4], device="cuda"), lengths=lengths)
     from lightning_rec.batch_check import DeviceBoundsCheck
 
-    gpu(bad).values().sum().backward()  # lookup 1, no sync: fbgemm reads row 0 and counts the bad id
+    def bad() -> KeyedJaggedTensor:  # a new one each time: fbgemm rewrites a looked-up batch's bad ids to 0 in place
+        return KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 99], device="cuda"), lengths=lengths)
+
+    gpu(bad()).values().sum().backward()  # lookup 1, no sync: fbgemm reads row 0 and counts the bad id
     for _ in range(DeviceBoundsCheck.copy_every - 1):  # the rest of its block: read back after the block's last
         gpu(good)
     torch.cuda.synchronize()
-    named = (r"1 id\(s\) outside their table in table\(s\) 't1' of EmbeddingBagCollection, read by feature\(s\) "
-             r"'f1': the batch of lookup 1 of this EmbeddingBagCollection")
-    with pytest.raises(ValueError, match=named + ".*never on the host"):
+    # both tables have dim 8: one fbgemm kernel, whose count covers both; the batch of the raising call is checked
+    named = (r"1 id\(s\) outside their table in one or more of the 2 table\(s\) 't0', 't1' \(one fbgemm kernel, "
+             r"one count\) of EmbeddingBagCollection, read by feature\(s\) 'f0', 'f1': the batch of lookup 1 of this "
+             r"EmbeddingBagCollection")
+    with pytest.raises(ValueError, match=named + ".*never on the host.*The batch of this call is fine"):
         gpu(good)
+    gpu(bad())  # a later bad batch: named exactly by the call that reads its block back, if that batch is bad too
+    for _ in range(DeviceBoundsCheck.copy_every - 1):
+        gpu(good)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"lookup 33 .*has the problem too .*'f1' has id 99 outside table 't1'"):
+        gpu(bad())
     for _ in range(2 * DeviceBoundsCheck.copy_every):  # reported once; good batches go on
         gpu(good)
 
