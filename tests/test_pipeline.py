@@ -235,10 +235,13 @@ def test_in_step_order_launches_both_threads_collectives_in_one_order_on_every_r
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
-def test_pipelined_matches_plain_nccl():
-    """One rank per visible GPU: side-stream copies from pinned memory, input_dist on its own stream."""
+@pytest.mark.parametrize("feeder_collectives", ["auto", "in_step_order"])
+def test_pipelined_matches_plain_nccl(feeder_collectives):
+    """One rank per visible GPU: side-stream copies from pinned memory, input_dist on its own stream. "auto" is
+    "concurrent" on one GPU and "in_step_order" on several: both orders run on one GPU too."""
     W = torch.cuda.device_count()
-    assert run_ranks(_parity_worker, W, "table_wise", 50, "cuda", timeout=600, backend="nccl") == [50] * W
+    assert run_ranks(_parity_worker, W, "table_wise", 50, "cuda", feeder_collectives, timeout=600,
+                     backend="nccl") == [50] * W
 
 
 def test_find_kjts_paths():

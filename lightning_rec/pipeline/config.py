@@ -19,7 +19,8 @@ class PipelineConfig:
     memory: every group is independent). "in_step_order": only while the step's thread waits for that
     batch, so every rank launches the two threads' collectives in one order, which NCCL asks of several
     communicators; reading, copying and checking stay ahead, and on GPU the id payload still runs
-    asynchronously beside the compute. "auto": in_step_order on NCCL, concurrent otherwise.
+    asynchronously beside the compute. "auto": in_step_order on NCCL with more than one rank, concurrent
+    otherwise (one GPU included: no other rank's order to match).
     """
 
     depth: int = 1
