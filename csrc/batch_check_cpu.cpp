@@ -82,6 +82,16 @@ at::Tensor check_batch_cpu(const at::Tensor& rows_F, const at::Tensor& indices, 
   LR_CHECK(rows_F.device().is_cpu() && indices.device().is_cpu() && offsets.device().is_cpu(),
               "lightning_rec::check_batch runs on CPU tensors");
   LR_CHECK(rows_F.scalar_type() == at::kLong && rows_F.dim() == 1, "lightning_rec::check_batch: rows_F must be int64 [F]");
+  // checked here, not left to AT_DISPATCH's own error: its message is formatted by c10::str (check_message.h)
+  auto is_index = [](at::ScalarType t) { return t == at::kInt || t == at::kLong; };
+  LR_CHECK(is_index(indices.scalar_type()) && is_index(offsets.scalar_type()),
+           "lightning_rec::check_batch: indices and offsets must be int32 or int64, got ", indices.scalar_type(),
+           " and ", offsets.scalar_type());
+  if (weights.has_value()) {
+    const at::ScalarType t = weights->scalar_type();
+    LR_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+             "lightning_rec::check_batch: weights must be floating point, got ", t);
+  }
   const at::Tensor rows = rows_F.contiguous();
   const at::Tensor ids = indices.contiguous();
   const at::Tensor offs = offsets.contiguous();

@@ -419,6 +419,16 @@ def test_check_op_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_check_op_refuses_dtypes_it_cannot_read_with_its_own_message():
+    """Not AT_DISPATCH's error (formatted by c10::str, which crashed the lent H200: csrc/check_message.h)."""
+    rows, ids, offsets = torch.tensor([5, 9]), torch.tensor([1, 2, 8]), torch.tensor([0, 1, 2, 3, 3])
+    with pytest.raises(RuntimeError, match="indices and offsets must be int32 or int64, got Float and Long"):
+        torch.ops.lightning_rec.check_batch(rows, ids.float(), offsets, None)
+    with pytest.raises(RuntimeError, match="weights must be floating point, got Long"):
+        torch.ops.lightning_rec.check_batch(rows, ids, offsets, torch.ones(3, dtype=torch.int64))
+    assert torch.ops.lightning_rec.check_batch(rows, ids.int(), offsets.int(), torch.ones(3).double())[0] == 0
+
+
 def test_planner_never_replicates_tables_whose_fused_optimizer_replicas_lack():
     """Fused Adam on one rank: the planner used to pick data_parallel, which DistributedModelParallel then refused."""
     from lightning_rec.planner import EmbeddingShardingPlanner, Topology
