@@ -175,9 +175,16 @@ class _CountRing:
                        torch.cuda.Event() if cuda else _Arrived()) for _ in range(self.SLOTS)]
         self.block, self.j, self.lookups = 0, 0, 0
         self._pending: list[tuple[int, int]] = []  # (block, number of its first lookup), oldest first
+        # CUDA streams that wrote rows of the block being filled (row()): a pipeline routes its first batch on the
+        # step's stream and the later ones on its feeder's, and the block's copy must follow every write
+        self._cuda = cuda
+        self._writers: dict[int, torch.cuda.Stream] = {}
 
     def row(self) -> Tensor:
-        """This lookup's row of counts (a view: write into it)."""
+        """This lookup's row of counts (a view: write into it, on the current stream)."""
+        if self._cuda:
+            stream = torch.cuda.current_stream(self.counts.device)
+            self._writers.setdefault(stream.stream_id, stream)
         return self.counts[self.block, self.j]
 
     def drain(self) -> tuple[int, Tensor] | None:
@@ -205,6 +212,12 @@ class _CountRing:
                 self._host[block][1].synchronize()
                 found = self.drain()
             host, event = self._host[block]
+            if self._writers:
+                copying = torch.cuda.current_stream(self.counts.device)
+                for stream in self._writers.values():
+                    if stream.stream_id != copying.stream_id:
+                        copying.wait_stream(stream)  # a row written on another stream: copied after it
+                self._writers = {}
             host.copy_(self.counts[block], non_blocking=True)
             event.record()
             self._pending.append((block, self.lookups - self.every + 1))

@@ -397,6 +397,32 @@ def test_cuda_bad_ids_built_on_the_device_are_reported_on_a_later_call():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_device_id_guard_copies_a_block_after_rows_written_on_another_stream():
+    """A pipeline routes its first batch on the step's stream and later ones on its feeder's: the block's copy to
+    the host waits for every stream that wrote one of its rows (here the bad row on a side stream, busy first)."""
+    from lightning_rec.batch_check import DeviceIdGuard
+
+    guard = DeviceIdGuard(torch.tensor([10, 20]), ["users", "items"], ["user", "item"],
+                          "sharded EmbeddingBagCollection", torch.device("cuda"), copy_every=4)
+
+    def kjt(item_id):
+        return KeyedJaggedTensor(["user", "item"], torch.tensor([1, item_id], device="cuda"),
+                                 lengths=torch.tensor([1, 1], device="cuda"), _validate=False)
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy: a copy that did not wait would read a zero
+        bad = kjt(25)
+        guard(bad)  # lookup 1, its row written on the side stream
+    for _ in range(3):  # lookups 2-4 on the default stream; the block is copied after lookup 4
+        guard(kjt(3))
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"feature 'item': 1 id\(s\) outside table 'items'.* lookup 1 "):
+        guard(kjt(3))
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_checkpoint_loads_on_cpu_and_back():
     gpu = EmbeddingBagCollection(_tables([8, 6]), optimizer=FusedOptimizerConfig("rowwise_adagrad"), device="cuda")
     _train(gpu, [random_kjt(["f0", "f1"], [40, 40], B=4, seed=1).to("cuda")])
