@@ -409,11 +409,12 @@ def test_cuda_device_id_guard_copies_a_block_after_rows_written_on_another_strea
         return KeyedJaggedTensor(["user", "item"], torch.tensor([1, item_id], device="cuda"),
                                  lengths=torch.tensor([1, 1], device="cuda"), _validate=False)
 
+    bad = kjt(25)  # built first: a copy from pageable host memory would wait for the stream it runs on
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # keeps the side stream busy: a copy that did not wait would read a zero
-        bad = kjt(25)
-        guard(bad)  # lookup 1, its row written on the side stream
+        guard(bad)  # lookup 1, its row written on the side stream (nothing here waits for it on the host)
     for _ in range(3):  # lookups 2-4 on the default stream; the block is copied after lookup 4
         guard(kjt(3))
     torch.cuda.synchronize()
