@@ -271,9 +271,8 @@ class DeviceBoundsCheck:
         order). Only when raising, it is checked on the host (one sync, on the error path alone): fbgemm counts a
         kernel's tables together, so this names the feature, table and id when the data still has the problem."""
         found = self._ring.drain()
-        if found is not None and now is not None and rows_F is not None and tables_F is not None:
-            self._raise(found, self._check_now(now, rows_F, tables_F))
-        self._raise(found)
+        if found is not None:
+            self._raise(found, self._check_now(now, rows_F, tables_F) if now is not None else "")
 
     def _check_now(self, now: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str]) -> str:
         host = now.to("cpu")

@@ -100,9 +100,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         except ValueError as e:  # name the DLRMModule arguments the user set, not the config's fields
             raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
                              f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
-        if embedding_device not in ("cpu", "meta"):
-            raise ValueError(f"DLRMModule(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
-                             f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
+        self.check_embedding_device("DLRMModule", embedding_device)
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
         dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
         if interaction == "dcn":

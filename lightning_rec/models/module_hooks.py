@@ -55,6 +55,13 @@ class RecModuleHooks:
                 f"rank would update its own copy and the tables would drift apart. Use Trainer(strategy='rec') "
                 f"(--trainer.strategy=rec), which shards them")
 
+    @staticmethod
+    def check_embedding_device(owner: str, embedding_device: str) -> None:
+        """The modules' `embedding_device` argument: 'cpu' or 'meta', else a ValueError naming both."""
+        if embedding_device not in ("cpu", "meta"):
+            raise ValueError(f"{owner}(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
+                             f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
+
     def log_train_loss(self, loss, batch_size: int) -> None:
         """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync.
 

@@ -114,10 +114,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                              f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        if embedding_device not in ("cpu", "meta"):
-            raise ValueError(f"TwoTowerModule(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, "
-                             f"then moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each "
-                             f"shard)")
+        self.check_embedding_device("TwoTowerModule", embedding_device)
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
                              f"or None for max(ks)")
