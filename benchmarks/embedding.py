@@ -350,6 +350,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=48,
                         help="--device cuda: alternating pairs of blocks (each --steps steps of each variant)")
     args = parser.parse_args()
+    if args.blocks < 1:
+        parser.error(f"--blocks must be at least 1 (pairs of timed blocks), got {args.blocks}")
     if args.device == "cuda":
         global BATCH
         BATCH = args.batch
