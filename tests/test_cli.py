@@ -1,6 +1,7 @@
 """The recipe CLI, run for real: the default synthetic job and the Criteo recipe on real samples."""
 
 import logging
+from pathlib import Path
 
 import pytest
 from conftest import needs_wandb
@@ -105,7 +106,7 @@ def test_unknown_model_argument_is_refused(tmp_path, capsys):
 def test_a_misspelt_option_names_the_one_meant(tmp_path, capsys, wrong, meant):
     if wrong == "config":  # the same misspelling as a key of the recipe file
         recipe = tmp_path / "recipe.yaml"
-        recipe.write_text(open("recipes/configs/dlrm_synthetic.yaml").read().replace("max_epochs:", "max_epocs:"))
+        recipe.write_text(Path("recipes/configs/dlrm_synthetic.yaml").read_text().replace("max_epochs:", "max_epocs:"))
         wrong = ["--config", str(recipe)]
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", *wrong])
@@ -193,7 +194,7 @@ def test_recipe_logger_leaves_wandb_mode_to_the_user(recipe, monkeypatch, capsys
     import yaml
     from lightning.pytorch.loggers import WandbLogger
 
-    logger = yaml.safe_load(open(f"recipes/configs/{recipe}.yaml"))["trainer"]["logger"]
+    logger = yaml.safe_load(Path(f"recipes/configs/{recipe}.yaml").read_text())["trainer"]["logger"]
     assert logger["class_path"].endswith("WandbLogger")
     # WandbLogger(offline=True) sets WANDB_MODE=dryrun when its run starts, over the user's WANDB_MODE=online
     # (a run cannot start here: no network); the CLI's default is WANDB_MODE=offline when the user sets none
@@ -240,8 +241,6 @@ def test_an_added_model_checkpoint_is_the_ask_for_checkpoints(tmp_path):
 def test_a_recipes_wandb_logs_go_under_the_runs_root_dir(tmp_path):
     # the recipes named a save_dir of their own: --trainer.default_root_dir moved checkpoints and predictions but
     # left W&B's files (and Lightning's checkpoints under a logger) in ./runs/<recipe>
-    from pathlib import Path
-
     if not Path("../shared/data/movielens/ml-100k").is_dir():
         pytest.skip("needs ../shared/data/movielens/ml-100k")
     cli = run_cli(["validate", "--config", "recipes/configs/matrix_factorization_movielens.yaml",
