@@ -80,7 +80,7 @@ int64_t feature_of(const offset_t* offsets, int64_t n_off, int64_t B, int64_t p)
 at::Tensor check_batch_cpu(const at::Tensor& rows_F, const at::Tensor& indices, const at::Tensor& offsets,
                            const c10::optional<at::Tensor>& weights) {
   LR_CHECK(rows_F.device().is_cpu() && indices.device().is_cpu() && offsets.device().is_cpu(),
-              "lightning_rec::check_batch runs on CPU tensors");
+           "lightning_rec::check_batch runs on CPU tensors");
   LR_CHECK(rows_F.scalar_type() == at::kLong && rows_F.dim() == 1, "lightning_rec::check_batch: rows_F must be int64 [F]");
   // checked here, not left to AT_DISPATCH's own error: its message is formatted by c10::str (check_message.h)
   auto is_index = [](at::ScalarType t) { return t == at::kInt || t == at::kLong; };

@@ -255,17 +255,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     const at::Tensor& buf, int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
     at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense) {
   LR_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
-              "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
+           "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
   LR_CHECK(separator >= 0 && separator < 128 && separator != '\n' && separator != '\r',
-              "parse_criteo: separator must be an ASCII byte other than a line end, got ", separator);
+           "parse_criteo: separator must be an ASCII byte other than a line end, got ", separator);
   LR_CHECK(dense_fields.size() == kDense && sparse_fields.size() == kSparse,
-              "parse_criteo: need 13 dense and 26 sparse field indices, got ", dense_fields.size(), " and ",
-              sparse_fields.size());
+           "parse_criteo: need 13 dense and 26 sparse field indices, got ", dense_fields.size(), " and ",
+           sparse_fields.size());
   LR_CHECK(num_fields >= 1 && num_fields < (1 << 22), "parse_criteo: num_fields out of range: ", num_fields);
   LR_CHECK(hash_mode >= 0 && hash_mode <= 2, "parse_criteo: hash_mode must be 0, 1 or 2, got ", hash_mode);
   if (hash_mode != 0) {
     LR_CHECK(num_embeddings.size() == kSparse, "parse_criteo: num_embeddings needs 26 sizes, got ",
-                num_embeddings.size());
+             num_embeddings.size());
     for (int64_t n : num_embeddings) {
       LR_CHECK(n >= 2 && n <= (int64_t{1} << 32), "parse_criteo: every num_embeddings must be in [2, 2^32], got ", n);
     }
@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
   L.role.assign(num_fields, -1);
   auto set_role = [&](int64_t field, int role) {
     LR_CHECK(field >= 0 && field < num_fields && L.role[field] == -1,
-                "parse_criteo: field index ", field, " out of range or used twice (num_fields=", num_fields, ")");
+             "parse_criteo: field index ", field, " out of range or used twice (num_fields=", num_fields, ")");
     L.role[field] = role;
   };
   if (label_field >= 0) set_role(label_field, -2);

@@ -107,14 +107,14 @@ Layout make_layout(
     LR_CHECK(L.D_offsets[f + 1] - L.D_offsets[f] == L.table_dims[L.feature_table[f]], "lightning_rec: D_offsets disagree with table_dims");
   }
   LR_CHECK(L.row_offsets[L.T] < (int64_t(1) << 31) && L.N < (int64_t(1) << 31),
-              "lightning_rec: more than 2^31 rows or ids in one TBE");
+           "lightning_rec: more than 2^31 rows or ids in one TBE");
 
   const int64_t n_off = offsets.numel();
   LR_CHECK_VALUE(n_off >= 1 && (n_off - 1) % L.F == 0, "lightning_rec: offsets has ", n_off,
-                    " entries; expected F * B + 1 with F = ", L.F, " features");
+                 " entries; expected F * B + 1 with F = ", L.F, " features");
   L.B = (n_off - 1) / L.F;
   LR_CHECK_VALUE(L.offsets[0] == 0 && L.offsets[n_off - 1] == L.N, "lightning_rec: offsets must start at 0 and end at the number of ids (",
-                    L.N, "), got ", L.offsets[0], " and ", L.offsets[n_off - 1]);
+                 L.N, "), got ", L.offsets[0], " and ", L.offsets[n_off - 1]);
   std::atomic<int64_t> bad_bag{std::numeric_limits<int64_t>::max()};
   at::parallel_for(0, n_off - 1, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
@@ -128,14 +128,14 @@ Layout make_layout(
   if (bad_bag.load() != std::numeric_limits<int64_t>::max()) {
     const int64_t j = bad_bag.load();
     LR_CHECK_VALUE(false, "lightning_rec: offsets must be non-decreasing, but offsets[", j + 1, "] = ", L.offsets[j + 1],
-                      " < offsets[", j, "] = ", L.offsets[j], " (feature #", j / std::max<int64_t>(L.B, 1), ")");
+                   " < offsets[", j, "] = ", L.offsets[j], " (feature #", j / std::max<int64_t>(L.B, 1), ")");
   }
 
   L.per_sample_weights = nullptr;
   if (per_sample_weights.has_value()) {
     const auto& w = *per_sample_weights;
     LR_CHECK_VALUE(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous(),
-                      "lightning_rec: per_sample_weights must be a contiguous 1-D float32 tensor");
+                   "lightning_rec: per_sample_weights must be a contiguous 1-D float32 tensor");
     LR_CHECK_VALUE(w.numel() == L.N, "lightning_rec: per_sample_weights has ", w.numel(), " entries but there are ", L.N, " ids");
     L.per_sample_weights = w.data_ptr<float>();
   }
@@ -165,7 +165,7 @@ Layout make_layout(
     const int64_t f = bag / L.B;
     const int64_t t = L.feature_table[f];
     LR_CHECK_VALUE(false, "lightning_rec: id ", L.indices[p], " at position ", p, " (feature #", f, ", sample ", bag % L.B,
-                      ") is out of range for table #", t, " with ", L.row_offsets[t + 1] - L.row_offsets[t], " rows");
+                   ") is out of range for table #", t, " with ", L.row_offsets[t + 1] - L.row_offsets[t], " rows");
   }
   return L;
 }
@@ -529,9 +529,9 @@ void backward_update_kernel(scalar_t* W, float* M1, float* M2, const Layout& L, 
 
 void check_weights(const at::Tensor& weights, const Layout& L) {
   LR_CHECK(weights.device().is_cpu() && weights.dim() == 1 && weights.is_contiguous(),
-              "lightning_rec: weights must be a contiguous 1-D CPU tensor");
+           "lightning_rec: weights must be a contiguous 1-D CPU tensor");
   LR_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kHalf,
-              "lightning_rec: weights must be float32 or float16, got ", weights.scalar_type());
+           "lightning_rec: weights must be float32 or float16, got ", weights.scalar_type());
   int64_t need = 0;
   for (int64_t t = 0; t < L.T; ++t)
     need = std::max(need, L.weights_offsets[t] + (L.row_offsets[t + 1] - L.row_offsets[t]) * L.table_dims[t]);
@@ -635,7 +635,7 @@ void tbe_backward_update_cpu(
   LR_TICK("layout");
   LR_CHECK_VALUE(optimizer >= kSGD && optimizer <= kPartialRowwiseAdam, "lightning_rec: unknown optimizer id ", optimizer);
   LR_CHECK(grad_output.dim() == 2 && grad_output.size(0) == L.B && grad_output.size(1) == L.total_D,
-              "lightning_rec: grad_output must be [B, total_D] = [", L.B, ", ", L.total_D, "], got ", grad_output.sizes());
+           "lightning_rec: grad_output must be [B, total_D] = [", L.B, ", ", L.total_D, "], got ", grad_output.sizes());
   // The gradient is read through its strides: a broadcast one (the gradient of out.sum()) or a
   // slice of a wider one is not copied.
   const at::Tensor grad = grad_output.to(at::kFloat);
@@ -644,7 +644,7 @@ void tbe_backward_update_cpu(
   const int64_t total_rows = L.row_offsets[L.T];
   auto state = [&](const at::Tensor& m, const char* name, bool rowwise) -> float* {
     LR_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.device().is_cpu(),
-                "lightning_rec: ", name, " must be a contiguous float32 CPU tensor");
+             "lightning_rec: ", name, " must be a contiguous float32 CPU tensor");
     LR_CHECK(m.numel() >= (rowwise ? total_rows : weights.numel()), "lightning_rec: ", name, " is too small for the optimizer");
     return m.data_ptr<float>();
   };
