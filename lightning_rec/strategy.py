@@ -262,6 +262,11 @@ class RecStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation
+
+            if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
+                warn_fused_accumulation(self.lightning_module, trainer)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

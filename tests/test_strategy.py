@@ -395,6 +395,44 @@ def test_gradient_accumulation_says_the_fused_tables_update_every_batch(tmp_path
         trainer.fit(DLRMModule(**SMALL), data)
 
 
+class _OwnModule(L.LightningModule):
+    """A user's LightningModule (not one of the library's): a fused collection and a dense layer."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=64, embedding_dim=4,
+                                                              feature_names=["C1"])],
+                                          optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+        self.dense = torch.nn.Linear(13 + 4, 1)
+
+    def training_step(self, batch, batch_idx):
+        pooled = self.ebc(batch.sparse_features).values()
+        logits = self.dense(torch.cat([batch.dense_features, pooled], 1)).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+
+    def configure_optimizers(self):
+        from lightning_rec.optim import combined_optimizer, dense_parameters
+
+        return combined_optimizer(self, torch.optim.SGD(dense_parameters(self), lr=0.1))
+
+
+def test_gradient_accumulation_warning_reaches_a_users_own_module(tmp_path):
+    """Only the library's modules said it: a LightningModule of one's own, with fused tables, trained under
+    strategy="rec" with accumulate_grad_batches=2 updated its tables every batch without a word."""
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"accumulate_grad_batches=2 accumulates the dense layers' gradients only: "
+                                         r"the fused tables \(ebc\)"):
+        L.Trainer(accumulate_grad_batches=2, **kw).fit(_OwnModule(), data)
+    with pytest.warns(UserWarning) as caught:  # the library's module: said once, not twice
+        L.Trainer(accumulate_grad_batches=2, **kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)
+    assert sum("accumulate_grad_batches" in str(w.message) for w in caught) == 1
+
+
 def test_tables_built_on_meta_are_drawn_where_the_strategy_shards_them(tmp_path):
     """DLRMModule(embedding_device="meta"): no table values until Trainer(strategy="rec") shards them (Lightning's
     move to the device before sharding failed with "Cannot copy out of meta tensor", reported as a missing CUDA).

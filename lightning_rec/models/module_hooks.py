@@ -11,6 +11,28 @@ import torch
 MODULE_CLASS_KEY = "lightning_rec_module_class"
 
 
+def fused_table_modules(module: torch.nn.Module) -> list[str]:
+    """Paths of the embedding collections (unsharded or sharded) inside `module` that train with a fused optimizer."""
+    from lightning_rec.embedding import _EmbeddingCollectionBase
+    from lightning_rec.optim import fused_modules
+
+    unsharded = [name for name, m in module.named_modules()
+                 if isinstance(m, _EmbeddingCollectionBase) and m.fused_optimizer_config() is not None]
+    return unsharded or [name for name, _ in fused_modules(module)]
+
+
+def warn_fused_accumulation(module: torch.nn.Module, trainer: Any) -> None:
+    """accumulate_grad_batches > 1 with fused tables: say that only the dense layers accumulate."""
+    accumulate = trainer.accumulate_grad_batches
+    fused = fused_table_modules(module) if accumulate > 1 else []
+    if fused:
+        warnings.warn(
+            f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
+            f"({fused[0]}) update inside every batch's backward, {accumulate}x as often as the dense layers, each "
+            f"time from that batch's loss divided by {accumulate} (Lightning's scaling for accumulation). To give "
+            f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
+
+
 class RecModuleHooks:
     """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
 
@@ -39,14 +61,8 @@ class RecModuleHooks:
         if stage != "fit":
             return
 
-        fused = [name for name, m in self.named_modules()
-                 if isinstance(m, _EmbeddingCollectionBase) and m.fused_optimizer_config() is not None]
-        if fused and trainer.accumulate_grad_batches > 1:
-            warnings.warn(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} accumulates the dense layers' gradients "
-                f"only: the fused tables ({fused[0]}) update inside every batch's backward, "
-                f"{trainer.accumulate_grad_batches}x as often as the dense layers. To give both one larger batch, "
-                f"raise the data module's batch_size instead", stacklevel=1)
+        fused = fused_table_modules(self)
+        warn_fused_accumulation(self, trainer)
         if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
             # evaluation may replicate the tables (every rank holds the same weights); training may not
             raise ValueError(
