@@ -275,15 +275,34 @@ class RecStrategy(DDPStrategy):
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
             from lightning_rec.pipeline import InputPipeline, wrap_loader
 
+            self._close_replaced_pipelines()
             # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
                                      to_device=self._batch_hooks_for(dataloader))
+            pipeline.loader = dataloader
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
             return wrap_loader(dataloader, pipeline, self._padding_for(dataloader))  # it keeps ranks together too
         if self.world_size > 1 and isinstance(dataloader, DataLoader):
             _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
         return dataloader
+
+    def _close_replaced_pipelines(self) -> None:
+        """Close the pipelines of loaders that no loop holds any more (reload_dataloaders_every_n_epochs, or a
+        loop that requested its loaders again): their channels go back to the pool for the next pipeline, their
+        feeder threads end. Without this every reload kept a process group, a shared-memory group and a waiting
+        thread until the run ended. Collective-safe: the loops hold the same loaders on every rank, and a replaced
+        loader's feeder starts no batch past the ones every rank's may start (InputPipeline.close)."""
+        trainer = self.lightning_module.trainer
+        loops = (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop,
+                 trainer.predict_loop)
+        held = {id(dl) for loop in loops
+                for dl in (getattr(getattr(loop, "_combined_loader", None), "flattened", None) or [])}
+        # a pipeline no pass has used yet may belong to a loader of the loop setting up now (its loaders are
+        # processed one by one, and the loop holds them once all are)
+        for pipeline in [p for p in self._pipelines if id(p.loader) not in held and p.feeder is not None]:
+            pipeline.close()
+            self._pipelines.remove(pipeline)
 
     def _padding_for(self, loader: object):
         """Evaluation: what a rank whose data ran out steps with while others still have batches (the dataset's

@@ -656,3 +656,62 @@ def test_torchrecs_execute_all_batches_argument():
         assert len([pipeline.progress(batches) for _ in range(2)]) == 2
         with pytest.raises(StopIteration):
             pipeline.progress(batches)
+
+
+def _reload_worker(rank, W):
+    import threading
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class Count(L.Callback):
+        def __init__(self):
+            self.feeders, self.pipelines = [], []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.feeders.append(sum(t.name == "lightning_rec-pipeline-feeder" and t.is_alive()
+                                    for t in threading.enumerate()))
+            self.pipelines.append(len(trainer.strategy._pipelines))
+
+        def on_validation_end(self, trainer, pl_module):  # both val loaders ran pipelined
+            loaders = trainer.fit_loop.epoch_loop.val_loop._combined_loader.flattened
+            self.val_pipelined = [not dl._rec_pipeline.closed and dl._rec_pipeline.stats["routed_ahead"] > 0
+                                  for dl in loaders]
+
+    class TwoValLoaders(SyntheticCriteoDataModule):
+        def val_dataloader(self):
+            return [self._loader("val"), self._loader("val")]
+
+    class Module(DLRMModule):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            super().validation_step(batch, batch_idx)
+
+    out = {}
+    for epochs in (2, 6):
+        L.seed_everything(0)
+        data = TwoValLoaders(num_train_samples=512, num_val_samples=128, batch_size=64, num_sparse_features=NUM_F,
+                             num_embeddings_per_feature=64, num_signal_features=2)
+        count = Count()
+        groups = len(c10d._world.pg_map)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=W, max_epochs=epochs,
+                            reload_dataloaders_every_n_epochs=1, limit_train_batches=2, limit_val_batches=2,
+                            num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, callbacks=[count])
+        trainer.fit(Module(**SMALL), data)
+        out[epochs] = dict(groups=len(c10d._world.pg_map) - groups, feeders=count.feeders,
+                           pipelines=count.pipelines, val_pipelined=count.val_pipelined)
+    return out
+
+
+def test_reloaded_dataloaders_reuse_the_pipelines_channels():
+    """reload_dataloaders_every_n_epochs=1: every reloaded loader got a new pipeline, each with a process group
+    (and a shared-memory group) of its own and a feeder thread left waiting, none given back before the run
+    ended: 26 process groups after 12 epochs. Now a replaced loader's pipeline is closed and its channels
+    reused, and the feeder threads alive stay as many."""
+    out = run_ranks(_reload_worker, 1, timeout=180)[0]
+    assert out[6]["groups"] == out[2]["groups"], out  # the same channels, however many epochs
+    # a loop still holds the loader it replaces while the new one is set up: one stale pipeline per loop at most
+    assert len(set(out[6]["feeders"][1:])) == 1 and len(set(out[6]["pipelines"][1:])) == 1, out
+    assert out[6]["val_pipelined"] == [True, True], out

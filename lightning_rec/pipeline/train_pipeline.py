@@ -37,6 +37,7 @@ class InputPipeline:
         self._envs = {id(e): e for e in self.inputs.envs()}
         self.feeder: _Feeder | None = None
         self.closed = False
+        self.loader: Any = None  # RecStrategy: the Lightning dataloader it serves (closed once no loop holds it)
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
