@@ -606,6 +606,10 @@ class KeyedJaggedTensor:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
         moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device,
                                 lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
+        if all(getattr(moved, a) is getattr(self, a) for a in ("_values", "_weights", "_lengths", "_offsets")):
+            # already there: itself, as Tensor.to. The pipeline knows a batch's KJT by identity, so a step that
+            # moves its (already moved) batch again, `batch.to(self.device)`, stays pipelined
+            return self
         if moved.device.type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
             moved._host = self if self.device.type == "cpu" else self._host

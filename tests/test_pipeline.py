@@ -34,13 +34,14 @@ KEYS = [f"C{i}" for i in range(1, NUM_F + 1)]
 class Step(nn.Module):
     """model(batch) -> (loss, logits), as TrainPipelineSparseDist expects; Python around the embeddings."""
 
-    def __init__(self, inside_kjt: bool = False) -> None:
+    def __init__(self, inside_kjt: bool = False, moves_batch: bool = False) -> None:
         super().__init__()
         tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS + 3 * i, embedding_dim=DIM,
                                      feature_names=[k]) for i, k in enumerate(KEYS)]
         ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05))
         self.dlrm = DLRM(ebc, 13, [16, DIM], [16, 1])
         self.inside_kjt = inside_kjt
+        self.moves_batch = moves_batch
         self.fail_at = -1
         self.calls = 0
 
@@ -48,6 +49,8 @@ class Step(nn.Module):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("boom in the user's forward")
+        if self.moves_batch:  # a step that moves its batch itself, as with Lightning's training_step(dataloader_iter)
+            batch = batch.to(batch.dense_features.device)
         kjt = batch.sparse_features
         if self.inside_kjt:  # a KJT the model builds itself: cannot be routed ahead
             kjt = KeyedJaggedTensor(kjt.keys(), kjt.values() % ROWS, lengths=kjt.lengths())
@@ -715,3 +718,23 @@ def test_reloaded_dataloaders_reuse_the_pipelines_channels():
     # a loop still holds the loader it replaces while the new one is set up: one stale pipeline per loop at most
     assert len(set(out[6]["feeders"][1:])) == 1 and len(set(out[6]["pipelines"][1:])) == 1, out
     assert out[6]["val_pipelined"] == [True, True], out
+
+
+def _moved_batch_worker(rank, W):
+    torch.manual_seed(0)
+    dmp = DistributedModelParallel(Step(moves_batch=True), device="cpu", timeout=30)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+    with warnings.catch_warnings(record=True) as caught, TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+        warnings.simplefilter("always")
+        _pipelined_steps(pipeline, iter(_loader(rank, 6)))
+        return pipeline.stats, [str(w.message) for w in caught if "pipeline" in str(w.message)]
+
+
+def test_a_step_that_moves_its_batch_to_the_device_it_is_on_stays_pipelined():
+    """`batch.to(device)` in the step (Lightning's training_step(dataloader_iter) leaves the move to the user) gave
+    a new KeyedJaggedTensor on the device it was already on: the pipeline no longer recognised it, warned that
+    the collection "was called with a KeyedJaggedTensor that is not part of the batch" and routed every batch
+    in the step. KeyedJaggedTensor.to now returns itself when nothing moves, as Tensor.to does."""
+    stats, said = run_ranks(_moved_batch_worker, 1, timeout=120)[0]
+    assert stats == {"routed_ahead": 5, "routed_in_step": 1} and said == []

@@ -94,6 +94,8 @@ def test_empty():
 def test_to_and_pin_keep_metadata():
     kjt = drawn().to("cpu", non_blocking=True)
     assert kjt.length_per_key() == [3, 4]
+    assert kjt.to("cpu") is kjt  # nothing moves: itself, as Tensor.to (the pipeline knows a batch's KJT by identity)
+    assert kjt.to(torch.device("cpu")) is kjt
     if torch.cuda.is_available():
         assert bags(kjt.pin_memory()) == bags(kjt)
 
