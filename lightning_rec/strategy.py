@@ -21,6 +21,7 @@ formats load (a gathered file is memory-mapped: each rank reads only its pieces)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
@@ -287,6 +288,16 @@ class RecStrategy(DDPStrategy):
             _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
         return dataloader
 
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with _empty_batch_logs_weigh_nothing(self.lightning_module, args[0] if args else None):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with _empty_batch_logs_weigh_nothing(self.lightning_module, args[0] if args else None):
+            return super().test_step(*args, **kwargs)
+
     def _close_replaced_pipelines(self) -> None:
         """Close the pipelines of loaders that no loop holds any more (reload_dataloaders_every_n_epochs, or a
         loop that requested its loaders again): their channels go back to the pool for the next pipeline, their
@@ -510,6 +521,36 @@ class RecStrategy(DDPStrategy):
         strategy_registry.register(
             "rec", cls, description="lightning_rec: sharded embedding tables + data-parallel dense layers"
         )
+
+
+@contextlib.contextmanager
+def _empty_batch_logs_weigh_nothing(module: pl.LightningModule, batch: Any):
+    """While the step runs on a batch of 0 rows (a rank whose evaluation share ran out steps with these while the
+    others finish), a non-finite value it logs (the mean loss over no rows is NaN) is logged as 0. Its weight is the
+    batch size, 0, but Lightning's weighted mean multiplies: NaN x 0 made the epoch's value NaN on every rank."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        with warnings.catch_warnings():  # its "ambiguous collection" note is for self.log's callers, said there
+            warnings.simplefilter("ignore")
+            empty = batch is not None and extract_batch_size(batch) == 0
+    except Exception:  # noqa: BLE001 - a batch Lightning cannot size: the step logs as it is
+        empty = False
+    if not empty or module is None or "log" in vars(module):
+        yield
+        return
+    log = module.log
+
+    def weightless_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            value = torch.zeros_like(value)
+        return log(name, value, *args, **kwargs)
+
+    vars(module)["log"] = weightless_log  # log_dict logs through self.log too
+    try:
+        yield
+    finally:
+        vars(module).pop("log", None)
 
 
 def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:

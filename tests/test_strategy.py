@@ -466,3 +466,44 @@ def test_tables_built_on_meta_are_drawn_where_the_strategy_shards_them(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(cpu(batch.dense_features, batch.sparse_features),
                                    module(batch.dense_features, batch.sparse_features))
+
+
+def _logged_eval_loss(rank, world_size, pipeline):
+    import torch.nn.functional as F
+
+    class Module(DLRMModule):
+        """A validation_step of one's own that logs its batch's mean loss, Lightning's way."""
+
+        def validation_step(self, batch, batch_idx):
+            super().validation_step(batch, batch_idx)  # val_logloss: the exact mean over every row
+            logits = self(batch.dense_features, batch.sparse_features)
+            self.log("my_val_loss", F.binary_cross_entropy_with_logits(logits, batch.labels), sync_dist=True,
+                     batch_size=len(batch))
+
+        def test_step(self, batch, batch_idx):
+            super().test_step(batch, batch_idx)
+            logits = self(batch.dense_features, batch.sparse_features)
+            self.log("my_test_loss", F.binary_cross_entropy_with_logits(logits, batch.labels), sync_dist=True)
+
+    L.seed_everything(0)
+    # 129 rows in batches of 64: rank 0 has 2 batches, rank 1 one, then a 0-row batch while rank 0 finishes
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=129, num_test_samples=129, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    kw = dict(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False)
+    module = Module(**SMALL)
+    val = L.Trainer(strategy=RecStrategy(pipeline=pipeline), **kw).validate(module, data, verbose=False)[0]
+    test = L.Trainer(strategy=RecStrategy(pipeline=pipeline), **kw).test(module, data, verbose=False)[0]
+    return val, test
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_loss_logged_per_batch_is_not_nan_when_a_rank_steps_with_an_empty_batch(pipeline):
+    """A rank whose evaluation share ran out steps with 0-row batches while the others finish. Their mean loss is
+    NaN, and Lightning's weighted mean (value x batch_size) kept it: NaN x 0. A validation_step logging its
+    loss, the usual `self.log("val_loss", loss)`, logged NaN at 2 ranks (EarlyStopping then stopped the run)."""
+    # every row once, weighted by its batch's rows; Lightning syncs the rows counted as an integer mean over the
+    # ranks, (65 + 64) / 2 -> 64, so the mean it gives is the sum over 128 rows, not 129 (at one rank it is exact)
+    for val, test in run_ranks(_logged_eval_loss, 2, pipeline, timeout=180):
+        assert val["my_val_loss"] == pytest.approx(val["val_logloss"] * 129 / 128, rel=1e-5)
+        assert test["my_test_loss"] == pytest.approx(test["test_logloss"] * 129 / 128, rel=1e-5)
