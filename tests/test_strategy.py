@@ -424,7 +424,7 @@ def test_gradient_accumulation_warning_reaches_a_users_own_module(tmp_path):
     data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
                                      num_embeddings_per_feature=64, num_signal_features=1)
     kw = dict(strategy="rec", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
     with pytest.warns(UserWarning, match=r"accumulate_grad_batches=2 accumulates the dense layers' gradients only: "
                                          r"the fused tables \(ebc\)"):
         L.Trainer(accumulate_grad_batches=2, **kw).fit(_OwnModule(), data)
