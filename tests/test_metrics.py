@@ -230,6 +230,15 @@ def test_auc_of_one_class_warns_and_is_nan(cls):
         assert math.isnan(float(empty.compute()))
 
 
+def test_ne_of_one_class_warns_and_is_nan_not_minus_inf():
+    """All-positive labels gave NE = -inf (loss / -0.0): the best score there is for a lower-is-better metric."""
+    for labels in (torch.ones(5), torch.zeros(5)):
+        metric = NormalizedEntropy()
+        metric.update(torch.randn(5, generator=torch.Generator().manual_seed(0)), labels)
+        with pytest.warns(UserWarning, match="NE is undefined"):
+            assert math.isnan(float(metric.compute()))
+
+
 def test_binned_auc_is_torchmetrics_binned_auroc_and_close_to_exact(data):
     logits, labels = data
     binned, exact = BinnedAUC(num_thresholds=1000), AUC()

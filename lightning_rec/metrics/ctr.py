@@ -30,7 +30,7 @@ with a host sync per batch. `benchmarks/auc.py` measures the speed and memory of
 Labels must be 0 or 1 (ratings, -1/1 labels or NaN labels of unlabelled data would give an AUC
 above 1 or a meaningless NE). On CPU every batch is checked in `update`; on GPU the count of bad
 labels is kept on the device (no per-step host sync) and `compute()` raises. An evaluation set of
-one class has no AUC: a warning and NaN, never a crash.
+one class has no AUC and no NE: a warning and NaN, never a crash.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _bce_sum(preds_B: Tensor, labels_B: Tensor, from_logits: bool) -> Tensor:
 
 
 def binary_entropy(p: Tensor) -> Tensor:
-    """H(p) in nats; 0 at p = 0 or 1 (where NE is then undefined: inf or nan)."""
+    """H(p) in nats; 0 at p = 0 or 1 (where NE is undefined: NormalizedEntropy warns and gives NaN)."""
     return -(torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p))
 
 
@@ -168,7 +168,17 @@ class NormalizedEntropy(_SumMetric):
 
     def compute(self) -> Tensor:
         count = self._checked_count()
-        return (self.loss_sum / count) / binary_entropy(self.label_sum / count)
+        entropy = binary_entropy(self.label_sum / count)
+        if not float(entropy) > 0:
+            # one class: H(ctr) is 0 (as -0.0 at ctr = 1), and loss / -0.0 gave -inf, which reads as the best
+            # model there is (lower is better); without a second class there is no baseline to normalize by
+            positives = float(self.label_sum)
+            warnings.warn(f"NormalizedEntropy: the evaluation set has {int(positives)} positive and "
+                          f"{int(float(count) - positives)} negative labels, so the entropy of its click rate is 0 "
+                          f"and NE is undefined: returning NaN. Evaluate on a set with both clicks and non-clicks "
+                          f"(LogLoss is defined on any set)", UserWarning, stacklevel=2)
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        return (self.loss_sum / count) / entropy
 
 
 class AUC(Metric):
