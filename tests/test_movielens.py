@@ -159,6 +159,28 @@ def test_a_parquet_log_reads_like_its_csv(tmp_path):
             MovieLensDataModule(str(tmp_path / name), split="loo", side_features=False).setup()
 
 
+def test_an_empty_field_is_a_missing_value_named_by_its_line(tmp_path):
+    """An empty user field made every user id a float (1.0, 2.0, and a user NaN) and an empty rating was kept as an
+    interaction rated NaN, both without a word; an empty id among string ids was the id "". Now each is refused,
+    naming its line (blank lines counted, as an editor counts them) or its Parquet row."""
+    import pyarrow.parquet as pq
+
+    for name, text, match in (
+            ("user", "user,item,rating,timestamp\n1,10,5,1\n,11,4,2\n2,12,5,3\n", r"ratings\.csv:3: no user id"),
+            ("rating", "user,item,rating,timestamp\n1,10,5,1\n2,11,,2\n", r"ratings\.csv:3: no rating"),
+            ("time", "user,item,rating,timestamp\n1,10,5,1\n2,11,4,\n", r"ratings\.csv:3: no timestamp"),
+            ("blank_line", "1,10,5,1\n\n2,,4,2\n", r"ratings\.csv:3: no item id"),
+            ("string_ids", "user,item,rating\nA1,B1,5\n  ,B2,4\n", r"ratings\.csv:3: no user id")):
+        _write(tmp_path / name / "ratings.csv", text)
+        with pytest.raises(ValueError, match=match):
+            MovieLensDataModule(str(tmp_path / name), side_features=False).setup()
+    (tmp_path / "pq").mkdir()
+    log = pa.table({"user": ["A1", "", "A2"], "item": ["B1", "B2", "B3"]})
+    pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
+    with pytest.raises(ValueError, match=r"row 1: user is empty"):
+        MovieLensDataModule(str(tmp_path / "pq"), side_features=False).setup()
+
+
 def _string_id_log(n_users: int = 40, n_items: int = 60, seed: int = 5) -> list[tuple[str, str, int]]:
     """A log named the way shops name things: user ids like "A3SG..." and items that are ASINs or ISBN-like digits."""
     g = np.random.default_rng(seed)

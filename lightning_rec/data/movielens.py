@@ -269,6 +269,34 @@ def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequ
     return ""
 
 
+def _line_of_row(data: bytes, row: int, has_header: bool) -> int:
+    """The 1-based line of a table's 0-based `row` (pyarrow skips empty lines: row + 1 is not always the line)."""
+    line, start, seen = 0, 0, -1
+    while start <= len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        line += 1
+        if not (has_header and line == 1) and data[start:end].rstrip(b"\r"):
+            seen += 1
+            if seen == row:
+                return line
+        start = end + 1
+    return row + 1 + has_header
+
+
+def _refuse_missing(table: pa.Table, data: bytes, path: Path, has_header: bool) -> None:
+    """An empty field where a number belongs reads as null: in an id column np.asarray then made every id a float
+    (user 1.0, and a user NaN), a null rating was kept as an interaction (or dropped by min_rating without a word)."""
+    for name in table.column_names:
+        col = table.column(name)
+        if col.null_count:
+            row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            what = {"user_id": "no user id", "item_id": "no item id"}.get(name, f"no {name}")
+            raise ValueError(f"{path}:{_line_of_row(data, row, has_header)}: {what} (an empty field): every "
+                             f"interaction needs a user, an item, a rating and (when the file has the column) a "
+                             f"timestamp; fix or drop that line")
+
+
 def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> pa.Table:
     """A Parquet log of interactions, columns by name as in a ratings.csv header: user, item[, rating][, timestamp].
 
@@ -302,6 +330,10 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
                              f"(when the column is there) a rating")
         whole = column != "rating"
         if whole and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            empty = _empty_ids(col)  # "" is a missing id, as an empty field of a CSV log (not a user named "")
+            if empty is not None:
+                raise ValueError(f"{path}, row {empty}: {ours[column]} is empty: every interaction needs a user, an "
+                                 f"item and (when the column is there) a rating")
             out[column] = pc.cast(col, pa.string())  # string ids ("A3SGXH7AUHU8GW"): kept as the data's own ids
             continue
         if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)) or (
@@ -398,9 +430,10 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
             bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids])
             raise ValueError(f"{path}{bad_line}: cannot parse the ratings ({error}); expected {ids}, a numeric "
                              f"rating[, timestamp] separated by {sep!r}") from None
+    _refuse_missing(table, data, path, has_header)
     for name in string_ids:
-        table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), path, name,
-                                                                                      has_header))
+        table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), data, path,
+                                                                                      name, has_header))
     if num_fields == 3:
         # zeros keep one schema for every file; the mark tells a temporal split there is no time to order by
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
@@ -415,23 +448,36 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
     return table
 
 
-def _ids_from_text(col: pa.ChunkedArray, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
+def _empty_ids(col: pa.ChunkedArray) -> int | None:
+    """The first row whose string id is null or blank, or None."""
+    import pyarrow.compute as pc
+
+    missing = pc.or_kleene(pc.is_null(col), pc.equal(pc.utf8_trim_whitespace(col), "")).fill_null(True)
+    if not pc.any(missing).as_py():
+        return None
+    return int(np.flatnonzero(missing.to_numpy(zero_copy_only=False))[0])
+
+
+def _ids_from_text(col: pa.ChunkedArray, data: bytes, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
     """A header-named id column read as text: int64 when every id is an integer, else the strings (with a warning
     when integers and other ids are mixed: ISBN-like ids beside ASINs are fine, a damaged row is not)."""
     import pyarrow.compute as pc
 
     col = pc.utf8_trim_whitespace(col)
-    if col.null_count:
-        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ValueError(f"{path}:{row + 1 + has_header}: no {name.split('_')[0]} id: every interaction needs a user "
-                         f"and an item")
+    # an empty field is a missing id, not the id "" (it turned a whole integer column into strings, with a warning
+    # that called the empty field a non-integer id)
+    empty = _empty_ids(col)
+    if empty is not None:
+        raise ValueError(f"{path}:{_line_of_row(data, empty, has_header)}: no {name.split('_')[0]} id (an empty "
+                         f"field): every interaction needs a user and an item; fix or drop that line")
     is_int = pc.match_substring_regex(col, r"^-?\d{1,18}$").to_numpy(zero_copy_only=False)
     if is_int.all():
         return pc.cast(col, pa.int64())
     if is_int.any():
         row = int(np.flatnonzero(~is_int)[0])
         warnings.warn(f"{path}: {int((~is_int).sum())} of {len(is_int)} {name.split('_')[0]} ids are not integers "
-                      f"(the first, {col[row].as_py()!r}, on line {row + 1 + has_header}): every {name.split('_')[0]} "
+                      f"(the first, {col[row].as_py()!r}, on line {_line_of_row(data, row, has_header)}): every "
+                      f"{name.split('_')[0]} "
                       f"id is read as a string. If those rows are damage, not ids, fix them", stacklevel=3)
     return col
 
