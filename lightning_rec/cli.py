@@ -54,6 +54,27 @@ def _init_arg_names(class_path: str) -> list[str]:
         return []
 
 
+def _public_names(module: str) -> list[str]:
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        return []
+    return [n for n in getattr(found, "__all__", dir(found)) if not n.startswith("_")]
+
+
+def strategy_hint(message: str) -> str:
+    """Lightning's refusal of a misspelt strategy name (`--trainer.strategy=recc`), with the name meant."""
+    wrong = re.search(r"invalid strategy name: `strategy='([^']*)'`", message)
+    if wrong is None:
+        return ""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    meant = difflib.get_close_matches(wrong[1], StrategyRegistry.available_strategies(), n=1)
+    return (f"lightning-rec: error: --trainer.strategy={wrong[1]} is not a strategy name"
+            + (f": did you mean {meant[0]}?" if meant else "")
+            + " (rec: sharded tables, lightning_rec's; auto, ddp, fsdp, ...: Lightning's)")
+
+
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
 
@@ -75,6 +96,9 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     keys = {o[2:] for o in options if o.startswith("--")}  # a config file's keys: trainer.max_epochs
     hints += [(unknown, m) for unknown in re.findall(r"does not accept option '([\w.\-]+)'", message)
               for m in difflib.get_close_matches(unknown, keys, n=1)]
+    for module, unknown in dict.fromkeys(re.findall(r"class_path '[\w.]+':\s*module '([\w.]+)' has no attribute "
+                                                    r"'(\w+)'", message)):  # --model.class_path=...DLRMModul
+        hints += [(unknown, f"{module}.{m}") for m in difflib.get_close_matches(unknown, _public_names(module), n=1)]
     for class_path, unknown in dict.fromkeys(
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")
@@ -121,6 +145,11 @@ class RecCLI(LightningCLI):
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException:
             self._check_accelerator(self.config_init)
+            raise
+        except ValueError as e:  # Lightning's refusal of a misspelt strategy name: a 40-line traceback, no guess
+            said = strategy_hint(str(e))
+            if said:
+                raise SystemExit(said) from None
             raise
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:

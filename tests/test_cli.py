@@ -100,6 +100,9 @@ def test_unknown_model_argument_is_refused(tmp_path, capsys):
     (["--data.init_args.batch_sise=8"],
      "did you mean batch_size (an argument of lightning_rec.data.SyntheticCriteoDataModule) instead of batch_sise?"),
     ("config", "did you mean trainer.max_epochs instead of trainer.max_epocs?"),
+    (["--model.class_path=lightning_rec.models.DLRMModul"],
+     "did you mean lightning_rec.models.DLRMModule instead of DLRMModul?"),
+    (["--trainer.strategy=recc"], "--trainer.strategy=recc is not a strategy name: did you mean rec?"),
     (["--trainer.strategy=rec", "--trainer.strategy.pipeline=true"],
      "--trainer.strategy=RecStrategy --trainer.strategy.pipeline=... (the short name 'rec' takes none)"),
 ])
@@ -108,9 +111,9 @@ def test_a_misspelt_option_names_the_one_meant(tmp_path, capsys, wrong, meant):
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(Path("recipes/configs/dlrm_synthetic.yaml").read_text().replace("max_epochs:", "max_epocs:"))
         wrong = ["--config", str(recipe)]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:  # (a strategy name is refused after parsing: one line, SystemExit's)
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", *wrong])
-    assert meant in capsys.readouterr().err
+    assert meant in capsys.readouterr().err + str(e.value)
 
 
 def test_a_misspelt_command_names_every_command_and_errors_are_short(capsys):
