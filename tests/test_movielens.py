@@ -179,6 +179,12 @@ def test_an_empty_field_is_a_missing_value_named_by_its_line(tmp_path):
     pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
     with pytest.raises(ValueError, match=r"row 1: user is empty"):
         MovieLensDataModule(str(tmp_path / "pq"), side_features=False).setup()
+    # a NaN rating (not a null) was an interaction rated NaN, and min_rating dropped it without a word
+    log = pa.table({"user": [1, 1, 2], "item": [1, 2, 1], "rating": pa.array([5.0, float("nan"), 4.0])})
+    pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
+    for min_rating in (None, 4):
+        with pytest.raises(ValueError, match=r"row 1: rating is NaN"):
+            MovieLensDataModule(str(tmp_path / "pq"), side_features=False, min_rating=min_rating).setup()
 
 
 def _string_id_log(n_users: int = 40, n_items: int = 60, seed: int = 5) -> list[tuple[str, str, int]]:

@@ -292,7 +292,8 @@ def _refuse_missing(table: pa.Table, data: bytes, path: Path, has_header: bool) 
         if col.null_count:
             row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
             what = {"user_id": "no user id", "item_id": "no item id"}.get(name, f"no {name}")
-            raise ValueError(f"{path}:{_line_of_row(data, row, has_header)}: {what} (an empty field): every "
+            raise ValueError(f"{path}:{_line_of_row(data, row, has_header)}: {what} (an empty field, or NA / NaN / "
+                             f"null, which pyarrow reads as missing): every "
                              f"interaction needs a user, an item, a rating and (when the file has the column) a "
                              f"timestamp; fix or drop that line")
 
@@ -340,6 +341,12 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
                 whole and pa.types.is_floating(col.type) and not bool(pc.all(pc.equal(pc.floor(col), col)).as_py())):
             need = "ids must be integers or strings" if whole else "ratings must be numbers"
             raise ValueError(f"{path}: column {ours[column]!r} is {col.type}: {need}")
+        if not whole and pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
+            # a NaN (not a null: Polars and numpy-built tables keep NaN) was an interaction rated NaN, kept without
+            # min_rating and dropped without a word with it; a CSV's "NaN" reads as missing and is refused
+            row = int(np.flatnonzero(pc.is_nan(col).to_numpy(zero_copy_only=False))[0])
+            raise ValueError(f"{path}, row {row}: {ours[column]} is NaN: every interaction needs a user, an item and "
+                             f"(when the column is there) a rating")
         out[column] = pc.cast(col, kind)
     if "timestamp" in ours:
         col = table.column(ours["timestamp"])
