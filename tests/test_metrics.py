@@ -218,6 +218,25 @@ def test_bad_labels_counted_on_device_raise_at_compute(cls):
         metric.compute()
 
 
+@pytest.mark.parametrize("cls", [BinnedAUC, NormalizedEntropy, LogLoss])
+def test_logits_given_as_probabilities_are_an_error_naming_from_logits(cls):
+    """BinnedAUC(from_logits=False) fed logits put them in its end bins: AUC 0.12 where torchmetrics' BinaryAUROC gives
+    0.64 (it applies the sigmoid itself); LogLoss and NE raised torch's "between 0 and 1", which names no fix."""
+    g = torch.Generator().manual_seed(0)
+    labels = (torch.rand(400, generator=g) < 0.3).float()
+    logits = torch.randn(400, generator=g) * 2 + labels
+    with pytest.raises(ValueError, match=r"predictions are outside \[0, 1\].*from_logits=True"):
+        cls(from_logits=False).update(logits, labels)
+    metric = cls(from_logits=False)
+    metric.update(torch.sigmoid(logits), labels)
+    assert torch.isfinite(torch.as_tensor(metric.compute()))
+    metric = cls(from_logits=False)
+    metric.update(torch.sigmoid(logits), labels)
+    metric.bad_preds += 2  # off CPU update() only counts them (no host sync); compute() raises
+    with pytest.raises(ValueError, match="2 .*predictions are outside"):
+        metric.compute()
+
+
 @pytest.mark.parametrize("cls", [AUC, BinnedAUC])
 def test_auc_of_one_class_warns_and_is_nan(cls):
     for labels in (torch.ones(5), torch.zeros(5)):

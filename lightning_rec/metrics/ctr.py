@@ -88,6 +88,29 @@ def _check_labels_now(labels_B: Tensor, where: str) -> Tensor | None:
     return bad
 
 
+def _prob_error(num_bad: int, num_preds: int | None, where: str) -> ValueError:
+    of = f" of {num_preds}" if num_preds is not None else ""
+    return ValueError(
+        f"{where}: {num_bad}{of} predictions are outside [0, 1] with from_logits=False, so they are not probabilities "
+        f"(logits?): pass from_logits=True (the default) for a model's output before its sigmoid, or apply the "
+        f"sigmoid first"
+    )
+
+
+def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor | None:
+    """from_logits=False: on CPU raise at once for a prediction outside [0, 1]; elsewhere return the count to keep on
+    the device (no per-step host sync), as for labels. Logits read as probabilities fell into the end bins of
+    BinnedAUC (AUC 0.12 where torchmetrics, which applies the sigmoid itself then, gives 0.64)."""
+    if from_logits:
+        return None
+    bad = ((preds_B < 0) | (preds_B > 1)).sum()
+    if preds_B.device.type == "cpu":
+        if int(bad):
+            raise _prob_error(int(bad), preds_B.numel(), where)
+        return None
+    return bad
+
+
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
     if num_pos > 0 and num_neg > 0:
         return None
@@ -126,6 +149,7 @@ class _SumMetric(Metric):
         self.add_state("label_sum", default=zero(), dist_reduce_fx="sum")
         self.add_state("count", default=zero(), dist_reduce_fx="sum")
         self.add_state("bad_labels", default=zero(), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=zero(), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
         where = f"{type(self).__name__}.update"
@@ -133,6 +157,10 @@ class _SumMetric(Metric):
         bad = _check_labels_now(labels_B, where)
         if bad is not None:
             self.bad_labels += bad
+        bad = _check_probs_now(preds_B, self.from_logits, where)  # torch's BCE said "between 0 and 1" only
+        if bad is not None:
+            self.bad_preds += bad
+            preds_B = preds_B.clamp(0, 1)  # counted, raised at compute; a CUDA BCE would assert on the device
         self.loss_sum += _bce_sum(preds_B, labels_B, self.from_logits)
         self.label_sum += labels_B.double().sum()
         self.count += labels_B.numel()
@@ -140,6 +168,8 @@ class _SumMetric(Metric):
     def _checked_count(self) -> Tensor:
         if float(self.bad_labels):  # one host read per compute, not per batch
             raise _label_error(int(self.bad_labels), int(self.count), f"{type(self).__name__}.compute")
+        if float(self.bad_preds):
+            raise _prob_error(int(self.bad_preds), int(self.count), f"{type(self).__name__}.compute")
         return self.count
 
 
@@ -243,6 +273,7 @@ class BinnedAUC(BinaryAUROC):
         self.add_state("bad_labels", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         # NaN scores fall in the top bin: counted (on the device, no sync) so compute() says so instead
         self.add_state("nan_preds", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
         preds_B, labels_B = _flat(preds, _target_of(target, labels, "BinnedAUC.update"))
@@ -250,6 +281,9 @@ class BinnedAUC(BinaryAUROC):
         if bad is not None:
             self.bad_labels += bad
         self.nan_preds += torch.isnan(preds_B).sum()
+        bad = _check_probs_now(preds_B, self.from_logits, "BinnedAUC.update")
+        if bad is not None:
+            self.bad_preds += bad
         probs_B = torch.sigmoid(preds_B.float()) if self.from_logits else preds_B.float()
         # torchmetrics compares every sample with every threshold (O(B T): 16 s per million samples at
         # T = 10,000 on a 2-core CPU); a histogram over the thresholds gives the same counts in O(B log T)
@@ -268,6 +302,8 @@ class BinnedAUC(BinaryAUROC):
     def compute(self) -> Tensor:  # states are synced over ranks before this runs
         if int(self.bad_labels):
             raise _label_error(int(self.bad_labels), None, "BinnedAUC.compute")
+        if int(self.bad_preds):
+            raise _prob_error(int(self.bad_preds), None, "BinnedAUC.compute")
         counts = self.confmat[0]  # [label, prediction] at the first threshold: every sample once
         nan = _one_class_nan(float(counts[1].sum()), float(counts[0].sum()), "BinnedAUC")
         if nan is not None:
