@@ -119,6 +119,18 @@ def test_shape_mismatch_is_a_clear_error():
         RecMetricCollection(metrics=("auc", "mrr"))
 
 
+def test_collection_gives_num_thresholds_to_binned_auc_only(data):
+    """RecMetricCollection(metrics=("auc", "binned_auc"), num_thresholds=100) was "Unexpected keyword arguments:
+    `num_thresholds`": the keyword went to every metric, and only BinnedAUC has it."""
+    logits, labels = data
+    collection = RecMetricCollection(prefix="", metrics=("auc", "binned_auc", "ne"), num_thresholds=100)
+    collection.update(logits, labels)
+    alone = BinnedAUC(num_thresholds=100)
+    alone.update(logits, labels)
+    assert collection["binned_auc"].thresholds.numel() == 100
+    assert float(collection.compute()["binned_auc"]) == float(alone.compute())
+
+
 def _as_rank0_of_two(rank0, rank1) -> None:
     """Make rank0's compute() take torchmetrics' real sync path, with an all_gather giving [rank0, rank1].
 

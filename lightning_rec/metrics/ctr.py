@@ -347,13 +347,16 @@ class RecMetricCollection(MetricCollection):
         prefix: str | None = "val/",
         from_logits: bool = True,
         metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr"),
+        num_thresholds: int = 10_000,
         **metric_kwargs,
     ) -> None:
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}: choose from {sorted(_METRICS)}")
+        # num_thresholds is BinnedAUC's alone: passed to every metric, the others refused it ("Unexpected keyword")
+        own = {"binned_auc": {"num_thresholds": num_thresholds}}
         super().__init__(
-            {name: _METRICS[name](from_logits=from_logits, **metric_kwargs) for name in metrics},
+            {name: _METRICS[name](from_logits=from_logits, **own.get(name, {}), **metric_kwargs) for name in metrics},
             prefix=prefix,
             compute_groups=False,
         )
