@@ -487,6 +487,19 @@ def _flat_batches(seed=0, n=600, users=20):
     return (torch.rand(n, generator=g), torch.rand(n, generator=g) < 0.2, torch.randint(0, users, (n,), generator=g))
 
 
+def test_flat_form_keeps_64_bit_ids_apart():
+    """indexes were kept as float64: hashed user ids above 2**53 that differ in their last bits became one user."""
+    from torchmetrics import retrieval as tr
+
+    for base in (2**60, -(2**62) - 7, 0):
+        indexes = torch.tensor([base, base, base + 1, base + 1, base - 1])
+        preds, target = torch.tensor([0.9, 0.1, 0.8, 0.2, 0.5]), torch.tensor([0, 1, 1, 0, 1])
+        ours, ref = NDCG(top_k=1), tr.RetrievalNormalizedDCG(top_k=1)
+        ours.update(preds, target, indexes)
+        ref.update(preds, target, indexes)
+        assert float(ours.compute()) == pytest.approx(float(ref.compute())) == pytest.approx(2 / 3), base
+
+
 def test_flat_form_groups_a_users_entries_across_updates_as_torchmetrics():
     """Rows of (user, item, label) in batches: each update was regrouped alone, so a user whose entries came in 6
     batches counted as 6 users with partial lists (NDCG@5 0.64, Recall@5 0.87; torchmetrics: 0.27, 0.23)."""

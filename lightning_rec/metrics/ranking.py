@@ -185,9 +185,11 @@ class RankingMetrics(Metric):
         # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
         # several updates (rows of (user, item, label) in batches), and regrouped per update they counted as
         # several users with partial lists (NDCG@5 0.64 where torchmetrics gives 0.27)
-        # All three kept as float64 (ids exact to 2**53), the dtype torchmetrics gives the empty placeholder of a
-        # rank without entries: gloo aborted the process gathering int64 ids against that float placeholder
-        for name in ("flat_preds", "flat_target", "flat_indexes"):
+        # All kept as float64, the dtype torchmetrics gives the empty placeholder of a rank without entries: gloo
+        # aborted the process gathering int64 ids against that float placeholder. An id is kept as its high and low
+        # 32 bits (each exact in float64): one float64 held ids exactly only up to 2**53, and 64-bit hashed user ids
+        # that differ in their last bits became one user (NDCG@1 0.0 where torchmetrics gives 0.5)
+        for name in ("flat_preds", "flat_target", "flat_indexes", "flat_indexes_low"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self._dtype = torch.float64
 
@@ -218,7 +220,9 @@ class RankingMetrics(Metric):
             if indexes.numel():  # (an empty batch has no user: nothing to count)
                 self.flat_preds.append(preds.detach().reshape(-1).double())
                 self.flat_target.append((target.reshape(-1) != 0).double())
-                self.flat_indexes.append(indexes.reshape(-1).double())
+                indexes = indexes.reshape(-1).long()
+                self.flat_indexes.append((indexes >> 32).double())
+                self.flat_indexes_low.append((indexes & 0xFFFFFFFF).double())
         else:
             self._update_candidates(preds, target, mask)
 
@@ -350,7 +354,7 @@ class RankingMetrics(Metric):
         sums, num_users, skipped = self.sums, int(self.num_users), int(self.skipped_users)
         if len(self.flat_indexes):  # every rank's entries (synced by "cat"), grouped per user once, here
             flat = RankingMetrics(ks=self.ks, empty_target_action=self.empty_target_action)
-            indexes = dim_zero_cat(self.flat_indexes).long()
+            indexes = (dim_zero_cat(self.flat_indexes).long() << 32) | dim_zero_cat(self.flat_indexes_low).long()
             if indexes.numel():
                 flat._update_candidates(*_padded_by_query(dim_zero_cat(self.flat_preds).float(),
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
