@@ -187,6 +187,21 @@ def test_an_empty_field_is_a_missing_value_named_by_its_line(tmp_path):
             MovieLensDataModule(str(tmp_path / "pq"), side_features=False, min_rating=min_rating).setup()
 
 
+def test_uint64_hashed_ids_above_int64_are_kept_as_the_datas_own_ids(tmp_path):
+    """A Parquet log keyed by 64-bit hashes (uint64 >= 2**63) stopped with Arrow's "Integer value ... not in range";
+    such a column is now read as string ids (exact), and one that fits int64 stays integers."""
+    import pyarrow.parquet as pq
+
+    big = np.array([2**63 + 5, 2**64 - 1, 2**63 + 5, 2**64 - 1, 7], np.uint64)
+    log = pa.table({"user": pa.array(big), "item": pa.array(np.array([1, 2, 3, 1, 2], np.uint64))})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
+    dm = MovieLensDataModule(str(tmp_path / "pq"), side_features=False)
+    dm.setup()
+    assert sorted(dm.user_ids.tolist()) == sorted(["7", str(2**63 + 5), str(2**64 - 1)])
+    assert dm.item_ids.dtype == np.int64 and dm.item_ids.tolist() == [1, 2, 3]
+
+
 def _string_id_log(n_users: int = 40, n_items: int = 60, seed: int = 5) -> list[tuple[str, str, int]]:
     """A log named the way shops name things: user ids like "A3SG..." and items that are ASINs or ISBN-like digits."""
     g = np.random.default_rng(seed)

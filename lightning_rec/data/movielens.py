@@ -341,6 +341,11 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
                 whole and pa.types.is_floating(col.type) and not bool(pc.all(pc.equal(pc.floor(col), col)).as_py())):
             need = "ids must be integers or strings" if whole else "ratings must be numbers"
             raise ValueError(f"{path}: column {ours[column]!r} is {col.type}: {need}")
+        if whole and pa.types.is_unsigned_integer(col.type) and (pc.max(col).as_py() or 0) > np.iinfo(np.int64).max:
+            # 64-bit hashes as uint64: Arrow's cast to int64 refused them ("Integer value ... not in range"); as
+            # text they stay the data's own ids, exactly
+            out[column] = pc.cast(col, pa.string())
+            continue
         if not whole and pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
             # a NaN (not a null: Polars and numpy-built tables keep NaN) was an interaction rated NaN, kept without
             # min_rating and dropped without a word with it; a CSV's "NaN" reads as missing and is refused
