@@ -99,6 +99,11 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     for module, unknown in dict.fromkeys(re.findall(r"class_path '[\w.]+':\s*module '([\w.]+)' has no attribute "
                                                     r"'(\w+)'", message)):  # --model.class_path=...DLRMModul
         hints += [(unknown, f"{module}.{m}") for m in difflib.get_close_matches(unknown, _public_names(module), n=1)]
+    short = re.search(r"Parser key \"(model|data)\":[\s\S]*?Expected a dot import path string: (\w+)\n", message)
+    if short:  # --model=DLRMModul: a short class name, resolved among the package's modules or data modules
+        package = {"model": "lightning_rec.models", "data": "lightning_rec.data"}[short[1]]
+        names = [n for n in _public_names(package) if n.endswith("Module")]
+        hints += [(short[2], m) for m in difflib.get_close_matches(short[2], names, n=1)]
     for class_path, unknown in dict.fromkeys(
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")
