@@ -522,6 +522,9 @@ def test_read_ratings_detects_separator_and_header(tmp_path):
     table = read_ratings(_write(tmp_path / "log" / "ratings.csv", "user,item,rating,timestamp\n1,2,1,1700000000.75\n"
                                                                 "1,3,1,1700000001\n"))
     assert table.column("timestamp").to_pylist() == [1700000000, 1700000001]
+    # a byte order mark (Excel's "CSV UTF-8") before the header: its first name was "\xef\xbb\xbfuser", no user column
+    bom = _write(tmp_path / "bom" / "ratings.csv", b"\xef\xbb\xbfuser,item,rating\r\n1,10,4\r\n2,20,3.5\r\n")
+    assert read_ratings(bom).column("user_id").to_pylist() == [1, 2]
     with pytest.raises(ValueError, match=r"bad\.csv.*cannot parse"):
         read_ratings(_write(tmp_path / "bad.csv", "1,2,3,4\n1,x,3,4\n"))
     with pytest.raises(ValueError, match="separator"):

@@ -214,10 +214,13 @@ def _read_text(path: Path) -> str:
         return raw.decode("latin-1")  # ml-100k / ml-1m metadata: every byte is a latin-1 character
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _sniff(path: Path) -> tuple[str, bool]:
     """(separator, has_header) from the first line of a ratings file."""
     with open(path, "rb") as f:
-        first = f.readline().decode("latin-1").rstrip("\r\n")
+        first = f.readline().removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
     if not first:
         raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
     for sep in ("::", "\t", ",", ";", "|", " "):
@@ -388,7 +391,8 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
     if path.suffix == ".parquet":
         return _read_ratings_parquet(path, columns)
     sep, has_header = _sniff(path)
-    data = path.read_bytes()
+    # a CSV saved by Excel ("CSV UTF-8") starts with a byte order mark, which made its first header name "ï»¿user"
+    data = path.read_bytes().removeprefix(_UTF8_BOM)
     if sep == "::":
         data, sep = data.replace(b"::", b"\t"), "\t"  # pyarrow reads one-character separators
     names = ["user_id", "item_id", "rating", "timestamp"]
