@@ -202,6 +202,22 @@ def test_uint64_hashed_ids_above_int64_are_kept_as_the_datas_own_ids(tmp_path):
     assert dm.item_ids.dtype == np.int64 and dm.item_ids.tolist() == [1, 2, 3]
 
 
+def test_min_rating_on_an_implicit_feedback_log_says_there_is_no_rating(tmp_path):
+    """min_rating=4 on a Parquet log without a rating column (every interaction 1.0) said only "no interactions left
+    ... lower it"; at or below 1.0 it kept everything without a word either way."""
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [1, 1, 2, 2], "item": [1, 2, 1, 3], "timestamp": [1, 2, 3, 4]}),
+                   tmp_path / "pq" / "ratings.parquet")
+    for min_rating in (4, 1):
+        with pytest.raises(ValueError, match=rf"min_rating={min_rating}: .* has no rating column .*leave min_rating"):
+            MovieLensDataModule(str(tmp_path / "pq"), side_features=False, min_rating=min_rating).setup()
+    dm = MovieLensDataModule(str(tmp_path / "pq"), side_features=False, split="loo")  # the mark keeps the time
+    dm.setup()
+    assert dm.report.num_interactions == 4
+
+
 def _string_id_log(n_users: int = 40, n_items: int = 60, seed: int = 5) -> list[tuple[str, str, int]]:
     """A log named the way shops name things: user ids like "A3SG..." and items that are ASINs or ISBN-like digits."""
     g = np.random.default_rng(seed)

@@ -100,6 +100,7 @@ SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS, GIVEN)
 # a word of a file's name -> the part it holds (0 train, 1 validation, 2 test), for split="given"
 _SPLIT_WORDS = {"train": 0, "training": 0, "valid": 1, "validation": 1, "val": 1, "dev": 1, "test": 2}
 _LOG_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet")
+_NO_RATING = b"lightning_rec.no_rating"  # schema mark of an implicit-feedback log (no rating column: every row 1.0)
 _NO_TIME = b"lightning_rec.no_timestamp"  # schema mark of a ratings table whose file had no timestamp column
 _AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
 
@@ -322,10 +323,11 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
                          f"user_id), item (or movieId, item_id)[, rating][, timestamp], or say which are which: "
                          f"columns={{'user': ..., 'item': ...}} (--data.init_args.columns)")
     table = pq.read_table(path, columns=list(ours.values()))
-    out = {}
+    out, marks = {}, {}
     for column, kind in (("user_id", pa.int64()), ("item_id", pa.int64()), ("rating", pa.float32())):
         if column not in ours:
             out[column] = pa.array(np.ones(table.num_rows, np.float32))  # implicit feedback
+            marks[_NO_RATING] = b"1"
             continue
         col = table.column(ours[column])
         if col.null_count:
@@ -367,9 +369,9 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
             out["timestamp"] = pc.cast(pc.cast(col, pa.timestamp("s"), safe=False), pa.int64())
         else:
             out["timestamp"] = pc.cast(pc.floor(pc.cast(col, pa.float64())), pa.int64())
-        return pa.table(out)
+        return pa.table(out).replace_schema_metadata(marks or None)
     out["timestamp"] = pa.array(np.zeros(table.num_rows, np.int64))
-    return pa.table(out).replace_schema_metadata({_NO_TIME: b"1"})
+    return pa.table(out).replace_schema_metadata({**marks, _NO_TIME: b"1"})
 
 
 def parquet_ratings(path: Path) -> list[Path]:
@@ -960,6 +962,11 @@ class MovieLensDataModule(pl.LightningDataModule):
         table = read_ratings(path, self.columns)
         self.report.num_ratings += table.num_rows
         if self.min_rating is not None:
+            if table.schema.metadata and _NO_RATING in table.schema.metadata:
+                # every interaction reads as 1.0: min_rating=4 left none, and the error said only "lower it"
+                raise ValueError(f"min_rating={self.min_rating}: {path} has no rating column (implicit feedback: every "
+                                 f"interaction counts, as 1.0), so there is nothing to threshold: leave min_rating "
+                                 f"out, or name the rating column: columns={{'rating': ...}}")
             keep = np.asarray(table.column("rating")) >= self.min_rating
             table = table.filter(pa.array(keep))
         return table
