@@ -412,11 +412,13 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         sys.exit(export_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["predict"]:
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command in ("fit", "validate", "test", "predict"):
         try:
             run_cli()
-        except ValueError as e:  # a user error (a missing predict_path, an existing output file): its message
-            sys.exit(f"lightning-rec predict: error: {e}")
+        except ValueError as e:  # a user error (a malformed row of a data file, an existing output file): its message
+            # (predict said it in one line; fit on a file with a bad row gave a 45-line traceback ending in it)
+            sys.exit(f"lightning-rec {command}: error: {e}")
     else:
         run_cli()
     from lightning_rec.strategy import close_process_groups
