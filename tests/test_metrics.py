@@ -409,6 +409,11 @@ def test_ranking_metrics_take_torchmetrics_flat_indexes_and_top_k():
         RankingMetrics(ks=5).update(scores, target, keep)
     with pytest.raises(ValueError, match="give one of them"):
         NDCG(ks=5, top_k=10)
+    # torchmetrics' top_k=None ranks whole lists: it was taken as the default cutoff, NDCG@10, without a word
+    for cls in (NDCG, RankingMetrics):
+        with pytest.raises(ValueError, match=r"top_k=None is torchmetrics' 'every item.*give top_k=K"):
+            cls(top_k=None)
+    assert NDCG().ks == RankingMetrics().ks == (10,)
 
 
 def _csr(rows_of_items):

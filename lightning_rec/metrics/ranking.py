@@ -66,9 +66,24 @@ RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
 EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, with its meaning
 
 
-def _cutoffs(ks: int | Sequence[int] | None, top_k: int | None, default: int | Sequence[int]) -> tuple[int, ...]:
+class _Unset:
+    """top_k's default, told apart from None: torchmetrics' top_k=None means every item of the list, which is no
+    cutoff here, and was taken silently as the default (NDCG@10 where torchmetrics ranks whole lists)."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
+def _cutoffs(ks: int | Sequence[int] | None, top_k: int | None | _Unset,
+             default: int | Sequence[int]) -> tuple[int, ...]:
     """`ks`, or torchmetrics' `top_k` (RetrievalNormalizedDCG(top_k=10)): one name for the cutoffs."""
-    if top_k is not None:
+    if top_k is None:
+        raise ValueError("top_k=None is torchmetrics' 'every item of each list', which is no cutoff here: give "
+                         "top_k=K (the length of the longest list ranks them all) or ks=[...]")
+    if not isinstance(top_k, _Unset):
         if ks is not None:
             raise ValueError(f"ks={ks!r} and top_k={top_k!r}: give one of them (top_k is torchmetrics' name for one "
                              f"cutoff, ks takes one or a list)")
@@ -160,7 +175,7 @@ class RankingMetrics(Metric):
     full_state_update = False
 
     def __init__(self, ks: int | Sequence[int] | None = None, metrics: Sequence[str] = RANKING_METRICS,
-                 prefix: str = "", top_k: int | None = None, empty_target_action: str = "skip",
+                 prefix: str = "", top_k: int | None | _Unset = UNSET, empty_target_action: str = "skip",
                  **kwargs) -> None:
         super().__init__(**kwargs)
         self.ks = _cutoffs(ks, top_k, default=(10,))
@@ -384,7 +399,7 @@ class _OneRankingMetric(RankingMetrics):
 
     _name = ""
 
-    def __init__(self, ks: int | Sequence[int] | None = None, top_k: int | None = None, **kwargs) -> None:
+    def __init__(self, ks: int | Sequence[int] | None = None, top_k: int | None | _Unset = UNSET, **kwargs) -> None:
         super().__init__(ks=_cutoffs(ks, top_k, default=10), metrics=(self._name,), **kwargs)
 
     def compute(self) -> Tensor | dict[str, Tensor]:
