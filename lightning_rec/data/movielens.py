@@ -297,9 +297,8 @@ def _refuse_missing(table: pa.Table, data: bytes, path: Path, has_header: bool) 
             row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
             what = {"user_id": "no user id", "item_id": "no item id"}.get(name, f"no {name}")
             raise ValueError(f"{path}:{_line_of_row(data, row, has_header)}: {what} (an empty field, or NA / NaN / "
-                             f"null, which pyarrow reads as missing): every "
-                             f"interaction needs a user, an item, a rating and (when the file has the column) a "
-                             f"timestamp; fix or drop that line")
+                             f"null, which pyarrow reads as missing): every interaction needs a user, an item, a "
+                             f"rating and (when the file has the column) a timestamp; fix or drop that line")
 
 
 def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> pa.Table:
