@@ -20,7 +20,8 @@ def test_default_synthetic_recipe_learns(tmp_path, caplog):
     cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml",
                    f"--trainer.default_root_dir={tmp_path}", *QUIET])
     said = [r.getMessage() for r in caplog.records]
-    assert "Seed set to 0" in said and not [m for m in said if "litlogger" in m]  # Lightning's advert in every run
+    # ("[rank: 0] Seed set to 0" once an earlier test in this process ran ranks: Lightning then names the rank)
+    assert any(m.endswith("Seed set to 0") for m in said) and not [m for m in said if "litlogger" in m]  # its advert
     assert val(cli, "val_auc") > 0.7  # planted signal: a model that learns nothing sits at 0.5
     assert val(cli, "val_ne") < 1.0
 
