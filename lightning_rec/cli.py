@@ -54,6 +54,27 @@ def _init_arg_names(class_path: str) -> list[str]:
         return []
 
 
+def _public_names(module: str) -> list[str]:
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        return []
+    return [n for n in getattr(found, "__all__", dir(found)) if not n.startswith("_")]
+
+
+def strategy_hint(message: str) -> str:
+    """Lightning's refusal of a misspelt strategy name (`--trainer.strategy=recc`), with the name meant."""
+    wrong = re.search(r"invalid strategy name: `strategy='([^']*)'`", message)
+    if wrong is None:
+        return ""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    meant = difflib.get_close_matches(wrong[1], StrategyRegistry.available_strategies(), n=1)
+    return (f"lightning-rec: error: --trainer.strategy={wrong[1]} is not a strategy name"
+            + (f": did you mean {meant[0]}?" if meant else "")
+            + " (rec: sharded tables, lightning_rec's; auto, ddp, fsdp, ...: Lightning's)")
+
+
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
 
@@ -75,6 +96,14 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     keys = {o[2:] for o in options if o.startswith("--")}  # a config file's keys: trainer.max_epochs
     hints += [(unknown, m) for unknown in re.findall(r"does not accept option '([\w.\-]+)'", message)
               for m in difflib.get_close_matches(unknown, keys, n=1)]
+    for module, unknown in dict.fromkeys(re.findall(r"class_path '[\w.]+':\s*module '([\w.]+)' has no attribute "
+                                                    r"'(\w+)'", message)):  # --model.class_path=...DLRMModul
+        hints += [(unknown, f"{module}.{m}") for m in difflib.get_close_matches(unknown, _public_names(module), n=1)]
+    short = re.search(r"Parser key \"(model|data)\":[\s\S]*?Expected a dot import path string: (\w+)\n", message)
+    if short:  # --model=DLRMModul: a short class name, resolved among the package's modules or data modules
+        package = {"model": "lightning_rec.models", "data": "lightning_rec.data"}[short[1]]
+        names = [n for n in _public_names(package) if n.endswith("Module")]
+        hints += [(short[2], m) for m in difflib.get_close_matches(short[2], names, n=1)]
     for class_path, unknown in dict.fromkeys(
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")
@@ -121,6 +150,11 @@ class RecCLI(LightningCLI):
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException:
             self._check_accelerator(self.config_init)
+            raise
+        except ValueError as e:  # Lightning's refusal of a misspelt strategy name: a 40-line traceback, no guess
+            said = strategy_hint(str(e))
+            if said:
+                raise SystemExit(said) from None
             raise
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
@@ -378,11 +412,13 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         sys.exit(export_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["predict"]:
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command in ("fit", "validate", "test", "predict"):
         try:
             run_cli()
-        except ValueError as e:  # a user error (a missing predict_path, an existing output file): its message
-            sys.exit(f"lightning-rec predict: error: {e}")
+        except ValueError as e:  # a user error (a malformed row of a data file, an existing output file): its message
+            # (predict said it in one line; fit on a file with a bad row gave a 45-line traceback ending in it)
+            sys.exit(f"lightning-rec {command}: error: {e}")
     else:
         run_cli()
     from lightning_rec.strategy import close_process_groups

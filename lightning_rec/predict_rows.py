@@ -17,6 +17,7 @@ chunk per rank on top. A row seen twice (a sampler's padding repeat) is written 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -295,8 +296,22 @@ class TableWriter:
             import pyarrow.csv as pcsv
 
             pcsv.write_csv(batch, self._sink, pcsv.WriteOptions(include_header=False, delimiter=FORMATS[self.suffix],
-                                                                 quoting_style="none"))
+                                                                 quoting_style=self._quoting(batch)))
         self.num_rows += rows
+
+    def _quoting(self, batch) -> str:
+        """"none" (ids as they are), or "needed" (RFC 4180: pyarrow then quotes every string of the batch) for a batch
+        with a string id that holds the separator, a quote or a line break: "none" refused it (ArrowInvalid), and
+        predict failed after every row was computed."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        structural = f'[{re.escape(FORMATS[self.suffix])}"\r\n]'
+        for column in batch.columns:
+            if (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)) and \
+                    pc.any(pc.match_substring_regex(column, structural)).as_py():
+                return "needed"
+        return "none"
 
     def close(self) -> None:
         self._sink.close()

@@ -25,6 +25,7 @@ from lightning_rec.data import (
     detect_layout,
     read_criteo,
 )
+from lightning_rec.data.criteo_parse import resolve_parser
 from lightning_rec.sparse import KeyedJaggedTensor
 
 CRITEO = SHARED_DATA / "criteo"
@@ -318,6 +319,19 @@ def test_stripped_trailing_fields_are_padded_crlf_and_blank_lines(tmp_path):
     assert (report.num_rows, report.num_padded_rows, report.num_blank_lines) == (3, 1, 1)
     assert sparse[1, 23:].tolist() == [-1, -1, -1] and sparse[1, 22] == 23
     assert sparse[2, 25] == 26 and sparse[0, 0] == 0x68FD1E64
+
+
+@pytest.mark.parametrize("parser", ["python", "native"])
+def test_a_carriage_return_inside_a_line_is_a_bad_row_naming_its_field(tmp_path, parser):
+    """A "\\r\\r\\n" line (a file converted to CRLF twice) was an AssertionError in the reference parser (Arrow ends a
+    row at a lone \\r: more rows than lines); the native op said "C26 must be 8 hex characters, got '...\\r'"."""
+    if parser == "native" and resolve_parser("auto") != "native":
+        pytest.skip("the native parser is not built")
+    path = write(tmp_path, "cr.tsv", f"{good_row()}\r\n{good_row(1)}\r\r\n{good_row()}\r\n")
+    with pytest.raises(ValueError, match=r"cr\.tsv:2: field 40 \(C26\) holds a carriage return .*sed"):
+        parse_all(path, parser=parser)
+    label, _, _, report = parse_all(path, parser=parser, on_bad_row="skip")
+    assert (report.num_rows, report.num_skipped_rows) == (2, 1) and label.tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize(

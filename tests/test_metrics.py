@@ -119,6 +119,18 @@ def test_shape_mismatch_is_a_clear_error():
         RecMetricCollection(metrics=("auc", "mrr"))
 
 
+def test_collection_gives_num_thresholds_to_binned_auc_only(data):
+    """RecMetricCollection(metrics=("auc", "binned_auc"), num_thresholds=100) was "Unexpected keyword arguments:
+    `num_thresholds`": the keyword went to every metric, and only BinnedAUC has it."""
+    logits, labels = data
+    collection = RecMetricCollection(prefix="", metrics=("auc", "binned_auc", "ne"), num_thresholds=100)
+    collection.update(logits, labels)
+    alone = BinnedAUC(num_thresholds=100)
+    alone.update(logits, labels)
+    assert collection["binned_auc"].thresholds.numel() == 100
+    assert float(collection.compute()["binned_auc"]) == float(alone.compute())
+
+
 def _as_rank0_of_two(rank0, rank1) -> None:
     """Make rank0's compute() take torchmetrics' real sync path, with an all_gather giving [rank0, rank1].
 
@@ -218,6 +230,25 @@ def test_bad_labels_counted_on_device_raise_at_compute(cls):
         metric.compute()
 
 
+@pytest.mark.parametrize("cls", [BinnedAUC, NormalizedEntropy, LogLoss])
+def test_logits_given_as_probabilities_are_an_error_naming_from_logits(cls):
+    """BinnedAUC(from_logits=False) fed logits put them in its end bins: AUC 0.12 where torchmetrics' BinaryAUROC gives
+    0.64 (it applies the sigmoid itself); LogLoss and NE raised torch's "between 0 and 1", which names no fix."""
+    g = torch.Generator().manual_seed(0)
+    labels = (torch.rand(400, generator=g) < 0.3).float()
+    logits = torch.randn(400, generator=g) * 2 + labels
+    with pytest.raises(ValueError, match=r"predictions are outside \[0, 1\].*from_logits=True"):
+        cls(from_logits=False).update(logits, labels)
+    metric = cls(from_logits=False)
+    metric.update(torch.sigmoid(logits), labels)
+    assert torch.isfinite(torch.as_tensor(metric.compute()))
+    metric = cls(from_logits=False)
+    metric.update(torch.sigmoid(logits), labels)
+    metric.bad_preds += 2  # off CPU update() only counts them (no host sync); compute() raises
+    with pytest.raises(ValueError, match="2 .*predictions are outside"):
+        metric.compute()
+
+
 @pytest.mark.parametrize("cls", [AUC, BinnedAUC])
 def test_auc_of_one_class_warns_and_is_nan(cls):
     for labels in (torch.ones(5), torch.zeros(5)):
@@ -228,6 +259,15 @@ def test_auc_of_one_class_warns_and_is_nan(cls):
     empty = cls()
     with pytest.warns(UserWarning, match="undefined"):
         assert math.isnan(float(empty.compute()))
+
+
+def test_ne_of_one_class_warns_and_is_nan_not_minus_inf():
+    """All-positive labels gave NE = -inf (loss / -0.0): the best score there is for a lower-is-better metric."""
+    for labels in (torch.ones(5), torch.zeros(5)):
+        metric = NormalizedEntropy()
+        metric.update(torch.randn(5, generator=torch.Generator().manual_seed(0)), labels)
+        with pytest.warns(UserWarning, match="NE is undefined"):
+            assert math.isnan(float(metric.compute()))
 
 
 def test_binned_auc_is_torchmetrics_binned_auroc_and_close_to_exact(data):
@@ -369,6 +409,11 @@ def test_ranking_metrics_take_torchmetrics_flat_indexes_and_top_k():
         RankingMetrics(ks=5).update(scores, target, keep)
     with pytest.raises(ValueError, match="give one of them"):
         NDCG(ks=5, top_k=10)
+    # torchmetrics' top_k=None ranks whole lists: it was taken as the default cutoff, NDCG@10, without a word
+    for cls in (NDCG, RankingMetrics):
+        with pytest.raises(ValueError, match=r"top_k=None is torchmetrics' 'every item.*give top_k=K"):
+            cls(top_k=None)
+    assert NDCG().ks == RankingMetrics().ks == (10,)
 
 
 def _csr(rows_of_items):
@@ -445,6 +490,19 @@ def _ranks_compute(rank, world_size, scores, target):
 def _flat_batches(seed=0, n=600, users=20):
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(n, generator=g), torch.rand(n, generator=g) < 0.2, torch.randint(0, users, (n,), generator=g))
+
+
+def test_flat_form_keeps_64_bit_ids_apart():
+    """indexes were kept as float64: hashed user ids above 2**53 that differ in their last bits became one user."""
+    from torchmetrics import retrieval as tr
+
+    for base in (2**60, -(2**62) - 7, 0):
+        indexes = torch.tensor([base, base, base + 1, base + 1, base - 1])
+        preds, target = torch.tensor([0.9, 0.1, 0.8, 0.2, 0.5]), torch.tensor([0, 1, 1, 0, 1])
+        ours, ref = NDCG(top_k=1), tr.RetrievalNormalizedDCG(top_k=1)
+        ours.update(preds, target, indexes)
+        ref.update(preds, target, indexes)
+        assert float(ours.compute()) == pytest.approx(float(ref.compute())) == pytest.approx(2 / 3), base
 
 
 def test_flat_form_groups_a_users_entries_across_updates_as_torchmetrics():

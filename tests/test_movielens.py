@@ -159,6 +159,65 @@ def test_a_parquet_log_reads_like_its_csv(tmp_path):
             MovieLensDataModule(str(tmp_path / name), split="loo", side_features=False).setup()
 
 
+def test_an_empty_field_is_a_missing_value_named_by_its_line(tmp_path):
+    """An empty user field made every user id a float (1.0, 2.0, and a user NaN) and an empty rating was kept as an
+    interaction rated NaN, both without a word; an empty id among string ids was the id "". Now each is refused,
+    naming its line (blank lines counted, as an editor counts them) or its Parquet row."""
+    import pyarrow.parquet as pq
+
+    for name, text, match in (
+            ("user", "user,item,rating,timestamp\n1,10,5,1\n,11,4,2\n2,12,5,3\n", r"ratings\.csv:3: no user id"),
+            ("rating", "user,item,rating,timestamp\n1,10,5,1\n2,11,,2\n", r"ratings\.csv:3: no rating"),
+            ("time", "user,item,rating,timestamp\n1,10,5,1\n2,11,4,\n", r"ratings\.csv:3: no timestamp"),
+            ("blank_line", "1,10,5,1\n\n2,,4,2\n", r"ratings\.csv:3: no item id"),
+            ("string_ids", "user,item,rating\nA1,B1,5\n  ,B2,4\n", r"ratings\.csv:3: no user id")):
+        _write(tmp_path / name / "ratings.csv", text)
+        with pytest.raises(ValueError, match=match):
+            MovieLensDataModule(str(tmp_path / name), side_features=False).setup()
+    (tmp_path / "pq").mkdir()
+    log = pa.table({"user": ["A1", "", "A2"], "item": ["B1", "B2", "B3"]})
+    pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
+    with pytest.raises(ValueError, match=r"row 1: user is empty"):
+        MovieLensDataModule(str(tmp_path / "pq"), side_features=False).setup()
+    # a NaN rating (not a null) was an interaction rated NaN, and min_rating dropped it without a word
+    log = pa.table({"user": [1, 1, 2], "item": [1, 2, 1], "rating": pa.array([5.0, float("nan"), 4.0])})
+    pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
+    for min_rating in (None, 4):
+        with pytest.raises(ValueError, match=r"row 1: rating is NaN"):
+            MovieLensDataModule(str(tmp_path / "pq"), side_features=False, min_rating=min_rating).setup()
+
+
+def test_uint64_hashed_ids_above_int64_are_kept_as_the_datas_own_ids(tmp_path):
+    """A Parquet log keyed by 64-bit hashes (uint64 >= 2**63) stopped with Arrow's "Integer value ... not in range";
+    such a column is now read as string ids (exact), and one that fits int64 stays integers."""
+    import pyarrow.parquet as pq
+
+    big = np.array([2**63 + 5, 2**64 - 1, 2**63 + 5, 2**64 - 1, 7], np.uint64)
+    log = pa.table({"user": pa.array(big), "item": pa.array(np.array([1, 2, 3, 1, 2], np.uint64))})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(log, tmp_path / "pq" / "ratings.parquet")
+    dm = MovieLensDataModule(str(tmp_path / "pq"), side_features=False)
+    dm.setup()
+    assert sorted(dm.user_ids.tolist()) == sorted(["7", str(2**63 + 5), str(2**64 - 1)])
+    assert dm.item_ids.dtype == np.int64 and dm.item_ids.tolist() == [1, 2, 3]
+
+
+def test_min_rating_on_an_implicit_feedback_log_says_there_is_no_rating(tmp_path):
+    """min_rating=4 on a Parquet log without a rating column (every interaction 1.0) said only "no interactions left
+    ... lower it"; at or below 1.0 it kept everything without a word either way."""
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [1, 1, 2, 2], "item": [1, 2, 1, 3], "timestamp": [1, 2, 3, 4]}),
+                   tmp_path / "pq" / "ratings.parquet")
+    for min_rating in (4, 1):
+        with pytest.raises(ValueError, match=rf"min_rating={min_rating}: .* has no rating column .*leave min_rating"):
+            MovieLensDataModule(str(tmp_path / "pq"), side_features=False, min_rating=min_rating).setup()
+    dm = MovieLensDataModule(str(tmp_path / "pq"), side_features=False, split="loo")  # the mark keeps the time
+    dm.setup()
+    assert dm.report.num_interactions == 4
+
+
 def _string_id_log(n_users: int = 40, n_items: int = 60, seed: int = 5) -> list[tuple[str, str, int]]:
     """A log named the way shops name things: user ids like "A3SG..." and items that are ASINs or ISBN-like digits."""
     g = np.random.default_rng(seed)
@@ -479,6 +538,9 @@ def test_read_ratings_detects_separator_and_header(tmp_path):
     table = read_ratings(_write(tmp_path / "log" / "ratings.csv", "user,item,rating,timestamp\n1,2,1,1700000000.75\n"
                                                                 "1,3,1,1700000001\n"))
     assert table.column("timestamp").to_pylist() == [1700000000, 1700000001]
+    # a byte order mark (Excel's "CSV UTF-8") before the header: its first name was "\xef\xbb\xbfuser", no user column
+    bom = _write(tmp_path / "bom" / "ratings.csv", b"\xef\xbb\xbfuser,item,rating\r\n1,10,4\r\n2,20,3.5\r\n")
+    assert read_ratings(bom).column("user_id").to_pylist() == [1, 2]
     with pytest.raises(ValueError, match=r"bad\.csv.*cannot parse"):
         read_ratings(_write(tmp_path / "bad.csv", "1,2,3,4\n1,x,3,4\n"))
     with pytest.raises(ValueError, match="separator"):

@@ -474,6 +474,22 @@ def test_rows_come_out_once_in_input_order_and_an_all_nan_column_is_left_out(tmp
     np.testing.assert_array_equal(got["p"], np.arange(5) * 0.5)
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_string_ids_holding_a_separator_or_a_quote_are_quoted(tmp_path, suffix):
+    """An id such as "Smith, J" (a log's CSV reads quoted ids) made pyarrow's writer refuse the batch ("CSV values may
+    not contain structural characters"): predict failed after every row was computed. A batch without such ids is
+    written as before, unquoted."""
+    from lightning_rec.predict_rows import write_table
+
+    users = np.array(["Smith, J", 'say "hi"', "tab\there", "line\nbreak", "plain"])
+    write_table({"row": np.arange(5), "user": users, "item": np.array([["a,b", "c"]] * 5)}, tmp_path / f"q{suffix}")
+    got = _read(tmp_path / f"q{suffix}")
+    assert [str(u) for u in got["user"]] == users.tolist() and set(map(str, got["item_1"])) == {"a,b"}
+    write_table({"row": np.arange(2), "user": np.array(["A1", "B2"])}, tmp_path / f"plain{suffix}")
+    sep = "," if suffix == ".csv" else "\t"
+    assert (tmp_path / f"plain{suffix}").read_text() == f"row{sep}user\n0{sep}A1\n1{sep}B2\n"
+
+
 def test_merge_of_spilled_runs_equals_a_sort_and_holds_a_chunk_per_stream(tmp_path):
     """Random shares (sorted or not, repeats within and across ranks, an empty one), spilled in runs and merged
     rank by rank: the rows of np.unique, each with its first copy's values, holding at most a chunk per stream."""

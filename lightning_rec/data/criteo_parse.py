@@ -537,6 +537,13 @@ def _non_ascii_reason(layout: CriteoLayout, k: int, byte: int) -> str:
     )
 
 
+def _stray_cr_reason(layout: CriteoLayout, k: int) -> str:
+    return (
+        f"field {k + 1} ({field_name(layout, k)}) holds a carriage return (\\r) that does not end the line (a file "
+        f"converted to CRLF twice?): remove the extra \\r (e.g. `sed -i 's/\\r*$//' FILE`)"
+    )
+
+
 def _cut_reason(layout: CriteoLayout, count: int) -> str:
     return (
         f"{count} of {layout.num_fields} fields and the row ends in a separator: it was cut short "
@@ -632,6 +639,21 @@ def _parse_block(
         non_ascii[lines_with] = True
         problems.append((line_no[lines_with],
                          lambda i: _non_ascii_reason(layout, int(field_k[i]), int(buf_L[pos[i]])), -3))
+    # A carriage return that does not end its line ("\r\r\n": a file converted to CRLF twice) ends a row for Arrow,
+    # which then read more rows than the block has lines (an AssertionError); the native op reads it as part of
+    # the field. The row is bad, named by the field that holds it
+    stray_cr = np.zeros(ends_incl.size, dtype=bool)
+    cr_pos = np.flatnonzero(buf_L == 13)
+    cr_pos = cr_pos[buf_L[np.minimum(cr_pos + 1, buf_L.size - 1)] != 10]
+    if cr_pos.size:
+        cr_line = np.searchsorted(ends_incl, cr_pos)
+        lines_with, first_idx = np.unique(cr_line, return_index=True)
+        lines_with, first_idx = lines_with[~non_ascii[lines_with]], first_idx[~non_ascii[lines_with]]
+        pos = cr_pos[first_idx]
+        cr_field = np.searchsorted(sep_pos, pos) - np.searchsorted(sep_pos, starts[lines_with])
+        stray_cr[lines_with] = True
+        problems.append((line_no[lines_with], lambda i: _stray_cr_reason(layout, int(cr_field[i])), -3))
+    non_ascii |= stray_cr  # dropped before Arrow, as a non-ASCII row
     too_many = (num_fields > layout.num_fields) & ~non_ascii
     short = (num_fields < layout.num_fields) & ~blank & ~non_ascii
     last_byte = buf_L[np.maximum(content_end - 1, 0)]
@@ -769,6 +791,15 @@ def parse_block_native(
     return label, dense, sparse
 
 
+def _status_field(layout: CriteoLayout, kind: int, k: int) -> int | None:
+    """The field (0-based, in the line) that a label / dense / sparse status names; None for another status."""
+    if kind == _STATUS_LABEL:
+        return layout.label_field
+    if kind == _STATUS_DENSE:
+        return layout.dense_fields[k]
+    return layout.sparse_fields[k] if kind == _STATUS_SPARSE else None
+
+
 def _native_problems(
     block, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
     status: np.ndarray, bad: np.ndarray,
@@ -802,6 +833,8 @@ def _native_problems(
             reason = _too_many_reason(layout, k)
         elif kind == _STATUS_CUT:
             reason = _cut_reason(layout, k)
+        elif (field := _status_field(layout, kind, k)) is not None and field < len(fields) and b"\r" in fields[field]:
+            reason = _stray_cr_reason(layout, field)  # a "\r\r\n" line: the reference parser's words for it
         elif kind == _STATUS_LABEL:
             reason = f"label must be 0 or 1, got {value(layout.label_field)!r}"
         elif kind == _STATUS_DENSE:

@@ -218,8 +218,9 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
                                  1 + j)
 
     def sparse(j: int) -> None:
-        sparse_NF[:, j] = column(f"C{j + 1}", _ids, "must be 8 hex characters or an integer id >= 0: a string "
-                                 "column of hashes, or an integer one of ids", 14 + j)
+        # (the range, not ">= 0": a uint64 hash past 2**63 is >= 0, and was refused in those words)
+        sparse_NF[:, j] = column(f"C{j + 1}", _ids, "must be 8 hex characters or an integer id in 0..2**63 - 1: a "
+                                 "string column of hashes, or an integer one of ids", 14 + j)
 
     jobs = ([label] if columns["label"] is not None else []) + [lambda j=j: dense(j) for j in range(NUM_DENSE_FEATURES)]
     jobs += [lambda j=j: sparse(j) for j in range(NUM_SPARSE_FEATURES)]

@@ -100,6 +100,7 @@ SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS, GIVEN)
 # a word of a file's name -> the part it holds (0 train, 1 validation, 2 test), for split="given"
 _SPLIT_WORDS = {"train": 0, "training": 0, "valid": 1, "validation": 1, "val": 1, "dev": 1, "test": 2}
 _LOG_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet")
+_NO_RATING = b"lightning_rec.no_rating"  # schema mark of an implicit-feedback log (no rating column: every row 1.0)
 _NO_TIME = b"lightning_rec.no_timestamp"  # schema mark of a ratings table whose file had no timestamp column
 _AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
 
@@ -214,10 +215,13 @@ def _read_text(path: Path) -> str:
         return raw.decode("latin-1")  # ml-100k / ml-1m metadata: every byte is a latin-1 character
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _sniff(path: Path) -> tuple[str, bool]:
     """(separator, has_header) from the first line of a ratings file."""
     with open(path, "rb") as f:
-        first = f.readline().decode("latin-1").rstrip("\r\n")
+        first = f.readline().removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
     if not first:
         raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
     for sep in ("::", "\t", ",", ";", "|", " "):
@@ -269,6 +273,34 @@ def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequ
     return ""
 
 
+def _line_of_row(data: bytes, row: int, has_header: bool) -> int:
+    """The 1-based line of a table's 0-based `row` (pyarrow skips empty lines: row + 1 is not always the line)."""
+    line, start, seen = 0, 0, -1
+    while start <= len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end
+        line += 1
+        if not (has_header and line == 1) and data[start:end].rstrip(b"\r"):
+            seen += 1
+            if seen == row:
+                return line
+        start = end + 1
+    return row + 1 + has_header
+
+
+def _refuse_missing(table: pa.Table, data: bytes, path: Path, has_header: bool) -> None:
+    """An empty field where a number belongs reads as null: in an id column np.asarray then made every id a float
+    (user 1.0, and a user NaN), a null rating was kept as an interaction (or dropped by min_rating without a word)."""
+    for name in table.column_names:
+        col = table.column(name)
+        if col.null_count:
+            row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            what = {"user_id": "no user id", "item_id": "no item id"}.get(name, f"no {name}")
+            raise ValueError(f"{path}:{_line_of_row(data, row, has_header)}: {what} (an empty field, or NA / NaN / "
+                             f"null, which pyarrow reads as missing): every interaction needs a user, an item, a "
+                             f"rating and (when the file has the column) a timestamp; fix or drop that line")
+
+
 def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> pa.Table:
     """A Parquet log of interactions, columns by name as in a ratings.csv header: user, item[, rating][, timestamp].
 
@@ -290,10 +322,11 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
                          f"user_id), item (or movieId, item_id)[, rating][, timestamp], or say which are which: "
                          f"columns={{'user': ..., 'item': ...}} (--data.init_args.columns)")
     table = pq.read_table(path, columns=list(ours.values()))
-    out = {}
+    out, marks = {}, {}
     for column, kind in (("user_id", pa.int64()), ("item_id", pa.int64()), ("rating", pa.float32())):
         if column not in ours:
             out[column] = pa.array(np.ones(table.num_rows, np.float32))  # implicit feedback
+            marks[_NO_RATING] = b"1"
             continue
         col = table.column(ours[column])
         if col.null_count:
@@ -302,12 +335,27 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
                              f"(when the column is there) a rating")
         whole = column != "rating"
         if whole and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            empty = _empty_ids(col)  # "" is a missing id, as an empty field of a CSV log (not a user named "")
+            if empty is not None:
+                raise ValueError(f"{path}, row {empty}: {ours[column]} is empty: every interaction needs a user, an "
+                                 f"item and (when the column is there) a rating")
             out[column] = pc.cast(col, pa.string())  # string ids ("A3SGXH7AUHU8GW"): kept as the data's own ids
             continue
         if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)) or (
                 whole and pa.types.is_floating(col.type) and not bool(pc.all(pc.equal(pc.floor(col), col)).as_py())):
             need = "ids must be integers or strings" if whole else "ratings must be numbers"
             raise ValueError(f"{path}: column {ours[column]!r} is {col.type}: {need}")
+        if whole and pa.types.is_unsigned_integer(col.type) and (pc.max(col).as_py() or 0) > np.iinfo(np.int64).max:
+            # 64-bit hashes as uint64: Arrow's cast to int64 refused them ("Integer value ... not in range"); as
+            # text they stay the data's own ids, exactly
+            out[column] = pc.cast(col, pa.string())
+            continue
+        if not whole and pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
+            # a NaN (not a null: Polars and numpy-built tables keep NaN) was an interaction rated NaN, kept without
+            # min_rating and dropped without a word with it; a CSV's "NaN" reads as missing and is refused
+            row = int(np.flatnonzero(pc.is_nan(col).to_numpy(zero_copy_only=False))[0])
+            raise ValueError(f"{path}, row {row}: {ours[column]} is NaN: every interaction needs a user, an item and "
+                             f"(when the column is there) a rating")
         out[column] = pc.cast(col, kind)
     if "timestamp" in ours:
         col = table.column(ours["timestamp"])
@@ -320,9 +368,9 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
             out["timestamp"] = pc.cast(pc.cast(col, pa.timestamp("s"), safe=False), pa.int64())
         else:
             out["timestamp"] = pc.cast(pc.floor(pc.cast(col, pa.float64())), pa.int64())
-        return pa.table(out)
+        return pa.table(out).replace_schema_metadata(marks or None)
     out["timestamp"] = pa.array(np.zeros(table.num_rows, np.int64))
-    return pa.table(out).replace_schema_metadata({_NO_TIME: b"1"})
+    return pa.table(out).replace_schema_metadata({**marks, _NO_TIME: b"1"})
 
 
 def parquet_ratings(path: Path) -> list[Path]:
@@ -344,7 +392,8 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
     if path.suffix == ".parquet":
         return _read_ratings_parquet(path, columns)
     sep, has_header = _sniff(path)
-    data = path.read_bytes()
+    # a CSV saved by Excel ("CSV UTF-8") starts with a byte order mark, which made its first header name "ï»¿user"
+    data = path.read_bytes().removeprefix(_UTF8_BOM)
     if sep == "::":
         data, sep = data.replace(b"::", b"\t"), "\t"  # pyarrow reads one-character separators
     names = ["user_id", "item_id", "rating", "timestamp"]
@@ -398,9 +447,10 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
             bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids])
             raise ValueError(f"{path}{bad_line}: cannot parse the ratings ({error}); expected {ids}, a numeric "
                              f"rating[, timestamp] separated by {sep!r}") from None
+    _refuse_missing(table, data, path, has_header)
     for name in string_ids:
-        table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), path, name,
-                                                                                      has_header))
+        table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), data, path,
+                                                                                      name, has_header))
     if num_fields == 3:
         # zeros keep one schema for every file; the mark tells a temporal split there is no time to order by
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
@@ -415,23 +465,36 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
     return table
 
 
-def _ids_from_text(col: pa.ChunkedArray, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
+def _empty_ids(col: pa.ChunkedArray) -> int | None:
+    """The first row whose string id is null or blank, or None."""
+    import pyarrow.compute as pc
+
+    missing = pc.or_kleene(pc.is_null(col), pc.equal(pc.utf8_trim_whitespace(col), "")).fill_null(True)
+    if not pc.any(missing).as_py():
+        return None
+    return int(np.flatnonzero(missing.to_numpy(zero_copy_only=False))[0])
+
+
+def _ids_from_text(col: pa.ChunkedArray, data: bytes, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
     """A header-named id column read as text: int64 when every id is an integer, else the strings (with a warning
     when integers and other ids are mixed: ISBN-like ids beside ASINs are fine, a damaged row is not)."""
     import pyarrow.compute as pc
 
     col = pc.utf8_trim_whitespace(col)
-    if col.null_count:
-        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ValueError(f"{path}:{row + 1 + has_header}: no {name.split('_')[0]} id: every interaction needs a user "
-                         f"and an item")
+    # an empty field is a missing id, not the id "" (it turned a whole integer column into strings, with a warning
+    # that called the empty field a non-integer id)
+    empty = _empty_ids(col)
+    if empty is not None:
+        raise ValueError(f"{path}:{_line_of_row(data, empty, has_header)}: no {name.split('_')[0]} id (an empty "
+                         f"field): every interaction needs a user and an item; fix or drop that line")
     is_int = pc.match_substring_regex(col, r"^-?\d{1,18}$").to_numpy(zero_copy_only=False)
     if is_int.all():
         return pc.cast(col, pa.int64())
     if is_int.any():
         row = int(np.flatnonzero(~is_int)[0])
         warnings.warn(f"{path}: {int((~is_int).sum())} of {len(is_int)} {name.split('_')[0]} ids are not integers "
-                      f"(the first, {col[row].as_py()!r}, on line {row + 1 + has_header}): every {name.split('_')[0]} "
+                      f"(the first, {col[row].as_py()!r}, on line {_line_of_row(data, row, has_header)}): every "
+                      f"{name.split('_')[0]} "
                       f"id is read as a string. If those rows are damage, not ids, fix them", stacklevel=3)
     return col
 
@@ -898,6 +961,11 @@ class MovieLensDataModule(pl.LightningDataModule):
         table = read_ratings(path, self.columns)
         self.report.num_ratings += table.num_rows
         if self.min_rating is not None:
+            if table.schema.metadata and _NO_RATING in table.schema.metadata:
+                # every interaction reads as 1.0: min_rating=4 left none, and the error said only "lower it"
+                raise ValueError(f"min_rating={self.min_rating}: {path} has no rating column (implicit feedback: every "
+                                 f"interaction counts, as 1.0), so there is nothing to threshold: leave min_rating "
+                                 f"out, or name the rating column: columns={{'rating': ...}}")
             keep = np.asarray(table.column("rating")) >= self.min_rating
             table = table.filter(pa.array(keep))
         return table

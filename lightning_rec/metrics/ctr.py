@@ -30,7 +30,7 @@ with a host sync per batch. `benchmarks/auc.py` measures the speed and memory of
 Labels must be 0 or 1 (ratings, -1/1 labels or NaN labels of unlabelled data would give an AUC
 above 1 or a meaningless NE). On CPU every batch is checked in `update`; on GPU the count of bad
 labels is kept on the device (no per-step host sync) and `compute()` raises. An evaluation set of
-one class has no AUC: a warning and NaN, never a crash.
+one class has no AUC and no NE: a warning and NaN, never a crash.
 """
 
 from __future__ import annotations
@@ -88,6 +88,29 @@ def _check_labels_now(labels_B: Tensor, where: str) -> Tensor | None:
     return bad
 
 
+def _prob_error(num_bad: int, num_preds: int | None, where: str) -> ValueError:
+    of = f" of {num_preds}" if num_preds is not None else ""
+    return ValueError(
+        f"{where}: {num_bad}{of} predictions are outside [0, 1] with from_logits=False, so they are not probabilities "
+        f"(logits?): pass from_logits=True (the default) for a model's output before its sigmoid, or apply the "
+        f"sigmoid first"
+    )
+
+
+def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor | None:
+    """from_logits=False: on CPU raise at once for a prediction outside [0, 1]; elsewhere return the count to keep on
+    the device (no per-step host sync), as for labels. Logits read as probabilities fell into the end bins of
+    BinnedAUC (AUC 0.12 where torchmetrics, which applies the sigmoid itself then, gives 0.64)."""
+    if from_logits:
+        return None
+    bad = ((preds_B < 0) | (preds_B > 1)).sum()
+    if preds_B.device.type == "cpu":
+        if int(bad):
+            raise _prob_error(int(bad), preds_B.numel(), where)
+        return None
+    return bad
+
+
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
     if num_pos > 0 and num_neg > 0:
         return None
@@ -110,7 +133,7 @@ def _bce_sum(preds_B: Tensor, labels_B: Tensor, from_logits: bool) -> Tensor:
 
 
 def binary_entropy(p: Tensor) -> Tensor:
-    """H(p) in nats; 0 at p = 0 or 1 (where NE is then undefined: inf or nan)."""
+    """H(p) in nats; 0 at p = 0 or 1 (where NE is undefined: NormalizedEntropy warns and gives NaN)."""
     return -(torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p))
 
 
@@ -126,6 +149,7 @@ class _SumMetric(Metric):
         self.add_state("label_sum", default=zero(), dist_reduce_fx="sum")
         self.add_state("count", default=zero(), dist_reduce_fx="sum")
         self.add_state("bad_labels", default=zero(), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=zero(), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
         where = f"{type(self).__name__}.update"
@@ -133,6 +157,10 @@ class _SumMetric(Metric):
         bad = _check_labels_now(labels_B, where)
         if bad is not None:
             self.bad_labels += bad
+        bad = _check_probs_now(preds_B, self.from_logits, where)  # torch's BCE said "between 0 and 1" only
+        if bad is not None:
+            self.bad_preds += bad
+            preds_B = preds_B.clamp(0, 1)  # counted, raised at compute; a CUDA BCE would assert on the device
         self.loss_sum += _bce_sum(preds_B, labels_B, self.from_logits)
         self.label_sum += labels_B.double().sum()
         self.count += labels_B.numel()
@@ -140,6 +168,8 @@ class _SumMetric(Metric):
     def _checked_count(self) -> Tensor:
         if float(self.bad_labels):  # one host read per compute, not per batch
             raise _label_error(int(self.bad_labels), int(self.count), f"{type(self).__name__}.compute")
+        if float(self.bad_preds):
+            raise _prob_error(int(self.bad_preds), int(self.count), f"{type(self).__name__}.compute")
         return self.count
 
 
@@ -168,7 +198,17 @@ class NormalizedEntropy(_SumMetric):
 
     def compute(self) -> Tensor:
         count = self._checked_count()
-        return (self.loss_sum / count) / binary_entropy(self.label_sum / count)
+        entropy = binary_entropy(self.label_sum / count)
+        if not float(entropy) > 0:
+            # one class: H(ctr) is 0 (as -0.0 at ctr = 1), and loss / -0.0 gave -inf, which reads as the best
+            # model there is (lower is better); without a second class there is no baseline to normalize by
+            positives = float(self.label_sum)
+            warnings.warn(f"NormalizedEntropy: the evaluation set has {int(positives)} positive and "
+                          f"{int(float(count) - positives)} negative labels, so the entropy of its click rate is 0 "
+                          f"and NE is undefined: returning NaN. Evaluate on a set with both clicks and non-clicks "
+                          f"(LogLoss is defined on any set)", UserWarning, stacklevel=2)
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        return (self.loss_sum / count) / entropy
 
 
 class AUC(Metric):
@@ -233,6 +273,7 @@ class BinnedAUC(BinaryAUROC):
         self.add_state("bad_labels", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         # NaN scores fall in the top bin: counted (on the device, no sync) so compute() says so instead
         self.add_state("nan_preds", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, preds: Tensor, target: Tensor | None = None, *, labels: Tensor | None = None) -> None:
         preds_B, labels_B = _flat(preds, _target_of(target, labels, "BinnedAUC.update"))
@@ -240,6 +281,9 @@ class BinnedAUC(BinaryAUROC):
         if bad is not None:
             self.bad_labels += bad
         self.nan_preds += torch.isnan(preds_B).sum()
+        bad = _check_probs_now(preds_B, self.from_logits, "BinnedAUC.update")
+        if bad is not None:
+            self.bad_preds += bad
         probs_B = torch.sigmoid(preds_B.float()) if self.from_logits else preds_B.float()
         # torchmetrics compares every sample with every threshold (O(B T): 16 s per million samples at
         # T = 10,000 on a 2-core CPU); a histogram over the thresholds gives the same counts in O(B log T)
@@ -258,6 +302,8 @@ class BinnedAUC(BinaryAUROC):
     def compute(self) -> Tensor:  # states are synced over ranks before this runs
         if int(self.bad_labels):
             raise _label_error(int(self.bad_labels), None, "BinnedAUC.compute")
+        if int(self.bad_preds):
+            raise _prob_error(int(self.bad_preds), None, "BinnedAUC.compute")
         counts = self.confmat[0]  # [label, prediction] at the first threshold: every sample once
         nan = _one_class_nan(float(counts[1].sum()), float(counts[0].sum()), "BinnedAUC")
         if nan is not None:
@@ -301,13 +347,16 @@ class RecMetricCollection(MetricCollection):
         prefix: str | None = "val/",
         from_logits: bool = True,
         metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr"),
+        num_thresholds: int = 10_000,
         **metric_kwargs,
     ) -> None:
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}: choose from {sorted(_METRICS)}")
+        # num_thresholds is BinnedAUC's alone: passed to every metric, the others refused it ("Unexpected keyword")
+        own = {"binned_auc": {"num_thresholds": num_thresholds}}
         super().__init__(
-            {name: _METRICS[name](from_logits=from_logits, **metric_kwargs) for name in metrics},
+            {name: _METRICS[name](from_logits=from_logits, **own.get(name, {}), **metric_kwargs) for name in metrics},
             prefix=prefix,
             compute_groups=False,
         )

@@ -66,9 +66,24 @@ RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
 EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, with its meaning
 
 
-def _cutoffs(ks: int | Sequence[int] | None, top_k: int | None, default: int | Sequence[int]) -> tuple[int, ...]:
+class _Unset:
+    """top_k's default, told apart from None: torchmetrics' top_k=None means every item of the list, which is no
+    cutoff here, and was taken silently as the default (NDCG@10 where torchmetrics ranks whole lists)."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
+def _cutoffs(ks: int | Sequence[int] | None, top_k: int | None | _Unset,
+             default: int | Sequence[int]) -> tuple[int, ...]:
     """`ks`, or torchmetrics' `top_k` (RetrievalNormalizedDCG(top_k=10)): one name for the cutoffs."""
-    if top_k is not None:
+    if top_k is None:
+        raise ValueError("top_k=None is torchmetrics' 'every item of each list', which is no cutoff here: give "
+                         "top_k=K (the length of the longest list ranks them all) or ks=[...]")
+    if not isinstance(top_k, _Unset):
         if ks is not None:
             raise ValueError(f"ks={ks!r} and top_k={top_k!r}: give one of them (top_k is torchmetrics' name for one "
                              f"cutoff, ks takes one or a list)")
@@ -160,7 +175,7 @@ class RankingMetrics(Metric):
     full_state_update = False
 
     def __init__(self, ks: int | Sequence[int] | None = None, metrics: Sequence[str] = RANKING_METRICS,
-                 prefix: str = "", top_k: int | None = None, empty_target_action: str = "skip",
+                 prefix: str = "", top_k: int | None | _Unset = UNSET, empty_target_action: str = "skip",
                  **kwargs) -> None:
         super().__init__(**kwargs)
         self.ks = _cutoffs(ks, top_k, default=(10,))
@@ -185,9 +200,11 @@ class RankingMetrics(Metric):
         # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
         # several updates (rows of (user, item, label) in batches), and regrouped per update they counted as
         # several users with partial lists (NDCG@5 0.64 where torchmetrics gives 0.27)
-        # All three kept as float64 (ids exact to 2**53), the dtype torchmetrics gives the empty placeholder of a
-        # rank without entries: gloo aborted the process gathering int64 ids against that float placeholder
-        for name in ("flat_preds", "flat_target", "flat_indexes"):
+        # All kept as float64, the dtype torchmetrics gives the empty placeholder of a rank without entries: gloo
+        # aborted the process gathering int64 ids against that float placeholder. An id is kept as its high and low
+        # 32 bits (each exact in float64): one float64 held ids exactly only up to 2**53, and 64-bit hashed user ids
+        # that differ in their last bits became one user (NDCG@1 0.0 where torchmetrics gives 0.5)
+        for name in ("flat_preds", "flat_target", "flat_indexes", "flat_indexes_low"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self._dtype = torch.float64
 
@@ -218,7 +235,9 @@ class RankingMetrics(Metric):
             if indexes.numel():  # (an empty batch has no user: nothing to count)
                 self.flat_preds.append(preds.detach().reshape(-1).double())
                 self.flat_target.append((target.reshape(-1) != 0).double())
-                self.flat_indexes.append(indexes.reshape(-1).double())
+                indexes = indexes.reshape(-1).long()
+                self.flat_indexes.append((indexes >> 32).double())
+                self.flat_indexes_low.append((indexes & 0xFFFFFFFF).double())
         else:
             self._update_candidates(preds, target, mask)
 
@@ -350,7 +369,7 @@ class RankingMetrics(Metric):
         sums, num_users, skipped = self.sums, int(self.num_users), int(self.skipped_users)
         if len(self.flat_indexes):  # every rank's entries (synced by "cat"), grouped per user once, here
             flat = RankingMetrics(ks=self.ks, empty_target_action=self.empty_target_action)
-            indexes = dim_zero_cat(self.flat_indexes).long()
+            indexes = (dim_zero_cat(self.flat_indexes).long() << 32) | dim_zero_cat(self.flat_indexes_low).long()
             if indexes.numel():
                 flat._update_candidates(*_padded_by_query(dim_zero_cat(self.flat_preds).float(),
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
@@ -380,7 +399,7 @@ class _OneRankingMetric(RankingMetrics):
 
     _name = ""
 
-    def __init__(self, ks: int | Sequence[int] | None = None, top_k: int | None = None, **kwargs) -> None:
+    def __init__(self, ks: int | Sequence[int] | None = None, top_k: int | None | _Unset = UNSET, **kwargs) -> None:
         super().__init__(ks=_cutoffs(ks, top_k, default=10), metrics=(self._name,), **kwargs)
 
     def compute(self) -> Tensor | dict[str, Tensor]:
