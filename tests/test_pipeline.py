@@ -738,3 +738,40 @@ def test_a_step_that_moves_its_batch_to_the_device_it_is_on_stays_pipelined():
     in the step. KeyedJaggedTensor.to now returns itself when nothing moves, as Tensor.to does."""
     stats, said = run_ranks(_moved_batch_worker, 1, timeout=120)[0]
     assert stats == {"routed_ahead": 5, "routed_in_step": 1} and said == []
+
+
+def _new_pass_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    seen = []  # per pass: was the previous pass's feeder thread still running when the loader's __iter__ ran?
+
+    class Data(SyntheticCriteoDataModule):
+        def val_dataloader(self):
+            loader = super().val_dataloader()
+
+            class Watching(type(loader)):
+                def __iter__(self):
+                    feeder = getattr(getattr(self, "_rec_pipeline", None), "feeder", None)
+                    seen.append(feeder is not None and feeder._thread.is_alive())
+                    return super().__iter__()
+
+            loader.__class__ = Watching
+            return loader
+
+    L.seed_everything(0)
+    data = Data(num_train_samples=256, num_val_samples=512, batch_size=64, num_sparse_features=NUM_F,
+                num_embeddings_per_feature=64, num_signal_features=2)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=W, max_epochs=3,
+                        limit_train_batches=2, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(DLRMModule(**SMALL), data)
+    return seen
+
+
+def test_a_new_pass_stops_the_last_passs_feeder_before_the_loader_restarts():
+    """A pass cut short (limit_val_batches) leaves its feeder reading ahead from the loader's iterator; the next pass
+    called the loader's __iter__ first, which with persistent_workers resets that same iterator while the old
+    feeder may still be inside next() on it. The old feeder is now stopped before the loader restarts."""
+    seen = run_ranks(_new_pass_worker, 1, timeout=120)[0]
+    assert len(seen) == 3 and not any(seen), seen

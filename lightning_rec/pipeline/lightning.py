@@ -40,8 +40,12 @@ def wrap_loader(loader, pipeline: InputPipeline, pad=None):
 
 
 def _iter_pipelined(self):
-    batches = base_loader_class(type(self)).__iter__(self)
     pipeline: InputPipeline = self._rec_pipeline
+    if not pipeline.closed:
+        # the last pass's feeder stops before the loader restarts: a pass cut short (limit_*_batches) leaves it
+        # reading ahead, and with persistent_workers the loader's __iter__ resets the very iterator it reads
+        pipeline.stop_feeder()
+    batches = base_loader_class(type(self)).__iter__(self)
     if pipeline.closed:  # the loader went on to a run without this strategy
         return batches
     return pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None))

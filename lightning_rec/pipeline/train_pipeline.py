@@ -48,8 +48,7 @@ class InputPipeline:
         every rank's batches are all used (None: the pass ends when the first rank's source does)."""
         if self.closed:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
-        if self.feeder is not None:
-            self.feeder.close()
+        self.stop_feeder()
         plan = self.plan
         if not plan.final.is_set() and plan.record_entry is not None:  # the last pass stopped while recording
             if plan.routes or plan.not_pipelined:
@@ -59,6 +58,12 @@ class InputPipeline:
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
                               self.to_device, self.stats, pad)
         return self.feeder
+
+    def stop_feeder(self) -> None:
+        """Stop the current pass's feeder, if any (at the same point on every rank: it agrees where to stop)."""
+        if self.feeder is not None:
+            self.feeder.close()
+            self.feeder = None
 
     def owns(self, batch: Any) -> bool:
         return self.inputs.owns(batch)
@@ -71,9 +76,7 @@ class InputPipeline:
         """Stop the feeder and give the channels back (call it at the same point on every rank)."""
         if self.closed:
             return
-        if self.feeder is not None:
-            self.feeder.close()
-            self.feeder = None
+        self.stop_feeder()
         for key, channel in self.channels.items():
             _Channel.release(self._envs[key], channel)
         self.channels = {}
