@@ -424,3 +424,30 @@ def test_the_table_owner_registry_forgets_collections_that_are_gone():
     gc.collect()
     assert len(embedding._TABLE_OWNERS) == before
     assert embedding.table_owner(kept.embedding_bags["t1"].weight) == (kept, "t1")
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+def test_deepcopy_of_a_fused_collection_keeps_its_parameters_on_its_kernels(kernel):
+    """copy.deepcopy (an EMA / AveragedModel copy): the copy's state_dict follows the copy's training, a
+    load_state_dict into it reaches its kernels, and the original is untouched. Its parameters were clones
+    (nn.Parameter's deepcopy), frozen at the copy's weights."""
+    import copy
+
+    from lightning_rec.optim import apply_optimizer_in_backward
+
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1), kernel=kernel)
+    before = {n: p.detach().clone() for n, p in ebc.table_parameters().items()}
+    twin = copy.deepcopy(ebc)
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    twin(kjt).values().sum().backward()
+    moved = twin.lookup.table_weights()
+    for name, param in twin.table_parameters().items():
+        assert torch.equal(param, moved[name])  # the state dict shows what the copy trained
+        assert torch.equal(ebc.table_parameters()[name], before[name])  # the original did not move
+    assert not torch.equal(moved["t0"], before["t0"])
+    twin.load_state_dict(ebc.state_dict())
+    assert torch.equal(twin(kjt).values(), ebc(kjt).values())
+    # the copy's tables are its own to fuse anew (TorchRec's apply_optimizer_in_backward finds their owner)
+    plain = copy.deepcopy(EmbeddingBagCollection(TABLES))
+    apply_optimizer_in_backward(torch.optim.SGD, plain.parameters(), {"lr": 0.1})
+    assert plain.fused_optimizer_config().optimizer.value == "sgd"
