@@ -409,7 +409,8 @@ class KeyedJaggedTensor:
         return KeyedJaggedTensor(
             keys,
             values=torch.cat([k.values() for k in kjts]),
-            weights=torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
+            # a KJT with no keys (KeyedJaggedTensor.empty()) adds nothing, weights or not
+            weights=torch.cat([k.weights() for k in kjts if k.keys()]) if weighted == {True} else None,
             lengths=torch.cat([k.lengths() for k in kjts]),
             stride=strides.pop() if strides else 0,
             length_per_key=lpk,

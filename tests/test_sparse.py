@@ -42,6 +42,9 @@ def test_permute_split_concat():
     assert bags(a) == {"f1": [[1, 2], [], [3]]} and bags(b) == {"f2": [[4], [5, 6], [7]]}
     back = KeyedJaggedTensor.concat([b, a])
     assert bags(back) == bags(p) and back.weights().tolist() == p.weights().tolist()
+    # an empty KJT (no keys, no weights) adds nothing, next to weighted ones too
+    padded = KeyedJaggedTensor.concat([KeyedJaggedTensor.empty(), b, a])
+    assert bags(padded) == bags(p) and padded.weights().tolist() == p.weights().tolist()
 
 
 def test_from_offsets_and_jt_dict_agree():
