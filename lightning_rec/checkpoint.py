@@ -840,7 +840,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
         targets[f"{prefix}fused.param_groups"] = None
         for key, ((rows, cols), parts) in fused.global_state_pieces().items():
             first = parts[0][1]
-            fqn = f"{prefix}fused.{key}"
+            fqn = _as_saved(f"{prefix}fused.", key, PER_ROW if first.dim() == 1 else "", saved)
             if first.dim() == 0:
                 targets[fqn] = first
             elif first.dim() == 2:
@@ -881,12 +881,33 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
         fused.state_loaded()
-        by_name = {g["name"]: g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
+        by_name = {_unwrapped(g["name"]): g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
         for group in fused.param_groups:
             for k, v in by_name.get(group["name"], {}).items():
                 if k not in ("name", "tables", "optimizer"):
                     group[k] = v
     _load_dense_parts(optimizer, fused_key, rest, prefix, module, path)
+
+
+# Before fused state was named by the model's own paths (optim.fused_modules), an optimizer built on a
+# DistributedModelParallel saved it under its wrappers' names too: these still load.
+_WRAPPER_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.")
+
+
+def _as_saved(head: str, key: str, suffix: str, saved: Mapping[str, Any]) -> str:
+    """`head + key` (without `suffix`, which the caller adds), or the wrapped name it was saved under."""
+    if head + key + suffix not in saved:
+        for wrapped in _WRAPPER_PREFIXES:
+            if head + wrapped + key + suffix in saved:
+                return head + wrapped + key
+    return head + key
+
+
+def _unwrapped(name: str) -> str:
+    for wrapped in _WRAPPER_PREFIXES:
+        if name.startswith(wrapped):
+            return name[len(wrapped):]
+    return name
 
 
 def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:

@@ -160,6 +160,56 @@ def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
     _same(saved, _full_state(module, optimizer), per_row_tol=True)
 
 
+def _hand_loop_save_worker(rank, W, path):
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = combined_optimizer(dmp, torch.optim.SGD(dense_parameters(dmp), lr=0.02))  # the README's loop
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": dmp.state_dict()}, path, optimizers=[optimizer])
+    return _full_state(module, optimizer)
+
+
+def test_hand_written_loop_optimizer_of_the_dmp_loads_into_the_unsharded_model(tmp_path):
+    """combined_optimizer(dmp, ...) saved its fused state under '_dmp_wrapped_module.module.<path>' (the wrappers'
+    names), so load_optimizer into the unsharded model (or any model without DDP around it) found no entry."""
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_hand_loop_save_worker, 2, path, timeout=120)[0]
+    module = _module()
+    optimizer = combined_optimizer(module, torch.optim.SGD(dense_parameters(module), lr=0.02))
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, module=module)
+    _same(saved, _full_state(module, optimizer))
+
+
+def test_fused_state_saved_under_the_wrappers_names_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the fix above (fused state and learning rates under '_dmp_wrapped_module...')."""
+    from lightning_rec import optim
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    path = str(tmp_path / "old.ckpt")
+    module = _module()
+    wrapper = torch.nn.Module()
+    wrapper._dmp_wrapped_module = module  # a DistributedModelParallel(dense=None)'s layout
+    with monkeypatch.context() as m:
+        m.setattr(optim, "_is_wrapper_child", lambda parent, name: False)  # the old naming
+        optimizer = combined_optimizer(wrapper, torch.optim.SGD(dense_parameters(module), lr=0.02))
+    _train(module, module, optimizer, 0, steps=2)
+    optimizer.param_groups[0]["lr"] = 0.125  # the fused rate a scheduler left
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    assert any("_dmp_wrapped_module" in k for k in ckpt._read_metadata(Path(path))[1].state_dict_metadata)
+    saved = {k.replace("_dmp_wrapped_module.", ""): v for k, v in _full_state(module, optimizer).items()}
+    fresh = _module()
+    again = combined_optimizer(fresh, torch.optim.SGD(dense_parameters(fresh), lr=0.02))
+    ckpt.load_model(fresh, path)
+    ckpt.load_optimizer(again, path, module=fresh)
+    _same(saved, _full_state(fresh, again))
+    assert again.param_groups[0]["lr"] == 0.125
+
+
 def test_dcp_per_element_state_adagrad(tmp_path):
     path = str(tmp_path / "c.ckpt")
     saved = run_ranks(_save_worker, 2, path, "mixed", "adagrad", timeout=120)[0]
