@@ -257,6 +257,13 @@ class _TableWeight(nn.Module):
         super().__init__()
         self.weight = weight
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        # The weight views the kernel's storage (or is the dense kernel's own parameter): load_state_dict(...,
+        # assign=True) swapped in the loaded tensor, which the kernel never reads. The state dict then showed the
+        # loaded values while forward used the old ones. Tables always load by copy, as the sharded ones do.
+        local_metadata = {**local_metadata, "assign_to_params_buffers": False}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
 
 def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
     """A sharded state dict (ShardedTensor pieces) loads into the unsharded collection when it is whole."""

@@ -451,3 +451,16 @@ def test_deepcopy_of_a_fused_collection_keeps_its_parameters_on_its_kernels(kern
     plain = copy.deepcopy(EmbeddingBagCollection(TABLES))
     apply_optimizer_in_backward(torch.optim.SGD, plain.parameters(), {"lr": 0.1})
     assert plain.fused_optimizer_config().optimizer.value == "sgd"
+
+
+@pytest.mark.parametrize("optimizer", [None, FusedOptimizerConfig("sgd", lr=0.1)])
+def test_load_state_dict_with_assign_reaches_the_kernel(optimizer):
+    """load_state_dict(sd, assign=True) (meta-init flows, Lightning's and HF's loaders) replaced the table parameter
+    with the loaded tensor: state_dict() showed it, forward kept reading the kernel's old rows."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=optimizer)
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    source = EmbeddingBagCollection(TABLES, optimizer=optimizer)
+    ebc.load_state_dict(source.state_dict(), assign=True)
+    torch.testing.assert_close(ebc(kjt).values(), source(kjt).values(), atol=0, rtol=0)
+    for name, param in ebc.table_parameters().items():
+        assert torch.equal(param, ebc.lookup.table_weights()[name])
