@@ -207,6 +207,17 @@ def test_a_data_parallel_table_larger_than_one_rank_does_not_ask_for_more_ranks(
     assert "ddr 1.5 MB per rank" in Topology(world_size=4, ddr_cap=1_600_000).describe()  # not "0.0 GB"
 
 
+def test_table_column_wise_with_one_rank_per_host_names_the_cause():
+    """It said 'dim 64 over 1 local ranks gives blocks under min_partition 32' (one 64-column block is not under 32)."""
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=100, embedding_dim=64)]
+    only = {"t": ParameterConstraints(sharding_types=["table_column_wise"])}
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=8 * GB, local_world_size=1)
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(topology, only, print_stats=False).plan(tables)
+    msg = str(err.value)
+    assert "needs 2+ ranks per host" in msg and "under min_partition" not in msg, msg
+
+
 def test_planner_error_is_a_value_error():
     assert issubclass(PlannerError, ValueError)
 
