@@ -295,10 +295,20 @@ def _dense_key(prefix: str, name: str) -> str:
     return f"{prefix}dense.{name}" if name else f"{prefix}dense"
 
 
+def _named_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model whose parameter names the dense state is saved under: a DistributedModelParallel's own model, so
+    that `save(..., module=dmp)` names them as the unsharded model does (not `_dmp_wrapped_module.<name>`, which
+    only another DistributedModelParallel could load)."""
+    from lightning_rec.model_parallel import DistributedModelParallel
+
+    return module.module if isinstance(module, DistributedModelParallel) else module
+
+
 def _dense_entries(optimizer: torch.optim.Optimizer, fused_key: str | None, state: Mapping[str, Any], prefix: str,
                    module: torch.nn.Module | None) -> dict[str, Any]:
     rest, children = _dense_parts(optimizer, fused_key, state)
     out: dict[str, Any] = {}
+    module = None if module is None else _named_model(module)
     if module is not None and get_optimizer_state_dict is not None:
         if "" in children:
             if _sharded(rest):
@@ -342,10 +352,13 @@ def _load_dense(optimizer: torch.optim.Optimizer, key: str, module: torch.nn.Mod
     if module is None or set_optimizer_state_dict is None:
         raise ValueError(f"checkpoint {path}: the dense optimizer's state was saved sharded (FSDP) by parameter "
                          f"name: pass module= (the model the optimizer trains) to checkpoint.load_optimizer")
-    template = get_optimizer_state_dict(module, optimizer)  # this rank's layout (fresh state: zero-filled)
-    reader, _ = _read_metadata(path)
+    reader, md = _read_metadata(path)
+    # saved before _named_model, by a DistributedModelParallel: its names still load into one
+    wrapped = any(k.startswith(f"{key}.state._dmp_wrapped_module.") for k in md.state_dict_metadata)
+    names = module if wrapped else _named_model(module)
+    template = get_optimizer_state_dict(names, optimizer)  # this rank's layout (fresh state: zero-filled)
     _load({key: template}, reader, path)
-    set_optimizer_state_dict(module, optimizer, template)
+    set_optimizer_state_dict(names, optimizer, template)
 
 
 def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, rest: Any, prefix: str,

@@ -753,7 +753,7 @@ def test_loader_state_of_another_batch_size_warns_and_starts_the_epoch_over():
     assert len(_labels(smaller)) == len(smaller)
 
 
-def _fsdp_worker(rank, W, path, mode):
+def _fsdp_worker(rank, W, path, mode, module_arg="module"):
     from torch.distributed.tensor import DTensor
 
     module = _module()
@@ -763,12 +763,15 @@ def _fsdp_worker(rank, W, path, mode):
     plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout("row_wise", W), world_size=W, local_size=W)})
     dmp = DistributedModelParallel(module, plan=plan, device="cpu", dense="fsdp", timeout=30)
     optimizer = module.configure_optimizers()
+    trains = dmp if module_arg == "dmp" else module  # the README's hand-written loop passes module=dmp
+    if mode == "save_old":  # as before _named_model: the dense state under '_dmp_wrapped_module.<param>'
+        ckpt._named_model, mode = (lambda m: m), "save"
     if mode == "save":
         _train(module, dmp, optimizer, rank)
-        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=module)
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=trains)
     else:
         ckpt.load_model(module, path)
-        ckpt.load_optimizer(optimizer, path, 0, module=module)
+        ckpt.load_optimizer(optimizer, path, 0, module=trains)
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t.clone()
@@ -788,6 +791,29 @@ def test_dcp_with_fsdp_dense_layers_reshards(tmp_path, save_world, load_world):
     assert any(k.startswith("dense:") for k in saved)
     assert saved.keys() == loaded.keys()
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+
+
+def test_fsdp_dense_state_saved_with_module_dmp_loads_into_the_unsharded_model(tmp_path):
+    """save(..., module=dmp) named the dense state '_dmp_wrapped_module.<param>': only a DistributedModelParallel could
+    load it; the unsharded model (module=model) failed with 'Missing key ... A file of it may be damaged'."""
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_fsdp_worker, 2, path, "save", "dmp", timeout=120)[0]
+    assert not dist.is_initialized()
+    module = _module()
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, 0, module=module)
+    dense = dict(optimizer.optimizers)["dense"].state_dict()["state"]
+    loaded = {f"dense:{pid}.{n}": v for pid, st in dense.items() for n, v in st.items() if torch.is_tensor(v)}
+    loaded.update({k: v for k, v in module.state_dict().items() if k in saved})  # the dense layers (tables: above)
+    assert any(k.startswith("dense:") for k in saved) and saved.keys() == loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    assert run_ranks(_fsdp_worker, 2, path, "load", "dmp", timeout=120)[0].keys() == saved.keys()  # and into a dmp
+    old = str(tmp_path / "old.ckpt")  # written the old way: still loads into a DistributedModelParallel
+    saved = run_ranks(_fsdp_worker, 2, old, "save_old", "dmp", timeout=120)[0]
+    assert any("_dmp_wrapped_module" in k for k in ckpt._read_metadata(Path(old))[1].state_dict_metadata)
+    loaded = run_ranks(_fsdp_worker, 2, old, "load", "dmp", timeout=120)[0]
+    assert saved.keys() == loaded.keys() and not [k for k in saved if not torch.equal(saved[k], loaded[k])]
 
 
 def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp"):
