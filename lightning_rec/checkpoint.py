@@ -1279,7 +1279,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     class_path = _module_class(meta)
     if class_path is None:
         warnings.warn(f"{checkpoint} does not say which LightningModule wrote it (saved by plain Lightning from "
-                      f"Python, without strategy='rec'): {out}/config.json names no class, so load it with "
+                      f"Python, without strategy='rec', or by checkpoint.save(...) without module_class='pkg.Module'): "
+                      f"{out}/config.json names no class, so load it with "
                       f"load_exported({str(out)!r}, module=YourModule(...))", stacklevel=2)
     config = {"class_path": class_path, "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
               "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}

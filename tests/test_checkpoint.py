@@ -183,6 +183,9 @@ def test_hand_written_loop_optimizer_of_the_dmp_loads_into_the_unsharded_model(t
     ckpt.load_model(module, path)
     ckpt.load_optimizer(optimizer, path, module=module)
     _same(saved, _full_state(module, optimizer))
+    # its export names no class, and says why: this save was given no module_class (not "plain Lightning")
+    with pytest.warns(UserWarning, match=r"or by checkpoint.save\(...\) without module_class="):
+        ckpt.export(path, tmp_path / "out")
 
 
 def test_fused_state_saved_under_the_wrappers_names_still_loads(tmp_path, monkeypatch):
