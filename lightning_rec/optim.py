@@ -194,11 +194,11 @@ class _FusedParamGroup(dict):
 
 
 def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
-    """The child that a wrapper holds the user's model under: DistributedModelParallel's, DDP's, torch.compile's."""
+    """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
+    dicts leave these names out; DistributedModelParallel.state_dict is its model's)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return (name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
-            or (name == "_orig_mod" and type(parent).__name__ == "OptimizedModule"))
+    return name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
 
 
 def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | None = None):
@@ -219,7 +219,7 @@ def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(path, module) for every module in `model` that owns fused embedding kernels.
 
     Paths are the model's own (its state_dict's), also when `model` is a DistributedModelParallel (with DDP
-    inside) or torch.compile's wrapper: the fused state is saved under them, and a checkpoint written from
+    inside): the fused state is saved under them, and a checkpoint written from
     `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
     unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
     """
