@@ -894,7 +894,10 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
         fused.state_loaded()
-        by_name = {_unwrapped(g["name"]): g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
+        saved_groups = _unblob(targets[f"{prefix}fused.param_groups"])
+        by_name = {g["name"]: g for g in saved_groups}
+        for g in saved_groups:  # groups saved under wrappers' names (see _WRAPPER_PREFIXES)
+            by_name.setdefault(_unwrapped(g["name"]), g)
         for group in fused.param_groups:
             for k, v in by_name.get(group["name"], {}).items():
                 if k not in ("name", "tables", "optimizer"):
@@ -903,8 +906,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
 
 
 # Before fused state was named by the model's own paths (optim.fused_modules), an optimizer built on a
-# DistributedModelParallel saved it under its wrappers' names too: these still load.
-_WRAPPER_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.")
+# DistributedModelParallel (or DDP) saved it under its wrappers' names too: these still load.
+_WRAPPER_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
 
 
 def _as_saved(head: str, key: str, suffix: str, saved: Mapping[str, Any]) -> str:
