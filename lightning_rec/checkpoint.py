@@ -54,6 +54,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import uuid
 import warnings
@@ -780,6 +781,13 @@ def _load(targets: dict[str, Any], reader, path: Path) -> None:
                                                                "rank running.")
         if peer is not None:
             raise peer from e
+        # (DCP's text holds its traceback, whose source line shows the message's f-string too)
+        missing = re.findall(r"Missing key in checkpoint state_dict: ([^\s{}]+?)\.?$", str(e), re.MULTILINE)
+        if missing:  # not damage: the entry was saved under another name (or not at all)
+            raise ValueError(f"checkpoint {path} has no entry '{missing[-1]}': it was saved from a model whose "
+                             f"parameters are named otherwise. Pass the same module= to checkpoint.save and "
+                             f"checkpoint.load_optimizer (the model the optimizer trains, or its "
+                             f"DistributedModelParallel)") from e
         raise ValueError(f"reading checkpoint {path} failed: {e}\nA file of it may be damaged or cut short: "
                          f"use an earlier checkpoint") from e
 

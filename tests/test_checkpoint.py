@@ -819,6 +819,25 @@ def test_fsdp_dense_state_saved_with_module_dmp_loads_into_the_unsharded_model(t
     assert saved.keys() == loaded.keys() and not [k for k in saved if not torch.equal(saved[k], loaded[k])]
 
 
+def _fsdp_wrong_module_worker(rank, W, path):
+    module = _module()
+    ebc = module.get_submodule(EBC)
+    plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout("row_wise", W), world_size=W, local_size=W)})
+    DistributedModelParallel(module, plan=plan, device="cpu", dense="fsdp", timeout=30)
+    optimizer = module.configure_optimizers()
+    return expect_error(ValueError, lambda: ckpt.load_optimizer(optimizer, path, 0, module=module.model))
+
+
+def test_dense_state_read_through_other_names_is_not_called_damage(tmp_path):
+    """module=module.model (the inner model) at load, module=module at save: the names differ by 'model.'. It said
+    'A file of it may be damaged or cut short: use an earlier checkpoint'."""
+    path = str(tmp_path / "c.ckpt")
+    run_ranks(_fsdp_worker, 1, path, "save", timeout=120)
+    msg = run_ranks(_fsdp_wrong_module_worker, 1, path, timeout=120)[0]
+    assert "has no entry 'optimizer_states.0.dense.dense.state.dense_arch" in msg, msg
+    assert "Pass the same module=" in msg and "damaged" not in msg, msg
+
+
 def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp"):
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint
