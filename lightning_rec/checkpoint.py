@@ -367,15 +367,20 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
     from lightning_rec.optim import CombinedOptimizer
 
     if isinstance(optimizer, CombinedOptimizer):
-        for name, child in optimizer.optimizers:
-            if name == fused_key:
-                continue
-            if name not in rest:
+        parts = [(name, child) for name, child in optimizer.optimizers if name != fused_key]
+        for name, child in parts:
+            saved_name = name
+            if name not in rest and len(parts) == 1 and len(rest) == 1:
+                # one dense part on each side, named by another way of combining them: TorchRec's
+                # CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(...)]) names it
+                # '1_keyedoptimizerwrapper', combined_optimizer 'dense'
+                saved_name = next(iter(rest))
+            if saved_name not in rest:
                 raise ValueError(f"checkpoint {path} has no state for optimizer part '{name}'; it has {list(rest)}")
-            if _is_dense_in_dcp(rest[name]):
-                _load_dense(child, _dense_key(prefix, name), module, path)
+            if _is_dense_in_dcp(rest[saved_name]):
+                _load_dense(child, _dense_key(prefix, saved_name), module, path)
             else:
-                child.load_state_dict(rest[name])
+                child.load_state_dict(rest[saved_name])
         optimizer._sync_groups()
     elif fused_key is None:
         if _is_dense_in_dcp(rest):

@@ -188,6 +188,37 @@ def test_hand_written_loop_optimizer_of_the_dmp_loads_into_the_unsharded_model(t
         ckpt.export(path, tmp_path / "out")
 
 
+def _torchrec_optimizer_worker(rank, W, path):
+    from lightning_rec import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.Adagrad(params, lr=0.02))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])  # TorchRec's way
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": dmp.state_dict()}, path, optimizers=[optimizer])
+    return {f"{pid}.{n}": v.clone() for pid, st in dense.state_dict()["state"].items() for n, v in st.items()}
+
+
+def test_torchrec_style_combined_optimizer_loads_into_combined_optimizer(tmp_path):
+    """CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(...)]) names its dense part
+    '1_keyedoptimizerwrapper'; the LightningModule's combined_optimizer calls it 'dense': 'no state for optimizer
+    part 'dense''. One dense part on each side now loads whatever it is called."""
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_torchrec_optimizer_worker, 2, path, timeout=120)[0]
+    module = _module()
+    # the tables' paths from the module the DistributedModelParallel wrapped (configure_optimizers' are from .model)
+    optimizer = combined_optimizer(module, torch.optim.Adagrad(dense_parameters(module), lr=0.02))
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, module=module)
+    dense = dict(optimizer.optimizers)["dense"].state_dict()["state"]
+    loaded = {f"{pid}.{n}": v for pid, st in dense.items() for n, v in st.items()}
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
 def test_fused_state_saved_under_the_wrappers_names_still_loads(tmp_path, monkeypatch):
     """Checkpoints written before the fix above (fused state and learning rates under '_dmp_wrapped_module...')."""
     from lightning_rec import optim
