@@ -49,6 +49,7 @@ its pieces out of it (see "the gathered format" below).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import io
 import json
@@ -56,6 +57,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import uuid
 import warnings
 import zipfile
@@ -589,11 +591,30 @@ def _device_of(value: Any) -> str:
     return value.device.type if isinstance(value, Tensor) else "cpu"
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the OS or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without it (glibc < 2.28, musl)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _commit(partial: Path, path: Path) -> None:
     if path.exists() or path.is_symlink():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-        os.replace(partial, path)
+        # Two renames (path -> old, partial -> path) left, if killed between them, no checkpoint under `path`: the
+        # previous one hidden as `.old-*`, the new one as `.partial-*` (which the next save deletes), and
+        # ckpt_path="last" starting over. Swapped in one step, `path` is always one whole checkpoint.
+        if _exchange(partial, path):
+            old = partial  # now holds the previous checkpoint
+        else:
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(path, old)
+            os.replace(partial, path)
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
         else:

@@ -708,6 +708,57 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     assert not list(tmp_path.glob(".last.ckpt.partial-*"))  # the next save of that name clears the leftovers
 
 
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("replaced", ["checkpoint", "symlink"])
+def test_replacing_a_checkpoint_never_leaves_its_name_empty(tmp_path, monkeypatch, replaced):
+    """A save over an existing checkpoint renamed it away, then the new one in: killed between the two, 'last.ckpt'
+    was gone (ckpt_path="last" started over; the new one hid as '.partial-*', which the next save deletes). The
+    two now swap in one step: a kill after the data is written finds one whole checkpoint under the name."""
+    from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4)]
+    module = EmbeddingBagCollection(tables)
+    path = tmp_path / "last.ckpt"
+    with torch.no_grad():
+        module.table_parameters()["t"].fill_(1.0)
+    if replaced == "symlink":  # save_last="link"'s kind of name
+        ckpt.save({"state_dict": module.state_dict()}, tmp_path / "epoch=0.ckpt")
+        path.symlink_to("epoch=0.ckpt")
+    else:
+        ckpt.save({"state_dict": module.state_dict()}, path)
+    real = os.replace
+
+    def killed_when_putting_the_new_one_in(src, dst):
+        if str(dst) == str(path) and ".partial-" in str(src):
+            raise _Killed()
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_when_putting_the_new_one_in)
+    with torch.no_grad():
+        module.table_parameters()["t"].fill_(2.0)
+    ckpt.save({"state_dict": module.state_dict()}, path)
+    monkeypatch.setattr(os, "replace", real)
+    fresh = EmbeddingBagCollection(tables)
+    ckpt.load_model(fresh, path)
+    assert torch.equal(fresh.table_parameters()["t"], torch.full((4, 4), 2.0)) and path.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["epoch=0.ckpt", "last.ckpt"] if replaced == "symlink"
+                                                          else ["last.ckpt"])
+    if replaced == "symlink":  # the link's target is untouched
+        ckpt.load_model(fresh, tmp_path / "epoch=0.ckpt")
+        assert torch.equal(fresh.table_parameters()["t"], torch.ones(4, 4))
+    # where the swap is not available (not Linux, an old libc or a file system without it): the two renames
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    with torch.no_grad():
+        module.table_parameters()["t"].fill_(3.0)
+    ckpt.save({"state_dict": module.state_dict()}, path)
+    ckpt.load_model(fresh, path)
+    assert torch.equal(fresh.table_parameters()["t"], torch.full((4, 4), 3.0))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def _killed_load_worker(rank, W, path):
     module = _module()
     dmp = _shard(module, "table_wise", W)  # noqa: F841 - its guard publishes the ranks' pids
