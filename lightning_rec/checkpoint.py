@@ -49,12 +49,15 @@ its pieces out of it (see "the gathered format" below).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import io
 import json
 import os
 import pickle
+import re
 import shutil
+import sys
 import uuid
 import warnings
 import zipfile
@@ -295,10 +298,20 @@ def _dense_key(prefix: str, name: str) -> str:
     return f"{prefix}dense.{name}" if name else f"{prefix}dense"
 
 
+def _named_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model whose parameter names the dense state is saved under: a DistributedModelParallel's own model, so
+    that `save(..., module=dmp)` names them as the unsharded model does (not `_dmp_wrapped_module.<name>`, which
+    only another DistributedModelParallel could load)."""
+    from lightning_rec.model_parallel import DistributedModelParallel
+
+    return module.module if isinstance(module, DistributedModelParallel) else module
+
+
 def _dense_entries(optimizer: torch.optim.Optimizer, fused_key: str | None, state: Mapping[str, Any], prefix: str,
                    module: torch.nn.Module | None) -> dict[str, Any]:
     rest, children = _dense_parts(optimizer, fused_key, state)
     out: dict[str, Any] = {}
+    module = None if module is None else _named_model(module)
     if module is not None and get_optimizer_state_dict is not None:
         if "" in children:
             if _sharded(rest):
@@ -342,10 +355,13 @@ def _load_dense(optimizer: torch.optim.Optimizer, key: str, module: torch.nn.Mod
     if module is None or set_optimizer_state_dict is None:
         raise ValueError(f"checkpoint {path}: the dense optimizer's state was saved sharded (FSDP) by parameter "
                          f"name: pass module= (the model the optimizer trains) to checkpoint.load_optimizer")
-    template = get_optimizer_state_dict(module, optimizer)  # this rank's layout (fresh state: zero-filled)
-    reader, _ = _read_metadata(path)
+    reader, md = _read_metadata(path)
+    # saved before _named_model, by a DistributedModelParallel: its names still load into one
+    wrapped = any(k.startswith(f"{key}.state._dmp_wrapped_module.") for k in md.state_dict_metadata)
+    names = module if wrapped else _named_model(module)
+    template = get_optimizer_state_dict(names, optimizer)  # this rank's layout (fresh state: zero-filled)
     _load({key: template}, reader, path)
-    set_optimizer_state_dict(module, optimizer, template)
+    set_optimizer_state_dict(names, optimizer, template)
 
 
 def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, rest: Any, prefix: str,
@@ -353,15 +369,20 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
     from lightning_rec.optim import CombinedOptimizer
 
     if isinstance(optimizer, CombinedOptimizer):
-        for name, child in optimizer.optimizers:
-            if name == fused_key:
-                continue
-            if name not in rest:
+        parts = [(name, child) for name, child in optimizer.optimizers if name != fused_key]
+        for name, child in parts:
+            saved_name = name
+            if name not in rest and len(parts) == 1 and len(rest) == 1:
+                # one dense part on each side, named by another way of combining them: TorchRec's
+                # CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(...)]) names it
+                # '1_keyedoptimizerwrapper', combined_optimizer 'dense'
+                saved_name = next(iter(rest))
+            if saved_name not in rest:
                 raise ValueError(f"checkpoint {path} has no state for optimizer part '{name}'; it has {list(rest)}")
-            if _is_dense_in_dcp(rest[name]):
-                _load_dense(child, _dense_key(prefix, name), module, path)
+            if _is_dense_in_dcp(rest[saved_name]):
+                _load_dense(child, _dense_key(prefix, saved_name), module, path)
             else:
-                child.load_state_dict(rest[name])
+                child.load_state_dict(rest[saved_name])
         optimizer._sync_groups()
     elif fused_key is None:
         if _is_dense_in_dcp(rest):
@@ -570,11 +591,30 @@ def _device_of(value: Any) -> str:
     return value.device.type if isinstance(value, Tensor) else "cpu"
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the OS or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without it (glibc < 2.28, musl)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _commit(partial: Path, path: Path) -> None:
     if path.exists() or path.is_symlink():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-        os.replace(partial, path)
+        # Two renames (path -> old, partial -> path) left, if killed between them, no checkpoint under `path`: the
+        # previous one hidden as `.old-*`, the new one as `.partial-*` (which the next save deletes), and
+        # ckpt_path="last" starting over. Swapped in one step, `path` is always one whole checkpoint.
+        if _exchange(partial, path):
+            old = partial  # now holds the previous checkpoint
+        else:
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(path, old)
+            os.replace(partial, path)
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -767,6 +807,13 @@ def _load(targets: dict[str, Any], reader, path: Path) -> None:
                                                                "rank running.")
         if peer is not None:
             raise peer from e
+        # (DCP's text holds its traceback, whose source line shows the message's f-string too)
+        missing = re.findall(r"Missing key in checkpoint state_dict: ([^\s{}]+?)\.?$", str(e), re.MULTILINE)
+        if missing:  # not damage: the entry was saved under another name (or not at all)
+            raise ValueError(f"checkpoint {path} has no entry '{missing[-1]}': it was saved from a model whose "
+                             f"parameters are named otherwise. Pass the same module= to checkpoint.save and "
+                             f"checkpoint.load_optimizer (the model the optimizer trains, or its "
+                             f"DistributedModelParallel)") from e
         raise ValueError(f"reading checkpoint {path} failed: {e}\nA file of it may be damaged or cut short: "
                          f"use an earlier checkpoint") from e
 
@@ -840,7 +887,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
         targets[f"{prefix}fused.param_groups"] = None
         for key, ((rows, cols), parts) in fused.global_state_pieces().items():
             first = parts[0][1]
-            fqn = f"{prefix}fused.{key}"
+            fqn = _as_saved(f"{prefix}fused.", key, PER_ROW if first.dim() == 1 else "", saved)
             if first.dim() == 0:
                 targets[fqn] = first
             elif first.dim() == 2:
@@ -881,12 +928,36 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
         fused.state_loaded()
-        by_name = {g["name"]: g for g in _unblob(targets[f"{prefix}fused.param_groups"])}
+        saved_groups = _unblob(targets[f"{prefix}fused.param_groups"])
+        by_name = {g["name"]: g for g in saved_groups}
+        for g in saved_groups:  # groups saved under wrappers' names (see _WRAPPER_PREFIXES)
+            by_name.setdefault(_unwrapped(g["name"]), g)
         for group in fused.param_groups:
             for k, v in by_name.get(group["name"], {}).items():
                 if k not in ("name", "tables", "optimizer"):
                     group[k] = v
     _load_dense_parts(optimizer, fused_key, rest, prefix, module, path)
+
+
+# Before fused state was named by the model's own paths (optim.fused_modules), an optimizer built on a
+# DistributedModelParallel (or DDP) saved it under its wrappers' names too: these still load.
+_WRAPPER_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
+
+
+def _as_saved(head: str, key: str, suffix: str, saved: Mapping[str, Any]) -> str:
+    """`head + key` (without `suffix`, which the caller adds), or the wrapped name it was saved under."""
+    if head + key + suffix not in saved:
+        for wrapped in _WRAPPER_PREFIXES:
+            if head + wrapped + key + suffix in saved:
+                return head + wrapped + key
+    return head + key
+
+
+def _unwrapped(name: str) -> str:
+    for wrapped in _WRAPPER_PREFIXES:
+        if name.startswith(wrapped):
+            return name[len(wrapped):]
+    return name
 
 
 def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:
@@ -1245,7 +1316,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     class_path = _module_class(meta)
     if class_path is None:
         warnings.warn(f"{checkpoint} does not say which LightningModule wrote it (saved by plain Lightning from "
-                      f"Python, without strategy='rec'): {out}/config.json names no class, so load it with "
+                      f"Python, without strategy='rec', or by checkpoint.save(...) without module_class='pkg.Module'): "
+                      f"{out}/config.json names no class, so load it with "
                       f"load_exported({str(out)!r}, module=YourModule(...))", stacklevel=2)
     config = {"class_path": class_path, "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
               "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}

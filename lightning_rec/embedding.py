@@ -257,6 +257,13 @@ class _TableWeight(nn.Module):
         super().__init__()
         self.weight = weight
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        # The weight views the kernel's storage (or is the dense kernel's own parameter): load_state_dict(...,
+        # assign=True) swapped in the loaded tensor, which the kernel never reads. The state dict then showed the
+        # loaded values while forward used the old ones. Tables always load by copy, as the sharded ones do.
+        local_metadata = {**local_metadata, "assign_to_params_buffers": False}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
 
 def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
     """A sharded state dict (ShardedTensor pieces) loads into the unsharded collection when it is whole."""
@@ -346,8 +353,7 @@ class _EmbeddingCollectionBase(nn.Module):
         for c in self._configs:  # the configs' order (TorchRec's), not the kernels'
             w = table_weights[c.name]
             param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
-            _TABLE_OWNERS[id(param)] = (weakref.ref(self), c.name)
-            weakref.finalize(param, _TABLE_OWNERS.pop, id(param), None)  # gone with the parameter, not kept forever
+            self._own(param, c.name)
             weights[c.name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
@@ -371,6 +377,23 @@ class _EmbeddingCollectionBase(nn.Module):
         if device.type == "cuda" and checked:
             self._router.device_check = DeviceBoundsCheck(self._router.rows_F, self._router.tables_F,
                                                           type(self).__name__, checked, self._feature_names)
+
+    def _own(self, param: nn.Parameter, name: str) -> None:
+        _TABLE_OWNERS[id(param)] = (weakref.ref(self), name)
+        weakref.finalize(param, _TABLE_OWNERS.pop, id(param), None)  # gone with the parameter, not kept forever
+
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy and pickle (torch.save(model)) come through here. nn.Parameter's deepcopy clones its data,
+        # so a copy's table parameters no longer viewed its own kernels' storage: the copy trained, but its
+        # state_dict kept the weights of the moment it was copied and a load_state_dict into it changed nothing.
+        # Point them at the kernels again (the weights are equal: both were copied from the same values), and
+        # register them, as the originals are, for apply_optimizer_in_backward.
+        super().__setstate__(state)
+        table_weights = self._lookup.table_weights()
+        for name, param in self.table_parameters().items():
+            if param is not table_weights[name]:  # dense kernels hold the parameter itself
+                param.data = table_weights[name]
+            self._own(param, name)
 
     # ---------------------------------------------------------------------------------------
 

@@ -171,10 +171,12 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
     ):
         return "native"
     if optimizer.weight_decay and opt in _FBGEMM_CPU_NO_DECAY:
-        # fbgemm-gpu-cpu's EXACT_SGD / EXACT_ROWWISE_ADAGRAD apply w -= lr * g (/ ...) without the decay term
-        # (tests/test_native_embedding.py): the tables would train as if weight_decay were 0, silently
+        # fbgemm-gpu-cpu's EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD apply w -= lr * g (/ ...) without the
+        # decay term, whatever WeightDecayMode (tests/test_native_embedding.py): the tables would train as if
+        # weight_decay were 0, silently. Sequence tables have no CPU kernel that decays.
         fix = ("use kernel='native' (or 'auto')" if pooling in NATIVE_POOLINGS else
-               "sequence tables (EmbeddingCollection) run on fbgemm on CPU: use optimizer adagrad")
+               "sequence tables (EmbeddingCollection) run on fbgemm on CPU, which has no weight decay: train them on "
+               "GPU (device='cuda') to decay them")
         raise ValueError(f"fbgemm's CPU kernel ignores weight_decay={optimizer.weight_decay} for fused optimizer "
                          f"{opt}: {fix}, or weight_decay=0")
     if opt not in FBGEMM_CPU_OPTIMIZERS:
@@ -189,7 +191,7 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
     return "fbgemm"
 
 
-_FBGEMM_CPU_NO_DECAY = (EmbOptimType.SGD, EmbOptimType.ROWWISE_ADAGRAD)
+_FBGEMM_CPU_NO_DECAY = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
 def _location(fb: dict, table: LocalTable, on_cpu: bool):

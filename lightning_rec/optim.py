@@ -193,9 +193,37 @@ class _FusedParamGroup(dict):
         super().__setitem__(key, value)
 
 
+def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
+    """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
+    dicts leave these names out; DistributedModelParallel.state_dict is its model's)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
+
+
+def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | None = None):
+    """named_modules() under the model's own names: wrappers add no path component."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield prefix, module
+    for name, child in module.named_children():
+        if child is None:
+            continue
+        path = prefix if _is_wrapper_child(module, name) else (f"{prefix}.{name}" if prefix else name)
+        yield from _model_named_modules(child, path, seen)
+
+
 def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(path, module) for every module in `model` that owns fused embedding kernels."""
-    return [(path, m) for path, m in model.named_modules()
+    """(path, module) for every module in `model` that owns fused embedding kernels.
+
+    Paths are the model's own (its state_dict's), also when `model` is a DistributedModelParallel (with DDP
+    inside): the fused state is saved under them, and a checkpoint written from
+    `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
+    unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
+    """
+    return [(path, m) for path, m in _model_named_modules(model)
             if callable(getattr(m, "fused_kernels", None)) and m.fused_kernels()]
 
 
@@ -486,8 +514,9 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
     whose tables are in `params` gets that fused update (torch.optim.SGD, Adagrad or Adam with their
     defaults, or a fused optimizer by name such as "rowwise_adagrad"). One update per collection:
     `params` must hold all of a collection's tables. As in every fused (sparse) update, only the rows a
-    batch reads move: weight_decay decays those rows, and Adam is torch.optim.SparseAdam's rule (torch.optim
-    decays, and moves by momentum, every row at every step). Call it before building optimizers or
+    batch reads move: weight_decay decays those rows, and Adam takes torch.optim.Adam's step on them, lazily as
+    torch.optim.SparseAdam does (whose eps, though, sits before the bias correction); torch.optim.Adam decays,
+    and moves by momentum, every row at every step. Call it before building optimizers or
     DistributedModelParallel over the model: the collection's table parameters are made anew (their
     values kept). Dense parameters are refused: train them with a torch.optim optimizer
     (CombinedOptimizer / combined_optimizer).

@@ -112,6 +112,17 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
                          f"equal the number of ids")
 
 
+def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
+    """Lengths and offsets both given must agree (each reader picks one: to_dense the lengths, to_padded_dense and
+    the kernels the offsets). CPU tensors only."""
+    if lengths.device.type == "cpu" and offsets.device.type == "cpu" and (
+            offsets.numel() != lengths.numel() + 1 or not torch.equal(_lengths_from_offsets(offsets),
+                                                                      lengths.to(offsets.dtype))):
+        raise ValueError(f"{what}: lengths and offsets were both given and describe different bags (lengths "
+                         f"{lengths.tolist()[:8]}, offsets {offsets.tolist()[:9]}): pass one of them (the other is "
+                         f"derived)")
+
+
 def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
     """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
     if values.dim() < 1:
@@ -159,10 +170,14 @@ class JaggedTensor:
             raise ValueError("JaggedTensor needs lengths or offsets")
         for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
             _need_tensor("JaggedTensor", name, t)
+        both = lengths is not None and offsets is not None
         if lengths is None:
             _check_offsets("JaggedTensor", offsets, values.shape[0] if values.dim() else 0)
             lengths = _lengths_from_offsets(offsets)
         _check_jagged("JaggedTensor", values, lengths, weights)
+        if both:  # to_dense reads the lengths, to_padded_dense the offsets
+            _check_offsets("JaggedTensor", offsets, values.shape[0])
+            _check_same_bags("JaggedTensor", lengths, offsets)
         self._values, self._weights, self._lengths, self._offsets = values, weights, lengths, offsets
 
     @staticmethod
@@ -316,12 +331,8 @@ class KeyedJaggedTensor:
             if values.dtype not in _ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
                 raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of "
                                  f"{values.dtype}: convert them with values.long()")
-            if offsets is not None and given_lengths is not None and lengths.device.type == "cpu" and (
-                    offsets.numel() != lengths.numel() + 1 or not torch.equal(_lengths_from_offsets(offsets),
-                                                                              lengths.to(offsets.dtype))):
-                raise ValueError("KeyedJaggedTensor: lengths and offsets were both given and describe different "
-                                 f"bags (lengths {lengths.tolist()[:8]}, offsets {offsets.tolist()[:9]}): pass one "
-                                 "of them (the other is derived)")
+            if offsets is not None and given_lengths is not None:
+                _check_same_bags("KeyedJaggedTensor", lengths, offsets)
             if values.dim() != 1:
                 raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
         self._values, self._weights = values, weights
@@ -409,7 +420,8 @@ class KeyedJaggedTensor:
         return KeyedJaggedTensor(
             keys,
             values=torch.cat([k.values() for k in kjts]),
-            weights=torch.cat([k.weights() for k in kjts]) if weighted == {True} else None,
+            # a KJT with no keys (KeyedJaggedTensor.empty()) adds nothing, weights or not
+            weights=torch.cat([k.weights() for k in kjts if k.keys()]) if weighted == {True} else None,
             lengths=torch.cat([k.lengths() for k in kjts]),
             stride=strides.pop() if strides else 0,
             length_per_key=lpk,

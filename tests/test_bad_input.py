@@ -629,14 +629,15 @@ def test_eps_zero_is_refused_where_a_zero_gradient_would_divide_0_by_0(opt):
     FusedOptimizerConfig("sgd", eps=0.0)  # SGD does not divide
 
 
-@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_fbgemm_cpu_weight_decay_that_it_would_ignore_is_refused(opt):
-    """fbgemm-gpu-cpu's EXACT_SGD / EXACT_ROWWISE_ADAGRAD leave weight_decay out: the tables trained as if it were 0."""
+    """fbgemm-gpu-cpu's EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD leave weight_decay out: the tables trained
+    as if it were 0 (adagrad was let through, and named as the fix for sequence tables)."""
     cfg = FusedOptimizerConfig(opt, weight_decay=0.5)
     tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4)]
     with pytest.raises(ValueError, match=f"ignores weight_decay=0.5 for fused optimizer {opt}: use kernel='native'"):
         EmbeddingBagCollection(tables, optimizer=cfg, kernel="fbgemm")
-    with pytest.raises(ValueError, match="sequence tables .* use optimizer adagrad"):
+    with pytest.raises(ValueError, match=r"sequence tables .* no weight decay: train them on GPU .* or weight_decay=0"):
         EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4)], optimizer=cfg)
     EmbeddingBagCollection(tables, optimizer=cfg)  # auto: the native kernel, which applies it
 

@@ -160,6 +160,90 @@ def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
     _same(saved, _full_state(module, optimizer), per_row_tol=True)
 
 
+def _hand_loop_save_worker(rank, W, path):
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = combined_optimizer(dmp, torch.optim.SGD(dense_parameters(dmp), lr=0.02))  # the README's loop
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": dmp.state_dict()}, path, optimizers=[optimizer])
+    return _full_state(module, optimizer)
+
+
+def test_hand_written_loop_optimizer_of_the_dmp_loads_into_the_unsharded_model(tmp_path):
+    """combined_optimizer(dmp, ...) saved its fused state under '_dmp_wrapped_module.module.<path>' (the wrappers'
+    names), so load_optimizer into the unsharded model (or any model without DDP around it) found no entry."""
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_hand_loop_save_worker, 2, path, timeout=120)[0]
+    module = _module()
+    optimizer = combined_optimizer(module, torch.optim.SGD(dense_parameters(module), lr=0.02))
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, module=module)
+    _same(saved, _full_state(module, optimizer))
+    # its export names no class, and says why: this save was given no module_class (not "plain Lightning")
+    with pytest.warns(UserWarning, match=r"or by checkpoint.save\(...\) without module_class="):
+        ckpt.export(path, tmp_path / "out")
+
+
+def _torchrec_optimizer_worker(rank, W, path):
+    from lightning_rec import CombinedOptimizer, KeyedOptimizerWrapper, in_backward_optimizer_filter
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.Adagrad(params, lr=0.02))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])  # TorchRec's way
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": dmp.state_dict()}, path, optimizers=[optimizer])
+    return {f"{pid}.{n}": v.clone() for pid, st in dense.state_dict()["state"].items() for n, v in st.items()}
+
+
+def test_torchrec_style_combined_optimizer_loads_into_combined_optimizer(tmp_path):
+    """CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(...)]) names its dense part
+    '1_keyedoptimizerwrapper'; the LightningModule's combined_optimizer calls it 'dense': 'no state for optimizer
+    part 'dense''. One dense part on each side now loads whatever it is called."""
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_torchrec_optimizer_worker, 2, path, timeout=120)[0]
+    module = _module()
+    # the tables' paths from the module the DistributedModelParallel wrapped (configure_optimizers' are from .model)
+    optimizer = combined_optimizer(module, torch.optim.Adagrad(dense_parameters(module), lr=0.02))
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, module=module)
+    dense = dict(optimizer.optimizers)["dense"].state_dict()["state"]
+    loaded = {f"{pid}.{n}": v for pid, st in dense.items() for n, v in st.items()}
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_fused_state_saved_under_the_wrappers_names_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before the fix above (fused state and learning rates under '_dmp_wrapped_module...')."""
+    from lightning_rec import optim
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    path = str(tmp_path / "old.ckpt")
+    module = _module()
+    wrapper = torch.nn.Module()
+    wrapper._dmp_wrapped_module = module  # a DistributedModelParallel(dense=None)'s layout
+    with monkeypatch.context() as m:
+        m.setattr(optim, "_is_wrapper_child", lambda parent, name: False)  # the old naming
+        optimizer = combined_optimizer(wrapper, torch.optim.SGD(dense_parameters(module), lr=0.02))
+    _train(module, module, optimizer, 0, steps=2)
+    optimizer.param_groups[0]["lr"] = 0.125  # the fused rate a scheduler left
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    assert any("_dmp_wrapped_module" in k for k in ckpt._read_metadata(Path(path))[1].state_dict_metadata)
+    saved = {k.replace("_dmp_wrapped_module.", ""): v for k, v in _full_state(module, optimizer).items()}
+    fresh = _module()
+    again = combined_optimizer(fresh, torch.optim.SGD(dense_parameters(fresh), lr=0.02))
+    ckpt.load_model(fresh, path)
+    ckpt.load_optimizer(again, path, module=fresh)
+    _same(saved, _full_state(fresh, again))
+    assert again.param_groups[0]["lr"] == 0.125
+
+
 def test_dcp_per_element_state_adagrad(tmp_path):
     path = str(tmp_path / "c.ckpt")
     saved = run_ranks(_save_worker, 2, path, "mixed", "adagrad", timeout=120)[0]
@@ -624,6 +708,57 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     assert not list(tmp_path.glob(".last.ckpt.partial-*"))  # the next save of that name clears the leftovers
 
 
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("replaced", ["checkpoint", "symlink"])
+def test_replacing_a_checkpoint_never_leaves_its_name_empty(tmp_path, monkeypatch, replaced):
+    """A save over an existing checkpoint renamed it away, then the new one in: killed between the two, 'last.ckpt'
+    was gone (ckpt_path="last" started over; the new one hid as '.partial-*', which the next save deletes). The
+    two now swap in one step: a kill after the data is written finds one whole checkpoint under the name."""
+    from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4)]
+    module = EmbeddingBagCollection(tables)
+    path = tmp_path / "last.ckpt"
+    with torch.no_grad():
+        module.table_parameters()["t"].fill_(1.0)
+    if replaced == "symlink":  # save_last="link"'s kind of name
+        ckpt.save({"state_dict": module.state_dict()}, tmp_path / "epoch=0.ckpt")
+        path.symlink_to("epoch=0.ckpt")
+    else:
+        ckpt.save({"state_dict": module.state_dict()}, path)
+    real = os.replace
+
+    def killed_when_putting_the_new_one_in(src, dst):
+        if str(dst) == str(path) and ".partial-" in str(src):
+            raise _Killed()
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_when_putting_the_new_one_in)
+    with torch.no_grad():
+        module.table_parameters()["t"].fill_(2.0)
+    ckpt.save({"state_dict": module.state_dict()}, path)
+    monkeypatch.setattr(os, "replace", real)
+    fresh = EmbeddingBagCollection(tables)
+    ckpt.load_model(fresh, path)
+    assert torch.equal(fresh.table_parameters()["t"], torch.full((4, 4), 2.0)) and path.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["epoch=0.ckpt", "last.ckpt"] if replaced == "symlink"
+                                                          else ["last.ckpt"])
+    if replaced == "symlink":  # the link's target is untouched
+        ckpt.load_model(fresh, tmp_path / "epoch=0.ckpt")
+        assert torch.equal(fresh.table_parameters()["t"], torch.ones(4, 4))
+    # where the swap is not available (not Linux, an old libc or a file system without it): the two renames
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    with torch.no_grad():
+        module.table_parameters()["t"].fill_(3.0)
+    ckpt.save({"state_dict": module.state_dict()}, path)
+    ckpt.load_model(fresh, path)
+    assert torch.equal(fresh.table_parameters()["t"], torch.full((4, 4), 3.0))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def _killed_load_worker(rank, W, path):
     module = _module()
     dmp = _shard(module, "table_wise", W)  # noqa: F841 - its guard publishes the ranks' pids
@@ -703,7 +838,7 @@ def test_loader_state_of_another_batch_size_warns_and_starts_the_epoch_over():
     assert len(_labels(smaller)) == len(smaller)
 
 
-def _fsdp_worker(rank, W, path, mode):
+def _fsdp_worker(rank, W, path, mode, module_arg="module"):
     from torch.distributed.tensor import DTensor
 
     module = _module()
@@ -713,12 +848,15 @@ def _fsdp_worker(rank, W, path, mode):
     plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout("row_wise", W), world_size=W, local_size=W)})
     dmp = DistributedModelParallel(module, plan=plan, device="cpu", dense="fsdp", timeout=30)
     optimizer = module.configure_optimizers()
+    trains = dmp if module_arg == "dmp" else module  # the README's hand-written loop passes module=dmp
+    if mode == "save_old":  # as before _named_model: the dense state under '_dmp_wrapped_module.<param>'
+        ckpt._named_model, mode = (lambda m: m), "save"
     if mode == "save":
         _train(module, dmp, optimizer, rank)
-        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=module)
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=trains)
     else:
         ckpt.load_model(module, path)
-        ckpt.load_optimizer(optimizer, path, 0, module=module)
+        ckpt.load_optimizer(optimizer, path, 0, module=trains)
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t.clone()
@@ -738,6 +876,48 @@ def test_dcp_with_fsdp_dense_layers_reshards(tmp_path, save_world, load_world):
     assert any(k.startswith("dense:") for k in saved)
     assert saved.keys() == loaded.keys()
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+
+
+def test_fsdp_dense_state_saved_with_module_dmp_loads_into_the_unsharded_model(tmp_path):
+    """save(..., module=dmp) named the dense state '_dmp_wrapped_module.<param>': only a DistributedModelParallel could
+    load it; the unsharded model (module=model) failed with 'Missing key ... A file of it may be damaged'."""
+    path = str(tmp_path / "c.ckpt")
+    saved = run_ranks(_fsdp_worker, 2, path, "save", "dmp", timeout=120)[0]
+    assert not dist.is_initialized()
+    module = _module()
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, 0, module=module)
+    dense = dict(optimizer.optimizers)["dense"].state_dict()["state"]
+    loaded = {f"dense:{pid}.{n}": v for pid, st in dense.items() for n, v in st.items() if torch.is_tensor(v)}
+    loaded.update({k: v for k, v in module.state_dict().items() if k in saved})  # the dense layers (tables: above)
+    assert any(k.startswith("dense:") for k in saved) and saved.keys() == loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    assert run_ranks(_fsdp_worker, 2, path, "load", "dmp", timeout=120)[0].keys() == saved.keys()  # and into a dmp
+    old = str(tmp_path / "old.ckpt")  # written the old way: still loads into a DistributedModelParallel
+    saved = run_ranks(_fsdp_worker, 2, old, "save_old", "dmp", timeout=120)[0]
+    assert any("_dmp_wrapped_module" in k for k in ckpt._read_metadata(Path(old))[1].state_dict_metadata)
+    loaded = run_ranks(_fsdp_worker, 2, old, "load", "dmp", timeout=120)[0]
+    assert saved.keys() == loaded.keys() and not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+
+
+def _fsdp_wrong_module_worker(rank, W, path):
+    module = _module()
+    ebc = module.get_submodule(EBC)
+    plan = ShardingPlan({EBC: construct_module_sharding_plan(ebc, _layout("row_wise", W), world_size=W, local_size=W)})
+    DistributedModelParallel(module, plan=plan, device="cpu", dense="fsdp", timeout=30)
+    optimizer = module.configure_optimizers()
+    return expect_error(ValueError, lambda: ckpt.load_optimizer(optimizer, path, 0, module=module.model))
+
+
+def test_dense_state_read_through_other_names_is_not_called_damage(tmp_path):
+    """module=module.model (the inner model) at load, module=module at save: the names differ by 'model.'. It said
+    'A file of it may be damaged or cut short: use an earlier checkpoint'."""
+    path = str(tmp_path / "c.ckpt")
+    run_ranks(_fsdp_worker, 1, path, "save", timeout=120)
+    msg = run_ranks(_fsdp_wrong_module_worker, 1, path, timeout=120)[0]
+    assert "has no entry 'optimizer_states.0.dense.dense.state.dense_arch" in msg, msg
+    assert "Pass the same module=" in msg and "damaged" not in msg, msg
 
 
 def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp"):

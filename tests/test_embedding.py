@@ -271,25 +271,26 @@ def test_kernel_choices_that_cannot_work_are_refused():
         EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd"), kernel="cuda")
 
 
-@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
-def test_adagrad_weight_decay_matches_the_l2_step_on_touched_rows(kernel):
-    """weight_decay on the fbgemm kernel takes fbgemm's WeightDecayMode from the module that has it in every
-    fbgemm of the range (1.6 lacks fbgemm_gpu.tbe.config); the step is torch.optim's L2 (g + wd * w) on the
-    rows the batch touches: G += g^2, w -= lr * g / (sqrt(G) + eps)."""
+def test_adagrad_weight_decay_matches_the_l2_step_on_touched_rows():
+    """The step is torch.optim's L2 (g + wd * w) on the rows the batch touches: G += g^2, w -= lr * g / (sqrt(G) + eps).
+    Two steps: Adagrad's first moves every touched element by lr * sign(g) whatever the decay, so one step could not
+    tell decay from none (fbgemm's CPU kernel, which ignores it, passed; it is refused now, test_bad_input.py)."""
     lr, wd, eps = 0.1, 0.5, 1e-8
     torch.manual_seed(0)
     table = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a"])
-    ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("adagrad", lr=lr, weight_decay=wd, eps=eps),
-                                 kernel=kernel)
-    w0 = ebc.state_dict()["embedding_bags.t.weight"].clone()
+    ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("adagrad", lr=lr, weight_decay=wd, eps=eps))
+    w = ebc.state_dict()["embedding_bags.t.weight"].clone()
     kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([3, 3, 4]), torch.tensor([2, 1]))
-    ebc(kjt).values().sum().backward()
-    g = torch.zeros_like(w0)
-    g[3], g[4] = 2.0, 1.0  # id 3 twice in one bag
-    touched = (g != 0).any(1, keepdim=True)
-    g = torch.where(touched, g + wd * w0, g)
-    ref = torch.where(touched, w0 - lr * g / (g.abs() + eps), w0)
-    torch.testing.assert_close(ebc.state_dict()["embedding_bags.t.weight"], ref, atol=1e-5, rtol=0)
+    G = torch.zeros_like(w)
+    for _ in range(2):
+        ebc(kjt).values().sum().backward()
+        g = torch.zeros_like(w)
+        g[3], g[4] = 2.0, 1.0  # id 3 twice in one bag
+        touched = (g != 0).any(1, keepdim=True)
+        g = torch.where(touched, g + wd * w, g)
+        G = G + g * g
+        w = torch.where(touched, w - lr * g / (G.sqrt() + eps), w)
+    torch.testing.assert_close(ebc.state_dict()["embedding_bags.t.weight"], w, atol=1e-6, rtol=0)
 
 
 # TorchRec's ways in: apply_optimizer_in_backward, KeyedOptimizerWrapper ----------------------------
@@ -424,3 +425,43 @@ def test_the_table_owner_registry_forgets_collections_that_are_gone():
     gc.collect()
     assert len(embedding._TABLE_OWNERS) == before
     assert embedding.table_owner(kept.embedding_bags["t1"].weight) == (kept, "t1")
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+def test_deepcopy_of_a_fused_collection_keeps_its_parameters_on_its_kernels(kernel):
+    """copy.deepcopy (an EMA / AveragedModel copy): the copy's state_dict follows the copy's training, a
+    load_state_dict into it reaches its kernels, and the original is untouched. Its parameters were clones
+    (nn.Parameter's deepcopy), frozen at the copy's weights."""
+    import copy
+
+    from lightning_rec.optim import apply_optimizer_in_backward
+
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1), kernel=kernel)
+    before = {n: p.detach().clone() for n, p in ebc.table_parameters().items()}
+    twin = copy.deepcopy(ebc)
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    twin(kjt).values().sum().backward()
+    moved = twin.lookup.table_weights()
+    for name, param in twin.table_parameters().items():
+        assert torch.equal(param, moved[name])  # the state dict shows what the copy trained
+        assert torch.equal(ebc.table_parameters()[name], before[name])  # the original did not move
+    assert not torch.equal(moved["t0"], before["t0"])
+    twin.load_state_dict(ebc.state_dict())
+    assert torch.equal(twin(kjt).values(), ebc(kjt).values())
+    # the copy's tables are its own to fuse anew (TorchRec's apply_optimizer_in_backward finds their owner)
+    plain = copy.deepcopy(EmbeddingBagCollection(TABLES))
+    apply_optimizer_in_backward(torch.optim.SGD, plain.parameters(), {"lr": 0.1})
+    assert plain.fused_optimizer_config().optimizer.value == "sgd"
+
+
+@pytest.mark.parametrize("optimizer", [None, FusedOptimizerConfig("sgd", lr=0.1)])
+def test_load_state_dict_with_assign_reaches_the_kernel(optimizer):
+    """load_state_dict(sd, assign=True) (meta-init flows, Lightning's and HF's loaders) replaced the table parameter
+    with the loaded tensor: state_dict() showed it, forward kept reading the kernel's old rows."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=optimizer)
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    source = EmbeddingBagCollection(TABLES, optimizer=optimizer)
+    ebc.load_state_dict(source.state_dict(), assign=True)
+    torch.testing.assert_close(ebc(kjt).values(), source(kjt).values(), atol=0, rtol=0)
+    for name, param in ebc.table_parameters().items():
+        assert torch.equal(param, ebc.lookup.table_weights()[name])

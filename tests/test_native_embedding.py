@@ -200,9 +200,9 @@ def make_fbgemm(opt: str, mode: str, cfg: FusedOptimizerConfig):
     )
 
 
-# Without weight decay only: fbgemm-gpu-cpu 1.8.0's EXACT_ROWWISE_ADAGRAD ignores weight_decay on
-# CPU (checked: with WeightDecayMode.L2 or DECOUPLE it applies w -= lr * g / (sqrt(s) + eps) alone),
-# and its EXACT_SGD / EXACT_ADAGRAD have none. Ours applies L2 decay as torch.optim does.
+# Without weight decay only: fbgemm-gpu-cpu 1.8.0's EXACT_ROWWISE_ADAGRAD and EXACT_ADAGRAD ignore weight_decay on
+# CPU (checked: with WeightDecayMode.L2 or DECOUPLE they apply w -= lr * g / (sqrt(s) + eps) alone),
+# and its EXACT_SGD has none. Ours applies L2 decay as torch.optim does.
 @pytest.mark.parametrize("opt,wd", [("sgd", 0.0), ("adagrad", 0.0), ("rowwise_adagrad", 0.0)])
 @pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False)])
 def test_parity_with_fbgemm(opt, wd, mode, weighted):

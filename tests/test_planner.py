@@ -189,6 +189,35 @@ def test_table_larger_than_the_cluster():
         EmbeddingShardingPlanner(cpu(2, ddr_cap=64 * GB), print_stats=False).plan(tables)
 
 
+def test_a_data_parallel_table_larger_than_one_rank_does_not_ask_for_more_ranks():
+    """Each rank holds a whole copy of a data_parallel table: more ranks never make it fit (the message said so, as
+    'larger than the whole cluster'). It names the per-rank shortfall and the sharded types instead."""
+    tables = [EmbeddingBagConfig(name="big", num_embeddings=4000, embedding_dim=64)]  # ~2 MB on one rank
+    only_dp = {"big": ParameterConstraints(sharding_types=["data_parallel"])}
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(cpu(4, ddr_cap=1_600_000), only_dp, print_stats=False).plan(tables)
+    msg = str(err.value)
+    assert "table 'big'" in msg and "fit one rank" in msg and "more ranks do not help" in msg, msg
+    assert "whole cluster" not in msg and "world_size >" not in msg, msg
+    assert "sharding_types=['table_wise', 'row_wise', 'column_wise']" in msg, msg
+    # table-wise, in a cluster that holds it but on ranks that each hold less: a finer split is the fix
+    only_tw = {"big": ParameterConstraints(sharding_types=["table_wise"])}
+    with pytest.raises(PlannerError, match=r"table 'big'.*fit one rank.*table_wise.*finer split.*row_wise"):
+        EmbeddingShardingPlanner(cpu(4, ddr_cap=1_600_000), only_tw, print_stats=False).plan(tables)
+    assert "ddr 1.5 MB per rank" in Topology(world_size=4, ddr_cap=1_600_000).describe()  # not "0.0 GB"
+
+
+def test_table_column_wise_with_one_rank_per_host_names_the_cause():
+    """It said 'dim 64 over 1 local ranks gives blocks under min_partition 32' (one 64-column block is not under 32)."""
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=100, embedding_dim=64)]
+    only = {"t": ParameterConstraints(sharding_types=["table_column_wise"])}
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=8 * GB, local_world_size=1)
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(topology, only, print_stats=False).plan(tables)
+    msg = str(err.value)
+    assert "needs 2+ ranks per host" in msg and "under min_partition" not in msg, msg
+
+
 def test_planner_error_is_a_value_error():
     assert issubclass(PlannerError, ValueError)
 

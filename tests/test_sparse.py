@@ -42,6 +42,19 @@ def test_permute_split_concat():
     assert bags(a) == {"f1": [[1, 2], [], [3]]} and bags(b) == {"f2": [[4], [5, 6], [7]]}
     back = KeyedJaggedTensor.concat([b, a])
     assert bags(back) == bags(p) and back.weights().tolist() == p.weights().tolist()
+    # an empty KJT (no keys, no weights) adds nothing, next to weighted ones too
+    padded = KeyedJaggedTensor.concat([KeyedJaggedTensor.empty(), b, a])
+    assert bags(padded) == bags(p) and padded.weights().tolist() == p.weights().tolist()
+
+
+def test_jagged_tensor_refuses_lengths_and_offsets_that_disagree():
+    """JaggedTensor(lengths=[1, 2], offsets=[0, 2, 3]) was taken: to_dense split by the lengths, to_padded_dense placed
+    ids by the offsets (one at position -1, written to the last column)."""
+    values = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="lengths and offsets were both given and describe different bags"):
+        JaggedTensor(values=values, lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3]))
+    both = JaggedTensor(values=values, lengths=torch.tensor([2, 1]), offsets=torch.tensor([0, 2, 3]))
+    assert both.to_padded_dense().tolist() == [[1, 2], [3, 0]]
 
 
 def test_from_offsets_and_jt_dict_agree():

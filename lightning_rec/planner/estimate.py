@@ -291,8 +291,12 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
     if st == ShardingType.TABLE_COLUMN_WISE:
         if H == 1 and not user_only:
             return [], [f"{st}: one host, same as column_wise"]
-        if L < 2 or dim // L < min_cols:
-            return [], [f"{st}: dim {dim} over {L} local ranks gives blocks under min_partition {min_cols}"]
+        if L < 2:  # one block per host would be table_wise; "blocks under min_partition" named the wrong cause
+            return [], [f"{st}: splits columns over the ranks of a host, and a host has {L} rank "
+                        f"(local_world_size={L}): needs 2+ ranks per host (else use table_wise or column_wise)"]
+        if dim // L < min_cols:
+            return [], [f"{st}: dim {dim} over {L} local ranks gives blocks under min_partition {min_cols} "
+                        f"(lower it to at most {dim // L})"]
         return [(L, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.GRID_SHARD:
         out, k = [], 2

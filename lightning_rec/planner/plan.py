@@ -217,7 +217,14 @@ class EmbeddingShardingPlanner:
                     f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
                     f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it"
                 )
-            fit = [o for o in opts if (o.totals[:2] <= caps * self.topology.world_size + _EPS).all()]
+            fits_cluster = [o for o in opts if (o.totals[:2] <= caps * self.topology.world_size + _EPS).all()]
+            fit = [o for o in fits_cluster if (o.max_piece_bytes <= caps + _EPS).all()]
+            replicated = all(o.sharding_type == ShardingType.DATA_PARALLEL for o in opts)
+            if not fit and (fits_cluster or replicated):
+                # The cluster would hold the table, but no allowed sharding cuts it into shards that fit one rank:
+                # "larger than the whole cluster, add ranks" was wrong advice here (a data_parallel table is
+                # copied whole to every rank, so it needs as much more memory as ranks are added).
+                raise PlannerError(self._shard_too_big_message(spec, opts, replicated))
             if not fit:
                 smallest = min(opts, key=lambda o: (o.total_bytes, o.describe()))
                 raise PlannerError(
@@ -229,6 +236,23 @@ class EmbeddingShardingPlanner:
             # cheapest total work first; the enumeration order breaks ties
             options.append(sorted(opts, key=lambda o: (round(o.total_ms, 12), o.total_bytes)))
         return options
+
+    def _shard_too_big_message(self, spec: TableSpec, opts: list[ShardingOption], replicated: bool) -> str:
+        caps = self.capacity
+        least = min(opts, key=lambda o: (float(o.max_piece_bytes.sum()), o.describe()))
+        how = (
+            "data_parallel copies the whole table to every rank, so more ranks do not help: allow a sharded type "
+            "for it (ParameterConstraints(sharding_types=['table_wise', 'row_wise', 'column_wise']))"
+            if replicated
+            else "allow a finer split for it (ParameterConstraints(sharding_types=[..., 'row_wise', 'column_wise']), "
+            "whose shards shrink as ranks are added)"
+        )
+        return (
+            f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) has no allowed sharding whose shards fit one "
+            f"rank: its smallest, {least.describe()}, puts {_mem(least.max_piece_bytes)} on a rank, but a rank holds "
+            f"{_mem(caps)} for tables (reserved_fraction={self.reserved_fraction}). Fix: {how}, give each rank more "
+            f"memory (hbm_cap / ddr_cap), a smaller embedding_dim, or hash ids into fewer rows (lower num_embeddings)."
+        )
 
     # --- planning -----------------------------------------------------------------------------
     def _set_optimizer(self, optimizer) -> None:

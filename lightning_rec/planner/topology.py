@@ -48,6 +48,14 @@ def gpu_memory_bytes() -> int:
     return int(torch.cuda.get_device_properties(0).total_memory)
 
 
+def _size(nbytes: float) -> str:
+    """GB to one decimal; below 1 GB in MB or KB (a small test cluster read "ddr 0.0 GB per rank")."""
+    for unit, scale in (("GB", GB), ("MB", 1024**2), ("KB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
 @dataclass
 class Topology:
     """World size, ranks per host, compute device, memory and bandwidth per rank.
@@ -133,9 +141,9 @@ class Topology:
         return self.hbm_mem_bw if self.compute_device == "cuda" else self.ddr_mem_bw
 
     def describe(self) -> str:
-        mem = f"ddr {self.ddr_cap / GB:.1f} GB"
+        mem = f"ddr {_size(self.ddr_cap)}"
         if self.compute_device == "cuda":
-            mem = f"hbm {self.hbm_cap / GB:.1f} GB, " + mem
+            mem = f"hbm {_size(self.hbm_cap)}, " + mem
         return (
             f"{self.world_size} ranks ({self.num_hosts} host(s) x {self.local_world_size}), "
             f"{self.compute_device}, {mem} per rank"
