@@ -307,6 +307,19 @@ def _named_model(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedModelParallel) else module
 
 
+def _wrapped_named_model(module: torch.nn.Module) -> torch.nn.Module:
+    """A DistributedModelParallel's model under the names its wrappers gave the dense state before _named_model
+    (and before DistributedModelParallel.named_parameters left them out): '_dmp_wrapped_module.<param>'
+    (DDP's 'module.' is left out by torch's state_dict helpers). Checkpoints written so still load."""
+    from lightning_rec.model_parallel import DistributedModelParallel
+
+    if not isinstance(module, DistributedModelParallel):
+        return module
+    shim = torch.nn.Module()
+    shim._dmp_wrapped_module = module._dmp_wrapped_module
+    return shim
+
+
 def _dense_entries(optimizer: torch.optim.Optimizer, fused_key: str | None, state: Mapping[str, Any], prefix: str,
                    module: torch.nn.Module | None) -> dict[str, Any]:
     rest, children = _dense_parts(optimizer, fused_key, state)
@@ -358,7 +371,7 @@ def _load_dense(optimizer: torch.optim.Optimizer, key: str, module: torch.nn.Mod
     reader, md = _read_metadata(path)
     # saved before _named_model, by a DistributedModelParallel: its names still load into one
     wrapped = any(k.startswith(f"{key}.state._dmp_wrapped_module.") for k in md.state_dict_metadata)
-    names = module if wrapped else _named_model(module)
+    names = _wrapped_named_model(module) if wrapped else _named_model(module)
     template = get_optimizer_state_dict(names, optimizer)  # this rank's layout (fresh state: zero-filled)
     _load({key: template}, reader, path)
     set_optimizer_state_dict(names, optimizer, template)
@@ -1075,7 +1088,8 @@ def gathered_optimizer_state(optimizer: torch.optim.Optimizer, dmp: Any = None,
         if module is None or get_optimizer_state_dict is None:
             raise ValueError("the dense optimizer's state is sharded (FSDP): pass module= (the model it trains) to "
                              "gathered_optimizer_state, or save with checkpoint_format='dcp'")
-        whole = {FULL_BY_NAME: get_optimizer_state_dict(module, child, options=_full_options(cpu_offload=True))}
+        whole = {FULL_BY_NAME: get_optimizer_state_dict(_named_model(module), child,
+                                                        options=_full_options(cpu_offload=True))}
         if name:
             state = {**state, name: whole}
         else:
@@ -1127,7 +1141,11 @@ def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str
             if module is None or set_optimizer_state_dict is None:
                 raise ValueError("the checkpoint's dense optimizer state is stored by parameter name (FSDP): pass "
                                  "module= (the model the optimizer trains)")
-            set_optimizer_state_dict(module, part, saved[FULL_BY_NAME], options=_full_options())
+            whole = saved[FULL_BY_NAME]
+            # saved with module=dmp before _named_model: names under '_dmp_wrapped_module.'
+            wrapped = any(str(k).startswith("_dmp_wrapped_module.") for k in whole.get("state", {}))
+            names = _wrapped_named_model(module) if wrapped else _named_model(module)
+            set_optimizer_state_dict(names, part, whole, options=_full_options())
         else:
             part.load_state_dict(saved)
 

@@ -601,6 +601,19 @@ class DistributedModelParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self._dmp_wrapped_module(*args, **kwargs)
 
+    # Parameters and buffers under the model's own names, as TorchRec's DistributedModelParallel (and this
+    # module's state_dict) name them: without these, the wrappers' '_dmp_wrapped_module.' (and DDP's 'module.')
+    # came first, so that names from dmp.named_parameters() matched neither dmp.state_dict() nor the unsharded
+    # model. named_modules() keeps the wrappers, as TorchRec's does.
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):  # type: ignore[override]
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):  # type: ignore[override]
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
     def sharded_modules(self) -> dict[str, _ShardedCollectionBase]:
         return {p: (self.module.get_submodule(p) if p else self.module) for p in self._sharded_paths}
 

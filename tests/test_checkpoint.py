@@ -850,7 +850,7 @@ def _fsdp_worker(rank, W, path, mode, module_arg="module"):
     optimizer = module.configure_optimizers()
     trains = dmp if module_arg == "dmp" else module  # the README's hand-written loop passes module=dmp
     if mode == "save_old":  # as before _named_model: the dense state under '_dmp_wrapped_module.<param>'
-        ckpt._named_model, mode = (lambda m: m), "save"
+        ckpt._named_model, mode = ckpt._wrapped_named_model, "save"
     if mode == "save":
         _train(module, dmp, optimizer, rank)
         ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=trains)

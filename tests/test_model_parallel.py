@@ -626,3 +626,27 @@ def test_full_of_one_ranks_state_dict_names_merge():
     with pytest.raises(ValueError, match=r"ShardedTensor.full\(\) of a \(4, 2\) table: the pieces held .* do not "
                                          r"cover rows 0:4 .* ShardedTensor.merge"):
         mine.full()
+
+
+def _names_worker(rank, W):
+    torch.manual_seed(0)
+    model = _CountingModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan("table_wise", W, W), world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    return ([n for n, _ in dmp.named_parameters()], [n for n, _ in model.named_parameters()],
+            [n for n, _ in dmp.named_buffers()], [n for n, _ in model.named_buffers()],
+            [n for n, _ in dmp.named_parameters(prefix="m")], list(dmp.state_dict()),
+            len(list(dmp.parameters())) == len(list(model.parameters())), type(dmp._dmp_wrapped_module).__name__)
+
+
+def test_named_parameters_are_the_models_own_names():
+    """TorchRec's DistributedModelParallel names parameters and buffers as its model does; ours yielded
+    '_dmp_wrapped_module.module.dense.weight' (DDP inside), names that neither dmp.state_dict() nor the
+    unsharded model has."""
+    params, model_params, buffers, model_buffers, prefixed, state, same_count, wrapper = \
+        run_ranks(_names_worker, 2, timeout=60)[0]
+    assert wrapper == "DistributedDataParallel"  # the case that added two wrapper names
+    assert params == model_params and "dense.weight" in params
+    assert buffers == model_buffers == ["seen"]
+    assert prefixed == [f"m.{n}" for n in params]
+    assert set(params + buffers) <= set(state) and same_count
