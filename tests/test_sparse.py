@@ -167,3 +167,43 @@ def test_torchrec_accessors():
     torch.testing.assert_close(grouped["item"], b)
     with pytest.raises(ValueError, match="one name per group"):
         KeyedTensor.regroup_as_dict([kt1], [["a"], ["b"]], ["x"])
+
+
+class _BagsOfKJT(torch.nn.Module):
+    """Plain PyTorch over a KJT's tensors, returning a KeyedTensor: what torch.export must carry in and out."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 3, mode="sum")
+
+    def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        pooled_FB_D = self.bag(kjt.values(), kjt.offsets()[:-1], per_sample_weights=kjt.weights())
+        f1, f2 = pooled_FB_D.chunk(2)
+        return KeyedTensor(["f1", "f2"], [3, 3], torch.cat([f1, f2], dim=1))
+
+
+def test_kjt_jt_kt_are_pytree_nodes_and_export():
+    """As TorchRec's, the three are pytree nodes: torch.export of a model taking a KJT (and returning a KeyedTensor)
+    refused it ('Unsupported input type <class KeyedJaggedTensor>'); now it runs and matches eager."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    kjt = drawn()
+    leaves, spec = tree_flatten(kjt)
+    assert [t for t in leaves if t is not None] == [kjt.values(), kjt.weights(), kjt.lengths()]
+    back = tree_unflatten(leaves, spec)
+    assert back.keys() == kjt.keys() and back.stride() == 3 and bags(back) == bags(kjt)
+    jt = JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    jt_back = tree_unflatten(*tree_flatten(jt))
+    assert [b.tolist() for b in jt_back.to_dense()] == [[1, 2], [3]] and jt_back.weights_or_none() is None
+    kt = KeyedTensor(["a", "b"], [1, 2], torch.randn(4, 3))
+    kt_back = tree_unflatten(*tree_flatten(kt))
+    assert kt_back.keys() == ["a", "b"] and kt_back.length_per_key() == [1, 2]
+    torch.testing.assert_close(kt_back["b"], kt["b"])
+
+    model = _BagsOfKJT()
+    eager = model(kjt)
+    exported = torch.export.export(model, (kjt,)).module()(kjt)
+    assert exported.keys() == ["f1", "f2"]
+    torch.testing.assert_close(exported.values(), eager.values())
+    compiled = torch.compile(model, backend="eager", fullgraph=True)(kjt)
+    torch.testing.assert_close(compiled.values(), eager.values())
