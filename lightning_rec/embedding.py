@@ -192,7 +192,7 @@ class FeatureRouter:
                 cached = (None, None, rows_in, tables_in)
             else:
                 order = [index[f] for f in self.feature_names]
-                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device), rows_in, tables_in)
+                cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device()), rows_in, tables_in)
             self._cache[keys] = cached
         return cached
 
@@ -205,12 +205,12 @@ class FeatureRouter:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
                              f"build the KJT with weights=..., or set is_weighted=False")
         if validate_ids:
-            if features.device.type != "cpu" and self.device_check is not None:
+            if features.device().type != "cpu" and self.device_check is not None:
                 self.device_check.before_lookup(features, rows_in, tables_in)  # raises for an earlier bad batch
             check_features(features, rows_in, tables_in, self.owner)
         if order is not None:
-            if order_t.device != features.device:
-                order_t = order_t.to(features.device)
+            if order_t.device != features.device():
+                order_t = order_t.to(features.device())
                 self._cache[tuple(features.keys())] = (order, order_t, rows_in, tables_in)
             features = features.permute(order, order_t)
         if not self.is_weighted and features.weights_or_none() is not None:

@@ -197,6 +197,26 @@ class JaggedTensor:
         w = torch.cat(weights) if weights else None
         return JaggedTensor(values=cat, weights=w, lengths=lengths)
 
+    @staticmethod
+    def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> JaggedTensor:
+        """TorchRec's: padded rows -> a JaggedTensor. values [B, L] (or [B, L, ...]); sample b keeps its first
+        lengths[b] entries; weights (optional) are padded as values are."""
+        for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+            _need_tensor("JaggedTensor.from_dense_lengths", name, t)
+        if values.dim() < 2 or lengths.dim() != 1 or lengths.numel() != values.shape[0]:
+            raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, L] with one length per row, got "
+                             f"values {tuple(values.shape)} and lengths {tuple(lengths.shape)}")
+        if weights is not None and weights.shape[:2] != values.shape[:2]:
+            raise ValueError(f"JaggedTensor.from_dense_lengths: weights {tuple(weights.shape)} must be padded as "
+                             f"values {tuple(values.shape)} are")
+        L = values.shape[1]
+        if lengths.device.type == "cpu" and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
+            raise ValueError(f"JaggedTensor.from_dense_lengths: lengths must be within 0..{L} (the padded width of "
+                             f"values), got {lengths.tolist()}")
+        keep_BL = torch.arange(L, device=values.device) < lengths.unsqueeze(-1)
+        return JaggedTensor(values=values[keep_BL], weights=None if weights is None else weights[keep_BL],
+                            lengths=lengths)
+
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample (splits values by lengths; a convenience, not a hot path)."""
         return list(torch.split(self._values, self._lengths.tolist()))
@@ -261,6 +281,15 @@ class JaggedTensor:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
         return move_or_explain(f"JaggedTensor.to({device!r})", device, lambda: self._map(
             lambda t: t.to(device, non_blocking=non_blocking)))
+
+    def device(self) -> torch.device:
+        """TorchRec's: the values' device (a method, as there)."""
+        return self._values.device
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None:
+                t.record_stream(stream)
 
     def _map(self, fn) -> JaggedTensor:
         jt = JaggedTensor.__new__(JaggedTensor)
@@ -432,6 +461,11 @@ class KeyedJaggedTensor:
         self.length_per_key()
         return self
 
+    def unsync(self) -> KeyedJaggedTensor:
+        """TorchRec's: forget the per-key lengths and offsets (computed again, with a host read, when asked)."""
+        self._length_per_key = self._offset_per_key = None
+        return self
+
     # accessors ----------------------------------------------------------------------------
 
     def keys(self) -> list[str]:
@@ -477,6 +511,14 @@ class KeyedJaggedTensor:
     def lengths_FB(self) -> Tensor:
         """Lengths as a [F, B] view."""
         return self._lengths.view(len(self._keys), self._stride)
+
+    def lengths_offset_per_key(self) -> list[int]:
+        """TorchRec's: where each key's lengths start in `lengths()` (and where the last ends): [0, B, 2B, ..]."""
+        return [i * self._stride for i in range(len(self._keys) + 1)]
+
+    def flatten_lengths(self) -> KeyedJaggedTensor:
+        """TorchRec's: the lengths as one flat tensor; they are flat here always, so the same KJT."""
+        return self
 
     def length_per_key(self) -> list[int]:
         """Ids per key. Reads the lengths on the host once, then cached."""
@@ -622,14 +664,14 @@ class KeyedJaggedTensor:
             # already there: itself, as Tensor.to. The pipeline knows a batch's KJT by identity, so a step that
             # moves its (already moved) batch again, `batch.to(self.device)`, stays pipelined
             return self
-        if moved.device.type != "cpu":
+        if moved.device().type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.
-            moved._host = self if self.device.type == "cpu" else self._host
+            moved._host = self if self.device().type == "cpu" else self._host
         return moved
 
     def host_copy(self) -> KeyedJaggedTensor | None:
         """This batch on the host: itself on CPU; on a device, the KJT it was moved from, if any."""
-        return self if self.device.type == "cpu" else self._host
+        return self if self.device().type == "cpu" else self._host
 
     def pin_memory(self) -> KeyedJaggedTensor:
         return move_or_explain("KeyedJaggedTensor.pin_memory()", None, lambda: self._map(lambda t: t.pin_memory()))
@@ -639,8 +681,8 @@ class KeyedJaggedTensor:
             if t is not None:
                 t.record_stream(stream)
 
-    @property
     def device(self) -> torch.device:
+        """The values' device. A method, as TorchRec's `kjt.device()` (it was a property here)."""
         return self._values.device
 
     def __repr__(self) -> str:
@@ -759,6 +801,13 @@ class KeyedTensor:
         if len(groups) != len(keys):
             raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys: give one name per group")
         return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+
+    def device(self) -> torch.device:
+        """TorchRec's: the values' device."""
+        return self._values.device
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self._values.record_stream(stream)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
         values = move_or_explain(f"KeyedTensor.to({device!r})", device,

@@ -344,7 +344,7 @@ def test_moves_to_cuda_and_pinning_without_cuda_are_one_line():
             call()
         assert what in str(info.value) and fix in str(info.value), str(info.value)
         assert info.value.__cause__ is None and info.value.__suppress_context__  # no torch traceback above it
-    assert kjt.device.type == "cpu"
+    assert kjt.device().type == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -207,3 +207,31 @@ def test_kjt_jt_kt_are_pytree_nodes_and_export():
     torch.testing.assert_close(exported.values(), eager.values())
     compiled = torch.compile(model, backend="eager", fullgraph=True)(kjt)
     torch.testing.assert_close(compiled.values(), eager.values())
+
+
+def test_torchrec_methods_a_port_calls():
+    """TorchRec's JaggedTensor.from_dense_lengths, .device() on all three (a method there: kjt.device() raised
+    "'torch.device' object is not callable" here), KJT.unsync / lengths_offset_per_key / flatten_lengths and
+    record_stream were missing; each against a few lines of plain Python."""
+    padded = torch.tensor([[1, 2, 0], [0, 0, 0], [3, 4, 5]])
+    lengths = torch.tensor([2, 0, 3])
+    weights = padded.float() / 10
+    jt = JaggedTensor.from_dense_lengths(padded, lengths, weights)
+    want = [row[:n].tolist() for row, n in zip(padded, lengths.tolist())]
+    assert [b.tolist() for b in jt.to_dense()] == want == [[1, 2], [], [3, 4, 5]]
+    torch.testing.assert_close(jt.weights(), torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]))
+    assert JaggedTensor.from_dense_lengths(padded, lengths).weights_or_none() is None
+    torch.testing.assert_close(jt.to_padded_dense(3), padded)  # the round trip
+    with pytest.raises(ValueError, match="within 0..3"):
+        JaggedTensor.from_dense_lengths(padded, torch.tensor([2, 0, 4]))
+
+    kjt, kt = drawn(), KeyedTensor(["a"], [2], torch.randn(3, 2))
+    assert jt.device() == kjt.device() == kt.device() == torch.device("cpu")
+    assert kjt.lengths_offset_per_key() == [0, 3, 6]  # key k's lengths: lengths()[3k : 3k + 3]
+    for k, key in enumerate(kjt.keys()):
+        lo, hi = kjt.lengths_offset_per_key()[k : k + 2]
+        assert torch.equal(kjt.lengths()[lo:hi], kjt[key].lengths())
+    assert kjt.flatten_lengths().lengths().dim() == 1 and bags(kjt.flatten_lengths()) == bags(kjt)
+    assert kjt.length_per_key_or_none() == [3, 4]
+    assert kjt.unsync() is kjt and kjt.length_per_key_or_none() is None and kjt.offset_per_key_or_none() is None
+    assert kjt.length_per_key() == [3, 4]  # computed again when asked
