@@ -614,6 +614,11 @@ class DistributedModelParallel(nn.Module):
                       remove_duplicate: bool = True):  # type: ignore[override]
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict (get_optimizer_state_dict(dmp, optimizer)), which finds each
+        name's module attribute by attribute from here: the names above start under self.module."""
+        return {name: "_unwrapped" for name, _ in self.module.named_children()}
+
     def sharded_modules(self) -> dict[str, _ShardedCollectionBase]:
         return {p: (self.module.get_submodule(p) if p else self.module) for p in self._sharded_paths}
 

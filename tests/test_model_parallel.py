@@ -633,6 +633,10 @@ def _names_worker(rank, W):
     model = _CountingModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan("table_wise", W, W), world_size=W)})
     dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    optimizer = torch.optim.Adagrad(dmp.parameters(), lr=0.1)  # torch's helper walks each name from the dmp
+    assert list(get_optimizer_state_dict(dmp, optimizer)["state"]) == ["dense.weight", "dense.bias"]
     return ([n for n, _ in dmp.named_parameters()], [n for n, _ in model.named_parameters()],
             [n for n, _ in dmp.named_buffers()], [n for n, _ in model.named_buffers()],
             [n for n, _ in dmp.named_parameters(prefix="m")], list(dmp.state_dict()),
