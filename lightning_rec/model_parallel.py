@@ -397,6 +397,9 @@ class DistributedModelParallel(nn.Module):
         sharders: TorchRec's argument, taken so that its code reads here; None only. Every collection
             is sharded without one: sharding types per table come from the plan (or the planner's
             ParameterConstraints), the fused optimizer from the collection's FusedOptimizerConfig.
+        env: TorchRec's argument (ShardingEnv.from_process_group(pg)); None only: pass the group as pg=.
+        init_data_parallel: TorchRec's argument; False is dense=None (the dense layers left unwrapped; wrap
+            them later with `init_data_parallel()`, as in TorchRec, or `wrap_dense("ddp" | "fsdp")`).
         local_world_size: ranks per host (host-level types); default $LOCAL_WORLD_SIZE or the world.
         ddp_kwargs: extra DistributedDataParallel arguments.
         shared_memory: CPU only. None (default): when every rank shares this host's /dev/shm, the
@@ -409,8 +412,15 @@ class DistributedModelParallel(nn.Module):
                  dense: str | None = "ddp", *, pg=None, timeout: float | timedelta = DEFAULT_TIMEOUT_S,
                  local_world_size: int | None = None, ddp_kwargs: dict | None = None,
                  shared_memory: bool | None = None,
-                 timeout_setting: str = "DistributedModelParallel(timeout=...)", sharders=None) -> None:
+                 timeout_setting: str = "DistributedModelParallel(timeout=...)", sharders=None, env=None,
+                 init_data_parallel: bool = True) -> None:
         super().__init__()
+        if env is not None:  # TorchRec's ShardingEnv.from_process_group(pg): the group is all it carries for us
+            raise ValueError(f"DistributedModelParallel(env={_short_repr(env)}): pass the process group itself, "
+                             f"pg=<group> (TorchRec's env=ShardingEnv.from_process_group(pg)); leave both out to "
+                             f"shard over the world")
+        if not init_data_parallel:
+            dense = None
         if sharders is not None:  # TorchRec's list of EmbeddingBagCollectionSharder(fused_params=...) and the like
             raise ValueError(
                 f"DistributedModelParallel(sharders={_short_repr(sharders)}): no sharders are needed here, every "
@@ -553,6 +563,12 @@ class DistributedModelParallel(nn.Module):
         self._dmp_wrapped_module = self._wrap_dense(self._unwrapped, dense, self._device, self._pg, ddp_kwargs or {},
                                                     self._transport, self._guard)
         self.dense = dense if self._dmp_wrapped_module is not self._unwrapped or dense == "fsdp" else None
+
+    def init_data_parallel(self) -> None:
+        """TorchRec's: wrap the dense layers in DDP now (after DistributedModelParallel(init_data_parallel=False));
+        nothing when they are wrapped already."""
+        if self.dense is None:
+            self.wrap_dense("ddp")
 
     @staticmethod
     def _wrap_dense(module: nn.Module, dense: str | None, device: torch.device, pg, ddp_kwargs: dict,

@@ -337,6 +337,28 @@ def test_torchrec_sharders_argument_is_explained():
                  "Drop sharders=", "ParameterConstraints(sharding_types=", "FusedOptimizerConfig(")
     # sharders=None is taken: what stops this one process is the missing process group, named as before
     expect_error(ValueError, lambda: DistributedModelParallel(ebc, sharders=None), "init_process_group")
+    # TorchRec's env=ShardingEnv.from_process_group(pg) is pg= here (it was 'unexpected keyword argument')
+    expect_error(ValueError, lambda: DistributedModelParallel(ebc, env=object()), "pg=<group>")
+    expect_error(ValueError, lambda: DistributedModelParallel(ebc, env=None, init_data_parallel=True),
+                 "init_process_group")
+
+
+def _init_data_parallel_worker(rank, W):
+    torch.manual_seed(0)
+    model = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+    dmp = DistributedModelParallel(model, device="cpu", timeout=30, init_data_parallel=False)
+    before = (type(dmp._dmp_wrapped_module).__name__, dmp.dense)
+    dmp.init_data_parallel()
+    dmp.init_data_parallel()  # once only, as TorchRec's
+    dmp(_batch(rank, 0, False)).sum().backward()
+    return before, type(dmp._dmp_wrapped_module).__name__, dmp.dense
+
+
+def test_torchrec_init_data_parallel_false_then_init_data_parallel():
+    """TorchRec's DistributedModelParallel(..., init_data_parallel=False) and dmp.init_data_parallel() later:
+    the keyword was 'unexpected'; now it is dense=None, and the method wraps the dense layers in DDP."""
+    before, after, dense = run_ranks(_init_data_parallel_worker, 2, timeout=60)[0]
+    assert before == ("PooledModel", None) and (after, dense) == ("DistributedDataParallel", "ddp")
 
 
 def _dead_rank_worker(rank, W):
