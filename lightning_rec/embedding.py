@@ -204,7 +204,9 @@ class FeatureRouter:
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
                              f"build the KJT with weights=..., or set is_weighted=False")
-        if validate_ids:
+        # torch.export traces with symbolic ids that no check can read (it stopped at "Could not guard on
+        # data-dependent expression"): an exported program takes its ids unchecked, as TorchRec's does
+        if validate_ids and not torch.compiler.is_exporting():
             if features.device().type != "cpu" and self.device_check is not None:
                 self.device_check.before_lookup(features, rows_in, tables_in)  # raises for an earlier bad batch
             check_features(features, rows_in, tables_in, self.owner)

@@ -85,6 +85,12 @@ def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
         raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}: convert them with {name}.long()")
 
 
+def _readable(t: Tensor) -> bool:
+    """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
+    torch.export traces, whose symbolic tensors have no values to read (checked where the inputs are built)."""
+    return t.device.type == "cpu" and not torch.compiler.is_exporting()
+
+
 def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
     """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
 
@@ -96,7 +102,7 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
     if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
         raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
     _check_index_dtype(what, "offsets", offsets)
-    if offsets.device.type != "cpu":
+    if not _readable(offsets):
         return
     first, last = int(offsets[0]), int(offsets[-1])
     if first != 0:
@@ -115,7 +121,7 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
 def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
     """Lengths and offsets both given must agree (each reader picks one: to_dense the lengths, to_padded_dense and
     the kernels the offsets). CPU tensors only."""
-    if lengths.device.type == "cpu" and offsets.device.type == "cpu" and (
+    if _readable(lengths) and _readable(offsets) and (
             offsets.numel() != lengths.numel() + 1 or not torch.equal(_lengths_from_offsets(offsets),
                                                                       lengths.to(offsets.dtype))):
         raise ValueError(f"{what}: lengths and offsets were both given and describe different bags (lengths "
@@ -142,7 +148,7 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
         )
     if weights is not None and not weights.dtype.is_floating_point:
         raise ValueError(f"{what}: weights must be floating point, got {weights.dtype}: pass weights.float()")
-    if lengths.device.type != "cpu" or lengths.numel() == 0:
+    if not _readable(lengths) or lengths.numel() == 0:
         if lengths.numel() == 0 and values.shape[0] != 0:
             raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
         return

@@ -465,3 +465,31 @@ def test_load_state_dict_with_assign_reaches_the_kernel(optimizer):
     torch.testing.assert_close(ebc(kjt).values(), source(kjt).values(), atol=0, rtol=0)
     for name, param in ebc.table_parameters().items():
         assert torch.equal(param, ebc.lookup.table_weights()[name])
+
+
+@pytest.mark.parametrize("collection", ["ebc", "ec"])
+def test_torch_export_of_a_collection_matches_eager(collection):
+    """torch.export of an EmbeddingBagCollection / EmbeddingCollection taking a KJT (TorchRec's export path) stopped at
+    the id check ('Could not guard on data-dependent expression'); the exported program matches eager, and eager
+    still refuses an id out of range."""
+    torch.manual_seed(0)
+    if collection == "ebc":
+        model = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                                                  feature_names=["a", "b"])])
+    else:
+        model = EmbeddingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                                            feature_names=["a", "b"])])
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4, 0]), lengths=torch.tensor([2, 1, 0, 2]))
+    eager = model(kjt)
+    exported = torch.export.export(model, (kjt,)).module()(kjt)
+    if collection == "ebc":
+        assert exported.keys() == ["a", "b"]
+        torch.testing.assert_close(exported.values(), eager.values())
+    else:
+        assert list(exported) == ["a", "b"]
+        for k in eager:
+            torch.testing.assert_close(exported[k].values(), eager[k].values())
+            assert torch.equal(exported[k].lengths(), eager[k].lengths())
+    bad = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4, 10]), lengths=torch.tensor([2, 1, 0, 2]))
+    with pytest.raises(ValueError, match="out of range"):
+        model(bad)
