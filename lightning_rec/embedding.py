@@ -193,7 +193,8 @@ class FeatureRouter:
             else:
                 order = [index[f] for f in self.feature_names]
                 cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device()), rows_in, tables_in)
-            self._cache[keys] = cached
+            if not torch.compiler.is_exporting():  # tensors made while torch.export traces are its own, not values
+                self._cache[keys] = cached
         return cached
 
     def __call__(self, features: KeyedJaggedTensor, validate_ids: bool = True) -> KeyedJaggedTensor:
@@ -213,7 +214,8 @@ class FeatureRouter:
         if order is not None:
             if order_t.device != features.device():
                 order_t = order_t.to(features.device())
-                self._cache[tuple(features.keys())] = (order, order_t, rows_in, tables_in)
+                if not torch.compiler.is_exporting():
+                    self._cache[tuple(features.keys())] = (order, order_t, rows_in, tables_in)
             features = features.permute(order, order_t)
         if not self.is_weighted and features.weights_or_none() is not None:
             if not self._warned_weights:
