@@ -188,11 +188,13 @@ class JaggedTensor:
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
-              values_dtype: torch.dtype = torch.int64) -> JaggedTensor:
+              values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
+              lengths_dtype: torch.dtype = torch.int64) -> JaggedTensor:
+        """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
         return JaggedTensor(
-            values=torch.empty(0, dtype=values_dtype, device=device),
-            weights=torch.empty(0, device=device) if is_weighted else None,
-            lengths=torch.empty(0, dtype=torch.int64, device=device),
+            values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
         )
 
     @staticmethod
@@ -418,12 +420,14 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
-              values_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
+              values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
+              lengths_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
+        """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
         return KeyedJaggedTensor(
             keys=[],
-            values=torch.empty(0, dtype=values_dtype, device=device),
-            weights=torch.empty(0, device=device) if is_weighted else None,
-            lengths=torch.empty(0, dtype=torch.int64, device=device),
+            values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
             stride=0,
         )
 
@@ -440,8 +444,9 @@ class KeyedJaggedTensor:
         )
 
     @staticmethod
-    def concat(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Features of several KJTs over the same samples, side by side (keys concatenated)."""
+        kjts = kjt_list  # TorchRec's argument name
         if not kjts:
             return KeyedJaggedTensor.empty()
         strides = {k.stride() for k in kjts if k.keys()}

@@ -235,3 +235,15 @@ def test_torchrec_methods_a_port_calls():
     assert kjt.length_per_key_or_none() == [3, 4]
     assert kjt.unsync() is kjt and kjt.length_per_key_or_none() is None and kjt.offset_per_key_or_none() is None
     assert kjt.length_per_key() == [3, 4]  # computed again when asked
+
+
+def test_torchrec_argument_names_of_empty_and_concat():
+    """KeyedJaggedTensor.empty(..., weights_dtype=, lengths_dtype=) and concat(kjt_list=...), TorchRec's keywords,
+    were 'unexpected keyword argument'."""
+    for cls in (JaggedTensor, KeyedJaggedTensor):
+        e = cls.empty(is_weighted=True, values_dtype=torch.int32, weights_dtype=torch.float16,
+                      lengths_dtype=torch.int32)
+        assert (e.values().dtype, e.weights().dtype, e.lengths().dtype) == (torch.int32, torch.float16, torch.int32)
+        assert cls.empty().values().dtype == torch.int64 and cls.empty().weights_or_none() is None
+    both = KeyedJaggedTensor.concat(kjt_list=drawn().split([1, 1]))
+    assert both.keys() == ["f1", "f2"] and bags(both) == bags(drawn())
