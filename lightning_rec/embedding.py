@@ -121,6 +121,10 @@ class BaseEmbeddingConfig:
     def pooling_name(self) -> str:
         return "none"
 
+    def num_features(self) -> int:
+        """TorchRec's: how many features read this table."""
+        return len(self.feature_names)
+
     def local_table(self) -> LocalTable:
         return LocalTable(self.name, self.num_embeddings, self.embedding_dim, tuple(self.feature_names),
                           self.pooling_name(), self.data_type, self.init_range())
@@ -578,6 +582,19 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._configs)
+
+    def embedding_dim(self) -> int:
+        """TorchRec's: the tables' one embedding_dim (TorchRec requires one; tables here may differ)."""
+        dims = {c.name: c.embedding_dim for c in self._configs}
+        if len(set(dims.values())) != 1:
+            raise ValueError(f"embedding_dim(): the tables have different dims {dims}; read each table's from "
+                             f"embedding_configs()")
+        return next(iter(dims.values()))
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        """TorchRec's: each table's output names, its features (a feature is read by one table here, so TorchRec's
+        'feature@table' names for a feature shared by tables do not arise)."""
+        return [list(c.feature_names) for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         features = self._route(features)

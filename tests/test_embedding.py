@@ -496,3 +496,19 @@ def test_torch_export_of_a_collection_matches_eager(collection):
     bad = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4, 10]), lengths=torch.tensor([2, 1, 0, 2]))
     with pytest.raises(ValueError, match="out of range"):
         model(bad)
+
+
+def test_torchrec_embedding_collection_accessors():
+    """TorchRec's EmbeddingCollection.embedding_dim() / embedding_names_by_table() and config.num_features() were
+    missing (AttributeError)."""
+    tables = [EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["a", "b"]),
+              EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=5, feature_names=["c"])]
+    ec = EmbeddingCollection(tables=tables)
+    assert ec.embedding_dim() == 4
+    assert ec.embedding_names_by_table() == [["a", "b"], ["c"]] == [c.feature_names for c in tables]
+    assert [c.num_features() for c in tables] == [2, 1]
+    assert EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=3, feature_names=["x"]).num_features() == 1
+    mixed = EmbeddingCollection(tables=[tables[0], EmbeddingConfig(name="t3", embedding_dim=8, num_embeddings=5,
+                                                                   feature_names=["d"])])
+    with pytest.raises(ValueError, match="different dims"):
+        mixed.embedding_dim()
