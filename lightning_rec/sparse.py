@@ -218,7 +218,7 @@ class JaggedTensor:
             raise ValueError(f"JaggedTensor.from_dense_lengths: weights {tuple(weights.shape)} must be padded as "
                              f"values {tuple(values.shape)} are")
         L = values.shape[1]
-        if lengths.device.type == "cpu" and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
+        if _readable(lengths) and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
             raise ValueError(f"JaggedTensor.from_dense_lengths: lengths must be within 0..{L} (the padded width of "
                              f"values), got {lengths.tolist()}")
         keep_BL = torch.arange(L, device=values.device) < lengths.unsqueeze(-1)
