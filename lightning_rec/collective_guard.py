@@ -75,6 +75,10 @@ class PeerExited(RuntimeError):
     """A peer process exited while this rank waited for it (the message names the rank)."""
 
 
+# global rank -> (host, pid) of every peer this process has read from the Store. Rank 0 often hosts the Store
+# (Lightning's launcher): once it dies nothing can be read there, so its pid must have been read before.
+_KNOWN_PEERS: dict[int, tuple[str, int]] = {}
+
 # id(process group) -> its guard, while its owner (DistributedModelParallel) keeps it; the guard
 # holds its group, so the id is not reused while the entry exists
 _GUARDS: weakref.WeakValueDictionary[int, CollectiveGuard] = weakref.WeakValueDictionary()
@@ -353,10 +357,27 @@ class CollectiveGuard:
         if p not in self._peers_info:
             raw = self._read(f"pid/{p}")
             if not raw:
-                return None
+                return _KNOWN_PEERS.get(p)  # the Store is gone (with its host, rank 0): what was read before
             host, pid = raw.rsplit(":", 1)
-            self._peers_info[p] = (host, int(pid))
+            self._peers_info[p] = _KNOWN_PEERS[p] = (host, int(pid))
         return self._peers_info[p]
+
+    def remember_peers(self) -> None:
+        """Read every rank's pid now, in one Store request. Call it when every rank of the group has built its
+        guard (after a collective of the group): a peer that exits later is named even if the Store exited with
+        it. Without this the pids were read only once a wait had lasted the grace."""
+        if self._store is None or self._store_down:
+            return
+        keys = [f"{_PREFIX}pid/{p}" for p in self.ranks]
+        try:
+            if not self._store.check(keys):  # a rank without a guard (LIGHTNING_REC_COLLECTIVE_GUARD=0 there)
+                return
+            values = self._store.multi_get(keys)
+        except (RuntimeError, AttributeError):  # AttributeError: a Store without multi_get
+            return
+        for p, raw in zip(self.ranks, values):
+            host, pid = raw.decode().rsplit(":", 1)
+            self._peers_info[p] = _KNOWN_PEERS[p] = (host, int(pid))
 
     def _read(self, key: str) -> str:
         if self._store_down:

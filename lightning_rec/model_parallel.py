@@ -490,6 +490,7 @@ class DistributedModelParallel(nn.Module):
             transport.timeout_setting = timeout_setting
             transport.guard = self._guard if self._guard.enabled else None
         check_same_everywhere(collections, plan, self._guard, device)  # before any table is built
+        self._guard.remember_peers()  # every rank has published its pid before that collective
         self._emb_pg = emb_pg
         self._transport = transport
         env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)

@@ -273,6 +273,7 @@ class RecStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
+        agreed = self._agree_training_length(dataloader)
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
             from lightning_rec.pipeline import InputPipeline, wrap_loader
 
@@ -283,10 +284,36 @@ class RecStrategy(DDPStrategy):
             pipeline.loader = dataloader
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
-            return wrap_loader(dataloader, pipeline, self._padding_for(dataloader))  # it keeps ranks together too
-        if self.world_size > 1 and isinstance(dataloader, DataLoader):
+            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader))  # it keeps ranks together too
+        elif self.world_size > 1 and isinstance(dataloader, DataLoader):
             _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
+        if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
+            dataloader._rec_agreed_len = agreed
         return dataloader
+
+    def _agree_training_length(self, dataloader: object) -> int | None:
+        """Training, several ranks (collective: every rank processes its loaders in one order): the fewest batches of
+        any rank's sized loader, when that is fewer than this rank's own; the loader then says that length, so that
+        every rank's Lightning loop counts the same epoch. With each rank's own length, a rank with more batches
+        validated at another batch (val_check_batch) or not at all, and ran one more advance at the epoch's end
+        to find its loader stopped, whose collective (Lightning's SIGTERM broadcast) paired with another one
+        elsewhere: CollectiveMismatch in the first validation or the second epoch."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.world_size <= 1 or trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return None
+        from lightning.fabric.utilities.data import sized_len
+
+        own = sized_len(dataloader)
+        flags = torch.tensor([own if own is not None else 2**62], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        fewest = int(flags.item())
+        if own is None or fewest >= own:
+            return None
+        warnings.warn(f"rank {self.global_rank}: the rest of this epoch's batches are skipped: this rank's training "
+                      f"dataloader has {own} batches, another rank's {fewest}, and sharded embeddings need every "
+                      f"rank in every step, so every epoch takes {fewest} on every rank. Give every rank the same "
+                      f"number of batches (e.g. drop_last, or an even split) to use them all", stacklevel=2)
+        return fewest
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -673,7 +673,7 @@ def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path, capsys):
     assert "val_auc" in metrics and not said, said
 
 
-def _killed_save_worker(rank, W, path):
+def _killed_save_worker(rank, W, path, victim=1):
     module = _module()
     dmp = _shard(module, "row_wise", W)
     optimizer = module.configure_optimizers()
@@ -682,8 +682,8 @@ def _killed_save_worker(rank, W, path):
 
     real = fs._write_item
 
-    def die(*args, **kwargs):  # rank 1 is killed while it writes its tables
-        if rank == 1:
+    def die(*args, **kwargs):  # the victim is killed while it writes its tables
+        if rank == victim:
             os.kill(os.getpid(), 9)
         return real(*args, **kwargs)
 
@@ -706,6 +706,22 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     _same(saved, loaded[0])  # last.ckpt is the previous, whole checkpoint
     run_ranks(_save_worker, 2, path, "row_wise", timeout=120)
     assert not list(tmp_path.glob(".last.ckpt.partial-*"))  # the next save of that name clears the leftovers
+
+
+def test_save_killed_on_rank_zero_names_it_on_the_others(tmp_path):
+    """Rank 0 hosts the c10d Store (Lightning's launcher, run_ranks): once it is killed, its pid could no longer be
+    read from the Store, and the other ranks said only "the ranks could not agree that every part was written
+    (Connection reset by peer)". The ranks' pids are now read while every rank is known to be up (when
+    DistributedModelParallel is built), so a dead rank 0 is named as any other."""
+    path = str(tmp_path / "last.ckpt")
+    saved = run_ranks(_save_worker, 3, path, "row_wise", timeout=120)[0]
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_killed_save_worker, 3, path, 0, timeout=60, pg_timeout=10, allow_missing=True)
+    text = str(failed.value)
+    for r in (1, 2):
+        assert f"rank {r}: PeerExited: saving checkpoint {path} failed on rank {r}: rank(s) [0" in text, text
+    assert "is unchanged" in text, text
+    _same(saved, run_ranks(_load_worker, 3, path, "table_wise", timeout=120)[0])  # the previous checkpoint
 
 
 class _Killed(BaseException):

@@ -196,6 +196,44 @@ def _uneven_fit(rank, world_size):
     return trainer.global_step, len(skipped)
 
 
+def _uneven_sized_fit(rank, world_size, pipeline):
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from lightning_rec.data.batch import passthrough_collate
+
+    class UnevenData(SyntheticCriteoDataModule):  # map-style: rank r has 3 + r batches, and its loader says so
+        def train_dataloader(self):
+            split = self.make_split("train")
+            batches = [split.__getitems__(list(range(i * 64, (i + 1) * 64))) for i in range(3 + rank)]
+            return DataLoader(batches, batch_size=None, collate_fn=passthrough_collate)
+
+    L.seed_everything(0)
+    data = UnevenData(num_train_samples=1024, num_val_samples=192, batch_size=64, num_embeddings_per_feature=64)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=world_size, max_epochs=2,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(DLRMModule(**SMALL), data)
+    skipped = [str(w.message) for w in caught if "batches are skipped" in str(w.message)]
+    return trainer.global_step, len(skipped), trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_ranks_with_uneven_sized_loaders_stop_together(pipeline):
+    """Sized loaders of 3, 4 and 5 batches on 3 ranks: the epoch ends after 3 on every rank. Lightning's loop on a
+    rank whose loader had more validated at another batch (or not at all), and ran one more advance to find its
+    loader stopped, whose collective (the SIGTERM broadcast) paired with another elsewhere: CollectiveMismatch. The
+    ranks now agree on the fewest batches when the loaders are set up (as limit_train_batches would), and the
+    ranks with more say once that theirs are cut."""
+    results = run_ranks(_uneven_sized_fit, 3, pipeline, timeout=240, pg_timeout=60)
+    assert [r[0] for r in results] == [6, 6, 6]  # 3 steps per epoch on every rank, 2 epochs
+    assert [r[1] for r in results] == [0, 1, 1]  # the ranks with batches left say so, once
+    assert len({r[2] for r in results}) == 1 and results[0][2] > 0  # every rank validated, as often
+
+
 def test_ranks_with_uneven_batches_stop_together():
     # without the agreement, rank 0's 5th step would wait in its all-to-all until the timeout
     results = run_ranks(_uneven_fit, 2, timeout=180, pg_timeout=60)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from lightning_rec.pipeline.train_pipeline import InputPipeline
 
 _PIPELINED_CLASSES: dict[type, type] = {}
@@ -22,9 +24,18 @@ def swap_iter(loader, prefix: str, iter_fn, cache: dict[type, type]) -> None:
     cls = base_loader_class(type(loader))
     sub = cache.get(cls)
     if sub is None:
-        sub = type(f"{prefix}{cls.__name__}", (cls,), {"__iter__": iter_fn, "_rec_step_together": True})
+        sub = type(f"{prefix}{cls.__name__}", (cls,), {"__iter__": iter_fn, "__len__": _agreed_len,
+                                                       "_rec_step_together": True})
         cache[cls] = sub
     loader.__class__ = sub
+
+
+def _agreed_len(self) -> int:
+    """The loader's own length, or the ranks' agreed one where that is shorter (RecStrategy.process_dataloader)."""
+    base = next(c for c in type(self).__mro__[1:] if not getattr(c, "_rec_step_together", False))
+    n = base.__len__(self)
+    agreed = getattr(self, "_rec_agreed_len", None)
+    return n if agreed is None else min(n, agreed)
 
 
 def wrap_loader(loader, pipeline: InputPipeline, pad=None):
@@ -46,6 +57,9 @@ def _iter_pipelined(self):
         # reading ahead, and with persistent_workers the loader's __iter__ resets the very iterator it reads
         pipeline.stop_feeder()
     batches = base_loader_class(type(self)).__iter__(self)
+    agreed = getattr(self, "_rec_agreed_len", None)
+    if agreed is not None:  # the ranks' agreed length (RecStrategy.process_dataloader): the feeder reads no further
+        batches = itertools.islice(batches, agreed)
     if pipeline.closed:  # the loader went on to a run without this strategy
         return batches
     return pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None))
