@@ -21,10 +21,15 @@ def fused_table_modules(module: torch.nn.Module) -> list[str]:
     return unsharded or [name for name, _ in fused_modules(module)]
 
 
-def warn_fused_accumulation(module: torch.nn.Module, trainer: Any) -> None:
-    """accumulate_grad_batches > 1 with fused tables: say that only the dense layers accumulate."""
+def warn_fused_accumulation(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
+    """accumulate_grad_batches > 1 with fused tables: say that only the dense layers accumulate.
+
+    fused: fused_table_modules(module), when the caller has it already."""
     accumulate = trainer.accumulate_grad_batches
-    fused = fused_table_modules(module) if accumulate > 1 else []
+    if accumulate <= 1:
+        return
+    if fused is None:
+        fused = fused_table_modules(module)
     if fused:
         warnings.warn(
             f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
@@ -62,7 +67,7 @@ class RecModuleHooks:
             return
 
         fused = fused_table_modules(self)
-        warn_fused_accumulation(self, trainer)
+        warn_fused_accumulation(self, trainer, fused)
         if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
             # evaluation may replicate the tables (every rank holds the same weights); training may not
             raise ValueError(

@@ -32,8 +32,7 @@ def swap_iter(loader, prefix: str, iter_fn, cache: dict[type, type]) -> None:
 
 def _agreed_len(self) -> int:
     """The loader's own length, or the ranks' agreed one where that is shorter (RecStrategy.process_dataloader)."""
-    base = next(c for c in type(self).__mro__[1:] if not getattr(c, "_rec_step_together", False))
-    n = base.__len__(self)
+    n = base_loader_class(type(self)).__len__(self)
     agreed = getattr(self, "_rec_agreed_len", None)
     return n if agreed is None else min(n, agreed)
 
