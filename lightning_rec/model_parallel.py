@@ -203,8 +203,22 @@ def find_collections(module: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def _enum_value(value, enum_type: type[enum.Enum], field: str, table: str):
+    try:
+        return enum_type(str(getattr(value, "value", value)).lower())
+    except ValueError:
+        raise ValueError(f"table '{table}': unknown {field} {value!r} in its ParameterSharding: use one of "
+                         f"{', '.join(e.value for e in enum_type)}") from None
+
+
+_UVM_KERNELS = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
+
+
 def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str, ParameterSharding],
-                         world_size: int) -> None:
+                         world_size: int, device: torch.device | None = None) -> None:
+    """Metadata only, so every rank refuses a bad plan with the same message: a check left to the rank that
+    builds a shard (its kernel, its shape) failed on that rank alone, and its peers waited for it in the next
+    collective until the embedding timeout."""
     where = f"module '{path}'" if path else "the model"
     configs = {c.name: c for c in _collection_configs(module)}
     unknown = [t for t in table_plans if t not in configs]
@@ -218,7 +232,17 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
     sequence = isinstance(module, EmbeddingCollection)
     for name, ps in table_plans.items():
         c = configs[name]
-        st = ShardingType(ps.sharding_type)
+        st = _enum_value(ps.sharding_type, ShardingType, "sharding_type", name)
+        kernel = _enum_value(ps.compute_kernel, ComputeKernel, "compute_kernel", name)
+        if kernel == ComputeKernel.DENSE and st != ShardingType.DATA_PARALLEL:
+            # the shards would train with the collection's fused optimizer anyway (routing.py), not a dense one
+            raise ValueError(f"table '{name}' is planned {st} with compute_kernel 'dense', which is for data_parallel "
+                             f"tables only: sharded tables train with the collection's fused optimizer; use "
+                             f"compute_kernel 'fused' (the plan verbs' default), or data_parallel()")
+        if kernel in _UVM_KERNELS and device is not None and device.type == "cpu":
+            raise ValueError(f"table '{name}' is planned with compute_kernel '{kernel}' (GPU unified memory), but this "
+                             f"run is on CPU, where every table is in host memory already: plan it with compute_kernel "
+                             f"'fused' (the planner does for CPU topologies), or run on GPU")
         if sequence and st not in SEQUENCE_SHARDING_TYPES:
             raise ValueError(f"table '{name}' of the EmbeddingCollection {where} is planned {st}: sequence tables "
                              f"take {', '.join(str(t) for t in SEQUENCE_SHARDING_TYPES)}")
@@ -227,6 +251,12 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
                 raise ValueError(f"table '{name}' is placed on rank {r} but world_size={world_size}: use ranks in "
                                  f"0..{world_size - 1}")
         if st == ShardingType.DATA_PARALLEL:
+            partial = [str(s) for s in ps.shards if tuple(s.shard_offsets) != (0, 0)
+                       or tuple(s.shard_sizes) != (c.num_embeddings, c.embedding_dim)]
+            if partial:  # every rank holds the whole table: such a shard would be printed, never built
+                raise ValueError(f"table '{name}' is planned data_parallel (a whole copy on every rank) but lists "
+                                 f"shards that are not the whole {c.num_embeddings} x {c.embedding_dim} table: "
+                                 f"{partial}; use data_parallel() (no shards), or a sharding type that splits it")
             continue
         if not ps.shards:
             raise ValueError(f"table '{name}' is planned {st} but its ParameterSharding lists no shards: build it "
@@ -236,6 +266,10 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
 
 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
+    empty = [str(s) for s in ps.shards if s.shard_sizes[1] <= 0 or s.shard_sizes[0] < 0]
+    if empty:  # a 0-column block tiles nothing, and no kernel takes a table of dim 0
+        raise ValueError(f"table '{name}': shard(s) {empty} have no columns: every column block needs at least one "
+                         f"column; fix size_per_rank (or the shards) so the blocks add up to {dim}")
     blocks: dict[int, list] = {}
     for s in ps.shards:
         blocks.setdefault(s.shard_offsets[1], []).append(s)
@@ -434,6 +468,11 @@ class DistributedModelParallel(nn.Module):
                              "torch.distributed.init_process_group(backend='gloo' or 'nccl') on every rank first")
         if dense not in ("ddp", "fsdp", None):
             raise ValueError(f"dense={dense!r}: use 'ddp', 'fsdp' or None")
+        if plan is not None and not isinstance(plan, ShardingPlan):  # a dict failed on `plan.plan`, unexplained
+            raise ValueError(f"DistributedModelParallel(plan=...) takes a ShardingPlan, got a {type(plan).__name__}: "
+                             f"build it with ShardingPlan({{module_path: construct_module_sharding_plan(collection, "
+                             f"{{table: row_wise(), ...}})}}) (module_path as in model.named_modules(), '' for a "
+                             f"collection passed alone)")
         pg = pg if pg is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(pg), dist.get_rank(pg)
         self._timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
@@ -467,7 +506,7 @@ class DistributedModelParallel(nn.Module):
                 raise ValueError(f"the plan names module '{path}', which is not an embedding collection in the model; "
                                  f"its collections are {sorted(collections)}: fix the module path")
         for path, m in collections.items():
-            validate_module_plan(path, m, plan.plan[path], world_size)
+            validate_module_plan(path, m, plan.plan[path], world_size, device)
         if device.type == "cuda":  # a plan bigger than the GPU: the planner's kind of explanation, not a CUDA OOM
             check_plan_fits(plan_device_bytes(plan, collections, world_size),
                             torch.cuda.get_device_properties(device).total_memory)

@@ -34,11 +34,12 @@ from lightning_rec.model_parallel import (
     table_column_wise,
     table_row_wise,
     table_wise,
+    validate_module_plan,
 )
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 from lightning_rec.sparse import KeyedJaggedTensor
-from lightning_rec.types import ShardingPlan
+from lightning_rec.types import ComputeKernel, ParameterSharding, ShardingPlan, ShardingType, ShardMetadata
 
 ATOL = 1e-5
 STEPS = 5
@@ -303,6 +304,11 @@ def _bad_input_worker(rank, W):
     _expect_error(lambda: DistributedModelParallel(model(), plan=bad, device="cpu"), "'ghost'")
     _expect_error(lambda: DistributedModelParallel(model(), plan=ShardingPlan({"nowhere": bad.plan["ebc"]}),
                                                    device="cpu"), "'nowhere'")
+    # a kernel CPU cannot run, on a table only rank 1 holds: rank 1 alone refused it while building its shard, and
+    # rank 0 waited for it in the next collective until the timeout; now every rank refuses it before any collective
+    uvm = plan({"t0": table_wise(rank=1, compute_kernel=ComputeKernel.FUSED_UVM), **everything_else})
+    _expect_error(lambda: DistributedModelParallel(model(), plan=uvm, device="cpu", timeout=20), "'t0'", "fused_uvm",
+                  "compute_kernel 'fused'")
 
     # a batch with other keys on rank 1 only: both ranks raise, nobody hangs
     dmp = DistributedModelParallel(model(), plan=plan({"t0": row_wise(), **everything_else}), device="cpu",
@@ -328,6 +334,54 @@ def _bad_input_worker(rank, W):
 def test_bad_input_raises_on_every_rank():
     texts = run_ranks(_bad_input_worker, 2, timeout=60)
     assert "oops" in texts[1] or "f3" in texts[1]
+
+
+def test_hand_written_plans_that_cannot_be_built_are_refused_by_the_checks_every_rank_runs():
+    """validate_module_plan runs on every rank before any collective; these were refused (or silently changed)
+    only later, on the rank that built the shard, or not at all."""
+    config = FusedOptimizerConfig("sgd", lr=0.1)
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=config)
+    good = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()},
+                                          world_size=2)
+    validate_module_plan("ebc", ebc, good, 2, torch.device("cpu"))
+
+    def check(table: str, ps: ParameterSharding, *words: str) -> None:
+        _expect_error(lambda: validate_module_plan("ebc", ebc, {**good, table: ps}, 2, torch.device("cpu")), *words)
+
+    t1 = good["t1"].shards
+    check("t1", ParameterSharding("tablewise", ranks=[1], shards=t1), "'t1'", "'tablewise'", "table_wise")
+    check("t1", ParameterSharding(ShardingType.TABLE_WISE, "fusedd", ranks=[1], shards=t1), "'t1'", "'fusedd'",
+          "fused_uvm_caching")
+    # dense on a sharded table trained with the fused optimizer all the same (routing maps it to fused)
+    check("t1", ParameterSharding(ShardingType.TABLE_WISE, ComputeKernel.DENSE, ranks=[1], shards=t1), "'t1'",
+          "'dense'", "data_parallel")
+    check("t1", ParameterSharding(ShardingType.TABLE_WISE, ComputeKernel.FUSED_UVM_CACHING, ranks=[1], shards=t1),
+          "'t1'", "GPU unified memory", "compute_kernel 'fused'")
+    # a 0-column block "tiled" the dim; the rank holding it failed alone, building a dim-0 table
+    rows, dim = ROWS["t0"], DIMS["t0"]
+    zero = [ShardMetadata((0, 0), (rows, dim), 0), ShardMetadata((0, dim), (rows, 0), 1)]
+    check("t0", ParameterSharding(ShardingType.COLUMN_WISE, ranks=[0, 1], shards=zero), "'t0'", "no columns",
+          "size_per_rank")
+    # a data-parallel entry with a partial shard printed as if that were what each rank held
+    part = [ShardMetadata((0, 0), (2, DIMS["t2"]), 0)]
+    check("t2", ParameterSharding(ShardingType.DATA_PARALLEL, ranks=[0, 1], shards=part), "'t2'", "rows 0:2",
+          "data_parallel()")
+
+
+def test_plan_that_is_not_a_sharding_plan_is_named():
+    """A dict of module plans, or one collection's plan, failed with AttributeError: 'dict' object has no
+    attribute 'plan' (after the process-group check, so the test needs a group of one)."""
+    done = run_ranks(_not_a_plan_worker, 1, timeout=60)
+    assert done == [2]
+
+
+def _not_a_plan_worker(rank, W):
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    module_plan = construct_module_sharding_plan(ebc, {t: table_wise(rank=0) for t in ROWS}, world_size=1)
+    for plan in ({"": module_plan}, module_plan):
+        _expect_error(lambda plan=plan: DistributedModelParallel(ebc, plan=plan, device="cpu"), "takes a ShardingPlan",
+                      type(plan).__name__, "ShardingPlan({module_path: construct_module_sharding_plan(")
+    return 2
 
 
 def test_torchrec_sharders_argument_is_explained():
