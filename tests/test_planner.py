@@ -218,6 +218,36 @@ def test_table_column_wise_with_one_rank_per_host_names_the_cause():
     assert "needs 2+ ranks per host" in msg and "under min_partition" not in msg, msg
 
 
+def test_no_option_message_leads_with_the_reason_not_kernels_nobody_asked_for():
+    """A 1-row table forced row_wise said 'row_wise (dense): the dense kernel is for data_parallel only; row_wise
+    (fused_uvm): UVM kernels need compute_device='cuda'; ...' before the cause; a dim-20 table forced column_wise
+    said 'min_partition=20: lower it' when the user had set no min_partition (the default is min(dim, 32))."""
+    tables = [EmbeddingBagConfig(name="one", num_embeddings=1, embedding_dim=8),
+              EmbeddingBagConfig(name="narrow", num_embeddings=100, embedding_dim=20)]
+
+    def message(constraints, topology=None) -> str:
+        with pytest.raises(PlannerError) as err:
+            EmbeddingShardingPlanner(topology or cpu(4), constraints, print_stats=False).plan(tables)
+        return str(err.value)
+
+    msg = message({"one": ParameterConstraints(sharding_types=["row_wise"])})
+    assert "per rank: row_wise: 1 rows cannot be split over 4 ranks. Fix" in msg, msg
+    assert "dense" not in msg and "UVM" not in msg, msg
+    msg = message({"narrow": ParameterConstraints(sharding_types=["column_wise"])})
+    assert "min_partition is not set: the default is min(dim, 32) = 20" in msg, msg
+    assert "ParameterConstraints(min_partition=10)" in msg, msg
+    msg = message({"narrow": ParameterConstraints(sharding_types=["column_wise"], min_partition=12)})
+    assert "min_partition=12; lower it with ParameterConstraints(min_partition=10)" in msg, msg
+    two_hosts = Topology(world_size=4, local_world_size=2, compute_device="cpu", ddr_cap=8 * GB)
+    msg = message({"narrow": ParameterConstraints(sharding_types=["grid_shard"])}, two_hosts)
+    assert "grid_shard: dim 20 makes no 2+ column blocks of >= 20 columns over 2 hosts" in msg, msg
+    msg = message({"narrow": ParameterConstraints(sharding_types=["grid_shard"])})
+    assert "grid_shard: splits columns over hosts, and there is 1" in msg, msg
+    # kernels the user did ask for are still named when they are what excludes the table
+    msg = message({"one": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused_uvm"])})
+    assert "UVM kernels need compute_device='cuda'" in msg, msg
+
+
 def test_planner_error_is_a_value_error():
     assert issubclass(PlannerError, ValueError)
 

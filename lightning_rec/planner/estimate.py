@@ -250,7 +250,18 @@ def _kernels_for(spec: TableSpec, st: ShardingType, topology: Topology) -> tuple
             reasons.append(f"{st} ({k}): enforce_hbm=True keeps the table in device memory")
         else:
             kernels.append(k)
+    if kernels and c.compute_kernels is None:
+        # the user chose no kernels: the ones that do not apply are no news, and listed first they hid the reason
+        # that mattered ("row_wise (dense): ...; row_wise (fused_uvm): ...; row_wise: 1 rows cannot be split ...")
+        reasons = []
     return kernels, reasons
+
+
+def _min_partition_fix(spec: TableSpec, min_cols: int, at_most: int) -> str:
+    given = spec.constraints.min_partition is not None
+    now = f"min_partition={min_cols}" if given else (
+        f"min_partition is not set: the default is min(dim, {DEFAULT_MIN_PARTITION}) = {min_cols}")
+    return f"{now}; lower it with ParameterConstraints(min_partition={at_most}) or less" if at_most > 0 else now
 
 
 def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list[str]]:
@@ -286,7 +297,7 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
             k *= 2
         return out, [] if out else [
             f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks "
-            f"(min_partition={min_cols}: lower it to at most {dim // 2})"
+            f"({_min_partition_fix(spec, min_cols, dim // 2)})"
         ]
     if st == ShardingType.TABLE_COLUMN_WISE:
         if H == 1 and not user_only:
@@ -295,8 +306,8 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
             return [], [f"{st}: splits columns over the ranks of a host, and a host has {L} rank "
                         f"(local_world_size={L}): needs 2+ ranks per host (else use table_wise or column_wise)"]
         if dim // L < min_cols:
-            return [], [f"{st}: dim {dim} over {L} local ranks gives blocks under min_partition {min_cols} "
-                        f"(lower it to at most {dim // L})"]
+            return [], [f"{st}: dim {dim} over {L} local ranks gives blocks under {min_cols} columns "
+                        f"({_min_partition_fix(spec, min_cols, dim // L)})"]
         return [(L, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.GRID_SHARD:
         out, k = [], 2
@@ -306,7 +317,13 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
             shards = shard_layout(name, rows, dim, st, W, local_world_size=L, host_indexes=list(range(k)))
             out.append((k, None, shards))
             k *= 2
-        return out, [] if out else [f"{st}: needs 2+ hosts and dim >= 2 x min_partition ({min_cols})"]
+        if out:
+            return out, []
+        if H < 2:
+            return [], [f"{st}: splits columns over hosts, and there is {H} (world_size {W} / local_world_size {L}): "
+                        f"needs 2+ hosts (else use row_wise or table_row_wise)"]
+        return [], [f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {H} hosts "
+                    f"({_min_partition_fix(spec, min_cols, dim // 2)})"]
     raise AssertionError(f"unhandled sharding type {st}")
 
 
