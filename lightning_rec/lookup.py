@@ -184,6 +184,13 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
         if kernel == "fbgemm" and opt in cpu_supported_optimizers():
             raise ValueError(f"fbgemm's CPU kernel does not implement fused optimizer {opt}: use kernel='native' "
                              f"(or 'auto'), which does on CPU; kernel='fbgemm' runs {opt} on GPU (device='cuda')")
+        if pooling not in NATIVE_POOLINGS and opt in cpu_supported_optimizers():
+            # "not available on CPU: CPU supports ..., adam, ..." contradicted itself: our kernels pool only
+            fbgemm_cpu = ", ".join(str(o) for o in FBGEMM_CPU_OPTIMIZERS)
+            raise ValueError(f"fused optimizer {opt} is not available on CPU for sequence tables "
+                             f"(EmbeddingCollection): they run on fbgemm's CPU kernel, which implements "
+                             f"{fbgemm_cpu}; use one of those, or train them on GPU (device='cuda'). Pooled tables "
+                             f"(EmbeddingBagCollection) take {opt} on CPU")
         raise ValueError(
             f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
             f"{opt} runs on GPU (device='cuda')"

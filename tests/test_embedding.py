@@ -206,6 +206,18 @@ def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():
         EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("lamb"), kernel="fbgemm")
 
 
+def test_adam_on_cpu_sequence_tables_names_what_they_take():
+    """It said 'adam is not available on CPU: CPU supports sgd, adagrad, rowwise_adagrad, adam, ...': our CPU kernels
+    pool, and sequence tables run on fbgemm's CPU kernel, which has no adam."""
+    tables = [EmbeddingConfig(name="t", num_embeddings=5, embedding_dim=4, feature_names=["f"])]
+    for opt in ("adam", "partial_rowwise_adam"):
+        with pytest.raises(ValueError) as err:
+            EmbeddingCollection(tables, optimizer=FusedOptimizerConfig(opt, lr=0.1))
+        msg = str(err.value)
+        assert f"{opt} is not available on CPU for sequence tables" in msg, msg
+        assert "implements sgd, adagrad, rowwise_adagrad; use one of those" in msg and "CPU supports" not in msg, msg
+
+
 def test_unknown_optimizer_lists_valid_names():
     with pytest.raises(ValueError, match="unknown fused optimizer 'adamw'.*rowwise_adagrad"):
         FusedOptimizerConfig("adamw")
