@@ -128,7 +128,7 @@ def test_bad_constraints():
         ParameterConstraints(compute_kernels=[])
 
 
-@pytest.mark.parametrize("pf", [0.0, -2.0])
+@pytest.mark.parametrize("pf", [0.0, -2.0, float("inf")])  # inf was taken: every option priced at inf ms
 def test_pooling_factor_not_positive_names_the_table(pf):
     planner = EmbeddingShardingPlanner(
         cpu(), {"s1": ParameterConstraints(pooling_factors=pf)}, print_stats=False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lightning_rec.types import ComputeKernel, ShardingType
@@ -75,9 +76,9 @@ class ParameterConstraints:
     def validate_for(self, table: str) -> None:
         """Checks that need the table's name in the message (the pooling factor is per table)."""
         for p in self.pooling_factors:
-            if not p > 0:
+            if not 0 < p < math.inf:  # inf priced every option at inf ms: the plan kept was arbitrary
                 raise ValueError(
-                    f"table '{table}': pooling factor {p} must be > 0 (expected ids per sample): "
+                    f"table '{table}': pooling factor {p} must be finite and > 0 (expected ids per sample): "
                     f"set ParameterConstraints(pooling_factors=...) to the mean number of ids per sample, "
                     f"e.g. 1.0 for one-hot features"
                 )
