@@ -307,6 +307,22 @@ def test_a_small_cluster_is_explained_in_units_that_show_the_numbers():
     assert "DDR 13.60 KB for tables" in msg, msg  # the cluster: 2 ranks x 8 KB, less the reserved 15%
 
 
+def test_many_tables_that_do_not_fit_are_counted_not_listed_one_per_line():
+    """500 tables on 2 small ranks: the message listed all 226 that found no room, alike lines over 49 KB, with
+    the totals and the fix after them. It names the 10 largest and counts the rest."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=10_000, embedding_dim=64) for i in range(500)]
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(cpu(2, ddr_cap=400 * 1024**2), print_stats=False).plan(tables)
+    msg = str(err.value)
+    lines = msg.splitlines()
+    assert len(lines) < 20 and len(msg) < 4000, msg
+    failed = int(lines[0].split(" table(s) could not be placed")[0].split()[-1])
+    assert failed > 10 and "; the 10 largest:" in lines[0], lines[0]
+    assert sum(line.startswith("  't") for line in lines) == 10, msg
+    assert f"  ... and {failed - 10} more, needing " in msg, msg
+    assert "All tables together need" in msg and "Fix: more ranks" in msg, msg
+
+
 def test_dlrm_on_2_ranks_of_24gb_without_host_memory_explains():
     tables, _ = dlrm_tables()
     planner = dlrm_planner(Topology(world_size=2, compute_device="cuda", hbm_cap=24 * GB, ddr_cap=24 * GB))

@@ -385,11 +385,14 @@ class EmbeddingShardingPlanner:
         caps = self.capacity
         t = self.topology
         choice, placement = search.last_failure
+        failed = placement.failed
+        shown = sorted(failed, key=lambda ti: (-options[ti][choice[ti]].total_bytes, ti))[:_MAX_FAILED_LISTED]
         lines = [
             f"no plan fits {len(specs)} table(s) on {t.describe()}; per rank, tables may use {_mem(caps)} "
-            f"(reserved_fraction={self.reserved_fraction}). Tables that could not be placed:"
+            f"(reserved_fraction={self.reserved_fraction}). {len(failed)} table(s) could not be placed"
+            + (f"; the {len(shown)} largest:" if len(shown) < len(failed) else ":")
         ]
-        for ti in placement.failed:
+        for ti in shown:
             o = options[ti][choice[ti]]
             smallest = min(options[ti], key=lambda x: (x.total_bytes, x.describe()))
             lines.append(
@@ -397,6 +400,9 @@ class EmbeddingShardingPlanner:
                 f"{_mem(o.totals)} in all, {_mem(o.max_piece_bytes)} on its largest shard; its smallest "
                 f"option {smallest.describe()} needs {_mem(smallest.totals)}"
             )
+        if len(shown) < len(failed):  # hundreds of alike lines buried the totals and the fix (49 KB for 500 tables)
+            rest = sum(options[ti][choice[ti]].total_bytes for ti in failed if ti not in shown)
+            lines.append(f"  ... and {len(failed) - len(shown)} more, needing {_gb(rest)} together")
         need = np.sum([options[i][j].totals[:2] for i, j in enumerate(choice)], axis=0)
         least = sum(min(o.total_bytes for o in opts) for opts in options)
         lines.append(
@@ -405,6 +411,9 @@ class EmbeddingShardingPlanner:
         )
         lines.append(_fixes(t))
         return "\n".join(lines)
+
+
+_MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message; the rest are counted
 
 
 def _gb(nbytes: float) -> str:
