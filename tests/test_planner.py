@@ -97,6 +97,14 @@ def test_topology_defaults_read_the_machine_and_are_overridable():
     assert (t.num_hosts, t.hbm_cap, t.inter_host_bw) == (2, 80 * GB, 25e9)
 
 
+def test_topology_takes_torchrecs_positional_order():
+    """TorchRec's Topology(world_size, compute_device, hbm_cap, ddr_cap, local_world_size): hbm_cap third was read as
+    local_world_size here ("local_world_size=85899345920 must be positive and divide world_size=8")."""
+    t = Topology(8, "cuda", 80 * GB, 512 * GB, 4)
+    assert (t.world_size, t.compute_device, t.hbm_cap, t.ddr_cap) == (8, "cuda", 80 * GB, 512 * GB)
+    assert t.local_world_size == 4 and t.num_hosts == 2
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [

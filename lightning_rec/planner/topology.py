@@ -64,11 +64,13 @@ class Topology:
     machine (GPU 0's memory, host RAM shared by the host's ranks) or from the defaults above.
     """
 
+    # TorchRec's field order, so that its positional calls read the same: Topology(8, "cuda", 80 * GB) gave
+    # local_world_size=80 GB ("must divide world_size") when local_world_size came third
     world_size: int
     compute_device: str = "cpu"
-    local_world_size: int | None = None  # ranks per host; default: all ranks on one host
     hbm_cap: int | None = None  # device memory per rank; 0 on CPU
     ddr_cap: int | None = None  # host memory per rank
+    local_world_size: int | None = None  # ranks per host; default: all ranks on one host
     hbm_mem_bw: float | None = None
     ddr_mem_bw: float | None = None
     intra_host_bw: float | None = None  # per rank, to ranks on the same host
