@@ -266,7 +266,7 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
 
 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
-    empty = [str(s) for s in ps.shards if s.shard_sizes[1] <= 0 or s.shard_sizes[0] < 0]
+    empty = [str(s) for s in ps.shards if s.shard_sizes[1] <= 0]
     if empty:  # a 0-column block tiles nothing, and no kernel takes a table of dim 0
         raise ValueError(f"table '{name}': shard(s) {empty} have no columns: every column block needs at least one "
                          f"column; fix size_per_rank (or the shards) so the blocks add up to {dim}")
