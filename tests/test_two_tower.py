@@ -44,6 +44,21 @@ def test_in_batch_softmax_with_logq_and_accidental_hits_equals_reference():
     torch.testing.assert_close(bpr_loss(user, item, neg), want_bpr)
 
 
+
+def test_in_batch_softmax_masks_accidental_hits_in_half_precision():
+    # precision="16-mixed" on a GPU gives float16 logits (logq_correction=False keeps them so): the mask's
+    # -1e9 does not fit in float16, and every step failed with "value cannot be converted to type c10::Half"
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    items = torch.tensor([3, 1, 3, 2, 5, 1])
+    want = in_batch_softmax_loss(user, item, items, None, temperature=0.5)
+    for dtype in (torch.float16, torch.bfloat16):
+        got = in_batch_softmax_loss(user.to(dtype), item.to(dtype), items, None, temperature=0.5)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # 16-bit logits: ~3 digits
+    # masked for any score: the mask sits below every finite logit (with -1e9, scores ~1e10 leaked through)
+    big = in_batch_softmax_loss(user * 1e5, item * 1e5, torch.zeros(6, dtype=torch.int64), None)
+    assert big == 0.0  # every other item is the positive itself: nothing is a negative
+
 def _ebc(prefix, sizes, dim=8):
     return EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{prefix}_{f}", num_embeddings=n, embedding_dim=dim,
                                                       feature_names=[f]) for f, n in sizes.items()])
