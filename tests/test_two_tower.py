@@ -133,15 +133,22 @@ def _data(**kw):
 
 
 def _fit_sharded(rank, world_size, ckpt):
-    L.seed_everything(0)
+    L.seed_everything(1)  # not the data module's seed (0)
     module = TwoTowerModule(**SMALL)
     trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, limit_train_batches=8,
                         logger=False, num_sanity_val_steps=0, **QUIET)
+    data = _data()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, _data())
+        trainer.fit(module, data)
     # the module's all_gather (throughput, memory) goes through the strategy's, not torch's deprecated one
     assert not [w for w in caught if "nn.functional.all_gather is deprecated" in str(w.message)]
+    # the data module's seed sets the shuffle order at any world size, as it says (Lightning's own sampler took
+    # seed_everything's), and each rank reads its own share
+    from torch.utils.data import DistributedSampler
+
+    want = DistributedSampler(data.datasets["train"], num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    assert list(trainer.train_dataloader.batch_sampler.sampler) == list(want)
     plan = str(trainer.strategy.plan)
     trainer.save_checkpoint(ckpt)
     return {k: float(v) for k, v in trainer.callback_metrics.items() if "@" in k}, plan
