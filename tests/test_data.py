@@ -543,3 +543,22 @@ def test_training_loaders_outside_a_trainer_shard_by_rank_and_reshuffle_every_pa
         a, b = ranks[0][pass_], ranks[1][pass_]
         assert len(a) == len(b) == 48 and not set(a) & set(b) and sorted(a + b) == sorted(alone[0])
     assert ranks[0][0] != ranks[0][1]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_datasets_dataset_of_no_rows_is_refused_naming_the_argument(tmp_path, streaming, monkeypatch):
+    # it was written to the cache as it was: then refused naming that copy (MovieLens: "no interactions left in
+    # <cache>/hf_datasets/<hash>/ratings.parquet") or, streamed, a fit of no batches that said nothing
+    datasets = pytest.importorskip("datasets")
+    from lightning_rec.data import MovieLensDataModule
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    columns = {"label": [0], **{f"I{i}": [1] for i in range(1, 14)}, **{f"C{i}": ["0a1b2c3d"] for i in range(1, 27)}}
+    empty = datasets.Dataset.from_dict(columns).filter(lambda row: row["label"] == 1)
+    with pytest.raises(ValueError, match=r"CriteoDataModule train_path is a Dataset of 0 rows \(columns \['label', "
+                                         r"'I1'.*\]\): pass one that holds rows"):
+        CriteoDataModule(train_path=empty, cache_dir=str(tmp_path / "cache"), streaming=streaming)
+    log = datasets.Dataset.from_dict({"user": [1, 2], "item": [3, 4]}).select([])
+    with pytest.raises(ValueError, match=r"MovieLensDataModule data_dir is a Dataset of 0 rows"):
+        MovieLensDataModule(log)
+    assert not list(tmp_path.rglob("*.parquet"))  # nothing written

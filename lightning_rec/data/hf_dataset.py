@@ -107,6 +107,11 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
                                 else dict_hint))
         key = hashlib.sha256("".join(f"{k}={v._fingerprint};" for k, v in sorted(value.items())).encode())
         return _written(dict(value), key.hexdigest()[:16], cache_root, what)
+    if len(value) == 0:
+        # said here, of the argument: it was written to the cache as it was, then refused naming that copy
+        # (MovieLens: "no interactions left in <cache>/ratings.parquet"), or, streamed, trained on nothing in silence
+        raise ValueError(f"{what} is a Dataset of 0 rows (columns {value.column_names}): pass one that holds rows "
+                         f"(a filter or select may have left none)")
     return _written({file_name: value}, value._fingerprint, cache_root, what)
 
 
