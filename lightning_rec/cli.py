@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -246,8 +247,21 @@ class RecCLI(LightningCLI):
                     trainer.get("default_root_dir"):
                 init.save_dir = trainer.get("default_root_dir")
 
+    def _check_wandb_installed(self, config) -> None:
+        # Lightning says "Requirement 'wandb>=0.12.10' not met. HINT: Try running `pip install -U ...`": the two
+        # MovieLens recipes log to W&B, and the way to run them without it was not said
+        loggers = self._get(config, "trainer", {}).get("logger")
+        wandb = [logger for logger in (loggers if isinstance(loggers, list) else [loggers])
+                 if str(getattr(logger, "class_path", "")).endswith("WandbLogger")]
+        if wandb and importlib.util.find_spec("wandb") is None:
+            raise SystemExit("lightning-rec: error: the logger is W&B's (trainer.logger: WandbLogger), but wandb is "
+                             "not installed: `pip install wandb` (it runs offline unless WANDB_MODE=online), or run "
+                             "without it: --trainer.logger=false (or --trainer.logger=CSVLogger "
+                             "--trainer.logger.save_dir=DIR)")
+
     def instantiate_classes(self) -> None:
         self._check_accelerator(self.config)
+        self._check_wandb_installed(self.config)
         self._logs_under_root_dir(self.config)
         try:
             super().instantiate_classes()
