@@ -350,8 +350,8 @@ def _table_logger():
         def log_metrics(self, metrics, step=None):
             pass
 
-        def log_hyperparams(self, *args, **kwargs):
-            pass
+        def log_hyperparams(self, params, *args, **kwargs):
+            self.hparams = dict(params)
 
         def log_table(self, key, columns, data):
             self.tables.append(data)
@@ -422,6 +422,17 @@ def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_pat
     module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
     with pytest.raises(ValueError, match="num_negatives=0.*loss='bpr'"):
         module.training_step(batch, 0)
+
+
+def test_loggers_get_the_table_sizes_read_from_the_data_module(tmp_path):
+    """W&B's run config said user_num_embeddings: null (Lightning logs the hyperparameters as first saved), while the
+    checkpoint held the sizes built."""
+    dm, logger = _tiny_data(tmp_path), _table_logger()
+    module = TwoTowerModule(embedding_dim=8, top_k_table_users=0)  # sizes from dm
+    L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
+    assert logger.hparams["user_num_embeddings"] == dm.user_num_embeddings == {"user_id": dm.num_users}
+    assert logger.hparams["item_num_embeddings"] == dm.item_num_embeddings
+    assert module.hparams_initial["item_num_embeddings"] == module.hparams["item_num_embeddings"]
 
 
 def test_top_k_table_lists_only_unseen_items(tmp_path):
