@@ -424,6 +424,18 @@ def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_pat
         module.training_step(batch, 0)
 
 
+def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path):
+    """It said "call it inside trainer.fit/validate/predict" to a user calling trainer.validate."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    with pytest.raises(ValueError, match=r"given dataloaders only: pass the data module, trainer\.validate\(module, "
+                                         r"datamodule=dm\)"):
+        trainer.validate(module, dataloaders=dm.val_dataloader(), verbose=False)
+    with pytest.raises(ValueError, match=r"given dataloaders only"):
+        trainer.predict(module, dataloaders=dm.predict_dataloader())
+
+
 def test_loggers_get_the_table_sizes_read_from_the_data_module(tmp_path):
     """W&B's run config said user_num_embeddings: null (Lightning logs the hyperparameters as first saved), while the
     checkpoint held the sizes built."""

@@ -261,6 +261,11 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         """
         if datamodule is None and self._trainer is not None:
             datamodule = getattr(self._trainer, "datamodule", None)
+        if datamodule is None and self._trainer is not None:
+            # (it said "or call it inside trainer.fit/validate/predict" to a user inside trainer.validate)
+            raise ValueError("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was "
+                             "given dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) "
+                             "(fit, test and predict alike), or call module.embed_catalog(dm) yourself")
         if datamodule is None:
             raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
                              "module.embed_catalog(dm) (set up, e.g. MovieLensDataModule after dm.setup()), or call it "
