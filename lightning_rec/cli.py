@@ -30,7 +30,7 @@ import warnings
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
 
@@ -354,6 +354,23 @@ class RecCLI(LightningCLI):
                               f"--trainer.callbacks.every_n_train_steps=N", stacklevel=1)
 
 
+class _LoggedConfig(SaveConfigCallback):
+    """config.yaml beside the run, as Lightning writes it; and the run's seed and Trainer settings to its loggers."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        # Lightning gives the loggers the module's and the data module's hyperparameters only: a W&B run (uploaded
+        # without the config.yaml written beside it) could not say its seed, epochs, devices, strategy or precision
+        import json
+
+        trainer_config = self.config.get("trainer")
+        if hasattr(trainer_config, "as_dict"):
+            trainer_config = trainer_config.as_dict()
+        settings = {"seed_everything": self.config.get("seed_everything"), "trainer": trainer_config}
+        settings = json.loads(json.dumps(settings, default=str))  # paths and the like as text: every logger takes it
+        for logger in trainer.loggers:  # (rank 0 only: Lightning calls save_config there)
+            logger.log_hyperparams(settings)
+
+
 class _NoLitLoggerTip(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:  # Lightning's advertisements (litlogger, litmodels)
         return not str(record.msg).startswith("💡 Tip")
@@ -386,6 +403,7 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=_LoggedConfig,
         save_config_kwargs={"overwrite": True},
         parser_class=RecArgumentParser,
         # the two commands main() runs itself are not LightningCLI's subcommands: --help names them too
