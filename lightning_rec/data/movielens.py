@@ -1185,7 +1185,8 @@ class MovieLensDataModule(pl.LightningDataModule):
         # a DistributedSampler it finds
         loader = make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
                                    drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                   pin_memory=self.pin_memory, shard_by_rank=True)
+                                   pin_memory=self.pin_memory,
+                                   shard_by_rank=self.trainer is None or self.trainer.world_size > 1)
         return follow_fit_loop(loader, self.trainer)
 
     def val_dataloader(self):
