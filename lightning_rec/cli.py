@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -29,7 +30,7 @@ import warnings
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
 
@@ -246,8 +247,21 @@ class RecCLI(LightningCLI):
                     trainer.get("default_root_dir"):
                 init.save_dir = trainer.get("default_root_dir")
 
+    def _check_wandb_installed(self, config) -> None:
+        # Lightning says "Requirement 'wandb>=0.12.10' not met. HINT: Try running `pip install -U ...`": the two
+        # MovieLens recipes log to W&B, and the way to run them without it was not said
+        loggers = self._get(config, "trainer", {}).get("logger")
+        wandb = [logger for logger in (loggers if isinstance(loggers, list) else [loggers])
+                 if str(getattr(logger, "class_path", "")).endswith("WandbLogger")]
+        if wandb and importlib.util.find_spec("wandb") is None:
+            raise SystemExit("lightning-rec: error: the logger is W&B's (trainer.logger: WandbLogger), but wandb is "
+                             "not installed: `pip install wandb` (it runs offline unless WANDB_MODE=online), or run "
+                             "without it: --trainer.logger=false (or --trainer.logger=CSVLogger "
+                             "--trainer.logger.save_dir=DIR)")
+
     def instantiate_classes(self) -> None:
         self._check_accelerator(self.config)
+        self._check_wandb_installed(self.config)
         self._logs_under_root_dir(self.config)
         try:
             super().instantiate_classes()
@@ -340,6 +354,23 @@ class RecCLI(LightningCLI):
                               f"--trainer.callbacks.every_n_train_steps=N", stacklevel=1)
 
 
+class _LoggedConfig(SaveConfigCallback):
+    """config.yaml beside the run, as Lightning writes it; and the run's seed and Trainer settings to its loggers."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        # Lightning gives the loggers the module's and the data module's hyperparameters only: a W&B run (uploaded
+        # without the config.yaml written beside it) could not say its seed, epochs, devices, strategy or precision
+        import json
+
+        trainer_config = self.config.get("trainer")
+        if hasattr(trainer_config, "as_dict"):
+            trainer_config = trainer_config.as_dict()
+        settings = {"seed_everything": self.config.get("seed_everything"), "trainer": trainer_config}
+        settings = json.loads(json.dumps(settings, default=str))  # paths and the like as text: every logger takes it
+        for logger in trainer.loggers:  # (rank 0 only: Lightning calls save_config there)
+            logger.log_hyperparams(settings)
+
+
 class _NoLitLoggerTip(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:  # Lightning's advertisements (litlogger, litmodels)
         return not str(record.msg).startswith("💡 Tip")
@@ -372,6 +403,7 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=_LoggedConfig,
         save_config_kwargs={"overwrite": True},
         parser_class=RecArgumentParser,
         # the two commands main() runs itself are not LightningCLI's subcommands: --help names them too

@@ -272,3 +272,28 @@ def test_a_recipes_wandb_logs_go_under_the_runs_root_dir(tmp_path):
     cli = run_cli(["validate", "--config", "recipes/configs/matrix_factorization_movielens.yaml",
                    f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_val_batches=1"])
     assert Path(cli.trainer.logger.save_dir) == tmp_path  # (a run another test left open keeps its own files)
+
+
+def test_a_wandb_recipe_without_wandb_installed_says_how_to_run_without_it(monkeypatch):
+    # Lightning's "Requirement 'wandb>=0.12.10' not met" named pip only: the MovieLens recipes log to W&B
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an environment without wandb finds
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/matrix_factorization_movielens.yaml"])
+    said = str(e.value)
+    assert "wandb is not installed" in said and "pip install wandb" in said and "--trainer.logger=false" in said, said
+
+
+def test_the_loggers_get_the_runs_seed_and_trainer_settings(tmp_path):
+    # they got the model's and the data's hyperparameters only: a W&B run could not say its seed, epochs, devices,
+    # strategy or precision (the config.yaml beside the run is not part of it)
+    import yaml
+
+    run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--seed_everything=7",
+             "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={tmp_path}", "--trainer.max_steps=2",
+             "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    (hparams,) = tmp_path.glob("lightning_logs/version_*/hparams.yaml")
+    logged = yaml.safe_load(hparams.read_text())
+    assert logged["seed_everything"] == 7 and logged["trainer"]["max_steps"] == 2, logged
+    assert logged["trainer"]["accelerator"] == "cpu" and "embedding_dim" in logged  # and the model's, as before

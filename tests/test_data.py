@@ -543,3 +543,42 @@ def test_training_loaders_outside_a_trainer_shard_by_rank_and_reshuffle_every_pa
         a, b = ranks[0][pass_], ranks[1][pass_]
         assert len(a) == len(b) == 48 and not set(a) & set(b) and sorted(a + b) == sorted(alone[0])
     assert ranks[0][0] != ranks[0][1]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_datasets_dataset_of_no_rows_is_refused_naming_the_argument(tmp_path, streaming, monkeypatch):
+    # it was written to the cache as it was: then refused naming that copy (MovieLens: "no interactions left in
+    # <cache>/hf_datasets/<hash>/ratings.parquet") or, streamed, a fit of no batches that said nothing
+    datasets = pytest.importorskip("datasets")
+    from lightning_rec.data import MovieLensDataModule
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    columns = {"label": [0], **{f"I{i}": [1] for i in range(1, 14)}, **{f"C{i}": ["0a1b2c3d"] for i in range(1, 27)}}
+    empty = datasets.Dataset.from_dict(columns).filter(lambda row: row["label"] == 1)
+    with pytest.raises(ValueError, match=r"CriteoDataModule train_path is a Dataset of 0 rows \(columns \['label', "
+                                         r"'I1'.*\]\): pass one that holds rows"):
+        CriteoDataModule(train_path=empty, cache_dir=str(tmp_path / "cache"), streaming=streaming)
+    log = datasets.Dataset.from_dict({"user": [1, 2], "item": [3, 4]}).select([])
+    with pytest.raises(ValueError, match=r"MovieLensDataModule data_dir is a Dataset of 0 rows"):
+        MovieLensDataModule(log)
+    assert not list(tmp_path.rglob("*.parquet"))  # nothing written
+
+
+def test_a_datasets_dataset_with_a_transform_is_refused_not_copied_without_it(tmp_path, monkeypatch):
+    # with_transform runs as rows are read; the copy (written from the Arrow table) held the rows without it, so
+    # MovieLensDataModule trained on user ids 0.. where the user's Dataset showed 100..
+    datasets = pytest.importorskip("datasets")
+    from lightning_rec.data import MovieLensDataModule
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    log = datasets.Dataset.from_dict({"user": [0, 1, 2, 3] * 3, "item": list(range(12))})
+    moved = log.with_transform(lambda rows: {"user": [u + 100 for u in rows["user"]], "item": rows["item"]})
+    assert moved[0]["user"] == 100  # what the user sees
+    with pytest.raises(ValueError, match=r"data_dir is a Dataset with a transform .*ds\.map\(transform, batched="):
+        MovieLensDataModule(moved)
+    with pytest.raises(ValueError, match=r"data_dir\['test'\] is a Dataset with a transform"):
+        MovieLensDataModule(datasets.DatasetDict(train=log, test=moved), split="given")
+    mapped = log.map(lambda rows: {"user": [u + 100 for u in rows["user"]]}, batched=True)  # the way said
+    dm = MovieLensDataModule(mapped, side_features=False)
+    dm.setup()
+    assert sorted(dm.user_ids.tolist()) == [100, 101, 102, 103]

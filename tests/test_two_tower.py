@@ -44,6 +44,21 @@ def test_in_batch_softmax_with_logq_and_accidental_hits_equals_reference():
     torch.testing.assert_close(bpr_loss(user, item, neg), want_bpr)
 
 
+
+def test_in_batch_softmax_masks_accidental_hits_in_half_precision():
+    # precision="16-mixed" on a GPU gives float16 logits (logq_correction=False keeps them so): the mask's
+    # -1e9 does not fit in float16, and every step failed with "value cannot be converted to type c10::Half"
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    items = torch.tensor([3, 1, 3, 2, 5, 1])
+    want = in_batch_softmax_loss(user, item, items, None, temperature=0.5)
+    for dtype in (torch.float16, torch.bfloat16):
+        got = in_batch_softmax_loss(user.to(dtype), item.to(dtype), items, None, temperature=0.5)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # 16-bit logits: ~3 digits
+    # masked for any score: the mask sits below every finite logit (with -1e9, scores ~1e10 leaked through)
+    big = in_batch_softmax_loss(user * 1e5, item * 1e5, torch.zeros(6, dtype=torch.int64), None)
+    assert big == 0.0  # every other item is the positive itself: nothing is a negative
+
 def _ebc(prefix, sizes, dim=8):
     return EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{prefix}_{f}", num_embeddings=n, embedding_dim=dim,
                                                       feature_names=[f]) for f, n in sizes.items()])
@@ -118,15 +133,22 @@ def _data(**kw):
 
 
 def _fit_sharded(rank, world_size, ckpt):
-    L.seed_everything(0)
+    L.seed_everything(1)  # not the data module's seed (0)
     module = TwoTowerModule(**SMALL)
     trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=1, limit_train_batches=8,
                         logger=False, num_sanity_val_steps=0, **QUIET)
+    data = _data()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, _data())
+        trainer.fit(module, data)
     # the module's all_gather (throughput, memory) goes through the strategy's, not torch's deprecated one
     assert not [w for w in caught if "nn.functional.all_gather is deprecated" in str(w.message)]
+    # the data module's seed sets the shuffle order at any world size, as it says (Lightning's own sampler took
+    # seed_everything's), and each rank reads its own share
+    from torch.utils.data import DistributedSampler
+
+    want = DistributedSampler(data.datasets["train"], num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    assert list(trainer.train_dataloader.batch_sampler.sampler) == list(want)
     plan = str(trainer.strategy.plan)
     trainer.save_checkpoint(ckpt)
     return {k: float(v) for k, v in trainer.callback_metrics.items() if "@" in k}, plan
@@ -328,8 +350,8 @@ def _table_logger():
         def log_metrics(self, metrics, step=None):
             pass
 
-        def log_hyperparams(self, *args, **kwargs):
-            pass
+        def log_hyperparams(self, params, *args, **kwargs):
+            self.hparams = dict(params)
 
         def log_table(self, key, columns, data):
             self.tables.append(data)
@@ -400,6 +422,29 @@ def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_pat
     module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
     with pytest.raises(ValueError, match="num_negatives=0.*loss='bpr'"):
         module.training_step(batch, 0)
+
+
+def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path):
+    """It said "call it inside trainer.fit/validate/predict" to a user calling trainer.validate."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    with pytest.raises(ValueError, match=r"given dataloaders only: pass the data module, trainer\.validate\(module, "
+                                         r"datamodule=dm\)"):
+        trainer.validate(module, dataloaders=dm.val_dataloader(), verbose=False)
+    with pytest.raises(ValueError, match=r"given dataloaders only"):
+        trainer.predict(module, dataloaders=dm.predict_dataloader())
+
+
+def test_loggers_get_the_table_sizes_read_from_the_data_module(tmp_path):
+    """W&B's run config said user_num_embeddings: null (Lightning logs the hyperparameters as first saved), while the
+    checkpoint held the sizes built."""
+    dm, logger = _tiny_data(tmp_path), _table_logger()
+    module = TwoTowerModule(embedding_dim=8, top_k_table_users=0)  # sizes from dm
+    L.Trainer(accelerator="cpu", devices=1, logger=logger, **QUIET).validate(module, dm, verbose=False)
+    assert logger.hparams["user_num_embeddings"] == dm.user_num_embeddings == {"user_id": dm.num_users}
+    assert logger.hparams["item_num_embeddings"] == dm.item_num_embeddings
+    assert module.hparams_initial["item_num_embeddings"] == module.hparams["item_num_embeddings"]
 
 
 def test_top_k_table_lists_only_unseen_items(tmp_path):

@@ -11,8 +11,10 @@ Criteo: a table source, cached or streamed as any other; `ratings.parquet` for M
 applied to it (`map`, `filter`, `shuffle`, `select`, ...), so the same Dataset built again, by another rank or
 the next run, finds its copy instead of writing another (a Dataset whose fingerprint datasets could not compute,
 which it warns about, gets a random one and a new copy each time). Pending index mappings (`shuffle`, `select`,
-`sort`) are applied in the copy, in their order. A process that writes holds a lock beside the folder while the
-others wait, and the copy appears whole or not at all (written aside, marked whole, then renamed).
+`sort`) are applied in the copy, in their order; a `with_transform` / `set_transform` function, which runs only as
+rows are read, is refused (`map` it first), as is a Dataset of no rows. A process that writes holds a lock beside
+the folder while the others wait, and the copy appears whole or not at all (written aside, marked whole, then
+renamed).
 """
 
 from __future__ import annotations
@@ -105,9 +107,26 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
             raise ValueError(f"{what} is a DatasetDict of the splits {splits}: pass one split, e.g. ds[{example!r}]"
                              + (f" (its splits {unknown} are none of {list(split_names)})" if split_names and unknown
                                 else dict_hint))
+        for split, ds in value.items():
+            _refuse_transform(ds, f"{what}[{split!r}]")
         key = hashlib.sha256("".join(f"{k}={v._fingerprint};" for k, v in sorted(value.items())).encode())
         return _written(dict(value), key.hexdigest()[:16], cache_root, what)
+    _refuse_transform(value, what)
+    if len(value) == 0:
+        # said here, of the argument: it was written to the cache as it was, then refused naming that copy
+        # (MovieLens: "no interactions left in <cache>/ratings.parquet"), or, streamed, trained on nothing in silence
+        raise ValueError(f"{what} is a Dataset of 0 rows (columns {value.column_names}): pass one that holds rows "
+                         f"(a filter or select may have left none)")
     return _written({file_name: value}, value._fingerprint, cache_root, what)
+
+
+def _refuse_transform(ds, what: str) -> None:
+    # a with_transform / set_transform function runs only as rows are read: the copy, written from the Arrow table,
+    # held the rows without it, and the data module trained on other ids than the user saw, in silence
+    if ds.format.get("type") == "custom":
+        raise ValueError(f"{what} is a Dataset with a transform (with_transform / set_transform), which datasets runs "
+                         f"only as rows are read, so its copy would hold the rows without it: apply it first, "
+                         f"ds.map(transform, batched=True), or pass the Dataset without it")
 
 
 def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what: str) -> str:

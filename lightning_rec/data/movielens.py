@@ -1180,9 +1180,13 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
+        # sharded here in a Trainer too: Lightning's own DistributedSampler (which it puts in when the loader has
+        # none) is seeded by seed_everything, so at 2 ranks `seed` no longer set the shuffle order; Lightning keeps
+        # a DistributedSampler it finds
         loader = make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
                                    drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                   pin_memory=self.pin_memory, shard_by_rank=self.trainer is None)
+                                   pin_memory=self.pin_memory,
+                                   shard_by_rank=self.trainer is None or self.trainer.world_size > 1)
         return follow_fit_loop(loader, self.trainer)
 
     def val_dataloader(self):

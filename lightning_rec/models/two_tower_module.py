@@ -172,6 +172,10 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                               list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score, *skips,
                               dropout=hp.tower_dropout)
         hp.user_num_embeddings, hp.item_num_embeddings = user_sizes, item_sizes  # checkpoints rebuild these
+        # and the loggers show them: Lightning logs the hyperparameters as first saved (W&B's config said null)
+        initial = getattr(self, "_hparams_initial", None)
+        if initial is not None:
+            initial["user_num_embeddings"], initial["item_num_embeddings"] = dict(user_sizes), dict(item_sizes)
 
     def configure_model(self) -> None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -257,6 +261,11 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         """
         if datamodule is None and self._trainer is not None:
             datamodule = getattr(self._trainer, "datamodule", None)
+        if datamodule is None and self._trainer is not None:
+            # (it said "or call it inside trainer.fit/validate/predict" to a user inside trainer.validate)
+            raise ValueError("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was "
+                             "given dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) "
+                             "(fit, test and predict alike), or call module.embed_catalog(dm) yourself")
         if datamodule is None:
             raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
                              "module.embed_catalog(dm) (set up, e.g. MovieLensDataModule after dm.setup()), or call it "
