@@ -238,7 +238,10 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # LARS's own (None for the other updates, which have neither): fbgemm's defaults then
         **{k: v for k, v in (("momentum", optimizer.momentum), ("eta", optimizer.eta)) if v is not None},
         weights_precision=precision[dtype],
-        output_dtype=precision[dtype],
+        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's fused kernels (fbgemm's default): an fp16
+        # output gave the update an fp16 gradient (a small one, subnormal there, kept a few bits), and ranks whose
+        # tables differ in data_type sent their embeddings in different dtypes to the same output all-to-all
+        output_dtype=fb["SparseType"].FP32,
         pooling_mode=pooling_mode,
         # CPU batches are checked (with feature and table names) before the kernel (batch_check.py).
         # On GPU, fbgemm's own check keeps the kernel safe without a host sync and counts bad ids on

@@ -250,6 +250,28 @@ def test_fp16_tables_train(kernel):
     assert changed.tolist() == [False, True, True] + [False] * 7  # exactly the looked-up rows moved
 
 
+@pytest.mark.parametrize("kernel,config", [("fbgemm", EmbeddingBagConfig), ("native", EmbeddingBagConfig),
+                                           ("auto", EmbeddingConfig)])  # sequence tables: fbgemm
+def test_fp16_tables_give_fp32_rows_and_take_an_fp32_gradient(kernel, config):
+    # fbgemm's output (and so the gradient its update takes) was fp16 for fp16 tables, the native kernel's fp32: a
+    # small gradient (a mean loss over a big batch) is subnormal in fp16 and kept a few bits (this step was 5-10%
+    # off), and at 2 ranks an fp16 table's rows beside an fp32 table's broke the output all-to-all ("shape '[2, 4]'
+    # is invalid for input of size 4"). Now fp32 out of every fused kernel, as TorchRec's fused kernels.
+    table = config(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], data_type=torch.float16)
+    collection = (EmbeddingBagCollection if config is EmbeddingBagConfig else EmbeddingCollection)(
+        [table], optimizer=FusedOptimizerConfig("sgd", lr=1000.0), kernel=kernel)
+    collection.load_state_dict({k: torch.zeros(8, 4, dtype=torch.float16) for k in collection.state_dict()})
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(8), torch.ones(8, dtype=torch.long))
+    out = collection(kjt)
+    out = out.values() if config is EmbeddingBagConfig else out["f"].values()
+    assert out.dtype == torch.float32
+    grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)) * 3e-7
+    (out * grad).sum().backward()
+    step = next(iter(collection.state_dict().values())).float()
+    # exact up to the fp16 storage of a step near 3e-4 (relative 2^-11) and fbgemm's stochastic rounding there
+    assert ((step + 1000.0 * grad).norm() / (1000.0 * grad).norm()).item() < 2e-3
+
+
 def test_out_of_range_id_found_in_fixed_and_jagged_batches():
     ebc = EmbeddingBagCollection(TABLES)
     ones = torch.ones(6, dtype=torch.long)  # every feature has 2 ids: the fixed-size fast path
