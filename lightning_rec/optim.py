@@ -90,6 +90,13 @@ class FusedOptimizerConfig:
     gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
     and its second moment per row.
 
+    One update per lookup: the ids of one call are summed per row and the row is stepped once, as torch.optim
+    on the dense table would. A collection called twice in a step (positives and negatives through one tower)
+    updates twice, once from each call's gradient, as fbgemm and TorchRec do: the same for sgd without weight
+    decay, but adagrad adds
+    g1^2 + g2^2 rather than (g1 + g2)^2 and adam takes two steps (its step count too). Call it once on one
+    batch holding both (their bags stacked per feature) for torch.optim's one step.
+
     optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_SGD", "row_wise_adagrad") or the class torch.optim.SGD /
     Adagrad / Adam, with that class's defaults for what is not given (Adagrad's eps 1e-10, Adam's lr 1e-3, as

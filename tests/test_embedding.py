@@ -272,6 +272,20 @@ def test_fp16_tables_give_fp32_rows_and_take_an_fp32_gradient(kernel, config):
     assert ((step + 1000.0 * grad).norm() / (1000.0 * grad).norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+def test_one_update_per_call_as_documented(kernel):
+    # FusedOptimizerConfig / README: one call sums a row's ids and steps it once (torch.optim on the dense table);
+    # two calls in a step update twice, as fbgemm and TorchRec do. Adagrad's state shows which: g = 1 per id.
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, feature_names=["i"])],
+                                 optimizer=FusedOptimizerConfig("adagrad", lr=0.1), kernel=kernel)
+    row1 = KeyedJaggedTensor.from_lengths_sync(["i"], torch.tensor([1]), torch.tensor([1]))
+    twice = KeyedJaggedTensor.from_lengths_sync(["i"], torch.tensor([1, 1]), torch.tensor([1, 1]))
+    ebc(twice).values().sum().backward()  # one call, row 1 twice: (1 + 1)^2
+    assert ebc.fused_kernels()[0].optimizer_states()[0]["sum"][1].tolist() == [4.0, 4.0]
+    (ebc(row1).values().sum() + ebc(row1).values().sum()).backward()  # two calls: 1^2 + 1^2
+    assert ebc.fused_kernels()[0].optimizer_states()[0]["sum"][1].tolist() == [6.0, 6.0]
+
+
 def test_out_of_range_id_found_in_fixed_and_jagged_batches():
     ebc = EmbeddingBagCollection(TABLES)
     ones = torch.ones(6, dtype=torch.long)  # every feature has 2 ids: the fixed-size fast path
