@@ -468,6 +468,14 @@ def combined_optimizer(model: torch.nn.Module, dense: torch.optim.Optimizer | No
     return CombinedOptimizer(parts)
 
 
+def holds_fused_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is, or combines, a FusedOptimizer (a LightningOptimizer is looked through)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(optimizer, FusedOptimizer):
+        return True
+    return isinstance(optimizer, CombinedOptimizer) and any(holds_fused_optimizer(o) for _, o in optimizer.optimizers)
+
+
 def dense_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
     """Parameters trained by autograd (fused tables are excluded: they need no torch.optim)."""
     return [p for p in model.parameters() if p.requires_grad]
