@@ -179,6 +179,12 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
                "GPU (device='cuda') to decay them")
         raise ValueError(f"fbgemm's CPU kernel ignores weight_decay={optimizer.weight_decay} for fused optimizer "
                          f"{opt}: {fix}, or weight_decay=0")
+    if opt not in FBGEMM_CPU_OPTIMIZERS and pooling not in NATIVE_POOLINGS:
+        # the native kernel pools: sequence tables have fbgemm's CPU optimizers only (the list above said "CPU
+        # supports ..., adam" beside "adam is not available on CPU")
+        raise ValueError(f"fused optimizer {opt} is not available for sequence tables (EmbeddingCollection) on CPU, "
+                         f"which run on fbgemm's CPU kernel: use {', '.join(str(o) for o in FBGEMM_CPU_OPTIMIZERS)}, "
+                         f"or train on GPU (device='cuda')")
     if opt not in FBGEMM_CPU_OPTIMIZERS:
         supported = ", ".join(str(o) for o in cpu_supported_optimizers())
         if kernel == "fbgemm" and opt in cpu_supported_optimizers():

@@ -204,6 +204,11 @@ def test_missing_feature_lists_what_exists():
 def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():
     with pytest.raises(ValueError, match=r"lamb is not available on CPU: CPU supports sgd, adagrad, rowwise_adagrad"):
         EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("lamb"), kernel="fbgemm")
+    # sequence tables run on fbgemm on CPU: it said "CPU supports ..., adam" beside "adam is not available on CPU"
+    sequence = [EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+    with pytest.raises(ValueError, match=r"adam is not available for sequence tables \(EmbeddingCollection\) on CPU, "
+                                         r"which run on fbgemm's CPU kernel: use sgd, adagrad, rowwise_adagrad,"):
+        EmbeddingCollection(sequence, optimizer=FusedOptimizerConfig("adam"))
 
 
 def test_unknown_optimizer_lists_valid_names():
