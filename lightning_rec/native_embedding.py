@@ -99,8 +99,8 @@ def _backward(ctx, grad_BD: Tensor):
     if per_sample_weights is not None and ctx.needs_input_grad[_PSW_INPUT]:
         # Learned per-id weights (TorchRec's PositionWeightedModule) train through this gradient, as they do on
         # fbgemm and the dense kernel. From the rows as the forward read them: before the update below moves them.
-        grads[_PSW_INPUT] = _per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, feature_table,
-                                                     D_offsets, indices, offsets, pooling_mode, grad_BD)
+        grads[_PSW_INPUT] = per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, feature_table,
+                                                    D_offsets, indices, offsets, pooling_mode, grad_BD)
     torch.ops.lightning_rec.tbe_backward_update(
         weights, momentum1, momentum2, step, weights_offsets, row_offsets, table_dims, feature_table, D_offsets,
         indices, offsets, per_sample_weights, pooling_mode, grad_BD, optimizer, lr, eps, beta1, beta2, weight_decay,
@@ -108,8 +108,12 @@ def _backward(ctx, grad_BD: Tensor):
     return tuple(grads)
 
 
-def _per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices,
-                             offsets, pooling_mode, grad_BD: Tensor) -> Tensor:
+# An op of its own (opaque to torch.compile, with a fake kernel): its per-feature slices read sizes from the layout
+# tensors, which a traced backward cannot.
+@torch.library.custom_op("lightning_rec::tbe_per_sample_weights_grad", mutates_args=())
+def per_sample_weights_grad(weights: Tensor, weights_offsets: Tensor, row_offsets: Tensor, table_dims: Tensor,
+                            feature_table: Tensor, D_offsets: Tensor, indices: Tensor, offsets: Tensor,
+                            pooling_mode: int, grad_BD: Tensor) -> Tensor:
     """d loss / d w_p = <gradient of id p's bag, id p's row> (over the bag's length for mean): [N].
 
     One pass per feature (a few torch ops each, no loop over ids); only when the weights require a gradient."""
@@ -133,6 +137,12 @@ def _per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, 
             dot_n = dot_n / lengths_B[bag_n].to(torch.float32)
         grad_N[start:end] = dot_n
     return grad_N
+
+
+@per_sample_weights_grad.register_fake
+def _(weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets, pooling_mode,
+      grad_BD):
+    return indices.new_empty(indices.shape, dtype=torch.float32)
 
 
 def _fake_check_batch(rows_F, indices, offsets, weights):

@@ -567,6 +567,10 @@ def test_per_sample_weights_that_require_grad_get_their_gradient(mode):
     # fp32, each a dot product of <= 8 terms: atol 1e-6. The reference reads the rows as the forward did.
     torch.testing.assert_close(psw.grad, psw_ref.grad, atol=1e-6, rtol=1e-6)
     assert not torch.equal(tbe.split_embedding_weights()[0], leaf[0])  # and the rows were still updated
+    # an op of its own with a fake kernel, so that torch.compile traces the backward without a graph break
+    meta = (tbe.weights_offsets, tbe.row_offsets, tbe.table_dims, tbe.feature_table, tbe.D_offsets)
+    torch.library.opcheck(torch.ops.lightning_rec.tbe_per_sample_weights_grad.default,
+                          (tbe.weights, *meta, indices, offsets, 1 if mode == "mean" else 0, upstream))
 
 
 # ---- operator registration ------------------------------------------------------------------
