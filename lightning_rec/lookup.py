@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig
+from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
 from lightning_rec.sparse import KeyedJaggedTensor
 
 KERNELS = ("auto", "fbgemm", "native", "dense")
@@ -458,10 +458,7 @@ class FusedKernel(nn.Module):
             iter_cpu.zero_()
 
     def set_learning_rate(self, lr: float) -> None:
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-            names = ", ".join(t.name for t in self.tables)
-            raise ValueError(f"fused learning rate {lr!r} for tables {names} must be a finite number >= 0: a NaN or "
-                             f"infinite rate would write NaN into every row the next batch touches")
+        lr = check_fused_lr(lr, [t.name for t in self.tables])
         self.tbe.set_learning_rate(lr / self._grad_scale)
 
     def get_learning_rate(self) -> float:

@@ -178,6 +178,14 @@ class FusedOptimizerConfig:
                              f"of those")
 
 
+def check_fused_lr(lr: Any, tables: Sequence[str]) -> float:
+    """A fused learning rate as a float, or a ValueError naming the tables (every kernel, sharded or replicated)."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"fused learning rate {lr!r} for tables {', '.join(tables)} must be a finite number >= 0: a "
+                         f"NaN or infinite rate would write NaN into every row the next batch touches")
+    return float(lr)
+
+
 class _FusedParamGroup(dict):
     """A param group whose "lr" is the fused kernels' learning rate: writing it reaches them at once.
 
