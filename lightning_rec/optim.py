@@ -493,7 +493,8 @@ def dense_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
 
 # arguments whose torch default the fused update matches; any other value would train differently
 _TORCH_ONLY_DEFAULTS = {"momentum": 0, "dampening": 0, "nesterov": False, "lr_decay": 0,
-                        "initial_accumulator_value": 0, "amsgrad": False, "maximize": False}
+                        "initial_accumulator_value": 0, "amsgrad": False, "maximize": False,
+                        "decoupled_weight_decay": False}  # Adam's AdamW switch (torch 2.6+): the fused decay is L2
 
 
 def _fused_config_for(optimizer_class: Any, optimizer_kwargs: dict[str, Any]) -> FusedOptimizerConfig:

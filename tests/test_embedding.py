@@ -1,5 +1,7 @@
 """EmbeddingBagCollection / EmbeddingCollection against nn.EmbeddingBag + torch.optim references."""
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -384,6 +386,11 @@ def test_apply_optimizer_in_backward_refuses_what_it_cannot_fuse():
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(ValueError, match="torch.optim.SGD, torch.optim.Adagrad and torch.optim.Adam"):
         apply_optimizer_in_backward(torch.optim.RMSprop, ebc.parameters(), {"lr": 0.1})
+    if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters:  # torch 2.6+
+        # AdamW's decay, asked of Adam, trained as Adam's L2 decay without a word
+        with pytest.raises(ValueError, match="has no decoupled_weight_decay; leave it at False"):
+            apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(),
+                                        {"lr": 0.1, "weight_decay": 0.01, "decoupled_weight_decay": True})
     apply_optimizer_in_backward("rowwise_adagrad", ebc.parameters(), {"lr": 0.2})  # our fused names work too
     assert ebc.fused_optimizer_config() == FusedOptimizerConfig("rowwise_adagrad", lr=0.2)
 
