@@ -303,7 +303,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
 
     def forward(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None,
                 _checked: bool = False) -> Tensor:
-        """Pooled embeddings [B, total_D]; in training with grad enabled, backward updates the rows.
+        """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm:
+        evaluate under torch.no_grad()).
 
         The batch is checked first (offsets, ids, finite weights: batch_check.py) and a bad one is a
         ValueError naming the feature and table; `_checked=True` (the collections, which checked it
