@@ -266,10 +266,11 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation
+            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation, warn_fused_clipping
 
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_accumulation(self.lightning_module, trainer)
+                warn_fused_clipping(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
