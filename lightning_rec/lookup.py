@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig
+from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
 from lightning_rec.sparse import KeyedJaggedTensor
 
 KERNELS = ("auto", "fbgemm", "native", "dense")
@@ -179,6 +179,12 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
                "GPU (device='cuda') to decay them")
         raise ValueError(f"fbgemm's CPU kernel ignores weight_decay={optimizer.weight_decay} for fused optimizer "
                          f"{opt}: {fix}, or weight_decay=0")
+    if opt not in FBGEMM_CPU_OPTIMIZERS and pooling not in NATIVE_POOLINGS:
+        # the native kernel pools: sequence tables have fbgemm's CPU optimizers only (the list above said "CPU
+        # supports ..., adam" beside "adam is not available on CPU")
+        raise ValueError(f"fused optimizer {opt} is not available for sequence tables (EmbeddingCollection) on CPU, "
+                         f"which run on fbgemm's CPU kernel: use {', '.join(str(o) for o in FBGEMM_CPU_OPTIMIZERS)}, "
+                         f"or train on GPU (device='cuda')")
     if opt not in FBGEMM_CPU_OPTIMIZERS:
         supported = ", ".join(str(o) for o in cpu_supported_optimizers())
         if kernel == "fbgemm" and opt in cpu_supported_optimizers():
@@ -245,7 +251,10 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # LARS's own (None for the other updates, which have neither): fbgemm's defaults then
         **{k: v for k, v in (("momentum", optimizer.momentum), ("eta", optimizer.eta)) if v is not None},
         weights_precision=precision[dtype],
-        output_dtype=precision[dtype],
+        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's fused kernels (fbgemm's default): an fp16
+        # output gave the update an fp16 gradient (a small one, subnormal there, kept a few bits), and ranks whose
+        # tables differ in data_type sent their embeddings in different dtypes to the same output all-to-all
+        output_dtype=fb["SparseType"].FP32,
         pooling_mode=pooling_mode,
         # CPU batches are checked (with feature and table names) before the kernel (batch_check.py).
         # On GPU, fbgemm's own check keeps the kernel safe without a host sync and counts bad ids on
@@ -456,10 +465,7 @@ class FusedKernel(nn.Module):
             iter_cpu.zero_()
 
     def set_learning_rate(self, lr: float) -> None:
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-            names = ", ".join(t.name for t in self.tables)
-            raise ValueError(f"fused learning rate {lr!r} for tables {names} must be a finite number >= 0: a NaN or "
-                             f"infinite rate would write NaN into every row the next batch touches")
+        lr = check_fused_lr(lr, [t.name for t in self.tables])
         self.tbe.set_learning_rate(lr / self._grad_scale)
 
     def get_learning_rate(self) -> float:

@@ -88,15 +88,61 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.inputs = inputs
 
 
+_PSW_INPUT = 9  # per_sample_weights' position among tbe_forward's inputs
+
+
 def _backward(ctx, grad_BD: Tensor):
     (_, weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets,
      per_sample_weights, pooling_mode, _, momentum1, momentum2, step, optimizer, lr, eps, beta1, beta2,
      weight_decay) = ctx.inputs
+    grads: list[Tensor | None] = [None] * len(ctx.inputs)
+    if per_sample_weights is not None and ctx.needs_input_grad[_PSW_INPUT]:
+        # Learned per-id weights (TorchRec's PositionWeightedModule) train through this gradient, as they do on
+        # fbgemm and the dense kernel. From the rows as the forward read them: before the update below moves them.
+        grads[_PSW_INPUT] = per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, feature_table,
+                                                    D_offsets, indices, offsets, pooling_mode, grad_BD)
     torch.ops.lightning_rec.tbe_backward_update(
         weights, momentum1, momentum2, step, weights_offsets, row_offsets, table_dims, feature_table, D_offsets,
         indices, offsets, per_sample_weights, pooling_mode, grad_BD, optimizer, lr, eps, beta1, beta2, weight_decay,
     )
-    return (None,) * len(ctx.inputs)
+    return tuple(grads)
+
+
+# An op of its own (opaque to torch.compile, with a fake kernel): its per-feature slices read sizes from the layout
+# tensors, which a traced backward cannot.
+@torch.library.custom_op("lightning_rec::tbe_per_sample_weights_grad", mutates_args=())
+def per_sample_weights_grad(weights: Tensor, weights_offsets: Tensor, row_offsets: Tensor, table_dims: Tensor,
+                            feature_table: Tensor, D_offsets: Tensor, indices: Tensor, offsets: Tensor,
+                            pooling_mode: int, grad_BD: Tensor) -> Tensor:
+    """d loss / d w_p = <gradient of id p's bag, id p's row> (over the bag's length for mean): [N].
+
+    One pass per feature (a few torch ops each, no loop over ids); only when the weights require a gradient."""
+    F_ = feature_table.numel()
+    B = (offsets.numel() - 1) // F_
+    grad_N = torch.zeros(indices.numel(), dtype=torch.float32)
+    grad_BD = grad_BD.float()
+    for f in range(F_):
+        offsets_f = offsets[f * B : (f + 1) * B + 1]
+        start, end = int(offsets_f[0]), int(offsets_f[-1])
+        if start == end:
+            continue
+        t = int(feature_table[f])
+        D, w0, c0 = int(table_dims[t]), int(weights_offsets[t]), int(D_offsets[f])
+        rows = int(row_offsets[t + 1] - row_offsets[t])
+        lengths_B = offsets_f.diff()
+        bag_n = torch.repeat_interleave(torch.arange(B), lengths_B, output_size=end - start)
+        rows_nD = weights[w0 : w0 + rows * D].view(rows, D)[indices[start:end]].float()
+        dot_n = (rows_nD * grad_BD[bag_n, c0 : c0 + D]).sum(1)
+        if pooling_mode == _POOLING_IDS["mean"]:
+            dot_n = dot_n / lengths_B[bag_n].to(torch.float32)
+        grad_N[start:end] = dot_n
+    return grad_N
+
+
+@per_sample_weights_grad.register_fake
+def _(weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets, pooling_mode,
+      grad_BD):
+    return indices.new_empty(indices.shape, dtype=torch.float32)
 
 
 def _fake_check_batch(rows_F, indices, offsets, weights):
@@ -257,7 +303,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
 
     def forward(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None,
                 _checked: bool = False) -> Tensor:
-        """Pooled embeddings [B, total_D]; in training with grad enabled, backward updates the rows.
+        """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm:
+        evaluate under torch.no_grad()).
 
         The batch is checked first (offsets, ids, finite weights: batch_check.py) and a bad one is a
         ValueError naming the feature and table; `_checked=True` (the collections, which checked it

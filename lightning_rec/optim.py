@@ -90,6 +90,13 @@ class FusedOptimizerConfig:
     gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
     and its second moment per row.
 
+    One update per lookup: the ids of one call are summed per row and the row is stepped once, as torch.optim
+    on the dense table would. A collection called twice in a step (positives and negatives through one tower)
+    updates twice, once from each call's gradient, as fbgemm and TorchRec do: the same for sgd without weight
+    decay, but adagrad adds
+    g1^2 + g2^2 rather than (g1 + g2)^2 and adam takes two steps (its step count too). Call it once on one
+    batch holding both (their bags stacked per feature) for torch.optim's one step.
+
     optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names
     (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_SGD", "row_wise_adagrad") or the class torch.optim.SGD /
     Adagrad / Adam, with that class's defaults for what is not given (Adagrad's eps 1e-10, Adam's lr 1e-3, as
@@ -169,6 +176,14 @@ class FusedOptimizerConfig:
             raise ValueError(f"fused {opt} uses no betas (beta1={self.beta1}, beta2={self.beta2} would be ignored): "
                              f"they belong to {', '.join(o.value for o in _USES_BETAS)}; leave them out or use one "
                              f"of those")
+
+
+def check_fused_lr(lr: Any, tables: Sequence[str]) -> float:
+    """A fused learning rate as a float, or a ValueError naming the tables (every kernel, sharded or replicated)."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"fused learning rate {lr!r} for tables {', '.join(tables)} must be a finite number >= 0: a "
+                         f"NaN or infinite rate would write NaN into every row the next batch touches")
+    return float(lr)
 
 
 class _FusedParamGroup(dict):
@@ -461,6 +476,14 @@ def combined_optimizer(model: torch.nn.Module, dense: torch.optim.Optimizer | No
     return CombinedOptimizer(parts)
 
 
+def holds_fused_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is, or combines, a FusedOptimizer (a LightningOptimizer is looked through)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if isinstance(optimizer, FusedOptimizer):
+        return True
+    return isinstance(optimizer, CombinedOptimizer) and any(holds_fused_optimizer(o) for _, o in optimizer.optimizers)
+
+
 def dense_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
     """Parameters trained by autograd (fused tables are excluded: they need no torch.optim)."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -470,7 +493,8 @@ def dense_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
 
 # arguments whose torch default the fused update matches; any other value would train differently
 _TORCH_ONLY_DEFAULTS = {"momentum": 0, "dampening": 0, "nesterov": False, "lr_decay": 0,
-                        "initial_accumulator_value": 0, "amsgrad": False, "maximize": False}
+                        "initial_accumulator_value": 0, "amsgrad": False, "maximize": False,
+                        "decoupled_weight_decay": False}  # Adam's AdamW switch (torch 2.6+): the fused decay is L2
 
 
 def _fused_config_for(optimizer_class: Any, optimizer_kwargs: dict[str, Any]) -> FusedOptimizerConfig:

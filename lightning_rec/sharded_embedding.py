@@ -35,7 +35,7 @@ from lightning_rec.batch_check import DeviceIdGuard
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, FeatureRouter
 from lightning_rec.input_dist import DistContext, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup
-from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
 from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
 from lightning_rec.sharding import data_parallel
 from lightning_rec.sharding.embeddings import (
@@ -119,7 +119,8 @@ class ReplicaKernel:
         return self._states
 
     def set_learning_rate(self, lr: float) -> None:
-        self._lr = float(lr)
+        # checked as the fused kernels' rate is: a NaN from a scheduler wrote NaN into the replicated tables only
+        self._lr = check_fused_lr(lr, [t.name for t in self.tables])
 
     def get_learning_rate(self) -> float:
         return self._lr

@@ -266,10 +266,33 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation
+            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation, warn_fused_clipping
 
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_accumulation(self.lightning_module, trainer)
+                warn_fused_clipping(self.lightning_module, trainer)
+            self._warn_if_fused_optimizer_left_out()
+
+    def _warn_if_fused_optimizer_left_out(self) -> None:
+        """configure_optimizers returned only a dense optimizer while tables train fused: said, not silent.
+
+        The tables still train (inside backward, at their configured rate), but no scheduler reaches that rate and
+        the checkpoints hold none of their optimizer state (row-wise Adagrad's sums, Adam's moments), so a resumed
+        run restarts it: Adagrad's first steps after a resume are the large ones of a fresh start."""
+        from lightning_rec.optim import fused_modules, holds_fused_optimizer
+
+        fused = fused_modules(self.lightning_module)
+        if not fused or any(holds_fused_optimizer(o) for o in self.optimizers):
+            return
+        kernels = [k for _, m in fused for k in m.fused_kernels()]
+        config = kernels[0].optimizer_config
+        warnings.warn(
+            f"{type(self.lightning_module).__name__}'s tables ({fused[0][0] or 'the model'}) train with the fused "
+            f"optimizer {config.optimizer} inside backward, but configure_optimizers returned no optimizer that holds "
+            f"it: an LR scheduler does not reach their rate (it stays {kernels[0].get_learning_rate():g}) and "
+            f"checkpoints leave out their optimizer state, so a resumed run restarts it. Return "
+            f"lightning_rec.combined_optimizer(self, dense_optimizer) (or TorchRec's CombinedOptimizer with "
+            f"FusedOptimizer(self))", stacklevel=1)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -277,6 +277,18 @@ def test_nan_learning_rate_from_a_scheduler_is_refused(kernel):
     assert FusedOptimizer(m).param_groups[0]["lr"] == pytest.approx(0.1)
 
 
+def test_nan_learning_rate_is_refused_for_replicated_tables_too():
+    # a data_parallel table's group took a NaN rate (and wrote NaN into its rows) where a sharded one's refused it
+    from lightning_rec.lookup import DenseKernel, LocalTable
+    from lightning_rec.sharded_embedding import ReplicaKernel
+
+    replica = ReplicaKernel(DenseKernel([LocalTable("t_dp", 10, 4, ("f",), "sum")], "sum", torch.device("cpu")),
+                            FusedOptimizerConfig("rowwise_adagrad", lr=0.1), env=None)
+    with pytest.raises(ValueError, match="fused learning rate nan for tables t_dp must be a finite number >= 0"):
+        replica.set_learning_rate(math.nan)
+    assert replica.get_learning_rate() == pytest.approx(0.1)
+
+
 # warnings for input that is dropped ----------------------------------------------------------------------
 
 

@@ -1,5 +1,7 @@
 """EmbeddingBagCollection / EmbeddingCollection against nn.EmbeddingBag + torch.optim references."""
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -204,6 +206,11 @@ def test_missing_feature_lists_what_exists():
 def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():
     with pytest.raises(ValueError, match=r"lamb is not available on CPU: CPU supports sgd, adagrad, rowwise_adagrad"):
         EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("lamb"), kernel="fbgemm")
+    # sequence tables run on fbgemm on CPU: it said "CPU supports ..., adam" beside "adam is not available on CPU"
+    sequence = [EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+    with pytest.raises(ValueError, match=r"adam is not available for sequence tables \(EmbeddingCollection\) on CPU, "
+                                         r"which run on fbgemm's CPU kernel: use sgd, adagrad, rowwise_adagrad,"):
+        EmbeddingCollection(sequence, optimizer=FusedOptimizerConfig("adam"))
 
 
 def test_adam_on_cpu_sequence_tables_names_what_they_take():
@@ -260,6 +267,42 @@ def test_fp16_tables_train(kernel):
     ebc(kjt).values().float().sum().backward()
     changed = (ebc.embedding_bags["t"].weight != before).any(dim=1)
     assert changed.tolist() == [False, True, True] + [False] * 7  # exactly the looked-up rows moved
+
+
+@pytest.mark.parametrize("kernel,config", [("fbgemm", EmbeddingBagConfig), ("native", EmbeddingBagConfig),
+                                           ("auto", EmbeddingConfig)])  # sequence tables: fbgemm
+def test_fp16_tables_give_fp32_rows_and_take_an_fp32_gradient(kernel, config):
+    # fbgemm's output (and so the gradient its update takes) was fp16 for fp16 tables, the native kernel's fp32: a
+    # small gradient (a mean loss over a big batch) is subnormal in fp16 and kept a few bits (this step was 5-10%
+    # off), and at 2 ranks an fp16 table's rows beside an fp32 table's broke the output all-to-all ("shape '[2, 4]'
+    # is invalid for input of size 4"). Now fp32 out of every fused kernel, as TorchRec's fused kernels.
+    table = config(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], data_type=torch.float16)
+    collection = (EmbeddingBagCollection if config is EmbeddingBagConfig else EmbeddingCollection)(
+        [table], optimizer=FusedOptimizerConfig("sgd", lr=1000.0), kernel=kernel)
+    collection.load_state_dict({k: torch.zeros(8, 4, dtype=torch.float16) for k in collection.state_dict()})
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(8), torch.ones(8, dtype=torch.long))
+    out = collection(kjt)
+    out = out.values() if config is EmbeddingBagConfig else out["f"].values()
+    assert out.dtype == torch.float32
+    grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)) * 3e-7
+    (out * grad).sum().backward()
+    step = next(iter(collection.state_dict().values())).float()
+    # exact up to the fp16 storage of a step near 3e-4 (relative 2^-11) and fbgemm's stochastic rounding there
+    assert ((step + 1000.0 * grad).norm() / (1000.0 * grad).norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+def test_one_update_per_call_as_documented(kernel):
+    # FusedOptimizerConfig / README: one call sums a row's ids and steps it once (torch.optim on the dense table);
+    # two calls in a step update twice, as fbgemm and TorchRec do. Adagrad's state shows which: g = 1 per id.
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=2, feature_names=["i"])],
+                                 optimizer=FusedOptimizerConfig("adagrad", lr=0.1), kernel=kernel)
+    row1 = KeyedJaggedTensor.from_lengths_sync(["i"], torch.tensor([1]), torch.tensor([1]))
+    twice = KeyedJaggedTensor.from_lengths_sync(["i"], torch.tensor([1, 1]), torch.tensor([1, 1]))
+    ebc(twice).values().sum().backward()  # one call, row 1 twice: (1 + 1)^2
+    assert ebc.fused_kernels()[0].optimizer_states()[0]["sum"][1].tolist() == [4.0, 4.0]
+    (ebc(row1).values().sum() + ebc(row1).values().sum()).backward()  # two calls: 1^2 + 1^2
+    assert ebc.fused_kernels()[0].optimizer_states()[0]["sum"][1].tolist() == [6.0, 6.0]
 
 
 def test_out_of_range_id_found_in_fixed_and_jagged_batches():
@@ -355,6 +398,11 @@ def test_apply_optimizer_in_backward_refuses_what_it_cannot_fuse():
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(ValueError, match="torch.optim.SGD, torch.optim.Adagrad and torch.optim.Adam"):
         apply_optimizer_in_backward(torch.optim.RMSprop, ebc.parameters(), {"lr": 0.1})
+    if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters:  # torch 2.6+
+        # AdamW's decay, asked of Adam, trained as Adam's L2 decay without a word
+        with pytest.raises(ValueError, match="has no decoupled_weight_decay; leave it at False"):
+            apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(),
+                                        {"lr": 0.1, "weight_decay": 0.01, "decoupled_weight_decay": True})
     apply_optimizer_in_backward("rowwise_adagrad", ebc.parameters(), {"lr": 0.2})  # our fused names work too
     assert ebc.fused_optimizer_config() == FusedOptimizerConfig("rowwise_adagrad", lr=0.2)
 

@@ -551,6 +551,28 @@ def test_empty_batches():
     assert torch.equal(tbe.weights, w0)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_per_sample_weights_that_require_grad_get_their_gradient(mode):
+    # Learned per-id weights (TorchRec's PositionWeightedModule) got no gradient from the native kernel (None),
+    # while fbgemm and the dense kernel give one: they trained on GPU and stayed put on CPU, silently.
+    torch.manual_seed(0)
+    tbe = NativeTableBatchedEmbeddingBags(SPECS, FEATURE_TABLE, mode, FusedOptimizerConfig("adam", lr=0.5))
+    indices, offsets, psw = make_batch(4, torch.Generator().manual_seed(3), weighted=True)
+    psw.requires_grad_(True)
+    leaf = [w.detach().clone().requires_grad_(True) for w in tbe.split_embedding_weights()]  # before the update
+    upstream = torch.randn(4, tbe.total_D, generator=torch.Generator().manual_seed(4))
+    (tbe(indices, offsets, psw) * upstream).sum().backward()
+    psw_ref = psw.detach().clone().requires_grad_(True)
+    (reference_pooled(leaf, indices, offsets, psw_ref, mode) * upstream).sum().backward()
+    # fp32, each a dot product of <= 8 terms: atol 1e-6. The reference reads the rows as the forward did.
+    torch.testing.assert_close(psw.grad, psw_ref.grad, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(tbe.split_embedding_weights()[0], leaf[0])  # and the rows were still updated
+    # an op of its own with a fake kernel, so that torch.compile traces the backward without a graph break
+    meta = (tbe.weights_offsets, tbe.row_offsets, tbe.table_dims, tbe.feature_table, tbe.D_offsets)
+    torch.library.opcheck(torch.ops.lightning_rec.tbe_per_sample_weights_grad.default,
+                          (tbe.weights, *meta, indices, offsets, 1 if mode == "mean" else 0, upstream))
+
+
 # ---- operator registration ------------------------------------------------------------------
 
 

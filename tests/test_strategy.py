@@ -2,6 +2,7 @@
 
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -469,6 +470,43 @@ def test_gradient_accumulation_warning_reaches_a_users_own_module(tmp_path):
     with pytest.warns(UserWarning) as caught:  # the library's module: said once, not twice
         L.Trainer(accumulate_grad_batches=2, **kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)
     assert sum("accumulate_grad_batches" in str(w.message) for w in caught) == 1
+
+
+def test_gradient_clipping_says_the_fused_tables_are_not_clipped(tmp_path):
+    """gradient_clip_val with fused tables clipped the dense layers alone (the tables update inside backward, before
+    Lightning clips) without a word, for the library's modules and a user's own under strategy="rec" alike."""
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, gradient_clip_val=0.5,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    said = r"gradient_clip_val=0.5 clips the dense layers' gradients only: the fused tables \(ebc\) update"
+    with pytest.warns(UserWarning, match=said):
+        L.Trainer(strategy="rec", **kw).fit(_OwnModule(), data)
+    with pytest.warns(UserWarning, match="gradient_clip_val=0.5 clips the dense layers' gradients only"):
+        L.Trainer(**kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)
+
+
+class _DenseOnlyOptimizer(_OwnModule):
+    def configure_optimizers(self):
+        from lightning_rec.optim import dense_parameters
+
+        return torch.optim.SGD(dense_parameters(self), lr=0.1)
+
+
+def test_a_dense_only_optimizer_beside_fused_tables_is_said(tmp_path):
+    """configure_optimizers returning the dense optimizer alone: the tables trained on at their configured rate,
+    untouched by the user's LR scheduler, and the checkpoints held none of their optimizer state, without a word."""
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    with pytest.warns(UserWarning, match=r"_DenseOnlyOptimizer's tables \(ebc\) train with the fused optimizer sgd "
+                                         r".*returned no optimizer that holds it.*combined_optimizer\(self"):
+        L.Trainer(**kw).fit(_DenseOnlyOptimizer(), data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**kw).fit(_OwnModule(), data)  # combined_optimizer: nothing to say
+    assert not [w for w in caught if "no optimizer that holds it" in str(w.message)]
 
 
 def test_tables_built_on_meta_are_drawn_where_the_strategy_shards_them(tmp_path):

@@ -38,6 +38,24 @@ def warn_fused_accumulation(module: torch.nn.Module, trainer: Any, fused: list[s
             f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
 
 
+def warn_fused_clipping(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
+    """gradient_clip_val with fused tables: say that only the dense layers' gradients are clipped.
+
+    The fused tables update inside backward, before Lightning clips: their rows move by the unclipped gradient,
+    and a norm clip measures the dense gradients alone."""
+    clip = trainer.gradient_clip_val
+    if not clip:
+        return
+    if fused is None:
+        fused = fused_table_modules(module)
+    if fused:
+        warnings.warn(
+            f"gradient_clip_val={clip} clips the dense layers' gradients only: the fused tables ({fused[0]}) update "
+            f"inside backward, before clipping, from their unclipped gradients (and a norm clip measures the dense "
+            f"gradients alone). Lower the tables' learning rate, or use rowwise_adagrad / adam, whose steps are "
+            f"bounded by their own scaling", stacklevel=1)
+
+
 class RecModuleHooks:
     """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
 
@@ -68,6 +86,7 @@ class RecModuleHooks:
 
         fused = fused_table_modules(self)
         warn_fused_accumulation(self, trainer, fused)
+        warn_fused_clipping(self, trainer, fused)
         if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
             # evaluation may replicate the tables (every rank holds the same weights); training may not
             raise ValueError(

@@ -2,9 +2,11 @@
 
 A replicated table lives on every rank as an ordinary parameter. Its gradient (summed over ranks in
 backward by output_dist.all_reduce_sum_) is applied at once with the same rule, learning rate and
-state names as the fused kernels, so a replicated table trains exactly like a fused one on the
-global batch, and FusedOptimizer / checkpoints treat both alike. Updates are lazy, as in the fused
-kernels: rows with no gradient are left alone.
+state names as the fused kernels, so a replicated table trains like a fused one on the global
+batch, and FusedOptimizer / checkpoints treat both alike. Updates are lazy, as in the fused
+kernels: rows with no gradient are left alone. One difference: the fused kernels step every row a
+batch names, this rule the rows whose summed gradient is not zero, so with weight_decay a row named
+only with a zero gradient (a per-id weight of 0) is decayed there and not here.
 
     sgd              w -= lr * (g + wd * w)
     adagrad          s += g^2;               w -= lr * g / (sqrt(s) + eps)
