@@ -545,3 +545,34 @@ def test_a_loss_logged_per_batch_is_not_nan_when_a_rank_steps_with_an_empty_batc
     for val, test in run_ranks(_logged_eval_loss, 2, pipeline, timeout=180):
         assert val["my_val_loss"] == pytest.approx(val["val_logloss"] * 129 / 128, rel=1e-5)
         assert test["my_test_loss"] == pytest.approx(test["test_logloss"] * 129 / 128, rel=1e-5)
+
+
+class _ScheduledModule(_OwnModule):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+def test_a_new_fit_starts_the_fused_tables_at_their_configured_rate(tmp_path):
+    """configure_optimizers builds the optimizers anew for every fit, and the dense part started again at its lr;
+    the fused part started where the last scheduler had left the kernels (here 0.1 / 2**2 after two epochs), so a
+    second fit of the same module, or a fit after Tuner.lr_find (whose sweep writes every group's lr), trained the
+    tables at another rate than configured."""
+    from lightning.pytorch.tuner import Tuner
+
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    module = _ScheduledModule()
+    L.Trainer(max_epochs=2, **kw).fit(module, data)
+    assert module.ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.025)  # the scheduler reached it
+    second = L.Trainer(max_steps=1, **kw)
+    second.fit(module, data)
+    assert [g["lr"] for g in second.optimizers[0].param_groups] == pytest.approx([0.1, 0.1])
+
+    module.lr = 0.1  # lr_find's attribute (it writes its suggestion there; configure_optimizers here ignores it)
+    Tuner(L.Trainer(max_epochs=1, **kw)).lr_find(module, datamodule=data, num_training=4, min_lr=1e-5, max_lr=1e-3)
+    third = L.Trainer(max_steps=1, **kw)
+    third.fit(module, data)
+    assert [g["lr"] for g in third.optimizers[0].param_groups] == pytest.approx([0.1, 0.1])
