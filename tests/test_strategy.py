@@ -576,3 +576,22 @@ def test_a_new_fit_starts_the_fused_tables_at_their_configured_rate(tmp_path):
     third = L.Trainer(max_steps=1, **kw)
     third.fit(module, data)
     assert [g["lr"] for g in third.optimizers[0].param_groups] == pytest.approx([0.1, 0.1])
+
+
+@pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
+def test_weight_averaging_callbacks_are_refused_naming_the_way_out(tmp_path, callback):
+    """Lightning's EMA / SWA callbacks pair the module's parameters with a copy made before sharding; the sharded
+    tables are no parameters of the module, so the pairs slid and the first validation (EMA) or SWA epoch failed
+    with "The size of tensor a (4) must match the size of tensor b (17)". Unsharded, on one device, they average
+    the fused tables too (as plain tables trained by torch.optim.SGD: checked by hand)."""
+    from lightning.pytorch import callbacks
+
+    made = getattr(callbacks, callback)(**({"swa_lrs": 0.05, "swa_epoch_start": 1} if "Stochastic" in callback else {}))
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=64, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"callbacks=\[{callback}\(...\)\]\) cannot average sharded embedding "
+                                         r"tables.*Remove the callback, or train on one device without"):
+        L.Trainer(strategy="rec", callbacks=[made], **kw).fit(_OwnModule(), data)
+    L.Trainer(callbacks=[made], **kw).fit(_OwnModule(), data)  # the way out trains
