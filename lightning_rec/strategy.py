@@ -266,10 +266,10 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation
+            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
-                warn_fused_accumulation(self.lightning_module, trainer)
+                warn_fused_dense_only(self.lightning_module, trainer)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -595,3 +595,21 @@ def test_weight_averaging_callbacks_are_refused_naming_the_way_out(tmp_path, cal
                                          r"tables.*Remove the callback, or train on one device without"):
         L.Trainer(strategy="rec", callbacks=[made], **kw).fit(_OwnModule(), data)
     L.Trainer(callbacks=[made], **kw).fit(_OwnModule(), data)  # the way out trains
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_says_the_fused_tables_are_not_clipped(tmp_path, algorithm):
+    """Trainer(gradient_clip_val=...) clipped the dense layers only, by the dense layers' norm, without a word: the
+    fused rows had moved inside backward, from unclipped gradients (the user's own module and the library's)."""
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
+              gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    norm = ", and the norm clipped is the dense layers' alone" if algorithm == "norm" else ""
+    said = (rf"gradient_clip_val=0.5 clips the dense layers' gradients only: the fused tables \(%s\) update inside "
+            rf"backward, before Lightning clips, from unclipped gradients{norm}\. The fused update clips nothing")
+    with pytest.warns(UserWarning, match=said % "ebc"):
+        L.Trainer(strategy="rec", **kw).fit(_OwnModule(), data)
+    with pytest.warns(UserWarning, match=said % r"model\.sparse_arch\.embedding_bag_collection"):
+        L.Trainer(**kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)

@@ -21,16 +21,26 @@ def fused_table_modules(module: torch.nn.Module) -> list[str]:
     return unsharded or [name for name, _ in fused_modules(module)]
 
 
-def warn_fused_accumulation(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
-    """accumulate_grad_batches > 1 with fused tables: say that only the dense layers accumulate.
+def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
+    """accumulate_grad_batches > 1 or gradient_clip_val with fused tables: say that it reaches the dense layers only.
 
     fused: fused_table_modules(module), when the caller has it already."""
     accumulate = trainer.accumulate_grad_batches
-    if accumulate <= 1:
+    clip = trainer.gradient_clip_val
+    if accumulate <= 1 and not clip:
         return
     if fused is None:
         fused = fused_table_modules(module)
-    if fused:
+    if fused and clip:
+        # Lightning clips between backward and the optimizer step; the fused rows moved inside backward
+        by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"
+        norm = ", and the norm clipped is the dense layers' alone" if by_norm else ""
+        warnings.warn(
+            f"gradient_clip_val={clip} clips the dense layers' gradients only: the fused tables ({fused[0]}) update "
+            f"inside backward, before Lightning clips, from unclipped gradients{norm}. The fused update clips "
+            f"nothing: to bound the tables' steps, lower their learning rate",
+            stacklevel=1)
+    if fused and accumulate > 1:
         warnings.warn(
             f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
             f"({fused[0]}) update inside every batch's backward, {accumulate}x as often as the dense layers, each "
@@ -67,7 +77,7 @@ class RecModuleHooks:
             return
 
         fused = fused_table_modules(self)
-        warn_fused_accumulation(self, trainer, fused)
+        warn_fused_dense_only(self, trainer, fused)
         if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
             # evaluation may replicate the tables (every rank holds the same weights); training may not
             raise ValueError(
