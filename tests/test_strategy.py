@@ -613,3 +613,46 @@ def test_gradient_clipping_says_the_fused_tables_are_not_clipped(tmp_path, algor
         L.Trainer(strategy="rec", **kw).fit(_OwnModule(), data)
     with pytest.warns(UserWarning, match=said % r"model\.sparse_arch\.embedding_bag_collection"):
         L.Trainer(**kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)
+
+
+class _HalfTableModule(_OwnModule):
+    """FP16 tables (the README's half-size tables) with row-wise Adagrad."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning_rec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=64, embedding_dim=4,
+                                                              feature_names=["C1"], data_type=DataType.FP16)],
+                                          optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fp16_tables_replicated_by_the_plan_train_as_unsharded(tmp_path, precision):
+    """The planner replicates small tables (data_parallel). An FP16 replica ran row-wise Adagrad in float16: a
+    batch's mean squared gradient and eps=1e-8 rounded to 0, the row stepped by g / 0, and the loss was NaN within
+    the first epoch (at 1 rank; unsharded it trained). Under bf16-mixed the replica's lookup failed instead, "Unexpected
+    floating ScalarType in at::autocast::prioritize" (torch.cat of float16 outputs under CPU autocast)."""
+    from lightning_rec.model_parallel import construct_module_sharding_plan, data_parallel
+    from lightning_rec.types import ShardingPlan
+
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
+              precision=precision)
+    trained = {}
+    for name in ("unsharded", "replicated"):
+        L.seed_everything(0)
+        module = _HalfTableModule()
+        strategy = "auto"
+        if name == "replicated":
+            plan = ShardingPlan({"ebc": construct_module_sharding_plan(module.ebc, {"t": data_parallel()},
+                                                                       world_size=1)})
+            strategy = RecStrategy(plan=plan)
+        L.Trainer(strategy=strategy, **kw).fit(module, data)
+        trained[name] = {k: v.float() for k, v in module.state_dict().items()}
+    for key, weight in trained["unsharded"].items():
+        assert torch.isfinite(trained["replicated"][key]).all(), key
+        # float16 tables: the two round their rows apart by an ulp or two (2.4e-4 at 0.25..0.5)
+        torch.testing.assert_close(trained["replicated"][key], weight, atol=2e-3, rtol=0, msg=key)
