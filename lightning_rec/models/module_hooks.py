@@ -93,6 +93,15 @@ class RecModuleHooks:
             raise ValueError(f"{owner}(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
                              f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
 
+    def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The fused tables start at hparams.sparse_lr, read when the optimizer is built, as the dense layers' rate
+        is: the tables' configs keep the value given to __init__, so a rate written later (Tuner.lr_find(...,
+        attr_name="sparse_lr") writes its suggestion there) was reported as set and never used."""
+        fused = dict(getattr(optimizer, "optimizers", [])).get("fused")
+        for group in fused.param_groups if fused is not None else []:
+            group["lr"] = float(self.hparams.sparse_lr)
+        return optimizer
+
     def log_train_loss(self, loss, batch_size: int) -> None:
         """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync.
 
