@@ -57,7 +57,6 @@ class LocalTable:
         return (-bound, bound)
 
 
-# fbgemm is imported lazily so that configs and KJTs work where only the dense kernel is wanted.
 def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
     """torch.cat of kernel outputs, by plain type promotion also under autocast.
 
@@ -74,6 +73,7 @@ def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
     return torch.cat(parts, dim=dim)
 
 
+# fbgemm is imported lazily so that configs and KJTs work where only the dense kernel is wanted.
 def _fbgemm():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbOpt
     from fbgemm_gpu.split_embedding_configs import SparseType
