@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rec.batch_check import DeviceBoundsCheck, check_features, check_ids  # noqa: F401  (check_ids: old name)
-from lightning_rec.lookup import GroupedLookup, LocalTable
+from lightning_rec.lookup import GroupedLookup, LocalTable, join_outputs
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -560,7 +560,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         features = self._route(features)  # kernel order, batch checked
         pooled = self._lookup.forward(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
         self._after_lookup(features)
-        pooled_BD = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+        pooled_BD = join_outputs(pooled, dim=1)
         if self._column_order is not None:  # kernel groups -> the configs' order
             pooled_BD = pooled_BD.index_select(1, self._column_order)
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)

@@ -57,6 +57,22 @@ class LocalTable:
         return (-bound, bound)
 
 
+def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
+    """torch.cat of kernel outputs, by plain type promotion also under autocast.
+
+    Under CPU autocast to bfloat16 (Lightning's precision="bf16-mixed") cat takes autocast's promote path, which
+    refuses float16: an FP16 table's output (unfused, or fbgemm's) failed there with "Unexpected floating
+    ScalarType in at::autocast::prioritize", so the README's pair of bf16-mixed and FP16 tables did not run.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    device_type = parts[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
 # fbgemm is imported lazily so that configs and KJTs work where only the dense kernel is wanted.
 def _fbgemm():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbOpt
@@ -190,13 +206,6 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
         if kernel == "fbgemm" and opt in cpu_supported_optimizers():
             raise ValueError(f"fbgemm's CPU kernel does not implement fused optimizer {opt}: use kernel='native' "
                              f"(or 'auto'), which does on CPU; kernel='fbgemm' runs {opt} on GPU (device='cuda')")
-        if pooling not in NATIVE_POOLINGS and opt in cpu_supported_optimizers():
-            # "not available on CPU: CPU supports ..., adam, ..." contradicted itself: our kernels pool only
-            fbgemm_cpu = ", ".join(str(o) for o in FBGEMM_CPU_OPTIMIZERS)
-            raise ValueError(f"fused optimizer {opt} is not available on CPU for sequence tables "
-                             f"(EmbeddingCollection): they run on fbgemm's CPU kernel, which implements "
-                             f"{fbgemm_cpu}; use one of those, or train them on GPU (device='cuda'). Pooled tables "
-                             f"(EmbeddingBagCollection) take {opt} on CPU")
         raise ValueError(
             f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
             f"{opt} runs on GPU (device='cuda')"
@@ -511,7 +520,7 @@ class DenseKernel(nn.Module):
             else:
                 outs.append(F.embedding_bag(jt.values(), table, bag_offsets, mode=self.pooling,
                                             per_sample_weights=w))
-        return torch.cat(outs, dim=0 if self.pooling == "none" else 1)
+        return join_outputs(outs, dim=0 if self.pooling == "none" else 1)
 
     def split_embedding_weights(self) -> list[Tensor]:
         return [w for w in self.weights]

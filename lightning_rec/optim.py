@@ -246,7 +246,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
     `step()` applies nothing (the rows were updated in backward) but runs the closure; one param
-    group per fused kernel carries its "lr". The state dict keys optimizer state by
+    group per fused kernel carries its "lr", which starts at the kernel's configured rate
+    (`FusedOptimizerConfig.lr`) as a torch.optim optimizer starts at its `lr`. The state dict keys optimizer state by
     `<module path>.<table>.<state name>`, so it loads into any kernel (fbgemm or native) and any
     grouping of the same tables.
     """
@@ -266,10 +267,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                     name, meta, shape = shard_of(table.name) if shard_of is not None else whole
                     self._pieces[prefix + table.name] = (prefix + name, meta, shape)
                 config = kernel.optimizer_config
+                # a new optimizer starts at its configured rate, as torch.optim's do: the kernel keeps the rate
+                # the last scheduler wrote (a second fit, or Tuner.lr_find's sweep, began from that one while
+                # the dense part started afresh)
+                kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
                     [kernel],
                     params=kernel.split_embedding_weights(),
-                    lr=kernel.get_learning_rate(),
+                    lr=config.lr,
                     name=f"{prefix}fused{i}",
                     optimizer=str(config.optimizer),
                     tables=[t.name for t in kernel.tables],

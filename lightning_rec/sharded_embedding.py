@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from lightning_rec.batch_check import DeviceIdGuard
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, FeatureRouter
 from lightning_rec.input_dist import DistContext, KJTAllToAll
-from lightning_rec.lookup import DenseKernel, GroupedLookup
+from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs
 from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
 from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
 from lightning_rec.sharding import data_parallel
@@ -404,13 +404,13 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
     def _join_owned(self, owned: Sequence[Tensor], batch: ShardedBatch) -> Tensor:
         if not owned:
             return torch.zeros(sum(batch.ctx.batch_per_source), 0, device=self._env.device)
-        return owned[0] if len(owned) == 1 else torch.cat(owned, dim=1)
+        return join_outputs(owned, dim=1)
 
     def output_dist(self, out: ShardedLookupOut) -> KeyedTensor:
         ctx = out.batch.ctx
         dp_BD = None
         if out.replicated:
-            dp_BD = out.replicated[0] if len(out.replicated) == 1 else torch.cat(out.replicated, dim=1)
+            dp_BD = join_outputs(out.replicated, dim=1)
         placed_BD = self._pooled_a2a.placed(out.owned, dp_BD, ctx, self._columns)
         if placed_BD is not None:  # shared memory: columns land in place as they arrive
             pooled_BD = divide_means(placed_BD, self._columns, ctx.lengths_FB)

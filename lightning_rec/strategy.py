@@ -266,11 +266,10 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_accumulation, warn_fused_clipping
+            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
-                warn_fused_accumulation(self.lightning_module, trainer)
-                warn_fused_clipping(self.lightning_module, trainer)
+                warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
@@ -428,9 +427,34 @@ class RecStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._refuse_weight_averaging()
         super().setup_environment()
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             _close_gloo_groups_at_exit()
+
+    def _refuse_weight_averaging(self) -> None:
+        """Lightning's weight-averaging callbacks copy the module when fit begins (before it is sharded) and then pair
+        that copy's parameters with the module's one by one. Sharded tables are not parameters of the module (their
+        kernels hold them, updated inside backward), so the pairs slid: a table's average met a dense weight, and the
+        first validation or SWA epoch failed with "The size of tensor a (4) must match ... b (21)". Said before the
+        copy is made (a copy of every table, which may not fit)."""
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return  # evaluation: the callbacks average nothing
+        try:
+            from lightning.pytorch.callbacks import WeightAveraging  # Lightning 2.6
+        except ImportError:  # pragma: no cover - older Lightning
+            WeightAveraging = StochasticWeightAveraging
+        for callback in trainer.callbacks:
+            if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
+                raise ValueError(
+                    f"Trainer(callbacks=[{type(callback).__name__}(...)]) cannot average sharded embedding tables: "
+                    f"it pairs the module's parameters with those of a copy made before sharding, and under "
+                    f"strategy='rec' the tables are no longer parameters of the module (their kernels hold them, "
+                    f"updated inside backward). Remove the callback, or train on one device without "
+                    f"strategy='rec' (unsharded tables, which it averages)")
 
     @override
     def teardown(self) -> None:

@@ -213,18 +213,6 @@ def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():
         EmbeddingCollection(sequence, optimizer=FusedOptimizerConfig("adam"))
 
 
-def test_adam_on_cpu_sequence_tables_names_what_they_take():
-    """It said 'adam is not available on CPU: CPU supports sgd, adagrad, rowwise_adagrad, adam, ...': our CPU kernels
-    pool, and sequence tables run on fbgemm's CPU kernel, which has no adam."""
-    tables = [EmbeddingConfig(name="t", num_embeddings=5, embedding_dim=4, feature_names=["f"])]
-    for opt in ("adam", "partial_rowwise_adam"):
-        with pytest.raises(ValueError) as err:
-            EmbeddingCollection(tables, optimizer=FusedOptimizerConfig(opt, lr=0.1))
-        msg = str(err.value)
-        assert f"{opt} is not available on CPU for sequence tables" in msg, msg
-        assert "implements sgd, adagrad, rowwise_adagrad; use one of those" in msg and "CPU supports" not in msg, msg
-
-
 def test_unknown_optimizer_lists_valid_names():
     with pytest.raises(ValueError, match="unknown fused optimizer 'adamw'.*rowwise_adagrad"):
         FusedOptimizerConfig("adamw")
@@ -572,3 +560,22 @@ def test_torchrec_embedding_collection_accessors():
                                                                    feature_names=["d"])])
     with pytest.raises(ValueError, match="different dims"):
         mixed.embedding_dim()
+
+
+@pytest.mark.parametrize("optimizer,kernel", [(None, "auto"), ("sgd", "fbgemm"), ("sgd", "native")])
+def test_fp16_tables_look_up_under_bf16_autocast(optimizer, kernel):
+    """Lightning's precision="bf16-mixed" runs the step under CPU autocast to bfloat16, whose torch.cat refuses
+    float16 inputs: FP16 tables unfused (or with fbgemm's kernel beside an FP32 table) failed with "Unexpected
+    floating ScalarType in at::autocast::prioritize". The outputs are those without autocast."""
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=8, feature_names=["f0", "f2"],
+                                 data_type=torch.float16),
+              EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1"])]
+    fused = FusedOptimizerConfig(optimizer, lr=0.1) if optimizer else None
+    for configs in (tables, [tables[0]]):
+        ebc = EmbeddingBagCollection(configs, optimizer=fused, kernel=kernel)
+        kjt = random_kjt(["f0", "f2", "f1"][: 3 if len(configs) == 2 else 2], [50, 50, 30], B=4)
+        plain = ebc(kjt).values()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = ebc(kjt).values()
+        assert mixed.dtype == plain.dtype
+        torch.testing.assert_close(mixed, plain)

@@ -126,3 +126,21 @@ def test_checkpoint_restores_tables_and_fused_state(tmp_path):
     new = FusedOptimizer(restored.model).table_states()
     for table, states in old.items():
         torch.testing.assert_close(new[table]["sum"], states["sum"])
+
+
+def test_lr_find_on_sparse_lr_reaches_the_fused_tables(tmp_path):
+    """Tuner.lr_find(module, attr_name="sparse_lr") said "Learning rate set to ..." and wrote hparams.sparse_lr, but
+    the tables' fused configs kept the rate given to __init__: the fit after it trained the tables at the old rate."""
+    from lightning.pytorch.tuner import Tuner
+
+    data = SyntheticCriteoDataModule(num_train_samples=2048, num_val_samples=0, batch_size=64, num_sparse_features=2,
+                                     num_embeddings_per_feature=50, num_signal_features=2)
+    module = small_module(sparse_feature_names=["C1", "C2"])
+    kw = dict(max_epochs=1, limit_val_batches=0)
+    found = Tuner(trainer(tmp_path, **kw)).lr_find(module, datamodule=data, attr_name="sparse_lr", num_training=24,
+                                                   early_stop_threshold=None)
+    assert found.suggestion() is not None and module.hparams.sparse_lr == found.suggestion() != 0.05
+    fit = trainer(tmp_path, max_steps=1, **kw)
+    fit.fit(module, data)
+    fused = dict(fit.optimizers[0].optimizers)["fused"]
+    assert [g["lr"] for g in fused.param_groups] == [module.hparams.sparse_lr]

@@ -472,20 +472,6 @@ def test_gradient_accumulation_warning_reaches_a_users_own_module(tmp_path):
     assert sum("accumulate_grad_batches" in str(w.message) for w in caught) == 1
 
 
-def test_gradient_clipping_says_the_fused_tables_are_not_clipped(tmp_path):
-    """gradient_clip_val with fused tables clipped the dense layers alone (the tables update inside backward, before
-    Lightning clips) without a word, for the library's modules and a user's own under strategy="rec" alike."""
-    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False, gradient_clip_val=0.5,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
-    said = r"gradient_clip_val=0.5 clips the dense layers' gradients only: the fused tables \(ebc\) update"
-    with pytest.warns(UserWarning, match=said):
-        L.Trainer(strategy="rec", **kw).fit(_OwnModule(), data)
-    with pytest.warns(UserWarning, match="gradient_clip_val=0.5 clips the dense layers' gradients only"):
-        L.Trainer(**kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)
-
-
 class _DenseOnlyOptimizer(_OwnModule):
     def configure_optimizers(self):
         from lightning_rec.optim import dense_parameters
@@ -583,3 +569,114 @@ def test_a_loss_logged_per_batch_is_not_nan_when_a_rank_steps_with_an_empty_batc
     for val, test in run_ranks(_logged_eval_loss, 2, pipeline, timeout=180):
         assert val["my_val_loss"] == pytest.approx(val["val_logloss"] * 129 / 128, rel=1e-5)
         assert test["my_test_loss"] == pytest.approx(test["test_logloss"] * 129 / 128, rel=1e-5)
+
+
+class _ScheduledModule(_OwnModule):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+def test_a_new_fit_starts_the_fused_tables_at_their_configured_rate(tmp_path):
+    """configure_optimizers builds the optimizers anew for every fit, and the dense part started again at its lr;
+    the fused part started where the last scheduler had left the kernels (here 0.1 / 2**2 after two epochs), so a
+    second fit of the same module, or a fit after Tuner.lr_find (whose sweep writes every group's lr), trained the
+    tables at another rate than configured."""
+    from lightning.pytorch.tuner import Tuner
+
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    module = _ScheduledModule()
+    L.Trainer(max_epochs=2, **kw).fit(module, data)
+    assert module.ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.025)  # the scheduler reached it
+    second = L.Trainer(max_steps=1, **kw)
+    second.fit(module, data)
+    assert [g["lr"] for g in second.optimizers[0].param_groups] == pytest.approx([0.1, 0.1])
+
+    module.lr = 0.1  # lr_find's attribute (it writes its suggestion there; configure_optimizers here ignores it)
+    Tuner(L.Trainer(max_epochs=1, **kw)).lr_find(module, datamodule=data, num_training=4, min_lr=1e-5, max_lr=1e-3)
+    third = L.Trainer(max_steps=1, **kw)
+    third.fit(module, data)
+    assert [g["lr"] for g in third.optimizers[0].param_groups] == pytest.approx([0.1, 0.1])
+
+
+@pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
+def test_weight_averaging_callbacks_are_refused_naming_the_way_out(tmp_path, callback):
+    """Lightning's EMA / SWA callbacks pair the module's parameters with a copy made before sharding; the sharded
+    tables are no parameters of the module, so the pairs slid and the first validation (EMA) or SWA epoch failed
+    with "The size of tensor a (4) must match the size of tensor b (17)". Unsharded, on one device, they average
+    the fused tables too (as plain tables trained by torch.optim.SGD: checked by hand)."""
+    from lightning.pytorch import callbacks
+
+    made = getattr(callbacks, callback)(**({"swa_lrs": 0.05, "swa_epoch_start": 1} if "Stochastic" in callback else {}))
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=64, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=rf"callbacks=\[{callback}\(...\)\]\) cannot average sharded embedding "
+                                         r"tables.*Remove the callback, or train on one device without"):
+        L.Trainer(strategy="rec", callbacks=[made], **kw).fit(_OwnModule(), data)
+    L.Trainer(callbacks=[made], **kw).fit(_OwnModule(), data)  # the way out trains
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_says_the_fused_tables_are_not_clipped(tmp_path, algorithm):
+    """Trainer(gradient_clip_val=...) clipped the dense layers only, by the dense layers' norm, without a word: the
+    fused rows had moved inside backward, from unclipped gradients (the user's own module and the library's)."""
+    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
+              gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    norm = ", and the norm clipped is the dense layers' alone" if algorithm == "norm" else ""
+    said = (rf"gradient_clip_val=0.5 clips the dense layers' gradients only: the fused tables \(%s\) update inside "
+            rf"backward, before Lightning clips, from unclipped gradients{norm}\. The fused update clips nothing")
+    with pytest.warns(UserWarning, match=said % "ebc"):
+        L.Trainer(strategy="rec", **kw).fit(_OwnModule(), data)
+    with pytest.warns(UserWarning, match=said % r"model\.sparse_arch\.embedding_bag_collection"):
+        L.Trainer(**kw).fit(DLRMModule(**SMALL, sparse_feature_names=["C1"]), data)
+
+
+class _HalfTableModule(_OwnModule):
+    """FP16 tables (the README's half-size tables) with row-wise Adagrad."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning_rec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=64, embedding_dim=4,
+                                                              feature_names=["C1"], data_type=DataType.FP16)],
+                                          optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fp16_tables_replicated_by_the_plan_train_as_unsharded(tmp_path, precision):
+    """The planner replicates small tables (data_parallel). An FP16 replica ran row-wise Adagrad in float16: a
+    batch's mean squared gradient and eps=1e-8 rounded to 0, the row stepped by g / 0, and the loss was NaN within
+    the first epoch (at 1 rank; unsharded it trained). Under bf16-mixed the replica's lookup failed instead, "Unexpected
+    floating ScalarType in at::autocast::prioritize" (torch.cat of float16 outputs under CPU autocast)."""
+    from lightning_rec.model_parallel import construct_module_sharding_plan, data_parallel
+    from lightning_rec.types import ShardingPlan
+
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
+              precision=precision)
+    trained = {}
+    for name in ("unsharded", "replicated"):
+        L.seed_everything(0)
+        module = _HalfTableModule()
+        strategy = "auto"
+        if name == "replicated":
+            plan = ShardingPlan({"ebc": construct_module_sharding_plan(module.ebc, {"t": data_parallel()},
+                                                                       world_size=1)})
+            strategy = RecStrategy(plan=plan)
+        L.Trainer(strategy=strategy, **kw).fit(module, data)
+        trained[name] = {k: v.float() for k, v in module.state_dict().items()}
+    for key, weight in trained["unsharded"].items():
+        assert torch.isfinite(trained["replicated"][key]).all(), key
+        # float16 tables: the two round their rows apart by an ulp or two (2.4e-4 at 0.25..0.5)
+        torch.testing.assert_close(trained["replicated"][key], weight, atol=2e-3, rtol=0, msg=key)

@@ -200,7 +200,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         dense = DENSE_OPTIMIZERS[hp.dense_optimizer](
             dense_parameters(self.model), lr=hp.dense_lr, weight_decay=hp.dense_weight_decay
         )
-        optimizer = combined_optimizer(self.model, dense)
+        optimizer = self.fused_rate_from_hparams(combined_optimizer(self.model, dense))
         if hp.warmup_steps <= 0:
             return optimizer
         warmup = torch.optim.lr_scheduler.LambdaLR(

@@ -21,39 +21,31 @@ def fused_table_modules(module: torch.nn.Module) -> list[str]:
     return unsharded or [name for name, _ in fused_modules(module)]
 
 
-def warn_fused_accumulation(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
-    """accumulate_grad_batches > 1 with fused tables: say that only the dense layers accumulate.
+def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
+    """accumulate_grad_batches > 1 or gradient_clip_val with fused tables: say that it reaches the dense layers only.
 
     fused: fused_table_modules(module), when the caller has it already."""
     accumulate = trainer.accumulate_grad_batches
-    if accumulate <= 1:
+    clip = trainer.gradient_clip_val
+    if accumulate <= 1 and not clip:
         return
     if fused is None:
         fused = fused_table_modules(module)
-    if fused:
+    if fused and clip:
+        # Lightning clips between backward and the optimizer step; the fused rows moved inside backward
+        by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"
+        norm = ", and the norm clipped is the dense layers' alone" if by_norm else ""
+        warnings.warn(
+            f"gradient_clip_val={clip} clips the dense layers' gradients only: the fused tables ({fused[0]}) update "
+            f"inside backward, before Lightning clips, from unclipped gradients{norm}. The fused update clips "
+            f"nothing: to bound the tables' steps, lower their learning rate",
+            stacklevel=1)
+    if fused and accumulate > 1:
         warnings.warn(
             f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
             f"({fused[0]}) update inside every batch's backward, {accumulate}x as often as the dense layers, each "
             f"time from that batch's loss divided by {accumulate} (Lightning's scaling for accumulation). To give "
             f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
-
-
-def warn_fused_clipping(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
-    """gradient_clip_val with fused tables: say that only the dense layers' gradients are clipped.
-
-    The fused tables update inside backward, before Lightning clips: their rows move by the unclipped gradient,
-    and a norm clip measures the dense gradients alone."""
-    clip = trainer.gradient_clip_val
-    if not clip:
-        return
-    if fused is None:
-        fused = fused_table_modules(module)
-    if fused:
-        warnings.warn(
-            f"gradient_clip_val={clip} clips the dense layers' gradients only: the fused tables ({fused[0]}) update "
-            f"inside backward, before clipping, from their unclipped gradients (and a norm clip measures the dense "
-            f"gradients alone). Lower the tables' learning rate, or use rowwise_adagrad / adam, whose steps are "
-            f"bounded by their own scaling", stacklevel=1)
 
 
 class RecModuleHooks:
@@ -85,8 +77,7 @@ class RecModuleHooks:
             return
 
         fused = fused_table_modules(self)
-        warn_fused_accumulation(self, trainer, fused)
-        warn_fused_clipping(self, trainer, fused)
+        warn_fused_dense_only(self, trainer, fused)
         if fused and trainer.world_size > 1 and not isinstance(trainer.strategy, RecStrategy):
             # evaluation may replicate the tables (every rank holds the same weights); training may not
             raise ValueError(
@@ -101,6 +92,15 @@ class RecModuleHooks:
         if embedding_device not in ("cpu", "meta"):
             raise ValueError(f"{owner}(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
                              f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
+
+    def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The fused tables start at hparams.sparse_lr, read when the optimizer is built, as the dense layers' rate
+        is: the tables' configs keep the value given to __init__, so a rate written later (Tuner.lr_find(...,
+        attr_name="sparse_lr") writes its suggestion there) was reported as set and never used."""
+        fused = dict(getattr(optimizer, "optimizers", [])).get("fused")
+        for group in fused.param_groups if fused is not None else []:
+            group["lr"] = float(self.hparams.sparse_lr)
+        return optimizer
 
     def log_train_loss(self, loss, batch_size: int) -> None:
         """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync.

@@ -388,7 +388,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         params = dense_parameters(model)
         dense = (DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
                  if params else None)
-        return combined_optimizer(model, dense)
+        return self.fused_rate_from_hparams(combined_optimizer(model, dense))
 
 
 def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | np.ndarray | None:

@@ -11,6 +11,10 @@ only with a zero gradient (a per-id weight of 0) is decayed there and not here.
     sgd              w -= lr * (g + wd * w)
     adagrad          s += g^2;               w -= lr * g / (sqrt(s) + eps)
     rowwise_adagrad  s_row += mean_d(g^2);   w -= lr * g / (sqrt(s_row) + eps)
+
+The rule runs in float32 with float32 state for every table data_type, as in the fused kernels: for an FP16
+table the squared gradients of a batch (g < 2.4e-4) and eps=1e-8 round to 0 in float16, so a touched row
+stepped by g / 0 and the replica turned to inf, then NaN, in the first steps.
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ def check_replica_optimizer(config: FusedOptimizerConfig, table: str) -> None:
 def new_state(config: FusedOptimizerConfig, weight_RD: Tensor) -> dict[str, Tensor]:
     opt = EmbOptimType(config.optimizer)
     if opt == EmbOptimType.ADAGRAD:
-        return {"sum": torch.zeros_like(weight_RD)}
+        return {"sum": torch.zeros_like(weight_RD, dtype=torch.float32)}
     if opt == EmbOptimType.ROWWISE_ADAGRAD:
-        return {"sum": weight_RD.new_zeros(weight_RD.shape[0])}
+        return {"sum": weight_RD.new_zeros(weight_RD.shape[0], dtype=torch.float32)}
     return {}
 
 
@@ -46,8 +50,8 @@ def apply_update(weight_RD: Tensor, grad_RD: Tensor, state: dict[str, Tensor], c
     rows_U = (grad_RD != 0).any(dim=1).nonzero().squeeze(1)
     if rows_U.numel() == 0:
         return
-    w_UD = weight_RD.index_select(0, rows_U)
-    g_UD = grad_RD.index_select(0, rows_U)
+    w_UD = weight_RD.index_select(0, rows_U).float()
+    g_UD = grad_RD.index_select(0, rows_U).float()
     if config.weight_decay:
         g_UD = g_UD + config.weight_decay * w_UD
     opt = EmbOptimType(config.optimizer)
@@ -61,4 +65,4 @@ def apply_update(weight_RD: Tensor, grad_RD: Tensor, state: dict[str, Tensor], c
         s_U = state["sum"].index_select(0, rows_U) + (g_UD * g_UD).mean(dim=1)
         state["sum"].index_copy_(0, rows_U, s_U)
         step_UD = g_UD / (s_U.sqrt() + config.eps).unsqueeze(1)
-    weight_RD.index_copy_(0, rows_U, w_UD - lr * step_UD)
+    weight_RD.index_copy_(0, rows_U, (w_UD - lr * step_UD).to(weight_RD.dtype))
