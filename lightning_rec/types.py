@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 
 class ShardingType(str, Enum):
     DATA_PARALLEL = "data_parallel"  # every rank holds the whole table; gradients all-reduced
@@ -72,6 +74,10 @@ class ParameterSharding:
 class EmbeddingModuleShardingPlan(dict):
     """table name -> ParameterSharding, for one embedding collection."""
 
+    def __reduce__(self):
+        # rebuilt from a plain dict: torch.load(weights_only=True) fills only plain dicts item by item
+        return type(self), (dict(self),)
+
     def __str__(self) -> str:
         width = max((len(k) for k in self), default=0)
         return "\n".join(f"  {name:<{width}}  {ps}" for name, ps in self.items())
@@ -92,3 +98,11 @@ class ShardingPlan:
             lines.append(f"{path or '<root>'}:")
             lines.append(str(module_plan))
         return "\n".join(lines)
+
+
+# Plans are plain data: torch.save(plan, f) then torch.load(f) (weights_only=True, torch's default since
+# 2.6) reads them back once this module is imported (any plan name, e.g. `from lightning_rec import
+# ShardingPlan`), without weights_only=False, which would let the file run arbitrary code.
+torch.serialization.add_safe_globals(
+    [ShardingType, ComputeKernel, ShardMetadata, ParameterSharding, EmbeddingModuleShardingPlan, ShardingPlan]
+)

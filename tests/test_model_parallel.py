@@ -15,6 +15,7 @@ shard at 4 ranks), batch sizes 3 + rank, and one feature with no ids at all on r
 
 from __future__ import annotations
 
+import io
 import os
 import time
 
@@ -366,6 +367,21 @@ def test_hand_written_plans_that_cannot_be_built_are_refused_by_the_checks_every
     part = [ShardMetadata((0, 0), (2, DIMS["t2"]), 0)]
     check("t2", ParameterSharding(ShardingType.DATA_PARALLEL, ranks=[0, 1], shards=part), "'t2'", "rows 0:2",
           "data_parallel()")
+
+
+def test_a_saved_plan_and_sharded_state_load_with_torch_loads_default_weights_only():
+    """torch.save(plan, f); torch.load(f) failed under torch >= 2.6 (weights_only=True by default): 'Unsupported
+    global: lightning_rec.types.ShardingPlan', and the module plan (a dict subclass) 'Can only SETITEMS for dict'."""
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=2)})
+    table = ShardedTensor(global_shape=(4, 2), local_shards=[(ShardMetadata((0, 0), (4, 2), 0), torch.ones(4, 2))])
+    buf = io.BytesIO()
+    torch.save({"plan": plan, "table": table}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert back["plan"] == plan and type(back["plan"].plan["ebc"]) is type(plan.plan["ebc"])
+    assert str(back["plan"]) == str(plan) and torch.equal(back["table"].full(), table.full())
 
 
 def test_plan_that_is_not_a_sharding_plan_is_named():
