@@ -396,8 +396,8 @@ def test_plans_that_build_but_are_mislabelled_are_refused_by_the_checks_every_ra
 
 def _fused_refusal_worker(rank, W):
     # built on meta, so that the unsharded collection (which would refuse on every rank) builds no kernel
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=t, num_embeddings=10, embedding_dim=16, feature_names=[t])
-                                  for t in ("t0", "t1")], optimizer=FusedOptimizerConfig("partial_rowwise_adam", lr=0.1),
+    tables = [EmbeddingBagConfig(name=t, num_embeddings=10, embedding_dim=16, feature_names=[t]) for t in ("t0", "t1")]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("partial_rowwise_adam", lr=0.1),
                                  kernel="fbgemm", device=torch.device("meta"))
     plan = ShardingPlan({"": construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=0)},
                                                             world_size=W)})
@@ -415,8 +415,8 @@ def test_a_kernel_refusal_on_the_ranks_holding_tables_is_raised_on_every_rank():
 def test_partial_rowwise_adam_blocks_fbgemm_pads_are_refused_for_every_rank():
     """On GPU, FusedKernel refused a partial_rowwise_adam column block of a width fbgemm pads only on the rank
     holding it. validate_module_plan (metadata only: no GPU needed) refuses it on every rank."""
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=16, feature_names=["f"])],
-                                 optimizer=FusedOptimizerConfig("partial_rowwise_adam", lr=0.1),
+    table = EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=16, feature_names=["f"])
+    ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("partial_rowwise_adam", lr=0.1),
                                  device=torch.device("meta"))
     cuda = torch.device("cuda")
     odd = construct_module_sharding_plan(ebc, {"t0": column_wise(ranks=[0, 1, 1], size_per_rank=[8, 6, 2])},
