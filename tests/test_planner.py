@@ -563,12 +563,18 @@ def test_constraints_take_torchrecs_fields_in_its_order_and_refuse_what_would_ch
     assert same.cache_load_factor == 0.3 and same.enforce_hbm is False
     tables = [EmbeddingBagConfig(name="s0", num_embeddings=100, embedding_dim=8, feature_names=["a", "b"])]
     EmbeddingShardingPlanner(cpu(), {"s0": same}, batch_size=64, print_stats=False).plan(tables)
+    with pytest.raises(ValueError, match=r"'s0'.*feature_names=\['b', 'a'\].*\['a', 'b'\]"):
+        EmbeddingShardingPlanner(cpu(), {"s0": ParameterConstraints(feature_names=["b", "a"])}).plan(tables)
+    in_order = {"s0": ParameterConstraints(feature_names=["a", "b"])}
+    EmbeddingShardingPlanner(cpu(), in_order, print_stats=False).plan(tables)
     with pytest.raises(ValueError, match=r"'s0'.*batch_sizes=\[64, 32\].*batch_size=64"):
         EmbeddingShardingPlanner(cpu(), {"s0": ParameterConstraints(batch_sizes=[64, 32])}, batch_size=64).plan(tables)
     for kwargs, words in [(dict(num_poolings=[2.0]), "one pooled embedding per feature"),
                           (dict(stochastic_rounding=False), "stochastic_rounding=False is not a setting"),
                           (dict(bounds_check_mode="NONE"), "ids are always checked"),
                           (dict(cache_params={"load_factor": 0.2, "algorithm": "LFU"}), "cache_params sets algorithm"),
-                          (dict(pooling_factors=[1, 2], batch_sizes=[8, 8, 8]), "give one per feature")]:
+                          (dict(pooling_factors=[1, 2], batch_sizes=[8, 8, 8]), "give one per feature"),
+                          (dict(output_dtype="FP16"), "output_dtype='FP16' is not a setting"),
+                          (dict(key_value_params={}), "SSD")]:
         with pytest.raises(ValueError, match=words):
             ParameterConstraints(**kwargs)

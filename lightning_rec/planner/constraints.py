@@ -47,9 +47,10 @@ class ParameterConstraints:
       (TorchRec's `cache_params=CacheParams(load_factor=...)`, which is accepted too).
 
     The fields come in TorchRec's order, so a ported positional call means the same. TorchRec's
-    `num_poolings`, `batch_sizes`, `stochastic_rounding` and `bounds_check_mode` are accepted where
-    they mean what this planner does anyway (one pooling per sample, the planner's batch size) and
-    refused by name otherwise: a setting that would change the plan is never dropped silently.
+    `num_poolings`, `batch_sizes`, `feature_names`, `stochastic_rounding`, `bounds_check_mode`, ... are
+    accepted where they mean what this planner does anyway (one pooling per sample, the planner's
+    batch size, the table's features) and refused by name otherwise: a setting that would change
+    the plan is never dropped silently.
     """
 
     sharding_types: list[ShardingType | str] | None = None
@@ -63,6 +64,10 @@ class ParameterConstraints:
     enforce_hbm: bool | None = False
     stochastic_rounding: bool | None = None
     bounds_check_mode: object | None = None
+    feature_names: list[str] | None = None
+    output_dtype: object | None = None
+    device_group: str | None = None
+    key_value_params: object | None = None
     cache_load_factor: float | None = None
 
     def __post_init__(self) -> None:
@@ -128,11 +133,29 @@ class ParameterConstraints:
                 f"ParameterConstraints stochastic_rounding={self.stochastic_rounding} is not a setting here: "
                 f"float16 tables round as the kernel does (fbgemm: stochastically, its default); leave it out"
             )
+        refused = {
+            "output_dtype": "embeddings come out in the table's data_type (EmbeddingBagConfig(data_type=...))",
+            "device_group": "one kind of device per plan: Topology(compute_device=...)",
+            "key_value_params": "SSD / parameter-server tables are not supported; tables live in device or host memory",
+        }
+        for name, instead in refused.items():
+            if getattr(self, name) is not None:
+                value = getattr(self, name)
+                raise ValueError(f"ParameterConstraints {name}={value!r} is not a setting here: {instead}; leave it out")
         if self.bounds_check_mode is not None:
             raise ValueError(
                 f"ParameterConstraints bounds_check_mode={self.bounds_check_mode} is not a setting here: ids "
                 f"are always checked (on CPU before the lookup, naming the feature and table; on GPU by "
                 f"fbgemm's counter, raised with the names a few steps later); leave it out"
+            )
+
+    def check_features(self, table: str, features: list[str]) -> None:
+        """TorchRec's feature_names say which features the pooling factors are for: here, the table's own."""
+        if self.feature_names is not None and list(self.feature_names) != list(features):
+            raise ValueError(
+                f"table '{table}': ParameterConstraints feature_names={list(self.feature_names)}, but the table's "
+                f"features are {list(features)}: pooling_factors follow the table's features in that order; list "
+                f"them so (or leave feature_names out)"
             )
 
     def check_batch_size(self, table: str, batch_size: int) -> None:

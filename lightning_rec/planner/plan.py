@@ -238,6 +238,7 @@ class EmbeddingShardingPlanner:
                 c.validate_for(name)
                 c.check_batch_size(name, self._cost_args[0])
                 features = list(getattr(cfg, "feature_names", None) or [name])
+                c.check_features(name, features)
                 pfs = c.pooling_factors
                 if len(pfs) == 1:
                     pfs = pfs * len(features)
