@@ -139,9 +139,10 @@ class ParameterConstraints:
             "key_value_params": "SSD / parameter-server tables are not supported; tables live in device or host memory",
         }
         for name, instead in refused.items():
-            if getattr(self, name) is not None:
-                value = getattr(self, name)
-                raise ValueError(f"ParameterConstraints {name}={value!r} is not a setting here: {instead}; leave it out")
+            value = getattr(self, name)
+            if value is not None:
+                raise ValueError(f"ParameterConstraints {name}={value!r} is not a setting here: {instead}; "
+                                 f"leave it out")
         if self.bounds_check_mode is not None:
             raise ValueError(
                 f"ParameterConstraints bounds_check_mode={self.bounds_check_mode} is not a setting here: ids "
