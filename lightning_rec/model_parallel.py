@@ -51,7 +51,8 @@ from torch import nn
 
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
-from lightning_rec.optim import FusedOptimizer
+from lightning_rec.lookup import choose_kernel, pad_multiple
+from lightning_rec.optim import EmbOptimType, FusedOptimizer
 from lightning_rec.planner.fits import check_plan_fits
 from lightning_rec.sharded_embedding import (
     SEQUENCE_SHARDING_TYPES,
@@ -257,12 +258,80 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
                 raise ValueError(f"table '{name}' is planned data_parallel (a whole copy on every rank) but lists "
                                  f"shards that are not the whole {c.num_embeddings} x {c.embedding_dim} table: "
                                  f"{partial}; use data_parallel() (no shards), or a sharding type that splits it")
+            _check_ranks(name, st, ps, world_size)
             continue
         if not ps.shards:
             raise ValueError(f"table '{name}' is planned {st} but its ParameterSharding lists no shards: build it "
                              f"with construct_module_sharding_plan and a verb such as {st}(...)")
         # Column blocks of any width work: fbgemm's kernels pad dims to multiples of 4 inside (lookup.py).
         _check_tiling(name, c.num_embeddings, c.embedding_dim, ps)
+        _check_label(name, st, c.num_embeddings, ps)
+        _check_ranks(name, st, ps, world_size)
+    _check_fused_kernels(module, configs, table_plans, device)
+
+
+def _check_fused_kernels(module: nn.Module, configs: Mapping[str, Any], table_plans: Mapping[str, ParameterSharding],
+                         device: torch.device | None) -> None:
+    """The fused kernels' refusals, for every shard on every rank. Raised while a rank builds its kernels, they
+    failed only on the ranks holding such a shard, and the others waited in the next collective until the
+    timeout: fbgemm's CPU kernel without the optimizer (kernel='fbgemm'), and partial_rowwise_adam on column
+    blocks whose width fbgemm pads (GPU)."""
+    optimizer = getattr(module, "_optimizer", None)
+    sharded = [t for t, ps in table_plans.items()
+               if ShardingType(str(ps.sharding_type)) != ShardingType.DATA_PARALLEL]  # replicas: a dense kernel
+    if optimizer is None or device is None or not sharded:
+        return
+    kernel = getattr(module, "_kernel", "auto")
+    for pooling in dict.fromkeys(configs[t].pooling_name() for t in sharded):
+        choose_kernel(kernel, optimizer, device, pooling)  # raises as FusedKernel would, on every rank
+    on_fbgemm = kernel == "fbgemm" or device.type != "cpu"  # as FusedKernel decides
+    if not on_fbgemm or EmbOptimType(optimizer.optimizer) != EmbOptimType.PARTIAL_ROWWISE_ADAM:
+        return
+    multiple = pad_multiple("fbgemm")
+    odd = {}
+    for name in sharded:
+        widths = sorted({s.shard_sizes[1] for s in table_plans[name].shards if s.shard_sizes[1] % multiple})
+        if widths:
+            odd[name] = widths
+    if odd:
+        raise ValueError(f"table(s) {odd} (name: column widths) are planned in blocks that fbgemm's {device.type} "
+                         f"kernel cannot take with partial_rowwise_adam (padding would change its per-row moment): "
+                         f"plan column blocks whose widths are multiples of {multiple} "
+                         f"(column_wise(size_per_rank=...)), or use the adam / rowwise_adagrad optimizer")
+
+
+def _check_ranks(name: str, st: ShardingType, ps: ParameterSharding, world_size: int) -> None:
+    placements = sorted({s.placement for s in ps.shards}) if ps.shards else list(range(world_size))
+    if ps.ranks and sorted(set(ps.ranks)) != placements:
+        # routing reads only the shards: ranks that disagree would only make the printed plan lie
+        raise ValueError(f"table '{name}' is planned {st} on ranks {list(ps.ranks)} but its shards sit on ranks "
+                         f"{placements}: make ranks the shards' placements (construct_module_sharding_plan does), "
+                         f"or leave ranks empty")
+
+
+# what each sharding type's shards look like, beyond tiling the table: a plan that builds but is labelled
+# with another type prints (and prices) one layout while the ranks hold another
+_ONE_COLUMN_BLOCK = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+_WHOLE_ROWS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+def _check_label(name: str, st: ShardingType, rows: int, ps: ParameterSharding) -> None:
+    shards = [str(s) for s in ps.shards]
+    if st == ShardingType.TABLE_WISE and len(ps.shards) != 1:
+        why = "one shard, the whole table on one rank"
+    elif st in _ONE_COLUMN_BLOCK and len({s.shard_offsets[1] for s in ps.shards}) != 1:
+        why = "row shards of the full width"
+    elif st in _WHOLE_ROWS and any(s.shard_sizes[0] != rows for s in ps.shards):
+        why = f"column blocks of all {rows} rows"
+    else:
+        return
+    fits = {1: "table_wise", 0: "grid_shard"}
+    if len({s.shard_offsets[1] for s in ps.shards}) == 1:
+        fits[0] = "row_wise"
+    elif all(s.shard_sizes[0] == rows for s in ps.shards):
+        fits[0] = "column_wise"
+    raise ValueError(f"table '{name}' is labelled {st}, which is {why}, but its shards are {shards}: label it "
+                     f"{fits[1] if len(ps.shards) == 1 else fits[0]}, or fix the shards (the plan verbs build both)")
 
 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:

@@ -251,10 +251,20 @@ class SharedMemoryGroup:
                           in_splits: list[int] | None = None, tag: str = "all_to_all_single") -> None:
         """As dist.all_to_all_single (splits in rows of dim 0; None: equal), synchronous."""
         W = self.world_size
-        in_splits = in_splits if in_splits is not None else [inp.shape[0] // W] * W
-        out_splits = out_splits if out_splits is not None else [out.shape[0] // W] * W
         in_row = math.prod(inp.shape[1:]) * inp.element_size()
         out_row = math.prod(out.shape[1:]) * out.element_size()
+        in_splits = in_splits if in_splits is not None else [inp.shape[0] // W] * W
+        out_splits = out_splits if out_splits is not None else [out.shape[0] // W] * W
+        # as torch.distributed checks: splits that do not add up to the tensor's rows left rows of `out`
+        # unwritten (whatever memory held), silently, or failed in a copy with a message about tensor sizes
+        for what, t, splits in (("in", inp, in_splits), ("out", out, out_splits)):
+            if len(splits) != W or sum(splits) != t.shape[0]:
+                raise ValueError(f"shared-memory all_to_all_single on rank {self.rank}: {what}_splits {list(splits)} "
+                                 f"must be {W} row counts (one per rank) adding up to the {what} tensor's "
+                                 f"{t.shape[0]} rows")
+        if in_row != out_row:
+            raise ValueError(f"shared-memory all_to_all_single on rank {self.rank}: an input row is {in_row} bytes, "
+                             f"an output row {out_row}: give inp and out the same dtype and row shape")
         src = _bytes(inp.contiguous())
         if self.disabled:
             return self._fallback_a2a(out, inp, out_splits, in_splits)
@@ -279,6 +289,9 @@ class SharedMemoryGroup:
             n = out_splits[p] * out_row
             if p == self.rank:
                 _, lo, hi = send[p]
+                if hi - lo != n:
+                    raise RuntimeError(f"shared-memory all-to-all: rank {p} sends {hi - lo} bytes to itself but "
+                                       f"expects {n}: its in_splits and out_splits disagree on its own rows")
                 dst[at : at + n].copy_(src[lo:hi])
             else:
                 header, base, region = peers[p]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 
 class ShardingType(str, Enum):
     DATA_PARALLEL = "data_parallel"  # every rank holds the whole table; gradients all-reduced
@@ -59,18 +61,69 @@ class ShardMetadata:
 
 @dataclass
 class ParameterSharding:
+    """One table's entry in a plan: how it is split, its kernel, and its shards (with their ranks).
+
+    TorchRec keeps the shards in `sharding_spec` (torch's EnumerableShardingSpec); a ported
+    `ParameterSharding(..., sharding_spec=EnumerableShardingSpec([...]))` is read into `shards` (the
+    placement's rank is kept; the device is the run's). Read them back from `.shards`.
+    """
+
     sharding_type: ShardingType
     compute_kernel: ComputeKernel = ComputeKernel.FUSED
     ranks: list[int] = field(default_factory=list)
     shards: list[ShardMetadata] = field(default_factory=list)
+
+    def __init__(self, sharding_type: ShardingType, compute_kernel: ComputeKernel = ComputeKernel.FUSED,
+                 ranks: list[int] | None = None, shards: list[ShardMetadata] | None = None,
+                 sharding_spec=None) -> None:
+        if sharding_spec is not None:
+            if shards:
+                raise ValueError("ParameterSharding got both shards and sharding_spec: pass one of them")
+            try:
+                shards = [ShardMetadata(tuple(s.shard_offsets), tuple(s.shard_sizes), _placement_rank(s.placement))
+                          for s in sharding_spec.shards]
+            except (AttributeError, TypeError, ValueError):
+                raise ValueError(
+                    f"ParameterSharding(sharding_spec={sharding_spec!r}): pass torch's EnumerableShardingSpec of "
+                    f"ShardMetadata(shard_offsets, shard_sizes, placement='rank:N/...'), or shards=[ShardMetadata"
+                    f"((row, col), (rows, cols), rank), ...]"
+                ) from None
+        self.sharding_type = sharding_type
+        self.compute_kernel = compute_kernel
+        self.ranks = list(ranks) if ranks is not None else []
+        self.shards = list(shards) if shards is not None else []
+
+    @property
+    def sharding_spec(self):
+        # TorchRec's holds torch ShardMetadata with device placements; ours name ranks only (the device is the run's)
+        raise AttributeError(
+            "ParameterSharding has no sharding_spec here: its shards are in .shards (ShardMetadata with "
+            "shard_offsets, shard_sizes and placement, the owning rank), and .ranks lists the ranks"
+        )
 
     def __str__(self) -> str:
         pieces = "; ".join(str(s) for s in self.shards) if self.shards else f"ranks {self.ranks}"
         return f"{self.sharding_type} ({self.compute_kernel}) -> {pieces}"
 
 
+def _placement_rank(placement) -> int:
+    """A torch ShardMetadata placement ('rank:1/cuda:1', a _remote_device, or a bare rank) -> the rank."""
+    if isinstance(placement, int):
+        return placement
+    if hasattr(placement, "rank") and callable(placement.rank):
+        return int(placement.rank())
+    text = str(placement)
+    if text.startswith("rank:"):
+        return int(text[5:].split("/")[0])
+    raise ValueError(f"placement {placement!r} names no rank")
+
+
 class EmbeddingModuleShardingPlan(dict):
     """table name -> ParameterSharding, for one embedding collection."""
+
+    def __reduce__(self):
+        # rebuilt from a plain dict: torch.load(weights_only=True) fills only plain dicts item by item
+        return type(self), (dict(self),)
 
     def __str__(self) -> str:
         width = max((len(k) for k in self), default=0)
@@ -92,3 +145,11 @@ class ShardingPlan:
             lines.append(f"{path or '<root>'}:")
             lines.append(str(module_plan))
         return "\n".join(lines)
+
+
+# Plans are plain data: torch.save(plan, f) then torch.load(f) (weights_only=True, torch's default since
+# 2.6) reads them back once this module is imported (any plan name, e.g. `from lightning_rec import
+# ShardingPlan`), without weights_only=False, which would let the file run arbitrary code.
+torch.serialization.add_safe_globals(
+    [ShardingType, ComputeKernel, ShardMetadata, ParameterSharding, EmbeddingModuleShardingPlan, ShardingPlan]
+)

@@ -15,6 +15,7 @@ shard at 4 ranks), batch sizes 3 + rank, and one feature with no ids at all on r
 
 from __future__ import annotations
 
+import io
 import os
 import time
 
@@ -366,6 +367,81 @@ def test_hand_written_plans_that_cannot_be_built_are_refused_by_the_checks_every
     part = [ShardMetadata((0, 0), (2, DIMS["t2"]), 0)]
     check("t2", ParameterSharding(ShardingType.DATA_PARALLEL, ranks=[0, 1], shards=part), "'t2'", "rows 0:2",
           "data_parallel()")
+
+
+
+def test_plans_that_build_but_are_mislabelled_are_refused_by_the_checks_every_rank_runs():
+    """A table_wise entry with two row shards, or ranks that disagree with the shards' placements, built and
+    trained (routing reads only the shards) while print(plan) told another story."""
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    good = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": column_wise(ranks=[1, 0, 1]),
+                                                "t2": data_parallel()}, world_size=2)
+    validate_module_plan("ebc", ebc, good, 2, torch.device("cpu"))
+
+    def check(table: str, ps: ParameterSharding, *words: str) -> None:
+        _expect_error(lambda: validate_module_plan("ebc", ebc, {**good, table: ps}, 2, torch.device("cpu")), *words)
+
+    rows, cols = good["t0"].shards, good["t1"].shards
+    check("t0", ParameterSharding(ShardingType.TABLE_WISE, ranks=[0, 1], shards=rows), "'t0'", "labelled table_wise",
+          "label it row_wise")
+    check("t1", ParameterSharding(ShardingType.ROW_WISE, ranks=[0, 1], shards=cols), "'t1'", "labelled row_wise",
+          "label it column_wise")
+    check("t0", ParameterSharding(ShardingType.COLUMN_WISE, ranks=[0, 1], shards=rows), "'t0'", "column blocks of all",
+          "label it row_wise")
+    check("t0", ParameterSharding(ShardingType.ROW_WISE, ranks=[1], shards=rows), "'t0'", "on ranks [1]",
+          "shards sit on ranks [0, 1]")
+    check("t2", ParameterSharding(ShardingType.DATA_PARALLEL, ranks=[0]), "'t2'", "on ranks [0]", "[0, 1]")
+    validate_module_plan("ebc", ebc, {**good, "t0": ParameterSharding(ShardingType.ROW_WISE, shards=rows)}, 2)
+
+
+def _fused_refusal_worker(rank, W):
+    # built on meta, so that the unsharded collection (which would refuse on every rank) builds no kernel
+    tables = [EmbeddingBagConfig(name=t, num_embeddings=10, embedding_dim=16, feature_names=[t]) for t in ("t0", "t1")]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("partial_rowwise_adam", lr=0.1),
+                                 kernel="fbgemm", device=torch.device("meta"))
+    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=0)},
+                                                            world_size=W)})
+    return _expect_error(lambda: DistributedModelParallel(ebc, plan=plan, device="cpu", timeout=30),
+                         "fbgemm's CPU kernel does not implement", "partial_rowwise_adam", "kernel='native'")
+
+
+def test_a_kernel_refusal_on_the_ranks_holding_tables_is_raised_on_every_rank():
+    """kernel='fbgemm' with partial_rowwise_adam on CPU was refused while rank 0 built its kernel; rank 1, which
+    holds no table, returned from DistributedModelParallel and waited in its first collective until the timeout."""
+    messages = run_ranks(_fused_refusal_worker, 2, timeout=90)
+    assert messages[0] == messages[1]
+
+
+def test_partial_rowwise_adam_blocks_fbgemm_pads_are_refused_for_every_rank():
+    """On GPU, FusedKernel refused a partial_rowwise_adam column block of a width fbgemm pads only on the rank
+    holding it. validate_module_plan (metadata only: no GPU needed) refuses it on every rank."""
+    table = EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=16, feature_names=["f"])
+    ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("partial_rowwise_adam", lr=0.1),
+                                 device=torch.device("meta"))
+    cuda = torch.device("cuda")
+    odd = construct_module_sharding_plan(ebc, {"t0": column_wise(ranks=[0, 1, 1], size_per_rank=[8, 6, 2])},
+                                         world_size=2)
+    _expect_error(lambda: validate_module_plan("", ebc, odd, 2, cuda), "'t0': [2, 6]", "partial_rowwise_adam",
+                  "multiples of 4")
+    validate_module_plan("", ebc, odd, 2, torch.device("cpu"))  # the native CPU kernel takes any width
+    even = construct_module_sharding_plan(ebc, {"t0": column_wise(ranks=[0, 1, 1], size_per_rank=[8, 4, 4])},
+                                          world_size=2)
+    validate_module_plan("", ebc, even, 2, cuda)
+
+
+def test_a_saved_plan_and_sharded_state_load_with_torch_loads_default_weights_only():
+    """torch.save(plan, f); torch.load(f) failed under torch >= 2.6 (weights_only=True by default): 'Unsupported
+    global: lightning_rec.types.ShardingPlan', and the module plan (a dict subclass) 'Can only SETITEMS for dict'."""
+    ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=2)})
+    table = ShardedTensor(global_shape=(4, 2), local_shards=[(ShardMetadata((0, 0), (4, 2), 0), torch.ones(4, 2))])
+    buf = io.BytesIO()
+    torch.save({"plan": plan, "table": table}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert back["plan"] == plan and type(back["plan"].plan["ebc"]) is type(plan.plan["ebc"])
+    assert str(back["plan"]) == str(plan) and torch.equal(back["table"].full(), table.full())
 
 
 def test_plan_that_is_not_a_sharding_plan_is_named():

@@ -533,3 +533,48 @@ def test_uvm_caching_puts_its_cache_in_device_memory():
     assert fused[1] == 0 and uvm[1] == small[1] == fused[0] - uvm[0]  # the table moves to host memory
     assert uvm[0] < small[0] < big[0] < fused[0]
     assert fused[2] < big[2] < small[2] < uvm[2]  # lookups through PCIe are slower; a cache helps
+
+
+def test_planner_takes_torchrecs_positional_order_and_refuses_its_components_by_name():
+    """TorchRec's EmbeddingShardingPlanner(topology, batch_size, enumerator, ..., constraints, debug): a ported
+    EmbeddingShardingPlanner(topo, 8192) was TypeError "'int' object is not iterable" (read as constraints), debug=
+    and proposer= plain TypeErrors."""
+    only = {"s0": ParameterConstraints(pooling_factors=3)}
+    p = EmbeddingShardingPlanner(cpu(), 8192, None, None, None, None, None, None, only, False)
+    assert p._cost_args[0] == 8192 and p.constraints == only and p.debug is False
+    p = EmbeddingShardingPlanner(cpu(), only, batch_size=64)  # this planner's own earlier form still works
+    assert p._cost_args[0] == 64 and p.constraints == only
+    assert EmbeddingShardingPlanner(cpu(), debug=True, print_stats=False).debug is True
+    with pytest.raises(ValueError, match=r"proposer=\.\.\.\) is TorchRec's.*max_proposals"):
+        EmbeddingShardingPlanner(cpu(), 64, proposer=object())
+    with pytest.raises(ValueError, match=r"enumerator=.*ParameterConstraints\(sharding_types"):
+        EmbeddingShardingPlanner(cpu(), 64, object())
+    with pytest.raises(ValueError, match="batch_size twice"):
+        EmbeddingShardingPlanner(cpu(), 64, batch_size=32)
+
+
+def test_constraints_take_torchrecs_fields_in_its_order_and_refuse_what_would_change_the_plan():
+    """ParameterConstraints(num_poolings=, batch_sizes=, cache_params=, stochastic_rounding=, bounds_check_mode=) were
+    plain TypeErrors, and a positional ParameterConstraints(types, kernels, 16) set pooling_factors, where TorchRec
+    sets min_partition."""
+    assert ParameterConstraints(["table_wise"], ["fused"], 16).min_partition == 16
+    same = ParameterConstraints(num_poolings=[1.0, 1.0], batch_sizes=[64, 64], enforce_hbm=None, pooling_factors=[2, 3],
+                                cache_params={"load_factor": 0.3})
+    assert same.cache_load_factor == 0.3 and same.enforce_hbm is False
+    tables = [EmbeddingBagConfig(name="s0", num_embeddings=100, embedding_dim=8, feature_names=["a", "b"])]
+    EmbeddingShardingPlanner(cpu(), {"s0": same}, batch_size=64, print_stats=False).plan(tables)
+    with pytest.raises(ValueError, match=r"'s0'.*feature_names=\['b', 'a'\].*\['a', 'b'\]"):
+        EmbeddingShardingPlanner(cpu(), {"s0": ParameterConstraints(feature_names=["b", "a"])}).plan(tables)
+    in_order = {"s0": ParameterConstraints(feature_names=["a", "b"])}
+    EmbeddingShardingPlanner(cpu(), in_order, print_stats=False).plan(tables)
+    with pytest.raises(ValueError, match=r"'s0'.*batch_sizes=\[64, 32\].*batch_size=64"):
+        EmbeddingShardingPlanner(cpu(), {"s0": ParameterConstraints(batch_sizes=[64, 32])}, batch_size=64).plan(tables)
+    for kwargs, words in [(dict(num_poolings=[2.0]), "one pooled embedding per feature"),
+                          (dict(stochastic_rounding=False), "stochastic_rounding=False is not a setting"),
+                          (dict(bounds_check_mode="NONE"), "ids are always checked"),
+                          (dict(cache_params={"load_factor": 0.2, "algorithm": "LFU"}), "cache_params sets algorithm"),
+                          (dict(pooling_factors=[1, 2], batch_sizes=[8, 8, 8]), "give one per feature"),
+                          (dict(output_dtype="FP16"), "output_dtype='FP16' is not a setting"),
+                          (dict(key_value_params={}), "SSD")]:
+        with pytest.raises(ValueError, match=words):
+            ParameterConstraints(**kwargs)

@@ -155,6 +155,27 @@ def test_all_to_all_single_into_non_contiguous_out_is_filled_by_position():
     run_ranks(_non_contiguous_out_worker, 2, timeout=30)
 
 
+def _bad_splits_worker(rank, W):
+    group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
+    out = torch.full((4, 2), 7.0)
+    cases = [(out, torch.ones(2, 2), [2], [2], "out_splits [2] must be 1 row counts", "the out tensor's 4 rows"),
+             (out[:2], torch.ones(3, 2), [2], [2], "in_splits [2]", "the in tensor's 3 rows"),
+             (out[:2], torch.ones(2, 2), [2], [1, 1], "in_splits [1, 1] must be 1 row counts", "")]
+    for o, inp, out_splits, in_splits, *words in cases:
+        expect_error(ValueError, lambda o=o, i=inp, a=out_splits, b=in_splits: group.all_to_all_single(o, i, a, b),
+                     *words)
+    expect_error(ValueError, lambda: group.all_to_all_single(torch.empty(2, 2), torch.ones(2, 2, dtype=torch.int8)),
+                 "an input row is 2 bytes, an output row 8")
+    return int(out.eq(7.0).sum())
+
+
+def test_all_to_all_single_refuses_splits_that_do_not_add_up_as_gloo_does():
+    """gloo: 'Split sizes doesn't match total dim 0 size'. Here, out_splits adding up to fewer rows than out has left
+    the other rows as they were (garbage, silently), and in/out splits disagreeing on a rank's own rows failed in a
+    copy with 'The size of tensor a (8) must match the size of tensor b (16)'."""
+    assert run_ranks(_bad_splits_worker, 1, timeout=30) == [8]
+
+
 # 2. all_reduce_sum_ == gloo (allclose), bitwise the same on every rank ----------------------------
 
 AR_CASES = [

@@ -9,6 +9,7 @@ TrainPipelineSparseDist. What differs from TorchRec on purpose is in the README 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
@@ -320,3 +321,21 @@ def test_dlrm_golden_training_on_two_ranks_trains_as_plain_pytorch():
         assert len(losses) == 3
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), atol=1e-6, rtol=0)
         assert error < 1e-6
+
+
+def test_parameter_sharding_takes_torchrecs_sharding_spec_and_names_shards_when_read():
+    """ParameterSharding(..., sharding_spec=EnumerableShardingSpec([...])), TorchRec's form of a hand-written entry,
+    was TypeError 'unexpected keyword argument'; reading ps.sharding_spec was a bare AttributeError."""
+    from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    from lightning_rec.types import ParameterSharding, ShardMetadata
+
+    spec = EnumerableShardingSpec([TorchShardMetadata([0, 0], [5, 4], "rank:0/cuda:0"),
+                                   TorchShardMetadata([5, 0], [5, 4], "rank:1/cuda:1")])
+    ps = ParameterSharding("row_wise", "fused", [0, 1], sharding_spec=spec)
+    assert ps.shards == [ShardMetadata((0, 0), (5, 4), 0), ShardMetadata((5, 0), (5, 4), 1)]
+    with pytest.raises(AttributeError, match=r"shards are in \.shards"):
+        ps.sharding_spec  # noqa: B018
+    with pytest.raises(ValueError, match="both shards and sharding_spec"):
+        ParameterSharding("row_wise", shards=ps.shards, sharding_spec=spec)

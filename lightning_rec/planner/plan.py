@@ -16,6 +16,7 @@ Everything is ordered by numbers and table/rank indexes, so the same inputs give
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping
 
@@ -86,6 +87,25 @@ def find_tables(module) -> list[tuple[str, list, bool | None]]:
     )
 
 
+# TorchRec's EmbeddingShardingPlanner positional order after the topology
+_TORCHREC_POSITIONAL = ("batch_size", "enumerator", "storage_reservation", "proposer", "partitioner",
+                        "performance_model", "stats", "constraints", "debug", "callbacks", "timeout_seconds")
+# what each of TorchRec's pluggable components was for, and the knob that does it here
+_TORCHREC_COMPONENTS = {
+    "enumerator": "options come from constraints={table: ParameterConstraints(sharding_types=..., "
+                  "compute_kernels=...)}",
+    "storage_reservation": "reserve memory with reserved_fraction=... (TorchRec's "
+                           "HeuristicalStorageReservation(percentage=...))",
+    "proposer": "the greedy, uniform and grid-search proposers all run; bound the search with max_proposals=... "
+                "and grid_search_limit=...",
+    "partitioner": "the built-in partitioner balances the estimated time per rank",
+    "performance_model": "plans are scored by the slowest rank's estimated time",
+    "stats": "the plan's statistics print when print_stats=True and are in planner.stats",
+    "callbacks": "edit the returned ShardingPlan instead; every rank checks it again",
+    "timeout_seconds": "bound the search with max_proposals=... and grid_search_limit=...",
+}
+
+
 class EmbeddingShardingPlanner:
     """Decides, for every embedding table, its sharding type, compute kernel and ranks.
 
@@ -93,14 +113,18 @@ class EmbeddingShardingPlanner:
                                        constraints={"t0": ParameterConstraints(pooling_factors=[20])},
                                        batch_size=8192)
     plan = planner.plan(model)          # ShardingPlan; planner.stats holds the PlanStats
+
+    Arguments take TorchRec's positional order (topology, batch_size, ..., constraints, debug);
+    TorchRec's pluggable components (enumerator, proposer, ...) are refused by name with the knob
+    that does their job here.
     """
 
     def __init__(
         self,
         topology: Topology | None = None,
+        *args,
+        batch_size: int | None = None,
         constraints: Mapping[str, ParameterConstraints] | None = None,
-        *,
-        batch_size: int = 512,
         optimizer=None,
         pipelined: bool | int = True,
         reserved_fraction: float = 0.15,
@@ -108,7 +132,55 @@ class EmbeddingShardingPlanner:
         max_proposals: int = 200,
         grid_search_limit: int = 64,
         print_stats: bool = True,
+        debug: bool = True,
+        **torchrec_components,
     ):
+        # Positional arguments after the topology: TorchRec's order (a ported
+        # EmbeddingShardingPlanner(topology, 8192) means batch_size=8192), or this planner's earlier
+        # form EmbeddingShardingPlanner(topology, constraints) (a mapping: nothing else reads as one).
+        if args and isinstance(args[0], Mapping):
+            if len(args) > 1 or constraints is not None:
+                raise ValueError(
+                    "EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
+                    "(batch_size=..., optimizer=...)"
+                )
+            constraints = args[0]
+        else:
+            if len(args) > len(_TORCHREC_POSITIONAL):
+                raise ValueError(
+                    f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
+                    f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}"
+                )
+            given = dict(batch_size=batch_size, constraints=constraints, debug=debug)
+            for name, value in zip(_TORCHREC_POSITIONAL, args):
+                if name in given:
+                    if name != "debug" and given[name] is not None:
+                        raise ValueError(f"EmbeddingShardingPlanner got {name} twice (by position and by keyword)")
+                    given[name] = value
+                else:
+                    torchrec_components[name] = value
+            batch_size, constraints, debug = given["batch_size"], given["constraints"], given["debug"]
+        # TorchRec's pluggable pieces have no slot to plug into here: each is refused with the knob
+        # that does its job (None, TorchRec's default, is fine)
+        for name, value in torchrec_components.items():
+            if name not in _TORCHREC_COMPONENTS:
+                raise TypeError(f"EmbeddingShardingPlanner() got an unexpected keyword argument '{name}'")
+            if value is not None:
+                raise ValueError(
+                    f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
+                    f"slot: {_TORCHREC_COMPONENTS[name]}"
+                )
+        # debug: TorchRec's switch for a more detailed stats log; it changes no plan. The stats here
+        # are the detailed table already, printed per print_stats.
+        self.debug = debug
+        batch_size = 512 if batch_size is None else batch_size  # TorchRec's default BATCH_SIZE
+        try:
+            batch_size = operator.index(batch_size)
+        except TypeError:
+            raise ValueError(
+                f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
+                f"in constraints={{table: ParameterConstraints(...)}}"
+            ) from None
         if batch_size <= 0:
             raise ValueError(f"planner batch_size={batch_size} must be the positive batch size per rank")
         if not 0 <= reserved_fraction < 1:
@@ -164,7 +236,9 @@ class EmbeddingShardingPlanner:
                 names.add(name)
                 c = self.constraints.get(name) or ParameterConstraints()
                 c.validate_for(name)
+                c.check_batch_size(name, self._cost_args[0])
                 features = list(getattr(cfg, "feature_names", None) or [name])
+                c.check_features(name, features)
                 pfs = c.pooling_factors
                 if len(pfs) == 1:
                     pfs = pfs * len(features)

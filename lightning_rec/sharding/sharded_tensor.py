@@ -7,8 +7,8 @@ This is what the sharded collections put in their state dict for every sharded t
 The metadata makes a checkpoint independent of the world size that wrote it: any layout reads
 any rectangle it owns from the pieces that cover it (`read`). Per-rank checkpoints are combined
 with `ShardedTensor.merge([...])`; `full()` assembles the whole table when every piece is there.
-Pure tensor code; pickles with torch.save (load with weights_only=False, or add
-`ShardedTensor` and `ShardMetadata` to torch.serialization's safe globals).
+Pure tensor code; pickles with torch.save and loads with torch.load's default weights_only=True
+(this module registers `ShardedTensor` with torch.serialization's safe globals, types.py the plan classes).
 
 torch.distributed.checkpoint with its default planners cannot hold one: DCP looks up the chunks it
 planned only in real tensors (`find_state_dict_object`), and a non-tensor value it pickles per rank
@@ -92,3 +92,7 @@ class ShardedTensor:
             f"lightning_rec.checkpoint.save({{'state_dict': dmp.state_dict()}}, path, optimizers=[optimizer]), and "
             f"lightning_rec.checkpoint.load_model(dmp, path) / load_optimizer(optimizer, path) to load it (at any "
             f"world size and plan)")
+
+
+# a state dict of sharded tables is tensors and metadata: torch.load's default weights_only=True reads it
+torch.serialization.add_safe_globals([ShardedTensor])
