@@ -8,7 +8,8 @@ A checkpoint is a directory (Lightning's `ModelCheckpoint` names it `epoch=0-ste
                        and its share of the replicated entries (dense layers, dense optimizer:
                        DCP writes each replicated entry once)
       lightning.pt     the rest of Lightning's checkpoint (epoch, loops, callbacks, hparams,
-                       schedulers), with every rank's dataloader state; written last by rank 0
+                       schedulers), with every rank's dataloader state and random number generator
+                       states; written last by rank 0
 
 Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
 
@@ -527,7 +528,8 @@ def _rank_world() -> tuple[int, int]:
 
 
 def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Sequence[torch.optim.Optimizer] = (),
-         loader_state: Any = None, module_class: str | None = None, module: torch.nn.Module | None = None) -> None:
+         loader_state: Any = None, module_class: str | None = None, module: torch.nn.Module | None = None,
+         rng_state: Any = None) -> None:
     """Write a Lightning checkpoint dict as a sharded DCP directory (collective: every rank calls it).
 
     checkpoint: Lightning's dict, whose "state_dict" is this rank's (sharded tables as ShardedTensor);
@@ -536,6 +538,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     module: the model the optimizers train. With FSDP dense layers it lets their optimizer state be
         saved by parameter name (get_optimizer_state_dict), which loads at any world size; without
         it, FSDP's dense optimizer state reloads only at this world size.
+    rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
     """
     _check_save_args(checkpoint, path, optimizers, module)
     path = Path(path)
@@ -550,8 +553,9 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         entries.update(_optimizer_entries(optimizer, i, columns, module))
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
-                             "module_class": module_class, "per_row_columns": columns, "loader_states": None}
-    loader_states = _gather(loader_state)
+                             "module_class": module_class, "per_row_columns": columns, "loader_states": None,
+                             "rng_states": None}
+    loader_states, rng_states = zip(*_gather((loader_state, rng_state)))
     error: BaseException | None = None
     try:
         if rank == 0:
@@ -568,7 +572,8 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
         if rank == 0:
-            meta["lightning_rec"]["loader_states"] = loader_states
+            meta["lightning_rec"]["loader_states"] = list(loader_states)
+            meta["lightning_rec"]["rng_states"] = list(rng_states) if rng_state is not None else None
             with open(partial / (LIGHTNING_FILE + ".tmp"), "wb") as f:
                 torch.save(meta, f)
                 f.flush()
@@ -983,6 +988,42 @@ def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -
         warnings.warn(f"the checkpoint's dataloader state was saved by {len(states)} ranks, this run has "
                       f"{world_size}: each rank's loader starts the interrupted epoch over (the steps already "
                       f"taken in it are not repeated; its batches are)", stacklevel=2)
+        return None
+    return states[rank]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generators: torch's (CPU, and the current CUDA device's once CUDA is in use),
+    numpy's and Python's. Lightning's checkpoints leave them out, so a resumed run drew other dropout masks (or
+    anything else a step draws) than the uninterrupted one."""
+    import random
+
+    import numpy as np
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                             "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:
+    """This rank's generator states from a checkpoint's Lightning dict (either format); None when it has none, or
+    was saved by another number of ranks (whose batches and draws differ anyway)."""
+    states = (meta.get("lightning_rec") or {}).get("rng_states")
+    if not states or len(states) != world_size or states[rank] is None:
         return None
     return states[rank]
 

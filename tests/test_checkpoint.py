@@ -837,6 +837,18 @@ def test_loader_resumes_exactly_where_the_step_was():
     assert all(torch.equal(a, b) for a, b in zip(rest, everything[3:]))
 
 
+def test_a_pass_over_the_loader_leaves_the_global_generator_where_it_was():
+    """torch's iterator draws its workers' seed from the global generator: a run resumed mid-epoch makes one
+    iterator more than the uninterrupted run, so the restored RNG state moved on and every later dropout mask
+    differed."""
+    loader = _loader(128)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    _labels(loader)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_loader_state_of_another_batch_size_warns_and_starts_the_epoch_over():
     import itertools
 

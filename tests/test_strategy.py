@@ -349,6 +349,41 @@ def test_sigkill_at_epoch_boundary_resumes_bitwise(tmp_path):
     _exact_resume(tmp_path, "synthetic", kill_at=19, every=8)  # the step-16 checkpoint ends epoch 1
 
 
+class _DropoutDLRM(DLRMModule):
+    """DLRM with dropout on its logits: every training step draws from the global generator."""
+
+    def forward(self, dense_features, sparse_features):
+        return torch.nn.functional.dropout(super().forward(dense_features, sparse_features), 0.5, self.training)
+
+
+def _dropout_run(rank, world_size, root, max_steps, resume, checkpoint_format):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(0)
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_last=True)
+    trainer = L.Trainer(strategy=RecStrategy(checkpoint_format=checkpoint_format), accelerator="cpu",
+                        devices=world_size, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[checkpoints], limit_val_batches=0)
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)  # 8 steps per epoch at 2 ranks
+    module = _DropoutDLRM(**SMALL)
+    trainer.fit(module, data, ckpt_path="last" if resume else None)
+    return _gather_full(module)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_resume_draws_the_same_dropout_as_the_uninterrupted_run(tmp_path, checkpoint_format):
+    """Lightning's checkpoints hold no RNG state: a resumed run drew other dropout masks. Stopped at step 6
+    (resumed from step 4, mid-epoch), run on past the epoch's end: bitwise equal to 12 steps straight."""
+    whole = run_ranks(_dropout_run, 2, str(tmp_path / "whole"), 12, False, checkpoint_format, timeout=240)[0]
+    root = str(tmp_path / "stopped")
+    run_ranks(_dropout_run, 2, root, 6, False, checkpoint_format, timeout=240)
+    resumed = run_ranks(_dropout_run, 2, root, 12, True, checkpoint_format, timeout=240)[0]
+    assert whole.keys() == resumed.keys()
+    differ = [k for k in whole if not torch.equal(whole[k], resumed[k])]
+    assert not differ, differ
+
+
 needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
 
 

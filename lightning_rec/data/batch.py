@@ -175,7 +175,12 @@ class StatefulBatchLoader(StatefulDataLoader):
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(pass_index)
+        # torch's iterator draws its workers' base seed from the global generator: as a side effect, the global
+        # stream moved once per pass, so a run resumed mid-epoch (one more iterator than the uninterrupted run made)
+        # dropped out other units after restoring the checkpoint's RNG state. The draw is kept, the advance undone.
+        global_rng = torch.get_rng_state()
         base = super().__iter__()
+        torch.set_rng_state(global_rng)
         history: dict[int, tuple[dict, bool]] = {count: (super().state_dict(), False)}
         self._rec_history, self._rec_history_pass = history, pass_index
         while True:
