@@ -744,7 +744,10 @@ def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
     meta = _lightning_meta(path)
     info = meta.get("lightning_rec", {})
     meta["state_dict"] = DCPCheckpoint(path)
-    meta["optimizer_states"] = [DCPCheckpoint(path, i) for i in range(info.get("num_optimizers", 0))]
+    if info.get("num_optimizers", 0) or "lr_schedulers" in meta:
+        meta["optimizer_states"] = [DCPCheckpoint(path, i) for i in range(info.get("num_optimizers", 0))]
+    # else ModelCheckpoint(save_weights_only=True) wrote it: without the entry Lightning's resume says so (with an
+    # empty one it went past the optimizers, fresh, and named the learning-rate schedulers instead)
     return meta
 
 

@@ -673,6 +673,29 @@ def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path, capsys):
     assert "val_auc" in metrics and not said, said
 
 
+def _weights_only_worker(rank, W, root):
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=64, batch_size=64,
+                                     num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64)
+
+    def trainer(**kwargs):
+        return L.Trainer(strategy="rec", accelerator="cpu", devices=W, max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **kwargs)
+
+    saving = ModelCheckpoint(dirpath=root, save_weights_only=True, every_n_train_steps=2)
+    trainer(callbacks=[saving]).fit(DLRMModule(**SMALL), data)
+    return expect_error(KeyError, lambda: trainer().fit(DLRMModule(**SMALL), data, ckpt_path=saving.best_model_path),
+                        "optimizer state", "save_weights_only")
+
+
+def test_resuming_from_a_weights_only_checkpoint_says_it_holds_no_optimizer_state(tmp_path):
+    # the error named the learning-rate schedulers (the DLRM here has none), after restoring no optimizer state
+    run_ranks(_weights_only_worker, 1, str(tmp_path), timeout=120)
+
+
 def _killed_save_worker(rank, W, path, victim=1):
     module = _module()
     dmp = _shard(module, "row_wise", W)
