@@ -905,6 +905,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     post = []
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
+        _check_same_fused_optimizer(path, saved, f"{prefix}fused.", fused)
         targets[f"{prefix}fused.param_groups"] = None
         for key, ((rows, cols), parts) in fused.global_state_pieces().items():
             first = parts[0][1]
@@ -958,6 +959,31 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
                 if k not in ("name", "tables", "optimizer"):
                     group[k] = v
     _load_dense_parts(optimizer, fused_key, rest, prefix, module, path)
+
+
+def _check_same_fused_optimizer(path: Path, saved: Mapping[str, Any], head: str, fused) -> None:
+    """A table whose fused state the checkpoint holds under other names was trained by another sparse optimizer:
+    said as such (the generic "not in the checkpoint: ...exp_avg" told to rebuild the same tables and dims)."""
+    ours: dict[str, set[str]] = {}
+    for key in fused.global_state_pieces():
+        table, name = key.rsplit(".", 1)
+        ours.setdefault(table, set()).add(name)
+    theirs: dict[str, set[str]] = {}
+    for key in saved:
+        if key.startswith(head) and key != f"{head}param_groups":
+            table, _, name = key[len(head):].removesuffix(PER_ROW).rpartition(".")
+            theirs.setdefault(table, set()).add(name)
+    other = sorted(t for t in ours if t in theirs and ours[t] != theirs[t])
+    if not other:
+        return
+    t = other[0]
+    optimizers = sorted({str(g.get("optimizer")) for g in fused.param_groups})
+    raise ValueError(f"checkpoint {path} was trained with another sparse (fused) optimizer: its state for table "
+                     f"'{t}' is {sorted(theirs[t])}, but this model's tables train with {', '.join(optimizers)}, whose "
+                     f"state is {sorted(ours[t])} ({len(other)} table(s) like it). Build the tables with the sparse "
+                     f"optimizer the checkpoint was trained with to resume from it (DLRMModule(sparse_optimizer=...), "
+                     f"FusedOptimizerConfig(...)), or load only its weights: checkpoint.load_model(model, path), or "
+                     f"trainer.validate / test(..., ckpt_path=...)")
 
 
 # Before fused state was named by the model's own paths (optim.fused_modules), an optimizer built on a

@@ -293,6 +293,17 @@ def test_checkpoint_of_other_tables_names_them(tmp_path):
     run_ranks(_other_dims_worker, 2, path, timeout=120)
 
 
+def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path):
+    # it listed the missing 'exp_avg' entries and told to rebuild "the same tables and dims", or pass strict=False
+    path = str(tmp_path / "c.ckpt")
+    module = _module("rowwise_adagrad")
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[module.configure_optimizers()])
+    other = _module("adam")
+    expect_error(ValueError, lambda: ckpt.load_optimizer(other.configure_optimizers(), path),
+                 "another sparse (fused) optimizer", "['sum']", "adam", "sparse_optimizer=", "load_model")
+    ckpt.load_model(other, path)  # its weights still load
+
+
 def _plain_dcp_worker(rank, W, path):
     import torch.distributed.checkpoint as dcp
 
