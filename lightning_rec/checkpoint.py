@@ -771,7 +771,7 @@ def _uncovered(md_entry, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
 
 
 def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict: bool = True,
-                   saved_prefix: str | None = None) -> None:
+                   saved_prefix: str | None = None, written_by: str | None = None) -> None:
     """Names every entry the checkpoint lacks or holds with another shape, before anything is read."""
     saved = md.state_dict_metadata
     missing, shapes, holes = [], [], []
@@ -804,6 +804,8 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
     if holes:
         lines.append(f"the checkpoint's chunks do not cover what this rank holds of: {_short(holes)} "
                      f"(a rank's part is missing)")
+    if lines and written_by:
+        lines.insert(0, f"it was written by {written_by}")
     if lines:
         raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) +
                          "\nLoad it into a model built with the same tables and dims (resharding to another world "
@@ -858,7 +860,11 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
             targets[f"state_dict.{key}"] = value
     if not strict:
         targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
-    _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.")
+    model = _named_model(module)
+    ours = f"{type(model).__module__}.{type(model).__qualname__}"
+    written_by = _module_class(_lightning_meta(path))  # a checkpoint of another model class: say which
+    _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.",
+                   written_by=written_by if written_by not in (None, ours) else None)
     _load(targets, reader, path)
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):

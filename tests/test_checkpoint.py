@@ -304,6 +304,19 @@ def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path):
     ckpt.load_model(other, path)  # its weights still load
 
 
+def test_checkpoint_of_another_model_class_names_the_class_that_wrote_it(tmp_path):
+    from lightning_rec.models import TwoTowerModule
+
+    path = str(tmp_path / "c.ckpt")
+    ckpt.save({"state_dict": _module().state_dict()}, path, module_class="lightning_rec.models.dlrm_module.DLRMModule")
+    other = TwoTowerModule(user_num_embeddings={"a": 64}, item_num_embeddings={"b": 64}, embedding_dim=8)
+    expect_error(ValueError, lambda: ckpt.load_model(other, path), "written by lightning_rec.models.dlrm_module"
+                 ".DLRMModule", "TwoTowerModule", "not in the checkpoint")
+    smaller = DLRMModule(**{**SMALL, "num_embeddings_per_feature": 32})
+    text = expect_error(ValueError, lambda: ckpt.load_model(smaller, path), "shapes differ")
+    assert "written by" not in text  # its own class: only the shapes
+
+
 def _plain_dcp_worker(rank, W, path):
     import torch.distributed.checkpoint as dcp
 
