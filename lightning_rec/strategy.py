@@ -286,7 +286,9 @@ class RecStrategy(DDPStrategy):
             pipeline.loader = dataloader
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
-            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader))  # it keeps ranks together too
+            position = self._batches_this_epoch if self.lightning_module.trainer.training else None
+            # it keeps ranks together too
+            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader), position=position)
         elif self.world_size > 1 and isinstance(dataloader, DataLoader):
             _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
         if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
