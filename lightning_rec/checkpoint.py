@@ -1035,8 +1035,10 @@ def rng_state() -> dict[str, Any]:
 
     import numpy as np
 
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "python": random.getstate()}
+    # numpy's state as a tensor and plain numbers: a gathered file must still load with torch.load(weights_only=True)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -1048,7 +1050,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     import numpy as np
 
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
