@@ -8,7 +8,8 @@ A checkpoint is a directory (Lightning's `ModelCheckpoint` names it `epoch=0-ste
                        and its share of the replicated entries (dense layers, dense optimizer:
                        DCP writes each replicated entry once)
       lightning.pt     the rest of Lightning's checkpoint (epoch, loops, callbacks, hparams,
-                       schedulers), with every rank's dataloader state; written last by rank 0
+                       schedulers), with every rank's dataloader state and random number generator
+                       states; written last by rank 0
 
 Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
 
@@ -527,7 +528,8 @@ def _rank_world() -> tuple[int, int]:
 
 
 def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Sequence[torch.optim.Optimizer] = (),
-         loader_state: Any = None, module_class: str | None = None, module: torch.nn.Module | None = None) -> None:
+         loader_state: Any = None, module_class: str | None = None, module: torch.nn.Module | None = None,
+         rng_state: Any = None) -> None:
     """Write a Lightning checkpoint dict as a sharded DCP directory (collective: every rank calls it).
 
     checkpoint: Lightning's dict, whose "state_dict" is this rank's (sharded tables as ShardedTensor);
@@ -536,6 +538,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     module: the model the optimizers train. With FSDP dense layers it lets their optimizer state be
         saved by parameter name (get_optimizer_state_dict), which loads at any world size; without
         it, FSDP's dense optimizer state reloads only at this world size.
+    rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
     """
     _check_save_args(checkpoint, path, optimizers, module)
     path = Path(path)
@@ -550,8 +553,9 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         entries.update(_optimizer_entries(optimizer, i, columns, module))
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
-                             "module_class": module_class, "per_row_columns": columns, "loader_states": None}
-    loader_states = _gather(loader_state)
+                             "module_class": module_class, "per_row_columns": columns, "loader_states": None,
+                             "rng_states": None}
+    loader_states, rng_states = zip(*_gather((loader_state, rng_state)))
     error: BaseException | None = None
     try:
         if rank == 0:
@@ -568,7 +572,8 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
         if rank == 0:
-            meta["lightning_rec"]["loader_states"] = loader_states
+            meta["lightning_rec"]["loader_states"] = list(loader_states)
+            meta["lightning_rec"]["rng_states"] = list(rng_states) if rng_state is not None else None
             with open(partial / (LIGHTNING_FILE + ".tmp"), "wb") as f:
                 torch.save(meta, f)
                 f.flush()
@@ -739,7 +744,10 @@ def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
     meta = _lightning_meta(path)
     info = meta.get("lightning_rec", {})
     meta["state_dict"] = DCPCheckpoint(path)
-    meta["optimizer_states"] = [DCPCheckpoint(path, i) for i in range(info.get("num_optimizers", 0))]
+    if info.get("num_optimizers", 0) or "lr_schedulers" in meta:
+        meta["optimizer_states"] = [DCPCheckpoint(path, i) for i in range(info.get("num_optimizers", 0))]
+    # else ModelCheckpoint(save_weights_only=True) wrote it: without the entry Lightning's resume says so (with an
+    # empty one it went past the optimizers, fresh, and named the learning-rate schedulers instead)
     return meta
 
 
@@ -763,7 +771,7 @@ def _uncovered(md_entry, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
 
 
 def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict: bool = True,
-                   saved_prefix: str | None = None) -> None:
+                   saved_prefix: str | None = None, written_by: str | None = None) -> None:
     """Names every entry the checkpoint lacks or holds with another shape, before anything is read."""
     saved = md.state_dict_metadata
     missing, shapes, holes = [], [], []
@@ -796,6 +804,8 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
     if holes:
         lines.append(f"the checkpoint's chunks do not cover what this rank holds of: {_short(holes)} "
                      f"(a rank's part is missing)")
+    if lines and written_by:
+        lines.insert(0, f"it was written by {written_by}")
     if lines:
         raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) +
                          "\nLoad it into a model built with the same tables and dims (resharding to another world "
@@ -850,7 +860,11 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
             targets[f"state_dict.{key}"] = value
     if not strict:
         targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
-    _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.")
+    model = _named_model(module)
+    ours = f"{type(model).__module__}.{type(model).__qualname__}"
+    written_by = _module_class(_lightning_meta(path))  # a checkpoint of another model class: say which
+    _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.",
+                   written_by=written_by if written_by not in (None, ours) else None)
     _load(targets, reader, path)
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
@@ -897,6 +911,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     post = []
     if fused_key is not None:
         fused = _fused_child(optimizer, fused_key)
+        _check_same_fused_optimizer(path, saved, f"{prefix}fused.", fused)
         targets[f"{prefix}fused.param_groups"] = None
         for key, ((rows, cols), parts) in fused.global_state_pieces().items():
             first = parts[0][1]
@@ -952,6 +967,31 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     _load_dense_parts(optimizer, fused_key, rest, prefix, module, path)
 
 
+def _check_same_fused_optimizer(path: Path, saved: Mapping[str, Any], head: str, fused) -> None:
+    """A table whose fused state the checkpoint holds under other names was trained by another sparse optimizer:
+    said as such (the generic "not in the checkpoint: ...exp_avg" told to rebuild the same tables and dims)."""
+    ours: dict[str, set[str]] = {}
+    for key in fused.global_state_pieces():
+        table, name = key.rsplit(".", 1)
+        ours.setdefault(table, set()).add(name)
+    theirs: dict[str, set[str]] = {}
+    for key in saved:
+        if key.startswith(head) and key != f"{head}param_groups":
+            table, _, name = key[len(head):].removesuffix(PER_ROW).rpartition(".")
+            theirs.setdefault(table, set()).add(name)
+    other = sorted(t for t in ours if t in theirs and ours[t] != theirs[t])
+    if not other:
+        return
+    t = other[0]
+    optimizers = sorted({str(g.get("optimizer")) for g in fused.param_groups})
+    raise ValueError(f"checkpoint {path} was trained with another sparse (fused) optimizer: its state for table "
+                     f"'{t}' is {sorted(theirs[t])}, but this model's tables train with {', '.join(optimizers)}, whose "
+                     f"state is {sorted(ours[t])} ({len(other)} table(s) like it). Build the tables with the sparse "
+                     f"optimizer the checkpoint was trained with to resume from it (DLRMModule(sparse_optimizer=...), "
+                     f"FusedOptimizerConfig(...)), or load only its weights: checkpoint.load_model(model, path), or "
+                     f"trainer.validate / test(..., ckpt_path=...)")
+
+
 # Before fused state was named by the model's own paths (optim.fused_modules), an optimizer built on a
 # DistributedModelParallel (or DDP) saved it under its wrappers' names too: these still load.
 _WRAPPER_PREFIXES = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
@@ -983,6 +1023,45 @@ def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -
         warnings.warn(f"the checkpoint's dataloader state was saved by {len(states)} ranks, this run has "
                       f"{world_size}: each rank's loader starts the interrupted epoch over (the steps already "
                       f"taken in it are not repeated; its batches are)", stacklevel=2)
+        return None
+    return states[rank]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generators: torch's (CPU, and the current CUDA device's once CUDA is in use),
+    numpy's and Python's. Lightning's checkpoints leave them out, so a resumed run drew other dropout masks (or
+    anything else a step draws) than the uninterrupted one."""
+    import random
+
+    import numpy as np
+
+    # numpy's state as a tensor and plain numbers: a gathered file must still load with torch.load(weights_only=True)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def rng_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:
+    """This rank's generator states from a checkpoint's Lightning dict (either format); None when it has none, or
+    was saved by another number of ranks (whose batches and draws differ anyway)."""
+    states = (meta.get("lightning_rec") or {}).get("rng_states")
+    if not states or len(states) != world_size or states[rank] is None:
         return None
     return states[rank]
 

@@ -308,7 +308,9 @@ class RecStrategy(DDPStrategy):
             pipeline.loader = dataloader
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
-            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader))  # it keeps ranks together too
+            position = self._batches_this_epoch if self.lightning_module.trainer.training else None
+            # it keeps ranks together too
+            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader), position=position)
         elif self.world_size > 1 and isinstance(dataloader, DataLoader):
             _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
         if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
@@ -536,8 +538,11 @@ class RecStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         module = self.lightning_module
         module_class = f"{type(module).__module__}.{type(module).__qualname__}"  # export rebuilds it
+        # every rank's generators (collective): a resumed run draws what the uninterrupted one would have
+        rng = rec_checkpoint.rng_state()
         if self._checkpoint_format != "dcp":
-            checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class}
+            rng_states = rec_checkpoint._all_gather_object(rng, self._dmp)
+            checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class, "rng_states": rng_states}
             if (storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO
                     and rec_checkpoint.is_local_path(filepath)):
                 if self.is_global_zero:  # straight to disk: Lightning's writer buffers the file in memory twice
@@ -548,20 +553,27 @@ class RecStrategy(DDPStrategy):
         loader_state = loops.pop("combined_loader", None)  # one per rank: checkpoint.save keeps them all
         optimizers = self.optimizers if "optimizer_states" in checkpoint else []  # weights_only=True: none
         rec_checkpoint.save(checkpoint, filepath, optimizers=optimizers, loader_state=loader_state,
-                            module_class=module_class, module=module)  # module: FSDP's dense state reshards
+                            module_class=module_class, module=module,  # module: FSDP's dense state reshards
+                            rng_state=rng)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        if rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
+        if not rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
+            meta = rec_checkpoint.load_file(checkpoint_path)
+        else:
             meta = rec_checkpoint.read_lightning_state(checkpoint_path)
-            if not self.lightning_module.trainer.training:  # validate / test / predict: no loader to resume
-                return meta
+        if not self.lightning_module.trainer.training:  # validate / test / predict: nothing to resume
+            return meta
+        if rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
             state = rec_checkpoint.loader_state_for_rank(meta, self.global_rank, self.world_size)
             if state is not None:
                 meta.setdefault("loops", {}).setdefault("fit_loop", {}).setdefault("state_dict", {})[
                     "combined_loader"] = state
-            return meta
-        return rec_checkpoint.load_file(checkpoint_path)
+        # before the loaders start (each pass's iterator leaves the global generator as it found it: data/batch.py)
+        rng = rec_checkpoint.rng_state_for_rank(meta, self.global_rank, self.world_size)
+        if rng is not None:
+            rec_checkpoint.set_rng_state(rng)
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

@@ -293,6 +293,30 @@ def test_checkpoint_of_other_tables_names_them(tmp_path):
     run_ranks(_other_dims_worker, 2, path, timeout=120)
 
 
+def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path):
+    # it listed the missing 'exp_avg' entries and told to rebuild "the same tables and dims", or pass strict=False
+    path = str(tmp_path / "c.ckpt")
+    module = _module("rowwise_adagrad")
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[module.configure_optimizers()])
+    other = _module("adam")
+    expect_error(ValueError, lambda: ckpt.load_optimizer(other.configure_optimizers(), path),
+                 "another sparse (fused) optimizer", "['sum']", "adam", "sparse_optimizer=", "load_model")
+    ckpt.load_model(other, path)  # its weights still load
+
+
+def test_checkpoint_of_another_model_class_names_the_class_that_wrote_it(tmp_path):
+    from lightning_rec.models import TwoTowerModule
+
+    path = str(tmp_path / "c.ckpt")
+    ckpt.save({"state_dict": _module().state_dict()}, path, module_class="lightning_rec.models.dlrm_module.DLRMModule")
+    other = TwoTowerModule(user_num_embeddings={"a": 64}, item_num_embeddings={"b": 64}, embedding_dim=8)
+    expect_error(ValueError, lambda: ckpt.load_model(other, path), "written by lightning_rec.models.dlrm_module"
+                 ".DLRMModule", "TwoTowerModule", "not in the checkpoint")
+    smaller = DLRMModule(**{**SMALL, "num_embeddings_per_feature": 32})
+    text = expect_error(ValueError, lambda: ckpt.load_model(smaller, path), "shapes differ")
+    assert "written by" not in text  # its own class: only the shapes
+
+
 def _plain_dcp_worker(rank, W, path):
     import torch.distributed.checkpoint as dcp
 
@@ -673,6 +697,29 @@ def test_trainer_writes_sharded_checkpoints_and_export_cli(tmp_path, capsys):
     assert "val_auc" in metrics and not said, said
 
 
+def _weights_only_worker(rank, W, root):
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=64, batch_size=64,
+                                     num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
+                                     num_embeddings_per_feature=64)
+
+    def trainer(**kwargs):
+        return L.Trainer(strategy="rec", accelerator="cpu", devices=W, max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **kwargs)
+
+    saving = ModelCheckpoint(dirpath=root, save_weights_only=True, every_n_train_steps=2)
+    trainer(callbacks=[saving]).fit(DLRMModule(**SMALL), data)
+    return expect_error(KeyError, lambda: trainer().fit(DLRMModule(**SMALL), data, ckpt_path=saving.best_model_path),
+                        "optimizer state", "save_weights_only")
+
+
+def test_resuming_from_a_weights_only_checkpoint_says_it_holds_no_optimizer_state(tmp_path):
+    # the error named the learning-rate schedulers (the DLRM here has none), after restoring no optimizer state
+    run_ranks(_weights_only_worker, 1, str(tmp_path), timeout=120)
+
+
 def _killed_save_worker(rank, W, path, victim=1):
     module = _module()
     dmp = _shard(module, "row_wise", W)
@@ -835,6 +882,18 @@ def test_loader_resumes_exactly_where_the_step_was():
     rest = _labels(fresh)
     assert len(rest) == len(everything) - 3
     assert all(torch.equal(a, b) for a, b in zip(rest, everything[3:]))
+
+
+def test_a_pass_over_the_loader_leaves_the_global_generator_where_it_was():
+    """torch's iterator draws its workers' seed from the global generator: a run resumed mid-epoch makes one
+    iterator more than the uninterrupted run, so the restored RNG state moved on and every later dropout mask
+    differed."""
+    loader = _loader(128)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    _labels(loader)
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_loader_state_of_another_batch_size_warns_and_starts_the_epoch_over():

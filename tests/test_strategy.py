@@ -350,6 +350,79 @@ def test_sigkill_at_epoch_boundary_resumes_bitwise(tmp_path):
     _exact_resume(tmp_path, "synthetic", kill_at=19, every=8)  # the step-16 checkpoint ends epoch 1
 
 
+class _DropoutDLRM(DLRMModule):
+    """DLRM with dropout on its logits: every training step draws from the global generator."""
+
+    def forward(self, dense_features, sparse_features):
+        return torch.nn.functional.dropout(super().forward(dense_features, sparse_features), 0.5, self.training)
+
+
+def _dropout_run(rank, world_size, root, max_steps, resume, checkpoint_format):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(0)
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_last=True)
+    trainer = L.Trainer(strategy=RecStrategy(checkpoint_format=checkpoint_format), accelerator="cpu",
+                        devices=world_size, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[checkpoints], limit_val_batches=0)
+    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)  # 8 steps per epoch at 2 ranks
+    module = _DropoutDLRM(**SMALL)
+    trainer.fit(module, data, ckpt_path="last" if resume else None)
+    return _gather_full(module)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_resume_draws_the_same_dropout_as_the_uninterrupted_run(tmp_path, checkpoint_format):
+    """Lightning's checkpoints hold no RNG state: a resumed run drew other dropout masks. Stopped at step 6
+    (resumed from step 4, mid-epoch), run on past the epoch's end: bitwise equal to 12 steps straight."""
+    whole = run_ranks(_dropout_run, 2, str(tmp_path / "whole"), 12, False, checkpoint_format, timeout=240)[0]
+    root = str(tmp_path / "stopped")
+    run_ranks(_dropout_run, 2, root, 6, False, checkpoint_format, timeout=240)
+    resumed = run_ranks(_dropout_run, 2, root, 12, True, checkpoint_format, timeout=240)[0]
+    if checkpoint_format == "gathered":  # the generators' states keep the file loadable as plain Lightning loads it
+        assert torch.load(os.path.join(root, "ckpt", "last.ckpt"), weights_only=True)["lightning_rec"]["rng_states"]
+    assert whole.keys() == resumed.keys()
+    differ = [k for k in whole if not torch.equal(whole[k], resumed[k])]
+    assert not differ, differ
+
+
+class _TorchdataLoaderData(SyntheticCriteoDataModule):
+    """A user's own torchdata StatefulDataLoader (not lightning_rec's): Lightning saves and restores its state."""
+
+    def train_dataloader(self):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        from lightning_rec.data.batch import passthrough_collate
+
+        return StatefulDataLoader(self.datasets["train"], batch_size=self.batch_size, collate_fn=passthrough_collate)
+
+
+def _torchdata_run(rank, world_size, root, max_steps, resume):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(0)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=world_size,
+                        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_last=True)],
+                        limit_val_batches=0)
+    data = _TorchdataLoaderData(num_train_samples=1024, num_val_samples=128, batch_size=64,
+                                num_embeddings_per_feature=64)  # 8 steps per epoch at 2 ranks
+    module = DLRMModule(**SMALL)
+    trainer.fit(module, data, ckpt_path="last" if resume else None)
+    return _gather_full(module)
+
+
+def test_pipelined_resume_of_a_users_stateful_loader_skips_no_batch(tmp_path):
+    """The feeder reads ahead of the step: a torchdata StatefulDataLoader's state was saved past batches no step
+    had trained, and the resumed run skipped them. Stopped at step 5 (resumed from 3): as 12 steps straight."""
+    whole = run_ranks(_torchdata_run, 2, str(tmp_path / "whole"), 12, False, timeout=240)[0]
+    run_ranks(_torchdata_run, 2, str(tmp_path / "stopped"), 5, False, timeout=240)
+    resumed = run_ranks(_torchdata_run, 2, str(tmp_path / "stopped"), 12, True, timeout=240)[0]
+    differ = [k for k in whole if not torch.equal(whole[k], resumed[k])]
+    assert not differ, differ
+
+
 needs_criteo = pytest.mark.skipif(not CRITEO.is_dir(), reason="shared Criteo samples not present")
 
 

@@ -175,7 +175,7 @@ class StatefulBatchLoader(StatefulDataLoader):
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(pass_index)
-        base = super().__iter__()
+        base = self._iterator_of_pass(pass_index)
         history: dict[int, tuple[dict, bool]] = {count: (super().state_dict(), False)}
         self._rec_history, self._rec_history_pass = history, pass_index
         while True:
@@ -188,6 +188,20 @@ class StatefulBatchLoader(StatefulDataLoader):
             history[count] = (super().state_dict(), False)
             history.pop(count - self._HISTORY, None)
             yield batch
+
+    def _iterator_of_pass(self, pass_index: int):
+        """torch's iterator draws its workers' base seed from `self.generator`, by default the global one: the global
+        stream moved once per pass, so a run resumed mid-epoch (one iterator more than the uninterrupted run made)
+        drew other dropout masks after restoring the checkpoint's RNG state. Without a generator of the user's, the
+        seed comes from one of the run's seed and the pass (the feeder thread may make the iterator: the global
+        generator is not touched from there)."""
+        if self.generator is not None:
+            return super().__iter__()
+        self.generator = torch.Generator().manual_seed((torch.initial_seed() * 1_000_003 + pass_index) % 2**63)
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = None
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         history = getattr(self, "_rec_history", None)

@@ -37,16 +37,61 @@ def _agreed_len(self) -> int:
     return n if agreed is None else min(n, agreed)
 
 
-def wrap_loader(loader, pipeline: InputPipeline, pad=None):
+def wrap_loader(loader, pipeline: InputPipeline, pad=None, position=None):
     """The loader iterates through `pipeline` (the feeder also keeps the ranks stepping together).
 
     pad: evaluation: a callable giving an empty batch, which a rank whose data ran out steps with while
     another rank still has batches (None: the first rank to run out ends the pass for all).
+    position: training: a callable giving the batches the steps have taken in this epoch. A stateful loader
+    (torchdata's StatefulDataLoader) then saves its state at the step, not at the feeder, which reads ahead:
+    a run resumed from its checkpoint skipped the batches the feeder had read but no step had trained.
+    (lightning_rec's own loaders keep their history themselves: data/batch.py, consumed_batches.)
     """
     swap_iter(loader, "Pipelined", _iter_pipelined, _PIPELINED_CLASSES)
     loader._rec_pipeline = pipeline
     loader._rec_pad_batch = pad
+    vars(loader).pop("state_dict", None)
+    loader._rec_position = None
+    own_state = getattr(base_loader_class(type(loader)), "state_dict", None)
+    if position is not None and callable(own_state) and not hasattr(loader, "consumed_batches"):
+        loader._rec_position = position
+        loader._rec_states = {}
+        loader.state_dict = lambda: _state_at_the_step(loader)  # what Lightning saves
     return loader
+
+
+_STATES_KEPT = 64  # more than any feeder reads ahead
+
+
+def _read_with_states(loader, batches):
+    """The pass's batches, keeping the loader's state after each one read (the feeder's thread reads them)."""
+    own_state = base_loader_class(type(loader)).state_dict
+    states = loader._rec_states = {}
+    count = 0
+    for batch in batches:
+        count += 1
+        states[count] = own_state(loader)
+        states.pop(count - _STATES_KEPT, None)
+        yield batch
+
+
+def _counting_from_the_first_step(loader, batches):
+    """The pass's batches as Lightning takes them; notes the epoch's step count when the pass's first is taken
+    (0 at an epoch's start, the checkpoint's when resumed mid-epoch)."""
+    loader._rec_first_step = None
+    for batch in batches:
+        if loader._rec_first_step is None:
+            loader._rec_first_step = loader._rec_position()
+        yield batch
+
+
+def _state_at_the_step(loader):
+    states, first = getattr(loader, "_rec_states", {}), getattr(loader, "_rec_first_step", None)
+    own_state = base_loader_class(type(loader)).state_dict
+    if first is None or not states:
+        return own_state(loader)
+    read = loader._rec_position() - first  # batches of this pass the steps have taken
+    return states.get(read) or own_state(loader)
 
 
 def _iter_pipelined(self):
@@ -61,4 +106,7 @@ def _iter_pipelined(self):
         batches = itertools.islice(batches, agreed)
     if pipeline.closed:  # the loader went on to a run without this strategy
         return batches
+    if getattr(self, "_rec_position", None) is not None:
+        batches = _read_with_states(self, batches)
+        return _counting_from_the_first_step(self, pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None)))
     return pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None))
