@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_rec.data.batch import follow_fit_loop, make_batch_loader, passthrough_collate
+from lightning_rec.data.batch import make_train_loader, passthrough_collate
 from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
@@ -1180,14 +1180,9 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
-        # sharded here in a Trainer too: Lightning's own DistributedSampler (which it puts in when the loader has
-        # none) is seeded by seed_everything, so at 2 ranks `seed` no longer set the shuffle order; Lightning keeps
-        # a DistributedSampler it finds
-        loader = make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
-                                   drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                   pin_memory=self.pin_memory,
-                                   shard_by_rank=self.trainer is None or self.trainer.world_size > 1)
-        return follow_fit_loop(loader, self.trainer)
+        return make_train_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
+                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
+                                 pin_memory=self.pin_memory, trainer=self.trainer)
 
     def val_dataloader(self):
         loaders = [self._ranking_loader(split) for split in self.eval_split_names()]
