@@ -434,6 +434,15 @@ def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path
         trainer.validate(module, dataloaders=dm.val_dataloader(), verbose=False)
     with pytest.raises(ValueError, match=r"given dataloaders only"):
         trainer.predict(module, dataloaders=dm.predict_dataloader())
+    # fit with a validation loader: refused at setup, not after a whole epoch of training
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_epochs=1, num_sanity_val_steps=0, **QUIET)
+    with pytest.raises(ValueError, match=r"given dataloaders only: pass the data module"):
+        trainer.fit(module, train_dataloaders=dm.train_dataloader(), val_dataloaders=dm.val_dataloader())
+    assert trainer.global_step == 0
+    # no validation loader: nothing to rank, so it trains
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=1, **QUIET)
+    trainer.fit(module, train_dataloaders=dm.train_dataloader())
+    assert trainer.global_step == 1
 
 
 def test_loggers_get_the_table_sizes_read_from_the_data_module(tmp_path):

@@ -38,6 +38,9 @@ from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_
 # reduce over ranks is then the identity with "max" (exact, where a mean of 3 equal floats may round),
 # and logging them as synced stops Lightning's "use sync_dist=True" warning, one per metric, at >1 rank.
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
+_DATALOADERS_ONLY = ("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was given "
+                     "dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) (fit, test and "
+                     "predict alike), or call module.embed_catalog(dm) yourself")
 
 
 class TwoTowerModule(RecModuleHooks, L.LightningModule):
@@ -191,6 +194,14 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                              "({feature: rows}), or train with a data module that has them (MovieLensDataModule)")
         self._build(dict(datamodule.user_num_embeddings), dict(datamodule.item_num_embeddings))
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        trainer = self.trainer
+        if stage == "fit" and trainer.datamodule is None and trainer.limit_val_batches != 0 \
+                and trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():
+            # said now: it failed at the first validation, after a whole epoch of training
+            raise ValueError(_DATALOADERS_ONLY)
+
     def _need_model(self) -> TwoTower:
         if self.model is None:
             raise ValueError("the towers are built by Trainer setup (configure_model) from the data module's table "
@@ -263,9 +274,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             datamodule = getattr(self._trainer, "datamodule", None)
         if datamodule is None and self._trainer is not None:
             # (it said "or call it inside trainer.fit/validate/predict" to a user inside trainer.validate)
-            raise ValueError("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was "
-                             "given dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) "
-                             "(fit, test and predict alike), or call module.embed_catalog(dm) yourself")
+            raise ValueError(_DATALOADERS_ONLY)
         if datamodule is None:
             raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
                              "module.embed_catalog(dm) (set up, e.g. MovieLensDataModule after dm.setup()), or call it "
