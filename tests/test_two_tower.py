@@ -424,6 +424,21 @@ def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_pat
         module.training_step(batch, 0)
 
 
+def test_softmax_on_a_batch_of_one_pair_warns_once_naming_batch_size(tmp_path):
+    """In-batch softmax over 1 pair: loss 0, no gradient, every step of such a run trained nothing, in silence."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    one = dm.datasets["train"].__getitems__([0])
+    with pytest.warns(UserWarning, match=r"batch of 1 pair.*loss is 0.*batch_size >= 2") as caught:
+        assert module.training_step(one, 0).item() == 0.0
+        module.training_step(one, 1)
+    assert len([w for w in caught if "batch of 1 pair" in str(w.message)]) == 1  # once, not every step
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*batch of 1 pair")
+        assert module.training_step(dm.datasets["train"].__getitems__([0, 1]), 0).item() > 0
+
+
 def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path):
     """It said "call it inside trainer.fit/validate/predict" to a user calling trainer.validate."""
     dm = _tiny_data(tmp_path)

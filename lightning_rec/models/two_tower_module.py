@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import lightning.pytorch as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
@@ -133,6 +134,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         self._item_emb_ID: Tensor | None = None
         # set here as well as per epoch: a hand-written loop calls training_step without the Trainer's hooks
         self._samples, self._epoch_start = 0, time.perf_counter()
+        self._warned_one_pair = False
         if user_num_embeddings is not None and item_num_embeddings is not None:
             self._build(dict(user_num_embeddings), dict(item_num_embeddings))
 
@@ -229,6 +231,13 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 raise ValueError("loss='softmax' takes its negatives from the batch's other items, but the batches "
                                  "carry sampled negatives it would never use: set the data module's num_negatives=0 "
                                  "(or loss='bpr' to train on them)")
+            if len(batch) == 1 and not self._warned_one_pair:
+                # softmax over its only item: loss 0 and no gradient, a step that trains nothing, in silence
+                self._warned_one_pair = True
+                rank_zero_warn("loss='softmax' got a batch of 1 pair: its negatives are the batch's other items, so "
+                               "its loss is 0 and it trains nothing. Use the data module's batch_size >= 2 (and "
+                               "drop_last=True if only the last batch is that short), or loss='bpr' with "
+                               "num_negatives=1")
             log_q = batch.item_log_q if hp.logq_correction else None
             loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
         self.log_train_loss(loss, batch_size=len(batch))
