@@ -724,3 +724,18 @@ def test_recbole_atomic_files_read_like_the_grouplens_folder(tmp_path):
     _write(recbole / "other.inter", "user_id:token\titem_id:token\n")
     with pytest.raises(ValueError, match="several RecBole .inter files"):
         MovieLensDataModule(str(recbole)).setup()
+
+
+def test_two_columns_naming_the_same_field_are_refused_naming_columns(tmp_path):
+    """A log with both user and userId (or item and itemId) read the first one as the user, silently."""
+    import pyarrow.parquet as pq
+
+    csv = _write(tmp_path / "r.csv", "user,userId,item,rating\n1,10,5,4\n2,20,6,3\n")
+    with pytest.raises(ValueError, match=r"r\.csv:1: columns 'user', 'userId' both name the user: say which one, "
+                                         r"columns=\{'user': 'user'\}"):
+        read_ratings(csv)
+    assert read_ratings(csv, columns={"user": "userId"}).column("user_id").to_pylist() == [10, 20]
+    pq.write_table(pa.table({"itemId": [5, 6], "user": [1, 2], "item": [7, 8]}), tmp_path / "r.parquet")
+    with pytest.raises(ValueError, match=r"columns 'itemId', 'item' both name the item: say which one"):
+        read_ratings(tmp_path / "r.parquet")
+    assert read_ratings(tmp_path / "r.parquet", columns={"item": "item"}).column("item_id").to_pylist() == [7, 8]

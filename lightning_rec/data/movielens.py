@@ -257,6 +257,17 @@ def _header_map(columns: dict[str, str] | None) -> dict[str, str]:
 
 
 
+def _refuse_ambiguous(where: str, header: Sequence[str], fields: Sequence[str | None]) -> None:
+    """Two of a file's columns read as the same field (user and userId): it took the first, silently."""
+    for ours in dict.fromkeys(f for f in fields if f):
+        names = [h for h, f in zip(header, fields) if f == ours]
+        if len(names) > 1:
+            what = next(k for k, v in _FIELDS.items() if v == ours)
+            both = "both" if len(names) == 2 else "all"
+            raise ValueError(f"{where}: columns {', '.join(map(repr, names))} {both} name the {what}: say which one, "
+                             f"columns={{{what!r}: {names[0]!r}}} (--data.init_args.columns)")
+
+
 def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = ()) -> str:
     """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
     `string_fields` hold string ids, any text."""
@@ -311,11 +322,9 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
 
     schema = pq.read_schema(path)
     header_names = _header_map(columns)
-    ours = {}
-    for name in schema.names:
-        mapped = header_names.get(name.strip().lower())
-        if mapped and mapped not in ours:
-            ours[mapped] = name
+    fields = [header_names.get(name.strip().lower()) for name in schema.names]
+    _refuse_ambiguous(str(path), schema.names, fields)
+    ours = {mapped: name for name, mapped in zip(schema.names, fields) if mapped}
     missing = [n for n in ("user_id", "item_id") if n not in ours]
     if missing:
         raise ValueError(f"{path}: no column for {missing} among {schema.names[:8]}: name the columns user (or userId, "
@@ -406,6 +415,8 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
         header_names = _header_map(columns)
         column_names = [header_names.get(h.strip().strip('"').split(":")[0].lower(), f"_unused{i}")
                         for i, h in enumerate(header)]
+        _refuse_ambiguous(f"{path}:1", [h.strip().strip('"') for h in header],
+                          [n if not n.startswith("_unused") else None for n in column_names])
         missing = [n for n in names[:3] if n not in column_names]
         if missing:
             raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
