@@ -801,8 +801,15 @@ class InteractionDataset(Dataset):
         # an item absent from training has frequency 0; clamp so log q stays finite (it is never in a batch)
         self.log_q_I = torch.log(counts_I.clamp(min=1) / max(item_N.shape[0], 1)).float()
         self.num_negatives = num_negatives
-        self._pairs_sorted = torch.sort(user_N * num_items + item_N).values
+        self._pairs_sorted = torch.unique(user_N * num_items + item_N)  # sorted; each seen (user, item) once
         self._seed_key = (seed + 7).to_bytes(8, "little", signed=True)
+        if num_negatives:
+            seen_U = torch.bincount(self._pairs_sorted // num_items)
+            full = int((seen_U >= num_items).sum())
+            if full:
+                warnings.warn(f"{full} training users interacted with every one of the {num_items} items: BPR has "
+                              f"no unseen item to draw as their negative, so their pairs train against a seen one. "
+                              f"Drop those users, or use loss='softmax' (num_negatives=0)", UserWarning, stacklevel=2)
 
     def __len__(self) -> int:
         return self.user_N.shape[0]
@@ -818,16 +825,33 @@ class InteractionDataset(Dataset):
         digest = hashlib.blake2b(idx_B.numpy().tobytes(), digest_size=8, key=self._seed_key).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
+    def _seen(self, user_B: Tensor, item_B: Tensor) -> Tensor:
+        key_B = user_B * self.num_items + item_B
+        pos = torch.searchsorted(self._pairs_sorted, key_B).clamp(max=self._pairs_sorted.numel() - 1)
+        return self._pairs_sorted[pos] == key_B
+
+    def _unseen_item(self, user: int, gen: torch.Generator) -> int:
+        """An item drawn uniformly among those `user` has not seen, exactly (any item if it has seen all)."""
+        lo, hi = torch.searchsorted(self._pairs_sorted, torch.tensor([user, user + 1]) * self.num_items).tolist()
+        seen = self._pairs_sorted[lo:hi] - user * self.num_items  # sorted
+        if seen.numel() >= self.num_items:
+            return int(torch.randint(self.num_items, (1,), generator=gen))  # none unseen (warned at construction)
+        r = torch.randint(self.num_items - seen.numel(), (1,), generator=gen)
+        # the r-th unseen item is r plus the seen items at or below it: seen[j] - j counts the unseen below seen[j]
+        return int(r + torch.searchsorted(seen - torch.arange(seen.numel()), r, right=True))
+
     def _negatives(self, user_B: Tensor, idx_B: Tensor) -> Tensor:
         gen = self._batch_generator(idx_B)
         neg_B = torch.randint(self.num_items, user_B.shape, generator=gen)
         for _ in range(10):  # redraw the ones the user has (few: ml-100k users hold ~6% of items)
-            key_B = user_B * self.num_items + neg_B
-            pos = torch.searchsorted(self._pairs_sorted, key_B).clamp(max=self._pairs_sorted.numel() - 1)
-            seen_B = self._pairs_sorted[pos] == key_B
+            seen_B = self._seen(user_B, neg_B)
             if not bool(seen_B.any()):
-                break
+                return neg_B
             neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=gen), neg_B)
+        # still seen after 10 draws (a user who has seen most items; the last draw was never checked): drawn
+        # among the unseen items exactly, which keeps the negative uniform over them
+        for j in self._seen(user_B, neg_B).nonzero().flatten().tolist():
+            neg_B[j] = self._unseen_item(int(user_B[j]), gen)
         return neg_B
 
     def __getitems__(self, indices: Sequence[int]) -> RetrievalBatch:
