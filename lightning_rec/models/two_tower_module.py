@@ -17,6 +17,7 @@ ones marked.
 
 from __future__ import annotations
 
+import hashlib
 import resource
 import time
 from collections.abc import Sequence
@@ -70,6 +71,10 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         predict_top_k: items per user that `predict` writes (None: max(ks)).
         embedding_device: "cpu" (tables drawn here, then moved or sharded) or "meta" (no values until
             Trainer(strategy="rec") shards them, each shard drawn where it lives), as DLRMModule's.
+        item_ids_digest: which item each row of the item tables is (a digest of the data module's `item_ids`, row i
+            = item_ids[i]); None: taken from the data module when the trainer sets the model up, and kept in the
+            checkpoint and export. Evaluation and prediction refuse a data module whose item ids differ (another
+            data snapshot of the same item count would map the rows to other items, silently).
 
     Predict (`lightning-rec predict`, `trainer.predict`): every user of the data module's predict split (MovieLens:
     the test split's users, every user) gets its top predict_top_k items among those it has not seen (in training
@@ -104,6 +109,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         predict_top_k: int | None = None,
         empty_target_action: str = "skip",
         embedding_device: str = "cpu",
+        item_ids_digest: str | None = None,
     ) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
@@ -184,6 +190,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
 
     def configure_model(self) -> None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None:
+            self._check_item_ids(datamodule)
         if datamodule is not None and callable(getattr(datamodule, "eval_split_names", None)):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
@@ -195,6 +203,35 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             raise ValueError("TwoTowerModule needs its table sizes: pass user_num_embeddings and item_num_embeddings "
                              "({feature: rows}), or train with a data module that has them (MovieLensDataModule)")
         self._build(dict(datamodule.user_num_embeddings), dict(datamodule.item_num_embeddings))
+
+    def _check_item_ids(self, datamodule) -> None:
+        """Keep the data module's item ids' digest (the first time), or refuse other ids than the model's."""
+        digest = _item_ids_digest(datamodule)
+        if digest is None:  # a data module without item ids: rows are positions
+            return
+        self._same_items(self.hparams.get("item_ids_digest"), digest, "the data module's item ids")
+        if self.hparams.get("item_ids_digest") is None:
+            self.hparams.item_ids_digest = digest
+            initial = getattr(self, "_hparams_initial", None)
+            if initial is not None:  # the loggers' copy, as the table sizes
+                initial["item_ids_digest"] = digest
+
+    @staticmethod
+    def _same_items(model: str | None, data: str | None, what: str) -> None:
+        if model is not None and data is not None and model != data:
+            raise ValueError(
+                f"{what} are not the items this model was trained on: row i of its item table is item_ids[i] of its "
+                f"training data (item_ids_digest {model!r}), but these give {data!r} (digest 'count:hash'). Another "
+                f"snapshot or filter (min_rating, ...) of the data maps the rows to other items: evaluate and predict "
+                f"with the data the model was trained on, or train again on this one")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        # trainer.fit/validate/predict(module, dm, ckpt_path=...): the module's digest came from dm (configure_model)
+        saved = (checkpoint.get("hyper_parameters") or {}).get("item_ids_digest")
+        self._same_items(saved, self.hparams.get("item_ids_digest"), "the data module's item ids")
+        if saved is not None:
+            self.hparams.item_ids_digest = saved
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -292,6 +329,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             raise ValueError(f"full-ranking evaluation needs the item catalogue, but {type(datamodule).__name__} has "
                              f"no item_catalog(): use a data module with item_catalog() and num_items "
                              f"(MovieLensDataModule)")
+        self._same_items(self.hparams.get("item_ids_digest"), _item_ids_digest(datamodule),
+                         f"{type(datamodule).__name__}'s item ids")
         model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
         tower, was_training = model.item_tower, model.item_tower.training
@@ -407,6 +446,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         dense = (DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
                  if params else None)
         return combined_optimizer(model, dense)
+
+
+def _item_ids_digest(datamodule) -> str | None:
+    """'count:hash' of the data module's `item_ids` (row i's own id), or None where it has none."""
+    ids = getattr(datamodule, "item_ids", None)
+    if ids is None:
+        return None
+    ids = np.asarray(ids)
+    data = "\0".join(ids.tolist()).encode() if ids.dtype.kind == "U" else ids.astype(np.int64).tobytes()
+    return f"{len(ids)}:{hashlib.sha256(data).hexdigest()[:16]}"
 
 
 def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | np.ndarray | None:
