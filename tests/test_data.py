@@ -639,3 +639,21 @@ def test_training_loaders_under_a_2_rank_trainer_take_the_data_modules_seed(tmp_
                 assert (kind, seed, indices) == ("DistributedSampler", 3, list(want))
             else:
                 assert kind == "EpochRandomSampler" and sorted(indices) == list(range(rows))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_header_without_rows_is_refused_streamed_or_not(tmp_path, streaming):
+    """A Kaggle-style CSV holding its header only: streamed, it trained on no batches in silence (cached: refused)."""
+    header = "Id,Label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    path = write(tmp_path, "train.csv", header + "\n\n")
+    dm = CriteoDataModule(train_path=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming, batch_size=4)
+    with pytest.raises(ValueError, match=r"train\.csv has no data rows \(a header only\)"):
+        dm.prepare_data()
+        dm.setup("fit")
+    # one row after it, without a final newline: read
+    row = ",".join(["7", "1"] + ["2"] * 13 + ["68fd1e64"] * 26)
+    path = write(tmp_path, "one.csv", header + "\n" + row)
+    dm = CriteoDataModule(train_path=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming, batch_size=4)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert [len(b) for b in dm.train_dataloader()] == [1]
