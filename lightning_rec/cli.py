@@ -349,9 +349,15 @@ class RecCLI(LightningCLI):
                 why = (f"it saves after validation, which runs every {every} epochs here and did not run in "
                        f"{trainer.current_epoch} epoch(s)" if every and every > trainer.current_epoch
                        else "none of its save points was reached")
+                # --trainer.callbacks.X sets the last callback of the command line's list: Lightning's own
+                # ModelCheckpoint (enable_checkpointing, none given) is not in it, and jsonargparse refused the advice
+                callbacks = (self._get(self.config, "trainer", None) or {}).get("callbacks") or []
+                last = callbacks[-1] if isinstance(callbacks, list) and callbacks else None
+                given = str(getattr(last, "class_path", None) or "").endswith("ModelCheckpoint")
+                add = "" if given else "--trainer.callbacks+=ModelCheckpoint "
                 warnings.warn(f"ModelCheckpoint(dirpath={callback.dirpath}) saved no checkpoint in this fit: {why}. "
-                              f"Add --trainer.callbacks.save_last=true (a last.ckpt when fit ends) or "
-                              f"--trainer.callbacks.every_n_train_steps=N", stacklevel=1)
+                              f"Add {add}--trainer.callbacks.save_last=true (a last.ckpt when fit ends) or "
+                              f"{add}--trainer.callbacks.every_n_train_steps=N", stacklevel=1)
 
 
 class _LoggedConfig(SaveConfigCallback):

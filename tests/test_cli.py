@@ -1,6 +1,7 @@
 """The recipe CLI, run for real: the default synthetic job and the Criteo recipe on real samples."""
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,26 @@ def test_a_fit_whose_model_checkpoint_saved_nothing_says_so(tmp_path, capsys):
         warnings.simplefilter("error", UserWarning)  # the advice taken: a last.ckpt, and no word
         warnings.filterwarnings("ignore", message=r"(?!.*saved no checkpoint)")
         run_cli([*args, "--trainer.callbacks.save_last=true"])
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+
+def test_a_default_model_checkpoint_that_saved_nothing_gives_advice_that_parses(tmp_path):
+    # Lightning's own ModelCheckpoint (enable_checkpointing=true, no callback given): the advice
+    # --trainer.callbacks.save_last=true was refused by the parser ("Option 'save_last' is not accepted")
+    import warnings
+
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=3", "--trainer.limit_train_batches=4",
+            "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=true", *QUIET]
+    with pytest.warns(UserWarning, match=r"saved no checkpoint .* Add (--trainer\.callbacks\+=ModelCheckpoint "
+                                         r"--trainer\.callbacks\.save_last=true)") as caught:
+        run_cli(args)
+    advice = next(w for w in caught if "saved no checkpoint" in str(w.message))
+    said = re.search(r"Add (\S+) (\S+) \(", str(advice.message)).groups()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saved no checkpoint")
+        run_cli([*args, *said, f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}"])
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
 
 

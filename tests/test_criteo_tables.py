@@ -168,6 +168,15 @@ def test_bad_table_rows_name_the_file_and_row_or_are_skipped_and_counted(text, t
             _batches(f, tmp_path / "cache")
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_table_of_no_rows_is_refused_streamed_or_not(text, tmp_path, streaming):
+    """A 0-row Parquet file streamed trained on no batches, in silence (cached, it was refused)."""
+    f = tmp_path / "empty.parquet"
+    pq.write_table(_as_table(text).slice(0, 0), f)
+    with pytest.raises(ValueError, match=r"empty\.parquet has no data rows: expected Criteo rows"):
+        _batches(f, tmp_path / "cache", streaming=streaming)
+
+
 def test_what_a_table_cannot_be_is_said(text, tmp_path):
     table = _as_table(text)
     f = tmp_path / "t.parquet"

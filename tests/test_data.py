@@ -582,3 +582,78 @@ def test_a_datasets_dataset_with_a_transform_is_refused_not_copied_without_it(tm
     dm = MovieLensDataModule(mapped, side_features=False)
     dm.setup()
     assert sorted(dm.user_ids.tolist()) == [100, 101, 102, 103]
+
+
+def _trainer_samplers(rank: int, world_size: int, tmp: str, use_distributed_sampler: bool) -> list:
+    """Each data module's training sampler after a 1-step fit under a 2-rank Trainer: (kind, seed, indices)."""
+    import lightning.pytorch as L
+
+    from lightning_rec.data import MovieLensDataModule
+
+    class Step(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            return self.w.square().sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    L.seed_everything(5)  # not the data modules' seeds (3)
+    modules = [CriteoDataModule(train_path=f"{tmp}/rows.tsv", batch_size=8, cache_dir=f"{tmp}/cache", seed=3),
+               SyntheticCriteoDataModule(num_train_samples=40, num_val_samples=0, batch_size=8, seed=3,
+                                         num_embeddings_per_feature=[10] * 26),
+               MovieLensDataModule(f"{tmp}/ml", batch_size=8, seed=3, side_features=False)]
+    out = []
+    for dm in modules:
+        trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=world_size, max_epochs=1, limit_train_batches=1,
+                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, use_distributed_sampler=use_distributed_sampler)
+        trainer.fit(Step(), dm)
+        sampler = trainer.train_dataloader.batch_sampler.sampler
+        out.append((type(sampler).__name__, getattr(sampler, "seed", None), list(sampler), len(dm.datasets["train"])))
+    return out
+
+
+@pytest.mark.parametrize("use_distributed_sampler", [True, False])
+def test_training_loaders_under_a_2_rank_trainer_take_the_data_modules_seed(tmp_path, use_distributed_sampler):
+    """Criteo and synthetic at 2 ranks: Lightning's DistributedSampler, seeded by seed_everything, set the shuffle
+    order, not the data module's `seed` (MovieLens had its own). Trainer(use_distributed_sampler=False): MovieLens
+    still sharded itself, where a user expects the whole loader on every rank, as Lightning leaves it."""
+    from torch.utils.data import DistributedSampler
+
+    from tests.dist_utils import run_ranks
+
+    path = write(tmp_path, "rows.tsv", "\n".join(good_row(n % 2, i1=str(n)) for n in range(40)) + "\n")
+    build_criteo_cache(str(path), tmp_path / "cache")
+    (tmp_path / "ml").mkdir()
+    write(tmp_path / "ml", "ratings.csv", "userId,movieId,rating,timestamp\n"
+          + "".join(f"{u},{i},4,{u * 100 + i}\n" for u in range(8) for i in range(u % 3, 12, 2)))
+    ranks = run_ranks(_trainer_samplers, 2, str(tmp_path), use_distributed_sampler, timeout=240)
+    for rank, samplers in enumerate(ranks):
+        for kind, seed, indices, rows in samplers:
+            if use_distributed_sampler:
+                want = DistributedSampler(range(rows), num_replicas=2, rank=rank, shuffle=True, seed=3)
+                assert (kind, seed, indices) == ("DistributedSampler", 3, list(want))
+            else:
+                assert kind == "EpochRandomSampler" and sorted(indices) == list(range(rows))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_header_without_rows_is_refused_streamed_or_not(tmp_path, streaming):
+    """A Kaggle-style CSV holding its header only: streamed, it trained on no batches in silence (cached: refused)."""
+    header = "Id,Label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    path = write(tmp_path, "train.csv", header + "\n\n")
+    dm = CriteoDataModule(train_path=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming, batch_size=4)
+    with pytest.raises(ValueError, match=r"train\.csv has no data rows \(a header only\)"):
+        dm.prepare_data()
+        dm.setup("fit")
+    # one row after it, without a final newline: read
+    row = ",".join(["7", "1"] + ["2"] * 13 + ["68fd1e64"] * 26)
+    path = write(tmp_path, "one.csv", header + "\n" + row)
+    dm = CriteoDataModule(train_path=str(path), cache_dir=str(tmp_path / "cache"), streaming=streaming, batch_size=4)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert [len(b) for b in dm.train_dataloader()] == [1]

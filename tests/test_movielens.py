@@ -724,3 +724,51 @@ def test_recbole_atomic_files_read_like_the_grouplens_folder(tmp_path):
     _write(recbole / "other.inter", "user_id:token\titem_id:token\n")
     with pytest.raises(ValueError, match="several RecBole .inter files"):
         MovieLensDataModule(str(recbole)).setup()
+
+
+def test_two_columns_naming_the_same_field_are_refused_naming_columns(tmp_path):
+    """A log with both user and userId (or item and itemId) read the first one as the user, silently."""
+    import pyarrow.parquet as pq
+
+    csv = _write(tmp_path / "r.csv", "user,userId,item,rating\n1,10,5,4\n2,20,6,3\n")
+    with pytest.raises(ValueError, match=r"r\.csv:1: columns 'user', 'userId' both name the user: say which one, "
+                                         r"columns=\{'user': 'user'\}"):
+        read_ratings(csv)
+    assert read_ratings(csv, columns={"user": "userId"}).column("user_id").to_pylist() == [10, 20]
+    pq.write_table(pa.table({"itemId": [5, 6], "user": [1, 2], "item": [7, 8]}), tmp_path / "r.parquet")
+    with pytest.raises(ValueError, match=r"columns 'itemId', 'item' both name the item: say which one"):
+        read_ratings(tmp_path / "r.parquet")
+    assert read_ratings(tmp_path / "r.parquet", columns={"item": "item"}).column("item_id").to_pylist() == [7, 8]
+
+
+def _interactions(pairs: list[tuple[int, int]], num_users: int, num_items: int, num_negatives: int = 1):
+    from lightning_rec.data.movielens import FeatureTable, InteractionDataset
+
+    user_N, item_N = torch.tensor(pairs).t()
+    users = FeatureTable({"user_id": (torch.arange(num_users), num_users)}, {})
+    items = FeatureTable({"item_id": (torch.arange(num_items), num_items)}, {})
+    return InteractionDataset(user_N, item_N, users, items, num_items, num_negatives, seed=0)
+
+
+def test_bpr_negatives_are_never_seen_items_even_for_a_user_who_has_seen_almost_all():
+    """After 10 redraws a user who had seen 199 of 200 items kept a seen item as its negative (~95% of its pairs),
+    silently; now the rest is drawn among its unseen items exactly."""
+    pairs = [(0, i) for i in range(199)] + [(1, 199), (1, 3), (1, 7)]
+    ds = _interactions(pairs, 2, 200)
+    batch = ds.__getitems__(list(range(len(pairs))))
+    assert batch.neg_item_index[:199].tolist() == [199] * 199  # user 0's one unseen item
+    assert not {3, 7, 199} & set(batch.neg_item_index[199:].tolist())
+    assert torch.equal(ds.__getitems__(list(range(len(pairs)))).neg_item_index, batch.neg_item_index)  # reproducible
+    # a user with several unseen items draws each of them, never a seen one
+    ds = _interactions([(0, i) for i in range(195)] + [(1, 0)], 2, 200)
+    negs = set(ds.__getitems__(list(range(195))).neg_item_index.tolist())
+    assert negs == {195, 196, 197, 198, 199}
+
+
+def test_bpr_warns_when_a_user_has_seen_every_item():
+    with pytest.warns(UserWarning, match=r"1 training users interacted with every one of the 4 items: BPR has no "
+                                         r"unseen item"):
+        _interactions([(0, i) for i in range(4)] + [(1, 0)], 2, 4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*interacted with every")
+        _interactions([(0, i) for i in range(4)] + [(1, 0)], 2, 4, num_negatives=0)

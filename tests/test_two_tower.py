@@ -424,6 +424,58 @@ def test_softmax_refuses_batches_with_sampled_negatives_it_would_not_use(tmp_pat
         module.training_step(batch, 0)
 
 
+def test_softmax_on_a_batch_of_one_pair_warns_once_naming_batch_size(tmp_path):
+    """In-batch softmax over 1 pair: loss 0, no gradient, every step of such a run trained nothing, in silence."""
+    dm = _tiny_data(tmp_path)
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    one = dm.datasets["train"].__getitems__([0])
+    with pytest.warns(UserWarning, match=r"batch of 1 pair.*loss is 0.*batch_size >= 2") as caught:
+        assert module.training_step(one, 0).item() == 0.0
+        module.training_step(one, 1)
+    assert len([w for w in caught if "batch of 1 pair" in str(w.message)]) == 1  # once, not every step
+    module = TwoTowerModule(dm.user_num_embeddings, dm.item_num_embeddings, embedding_dim=8, top_k_table_users=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*batch of 1 pair")
+        assert module.training_step(dm.datasets["train"].__getitems__([0, 1]), 0).item() > 0
+
+
+def _own_log(folder, shift: int = 0):
+    from lightning_rec.data import MovieLensDataModule
+
+    folder.mkdir()
+    (folder / "ratings.csv").write_text("user,item,rating,timestamp\n" + "".join(
+        f"{u},{i + shift},4,{u * 100 + i}\n" for u in range(12) for i in range(u % 4, 24, 3)))
+    dm = MovieLensDataModule(str(folder), batch_size=16, side_features=False)
+    dm.setup("fit")
+    return dm
+
+
+def test_another_data_snapshot_with_the_same_item_count_is_refused_at_evaluation_and_export(tmp_path):
+    """Row i of the item table is dm.item_ids[i] of the training data: a snapshot whose ids differ but whose count is
+    the same was ranked and predicted with the rows mapped to other items, silently (checkpoint and export too)."""
+    from lightning_rec import checkpoint as ckpt
+
+    trained, other = _own_log(tmp_path / "a"), _own_log(tmp_path / "b", shift=1)
+    assert other.num_items == trained.num_items and other.item_ids.tolist() != trained.item_ids.tolist()
+    module = TwoTowerModule(embedding_dim=8, top_k_table_users=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=1, num_sanity_val_steps=0, **QUIET)
+    trainer.fit(module, trained)
+    trainer.save_checkpoint(tmp_path / "tt.ckpt")
+    refused = r"item ids are not the items this model was trained on: .*train again on this one"
+    with pytest.raises(ValueError, match=refused):
+        trainer.predict(module, other)
+    with pytest.raises(ValueError, match=refused):
+        module.embed_catalog(other)
+    with pytest.raises(ValueError, match=refused):  # a fresh module restored from the checkpoint
+        L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET).validate(
+            TwoTowerModule(embedding_dim=8, top_k_table_users=0), other, ckpt_path=tmp_path / "tt.ckpt", verbose=False)
+    exported = ckpt.load_exported(ckpt.export(tmp_path / "tt.ckpt", tmp_path / "out"))
+    with pytest.raises(ValueError, match=refused):
+        exported.embed_catalog(other)
+    torch.testing.assert_close(exported.embed_catalog(trained), module.embed_catalog(trained))
+    trainer.validate(module, trained, verbose=False)  # the data it was trained on: as before
+
+
 def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path):
     """It said "call it inside trainer.fit/validate/predict" to a user calling trainer.validate."""
     dm = _tiny_data(tmp_path)
@@ -434,6 +486,15 @@ def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path
         trainer.validate(module, dataloaders=dm.val_dataloader(), verbose=False)
     with pytest.raises(ValueError, match=r"given dataloaders only"):
         trainer.predict(module, dataloaders=dm.predict_dataloader())
+    # fit with a validation loader: refused at setup, not after a whole epoch of training
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_epochs=1, num_sanity_val_steps=0, **QUIET)
+    with pytest.raises(ValueError, match=r"given dataloaders only: pass the data module"):
+        trainer.fit(module, train_dataloaders=dm.train_dataloader(), val_dataloaders=dm.val_dataloader())
+    assert trainer.global_step == 0
+    # no validation loader: nothing to rank, so it trains
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=1, **QUIET)
+    trainer.fit(module, train_dataloaders=dm.train_dataloader())
+    assert trainer.global_step == 1
 
 
 def test_loggers_get_the_table_sizes_read_from_the_data_module(tmp_path):

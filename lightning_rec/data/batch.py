@@ -272,6 +272,26 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
     return loader
 
 
+def make_train_loader(dataset: Dataset, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
+                      num_workers: int, pin_memory: bool, trainer: Any,
+                      shard_outside_trainer: bool = True) -> StatefulBatchLoader:
+    """A data module's training loader (`make_batch_loader` + `follow_fit_loop`); `trainer` is None outside one.
+
+    At 2+ ranks the loader holds a DistributedSampler seeded by `seed`, which Lightning keeps: Lightning's
+    own, put in otherwise, is seeded by seed_everything, so the data module's `seed` no longer set the
+    shuffle order. Under `Trainer(use_distributed_sampler=False)` it shards nothing (every rank reads every
+    row, as Lightning leaves a loader then). Outside a Trainer (a hand-written loop) it shards in a process
+    group of 2+ ranks when `shard_outside_trainer`.
+    """
+    if trainer is None:
+        shard = shard_outside_trainer
+    else:  # a Trainer of one device in a process group another program made keeps every row
+        shard = bool(trainer._accelerator_connector.use_distributed_sampler) and trainer.world_size > 1
+    loader = make_batch_loader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed,
+                               num_workers=num_workers, pin_memory=pin_memory, shard_by_rank=shard)
+    return follow_fit_loop(loader, trainer)
+
+
 def _length(loader: StatefulDataLoader) -> int | None:
     try:
         return len(loader)

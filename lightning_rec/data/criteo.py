@@ -73,9 +73,9 @@ from torch.utils.data import (
 from lightning_rec.data.batch import (
     Batch,
     follow_fit_loop,
-    make_batch_loader,
     make_eval_loader,
     make_stream_loader,
+    make_train_loader,
 )
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
@@ -770,18 +770,17 @@ class CriteoDataModule(pl.LightningDataModule):
         dataset = self.datasets[split]
         train = split == "train"
         if isinstance(dataset, IterableDataset):
-            return make_stream_loader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            loader = make_stream_loader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            return follow_fit_loop(loader, self.trainer) if train else loader
         if not train:  # every row once at any world size (not torch's DistributedSampler: it repeats rows)
             return make_eval_loader(dataset, self.val_batch_size, num_workers=self.num_workers,
                                     pin_memory=self.pin_memory)
-        return make_batch_loader(
-            dataset, self.batch_size if train else self.val_batch_size, shuffle=self.shuffle and train,
-            drop_last=self.drop_last and train, seed=self.seed, num_workers=self.num_workers,
-            pin_memory=self.pin_memory, shard_by_rank=self.trainer is None,
-        )
+        return make_train_loader(dataset, self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
+                                 seed=self.seed, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                 trainer=self.trainer)
 
     def train_dataloader(self) -> DataLoader:
-        return follow_fit_loop(self._loader("train"), self.trainer)
+        return self._loader("train")
 
     def val_dataloader(self) -> DataLoader | list:
         # no val_path: an empty list tells Lightning there is no validation loop

@@ -187,7 +187,10 @@ def open_criteo_stream(path: str | os.PathLike):
 BOM = b"\xef\xbb\xbf"
 
 
-def _read_head(path: str | os.PathLike, num_bytes: int = 1 << 20) -> bytes:
+_HEAD_BYTES = 1 << 20  # what layout detection reads
+
+
+def _read_head(path: str | os.PathLike, num_bytes: int = _HEAD_BYTES) -> bytes:
     check_criteo_file(path)
     with open_criteo_stream(path) as stream:
         try:
@@ -244,6 +247,11 @@ def detect_layout(
                 f"{path}: the header lacks columns {missing}: a Criteo header names label (optional), "
                 f"I1..I13 and C1..C26; pass has_header=False if the first line is data"
             )
+        after = head.lstrip().split(b"\n", 1)[1:]  # what follows the header line
+        if not (after and after[0].strip()) and len(head) < _HEAD_BYTES - len(BOM):  # the whole file: no row
+            # (cached it was refused after a parse; streamed, it trained on no batches in silence)
+            raise ValueError(f"{path} has no data rows (a header only): expected Criteo rows (label, I1..I13, "
+                             f"C1..C26)")
         label_field = index.get("label")
         if has_label is True and label_field is None:
             raise ValueError(f"{path}: has_label=True but the header has no 'label' column")

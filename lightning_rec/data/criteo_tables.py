@@ -312,6 +312,9 @@ class TableBlocks:
                     start, in_file = start + rows, in_file + rows
             self._starts = np.array([g[2] for g in self._groups] + [start], dtype=np.int64)
             self.num_rows = start
+        if self.num_rows == 0:
+            # streamed, it trained on no batches in silence (the cache and preprocess refused it later, or not)
+            raise ValueError(f"{path} has no data rows: expected Criteo rows (label, I1..I13, C1..C26)")
         sizes = json.dumps([[f.name, f.stat().st_size] for f in source_files(path)])
         digest = hashlib.sha1(sizes.encode()).hexdigest()[:8]  # not hash(): it differs between processes
         self.fingerprint = f"{os.path.basename(self.path)}:{self.num_rows}:{digest}"

@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_rec.data.batch import follow_fit_loop, make_batch_loader, passthrough_collate
+from lightning_rec.data.batch import make_train_loader, passthrough_collate
 from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
@@ -257,6 +257,17 @@ def _header_map(columns: dict[str, str] | None) -> dict[str, str]:
 
 
 
+def _refuse_ambiguous(where: str, header: Sequence[str], fields: Sequence[str | None]) -> None:
+    """Two of a file's columns read as the same field (user and userId): it took the first, silently."""
+    for ours in dict.fromkeys(f for f in fields if f):
+        names = [h for h, f in zip(header, fields) if f == ours]
+        if len(names) > 1:
+            what = next(k for k, v in _FIELDS.items() if v == ours)
+            both = "both" if len(names) == 2 else "all"
+            raise ValueError(f"{where}: columns {', '.join(map(repr, names))} {both} name the {what}: say which one, "
+                             f"columns={{{what!r}: {names[0]!r}}} (--data.init_args.columns)")
+
+
 def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = ()) -> str:
     """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
     `string_fields` hold string ids, any text."""
@@ -311,11 +322,9 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
 
     schema = pq.read_schema(path)
     header_names = _header_map(columns)
-    ours = {}
-    for name in schema.names:
-        mapped = header_names.get(name.strip().lower())
-        if mapped and mapped not in ours:
-            ours[mapped] = name
+    fields = [header_names.get(name.strip().lower()) for name in schema.names]
+    _refuse_ambiguous(str(path), schema.names, fields)
+    ours = {mapped: name for name, mapped in zip(schema.names, fields) if mapped}
     missing = [n for n in ("user_id", "item_id") if n not in ours]
     if missing:
         raise ValueError(f"{path}: no column for {missing} among {schema.names[:8]}: name the columns user (or userId, "
@@ -406,6 +415,8 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
         header_names = _header_map(columns)
         column_names = [header_names.get(h.strip().strip('"').split(":")[0].lower(), f"_unused{i}")
                         for i, h in enumerate(header)]
+        _refuse_ambiguous(f"{path}:1", [h.strip().strip('"') for h in header],
+                          [n if not n.startswith("_unused") else None for n in column_names])
         missing = [n for n in names[:3] if n not in column_names]
         if missing:
             raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
@@ -790,8 +801,15 @@ class InteractionDataset(Dataset):
         # an item absent from training has frequency 0; clamp so log q stays finite (it is never in a batch)
         self.log_q_I = torch.log(counts_I.clamp(min=1) / max(item_N.shape[0], 1)).float()
         self.num_negatives = num_negatives
-        self._pairs_sorted = torch.sort(user_N * num_items + item_N).values
+        self._pairs_sorted = torch.unique(user_N * num_items + item_N)  # sorted; each seen (user, item) once
         self._seed_key = (seed + 7).to_bytes(8, "little", signed=True)
+        if num_negatives:
+            seen_U = torch.bincount(self._pairs_sorted // num_items)
+            full = int((seen_U >= num_items).sum())
+            if full:
+                warnings.warn(f"{full} training users interacted with every one of the {num_items} items: BPR has "
+                              f"no unseen item to draw as their negative, so their pairs train against a seen one. "
+                              f"Drop those users, or use loss='softmax' (num_negatives=0)", UserWarning, stacklevel=2)
 
     def __len__(self) -> int:
         return self.user_N.shape[0]
@@ -807,16 +825,33 @@ class InteractionDataset(Dataset):
         digest = hashlib.blake2b(idx_B.numpy().tobytes(), digest_size=8, key=self._seed_key).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
+    def _seen(self, user_B: Tensor, item_B: Tensor) -> Tensor:
+        key_B = user_B * self.num_items + item_B
+        pos = torch.searchsorted(self._pairs_sorted, key_B).clamp(max=self._pairs_sorted.numel() - 1)
+        return self._pairs_sorted[pos] == key_B
+
+    def _unseen_item(self, user: int, gen: torch.Generator) -> int:
+        """An item drawn uniformly among those `user` has not seen, exactly (any item if it has seen all)."""
+        lo, hi = torch.searchsorted(self._pairs_sorted, torch.tensor([user, user + 1]) * self.num_items).tolist()
+        seen = self._pairs_sorted[lo:hi] - user * self.num_items  # sorted
+        if seen.numel() >= self.num_items:
+            return int(torch.randint(self.num_items, (1,), generator=gen))  # none unseen (warned at construction)
+        r = torch.randint(self.num_items - seen.numel(), (1,), generator=gen)
+        # the r-th unseen item is r plus the seen items at or below it: seen[j] - j counts the unseen below seen[j]
+        return int(r + torch.searchsorted(seen - torch.arange(seen.numel()), r, right=True))
+
     def _negatives(self, user_B: Tensor, idx_B: Tensor) -> Tensor:
         gen = self._batch_generator(idx_B)
         neg_B = torch.randint(self.num_items, user_B.shape, generator=gen)
         for _ in range(10):  # redraw the ones the user has (few: ml-100k users hold ~6% of items)
-            key_B = user_B * self.num_items + neg_B
-            pos = torch.searchsorted(self._pairs_sorted, key_B).clamp(max=self._pairs_sorted.numel() - 1)
-            seen_B = self._pairs_sorted[pos] == key_B
+            seen_B = self._seen(user_B, neg_B)
             if not bool(seen_B.any()):
-                break
+                return neg_B
             neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=gen), neg_B)
+        # still seen after 10 draws (a user who has seen most items; the last draw was never checked): drawn
+        # among the unseen items exactly, which keeps the negative uniform over them
+        for j in self._seen(user_B, neg_B).nonzero().flatten().tolist():
+            neg_B[j] = self._unseen_item(int(user_B[j]), gen)
         return neg_B
 
     def __getitems__(self, indices: Sequence[int]) -> RetrievalBatch:
@@ -1180,14 +1215,9 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
-        # sharded here in a Trainer too: Lightning's own DistributedSampler (which it puts in when the loader has
-        # none) is seeded by seed_everything, so at 2 ranks `seed` no longer set the shuffle order; Lightning keeps
-        # a DistributedSampler it finds
-        loader = make_batch_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
-                                   drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                   pin_memory=self.pin_memory,
-                                   shard_by_rank=self.trainer is None or self.trainer.world_size > 1)
-        return follow_fit_loop(loader, self.trainer)
+        return make_train_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
+                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
+                                 pin_memory=self.pin_memory, trainer=self.trainer)
 
     def val_dataloader(self):
         loaders = [self._ranking_loader(split) for split in self.eval_split_names()]

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import Batch, follow_fit_loop, make_batch_loader, make_eval_loader
+from lightning_rec.data.batch import Batch, make_eval_loader, make_train_loader
 from lightning_rec.data.criteo import _resolve_num_embeddings
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -225,13 +225,13 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         if split != "train":  # every row once at any world size (Lightning's DistributedSampler repeats some)
             return make_eval_loader(self.datasets[split], self.val_batch_size, num_workers=self.num_workers,
                                     pin_memory=self.pin_memory)
-        return make_batch_loader(
-            self.datasets[split], self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last, seed=self.seed,
-            num_workers=self.num_workers, pin_memory=self.pin_memory,
-        )
+        return make_train_loader(self.datasets[split], self.batch_size, shuffle=self.shuffle,
+                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
+                                 pin_memory=self.pin_memory, trainer=self.trainer,
+                                 shard_outside_trainer=False)  # a hand loop seeds each rank's rows itself
 
     def train_dataloader(self) -> DataLoader:
-        return follow_fit_loop(self._loader("train"), self.trainer)
+        return self._loader("train")
 
     def val_dataloader(self) -> DataLoader | list:
         # num_val_samples=0: an empty list tells Lightning there is no validation loop

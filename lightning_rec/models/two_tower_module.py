@@ -17,6 +17,7 @@ ones marked.
 
 from __future__ import annotations
 
+import hashlib
 import resource
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import lightning.pytorch as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
@@ -38,6 +40,9 @@ from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_
 # reduce over ranks is then the identity with "max" (exact, where a mean of 3 equal floats may round),
 # and logging them as synced stops Lightning's "use sync_dist=True" warning, one per metric, at >1 rank.
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
+_DATALOADERS_ONLY = ("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was given "
+                     "dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) (fit, test and "
+                     "predict alike), or call module.embed_catalog(dm) yourself")
 
 
 class TwoTowerModule(RecModuleHooks, L.LightningModule):
@@ -66,6 +71,10 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         predict_top_k: items per user that `predict` writes (None: max(ks)).
         embedding_device: "cpu" (tables drawn here, then moved or sharded) or "meta" (no values until
             Trainer(strategy="rec") shards them, each shard drawn where it lives), as DLRMModule's.
+        item_ids_digest: which item each row of the item tables is (a digest of the data module's `item_ids`, row i
+            = item_ids[i]); None: taken from the data module when the trainer sets the model up, and kept in the
+            checkpoint and export. Evaluation and prediction refuse a data module whose item ids differ (another
+            data snapshot of the same item count would map the rows to other items, silently).
 
     Predict (`lightning-rec predict`, `trainer.predict`): every user of the data module's predict split (MovieLens:
     the test split's users, every user) gets its top predict_top_k items among those it has not seen (in training
@@ -100,6 +109,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         predict_top_k: int | None = None,
         empty_target_action: str = "skip",
         embedding_device: str = "cpu",
+        item_ids_digest: str | None = None,
     ) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
@@ -130,6 +140,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         self._item_emb_ID: Tensor | None = None
         # set here as well as per epoch: a hand-written loop calls training_step without the Trainer's hooks
         self._samples, self._epoch_start = 0, time.perf_counter()
+        self._warned_one_pair = False
         if user_num_embeddings is not None and item_num_embeddings is not None:
             self._build(dict(user_num_embeddings), dict(item_num_embeddings))
 
@@ -179,6 +190,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
 
     def configure_model(self) -> None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None:
+            self._check_item_ids(datamodule)
         if datamodule is not None and callable(getattr(datamodule, "eval_split_names", None)):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
@@ -190,6 +203,43 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             raise ValueError("TwoTowerModule needs its table sizes: pass user_num_embeddings and item_num_embeddings "
                              "({feature: rows}), or train with a data module that has them (MovieLensDataModule)")
         self._build(dict(datamodule.user_num_embeddings), dict(datamodule.item_num_embeddings))
+
+    def _check_item_ids(self, datamodule) -> None:
+        """Keep the data module's item ids' digest (the first time), or refuse other ids than the model's."""
+        digest = _item_ids_digest(datamodule)
+        if digest is None:  # a data module without item ids: rows are positions
+            return
+        self._same_items(self.hparams.get("item_ids_digest"), digest, "the data module's item ids")
+        if self.hparams.get("item_ids_digest") is None:
+            self.hparams.item_ids_digest = digest
+            initial = getattr(self, "_hparams_initial", None)
+            if initial is not None:  # the loggers' copy, as the table sizes
+                initial["item_ids_digest"] = digest
+
+    @staticmethod
+    def _same_items(model: str | None, data: str | None, what: str) -> None:
+        if model is not None and data is not None and model != data:
+            raise ValueError(
+                f"{what} are not the items this model was trained on: row i of its item table is item_ids[i] of its "
+                f"training data (item_ids_digest {model!r}), but these give {data!r} (digest 'count:hash'). Another "
+                f"snapshot or filter (min_rating, ...) of the data maps the rows to other items: evaluate and predict "
+                f"with the data the model was trained on, or train again on this one")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        # trainer.fit/validate/predict(module, dm, ckpt_path=...): the module's digest came from dm (configure_model)
+        saved = (checkpoint.get("hyper_parameters") or {}).get("item_ids_digest")
+        self._same_items(saved, self.hparams.get("item_ids_digest"), "the data module's item ids")
+        if saved is not None:
+            self.hparams.item_ids_digest = saved
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        trainer = self.trainer
+        if stage == "fit" and trainer.datamodule is None and trainer.limit_val_batches != 0 \
+                and trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():
+            # said now: it failed at the first validation, after a whole epoch of training
+            raise ValueError(_DATALOADERS_ONLY)
 
     def _need_model(self) -> TwoTower:
         if self.model is None:
@@ -218,6 +268,13 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 raise ValueError("loss='softmax' takes its negatives from the batch's other items, but the batches "
                                  "carry sampled negatives it would never use: set the data module's num_negatives=0 "
                                  "(or loss='bpr' to train on them)")
+            if len(batch) == 1 and not self._warned_one_pair:
+                # softmax over its only item: loss 0 and no gradient, a step that trains nothing, in silence
+                self._warned_one_pair = True
+                rank_zero_warn("loss='softmax' got a batch of 1 pair: its negatives are the batch's other items, so "
+                               "its loss is 0 and it trains nothing. Use the data module's batch_size >= 2 (and "
+                               "drop_last=True if only the last batch is that short), or loss='bpr' with "
+                               "num_negatives=1")
             log_q = batch.item_log_q if hp.logq_correction else None
             loss = in_batch_softmax_loss(user_BD, item_BD, batch.item_index, log_q, hp.temperature)
         self.log_train_loss(loss, batch_size=len(batch))
@@ -263,9 +320,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             datamodule = getattr(self._trainer, "datamodule", None)
         if datamodule is None and self._trainer is not None:
             # (it said "or call it inside trainer.fit/validate/predict" to a user inside trainer.validate)
-            raise ValueError("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was "
-                             "given dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) "
-                             "(fit, test and predict alike), or call module.embed_catalog(dm) yourself")
+            raise ValueError(_DATALOADERS_ONLY)
         if datamodule is None:
             raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
                              "module.embed_catalog(dm) (set up, e.g. MovieLensDataModule after dm.setup()), or call it "
@@ -274,6 +329,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             raise ValueError(f"full-ranking evaluation needs the item catalogue, but {type(datamodule).__name__} has "
                              f"no item_catalog(): use a data module with item_catalog() and num_items "
                              f"(MovieLensDataModule)")
+        self._same_items(self.hparams.get("item_ids_digest"), _item_ids_digest(datamodule),
+                         f"{type(datamodule).__name__}'s item ids")
         model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
         tower, was_training = model.item_tower, model.item_tower.training
@@ -389,6 +446,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         dense = (DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
                  if params else None)
         return self.fused_rate_from_hparams(combined_optimizer(model, dense))
+
+
+def _item_ids_digest(datamodule) -> str | None:
+    """'count:hash' of the data module's `item_ids` (row i's own id), or None where it has none."""
+    ids = getattr(datamodule, "item_ids", None)
+    if ids is None:
+        return None
+    ids = np.asarray(ids)
+    data = "\0".join(ids.tolist()).encode() if ids.dtype.kind == "U" else ids.astype(np.int64).tobytes()
+    return f"{len(ids)}:{hashlib.sha256(data).hexdigest()[:16]}"
 
 
 def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | np.ndarray | None:
