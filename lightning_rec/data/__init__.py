@@ -5,6 +5,7 @@ from lightning_rec.data.batch import (
     StatefulBatchLoader,
     make_batch_loader,
     make_stream_loader,
+    make_train_loader,
     passthrough_collate,
 )
 from lightning_rec.data.criteo import (
@@ -56,6 +57,7 @@ __all__ = [
     "make_batch_loader",
     "make_criteo_batch",
     "make_stream_loader",
+    "make_train_loader",
     "passthrough_collate",
     "preprocess_criteo",
     "read_criteo",
