@@ -1014,7 +1014,7 @@ def _unwrapped(name: str) -> str:
 
 
 def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:
-    """This rank's dataloader state from a DCP checkpoint's Lightning dict (None: start the epoch over)."""
+    """This rank's dataloader state from a checkpoint's Lightning dict, either format (None: start the epoch over)."""
     info = meta.get("lightning_rec", {})
     states = info.get("loader_states")
     if states is None:

@@ -541,8 +541,13 @@ class RecStrategy(DDPStrategy):
         # every rank's generators (collective): a resumed run draws what the uninterrupted one would have
         rng = rec_checkpoint.rng_state()
         if self._checkpoint_format != "dcp":
-            rng_states = rec_checkpoint._all_gather_object(rng, self._dmp)
-            checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class, "rng_states": rng_states}
+            # every rank's loader position too: a data module's sampler is each rank's own (its rank is in the
+            # position's fingerprint), so rank 0's position would make every other rank start its epoch over
+            loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+            per_rank = rec_checkpoint._all_gather_object((rng, loops.get("combined_loader")), self._dmp)
+            checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class,
+                                           "rng_states": [r for r, _ in per_rank],
+                                           "loader_states": [state for _, state in per_rank]}
             if (storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO
                     and rec_checkpoint.is_local_path(filepath)):
                 if self.is_global_zero:  # straight to disk: Lightning's writer buffers the file in memory twice
@@ -564,11 +569,13 @@ class RecStrategy(DDPStrategy):
             meta = rec_checkpoint.read_lightning_state(checkpoint_path)
         if not self.lightning_module.trainer.training:  # validate / test / predict: nothing to resume
             return meta
-        if rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
+        if rec_checkpoint.is_dcp_checkpoint(checkpoint_path) or "loader_states" in (meta.get("lightning_rec") or {}):
             state = rec_checkpoint.loader_state_for_rank(meta, self.global_rank, self.world_size)
+            loops = meta.setdefault("loops", {}).setdefault("fit_loop", {}).setdefault("state_dict", {})
             if state is not None:
-                meta.setdefault("loops", {}).setdefault("fit_loop", {}).setdefault("state_dict", {})[
-                    "combined_loader"] = state
+                loops["combined_loader"] = state
+            else:  # another world size (said once above): a gathered file's rank-0 position is no rank's here
+                loops.pop("combined_loader", None)
         # before the loaders start (each pass's iterator leaves the global generator as it found it: data/batch.py)
         rng = rec_checkpoint.rng_state_for_rank(meta, self.global_rank, self.world_size)
         if rng is not None:
