@@ -6,7 +6,7 @@ N_p ids sent to rank p.
     features (B samples, this rank)
       | route_ids (sharding/ids.py): bucketize, remap, group by destination
       v
-    all-to-all #1  counts   [W, 3]  (B, N_p, error flag) to every rank p: tiny, equal splits
+    all-to-all #1  counts   [W, 3]  (B, N_p, flags) to every rank p: tiny, equal splits
     all-to-all #2  payload  per p: lengths [S_p x B] + ids [N_p]  (int64, one buffer)
     all-to-all #3  weights  per p: [N_p]          (weighted collections only; runs with #2)
       | to_key_major (sharding/ids.py)
@@ -15,7 +15,9 @@ N_p ids sent to rank p.
 
 The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
 error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
-(nobody hangs). Ids carry no gradient, so this stage needs no backward.
+(nobody hangs). The flags word also says whether a rank's per-id weights require a gradient
+(learned weights): every rank sees every rank's flag, so all decide alike (see `_weight_grad`).
+Ids carry no gradient, so this stage needs no backward.
 
 Ranks of one CPU host use shared memory instead (shm_transport.py): #1-#3 become one exchange,
 since there a piece carries its own sizes ([B, N_p, error flag] first, then lengths, ids, weights).
@@ -34,10 +36,16 @@ from lightning_rec.collective_guard import CollectiveMismatch, GuardedWork, guar
 from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.types import ShardingType
 
 
 class BatchRejected(ValueError):
     """Another rank's batch failed validation; this rank stops before any payload moves."""
+
+
+# the flags word of the counts exchange (shared memory: the third int64 of each piece's head)
+REJECTED = 1  # this rank's batch failed validation: no payload follows
+WEIGHT_GRAD = 2  # this rank's per-id weights require a gradient
 
 
 @dataclass
@@ -137,11 +145,12 @@ class KJTAllToAll:
                  weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
+        grad = weighted and routed is not None and routed.weights_N is not None and routed.weights_N.requires_grad
         if self.world_size == 1:
             exchange = self._exchange_self
         else:
             exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
-        B_src, N_src, lengths_src, values_src, recv_w, bad = exchange(routed, B, weighted)
+        B_src, N_src, lengths_src, values_src, recv_w, bad, grad_ranks = exchange(routed, B, weighted, grad)
         if bad:
             if error is not None:
                 raise ValueError(error)
@@ -149,6 +158,8 @@ class KJTAllToAll:
                 f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
                 f"ranks); this rank stopped too, nothing was sent or updated"
             )
+        if grad_ranks:
+            self._weight_grad(grad_ranks)
         sequence = not self.routing.pooled
         if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
             lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
@@ -162,35 +173,50 @@ class KJTAllToAll:
                           positions_N=pos)
         return local, ctx
 
-    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool):
+    def _weight_grad(self, grad_ranks: list[int]) -> None:
+        """Some rank's per-id weights require a gradient; every rank gets here with the same `grad_ranks`."""
+        tables = [f"'{t}' ({ps.sharding_type})" for t, ps in self.routing.table_shardings.items()
+                  if ps.sharding_type != ShardingType.DATA_PARALLEL]
+        raise ValueError(
+            f"rank(s) {grad_ranks} passed per-id weights that require a gradient (learned weights, e.g. TorchRec's "
+            f"PositionWeightedModule) to a sharded EmbeddingBagCollection whose tables {', '.join(tables)} are not "
+            f"data_parallel: their weights' gradient does not travel back through the id all-to-all, so the weights "
+            f"would not train. Plan those tables data_parallel (their weights keep their gradient), or pass "
+            f"weights.detach() if they are not meant to train; every rank stopped, nothing was updated"
+        )
+
+    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
-        counts read made the host wait for the device: no launch ahead of the kernels)."""
+        counts read made the host wait for the device: no launch ahead of the kernels). The weights keep their
+        autograd (no all-to-all between them and the lookup), so a gradient needs no agreement."""
         if routed is None:
-            return None, None, None, None, None, [self.rank]
+            return None, None, None, None, None, [self.rank], []
         values = routed.values_N.long()
         recv_w = None
         if weighted:
             recv_w = routed.weights_N.float() if routed.weights_N is not None else \
                 torch.ones(values.numel(), device=values.device)
-        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, []
+        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], []
 
-    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool):
+    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """Through the process group: counts first (they size the receive buffers), then the payload."""
         W, S = self.world_size, self.routing.rank_sf_counts
         counts_send = torch.zeros(W, 3, dtype=torch.long)
         if routed is None:
-            counts_send[:, 2] = 1
+            counts_send[:, 2] = REJECTED
         else:
             counts_send[:, 0] = B
             counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
+            counts_send[:, 2] = WEIGHT_GRAD if grad else 0
         counts_send = counts_send.to(self.device)
         counts_recv = torch.empty_like(counts_send)
         all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s,
                    host_reads=True)
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
-        bad = [r for r, c in enumerate(counts) if c[2]]
+        bad = [r for r, c in enumerate(counts) if c[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad
+            return None, None, None, None, None, bad, []
+        grad_ranks = [r for r, c in enumerate(counts) if c[2] & WEIGHT_GRAD]
         B_src = [c[0] for c in counts]
         N_src = [c[1] for c in counts]
 
@@ -223,19 +249,19 @@ class KJTAllToAll:
         parts = recv.split(out_splits)
         lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
         values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
-        return B_src, N_src, lengths_src, values_src, recv_w, []
+        return B_src, N_src, lengths_src, values_src, recv_w, [], grad_ranks
 
-    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool):
+    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
 
-        Piece for rank p, int64: [B, N_p, rejected], lengths [S_p x B], ids [N_p]; then float32
-        weights [N_p] when weighted. A rank whose batch failed sends [0, 0, 1] alone, and every rank
-        sees that flag in the piece addressed to it.
+        Piece for rank p, int64: [B, N_p, flags], lengths [S_p x B], ids [N_p]; then float32
+        weights [N_p] when weighted. A rank whose batch failed sends [0, 0, REJECTED] alone, and every
+        rank sees that flag in the piece addressed to it.
         """
         W, S = self.world_size, self.routing.rank_sf_counts
         sends = []
         if routed is None:
-            sends = [torch.tensor([0, 0, 1], dtype=torch.long)] * W
+            sends = [torch.tensor([0, 0, REJECTED], dtype=torch.long)] * W
         else:
             lengths = routed.lengths_SB.long()
             values = routed.values_N.long()
@@ -245,7 +271,8 @@ class KJTAllToAll:
             l0, v0 = 0, 0
             for p in range(W):
                 n_l, n_v = S[p] * B, routed.ids_per_rank[p]
-                parts = [torch.tensor([B, n_v, 0], dtype=torch.long), lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
+                head = torch.tensor([B, n_v, WEIGHT_GRAD if grad else 0], dtype=torch.long)
+                parts = [head, lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
                 if weights is not None:
                     parts.append(weights[v0 : v0 + n_v])
                 sends.append(Writer(sum(t.numel() * t.element_size() for t in parts), _pack(parts)))
@@ -255,9 +282,10 @@ class KJTAllToAll:
         except RuntimeError as e:
             raise collective_error("id all-to-all", e, self.timeout_s, self.pg) from e
         heads = [raw[:24].view(torch.long).tolist() for raw in received]
-        bad = [r for r, h in enumerate(heads) if h[2]]
+        bad = [r for r, h in enumerate(heads) if h[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad
+            return None, None, None, None, None, bad, []
+        grad_ranks = [r for r, h in enumerate(heads) if h[2] & WEIGHT_GRAD]
         S_me = S[self.rank]
         B_src, N_src = [h[0] for h in heads], [h[1] for h in heads]
         lengths_src, values_src, weights_src = [], [], []
@@ -268,7 +296,7 @@ class KJTAllToAll:
             if weighted:
                 weights_src.append(raw[8 * (3 + S_me * b + n) :].view(torch.float32))
         recv_w = torch.cat(weights_src) if weighted else None  # cat: copies out of shared memory
-        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, []
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], grad_ranks
 
     def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
         key = tuple(batch_per_source)

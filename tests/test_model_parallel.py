@@ -730,3 +730,29 @@ def test_named_parameters_are_the_models_own_names():
     assert buffers == model_buffers == ["seen"]
     assert prefixed == [f"m.{n}" for n in params]
     assert set(params + buffers) <= set(state) and same_count
+
+
+def _learned_weights_worker(rank, W, shared_memory):
+    """Per-id weights that require a gradient (learned, as TorchRec's PositionWeightedModule makes) on rank 0 only."""
+    config = FusedOptimizerConfig("sgd", lr=0.1)
+    texts = []
+    for kind in ["table_wise", "row_wise", "column_wise"]:
+        torch.manual_seed(0)
+        model = PooledModel(EmbeddingBagCollection(_tables("sum"), is_weighted=True, optimizer=config))
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, _plan(kind, W, W), world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=20, shared_memory=shared_memory)
+        batch = _batch(rank, 0, True)
+        if rank == 0:
+            batch = KeyedJaggedTensor.from_lengths_sync(KEYS, batch.values(), batch.lengths(),
+                                                        weights=batch.weights().requires_grad_())
+        # the weights got no gradient (w.grad None) and silently did not train; now every rank refuses the batch
+        texts.append(_expect_error(lambda: dmp(batch), "rank(s) [0]",  # noqa: B023 (called right here) "require a gradient", "data_parallel",
+                                   "detach"))
+        dmp(_batch(rank, 1, True)).sum().backward()  # weights without a gradient: as before, no hang
+    return texts
+
+
+@pytest.mark.parametrize("shared_memory", [None, False])
+def test_learned_weights_on_sharded_tables_are_refused_on_every_rank(shared_memory):
+    texts = run_ranks(_learned_weights_worker, 2, shared_memory, timeout=120)
+    assert all("'t0'" in t for t in texts[1])
