@@ -16,8 +16,13 @@ N_p ids sent to rank p.
 The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
 error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
 (nobody hangs). The flags word also says whether a rank's per-id weights require a gradient
-(learned weights): every rank sees every rank's flag, so all decide alike (see `_weight_grad`).
-Ids carry no gradient, so this stage needs no backward.
+(learned weights, e.g. TorchRec's PositionWeightedModule): every rank sees every rank's flag, so all
+decide alike whether the weights' backward runs. Only then does this stage have a backward:
+
+    all-to-all #4  weight gradients  owner p -> source r: [N_r] per id p received from r  (backward)
+
+Every rank takes part (a rank whose own weights need none sends and drops zeros). Ids carry no
+gradient; without learned weights there is no backward and no extra collective.
 
 Ranks of one CPU host use shared memory instead (shm_transport.py): #1-#3 become one exchange,
 since there a piece carries its own sizes ([B, N_p, error flag] first, then lengths, ids, weights).
@@ -33,10 +38,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.collective_guard import CollectiveMismatch, GuardedWork, guard_of
-from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
+from lightning_rec.sharding.ids import (
+    RoutedIds,
+    RouteTables,
+    key_major_permutation,
+    route_ids,
+    to_key_major,
+    to_source_major,
+)
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
-from lightning_rec.types import ShardingType
 
 
 class BatchRejected(ValueError):
@@ -58,6 +69,7 @@ class DistContext:
     routed: RoutedIds | None  # what this rank sent (sequence outputs come back in this order)
     positions_N: Tensor | None = None  # sequence: source-major position of each key-major id
     lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
+    weights_grad: bool = False  # some rank's weights require a gradient: every rank runs the weights' backward
 
 
 def collective_error(what: str, err: Exception, timeout_s: float | None, pg=None) -> RuntimeError:
@@ -126,14 +138,34 @@ def _pack(parts: list[Tensor]):
     return fill
 
 
+class _WeightsBackward(torch.autograd.Function):
+    """Forward: the received weights, as they came (with the ids). Backward: their gradient goes back to the
+    ranks that sent them, in the order each sent them (`sent`'s)."""
+
+    @staticmethod
+    def forward(ctx, weights_km: Tensor, sent: Tensor, a2a: KJTAllToAll, perm: Tensor | None, lengths_src: Tensor,
+                N_src: list[int], ids_per_rank: list[int]) -> Tensor:
+        ctx.a2a, ctx.perm, ctx.lengths_src, ctx.N_src, ctx.ids_per_rank = a2a, perm, lengths_src, N_src, ids_per_rank
+        return weights_km.clone()
+
+    @staticmethod
+    def backward(ctx, grad_km: Tensor):
+        grad_km = grad_km.float().contiguous()
+        grad_src = to_source_major(ctx.perm, ctx.lengths_src, grad_km) if ctx.perm is not None else grad_km
+        return None, ctx.a2a.send_weights_grad(grad_src, ctx.N_src, ctx.ids_per_rank), None, None, None, None, None
+
+
 class KJTAllToAll:
     """Sends each rank the ids its shards own; returns this rank's key-major local KJT."""
 
     def __init__(self, tables: RouteTables, pg, rank: int, device: torch.device,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, backward_pg=None) -> None:
         self.tables = tables
         self.routing = tables.routing
         self.pg = pg
+        # the weights' backward runs in the step's backward, beside the output dist's: on the model's channel even
+        # when a pipeline routed the ids over its own
+        self.backward_pg = pg if backward_pg is None else backward_pg
         self.rank = rank
         self.world_size = self.routing.world_size
         self.device = device
@@ -158,32 +190,46 @@ class KJTAllToAll:
                 f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
                 f"ranks); this rank stopped too, nothing was sent or updated"
             )
-        if grad_ranks:
-            self._weight_grad(grad_ranks)
         sequence = not self.routing.pooled
         if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
             lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
             pos = torch.arange(values_src.numel(), device=values_src.device) if sequence else None
+            perm = None
         else:
             perm = self._permutation(self.routing.rank_sf_counts[self.rank], B_src)
             lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
+        if grad_ranks:  # every rank: the same list came to all
+            weights_km = self._with_weights_backward(routed, weights_km, perm, lengths_src, N_src)
         local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
                                   stride=sum(B_src), _validate=False)
         ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
-                          positions_N=pos)
+                          positions_N=pos, weights_grad=bool(grad_ranks))
         return local, ctx
 
-    def _weight_grad(self, grad_ranks: list[int]) -> None:
-        """Some rank's per-id weights require a gradient; every rank gets here with the same `grad_ranks`."""
-        tables = [f"'{t}' ({ps.sharding_type})" for t, ps in self.routing.table_shardings.items()
-                  if ps.sharding_type != ShardingType.DATA_PARALLEL]
-        raise ValueError(
-            f"rank(s) {grad_ranks} passed per-id weights that require a gradient (learned weights, e.g. TorchRec's "
-            f"PositionWeightedModule) to a sharded EmbeddingBagCollection whose tables {', '.join(tables)} are not "
-            f"data_parallel: their weights' gradient does not travel back through the id all-to-all, so the weights "
-            f"would not train. Plan those tables data_parallel (their weights keep their gradient), or pass "
-            f"weights.detach() if they are not meant to train; every rank stopped, nothing was updated"
-        )
+    def _with_weights_backward(self, routed: RoutedIds, weights_km: Tensor, perm: Tensor, lengths_src: Tensor,
+                               N_src: list[int]) -> Tensor:
+        """`weights_km` whose gradient goes back to the ranks that sent the weights (all-to-all #4)."""
+        sent = routed.weights_N
+        if sent is None or not sent.requires_grad:
+            # this rank's weights train nothing, but the others wait for it in the backward exchange
+            sent = torch.zeros(sum(routed.ids_per_rank), device=weights_km.device, requires_grad=True)
+        return _WeightsBackward.apply(weights_km, sent.float(), self, perm, lengths_src, N_src,
+                                      list(routed.ids_per_rank))
+
+    def send_weights_grad(self, grad_src: Tensor, N_src: list[int], ids_per_rank: list[int]) -> Tensor:
+        """Backward all-to-all #4: [N_r] to each source r -> this rank's [sum N_p], in the order it sent them."""
+        what = "id weights gradient all-to-all (backward)"
+        pg = self.backward_pg
+        if isinstance(pg, SharedMemoryGroup):
+            try:
+                received = pg.exchange(list(grad_src.split(N_src)), tag=what)
+            except RuntimeError as e:
+                raise collective_error(what, e, self.timeout_s, pg) from e
+            return torch.cat([raw.view(torch.float32) for raw in received])
+        out = grad_src.new_empty(sum(ids_per_rank))
+        work = all_to_all(pg, out, grad_src, ids_per_rank, N_src, what, self.timeout_s, async_op=True)
+        wait(work, what, self.timeout_s)
+        return out
 
     def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
@@ -237,7 +283,7 @@ class KJTAllToAll:
                              async_op=True)
         recv_w = None
         if weighted:
-            weights = routed.weights_N
+            weights = routed.weights_N.detach() if routed.weights_N is not None else None  # #4 is their backward
             if weights is None:
                 weights = torch.ones(values.numel(), device=values.device)
             recv_w = weights.new_empty(sum(N_src))
@@ -267,7 +313,8 @@ class KJTAllToAll:
             values = routed.values_N.long()
             weights = None
             if weighted:
-                weights = routed.weights_N.float() if routed.weights_N is not None else torch.ones(values.numel())
+                weights = routed.weights_N.detach().float() if routed.weights_N is not None else \
+                    torch.ones(values.numel())
             l0, v0 = 0, 0
             for p in range(W):
                 n_l, n_v = S[p] * B, routed.ids_per_rank[p]

@@ -126,6 +126,23 @@ class ReplicaKernel:
         return self._lr
 
 
+class _Tie(torch.autograd.Function):
+    """`out` as it is; `t` gets a zero gradient when `out` gets one (puts `t`'s backward in the graph)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, t: Tensor) -> Tensor:
+        ctx.shape, ctx.dtype = t.shape, t.dtype
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+
+
+def _tie(out: Tensor, t: Tensor) -> Tensor:
+    return _Tie.apply(out, t)
+
+
 def _configs(module) -> list:
     if isinstance(module, EmbeddingBagCollection):
         return module.embedding_bag_configs()
@@ -207,11 +224,16 @@ class _ShardedCollectionBase(nn.Module):
 
     def ids_all_to_all(self, comm) -> KJTAllToAll:
         """This collection's id all-to-all over another channel `comm` (a process group or SharedMemoryGroup)."""
-        return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s)
+        return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s,
+                           backward_pg=self._env.comm)
 
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
         owned = self._lookup(batch.routed, checked=self.validate_ids) if self._lookup is not None else []
+        if batch.ctx.weights_grad and self._lookup is None:
+            # No shard here reads the learned weights, yet every other rank waits for this one in their backward
+            # exchange: tie them to the output, which every rank's backward reaches.
+            owned = [_tie(self._join_owned(owned, batch), batch.routed.weights())]
         replicated = self._replicas(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
 
