@@ -177,7 +177,9 @@ class KJTAllToAll:
                  weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
-        grad = weighted and routed is not None and routed.weights_N is not None and routed.weights_N.requires_grad
+        # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come
+        grad = (weighted and routed is not None and routed.weights_N is not None and routed.weights_N.requires_grad
+                and torch.is_grad_enabled())
         if self.world_size == 1:
             exchange = self._exchange_self
         else:
