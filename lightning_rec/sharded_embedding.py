@@ -208,9 +208,21 @@ class _ShardedCollectionBase(nn.Module):
                 return ready
         return self.route(features, self._ids_a2a)
 
-    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll) -> ShardedBatch:
-        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py)."""
+    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
+        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py).
+
+        `ahead`: the pipeline's feeder routes a batch before its step, outside autograd.
+        """
         ordered, error = self._validate(features)
+        if ahead and error is None and self._is_weighted and features.weights_or_none() is not None \
+                and features.weights().requires_grad:
+            # Routed outside autograd their gradient would be lost (the plain loop gives one); an error, so every
+            # rank agrees in the counts exchange and raises (nobody hangs)
+            error = (f"the batch's KeyedJaggedTensor for sharded {self._kind()} (features {self._feature_names}) "
+                     f"has per-id weights that require a gradient (learned weights), but the pipeline routes "
+                     f"batches ahead of their step, outside autograd, so those weights would not train: compute "
+                     f"learned weights inside the model's forward (that collection then routes in the step, and "
+                     f"they train), or pass weights.detach() in the batch")
         routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
         replicated = None
         if self._dp_features:
