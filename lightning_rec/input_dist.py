@@ -21,11 +21,13 @@ decide alike whether the weights' backward runs. Only then does this stage have 
 
     all-to-all #4  weight gradients  owner p -> source r: [N_r] per id p received from r  (backward)
 
-Every rank takes part (a rank whose own weights need none sends and drops zeros). Ids carry no
-gradient; without learned weights there is no backward and no extra collective.
+Every rank takes part: one whose own weights need no gradient still returns those it received and
+drops what comes back; one that holds no shard ties the weights to its (empty) output so its backward
+reaches the exchange (sharded_embedding.py). Ids carry no gradient; without learned weights there is
+no backward and no extra collective.
 
 Ranks of one CPU host use shared memory instead (shm_transport.py): #1-#3 become one exchange,
-since there a piece carries its own sizes ([B, N_p, error flag] first, then lengths, ids, weights).
+since there a piece carries its own sizes ([B, N_p, flags] first, then lengths, ids, weights).
 Only this file, output_dist.py and shm_transport.py call torch.distributed.
 """
 
