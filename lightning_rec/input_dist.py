@@ -6,7 +6,7 @@ N_p ids sent to rank p.
     features (B samples, this rank)
       | route_ids (sharding/ids.py): bucketize, remap, group by destination
       v
-    all-to-all #1  counts   [W, 3]  (B, N_p, error flag) to every rank p: tiny, equal splits
+    all-to-all #1  counts   [W, 3]  (B, N_p, flags) to every rank p: tiny, equal splits
     all-to-all #2  payload  per p: lengths [S_p x B] + ids [N_p]  (int64, one buffer)
     all-to-all #3  weights  per p: [N_p]          (weighted collections only; runs with #2)
       | to_key_major (sharding/ids.py)
@@ -15,10 +15,19 @@ N_p ids sent to rank p.
 
 The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
 error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
-(nobody hangs). Ids carry no gradient, so this stage needs no backward.
+(nobody hangs). The flags word also says whether a rank's per-id weights require a gradient
+(learned weights, e.g. TorchRec's PositionWeightedModule): every rank sees every rank's flag, so all
+decide alike whether the weights' backward runs. Only then does this stage have a backward:
+
+    all-to-all #4  weight gradients  owner p -> source r: [N_r] per id p received from r  (backward)
+
+Every rank takes part: one whose own weights need no gradient still returns those it received and
+drops what comes back; one that holds no shard ties the weights to its (empty) output so its backward
+reaches the exchange (sharded_embedding.py). Ids carry no gradient; without learned weights there is
+no backward and no extra collective.
 
 Ranks of one CPU host use shared memory instead (shm_transport.py): #1-#3 become one exchange,
-since there a piece carries its own sizes ([B, N_p, error flag] first, then lengths, ids, weights).
+since there a piece carries its own sizes ([B, N_p, flags] first, then lengths, ids, weights).
 Only this file, output_dist.py and shm_transport.py call torch.distributed.
 """
 
@@ -31,13 +40,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.collective_guard import CollectiveMismatch, GuardedWork, guard_of
-from lightning_rec.sharding.ids import RoutedIds, RouteTables, key_major_permutation, route_ids, to_key_major
+from lightning_rec.sharding.ids import (
+    RoutedIds,
+    RouteTables,
+    key_major_permutation,
+    route_ids,
+    to_key_major,
+    to_source_major,
+)
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
 class BatchRejected(ValueError):
     """Another rank's batch failed validation; this rank stops before any payload moves."""
+
+
+# the flags word of the counts exchange (shared memory: the third int64 of each piece's head)
+REJECTED = 1  # this rank's batch failed validation: no payload follows
+WEIGHT_GRAD = 2  # this rank's per-id weights require a gradient
 
 
 @dataclass
@@ -50,6 +71,7 @@ class DistContext:
     routed: RoutedIds | None  # what this rank sent (sequence outputs come back in this order)
     positions_N: Tensor | None = None  # sequence: source-major position of each key-major id
     lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
+    weights_grad: bool = False  # some rank's weights require a gradient: every rank runs the weights' backward
 
 
 def collective_error(what: str, err: Exception, timeout_s: float | None, pg=None) -> RuntimeError:
@@ -118,14 +140,34 @@ def _pack(parts: list[Tensor]):
     return fill
 
 
+class _WeightsBackward(torch.autograd.Function):
+    """Forward: the received weights, as they came (with the ids). Backward: their gradient goes back to the
+    ranks that sent them, in the order each sent them (`sent`'s)."""
+
+    @staticmethod
+    def forward(ctx, weights_km: Tensor, sent: Tensor, a2a: KJTAllToAll, perm: Tensor | None, lengths_src: Tensor,
+                N_src: list[int], ids_per_rank: list[int]) -> Tensor:
+        ctx.a2a, ctx.perm, ctx.lengths_src, ctx.N_src, ctx.ids_per_rank = a2a, perm, lengths_src, N_src, ids_per_rank
+        return weights_km.clone()
+
+    @staticmethod
+    def backward(ctx, grad_km: Tensor):
+        grad_km = grad_km.float().contiguous()
+        grad_src = to_source_major(ctx.perm, ctx.lengths_src, grad_km) if ctx.perm is not None else grad_km
+        return None, ctx.a2a.send_weights_grad(grad_src, ctx.N_src, ctx.ids_per_rank), None, None, None, None, None
+
+
 class KJTAllToAll:
     """Sends each rank the ids its shards own; returns this rank's key-major local KJT."""
 
     def __init__(self, tables: RouteTables, pg, rank: int, device: torch.device,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, backward_pg=None) -> None:
         self.tables = tables
         self.routing = tables.routing
         self.pg = pg
+        # the weights' backward runs in the step's backward, beside the output dist's: on the model's channel even
+        # when a pipeline routed the ids over its own
+        self.backward_pg = pg if backward_pg is None else backward_pg
         self.rank = rank
         self.world_size = self.routing.world_size
         self.device = device
@@ -137,11 +179,14 @@ class KJTAllToAll:
                  weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
+        # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come
+        grad = (weighted and routed is not None and routed.weights_N is not None and routed.weights_N.requires_grad
+                and torch.is_grad_enabled())
         if self.world_size == 1:
             exchange = self._exchange_self
         else:
             exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
-        B_src, N_src, lengths_src, values_src, recv_w, bad = exchange(routed, B, weighted)
+        B_src, N_src, lengths_src, values_src, recv_w, bad, grad_ranks = exchange(routed, B, weighted, grad)
         if bad:
             if error is not None:
                 raise ValueError(error)
@@ -153,44 +198,75 @@ class KJTAllToAll:
         if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
             lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
             pos = torch.arange(values_src.numel(), device=values_src.device) if sequence else None
+            perm = None
         else:
             perm = self._permutation(self.routing.rank_sf_counts[self.rank], B_src)
             lengths_km, values_km, weights_km, pos = to_key_major(perm, lengths_src, values_src, recv_w, sequence)
+        if grad_ranks:  # every rank: the same list came to all
+            weights_km = self._with_weights_backward(routed, weights_km, perm, lengths_src, N_src)
         local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
                                   stride=sum(B_src), _validate=False)
         ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
-                          positions_N=pos)
+                          positions_N=pos, weights_grad=bool(grad_ranks))
         return local, ctx
 
-    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool):
+    def _with_weights_backward(self, routed: RoutedIds, weights_km: Tensor, perm: Tensor, lengths_src: Tensor,
+                               N_src: list[int]) -> Tensor:
+        """`weights_km` whose gradient goes back to the ranks that sent the weights (all-to-all #4)."""
+        sent = routed.weights_N
+        if sent is None or not sent.requires_grad:
+            # this rank's weights train nothing, but the others wait for it in the backward exchange
+            sent = torch.zeros(sum(routed.ids_per_rank), device=weights_km.device, requires_grad=True)
+        return _WeightsBackward.apply(weights_km, sent.float(), self, perm, lengths_src, N_src,
+                                      list(routed.ids_per_rank))
+
+    def send_weights_grad(self, grad_src: Tensor, N_src: list[int], ids_per_rank: list[int]) -> Tensor:
+        """Backward all-to-all #4: [N_r] to each source r -> this rank's [sum N_p], in the order it sent them."""
+        what = "id weights gradient all-to-all (backward)"
+        pg = self.backward_pg
+        if isinstance(pg, SharedMemoryGroup):
+            try:
+                received = pg.exchange(list(grad_src.split(N_src)), tag=what)
+            except RuntimeError as e:
+                raise collective_error(what, e, self.timeout_s, pg) from e
+            return torch.cat([raw.view(torch.float32) for raw in received])
+        out = grad_src.new_empty(sum(ids_per_rank))
+        work = all_to_all(pg, out, grad_src, ids_per_rank, N_src, what, self.timeout_s, async_op=True)
+        wait(work, what, self.timeout_s)
+        return out
+
+    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
-        counts read made the host wait for the device: no launch ahead of the kernels)."""
+        counts read made the host wait for the device: no launch ahead of the kernels). The weights keep their
+        autograd (no all-to-all between them and the lookup), so a gradient needs no agreement."""
         if routed is None:
-            return None, None, None, None, None, [self.rank]
+            return None, None, None, None, None, [self.rank], []
         values = routed.values_N.long()
         recv_w = None
         if weighted:
             recv_w = routed.weights_N.float() if routed.weights_N is not None else \
                 torch.ones(values.numel(), device=values.device)
-        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, []
+        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], []
 
-    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool):
+    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """Through the process group: counts first (they size the receive buffers), then the payload."""
         W, S = self.world_size, self.routing.rank_sf_counts
         counts_send = torch.zeros(W, 3, dtype=torch.long)
         if routed is None:
-            counts_send[:, 2] = 1
+            counts_send[:, 2] = REJECTED
         else:
             counts_send[:, 0] = B
             counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
+            counts_send[:, 2] = WEIGHT_GRAD if grad else 0
         counts_send = counts_send.to(self.device)
         counts_recv = torch.empty_like(counts_send)
         all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s,
                    host_reads=True)
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
-        bad = [r for r, c in enumerate(counts) if c[2]]
+        bad = [r for r, c in enumerate(counts) if c[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad
+            return None, None, None, None, None, bad, []
+        grad_ranks = [r for r, c in enumerate(counts) if c[2] & WEIGHT_GRAD]
         B_src = [c[0] for c in counts]
         N_src = [c[1] for c in counts]
 
@@ -211,7 +287,7 @@ class KJTAllToAll:
                              async_op=True)
         recv_w = None
         if weighted:
-            weights = routed.weights_N
+            weights = routed.weights_N.detach() if routed.weights_N is not None else None  # #4 is their backward
             if weights is None:
                 weights = torch.ones(values.numel(), device=values.device)
             recv_w = weights.new_empty(sum(N_src))
@@ -223,29 +299,31 @@ class KJTAllToAll:
         parts = recv.split(out_splits)
         lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
         values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
-        return B_src, N_src, lengths_src, values_src, recv_w, []
+        return B_src, N_src, lengths_src, values_src, recv_w, [], grad_ranks
 
-    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool):
+    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
         """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
 
-        Piece for rank p, int64: [B, N_p, rejected], lengths [S_p x B], ids [N_p]; then float32
-        weights [N_p] when weighted. A rank whose batch failed sends [0, 0, 1] alone, and every rank
-        sees that flag in the piece addressed to it.
+        Piece for rank p, int64: [B, N_p, flags], lengths [S_p x B], ids [N_p]; then float32
+        weights [N_p] when weighted. A rank whose batch failed sends [0, 0, REJECTED] alone, and every
+        rank sees that flag in the piece addressed to it.
         """
         W, S = self.world_size, self.routing.rank_sf_counts
         sends = []
         if routed is None:
-            sends = [torch.tensor([0, 0, 1], dtype=torch.long)] * W
+            sends = [torch.tensor([0, 0, REJECTED], dtype=torch.long)] * W
         else:
             lengths = routed.lengths_SB.long()
             values = routed.values_N.long()
             weights = None
             if weighted:
-                weights = routed.weights_N.float() if routed.weights_N is not None else torch.ones(values.numel())
+                weights = routed.weights_N.detach().float() if routed.weights_N is not None else \
+                    torch.ones(values.numel())
             l0, v0 = 0, 0
             for p in range(W):
                 n_l, n_v = S[p] * B, routed.ids_per_rank[p]
-                parts = [torch.tensor([B, n_v, 0], dtype=torch.long), lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
+                head = torch.tensor([B, n_v, WEIGHT_GRAD if grad else 0], dtype=torch.long)
+                parts = [head, lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
                 if weights is not None:
                     parts.append(weights[v0 : v0 + n_v])
                 sends.append(Writer(sum(t.numel() * t.element_size() for t in parts), _pack(parts)))
@@ -255,9 +333,10 @@ class KJTAllToAll:
         except RuntimeError as e:
             raise collective_error("id all-to-all", e, self.timeout_s, self.pg) from e
         heads = [raw[:24].view(torch.long).tolist() for raw in received]
-        bad = [r for r, h in enumerate(heads) if h[2]]
+        bad = [r for r, h in enumerate(heads) if h[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad
+            return None, None, None, None, None, bad, []
+        grad_ranks = [r for r, h in enumerate(heads) if h[2] & WEIGHT_GRAD]
         S_me = S[self.rank]
         B_src, N_src = [h[0] for h in heads], [h[1] for h in heads]
         lengths_src, values_src, weights_src = [], [], []
@@ -268,7 +347,7 @@ class KJTAllToAll:
             if weighted:
                 weights_src.append(raw[8 * (3 + S_me * b + n) :].view(torch.float32))
         recv_w = torch.cat(weights_src) if weighted else None  # cat: copies out of shared memory
-        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, []
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], grad_ranks
 
     def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
         key = tuple(batch_per_source)

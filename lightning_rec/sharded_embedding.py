@@ -126,6 +126,23 @@ class ReplicaKernel:
         return self._lr
 
 
+class _Tie(torch.autograd.Function):
+    """`out` as it is; `t` gets a zero gradient when `out` gets one (puts `t`'s backward in the graph)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, t: Tensor) -> Tensor:
+        ctx.shape, ctx.dtype = t.shape, t.dtype
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+
+
+def _tie(out: Tensor, t: Tensor) -> Tensor:
+    return _Tie.apply(out, t)
+
+
 def _configs(module) -> list:
     if isinstance(module, EmbeddingBagCollection):
         return module.embedding_bag_configs()
@@ -191,9 +208,21 @@ class _ShardedCollectionBase(nn.Module):
                 return ready
         return self.route(features, self._ids_a2a)
 
-    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll) -> ShardedBatch:
-        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py)."""
+    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
+        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py).
+
+        `ahead`: the pipeline's feeder routes a batch before its step, outside autograd.
+        """
         ordered, error = self._validate(features)
+        if ahead and error is None and self._is_weighted and features.weights_or_none() is not None \
+                and features.weights().requires_grad:
+            # Routed outside autograd their gradient would be lost (the plain loop gives one); an error, so every
+            # rank agrees in the counts exchange and raises (nobody hangs)
+            error = (f"the batch's KeyedJaggedTensor for sharded {self._kind()} (features {self._feature_names}) "
+                     f"has per-id weights that require a gradient (learned weights), but the pipeline routes "
+                     f"batches ahead of their step, outside autograd, so those weights would not train: compute "
+                     f"learned weights inside the model's forward (that collection then routes in the step, and "
+                     f"they train), or pass weights.detach() in the batch")
         routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
         replicated = None
         if self._dp_features:
@@ -207,11 +236,16 @@ class _ShardedCollectionBase(nn.Module):
 
     def ids_all_to_all(self, comm) -> KJTAllToAll:
         """This collection's id all-to-all over another channel `comm` (a process group or SharedMemoryGroup)."""
-        return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s)
+        return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s,
+                           backward_pg=self._env.comm)
 
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
         owned = self._lookup(batch.routed, checked=self.validate_ids) if self._lookup is not None else []
+        if batch.ctx.weights_grad and self._lookup is None:
+            # No shard here reads the learned weights, yet every other rank waits for this one in their backward
+            # exchange: tie them to the output, which every rank's backward reaches.
+            owned = [_tie(self._join_owned(owned, batch), batch.routed.weights())]
         replicated = self._replicas(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
 

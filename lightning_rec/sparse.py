@@ -615,9 +615,20 @@ class KeyedJaggedTensor:
             return KeyedJaggedTensor(keys, self._values[:0], None if self._weights is None else
                                      self._weights[:0], lengths=lengths, stride=self._stride,
                                      length_per_key=new_lpk, _validate=False)
-        lengths_FB, values_N, weights_N = torch.ops.fbgemm.permute_2D_sparse_data(
-            indices_tensor, self.lengths_FB(), self._values, self._weights, total
-        )
+        weights = self._weights
+        if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+            # Learned weights: fbgemm's backward for them assumes a full permutation (a subset or a repeated key
+            # crashed the process in backward, or raised a shape error). Permute positions instead and gather:
+            # indexing's backward sums the gradient of repeated keys and leaves dropped ones at zero.
+            src_N = torch.arange(self._values.shape[0], device=self._values.device)
+            lengths_FB, src_N, _ = torch.ops.fbgemm.permute_2D_sparse_data(
+                indices_tensor, self.lengths_FB(), src_N, None, total
+            )
+            values_N, weights_N = self._values[src_N], weights[src_N]
+        else:
+            lengths_FB, values_N, weights_N = torch.ops.fbgemm.permute_2D_sparse_data(
+                indices_tensor, self.lengths_FB(), self._values, weights, total
+            )
         return KeyedJaggedTensor(
             keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
             length_per_key=new_lpk, _validate=False,

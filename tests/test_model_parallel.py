@@ -806,3 +806,68 @@ def test_named_parameters_are_the_models_own_names():
     assert buffers == model_buffers == ["seen"]
     assert prefixed == [f"m.{n}" for n in params]
     assert set(params + buffers) <= set(state) and same_count
+
+
+
+def _learned_batches(rank: int, W: int, step: int, grad_ranks: list[int]):
+    """This rank's batch with weights that are a leaf (requires_grad on `grad_ranks`), and the global batch whose
+    weights are built from leaves of their own per rank, so the reference's backward fills each one's grad."""
+    batches = [_batch(r, step, True) for r in range(W)]
+    leaves = [b.weights().clone().requires_grad_(r in grad_ranks) for r, b in enumerate(batches)]
+    mine = batches[rank]
+    w = mine.weights().clone().requires_grad_(rank in grad_ranks)
+    mine = KeyedJaggedTensor.from_lengths_sync(KEYS, mine.values(), mine.lengths(), weights=w)
+    per_rank = [KeyedJaggedTensor.from_lengths_sync(KEYS, b.values(), b.lengths(), weights=lw).to_dict()
+                for b, lw in zip(batches, leaves)]
+    lengths, values, weights = [], [], []
+    for k in KEYS:
+        lengths += [d[k].lengths() for d in per_rank]
+        values += [d[k].values() for d in per_rank]
+        weights += [d[k].weights() for d in per_rank]
+    return mine, w, leaves[rank], KeyedJaggedTensor.from_lengths_sync(KEYS, torch.cat(values), torch.cat(lengths),
+                                                                      weights=torch.cat(weights))
+
+
+LEARNED_KINDS = ["table_wise", "row_wise", "column_wise", "grid_shard", "mixed", "all_on_rank_1"]
+
+
+def _learned_weights_worker(rank, W, shared_memory):
+    """Per-id weights that require a gradient (learned, as TorchRec's PositionWeightedModule makes them): w.grad
+    was None under every sharded type (they silently did not train). Now the gradient comes back through the
+    reverse of the id all-to-all and equals the unsharded collection's, summed over the column blocks of an id."""
+    config = FusedOptimizerConfig("sgd", lr=0.1)
+    done = []
+    for kind in LEARNED_KINDS:
+        for pooling in ["sum", "mean"]:
+            torch.manual_seed(0)
+            model = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=True, optimizer=config))
+            reference = PooledModel(EmbeddingBagCollection(_tables(pooling), is_weighted=True, optimizer=config))
+            reference.load_state_dict(model.state_dict())
+            # all_on_rank_1: rank 0 looks nothing up, yet the others wait for it in the weights' backward exchange
+            layout = {t: table_wise(rank=1) for t in ROWS} if kind == "all_on_rank_1" else _plan(kind, W, W)
+            plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, layout, world_size=W)})
+            dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=20, shared_memory=shared_memory)
+            # both ranks learn; rank 0 only (rank 1 must still take part in the backward exchange); none
+            for step, grad_ranks in enumerate([list(range(W)), [0], []]):
+                what = f"{kind}/{pooling} step {step} learned on {grad_ranks} shm={shared_memory}"
+                mine, w, ref_w, whole = _learned_batches(rank, W, step, grad_ranks)
+                g = torch.Generator().manual_seed(step)
+                grads = [torch.randn(3 + r, 3, generator=g) for r in range(W)]
+                (dmp(mine) * grads[rank]).sum().backward()
+                (reference(whole) * torch.cat(grads)).sum().backward()
+                if rank in grad_ranks:
+                    # atol: fp32; a column-wise id's gradient is a sum of per-block dot products, not one
+                    torch.testing.assert_close(w.grad, ref_w.grad, atol=1e-5, rtol=0, msg=what)
+                else:
+                    assert w.grad is None, what
+                dmp.module.dense.zero_grad()
+                reference.dense.zero_grad()
+            _check_pieces(dmp, reference, "embedding_bags", f"{kind}/{pooling}")
+            done.append(f"{kind}/{pooling}")
+    return done
+
+
+@pytest.mark.parametrize("shared_memory", [None, False])
+def test_learned_weights_get_their_gradient_under_every_sharding_type(shared_memory):
+    done = run_ranks(_learned_weights_worker, 2, shared_memory, timeout=180)
+    assert len(done[0]) == 2 * len(LEARNED_KINDS)

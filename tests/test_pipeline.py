@@ -775,3 +775,50 @@ def test_a_new_pass_stops_the_last_passs_feeder_before_the_loader_restarts():
     feeder may still be inside next() on it. The old feeder is now stopped before the loader restarts."""
     seen = run_ranks(_new_pass_worker, 1, timeout=120)[0]
     assert len(seen) == 3 and not any(seen), seen
+
+
+def _learned_weights_batches(rank: int, n: int) -> list[KeyedJaggedTensor]:
+    out = []
+    for s in range(n):
+        g = torch.Generator().manual_seed(10 * s + rank)
+        lengths = torch.randint(0, 4, (3,), generator=g)
+        w = torch.rand(int(lengths.sum()), generator=g).requires_grad_(rank == 0 and s == 2)
+        out.append(KeyedJaggedTensor.from_lengths_sync(["a"], torch.randint(0, 20, (int(lengths.sum()),), generator=g),
+                                                       lengths, weights=w))
+    return out
+
+
+class _WeightedStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=20, embedding_dim=4,
+                                                              feature_names=["a"])], is_weighted=True,
+                                          optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+
+    def forward(self, kjt):
+        y = self.ebc(kjt).values().sum()
+        return y, y.detach()
+
+
+def _learned_weights_in_batch_worker(rank, W):
+    torch.manual_seed(0)
+    model = _WeightedStep()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, {"t": row_wise()}, world_size=W,
+                                                               local_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    pipeline = TrainPipelineSparseDist(dmp, None, "cpu")
+    try:
+        _pipelined_steps(pipeline, iter(_learned_weights_batches(rank, 4)))
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        pipeline.close()
+
+
+def test_learned_weights_in_the_batch_are_refused_on_every_rank():
+    """Batch weights that require a gradient (rank 0's 3rd batch) were routed ahead under no_grad: the plain loop
+    gives them a gradient, the pipeline silently none. Now every rank raises, naming the fix."""
+    texts = run_ranks(_learned_weights_in_batch_worker, 2, timeout=120)
+    assert "require a gradient" in texts[0] and "inside the model's forward" in texts[0]
+    assert "rank(s) [0]" in texts[1]

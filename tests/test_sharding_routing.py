@@ -17,7 +17,7 @@ from lightning_rec.model_parallel import (
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sharding import data_parallel as dp_math
 from lightning_rec.sharding.embeddings import OutputColumns, assemble_pooled, column_runs, gather_columns, place_columns
-from lightning_rec.sharding.ids import RouteTables, key_major_permutation, route_ids, to_key_major
+from lightning_rec.sharding.ids import RouteTables, key_major_permutation, route_ids, to_key_major, to_source_major
 from lightning_rec.sharding.layout import shard_layout
 from lightning_rec.sharding.routing import build_routing
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
@@ -90,6 +90,18 @@ def test_key_major_permutation_with_uneven_batches():
     lengths, values, _, pos = to_key_major(perm, torch.ones(8, dtype=torch.long), labels, None, True)
     assert values.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
     assert labels[pos].tolist() == values.tolist()
+
+
+def test_to_source_major_undoes_to_key_major_per_id():
+    """Learned weights' gradient goes back source-major: each id's value returns to the place it came from."""
+    S, B_r = 2, [2, 1]
+    lengths = torch.tensor([2, 0, 1, 3, 1, 2])  # source-major: r0: s0 [2, 0] s1 [1, 3]; r1: s0 [1] s1 [2]
+    ids = torch.arange(9)
+    perm = key_major_permutation(S, B_r, torch.device("cpu"))
+    _, ids_km, _, _ = to_key_major(perm, lengths, ids, None)
+    assert ids_km.tolist() == [0, 1, 6, 2, 3, 4, 5, 7, 8]
+    grad_km = ids_km.float() * 10
+    assert to_source_major(perm, lengths, grad_km).tolist() == (ids.float() * 10).tolist()
 
 
 def test_output_columns_place_and_sum_row_shards():

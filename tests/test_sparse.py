@@ -47,6 +47,29 @@ def test_permute_split_concat():
     assert bags(padded) == bags(p) and padded.weights().tolist() == p.weights().tolist()
 
 
+@pytest.mark.parametrize("indices", [[1, 0], [0], [1], [1, 0, 1]])
+def test_permute_learned_weights_gradient(indices):
+    """Learned weights (requires_grad) through a subset or a repeat of keys: fbgemm's backward raised a shape error
+    ([0]) or crashed the process ([1], [1, 0, 1]): an EmbeddingBagCollection fed a batch with other collections'
+    keys too. The gradient is the sum over every place an id's weight went, zero where it went nowhere."""
+    kjt = drawn()
+    w = kjt.weights().clone().requires_grad_()
+    learned = KeyedJaggedTensor(kjt.keys(), kjt.values(), w, lengths=kjt.lengths(), stride=kjt.stride())
+    p = learned.permute(indices)
+    plain = kjt.permute(indices)
+    assert p.values().tolist() == plain.values().tolist() and p.lengths().tolist() == plain.lengths().tolist()
+    assert p.weights().tolist() == plain.weights().tolist()
+    scale = torch.arange(1.0, p.weights().numel() + 1)
+    (p.weights() * scale).sum().backward()
+    expected = torch.zeros(w.numel())
+    at, opk = 0, kjt.offset_per_key()
+    for i in indices:  # where each key's ids went, in order
+        n = opk[i + 1] - opk[i]
+        expected[opk[i] : opk[i + 1]] += scale[at : at + n]
+        at += n
+    assert w.grad.tolist() == expected.tolist()
+
+
 def test_jagged_tensor_refuses_lengths_and_offsets_that_disagree():
     """JaggedTensor(lengths=[1, 2], offsets=[0, 2, 3]) was taken: to_dense split by the lengths, to_padded_dense placed
     ids by the offsets (one at position -1, written to the last column)."""

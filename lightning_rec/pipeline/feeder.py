@@ -443,4 +443,4 @@ class _Feeder(Iterator):
                                  f"first batch had the input of '{self.inputs.names[module]}': give every batch "
                                  f"the same layout")
             channel = self.channels[id(module.env)]
-            entry.routed[(module, path)] = module.route(kjt, channel.ids_all_to_all(module))
+            entry.routed[(module, path)] = module.route(kjt, channel.ids_all_to_all(module), ahead=True)

@@ -19,6 +19,10 @@ the concatenated batch B_0 + ... + B_{W-1}):
     source-major  [r0: s0 b.. | s1 b..] [r1: s0 b.. | s1 b..]
     key-major     [s0: r0 b.. r1 b.. ] [s1: r0 b.. r1 b.. ]
 
+Learned weights' gradient goes the other way (`to_source_major`, then the reverse all-to-all): each id's
+gradient lands where its weight was sent from, and autograd of `route_ids` (an index, a permute) takes it
+back to the input's order, summing over the column blocks that read one id.
+
 Tables that no rank splits by rows take a fast path: routing is a key permutation (copies of a
 feature for its column blocks), with no per-id arithmetic.
 """
@@ -141,3 +145,16 @@ def to_key_major(perm: Tensor, lengths: Tensor, values: Tensor, weights: Tensor 
         src = torch.arange(N, device=values.device)
         _, pos, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, lengths, src, None, N)
     return lengths_km, values_km, weights_km, pos
+
+
+def to_source_major(perm: Tensor, lengths_src: Tensor, grad_km: Tensor) -> Tensor:
+    """Per-id values in key-major order (after `to_key_major(perm, lengths_src, ...)`) back to source-major."""
+    N = grad_km.numel()
+    if N == 0 or perm.numel() == 0:
+        return grad_km
+    # pos[i]: the source-major place of key-major id i (what to_key_major's with_positions returns)
+    src = torch.arange(N, device=grad_km.device)
+    _, pos, _ = torch.ops.fbgemm.permute_1D_sparse_data(perm, lengths_src, src, None, N)
+    out = torch.empty_like(grad_km)
+    out[pos] = grad_km
+    return out
