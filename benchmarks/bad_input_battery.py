@@ -2205,7 +2205,7 @@ def _more_cases():
             def _(ctx, kernel=kernel, opt_name=opt_name):
                 _decay_parity(kernel, opt_name)
 
-    @case("more.ec_sgd_weight_decay", ValueError, ["weight_decay", "adagrad"], ok=True)
+    @case("more.ec_sgd_weight_decay", ValueError, ["weight_decay", "GPU"], ok=True)
     def _(ctx):
         from lightning_rec import EmbeddingCollection as EC
         ec = EC([seq_cfg("t_a", 10, 4, ["a"])], optimizer=FusedOptimizerConfig("sgd", lr=0.1, weight_decay=0.5))
