@@ -593,7 +593,8 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         features = self._route(features)  # kernel order, batch checked
-        pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())  # one [B, D_group] per kernel group
+        # one [B, D_group] per kernel group; frozen tables do no update
+        pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
         self._after_lookup(features)
         pooled_BD = join_outputs(pooled, dim=1)
         if self._column_order is not None:  # kernel groups -> the configs' order
@@ -633,7 +634,8 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         features = self._route(features)
-        values = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())  # one [N_group, D] per kernel group
+        # one [N_group, D] per kernel group; frozen tables do no update
+        values = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
         self._after_lookup(features)
         values_ND = values[0] if len(values) == 1 else None
         out: dict[str, JaggedTensor] = {}

@@ -164,6 +164,9 @@ class _ShardedCollectionBase(nn.Module):
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
+        # Tables frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy shards)
+        # stay frozen; requires_grad_ below freezes / unfreezes the sharded collection.
+        self._set_frozen(module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset())
 
         by_feature = {f: c for c in self._configs for f in c.feature_names}
         self._router = FeatureRouter(
@@ -209,9 +212,33 @@ class _ShardedCollectionBase(nn.Module):
         """This collection's id all-to-all over another channel `comm` (a process group or SharedMemoryGroup)."""
         return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s)
 
+    # freezing (fine-tuning) ------------------------------------------------------------------------
+
+    def requires_grad_(self, requires_grad: bool = True) -> _ShardedCollectionBase:
+        """False freezes every table (no fused update, optimizer state kept); True resumes. Call it on every rank."""
+        self._set_frozen(frozenset() if requires_grad else frozenset(c.name for c in self._configs))
+        return super().requires_grad_(requires_grad)
+
+    def frozen_tables(self) -> frozenset[str]:
+        """Tables that do no update (set to requires_grad=False)."""
+        return self._frozen
+
+    def _set_frozen(self, frozen: frozenset[str]) -> None:
+        self._frozen = frozenset(frozen)
+        # The kernels know their pieces by shard-local names. Every rank holds the same set, so every rank skips
+        # the same updates; the pooled all-to-all's backward still runs on every rank (output_dist._differentiable).
+        self._frozen_local = frozenset(t.name for t in (self._lookup.tables if self._lookup is not None else [])
+                                       if self.shard_of(t.name)[0] in self._frozen)
+        if self._replicas is not None:
+            # replicas train by autograd (their hook sums the gradient over ranks): a frozen one gets no gradient,
+            # hence no hook and no all-reduce, on every rank alike
+            for t, w in zip(self._replicas.tables, self._replicas.table_weights().values()):
+                w.requires_grad_(t.name not in self._frozen)
+
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
-        owned = self._lookup(batch.routed, checked=self.validate_ids) if self._lookup is not None else []
+        owned = (self._lookup(batch.routed, checked=self.validate_ids, frozen=self._frozen_local)
+                 if self._lookup is not None else [])
         replicated = self._replicas(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
 
