@@ -850,10 +850,11 @@ def _frozen_sharded_worker(rank, W, when):
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_frozen_sharded_tables_stay_unchanged_on_every_rank(when):
-    """A fused collection frozen before sharding (BaseFinetuning) or its sharded collection frozen with
-    requires_grad_(False) kept training its tables inside backward on every rank. Now no rank updates a frozen table
-    (row-wise, table-wise, data-parallel), the backward all-to-all still pairs across ranks, the dense layer trains
-    as over a plain frozen collection, and requires_grad_(True) resumes the updates."""
+    """A fused collection frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy
+    shards) or a sharded collection frozen with requires_grad_(False) kept training its tables inside backward on
+    every rank. Now no rank updates a frozen table (row-wise, table-wise, data-parallel), the backward all-to-all
+    still pairs across ranks, the dense layer trains as over a plain frozen collection, and requires_grad_(True)
+    resumes the updates."""
     done = run_ranks(_frozen_sharded_worker, 2, when, timeout=120)
     assert [same for same, _ in done] == [True, True]
     assert all(any(changed) for _, changed in done)  # unfrozen: every rank updates some of its pieces again
