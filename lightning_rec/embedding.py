@@ -284,6 +284,12 @@ class FusedTableWeight(nn.Parameter):
         self.frozen = not requires_grad
         return self
 
+    def __deepcopy__(self, memo):
+        # nn.Parameter's deepcopy builds a new parameter from data and requires_grad only: the copy was unfrozen
+        copied = super().__deepcopy__(memo)
+        copied.frozen = self.frozen
+        return copied
+
 
 class _TableWeight(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:

@@ -1,5 +1,6 @@
 """EmbeddingBagCollection / EmbeddingCollection against nn.EmbeddingBag + torch.optim references."""
 
+import copy
 import inspect
 
 import pytest
@@ -659,3 +660,20 @@ def test_freezing_some_tables_of_one_fused_kernel_is_refused():
     ebc.embedding_bags["t0"].weight.requires_grad = False
     with pytest.raises(ValueError, match=r"freeze all of \['t0', 't1'\] together"):
         ebc(_freeze_batch(0))
+
+
+def test_a_frozen_fused_collection_stays_frozen_through_deepcopy_and_pickle():
+    """nn.Parameter's deepcopy rebuilds a parameter from data and requires_grad only: a copied frozen collection
+    trained again. Copies (deepcopy, torch.save / torch.load of the module) keep the freeze."""
+    import io
+
+    ebc, *_ = _freeze_setup("fbgemm", "sgd")
+    ebc.requires_grad_(False)
+    buffer = io.BytesIO()
+    torch.save(ebc, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(ebc), torch.load(buffer, weights_only=False)):
+        assert copied.frozen_tables() == {"t0", "t1"}
+        before = _table_state(copied)
+        copied(_freeze_batch(0)).values().sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(before, _table_state(copied)))
