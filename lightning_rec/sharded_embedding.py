@@ -32,7 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rec.batch_check import DeviceIdGuard
-from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, FeatureRouter
+from lightning_rec.embedding import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    FeatureRouter,
+    FusedTableWeight,
+    _Tables,
+)
 from lightning_rec.input_dist import DistContext, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs
 from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
@@ -126,6 +132,23 @@ class ReplicaKernel:
         return self._lr
 
 
+class _FreezeSwitch(nn.Module):
+    """A frozen sharded table's entry among the module's parameters: an empty FusedTableWeight (as TorchRec's empty
+    parameters for shards held elsewhere) that BaseFinetuning's unfreeze (make_trainable), LightningModule.unfreeze()
+    and requires_grad_ reach. It holds no values: the state dict is the collection's own."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.weight = FusedTableWeight(torch.empty(0), requires_grad=False)
+        self.weight.frozen = frozen
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        pass
+
+
 def _configs(module) -> list:
     if isinstance(module, EmbeddingBagCollection):
         return module.embedding_bag_configs()
@@ -165,8 +188,16 @@ class _ShardedCollectionBase(nn.Module):
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
         # Tables frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy shards)
-        # stay frozen; requires_grad_ below freezes / unfreezes the sharded collection.
-        self._set_frozen(module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset())
+        # stay frozen, and get parameters through which a later unfreeze (BaseFinetuning.make_trainable,
+        # LightningModule.unfreeze) reaches them. A collection sharded unfrozen keeps no such parameters (the model's
+        # parameters, and torch.optim states over them, are unchanged); requires_grad_ freezes / unfreezes it.
+        frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
+        if frozen:
+            switches = _Tables()
+            for c in self._configs:
+                switches[c.name] = _FreezeSwitch(c.name in frozen)
+            setattr(self, self._weights_attr, switches)
+        self._set_frozen(frozen)
 
         by_feature = {f: c for c in self._configs for f in c.feature_names}
         self._router = FeatureRouter(
@@ -216,11 +247,17 @@ class _ShardedCollectionBase(nn.Module):
 
     def requires_grad_(self, requires_grad: bool = True) -> _ShardedCollectionBase:
         """False freezes every table (no fused update, optimizer state kept); True resumes. Call it on every rank."""
+        super().requires_grad_(requires_grad)  # the freeze parameters, where there are
         self._set_frozen(frozenset() if requires_grad else frozenset(c.name for c in self._configs))
-        return super().requires_grad_(requires_grad)
+        return self
 
     def frozen_tables(self) -> frozenset[str]:
         """Tables that do no update (set to requires_grad=False)."""
+        switches = self._modules.get(self._weights_attr)
+        if switches is not None:  # set through the parameters (BaseFinetuning, LightningModule.freeze / unfreeze)
+            frozen = frozenset(name for name in switches if switches[name].weight.frozen)
+            if frozen != self._frozen:
+                self._set_frozen(frozen)
         return self._frozen
 
     def _set_frozen(self, frozen: frozenset[str]) -> None:
@@ -237,6 +274,7 @@ class _ShardedCollectionBase(nn.Module):
 
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
+        self.frozen_tables()  # brings _frozen_local up to date
         owned = (self._lookup(batch.routed, checked=self.validate_ids, frozen=self._frozen_local)
                  if self._lookup is not None else [])
         replicated = self._replicas(batch.replicated) if self._replicas is not None else []

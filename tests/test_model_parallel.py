@@ -843,7 +843,12 @@ def _frozen_sharded_worker(rank, W, when):
         ref_opt.zero_grad()
     frozen_same = all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
     torch.testing.assert_close(dmp.module.dense.weight, ref.dense.weight, atol=ATOL, rtol=0)
-    dmp.module.ebc.requires_grad_(True)
+    if when == "before":  # BaseFinetuning.make_trainable / LightningModule.unfreeze after sharding
+        for p in dmp.module.ebc.parameters():
+            p.requires_grad = True
+    else:
+        dmp.module.ebc.requires_grad_(True)
+    assert dmp.module.ebc.frozen_tables() == frozenset()
     dmp(_batch(rank, 5, False)).sum().backward()
     return frozen_same, [not torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp))]
 
@@ -853,8 +858,8 @@ def test_frozen_sharded_tables_stay_unchanged_on_every_rank(when):
     """A fused collection frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy
     shards) or a sharded collection frozen with requires_grad_(False) kept training its tables inside backward on
     every rank. Now no rank updates a frozen table (row-wise, table-wise, data-parallel), the backward all-to-all
-    still pairs across ranks, the dense layer trains as over a plain frozen collection, and requires_grad_(True)
-    resumes the updates."""
+    still pairs across ranks, the dense layer trains as over a plain frozen collection, and unfreezing
+    (requires_grad_(True), or BaseFinetuning's make_trainable on the sharded collection's parameters) resumes."""
     done = run_ranks(_frozen_sharded_worker, 2, when, timeout=120)
     assert [same for same, _ in done] == [True, True]
     assert all(any(changed) for _, changed in done)  # unfrozen: every rank updates some of its pieces again
