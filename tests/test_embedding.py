@@ -679,3 +679,43 @@ def test_a_frozen_fused_collection_stays_frozen_through_deepcopy_and_pickle():
         out = copied(_freeze_batch(0)).values()
         assert not out.requires_grad  # as a frozen plain collection's: no backward, so no update
         assert all(torch.equal(a, b) for a, b in zip(before, _table_state(copied)))
+
+
+def test_base_finetuning_freezes_then_unfreezes_fused_tables_under_a_trainer(tmp_path):
+    """Lightning's BaseFinetuning with combined_optimizer: a KeyError (a tensor) at the first epoch start, as the fused
+    optimizer's param groups held the kernel's views, not the model's parameters; and freezing did not hold the
+    tables. Now epoch 0 (frozen) leaves the tables bitwise unchanged and epoch 1 (unfrozen) trains them."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Tower(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.ebc, _, self.dense, _ = _freeze_setup("fbgemm", "rowwise_adagrad")
+            self.snapshots = []
+
+        def on_train_epoch_start(self):
+            self.snapshots.append(_table_state(self.ebc))
+
+        def training_step(self, batch, batch_idx):
+            return self.dense(self.ebc(batch).values()).square().sum()
+
+        def configure_optimizers(self):
+            return combined_optimizer(self, torch.optim.SGD(self.dense.parameters(), lr=0.1))
+
+    class Finetune(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.ebc)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.ebc, optimizer)
+
+    model = Tower()
+    loader = torch.utils.data.DataLoader([_freeze_batch(i) for i in range(3)], batch_size=None)
+    pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+               callbacks=[Finetune()]).fit(model, loader)
+    frozen, unfrozen, end = *model.snapshots, _table_state(model.ebc)
+    assert all(torch.equal(a, b) for a, b in zip(frozen, unfrozen))
+    assert not torch.equal(unfrozen[0], end[0]) and model.ebc.frozen_tables() == frozenset()
