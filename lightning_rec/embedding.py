@@ -260,6 +260,37 @@ class _Tables(nn.ModuleDict):
         self._modules[key] = module
 
 
+class FusedTableWeight(nn.Parameter):
+    """A fused table's weight: a view of the kernel's storage, updated inside backward, never given a gradient.
+
+    `requires_grad` reads False (no autograd gradient: torch.optim and DDP leave it alone). Setting it, by
+    `p.requires_grad = False`, `module.requires_grad_(False)`, LightningModule.freeze() or Lightning's
+    BaseFinetuning, freezes the table: its kernel then does no update and keeps its optimizer state; setting it
+    True resumes. (TorchRec gets the same from fbgemm's placeholder parameter, whose requires_grad gates the
+    kernel's backward.) `frozen` tells which.
+    """
+
+    frozen: bool = False
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.frozen = not value
+
+    def requires_grad_(self, requires_grad: bool = True) -> FusedTableWeight:
+        self.frozen = not requires_grad
+        return self
+
+    def __deepcopy__(self, memo):
+        # nn.Parameter's deepcopy builds a new parameter from data and requires_grad only: the copy was unfrozen
+        copied = super().__deepcopy__(memo)
+        copied.frozen = self.frozen
+        return copied
+
+
 class _TableWeight(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
@@ -360,7 +391,7 @@ class _EmbeddingCollectionBase(nn.Module):
         table_weights = lookup.table_weights()
         for c in self._configs:  # the configs' order (TorchRec's), not the kernels'
             w = table_weights[c.name]
-            param = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+            param = w if isinstance(w, nn.Parameter) else FusedTableWeight(w, requires_grad=False)
             self._own(param, c.name)
             weights[c.name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
@@ -398,8 +429,14 @@ class _EmbeddingCollectionBase(nn.Module):
         # register them, as the originals are, for apply_optimizer_in_backward.
         super().__setstate__(state)
         table_weights = self._lookup.table_weights()
+        tables = getattr(self, self._weights_attr)
         for name, param in self.table_parameters().items():
             if param is not table_weights[name]:  # dense kernels hold the parameter itself
+                if not isinstance(param, FusedTableWeight):  # pickle rebuilds a plain Parameter (frozen kept)
+                    frozen = getattr(param, "frozen", False)
+                    param = FusedTableWeight(table_weights[name], requires_grad=False)
+                    param.frozen = frozen
+                    tables[name].weight = param
                 param.data = table_weights[name]
             self._own(param, name)
 
@@ -431,6 +468,10 @@ class _EmbeddingCollectionBase(nn.Module):
         """table name -> its weight parameter (a view into the kernel's storage)."""
         tables = getattr(self, self._weights_attr)
         return {name: tables[name].weight for name in tables}
+
+    def frozen_tables(self) -> frozenset[str]:
+        """Fused tables whose weights were set to requires_grad=False: their kernels do no update."""
+        return frozenset(name for name, p in self.table_parameters().items() if getattr(p, "frozen", False))
 
     def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
         """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in).
@@ -558,7 +599,8 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         features = self._route(features)  # kernel order, batch checked
-        pooled = self._lookup.forward(features, checked=self.validate_ids)  # one [B, D_group] per kernel group
+        # one [B, D_group] per kernel group; frozen tables do no update
+        pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
         self._after_lookup(features)
         pooled_BD = join_outputs(pooled, dim=1)
         if self._column_order is not None:  # kernel groups -> the configs' order
@@ -598,7 +640,8 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         features = self._route(features)
-        values = self._lookup.forward(features, checked=self.validate_ids)  # one [N_group, D] per kernel group
+        # one [N_group, D] per kernel group; frozen tables do no update
+        values = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
         self._after_lookup(features)
         values_ND = values[0] if len(values) == 1 else None
         out: dict[str, JaggedTensor] = {}

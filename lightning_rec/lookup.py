@@ -370,6 +370,7 @@ class FusedKernel(nn.Module):
         self.kernel = choose_kernel(kernel, optimizer, device, pooling)
         multiple = pad_multiple(self.kernel)
         feature_table_map = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        self._feature_table = feature_table_map
         self._dims = [t.embedding_dim for t in tables]
         self._grad_scale = 1.0
         self._mean_after = False
@@ -407,7 +408,22 @@ class FusedKernel(nn.Module):
             self.register_buffer("_dims_F", dims_F, persistent=False)
             self._total_D = sum(self._dims[t] for t in feature_table_map)
 
-    def forward(self, features: KeyedJaggedTensor, checked: bool = False) -> Tensor:
+    def forward(self, features: KeyedJaggedTensor, checked: bool = False, frozen: bool = False) -> Tensor:
+        """frozen: the tables' weights were set to requires_grad=False (fine-tuning): no update, no state change."""
+        if not frozen:
+            return self._pooled(features, checked)
+        # The kernel's backward is its update: with no autograd graph it never runs (fbgemm's Adam step, advanced in
+        # forward, is taken back in _pooled). Per-id weights that require grad get theirs through a plain lookup of
+        # the (constant) rows, added as an exact zero so the output stays the kernel's.
+        with torch.no_grad():
+            out = self._pooled(features, checked)
+        weights_N = features.weights_or_none()
+        if weights_N is not None and weights_N.requires_grad and torch.is_grad_enabled():
+            plain = plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling)
+            out = out + (plain - plain.detach()).to(out.dtype)
+        return out
+
+    def _pooled(self, features: KeyedJaggedTensor, checked: bool) -> Tensor:
         weights_N = features.weights_or_none()
         if weights_N is not None and weights_N.dtype != torch.float32:
             weights_N = weights_N.float()
@@ -503,27 +519,32 @@ class DenseKernel(nn.Module):
         self._feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
-        outs = []
-        # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
-        for t, jt in zip(self._feature_table, features.to_dict().values()):
-            table = self.weights[t]
-            if self.pooling == "none":
-                outs.append(F.embedding(jt.values(), table))
-                continue
-            w = jt.weights_or_none()
-            w = None if w is None else w.to(table.dtype)
-            bag_offsets = jt.offsets()[:-1]
-            if self.pooling == "mean" and w is not None:
-                # torch's embedding_bag takes per-id weights only with sum; mean = sum / ids in bag.
-                summed = F.embedding_bag(jt.values(), table, bag_offsets, mode="sum", per_sample_weights=w)
-                outs.append(summed / jt.lengths().clamp(min=1).unsqueeze(1).to(table.dtype))
-            else:
-                outs.append(F.embedding_bag(jt.values(), table, bag_offsets, mode=self.pooling,
-                                            per_sample_weights=w))
-        return join_outputs(outs, dim=0 if self.pooling == "none" else 1)
+        return plain_lookup(features, list(self.weights), self._feature_table, self.pooling)
 
     def split_embedding_weights(self) -> list[Tensor]:
         return [w for w in self.weights]
+
+
+def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_table: Sequence[int],
+                 pooling: str) -> Tensor:
+    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none')."""
+    outs = []
+    # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
+    for t, jt in zip(feature_table, features.to_dict().values()):
+        table = tables[t]
+        if pooling == "none":
+            outs.append(F.embedding(jt.values(), table))
+            continue
+        w = jt.weights_or_none()
+        w = None if w is None else w.to(table.dtype)
+        bag_offsets = jt.offsets()[:-1]
+        if pooling == "mean" and w is not None:
+            # torch's embedding_bag takes per-id weights only with sum; mean = sum / ids in bag.
+            summed = F.embedding_bag(jt.values(), table, bag_offsets, mode="sum", per_sample_weights=w)
+            outs.append(summed / jt.lengths().clamp(min=1).unsqueeze(1).to(table.dtype))
+        else:
+            outs.append(F.embedding_bag(jt.values(), table, bag_offsets, mode=pooling, per_sample_weights=w))
+    return join_outputs(outs, dim=0 if pooling == "none" else 1)
 
 
 def group_tables(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig | None = None,
@@ -573,17 +594,34 @@ class GroupedLookup(nn.Module):
     def is_fused(self) -> bool:
         return any(isinstance(k, FusedKernel) for k in self.kernels)
 
-    def forward(self, features: KeyedJaggedTensor, checked: bool = False) -> list[Tensor]:
+    def forward(self, features: KeyedJaggedTensor, checked: bool = False,
+                frozen: frozenset[str] = frozenset()) -> list[Tensor]:
         """One output per kernel group: pooled_BD (features side by side) or values_ND (sequence).
 
         checked: the batch passed batch_check already (the native kernel then skips its own check).
+        frozen: names of fused tables whose weights were set to requires_grad=False (no update in backward).
         """
         assert features.keys() == self.feature_names, (features.keys(), self.feature_names)
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
         # .forward, not __call__: kernels are internal (outside the module tree), and a module call's hook
         # machinery is a few us of a host-bound GPU step
-        return [kernel.forward(part, checked) if isinstance(kernel, FusedKernel) else kernel.forward(part)
-                for kernel, part in zip(self.kernels, parts)]
+        return [kernel.forward(part, checked, self._frozen(kernel, frozen)) if isinstance(kernel, FusedKernel)
+                else kernel.forward(part) for kernel, part in zip(self.kernels, parts)]
+
+    @staticmethod
+    def _frozen(kernel: FusedKernel, frozen: frozenset[str]) -> bool:
+        if not frozen:
+            return False
+        names = [t.name for t in kernel.tables]
+        held = [n for n in names if n in frozen]
+        if held and len(held) != len(names):
+            # One kernel updates all its tables in one backward; freezing part of it would need per-row masking
+            # that every optimizer (Adam's moments, weight decay) honours. Refused rather than half-frozen.
+            raise ValueError(
+                f"tables {held} are frozen (requires_grad=False) but share one fused kernel with "
+                f"{[n for n in names if n not in frozen]}, which are not: freeze all of {names} together, or put "
+                f"the tables to freeze in an EmbeddingBagCollection / EmbeddingCollection of their own")
+        return bool(held)
 
     def table_weights(self) -> dict[str, Tensor]:
         """table name -> [rows, dim] view into the kernel's storage."""

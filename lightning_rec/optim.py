@@ -259,6 +259,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = []
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
+            # An unsharded collection's own table parameters (the same storage as the kernel's views): optimizer
+            # param groups that hold the model's parameters, as Lightning's BaseFinetuning maps them to names
+            # (KeyError on the kernel's views at every epoch start)
+            own = module.table_parameters() if hasattr(module, "table_parameters") else {}
             for i, kernel in enumerate(module.fused_kernels()):
                 prefix = f"{path}." if path else ""
                 for j, table in enumerate(kernel.tables):
@@ -273,7 +277,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
                     [kernel],
-                    params=kernel.split_embedding_weights(),
+                    params=[own.get(t.name, w) for t, w in zip(kernel.tables, kernel.split_embedding_weights())],
                     lr=config.lr,
                     name=f"{prefix}fused{i}",
                     optimizer=str(config.optimizer),

@@ -32,7 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rec.batch_check import DeviceIdGuard
-from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, FeatureRouter
+from lightning_rec.embedding import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    FeatureRouter,
+    FusedTableWeight,
+    _Tables,
+)
 from lightning_rec.input_dist import DistContext, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs
 from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
@@ -143,6 +149,23 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
     return _Tie.apply(out, t)
 
 
+class _FreezeSwitch(nn.Module):
+    """A frozen sharded table's entry among the module's parameters: an empty FusedTableWeight (as TorchRec's empty
+    parameters for shards held elsewhere) that BaseFinetuning's unfreeze (make_trainable), LightningModule.unfreeze()
+    and requires_grad_ reach. It holds no values: the state dict is the collection's own."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.weight = FusedTableWeight(torch.empty(0), requires_grad=False)
+        self.weight.frozen = frozen
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        pass
+
+
 def _configs(module) -> list:
     if isinstance(module, EmbeddingBagCollection):
         return module.embedding_bag_configs()
@@ -181,6 +204,17 @@ class _ShardedCollectionBase(nn.Module):
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
+        # Tables frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy shards)
+        # stay frozen, and get parameters through which a later unfreeze (BaseFinetuning.make_trainable,
+        # LightningModule.unfreeze) reaches them. A collection sharded unfrozen keeps no such parameters (the model's
+        # parameters, and torch.optim states over them, are unchanged); requires_grad_ freezes / unfreezes it.
+        frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
+        if frozen:
+            switches = _Tables()
+            for c in self._configs:
+                switches[c.name] = _FreezeSwitch(c.name in frozen)
+            setattr(self, self._weights_attr, switches)
+        self._set_frozen(frozen)
 
         by_feature = {f: c for c in self._configs for f in c.feature_names}
         self._router = FeatureRouter(
@@ -239,9 +273,40 @@ class _ShardedCollectionBase(nn.Module):
         return KJTAllToAll(self._ids_a2a.tables, comm, self._env.rank, self._env.device, self._env.timeout_s,
                            backward_pg=self._env.comm)
 
+    # freezing (fine-tuning) ------------------------------------------------------------------------
+
+    def requires_grad_(self, requires_grad: bool = True) -> _ShardedCollectionBase:
+        """False freezes every table (no fused update, optimizer state kept); True resumes. Call it on every rank."""
+        super().requires_grad_(requires_grad)  # the freeze parameters, where there are
+        self._set_frozen(frozenset() if requires_grad else frozenset(c.name for c in self._configs))
+        return self
+
+    def frozen_tables(self) -> frozenset[str]:
+        """Tables that do no update (set to requires_grad=False)."""
+        switches = self._modules.get(self._weights_attr)
+        if switches is not None:  # set through the parameters (BaseFinetuning, LightningModule.freeze / unfreeze)
+            frozen = frozenset(name for name in switches if switches[name].weight.frozen)
+            if frozen != self._frozen:
+                self._set_frozen(frozen)
+        return self._frozen
+
+    def _set_frozen(self, frozen: frozenset[str]) -> None:
+        self._frozen = frozenset(frozen)
+        # The kernels know their pieces by shard-local names. Every rank holds the same set, so every rank skips
+        # the same updates; the pooled all-to-all's backward still runs on every rank (output_dist._differentiable).
+        self._frozen_local = frozenset(t.name for t in (self._lookup.tables if self._lookup is not None else [])
+                                       if self.shard_of(t.name)[0] in self._frozen)
+        if self._replicas is not None:
+            # replicas train by autograd (their hook sums the gradient over ranks): a frozen one gets no gradient,
+            # hence no hook and no all-reduce, on every rank alike
+            for t, w in zip(self._replicas.tables, self._replicas.table_weights().values()):
+                w.requires_grad_(t.name not in self._frozen)
+
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
-        owned = self._lookup(batch.routed, checked=self.validate_ids) if self._lookup is not None else []
+        self.frozen_tables()  # brings _frozen_local up to date
+        owned = (self._lookup(batch.routed, checked=self.validate_ids, frozen=self._frozen_local)
+                 if self._lookup is not None else [])
         if batch.ctx.weights_grad and self._lookup is None:
             # No shard here reads the learned weights, yet every other rank waits for this one in their backward
             # exchange: tie them to the output, which every rank's backward reaches.

@@ -1,5 +1,6 @@
 """EmbeddingBagCollection / EmbeddingCollection against nn.EmbeddingBag + torch.optim references."""
 
+import copy
 import inspect
 
 import pytest
@@ -579,3 +580,142 @@ def test_fp16_tables_look_up_under_bf16_autocast(optimizer, kernel):
             mixed = ebc(kjt).values()
         assert mixed.dtype == plain.dtype
         torch.testing.assert_close(mixed, plain)
+
+
+# freezing fused tables (fine-tuning) ---------------------------------------------------------------------------
+
+
+def _freeze_setup(kernel: str, optimizer: str):
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=10, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(2)]
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, optimizer=FusedOptimizerConfig(optimizer, lr=0.1),
+                                 kernel=kernel)
+    ref = EmbeddingBagCollection(tables, is_weighted=True)  # plain parameters, the same weights
+    ref.load_state_dict(ebc.state_dict())
+    dense, ref_dense = nn.Linear(8, 1), nn.Linear(8, 1)
+    ref_dense.load_state_dict(dense.state_dict())
+    return ebc, ref, dense, ref_dense
+
+
+def _freeze_batch(step: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 3, (6,), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.randint(0, 10, (int(lengths.sum()),), generator=g),
+                                               lengths, weights=torch.rand(int(lengths.sum()), generator=g))
+
+
+def _table_state(ebc) -> list[torch.Tensor]:
+    return ([w.detach().clone() for w in ebc.state_dict().values()]
+            + [v.clone() for k in ebc.fused_kernels() for st in k.optimizer_states() for v in st.values()])
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "BaseFinetuning", "attribute"])
+@pytest.mark.parametrize("kernel,optimizer", [("native", "adam"), ("native", "rowwise_adagrad"),
+                                              ("fbgemm", "rowwise_adagrad"), ("fbgemm", "sgd")])
+def test_frozen_fused_tables_stay_bitwise_unchanged_while_the_dense_part_trains(kernel, optimizer, how):
+    """Freezing a fused collection (ebc.requires_grad_(False), Lightning's BaseFinetuning.freeze, or
+    `p.requires_grad = False` on its weights) changed nothing: the fused kernels kept updating the tables inside
+    backward. Now a frozen collection's tables and optimizer state stay bitwise unchanged, the per-id weights still
+    get their gradient, the dense layer trains as with a plain frozen collection, and unfreezing resumes updates."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    if kernel == "native":
+        pytest.importorskip("lightning_rec._C")
+    ebc, ref, dense, ref_dense = _freeze_setup(kernel, optimizer)
+    if how == "requires_grad_":
+        ebc.requires_grad_(False)
+    elif how == "BaseFinetuning":
+        BaseFinetuning.freeze(nn.ModuleList([ebc]))
+    else:
+        for p in ebc.parameters():
+            p.requires_grad = False
+    ref.requires_grad_(False)
+    before = _table_state(ebc)
+    opt, ref_opt = torch.optim.SGD(dense.parameters(), lr=0.1), torch.optim.SGD(ref_dense.parameters(), lr=0.1)
+    for step in range(3):
+        kjt, ref_kjt = _freeze_batch(step), _freeze_batch(step)
+        kjt.weights().requires_grad_(True)
+        ref_kjt.weights().requires_grad_(True)
+        dense(ebc(kjt).values()).square().sum().backward()
+        ref_dense(ref(ref_kjt).values()).square().sum().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(kjt.weights().grad, ref_kjt.weights().grad)
+    after = _table_state(ebc)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    torch.testing.assert_close(dense.weight, ref_dense.weight)
+    assert not torch.equal(dense.weight, nn.Linear(8, 1).weight)  # it trained
+    ebc.requires_grad_(True)  # unfreeze (LightningModule.unfreeze / BaseFinetuning.make_trainable set it True)
+    assert ebc.frozen_tables() == frozenset()
+    ebc(_freeze_batch(5)).values().sum().backward()
+    assert not torch.equal(before[0], _table_state(ebc)[0])
+
+
+def test_freezing_some_tables_of_one_fused_kernel_is_refused():
+    """Tables of one fused kernel update together: freezing one of them is refused with the fix, not half-done."""
+    ebc, *_ = _freeze_setup("fbgemm", "sgd")
+    ebc.embedding_bags["t0"].weight.requires_grad = False
+    with pytest.raises(ValueError, match=r"freeze all of \['t0', 't1'\] together"):
+        ebc(_freeze_batch(0))
+
+
+def test_a_frozen_fused_collection_stays_frozen_through_deepcopy_and_pickle():
+    """nn.Parameter's deepcopy rebuilds a parameter from data and requires_grad only: a copied frozen collection
+    trained again. Copies (deepcopy, torch.save / torch.load of the module) keep the freeze."""
+    import io
+
+    pytest.importorskip("lightning_rec._C")
+    ebc, *_ = _freeze_setup("native", "adam")  # fbgemm's TBE module itself does not pickle (a local function)
+    ebc.requires_grad_(False)
+    buffer = io.BytesIO()
+    torch.save(ebc, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(ebc), torch.load(buffer, weights_only=False)):
+        assert copied.frozen_tables() == {"t0", "t1"}
+        before = _table_state(copied)
+        out = copied(_freeze_batch(0)).values()
+        assert not out.requires_grad  # as a frozen plain collection's: no backward, so no update
+        assert all(torch.equal(a, b) for a, b in zip(before, _table_state(copied)))
+
+
+def test_base_finetuning_freezes_then_unfreezes_fused_tables_under_a_trainer(tmp_path):
+    """Lightning's BaseFinetuning with combined_optimizer: a KeyError (a tensor) at the first epoch start, as the fused
+    optimizer's param groups held the kernel's views, not the model's parameters; and freezing did not hold the
+    tables. Now epoch 0 (frozen) leaves the tables bitwise unchanged and epoch 1 (unfrozen) trains them."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Tower(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.ebc, _, self.dense, _ = _freeze_setup("fbgemm", "rowwise_adagrad")
+            self.snapshots = []
+
+        def on_train_epoch_start(self):
+            self.snapshots.append(_table_state(self.ebc))
+
+        def training_step(self, batch, batch_idx):
+            return self.dense(self.ebc(batch).values()).square().sum()
+
+        def configure_optimizers(self):
+            return combined_optimizer(self, torch.optim.SGD(self.dense.parameters(), lr=0.1))
+
+    class Finetune(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.ebc)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.ebc, optimizer)
+
+    model = Tower()
+    loader = torch.utils.data.DataLoader([_freeze_batch(i) for i in range(3)], batch_size=None)
+    pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+               callbacks=[Finetune()]).fit(model, loader)
+    frozen, unfrozen, end = *model.snapshots, _table_state(model.ebc)
+    assert all(torch.equal(a, b) for a, b in zip(frozen, unfrozen))
+    assert not torch.equal(unfrozen[0], end[0]) and model.ebc.frozen_tables() == frozenset()

@@ -871,3 +871,60 @@ def _learned_weights_worker(rank, W, shared_memory):
 def test_learned_weights_get_their_gradient_under_every_sharding_type(shared_memory):
     done = run_ranks(_learned_weights_worker, 2, shared_memory, timeout=180)
     assert len(done[0]) == 2 * len(LEARNED_KINDS)
+
+
+def _local_table_state(dmp) -> list[torch.Tensor]:
+    """This rank's pieces of every table and their optimizer state."""
+    sharded = dmp.module.ebc
+    states = [v.clone() for k in sharded.fused_kernels() for st in k.optimizer_states() for v in st.values()]
+    return [w.detach().clone() for w in sharded.table_weights().values()] + states
+
+
+def _frozen_sharded_worker(rank, W, when):
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    torch.manual_seed(0)
+    optimizer = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    model = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=optimizer))
+    ref = PooledModel(EmbeddingBagCollection(_tables("sum")))
+    ref.load_state_dict(model.state_dict())
+    ref.ebc.requires_grad_(False)
+    if when == "before":  # Lightning's BaseFinetuning freezes in setup, before RecStrategy shards
+        BaseFinetuning.freeze(model.ebc)
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    if when == "after":
+        dmp.module.ebc.requires_grad_(False)
+    before = _local_table_state(dmp)
+    opt = torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD(ref.dense.parameters(), lr=0.1)
+    for step in range(3):
+        dmp(_batch(rank, step, False)).square().sum().backward()  # DDP averages the dense gradient over ranks
+        (ref(_global_batch(W, step, False)).square().sum() / W).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    frozen_same = all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
+    torch.testing.assert_close(dmp.module.dense.weight, ref.dense.weight, atol=ATOL, rtol=0)
+    if when == "before":  # BaseFinetuning.make_trainable / LightningModule.unfreeze after sharding
+        for p in dmp.module.ebc.parameters():
+            p.requires_grad = True
+    else:
+        dmp.module.ebc.requires_grad_(True)
+    assert dmp.module.ebc.frozen_tables() == frozenset()
+    dmp(_batch(rank, 5, False)).sum().backward()
+    return frozen_same, [not torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp))]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_frozen_sharded_tables_stay_unchanged_on_every_rank(when):
+    """A fused collection frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy
+    shards) or a sharded collection frozen with requires_grad_(False) kept training its tables inside backward on
+    every rank. Now no rank updates a frozen table (row-wise, table-wise, data-parallel), the backward all-to-all
+    still pairs across ranks, the dense layer trains as over a plain frozen collection, and unfreezing
+    (requires_grad_(True), or BaseFinetuning's make_trainable on the sharded collection's parameters) resumes."""
+    done = run_ranks(_frozen_sharded_worker, 2, when, timeout=120)
+    assert [same for same, _ in done] == [True, True]
+    assert all(any(changed) for _, changed in done)  # unfrozen: every rank updates some of its pieces again
