@@ -530,13 +530,21 @@ class _OwnModule(L.LightningModule):
         return combined_optimizer(self, torch.optim.SGD(dense_parameters(self), lr=0.1))
 
 
+def _one_table_fit(tmp_path, train: int = 128, val: int = 0, **trainer_kw):
+    """A one-feature synthetic data module and quiet Trainer keywords (a fit of a few steps, CPU, one device)."""
+    data = SyntheticCriteoDataModule(num_train_samples=train, num_val_samples=val, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, default_root_dir=tmp_path)
+    if not val:
+        kw["limit_val_batches"] = 0
+    return data, {**kw, **trainer_kw}
+
+
 def test_gradient_accumulation_warning_reaches_a_users_own_module(tmp_path):
     """Only the library's modules said it: a LightningModule of one's own, with fused tables, trained under
     strategy="rec" with accumulate_grad_batches=2 updated its tables every batch without a word."""
-    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(strategy="rec", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    data, kw = _one_table_fit(tmp_path, train=256, strategy="rec", max_steps=1)
     with pytest.warns(UserWarning, match=r"accumulate_grad_batches=2 accumulates the dense layers' gradients only: "
                                          r"the fused tables \(ebc\)"):
         L.Trainer(accumulate_grad_batches=2, **kw).fit(_OwnModule(), data)
@@ -555,10 +563,7 @@ class _DenseOnlyOptimizer(_OwnModule):
 def test_a_dense_only_optimizer_beside_fused_tables_is_said(tmp_path):
     """configure_optimizers returning the dense optimizer alone: the tables trained on at their configured rate,
     untouched by the user's LR scheduler, and the checkpoints held none of their optimizer state, without a word."""
-    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(strategy="rec", accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    data, kw = _one_table_fit(tmp_path, strategy="rec", max_steps=1)
     with pytest.warns(UserWarning, match=r"_DenseOnlyOptimizer's tables \(ebc\) train with the fused optimizer sgd "
                                          r".*returned no optimizer that holds it.*combined_optimizer\(self"):
         L.Trainer(**kw).fit(_DenseOnlyOptimizer(), data)
@@ -657,10 +662,7 @@ def test_a_new_fit_starts_the_fused_tables_at_their_configured_rate(tmp_path):
     tables at another rate than configured."""
     from lightning.pytorch.tuner import Tuner
 
-    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)
+    data, kw = _one_table_fit(tmp_path, strategy="rec")
     module = _ScheduledModule()
     L.Trainer(max_epochs=2, **kw).fit(module, data)
     assert module.ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.025)  # the scheduler reached it
@@ -684,10 +686,7 @@ def test_weight_averaging_callbacks_are_refused_naming_the_way_out(tmp_path, cal
     from lightning.pytorch import callbacks
 
     made = getattr(callbacks, callback)(**({"swa_lrs": 0.05, "swa_epoch_start": 1} if "Stochastic" in callback else {}))
-    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=64, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    data, kw = _one_table_fit(tmp_path, val=64, max_epochs=2)
     with pytest.raises(ValueError, match=rf"callbacks=\[{callback}\(...\)\]\) cannot average sharded embedding "
                                          r"tables.*Remove the callback, or train on one device without"):
         L.Trainer(strategy="rec", callbacks=[made], **kw).fit(_OwnModule(), data)
@@ -698,11 +697,7 @@ def test_weight_averaging_callbacks_are_refused_naming_the_way_out(tmp_path, cal
 def test_gradient_clipping_says_the_fused_tables_are_not_clipped(tmp_path, algorithm):
     """Trainer(gradient_clip_val=...) clipped the dense layers only, by the dense layers' norm, without a word: the
     fused rows had moved inside backward, from unclipped gradients (the user's own module and the library's)."""
-    data = SyntheticCriteoDataModule(num_train_samples=128, num_val_samples=0, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
-              gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    data, kw = _one_table_fit(tmp_path, max_steps=1, gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
     norm = ", and the norm clipped is the dense layers' alone" if algorithm == "norm" else ""
     said = (rf"gradient_clip_val=0.5 clips the dense layers' gradients only: the fused tables \(%s\) update inside "
             rf"backward, before Lightning clips, from unclipped gradients{norm}\. The fused update clips nothing")
@@ -733,11 +728,7 @@ def test_fp16_tables_replicated_by_the_plan_train_as_unsharded(tmp_path, precisi
     from lightning_rec.model_parallel import construct_module_sharding_plan, data_parallel
     from lightning_rec.types import ShardingPlan
 
-    data = SyntheticCriteoDataModule(num_train_samples=1024, num_val_samples=0, batch_size=64, num_sparse_features=1,
-                                     num_embeddings_per_feature=64, num_signal_features=1)
-    kw = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
-              precision=precision)
+    data, kw = _one_table_fit(tmp_path, train=1024, max_epochs=1, precision=precision)
     trained = {}
     for name in ("unsharded", "replicated"):
         L.seed_everything(0)
