@@ -284,7 +284,9 @@ class _ShardedCollectionBase(nn.Module):
     def frozen_tables(self) -> frozenset[str]:
         """Tables that do no update (set to requires_grad=False)."""
         switches = self._modules.get(self._weights_attr)
-        if switches is not None:  # set through the parameters (BaseFinetuning, LightningModule.freeze / unfreeze)
+        # set through the parameters (BaseFinetuning, LightningModule.freeze / unfreeze): read when any flag moved
+        if switches is not None and self.__dict__.get("_switches_seen") != FusedTableWeight.freeze_changes:
+            self.__dict__["_switches_seen"] = FusedTableWeight.freeze_changes
             frozen = frozenset(name for name in switches if switches[name].weight.frozen)
             if frozen != self._frozen:
                 self._set_frozen(frozen)
