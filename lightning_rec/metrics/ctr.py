@@ -78,14 +78,18 @@ def _label_error(num_bad: int, num_labels: int | None, where: str) -> ValueError
     )
 
 
-def _check_labels_now(labels_B: Tensor, where: str) -> Tensor | None:
-    """On CPU: raise on a bad label at once. Elsewhere: return the bad count to keep on the device."""
-    bad = _bad_label_count(labels_B)
-    if labels_B.device.type == "cpu":
+def _raise_now_or_count(bad: Tensor, total: int, error, where: str) -> Tensor | None:
+    """On CPU: raise `error(bad, total, where)` at once if any entry is bad. Elsewhere: return the bad count to keep
+    on the device (no per-step host sync; raised at compute)."""
+    if bad.device.type == "cpu":
         if int(bad):
-            raise _label_error(int(bad), labels_B.numel(), where)
+            raise error(int(bad), total, where)
         return None
     return bad
+
+
+def _check_labels_now(labels_B: Tensor, where: str) -> Tensor | None:
+    return _raise_now_or_count(_bad_label_count(labels_B), labels_B.numel(), _label_error, where)
 
 
 def _prob_error(num_bad: int, num_preds: int | None, where: str) -> ValueError:
@@ -103,12 +107,7 @@ def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor |
     BinnedAUC (AUC 0.12 where torchmetrics, which applies the sigmoid itself then, gives 0.64)."""
     if from_logits:
         return None
-    bad = ((preds_B < 0) | (preds_B > 1)).sum()
-    if preds_B.device.type == "cpu":
-        if int(bad):
-            raise _prob_error(int(bad), preds_B.numel(), where)
-        return None
-    return bad
+    return _raise_now_or_count(((preds_B < 0) | (preds_B > 1)).sum(), preds_B.numel(), _prob_error, where)
 
 
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
