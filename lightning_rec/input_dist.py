@@ -257,7 +257,8 @@ class KJTAllToAll:
         else:
             counts_send[:, 0] = B
             counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
-            counts_send[:, 2] = WEIGHT_GRAD if grad else 0
+            if grad:  # zeros otherwise, as made
+                counts_send[:, 2] = WEIGHT_GRAD
         counts_send = counts_send.to(self.device)
         counts_recv = torch.empty_like(counts_send)
         all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s,
