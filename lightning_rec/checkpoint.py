@@ -1359,6 +1359,49 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     return _full_model_state(path)[0]
 
 
+def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint at `path` as the dict a one-file Lightning checkpoint holds (what `torch.load` of one
+    gives): every table whole (CPU) in "state_dict", and Lightning's other keys (epoch, global_step,
+    hyper_parameters, loops, callbacks). No optimizer state, and no rank's dataloader position or random
+    number generators: for weights and evaluation, not for resuming (`Trainer(strategy="rec")` resumes).
+
+    One process, no torch.distributed; it holds the whole model.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    state, meta = _full_model_state(path)
+    drop = ("state_dict", "optimizer_states", "lightning_rec")
+    out = {**{k: v for k, v in meta.items() if k not in drop}, "state_dict": state}
+    if "pytorch-lightning_version" not in out:  # written by save() from a hand loop: Lightning's readers need it
+        import lightning
+
+        out["pytorch-lightning_version"] = lightning.__version__
+    return out
+
+
+def load_from_checkpoint(cls: type, path: str | os.PathLike, map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
+    """`cls.load_from_checkpoint(path, ...)` for a checkpoint directory that `strategy="rec"` wrote: the
+    LightningModule rebuilt from its hyperparameters, unsharded, on one process (no torch.distributed).
+
+    Lightning's `load_from_checkpoint` reads one file (`torch.load`), so it fails on a directory
+    (IsADirectoryError); this hands it the whole checkpoint instead and keeps all of its behaviour
+    (`**kwargs` override hyperparameters, `strict`, `map_location`, `on_load_checkpoint`).
+    DLRMModule.load_from_checkpoint and TwoTowerModule.load_from_checkpoint call it themselves.
+    """
+    checkpoint = lightning_checkpoint(path)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("embedding_device") == "meta" and "embedding_device" not in kwargs:
+        kwargs["embedding_device"] = "cpu"  # one unsharded module: its tables take the checkpoint's values
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    # a file-like object: RecModuleHooks' load_from_checkpoint passes it on to Lightning's
+    return cls.load_from_checkpoint(buffer, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                                    weights_only=weights_only, **kwargs)
+
+
 def _module_class(meta: Mapping[str, Any]) -> str | None:
     """The LightningModule class that wrote a checkpoint; None when nothing in it says.
 

@@ -1126,3 +1126,38 @@ def test_one_process_save_and_load_say_nothing_about_torch_distributed(tmp_path)
         warnings.simplefilter("error")
         ckpt.save({"state_dict": model.state_dict()}, tmp_path / "c")
         ckpt.load_model(model, tmp_path / "c")
+
+
+# a strategy="rec" checkpoint directory used without strategy="rec" -------------------------------------
+
+
+def _hparams_save_worker(rank, W, path):
+    module = _module()
+    dmp = _shard(module, "mixed", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": module.state_dict(), "epoch": 1, "hyper_parameters": dict(module.hparams)}, path,
+              optimizers=[optimizer], module_class="lightning_rec.models.dlrm_module.DLRMModule")
+
+
+def test_rec_checkpoint_directory_loads_without_strategy_rec(tmp_path):
+    # Lightning's loaders torch.load one file: DLRMModule.load_from_checkpoint(dir) and trainer.validate /
+    # test / predict(ckpt_path=dir) under another strategy raised IsADirectoryError
+    import lightning.pytorch as L
+
+    path = str(tmp_path / "c.ckpt")
+    run_ranks(_hparams_save_worker, 2, path, timeout=120)
+    assert not dist.is_initialized()
+    whole = ckpt.full_state_dict(path)
+    module = DLRMModule.load_from_checkpoint(path, dense_lr=0.5)  # rebuilt from the saved hyperparameters
+    assert module.hparams.dense_lr == 0.5 and module.hparams.sparse_lr == SMALL["sparse_lr"]
+    state = module.state_dict()
+    assert state.keys() == whole.keys() and all(torch.equal(state[k], whole[k]) for k in whole)
+
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=128, batch_size=64, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES, num_embeddings_per_feature=64)
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loaded = L.Trainer(**quiet).validate(module, data, verbose=False)
+    assert L.Trainer(**quiet).validate(DLRMModule(**SMALL), data, ckpt_path=path, verbose=False) == loaded
+    with pytest.raises(ValueError, match=r"strategy='rec'.*devices=1 too.*DLRMModule.load_from_checkpoint"):
+        L.Trainer(**quiet, max_steps=1).fit(DLRMModule(**SMALL), data, ckpt_path=path)
