@@ -543,7 +543,17 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     _check_save_args(checkpoint, path, optimizers, module)
     path = Path(path)
     rank, world = _rank_world()
-    tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    try:  # the first exchanges: a rank that does not come (or left) shows here, before anything is written
+        tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+        loader_states, rng_states = zip(*_gather((loader_state, rng_state)))
+    except Exception as e:  # noqa: BLE001 - named with the usual cause below
+        said = "The save is collective: every rank calls it (trainer.save_checkpoint too, not only under " \
+               "`if trainer.is_global_zero:`). Nothing was written."
+        peer = peer_failure(f"saving checkpoint {path}", e, said)
+        if peer is not None:
+            raise peer from e
+        raise RuntimeError(f"saving checkpoint {path}: rank {rank} of {world} could not reach the other ranks ({e}). "
+                           f"{said}") from e
     partial = _partial_name(path, tag)
     entries: dict[str, Any] = {}
     for key, value in checkpoint["state_dict"].items():
@@ -555,7 +565,6 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
                              "module_class": module_class, "per_row_columns": columns, "loader_states": None,
                              "rng_states": None}
-    loader_states, rng_states = zip(*_gather((loader_state, rng_state)))
     error: BaseException | None = None
     try:
         if rank == 0:

@@ -1161,3 +1161,17 @@ def test_rec_checkpoint_directory_loads_without_strategy_rec(tmp_path):
     assert L.Trainer(**quiet).validate(DLRMModule(**SMALL), data, ckpt_path=path, verbose=False) == loaded
     with pytest.raises(ValueError, match=r"strategy='rec'.*devices=1 too.*DLRMModule.load_from_checkpoint"):
         L.Trainer(**quiet, max_steps=1).fit(DLRMModule(**SMALL), data, ckpt_path=path)
+
+
+def _rank_zero_save_worker(rank, W, path):
+    module = _module()
+    _shard(module, "row_wise", W)
+    if rank == 0:  # `if trainer.is_global_zero: trainer.save_checkpoint(...)`; rank 1 goes on, and ends
+        return expect_error(RuntimeError, lambda: ckpt.save({"state_dict": module.state_dict()}, path),
+                            "every rank calls it", "is_global_zero", "Nothing was written")
+
+
+def test_save_called_on_one_rank_only_says_it_is_collective(tmp_path):
+    # rank 0 alone raised gloo's "Connection closed by peer ... GLHF!" once the others had exited
+    run_ranks(_rank_zero_save_worker, 2, str(tmp_path / "c.ckpt"), timeout=120)
+    assert not (tmp_path / "c.ckpt").exists()
