@@ -545,7 +545,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     rank, world = _rank_world()
     try:  # the first exchanges: a rank that does not come (or left) shows here, before anything is written
         tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
-        loader_states, rng_states = zip(*_gather((loader_state, rng_state)))
+        loader_states, rng_states, paths = zip(*_gather((loader_state, rng_state, os.path.normpath(path))))
     except Exception as e:  # noqa: BLE001 - named with the usual cause below
         said = "The save is collective: every rank calls it (trainer.save_checkpoint too, not only under " \
                "`if trainer.is_global_zero:`). Nothing was written."
@@ -554,6 +554,11 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
             raise peer from e
         raise RuntimeError(f"saving checkpoint {path}: rank {rank} of {world} could not reach the other ranks ({e}). "
                            f"{said}") from e
+    if len(set(paths)) > 1:  # each rank's pieces would go to its own directory: rank 0's would lack the others'
+        given = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(f"checkpoint.save got another path on each rank ({given}): every rank passes the same path "
+                         f"(one checkpoint directory holds every rank's pieces; trainer.save_checkpoint too). Nothing "
+                         f"was written")
     partial = _partial_name(path, tag)
     entries: dict[str, Any] = {}
     for key, value in checkpoint["state_dict"].items():

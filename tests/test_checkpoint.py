@@ -1175,3 +1175,17 @@ def test_save_called_on_one_rank_only_says_it_is_collective(tmp_path):
     # rank 0 alone raised gloo's "Connection closed by peer ... GLHF!" once the others had exited
     run_ranks(_rank_zero_save_worker, 2, str(tmp_path / "c.ckpt"), timeout=120)
     assert not (tmp_path / "c.ckpt").exists()
+
+
+def _per_rank_path_worker(rank, W, root):
+    module = _module()
+    _shard(module, "row_wise", W)
+    return expect_error(ValueError, lambda: ckpt.save({"state_dict": module.state_dict()}, f"{root}/r{rank}.ckpt"),
+                        "every rank passes the same path", f"rank 1: {root}/r1.ckpt", "Nothing was written")
+
+
+def test_save_to_another_path_on_each_rank_is_refused(tmp_path):
+    # rank 0 committed r0.ckpt without rank 1's pieces (left in a hidden partial directory of r1.ckpt), silently:
+    # loading it said 'damaged: __1_0.distcp is missing'
+    run_ranks(_per_rank_path_worker, 2, str(tmp_path), timeout=120)
+    assert list(tmp_path.iterdir()) == []
