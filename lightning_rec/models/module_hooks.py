@@ -49,10 +49,11 @@ def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str
             f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
 
 
-def _read_rec_checkpoints(trainer: Any, owner: str, stage: str) -> None:
+def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
     """Let a Trainer of another strategy read `strategy="rec"` checkpoint directories (validate / test / predict with
     `ckpt_path=`), which its TorchCheckpointIO, a torch.load, fails on (IsADirectoryError)."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.trainer.states import TrainerFn
 
     class RecDirectoryCheckpointIO(TorchCheckpointIO):
         def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -60,7 +61,8 @@ def _read_rec_checkpoints(trainer: Any, owner: str, stage: str) -> None:
 
             if not (isinstance(path, (str, os.PathLike)) and os.path.isdir(path)):
                 return super().load_checkpoint(path, *args, **kwargs)
-            if stage == "fit":  # the whole tables load, but not the fused optimizer state or each rank's position
+            # asked at load time: the same Trainer may validate, then fit
+            if trainer.state.fn == TrainerFn.FITTING:  # whole tables, but no fused optimizer state or positions
                 raise ValueError(
                     f"{path} is a checkpoint directory written by strategy='rec': resume from it with "
                     f"Trainer(strategy='rec', ...) (any number of devices, devices=1 too; it reshards), not "
@@ -98,7 +100,7 @@ class RecModuleHooks:
                 f"they get their values when Trainer(strategy='rec') shards them (--trainer.strategy=rec); with "
                 f"{type(trainer.strategy).__name__}, build them on the CPU (embedding_device='cpu')")
         if not isinstance(trainer.strategy, RecStrategy):
-            _read_rec_checkpoints(trainer, type(self).__name__, stage)
+            _read_rec_checkpoints(trainer, type(self).__name__)
         if stage != "fit":
             return
 
