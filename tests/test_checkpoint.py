@@ -1151,6 +1151,8 @@ def test_rec_checkpoint_directory_loads_without_strategy_rec(tmp_path):
     whole = ckpt.full_state_dict(path)
     module = DLRMModule.load_from_checkpoint(path, dense_lr=0.5)  # rebuilt from the saved hyperparameters
     assert module.hparams.dense_lr == 0.5 and module.hparams.sparse_lr == SMALL["sparse_lr"]
+    with pytest.raises(TypeError, match="cannot be called on an instance"):  # as Lightning's: it loads nothing into it
+        module.load_from_checkpoint(path)
     state = module.state_dict()
     assert state.keys() == whole.keys() and all(torch.equal(state[k], whole[k]) for k in whole)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Any
@@ -74,6 +75,23 @@ def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
         trainer.strategy.checkpoint_io = RecDirectoryCheckpointIO()
 
 
+class _ClassOnly(classmethod):
+    """A classmethod that refuses to be called on an instance, as Lightning's load_from_checkpoint does:
+    `model.load_from_checkpoint(path)` returns a new module and leaves `model` as it was."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return super().__get__(instance, owner)
+        name = f"{type(instance).__name__}.{self.__func__.__name__}"
+
+        @functools.wraps(self.__func__)
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise TypeError(f"The classmethod `{name}` cannot be called on an instance. Please call it on the class "
+                            f"type and make sure the return value is used.")
+
+        return refuse
+
+
 class RecModuleHooks:
     """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
 
@@ -140,7 +158,7 @@ class RecModuleHooks:
         """
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
 
-    @classmethod
+    @_ClassOnly
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's, which also reads the checkpoint directories that `strategy="rec"` writes: the module comes
         back unsharded, on one process, every table whole (`lightning_rec.checkpoint.load_from_checkpoint`)."""
