@@ -543,7 +543,22 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     _check_save_args(checkpoint, path, optimizers, module)
     path = Path(path)
     rank, world = _rank_world()
-    tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    try:  # the first exchanges: a rank that does not come (or left) shows here, before anything is written
+        tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+        loader_states, rng_states, paths = zip(*_gather((loader_state, rng_state, os.path.normpath(path))))
+    except Exception as e:  # noqa: BLE001 - named with the usual cause below
+        said = "The save is collective: every rank calls it (trainer.save_checkpoint too, not only under " \
+               "`if trainer.is_global_zero:`). Nothing was written."
+        peer = peer_failure(f"saving checkpoint {path}", e, said)
+        if peer is not None:
+            raise peer from e
+        raise RuntimeError(f"saving checkpoint {path}: rank {rank} of {world} could not reach the other ranks ({e}). "
+                           f"{said}") from e
+    if len(set(paths)) > 1:  # each rank's pieces would go to its own directory: rank 0's would lack the others'
+        given = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(f"checkpoint.save got another path on each rank ({given}): every rank passes the same path "
+                         f"(one checkpoint directory holds every rank's pieces; trainer.save_checkpoint too). Nothing "
+                         f"was written")
     partial = _partial_name(path, tag)
     entries: dict[str, Any] = {}
     for key, value in checkpoint["state_dict"].items():
@@ -555,7 +570,6 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
                              "module_class": module_class, "per_row_columns": columns, "loader_states": None,
                              "rng_states": None}
-    loader_states, rng_states = zip(*_gather((loader_state, rng_state)))
     error: BaseException | None = None
     try:
         if rank == 0:
@@ -1357,6 +1371,49 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     return _full_model_state(path)[0]
+
+
+def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint at `path` as the dict a one-file Lightning checkpoint holds (what `torch.load` of one
+    gives): every table whole (CPU) in "state_dict", and Lightning's other keys (epoch, global_step,
+    hyper_parameters, loops, callbacks). No optimizer state, and no rank's dataloader position or random
+    number generators: for weights and evaluation, not for resuming (`Trainer(strategy="rec")` resumes).
+
+    One process, no torch.distributed; it holds the whole model.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    state, meta = _full_model_state(path)
+    drop = ("state_dict", "optimizer_states", "lightning_rec")
+    out = {**{k: v for k, v in meta.items() if k not in drop}, "state_dict": state}
+    if "pytorch-lightning_version" not in out:  # written by save() from a hand loop: Lightning's readers need it
+        import lightning
+
+        out["pytorch-lightning_version"] = lightning.__version__
+    return out
+
+
+def load_from_checkpoint(cls: type, path: str | os.PathLike, map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
+    """`cls.load_from_checkpoint(path, ...)` for a checkpoint directory that `strategy="rec"` wrote: the
+    LightningModule rebuilt from its hyperparameters, unsharded, on one process (no torch.distributed).
+
+    Lightning's `load_from_checkpoint` reads one file (`torch.load`), so it fails on a directory
+    (IsADirectoryError); this hands it the whole checkpoint instead and keeps all of its behaviour
+    (`**kwargs` override hyperparameters, `strict`, `map_location`, `on_load_checkpoint`).
+    DLRMModule.load_from_checkpoint and TwoTowerModule.load_from_checkpoint call it themselves.
+    """
+    checkpoint = lightning_checkpoint(path)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("embedding_device") == "meta" and "embedding_device" not in kwargs:
+        kwargs["embedding_device"] = "cpu"  # one unsharded module: its tables take the checkpoint's values
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    # a file-like object: RecModuleHooks' load_from_checkpoint passes it on to Lightning's
+    return cls.load_from_checkpoint(buffer, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                                    weights_only=weights_only, **kwargs)
 
 
 def _module_class(meta: Mapping[str, Any]) -> str | None:

@@ -1126,3 +1126,69 @@ def test_one_process_save_and_load_say_nothing_about_torch_distributed(tmp_path)
         warnings.simplefilter("error")
         ckpt.save({"state_dict": model.state_dict()}, tmp_path / "c")
         ckpt.load_model(model, tmp_path / "c")
+
+
+# a strategy="rec" checkpoint directory used without strategy="rec" -------------------------------------
+
+
+def _hparams_save_worker(rank, W, path):
+    module = _module()
+    dmp = _shard(module, "mixed", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank)
+    ckpt.save({"state_dict": module.state_dict(), "epoch": 1, "hyper_parameters": dict(module.hparams)}, path,
+              optimizers=[optimizer], module_class="lightning_rec.models.dlrm_module.DLRMModule")
+
+
+def test_rec_checkpoint_directory_loads_without_strategy_rec(tmp_path):
+    # Lightning's loaders torch.load one file: DLRMModule.load_from_checkpoint(dir) and trainer.validate /
+    # test / predict(ckpt_path=dir) under another strategy raised IsADirectoryError
+    import lightning.pytorch as L
+
+    path = str(tmp_path / "c.ckpt")
+    run_ranks(_hparams_save_worker, 2, path, timeout=120)
+    assert not dist.is_initialized()
+    whole = ckpt.full_state_dict(path)
+    module = DLRMModule.load_from_checkpoint(path, dense_lr=0.5)  # rebuilt from the saved hyperparameters
+    assert module.hparams.dense_lr == 0.5 and module.hparams.sparse_lr == SMALL["sparse_lr"]
+    with pytest.raises(TypeError, match="cannot be called on an instance"):  # as Lightning's: it loads nothing into it
+        module.load_from_checkpoint(path)
+    state = module.state_dict()
+    assert state.keys() == whole.keys() and all(torch.equal(state[k], whole[k]) for k in whole)
+
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=128, batch_size=64, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES, num_embeddings_per_feature=64)
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    loaded = L.Trainer(**quiet).validate(module, data, verbose=False)
+    trainer = L.Trainer(**quiet, max_steps=1)
+    with pytest.raises(ValueError, match=r"strategy='rec'.*devices=1 too.*DLRMModule.load_from_checkpoint"):
+        trainer.fit(DLRMModule(**SMALL), data, ckpt_path=path)
+    assert trainer.validate(DLRMModule(**SMALL), data, ckpt_path=path, verbose=False) == loaded  # the same Trainer
+
+
+def _rank_zero_save_worker(rank, W, path):
+    module = _module()
+    _shard(module, "row_wise", W)
+    if rank == 0:  # `if trainer.is_global_zero: trainer.save_checkpoint(...)`; rank 1 goes on, and ends
+        return expect_error(RuntimeError, lambda: ckpt.save({"state_dict": module.state_dict()}, path),
+                            "every rank calls it", "is_global_zero", "Nothing was written")
+
+
+def test_save_called_on_one_rank_only_says_it_is_collective(tmp_path):
+    # rank 0 alone raised gloo's "Connection closed by peer ... GLHF!" once the others had exited
+    run_ranks(_rank_zero_save_worker, 2, str(tmp_path / "c.ckpt"), timeout=120)
+    assert not (tmp_path / "c.ckpt").exists()
+
+
+def _per_rank_path_worker(rank, W, root):
+    module = _module()
+    _shard(module, "row_wise", W)
+    return expect_error(ValueError, lambda: ckpt.save({"state_dict": module.state_dict()}, f"{root}/r{rank}.ckpt"),
+                        "every rank passes the same path", f"rank 1: {root}/r1.ckpt", "Nothing was written")
+
+
+def test_save_to_another_path_on_each_rank_is_refused(tmp_path):
+    # rank 0 committed r0.ckpt without rank 1's pieces (left in a hidden partial directory of r1.ckpt), silently:
+    # loading it said 'damaged: __1_0.distcp is missing'
+    run_ranks(_per_rank_path_worker, 2, str(tmp_path), timeout=120)
+    assert list(tmp_path.iterdir()) == []

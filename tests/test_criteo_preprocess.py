@@ -329,23 +329,36 @@ def test_preprocess_errors_and_cli(tmp_path, capsys):
     shutil.rmtree(tmp_path / "cli")
 
 
-def test_shard_loader_resumes_mid_epoch_at_the_next_batch(tmp_path):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shard_loader_resumes_mid_epoch_at_the_next_batch(tmp_path, monkeypatch, caplog, num_workers):
     """The shard loader is stateful (torchdata, through make_stream_loader): a new loader given the saved
-    state yields exactly the batches the uninterrupted one would have yielded next."""
+    state yields exactly the batches the uninterrupted one would have yielded next, without reading the
+    batches before them (torchdata fast-forwarded through them, warning "naively fast-forwarding")."""
     out, _ = run(tmp_path, "t", num_embeddings=64)
-    dm = CriteoDataModule(train_path=str(out), batch_size=128, num_embeddings_per_feature=64, shuffle=True)
-    dm.setup("fit")
-    whole = [b.labels.clone() for b in dm.train_dataloader()]
+
+    def loader():
+        dm = CriteoDataModule(train_path=str(out), batch_size=128, num_embeddings_per_feature=64, shuffle=True,
+                              num_workers=num_workers)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    whole = [b.labels.clone() for b in loader()]
     assert len(whole) >= 6
-    first = dm.train_dataloader()
+    first = loader()
     it = iter(first)
-    for _ in range(3):
+    for _ in range(3):  # odd: with 2 workers, one has yielded a batch more than the other
         next(it)
     state = first.state_dict()
-    dm2 = CriteoDataModule(train_path=str(out), batch_size=128, num_embeddings_per_feature=64, shuffle=True)
-    dm2.setup("fit")
-    resumed = dm2.train_dataloader()
+    del it
+    resumed = loader()
     resumed.load_state_dict(state)
-    rest = [b.labels for b in resumed]
+    built = []
+    make_batch = CriteoShardDataset.make_batch
+    monkeypatch.setattr(CriteoShardDataset, "make_batch", lambda self, *a: built.append(1) or make_batch(self, *a))
+    with caplog.at_level(logging.WARNING):
+        rest = [b.labels for b in resumed]
     assert len(rest) == len(whole) - 3
     assert all(torch.equal(a, b) for a, b in zip(rest, whole[3:]))
+    assert "fast-forwarding" not in caplog.text
+    if num_workers == 0:  # (workers build theirs in other processes)
+        assert len(built) == len(rest)

@@ -366,7 +366,9 @@ def make_eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_me
     """`make_batch_loader` for validation / test / prediction: in order, every row once at any world size.
 
     Under torch.distributed (W > 1) the sampler is an `EvalDistributedSampler`: the dataset's
-    `__getitems__` must drop the index -1 (padding).
+    `__getitems__` must drop the index -1 (padding). Every rank passes the whole split: the loader deals its
+    rows to the ranks itself, under `Trainer(use_distributed_sampler=False)` too (a split already cut per rank
+    would be cut again, and rows left out).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -167,6 +167,7 @@ class CriteoShardDataset(IterableDataset):
         self._dist = dist_rank_world()
         self._epoch = 0
         self._skip = 0  # batches of the next epoch already trained on (resume_from)
+        self._pass_epoch, self._yielded, self._resume = 0, 0, None  # the loader's saved position (state_dict)
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     @property
@@ -215,6 +216,17 @@ class CriteoShardDataset(IterableDataset):
             raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
         self._epoch, self._skip = epoch, batches_done
 
+    # Resuming through a StatefulDataLoader (torchdata's Stateful protocol: the loader saves the state after every
+    # batch, per worker): the pass's epoch and the batches this worker yielded in it. A resumed pass starts after
+    # them without reading them; without the protocol, torchdata fast-forwarded by reading and building every
+    # batch already trained on (and warned "naively fast-forwarding").
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._pass_epoch, "yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["yielded"]))
+
     def _open(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         # memory maps: pages are read on demand and shared with the other workers through the page cache
         if self._arrays is None:
@@ -244,19 +256,26 @@ class CriteoShardDataset(IterableDataset):
         # where each segment starts in this rank's row order
         seg_start = np.cumsum([0] + [hi - lo for _, lo, hi in segments])
         num_batches = len(self)
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self._epoch = resume[0]
+        epoch = self._epoch
         order = np.arange(num_batches)
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self._epoch]).permutation(num_batches)
+            order = np.random.default_rng([self.seed, epoch]).permutation(num_batches)
         self._epoch += 1  # persistent workers and the main process keep counting epochs
         order, self._skip = order[self._skip:], 0
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
+        self._pass_epoch, self._yielded = epoch, done
         arrays = self._open()
         rows = int(seg_start[-1])
         # where each shard starts in the directory's row order: an evaluation share's rows carry their place
         # (Batch.row_ids), which puts predictions made at N ranks back in order
         shard_start = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
-        for k in order[worker::num_workers]:
+        for k in order[worker::num_workers][done:]:
+            self._yielded += 1  # before the yield: the loader reads the state while this generator waits there
             lo, hi = int(k) * self.batch_size, min((int(k) + 1) * self.batch_size, rows)
             if lo >= hi:  # every_row: past this rank's share, an empty batch keeps it stepping with the others
                 yield self.empty_batch()

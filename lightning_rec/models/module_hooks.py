@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from typing import Any
 
@@ -48,6 +50,48 @@ def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str
             f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
 
 
+def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
+    """Let a Trainer of another strategy read `strategy="rec"` checkpoint directories (validate / test / predict with
+    `ckpt_path=`), which its TorchCheckpointIO, a torch.load, fails on (IsADirectoryError)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    class RecDirectoryCheckpointIO(TorchCheckpointIO):
+        def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            from lightning_rec import checkpoint as rec_checkpoint
+
+            if not (isinstance(path, (str, os.PathLike)) and os.path.isdir(path)):
+                return super().load_checkpoint(path, *args, **kwargs)
+            # asked at load time: the same Trainer may validate, then fit
+            if trainer.state.fn == TrainerFn.FITTING:  # whole tables, but no fused optimizer state or positions
+                raise ValueError(
+                    f"{path} is a checkpoint directory written by strategy='rec': resume from it with "
+                    f"Trainer(strategy='rec', ...) (any number of devices, devices=1 too; it reshards), not "
+                    f"{type(trainer.strategy).__name__}. For its weights alone, "
+                    f"{owner}.load_from_checkpoint({str(path)!r})")
+            return rec_checkpoint.lightning_checkpoint(path)
+
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a CheckpointIO of the user's own stays theirs
+        trainer.strategy.checkpoint_io = RecDirectoryCheckpointIO()
+
+
+class _ClassOnly(classmethod):
+    """A classmethod that refuses to be called on an instance, as Lightning's load_from_checkpoint does:
+    `model.load_from_checkpoint(path)` returns a new module and leaves `model` as it was."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return super().__get__(instance, owner)
+        name = f"{type(instance).__name__}.{self.__func__.__name__}"
+
+        @functools.wraps(self.__func__)
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise TypeError(f"The classmethod `{name}` cannot be called on an instance. Please call it on the class "
+                            f"type and make sure the return value is used.")
+
+        return refuse
+
+
 class RecModuleHooks:
     """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
 
@@ -73,6 +117,8 @@ class RecModuleHooks:
                 f"{type(self).__name__}'s tables ({on_meta[0]}) were built on device='meta' (embedding_device='meta'): "
                 f"they get their values when Trainer(strategy='rec') shards them (--trainer.strategy=rec); with "
                 f"{type(trainer.strategy).__name__}, build them on the CPU (embedding_device='cpu')")
+        if not isinstance(trainer.strategy, RecStrategy):
+            _read_rec_checkpoints(trainer, type(self).__name__)
         if stage != "fit":
             return
 
@@ -111,6 +157,16 @@ class RecModuleHooks:
         it every `log_every_n_steps`) and to callbacks, not to the bar; the bar shows the validation metrics.
         """
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
+
+    @_ClassOnly
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, which also reads the checkpoint directories that `strategy="rec"` writes: the module comes
+        back unsharded, on one process, every table whole (`lightning_rec.checkpoint.load_from_checkpoint`)."""
+        from lightning_rec import checkpoint as rec_checkpoint
+
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
+            return rec_checkpoint.load_from_checkpoint(cls, checkpoint_path, *args, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
