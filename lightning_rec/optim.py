@@ -316,6 +316,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             if callable(getattr(kernel, "state_loaded", None)):
                 kernel.state_loaded()
 
+    def global_table_names(self) -> list[str]:
+        """Every table this optimizer updates, by its whole-table name ("<path>.<table>"), stateless ones too."""
+        return list(dict.fromkeys(name for name, _, _ in self._pieces.values()))
+
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
         """This rank's optimizer state under whole-table names, for resharding.
 
@@ -335,6 +339,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
         model): each piece reads its rows and columns."""
         saved = state_dict.get("state", {})
+        self._check_same_optimizer(state_dict.get("param_groups", []))
         expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
                     for key, value in states.items()}
         missing = []
@@ -362,6 +367,28 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in by_name.get(group["name"], {}).items():
                 if key not in ("name", "tables", "optimizer"):
                     group[key] = value
+
+
+    def _check_same_optimizer(self, saved_groups: Sequence[Mapping[str, Any]]) -> None:
+        """State saved by tables that trained with another fused optimizer is refused, naming both: rowwise_adagrad's
+        per-row "sum" into adagrad said "the table sizes differ", and into sgd (no state) it loaded, silently."""
+        def by_table(groups) -> dict[str, str]:
+            out = {}
+            for g in groups:
+                if "optimizer" in g and isinstance(g.get("name"), str):
+                    prefix = g["name"][: g["name"].rfind("fused")]  # "<path>." of the group's collection
+                    out.update({prefix + t: str(g["optimizer"]) for t in g.get("tables", [])})
+            return out
+
+        theirs, ours = by_table(saved_groups), by_table(self.param_groups)
+        other = sorted(t for t in ours if t in theirs and theirs[t] != ours[t])
+        if other:
+            t = other[0]
+            raise ValueError(
+                f"the fused optimizer state was saved by tables trained with {theirs[t]} (table '{t}', {len(other)} "
+                f"table(s) like it), but these train with {ours[t]}: build the tables with "
+                f"FusedOptimizerConfig('{theirs[t]}', ...) (DLRMModule(sparse_optimizer='{theirs[t]}')) to resume "
+                f"from it, or load only the model's weights (model.load_state_dict) and start this optimizer afresh")
 
 
 def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:

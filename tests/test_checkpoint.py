@@ -293,14 +293,18 @@ def test_checkpoint_of_other_tables_names_them(tmp_path):
     run_ranks(_other_dims_worker, 2, path, timeout=120)
 
 
-def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path):
-    # it listed the missing 'exp_avg' entries and told to rebuild "the same tables and dims", or pass strict=False
+@pytest.mark.parametrize("other_optimizer, ours", [("adam", "['exp_avg', 'exp_avg_sq', 'step']"),
+                                                    ("adagrad", "['sum']"), ("sgd", "none")])
+def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path, other_optimizer, ours):
+    # adam: it listed the missing 'exp_avg' entries and told to rebuild "the same tables and dims", or pass
+    # strict=False; adagrad (per-element 'sum'): "not in the checkpoint: ...sum"; sgd (no state): loaded, silently
     path = str(tmp_path / "c.ckpt")
     module = _module("rowwise_adagrad")
     ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[module.configure_optimizers()])
-    other = _module("adam")
+    other = _module(other_optimizer)
     expect_error(ValueError, lambda: ckpt.load_optimizer(other.configure_optimizers(), path),
-                 "another sparse (fused) optimizer", "['sum']", "adam", "sparse_optimizer=", "load_model")
+                 "another sparse (fused) optimizer", "['sum (per row)']", f"train with {other_optimizer}, whose "
+                 f"state is {ours}", "sparse_optimizer=", "load_model")
     ckpt.load_model(other, path)  # its weights still load
 
 

@@ -186,6 +186,18 @@ def test_scheduler_reaches_fused_learning_rate():
     assert ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("other", ["adagrad", "sgd", "adam"])
+def test_fused_state_of_another_optimizer_is_refused_naming_both(other):
+    """FusedOptimizer.load_state_dict (Lightning's resume without strategy='rec'): rowwise_adagrad's per-row 'sum'
+    into adagrad tables said "the table sizes differ", into sgd tables it loaded, silently."""
+    saved = FusedOptimizer(EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("rowwise_adagrad")))
+    saved = saved.state_dict()
+    fused = FusedOptimizer(EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig(other)))
+    with pytest.raises(ValueError, match=rf"saved by tables trained with rowwise_adagrad .* these train with {other}: "
+                                         rf"build the tables with FusedOptimizerConfig\('rowwise_adagrad'"):
+        fused.load_state_dict(saved)
+
+
 def test_out_of_range_and_negative_ids_name_feature_and_table():
     ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=1.0))
     before = ebc.embedding_bags["t1"].weight.detach().clone()
