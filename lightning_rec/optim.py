@@ -238,8 +238,19 @@ def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
     unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
     """
-    return [(path, m) for path, m in _model_named_modules(model)
-            if callable(getattr(m, "fused_kernels", None)) and m.fused_kernels()]
+    return [(path, m) for path, m in _model_named_modules(model) if _has_fused_update(m)]
+
+
+def _has_fused_update(module: torch.nn.Module) -> bool:
+    if not callable(getattr(module, "fused_kernels", None)):
+        return False
+    if module.fused_kernels():
+        return True
+    # A sharded collection none of whose shards is on this rank (a table_wise table on another rank): every rank
+    # still keeps its fused optimizer, so that every rank's optimizer has the same parts and its checkpoint the same
+    # collectives (this rank's had no fused part; its save skipped a gather that the others waited in).
+    config = getattr(module, "fused_optimizer_config", None)
+    return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -263,8 +274,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             # param groups that hold the model's parameters, as Lightning's BaseFinetuning maps them to names
             # (KeyError on the kernel's views at every epoch start)
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
+            prefix = f"{path}." if path else ""
+            if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
+                config = module.fused_optimizer_config()
+                groups.append(_FusedParamGroup([], params=[], lr=config.lr, name=f"{prefix}fused0",
+                                               optimizer=str(config.optimizer), tables=[]))
             for i, kernel in enumerate(module.fused_kernels()):
-                prefix = f"{path}." if path else ""
                 for j, table in enumerate(kernel.tables):
                     self._tables[prefix + table.name] = (kernel, j)
                     whole = (table.name, None, (table.num_embeddings, table.embedding_dim))

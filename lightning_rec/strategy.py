@@ -278,12 +278,13 @@ class RecStrategy(DDPStrategy):
         fused = fused_modules(self.lightning_module)
         if not fused or any(holds_fused_optimizer(o) for o in self.optimizers):
             return
-        kernels = [k for _, m in fused for k in m.fused_kernels()]
-        config = kernels[0].optimizer_config
+        kernels = [k for _, m in fused for k in m.fused_kernels()]  # none on a rank that holds no shard
+        config = fused[0][1].fused_optimizer_config()
+        rate = kernels[0].get_learning_rate() if kernels else config.lr
         warnings.warn(
             f"{type(self.lightning_module).__name__}'s tables ({fused[0][0] or 'the model'}) train with the fused "
             f"optimizer {config.optimizer} inside backward, but configure_optimizers returned no optimizer that holds "
-            f"it: an LR scheduler does not reach their rate (it stays {kernels[0].get_learning_rate():g}) and "
+            f"it: an LR scheduler does not reach their rate (it stays {rate:g}) and "
             f"checkpoints leave out their optimizer state, so a resumed run restarts it. Return "
             f"lightning_rec.combined_optimizer(self, dense_optimizer) (or TorchRec's CombinedOptimizer with "
             f"FusedOptimizer(self))", stacklevel=1)

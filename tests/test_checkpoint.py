@@ -1130,3 +1130,45 @@ def test_one_process_save_and_load_say_nothing_about_torch_distributed(tmp_path)
         warnings.simplefilter("error")
         ckpt.save({"state_dict": model.state_dict()}, tmp_path / "c")
         ckpt.load_model(model, tmp_path / "c")
+
+
+def _rank_without_shards_worker(rank, W, path):
+    from torch import nn
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
+    from lightning_rec.optim import combined_optimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"ebc": EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])],
+            optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1)), "dense": nn.Linear(4, 1)})
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(model["ebc"], {"t": table_wise(rank=1)},
+                                                                   world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+        optimizer = combined_optimizer(dmp, torch.optim.SGD(model["dense"].parameters(), lr=0.1))
+        return dmp, optimizer
+
+    dmp, optimizer = build()
+    ids = torch.tensor([rank, 3, 7])
+    dmp.module["ebc"](KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones(3, dtype=torch.long))).values() \
+        .sum().backward()
+    optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's write
+    ckpt.save({"state_dict": dmp.state_dict()}, path, optimizers=[optimizer])
+    other, other_optimizer = build()
+    ckpt.load_model(other, path)
+    ckpt.load_optimizer(other_optimizer, path, module=other)
+    saved = optimizer.state_dict()["fused"]["state"]
+    loaded = other_optimizer.state_dict()["fused"]["state"]
+    return ([g.get("name") for g in optimizer.param_groups], other_optimizer.param_groups[0]["lr"],
+            sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved))
+
+
+def test_a_rank_holding_no_fused_shard_keeps_a_fused_optimizer(tmp_path):
+    """A table placed table_wise on rank 1 only: rank 0's combined_optimizer had no fused part (FusedOptimizer(dmp)
+    raised 'the model has no fused embedding tables' there), so its param groups differed from rank 1's and
+    checkpoint.save failed ('tuple' object has no attribute 'items' on rank 1: rank 0 skipped the fused state's
+    gather). Now every rank has the fused part, empty where it holds no shard."""
+    names, lrs, same = zip(*run_ranks(_rank_without_shards_worker, 2, str(tmp_path / "c"), timeout=120))
+    assert names[0] == names[1] == ["ebc.fused0", None]
+    assert lrs == (0.05, 0.05) and all(same)
