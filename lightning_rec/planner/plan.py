@@ -116,7 +116,9 @@ class EmbeddingShardingPlanner:
 
     Arguments take TorchRec's positional order (topology, batch_size, ..., constraints, debug);
     TorchRec's pluggable components (enumerator, proposer, ...) are refused by name with the knob
-    that does their job here.
+    that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices every table's optimizer
+    state and decides which sharding types apply (replicas take sgd / adagrad / rowwise_adagrad only); left
+    out, each collection's tables are planned by its own fused update.
     """
 
     def __init__(
