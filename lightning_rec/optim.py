@@ -470,6 +470,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not named:
             raise ValueError("CombinedOptimizer needs at least one optimizer")
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
+        _refuse_fused_tables_in_dense(named)
         super().__init__([g for _, o in named for g in o.param_groups], {})
 
     def _sync_groups(self) -> None:
@@ -513,6 +514,24 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return "CombinedOptimizer(" + ", ".join(f"{n}={type(o).__name__}" for n, o in self.optimizers) + ")"
+
+
+def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
+    """A dense optimizer built over model.parameters() holds the fused tables' weights too (which never get a
+    gradient): torch said only "some parameters appear in more than one parameter group"."""
+    fused = {id(p): f"{g['name']}: {g['tables'][i]}" for _, o in named if isinstance(o, FusedOptimizer)
+             for g in o.param_groups for i, p in enumerate(g["params"])}
+    for name, o in named:
+        if isinstance(o, FusedOptimizer):
+            continue
+        held = [fused[id(p)] for g in o.param_groups for p in g["params"] if id(p) in fused]
+        if held:
+            raise ValueError(
+                f"the {type(o).__name__} optimizer '{name}' holds fused table weights ({', '.join(held[:3])}"
+                f"{' ...' if len(held) > 3 else ''}), which the fused optimizer updates inside backward (they never "
+                f"get a gradient): build it over the other parameters, "
+                f"{type(o).__name__}(lightning_rec.optim.dense_parameters(model), ...) (those that require a "
+                f"gradient), not model.parameters()")
 
 
 def combined_optimizer(model: torch.nn.Module, dense: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
