@@ -985,24 +985,34 @@ def _check_same_fused_optimizer(path: Path, saved: Mapping[str, Any], head: str,
     """A table whose fused state the checkpoint holds under other names was trained by another sparse optimizer:
     said as such (the generic "not in the checkpoint: ...exp_avg" told to rebuild the same tables and dims)."""
     ours: dict[str, set[str]] = {}
-    for key in fused.global_state_pieces():
+    # Every table, sgd's (no state) too, and per-row state told from per-element state of the same name:
+    # rowwise_adagrad's 'sum' into adagrad said "not in the checkpoint: ...sum", into sgd tables it loaded, silently.
+    for table in fused.global_table_names():
+        ours[table] = set()
+    for key, (_, parts) in fused.global_state_pieces().items():
         table, name = key.rsplit(".", 1)
-        ours.setdefault(table, set()).add(name)
+        ours.setdefault(table, set()).add(name + (PER_ROW if parts[0][1].dim() == 1 else ""))
     theirs: dict[str, set[str]] = {}
     for key in saved:
         if key.startswith(head) and key != f"{head}param_groups":
+            per_row = key.endswith(PER_ROW)
             table, _, name = key[len(head):].removesuffix(PER_ROW).rpartition(".")
-            theirs.setdefault(table, set()).add(name)
+            theirs.setdefault(table, set()).add(name + (PER_ROW if per_row else ""))
     other = sorted(t for t in ours if t in theirs and ours[t] != theirs[t])
     if not other:
         return
     t = other[0]
+
+    def said(names: set[str]) -> list[str]:
+        return sorted(n.replace(PER_ROW, " (per row)") for n in names)
+
     optimizers = sorted({str(g.get("optimizer")) for g in fused.param_groups})
     raise ValueError(f"checkpoint {path} was trained with another sparse (fused) optimizer: its state for table "
-                     f"'{t}' is {sorted(theirs[t])}, but this model's tables train with {', '.join(optimizers)}, whose "
-                     f"state is {sorted(ours[t])} ({len(other)} table(s) like it). Build the tables with the sparse "
-                     f"optimizer the checkpoint was trained with to resume from it (DLRMModule(sparse_optimizer=...), "
-                     f"FusedOptimizerConfig(...)), or load only its weights: checkpoint.load_model(model, path), or "
+                     f"'{t}' is {said(theirs[t])}, but this model's tables train with {', '.join(optimizers)}, whose "
+                     f"state is {said(ours[t]) or 'none'} ({len(other)} table(s) like it). Build the tables with the "
+                     f"sparse optimizer the checkpoint was trained with to resume from it "
+                     f"(DLRMModule(sparse_optimizer=...), FusedOptimizerConfig(...)), or load only its weights: "
+                     f"checkpoint.load_model(model, path), or "
                      f"trainer.validate / test(..., ckpt_path=...)")
 
 

@@ -516,10 +516,10 @@ class DenseKernel(nn.Module):
             w = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.data_type, device=device)
             nn.init.uniform_(w, *t.init_range())
             self.weights.append(nn.Parameter(w))
-        self._feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        self.feature_table = [i for i, t in enumerate(tables) for _ in t.feature_names]
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
-        return plain_lookup(features, list(self.weights), self._feature_table, self.pooling)
+        return plain_lookup(features, list(self.weights), self.feature_table, self.pooling)
 
     def split_embedding_weights(self) -> list[Tensor]:
         return [w for w in self.weights]

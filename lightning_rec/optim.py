@@ -238,8 +238,19 @@ def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
     unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
     """
-    return [(path, m) for path, m in _model_named_modules(model)
-            if callable(getattr(m, "fused_kernels", None)) and m.fused_kernels()]
+    return [(path, m) for path, m in _model_named_modules(model) if _has_fused_update(m)]
+
+
+def _has_fused_update(module: torch.nn.Module) -> bool:
+    if not callable(getattr(module, "fused_kernels", None)):
+        return False
+    if module.fused_kernels():
+        return True
+    # A sharded collection none of whose shards is on this rank (a table_wise table on another rank): every rank
+    # still keeps its fused optimizer, so that every rank's optimizer has the same parts and its checkpoint the same
+    # collectives (this rank's had no fused part; its save skipped a gather that the others waited in).
+    config = getattr(module, "fused_optimizer_config", None)
+    return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -263,8 +274,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             # param groups that hold the model's parameters, as Lightning's BaseFinetuning maps them to names
             # (KeyError on the kernel's views at every epoch start)
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
+            prefix = f"{path}." if path else ""
+            if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
+                config = module.fused_optimizer_config()
+                groups.append(_FusedParamGroup([], params=[], lr=config.lr, name=f"{prefix}fused0",
+                                               optimizer=str(config.optimizer), tables=[]))
             for i, kernel in enumerate(module.fused_kernels()):
-                prefix = f"{path}." if path else ""
                 for j, table in enumerate(kernel.tables):
                     self._tables[prefix + table.name] = (kernel, j)
                     whole = (table.name, None, (table.num_embeddings, table.embedding_dim))
@@ -316,6 +331,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             if callable(getattr(kernel, "state_loaded", None)):
                 kernel.state_loaded()
 
+    def global_table_names(self) -> list[str]:
+        """Every table this optimizer updates, by its whole-table name ("<path>.<table>"), stateless ones too."""
+        return list(dict.fromkeys(name for name, _, _ in self._pieces.values()))
+
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
         """This rank's optimizer state under whole-table names, for resharding.
 
@@ -335,6 +354,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
         model): each piece reads its rows and columns."""
         saved = state_dict.get("state", {})
+        self._check_same_optimizer(state_dict.get("param_groups", []))
         expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
                     for key, value in states.items()}
         missing = []
@@ -362,6 +382,28 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in by_name.get(group["name"], {}).items():
                 if key not in ("name", "tables", "optimizer"):
                     group[key] = value
+
+
+    def _check_same_optimizer(self, saved_groups: Sequence[Mapping[str, Any]]) -> None:
+        """State saved by tables that trained with another fused optimizer is refused, naming both: rowwise_adagrad's
+        per-row "sum" into adagrad said "the table sizes differ", and into sgd (no state) it loaded, silently."""
+        def by_table(groups) -> dict[str, str]:
+            out = {}
+            for g in groups:
+                if "optimizer" in g and isinstance(g.get("name"), str):
+                    prefix = g["name"][: g["name"].rfind("fused")]  # "<path>." of the group's collection
+                    out.update({prefix + t: str(g["optimizer"]) for t in g.get("tables", [])})
+            return out
+
+        theirs, ours = by_table(saved_groups), by_table(self.param_groups)
+        other = sorted(t for t in ours if t in theirs and theirs[t] != ours[t])
+        if other:
+            t = other[0]
+            raise ValueError(
+                f"the fused optimizer state was saved by tables trained with {theirs[t]} (table '{t}', {len(other)} "
+                f"table(s) like it), but these train with {ours[t]}: build the tables with "
+                f"FusedOptimizerConfig('{theirs[t]}', ...) (DLRMModule(sparse_optimizer='{theirs[t]}')) to resume "
+                f"from it, or load only the model's weights (model.load_state_dict) and start this optimizer afresh")
 
 
 def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
@@ -428,6 +470,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not named:
             raise ValueError("CombinedOptimizer needs at least one optimizer")
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
+        _refuse_fused_tables_in_dense(named)
         super().__init__([g for _, o in named for g in o.param_groups], {})
 
     def _sync_groups(self) -> None:
@@ -471,6 +514,24 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return "CombinedOptimizer(" + ", ".join(f"{n}={type(o).__name__}" for n, o in self.optimizers) + ")"
+
+
+def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
+    """A dense optimizer built over model.parameters() holds the fused tables' weights too (which never get a
+    gradient): torch said only "some parameters appear in more than one parameter group"."""
+    fused = {id(p): f"{g['name']}: {g['tables'][i]}" for _, o in named if isinstance(o, FusedOptimizer)
+             for g in o.param_groups for i, p in enumerate(g["params"])}
+    for name, o in named:
+        if isinstance(o, FusedOptimizer):
+            continue
+        held = [fused[id(p)] for g in o.param_groups for p in g["params"] if id(p) in fused]
+        if held:
+            raise ValueError(
+                f"the {type(o).__name__} optimizer '{name}' holds fused table weights ({', '.join(held[:3])}"
+                f"{' ...' if len(held) > 3 else ''}), which the fused optimizer updates inside backward (they never "
+                f"get a gradient): build it over the other parameters, "
+                f"{type(o).__name__}(lightning_rec.optim.dense_parameters(model), ...) (those that require a "
+                f"gradient), not model.parameters()")
 
 
 def combined_optimizer(model: torch.nn.Module, dense: torch.optim.Optimizer | None) -> torch.optim.Optimizer:

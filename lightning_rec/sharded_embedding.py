@@ -40,7 +40,7 @@ from lightning_rec.embedding import (
     _Tables,
 )
 from lightning_rec.input_dist import DistContext, KJTAllToAll
-from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs
+from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
 from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
 from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
 from lightning_rec.sharding import data_parallel
@@ -94,7 +94,11 @@ class ShardedLookupOut:
 class ReplicaKernel:
     """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward.
 
-    Quacks like lookup.FusedKernel for FusedOptimizer (tables, optimizer_config, weights, state, lr).
+    Quacks like lookup.FusedKernel for FusedOptimizer (tables, optimizer_config, weights, state, lr). Each call
+    (`forward`) looks up through leaves of its own that view the weights, so its backward applies the rule once
+    for that call, as a fused kernel's backward does: a collection called twice in a step (positives, then
+    negatives) updates twice, as its sharded tables do (one hook on the weights summed both calls' gradients
+    into one step, so Adagrad there took another step than on the sharded tables).
     """
 
     def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
@@ -106,15 +110,38 @@ class ReplicaKernel:
         for t in self.tables:
             data_parallel.check_replica_optimizer(optimizer, t.name)
         self._states = [data_parallel.new_state(optimizer, w.detach()) for w in kernel.weights]
-        for w, state in zip(kernel.weights, self._states):
-            w.register_post_accumulate_grad_hook(self._hook(state))
 
-    def _hook(self, state: dict[str, Tensor]):
-        def update(param: Tensor) -> None:
-            grad = param.grad
-            all_reduce_sum_(self._env.comm, grad, self._env.timeout_s)
-            data_parallel.apply_update(param.data, grad, state, self.optimizer_config, self._lr)
-            param.grad = None
+    def forward(self, features: KeyedJaggedTensor) -> Tensor:
+        """This call's lookup: pooled_BD (bags) or values_ND (sequence); its backward updates the rows it named."""
+        leaves = [w.detach().requires_grad_(w.requires_grad and torch.is_grad_enabled()) for w in self.kernel.weights]
+        if any(leaf.requires_grad for leaf in leaves):
+            # With weight_decay every row the call names is stepped, as in the fused kernels (a row named with a
+            # zero gradient, e.g. a per-id weight of 0, is decayed); without it such a row's step is 0 anyway.
+            named = self._named_rows(features) if self.optimizer_config.weight_decay else [None] * len(leaves)
+            for w, leaf, state, named_R in zip(self.kernel.weights, leaves, self._states, named):
+                if leaf.requires_grad:
+                    leaf.register_post_accumulate_grad_hook(self._hook(w, state, named_R))
+        return plain_lookup(features, leaves, self.kernel.feature_table, self.kernel.pooling)
+
+    def _named_rows(self, features: KeyedJaggedTensor) -> list[Tensor]:
+        """Per table [rows]: 1 where this rank's call names the row."""
+        named = [torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) for w in self.kernel.weights]
+        for t, jt in zip(self.kernel.feature_table, features.to_dict().values()):
+            named[t].index_fill_(0, jt.values(), 1.0)
+        return named
+
+    def _hook(self, weight: Tensor, state: dict[str, Tensor], named_R: Tensor | None):
+        def update(leaf: Tensor) -> None:
+            grad, named = leaf.grad, None
+            if named_R is None:
+                all_reduce_sum_(self._env.comm, grad, self._env.timeout_s)
+            else:  # the rows any rank named travel with the gradient: one collective
+                both = torch.cat([grad, named_R.to(grad.dtype).unsqueeze(1)], dim=1)
+                all_reduce_sum_(self._env.comm, both, self._env.timeout_s)
+                grad, named = both[:, :-1], both[:, -1]
+            # .data: the other calls' leaves view these weights, and their backward may still come
+            data_parallel.apply_update(weight.data, grad, state, self.optimizer_config, self._lr, named)
+            leaf.grad = None
 
         return update
 
@@ -313,8 +340,14 @@ class _ShardedCollectionBase(nn.Module):
             # No shard here reads the learned weights, yet every other rank waits for this one in their backward
             # exchange: tie them to the output, which every rank's backward reaches.
             owned = [_tie(self._join_owned(owned, batch), batch.routed.weights())]
-        replicated = self._replicas(batch.replicated) if self._replicas is not None else []
+        replicated = self._replica_lookup(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
+
+    def _replica_lookup(self, features: KeyedJaggedTensor) -> list[Tensor]:
+        """One output per replica group, as GroupedLookup's; each group's backward applies its fused rule."""
+        assert features.keys() == self._replicas.feature_names, (features.keys(), self._replicas.feature_names)
+        parts = features.split(self._replicas._group_sizes) if len(self._replica_kernels) > 1 else [features]
+        return [k.forward(part) for k, part in zip(self._replica_kernels, parts)]
 
     # validation: every rank checks its own batch, input_dist makes them agree ------------------------
 

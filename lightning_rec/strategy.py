@@ -183,21 +183,16 @@ class RecStrategy(DDPStrategy):
         return self.dmp.plan
 
     def _default_planner(self):
-        """A planner told what this run trains: the batch per rank and the fused optimizer."""
-        from lightning_rec.optim import fused_modules
+        """A planner told what this run trains: the batch per rank (each collection's fused optimizer it reads from
+        the module it plans: passing the first one's made every collection planned by it)."""
         from lightning_rec.planner import EmbeddingShardingPlanner, Topology
 
-        module = self.lightning_module
-        configs = [m.fused_optimizer_config() for _, m in fused_modules(module)
-                   if callable(getattr(m, "fused_optimizer_config", None))]
         datamodule = getattr(self._lightning_module.trainer, "datamodule", None)
         batch_size = getattr(datamodule, "batch_size", None) or 512
         topology = Topology(world_size=self.world_size, compute_device=self.root_device.type,
                             local_world_size=self.num_processes)
-        kwargs = {"optimizer": configs[0]} if configs and configs[0] is not None else {}
         pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
-        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, pipelined=pipelined,
-                                        **kwargs)
+        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, pipelined=pipelined)
 
     def _shard(self, dense: str | None) -> None:
         module = self.lightning_module
@@ -283,12 +278,13 @@ class RecStrategy(DDPStrategy):
         fused = fused_modules(self.lightning_module)
         if not fused or any(holds_fused_optimizer(o) for o in self.optimizers):
             return
-        kernels = [k for _, m in fused for k in m.fused_kernels()]
-        config = kernels[0].optimizer_config
+        kernels = [k for _, m in fused for k in m.fused_kernels()]  # none on a rank that holds no shard
+        config = fused[0][1].fused_optimizer_config()
+        rate = kernels[0].get_learning_rate() if kernels else config.lr
         warnings.warn(
             f"{type(self.lightning_module).__name__}'s tables ({fused[0][0] or 'the model'}) train with the fused "
             f"optimizer {config.optimizer} inside backward, but configure_optimizers returned no optimizer that holds "
-            f"it: an LR scheduler does not reach their rate (it stays {kernels[0].get_learning_rate():g}) and "
+            f"it: an LR scheduler does not reach their rate (it stays {rate:g}) and "
             f"checkpoints leave out their optimizer state, so a resumed run restarts it. Return "
             f"lightning_rec.combined_optimizer(self, dense_optimizer) (or TorchRec's CombinedOptimizer with "
             f"FusedOptimizer(self))", stacklevel=1)

@@ -454,6 +454,22 @@ def test_planner_never_replicates_tables_whose_fused_optimizer_replicas_lack():
         assert "data_parallel" not in kinds, kinds
 
 
+def test_planner_prices_each_collection_by_its_own_fused_optimizer():
+    """Two collections, rowwise_adagrad and adam: the planner (and Trainer(strategy='rec')'s) planned both by the
+    first one's update, replicated the small adam table, and DistributedModelParallel refused the plan."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+    def collection(name, optimizer):
+        return EmbeddingBagCollection([EmbeddingBagConfig(name=name, num_embeddings=50, embedding_dim=8,
+                                                          feature_names=[name])],
+                                      optimizer=FusedOptimizerConfig(optimizer))
+
+    model = torch.nn.ModuleDict({"users": collection("u", "rowwise_adagrad"), "goods": collection("i", "adam")})
+    plan = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu")).plan(model)
+    assert str(plan.plan["users"]["u"].sharding_type) == "data_parallel"  # small: replicated, as before
+    assert str(plan.plan["goods"]["i"].sharding_type) != "data_parallel"
+
+
 def test_missing_fbgemm_names_the_pair_to_install():
     """A GPU user's `pip install -e .` installs no kernels: without fbgemm-gpu, import says what to add."""
     import subprocess

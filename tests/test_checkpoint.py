@@ -293,14 +293,18 @@ def test_checkpoint_of_other_tables_names_them(tmp_path):
     run_ranks(_other_dims_worker, 2, path, timeout=120)
 
 
-def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path):
-    # it listed the missing 'exp_avg' entries and told to rebuild "the same tables and dims", or pass strict=False
+@pytest.mark.parametrize("other_optimizer, ours", [("adam", "['exp_avg', 'exp_avg_sq', 'step']"),
+                                                    ("adagrad", "['sum']"), ("sgd", "none")])
+def test_fused_state_of_another_sparse_optimizer_is_named_as_such(tmp_path, other_optimizer, ours):
+    # adam: it listed the missing 'exp_avg' entries and told to rebuild "the same tables and dims", or pass
+    # strict=False; adagrad (per-element 'sum'): "not in the checkpoint: ...sum"; sgd (no state): loaded, silently
     path = str(tmp_path / "c.ckpt")
     module = _module("rowwise_adagrad")
     ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[module.configure_optimizers()])
-    other = _module("adam")
+    other = _module(other_optimizer)
     expect_error(ValueError, lambda: ckpt.load_optimizer(other.configure_optimizers(), path),
-                 "another sparse (fused) optimizer", "['sum']", "adam", "sparse_optimizer=", "load_model")
+                 "another sparse (fused) optimizer", "['sum (per row)']", f"train with {other_optimizer}, whose "
+                 f"state is {ours}", "sparse_optimizer=", "load_model")
     ckpt.load_model(other, path)  # its weights still load
 
 
@@ -1192,3 +1196,45 @@ def test_save_to_another_path_on_each_rank_is_refused(tmp_path):
     # loading it said 'damaged: __1_0.distcp is missing'
     run_ranks(_per_rank_path_worker, 2, str(tmp_path), timeout=120)
     assert list(tmp_path.iterdir()) == []
+
+
+def _rank_without_shards_worker(rank, W, path):
+    from torch import nn
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, KeyedJaggedTensor
+    from lightning_rec.optim import combined_optimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"ebc": EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])],
+            optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1)), "dense": nn.Linear(4, 1)})
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(model["ebc"], {"t": table_wise(rank=1)},
+                                                                   world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+        optimizer = combined_optimizer(dmp, torch.optim.SGD(model["dense"].parameters(), lr=0.1))
+        return dmp, optimizer
+
+    dmp, optimizer = build()
+    ids = torch.tensor([rank, 3, 7])
+    dmp.module["ebc"](KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.ones(3, dtype=torch.long))).values() \
+        .sum().backward()
+    optimizer.param_groups[0]["lr"] = 0.05  # a scheduler's write
+    ckpt.save({"state_dict": dmp.state_dict()}, path, optimizers=[optimizer])
+    other, other_optimizer = build()
+    ckpt.load_model(other, path)
+    ckpt.load_optimizer(other_optimizer, path, module=other)
+    saved = optimizer.state_dict()["fused"]["state"]
+    loaded = other_optimizer.state_dict()["fused"]["state"]
+    return ([g.get("name") for g in optimizer.param_groups], other_optimizer.param_groups[0]["lr"],
+            sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved))
+
+
+def test_a_rank_holding_no_fused_shard_keeps_a_fused_optimizer(tmp_path):
+    """A table placed table_wise on rank 1 only: rank 0's combined_optimizer had no fused part (FusedOptimizer(dmp)
+    raised 'the model has no fused embedding tables' there), so its param groups differed from rank 1's and
+    checkpoint.save failed ('tuple' object has no attribute 'items' on rank 1: rank 0 skipped the fused state's
+    gather). Now every rank has the fused part, empty where it holds no shard."""
+    names, lrs, same = zip(*run_ranks(_rank_without_shards_worker, 2, str(tmp_path / "c"), timeout=120))
+    assert names[0] == names[1] == ["ebc.fused0", None]
+    assert lrs == (0.05, 0.05) and all(same)

@@ -14,6 +14,7 @@ from lightning_rec.optim import (
     FusedOptimizerConfig,
     RowWiseAdagrad,
     combined_optimizer,
+    dense_parameters,
 )
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -184,6 +185,29 @@ def test_scheduler_reaches_fused_learning_rate():
     sched.step()
     opt.load_state_dict(state)  # restores lr 0.05 in both parts
     assert ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("other", ["adagrad", "sgd", "adam"])
+def test_fused_state_of_another_optimizer_is_refused_naming_both(other):
+    """FusedOptimizer.load_state_dict (Lightning's resume without strategy='rec'): rowwise_adagrad's per-row 'sum'
+    into adagrad tables said "the table sizes differ", into sgd tables it loaded, silently."""
+    saved = FusedOptimizer(EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("rowwise_adagrad")))
+    saved = saved.state_dict()
+    fused = FusedOptimizer(EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig(other)))
+    with pytest.raises(ValueError, match=rf"saved by tables trained with rowwise_adagrad .* these train with {other}: "
+                                         rf"build the tables with FusedOptimizerConfig\('rowwise_adagrad'"):
+        fused.load_state_dict(saved)
+
+
+def test_a_dense_optimizer_over_every_parameter_is_refused_naming_dense_parameters():
+    """torch.optim.Adam(model.parameters()) beside the fused tables: combined_optimizer raised torch's "some
+    parameters appear in more than one parameter group", naming neither the tables nor the fix."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd"))
+    model = nn.ModuleDict({"ebc": ebc, "dense": nn.Linear(3, 1)})
+    with pytest.raises(ValueError, match=r"'dense' holds fused table weights \(ebc.fused0: t0, ebc.fused0: t1\).*"
+                                         r"Adam\(lightning_rec.optim.dense_parameters\(model\)"):
+        combined_optimizer(model, torch.optim.Adam(model.parameters()))
+    combined_optimizer(model, torch.optim.Adam(dense_parameters(model)))  # the fix
 
 
 def test_out_of_range_and_negative_ids_name_feature_and_table():

@@ -560,6 +560,36 @@ class _DenseOnlyOptimizer(_OwnModule):
         return torch.optim.SGD(dense_parameters(self), lr=0.1)
 
 
+class _TwoOptimizersModule(_OwnModule):
+    """A second collection that trains with fused adam, reading the same feature."""
+
+    def __init__(self):
+        super().__init__()
+        from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+
+        self.adam_ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="a", num_embeddings=64, embedding_dim=4,
+                                                                    feature_names=["C1"])],
+                                               optimizer=FusedOptimizerConfig("adam", lr=0.01))
+        self.dense = torch.nn.Linear(13 + 8, 1)
+
+    def training_step(self, batch, batch_idx):
+        pooled = torch.cat([self.ebc(batch.sparse_features).values(), self.adam_ebc(batch.sparse_features).values()], 1)
+        logits = self.dense(torch.cat([batch.dense_features, pooled], 1)).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+
+
+def test_collections_with_different_fused_optimizers_are_planned_by_their_own(tmp_path):
+    """The strategy's planner was given the first collection's optimizer (sgd) for every table, so it replicated the
+    adam collection's small table, and the fit stopped in sharding: 'table 'a' is data_parallel with fused optimizer
+    adam, which replicated tables do not implement'."""
+    data, kw = _one_table_fit(tmp_path, strategy="rec", max_steps=2)
+    module = _TwoOptimizersModule()
+    L.Trainer(**kw).fit(module, data)
+    plan = module.trainer.strategy.plan.plan
+    assert str(plan["ebc"]["t"].sharding_type) == "data_parallel"
+    assert str(plan["adam_ebc"]["a"].sharding_type) != "data_parallel"
+
+
 def test_a_dense_only_optimizer_beside_fused_tables_is_said(tmp_path):
     """configure_optimizers returning the dense optimizer alone: the tables trained on at their configured rate,
     untouched by the user's LR scheduler, and the checkpoints held none of their optimizer state, without a word."""

@@ -116,7 +116,9 @@ class EmbeddingShardingPlanner:
 
     Arguments take TorchRec's positional order (topology, batch_size, ..., constraints, debug);
     TorchRec's pluggable components (enumerator, proposer, ...) are refused by name with the knob
-    that does their job here.
+    that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices every table's optimizer
+    state and decides which sharding types apply (replicas take sgd / adagrad / rowwise_adagrad only); left
+    out, each collection's tables are planned by its own fused update.
     """
 
     def __init__(
@@ -284,7 +286,7 @@ class EmbeddingShardingPlanner:
         caps = self.capacity
         options = []
         for spec in specs:
-            opts, reasons = enumerate_options(spec, self.cost, tuple(caps * self.max_shard_fraction))
+            opts, reasons = enumerate_options(spec, self._cost(spec), tuple(caps * self.max_shard_fraction))
             if not opts:
                 why = "; ".join(reasons) or "no sharding type allowed"
                 raise PlannerError(
@@ -333,6 +335,26 @@ class EmbeddingShardingPlanner:
         # a FusedOptimizerConfig, or any name FusedOptimizerConfig takes (ours, fbgemm's / TorchRec's, torch.optim's)
         self.optimizer = str(emb_optim_type(getattr(optimizer, "optimizer", optimizer)))
         self.cost = CostModel(self.topology, self._cost_args[0], self.optimizer, self._cost_args[1])
+        self._module_costs: dict[str, CostModel] = {}  # collection path -> its own update's (plan() sets them)
+
+    def _collection_costs(self, module) -> None:
+        """Each collection's tables are priced, and their sharding types chosen, by its own fused update: a model
+        whose collections train with rowwise_adagrad and adam was planned by the first one's, so an adam table
+        was replicated (data_parallel), which DistributedModelParallel then refused."""
+        self._module_costs = {}
+        if self._optimizer_given or not hasattr(module, "named_modules"):
+            return
+        costs: dict[str, CostModel] = {}
+        for path, m in module.named_modules():
+            config = m.fused_optimizer_config() if callable(getattr(m, "fused_optimizer_config", None)) else None
+            if config is not None:
+                name = str(emb_optim_type(config.optimizer))
+                if name not in costs:
+                    costs[name] = CostModel(self.topology, self._cost_args[0], name, self._cost_args[1])
+                self._module_costs[path] = costs[name]
+
+    def _cost(self, spec: TableSpec) -> CostModel:
+        return self._module_costs.get(spec.path, self.cost)
 
     def plan(self, module, sharders=None) -> ShardingPlan:
         """Plan every table of `module` (a model, a collection, or a list of configs).
@@ -347,6 +369,7 @@ class EmbeddingShardingPlanner:
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
             if fused:  # the collections' own update decides state bytes and which sharding types apply
                 self._set_optimizer(fused[0])
+        self._collection_costs(module)
         specs = self._specs(module)
         options = self._options(specs)
         search = _Search(options, self.topology, self.capacity, self.max_proposals)

@@ -4,9 +4,10 @@ A replicated table lives on every rank as an ordinary parameter. Its gradient (s
 backward by output_dist.all_reduce_sum_) is applied at once with the same rule, learning rate and
 state names as the fused kernels, so a replicated table trains like a fused one on the global
 batch, and FusedOptimizer / checkpoints treat both alike. Updates are lazy, as in the fused
-kernels: rows with no gradient are left alone. One difference: the fused kernels step every row a
-batch names, this rule the rows whose summed gradient is not zero, so with weight_decay a row named
-only with a zero gradient (a per-id weight of 0) is decayed there and not here.
+kernels: the rows that some rank's batch names are stepped, the others left alone. With weight_decay
+that includes a row named only with a zero gradient (a per-id weight of 0, a bag whose output the
+loss ignores): it is decayed, as the fused kernels decay it (torch.optim, on the dense table, would
+decay every row).
 
     sgd              w -= lr * (g + wd * w)
     adagrad          s += g^2;               w -= lr * g / (sqrt(s) + eps)
@@ -46,8 +47,11 @@ def new_state(config: FusedOptimizerConfig, weight_RD: Tensor) -> dict[str, Tens
 
 @torch.no_grad()
 def apply_update(weight_RD: Tensor, grad_RD: Tensor, state: dict[str, Tensor], config: FusedOptimizerConfig,
-                 lr: float) -> None:
-    rows_U = (grad_RD != 0).any(dim=1).nonzero().squeeze(1)
+                 lr: float, named_R: Tensor | None = None) -> None:
+    """One step of the rows named (named_R != 0: how many ranks named each row); named_R None: the rows whose
+    gradient is not zero, which is the same step when weight_decay is 0 (a zero gradient moves nothing then)."""
+    named = (grad_RD != 0).any(dim=1) if named_R is None else named_R != 0
+    rows_U = named.nonzero().squeeze(1)
     if rows_U.numel() == 0:
         return
     w_UD = weight_RD.index_select(0, rows_U).float()
