@@ -197,9 +197,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        dense = DENSE_OPTIMIZERS[hp.dense_optimizer](
-            dense_parameters(self.model), lr=hp.dense_lr, weight_decay=hp.dense_weight_decay
-        )
+        dense = self.dense_optimizer(dense_parameters(self.model))
         optimizer = self.fused_rate_from_hparams(combined_optimizer(self.model, dense))
         if hp.warmup_steps <= 0:
             return optimizer
