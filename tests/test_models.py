@@ -70,14 +70,41 @@ def test_dot_interaction_is_pairwise_dots():
 def test_dlrm_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="must equal the embedding_dim 8"):
         DLRM(ebc(), 5, [16, 4], [8, 1])
-    with pytest.raises(ValueError, match="one logit"):
-        DLRM(ebc(), 5, [16, 8], [8, 2])
     with pytest.raises(ValueError, match="unknown dense_optimizer 'lbfgs'"):
         DLRMModule(dense_optimizer="lbfgs")
     with pytest.raises(ValueError, match="unknown fused optimizer 'adamax'"):
         DLRMModule(sparse_optimizer="adamax")
     with pytest.raises(ValueError, match="2 entries for 26 sparse features"):
         DLRMModule(num_embeddings_per_feature=[10, 10])
+
+
+def test_over_arch_may_end_in_several_logits_as_torchrecs():
+    """TorchRec's OverArch ends in any size (logits [B, K], e.g. one per task); DLRM refused all but 1."""
+    model = DLRM(ebc(), 5, [16, 8], [8, 3])
+    assert model(torch.randn(4, 5), kjt(4)).shape == (4, 3)
+
+
+def test_dlrm_module_checks_layer_sizes_before_drawing_its_tables(monkeypatch):
+    """A dense arch not ending in embedding_dim was refused by DLRM after every table was drawn (26 x 40M rows:
+    minutes, and most of the host memory, before a one-line config error); an over arch not ending in 1 is refused
+    by DLRMModule (one click logit, BCE), no longer by DLRM."""
+    import lightning_rec.models.dlrm_module as dlrm_module
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("the tables were drawn before the layer sizes were checked")
+
+    monkeypatch.setattr(dlrm_module, "EmbeddingBagCollection", drawn)
+    with pytest.raises(ValueError, match=r"dense_arch_layer_sizes=\[16, 4\] must end in embedding_dim=8"):
+        DLRMModule(embedding_dim=8, dense_arch_layer_sizes=[16, 4])
+    with pytest.raises(ValueError, match=r"over_arch_layer_sizes=\[8, 2\] must end in 1"):
+        DLRMModule(embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 2])
+
+
+def test_dense_and_sparse_batch_sizes_that_differ_are_named():
+    """torch.cat's 'Sizes of tensors must match except in dimension 1' from inside the interaction, before."""
+    model = DLRM(ebc(), 5, [16, 8], [8, 1])
+    with pytest.raises(ValueError, match="3 rows of dense features but 2 samples of sparse features"):
+        model(torch.randn(3, 5), kjt(2))
 
 
 def small_module(**kw):

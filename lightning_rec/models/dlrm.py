@@ -3,7 +3,7 @@
 Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last layer), I dense inputs.
 
     dense_BI  --dense_arch-->  dense_BD ----------------\
-                                                         >-- interaction --> over_arch --> logits_B1
+                                                         >-- interaction --> over_arch --> logits_BK
     KJT --sparse_arch (EmbeddingBagCollection)--> sparse_BFD
 
 Dot interaction (DLRM): the pairwise dot products of the F+1 vectors (dense + each feature),
@@ -115,13 +115,14 @@ class InteractionDCNArch(nn.Module):
 
 
 class DLRM(nn.Module):
-    """DLRM: dense arch, embedding bags, dot interaction, over arch -> one logit per sample.
+    """DLRM: dense arch, embedding bags, dot interaction, over arch -> logits [B, over_arch_layer_sizes[-1]].
 
     Args:
         embedding_bag_collection: the sparse features' tables (all of one dim D).
         dense_in_features: I, the number of dense inputs.
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
-        over_arch_layer_sizes: MLP sizes after the interaction; the last must be 1 (the logit).
+        over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample (1 for
+            a click model; more for several tasks, as TorchRec's OverArch allows; DLRMModule takes 1).
         dense_device: where the dense layers (dense arch, interaction, over arch) are built; None: the
             default device. The tables stay where the collection put them (TorchRec's argument: build the
             collection on "meta" and let DistributedModelParallel place the shards).
@@ -136,9 +137,9 @@ class DLRM(nn.Module):
         if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != D:
             raise ValueError(f"the dense arch's last layer ({list(dense_arch_layer_sizes)}) must equal the "
                              f"embedding_dim {D}: make them the same")
-        if not over_arch_layer_sizes or over_arch_layer_sizes[-1] != 1:
-            raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch_layer_sizes)}: "
-                             f"make the last size 1")
+        if not over_arch_layer_sizes:
+            raise ValueError("over_arch_layer_sizes is empty: give the over arch's layer sizes, the last one the "
+                             "number of logits per sample (e.g. [512, 256, 1])")
         self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes)
         self.inter_arch = self._interaction(self.sparse_arch.num_features, D)
         self.over_arch = MLP(self.inter_arch.output_dim(D), over_arch_layer_sizes, last_activation=False)
@@ -196,6 +197,10 @@ class DLRM(nn.Module):
             raise ValueError(f"DLRM was built for {expected} dense features but the batch has dense features of shape "
                              f"{tuple(dense_features.shape)}: build it with dense_in_features="
                              f"{dense_features.shape[-1]} (the data's dense columns), or fix the data")
+        if isinstance(sparse_features, KeyedJaggedTensor) and dense_features.shape[0] != sparse_features.stride():
+            raise ValueError(f"the batch has {dense_features.shape[0]} rows of dense features but "
+                             f"{sparse_features.stride()} samples of sparse features (the KeyedJaggedTensor's stride): "
+                             f"give both the same samples (a KJT's lengths hold stride() entries per key)")
         dense_BD = self.dense_arch(dense_features)
         sparse_BFD = self.sparse_arch(sparse_features)
         return self.over_arch(self.inter_arch(dense_BD, sparse_BFD))

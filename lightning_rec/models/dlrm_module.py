@@ -48,7 +48,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_dim: D, the dim of every table (and of the dense arch's last layer).
         sparse_feature_names: the KJT keys, one table each (default Criteo's C1..C26).
         dense_in_features: I, the number of dense inputs (13 for Criteo).
-        dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the over arch ends in 1).
+        dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the dense arch ends in embedding_dim, the over
+            arch in 1).
         interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
         sparse_optimizer / sparse_lr / sparse_eps / sparse_weight_decay: the fused update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
@@ -90,6 +91,15 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             )
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
+        # the layer sizes are checked before the tables are drawn (26 x 40M rows take minutes and most of the memory)
+        dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
+        if not dense_sizes or dense_sizes[-1] != embedding_dim:
+            raise ValueError(f"dense_arch_layer_sizes={dense_sizes} must end in embedding_dim={embedding_dim} (the "
+                             f"dense vector meets the embeddings in the interaction): make the last size "
+                             f"{embedding_dim}")
+        if not over_sizes or over_sizes[-1] != 1:
+            raise ValueError(f"over_arch_layer_sizes={over_sizes} must end in 1: DLRMModule predicts one click logit "
+                             f"per sample (BCE); make the last size 1")
         tables = [
             EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[name])
             for name, rows in zip(names, _per_feature(num_embeddings_per_feature, names))
@@ -102,7 +112,6 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                              f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
         self.check_embedding_device("DLRMModule", embedding_device)
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
-        dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
         else:
