@@ -171,3 +171,19 @@ def test_lr_find_on_sparse_lr_reaches_the_fused_tables(tmp_path):
     fit.fit(module, data)
     fused = dict(fit.optimizers[0].optimizers)["fused"]
     assert [g["lr"] for g in fused.param_groups] == [module.hparams.sparse_lr]
+
+
+def test_model_feature_names_beside_the_datas_default_are_logged(tmp_path):
+    """--model.sparse_feature_names=[C1, C2] beside the data's default (None: the same names) stopped every fit with a
+    logger at Lightning's "Error while merging hparams: the keys ['sparse_feature_names'] ... different values"."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=128, num_sparse_features=2,
+                                     num_embeddings_per_feature=50, num_signal_features=2)
+    module = small_module(sparse_feature_names=["C1", "C2"])
+    t = L.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, logger=CSVLogger(tmp_path),
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    t.fit(module, data)
+    assert t.global_step == 1
+    logged = t.logger.experiment.hparams
+    assert logged["sparse_feature_names"] == ["C1", "C2"] and "data_sparse_feature_names" in logged

@@ -121,12 +121,18 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        self._check_data_sizes()
-
-    def _check_data_sizes(self) -> None:
-        """The data module's id ranges against the tables' rows, named before any batch (and before Lightning's
-        "Error while merging hparams", which refuses the two num_embeddings_per_feature values for differing)."""
         data = getattr(self.trainer, "datamodule", None)
+        self._check_data_sizes(data)
+        # Keys both modules have: Lightning refuses to log two values that differ ("Error while merging hparams"),
+        # also where they agree (tables larger than the data needs; --model.sparse_feature_names=[C1,...] beside the
+        # data's None, which means the same names): the data's value is logged as data_<key>
+        initial = getattr(data, "_hparams_initial", None)
+        for key in ("num_embeddings_per_feature", "sparse_feature_names"):
+            if initial is not None and key in initial and initial[key] != self.hparams_initial.get(key):
+                initial[f"data_{key}"] = initial.pop(key)
+
+    def _check_data_sizes(self, data) -> None:
+        """The data module's id ranges against the tables' rows, named before any batch."""
         theirs = getattr(data, "hparams", {}).get("num_embeddings_per_feature")
         ours = self.hparams.num_embeddings_per_feature
         if theirs is None or theirs == ours:
@@ -143,10 +149,6 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                 f"the data module draws feature {name}'s ids from {d} values but the model's table for it has {m} "
                 f"rows ({len(over)} feature(s) like it): give both the same sizes, --data.num_embeddings_per_feature "
                 f"and --model.num_embeddings_per_feature (`lightning-rec preprocess` prints them)")
-        # tables larger than the data needs are fine: log the data's value under its own name
-        initial = getattr(data, "_hparams_initial", None)
-        if initial is not None and "num_embeddings_per_feature" in initial:
-            initial["data_num_embeddings_per_feature"] = initial.pop("num_embeddings_per_feature")
 
     def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
         return self.model(dense_features, sparse_features).squeeze(1)
