@@ -53,7 +53,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
         sparse_optimizer / sparse_lr / sparse_eps / sparse_weight_decay: the fused update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
-        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
+        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
+            for tables trained by torch.optim, is refused: these tables are fused).
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
         embedding_device: "cpu": the tables are drawn here, then moved or sharded (26 tables x 1M rows x 128: 13 GB
             of host memory first); "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
@@ -111,6 +112,10 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
                              f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
         self.check_embedding_device("DLRMModule", embedding_device)
+        if embedding_kernel == "dense":  # the collection's refusal names its own arguments (optimizer=, kernel=)
+            raise ValueError("DLRMModule(embedding_kernel='dense'): the tables train with the fused sparse_optimizer "
+                             "(updated inside backward), which the 'dense' kernel does not run: use embedding_kernel="
+                             "'auto' (or 'fbgemm' / 'native' on CPU)")
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
