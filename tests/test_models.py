@@ -189,3 +189,16 @@ def test_model_feature_names_beside_the_datas_default_are_logged(tmp_path):
     assert t.global_step == 1
     logged = t.logger.experiment.hparams
     assert logged["sparse_feature_names"] == ["C1", "C2"] and "data_sparse_feature_names" in logged
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([0, 1, 1, 0]), torch.tensor([False, True, True, False]),
+                                    torch.tensor([[0.0], [1.0], [1.0], [0.0]])], ids=["int64", "bool", "column"])
+def test_click_labels_as_integers_bools_or_a_column_give_the_float_loss(labels):
+    """DLRMModule's loss crashed on int64 labels ("result type Float can't be cast to ... Long"), on bool labels, and
+    on a [B, 1] column (which its shape check let through); DLRMTrain took them. Each now gives the float loss."""
+    torch.manual_seed(0)
+    module = small_module(sparse_feature_names=KEYS)
+    batch = Batch(dense_features=torch.randn(4, 13), sparse_features=kjt(4), labels=labels)
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(
+        module(batch.dense_features, batch.sparse_features), torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    torch.testing.assert_close(module._loss(batch)[0], expected)

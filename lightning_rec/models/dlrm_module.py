@@ -177,7 +177,10 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         if batch.labels.numel() == 0:
             # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.
             return logits_B.sum() * 0.0, logits_B
-        return F.binary_cross_entropy_with_logits(logits_B, batch.labels), logits_B
+        # integer / bool click labels and a [B, 1] column are labels too (BCE needs floats of the logits' shape);
+        # float32 at least, so that soft labels keep their value under bf16 autocast
+        labels_B = labels.reshape(-1).to(torch.promote_types(logits_B.dtype, torch.float32))
+        return F.binary_cross_entropy_with_logits(logits_B, labels_B), logits_B
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, _ = self._loss(batch)
