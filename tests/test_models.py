@@ -76,6 +76,8 @@ def test_dlrm_config_errors_name_the_fix():
         DLRMModule(sparse_optimizer="adamax")
     with pytest.raises(ValueError, match="2 entries for 26 sparse features"):
         DLRMModule(num_embeddings_per_feature=[10, 10])
+    with pytest.raises(ValueError, match=r"DLRMModule\(dense_lr=-0.1, warmup_steps=-5\): must be >= 0"):
+        DLRMModule(dense_lr=-0.1, warmup_steps=-5)  # said at fit by torch.optim (lr), or not at all (warm-up)
     with pytest.raises(ValueError, match=r"DLRMModule\(embedding_kernel='dense'\).*use embedding_kernel='auto'"):
         DLRMModule(embedding_kernel="dense", num_embeddings_per_feature=10)  # said: "drop optimizer=..."
 

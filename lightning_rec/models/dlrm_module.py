@@ -90,6 +90,13 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(
                 f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
             )
+        # said here, by the names set: torch.optim says "Invalid learning rate: -1.0" only once fit has begun, and a
+        # negative warmup_steps trained without warm-up
+        bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
+                                 ("warmup_steps", warmup_steps)) if v < 0}
+        if bad:
+            raise ValueError(f"DLRMModule({', '.join(f'{k}={v!r}' for k, v in bad.items())}): must be >= 0 "
+                             f"(warmup_steps=0: no warm-up)")
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
         # the layer sizes are checked before the tables are drawn (26 x 40M rows take minutes and most of the memory)
@@ -156,6 +163,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                 f"and --model.num_embeddings_per_feature (`lightning-rec preprocess` prints them)")
 
     def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
+        """Click logits [B] (not probabilities: torch.sigmoid of them is what predict_step writes)."""
         return self.model(dense_features, sparse_features).squeeze(1)
 
     def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
