@@ -1,4 +1,4 @@
-"""DLRM and DLRM-DCNv2 (TorchRec's module layout; a TorchRec DLRM's state dict loads by its own names).
+"""DLRM, DLRM-DCNv2 and DLRM-Projection (TorchRec's module layout; a TorchRec DLRM's state dict loads by its own names).
 
 Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last layer), I dense inputs.
 
@@ -114,6 +114,32 @@ class InteractionDCNArch(nn.Module):
         return self.crossnet(x0_BK)
 
 
+class InteractionProjectionArch(nn.Module):
+    """DLRM-Projection's interaction (TorchRec's): two MLP branches read the F+1 vectors flattened; the first's output
+    is F1 vectors of dim D ([B, F1, D]), the second's a [B, D, F2] block; their F1 x F2 products, next to the dense
+    vector: D + F1 F2 features."""
+
+    def __init__(self, num_sparse_features: int, interaction_branch1: nn.Module,
+                 interaction_branch2: nn.Module) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        self.interaction_branch1 = interaction_branch1
+        self.interaction_branch2 = interaction_branch2
+
+    def output_dim(self, embedding_dim: int) -> int:
+        projected = [[m for m in branch if isinstance(m, nn.Linear)][-1].out_features // embedding_dim
+                     for branch in (self.interaction_branch1, self.interaction_branch2)]
+        return embedding_dim + projected[0] * projected[1]
+
+    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+        B, D = dense_BD.shape
+        x_BK = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).reshape(B, -1)
+        # TorchRec's reshapes: the second branch's output is read as [B, D, F2] directly (no transpose)
+        y_BF1D = self.interaction_branch1(x_BK).reshape(B, -1, D)
+        z_BDF2 = self.interaction_branch2(x_BK).reshape(B, D, -1)
+        return torch.cat([dense_BD, torch.bmm(y_BF1D, z_BDF2).reshape(B, -1)], dim=1)
+
+
 class DLRM(nn.Module):
     """DLRM: dense arch, embedding bags, dot interaction, over arch -> logits [B, over_arch_layer_sizes[-1]].
 
@@ -170,6 +196,11 @@ class DLRM(nn.Module):
                 names[f"over_arch.model.0._mlp.{i}._linear.{p}"] = (f"over_arch.{at}.{p}", None)
         for p in ("weight", "bias"):
             names[f"over_arch.model.1.{p}"] = (f"over_arch.{last}.{p}", None)
+        for branch in ("interaction_branch1", "interaction_branch2"):
+            arch = getattr(self.inter_arch, branch, None)
+            for i, at in enumerate(linears(arch) if arch is not None else []):
+                for p in ("weight", "bias"):
+                    names[f"inter_arch.{branch}.model._mlp.{i}._linear.{p}"] = (f"inter_arch.{branch}.{at}.{p}", None)
         crossnet = getattr(self.inter_arch, "crossnet", None)
         if crossnet is not None:
             for layer, U in enumerate(crossnet.U):
@@ -180,7 +211,13 @@ class DLRM(nn.Module):
         return names
 
     def _rename_torchrec_keys(self, state_dict, prefix, *args) -> None:
-        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched
+        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched.
+        # TorchRec's DLRM_Projection holds its branches twice (as `interaction_branch1` and inside `inter_arch`), so
+        # its state dict has each branch under both names: the top-level copy goes where the other one does
+        for key in [k for k in state_dict if k.startswith((prefix + "interaction_branch1.",
+                                                           prefix + "interaction_branch2."))]:
+            if prefix + "inter_arch." + key[len(prefix):] in state_dict:
+                state_dict.pop(key)
         for theirs, (ours, shape) in self.torchrec_names().items():
             if prefix + theirs in state_dict and prefix + ours not in state_dict:
                 value = state_dict.pop(prefix + theirs)
@@ -219,6 +256,31 @@ class DLRM_DCN(DLRM):
 
     def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
         return InteractionDCNArch(num_features, embedding_dim, *self._dcn)
+
+
+class DLRM_Projection(DLRM):
+    """DLRM with a projection interaction (TorchRec's DLRM_Projection): two MLP branches over the F+1 vectors.
+
+    interaction_branch1_layer_sizes / interaction_branch2_layer_sizes: each branch's MLP sizes (ReLU after every
+    layer, as TorchRec's DenseArch); each last size a multiple of D: F1 D and F2 D give F1 x F2 interactions.
+    """
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
+                 interaction_branch1_layer_sizes: Sequence[int], interaction_branch2_layer_sizes: Sequence[int],
+                 dense_device: torch.device | str | None = None) -> None:
+        self._branches = (list(interaction_branch1_layer_sizes), list(interaction_branch2_layer_sizes))
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
+                         dense_device)
+
+    def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
+        for name, sizes in zip(("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"), self._branches):
+            if not sizes or sizes[-1] % embedding_dim:
+                raise ValueError(f"{name}={sizes} must end in a multiple of the embedding_dim {embedding_dim} (the "
+                                 f"branch's output is read as vectors of that dim): e.g. {2 * embedding_dim}")
+        in_features = (num_features + 1) * embedding_dim
+        return InteractionProjectionArch(num_features, MLP(in_features, self._branches[0]),
+                                         MLP(in_features, self._branches[1]))
 
 
 class DLRMTrain(nn.Module):
