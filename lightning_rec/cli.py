@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -294,7 +295,7 @@ class RecCLI(LightningCLI):
         if not scheduler_init and not (optimizer_init and ours) or optimizer_init and not ours:
             return super()._add_configure_optimizers_method_to_model(subcommand)
         if optimizer_init:
-            model.cli_dense_optimizer = lambda params: instantiate_class(params, optimizer_init)
+            model.cli_dense_optimizer = functools.partial(instantiate_class, init=optimizer_init)  # picklable
         if not scheduler_init:
             return
         configure = model.configure_optimizers
