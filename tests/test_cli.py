@@ -340,3 +340,13 @@ def test_cli_lr_scheduler_with_the_modules_warmup_is_refused(tmp_path):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
                  "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--model.warmup_steps=10",
                  "--lr_scheduler=StepLR", "--lr_scheduler.step_size=1", *QUIET])
+
+
+def test_the_1tb_recipe_draws_its_tables_where_their_shards_live():
+    # embedding_device was left at "cpu": the recipe's 26 x 40M x 128 tables (532 GB) were drawn in host memory
+    # before strategy=rec sharded them onto the GPUs (an OOM on any host with less)
+    import yaml
+
+    config = yaml.safe_load(Path("recipes/configs/dlrm_criteo_1tb.yaml").read_text())
+    assert config["trainer"]["strategy"] == "rec"  # "meta" needs it: the strategy draws each shard
+    assert config["model"]["init_args"]["embedding_device"] == "meta"
