@@ -78,6 +78,8 @@ def test_dlrm_config_errors_name_the_fix():
         DLRMModule(num_embeddings_per_feature=[10, 10])
     with pytest.raises(ValueError, match=r"DLRMModule\(dense_lr=-0.1, warmup_steps=-5\): must be >= 0"):
         DLRMModule(dense_lr=-0.1, warmup_steps=-5)  # said at fit by torch.optim (lr), or not at all (warm-up)
+    with pytest.raises(ValueError, match=r"with interaction='dot'.* set interaction: dcn"):
+        DLRMModule(dcn_num_layers=5)  # trained the dot model: the cross layers' sizes did nothing
     with pytest.raises(ValueError, match=r"DLRMModule\(embedding_kernel='dense'\).*use embedding_kernel='auto'"):
         DLRMModule(embedding_kernel="dense", num_embeddings_per_feature=10)  # said: "drop optimizer=..."
 

@@ -50,7 +50,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         dense_in_features: I, the number of dense inputs (13 for Criteo).
         dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the dense arch ends in embedding_dim, the over
             arch in 1).
-        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
+        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers: dcn_num_layers, dcn_low_rank_dim,
+            refused beside "dot").
         sparse_optimizer / sparse_lr / sparse_eps / sparse_weight_decay: the fused update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
@@ -99,6 +100,11 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                              f"(warmup_steps=0: no warm-up)")
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
+        if interaction == "dot" and (dcn_num_layers, dcn_low_rank_dim) != (3, 64):
+            # a recipe's dcn_* without `interaction: dcn` trained the dot model, silently
+            raise ValueError(f"DLRMModule(dcn_num_layers={dcn_num_layers}, dcn_low_rank_dim={dcn_low_rank_dim}) with "
+                             f"interaction='dot': the cross layers are built for interaction='dcn' only: set "
+                             f"interaction: dcn (--model.interaction=dcn), or leave the dcn_* arguments out")
         # the layer sizes are checked before the tables are drawn (26 x 40M rows take minutes and most of the memory)
         dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
         if not dense_sizes or dense_sizes[-1] != embedding_dim:
