@@ -90,6 +90,15 @@ def test_over_arch_may_end_in_several_logits_as_torchrecs():
     assert model(torch.randn(4, 5), kjt(4)).shape == (4, 3)
 
 
+def test_sparse_arch_has_torchrecs_sparse_feature_names():
+    """TorchRec's SparseArch.sparse_feature_names (read by subclasses of its DLRM) was an AttributeError."""
+    shared = EmbeddingBagCollection([EmbeddingBagConfig(name="t0", num_embeddings=5, embedding_dim=4,
+                                                        feature_names=["b", "a"]),
+                                     EmbeddingBagConfig(name="t1", num_embeddings=5, embedding_dim=4,
+                                                        feature_names=["c"])])
+    assert DLRM(shared, 3, [4], [1]).sparse_arch.sparse_feature_names == ["b", "a", "c"]  # the output's order
+
+
 def test_dlrm_module_checks_layer_sizes_before_drawing_its_tables(monkeypatch):
     """A dense arch not ending in embedding_dim was refused by DLRM after every table was drawn (26 x 40M rows:
     minutes, and most of the host memory, before a one-line config error); an over arch not ending in 1 is refused

@@ -56,7 +56,9 @@ class SparseArch(nn.Module):
             raise ValueError(f"DLRM needs every table to have the same embedding_dim, got {sorted(dims)}: "
                              f"set one embedding_dim for all tables")
         self.embedding_dim = dims.pop()
-        self.num_features = len(embedding_bag_collection.feature_names())
+        # TorchRec's name (subclasses of its DLRM read len(self.sparse_arch.sparse_feature_names)): the output's order
+        self.sparse_feature_names: list[str] = list(embedding_bag_collection.feature_names())
+        self.num_features = len(self.sparse_feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         pooled_BFxD = self.embedding_bag_collection(features).values()
