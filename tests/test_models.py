@@ -99,6 +99,16 @@ def test_sparse_arch_has_torchrecs_sparse_feature_names():
     assert DLRM(shared, 3, [4], [1]).sparse_arch.sparse_feature_names == ["b", "a", "c"]  # the output's order
 
 
+@pytest.mark.parametrize("cls", [DLRM, DLRM_DCN])
+def test_interaction_archs_take_torchrecs_keywords(cls):
+    """TorchRec's DLRM.forward calls self.inter_arch(dense_features=..., sparse_features=...); ours took
+    (dense_BD, sparse_BFD): a TorchRec-style forward in a subclass was a TypeError."""
+    model = cls(ebc(), 5, [16, 8], [8, 1])
+    dense, sparse = torch.randn(2, 8), torch.randn(2, 3, 8)
+    torch.testing.assert_close(model.inter_arch(dense_features=dense, sparse_features=sparse),
+                               model.inter_arch(dense, sparse))
+
+
 def test_dlrm_module_checks_layer_sizes_before_drawing_its_tables(monkeypatch):
     """A dense arch not ending in embedding_dim was refused by DLRM after every table was drawn (26 x 40M rows:
     minutes, and most of the host memory, before a one-line config error); an over arch not ending in 1 is refused

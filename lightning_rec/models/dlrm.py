@@ -78,7 +78,9 @@ class InteractionArch(nn.Module):
     def output_dim(self, embedding_dim: int) -> int:
         return embedding_dim + self.triu_rows.numel()
 
-    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
+        dense_BD, sparse_BFD = dense_features, sparse_features
         vectors_BND = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
         dots_BNN = torch.bmm(vectors_BND, vectors_BND.transpose(1, 2))
         pairs_BP = dots_BNN[:, self.triu_rows, self.triu_cols]
@@ -111,7 +113,9 @@ class InteractionDCNArch(nn.Module):
     def output_dim(self, embedding_dim: int) -> int:
         return self.in_features
 
-    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
+        dense_BD, sparse_BFD = dense_features, sparse_features
         x0_BK = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1)
         return self.crossnet(x0_BK)
 
@@ -133,7 +137,9 @@ class InteractionProjectionArch(nn.Module):
                      for branch in (self.interaction_branch1, self.interaction_branch2)]
         return embedding_dim + projected[0] * projected[1]
 
-    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
+        dense_BD, sparse_BFD = dense_features, sparse_features
         B, D = dense_BD.shape
         x_BK = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).reshape(B, -1)
         # TorchRec's reshapes: the second branch's output is read as [B, D, F2] directly (no transpose)
