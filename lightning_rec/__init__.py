@@ -39,6 +39,7 @@ _EXPORTS = {
     "PlanStats": "planner", "Topology": "planner",
     # Lightning side
     "RecStrategy": "strategy", "DLRM": "models", "DLRM_DCN": "models", "DLRMModule": "models", "DLRMTrain": "models",
+    "DLRM_Projection": "models",
     "Batch": "data", "CriteoDataModule": "data", "SyntheticCriteoDataModule": "data",
     "AUC": "metrics", "CTR": "metrics", "LogLoss": "metrics", "NormalizedEntropy": "metrics",
     "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
@@ -103,7 +104,15 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         table_row_wise,
         table_wise,
     )
-    from lightning_rec.models import DLRM, DLRM_DCN, DLRMModule, DLRMTrain, TwoTower, TwoTowerModule  # noqa: F401
+    from lightning_rec.models import (  # noqa: F401
+        DLRM,
+        DLRM_DCN,
+        DLRM_Projection,
+        DLRMModule,
+        DLRMTrain,
+        TwoTower,
+        TwoTowerModule,
+    )
     from lightning_rec.optim import (  # noqa: F401
         CombinedOptimizer,
         EmbOptimType,

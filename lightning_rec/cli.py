@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -28,6 +29,7 @@ import re
 import sys
 import warnings
 
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -272,6 +274,45 @@ class RecCLI(LightningCLI):
             if isinstance(cause, ValueError):
                 raise SystemExit(f"lightning-rec: error: {cause}") from None
             raise
+
+    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+        # LightningCLI's --optimizer / --lr_scheduler. Lightning's own handling swaps configure_optimizers for an
+        # optimizer over model.parameters(): for the library's modules that left the fused tables out of it (the
+        # scheduler never moved their rate, their optimizer state left the checkpoint) and dropped
+        # --model.dense_optimizer and warmup_steps without a word; and --lr_scheduler without --optimizer did nothing.
+        # Here --optimizer is the dense layers' optimizer (in place of --model.dense_optimizer / dense_lr /
+        # dense_weight_decay) and --lr_scheduler drives the optimizer the module returns: fused tables and dense layers
+        from types import MethodType
+
+        from lightning.pytorch.cli import instantiate_class
+
+        from lightning_rec.models.module_hooks import RecModuleHooks
+
+        optimizer_init = self._get(self.config_init, "optimizer")
+        scheduler_init = self._get(self.config_init, "lr_scheduler")
+        model = self.model
+        ours = isinstance(model, RecModuleHooks)
+        if not scheduler_init and not (optimizer_init and ours) or optimizer_init and not ours:
+            return super()._add_configure_optimizers_method_to_model(subcommand)
+        if optimizer_init:
+            model.cli_dense_optimizer = functools.partial(instantiate_class, init=optimizer_init)  # picklable
+        if not scheduler_init:
+            return
+        configure = model.configure_optimizers
+        name = str(scheduler_init.get("class_path", "")).rsplit(".", 1)[-1]
+
+        def configure_optimizers(module):
+            optimizer = configure()
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                warmup = getattr(module.hparams, "warmup_steps", 0) if ours else 0
+                because = (f"it warms up with a scheduler of its own (--model.warmup_steps={warmup}): set "
+                           f"--model.warmup_steps=0" if warmup else "give the optimizer and scheduler there")
+                raise ValueError(f"--lr_scheduler={name} schedules the one optimizer that "
+                                 f"{type(module).__name__}.configure_optimizers returns, but it returned "
+                                 f"{type(optimizer).__name__}: {because}, or leave --lr_scheduler out")
+            return LightningCLI.configure_optimizers(module, optimizer, instantiate_class(optimizer, scheduler_init))
+
+        model.configure_optimizers = MethodType(configure_optimizers, model)
 
     def _run_subcommand(self, subcommand: str) -> None:
         ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")

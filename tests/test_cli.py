@@ -318,3 +318,35 @@ def test_the_loggers_get_the_runs_seed_and_trainer_settings(tmp_path):
     logged = yaml.safe_load(hparams.read_text())
     assert logged["seed_everything"] == 7 and logged["trainer"]["max_steps"] == 2, logged
     assert logged["trainer"]["accelerator"] == "cpu" and "embedding_dim" in logged  # and the model's, as before
+
+
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer=SGD", "--optimizer.lr=0.3"]])
+def test_cli_optimizer_and_lr_scheduler_drive_the_fused_tables_and_the_dense_layers(tmp_path, optimizer):
+    # --lr_scheduler without --optimizer did nothing, silently; --optimizer replaced DLRMModule's combined optimizer
+    # with one over model.parameters(): the tables' rate never followed the scheduler (nor their state the checkpoint)
+    cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+                   "--data.init_args.num_train_samples=1024", "--trainer.max_epochs=2",
+                   "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", *optimizer,
+                   "--lr_scheduler=StepLR", "--lr_scheduler.step_size=1", "--lr_scheduler.gamma=0.5", *QUIET])
+    parts = dict(cli.trainer.optimizers[0].optimizers)
+    dense_class, dense_lr = ("SGD", 0.3) if optimizer else ("Adagrad", 0.02)  # the recipe's dense_optimizer, dense_lr
+    assert type(parts["dense"]).__name__ == dense_class
+    assert parts["dense"].param_groups[0]["lr"] == pytest.approx(dense_lr * 0.25)  # two epochs' StepLR
+    assert parts["fused"].param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)  # the recipe's sparse_lr
+
+
+def test_cli_lr_scheduler_with_the_modules_warmup_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--lr_scheduler=StepLR .* --model.warmup_steps=0"):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+                 "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--model.warmup_steps=10",
+                 "--lr_scheduler=StepLR", "--lr_scheduler.step_size=1", *QUIET])
+
+
+def test_the_1tb_recipe_draws_its_tables_where_their_shards_live():
+    # embedding_device was left at "cpu": the recipe's 26 x 40M x 128 tables (532 GB) were drawn in host memory
+    # before strategy=rec sharded them onto the GPUs (an OOM on any host with less)
+    import yaml
+
+    config = yaml.safe_load(Path("recipes/configs/dlrm_criteo_1tb.yaml").read_text())
+    assert config["trainer"]["strategy"] == "rec"  # "meta" needs it: the strategy draws each shard
+    assert config["model"]["init_args"]["embedding_device"] == "meta"

@@ -70,14 +70,66 @@ def test_dot_interaction_is_pairwise_dots():
 def test_dlrm_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="must equal the embedding_dim 8"):
         DLRM(ebc(), 5, [16, 4], [8, 1])
-    with pytest.raises(ValueError, match="one logit"):
-        DLRM(ebc(), 5, [16, 8], [8, 2])
     with pytest.raises(ValueError, match="unknown dense_optimizer 'lbfgs'"):
         DLRMModule(dense_optimizer="lbfgs")
     with pytest.raises(ValueError, match="unknown fused optimizer 'adamax'"):
         DLRMModule(sparse_optimizer="adamax")
     with pytest.raises(ValueError, match="2 entries for 26 sparse features"):
         DLRMModule(num_embeddings_per_feature=[10, 10])
+    with pytest.raises(ValueError, match=r"DLRMModule\(dense_lr=-0.1, warmup_steps=-5\): must be >= 0"):
+        DLRMModule(dense_lr=-0.1, warmup_steps=-5)  # said at fit by torch.optim (lr), or not at all (warm-up)
+    with pytest.raises(ValueError, match=r"with interaction='dot'.* set interaction: dcn"):
+        DLRMModule(dcn_num_layers=5)  # trained the dot model: the cross layers' sizes did nothing
+    with pytest.raises(ValueError, match=r"DLRMModule\(embedding_kernel='dense'\).*use embedding_kernel='auto'"):
+        DLRMModule(embedding_kernel="dense", num_embeddings_per_feature=10)  # said: "drop optimizer=..."
+
+
+def test_over_arch_may_end_in_several_logits_as_torchrecs():
+    """TorchRec's OverArch ends in any size (logits [B, K], e.g. one per task); DLRM refused all but 1."""
+    model = DLRM(ebc(), 5, [16, 8], [8, 3])
+    assert model(torch.randn(4, 5), kjt(4)).shape == (4, 3)
+
+
+def test_sparse_arch_has_torchrecs_sparse_feature_names():
+    """TorchRec's SparseArch.sparse_feature_names (read by subclasses of its DLRM) was an AttributeError."""
+    shared = EmbeddingBagCollection([EmbeddingBagConfig(name="t0", num_embeddings=5, embedding_dim=4,
+                                                        feature_names=["b", "a"]),
+                                     EmbeddingBagConfig(name="t1", num_embeddings=5, embedding_dim=4,
+                                                        feature_names=["c"])])
+    assert DLRM(shared, 3, [4], [1]).sparse_arch.sparse_feature_names == ["b", "a", "c"]  # the output's order
+
+
+@pytest.mark.parametrize("cls", [DLRM, DLRM_DCN])
+def test_interaction_archs_take_torchrecs_keywords(cls):
+    """TorchRec's DLRM.forward calls self.inter_arch(dense_features=..., sparse_features=...); ours took
+    (dense_BD, sparse_BFD): a TorchRec-style forward in a subclass was a TypeError."""
+    model = cls(ebc(), 5, [16, 8], [8, 1])
+    dense, sparse = torch.randn(2, 8), torch.randn(2, 3, 8)
+    torch.testing.assert_close(model.inter_arch(dense_features=dense, sparse_features=sparse),
+                               model.inter_arch(dense, sparse))
+
+
+def test_dlrm_module_checks_layer_sizes_before_drawing_its_tables(monkeypatch):
+    """A dense arch not ending in embedding_dim was refused by DLRM after every table was drawn (26 x 40M rows:
+    minutes, and most of the host memory, before a one-line config error); an over arch not ending in 1 is refused
+    by DLRMModule (one click logit, BCE), no longer by DLRM."""
+    import lightning_rec.models.dlrm_module as dlrm_module
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("the tables were drawn before the layer sizes were checked")
+
+    monkeypatch.setattr(dlrm_module, "EmbeddingBagCollection", drawn)
+    with pytest.raises(ValueError, match=r"dense_arch_layer_sizes=\[16, 4\] must end in embedding_dim=8"):
+        DLRMModule(embedding_dim=8, dense_arch_layer_sizes=[16, 4])
+    with pytest.raises(ValueError, match=r"over_arch_layer_sizes=\[8, 2\] must end in 1"):
+        DLRMModule(embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 2])
+
+
+def test_dense_and_sparse_batch_sizes_that_differ_are_named():
+    """torch.cat's 'Sizes of tensors must match except in dimension 1' from inside the interaction, before."""
+    model = DLRM(ebc(), 5, [16, 8], [8, 1])
+    with pytest.raises(ValueError, match="3 rows of dense features but 2 samples of sparse features"):
+        model(torch.randn(3, 5), kjt(2))
 
 
 def small_module(**kw):
@@ -144,3 +196,32 @@ def test_lr_find_on_sparse_lr_reaches_the_fused_tables(tmp_path):
     fit.fit(module, data)
     fused = dict(fit.optimizers[0].optimizers)["fused"]
     assert [g["lr"] for g in fused.param_groups] == [module.hparams.sparse_lr]
+
+
+def test_model_feature_names_beside_the_datas_default_are_logged(tmp_path):
+    """--model.sparse_feature_names=[C1, C2] beside the data's default (None: the same names) stopped every fit with a
+    logger at Lightning's "Error while merging hparams: the keys ['sparse_feature_names'] ... different values"."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=128, num_sparse_features=2,
+                                     num_embeddings_per_feature=50, num_signal_features=2)
+    module = small_module(sparse_feature_names=["C1", "C2"])
+    t = L.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, logger=CSVLogger(tmp_path),
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    t.fit(module, data)
+    assert t.global_step == 1
+    logged = t.logger.experiment.hparams
+    assert logged["sparse_feature_names"] == ["C1", "C2"] and "data_sparse_feature_names" in logged
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([0, 1, 1, 0]), torch.tensor([False, True, True, False]),
+                                    torch.tensor([[0.0], [1.0], [1.0], [0.0]])], ids=["int64", "bool", "column"])
+def test_click_labels_as_integers_bools_or_a_column_give_the_float_loss(labels):
+    """DLRMModule's loss crashed on int64 labels ("result type Float can't be cast to ... Long"), on bool labels, and
+    on a [B, 1] column (which its shape check let through); DLRMTrain took them. Each now gives the float loss."""
+    torch.manual_seed(0)
+    module = small_module(sparse_feature_names=KEYS)
+    batch = Batch(dense_features=torch.randn(4, 13), sparse_features=kjt(4), labels=labels)
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(
+        module(batch.dense_features, batch.sparse_features), torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    torch.testing.assert_close(module._loss(batch)[0], expected)

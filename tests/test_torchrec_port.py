@@ -286,6 +286,56 @@ def test_a_torchrec_dlrm_state_dict_loads_by_its_own_names_and_predicts_the_same
         model.load_state_dict(model.state_dict())
 
 
+def test_torchrecs_dlrm_projection_ports_with_its_state_dict():
+    """`from torchrec.models.dlrm import DLRM_Projection` had no counterpart. Its state dict (each interaction branch
+    twice: top-level and inside inter_arch, as TorchRec registers it) loads, and the forward is TorchRec's:
+    branch outputs read as [B, F1, D] and [B, D, F2], their products next to the dense vector."""
+    from lightning_rec import DLRM_Projection
+
+    g = torch.Generator().manual_seed(0)
+    names, D = ["f1", "f2", "f3"], 4
+    tables = {f"t_{f}": torch.randn(20, D, generator=g) for f in names}
+    dense_x = torch.randn(5, 6, generator=g)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.randint(0, 20, (15,), generator=g),
+                                              lengths=torch.ones(15, dtype=torch.int64))
+    pooled_BFD = torch.stack([tables[f"t_{f}"][kjt[f].values()] for f in names], dim=1)
+    ebc = torchrec.EmbeddingBagCollection([torchrec.EmbeddingBagConfig(name=f"t_{f}", embedding_dim=D,
+                                                                       num_embeddings=20, feature_names=[f])
+                                           for f in names])
+    model = DLRM_Projection(embedding_bag_collection=ebc, dense_in_features=6, dense_arch_layer_sizes=[8, D],
+                            over_arch_layer_sizes=[5, 1], interaction_branch1_layer_sizes=[10, 2 * D],
+                            interaction_branch2_layer_sizes=[3 * D], dense_device=None)
+    state = _torchrec_dlrm_state(tables, [8, D], [5, 1], 6, None, g)  # dense and over arch; the over arch's input:
+    K = (len(names) + 1) * D
+    state["over_arch.model.0._mlp.0._linear.weight"] = torch.randn(5, D + 2 * 3, generator=g) * 0.3  # D + F1 F2
+    branches = {"interaction_branch1": [K, 10, 2 * D], "interaction_branch2": [K, 3 * D]}
+    for branch, sizes in branches.items():
+        for i in range(len(sizes) - 1):
+            w = torch.randn(sizes[i + 1], sizes[i], generator=g) * 0.3
+            b = torch.randn(sizes[i + 1], generator=g) * 0.1
+            for at in (branch, f"inter_arch.{branch}"):
+                state[f"{at}.model._mlp.{i}._linear.weight"], state[f"{at}.model._mlp.{i}._linear.bias"] = w, b
+    model.load_state_dict(state)  # strict
+
+    def mlp(x, name, n):
+        for i in range(n):
+            x = torch.relu(x @ state[f"{name}._mlp.{i}._linear.weight"].t() + state[f"{name}._mlp.{i}._linear.bias"])
+        return x
+
+    B = len(dense_x)
+    dense_BD = mlp(dense_x, "dense_arch.model", 2)
+    x = torch.cat([dense_BD.unsqueeze(1), pooled_BFD], dim=1).reshape(B, -1)
+    y = mlp(x, "interaction_branch1.model", 2).reshape(B, -1, D)
+    z = mlp(x, "interaction_branch2.model", 1).reshape(B, D, -1)
+    inter = torch.cat([dense_BD, torch.bmm(y, z).reshape(B, -1)], dim=1)
+    want = mlp(inter, "over_arch.model.0", 1) @ state["over_arch.model.1.weight"].t() + state["over_arch.model.1.bias"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(dense_x, kjt), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"interaction_branch2_layer_sizes=\[6\] must end in a multiple of the "
+                                         r"embedding_dim 4"):
+        DLRM_Projection(ebc, 6, [8, D], [5, 1], [2 * D], [6])
+
+
 def test_sharding_tutorial_on_two_ranks_trains_as_plain_pytorch():
     for error in run_ranks(_sharding_tutorial_worker, 2, timeout=120):
         assert error < 1e-6

@@ -4,14 +4,16 @@ from lightning_rec.models.dlrm import (
     DLRM,
     DLRM_DCN,
     MLP,
+    DLRM_Projection,
     DLRMTrain,
     InteractionArch,
     InteractionDCNArch,
+    InteractionProjectionArch,
     LowRankCrossNet,
 )
 from lightning_rec.models.dlrm_module import DLRMModule
 from lightning_rec.models.two_tower import Tower, TwoTower
 from lightning_rec.models.two_tower_module import TwoTowerModule
 
-__all__ = ["DLRM", "DLRM_DCN", "DLRMModule", "DLRMTrain", "InteractionArch", "InteractionDCNArch", "LowRankCrossNet",
-           "MLP", "Tower", "TwoTower", "TwoTowerModule"]
+__all__ = ["DLRM", "DLRM_DCN", "DLRMModule", "DLRMTrain", "DLRM_Projection", "InteractionArch", "InteractionDCNArch",
+           "InteractionProjectionArch", "LowRankCrossNet", "MLP", "Tower", "TwoTower", "TwoTowerModule"]

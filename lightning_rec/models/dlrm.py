@@ -1,9 +1,9 @@
-"""DLRM and DLRM-DCNv2 (TorchRec's module layout; a TorchRec DLRM's state dict loads by its own names).
+"""DLRM, DLRM-DCNv2 and DLRM-Projection (TorchRec's module layout; a TorchRec DLRM's state dict loads by its own names).
 
 Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last layer), I dense inputs.
 
     dense_BI  --dense_arch-->  dense_BD ----------------\
-                                                         >-- interaction --> over_arch --> logits_B1
+                                                         >-- interaction --> over_arch --> logits_BK
     KJT --sparse_arch (EmbeddingBagCollection)--> sparse_BFD
 
 Dot interaction (DLRM): the pairwise dot products of the F+1 vectors (dense + each feature),
@@ -56,7 +56,9 @@ class SparseArch(nn.Module):
             raise ValueError(f"DLRM needs every table to have the same embedding_dim, got {sorted(dims)}: "
                              f"set one embedding_dim for all tables")
         self.embedding_dim = dims.pop()
-        self.num_features = len(embedding_bag_collection.feature_names())
+        # TorchRec's name (subclasses of its DLRM read len(self.sparse_arch.sparse_feature_names)): the output's order
+        self.sparse_feature_names: list[str] = list(embedding_bag_collection.feature_names())
+        self.num_features = len(self.sparse_feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         pooled_BFxD = self.embedding_bag_collection(features).values()
@@ -76,7 +78,9 @@ class InteractionArch(nn.Module):
     def output_dim(self, embedding_dim: int) -> int:
         return embedding_dim + self.triu_rows.numel()
 
-    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
+        dense_BD, sparse_BFD = dense_features, sparse_features
         vectors_BND = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
         dots_BNN = torch.bmm(vectors_BND, vectors_BND.transpose(1, 2))
         pairs_BP = dots_BNN[:, self.triu_rows, self.triu_cols]
@@ -109,19 +113,50 @@ class InteractionDCNArch(nn.Module):
     def output_dim(self, embedding_dim: int) -> int:
         return self.in_features
 
-    def forward(self, dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
+        dense_BD, sparse_BFD = dense_features, sparse_features
         x0_BK = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1)
         return self.crossnet(x0_BK)
 
 
+class InteractionProjectionArch(nn.Module):
+    """DLRM-Projection's interaction (TorchRec's): two MLP branches read the F+1 vectors flattened; the first's output
+    is F1 vectors of dim D ([B, F1, D]), the second's a [B, D, F2] block; their F1 x F2 products, next to the dense
+    vector: D + F1 F2 features."""
+
+    def __init__(self, num_sparse_features: int, interaction_branch1: nn.Module,
+                 interaction_branch2: nn.Module) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        self.interaction_branch1 = interaction_branch1
+        self.interaction_branch2 = interaction_branch2
+
+    def output_dim(self, embedding_dim: int) -> int:
+        projected = [[m for m in branch if isinstance(m, nn.Linear)][-1].out_features // embedding_dim
+                     for branch in (self.interaction_branch1, self.interaction_branch2)]
+        return embedding_dim + projected[0] * projected[1]
+
+    def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
+        # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
+        dense_BD, sparse_BFD = dense_features, sparse_features
+        B, D = dense_BD.shape
+        x_BK = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).reshape(B, -1)
+        # TorchRec's reshapes: the second branch's output is read as [B, D, F2] directly (no transpose)
+        y_BF1D = self.interaction_branch1(x_BK).reshape(B, -1, D)
+        z_BDF2 = self.interaction_branch2(x_BK).reshape(B, D, -1)
+        return torch.cat([dense_BD, torch.bmm(y_BF1D, z_BDF2).reshape(B, -1)], dim=1)
+
+
 class DLRM(nn.Module):
-    """DLRM: dense arch, embedding bags, dot interaction, over arch -> one logit per sample.
+    """DLRM: dense arch, embedding bags, dot interaction, over arch -> logits [B, over_arch_layer_sizes[-1]].
 
     Args:
         embedding_bag_collection: the sparse features' tables (all of one dim D).
         dense_in_features: I, the number of dense inputs.
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
-        over_arch_layer_sizes: MLP sizes after the interaction; the last must be 1 (the logit).
+        over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample (1 for
+            a click model; more for several tasks, as TorchRec's OverArch allows; DLRMModule takes 1).
         dense_device: where the dense layers (dense arch, interaction, over arch) are built; None: the
             default device. The tables stay where the collection put them (TorchRec's argument: build the
             collection on "meta" and let DistributedModelParallel place the shards).
@@ -136,9 +171,9 @@ class DLRM(nn.Module):
         if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != D:
             raise ValueError(f"the dense arch's last layer ({list(dense_arch_layer_sizes)}) must equal the "
                              f"embedding_dim {D}: make them the same")
-        if not over_arch_layer_sizes or over_arch_layer_sizes[-1] != 1:
-            raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch_layer_sizes)}: "
-                             f"make the last size 1")
+        if not over_arch_layer_sizes:
+            raise ValueError("over_arch_layer_sizes is empty: give the over arch's layer sizes, the last one the "
+                             "number of logits per sample (e.g. [512, 256, 1])")
         self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes)
         self.inter_arch = self._interaction(self.sparse_arch.num_features, D)
         self.over_arch = MLP(self.inter_arch.output_dim(D), over_arch_layer_sizes, last_activation=False)
@@ -169,6 +204,11 @@ class DLRM(nn.Module):
                 names[f"over_arch.model.0._mlp.{i}._linear.{p}"] = (f"over_arch.{at}.{p}", None)
         for p in ("weight", "bias"):
             names[f"over_arch.model.1.{p}"] = (f"over_arch.{last}.{p}", None)
+        for branch in ("interaction_branch1", "interaction_branch2"):
+            arch = getattr(self.inter_arch, branch, None)
+            for i, at in enumerate(linears(arch) if arch is not None else []):
+                for p in ("weight", "bias"):
+                    names[f"inter_arch.{branch}.model._mlp.{i}._linear.{p}"] = (f"inter_arch.{branch}.{at}.{p}", None)
         crossnet = getattr(self.inter_arch, "crossnet", None)
         if crossnet is not None:
             for layer, U in enumerate(crossnet.U):
@@ -179,7 +219,13 @@ class DLRM(nn.Module):
         return names
 
     def _rename_torchrec_keys(self, state_dict, prefix, *args) -> None:
-        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched
+        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched.
+        # TorchRec's DLRM_Projection holds its branches twice (as `interaction_branch1` and inside `inter_arch`), so
+        # its state dict has each branch under both names: the top-level copy goes where the other one does
+        for key in [k for k in state_dict if k.startswith((prefix + "interaction_branch1.",
+                                                           prefix + "interaction_branch2."))]:
+            if prefix + "inter_arch." + key[len(prefix):] in state_dict:
+                state_dict.pop(key)
         for theirs, (ours, shape) in self.torchrec_names().items():
             if prefix + theirs in state_dict and prefix + ours not in state_dict:
                 value = state_dict.pop(prefix + theirs)
@@ -196,6 +242,10 @@ class DLRM(nn.Module):
             raise ValueError(f"DLRM was built for {expected} dense features but the batch has dense features of shape "
                              f"{tuple(dense_features.shape)}: build it with dense_in_features="
                              f"{dense_features.shape[-1]} (the data's dense columns), or fix the data")
+        if isinstance(sparse_features, KeyedJaggedTensor) and dense_features.shape[0] != sparse_features.stride():
+            raise ValueError(f"the batch has {dense_features.shape[0]} rows of dense features but "
+                             f"{sparse_features.stride()} samples of sparse features (the KeyedJaggedTensor's stride): "
+                             f"give both the same samples (a KJT's lengths hold stride() entries per key)")
         dense_BD = self.dense_arch(dense_features)
         sparse_BFD = self.sparse_arch(sparse_features)
         return self.over_arch(self.inter_arch(dense_BD, sparse_BFD))
@@ -214,6 +264,31 @@ class DLRM_DCN(DLRM):
 
     def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
         return InteractionDCNArch(num_features, embedding_dim, *self._dcn)
+
+
+class DLRM_Projection(DLRM):
+    """DLRM with a projection interaction (TorchRec's DLRM_Projection): two MLP branches over the F+1 vectors.
+
+    interaction_branch1_layer_sizes / interaction_branch2_layer_sizes: each branch's MLP sizes (ReLU after every
+    layer, as TorchRec's DenseArch); each last size a multiple of D: F1 D and F2 D give F1 x F2 interactions.
+    """
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
+                 interaction_branch1_layer_sizes: Sequence[int], interaction_branch2_layer_sizes: Sequence[int],
+                 dense_device: torch.device | str | None = None) -> None:
+        self._branches = (list(interaction_branch1_layer_sizes), list(interaction_branch2_layer_sizes))
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
+                         dense_device)
+
+    def _interaction(self, num_features: int, embedding_dim: int) -> nn.Module:
+        for name, sizes in zip(("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"), self._branches):
+            if not sizes or sizes[-1] % embedding_dim:
+                raise ValueError(f"{name}={sizes} must end in a multiple of the embedding_dim {embedding_dim} (the "
+                                 f"branch's output is read as vectors of that dim): e.g. {2 * embedding_dim}")
+        in_features = (num_features + 1) * embedding_dim
+        return InteractionProjectionArch(num_features, MLP(in_features, self._branches[0]),
+                                         MLP(in_features, self._branches[1]))
 
 
 class DLRMTrain(nn.Module):

@@ -48,11 +48,14 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_dim: D, the dim of every table (and of the dense arch's last layer).
         sparse_feature_names: the KJT keys, one table each (default Criteo's C1..C26).
         dense_in_features: I, the number of dense inputs (13 for Criteo).
-        dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the over arch ends in 1).
-        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
+        dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the dense arch ends in embedding_dim, the over
+            arch in 1).
+        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers: dcn_num_layers, dcn_low_rank_dim,
+            refused beside "dot").
         sparse_optimizer / sparse_lr / sparse_eps / sparse_weight_decay: the fused update.
         dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
-        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
+        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
+            for tables trained by torch.optim, is refused: these tables are fused).
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
         embedding_device: "cpu": the tables are drawn here, then moved or sharded (26 tables x 1M rows x 128: 13 GB
             of host memory first); "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
@@ -88,8 +91,29 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(
                 f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
             )
+        # said here, by the names set: torch.optim says "Invalid learning rate: -1.0" only once fit has begun, and a
+        # negative warmup_steps trained without warm-up
+        bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
+                                 ("warmup_steps", warmup_steps)) if v < 0}
+        if bad:
+            raise ValueError(f"DLRMModule({', '.join(f'{k}={v!r}' for k, v in bad.items())}): must be >= 0 "
+                             f"(warmup_steps=0: no warm-up)")
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
+        if interaction == "dot" and (dcn_num_layers, dcn_low_rank_dim) != (3, 64):
+            # a recipe's dcn_* without `interaction: dcn` trained the dot model, silently
+            raise ValueError(f"DLRMModule(dcn_num_layers={dcn_num_layers}, dcn_low_rank_dim={dcn_low_rank_dim}) with "
+                             f"interaction='dot': the cross layers are built for interaction='dcn' only: set "
+                             f"interaction: dcn (--model.interaction=dcn), or leave the dcn_* arguments out")
+        # the layer sizes are checked before the tables are drawn (26 x 40M rows take minutes and most of the memory)
+        dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
+        if not dense_sizes or dense_sizes[-1] != embedding_dim:
+            raise ValueError(f"dense_arch_layer_sizes={dense_sizes} must end in embedding_dim={embedding_dim} (the "
+                             f"dense vector meets the embeddings in the interaction): make the last size "
+                             f"{embedding_dim}")
+        if not over_sizes or over_sizes[-1] != 1:
+            raise ValueError(f"over_arch_layer_sizes={over_sizes} must end in 1: DLRMModule predicts one click logit "
+                             f"per sample (BCE); make the last size 1")
         tables = [
             EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[name])
             for name, rows in zip(names, _per_feature(num_embeddings_per_feature, names))
@@ -101,8 +125,11 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
                              f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
         self.check_embedding_device("DLRMModule", embedding_device)
+        if embedding_kernel == "dense":  # the collection's refusal names its own arguments (optimizer=, kernel=)
+            raise ValueError("DLRMModule(embedding_kernel='dense'): the tables train with the fused sparse_optimizer "
+                             "(updated inside backward), which the 'dense' kernel does not run: use embedding_kernel="
+                             "'auto' (or 'fbgemm' / 'native' on CPU)")
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
-        dense_sizes, over_sizes = list(dense_arch_layer_sizes), list(over_arch_layer_sizes)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
         else:
@@ -112,12 +139,18 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        self._check_data_sizes()
-
-    def _check_data_sizes(self) -> None:
-        """The data module's id ranges against the tables' rows, named before any batch (and before Lightning's
-        "Error while merging hparams", which refuses the two num_embeddings_per_feature values for differing)."""
         data = getattr(self.trainer, "datamodule", None)
+        self._check_data_sizes(data)
+        # Keys both modules have: Lightning refuses to log two values that differ ("Error while merging hparams"),
+        # also where they agree (tables larger than the data needs; --model.sparse_feature_names=[C1,...] beside the
+        # data's None, which means the same names): the data's value is logged as data_<key>
+        initial = getattr(data, "_hparams_initial", None)
+        for key in ("num_embeddings_per_feature", "sparse_feature_names"):
+            if initial is not None and key in initial and initial[key] != self.hparams_initial.get(key):
+                initial[f"data_{key}"] = initial.pop(key)
+
+    def _check_data_sizes(self, data) -> None:
+        """The data module's id ranges against the tables' rows, named before any batch."""
         theirs = getattr(data, "hparams", {}).get("num_embeddings_per_feature")
         ours = self.hparams.num_embeddings_per_feature
         if theirs is None or theirs == ours:
@@ -134,12 +167,9 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                 f"the data module draws feature {name}'s ids from {d} values but the model's table for it has {m} "
                 f"rows ({len(over)} feature(s) like it): give both the same sizes, --data.num_embeddings_per_feature "
                 f"and --model.num_embeddings_per_feature (`lightning-rec preprocess` prints them)")
-        # tables larger than the data needs are fine: log the data's value under its own name
-        initial = getattr(data, "_hparams_initial", None)
-        if initial is not None and "num_embeddings_per_feature" in initial:
-            initial["data_num_embeddings_per_feature"] = initial.pop("num_embeddings_per_feature")
 
     def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
+        """Click logits [B] (not probabilities: torch.sigmoid of them is what predict_step writes)."""
         return self.model(dense_features, sparse_features).squeeze(1)
 
     def _loss(self, batch: Batch) -> tuple[Tensor, Tensor]:
@@ -161,7 +191,10 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         if batch.labels.numel() == 0:
             # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.
             return logits_B.sum() * 0.0, logits_B
-        return F.binary_cross_entropy_with_logits(logits_B, batch.labels), logits_B
+        # integer / bool click labels and a [B, 1] column are labels too (BCE needs floats of the logits' shape);
+        # float32 at least, so that soft labels keep their value under bf16 autocast
+        labels_B = labels.reshape(-1).to(torch.promote_types(logits_B.dtype, torch.float32))
+        return F.binary_cross_entropy_with_logits(logits_B, labels_B), logits_B
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, _ = self._loss(batch)
@@ -197,9 +230,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        dense = DENSE_OPTIMIZERS[hp.dense_optimizer](
-            dense_parameters(self.model), lr=hp.dense_lr, weight_decay=hp.dense_weight_decay
-        )
+        dense = self.dense_optimizer(dense_parameters(self.model))
         optimizer = self.fused_rate_from_hparams(combined_optimizer(self.model, dense))
         if hp.warmup_steps <= 0:
             return optimizer

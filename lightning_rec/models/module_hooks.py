@@ -139,6 +139,26 @@ class RecModuleHooks:
             raise ValueError(f"{owner}(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
                              f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
 
+    # `lightning-rec fit --optimizer=CLASS` (LightningCLI's optimizer) sets it: builds the dense layers' optimizer
+    # from their parameters, in place of the module's dense_optimizer / dense_lr / dense_weight_decay
+    cli_dense_optimizer: Any = None
+
+    def dense_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+        """The dense layers' torch.optim optimizer (None where there are none): hparams.dense_optimizer at
+        dense_lr / dense_weight_decay, or the CLI's --optimizer."""
+        if self.cli_dense_optimizer is not None:
+            if not params:
+                raise ValueError(f"--optimizer trains the dense layers, and this {type(self).__name__} has none (its "
+                                 f"tables update with their fused optimizer, --model.sparse_optimizer and "
+                                 f"--model.sparse_lr): leave --optimizer out")
+            return self.cli_dense_optimizer(params)
+        if not params:
+            return None
+        from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
+
+        hp = self.hparams
+        return DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
+
     def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The fused tables start at hparams.sparse_lr, read when the optimizer is built, as the dense layers' rate
         is: the tables' configs keep the value given to __init__, so a rate written later (Tuner.lr_find(...,

@@ -440,11 +440,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     # optimizers --------------------------------------------------------------------------------
 
     def configure_optimizers(self):
-        hp = self.hparams
         model = self._need_model()
-        params = dense_parameters(model)
-        dense = (DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
-                 if params else None)
+        dense = self.dense_optimizer(dense_parameters(model))
         return self.fused_rate_from_hparams(combined_optimizer(model, dense))
 
 
