@@ -170,6 +170,10 @@ class StatefulBatchLoader(StatefulDataLoader):
             for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
                 if callable(getattr(sampler, "set_epoch", None)):
                     sampler.set_epoch(pass_index)
+            # a hand loop numbers its own passes from here: the next pass, seeing this epoch, draws the next
+            # one (unrecorded, it took this epoch as one the user set, and the epoch after the resumed one
+            # repeated the resumed epoch's order)
+            self._rec_seen_epoch = getattr(self.sampler, "epoch", None)
         elif self.own_epochs:
             self._next_own_epoch()
         set_epoch = getattr(self.dataset, "set_epoch", None)
