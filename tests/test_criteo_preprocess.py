@@ -168,6 +168,22 @@ def test_min_frequency_vocabulary(tmp_path):
     assert torch.equal(all_rows(val_dir)[2], ids_FN)
 
 
+def test_a_val_run_rerun_after_its_vocabulary_changed_is_refused(tmp_path):
+    """The train split preprocessed again with another --min_frequency, then the val command run again: its
+    finished shards were kept and its manifest took the new vocabulary's table sizes over the old ids (ids up to
+    2130 in a table of 285 rows), in silence."""
+    kw = dict(inputs=(TRAIN,), num_embeddings=5000)
+    train, _ = run(tmp_path, "train", min_frequency=1, **kw)
+    run(tmp_path, "val", vocab_from=train, **kw)
+    shutil.rmtree(train)
+    run(tmp_path, "train", min_frequency=3, **kw)
+    with pytest.raises(ValueError, match=r"val holds a preprocess run with other inputs or options \(--vocab_from's "
+                                         r"vocab\.npz differ;"):
+        run(tmp_path, "val", vocab_from=train, **kw)
+    with pytest.raises(ValueError, match=r"other inputs or options \(--min_frequency, --seed differ;"):
+        run(tmp_path, "train", min_frequency=2, seed=1, **kw)
+
+
 def _as_parquet_pieces(text: Path, folder: Path, pieces: int = 3) -> Path:
     """The text file's rows as Parquet pieces (hash strings, counts with gaps), as a Hub dataset holds them."""
     import pyarrow as pa
