@@ -304,6 +304,30 @@ def test_datamodule_trains_on_a_shard_directory(tmp_path):
         CriteoDataModule(train_path=str(out), num_embeddings_per_feature=100).setup("fit")
 
 
+def test_splits_whose_ids_map_values_to_other_rows_are_refused(tmp_path):
+    """Training on a directory and validating on a text file: ids through a --min_frequency vocabulary there and
+    hashed here, or the directory's reserved_id against an empty_bag data module (which the directory ignored),
+    put the same value in other table rows in training and validation, in silence."""
+    text = str(CRITEO / "criteo_kaggle_valid_sample.tsv")
+    vocab, manifest = run(tmp_path, "vocab", inputs=(TRAIN,), min_frequency=3, num_embeddings=1000)
+    sizes = manifest["num_embeddings_per_feature"]
+    with pytest.raises(ValueError, match=r"train_path .*vocab holds ids through a vocabulary .* val_path .*valid_sample"
+                                         r"\.tsv are hashed: .* --vocab_from <the train split's directory>"):
+        CriteoDataModule(train_path=str(vocab), val_path=text, num_embeddings_per_feature=sizes).setup("fit")
+    hashed, _ = run(tmp_path, "hashed", inputs=(TRAIN,), num_embeddings=64)
+    with pytest.raises(ValueError, match=r"hashed holds ids of --missing_categorical reserved_id, but val_path .* is "
+                                         r"hashed with empty_bag: .* Set data.missing_categorical=reserved_id"):
+        CriteoDataModule(train_path=str(hashed), val_path=text, num_embeddings_per_feature=64,
+                         missing_categorical="empty_bag").setup("fit")
+    # what agrees: a directory alone (it keeps its own), text hashed as the directory, the vocabulary's val split
+    CriteoDataModule(train_path=str(hashed), num_embeddings_per_feature=64,
+                     missing_categorical="empty_bag").setup("fit")
+    CriteoDataModule(train_path=str(hashed), val_path=text, num_embeddings_per_feature=64,
+                     cache_dir=str(tmp_path / "cache")).setup("fit")
+    val, _ = run(tmp_path, "val", inputs=(text,), vocab_from=vocab, num_embeddings=1000)
+    CriteoDataModule(train_path=str(vocab), val_path=str(val), num_embeddings_per_feature=sizes).setup("fit")
+
+
 def test_preprocess_errors_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match="is a directory"):
         preprocess_criteo([str(tmp_path)], tmp_path / "o")

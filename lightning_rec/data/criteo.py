@@ -723,7 +723,45 @@ class CriteoDataModule(pl.LightningDataModule):
             if not is_shard_dir(self.paths[split]):
                 self._cache(split)
 
+    def _check_same_ids(self, splits: Sequence[str]) -> None:
+        """The splits a stage reads must map a value to the same table row. A preprocessed directory holds ids hashed
+        by its --missing_categorical, or mapped through a vocabulary (--min_frequency / --vocab_from); a text or table
+        file is hashed here by `missing_categorical`. Mixed, the same value was another row in training than in
+        validation, in silence."""
+        from lightning_rec.data.criteo_shards import load_manifest
+
+        maps = {}
+        for split in splits:
+            path = self.paths[split]
+            if not is_shard_dir(path):
+                maps[split] = ("hashed", self.missing_categorical)
+                continue
+            manifest = load_manifest(path)
+            options = manifest.get("options", {})
+            vocabulary = options.get("min_frequency") or options.get("vocab_from")
+            maps[split] = ("vocabulary", None) if vocabulary else ("hashed", manifest["missing_categorical"])
+        if len(set(maps.values())) < 2:
+            return
+        order = sorted(maps, key=lambda split: not is_shard_dir(self.paths[split]))  # a directory first: it is fixed
+        a = order[0]
+        b = next(split for split in order if maps[split] != maps[a])
+        if "vocabulary" in (maps[a][0], maps[b][0]):
+            vocab, other = (a, b) if maps[a][0] == "vocabulary" else (b, a)
+            raise ValueError(
+                f"{vocab}_path {self.paths[vocab]} holds ids through a vocabulary (preprocessed with --min_frequency "
+                f"or --vocab_from), but the ids of {other}_path {self.paths[other]} are hashed: the same value is "
+                f"another table row there. Preprocess that split with the vocabulary, `lightning-rec preprocess "
+                f"--input ... --output_dir DIR --vocab_from <the train split's directory>` (the train split's "
+                f"--num_embeddings), and pass DIR")
+        fix = ("preprocess both with one --missing_categorical" if is_shard_dir(self.paths[b]) else
+               f"set data.missing_categorical={maps[a][1]} (a preprocessed directory keeps the one it was made with)")
+        raise ValueError(
+            f"{a}_path {self.paths[a]} holds ids of --missing_categorical {maps[a][1]}, but {b}_path {self.paths[b]} "
+            f"{'holds them of' if is_shard_dir(self.paths[b]) else 'is hashed with'} {maps[b][1]}: the same value is "
+            f"another table row there. {fix[0].upper() + fix[1:]}")
+
     def setup(self, stage: str | None = None) -> None:
+        self._check_same_ids(self._splits_of(stage))
         for split in self._splits_of(stage):
             if split in self.datasets:
                 continue
