@@ -519,6 +519,30 @@ def test_streaming_small_file_splits_rows_evenly_between_readers(tmp_path):
     assert torch.unique(rows).numel() == 100 and rows.numel() == 100
 
 
+def test_streamed_blocks_go_to_ranks_alike_at_any_worker_count(tmp_path, monkeypatch):
+    """10 blocks, 2 ranks x 2 workers: dealt rank-major, rank 0 read 6 blocks and rank 1 4 (in training both stop at
+    the shorter share: a fifth of the file never trained on), and a rank's rows changed with num_workers."""
+    from torch.utils.data import DataLoader
+
+    import lightning_rec.data.criteo as criteo_module
+    from lightning_rec.data.batch import passthrough_collate
+
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(500)))
+    block_bytes = path.stat().st_size // 10 + 1
+
+    def rows_of(rank: int, num_workers: int) -> list[int]:
+        # what a process group of 2 ranks gives (workers keep what the main process saw)
+        monkeypatch.setattr(criteo_module, "dist_rank_world", lambda: (rank, 2))
+        ds = CriteoIterableDataset(path, batch_size=16, num_embeddings_per_feature=10, block_bytes=block_bytes)
+        loader = DataLoader(ds, batch_size=None, num_workers=num_workers, collate_fn=passthrough_collate)
+        return sorted(torch.cat([b.dense_features[:, 0] for b in loader]).expm1().round().long().tolist())
+
+    two_workers = [rows_of(rank, 2) for rank in (0, 1)]
+    assert sorted(two_workers[0] + two_workers[1]) == list(range(500))
+    assert abs(len(two_workers[0]) - len(two_workers[1])) <= 51  # one block at most
+    assert [rows_of(rank, 0) for rank in (0, 1)] == two_workers
+
+
 def _hand_loop_rows(rank: int, world_size: int, path: str, cache: str) -> list[list[tuple]]:
     """Two passes of a Criteo training loader, outside a Trainer: each row as its dense features."""
     dm = CriteoDataModule(train_path=path, batch_size=16, cache_dir=cache, seed=1)
