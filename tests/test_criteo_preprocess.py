@@ -353,7 +353,8 @@ def test_preprocess_errors_and_cli(tmp_path, capsys):
     # a split preprocessed with the train split's vocabulary is evaluated, an unlabelled one predicted on
     preprocess_main(["--input", str(TRAIN), "--output_dir", str(tmp_path / "cli_train"), "--num_embeddings", "1000",
                      "--min_frequency", "2", "--no_progress"])
-    capsys.readouterr()
+    assert f"validate on a split preprocessed with its vocabulary (--vocab_from {tmp_path / 'cli_train'})" in \
+        capsys.readouterr().out
     preprocess_main(["--input", str(CRITEO / "criteo_kaggle_valid_sample.tsv"), "--output_dir",
                      str(tmp_path / "cli_val"), "--num_embeddings", "1000", "--vocab_from", str(tmp_path / "cli_train"),
                      "--no_progress"])

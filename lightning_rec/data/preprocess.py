@@ -549,4 +549,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
         print(f"evaluate on it with:\n  --data.val_path={args.output_dir} (or --data.test_path=) {sizes_args}")
     else:
         print(f"train on it with:\n  --data.train_path={args.output_dir} {sizes_args}")
+        if args.min_frequency:  # a text val_path would be hashed, not mapped through this vocabulary: refused at fit
+            print(f"and validate on a split preprocessed with its vocabulary (--vocab_from {args.output_dir}) as "
+                  f"--data.val_path=DIR, or --data.val_path=null")
     return manifest
