@@ -888,6 +888,28 @@ def test_loader_resumes_exactly_where_the_step_was():
     assert all(torch.equal(a, b) for a, b in zip(rest, everything[3:]))
 
 
+def test_a_hand_loop_resumed_mid_epoch_reshuffles_the_epochs_after_it():
+    """Outside Lightning a loader numbers its own passes; one resumed mid-epoch drew the resumed epoch's order
+    again in the next pass (the epoch after it trained the same batches in the same order)."""
+    import itertools
+
+    from lightning_rec.data.batch import follow_fit_loop
+
+    def hand_loop_loader():
+        return follow_fit_loop(_loader(64), None)
+
+    loader = hand_loop_loader()
+    passes = [_labels(loader) for _ in range(3)]
+    interrupted = hand_loop_loader()
+    _labels(interrupted)
+    _labels(itertools.islice(iter(interrupted), 3))  # pass 1, stopped after 3 batches
+    resumed = hand_loop_loader()
+    resumed.load_state_dict(interrupted.state_dict())
+    rest, after = _labels(resumed), _labels(resumed)
+    assert all(torch.equal(a, b) for a, b in zip(rest, passes[1][3:], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(after, passes[2], strict=True))
+
+
 def test_a_pass_over_the_loader_leaves_the_global_generator_where_it_was():
     """torch's iterator draws its workers' seed from the global generator: a run resumed mid-epoch makes one
     iterator more than the uninterrupted run, so the restored RNG state moved on and every later dropout mask

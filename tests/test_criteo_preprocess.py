@@ -168,6 +168,22 @@ def test_min_frequency_vocabulary(tmp_path):
     assert torch.equal(all_rows(val_dir)[2], ids_FN)
 
 
+def test_a_val_run_rerun_after_its_vocabulary_changed_is_refused(tmp_path):
+    """The train split preprocessed again with another --min_frequency, then the val command run again: its
+    finished shards were kept and its manifest took the new vocabulary's table sizes over the old ids (ids up to
+    2130 in a table of 285 rows), in silence."""
+    kw = dict(inputs=(TRAIN,), num_embeddings=5000)
+    train, _ = run(tmp_path, "train", min_frequency=1, **kw)
+    run(tmp_path, "val", vocab_from=train, **kw)
+    shutil.rmtree(train)
+    run(tmp_path, "train", min_frequency=3, **kw)
+    with pytest.raises(ValueError, match=r"val holds a preprocess run with other inputs or options \(--vocab_from's "
+                                         r"vocab\.npz differ;"):
+        run(tmp_path, "val", vocab_from=train, **kw)
+    with pytest.raises(ValueError, match=r"other inputs or options \(--min_frequency, --seed differ;"):
+        run(tmp_path, "train", min_frequency=2, seed=1, **kw)
+
+
 def _as_parquet_pieces(text: Path, folder: Path, pieces: int = 3) -> Path:
     """The text file's rows as Parquet pieces (hash strings, counts with gaps), as a Hub dataset holds them."""
     import pyarrow as pa
@@ -288,6 +304,30 @@ def test_datamodule_trains_on_a_shard_directory(tmp_path):
         CriteoDataModule(train_path=str(out), num_embeddings_per_feature=100).setup("fit")
 
 
+def test_splits_whose_ids_map_values_to_other_rows_are_refused(tmp_path):
+    """Training on a directory and validating on a text file: ids through a --min_frequency vocabulary there and
+    hashed here, or the directory's reserved_id against an empty_bag data module (which the directory ignored),
+    put the same value in other table rows in training and validation, in silence."""
+    text = str(CRITEO / "criteo_kaggle_valid_sample.tsv")
+    vocab, manifest = run(tmp_path, "vocab", inputs=(TRAIN,), min_frequency=3, num_embeddings=1000)
+    sizes = manifest["num_embeddings_per_feature"]
+    with pytest.raises(ValueError, match=r"train_path .*vocab holds ids through a vocabulary .* val_path .*valid_sample"
+                                         r"\.tsv are hashed: .* --vocab_from <the train split's directory>"):
+        CriteoDataModule(train_path=str(vocab), val_path=text, num_embeddings_per_feature=sizes).setup("fit")
+    hashed, _ = run(tmp_path, "hashed", inputs=(TRAIN,), num_embeddings=64)
+    with pytest.raises(ValueError, match=r"hashed holds ids of --missing_categorical reserved_id, but val_path .* is "
+                                         r"hashed with empty_bag: .* Set data.missing_categorical=reserved_id"):
+        CriteoDataModule(train_path=str(hashed), val_path=text, num_embeddings_per_feature=64,
+                         missing_categorical="empty_bag").setup("fit")
+    # what agrees: a directory alone (it keeps its own), text hashed as the directory, the vocabulary's val split
+    CriteoDataModule(train_path=str(hashed), num_embeddings_per_feature=64,
+                     missing_categorical="empty_bag").setup("fit")
+    CriteoDataModule(train_path=str(hashed), val_path=text, num_embeddings_per_feature=64,
+                     cache_dir=str(tmp_path / "cache")).setup("fit")
+    val, _ = run(tmp_path, "val", inputs=(text,), vocab_from=vocab, num_embeddings=1000)
+    CriteoDataModule(train_path=str(vocab), val_path=str(val), num_embeddings_per_feature=sizes).setup("fit")
+
+
 def test_preprocess_errors_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match="is a directory"):
         preprocess_criteo([str(tmp_path)], tmp_path / "o")
@@ -313,7 +353,8 @@ def test_preprocess_errors_and_cli(tmp_path, capsys):
     # a split preprocessed with the train split's vocabulary is evaluated, an unlabelled one predicted on
     preprocess_main(["--input", str(TRAIN), "--output_dir", str(tmp_path / "cli_train"), "--num_embeddings", "1000",
                      "--min_frequency", "2", "--no_progress"])
-    capsys.readouterr()
+    assert f"validate on a split preprocessed with its vocabulary (--vocab_from {tmp_path / 'cli_train'})" in \
+        capsys.readouterr().out
     preprocess_main(["--input", str(CRITEO / "criteo_kaggle_valid_sample.tsv"), "--output_dir",
                      str(tmp_path / "cli_val"), "--num_embeddings", "1000", "--vocab_from", str(tmp_path / "cli_train"),
                      "--no_progress"])

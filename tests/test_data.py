@@ -519,6 +519,68 @@ def test_streaming_small_file_splits_rows_evenly_between_readers(tmp_path):
     assert torch.unique(rows).numel() == 100 and rows.numel() == 100
 
 
+def test_streamed_blocks_go_to_ranks_alike_at_any_worker_count(tmp_path, monkeypatch):
+    """10 blocks, 2 ranks x 2 workers: dealt rank-major, rank 0 read 6 blocks and rank 1 4 (in training both stop at
+    the shorter share: a fifth of the file never trained on), and a rank's rows changed with num_workers."""
+    from torch.utils.data import DataLoader
+
+    import lightning_rec.data.criteo as criteo_module
+    from lightning_rec.data.batch import passthrough_collate
+
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(500)))
+    block_bytes = path.stat().st_size // 10 + 1
+
+    def rows_of(rank: int, num_workers: int) -> list[int]:
+        # what a process group of 2 ranks gives (workers keep what the main process saw)
+        monkeypatch.setattr(criteo_module, "dist_rank_world", lambda: (rank, 2))
+        ds = CriteoIterableDataset(path, batch_size=16, num_embeddings_per_feature=10, block_bytes=block_bytes)
+        loader = DataLoader(ds, batch_size=None, num_workers=num_workers, collate_fn=passthrough_collate)
+        return sorted(torch.cat([b.dense_features[:, 0] for b in loader]).expm1().round().long().tolist())
+
+    two_workers = [rows_of(rank, 2) for rank in (0, 1)]
+    assert sorted(two_workers[0] + two_workers[1]) == list(range(500))
+    assert abs(len(two_workers[0]) - len(two_workers[1])) <= 51  # one block at most
+    assert [rows_of(rank, 0) for rank in (0, 1)] == two_workers
+
+
+@pytest.mark.parametrize("reload", [0, 1])
+def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, reload):
+    """Trainer(reload_dataloaders_every_n_epochs=1) makes a new loader each epoch, whose pass count started at 0: a
+    shuffled stream (and a preprocessed directory: both shuffle by pass) trained epoch 0's order every epoch."""
+    import lightning.pytorch as L
+
+    class Rows(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.rows: list[list[int]] = []
+
+        def on_train_epoch_start(self):
+            self.rows.append([])
+
+        def training_step(self, batch, batch_idx):
+            self.rows[-1] += batch.dense_features[:, 0].expm1().round().long().tolist()
+            return self.w.square().sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(64)))
+    data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True)
+    module = Rows()
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False,
+              reload_dataloaders_every_n_epochs=reload).fit(module, data)
+    assert all(sorted(rows) == list(range(64)) for rows in module.rows)
+    assert module.rows[0] != module.rows[1] != module.rows[2]
+    stream = data.datasets["train"]
+    want = []
+    for epoch in range(3):
+        stream.set_epoch(epoch)
+        want.append([int(r) for b in stream for r in b.dense_features[:, 0].expm1().round()])
+    assert module.rows == want
+
+
 def _hand_loop_rows(rank: int, world_size: int, path: str, cache: str) -> list[list[tuple]]:
     """Two passes of a Criteo training loader, outside a Trainer: each row as its dense features."""
     dm = CriteoDataModule(train_path=path, batch_size=16, cache_dir=cache, seed=1)

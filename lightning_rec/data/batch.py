@@ -131,6 +131,7 @@ class StatefulBatchLoader(StatefulDataLoader):
     _HISTORY = 64  # states kept: more than any fetcher or pipeline reads ahead
 
     consumed_batches: Callable[[], int] | None = None
+    fit_epoch: Callable[[], int] | None = None
     own_epochs: bool = False
 
     def __iter__(self):  # type: ignore[override]
@@ -154,6 +155,12 @@ class StatefulBatchLoader(StatefulDataLoader):
         # The pass (epoch) number: one more at every new iteration (Lightning stops a sized loader after
         # its last batch without reaching StopIteration, so the count moves at the start, not the end).
         pass_index = getattr(self, "_rec_pass", 0) + (1 if getattr(self, "_rec_started", False) else 0)
+        if self.fit_epoch is not None:
+            # in a fit, the pass is the fit loop's epoch, the one Lightning gives samplers' set_epoch. Counted here, a
+            # loader made anew for an epoch (Trainer(reload_dataloaders_every_n_epochs=...)), which Lightning also
+            # iterates twice at that epoch's start, drew epoch 0's and 1's orders in every epoch: a dataset that
+            # shuffles by pass (a stream, a preprocessed directory) trained the same order epoch after epoch
+            pass_index = self.fit_epoch()
         count = 0
         if pending is not None:
             pass_index = pending["pass"]
@@ -170,6 +177,10 @@ class StatefulBatchLoader(StatefulDataLoader):
             for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
                 if callable(getattr(sampler, "set_epoch", None)):
                     sampler.set_epoch(pass_index)
+            # a hand loop numbers its own passes from here: the next pass, seeing this epoch, draws the next
+            # one (unrecorded, it took this epoch as one the user set, and the epoch after the resumed one
+            # repeated the resumed epoch's order)
+            self._rec_seen_epoch = getattr(self.sampler, "epoch", None)
         elif self.own_epochs:
             self._next_own_epoch()
         set_epoch = getattr(self.dataset, "set_epoch", None)
@@ -265,6 +276,8 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
     if trainer is not None and isinstance(loader, StatefulBatchLoader):
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader.consumed_batches = lambda: int(progress.current.processed)
+        epochs = trainer.fit_loop.epoch_progress  # the epoch Lightning gives samplers' set_epoch
+        loader.fit_epoch = lambda: int(epochs.current.processed)
     elif isinstance(loader, StatefulBatchLoader):
         # a hand-written loop: no Lightning to call the sampler's set_epoch, so each pass numbers itself
         # (a shuffled loader drew the same order every epoch, unlike torch's RandomSampler)

@@ -135,6 +135,10 @@ class CriteoShardDataset(IterableDataset):
 
     Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
     `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
+    With `shuffle=True` and workers that are not persistent (torch's default), call `set_epoch(epoch)` before
+    each epoch, as with torch's DistributedSampler: each epoch's workers start from the main process's copy,
+    which did not count the epochs they read, so every epoch drew the same order (CriteoDataModule's loaders,
+    persistent and told the epoch, need nothing).
     `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
     and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
     """

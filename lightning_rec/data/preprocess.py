@@ -205,6 +205,10 @@ def preprocess_criteo(
         missing_categorical=missing_categorical, rows_per_shard=rows_per_shard, block_mb=block_mb,
         shuffle_rows=shuffle_rows, seed=seed, on_bad_row=on_bad_row,
     )
+    if vocab_from is not None:
+        # the vocabulary itself, not only where it was: a train split preprocessed again (another --min_frequency)
+        # gave the val run's finished shards, rerun, a manifest of the new table sizes over the old ids
+        options["vocab_sha256"] = file_sha256(Path(vocab_from) / "vocab.npz")
     sources = [_source(p, t) for p, t in zip(inputs, tables)]
     _check_same_run(out, options, sources)
 
@@ -289,9 +293,14 @@ def _check_same_run(out: Path, options: dict, sources: list[dict]) -> None:
     if run.is_file():
         before = json.loads(run.read_text())
         if before != this:
+            differ = ["--vocab_from's vocab.npz" if k == "vocab_sha256" else f"--{k}"
+                      for k in sorted(set(options) | set(before.get("options", {})))
+                      if before.get("options", {}).get(k) != options.get(k)]
+            if before.get("inputs") != sources:
+                differ.insert(0, "--input (files, sizes or times)")
             raise ValueError(
-                f"{out} holds a preprocess run with other inputs or options ({run}): pass a new --output_dir, "
-                f"or delete {out} to start over"
+                f"{out} holds a preprocess run with other inputs or options ({', '.join(differ)} differ; {run}): "
+                f"pass a new --output_dir, or delete {out} to start over"
             )
         (out / MANIFEST).unlink(missing_ok=True)  # rewritten when this run finishes
         return
@@ -540,4 +549,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
         print(f"evaluate on it with:\n  --data.val_path={args.output_dir} (or --data.test_path=) {sizes_args}")
     else:
         print(f"train on it with:\n  --data.train_path={args.output_dir} {sizes_args}")
+        if args.min_frequency:  # a text val_path would be hashed, not mapped through this vocabulary: refused at fit
+            print(f"and validate on a split preprocessed with its vocabulary (--vocab_from {args.output_dir}) as "
+                  f"--data.val_path=DIR, or --data.val_path=null")
     return manifest
