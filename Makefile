@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lightning_rec-installed
 CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 ARGS ?=
+# pytest-xdist workers: most tests are one Python thread, or ranks that wait on each other, so two workers keep a
+# 2-core machine busy (the suite's wall time drops from ~8 to ~MIN min there); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 
 .PHONY: train test bench lint clean
 
@@ -23,7 +26,7 @@ train: $(STAMP)
 	$(VENV)/bin/lightning-rec fit --config recipes/configs/dlrm_synthetic.yaml $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/embedding.py
