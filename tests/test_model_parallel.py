@@ -896,6 +896,11 @@ def _frozen_sharded_worker(rank, W, when):
     dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
     if when == "after":
         dmp.module.ebc.requires_grad_(False)
+    elif when == "after_params":  # BaseFinetuning in finetune_function, as LightningModule.freeze: the parameters
+        BaseFinetuning.freeze(dmp.module.ebc)
+    elif when == "dmp":
+        dmp.requires_grad_(False)
+        dmp.module.dense.requires_grad_(True)
     before = _local_table_state(dmp)
     opt = torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
     ref_opt = torch.optim.SGD(ref.dense.parameters(), lr=0.1)
@@ -908,9 +913,11 @@ def _frozen_sharded_worker(rank, W, when):
         ref_opt.zero_grad()
     frozen_same = all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
     torch.testing.assert_close(dmp.module.dense.weight, ref.dense.weight, atol=ATOL, rtol=0)
-    if when == "before":  # BaseFinetuning.make_trainable / LightningModule.unfreeze after sharding
+    if when in ("before", "after_params"):  # BaseFinetuning.make_trainable / LightningModule.unfreeze after sharding
         for p in dmp.module.ebc.parameters():
             p.requires_grad = True
+    elif when == "dmp":
+        dmp.requires_grad_(True)
     else:
         dmp.module.ebc.requires_grad_(True)
     assert dmp.module.ebc.frozen_tables() == frozenset()
@@ -918,13 +925,43 @@ def _frozen_sharded_worker(rank, W, when):
     return frozen_same, [not torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp))]
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "after_params", "dmp"])
 def test_frozen_sharded_tables_stay_unchanged_on_every_rank(when):
     """A fused collection frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy
     shards) or a sharded collection frozen with requires_grad_(False) kept training its tables inside backward on
     every rank. Now no rank updates a frozen table (row-wise, table-wise, data-parallel), the backward all-to-all
     still pairs across ranks, the dense layer trains as over a plain frozen collection, and unfreezing
-    (requires_grad_(True), or BaseFinetuning's make_trainable on the sharded collection's parameters) resumes."""
+    (requires_grad_(True), or BaseFinetuning's make_trainable on the sharded collection's parameters) resumes.
+    Freezing after sharding through the parameters (BaseFinetuning.freeze, LightningModule.freeze(),
+    dmp.requires_grad_(False)) found none on a collection sharded unfrozen, and the tables kept training."""
     done = run_ranks(_frozen_sharded_worker, 2, when, timeout=120)
     assert [same for same, _ in done] == [True, True]
     assert all(any(changed) for _, changed in done)  # unfrozen: every rank updates some of its pieces again
+
+
+def _frozen_disagree_worker(rank, W, shared_memory):
+    torch.manual_seed(0)
+    model = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=20, shared_memory=shared_memory)
+    if rank == 0:  # rank-dependent code
+        dmp.module.ebc.requires_grad_(False)
+    before = _local_table_state(dmp)
+    text = expect_error(ValueError, lambda: dmp(_batch(rank, 0, False)), "froze different tables",
+                        "[[0], [1]]", "every rank alike")
+    assert all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))  # nothing moved anywhere
+    dmp.module.ebc.requires_grad_(False)  # now every rank agrees: the step runs, and nothing updates
+    dmp(_batch(rank, 1, False)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
+    return text
+
+
+@pytest.mark.parametrize("shared_memory", [None, False])
+def test_ranks_that_freeze_different_tables_all_raise(shared_memory):
+    """Freezing under `if rank == 0`: the other rank kept updating its pieces while rank 0 did not (silently
+    diverging), and a frozen replica on one rank only left the others waiting in its gradient all-reduce until the
+    timeout. Now the id all-to-all's counts carry each rank's frozen tables, and every rank raises, naming the fix,
+    before anything moves."""
+    texts = run_ranks(_frozen_disagree_worker, 2, shared_memory, timeout=60)
+    assert "this rank (0) has ['t0', 't1', 't2'] frozen" in texts[0] and "this rank (1) has no table" in texts[1]
