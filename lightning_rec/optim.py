@@ -259,17 +259,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = []
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
-            # An unsharded collection's own table parameters (the same storage as the kernel's views): optimizer
-            # param groups that hold the model's parameters, as Lightning's BaseFinetuning maps them to names
-            # (KeyError on the kernel's views at every epoch start)
+            # The collection's own table parameters (unsharded: the same storage as the kernel's views; sharded: one
+            # empty parameter per table): optimizer param groups that hold the model's parameters, as Lightning's
+            # BaseFinetuning maps them to names (KeyError on the kernel's views at every epoch start). A sharded
+            # table's pieces share its parameter, which a torch optimizer holds once.
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
+            held: set[int] = set()
             for i, kernel in enumerate(module.fused_kernels()):
                 prefix = f"{path}." if path else ""
-                for j, table in enumerate(kernel.tables):
+                params = []
+                for j, (table, w) in enumerate(zip(kernel.tables, kernel.split_embedding_weights())):
                     self._tables[prefix + table.name] = (kernel, j)
                     whole = (table.name, None, (table.num_embeddings, table.embedding_dim))
                     name, meta, shape = shard_of(table.name) if shard_of is not None else whole
                     self._pieces[prefix + table.name] = (prefix + name, meta, shape)
+                    p = own.get(name, w)
+                    if id(p) not in held:
+                        held.add(id(p))
+                        params.append(p)
                 config = kernel.optimizer_config
                 # a new optimizer starts at its configured rate, as torch.optim's do: the kernel keeps the rate
                 # the last scheduler wrote (a second fit, or Tuner.lr_find's sweep, began from that one while
@@ -277,7 +284,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
                     [kernel],
-                    params=[own.get(t.name, w) for t, w in zip(kernel.tables, kernel.split_embedding_weights())],
+                    params=params,
                     lr=config.lr,
                     name=f"{prefix}fused{i}",
                     optimizer=str(config.optimizer),
