@@ -149,14 +149,32 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
     return _Tie.apply(out, t)
 
 
+class ShardedTableWeight(FusedTableWeight):
+    """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table.
+
+    `numel()` is the global table's rows x columns, so that Lightning's ModelSummary and `sum(p.numel() for p in
+    model.parameters())` count a sharded model's tables as the unsharded model's (they read 0 before). Its shape
+    stays what it holds, (0,): nothing allocates, moves or broadcasts the table through it (DDP's start-up broadcast
+    of the model's parameters, `.to()`, deepcopy)."""
+
+    def numel(self) -> int:  # type: ignore[override]
+        return self.__dict__.get("table_numel", 0)
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)
+        copied.__dict__["table_numel"] = self.numel()
+        return copied
+
+
 class _FreezeSwitch(nn.Module):
-    """A sharded table's entry among the module's parameters: an empty FusedTableWeight (as TorchRec's empty
+    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight (as TorchRec's empty
     parameters for shards held elsewhere) that freezing and unfreezing reach (requires_grad_, LightningModule.freeze
     / unfreeze, BaseFinetuning). It holds no values: the state dict is the collection's own."""
 
-    def __init__(self, frozen: bool) -> None:
+    def __init__(self, frozen: bool, table_numel: int) -> None:
         super().__init__()
-        self.weight = FusedTableWeight(torch.empty(0), requires_grad=False)
+        self.weight = ShardedTableWeight(torch.empty(0), requires_grad=False)
+        self.weight.__dict__["table_numel"] = table_numel
         self.weight.frozen = frozen
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -213,7 +231,7 @@ class _ShardedCollectionBase(nn.Module):
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
         switches = _Tables()
         for c in self._configs:
-            switches[c.name] = _FreezeSwitch(c.name in frozen)
+            switches[c.name] = _FreezeSwitch(c.name in frozen, c.num_embeddings * c.embedding_dim)
         setattr(self, self._weights_attr, switches)
         self._set_frozen(frozen)
 

@@ -454,7 +454,7 @@ class RecStrategy(DDPStrategy):
                 raise ValueError(
                     f"Trainer(callbacks=[{type(callback).__name__}(...)]) cannot average sharded embedding tables: "
                     f"it pairs the module's parameters with those of a copy made before sharding, and under "
-                    f"strategy='rec' the tables are no longer parameters of the module (their kernels hold them, "
+                    f"strategy='rec' the tables' parameters are empty (each rank's kernels hold its pieces, "
                     f"updated inside backward). Remove the callback, or train on one device without "
                     f"strategy='rec' (unsharded tables, which it averages)")
 

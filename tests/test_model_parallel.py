@@ -965,3 +965,34 @@ def test_ranks_that_freeze_different_tables_all_raise(shared_memory):
     before anything moves."""
     texts = run_ranks(_frozen_disagree_worker, 2, shared_memory, timeout=60)
     assert "this rank (0) has ['t0', 't1', 't2'] frozen" in texts[0] and "this rank (1) has no table" in texts[1]
+
+
+def _summary_worker(rank, W):
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+            self.dense = nn.Linear(26, 3)
+
+    module = Module()
+    unsharded = ModelSummary(module)
+    counts = (unsharded.param_nums, unsharded.total_parameters, unsharded.trainable_parameters)
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        module.ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(module, plan=plan, device="cpu", timeout=20)
+    sharded = ModelSummary(module)
+    assert (sharded.param_nums, sharded.total_parameters, sharded.trainable_parameters) == counts
+    assert sum(p.numel() for p in dmp.parameters()) == counts[1]
+    assert all(p.shape == (0,) for p in dmp.module.ebc.parameters())  # nothing held: DDP's broadcast moves nothing
+    return counts
+
+
+def test_model_summary_counts_sharded_tables_as_the_unsharded_model():
+    """Lightning's ModelSummary (printed at fit start) showed a sharded collection with 0 parameters, and the
+    model's total without its tables. Now every rank counts each table whole (rows x columns, not trainable by
+    autograd, as an unsharded fused table), the same numbers as before sharding."""
+    counts = run_ranks(_summary_worker, 2, timeout=60)
+    assert counts[0] == counts[1] and counts[0][0][0] == sum(ROWS[t] * DIMS[t] for t in ROWS)
