@@ -436,10 +436,32 @@ class CombinedOptimizer(torch.optim.Optimizer):
             raise ValueError("CombinedOptimizer needs at least one optimizer")
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
         super().__init__([g for _, o in named for g in o.param_groups], {})
+        self._built = True
 
     def _sync_groups(self) -> None:
         # torch's load_state_dict replaces a child's group dicts; keep ours pointing at the live ones.
         self.param_groups = [g for _, o in self.optimizers for g in o.param_groups]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A new group joins the dense (torch.optim) child, which steps it.
+
+        Lightning's BaseFinetuning.unfreeze_and_add_param_group adds the layers it unfreezes so; torch's
+        add_param_group put the group in this optimizer's list only, which no child steps: the layers got gradients
+        and never moved."""
+        if not self.__dict__.get("_built"):  # torch's __init__: the children's own groups
+            super().add_param_group(param_group)
+            return
+        dense = [(name, o) for name, o in self.optimizers if not isinstance(o, FusedOptimizer)]
+        if len(dense) != 1:
+            raise ValueError(
+                f"CombinedOptimizer.add_param_group: a new param group (e.g. layers that BaseFinetuning unfroze) "
+                f"joins the one dense optimizer, which steps it, but this one combines "
+                f"{[name for name, _ in dense] or 'none'} besides its fused part: "
+                + ("pass a dense optimizer (combined_optimizer(model, torch.optim.Adam(dense_parameters))) even if "
+                   "it starts with the layers that are trainable then" if not dense else
+                   "add the group to the child that should step it (optimizer.optimizers[i][1].add_param_group)"))
+        dense[0][1].add_param_group(param_group)
+        self._sync_groups()
 
     @property
     def state(self) -> dict:  # type: ignore[override]

@@ -719,3 +719,49 @@ def test_base_finetuning_freezes_then_unfreezes_fused_tables_under_a_trainer(tmp
     frozen, unfrozen, end = *model.snapshots, _table_state(model.ebc)
     assert all(torch.equal(a, b) for a, b in zip(frozen, unfrozen))
     assert not torch.equal(unfrozen[0], end[0]) and model.ebc.frozen_tables() == frozenset()
+
+
+def test_base_finetuning_unfreezes_dense_layers_beside_fused_tables(tmp_path):
+    """BaseFinetuning.unfreeze_and_add_param_group with combined_optimizer: torch's add_param_group put the new group
+    in the combined optimizer's list, which no child steps, so the unfrozen layer got gradients and never moved. Now
+    the group joins the dense optimizer and the run matches plain torch.optim.SGD over plain tables."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Tower(pl.LightningModule):
+        def __init__(self, fused: bool):
+            super().__init__()
+            ebc, ref, self.dense, _ = _freeze_setup("fbgemm", "sgd")
+            self.ebc = ebc if fused else ref
+            self.head = nn.Linear(1, 1)
+            self.fused = fused
+
+        def training_step(self, batch, batch_idx):
+            return self.head(self.dense(self.ebc(batch).values())).square().sum()
+
+        def configure_optimizers(self):
+            if not self.fused:
+                return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+            return combined_optimizer(self, torch.optim.SGD(self.dense.parameters(), lr=0.1))
+
+    class Finetune(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.head)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.1, initial_denom_lr=1.0)
+
+    runs = []
+    for fused in (True, False):
+        model = Tower(fused)
+        loader = torch.utils.data.DataLoader([_freeze_batch(i) for i in range(3)], batch_size=None)
+        pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                   callbacks=[Finetune()]).fit(model, loader)
+        runs.append(model)
+    fused, plain = runs
+    assert not torch.equal(fused.head.weight, Tower(True).head.weight)
+    for a, b in [(fused.head, plain.head), (fused.dense, plain.dense)]:
+        torch.testing.assert_close(a.weight, b.weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused.ebc.state_dict(), plain.ebc.state_dict(), atol=1e-6, rtol=0)
