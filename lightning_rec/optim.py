@@ -440,7 +440,25 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def _sync_groups(self) -> None:
         # torch's load_state_dict replaces a child's group dicts; keep ours pointing at the live ones.
-        self.param_groups = [g for _, o in self.optimizers for g in o.param_groups]
+        self.__dict__["_groups"] = [g for _, o in self.optimizers for g in o.param_groups]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Lightning's BaseFinetuning, resuming, assigns the groups it saved (the ones it added included) before the
+        optimizer state loads: the added ones join the dense child (add_param_group), as when they were first added,
+        and the list stays the children's live groups (whose "lr" reaches the fused kernels)."""
+        if not self.__dict__.get("_built"):  # torch's __init__
+            self.__dict__["_groups"] = groups
+            return
+        held = {id(p) for _, o in self.optimizers for g in o.param_groups for p in g["params"]}
+        for group in groups:
+            if group["params"] and not any(id(p) in held for p in group["params"]):
+                self.add_param_group(dict(group))
+        self._sync_groups()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A new group joins the dense (torch.optim) child, which steps it.

@@ -724,7 +724,8 @@ def test_base_finetuning_freezes_then_unfreezes_fused_tables_under_a_trainer(tmp
 def test_base_finetuning_unfreezes_dense_layers_beside_fused_tables(tmp_path):
     """BaseFinetuning.unfreeze_and_add_param_group with combined_optimizer: torch's add_param_group put the new group
     in the combined optimizer's list, which no child steps, so the unfrozen layer got gradients and never moved. Now
-    the group joins the dense optimizer and the run matches plain torch.optim.SGD over plain tables."""
+    the group joins the dense optimizer, the run matches plain torch.optim.SGD over plain tables, and a checkpoint
+    of it resumes with the group and its state."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import BaseFinetuning
 
@@ -752,16 +753,27 @@ def test_base_finetuning_unfreezes_dense_layers_beside_fused_tables(tmp_path):
             if epoch == 1:
                 self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.1, initial_denom_lr=1.0)
 
-    runs = []
-    for fused in (True, False):
-        model = Tower(fused)
+    def fit(model, max_epochs, ckpt_path=None):
         loader = torch.utils.data.DataLoader([_freeze_batch(i) for i in range(3)], batch_size=None)
-        pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                   callbacks=[Finetune()]).fit(model, loader)
-        runs.append(model)
-    fused, plain = runs
+        trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=tmp_path, callbacks=[Finetune()])
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    fused, plain = Tower(True), Tower(False)
+    trainer = fit(fused, 2)
+    fit(plain, 2)
     assert not torch.equal(fused.head.weight, Tower(True).head.weight)
     for a, b in [(fused.head, plain.head), (fused.dense, plain.dense)]:
         torch.testing.assert_close(a.weight, b.weight, atol=1e-6, rtol=0)
     torch.testing.assert_close(fused.ebc.state_dict(), plain.ebc.state_dict(), atol=1e-6, rtol=0)
+
+    # resuming: BaseFinetuning assigns the saved groups (the added one included) before the optimizer state loads,
+    # which then found the dense optimizer one group short ("a different number of parameter groups")
+    trainer.save_checkpoint(tmp_path / "finetuned.ckpt")
+    saved = trainer.optimizers[0].state_dict()["dense"]
+    resumed = Tower(True)
+    dense = fit(resumed, 2, ckpt_path=tmp_path / "finetuned.ckpt").optimizers[0].optimizers[1][1]
+    assert len(dense.param_groups) == 2 and dense.param_groups[1]["params"] == list(resumed.head.parameters())
+    torch.testing.assert_close(dense.state_dict(), saved, atol=0, rtol=0)

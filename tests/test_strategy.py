@@ -865,3 +865,50 @@ def test_base_finetuning_freezes_and_unfreezes_sharded_tables_under_strategy_rec
     assert all(torch.equal(tables[0][k], tables[1][k]) for k in tables[0])  # frozen: bitwise
     assert all(torch.equal(tables[2][k], tables[3][k]) for k in tables[0])
     assert not torch.equal(tables[1]["embedding_bags.t0.weight"], tables[2]["embedding_bags.t0.weight"])
+
+
+class _FinetuneHead(_FinetuneTower):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(2, 1)
+
+    def forward(self, kjt):
+        return self.head(self.dense(self.ebc(kjt).values())).square().sum()
+
+
+def _finetuning_resume_worker(rank, world_size, tmp_path):
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Finetune(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.head)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.05, initial_denom_lr=1.0)
+
+    def fit(max_epochs, ckpt_path=None):
+        module = _FinetuneHead()
+        loader = torch.utils.data.DataLoader([_ft_batch(rank, step) for step in range(2)], batch_size=None)
+        trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=max_epochs,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=False, callbacks=[Finetune()])
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return module, trainer
+
+    module, trainer = fit(2)
+    trainer.save_checkpoint(f"{tmp_path}/finetuned.ckpt")
+    saved = trainer.optimizers[0].optimizers[1][1].state_dict()
+    resumed, trainer = fit(2, ckpt_path=f"{tmp_path}/finetuned.ckpt")  # restores, trains nothing more
+    dense = trainer.optimizers[0].optimizers[1][1]
+    assert dense.param_groups[1]["params"] == list(resumed.head.parameters())
+    torch.testing.assert_close(dense.state_dict(), saved, atol=0, rtol=0)
+    torch.testing.assert_close(resumed.head.weight, module.head.weight, atol=0, rtol=0)
+
+
+def test_a_run_that_base_finetuning_added_groups_to_resumes_under_strategy_rec(tmp_path):
+    """BaseFinetuning puts the param groups it added back in on_fit_start, from its saved state, but RecStrategy
+    restores checkpoints after setup (into the sharded tables), so Lightning loaded that state only after on_fit_start:
+    resuming failed with torch's "loaded state dict has a different number of parameter groups". Now RecStrategy
+    replays BaseFinetuning's restore before the optimizer state loads."""
+    run_ranks(_finetuning_resume_worker, 1, str(tmp_path), timeout=120)
