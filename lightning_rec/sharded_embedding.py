@@ -267,6 +267,9 @@ class _ShardedCollectionBase(nn.Module):
         `ahead`: the pipeline's feeder routes a batch before its step, outside autograd.
         """
         ordered, error = self._validate(features)
+        self.frozen_tables()  # brings _frozen_key and _frozen_error up to date
+        if error is None:
+            error = self._frozen_error  # raised on every rank in the exchange below, not on this rank alone
         if ahead and error is None and self._is_weighted and features.weights_or_none() is not None \
                 and features.weights().requires_grad:
             # Routed outside autograd their gradient would be lost (the plain loop gives one); an error, so every
@@ -276,7 +279,6 @@ class _ShardedCollectionBase(nn.Module):
                      f"batches ahead of their step, outside autograd, so those weights would not train: compute "
                      f"learned weights inside the model's forward (that collection then routes in the step, and "
                      f"they train), or pass weights.detach() in the batch")
-        self.frozen_tables()  # brings _frozen_key up to date
         try:  # all ranks agree first (on their batches and on which tables are frozen)
             routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted, frozen_key=self._frozen_key)
         except FrozenTablesDisagree as e:
@@ -324,11 +326,28 @@ class _ShardedCollectionBase(nn.Module):
         # the same updates; the pooled all-to-all's backward still runs on every rank (output_dist._differentiable).
         self._frozen_local = frozenset(t.name for t in (self._lookup.tables if self._lookup is not None else [])
                                        if self.shard_of(t.name)[0] in self._frozen)
+        self._frozen_error = self._frozen_split()
         if self._replicas is not None:
             # replicas train by autograd (their hook sums the gradient over ranks): a frozen one gets no gradient,
             # hence no hook and no all-reduce, on every rank alike
             for t, w in zip(self._replicas.tables, self._replicas.table_weights().values()):
                 w.requires_grad_(t.name not in self._frozen)
+
+    def _frozen_split(self) -> str | None:
+        """Why this rank cannot freeze these tables: a fused kernel here holds pieces of frozen and unfrozen tables
+        (one kernel updates all its tables in one backward). The lookup refused that on this rank alone, after the
+        id all-to-all, and the other ranks waited for it in the output all-to-all."""
+        for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._frozen_local else []:
+            pieces = [t.name for t in kernel.tables]
+            held = [n for n in pieces if n in self._frozen_local]
+            if held and len(held) != len(pieces):
+                frozen = sorted({self.shard_of(n)[0] for n in held})
+                other = sorted({self.shard_of(n)[0] for n in pieces if n not in held})
+                return (f"sharded {self._kind()}: tables {frozen} are frozen (requires_grad=False) but on rank "
+                        f"{self._env.rank} their pieces share one fused kernel with pieces of {other}, which are not: "
+                        f"freeze all of {frozen + other} together, or put the tables to freeze in an "
+                        f"EmbeddingBagCollection / EmbeddingCollection of their own")
+        return None
 
     def _frozen_disagree_message(self, keys: list[int]) -> str:
         groups: dict[int, list[int]] = {}

@@ -951,6 +951,12 @@ def _frozen_disagree_worker(rank, W, shared_memory):
     text = expect_error(ValueError, lambda: dmp(_batch(rank, 0, False)), "froze different tables",
                         "[[0], [1]]", "every rank alike")
     assert all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))  # nothing moved anywhere
+    # every rank freezes t1 alone, whose whole table shares rank 1's fused kernel with t0's rows there: rank 1 alone
+    # refused it in its lookup while rank 0 waited for it in the output all-to-all; now both raise before the lookup
+    dmp.module.ebc.requires_grad_(True)
+    dmp.module.ebc.embedding_bags["t1"].weight.requires_grad = False
+    words = ["freeze all of ['t1', 't0'] together"] if rank == 1 else ["rank(s) [1] rejected"]
+    expect_error(ValueError, lambda: dmp(_batch(rank, 0, False)), *words)
     dmp.module.ebc.requires_grad_(False)  # now every rank agrees: the step runs, and nothing updates
     dmp(_batch(rank, 1, False)).sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
@@ -962,7 +968,8 @@ def test_ranks_that_freeze_different_tables_all_raise(shared_memory):
     """Freezing under `if rank == 0`: the other rank kept updating its pieces while rank 0 did not (silently
     diverging), and a frozen replica on one rank only left the others waiting in its gradient all-reduce until the
     timeout. Now the id all-to-all's counts carry each rank's frozen tables, and every rank raises, naming the fix,
-    before anything moves."""
+    before anything moves. The same for freezing a table whose pieces share a fused kernel with an unfrozen table's
+    on one rank only (that rank refused it in its lookup, the others waited in the output all-to-all)."""
     texts = run_ranks(_frozen_disagree_worker, 2, shared_memory, timeout=60)
     assert "this rank (0) has ['t0', 't1', 't2'] frozen" in texts[0] and "this rank (1) has no table" in texts[1]
 
