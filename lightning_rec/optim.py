@@ -451,12 +451,16 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """Lightning's BaseFinetuning, resuming, assigns the groups it saved (the ones it added included) before the
         optimizer state loads: the added ones join the dense child (add_param_group), as when they were first added,
         and the list stays the children's live groups (whose "lr" reaches the fused kernels)."""
+        from lightning_rec.embedding import FusedTableWeight
+
         if not self.__dict__.get("_built"):  # torch's __init__
             self.__dict__["_groups"] = groups
             return
         held = {id(p) for _, o in self.optimizers for g in o.param_groups for p in g["params"]}
         for group in groups:
-            if group["params"] and not any(id(p) in held for p in group["params"]):
+            # a fused group is the fused optimizer's, never new: BaseFinetuning saves rank 0's groups, and another
+            # rank holds pieces of other tables (their groups hold other table parameters)
+            if group["params"] and not any(id(p) in held or isinstance(p, FusedTableWeight) for p in group["params"]):
                 self.add_param_group(dict(group))
         self._sync_groups()
 

@@ -777,3 +777,19 @@ def test_base_finetuning_unfreezes_dense_layers_beside_fused_tables(tmp_path):
     dense = fit(resumed, 2, ckpt_path=tmp_path / "finetuned.ckpt").optimizers[0].optimizers[1][1]
     assert len(dense.param_groups) == 2 and dense.param_groups[1]["params"] == list(resumed.head.parameters())
     torch.testing.assert_close(dense.state_dict(), saved, atol=0, rtol=0)
+
+
+def test_combined_optimizer_takes_assigned_groups_as_base_finetuning_restores_them():
+    """BaseFinetuning, resuming, assigns optimizer.param_groups the groups it saved on rank 0. The groups it had added
+    join the dense optimizer; a fused group holding tables this rank has no piece of (rank 0's) is no new group (it
+    was added to the dense optimizer, which then failed to load its own state)."""
+    ebc, other, dense, _ = _freeze_setup("native", "sgd")
+    other.use_fused_optimizer(FusedOptimizerConfig("sgd", lr=0.1))  # tables of another rank's groups, say
+    head = nn.Linear(1, 1)
+    opt = combined_optimizer(nn.ModuleDict(dict(ebc=ebc, dense=dense)), torch.optim.SGD(dense.parameters(), lr=0.1))
+    saved = [dict(g) for g in opt.param_groups]
+    opt.param_groups = saved + [{**saved[-1], "params": list(other.parameters())},
+                                {**saved[-1], "params": list(head.parameters()), "lr": 0.5}]
+    sgd = opt.optimizers[1][1]
+    assert [g["params"] for g in sgd.param_groups] == [list(dense.parameters()), list(head.parameters())]
+    assert sgd.param_groups[1]["lr"] == 0.5 and opt.param_groups == opt.optimizers[0][1].param_groups + sgd.param_groups
