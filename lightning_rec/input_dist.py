@@ -59,6 +59,15 @@ class BatchRejected(ValueError):
 # the flags word of the counts exchange (shared memory: the third int64 of each piece's head)
 REJECTED = 1  # this rank's batch failed validation: no payload follows
 WEIGHT_GRAD = 2  # this rank's per-id weights require a gradient
+FROZEN_SHIFT = 8  # bits from here: the key of the rank's frozen tables (0: none frozen), which every rank compares
+
+
+class FrozenTablesDisagree(ValueError):
+    """The ranks froze different tables of one sharded collection (raised on every rank, before any payload)."""
+
+    def __init__(self, keys: list[int]) -> None:
+        super().__init__(f"frozen-table keys per rank: {keys}")
+        self.keys = keys
 
 
 @dataclass
@@ -176,7 +185,10 @@ class KJTAllToAll:
         self._perm_cache: dict[tuple[int, ...], Tensor] = {}
 
     def __call__(self, features: KeyedJaggedTensor | None, error: str | None = None,
-                 weighted: bool = False) -> tuple[KeyedJaggedTensor, DistContext]:
+                 weighted: bool = False, frozen_key: int = 0) -> tuple[KeyedJaggedTensor, DistContext]:
+        """`frozen_key`: which tables this rank has frozen (0: none); ranks that disagree all raise
+        FrozenTablesDisagree before any payload moves (one rank alone skipping its update would diverge silently,
+        one alone skipping a replica's gradient all-reduce would leave the others waiting)."""
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
         # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come
@@ -186,7 +198,8 @@ class KJTAllToAll:
             exchange = self._exchange_self
         else:
             exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
-        B_src, N_src, lengths_src, values_src, recv_w, bad, grad_ranks = exchange(routed, B, weighted, grad)
+        flags = (WEIGHT_GRAD if grad else 0) | (frozen_key << FROZEN_SHIFT)
+        B_src, N_src, lengths_src, values_src, recv_w, bad, grad_ranks, keys = exchange(routed, B, weighted, flags)
         if bad:
             if error is not None:
                 raise ValueError(error)
@@ -194,6 +207,8 @@ class KJTAllToAll:
                 f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
                 f"ranks); this rank stopped too, nothing was sent or updated"
             )
+        if any(k != keys[0] for k in keys):
+            raise FrozenTablesDisagree(keys)
         sequence = not self.routing.pooled
         if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
             lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
@@ -235,20 +250,20 @@ class KJTAllToAll:
         wait(work, what, self.timeout_s)
         return out
 
-    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
+    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
         """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
         counts read made the host wait for the device: no launch ahead of the kernels). The weights keep their
         autograd (no all-to-all between them and the lookup), so a gradient needs no agreement."""
         if routed is None:
-            return None, None, None, None, None, [self.rank], []
+            return None, None, None, None, None, [self.rank], [], []
         values = routed.values_N.long()
         recv_w = None
         if weighted:
             recv_w = routed.weights_N.float() if routed.weights_N is not None else \
                 torch.ones(values.numel(), device=values.device)
-        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], []
+        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], [], [0]
 
-    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
+    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
         """Through the process group: counts first (they size the receive buffers), then the payload."""
         W, S = self.world_size, self.routing.rank_sf_counts
         counts_send = torch.zeros(W, 3, dtype=torch.long)
@@ -257,8 +272,8 @@ class KJTAllToAll:
         else:
             counts_send[:, 0] = B
             counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
-            if grad:  # zeros otherwise, as made
-                counts_send[:, 2] = WEIGHT_GRAD
+            if flags:  # zeros otherwise, as made
+                counts_send[:, 2] = flags
         counts_send = counts_send.to(self.device)
         counts_recv = torch.empty_like(counts_send)
         all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s,
@@ -266,8 +281,11 @@ class KJTAllToAll:
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
         bad = [r for r, c in enumerate(counts) if c[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad, []
+            return None, None, None, None, None, bad, [], []
         grad_ranks = [r for r, c in enumerate(counts) if c[2] & WEIGHT_GRAD]
+        keys = [c[2] >> FROZEN_SHIFT for c in counts]
+        if any(k != keys[0] for k in keys):  # no payload: every rank raises
+            return None, None, None, None, None, [], [], keys
         B_src = [c[0] for c in counts]
         N_src = [c[1] for c in counts]
 
@@ -300,9 +318,9 @@ class KJTAllToAll:
         parts = recv.split(out_splits)
         lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
         values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
-        return B_src, N_src, lengths_src, values_src, recv_w, [], grad_ranks
+        return B_src, N_src, lengths_src, values_src, recv_w, [], grad_ranks, keys
 
-    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, grad: bool):
+    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
         """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
 
         Piece for rank p, int64: [B, N_p, flags], lengths [S_p x B], ids [N_p]; then float32
@@ -323,7 +341,7 @@ class KJTAllToAll:
             l0, v0 = 0, 0
             for p in range(W):
                 n_l, n_v = S[p] * B, routed.ids_per_rank[p]
-                head = torch.tensor([B, n_v, WEIGHT_GRAD if grad else 0], dtype=torch.long)
+                head = torch.tensor([B, n_v, flags], dtype=torch.long)
                 parts = [head, lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
                 if weights is not None:
                     parts.append(weights[v0 : v0 + n_v])
@@ -336,8 +354,9 @@ class KJTAllToAll:
         heads = [raw[:24].view(torch.long).tolist() for raw in received]
         bad = [r for r, h in enumerate(heads) if h[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad, []
+            return None, None, None, None, None, bad, [], []
         grad_ranks = [r for r, h in enumerate(heads) if h[2] & WEIGHT_GRAD]
+        keys = [h[2] >> FROZEN_SHIFT for h in heads]
         S_me = S[self.rank]
         B_src, N_src = [h[0] for h in heads], [h[1] for h in heads]
         lengths_src, values_src, weights_src = [], [], []
@@ -348,7 +367,7 @@ class KJTAllToAll:
             if weighted:
                 weights_src.append(raw[8 * (3 + S_me * b + n) :].view(torch.float32))
         recv_w = torch.cat(weights_src) if weighted else None  # cat: copies out of shared memory
-        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], grad_ranks
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], grad_ranks, keys
 
     def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
         key = tuple(batch_per_source)

@@ -270,21 +270,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = []
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
-            # An unsharded collection's own table parameters (the same storage as the kernel's views): optimizer
-            # param groups that hold the model's parameters, as Lightning's BaseFinetuning maps them to names
-            # (KeyError on the kernel's views at every epoch start)
+            # The collection's own table parameters (unsharded: the same storage as the kernel's views; sharded: one
+            # empty parameter per table): optimizer param groups that hold the model's parameters, as Lightning's
+            # BaseFinetuning maps them to names (KeyError on the kernel's views at every epoch start). A sharded
+            # table's pieces share its parameter, which a torch optimizer holds once.
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
             prefix = f"{path}." if path else ""
             if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
                 config = module.fused_optimizer_config()
                 groups.append(_FusedParamGroup([], params=[], lr=config.lr, name=f"{prefix}fused0",
                                                optimizer=str(config.optimizer), tables=[]))
+            held: set[int] = set()
             for i, kernel in enumerate(module.fused_kernels()):
-                for j, table in enumerate(kernel.tables):
+                params = []
+                for j, (table, w) in enumerate(zip(kernel.tables, kernel.split_embedding_weights())):
                     self._tables[prefix + table.name] = (kernel, j)
                     whole = (table.name, None, (table.num_embeddings, table.embedding_dim))
                     name, meta, shape = shard_of(table.name) if shard_of is not None else whole
                     self._pieces[prefix + table.name] = (prefix + name, meta, shape)
+                    p = own.get(name, w)
+                    if id(p) not in held:
+                        held.add(id(p))
+                        params.append(p)
                 config = kernel.optimizer_config
                 # a new optimizer starts at its configured rate, as torch.optim's do: the kernel keeps the rate
                 # the last scheduler wrote (a second fit, or Tuner.lr_find's sweep, began from that one while
@@ -292,7 +299,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
                     [kernel],
-                    params=[own.get(t.name, w) for t, w in zip(kernel.tables, kernel.split_embedding_weights())],
+                    params=params,
                     lr=config.lr,
                     name=f"{prefix}fused{i}",
                     optimizer=str(config.optimizer),
@@ -472,10 +479,54 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
         _refuse_fused_tables_in_dense(named)
         super().__init__([g for _, o in named for g in o.param_groups], {})
+        self._built = True
 
     def _sync_groups(self) -> None:
         # torch's load_state_dict replaces a child's group dicts; keep ours pointing at the live ones.
-        self.param_groups = [g for _, o in self.optimizers for g in o.param_groups]
+        self.__dict__["_groups"] = [g for _, o in self.optimizers for g in o.param_groups]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Lightning's BaseFinetuning, resuming, assigns the groups it saved (the ones it added included) before the
+        optimizer state loads: the added ones join the dense child (add_param_group), as when they were first added,
+        and the list stays the children's live groups (whose "lr" reaches the fused kernels)."""
+        from lightning_rec.embedding import FusedTableWeight
+
+        if not self.__dict__.get("_built"):  # torch's __init__
+            self.__dict__["_groups"] = groups
+            return
+        held = {id(p) for _, o in self.optimizers for g in o.param_groups for p in g["params"]}
+        for group in groups:
+            # a fused group is the fused optimizer's, never new: BaseFinetuning saves rank 0's groups, and another
+            # rank holds pieces of other tables (their groups hold other table parameters)
+            if group["params"] and not any(id(p) in held or isinstance(p, FusedTableWeight) for p in group["params"]):
+                self.add_param_group(dict(group))
+        self._sync_groups()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A new group joins the dense (torch.optim) child, which steps it.
+
+        Lightning's BaseFinetuning.unfreeze_and_add_param_group adds the layers it unfreezes so; torch's
+        add_param_group put the group in this optimizer's list only, which no child steps: the layers got gradients
+        and never moved."""
+        if not self.__dict__.get("_built"):  # torch's __init__: the children's own groups
+            super().add_param_group(param_group)
+            return
+        dense = [(name, o) for name, o in self.optimizers if not isinstance(o, FusedOptimizer)]
+        if len(dense) != 1:
+            raise ValueError(
+                f"CombinedOptimizer.add_param_group: a new param group (e.g. layers that BaseFinetuning unfroze) "
+                f"joins the one dense optimizer, which steps it, but this one combines "
+                f"{[name for name, _ in dense] or 'none'} besides its fused part: "
+                + ("pass a dense optimizer (combined_optimizer(model, torch.optim.Adam(dense_parameters))) even if "
+                   "it starts with the layers that are trainable then" if not dense else
+                   "add the group to the child that should step it (optimizer.optimizers[i][1].add_param_group)"))
+        dense[0][1].add_param_group(param_group)
+        self._sync_groups()
 
     @property
     def state(self) -> dict:  # type: ignore[override]

@@ -39,7 +39,7 @@ from lightning_rec.embedding import (
     FusedTableWeight,
     _Tables,
 )
-from lightning_rec.input_dist import DistContext, KJTAllToAll
+from lightning_rec.input_dist import DistContext, FrozenTablesDisagree, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
 from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
 from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
@@ -176,14 +176,32 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
     return _Tie.apply(out, t)
 
 
-class _FreezeSwitch(nn.Module):
-    """A frozen sharded table's entry among the module's parameters: an empty FusedTableWeight (as TorchRec's empty
-    parameters for shards held elsewhere) that BaseFinetuning's unfreeze (make_trainable), LightningModule.unfreeze()
-    and requires_grad_ reach. It holds no values: the state dict is the collection's own."""
+class ShardedTableWeight(FusedTableWeight):
+    """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table.
 
-    def __init__(self, frozen: bool) -> None:
+    `numel()` is the global table's rows x columns, so that Lightning's ModelSummary and `sum(p.numel() for p in
+    model.parameters())` count a sharded model's tables as the unsharded model's (they read 0 before). Its shape
+    stays what it holds, (0,): nothing allocates, moves or broadcasts the table through it (DDP's start-up broadcast
+    of the model's parameters, `.to()`, deepcopy)."""
+
+    def numel(self) -> int:  # type: ignore[override]
+        return self.__dict__.get("table_numel", 0)
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)
+        copied.__dict__["table_numel"] = self.numel()
+        return copied
+
+
+class _FreezeSwitch(nn.Module):
+    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight (as TorchRec's empty
+    parameters for shards held elsewhere) that freezing and unfreezing reach (requires_grad_, LightningModule.freeze
+    / unfreeze, BaseFinetuning). It holds no values: the state dict is the collection's own."""
+
+    def __init__(self, frozen: bool, table_numel: int) -> None:
         super().__init__()
-        self.weight = FusedTableWeight(torch.empty(0), requires_grad=False)
+        self.weight = ShardedTableWeight(torch.empty(0), requires_grad=False)
+        self.weight.__dict__["table_numel"] = table_numel
         self.weight.frozen = frozen
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -231,16 +249,17 @@ class _ShardedCollectionBase(nn.Module):
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
-        # Tables frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy shards)
-        # stay frozen, and get parameters through which a later unfreeze (BaseFinetuning.make_trainable,
-        # LightningModule.unfreeze) reaches them. A collection sharded unfrozen keeps no such parameters (the model's
-        # parameters, and torch.optim states over them, are unchanged); requires_grad_ freezes / unfreezes it.
+        # One parameter per table, as the unsharded collection has (`embedding_bags.<table>.weight`, empty here: the
+        # values are the collection's pieces, in its own state dict): what freezing and unfreezing go through when
+        # they walk the model's parameters (dmp.requires_grad_, LightningModule.freeze / unfreeze, BaseFinetuning),
+        # and what the fused optimizer's param groups hold (BaseFinetuning maps them to names). Without them a
+        # collection sharded unfrozen could not be frozen from outside. Tables frozen before sharding (Lightning's
+        # BaseFinetuning freezes in setup, before RecStrategy shards) stay frozen.
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
-        if frozen:
-            switches = _Tables()
-            for c in self._configs:
-                switches[c.name] = _FreezeSwitch(c.name in frozen)
-            setattr(self, self._weights_attr, switches)
+        switches = _Tables()
+        for c in self._configs:
+            switches[c.name] = _FreezeSwitch(c.name in frozen, c.num_embeddings * c.embedding_dim)
+        setattr(self, self._weights_attr, switches)
         self._set_frozen(frozen)
 
         by_feature = {f: c for c in self._configs for f in c.feature_names}
@@ -275,6 +294,9 @@ class _ShardedCollectionBase(nn.Module):
         `ahead`: the pipeline's feeder routes a batch before its step, outside autograd.
         """
         ordered, error = self._validate(features)
+        self.frozen_tables()  # brings _frozen_key and _frozen_error up to date
+        if error is None:
+            error = self._frozen_error  # raised on every rank in the exchange below, not on this rank alone
         if ahead and error is None and self._is_weighted and features.weights_or_none() is not None \
                 and features.weights().requires_grad:
             # Routed outside autograd their gradient would be lost (the plain loop gives one); an error, so every
@@ -284,7 +306,10 @@ class _ShardedCollectionBase(nn.Module):
                      f"batches ahead of their step, outside autograd, so those weights would not train: compute "
                      f"learned weights inside the model's forward (that collection then routes in the step, and "
                      f"they train), or pass weights.detach() in the batch")
-        routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted)  # all ranks agree first
+        try:  # all ranks agree first (on their batches and on which tables are frozen)
+            routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted, frozen_key=self._frozen_key)
+        except FrozenTablesDisagree as e:
+            raise ValueError(self._frozen_disagree_message(e.keys)) from None
         replicated = None
         if self._dp_features:
             replicated = ordered.permute(self._dp_features, self._dp_features_t)
@@ -304,15 +329,15 @@ class _ShardedCollectionBase(nn.Module):
 
     def requires_grad_(self, requires_grad: bool = True) -> _ShardedCollectionBase:
         """False freezes every table (no fused update, optimizer state kept); True resumes. Call it on every rank."""
-        super().requires_grad_(requires_grad)  # the freeze parameters, where there are
+        super().requires_grad_(requires_grad)  # the freeze parameters
         self._set_frozen(frozenset() if requires_grad else frozenset(c.name for c in self._configs))
         return self
 
     def frozen_tables(self) -> frozenset[str]:
         """Tables that do no update (set to requires_grad=False)."""
-        switches = self._modules.get(self._weights_attr)
+        switches = self._modules[self._weights_attr]
         # set through the parameters (BaseFinetuning, LightningModule.freeze / unfreeze): read when any flag moved
-        if switches is not None and self.__dict__.get("_switches_seen") != FusedTableWeight.freeze_changes:
+        if self.__dict__.get("_switches_seen") != FusedTableWeight.freeze_changes:
             self.__dict__["_switches_seen"] = FusedTableWeight.freeze_changes
             frozen = frozenset(name for name in switches if switches[name].weight.frozen)
             if frozen != self._frozen:
@@ -321,15 +346,47 @@ class _ShardedCollectionBase(nn.Module):
 
     def _set_frozen(self, frozen: frozenset[str]) -> None:
         self._frozen = frozenset(frozen)
+        # what the id all-to-all's counts carry so that every rank checks that all froze the same tables
+        digest = hashlib.blake2b("\0".join(sorted(frozen)).encode(), digest_size=6).digest()
+        self._frozen_key = (int.from_bytes(digest, "little") | 1) if frozen else 0
         # The kernels know their pieces by shard-local names. Every rank holds the same set, so every rank skips
         # the same updates; the pooled all-to-all's backward still runs on every rank (output_dist._differentiable).
         self._frozen_local = frozenset(t.name for t in (self._lookup.tables if self._lookup is not None else [])
                                        if self.shard_of(t.name)[0] in self._frozen)
+        self._frozen_error = self._frozen_split()
         if self._replicas is not None:
             # replicas train by autograd (their hook sums the gradient over ranks): a frozen one gets no gradient,
             # hence no hook and no all-reduce, on every rank alike
             for t, w in zip(self._replicas.tables, self._replicas.table_weights().values()):
                 w.requires_grad_(t.name not in self._frozen)
+
+    def _frozen_split(self) -> str | None:
+        """Why this rank cannot freeze these tables: a fused kernel here holds pieces of frozen and unfrozen tables
+        (one kernel updates all its tables in one backward). The lookup refused that on this rank alone, after the
+        id all-to-all, and the other ranks waited for it in the output all-to-all."""
+        for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._frozen_local else []:
+            pieces = [t.name for t in kernel.tables]
+            held = [n for n in pieces if n in self._frozen_local]
+            if held and len(held) != len(pieces):
+                frozen = sorted({self.shard_of(n)[0] for n in held})
+                other = sorted({self.shard_of(n)[0] for n in pieces if n not in held})
+                return (f"sharded {self._kind()}: tables {frozen} are frozen (requires_grad=False) but on rank "
+                        f"{self._env.rank} their pieces share one fused kernel with pieces of {other}, which are not: "
+                        f"freeze all of {frozen + other} together, or put the tables to freeze in an "
+                        f"EmbeddingBagCollection / EmbeddingCollection of their own")
+        return None
+
+    def _frozen_disagree_message(self, keys: list[int]) -> str:
+        groups: dict[int, list[int]] = {}
+        for r, k in enumerate(keys):
+            groups.setdefault(k, []).append(r)
+        mine = sorted(self._frozen)
+        return (f"the ranks froze different tables of sharded {self._kind()} (features {self._feature_names}): "
+                f"the ranks that agree are {sorted(groups.values())}, and this rank ({self._env.rank}) has "
+                f"{mine if mine else 'no table'} frozen. One rank alone skipping a table's update would leave "
+                f"its pieces behind the others' (or the others waiting in a replica's gradient all-reduce): freeze "
+                f"and unfreeze on every rank alike (requires_grad_, LightningModule.freeze() / unfreeze(), "
+                f"BaseFinetuning in code that every rank runs, not under `if rank == 0`)")
 
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
@@ -381,6 +438,12 @@ class _ShardedCollectionBase(nn.Module):
         """This rank's fused kernels and replica groups (for FusedOptimizer); names are shard-local."""
         own = self._lookup.fused_kernels() if self._lookup is not None else []
         return own + self._replica_kernels
+
+    def table_parameters(self) -> dict[str, nn.Parameter]:
+        """table name -> its parameter: empty (the values are this rank's pieces, `table_weights()`); it carries the
+        table's freeze (requires_grad) and stands for the table in the fused optimizer's param groups."""
+        switches = self._modules[self._weights_attr]
+        return {name: switches[name].weight for name in switches}
 
     def table_weights(self) -> dict[str, Tensor]:
         """Shard-local table name -> [rows, cols] view of this rank's piece (replicas: the whole table)."""

@@ -450,7 +450,7 @@ class RecStrategy(DDPStrategy):
                 raise ValueError(
                     f"Trainer(callbacks=[{type(callback).__name__}(...)]) cannot average sharded embedding tables: "
                     f"it pairs the module's parameters with those of a copy made before sharding, and under "
-                    f"strategy='rec' the tables are no longer parameters of the module (their kernels hold them, "
+                    f"strategy='rec' the tables' parameters are empty (each rank's kernels hold its pieces, "
                     f"updated inside backward). Remove the callback, or train on one device without "
                     f"strategy='rec' (unsharded tables, which it averages)")
 
@@ -589,6 +589,7 @@ class RecStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        self._restore_finetuning_groups()
         states = checkpoint["optimizer_states"]
         if states and isinstance(states[0], rec_checkpoint.DCPCheckpoint):
             for optimizer, ref in zip(self.optimizers, states):
@@ -598,6 +599,18 @@ class RecStrategy(DDPStrategy):
                 rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)
         else:
             super().load_optimizer_state_dict(checkpoint)
+
+    def _restore_finetuning_groups(self) -> None:
+        """Lightning's BaseFinetuning puts the param groups it added back into the optimizer in on_fit_start, from the
+        state it loaded; this strategy restores checkpoints after setup (into the sharded tables), so Lightning loads
+        that state after on_fit_start, and the optimizer state then met an optimizer short of those groups ("loaded
+        state dict has a different number of parameter groups"). Its restore runs here, before the state loads."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for callback in trainer.callbacks if trainer is not None else []:
+            if isinstance(callback, BaseFinetuning) and getattr(callback, "_restarting", False):
+                callback.on_fit_start(trainer, self.lightning_module)
 
     def _gathered_state_dict(self) -> dict[str, Any]:
         # one table at a time, through the DMP's guarded gather (checkpoint.py, "the gathered format")

@@ -743,3 +743,77 @@ def test_base_finetuning_freezes_then_unfreezes_fused_tables_under_a_trainer(tmp
     frozen, unfrozen, end = *model.snapshots, _table_state(model.ebc)
     assert all(torch.equal(a, b) for a, b in zip(frozen, unfrozen))
     assert not torch.equal(unfrozen[0], end[0]) and model.ebc.frozen_tables() == frozenset()
+
+
+def test_base_finetuning_unfreezes_dense_layers_beside_fused_tables(tmp_path):
+    """BaseFinetuning.unfreeze_and_add_param_group with combined_optimizer: torch's add_param_group put the new group
+    in the combined optimizer's list, which no child steps, so the unfrozen layer got gradients and never moved. Now
+    the group joins the dense optimizer, the run matches plain torch.optim.SGD over plain tables, and a checkpoint
+    of it resumes with the group and its state."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Tower(pl.LightningModule):
+        def __init__(self, fused: bool):
+            super().__init__()
+            ebc, ref, self.dense, _ = _freeze_setup("fbgemm", "sgd")
+            self.ebc = ebc if fused else ref
+            self.head = nn.Linear(1, 1)
+            self.fused = fused
+
+        def training_step(self, batch, batch_idx):
+            return self.head(self.dense(self.ebc(batch).values())).square().sum()
+
+        def configure_optimizers(self):
+            if not self.fused:
+                return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+            return combined_optimizer(self, torch.optim.SGD(self.dense.parameters(), lr=0.1))
+
+    class Finetune(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.head)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.1, initial_denom_lr=1.0)
+
+    def fit(model, max_epochs, ckpt_path=None):
+        loader = torch.utils.data.DataLoader([_freeze_batch(i) for i in range(3)], batch_size=None)
+        trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=tmp_path, callbacks=[Finetune()])
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    fused, plain = Tower(True), Tower(False)
+    trainer = fit(fused, 2)
+    fit(plain, 2)
+    assert not torch.equal(fused.head.weight, Tower(True).head.weight)
+    for a, b in [(fused.head, plain.head), (fused.dense, plain.dense)]:
+        torch.testing.assert_close(a.weight, b.weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused.ebc.state_dict(), plain.ebc.state_dict(), atol=1e-6, rtol=0)
+
+    # resuming: BaseFinetuning assigns the saved groups (the added one included) before the optimizer state loads,
+    # which then found the dense optimizer one group short ("a different number of parameter groups")
+    trainer.save_checkpoint(tmp_path / "finetuned.ckpt")
+    saved = trainer.optimizers[0].state_dict()["dense"]
+    resumed = Tower(True)
+    dense = fit(resumed, 2, ckpt_path=tmp_path / "finetuned.ckpt").optimizers[0].optimizers[1][1]
+    assert len(dense.param_groups) == 2 and dense.param_groups[1]["params"] == list(resumed.head.parameters())
+    torch.testing.assert_close(dense.state_dict(), saved, atol=0, rtol=0)
+
+
+def test_combined_optimizer_takes_assigned_groups_as_base_finetuning_restores_them():
+    """BaseFinetuning, resuming, assigns optimizer.param_groups the groups it saved on rank 0. The groups it had added
+    join the dense optimizer; a fused group holding tables this rank has no piece of (rank 0's) is no new group (it
+    was added to the dense optimizer, which then failed to load its own state)."""
+    ebc, other, dense, _ = _freeze_setup("native", "sgd")
+    other.use_fused_optimizer(FusedOptimizerConfig("sgd", lr=0.1))  # tables of another rank's groups, say
+    head = nn.Linear(1, 1)
+    opt = combined_optimizer(nn.ModuleDict(dict(ebc=ebc, dense=dense)), torch.optim.SGD(dense.parameters(), lr=0.1))
+    saved = [dict(g) for g in opt.param_groups]
+    opt.param_groups = saved + [{**saved[-1], "params": list(other.parameters())},
+                                {**saved[-1], "params": list(head.parameters()), "lr": 0.5}]
+    sgd = opt.optimizers[1][1]
+    assert [g["params"] for g in sgd.param_groups] == [list(dense.parameters()), list(head.parameters())]
+    assert sgd.param_groups[1]["lr"] == 0.5 and opt.param_groups == opt.optimizers[0][1].param_groups + sgd.param_groups

@@ -788,7 +788,9 @@ def _names_worker(rank, W):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     optimizer = torch.optim.Adagrad(dmp.parameters(), lr=0.1)  # torch's helper walks each name from the dmp
-    assert list(get_optimizer_state_dict(dmp, optimizer)["state"]) == ["dense.weight", "dense.bias"]
+    # the tables' (empty) parameters are the model's too, as unsharded; Adagrad keeps an empty state for them
+    tables = [f"ebc.embedding_bags.{t}.weight" for t in ROWS]
+    assert list(get_optimizer_state_dict(dmp, optimizer)["state"]) == tables + ["dense.weight", "dense.bias"]
     return ([n for n, _ in dmp.named_parameters()], [n for n, _ in model.named_parameters()],
             [n for n, _ in dmp.named_buffers()], [n for n, _ in model.named_buffers()],
             [n for n, _ in dmp.named_parameters(prefix="m")], list(dmp.state_dict()),
@@ -896,6 +898,11 @@ def _frozen_sharded_worker(rank, W, when):
     dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
     if when == "after":
         dmp.module.ebc.requires_grad_(False)
+    elif when == "after_params":  # BaseFinetuning in finetune_function, as LightningModule.freeze: the parameters
+        BaseFinetuning.freeze(dmp.module.ebc)
+    elif when == "dmp":
+        dmp.requires_grad_(False)
+        dmp.module.dense.requires_grad_(True)
     before = _local_table_state(dmp)
     opt = torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
     ref_opt = torch.optim.SGD(ref.dense.parameters(), lr=0.1)
@@ -908,9 +915,11 @@ def _frozen_sharded_worker(rank, W, when):
         ref_opt.zero_grad()
     frozen_same = all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
     torch.testing.assert_close(dmp.module.dense.weight, ref.dense.weight, atol=ATOL, rtol=0)
-    if when == "before":  # BaseFinetuning.make_trainable / LightningModule.unfreeze after sharding
+    if when in ("before", "after_params"):  # BaseFinetuning.make_trainable / LightningModule.unfreeze after sharding
         for p in dmp.module.ebc.parameters():
             p.requires_grad = True
+    elif when == "dmp":
+        dmp.requires_grad_(True)
     else:
         dmp.module.ebc.requires_grad_(True)
     assert dmp.module.ebc.frozen_tables() == frozenset()
@@ -918,13 +927,15 @@ def _frozen_sharded_worker(rank, W, when):
     return frozen_same, [not torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp))]
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "after_params", "dmp"])
 def test_frozen_sharded_tables_stay_unchanged_on_every_rank(when):
     """A fused collection frozen before sharding (Lightning's BaseFinetuning freezes in setup, before RecStrategy
     shards) or a sharded collection frozen with requires_grad_(False) kept training its tables inside backward on
     every rank. Now no rank updates a frozen table (row-wise, table-wise, data-parallel), the backward all-to-all
     still pairs across ranks, the dense layer trains as over a plain frozen collection, and unfreezing
-    (requires_grad_(True), or BaseFinetuning's make_trainable on the sharded collection's parameters) resumes."""
+    (requires_grad_(True), or BaseFinetuning's make_trainable on the sharded collection's parameters) resumes.
+    Freezing after sharding through the parameters (BaseFinetuning.freeze, LightningModule.freeze(),
+    dmp.requires_grad_(False)) found none on a collection sharded unfrozen, and the tables kept training."""
     done = run_ranks(_frozen_sharded_worker, 2, when, timeout=120)
     assert [same for same, _ in done] == [True, True]
     assert all(any(changed) for _, changed in done)  # unfrozen: every rank updates some of its pieces again
@@ -963,3 +974,69 @@ def test_replicated_table_steps_as_the_fused_kernels(opt):
     Now the replica steps as the unsharded fused collection. atol 1e-6: fp32, the same rule on sums of two terms."""
     for replica, unsharded in run_ranks(_replica_step_worker, 2, opt, timeout=60):
         torch.testing.assert_close(replica, unsharded, atol=1e-6, rtol=0)
+
+
+def _frozen_disagree_worker(rank, W, shared_memory):
+    torch.manual_seed(0)
+    model = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=20, shared_memory=shared_memory)
+    if rank == 0:  # rank-dependent code
+        dmp.module.ebc.requires_grad_(False)
+    before = _local_table_state(dmp)
+    text = expect_error(ValueError, lambda: dmp(_batch(rank, 0, False)), "froze different tables",
+                        "[[0], [1]]", "every rank alike")
+    assert all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))  # nothing moved anywhere
+    # every rank freezes t1 alone, whose whole table shares rank 1's fused kernel with t0's rows there: rank 1 alone
+    # refused it in its lookup while rank 0 waited for it in the output all-to-all; now both raise before the lookup
+    dmp.module.ebc.requires_grad_(True)
+    dmp.module.ebc.embedding_bags["t1"].weight.requires_grad = False
+    words = ["freeze all of ['t1', 't0'] together"] if rank == 1 else ["rank(s) [1] rejected"]
+    expect_error(ValueError, lambda: dmp(_batch(rank, 0, False)), *words)
+    dmp.module.ebc.requires_grad_(False)  # now every rank agrees: the step runs, and nothing updates
+    dmp(_batch(rank, 1, False)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, _local_table_state(dmp)))
+    return text
+
+
+@pytest.mark.parametrize("shared_memory", [None, False])
+def test_ranks_that_freeze_different_tables_all_raise(shared_memory):
+    """Freezing under `if rank == 0`: the other rank kept updating its pieces while rank 0 did not (silently
+    diverging), and a frozen replica on one rank only left the others waiting in its gradient all-reduce until the
+    timeout. Now the id all-to-all's counts carry each rank's frozen tables, and every rank raises, naming the fix,
+    before anything moves. The same for freezing a table whose pieces share a fused kernel with an unfrozen table's
+    on one rank only (that rank refused it in its lookup, the others waited in the output all-to-all)."""
+    texts = run_ranks(_frozen_disagree_worker, 2, shared_memory, timeout=60)
+    assert "this rank (0) has ['t0', 't1', 't2'] frozen" in texts[0] and "this rank (1) has no table" in texts[1]
+
+
+def _summary_worker(rank, W):
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+            self.dense = nn.Linear(26, 3)
+
+    module = Module()
+    unsharded = ModelSummary(module)
+    counts = (unsharded.param_nums, unsharded.total_parameters, unsharded.trainable_parameters)
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        module.ebc, {"t0": row_wise(), "t1": table_wise(rank=1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(module, plan=plan, device="cpu", timeout=20)
+    sharded = ModelSummary(module)
+    assert (sharded.param_nums, sharded.total_parameters, sharded.trainable_parameters) == counts
+    assert sum(p.numel() for p in dmp.parameters()) == counts[1]
+    assert all(p.shape == (0,) for p in dmp.module.ebc.parameters())  # nothing held: DDP's broadcast moves nothing
+    return counts
+
+
+def test_model_summary_counts_sharded_tables_as_the_unsharded_model():
+    """Lightning's ModelSummary (printed at fit start) showed a sharded collection with 0 parameters, and the
+    model's total without its tables. Now every rank counts each table whole (rows x columns, not trainable by
+    autograd, as an unsharded fused table), the same numbers as before sharding."""
+    counts = run_ranks(_summary_worker, 2, timeout=60)
+    assert counts[0] == counts[1] and counts[0][0][0] == sum(ROWS[t] * DIMS[t] for t in ROWS)
