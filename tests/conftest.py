@@ -35,3 +35,15 @@ def shared_data() -> Path:
 # W&B is installed by the project's own files; a machine that lacks it (the lent GPU machine has no
 # network to install it) skips the tests that log to it instead of failing them.
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="needs wandb (pip install wandb)")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A Trainer fit in the test process (strategy="rec" at devices=1) leaves its one-rank process group
+    initialized, as Lightning's DDP strategies do; the tests after it in that process (under pytest-xdist, in any
+    order) that check a path without torch.distributed would find it. Destroyed after each test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
