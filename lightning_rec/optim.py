@@ -511,7 +511,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer
     drives each child, including the fused learning rate. `step(closure)` runs the closure once,
-    then steps every child.
+    then steps every child. The fused groups' other hyper-parameters are fixed (a write is refused at the next
+    step): torch's OneCycleLR / CyclicLR need `cycle_momentum=False` here (theirs says "optimizer must support
+    momentum or beta1").
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
