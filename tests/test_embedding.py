@@ -252,6 +252,24 @@ def test_missing_feature_lists_what_exists():
         ebc(kjt)
 
 
+def test_feature_name_mismatch_names_the_differences_not_both_lists():
+    """26 Criteo tables fed keys under another spelling listed all 26 names twice (and 26 'read by' pairs): now the
+    first few missing and unexpected names, and how many in all."""
+    names = [f"C{i}" for i in range(1, 27)]
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{n}", embedding_dim=2, num_embeddings=5,
+                                                     feature_names=[n]) for n in names])
+    keys = names[:20] + [f"cat_{i}" for i in range(20, 26)]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.zeros(26, dtype=torch.long), torch.ones(26, dtype=torch.long))
+    with pytest.raises(ValueError) as e:
+        ebc(kjt)
+    said = str(e.value)
+    assert said.startswith("the input has no feature(s) ['C21', 'C22', 'C23', 'C24', 'C25', ...] (6 in all) that "
+                           "this EmbeddingBagCollection reads ('C21' by table 't_C21',"), said
+    assert "it has ['cat_20', 'cat_21', 'cat_22', 'cat_23', 'cat_24', ...] (6 in all) that no table reads" in said
+    assert "rename the features or the tables' feature_names" in said
+    assert "'C1'" not in said and "C26" not in said and len(said) < 500, said
+
+
 def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():
     with pytest.raises(ValueError, match=r"lamb is not available on CPU: CPU supports sgd, adagrad, rowwise_adagrad"):
         EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("lamb"), kernel="fbgemm")
