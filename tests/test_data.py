@@ -402,6 +402,43 @@ def test_header_only_file_is_a_clear_error(tmp_path):
         build_criteo_cache(path, tmp_path)
 
 
+def test_a_killed_builds_temporary_files_are_removed_by_the_next_build(tmp_path):
+    """A build killed mid-parse left its hidden `.<cache>.arrow.<pid>.<id>.tmp` (as large as the cache) for ever.
+    The next build of that cache removes those provably abandoned: this host's, of a process that has ended; a live
+    writer's (another rank building the same cache) and another host's are kept."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_rec.data import criteo
+
+    path = write(tmp_path, "d.csv", "label," + HEADER_FEATURES + "\n" + good_row(1, sep=",") + "\n")
+    cache = tmp_path / "cache"
+    arrow, _ = build_criteo_cache(path, cache)
+    arrow.unlink()  # the next call builds again
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(ended.stdout), socket.gethostname().replace("~", "-")
+    old = 1_000_000_000  # 2001: long before this build
+    files = {  # name: removed?
+        f".{arrow.name}.{host}~{dead}.0badc0de.tmp": True,
+        f"{arrow.with_suffix('.json').name}.{host}~{dead}.0badc0de.tmp": True,  # its report's
+        f".{arrow.name}.{dead}.1badc0de.tmp": True,  # written before the host was in the name: a day old
+        f".{arrow.name}.{host}~{os.getpid()}.2badc0de.tmp": False,  # a live process is writing it
+        f".{arrow.name}.another-host~{dead}.3badc0de.tmp": False,  # another host's pid says nothing here
+        f".other.arrow.{host}~{dead}.4badc0de.tmp": False,  # another cache's: its own build removes it
+    }
+    for name in files:
+        (cache / name).write_text("x")
+        os.utime(cache / name, (old, old))
+    recent = cache / f".{arrow.name}.{dead}.5badc0de.tmp"  # no host, touched just now: kept (a day's grace)
+    recent.write_text("x")
+    assert criteo._pid_alive(os.getpid()) and not criteo._pid_alive(dead)
+    build_criteo_cache(path, cache)
+    assert {name: not (cache / name).exists() for name in files} == files and recent.exists()
+    assert not [f for f in cache.iterdir() if f.name.endswith(".tmp") and "badc0de" not in f.name]
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="one per feature"):
         CriteoDataModule(num_embeddings_per_feature=[10] * 3)
