@@ -425,9 +425,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  f"checkpoint but {tuple(tensor.shape)} here: the table sizes differ")
             tensor.copy_(value)
         self.state_loaded()
-        by_name = {g["name"]: g for g in state_dict.get("param_groups", [])}
+        self.load_param_groups({g["name"]: g for g in state_dict.get("param_groups", [])})
+
+    def load_param_groups(self, saved_by_name: Mapping[str, Mapping[str, Any]]) -> None:
+        """The saved groups' values (the learning rate a scheduler reached) into the groups of the same name."""
         for group in self.param_groups:
-            for key, value in by_name.get(group["name"], {}).items():
+            for key, value in saved_by_name.get(group["name"], {}).items():
                 # the tables' own weight_decay / eps / betas win: they were built with them (a resume with another
                 # weight_decay is a choice), and the kernels cannot take the saved ones
                 if key not in ("name", "tables", "optimizer") and key not in _FIXED_KEYS:
