@@ -974,10 +974,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
         by_name = {g["name"]: g for g in saved_groups}
         for g in saved_groups:  # groups saved under wrappers' names (see _WRAPPER_PREFIXES)
             by_name.setdefault(_unwrapped(g["name"]), g)
-        for group in fused.param_groups:
-            for k, v in by_name.get(group["name"], {}).items():
-                if k not in ("name", "tables", "optimizer"):
-                    group[k] = v
+        fused.load_param_groups(by_name)
     _load_dense_parts(optimizer, fused_key, rest, prefix, module, path)
 
 

@@ -310,7 +310,18 @@ class RecCLI(LightningCLI):
                 raise ValueError(f"--lr_scheduler={name} schedules the one optimizer that "
                                  f"{type(module).__name__}.configure_optimizers returns, but it returned "
                                  f"{type(optimizer).__name__}: {because}, or leave --lr_scheduler out")
-            return LightningCLI.configure_optimizers(module, optimizer, instantiate_class(optimizer, scheduler_init))
+            try:
+                scheduler = instantiate_class(optimizer, scheduler_init)
+            except ValueError as e:
+                if "cycle_momentum" not in str(e):
+                    raise
+                # torch's "optimizer must support momentum or beta1 with `cycle_momentum` option enabled": the
+                # fused tables' betas are fixed when they are built, and the combined optimizer has no one momentum
+                raise ValueError(f"--lr_scheduler={name} cycles the momentum by default, but the optimizer that "
+                                 f"{type(module).__name__} returns ({type(optimizer).__name__}: fused tables + dense "
+                                 f"layers) has no one momentum to cycle ({e}): add "
+                                 f"--lr_scheduler.cycle_momentum=false") from None
+            return LightningCLI.configure_optimizers(module, optimizer, scheduler)
 
         model.configure_optimizers = MethodType(configure_optimizers, model)
 

@@ -30,6 +30,13 @@ from lightning_rec.lookup import GroupedLookup, LocalTable, join_outputs
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+_SHOWN = 5  # names listed in a feature mismatch error
+
+
+def _some(names: Sequence[str]) -> str:
+    """The first few names, and how many there are in all."""
+    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
+    return f"[{shown}]" if len(names) <= _SHOWN else f"[{shown}, ...] ({len(names)} in all)"
 
 class PoolingType(str, Enum):
     SUM = "sum"
@@ -181,10 +188,15 @@ class FeatureRouter:
             index = features.index_per_key()
             missing = [f for f in self.feature_names if f not in index]
             if missing:
-                read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing)
+                # the differences, a few of each: Criteo's 26 names under another spelling listed both whole lists
+                unexpected = [k for k in keys if k not in self._by_feature]
+                read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:_SHOWN])
+                extra = (f"; it has {_some(unexpected)} that no table reads" if unexpected else
+                         f"; it has {len(keys)} feature(s), all read")
                 raise ValueError(
-                    f"the input has no feature(s) {missing} that this {self.owner} reads ({read_by}); it has "
-                    f"{list(keys)}: rename the features or the tables' feature_names so they match"
+                    f"the input has no feature(s) {_some(missing)} that this {self.owner} reads ({read_by}"
+                    f"{', ...' if len(missing) > _SHOWN else ''}){extra}: rename the features or the tables' "
+                    f"feature_names so they match"
                 )
             unread = [k for k in keys if k not in self._by_feature]
             if unread:

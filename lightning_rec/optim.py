@@ -186,16 +186,59 @@ def check_fused_lr(lr: Any, tables: Sequence[str]) -> float:
     return float(lr)
 
 
+def _fused_hyperparameters(config: FusedOptimizerConfig) -> dict[str, Any]:
+    """The hyper-parameters a fused update applies besides lr, under torch.optim's group keys."""
+    out: dict[str, Any] = {"weight_decay": config.weight_decay, "eps": config.eps}
+    if config.optimizer in _USES_BETAS:
+        out["betas"] = (config.beta1, config.beta2)
+    if config.optimizer == EmbOptimType.LARS_SGD:
+        out.update(momentum=config.momentum, eta=config.eta)
+    return out
+
+
+# group keys a torch.optim scheduler (OneCycleLR's / CyclicLR's cycle_momentum) or a user may write
+_FIXED_KEYS = ("weight_decay", "eps", "betas", "momentum", "eta")
+
+
 class _FusedParamGroup(dict):
     """A param group whose "lr" is the fused kernels' learning rate: writing it reaches them at once.
 
     Schedulers set `group["lr"]` after `optimizer.step()`; the next backward (where the fused update
     runs) must already use the new rate, so the write is pushed through instead of read at step().
+    The other hyper-parameters (weight_decay, eps, betas; momentum, eta for lars_sgd) are shown as in a
+    torch.optim group but are fixed when the tables are built: `FusedOptimizer.step` refuses a group
+    where one was changed (or added), since the kernels would go on with the built value, silently.
     """
 
-    def __init__(self, kernels: Sequence[Any], **values: Any) -> None:
-        super().__init__(**values)
+    def __init__(self, kernels: Sequence[Any], config: FusedOptimizerConfig, **values: Any) -> None:
+        fixed = _fused_hyperparameters(config)
+        super().__init__(**values, **fixed)
         self._kernels = list(kernels)
+        self._fixed = fixed
+        self._config = config
+
+    def check_fixed(self) -> None:
+        """A ValueError naming the key and the fix when a fixed hyper-parameter was written."""
+        for key in _FIXED_KEYS:
+            ours = self._fixed.get(key)
+            value = self.get(key)
+            same = (tuple(value) == ours) if key == "betas" and isinstance(value, (tuple, list)) else value == ours
+            if same:
+                continue
+            opt = self._config.optimizer
+            if key not in self._fixed:
+                held = (f"fused {opt} has no {key}" + (": a scheduler with cycle_momentum (OneCycleLR, CyclicLR) "
+                        "wrote it; pass cycle_momentum=False" if key in ("momentum", "betas") else ""))
+            else:
+                held = (f"the fused kernels apply {key}={ours}, fixed when the tables were built "
+                        f"(FusedOptimizerConfig('{opt.value}', {key}=...)); only 'lr' follows a write during training")
+                if key in ("momentum", "betas"):
+                    held += " (a scheduler with cycle_momentum, OneCycleLR's or CyclicLR's default, writes it: pass "
+                    held += "cycle_momentum=False)"
+            raise ValueError(
+                f"fused param group '{self.get('name')}' (tables {', '.join(self.get('tables', [])) or 'none here'}) "
+                f"has {key}={value!r}, but {held}. Build the tables with the value you want, or leave them unfused "
+                f"(optimizer=None) and train them with a torch.optim optimizer whose {key} you can change")
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "lr":  # the kernels refuse a NaN or negative rate first: the group keeps the rate they use
@@ -278,7 +321,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             prefix = f"{path}." if path else ""
             if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
                 config = module.fused_optimizer_config()
-                groups.append(_FusedParamGroup([], params=[], lr=config.lr, name=f"{prefix}fused0",
+                groups.append(_FusedParamGroup([], config, params=[], lr=config.lr, name=f"{prefix}fused0",
                                                optimizer=str(config.optimizer), tables=[]))
             held: set[int] = set()
             for i, kernel in enumerate(module.fused_kernels()):
@@ -298,7 +341,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 # the dense part started afresh)
                 kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
-                    [kernel],
+                    [kernel], config,
                     params=params,
                     lr=config.lr,
                     name=f"{prefix}fused{i}",
@@ -312,6 +355,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
+        # a weight_decay / eps / betas written into a group (a scheduler, a user) never reached the kernels: said
+        # here, at the first step after the write, not ignored for the whole run
+        for group in self.param_groups:
+            if isinstance(group, _FusedParamGroup):
+                group.check_fixed()
         return closure() if closure is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -384,10 +432,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  f"checkpoint but {tuple(tensor.shape)} here: the table sizes differ")
             tensor.copy_(value)
         self.state_loaded()
-        by_name = {g["name"]: g for g in state_dict.get("param_groups", [])}
+        self.load_param_groups({g["name"]: g for g in state_dict.get("param_groups", [])})
+
+    def load_param_groups(self, saved_by_name: Mapping[str, Mapping[str, Any]]) -> None:
+        """The saved groups' values (the learning rate a scheduler reached) into the groups of the same name."""
         for group in self.param_groups:
-            for key, value in by_name.get(group["name"], {}).items():
-                if key not in ("name", "tables", "optimizer"):
+            for key, value in saved_by_name.get(group["name"], {}).items():
+                # the tables' own weight_decay / eps / betas win: they were built with them (a resume with another
+                # weight_decay is a choice), and the kernels cannot take the saved ones
+                if key not in ("name", "tables", "optimizer") and key not in _FIXED_KEYS:
                     group[key] = value
 
 
@@ -468,7 +521,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer
     drives each child, including the fused learning rate. `step(closure)` runs the closure once,
-    then steps every child.
+    then steps every child. The fused groups' other hyper-parameters are fixed (a write is refused at the next
+    step): torch's OneCycleLR / CyclicLR need `cycle_momentum=False` here (theirs says "optimizer must support
+    momentum or beta1").
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:

@@ -72,6 +72,15 @@ def move_or_explain(call: str, device: torch.device | str | int | None, move):
         raise error from None
 
 
+def _refuse_dtype_as_device(what: str, device: object, weights: bool = False) -> None:
+    """`.to(torch.float64)` converted the ids and lengths to floats (every lookup after read other rows, or failed)."""
+    if isinstance(device, torch.dtype):
+        how = (f"{what}.to(device, dtype={device}) converts the weights only" if weights else
+               "it has no dtype= of its own")
+        raise ValueError(f"{what}.to({device}): a {what} holds integer ids and lengths, which keep their type ({how}); "
+                         f"to convert a batch's floating-point tensors, batch.to({device}) (as nn.Module.to)")
+
+
 def _need_tensor(what: str, name: str, value) -> None:
     """Lists and numpy arrays would fail later with an AttributeError naming nothing the user wrote."""
     if value is not None and not isinstance(value, Tensor):
@@ -287,6 +296,7 @@ class JaggedTensor:
         return self._offsets
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        _refuse_dtype_as_device("JaggedTensor", device)
         return move_or_explain(f"JaggedTensor.to({device!r})", device, lambda: self._map(
             lambda t: t.to(device, non_blocking=non_blocking)))
 
@@ -666,11 +676,11 @@ class KeyedJaggedTensor:
 
     # device movement ----------------------------------------------------------------------
 
-    def _map(self, fn) -> KeyedJaggedTensor:
+    def _map(self, fn, weights_fn=None) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
             self._keys,
             values=fn(self._values),
-            weights=None if self._weights is None else fn(self._weights),
+            weights=None if self._weights is None else (weights_fn or fn)(self._weights),
             lengths=fn(self._lengths),
             offsets=None if self._offsets is None else fn(self._offsets),
             stride=self._stride,
@@ -679,9 +689,22 @@ class KeyedJaggedTensor:
             _validate=False,
         )
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device,
-                                lambda: self._map(lambda t: t.to(device, non_blocking=non_blocking)))
+    def to(self, device: torch.device | str | None, non_blocking: bool = False,
+           dtype: torch.dtype | None = None) -> KeyedJaggedTensor:
+        """A copy on `device` (None: where it is), as TorchRec's: `dtype` converts the weights only; ids, lengths and
+        offsets keep their integer types."""
+        _refuse_dtype_as_device("KeyedJaggedTensor", device, weights=True)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"KeyedJaggedTensor.to(dtype={dtype}): dtype converts the per-id weights, which are "
+                             f"floating point: give a floating dtype (the ids keep their integer type)")
+
+        def move(t: Tensor) -> Tensor:
+            return t if device is None else t.to(device, non_blocking=non_blocking)
+
+        def move_weights(t: Tensor) -> Tensor:
+            return move(t) if dtype is None else t.to(device=device, dtype=dtype, non_blocking=non_blocking)
+
+        moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device, lambda: self._map(move, move_weights))
         if all(getattr(moved, a) is getattr(self, a) for a in ("_values", "_weights", "_lengths", "_offsets")):
             # already there: itself, as Tensor.to. The pipeline knows a batch's KJT by identity, so a step that
             # moves its (already moved) batch again, `batch.to(self.device)`, stays pipelined

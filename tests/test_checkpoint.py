@@ -160,6 +160,23 @@ def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
     _same(saved, _full_state(module, optimizer), per_row_tol=True)
 
 
+def test_a_resume_with_another_sparse_weight_decay_keeps_the_tables_own(tmp_path):
+    """The fused groups show the kernels' weight_decay (a write is refused at step); a checkpoint's groups must not
+    write theirs back, or a resume built with another sparse_weight_decay stopped at its first step."""
+    path = str(tmp_path / "c.ckpt")
+    module = _module()
+    optimizer = module.configure_optimizers()
+    optimizer.step()
+    ckpt.save({"state_dict": module.state_dict(), "epoch": 1}, path, optimizers=[optimizer])
+    torch.manual_seed(0)
+    resumed = DLRMModule(**SMALL, sparse_weight_decay=0.01)
+    optimizer = resumed.configure_optimizers()
+    ckpt.load_optimizer(optimizer, path, 0)
+    fused = dict(optimizer.optimizers)["fused"]
+    assert fused.param_groups[0]["weight_decay"] == 0.01
+    optimizer.step()
+
+
 def _hand_loop_save_worker(rank, W, path):
     from lightning_rec.optim import combined_optimizer, dense_parameters
 

@@ -342,6 +342,18 @@ def test_cli_lr_scheduler_with_the_modules_warmup_is_refused(tmp_path):
                  "--lr_scheduler=StepLR", "--lr_scheduler.step_size=1", *QUIET])
 
 
+def test_cli_one_cycle_lr_names_cycle_momentum_false(tmp_path):
+    # OneCycleLR's default cycle_momentum=True said only torch's "optimizer must support momentum or beta1 with
+    # `cycle_momentum` option enabled", naming neither the combined optimizer nor the flag that fixes it
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--model.warmup_steps=0",
+            "--lr_scheduler=OneCycleLR", "--lr_scheduler.max_lr=0.1", "--lr_scheduler.total_steps=10", *QUIET]
+    with pytest.raises(ValueError, match=r"--lr_scheduler=OneCycleLR cycles the momentum .* "
+                                         r"add --lr_scheduler.cycle_momentum=false"):
+        run_cli(args)
+    run_cli([*args, "--lr_scheduler.cycle_momentum=false"])  # the fix
+
+
 def test_the_1tb_recipe_draws_its_tables_where_their_shards_live():
     # embedding_device was left at "cpu": the recipe's 26 x 40M x 128 tables (532 GB) were drawn in host memory
     # before strategy=rec sharded them onto the GPUs (an OOM on any host with less)

@@ -257,8 +257,16 @@ def test_a_dataset_objects_copy_is_written_once_and_whole(text, tmp_path, monkey
     assert not final.exists() and not list((tmp_path / "hf_datasets").glob(".*"))  # nothing half-written is left
     final.mkdir()  # a folder without the mark (an older interrupted copy) is not read: it is replaced
     (final / "junk").write_text("x")
+    # a copy being written when its run was killed (SIGKILL runs no finally): hidden, as large as the Dataset, and
+    # kept for ever; the next writer of that Dataset (holding the lock a live writer would hold) removes it
+    aside = tmp_path / "hf_datasets" / f".{part._fingerprint}-killed"
+    aside.mkdir()
+    (aside / "data.parquet").write_text("x")
+    other = tmp_path / "hf_datasets" / ".0123456789abcdef-other"  # another Dataset's: its own writer's business
+    other.mkdir()
     monkeypatch.setattr(hf_dataset, "write_parquet", real)
     assert copy_of(part) == str(final) and not (final / "junk").exists()
+    assert not aside.exists() and other.exists()
     assert pq.read_table(final / "data.parquet").to_pylist() == part.to_list()  # shuffled, then its first 10
 
 

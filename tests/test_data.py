@@ -402,6 +402,77 @@ def test_header_only_file_is_a_clear_error(tmp_path):
         build_criteo_cache(path, tmp_path)
 
 
+def test_a_killed_builds_temporary_files_are_removed_by_the_next_build(tmp_path):
+    """A build killed mid-parse left its hidden `.<cache>.arrow.<pid>.<id>.tmp` (as large as the cache) for ever.
+    The next build of that cache removes those provably abandoned: this host's, of a process that has ended; a live
+    writer's (another rank building the same cache) and another host's are kept."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_rec.data import criteo
+
+    path = write(tmp_path, "d.csv", "label," + HEADER_FEATURES + "\n" + good_row(1, sep=",") + "\n")
+    cache = tmp_path / "cache"
+    arrow, _ = build_criteo_cache(path, cache)
+    arrow.unlink()  # the next call builds again
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(ended.stdout), socket.gethostname().replace("~", "-")
+    old = 1_000_000_000  # 2001: long before this build
+    files = {  # name: removed?
+        f".{arrow.name}.{host}~{dead}.0badc0de.tmp": True,
+        f"{arrow.with_suffix('.json').name}.{host}~{dead}.0badc0de.tmp": True,  # its report's
+        f".{arrow.name}.{dead}.1badc0de.tmp": True,  # written before the host was in the name: a day old
+        f".{arrow.name}.{host}~{os.getpid()}.2badc0de.tmp": False,  # a live process is writing it
+        f".{arrow.name}.another-host~{dead}.3badc0de.tmp": False,  # another host's pid says nothing here
+        f".other.arrow.{host}~{dead}.4badc0de.tmp": False,  # another cache's: its own build removes it
+    }
+    for name in files:
+        (cache / name).write_text("x")
+        os.utime(cache / name, (old, old))
+    recent = cache / f".{arrow.name}.{dead}.5badc0de.tmp"  # no host, touched just now: kept (a day's grace)
+    recent.write_text("x")
+    assert criteo._pid_alive(os.getpid()) and not criteo._pid_alive(dead)
+    build_criteo_cache(path, cache)
+    assert {name: not (cache / name).exists() for name in files} == files and recent.exists()
+    assert not [f for f in cache.iterdir() if f.name.endswith(".tmp") and "badc0de" not in f.name]
+
+
+def test_batch_to_a_dtype_converts_floating_tensors_only_as_module_to():
+    """Batch.to(torch.float64) passed the dtype into the KJT: ids and lengths became float64 (a lookup then failed
+    or read other rows). As nn.Module.to: dense features, labels and id weights convert; ids keep their type."""
+    from lightning_rec.data import RankingBatch, RetrievalBatch
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([3, 7, 9]), torch.tensor([1, 0, 2, 0]),
+                                              weights=torch.tensor([0.5, 1.0, 2.0]))
+    batch = Batch(torch.randn(2, 13), kjt, torch.tensor([0.0, 1.0]), row_ids=torch.tensor([4, 5]))
+    for out in (batch.to(torch.float64), batch.to("cpu", torch.float64), batch.to(dtype=torch.float64),
+                batch.to(device="cpu", dtype=torch.float64, non_blocking=True)):
+        assert out.dense_features.dtype == out.labels.dtype == out.sparse_features.weights().dtype == torch.float64
+        torch.testing.assert_close(out.dense_features, batch.dense_features.double())
+        sparse = out.sparse_features
+        assert sparse.values().dtype == torch.int64 and torch.equal(sparse.values(), kjt.values())
+        assert torch.equal(sparse.lengths(), kjt.lengths()) and sparse.lengths().dtype == kjt.lengths().dtype
+        assert out.row_ids.dtype == torch.int64
+    same = batch.to("cpu", non_blocking=True)  # Lightning's call: nothing converts
+    assert same.dense_features.dtype == torch.float32 and same.sparse_features is kjt
+    with pytest.raises(TypeError, match=r"Batch.to\(torch.int32\): .*floating-point tensors only"):
+        batch.to(torch.int32)
+    with pytest.raises(ValueError, match=r"KeyedJaggedTensor.to\(torch.float64\): .*dtype=torch.float64\) converts "
+                                         r"the weights only"):
+        kjt.to(torch.float64)  # the dtype where the device goes (TorchRec's KJT.to(device, dtype=...) is the fix)
+    assert kjt.to("cpu", dtype=torch.float16).weights().dtype == torch.float16  # TorchRec's: the weights
+    ranking = RankingBatch(KeyedJaggedTensor.from_lengths_sync(["u"], torch.tensor([1]), torch.tensor([1])),
+                           torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([0, 0]),
+                           torch.tensor([], dtype=torch.long))
+    assert all(t.dtype == torch.int64 for t in vars(ranking.to(torch.float64)).values() if isinstance(t, torch.Tensor))
+    pairs = RetrievalBatch(ranking.user_features, ranking.user_features, torch.tensor([0]), torch.tensor([1]),
+                           torch.tensor([-0.5]))
+    pairs = pairs.to(torch.float64)
+    assert pairs.item_log_q.dtype == torch.float64 and pairs.user_index.dtype == torch.int64
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="one per feature"):
         CriteoDataModule(num_embeddings_per_feature=[10] * 3)

@@ -187,6 +187,30 @@ def test_scheduler_reaches_fused_learning_rate():
     assert ebc.fused_kernels()[0].get_learning_rate() == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("key, value", [("weight_decay", 0.1), ("eps", 1e-3), ("betas", (0.8, 0.999))])
+def test_a_fused_hyperparameter_written_into_its_group_is_refused_at_step(key, value):
+    """Only lr reaches the kernels: a weight_decay / eps / betas written into a fused group (a weight-decay
+    schedule, OneCycleLR's cycle_momentum) did nothing, silently; now the next step says so, naming the fix."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("adam", lr=0.1))
+    opt = combined_optimizer(ebc, torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1))
+    fused = opt.param_groups[0]
+    assert (fused["weight_decay"], fused["eps"], fused["betas"]) == (0.0, 1e-8, (0.9, 0.999))  # shown, as torch's
+    state = opt.state_dict()
+    opt.step()
+    fused[key] = value
+    with pytest.raises(ValueError, match=rf"'fused0' \(tables t0, t1\) has {key}=.*fixed when the tables were built "
+                                         rf"\(FusedOptimizerConfig\('adam', {key}=\.\.\.\)\)"):
+        opt.step()
+    fused[key] = (0.9, 0.999) if key == "betas" else {"weight_decay": 0.0, "eps": 1e-8}[key]
+    opt.step()
+    state["fused"]["param_groups"][0][key] = value  # a checkpoint from a run built otherwise: the tables' own win
+    opt.load_state_dict(state)
+    opt.step()
+    fused["momentum"] = 0.9  # a key adam has none of
+    with pytest.raises(ValueError, match=r"has momentum=0.9, but fused adam has no momentum: .*cycle_momentum=False"):
+        opt.step()
+
+
 @pytest.mark.parametrize("other", ["adagrad", "sgd", "adam"])
 def test_fused_state_of_another_optimizer_is_refused_naming_both(other):
     """FusedOptimizer.load_state_dict (Lightning's resume without strategy='rec'): rowwise_adagrad's per-row 'sum'
@@ -226,6 +250,24 @@ def test_missing_feature_lists_what_exists():
     kjt = random_kjt(["f0", "f1"], [50, 30], B=2)
     with pytest.raises(ValueError, match=r"no feature\(s\) \['f2'\].*rename"):
         ebc(kjt)
+
+
+def test_feature_name_mismatch_names_the_differences_not_both_lists():
+    """26 Criteo tables fed keys under another spelling listed all 26 names twice (and 26 'read by' pairs): now the
+    first few missing and unexpected names, and how many in all."""
+    names = [f"C{i}" for i in range(1, 27)]
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{n}", embedding_dim=2, num_embeddings=5,
+                                                     feature_names=[n]) for n in names])
+    keys = names[:20] + [f"cat_{i}" for i in range(20, 26)]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.zeros(26, dtype=torch.long), torch.ones(26, dtype=torch.long))
+    with pytest.raises(ValueError) as e:
+        ebc(kjt)
+    said = str(e.value)
+    assert said.startswith("the input has no feature(s) ['C21', 'C22', 'C23', 'C24', 'C25', ...] (6 in all) that "
+                           "this EmbeddingBagCollection reads ('C21' by table 't_C21',"), said
+    assert "it has ['cat_20', 'cat_21', 'cat_22', 'cat_23', 'cat_24', ...] (6 in all) that no table reads" in said
+    assert "rename the features or the tables' feature_names" in said
+    assert "'C1'" not in said and "C26" not in said and len(said) < 500, said
 
 
 def test_gpu_only_optimizer_on_cpu_lists_cpu_choices():

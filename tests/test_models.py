@@ -158,6 +158,17 @@ def trainer(tmp_path, **kw):
                      enable_model_summary=False, default_root_dir=tmp_path, **kw)
 
 
+def test_test_logs_test_loss_as_validate_logs_val_loss(tmp_path):
+    """trainer.test logged test_logloss but no test_loss, while validation logs val_loss (both the mean BCE)."""
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=64, num_test_samples=64, batch_size=32,
+                                     num_embeddings_per_feature=50)
+    module = small_module()
+    val = trainer(tmp_path).validate(module, data, verbose=False)[0]
+    test = trainer(tmp_path).test(module, data, verbose=False)[0]
+    assert test["test_loss"] == pytest.approx(test["test_logloss"])
+    assert val["val_loss"] == pytest.approx(val["val_logloss"])
+
+
 def test_checkpoint_restores_tables_and_fused_state(tmp_path):
     data = SyntheticCriteoDataModule(num_train_samples=2048, num_val_samples=512, batch_size=256,
                                      num_embeddings_per_feature=50)

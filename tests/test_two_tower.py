@@ -82,6 +82,13 @@ def test_two_tower_scores_and_errors():
         TwoTowerModule().configure_optimizers()
     with pytest.raises(ValueError, match="table sizes"):
         TwoTowerModule().configure_model()
+    # said "drop optimizer=..., or use kernel='auto'", arguments TwoTowerModule does not have (and, without table
+    # sizes, only at configure_model)
+    for sizes in ((), ({"user_id": 5}, {"item_id": 5})):
+        with pytest.raises(ValueError, match=r"\(embedding_kernel='dense'\).*use embedding_kernel='auto'"):
+            TwoTowerModule(*sizes, embedding_kernel="dense")
+    with pytest.raises(ValueError, match=r"TwoTowerModule\(embedding_kernel='foo'\): unknown kernel"):
+        TwoTowerModule(embedding_kernel="foo")
 
 
 def test_tower_skip_feature_adds_the_id_embedding_to_the_mlp_output_and_checks_its_shape():

@@ -35,6 +35,37 @@ from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
+def parse_to(what: str, args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.dtype | None, bool]:
+    """A batch's `.to(...)` arguments, as torch.nn.Module.to takes them: (device, floating dtype, non_blocking).
+
+    `batch.to(torch.float64)` passed the dtype on as a device: every tensor, the ids and lengths too, became float64.
+    """
+    try:
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{what}.to: {e}; it takes nn.Module.to's arguments: (device), (dtype), (device, dtype), "
+                        f"non_blocking=") from None
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"{what}.to({dtype}): a batch converts its floating-point tensors only (dense features, "
+                        f"labels, id weights), as nn.Module.to does; its ids keep their integer type: give a floating "
+                        f"dtype, e.g. torch.float64")
+    return device, dtype, non_blocking
+
+
+def moved(x: Any, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool) -> Any:
+    """`x` (a tensor, a KeyedJaggedTensor or None) on `device`, its floating-point values in `dtype`."""
+    if x is None:
+        return None
+    if isinstance(x, KeyedJaggedTensor):
+        return x.to(device, non_blocking=non_blocking, dtype=dtype)
+    change: dict[str, Any] = {}
+    if device is not None:
+        change["device"] = device
+    if dtype is not None and x.is_floating_point():
+        change["dtype"] = dtype
+    return x.to(**change, non_blocking=non_blocking) if change else x
+
+
 @dataclass
 class Batch:
     dense_features: Tensor
@@ -44,11 +75,15 @@ class Batch:
 
     # Lightning moves any object with a callable `.to` (its `_TransferableDataType` protocol) through
     # `move_data_to_device`, so this method is what `transfer_batch_to_device` calls by default.
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+    def to(self, *args: Any, **kwargs: Any) -> Batch:
+        """A copy on a device and/or in a floating dtype, with torch.nn.Module.to's arguments: `to(device)`,
+        `to(dtype)`, `to(device, dtype)`, `non_blocking=`. A dtype converts the floating-point tensors only (dense
+        features, labels, the ids' weights); the ids keep their integer type."""
+        device, dtype, non_blocking = parse_to("Batch", args, kwargs)
         return move_or_explain(f"Batch.to({device!r})", device, lambda: Batch(
-            dense_features=self.dense_features.to(device, non_blocking=non_blocking),
-            sparse_features=self.sparse_features.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
+            dense_features=moved(self.dense_features, device, dtype, non_blocking),
+            sparse_features=moved(self.sparse_features, device, dtype, non_blocking),
+            labels=moved(self.labels, device, dtype, non_blocking),
             row_ids=self.row_ids,  # bookkeeping for the host (the prediction writer), never read on the device
         ))
 

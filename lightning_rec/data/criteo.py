@@ -48,11 +48,14 @@ or validation are errors that say what to pass instead.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import math
 import os
+import socket
+import time
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
@@ -119,6 +122,50 @@ def default_cache_dir() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "lightning_rec" / "criteo"
 
 
+def _writer_tag() -> str:
+    """Who writes a temporary cache file: "<host>~<pid>" (a host name holds no "~"; dots are kept)."""
+    return f"{socket.gethostname().replace('~', '-')}~{os.getpid()}"
+
+
+_LEGACY_TMP_AGE_S = 24 * 3600  # "<pid>" names (no host) written before the host was part of the name
+
+
+def _remove_abandoned_tmp(cache_dir: Path, prefix: str) -> None:
+    """Remove `<prefix><host>~<pid>.<uuid>.tmp` files that a killed build left (hidden, GBs each, never reused).
+
+    Only those provably abandoned: written on this host by a process that no longer runs (ranks building the same
+    cache at once each write their own file; another host's, or a live process's, are left alone), or, for names
+    without a host, by a dead pid and untouched for a day. A minute's grace covers a writer in another pid
+    namespace of this host that is between two blocks.
+    """
+    host, now = socket.gethostname().replace("~", "-"), time.time()
+    for tmp in cache_dir.glob(f"{glob.escape(prefix)}*.tmp"):
+        writer = tmp.name[len(prefix):].split(".")
+        if len(writer) < 3:
+            continue
+        tag = ".".join(writer[:-2])  # the host may hold dots
+        name_host, _, pid = tag.rpartition("~")
+        if not pid.isdigit() or (name_host and name_host != host) or _pid_alive(int(pid)):
+            continue
+        try:
+            age = now - tmp.stat().st_mtime
+            if age > (60 if name_host else _LEGACY_TMP_AGE_S):
+                tmp.unlink()
+                log.info("removed %s, left by a cache build that was killed (pid %s)", tmp, pid)
+        except FileNotFoundError:  # another rank removed it first
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # alive, another user's; or no way to tell: keep the file
+        return True
+    return True
+
+
 def build_criteo_cache(
     path: str | os.PathLike,
     cache_dir: str | os.PathLike | None = None,
@@ -159,7 +206,9 @@ def build_criteo_cache(
     if arrow_path.is_file() and meta_path.is_file():
         return arrow_path, ParseReport.from_json(meta_path.read_text())
 
-    tmp = cache_dir / f".{arrow_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    _remove_abandoned_tmp(cache_dir, f".{arrow_path.name}.")
+    _remove_abandoned_tmp(cache_dir, f"{meta_path.name}.")
+    tmp = cache_dir / f".{arrow_path.name}.{_writer_tag()}.{uuid.uuid4().hex[:8]}.tmp"
     report = ParseReport(path=str(path))
     try:
         with ArrowWriter(features=_cache_features(), path=str(tmp)) as writer:
@@ -180,7 +229,7 @@ def build_criteo_cache(
     finally:
         if tmp.exists():
             tmp.unlink()
-    meta_tmp = meta_path.with_name(meta_path.name + f".{uuid.uuid4().hex[:8]}.tmp")
+    meta_tmp = meta_path.with_name(meta_path.name + f".{_writer_tag()}.{uuid.uuid4().hex[:8]}.tmp")
     meta_tmp.write_text(json.dumps(asdict(report)))
     os.replace(meta_tmp, meta_path)
     report.log_skips()

@@ -20,6 +20,7 @@ renamed).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import logging
 import os
@@ -50,12 +51,12 @@ def _locked(path: Path):
     try:
         import fcntl
     except ImportError:  # no flock (Windows): ranks may write a copy each; the rename keeps one whole
-        yield
+        yield False
         return
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -137,9 +138,14 @@ def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what:
     if (folder / _READY).is_file():
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(folder.parent / f"{folder.name}.lock"):
+    with _locked(folder.parent / f"{folder.name}.lock") as exclusive:
         if (folder / _READY).is_file():  # another rank wrote it while this one waited
             return str(folder)
+        if exclusive:
+            # a copy being written is made only under this lock, which dies with its holder: any other one here
+            # was left by a killed run (hidden, as large as the Dataset, and never reused)
+            for stale in folder.parent.glob(f".{glob.escape(folder.name)}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
         try:
             for name, ds in files.items():

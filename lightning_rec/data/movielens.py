@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_rec.data.batch import make_train_loader, passthrough_collate
+from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate
 from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
@@ -125,10 +125,11 @@ class RetrievalBatch:
     neg_item_features: KeyedJaggedTensor | None = None
     neg_item_index: Tensor | None = None
 
-    def to(self, device, non_blocking: bool = False) -> RetrievalBatch:
-        mv = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
+    def to(self, *args, **kwargs) -> RetrievalBatch:
+        """nn.Module.to's arguments: a dtype converts item_log_q only (the floating tensor); ids keep their type."""
+        device, dtype, non_blocking = parse_to("RetrievalBatch", args, kwargs)
         return move_or_explain(f"RetrievalBatch.to({device!r})", device, lambda: RetrievalBatch(
-            *(mv(getattr(self, f)) for f in self.__dataclass_fields__)))
+            *(moved(getattr(self, f), device, dtype, non_blocking) for f in self.__dataclass_fields__)))
 
     def pin_memory(self) -> RetrievalBatch:
         return move_or_explain("RetrievalBatch.pin_memory()", None, lambda: RetrievalBatch(
@@ -152,9 +153,11 @@ class RankingBatch:
     exclude_offsets: Tensor  # [U + 1]
     exclude_items: Tensor  # [X]
 
-    def to(self, device, non_blocking: bool = False) -> RankingBatch:
+    def to(self, *args, **kwargs) -> RankingBatch:
+        """nn.Module.to's arguments; a dtype changes nothing here (ids and offsets keep their integer type)."""
+        device, dtype, non_blocking = parse_to("RankingBatch", args, kwargs)
         return move_or_explain(f"RankingBatch.to({device!r})", device, lambda: RankingBatch(
-            *(getattr(self, f).to(device, non_blocking=non_blocking) for f in self.__dataclass_fields__)))
+            *(moved(getattr(self, f), device, dtype, non_blocking) for f in self.__dataclass_fields__)))
 
     def pin_memory(self) -> RankingBatch:
         return move_or_explain("RankingBatch.pin_memory()", None, lambda: RankingBatch(

@@ -219,7 +219,9 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.test_metrics.update(logits_B, batch.labels)
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict(self.test_metrics.compute(), sync_dist=True)
+        values = self.test_metrics.compute()
+        self.log_dict(values, sync_dist=True)
+        self.log("test_loss", values["test_logloss"], sync_dist=True)  # as val_loss: trainer.test logged none
         self.test_metrics.reset()
 
     def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, Tensor]:
