@@ -297,7 +297,7 @@ class JaggedTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
         _refuse_dtype_as_device("JaggedTensor", device)
-        return move_or_explain(f"JaggedTensor.to({device!r})", device, lambda: self._map(
+        return move_or_explain(f"JaggedTensor.to({str(device)!r})", device, lambda: self._map(
             lambda t: t.to(device, non_blocking=non_blocking)))
 
     def device(self) -> torch.device:
@@ -704,7 +704,7 @@ class KeyedJaggedTensor:
         def move_weights(t: Tensor) -> Tensor:
             return move(t) if dtype is None else t.to(device=device, dtype=dtype, non_blocking=non_blocking)
 
-        moved = move_or_explain(f"KeyedJaggedTensor.to({device!r})", device, lambda: self._map(move, move_weights))
+        moved = move_or_explain(f"KeyedJaggedTensor.to({str(device)!r})", device, lambda: self._map(move, move_weights))
         if all(getattr(moved, a) is getattr(self, a) for a in ("_values", "_weights", "_lengths", "_offsets")):
             # already there: itself, as Tensor.to. The pipeline knows a batch's KJT by identity, so a step that
             # moves its (already moved) batch again, `batch.to(self.device)`, stays pipelined
@@ -855,7 +855,7 @@ class KeyedTensor:
         self._values.record_stream(stream)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
-        values = move_or_explain(f"KeyedTensor.to({device!r})", device,
+        values = move_or_explain(f"KeyedTensor.to({str(device)!r})", device,
                                  lambda: self._values.to(device, non_blocking=non_blocking))
         return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
 

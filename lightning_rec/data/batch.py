@@ -80,7 +80,7 @@ class Batch:
         `to(dtype)`, `to(device, dtype)`, `non_blocking=`. A dtype converts the floating-point tensors only (dense
         features, labels, the ids' weights); the ids keep their integer type."""
         device, dtype, non_blocking = parse_to("Batch", args, kwargs)
-        return move_or_explain(f"Batch.to({device!r})", device, lambda: Batch(
+        return move_or_explain(f"Batch.to({str(device)!r})", device, lambda: Batch(
             dense_features=moved(self.dense_features, device, dtype, non_blocking),
             sparse_features=moved(self.sparse_features, device, dtype, non_blocking),
             labels=moved(self.labels, device, dtype, non_blocking),

@@ -128,7 +128,7 @@ class RetrievalBatch:
     def to(self, *args, **kwargs) -> RetrievalBatch:
         """nn.Module.to's arguments: a dtype converts item_log_q only (the floating tensor); ids keep their type."""
         device, dtype, non_blocking = parse_to("RetrievalBatch", args, kwargs)
-        return move_or_explain(f"RetrievalBatch.to({device!r})", device, lambda: RetrievalBatch(
+        return move_or_explain(f"RetrievalBatch.to({str(device)!r})", device, lambda: RetrievalBatch(
             *(moved(getattr(self, f), device, dtype, non_blocking) for f in self.__dataclass_fields__)))
 
     def pin_memory(self) -> RetrievalBatch:
@@ -156,7 +156,7 @@ class RankingBatch:
     def to(self, *args, **kwargs) -> RankingBatch:
         """nn.Module.to's arguments; a dtype changes nothing here (ids and offsets keep their integer type)."""
         device, dtype, non_blocking = parse_to("RankingBatch", args, kwargs)
-        return move_or_explain(f"RankingBatch.to({device!r})", device, lambda: RankingBatch(
+        return move_or_explain(f"RankingBatch.to({str(device)!r})", device, lambda: RankingBatch(
             *(moved(getattr(self, f), device, dtype, non_blocking) for f in self.__dataclass_fields__)))
 
     def pin_memory(self) -> RankingBatch:
