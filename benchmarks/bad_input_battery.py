@@ -1504,7 +1504,7 @@ def _model_cli_ckpt_cases():
     simple("model.dlrm_interaction_cat", lambda: DLRMModule(**SMALL, interaction="cat"), ValueError, ["'cat'", "dot"])
     simple("model.dlrm_dense_opt_lbfgs", lambda: DLRMModule(**SMALL, dense_optimizer="lbfgs"), ValueError, ["'lbfgs'"])
     simple("model.dlrm_over_arch_two_logits", lambda: DLRMModule(**{**SMALL, "over_arch_layer_sizes": [8, 2]}),
-           ValueError, ["over arch", "1"])
+           ValueError, ["over_arch_layer_sizes", "end in 1"])
     simple("model.dlrm_sizes_list_wrong_length",
            lambda: DLRMModule(**{**SMALL, "num_embeddings_per_feature": [20, 20, 20]}), ValueError, ["3", "2"])
     simple("model.dlrm_sparse_lr_nan", lambda: DLRMModule(**SMALL, sparse_lr=float("nan")), ValueError, ["lr"])
