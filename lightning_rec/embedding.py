@@ -38,6 +38,7 @@ def _some(names: Sequence[str]) -> str:
     shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
     return f"[{shown}]" if len(names) <= _SHOWN else f"[{shown}, ...] ({len(names)} in all)"
 
+
 class PoolingType(str, Enum):
     SUM = "sum"
     MEAN = "mean"

@@ -625,8 +625,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
 def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
     """A dense optimizer built over model.parameters() holds the fused tables' weights too (which never get a
     gradient): torch said only "some parameters appear in more than one parameter group"."""
-    fused = {id(p): f"{g['name']}: {g['tables'][i]}" for _, o in named if isinstance(o, FusedOptimizer)
-             for g in o.param_groups for i, p in enumerate(g["params"])}
+    # a sharded group holds one parameter per table, not per piece: its params do not pair with its tables' names
+    fused = {id(p): f"{g['name']}: {g['tables'][i]}" if len(g["params"]) == len(g["tables"]) else g["name"]
+             for _, o in named if isinstance(o, FusedOptimizer) for g in o.param_groups
+             for i, p in enumerate(g["params"])}
     for name, o in named:
         if isinstance(o, FusedOptimizer):
             continue

@@ -125,10 +125,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
                              f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
         self.check_embedding_device("DLRMModule", embedding_device)
-        if embedding_kernel == "dense":  # the collection's refusal names its own arguments (optimizer=, kernel=)
-            raise ValueError("DLRMModule(embedding_kernel='dense'): the tables train with the fused sparse_optimizer "
-                             "(updated inside backward), which the 'dense' kernel does not run: use embedding_kernel="
-                             "'auto' (or 'fbgemm' / 'native' on CPU)")
+        self.check_embedding_kernel("DLRMModule", embedding_kernel)
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)

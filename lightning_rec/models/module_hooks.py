@@ -139,6 +139,20 @@ class RecModuleHooks:
             raise ValueError(f"{owner}(embedding_device={embedding_device!r}): use 'cpu' (tables drawn here, then "
                              f"moved or sharded) or 'meta' (drawn where Trainer(strategy='rec') places each shard)")
 
+    @staticmethod
+    def check_embedding_kernel(owner: str, embedding_kernel: str) -> None:
+        """The modules' `embedding_kernel` argument, checked at construction: the collection's own refusal names its
+        arguments (optimizer=, kernel=), not the module's, and without table sizes it came only at configure_model."""
+        from lightning_rec.lookup import KERNELS
+
+        if embedding_kernel == "dense":
+            raise ValueError(f"{owner}(embedding_kernel='dense'): the tables train with the fused sparse_optimizer "
+                             f"(updated inside backward), which the 'dense' kernel does not run: use "
+                             f"embedding_kernel='auto' (or 'fbgemm' / 'native' on CPU)")
+        if embedding_kernel not in KERNELS:
+            raise ValueError(f"{owner}(embedding_kernel={embedding_kernel!r}): unknown kernel: use 'auto', 'fbgemm' or "
+                             f"'native'")
+
     # `lightning-rec fit --optimizer=CLASS` (LightningCLI's optimizer) sets it: builds the dense layers' optimizer
     # from their parameters, in place of the module's dense_optimizer / dense_lr / dense_weight_decay
     cli_dense_optimizer: Any = None

@@ -30,7 +30,6 @@ from torch import Tensor
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-from lightning_rec.lookup import KERNELS
 from lightning_rec.metrics.ranking import RankingMetrics
 from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
 from lightning_rec.models.module_hooks import RecModuleHooks
@@ -126,15 +125,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.check_embedding_device("TwoTowerModule", embedding_device)
-        # checked here, as DLRMModule does: the collection's refusal named its own arguments (optimizer=, kernel=),
-        # and without table sizes it came only at configure_model
-        if embedding_kernel == "dense":
-            raise ValueError("TwoTowerModule(embedding_kernel='dense'): the tables train with the fused "
-                             "sparse_optimizer (updated inside backward), which the 'dense' kernel does not run: use "
-                             "embedding_kernel='auto' (or 'fbgemm' / 'native' on CPU)")
-        if embedding_kernel not in KERNELS:
-            raise ValueError(f"TwoTowerModule(embedding_kernel={embedding_kernel!r}): unknown kernel: use 'auto', "
-                             f"'fbgemm' or 'native'")
+        self.check_embedding_kernel("TwoTowerModule", embedding_kernel)
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
                              f"or None for max(ks)")
