@@ -254,6 +254,33 @@ class RecStrategy(DDPStrategy):
         self.model = self._dmp._dmp_wrapped_module
         if self._dense == "ddp" and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self._register_ddp_hooks()
+        self._note_trainable_dense()
+
+    def _note_trainable_dense(self) -> None:
+        # DDP reduces the gradients of the parameters that required one when it was built: a dense layer frozen then
+        # (BaseFinetuning.freeze_before_training runs before the wrap) and unfrozen later trained on each rank's own
+        # gradient, the replicas drifting apart silently; one frozen after it stopped DDP's reduction. Tables
+        # (FusedTableWeight: requires_grad reads False) are not DDP's.
+        from lightning_rec.embedding import FusedTableWeight
+
+        self._dense_params = [p for p in self._dmp._unwrapped.parameters() if not isinstance(p, FusedTableWeight)]
+        self._dense_trainable = [p.requires_grad for p in self._dense_params]
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # after the callbacks' and the module's on_train_*_start hooks, where BaseFinetuning (un)freezes
+        if self._dense != "ddp" or self.world_size == 1 or self._dmp is None:
+            return
+        if [p.requires_grad for p in self._dense_params] == self._dense_trainable:  # ~1 us for a DLRM's layers
+            return
+        # the same change on every rank (as BaseFinetuning makes it): DDP is built again over the parameters that
+        # train now (a collective; DDP checks that the ranks agree on them)
+        self._dmp.wrap_dense("ddp", self._ddp_kwargs)
+        self.model = self._dmp._dmp_wrapped_module
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._register_ddp_hooks()
+        self._note_trainable_dense()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -942,3 +942,49 @@ def test_a_run_that_base_finetuning_added_groups_to_resumes_under_strategy_rec(t
     resuming failed with torch's "loaded state dict has a different number of parameter groups". Now RecStrategy
     replays BaseFinetuning's restore before the optimizer state loads."""
     run_ranks(_finetuning_resume_worker, 1, str(tmp_path), timeout=120)
+
+
+def _dense_unfrozen_worker(rank, world_size):
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    class Finetune(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.head)  # before DDP is built: DDP left the head out
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.head, optimizer, lr=0.1, initial_denom_lr=1.0)
+            if epoch == 2:
+                self.freeze(pl_module.dense)  # after it: DDP waited for gradients that never came
+
+    module = _FinetuneHead()
+    loader = torch.utils.data.DataLoader([_ft_batch(rank, step) for step in range(2)], batch_size=None)
+    L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_epochs=3, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              use_distributed_sampler=False, callbacks=[Finetune()]).fit(module, loader)
+    return {k: v.detach().clone() for k, v in module.named_parameters() if k.startswith(("head", "dense"))}
+
+
+def test_dense_layers_unfrozen_after_ddp_was_built_average_their_gradients():
+    """BaseFinetuning froze a dense layer before training (before DDP is built), then unfroze it: DDP had left it out,
+    so each rank trained it on its own batches and the replicas drifted apart silently (Lightning's DDP too). A
+    layer frozen after DDP was built stopped DDP's reduction. Now RecStrategy builds DDP again when the trainable
+    dense set changes: both ranks hold the same head, as plain SGD over both ranks' batches gives it."""
+    world_size = 2
+    got = run_ranks(_dense_unfrozen_worker, world_size, timeout=180)
+    reference = _FinetuneHead()  # its tables train with their own fused sgd inside backward, as the sharded ones
+    dense_opt = torch.optim.SGD(reference.dense.parameters(), lr=0.1 / world_size)  # DDP averages the dense grads
+    head_opt = torch.optim.SGD(reference.head.parameters(), lr=0.1 / world_size)
+    for epoch in range(3):
+        for step in range(2):
+            sum(reference(_ft_batch(r, step)) for r in range(world_size)).backward()
+            if epoch < 2:
+                dense_opt.step()
+            if epoch >= 1:
+                head_opt.step()
+            dense_opt.zero_grad()
+            head_opt.zero_grad()
+    for name, value in got[0].items():
+        torch.testing.assert_close(got[1][name], value, atol=0, rtol=0, msg=f"ranks disagree on {name}")
+    for name, value in got[0].items():
+        torch.testing.assert_close(value, dict(reference.named_parameters())[name], atol=1e-5, rtol=0, msg=name)
