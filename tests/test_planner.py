@@ -265,6 +265,21 @@ def test_stats_before_plan():
         _ = EmbeddingShardingPlanner(cpu()).stats
 
 
+def test_printed_stats_show_small_memory_in_units_that_show_it():
+    """The recipes' 26 tables of 1000 x 16 (2.9 MB a rank) printed "0.00/0.00  0.00/10.01" in GB columns on CPU: the
+    memory column said nothing, and the HBM column (0 of 0 on a CPU rank) was noise."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=1000, embedding_dim=16) for i in range(4)]
+    planner = EmbeddingShardingPlanner(cpu(2, ddr_cap=8 * GB), print_stats=False)
+    planner.plan(tables)
+    text = str(planner.stats)
+    assert "HBM" not in text.splitlines()[1] and "0.00/" not in text, text
+    assert "KB/6.8 GB" in text, text  # used in KB, the cap (8 GB less the reserved 15%) in GB
+    cuda = Topology(world_size=2, compute_device="cuda", hbm_cap=16 * GB, ddr_cap=64 * GB)
+    planner = EmbeddingShardingPlanner(cuda, print_stats=False)
+    planner.plan(tables)
+    assert "HBM used/cap" in str(planner.stats) and "KB/13.6 GB" in str(planner.stats), str(planner.stats)
+
+
 # --- plans ----------------------------------------------------------------------------------------
 
 
