@@ -136,6 +136,13 @@ def test_bad_constraints():
         ParameterConstraints(compute_kernels=[])
 
 
+def test_pooling_factor_given_as_text_is_one_figure():
+    """pooling_factors="12" (as YAML or a command line may give it) was iterated: two features of 1.0 and 2.0."""
+    assert ParameterConstraints(pooling_factors="12").pooling_factors == [12.0]
+    with pytest.raises(ValueError, match="pooling_factors='many'"):
+        ParameterConstraints(pooling_factors="many")
+
+
 @pytest.mark.parametrize("pf", [0.0, -2.0, float("inf")])  # inf was taken: every option priced at inf ms
 def test_pooling_factor_not_positive_names_the_table(pf):
     planner = EmbeddingShardingPlanner(

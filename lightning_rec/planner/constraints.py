@@ -74,7 +74,13 @@ class ParameterConstraints:
         self.sharding_types = _enum_list(self.sharding_types, ShardingType, "sharding type", "")
         self.compute_kernels = _enum_list(self.compute_kernels, ComputeKernel, "compute kernel", "")
         pf = self.pooling_factors
-        self.pooling_factors = [float(pf)] if isinstance(pf, (int, float)) else [float(p) for p in pf]
+        try:  # a str is one figure (a YAML "2.5"): iterated, "12" read as two features of 1.0 and 2.0
+            self.pooling_factors = [float(pf)] if isinstance(pf, (int, float, str)) else [float(p) for p in pf]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"ParameterConstraints pooling_factors={pf!r}: give the mean ids per sample, a number or one per "
+                f"feature of the table (pooling_factors=[2.0, 1.5])"
+            ) from None
         if not self.pooling_factors:
             raise ValueError(
                 "ParameterConstraints pooling_factors=[]: give one ids-per-sample figure per feature"
