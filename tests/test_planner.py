@@ -263,6 +263,20 @@ def test_no_option_message_leads_with_the_reason_not_kernels_nobody_asked_for():
     assert "UVM kernels need compute_device='cuda'" in msg, msg
 
 
+def test_no_option_message_says_a_reason_once_for_the_sharding_types_it_excludes():
+    """compute_kernels=['fused_uvm'] with enforce_hbm=True said 'table_wise (fused_uvm): enforce_hbm=True keeps the
+    table in device memory; row_wise (fused_uvm): enforce_hbm=True keeps ...' six times over."""
+    gpus = Topology(world_size=2, compute_device="cuda", hbm_cap=8 * GB, ddr_cap=8 * GB)
+    c = {"s2": ParameterConstraints(compute_kernels=["fused_uvm"], enforce_hbm=True)}
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(gpus, c, print_stats=False).plan(small_tables())
+    msg = str(err.value)
+    assert msg.count("enforce_hbm=True keeps") == 1, msg
+    assert "table_wise, row_wise, column_wise, table_row_wise, table_column_wise, grid_shard (fused_uvm): " \
+           "enforce_hbm=True keeps the table in device memory" in msg, msg
+    assert "data_parallel (fused_uvm): data_parallel runs the dense kernel only" in msg, msg
+
+
 def test_planner_error_is_a_value_error():
     assert issubclass(PlannerError, ValueError)
 

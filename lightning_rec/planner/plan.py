@@ -288,7 +288,7 @@ class EmbeddingShardingPlanner:
         for spec in specs:
             opts, reasons = enumerate_options(spec, self._cost(spec), tuple(caps * self.max_shard_fraction))
             if not opts:
-                why = "; ".join(reasons) or "no sharding type allowed"
+                why = "; ".join(_grouped(reasons)) or "no sharding type allowed"
                 raise PlannerError(
                     f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
                     f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it"
@@ -511,6 +511,20 @@ class EmbeddingShardingPlanner:
 
 
 _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message; the rest are counted
+
+
+def _grouped(reasons: list[str]) -> list[str]:
+    """"table_wise (fused_uvm): X; row_wise (fused_uvm): X; ..." (7 alike, one per sharding type, before the fix) as
+    "table_wise, row_wise, ... (fused_uvm): X"."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in reasons:
+        head, sep, why = r.partition(": ")
+        st, _, kernel = head.partition(" (")
+        if not sep or not kernel.endswith(")") or " " in st:
+            groups.setdefault((r, ""), [])
+            continue
+        groups.setdefault((f"({kernel}: {why}", "kernel"), []).append(st)
+    return [f"{', '.join(types)} {text}" if kind else text for (text, kind), types in groups.items()]
 
 
 def _gb(nbytes: float) -> str:
