@@ -423,6 +423,10 @@ def test_a_plan_bigger_than_the_gpu_is_explained_before_any_allocation():
     spread = ShardingPlan({"": construct_module_sharding_plan(stub, {f"t{i}": row_wise() for i in range(4)},
                                                               world_size=2, local_size=2)})
     check_plan_fits(plan_device_bytes(spread, {"": stub}, 2), 16 * 2**30)  # half each: fits
+    # fbgemm pads rows to 4 columns on GPU: a dim-2 table holds twice the weights its dim says
+    tables[:] = [EmbeddingBagConfig(name="t0", num_embeddings=1000, embedding_dim=2, feature_names=["f0"])]
+    narrow = ShardingPlan({"": construct_module_sharding_plan(stub, {"t0": table_wise(rank=0)}, world_size=2)})
+    assert plan_device_bytes(narrow, {"": stub}, 2)[0] == {"t0": 1000 * (4 * 4 + 4)}
 
 
 def test_check_op_passes_opcheck():

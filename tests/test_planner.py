@@ -556,6 +556,34 @@ def test_shard_cost_counts_weights_state_and_buffers():
     )
 
 
+def test_storage_is_priced_at_the_width_the_kernel_allocates():
+    """fbgemm pads rows to a multiple of 4 columns (every GPU table; sequence tables on CPU): a dim-6 sequence table
+    allocated 43% more than its plan said, a dim-1 table on GPU 4 times as much."""
+    import dataclasses
+
+    from lightning_rec.embedding import EmbeddingCollection
+    from lightning_rec.optim import FusedOptimizerConfig
+    from lightning_rec.planner.estimate import CostModel
+
+    rows, dim, st = 1000, 6, ShardingType.TABLE_WISE
+    seq = EmbeddingCollection(tables=[EmbeddingConfig(name="t", num_embeddings=rows, embedding_dim=dim)],
+                              optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+    tbe = seq.fused_kernels()[0].tbe
+    allocated = sum(t.untyped_storage().nbytes() for t in (tbe.weights_host, tbe.momentum1_host))
+    cost = CostModel(cpu(1), batch_size=8, optimizer="rowwise_adagrad", pipelined=False)
+    spec = dataclasses.replace(_spec(rows, dim), pooled=False)
+
+    def storage(cost, spec, kernel=ComputeKernel.FUSED, memory=1):  # less the batch buffers (a 0-row shard's)
+        shard = cost.shard_cost(spec, st, kernel, rows, spec.dim)[memory]
+        return shard - cost.shard_cost(spec, st, kernel, 0, spec.dim)[memory]
+
+    assert storage(cost, spec) == allocated == rows * 8 * 4 + rows * 4
+    assert storage(cost, _spec(rows, dim)) == rows * dim * 4 + rows * 4  # CPU bags: the native kernel, unpadded
+    gpu = CostModel(Topology(world_size=1, compute_device="cuda", hbm_cap=8 * GB, ddr_cap=8 * GB), batch_size=8)
+    assert storage(gpu, _spec(rows, 1), memory=0) == rows * 4 * 4 + rows * 4
+    assert storage(gpu, _spec(rows, 1), ComputeKernel.FUSED_UVM) == rows * 4 * 4 + rows * 4
+
+
 def test_uvm_caching_puts_its_cache_in_device_memory():
     from lightning_rec.planner.estimate import CostModel
 
