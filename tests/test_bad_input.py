@@ -474,6 +474,20 @@ def test_planner_prices_each_collection_by_its_own_fused_optimizer():
     assert str(plan.plan["goods"]["i"].sharding_type) != "data_parallel"
 
 
+def test_a_reused_planner_does_not_keep_the_last_models_fused_optimizer():
+    """A planner that planned an adam model went on pricing adam for the next model without a fused update of its
+    own (or a list of configs), and never replicated its small tables."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=64, feature_names=[f"f{i}"])
+              for i, rows in enumerate([4, 100_000])]
+    planner = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu"), print_stats=False)
+    fresh = planner.plan(tables)
+    assert str(fresh.plan[""]["t0"].sharding_type) == "data_parallel"
+    planner.plan(EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("adam"), device=torch.device("meta")))
+    assert planner.plan(tables) == fresh
+
+
 def test_missing_fbgemm_names_the_pair_to_install():
     """A GPU user's `pip install -e .` installs no kernels: without fbgemm-gpu, import says what to add."""
     import subprocess

@@ -46,6 +46,8 @@ from lightning_rec.types import (
     ShardingType,
 )
 
+_DEFAULT_OPTIMIZER = "rowwise_adagrad"  # prices tables whose collection has no fused update of its own
+
 
 class PlannerError(ValueError):
     """No plan fits: the message names the tables, what they need, the capacity, and the fix."""
@@ -202,7 +204,7 @@ class EmbeddingShardingPlanner:
         # None: the fused optimizer of the module being planned (plan()), else row-wise Adagrad.
         self._optimizer_given = optimizer is not None
         self._cost_args = (batch_size, pipelined)
-        self._set_optimizer(optimizer if optimizer is not None else "rowwise_adagrad")
+        self._set_optimizer(optimizer if optimizer is not None else _DEFAULT_OPTIMIZER)
         self.reserved_fraction = reserved_fraction
         self.max_shard_fraction = max_shard_fraction
         self.max_proposals = max_proposals
@@ -367,8 +369,9 @@ class EmbeddingShardingPlanner:
         if not self._optimizer_given:
             fused = [m.fused_optimizer_config() for m in _modules(module)
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
-            if fused:  # the collections' own update decides state bytes and which sharding types apply
-                self._set_optimizer(fused[0])
+            # the collections' own update decides state bytes and which sharding types apply; none: the default
+            # (not the one an earlier plan() read: a planner reused for configs after an adam model priced adam)
+            self._set_optimizer(fused[0] if fused else _DEFAULT_OPTIMIZER)
         self._collection_costs(module)
         specs = self._specs(module)
         options = self._options(specs)
