@@ -16,6 +16,7 @@ from lightning_rec.planner import (
     ParameterConstraints,
     PlannerError,
     PlanStats,
+    TableStats,
     Topology,
 )
 from lightning_rec.planner.estimate import optimizer_state_bytes_per_row
@@ -642,3 +643,17 @@ def test_constraints_take_torchrecs_fields_in_its_order_and_refuse_what_would_ch
                           (dict(key_value_params={}), "SSD")]:
         with pytest.raises(ValueError, match=words):
             ParameterConstraints(**kwargs)
+
+
+def test_a_weighted_collection_is_priced_with_its_weights():
+    """A weighted EmbeddingBagCollection's ids carry 4 more bytes each; the planner priced them unweighted unless
+    ParameterConstraints(is_weighted=True) said it again."""
+    def cost(weighted: bool, constraints=None) -> TableStats:
+        ebc = EmbeddingBagCollection(tables=small_tables(1), is_weighted=weighted, device=torch.device("meta"))
+        constraints = {"s0": ParameterConstraints(sharding_types=["table_wise"], **(constraints or {}))}
+        planner = EmbeddingShardingPlanner(cpu(2), constraints, print_stats=False)
+        planner.plan(ebc)
+        return planner.stats.tables[0]
+
+    assert cost(True).ms > cost(False).ms and cost(True).ddr_bytes > cost(False).ddr_bytes
+    assert cost(True) == cost(False, {"is_weighted": True})

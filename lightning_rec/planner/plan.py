@@ -228,6 +228,8 @@ class EmbeddingShardingPlanner:
     def _specs(self, module) -> list[TableSpec]:
         specs: list[TableSpec] = []
         names: set[str] = set()
+        weighted = {path for path, m in (module.named_modules() if hasattr(module, "named_modules") else [])
+                    if callable(getattr(m, "is_weighted", None)) and m.is_weighted()}
         for path, configs, pooled in find_tables(module):
             in_module: set[str] = set()
             for cfg in configs:
@@ -267,7 +269,9 @@ class EmbeddingShardingPlanner:
                         pooled=_is_pooled(cfg) if pooled is None else pooled,
                         num_features=len(features),
                         pooling_factors=pfs,
-                        is_weighted=c.is_weighted,
+                        # a weighted collection's ids carry weights whatever the constraints say (TorchRec reads it
+                        # from the module too); they were priced unweighted unless is_weighted=True was repeated there
+                        is_weighted=c.is_weighted or path in weighted,
                         constraints=c,
                     )
                 )
