@@ -137,6 +137,13 @@ def test_bad_constraints():
         ParameterConstraints(compute_kernels=[])
 
 
+def test_a_misspelt_sharding_type_or_kernel_names_the_one_meant():
+    with pytest.raises(ValueError, match=r"unknown sharding type 'rowwise' \(did you mean 'row_wise'\?\)"):
+        ParameterConstraints(sharding_types=["table_wise", "rowwise"])
+    with pytest.raises(ValueError, match=r"'Fused-UVM' \(did you mean 'fused_uvm'\?\)"):
+        ParameterConstraints(compute_kernels=["Fused-UVM"])
+
+
 def test_pooling_factor_given_as_text_is_one_figure():
     """pooling_factors="12" (as YAML or a command line may give it) was iterated: two features of 1.0 and 2.0."""
     assert ParameterConstraints(pooling_factors="12").pooling_factors == [12.0]

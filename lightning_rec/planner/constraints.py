@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ def _enum_list(values, enum, field_name: str, table: str) -> list | None:
             out.append(enum(str(v.value if isinstance(v, enum) else v).lower()))
         except ValueError:
             valid = ", ".join(e.value for e in enum)
+            close = difflib.get_close_matches(str(v).lower().replace("-", "_"), [e.value for e in enum], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ValueError(
-                f"ParameterConstraints{table}: unknown {field_name} {v!r}: choose from {valid}"
+                f"ParameterConstraints{table}: unknown {field_name} {v!r}{hint}: choose from {valid}"
             ) from None
     if not out:
         raise ValueError(
