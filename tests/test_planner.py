@@ -357,6 +357,7 @@ def test_a_small_cluster_is_explained_in_units_that_show_the_numbers():
     msg = str(err.value)
     assert "0.00 GB" not in msg and "KB" in msg, msg  # "needs 0.00 GB, holds 0.00 GB" said nothing
     assert "DDR 13.60 KB for tables" in msg, msg  # the cluster: 2 ranks x 8 KB, less the reserved 15%
+    assert "HBM" not in msg, msg  # a CPU rank has none: "HBM 0 bytes + " before every figure was noise
 
 
 def test_many_tables_that_do_not_fit_are_counted_not_listed_one_per_line():

@@ -312,12 +312,16 @@ class EmbeddingShardingPlanner:
                 raise PlannerError(
                     f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) is larger than the whole "
                     f"cluster: it needs {_gb(smallest.totals[HBM] + smallest.totals[DDR])} at least "
-                    f"({smallest.describe()}: {_mem(smallest.totals)}) but {self.topology.world_size} ranks "
-                    f"hold {_mem(caps * self.topology.world_size)} for tables. {_fixes(self.topology)}"
+                    f"({smallest.describe()}: {self._mem(smallest.totals)}) but {self.topology.world_size} ranks "
+                    f"hold {self._mem(caps * self.topology.world_size)} for tables. {_fixes(self.topology)}"
                 )
             # cheapest total work first; the enumeration order breaks ties
             options.append(sorted(opts, key=lambda o: (round(o.total_ms, 12), o.total_bytes)))
         return options
+
+    def _mem(self, pair) -> str:
+        # CPU ranks have no HBM: "HBM 0 bytes + DDR 1.23 MB" on every figure was noise
+        return _mem(pair) if self.topology.compute_device == "cuda" else f"DDR {_gb(pair[1])}"
 
     def _shard_too_big_message(self, spec: TableSpec, opts: list[ShardingOption], replicated: bool) -> str:
         caps = self.capacity
@@ -331,9 +335,10 @@ class EmbeddingShardingPlanner:
         )
         return (
             f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) has no allowed sharding whose shards fit one "
-            f"rank: its smallest, {least.describe()}, puts {_mem(least.max_piece_bytes)} on a rank, but a rank holds "
-            f"{_mem(caps)} for tables (reserved_fraction={self.reserved_fraction}). Fix: {how}, give each rank more "
-            f"memory (hbm_cap / ddr_cap), a smaller embedding_dim, or hash ids into fewer rows (lower num_embeddings)."
+            f"rank: its smallest, {least.describe()}, puts {self._mem(least.max_piece_bytes)} on a rank, but a rank "
+            f"holds {self._mem(caps)} for tables (reserved_fraction={self.reserved_fraction}). Fix: {how}, give each "
+            f"rank more memory (hbm_cap / ddr_cap), a smaller embedding_dim, or hash ids into fewer rows (lower "
+            f"num_embeddings)."
         )
 
     # --- planning -----------------------------------------------------------------------------
@@ -492,7 +497,7 @@ class EmbeddingShardingPlanner:
         failed = placement.failed
         shown = sorted(failed, key=lambda ti: (-options[ti][choice[ti]].total_bytes, ti))[:_MAX_FAILED_LISTED]
         lines = [
-            f"no plan fits {len(specs)} table(s) on {t.describe()}; per rank, tables may use {_mem(caps)} "
+            f"no plan fits {len(specs)} table(s) on {t.describe()}; per rank, tables may use {self._mem(caps)} "
             f"(reserved_fraction={self.reserved_fraction}). {len(failed)} table(s) could not be placed"
             + (f"; the {len(shown)} largest:" if len(shown) < len(failed) else ":")
         ]
@@ -501,8 +506,8 @@ class EmbeddingShardingPlanner:
             smallest = min(options[ti], key=lambda x: (x.total_bytes, x.describe()))
             lines.append(
                 f"  '{specs[ti].key}' ({specs[ti].rows} rows x dim {specs[ti].dim}): {o.describe()} needs "
-                f"{_mem(o.totals)} in all, {_mem(o.max_piece_bytes)} on its largest shard; its smallest "
-                f"option {smallest.describe()} needs {_mem(smallest.totals)}"
+                f"{self._mem(o.totals)} in all, {self._mem(o.max_piece_bytes)} on its largest shard; its smallest "
+                f"option {smallest.describe()} needs {self._mem(smallest.totals)}"
             )
         if len(shown) < len(failed):  # hundreds of alike lines buried the totals and the fix (49 KB for 500 tables)
             rest = sum(options[ti][choice[ti]].total_bytes for ti in failed if ti not in shown)
@@ -510,8 +515,8 @@ class EmbeddingShardingPlanner:
         need = np.sum([options[i][j].totals[:2] for i, j in enumerate(choice)], axis=0)
         least = sum(min(o.total_bytes for o in opts) for opts in options)
         lines.append(
-            f"All tables together need {_mem(need)} as last proposed, and {_gb(least)} at the least (each "
-            f"table on its smallest option); the cluster holds {_mem(caps * t.world_size)}."
+            f"All tables together need {self._mem(need)} as last proposed, and {_gb(least)} at the least (each "
+            f"table on its smallest option); the cluster holds {self._mem(caps * t.world_size)}."
         )
         lines.append(_fixes(t))
         return "\n".join(lines)
