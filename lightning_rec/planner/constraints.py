@@ -143,7 +143,7 @@ class ParameterConstraints:
                 f"float16 tables round as the kernel does (fbgemm: stochastically, its default); leave it out"
             )
         refused = {
-            "output_dtype": "embeddings come out in the table's data_type (EmbeddingBagConfig(data_type=...))",
+            "output_dtype": "embeddings come out in float32, from float16 tables too",
             "device_group": "one kind of device per plan: Topology(compute_device=...)",
             "key_value_params": "SSD / parameter-server tables are not supported; tables live in device or host memory",
         }
