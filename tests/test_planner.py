@@ -212,6 +212,20 @@ def test_table_larger_than_the_cluster():
         EmbeddingShardingPlanner(cpu(2, ddr_cap=64 * GB), print_stats=False).plan(tables)
 
 
+def test_a_gpu_too_small_for_a_batch_says_so_not_that_the_table_is_larger_than_the_cluster():
+    """1 MB of HBM per rank and 512 GB of host memory: 'table t0 is larger than the whole cluster: it needs 19.24 GB
+    (table_wise (fused): HBM 19.24 GB)' and 'let tables live in host memory', while its fused_uvm option lacked
+    only device memory for a batch's ids and embeddings."""
+    tables, _ = dlrm_tables()
+    topo = Topology(world_size=2, compute_device="cuda", hbm_cap=2**20, ddr_cap=512 * GB)
+    with pytest.raises(PlannerError) as err:
+        dlrm_planner(topo).plan(tables)
+    msg = str(err.value)
+    assert "does not fit the cluster's device memory: its closest option, table_wise (fused_uvm)" in msg, msg
+    assert "batch_size=8192" in msg and "hbm_cap" in msg, msg
+    assert "larger than the whole cluster" not in msg and "live in host memory" not in msg, msg
+
+
 def test_a_data_parallel_table_larger_than_one_rank_does_not_ask_for_more_ranks():
     """Each rank holds a whole copy of a data_parallel table: more ranks never make it fit (the message said so, as
     'larger than the whole cluster'). It names the per-rank shortfall and the sharded types instead."""

@@ -29,6 +29,7 @@ from lightning_rec.planner.estimate import (
     COMPUTE,
     DDR,
     HBM,
+    UVM_KERNELS,
     CostModel,
     ShardingOption,
     TableSpec,
@@ -308,16 +309,27 @@ class EmbeddingShardingPlanner:
                 # copied whole to every rank, so it needs as much more memory as ranks are added).
                 raise PlannerError(self._shard_too_big_message(spec, opts, replicated))
             if not fit:
-                smallest = min(opts, key=lambda o: (o.total_bytes, o.describe()))
-                raise PlannerError(
-                    f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) is larger than the whole "
-                    f"cluster: it needs {_gb(smallest.totals[HBM] + smallest.totals[DDR])} at least "
-                    f"({smallest.describe()}: {self._mem(smallest.totals)}) but {self.topology.world_size} ranks "
-                    f"hold {self._mem(caps * self.topology.world_size)} for tables. {_fixes(self.topology)}"
-                )
+                raise PlannerError(self._too_big_for_cluster_message(spec, opts))
             # cheapest total work first; the enumeration order breaks ties
             options.append(sorted(opts, key=lambda o: (round(o.total_ms, 12), o.total_bytes)))
         return options
+
+    def _too_big_for_cluster_message(self, spec: TableSpec, opts: list[ShardingOption]) -> str:
+        cluster = self.capacity * self.topology.world_size
+        # the option closest to fitting, not the one of fewest bytes: with a small hbm_cap the fused one (19 GB of
+        # HBM) was named, and "let tables live in host memory" advised, while fused_uvm lacked only HBM for a batch
+        closest = min(opts, key=lambda o: (float(np.maximum(o.totals[:2] - cluster, 0).sum()), o.total_bytes,
+                                           o.describe()))
+        needs = (f"its closest option, {closest.describe()}, needs {self._mem(closest.totals)} but "
+                 f"{self.topology.world_size} ranks hold {self._mem(cluster)} for tables")
+        if closest.kernel in UVM_KERNELS and closest.totals[DDR] <= cluster[DDR]:
+            return (f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) does not fit the cluster's device memory: "
+                    f"{needs}. Its rows fit in host memory; what does not fit is device memory for its batch buffers "
+                    f"(the ids and embeddings of a batch, batch_size={self.cost.batch_size} per rank, and "
+                    f"fused_uvm_caching's cache; more ranks do not shrink them). Fix: give each rank more device "
+                    f"memory (hbm_cap), or plan a smaller batch_size.")
+        return (f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) is larger than the whole cluster: {needs}. "
+                f"{_fixes(self.topology)}")
 
     def _mem(self, pair) -> str:
         # CPU ranks have no HBM: "HBM 0 bytes + DDR 1.23 MB" on every figure was noise
