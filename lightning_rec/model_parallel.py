@@ -68,6 +68,7 @@ from lightning_rec.types import (
     ParameterSharding,
     ShardingPlan,
     ShardingType,
+    ShardMetadata,
 )
 
 DEFAULT_TIMEOUT_S = 300.0  # a peer still computing after 5 minutes is stuck; a mismatch is named in seconds
@@ -254,6 +255,14 @@ def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str,
         if st == ShardingType.DATA_PARALLEL:
             partial = [str(s) for s in ps.shards if tuple(s.shard_offsets) != (0, 0)
                        or tuple(s.shard_sizes) != (c.num_embeddings, c.embedding_dim)]
+            sizes = {(tuple(s.shard_offsets), tuple(s.shard_sizes)) for s in ps.shards}
+            copies = sorted(s.placement for s in ps.shards) == list(range(world_size))
+            if partial and copies and len(sizes) == 1 and next(iter(sizes))[0] == (0, 0):  # one per rank, all alike
+                other = next(iter(sizes))[1]
+                raise ValueError(f"table '{name}' is {c.num_embeddings} x {c.embedding_dim}, but its data_parallel "
+                                 f"copies in the plan are {other[0]} x {other[1]}: the plan was made for the table at "
+                                 f"another size (num_embeddings / embedding_dim changed since): plan again for this "
+                                 f"model (EmbeddingShardingPlanner(...).plan(model)), or use data_parallel()")
             if partial:  # every rank holds the whole table: such a shard would be printed, never built
                 raise ValueError(f"table '{name}' is planned data_parallel (a whole copy on every rank) but lists "
                                  f"shards that are not the whole {c.num_embeddings} x {c.embedding_dim} table: "
@@ -335,18 +344,43 @@ def _check_label(name: str, st: ShardingType, rows: int, ps: ParameterSharding) 
 
 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
-    empty = [str(s) for s in ps.shards if s.shard_sizes[1] <= 0]
+    other = _tiled_size(ps.shards)
+    if other is not None and other != (rows, dim):
+        # a plan saved (torch.save) or built for this table at another size: "do not follow the block rule" and
+        # "fix size_per_rank" sent the user to edit shards that were right for the table they were planned for
+        raise ValueError(f"table '{name}' is {rows} x {dim}, but its shards in the plan tile a {other[0]} x {other[1]} "
+                         f"table: the plan was made for the table at another size (num_embeddings / embedding_dim "
+                         f"changed since): plan again for this model (EmbeddingShardingPlanner(...).plan(model)), or "
+                         f"rebuild its entry with construct_module_sharding_plan")
+    _check_tiling_of(name, rows, dim, ps.shards)
+
+
+def _tiled_size(shards) -> tuple[int, int] | None:
+    """(rows, dim) of the table these shards tile exactly, None if they tile none."""
+    if not shards:
+        return None
+    size = (max(s.shard_offsets[0] + s.shard_sizes[0] for s in shards),
+            max(s.shard_offsets[1] + s.shard_sizes[1] for s in shards))
+    try:
+        _check_tiling_of("", *size, shards)
+    except ValueError:
+        return None
+    return size
+
+
+def _check_tiling_of(name: str, rows: int, dim: int, all_shards: Sequence[ShardMetadata]) -> None:
+    empty = [str(s) for s in all_shards if s.shard_sizes[1] <= 0]
     if empty:  # a 0-column block tiles nothing, and no kernel takes a table of dim 0
         raise ValueError(f"table '{name}': shard(s) {empty} have no columns: every column block needs at least one "
                          f"column; fix size_per_rank (or the shards) so the blocks add up to {dim}")
     blocks: dict[int, list] = {}
-    for s in ps.shards:
+    for s in all_shards:
         blocks.setdefault(s.shard_offsets[1], []).append(s)
     col = 0
     for c0, shards in sorted(blocks.items()):
         widths = {s.shard_sizes[1] for s in shards}
         if c0 != col or len(widths) != 1:
-            raise ValueError(f"table '{name}': its shards' columns {[str(s) for s in ps.shards]} do not tile the dim "
+            raise ValueError(f"table '{name}': its shards' columns {[str(s) for s in all_shards]} do not tile the dim "
                              f"{dim} in blocks: fix size_per_rank (or the shards) so the blocks add up to {dim}")
         col += widths.pop()
         shards = sorted(shards, key=lambda s: s.shard_offsets[0])

@@ -241,7 +241,8 @@ class RecStrategy(DDPStrategy):
         if not self.is_global_zero:  # rank 0 plans; the others only receive the plan
             return
         stats = planner.stats
-        print(stats, flush=True)
+        if not getattr(planner, "print_stats", False):  # a planner of the user's (print_stats=True) printed it already
+            print(stats, flush=True)
         logger = self._lightning_module.trainer.logger
         if logger is not None and callable(getattr(logger, "log_table", None)):
             columns, rows = stats.rank_rows()

@@ -73,9 +73,21 @@ class ParameterSharding:
     ranks: list[int] = field(default_factory=list)
     shards: list[ShardMetadata] = field(default_factory=list)
 
+    # TorchRec's per-table kernel settings, in its order after sharding_spec: None (its default) reads and passes as
+    # there; a value is refused in __init__ with the setting that does its job here (_TORCHREC_SETTINGS)
+    cache_params = enforce_hbm = stochastic_rounding = bounds_check_mode = output_dtype = key_value_params = None
+
     def __init__(self, sharding_type: ShardingType, compute_kernel: ComputeKernel = ComputeKernel.FUSED,
                  ranks: list[int] | None = None, shards: list[ShardMetadata] | None = None,
-                 sharding_spec=None) -> None:
+                 sharding_spec=None, cache_params=None, enforce_hbm: bool | None = None,
+                 stochastic_rounding: bool | None = None, bounds_check_mode=None, output_dtype=None,
+                 key_value_params=None) -> None:
+        given = dict(cache_params=cache_params, enforce_hbm=enforce_hbm, stochastic_rounding=stochastic_rounding,
+                     bounds_check_mode=bounds_check_mode, output_dtype=output_dtype, key_value_params=key_value_params)
+        for name, value in given.items():
+            if value is not None:  # a ported plan's setting was a TypeError 'unexpected keyword argument'
+                raise ValueError(f"ParameterSharding({name}={value!r}) is TorchRec's; a plan here carries no such "
+                                 f"setting: {_TORCHREC_SETTINGS[name]}; leave it out (None)")
         if sharding_spec is not None:
             if shards:
                 raise ValueError("ParameterSharding got both shards and sharding_spec: pass one of them")
@@ -104,6 +116,16 @@ class ParameterSharding:
     def __str__(self) -> str:
         pieces = "; ".join(str(s) for s in self.shards) if self.shards else f"ranks {self.ranks}"
         return f"{self.sharding_type} ({self.compute_kernel}) -> {pieces}"
+
+
+_TORCHREC_SETTINGS = {
+    "cache_params": "fused_uvm_caching caches fbgemm's default share of rows (20%)",
+    "enforce_hbm": "the compute_kernel says where the table lives ('fused': device memory)",
+    "stochastic_rounding": "float16 tables round as the kernel does (fbgemm: stochastically, its default)",
+    "bounds_check_mode": "ids are always checked, naming the feature and table",
+    "output_dtype": "embeddings come out in float32, from float16 tables too",
+    "key_value_params": "SSD / parameter-server tables are not supported",
+}
 
 
 def _placement_rank(placement) -> int:

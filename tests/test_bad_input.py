@@ -423,6 +423,10 @@ def test_a_plan_bigger_than_the_gpu_is_explained_before_any_allocation():
     spread = ShardingPlan({"": construct_module_sharding_plan(stub, {f"t{i}": row_wise() for i in range(4)},
                                                               world_size=2, local_size=2)})
     check_plan_fits(plan_device_bytes(spread, {"": stub}, 2), 16 * 2**30)  # half each: fits
+    # fbgemm pads rows to 4 columns on GPU: a dim-2 table holds twice the weights its dim says
+    tables[:] = [EmbeddingBagConfig(name="t0", num_embeddings=1000, embedding_dim=2, feature_names=["f0"])]
+    narrow = ShardingPlan({"": construct_module_sharding_plan(stub, {"t0": table_wise(rank=0)}, world_size=2)})
+    assert plan_device_bytes(narrow, {"": stub}, 2)[0] == {"t0": 1000 * (4 * 4 + 4)}
 
 
 def test_check_op_passes_opcheck():
@@ -468,6 +472,20 @@ def test_planner_prices_each_collection_by_its_own_fused_optimizer():
     plan = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu")).plan(model)
     assert str(plan.plan["users"]["u"].sharding_type) == "data_parallel"  # small: replicated, as before
     assert str(plan.plan["goods"]["i"].sharding_type) != "data_parallel"
+
+
+def test_a_reused_planner_does_not_keep_the_last_models_fused_optimizer():
+    """A planner that planned an adam model went on pricing adam for the next model without a fused update of its
+    own (or a list of configs), and never replicated its small tables."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=64, feature_names=[f"f{i}"])
+              for i, rows in enumerate([4, 100_000])]
+    planner = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu"), print_stats=False)
+    fresh = planner.plan(tables)
+    assert str(fresh.plan[""]["t0"].sharding_type) == "data_parallel"
+    planner.plan(EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("adam"), device=torch.device("meta")))
+    assert planner.plan(tables) == fresh
 
 
 def test_missing_fbgemm_names_the_pair_to_install():

@@ -444,6 +444,32 @@ def test_a_saved_plan_and_sharded_state_load_with_torch_loads_default_weights_on
     assert str(back["plan"]) == str(plan) and torch.equal(back["table"].full(), table.full())
 
 
+def test_a_saved_plan_for_tables_of_another_size_says_so():
+    """A plan saved (or planned) before num_embeddings / embedding_dim changed: a table_wise table's one shard was
+    refused as 'row shards do not follow the block rule', a new dim as 'fix size_per_rank', both asking to edit
+    shards that were right for the table they were planned for."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    names = ("tw", "rw", "cw", "dp")
+
+    def ebc(changed: str | None = None, rows: int = 1000, dim: int = 64) -> EmbeddingBagCollection:
+        tables = [EmbeddingBagConfig(name=t, num_embeddings=rows if t == changed else 1000,
+                                     embedding_dim=dim if t == changed else 64, feature_names=[t]) for t in names]
+        return EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1),
+                                      device=torch.device("meta"))
+
+    constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in
+                   zip(names, ("table_wise", "row_wise", "column_wise", "data_parallel"))}
+    planner = EmbeddingShardingPlanner(Topology(world_size=2), constraints=constraints, print_stats=False)
+    saved = planner.plan(ebc()).plan[""]
+    validate_module_plan("", ebc(), saved, 2)
+    for rows, dim in ((3000, 64), (999, 64), (1000, 32)):
+        for table in names:
+            changed = ebc(table, rows, dim)
+            _expect_error(lambda: validate_module_plan("", changed, saved, 2), f"'{table}'",  # noqa: B023 - called now
+                          f"is {rows} x {dim}", "1000 x 64", "another size", "plan again")
+
+
 def test_plan_that_is_not_a_sharding_plan_is_named():
     """A dict of module plans, or one collection's plan, failed with AttributeError: 'dict' object has no
     attribute 'plan' (after the process-group check, so the test needs a group of one)."""

@@ -16,6 +16,7 @@ from lightning_rec.planner import (
     ParameterConstraints,
     PlannerError,
     PlanStats,
+    TableStats,
     Topology,
 )
 from lightning_rec.planner.estimate import optimizer_state_bytes_per_row
@@ -136,6 +137,20 @@ def test_bad_constraints():
         ParameterConstraints(compute_kernels=[])
 
 
+def test_a_misspelt_sharding_type_or_kernel_names_the_one_meant():
+    with pytest.raises(ValueError, match=r"unknown sharding type 'rowwise' \(did you mean 'row_wise'\?\)"):
+        ParameterConstraints(sharding_types=["table_wise", "rowwise"])
+    with pytest.raises(ValueError, match=r"'Fused-UVM' \(did you mean 'fused_uvm'\?\)"):
+        ParameterConstraints(compute_kernels=["Fused-UVM"])
+
+
+def test_pooling_factor_given_as_text_is_one_figure():
+    """pooling_factors="12" (as YAML or a command line may give it) was iterated: two features of 1.0 and 2.0."""
+    assert ParameterConstraints(pooling_factors="12").pooling_factors == [12.0]
+    with pytest.raises(ValueError, match="pooling_factors='many'"):
+        ParameterConstraints(pooling_factors="many")
+
+
 @pytest.mark.parametrize("pf", [0.0, -2.0, float("inf")])  # inf was taken: every option priced at inf ms
 def test_pooling_factor_not_positive_names_the_table(pf):
     planner = EmbeddingShardingPlanner(
@@ -197,6 +212,20 @@ def test_table_larger_than_the_cluster():
         EmbeddingShardingPlanner(cpu(2, ddr_cap=64 * GB), print_stats=False).plan(tables)
 
 
+def test_a_gpu_too_small_for_a_batch_says_so_not_that_the_table_is_larger_than_the_cluster():
+    """1 MB of HBM per rank and 512 GB of host memory: 'table t0 is larger than the whole cluster: it needs 19.24 GB
+    (table_wise (fused): HBM 19.24 GB)' and 'let tables live in host memory', while its fused_uvm option lacked
+    only device memory for a batch's ids and embeddings."""
+    tables, _ = dlrm_tables()
+    topo = Topology(world_size=2, compute_device="cuda", hbm_cap=2**20, ddr_cap=512 * GB)
+    with pytest.raises(PlannerError) as err:
+        dlrm_planner(topo).plan(tables)
+    msg = str(err.value)
+    assert "does not fit the cluster's device memory: its closest option, table_wise (fused_uvm)" in msg, msg
+    assert "batch_size=8192" in msg and "hbm_cap" in msg, msg
+    assert "larger than the whole cluster" not in msg and "live in host memory" not in msg, msg
+
+
 def test_a_data_parallel_table_larger_than_one_rank_does_not_ask_for_more_ranks():
     """Each rank holds a whole copy of a data_parallel table: more ranks never make it fit (the message said so, as
     'larger than the whole cluster'). It names the per-rank shortfall and the sharded types instead."""
@@ -256,6 +285,20 @@ def test_no_option_message_leads_with_the_reason_not_kernels_nobody_asked_for():
     assert "UVM kernels need compute_device='cuda'" in msg, msg
 
 
+def test_no_option_message_says_a_reason_once_for_the_sharding_types_it_excludes():
+    """compute_kernels=['fused_uvm'] with enforce_hbm=True said 'table_wise (fused_uvm): enforce_hbm=True keeps the
+    table in device memory; row_wise (fused_uvm): enforce_hbm=True keeps ...' six times over."""
+    gpus = Topology(world_size=2, compute_device="cuda", hbm_cap=8 * GB, ddr_cap=8 * GB)
+    c = {"s2": ParameterConstraints(compute_kernels=["fused_uvm"], enforce_hbm=True)}
+    with pytest.raises(PlannerError) as err:
+        EmbeddingShardingPlanner(gpus, c, print_stats=False).plan(small_tables())
+    msg = str(err.value)
+    assert msg.count("enforce_hbm=True keeps") == 1, msg
+    assert "table_wise, row_wise, column_wise, table_row_wise, table_column_wise, grid_shard (fused_uvm): " \
+           "enforce_hbm=True keeps the table in device memory" in msg, msg
+    assert "data_parallel (fused_uvm): data_parallel runs the dense kernel only" in msg, msg
+
+
 def test_planner_error_is_a_value_error():
     assert issubclass(PlannerError, ValueError)
 
@@ -263,6 +306,21 @@ def test_planner_error_is_a_value_error():
 def test_stats_before_plan():
     with pytest.raises(ValueError, match="call planner.plan"):
         _ = EmbeddingShardingPlanner(cpu()).stats
+
+
+def test_printed_stats_show_small_memory_in_units_that_show_it():
+    """The recipes' 26 tables of 1000 x 16 (2.9 MB a rank) printed "0.00/0.00  0.00/10.01" in GB columns on CPU: the
+    memory column said nothing, and the HBM column (0 of 0 on a CPU rank) was noise."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=1000, embedding_dim=16) for i in range(4)]
+    planner = EmbeddingShardingPlanner(cpu(2, ddr_cap=8 * GB), print_stats=False)
+    planner.plan(tables)
+    text = str(planner.stats)
+    assert "HBM" not in text.splitlines()[1] and "0.00/" not in text, text
+    assert "KB/6.8 GB" in text, text  # used in KB, the cap (8 GB less the reserved 15%) in GB
+    cuda = Topology(world_size=2, compute_device="cuda", hbm_cap=16 * GB, ddr_cap=64 * GB)
+    planner = EmbeddingShardingPlanner(cuda, print_stats=False)
+    planner.plan(tables)
+    assert "HBM used/cap" in str(planner.stats) and "KB/13.6 GB" in str(planner.stats), str(planner.stats)
 
 
 # --- plans ----------------------------------------------------------------------------------------
@@ -313,6 +371,7 @@ def test_a_small_cluster_is_explained_in_units_that_show_the_numbers():
     msg = str(err.value)
     assert "0.00 GB" not in msg and "KB" in msg, msg  # "needs 0.00 GB, holds 0.00 GB" said nothing
     assert "DDR 13.60 KB for tables" in msg, msg  # the cluster: 2 ranks x 8 KB, less the reserved 15%
+    assert "HBM" not in msg, msg  # a CPU rank has none: "HBM 0 bytes + " before every figure was noise
 
 
 def test_many_tables_that_do_not_fit_are_counted_not_listed_one_per_line():
@@ -520,6 +579,34 @@ def test_shard_cost_counts_weights_state_and_buffers():
     )
 
 
+def test_storage_is_priced_at_the_width_the_kernel_allocates():
+    """fbgemm pads rows to a multiple of 4 columns (every GPU table; sequence tables on CPU): a dim-6 sequence table
+    allocated 43% more than its plan said, a dim-1 table on GPU 4 times as much."""
+    import dataclasses
+
+    from lightning_rec.embedding import EmbeddingCollection
+    from lightning_rec.optim import FusedOptimizerConfig
+    from lightning_rec.planner.estimate import CostModel
+
+    rows, dim, st = 1000, 6, ShardingType.TABLE_WISE
+    seq = EmbeddingCollection(tables=[EmbeddingConfig(name="t", num_embeddings=rows, embedding_dim=dim)],
+                              optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+    tbe = seq.fused_kernels()[0].tbe
+    allocated = sum(t.untyped_storage().nbytes() for t in (tbe.weights_host, tbe.momentum1_host))
+    cost = CostModel(cpu(1), batch_size=8, optimizer="rowwise_adagrad", pipelined=False)
+    spec = dataclasses.replace(_spec(rows, dim), pooled=False)
+
+    def storage(cost, spec, kernel=ComputeKernel.FUSED, memory=1):  # less the batch buffers (a 0-row shard's)
+        shard = cost.shard_cost(spec, st, kernel, rows, spec.dim)[memory]
+        return shard - cost.shard_cost(spec, st, kernel, 0, spec.dim)[memory]
+
+    assert storage(cost, spec) == allocated == rows * 8 * 4 + rows * 4
+    assert storage(cost, _spec(rows, dim)) == rows * dim * 4 + rows * 4  # CPU bags: the native kernel, unpadded
+    gpu = CostModel(Topology(world_size=1, compute_device="cuda", hbm_cap=8 * GB, ddr_cap=8 * GB), batch_size=8)
+    assert storage(gpu, _spec(rows, 1), memory=0) == rows * 4 * 4 + rows * 4
+    assert storage(gpu, _spec(rows, 1), ComputeKernel.FUSED_UVM) == rows * 4 * 4 + rows * 4
+
+
 def test_uvm_caching_puts_its_cache_in_device_memory():
     from lightning_rec.planner.estimate import CostModel
 
@@ -578,3 +665,17 @@ def test_constraints_take_torchrecs_fields_in_its_order_and_refuse_what_would_ch
                           (dict(key_value_params={}), "SSD")]:
         with pytest.raises(ValueError, match=words):
             ParameterConstraints(**kwargs)
+
+
+def test_a_weighted_collection_is_priced_with_its_weights():
+    """A weighted EmbeddingBagCollection's ids carry 4 more bytes each; the planner priced them unweighted unless
+    ParameterConstraints(is_weighted=True) said it again."""
+    def cost(weighted: bool, constraints=None) -> TableStats:
+        ebc = EmbeddingBagCollection(tables=small_tables(1), is_weighted=weighted, device=torch.device("meta"))
+        constraints = {"s0": ParameterConstraints(sharding_types=["table_wise"], **(constraints or {}))}
+        planner = EmbeddingShardingPlanner(cpu(2), constraints, print_stats=False)
+        planner.plan(ebc)
+        return planner.stats.tables[0]
+
+    assert cost(True).ms > cost(False).ms and cost(True).ddr_bytes > cost(False).ddr_bytes
+    assert cost(True) == cost(False, {"is_weighted": True})

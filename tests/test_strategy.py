@@ -590,6 +590,17 @@ def test_collections_with_different_fused_optimizers_are_planned_by_their_own(tm
     assert str(plan["adam_ebc"]["a"].sharding_type) != "data_parallel"
 
 
+def test_a_planner_of_ones_own_prints_its_table_once(tmp_path, capsys):
+    """RecStrategy(planner=EmbeddingShardingPlanner(topology)) (print_stats=True, its default): the planner printed
+    its per-rank table, then the strategy printed it again."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+
+    data, kw = _one_table_fit(tmp_path, max_steps=1)
+    planner = EmbeddingShardingPlanner(Topology(world_size=1))
+    L.Trainer(strategy=RecStrategy(planner=planner), **kw).fit(_OwnModule(), data)
+    assert capsys.readouterr().out.count("planner: 1 ranks") == 1
+
+
 def test_a_dense_only_optimizer_beside_fused_tables_is_said(tmp_path):
     """configure_optimizers returning the dense optimizer alone: the tables trained on at their configured rate,
     untouched by the user's LR scheduler, and the checkpoints held none of their optimizer state, without a word."""

@@ -389,3 +389,18 @@ def test_parameter_sharding_takes_torchrecs_sharding_spec_and_names_shards_when_
         ps.sharding_spec  # noqa: B018
     with pytest.raises(ValueError, match="both shards and sharding_spec"):
         ParameterSharding("row_wise", shards=ps.shards, sharding_spec=spec)
+
+
+def test_parameter_sharding_takes_torchrecs_other_fields_at_their_defaults():
+    """TorchRec's ParameterSharding(..., cache_params=None, enforce_hbm=None, ...) was TypeError 'unexpected keyword
+    argument', and reading ps.cache_params an AttributeError; a value is refused naming what does its job here."""
+    from lightning_rec.types import ParameterSharding
+
+    fields = ("cache_params", "enforce_hbm", "stochastic_rounding", "bounds_check_mode", "output_dtype",
+              "key_value_params")
+    ps = ParameterSharding("table_wise", "fused", [0], None, None, *[None] * len(fields))
+    assert ps == ParameterSharding("table_wise", "fused", [0]) and all(getattr(ps, f) is None for f in fields)
+    with pytest.raises(ValueError, match=r"ParameterSharding\(enforce_hbm=True\) is TorchRec's.*compute_kernel"):
+        ParameterSharding("table_wise", "fused", [0], enforce_hbm=True)
+    with pytest.raises(ValueError, match=r"cache_params=.*fbgemm's default share of rows"):
+        ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_params={"load_factor": 0.5})

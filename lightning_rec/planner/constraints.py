@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ def _enum_list(values, enum, field_name: str, table: str) -> list | None:
             out.append(enum(str(v.value if isinstance(v, enum) else v).lower()))
         except ValueError:
             valid = ", ".join(e.value for e in enum)
+            close = difflib.get_close_matches(str(v).lower().replace("-", "_"), [e.value for e in enum], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ValueError(
-                f"ParameterConstraints{table}: unknown {field_name} {v!r}: choose from {valid}"
+                f"ParameterConstraints{table}: unknown {field_name} {v!r}{hint}: choose from {valid}"
             ) from None
     if not out:
         raise ValueError(
@@ -74,7 +77,13 @@ class ParameterConstraints:
         self.sharding_types = _enum_list(self.sharding_types, ShardingType, "sharding type", "")
         self.compute_kernels = _enum_list(self.compute_kernels, ComputeKernel, "compute kernel", "")
         pf = self.pooling_factors
-        self.pooling_factors = [float(pf)] if isinstance(pf, (int, float)) else [float(p) for p in pf]
+        try:  # a str is one figure (a YAML "2.5"): iterated, "12" read as two features of 1.0 and 2.0
+            self.pooling_factors = [float(pf)] if isinstance(pf, (int, float, str)) else [float(p) for p in pf]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"ParameterConstraints pooling_factors={pf!r}: give the mean ids per sample, a number or one per "
+                f"feature of the table (pooling_factors=[2.0, 1.5])"
+            ) from None
         if not self.pooling_factors:
             raise ValueError(
                 "ParameterConstraints pooling_factors=[]: give one ids-per-sample figure per feature"
@@ -134,7 +143,7 @@ class ParameterConstraints:
                 f"float16 tables round as the kernel does (fbgemm: stochastically, its default); leave it out"
             )
         refused = {
-            "output_dtype": "embeddings come out in the table's data_type (EmbeddingBagConfig(data_type=...))",
+            "output_dtype": "embeddings come out in float32, from float16 tables too",
             "device_group": "one kind of device per plan: Topology(compute_device=...)",
             "key_value_params": "SSD / parameter-server tables are not supported; tables live in device or host memory",
         }

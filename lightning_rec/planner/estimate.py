@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_rec.lookup import pad_multiple, padded_dim
 from lightning_rec.optim import EmbOptimType
 from lightning_rec.planner.constraints import (
     DEFAULT_CACHE_LOAD_FACTOR,
@@ -173,6 +174,14 @@ class CostModel:
         clf = spec.constraints.cache_load_factor
         return DEFAULT_CACHE_LOAD_FACTOR if clf is None else clf
 
+    def stored_cols(self, spec: TableSpec, cols: int) -> int:
+        """Columns a shard's rows take in memory. fbgemm's kernel pads them to a multiple of 4 (lookup.py): every
+        table on GPU, and sequence tables on CPU (the native CPU kernel pools only). Priced at `cols`, a dim-1 table
+        on GPU took 4 times the memory the plan gave it."""
+        if self.topology.compute_device == "cuda" or not spec.pooled:
+            return padded_dim(cols, pad_multiple("fbgemm"))
+        return cols
+
     def shard_cost(
         self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int, cols: int
     ) -> tuple[float, float, float, float]:
@@ -190,9 +199,10 @@ class CostModel:
         )
         opt_row = optimizer_state_bytes_per_row(self.optimizer, cols)
 
-        # storage
-        weights = rows * cols * spec.elem_bytes
-        state = rows * opt_row
+        # storage: rows as the kernel allocates them
+        stored = self.stored_cols(spec, cols)
+        weights = rows * stored * spec.elem_bytes
+        state = rows * optimizer_state_bytes_per_row(self.optimizer, stored)
         if kernel == ComputeKernel.DENSE:
             state += rows * cols * 4  # the dense gradient autograd materialises
         io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
@@ -201,7 +211,7 @@ class CostModel:
         elif kernel in UVM_KERNELS:
             hbm, ddr = io, weights + state
             if kernel == ComputeKernel.FUSED_UVM_CACHING:
-                hbm += math.ceil(self.cache_load_factor(spec) * rows) * cols * spec.elem_bytes
+                hbm += math.ceil(self.cache_load_factor(spec) * rows) * stored * spec.elem_bytes
         else:
             hbm, ddr = weights + state + io, 0.0
 

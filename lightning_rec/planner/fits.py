@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from lightning_rec.lookup import pad_multiple, padded_dim
 from lightning_rec.planner.estimate import optimizer_state_bytes_per_row
 from lightning_rec.types import ComputeKernel, ShardingType
 
@@ -38,6 +39,7 @@ def device_bytes_by_rank(plan_by_module: Mapping[str, Mapping], configs_by_modul
             else:
                 pieces = [(s.placement, s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
             for rank, rows, cols in pieces:
+                cols = padded_dim(cols, pad_multiple("fbgemm"))  # GPU tables run on fbgemm, which pads rows to 4
                 per_row = cols * elem + optimizer_state_bytes_per_row(optimizer, cols)
                 label = f"{path}.{name}" if path else name
                 out[rank][label] = out[rank].get(label, 0) + int(rows * per_row * share)

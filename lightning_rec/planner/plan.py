@@ -29,6 +29,7 @@ from lightning_rec.planner.estimate import (
     COMPUTE,
     DDR,
     HBM,
+    UVM_KERNELS,
     CostModel,
     ShardingOption,
     TableSpec,
@@ -45,6 +46,8 @@ from lightning_rec.types import (
     ShardingPlan,
     ShardingType,
 )
+
+_DEFAULT_OPTIMIZER = "rowwise_adagrad"  # prices tables whose collection has no fused update of its own
 
 
 class PlannerError(ValueError):
@@ -202,7 +205,7 @@ class EmbeddingShardingPlanner:
         # None: the fused optimizer of the module being planned (plan()), else row-wise Adagrad.
         self._optimizer_given = optimizer is not None
         self._cost_args = (batch_size, pipelined)
-        self._set_optimizer(optimizer if optimizer is not None else "rowwise_adagrad")
+        self._set_optimizer(optimizer if optimizer is not None else _DEFAULT_OPTIMIZER)
         self.reserved_fraction = reserved_fraction
         self.max_shard_fraction = max_shard_fraction
         self.max_proposals = max_proposals
@@ -226,6 +229,8 @@ class EmbeddingShardingPlanner:
     def _specs(self, module) -> list[TableSpec]:
         specs: list[TableSpec] = []
         names: set[str] = set()
+        weighted = {path for path, m in (module.named_modules() if hasattr(module, "named_modules") else [])
+                    if callable(getattr(m, "is_weighted", None)) and m.is_weighted()}
         for path, configs, pooled in find_tables(module):
             in_module: set[str] = set()
             for cfg in configs:
@@ -265,7 +270,9 @@ class EmbeddingShardingPlanner:
                         pooled=_is_pooled(cfg) if pooled is None else pooled,
                         num_features=len(features),
                         pooling_factors=pfs,
-                        is_weighted=c.is_weighted,
+                        # a weighted collection's ids carry weights whatever the constraints say (TorchRec reads it
+                        # from the module too); they were priced unweighted unless is_weighted=True was repeated there
+                        is_weighted=c.is_weighted or path in weighted,
                         constraints=c,
                     )
                 )
@@ -288,7 +295,7 @@ class EmbeddingShardingPlanner:
         for spec in specs:
             opts, reasons = enumerate_options(spec, self._cost(spec), tuple(caps * self.max_shard_fraction))
             if not opts:
-                why = "; ".join(reasons) or "no sharding type allowed"
+                why = "; ".join(_grouped(reasons)) or "no sharding type allowed"
                 raise PlannerError(
                     f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
                     f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it"
@@ -302,16 +309,31 @@ class EmbeddingShardingPlanner:
                 # copied whole to every rank, so it needs as much more memory as ranks are added).
                 raise PlannerError(self._shard_too_big_message(spec, opts, replicated))
             if not fit:
-                smallest = min(opts, key=lambda o: (o.total_bytes, o.describe()))
-                raise PlannerError(
-                    f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) is larger than the whole "
-                    f"cluster: it needs {_gb(smallest.totals[HBM] + smallest.totals[DDR])} at least "
-                    f"({smallest.describe()}: {_mem(smallest.totals)}) but {self.topology.world_size} ranks "
-                    f"hold {_mem(caps * self.topology.world_size)} for tables. {_fixes(self.topology)}"
-                )
+                raise PlannerError(self._too_big_for_cluster_message(spec, opts))
             # cheapest total work first; the enumeration order breaks ties
             options.append(sorted(opts, key=lambda o: (round(o.total_ms, 12), o.total_bytes)))
         return options
+
+    def _too_big_for_cluster_message(self, spec: TableSpec, opts: list[ShardingOption]) -> str:
+        cluster = self.capacity * self.topology.world_size
+        # the option closest to fitting, not the one of fewest bytes: with a small hbm_cap the fused one (19 GB of
+        # HBM) was named, and "let tables live in host memory" advised, while fused_uvm lacked only HBM for a batch
+        closest = min(opts, key=lambda o: (float(np.maximum(o.totals[:2] - cluster, 0).sum()), o.total_bytes,
+                                           o.describe()))
+        needs = (f"its closest option, {closest.describe()}, needs {self._mem(closest.totals)} but "
+                 f"{self.topology.world_size} ranks hold {self._mem(cluster)} for tables")
+        if closest.kernel in UVM_KERNELS and closest.totals[DDR] <= cluster[DDR]:
+            return (f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) does not fit the cluster's device memory: "
+                    f"{needs}. Its rows fit in host memory; what does not fit is device memory for its batch buffers "
+                    f"(the ids and embeddings of a batch, batch_size={self.cost.batch_size} per rank, and "
+                    f"fused_uvm_caching's cache; more ranks do not shrink them). Fix: give each rank more device "
+                    f"memory (hbm_cap), or plan a smaller batch_size.")
+        return (f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) is larger than the whole cluster: {needs}. "
+                f"{_fixes(self.topology)}")
+
+    def _mem(self, pair) -> str:
+        # CPU ranks have no HBM: "HBM 0 bytes + DDR 1.23 MB" on every figure was noise
+        return _mem(pair) if self.topology.compute_device == "cuda" else f"DDR {_gb(pair[1])}"
 
     def _shard_too_big_message(self, spec: TableSpec, opts: list[ShardingOption], replicated: bool) -> str:
         caps = self.capacity
@@ -325,9 +347,10 @@ class EmbeddingShardingPlanner:
         )
         return (
             f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) has no allowed sharding whose shards fit one "
-            f"rank: its smallest, {least.describe()}, puts {_mem(least.max_piece_bytes)} on a rank, but a rank holds "
-            f"{_mem(caps)} for tables (reserved_fraction={self.reserved_fraction}). Fix: {how}, give each rank more "
-            f"memory (hbm_cap / ddr_cap), a smaller embedding_dim, or hash ids into fewer rows (lower num_embeddings)."
+            f"rank: its smallest, {least.describe()}, puts {self._mem(least.max_piece_bytes)} on a rank, but a rank "
+            f"holds {self._mem(caps)} for tables (reserved_fraction={self.reserved_fraction}). Fix: {how}, give each "
+            f"rank more memory (hbm_cap / ddr_cap), a smaller embedding_dim, or hash ids into fewer rows (lower "
+            f"num_embeddings)."
         )
 
     # --- planning -----------------------------------------------------------------------------
@@ -367,8 +390,9 @@ class EmbeddingShardingPlanner:
         if not self._optimizer_given:
             fused = [m.fused_optimizer_config() for m in _modules(module)
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
-            if fused:  # the collections' own update decides state bytes and which sharding types apply
-                self._set_optimizer(fused[0])
+            # the collections' own update decides state bytes and which sharding types apply; none: the default
+            # (not the one an earlier plan() read: a planner reused for configs after an adam model priced adam)
+            self._set_optimizer(fused[0] if fused else _DEFAULT_OPTIMIZER)
         self._collection_costs(module)
         specs = self._specs(module)
         options = self._options(specs)
@@ -485,7 +509,7 @@ class EmbeddingShardingPlanner:
         failed = placement.failed
         shown = sorted(failed, key=lambda ti: (-options[ti][choice[ti]].total_bytes, ti))[:_MAX_FAILED_LISTED]
         lines = [
-            f"no plan fits {len(specs)} table(s) on {t.describe()}; per rank, tables may use {_mem(caps)} "
+            f"no plan fits {len(specs)} table(s) on {t.describe()}; per rank, tables may use {self._mem(caps)} "
             f"(reserved_fraction={self.reserved_fraction}). {len(failed)} table(s) could not be placed"
             + (f"; the {len(shown)} largest:" if len(shown) < len(failed) else ":")
         ]
@@ -494,8 +518,8 @@ class EmbeddingShardingPlanner:
             smallest = min(options[ti], key=lambda x: (x.total_bytes, x.describe()))
             lines.append(
                 f"  '{specs[ti].key}' ({specs[ti].rows} rows x dim {specs[ti].dim}): {o.describe()} needs "
-                f"{_mem(o.totals)} in all, {_mem(o.max_piece_bytes)} on its largest shard; its smallest "
-                f"option {smallest.describe()} needs {_mem(smallest.totals)}"
+                f"{self._mem(o.totals)} in all, {self._mem(o.max_piece_bytes)} on its largest shard; its smallest "
+                f"option {smallest.describe()} needs {self._mem(smallest.totals)}"
             )
         if len(shown) < len(failed):  # hundreds of alike lines buried the totals and the fix (49 KB for 500 tables)
             rest = sum(options[ti][choice[ti]].total_bytes for ti in failed if ti not in shown)
@@ -503,14 +527,28 @@ class EmbeddingShardingPlanner:
         need = np.sum([options[i][j].totals[:2] for i, j in enumerate(choice)], axis=0)
         least = sum(min(o.total_bytes for o in opts) for opts in options)
         lines.append(
-            f"All tables together need {_mem(need)} as last proposed, and {_gb(least)} at the least (each "
-            f"table on its smallest option); the cluster holds {_mem(caps * t.world_size)}."
+            f"All tables together need {self._mem(need)} as last proposed, and {_gb(least)} at the least (each "
+            f"table on its smallest option); the cluster holds {self._mem(caps * t.world_size)}."
         )
         lines.append(_fixes(t))
         return "\n".join(lines)
 
 
 _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message; the rest are counted
+
+
+def _grouped(reasons: list[str]) -> list[str]:
+    """"table_wise (fused_uvm): X; row_wise (fused_uvm): X; ..." (7 alike, one per sharding type, before the fix) as
+    "table_wise, row_wise, ... (fused_uvm): X"."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in reasons:
+        head, sep, why = r.partition(": ")
+        st, _, kernel = head.partition(" (")
+        if not sep or not kernel.endswith(")") or " " in st:
+            groups.setdefault((r, ""), [])
+            continue
+        groups.setdefault((f"({kernel}: {why}", "kernel"), []).append(st)
+    return [f"{', '.join(types)} {text}" if kind else text for (text, kind), types in groups.items()]
 
 
 def _gb(nbytes: float) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from lightning_rec.planner.topology import _size
+
 GB = 1024**3
 
 
@@ -101,23 +103,27 @@ class PlanStats:
         }
 
     def __str__(self) -> str:
-        cols, rows = self.rank_rows()
-        header = ["rank", "HBM GB used/cap", "DDR GB used/cap", "compute ms", "comm ms", "total ms", "shards"]
+        # memory in a unit per cell: a CPU cluster's 40 KB of tables read "0.00/10.01" in a GB column. On CPU the
+        # HBM columns (0 of 0 on every rank) are left out.
+        with_hbm = any(r.hbm_cap > 0 or r.hbm_used > 0 for r in self.ranks)
+        header = ["rank", *(["HBM used/cap"] if with_hbm else []), "DDR used/cap", "compute ms", "comm ms",
+                  "total ms", "shards"]
         body = [
             [
-                str(r[0]),
-                f"{r[1]:.2f}/{r[2]:.2f}",
-                f"{r[3]:.2f}/{r[4]:.2f}",
-                f"{r[5]:.3f}",
-                f"{r[6]:.3f}",
-                f"{r[7]:.3f}",
-                r[8],
+                str(r.rank),
+                *([f"{_size(r.hbm_used)}/{_size(r.hbm_cap)}"] if with_hbm else []),
+                f"{_size(r.ddr_used)}/{_size(r.ddr_cap)}",
+                f"{r.compute_ms:.3f}",
+                f"{r.comm_ms:.3f}",
+                f"{r.total_ms:.3f}",
+                _shards_text(r.shards),
             ]
-            for r in rows
+            for r in self.ranks
         ]
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+        last = len(header) - 1  # the shards column, left-aligned
         fmt = lambda cells: "  ".join(
-            c.rjust(w) if i < 6 else c for i, (c, w) in enumerate(zip(cells, widths))
+            c.rjust(w) if i < last else c for i, (c, w) in enumerate(zip(cells, widths))
         )
         lines = [
             f"planner: {self.topology}; {len(self.tables)} tables; {self.proposals} proposals in "
