@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
 from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.types import DEFAULT_CACHE_LOAD_FACTOR
 
 KERNELS = ("auto", "fbgemm", "native", "dense")
 NATIVE_POOLINGS = ("sum", "mean")
@@ -49,6 +50,7 @@ class LocalTable:
     # "fused_uvm" in host memory through unified memory, "fused_uvm_caching" in host memory with a
     # device cache. On CPU every table is in host memory already, so all three are the same.
     compute_kernel: str = "fused"
+    cache_load_factor: float | None = None  # fused_uvm_caching: its cache's share of rows (None: fbgemm's 20%)
 
     def init_range(self) -> tuple[float, float]:
         if self.weight_init is not None:
@@ -227,6 +229,19 @@ def _location(fb: dict, table: LocalTable, on_cpu: bool):
     return locations[table.compute_kernel]
 
 
+def tbe_cache_load_factor(tables: Sequence[LocalTable]) -> float | None:
+    """One fbgemm TBE has one row cache, sized as its load factor x its fused_uvm_caching tables' rows: tables
+    planned with their own factors get the rows-weighted one, so that the cache holds the rows the plan priced.
+    None: no table asked for one (fbgemm's default)."""
+    caching = [t for t in tables if t.compute_kernel == "fused_uvm_caching"]
+    if all(t.cache_load_factor is None for t in caching):
+        return None
+    rows = sum(t.num_embeddings for t in caching)
+    wanted = sum(t.num_embeddings * (DEFAULT_CACHE_LOAD_FACTOR if t.cache_load_factor is None else t.cache_load_factor)
+                 for t in caching)
+    return wanted / max(rows, 1)
+
+
 def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int], pooling: str,
                      optimizer: FusedOptimizerConfig, device: torch.device, dims: Sequence[int],
                      grad_scale: float = 1.0) -> nn.Module:
@@ -242,6 +257,9 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         raise ValueError(f"table data_type {dtype} is not supported: use torch.float32 or torch.float16")
     opt = EmbOptimType(optimizer.optimizer)
     kwargs = {}
+    cache = tbe_cache_load_factor(tables)
+    if cache is not None and not on_cpu:
+        kwargs["cache_load_factor"] = cache
     if optimizer.weight_decay:
         # this module has it in fbgemm 1.6-1.8 (fbgemm_gpu.tbe.config, where 1.7+ define it, is absent in 1.6)
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode

@@ -8,6 +8,7 @@ owning rank). Plans are plain data: they print, compare, and travel between rank
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -72,17 +73,21 @@ class ParameterSharding:
     compute_kernel: ComputeKernel = ComputeKernel.FUSED
     ranks: list[int] = field(default_factory=list)
     shards: list[ShardMetadata] = field(default_factory=list)
+    # fused_uvm_caching: the share of the table's rows its device cache holds (None: fbgemm's default, 20%); the
+    # planner writes ParameterConstraints(cache_load_factor=...) here, the kernel and the GPU fit check read it
+    cache_load_factor: float | None = None
 
-    # TorchRec's per-table kernel settings, in its order after sharding_spec: None (its default) reads and passes as
-    # there; a value is refused in __init__ with the setting that does its job here (_TORCHREC_SETTINGS)
-    cache_params = enforce_hbm = stochastic_rounding = bounds_check_mode = output_dtype = key_value_params = None
+    # TorchRec's other per-table kernel settings, in its order after sharding_spec: None (its default) reads and
+    # passes as there; a value is refused in __init__ with the setting that does its job here (_TORCHREC_SETTINGS)
+    enforce_hbm = stochastic_rounding = bounds_check_mode = output_dtype = key_value_params = None
 
     def __init__(self, sharding_type: ShardingType, compute_kernel: ComputeKernel = ComputeKernel.FUSED,
                  ranks: list[int] | None = None, shards: list[ShardMetadata] | None = None,
                  sharding_spec=None, cache_params=None, enforce_hbm: bool | None = None,
                  stochastic_rounding: bool | None = None, bounds_check_mode=None, output_dtype=None,
-                 key_value_params=None) -> None:
-        given = dict(cache_params=cache_params, enforce_hbm=enforce_hbm, stochastic_rounding=stochastic_rounding,
+                 key_value_params=None, cache_load_factor: float | None = None) -> None:
+        self.cache_load_factor = _cache_load_factor(compute_kernel, cache_params, cache_load_factor)
+        given = dict(enforce_hbm=enforce_hbm, stochastic_rounding=stochastic_rounding,
                      bounds_check_mode=bounds_check_mode, output_dtype=output_dtype, key_value_params=key_value_params)
         for name, value in given.items():
             if value is not None:  # a ported plan's setting was a TypeError 'unexpected keyword argument'
@@ -113,13 +118,67 @@ class ParameterSharding:
             "shard_offsets, shard_sizes and placement, the owning rank), and .ranks lists the ranks"
         )
 
+    @property
+    def cache_params(self) -> CacheParams | None:
+        """TorchRec's name for the cache's settings: its load_factor is the one kept here."""
+        return None if self.cache_load_factor is None else CacheParams(load_factor=self.cache_load_factor)
+
     def __str__(self) -> str:
         pieces = "; ".join(str(s) for s in self.shards) if self.shards else f"ranks {self.ranks}"
-        return f"{self.sharding_type} ({self.compute_kernel}) -> {pieces}"
+        cache = f", cache {self.cache_load_factor:.0%}" if self.cache_load_factor is not None else ""
+        return f"{self.sharding_type} ({self.compute_kernel}{cache}) -> {pieces}"
+
+
+DEFAULT_CACHE_LOAD_FACTOR = 0.2  # fbgemm's and TorchRec's default: a fused_uvm_caching cache of 20% of the rows
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    """TorchRec's cache settings of a fused_uvm_caching table; its load_factor is honoured (the share of rows the
+    device cache holds), the rest run fbgemm's defaults and are refused when set."""
+
+    algorithm: object = None
+    load_factor: float | None = None
+    reserved_memory: float | None = None
+    precision: object = None
+    prefetch_pipeline: bool | None = None
+    stats: object = None
+    multipass_prefetch_config: object = None
+
+
+def cache_params_load_factor(cache_params, where: str) -> float | None:
+    """The load_factor of TorchRec's CacheParams (or a mapping of its fields); its other settings refused."""
+    if cache_params is None:
+        return None
+    items = dict(cache_params) if isinstance(cache_params, Mapping) else {
+        k: v for k, v in vars(cache_params).items() if not k.startswith("_")}
+    other = sorted(k for k, v in items.items() if k != "load_factor" and v is not None)
+    if other:
+        raise ValueError(f"{where} cache_params sets {', '.join(other)}: only its load_factor is honoured (pass "
+                         f"cache_load_factor=...); the cache runs fbgemm's defaults for the rest")
+    lf = items.get("load_factor")
+    return None if lf is None else float(lf)
+
+
+def _cache_load_factor(compute_kernel, cache_params, cache_load_factor) -> float | None:
+    lf = cache_params_load_factor(cache_params, "ParameterSharding")
+    if lf is not None and cache_load_factor is not None and float(cache_load_factor) != lf:
+        raise ValueError(f"ParameterSharding cache_params.load_factor={lf} disagrees with "
+                         f"cache_load_factor={cache_load_factor}: pass one of them")
+    lf = lf if cache_load_factor is None else cache_load_factor
+    if lf is None:
+        return None
+    if isinstance(lf, bool) or not isinstance(lf, (int, float)) or not 0 < lf <= 1:
+        raise ValueError(f"ParameterSharding cache_load_factor={lf!r}: give the share of the table's rows its "
+                         f"device cache holds, a number in (0, 1] (default {DEFAULT_CACHE_LOAD_FACTOR})")
+    if str(compute_kernel) != "fused_uvm_caching":  # ComputeKernel's str is its value
+        raise ValueError(f"ParameterSharding(compute_kernel='{compute_kernel}', cache_load_factor={lf}): only "
+                         f"compute_kernel 'fused_uvm_caching' has a cache; leave cache_load_factor out or plan the "
+                         f"table with that kernel")
+    return float(lf)
 
 
 _TORCHREC_SETTINGS = {
-    "cache_params": "fused_uvm_caching caches fbgemm's default share of rows (20%)",
     "enforce_hbm": "the compute_kernel says where the table lives ('fused': device memory)",
     "stochastic_rounding": "float16 tables round as the kernel does (fbgemm: stochastically, its default)",
     "bounds_check_mode": "ids are always checked, naming the feature and table",

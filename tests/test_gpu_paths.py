@@ -536,6 +536,37 @@ def test_cuda_planner_chooses_uvm_when_hbm_is_short_and_it_matches_hbm():
     assert kernels["big"].startswith("fused_uvm")
 
 
+
+def _cache_share_worker(rank, W):
+    """The fused_uvm_caching kernel's device cache holds the share of rows the plan priced."""
+    from lightning_rec.model_parallel import DistributedModelParallel
+    from lightning_rec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    tables = [EmbeddingBagConfig(name="big", num_embeddings=2_000_000, embedding_dim=64, feature_names=["f0"])]
+    cached = {}
+    for factor in (0.05, None):
+        model = nn.ModuleDict({"ebc": EmbeddingBagCollection(
+            tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05), device="meta")})
+        constraints = {"big": ParameterConstraints(compute_kernels=["fused_uvm_caching"], cache_load_factor=factor)}
+        planner = EmbeddingShardingPlanner(Topology(world_size=W, compute_device="cuda", hbm_cap=256 * 2**20),
+                                           batch_size=64, constraints=constraints, print_stats=False)
+        dmp = DistributedModelParallel(model, plan=planner.plan(model), device=torch.device("cuda", rank), dense=None)
+        cached[factor] = sum(k.tbe.lxu_cache_weights.shape[0] for k in dmp.module["ebc"].fused_kernels())
+    return cached
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_cache_load_factor_sizes_the_kernels_cache():
+    """ParameterConstraints(cache_load_factor=0.05) only changed the planner's estimate: fbgemm built its default 20%
+    cache (4x the device memory priced). The plan now carries the factor to the kernel."""
+    from dist_utils import run_ranks
+
+    cached = run_ranks(_cache_share_worker, 1, timeout=300, backend="nccl")[0]
+    assert 0.9 * 0.05 * 2_000_000 <= cached[0.05] <= 1.1 * 0.05 * 2_000_000, cached
+    assert 0.9 * 0.2 * 2_000_000 <= cached[None] <= 1.1 * 0.2 * 2_000_000, cached
+
+
 def _trainer_gpu_worker(rank, W, tmp, accelerator="gpu", embedding_device="cpu"):
     import lightning.pytorch as L
 

@@ -679,3 +679,35 @@ def test_a_weighted_collection_is_priced_with_its_weights():
 
     assert cost(True).ms > cost(False).ms and cost(True).ddr_bytes > cost(False).ddr_bytes
     assert cost(True) == cost(False, {"is_weighted": True})
+
+
+def test_a_cache_load_factor_goes_with_the_plan_to_the_kernel_and_the_fit_check():
+    """ParameterConstraints(cache_load_factor=0.05) changed the planner's estimate only: the plan did not carry it, so
+    fbgemm built its default 20% cache (4x the device memory priced) and DistributedModelParallel's fit check, which
+    assumed 20% too, could refuse the plan the planner had made. Now the plan carries it to both."""
+    from lightning_rec.lookup import LocalTable, tbe_cache_load_factor
+    from lightning_rec.model_parallel import plan_device_bytes
+    from lightning_rec.types import ParameterSharding
+
+    tables = [EmbeddingBagConfig(name="big", num_embeddings=2_000_000, embedding_dim=64, feature_names=["f0"])]
+    model = nn.ModuleDict({"ebc": EmbeddingBagCollection(tables, device="meta")})
+    caching = ParameterConstraints(compute_kernels=["fused_uvm_caching"], cache_load_factor=0.05)
+    planner = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cuda", hbm_cap=256 * 2**20),
+                                       batch_size=64, constraints={"big": caching}, print_stats=False)
+    plan = planner.plan(model)
+    ps = plan.plan["ebc"]["big"]
+    assert ps.compute_kernel == "fused_uvm_caching" and ps.cache_load_factor == 0.05, ps
+    assert "cache 5%" in str(ps) and ps.cache_params.load_factor == 0.05
+    held = plan_device_bytes(plan, {"ebc": model["ebc"]}, 2)
+    table_bytes = sum(s.shard_sizes[0] * s.shard_sizes[1] for s in ps.shards) * 4  # fp32, no fused optimizer state
+    assert sum(sum(r.values()) for r in held) == pytest.approx(0.05 * table_bytes, rel=0.01)
+    # one fbgemm TBE has one cache: its factor is the rows-weighted one of the tables that asked
+    local = [LocalTable("a", 1000, 8, ("a",), "sum", compute_kernel="fused_uvm_caching", cache_load_factor=0.05),
+             LocalTable("b", 3000, 8, ("b",), "sum", compute_kernel="fused_uvm_caching"),
+             LocalTable("c", 5000, 8, ("c",), "sum")]
+    assert tbe_cache_load_factor(local) == pytest.approx((1000 * 0.05 + 3000 * 0.2) / 4000)
+    assert tbe_cache_load_factor(local[1:]) is None  # fbgemm's default
+    with pytest.raises(ValueError, match="only compute_kernel 'fused_uvm_caching' has a cache"):
+        ParameterSharding("table_wise", "fused", [0], cache_load_factor=0.05)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_load_factor=1.5)

@@ -402,5 +402,8 @@ def test_parameter_sharding_takes_torchrecs_other_fields_at_their_defaults():
     assert ps == ParameterSharding("table_wise", "fused", [0]) and all(getattr(ps, f) is None for f in fields)
     with pytest.raises(ValueError, match=r"ParameterSharding\(enforce_hbm=True\) is TorchRec's.*compute_kernel"):
         ParameterSharding("table_wise", "fused", [0], enforce_hbm=True)
-    with pytest.raises(ValueError, match=r"cache_params=.*fbgemm's default share of rows"):
-        ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_params={"load_factor": 0.5})
+    # the cache's load_factor is honoured (the kernel's cache holds that share of rows); its other settings are not
+    ps = ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_params={"load_factor": 0.5})
+    assert ps.cache_load_factor == 0.5 and ps.cache_params.load_factor == 0.5
+    with pytest.raises(ValueError, match=r"cache_params sets algorithm: only its load_factor is honoured"):
+        ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_params={"algorithm": "lfu"})

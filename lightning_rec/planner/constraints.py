@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lightning_rec.types import ComputeKernel, ShardingType
+from lightning_rec.types import DEFAULT_CACHE_LOAD_FACTOR, ComputeKernel, ShardingType, cache_params_load_factor
 
-DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default: a device cache of 20% of the rows
+__all__ = ["DEFAULT_CACHE_LOAD_FACTOR", "ParameterConstraints"]
 DEFAULT_MIN_PARTITION = 32  # narrowest column block; narrower rows waste gather bandwidth
 
 
@@ -118,25 +117,14 @@ class ParameterConstraints:
                 f"num_poolings out (or all 1.0)"
             )
         # batch_sizes must equal the planner's batch_size: checked in check_batch_size (the planner knows it)
-        if self.cache_params is not None:
-            cp = self.cache_params
-            items = dict(cp) if isinstance(cp, Mapping) else {
-                k: v for k, v in vars(cp).items() if not k.startswith("_")
-            }
-            other = sorted(k for k, v in items.items() if k != "load_factor" and v is not None)
-            if other:
+        lf = cache_params_load_factor(self.cache_params, "ParameterConstraints")
+        if lf is not None:
+            if self.cache_load_factor is not None and lf != self.cache_load_factor:
                 raise ValueError(
-                    f"ParameterConstraints cache_params sets {', '.join(other)}: only its load_factor is "
-                    f"honoured (pass cache_load_factor=...); the cache runs fbgemm's defaults for the rest"
+                    f"ParameterConstraints cache_params.load_factor={lf} disagrees with "
+                    f"cache_load_factor={self.cache_load_factor}: pass one of them"
                 )
-            lf = items.get("load_factor")
-            if lf is not None:
-                if self.cache_load_factor is not None and float(lf) != self.cache_load_factor:
-                    raise ValueError(
-                        f"ParameterConstraints cache_params.load_factor={lf} disagrees with "
-                        f"cache_load_factor={self.cache_load_factor}: pass one of them"
-                    )
-                self.cache_load_factor = float(lf)
+            self.cache_load_factor = lf
         if self.stochastic_rounding is not None:
             raise ValueError(
                 f"ParameterConstraints stochastic_rounding={self.stochastic_rounding} is not a setting here: "

@@ -14,11 +14,10 @@ from collections.abc import Mapping
 
 from lightning_rec.lookup import pad_multiple, padded_dim
 from lightning_rec.planner.estimate import optimizer_state_bytes_per_row
-from lightning_rec.types import ComputeKernel, ShardingType
+from lightning_rec.types import DEFAULT_CACHE_LOAD_FACTOR, ComputeKernel, ShardingType
 
 # Room left for activations, the dense model, NCCL buffers and the caching allocator's slack.
 DEVICE_HEADROOM = 0.85
-DEFAULT_CACHE_LOAD_FACTOR = 0.2  # fused_uvm_caching: the share of rows cached in device memory
 
 
 def device_bytes_by_rank(plan_by_module: Mapping[str, Mapping], configs_by_module: Mapping[str, Mapping],
@@ -32,8 +31,8 @@ def device_bytes_by_rank(plan_by_module: Mapping[str, Mapping], configs_by_modul
             c = configs[name]
             elem = 2 if str(c.data_type).endswith("float16") else 4
             kernel = ComputeKernel(ps.compute_kernel)
-            share = {ComputeKernel.FUSED_UVM: 0.0, ComputeKernel.FUSED_UVM_CACHING: DEFAULT_CACHE_LOAD_FACTOR}.get(
-                kernel, 1.0)
+            cache = ps.cache_load_factor if ps.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
+            share = {ComputeKernel.FUSED_UVM: 0.0, ComputeKernel.FUSED_UVM_CACHING: cache}.get(kernel, 1.0)
             if ShardingType(ps.sharding_type) == ShardingType.DATA_PARALLEL:
                 pieces = [(r, c.num_embeddings, c.embedding_dim) for r in range(world_size)]
             else:

@@ -41,6 +41,7 @@ from lightning_rec.planner.stats import GB, PlanStats, RankStats, TableStats
 from lightning_rec.planner.topology import Topology
 from lightning_rec.sharding.layout import shard_layout
 from lightning_rec.types import (
+    ComputeKernel,
     EmbeddingModuleShardingPlan,
     ParameterSharding,
     ShardingPlan,
@@ -460,7 +461,10 @@ class EmbeddingShardingPlanner:
             elif st in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD):
                 kwargs["host_indexes"] = list(where)
             shards = shard_layout(spec.name, spec.rows, spec.dim, st, W, **kwargs)
-            ps = ParameterSharding(st, o.kernel, ranks=[s.placement for s in shards], shards=shards)
+            # the cache share the estimate priced goes with the plan to the kernel (None: fbgemm's default)
+            cache = spec.constraints.cache_load_factor if o.kernel == ComputeKernel.FUSED_UVM_CACHING else None
+            ps = ParameterSharding(st, o.kernel, ranks=[s.placement for s in shards], shards=shards,
+                                   cache_load_factor=cache)
             out.plan.setdefault(spec.path, EmbeddingModuleShardingPlan())[spec.name] = ps
         return out
 

@@ -163,7 +163,7 @@ def build_routing(
             suffix = _shard_suffix(s, whole)
             names = tuple(f"{f}{suffix}" for f in cfg.feature_names)
             table = LocalTable(f"{cfg.name}{suffix}", s.shard_sizes[0], s.shard_sizes[1], names, pooling,
-                               cfg.data_type, init, _fused_kernel(ps.compute_kernel))
+                               cfg.data_type, init, _fused_kernel(ps.compute_kernel), ps.cache_load_factor)
             per_rank[s.placement].append(table)
             pieces[(s.placement, table.name)] = (cfg.name, s)
             for f, n in zip(cfg.feature_names, names):
