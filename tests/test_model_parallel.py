@@ -976,6 +976,33 @@ def test_replicated_table_steps_as_the_fused_kernels(opt):
         torch.testing.assert_close(replica, unsharded, atol=1e-6, rtol=0)
 
 
+
+def _fp16_replica_worker(rank, W, pooled):
+    config = EmbeddingBagConfig if pooled else EmbeddingConfig
+    table = config(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], data_type=torch.float16)
+    collection = (EmbeddingBagCollection if pooled else EmbeddingCollection)(
+        [table], optimizer=FusedOptimizerConfig("sgd", lr=1000.0))
+    collection.load_state_dict({k: torch.zeros(8, 4, dtype=torch.float16) for k in collection.state_dict()})
+    plan = ShardingPlan({"": construct_module_sharding_plan(collection, {"t": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(collection, plan=plan, device="cpu", timeout=30)
+    out = dmp(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(8), torch.ones(8, dtype=torch.long)))
+    out = out.values() if pooled else out["f"].values()
+    grads = [torch.randn(8, 4, generator=torch.Generator().manual_seed(r)) * 3e-7 for r in range(W)]
+    (out * grads[rank]).sum().backward()
+    step = next(iter(dmp.state_dict().values())).float()
+    return out.dtype, ((step + 1000.0 * sum(grads)).norm() / (1000.0 * sum(grads)).norm()).item()
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_fp16_replicated_tables_give_fp32_rows_and_take_an_fp32_gradient(pooled):
+    """As the fused kernels (test_embedding's test_fp16_tables_give_fp32_rows_and_take_an_fp32_gradient): an FP16
+    data_parallel table looked up in float16, so a sharded EmbeddingCollection's rows came out float16 where the
+    unsharded one's (and every other sharding type's) are float32, bags summed in float16, and a small gradient
+    (3e-7: subnormal in float16) kept a few bits, a step 2-30% off. Bound: the fp16 storage of the step (2^-11)."""
+    for dtype, relative_error in run_ranks(_fp16_replica_worker, 2, pooled, timeout=60):
+        assert dtype == torch.float32
+        assert relative_error < 2e-3
+
 def _frozen_disagree_worker(rank, W, shared_memory):
     torch.manual_seed(0)
     model = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
