@@ -71,6 +71,22 @@ def test_row_wise_ids_go_to_their_block_owner_remapped():
     assert [s.shard_sizes[0] for s in routing.table_shardings["a"].shards] == [4, 4, 2]
 
 
+@pytest.mark.parametrize("W", [3, 4])  # 4: table b (7 rows) leaves its last row shard empty
+def test_unchecked_out_of_range_ids_stay_in_their_own_features_shards(W):
+    """validate_ids=False: an id past its table's rows indexed the next copy's shard (here feature 'fa' id 12 read
+    table 'b''s first row; -1 read the previous copy's last shard) and, remapped into range there, trained that row
+    silently. It now stays with its own feature's shards, outside their rows, where the owner's kernel refuses it."""
+    routing = _routing({"a": row_wise(), "b": row_wise()}, W)
+    kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, torch.tensor([12, -1, 3, 9, 7, -3]),
+                                              torch.tensor([2, 1, 1, 0, 1, 1]))  # fa: 12, -1 | 3; fb2: 7 | -3
+    routed = route_ids(kjt, RouteTables(routing, torch.device("cpu")))
+    sf_of_id = torch.repeat_interleave(torch.arange(routing.num_routed).repeat_interleave(2), routed.lengths_SB)
+    got = [(routing.shard_features[int(s)], int(v)) for s, v in zip(sf_of_id, routed.values_N)]
+    inside = {(sf.feature, v + sf.shard.shard_offsets[0]) for sf, v in got if 0 <= v < sf.shard.shard_sizes[0]}
+    assert inside == {("fa", 3)}  # the only id in range is the only one a shard may read
+    assert sorted(sf.feature for sf, _ in got) == ["fa", "fa", "fa", "fb1", "fb2", "fb2"]
+
+
 def test_table_wise_is_a_key_permutation_grouped_by_rank():
     routing = _routing({"a": table_wise(rank=2), "b": table_wise(rank=0)})
     tables = RouteTables(routing, torch.device("cpu"))
