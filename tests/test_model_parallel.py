@@ -1067,3 +1067,42 @@ def test_model_summary_counts_sharded_tables_as_the_unsharded_model():
     autograd, as an unsharded fused table), the same numbers as before sharding."""
     counts = run_ranks(_summary_worker, 2, timeout=60)
     assert counts[0] == counts[1] and counts[0][0][0] == sum(ROWS[t] * DIMS[t] for t in ROWS)
+
+
+class _SharedTowers(nn.Module):
+    """Two towers holding one collection object (shared embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
+        self.user, self.item = nn.ModuleDict({"ebc": ebc}), nn.ModuleDict({"ebc": ebc})
+
+    def forward(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor) -> torch.Tensor:
+        return self.user["ebc"](users).values() * self.item["ebc"](items).values()
+
+
+def _shared_towers_worker(rank, W, plan_path):
+    model, reference = _SharedTowers(), _SharedTowers()
+    plan = ShardingPlan({plan_path: construct_module_sharding_plan(model.user["ebc"], _plan("mixed", W, W),
+                                                                   world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    assert model.user["ebc"] is model.item["ebc"] and list(dmp.plan.plan) == ["user.ebc"]
+    for step in range(3):
+        out = dmp(_batch(rank, step, False), _batch(rank, step + 10, False))
+        ref = reference(_global_batch(W, step, False), _global_batch(W, step + 10, False))
+        start = sum(3 + r for r in range(rank))
+        torch.testing.assert_close(out, ref[start : start + 3 + rank], atol=ATOL, rtol=0)
+        out.sum().backward()
+        ref.sum().backward()
+    _check_pieces(dmp, reference, "embedding_bags", "shared towers")
+    return sorted({k.split(".embedding_bags")[0] for k in dmp.state_dict() if "embedding_bags" in k})
+
+
+@pytest.mark.parametrize("plan_path", ["user.ebc", "item.ebc"])
+def test_a_collection_shared_by_two_towers_is_sharded_at_both_paths(plan_path):
+    """named_modules lists a shared module once: DistributedModelParallel swapped only 'user.ebc', and 'item.ebc' kept
+    the unsharded collection, which trained a copy of its own beside the sharded tables (the outputs of the two
+    towers drifted apart from the first step). A plan may name either path."""
+    for prefixes in run_ranks(_shared_towers_worker, 2, plan_path, timeout=90):
+        assert prefixes == ["item.ebc", "user.ebc"]
