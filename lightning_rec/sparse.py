@@ -842,9 +842,19 @@ class KeyedTensor:
     """
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor,
-                 key_dim: int = 1) -> None:
+                 key_dim: int = 1, offset_per_key: Sequence[int] | None = None,
+                 index_per_key: dict[str, int] | None = None) -> None:
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
+        # TorchRec's caches of what keys and widths give: checked, not trusted (a stale one would hand
+        # kt[key] another key's columns)
+        if offset_per_key is not None and [int(o) for o in offset_per_key] != [
+                sum(self._length_per_key[:i]) for i in range(len(self._length_per_key) + 1)]:
+            raise ValueError(f"KeyedTensor: offset_per_key {list(offset_per_key)} disagrees with the widths "
+                             f"{self._length_per_key} of keys {self._keys}: leave it out (it is computed from them)")
+        if index_per_key is not None and dict(index_per_key) != {k: i for i, k in enumerate(self._keys)}:
+            raise ValueError(f"KeyedTensor: index_per_key {dict(index_per_key)} does not give each key its position "
+                             f"in keys {self._keys}: leave it out (it is computed from the keys)")
         if len(self._keys) != len(self._length_per_key):
             raise ValueError(f"KeyedTensor: {len(self._keys)} keys but {len(self._length_per_key)} widths")
         if len(set(self._keys)) != len(self._keys):  # kt[key] / to_dict() would keep one of the two blocks
@@ -929,6 +939,10 @@ class KeyedTensor:
             missing = [k for k in group if k not in blocks]
             if missing:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
+            if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refused the empty list)
+                first = keyed_tensors[0]
+                out.append(first.values().narrow(first.key_dim(), 0, 0))
+                continue
             out.append(torch.cat([blocks[k] for k in group], dim=keyed_tensors[0].key_dim()))
         return out
 

@@ -305,3 +305,18 @@ def test_torchrec_argument_names_of_empty_and_concat():
         assert cls.empty().values().dtype == torch.int64 and cls.empty().weights_or_none() is None
     both = KeyedJaggedTensor.concat(kjt_list=drawn().split([1, 1]))
     assert both.keys() == ["f1", "f2"] and bags(both) == bags(drawn())
+
+
+def test_keyed_tensor_takes_torchrecs_caches_checked_and_regroups_an_empty_group():
+    """TorchRec's KeyedTensor(..., offset_per_key=, index_per_key=) was an unexpected-keyword TypeError; an empty
+    group in regroup was torch.cat's "expected a non-empty list of Tensors" (TorchRec gives a [B, 0] tensor)."""
+    values = torch.arange(6.0).view(2, 3)
+    kt = KeyedTensor(["a", "b"], [1, 2], values, offset_per_key=[0, 1, 3], index_per_key={"a": 0, "b": 1})
+    torch.testing.assert_close(kt["b"], values[:, 1:])
+    with pytest.raises(ValueError, match=r"offset_per_key \[0, 2, 3\] disagrees with the widths \[1, 2\]"):
+        KeyedTensor(["a", "b"], [1, 2], values, offset_per_key=[0, 2, 3])
+    with pytest.raises(ValueError, match="index_per_key"):
+        KeyedTensor(["a", "b"], [1, 2], values, index_per_key={"b": 0, "a": 1})
+    empty, b = KeyedTensor.regroup([kt], [[], ["b"]])
+    assert empty.shape == (2, 0)
+    torch.testing.assert_close(b, values[:, 1:])
