@@ -231,3 +231,21 @@ def test_column_runs_place_and_gather_any_block_permutation():
         back = torch.empty(5, len(part))
         gather_columns(back, expected, column_runs(part))
         assert torch.equal(back, x), part
+
+
+def test_a_table_or_feature_named_like_a_piece_is_refused():
+    """Pieces are named '<table>@r<row>c<col>' on their rank: a table or feature of the collection already named so
+    met a piece there, and one's ids were looked up in the other's rows (outputs wrong, no error)."""
+    def routing(tables, verbs):
+        ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd"))
+        plan = construct_module_sharding_plan(ebc, verbs, world_size=2)
+        return build_routing(tables, ebc.feature_names(), plan, 2, pooled=True)
+
+    def table(name, features):
+        return EmbeddingBagConfig(name=name, num_embeddings=10, embedding_dim=4, feature_names=features)
+
+    with pytest.raises(ValueError, match=r"feature name\(s\) \['a@r0c0'\] on rank 0 .* rename the feature"):
+        routing([table("t0", ["a"]), table("t1", ["a@r0c0"])], {"t0": row_wise(), "t1": table_wise(rank=0)})
+    with pytest.raises(ValueError, match=r"table name\(s\) \['t0@r0c0'\] on rank 0 .* rename the table"):
+        routing([table("t0", ["a"]), table("t0@r0c0", ["b"])], {"t0": row_wise(), "t0@r0c0": data_parallel()})
+    routing([table("t0", ["a"]), table("t0@r0c0", ["b"])], {"t0": row_wise(), "t0@r0c0": table_wise(rank=1)})  # apart
