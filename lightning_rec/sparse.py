@@ -219,7 +219,7 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
                          f"one per key + 1, or leave offset_per_key out (it is computed from the lengths)")
     if not _readable(lengths):
         return
-    actual = lengths.view(n, stride).sum(dim=1).tolist() if n and stride else [0] * n
+    actual = lengths.reshape(n, stride).sum(dim=1).tolist() if n and stride else [0] * n
     if length_per_key is not None and [int(x) for x in length_per_key] != actual:
         raise ValueError(f"{what}: length_per_key {list(length_per_key)} disagrees with the lengths, which give "
                          f"{actual} ids per key for keys {keys}: leave length_per_key out (it is computed from the "
