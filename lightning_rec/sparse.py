@@ -211,6 +211,9 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
     afterwards (to_dict, split, permute and the collections slice values by them), so a stale list (from another
     batch, or hand-written) sent one feature's ids to another's table without a word. CPU tensors only."""
     n = len(keys)
+    if length_per_key is not None and any(isinstance(x, (list, tuple)) for x in length_per_key):
+        raise ValueError(f"{what}: length_per_key {list(length_per_key)} holds lists: TorchRec's 7th positional "
+                         f"argument is stride_per_key_per_rank, ours length_per_key; pass it by keyword")
     if length_per_key is not None and len(length_per_key) != n:
         raise ValueError(f"{what}: length_per_key has {len(length_per_key)} entries for the {n} keys {keys}: give "
                          f"one id count per key, or leave length_per_key out (it is computed from the lengths)")

@@ -128,6 +128,8 @@ def test_length_and_offset_per_key_that_disagree_with_the_lengths_raise():
         KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offset_per_key=[0, 2, 3])
     with pytest.raises(ValueError, match="length_per_key has 1 entries for the 2 keys"):
         KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[3])
+    with pytest.raises(ValueError, match="7th positional argument is stride_per_key_per_rank"):
+        KeyedJaggedTensor(["a", "b"], values, None, lengths, None, None, [[2], [2]])  # TorchRec's positional order
     ok = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[1, 2], offset_per_key=[0, 1, 3])
     assert bags(ok) == {"a": [[1], []], "b": [[2], [3]]}
 
