@@ -593,6 +593,18 @@ class DistributedModelParallel(nn.Module):
         local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
         collections = find_collections(module)
+        # A collection held at several paths (one tower's tables shared by another): named_modules lists it once,
+        # and only that path was swapped; the others kept the unsharded collection, which trained a copy of its own
+        # beside the sharded one. Every path now holds the one sharded collection (planned under its first path).
+        aliases = {path: [p for p, x in module.named_modules(remove_duplicate=False) if x is m and p != path]
+                   for path, m in collections.items()}
+        first_path = {alias: path for path, others in aliases.items() for alias in others}
+        if plan is not None and any(p in first_path for p in plan.plan):
+            named = [p for p in plan.plan if p in first_path and first_path[p] in plan.plan]
+            if named:
+                raise ValueError(f"the plan names one collection twice, at {named[0]!r} and {first_path[named[0]]!r} "
+                                 f"(both paths hold the same module): keep one entry")
+            plan = ShardingPlan({first_path.get(p, p): v for p, v in plan.plan.items()})
         already = [p for p, m in module.named_modules() if isinstance(m, _ShardedCollectionBase)]
         if already:
             raise ValueError(f"the model's embedding collection(s) {already} are sharded already, by an earlier "
@@ -645,7 +657,8 @@ class DistributedModelParallel(nn.Module):
             else:
                 self._broadcast_replicas(sharded, device)
             if path:
-                _set_submodule(module, path, sharded)
+                for p in [path] + aliases[path]:
+                    _set_submodule(module, p, sharded)
             else:
                 module = sharded
         module.to(device)

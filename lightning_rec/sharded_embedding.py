@@ -113,7 +113,12 @@ class ReplicaKernel:
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """This call's lookup: pooled_BD (bags) or values_ND (sequence); its backward updates the rows it named."""
-        leaves = [w.detach().requires_grad_(w.requires_grad and torch.is_grad_enabled()) for w in self.kernel.weights]
+        # An FP16 replica is looked up through a float32 copy, as the fused kernels give float32 rows and take a
+        # float32 gradient: in float16 a sequence table's rows came out float16 (the unsharded collection's and the
+        # other shards' float32), bags summed in float16, and a small gradient (subnormal there) lost its bits
+        # before the update. The copy costs what the dense float32 gradient of the table does.
+        leaves = [(w.detach() if w.dtype == torch.float32 else w.detach().float()).requires_grad_(
+            w.requires_grad and torch.is_grad_enabled()) for w in self.kernel.weights]
         if any(leaf.requires_grad for leaf in leaves):
             # With weight_decay every row the call names is stepped, as in the fused kernels (a row named with a
             # zero gradient, e.g. a per-id weight of 0, is decayed); without it such a row's step is 0 anyway.

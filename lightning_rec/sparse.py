@@ -171,6 +171,72 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
         )
 
 
+def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
+                    inverse_indices) -> int | None:
+    """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says (every key the same
+    batch), refused otherwise. Without the refusal they were an unexpected-keyword TypeError, and a KJT read with
+    one stride where keys have several would pair bags with the wrong samples."""
+    fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
+           "the batch (an empty bag has length 0) and leave out stride_per_key_per_rank, stride_per_key and "
+           "inverse_indices")
+    if inverse_indices is not None:
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices were given: {fix}")
+    per_key: list[int] | None = None
+    if stride_per_key_per_rank is not None and len(stride_per_key_per_rank):
+        if len(stride_per_key_per_rank) != len(keys):
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank has {len(stride_per_key_per_rank)} "
+                             f"entries for the {len(keys)} keys {keys}: {fix}")
+        ranks = {len(r) for r in stride_per_key_per_rank}
+        if len(ranks) > 1 or len(ranks) == 1 and ranks.pop() != 1:
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {[list(r) for r in stride_per_key_per_rank]}"
+                             f" gives per-rank batch sizes: {fix}")
+        per_key = [int(r[0]) for r in stride_per_key_per_rank]
+    if stride_per_key is not None and len(stride_per_key):
+        given = [int(s) for s in stride_per_key]
+        if len(given) != len(keys) or (per_key is not None and given != per_key):
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key {given} does not give one batch size per key "
+                             f"{keys}{'' if per_key is None else ' agreeing with stride_per_key_per_rank'}: {fix}")
+        per_key = given
+    if per_key is None:
+        return stride
+    if len(set(per_key)) > 1 or (stride is not None and per_key and per_key[0] != stride):
+        batch = "" if stride is None else f" (stride={stride})"
+        raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch sizes {per_key}{batch}: {fix}")
+    return per_key[0] if per_key else stride
+
+
+def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
+                   offset_per_key: Sequence[int] | None) -> None:
+    """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids: they are trusted
+    afterwards (to_dict, split, permute and the collections slice values by them), so a stale list (from another
+    batch, or hand-written) sent one feature's ids to another's table without a word. CPU tensors only."""
+    n = len(keys)
+    if length_per_key is not None and any(isinstance(x, (list, tuple)) for x in length_per_key):
+        raise ValueError(f"{what}: length_per_key {list(length_per_key)} holds lists: TorchRec's 7th positional "
+                         f"argument is stride_per_key_per_rank, ours length_per_key; pass it by keyword")
+    if length_per_key is not None and len(length_per_key) != n:
+        raise ValueError(f"{what}: length_per_key has {len(length_per_key)} entries for the {n} keys {keys}: give "
+                         f"one id count per key, or leave length_per_key out (it is computed from the lengths)")
+    if offset_per_key is not None and len(offset_per_key) != n + 1:
+        raise ValueError(f"{what}: offset_per_key has {len(offset_per_key)} entries for the {n} keys {keys}: give "
+                         f"one per key + 1, or leave offset_per_key out (it is computed from the lengths)")
+    if not _readable(lengths):
+        return
+    actual = lengths.reshape(n, stride).sum(dim=1).tolist() if n and stride else [0] * n
+    if length_per_key is not None and [int(x) for x in length_per_key] != actual:
+        raise ValueError(f"{what}: length_per_key {list(length_per_key)} disagrees with the lengths, which give "
+                         f"{actual} ids per key for keys {keys}: leave length_per_key out (it is computed from the "
+                         f"lengths), or pass the lengths' own")
+    if offset_per_key is not None:
+        expected = [0]
+        for x in actual:
+            expected.append(expected[-1] + x)
+        if [int(x) for x in offset_per_key] != expected:
+            raise ValueError(f"{what}: offset_per_key {list(offset_per_key)} disagrees with the lengths, which give "
+                             f"{expected} for keys {keys}: leave offset_per_key out (it is computed from the "
+                             f"lengths), or pass the lengths' own")
+
+
 class JaggedTensor:
     """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
 
@@ -335,6 +401,12 @@ class KeyedJaggedTensor:
         length_per_key: list[int] | None = None,
         offset_per_key: list[int] | None = None,
         _validate: bool = True,
+        *,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        stride_per_key: Sequence[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
+        jt_dict: dict[str, JaggedTensor] | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> None:
         if isinstance(keys, str):
             raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got the string {keys!r}: "
@@ -345,6 +417,13 @@ class KeyedJaggedTensor:
             for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
                 _need_tensor("KeyedJaggedTensor", name, t)
         self._keys = list(keys)
+        # TorchRec's keywords: index_per_key and jt_dict are caches of what the keys and ids give (computed here
+        # when asked); the others describe a variable batch per key, which no collection here reads
+        stride = _uniform_stride(self._keys, stride, stride_per_key_per_rank, stride_per_key, inverse_indices)
+        if index_per_key is not None and dict(index_per_key) != {k: i for i, k in enumerate(self._keys)}:
+            raise ValueError(f"KeyedJaggedTensor: index_per_key {dict(index_per_key)} does not give each key its "
+                             f"position in keys {self._keys}: leave it out (it is computed from the keys)")
+        del jt_dict
         self._host: KeyedJaggedTensor | None = None  # this batch on the host, when it was moved from there
         given_lengths = lengths
         if lengths is None and offsets is None:
@@ -382,6 +461,8 @@ class KeyedJaggedTensor:
                 _check_same_bags("KeyedJaggedTensor", lengths, offsets)
             if values.dim() != 1:
                 raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
+            if length_per_key is not None or offset_per_key is not None:
+                _check_per_key("KeyedJaggedTensor", self._keys, lengths, stride, length_per_key, offset_per_key)
         self._values, self._weights = values, weights
         self._lengths, self._offsets = lengths, offsets
         self._stride = stride
@@ -393,15 +474,21 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def from_lengths_sync(keys: Sequence[str], values: Tensor, lengths: Tensor,
-                          weights: Tensor | None = None, stride: int | None = None) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride)
+                          weights: Tensor | None = None, stride: int | None = None,
+                          stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+                          inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
+        kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
+                                stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
         kjt.sync()
         return kjt
 
     @staticmethod
     def from_offsets_sync(keys: Sequence[str], values: Tensor, offsets: Tensor,
-                          weights: Tensor | None = None, stride: int | None = None) -> KeyedJaggedTensor:
-        kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride)
+                          weights: Tensor | None = None, stride: int | None = None,
+                          stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+                          inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
+        kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
+                                stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
         kjt.sync()
         return kjt
 
@@ -528,6 +615,15 @@ class KeyedJaggedTensor:
     def variable_stride_per_key(self) -> bool:
         """TorchRec's: whether keys have their own batch sizes; never here (every key has `stride()` samples)."""
         return False
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        """TorchRec's: each key's batch size per rank of a variable-batch KJT; [] here, as TorchRec's for a KJT
+        whose keys share one stride."""
+        return []
+
+    def inverse_indices_or_none(self) -> None:
+        """TorchRec's: the inverse indices of a variable-batch KJT; None here (every key has `stride()` samples)."""
+        return None
 
     def lengths_FB(self) -> Tensor:
         """Lengths as a [F, B] view."""
@@ -749,9 +845,19 @@ class KeyedTensor:
     """
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor,
-                 key_dim: int = 1) -> None:
+                 key_dim: int = 1, offset_per_key: Sequence[int] | None = None,
+                 index_per_key: dict[str, int] | None = None) -> None:
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
+        # TorchRec's caches of what keys and widths give: checked, not trusted (a stale one would hand
+        # kt[key] another key's columns)
+        if offset_per_key is not None and [int(o) for o in offset_per_key] != [
+                sum(self._length_per_key[:i]) for i in range(len(self._length_per_key) + 1)]:
+            raise ValueError(f"KeyedTensor: offset_per_key {list(offset_per_key)} disagrees with the widths "
+                             f"{self._length_per_key} of keys {self._keys}: leave it out (it is computed from them)")
+        if index_per_key is not None and dict(index_per_key) != {k: i for i, k in enumerate(self._keys)}:
+            raise ValueError(f"KeyedTensor: index_per_key {dict(index_per_key)} does not give each key its position "
+                             f"in keys {self._keys}: leave it out (it is computed from the keys)")
         if len(self._keys) != len(self._length_per_key):
             raise ValueError(f"KeyedTensor: {len(self._keys)} keys but {len(self._length_per_key)} widths")
         if len(set(self._keys)) != len(self._keys):  # kt[key] / to_dict() would keep one of the two blocks
@@ -836,6 +942,10 @@ class KeyedTensor:
             missing = [k for k in group if k not in blocks]
             if missing:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
+            if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refused the empty list)
+                first = keyed_tensors[0]
+                out.append(first.values().narrow(first.key_dim(), 0, 0))
+                continue
             out.append(torch.cat([blocks[k] for k in group], dim=keyed_tensors[0].key_dim()))
         return out
 

@@ -1002,6 +1002,33 @@ def test_replicated_table_steps_as_the_fused_kernels(opt):
         torch.testing.assert_close(replica, unsharded, atol=1e-6, rtol=0)
 
 
+
+def _fp16_replica_worker(rank, W, pooled):
+    config = EmbeddingBagConfig if pooled else EmbeddingConfig
+    table = config(name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"], data_type=torch.float16)
+    collection = (EmbeddingBagCollection if pooled else EmbeddingCollection)(
+        [table], optimizer=FusedOptimizerConfig("sgd", lr=1000.0))
+    collection.load_state_dict({k: torch.zeros(8, 4, dtype=torch.float16) for k in collection.state_dict()})
+    plan = ShardingPlan({"": construct_module_sharding_plan(collection, {"t": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(collection, plan=plan, device="cpu", timeout=30)
+    out = dmp(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(8), torch.ones(8, dtype=torch.long)))
+    out = out.values() if pooled else out["f"].values()
+    grads = [torch.randn(8, 4, generator=torch.Generator().manual_seed(r)) * 3e-7 for r in range(W)]
+    (out * grads[rank]).sum().backward()
+    step = next(iter(dmp.state_dict().values())).float()
+    return out.dtype, ((step + 1000.0 * sum(grads)).norm() / (1000.0 * sum(grads)).norm()).item()
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_fp16_replicated_tables_give_fp32_rows_and_take_an_fp32_gradient(pooled):
+    """As the fused kernels (test_embedding's test_fp16_tables_give_fp32_rows_and_take_an_fp32_gradient): an FP16
+    data_parallel table looked up in float16, so a sharded EmbeddingCollection's rows came out float16 where the
+    unsharded one's (and every other sharding type's) are float32, bags summed in float16, and a small gradient
+    (3e-7: subnormal in float16) kept a few bits, a step 2-30% off. Bound: the fp16 storage of the step (2^-11)."""
+    for dtype, relative_error in run_ranks(_fp16_replica_worker, 2, pooled, timeout=60):
+        assert dtype == torch.float32
+        assert relative_error < 2e-3
+
 def _frozen_disagree_worker(rank, W, shared_memory):
     torch.manual_seed(0)
     model = PooledModel(EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("sgd", lr=0.1)))
@@ -1066,3 +1093,42 @@ def test_model_summary_counts_sharded_tables_as_the_unsharded_model():
     autograd, as an unsharded fused table), the same numbers as before sharding."""
     counts = run_ranks(_summary_worker, 2, timeout=60)
     assert counts[0] == counts[1] and counts[0][0][0] == sum(ROWS[t] * DIMS[t] for t in ROWS)
+
+
+class _SharedTowers(nn.Module):
+    """Two towers holding one collection object (shared embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
+        self.user, self.item = nn.ModuleDict({"ebc": ebc}), nn.ModuleDict({"ebc": ebc})
+
+    def forward(self, users: KeyedJaggedTensor, items: KeyedJaggedTensor) -> torch.Tensor:
+        return self.user["ebc"](users).values() * self.item["ebc"](items).values()
+
+
+def _shared_towers_worker(rank, W, plan_path):
+    model, reference = _SharedTowers(), _SharedTowers()
+    plan = ShardingPlan({plan_path: construct_module_sharding_plan(model.user["ebc"], _plan("mixed", W, W),
+                                                                   world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    assert model.user["ebc"] is model.item["ebc"] and list(dmp.plan.plan) == ["user.ebc"]
+    for step in range(3):
+        out = dmp(_batch(rank, step, False), _batch(rank, step + 10, False))
+        ref = reference(_global_batch(W, step, False), _global_batch(W, step + 10, False))
+        start = sum(3 + r for r in range(rank))
+        torch.testing.assert_close(out, ref[start : start + 3 + rank], atol=ATOL, rtol=0)
+        out.sum().backward()
+        ref.sum().backward()
+    _check_pieces(dmp, reference, "embedding_bags", "shared towers")
+    return sorted({k.split(".embedding_bags")[0] for k in dmp.state_dict() if "embedding_bags" in k})
+
+
+@pytest.mark.parametrize("plan_path", ["user.ebc", "item.ebc"])
+def test_a_collection_shared_by_two_towers_is_sharded_at_both_paths(plan_path):
+    """named_modules lists a shared module once: DistributedModelParallel swapped only 'user.ebc', and 'item.ebc' kept
+    the unsharded collection, which trained a copy of its own beside the sharded tables (the outputs of the two
+    towers drifted apart from the first step). A plan may name either path."""
+    for prefixes in run_ranks(_shared_towers_worker, 2, plan_path, timeout=90):
+        assert prefixes == ["item.ebc", "user.ebc"]

@@ -71,6 +71,22 @@ def test_row_wise_ids_go_to_their_block_owner_remapped():
     assert [s.shard_sizes[0] for s in routing.table_shardings["a"].shards] == [4, 4, 2]
 
 
+@pytest.mark.parametrize("W", [3, 4])  # 4: table b (7 rows) leaves its last row shard empty
+def test_unchecked_out_of_range_ids_stay_in_their_own_features_shards(W):
+    """validate_ids=False: an id past its table's rows indexed the next copy's shard (here feature 'fa' id 12 read
+    table 'b''s first row; -1 read the previous copy's last shard) and, remapped into range there, trained that row
+    silently. It now stays with its own feature's shards, outside their rows, where the owner's kernel refuses it."""
+    routing = _routing({"a": row_wise(), "b": row_wise()}, W)
+    kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, torch.tensor([12, -1, 3, 9, 7, -3]),
+                                              torch.tensor([2, 1, 1, 0, 1, 1]))  # fa: 12, -1 | 3; fb2: 7 | -3
+    routed = route_ids(kjt, RouteTables(routing, torch.device("cpu")))
+    sf_of_id = torch.repeat_interleave(torch.arange(routing.num_routed).repeat_interleave(2), routed.lengths_SB)
+    got = [(routing.shard_features[int(s)], int(v)) for s, v in zip(sf_of_id, routed.values_N)]
+    inside = {(sf.feature, v + sf.shard.shard_offsets[0]) for sf, v in got if 0 <= v < sf.shard.shard_sizes[0]}
+    assert inside == {("fa", 3)}  # the only id in range is the only one a shard may read
+    assert sorted(sf.feature for sf, _ in got) == ["fa", "fa", "fa", "fb1", "fb2", "fb2"]
+
+
 def test_table_wise_is_a_key_permutation_grouped_by_rank():
     routing = _routing({"a": table_wise(rank=2), "b": table_wise(rank=0)})
     tables = RouteTables(routing, torch.device("cpu"))
@@ -215,3 +231,21 @@ def test_column_runs_place_and_gather_any_block_permutation():
         back = torch.empty(5, len(part))
         gather_columns(back, expected, column_runs(part))
         assert torch.equal(back, x), part
+
+
+def test_a_table_or_feature_named_like_a_piece_is_refused():
+    """Pieces are named '<table>@r<row>c<col>' on their rank: a table or feature of the collection already named so
+    met a piece there, and one's ids were looked up in the other's rows (outputs wrong, no error)."""
+    def routing(tables, verbs):
+        ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd"))
+        plan = construct_module_sharding_plan(ebc, verbs, world_size=2)
+        return build_routing(tables, ebc.feature_names(), plan, 2, pooled=True)
+
+    def table(name, features):
+        return EmbeddingBagConfig(name=name, num_embeddings=10, embedding_dim=4, feature_names=features)
+
+    with pytest.raises(ValueError, match=r"feature name\(s\) \['a@r0c0'\] on rank 0 .* rename the feature"):
+        routing([table("t0", ["a"]), table("t1", ["a@r0c0"])], {"t0": row_wise(), "t1": table_wise(rank=0)})
+    with pytest.raises(ValueError, match=r"table name\(s\) \['t0@r0c0'\] on rank 0 .* rename the table"):
+        routing([table("t0", ["a"]), table("t0@r0c0", ["b"])], {"t0": row_wise(), "t0@r0c0": data_parallel()})
+    routing([table("t0", ["a"]), table("t0@r0c0", ["b"])], {"t0": row_wise(), "t0@r0c0": table_wise(rank=1)})  # apart

@@ -118,6 +118,43 @@ def test_disagreeing_keys_lengths_values_raise_at_construction():
         KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1]))
 
 
+def test_length_and_offset_per_key_that_disagree_with_the_lengths_raise():
+    """They are trusted once given (to_dict, permute and the collections slice ids by them): a stale list gave
+    feature 'a' the ids of 'b' and a collection's output changed without a word."""
+    values, lengths = torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1])  # a: [1], b: [2, 3]
+    with pytest.raises(ValueError, match=r"length_per_key \[2, 1\] disagrees .* \[1, 2\]"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[2, 1])
+    with pytest.raises(ValueError, match=r"offset_per_key \[0, 2, 3\] disagrees .* \[0, 1, 3\]"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offset_per_key=[0, 2, 3])
+    with pytest.raises(ValueError, match="length_per_key has 1 entries for the 2 keys"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[3])
+    with pytest.raises(ValueError, match="7th positional argument is stride_per_key_per_rank"):
+        KeyedJaggedTensor(["a", "b"], values, None, lengths, None, None, [[2], [2]])  # TorchRec's positional order
+    ok = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[1, 2], offset_per_key=[0, 1, 3])
+    assert bags(ok) == {"a": [[1], []], "b": [[2], [3]]}
+
+
+def test_variable_batch_per_key_is_refused_by_name():
+    """TorchRec's VBE arguments were an unexpected-keyword TypeError; now they are accepted where every key has the
+    batch's stride, and refused naming the fix where keys have their own batch sizes."""
+    values, lengths = torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])
+    for kwargs in (dict(stride_per_key_per_rank=[[1], [2]]), dict(stride_per_key=[1, 2]),
+                   dict(stride_per_key_per_rank=[[1, 0], [1, 1]])):
+        with pytest.raises(ValueError, match="variable batch size per key .* not supported: give every key one bag"):
+            KeyedJaggedTensor(["a", "b"], values, lengths=lengths, **kwargs)
+    with pytest.raises(ValueError, match="inverse_indices were given"):
+        KeyedJaggedTensor.from_lengths_sync(["a", "b"], values, torch.tensor([1, 0, 1, 1]),
+                                            inverse_indices=(["a", "b"], torch.zeros(2, 2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="index_per_key"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 1, 1]), index_per_key={"b": 0, "a": 1})
+    same = KeyedJaggedTensor.from_offsets_sync(["a", "b"], values, torch.tensor([0, 1, 1, 2, 3]),
+                                               stride_per_key_per_rank=[[2], [2]])
+    kjt = KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 1, 1]), stride_per_key=[2, 2],
+                            index_per_key={"a": 0, "b": 1}, jt_dict=None, stride_per_key_per_rank=[])
+    assert bags(same) == bags(kjt) == {"a": [[1], []], "b": [[2], [3]]} and kjt.stride() == 2
+    assert kjt.stride_per_key_per_rank() == [] and kjt.inverse_indices_or_none() is None
+
+
 def test_empty():
     e = KeyedJaggedTensor.empty()
     assert e.keys() == [] and e.stride() == 0 and e.length_per_key() == []
@@ -270,3 +307,18 @@ def test_torchrec_argument_names_of_empty_and_concat():
         assert cls.empty().values().dtype == torch.int64 and cls.empty().weights_or_none() is None
     both = KeyedJaggedTensor.concat(kjt_list=drawn().split([1, 1]))
     assert both.keys() == ["f1", "f2"] and bags(both) == bags(drawn())
+
+
+def test_keyed_tensor_takes_torchrecs_caches_checked_and_regroups_an_empty_group():
+    """TorchRec's KeyedTensor(..., offset_per_key=, index_per_key=) was an unexpected-keyword TypeError; an empty
+    group in regroup was torch.cat's "expected a non-empty list of Tensors" (TorchRec gives a [B, 0] tensor)."""
+    values = torch.arange(6.0).view(2, 3)
+    kt = KeyedTensor(["a", "b"], [1, 2], values, offset_per_key=[0, 1, 3], index_per_key={"a": 0, "b": 1})
+    torch.testing.assert_close(kt["b"], values[:, 1:])
+    with pytest.raises(ValueError, match=r"offset_per_key \[0, 2, 3\] disagrees with the widths \[1, 2\]"):
+        KeyedTensor(["a", "b"], [1, 2], values, offset_per_key=[0, 2, 3])
+    with pytest.raises(ValueError, match="index_per_key"):
+        KeyedTensor(["a", "b"], [1, 2], values, index_per_key={"b": 0, "a": 1})
+    empty, b = KeyedTensor.regroup([kt], [[], ["b"]])
+    assert empty.shape == (2, 0)
+    torch.testing.assert_close(b, values[:, 1:])

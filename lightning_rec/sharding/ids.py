@@ -64,6 +64,11 @@ class RouteTables:
         self.copy_block_C = torch.tensor(routing.copy_row_block, dtype=torch.long, device=device)
         self.copy_first_C = torch.tensor(routing.copy_first, dtype=torch.long, device=device)
         self.copy_shard_sf = torch.tensor(routing.copy_shard_sf, dtype=torch.long, device=device)
+        # C: the copy's last row shard that holds rows (the block rule fills shards in order, empty ones last)
+        ends = routing.copy_first[1:] + [len(routing.copy_shard_sf)]
+        self.copy_last_owner_C = torch.tensor(
+            [sum(sf >= 0 for sf in routing.copy_shard_sf[a:b]) - 1 for a, b in zip(routing.copy_first, ends)],
+            dtype=torch.long, device=device)
         counts = routing.rank_sf_counts
         self.rank_of_sf = [p for p, n in enumerate(counts) for _ in range(n)]
         self.rank_sf_end = torch.tensor(counts, device=device).cumsum(0)
@@ -92,7 +97,12 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
                                     output_size=N)
     copy_N = torch.div(bag_N, max(B, 1), rounding_mode="floor")
     block_N = tables.copy_block_C[copy_N]
-    owner_N = torch.div(values_N, block_N, rounding_mode="floor")
+    # An id outside its table (unchecked: validate_ids=False) must not reach another copy's shard: index
+    # copy_first + owner would name the next feature's (or table's) shard, or with a negative id the previous one,
+    # and the id, remapped into range there, read and trained that row without a word. Kept to the copy's own
+    # shards, it stays outside the owner's rows, where the owner's kernel refuses it as for an unsharded table.
+    owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
+    owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
     local_N = values_N - owner_N * block_N
     sf_N = tables.copy_shard_sf[tables.copy_first_C[copy_N] + owner_N]
     key_N = sf_N * B + (bag_N - copy_N * B)

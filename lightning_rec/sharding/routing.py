@@ -122,6 +122,20 @@ def _fused_kernel(kernel) -> str:
     return kernel if kernel.startswith("fused") else "fused"
 
 
+def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Sequence[LocalTable]) -> None:
+    """A piece is named '<table>@r<row>c<col>' and its features '<feature>@r<row>c<col>' on its rank: a table or
+    feature of the collection already named so met the piece's name there, and one's ids were looked up (and
+    trained) in the other's rows without a word. Same on every rank (the routing is), so every rank raises."""
+    for rank, tables in enumerate(per_rank):
+        for kind, names in (("table", [t.name for t in list(tables) + list(replicas)]),
+                            ("feature", [f for t in list(tables) + list(replicas) for f in t.feature_names])):
+            clash = sorted({n for n in names if names.count(n) > 1})
+            if clash:
+                raise ValueError(f"{kind} name(s) {clash} on rank {rank} are both a {kind} of the collection and the "
+                                 f"name of a sharded piece ('<name>@r<row>c<col>'): rename the {kind}(s) (without "
+                                 f"'@r..c..' at the end)")
+
+
 def build_routing(
     configs: Sequence,
     feature_names: Sequence[str],
@@ -169,6 +183,7 @@ def build_routing(
             for f, n in zip(cfg.feature_names, names):
                 sf_by_name[(n, s.placement)] = ShardFeature(f, f_index[f], cfg.name, s, table.name, n)
 
+    _check_local_names(per_rank, dp_tables)
     rank_tables = [[t for g in group_tables(ts) for t in g] for ts in per_rank]
     shard_features: list[ShardFeature] = []
     counts, rank_dims = [], []
