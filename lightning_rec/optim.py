@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -250,6 +251,18 @@ class _FusedParamGroup(dict):
                 kernel.set_learning_rate(rate)
         super().__setitem__(key, value)
 
+    def __reduce__(self):
+        # pickle's default for a dict subclass sets the items before the attributes: "lr" went through __setitem__
+        # to kernels the group did not have yet (AttributeError '_kernels' in torch.load of an optimizer)
+        return _rebuild_fused_group, (type(self), dict(self), dict(self.__dict__))
+
+
+def _rebuild_fused_group(cls: type, items: dict[str, Any], attrs: dict[str, Any]) -> _FusedParamGroup:
+    group = dict.__new__(cls)
+    group.__dict__.update(attrs)
+    dict.update(group, items)  # the kernels come with their own rate: nothing to push
+    return group
+
 
 def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
     """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
@@ -296,6 +309,35 @@ def _has_fused_update(module: torch.nn.Module) -> bool:
     return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None
 
 
+class _FusedDefaults(dict):
+    """A fused (or combined) optimizer's `defaults`: torch's OneCycleLR / CyclicLR, whose cycle_momentum=True (their
+    default) asks them for "momentum" or "betas", are told why there is none and what to pass.
+
+    Only the learning rate of a fused group follows a scheduler; its betas are fixed when the tables are built
+    (and sgd / adagrad have no momentum at all). torch said "optimizer must support momentum or beta1 with
+    `cycle_momentum` option enabled", naming neither. Other readers (Lightning's LearningRateMonitor) get False."""
+
+    def __contains__(self, key: object) -> bool:
+        found = dict.__contains__(self, key)
+        if key in ("momentum", "betas") and not found:
+            caller = sys._getframe(1)
+            if caller.f_globals.get("__name__") == "torch.optim.lr_scheduler":
+                scheduler = type(caller.f_locals.get("self")).__name__
+                raise ValueError(
+                    f"{scheduler}(cycle_momentum=True), its default, cycles every param group's momentum (Adam's "
+                    f"beta1), but this optimizer steps fused embedding tables, whose hyper-parameters are fixed when "
+                    f"they are built (FusedOptimizerConfig); only their lr follows a scheduler: pass "
+                    f"{scheduler}(..., cycle_momentum=False) (the learning rate still cycles, the tables' too)")
+        return found
+
+
+_SHARDED_COPY = (
+    "the fused optimizer of a sharded model (DistributedModelParallel) cannot be pickled or deep-copied: its "
+    "kernels are tied to this run's process groups. Save its state instead, torch.save(optimizer.state_dict(), f) "
+    "(or lightning_rec.checkpoint.save for a checkpoint that loads at any world size), and load that into the "
+    "optimizer of the model sharded again, optimizer.load_state_dict(torch.load(f))")
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
@@ -311,6 +353,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         # "<path>.<local table>" -> ("<path>.<global table>", ShardMetadata or None: whole, global shape)
         self._pieces: dict[str, tuple[str, Any, tuple[int, int]]] = {}
         groups = []
+        # sharded kernels hold the run's process groups, which neither pickle nor deepcopy can copy
+        self._sharded = any(callable(getattr(m, "shard_of", None)) for _, m in fused_modules(model))
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
             # The collection's own table parameters (unsharded: the same storage as the kernel's views; sharded: one
@@ -352,6 +396,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("the model has no fused embedding tables: build its EmbeddingBagCollection with "
                              "optimizer=FusedOptimizerConfig(...), or use a plain torch.optim optimizer")
         super().__init__(groups, {})
+        self.defaults = _FusedDefaults(self.defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and the copy (deepcopy,
+        torch.save(optimizer)) had no tables: its state_dict() raised AttributeError '_tables'."""
+        if self.__dict__.get("_sharded"):
+            raise TypeError(_SHARDED_COPY)
+        return dict(self.__dict__)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -534,6 +586,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
         _refuse_fused_tables_in_dense(named)
         super().__init__([g for _, o in named for g in o.param_groups], {})
+        if any(holds_fused_optimizer(o) for _, o in named):
+            self.defaults = _FusedDefaults(self.defaults)
         self._built = True
 
     def _sync_groups(self) -> None:
@@ -582,6 +636,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
                    "add the group to the child that should step it (optimizer.optimizers[i][1].add_param_group)"))
         dense[0][1].add_param_group(param_group)
         self._sync_groups()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and a deep copy had no
+        children (KeyError '_groups' at its first use)."""
+        return dict(self.__dict__)
 
     @property
     def state(self) -> dict:  # type: ignore[override]
@@ -779,6 +838,9 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
         self._optimizer = optim_factory(list(self.params.values()))
         super().__init__(self._optimizer.param_groups, {})
         self.param_groups = self._optimizer.param_groups
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)  # torch's keeps param_groups only: a copy lost its inner optimizer
 
     @property
     def state(self) -> dict:  # type: ignore[override]

@@ -859,3 +859,59 @@ def test_combined_optimizer_takes_assigned_groups_as_base_finetuning_restores_th
     sgd = opt.optimizers[1][1]
     assert [g["params"] for g in sgd.param_groups] == [list(dense.parameters()), list(head.parameters())]
     assert sgd.param_groups[1]["lr"] == 0.5 and opt.param_groups == opt.optimizers[0][1].param_groups + sgd.param_groups
+
+
+def test_combined_optimizer_survives_deepcopy_and_torch_save_with_its_model():
+    """copy.deepcopy((model, optimizer)) and torch.save((model, optimizer)): torch's Optimizer pickles only defaults,
+    state and param_groups, so the copy had no parts (KeyError '_groups' at its first use), and torch.load of a
+    fused group raised AttributeError '_kernels'. Now the copy trains its copied model exactly as the original
+    trains the original, and its fused lr reaches the copy's kernels only."""
+    import io
+
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
+    model = nn.ModuleDict({"ebc": ebc, "dense": nn.Linear(20, 1)})
+    opt = combined_optimizer(model, torch.optim.Adam(dense_parameters(model), lr=0.01))
+
+    def step(m, o, seed):
+        kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4, seed=seed)
+        m["dense"](m["ebc"](kjt).values()).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    step(model, opt, 0)
+    buf = io.BytesIO()
+    torch.save((model, opt), buf)
+    buf.seek(0)
+    for m2, o2 in [copy.deepcopy((model, opt)), torch.load(buf, weights_only=False)]:
+        o2.param_groups[0]["lr"] = 0.05
+        assert m2["ebc"].fused_kernels()[0].get_learning_rate() == 0.05
+        assert ebc.fused_kernels()[0].get_learning_rate() == 0.1
+        o2.param_groups[0]["lr"] = 0.1
+        step(m2, o2, 1)
+        assert o2.state_dict()["fused"]["state"].keys() == opt.state_dict()["fused"]["state"].keys()
+    step(model, opt, 1)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(m2.state_dict()[name], value)
+    for key, value in opt.state_dict()["fused"]["state"].items():
+        torch.testing.assert_close(o2.state_dict()["fused"]["state"][key], value)
+
+
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_cycle_momentum_over_fused_tables_is_refused_naming_cycle_momentum_false(scheduler):
+    """OneCycleLR / CyclicLR built in Python over a combined (or fused) optimizer: their default cycle_momentum=True
+    said torch's "optimizer must support momentum or beta1", though the dense part was an Adam. Now the refusal
+    names the fused tables and cycle_momentum=False, with which the learning rate cycles, the tables' too."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("adam", lr=0.1))
+    opt = combined_optimizer(ebc, torch.optim.Adam(nn.Linear(3, 1).parameters(), lr=0.1))
+    lr_scheduler = torch.optim.lr_scheduler
+    make = {"OneCycleLR": lambda o, **kw: lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=4, **kw),
+            "CyclicLR": lambda o, **kw: lr_scheduler.CyclicLR(o, 0.01, 0.2, step_size_up=2, **kw)}[scheduler]
+    for optimizer in (opt, FusedOptimizer(ebc)):
+        with pytest.raises(ValueError, match=rf"^{scheduler}\(cycle_momentum=True\), its default, .* fused embedding "
+                                             rf"tables, .* pass {scheduler}\(\.\.\., cycle_momentum=False\)"):
+            make(optimizer)
+    sched = make(opt, cycle_momentum=False)
+    opt.step()
+    sched.step()
+    assert ebc.fused_kernels()[0].get_learning_rate() == opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"]
+    assert "betas" not in opt.defaults  # other readers (LearningRateMonitor's log_momentum) are answered
