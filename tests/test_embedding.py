@@ -915,3 +915,24 @@ def test_cycle_momentum_over_fused_tables_is_refused_naming_cycle_momentum_false
     sched.step()
     assert ebc.fused_kernels()[0].get_learning_rate() == opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"]
     assert "betas" not in opt.defaults  # other readers (LearningRateMonitor's log_momentum) are answered
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+def test_assigning_a_fused_tables_data_reaches_its_kernel(kernel):
+    """`weight.data = pretrained` (and torch.nn.utils.vector_to_parameters, which assigns so) rebound the parameter:
+    it showed the new rows while forward and the fused update went on with the old ones, silently. Now the rows
+    are written into the kernel (forward equals an nn.EmbeddingBag holding them), and a wrong shape is refused."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1), kernel=kernel)
+    pretrained = torch.randn(50, 8)
+    ebc.embedding_bags["t0"].weight.data = pretrained
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    f0 = kjt["f0"]
+    ref = nn.functional.embedding_bag(f0.values(), pretrained, f0.offsets()[:-1], mode="sum")
+    torch.testing.assert_close(ebc(kjt)["f0"], ref)
+    vec = parameters_to_vector(ebc.parameters())
+    vector_to_parameters(torch.zeros_like(vec), ebc.parameters())
+    assert not ebc(kjt).values().any() and not ebc.state_dict()["embedding_bags.t1.weight"].any()
+    with pytest.raises(ValueError, match=r"shape \(30, 8\): .* view of the kernel's rows \(shape \(30, 4\)\)"):
+        ebc.embedding_bags["t1"].weight.data = torch.zeros(30, 8)
