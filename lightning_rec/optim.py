@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -469,6 +470,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             if local_key not in saved and f"{self._pieces[local][0]}.{key}" not in saved:
                 missing.append(local_key)
         if missing:
+            # a piece's name, "<table>@r<row>c<col>": state saved by one rank of a sharded model holds its pieces only
+            pieces = sorted({k.rsplit(".", 1)[0] for k in saved if re.search(r"@r\d+c\d+$", k.rsplit(".", 1)[0])})
+            if pieces:
+                raise ValueError(
+                    f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: it "
+                    f"was saved by one rank of a model sharded otherwise (it holds pieces {pieces[:3]}), and one "
+                    f"rank's optimizer.state_dict() loads only into the same world size and plan. To load at any "
+                    f"world size or plan, save with lightning_rec.checkpoint.save(..., optimizers=[optimizer]) and "
+                    f"load with checkpoint.load_optimizer(optimizer, path, module=model) (Trainer(strategy='rec') "
+                    f"does), or merge every rank's FusedOptimizer.global_state_pieces() with merge_fused_state")
             raise ValueError(
                 f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
                 f"the checkpoint was saved with other tables or another fused optimizer"
@@ -480,8 +491,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 global_key = f"{self._pieces[local][0]}.{key}"
                 value = _slice_state(saved[global_key], self._pieces[local][1])
             if value.shape != tensor.shape:
+                why = ("the table sizes differ" if self._pieces[local][1] is None else "this piece of the table "
+                       "has other rows or columns here: it was saved at another world size or plan, which one rank's "
+                       "optimizer.state_dict() cannot follow; lightning_rec.checkpoint.save / load_optimizer can")
                 raise ValueError(f"fused optimizer state '{local_key}' has shape {tuple(value.shape)} in the "
-                                 f"checkpoint but {tuple(tensor.shape)} here: the table sizes differ")
+                                 f"checkpoint but {tuple(tensor.shape)} here: {why}")
             tensor.copy_(value)
         self.state_loaded()
         self.load_param_groups({g["name"]: g for g in state_dict.get("param_groups", [])})

@@ -1040,3 +1040,34 @@ def test_model_summary_counts_sharded_tables_as_the_unsharded_model():
     autograd, as an unsharded fused table), the same numbers as before sharding."""
     counts = run_ranks(_summary_worker, 2, timeout=60)
     assert counts[0] == counts[1] and counts[0][0][0] == sum(ROWS[t] * DIMS[t] for t in ROWS)
+
+
+def _rank_state_worker(rank, W, path):
+    import copy
+
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    module = nn.Module()
+    module.ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        module.ebc, {"t0": row_wise(), "t1": table_wise(rank=W - 1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(module, plan=plan, device="cpu", timeout=20)
+    optimizer = combined_optimizer(dmp, torch.optim.Adam(dense_parameters(dmp) or [nn.Parameter(torch.ones(1))]))
+    module.ebc(_batch(rank, 0, False)).values().sum().backward()
+    if W == 2:
+        expect_error(TypeError, lambda: copy.deepcopy(optimizer), "sharded model", "torch.save(optimizer.state_dict()")
+        torch.save(optimizer.state_dict(), f"{path}.{rank}")
+        return None
+    saved = torch.load(f"{path}.1")
+    return expect_error(ValueError, lambda: optimizer.load_state_dict(saved), "saved by one rank of a model sharded "
+                        "otherwise (it holds pieces ['ebc.t0@r6c0'", "checkpoint.save")
+
+
+def test_one_ranks_optimizer_state_at_another_world_size_is_refused_naming_checkpoint_save(tmp_path):
+    """torch.save(optimizer.state_dict()) on each rank, loaded at another world size: the refusal said "saved with
+    other tables or another fused optimizer" (the same tables, sharded otherwise), naming no way that reshards. Now
+    it says so and names checkpoint.save / load_optimizer. copy.deepcopy of a sharded model's optimizer said "cannot
+    pickle ProcessGroup"; now it names state_dict()."""
+    path = str(tmp_path / "opt")
+    run_ranks(_rank_state_worker, 2, path, timeout=60)
+    run_ranks(_rank_state_worker, 1, path, timeout=60)
