@@ -1306,3 +1306,30 @@ def test_dense_state_saved_without_table_parameters_loads_into_an_optimizer_over
             else:
                 assert new.state[p].keys() == old.state[p].keys()
                 assert all(torch.equal(new.state[p][k], old.state[p][k]) for k in old.state[p])
+
+
+def test_a_module_of_ones_own_with_rec_checkpoint_loading_loads_a_checkpoint_directory(tmp_path):
+    """MyModule.load_from_checkpoint(dir) for a LightningModule of one's own raised IsADirectoryError (Lightning's
+    reads one file); lightning_rec.RecCheckpointLoading mixed in reads the directory, as DLRMModule's does."""
+    import lightning.pytorch as pl
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, RecCheckpointLoading
+
+    class Mine(RecCheckpointLoading, pl.LightningModule):
+        def __init__(self, rows: int = 10):
+            super().__init__()
+            self.save_hyperparameters()
+            self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=4,
+                                                                  feature_names=["f"])],
+                                              optimizer=FusedOptimizerConfig("sgd"))
+            self.dense = torch.nn.Linear(4, 1)
+
+    path = str(tmp_path / "c.ckpt")
+    module = Mine(rows=12)
+    ckpt.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    with pytest.raises(IsADirectoryError):
+        pl.LightningModule.load_from_checkpoint(path)  # Lightning's own, without the mixin
+    loaded = Mine.load_from_checkpoint(path)
+    assert loaded.hparams.rows == 12
+    for name, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value)
