@@ -1056,6 +1056,10 @@ def _rank_state_worker(rank, W, path):
     module.ebc(_batch(rank, 0, False)).values().sum().backward()
     if W == 2:
         expect_error(TypeError, lambda: copy.deepcopy(optimizer), "sharded model", "torch.save(optimizer.state_dict()")
+        from torch.optim.swa_utils import AveragedModel
+
+        expect_error(TypeError, lambda: AveragedModel(dmp), "cannot be deep-copied or pickled",
+                     "AveragedModel(dmp.module")
         torch.save(optimizer.state_dict(), f"{path}.{rank}")
         return None
     saved = torch.load(f"{path}.1")
@@ -1066,8 +1070,8 @@ def _rank_state_worker(rank, W, path):
 def test_one_ranks_optimizer_state_at_another_world_size_is_refused_naming_checkpoint_save(tmp_path):
     """torch.save(optimizer.state_dict()) on each rank, loaded at another world size: the refusal said "saved with
     other tables or another fused optimizer" (the same tables, sharded otherwise), naming no way that reshards. Now
-    it says so and names checkpoint.save / load_optimizer. copy.deepcopy of a sharded model's optimizer said "cannot
-    pickle ProcessGroup"; now it names state_dict()."""
+    it says so and names checkpoint.save / load_optimizer. copy.deepcopy of a sharded model's optimizer, and of the
+    model (AveragedModel(dmp), EMA helpers), said "cannot pickle 'ProcessGroup' object"; now they name what to do."""
     path = str(tmp_path / "opt")
     run_ranks(_rank_state_worker, 2, path, timeout=60)
     run_ranks(_rank_state_worker, 1, path, timeout=60)
