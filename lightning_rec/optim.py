@@ -639,6 +639,21 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not self.__dict__.get("_built"):  # torch's __init__: the children's own groups
             super().add_param_group(param_group)
             return
+        params = param_group.get("params")
+        if not isinstance(params, set):  # (torch refuses a set, by its own message, below)
+            params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+            param_group = {**param_group, "params": params}  # a generator, read once here, is kept as its list
+        fused = {id(p): g["name"] for _, o in self.optimizers if isinstance(o, FusedOptimizer)
+                 for g in o.param_groups for p in g["params"]}
+        held = sorted({fused[id(p)] for p in params if id(p) in fused})
+        if held:
+            # the dense child took them and never stepped them (no gradient), silently: e.g. a group meant to give
+            # the tables another learning rate
+            raise ValueError(
+                f"CombinedOptimizer.add_param_group: the group holds fused table weights (param group(s) "
+                f"{', '.join(held)}), which their fused optimizer updates inside backward; a dense optimizer's group "
+                f"would never step them. Their learning rate is their own group's 'lr' (optimizer.param_groups "
+                f"entry named {held[0]!r}); add only the other parameters (lightning_rec.optim.dense_parameters)")
         dense = [(name, o) for name, o in self.optimizers if not isinstance(o, FusedOptimizer)]
         if len(dense) != 1:
             raise ValueError(

@@ -936,3 +936,19 @@ def test_assigning_a_fused_tables_data_reaches_its_kernel(kernel):
     assert not ebc(kjt).values().any() and not ebc.state_dict()["embedding_bags.t1.weight"].any()
     with pytest.raises(ValueError, match=r"shape \(30, 8\): .* view of the kernel's rows \(shape \(30, 4\)\)"):
         ebc.embedding_bags["t1"].weight.data = torch.zeros(30, 8)
+
+
+def test_a_group_of_fused_table_weights_added_to_a_combined_optimizer_is_refused():
+    """optimizer.add_param_group({"params": ebc.parameters(), "lr": 0.5}) (to give the tables another rate) joined the
+    dense child, which never stepped them: nothing changed, silently. Now refused, naming the fused group's lr; a
+    group of new dense layers (a generator too) still joins the dense child and trains."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    opt = combined_optimizer(ebc, torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"holds fused table weights \(param group\(s\) fused0\).*'lr' .*'fused0'"):
+        opt.add_param_group({"params": ebc.parameters(), "lr": 0.5})
+    extra = nn.Linear(2, 1)
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.5})
+    extra(torch.ones(1, 2)).sum().backward()
+    before = extra.weight.detach().clone()
+    opt.step()
+    torch.testing.assert_close(extra.weight.detach(), before - 0.5)
