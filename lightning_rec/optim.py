@@ -332,6 +332,12 @@ class _FusedDefaults(dict):
         return found
 
 
+def _picklable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's attributes for pickle / deepcopy, less the `step` that an LR scheduler puts on the instance
+    (a wrapper of the original's step: a copy keeping it stepped the original; pickle cannot write it)."""
+    return {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+
+
 _SHARDED_COPY = (
     "the fused optimizer of a sharded model (DistributedModelParallel) cannot be pickled or deep-copied: its "
     "kernels are tied to this run's process groups. Save its state instead, torch.save(optimizer.state_dict(), f) "
@@ -404,7 +410,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         torch.save(optimizer)) had no tables: its state_dict() raised AttributeError '_tables'."""
         if self.__dict__.get("_sharded"):
             raise TypeError(_SHARDED_COPY)
-        return dict(self.__dict__)
+        return _picklable_state(self)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -669,7 +675,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """All of it: torch's Optimizer pickles defaults, state and param_groups only, and a deep copy had no
         children (KeyError '_groups' at its first use)."""
-        return dict(self.__dict__)
+        return _picklable_state(self)
 
     @property
     def state(self) -> dict:  # type: ignore[override]
@@ -869,7 +875,7 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
         self.param_groups = self._optimizer.param_groups
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)  # torch's keeps param_groups only: a copy lost its inner optimizer
+        return _picklable_state(self)  # torch's keeps param_groups only: a copy lost its inner optimizer
 
     @property
     def state(self) -> dict:  # type: ignore[override]

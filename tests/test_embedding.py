@@ -865,7 +865,8 @@ def test_combined_optimizer_survives_deepcopy_and_torch_save_with_its_model():
     """copy.deepcopy((model, optimizer)) and torch.save((model, optimizer)): torch's Optimizer pickles only defaults,
     state and param_groups, so the copy had no parts (KeyError '_groups' at its first use), and torch.load of a
     fused group raised AttributeError '_kernels'. Now the copy trains its copied model exactly as the original
-    trains the original, and its fused lr reaches the copy's kernels only."""
+    trains the original (an LR scheduler's step wrapper left behind: it stepped the original), and its fused lr
+    reaches the copy's kernels only."""
     import io
 
     ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
@@ -878,6 +879,7 @@ def test_combined_optimizer_survives_deepcopy_and_torch_save_with_its_model():
         o.step()
         o.zero_grad()
 
+    torch.optim.lr_scheduler.StepLR(opt, 1)  # it puts a wrapper of opt.step on the instance: a copy stepped opt
     step(model, opt, 0)
     buf = io.BytesIO()
     torch.save((model, opt), buf)
@@ -894,6 +896,10 @@ def test_combined_optimizer_survives_deepcopy_and_torch_save_with_its_model():
         torch.testing.assert_close(m2.state_dict()[name], value)
     for key, value in opt.state_dict()["fused"]["state"].items():
         torch.testing.assert_close(o2.state_dict()["fused"]["state"][key], value)
+    from lightning_rec.optim import KeyedOptimizerWrapper  # TorchRec's dense part: it lost its inner optimizer
+
+    keyed = KeyedOptimizerWrapper(dict(model.named_parameters()), lambda ps: torch.optim.SGD(ps, lr=0.3))
+    assert copy.deepcopy(keyed).state_dict()["param_groups"][0]["lr"] == 0.3
 
 
 @pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
