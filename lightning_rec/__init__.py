@@ -45,7 +45,7 @@ _EXPORTS = {
     "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
     "Recall": "metrics", "Precision": "metrics", "MRR": "metrics", "HitRate": "metrics",
     "MovieLensDataModule": "data", "TwoTower": "models", "TwoTowerModule": "models",
-    "PredictionWriter": "predict",
+    "PredictionWriter": "predict", "RecCheckpointLoading": "models.module_hooks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -396,13 +396,41 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
             if _is_dense_in_dcp(rest[saved_name]):
                 _load_dense(child, _dense_key(prefix, saved_name), module, path)
             else:
-                child.load_state_dict(rest[saved_name])
+                load_torch_optimizer_state(child, rest[saved_name])
         optimizer._sync_groups()
     elif fused_key is None:
         if _is_dense_in_dcp(rest):
             _load_dense(optimizer, _dense_key(prefix, ""), module, path)
         else:
-            optimizer.load_state_dict(rest)
+            load_torch_optimizer_state(optimizer, rest)
+
+
+def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """`optimizer.load_state_dict(saved)` for a torch.optim optimizer, also when `saved` was written before a sharded
+    collection had table parameters.
+
+    An optimizer built over `model.parameters()` holds, since then, one (empty) parameter per sharded table: its
+    state saved before (by index, without them) met torch's "loaded state dict contains a parameter group that
+    doesn't match the size of optimizer's group". The tables never hold optimizer state (no gradient), so each group
+    that differs by exactly its table parameters gets them back in their places, with no state."""
+    from lightning_rec.embedding import FusedTableWeight
+
+    theirs = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    ours = optimizer.param_groups
+    by_index = isinstance(theirs, list) and all(isinstance(s, Mapping) and isinstance(s.get("params"), list)
+                                                for s in theirs)  # torch's format (a fused part's has no "params")
+    if by_index and len(theirs) == len(ours) and any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(ours, theirs)):
+        tables = [[isinstance(p, FusedTableWeight) for p in g["params"]] for g in ours]
+        if all(len(flags) - sum(flags) == len(s["params"]) for flags, s in zip(tables, theirs)):
+            taken = [i for s in theirs for i in s["params"] if isinstance(i, int)]
+            fresh = iter(range(max(taken, default=-1) + 1, 1 << 62))
+            groups = []
+            for flags, s in zip(tables, theirs):
+                kept = iter(s["params"])
+                groups.append({**s, "params": [next(fresh) if table else next(kept) for table in flags]})
+            saved = {**saved, "param_groups": groups}
+    optimizer.load_state_dict(saved)
 
 
 def _blob(obj: Any) -> bytes:
@@ -1247,7 +1275,7 @@ def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str
             names = _wrapped_named_model(module) if wrapped else _named_model(module)
             set_optimizer_state_dict(names, part, whole, options=_full_options())
         else:
-            part.load_state_dict(saved)
+            load_torch_optimizer_state(part, saved)
 
     if isinstance(optimizer, CombinedOptimizer):
         for name, child in optimizer.optimizers:

@@ -315,11 +315,12 @@ class RecCLI(LightningCLI):
             except ValueError as e:
                 if "cycle_momentum" not in str(e):
                     raise
-                # torch's "optimizer must support momentum or beta1 with `cycle_momentum` option enabled": the
-                # fused tables' betas are fixed when they are built, and the combined optimizer has no one momentum
+                # the combined optimizer's refusal (lightning_rec.optim) names the Python argument; here the flag:
+                # the fused tables' betas are fixed when they are built, and the combined optimizer has no one momentum
                 raise ValueError(f"--lr_scheduler={name} cycles the momentum by default, but the optimizer that "
                                  f"{type(module).__name__} returns ({type(optimizer).__name__}: fused tables + dense "
-                                 f"layers) has no one momentum to cycle ({e}): add "
+                                 f"layers) has no one momentum to cycle (the fused tables' hyper-parameters are fixed "
+                                 f"when they are built; only their lr follows a scheduler): add "
                                  f"--lr_scheduler.cycle_momentum=false") from None
             return LightningCLI.configure_optimizers(module, optimizer, scheduler)
 

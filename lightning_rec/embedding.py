@@ -315,6 +315,28 @@ class FusedTableWeight(nn.Parameter):
         copied.frozen = self.frozen
         return copied
 
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """Written in place: the kernel reads the rows this parameter views. `weight.data = pretrained` (and
+        torch.nn.utils.vector_to_parameters, which assigns so) made the parameter show the new values while
+        forward and the fused update went on with the old rows, silently."""
+        own = torch._C.TensorBase.data.__get__(self)
+        if not isinstance(value, torch.Tensor) or value.shape != own.shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            held = ("holds none of the table's values (they are the ranks' shards): load them with "
+                    "dmp.load_state_dict(...) or lightning_rec.checkpoint.load_model" if own.numel() == 0 and
+                    getattr(self, "table_numel", 0) else
+                    f"is a view of the kernel's rows (shape {tuple(own.shape)}): write values of that shape, "
+                    f"weight.data.copy_(...) or the collection's load_state_dict")
+            raise ValueError(f"{type(self).__name__}.data = a tensor of shape {shape}: this embedding table's "
+                             f"parameter {held}; rebinding it would leave the kernel training the old rows")
+        with torch.no_grad():
+            own.copy_(value)
+
 
 class _TableWeight(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
@@ -463,7 +485,7 @@ class _EmbeddingCollectionBase(nn.Module):
                     param = FusedTableWeight(table_weights[name], requires_grad=False)
                     param.frozen = frozen
                     tables[name].weight = param
-                param.data = table_weights[name]
+                torch._C.TensorBase.data.__set__(param, table_weights[name])  # re-pointed, not copied
             self._own(param, name)
 
     # ---------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -250,6 +252,18 @@ class _FusedParamGroup(dict):
                 kernel.set_learning_rate(rate)
         super().__setitem__(key, value)
 
+    def __reduce__(self):
+        # pickle's default for a dict subclass sets the items before the attributes: "lr" went through __setitem__
+        # to kernels the group did not have yet (AttributeError '_kernels' in torch.load of an optimizer)
+        return _rebuild_fused_group, (type(self), dict(self), dict(self.__dict__))
+
+
+def _rebuild_fused_group(cls: type, items: dict[str, Any], attrs: dict[str, Any]) -> _FusedParamGroup:
+    group = dict.__new__(cls)
+    group.__dict__.update(attrs)
+    dict.update(group, items)  # the kernels come with their own rate: nothing to push
+    return group
+
 
 def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
     """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
@@ -296,6 +310,41 @@ def _has_fused_update(module: torch.nn.Module) -> bool:
     return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None
 
 
+class _FusedDefaults(dict):
+    """A fused (or combined) optimizer's `defaults`: torch's OneCycleLR / CyclicLR, whose cycle_momentum=True (their
+    default) asks them for "momentum" or "betas", are told why there is none and what to pass.
+
+    Only the learning rate of a fused group follows a scheduler; its betas are fixed when the tables are built
+    (and sgd / adagrad have no momentum at all). torch said "optimizer must support momentum or beta1 with
+    `cycle_momentum` option enabled", naming neither. Other readers (Lightning's LearningRateMonitor) get False."""
+
+    def __contains__(self, key: object) -> bool:
+        found = dict.__contains__(self, key)
+        if key in ("momentum", "betas") and not found:
+            caller = sys._getframe(1)
+            if caller.f_globals.get("__name__") == "torch.optim.lr_scheduler":
+                scheduler = type(caller.f_locals.get("self")).__name__
+                raise ValueError(
+                    f"{scheduler}(cycle_momentum=True), its default, cycles every param group's momentum (Adam's "
+                    f"beta1), but this optimizer steps fused embedding tables, whose hyper-parameters are fixed when "
+                    f"they are built (FusedOptimizerConfig); only their lr follows a scheduler: pass "
+                    f"{scheduler}(..., cycle_momentum=False) (the learning rate still cycles, the tables' too)")
+        return found
+
+
+def _picklable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's attributes for pickle / deepcopy, less the `step` that an LR scheduler puts on the instance
+    (a wrapper of the original's step: a copy keeping it stepped the original; pickle cannot write it)."""
+    return {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+
+
+_SHARDED_COPY = (
+    "the fused optimizer of a sharded model (DistributedModelParallel) cannot be pickled or deep-copied: its "
+    "kernels are tied to this run's process groups. Save its state instead, torch.save(optimizer.state_dict(), f) "
+    "(or lightning_rec.checkpoint.save for a checkpoint that loads at any world size), and load that into the "
+    "optimizer of the model sharded again, optimizer.load_state_dict(torch.load(f))")
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
@@ -311,6 +360,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         # "<path>.<local table>" -> ("<path>.<global table>", ShardMetadata or None: whole, global shape)
         self._pieces: dict[str, tuple[str, Any, tuple[int, int]]] = {}
         groups = []
+        # sharded kernels hold the run's process groups, which neither pickle nor deepcopy can copy
+        self._sharded = any(callable(getattr(m, "shard_of", None)) for _, m in fused_modules(model))
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
             # The collection's own table parameters (unsharded: the same storage as the kernel's views; sharded: one
@@ -352,6 +403,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("the model has no fused embedding tables: build its EmbeddingBagCollection with "
                              "optimizer=FusedOptimizerConfig(...), or use a plain torch.optim optimizer")
         super().__init__(groups, {})
+        self.defaults = _FusedDefaults(self.defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and the copy (deepcopy,
+        torch.save(optimizer)) had no tables: its state_dict() raised AttributeError '_tables'."""
+        if self.__dict__.get("_sharded"):
+            raise TypeError(_SHARDED_COPY)
+        return _picklable_state(self)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -417,6 +476,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             if local_key not in saved and f"{self._pieces[local][0]}.{key}" not in saved:
                 missing.append(local_key)
         if missing:
+            # a piece's name, "<table>@r<row>c<col>": state saved by one rank of a sharded model holds its pieces only
+            pieces = sorted({k.rsplit(".", 1)[0] for k in saved if re.search(r"@r\d+c\d+$", k.rsplit(".", 1)[0])})
+            if pieces:
+                raise ValueError(
+                    f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: it "
+                    f"was saved by one rank of a model sharded otherwise (it holds pieces {pieces[:3]}), and one "
+                    f"rank's optimizer.state_dict() loads only into the same world size and plan. To load at any "
+                    f"world size or plan, save with lightning_rec.checkpoint.save(..., optimizers=[optimizer]) and "
+                    f"load with checkpoint.load_optimizer(optimizer, path, module=model) (Trainer(strategy='rec') "
+                    f"does), or merge every rank's FusedOptimizer.global_state_pieces() with merge_fused_state")
             raise ValueError(
                 f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
                 f"the checkpoint was saved with other tables or another fused optimizer"
@@ -428,8 +497,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 global_key = f"{self._pieces[local][0]}.{key}"
                 value = _slice_state(saved[global_key], self._pieces[local][1])
             if value.shape != tensor.shape:
+                why = ("the table sizes differ" if self._pieces[local][1] is None else "this piece of the table "
+                       "has other rows or columns here: it was saved at another world size or plan, which one rank's "
+                       "optimizer.state_dict() cannot follow; lightning_rec.checkpoint.save / load_optimizer can")
                 raise ValueError(f"fused optimizer state '{local_key}' has shape {tuple(value.shape)} in the "
-                                 f"checkpoint but {tuple(tensor.shape)} here: the table sizes differ")
+                                 f"checkpoint but {tuple(tensor.shape)} here: {why}")
             tensor.copy_(value)
         self.state_loaded()
         self.load_param_groups({g["name"]: g for g in state_dict.get("param_groups", [])})
@@ -534,6 +606,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
         _refuse_fused_tables_in_dense(named)
         super().__init__([g for _, o in named for g in o.param_groups], {})
+        if any(holds_fused_optimizer(o) for _, o in named):
+            self.defaults = _FusedDefaults(self.defaults)
         self._built = True
 
     def _sync_groups(self) -> None:
@@ -571,6 +645,21 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not self.__dict__.get("_built"):  # torch's __init__: the children's own groups
             super().add_param_group(param_group)
             return
+        params = param_group.get("params")
+        if not isinstance(params, set):  # (torch refuses a set, by its own message, below)
+            params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+            param_group = {**param_group, "params": params}  # a generator, read once here, is kept as its list
+        fused = {id(p): g["name"] for _, o in self.optimizers if isinstance(o, FusedOptimizer)
+                 for g in o.param_groups for p in g["params"]}
+        held = sorted({fused[id(p)] for p in params if id(p) in fused})
+        if held:
+            # the dense child took them and never stepped them (no gradient), silently: e.g. a group meant to give
+            # the tables another learning rate
+            raise ValueError(
+                f"CombinedOptimizer.add_param_group: the group holds fused table weights (param group(s) "
+                f"{', '.join(held)}), which their fused optimizer updates inside backward; a dense optimizer's group "
+                f"would never step them. Their learning rate is their own group's 'lr' (optimizer.param_groups "
+                f"entry named {held[0]!r}); add only the other parameters (lightning_rec.optim.dense_parameters)")
         dense = [(name, o) for name, o in self.optimizers if not isinstance(o, FusedOptimizer)]
         if len(dense) != 1:
             raise ValueError(
@@ -582,6 +671,11 @@ class CombinedOptimizer(torch.optim.Optimizer):
                    "add the group to the child that should step it (optimizer.optimizers[i][1].add_param_group)"))
         dense[0][1].add_param_group(param_group)
         self._sync_groups()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and a deep copy had no
+        children (KeyError '_groups' at its first use)."""
+        return _picklable_state(self)
 
     @property
     def state(self) -> dict:  # type: ignore[override]
@@ -779,6 +873,9 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
         self._optimizer = optim_factory(list(self.params.values()))
         super().__init__(self._optimizer.param_groups, {})
         self.param_groups = self._optimizer.param_groups
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _picklable_state(self)  # torch's keeps param_groups only: a copy lost its inner optimizer
 
     @property
     def state(self) -> dict:  # type: ignore[override]

@@ -75,6 +75,17 @@ class ShardingEnv:
         """What the embedding collectives go through: the shared-memory transport, else the process group."""
         return self.transport if self.transport is not None else self.pg
 
+    def __reduce_ex__(self, protocol):
+        # copy.deepcopy / pickle of a sharded model (torch.optim.swa_utils.AveragedModel(dmp), an EMA helper,
+        # torch.save(dmp)) said only "cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object"
+        if self.pg is None:
+            return super().__reduce_ex__(protocol)
+        raise TypeError(
+            "a sharded model (DistributedModelParallel, or a LightningModule under Trainer(strategy='rec')) cannot be "
+            "deep-copied or pickled: its embedding collections are tied to this run's process group. Save it with "
+            "dmp.state_dict() / lightning_rec.checkpoint.save; for EMA / weight averaging, average the dense layers "
+            "(torch.optim.swa_utils.AveragedModel(dmp.module.<dense layers>)) or copy the model before sharding it")
+
 
 @dataclass
 class ShardedBatch:

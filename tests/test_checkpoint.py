@@ -1277,3 +1277,59 @@ def test_a_rank_holding_no_fused_shard_keeps_a_fused_optimizer(tmp_path):
     names, lrs, same = zip(*run_ranks(_rank_without_shards_worker, 2, str(tmp_path / "c"), timeout=120))
     assert names[0] == names[1] == ["ebc.fused0", None]
     assert lrs == (0.05, 0.05) and all(same)
+
+
+def test_dense_state_saved_without_table_parameters_loads_into_an_optimizer_over_all_parameters(tmp_path):
+    """torch.optim.Adam(model.parameters()) holds one parameter per table (an empty one once sharded) since freezing
+    after sharding came in; its state saved before, without them, met torch's "loaded state dict contains a parameter
+    group that doesn't match the size of optimizer's group" at resume. The tables hold no state: it loads, each dense
+    parameter's state onto the same parameter."""
+    from lightning_rec.embedding import FusedTableWeight
+
+    path = str(tmp_path / "c.ckpt")
+    module = _module()
+    params = list(module.parameters())
+    assert any(isinstance(p, FusedTableWeight) for p in params) and not isinstance(params[-1], FusedTableWeight)
+    old = torch.optim.Adam([p for p in params if not isinstance(p, FusedTableWeight)], lr=0.01)
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.ones_like(p)
+    old.step()
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[old])
+    for load in (lambda o: ckpt.load_optimizer(o, path, 0, module=module),
+                 lambda o: ckpt.load_gathered_optimizer(o, old.state_dict(), module=module)):
+        new = torch.optim.Adam(module.parameters(), lr=0.01)
+        load(new)
+        for p in params:
+            if isinstance(p, FusedTableWeight):
+                assert p not in new.state
+            else:
+                assert new.state[p].keys() == old.state[p].keys()
+                assert all(torch.equal(new.state[p][k], old.state[p][k]) for k in old.state[p])
+
+
+def test_a_module_of_ones_own_with_rec_checkpoint_loading_loads_a_checkpoint_directory(tmp_path):
+    """MyModule.load_from_checkpoint(dir) for a LightningModule of one's own raised IsADirectoryError (Lightning's
+    reads one file); lightning_rec.RecCheckpointLoading mixed in reads the directory, as DLRMModule's does."""
+    import lightning.pytorch as pl
+
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig, RecCheckpointLoading
+
+    class Mine(RecCheckpointLoading, pl.LightningModule):
+        def __init__(self, rows: int = 10):
+            super().__init__()
+            self.save_hyperparameters()
+            self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=4,
+                                                                  feature_names=["f"])],
+                                              optimizer=FusedOptimizerConfig("sgd"))
+            self.dense = torch.nn.Linear(4, 1)
+
+    path = str(tmp_path / "c.ckpt")
+    module = Mine(rows=12)
+    ckpt.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    with pytest.raises(IsADirectoryError):
+        pl.LightningModule.load_from_checkpoint(path)  # Lightning's own, without the mixin
+    loaded = Mine.load_from_checkpoint(path)
+    assert loaded.hparams.rows == 12
+    for name, value in module.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value)

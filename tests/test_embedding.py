@@ -859,3 +859,102 @@ def test_combined_optimizer_takes_assigned_groups_as_base_finetuning_restores_th
     sgd = opt.optimizers[1][1]
     assert [g["params"] for g in sgd.param_groups] == [list(dense.parameters()), list(head.parameters())]
     assert sgd.param_groups[1]["lr"] == 0.5 and opt.param_groups == opt.optimizers[0][1].param_groups + sgd.param_groups
+
+
+def test_combined_optimizer_survives_deepcopy_and_torch_save_with_its_model():
+    """copy.deepcopy((model, optimizer)) and torch.save((model, optimizer)): torch's Optimizer pickles only defaults,
+    state and param_groups, so the copy had no parts (KeyError '_groups' at its first use), and torch.load of a
+    fused group raised AttributeError '_kernels'. Now the copy trains its copied model exactly as the original
+    trains the original (an LR scheduler's step wrapper left behind: it stepped the original), and its fused lr
+    reaches the copy's kernels only."""
+    import io
+
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
+    model = nn.ModuleDict({"ebc": ebc, "dense": nn.Linear(20, 1)})
+    opt = combined_optimizer(model, torch.optim.Adam(dense_parameters(model), lr=0.01))
+
+    def step(m, o, seed):
+        kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4, seed=seed)
+        m["dense"](m["ebc"](kjt).values()).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    torch.optim.lr_scheduler.StepLR(opt, 1)  # it puts a wrapper of opt.step on the instance: a copy stepped opt
+    step(model, opt, 0)
+    buf = io.BytesIO()
+    torch.save((model, opt), buf)
+    buf.seek(0)
+    for m2, o2 in [copy.deepcopy((model, opt)), torch.load(buf, weights_only=False)]:
+        o2.param_groups[0]["lr"] = 0.05
+        assert m2["ebc"].fused_kernels()[0].get_learning_rate() == 0.05
+        assert ebc.fused_kernels()[0].get_learning_rate() == 0.1
+        o2.param_groups[0]["lr"] = 0.1
+        step(m2, o2, 1)
+        assert o2.state_dict()["fused"]["state"].keys() == opt.state_dict()["fused"]["state"].keys()
+    step(model, opt, 1)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(m2.state_dict()[name], value)
+    for key, value in opt.state_dict()["fused"]["state"].items():
+        torch.testing.assert_close(o2.state_dict()["fused"]["state"][key], value)
+    from lightning_rec.optim import KeyedOptimizerWrapper  # TorchRec's dense part: it lost its inner optimizer
+
+    keyed = KeyedOptimizerWrapper(dict(model.named_parameters()), lambda ps: torch.optim.SGD(ps, lr=0.3))
+    assert copy.deepcopy(keyed).state_dict()["param_groups"][0]["lr"] == 0.3
+
+
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_cycle_momentum_over_fused_tables_is_refused_naming_cycle_momentum_false(scheduler):
+    """OneCycleLR / CyclicLR built in Python over a combined (or fused) optimizer: their default cycle_momentum=True
+    said torch's "optimizer must support momentum or beta1", though the dense part was an Adam. Now the refusal
+    names the fused tables and cycle_momentum=False, with which the learning rate cycles, the tables' too."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("adam", lr=0.1))
+    opt = combined_optimizer(ebc, torch.optim.Adam(nn.Linear(3, 1).parameters(), lr=0.1))
+    lr_scheduler = torch.optim.lr_scheduler
+    make = {"OneCycleLR": lambda o, **kw: lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=4, **kw),
+            "CyclicLR": lambda o, **kw: lr_scheduler.CyclicLR(o, 0.01, 0.2, step_size_up=2, **kw)}[scheduler]
+    for optimizer in (opt, FusedOptimizer(ebc)):
+        with pytest.raises(ValueError, match=rf"^{scheduler}\(cycle_momentum=True\), its default, .* fused embedding "
+                                             rf"tables, .* pass {scheduler}\(\.\.\., cycle_momentum=False\)"):
+            make(optimizer)
+    sched = make(opt, cycle_momentum=False)
+    opt.step()
+    sched.step()
+    assert ebc.fused_kernels()[0].get_learning_rate() == opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"]
+    assert "betas" not in opt.defaults  # other readers (LearningRateMonitor's log_momentum) are answered
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+def test_assigning_a_fused_tables_data_reaches_its_kernel(kernel):
+    """`weight.data = pretrained` (and torch.nn.utils.vector_to_parameters, which assigns so) rebound the parameter:
+    it showed the new rows while forward and the fused update went on with the old ones, silently. Now the rows
+    are written into the kernel (forward equals an nn.EmbeddingBag holding them), and a wrong shape is refused."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1), kernel=kernel)
+    pretrained = torch.randn(50, 8)
+    ebc.embedding_bags["t0"].weight.data = pretrained
+    kjt = random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=4)
+    f0 = kjt["f0"]
+    ref = nn.functional.embedding_bag(f0.values(), pretrained, f0.offsets()[:-1], mode="sum")
+    torch.testing.assert_close(ebc(kjt)["f0"], ref)
+    vec = parameters_to_vector(ebc.parameters())
+    vector_to_parameters(torch.zeros_like(vec), ebc.parameters())
+    assert not ebc(kjt).values().any() and not ebc.state_dict()["embedding_bags.t1.weight"].any()
+    with pytest.raises(ValueError, match=r"shape \(30, 8\): .* view of the kernel's rows \(shape \(30, 4\)\)"):
+        ebc.embedding_bags["t1"].weight.data = torch.zeros(30, 8)
+
+
+def test_a_group_of_fused_table_weights_added_to_a_combined_optimizer_is_refused():
+    """optimizer.add_param_group({"params": ebc.parameters(), "lr": 0.5}) (to give the tables another rate) joined the
+    dense child, which never stepped them: nothing changed, silently. Now refused, naming the fused group's lr; a
+    group of new dense layers (a generator too) still joins the dense child and trains."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    opt = combined_optimizer(ebc, torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"holds fused table weights \(param group\(s\) fused0\).*'lr' .*'fused0'"):
+        opt.add_param_group({"params": ebc.parameters(), "lr": 0.5})
+    extra = nn.Linear(2, 1)
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.5})
+    extra(torch.ones(1, 2)).sum().backward()
+    before = extra.weight.detach().clone()
+    opt.step()
+    torch.testing.assert_close(extra.weight.detach(), before - 0.5)

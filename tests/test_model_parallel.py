@@ -1132,3 +1132,38 @@ def test_a_collection_shared_by_two_towers_is_sharded_at_both_paths(plan_path):
     towers drifted apart from the first step). A plan may name either path."""
     for prefixes in run_ranks(_shared_towers_worker, 2, plan_path, timeout=90):
         assert prefixes == ["item.ebc", "user.ebc"]
+
+
+def _rank_state_worker(rank, W, path):
+    import copy
+
+    from lightning_rec.optim import combined_optimizer, dense_parameters
+
+    module = nn.Module()
+    module.ebc = EmbeddingBagCollection(_tables("sum"), optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        module.ebc, {"t0": row_wise(), "t1": table_wise(rank=W - 1), "t2": data_parallel()}, world_size=W)})
+    dmp = DistributedModelParallel(module, plan=plan, device="cpu", timeout=20)
+    optimizer = combined_optimizer(dmp, torch.optim.Adam(dense_parameters(dmp) or [nn.Parameter(torch.ones(1))]))
+    module.ebc(_batch(rank, 0, False)).values().sum().backward()
+    if W == 2:
+        expect_error(TypeError, lambda: copy.deepcopy(optimizer), "sharded model", "torch.save(optimizer.state_dict()")
+        from torch.optim.swa_utils import AveragedModel
+
+        expect_error(TypeError, lambda: AveragedModel(dmp), "cannot be deep-copied or pickled",
+                     "AveragedModel(dmp.module")
+        torch.save(optimizer.state_dict(), f"{path}.{rank}")
+        return None
+    saved = torch.load(f"{path}.1")
+    return expect_error(ValueError, lambda: optimizer.load_state_dict(saved), "saved by one rank of a model sharded "
+                        "otherwise (it holds pieces ['ebc.t0@r6c0'", "checkpoint.save")
+
+
+def test_one_ranks_optimizer_state_at_another_world_size_is_refused_naming_checkpoint_save(tmp_path):
+    """torch.save(optimizer.state_dict()) on each rank, loaded at another world size: the refusal said "saved with
+    other tables or another fused optimizer" (the same tables, sharded otherwise), naming no way that reshards. Now
+    it says so and names checkpoint.save / load_optimizer. copy.deepcopy of a sharded model's optimizer, and of the
+    model (AveragedModel(dmp), EMA helpers), said "cannot pickle 'ProcessGroup' object"; now they name what to do."""
+    path = str(tmp_path / "opt")
+    run_ranks(_rank_state_worker, 2, path, timeout=60)
+    run_ranks(_rank_state_worker, 1, path, timeout=60)

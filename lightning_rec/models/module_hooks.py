@@ -92,7 +92,25 @@ class _ClassOnly(classmethod):
         return refuse
 
 
-class RecModuleHooks:
+class RecCheckpointLoading:
+    """Mixed in before LightningModule, `class MyModule(RecCheckpointLoading, L.LightningModule)`: then
+    `MyModule.load_from_checkpoint(path)` also reads the checkpoint directories that `strategy="rec"` writes.
+
+    Lightning's reads one file (a torch.load), and raised IsADirectoryError on them; without the mixin,
+    `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does the same."""
+
+    @_ClassOnly
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, which also reads the checkpoint directories that `strategy="rec"` writes: the module comes
+        back unsharded, on one process, every table whole (`lightning_rec.checkpoint.load_from_checkpoint`)."""
+        from lightning_rec import checkpoint as rec_checkpoint
+
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
+            return rec_checkpoint.load_from_checkpoint(cls, checkpoint_path, *args, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+
+class RecModuleHooks(RecCheckpointLoading):
     """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
 
     def setup(self, stage: str) -> None:
@@ -191,16 +209,6 @@ class RecModuleHooks:
         it every `log_every_n_steps`) and to callbacks, not to the bar; the bar shows the validation metrics.
         """
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
-
-    @_ClassOnly
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, which also reads the checkpoint directories that `strategy="rec"` writes: the module comes
-        back unsharded, on one process, every table whole (`lightning_rec.checkpoint.load_from_checkpoint`)."""
-        from lightning_rec import checkpoint as rec_checkpoint
-
-        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
-            return rec_checkpoint.load_from_checkpoint(cls, checkpoint_path, *args, **kwargs)
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
