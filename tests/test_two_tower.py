@@ -483,6 +483,26 @@ def test_another_data_snapshot_with_the_same_item_count_is_refused_at_evaluation
     trainer.validate(module, trained, verbose=False)  # the data it was trained on: as before
 
 
+def test_string_item_ids_kept_in_an_object_array_digest_and_predict_as_str_ids(tmp_path):
+    """A data module of one's own may hold its ids as pandas does, an object array of str: the digest read them as
+    int64 ("invalid literal for int()") and predict as a tensor; now they are the str ids' digest and columns."""
+    import numpy as np
+
+    from lightning_rec.models.two_tower_module import _item_ids_digest
+
+    dm = _tiny_data(tmp_path)
+    names = np.array([f"B{i:04d}" for i in range(dm.num_items)])
+    dm.item_ids, dm.user_ids = names.astype(object), dm.user_ids.astype(object)  # ints in an object array too
+    as_str = type("Data", (), {"item_ids": names})()
+    assert _item_ids_digest(dm) == _item_ids_digest(as_str)
+    module = TwoTowerModule(embedding_dim=8, top_k_table_users=0, predict_top_k=3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    (out,) = trainer.predict(module, dm)[:1]
+    assert module.hparams.item_ids_digest == _item_ids_digest(as_str)
+    assert out["item"].dtype.kind == "U" and set(out["item"].ravel()) <= set(names)
+    assert torch.is_tensor(out["user"]) and out["user"].dtype == torch.int64
+
+
 def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path):
     """It said "call it inside trainer.fit/validate/predict" to a user calling trainer.validate."""
     dm = _tiny_data(tmp_path)

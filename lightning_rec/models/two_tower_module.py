@@ -446,12 +446,24 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         return self.fused_rate_from_hparams(combined_optimizer(model, dense))
 
 
+def _id_array(ids) -> np.ndarray:
+    """Raw ids as numpy int64 or str: a data module of one's own may keep them in an object array (pandas' string
+    column), which the digest read as int64 and predict as a tensor (both raised on a string id)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "O":
+        try:
+            return ids.astype(np.int64)
+        except (TypeError, ValueError):
+            return ids.astype(str)
+    return ids
+
+
 def _item_ids_digest(datamodule) -> str | None:
     """'count:hash' of the data module's `item_ids` (row i's own id), or None where it has none."""
     ids = getattr(datamodule, "item_ids", None)
     if ids is None:
         return None
-    ids = np.asarray(ids)
+    ids = _id_array(ids)
     data = "\0".join(ids.tolist()).encode() if ids.dtype.kind == "U" else ids.astype(np.int64).tobytes()
     return f"{len(ids)}:{hashlib.sha256(data).hexdigest()[:16]}"
 
@@ -461,7 +473,8 @@ def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | np.ndarr
     ids = getattr(datamodule, name, None)
     if ids is None:
         return None
-    ids = np.asarray(ids) if np.asarray(ids).dtype.kind == "U" else torch.as_tensor(ids)
+    ids = _id_array(ids)
+    ids = ids if ids.dtype.kind == "U" else torch.as_tensor(ids)
     return ids if size is None or ids.shape[0] == size else None
 
 
