@@ -135,6 +135,13 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
+        loaders = trainer.predict_loop.num_dataloaders
+        if loaders > 1:
+            # every loader numbers its rows from 0: the merge took the second one's rows for repeats of the first's
+            # and wrote one file of the first loader's length, rows of either, without a word
+            raise ValueError(f"PredictionWriter writes one input's rows to one file, in its order, but trainer.predict "
+                             f"was given {loaders} dataloaders: predict each in its own trainer.predict call, with its "
+                             f"own output_path")
         path, rank = self._path, trainer.global_rank
 
         def spill_dir() -> Path:  # this rank's runs, beside the output (where the space for the file is)

@@ -573,6 +573,32 @@ def test_a_failed_predict_leaves_no_run_and_no_partial_file(tmp_path, caplog):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["p.csv"]
 
 
+def test_two_predict_dataloaders_are_refused_by_the_writer_and_returned_apart_without_it(tmp_path):
+    # each loader numbers its rows from 0: the writer took the second loader's rows for repeats of the first's and
+    # wrote one file of the first's 33 rows (rows of either loader), the second's 20 lost without a word
+    import lightning.pytorch as L
+
+    from lightning_rec.data import SyntheticCriteoDataModule
+    from lightning_rec.data.batch import make_eval_loader
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.predict import PredictionWriter
+
+    dm = SyntheticCriteoDataModule(num_train_samples=1, num_val_samples=20, num_test_samples=33, num_sparse_features=2,
+                                   num_embeddings_per_feature=10, num_signal_features=1)
+    dm.setup("fit"), dm.setup("test")
+    loaders = [make_eval_loader(dm.datasets[split], 16, num_workers=0) for split in ("test", "val")]
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["C1", "C2"],
+                        dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1])
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"given 2 dataloaders: predict each in its own trainer.predict call"):
+        L.Trainer(callbacks=[PredictionWriter(str(tmp_path / "p.csv"))], **kw).predict(module, loaders)
+    assert list(tmp_path.iterdir()) == []
+    # without the writer, Lightning returns each loader's outputs (DLRMModule.predict_step takes dataloader_idx, which
+    # Lightning asks for with more than one loader)
+    got = L.Trainer(**kw).predict(module, loaders)
+    assert [sum(len(b["probability"]) for b in outs) for outs in got] == [33, 20]
+
+
 def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
     from lightning_rec import PredictionWriter
 
