@@ -61,6 +61,13 @@ from lightning_rec.predict_rows import (
 __all__ = ["PredictionWriter", "default_output_path", "write_table"]
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A column on the host, as numpy. bfloat16 (a step's output under precision='bf16-mixed') has no numpy type
+    ("Got unsupported ScalarType BFloat16"): written as float32, which holds every bfloat16 value exactly."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def default_output_path(root: str | os.PathLike) -> Path:
     """<root>/predictions.csv, or the first predictions_<n>.csv that does not exist yet."""
     root = Path(root)
@@ -167,8 +174,7 @@ class PredictionWriter(BasePredictionWriter):
         if not isinstance(prediction, dict) or not prediction:
             raise ValueError(f"{type(pl_module).__name__}.predict_step returned {type(prediction).__name__}: "
                              f"PredictionWriter writes a tensor or a dict of tensors (one row per sample)")
-        columns = {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-                   for k, v in prediction.items()}
+        columns = {k: _host(v) if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in prediction.items()}
         rows = {k: v.shape[0] if v.ndim else None for k, v in columns.items()}
         num = next(iter(rows.values()))
         if any(n != num for n in rows.values()) or num is None or any(v.ndim > 2 for v in columns.values()):

@@ -599,6 +599,33 @@ def test_two_predict_dataloaders_are_refused_by_the_writer_and_returned_apart_wi
     assert [sum(len(b["probability"]) for b in outs) for outs in got] == [33, 20]
 
 
+def test_predict_under_bf16_mixed_writes_float32_probabilities(tmp_path):
+    # the step's output was bfloat16, which has no numpy type: "TypeError: Got unsupported ScalarType BFloat16"
+    import lightning.pytorch as L
+
+    from lightning_rec.data import SyntheticCriteoDataModule
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.predict import PredictionWriter
+
+    dm = SyntheticCriteoDataModule(num_train_samples=1, num_val_samples=0, num_test_samples=21, val_batch_size=8,
+                                   num_sparse_features=2, num_embeddings_per_feature=10, num_signal_features=1)
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["C1", "C2"],
+                        dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1])
+    writer = PredictionWriter(str(tmp_path / "p.parquet"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, precision="bf16-mixed",
+                        callbacks=[writer])
+    returned = torch.cat([b["probability"] for b in trainer.predict(module, dm)])
+    got = _read(tmp_path / "p.parquet")
+    np.testing.assert_array_equal(got["row"], np.arange(21))
+    assert returned.dtype == torch.float32 and got["probability"].dtype == np.float32
+    np.testing.assert_array_equal(got["probability"], returned.numpy())
+    batch = dm.datasets["test"].__getitems__(list(range(21)))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the bfloat16 logit, its sigmoid in float32
+        want = torch.sigmoid(module(batch.dense_features, batch.sparse_features).float())
+    torch.testing.assert_close(returned, want, atol=0, rtol=0)
+    assert len(set(returned.tolist())) > 10  # not rounded onto a few bfloat16 values
+
+
 def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
     from lightning_rec import PredictionWriter
 
