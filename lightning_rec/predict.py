@@ -80,6 +80,7 @@ def default_output_path(root: str | os.PathLike) -> Path:
 
 class PredictionWriter(BasePredictionWriter):
     """Writes what `predict_step` returns to one file: one row per input row, in input order (see the module doc).
+    One input per `trainer.predict` call: a list of predict dataloaders is refused (their rows' numbers collide).
 
     Args:
         output_path: a .csv, .tsv or .parquet file; None: <trainer.default_root_dir>/predictions.csv (or the
