@@ -877,4 +877,3 @@ def test_combined_optimizer_takes_assigned_groups_as_base_finetuning_restores_th
     sgd = opt.optimizers[1][1]
     assert [g["params"] for g in sgd.param_groups] == [list(dense.parameters()), list(head.parameters())]
     assert sgd.param_groups[1]["lr"] == 0.5 and opt.param_groups == opt.optimizers[0][1].param_groups + sgd.param_groups
-
