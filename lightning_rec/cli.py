@@ -175,8 +175,14 @@ class RecCLI(LightningCLI):
             model = self.config[subcommand].get("model")
             return dict(vars(model.get("init_args") or {})) if model is not None else {}
 
+        from lightning_rec.checkpoint import LIGHTNING_FILE
+
         before = init_args()
-        super()._parse_ckpt_path()
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path and os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)):
+            self._parse_dcp_ckpt_hparams(subcommand, str(ckpt_path))
+        else:
+            super()._parse_ckpt_path()
         after = init_args()
         given = dict.fromkeys(m[1] for a in getattr(self, "_argv", [])
                               for m in [re.match(r"--model\.(?:init_args\.)?(\w+)", str(a))] if m)
@@ -190,6 +196,30 @@ class RecCLI(LightningCLI):
                 f"--ckpt_path rebuilds the model with the checkpoint's own hyperparameters "
                 f"({', '.join(f'{k}={after[k]!r}' for k in unused)}); start without --ckpt_path to train another "
                 f"configuration", category=UserWarning)
+
+    def _parse_dcp_ckpt_hparams(self, subcommand: str, ckpt_path: str) -> None:
+        # Lightning's _parse_ckpt_path reads only a file (`Path.is_file()`): a strategy=rec checkpoint is a
+        # directory, whose hyperparameters were not read at all, so the model was built from the command line
+        # (a fit with --model.embedding_dim=8, predicted with the recipe's 16, failed on the shapes). The same
+        # steps as Lightning's (lightning 2.6), on the directory's Lightning dict.
+        from pathlib import Path
+
+        from lightning_rec.checkpoint import _lightning_meta
+
+        try:
+            hparams = dict(_lightning_meta(Path(ckpt_path)).get("hyper_parameters") or {})
+        except ValueError:  # a damaged lightning.pt: said when the checkpoint is loaded, with what to do
+            return
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         # Every recipe says enable_checkpointing: false (no checkpoints unless asked); asking is adding a

@@ -448,7 +448,14 @@ class FusedKernel(nn.Module):
         if self.kernel == "native":
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
-        out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        if torch.is_inference_mode_enabled() and features.values().device.type == "cpu":
+            # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips:
+            # "Could not run 'fbgemm::split_embedding_codegen_lookup_*_function_pt2' with arguments from the 'CPU'
+            # backend". Out of inference mode, without grad, the same kernel computes the same rows and updates nothing
+            with torch.inference_mode(False), torch.no_grad():
+                out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        else:
+            out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
         if self._counts_steps and not out.requires_grad:
             # fbgemm advances Adam's / LAMB's step at every forward; a lookup without backward (evaluation)
             # updates nothing, so take the step back: bias correction counts updates (torch.optim, native)

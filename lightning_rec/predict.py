@@ -61,6 +61,13 @@ from lightning_rec.predict_rows import (
 __all__ = ["PredictionWriter", "default_output_path", "write_table"]
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A column on the host, as numpy. bfloat16 (a step's output under precision='bf16-mixed') has no numpy type
+    ("Got unsupported ScalarType BFloat16"): written as float32, which holds every bfloat16 value exactly."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def default_output_path(root: str | os.PathLike) -> Path:
     """<root>/predictions.csv, or the first predictions_<n>.csv that does not exist yet."""
     root = Path(root)
@@ -73,6 +80,7 @@ def default_output_path(root: str | os.PathLike) -> Path:
 
 class PredictionWriter(BasePredictionWriter):
     """Writes what `predict_step` returns to one file: one row per input row, in input order (see the module doc).
+    One input per `trainer.predict` call: a list of predict dataloaders is refused (their rows' numbers collide).
 
     Args:
         output_path: a .csv, .tsv or .parquet file; None: <trainer.default_root_dir>/predictions.csv (or the
@@ -135,6 +143,13 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
+        loaders = trainer.predict_loop.num_dataloaders
+        if loaders > 1:
+            # every loader numbers its rows from 0: the merge took the second one's rows for repeats of the first's
+            # and wrote one file of the first loader's length, rows of either, without a word
+            raise ValueError(f"PredictionWriter writes one input's rows to one file, in its order, but trainer.predict "
+                             f"was given {loaders} dataloaders: predict each in its own trainer.predict call, with its "
+                             f"own output_path")
         path, rank = self._path, trainer.global_rank
 
         def spill_dir() -> Path:  # this rank's runs, beside the output (where the space for the file is)
@@ -160,8 +175,7 @@ class PredictionWriter(BasePredictionWriter):
         if not isinstance(prediction, dict) or not prediction:
             raise ValueError(f"{type(pl_module).__name__}.predict_step returned {type(prediction).__name__}: "
                              f"PredictionWriter writes a tensor or a dict of tensors (one row per sample)")
-        columns = {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-                   for k, v in prediction.items()}
+        columns = {k: _host(v) if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in prediction.items()}
         rows = {k: v.shape[0] if v.ndim else None for k, v in columns.items()}
         num = next(iter(rows.values()))
         if any(n != num for n in rows.values()) or num is None or any(v.ndim > 2 for v in columns.values()):

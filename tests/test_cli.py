@@ -363,3 +363,21 @@ def test_the_1tb_recipe_draws_its_tables_where_their_shards_live():
     config = yaml.safe_load(Path("recipes/configs/dlrm_criteo_1tb.yaml").read_text())
     assert config["trainer"]["strategy"] == "rec"  # "meta" needs it: the strategy draws each shard
     assert config["model"]["init_args"]["embedding_device"] == "meta"
+
+
+def test_a_sharded_checkpoint_rebuilds_the_model_with_its_own_hyperparameters(tmp_path, capsys):
+    # Lightning reads --ckpt_path's hyperparameters from a file only: a strategy=rec checkpoint (a directory) built
+    # the model from the recipe instead, and a fit with --model.embedding_dim=8 then failed to predict on the shapes
+    args = ["--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.strategy=rec", "--data.init_args.num_train_samples=256", "--data.init_args.num_val_samples=0",
+            "--data.init_args.num_test_samples=32", "--trainer.logger=false", *QUIET]
+    run_cli(["fit", *args, "--trainer.max_steps=1", "--model.init_args.embedding_dim=8",
+             "--model.init_args.dense_arch_layer_sizes=[16,8]", "--trainer.callbacks+=ModelCheckpoint",
+             f"--trainer.callbacks.dirpath={tmp_path / 'ck'}", "--trainer.callbacks.filename=last"])
+    assert (tmp_path / "ck" / "last.ckpt" / "lightning.pt").is_file()  # the sharded format
+    with pytest.warns(UserWarning, match=r"--model.embedding_dim=4 is not used: --ckpt_path rebuilds the model "
+                                         r"with the checkpoint's own hyperparameters \(embedding_dim=8\)"):
+        cli = run_cli(["predict", *args, f"--ckpt_path={tmp_path / 'ck' / 'last.ckpt'}",
+                       "--model.init_args.embedding_dim=4"])
+    assert cli.model.hparams.embedding_dim == 8 and cli.model.hparams.dense_arch_layer_sizes == [16, 8]
+    assert f"predictions: 32 rows written to {tmp_path / 'predictions.csv'}" in capsys.readouterr().out

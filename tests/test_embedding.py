@@ -360,6 +360,24 @@ def test_one_update_per_call_as_documented(kernel):
     assert ebc.fused_kernels()[0].optimizer_states()[0]["sum"][1].tolist() == [6.0, 6.0]
 
 
+@pytest.mark.parametrize("kernel", ["fbgemm", "native"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_inference_mode_lookup_equals_no_grad_and_updates_nothing(kernel, weighted):
+    # Lightning validates and predicts under torch.inference_mode (Trainer(inference_mode=True), its default):
+    # fbgemm's CPU lookup is registered for autograd only, and raised "Could not run
+    # 'fbgemm::split_embedding_codegen_lookup_rowwise_adagrad_function_pt2' with arguments from the 'CPU' backend"
+    ebc = EmbeddingBagCollection(TABLES, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.5), kernel=kernel,
+                                 is_weighted=weighted)
+    before = copy.deepcopy(ebc.state_dict())
+    with torch.no_grad():
+        want = ebc(random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=5, weighted=weighted)).values()
+    with torch.inference_mode():  # the batch built inside too, as in a serving loop
+        got = ebc(random_kjt(["f0", "f1", "f2"], [50, 30, 50], B=5, weighted=weighted)).values()
+    assert torch.equal(got, want) and not got.requires_grad
+    torch.testing.assert_close(ebc.state_dict(), before, atol=0, rtol=0)
+    assert all(s.eq(0).all() for k in ebc.fused_kernels() for t in k.optimizer_states() for s in t.values())
+
+
 def test_out_of_range_id_found_in_fixed_and_jagged_batches():
     ebc = EmbeddingBagCollection(TABLES)
     ones = torch.ones(6, dtype=torch.long)  # every feature has 2 ids: the fixed-size fast path

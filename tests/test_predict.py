@@ -573,6 +573,62 @@ def test_a_failed_predict_leaves_no_run_and_no_partial_file(tmp_path, caplog):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["p.csv"]
 
 
+def test_two_predict_dataloaders_are_refused_by_the_writer_and_returned_apart_without_it(tmp_path):
+    # each loader numbers its rows from 0: the writer took the second loader's rows for repeats of the first's and
+    # wrote one file of the first's 33 rows (rows of either loader), the second's 20 lost without a word
+    import lightning.pytorch as L
+
+    from lightning_rec.data import SyntheticCriteoDataModule
+    from lightning_rec.data.batch import make_eval_loader
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.predict import PredictionWriter
+
+    dm = SyntheticCriteoDataModule(num_train_samples=1, num_val_samples=20, num_test_samples=33, num_sparse_features=2,
+                                   num_embeddings_per_feature=10, num_signal_features=1)
+    dm.setup("fit"), dm.setup("test")
+    loaders = [make_eval_loader(dm.datasets[split], 16, num_workers=0) for split in ("test", "val")]
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["C1", "C2"],
+                        dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1])
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"given 2 dataloaders: predict each in its own trainer.predict call"):
+        L.Trainer(callbacks=[PredictionWriter(str(tmp_path / "p.csv"))], **kw).predict(module, loaders)
+    assert list(tmp_path.iterdir()) == []
+    # without the writer, Lightning returns each loader's outputs (DLRMModule.predict_step takes dataloader_idx, which
+    # Lightning asks for with more than one loader)
+    got = L.Trainer(**kw).predict(module, loaders)
+    assert [sum(len(b["probability"]) for b in outs) for outs in got] == [33, 20]
+
+
+def test_predict_under_bf16_mixed_writes_float32_probabilities(tmp_path):
+    # the step's output was bfloat16, which has no numpy type: "TypeError: Got unsupported ScalarType BFloat16"
+    import lightning.pytorch as L
+
+    from lightning_rec.data import SyntheticCriteoDataModule
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.predict import PredictionWriter
+
+    dm = SyntheticCriteoDataModule(num_train_samples=1, num_val_samples=0, num_test_samples=21, val_batch_size=8,
+                                   num_sparse_features=2, num_embeddings_per_feature=10, num_signal_features=1)
+    module = DLRMModule(num_embeddings_per_feature=10, embedding_dim=4, sparse_feature_names=["C1", "C2"],
+                        dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1])
+    writer = PredictionWriter(str(tmp_path / "p.parquet"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, precision="bf16-mixed",
+                        callbacks=[writer])
+    returned = torch.cat([b["probability"] for b in trainer.predict(module, dm)])
+    got = _read(tmp_path / "p.parquet")
+    np.testing.assert_array_equal(got["row"], np.arange(21))
+    assert returned.dtype == torch.float32 and got["probability"].dtype == np.float32
+    np.testing.assert_array_equal(got["probability"], returned.numpy())
+    want = []
+    for lo in range(0, 21, 8):  # the loader's batches (a bfloat16 GEMM may round another batch size otherwise)
+        batch = dm.datasets["test"].__getitems__(list(range(lo, min(lo + 8, 21))))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the bfloat16 logit, sigmoid in float32
+            want.append(torch.sigmoid(module(batch.dense_features, batch.sparse_features).float()))
+    want = torch.cat(want)
+    torch.testing.assert_close(returned, want, atol=0, rtol=0)
+    assert len(set(returned.tolist())) > 10  # not rounded onto a few bfloat16 values
+
+
 def test_writer_refuses_an_unknown_format_or_an_existing_file(tmp_path):
     from lightning_rec import PredictionWriter
 

@@ -483,6 +483,56 @@ def test_another_data_snapshot_with_the_same_item_count_is_refused_at_evaluation
     trainer.validate(module, trained, verbose=False)  # the data it was trained on: as before
 
 
+def test_another_snapshot_with_as_many_users_but_other_ones_is_refused(tmp_path):
+    """Row i of the user table is dm.user_ids[i] too: a log where user 0 left and user 100 came (same count, same
+    items) was predicted with every user on another user's row, and written under the new ids, in silence."""
+    from lightning_rec import checkpoint as ckpt
+    from lightning_rec.data import MovieLensDataModule
+
+    def log(folder, users):
+        folder.mkdir()
+        (folder / "ratings.csv").write_text("user,item,rating,timestamp\n" + "".join(
+            f"{u},{i},4,{k * 100 + i}\n" for k, u in enumerate(users) for i in range(k % 4, 24, 3)))
+        dm = MovieLensDataModule(str(folder), batch_size=16, side_features=False)
+        dm.setup("fit")
+        return dm
+
+    trained, other = log(tmp_path / "a", range(12)), log(tmp_path / "b", [100, *range(1, 12)])
+    assert other.item_ids.tolist() == trained.item_ids.tolist() and other.num_users == trained.num_users
+    module = TwoTowerModule(embedding_dim=8, top_k_table_users=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=1, num_sanity_val_steps=0, **QUIET)
+    trainer.fit(module, trained)
+    trainer.save_checkpoint(tmp_path / "tt.ckpt")
+    refused = r"user ids are not the users this model was trained on: row i of its user table is user_ids\[i\]"
+    with pytest.raises(ValueError, match=refused):
+        trainer.predict(module, other)
+    exported = ckpt.load_exported(ckpt.export(tmp_path / "tt.ckpt", tmp_path / "out"))
+    assert exported.hparams.user_ids_digest == module.hparams.user_ids_digest is not None
+    with pytest.raises(ValueError, match=refused):
+        L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET).predict(exported, other)
+    L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET).predict(exported, trained)  # its own data: fine
+
+
+def test_string_item_ids_kept_in_an_object_array_digest_and_predict_as_str_ids(tmp_path):
+    """A data module of one's own may hold its ids as pandas does, an object array of str: the digest read them as
+    int64 ("invalid literal for int()") and predict as a tensor; now they are the str ids' digest and columns."""
+    import numpy as np
+
+    from lightning_rec.models.two_tower_module import _ids_digest
+
+    dm = _tiny_data(tmp_path)
+    names = np.array([f"B{i:04d}" for i in range(dm.num_items)])
+    dm.item_ids, dm.user_ids = names.astype(object), dm.user_ids.astype(object)  # ints in an object array too
+    as_str = type("Data", (), {"item_ids": names})()
+    assert _ids_digest(dm, "item_ids") == _ids_digest(as_str, "item_ids")
+    module = TwoTowerModule(embedding_dim=8, top_k_table_users=0, predict_top_k=3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, **QUIET)
+    (out,) = trainer.predict(module, dm)[:1]
+    assert module.hparams.item_ids_digest == _ids_digest(as_str, "item_ids")
+    assert out["item"].dtype.kind == "U" and set(out["item"].ravel()) <= set(names)
+    assert torch.is_tensor(out["user"]) and out["user"].dtype == torch.int64
+
+
 def test_evaluation_given_dataloaders_only_says_to_pass_the_data_module(tmp_path):
     """It said "call it inside trainer.fit/validate/predict" to a user calling trainer.validate."""
     dm = _tiny_data(tmp_path)

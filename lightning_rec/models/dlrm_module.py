@@ -221,10 +221,11 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.log("test_loss", values["test_logloss"], sync_dist=True)  # as val_loss: trainer.test logged none
         self.test_metrics.reset()
 
-    def predict_step(self, batch: Batch, batch_idx: int) -> dict[str, Tensor]:
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """The click probability of each row, and its label (NaN in an unlabelled file: the writer then leaves
         the label column out). Written by lightning_rec.predict.PredictionWriter (`lightning-rec predict`)."""
-        return {"probability": torch.sigmoid(self(batch.dense_features, batch.sparse_features)),
+        # float32 whatever the precision: under bf16-mixed the logit is bfloat16, whose sigmoid kept ~3 digits
+        return {"probability": torch.sigmoid(self(batch.dense_features, batch.sparse_features).float()),
                 "label": batch.labels}
 
     def configure_optimizers(self):

@@ -75,6 +75,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             = item_ids[i]); None: taken from the data module when the trainer sets the model up, and kept in the
             checkpoint and export. Evaluation and prediction refuse a data module whose item ids differ (another
             data snapshot of the same item count would map the rows to other items, silently).
+        user_ids_digest: the same for the users: row i of the user tables is the data module's `user_ids[i]`.
 
     Predict (`lightning-rec predict`, `trainer.predict`): every user of the data module's predict split (MovieLens:
     the test split's users, every user) gets its top predict_top_k items among those it has not seen (in training
@@ -110,6 +111,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         empty_target_action: str = "skip",
         embedding_device: str = "cpu",
         item_ids_digest: str | None = None,
+        user_ids_digest: str | None = None,
     ) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
@@ -192,7 +194,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     def configure_model(self) -> None:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:
-            self._check_item_ids(datamodule)
+            self._check_ids(datamodule)
         if datamodule is not None and callable(getattr(datamodule, "eval_split_names", None)):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
@@ -205,34 +207,38 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                              "({feature: rows}), or train with a data module that has them (MovieLensDataModule)")
         self._build(dict(datamodule.user_num_embeddings), dict(datamodule.item_num_embeddings))
 
-    def _check_item_ids(self, datamodule) -> None:
-        """Keep the data module's item ids' digest (the first time), or refuse other ids than the model's."""
-        digest = _item_ids_digest(datamodule)
-        if digest is None:  # a data module without item ids: rows are positions
-            return
-        self._same_items(self.hparams.get("item_ids_digest"), digest, "the data module's item ids")
-        if self.hparams.get("item_ids_digest") is None:
-            self.hparams.item_ids_digest = digest
-            initial = getattr(self, "_hparams_initial", None)
-            if initial is not None:  # the loggers' copy, as the table sizes
-                initial["item_ids_digest"] = digest
+    def _check_ids(self, datamodule) -> None:
+        """Keep the data module's item and user ids' digests (the first time), or refuse other ids than the model's.
+        (Users too: a snapshot with as many users but other ones gave every user another's row, in silence.)"""
+        for kind in ("item", "user"):
+            key, digest = f"{kind}_ids_digest", _ids_digest(datamodule, f"{kind}_ids")
+            if digest is None:  # a data module without such ids: rows are positions
+                continue
+            self._same_items(self.hparams.get(key), digest, f"the data module's {kind} ids", kind)
+            if self.hparams.get(key) is None:
+                self.hparams[key] = digest
+                initial = getattr(self, "_hparams_initial", None)
+                if initial is not None:  # the loggers' copy, as the table sizes
+                    initial[key] = digest
 
     @staticmethod
-    def _same_items(model: str | None, data: str | None, what: str) -> None:
+    def _same_items(model: str | None, data: str | None, what: str, kind: str = "item") -> None:
         if model is not None and data is not None and model != data:
             raise ValueError(
-                f"{what} are not the items this model was trained on: row i of its item table is item_ids[i] of its "
-                f"training data (item_ids_digest {model!r}), but these give {data!r} (digest 'count:hash'). Another "
-                f"snapshot or filter (min_rating, ...) of the data maps the rows to other items: evaluate and predict "
-                f"with the data the model was trained on, or train again on this one")
+                f"{what} are not the {kind}s this model was trained on: row i of its {kind} table is {kind}_ids[i] of "
+                f"its training data ({kind}_ids_digest {model!r}), but these give {data!r} (digest 'count:hash'). "
+                f"Another snapshot or filter (min_rating, ...) of the data maps the rows to other {kind}s: evaluate "
+                f"and predict with the data the model was trained on, or train again on this one")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         # trainer.fit/validate/predict(module, dm, ckpt_path=...): the module's digest came from dm (configure_model)
-        saved = (checkpoint.get("hyper_parameters") or {}).get("item_ids_digest")
-        self._same_items(saved, self.hparams.get("item_ids_digest"), "the data module's item ids")
-        if saved is not None:
-            self.hparams.item_ids_digest = saved
+        for kind in ("item", "user"):
+            key = f"{kind}_ids_digest"
+            saved = (checkpoint.get("hyper_parameters") or {}).get(key)
+            self._same_items(saved, self.hparams.get(key), f"the data module's {kind} ids", kind)
+            if saved is not None:
+                self.hparams[key] = saved
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -330,7 +336,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             raise ValueError(f"full-ranking evaluation needs the item catalogue, but {type(datamodule).__name__} has "
                              f"no item_catalog(): use a data module with item_catalog() and num_items "
                              f"(MovieLensDataModule)")
-        self._same_items(self.hparams.get("item_ids_digest"), _item_ids_digest(datamodule),
+        self._same_items(self.hparams.get("item_ids_digest"), _ids_digest(datamodule, "item_ids"),
                          f"{type(datamodule).__name__}'s item ids")
         model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
@@ -446,12 +452,24 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         return self.fused_rate_from_hparams(combined_optimizer(model, dense))
 
 
-def _item_ids_digest(datamodule) -> str | None:
-    """'count:hash' of the data module's `item_ids` (row i's own id), or None where it has none."""
-    ids = getattr(datamodule, "item_ids", None)
+def _id_array(ids) -> np.ndarray:
+    """Raw ids as numpy int64 or str: a data module of one's own may keep them in an object array (pandas' string
+    column), which the digest read as int64 and predict as a tensor (both raised on a string id)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind == "O":
+        try:
+            return ids.astype(np.int64)
+        except (TypeError, ValueError):
+            return ids.astype(str)
+    return ids
+
+
+def _ids_digest(datamodule, name: str) -> str | None:
+    """'count:hash' of the data module's `item_ids` / `user_ids` (row i's own id), or None where it has none."""
+    ids = getattr(datamodule, name, None)
     if ids is None:
         return None
-    ids = np.asarray(ids)
+    ids = _id_array(ids)
     data = "\0".join(ids.tolist()).encode() if ids.dtype.kind == "U" else ids.astype(np.int64).tobytes()
     return f"{len(ids)}:{hashlib.sha256(data).hexdigest()[:16]}"
 
@@ -461,7 +479,8 @@ def _ids_of(datamodule, name: str, size: int | None = None) -> Tensor | np.ndarr
     ids = getattr(datamodule, name, None)
     if ids is None:
         return None
-    ids = np.asarray(ids) if np.asarray(ids).dtype.kind == "U" else torch.as_tensor(ids)
+    ids = _id_array(ids)
+    ids = ids if ids.dtype.kind == "U" else torch.as_tensor(ids)
     return ids if size is None or ids.shape[0] == size else None
 
 
