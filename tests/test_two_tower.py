@@ -619,3 +619,16 @@ def test_tables_built_on_meta_train_sharded_and_export_to_cpu(tmp_path):
     cpu = ckpt.load_exported(ckpt.export(tmp_path / "meta.ckpt", tmp_path / "out"))
     assert cpu.hparams.embedding_device == "cpu"
     torch.testing.assert_close(cpu.embed_catalog(dm), module.embed_catalog(dm))
+
+
+def test_users_are_scored_against_items_in_float32_under_bf16_autocast():
+    """Under precision='bf16-mixed' the user x item matmul ran in bfloat16 (autocast): 8-bit scores tied and swapped
+    items (46% of ml-100k users' top-10 lists differed from float32's). The scores are float32 now."""
+    from lightning_rec.models.two_tower_module import _scores
+
+    g = torch.Generator().manual_seed(0)
+    user_UD, item_ID = torch.randn(8, 32, generator=g), torch.randn(500, 32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores_UI = _scores(user_UD, item_ID)
+    assert scores_UI.dtype == torch.float32
+    torch.testing.assert_close(scores_UI, user_UD @ item_ID.t(), atol=1e-5, rtol=0)
