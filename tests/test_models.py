@@ -236,3 +236,24 @@ def test_click_labels_as_integers_bools_or_a_column_give_the_float_loss(labels):
     expected = torch.nn.functional.binary_cross_entropy_with_logits(
         module(batch.dense_features, batch.sparse_features), torch.tensor([0.0, 1.0, 1.0, 0.0]))
     torch.testing.assert_close(module._loss(batch)[0], expected)
+
+
+def test_several_validation_and_test_loaders_get_their_own_metrics(tmp_path):
+    """trainer.validate / test with two dataloaders (a val and a holdout set) was refused by Lightning: DLRMModule's
+    validation_step took no dataloader_idx. Each loader now has its own metrics: the first under the plain names
+    (what checkpoints monitor), the second with Lightning's '/dataloader_idx_1', each equal to that loader alone."""
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=96, num_test_samples=64, batch_size=32,
+                                     num_embeddings_per_feature=50)
+    data.setup("fit")
+    data.setup("test")
+    module = small_module()
+    first, second = data.val_dataloader(), data.test_dataloader()
+    alone = [trainer(tmp_path).validate(module, loader, verbose=False)[0] for loader in (first, second)]
+    both = trainer(tmp_path).validate(module, [first, second], verbose=False)
+    merged = {**both[0], **both[1]}
+    for name in ("val_auc", "val_logloss", "val_loss"):
+        assert merged[name] == pytest.approx(alone[0][name], rel=1e-6)
+        assert merged[f"{name}/dataloader_idx_1"] == pytest.approx(alone[1][name], rel=1e-6)
+    assert alone[0]["val_auc"] != pytest.approx(alone[1]["val_auc"], rel=1e-6)
+    tested = trainer(tmp_path).test(module, [second, first], verbose=False)
+    assert {**tested[0], **tested[1]}["test_auc/dataloader_idx_1"] == pytest.approx(alone[0]["val_auc"], rel=1e-6)

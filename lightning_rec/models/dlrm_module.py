@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
@@ -133,6 +133,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             self.model = DLRM(ebc, dense_in_features, dense_sizes, over_sizes)
         self.val_metrics = RecMetricCollection(prefix="val_")
         self.test_metrics = RecMetricCollection(prefix="test_")
+        # the second and later evaluation dataloaders' own metrics ("val_1", ...), made at the epoch start
+        self.more_eval_metrics = nn.ModuleDict()
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -198,28 +200,57 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.log_train_loss(loss, batch_size=max(len(batch), 1))
         return loss
 
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+    def _loader_metrics(self, split: str, count: int | None = None) -> list[RecMetricCollection]:
+        """One metric collection per evaluation dataloader: several loaders (a val and a holdout set) were refused
+        by Lightning (validation_step took no dataloader_idx). The first keeps the plain names (val_auc, the one
+        checkpoints and early stopping monitor); loader k >= 1 logs val_auc/dataloader_idx_k, Lightning's naming."""
+        first = self.val_metrics if split == "val" else self.test_metrics
+        if count is not None:  # at the epoch start, the same on every rank (a rank's empty share still syncs)
+            for k in range(1, count):
+                if f"{split}_{k}" not in self.more_eval_metrics:
+                    self.more_eval_metrics[f"{split}_{k}"] = RecMetricCollection(prefix=f"{split}_").to(self.device)
+        more = sorted((int(key.split("_")[1]), m) for key, m in self.more_eval_metrics.items()
+                      if key.startswith(f"{split}_"))
+        return [first] + [m for _, m in more]
+
+    def _evaluation_step(self, split: str, batch: Batch, dataloader_idx: int) -> None:
         _, logits_B = self._loss(batch)
-        self.val_metrics.update(logits_B, batch.labels)
+        self._loader_metrics(split)[dataloader_idx].update(logits_B, batch.labels)
+
+    def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
+        # compute() already covers every rank's samples (torchmetrics syncs); sync_dist averages equal values
+        for k, metrics in enumerate(self._loader_metrics(split)[:count]):
+            suffix = f"/dataloader_idx_{k}" if k else ""
+            values = metrics.compute()
+            self.log_dict({name + suffix: v for name, v in values.items()}, prog_bar=prog_bar and not k,
+                          sync_dist=True, add_dataloader_idx=False)
+            # {split}_loss (the mean BCE over every row of every rank) is the log loss metric: exact at any world
+            # size. (Logged per batch with batch_size=, Lightning's sync truncates the rows counted to an integer
+            # mean.) trainer.test logged no test_loss before.
+            self.log(f"{split}_loss{suffix}", values[f"{split}_logloss"], sync_dist=True, add_dataloader_idx=False)
+            metrics.reset()
+
+    @staticmethod
+    def _loader_count(batches) -> int:
+        return len(batches) if isinstance(batches, (list, tuple)) else 1
+
+    def on_validation_epoch_start(self) -> None:
+        self._loader_metrics("val", self._loader_count(self.trainer.num_val_batches))
+
+    def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step("val", batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
-        # compute() already covers every rank's samples (torchmetrics syncs); sync_dist averages equal values
-        values = self.val_metrics.compute()
-        self.log_dict(values, prog_bar=True, sync_dist=True)
-        # val_loss (the mean BCE over every row of every rank) is the log loss metric: exact at any world size.
-        # (Logged per batch with batch_size=, Lightning's sync truncates the rows counted to an integer mean.)
-        self.log("val_loss", values["val_logloss"], sync_dist=True)
-        self.val_metrics.reset()
+        self._log_evaluation("val", self._loader_count(self.trainer.num_val_batches), prog_bar=True)
 
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
-        _, logits_B = self._loss(batch)
-        self.test_metrics.update(logits_B, batch.labels)
+    def on_test_epoch_start(self) -> None:
+        self._loader_metrics("test", self._loader_count(self.trainer.num_test_batches))
+
+    def test_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step("test", batch, dataloader_idx)
 
     def on_test_epoch_end(self) -> None:
-        values = self.test_metrics.compute()
-        self.log_dict(values, sync_dist=True)
-        self.log("test_loss", values["test_logloss"], sync_dist=True)  # as val_loss: trainer.test logged none
-        self.test_metrics.reset()
+        self._log_evaluation("test", self._loader_count(self.trainer.num_test_batches), prog_bar=False)
 
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """The click probability of each row, and its label (NaN in an unlabelled file: the writer then leaves
