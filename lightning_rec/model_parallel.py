@@ -625,6 +625,16 @@ class DistributedModelParallel(nn.Module):
         self._fused_optimizer: FusedOptimizer | None = None
         self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
 
+    def groups_alive(self) -> bool:
+        """False once torch.distributed.destroy_process_group() has destroyed the groups these shards talk over."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        try:
+            dist.get_backend(self._emb_pg)  # a destroyed group is no longer in torch's map of groups
+        except ValueError:
+            return False
+        return True
+
     def _agree_init_seed(self, collections: Mapping[str, nn.Module], device: torch.device) -> int:
         """Collective (when a collection was built on "meta"): rank 0's draw from its global RNG, on every rank.
 
