@@ -292,11 +292,27 @@ class CollectiveGuard:
         dead = self.exited_peers()
         if dead:
             return PeerExited(f"{self.name} {self._where(tag, k)} on rank {self.rank}: {_describe(dead)}")
+        late = self._late_peers(tag, k)
+        who = (f"rank {late[0]} did not" if len(late) == 1 else f"ranks {', '.join(map(str, late))} did not"
+               if late else "a peer did not")
         return CollectiveTimeout(
-            f"{self.name} {self._where(tag, k)} on rank {self.rank}: a peer did not reach it within "
-            f"{self.timeout_s:g} s; every peer is alive and none is in another collective, so one is still "
-            f"computing (or stuck outside torch.distributed). Raise the limit with {self.setting} if a step "
-            f"legitimately takes that long")
+            f"{self.name} {self._where(tag, k)} on rank {self.rank}: {who} reach it within "
+            f"{self.timeout_s:g} s; every peer is alive and none is in another collective, so "
+            f"{'it is' if len(late) == 1 else 'one is'} still computing (or stuck outside torch.distributed). "
+            f"Raise the limit with {self.setting} if a step legitimately takes that long")
+
+    def _late_peers(self, tag: str, k: int) -> list[int]:
+        """At the timeout: the peers not waiting in this call (each waiter has published it, past its grace);
+        [] when no Store tells."""
+        if self._store is None:
+            return []
+        late = []
+        for p, raw in self._entries().items():
+            entry = json.loads(raw) if raw else {}
+            if not (entry.get("kind") == "guard" and entry.get("group") == self.uid and entry.get("k") == k
+                    and entry.get("tag") == tag):
+                late.append(p)
+        return late
 
     def failure(self, tag: str, k: int, err: Exception) -> RuntimeError:
         """The error for a collective that failed: names the ranks that exited, and the setting."""
