@@ -258,6 +258,7 @@ class RecStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        self._check_same_pipeline()
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
@@ -266,6 +267,21 @@ class RecStrategy(DDPStrategy):
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
+
+    def _check_same_pipeline(self) -> None:
+        """Collective, once per run: every rank pipelines alike. A rank that pipelines builds its channel's group when
+        its first loader comes, one that does not goes on to Lightning's collectives: the two failed 20 s or minutes
+        later with a c10d Store timeout naming no setting."""
+        if self.world_size <= 1 or not dist.is_initialized():
+            return
+        depth = self._pipeline_config.depth if self._pipeline_config is not None else 0
+        flags = torch.tensor([depth, -depth], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # min and -max in one reduction
+        least, most = flags.tolist()
+        if least != -most:
+            raise ValueError(f"RecStrategy(pipeline=...) differs between ranks: rank {self.global_rank} has depth "
+                             f"{depth}, the ranks' depths range from {least} to {-most} (0: not pipelined). Pass "
+                             f"the same pipeline setting on every rank")
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
         """configure_optimizers returned only a dense optimizer while tables train fused: said, not silent.

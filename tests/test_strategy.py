@@ -483,6 +483,24 @@ def test_fit_after_destroy_process_group_trains_a_new_module_and_refuses_the_old
         assert "del it" in refused, refused
 
 
+def _pipelined_on_one_rank_worker(rank, world_size):
+    from tests.dist_utils import expect_error
+
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=rank == 0, embedding_timeout=20), accelerator="cpu",
+                        devices=world_size, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    data = SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    return expect_error(ValueError, lambda: trainer.fit(DLRMModule(**SMALL), data), "pipeline", "every rank")
+
+
+def test_pipeline_on_some_ranks_only_is_refused_on_every_rank():
+    """It failed 20 s later (the embedding timeout) with "DistStoreError: wait timeout ..., keys:
+    /default_pg/0//2//cpu//0/1" on the pipelined rank and "Connection closed by peer" on the other."""
+    for said in run_ranks(_pipelined_on_one_rank_worker, 2, timeout=120):
+        assert "differs between ranks" in said, said
+
+
 def _plain_ddp_worker(rank, world_size):
     import warnings
 
