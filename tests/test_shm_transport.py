@@ -528,6 +528,21 @@ def test_model_parallel_on_cpu_uses_shared_memory_unless_disabled():
     run_ranks(_dmp_worker, 2, timeout=90)
 
 
+def _shared_memory_differs_worker(rank, W):
+    model = _Model()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1)},
+                                                               world_size=W)})
+    return expect_error(ValueError, lambda: DistributedModelParallel(
+        model, plan=plan, device="cpu", timeout=30, shared_memory=False if rank == 0 else None),
+        "shared_memory=False", "shared_memory=None", "same settings")
+
+
+def test_shared_memory_set_on_some_ranks_only_is_refused_on_every_rank():
+    """The ranks set up by the transport met the others' plan check in one process group: 'Connection closed by
+    peer' on one rank, and whatever the mixed collectives made of it on the other."""
+    run_ranks(_shared_memory_differs_worker, 2, timeout=60)
+
+
 # exchange(): sizes only the senders know; Writer sends fill shared memory directly ----------------
 
 
