@@ -292,11 +292,27 @@ class CollectiveGuard:
         dead = self.exited_peers()
         if dead:
             return PeerExited(f"{self.name} {self._where(tag, k)} on rank {self.rank}: {_describe(dead)}")
+        late = self._late_peers(tag, k)
+        who = (f"rank {late[0]} did not" if len(late) == 1 else f"ranks {', '.join(map(str, late))} did not"
+               if late else "a peer did not")
         return CollectiveTimeout(
-            f"{self.name} {self._where(tag, k)} on rank {self.rank}: a peer did not reach it within "
-            f"{self.timeout_s:g} s; every peer is alive and none is in another collective, so one is still "
-            f"computing (or stuck outside torch.distributed). Raise the limit with {self.setting} if a step "
-            f"legitimately takes that long")
+            f"{self.name} {self._where(tag, k)} on rank {self.rank}: {who} reach it within "
+            f"{self.timeout_s:g} s; every peer is alive and none is in another collective, so "
+            f"{'it is' if len(late) == 1 else 'one is'} still computing (or stuck outside torch.distributed). "
+            f"Raise the limit with {self.setting} if a step legitimately takes that long")
+
+    def _late_peers(self, tag: str, k: int) -> list[int]:
+        """At the timeout: the peers not waiting in this call (each waiter has published it, past its grace);
+        [] when no Store tells."""
+        if self._store is None:
+            return []
+        late = []
+        for p, raw in self._entries().items():
+            entry = json.loads(raw) if raw else {}
+            if not (entry.get("kind") == "guard" and entry.get("group") == self.uid and entry.get("k") == k
+                    and entry.get("tag") == tag):
+                late.append(p)
+        return late
 
     def failure(self, tag: str, k: int, err: Exception) -> RuntimeError:
         """The error for a collective that failed: names the ranks that exited, and the setting."""
@@ -487,6 +503,13 @@ def named_failure_allreduce_hook(guard: CollectiveGuard, pg):
     return hook
 
 
+def old_store_alive() -> bool:
+    """While no process group is initialised: is the Store of one this process watched before still alive (some
+    object holds a destroyed group)? A new init_process_group would reuse its server, old keys and all."""
+    watcher = _Watcher._instance
+    return watcher is not None and watcher.store() is not None and not dist.is_initialized()
+
+
 # the watcher thread ----------------------------------------------------------------------------------
 
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -494,7 +517,12 @@ _TORCH_DIST = os.path.join("torch", "distributed", "")
 
 
 class _Watcher:
-    """One daemon thread per process: heartbeat, and publishes a main thread blocked in torch.distributed."""
+    """One daemon thread per process: heartbeat, and publishes a main thread blocked in torch.distributed.
+
+    It holds the Store weakly: a Store kept alive past destroy_process_group() keeps its server (rank 0) serving
+    on MASTER_PORT, and the next init_process_group in this process reuses that server, old keys and all (the
+    second fit of a script that destroyed the group between two fits hung in its first collective). The
+    thread ends once the process group it watched is gone."""
 
     _instance: _Watcher | None = None
     _lock = threading.Lock()
@@ -502,12 +530,12 @@ class _Watcher:
     @classmethod
     def ensure(cls, store, rank: int) -> None:
         with cls._lock:
-            if cls._instance is not None and cls._instance.store is store and cls._instance.thread.is_alive():
+            if cls._instance is not None and cls._instance.store() is store and cls._instance.thread.is_alive():
                 return
             cls._instance = cls(store, rank)
 
     def __init__(self, store, rank: int) -> None:
-        self.store, self.rank = store, rank
+        self.store, self.rank = weakref.ref(store), rank
         self.main = threading.main_thread().ident
         store.set(f"{_PREFIX}pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
         store.set(f"{_PREFIX}at/{rank}", "")
@@ -521,17 +549,23 @@ class _Watcher:
     def _run(self) -> None:
         while True:
             time.sleep(TICK_S)
-            if _Watcher._instance is not self:
-                return
-            try:
-                if not dist.is_initialized():
-                    return
-                self.store.add(f"{_PREFIX}hb/{self.rank}", 1)
-                self._look()
-            except Exception:  # noqa: BLE001 - the store's host exited: the collectives say so themselves
+            if _Watcher._instance is not self or not self._tick():
+                self.frame = None  # a finished frame keeps its locals (a group, its Store) alive
                 return
 
-    def _look(self) -> None:
+    def _tick(self) -> bool:
+        """One heartbeat and look; False: the watched group is gone (the Store only while this runs)."""
+        store = self.store()
+        try:
+            if store is None or not dist.is_initialized():
+                return False
+            store.add(f"{_PREFIX}hb/{self.rank}", 1)
+            self._look(store)
+            return True
+        except Exception:  # noqa: BLE001 - the store's host exited: the collectives say so themselves
+            return False
+
+    def _look(self, store) -> None:
         frame = sys._current_frames().get(self.main)
         c10d, caller = None, None
         while frame is not None:
@@ -545,19 +579,19 @@ class _Watcher:
         now = time.monotonic()
         if c10d is None or c10d is not self.frame:
             if self.published:
-                self.store.set(f"{_PREFIX}at/{self.rank}", "")
+                store.set(f"{_PREFIX}at/{self.rank}", "")
                 self.published = False
             self.frame, self.since, self.told = c10d, now, False
             return
         if not self.published and now - self.since >= GRACE_S:
             where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
             entry = {"kind": "torch", "call": f"torch.distributed.{c10d.f_code.co_name}", "where": where}
-            self.store.set(f"{_PREFIX}verdict/{self.rank}", "")
-            self.store.set(f"{_PREFIX}at/{self.rank}", json.dumps(entry))
+            store.set(f"{_PREFIX}verdict/{self.rank}", "")
+            store.set(f"{_PREFIX}at/{self.rank}", json.dumps(entry))
             self.published = True
         elif self.published and not self.told:
             key = f"{_PREFIX}verdict/{self.rank}"
-            verdict = self.store.get(key).decode() if self.store.check([key]) else ""
+            verdict = store.get(key).decode() if store.check([key]) else ""
             if verdict:
                 print(f"lightning_rec (rank {self.rank}, blocked in torch.distributed.{c10d.f_code.co_name}): "
                       f"{verdict}", file=sys.stderr, flush=True)

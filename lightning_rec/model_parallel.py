@@ -432,7 +432,7 @@ def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> t
 
 
 def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
-                          device: torch.device) -> None:
+                          device: torch.device, extra: Sequence[str] = ()) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
 
     Ranks that disagree would route ids by different maps and return wrong embeddings without an
@@ -444,7 +444,7 @@ def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPl
     W = dist.get_world_size(pg)
     if W == 1:
         return
-    lines = _describe_model(collections, plan)
+    lines = [*_describe_model(collections, plan), *extra]  # extra: settings every rank must share
     dev = device if guard.nccl else torch.device("cpu")
     mine = torch.tensor(list(hashlib.sha256("\n".join(lines).encode()).digest()), dtype=torch.uint8, device=dev)
     gathered = [torch.empty_like(mine) for _ in range(W)]
@@ -462,9 +462,10 @@ def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPl
     mine = a[i] if i < len(a) else "(nothing more)"
     theirs = b[i] if i < len(b) else "(nothing more)"
     raise ValueError(
-        f"ranks hold different embedding tables or plans, so ids would be routed by different maps: rank "
-        f"{ranks[0]} has\n  {mine}\nbut rank {ranks[other]} has\n  {theirs}\nBuild the same model and plan on every "
-        f"rank (plan with planner.collective_plan(model), or pass plan=None and let DistributedModelParallel plan)")
+        f"ranks hold different embedding tables, plans or settings, so ids would be routed by different maps: rank "
+        f"{ranks[0]} has\n  {mine}\nbut rank {ranks[other]} has\n  {theirs}\nBuild the same model and plan, with the "
+        f"same settings, on every rank (plan with planner.collective_plan(model), or pass plan=None and let "
+        f"DistributedModelParallel plan)")
 
 
 def default_plan(collections: Mapping[str, nn.Module], world_size: int) -> ShardingPlan:
@@ -631,20 +632,23 @@ class DistributedModelParallel(nn.Module):
         backend = "nccl" if device.type == "cuda" else "gloo"
         ranks = dist.get_process_group_ranks(pg)
         emb_pg = dist.new_group(ranks=ranks, backend=backend, timeout=timedelta(seconds=self._timeout_s))
+        # every embedding collective (and the strategy's own) waits through this guard: a peer at another
+        # collective, or gone, is named within seconds; the timeout is for a peer still computing
+        self._guard = CollectiveGuard(emb_pg, "embedding", self._timeout_s, timeout_setting)
+        # before any table is built, and before the transport (collective only where shared_memory allows it: ranks
+        # given different settings paired its set-up with this check's all-gather, "Connection closed by peer")
+        check_same_everywhere(collections, plan, self._guard, device,
+                              extra=[f"DistributedModelParallel(shared_memory={shared_memory!r})"])
+        self._guard.remember_peers()  # every rank has published its pid before that collective
         transport = None
         if device.type == "cpu" and shared_memory is not False and world_size > 1:
             transport = SharedMemoryGroup.create(emb_pg, self._timeout_s)
             if transport is None and shared_memory:
                 raise ValueError("shared_memory=True, but the ranks cannot map each other's /dev/shm files (other "
                                  "hosts, or no /dev/shm): leave shared_memory=None to use gloo there")
-        # every embedding collective (and the strategy's own) waits through this guard: a peer at another
-        # collective, or gone, is named within seconds; the timeout is for a peer still computing
-        self._guard = CollectiveGuard(emb_pg, "embedding", self._timeout_s, timeout_setting)
         if transport is not None:
             transport.timeout_setting = timeout_setting
             transport.guard = self._guard if self._guard.enabled else None
-        check_same_everywhere(collections, plan, self._guard, device)  # before any table is built
-        self._guard.remember_peers()  # every rank has published its pid before that collective
         self._emb_pg = emb_pg
         self._transport = transport
         env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)
@@ -671,6 +675,16 @@ class DistributedModelParallel(nn.Module):
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
         self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
+
+    def groups_alive(self) -> bool:
+        """False once torch.distributed.destroy_process_group() has destroyed the groups these shards talk over."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        try:
+            dist.get_backend(self._emb_pg)  # a destroyed group is no longer in torch's map of groups
+        except ValueError:
+            return False
+        return True
 
     def _agree_init_seed(self, collections: Mapping[str, nn.Module], device: torch.device) -> int:
         """Collective (when a collection was built on "meta"): rank 0's draw from its global RNG, on every rank.

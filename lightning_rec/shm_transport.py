@@ -208,21 +208,24 @@ class SharedMemoryGroup:
         except OSError:
             ok = 0
         flag = torch.tensor([ok], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
-        if flag.item():
-            try:  # can every rank see every other rank's region? (same host and the same /dev/shm)
-                for p in range(W):
-                    if p != rank:
-                        group._open_peer_headers(p)
-                        if int(group._peer_headers[p][0, _GEN]) != -1:
-                            ok = 0
-            except OSError:
-                ok = 0
-            flag.fill_(ok)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)  # also: every peer has mapped our files
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
+            if flag.item():
+                try:  # can every rank see every other rank's region? (same host and the same /dev/shm)
+                    for p in range(W):
+                        if p != rank:
+                            group._open_peer_headers(p)
+                            if int(group._peer_headers[p][0, _GEN]) != -1:
+                                ok = 0
+                except OSError:
+                    ok = 0
+                flag.fill_(ok)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)  # also: every peer has mapped our files
+        finally:  # a peer that died (or Ctrl-C) in between left this rank's names in /dev/shm for good
+            if group is not None:
+                group._unlink(group._headers.path)
+                group._unlink(group._data.path)
         if group is not None:
-            group._unlink(group._headers.path)
-            group._unlink(group._data.path)
             group._header[:, _GEN] = 0
             if flag.item():
                 group._arrivals = [group._arrive if p == rank else group._peer_arrive[p] for p in range(W)]

@@ -286,6 +286,7 @@ class RecStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        self._check_same_pipeline()
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
@@ -294,6 +295,21 @@ class RecStrategy(DDPStrategy):
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
+
+    def _check_same_pipeline(self) -> None:
+        """Collective, once per run: every rank pipelines alike. A rank that pipelines builds its channel's group when
+        its first loader comes, one that does not goes on to Lightning's collectives: the two failed 20 s or minutes
+        later with a c10d Store timeout naming no setting."""
+        if self.world_size <= 1 or not dist.is_initialized():
+            return
+        depth = self._pipeline_config.depth if self._pipeline_config is not None else 0
+        flags = torch.tensor([depth, -depth], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # min and -max in one reduction
+        least, most = flags.tolist()
+        if least != -most:
+            raise ValueError(f"RecStrategy(pipeline=...) differs between ranks: rank {self.global_rank} has depth "
+                             f"{depth}, the ranks' depths range from {least} to {-most} (0: not pipelined). Pass "
+                             f"the same pipeline setting on every rank")
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
         """configure_optimizers returned only a dense optimizer while tables train fused: said, not silent.
@@ -454,9 +470,41 @@ class RecStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._refuse_weight_averaging()
+        self._refuse_destroyed_groups()
+        if dist.is_available() and not dist.is_initialized():
+            # an earlier run's groups, destroyed since (dist.destroy_process_group() between two fits) but held by
+            # its garbage (Trainer, strategy, pipelines: reference cycles), keep its c10d Store serving on
+            # MASTER_PORT; init_process_group here reuses that Store, the old run's keys included, and the second
+            # fit hung in its first collective
+            import gc
+
+            from lightning_rec.collective_guard import old_store_alive
+
+            gc.collect()
+            if old_store_alive():
+                warnings.warn(
+                    "a process group destroyed by torch.distributed.destroy_process_group() is still held (a "
+                    "LightningModule sharded by an earlier Trainer, or a DistributedModelParallel, holds its groups): "
+                    "its c10d Store still serves on MASTER_PORT, and init_process_group reuses it with the earlier "
+                    "run's keys, which can hang. Delete those objects (del model) before this fit, or keep the process "
+                    "group between fits (no destroy_process_group() is needed)", stacklevel=2)
         super().setup_environment()
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             _close_gloo_groups_at_exit()
+
+    def _refuse_destroyed_groups(self) -> None:
+        """A module sharded by an earlier Trainer keeps that run's process groups; once they were destroyed
+        (dist.destroy_process_group()) its tables cannot reach their peers again: said before the new groups are
+        made (while its old groups live, a new init_process_group in this process hangs on their old Store)."""
+        prior = vars(self.lightning_module).get(_SHARDED_BY) if self.lightning_module is not None else None
+        if prior is None or prior.groups_alive():
+            return
+        raise ValueError(
+            f"this {type(self.lightning_module).__name__}'s tables were sharded by an earlier Trainer over process "
+            f"groups that have been destroyed since (torch.distributed.destroy_process_group()): its shards cannot "
+            f"reach their peers again. Build a new LightningModule for this Trainer (a checkpoint of this one loads "
+            f"into it), and drop the old one (del it) before this fit; or keep the process group between fits "
+            f"(Lightning leaves it open: no destroy_process_group() is needed)")
 
     def _refuse_weight_averaging(self) -> None:
         """Lightning's weight-averaging callbacks copy the module when fit begins (before it is sharded) and then pair

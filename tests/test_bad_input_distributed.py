@@ -189,6 +189,7 @@ def _computing_peer_worker(rank, W, shared_memory, setting):
 def test_timeout_names_the_setting_the_user_has(shared_memory, setting):
     kind, text, seconds = run_ranks(_computing_peer_worker, 2, shared_memory, setting, timeout=60)[0]
     assert kind == CollectiveTimeout.__name__, text
+    assert "rank 1 did not reach it" in text, text  # the late rank named (it said "a peer")
     assert (setting or "DistributedModelParallel(timeout=...)") in text, text
     if setting:
         assert "DistributedModelParallel(timeout" not in text, text

@@ -348,6 +348,25 @@ def test_dead_peer_raises_within_seconds_not_the_timeout():
     assert seconds < 20, f"rank 0 noticed rank 1's exit after {seconds:.1f} s (timeout_s=60)"
 
 
+def _peer_dies_in_create_worker(rank, W):
+    pids = [None] * W
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:  # dies after the session name came, before the ranks agree (a crash, a kill, Ctrl-C)
+        SharedMemoryGroup.__init__ = lambda *a, **k: os._exit(0)
+    try:
+        SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
+    except RuntimeError:
+        pass
+    return _files(f"lightning_rec-{socket.gethostname()}-{pids[0]}-")
+
+
+def test_peer_dying_during_create_leaves_no_files_behind():
+    left = run_ranks(_peer_dies_in_create_worker, 2, timeout=60, allow_missing=True)[0]
+    for name in left:
+        SharedMemoryGroup._unlink(os.path.join(SHM_DIR, name))
+    assert not left, f"rank 0 left {left} in {SHM_DIR}"
+
+
 # 6. /dev/shm full: every rank falls back to gloo together -----------------------------------------------
 
 
@@ -507,6 +526,21 @@ def _dmp_worker(rank, W):
 
 def test_model_parallel_on_cpu_uses_shared_memory_unless_disabled():
     run_ranks(_dmp_worker, 2, timeout=90)
+
+
+def _shared_memory_differs_worker(rank, W):
+    model = _Model()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1)},
+                                                               world_size=W)})
+    return expect_error(ValueError, lambda: DistributedModelParallel(
+        model, plan=plan, device="cpu", timeout=30, shared_memory=False if rank == 0 else None),
+        "shared_memory=False", "shared_memory=None", "same settings")
+
+
+def test_shared_memory_set_on_some_ranks_only_is_refused_on_every_rank():
+    """The ranks set up by the transport met the others' plan check in one process group: 'Connection closed by
+    peer' on one rank, and whatever the mixed collectives made of it on the other."""
+    run_ranks(_shared_memory_differs_worker, 2, timeout=60)
 
 
 # exchange(): sizes only the senders know; Writer sends fill shared memory directly ----------------

@@ -450,6 +450,57 @@ def test_sigkill_mid_epoch_resumes_bitwise_criteo(tmp_path, kind):
     _exact_resume(tmp_path, kind, kill_at=25, every=10)  # 17-18 steps per epoch at 2 ranks
 
 
+def _destroyed_between_fits_worker(rank, world_size):
+    """A script that destroys the process group between two fits (as Lightning itself does not)."""
+    import gc
+
+    from tests.dist_utils import expect_error
+
+    def fit(module):
+        trainer = L.Trainer(strategy="rec", accelerator="cpu", devices=world_size, max_steps=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(module, SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=128, batch_size=64,
+                                                      num_embeddings_per_feature=64))
+        return trainer.global_step
+
+    held = [DLRMModule(**SMALL)]
+    fit(held[0])
+    dist.destroy_process_group()
+    # the same module: its shards' groups are gone; said before a new group is made
+    refused = expect_error(ValueError, lambda: fit(held[0]), "destroy_process_group", "new LightningModule")
+    held.clear()
+    gc.collect()  # what the refused Trainer left in reference cycles
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = fit(DLRMModule(**SMALL))  # a new module: trains (it hung in its first collective)
+    return refused, steps, [str(w.message) for w in caught if "destroy_process_group" in str(w.message)]
+
+
+def test_fit_after_destroy_process_group_trains_a_new_module_and_refuses_the_old_one():
+    for refused, steps, said in run_ranks(_destroyed_between_fits_worker, 2, timeout=180):
+        assert steps == 2 and not said, said
+        assert "del it" in refused, refused
+
+
+def _pipelined_on_one_rank_worker(rank, world_size):
+    from tests.dist_utils import expect_error
+
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=rank == 0, embedding_timeout=20), accelerator="cpu",
+                        devices=world_size, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    data = SyntheticCriteoDataModule(num_train_samples=512, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    return expect_error(ValueError, lambda: trainer.fit(DLRMModule(**SMALL), data), "pipeline", "every rank")
+
+
+def test_pipeline_on_some_ranks_only_is_refused_on_every_rank():
+    """It failed 20 s later (the embedding timeout) with "DistStoreError: wait timeout ..., keys:
+    /default_pg/0//2//cpu//0/1" on the pipelined rank and "Connection closed by peer" on the other."""
+    for said in run_ranks(_pipelined_on_one_rank_worker, 2, timeout=120):
+        assert "differs between ranks" in said, said
+
+
 def _plain_ddp_worker(rank, world_size):
     import warnings
 
