@@ -614,11 +614,16 @@ def test_streamed_blocks_go_to_ranks_alike_at_any_worker_count(tmp_path, monkeyp
     assert [rows_of(rank, 0) for rank in (0, 1)] == two_workers
 
 
-@pytest.mark.parametrize("reload", [0, 1])
-def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, reload):
+@pytest.mark.parametrize(("reload", "num_workers"), [(0, 0), (1, 0), (1, 2)])
+def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, reload, num_workers):
     """Trainer(reload_dataloaders_every_n_epochs=1) makes a new loader each epoch, whose pass count started at 0: a
-    shuffled stream (and a preprocessed directory: both shuffle by pass) trained epoch 0's order every epoch."""
+    shuffled stream (and a preprocessed directory: both shuffle by pass) trained epoch 0's order every epoch.
+    With (persistent) workers, each counted its own passes, and Lightning iterates a loader made anew twice at its
+    epoch's start: epoch e trained epoch e + 1's order."""
     import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_rec.data.batch import passthrough_collate
 
     class Rows(L.LightningModule):
         def __init__(self):
@@ -637,7 +642,8 @@ def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, r
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(64)))
-    data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True)
+    data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True,
+                            num_workers=num_workers)
     module = Rows()
     L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False,
@@ -647,8 +653,9 @@ def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, r
     stream = data.datasets["train"]
     want = []
     for epoch in range(3):
-        stream.set_epoch(epoch)
-        want.append([int(r) for b in stream for r in b.dense_features[:, 0].expm1().round()])
+        stream.set_epoch(epoch)  # (workers that are not persistent: each pass's start from the told epoch)
+        loader = DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=passthrough_collate)
+        want.append([int(r) for b in loader for r in b.dense_features[:, 0].expm1().round()])
     assert module.rows == want
 
 

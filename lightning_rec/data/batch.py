@@ -116,6 +116,36 @@ def passthrough_collate(batch: Batch) -> Batch:
     return batch
 
 
+class PassEpoch:
+    """The epoch of an IterableDataset's next pass (its shuffle order), in whichever process iterates it.
+
+    The main process tells it (`set`: a loader's `set_epoch` before each pass); DataLoader workers read what it told
+    through shared memory, persistent ones too. A count kept in each worker's own copy of the dataset (made when the
+    workers started) drifted from the loader's: Lightning iterates a loader made anew each epoch
+    (`reload_dataloaders_every_n_epochs`) twice at the epoch's start, so persistent workers trained epoch e + 1's
+    order in epoch e. A pass nobody told (a DataLoader of the user's that never calls set_epoch) counts on from the
+    last one, in each process, as before.
+    """
+
+    def __init__(self) -> None:
+        self._told = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, times told): seen by the workers
+        self._seen, self._next = 0, 0  # this process's: times told when it last looked, its next epoch
+
+    def set(self, epoch: int) -> None:
+        self._told[0] = int(epoch)
+        self._told[1] += 1
+        self._next = int(epoch)
+
+    def take(self, resumed: int | None = None) -> int:
+        """The epoch of the pass that starts now (`resumed`: a saved position's), counting on from it."""
+        epoch, told = self._told.tolist()
+        if told != self._seen:
+            self._seen, self._next = told, epoch
+        current = self._next if resumed is None else int(resumed)
+        self._next = current + 1
+        return current
+
+
 # ------------------------------------------------------------------------------------------------
 # loaders that resume mid-epoch
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from lightning_rec.data.batch import Batch
+from lightning_rec.data.batch import Batch, PassEpoch
 from lightning_rec.data.criteo_parse import DEFAULT_SPARSE_FEATURE_NAMES, NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -135,10 +135,10 @@ class CriteoShardDataset(IterableDataset):
 
     Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
     `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
-    With `shuffle=True` and workers that are not persistent (torch's default), call `set_epoch(epoch)` before
-    each epoch, as with torch's DistributedSampler: each epoch's workers start from the main process's copy,
-    which did not count the epochs they read, so every epoch drew the same order (CriteoDataModule's loaders,
-    persistent and told the epoch, need nothing).
+    With `shuffle=True`, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler (its
+    workers, persistent ones too, read the epoch told; untold, each process counts its own passes, and workers
+    that are not persistent, torch's default, start every epoch from the main process's count: the same order).
+    CriteoDataModule's loaders tell it.
     `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
     and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
     """
@@ -169,7 +169,7 @@ class CriteoShardDataset(IterableDataset):
         self._rank, self._world = rank, world_size
         self.every_row = every_row
         self._dist = dist_rank_world()
-        self._epoch = 0
+        self._epoch = PassEpoch()
         self._skip = 0  # batches of the next epoch already trained on (resume_from)
         self._pass_epoch, self._yielded, self._resume = 0, 0, None  # the loader's saved position (state_dict)
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
@@ -206,10 +206,10 @@ class CriteoShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order the next iteration uses (shuffle=True).
 
-        Each iteration counts one epoch in the process that iterates: the main process, or each
-        persistent worker (CriteoDataModule's loaders); with non-persistent workers call this per epoch.
+        Untold, each iteration counts one epoch in the process that iterates (the main process, or each
+        persistent worker); the DataLoader's workers read the epoch told here, persistent ones too.
         """
-        self._epoch = epoch
+        self._epoch.set(epoch)
 
     def resume_from(self, epoch: int, batches_done: int) -> None:
         """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
@@ -218,7 +218,8 @@ class CriteoShardDataset(IterableDataset):
         """
         if not 0 <= batches_done <= len(self):
             raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
-        self._epoch, self._skip = epoch, batches_done
+        self._epoch.set(epoch)
+        self._skip = batches_done
 
     # Resuming through a StatefulDataLoader (torchdata's Stateful protocol: the loader saves the state after every
     # batch, per worker): the pass's epoch and the batches this worker yielded in it. A resumed pass starts after
@@ -261,13 +262,10 @@ class CriteoShardDataset(IterableDataset):
         seg_start = np.cumsum([0] + [hi - lo for _, lo, hi in segments])
         num_batches = len(self)
         resume, self._resume = self._resume, None
-        if resume is not None:
-            self._epoch = resume[0]
-        epoch = self._epoch
+        epoch = self._epoch.take(None if resume is None else resume[0])
         order = np.arange(num_batches)
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(num_batches)
-        self._epoch += 1  # persistent workers and the main process keep counting epochs
         order, self._skip = order[self._skip:], 0
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
