@@ -524,22 +524,21 @@ class CriteoIterableDataset(IterableDataset):
         resume = self._resume_position(shard, num_shards)
         self._position = None
         epoch = self._epoch.take(None if resume is None else resume["epoch"])
-        if resume is None:
-            rng = np.random.default_rng([self.seed, epoch, shard])
-            start, k, seen, pending, skip = None, 0, 0, [], 0
-        else:
-            rng = np.random.default_rng([self.seed, epoch, shard])
-            rng.bit_generator.state = resume["rng"]
-            start, k, seen, pending, skip = (resume["reader"], resume["block"], resume["seen"], list(resume["pending"]),
-                                             resume["yielded"])
         base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
                 "fingerprint": self.fingerprint, "epoch": epoch}
         report = self._new_report()
         self.report = report
-        num_pending = sum(p[0].shape[0] for p in pending)
-        if resume is not None and resume.get("done"):
+        if resume is not None and resume.get("done"):  # this reader had yielded its share's last batch (its only key)
             self._position = {**base, "done": True}
             return
+        rng = np.random.default_rng([self.seed, epoch, shard])
+        if resume is None:
+            start, k, seen, pending, skip = None, 0, 0, [], 0
+        else:
+            rng.bit_generator.state = resume["rng"]
+            start, k, seen, pending, skip = (resume["reader"], resume["block"], resume["seen"], list(resume["pending"]),
+                                             resume["yielded"])
+        num_pending = sum(p[0].shape[0] for p in pending)
         # (where the block begins: a byte offset, or a table's block index; its rows, parsed when asked for)
         if self.table is None:
             blocks = ((reader, lambda b=block, line=first_line: parse_block(
