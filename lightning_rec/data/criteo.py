@@ -670,7 +670,7 @@ class CriteoDataModule(pl.LightningDataModule):
         # hyperparameters (lightning_rec.data.hf_dataset)
         root = cache_dir or default_cache_dir()
         train_path, val_path, test_path, predict_path = (
-            dataset_path(p, f"CriteoDataModule {n}_path", root, "data.parquet")
+            dataset_path(p, f"CriteoDataModule {n}_path", root, "data.parquet", streams=True)
             for n, p in (("train", train_path), ("val", val_path), ("test", test_path), ("predict", predict_path)))
         self.save_hyperparameters()
         self.paths = {
