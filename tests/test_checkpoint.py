@@ -1159,6 +1159,38 @@ def test_streaming_criteo_resume_seeks_to_the_saved_block(tmp_path, num_workers,
         assert 0 < sum(parsed) < size * 0.8, (sum(parsed), size)  # ~30 of ~45 batches were not read again
 
 
+def test_a_stream_resumed_after_one_worker_finished_its_share(tmp_path):
+    """3 blocks, 2 workers: worker 0 reads two, worker 1 one. A position saved after a worker had yielded its last
+    batch held {"done": True} for it, and the resumed pass raised KeyError: 'rng' in that worker."""
+    from lightning_rec.data import criteo
+    from lightning_rec.data.batch import make_stream_loader
+
+    rows = ["\t".join([str(n % 2), str(n)] + [str(k) for k in range(2, 14)] + [f"{k:08x}" for k in range(1, 27)])
+            for n in range(300)]
+    path = tmp_path / "rows.tsv"
+    path.write_text("\n".join(rows) + "\n")
+
+    def loader():
+        data = criteo.CriteoIterableDataset(path, batch_size=20, num_embeddings_per_feature=8, shuffle=True,
+                                            block_bytes=path.stat().st_size // 3 + 1)
+        return make_stream_loader(data, num_workers=2)
+
+    def rows(batches) -> list[list[int]]:
+        return [b.dense_features[:, 0].expm1().round().long().tolist() for b in batches]
+
+    everything = rows(loader())
+    for taken in (len(everything) - 2, len(everything) - 1):  # a worker's last batch (short) is taken: it is done
+        first = loader()
+        it = iter(first)
+        for _ in range(taken):
+            next(it)
+        state = first.state_dict()
+        del it
+        again = loader()
+        again.load_state_dict(state)
+        assert rows(again) == everything[taken:]
+
+
 def test_one_process_save_and_load_say_nothing_about_torch_distributed(tmp_path):
     # DCP warns "torch.distributed is disabled, unavailable or uninitialized" on every call without a process
     # group; one process is a use we support, not a mistake to warn about

@@ -614,11 +614,16 @@ def test_streamed_blocks_go_to_ranks_alike_at_any_worker_count(tmp_path, monkeyp
     assert [rows_of(rank, 0) for rank in (0, 1)] == two_workers
 
 
-@pytest.mark.parametrize("reload", [0, 1])
-def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, reload):
+@pytest.mark.parametrize(("reload", "num_workers"), [(0, 0), (1, 0), (1, 2)])
+def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, reload, num_workers):
     """Trainer(reload_dataloaders_every_n_epochs=1) makes a new loader each epoch, whose pass count started at 0: a
-    shuffled stream (and a preprocessed directory: both shuffle by pass) trained epoch 0's order every epoch."""
+    shuffled stream (and a preprocessed directory: both shuffle by pass) trained epoch 0's order every epoch.
+    With (persistent) workers, each counted its own passes, and Lightning iterates a loader made anew twice at its
+    epoch's start: epoch e trained epoch e + 1's order."""
     import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from lightning_rec.data.batch import passthrough_collate
 
     class Rows(L.LightningModule):
         def __init__(self):
@@ -637,7 +642,8 @@ def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, r
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(64)))
-    data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True)
+    data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True,
+                            num_workers=num_workers)
     module = Rows()
     L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False,
@@ -647,8 +653,9 @@ def test_a_stream_reloaded_every_epoch_still_draws_each_epochs_order(tmp_path, r
     stream = data.datasets["train"]
     want = []
     for epoch in range(3):
-        stream.set_epoch(epoch)
-        want.append([int(r) for b in stream for r in b.dense_features[:, 0].expm1().round()])
+        stream.set_epoch(epoch)  # (workers that are not persistent: each pass's start from the told epoch)
+        loader = DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=passthrough_collate)
+        want.append([int(r) for b in loader for r in b.dense_features[:, 0].expm1().round()])
     assert module.rows == want
 
 
@@ -772,6 +779,71 @@ def test_training_loaders_under_a_2_rank_trainer_take_the_data_modules_seed(tmp_
                 assert (kind, seed, indices) == ("DistributedSampler", 3, list(want))
             else:
                 assert kind == "EpochRandomSampler" and sorted(indices) == list(range(rows))
+
+
+def _plain_ddp_stream_fit(rank: int, world_size: int, path: str, block_bytes: int, root: str, max_steps: int,
+                          ckpt: str | None) -> tuple:
+    """A plain DDP fit (a dense model, 2 epochs) over a stream whose ranks' shares differ, checkpointed at step 15."""
+    import warnings
+
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Dense(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(13, 1)
+            self.rows: list[list[int]] = [[]]
+
+        def on_train_epoch_start(self):
+            self.rows.append([])
+
+        def training_step(self, batch, batch_idx):
+            self.rows[-1] += batch.dense_features[:, 0].expm1().round().long().tolist()
+            return self.lin(batch.dense_features).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = CriteoDataModule(train_path=path, batch_size=16, num_embeddings_per_feature=10, streaming=True,
+                            block_bytes=block_bytes)
+    module = Dense()
+    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=world_size, max_epochs=2, max_steps=max_steps,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=15, save_top_k=-1)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, data, ckpt_path=ckpt)
+    said = [str(w.message) for w in caught if "batches are skipped" in str(w.message)]
+    return trainer.global_step, [rows for rows in module.rows if rows], said, module.lin.weight.detach()
+
+
+def test_a_stream_under_plain_ddp_ends_each_epoch_when_a_ranks_share_runs_out(tmp_path):
+    """Trainer(strategy="ddp") over a stream whose ranks' shares differ (5 blocks: 3 to one rank, 2 to the other):
+    the rank with more batches waited in DDP's gradient all-reduce for a rank that had gone on to the next epoch
+    (its steps paired with the other's next-epoch ones), until gloo's "Connection closed by peer". The ranks now
+    agree before each batch that all have one, as DistributedSampler(drop_last=True) evens a sized loader. And a
+    run resumed mid-epoch read rank 0's stream position on every rank (Lightning's checkpoint holds rank 0's
+    loader state): rank 1 started its share over while the loop counted on. Each rank's is kept now."""
+    from tests.dist_utils import run_ranks
+
+    path = write(tmp_path, "rows.tsv", "".join(good_row(k % 2, i1=str(k)) + "\n" for k in range(500)))
+    args = (str(path), path.stat().st_size // 5 + 1, str(tmp_path / "ckpt"))
+    whole = run_ranks(_plain_ddp_stream_fit, 2, *args, -1, None, timeout=240, pg_timeout=60)
+    (steps0, rows0, said0, _), (steps1, rows1, said1, _) = whole
+    assert steps0 == steps1 == 2 * -(-len(rows1[0]) // 16)  # the shorter share's batches, every epoch, both ranks
+    for epoch in range(2):
+        assert not set(rows0[epoch]) & set(rows1[epoch])
+        assert 300 < len(rows0[epoch] + rows1[epoch]) < 500  # the longer share's extra block is left out
+    assert sorted((len(said0), len(said1))) == [0, 2] and "strategy='rec'" not in (said0 + said1)[0]
+    assert steps0 > 16
+    run_ranks(_plain_ddp_stream_fit, 2, *args, 16, None, timeout=240, pg_timeout=60)  # stopped after step 16
+    resumed = run_ranks(_plain_ddp_stream_fit, 2, *args, -1, str(tmp_path / "ckpt" / "epoch=1-step=15.ckpt"),
+                        timeout=240, pg_timeout=60)
+    for rank in range(2):
+        assert resumed[rank][0] == whole[rank][0]
+        assert resumed[rank][1][0] == whole[rank][1][1][-len(resumed[rank][1][0]):]  # the rest of epoch 1's rows
+        assert torch.equal(resumed[rank][3], whole[rank][3])
 
 
 @pytest.mark.parametrize("streaming", [False, True])

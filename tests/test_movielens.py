@@ -324,6 +324,11 @@ def test_a_datasets_dataset_is_read_as_its_parquet_copy(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"data_dir is a DatasetDict of the splits \['train'\]: pass one split, "
                                          r"e.g. ds\['train'\]"):
         MovieLensDataModule(datasets.DatasetDict({"train": ds}))
+    # it named CriteoDataModule's streaming=True, an argument MovieLensDataModule does not have (a TypeError if tried)
+    with pytest.raises(ValueError, match=r"data_dir is an IterableDataset .*pass its files instead \(a Parquet file, "
+                                         r"folder or pattern such as 'data/train-\*\.parquet'\), or load it") as e:
+        MovieLensDataModule(ds.to_iterable_dataset())
+    assert "streaming=True to read" not in str(e.value)
 
 
 def test_given_splits_train_validate_and_test_on_the_logs_own_files(tmp_path, monkeypatch):

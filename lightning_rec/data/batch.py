@@ -116,6 +116,36 @@ def passthrough_collate(batch: Batch) -> Batch:
     return batch
 
 
+class PassEpoch:
+    """The epoch of an IterableDataset's next pass (its shuffle order), in whichever process iterates it.
+
+    The main process tells it (`set`: a loader's `set_epoch` before each pass); DataLoader workers read what it told
+    through shared memory, persistent ones too. A count kept in each worker's own copy of the dataset (made when the
+    workers started) drifted from the loader's: Lightning iterates a loader made anew each epoch
+    (`reload_dataloaders_every_n_epochs`) twice at the epoch's start, so persistent workers trained epoch e + 1's
+    order in epoch e. A pass nobody told (a DataLoader of the user's that never calls set_epoch) counts on from the
+    last one, in each process, as before.
+    """
+
+    def __init__(self) -> None:
+        self._told = torch.zeros(2, dtype=torch.int64).share_memory_()  # (epoch, times told): seen by the workers
+        self._seen, self._next = 0, 0  # this process's: times told when it last looked, its next epoch
+
+    def set(self, epoch: int) -> None:
+        self._told[0] = int(epoch)
+        self._told[1] += 1
+        self._next = int(epoch)
+
+    def take(self, resumed: int | None = None) -> int:
+        """The epoch of the pass that starts now (`resumed`: a saved position's), counting on from it."""
+        epoch, told = self._told.tolist()
+        if told != self._seen:
+            self._seen, self._next = told, epoch
+        current = self._next if resumed is None else int(resumed)
+        self._next = current + 1
+        return current
+
+
 # ------------------------------------------------------------------------------------------------
 # loaders that resume mid-epoch
 
@@ -168,6 +198,11 @@ class StatefulBatchLoader(StatefulDataLoader):
     consumed_batches: Callable[[], int] | None = None
     fit_epoch: Callable[[], int] | None = None
     own_epochs: bool = False
+    # collectives, set by follow_fit_loop on a stream's training loader under a plain multi-rank strategy: does every
+    # rank have a batch at this point of the pass; every rank's saved position (each rank reads its own share of a
+    # stream, and Lightning's checkpoint holds rank 0's alone)
+    ranks_have_a_batch: Callable[[bool], bool] | None = None
+    gather_states: Callable[[dict], list] | None = None
 
     def __iter__(self):  # type: ignore[override]
         return self._resumable_batches()
@@ -226,8 +261,22 @@ class StatefulBatchLoader(StatefulDataLoader):
         self._rec_history, self._rec_history_pass = history, pass_index
         while True:
             try:
-                batch = next(base)
+                batch, have = next(base), True
             except StopIteration:
+                batch, have = None, False
+            if have and self.ranks_have_a_batch is not None and not self.ranks_have_a_batch(True):
+                # another rank's share ran out: the pass ends here on every rank (the state before this batch, marked
+                # finished: a checkpoint taken now resumes at the next epoch, as the uninterrupted run goes on)
+                warnings.warn(f"rank {torch.distributed.get_rank()}: the rest of this epoch's batches are skipped: "
+                              f"another rank's share of the stream ran out first, and DDP needs every rank in every "
+                              f"step, so each epoch ends at the shortest share (as DistributedSampler(drop_last=True) "
+                              f"evens a sized loader). A stream's shares differ by up to a block (block_bytes)",
+                              stacklevel=2)
+                history[count] = (history[count][0], True)
+                return
+            if not have:
+                if self.ranks_have_a_batch is not None:
+                    self.ranks_have_a_batch(False)  # the others learn that this rank's share ran out
                 history[count] = (super().state_dict(), True)
                 return
             count += 1
@@ -250,6 +299,14 @@ class StatefulBatchLoader(StatefulDataLoader):
             self.generator = None
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        state = self._own_state()
+        if self.gather_states is None:
+            return state
+        # under a plain strategy only rank 0 writes the checkpoint: it holds every rank's position, each rank
+        # resumes from its own (from rank 0's, rank 1 restarted its share's epoch while the loop counted on)
+        return {"pass": state["pass"], "fingerprint": state["fingerprint"], "ranks": self.gather_states(state)}
+
+    def _own_state(self) -> dict[str, Any]:
         history = getattr(self, "_rec_history", None)
         if not history:
             pass_index = getattr(self, "_rec_pass", 0)
@@ -264,6 +321,19 @@ class StatefulBatchLoader(StatefulDataLoader):
                 "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+        if isinstance(state, dict) and "ranks" in state:  # every rank's (gather_states): this rank's own
+            dist = torch.distributed
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
+                else (0, 1)
+            if len(state["ranks"]) != world:
+                warnings.warn(f"the checkpoint's dataloader state holds the positions of {len(state['ranks'])} ranks' "
+                              f"streams, this run has {world}: the interrupted epoch starts over from its first "
+                              f"batch instead of resuming mid-epoch (resume at the same world size to continue it)",
+                              stacklevel=2)
+                self._rec_pending = None
+                self._rec_pass = int(state.get("pass", 0))
+                return
+            state = state["ranks"][rank]
         mine = self.fingerprint()
         theirs = state.get("fingerprint") if isinstance(state, dict) else None
         if theirs != mine:
@@ -313,11 +383,27 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
         loader.consumed_batches = lambda: int(progress.current.processed)
         epochs = trainer.fit_loop.epoch_progress  # the epoch Lightning gives samplers' set_epoch
         loader.fit_epoch = lambda: int(epochs.current.processed)
+        if trainer.world_size > 1 and _length(loader) is None:
+            from lightning_rec.strategy import RecStrategy
+
+            strategy = trainer.strategy
+            if not isinstance(strategy, RecStrategy):  # (which does both itself)
+                # A stream's ranks' shares differ: under plain DDP the rank with batches left waited in its gradient
+                # all-reduce for one that had gone on to the next epoch, until gloo / NCCL failed. The ranks agree
+                # before each batch (a one-number all-reduce) that all have one; the first to run out ends the epoch.
+                loader.ranks_have_a_batch = lambda have: strategy.reduce_boolean_decision(have, all=True)
+                loader.gather_states = _all_gather_object  # (Lightning builds a checkpoint on every rank)
     elif isinstance(loader, StatefulBatchLoader):
         # a hand-written loop: no Lightning to call the sampler's set_epoch, so each pass numbers itself
         # (a shuffled loader drew the same order every epoch, unlike torch's RandomSampler)
         loader.own_epochs = True
     return loader
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def make_train_loader(dataset: Dataset, batch_size: int, shuffle: bool, drop_last: bool, seed: int,

@@ -75,6 +75,7 @@ from torch.utils.data import (
 
 from lightning_rec.data.batch import (
     Batch,
+    PassEpoch,
     follow_fit_loop,
     make_eval_loader,
     make_stream_loader,
@@ -402,9 +403,9 @@ class CriteoIterableDataset(IterableDataset):
     taking turns among them, so a rank reads the same rows at any num_workers and ranks' shares differ
     by one block at most; a file of fewer than two blocks per pair is dealt row by
     row instead (every pair parses it, each keeps its rows), so small files split evenly too.
-    With `shuffle`, rows are shuffled within each block (and the order differs per epoch: counted by
-    the process that reads, so in your own DataLoader with workers that are not persistent, call
-    `set_epoch(epoch)` before each epoch, or every epoch draws the first one's order); the
+    With `shuffle`, rows are shuffled within each block (and the order differs per epoch: in your own
+    DataLoader, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler; its workers,
+    persistent ones too, read the epoch told; untold, each process counts its own passes); the
     block order stays the file order. Rows left over at the end of a block carry into the next
     block's batches, so only the last batch can be short.
 
@@ -451,7 +452,7 @@ class CriteoIterableDataset(IterableDataset):
         self.missing_categorical = missing_categorical
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
-        self._epoch = 0
+        self._epoch = PassEpoch()
         self._dist = dist_rank_world()
         # The report of the latest pass made in this process (a worker's own rows, with workers).
         self.report = self._new_report()
@@ -468,7 +469,7 @@ class CriteoIterableDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next pass shuffles for (a resumed run's loader sets it; see StatefulBatchLoader)."""
-        self._epoch = int(epoch)
+        self._epoch.set(epoch)
 
     def _shard(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
@@ -522,25 +523,22 @@ class CriteoIterableDataset(IterableDataset):
         shard, num_shards = self._shard()
         resume = self._resume_position(shard, num_shards)
         self._position = None
-        if resume is None:
-            epoch = self._epoch
-            rng = np.random.default_rng([self.seed, epoch, shard])
-            start, k, seen, pending, skip = None, 0, 0, [], 0
-        else:
-            epoch = resume["epoch"]
-            rng = np.random.default_rng([self.seed, epoch, shard])
-            rng.bit_generator.state = resume["rng"]
-            start, k, seen, pending, skip = (resume["reader"], resume["block"], resume["seen"], list(resume["pending"]),
-                                             resume["yielded"])
-        self._epoch = epoch + 1  # persistent workers and the main process keep counting epochs
+        epoch = self._epoch.take(None if resume is None else resume["epoch"])
         base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
                 "fingerprint": self.fingerprint, "epoch": epoch}
         report = self._new_report()
         self.report = report
-        num_pending = sum(p[0].shape[0] for p in pending)
-        if resume is not None and resume.get("done"):
+        if resume is not None and resume.get("done"):  # this reader had yielded its share's last batch (its only key)
             self._position = {**base, "done": True}
             return
+        rng = np.random.default_rng([self.seed, epoch, shard])
+        if resume is None:
+            start, k, seen, pending, skip = None, 0, 0, [], 0
+        else:
+            rng.bit_generator.state = resume["rng"]
+            start, k, seen, pending, skip = (resume["reader"], resume["block"], resume["seen"], list(resume["pending"]),
+                                             resume["yielded"])
+        num_pending = sum(p[0].shape[0] for p in pending)
         # (where the block begins: a byte offset, or a table's block index; its rows, parsed when asked for)
         if self.table is None:
             blocks = ((reader, lambda b=block, line=first_line: parse_block(
@@ -672,7 +670,7 @@ class CriteoDataModule(pl.LightningDataModule):
         # hyperparameters (lightning_rec.data.hf_dataset)
         root = cache_dir or default_cache_dir()
         train_path, val_path, test_path, predict_path = (
-            dataset_path(p, f"CriteoDataModule {n}_path", root, "data.parquet")
+            dataset_path(p, f"CriteoDataModule {n}_path", root, "data.parquet", streams=True)
             for n, p in (("train", train_path), ("val", val_path), ("test", test_path), ("predict", predict_path)))
         self.save_hyperparameters()
         self.paths = {

@@ -17,11 +17,14 @@ against the Arrow IPC file of `datasets` and parquet for the same batches: the "
 How the rows are dealt (every rank computes the same split from the manifest, no communication):
 
     shard i, rows [0, n_i)  ->  rank r reads rows [n_i * r / W, n_i * (r + 1) / W) of every shard
-    training: every rank then keeps the same number of rows (the smallest share: fewer than #shards
-    rows of a rank are left out per epoch), so all ranks run the same number of steps (DDP needs it)
+    training: every rank then reads the same number of rows per epoch (the smallest share: fewer than
+    #shards rows of a rank are left out per epoch, and drop_last's remainder), so all ranks run the same
+    number of steps (DDP needs it); epoch e starts where epoch e - 1 stopped in the rank's share, cyclically,
+    so the rows one epoch leaves out are the first the next reads (every row is trained on)
     evaluation (`every_row=True`): every rank keeps its whole share, so every row is scored once; a rank
     with fewer batches than the longest share steps on with empty batches (0 rows) to the same count
-    batch k of a rank = its rows [k * B, (k + 1) * B): slices, never a per-sample gather
+    batch k of a rank = its rows [s + k * B, s + (k + 1) * B) (s: the epoch's start, 0 when no row is left
+    out; past the share's end it wraps to its start): slices, never a per-sample gather
     workers of a rank take batches k = worker, worker + num_workers, ... (the DataLoader interleaves
     them back in order); shuffle=True permutes the batch order each epoch (rows were already shuffled
     within each shard by preprocess)
@@ -39,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from lightning_rec.data.batch import Batch
+from lightning_rec.data.batch import Batch, PassEpoch
 from lightning_rec.data.criteo_parse import DEFAULT_SPARSE_FEATURE_NAMES, NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -135,10 +138,10 @@ class CriteoShardDataset(IterableDataset):
 
     Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
     `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
-    With `shuffle=True` and workers that are not persistent (torch's default), call `set_epoch(epoch)` before
-    each epoch, as with torch's DistributedSampler: each epoch's workers start from the main process's copy,
-    which did not count the epochs they read, so every epoch drew the same order (CriteoDataModule's loaders,
-    persistent and told the epoch, need nothing).
+    With `shuffle=True`, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler (its
+    workers, persistent ones too, read the epoch told; untold, each process counts its own passes, and workers
+    that are not persistent, torch's default, start every epoch from the main process's count: the same order).
+    CriteoDataModule's loaders tell it.
     `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
     and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
     """
@@ -169,7 +172,7 @@ class CriteoShardDataset(IterableDataset):
         self._rank, self._world = rank, world_size
         self.every_row = every_row
         self._dist = dist_rank_world()
-        self._epoch = 0
+        self._epoch = PassEpoch()
         self._skip = 0  # batches of the next epoch already trained on (resume_from)
         self._pass_epoch, self._yielded, self._resume = 0, 0, None  # the loader's saved position (state_dict)
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
@@ -206,10 +209,10 @@ class CriteoShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order the next iteration uses (shuffle=True).
 
-        Each iteration counts one epoch in the process that iterates: the main process, or each
-        persistent worker (CriteoDataModule's loaders); with non-persistent workers call this per epoch.
+        Untold, each iteration counts one epoch in the process that iterates (the main process, or each
+        persistent worker); the DataLoader's workers read the epoch told here, persistent ones too.
         """
-        self._epoch = epoch
+        self._epoch.set(epoch)
 
     def resume_from(self, epoch: int, batches_done: int) -> None:
         """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
@@ -218,7 +221,8 @@ class CriteoShardDataset(IterableDataset):
         """
         if not 0 <= batches_done <= len(self):
             raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
-        self._epoch, self._skip = epoch, batches_done
+        self._epoch.set(epoch)
+        self._skip = batches_done
 
     # Resuming through a StatefulDataLoader (torchdata's Stateful protocol: the loader saves the state after every
     # batch, per worker): the pass's epoch and the batches this worker yielded in it. A resumed pass starts after
@@ -256,25 +260,30 @@ class CriteoShardDataset(IterableDataset):
         return state
 
     def __iter__(self) -> Iterator[Batch]:
-        segments = self.segments()
+        me, world = self._rank_world()
+        segments = rank_segments([s["rows"] for s in self.manifest["shards"]], me, world, every_row=True)  # the share
         # where each segment starts in this rank's row order
         seg_start = np.cumsum([0] + [hi - lo for _, lo, hi in segments])
+        share = int(seg_start[-1])
         num_batches = len(self)
+        # rows an epoch reads: fewer than the share in training where drop_last's remainder, or the rows past the
+        # shortest rank's share, are left out
+        rows = min(num_batches * self.batch_size, self.rank_rows())
         resume, self._resume = self._resume, None
-        if resume is not None:
-            self._epoch = resume[0]
-        epoch = self._epoch
+        epoch = self._epoch.take(None if resume is None else resume[0])
+        # Epoch e starts where epoch e - 1 stopped, cyclically in the share: the rows one epoch leaves out are the
+        # first of the next (from a fixed start, the same rows were left out every epoch, never trained on). A
+        # function of the epoch alone, so a resumed epoch reads the same rows; 0 when every row is read.
+        first_row = (epoch * rows) % share if share else 0
         order = np.arange(num_batches)
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(num_batches)
-        self._epoch += 1  # persistent workers and the main process keep counting epochs
         order, self._skip = order[self._skip:], 0
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
         self._pass_epoch, self._yielded = epoch, done
         arrays = self._open()
-        rows = int(seg_start[-1])
         # where each shard starts in the directory's row order: an evaluation share's rows carry their place
         # (Batch.row_ids), which puts predictions made at N ranks back in order
         shard_start = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
@@ -284,17 +293,18 @@ class CriteoShardDataset(IterableDataset):
             if lo >= hi:  # every_row: past this rank's share, an empty batch keeps it stepping with the others
                 yield self.empty_batch()
                 continue
-            first = int(np.searchsorted(seg_start, lo, side="right")) - 1
+            lo, hi = first_row + lo, first_row + hi  # in the share, where the batch may wrap past its end
             pieces, places = [], []
-            s = first
+            s = int(np.searchsorted(seg_start, lo % share, side="right")) - 1
             while lo < hi:  # a batch spans at most a few shards
                 shard, seg_lo, _ = segments[s]
-                a = seg_lo + lo - int(seg_start[s])
-                take = min(hi - lo, int(seg_start[s + 1]) - lo)
+                at = lo % share
+                a = seg_lo + at - int(seg_start[s])
+                take = min(hi - lo, int(seg_start[s + 1]) - at)
                 pieces.append(tuple(arr[a:a + take] for arr in arrays[shard]))
                 places.append((int(shard_start[shard]) + a, take))
                 lo += take
-                s += 1
+                s = (s + 1) % len(segments)
             batch = self.make_batch(*(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
                                       for parts in zip(*pieces)))
             if self.every_row:

@@ -85,12 +85,13 @@ def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_gr
 
 
 def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name: str,
-                 split_names: Sequence[str] = (), dict_hint: str = "") -> Any:
+                 split_names: Sequence[str] = (), dict_hint: str = "", streams: bool = False) -> Any:
     """`value` unchanged unless it is a `datasets` object; a Dataset: the path of the folder holding its copy,
     `file_name` (a .parquet file); a DatasetDict whose splits are all `split_names` (none: refused, `dict_hint`
     saying what to do): the folder holding `<split>.parquet` for each.
 
-    `what` names the argument in errors ("CriteoDataModule train_path")."""
+    `what` names the argument in errors ("CriteoDataModule train_path"); `streams`: its data module reads files in
+    blocks with streaming=True (said to a streaming IterableDataset's user)."""
     if not is_hf_dataset(value):
         return value
     import datasets
@@ -98,8 +99,8 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
     if isinstance(value, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise ValueError(f"{what} is an {type(value).__name__} (load_dataset(..., streaming=True)), which is read only "
                          f"in order, once: pass its files instead (a Parquet file, folder or pattern such as "
-                         f"'data/train-*.parquet', with streaming=True to read them in blocks), or load it without "
-                         f"streaming=True")
+                         f"'data/train-*.parquet'{', with streaming=True to read them in blocks' if streams else ''}), "
+                         f"or load it without streaming=True")
     if isinstance(value, datasets.DatasetDict):
         splits = list(value)
         unknown = [k for k in splits if k not in split_names]
