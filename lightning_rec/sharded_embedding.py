@@ -214,9 +214,11 @@ class _FreezeSwitch(nn.Module):
     parameters for shards held elsewhere) that freezing and unfreezing reach (requires_grad_, LightningModule.freeze
     / unfreeze, BaseFinetuning). It holds no values: the state dict is the collection's own."""
 
-    def __init__(self, frozen: bool, table_numel: int) -> None:
+    def __init__(self, frozen: bool, table_numel: int, device: torch.device) -> None:
         super().__init__()
-        self.weight = ShardedTableWeight(torch.empty(0), requires_grad=False)
+        # on the module's device: DDP refuses a module whose parameters are on two device types (a CPU one in a
+        # CUDA model: "input module parameters locate in {'cpu', 'cuda'}"), empty ones included
+        self.weight = ShardedTableWeight(torch.empty(0, device=device), requires_grad=False)
         self.weight.__dict__["table_numel"] = table_numel
         self.weight.frozen = frozen
 
@@ -274,7 +276,7 @@ class _ShardedCollectionBase(nn.Module):
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
         switches = _Tables()
         for c in self._configs:
-            switches[c.name] = _FreezeSwitch(c.name in frozen, c.num_embeddings * c.embedding_dim)
+            switches[c.name] = _FreezeSwitch(c.name in frozen, c.num_embeddings * c.embedding_dim, device)
         setattr(self, self._weights_attr, switches)
         self._set_frozen(frozen)
 

@@ -551,6 +551,8 @@ def _cache_share_worker(rank, W):
         planner = EmbeddingShardingPlanner(Topology(world_size=W, compute_device="cuda", hbm_cap=256 * 2**20),
                                            batch_size=64, constraints=constraints, print_stats=False)
         dmp = DistributedModelParallel(model, plan=planner.plan(model), device=torch.device("cuda", rank), dense=None)
+        # the sharded tables' empty parameters too (a CPU one made DDP refuse the model at 2+ GPUs)
+        assert {p.device.type for p in dmp.parameters()} == {"cuda"}, [p.device for p in dmp.parameters()]
         cached[factor] = sum(k.tbe.lxu_cache_weights.shape[0] for k in dmp.module["ebc"].fused_kernels())
     return cached
 
