@@ -26,8 +26,10 @@ Growth: a region too small for a write is replaced by a larger file (generation 
 the new generation in the header and map the file in the same exchange; its name is unlinked one
 exchange later (every peer has mapped it by then), so /dev/shm holds names only for a step.
 If /dev/shm is full (posix_fallocate reserves the bytes, so this is an error, not a SIGBUS later),
-the header says so, every rank sees it, and that exchange and all later ones go through the
-process group instead (a warning names the fix: a larger /dev/shm).
+the header says so, every rank sees it, and that exchange goes through the process group instead
+(a warning, once, names the fix: a larger /dev/shm). Later exchanges that fit the regions the ranks
+hold go on through shared memory (one large evaluation batch in a Docker's 64 MB /dev/shm no longer
+sent the rest of training over TCP); a rank does not try again to grow to a size that failed.
 
 Every rank must call the same operations in the same order (as with any collective); each header
 carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
@@ -177,6 +179,8 @@ class SharedMemoryGroup:
         self._peer_pid: dict[int, int] = {}
         self._peer_data: dict[int, tuple[int, _Region]] = {}  # rank -> (generation, region)
         self.disabled = False
+        self.fallbacks = 0  # exchanges that went through the process group (/dev/shm had no room for one)
+        self._no_room_from: int | None = None  # the smallest slot size /dev/shm refused: not tried again
         # set by DistributedModelParallel: a barrier that waits past its grace asks where the peers are
         # (collective_guard.py), so a peer blocked elsewhere is named within seconds, not at the timeout
         self.guard: CollectiveGuard | None = None
@@ -374,7 +378,12 @@ class SharedMemoryGroup:
         cap = self._data.nbytes // 2
         ok = 1
         if at > cap:
-            ok = self._grow(max(at, 2 * cap))
+            ok = 0
+            for size in dict.fromkeys((max(at, 2 * cap), at)):  # doubled; without room for that, what this needs
+                if self._no_room_from is None or size < self._no_room_from:
+                    ok = self._grow(size)
+                    if ok:
+                        break
         if ok:
             base = slot * (self._data.nbytes // 2)
             for piece, lo, hi in zip(pieces, spans[::2], spans[1::2]):
@@ -398,9 +407,11 @@ class SharedMemoryGroup:
         try:
             region = _Region(self._path("d", self.rank, self._gen + 1), 2 * per_slot, create=True)
         except OSError as e:
-            warnings.warn(f"/dev/shm has no room for {2 * per_slot / 2**20:.0f} MB ({e}); lightning_rec falls back to "
-                          f"the process group for CPU collectives (slower). Fix: a larger /dev/shm (docker run "
-                          f"--shm-size=...)", stacklevel=3)
+            if self._no_room_from is None:  # once: every larger exchange after it falls back too
+                warnings.warn(f"/dev/shm has no room for {2 * per_slot / 2**20:.0f} MB ({e}); lightning_rec sends "
+                              f"exchanges this large through the process group (slower), smaller ones on through "
+                              f"shared memory. Fix: a larger /dev/shm (docker run --shm-size=...)", stacklevel=3)
+            self._no_room_from = min(per_slot, self._no_room_from or per_slot)
             return 0
         self._gen += 1
         self._data = region
@@ -429,14 +440,8 @@ class SharedMemoryGroup:
                     f"({own[_SIZE]} bytes), rank {p} ran '{theirs}' ({header[_SIZE]} bytes). Every rank "
                     f"must run the same collectives with the same sizes in the same order (do all ranks have the "
                     f"same number of batches? a rank-dependent branch in the model?)")
-        if not (own[_OK] and all(h[_OK] for h in headers.values())):
-            # someone could not write: this exchange and every later one go through the process group;
-            # nobody maps a file made in this exchange, so their names can go now
-            for path, _ in self._unlink_after:
-                self._unlink(path)
-            self._unlink_after.clear()
-            self.disabled = True
-            return None
+        # every peer's region first, also when this exchange falls back: a peer that grew now unlinks the new file's
+        # name after the next barrier, so it must be mapped in this exchange
         peers = {}
         for p, header in headers.items():
             gen = header[_GEN]
@@ -445,6 +450,11 @@ class SharedMemoryGroup:
                 self._peer_data[p] = (gen, _Region(path, os.path.getsize(path), create=False))
             region = self._peer_data[p][1]
             peers[p] = (header, slot * (region.nbytes // 2), region)
+        if not (own[_OK] and all(h[_OK] for h in headers.values())):
+            # someone had no room for this exchange: it goes through the process group; the next one that fits
+            # the regions every rank holds goes through shared memory again
+            self.fallbacks += 1
+            return None
         return peers
 
     def _barrier(self) -> None:
