@@ -30,6 +30,9 @@ the header says so, every rank sees it, and that exchange goes through the proce
 (a warning, once, names the fix: a larger /dev/shm). Later exchanges that fit the regions the ranks
 hold go on through shared memory (one large evaluation batch in a Docker's 64 MB /dev/shm no longer
 sent the rest of training over TCP); a rank does not try again to grow to a size that failed.
+Shrinking: a region that held less than a quarter of its size for `shrink_after` exchanges in a row is
+replaced the same way by one twice the largest of them (a large evaluation batch's region is not kept,
+and mapped by every peer, for the rest of the run).
 
 Every rank must call the same operations in the same order (as with any collective); each header
 carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
@@ -152,6 +155,8 @@ class _Region:
 
 
 class SharedMemoryGroup:
+    shrink_after = 512  # exchanges in a row using under a quarter of a region before it is replaced by a smaller one
+
     """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm.
 
     Build it with `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks
@@ -181,6 +186,7 @@ class SharedMemoryGroup:
         self.disabled = False
         self.fallbacks = 0  # exchanges that went through the process group (/dev/shm had no room for one)
         self._no_room_from: int | None = None  # the smallest slot size /dev/shm refused: not tried again
+        self._small_run, self._small_peak = 0, 0  # exchanges in a row under a quarter of a slot, their largest
         # set by DistributedModelParallel: a barrier that waits past its grace asks where the peers are
         # (collective_guard.py), so a peer blocked elsewhere is named within seconds, not at the timeout
         self.guard: CollectiveGuard | None = None
@@ -384,6 +390,14 @@ class SharedMemoryGroup:
                     ok = self._grow(size)
                     if ok:
                         break
+        elif 4 * at < cap and cap > _INITIAL_BYTES:
+            self._small_run, self._small_peak = self._small_run + 1, max(self._small_peak, at)
+            if self._small_run >= self.shrink_after:
+                self._small_run = 0
+                self._grow(max(2 * self._small_peak, _INITIAL_BYTES), shrink=True)  # no room: the old one stays
+                self._small_peak = 0
+        else:
+            self._small_run, self._small_peak = 0, 0
         if ok:
             base = slot * (self._data.nbytes // 2)
             for piece, lo, hi in zip(pieces, spans[::2], spans[1::2]):
@@ -403,10 +417,14 @@ class SharedMemoryGroup:
         self._header[slot, : len(fields)] = torch.tensor(fields, dtype=torch.int64)  # one write
         return bool(ok)
 
-    def _grow(self, per_slot: int) -> int:
+    def _grow(self, per_slot: int, shrink: bool = False) -> int:
+        """A new region of `per_slot` bytes a slot (the next generation): larger for a write that does not fit, or
+        (shrink) smaller after a run of small ones. 0: /dev/shm had no room for it."""
         try:
             region = _Region(self._path("d", self.rank, self._gen + 1), 2 * per_slot, create=True)
         except OSError as e:
+            if shrink:
+                return 0
             if self._no_room_from is None:  # once: every larger exchange after it falls back too
                 warnings.warn(f"/dev/shm has no room for {2 * per_slot / 2**20:.0f} MB ({e}); lightning_rec sends "
                               f"exchanges this large through the process group (slower), smaller ones on through "

@@ -139,6 +139,29 @@ def test_all_to_all_single_is_bitwise_gloo_through_growth(world_size):
     assert all(g >= 2 for g in gens)
 
 
+def _shrink_worker(rank, W):
+    group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
+    group.shrink_after = 3
+    sizes = []
+    for seed, (rows, row_shape) in enumerate([(_large(20000), (64,))] + [(_uneven, (5,))] * 5 +
+                                             [(_large(9000), (64,)), (_silent, (3,))]):
+        _check(_a2a_vs_gloo(group, rank, W, rows, row_shape, torch.float32, seed), f"exchange {seed}")
+        sizes.append(group._data.nbytes)
+    assert not group.disabled and group.fallbacks == 0
+    return sizes, _session_files(group)
+
+
+def test_a_region_grown_for_one_large_exchange_shrinks_after_a_run_of_small_ones():
+    """A region grown for one large exchange (an evaluation batch) stayed that size, mapped by every peer, for the
+    rest of the run. After `shrink_after` small exchanges in a row it is replaced by a smaller one (bitwise results
+    throughout, peers following the new generation); a large exchange grows it again."""
+    for sizes, files in run_ranks(_shrink_worker, 2, timeout=60):
+        grown, shrunk = sizes[0], sizes[3]
+        assert shrunk < grown / 4 and sizes[1] == sizes[2] == grown, sizes
+        assert sizes[6] > shrunk, sizes  # grown again for the second large exchange
+        assert len(files) <= 3, files  # header, the live region, a name still to unlink after the next exchange
+
+
 def _non_contiguous_out_worker(rank, W):
     group = SharedMemoryGroup.create(dist.group.WORLD, timeout_s=30)
     inp = _random((2 * W, 3), torch.float32, rank)
