@@ -340,7 +340,8 @@ class RecStrategy(DDPStrategy):
         dataloader = self._without_repeated_rows(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         agreed = self._agree_training_length(dataloader)
-        padded = self._agree_evaluation_length(dataloader)
+        pad = self._padding_for(dataloader)
+        padded = self._agree_evaluation_length(dataloader, pad)
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
             from lightning_rec.pipeline import InputPipeline, wrap_loader
 
@@ -353,10 +354,10 @@ class RecStrategy(DDPStrategy):
             self._skip_hooks_for_pipelined_batches()
             position = self._batches_this_epoch if self.lightning_module.trainer.training else None
             # it keeps ranks together too
-            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader), position=position)
+            dataloader = wrap_loader(dataloader, pipeline, pad, position=position)
         elif self.world_size > 1 and isinstance(dataloader, DataLoader):
-            _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader),
-                           evaluating=not self.lightning_module.trainer.training)
+            evaluating = not self.lightning_module.trainer.training
+            _stop_together(dataloader, self._all_have_a_batch, pad, evaluating=evaluating)
         if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
             dataloader._rec_agreed_len = agreed
             dataloader._rec_padded_len = padded
@@ -386,7 +387,7 @@ class RecStrategy(DDPStrategy):
             return dataloader  # no empty batch to step with: the repeated row keeps the ranks' batch counts equal
         return _update_dataloader(dataloader, _OwnRowsOnly(sampler, rows), mode=trainer.state.stage)
 
-    def _agree_evaluation_length(self, dataloader: object) -> int | None:
+    def _agree_evaluation_length(self, dataloader: object, pad) -> int | None:
         """Evaluation, several ranks (collective, once per loader: every rank processes its loaders in one order): the
         most batches of any rank's sized loader, when that is more than this rank's own and every rank can make an
         empty batch (`_padding_for`); the loader then says that length, and its steps past its own batches are empty
@@ -399,8 +400,8 @@ class RecStrategy(DDPStrategy):
         from lightning.fabric.utilities.data import sized_len
 
         own = sized_len(dataloader)
-        can_pad = self._padding_for(dataloader) is not None
-        flags = torch.tensor([0 if own is None else -own, int(can_pad)], dtype=torch.int64, device=self.root_device)
+        flags = torch.tensor([0 if own is None else -own, int(pad is not None)], dtype=torch.int64,
+                             device=self.root_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # (-most, every rank can pad)
         most, all_can_pad = -int(flags[0]), bool(flags[1])
         if own is None or most <= own or not all_can_pad:
@@ -472,9 +473,15 @@ class RecStrategy(DDPStrategy):
             getitems = getattr(dataset, "__getitems__", None)
             if callable(getitems) and getattr(loader, "batch_sampler", None) is not None:  # batches of indices
                 # a map-style dataset that builds whole batches (lightning_rec's own, under a plain DataLoader): the
-                # loader's batch of no rows
+                # loader's batch of no rows, tried once here: one that fails (torch's Subset over a per-row dataset
+                # gives default_collate an empty list) would fail on the rank that ran out, mid-pass
                 def pad():
                     return loader.collate_fn(getitems([]))
+
+                try:
+                    pad()
+                except Exception:  # noqa: BLE001 - no empty batch: the rows are dealt as Lightning deals them
+                    pad = None
         if pad is None:
             return None
         batch_sampler = getattr(loader, "batch_sampler", None)

@@ -284,3 +284,27 @@ def test_plain_dataloader_with_uneven_shares_evaluates_and_predicts_every_row_on
     assert list(got["row"]) == list(range(33))  # every row once, in order
     np.testing.assert_allclose(got["probability"], want["probability"], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got["label"], want["label"])
+
+
+def test_a_padding_batch_is_offered_only_where_the_dataset_makes_an_empty_one():
+    """A rank whose share ran out steps with the loader's batch of no rows; a dataset that cannot make one (torch's
+    Subset over a per-row dataset hands default_collate an empty list) would have failed on that rank mid-pass, its
+    peers waiting: it keeps Lightning's sampler (no padding) instead."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    from lightning_rec import SyntheticCriteoDataModule
+    from lightning_rec.data.batch import passthrough_collate
+
+    strategy = RecStrategy()
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=False))
+    per_row = DataLoader(Subset(TensorDataset(torch.arange(5.0)), range(5)), batch_size=2)
+    assert strategy._padding_for(per_row) is None
+    data = SyntheticCriteoDataModule(num_train_samples=8, num_val_samples=33, num_embeddings_per_feature=64)
+    data.setup("fit")
+    whole = DataLoader(Subset(data.datasets["val"], range(33)), batch_size=16, collate_fn=passthrough_collate)
+    assert len(strategy._padding_for(whole)()) == 0  # a Batch of no rows
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=True))
+    assert strategy._padding_for(whole) is None  # training: the first rank to run out ends the epoch for all
