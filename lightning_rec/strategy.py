@@ -31,6 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -336,8 +337,11 @@ class RecStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        dataloader = self._without_repeated_rows(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         agreed = self._agree_training_length(dataloader)
+        pad = self._padding_for(dataloader)
+        padded = self._agree_evaluation_length(dataloader, pad)
         if self._pipeline_config is not None and self._dmp is not None and isinstance(dataloader, DataLoader):
             from lightning_rec.pipeline import InputPipeline, wrap_loader
 
@@ -350,12 +354,59 @@ class RecStrategy(DDPStrategy):
             self._skip_hooks_for_pipelined_batches()
             position = self._batches_this_epoch if self.lightning_module.trainer.training else None
             # it keeps ranks together too
-            dataloader = wrap_loader(dataloader, pipeline, self._padding_for(dataloader), position=position)
+            dataloader = wrap_loader(dataloader, pipeline, pad, position=position)
         elif self.world_size > 1 and isinstance(dataloader, DataLoader):
-            _stop_together(dataloader, self._all_have_a_batch, self._padding_for(dataloader))
+            evaluating = not self.lightning_module.trainer.training
+            _stop_together(dataloader, self._all_have_a_batch, pad, evaluating=evaluating)
         if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
             dataloader._rec_agreed_len = agreed
+            dataloader._rec_padded_len = padded
         return dataloader
+
+    def _without_repeated_rows(self, dataloader: object) -> object:
+        """Validation / test, several ranks: the loader without the rows torch's DistributedSampler (which Lightning
+        puts into evaluation loaders) repeats to even the ranks' shares. They were scored twice: a 33-row split at 2
+        ranks counted 34 in every metric. Each rank keeps its share's own rows, in the sampler's order (Lightning's
+        prediction sampler, UnrepeatedDistributedSampler, does the same); a rank whose share is a batch shorter steps
+        on with an empty batch (_agree_evaluation_length)."""
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+        from lightning.pytorch.utilities.data import _update_dataloader
+        from torch.utils.data import BatchSampler, DistributedSampler
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.world_size <= 1 or trainer is None or trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        sampler = dataloader.sampler
+        if (type(sampler) not in (DistributedSampler, DistributedSamplerWrapper) or sampler.drop_last
+                or type(dataloader.batch_sampler) is not BatchSampler):
+            return dataloader  # a sampler of the user's own kind (or one that drops rows): theirs to keep
+        rows = len(sampler.dataset)
+        if rows % sampler.num_replicas == 0:
+            return dataloader  # nothing repeated
+        if self._padding_for(dataloader) is None:
+            return dataloader  # no empty batch to step with: the repeated row keeps the ranks' batch counts equal
+        return _update_dataloader(dataloader, _OwnRowsOnly(sampler, rows), mode=trainer.state.stage)
+
+    def _agree_evaluation_length(self, dataloader: object, pad) -> int | None:
+        """Evaluation, several ranks (collective, once per loader: every rank processes its loaders in one order): the
+        most batches of any rank's sized loader, when that is more than this rank's own and every rank can make an
+        empty batch (`_padding_for`); the loader then says that length, and its steps past its own batches are empty
+        batches that weigh nothing. Lightning stops a sized loader at its len() on each rank: a rank with one batch
+        fewer (Lightning's UnrepeatedDistributedSampler deals 17 and 16 rows of 33) ended the pass for all, and
+        predict lost the longer share's last rows."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.world_size <= 1 or trainer is None or trainer.training or not isinstance(dataloader, DataLoader):
+            return None
+        from lightning.fabric.utilities.data import sized_len
+
+        own = sized_len(dataloader)
+        flags = torch.tensor([0 if own is None else -own, int(pad is not None)], dtype=torch.int64,
+                             device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # (-most, every rank can pad)
+        most, all_can_pad = -int(flags[0]), bool(flags[1])
+        if own is None or most <= own or not all_can_pad:
+            return None  # (without padding, the rank with more batches says which it skips: _iter_together)
+        return most
 
     def _agree_training_length(self, dataloader: object) -> int | None:
         """Training, several ranks (collective: every rank processes its loaders in one order): the fewest batches of
@@ -415,8 +466,34 @@ class RecStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer is None or trainer.training:
             return None
-        pad = getattr(getattr(loader, "dataset", None), "empty_batch", None)
-        return pad if callable(pad) else None
+        dataset = getattr(loader, "dataset", None)
+        pad = getattr(dataset, "empty_batch", None)
+        if not callable(pad):
+            pad = None
+            getitems = getattr(dataset, "__getitems__", None)
+            if callable(getitems) and getattr(loader, "batch_sampler", None) is not None:  # batches of indices
+                # a map-style dataset that builds whole batches (lightning_rec's own, under a plain DataLoader): the
+                # loader's batch of no rows, tried once here: one that fails (torch's Subset over a per-row dataset
+                # gives default_collate an empty list) would fail on the rank that ran out, mid-pass
+                def pad():
+                    return loader.collate_fn(getitems([]))
+
+                try:
+                    pad()
+                except Exception:  # noqa: BLE001 - no empty batch: the rows are dealt as Lightning deals them
+                    pad = None
+        if pad is None:
+            return None
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+            # predict: the loop reads each step's row indices from what the batch sampler gave; a padding step has none
+            # (without this entry, the step past this rank's share failed with an IndexError)
+            made = pad
+
+            def pad():
+                batch_sampler.seen_batch_indices.append([])
+                return made()
+        return pad
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -734,6 +811,26 @@ def _empty_batch_logs_weigh_nothing(module: pl.LightningModule, batch: Any):
         vars(module).pop("log", None)
 
 
+class _OwnRowsOnly(torch.utils.data.Sampler):
+    """A DistributedSampler's indices for its rank without the repeated ones it pads a shorter share with (the last
+    index of every rank whose share is one row short): rank r keeps len(range(r, rows, W)) indices, its share's own."""
+
+    def __init__(self, sampler: torch.utils.data.DistributedSampler, rows: int) -> None:
+        self.sampler = sampler
+        self.num_samples = len(range(sampler.rank, rows, sampler.num_replicas))
+
+    def __iter__(self):
+        import itertools
+
+        return itertools.islice(iter(self.sampler), self.num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it on the loader's sampler each epoch
+        self.sampler.set_epoch(epoch)
+
+
 def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:
     """`loader`'s dataloader_idx in its loop (0 for training, as Lightning passes; 0 when not found)."""
     if trainer.training:
@@ -760,7 +857,7 @@ def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:
 _TOGETHER_CLASSES: dict[type, type] = {}
 
 
-def _stop_together(loader: DataLoader, all_have_a_batch, pad=None) -> None:
+def _stop_together(loader: DataLoader, all_have_a_batch, pad=None, evaluating: bool = False) -> None:
     # a subclass whose only change is __iter__ (of the loader's own class: a loader that ran
     # pipelined before, pipeline.wrap_loader, goes back to the plain rule)
     from lightning_rec.pipeline.lightning import swap_iter
@@ -768,6 +865,7 @@ def _stop_together(loader: DataLoader, all_have_a_batch, pad=None) -> None:
     swap_iter(loader, "StepTogether", _iter_together, _TOGETHER_CLASSES)
     loader._rec_all_have_a_batch = all_have_a_batch
     loader._rec_pad_batch = pad
+    loader._rec_evaluating = evaluating
 
 
 def _iter_together(self):
@@ -784,9 +882,9 @@ def _iter_together(self):
                f"ran out first, and sharded embeddings need every rank in every step. Give every rank the same "
                f"number of batches (e.g. drop_last, or an even split) to use them all")
     pad = getattr(self, "_rec_pad_batch", None)
-    if pad is None and not length:
-        skipped += (" (in evaluation, a dataset with an `empty_batch()` method lets a rank that ran out step on with "
-                    "empty batches instead, so that every row is scored)")
+    if pad is None and (not length or getattr(self, "_rec_evaluating", False)):
+        skipped += (" (in evaluation, a dataset with an `empty_batch()` method (a batch of 0 rows) lets a rank that "
+                    "ran out step on with empty batches instead, so that every row is scored)")
     index, exhausted = 0, False
     while True:
         batch, have = None, False

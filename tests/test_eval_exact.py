@@ -10,6 +10,7 @@ the dense layers' float summation order in batches of another size (rtol 1e-6 / 
 from __future__ import annotations
 
 import math
+import warnings
 
 import lightning.pytorch as L
 import numpy as np
@@ -84,7 +85,6 @@ def _every_sharding_type(module, world_size: int):
 
 
 def _evaluate(rank, world_size, how: str, data_kwargs: dict, pipeline: bool = False, every_type: bool = False):
-    import warnings
 
     L.seed_everything(0)
     data = CriteoDataModule(num_embeddings_per_feature=64, parser="python", **data_kwargs)
@@ -234,3 +234,77 @@ def test_synthetic_validate_scores_every_row_once():
     one = run_ranks(_evaluate_synthetic, 1, timeout=120)
     two = run_ranks(_evaluate_synthetic, 2, timeout=120)
     _check_exact(one, two, ROWS)
+
+
+def _plain_loader_evaluate(rank, world_size, out_dir, pipeline: bool):
+    """validate, test and predict over a plain DataLoader of 33 rows in batches of 16 (Lightning's samplers deal the
+    ranks 17 and 16 rows: 2 batches and 1)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_rec import SyntheticCriteoDataModule
+    from lightning_rec.data.batch import passthrough_collate
+    from lightning_rec.predict import PredictionWriter
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=8, num_val_samples=33, num_embeddings_per_feature=64)
+    data.setup("fit")
+    loader = DataLoader(data.datasets["val"], batch_size=16, collate_fn=passthrough_collate)
+    module = CountingDLRM(**SMALL)
+    plan = _every_sharding_type(module, world_size) if world_size > 1 else None
+    writer = PredictionWriter(f"{out_dir}/predictions_{world_size}.csv", overwrite=True)
+    trainer = L.Trainer(strategy=RecStrategy(plan=plan, pipeline=pipeline), accelerator="cpu", devices=world_size,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[writer])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(module, loader, verbose=False)
+        validated = {"metrics": {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")},
+                     "seen": dict(module.seen)}
+        trainer.test(module, loader, verbose=False)
+        tested = {"metrics": {k[5:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test_")},
+                  "seen": dict(module.seen)}
+        trainer.predict(module, loader, return_predictions=False)
+    skipped = sum("batches are skipped" in str(w.message) for w in caught)
+    return [{**validated, "skipped": skipped}, {**tested, "skipped": skipped}], str(writer.written_path)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+def test_plain_dataloader_with_uneven_shares_evaluates_and_predicts_every_row_once(tmp_path, pipeline):
+    """A plain (sized) DataLoader of 33 rows at 2 ranks: validate / test counted a row twice (torch's DistributedSampler
+    repeats one to even the shares: 34 rows in every metric), and predict wrote 32 rows (the rank with one batch fewer
+    ended the pass for all). Now the ranks' shares are 17 and 16 rows, the shorter steps once with an empty batch."""
+    import pandas as pd
+
+    (one, one_file), = run_ranks(_plain_loader_evaluate, 1, str(tmp_path), False, timeout=120)
+    two = run_ranks(_plain_loader_evaluate, 2, str(tmp_path), pipeline, timeout=120)
+    for stage in range(2):  # validate, test
+        _check_exact([one[stage]], [r[stage] for r, _ in two], 33)
+    assert [r[0]["seen"]["empty_steps"] for r, _ in two] == [0, 1]  # rank 1's second step: no rows
+    want, got = pd.read_csv(one_file), pd.read_csv(two[0][1])
+    assert list(got["row"]) == list(range(33))  # every row once, in order
+    np.testing.assert_allclose(got["probability"], want["probability"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got["label"], want["label"])
+
+
+def test_a_padding_batch_is_offered_only_where_the_dataset_makes_an_empty_one():
+    """A rank whose share ran out steps with the loader's batch of no rows; a dataset that cannot make one (torch's
+    Subset over a per-row dataset hands default_collate an empty list) would have failed on that rank mid-pass, its
+    peers waiting: it keeps Lightning's sampler (no padding) instead."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    from lightning_rec import SyntheticCriteoDataModule
+    from lightning_rec.data.batch import passthrough_collate
+
+    strategy = RecStrategy()
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=False))
+    per_row = DataLoader(Subset(TensorDataset(torch.arange(5.0)), range(5)), batch_size=2)
+    assert strategy._padding_for(per_row) is None
+    data = SyntheticCriteoDataModule(num_train_samples=8, num_val_samples=33, num_embeddings_per_feature=64)
+    data.setup("fit")
+    whole = DataLoader(Subset(data.datasets["val"], range(33)), batch_size=16, collate_fn=passthrough_collate)
+    assert len(strategy._padding_for(whole)()) == 0  # a Batch of no rows
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=True))
+    assert strategy._padding_for(whole) is None  # training: the first rank to run out ends the epoch for all

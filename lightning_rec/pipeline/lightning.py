@@ -31,10 +31,14 @@ def swap_iter(loader, prefix: str, iter_fn, cache: dict[type, type]) -> None:
 
 
 def _agreed_len(self) -> int:
-    """The loader's own length, or the ranks' agreed one where that is shorter (RecStrategy.process_dataloader)."""
+    """The loader's own length, or the ranks' agreed one (RecStrategy.process_dataloader): in training the fewest
+    batches of any rank where that is fewer; in evaluation the most, where that is more (this rank's last steps are
+    empty padding batches)."""
     n = base_loader_class(type(self)).__len__(self)
     agreed = getattr(self, "_rec_agreed_len", None)
-    return n if agreed is None else min(n, agreed)
+    padded = getattr(self, "_rec_padded_len", None)
+    n = n if agreed is None else min(n, agreed)
+    return n if padded is None else max(n, padded)
 
 
 def wrap_loader(loader, pipeline: InputPipeline, pad=None, position=None):
