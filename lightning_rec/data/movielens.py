@@ -87,6 +87,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate
+from lightning_rec.data.criteo_parse import open_criteo_stream
 from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
@@ -100,6 +101,7 @@ SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS, GIVEN)
 # a word of a file's name -> the part it holds (0 train, 1 validation, 2 test), for split="given"
 _SPLIT_WORDS = {"train": 0, "training": 0, "valid": 1, "validation": 1, "val": 1, "dev": 1, "test": 2}
 _LOG_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet")
+_COMPRESSED = (".gz", ".bz2", ".zst")  # the suffixes a ratings file may add (read as criteo_parse detects them)
 _NO_RATING = b"lightning_rec.no_rating"  # schema mark of an implicit-feedback log (no rating column: every row 1.0)
 _NO_TIME = b"lightning_rec.no_timestamp"  # schema mark of a ratings table whose file had no timestamp column
 _AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
@@ -221,10 +223,9 @@ def _read_text(path: Path) -> str:
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def _sniff(path: Path) -> tuple[str, bool]:
-    """(separator, has_header) from the first line of a ratings file."""
-    with open(path, "rb") as f:
-        first = f.readline().removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
+def _sniff(path: Path, data: bytes) -> tuple[str, bool]:
+    """(separator, has_header) from the first line of a ratings file (`data`: its text, decompressed)."""
+    first = data.split(b"\n", 1)[0].removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
     if not first:
         raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
     for sep in ("::", "\t", ",", ";", "|", " "):
@@ -403,9 +404,13 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
         raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     if path.suffix == ".parquet":
         return _read_ratings_parquet(path, columns)
-    sep, has_header = _sniff(path)
+    # ratings.csv.gz (and bz2 / zstd, detected from the first bytes as the Criteo reader does) is read through the
+    # decompressor: it was "holds no GroupLens ratings file", or pyarrow's parse error on the compressed bytes
+    with open_criteo_stream(path) as stream:
+        raw = stream.read()
+    sep, has_header = _sniff(path, raw)
     # a CSV saved by Excel ("CSV UTF-8") starts with a byte order mark, which made its first header name "ï»¿user"
-    data = path.read_bytes().removeprefix(_UTF8_BOM)
+    data = raw.removeprefix(_UTF8_BOM)
     if sep == "::":
         data, sep = data.replace(b"::", b"\t"), "\t"  # pyarrow reads one-character separators
     names = ["user_id", "item_id", "rating", "timestamp"]
@@ -711,8 +716,9 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
         return "parquet", data_dir
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv"),
                          ("parquet", "ratings.parquet")):
-        if (data_dir / name).is_file():
-            return layout, data_dir / name
+        for suffix in ("",) + (_COMPRESSED if layout != "parquet" else ()):  # ratings.csv.gz: read decompressed
+            if (data_dir / (name + suffix)).is_file():
+                return layout, data_dir / (name + suffix)
     inter = sorted(data_dir.glob("*.inter"))  # RecBole's atomic files (its dataset downloads): ml-100k.inter
     if len(inter) == 1:
         return "recbole", inter[0]
@@ -720,8 +726,8 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
         raise ValueError(f"{data_dir} holds several RecBole .inter files ({', '.join(p.name for p in inter)}): "
                          f"keep one per folder")
     raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
-                     f"(ml-1m, ml-10m), ratings.csv (ml-20m, ml-25m, ml-latest) or RecBole's <name>.inter; pass "
-                     f"the unpacked folder as data_dir. {_OWN_FILE}")
+                     f"(ml-1m, ml-10m), ratings.csv (ml-20m, ml-25m, ml-latest), each optionally compressed "
+                     f"(.gz, .bz2, .zst), or RecBole's <name>.inter; pass the unpacked folder as data_dir. {_OWN_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------
