@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate
+from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate, worker_options
 from lightning_rec.data.criteo_parse import open_criteo_stream
 from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.data.hf_dataset import dataset_path
@@ -967,8 +967,12 @@ class MovieLensDataModule(pl.LightningDataModule):
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
                  num_negatives: int = 0, eval_test_in_fit: bool = False, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
-                 columns: dict[str, str] | None = None) -> None:
+                 columns: dict[str, str] | None = None, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None) -> None:
         super().__init__()
+        # said here, not when the first loader is built
+        worker_options("MovieLensDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
+        self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
         # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
         # (lightning_rec.data.hf_dataset)
@@ -1210,6 +1214,11 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     # loaders ------------------------------------------------------------------------------------
 
+    def _loader_options(self) -> dict:
+        # read at each loader (not kept from __init__): a data module's num_workers may be set after construction
+        return worker_options("MovieLensDataModule", self.num_workers, self.pin_memory, self.prefetch_factor,
+                              self.persistent_workers)
+
     def _ranking_loader(self, split: str) -> DataLoader:
         self._need_setup()
         dataset = self.datasets[split]
@@ -1220,13 +1229,13 @@ class MovieLensDataModule(pl.LightningDataModule):
         else:
             sampler = None
         return DataLoader(dataset, batch_size=self.eval_batch_size, sampler=sampler, shuffle=False,
-                          collate_fn=passthrough_collate, num_workers=self.num_workers, pin_memory=self.pin_memory)
+                          collate_fn=passthrough_collate, **self._loader_options())
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
         return make_train_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
-                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                 pin_memory=self.pin_memory, trainer=self.trainer)
+                                 drop_last=self.drop_last, seed=self.seed, trainer=self.trainer,
+                                 **self._loader_options())
 
     def val_dataloader(self):
         loaders = [self._ranking_loader(split) for split in self.eval_split_names()]
