@@ -1050,3 +1050,17 @@ def test_dense_layers_unfrozen_after_ddp_was_built_average_their_gradients():
         torch.testing.assert_close(got[1][name], value, atol=0, rtol=0, msg=f"ranks disagree on {name}")
     for name, value in got[0].items():
         torch.testing.assert_close(value, dict(reference.named_parameters())[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_module_sharded_by_rec_refuses_a_dtype_cast_and_trains_under_mixed_precision(tmp_path, precision):
+    """After strategy="rec" sharded it, module.double() / .half() were accepted without a word (the dense layers
+    converted, the tables not), while the unsharded collection refuses; the mixed precisions autocast, untouched."""
+    data, kw = _one_table_fit(tmp_path, strategy="rec", max_steps=2, precision=precision)
+    module = _OwnModule()
+    L.Trainer(**kw).fit(module, data)
+    for cast in (module.double, module.half):
+        with pytest.raises(ValueError, match=r"sharded EmbeddingBagCollection tables keep their configured data_type"):
+            cast()
+    module.to("cpu")
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
