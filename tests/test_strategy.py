@@ -1064,3 +1064,37 @@ def test_a_module_sharded_by_rec_refuses_a_dtype_cast_and_trains_under_mixed_pre
             cast()
     module.to("cpu")
     assert {p.dtype for p in module.parameters()} == {torch.float32}
+
+
+class _ManualModule(_OwnModule):
+    """Manual optimization stepping every `every` batches (gradients accumulated by hand)."""
+
+    def __init__(self, every: int, raw: bool = False):
+        super().__init__()
+        self.automatic_optimization = False
+        self.every, self.raw = every, raw
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers(use_pl_optimizer=not self.raw)
+        self.manual_backward(super().training_step(batch, batch_idx) / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_manual_gradient_accumulation_with_fused_tables_warns_once(tmp_path):
+    """Manual optimization with opt.step() every 2 batches: the fused tables still updated at every backward, without
+    a word (the automatic path warns through accumulate_grad_batches)."""
+    import warnings
+
+    data, kw = _one_table_fit(tmp_path, train=256, strategy="rec", max_epochs=1)
+    with pytest.warns(UserWarning, match=r"second backward \(self.manual_backward\) before an optimizer step.*"
+                                         r"fused tables \(ebc\) update inside every backward") as caught:
+        L.Trainer(**kw).fit(_ManualModule(every=2), data)
+    said = [w for w in caught if "second backward" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__  # once, at the user's manual_backward line
+    for module in (_ManualModule(every=1), _ManualModule(every=1, raw=True)):  # a step after every backward: quiet
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            L.Trainer(**kw).fit(module, data)
+        assert not [w for w in caught if "second backward" in str(w.message)]
