@@ -426,6 +426,7 @@ def test_sharded_tensor_local_shards_is_also_torchrecs_method():
     assert [s.metadata.shard_offsets for s in shards] == [(0, 0), (3, 0)]
     assert [m.placement for m, _ in st.local_shards] == [0, 1]  # ours: a list of pairs
     assert torch.equal(st.full(), torch.arange(10.0).reshape(5, 2))
+    assert st.size() == torch.Size([5, 2]) and st.size(0) == 5  # torch's method too (was an AttributeError)
     old = ShardedTensor.__new__(ShardedTensor)  # a checkpoint written before: a plain list in the object
     old.__dict__.update(global_shape=(5, 2), local_shards=list(pieces))
     buf = io.BytesIO()

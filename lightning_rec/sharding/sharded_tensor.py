@@ -65,6 +65,10 @@ class ShardedTensor:
     def shape(self) -> torch.Size:
         return torch.Size(self.global_shape)
 
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        """The global table's size, as torch's / TorchRec's `ShardedTensor.size()` (ported code calls it)."""
+        return self.shape if dim is None else self.shape[dim]
+
     def __repr__(self) -> str:
         pieces = ", ".join(str(m) for m, _ in self.local_shards)
         return f"ShardedTensor(global_shape={tuple(self.global_shape)}, shards=[{pieces}])"
