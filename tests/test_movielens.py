@@ -570,6 +570,13 @@ def test_compressed_ratings_files_are_read_like_the_criteo_reader_reads_them(tmp
     assert dm.report.layout == "ml-20m" and dm.report.num_ratings == 25
     _write(tmp_path / "ml100k" / "u.data.gz", gzip.compress(b"1\t1\t5\t1\n1\t2\t4\t2\n2\t1\t4\t3\n"))
     assert read_ratings(tmp_path / "ml100k" / "u.data.gz").column("item_id").to_pylist() == [1, 2, 1]
+    for part in ("train", "test"):  # split="given": its files compressed too (were left out as not logs)
+        _write(tmp_path / "given" / f"log.{part}.csv.gz", gzip.compress(text.encode()))
+    dm = MovieLensDataModule(str(tmp_path / "given"), split="given", side_features=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # every test pair was seen in training (the same rows): said and dropped
+        dm.setup("fit")
+    assert dm.report.num_ratings == 50
     (tmp_path / "none").mkdir()
     with pytest.raises(ValueError, match=r"optionally compressed \(\.gz"):
         MovieLensDataModule(str(tmp_path / "none"), side_features=False).setup("fit")

@@ -682,7 +682,10 @@ def given_split_files(data_dir: Path) -> dict[int, list[Path]]:
                          f"not a folder")
     parts: dict[int, list[Path]] = {0: [], 1: [], 2: []}
     for f in sorted(data_dir.iterdir()):
-        if not f.is_file() or f.suffix.lower() not in _LOG_SUFFIXES:
+        suffixes = [x.lower() for x in f.suffixes]
+        if suffixes and suffixes[-1] in _COMPRESSED and suffixes[-2:-1] != [".parquet"]:
+            suffixes = suffixes[:-1]  # train.csv.gz: read decompressed, as the ratings files are
+        if not f.is_file() or not suffixes or suffixes[-1] not in _LOG_SUFFIXES:
             continue
         said = {_SPLIT_WORDS[w] for w in re.split(r"[._\-\s]+", f.stem.lower()) if w in _SPLIT_WORDS}
         if len(said) > 1:
@@ -692,7 +695,8 @@ def given_split_files(data_dir: Path) -> dict[int, list[Path]]:
     if not parts[0] or not parts[2]:
         found = [f.name for f in sorted(data_dir.iterdir()) if f.is_file()][:10]
         raise ValueError(f"split='given' needs a train and a test file in {data_dir} (named by a word of their names: "
-                         f"train, valid / validation / val / dev, test; .csv with a header, or .parquet), found "
+                         f"train, valid / validation / val / dev, test; .csv with a header (or .csv.gz), or .parquet), "
+                         f"found "
                          f"{found or 'no files'}{' (no train file)' if not parts[0] else ''}"
                          f"{' (no test file)' if not parts[2] else ''}")
     return parts
