@@ -39,6 +39,26 @@ def _some(names: Sequence[str]) -> str:
     return f"[{shown}]" if len(names) <= _SHOWN else f"[{shown}, ...] ({len(names)} in all)"
 
 
+def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
+    """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
+    configs' data_type; the fused kernels are built for it)."""
+    return ValueError(
+        f"{owner} tables keep their configured data_type; set data_type in the table configs instead of converting "
+        f"the module to {dtype} (Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed')"
+    )
+
+
+def refuse_dtype_cast(owner: str, fn) -> None:
+    """Raise `dtype_cast_error` when `fn` (what nn.Module._apply applies) would change a float32 tensor's dtype;
+    a device move (`.to(device)`, `.cuda()`) passes."""
+    try:
+        dtype = fn(torch.empty(0)).dtype
+    except (RuntimeError, AssertionError):  # a move this machine cannot make: the module's own _apply says so
+        return
+    if dtype != torch.float32:
+        raise dtype_cast_error(owner, dtype)
+
+
 class PoolingType(str, Enum):
     SUM = "sum"
     MEAN = "mean"
@@ -592,11 +612,7 @@ class _EmbeddingCollectionBase(nn.Module):
                 raise
             raise error from None
         if probe.dtype != torch.float32:
-            raise ValueError(
-                f"{type(self).__name__} tables keep their configured data_type; set data_type in the "
-                f"table configs instead of converting the module to {probe.dtype} (Lightning's "
-                f"precision='bf16-true' / '16-true' converts it: use 'bf16-mixed')"
-            )
+            raise dtype_cast_error(type(self).__name__, probe.dtype)
         if probe.device != self._device:
             self._move_to(probe.device)
         return self

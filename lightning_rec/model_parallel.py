@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
-from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
 from lightning_rec.lookup import choose_kernel, pad_multiple
 from lightning_rec.optim import EmbOptimType, FusedOptimizer
 from lightning_rec.planner.fits import check_plan_fits
@@ -783,6 +783,12 @@ class DistributedModelParallel(nn.Module):
     def module(self) -> nn.Module:
         """The model with its collections sharded (without the DDP wrapper)."""
         return self._unwrapped
+
+    def _apply(self, fn, recurse: bool = True):
+        # checked before anything converts: the sharded collections refuse a dtype cast too, but only after the
+        # dense layers that come before them in the model had been converted
+        refuse_dtype_cast("DistributedModelParallel: its sharded", fn)
+        return super()._apply(fn, recurse)
 
     def forward(self, *args, **kwargs):
         return self._dmp_wrapped_module(*args, **kwargs)

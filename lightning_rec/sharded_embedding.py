@@ -38,6 +38,7 @@ from lightning_rec.embedding import (
     FeatureRouter,
     FusedTableWeight,
     _Tables,
+    refuse_dtype_cast,
 )
 from lightning_rec.input_dist import DistContext, FrozenTablesDisagree, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
@@ -440,6 +441,12 @@ class _ShardedCollectionBase(nn.Module):
 
     def _kind(self) -> str:
         return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"
+
+    def _apply(self, fn, recurse: bool = True):
+        # .double() / .half() / .to(torch.float64): accepted without a word, converting the dense layers beside the
+        # tables (whose kernels stay in their data_type), so the forward failed later on mismatched dtypes
+        refuse_dtype_cast(f"sharded {self._kind()}", fn)
+        return super()._apply(fn, recurse)
 
     # what the collections share with the unsharded ones ---------------------------------------------
 

@@ -43,10 +43,12 @@ CollectiveGuard (collective_guard.py): the barrier waits in slices and the guard
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import mmap
 import os
 import socket
+import sys
 import uuid
 import warnings
 import weakref
@@ -69,6 +71,26 @@ _TAG_NAMES: dict[int, str] = {}  # what each call site calls its collective (the
 # [16:] the two slots' headers.
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
 _INITIAL_BYTES = 1 << 20
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """lightning_rec's, torch's and Lightning's folders (found without importing Lightning)."""
+    dirs = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__))]
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(os.path.abspath(spec.origin)))
+    return tuple(d.rstrip(os.sep) + os.sep for d in dirs)
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` (for a warning raised by the caller) of the first frame outside lightning_rec, torch and
+    Lightning: the user's line that led to the collective (their forward, backward or trainer.fit). A fixed
+    stacklevel named one of our own lines, which differed with the collective that needed the room."""
+    frame, level, library = sys._getframe(1), 1, _library_dirs()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(library):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def _align(n: int) -> int:
@@ -428,7 +450,8 @@ class SharedMemoryGroup:
             if self._no_room_from is None:  # once: every larger exchange after it falls back too
                 warnings.warn(f"/dev/shm has no room for {2 * per_slot / 2**20:.0f} MB ({e}); lightning_rec sends "
                               f"exchanges this large through the process group (slower), smaller ones on through "
-                              f"shared memory. Fix: a larger /dev/shm (docker run --shm-size=...)", stacklevel=3)
+                              f"shared memory. Fix: a larger /dev/shm (docker run --shm-size=...)",
+                              stacklevel=_user_stacklevel())
             self._no_room_from = min(per_slot, self._no_room_from or per_slot)
             return 0
         self._gen += 1

@@ -172,6 +172,9 @@ class RecStrategy(DDPStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._pipeline_config = PipelineConfig.of(pipeline)
         self._pipelines: list = []  # one per dataloader of this run's loops (closed at teardown)
+        self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
+        self._step_hooks: list = []
+        self._warned_manual_accumulation = False
 
     @property
     def dmp(self) -> DistributedModelParallel:
@@ -296,6 +299,38 @@ class RecStrategy(DDPStrategy):
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
+            self._backwards_unstepped = 0
+            for handle in self._step_hooks:
+                handle.remove()
+            # every step resets the count, Lightning's (opt.step()) or the raw optimizer's
+            self._step_hooks = [o.register_step_post_hook(self._stepped) for o in self.optimizers]
+
+    def _stepped(self, *_: Any) -> None:
+        self._backwards_unstepped = 0
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        if module is None or module.automatic_optimization or self._warned_manual_accumulation:
+            return out
+        # Manual optimization with gradients accumulated by hand (opt.step() every N batches): the automatic path
+        # warns through accumulate_grad_batches, this one trained the tables N x as often without a word. A second
+        # backward with no optimizer step between is what accumulation looks like, and costs a counter to see.
+        self._backwards_unstepped += 1
+        if self._backwards_unstepped == 2:
+            from lightning_rec.models.module_hooks import fused_table_modules
+
+            fused = fused_table_modules(module)
+            self._warned_manual_accumulation = True
+            if fused:
+                warnings.warn(
+                    f"manual optimization: a second backward (self.manual_backward) before an optimizer step, as "
+                    f"when accumulating gradients by hand. It accumulates the dense layers' gradients only: the fused "
+                    f"tables ({fused[0]}) update inside every backward, not at opt.step(). To give both one larger "
+                    f"batch, raise the data module's batch_size and step after every backward",
+                    stacklevel=3)  # the user's manual_backward line (backward <- LightningModule.manual_backward)
+        return out
 
     def _check_same_pipeline(self) -> None:
         """Collective, once per run: every rank pipelines alike. A rank that pipelines builds its channel's group when
@@ -609,6 +644,9 @@ class RecStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
         for pipeline in self._pipelines:  # every rank reaches teardown at the same point of its loops
             pipeline.close()
         self._pipelines = []

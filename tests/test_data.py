@@ -862,3 +862,39 @@ def test_a_header_without_rows_is_refused_streamed_or_not(tmp_path, streaming):
     dm.prepare_data()
     dm.setup("fit")
     assert [len(b) for b in dm.train_dataloader()] == [1]
+
+
+def test_data_modules_take_dataloader_worker_arguments_and_check_them_at_construction(tmp_path):
+    # prefetch_factor / persistent_workers were a TypeError (no such argument); num_workers=-1 was refused only when
+    # the first loader was built, as "num_workers must be >= 0", without the data module's name
+    from lightning_rec.data import MovieLensDataModule
+
+    (tmp_path / "ml").mkdir()
+    (tmp_path / "ml" / "ratings.csv").write_text("user,item,rating\n" + "".join(
+        f"{u},{i},1\n" for u in range(6) for i in range(6)))
+    csv = tmp_path / "c.tsv"
+    row = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a1b2c3d"] * 26) + "\n"
+    csv.write_text(row * 8)
+    makers = {
+        "SyntheticCriteoDataModule": lambda **kw: SyntheticCriteoDataModule(
+            num_train_samples=64, num_val_samples=16, batch_size=8, num_embeddings_per_feature=10, **kw),
+        "CriteoDataModule": lambda **kw: CriteoDataModule(train_path=str(csv), val_path=str(csv), batch_size=4,
+                                                          num_embeddings_per_feature=10,
+                                                          cache_dir=str(tmp_path / "cache"), **kw),
+        "MovieLensDataModule": lambda **kw: MovieLensDataModule(str(tmp_path / "ml"), side_features=False,
+                                                                batch_size=4, **kw),
+    }
+    for name, make in makers.items():
+        dm = make(num_workers=1, prefetch_factor=3, persistent_workers=False)
+        dm.prepare_data()
+        dm.setup("fit")
+        for loader in (dm.train_dataloader(), dm.val_dataloader()):
+            assert (loader.prefetch_factor, loader.persistent_workers) == (3, False), name
+        dm.num_workers, dm.prefetch_factor, dm.persistent_workers = 2, None, None  # set after construction: followed
+        assert (dm.train_dataloader().num_workers, dm.train_dataloader().persistent_workers) == (2, True), name
+        with pytest.raises(ValueError, match=rf"{name} num_workers=-1: give 0"):
+            make(num_workers=-1)
+        with pytest.raises(ValueError, match=rf"{name} prefetch_factor=2 needs worker processes: set num_workers"):
+            make(prefetch_factor=2)
+        with pytest.raises(ValueError, match=rf"{name} persistent_workers=True needs worker processes"):
+            make(persistent_workers=True)

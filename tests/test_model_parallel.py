@@ -1167,3 +1167,26 @@ def test_one_ranks_optimizer_state_at_another_world_size_is_refused_naming_check
     path = str(tmp_path / "opt")
     run_ranks(_rank_state_worker, 2, path, timeout=60)
     run_ranks(_rank_state_worker, 1, path, timeout=60)
+
+
+def _dtype_cast_worker(rank, W):
+    torch.manual_seed(0)
+    dmp = DistributedModelParallel(PooledModel(EmbeddingBagCollection(_tables("sum"),
+                                                                      optimizer=FusedOptimizerConfig("sgd", lr=0.1))),
+                                   device="cpu", timeout=30)
+    said = [expect_error(ValueError, cast, "keep their configured data_type", "data_type in the table configs")
+            for cast in (dmp.double, dmp.half, lambda: dmp.to(torch.float64))]
+    ebc = next(m for m in dmp.modules() if type(m).__name__ == "ShardedEmbeddingBagCollection")
+    said.append(expect_error(ValueError, ebc.double, "sharded EmbeddingBagCollection tables keep"))
+    dmp.to("cpu").float()  # a device move, and float32, stay accepted
+    dtypes = {p.dtype for p in dmp.parameters()}
+    return said, dtypes, dmp(_batch(rank, 0, False)).dtype
+
+
+def test_a_dtype_cast_of_a_sharded_model_is_refused_as_the_unsharded_collections_is():
+    """dmp.double() / .half() / .to(torch.float64) were accepted without a word: the dense layers converted, the
+    tables stayed float32, and the next forward failed on mismatched dtypes (unsharded, the cast is refused)."""
+    said, dtypes, out = run_ranks(_dtype_cast_worker, 1, timeout=60)[0]
+    assert said[0].startswith("DistributedModelParallel: its sharded tables") and "torch.float64" in said[0]
+    assert "torch.float16" in said[1] and "bf16-mixed" in said[1]
+    assert dtypes == {torch.float32} and out == torch.float32

@@ -554,6 +554,34 @@ def test_read_ratings_detects_separator_and_header(tmp_path):
         read_ratings(tmp_path)
 
 
+def test_compressed_ratings_files_are_read_like_the_criteo_reader_reads_them(tmp_path):
+    # ratings.csv.gz (and u.data.gz, bz2): was "holds no GroupLens ratings file", not a word about compression
+    import bz2
+    import gzip
+
+    text = "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},4,{u * 10 + i}\n" for u in range(1, 6)
+                                                         for i in range(1, 6))
+    plain = read_ratings(_write(tmp_path / "plain" / "ratings.csv", text))
+    gz = _write(tmp_path / "gz" / "ratings.csv.gz", gzip.compress(text.encode()))
+    assert read_ratings(gz).equals(plain)
+    assert read_ratings(_write(tmp_path / "bz" / "ratings.csv.bz2", bz2.compress(text.encode()))).equals(plain)
+    dm = MovieLensDataModule(str(gz.parent), side_features=False, batch_size=4)
+    dm.setup("fit")
+    assert dm.report.layout == "ml-20m" and dm.report.num_ratings == 25
+    _write(tmp_path / "ml100k" / "u.data.gz", gzip.compress(b"1\t1\t5\t1\n1\t2\t4\t2\n2\t1\t4\t3\n"))
+    assert read_ratings(tmp_path / "ml100k" / "u.data.gz").column("item_id").to_pylist() == [1, 2, 1]
+    for part in ("train", "test"):  # split="given": its files compressed too (were left out as not logs)
+        _write(tmp_path / "given" / f"log.{part}.csv.gz", gzip.compress(text.encode()))
+    dm = MovieLensDataModule(str(tmp_path / "given"), split="given", side_features=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # every test pair was seen in training (the same rows): said and dropped
+        dm.setup("fit")
+    assert dm.report.num_ratings == 50
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ValueError, match=r"optionally compressed \(\.gz"):
+        MovieLensDataModule(str(tmp_path / "none"), side_features=False).setup("fit")
+
+
 def _tiny_ml100k(root: Path) -> Path:
     # 3 users, 4 items; item 4 is rated only by user 3 and u.item is latin-1 (a byte that is not UTF-8)
     _write(root / "u.data", "1\t1\t5\t1\n1\t2\t4\t2\n1\t3\t3\t3\n2\t1\t4\t4\n2\t2\t2\t5\n3\t4\t5\t6\n3\t1\t1\t7\n")

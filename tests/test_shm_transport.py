@@ -443,6 +443,7 @@ def _shm_full_worker(rank, W):
         finally:
             os.posix_fallocate = real
     result["warnings"] = [str(w.message) for w in caught]
+    result["warned_at"] = {os.path.basename(w.filename) for w in caught if "/dev/shm" in str(w.message)}
     result["disabled"] = group.disabled
     result["fallbacks"] = group.fallbacks
     result["errors"] = [e for e in result["errors"] if e]
@@ -474,6 +475,8 @@ def test_full_dev_shm_at_growth_falls_back_to_gloo_on_every_rank_for_that_exchan
         assert r["fallbacks"] >= 2, f"rank {rank}: later large exchanges did not fall back"
     warned = [w for w in shm_full[1]["warnings"] if "/dev/shm" in w]
     assert len(warned) == 1, shm_full[1]["warnings"]
+    # at the caller's line (here: this file), not at one of shm_transport's own (a fixed stacklevel named one)
+    assert shm_full[1]["warned_at"] == {"test_shm_transport.py"}, shm_full[1]["warned_at"]
 
 
 def test_full_dev_shm_leaves_no_files_behind(shm_full):

@@ -1050,3 +1050,51 @@ def test_dense_layers_unfrozen_after_ddp_was_built_average_their_gradients():
         torch.testing.assert_close(got[1][name], value, atol=0, rtol=0, msg=f"ranks disagree on {name}")
     for name, value in got[0].items():
         torch.testing.assert_close(value, dict(reference.named_parameters())[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_module_sharded_by_rec_refuses_a_dtype_cast_and_trains_under_mixed_precision(tmp_path, precision):
+    """After strategy="rec" sharded it, module.double() / .half() were accepted without a word (the dense layers
+    converted, the tables not), while the unsharded collection refuses; the mixed precisions autocast, untouched."""
+    data, kw = _one_table_fit(tmp_path, strategy="rec", max_steps=2, precision=precision)
+    module = _OwnModule()
+    L.Trainer(**kw).fit(module, data)
+    for cast in (module.double, module.half):
+        with pytest.raises(ValueError, match=r"sharded EmbeddingBagCollection tables keep their configured data_type"):
+            cast()
+    module.to("cpu")
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+
+
+class _ManualModule(_OwnModule):
+    """Manual optimization stepping every `every` batches (gradients accumulated by hand)."""
+
+    def __init__(self, every: int, raw: bool = False):
+        super().__init__()
+        self.automatic_optimization = False
+        self.every, self.raw = every, raw
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers(use_pl_optimizer=not self.raw)
+        self.manual_backward(super().training_step(batch, batch_idx) / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_manual_gradient_accumulation_with_fused_tables_warns_once(tmp_path):
+    """Manual optimization with opt.step() every 2 batches: the fused tables still updated at every backward, without
+    a word (the automatic path warns through accumulate_grad_batches)."""
+    import warnings
+
+    data, kw = _one_table_fit(tmp_path, train=256, strategy="rec", max_epochs=1)
+    with pytest.warns(UserWarning, match=r"second backward \(self.manual_backward\) before an optimizer step.*"
+                                         r"fused tables \(ebc\) update inside every backward") as caught:
+        L.Trainer(**kw).fit(_ManualModule(every=2), data)
+    said = [w for w in caught if "second backward" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__  # once, at the user's manual_backward line
+    for module in (_ManualModule(every=1), _ManualModule(every=1, raw=True)):  # a step after every backward: quiet
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            L.Trainer(**kw).fit(module, data)
+        assert not [w for w in caught if "second backward" in str(w.message)]

@@ -407,3 +407,31 @@ def test_parameter_sharding_takes_torchrecs_other_fields_at_their_defaults():
     assert ps.cache_load_factor == 0.5 and ps.cache_params.load_factor == 0.5
     with pytest.raises(ValueError, match=r"cache_params sets algorithm: only its load_factor is honoured"):
         ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_params={"algorithm": "lfu"})
+
+
+def test_sharded_tensor_local_shards_is_also_torchrecs_method():
+    """Ported `st.local_shards()[0].tensor` failed with "'list' object is not callable" (ours was only a list of
+    (ShardMetadata, tensor)); both spellings now read the same pieces, and checkpoints pickle as before."""
+    import io
+    import pickle
+
+    from lightning_rec.sharding.sharded_tensor import ShardedTensor
+    from lightning_rec.types import ShardMetadata
+
+    top, bottom = torch.arange(6.0).reshape(3, 2), torch.arange(6.0, 10.0).reshape(2, 2)
+    pieces = [(ShardMetadata((0, 0), (3, 2), 0), top), (ShardMetadata((3, 0), (2, 2), 1), bottom)]
+    st = ShardedTensor((5, 2), pieces)
+    shards = st.local_shards()  # TorchRec / torch.distributed._shard
+    assert [s.tensor for s in shards] == [top, bottom] and shards[0].tensor is top
+    assert [s.metadata.shard_offsets for s in shards] == [(0, 0), (3, 0)]
+    assert [m.placement for m, _ in st.local_shards] == [0, 1]  # ours: a list of pairs
+    assert torch.equal(st.full(), torch.arange(10.0).reshape(5, 2))
+    assert st.size() == torch.Size([5, 2]) and st.size(0) == 5  # torch's method too (was an AttributeError)
+    old = ShardedTensor.__new__(ShardedTensor)  # a checkpoint written before: a plain list in the object
+    old.__dict__.update(global_shape=(5, 2), local_shards=list(pieces))
+    buf = io.BytesIO()
+    torch.save({"new": st, "old": old}, buf)
+    assert b"LocalShards" not in buf.getvalue() and b"LocalShards" not in pickle.dumps(st)  # same format as before
+    buf.seek(0)
+    for value in torch.load(buf, weights_only=True).values():
+        assert torch.equal(value.local_shards()[1].tensor, bottom)

@@ -406,9 +406,37 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def worker_options(owner: str, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None,
+                   persistent_workers: bool | None = None) -> dict[str, Any]:
+    """The DataLoader worker arguments a data module (`owner`, named in errors) passes to its loaders, checked.
+
+    Called at construction: a bad value was a bare "num_workers must be >= 0" (or torch's own message) only once
+    the first loader was built, without the data module's name. `persistent_workers=None` keeps the workers
+    between epochs whenever there are any (the loaders resume mid-epoch from them).
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"{owner} num_workers={num_workers!r}: give 0 (load in the main process) or a number of "
+                         f"worker processes")
+    if prefetch_factor is not None:
+        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ValueError(f"{owner} prefetch_factor={prefetch_factor!r}: give the number of batches each worker "
+                             f"loads ahead (>= 1), or None for torch's default (2)")
+        if num_workers == 0:
+            raise ValueError(f"{owner} prefetch_factor={prefetch_factor} needs worker processes: set num_workers "
+                             f"> 0, or leave prefetch_factor=None")
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    elif persistent_workers and num_workers == 0:
+        raise ValueError(f"{owner} persistent_workers=True needs worker processes: set num_workers > 0, or leave "
+                         f"persistent_workers=None")
+    return {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor,
+            "persistent_workers": bool(persistent_workers)}
+
+
 def make_train_loader(dataset: Dataset, batch_size: int, shuffle: bool, drop_last: bool, seed: int,
                       num_workers: int, pin_memory: bool, trainer: Any,
-                      shard_outside_trainer: bool = True) -> StatefulBatchLoader:
+                      shard_outside_trainer: bool = True, prefetch_factor: int | None = None,
+                      persistent_workers: bool | None = None) -> StatefulBatchLoader:
     """A data module's training loader (`make_batch_loader` + `follow_fit_loop`); `trainer` is None outside one.
 
     At 2+ ranks the loader holds a DistributedSampler seeded by `seed`, which Lightning keeps: Lightning's
@@ -422,7 +450,8 @@ def make_train_loader(dataset: Dataset, batch_size: int, shuffle: bool, drop_las
     else:  # a Trainer of one device in a process group another program made keeps every row
         shard = bool(trainer._accelerator_connector.use_distributed_sampler) and trainer.world_size > 1
     loader = make_batch_loader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed,
-                               num_workers=num_workers, pin_memory=pin_memory, shard_by_rank=shard)
+                               num_workers=num_workers, pin_memory=pin_memory, shard_by_rank=shard,
+                               prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
     return follow_fit_loop(loader, trainer)
 
 
@@ -442,6 +471,8 @@ def make_batch_loader(
     num_workers: int,
     pin_memory: bool = False,
     shard_by_rank: bool = False,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool | None = None,
 ) -> StatefulBatchLoader:
     """A resumable loader whose dataset builds whole batches from index lists (`__getitems__`).
 
@@ -456,8 +487,7 @@ def make_batch_loader(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    workers = worker_options("make_batch_loader", num_workers, pin_memory, prefetch_factor, persistent_workers)
     sampler = EpochRandomSampler(dataset, seed=seed) if shuffle else SequentialSampler(dataset)
     if shard_by_rank and torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
@@ -468,9 +498,7 @@ def make_batch_loader(
         sampler=sampler,
         drop_last=drop_last,
         collate_fn=passthrough_collate,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=num_workers > 0,
+        **workers,
     )
 
 
@@ -495,7 +523,8 @@ class EvalDistributedSampler(DistributedSampler):
         return self.num_samples
 
 
-def make_eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool = False
+def make_eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool = False,
+                     prefetch_factor: int | None = None, persistent_workers: bool | None = None
                      ) -> StatefulBatchLoader:
     """`make_batch_loader` for validation / test / prediction: in order, every row once at any world size.
 
@@ -506,20 +535,18 @@ def make_eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_me
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    workers = worker_options("make_eval_loader", num_workers, pin_memory, prefetch_factor, persistent_workers)
     sampler: Sampler = SequentialSampler(dataset)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         sampler = EvalDistributedSampler(dataset, dist.get_world_size(), dist.get_rank())
     return StatefulBatchLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=False,
-                               collate_fn=passthrough_collate, num_workers=num_workers, pin_memory=pin_memory,
-                               persistent_workers=num_workers > 0)
+                               collate_fn=passthrough_collate, **workers)
 
 
-def make_stream_loader(dataset: IterableDataset, num_workers: int, pin_memory: bool = False) -> StatefulBatchLoader:
+def make_stream_loader(dataset: IterableDataset, num_workers: int, pin_memory: bool = False,
+                       prefetch_factor: int | None = None, persistent_workers: bool | None = None
+                       ) -> StatefulBatchLoader:
     """A resumable loader over an IterableDataset that yields whole batches."""
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    return StatefulBatchLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                               persistent_workers=num_workers > 0)
+    workers = worker_options("make_stream_loader", num_workers, pin_memory, prefetch_factor, persistent_workers)
+    return StatefulBatchLoader(dataset, batch_size=None, **workers)

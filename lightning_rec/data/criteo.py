@@ -80,6 +80,7 @@ from lightning_rec.data.batch import (
     make_eval_loader,
     make_stream_loader,
     make_train_loader,
+    worker_options,
 )
 from lightning_rec.data.criteo_parse import (
     _PARSER_VERSION,
@@ -661,8 +662,13 @@ class CriteoDataModule(pl.LightningDataModule):
         has_label: bool | None = None,
         block_bytes: int = 64 << 20,
         parser: str = "auto",
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
     ) -> None:
         super().__init__()
+        # said here, not when the first loader is built
+        worker_options("CriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
+        self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         _check_on_bad_row(on_bad_row)
         _check_missing_categorical(missing_categorical)
         self.parser = resolve_parser(parser)
@@ -855,6 +861,11 @@ class CriteoDataModule(pl.LightningDataModule):
                     self.missing_categorical,
                 )
 
+    def _loader_options(self) -> dict:
+        # read at each loader (not kept from __init__): a data module's num_workers may be set after construction
+        return worker_options("CriteoDataModule", self.num_workers, self.pin_memory, self.prefetch_factor,
+                              self.persistent_workers)
+
     def _loader(self, split: str) -> DataLoader:
         if self.paths[split] is None:
             raise ValueError(f"CriteoDataModule has no {split}_path: set it to use the {split} loop")
@@ -863,14 +874,12 @@ class CriteoDataModule(pl.LightningDataModule):
         dataset = self.datasets[split]
         train = split == "train"
         if isinstance(dataset, IterableDataset):
-            loader = make_stream_loader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            loader = make_stream_loader(dataset, **self._loader_options())
             return follow_fit_loop(loader, self.trainer) if train else loader
         if not train:  # every row once at any world size (not torch's DistributedSampler: it repeats rows)
-            return make_eval_loader(dataset, self.val_batch_size, num_workers=self.num_workers,
-                                    pin_memory=self.pin_memory)
+            return make_eval_loader(dataset, self.val_batch_size, **self._loader_options())
         return make_train_loader(dataset, self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
-                                 seed=self.seed, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                                 trainer=self.trainer)
+                                 seed=self.seed, trainer=self.trainer, **self._loader_options())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -86,7 +86,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate
+from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate, worker_options
+from lightning_rec.data.criteo_parse import open_criteo_stream
 from lightning_rec.data.criteo_tables import glob_files
 from lightning_rec.data.hf_dataset import dataset_path
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
@@ -100,6 +101,7 @@ SPLITS = ("ro_811", *TEMPORAL_SPLITS, *OFFICIAL_SPLITS, GIVEN)
 # a word of a file's name -> the part it holds (0 train, 1 validation, 2 test), for split="given"
 _SPLIT_WORDS = {"train": 0, "training": 0, "valid": 1, "validation": 1, "val": 1, "dev": 1, "test": 2}
 _LOG_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet")
+_COMPRESSED = (".gz", ".bz2", ".zst")  # the suffixes a ratings file may add (read as criteo_parse detects them)
 _NO_RATING = b"lightning_rec.no_rating"  # schema mark of an implicit-feedback log (no rating column: every row 1.0)
 _NO_TIME = b"lightning_rec.no_timestamp"  # schema mark of a ratings table whose file had no timestamp column
 _AGE_EDGES = (18, 25, 35, 45, 50, 56)  # ml-1m's age groups; ml-100k's exact ages fall into them
@@ -221,10 +223,9 @@ def _read_text(path: Path) -> str:
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def _sniff(path: Path) -> tuple[str, bool]:
-    """(separator, has_header) from the first line of a ratings file."""
-    with open(path, "rb") as f:
-        first = f.readline().removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
+def _sniff(path: Path, data: bytes) -> tuple[str, bool]:
+    """(separator, has_header) from the first line of a ratings file (`data`: its text, decompressed)."""
+    first = data.split(b"\n", 1)[0].removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
     if not first:
         raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
     for sep in ("::", "\t", ",", ";", "|", " "):
@@ -403,9 +404,13 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
         raise ValueError(f"ratings file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     if path.suffix == ".parquet":
         return _read_ratings_parquet(path, columns)
-    sep, has_header = _sniff(path)
+    # ratings.csv.gz (and bz2 / zstd, detected from the first bytes as the Criteo reader does) is read through the
+    # decompressor: it was "holds no GroupLens ratings file", or pyarrow's parse error on the compressed bytes
+    with open_criteo_stream(path) as stream:
+        raw = stream.read()
+    sep, has_header = _sniff(path, raw)
     # a CSV saved by Excel ("CSV UTF-8") starts with a byte order mark, which made its first header name "ï»¿user"
-    data = path.read_bytes().removeprefix(_UTF8_BOM)
+    data = raw.removeprefix(_UTF8_BOM)
     if sep == "::":
         data, sep = data.replace(b"::", b"\t"), "\t"  # pyarrow reads one-character separators
     names = ["user_id", "item_id", "rating", "timestamp"]
@@ -677,7 +682,10 @@ def given_split_files(data_dir: Path) -> dict[int, list[Path]]:
                          f"not a folder")
     parts: dict[int, list[Path]] = {0: [], 1: [], 2: []}
     for f in sorted(data_dir.iterdir()):
-        if not f.is_file() or f.suffix.lower() not in _LOG_SUFFIXES:
+        suffixes = [x.lower() for x in f.suffixes]
+        if suffixes and suffixes[-1] in _COMPRESSED and suffixes[-2:-1] != [".parquet"]:
+            suffixes = suffixes[:-1]  # train.csv.gz: read decompressed, as the ratings files are
+        if not f.is_file() or not suffixes or suffixes[-1] not in _LOG_SUFFIXES:
             continue
         said = {_SPLIT_WORDS[w] for w in re.split(r"[._\-\s]+", f.stem.lower()) if w in _SPLIT_WORDS}
         if len(said) > 1:
@@ -687,7 +695,8 @@ def given_split_files(data_dir: Path) -> dict[int, list[Path]]:
     if not parts[0] or not parts[2]:
         found = [f.name for f in sorted(data_dir.iterdir()) if f.is_file()][:10]
         raise ValueError(f"split='given' needs a train and a test file in {data_dir} (named by a word of their names: "
-                         f"train, valid / validation / val / dev, test; .csv with a header, or .parquet), found "
+                         f"train, valid / validation / val / dev, test; .csv with a header (or .csv.gz), or .parquet), "
+                         f"found "
                          f"{found or 'no files'}{' (no train file)' if not parts[0] else ''}"
                          f"{' (no test file)' if not parts[2] else ''}")
     return parts
@@ -711,8 +720,9 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
         return "parquet", data_dir
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv"),
                          ("parquet", "ratings.parquet")):
-        if (data_dir / name).is_file():
-            return layout, data_dir / name
+        for suffix in ("",) + (_COMPRESSED if layout != "parquet" else ()):  # ratings.csv.gz: read decompressed
+            if (data_dir / (name + suffix)).is_file():
+                return layout, data_dir / (name + suffix)
     inter = sorted(data_dir.glob("*.inter"))  # RecBole's atomic files (its dataset downloads): ml-100k.inter
     if len(inter) == 1:
         return "recbole", inter[0]
@@ -720,8 +730,8 @@ def detect_layout(data_dir: Path) -> tuple[str, Path]:
         raise ValueError(f"{data_dir} holds several RecBole .inter files ({', '.join(p.name for p in inter)}): "
                          f"keep one per folder")
     raise ValueError(f"{data_dir} holds no GroupLens ratings file: expected u.data (ml-100k), ratings.dat "
-                     f"(ml-1m, ml-10m), ratings.csv (ml-20m, ml-25m, ml-latest) or RecBole's <name>.inter; pass "
-                     f"the unpacked folder as data_dir. {_OWN_FILE}")
+                     f"(ml-1m, ml-10m), ratings.csv (ml-20m, ml-25m, ml-latest), each optionally compressed "
+                     f"(.gz, .bz2, .zst), or RecBole's <name>.inter; pass the unpacked folder as data_dir. {_OWN_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -961,8 +971,12 @@ class MovieLensDataModule(pl.LightningDataModule):
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
                  num_negatives: int = 0, eval_test_in_fit: bool = False, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
-                 columns: dict[str, str] | None = None) -> None:
+                 columns: dict[str, str] | None = None, prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None) -> None:
         super().__init__()
+        # said here, not when the first loader is built
+        worker_options("MovieLensDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
+        self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
         # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
         # (lightning_rec.data.hf_dataset)
@@ -1204,6 +1218,11 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     # loaders ------------------------------------------------------------------------------------
 
+    def _loader_options(self) -> dict:
+        # read at each loader (not kept from __init__): a data module's num_workers may be set after construction
+        return worker_options("MovieLensDataModule", self.num_workers, self.pin_memory, self.prefetch_factor,
+                              self.persistent_workers)
+
     def _ranking_loader(self, split: str) -> DataLoader:
         self._need_setup()
         dataset = self.datasets[split]
@@ -1214,13 +1233,13 @@ class MovieLensDataModule(pl.LightningDataModule):
         else:
             sampler = None
         return DataLoader(dataset, batch_size=self.eval_batch_size, sampler=sampler, shuffle=False,
-                          collate_fn=passthrough_collate, num_workers=self.num_workers, pin_memory=self.pin_memory)
+                          collate_fn=passthrough_collate, **self._loader_options())
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
         return make_train_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
-                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                 pin_memory=self.pin_memory, trainer=self.trainer)
+                                 drop_last=self.drop_last, seed=self.seed, trainer=self.trainer,
+                                 **self._loader_options())
 
     def val_dataloader(self):
         loaders = [self._ranking_loader(split) for split in self.eval_split_names()]

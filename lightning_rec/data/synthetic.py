@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import Batch, make_eval_loader, make_train_loader
+from lightning_rec.data.batch import Batch, make_eval_loader, make_train_loader, worker_options
 from lightning_rec.data.criteo import _resolve_num_embeddings
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -110,8 +110,13 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         drop_last: bool = False,
         num_workers: int = 0,
         pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
     ) -> None:
         super().__init__()
+        # said here, not when the first loader is built
+        worker_options("SyntheticCriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
+        self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         self.save_hyperparameters()
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -217,18 +222,22 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
             if split not in self.datasets and self.sizes[split] > 0:
                 self.datasets[split] = self.make_split(split)
 
+    def _loader_options(self) -> dict:
+        # read at each loader (not kept from __init__): a data module's num_workers may be set after construction
+        return worker_options("SyntheticCriteoDataModule", self.num_workers, self.pin_memory, self.prefetch_factor,
+                              self.persistent_workers)
+
     def _loader(self, split: str) -> DataLoader:
         if split not in self.datasets:
             if self.sizes[split] == 0:
                 raise ValueError(f"num_{split}_samples=0: set it > 0 to use the {split} loop")
             raise ValueError(f"SyntheticCriteoDataModule.setup() has not run for {split}: call setup() first")
         if split != "train":  # every row once at any world size (Lightning's DistributedSampler repeats some)
-            return make_eval_loader(self.datasets[split], self.val_batch_size, num_workers=self.num_workers,
-                                    pin_memory=self.pin_memory)
+            return make_eval_loader(self.datasets[split], self.val_batch_size, **self._loader_options())
         return make_train_loader(self.datasets[split], self.batch_size, shuffle=self.shuffle,
-                                 drop_last=self.drop_last, seed=self.seed, num_workers=self.num_workers,
-                                 pin_memory=self.pin_memory, trainer=self.trainer,
-                                 shard_outside_trainer=False)  # a hand loop seeds each rank's rows itself
+                                 drop_last=self.drop_last, seed=self.seed, trainer=self.trainer,
+                                 # a hand loop seeds each rank's rows itself
+                                 shard_outside_trainer=False, **self._loader_options())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

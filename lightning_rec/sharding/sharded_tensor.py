@@ -28,13 +28,46 @@ from lightning_rec.types import ShardMetadata
 
 
 @dataclass
+class Shard:
+    """One piece of a table as torch's / TorchRec's `ShardedTensor.local_shards()` gives it."""
+
+    tensor: Tensor
+    metadata: ShardMetadata
+
+
+class LocalShards(list):
+    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's /
+    TorchRec's method, `st.local_shards()` -> `[Shard(tensor, metadata), ...]` over the same tensors, so that ported
+    code (`st.local_shards()[0].tensor`) runs: it was "'list' object is not callable"."""
+
+    def __call__(self) -> list[Shard]:
+        return [Shard(t, m) for m, t in self]
+
+
+@dataclass
 class ShardedTensor:
     global_shape: tuple[int, int]
     local_shards: list[tuple[ShardMetadata, Tensor]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.local_shards = LocalShards(self.local_shards)
+
+    # pickled (torch.save, all_gather_object, deepcopy) with a plain list, as before LocalShards: checkpoints stay
+    # readable by older versions, and older checkpoints (a plain list) get the callable list when loaded
+    def __getstate__(self) -> dict:
+        return {"global_shape": self.global_shape, "local_shards": list(self.local_shards)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.local_shards = LocalShards(self.local_shards)
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size(self.global_shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        """The global table's size, as torch's / TorchRec's `ShardedTensor.size()` (ported code calls it)."""
+        return self.shape if dim is None else self.shape[dim]
 
     def __repr__(self) -> str:
         pieces = ", ".join(str(m) for m, _ in self.local_shards)
