@@ -7,7 +7,7 @@ STAMP := $(VENV)/.lightning_rec-installed
 CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 ARGS ?=
 # pytest-xdist workers: most tests are one Python thread, or ranks that wait on each other, so two workers keep a
-# 2-core machine busy (the suite: 5.5 min there with two workers, ~8 in one process). TEST_WORKERS=0: one process
+# 2-core machine busy (the suite: 7.5 min there with two workers, ~10 in one process). TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
 
 .PHONY: train test bench lint clean
