@@ -425,6 +425,7 @@ def test_sharded_tensor_local_shards_is_also_torchrecs_method():
     assert [s.tensor for s in shards] == [top, bottom] and shards[0].tensor is top
     assert [s.metadata.shard_offsets for s in shards] == [(0, 0), (3, 0)]
     assert [m.placement for m, _ in st.local_shards] == [0, 1]  # ours: a list of pairs
+    assert [m.placement for m, _ in st.local_shards()] == [0, 1]  # a Shard unpacks as the pair (code written to both)
     assert torch.equal(st.full(), torch.arange(10.0).reshape(5, 2))
     assert st.size() == torch.Size([5, 2]) and st.size(0) == 5  # torch's method too (was an AttributeError)
     old = ShardedTensor.__new__(ShardedTensor)  # a checkpoint written before: a plain list in the object

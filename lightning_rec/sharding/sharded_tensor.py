@@ -34,6 +34,11 @@ class Shard:
     tensor: Tensor
     metadata: ShardMetadata
 
+    def __iter__(self):
+        # unpacks as the list's pairs, (metadata, tensor): `for m, t in st.local_shards()` reads as
+        # `for m, t in st.local_shards` (it was "cannot unpack non-iterable Shard object")
+        return iter((self.metadata, self.tensor))
+
 
 class LocalShards(list):
     """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's /
