@@ -349,11 +349,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             tower.train(was_training)
         return torch.cat(parts)
 
+    def _scoring_catalog(self) -> Tensor:
+        # float32 once per epoch (scores are float32, `_scores`): under bf16-mixed each batch cast the whole
+        # catalogue again (a 1M-item, 64-dim one: 256 MB a batch)
+        return self.embed_catalog().float()
+
     def on_validation_epoch_start(self) -> None:
-        self._item_emb_ID = self.embed_catalog()
+        self._item_emb_ID = self._scoring_catalog()
 
     def on_test_epoch_start(self) -> None:
-        self._item_emb_ID = self.embed_catalog()
+        self._item_emb_ID = self._scoring_catalog()
 
     def _rank(self, batch, metric: RankingMetrics) -> None:
         user_UD = self._need_model().user_embeddings(batch.user_features)
@@ -385,7 +390,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     # prediction: each user's top items among those it has not seen -------------------------------
 
     def on_predict_epoch_start(self) -> None:
-        self._item_emb_ID = self.embed_catalog()
+        self._item_emb_ID = self._scoring_catalog()
         datamodule = self._trainer.datamodule
         num_items = self._item_emb_ID.shape[0]
         # the data's own ids (MovieLens' user_id / item_id) where the data module keeps them; else positions
