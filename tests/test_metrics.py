@@ -651,3 +651,31 @@ def test_empty_target_action_identical_at_two_ranks():
 def test_empty_target_action_unknown_value_names_the_choices():
     with pytest.raises(ValueError, match="'skip', 'neg', 'pos', 'error'"):
         RankingMetrics(ks=5, empty_target_action="zero")
+
+
+def test_ranking_metrics_in_a_metric_collection_keep_their_own_k_and_action():
+    """MetricCollection shares one state between metrics whose states are equal after the first update: with sums per
+    asked k, NDCG(top_k=5) beside NDCG(top_k=10) (and "skip" beside "neg") looked alike on a first batch without a hit,
+    and each then reported the other's value (NDCG@5 0.2006, the NDCG@10, where alone it is 0.125)."""
+    from torchmetrics import MetricCollection
+
+    torch.manual_seed(0)
+    first_P, first_T = torch.rand(4, 20), torch.zeros(4, 20, dtype=torch.bool)
+    first_T[:, 0], first_P[:, 0] = True, -1.0  # every relevant item ranked last: no hit at any k <= 10
+    second_P, second_T = torch.rand(4, 20), torch.zeros(4, 20, dtype=torch.bool)
+    second_T[:3, 3], second_P[:, 3] = True, torch.tensor([0.5, 0.5, 2.0, 0.5])  # the last user has no relevant item
+    made = {"n5": lambda: NDCG(top_k=5), "n10": lambda: NDCG(top_k=10), "r10": lambda: Recall(ks=[5, 10]),
+            "n10_neg": lambda: NDCG(top_k=10, empty_target_action="neg")}
+    together, alone = MetricCollection({k: f() for k, f in made.items()}), {k: f() for k, f in made.items()}
+    for preds, target in ((first_P, first_T), (second_P, second_T)):
+        together.update(preds, target)
+        for metric in alone.values():
+            metric.update(preds, target)
+    got = together.compute()
+    for name, metric in alone.items():
+        want = metric.compute()
+        want = want if isinstance(want, dict) else {"": want}
+        for key, value in want.items():
+            assert float(got[name if not key else key]) == pytest.approx(float(value), abs=1e-12), name
+    assert float(alone["n5"].compute()) != pytest.approx(float(alone["n10"].compute()))
+    assert float(alone["n10"].compute()) != pytest.approx(float(alone["n10_neg"].compute()))

@@ -192,10 +192,15 @@ class RankingMetrics(Metric):
         self.metric_names = tuple(dict.fromkeys(metrics))
         self.prefix = prefix
         self._warned_short = False
-        shape = (len(RANKING_METRICS), len(self.ks))
+        # The states hold the same whatever ks and empty_target_action say (every cutoff 1..max(ks); users with and
+        # without a relevant item apart), which compute() reads: torchmetrics' MetricCollection shares one state
+        # between metrics whose states are equal after the first update, and NDCG(top_k=5) beside NDCG(top_k=10)
+        # (or "skip" beside "neg") then reported the other's value, as sums per asked k looked alike while no user
+        # had a hit yet. Now equal states mean equal meaning, and a shorter max(ks) has another shape.
+        shape = (len(RANKING_METRICS), self.max_k)
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("num_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
-        self.add_state("skipped_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("evaluated_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("empty_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("nan_scores", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
         # several updates (rows of (user, item, label) in batches), and regrouped per update they counted as
@@ -211,6 +216,17 @@ class RankingMetrics(Metric):
     @property
     def max_k(self) -> int:
         return self.ks[-1]
+
+    @property
+    def num_users(self) -> Tensor:
+        """The users the means are over: those with a relevant item, and under "neg" / "pos" those without."""
+        counted = self.empty_target_action in ("neg", "pos")
+        return self.evaluated_users + self.empty_users if counted else self.evaluated_users
+
+    @property
+    def skipped_users(self) -> Tensor:
+        """Users without a relevant item left out of the means ("skip"; "error" raises for them)."""
+        return self.empty_users if self.empty_target_action in ("skip", "error") else torch.zeros_like(self.empty_users)
 
     # ways in -----------------------------------------------------------------------------------
 
@@ -329,15 +345,9 @@ class RankingMetrics(Metric):
                              f"{tuple(num_relevant_U.shape)}")
         num_relevant_U = num_relevant_U.reshape(-1).to(torch.float64)
         has_target_U = num_relevant_U > 0
-        num_empty = (~has_target_U).sum()
-        if self.empty_target_action in ("neg", "pos"):  # such a user counts, as 0 or 1 for every metric and k
-            self.num_users += num_empty
-            if self.empty_target_action == "pos":
-                self.sums += num_empty.to(self.sums)
-        else:  # "skip", and "error", which compute() raises for once every rank's count is in
-            self.skipped_users += num_empty
+        self.empty_users += (~has_target_U).sum()  # what they count for is empty_target_action's, at compute
         hits_UK, num_relevant_U = hits_UK[has_target_U].to(torch.float64), num_relevant_U[has_target_U]
-        self.num_users += hits_UK.shape[0]
+        self.evaluated_users += hits_UK.shape[0]
         K = self.max_k
         if hits_UK.shape[1] < K:
             hits_UK = torch.nn.functional.pad(hits_UK, (0, K - hits_UK.shape[1]))
@@ -351,37 +361,41 @@ class RankingMetrics(Metric):
         reciprocal_UK = (first_UK / rank_K).cumsum(1)
         ideal_K = discount_K.cumsum(0)  # IDCG@k of a user with n relevant: ideal_K[min(n, k) - 1]
 
-        ks = torch.tensor(self.ks, device=device)
-        at_UJ = cum_hits_UK[:, ks - 1]  # J = len(ks)
-        n_ideal_UJ = torch.minimum(num_relevant_U.unsqueeze(1), ks.to(torch.float64)).long() - 1
+        # every cutoff k = 1..K (column k - 1); compute() reads the asked ones
+        n_ideal_UK = torch.minimum(num_relevant_U.unsqueeze(1), rank_K).long() - 1
         per_user = {
-            "ndcg": dcg_UK[:, ks - 1] / ideal_K[n_ideal_UJ],
-            "recall": at_UJ / num_relevant_U.unsqueeze(1),
-            "precision": at_UJ / ks.to(torch.float64),
-            "mrr": reciprocal_UK[:, ks - 1],
-            "hit_rate": (at_UJ > 0).to(torch.float64),
+            "ndcg": dcg_UK / ideal_K[n_ideal_UK],
+            "recall": cum_hits_UK / num_relevant_U.unsqueeze(1),
+            "precision": cum_hits_UK / rank_K,
+            "mrr": reciprocal_UK,
+            "hit_rate": (cum_hits_UK > 0).to(torch.float64),
         }
         self.sums += torch.stack([per_user[m].sum(0) for m in RANKING_METRICS]).to(self.sums.device)
 
     # way out ------------------------------------------------------------------------------------
 
     def compute(self) -> dict[str, Tensor]:
-        sums, num_users, skipped = self.sums, int(self.num_users), int(self.skipped_users)
+        sums, evaluated, empty = self.sums, int(self.evaluated_users), int(self.empty_users)
         if len(self.flat_indexes):  # every rank's entries (synced by "cat"), grouped per user once, here
-            flat = RankingMetrics(ks=self.ks, empty_target_action=self.empty_target_action)
+            flat = RankingMetrics(ks=self.ks)
             indexes = (dim_zero_cat(self.flat_indexes).long() << 32) | dim_zero_cat(self.flat_indexes_low).long()
             if indexes.numel():
                 flat._update_candidates(*_padded_by_query(dim_zero_cat(self.flat_preds).float(),
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
             sums = sums + flat.sums.to(sums.device)
-            num_users, skipped = num_users + int(flat.num_users), skipped + int(flat.skipped_users)
+            evaluated, empty = evaluated + int(flat.evaluated_users), empty + int(flat.empty_users)
         if int(self.nan_scores):
             warnings.warn(f"{int(self.nan_scores)} of the scores are NaN: ranked last and never counted as found; "
                           f"check the model for divergence", UserWarning, stacklevel=2)
-        if skipped and self.empty_target_action == "error":
-            raise ValueError(f"{skipped} users have no relevant (held-out) item and empty_target_action='error': "
+        if empty and self.empty_target_action == "error":
+            raise ValueError(f"{empty} users have no relevant (held-out) item and empty_target_action='error': "
                              f"pass empty_target_action='skip' to leave them out, 'neg' to count them as 0 "
                              f"(torchmetrics' default) or 'pos' as 1, or evaluate only users with a held-out item")
+        num_users, skipped = evaluated, empty
+        if self.empty_target_action in ("neg", "pos"):  # such a user counts, as 0 or 1 for every metric and k
+            num_users, skipped = evaluated + empty, 0
+            if self.empty_target_action == "pos":
+                sums = sums + empty
         if num_users == 0:
             warnings.warn(f"no user with a held-out item was evaluated ({skipped} skipped): "
                           f"ranking metrics are NaN", UserWarning, stacklevel=2)
@@ -389,8 +403,8 @@ class RankingMetrics(Metric):
         out = {}
         for name in self.metric_names:
             row = RANKING_METRICS.index(name)
-            for j, k in enumerate(self.ks):
-                out[f"{self.prefix}{name}@{k}"] = means[row, j]
+            for k in self.ks:
+                out[f"{self.prefix}{name}@{k}"] = means[row, k - 1]
         return out
 
 
