@@ -517,6 +517,8 @@ class RecStrategy(DDPStrategy):
                     pad()
                 except Exception:  # noqa: BLE001 - no empty batch: the rows are dealt as Lightning deals them
                     pad = None
+            if pad is None:
+                pad = _empty_collated_batch(loader)
         if pad is None:
             return None
         batch_sampler = getattr(loader, "batch_sampler", None)
@@ -847,6 +849,43 @@ def _empty_batch_logs_weigh_nothing(module: pl.LightningModule, batch: Any):
         yield
     finally:
         vars(module).pop("log", None)
+
+
+def _empty_collated_batch(loader: object):
+    """A per-row map-style dataset under torch's default_collate (a TensorDataset, say): its first row collated, every
+    tensor cut to 0 rows, so a rank whose share ran out steps with a batch of the usual structure and no rows. Without
+    it, Lightning's samplers were kept: validate counted a repeated row twice (33 rows at 2 ranks: 34 in every
+    metric) and predict wrote 32 of 33 rows (the rank with one batch fewer ended the pass for all). None where a leaf
+    is not a tensor of that one row (strings, a collate of one's own): the rows are dealt as Lightning deals them."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+    from torch.utils.data import IterableDataset, default_collate
+
+    dataset = getattr(loader, "dataset", None)
+    if getattr(loader, "collate_fn", None) is not default_collate or dataset is None \
+            or isinstance(dataset, IterableDataset):
+        return None
+    try:
+        if len(dataset) == 0:
+            return None
+        one = default_collate([dataset[0]])
+    except Exception:  # noqa: BLE001 - a row that cannot be read or collated alone: no padding
+        return None
+    def one_row(x) -> bool:
+        if isinstance(x, torch.Tensor):
+            return x.dim() >= 1 and x.shape[0] == 1
+        if isinstance(x, (list, tuple)):
+            return all(one_row(v) for v in x)
+        if isinstance(x, dict):
+            return all(one_row(v) for v in x.values())
+        return False
+
+    if not one_row(one):
+        return None
+
+    def pad():
+        return apply_to_collection(one, torch.Tensor, lambda t: t[:0])
+
+    return pad
 
 
 class _OwnRowsOnly(torch.utils.data.Sampler):

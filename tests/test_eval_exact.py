@@ -301,10 +301,82 @@ def test_a_padding_batch_is_offered_only_where_the_dataset_makes_an_empty_one():
     strategy = RecStrategy()
     strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=False))
     per_row = DataLoader(Subset(TensorDataset(torch.arange(5.0)), range(5)), batch_size=2)
-    assert strategy._padding_for(per_row) is None
+    (empty,) = strategy._padding_for(per_row)()  # its first row cut to 0 rows, never default_collate([])
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+    own_collate = DataLoader(Subset(TensorDataset(torch.arange(5.0)), range(5)), batch_size=2,
+                             collate_fn=lambda rows: torch.stack([r[0] for r in rows]))
+    assert strategy._padding_for(own_collate) is None
+    strings = DataLoader([("a", 1.0), ("b", 2.0)], batch_size=2)  # a list of str: no row of it to cut
+    assert strategy._padding_for(strings) is None
     data = SyntheticCriteoDataModule(num_train_samples=8, num_val_samples=33, num_embeddings_per_feature=64)
     data.setup("fit")
     whole = DataLoader(Subset(data.datasets["val"], range(33)), batch_size=16, collate_fn=passthrough_collate)
     assert len(strategy._padding_for(whole)()) == 0  # a Batch of no rows
     strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=True))
     assert strategy._padding_for(whole) is None  # training: the first rank to run out ends the epoch for all
+
+
+class _PerRowModule(L.LightningModule):
+    """A fused table and a linear layer over a TensorDataset's (x, y) rows; keeps the rows its steps saw."""
+
+    def __init__(self):
+        super().__init__()
+        import torch
+
+        from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+        from lightning_rec.metrics import CTR
+
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", num_embeddings=40, embedding_dim=4,
+                                                              feature_names=["f"])],
+                                          optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+        self.linear = torch.nn.Linear(2, 1)
+        self.ctr, self.seen = CTR(), []
+
+    def _score(self, x):
+        import torch
+
+        from lightning_rec import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=x[:, 0].long() % 40,
+                                                  lengths=torch.ones(len(x), dtype=torch.long))
+        return self.linear(x).squeeze(-1) + self.ebc(kjt).values().sum(1)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += x[:, 0].long().tolist()
+        self.ctr.update(self._score(x), y)
+        self.log("val_ctr", self.ctr)
+
+    def predict_step(self, batch, batch_idx):
+        return {"score": self._score(batch[0])}
+
+
+def _per_row_evaluate(rank, world_size, out: str):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_rec import PredictionWriter
+
+    x = torch.stack([torch.arange(33.0), torch.linspace(-1, 1, 33)], 1)
+    loader = DataLoader(TensorDataset(x, (torch.arange(33) % 3 == 0).float()), batch_size=4)
+    module = _PerRowModule()
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[PredictionWriter(out, overwrite=True)])
+    (validated,) = trainer.validate(module, loader, verbose=False)
+    trainer.predict(module, loader, return_predictions=False)
+    return {"seen": module.seen, "ctr": validated["val_ctr"]}
+
+
+def test_a_per_row_dataset_at_two_ranks_is_validated_and_predicted_every_row_once(tmp_path):
+    """A TensorDataset of 33 rows (default_collate) at 2 ranks: validate counted row 0 twice (Lightning's
+    DistributedSampler repeats it to even the shares: CTR 12/34 where the data's is 11/33), and predict wrote 32 of the
+    33 rows (the rank with a batch fewer ended the pass for all). Now the shorter share steps on with the first row cut
+    to 0 rows: every row once in both."""
+    import pandas as pd
+
+    out = str(tmp_path / "p.csv")
+    ranks = run_ranks(_per_row_evaluate, 2, out, timeout=120)
+    assert sorted(sum((r["seen"] for r in ranks), [])) == list(range(33))
+    assert all(r["ctr"] == pytest.approx(11 / 33, abs=1e-12) for r in ranks)
+    assert list(pd.read_csv(out)["row"]) == list(range(33))
