@@ -47,9 +47,10 @@ differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 
 torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
 A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
 
-States are float64 sums per (metric, k) and counts, reduced with "sum": `compute()` covers every
-rank, and the same users split over 1, 2 or 4 ranks give the same value (float64 sums in another
-order: equal to ~1e-15, identical once logged as float32).
+States are float64 sums per (metric, cutoff 1..max(ks)) and counts of users with and without a relevant item,
+whatever ks and empty_target_action say (so a MetricCollection groups only metrics that compute alike), reduced
+with "sum": `compute()` covers every rank, and the same users split over 1, 2 or 4 ranks give the same value
+(float64 sums in another order: equal to ~1e-15, identical once logged as float32).
 """
 
 from __future__ import annotations
