@@ -679,3 +679,35 @@ def test_ranking_metrics_in_a_metric_collection_keep_their_own_k_and_action():
             assert float(got[name if not key else key]) == pytest.approx(float(value), abs=1e-12), name
     assert float(alone["n5"].compute()) != pytest.approx(float(alone["n10"].compute()))
     assert float(alone["n10"].compute()) != pytest.approx(float(alone["n10_neg"].compute()))
+
+
+def test_ignore_index_leaves_entries_out_as_torchmetrics_and_other_retrieval_arguments_name_the_fix():
+    """torchmetrics' ignore_index was refused as an "Unexpected keyword argument" of Metric, and entries holding it
+    (padding, -100) as non-0/1 relevance; adaptive_k and aggregation got the same message, naming nothing."""
+    from torchmetrics import retrieval as tr
+
+    g = torch.Generator().manual_seed(0)
+    preds = torch.rand(400, generator=g)  # > 0: torchmetrics 1.9 counts no item scored <= 0 in Recall / MRR
+    target = (torch.rand(400, generator=g) < 0.2).long()
+    target[torch.rand(400, generator=g) < 0.3] = -100
+    indexes = torch.randint(0, 30, (400,), generator=g)
+    refs = {"ndcg": tr.RetrievalNormalizedDCG, "recall": tr.RetrievalRecall, "precision": tr.RetrievalPrecision,
+            "mrr": tr.RetrievalMRR, "hit_rate": tr.RetrievalHitRate}
+    want = {f"{n}@5": float(cls(top_k=5, ignore_index=-100)(preds, target, indexes=indexes)) for n, cls in refs.items()}
+    flat = RankingMetrics(ks=5, ignore_index=-100, empty_target_action="neg")
+    flat.update(preds, target, indexes)
+    assert {k: float(v) for k, v in flat.compute().items()} == pytest.approx(want, abs=1e-6)
+    # the candidate form: an ignored entry is no candidate (as padding under mask=False)
+    preds_UC, target_UC = preds[:240].reshape(30, 8), target[:240].reshape(30, 8)
+    lists = RankingMetrics(ks=3, ignore_index=-100, empty_target_action="neg")
+    lists.update(preds_UC, target_UC)
+    want = {f"{n}@3": float(cls(top_k=3, ignore_index=-100)(preds[:240], target[:240],
+                                                             indexes=torch.arange(30).repeat_interleave(8)))
+            for n, cls in refs.items()}
+    assert {k: float(v) for k, v in lists.compute().items()} == pytest.approx(want, abs=1e-6)
+    with pytest.raises(ValueError, match="ignore_index"):
+        RankingMetrics(ks=5).update(preds, target, indexes)
+    with pytest.raises(ValueError, match="adaptive_k=True .* Recall@k"):
+        Precision(top_k=3, adaptive_k=True)
+    with pytest.raises(ValueError, match="aggregation='median'.*torchmetrics.retrieval"):
+        NDCG(top_k=3, aggregation="median")

@@ -46,6 +46,10 @@ torchmetrics' NDCG instead averages the gain over tied items. With discrete scor
 differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 here, 0.1223 in
 torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
 A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
+Scores <= 0: torchmetrics 1.9's Recall, Precision and MRR (not its NDCG or HitRate) count a relevant item only
+when its score is > 0 (its PR #3104); here the ranking alone counts, as in RecBole, so a model's raw dot products
+or logits (often negative) give higher Recall / Precision / MRR here. Compare on positive scores
+(`torch.sigmoid(scores)` keeps the order).
 
 States are float64 sums per (metric, cutoff 1..max(ks)) and counts of users with and without a relevant item,
 whatever ks and empty_target_action say (so a MetricCollection groups only metrics that compute alike), reduced
@@ -132,7 +136,7 @@ def _check_flat(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> None:
                          f"candidate), got {tuple(preds_N.shape)}, {tuple(target_N.shape)}, {tuple(indexes_N.shape)}")
     if target_N.dtype != torch.bool and bool(((target_N != 0) & (target_N != 1)).any()):
         raise ValueError("target must be 0/1 relevance (graded ratings: binarize them first, e.g. "
-                         "`target = rating >= 4`)")
+                         "`target = rating >= 4`; entries to leave out: ignore_index=their value)")
 
 
 def _padded_by_query(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -167,6 +171,9 @@ class RankingMetrics(Metric):
         prefix: put before each name in `compute()`'s dict ("val_" -> "val_ndcg@10").
         empty_target_action: what a user with no relevant item counts for, as in torchmetrics: "skip" (left
             out; our default), "neg" (0; torchmetrics' default), "pos" (1) or "error" (compute() raises).
+        ignore_index: as in torchmetrics, a target value whose entries are left out (not a candidate at all), in
+            the flat and candidate forms (e.g. -100 for padding).
+        adaptive_k, aggregation: torchmetrics' arguments, taken at their defaults only (False, "mean").
 
     `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`.
     """
@@ -177,8 +184,23 @@ class RankingMetrics(Metric):
 
     def __init__(self, ks: int | Sequence[int] | None = None, metrics: Sequence[str] = RANKING_METRICS,
                  prefix: str = "", top_k: int | None | _Unset = UNSET, empty_target_action: str = "skip",
+                 ignore_index: int | None = None, adaptive_k: bool = False, aggregation: str = "mean",
                  **kwargs) -> None:
+        # torchmetrics' retrieval arguments: ignore_index was refused as an "Unexpected keyword argument" of Metric,
+        # and its entries, given anyway, as non-0/1 relevance; the two others are refused naming what is computed
+        if adaptive_k:
+            raise ValueError("adaptive_k=True (Precision@k over min(k, the user's candidates)) is not computed here: "
+                             "Precision@k divides by k (torchmetrics' adaptive_k=False); give candidate lists of at "
+                             "least k items, or read Recall@k / HitRate@k")
+        if aggregation != "mean":
+            raise ValueError(f"aggregation={aggregation!r}: the metrics here are means over users (torchmetrics' "
+                             f"aggregation='mean'), kept as sums synced over ranks; for a median or another "
+                             f"aggregate use torchmetrics.retrieval")
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise ValueError(f"ignore_index={ignore_index!r}: give the int target value to leave out (e.g. -100), "
+                             f"or None")
         super().__init__(**kwargs)
+        self.ignore_index = ignore_index
         self.ks = _cutoffs(ks, top_k, default=(10,))
         if empty_target_action not in EMPTY_TARGET_ACTIONS:
             raise ValueError(f"empty_target_action={empty_target_action!r}: choose one of "
@@ -248,6 +270,9 @@ class RankingMetrics(Metric):
                 raise ValueError("update(preds, target, indexes) takes no mask: leave out the entries to skip")
             if preds is None or target is None:
                 raise ValueError("update(preds, target, indexes) needs all three, one entry per user and candidate")
+            if self.ignore_index is not None and preds.shape == target.shape == indexes.shape:
+                kept = target != self.ignore_index  # torchmetrics drops these entries before anything else
+                preds, target, indexes = preds[kept], target[kept], indexes[kept]
             _check_flat(preds, target, indexes)
             if indexes.numel():  # (an empty batch has no user: nothing to count)
                 self.flat_preds.append(preds.detach().reshape(-1).double())
@@ -279,10 +304,14 @@ class RankingMetrics(Metric):
             raise ValueError(f"update(preds, target, mask) takes [U, C] tensors of one shape (a row of candidates "
                              f"per user), got preds {tuple(preds.shape)}, target {tuple(target.shape)}"
                              + ("" if mask is None else f", mask {tuple(mask.shape)}"))
+        if self.ignore_index is not None and target.dtype != torch.bool:
+            ignored = target == self.ignore_index  # no candidate at all: masked out, as padding is
+            mask = ~ignored if mask is None else mask.bool() & ~ignored
+            target = target.masked_fill(ignored, 0)
         if target.dtype != torch.bool:
             if bool(((target != 0) & (target != 1)).any()):
                 raise ValueError("target must be 0/1 relevance (graded ratings: binarize them first, e.g. "
-                                 "`target = rating >= 4`)")
+                                 "`target = rating >= 4`; entries to leave out: ignore_index=their value)")
             target = target != 0
         scores = preds.detach().float()
         if mask is not None:
