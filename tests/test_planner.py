@@ -711,3 +711,25 @@ def test_a_cache_load_factor_goes_with_the_plan_to_the_kernel_and_the_fit_check(
         ParameterSharding("table_wise", "fused", [0], cache_load_factor=0.05)
     with pytest.raises(ValueError, match=r"in \(0, 1\]"):
         ParameterSharding("table_wise", "fused_uvm_caching", [0], cache_load_factor=1.5)
+
+
+def test_a_collection_on_fbgemm_cpu_is_priced_at_its_padded_width():
+    """EmbeddingBagCollection(kernel="fbgemm") on CPU pads rows to 4 columns, but the planner priced the native
+    kernel's unpadded rows: a dim-2 table took 20 MB where the plan said 12 MB. Now the collection's kernel is read."""
+    from lightning_rec.optim import FusedOptimizerConfig
+
+    rows = 100_000
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=2, feature_names=["f"])]
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    planned = {}
+    for kernel in ("fbgemm", "native", "dense"):
+        ebc = EmbeddingBagCollection(tables, optimizer=None if kernel == "dense" else opt, kernel=kernel)
+        planner = EmbeddingShardingPlanner(cpu(1), batch_size=8, pipelined=False, print_stats=False,
+                                           constraints={"t": ParameterConstraints(sharding_types=["table_wise"])})
+        planner.plan(ebc)
+        planned[kernel] = planner.stats.tables[0].ddr_bytes
+        if kernel != "dense":
+            tbe_bytes = sum(b.numel() * b.element_size() for k in ebc.fused_kernels()
+                            for b in [*k.buffers(), *k.parameters()] if b.numel() >= rows)  # rows and their state
+            assert planned[kernel] >= tbe_bytes, (kernel, planned[kernel], tbe_bytes)
+    assert planned["fbgemm"] - planned["native"] == rows * 2 * 4  # two padding columns of fp32

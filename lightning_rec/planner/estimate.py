@@ -78,6 +78,9 @@ class TableSpec:
     pooling_factors: list[float]  # per feature
     is_weighted: bool
     constraints: ParameterConstraints
+    # the CPU kernel its collection resolves to ("fbgemm" pads rows to 4 columns, "native" does not); None: the
+    # "auto" rule's (native for bags, fbgemm for sequence tables, which the native kernel does not pool)
+    cpu_kernel: str | None = None
 
     @property
     def ids_per_sample(self) -> float:
@@ -176,11 +179,13 @@ class CostModel:
 
     def stored_cols(self, spec: TableSpec, cols: int) -> int:
         """Columns a shard's rows take in memory. fbgemm's kernel pads them to a multiple of 4 (lookup.py): every
-        table on GPU, and sequence tables on CPU (the native CPU kernel pools only). Priced at `cols`, a dim-1 table
-        on GPU took 4 times the memory the plan gave it."""
-        if self.topology.compute_device == "cuda" or not spec.pooled:
+        table on GPU; on CPU, sequence tables (the native CPU kernel pools only) and a collection built with
+        kernel="fbgemm". Priced at `cols`, a dim-1 table on GPU took 4 times the memory the plan gave it, and a
+        dim-2 bag of an EmbeddingBagCollection(kernel="fbgemm") on CPU 1.7 times (its row-wise state unpadded)."""
+        if self.topology.compute_device == "cuda":
             return padded_dim(cols, pad_multiple("fbgemm"))
-        return cols
+        kernel = spec.cpu_kernel or ("native" if spec.pooled else "fbgemm")
+        return padded_dim(cols, pad_multiple(kernel))
 
     def shard_cost(
         self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int, cols: int

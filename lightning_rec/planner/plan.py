@@ -230,7 +230,8 @@ class EmbeddingShardingPlanner:
     def _specs(self, module) -> list[TableSpec]:
         specs: list[TableSpec] = []
         names: set[str] = set()
-        weighted = {path for path, m in (module.named_modules() if hasattr(module, "named_modules") else [])
+        collections = dict(module.named_modules()) if hasattr(module, "named_modules") else {}
+        weighted = {path for path, m in collections.items()
                     if callable(getattr(m, "is_weighted", None)) and m.is_weighted()}
         for path, configs, pooled in find_tables(module):
             in_module: set[str] = set()
@@ -275,6 +276,7 @@ class EmbeddingShardingPlanner:
                         # from the module too); they were priced unweighted unless is_weighted=True was repeated there
                         is_weighted=c.is_weighted or path in weighted,
                         constraints=c,
+                        cpu_kernel=_cpu_kernel(collections.get(path), cfg),
                     )
                 )
         unknown = sorted(set(self.constraints) - names)
@@ -589,6 +591,24 @@ def _default_topology() -> Topology:
     local = torch.cuda.device_count() if device == "cuda" else world
     local = local if local and world % local == 0 else world
     return Topology(world_size=world, compute_device=device, local_world_size=min(local, world))
+
+
+def _cpu_kernel(collection, cfg) -> str | None:
+    """The kernel `collection` runs `cfg`'s table with on CPU (EmbeddingBagCollection(kernel=...) resolved as the
+    sharded module resolves it), or None where it does not say (a list of configs, no fused optimizer)."""
+    kernel, optimizer = getattr(collection, "_kernel", None), getattr(collection, "_optimizer", None)
+    if kernel == "dense":
+        return "dense"
+    if kernel is None or optimizer is None:
+        return None
+    import torch
+
+    from lightning_rec.lookup import choose_kernel
+
+    try:
+        return choose_kernel(kernel, optimizer, torch.device("cpu"), cfg.pooling_name())
+    except ValueError:  # a kernel that cannot run: DistributedModelParallel refuses it, naming the fix
+        return None
 
 
 def _modules(module) -> list:
