@@ -733,3 +733,26 @@ def test_a_collection_on_fbgemm_cpu_is_priced_at_its_padded_width():
                             for b in [*k.buffers(), *k.parameters()] if b.numel() >= rows)  # rows and their state
             assert planned[kernel] >= tbe_bytes, (kernel, planned[kernel], tbe_bytes)
     assert planned["fbgemm"] - planned["native"] == rows * 2 * 4  # two padding columns of fp32
+
+
+def test_torchrec_topology_fields_are_accepted_or_refused_by_name():
+    """Topology(bwd_compute_multiplier=...) and TorchRec's other fields were a TypeError naming no fix, and its
+    bandwidths (bytes per millisecond there, per second here) were taken 1000 times too slow, silently."""
+    cuda = dict(world_size=2, compute_device="cuda", hbm_cap=GB, ddr_cap=GB)
+    t = Topology(**cuda, hbm_to_ddr_mem_bw=20e9)  # TorchRec's name for the link UVM lookups cross
+    assert t.pcie_bw == t.hbm_to_ddr_mem_bw == 20e9
+    assert Topology(**cuda, pcie_bw=20e9) == t
+    with pytest.raises(ValueError, match="same link; pass one of them"):
+        Topology(**cuda, hbm_to_ddr_mem_bw=20e9, pcie_bw=10e9)
+    for name, value in (("bwd_compute_multiplier", 2.0), ("custom_topology_data", {"ddr_cap": [GB, 2 * GB]}),
+                        ("weighted_feature_bwd_compute_multiplier", 1.0), ("uneven_sharding_perf_multiplier", 1.0),
+                        ("generalized_comms_bandwidths", object())):
+        with pytest.raises(ValueError, match=rf"Topology\({name}=.*is TorchRec's.*leave it out"):
+            Topology(**cuda, **{name: value})
+    torchrec_bytes_per_ms = {"hbm_mem_bw": 897 * GB / 1000, "ddr_mem_bw": 51 * GB / 1000,
+                             "hbm_to_ddr_mem_bw": 32 * GB / 1000, "intra_host_bw": 600 * GB / 1000,
+                             "inter_host_bw": 12.5 * GB / 1000}
+    for name, value in torchrec_bytes_per_ms.items():
+        with pytest.raises(ValueError, match=rf"Topology {name}=.*bytes per second.*multiply a TorchRec figure"):
+            Topology(**cuda, **{name: value})
+        Topology(**cuda, **{name: value * 1000})  # the same figure in bytes per second
