@@ -756,3 +756,20 @@ def test_torchrec_topology_fields_are_accepted_or_refused_by_name():
         with pytest.raises(ValueError, match=rf"Topology {name}=.*bytes per second.*multiply a TorchRec figure"):
             Topology(**cuda, **{name: value})
         Topology(**cuda, **{name: value * 1000})  # the same figure in bytes per second
+
+
+def test_a_plan_for_many_ranks_prints_one_short_line_per_table():
+    """print(plan) at 64 ranks made a 2,300-character line per row_wise table (the strategy prints it at setup);
+    now a table of many shards prints their count, ranks, the first two and the last."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=64_000 * (i + 1), embedding_dim=64) for i in range(2)]
+    planner = EmbeddingShardingPlanner(Topology(world_size=64, local_world_size=8, ddr_cap=64 * GB), print_stats=False,
+                                       constraints={t.name: ParameterConstraints(sharding_types=["row_wise"])
+                                                    for t in tables})
+    plan = planner.plan(tables)
+    lines = str(plan).splitlines()
+    assert len(lines) == 3 and max(len(line) for line in lines) < 160, lines
+    assert "t0  row_wise (fused) -> 64 shards on ranks 0-63: rank 0: rows 0:1000 cols 0:64; rank 1: rows 1000:2000 " \
+           "cols 0:64; ...; rank 63: rows 63000:64000 cols 0:64" in lines[1], lines[1]
+    assert len(plan.plan[""]["t0"].shards) == 64  # all of them are there to read
+    few = EmbeddingShardingPlanner(cpu(2), print_stats=False).plan(tables)
+    assert "..." not in str(few)  # two ranks: every shard, as before
