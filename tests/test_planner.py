@@ -773,3 +773,25 @@ def test_a_plan_for_many_ranks_prints_one_short_line_per_table():
     assert len(plan.plan[""]["t0"].shards) == 64  # all of them are there to read
     few = EmbeddingShardingPlanner(cpu(2), print_stats=False).plan(tables)
     assert "..." not in str(few)  # two ranks: every shard, as before
+
+
+def _subgroup_plan(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    pg = dist.new_group([1])  # every rank creates it; rank 1 plans for it, broadcasting from itself (not rank 0)
+    planner = EmbeddingShardingPlanner(Topology(world_size=1), batch_size=64, print_stats=False)
+    if rank == 0:
+        with pytest.raises(ValueError, match="rank 0 is not in pg.*call collective_plan on pg's ranks only"):
+            planner.collective_plan(small_tables(), None, pg)
+        return {}
+    return {"plan": str(planner.collective_plan(small_tables(), None, pg)), "ms": planner.stats.max_ms}
+
+
+def test_collective_plan_on_a_subgroup_plans_on_its_ranks():
+    """collective_plan(model, None, pg) for a group of rank 1 plans there; on rank 0, outside the group,
+    dist.new_group's placeholder was refused as 'pg must be a ProcessGroup, got a int'."""
+    from dist_utils import run_ranks
+
+    got = run_ranks(_subgroup_plan, 2)
+    alone = EmbeddingShardingPlanner(Topology(world_size=1), batch_size=64, print_stats=False).plan(small_tables())
+    assert got[0] == {} and got[1]["plan"] == str(alone), got

@@ -426,6 +426,11 @@ class EmbeddingShardingPlanner:
 
         if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all
             sharders, pg = None, sharders
+        if isinstance(pg, int) and pg == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+            # what dist.new_group(ranks) returns on a rank outside `ranks`: "got a int" named no cause
+            raise ValueError(f"collective_plan(module, sharders, pg): rank {dist.get_rank()} is not in pg "
+                             f"(dist.new_group returns a placeholder on the ranks it leaves out): call collective_plan "
+                             f"on pg's ranks only")
         if pg is not None and not isinstance(pg, dist.ProcessGroup):
             raise ValueError(f"collective_plan(module, sharders, pg): pg must be a torch.distributed ProcessGroup "
                              f"(or None for the world), got a {type(pg).__name__}: pass pg=dist.GroupMember.WORLD "
