@@ -560,13 +560,14 @@ def test_shard_cost_counts_weights_state_and_buffers():
     inputs = ids * 8 + 4 * B * 2  # int64 ids + int32 lengths
     outputs = B * 2 * dim * 4  # fp32 pooled output
     assert hbm == 0  # CPU: everything in host memory
+    shm = 2 * outputs / 2  # the shared-memory transport's two slots of what goes to the other rank
     # pipelined (depth 1): the step's routed ids, the next batch's, and the one Lightning's loop takes ahead
-    assert ddr == rows * dim * 4 + rows * 4 + 3 * inputs + 2 * outputs
+    assert ddr == rows * dim * 4 + rows * 4 + 3 * inputs + 2 * outputs + shm
     plain = CostModel(cpu(2), batch_size=B, optimizer="rowwise_adagrad", pipelined=False)
     deeper = CostModel(cpu(2), batch_size=B, optimizer="rowwise_adagrad", pipelined=2)
     for model, live in ((plain, 1), (deeper, 4)):
         got = model.shard_cost(_spec(rows, dim, pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim)[1]
-        assert got == rows * dim * 4 + rows * 4 + live * inputs + 2 * outputs
+        assert got == rows * dim * 4 + rows * 4 + live * inputs + 2 * outputs + shm
     assert compute > 0 and comm > 0
     hotter = cost.shard_cost(
         _spec(rows, dim, 4 * pf), ShardingType.TABLE_WISE, ComputeKernel.FUSED, rows, dim
@@ -795,3 +796,33 @@ def test_collective_plan_on_a_subgroup_plans_on_its_ranks():
     got = run_ranks(_subgroup_plan, 2)
     alone = EmbeddingShardingPlanner(Topology(world_size=1), batch_size=64, print_stats=False).plan(small_tables())
     assert got[0] == {} and got[1]["plan"] == str(alone), got
+
+
+def _shared_memory_held(rank: int, world_size: int) -> dict:
+    from lightning_rec import DistributedModelParallel, KeyedJaggedTensor
+    from lightning_rec.optim import FusedOptimizerConfig
+
+    B, F, rows = 4096, 4, 1000  # 2 MB of embeddings a table: more than the transport's first 1 MB slots
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=64, feature_names=[f"f{i}"])
+              for i in range(F)]
+    model = nn.ModuleDict({"ebc": EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1))})
+    planner = EmbeddingShardingPlanner(Topology(world_size=2), batch_size=B, pipelined=False, print_stats=False,
+                                       constraints={t.name: ParameterConstraints(sharding_types=["table_wise"])
+                                                    for t in tables})
+    dmp = DistributedModelParallel(model, plan=planner.collective_plan(model), dense=None)
+    ids = torch.randint(0, rows, (F * B,), generator=torch.Generator().manual_seed(rank))
+    kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(F)], ids, torch.ones(F * B, dtype=torch.long))
+    dmp.module["ebc"](kjt).values().sum().backward()
+    held = dmp._transport._data.nbytes  # this rank's /dev/shm region: two slots
+    planned = planner.stats.ranks[rank].ddr_used - planner.stats.ranks[rank].shards["table_wise"] * rows * 64 * 4
+    return {"held": held, "planned_batch_bytes": planned}
+
+
+def test_the_shared_memory_transport_is_in_the_planned_memory():
+    """On one CPU host the embeddings travel through each rank's /dev/shm region (two slots of what it sends), which
+    the planner left out: 4 MB a rank here, beside the 8.2 MB of batch buffers it counted. Now they are priced too."""
+    from dist_utils import run_ranks
+
+    for got in run_ranks(_shared_memory_held, 2):
+        # the region, the ids, the outputs and their gradients: what was priced covers what the run holds
+        assert got["held"] == 4 * 2**20 and got["planned_batch_bytes"] >= got["held"] + 2 * 4096 * 2 * 2 * 64 * 4, got

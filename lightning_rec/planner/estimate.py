@@ -211,6 +211,12 @@ class CostModel:
         if kernel == ComputeKernel.DENSE:
             state += rows * cols * 4  # the dense gradient autograd materialises
         io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
+        if t.compute_device == "cpu" and W == L > 1 and not dp:
+            # ranks of one host exchange through shared memory (shm_transport.py): each rank's /dev/shm region
+            # holds two slots of the largest exchange it sends, less its own share; at most this shard's ids or
+            # embeddings, summed over the rank's shards (8 MB a rank in a 2-rank run whose plan counted 17 MB).
+            # A replica's gradient all-reduce goes there too, one table at a time: within reserved_fraction.
+            io += 2 * (W - 1) / W * max(in_bytes, out_bytes)
         if t.compute_device == "cpu":
             hbm, ddr = 0.0, weights + state + io
         elif kernel in UVM_KERNELS:
