@@ -826,3 +826,21 @@ def test_the_shared_memory_transport_is_in_the_planned_memory():
     for got in run_ranks(_shared_memory_held, 2):
         # the region, the ids, the outputs and their gradients: what was priced covers what the run holds
         assert got["held"] == 4 * 2**20 and got["planned_batch_bytes"] >= got["held"] + 2 * 4096 * 2 * 2 * 64 * 4, got
+
+
+def test_column_splits_use_every_rank_of_a_cluster_of_3_or_6():
+    """Column blocks came in powers of two only: on 3 ranks a table that fits in 3 blocks of 32 columns (and no 2) was
+    refused, and on 6 ranks (3 hosts of 2) column_wise and grid_shard left a third of the cluster out."""
+    big = EmbeddingBagConfig(name="big", num_embeddings=4_000_000, embedding_dim=96, feature_names=["f"])
+    only_columns = {"big": ParameterConstraints(sharding_types=["column_wise"])}
+    plan = EmbeddingShardingPlanner(Topology(world_size=3, ddr_cap=int(0.75 * GB)), batch_size=64,
+                                    constraints=only_columns, print_stats=False).plan([big])
+    check_complete(plan, [big], 3)
+    assert sorted(s.placement for s in plan.plan[""]["big"].shards) == [0, 1, 2]
+    for st, blocks in (("column_wise", 6), ("grid_shard", 3)):  # 3 hosts: grid's column blocks go one per host
+        constraints = {"big": ParameterConstraints(sharding_types=[st], min_partition=16)}
+        six = EmbeddingShardingPlanner(Topology(world_size=6, local_world_size=2, ddr_cap=int(0.4 * GB)),
+                                       batch_size=64, print_stats=False, constraints=constraints).plan([big])
+        check_complete(six, [big], 6, local_world_size=2)
+        shards = six.plan[""]["big"].shards
+        assert len({s.shard_offsets[1] for s in shards}) == blocks and len({s.placement for s in shards}) == 6, shards

@@ -285,6 +285,16 @@ def _min_partition_fix(spec: TableSpec, min_cols: int, at_most: int) -> str:
     return f"{now}; lower it with ParameterConstraints(min_partition={at_most}) or less" if at_most > 0 else now
 
 
+def _block_counts(n: int) -> list[int]:
+    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ... and `n` itself. Powers of two only left a third
+    of a 3-rank (6-rank) cluster out of every column split: a table that fit in 3 blocks was refused."""
+    counts, k = [], 2
+    while k <= n:
+        counts.append(k)
+        k *= 2
+    return counts + [n] if n > 1 and n not in counts else counts
+
+
 def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list[str]]:
     """(num_blocks, column_sizes, shards) per layout of this sharding type, and why none fit."""
     W, L, H = t.world_size, t.local_world_size, t.num_hosts
@@ -309,13 +319,14 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
             return [], [f"{st}: one host, same as row_wise"]
         return [(1, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.COLUMN_WISE:
-        out, k = [], 2
-        while k <= W and dim // k >= min_cols:
+        out = []
+        for k in _block_counts(W):
+            if dim // k < min_cols:
+                break
             shards = shard_layout(name, rows, dim, st, W, ranks=[0] * k)
             # sequence tables run on fbgemm, whose column blocks must be multiples of 4 (model_parallel.py)
             if spec.pooled or dim % 4 or not any(s.shard_sizes[1] % 4 for s in shards):
                 out.append((k, None, shards))
-            k *= 2
         return out, [] if out else [
             f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks "
             f"({_min_partition_fix(spec, min_cols, dim // 2)})"
@@ -331,13 +342,14 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
                         f"({_min_partition_fix(spec, min_cols, dim // L)})"]
         return [(L, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.GRID_SHARD:
-        out, k = [], 2
+        out = []
         if rows < L:
             return [], [f"{st}: {rows} rows cannot be split over the {L} ranks of a host"]
-        while k <= H and dim // k >= min_cols:
+        for k in _block_counts(H):
+            if dim // k < min_cols:
+                break
             shards = shard_layout(name, rows, dim, st, W, local_world_size=L, host_indexes=list(range(k)))
             out.append((k, None, shards))
-            k *= 2
         if out:
             return out, []
         if H < 2:
