@@ -844,3 +844,9 @@ def test_column_splits_use_every_rank_of_a_cluster_of_3_or_6():
         check_complete(six, [big], 6, local_world_size=2)
         shards = six.plan[""]["big"].shards
         assert len({s.shard_offsets[1] for s in shards}) == blocks and len({s.placement for s in shards}) == 6, shards
+    # too big even so: the message names the block width that holds the split, not "allow ... 'column_wise'"
+    with pytest.raises(PlannerError, match=r"smallest, column_wise x3 .*min_partition=32 columns, so dim 96 makes at "
+                                           r"most 3 of them on 6 ranks: lower it \(ParameterConstraints\(min_partitio"
+                                           r"n=16\)\)"):
+        EmbeddingShardingPlanner(Topology(world_size=6, local_world_size=2, ddr_cap=int(0.4 * GB)), batch_size=64,
+                                 constraints=only_columns, print_stats=False).plan([big])

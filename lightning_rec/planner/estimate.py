@@ -285,14 +285,15 @@ def _min_partition_fix(spec: TableSpec, min_cols: int, at_most: int) -> str:
     return f"{now}; lower it with ParameterConstraints(min_partition={at_most}) or less" if at_most > 0 else now
 
 
-def _block_counts(n: int) -> list[int]:
-    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ... and `n` itself. Powers of two only left a third
-    of a 3-rank (6-rank) cluster out of every column split: a table that fit in 3 blocks was refused."""
-    counts, k = [], 2
+def _block_counts(n: int, dim: int, min_cols: int) -> list[int]:
+    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ..., `n` itself, and the most blocks of `min_cols`
+    columns. Powers of two only left a third of a 3-rank (6-rank) cluster out of every column split: a table that
+    fit in 3 blocks was refused."""
+    counts, k = {n, dim // min_cols}, 2
     while k <= n:
-        counts.append(k)
+        counts.add(k)
         k *= 2
-    return counts + [n] if n > 1 and n not in counts else counts
+    return sorted(k for k in counts if 2 <= k <= n and dim // k >= min_cols)
 
 
 def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list[str]]:
@@ -320,9 +321,7 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
         return [(1, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.COLUMN_WISE:
         out = []
-        for k in _block_counts(W):
-            if dim // k < min_cols:
-                break
+        for k in _block_counts(W, dim, min_cols):
             shards = shard_layout(name, rows, dim, st, W, ranks=[0] * k)
             # sequence tables run on fbgemm, whose column blocks must be multiples of 4 (model_parallel.py)
             if spec.pooled or dim % 4 or not any(s.shard_sizes[1] % 4 for s in shards):
@@ -345,9 +344,7 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
         out = []
         if rows < L:
             return [], [f"{st}: {rows} rows cannot be split over the {L} ranks of a host"]
-        for k in _block_counts(H):
-            if dim // k < min_cols:
-                break
+        for k in _block_counts(H, dim, min_cols):
             shards = shard_layout(name, rows, dim, st, W, local_world_size=L, host_indexes=list(range(k)))
             out.append((k, None, shards))
         if out:

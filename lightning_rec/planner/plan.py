@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from lightning_rec.optim import emb_optim_type
-from lightning_rec.planner.constraints import ParameterConstraints
+from lightning_rec.planner.constraints import DEFAULT_MIN_PARTITION, ParameterConstraints
 from lightning_rec.planner.estimate import (
     COMM,
     COMPUTE,
@@ -348,6 +348,13 @@ class EmbeddingShardingPlanner:
             else "allow a finer split for it (ParameterConstraints(sharding_types=[..., 'row_wise', 'column_wise']), "
             "whose shards shrink as ranks are added)"
         )
+        W = self.topology.world_size
+        min_cols = spec.constraints.min_partition or min(spec.dim, DEFAULT_MIN_PARTITION)
+        if not replicated and least.sharding_type in _COLUMN_SPLITS and spec.dim // min_cols < W:
+            # "allow a finer split ... 'column_wise'" when column_wise was allowed already: the block width held it
+            how = (f"column blocks are at least min_partition={min_cols} columns, so dim {spec.dim} makes at most "
+                   f"{spec.dim // min_cols} of them on {W} ranks: lower it (ParameterConstraints(min_partition="
+                   f"{max(1, spec.dim // W)})) for more, narrower blocks, or {how}")
         return (
             f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) has no allowed sharding whose shards fit one "
             f"rank: its smallest, {least.describe()}, puts {self._mem(least.max_piece_bytes)} on a rank, but a rank "
@@ -545,6 +552,7 @@ class EmbeddingShardingPlanner:
         return "\n".join(lines)
 
 
+_COLUMN_SPLITS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD)
 _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message; the rest are counted
 
 
