@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -850,3 +851,16 @@ def test_column_splits_use_every_rank_of_a_cluster_of_3_or_6():
                                            r"n=16\)\)"):
         EmbeddingShardingPlanner(Topology(world_size=6, local_world_size=2, ddr_cap=int(0.4 * GB)), batch_size=64,
                                  constraints=only_columns, print_stats=False).plan([big])
+
+
+def test_a_replica_is_priced_at_its_own_width():
+    """data_parallel tables are plain tensors (no fbgemm kernel, so no padding to 4 columns), but the planner priced a
+    dim-1 replica on GPU, or on CPU beside kernel='fbgemm', at 4 columns: 4 times its weights and gradient."""
+    from lightning_rec.planner.estimate import CostModel
+
+    rows, st, dense = 1000, ShardingType.DATA_PARALLEL, ComputeKernel.DENSE
+    gpu = CostModel(Topology(world_size=2, compute_device="cuda", hbm_cap=8 * GB, ddr_cap=8 * GB), batch_size=8)
+    on_fbgemm = dataclasses.replace(_spec(rows, 1), cpu_kernel="fbgemm")
+    for cost, memory in ((gpu, 0), (CostModel(cpu(2), batch_size=8), 1)):
+        table, empty = (cost.shard_cost(on_fbgemm, st, dense, n, 1)[memory] for n in (rows, 0))
+        assert table - empty == rows * 1 * 4 + rows * 4 + rows * 1 * 4  # weights, row-wise state, the dense gradient

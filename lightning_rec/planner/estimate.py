@@ -205,7 +205,8 @@ class CostModel:
         opt_row = optimizer_state_bytes_per_row(self.optimizer, cols)
 
         # storage: rows as the kernel allocates them
-        stored = self.stored_cols(spec, cols)
+        # replicas are plain tensors (lookup.DenseKernel): only the fused kernels pad
+        stored = cols if kernel == ComputeKernel.DENSE else self.stored_cols(spec, cols)
         weights = rows * stored * spec.elem_bytes
         state = rows * optimizer_state_bytes_per_row(self.optimizer, stored)
         if kernel == ComputeKernel.DENSE:
