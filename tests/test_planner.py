@@ -758,6 +758,7 @@ def test_torchrec_topology_fields_are_accepted_or_refused_by_name():
         with pytest.raises(ValueError, match=rf"Topology {name}=.*bytes per second.*multiply a TorchRec figure"):
             Topology(**cuda, **{name: value})
         Topology(**cuda, **{name: value * 1000})  # the same figure in bytes per second
+    assert Topology(world_size=2, intra_host_bw=8e8).intra_host_bw == 8e8  # CPU ranks over a slow host's gloo
 
 
 def test_a_plan_for_many_ranks_prints_one_short_line_per_table():

@@ -35,10 +35,11 @@ COMPUTE_DEVICES = ("cpu", "cuda")
 _BW_FLOORS = {
     "hbm_mem_bw": (1e10, "GPU memory"),
     "ddr_mem_bw": (1e9, "host memory"),
-    "intra_host_bw": (1e9, "link between ranks of one host"),
+    "intra_host_bw": (1e9, "GPU link between ranks of one host"),
     "inter_host_bw": (1e8, "network between hosts"),
     "pcie_bw": (1e9, "host-device link"),
 }
+_CPU_INTRA_HOST_FLOOR = (1e8, "link between ranks of one host")  # gloo's loopback TCP on a slow host: under 1e9
 # TorchRec's Topology fields that this planner does not model: what does their job here
 _TORCHREC_REFUSED = {
     "bwd_compute_multiplier": "the backward is priced from the bytes it moves (the gradient, each row and its optimizer"
@@ -168,12 +169,12 @@ class Topology:
         }
         for name, default in defaults.items():
             value = getattr(self, name)
+            floor, what = _BW_FLOORS[name] if cuda or name != "intra_host_bw" else _CPU_INTRA_HOST_FLOOR
             if value is None:
                 setattr(self, name, float(default))
             elif value <= 0 and default > 0:
                 raise ValueError(f"Topology {name}={value} must be positive (bytes per second)")
-            elif default > 0 and value < _BW_FLOORS[name][0]:
-                floor, what = _BW_FLOORS[name]
+            elif default > 0 and value < floor:
                 name = pcie_name if name == "pcie_bw" else name
                 raise ValueError(
                     f"Topology {name}={value:g} is {_size(value)}/s, slower than any {what} (>= {floor:g} bytes/s): "
