@@ -865,3 +865,10 @@ def test_a_replica_is_priced_at_its_own_width():
     for cost, memory in ((gpu, 0), (CostModel(cpu(2), batch_size=8), 1)):
         table, empty = (cost.shard_cost(on_fbgemm, st, dense, n, 1)[memory] for n in (rows, 0))
         assert table - empty == rows * 1 * 4 + rows * 4 + rows * 1 * 4  # weights, row-wise state, the dense gradient
+
+
+def test_torchrecs_use_virtual_table_is_accepted_off_and_refused_on():
+    """TorchRec's ParameterConstraints(use_virtual_table=False) (its default, written out) was a TypeError."""
+    assert ParameterConstraints(use_virtual_table=False, pooling_factors=2.0).pooling_factors == [2.0]
+    with pytest.raises(ValueError, match="use_virtual_table=True is not a setting here: virtual .*leave it out"):
+        ParameterConstraints(use_virtual_table=True)
