@@ -98,8 +98,9 @@ class Topology:
     intra_host_bw: float | None = None  # per rank, to ranks on the same host
     inter_host_bw: float | None = None  # per rank, to ranks on other hosts
     pcie_bw: float | None = None  # host <-> device, what UVM lookups go through
-    # TorchRec's names, by keyword: hbm_to_ddr_mem_bw is pcie_bw; the others are accepted at None (TorchRec's code
-    # passes its defaults through) and refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
+    # TorchRec's names, by keyword. hbm_to_ddr_mem_bw is read into pcie_bw and kept as given (a copy of pcie_bw
+    # would go stale under dataclasses.replace(topology, pcie_bw=...)); the others are accepted at None only and
+    # refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
     hbm_to_ddr_mem_bw: float | None = None
     bwd_compute_multiplier: float | None = None
     custom_topology_data: object | None = None
@@ -181,7 +182,6 @@ class Topology:
                     f"bandwidths here are bytes per second, and TorchRec's are bytes per millisecond: multiply a "
                     f"TorchRec figure by 1000 ({name}={value * 1000:g})"
                 )
-        self.hbm_to_ddr_mem_bw = self.pcie_bw  # TorchRec's name reads the same figure
 
     @property
     def num_hosts(self) -> int:
