@@ -784,11 +784,29 @@ def _subgroup_plan(rank: int, world_size: int) -> dict:
 
     pg = dist.new_group([1])  # every rank creates it; rank 1 plans for it, broadcasting from itself (not rank 0)
     planner = EmbeddingShardingPlanner(Topology(world_size=1), batch_size=64, print_stats=False)
+    out = {"unpicklable": _unpicklable_error(rank, world_size)}
     if rank == 0:
         with pytest.raises(ValueError, match="rank 0 is not in pg.*call collective_plan on pg's ranks only"):
             planner.collective_plan(small_tables(), None, pg)
-        return {}
-    return {"plan": str(planner.collective_plan(small_tables(), None, pg)), "ms": planner.stats.max_ms}
+        return out
+    return out | {"plan": str(planner.collective_plan(small_tables(), None, pg)), "ms": planner.stats.max_ms}
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("configs unreadable")
+        self.hook = lambda: None  # a local function: pickle refuses it
+
+
+class _Unreadable(nn.Module):
+    def embedding_bag_configs(self):
+        raise _Unpicklable()
+
+
+def _unpicklable_error(rank: int, world_size: int) -> str:
+    with pytest.raises(Exception) as err:
+        EmbeddingShardingPlanner(Topology(world_size=2), print_stats=False).collective_plan(_Unreadable())
+    return repr(err.value)
 
 
 def test_collective_plan_on_a_subgroup_plans_on_its_ranks():
@@ -798,7 +816,12 @@ def test_collective_plan_on_a_subgroup_plans_on_its_ranks():
 
     got = run_ranks(_subgroup_plan, 2)
     alone = EmbeddingShardingPlanner(Topology(world_size=1), batch_size=64, print_stats=False).plan(small_tables())
-    assert got[0] == {} and got[1]["plan"] == str(alone), got
+    assert "plan" not in got[0] and got[1]["plan"] == str(alone), got
+    # rank 0's planning error held a local function: rank 0 raised "Can't pickle local object" in the broadcast and
+    # rank 1 "Connection closed by peer", neither naming the error; rank 1 now gets its type and message
+    assert [g["unpicklable"] for g in got] == ["_Unpicklable('configs unreadable')",
+                                               "RuntimeError('planning on rank 0 failed: _Unpicklable: configs "
+                                               "unreadable')"], got
 
 
 def _shared_memory_held(rank: int, world_size: int) -> dict:
@@ -885,3 +908,4 @@ def test_a_table_too_big_for_the_shard_share_stays_in_device_memory_where_it_fit
     ps = planner.plan(big).plan[""]["big"]
     assert ps.compute_kernel == ComputeKernel.FUSED and len(ps.shards) == 3, ps
     assert all(r.hbm_used <= r.hbm_cap for r in planner.stats.ranks)
+

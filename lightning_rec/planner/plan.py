@@ -17,6 +17,7 @@ Everything is ordered by numbers and table/rank indexes, so the same inputs give
 from __future__ import annotations
 
 import operator
+import pickle
 import time
 from collections.abc import Mapping
 
@@ -452,12 +453,19 @@ class EmbeddingShardingPlanner:
             )
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         payload: list = [None]
+        own_error = None
         if dist.get_rank() == src:
             try:
                 payload = [(self.plan(module, sharders), self._stats)]
             except Exception as e:  # every rank raises rank 0's error instead of hanging
-                payload = [e]
+                own_error, payload = e, [e]
+                try:
+                    pickle.dumps(e)
+                except Exception:  # its own error was lost to "Can't pickle ...", the peers' to a closed connection
+                    payload = [RuntimeError(f"planning on rank {src} failed: {type(e).__name__}: {e}")]
         dist.broadcast_object_list(payload, src=src, group=pg)
+        if own_error is not None:
+            raise own_error
         if isinstance(payload[0], Exception):
             raise payload[0]
         plan, self._stats = payload[0]
