@@ -909,3 +909,15 @@ def test_a_table_too_big_for_the_shard_share_stays_in_device_memory_where_it_fit
     assert ps.compute_kernel == ComputeKernel.FUSED and len(ps.shards) == 3, ps
     assert all(r.hbm_used <= r.hbm_cap for r in planner.stats.ranks)
 
+
+
+def test_stats_after_a_failed_plan_are_not_the_previous_plans():
+    """planner.plan(a) then a planner.plan(b) that raised left a's stats in planner.stats, read as b's."""
+    planner = EmbeddingShardingPlanner(cpu(2), print_stats=False)
+    planner.plan(small_tables())
+    assert planner.stats.tables
+    too_big = [EmbeddingBagConfig(name="huge", num_embeddings=10**9, embedding_dim=128)]
+    with pytest.raises(PlannerError):
+        planner.plan(too_big)
+    with pytest.raises(ValueError, match="last plan\\(\\) raised"):
+        _ = planner.stats

@@ -218,7 +218,8 @@ class EmbeddingShardingPlanner:
     @property
     def stats(self) -> PlanStats:
         if self._stats is None:
-            raise ValueError("planner.stats is read before planning: call planner.plan(model) first")
+            raise ValueError("planner.stats is read before a plan was made (none yet, or the last plan() raised): "
+                             "call planner.plan(model) first")
         return self._stats
 
     @property
@@ -398,6 +399,7 @@ class EmbeddingShardingPlanner:
         """
         del sharders
         start = time.perf_counter()
+        self._stats = None  # a failed plan() left the previous model's stats readable, as if they were this one's
         if not self._optimizer_given:
             fused = [m.fused_optimizer_config() for m in _modules(module)
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
@@ -453,7 +455,7 @@ class EmbeddingShardingPlanner:
             )
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         payload: list = [None]
-        own_error = None
+        own_error, self._stats = None, None  # on every rank: an error below leaves no earlier plan's stats
         if dist.get_rank() == src:
             try:
                 payload = [(self.plan(module, sharders), self._stats)]
