@@ -124,9 +124,29 @@ class ParameterSharding:
         return None if self.cache_load_factor is None else CacheParams(load_factor=self.cache_load_factor)
 
     def __str__(self) -> str:
-        pieces = "; ".join(str(s) for s in self.shards) if self.shards else f"ranks {self.ranks}"
+        shards = [str(s) for s in self.shards]
+        pieces = "; ".join(shards) if shards else f"ranks {self.ranks}"
+        if len(shards) > _SHARDS_SHOWN:
+            # one line per table stays readable at 64 ranks: a row_wise table's 64 shards made a 2,300-character
+            # line (the strategy prints the plan at setup); all of them are in .shards
+            ranks = _ranks_text(sorted({s.placement for s in self.shards}))
+            pieces = f"{len(shards)} shards on ranks {ranks}: " + "; ".join([*shards[:2], "...", shards[-1]])
         cache = f", cache {self.cache_load_factor:.0%}" if self.cache_load_factor is not None else ""
         return f"{self.sharding_type} ({self.compute_kernel}{cache}) -> {pieces}"
+
+
+_SHARDS_SHOWN = 4  # a table with more shards prints their count, their ranks, the first two and the last
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8, 9, 12] -> "0-3, 8-9, 12"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # fbgemm's and TorchRec's default: a fused_uvm_caching cache of 20% of the rows

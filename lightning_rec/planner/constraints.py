@@ -71,6 +71,7 @@ class ParameterConstraints:
     device_group: str | None = None
     key_value_params: object | None = None
     cache_load_factor: float | None = None
+    use_virtual_table: bool | None = None  # TorchRec's (after key_value_params there): False only
 
     def __post_init__(self) -> None:
         self.sharding_types = _enum_list(self.sharding_types, ShardingType, "sharding type", "")
@@ -135,6 +136,8 @@ class ParameterConstraints:
             "device_group": "one kind of device per plan: Topology(compute_device=...)",
             "key_value_params": "SSD / parameter-server tables are not supported; tables live in device or host memory",
         }
+        if self.use_virtual_table:  # was a TypeError "unexpected keyword argument", False (its default) included
+            refused["use_virtual_table"] = "virtual (SSD / dynamic) tables are not supported; tables have fixed rows"
         for name, instead in refused.items():
             value = getattr(self, name)
             if value is not None:

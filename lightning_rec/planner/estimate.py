@@ -78,6 +78,9 @@ class TableSpec:
     pooling_factors: list[float]  # per feature
     is_weighted: bool
     constraints: ParameterConstraints
+    # the CPU kernel its collection resolves to ("fbgemm" pads rows to 4 columns, "native" does not); None: the
+    # "auto" rule's (native for bags, fbgemm for sequence tables, which the native kernel does not pool)
+    cpu_kernel: str | None = None
 
     @property
     def ids_per_sample(self) -> float:
@@ -176,11 +179,13 @@ class CostModel:
 
     def stored_cols(self, spec: TableSpec, cols: int) -> int:
         """Columns a shard's rows take in memory. fbgemm's kernel pads them to a multiple of 4 (lookup.py): every
-        table on GPU, and sequence tables on CPU (the native CPU kernel pools only). Priced at `cols`, a dim-1 table
-        on GPU took 4 times the memory the plan gave it."""
-        if self.topology.compute_device == "cuda" or not spec.pooled:
+        table on GPU; on CPU, sequence tables (the native CPU kernel pools only) and a collection built with
+        kernel="fbgemm". Priced at `cols`, a dim-1 table on GPU took 4 times the memory the plan gave it, and a
+        dim-2 bag of an EmbeddingBagCollection(kernel="fbgemm") on CPU 1.7 times (its row-wise state unpadded)."""
+        if self.topology.compute_device == "cuda":
             return padded_dim(cols, pad_multiple("fbgemm"))
-        return cols
+        kernel = spec.cpu_kernel or ("native" if spec.pooled else "fbgemm")
+        return padded_dim(cols, pad_multiple(kernel))
 
     def shard_cost(
         self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int, cols: int
@@ -200,12 +205,19 @@ class CostModel:
         opt_row = optimizer_state_bytes_per_row(self.optimizer, cols)
 
         # storage: rows as the kernel allocates them
-        stored = self.stored_cols(spec, cols)
+        # replicas are plain tensors (lookup.DenseKernel): only the fused kernels pad
+        stored = cols if kernel == ComputeKernel.DENSE else self.stored_cols(spec, cols)
         weights = rows * stored * spec.elem_bytes
         state = rows * optimizer_state_bytes_per_row(self.optimizer, stored)
         if kernel == ComputeKernel.DENSE:
             state += rows * cols * 4  # the dense gradient autograd materialises
         io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
+        if t.compute_device == "cpu" and W == L > 1 and not dp:
+            # ranks of one host exchange through shared memory (shm_transport.py): each rank's /dev/shm region
+            # holds two slots of the largest exchange it sends, less its own share; at most this shard's ids or
+            # embeddings, summed over the rank's shards (8 MB a rank in a 2-rank run whose plan counted 17 MB).
+            # A replica's gradient all-reduce goes there too, one table at a time: within reserved_fraction.
+            io += 2 * (W - 1) / W * max(in_bytes, out_bytes)
         if t.compute_device == "cpu":
             hbm, ddr = 0.0, weights + state + io
         elif kernel in UVM_KERNELS:
@@ -274,6 +286,17 @@ def _min_partition_fix(spec: TableSpec, min_cols: int, at_most: int) -> str:
     return f"{now}; lower it with ParameterConstraints(min_partition={at_most}) or less" if at_most > 0 else now
 
 
+def _block_counts(n: int, dim: int, min_cols: int) -> list[int]:
+    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ..., `n` itself, and the most blocks of `min_cols`
+    columns. Powers of two only left a third of a 3-rank (6-rank) cluster out of every column split: a table that
+    fit in 3 blocks was refused."""
+    counts, k = {n, dim // min_cols}, 2
+    while k <= n:
+        counts.add(k)
+        k *= 2
+    return sorted(k for k in counts if 2 <= k <= n and dim // k >= min_cols)
+
+
 def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list[str]]:
     """(num_blocks, column_sizes, shards) per layout of this sharding type, and why none fit."""
     W, L, H = t.world_size, t.local_world_size, t.num_hosts
@@ -298,13 +321,12 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
             return [], [f"{st}: one host, same as row_wise"]
         return [(1, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.COLUMN_WISE:
-        out, k = [], 2
-        while k <= W and dim // k >= min_cols:
+        out = []
+        for k in _block_counts(W, dim, min_cols):
             shards = shard_layout(name, rows, dim, st, W, ranks=[0] * k)
             # sequence tables run on fbgemm, whose column blocks must be multiples of 4 (model_parallel.py)
             if spec.pooled or dim % 4 or not any(s.shard_sizes[1] % 4 for s in shards):
                 out.append((k, None, shards))
-            k *= 2
         return out, [] if out else [
             f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks "
             f"({_min_partition_fix(spec, min_cols, dim // 2)})"
@@ -320,13 +342,12 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
                         f"({_min_partition_fix(spec, min_cols, dim // L)})"]
         return [(L, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.GRID_SHARD:
-        out, k = [], 2
+        out = []
         if rows < L:
             return [], [f"{st}: {rows} rows cannot be split over the {L} ranks of a host"]
-        while k <= H and dim // k >= min_cols:
+        for k in _block_counts(H, dim, min_cols):
             shards = shard_layout(name, rows, dim, st, W, local_world_size=L, host_indexes=list(range(k)))
             out.append((k, None, shards))
-            k *= 2
         if out:
             return out, []
         if H < 2:
@@ -389,14 +410,15 @@ def enumerate_options(
                 options.append(
                     ShardingOption(spec, st, kernel, kind, pieces, column_sizes, num_blocks=num_blocks)
                 )
-    fits = [
-        o
-        for o in options
-        if o.max_piece_bytes[0] <= max_shard_bytes[0] and o.max_piece_bytes[1] <= max_shard_bytes[1]
-    ]
-    if fits and len(fits) < len(options):
-        reasons.append(f"{len(options) - len(fits)} option(s) with one shard over the per-shard memory share")
-        options = fits
+    # Per kernel: a table too big for the share in device memory kept only its UVM options (host memory, ~4x slower
+    # lookups by this model), though fused shards fitted the GPUs: a 51 GB table on 3 x 40 GB went to fused_uvm_caching
+    over = {id(o) for o in options
+            if o.max_piece_bytes[0] > max_shard_bytes[0] or o.max_piece_bytes[1] > max_shard_bytes[1]}
+    within = {o.kernel for o in options if id(o) not in over}
+    kept = [o for o in options if id(o) not in over or o.kernel not in within]
+    if len(kept) < len(options):
+        reasons.append(f"{len(options) - len(kept)} option(s) with one shard over the per-shard memory share")
+        options = kept
     return options, reasons
 
 

@@ -17,13 +17,14 @@ Everything is ordered by numbers and table/rank indexes, so the same inputs give
 from __future__ import annotations
 
 import operator
+import pickle
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
 from lightning_rec.optim import emb_optim_type
-from lightning_rec.planner.constraints import ParameterConstraints
+from lightning_rec.planner.constraints import DEFAULT_MIN_PARTITION, ParameterConstraints
 from lightning_rec.planner.estimate import (
     COMM,
     COMPUTE,
@@ -217,7 +218,8 @@ class EmbeddingShardingPlanner:
     @property
     def stats(self) -> PlanStats:
         if self._stats is None:
-            raise ValueError("planner.stats is read before planning: call planner.plan(model) first")
+            raise ValueError("planner.stats is read before a plan was made (none yet, or the last plan() raised): "
+                             "call planner.plan(model) first")
         return self._stats
 
     @property
@@ -230,7 +232,8 @@ class EmbeddingShardingPlanner:
     def _specs(self, module) -> list[TableSpec]:
         specs: list[TableSpec] = []
         names: set[str] = set()
-        weighted = {path for path, m in (module.named_modules() if hasattr(module, "named_modules") else [])
+        collections = dict(module.named_modules()) if hasattr(module, "named_modules") else {}
+        weighted = {path for path, m in collections.items()
                     if callable(getattr(m, "is_weighted", None)) and m.is_weighted()}
         for path, configs, pooled in find_tables(module):
             in_module: set[str] = set()
@@ -275,6 +278,7 @@ class EmbeddingShardingPlanner:
                         # from the module too); they were priced unweighted unless is_weighted=True was repeated there
                         is_weighted=c.is_weighted or path in weighted,
                         constraints=c,
+                        cpu_kernel=_cpu_kernel(collections.get(path), cfg),
                     )
                 )
         unknown = sorted(set(self.constraints) - names)
@@ -346,6 +350,13 @@ class EmbeddingShardingPlanner:
             else "allow a finer split for it (ParameterConstraints(sharding_types=[..., 'row_wise', 'column_wise']), "
             "whose shards shrink as ranks are added)"
         )
+        W = self.topology.world_size
+        min_cols = spec.constraints.min_partition or min(spec.dim, DEFAULT_MIN_PARTITION)
+        if not replicated and least.sharding_type in _COLUMN_SPLITS and spec.dim // min_cols < W:
+            # "allow a finer split ... 'column_wise'" when column_wise was allowed already: the block width held it
+            how = (f"column blocks are at least min_partition={min_cols} columns, so dim {spec.dim} makes at most "
+                   f"{spec.dim // min_cols} of them on {W} ranks: lower it (ParameterConstraints(min_partition="
+                   f"{max(1, spec.dim // W)})) for more, narrower blocks, or {how}")
         return (
             f"table '{spec.key}' ({spec.rows} rows x dim {spec.dim}) has no allowed sharding whose shards fit one "
             f"rank: its smallest, {least.describe()}, puts {self._mem(least.max_piece_bytes)} on a rank, but a rank "
@@ -388,6 +399,7 @@ class EmbeddingShardingPlanner:
         """
         del sharders
         start = time.perf_counter()
+        self._stats = None  # a failed plan() left the previous model's stats readable, as if they were this one's
         if not self._optimizer_given:
             fused = [m.fused_optimizer_config() for m in _modules(module)
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
@@ -424,6 +436,11 @@ class EmbeddingShardingPlanner:
 
         if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all
             sharders, pg = None, sharders
+        if isinstance(pg, int) and pg == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+            # what dist.new_group(ranks) returns on a rank outside `ranks`: "got a int" named no cause
+            raise ValueError(f"collective_plan(module, sharders, pg): rank {dist.get_rank()} is not in pg "
+                             f"(dist.new_group returns a placeholder on the ranks it leaves out): call collective_plan "
+                             f"on pg's ranks only")
         if pg is not None and not isinstance(pg, dist.ProcessGroup):
             raise ValueError(f"collective_plan(module, sharders, pg): pg must be a torch.distributed ProcessGroup "
                              f"(or None for the world), got a {type(pg).__name__}: pass pg=dist.GroupMember.WORLD "
@@ -438,12 +455,19 @@ class EmbeddingShardingPlanner:
             )
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         payload: list = [None]
+        own_error, self._stats = None, None  # on every rank: an error below leaves no earlier plan's stats
         if dist.get_rank() == src:
             try:
                 payload = [(self.plan(module, sharders), self._stats)]
             except Exception as e:  # every rank raises rank 0's error instead of hanging
-                payload = [e]
+                own_error, payload = e, [e]
+                try:
+                    pickle.dumps(e)
+                except Exception:  # its own error was lost to "Can't pickle ...", the peers' to a closed connection
+                    payload = [RuntimeError(f"planning on rank {src} failed: {type(e).__name__}: {e}")]
         dist.broadcast_object_list(payload, src=src, group=pg)
+        if own_error is not None:
+            raise own_error
         if isinstance(payload[0], Exception):
             raise payload[0]
         plan, self._stats = payload[0]
@@ -538,6 +562,7 @@ class EmbeddingShardingPlanner:
         return "\n".join(lines)
 
 
+_COLUMN_SPLITS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD)
 _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message; the rest are counted
 
 
@@ -589,6 +614,24 @@ def _default_topology() -> Topology:
     local = torch.cuda.device_count() if device == "cuda" else world
     local = local if local and world % local == 0 else world
     return Topology(world_size=world, compute_device=device, local_world_size=min(local, world))
+
+
+def _cpu_kernel(collection, cfg) -> str | None:
+    """The kernel `collection` runs `cfg`'s table with on CPU (EmbeddingBagCollection(kernel=...) resolved as the
+    sharded module resolves it), or None where it does not say (a list of configs, no fused optimizer)."""
+    kernel, optimizer = getattr(collection, "_kernel", None), getattr(collection, "_optimizer", None)
+    if kernel == "dense":
+        return "dense"
+    if kernel is None or optimizer is None:
+        return None
+    import torch
+
+    from lightning_rec.lookup import choose_kernel
+
+    try:
+        return choose_kernel(kernel, optimizer, torch.device("cpu"), cfg.pooling_name())
+    except ValueError:  # a kernel that cannot run: DistributedModelParallel refuses it, naming the fix
+        return None
 
 
 def _modules(module) -> list:

@@ -29,6 +29,28 @@ _CPU_INTRA_HOST_BW = 6.5e9
 _CPU_INTER_HOST_BW = 1.25e9  # 10 Gbit/s ethernet
 
 COMPUTE_DEVICES = ("cpu", "cuda")
+# Slower than any real link of its kind (bytes per second). TorchRec's bandwidths are bytes per millisecond, so its
+# figures (HBM 9.6e8, DDR 5.5e7, PCIe 3.4e7, NVLink 6.4e8, network 1.3e7) all land below these: ported as they were,
+# they priced every lookup and all-to-all 1000 times too slow, and the plan followed.
+_BW_FLOORS = {
+    "hbm_mem_bw": (1e10, "GPU memory"),
+    "ddr_mem_bw": (1e9, "host memory"),
+    "intra_host_bw": (1e9, "GPU link between ranks of one host"),
+    "inter_host_bw": (1e8, "network between hosts"),
+    "pcie_bw": (1e9, "host-device link"),
+}
+_CPU_INTRA_HOST_FLOOR = (1e8, "link between ranks of one host")  # gloo's loopback TCP on a slow host: under 1e9
+# TorchRec's Topology fields that this planner does not model: what does their job here
+_TORCHREC_REFUSED = {
+    "bwd_compute_multiplier": "the backward is priced from the bytes it moves (the gradient, each row and its optimizer"
+                              " state read and written) at ddr_mem_bw / hbm_mem_bw: lower those to make lookups dearer",
+    "weighted_feature_bwd_compute_multiplier": "weighted ids are priced by their extra bytes (ParameterConstraints("
+                                               "is_weighted=True), or read from the collection)",
+    "uneven_sharding_perf_multiplier": "uneven shards are priced by their own rows and columns",
+    "custom_topology_data": "every rank gets the same hbm_cap / ddr_cap: pass the smallest rank's",
+    "generalized_comms_bandwidths": "communication is priced with intra_host_bw and inter_host_bw (bytes per second "
+                                    "per rank)",
+}
 
 
 def host_memory_bytes() -> int:
@@ -76,8 +98,28 @@ class Topology:
     intra_host_bw: float | None = None  # per rank, to ranks on the same host
     inter_host_bw: float | None = None  # per rank, to ranks on other hosts
     pcie_bw: float | None = None  # host <-> device, what UVM lookups go through
+    # TorchRec's names, by keyword. hbm_to_ddr_mem_bw is read into pcie_bw and kept as given (a copy of pcie_bw
+    # would go stale under dataclasses.replace(topology, pcie_bw=...)); the others are accepted at None only and
+    # refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
+    hbm_to_ddr_mem_bw: float | None = None
+    bwd_compute_multiplier: float | None = None
+    custom_topology_data: object | None = None
+    weighted_feature_bwd_compute_multiplier: float | None = None
+    uneven_sharding_perf_multiplier: float | None = None
+    generalized_comms_bandwidths: object | None = None
 
     def __post_init__(self) -> None:
+        for name, instead in _TORCHREC_REFUSED.items():
+            value = getattr(self, name)
+            if value is not None:  # was a TypeError "unexpected keyword argument" naming no way forward
+                raise ValueError(f"Topology({name}={value!r}) is TorchRec's; this planner does not model it: "
+                                 f"{instead}; leave it out")
+        pcie_name = "pcie_bw" if self.hbm_to_ddr_mem_bw is None else "hbm_to_ddr_mem_bw"
+        if self.hbm_to_ddr_mem_bw is not None:
+            if self.pcie_bw is not None and self.pcie_bw != self.hbm_to_ddr_mem_bw:
+                raise ValueError(f"Topology hbm_to_ddr_mem_bw={self.hbm_to_ddr_mem_bw} (TorchRec's name) disagrees "
+                                 f"with pcie_bw={self.pcie_bw}: they are the same link; pass one of them")
+            self.pcie_bw = self.hbm_to_ddr_mem_bw
         self.compute_device = str(self.compute_device).lower()
         if self.compute_device not in COMPUTE_DEVICES:
             raise ValueError(
@@ -128,10 +170,18 @@ class Topology:
         }
         for name, default in defaults.items():
             value = getattr(self, name)
+            floor, what = _BW_FLOORS[name] if cuda or name != "intra_host_bw" else _CPU_INTRA_HOST_FLOOR
             if value is None:
                 setattr(self, name, float(default))
             elif value <= 0 and default > 0:
                 raise ValueError(f"Topology {name}={value} must be positive (bytes per second)")
+            elif default > 0 and value < floor:
+                name = pcie_name if name == "pcie_bw" else name
+                raise ValueError(
+                    f"Topology {name}={value:g} is {_size(value)}/s, slower than any {what} (>= {floor:g} bytes/s): "
+                    f"bandwidths here are bytes per second, and TorchRec's are bytes per millisecond: multiply a "
+                    f"TorchRec figure by 1000 ({name}={value * 1000:g})"
+                )
 
     @property
     def num_hosts(self) -> int:
