@@ -849,9 +849,14 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
     if lines and written_by:
         lines.insert(0, f"it was written by {written_by}")
     if lines:
-        raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) +
-                         "\nLoad it into a model built with the same tables and dims (resharding to another world "
-                         "size or plan is fine), or pass strict=False to skip the missing entries")
+        fix = ("\nLoad it into a model built with the same tables and dims (resharding to another world size or plan "
+               "is fine)")
+        if shapes:  # strict=False skips entries, never loads one into another shape: naming it sent users round
+            fix += ": strict=False skips missing and unexpected entries, not a table or layer of another size"
+        else:
+            fix += (", or pass strict=False to skip the entries that differ (under a Trainer: "
+                    "`self.strict_loading = False` in the LightningModule)")
+        raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) + fix)
 
 
 def _short(names: Sequence[str], n: int = 8) -> str:
@@ -915,11 +920,13 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
 
 @torch.no_grad()
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0,
-                   module: torch.nn.Module | None = None) -> None:
+                   module: torch.nn.Module | None = None, strict: bool = True) -> None:
     """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole.
 
     module: the model the optimizer trains; needed when its dense state was saved sharded (FSDP),
     which then loads at any world size (DCP reads the shards this rank's parameters hold).
+    strict=False: the fused state of a table the checkpoint does not hold (one added since) keeps its
+    initial value, as `load_model(..., strict=False)` leaves its weights.
     """
     if isinstance(optimizer, (list, tuple)):
         raise TypeError(f"lightning_rec.checkpoint.load_optimizer restores one optimizer, got {_what(optimizer)}: call "
@@ -976,8 +983,11 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
                         bufs = [t.new_empty(nr, 1) for _ in col_offsets]
                         buffers[(r, nr)] = bufs
                         chunks += [((r, k), (nr, 1), b) for k, b in enumerate(bufs)]
-                    post.append((t, buffers[(r, nr)], widths))
+                    post.append((fqn, t, buffers[(r, nr)], widths))
                 targets[fqn] = _Pieces((rows, len(col_offsets)), chunks)
+    if not strict:  # tables added since the save: their state stays as it starts (a missing bytes entry is still named)
+        targets = {k: v for k, v in targets.items() if v is None or k in saved}
+        post = [p for p in post if p[0] in targets]
     bytes_targets = {k for k, v in targets.items() if v is None}
     _check_targets(path, md, {k: v for k, v in targets.items() if k not in bytes_targets}, "optimizer's fused state")
     missing = [k for k in bytes_targets if k not in saved]
@@ -988,7 +998,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
         if not isinstance(saved[k], BytesStorageMetadata):
             raise ValueError(f"checkpoint {path}: '{k}' is not what this version writes there")
     _load(targets, reader, path)
-    for live, bufs, widths in post:
+    for _, live, bufs, widths in post:
         if len(bufs) == 1:
             live.copy_(bufs[0].view(-1))
         else:  # a table that was split by columns kept one per-row state per column shard: their weighted mean

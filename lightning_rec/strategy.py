@@ -784,7 +784,9 @@ class RecStrategy(DDPStrategy):
         states = checkpoint["optimizer_states"]
         if states and isinstance(states[0], rec_checkpoint.DCPCheckpoint):
             for optimizer, ref in zip(self.optimizers, states):
-                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module)
+                # strict_loading=False: a table added since the save starts its fused state afresh, as its weights
+                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module,
+                                              strict=self.lightning_module.strict_loading)
         elif rec_checkpoint.has_whole_by_name(states):  # a gathered file written with FSDP dense layers
             for optimizer, state in zip(self.optimizers, states):
                 rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)

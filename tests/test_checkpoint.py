@@ -1365,3 +1365,79 @@ def test_a_module_of_ones_own_with_rec_checkpoint_loading_loads_a_checkpoint_dir
     assert loaded.hparams.rows == 12
     for name, value in module.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value)
+
+
+class _GrowingModule:
+    """A LightningModule of one's own whose collection gains a table (or resizes one) between a save and a resume."""
+
+    @staticmethod
+    def make(tables=("t",), rows: int = 64, strict: bool = True):
+        import lightning.pytorch as pl
+
+        from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+        from lightning_rec.optim import combined_optimizer, dense_parameters
+
+        class Own(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.strict_loading = strict
+                self.ebc = EmbeddingBagCollection(
+                    [EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=4, feature_names=[f"C{i + 1}"])
+                     for i, n in enumerate(tables)], optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+                self.dense = torch.nn.Linear(13 + 4, 1)  # reads the first table: the same whatever is added
+
+            def training_step(self, batch, batch_idx):
+                pooled = self.ebc(batch.sparse_features).values()[:, :4]
+                logits = self.dense(torch.cat([batch.dense_features, pooled], 1)).squeeze(1)
+                return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+
+            def configure_optimizers(self):
+                return combined_optimizer(self, torch.optim.SGD(dense_parameters(self), lr=0.1))
+
+        torch.manual_seed(0)
+        return Own()
+
+
+def test_a_table_added_since_the_save_resumes_with_strict_loading_false_and_a_resized_one_is_named(tmp_path):
+    """A collection that gained a table, resumed with `self.strict_loading = False`: its weights loaded, then the fused
+    optimizer state refused the new table and said "pass strict=False", which the user had done (and which no
+    Trainer argument passes). Now the new table's fused state starts afresh, as its weights do, and the others load.
+    A resized table said "pass strict=False to skip the missing entries" too, which loads no table of another size:
+    now it says so, and the hint for missing entries names strict_loading under a Trainer."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=2,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    saved = _GrowingModule.make()
+    pl.Trainer(max_steps=2, callbacks=[saving], **kw).fit(saved, data)
+    path = saving.last_model_path
+    state = ckpt.full_state_dict(path)
+    grown = _GrowingModule.make(("t", "u"), strict=False)
+    seen = {}
+
+    class Look(pl.Callback):  # what the resume restored, before it trains on
+        def on_train_start(self, trainer, module):
+            fused = dict(trainer.optimizers[0].optimizers)["fused"].global_state_pieces()
+            seen.update(t=module.ebc.state_dict()["embedding_bags.t.weight"].clone(),
+                        u_sum=fused["ebc.u.sum"][1][0][1].clone(), t_sum=fused["ebc.t.sum"][1][0][1].clone())
+
+    pl.Trainer(max_steps=3, callbacks=[Look()], **kw).fit(grown, data, ckpt_path=path)
+    assert torch.equal(seen["t"], state["ebc.embedding_bags.t.weight"])
+    assert seen["t_sum"].abs().sum() > 0 and not seen["u_sum"].any()  # t's state restored, u's starts at zero
+
+    fresh = _GrowingModule.make(("t", "u"))
+    said = expect_error(ValueError, lambda: ckpt.load_model(fresh, path), "not in the checkpoint",
+                        "pass strict=False", "self.strict_loading = False")
+    ckpt.load_model(fresh, path, strict=False)
+    expect_error(ValueError, lambda: ckpt.load_optimizer(fresh.configure_optimizers(), path, module=fresh),
+                 "ebc.u.sum", "pass strict=False")
+    ckpt.load_optimizer(fresh.configure_optimizers(), path, module=fresh, strict=False)
+    resized = _GrowingModule.make(rows=100, strict=False)
+    for strict in (True, False):
+        said = expect_error(ValueError, lambda s=strict: ckpt.load_model(resized, path, strict=s),
+                            "(64, 4) in the checkpoint, (100, 4) here", "not a table or layer of another size")
+        assert "pass strict=False" not in said, said
