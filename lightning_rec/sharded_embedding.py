@@ -534,7 +534,7 @@ class _ShardedCollectionBase(nn.Module):
             # every sharded table has an entry on every rank, holding none of its pieces when elsewhere
             if self.routing.table_shardings[c.name].sharding_type != ShardingType.DATA_PARALLEL:
                 destination[f"{prefix}{self._weights_attr}.{c.name}.weight"] = ShardedTensor(
-                    shapes[c.name], pieces.get(c.name, []))
+                    shapes[c.name], pieces.get(c.name, []), list(self.routing.table_shardings[c.name].shards))
 
     @torch.no_grad()
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
