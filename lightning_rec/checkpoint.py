@@ -569,6 +569,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
     """
     _check_save_args(checkpoint, path, optimizers, module)
+    _refuse_url(path)
     path = Path(path)
     rank, world = _rank_world()
     try:  # the first exchanges: a rank that does not come (or left) shows here, before anything is written
@@ -643,6 +644,18 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     if rank == 0:
         _commit(partial, path)
     _barrier()
+
+
+def _refuse_url(path: str | os.PathLike) -> None:
+    """Every rank writes its pieces with local file calls: an s3:// path became a local directory named `s3:` (on a
+    cloud machine, gone with its disk) while the run said it had saved. Refused on every rank, before any collective."""
+    if not is_local_path(path):
+        head = str(path).split("://")[0]
+        raise ValueError(f"checkpoint {path} is a URL, but sharded checkpoints are written by every rank to a local or "
+                         f"mounted file system (it would have gone to a local directory named '{head}:'): give "
+                         f"ModelCheckpoint(dirpath=...) a local or mounted path (copy it to {head}:// after), or use "
+                         f"RecStrategy(checkpoint_format='gathered'), one file written through Lightning's "
+                         f"CheckpointIO (fsspec: s3://, gs://, ...)")
 
 
 def _device_of(value: Any) -> str:
@@ -1371,6 +1384,14 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     a rank copies from them, so each rank pages in the pieces it keeps, not the whole model. Files
     in torch's legacy format (not a zip) are read whole.
     """
+    if not is_local_path(path):  # written through Lightning's CheckpointIO (fsspec) by the gathered format: read so
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        fs = get_filesystem(path)
+        if not fs.exists(str(path)):
+            raise ValueError(f"checkpoint {path} does not exist: check the URL")
+        with fs.open(str(path), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
     if not os.path.exists(path):  # not a damaged file: there is none (a typo, or a fit that saved nothing)
         raise ValueError(f"checkpoint {path} does not exist: check the path (a fit writes its checkpoints where "
                          f"ModelCheckpoint's dirpath says, by default <default_root_dir>/.../checkpoints)")

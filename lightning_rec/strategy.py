@@ -296,6 +296,11 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
+            if self._checkpoint_format == "dcp":  # said now, not at the first save after hours of training
+                for callback in trainer.checkpoint_callbacks:
+                    if getattr(callback, "dirpath", None):
+                        rec_checkpoint._refuse_url(callback.dirpath)
+
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()

@@ -1441,3 +1441,35 @@ def test_a_table_added_since_the_save_resumes_with_strict_loading_false_and_a_re
         said = expect_error(ValueError, lambda s=strict: ckpt.load_model(resized, path, strict=s),
                             "(64, 4) in the checkpoint, (100, 4) here", "not a table or layer of another size")
         assert "pass strict=False" not in said, said
+
+
+def test_a_url_dirpath_is_refused_before_training_and_the_gathered_format_saves_and_resumes_there(tmp_path,
+                                                                                                  monkeypatch):
+    """ModelCheckpoint(dirpath="s3://bucket/ckpt") under strategy="rec": every rank wrote its pieces with local file
+    calls into a local directory named "s3:" (on a cloud machine, gone with its disk), and the run said it had saved.
+    Now fit refuses the URL before training, as checkpoint.save does, naming a local path or the gathered format;
+    the gathered format, which writes through Lightning's CheckpointIO, also reads it back to resume."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://{tmp_path.name}/ckpt"  # fsspec's in-memory file system stands in for s3://
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    small = {k: v for k, v in SMALL.items() if k != "sparse_feature_names"}
+
+    def fit(strategy, steps: int, **kw):
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             callbacks=[ModelCheckpoint(dirpath=url, save_last=True, every_n_train_steps=2)])
+        trainer.fit(DLRMModule(**small), data, **kw)
+        return trainer
+
+    expect_error(ValueError, lambda: fit("rec", 2), f"checkpoint {url} is a URL", "local directory named 'memory:'",
+                 "checkpoint_format='gathered'")
+    expect_error(ValueError, lambda: ckpt.save({"state_dict": {}}, url + "/x.ckpt"), "is a URL")
+    assert not list(tmp_path.iterdir())  # nothing written locally
+    fit(RecStrategy(checkpoint_format="gathered"), 2)
+    assert fit(RecStrategy(checkpoint_format="gathered"), 4, ckpt_path=url + "/last.ckpt").global_step == 4
