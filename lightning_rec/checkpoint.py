@@ -401,6 +401,14 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
     elif fused_key is None:
         if _is_dense_in_dcp(rest):
             _load_dense(optimizer, _dense_key(prefix, ""), module, path)
+        elif isinstance(rest, Mapping) and "param_groups" not in rest:
+            # a combined optimizer's (its parts by name) into one torch optimizer: torch said KeyError: 'param_groups'
+            index = prefix.split(".")[1]
+            raise ValueError(f"checkpoint {path}: optimizer {index} was saved as a combined optimizer (the fused "
+                             f"tables' part and the dense part(s) {list(rest)}), and this one is a "
+                             f"{type(optimizer).__name__}: restore it into the same kind, lightning_rec.optim."
+                             f"combined_optimizer(model, dense_optimizer) (the module's configure_optimizers()), or "
+                             f"load only the weights with checkpoint.load_model(model, path)")
         else:
             load_torch_optimizer_state(optimizer, rest)
 

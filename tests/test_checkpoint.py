@@ -1473,3 +1473,19 @@ def test_a_url_dirpath_is_refused_before_training_and_the_gathered_format_saves_
     assert not list(tmp_path.iterdir())  # nothing written locally
     fit(RecStrategy(checkpoint_format="gathered"), 2)
     assert fit(RecStrategy(checkpoint_format="gathered"), 4, ckpt_path=url + "/last.ckpt").global_step == 4
+
+
+def test_a_combined_optimizers_state_into_one_torch_optimizer_names_the_kind_to_build(tmp_path):
+    """A Trainer checkpoint (DLRMModule: fused tables + dense Adagrad, one combined optimizer) restored in a hand loop
+    into torch.optim.SGD(dense parameters) crashed inside torch with KeyError: 'param_groups'. Now it says what the
+    checkpoint holds and what to build."""
+    from lightning_rec.optim import dense_parameters
+
+    path = str(tmp_path / "c.ckpt")
+    module = _module()
+    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[module.configure_optimizers()])
+    plain = torch.optim.SGD(dense_parameters(module), lr=0.1)
+    expect_error(ValueError, lambda: ckpt.load_optimizer(plain, path, module=module),
+                 "optimizer 0 was saved as a combined optimizer", "['dense']", "this one is a SGD",
+                 "combined_optimizer(model, dense_optimizer)", "checkpoint.load_model")
+    ckpt.load_optimizer(module.configure_optimizers(), path, module=module)  # the same kind loads
