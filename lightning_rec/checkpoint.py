@@ -834,8 +834,11 @@ def _uncovered(md_entry, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
 
 
 def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict: bool = True,
-                   saved_prefix: str | None = None, written_by: str | None = None) -> None:
-    """Names every entry the checkpoint lacks or holds with another shape, before anything is read."""
+                   saved_prefix: str | None = None, written_by: str | None = None,
+                   nothing_matched: bool = False) -> None:
+    """Names every entry the checkpoint lacks or holds with another shape, before anything is read.
+
+    nothing_matched: strict=False was given and no entry of the model is in the checkpoint (said, not skipped)."""
     saved = md.state_dict_metadata
     missing, shapes, holes = [], [], []
     for fqn, obj in targets.items():
@@ -858,6 +861,9 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
     if strict and saved_prefix is not None:
         unexpected = [k for k in saved if k.startswith(saved_prefix) and k not in targets]
     lines = []
+    prefix_hint = _prefix_hint(missing, unexpected, saved_prefix) if saved_prefix is not None else None
+    if prefix_hint:
+        lines.append(prefix_hint)
     if shapes:
         lines.append("shapes differ: " + "; ".join(shapes))
     if missing:
@@ -869,15 +875,43 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
                      f"(a rank's part is missing)")
     if lines and written_by:
         lines.insert(0, f"it was written by {written_by}")
+    if lines and nothing_matched:
+        lines.insert(0, "strict=False would skip every entry of this model: none is in the checkpoint")
     if lines:
         fix = ("\nLoad it into a model built with the same tables and dims (resharding to another world size or plan "
                "is fine)")
         if shapes:  # strict=False skips entries, never loads one into another shape: naming it sent users round
             fix += ": strict=False skips missing and unexpected entries, not a table or layer of another size"
+        elif prefix_hint or nothing_matched:  # strict=False would load nothing
+            pass
         else:
             fix += (", or pass strict=False to skip the entries that differ (under a Trainer: "
                     "`self.strict_loading = False` in the LightningModule)")
         raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) + fix)
+
+
+def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str], head: str) -> str | None:
+    """When the two sides' names differ by one leading prefix (a checkpoint of a LightningModule loaded into its
+    `self.model`, or the other way), say so: the lists alone showed every name twice and named no cause."""
+    if not missing or len(missing) != len(unexpected):
+        return None
+    ours = sorted(k[len(head):] for k in missing)
+    theirs = set(k[len(head):] for k in unexpected)
+    first = ours[0]
+    for t in theirs:
+        if t != first and t.endswith("." + first):  # the checkpoint's names carry a prefix ours lack
+            extra = t[: -len(first)]
+            if all(extra + k in theirs for k in ours):
+                return (f"the checkpoint's names start with '{extra}' where this model's do not: it was saved from "
+                        f"a module around this one (e.g. the LightningModule whose '{extra[:-1]}' this is); load it "
+                        f"into that module")
+        if first != t and first.endswith("." + t):  # ours carry a prefix the checkpoint's lack
+            extra = first[: -len(t)]
+            if all(k.startswith(extra) and k[len(extra):] in theirs for k in ours):
+                return (f"this model's names start with '{extra}' where the checkpoint's do not: it was saved from "
+                        f"this model's '{extra[:-1]}' (e.g. a hand loop over LightningModule.{extra[:-1]}); load it "
+                        f"into that submodule (model.{extra[:-1]})")
+    return None
 
 
 def _short(names: Sequence[str], n: int = 8) -> str:
@@ -926,13 +960,18 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
             targets[f"state_dict.{key}"] = _pieces_of(value)
         elif isinstance(value, Tensor):
             targets[f"state_dict.{key}"] = value
-    if not strict:
-        targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
     model = _named_model(module)
     ours = f"{type(model).__module__}.{type(model).__qualname__}"
     written_by = _module_class(_lightning_meta(path))  # a checkpoint of another model class: say which
+    written_by = written_by if written_by not in (None, ours) else None
+    if not strict:
+        kept = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
+        if targets and not kept:  # strict=False skipped every entry: it loaded nothing, and said nothing
+            _check_targets(path, md, targets, f"model ({type(module).__name__})", True, saved_prefix="state_dict.",
+                           written_by=written_by, nothing_matched=True)
+        targets = kept
     _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.",
-                   written_by=written_by if written_by not in (None, ours) else None)
+                   written_by=written_by)
     _load(targets, reader, path)
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):

@@ -1489,3 +1489,24 @@ def test_a_combined_optimizers_state_into_one_torch_optimizer_names_the_kind_to_
                  "optimizer 0 was saved as a combined optimizer", "['dense']", "this one is a SGD",
                  "combined_optimizer(model, dense_optimizer)", "checkpoint.load_model")
     ckpt.load_optimizer(module.configure_optimizers(), path, module=module)  # the same kind loads
+
+
+def test_a_checkpoint_of_the_module_around_or_inside_names_the_prefix_and_strict_false_never_loads_nothing(tmp_path):
+    """A Trainer checkpoint (names 'model.dense_arch...') loaded by a hand loop into the DLRM itself, or a hand loop's
+    (names 'dense_arch...') into the DLRMModule, listed every name twice and suggested strict=False, which then
+    loaded nothing at all without a word. Now the error names the prefix and where to load, and strict=False that
+    would skip every entry is refused the same way."""
+    outer, inner = str(tmp_path / "outer.ckpt"), str(tmp_path / "inner.ckpt")
+    module = _module()
+    ckpt.save({"state_dict": module.state_dict()}, outer)
+    ckpt.save({"state_dict": module.model.state_dict()}, inner)
+    said = expect_error(ValueError, lambda: ckpt.load_model(_module().model, outer),
+                        "the checkpoint's names start with 'model.' where this model's do not", "load it into that")
+    assert "strict=False" not in said, said
+    expect_error(ValueError, lambda: ckpt.load_model(_module(), inner),
+                 "this model's names start with 'model.' where the checkpoint's do not", "(model.model)")
+    expect_error(ValueError, lambda: ckpt.load_model(_module().model, outer, strict=False),
+                 "strict=False would skip every entry of this model", "start with 'model.'")
+    target = _module()
+    ckpt.load_model(target.model, inner)  # each into its own module loads
+    assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in module.model.state_dict().items())
