@@ -1396,7 +1396,12 @@ def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
             torch.save(checkpoint, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if path.is_dir() and not path.is_symlink():
+            # a sharded checkpoint of that name (a run resumed from it with checkpoint_format="gathered"): os.replace
+            # cannot put a file over a directory and the save failed with IsADirectoryError; swapped in one step
+            _commit(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -1510,3 +1510,18 @@ def test_a_checkpoint_of_the_module_around_or_inside_names_the_prefix_and_strict
     target = _module()
     ckpt.load_model(target.model, inner)  # each into its own module loads
     assert all(torch.equal(v, target.model.state_dict()[k]) for k, v in module.model.state_dict().items())
+
+
+def test_a_gathered_save_replaces_a_sharded_checkpoint_of_the_same_name(tmp_path):
+    """A run resumed from a sharded last.ckpt with RecStrategy(checkpoint_format="gathered"), saving to the same
+    dirpath, crashed at its first save of last.ckpt with IsADirectoryError (a file cannot replace a directory). The
+    file now takes the directory's place, and the other way round still works."""
+    path = tmp_path / "last.ckpt"
+    module = _module()
+    ckpt.save({"state_dict": module.state_dict()}, path)
+    assert path.is_dir()
+    ckpt.save_file({"state_dict": module.state_dict(), "epoch": 3}, path)
+    assert path.is_file() and ckpt.load_file(path)["epoch"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing hidden left behind
+    ckpt.save({"state_dict": module.state_dict(), "epoch": 4}, path)
+    assert path.is_dir() and ckpt.read_lightning_state(path)["epoch"] == 4
