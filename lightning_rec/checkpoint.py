@@ -396,7 +396,7 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
             if _is_dense_in_dcp(rest[saved_name]):
                 _load_dense(child, _dense_key(prefix, saved_name), module, path)
             else:
-                load_torch_optimizer_state(child, rest[saved_name])
+                _load_whole_state(child, rest[saved_name], module, path)
         optimizer._sync_groups()
     elif fused_key is None:
         if _is_dense_in_dcp(rest):
@@ -410,7 +410,7 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
                              f"combined_optimizer(model, dense_optimizer) (the module's configure_optimizers()), or "
                              f"load only the weights with checkpoint.load_model(model, path)")
         else:
-            load_torch_optimizer_state(optimizer, rest)
+            _load_whole_state(optimizer, rest, module, path)
 
 
 def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
@@ -439,6 +439,35 @@ def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[
                 groups.append({**s, "params": [next(fresh) if table else next(kept) for table in flags]})
             saved = {**saved, "param_groups": groups}
     optimizer.load_state_dict(saved)
+
+
+def _load_whole_state(optimizer: torch.optim.Optimizer, saved: Any, module: torch.nn.Module | None,
+                      path: Any = None) -> None:
+    """A dense optimizer's whole-tensor state (saved with dense='ddp', or unsharded) into `optimizer`; when the
+    optimizer now trains FSDP-sharded parameters (dense='fsdp'), the state goes in by parameter name and each rank
+    keeps its shards. Loaded as it was, its whole tensors met the parameters' DTensors at the first step ("got mixed
+    torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    theirs = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not any(isinstance(p, DTensor) for p in params) or _sharded(saved) or not isinstance(theirs, list):
+        load_torch_optimizer_state(optimizer, saved)
+        return
+    if module is None or set_optimizer_state_dict is None:
+        raise ValueError(f"checkpoint {path}: the dense optimizer's state was saved whole (dense='ddp') and this one "
+                         f"trains sharded (FSDP) parameters: pass module= (the model it trains) to "
+                         f"checkpoint.load_optimizer, which then keeps each rank's shards")
+    names = _named_model(module)
+    template = get_optimizer_state_dict(names, optimizer, options=_full_options())  # our parameters' names, in order
+    ours = [g["params"] for g in template["param_groups"]]
+    if [len(g) for g in ours] != [len(g.get("params", ())) for g in theirs]:
+        load_torch_optimizer_state(optimizer, saved)  # torch names the difference
+        return
+    fqn = {i: name for g, t in zip(ours, theirs) for name, i in zip(g, t["params"])}
+    whole = {"state": {fqn[i]: st for i, st in saved.get("state", {}).items() if i in fqn},
+             "param_groups": [{**t, "params": g} for g, t in zip(ours, theirs)]}
+    set_optimizer_state_dict(names, optimizer, whole, options=_full_options())
 
 
 def _blob(obj: Any) -> bytes:
@@ -1345,7 +1374,7 @@ def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str
             names = _wrapped_named_model(module) if wrapped else _named_model(module)
             set_optimizer_state_dict(names, part, whole, options=_full_options())
         else:
-            load_torch_optimizer_state(part, saved)
+            _load_whole_state(part, saved, module)
 
     if isinstance(optimizer, CombinedOptimizer):
         for name, child in optimizer.optimizers:

@@ -792,7 +792,8 @@ class RecStrategy(DDPStrategy):
                 # strict_loading=False: a table added since the save starts its fused state afresh, as its weights
                 rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module,
                                               strict=self.lightning_module.strict_loading)
-        elif rec_checkpoint.has_whole_by_name(states):  # a gathered file written with FSDP dense layers
+        elif rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp":
+            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards
             for optimizer, state in zip(self.optimizers, states):
                 rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)
         else:

@@ -1038,7 +1038,7 @@ def test_dense_state_read_through_other_names_is_not_called_damage(tmp_path):
     assert "Pass the same module=" in msg and "damaged" not in msg, msg
 
 
-def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp"):
+def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp", dense="fsdp", max_steps=3):
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.tensor import DTensor
@@ -1050,17 +1050,19 @@ def _fsdp_trainer_worker(rank, W, root, resume, checkpoint_format="dcp"):
                                      num_sparse_features=4, num_signal_features=2, sparse_feature_names=NAMES,
                                      num_embeddings_per_feature=64)
     module = DLRMModule(**SMALL)
-    trainer = L.Trainer(strategy=RecStrategy(dense="fsdp", checkpoint_format=checkpoint_format), accelerator="cpu",
-                        devices=W, max_steps=3, logger=False,
+    trainer = L.Trainer(strategy=RecStrategy(dense=dense, checkpoint_format=checkpoint_format), accelerator="cpu",
+                        devices=W, max_steps=max_steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[ModelCheckpoint(dirpath=root, save_last=True)])
     # resume: at max_steps already, fit only restores the checkpoint
     trainer.fit(module, data, ckpt_path=os.path.join(root, "last.ckpt") if resume else None)
-    dense = dict(trainer.strategy.optimizers[0].optimizers)["dense"]
+    dense_kind, dense = dense, dict(trainer.strategy.optimizers[0].optimizers)["dense"]
     out = {}
     for pid, st in dense.state_dict()["state"].items():
         out.update({f"{pid}.{n}": (v.full_tensor() if isinstance(v, DTensor) else v.clone())
                     for n, v in st.items() if torch.is_tensor(v)})
+        if dense_kind == "fsdp":  # state of FSDP's parameters is sharded as they are
+            assert all(isinstance(v, DTensor) for n, v in st.items() if torch.is_tensor(v) and v.dim()), (pid, st)
     out.update({k: v.full_tensor() for k, v in module.state_dict().items() if isinstance(v, DTensor)})
     return out
 
@@ -1525,3 +1527,16 @@ def test_a_gathered_save_replaces_a_sharded_checkpoint_of_the_same_name(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing hidden left behind
     ckpt.save({"state_dict": module.state_dict(), "epoch": 4}, path)
     assert path.is_dir() and ckpt.read_lightning_state(path)["epoch"] == 4
+
+
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_a_ddp_checkpoint_resumes_with_fsdp_dense_layers(tmp_path, checkpoint_format):
+    """Saved with RecStrategy(dense="ddp") (whole dense optimizer state), resumed with dense="fsdp": the whole tensors
+    went into the optimizer of FSDP's sharded parameters as they were, and the first step crashed with "aten.addcmul_
+    got mixed torch.Tensor and DTensor". Now they go in by parameter name, each rank keeping its shards: equal to what
+    was saved, and training goes on."""
+    saved = run_ranks(_fsdp_trainer_worker, 2, str(tmp_path), False, checkpoint_format, "ddp", timeout=180)[0]
+    loaded = run_ranks(_fsdp_trainer_worker, 2, str(tmp_path), True, checkpoint_format, "fsdp", timeout=180)[0]
+    assert any(k.endswith(".sum") for k in saved) and saved.keys() <= loaded.keys()
+    assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    run_ranks(_fsdp_trainer_worker, 1, str(tmp_path), True, checkpoint_format, "fsdp", 4, timeout=180)  # steps on
