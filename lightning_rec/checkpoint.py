@@ -640,7 +640,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     try:
         if rank == 0:
             for stale in path.parent.glob(f".{path.name}.partial-*"):
-                shutil.rmtree(stale, ignore_errors=True)  # a save killed earlier
+                _remove_stale(stale)  # a save killed earlier
             partial.mkdir(parents=True)
         _barrier()
         # One file per rank when the pieces are host memory (written in place, see _own_storage); from a
@@ -681,6 +681,15 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     if rank == 0:
         _commit(partial, path)
     _barrier()
+
+
+def _remove_stale(stale: Path) -> None:
+    """A killed save's leftover, a directory (sharded format) or a file (gathered): either format's next save of that
+    name removes both kinds (unlink on a directory raised IsADirectoryError and failed the save; rmtree left a file)."""
+    if stale.is_dir() and not stale.is_symlink():
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        stale.unlink(missing_ok=True)
 
 
 def _refuse_url(path: str | os.PathLike) -> None:
@@ -1418,7 +1427,7 @@ def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.partial-*"):
-        stale.unlink(missing_ok=True)
+        _remove_stale(stale)
     tmp = _partial_name(path, uuid.uuid4().hex[:12])
     try:
         with _no_crc32():

@@ -1540,3 +1540,17 @@ def test_a_ddp_checkpoint_resumes_with_fsdp_dense_layers(tmp_path, checkpoint_fo
     assert any(k.endswith(".sum") for k in saved) and saved.keys() <= loaded.keys()
     assert not [k for k in saved if not torch.equal(saved[k], loaded[k])]
     run_ranks(_fsdp_trainer_worker, 1, str(tmp_path), True, checkpoint_format, "fsdp", 4, timeout=180)  # steps on
+
+
+def test_either_formats_save_clears_the_others_killed_leftover(tmp_path):
+    """A sharded save of last.ckpt killed midway leaves a hidden partial directory; the next save of that name in the
+    gathered format (a run resumed with checkpoint_format="gathered") failed with IsADirectoryError removing it, and a
+    sharded save left a gathered save's partial file behind for good. Each now removes both kinds."""
+    path = tmp_path / "last.ckpt"
+    (tmp_path / ".last.ckpt.partial-0dead").mkdir()
+    (tmp_path / ".last.ckpt.partial-0dead" / "__0_0.distcp").write_bytes(b"x")
+    ckpt.save_file({"state_dict": {}}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    (tmp_path / ".last.ckpt.partial-1dead").write_bytes(b"x")
+    ckpt.save({"state_dict": {}}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"] and path.is_dir()
