@@ -62,7 +62,7 @@ import sys
 import uuid
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -746,14 +746,47 @@ def _commit(partial: Path, path: Path) -> None:
 # load
 
 
-class DCPCheckpoint:
-    """Stands in for the tensors of a DCP checkpoint in Lightning's loaded dict until they are read."""
+class DCPCheckpoint(MutableMapping):
+    """Stands in for the tensors of a DCP checkpoint in Lightning's loaded dict until they are read.
+
+    The model's (`index` None) is also the state dict that a LightningModule's `on_load_checkpoint(checkpoint)` finds
+    in `checkpoint["state_dict"]`: read, it holds every tensor whole, read on this rank alone on first use; changed
+    (a key renamed, one dropped), that dict is what loads (each rank keeping its pieces). Untouched, every rank reads
+    only its pieces from disk. (It was an opaque marker: "'DCPCheckpoint' object has no attribute 'items'".)
+    """
 
     def __init__(self, path: Path, index: int | None = None) -> None:
         self.path, self.index = path, index
+        self._whole: dict[str, Tensor] | None = None
+        self.modified = False
 
     def __repr__(self) -> str:
         return f"DCPCheckpoint({str(self.path)!r}{'' if self.index is None else f', optimizer {self.index}'})"
+
+    def _state(self) -> dict[str, Tensor]:
+        if self.index is not None:
+            raise TypeError(f"{self!r}: a sharded checkpoint's optimizer state is read by the strategy, shard by "
+                            f"shard (lightning_rec.checkpoint.load_optimizer), not as a dict")
+        if self._whole is None:
+            self._whole = _full_model_state(self.path, local=True)[0]
+        return self._whole
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._state()[key]
+
+    def __iter__(self):
+        return iter(self._state())
+
+    def __len__(self) -> int:
+        return len(self._state())
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        self._state()[key] = value
+        self.modified = True
+
+    def __delitem__(self, key: str) -> None:
+        del self._state()[key]
+        self.modified = True
 
 
 def _not_a_dcp_checkpoint(path: Path, wanted: str = "a checkpoint directory written by lightning_rec.checkpoint.save "
@@ -957,14 +990,15 @@ def _short(names: Sequence[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
 
 
-def _load(targets: dict[str, Any], reader, path: Path) -> None:
+def _load(targets: dict[str, Any], reader, path: Path, local: bool = False) -> None:
+    """local: this rank reads alone (not a collective), whatever the process group."""
     if not targets:
         return
     try:
         with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
-                     no_dist=not (dist.is_available() and dist.is_initialized()))
+                     no_dist=local or not (dist.is_available() and dist.is_initialized()))
     except (Exception, CheckpointException) as e:  # DCP's errors name no file
         peer = peer_failure(f"reading checkpoint {path}", e, "Its files are not at fault: load it again with every "
                                                                "rank running.")
@@ -1498,15 +1532,17 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
 # export for inference
 
 
-def _full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file."""
+def _full_model_state(path: Path, local: bool = False) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file.
+
+    local: read by this rank alone (see _load), not together with the process group's other ranks."""
     if is_dcp_checkpoint(path):
         reader, md = _read_metadata(path)
         meta = _lightning_meta(path)
         targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
                    for k, v in md.state_dict_metadata.items()
                    if k.startswith("state_dict.") and isinstance(v, TensorStorageMetadata)}
-        _load(targets, reader, path)
+        _load(targets, reader, path, local=local)
         return {k[len("state_dict."):]: v for k, v in targets.items()}, meta
     ckpt = load_file(path) if path.suffix != ".safetensors" else None
     if not (isinstance(ckpt, Mapping) and "state_dict" in ckpt):  # not a one-file Lightning checkpoint

@@ -777,10 +777,11 @@ class RecStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        if isinstance(state, rec_checkpoint.DCPCheckpoint):
+        if isinstance(state, rec_checkpoint.DCPCheckpoint) and not state.modified:
             rec_checkpoint.load_model(self.lightning_module, state.path, strict=strict)
-        else:  # a gathered file: whole tensors (FSDP's dense layers are cut to this rank's shards first)
-            state = rec_checkpoint.localize_full_state(self.lightning_module, state)
+        else:  # a gathered file, or a state dict on_load_checkpoint changed: whole tensors (FSDP's dense layers are
+            # cut to this rank's shards first; each sharded table keeps its pieces)
+            state = rec_checkpoint.localize_full_state(self.lightning_module, dict(state))
             super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
 
     @override
