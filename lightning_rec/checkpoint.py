@@ -62,7 +62,7 @@ import sys
 import uuid
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -396,13 +396,21 @@ def _load_dense_parts(optimizer: torch.optim.Optimizer, fused_key: str | None, r
             if _is_dense_in_dcp(rest[saved_name]):
                 _load_dense(child, _dense_key(prefix, saved_name), module, path)
             else:
-                load_torch_optimizer_state(child, rest[saved_name])
+                _load_whole_state(child, rest[saved_name], module, path)
         optimizer._sync_groups()
     elif fused_key is None:
         if _is_dense_in_dcp(rest):
             _load_dense(optimizer, _dense_key(prefix, ""), module, path)
+        elif isinstance(rest, Mapping) and "param_groups" not in rest:
+            # a combined optimizer's (its parts by name) into one torch optimizer: torch said KeyError: 'param_groups'
+            index = prefix.split(".")[1]
+            raise ValueError(f"checkpoint {path}: optimizer {index} was saved as a combined optimizer (the fused "
+                             f"tables' part and the dense part(s) {list(rest)}), and this one is a "
+                             f"{type(optimizer).__name__}: restore it into the same kind, lightning_rec.optim."
+                             f"combined_optimizer(model, dense_optimizer) (the module's configure_optimizers()), or "
+                             f"load only the weights with checkpoint.load_model(model, path)")
         else:
-            load_torch_optimizer_state(optimizer, rest)
+            _load_whole_state(optimizer, rest, module, path)
 
 
 def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
@@ -431,6 +439,35 @@ def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[
                 groups.append({**s, "params": [next(fresh) if table else next(kept) for table in flags]})
             saved = {**saved, "param_groups": groups}
     optimizer.load_state_dict(saved)
+
+
+def _load_whole_state(optimizer: torch.optim.Optimizer, saved: Any, module: torch.nn.Module | None,
+                      path: Any = None) -> None:
+    """A dense optimizer's whole-tensor state (saved with dense='ddp', or unsharded) into `optimizer`; when the
+    optimizer now trains FSDP-sharded parameters (dense='fsdp'), the state goes in by parameter name and each rank
+    keeps its shards. Loaded as it was, its whole tensors met the parameters' DTensors at the first step ("got mixed
+    torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    theirs = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not any(isinstance(p, DTensor) for p in params) or _sharded(saved) or not isinstance(theirs, list):
+        load_torch_optimizer_state(optimizer, saved)
+        return
+    if module is None or set_optimizer_state_dict is None:
+        raise ValueError(f"checkpoint {path}: the dense optimizer's state was saved whole (dense='ddp') and this one "
+                         f"trains sharded (FSDP) parameters: pass module= (the model it trains) to "
+                         f"checkpoint.load_optimizer, which then keeps each rank's shards")
+    names = _named_model(module)
+    template = get_optimizer_state_dict(names, optimizer, options=_full_options())  # our parameters' names, in order
+    ours = [g["params"] for g in template["param_groups"]]
+    if [len(g) for g in ours] != [len(g.get("params", ())) for g in theirs]:
+        load_torch_optimizer_state(optimizer, saved)  # torch names the difference
+        return
+    fqn = {i: name for g, t in zip(ours, theirs) for name, i in zip(g, t["params"])}
+    whole = {"state": {fqn[i]: st for i, st in saved.get("state", {}).items() if i in fqn},
+             "param_groups": [{**t, "params": g} for g, t in zip(ours, theirs)]}
+    set_optimizer_state_dict(names, optimizer, whole, options=_full_options())
 
 
 def _blob(obj: Any) -> bytes:
@@ -569,6 +606,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
     """
     _check_save_args(checkpoint, path, optimizers, module)
+    _refuse_url(path)
     path = Path(path)
     rank, world = _rank_world()
     try:  # the first exchanges: a rank that does not come (or left) shows here, before anything is written
@@ -602,7 +640,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     try:
         if rank == 0:
             for stale in path.parent.glob(f".{path.name}.partial-*"):
-                shutil.rmtree(stale, ignore_errors=True)  # a save killed earlier
+                _remove_stale(stale)  # a save killed earlier
             partial.mkdir(parents=True)
         _barrier()
         # One file per rank when the pieces are host memory (written in place, see _own_storage); from a
@@ -643,6 +681,27 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     if rank == 0:
         _commit(partial, path)
     _barrier()
+
+
+def _remove_stale(stale: Path) -> None:
+    """A killed save's leftover, a directory (sharded format) or a file (gathered): either format's next save of that
+    name removes both kinds (unlink on a directory raised IsADirectoryError and failed the save; rmtree left a file)."""
+    if stale.is_dir() and not stale.is_symlink():
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        stale.unlink(missing_ok=True)
+
+
+def _refuse_url(path: str | os.PathLike) -> None:
+    """Every rank writes its pieces with local file calls: an s3:// path became a local directory named `s3:` (on a
+    cloud machine, gone with its disk) while the run said it had saved. Refused on every rank, before any collective."""
+    if not is_local_path(path):
+        head = str(path).split("://")[0]
+        raise ValueError(f"checkpoint {path} is a URL, but sharded checkpoints are written by every rank to a local or "
+                         f"mounted file system (it would have gone to a local directory named '{head}:'): give "
+                         f"ModelCheckpoint(dirpath=...) a local or mounted path (copy it to {head}:// after), or use "
+                         f"RecStrategy(checkpoint_format='gathered'), one file written through Lightning's "
+                         f"CheckpointIO (fsspec: s3://, gs://, ...)")
 
 
 def _device_of(value: Any) -> str:
@@ -687,14 +746,47 @@ def _commit(partial: Path, path: Path) -> None:
 # load
 
 
-class DCPCheckpoint:
-    """Stands in for the tensors of a DCP checkpoint in Lightning's loaded dict until they are read."""
+class DCPCheckpoint(MutableMapping):
+    """Stands in for the tensors of a DCP checkpoint in Lightning's loaded dict until they are read.
+
+    The model's (`index` None) is also the state dict that a LightningModule's `on_load_checkpoint(checkpoint)` finds
+    in `checkpoint["state_dict"]`: read, it holds every tensor whole, read on this rank alone on first use; changed
+    (a key renamed, one dropped), that dict is what loads (each rank keeping its pieces). Untouched, every rank reads
+    only its pieces from disk. (It was an opaque marker: "'DCPCheckpoint' object has no attribute 'items'".)
+    """
 
     def __init__(self, path: Path, index: int | None = None) -> None:
         self.path, self.index = path, index
+        self._whole: dict[str, Tensor] | None = None
+        self.modified = False
 
     def __repr__(self) -> str:
         return f"DCPCheckpoint({str(self.path)!r}{'' if self.index is None else f', optimizer {self.index}'})"
+
+    def _state(self) -> dict[str, Tensor]:
+        if self.index is not None:
+            raise TypeError(f"{self!r}: a sharded checkpoint's optimizer state is read by the strategy, shard by "
+                            f"shard (lightning_rec.checkpoint.load_optimizer), not as a dict")
+        if self._whole is None:
+            self._whole = _full_model_state(self.path, local=True)[0]
+        return self._whole
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._state()[key]
+
+    def __iter__(self):
+        return iter(self._state())
+
+    def __len__(self) -> int:
+        return len(self._state())
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        self._state()[key] = value
+        self.modified = True
+
+    def __delitem__(self, key: str) -> None:
+        del self._state()[key]
+        self.modified = True
 
 
 def _not_a_dcp_checkpoint(path: Path, wanted: str = "a checkpoint directory written by lightning_rec.checkpoint.save "
@@ -813,8 +905,11 @@ def _uncovered(md_entry, offsets: Sequence[int], sizes: Sequence[int]) -> bool:
 
 
 def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict: bool = True,
-                   saved_prefix: str | None = None, written_by: str | None = None) -> None:
-    """Names every entry the checkpoint lacks or holds with another shape, before anything is read."""
+                   saved_prefix: str | None = None, written_by: str | None = None,
+                   nothing_matched: bool = False) -> None:
+    """Names every entry the checkpoint lacks or holds with another shape, before anything is read.
+
+    nothing_matched: strict=False was given and no entry of the model is in the checkpoint (said, not skipped)."""
     saved = md.state_dict_metadata
     missing, shapes, holes = [], [], []
     for fqn, obj in targets.items():
@@ -837,6 +932,9 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
     if strict and saved_prefix is not None:
         unexpected = [k for k in saved if k.startswith(saved_prefix) and k not in targets]
     lines = []
+    prefix_hint = _prefix_hint(missing, unexpected, saved_prefix) if saved_prefix is not None else None
+    if prefix_hint:
+        lines.append(prefix_hint)
     if shapes:
         lines.append("shapes differ: " + "; ".join(shapes))
     if missing:
@@ -848,10 +946,43 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
                      f"(a rank's part is missing)")
     if lines and written_by:
         lines.insert(0, f"it was written by {written_by}")
+    if lines and nothing_matched:
+        lines.insert(0, "strict=False would skip every entry of this model: none is in the checkpoint")
     if lines:
-        raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) +
-                         "\nLoad it into a model built with the same tables and dims (resharding to another world "
-                         "size or plan is fine), or pass strict=False to skip the missing entries")
+        fix = ("\nLoad it into a model built with the same tables and dims (resharding to another world size or plan "
+               "is fine)")
+        if shapes:  # strict=False skips entries, never loads one into another shape: naming it sent users round
+            fix += ": strict=False skips missing and unexpected entries, not a table or layer of another size"
+        elif prefix_hint or nothing_matched:  # strict=False would load nothing
+            pass
+        else:
+            fix += (", or pass strict=False to skip the entries that differ (under a Trainer: "
+                    "`self.strict_loading = False` in the LightningModule)")
+        raise ValueError(f"checkpoint {path} does not match this {what}: " + "\n  ".join(lines) + fix)
+
+
+def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str], head: str) -> str | None:
+    """When the two sides' names differ by one leading prefix (a checkpoint of a LightningModule loaded into its
+    `self.model`, or the other way), say so: the lists alone showed every name twice and named no cause."""
+    if not missing or len(missing) != len(unexpected):
+        return None
+    ours = sorted(k[len(head):] for k in missing)
+    theirs = set(k[len(head):] for k in unexpected)
+    first = ours[0]
+    for t in theirs:
+        if t != first and t.endswith("." + first):  # the checkpoint's names carry a prefix ours lack
+            extra = t[: -len(first)]
+            if all(extra + k in theirs for k in ours):
+                return (f"the checkpoint's names start with '{extra}' where this model's do not: it was saved from "
+                        f"a module around this one (e.g. the LightningModule whose '{extra[:-1]}' this is); load it "
+                        f"into that module")
+        if first != t and first.endswith("." + t):  # ours carry a prefix the checkpoint's lack
+            extra = first[: -len(t)]
+            if all(k.startswith(extra) and k[len(extra):] in theirs for k in ours):
+                return (f"this model's names start with '{extra}' where the checkpoint's do not: it was saved from "
+                        f"this model's '{extra[:-1]}' (e.g. a hand loop over LightningModule.{extra[:-1]}); load it "
+                        f"into that submodule (model.{extra[:-1]})")
+    return None
 
 
 def _short(names: Sequence[str], n: int = 8) -> str:
@@ -859,14 +990,15 @@ def _short(names: Sequence[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
 
 
-def _load(targets: dict[str, Any], reader, path: Path) -> None:
+def _load(targets: dict[str, Any], reader, path: Path, local: bool = False) -> None:
+    """local: this rank reads alone (not a collective), whatever the process group."""
     if not targets:
         return
     try:
         with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
-                     no_dist=not (dist.is_available() and dist.is_initialized()))
+                     no_dist=local or not (dist.is_available() and dist.is_initialized()))
     except (Exception, CheckpointException) as e:  # DCP's errors name no file
         peer = peer_failure(f"reading checkpoint {path}", e, "Its files are not at fault: load it again with every "
                                                                "rank running.")
@@ -900,13 +1032,18 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
             targets[f"state_dict.{key}"] = _pieces_of(value)
         elif isinstance(value, Tensor):
             targets[f"state_dict.{key}"] = value
-    if not strict:
-        targets = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
     model = _named_model(module)
     ours = f"{type(model).__module__}.{type(model).__qualname__}"
     written_by = _module_class(_lightning_meta(path))  # a checkpoint of another model class: say which
+    written_by = written_by if written_by not in (None, ours) else None
+    if not strict:
+        kept = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
+        if targets and not kept:  # strict=False skipped every entry: it loaded nothing, and said nothing
+            _check_targets(path, md, targets, f"model ({type(module).__name__})", True, saved_prefix="state_dict.",
+                           written_by=written_by, nothing_matched=True)
+        targets = kept
     _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.",
-                   written_by=written_by if written_by not in (None, ours) else None)
+                   written_by=written_by)
     _load(targets, reader, path)
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
@@ -915,11 +1052,13 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
 
 @torch.no_grad()
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0,
-                   module: torch.nn.Module | None = None) -> None:
+                   module: torch.nn.Module | None = None, strict: bool = True) -> None:
     """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole.
 
     module: the model the optimizer trains; needed when its dense state was saved sharded (FSDP),
     which then loads at any world size (DCP reads the shards this rank's parameters hold).
+    strict=False: the fused state of a table the checkpoint does not hold (one added since) keeps its
+    initial value, as `load_model(..., strict=False)` leaves its weights.
     """
     if isinstance(optimizer, (list, tuple)):
         raise TypeError(f"lightning_rec.checkpoint.load_optimizer restores one optimizer, got {_what(optimizer)}: call "
@@ -976,8 +1115,11 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
                         bufs = [t.new_empty(nr, 1) for _ in col_offsets]
                         buffers[(r, nr)] = bufs
                         chunks += [((r, k), (nr, 1), b) for k, b in enumerate(bufs)]
-                    post.append((t, buffers[(r, nr)], widths))
+                    post.append((fqn, t, buffers[(r, nr)], widths))
                 targets[fqn] = _Pieces((rows, len(col_offsets)), chunks)
+    if not strict:  # tables added since the save: their state stays as it starts (a missing bytes entry is still named)
+        targets = {k: v for k, v in targets.items() if v is None or k in saved}
+        post = [p for p in post if p[0] in targets]
     bytes_targets = {k for k, v in targets.items() if v is None}
     _check_targets(path, md, {k: v for k, v in targets.items() if k not in bytes_targets}, "optimizer's fused state")
     missing = [k for k in bytes_targets if k not in saved]
@@ -988,7 +1130,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
         if not isinstance(saved[k], BytesStorageMetadata):
             raise ValueError(f"checkpoint {path}: '{k}' is not what this version writes there")
     _load(targets, reader, path)
-    for live, bufs, widths in post:
+    for _, live, bufs, widths in post:
         if len(bufs) == 1:
             live.copy_(bufs[0].view(-1))
         else:  # a table that was split by columns kept one per-row state per column shard: their weighted mean
@@ -1275,7 +1417,7 @@ def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str
             names = _wrapped_named_model(module) if wrapped else _named_model(module)
             set_optimizer_state_dict(names, part, whole, options=_full_options())
         else:
-            load_torch_optimizer_state(part, saved)
+            _load_whole_state(part, saved, module)
 
     if isinstance(optimizer, CombinedOptimizer):
         for name, child in optimizer.optimizers:
@@ -1319,14 +1461,19 @@ def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.partial-*"):
-        stale.unlink(missing_ok=True)
+        _remove_stale(stale)
     tmp = _partial_name(path, uuid.uuid4().hex[:12])
     try:
         with _no_crc32():
             torch.save(checkpoint, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if path.is_dir() and not path.is_symlink():
+            # a sharded checkpoint of that name (a run resumed from it with checkpoint_format="gathered"): os.replace
+            # cannot put a file over a directory and the save failed with IsADirectoryError; swapped in one step
+            _commit(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -1361,6 +1508,14 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     a rank copies from them, so each rank pages in the pieces it keeps, not the whole model. Files
     in torch's legacy format (not a zip) are read whole.
     """
+    if not is_local_path(path):  # written through Lightning's CheckpointIO (fsspec) by the gathered format: read so
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        fs = get_filesystem(path)
+        if not fs.exists(str(path)):
+            raise ValueError(f"checkpoint {path} does not exist: check the URL")
+        with fs.open(str(path), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=False)
     if not os.path.exists(path):  # not a damaged file: there is none (a typo, or a fit that saved nothing)
         raise ValueError(f"checkpoint {path} does not exist: check the path (a fit writes its checkpoints where "
                          f"ModelCheckpoint's dirpath says, by default <default_root_dir>/.../checkpoints)")
@@ -1377,15 +1532,17 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
 # export for inference
 
 
-def _full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file."""
+def _full_model_state(path: Path, local: bool = False) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file.
+
+    local: read by this rank alone (see _load), not together with the process group's other ranks."""
     if is_dcp_checkpoint(path):
         reader, md = _read_metadata(path)
         meta = _lightning_meta(path)
         targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
                    for k, v in md.state_dict_metadata.items()
                    if k.startswith("state_dict.") and isinstance(v, TensorStorageMetadata)}
-        _load(targets, reader, path)
+        _load(targets, reader, path, local=local)
         return {k[len("state_dict."):]: v for k, v in targets.items()}, meta
     ckpt = load_file(path) if path.suffix != ".safetensors" else None
     if not (isinstance(ckpt, Mapping) and "state_dict" in ckpt):  # not a one-file Lightning checkpoint

@@ -534,7 +534,7 @@ class _ShardedCollectionBase(nn.Module):
             # every sharded table has an entry on every rank, holding none of its pieces when elsewhere
             if self.routing.table_shardings[c.name].sharding_type != ShardingType.DATA_PARALLEL:
                 destination[f"{prefix}{self._weights_attr}.{c.name}.weight"] = ShardedTensor(
-                    shapes[c.name], pieces.get(c.name, []))
+                    shapes[c.name], pieces.get(c.name, []), list(self.routing.table_shardings[c.name].shards))
 
     @torch.no_grad()
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -553,12 +553,15 @@ class _ShardedCollectionBase(nn.Module):
             value = state_dict[key]
             (r, c), (nr, nc) = (meta.shard_offsets, meta.shard_sizes) if meta is not None else ((0, 0), w.shape)
             try:
+                # a ShardedTensor of a larger table covers this one's rectangles too: without its own check, rows
+                # 0:64 of a 128-row table loaded into a 64-row one without a word
+                if tuple(value.shape) != tuple(self._global_shape(table)):
+                    raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the checkpoint but the table is "
+                                     f"{tuple(self._global_shape(table))}: the table sizes differ; build the table "
+                                     f"with the checkpoint's num_embeddings and embedding_dim to load it")
                 if isinstance(value, ShardedTensor):
                     piece = value.read(r, c, nr, nc, what=f"table '{table}'")
                 else:
-                    if tuple(value.shape) != tuple(self._global_shape(table)):
-                        raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the checkpoint but the table is "
-                                         f"{tuple(self._global_shape(table))}: the table sizes differ")
                     piece = value[r : r + nr, c : c + nc]
                 w.copy_(piece)
             except ValueError as e:

@@ -296,6 +296,11 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
+            if self._checkpoint_format == "dcp":  # said now, not at the first save after hours of training
+                for callback in trainer.checkpoint_callbacks:
+                    if getattr(callback, "dirpath", None):
+                        rec_checkpoint._refuse_url(callback.dirpath)
+
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
                 warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
@@ -774,10 +779,11 @@ class RecStrategy(DDPStrategy):
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        if isinstance(state, rec_checkpoint.DCPCheckpoint):
+        if isinstance(state, rec_checkpoint.DCPCheckpoint) and not state.modified:
             rec_checkpoint.load_model(self.lightning_module, state.path, strict=strict)
-        else:  # a gathered file: whole tensors (FSDP's dense layers are cut to this rank's shards first)
-            state = rec_checkpoint.localize_full_state(self.lightning_module, state)
+        else:  # a gathered file, or a state dict on_load_checkpoint changed: whole tensors (FSDP's dense layers are
+            # cut to this rank's shards first; each sharded table keeps its pieces)
+            state = rec_checkpoint.localize_full_state(self.lightning_module, dict(state))
             super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
 
     @override
@@ -786,8 +792,11 @@ class RecStrategy(DDPStrategy):
         states = checkpoint["optimizer_states"]
         if states and isinstance(states[0], rec_checkpoint.DCPCheckpoint):
             for optimizer, ref in zip(self.optimizers, states):
-                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module)
-        elif rec_checkpoint.has_whole_by_name(states):  # a gathered file written with FSDP dense layers
+                # strict_loading=False: a table added since the save starts its fused state afresh, as its weights
+                rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module,
+                                              strict=self.lightning_module.strict_loading)
+        elif rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp":
+            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards
             for optimizer, state in zip(self.optimizers, states):
                 rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)
         else:

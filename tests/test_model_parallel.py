@@ -1190,3 +1190,34 @@ def test_a_dtype_cast_of_a_sharded_model_is_refused_as_the_unsharded_collections
     assert said[0].startswith("DistributedModelParallel: its sharded tables") and "torch.float64" in said[0]
     assert "torch.float16" in said[1] and "bf16-mixed" in said[1]
     assert dtypes == {torch.float32} and out == torch.float32
+
+
+def _resized_state_worker(rank, W):
+    config = FusedOptimizerConfig("sgd", lr=0.1)
+
+    def sharded(rows: dict) -> DistributedModelParallel:
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name=t, num_embeddings=rows[t], embedding_dim=DIMS[t], feature_names=FEATURES[t])
+                  for t in ROWS]
+        m = PooledModel(EmbeddingBagCollection(tables, optimizer=config))
+        layout = construct_module_sharding_plan(m.ebc, {t: row_wise() for t in ROWS}, world_size=W, local_size=W)
+        return DistributedModelParallel(m, plan=ShardingPlan({"ebc": layout}), device="cpu", timeout=30)
+
+    dmp = sharded(ROWS)
+    def t0() -> torch.Tensor:
+        return dmp.state_dict()["ebc.embedding_bags.t0.weight"].local_shards[0][1].clone()
+
+    before = t0()
+    said = [expect_error(RuntimeError, lambda n=n: dmp.load_state_dict(sharded({**ROWS, "t0": n}).state_dict()),
+                         "'ebc.embedding_bags.t0.weight' has shape", f"({n}, 8) in the checkpoint but the table is "
+                         "(11, 8): the table sizes differ", "num_embeddings")
+            for n in (2 * ROWS["t0"], ROWS["t0"] - 3)]
+    assert torch.equal(before, t0())  # (torch loads the tables that match)
+    return said
+
+
+def test_a_sharded_state_of_a_larger_table_is_refused_not_cut_to_size():
+    """dmp.load_state_dict(another dmp's state_dict()) whose table had twice the rows loaded its first rows without a
+    word (its pieces cover every rectangle of the smaller table); one with fewer rows said "combine every rank's with
+    ShardedTensor.merge", which the user had no need of. Both now say the table sizes differ."""
+    run_ranks(_resized_state_worker, 2, timeout=60)

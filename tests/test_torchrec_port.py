@@ -436,3 +436,48 @@ def test_sharded_tensor_local_shards_is_also_torchrecs_method():
     buf.seek(0)
     for value in torch.load(buf, weights_only=True).values():
         assert torch.equal(value.local_shards()[1].tensor, bottom)
+
+
+def _sharded_tensor_metadata_worker(rank: int, world_size: int):
+    import io
+
+    from lightning_rec.sharding.sharded_tensor import ShardedTensor
+
+    model = _dlrm_train()
+    apply_optimizer_in_backward(torch.optim.SGD, model.model.sparse_arch.parameters(), {"lr": LR})
+    types = [ShardingType.ROW_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL]
+    constraints = {f"t_{f}": ParameterConstraints(sharding_types=[st.value], min_partition=4)
+                   for f, st in zip(CATS, types)}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
+                                       constraints=constraints, print_stats=False)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"),
+                                   plan=planner.collective_plan(model, [], dist.GroupMember.WORLD))
+    out = {}
+    for key, st in dmp.state_dict().items():
+        if not isinstance(st, ShardedTensor):
+            continue
+        md = st.metadata()  # torch's / TorchRec's: every rank's shards and the global size
+        out[key.split(".")[-2]] = ([(m.shard_offsets, m.shard_sizes, m.placement) for m in md.shards_metadata],
+                                   tuple(md.size))
+        mine = [m for m in md.shards_metadata if m.placement == rank]
+        assert [m for m, _ in st.local_shards] == mine
+        if len(mine) == 1:
+            assert st.local_tensor() is st.local_shards()[0].tensor
+        else:  # torch raises NotImplementedError; ours names the way that reads any number of pieces
+            with pytest.raises(ValueError, match=rf"holds {len(mine)} of the .* table: iterate .*local_shards\(\)"):
+                st.local_tensor()
+        buf = io.BytesIO()
+        torch.save(st, buf)  # the layout travels with it, and torch.load's weights_only=True still reads it
+        buf.seek(0)
+        assert torch.load(buf, weights_only=True).metadata().shards_metadata == md.shards_metadata
+    return out
+
+
+def test_sharded_tensor_metadata_and_local_tensor_are_torchs():
+    """`st.metadata().shards_metadata` and `st.local_tensor()` on a table of dmp.state_dict(), as TorchRec code calls
+    them on torch's ShardedTensor, raised AttributeError: now every rank sees the whole layout (all ranks' shards,
+    their ranks, the global size), and local_tensor() gives a rank's one piece."""
+    layouts = run_ranks(_sharded_tensor_metadata_worker, 2, timeout=120)
+    assert layouts[0] == layouts[1] and len(layouts[0]) == 3  # the replicated table has no ShardedTensor
+    for shards, (rows, dim) in layouts[0].values():
+        assert sum(nr * nc for _, (nr, nc), _ in shards) == rows * dim  # the shards tile the table

@@ -50,9 +50,19 @@ class LocalShards(list):
 
 
 @dataclass
+class ShardedTensorMetadata:
+    """`ShardedTensor.metadata()`, as torch's: every shard of the table (all ranks'), and its global size."""
+
+    shards_metadata: list[ShardMetadata]
+    size: torch.Size
+
+
+@dataclass
 class ShardedTensor:
     global_shape: tuple[int, int]
     local_shards: list[tuple[ShardMetadata, Tensor]] = field(default_factory=list)
+    # every rank's shards (the plan's), for metadata(); None where only this rank's pieces are known (merge, by hand)
+    shards_metadata: list[ShardMetadata] | None = None
 
     def __post_init__(self) -> None:
         self.local_shards = LocalShards(self.local_shards)
@@ -60,11 +70,31 @@ class ShardedTensor:
     # pickled (torch.save, all_gather_object, deepcopy) with a plain list, as before LocalShards: checkpoints stay
     # readable by older versions, and older checkpoints (a plain list) get the callable list when loaded
     def __getstate__(self) -> dict:
-        return {"global_shape": self.global_shape, "local_shards": list(self.local_shards)}
+        return {"global_shape": self.global_shape, "local_shards": list(self.local_shards),
+                "shards_metadata": self.shards_metadata}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"shards_metadata": None, **state})  # pickled before shards_metadata: None
         self.local_shards = LocalShards(self.local_shards)
+
+    # torch's / TorchRec's ShardedTensor methods that ported code calls (it was "'ShardedTensor' object has no
+    # attribute 'metadata'"): the global layout, and the one local shard of a table_wise / row_wise table
+    def metadata(self) -> ShardedTensorMetadata:
+        """Every shard of the table, on every rank (`.shards_metadata`: offsets, sizes, `placement` its rank), and its
+        global `.size`."""
+        if self.shards_metadata is None:
+            raise ValueError(f"{self!r} holds no layout of the other ranks' shards (it was built from pieces by "
+                             f"hand): read its own pieces from .local_shards, or take metadata() from the sharded "
+                             f"model's state_dict()")
+        return ShardedTensorMetadata(list(self.shards_metadata), self.shape)
+
+    def local_tensor(self) -> Tensor:
+        """This rank's one piece of the table (torch's: only for exactly one local shard)."""
+        if len(self.local_shards) != 1:
+            raise ValueError(f"ShardedTensor.local_tensor() needs exactly one local shard, and this rank holds "
+                             f"{len(self.local_shards)} of the {tuple(self.global_shape)} table: iterate "
+                             f"`for shard in st.local_shards(): shard.tensor, shard.metadata.shard_offsets`")
+        return self.local_shards[0][1]
 
     @property
     def shape(self) -> torch.Size:
@@ -91,7 +121,8 @@ class ShardedTensor:
                 if key not in seen:  # replicas (and repeated saves) count once
                     seen.add(key)
                     shards.append((meta, t))
-        return ShardedTensor(shapes.pop(), shards)
+        layout = parts[0].shards_metadata if parts else None
+        return ShardedTensor(shapes.pop(), shards, layout if all(p.shards_metadata == layout for p in parts) else None)
 
     def read(self, row: int, col: int, rows: int, cols: int, what: str = "table") -> Tensor:
         """The rectangle [row:row+rows, col:col+cols] of the global table, from the pieces held."""
