@@ -468,14 +468,38 @@ class RecStrategy(DDPStrategy):
         return fewest
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        self._step_done()
+        return out
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with _empty_batch_logs_weigh_nothing(self.lightning_module, args[0] if args else None):
-            return super().validation_step(*args, **kwargs)
+            out = super().validation_step(*args, **kwargs)
+        self._step_done()
+        return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with _empty_batch_logs_weigh_nothing(self.lightning_module, args[0] if args else None):
-            return super().test_step(*args, **kwargs)
+            out = super().test_step(*args, **kwargs)
+        self._step_done()
+        return out
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().predict_step(*args, **kwargs)
+        self._step_done()
+        return out
+
+    def _step_done(self) -> None:
+        """A step ran: its pipeline's recording (which KJT of the batch each collection reads) ends here, not when
+        Lightning takes the batch after next. Left open, a validation after the first training step that embedded
+        ids of its own (TwoTowerModule's item catalogue) was charged to the training pipeline: a warning that the
+        collection cannot be pipelined, and its calls counted as training inputs routed in the step."""
+        for pipeline in self._pipelines:
+            pipeline.forward_done()
 
     def _close_replaced_pipelines(self) -> None:
         """Close the pipelines of loaders that no loop holds any more (reload_dataloaders_every_n_epochs, or a

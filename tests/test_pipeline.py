@@ -822,3 +822,46 @@ def test_learned_weights_in_the_batch_are_refused_on_every_rank():
     texts = run_ranks(_learned_weights_in_batch_worker, 2, timeout=120)
     assert "require a gradient" in texts[0] and "inside the model's forward" in texts[0]
     assert "rank(s) [0]" in texts[1]
+
+
+def _scores_a_catalogue_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class Catalogue(DLRMModule):
+        """Embeds ids of its own at each validation's start, as TwoTowerModule embeds its item catalogue."""
+
+        def on_validation_epoch_start(self):
+            super().on_validation_epoch_start()
+            ids = torch.arange(NUM_F * 3) % 64
+            kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, ids, torch.ones(NUM_F * 3, dtype=torch.int64))
+            with torch.no_grad():
+                self.model.sparse_arch.embedding_bag_collection(kjt)
+
+    class Stats(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            loader = trainer.fit_loop._combined_loader.flattened[0]
+            self.train = [dict(p.stats) for p in trainer.strategy._pipelines if p.loader is loader]
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=64, batch_size=64,
+                                     num_sparse_features=NUM_F, num_embeddings_per_feature=64, num_signal_features=2)
+    stats = Stats()
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=W, max_epochs=1,
+                        val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[stats])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Catalogue(**SMALL), data)
+    return [str(w.message) for w in caught if "cannot route their ids ahead" in str(w.message)], stats.train
+
+
+def test_a_validation_between_the_first_steps_leaves_the_training_pipeline_alone():
+    """Lightning's loop takes a batch ahead, so the training pipeline's recording (which KJT of the batch each
+    collection reads) stayed open until the third batch was taken; a validation after the first step
+    (val_check_interval=1) that embedded ids of its own (TwoTowerModule's item catalogue) was charged to it:
+    a warning that the collection "was called with a KeyedJaggedTensor that is not part of the batch", and its
+    calls counted as training inputs routed in the step. The recording now ends with the step."""
+    said, train = run_ranks(_scores_a_catalogue_worker, 1, timeout=120)[0]
+    assert said == [] and train == [{"routed_ahead": 3, "routed_in_step": 1}], (said, train)

@@ -38,7 +38,7 @@ class _Inputs:
         self._batches: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.recording: _Feeder | None = None  # the feeder whose first batch is running plainly
-        self.current: _Feeder | None = None  # the feeder that handed out the last batch
+        self.current: _Feeder | None = None  # the feeder that handed out the last batch, until its step is done
         for m in self.modules:
             m._input_source = self.claim
 
@@ -260,9 +260,12 @@ class _Feeder(Iterator):
         return routed
 
     def forward_done(self) -> None:
-        """The step's forward has run: the recording (if any) is complete."""
+        """The step's forward has run: the recording (if any) is complete, and calls until the next batch is handed
+        out (a validation's own ids, e.g. TwoTowerModule's item catalogue) are no input of this pass."""
         if not self.plan.final.is_set() and self.inputs.recording is self:
             self.plan.finalize(self.inputs)
+        if self.inputs.current is self:
+            self.inputs.current = None
 
     def stop_soon(self) -> None:
         """Let the thread end once idle (at the same point on every rank); no join."""
