@@ -567,13 +567,15 @@ class RecStrategy(DDPStrategy):
     # the batch the hooks returned; the loop's own calls then see a batch the pipeline owns and pass it
     # through. The hooks are called directly, not through the Trainer's hook runner, which records the
     # running hook on the module (`_current_fx_name`, read by self.log in the step running meanwhile).
+    # A loop that combines several loaders' batches into one (training on a dict of loaders) gives the hooks
+    # that combined batch: there the feeder only copies each loader's batch, and the loop runs the hooks.
 
     def _batch_hooks_for(self, loader: DataLoader):
         """batch -> the batch the step gets: the three batch hooks, for the feeder thread."""
         trainer = self.lightning_module.trainer
         selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
         device = self.root_device
-        index: list[int] = []
+        index: list = []
 
         def hook(name: str):
             if selector is not None:
@@ -583,7 +585,12 @@ class RecStrategy(DDPStrategy):
         def transfer(batch: Any) -> Any:
             if not index:  # which dataloader of its loop: the hooks' dataloader_idx
                 index.append(_dataloader_index(trainer, loader))
-            i = index[0]
+                index.append(_in_a_combined_batch(trainer, loader))
+            i, combined = index
+            if combined:  # the loop runs the hooks on its batch of every loader (which no pipeline owns)
+                from lightning_rec.pipeline import move_to_device
+
+                return move_to_device(batch, device)
             batch = hook("on_before_batch_transfer")(batch, i)
             batch = hook("transfer_batch_to_device")(batch, device, i)
             return hook("on_after_batch_transfer")(batch, i)
@@ -891,6 +898,18 @@ class _OwnRowsOnly(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls it on the loader's sampler each epoch
         self.sampler.set_epoch(epoch)
+
+
+def _in_a_combined_batch(trainer: pl.Trainer, loader: object) -> bool:
+    """Is `loader` one of several whose batches its loop combines into one (training on a dict / list of loaders,
+    CombinedLoader's modes other than "sequential")? Lightning's batch hooks then get that combined batch."""
+    loops = (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop,
+             trainer.predict_loop)
+    for loop in loops:
+        combined = getattr(loop, "_combined_loader", None)  # Lightning 2.6: the loop's CombinedLoader
+        if combined is not None and any(dl is loader for dl in combined.flattened):
+            return getattr(combined, "_mode", "sequential") != "sequential" and combined.iterables is not loader
+    return False
 
 
 def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:

@@ -865,3 +865,56 @@ def test_a_validation_between_the_first_steps_leaves_the_training_pipeline_alone
     calls counted as training inputs routed in the step. The recording now ends with the step."""
     said, train = run_ranks(_scores_a_catalogue_worker, 1, timeout=120)[0]
     assert said == [] and train == [{"routed_ahead": 3, "routed_in_step": 1}], (said, train)
+
+
+def _two_train_loaders_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class TwoLoaders(DLRMModule):
+        """Trains on a batch of each of two loaders; its batch hook sees (and scales) the batch that holds both."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hook_saw = []
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            self.hook_saw.append(sorted(batch) if isinstance(batch, dict) else type(batch).__name__)
+            return {k: Batch(b.dense_features * 0.5, b.sparse_features, b.labels) for k, b in batch.items()}
+
+        def training_step(self, batch, batch_idx):
+            return self._loss(batch["clicks"])[0] + self._loss(batch["more"])[0]
+
+    class Data(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            return {"clicks": super().train_dataloader(), "more": super().train_dataloader()}
+
+    class Stats(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.seen = [dict(p.stats) for p in trainer.strategy._pipelines]
+
+    out = {}
+    for pipeline in (False, True):
+        L.seed_everything(0)
+        stats = Stats()
+        data = Data(num_train_samples=128, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
+                    num_embeddings_per_feature=64, num_signal_features=2)
+        module = TwoLoaders(**SMALL)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, callbacks=[stats])
+        trainer.fit(module, data)
+        out[pipeline] = module.hook_saw, _weights(module.model), stats.seen
+    return out
+
+
+def test_two_training_loaders_run_the_batch_hooks_once_on_the_batch_that_holds_both():
+    """Training on a dict of two loaders (Lightning combines their batches into one), the feeder ran each loader's
+    batch through the batch hooks, and the loop ran them again on the combined batch: on_after_batch_transfer
+    was called 3 times a step, with the wrong batch twice, and its change applied twice (other losses and weights
+    than the plain loop's). The loop now runs them once, on the combined batch, as in the plain loop."""
+    out = run_ranks(_two_train_loaders_worker, 1, timeout=120)[0]
+    (plain_saw, plain_w, _), (piped_saw, piped_w, stats) = out[False], out[True]
+    assert plain_saw == piped_saw == [["clicks", "more"]] * 2, piped_saw
+    assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+    assert stats == [{"routed_ahead": 1, "routed_in_step": 1}] * 2  # each loader's ids are still routed ahead
