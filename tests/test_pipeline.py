@@ -918,3 +918,35 @@ def test_two_training_loaders_run_the_batch_hooks_once_on_the_batch_that_holds_b
     assert plain_saw == piped_saw == [["clicks", "more"]] * 2, piped_saw
     assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
     assert stats == [{"routed_ahead": 1, "routed_in_step": 1}] * 2  # each loader's ids are still routed ahead
+
+
+class _DenseFirst(Step):
+    """Its first step trains the dense part alone (a warm-up): no sharded collection is called."""
+
+    def forward(self, batch: Batch):
+        if self.calls == 0:
+            self.calls += 1
+            logits = self.dlrm.dense_arch(batch.dense_features).sum(1)
+            return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"), logits
+        return super().forward(batch)
+
+
+def _dense_first_worker(rank, W):
+    torch.manual_seed(0)
+    dmp = DistributedModelParallel(_DenseFirst(), device="cpu", timeout=30)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+    with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+        passes = []
+        for _ in range(2):
+            before = pipeline.stats["routed_ahead"]
+            _pipelined_steps(pipeline, iter(_loader(rank, 4)))
+            passes.append(pipeline.stats["routed_ahead"] - before)
+        return passes
+
+
+def test_a_first_step_without_embeddings_does_not_leave_every_later_pass_unpipelined():
+    """The pipeline learns from its first step which KJT of the batch each collection reads. A first step that
+    called no collection (a dense warm-up) left an empty plan for good: every batch of every later pass was routed
+    in the step, without a word. A pass whose recording saw no collection now records again on the next pass."""
+    assert run_ranks(_dense_first_worker, 1, timeout=120)[0] == [0, 3]

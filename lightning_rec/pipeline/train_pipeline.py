@@ -55,6 +55,10 @@ class InputPipeline:
                 plan.finalize(self.inputs)
             else:
                 plan.record_entry = None  # nothing was called: record on this pass
+        elif plan.final.is_set() and not plan.routes and not plan.not_pipelined:
+            # the last pass's recording step called no collection (a dense warm-up step): an empty plan would route
+            # every later batch in the step, silently; record on this pass (the same on every rank: same code)
+            self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
                               self.to_device, self.stats, pad)
         return self.feeder
