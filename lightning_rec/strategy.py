@@ -22,6 +22,7 @@ formats load (a gathered file is memory-mapped: each rank reads only its pieces)
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import warnings
@@ -372,6 +373,7 @@ class RecStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        dataloader = self._own_loader_of_this_loop(dataloader)
         dataloader = self._without_repeated_rows(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         agreed = self._agree_training_length(dataloader)
@@ -396,6 +398,31 @@ class RecStrategy(DDPStrategy):
         if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
             dataloader._rec_agreed_len = agreed
             dataloader._rec_padded_len = padded
+        return dataloader
+
+    # what process_dataloader (and pipeline.wrap_loader) keep on a loader for the loop that iterates it
+    _LOOP_STATE = ("_rec_agreed_len", "_rec_padded_len", "_rec_all_have_a_batch", "_rec_evaluating", "_rec_pad_batch",
+                   "_rec_pipeline", "_rec_position", "_rec_states", "_rec_first_step", "state_dict")
+
+    def _own_loader_of_this_loop(self, dataloader: object) -> object:
+        """A loader that training and evaluation share (train_dataloaders=dl, val_dataloaders=dl; a data module that
+        returns one loader for both): a shallow copy for this loop, so that each loop's state on it is its own. The
+        validation loop's replaced the training loop's (its pipeline, its padding, no agreed length), and pipelined,
+        each validation pass stopped the training pass's feeder: epochs ended early, silently (14 steps of 24)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not isinstance(dataloader, DataLoader):
+            return dataloader
+        training = bool(trainer.training)
+        seen = vars(dataloader).get("_rec_training")
+        if seen is not None and seen != training:
+            from lightning_rec.pipeline import base_loader_class
+
+            dataloader = copy.copy(dataloader)  # the same dataset, sampler and settings; no DataLoader.__init__
+            for key in self._LOOP_STATE:
+                vars(dataloader).pop(key, None)
+            dataloader.__class__ = base_loader_class(type(dataloader))
+            dataloader._iterator = None  # persistent_workers: workers of its own, not the other loop's iterator
+        dataloader._rec_training = training
         return dataloader
 
     def _without_repeated_rows(self, dataloader: object) -> object:

@@ -950,3 +950,38 @@ def test_a_first_step_without_embeddings_does_not_leave_every_later_pass_unpipel
     called no collection (a dense warm-up) left an empty plan for good: every batch of every later pass was routed
     in the step, without a word. A pass whose recording saw no collection now records again on the next pass."""
     assert run_ranks(_dense_first_worker, 1, timeout=120)[0] == [0, 3]
+
+
+def _one_loader_for_both_worker(rank, W, pipeline):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class SameLoader(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            if not hasattr(self, "loader"):
+                self.loader = super().train_dataloader()
+            return self.loader
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    L.seed_everything(0)
+    data = SameLoader(num_train_samples=256, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
+                      num_embeddings_per_feature=64, num_signal_features=2)
+    module = DLRMModule(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=2,
+                        val_check_interval=2, limit_val_batches=1, use_distributed_sampler=False, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, data)
+    return trainer.global_step, _weights(module.model)
+
+
+def test_one_loader_object_for_training_and_validation_trains_every_batch():
+    """The same DataLoader object as train and val loader (train_dataloaders=dl, val_dataloaders=dl): each loop's
+    wrapper kept its state on the loader, so the validation loop's replaced the training loop's, and pipelined
+    the validation passes stopped the training pass's feeder: epochs ended early, 6 steps of 8 (14 of 24 in 3
+    epochs), silently. Each loop now gets a copy of the loader of its own."""
+    (plain_steps, plain_w), = run_ranks(_one_loader_for_both_worker, 1, False, timeout=120)
+    (piped_steps, piped_w), = run_ranks(_one_loader_for_both_worker, 1, True, timeout=120)
+    assert plain_steps == piped_steps == 8
+    assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
