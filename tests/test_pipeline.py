@@ -985,3 +985,47 @@ def test_one_loader_object_for_training_and_validation_trains_every_batch():
     (piped_steps, piped_w), = run_ranks(_one_loader_for_both_worker, 1, True, timeout=120)
     assert plain_steps == piped_steps == 8
     assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+
+
+def _three_batches_a_step_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class ThreeAStep(DLRMModule):
+        def training_step(self, dataloader_iter):
+            batches = [next(dataloader_iter)[0] for _ in range(3)]  # (batch, batch_idx, dataloader_idx)
+            return sum(self._loss(b)[0] for b in batches)
+
+    class Stats(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.seen = [dict(p.stats) for p in trainer.strategy._pipelines]
+
+    out = {}
+    for pipeline in (False, True):
+        L.seed_everything(0)
+        stats = Stats()
+        data = SyntheticCriteoDataModule(num_train_samples=576, num_val_samples=64, batch_size=64,
+                                         num_sparse_features=NUM_F, num_embeddings_per_feature=64,
+                                         num_signal_features=2)
+        module = ThreeAStep(**SMALL)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, callbacks=[stats])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        said = [str(w.message) for w in caught if "cannot route their ids ahead" in str(w.message)]
+        out[pipeline] = trainer.global_step, _weights(module.model), stats.seen, said
+    return out
+
+
+def test_a_step_that_takes_three_batches_is_pipelined():
+    """training_step(dataloader_iter) taking 3 batches before its forward: the pipeline's recording ended when the
+    third was taken, before any forward had shown which KJT each collection reads, and the first batch was let go
+    before its forward: nothing was routed ahead in any pass, silently. Now the recording ends with the step, a
+    batch taken while it runs routes in the step, and the step's batches stay registered until it ends."""
+    out = run_ranks(_three_batches_a_step_worker, 1, timeout=120)[0]
+    (plain_steps, plain_w, _, _), (piped_steps, piped_w, stats, said) = out[False], out[True]
+    assert plain_steps == piped_steps == 3 and said == []
+    assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+    assert stats == [{"routed_ahead": 7, "routed_in_step": 2}], stats  # the first step's first two in the step
