@@ -1029,3 +1029,19 @@ def test_a_step_that_takes_three_batches_is_pipelined():
     assert plain_steps == piped_steps == 3 and said == []
     assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
     assert stats == [{"routed_ahead": 7, "routed_in_step": 2}], stats  # the first step's first two in the step
+
+
+def test_find_kjts_reads_a_batch_class_with_slots():
+    """A batch class with __slots__ (attrs' @define makes one) has no __dict__: its KJT was not found, so the
+    collection was called "with a KeyedJaggedTensor that is not part of the batch (computed inside the model, or
+    replaced by a batch hook)", which it was not, and it was never pipelined."""
+
+    class SlotsBatch:
+        __slots__ = ("dense", "sparse")
+
+        def __init__(self, dense, sparse):
+            self.dense, self.sparse = dense, sparse
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([1]))
+    [(found, path)] = find_kjts({"b": SlotsBatch(torch.zeros(1, 1), kjt)})
+    assert found is kjt and path_name(path) == "batch['b'].sparse"
