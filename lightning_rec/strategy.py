@@ -383,6 +383,10 @@ class RecStrategy(DDPStrategy):
             from lightning_rec.pipeline import InputPipeline, wrap_loader
 
             self._close_replaced_pipelines()
+            if any(p.loader is dataloader and p.feeder is None and not p.closed for p in self._pipelines):
+                # one loader object twice in one loop ({"a": loader, "b": loader}), iterated twice at once: each pass
+                # stopped the other's feeder (the pipeline lives on the loader), and the epoch ended with 0 steps
+                dataloader = self._loader_copy(dataloader)
             # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
                                      to_device=self._batch_hooks_for(dataloader))
@@ -415,14 +419,19 @@ class RecStrategy(DDPStrategy):
         training = bool(trainer.training)
         seen = vars(dataloader).get("_rec_training")
         if seen is not None and seen != training:
-            from lightning_rec.pipeline import base_loader_class
-
-            dataloader = copy.copy(dataloader)  # the same dataset, sampler and settings; no DataLoader.__init__
-            for key in self._LOOP_STATE:
-                vars(dataloader).pop(key, None)
-            dataloader.__class__ = base_loader_class(type(dataloader))
-            dataloader._iterator = None  # persistent_workers: workers of its own, not the other loop's iterator
+            dataloader = self._loader_copy(dataloader)
         dataloader._rec_training = training
+        return dataloader
+
+    def _loader_copy(self, dataloader: DataLoader) -> DataLoader:
+        """The same dataset, sampler and settings (no DataLoader.__init__), without the other loop's state."""
+        from lightning_rec.pipeline import base_loader_class
+
+        dataloader = copy.copy(dataloader)
+        for key in self._LOOP_STATE:
+            vars(dataloader).pop(key, None)
+        dataloader.__class__ = base_loader_class(type(dataloader))
+        dataloader._iterator = None  # persistent_workers: workers of its own, not the other loop's iterator
         return dataloader
 
     def _without_repeated_rows(self, dataloader: object) -> object:

@@ -1045,3 +1045,37 @@ def test_find_kjts_reads_a_batch_class_with_slots():
     kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([1]))
     [(found, path)] = find_kjts({"b": SlotsBatch(torch.zeros(1, 1), kjt)})
     assert found is kjt and path_name(path) == "batch['b'].sparse"
+
+
+def _one_loader_twice_worker(rank, W, pipeline):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class TwoViews(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            return {"a": loader, "b": loader}
+
+    class Module(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            return self._loss(batch["a"])[0] + self._loss(batch["b"])[0]
+
+    L.seed_everything(0)
+    data = TwoViews(num_train_samples=256, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
+                    num_embeddings_per_feature=64, num_signal_features=2)
+    module = Module(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(module, data)
+    return trainer.global_step, _weights(module.model)
+
+
+def test_one_loader_object_twice_in_a_training_dict_trains_every_batch():
+    """{"a": loader, "b": loader}: the loop iterates the one object twice at once; pipelined at 2 ranks, each pass
+    stopped the other's feeder, and every epoch ended at once: 0 steps trained, silently. Each entry now gets a copy
+    of its own."""
+    plain, piped = (run_ranks(_one_loader_twice_worker, 2, pipeline, timeout=120) for pipeline in (False, True))
+    for (plain_steps, plain_w), (piped_steps, piped_w) in zip(plain, piped):
+        assert plain_steps == piped_steps == 2
+        assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
