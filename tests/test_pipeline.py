@@ -1079,3 +1079,47 @@ def test_one_loader_object_twice_in_a_training_dict_trains_every_batch():
     for (plain_steps, plain_w), (piped_steps, piped_w) in zip(plain, piped):
         assert plain_steps == piped_steps == 2
         assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+
+
+def _train_eval_train_worker(rank, W):
+    train, held_out = list(_loader(rank, 6)), list(_loader(rank, 2, seed=50))
+    runs = []
+    for pipelined in (False, True):
+        model, dmp, opt = _build("row_wise", W)
+        trained = []
+        forward = model.forward
+
+        def spy(batch, forward=forward, trained=trained, model=model):
+            if model.training:
+                trained.append(batch.labels.clone())
+            return forward(batch)
+
+        model.forward = spy
+        it = iter(train)
+        if pipelined:  # one pipeline for both, as its docstring allows: model.eval() runs the forward only
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+            _pipelined_steps(pipeline, it, 2)
+            dmp.eval()
+            _pipelined_steps(pipeline, iter(held_out))
+            dmp.train()
+            _pipelined_steps(pipeline, it)
+            pipeline.close()
+        else:
+            _plain_steps(dmp, opt, it, 2)
+            dmp.eval()
+            with torch.no_grad():
+                [dmp(b) for b in held_out]
+            dmp.train()
+            _plain_steps(dmp, opt, it)
+        runs.append((trained, _weights(dmp)))
+    (plain_seen, plain_w), (piped_seen, piped_w) = runs
+    return (len(plain_seen), len(piped_seen), all(torch.equal(a, b) for a, b in zip(plain_seen, piped_seen)),
+            all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w))
+
+
+def test_an_evaluation_pass_between_training_steps_skips_no_training_batch():
+    """One TrainPipelineSparseDist for training and, between its steps, an evaluation over another iterator: the
+    switch stopped the training pass's feeder and dropped the batch it had read ahead, so every evaluation cost
+    one training batch, silently (5 of 6 trained). Its batches read ahead now come first when that iterator is
+    given again."""
+    assert run_ranks(_train_eval_train_worker, 1, timeout=120)[0] == (6, 6, True, True)

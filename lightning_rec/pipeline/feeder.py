@@ -283,13 +283,18 @@ class _Feeder(Iterator):
             self._stop = True
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join."""
+    def close(self, keep_unused: bool = False) -> list:
+        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join.
+
+        keep_unused: return the batches read ahead that no step took (as many on every rank), else drop them."""
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
+        with self._cond:
+            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] if keep_unused else []
         self._finished = True
         self._release_all()
+        return unused
 
     def _release_all(self) -> None:
         while self._live:
