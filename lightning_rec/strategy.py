@@ -22,6 +22,7 @@ formats load (a gathered file is memory-mapped: each rank reads only its pieces)
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import warnings
@@ -377,6 +378,7 @@ class RecStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
+        dataloader = self._own_loader_of_this_loop(dataloader)
         dataloader = self._without_repeated_rows(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         agreed = self._agree_training_length(dataloader)
@@ -386,6 +388,10 @@ class RecStrategy(DDPStrategy):
             from lightning_rec.pipeline import InputPipeline, wrap_loader
 
             self._close_replaced_pipelines()
+            if any(p.loader is dataloader and p.feeder is None and not p.closed for p in self._pipelines):
+                # one loader object twice in one loop ({"a": loader, "b": loader}), iterated twice at once: each pass
+                # stopped the other's feeder (the pipeline lives on the loader), and the epoch ended with 0 steps
+                dataloader = self._loader_copy(dataloader)
             # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
                                      to_device=self._batch_hooks_for(dataloader))
@@ -401,6 +407,36 @@ class RecStrategy(DDPStrategy):
         if isinstance(dataloader, DataLoader) and getattr(type(dataloader), "_rec_step_together", False):
             dataloader._rec_agreed_len = agreed
             dataloader._rec_padded_len = padded
+        return dataloader
+
+    # what process_dataloader (and pipeline.wrap_loader) keep on a loader for the loop that iterates it
+    _LOOP_STATE = ("_rec_agreed_len", "_rec_padded_len", "_rec_all_have_a_batch", "_rec_evaluating", "_rec_pad_batch",
+                   "_rec_pipeline", "_rec_position", "_rec_states", "_rec_first_step", "state_dict")
+
+    def _own_loader_of_this_loop(self, dataloader: object) -> object:
+        """A loader that training and evaluation share (train_dataloaders=dl, val_dataloaders=dl; a data module that
+        returns one loader for both): a shallow copy for this loop, so that each loop's state on it is its own. The
+        validation loop's replaced the training loop's (its pipeline, its padding, no agreed length), and pipelined,
+        each validation pass stopped the training pass's feeder: epochs ended early, silently (14 steps of 24)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not isinstance(dataloader, DataLoader):
+            return dataloader
+        training = bool(trainer.training)
+        seen = vars(dataloader).get("_rec_training")
+        if seen is not None and seen != training:
+            dataloader = self._loader_copy(dataloader)
+        dataloader._rec_training = training
+        return dataloader
+
+    def _loader_copy(self, dataloader: DataLoader) -> DataLoader:
+        """The same dataset, sampler and settings (no DataLoader.__init__), without the other loop's state."""
+        from lightning_rec.pipeline import base_loader_class
+
+        dataloader = copy.copy(dataloader)
+        for key in self._LOOP_STATE:
+            vars(dataloader).pop(key, None)
+        dataloader.__class__ = base_loader_class(type(dataloader))
+        dataloader._iterator = None  # persistent_workers: workers of its own, not the other loop's iterator
         return dataloader
 
     def _without_repeated_rows(self, dataloader: object) -> object:
@@ -473,14 +509,38 @@ class RecStrategy(DDPStrategy):
         return fewest
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        self._step_done()
+        return out
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with _empty_batch_logs_weigh_nothing(self.lightning_module, args[0] if args else None):
-            return super().validation_step(*args, **kwargs)
+            out = super().validation_step(*args, **kwargs)
+        self._step_done()
+        return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with _empty_batch_logs_weigh_nothing(self.lightning_module, args[0] if args else None):
-            return super().test_step(*args, **kwargs)
+            out = super().test_step(*args, **kwargs)
+        self._step_done()
+        return out
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().predict_step(*args, **kwargs)
+        self._step_done()
+        return out
+
+    def _step_done(self) -> None:
+        """A step ran: its pipeline's recording (which KJT of the batch each collection reads) ends here, not when
+        Lightning takes the batch after next. Left open, a validation after the first training step that embedded
+        ids of its own (TwoTowerModule's item catalogue) was charged to the training pipeline: a warning that the
+        collection cannot be pipelined, and its calls counted as training inputs routed in the step."""
+        for pipeline in self._pipelines:
+            pipeline.forward_done()
 
     def _close_replaced_pipelines(self) -> None:
         """Close the pipelines of loaders that no loop holds any more (reload_dataloaders_every_n_epochs, or a
@@ -550,13 +610,15 @@ class RecStrategy(DDPStrategy):
     # the batch the hooks returned; the loop's own calls then see a batch the pipeline owns and pass it
     # through. The hooks are called directly, not through the Trainer's hook runner, which records the
     # running hook on the module (`_current_fx_name`, read by self.log in the step running meanwhile).
+    # A loop that combines several loaders' batches into one (training on a dict of loaders) gives the hooks
+    # that combined batch: there the feeder only copies each loader's batch, and the loop runs the hooks.
 
     def _batch_hooks_for(self, loader: DataLoader):
         """batch -> the batch the step gets: the three batch hooks, for the feeder thread."""
         trainer = self.lightning_module.trainer
         selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
         device = self.root_device
-        index: list[int] = []
+        index: list = []
 
         def hook(name: str):
             if selector is not None:
@@ -566,7 +628,12 @@ class RecStrategy(DDPStrategy):
         def transfer(batch: Any) -> Any:
             if not index:  # which dataloader of its loop: the hooks' dataloader_idx
                 index.append(_dataloader_index(trainer, loader))
-            i = index[0]
+                index.append(_in_a_combined_batch(trainer, loader))
+            i, combined = index
+            if combined:  # the loop runs the hooks on its batch of every loader (which no pipeline owns)
+                from lightning_rec.pipeline import move_to_device
+
+                return move_to_device(batch, device)
             batch = hook("on_before_batch_transfer")(batch, i)
             batch = hook("transfer_batch_to_device")(batch, device, i)
             return hook("on_after_batch_transfer")(batch, i)
@@ -915,6 +982,18 @@ class _OwnRowsOnly(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls it on the loader's sampler each epoch
         self.sampler.set_epoch(epoch)
+
+
+def _in_a_combined_batch(trainer: pl.Trainer, loader: object) -> bool:
+    """Is `loader` one of several whose batches its loop combines into one (training on a dict / list of loaders,
+    CombinedLoader's modes other than "sequential")? Lightning's batch hooks then get that combined batch."""
+    loops = (trainer.fit_loop, trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop,
+             trainer.predict_loop)
+    for loop in loops:
+        combined = getattr(loop, "_combined_loader", None)  # Lightning 2.6: the loop's CombinedLoader
+        if combined is not None and any(dl is loader for dl in combined.flattened):
+            return getattr(combined, "_mode", "sequential") != "sequential" and combined.iterables is not loader
+    return False
 
 
 def _dataloader_index(trainer: pl.Trainer, loader: object) -> int:

@@ -822,3 +822,304 @@ def test_learned_weights_in_the_batch_are_refused_on_every_rank():
     texts = run_ranks(_learned_weights_in_batch_worker, 2, timeout=120)
     assert "require a gradient" in texts[0] and "inside the model's forward" in texts[0]
     assert "rank(s) [0]" in texts[1]
+
+
+def _scores_a_catalogue_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class Catalogue(DLRMModule):
+        """Embeds ids of its own at each validation's start, as TwoTowerModule embeds its item catalogue."""
+
+        def on_validation_epoch_start(self):
+            super().on_validation_epoch_start()
+            ids = torch.arange(NUM_F * 3) % 64
+            kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, ids, torch.ones(NUM_F * 3, dtype=torch.int64))
+            with torch.no_grad():
+                self.model.sparse_arch.embedding_bag_collection(kjt)
+
+    class Stats(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            loader = trainer.fit_loop._combined_loader.flattened[0]
+            self.train = [dict(p.stats) for p in trainer.strategy._pipelines if p.loader is loader]
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=64, batch_size=64,
+                                     num_sparse_features=NUM_F, num_embeddings_per_feature=64, num_signal_features=2)
+    stats = Stats()
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=W, max_epochs=1,
+                        val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[stats])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Catalogue(**SMALL), data)
+    return [str(w.message) for w in caught if "cannot route their ids ahead" in str(w.message)], stats.train
+
+
+def test_a_validation_between_the_first_steps_leaves_the_training_pipeline_alone():
+    """Lightning's loop takes a batch ahead, so the training pipeline's recording (which KJT of the batch each
+    collection reads) stayed open until the third batch was taken; a validation after the first step
+    (val_check_interval=1) that embedded ids of its own (TwoTowerModule's item catalogue) was charged to it:
+    a warning that the collection "was called with a KeyedJaggedTensor that is not part of the batch", and its
+    calls counted as training inputs routed in the step. The recording now ends with the step."""
+    said, train = run_ranks(_scores_a_catalogue_worker, 1, timeout=120)[0]
+    assert said == [] and train == [{"routed_ahead": 3, "routed_in_step": 1}], (said, train)
+
+
+def _two_train_loaders_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class TwoLoaders(DLRMModule):
+        """Trains on a batch of each of two loaders; its batch hook sees (and scales) the batch that holds both."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hook_saw = []
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            self.hook_saw.append(sorted(batch) if isinstance(batch, dict) else type(batch).__name__)
+            return {k: Batch(b.dense_features * 0.5, b.sparse_features, b.labels) for k, b in batch.items()}
+
+        def training_step(self, batch, batch_idx):
+            return self._loss(batch["clicks"])[0] + self._loss(batch["more"])[0]
+
+    class Data(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            return {"clicks": super().train_dataloader(), "more": super().train_dataloader()}
+
+    class Stats(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.seen = [dict(p.stats) for p in trainer.strategy._pipelines]
+
+    out = {}
+    for pipeline in (False, True):
+        L.seed_everything(0)
+        stats = Stats()
+        data = Data(num_train_samples=128, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
+                    num_embeddings_per_feature=64, num_signal_features=2)
+        module = TwoLoaders(**SMALL)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, callbacks=[stats])
+        trainer.fit(module, data)
+        out[pipeline] = module.hook_saw, _weights(module.model), stats.seen
+    return out
+
+
+def test_two_training_loaders_run_the_batch_hooks_once_on_the_batch_that_holds_both():
+    """Training on a dict of two loaders (Lightning combines their batches into one), the feeder ran each loader's
+    batch through the batch hooks, and the loop ran them again on the combined batch: on_after_batch_transfer
+    was called 3 times a step, with the wrong batch twice, and its change applied twice (other losses and weights
+    than the plain loop's). The loop now runs them once, on the combined batch, as in the plain loop."""
+    out = run_ranks(_two_train_loaders_worker, 1, timeout=120)[0]
+    (plain_saw, plain_w, _), (piped_saw, piped_w, stats) = out[False], out[True]
+    assert plain_saw == piped_saw == [["clicks", "more"]] * 2, piped_saw
+    assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+    assert stats == [{"routed_ahead": 1, "routed_in_step": 1}] * 2  # each loader's ids are still routed ahead
+
+
+class _DenseFirst(Step):
+    """Its first step trains the dense part alone (a warm-up): no sharded collection is called."""
+
+    def forward(self, batch: Batch):
+        if self.calls == 0:
+            self.calls += 1
+            logits = self.dlrm.dense_arch(batch.dense_features).sum(1)
+            return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"), logits
+        return super().forward(batch)
+
+
+def _dense_first_worker(rank, W):
+    torch.manual_seed(0)
+    dmp = DistributedModelParallel(_DenseFirst(), device="cpu", timeout=30)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+    with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+        passes = []
+        for _ in range(2):
+            before = pipeline.stats["routed_ahead"]
+            _pipelined_steps(pipeline, iter(_loader(rank, 4)))
+            passes.append(pipeline.stats["routed_ahead"] - before)
+        return passes
+
+
+def test_a_first_step_without_embeddings_does_not_leave_every_later_pass_unpipelined():
+    """The pipeline learns from its first step which KJT of the batch each collection reads. A first step that
+    called no collection (a dense warm-up) left an empty plan for good: every batch of every later pass was routed
+    in the step, without a word. A pass whose recording saw no collection now records again on the next pass."""
+    assert run_ranks(_dense_first_worker, 1, timeout=120)[0] == [0, 3]
+
+
+def _one_loader_for_both_worker(rank, W, pipeline):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class SameLoader(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            if not hasattr(self, "loader"):
+                self.loader = super().train_dataloader()
+            return self.loader
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    L.seed_everything(0)
+    data = SameLoader(num_train_samples=256, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
+                      num_embeddings_per_feature=64, num_signal_features=2)
+    module = DLRMModule(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=2,
+                        val_check_interval=2, limit_val_batches=1, use_distributed_sampler=False, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, data)
+    return trainer.global_step, _weights(module.model)
+
+
+def test_one_loader_object_for_training_and_validation_trains_every_batch():
+    """The same DataLoader object as train and val loader (train_dataloaders=dl, val_dataloaders=dl): each loop's
+    wrapper kept its state on the loader, so the validation loop's replaced the training loop's, and pipelined
+    the validation passes stopped the training pass's feeder: epochs ended early, 6 steps of 8 (14 of 24 in 3
+    epochs), silently. Each loop now gets a copy of the loader of its own."""
+    (plain_steps, plain_w), = run_ranks(_one_loader_for_both_worker, 1, False, timeout=120)
+    (piped_steps, piped_w), = run_ranks(_one_loader_for_both_worker, 1, True, timeout=120)
+    assert plain_steps == piped_steps == 8
+    assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+
+
+def _three_batches_a_step_worker(rank, W):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class ThreeAStep(DLRMModule):
+        def training_step(self, dataloader_iter):
+            batches = [next(dataloader_iter)[0] for _ in range(3)]  # (batch, batch_idx, dataloader_idx)
+            return sum(self._loss(b)[0] for b in batches)
+
+    class Stats(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.seen = [dict(p.stats) for p in trainer.strategy._pipelines]
+
+    out = {}
+    for pipeline in (False, True):
+        L.seed_everything(0)
+        stats = Stats()
+        data = SyntheticCriteoDataModule(num_train_samples=576, num_val_samples=64, batch_size=64,
+                                         num_sparse_features=NUM_F, num_embeddings_per_feature=64,
+                                         num_signal_features=2)
+        module = ThreeAStep(**SMALL)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, callbacks=[stats])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        said = [str(w.message) for w in caught if "cannot route their ids ahead" in str(w.message)]
+        out[pipeline] = trainer.global_step, _weights(module.model), stats.seen, said
+    return out
+
+
+def test_a_step_that_takes_three_batches_is_pipelined():
+    """training_step(dataloader_iter) taking 3 batches before its forward: the pipeline's recording ended when the
+    third was taken, before any forward had shown which KJT each collection reads, and the first batch was let go
+    before its forward: nothing was routed ahead in any pass, silently. Now the recording ends with the step, a
+    batch taken while it runs routes in the step, and the step's batches stay registered until it ends."""
+    out = run_ranks(_three_batches_a_step_worker, 1, timeout=120)[0]
+    (plain_steps, plain_w, _, _), (piped_steps, piped_w, stats, said) = out[False], out[True]
+    assert plain_steps == piped_steps == 3 and said == []
+    assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+    assert stats == [{"routed_ahead": 7, "routed_in_step": 2}], stats  # the first step's first two in the step
+
+
+def test_find_kjts_reads_a_batch_class_with_slots():
+    """A batch class with __slots__ (attrs' @define makes one) has no __dict__: its KJT was not found, so the
+    collection was called "with a KeyedJaggedTensor that is not part of the batch (computed inside the model, or
+    replaced by a batch hook)", which it was not, and it was never pipelined."""
+
+    class SlotsBatch:
+        __slots__ = ("dense", "sparse")
+
+        def __init__(self, dense, sparse):
+            self.dense, self.sparse = dense, sparse
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([1]))
+    [(found, path)] = find_kjts({"b": SlotsBatch(torch.zeros(1, 1), kjt)})
+    assert found is kjt and path_name(path) == "batch['b'].sparse"
+
+
+def _one_loader_twice_worker(rank, W, pipeline):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    class TwoViews(SyntheticCriteoDataModule):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            return {"a": loader, "b": loader}
+
+    class Module(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            return self._loss(batch["a"])[0] + self._loss(batch["b"])[0]
+
+    L.seed_everything(0)
+    data = TwoViews(num_train_samples=256, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
+                    num_embeddings_per_feature=64, num_signal_features=2)
+    module = Module(**SMALL)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(module, data)
+    return trainer.global_step, _weights(module.model)
+
+
+def test_one_loader_object_twice_in_a_training_dict_trains_every_batch():
+    """{"a": loader, "b": loader}: the loop iterates the one object twice at once; pipelined at 2 ranks, each pass
+    stopped the other's feeder, and every epoch ended at once: 0 steps trained, silently. Each entry now gets a copy
+    of its own."""
+    plain, piped = (run_ranks(_one_loader_twice_worker, 2, pipeline, timeout=120) for pipeline in (False, True))
+    for (plain_steps, plain_w), (piped_steps, piped_w) in zip(plain, piped):
+        assert plain_steps == piped_steps == 2
+        assert all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w)
+
+
+def _train_eval_train_worker(rank, W):
+    train, held_out = list(_loader(rank, 6)), list(_loader(rank, 2, seed=50))
+    runs = []
+    for pipelined in (False, True):
+        model, dmp, opt = _build("row_wise", W)
+        trained = []
+        forward = model.forward
+
+        def spy(batch, forward=forward, trained=trained, model=model):
+            if model.training:
+                trained.append(batch.labels.clone())
+            return forward(batch)
+
+        model.forward = spy
+        it = iter(train)
+        if pipelined:  # one pipeline for both, as its docstring allows: model.eval() runs the forward only
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+            _pipelined_steps(pipeline, it, 2)
+            dmp.eval()
+            _pipelined_steps(pipeline, iter(held_out))
+            dmp.train()
+            _pipelined_steps(pipeline, it)
+            pipeline.close()
+        else:
+            _plain_steps(dmp, opt, it, 2)
+            dmp.eval()
+            with torch.no_grad():
+                [dmp(b) for b in held_out]
+            dmp.train()
+            _plain_steps(dmp, opt, it)
+        runs.append((trained, _weights(dmp)))
+    (plain_seen, plain_w), (piped_seen, piped_w) = runs
+    return (len(plain_seen), len(piped_seen), all(torch.equal(a, b) for a, b in zip(plain_seen, piped_seen)),
+            all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w))
+
+
+def test_an_evaluation_pass_between_training_steps_skips_no_training_batch():
+    """One TrainPipelineSparseDist for training and, between its steps, an evaluation over another iterator: the
+    switch stopped the training pass's feeder and dropped the batch it had read ahead, so every evaluation cost
+    one training batch, silently (5 of 6 trained). Its batches read ahead now come first when that iterator is
+    given again."""
+    assert run_ranks(_train_eval_train_worker, 1, timeout=120)[0] == (6, 6, True, True)

@@ -32,6 +32,8 @@ def find_kjts(batch: Any) -> list[tuple[KeyedJaggedTensor, tuple]]:
             items = [(("attr", f.name), getattr(obj, f.name)) for f in dataclasses.fields(obj)]
         elif hasattr(obj, "__dict__"):
             items = [(("attr", k), v) for k, v in vars(obj).items()]
+        elif hasattr(type(obj), "__slots__"):  # no __dict__ (attrs' @define classes)
+            items = [(("attr", n), getattr(obj, n)) for n in _slot_names(type(obj)) if hasattr(obj, n)]
         else:
             return
         for step, value in items:
@@ -39,6 +41,14 @@ def find_kjts(batch: Any) -> list[tuple[KeyedJaggedTensor, tuple]]:
 
     visit(batch, (), 0)
     return out
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [n for n in slots if n not in ("__dict__", "__weakref__")]
+    return names
 
 
 def path_name(path: tuple) -> str:

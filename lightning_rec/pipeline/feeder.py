@@ -38,7 +38,7 @@ class _Inputs:
         self._batches: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.recording: _Feeder | None = None  # the feeder whose first batch is running plainly
-        self.current: _Feeder | None = None  # the feeder that handed out the last batch
+        self.current: _Feeder | None = None  # the feeder that handed out the last batch, until its step is done
         for m in self.modules:
             m._input_source = self.claim
 
@@ -153,6 +153,7 @@ class _Entry:
 
 
 _END = object()
+_STEP_BATCHES_KEPT = 16  # batches one step may take (training_step(dataloader_iter)) that stay registered
 
 
 def _in_step_order(config: PipelineConfig, channels: dict) -> bool:
@@ -181,6 +182,8 @@ class _Feeder(Iterator):
         self._stop = False
         self._finished = False
         self._live: deque[_Entry] = deque()  # entries handed out, still registered
+        self._taken_in_step = 0  # entries handed out since the last step ended (forward_done)
+        self._waiting = False  # the step's thread waits in __next__ for a batch the feeder has not put yet
         # in_step_order: the feeder runs batch k's collectives only while the step's thread waits in
         # __next__ for batch k (its turn: `_turn`), so both threads' collectives come in one order on every rank
         self._ordered = _in_step_order(config, channels)
@@ -197,8 +200,8 @@ class _Feeder(Iterator):
         if self._finished:
             raise StopIteration
         plan = self.plan
-        if not plan.final.is_set() and plan.record_entry is not None and self.taken >= plan.record_entry.index + 2:
-            plan.finalize(self.inputs)  # the recording step is over (a loop takes at most one batch ahead)
+        # (the recording ends with its step, forward_done, or at a later batch's claim; a step may take several
+        # batches before its forward: training_step(dataloader_iter))
         with self._cond:
             if self._ordered:
                 self._turn = self.taken  # batch `taken`'s collectives may run now: this thread waits here
@@ -206,7 +209,10 @@ class _Feeder(Iterator):
             while not self._queue:
                 if not self._thread.is_alive() and not self._queue:
                     break
+                self._waiting = True  # the feeder stops waiting for the plan (_wait_plan): the step is not over
+                self._cond.notify_all()
                 self._cond.wait(1.0)
+            self._waiting = False
             item = self._queue.popleft() if self._queue else RuntimeError(
                 "lightning_rec pipeline: the feeder thread ended without a result")
             if isinstance(item, _Entry):
@@ -225,7 +231,10 @@ class _Feeder(Iterator):
             self.inputs.recording = self
         self.inputs.current = self
         self._live.append(entry)
-        while len(self._live) > 2:  # this step's batch and the one a loop may take ahead stay registered
+        self._taken_in_step += 1
+        # the batches this step took, and the one a loop may take ahead (of the last step), stay registered (at most
+        # _STEP_BATCHES_KEPT: a driver that never calls forward_done still lets go of old batches)
+        while len(self._live) > max(2, min(self._taken_in_step, _STEP_BATCHES_KEPT) + 1):
             self.inputs.unregister(self._live.popleft())
         if self._copy_stream is not None:
             current = torch.cuda.current_stream(self.device)
@@ -260,9 +269,13 @@ class _Feeder(Iterator):
         return routed
 
     def forward_done(self) -> None:
-        """The step's forward has run: the recording (if any) is complete."""
+        """The step's forward has run: the recording (if any) is complete, and calls until the next batch is handed
+        out (a validation's own ids, e.g. TwoTowerModule's item catalogue) are no input of this pass."""
         if not self.plan.final.is_set() and self.inputs.recording is self:
             self.plan.finalize(self.inputs)
+        self._taken_in_step = 0
+        if self.inputs.current is self:
+            self.inputs.current = None
 
     def stop_soon(self) -> None:
         """Let the thread end once idle (at the same point on every rank); no join."""
@@ -270,13 +283,18 @@ class _Feeder(Iterator):
             self._stop = True
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join."""
+    def close(self, keep_unused: bool = False) -> list:
+        """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join.
+
+        keep_unused: return the batches read ahead that no step took (as many on every rank), else drop them."""
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
+        with self._cond:
+            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] if keep_unused else []
         self._finished = True
         self._release_all()
+        return unused
 
     def _release_all(self) -> None:
         while self._live:
@@ -316,11 +334,17 @@ class _Feeder(Iterator):
                 self._cond.wait()
             return True
 
-    def _wait_plan(self) -> bool:
-        while not self.plan.final.wait(0.2):
+    def _wait_plan(self, k: int) -> bool | None:
+        """Wait until the plan is recorded before routing batch k. False: stopped. None: the step's thread took batch
+        k and waits for the next one while the recording step still runs (a step that takes several batches before
+        its forward): batch k routes in the step. The same on every rank: only the step's thread ends a recording,
+        and it is waiting, having set the plan (or not) before."""
+        while not self.plan.final.wait(0.02):
             with self._cond:
                 if self._stop:
                     return False
+                if self._waiting and self.taken > k and not self.plan.final.is_set():
+                    return None
         return True
 
     def _run(self) -> None:
@@ -385,12 +409,17 @@ class _Feeder(Iterator):
                 self._put(entry)  # the loop may take it now; its routing follows
             if recording or self._ordered:
                 pass
-            elif not self._wait_plan():
-                entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
-                entry.ready.set()
-                return
             else:
-                self._route(entry)
+                waited = self._wait_plan(k)
+                if waited is False:
+                    entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
+                    entry.ready.set()
+                    return
+                if waited is None:
+                    entry.in_step = True
+                    entry.ready.set()
+                else:
+                    self._route(entry)
             k += 1
 
     def _prepare(self, k: int, batch: Any) -> _Entry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,15 +56,23 @@ class InputPipeline:
                 plan.finalize(self.inputs)
             else:
                 plan.record_entry = None  # nothing was called: record on this pass
+        elif plan.final.is_set() and not plan.routes and not plan.not_pipelined:
+            # the last pass's recording step called no collection (a dense warm-up step): an empty plan would route
+            # every later batch in the step, silently; record on this pass (the same on every rank: same code)
+            self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
                               self.to_device, self.stats, pad)
         return self.feeder
 
-    def stop_feeder(self) -> None:
-        """Stop the current pass's feeder, if any (at the same point on every rank: it agrees where to stop)."""
+    def stop_feeder(self, keep_unused: bool = False) -> list:
+        """Stop the current pass's feeder, if any (at the same point on every rank: it agrees where to stop).
+
+        keep_unused: return the batches it read ahead that no step took (on the device already), else drop them."""
+        unused: list = []
         if self.feeder is not None:
-            self.feeder.close()
+            unused = self.feeder.close(keep_unused)
             self.feeder = None
+        return unused
 
     def owns(self, batch: Any) -> bool:
         return self.inputs.owns(batch)
@@ -107,7 +116,8 @@ class TrainPipelineSparseDist:
     `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
     `loss.sum().backward()` and `optimizer.step()`, and returns `output`. With the model in eval
     mode (or optimizer=None) it runs the forward only, without gradients. Batches come out in
-    order; StopIteration comes once every batch is done. A new iterator starts a new pass. Build,
+    order; StopIteration comes once every batch is done. A new iterator starts a new pass; one given again
+    (training resumed after an evaluation pass) goes on where its steps stopped. Build,
     close (or let go) and rebuild pipelines over the same model freely; the plain loop
     (`model(batch)` yourself) works in between.
     """
@@ -124,11 +134,12 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
+        # iterators left mid-pass for another (an evaluation between training steps): the batches read ahead
+        self._read_ahead: dict[int, tuple[Iterator, list]] = {}
 
     def progress(self, dataloader_iter: Iterator) -> Any:
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
-            self._pipeline.iterate(dataloader_iter)
-            self._source = dataloader_iter
+            self._switch_to(dataloader_iter)
         batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
         training = self._model.training and self._optimizer is not None
         if training:
@@ -147,6 +158,18 @@ class TrainPipelineSparseDist:
             torch.sum(losses).backward()
             self._optimizer.step()
         return output
+
+    def _switch_to(self, source: Iterator) -> None:
+        """A pass over `source`. The batches the last pass read ahead are kept for its iterator, and come first when it
+        is given again: dropped, every evaluation between training steps cost a training batch, silently."""
+        previous = self._source
+        unused = self._pipeline.stop_feeder(keep_unused=previous is not None and previous is not source)
+        if unused:
+            self._read_ahead[id(previous)] = (previous, unused)
+        kept = self._read_ahead.pop(id(source), None)
+        batches = itertools.chain(kept[1], source) if kept is not None and kept[0] is source else source
+        self._pipeline.iterate(batches)
+        self._source = source
 
     @property
     def stats(self) -> dict[str, int]:
