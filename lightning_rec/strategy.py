@@ -189,14 +189,34 @@ class RecStrategy(DDPStrategy):
     def _default_planner(self):
         """A planner told what this run trains: the batch per rank (each collection's fused optimizer it reads from
         the module it plans: passing the first one's made every collection planned by it)."""
-        from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+        from lightning_rec.planner import EmbeddingShardingPlanner
+
+        topology, batch_size = self._run_topology_and_batch_size()
+        pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
+        return EmbeddingShardingPlanner(topology, batch_size=batch_size, print_stats=False, pipelined=pipelined)
+
+    def _run_topology_and_batch_size(self):
+        from lightning_rec.planner import Topology
 
         datamodule = getattr(self._lightning_module.trainer, "datamodule", None)
         batch_size = getattr(datamodule, "batch_size", None) or 512
         topology = Topology(world_size=self.world_size, compute_device=self.root_device.type,
                             local_world_size=self.num_processes)
-        pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
-        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, pipelined=pipelined)
+        return topology, int(batch_size)
+
+    def _given_planner(self):
+        """The user's planner, with what it left to its defaults (topology, batch_size) set to this run's: built
+        before the ranks exist (a recipe's `planner:`, or `RecStrategy(planner=EmbeddingShardingPlanner(constraints=
+        ...))` before `Trainer(devices=2)`), its default topology had one rank, and planning refused the run's 2."""
+        planner = self._planner
+        defaulted = getattr(planner, "_defaulted", ())
+        if defaulted:
+            topology, batch_size = self._run_topology_and_batch_size()
+            if "topology" in defaulted:
+                planner.topology = topology
+            if "batch_size" in defaulted:
+                planner._cost_args = (batch_size, *planner._cost_args[1:])
+        return planner
 
     def _shard(self, dense: str | None) -> None:
         module = self.lightning_module
@@ -206,7 +226,7 @@ class RecStrategy(DDPStrategy):
             return
         plan = self._plan
         if plan is None:
-            planner = self._planner or self._default_planner()
+            planner = self._given_planner() if self._planner is not None else self._default_planner()
             plan = planner.collective_plan(module)
             self._log_plan_stats(planner)
         self._dmp = DistributedModelParallel(
