@@ -487,6 +487,12 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
             rank_zero_log.addFilter(_NoLitLoggerTip())
+    # jsonargparse resolves a short class name (`--model=DLRMModule`, `--data=SyntheticCriteoDataModule`, as
+    # LightningCLI's docs write them) among the subclasses imported so far: without these imports it refused the
+    # library's own ("DLRMModule either not accessible or invalid"), and its hint named the same name
+    import lightning_rec.data  # noqa: F401
+    import lightning_rec.models  # noqa: F401
+
     return RecCLI(
         LightningModule,
         LightningDataModule,

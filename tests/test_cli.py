@@ -381,3 +381,18 @@ def test_a_sharded_checkpoint_rebuilds_the_model_with_its_own_hyperparameters(tm
                        "--model.init_args.embedding_dim=4"])
     assert cli.model.hparams.embedding_dim == 8 and cli.model.hparams.dense_arch_layer_sizes == [16, 8]
     assert f"predictions: 32 rows written to {tmp_path / 'predictions.csv'}" in capsys.readouterr().out
+
+
+def test_short_class_names_of_the_library_resolve_in_a_fresh_process():
+    # `--model=DLRMModule` (LightningCLI's short form) failed in a fresh `lightning-rec` with "DLRMModule either not
+    # accessible or invalid", and the hint said "did you mean DLRMModule instead of DLRMModule?" (in this pytest process
+    # an earlier import of lightning_rec.models made it resolve, hence the subprocess)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "fit", "--model=DLRMModule",
+                           "--data=SyntheticCriteoDataModule", "--print_config"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"class_path: lightning_rec\.(models\.)?DLRMModule\n", done.stdout), done.stdout
+    assert re.search(r"class_path: lightning_rec\.(data\.)?SyntheticCriteoDataModule\n", done.stdout), done.stdout
