@@ -112,6 +112,13 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         hints += [(unknown, f"{m} (an argument of {class_path})")
                   for m in difflib.get_close_matches(unknown, _init_arg_names(class_path), n=1)]
     said = "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+    for key, class_path, required in dict.fromkeys(re.findall(
+            r"Parser key \"([\w.]+)\":[\s\S]*?class_path '([\w.]+)':\s*the following arguments are required: "
+            r"([\w, ]+)", message)):  # --trainer.logger=CSVLogger: its save_dir has no default (W&B's has)
+        for argument in required.split(", "):
+            where = " (a folder: the run's is --trainer.default_root_dir)" if argument == "save_dir" else ""
+            said += (f"\n  {class_path.rpartition('.')[2]} needs {argument}: add --{key}.{argument}=...{where}, or "
+                     f"{argument}: under {key}.init_args in the config file")
     nested = re.search(r"Parser key \"trainer.strategy\":[\s\S]*dot import path string: (\w+)[\s\S]*"
                        r"NestedArg\(key='(\w+)'", message)
     if nested:  # --trainer.strategy=rec --trainer.strategy.pipeline=true: a registered name takes no options
