@@ -42,6 +42,7 @@ from typing_extensions import override
 from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec.data.batch import Batch
 from lightning_rec.model_parallel import DistributedModelParallel
+from lightning_rec.planner import EmbeddingShardingPlanner
 from lightning_rec.types import ShardingPlan
 
 _SHARDED_BY = "_lightning_rec_dmp"  # LightningModule.__dict__ key: the DistributedModelParallel of its tables
@@ -145,9 +146,11 @@ class RecStrategy(DDPStrategy):
 
     strategy_name = "rec"
 
-    def __init__(self, plan: ShardingPlan | None = None, planner: Any = None, dense: str = "ddp",
-                 embedding_timeout: float = 300.0, pipeline: Any = False, checkpoint_format: str = "dcp",
-                 **kwargs: Any) -> None:
+    # planner typed (not Any): a recipe's `planner:` whose init_args jsonargparse refuses (a misspelt field) is an
+    # error naming the field, not a dict handed on ("'dict' object has no attribute 'collective_plan'" at setup)
+    def __init__(self, plan: ShardingPlan | None = None, planner: EmbeddingShardingPlanner | None = None,
+                 dense: str = "ddp", embedding_timeout: float = 300.0, pipeline: Any = False,
+                 checkpoint_format: str = "dcp", **kwargs: Any) -> None:
         from lightning_rec.pipeline import PipelineConfig
 
         if dense not in ("ddp", "fsdp"):

@@ -405,3 +405,17 @@ def test_a_logger_without_its_save_dir_says_which_option_to_add(capsys):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.logger=CSVLogger"])
     assert ("CSVLogger needs save_dir: add --trainer.logger.save_dir=... (a folder: the run's is "
             "--trainer.default_root_dir)") in capsys.readouterr().err
+
+
+def test_a_misspelt_planner_constraint_in_a_recipe_names_the_field(tmp_path, capsys):
+    # RecStrategy's planner was typed Any: jsonargparse, refusing the class_path's init_args, handed the dict on, and
+    # the fit failed in setup with "AttributeError: 'dict' object has no attribute 'collective_plan'"
+    recipe = tmp_path / "planner.yaml"
+    recipe.write_text("trainer:\n  strategy:\n    class_path: lightning_rec.strategy.RecStrategy\n    init_args:\n"
+                      "      planner:\n        class_path: lightning_rec.planner.EmbeddingShardingPlanner\n"
+                      "        init_args:\n          constraints:\n            t_C1: {sharding_type: [row_wise]}\n")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(recipe),
+                 "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "did you mean sharding_types (an argument of lightning_rec.ParameterConstraints) instead of sharding_type?" \
+        in capsys.readouterr().err
