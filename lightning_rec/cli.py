@@ -127,6 +127,29 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return said
 
 
+_JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "Expected a ",
+                       "Problem with given class_path")
+
+
+def constructor_refusal(error: ValueError) -> str:
+    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none).
+
+    A model's or data module's ValueError is in the report's exception chain; a strategy's is not: its Union (a name
+    or a Strategy) chains "Expected a <class 'str'>", which alone was shown for `--trainer.strategy.dense=ddpp`, and
+    the strategy's own sentence is an entry of the report's Errors list.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ValueError) and not str(cause).startswith(_JSONARGPARSE_WORDS):
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    listed = re.search(r"\nErrors:\n((?:  .*\n?)*)", str(error))
+    entries = re.findall(r"^  - (.*)$", listed[1], re.MULTILINE) if listed else []
+    return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
+
+
 class RecArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose refusal of a misspelt option also names the option that was meant."""
 
@@ -307,9 +330,9 @@ class RecCLI(LightningCLI):
         except ValueError as e:
             # A model's or data module's own ValueError (our way of naming a bad argument and its fix) comes
             # wrapped in jsonargparse's Union report, after two tracebacks: 70 lines for one sentence
-            cause = e.__cause__ or e.__context__
-            if isinstance(cause, ValueError):
-                raise SystemExit(f"lightning-rec: error: {cause}") from None
+            said = constructor_refusal(e)
+            if said:
+                raise SystemExit(f"lightning-rec: error: {said}") from None
             raise
 
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:

@@ -419,3 +419,16 @@ def test_a_misspelt_planner_constraint_in_a_recipe_names_the_field(tmp_path, cap
                  "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", *QUIET])
     assert "did you mean sharding_types (an argument of lightning_rec.ParameterConstraints) instead of sharding_type?" \
         in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("--trainer.strategy.dense=ddpp", "RecStrategy(dense='ddpp'): use 'ddp' or 'fsdp'"),
+    ("--trainer.strategy.pipeline=0", "PipelineConfig(depth=0): use depth >= 1"),
+])
+def test_a_strategy_refusal_is_its_own_sentence(wrong, said):
+    # the strategy's Union (a name or a Strategy) chains jsonargparse's "Expected a <class 'str'>": that, and the
+    # Namespace it was given, was the whole message, without the strategy's own sentence
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.strategy=RecStrategy", wrong,
+                 "--trainer.max_steps=1"])
+    assert str(e.value).startswith(f"lightning-rec: error: {said}"), e.value
