@@ -150,6 +150,47 @@ def constructor_refusal(error: ValueError) -> str:
     return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
 
 
+def _config_keys(value, prefix: str = "") -> set[str]:
+    """Every dotted key a config file sets (`trainer.max_epochs`, `model.embedding_dim`: init_args left out)."""
+    if not isinstance(value, dict):
+        return {prefix} if prefix else set()
+    keys = {prefix} if prefix else set()
+    for name, inner in value.items():
+        name = str(name)
+        keys |= _config_keys(inner, prefix if name == "init_args" else f"{prefix}.{name}".lstrip("."))
+    return keys
+
+
+def _warn_options_a_later_config_sets(argv: list[str]) -> None:
+    # jsonargparse applies arguments in order: `fit --trainer.max_epochs=1 --config recipe.yaml` trained the recipe's
+    # 2 epochs, without a word (the option was read, then the file set it again)
+    import yaml
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    options: list[tuple[int, str]] = []
+    for i, arg in enumerate(argv):
+        config = arg.partition("=")[2] if arg.startswith("--config=") else \
+            argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if config is None:
+            match = re.match(r"--((?:model|data|trainer|optimizer|lr_scheduler)\.[\w.]+|seed_everything)(?:[=+]|$)",
+                             arg)
+            if match:
+                options.append((i, match[1]))
+            continue
+        try:
+            with open(config) as f:
+                keys = _config_keys(yaml.safe_load(f))
+        except (OSError, yaml.YAMLError):  # jsonargparse says what is wrong with the file
+            continue
+        for _, key in options:
+            short = key.replace(".init_args.", ".")
+            if short in keys:
+                rank_zero_warn(f"--{key} comes before --config {config}, which sets {short} again: arguments apply "
+                               f"in order, so the file's value is used. Put --{key} after --config",
+                               category=UserWarning)
+        options = []
+
+
 class RecArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose refusal of a misspelt option also names the option that was meant."""
 
@@ -192,6 +233,7 @@ class RecCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
+        _warn_options_a_later_config_sets(self._argv)  # (before parsing: --print_config exits inside it)
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:

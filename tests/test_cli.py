@@ -432,3 +432,20 @@ def test_a_strategy_refusal_is_its_own_sentence(wrong, said):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.strategy=RecStrategy", wrong,
                  "--trainer.max_steps=1"])
     assert str(e.value).startswith(f"lightning-rec: error: {said}"), e.value
+
+
+def test_an_option_before_the_config_that_sets_it_is_said(capsys):
+    # arguments apply in order: `fit --trainer.max_epochs=1 --config recipe.yaml` trained the recipe's 2 epochs
+    import warnings
+
+    recipe = "recipes/configs/dlrm_synthetic.yaml"
+    with pytest.warns(UserWarning, match=r"--trainer.max_epochs comes before --config recipes/configs/dlrm_synthetic"
+                                         r".yaml, which sets trainer.max_epochs again.*Put --trainer.max_epochs after"):
+        with pytest.raises(SystemExit):
+            run_cli(["fit", "--trainer.max_epochs=1", "--trainer.max_steps=3", "--config", recipe, "--print_config"])
+    assert "max_epochs: 2" in capsys.readouterr().out  # the file's value: what the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # after --config, or a key the file does not set: nothing to say
+        warnings.filterwarnings("ignore", message=r"(?!.*comes before --config)")
+        with pytest.raises(SystemExit):
+            run_cli(["fit", "--trainer.max_steps=3", "--config", recipe, "--trainer.max_epochs=1", "--print_config"])
