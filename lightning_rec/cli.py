@@ -92,6 +92,25 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         meant = difflib.get_close_matches(command[1], commands, n=1)
         return (f"\n  did you mean {meant[0]} instead of {command[1]}?" if meant else "") + \
             "\n  (the commands are fit, validate, test, predict, preprocess and export)"
+    recipe = "lightning-rec {} --config recipes/configs/dlrm_synthetic.yaml (or another of recipes/configs/)"
+    if re.search(r'expected "subcommand" to be one of', message):  # `lightning-rec` alone: a command, and a recipe
+        return "\n  (the commands are fit, validate, test, predict, preprocess and export), e.g. " + \
+            recipe.format("fit")
+    no_recipe = re.search(r"the following arguments are required: (\w+)\.data, \w+\.model", message)
+    if no_recipe:  # `lightning-rec fit` without --config
+        return (f"\n  a recipe gives both: {recipe.format(no_recipe[1])}; or name them, --model=DLRMModule "
+                f"--data=SyntheticCriteoDataModule")
+    missing = re.search(r'Parser key "config": File does not exist: \'([^\']*)\'', message)
+    if missing:  # `--config recipes/configs/dlrm_synthetic`: the suffix left off, or a name misspelt
+        folder, name = os.path.split(missing[1])
+        there = [f for f in os.listdir(folder) if f.endswith((".yaml", ".yml", ".json"))] if os.path.isdir(folder) \
+            else []
+        meant = difflib.get_close_matches(name, there, n=1, cutoff=0.7)
+        if not meant:
+            return ""
+        path = os.path.join(folder, meant[0])  # as typed, when under the working directory (jsonargparse's is absolute)
+        shown = os.path.relpath(path) if path.startswith(os.path.join(os.getcwd(), "")) else path
+        return f"\n  did you mean {shown}?"
     options = _option_names(parser)
     _, _, unrecognized = message.partition("unrecognized arguments:")
     hints = [(unknown, m) for unknown in re.findall(r"(--[\w.\-]+)", unrecognized)

@@ -449,3 +449,17 @@ def test_an_option_before_the_config_that_sets_it_is_said(capsys):
         warnings.filterwarnings("ignore", message=r"(?!.*comes before --config)")
         with pytest.raises(SystemExit):
             run_cli(["fit", "--trainer.max_steps=3", "--config", recipe, "--trainer.max_epochs=1", "--print_config"])
+
+
+@pytest.mark.parametrize("args, said", [
+    ([], "(the commands are fit, validate, test, predict, preprocess and export), e.g. lightning-rec fit --config "
+         "recipes/configs/dlrm_synthetic.yaml"),
+    (["validate"], "a recipe gives both: lightning-rec validate --config recipes/configs/dlrm_synthetic.yaml"),
+    (["fit", "--config", "recipes/configs/dlrm_synthetic"], "did you mean recipes/configs/dlrm_synthetic.yaml?"),
+])
+def test_a_first_command_without_a_recipe_names_one(capsys, args, said):
+    # `lightning-rec` alone named only LightningCLI's four commands; `lightning-rec validate` said "the following
+    # arguments are required: validate.data, validate.model"; a recipe without its .yaml, only that it did not exist
+    with pytest.raises(SystemExit):
+        run_cli(args)
+    assert said in capsys.readouterr().err
