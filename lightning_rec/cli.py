@@ -449,6 +449,16 @@ class RecCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
+        if ckpt_path is None and subcommand != "fit":
+            # each command builds the model anew: without a checkpoint, predict wrote a file of an untrained model's
+            # probabilities (validate / test: its metrics) without a word
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            does = "predicts" if subcommand == "predict" else "evaluates"
+            rank_zero_warn(f"lightning-rec {subcommand} without --ckpt_path {does} with the model as the recipe builds "
+                           f"it, untrained: pass --ckpt_path=CHECKPOINT (a fit "
+                           f"saves them with --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath=DIR)",
+                           category=UserWarning)
         local = ckpt_path not in (None, "last", "best", "hpc", "registry") and "://" not in str(ckpt_path)
         if local and not os.path.exists(str(ckpt_path)):  # one line now, not after the model is built on every rank
             raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path {ckpt_path} does not exist: check the "

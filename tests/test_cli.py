@@ -463,3 +463,12 @@ def test_a_first_command_without_a_recipe_names_one(capsys, args, said):
     with pytest.raises(SystemExit):
         run_cli(args)
     assert said in capsys.readouterr().err
+
+
+def test_evaluating_without_a_checkpoint_says_the_model_is_untrained(tmp_path):
+    # each command builds the model anew: `predict` without --ckpt_path wrote a file of an untrained model's
+    # probabilities, and `validate` its metrics, without a word
+    with pytest.warns(UserWarning, match=r"lightning-rec validate without --ckpt_path evaluates with the model as the "
+                                         r"recipe builds it, untrained: pass --ckpt_path=CHECKPOINT"):
+        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", "--data.num_val_samples=512",
+                 "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *QUIET])
