@@ -1365,3 +1365,18 @@ def test_a_module_of_ones_own_with_rec_checkpoint_loading_loads_a_checkpoint_dir
     assert loaded.hparams.rows == 12
     for name, value in module.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value)
+
+
+def test_a_folder_of_checkpoints_is_named_as_one_not_as_a_broken_save(tmp_path):
+    # --ckpt_path=checkpoints/dlrm (ModelCheckpoint's dirpath, not one of its checkpoints) was reported as "checkpoint
+    # directory ... is incomplete (no .metadata, lightning.pt): its save did not finish"
+    folder = tmp_path / "dlrm"
+    for name in ("epoch=0-step=8.ckpt", "last.ckpt"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / ckpt.LIGHTNING_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"dlrm is a folder of checkpoints \(epoch=0-step=8.ckpt, last.ckpt\), not one "
+                                         r"checkpoint: give one of them, e.g. .*dlrm/last.ckpt"):
+        ckpt.lightning_checkpoint(folder)
+    (tmp_path / "half").mkdir()  # a save cut short: still said as such
+    with pytest.raises(ValueError, match=r"is incomplete \(no .metadata, lightning.pt\): its save did not finish"):
+        ckpt.lightning_checkpoint(tmp_path / "half")
