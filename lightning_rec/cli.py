@@ -270,10 +270,17 @@ class RecCLI(LightningCLI):
 
         before = init_args()
         ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path == "last":  # the checkpoint Lightning will load: its hyperparameters were not read at all
+            ckpt_path = self._last_checkpoint(subcommand) or ckpt_path
         if ckpt_path and os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)):
             self._parse_dcp_ckpt_hparams(subcommand, str(ckpt_path))
         else:
-            super()._parse_ckpt_path()
+            given_path = self.config[subcommand].get("ckpt_path")
+            self.config[subcommand].ckpt_path = ckpt_path  # Lightning's reads the config's (a file's hyperparameters)
+            try:
+                super()._parse_ckpt_path()
+            finally:
+                self.config[subcommand].ckpt_path = given_path
         after = init_args()
         given = dict.fromkeys(m[1] for a in getattr(self, "_argv", [])
                               for m in [re.match(r"--model\.(?:init_args\.)?(\w+)", str(a))] if m)
@@ -287,6 +294,22 @@ class RecCLI(LightningCLI):
                 f"--ckpt_path rebuilds the model with the checkpoint's own hyperparameters "
                 f"({', '.join(f'{k}={after[k]!r}' for k in unused)}); start without --ckpt_path to train another "
                 f"configuration", category=UserWarning)
+
+    def _last_checkpoint(self, subcommand: str) -> str | None:
+        """What `--ckpt_path=last` loads (Lightning's rule: the newest last*.ckpt in a ModelCheckpoint's dirpath), found
+        from the config before the Trainer exists; None when no callback names a dirpath or none is there yet."""
+        callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
+        found: dict[str, float] = {}
+        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+            if not str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
+                continue
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+            if dirpath and os.path.isdir(str(dirpath)):
+                for name in os.listdir(str(dirpath)):
+                    if name.endswith(".ckpt") and re.match(r"last(-\d+)?", name):
+                        path = os.path.join(str(dirpath), name)
+                        found[path] = os.path.getmtime(path)
+        return max(found, key=found.__getitem__) if found else None
 
     def _parse_dcp_ckpt_hparams(self, subcommand: str, ckpt_path: str) -> None:
         # Lightning's _parse_ckpt_path reads only a file (`Path.is_file()`): a strategy=rec checkpoint is a

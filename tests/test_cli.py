@@ -472,3 +472,18 @@ def test_evaluating_without_a_checkpoint_says_the_model_is_untrained(tmp_path):
                                          r"recipe builds it, untrained: pass --ckpt_path=CHECKPOINT"):
         run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", "--data.num_val_samples=512",
                  "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rec"])
+def test_ckpt_path_last_rebuilds_the_model_with_the_checkpoints_hyperparameters(tmp_path, strategy):
+    # --ckpt_path=last (the README's resume) was not read for hyperparameters, as a path is: a fit with
+    # --model.embedding_dim=8, validated with the recipe's 16, failed on every table's shape
+    args = ["--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.strategy={strategy}",
+            "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+            "--trainer.callbacks.save_last=true", "--data.num_train_samples=1024", "--data.num_val_samples=512",
+            "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *QUIET]
+    fit = run_cli(["fit", *args, "--trainer.max_epochs=1", "--model.embedding_dim=8",
+                   "--model.dense_arch_layer_sizes=[64, 8]"])
+    cli = run_cli(["validate", *args, "--ckpt_path=last"])
+    assert cli.model.hparams.embedding_dim == 8
+    assert val(cli, "val_auc") == val(fit, "val_auc")
