@@ -830,6 +830,13 @@ def _check_complete(path: Path) -> None:
         raise ValueError(other)
     if not (path / METADATA_FILE).is_file() or not (path / LIGHTNING_FILE).is_file():
         missing = [n for n in (METADATA_FILE, LIGHTNING_FILE) if not (path / n).is_file()]
+        held = sorted(p.name for p in path.iterdir() if p.name.endswith(".ckpt") or (p / LIGHTNING_FILE).is_file())
+        if len(missing) == 2 and held:  # ModelCheckpoint's dirpath, given for one of its checkpoints: not a broken save
+            last = "last.ckpt" if "last.ckpt" in held else held[-1]
+            shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            raise ValueError(f"{path} is a folder of checkpoints ({shown}), not one checkpoint: give one of them, "
+                             f"e.g. {path / last} (or ckpt_path='last' with "
+                             f"ModelCheckpoint(dirpath={str(path)!r}, save_last=True))")
         raise ValueError(f"checkpoint directory {path} is incomplete (no {', '.join(missing)}): its save did not "
                          f"finish. Use an earlier checkpoint (with ModelCheckpoint(save_last=True), ckpt_path='last' "
                          f"picks the last complete one)")

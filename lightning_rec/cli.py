@@ -92,6 +92,25 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         meant = difflib.get_close_matches(command[1], commands, n=1)
         return (f"\n  did you mean {meant[0]} instead of {command[1]}?" if meant else "") + \
             "\n  (the commands are fit, validate, test, predict, preprocess and export)"
+    recipe = "lightning-rec {} --config recipes/configs/dlrm_synthetic.yaml (or another of recipes/configs/)"
+    if re.search(r'expected "subcommand" to be one of', message):  # `lightning-rec` alone: a command, and a recipe
+        return "\n  (the commands are fit, validate, test, predict, preprocess and export), e.g. " + \
+            recipe.format("fit")
+    no_recipe = re.search(r"the following arguments are required: (\w+)\.data, \w+\.model", message)
+    if no_recipe:  # `lightning-rec fit` without --config
+        return (f"\n  a recipe gives both: {recipe.format(no_recipe[1])}; or name them, --model=DLRMModule "
+                f"--data=SyntheticCriteoDataModule")
+    missing = re.search(r'Parser key "config": File does not exist: \'([^\']*)\'', message)
+    if missing:  # `--config recipes/configs/dlrm_synthetic`: the suffix left off, or a name misspelt
+        folder, name = os.path.split(missing[1])
+        there = [f for f in os.listdir(folder) if f.endswith((".yaml", ".yml", ".json"))] if os.path.isdir(folder) \
+            else []
+        meant = difflib.get_close_matches(name, there, n=1, cutoff=0.7)
+        if not meant:
+            return ""
+        path = os.path.join(folder, meant[0])  # as typed, when under the working directory (jsonargparse's is absolute)
+        shown = os.path.relpath(path) if path.startswith(os.path.join(os.getcwd(), "")) else path
+        return f"\n  did you mean {shown}?"
     options = _option_names(parser)
     _, _, unrecognized = message.partition("unrecognized arguments:")
     hints = [(unknown, m) for unknown in re.findall(r"(--[\w.\-]+)", unrecognized)
@@ -112,12 +131,83 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         hints += [(unknown, f"{m} (an argument of {class_path})")
                   for m in difflib.get_close_matches(unknown, _init_arg_names(class_path), n=1)]
     said = "".join(f"\n  did you mean {meant} instead of {unknown}?" for unknown, meant in hints)
+    for key, class_path, required in dict.fromkeys(re.findall(
+            r"Parser key \"([\w.]+)\":[\s\S]*?class_path '([\w.]+)':\s*the following arguments are required: "
+            r"([\w, ]+)", message)):  # --trainer.logger=CSVLogger: its save_dir has no default (W&B's has)
+        for argument in required.split(", "):
+            where = " (a folder: the run's is --trainer.default_root_dir)" if argument == "save_dir" else ""
+            said += (f"\n  {class_path.rpartition('.')[2]} needs {argument}: add --{key}.{argument}=...{where}, or "
+                     f"{argument}: under {key}.init_args in the config file")
     nested = re.search(r"Parser key \"trainer.strategy\":[\s\S]*dot import path string: (\w+)[\s\S]*"
                        r"NestedArg\(key='(\w+)'", message)
     if nested:  # --trainer.strategy=rec --trainer.strategy.pipeline=true: a registered name takes no options
         said += (f"\n  a strategy with options is named by its class: --trainer.strategy=RecStrategy "
                  f"--trainer.strategy.{nested[2]}=... (the short name '{nested[1]}' takes none)")
     return said
+
+
+_JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "Expected a ",
+                       "Problem with given class_path")
+
+
+def constructor_refusal(error: ValueError) -> str:
+    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none).
+
+    A model's or data module's ValueError is in the report's exception chain; a strategy's is not: its Union (a name
+    or a Strategy) chains "Expected a <class 'str'>", which alone was shown for `--trainer.strategy.dense=ddpp`, and
+    the strategy's own sentence is an entry of the report's Errors list.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ValueError) and not str(cause).startswith(_JSONARGPARSE_WORDS):
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    listed = re.search(r"\nErrors:\n((?:  .*\n?)*)", str(error))
+    entries = re.findall(r"^  - (.*)$", listed[1], re.MULTILINE) if listed else []
+    return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
+
+
+def _config_keys(value, prefix: str = "") -> set[str]:
+    """Every dotted key a config file sets (`trainer.max_epochs`, `model.embedding_dim`: init_args left out)."""
+    if not isinstance(value, dict):
+        return {prefix} if prefix else set()
+    keys = {prefix} if prefix else set()
+    for name, inner in value.items():
+        name = str(name)
+        keys |= _config_keys(inner, prefix if name == "init_args" else f"{prefix}.{name}".lstrip("."))
+    return keys
+
+
+def _warn_options_a_later_config_sets(argv: list[str]) -> None:
+    # jsonargparse applies arguments in order: `fit --trainer.max_epochs=1 --config recipe.yaml` trained the recipe's
+    # 2 epochs, without a word (the option was read, then the file set it again)
+    import yaml
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    options: list[tuple[int, str]] = []
+    for i, arg in enumerate(argv):
+        config = arg.partition("=")[2] if arg.startswith("--config=") else \
+            argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if config is None:
+            match = re.match(r"--((?:model|data|trainer|optimizer|lr_scheduler)\.[\w.]+|seed_everything)(?:[=+]|$)",
+                             arg)
+            if match:
+                options.append((i, match[1]))
+            continue
+        try:
+            with open(config) as f:
+                keys = _config_keys(yaml.safe_load(f))
+        except (OSError, yaml.YAMLError):  # jsonargparse says what is wrong with the file
+            continue
+        for _, key in options:
+            short = key.replace(".init_args.", ".")
+            if short in keys:
+                rank_zero_warn(f"--{key} comes before --config {config}, which sets {short} again: arguments apply "
+                               f"in order, so the file's value is used. Put --{key} after --config",
+                               category=UserWarning)
+        options = []
 
 
 class RecArgumentParser(LightningArgumentParser):
@@ -162,6 +252,7 @@ class RecCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
+        _warn_options_a_later_config_sets(self._argv)  # (before parsing: --print_config exits inside it)
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
@@ -179,10 +270,17 @@ class RecCLI(LightningCLI):
 
         before = init_args()
         ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path == "last":  # the checkpoint Lightning will load: its hyperparameters were not read at all
+            ckpt_path = self._last_checkpoint(subcommand) or ckpt_path
         if ckpt_path and os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)):
             self._parse_dcp_ckpt_hparams(subcommand, str(ckpt_path))
         else:
-            super()._parse_ckpt_path()
+            given_path = self.config[subcommand].get("ckpt_path")
+            self.config[subcommand].ckpt_path = ckpt_path  # Lightning's reads the config's (a file's hyperparameters)
+            try:
+                super()._parse_ckpt_path()
+            finally:
+                self.config[subcommand].ckpt_path = given_path
         after = init_args()
         given = dict.fromkeys(m[1] for a in getattr(self, "_argv", [])
                               for m in [re.match(r"--model\.(?:init_args\.)?(\w+)", str(a))] if m)
@@ -196,6 +294,22 @@ class RecCLI(LightningCLI):
                 f"--ckpt_path rebuilds the model with the checkpoint's own hyperparameters "
                 f"({', '.join(f'{k}={after[k]!r}' for k in unused)}); start without --ckpt_path to train another "
                 f"configuration", category=UserWarning)
+
+    def _last_checkpoint(self, subcommand: str) -> str | None:
+        """What `--ckpt_path=last` loads (Lightning's rule: the newest last*.ckpt in a ModelCheckpoint's dirpath), found
+        from the config before the Trainer exists; None when no callback names a dirpath or none is there yet."""
+        callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
+        found: dict[str, float] = {}
+        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+            if not str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
+                continue
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+            if dirpath and os.path.isdir(str(dirpath)):
+                for name in os.listdir(str(dirpath)):
+                    if name.endswith(".ckpt") and re.match(r"last(-\d+)?", name):
+                        path = os.path.join(str(dirpath), name)
+                        found[path] = os.path.getmtime(path)
+        return max(found, key=found.__getitem__) if found else None
 
     def _parse_dcp_ckpt_hparams(self, subcommand: str, ckpt_path: str) -> None:
         # Lightning's _parse_ckpt_path reads only a file (`Path.is_file()`): a strategy=rec checkpoint is a
@@ -300,9 +414,9 @@ class RecCLI(LightningCLI):
         except ValueError as e:
             # A model's or data module's own ValueError (our way of naming a bad argument and its fix) comes
             # wrapped in jsonargparse's Union report, after two tracebacks: 70 lines for one sentence
-            cause = e.__cause__ or e.__context__
-            if isinstance(cause, ValueError):
-                raise SystemExit(f"lightning-rec: error: {cause}") from None
+            said = constructor_refusal(e)
+            if said:
+                raise SystemExit(f"lightning-rec: error: {said}") from None
             raise
 
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
@@ -358,6 +472,16 @@ class RecCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
+        if ckpt_path is None and subcommand != "fit":
+            # each command builds the model anew: without a checkpoint, predict wrote a file of an untrained model's
+            # probabilities (validate / test: its metrics) without a word
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            does = "predicts" if subcommand == "predict" else "evaluates"
+            rank_zero_warn(f"lightning-rec {subcommand} without --ckpt_path {does} with the model as the recipe builds "
+                           f"it, untrained: pass --ckpt_path=CHECKPOINT (a fit "
+                           f"saves them with --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath=DIR)",
+                           category=UserWarning)
         local = ckpt_path not in (None, "last", "best", "hpc", "registry") and "://" not in str(ckpt_path)
         if local and not os.path.exists(str(ckpt_path)):  # one line now, not after the model is built on every rank
             raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path {ckpt_path} does not exist: check the "
@@ -487,6 +611,12 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
             rank_zero_log.addFilter(_NoLitLoggerTip())
+    # jsonargparse resolves a short class name (`--model=DLRMModule`, `--data=SyntheticCriteoDataModule`, as
+    # LightningCLI's docs write them) among the subclasses imported so far: without these imports it refused the
+    # library's own ("DLRMModule either not accessible or invalid"), and its hint named the same name
+    import lightning_rec.data  # noqa: F401
+    import lightning_rec.models  # noqa: F401
+
     return RecCLI(
         LightningModule,
         LightningDataModule,

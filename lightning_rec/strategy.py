@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec.data.batch import Batch
 from lightning_rec.model_parallel import DistributedModelParallel
+from lightning_rec.planner import EmbeddingShardingPlanner
 from lightning_rec.types import ShardingPlan
 
 _SHARDED_BY = "_lightning_rec_dmp"  # LightningModule.__dict__ key: the DistributedModelParallel of its tables
@@ -146,9 +147,11 @@ class RecStrategy(DDPStrategy):
 
     strategy_name = "rec"
 
-    def __init__(self, plan: ShardingPlan | None = None, planner: Any = None, dense: str = "ddp",
-                 embedding_timeout: float = 300.0, pipeline: Any = False, checkpoint_format: str = "dcp",
-                 **kwargs: Any) -> None:
+    # planner typed (not Any): a recipe's `planner:` whose init_args jsonargparse refuses (a misspelt field) is an
+    # error naming the field, not a dict handed on ("'dict' object has no attribute 'collective_plan'" at setup)
+    def __init__(self, plan: ShardingPlan | None = None, planner: EmbeddingShardingPlanner | None = None,
+                 dense: str = "ddp", embedding_timeout: float = 300.0, pipeline: Any = False,
+                 checkpoint_format: str = "dcp", **kwargs: Any) -> None:
         from lightning_rec.pipeline import PipelineConfig
 
         if dense not in ("ddp", "fsdp"):
@@ -190,14 +193,34 @@ class RecStrategy(DDPStrategy):
     def _default_planner(self):
         """A planner told what this run trains: the batch per rank (each collection's fused optimizer it reads from
         the module it plans: passing the first one's made every collection planned by it)."""
-        from lightning_rec.planner import EmbeddingShardingPlanner, Topology
+        from lightning_rec.planner import EmbeddingShardingPlanner
+
+        topology, batch_size = self._run_topology_and_batch_size()
+        pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
+        return EmbeddingShardingPlanner(topology, batch_size=batch_size, print_stats=False, pipelined=pipelined)
+
+    def _run_topology_and_batch_size(self):
+        from lightning_rec.planner import Topology
 
         datamodule = getattr(self._lightning_module.trainer, "datamodule", None)
         batch_size = getattr(datamodule, "batch_size", None) or 512
         topology = Topology(world_size=self.world_size, compute_device=self.root_device.type,
                             local_world_size=self.num_processes)
-        pipelined = self._pipeline_config.depth if self._pipeline_config is not None else False  # batches held
-        return EmbeddingShardingPlanner(topology, batch_size=int(batch_size), print_stats=False, pipelined=pipelined)
+        return topology, int(batch_size)
+
+    def _given_planner(self):
+        """The user's planner, with what it left to its defaults (topology, batch_size) set to this run's: built
+        before the ranks exist (a recipe's `planner:`, or `RecStrategy(planner=EmbeddingShardingPlanner(constraints=
+        ...))` before `Trainer(devices=2)`), its default topology had one rank, and planning refused the run's 2."""
+        planner = self._planner
+        defaulted = getattr(planner, "_defaulted", ())
+        if defaulted:
+            topology, batch_size = self._run_topology_and_batch_size()
+            if "topology" in defaulted:
+                planner.topology = topology
+            if "batch_size" in defaulted:
+                planner._cost_args = (batch_size, *planner._cost_args[1:])
+        return planner
 
     def _shard(self, dense: str | None) -> None:
         module = self.lightning_module
@@ -207,7 +230,7 @@ class RecStrategy(DDPStrategy):
             return
         plan = self._plan
         if plan is None:
-            planner = self._planner or self._default_planner()
+            planner = self._given_planner() if self._planner is not None else self._default_planner()
             plan = planner.collective_plan(module)
             self._log_plan_stats(planner)
         self._dmp = DistributedModelParallel(

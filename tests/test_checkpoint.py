@@ -1597,3 +1597,18 @@ def test_on_load_checkpoint_reads_and_renames_the_state_dict_of_a_sharded_checkp
     (read, state), _ = run_ranks(_on_load_checkpoint_worker, 2, str(tmp_path), True, timeout=180)
     assert read == len(saved)
     assert all(torch.equal(state[k], v) for k, v in saved.items())  # the renamed bias and every sharded table
+
+
+def test_a_folder_of_checkpoints_is_named_as_one_not_as_a_broken_save(tmp_path):
+    # --ckpt_path=checkpoints/dlrm (ModelCheckpoint's dirpath, not one of its checkpoints) was reported as "checkpoint
+    # directory ... is incomplete (no .metadata, lightning.pt): its save did not finish"
+    folder = tmp_path / "dlrm"
+    for name in ("epoch=0-step=8.ckpt", "last.ckpt"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / ckpt.LIGHTNING_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"dlrm is a folder of checkpoints \(epoch=0-step=8.ckpt, last.ckpt\), not one "
+                                         r"checkpoint: give one of them, e.g. .*dlrm/last.ckpt"):
+        ckpt.lightning_checkpoint(folder)
+    (tmp_path / "half").mkdir()  # a save cut short: still said as such
+    with pytest.raises(ValueError, match=r"is incomplete \(no .metadata, lightning.pt\): its save did not finish"):
+        ckpt.lightning_checkpoint(tmp_path / "half")

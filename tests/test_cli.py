@@ -381,3 +381,109 @@ def test_a_sharded_checkpoint_rebuilds_the_model_with_its_own_hyperparameters(tm
                        "--model.init_args.embedding_dim=4"])
     assert cli.model.hparams.embedding_dim == 8 and cli.model.hparams.dense_arch_layer_sizes == [16, 8]
     assert f"predictions: 32 rows written to {tmp_path / 'predictions.csv'}" in capsys.readouterr().out
+
+
+def test_short_class_names_of_the_library_resolve_in_a_fresh_process():
+    # `--model=DLRMModule` (LightningCLI's short form) failed in a fresh `lightning-rec` with "DLRMModule either not
+    # accessible or invalid", and the hint said "did you mean DLRMModule instead of DLRMModule?" (in this pytest process
+    # an earlier import of lightning_rec.models made it resolve, hence the subprocess)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "lightning_rec.cli", "fit", "--model=DLRMModule",
+                           "--data=SyntheticCriteoDataModule", "--print_config"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"class_path: lightning_rec\.(models\.)?DLRMModule\n", done.stdout), done.stdout
+    assert re.search(r"class_path: lightning_rec\.(data\.)?SyntheticCriteoDataModule\n", done.stdout), done.stdout
+
+
+def test_a_logger_without_its_save_dir_says_which_option_to_add(capsys):
+    # --trainer.logger=CSVLogger (the way off W&B that the wandb-missing error names): jsonargparse's 13-line Union
+    # report ended in "the following arguments are required: save_dir", naming neither the option nor a folder
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.logger=CSVLogger"])
+    assert ("CSVLogger needs save_dir: add --trainer.logger.save_dir=... (a folder: the run's is "
+            "--trainer.default_root_dir)") in capsys.readouterr().err
+
+
+def test_a_misspelt_planner_constraint_in_a_recipe_names_the_field(tmp_path, capsys):
+    # RecStrategy's planner was typed Any: jsonargparse, refusing the class_path's init_args, handed the dict on, and
+    # the fit failed in setup with "AttributeError: 'dict' object has no attribute 'collective_plan'"
+    recipe = tmp_path / "planner.yaml"
+    recipe.write_text("trainer:\n  strategy:\n    class_path: lightning_rec.strategy.RecStrategy\n    init_args:\n"
+                      "      planner:\n        class_path: lightning_rec.planner.EmbeddingShardingPlanner\n"
+                      "        init_args:\n          constraints:\n            t_C1: {sharding_type: [row_wise]}\n")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(recipe),
+                 "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "did you mean sharding_types (an argument of lightning_rec.ParameterConstraints) instead of sharding_type?" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("--trainer.strategy.dense=ddpp", "RecStrategy(dense='ddpp'): use 'ddp' or 'fsdp'"),
+    ("--trainer.strategy.pipeline=0", "PipelineConfig(depth=0): use depth >= 1"),
+])
+def test_a_strategy_refusal_is_its_own_sentence(wrong, said):
+    # the strategy's Union (a name or a Strategy) chains jsonargparse's "Expected a <class 'str'>": that, and the
+    # Namespace it was given, was the whole message, without the strategy's own sentence
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.strategy=RecStrategy", wrong,
+                 "--trainer.max_steps=1"])
+    assert str(e.value).startswith(f"lightning-rec: error: {said}"), e.value
+
+
+def test_an_option_before_the_config_that_sets_it_is_said(capsys):
+    # arguments apply in order: `fit --trainer.max_epochs=1 --config recipe.yaml` trained the recipe's 2 epochs
+    import warnings
+
+    recipe = "recipes/configs/dlrm_synthetic.yaml"
+    with pytest.warns(UserWarning, match=r"--trainer.max_epochs comes before --config recipes/configs/dlrm_synthetic"
+                                         r".yaml, which sets trainer.max_epochs again.*Put --trainer.max_epochs after"):
+        with pytest.raises(SystemExit):
+            run_cli(["fit", "--trainer.max_epochs=1", "--trainer.max_steps=3", "--config", recipe, "--print_config"])
+    assert "max_epochs: 2" in capsys.readouterr().out  # the file's value: what the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # after --config, or a key the file does not set: nothing to say
+        warnings.filterwarnings("ignore", message=r"(?!.*comes before --config)")
+        with pytest.raises(SystemExit):
+            run_cli(["fit", "--trainer.max_steps=3", "--config", recipe, "--trainer.max_epochs=1", "--print_config"])
+
+
+@pytest.mark.parametrize("args, said", [
+    ([], "(the commands are fit, validate, test, predict, preprocess and export), e.g. lightning-rec fit --config "
+         "recipes/configs/dlrm_synthetic.yaml"),
+    (["validate"], "a recipe gives both: lightning-rec validate --config recipes/configs/dlrm_synthetic.yaml"),
+    (["fit", "--config", "recipes/configs/dlrm_synthetic"], "did you mean recipes/configs/dlrm_synthetic.yaml?"),
+])
+def test_a_first_command_without_a_recipe_names_one(capsys, args, said):
+    # `lightning-rec` alone named only LightningCLI's four commands; `lightning-rec validate` said "the following
+    # arguments are required: validate.data, validate.model"; a recipe without its .yaml, only that it did not exist
+    with pytest.raises(SystemExit):
+        run_cli(args)
+    assert said in capsys.readouterr().err
+
+
+def test_evaluating_without_a_checkpoint_says_the_model_is_untrained(tmp_path):
+    # each command builds the model anew: `predict` without --ckpt_path wrote a file of an untrained model's
+    # probabilities, and `validate` its metrics, without a word
+    with pytest.warns(UserWarning, match=r"lightning-rec validate without --ckpt_path evaluates with the model as the "
+                                         r"recipe builds it, untrained: pass --ckpt_path=CHECKPOINT"):
+        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", "--data.num_val_samples=512",
+                 "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "rec"])
+def test_ckpt_path_last_rebuilds_the_model_with_the_checkpoints_hyperparameters(tmp_path, strategy):
+    # --ckpt_path=last (the README's resume) was not read for hyperparameters, as a path is: a fit with
+    # --model.embedding_dim=8, validated with the recipe's 16, failed on every table's shape
+    args = ["--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.strategy={strategy}",
+            "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+            "--trainer.callbacks.save_last=true", "--data.num_train_samples=1024", "--data.num_val_samples=512",
+            "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *QUIET]
+    fit = run_cli(["fit", *args, "--trainer.max_epochs=1", "--model.embedding_dim=8",
+                   "--model.dense_arch_layer_sizes=[64, 8]"])
+    cli = run_cli(["validate", *args, "--ckpt_path=last"])
+    assert cli.model.hparams.embedding_dim == 8
+    assert val(cli, "val_auc") == val(fit, "val_auc")

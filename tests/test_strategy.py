@@ -1098,3 +1098,23 @@ def test_manual_gradient_accumulation_with_fused_tables_warns_once(tmp_path):
             warnings.simplefilter("always")
             L.Trainer(**kw).fit(module, data)
         assert not [w for w in caught if "second backward" in str(w.message)]
+
+
+def _planner_built_before_the_ranks_worker(rank, world_size, planner):
+    data, kw = _one_table_fit(None, devices=world_size, strategy=RecStrategy(planner=planner), max_steps=1)
+    module = _OwnModule()
+    L.Trainer(**kw).fit(module, data)
+    return str(module.trainer.strategy.plan.plan["ebc"]["t"].sharding_type), planner._cost_args[0]
+
+
+def test_a_planner_built_before_the_ranks_plans_for_the_runs_ranks():
+    """RecStrategy(planner=EmbeddingShardingPlanner(constraints=...)) built before Trainer(devices=2) started the ranks
+    (as a recipe's `planner:` is): its default topology had one rank, and the fit stopped with "Topology(world_size=1)
+    but the process group has 2 ranks". What it left to its defaults (topology, batch size) is now the run's."""
+    from lightning_rec.planner import EmbeddingShardingPlanner, ParameterConstraints
+
+    planner = EmbeddingShardingPlanner(constraints={"t": ParameterConstraints(sharding_types=["row_wise"])},
+                                       print_stats=False)
+    assert planner.topology.world_size == 1  # no process group here
+    for sharding_type, batch_size in run_ranks(_planner_built_before_the_ranks_worker, 2, planner, timeout=180):
+        assert sharding_type == "row_wise" and batch_size == 64  # the constraint kept; the data's batch per rank

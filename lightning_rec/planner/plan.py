@@ -180,6 +180,10 @@ class EmbeddingShardingPlanner:
         # debug: TorchRec's switch for a more detailed stats log; it changes no plan. The stats here
         # are the detailed table already, printed per print_stats.
         self.debug = debug
+        # what was left to the defaults: RecStrategy(planner=...) fills them with the run's own (a planner built in a
+        # recipe or before Trainer(devices=N) runs before the ranks exist, when the default topology has one rank)
+        self._defaulted = {name for name, value in (("topology", topology), ("batch_size", batch_size))
+                           if value is None}
         batch_size = 512 if batch_size is None else batch_size  # TorchRec's default BATCH_SIZE
         try:
             batch_size = operator.index(batch_size)
