@@ -976,3 +976,42 @@ def test_a_group_of_fused_table_weights_added_to_a_combined_optimizer_is_refused
     before = extra.weight.detach().clone()
     opt.step()
     torch.testing.assert_close(extra.weight.detach(), before - 0.5)
+
+
+@pytest.mark.parametrize("case", ["fbgemm_bags", "fused_sequence", "dense_weighted"])
+def test_torch_export_of_fbgemm_and_weighted_collections_matches_eager(case):
+    """torch.export stopped inside fbgemm's TBE forward ('get value out of a tracing tensor with aten.item': it reads
+    its step counter on the host), so no fbgemm collection exported: a fused EmbeddingCollection on CPU,
+    kernel='fbgemm', every collection on GPU; and a weighted EmbeddingBagCollection on any kernel that slices per
+    feature failed with 'Could not guard on data-dependent expression'. Now they export, equal to eager (fp16 tables
+    pooled in fp32, as the kernel pools), and the program takes another batch size under Dim.AUTO."""
+    torch.manual_seed(0)
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    weights = torch.tensor([0.5, 1.0, 2.0, 3.0, 0.25, 1.5])
+    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.tensor([1, 2, 3, 4, 0, 7]),
+                            lengths=torch.tensor([2, 1, 0, 2, 0, 1]), weights=weights)
+    other = KeyedJaggedTensor(["a", "b", "c"], torch.tensor([1, 2, 3, 4, 0, 7, 5]),
+                              lengths=torch.tensor([2, 1, 1, 0, 1, 0, 0, 2, 0]), weights=torch.rand(7))
+    if case == "fused_sequence":
+        model = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=3, num_embeddings=10,
+                                                     feature_names=["a", "b"]),
+                                     EmbeddingConfig(name="u", embedding_dim=3, num_embeddings=8,
+                                                     feature_names=["c"])], optimizer=opt)
+    else:
+        fbgemm = case == "fbgemm_bags"
+        model = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=10, feature_names=["a", "b"],
+                                pooling="mean", data_type=torch.float16 if fbgemm else torch.float32),
+             EmbeddingBagConfig(name="u", embedding_dim=5, num_embeddings=8, feature_names=["c"])],
+            is_weighted=True, optimizer=opt if fbgemm else None, kernel="fbgemm" if fbgemm else "auto")
+    auto = {0: torch.export.Dim.AUTO}
+    program = torch.export.export(model, (kjt,), dynamic_shapes={"features": [auto, auto, auto, None]})
+    for batch in (kjt, other):
+        eager, exported = model(batch), program.module()(batch)
+        if case == "fused_sequence":
+            assert list(exported) == list(eager)
+            for k in eager:
+                torch.testing.assert_close(exported[k].values(), eager[k].values(), atol=0, rtol=0)
+        else:
+            assert exported.keys() == eager.keys()
+            torch.testing.assert_close(exported.values(), eager.values(), atol=0, rtol=0)  # same rows, same order
