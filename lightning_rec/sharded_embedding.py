@@ -204,6 +204,22 @@ class ShardedTableWeight(FusedTableWeight):
     def numel(self) -> int:  # type: ignore[override]
         return self.__dict__.get("table_numel", 0)
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.nn.utils.vector_to_parameters steps through the vector by numel() (the whole table's) but
+        # parameters_to_vector gave this parameter none of it (it holds (0,)): the slice meant for the next dense
+        # parameters reached `.view_as(this)` and failed with "shape '[0]' is invalid for input of size 9", naming
+        # nothing. The only view that fails here is one of values into this empty parameter: say what to pass.
+        if func is Tensor.view_as and len(args) == 2 and args[1] is not args[0] and isinstance(args[1], cls) and \
+                args[0].numel() != 0:
+            raise ValueError(
+                f"{args[0].numel()} values viewed as a sharded table's parameter, which holds none (shape (0,); its "
+                f"values are the ranks' shards) though numel() counts the whole table ({args[1].numel()}, for "
+                f"ModelSummary). torch.nn.utils.vector_to_parameters over a sharded model steps by numel(): pass the "
+                f"dense parameters only, to it and to parameters_to_vector: [p for p in model.parameters() if "
+                f"p.requires_grad] (tables read requires_grad=False); tables load with dmp.load_state_dict(...)")
+        return nn.Parameter.__torch_function__(func, types, args, kwargs or {})  # torch's: subclass off in results
+
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)
         copied.__dict__["table_numel"] = self.numel()

@@ -1190,3 +1190,28 @@ def test_a_dtype_cast_of_a_sharded_model_is_refused_as_the_unsharded_collections
     assert said[0].startswith("DistributedModelParallel: its sharded tables") and "torch.float64" in said[0]
     assert "torch.float16" in said[1] and "bf16-mixed" in said[1]
     assert dtypes == {torch.float32} and out == torch.float32
+
+
+def _vector_worker(rank, W):
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    torch.manual_seed(0)
+    dmp = DistributedModelParallel(PooledModel(EmbeddingBagCollection(_tables("sum"),
+                                                                      optimizer=FusedOptimizerConfig("sgd", lr=0.1))),
+                                   device="cpu", timeout=30)
+    vec = parameters_to_vector(dmp.parameters())
+    said = expect_error(ValueError, lambda: vector_to_parameters(vec, dmp.parameters()),
+                        "vector_to_parameters", "if p.requires_grad]", "dmp.load_state_dict")
+    dense = [p for p in dmp.parameters() if p.requires_grad]  # the fix the error names
+    vector_to_parameters(parameters_to_vector(dense) * 0, dense)
+    return said, dmp(_batch(rank, 0, False)).abs().max().item()
+
+
+def test_vector_to_parameters_over_a_sharded_model_names_the_fix():
+    """torch.nn.utils.vector_to_parameters(parameters_to_vector(dmp.parameters()), dmp.parameters()) failed with
+    "shape '[0]' is invalid for input of size N": a sharded table's parameter holds nothing but its numel() is the
+    whole table's (for ModelSummary), and vector_to_parameters steps by numel(). Now the error says to pass the dense
+    parameters (requires_grad), and that round trip works."""
+    said, out = run_ranks(_vector_worker, 1, timeout=60)[0]
+    assert "holds none" in said, said
+    assert out == 0.0  # the dense layer, written through the vector, now zero
