@@ -676,6 +676,14 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
 
 
+def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
+    """One feature's rows as a JaggedTensor; with need_indices, its ids ride as the weights (TorchRec's layout: integer
+    weights, which a JaggedTensor built by hand refuses as per-id weights)."""
+    jt = JaggedTensor(values=rows_ND, lengths=lengths_B)
+    jt._weights = ids_N
+    return jt
+
+
 class EmbeddingCollection(_EmbeddingCollectionBase):
     """Sequence embeddings: KJT -> {feature: JaggedTensor with values [N_f, D]} (one row per id)."""
 
@@ -683,12 +691,20 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def __init__(self, tables: Sequence[EmbeddingConfig], device: torch.device | str | None = None,
                  optimizer: FusedOptimizerConfig | None = None, kernel: str = "auto",
-                 validate_ids: bool = True) -> None:
+                 validate_ids: bool = True, *, need_indices: bool = False) -> None:
+        """need_indices: TorchRec's; each output JaggedTensor also carries its feature's ids, as its weights."""
         for t in tables:
             if isinstance(t, EmbeddingBagConfig):
                 raise ValueError(f"EmbeddingCollection takes EmbeddingConfig tables, got EmbeddingBagConfig "
                                  f"for '{t.name}': use EmbeddingBagCollection for pooled tables")
+        if not isinstance(need_indices, bool):
+            raise ValueError(f"EmbeddingCollection(need_indices={need_indices!r}): pass True or False")
         super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted=False)
+        self._need_indices = need_indices
+
+    def need_indices(self) -> bool:
+        """TorchRec's: whether each output JaggedTensor carries its feature's ids as its weights."""
+        return self.__dict__.get("_need_indices", False)  # a collection pickled before the flag existed: False
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._configs)
@@ -719,6 +735,7 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         k = 0
         for group_values, n in zip(values if values_ND is None else [values_ND], sizes):
             for part, name in zip(torch.split(group_values, lpk[k : k + n]), self._feature_names[k : k + n]):
-                out[name] = JaggedTensor(values=part, lengths=features[name].lengths())
+                jt = features[name]
+                out[name] = sequence_output(part, jt.lengths(), jt.values() if self.need_indices() else None)
             k += n
         return {name: out[name] for name in self._output_names}  # the configs' order

@@ -39,6 +39,7 @@ from lightning_rec.embedding import (
     FusedTableWeight,
     _Tables,
     refuse_dtype_cast,
+    sequence_output,
 )
 from lightning_rec.input_dist import DistContext, FrozenTablesDisagree, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
@@ -669,6 +670,7 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
         self._width = self.routing.max_dim()
         self._rows_a2a = SequenceAllToAll(env.comm, env.rank, env.timeout_s)
         self._routed_features = sorted(set(self.routing.copy_feature_index))
+        self._need_indices = module.need_indices()
 
     def embedding_configs(self):
         return list(self._configs)
@@ -704,8 +706,12 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
                 for f, r in zip(self._dp_features[k : k + n], torch.split(group_rows, lpk[k : k + n])):
                     rows[f] = r
                 k += n
-        return {name: JaggedTensor(values=rows[i], lengths=features.lengths_FB()[i])
+        ids = features.to_dict() if self._need_indices else None  # this rank's ids, each feature's in its order
+        return {name: sequence_output(rows[i], features.lengths_FB()[i], None if ids is None else ids[name].values())
                 for i, name in enumerate(self._feature_names)}
+
+    def need_indices(self) -> bool:
+        return self._need_indices
 
     def _replica_group_features(self) -> list[list[str]]:
         return [[f for t in g for f in t.feature_names] for g in self._replicas.groups]

@@ -1215,3 +1215,36 @@ def test_vector_to_parameters_over_a_sharded_model_names_the_fix():
     said, out = run_ranks(_vector_worker, 1, timeout=60)[0]
     assert "holds none" in said, said
     assert out == 0.0  # the dense layer, written through the vector, now zero
+
+
+def _need_indices_worker(rank, W):
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    ec = EmbeddingCollection(_tables(None), optimizer=config, need_indices=True)
+    reference = EmbeddingCollection(_tables(None), optimizer=config)
+    reference.load_state_dict(ec.state_dict())
+    plan = ShardingPlan({"": construct_module_sharding_plan(ec, _plan("mixed", W, W, sequence=True), world_size=W)})
+    dmp = DistributedModelParallel(ec, plan=plan, device="cpu", timeout=30)
+    batch = _batch(rank, 0, False)
+    shuffled = batch.permute(list(range(len(KEYS)))[::-1])  # any key order in; each output keeps its own ids
+    out, ref = dmp(shuffled), reference(batch)
+    for f in KEYS:
+        assert torch.equal(out[f].weights(), batch[f].values()), f
+        torch.testing.assert_close(out[f].values(), ref[f].values(), atol=1e-6, rtol=0)
+    return True
+
+
+def test_torchrec_need_indices_gives_each_sequence_output_its_ids_sharded_and_not():
+    """EmbeddingCollection(..., need_indices=True) (TorchRec's keyword; port code passes it) was a TypeError. Now each
+    output JaggedTensor carries its feature's ids as its weights, as TorchRec's, unsharded and sharded (routed and
+    data-parallel tables), whatever the input's key order."""
+    ec = EmbeddingCollection(_tables(None), need_indices=True)
+    batch = _batch(0, 0, False)
+    out = ec(batch.permute([2, 0, 1, 3]))
+    assert list(out) == KEYS and ec.need_indices() and not EmbeddingCollection(_tables(None)).need_indices()
+    for f in KEYS:
+        assert torch.equal(out[f].weights(), batch[f].values()) and out[f].values().shape[0] == out[f].weights().numel()
+    assert EmbeddingCollection(_tables(None))(batch)[KEYS[0]].weights_or_none() is None
+    with pytest.raises(ValueError, match="need_indices=1.*True or False"):
+        EmbeddingCollection(_tables(None), need_indices=1)
+    run_ranks(_need_indices_worker, 2, timeout=60)
