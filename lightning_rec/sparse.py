@@ -237,6 +237,15 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
                              f"lengths), or pass the lengths' own")
 
 
+def _no_key(what: str, key: object, keys: list[str]) -> None:
+    """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
+    kjt[1], ...) read as 'no key 0', as if a feature were missing."""
+    if not isinstance(key, str):
+        raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
+                        f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")
+    raise KeyError(f"no key {key!r} in this {what}; keys are {keys}")
+
+
 class JaggedTensor:
     """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
 
@@ -755,10 +764,14 @@ class KeyedJaggedTensor:
         return out
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        index = self.index_per_key().get(key)
+        index = self.index_per_key().get(key) if isinstance(key, str) else None
         if index is None:
-            raise KeyError(f"no key {key!r} in this KeyedJaggedTensor; keys are {self._keys}")
+            _no_key("KeyedJaggedTensor", key, self._keys)
         return self.split_one(index)
+
+    def __contains__(self, key: object) -> bool:
+        # without it, `"f1" in kjt` (and iterating) went through __getitem__(0): "no key 0 in this KeyedJaggedTensor"
+        return key in self.index_per_key()
 
     def split_one(self, index: int) -> JaggedTensor:
         opk = self.offset_per_key()
@@ -919,15 +932,17 @@ class KeyedTensor:
             self._offset_per_key = out
         return self._offset_per_key
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
     def to_dict(self) -> dict[str, Tensor]:
         parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
         return dict(zip(self._keys, parts))
 
     def __getitem__(self, key: str) -> Tensor:
-        try:
-            i = self._keys.index(key)
-        except ValueError:
-            raise KeyError(f"no key {key!r} in this KeyedTensor; keys are {self._keys}") from None
+        if not isinstance(key, str) or key not in self._keys:
+            _no_key("KeyedTensor", key, self._keys)
+        i = self._keys.index(key)
         opk = self.offset_per_key()
         return self._values.narrow(self._key_dim, opk[i], opk[i + 1] - opk[i])
 

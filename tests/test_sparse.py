@@ -322,3 +322,19 @@ def test_keyed_tensor_takes_torchrecs_caches_checked_and_regroups_an_empty_group
     empty, b = KeyedTensor.regroup([kt], [[], ["b"]])
     assert empty.shape == (2, 0)
     torch.testing.assert_close(b, values[:, 1:])
+
+
+def test_membership_and_positional_reads_of_kjt_and_kt_say_what_they_take():
+    """`"f1" in kjt` (and `"t1" in kt`) raised KeyError "no key 0 in this KeyedJaggedTensor": Python fell back to
+    kjt[0], kjt[1], ... as it does for `for x in kjt`, and the message read as a missing feature. Membership now
+    answers by key; a position is a TypeError naming .keys() / .to_dict()."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2"], torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1]))
+    kt = KeyedTensor.from_tensor_list(["t1"], [torch.ones(2, 3)])
+    assert "f1" in kjt and "f3" not in kjt and 0 not in kjt
+    assert "t1" in kt and "t2" not in kt
+    for obj, name in ((kjt, "KeyedJaggedTensor"), (kt, "KeyedTensor")):
+        with pytest.raises(TypeError, match=rf"{name} is indexed by key name .* got 0: iterate over .keys\(\)"):
+            list(obj)
+        with pytest.raises(KeyError, match="no key 'zz'"):
+            obj["zz"]
+    assert torch.equal(kjt["f2"].values(), torch.tensor([2, 3])) and kt["t1"].shape == (2, 3)
