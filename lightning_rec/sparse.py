@@ -950,13 +950,23 @@ class KeyedTensor:
     def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
         """Columns of several KeyedTensors gathered into one tensor per group of keys."""
         blocks: dict[str, Tensor] = {}
-        for kt in keyed_tensors:
+        holders: dict[str, list[int]] = {}
+        for i, kt in enumerate(keyed_tensors):
             blocks.update(kt.to_dict())
+            for k in kt.keys():
+                holders.setdefault(k, []).append(i)
         out = []
         for group in groups:
             missing = [k for k in group if k not in blocks]
             if missing:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
+            shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
+            if shared:
+                # the last KeyedTensor's block was taken without a word (TorchRec's too): two collections that each
+                # read a feature of that name (a user and an item tower's 'country') gave one tower the other's
+                raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
+                                 f"which block is meant is ambiguous: give the features distinct names (the tables' "
+                                 f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")
             if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refused the empty list)
                 first = keyed_tensors[0]
                 out.append(first.values().narrow(first.key_dim(), 0, 0))

@@ -338,3 +338,17 @@ def test_membership_and_positional_reads_of_kjt_and_kt_say_what_they_take():
         with pytest.raises(KeyError, match="no key 'zz'"):
             obj["zz"]
     assert torch.equal(kjt["f2"].values(), torch.tensor([2, 3])) and kt["t1"].shape == (2, 3)
+
+
+def test_regroup_refuses_a_key_that_two_keyed_tensors_hold():
+    """Two collections reading a feature of one name (a user and an item tower's 'country'): regroup /
+    regroup_as_dict took the last KeyedTensor's block without a word, one tower's embedding in the other's group.
+    Now a ValueError names the key and the positions; a shared key no group asks for, and one KeyedTensor passed
+    twice, still regroup."""
+    users = KeyedTensor.from_tensor_list(["uid", "country"], [torch.ones(2, 1), torch.full((2, 2), 2.0)])
+    items = KeyedTensor.from_tensor_list(["country", "iid"], [torch.full((2, 2), 3.0), torch.full((2, 1), 4.0)])
+    with pytest.raises(ValueError, match=r"keys \{'country': \[0, 1\]\} are in several .* distinct names"):
+        KeyedTensor.regroup_as_dict([users, items], [["uid", "country"], ["iid"]], ["user", "item"])
+    got = KeyedTensor.regroup([users, items], [["uid"], ["iid"]])
+    assert torch.equal(got[0], torch.ones(2, 1)) and torch.equal(got[1], torch.full((2, 1), 4.0))
+    assert KeyedTensor.regroup([users, users], [["country"]])[0].shape == (2, 2)
