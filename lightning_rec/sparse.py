@@ -371,6 +371,11 @@ class JaggedTensor:
         return self._offsets
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        if isinstance(device, torch.dtype) and self._values.dtype.is_floating_point:
+            # an EmbeddingCollection's output: its values are embeddings, not ids (the message below said ids)
+            raise ValueError(f"JaggedTensor.to({device}): to() moves devices only (the lengths stay integers); convert "
+                             f"the embedding values themselves: JaggedTensor(values=jt.values().to({device}), "
+                             f"lengths=jt.lengths()), or jt.values().to({device})")
         _refuse_dtype_as_device("JaggedTensor", device)
         return move_or_explain(f"JaggedTensor.to({str(device)!r})", device, lambda: self._map(
             lambda t: t.to(device, non_blocking=non_blocking)))

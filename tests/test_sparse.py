@@ -352,3 +352,13 @@ def test_regroup_refuses_a_key_that_two_keyed_tensors_hold():
     got = KeyedTensor.regroup([users, items], [["uid"], ["iid"]])
     assert torch.equal(got[0], torch.ones(2, 1)) and torch.equal(got[1], torch.full((2, 1), 4.0))
     assert KeyedTensor.regroup([users, users], [["country"]])[0].shape == (2, 2)
+
+
+def test_jagged_tensor_to_a_dtype_of_embedding_values_names_the_values_not_ids():
+    """jt.to(torch.float16) on an EmbeddingCollection's output (float embeddings) said the JaggedTensor 'holds integer
+    ids and lengths', which it does not; the refusal now names the embedding values and how to convert them."""
+    rows = JaggedTensor(values=torch.ones(3, 4), lengths=torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match=r"moves devices only .* values=jt.values\(\).to\(torch.float16\)"):
+        rows.to(torch.float16)
+    with pytest.raises(ValueError, match="holds integer ids"):
+        JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])).to(torch.float16)
