@@ -358,7 +358,7 @@ def test_jagged_tensor_to_a_dtype_of_embedding_values_names_the_values_not_ids()
     """jt.to(torch.float16) on an EmbeddingCollection's output (float embeddings) said the JaggedTensor 'holds integer
     ids and lengths', which it does not; the refusal now names the embedding values and how to convert them."""
     rows = JaggedTensor(values=torch.ones(3, 4), lengths=torch.tensor([2, 1]))
-    with pytest.raises(ValueError, match=r"moves devices only .* values=jt.values\(\).to\(torch.float16\)"):
+    with pytest.raises(ValueError, match=r"moves devices only .*\(values=jt.values\(\).to\(torch.float16\)"):
         rows.to(torch.float16)
     with pytest.raises(ValueError, match="holds integer ids"):
         JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])).to(torch.float16)
