@@ -730,6 +730,14 @@ class KeyedJaggedTensor:
             total = sum(new_lpk)
         if indices_tensor is None:
             indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
+        else:
+            # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only ("expected scalar type Int but
+            # found Long" for torch.tensor(indices)), and one that disagrees with `indices` labelled one feature's
+            # ids with another's key, silently. Checked where it can be read without a device sync.
+            indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
+            if _readable(indices_tensor) and indices_tensor.tolist() != [int(i) for i in indices]:
+                raise ValueError(f"permute: indices_tensor {indices_tensor.tolist()} is not indices {list(indices)}: "
+                                 f"pass the same positions (or leave indices_tensor out; it is built from indices)")
         if self._stride == 0 or not keys:
             lengths = self._lengths.new_zeros(len(keys) * self._stride)
             return KeyedJaggedTensor(keys, self._values[:0], None if self._weights is None else

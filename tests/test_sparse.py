@@ -362,3 +362,14 @@ def test_jagged_tensor_to_a_dtype_of_embedding_values_names_the_values_not_ids()
         rows.to(torch.float16)
     with pytest.raises(ValueError, match="holds integer ids"):
         JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])).to(torch.float16)
+
+
+def test_permute_takes_torchrecs_indices_tensor_of_any_int_type_and_refuses_one_that_disagrees():
+    """kjt.permute(indices, torch.tensor(indices)) (an int64 tensor) failed in fbgemm with "expected scalar type Int
+    but found Long"; and an indices_tensor that disagreed with indices relabelled the features silently (keys
+    ['b', 'a'] over a's and b's ids). Now any integer tensor works, and a disagreeing one is refused."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1]))
+    swapped = kjt.permute([1, 0], torch.tensor([1, 0]))
+    assert swapped.keys() == ["b", "a"] and torch.equal(swapped.values(), torch.tensor([2, 3, 1]))
+    with pytest.raises(ValueError, match=r"indices_tensor \[0, 1\] is not indices \[1, 0\]"):
+        kjt.permute([1, 0], torch.tensor([0, 1], dtype=torch.int32))
