@@ -42,9 +42,15 @@ def _some(names: Sequence[str]) -> str:
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
     """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
     configs' data_type; the fused kernels are built for it)."""
+    # Lightning's "64-true" was told to use bf16-mixed; and a parent's layers converted before this collection refused
+    # stay converted (nn.Module._apply walks children in order), so the next forward failed on mixed dtypes
+    lightning = ("Lightning's precision='64-true' converts it: use '32-true', the tables have no float64 kernel"
+                 if dtype == torch.float64 else
+                 "Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed'")
     return ValueError(
         f"{owner} tables keep their configured data_type; set data_type in the table configs instead of converting "
-        f"the module to {dtype} (Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed')"
+        f"the module to {dtype} ({lightning}). Layers converted before this refusal stay {dtype}: "
+        f"model.float() converts them back"
     )
 
 

@@ -1015,3 +1015,17 @@ def test_torch_export_of_fbgemm_and_weighted_collections_matches_eager(case):
         else:
             assert exported.keys() == eager.keys()
             torch.testing.assert_close(exported.values(), eager.values(), atol=0, rtol=0)  # same rows, same order
+
+
+def test_a_double_cast_of_a_model_holding_a_collection_names_32_true_and_the_way_back():
+    """model.double() (Lightning's precision='64-true') of a model with dense layers before its collection: the
+    refusal suggested 'bf16-mixed', and the layers converted before it stayed float64 without a word (the next
+    forward failed on mixed dtypes). Now it names '32-true' and model.float(), which restores a working model."""
+    model = nn.Sequential(nn.Linear(2, 2), EmbeddingBagCollection(TABLES))
+    with pytest.raises(ValueError, match=r"'64-true' converts it: use '32-true'.*stay torch.float64: model.float\(\)"):
+        model.double()
+    assert model[0].weight.dtype == torch.float64
+    model.float()
+    assert model[0].weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="use 'bf16-mixed'"):
+        model.half()
