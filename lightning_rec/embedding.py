@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
@@ -112,6 +112,9 @@ class BaseEmbeddingConfig:
     data_type: torch.dtype = torch.float32
     weight_init_min: float | None = None  # default: -sqrt(1 / num_embeddings), as TorchRec
     weight_init_max: float | None = None
+    # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
+    # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
+    init_fn: Callable[[Tensor], object] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -140,6 +143,9 @@ class BaseEmbeddingConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise ValueError(f"table '{self.name}': {field_name} must be a number (finite) or None, got {value!r}")
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"table '{self.name}': init_fn must be a function of the weight (e.g. "
+                             f"functools.partial(torch.nn.init.normal_, std=0.01)), got {self.init_fn!r}")
         lo_hi = self.init_range()
         if lo_hi is not None and lo_hi[0] > lo_hi[1]:
             raise ValueError(f"table '{self.name}': weight_init_min={lo_hi[0]} is above weight_init_max={lo_hi[1]}: "
@@ -452,7 +458,18 @@ class _EmbeddingCollectionBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: the tables do not fit in {self._device} memory ({sizes} rows x "
                              f"dims): lower num_embeddings (hash ids into fewer rows), or shard the tables over "
                              f"ranks with DistributedModelParallel ({type(e).__name__}: {str(e)[:200]})") from e
+        if self._device.type != "meta":  # on "meta", DistributedModelParallel applies it to each shard it draws
+            self._apply_init_fns()
         self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
+
+    @torch.no_grad()
+    def _apply_init_fns(self) -> None:
+        """Each config's init_fn on its table's weight (a view of the kernel's rows: written in place)."""
+        params = self.table_parameters()
+        for c in self._configs:
+            if c.init_fn is not None:
+                c.init_fn(params[c.name])
+        self._lookup.weights_written()
 
     def _build_lookup(self, device: torch.device) -> None:
         lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,

@@ -591,10 +591,18 @@ class _ShardedCollectionBase(nn.Module):
         tables or row blocks start as copies of each other, however the ranks' global RNGs were seeded.
         """
         init = {c.name: c.local_table().init_range() for c in self._configs}
+        init_fns = {c.name: c.init_fn for c in self._configs}
         for table, meta, w in self._pieces():
             (r, c) = meta.shard_offsets if meta is not None else (0, 0)
             digest = hashlib.sha256(f"{seed}:{table}:{r}:{c}".encode()).digest()
-            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            piece_seed = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+            if init_fns[table] is not None:
+                # the config's init_fn on this piece, under the piece's own seed (replicas agree across ranks)
+                with torch.random.fork_rng(devices=[w.device] if w.device.type == "cuda" else []):
+                    torch.manual_seed(piece_seed)
+                    init_fns[table](w)
+                continue
+            g = torch.Generator().manual_seed(piece_seed)
             rows_per_chunk = max(1, (1 << 22) // max(1, w.shape[1]))  # a bounded host buffer for huge tables
             for r0 in range(0, w.shape[0], rows_per_chunk):
                 chunk = torch.empty(min(rows_per_chunk, w.shape[0] - r0), w.shape[1], dtype=torch.float32)

@@ -1029,3 +1029,24 @@ def test_a_double_cast_of_a_model_holding_a_collection_names_32_true_and_the_way
     assert model[0].weight.dtype == torch.float32
     with pytest.raises(ValueError, match="use 'bf16-mixed'"):
         model.half()
+
+
+@pytest.mark.parametrize("kernel", ["dense", "native", "fbgemm"])
+def test_torchrec_init_fn_initialises_the_tables_rows(kernel):
+    """EmbeddingBagConfig(..., init_fn=partial(nn.init.normal_, std=...)) (TorchRec's field) was a TypeError. Now it
+    is called on the table's weight in place (the kernel's rows: forward reads them; fbgemm's padded dim 3 too),
+    tables without one keep the uniform draw, and a value that is not a function is refused."""
+    import functools
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=3, feature_names=["f0"],
+                                 init_fn=functools.partial(nn.init.constant_, val=0.25)),
+              EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1"])]
+    opt = None if kernel == "dense" else FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    ebc = EmbeddingBagCollection(tables, optimizer=opt, kernel=kernel)
+    assert torch.equal(ebc.state_dict()["embedding_bags.t0.weight"], torch.full((50, 3), 0.25))
+    assert ebc.state_dict()["embedding_bags.t1.weight"].std() > 0.05  # uniform in +-sqrt(1/30)
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 0, 1]))
+    torch.testing.assert_close(ebc(kjt)["f0"], torch.tensor([[0.5] * 3, [0.0] * 3]))
+    with pytest.raises(ValueError, match="init_fn must be a function of the weight"):
+        EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.1)

@@ -1248,3 +1248,27 @@ def test_torchrec_need_indices_gives_each_sequence_output_its_ids_sharded_and_no
     with pytest.raises(ValueError, match="need_indices=1.*True or False"):
         EmbeddingCollection(_tables(None), need_indices=1)
     run_ranks(_need_indices_worker, 2, timeout=60)
+
+
+def _init_fn_worker(rank, W):
+    import functools
+
+    torch.manual_seed(rank)  # the ranks' own RNGs differ
+    tables = [EmbeddingBagConfig(name=t, num_embeddings=ROWS[t], embedding_dim=DIMS[t], feature_names=FEATURES[t],
+                                 init_fn=functools.partial(nn.init.normal_, std=1e-3) if t != "t2" else None)
+              for t in ROWS]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1), device="meta")
+    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, _plan("mixed", W, W), world_size=W)})
+    dmp = DistributedModelParallel(ebc, plan=plan, device="cpu", timeout=30)
+    full = {k: (v.local_shards[0][1] if isinstance(v, ShardedTensor) else v) for k, v in dmp.state_dict().items()}
+    return {k: (float(v.std()), v.sum().item()) for k, v in full.items()}
+
+
+def test_torchrec_init_fn_draws_the_shards_of_tables_built_on_meta():
+    """init_fn on tables built on "meta": DistributedModelParallel drew every shard uniform, ignoring it. Now each
+    piece gets the table's init_fn under the piece's own seed: row-wise pieces normal(std=1e-3), the data-parallel
+    replica (t1) equal on both ranks though their RNGs differ; the table without one (t2) keeps the uniform draw."""
+    a, b = run_ranks(_init_fn_worker, 2, timeout=60)
+    assert a["embedding_bags.t0.weight"][0] < 2e-3 and b["embedding_bags.t0.weight"][0] < 2e-3
+    assert a["embedding_bags.t1.weight"] == b["embedding_bags.t1.weight"] and a["embedding_bags.t1.weight"][0] < 2e-3
+    assert a["embedding_bags.t2.weight"][0] > 0.01
