@@ -420,6 +420,10 @@ class _EmbeddingCollectionBase(nn.Module):
                 raise ValueError(f"{type(self).__name__} takes {config_type.__name__} tables, got a "
                                  f"{type(t).__name__}: write {config_type.__name__}(name=..., num_embeddings=..., "
                                  f"embedding_dim=..., feature_names=[...])")
+        if isinstance(optimizer, bool) and isinstance(self, EmbeddingCollection):
+            # TorchRec's EmbeddingCollection(tables, device, need_indices): its third argument is optimizer here
+            raise ValueError(f"EmbeddingCollection(tables, device, {optimizer}): the third argument is optimizer here "
+                             f"(TorchRec's need_indices): pass need_indices={optimizer} by keyword")
         if optimizer is not None and not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"optimizer={optimizer!r}: pass a FusedOptimizerConfig (e.g. "
                              f"FusedOptimizerConfig('rowwise_adagrad', lr=0.01)), or None for plain parameters")

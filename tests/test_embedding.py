@@ -1050,3 +1050,13 @@ def test_torchrec_init_fn_initialises_the_tables_rows(kernel):
     torch.testing.assert_close(ebc(kjt)["f0"], torch.tensor([[0.5] * 3, [0.0] * 3]))
     with pytest.raises(ValueError, match="init_fn must be a function of the weight"):
         EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.1)
+
+
+def test_torchrecs_positional_need_indices_names_the_keyword():
+    """EmbeddingCollection(tables, None, True), TorchRec's positional need_indices, was refused as 'optimizer=True:
+    pass a FusedOptimizerConfig', naming nothing the user wrote. Now it names need_indices=True."""
+    tables = [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])]
+    with pytest.raises(ValueError, match=r"third argument is optimizer here \(TorchRec's need_indices\): pass "
+                                         r"need_indices=True by keyword"):
+        EmbeddingCollection(tables, None, True)
+    assert EmbeddingCollection(tables, None, need_indices=True).need_indices()
