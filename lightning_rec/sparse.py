@@ -50,6 +50,7 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
 
 
 _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
+_FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
 def move_or_explain(call: str, device: torch.device | str | int | None, move):
@@ -744,10 +745,13 @@ class KeyedJaggedTensor:
                                      self._weights[:0], lengths=lengths, stride=self._stride,
                                      length_per_key=new_lpk, _validate=False)
         weights = self._weights
-        if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        if weights is not None and (weights.requires_grad and torch.is_grad_enabled()
+                                    or weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS):
             # Learned weights: fbgemm's backward for them assumes a full permutation (a subset or a repeated key
             # crashed the process in backward, or raised a shape error). Permute positions instead and gather:
-            # indexing's backward sums the gradient of repeated keys and leaves dropped ones at zero.
+            # indexing's backward sums the gradient of repeated keys and leaves dropped ones at zero. The same for
+            # weights fbgemm's permute has no kernel for: bfloat16 (weights computed under bf16-mixed autocast)
+            # failed every collection's forward with '"permute_2D_indices_weights_kernel_3" not implemented'.
             src_N = torch.arange(self._values.shape[0], device=self._values.device)
             lengths_FB, src_N, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), src_N, None, total

@@ -373,3 +373,17 @@ def test_permute_takes_torchrecs_indices_tensor_of_any_int_type_and_refuses_one_
     assert swapped.keys() == ["b", "a"] and torch.equal(swapped.values(), torch.tensor([2, 3, 1]))
     with pytest.raises(ValueError, match=r"indices_tensor \[0, 1\] is not indices \[1, 0\]"):
         kjt.permute([1, 0], torch.tensor([0, 1], dtype=torch.int32))
+
+
+def test_permute_of_bfloat16_weights():
+    """Per-id weights in bfloat16 (computed under precision='bf16-mixed' autocast) failed every collection's forward
+    in fbgemm's permute: '"permute_2D_indices_weights_kernel_3" not implemented for BFloat16'. They now permute (a
+    reorder, a subset, a repeat) as float32 weights do, keeping their dtype."""
+    weights = torch.tensor([0.5, 1.0, 2.0])
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1]),
+                                              weights=weights.to(torch.bfloat16))
+    fp32 = KeyedJaggedTensor.from_lengths_sync(["a", "b"], kjt.values(), kjt.lengths(), weights=weights)
+    for order in ([1, 0], [1], [1, 1]):
+        got, want = kjt.permute(order), fp32.permute(order)
+        assert got.weights().dtype == torch.bfloat16 and torch.equal(got.weights().float(), want.weights())
+        assert torch.equal(got.values(), want.values()) and torch.equal(got.lengths(), want.lengths())
