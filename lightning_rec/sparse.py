@@ -23,6 +23,7 @@ already checked KJT without a device sync. Jagged work (permute, cumsum) uses fb
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,8 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
 
 
 _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
+# permute's indices_tensors found equal to their indices, by id (weakly: gone with the tensor)
+_CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 _FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
@@ -736,9 +739,14 @@ class KeyedJaggedTensor:
             # found Long" for torch.tensor(indices)), and one that disagrees with `indices` labelled one feature's
             # ids with another's key, silently. Checked where it can be read without a device sync.
             indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
-            if _readable(indices_tensor) and indices_tensor.tolist() != [int(i) for i in indices]:
-                raise ValueError(f"permute: indices_tensor {indices_tensor.tolist()} is not indices {list(indices)}: "
-                                 f"pass the same positions (or leave indices_tensor out; it is built from indices)")
+            # once per tensor: the collections pass their cached one every batch, and a read per batch is a sync on
+            # GPU (tests/test_gpu_paths.py counts them on CPU)
+            if _readable(indices_tensor) and _CHECKED_PERMUTES.get(id(indices_tensor)) is not indices_tensor:
+                if indices_tensor.tolist() != [int(i) for i in indices]:
+                    raise ValueError(f"permute: indices_tensor {indices_tensor.tolist()} is not indices "
+                                     f"{list(indices)}: pass the same positions (or leave indices_tensor out; it is "
+                                     f"built from indices)")
+                _CHECKED_PERMUTES[id(indices_tensor)] = indices_tensor
         if self._stride == 0 or not keys:
             lengths = self._lengths.new_zeros(len(keys) * self._stride)
             return KeyedJaggedTensor(keys, self._values[:0], None if self._weights is None else
