@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
@@ -42,9 +42,15 @@ def _some(names: Sequence[str]) -> str:
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
     """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
     configs' data_type; the fused kernels are built for it)."""
+    # Lightning's "64-true" was told to use bf16-mixed; and a parent's layers converted before this collection refused
+    # stay converted (nn.Module._apply walks children in order), so the next forward failed on mixed dtypes
+    lightning = ("Lightning's precision='64-true' converts it: use '32-true', the tables have no float64 kernel"
+                 if dtype == torch.float64 else
+                 "Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed'")
     return ValueError(
         f"{owner} tables keep their configured data_type; set data_type in the table configs instead of converting "
-        f"the module to {dtype} (Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed')"
+        f"the module to {dtype} ({lightning}). Layers converted before this refusal stay {dtype}: "
+        f"model.float() converts them back"
     )
 
 
@@ -106,6 +112,9 @@ class BaseEmbeddingConfig:
     data_type: torch.dtype = torch.float32
     weight_init_min: float | None = None  # default: -sqrt(1 / num_embeddings), as TorchRec
     weight_init_max: float | None = None
+    # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
+    # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
+    init_fn: Callable[[Tensor], object] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -134,6 +143,9 @@ class BaseEmbeddingConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise ValueError(f"table '{self.name}': {field_name} must be a number (finite) or None, got {value!r}")
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"table '{self.name}': init_fn must be a function of the weight (e.g. "
+                             f"functools.partial(torch.nn.init.normal_, std=0.01)), got {self.init_fn!r}")
         lo_hi = self.init_range()
         if lo_hi is not None and lo_hi[0] > lo_hi[1]:
             raise ValueError(f"table '{self.name}': weight_init_min={lo_hi[0]} is above weight_init_max={lo_hi[1]}: "
@@ -408,6 +420,10 @@ class _EmbeddingCollectionBase(nn.Module):
                 raise ValueError(f"{type(self).__name__} takes {config_type.__name__} tables, got a "
                                  f"{type(t).__name__}: write {config_type.__name__}(name=..., num_embeddings=..., "
                                  f"embedding_dim=..., feature_names=[...])")
+        if isinstance(optimizer, bool) and isinstance(self, EmbeddingCollection):
+            # TorchRec's EmbeddingCollection(tables, device, need_indices): its third argument is optimizer here
+            raise ValueError(f"EmbeddingCollection(tables, device, {optimizer}): the third argument is optimizer here "
+                             f"(TorchRec's need_indices): pass need_indices={optimizer} by keyword")
         if optimizer is not None and not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"optimizer={optimizer!r}: pass a FusedOptimizerConfig (e.g. "
                              f"FusedOptimizerConfig('rowwise_adagrad', lr=0.01)), or None for plain parameters")
@@ -446,7 +462,18 @@ class _EmbeddingCollectionBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: the tables do not fit in {self._device} memory ({sizes} rows x "
                              f"dims): lower num_embeddings (hash ids into fewer rows), or shard the tables over "
                              f"ranks with DistributedModelParallel ({type(e).__name__}: {str(e)[:200]})") from e
+        if self._device.type != "meta":  # on "meta", DistributedModelParallel applies it to each shard it draws
+            self._apply_init_fns()
         self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
+
+    @torch.no_grad()
+    def _apply_init_fns(self) -> None:
+        """Each config's init_fn on its table's weight (a view of the kernel's rows: written in place)."""
+        params = self.table_parameters()
+        for c in self._configs:
+            if c.init_fn is not None:
+                c.init_fn(params[c.name])
+        self._lookup.weights_written()
 
     def _build_lookup(self, device: torch.device) -> None:
         lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,
@@ -676,6 +703,14 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
 
 
+def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
+    """One feature's rows as a JaggedTensor; with need_indices, its ids ride as the weights (TorchRec's layout: integer
+    weights, which a JaggedTensor built by hand refuses as per-id weights)."""
+    jt = JaggedTensor(values=rows_ND, lengths=lengths_B)
+    jt._weights = ids_N
+    return jt
+
+
 class EmbeddingCollection(_EmbeddingCollectionBase):
     """Sequence embeddings: KJT -> {feature: JaggedTensor with values [N_f, D]} (one row per id)."""
 
@@ -683,12 +718,20 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
 
     def __init__(self, tables: Sequence[EmbeddingConfig], device: torch.device | str | None = None,
                  optimizer: FusedOptimizerConfig | None = None, kernel: str = "auto",
-                 validate_ids: bool = True) -> None:
+                 validate_ids: bool = True, *, need_indices: bool = False) -> None:
+        """need_indices: TorchRec's; each output JaggedTensor also carries its feature's ids, as its weights."""
         for t in tables:
             if isinstance(t, EmbeddingBagConfig):
                 raise ValueError(f"EmbeddingCollection takes EmbeddingConfig tables, got EmbeddingBagConfig "
                                  f"for '{t.name}': use EmbeddingBagCollection for pooled tables")
+        if not isinstance(need_indices, bool):
+            raise ValueError(f"EmbeddingCollection(need_indices={need_indices!r}): pass True or False")
         super().__init__(tables, device, optimizer, kernel, validate_ids, is_weighted=False)
+        self._need_indices = need_indices
+
+    def need_indices(self) -> bool:
+        """TorchRec's: whether each output JaggedTensor carries its feature's ids as its weights."""
+        return self.__dict__.get("_need_indices", False)  # a collection pickled before the flag existed: False
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return list(self._configs)
@@ -719,6 +762,7 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         k = 0
         for group_values, n in zip(values if values_ND is None else [values_ND], sizes):
             for part, name in zip(torch.split(group_values, lpk[k : k + n]), self._feature_names[k : k + n]):
-                out[name] = JaggedTensor(values=part, lengths=features[name].lengths())
+                jt = features[name]
+                out[name] = sequence_output(part, jt.lengths(), jt.values() if self.need_indices() else None)
             k += n
         return {name: out[name] for name in self._output_names}  # the configs' order

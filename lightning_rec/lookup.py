@@ -448,6 +448,13 @@ class FusedKernel(nn.Module):
         if self.kernel == "native":
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
+        if torch.compiler.is_exporting():
+            # fbgemm's TBE forward reads its step counter on the host (`iter_cpu.item()`), which torch.export cannot
+            # trace ("get value out of a tracing tensor"): every fbgemm collection (all of them on GPU) failed to
+            # export. An exported program only infers, so torch's own lookup over the same rows (views of the
+            # kernel's storage, configured dims) computes the same output; fp32 out, as the kernel's
+            return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
+                                fp32_out=True)
         if torch.is_inference_mode_enabled() and features.values().device.type == "cpu":
             # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips:
             # "Could not run 'fbgemm::split_embedding_codegen_lookup_*_function_pt2' with arguments from the 'CPU'
@@ -551,24 +558,35 @@ class DenseKernel(nn.Module):
 
 
 def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_table: Sequence[int],
-                 pooling: str) -> Tensor:
-    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none')."""
+                 pooling: str, fp32_out: bool = False) -> Tensor:
+    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none').
+
+    fp32_out: rows of fp16 tables are read as fp32 before pooling, as the fused kernels pool (an fp16 sum
+    differed from theirs by ~1e-4)."""
     outs = []
     # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
     for t, jt in zip(feature_table, features.to_dict().values()):
         table = tables[t]
+        ids = jt.values()
+        if fp32_out and table.dtype != torch.float32:
+            table = F.embedding(ids, table).float()  # this feature's rows, each read once: pooled below by position
+            ids = torch.arange(table.shape[0], device=table.device)
         if pooling == "none":
-            outs.append(F.embedding(jt.values(), table))
+            outs.append(F.embedding(ids, table))
             continue
         w = jt.weights_or_none()
-        w = None if w is None else w.to(table.dtype)
+        if w is not None:
+            w = w.to(table.dtype)
+            # torch.export slices a feature's ids and weights by sizes it cannot read ("Could not guard on
+            # data-dependent expression" in embedding_bag): they are one per id, as the KJT was checked to hold
+            torch._check(w.shape[0] == ids.shape[0])
         bag_offsets = jt.offsets()[:-1]
         if pooling == "mean" and w is not None:
             # torch's embedding_bag takes per-id weights only with sum; mean = sum / ids in bag.
-            summed = F.embedding_bag(jt.values(), table, bag_offsets, mode="sum", per_sample_weights=w)
+            summed = F.embedding_bag(ids, table, bag_offsets, mode="sum", per_sample_weights=w)
             outs.append(summed / jt.lengths().clamp(min=1).unsqueeze(1).to(table.dtype))
         else:
-            outs.append(F.embedding_bag(jt.values(), table, bag_offsets, mode=pooling, per_sample_weights=w))
+            outs.append(F.embedding_bag(ids, table, bag_offsets, mode=pooling, per_sample_weights=w))
     return join_outputs(outs, dim=0 if pooling == "none" else 1)
 
 

@@ -413,7 +413,7 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
         lines.append(f"{where}: fused optimizer {opt}")
         for c in _collection_configs(m):  # a line per field: the message shows the one that differs, alone
             for f in dataclasses.fields(c):
-                if not f.name.startswith("weight_init"):
+                if not f.name.startswith("weight_init") and f.name != "init_fn":  # a function's repr has its address
                     lines.append(f"{where}: table '{c.name}' {f.name}={_plain(getattr(c, f.name))}")
         for name, ps in sorted(plan.plan[path].items()):
             lines.append(f"{where}: table '{name}' planned {ps}")

@@ -39,6 +39,7 @@ from lightning_rec.embedding import (
     FusedTableWeight,
     _Tables,
     refuse_dtype_cast,
+    sequence_output,
 )
 from lightning_rec.input_dist import DistContext, FrozenTablesDisagree, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
@@ -203,6 +204,22 @@ class ShardedTableWeight(FusedTableWeight):
 
     def numel(self) -> int:  # type: ignore[override]
         return self.__dict__.get("table_numel", 0)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.nn.utils.vector_to_parameters steps through the vector by numel() (the whole table's) but
+        # parameters_to_vector gave this parameter none of it (it holds (0,)): the slice meant for the next dense
+        # parameters reached `.view_as(this)` and failed with "shape '[0]' is invalid for input of size 9", naming
+        # nothing. The only view that fails here is one of values into this empty parameter: say what to pass.
+        if func is Tensor.view_as and len(args) == 2 and args[1] is not args[0] and isinstance(args[1], cls) and \
+                args[0].numel() != 0:
+            raise ValueError(
+                f"{args[0].numel()} values viewed as a sharded table's parameter, which holds none (shape (0,); its "
+                f"values are the ranks' shards) though numel() counts the whole table ({args[1].numel()}, for "
+                f"ModelSummary). torch.nn.utils.vector_to_parameters over a sharded model steps by numel(): pass the "
+                f"dense parameters only, to it and to parameters_to_vector: [p for p in model.parameters() if "
+                f"p.requires_grad] (tables read requires_grad=False); tables load with dmp.load_state_dict(...)")
+        return nn.Parameter.__torch_function__(func, types, args, kwargs or {})  # torch's: subclass off in results
 
     def __deepcopy__(self, memo):
         copied = super().__deepcopy__(memo)
@@ -577,10 +594,18 @@ class _ShardedCollectionBase(nn.Module):
         tables or row blocks start as copies of each other, however the ranks' global RNGs were seeded.
         """
         init = {c.name: c.local_table().init_range() for c in self._configs}
+        init_fns = {c.name: c.init_fn for c in self._configs}
         for table, meta, w in self._pieces():
             (r, c) = meta.shard_offsets if meta is not None else (0, 0)
             digest = hashlib.sha256(f"{seed}:{table}:{r}:{c}".encode()).digest()
-            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+            piece_seed = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+            if init_fns[table] is not None:
+                # the config's init_fn on this piece, under the piece's own seed (replicas agree across ranks)
+                with torch.random.fork_rng(devices=[w.device] if w.device.type == "cuda" else []):
+                    torch.manual_seed(piece_seed)
+                    init_fns[table](w)
+                continue
+            g = torch.Generator().manual_seed(piece_seed)
             rows_per_chunk = max(1, (1 << 22) // max(1, w.shape[1]))  # a bounded host buffer for huge tables
             for r0 in range(0, w.shape[0], rows_per_chunk):
                 chunk = torch.empty(min(rows_per_chunk, w.shape[0] - r0), w.shape[1], dtype=torch.float32)
@@ -656,6 +681,7 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
         self._width = self.routing.max_dim()
         self._rows_a2a = SequenceAllToAll(env.comm, env.rank, env.timeout_s)
         self._routed_features = sorted(set(self.routing.copy_feature_index))
+        self._need_indices = module.need_indices()
 
     def embedding_configs(self):
         return list(self._configs)
@@ -691,8 +717,12 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
                 for f, r in zip(self._dp_features[k : k + n], torch.split(group_rows, lpk[k : k + n])):
                     rows[f] = r
                 k += n
-        return {name: JaggedTensor(values=rows[i], lengths=features.lengths_FB()[i])
+        ids = features.to_dict() if self._need_indices else None  # this rank's ids, each feature's in its order
+        return {name: sequence_output(rows[i], features.lengths_FB()[i], None if ids is None else ids[name].values())
                 for i, name in enumerate(self._feature_names)}
+
+    def need_indices(self) -> bool:
+        return self._need_indices
 
     def _replica_group_features(self) -> list[list[str]]:
         return [[f for t in g for f in t.feature_names] for g in self._replicas.groups]

@@ -23,6 +23,7 @@ already checked KJT without a device sync. Jagged work (permute, cumsum) uses fb
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,9 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
 
 
 _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
+# permute's indices_tensors found equal to their indices, by id (weakly: gone with the tensor)
+_CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+_FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
 def move_or_explain(call: str, device: torch.device | str | int | None, move):
@@ -237,6 +241,15 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
                              f"lengths), or pass the lengths' own")
 
 
+def _no_key(what: str, key: object, keys: list[str]) -> None:
+    """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
+    kjt[1], ...) read as 'no key 0', as if a feature were missing."""
+    if not isinstance(key, str):
+        raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
+                        f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")
+    raise KeyError(f"no key {key!r} in this {what}; keys are {keys}")
+
+
 class JaggedTensor:
     """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
 
@@ -362,6 +375,11 @@ class JaggedTensor:
         return self._offsets
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        if isinstance(device, torch.dtype) and self._values.dtype.is_floating_point:
+            # an EmbeddingCollection's output: its values are embeddings, not ids (the message below said ids)
+            raise ValueError(f"JaggedTensor.to({device}): to() moves devices only (the lengths stay integers); convert "
+                             f"the embedding values themselves: JaggedTensor(values=jt.values().to({device}), "
+                             f"lengths=jt.lengths()), or jt.values().to({device})")
         _refuse_dtype_as_device("JaggedTensor", device)
         return move_or_explain(f"JaggedTensor.to({str(device)!r})", device, lambda: self._map(
             lambda t: t.to(device, non_blocking=non_blocking)))
@@ -716,16 +734,32 @@ class KeyedJaggedTensor:
             total = sum(new_lpk)
         if indices_tensor is None:
             indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
+        else:
+            # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only ("expected scalar type Int but
+            # found Long" for torch.tensor(indices)), and one that disagrees with `indices` labelled one feature's
+            # ids with another's key, silently. Checked where it can be read without a device sync.
+            indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
+            # once per tensor: the collections pass their cached one every batch, and a read per batch is a sync on
+            # GPU (tests/test_gpu_paths.py counts them on CPU)
+            if _readable(indices_tensor) and _CHECKED_PERMUTES.get(id(indices_tensor)) is not indices_tensor:
+                if indices_tensor.tolist() != [int(i) for i in indices]:
+                    raise ValueError(f"permute: indices_tensor {indices_tensor.tolist()} is not indices "
+                                     f"{list(indices)}: pass the same positions (or leave indices_tensor out; it is "
+                                     f"built from indices)")
+                _CHECKED_PERMUTES[id(indices_tensor)] = indices_tensor
         if self._stride == 0 or not keys:
             lengths = self._lengths.new_zeros(len(keys) * self._stride)
             return KeyedJaggedTensor(keys, self._values[:0], None if self._weights is None else
                                      self._weights[:0], lengths=lengths, stride=self._stride,
                                      length_per_key=new_lpk, _validate=False)
         weights = self._weights
-        if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        if weights is not None and (weights.requires_grad and torch.is_grad_enabled()
+                                    or weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS):
             # Learned weights: fbgemm's backward for them assumes a full permutation (a subset or a repeated key
             # crashed the process in backward, or raised a shape error). Permute positions instead and gather:
-            # indexing's backward sums the gradient of repeated keys and leaves dropped ones at zero.
+            # indexing's backward sums the gradient of repeated keys and leaves dropped ones at zero. The same for
+            # weights fbgemm's permute has no kernel for: bfloat16 (weights computed under bf16-mixed autocast)
+            # failed every collection's forward with '"permute_2D_indices_weights_kernel_3" not implemented'.
             src_N = torch.arange(self._values.shape[0], device=self._values.device)
             lengths_FB, src_N, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), src_N, None, total
@@ -755,10 +789,14 @@ class KeyedJaggedTensor:
         return out
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        index = self.index_per_key().get(key)
+        index = self.index_per_key().get(key) if isinstance(key, str) else None
         if index is None:
-            raise KeyError(f"no key {key!r} in this KeyedJaggedTensor; keys are {self._keys}")
+            _no_key("KeyedJaggedTensor", key, self._keys)
         return self.split_one(index)
+
+    def __contains__(self, key: object) -> bool:
+        # without it, `"f1" in kjt` (and iterating) went through __getitem__(0): "no key 0 in this KeyedJaggedTensor"
+        return key in self.index_per_key()
 
     def split_one(self, index: int) -> JaggedTensor:
         opk = self.offset_per_key()
@@ -919,15 +957,17 @@ class KeyedTensor:
             self._offset_per_key = out
         return self._offset_per_key
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
     def to_dict(self) -> dict[str, Tensor]:
         parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
         return dict(zip(self._keys, parts))
 
     def __getitem__(self, key: str) -> Tensor:
-        try:
-            i = self._keys.index(key)
-        except ValueError:
-            raise KeyError(f"no key {key!r} in this KeyedTensor; keys are {self._keys}") from None
+        if not isinstance(key, str) or key not in self._keys:
+            _no_key("KeyedTensor", key, self._keys)
+        i = self._keys.index(key)
         opk = self.offset_per_key()
         return self._values.narrow(self._key_dim, opk[i], opk[i + 1] - opk[i])
 
@@ -935,13 +975,23 @@ class KeyedTensor:
     def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
         """Columns of several KeyedTensors gathered into one tensor per group of keys."""
         blocks: dict[str, Tensor] = {}
-        for kt in keyed_tensors:
+        holders: dict[str, list[int]] = {}
+        for i, kt in enumerate(keyed_tensors):
             blocks.update(kt.to_dict())
+            for k in kt.keys():
+                holders.setdefault(k, []).append(i)
         out = []
         for group in groups:
             missing = [k for k in group if k not in blocks]
             if missing:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
+            shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
+            if shared:
+                # the last KeyedTensor's block was taken without a word (TorchRec's too): two collections that each
+                # read a feature of that name (a user and an item tower's 'country') gave one tower the other's
+                raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
+                                 f"which block is meant is ambiguous: give the features distinct names (the tables' "
+                                 f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")
             if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refused the empty list)
                 first = keyed_tensors[0]
                 out.append(first.values().narrow(first.key_dim(), 0, 0))

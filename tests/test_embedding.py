@@ -976,3 +976,87 @@ def test_a_group_of_fused_table_weights_added_to_a_combined_optimizer_is_refused
     before = extra.weight.detach().clone()
     opt.step()
     torch.testing.assert_close(extra.weight.detach(), before - 0.5)
+
+
+@pytest.mark.parametrize("case", ["fbgemm_bags", "fused_sequence", "dense_weighted"])
+def test_torch_export_of_fbgemm_and_weighted_collections_matches_eager(case):
+    """torch.export stopped inside fbgemm's TBE forward ('get value out of a tracing tensor with aten.item': it reads
+    its step counter on the host), so no fbgemm collection exported: a fused EmbeddingCollection on CPU,
+    kernel='fbgemm', every collection on GPU; and a weighted EmbeddingBagCollection on any kernel that slices per
+    feature failed with 'Could not guard on data-dependent expression'. Now they export, equal to eager (fp16 tables
+    pooled in fp32, as the kernel pools), and the program takes another batch size under Dim.AUTO."""
+    torch.manual_seed(0)
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    weights = torch.tensor([0.5, 1.0, 2.0, 3.0, 0.25, 1.5])
+    kjt = KeyedJaggedTensor(["a", "b", "c"], torch.tensor([1, 2, 3, 4, 0, 7]),
+                            lengths=torch.tensor([2, 1, 0, 2, 0, 1]), weights=weights)
+    other = KeyedJaggedTensor(["a", "b", "c"], torch.tensor([1, 2, 3, 4, 0, 7, 5]),
+                              lengths=torch.tensor([2, 1, 1, 0, 1, 0, 0, 2, 0]), weights=torch.rand(7))
+    if case == "fused_sequence":
+        model = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=3, num_embeddings=10,
+                                                     feature_names=["a", "b"]),
+                                     EmbeddingConfig(name="u", embedding_dim=3, num_embeddings=8,
+                                                     feature_names=["c"])], optimizer=opt)
+    else:
+        fbgemm = case == "fbgemm_bags"
+        model = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=10, feature_names=["a", "b"],
+                                pooling="mean", data_type=torch.float16 if fbgemm else torch.float32),
+             EmbeddingBagConfig(name="u", embedding_dim=5, num_embeddings=8, feature_names=["c"])],
+            is_weighted=True, optimizer=opt if fbgemm else None, kernel="fbgemm" if fbgemm else "auto")
+    auto = {0: torch.export.Dim.AUTO}
+    program = torch.export.export(model, (kjt,), dynamic_shapes={"features": [auto, auto, auto, None]})
+    for batch in (kjt, other):
+        eager, exported = model(batch), program.module()(batch)
+        if case == "fused_sequence":
+            assert list(exported) == list(eager)
+            for k in eager:
+                torch.testing.assert_close(exported[k].values(), eager[k].values(), atol=0, rtol=0)
+        else:
+            assert exported.keys() == eager.keys()
+            torch.testing.assert_close(exported.values(), eager.values(), atol=0, rtol=0)  # same rows, same order
+
+
+def test_a_double_cast_of_a_model_holding_a_collection_names_32_true_and_the_way_back():
+    """model.double() (Lightning's precision='64-true') of a model with dense layers before its collection: the
+    refusal suggested 'bf16-mixed', and the layers converted before it stayed float64 without a word (the next
+    forward failed on mixed dtypes). Now it names '32-true' and model.float(), which restores a working model."""
+    model = nn.Sequential(nn.Linear(2, 2), EmbeddingBagCollection(TABLES))
+    with pytest.raises(ValueError, match=r"'64-true' converts it: use '32-true'.*stay torch.float64: model.float\(\)"):
+        model.double()
+    assert model[0].weight.dtype == torch.float64
+    model.float()
+    assert model[0].weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="use 'bf16-mixed'"):
+        model.half()
+
+
+@pytest.mark.parametrize("kernel", ["dense", "native", "fbgemm"])
+def test_torchrec_init_fn_initialises_the_tables_rows(kernel):
+    """EmbeddingBagConfig(..., init_fn=partial(nn.init.normal_, std=...)) (TorchRec's field) was a TypeError. Now it
+    is called on the table's weight in place (the kernel's rows: forward reads them; fbgemm's padded dim 3 too),
+    tables without one keep the uniform draw, and a value that is not a function is refused."""
+    import functools
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=3, feature_names=["f0"],
+                                 init_fn=functools.partial(nn.init.constant_, val=0.25)),
+              EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1"])]
+    opt = None if kernel == "dense" else FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    ebc = EmbeddingBagCollection(tables, optimizer=opt, kernel=kernel)
+    assert torch.equal(ebc.state_dict()["embedding_bags.t0.weight"], torch.full((50, 3), 0.25))
+    assert ebc.state_dict()["embedding_bags.t1.weight"].std() > 0.05  # uniform in +-sqrt(1/30)
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 0, 1]))
+    torch.testing.assert_close(ebc(kjt)["f0"], torch.tensor([[0.5] * 3, [0.0] * 3]))
+    with pytest.raises(ValueError, match="init_fn must be a function of the weight"):
+        EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=2, init_fn=0.1)
+
+
+def test_torchrecs_positional_need_indices_names_the_keyword():
+    """EmbeddingCollection(tables, None, True), TorchRec's positional need_indices, was refused as 'optimizer=True:
+    pass a FusedOptimizerConfig', naming nothing the user wrote. Now it names need_indices=True."""
+    tables = [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])]
+    with pytest.raises(ValueError, match=r"third argument is optimizer here \(TorchRec's need_indices\): pass "
+                                         r"need_indices=True by keyword"):
+        EmbeddingCollection(tables, None, True)
+    assert EmbeddingCollection(tables, None, need_indices=True).need_indices()

@@ -886,3 +886,22 @@ def test_cuda_sharded_collections_read_bad_ids_of_gpu_built_batches_as_row_0_and
 
     said = run_ranks(_device_guard_worker, 1, timeout=300, backend="nccl")[0]
     assert len(said) == 2, said
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_torch_export_of_collections_matches_eager():
+    """Every collection on GPU runs on fbgemm's TBE, whose forward torch.export could not trace (a host read of its step
+    counter): an EmbeddingBagCollection (padded dims, weighted mean) and a fused EmbeddingCollection export and match
+    eager on the GPU."""
+    opt = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    kjt = random_kjt(["f0", "f1"], [40, 40], B=8, seed=0).to("cuda")
+    kjt = KeyedJaggedTensor(kjt.keys(), kjt.values(), lengths=kjt.lengths(),
+                            weights=torch.rand(kjt.values().numel(), device="cuda"))
+    ebc = EmbeddingBagCollection(_tables([6, 12], pooling="mean"), is_weighted=True, optimizer=opt, device="cuda")
+    ec = EmbeddingCollection([EmbeddingConfig(name="s", num_embeddings=40, embedding_dim=6,
+                                              feature_names=["f0", "f1"])], optimizer=opt, device="cuda")
+    torch.testing.assert_close(torch.export.export(ebc, (kjt,)).module()(kjt).values(), ebc(kjt).values())
+    exported, eager = torch.export.export(ec, (kjt,)).module()(kjt), ec(kjt)
+    for f in ("f0", "f1"):
+        torch.testing.assert_close(exported[f].values(), eager[f].values())

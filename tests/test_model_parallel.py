@@ -1221,3 +1221,85 @@ def test_a_sharded_state_of_a_larger_table_is_refused_not_cut_to_size():
     word (its pieces cover every rectangle of the smaller table); one with fewer rows said "combine every rank's with
     ShardedTensor.merge", which the user had no need of. Both now say the table sizes differ."""
     run_ranks(_resized_state_worker, 2, timeout=60)
+
+
+def _vector_worker(rank, W):
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    torch.manual_seed(0)
+    dmp = DistributedModelParallel(PooledModel(EmbeddingBagCollection(_tables("sum"),
+                                                                      optimizer=FusedOptimizerConfig("sgd", lr=0.1))),
+                                   device="cpu", timeout=30)
+    vec = parameters_to_vector(dmp.parameters())
+    said = expect_error(ValueError, lambda: vector_to_parameters(vec, dmp.parameters()),
+                        "vector_to_parameters", "if p.requires_grad]", "dmp.load_state_dict")
+    dense = [p for p in dmp.parameters() if p.requires_grad]  # the fix the error names
+    vector_to_parameters(parameters_to_vector(dense) * 0, dense)
+    return said, dmp(_batch(rank, 0, False)).abs().max().item()
+
+
+def test_vector_to_parameters_over_a_sharded_model_names_the_fix():
+    """torch.nn.utils.vector_to_parameters(parameters_to_vector(dmp.parameters()), dmp.parameters()) failed with
+    "shape '[0]' is invalid for input of size N": a sharded table's parameter holds nothing but its numel() is the
+    whole table's (for ModelSummary), and vector_to_parameters steps by numel(). Now the error says to pass the dense
+    parameters (requires_grad), and that round trip works."""
+    said, out = run_ranks(_vector_worker, 1, timeout=60)[0]
+    assert "holds none" in said, said
+    assert out == 0.0  # the dense layer, written through the vector, now zero
+
+
+def _need_indices_worker(rank, W):
+    torch.manual_seed(0)
+    config = FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    ec = EmbeddingCollection(_tables(None), optimizer=config, need_indices=True)
+    reference = EmbeddingCollection(_tables(None), optimizer=config)
+    reference.load_state_dict(ec.state_dict())
+    plan = ShardingPlan({"": construct_module_sharding_plan(ec, _plan("mixed", W, W, sequence=True), world_size=W)})
+    dmp = DistributedModelParallel(ec, plan=plan, device="cpu", timeout=30)
+    batch = _batch(rank, 0, False)
+    shuffled = batch.permute(list(range(len(KEYS)))[::-1])  # any key order in; each output keeps its own ids
+    out, ref = dmp(shuffled), reference(batch)
+    for f in KEYS:
+        assert torch.equal(out[f].weights(), batch[f].values()), f
+        torch.testing.assert_close(out[f].values(), ref[f].values(), atol=1e-6, rtol=0)
+    return True
+
+
+def test_torchrec_need_indices_gives_each_sequence_output_its_ids_sharded_and_not():
+    """EmbeddingCollection(..., need_indices=True) (TorchRec's keyword; port code passes it) was a TypeError. Now each
+    output JaggedTensor carries its feature's ids as its weights, as TorchRec's, unsharded and sharded (routed and
+    data-parallel tables), whatever the input's key order."""
+    ec = EmbeddingCollection(_tables(None), need_indices=True)
+    batch = _batch(0, 0, False)
+    out = ec(batch.permute([2, 0, 1, 3]))
+    assert list(out) == KEYS and ec.need_indices() and not EmbeddingCollection(_tables(None)).need_indices()
+    for f in KEYS:
+        assert torch.equal(out[f].weights(), batch[f].values()) and out[f].values().shape[0] == out[f].weights().numel()
+    assert EmbeddingCollection(_tables(None))(batch)[KEYS[0]].weights_or_none() is None
+    with pytest.raises(ValueError, match="need_indices=1.*True or False"):
+        EmbeddingCollection(_tables(None), need_indices=1)
+    run_ranks(_need_indices_worker, 2, timeout=60)
+
+
+def _init_fn_worker(rank, W):
+    import functools
+
+    torch.manual_seed(rank)  # the ranks' own RNGs differ
+    tables = [EmbeddingBagConfig(name=t, num_embeddings=ROWS[t], embedding_dim=DIMS[t], feature_names=FEATURES[t],
+                                 init_fn=functools.partial(nn.init.normal_, std=1e-3) if t != "t2" else None)
+              for t in ROWS]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1), device="meta")
+    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, _plan("mixed", W, W), world_size=W)})
+    dmp = DistributedModelParallel(ebc, plan=plan, device="cpu", timeout=30)
+    full = {k: (v.local_shards[0][1] if isinstance(v, ShardedTensor) else v) for k, v in dmp.state_dict().items()}
+    return {k: (float(v.std()), v.sum().item()) for k, v in full.items()}
+
+
+def test_torchrec_init_fn_draws_the_shards_of_tables_built_on_meta():
+    """init_fn on tables built on "meta": DistributedModelParallel drew every shard uniform, ignoring it. Now each
+    piece gets the table's init_fn under the piece's own seed: row-wise pieces normal(std=1e-3), the data-parallel
+    replica (t1) equal on both ranks though their RNGs differ; the table without one (t2) keeps the uniform draw."""
+    a, b = run_ranks(_init_fn_worker, 2, timeout=60)
+    assert a["embedding_bags.t0.weight"][0] < 2e-3 and b["embedding_bags.t0.weight"][0] < 2e-3
+    assert a["embedding_bags.t1.weight"] == b["embedding_bags.t1.weight"] and a["embedding_bags.t1.weight"][0] < 2e-3
+    assert a["embedding_bags.t2.weight"][0] > 0.01

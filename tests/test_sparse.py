@@ -322,3 +322,68 @@ def test_keyed_tensor_takes_torchrecs_caches_checked_and_regroups_an_empty_group
     empty, b = KeyedTensor.regroup([kt], [[], ["b"]])
     assert empty.shape == (2, 0)
     torch.testing.assert_close(b, values[:, 1:])
+
+
+def test_membership_and_positional_reads_of_kjt_and_kt_say_what_they_take():
+    """`"f1" in kjt` (and `"t1" in kt`) raised KeyError "no key 0 in this KeyedJaggedTensor": Python fell back to
+    kjt[0], kjt[1], ... as it does for `for x in kjt`, and the message read as a missing feature. Membership now
+    answers by key; a position is a TypeError naming .keys() / .to_dict()."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2"], torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1]))
+    kt = KeyedTensor.from_tensor_list(["t1"], [torch.ones(2, 3)])
+    assert "f1" in kjt and "f3" not in kjt and 0 not in kjt
+    assert "t1" in kt and "t2" not in kt
+    for obj, name in ((kjt, "KeyedJaggedTensor"), (kt, "KeyedTensor")):
+        with pytest.raises(TypeError, match=rf"{name} is indexed by key name .* got 0: iterate over .keys\(\)"):
+            list(obj)
+        with pytest.raises(KeyError, match="no key 'zz'"):
+            obj["zz"]
+    assert torch.equal(kjt["f2"].values(), torch.tensor([2, 3])) and kt["t1"].shape == (2, 3)
+
+
+def test_regroup_refuses_a_key_that_two_keyed_tensors_hold():
+    """Two collections reading a feature of one name (a user and an item tower's 'country'): regroup /
+    regroup_as_dict took the last KeyedTensor's block without a word, one tower's embedding in the other's group.
+    Now a ValueError names the key and the positions; a shared key no group asks for, and one KeyedTensor passed
+    twice, still regroup."""
+    users = KeyedTensor.from_tensor_list(["uid", "country"], [torch.ones(2, 1), torch.full((2, 2), 2.0)])
+    items = KeyedTensor.from_tensor_list(["country", "iid"], [torch.full((2, 2), 3.0), torch.full((2, 1), 4.0)])
+    with pytest.raises(ValueError, match=r"keys \{'country': \[0, 1\]\} are in several .* distinct names"):
+        KeyedTensor.regroup_as_dict([users, items], [["uid", "country"], ["iid"]], ["user", "item"])
+    got = KeyedTensor.regroup([users, items], [["uid"], ["iid"]])
+    assert torch.equal(got[0], torch.ones(2, 1)) and torch.equal(got[1], torch.full((2, 1), 4.0))
+    assert KeyedTensor.regroup([users, users], [["country"]])[0].shape == (2, 2)
+
+
+def test_jagged_tensor_to_a_dtype_of_embedding_values_names_the_values_not_ids():
+    """jt.to(torch.float16) on an EmbeddingCollection's output (float embeddings) said the JaggedTensor 'holds integer
+    ids and lengths', which it does not; the refusal now names the embedding values and how to convert them."""
+    rows = JaggedTensor(values=torch.ones(3, 4), lengths=torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match=r"moves devices only .*\(values=jt.values\(\).to\(torch.float16\)"):
+        rows.to(torch.float16)
+    with pytest.raises(ValueError, match="holds integer ids"):
+        JaggedTensor(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])).to(torch.float16)
+
+
+def test_permute_takes_torchrecs_indices_tensor_of_any_int_type_and_refuses_one_that_disagrees():
+    """kjt.permute(indices, torch.tensor(indices)) (an int64 tensor) failed in fbgemm with "expected scalar type Int
+    but found Long"; and an indices_tensor that disagreed with indices relabelled the features silently (keys
+    ['b', 'a'] over a's and b's ids). Now any integer tensor works, and a disagreeing one is refused."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1]))
+    swapped = kjt.permute([1, 0], torch.tensor([1, 0]))
+    assert swapped.keys() == ["b", "a"] and torch.equal(swapped.values(), torch.tensor([2, 3, 1]))
+    with pytest.raises(ValueError, match=r"indices_tensor \[0, 1\] is not indices \[1, 0\]"):
+        kjt.permute([1, 0], torch.tensor([0, 1], dtype=torch.int32))
+
+
+def test_permute_of_bfloat16_weights():
+    """Per-id weights in bfloat16 (computed under precision='bf16-mixed' autocast) failed every collection's forward
+    in fbgemm's permute: '"permute_2D_indices_weights_kernel_3" not implemented for BFloat16'. They now permute (a
+    reorder, a subset, a repeat) as float32 weights do, keeping their dtype."""
+    weights = torch.tensor([0.5, 1.0, 2.0])
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1]),
+                                              weights=weights.to(torch.bfloat16))
+    fp32 = KeyedJaggedTensor.from_lengths_sync(["a", "b"], kjt.values(), kjt.lengths(), weights=weights)
+    for order in ([1, 0], [1], [1, 1]):
+        got, want = kjt.permute(order), fp32.permute(order)
+        assert got.weights().dtype == torch.bfloat16 and torch.equal(got.weights().float(), want.weights())
+        assert torch.equal(got.values(), want.values()) and torch.equal(got.lengths(), want.lengths())
