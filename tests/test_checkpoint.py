@@ -1412,7 +1412,7 @@ def test_a_table_added_since_the_save_resumes_with_strict_loading_false_and_a_re
     data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=2,
                                      num_embeddings_per_feature=64, num_signal_features=1)
     kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-              enable_model_summary=False, limit_val_batches=0)
+              enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # no checkpoints/ in cwd
     saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
     saved = _GrowingModule.make()
     pl.Trainer(max_steps=2, callbacks=[saving], **kw).fit(saved, data)
