@@ -493,6 +493,14 @@ class RecCLI(LightningCLI):
                            f"it, untrained: pass --ckpt_path=CHECKPOINT (a fit "
                            f"saves them with --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath=DIR)",
                            category=UserWarning)
+        if ckpt_path == "best":  # Lightning's "not configured to save the best model" did not name the cause
+            saved = sorted(os.path.join(d, n) for d in self._checkpoint_dirpaths(subcommand) if os.path.isdir(d)
+                           for n in os.listdir(d) if n.endswith(".ckpt"))
+            raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path=best is the best checkpoint of a fit run "
+                             f"by the same Trainer, and each lightning-rec command starts a new one: give the "
+                             f"checkpoint's path, --ckpt_path=CHECKPOINT" +
+                             (f" ({', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved else "") +
+                             ", or --ckpt_path=last")
         dirpaths = self._checkpoint_dirpaths(subcommand) if ckpt_path == "last" else []
         if dirpaths and self._last_checkpoint(subcommand) is None:
             where = " or ".join(dirpaths)

@@ -509,3 +509,16 @@ def test_ckpt_path_last_with_nothing_saved_yet(tmp_path, caplog):
     assert not [w for w in caught if "HINT: Set `ModelCheckpoint" in str(w.message)]
     assert any("this fit starts from the beginning" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+def test_ckpt_path_best_in_a_new_command_names_the_saved_checkpoints(tmp_path):
+    # Lightning said "`ModelCheckpoint` is not configured to save the best model": a new process knows no best model
+    saved = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    saved.parent.mkdir()
+    saved.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.callbacks+=ModelCheckpoint",
+                 f"--trainer.callbacks.dirpath={saved.parent}", "--ckpt_path=best", "--trainer.logger=false",
+                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "each lightning-rec command starts a new one: give the checkpoint's path, --ckpt_path=CHECKPOINT " \
+           f"({saved})" in str(e.value), e.value
