@@ -675,7 +675,8 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    parser.add_argument("--fp16-tables", "--fp16_tables", action="store_true",
+                        help="store embedding tables in float16 (half size)")
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
