@@ -295,19 +295,30 @@ class RecCLI(LightningCLI):
                 f"({', '.join(f'{k}={after[k]!r}' for k in unused)}); start without --ckpt_path to train another "
                 f"configuration", category=UserWarning)
 
+    def _checkpoint_dirpaths(self, subcommand: str) -> list[str]:
+        """The dirpath of every ModelCheckpoint the config adds (`--trainer.callbacks.dirpath=DIR`); [] unless each
+        one names it (one without saves under the logger's folder, which Lightning finds itself, as it does the
+        on-exception checkpoint)."""
+        callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
+        dirpaths = []
+        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+            name = str(getattr(callback, "class_path", ""))
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+            if name.endswith("OnExceptionCheckpoint") or name.endswith("ModelCheckpoint") and not dirpath:
+                return []
+            if name.endswith("ModelCheckpoint"):
+                dirpaths.append(str(dirpath))
+        return dirpaths
+
     def _last_checkpoint(self, subcommand: str) -> str | None:
         """What `--ckpt_path=last` loads (Lightning's rule: the newest last*.ckpt in a ModelCheckpoint's dirpath), found
         from the config before the Trainer exists; None when no callback names a dirpath or none is there yet."""
-        callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
         found: dict[str, float] = {}
-        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
-            if not str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
-                continue
-            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
-            if dirpath and os.path.isdir(str(dirpath)):
-                for name in os.listdir(str(dirpath)):
+        for dirpath in self._checkpoint_dirpaths(subcommand):
+            if os.path.isdir(dirpath):
+                for name in os.listdir(dirpath):
                     if name.endswith(".ckpt") and re.match(r"last(-\d+)?", name):
-                        path = os.path.join(str(dirpath), name)
+                        path = os.path.join(dirpath, name)
                         found[path] = os.path.getmtime(path)
         return max(found, key=found.__getitem__) if found else None
 
@@ -482,6 +493,26 @@ class RecCLI(LightningCLI):
                            f"it, untrained: pass --ckpt_path=CHECKPOINT (a fit "
                            f"saves them with --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath=DIR)",
                            category=UserWarning)
+        if ckpt_path == "best":  # Lightning's "not configured to save the best model" did not name the cause
+            saved = sorted(os.path.join(d, n) for d in self._checkpoint_dirpaths(subcommand) if os.path.isdir(d)
+                           for n in os.listdir(d) if n.endswith(".ckpt"))
+            raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path=best is the best checkpoint of a fit run "
+                             f"by the same Trainer, and each lightning-rec command starts a new one: give the "
+                             f"checkpoint's path, --ckpt_path=CHECKPOINT" +
+                             (f" ({', '.join(saved[:4])}{', ...' if len(saved) > 4 else ''})" if saved else "") +
+                             ", or --ckpt_path=last")
+        dirpaths = self._checkpoint_dirpaths(subcommand) if ckpt_path == "last" else []
+        if dirpaths and self._last_checkpoint(subcommand) is None:
+            where = " or ".join(dirpaths)
+            if subcommand != "fit":  # Lightning warned, then evaluated the model as built, untrained
+                raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path=last found no last checkpoint "
+                                 f"(last*.ckpt) in {where}: give the fit's checkpoint, --ckpt_path=CHECKPOINT")
+            # a first run of the README's resumable command: Lightning's "HINT: Set ModelCheckpoint(...,
+            # save_last=True)" asked for what the command sets
+            warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(f"--ckpt_path=last: no last checkpoint in {where} yet; this fit starts from the beginning")
         local = ckpt_path not in (None, "last", "best", "hpc", "registry") and "://" not in str(ckpt_path)
         if local and not os.path.exists(str(ckpt_path)):  # one line now, not after the model is built on every rank
             raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path {ckpt_path} does not exist: check the "
@@ -644,7 +675,8 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    parser.add_argument("--fp16-tables", "--fp16_tables", action="store_true",
+                        help="store embedding tables in float16 (half size)")
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)

@@ -487,3 +487,38 @@ def test_ckpt_path_last_rebuilds_the_model_with_the_checkpoints_hyperparameters(
     cli = run_cli(["validate", *args, "--ckpt_path=last"])
     assert cli.model.hparams.embedding_dim == 8
     assert val(cli, "val_auc") == val(fit, "val_auc")
+
+
+def test_ckpt_path_last_with_nothing_saved_yet(tmp_path, caplog):
+    # validate --ckpt_path=last before any fit saved one: Lightning warned, then scored the model as built, untrained;
+    # the first fit of the README's resumable command was told "HINT: Set `ModelCheckpoint(..., save_last=True)`",
+    # which the command sets
+    import warnings
+
+    caplog.set_level(logging.INFO)
+    args = ["--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.save_last=true",
+            "--ckpt_path=last", "--data.num_train_samples=1024", "--data.num_val_samples=512", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}", *QUIET]
+    with pytest.raises(SystemExit) as e:
+        run_cli(["validate", *args])
+    assert f"--ckpt_path=last found no last checkpoint (last*.ckpt) in {tmp_path / 'ckpt'}" in str(e.value), e.value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_cli(["fit", *args, "--trainer.max_epochs=1"])
+    assert not [w for w in caught if "HINT: Set `ModelCheckpoint" in str(w.message)]
+    assert any("this fit starts from the beginning" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+def test_ckpt_path_best_in_a_new_command_names_the_saved_checkpoints(tmp_path):
+    # Lightning said "`ModelCheckpoint` is not configured to save the best model": a new process knows no best model
+    saved = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    saved.parent.mkdir()
+    saved.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.callbacks+=ModelCheckpoint",
+                 f"--trainer.callbacks.dirpath={saved.parent}", "--ckpt_path=best", "--trainer.logger=false",
+                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "each lightning-rec command starts a new one: give the checkpoint's path, --ckpt_path=CHECKPOINT " \
+           f"({saved})" in str(e.value), e.value

@@ -439,3 +439,11 @@ def test_shard_loader_resumes_mid_epoch_at_the_next_batch(tmp_path, monkeypatch,
     assert "fast-forwarding" not in caplog.text
     if num_workers == 0:  # (workers build theirs in other processes)
         assert len(built) == len(rest)
+
+
+def test_dashed_option_spellings_are_taken(tmp_path):
+    # `--output-dir` (export's options are dashed: --fp16-tables) was refused as "the following arguments are required:
+    # --output_dir", with --output-dir right there on the command line
+    manifest = preprocess_main(["--input", str(RAGGED), "--output-dir", str(tmp_path / "out"), "--num-embeddings", "50",
+                                "--no-progress"])
+    assert (tmp_path / "out" / "manifest.json").is_file() and manifest["num_embeddings_per_feature"] == [50] * 26

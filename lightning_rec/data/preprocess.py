@@ -519,6 +519,13 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--no_verify", action="store_true",
                         help="on resume, check finished shards by row count only (skip the sha256)")
     parser.add_argument("--no_progress", action="store_true")
+    # `--output-dir`, `--min-frequency`: the dashed spelling of an option (export's is dashed, --fp16-tables) was
+    # refused as "the following arguments are required: --output_dir" with --output-dir right there
+    import re
+    import sys
+
+    argv = [re.sub(r"^--[\w-]+", lambda m: m[0][:2] + m[0][2:].replace("-", "_"), a) for a in
+            (sys.argv[1:] if argv is None else argv)]
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sizes = [int(x) for x in args.num_embeddings.split(",")]
