@@ -832,10 +832,11 @@ def _shared_memory_held(rank: int, world_size: int) -> dict:
     tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=64, feature_names=[f"f{i}"])
               for i in range(F)]
     model = nn.ModuleDict({"ebc": EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1))})
-    planner = EmbeddingShardingPlanner(Topology(world_size=2), batch_size=B, pipelined=False, print_stats=False,
-                                       constraints={t.name: ParameterConstraints(sharding_types=["table_wise"])
-                                                    for t in tables})
-    dmp = DistributedModelParallel(model, plan=planner.collective_plan(model), dense=None)
+    # a CPU run on a GPU machine too (the shared-memory transport is the CPU path; forked ranks cannot use CUDA)
+    planner = EmbeddingShardingPlanner(Topology(world_size=2, compute_device="cpu"), batch_size=B, pipelined=False,
+                                       print_stats=False, constraints={
+                                           t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables})
+    dmp = DistributedModelParallel(model, plan=planner.collective_plan(model), device="cpu", dense=None)
     ids = torch.randint(0, rows, (F * B,), generator=torch.Generator().manual_seed(rank))
     kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(F)], ids, torch.ones(F * B, dtype=torch.long))
     dmp.module["ebc"](kjt).values().sum().backward()
