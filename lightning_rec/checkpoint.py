@@ -1406,15 +1406,19 @@ def has_whole_by_name(optimizer_states: Sequence[Any]) -> bool:
 
 @torch.no_grad()
 def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
-                            module: torch.nn.Module | None = None) -> None:
+                            module: torch.nn.Module | None = None, strict: bool = True) -> None:
     """An optimizer's state from a gathered checkpoint; parts stored whole by parameter name (FSDP)
-    go through set_optimizer_state_dict, which keeps this rank's shards (any world size)."""
-    from lightning_rec.optim import CombinedOptimizer
+    go through set_optimizer_state_dict, which keeps this rank's shards (any world size).
+    strict=False: a fused table the checkpoint does not hold (one added since) keeps its fresh state,
+    as `load_optimizer(..., strict=False)` does for a sharded checkpoint."""
+    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
 
     optimizer = _unwrap(optimizer)
 
     def load(part: torch.optim.Optimizer, saved: Any) -> None:
-        if isinstance(saved, Mapping) and FULL_BY_NAME in saved:
+        if isinstance(part, FusedOptimizer):
+            part.load_state_dict(saved, strict=strict)
+        elif isinstance(saved, Mapping) and FULL_BY_NAME in saved:
             if module is None or set_optimizer_state_dict is None:
                 raise ValueError("the checkpoint's dense optimizer state is stored by parameter name (FSDP): pass "
                                  "module= (the model the optimizer trains)")

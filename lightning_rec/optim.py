@@ -464,13 +464,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
         """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
-        model): each piece reads its rows and columns."""
+        model): each piece reads its rows and columns.
+
+        strict=False: a table the state holds nothing for (one added to the model since the save) keeps its
+        current state, as `module.load_state_dict(..., strict=False)` leaves its weights; the others load."""
         saved = state_dict.get("state", {})
         self._check_same_optimizer(state_dict.get("param_groups", []))
         expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
                     for key, value in states.items()}
+        if not strict:  # only tables with no entry at all: a table saved with other state names is still named
+            held = {k.rsplit(".", 1)[0] for k in saved}
+            expected = {k: v for k, v in expected.items()
+                        if v[0] in held or self._pieces[v[0]][0] in held}
         missing = []
         for local_key, (local, key, _) in expected.items():
             if local_key not in saved and f"{self._pieces[local][0]}.{key}" not in saved:
@@ -488,7 +495,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"does), or merge every rank's FusedOptimizer.global_state_pieces() with merge_fused_state")
             raise ValueError(
                 f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
-                f"the checkpoint was saved with other tables or another fused optimizer"
+                f"the checkpoint was saved with other tables or another fused optimizer (a table added to the model "
+                f"since: optimizer.load_state_dict(state, strict=False) starts its state afresh and loads the others)"
             )
         for local_key, (local, key, tensor) in expected.items():
             if local_key in saved:
@@ -704,12 +712,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return {name: o.state_dict() for name, o in self.optimizers}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
+        """strict=False: the fused part's tables that the state holds nothing for keep theirs
+        (`FusedOptimizer.load_state_dict`); the dense parts load as torch.optim's do."""
         missing = [name for name, _ in self.optimizers if name not in state_dict]
         if missing:
             raise ValueError(f"the checkpoint has no optimizer state for {missing}; it has {list(state_dict)}")
         for name, o in self.optimizers:
-            o.load_state_dict(state_dict[name])
+            if isinstance(o, FusedOptimizer):
+                o.load_state_dict(state_dict[name], strict=strict)
+            else:
+                o.load_state_dict(state_dict[name])
         self._sync_groups()
 
     def __repr__(self) -> str:

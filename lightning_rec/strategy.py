@@ -885,10 +885,14 @@ class RecStrategy(DDPStrategy):
                 # strict_loading=False: a table added since the save starts its fused state afresh, as its weights
                 rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module,
                                               strict=self.lightning_module.strict_loading)
-        elif rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp":
-            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards
+        elif (rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp"
+              or not self.lightning_module.strict_loading):
+            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards; or
+            # strict_loading=False, under which a table added since the save keeps its fresh fused state (the
+            # optimizer's own load_state_dict, which Lightning calls, refused it as missing)
             for optimizer, state in zip(self.optimizers, states):
-                rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)
+                rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module,
+                                                       strict=self.lightning_module.strict_loading)
         else:
             super().load_optimizer_state_dict(checkpoint)
 

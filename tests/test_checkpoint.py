@@ -1612,3 +1612,51 @@ def test_a_folder_of_checkpoints_is_named_as_one_not_as_a_broken_save(tmp_path):
     (tmp_path / "half").mkdir()  # a save cut short: still said as such
     with pytest.raises(ValueError, match=r"is incomplete \(no .metadata, lightning.pt\): its save did not finish"):
         ckpt.lightning_checkpoint(tmp_path / "half")
+
+
+def test_a_table_added_since_a_one_file_save_resumes_with_strict_loading_false(tmp_path):
+    """The one-file format (checkpoint_format="gathered") with a table added since the save and
+    `self.strict_loading = False`: the weights loaded, then Lightning's optimizer.load_state_dict refused the new
+    table's missing fused state ("has no entry for ['ebc.u.sum']"), which the sharded format starts afresh. Now the
+    new table keeps its fresh state and the others restore exactly, in either format."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=2,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, default_root_dir=tmp_path)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    saved = _GrowingModule.make()
+    pl.Trainer(max_steps=2, callbacks=[saving], strategy=RecStrategy(checkpoint_format="gathered"),
+               **kw).fit(saved, data)
+    path = saving.last_model_path
+    assert Path(path).is_file()
+    whole = torch.load(path, weights_only=False)
+    saved_sum = whole["optimizer_states"][0]["fused"]["state"]["ebc.t.sum"]
+    seen = {}
+
+    class Look(pl.Callback):  # what the resume restored, before it trains on
+        def on_train_start(self, trainer, module):
+            fused = dict(trainer.optimizers[0].optimizers)["fused"].global_state_pieces()
+            seen.update(t=module.ebc.state_dict()["embedding_bags.t.weight"].clone(),
+                        u_sum=fused["ebc.u.sum"][1][0][1].clone(), t_sum=fused["ebc.t.sum"][1][0][1].clone())
+
+    grown = _GrowingModule.make(("t", "u"), strict=False)
+    pl.Trainer(max_steps=3, callbacks=[Look()], strategy=RecStrategy(checkpoint_format="gathered"),
+               **kw).fit(grown, data, ckpt_path=path)
+    assert torch.equal(seen["t"], whole["state_dict"]["ebc.embedding_bags.t.weight"])
+    assert torch.equal(seen["t_sum"], saved_sum) and saved_sum.abs().sum() > 0
+    assert not seen["u_sum"].any()  # u's state starts at zero
+
+    # the optimizer's own load, as a hand loop calls it: strict by default, and it names strict=False
+    fresh = _GrowingModule.make(("t", "u"))
+    optimizer = fresh.configure_optimizers()
+    expect_error(ValueError, lambda: optimizer.load_state_dict(whole["optimizer_states"][0]), "ebc.u.sum",
+                 "strict=False")
+    optimizer.load_state_dict(whole["optimizer_states"][0], strict=False)
+    fused = dict(optimizer.optimizers)["fused"].table_states()
+    assert torch.equal(fused["ebc.t"]["sum"], saved_sum) and not fused["ebc.u"]["sum"].any()
+
