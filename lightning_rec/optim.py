@@ -499,11 +499,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"since: optimizer.load_state_dict(state, strict=False) starts its state afresh and loads the others)"
             )
         for local_key, (local, key, tensor) in expected.items():
-            if local_key in saved:
+            name, meta, (rows, cols) = self._pieces[local]
+            global_key = f"{name}.{key}"
+            if local_key in saved and local_key != global_key:  # a piece's own state, saved by this layout
                 value = saved[local_key]
             else:
-                global_key = f"{self._pieces[local][0]}.{key}"
-                value = _slice_state(saved[global_key], self._pieces[local][1])
+                whole = saved[global_key]
+                # a shard slices its rows out of the whole table's state: that of a larger table covered them too,
+                # and rows 0:32 of a 100-row table's state loaded into a 64-row one without a word
+                want = {0: (), 1: (rows,)}.get(whole.dim(), (rows, cols))
+                if tuple(whole.shape) != want:
+                    raise ValueError(f"fused optimizer state '{global_key}' has shape {tuple(whole.shape)} in the "
+                                     f"checkpoint but {want} here, where table '{name}' is {rows} x {cols}: the "
+                                     f"table sizes differ; build the table with the checkpoint's num_embeddings "
+                                     f"and embedding_dim to load it, or start this optimizer afresh")
+                value = _slice_state(whole, meta)
             if value.shape != tensor.shape:
                 why = ("the table sizes differ" if self._pieces[local][1] is None else "this piece of the table "
                        "has other rows or columns here: it was saved at another world size or plan, which one rank's "

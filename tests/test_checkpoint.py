@@ -1660,3 +1660,29 @@ def test_a_table_added_since_a_one_file_save_resumes_with_strict_loading_false(t
     fused = dict(optimizer.optimizers)["fused"].table_states()
     assert torch.equal(fused["ebc.t"]["sum"], saved_sum) and not fused["ebc.u"]["sum"].any()
 
+
+def _larger_fused_state_worker(rank, W, kind):
+    from lightning_rec.models.dlrm_module import DLRMModule as Module
+
+    torch.manual_seed(0)
+    larger = dict(Module(**{**SMALL, "num_embeddings_per_feature": 100}).configure_optimizers().optimizers)["fused"]
+    for states in larger.table_states().values():
+        for t in states.values():
+            t.fill_(1.0)
+    module = _module()
+    _shard(module, kind, W)
+    fused = dict(module.configure_optimizers().optimizers)["fused"]
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in fused.table_states().items()}
+    said = expect_error(ValueError, lambda: fused.load_state_dict(larger.state_dict()), "has shape (100,) in the "
+                        "checkpoint but (64,) here", f"table '{EBC[6:]}.t_", "is 64 x 8", "the table sizes differ",
+                        "num_embeddings")
+    assert "another world size" not in said, said
+    assert all(torch.equal(t, before[k][n]) for k, s in fused.table_states().items() for n, t in s.items())
+
+
+@pytest.mark.parametrize("kind", ["row_wise", "table_wise"])
+def test_fused_state_of_a_larger_table_is_refused_not_cut_to_size(kind):
+    """FusedOptimizer.load_state_dict given the whole-table state of a table with more rows: each row-wise shard cut
+    its rows out of it without a word (the module's load refuses the larger table's weights); a table-wise one said
+    it "was saved at another world size or plan". Now both name the table, its two sizes and the fix."""
+    run_ranks(_larger_fused_state_worker, 2, kind, timeout=60)
