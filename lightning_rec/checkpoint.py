@@ -64,7 +64,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -1022,12 +1022,23 @@ def _load(targets: dict[str, Any], reader, path: Path, local: bool = False) -> N
                          f"use an earlier checkpoint") from e
 
 
+class IncompatibleKeys(NamedTuple):
+    """What `load_model(..., strict=False)` skipped, as torch's `module.load_state_dict` returns it: the model's
+    entries the checkpoint lacks, and the checkpoint's entries the model lacks (state-dict names)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
 @torch.no_grad()
-def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = True) -> None:
+def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = True) -> IncompatibleKeys:
     """Read this rank's pieces of the module's state from a DCP checkpoint, in place.
 
     The module may be sharded by any plan at any world size, or not sharded at all (then call it
     on one process, torch.distributed not needed): every tensor reads the rectangles it holds.
+    Returns `IncompatibleKeys(missing_keys, unexpected_keys)`, as `module.load_state_dict` does: with
+    strict=False, the entries that were skipped (a table added since the save keeps its weights); with
+    strict=True, any difference raises, so both lists are empty.
     """
     _check_module(LOAD_MODEL_SIGNATURE, module)
     _check_path(LOAD_MODEL_SIGNATURE, path)
@@ -1043,6 +1054,9 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     ours = f"{type(model).__module__}.{type(model).__qualname__}"
     written_by = _module_class(_lightning_meta(path))  # a checkpoint of another model class: say which
     written_by = written_by if written_by not in (None, ours) else None
+    head = "state_dict."
+    unexpected = [k[len(head):] for k in md.state_dict_metadata if k.startswith(head) and k not in targets]
+    missing = [k[len(head):] for k in targets if k not in md.state_dict_metadata]
     if not strict:
         kept = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
         if targets and not kept:  # strict=False skipped every entry: it loaded nothing, and said nothing
@@ -1055,6 +1069,7 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
             m.weights_written()
+    return IncompatibleKeys(missing, unexpected)
 
 
 @torch.no_grad()

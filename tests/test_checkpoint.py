@@ -1686,3 +1686,20 @@ def test_fused_state_of_a_larger_table_is_refused_not_cut_to_size(kind):
     its rows out of it without a word (the module's load refuses the larger table's weights); a table-wise one said
     it "was saved at another world size or plan". Now both name the table, its two sizes and the fix."""
     run_ranks(_larger_fused_state_worker, 2, kind, timeout=60)
+
+
+def test_load_model_returns_the_missing_and_unexpected_keys_as_torch_does(tmp_path):
+    """`checkpoint.load_model(model, path, strict=False)` returned None: what it skipped was nowhere to be seen, where
+    torch's `load_state_dict` returns them. Now it returns (missing_keys, unexpected_keys) as torch does."""
+    path = str(tmp_path / "c.ckpt")
+    saved = _GrowingModule.make(("t", "v"))
+    ckpt.save({"state_dict": saved.state_dict()}, path)
+    grown = _GrowingModule.make(("t", "u"))
+    keys = ckpt.load_model(grown, path, strict=False)
+    assert keys.missing_keys == ["ebc.embedding_bags.u.weight"]
+    assert keys.unexpected_keys == ["ebc.embedding_bags.v.weight"]
+    missing, unexpected = keys  # a NamedTuple, unpacked as torch's
+    t = "ebc.embedding_bags.t.weight"
+    assert missing == keys.missing_keys and torch.equal(grown.state_dict()[t], saved.state_dict()[t])
+    same = ckpt.load_model(_GrowingModule.make(("t", "v")), path)
+    assert same == ([], []) and same._fields == ("missing_keys", "unexpected_keys")
