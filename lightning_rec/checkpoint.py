@@ -880,7 +880,7 @@ def _lightning_meta(path: Path) -> dict[str, Any]:
 
 def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
     """Lightning's checkpoint dict of a DCP directory, its tensors left on disk (`DCPCheckpoint` markers)."""
-    path = Path(path)
+    path = _readable_path(path)
     _read_metadata(path)
     meta = _lightning_meta(path)
     info = meta.get("lightning_rec", {})
@@ -1042,7 +1042,7 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     """
     _check_module(LOAD_MODEL_SIGNATURE, module)
     _check_path(LOAD_MODEL_SIGNATURE, path)
-    path = Path(path)
+    path = _readable_path(path)
     reader, md = _read_metadata(path)
     targets: dict[str, Any] = {}
     for key, value in module.state_dict().items():
@@ -1091,7 +1091,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     if not isinstance(index, int) or isinstance(index, bool):
         raise _wrong(LOAD_OPTIMIZER_SIGNATURE, "index", index, "the optimizer's place in save's optimizers (an int)")
     _check_module(LOAD_OPTIMIZER_SIGNATURE, module, optional=True)
-    path = Path(path)
+    path = _readable_path(path)
     optimizer = _unwrap(optimizer)
     reader, md = _read_metadata(path)
     prefix = f"optimizer_states.{index}."
@@ -1477,6 +1477,40 @@ def is_local_path(path: str | os.PathLike) -> bool:
     return "://" not in str(path)
 
 
+def local_path(path: Any) -> Any:
+    """A file:// URL as the local path it names (Path() made 'file:/tmp/x' of it, which does not exist, and
+    fsspec opened a sharded checkpoint's directory as a file: IsADirectoryError); anything else as given."""
+    if isinstance(path, (str, os.PathLike)) and str(path).startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        parsed = urlparse(str(path))
+        if parsed.netloc in ("", "localhost"):
+            return unquote(parsed.path)
+    return path
+
+
+_REMOTE_SHARDED = ("a sharded checkpoint (a directory, checkpoint_format='dcp') is read by every rank from a local or "
+                   "mounted file system, not from a URL: copy the directory to a local or mounted path (aws s3 cp "
+                   "--recursive, gsutil -m cp -r, ...) and give that path; only the one-file format "
+                   "(RecStrategy(checkpoint_format='gathered')) is read straight from a URL, through fsspec")
+
+
+def _remote_sharded(path: Any, why: str) -> str:
+    return f"checkpoint {path}{why}: {_REMOTE_SHARDED}"
+
+
+def _readable_path(path: str | os.PathLike) -> Path:
+    """A path the readers below can open: a file:// URL's local path; any other URL refused, naming the fix (Path()
+    mangled 's3://b/x' into 's3:/b/x' and said it did not exist)."""
+    path = local_path(path)
+    if not is_local_path(path):
+        raise ValueError(f"checkpoint {path} is a URL, and lightning_rec.checkpoint reads checkpoints from a local or "
+                         f"mounted file system: copy it there (a sharded checkpoint is a directory: aws s3 cp "
+                         f"--recursive, gsutil -m cp -r, ...) and give that path. Trainer(strategy='rec') resumes from "
+                         f"a one-file checkpoint (checkpoint_format='gathered') at a URL too, through fsspec")
+    return Path(path)
+
+
 def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Write a gathered checkpoint (one process): torch.save straight into a temporary file, fsync, rename.
 
@@ -1534,12 +1568,19 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     a rank copies from them, so each rank pages in the pieces it keeps, not the whole model. Files
     in torch's legacy format (not a zip) are read whole.
     """
+    path = local_path(path)
     if not is_local_path(path):  # written through Lightning's CheckpointIO (fsspec) by the gathered format: read so
         from lightning.fabric.utilities.cloud_io import get_filesystem
 
-        fs = get_filesystem(path)
+        try:
+            fs = get_filesystem(path)
+        except (ImportError, ValueError) as e:  # fsspec's backend for the scheme is not installed, or not known
+            raise ValueError(f"checkpoint {path}: {e}. A one-file checkpoint is read from a URL through fsspec, which "
+                             f"needs that package; {_REMOTE_SHARDED}") from e
         if not fs.exists(str(path)):
             raise ValueError(f"checkpoint {path} does not exist: check the URL")
+        if fs.isdir(str(path)):  # fsspec opened the directory as a file: IsADirectoryError
+            raise ValueError(_remote_sharded(path, " is a directory at a URL"))
         with fs.open(str(path), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=False)
     if not os.path.exists(path):  # not a damaged file: there is none (a typo, or a fit that saved nothing)
@@ -1585,7 +1626,7 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
     One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
     """
-    path = Path(path)
+    path = _readable_path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     return _full_model_state(path)[0]
@@ -1599,7 +1640,7 @@ def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     One process, no torch.distributed; it holds the whole model.
     """
-    path = Path(path)
+    path = _readable_path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     state, meta = _full_model_state(path)
@@ -1661,7 +1702,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     """
     from safetensors.torch import save_file
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = _readable_path(checkpoint), Path(out)
     if not checkpoint.exists():
         raise ValueError(f"checkpoint {checkpoint} does not exist")
     state, meta = _full_model_state(checkpoint)

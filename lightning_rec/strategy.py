@@ -847,6 +847,7 @@ class RecStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint_path = rec_checkpoint.local_path(checkpoint_path)  # file://: a sharded one is a local directory
         if not rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
             meta = rec_checkpoint.load_file(checkpoint_path)
         else:

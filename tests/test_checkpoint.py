@@ -1703,3 +1703,39 @@ def test_load_model_returns_the_missing_and_unexpected_keys_as_torch_does(tmp_pa
     assert missing == keys.missing_keys and torch.equal(grown.state_dict()[t], saved.state_dict()[t])
     same = ckpt.load_model(_GrowingModule.make(("t", "v")), path)
     assert same == ([], []) and same._fields == ("missing_keys", "unexpected_keys")
+
+
+def test_a_sharded_checkpoint_at_a_file_url_resumes_and_one_at_a_remote_url_is_refused_naming_the_fix(tmp_path):
+    """A sharded checkpoint given as a URL: `ckpt_path="file:///.../last.ckpt"` failed in fsspec with
+    IsADirectoryError, `load_model(m, "file://...")` said "checkpoint file:/... does not exist", and a remote one
+    (s3://, here fsspec's memory:// in its place) failed with IsADirectoryError or the fsspec backend's ImportError.
+    Now file:// reads the local directory, and a remote one is refused naming the fix (a local or mounted copy, or
+    the one-file format)."""
+    import fsspec
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    pl.Trainer(max_steps=2, callbacks=[saving], **kw).fit(_GrowingModule.make(), data)
+    path = Path(saving.last_model_path)
+    url = path.resolve().as_uri()
+    assert url.startswith("file:///")
+    resumed = pl.Trainer(max_steps=3, **kw)
+    resumed.fit(_GrowingModule.make(), data, ckpt_path=url)
+    assert resumed.global_step == 3  # resumed at step 2, not started over
+    module = _GrowingModule.make()
+    ckpt.load_model(module, url)
+    assert torch.equal(module.state_dict()["ebc.embedding_bags.t.weight"],
+                       ckpt.full_state_dict(path)["ebc.embedding_bags.t.weight"])
+
+    remote = f"memory://{tmp_path.name}/last.ckpt"  # fsspec's in-memory file system stands in for s3://
+    fsspec.filesystem("memory").put(str(path), remote, recursive=True)
+    expect_error(ValueError, lambda: pl.Trainer(max_steps=3, **kw).fit(_GrowingModule.make(), data, ckpt_path=remote),
+                 f"checkpoint {remote} is a directory at a URL", "copy the directory to a local or mounted path",
+                 "checkpoint_format='gathered'")
+    for read in (lambda: ckpt.load_model(module, remote), lambda: ckpt.full_state_dict(remote)):
+        expect_error(ValueError, read, f"checkpoint {remote} is a URL", "local or mounted", "give that path")
