@@ -345,6 +345,31 @@ _SHARDED_COPY = (
     "optimizer of the model sharded again, optimizer.load_state_dict(torch.load(f))")
 
 
+_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
+
+
+def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
+    """torch's get_state_dict / get_optimizer_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict)
+    read an optimizer's state dict as torch.optim's, state by parameter index, and map the indices to parameter
+    names: a combined optimizer's (by part) met KeyError: 'state', a fused one's (by table) KeyError on a table's
+    name. Called from there, the optimizer says what saves and loads it instead. Its caller is looked up a few frames
+    up (the method itself, torch's no_grad wrapper, a CombinedOptimizer's child call)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT_API:
+            raise ValueError(
+                f"torch.distributed.checkpoint.state_dict (get_state_dict, get_optimizer_state_dict, set_state_dict) "
+                f"cannot read a {type(optimizer).__name__}: it keys optimizer state by parameter, and the fused "
+                f"tables' state is per table (and sharded). Save with lightning_rec.checkpoint.save({{'state_dict': "
+                f"dmp.state_dict()}}, path, optimizers=[optimizer], module=dmp) on every rank and load with "
+                f"checkpoint.load_model(dmp, path) and checkpoint.load_optimizer(optimizer, path, module=dmp) (any "
+                f"world size or plan; Trainer(strategy='rec') does both), or keep optimizer.state_dict() / "
+                f"load_state_dict(...) in memory")
+        frame = frame.f_back
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
@@ -434,6 +459,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        _refuse_torch_state_dict_api(self)
         state = {f"{table}.{key}": value for table, states in self.table_states().items()
                  for key, value in states.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -470,6 +496,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         strict=False: a table the state holds nothing for (one added to the model since the save) keeps its
         current state, as `module.load_state_dict(..., strict=False)` leaves its weights; the others load."""
+        _refuse_torch_state_dict_api(self)
         saved = state_dict.get("state", {})
         self._check_same_optimizer(state_dict.get("param_groups", []))
         expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
@@ -697,6 +724,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> dict:  # type: ignore[override]
+        _refuse_torch_state_dict_api(self)  # torch's first read there: said before it steps the optimizer at lr 0
         merged = _CombinedState()
         for _, o in getattr(self, "optimizers", []):
             merged.update(o.state)
@@ -720,11 +748,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
             o.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        _refuse_torch_state_dict_api(self)
         return {name: o.state_dict() for name, o in self.optimizers}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
         """strict=False: the fused part's tables that the state holds nothing for keep theirs
         (`FusedOptimizer.load_state_dict`); the dense parts load as torch.optim's do."""
+        _refuse_torch_state_dict_api(self)
         missing = [name for name, _ in self.optimizers if name not in state_dict]
         if missing:
             raise ValueError(f"the checkpoint has no optimizer state for {missing}; it has {list(state_dict)}")

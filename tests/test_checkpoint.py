@@ -1739,3 +1739,27 @@ def test_a_sharded_checkpoint_at_a_file_url_resumes_and_one_at_a_remote_url_is_r
                  "checkpoint_format='gathered'")
     for read in (lambda: ckpt.load_model(module, remote), lambda: ckpt.full_state_dict(remote)):
         expect_error(ValueError, read, f"checkpoint {remote} is a URL", "local or mounted", "give that path")
+
+
+def _torch_state_dict_api_worker(rank, W):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank, steps=1)
+    fused, dense = dict(optimizer.optimizers)["fused"], dict(optimizer.optimizers)["dense"]
+    words = ("cannot read a", "lightning_rec.checkpoint.save(", "load_optimizer(optimizer, path, module=dmp)")
+    expect_error(ValueError, lambda: get_state_dict(dmp, optimizer), "CombinedOptimizer", *words)
+    expect_error(ValueError, lambda: get_optimizer_state_dict(dmp, fused), "FusedOptimizer", *words)
+    expect_error(ValueError, lambda: set_state_dict(dmp, optimizer, model_state_dict={},
+                                                    optim_state_dict={"state": {}, "param_groups": []}), *words)
+    assert get_optimizer_state_dict(dmp, dense)["state"]  # a torch.optim part alone is torch's to read
+    assert optimizer.state_dict().keys() == {"fused", "dense"}  # our own calls are untouched
+
+
+def test_torchs_get_state_dict_of_a_fused_optimizer_names_the_supported_calls():
+    """torch.distributed.checkpoint.state_dict.get_state_dict(dmp, optimizer), torch's public API, raised
+    KeyError: 'state' (a fused-only optimizer: KeyError on a table's name): it reads state by parameter index. Now
+    it says it cannot read it and names checkpoint.save / load_model / load_optimizer."""
+    run_ranks(_torch_state_dict_api_worker, 2, timeout=60)
