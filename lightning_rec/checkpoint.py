@@ -1032,7 +1032,7 @@ class IncompatibleKeys(NamedTuple):
 
 @torch.no_grad()
 def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = True) -> IncompatibleKeys:
-    """Read this rank's pieces of the module's state from a DCP checkpoint, in place.
+    """Read this rank's pieces of the module's state from a DCP checkpoint (or a one-file one), in place.
 
     The module may be sharded by any plan at any world size, or not sharded at all (then call it
     on one process, torch.distributed not needed): every tensor reads the rectangles it holds.
@@ -1043,6 +1043,8 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     _check_module(LOAD_MODEL_SIGNATURE, module)
     _check_path(LOAD_MODEL_SIGNATURE, path)
     path = _readable_path(path)
+    if path.is_file():  # the one-file format (checkpoint_format="gathered"): refused, though it holds every table whole
+        return _load_model_from_file(module, path, strict)
     reader, md = _read_metadata(path)
     targets: dict[str, Any] = {}
     for key, value in module.state_dict().items():
@@ -1072,10 +1074,32 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     return IncompatibleKeys(missing, unexpected)
 
 
+def _lightning_file(path: Path) -> Mapping[str, Any]:
+    """A one-file Lightning checkpoint's dict (memory-mapped), or what the file is and what loads it."""
+    whole = load_file(path)
+    if not (isinstance(whole, Mapping) and "state_dict" in whole):
+        raise ValueError(_not_a_dcp_checkpoint(path, "a checkpoint (a directory written by lightning_rec.checkpoint"
+                                                     ".save, or a one-file Lightning checkpoint)"))
+    return whole
+
+
+def _load_model_from_file(module: torch.nn.Module, path: Path, strict: bool) -> IncompatibleKeys:
+    """load_model for a one-file checkpoint: whole tensors into `module.load_state_dict` (each sharded table keeps
+    its pieces; FSDP's dense layers are cut to this rank's shards first)."""
+    state = {k: v.full() if isinstance(v, ShardedTensor) else v for k, v in _lightning_file(path)["state_dict"].items()}
+    keys = module.load_state_dict(localize_full_state(module, state), strict=strict)
+    for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
+        if callable(getattr(m, "weights_written", None)):
+            m.weights_written()
+    if keys is None:  # a module whose load_state_dict returns nothing
+        return IncompatibleKeys([], [])
+    return IncompatibleKeys(list(keys.missing_keys), list(keys.unexpected_keys))
+
+
 @torch.no_grad()
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0,
                    module: torch.nn.Module | None = None, strict: bool = True) -> None:
-    """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole.
+    """Restore optimizer `index` of a DCP checkpoint (or a one-file one): fused state shard by shard, the rest whole.
 
     module: the model the optimizer trains; needed when its dense state was saved sharded (FSDP),
     which then loads at any world size (DCP reads the shards this rank's parameters hold).
@@ -1093,6 +1117,16 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     _check_module(LOAD_OPTIMIZER_SIGNATURE, module, optional=True)
     path = _readable_path(path)
     optimizer = _unwrap(optimizer)
+    if path.is_file():  # the one-file format: its whole-table state, each rank keeping its pieces
+        states = _lightning_file(path).get("optimizer_states") or []
+        if not 0 <= index < len(states):
+            raise ValueError(f"checkpoint {path} holds no state for optimizer {index}: it was saved with "
+                             f"{len(states)} optimizer(s)" + ("" if states else " (ModelCheckpoint(save_weights_only="
+                                                                                  "True), or a model's state dict "
+                                                                                  "alone): load its weights only, "
+                                                                                  "checkpoint.load_model(model, path)"))
+        load_gathered_optimizer(optimizer, states[index], module=module, strict=strict)
+        return
     reader, md = _read_metadata(path)
     prefix = f"optimizer_states.{index}."
     saved = md.state_dict_metadata

@@ -618,16 +618,13 @@ def test_a_torch_save_file_is_named_with_what_loads_it(tmp_path):
     (tmp_path / "export" / "model.safetensors").write_bytes(b"")
     for name, words in [("model.pt", ["torch.save(model.state_dict())", "model.load_state_dict(torch.load("]),
                         ("rank0.pt", ["one rank's state dict", "ShardedTensor.merge"]),
-                        ("one.ckpt", ["one-file Lightning checkpoint", "ckpt_path=", "full_state_dict("]),
                         ("export", ["export directory", "load_exported("])]:
         path = tmp_path / name
-        loaders = [lambda p=path: ckpt.load_model(module, p), lambda p=path: ckpt.load_optimizer(optimizer, p)]
-        if name != "one.ckpt":  # full_state_dict reads one-file checkpoints
-            loaders.append(lambda p=path: ckpt.full_state_dict(p))
-        for load in loaders:
+        for load in (lambda p=path: ckpt.load_model(module, p), lambda p=path: ckpt.load_optimizer(optimizer, p),
+                     lambda p=path: ckpt.full_state_dict(p)):
             text = expect_error(ValueError, load, name, *words)
             assert "incomplete" not in text, text
-    ckpt.full_state_dict(tmp_path / "one.ckpt")
+    ckpt.full_state_dict(tmp_path / "one.ckpt")  # a one-file checkpoint loads (test_load_model_and_load_optimizer_...)
 
 
 def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):
@@ -1763,3 +1760,37 @@ def test_torchs_get_state_dict_of_a_fused_optimizer_names_the_supported_calls():
     KeyError: 'state' (a fused-only optimizer: KeyError on a table's name): it reads state by parameter index. Now
     it says it cannot read it and names checkpoint.save / load_model / load_optimizer."""
     run_ranks(_torch_state_dict_api_worker, 2, timeout=60)
+
+
+def test_load_model_and_load_optimizer_read_a_one_file_checkpoint(tmp_path):
+    """`checkpoint.load_model` / `load_optimizer` on a one-file checkpoint (checkpoint_format="gathered", whose files
+    README says still load) refused it as "a file, not a checkpoint directory", and for the optimizer named no way
+    to restore its state in a hand loop. Now both read it (every table whole, each rank keeping its pieces), and
+    strict=False works as for a directory."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=2,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    pl.Trainer(strategy=RecStrategy(checkpoint_format="gathered"), accelerator="cpu", devices=1, max_steps=2,
+               logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+               default_root_dir=tmp_path, callbacks=[saving]).fit(_GrowingModule.make(), data)
+    path = saving.last_model_path
+    whole = torch.load(path, weights_only=False)
+    module = _GrowingModule.make(("t", "u"))
+    optimizer = module.configure_optimizers()
+    keys = ckpt.load_model(module, path, strict=False)
+    assert keys.missing_keys == ["ebc.embedding_bags.u.weight"] and not keys.unexpected_keys
+    ckpt.load_optimizer(optimizer, path, module=module, strict=False)
+    for name, value in whole["state_dict"].items():
+        assert torch.equal(module.state_dict()[name], value), name
+    fused = dict(optimizer.optimizers)["fused"].table_states()
+    assert torch.equal(fused["ebc.t"]["sum"], whole["optimizer_states"][0]["fused"]["state"]["ebc.t.sum"])
+    assert fused["ebc.t"]["sum"].any() and not fused["ebc.u"]["sum"].any()
+    dense = dict(optimizer.optimizers)["dense"].state_dict()
+    assert dense["param_groups"][0]["lr"] == whole["optimizer_states"][0]["dense"]["param_groups"][0]["lr"]
+    expect_error(ValueError, lambda: ckpt.load_optimizer(optimizer, path, index=1), "holds no state for optimizer 1",
+                 "1 optimizer(s)")
