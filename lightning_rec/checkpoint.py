@@ -1087,6 +1087,12 @@ def _load_model_from_file(module: torch.nn.Module, path: Path, strict: bool) -> 
     """load_model for a one-file checkpoint: whole tensors into `module.load_state_dict` (each sharded table keeps
     its pieces; FSDP's dense layers are cut to this rank's shards first)."""
     state = {k: v.full() if isinstance(v, ShardedTensor) else v for k, v in _lightning_file(path)["state_dict"].items()}
+    ours = [k for k, v in module.state_dict().items() if isinstance(v, (Tensor, ShardedTensor))]
+    if not strict and ours and not any(k in state for k in ours):  # strict=False would load nothing, and say nothing
+        hint = _prefix_hint(ours, [k for k in state if k not in ours], "")
+        raise ValueError(f"checkpoint {path} does not match this model ({type(module).__name__}): strict=False would "
+                         f"skip every entry of this model: none is in the checkpoint"
+                         + (f"\n  {hint}" if hint else f" (it holds {_short(list(state), 4)})"))
     keys = module.load_state_dict(localize_full_state(module, state), strict=strict)
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):

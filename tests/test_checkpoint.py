@@ -1794,3 +1794,7 @@ def test_load_model_and_load_optimizer_read_a_one_file_checkpoint(tmp_path):
     assert dense["param_groups"][0]["lr"] == whole["optimizer_states"][0]["dense"]["param_groups"][0]["lr"]
     expect_error(ValueError, lambda: ckpt.load_optimizer(optimizer, path, index=1), "holds no state for optimizer 1",
                  "1 optimizer(s)")
+    around = tmp_path / "around.ckpt"  # saved from the module around this one: strict=False would load nothing
+    ckpt.save_file({"state_dict": {f"model.{k}": v for k, v in whole["state_dict"].items()}}, around)
+    expect_error(ValueError, lambda: ckpt.load_model(module, around, strict=False), "would skip every entry",
+                 "names start with 'model.'")
