@@ -501,10 +501,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_same_optimizer(state_dict.get("param_groups", []))
         expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
                     for key, value in states.items()}
-        if not strict:  # only tables with no entry at all: a table saved with other state names is still named
-            held = {k.rsplit(".", 1)[0] for k in saved}
+        if not strict:  # only tables with no entry at all: a table saved with other state names, or as another
+            # layout's pieces ("<table>@r<row>c<col>"), is still named
+            held = {re.sub(r"@r\d+c\d+$", "", k.rsplit(".", 1)[0]) for k in saved}
             expected = {k: v for k, v in expected.items()
-                        if v[0] in held or self._pieces[v[0]][0] in held}
+                        if re.sub(r"@r\d+c\d+$", "", v[0]) in held or self._pieces[v[0]][0] in held}
         missing = []
         for local_key, (local, key, _) in expected.items():
             if local_key not in saved and f"{self._pieces[local][0]}.{key}" not in saved:

@@ -1798,3 +1798,21 @@ def test_load_model_and_load_optimizer_read_a_one_file_checkpoint(tmp_path):
     ckpt.save_file({"state_dict": {f"model.{k}": v for k, v in whole["state_dict"].items()}}, around)
     expect_error(ValueError, lambda: ckpt.load_model(_GrowingModule.make(), around, strict=False), "would skip every",
                  "names start with 'model.'")
+
+
+def _pieces_strict_false_worker(rank, W):
+    module = _module()
+    _shard(module, "row_wise", W)
+    pieces = dict(module.configure_optimizers().optimizers)["fused"].state_dict()  # "<table>@r<row>c<col>.sum"
+    other = _module()
+    _shard(other, "table_wise", W)
+    fused = dict(other.configure_optimizers().optimizers)["fused"]
+    expect_error(ValueError, lambda: fused.load_state_dict(pieces, strict=False), "saved by one rank of a model "
+                 "sharded otherwise", "checkpoint.save")
+
+
+def test_strict_false_does_not_skip_tables_saved_as_another_layouts_pieces():
+    """FusedOptimizer.load_state_dict(strict=False) skips tables the state holds nothing for (added since); one rank's
+    state of another layout holds the tables as pieces ("t_a@r0c0.sum"): those were skipped as absent, silently
+    loading nothing. They are named as another layout's pieces, as with strict=True."""
+    run_ranks(_pieces_strict_false_worker, 2, timeout=60)
