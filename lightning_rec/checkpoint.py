@@ -606,6 +606,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
     """
     _check_save_args(checkpoint, path, optimizers, module)
+    path = local_path(path)  # file://: the local directory it names
     _refuse_url(path)
     path = Path(path)
     rank, world = _rank_world()
@@ -694,14 +695,28 @@ def _remove_stale(stale: Path) -> None:
 
 def _refuse_url(path: str | os.PathLike) -> None:
     """Every rank writes its pieces with local file calls: an s3:// path became a local directory named `s3:` (on a
-    cloud machine, gone with its disk) while the run said it had saved. Refused on every rank, before any collective."""
-    if not is_local_path(path):
+    cloud machine, gone with its disk) while the run said it had saved. Refused on every rank, before any collective.
+    A file:// URL names a local path: written there."""
+    if not is_local_path(local_path(path)):
         head = str(path).split("://")[0]
         raise ValueError(f"checkpoint {path} is a URL, but sharded checkpoints are written by every rank to a local or "
                          f"mounted file system (it would have gone to a local directory named '{head}:'): give "
                          f"ModelCheckpoint(dirpath=...) a local or mounted path (copy it to {head}:// after), or use "
                          f"RecStrategy(checkpoint_format='gathered'), one file written through Lightning's "
                          f"CheckpointIO (fsspec: s3://, gs://, ...)")
+
+
+def refuse_resolved_file_url(dirpath: str | os.PathLike) -> None:
+    """ModelCheckpoint(dirpath="file:///data/ckpt"): Lightning (2.6) resolves a dirpath it takes for local with
+    os.path.realpath, which reads "file:" as a directory name: the checkpoints went to <cwd>/file:/data/ckpt, and a
+    later run with the same dirpath only found them from the same working directory. Refused before training."""
+    parts = Path(dirpath).parts
+    if is_local_path(dirpath) and "file:" in parts:
+        at = parts.index("file:")
+        meant = Path("/", *parts[at + 1:])
+        raise ValueError(f"ModelCheckpoint(dirpath=...) was given as a file:// URL, which Lightning resolves against "
+                         f"the working directory: its checkpoints would go to {dirpath}, not {meant}. Give the path "
+                         f"itself: ModelCheckpoint(dirpath={str(meant)!r})")
 
 
 def _device_of(value: Any) -> str:

@@ -320,9 +320,10 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
-            if self._checkpoint_format == "dcp":  # said now, not at the first save after hours of training
-                for callback in trainer.checkpoint_callbacks:
-                    if getattr(callback, "dirpath", None):
+            for callback in trainer.checkpoint_callbacks:  # said now, not at the first save after hours of training
+                if getattr(callback, "dirpath", None):
+                    rec_checkpoint.refuse_resolved_file_url(callback.dirpath)
+                    if self._checkpoint_format == "dcp":
                         rec_checkpoint._refuse_url(callback.dirpath)
 
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()

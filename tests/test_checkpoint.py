@@ -1816,3 +1816,31 @@ def test_strict_false_does_not_skip_tables_saved_as_another_layouts_pieces():
     state of another layout holds the tables as pieces ("t_a@r0c0.sum"): those were skipped as absent, silently
     loading nothing. They are named as another layout's pieces, as with strict=True."""
     run_ranks(_pieces_strict_false_worker, 2, timeout=60)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_a_file_url_dirpath_is_refused_naming_the_path_and_save_takes_a_file_url(tmp_path, monkeypatch,
+                                                                                   checkpoint_format):
+    """ModelCheckpoint(dirpath="file:///data/ckpt"): Lightning resolves it against the working directory, and the
+    checkpoints went to ./file:/data/ckpt (a later run from elsewhere found none). Now fit refuses it before
+    training, naming the path to give; checkpoint.save("file:///...") writes the local directory it names."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "ck"
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    trainer = pl.Trainer(strategy=RecStrategy(checkpoint_format=checkpoint_format), accelerator="cpu", devices=1,
+                         max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=tmp_path,
+                         callbacks=[ModelCheckpoint(dirpath=target.as_uri(), every_n_train_steps=2)])
+    expect_error(ValueError, lambda: trainer.fit(_GrowingModule.make(), data), "file:// URL",
+                 f"ModelCheckpoint(dirpath='{target}')")
+    assert trainer.global_step == 0 and not (tmp_path / "file:").exists()
+    module = _GrowingModule.make()
+    ckpt.save({"state_dict": module.state_dict()}, (target / "c.ckpt").as_uri())
+    assert (target / "c.ckpt" / ".metadata").is_file()
+    assert ckpt.load_model(_GrowingModule.make(), (target / "c.ckpt").as_uri()) == ([], [])
