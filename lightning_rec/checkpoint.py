@@ -1058,7 +1058,7 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     _check_module(LOAD_MODEL_SIGNATURE, module)
     _check_path(LOAD_MODEL_SIGNATURE, path)
     path = _readable_path(path)
-    if path.is_file():  # the one-file format (checkpoint_format="gathered"): refused, though it holds every table whole
+    if path.is_file():  # the one-file format (checkpoint_format="gathered"), every table whole: it was refused
         return _load_model_from_file(module, path, strict)
     reader, md = _read_metadata(path)
     targets: dict[str, Any] = {}
