@@ -64,7 +64,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -606,6 +606,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
     """
     _check_save_args(checkpoint, path, optimizers, module)
+    path = local_path(path)  # file://: the local directory it names
     _refuse_url(path)
     path = Path(path)
     rank, world = _rank_world()
@@ -694,14 +695,28 @@ def _remove_stale(stale: Path) -> None:
 
 def _refuse_url(path: str | os.PathLike) -> None:
     """Every rank writes its pieces with local file calls: an s3:// path became a local directory named `s3:` (on a
-    cloud machine, gone with its disk) while the run said it had saved. Refused on every rank, before any collective."""
-    if not is_local_path(path):
+    cloud machine, gone with its disk) while the run said it had saved. Refused on every rank, before any collective.
+    A file:// URL names a local path: written there."""
+    if not is_local_path(local_path(path)):
         head = str(path).split("://")[0]
         raise ValueError(f"checkpoint {path} is a URL, but sharded checkpoints are written by every rank to a local or "
                          f"mounted file system (it would have gone to a local directory named '{head}:'): give "
                          f"ModelCheckpoint(dirpath=...) a local or mounted path (copy it to {head}:// after), or use "
                          f"RecStrategy(checkpoint_format='gathered'), one file written through Lightning's "
                          f"CheckpointIO (fsspec: s3://, gs://, ...)")
+
+
+def refuse_resolved_file_url(dirpath: str | os.PathLike) -> None:
+    """ModelCheckpoint(dirpath="file:///data/ckpt"): Lightning (2.6) resolves a dirpath it takes for local with
+    os.path.realpath, which reads "file:" as a directory name: the checkpoints went to <cwd>/file:/data/ckpt, and a
+    later run with the same dirpath only found them from the same working directory. Refused before training."""
+    parts = Path(dirpath).parts
+    if is_local_path(dirpath) and "file:" in parts:
+        at = parts.index("file:")
+        meant = Path("/", *parts[at + 1:])
+        raise ValueError(f"ModelCheckpoint(dirpath=...) was given as a file:// URL, which Lightning resolves against "
+                         f"the working directory: its checkpoints would go to {dirpath}, not {meant}. Give the path "
+                         f"itself: ModelCheckpoint(dirpath={str(meant)!r})")
 
 
 def _device_of(value: Any) -> str:
@@ -880,7 +895,7 @@ def _lightning_meta(path: Path) -> dict[str, Any]:
 
 def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
     """Lightning's checkpoint dict of a DCP directory, its tensors left on disk (`DCPCheckpoint` markers)."""
-    path = Path(path)
+    path = _readable_path(path)
     _read_metadata(path)
     meta = _lightning_meta(path)
     info = meta.get("lightning_rec", {})
@@ -1022,16 +1037,29 @@ def _load(targets: dict[str, Any], reader, path: Path, local: bool = False) -> N
                          f"use an earlier checkpoint") from e
 
 
+class IncompatibleKeys(NamedTuple):
+    """What `load_model(..., strict=False)` skipped, as torch's `module.load_state_dict` returns it: the model's
+    entries the checkpoint lacks, and the checkpoint's entries the model lacks (state-dict names)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
 @torch.no_grad()
-def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = True) -> None:
-    """Read this rank's pieces of the module's state from a DCP checkpoint, in place.
+def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = True) -> IncompatibleKeys:
+    """Read this rank's pieces of the module's state from a DCP checkpoint (or a one-file one), in place.
 
     The module may be sharded by any plan at any world size, or not sharded at all (then call it
     on one process, torch.distributed not needed): every tensor reads the rectangles it holds.
+    Returns `IncompatibleKeys(missing_keys, unexpected_keys)`, as `module.load_state_dict` does: with
+    strict=False, the entries that were skipped (a table added since the save keeps its weights); with
+    strict=True, any difference raises, so both lists are empty.
     """
     _check_module(LOAD_MODEL_SIGNATURE, module)
     _check_path(LOAD_MODEL_SIGNATURE, path)
-    path = Path(path)
+    path = _readable_path(path)
+    if path.is_file():  # the one-file format (checkpoint_format="gathered"), every table whole: it was refused
+        return _load_model_from_file(module, path, strict)
     reader, md = _read_metadata(path)
     targets: dict[str, Any] = {}
     for key, value in module.state_dict().items():
@@ -1043,6 +1071,9 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     ours = f"{type(model).__module__}.{type(model).__qualname__}"
     written_by = _module_class(_lightning_meta(path))  # a checkpoint of another model class: say which
     written_by = written_by if written_by not in (None, ours) else None
+    head = "state_dict."
+    unexpected = [k[len(head):] for k in md.state_dict_metadata if k.startswith(head) and k not in targets]
+    missing = [k[len(head):] for k in targets if k not in md.state_dict_metadata]
     if not strict:
         kept = {k: v for k, v in targets.items() if k in md.state_dict_metadata}
         if targets and not kept:  # strict=False skipped every entry: it loaded nothing, and said nothing
@@ -1055,12 +1086,41 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
             m.weights_written()
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _lightning_file(path: Path) -> Mapping[str, Any]:
+    """A one-file Lightning checkpoint's dict (memory-mapped), or what the file is and what loads it."""
+    whole = load_file(path)
+    if not (isinstance(whole, Mapping) and "state_dict" in whole):
+        raise ValueError(_not_a_dcp_checkpoint(path, "a checkpoint (a directory written by lightning_rec.checkpoint"
+                                                     ".save, or a one-file Lightning checkpoint)"))
+    return whole
+
+
+def _load_model_from_file(module: torch.nn.Module, path: Path, strict: bool) -> IncompatibleKeys:
+    """load_model for a one-file checkpoint: whole tensors into `module.load_state_dict` (each sharded table keeps
+    its pieces; FSDP's dense layers are cut to this rank's shards first)."""
+    state = {k: v.full() if isinstance(v, ShardedTensor) else v for k, v in _lightning_file(path)["state_dict"].items()}
+    ours = [k for k, v in module.state_dict().items() if isinstance(v, (Tensor, ShardedTensor))]
+    if not strict and ours and not any(k in state for k in ours):  # strict=False would load nothing, and say nothing
+        hint = _prefix_hint(ours, [k for k in state if k not in ours], "")
+        raise ValueError(f"checkpoint {path} does not match this model ({type(module).__name__}): strict=False would "
+                         f"skip every entry of this model: none is in the checkpoint"
+                         + (f"\n  {hint}" if hint else f" (it holds {_short(list(state), 4)})"))
+    keys = module.load_state_dict(localize_full_state(module, state), strict=strict)
+    for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
+        if callable(getattr(m, "weights_written", None)):
+            m.weights_written()
+    if keys is None:  # a module whose load_state_dict returns nothing
+        return IncompatibleKeys([], [])
+    return IncompatibleKeys(list(keys.missing_keys), list(keys.unexpected_keys))
 
 
 @torch.no_grad()
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, index: int = 0,
                    module: torch.nn.Module | None = None, strict: bool = True) -> None:
-    """Restore optimizer `index` of a DCP checkpoint: fused state shard by shard, the rest whole.
+    """Restore optimizer `index` of a DCP checkpoint (or a one-file one): fused state shard by shard, the rest whole.
 
     module: the model the optimizer trains; needed when its dense state was saved sharded (FSDP),
     which then loads at any world size (DCP reads the shards this rank's parameters hold).
@@ -1076,8 +1136,18 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     if not isinstance(index, int) or isinstance(index, bool):
         raise _wrong(LOAD_OPTIMIZER_SIGNATURE, "index", index, "the optimizer's place in save's optimizers (an int)")
     _check_module(LOAD_OPTIMIZER_SIGNATURE, module, optional=True)
-    path = Path(path)
+    path = _readable_path(path)
     optimizer = _unwrap(optimizer)
+    if path.is_file():  # the one-file format: its whole-table state, each rank keeping its pieces
+        states = _lightning_file(path).get("optimizer_states") or []
+        if not 0 <= index < len(states):
+            raise ValueError(f"checkpoint {path} holds no state for optimizer {index}: it was saved with "
+                             f"{len(states)} optimizer(s)" + ("" if states else " (ModelCheckpoint(save_weights_only="
+                                                                                  "True), or a model's state dict "
+                                                                                  "alone): load its weights only, "
+                                                                                  "checkpoint.load_model(model, path)"))
+        load_gathered_optimizer(optimizer, states[index], module=module, strict=strict)
+        return
     reader, md = _read_metadata(path)
     prefix = f"optimizer_states.{index}."
     saved = md.state_dict_metadata
@@ -1406,15 +1476,19 @@ def has_whole_by_name(optimizer_states: Sequence[Any]) -> bool:
 
 @torch.no_grad()
 def load_gathered_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
-                            module: torch.nn.Module | None = None) -> None:
+                            module: torch.nn.Module | None = None, strict: bool = True) -> None:
     """An optimizer's state from a gathered checkpoint; parts stored whole by parameter name (FSDP)
-    go through set_optimizer_state_dict, which keeps this rank's shards (any world size)."""
-    from lightning_rec.optim import CombinedOptimizer
+    go through set_optimizer_state_dict, which keeps this rank's shards (any world size).
+    strict=False: a fused table the checkpoint does not hold (one added since) keeps its fresh state,
+    as `load_optimizer(..., strict=False)` does for a sharded checkpoint."""
+    from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
 
     optimizer = _unwrap(optimizer)
 
     def load(part: torch.optim.Optimizer, saved: Any) -> None:
-        if isinstance(saved, Mapping) and FULL_BY_NAME in saved:
+        if isinstance(part, FusedOptimizer):
+            part.load_state_dict(saved, strict=strict)
+        elif isinstance(saved, Mapping) and FULL_BY_NAME in saved:
             if module is None or set_optimizer_state_dict is None:
                 raise ValueError("the checkpoint's dense optimizer state is stored by parameter name (FSDP): pass "
                                  "module= (the model the optimizer trains)")
@@ -1456,6 +1530,40 @@ def localize_full_state(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
 def is_local_path(path: str | os.PathLike) -> bool:
     """A path on this machine's file system (not a URL such as s3://...)."""
     return "://" not in str(path)
+
+
+def local_path(path: Any) -> Any:
+    """A file:// URL as the local path it names (Path() made 'file:/tmp/x' of it, which does not exist, and
+    fsspec opened a sharded checkpoint's directory as a file: IsADirectoryError); anything else as given."""
+    if isinstance(path, (str, os.PathLike)) and str(path).startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        parsed = urlparse(str(path))
+        if parsed.netloc in ("", "localhost"):
+            return unquote(parsed.path)
+    return path
+
+
+_REMOTE_SHARDED = ("a sharded checkpoint (a directory, checkpoint_format='dcp') is read by every rank from a local or "
+                   "mounted file system, not from a URL: copy the directory to a local or mounted path (aws s3 cp "
+                   "--recursive, gsutil -m cp -r, ...) and give that path; only the one-file format "
+                   "(RecStrategy(checkpoint_format='gathered')) is read straight from a URL, through fsspec")
+
+
+def _remote_sharded(path: Any, why: str) -> str:
+    return f"checkpoint {path}{why}: {_REMOTE_SHARDED}"
+
+
+def _readable_path(path: str | os.PathLike) -> Path:
+    """A path the readers below can open: a file:// URL's local path; any other URL refused, naming the fix (Path()
+    mangled 's3://b/x' into 's3:/b/x' and said it did not exist)."""
+    path = local_path(path)
+    if not is_local_path(path):
+        raise ValueError(f"checkpoint {path} is a URL, and lightning_rec.checkpoint reads checkpoints from a local or "
+                         f"mounted file system: copy it there (a sharded checkpoint is a directory: aws s3 cp "
+                         f"--recursive, gsutil -m cp -r, ...) and give that path. Trainer(strategy='rec') resumes from "
+                         f"a one-file checkpoint (checkpoint_format='gathered') at a URL too, through fsspec")
+    return Path(path)
 
 
 def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
@@ -1515,12 +1623,19 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     a rank copies from them, so each rank pages in the pieces it keeps, not the whole model. Files
     in torch's legacy format (not a zip) are read whole.
     """
+    path = local_path(path)
     if not is_local_path(path):  # written through Lightning's CheckpointIO (fsspec) by the gathered format: read so
         from lightning.fabric.utilities.cloud_io import get_filesystem
 
-        fs = get_filesystem(path)
+        try:
+            fs = get_filesystem(path)
+        except (ImportError, ValueError) as e:  # fsspec's backend for the scheme is not installed, or not known
+            raise ValueError(f"checkpoint {path}: {e}. A one-file checkpoint is read from a URL through fsspec, which "
+                             f"needs that package; {_REMOTE_SHARDED}") from e
         if not fs.exists(str(path)):
             raise ValueError(f"checkpoint {path} does not exist: check the URL")
+        if fs.isdir(str(path)):  # fsspec opened the directory as a file: IsADirectoryError
+            raise ValueError(_remote_sharded(path, " is a directory at a URL"))
         with fs.open(str(path), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=False)
     if not os.path.exists(path):  # not a damaged file: there is none (a typo, or a fit that saved nothing)
@@ -1566,7 +1681,7 @@ def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
     One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
     """
-    path = Path(path)
+    path = _readable_path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     return _full_model_state(path)[0]
@@ -1580,7 +1695,7 @@ def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     One process, no torch.distributed; it holds the whole model.
     """
-    path = Path(path)
+    path = _readable_path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     state, meta = _full_model_state(path)
@@ -1642,7 +1757,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     """
     from safetensors.torch import save_file
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = _readable_path(checkpoint), Path(out)
     if not checkpoint.exists():
         raise ValueError(f"checkpoint {checkpoint} does not exist")
     state, meta = _full_model_state(checkpoint)

@@ -345,6 +345,31 @@ _SHARDED_COPY = (
     "optimizer of the model sharded again, optimizer.load_state_dict(torch.load(f))")
 
 
+_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
+
+
+def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
+    """torch's get_state_dict / get_optimizer_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict)
+    read an optimizer's state dict as torch.optim's, state by parameter index, and map the indices to parameter
+    names: a combined optimizer's (by part) met KeyError: 'state', a fused one's (by table) KeyError on a table's
+    name. Called from there, the optimizer says what saves and loads it instead. Its caller is looked up a few frames
+    up (the method itself, torch's no_grad wrapper, a CombinedOptimizer's child call)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT_API:
+            raise ValueError(
+                f"torch.distributed.checkpoint.state_dict (get_state_dict, get_optimizer_state_dict, set_state_dict) "
+                f"cannot read a {type(optimizer).__name__}: it keys optimizer state by parameter, and the fused "
+                f"tables' state is per table (and sharded). Save with lightning_rec.checkpoint.save({{'state_dict': "
+                f"dmp.state_dict()}}, path, optimizers=[optimizer], module=dmp) on every rank and load with "
+                f"checkpoint.load_model(dmp, path) and checkpoint.load_optimizer(optimizer, path, module=dmp) (any "
+                f"world size or plan; Trainer(strategy='rec') does both), or keep optimizer.state_dict() / "
+                f"load_state_dict(...) in memory")
+        frame = frame.f_back
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
@@ -434,6 +459,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        _refuse_torch_state_dict_api(self)
         state = {f"{table}.{key}": value for table, states in self.table_states().items()
                  for key, value in states.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -464,13 +490,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
         """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
-        model): each piece reads its rows and columns."""
+        model): each piece reads its rows and columns.
+
+        strict=False: a table the state holds nothing for (one added to the model since the save) keeps its
+        current state, as `module.load_state_dict(..., strict=False)` leaves its weights; the others load."""
+        _refuse_torch_state_dict_api(self)
         saved = state_dict.get("state", {})
         self._check_same_optimizer(state_dict.get("param_groups", []))
         expected = {f"{table}.{key}": (table, key, value) for table, states in self.table_states().items()
                     for key, value in states.items()}
+        if not strict:  # only tables with no entry at all: a table saved with other state names, or as another
+            # layout's pieces ("<table>@r<row>c<col>"), is still named
+            held = {re.sub(r"@r\d+c\d+$", "", k.rsplit(".", 1)[0]) for k in saved}
+            expected = {k: v for k, v in expected.items()
+                        if re.sub(r"@r\d+c\d+$", "", v[0]) in held or self._pieces[v[0]][0] in held}
         missing = []
         for local_key, (local, key, _) in expected.items():
             if local_key not in saved and f"{self._pieces[local][0]}.{key}" not in saved:
@@ -488,14 +523,25 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"does), or merge every rank's FusedOptimizer.global_state_pieces() with merge_fused_state")
             raise ValueError(
                 f"the fused optimizer state has no entry for {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
-                f"the checkpoint was saved with other tables or another fused optimizer"
+                f"the checkpoint was saved with other tables or another fused optimizer (a table added to the model "
+                f"since: optimizer.load_state_dict(state, strict=False) starts its state afresh and loads the others)"
             )
         for local_key, (local, key, tensor) in expected.items():
-            if local_key in saved:
+            name, meta, (rows, cols) = self._pieces[local]
+            global_key = f"{name}.{key}"
+            if local_key in saved and local_key != global_key:  # a piece's own state, saved by this layout
                 value = saved[local_key]
             else:
-                global_key = f"{self._pieces[local][0]}.{key}"
-                value = _slice_state(saved[global_key], self._pieces[local][1])
+                whole = saved[global_key]
+                # a shard slices its rows out of the whole table's state: that of a larger table covered them too,
+                # and rows 0:32 of a 100-row table's state loaded into a 64-row one without a word
+                want = {0: (), 1: (rows,)}.get(whole.dim(), (rows, cols))
+                if tuple(whole.shape) != want:
+                    raise ValueError(f"fused optimizer state '{global_key}' has shape {tuple(whole.shape)} in the "
+                                     f"checkpoint but {want} here, where table '{name}' is {rows} x {cols}: the "
+                                     f"table sizes differ; build the table with the checkpoint's num_embeddings "
+                                     f"and embedding_dim to load it, or start this optimizer afresh")
+                value = _slice_state(whole, meta)
             if value.shape != tensor.shape:
                 why = ("the table sizes differ" if self._pieces[local][1] is None else "this piece of the table "
                        "has other rows or columns here: it was saved at another world size or plan, which one rank's "
@@ -679,6 +725,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> dict:  # type: ignore[override]
+        _refuse_torch_state_dict_api(self)  # torch's first read there: said before it steps the optimizer at lr 0
         merged = _CombinedState()
         for _, o in getattr(self, "optimizers", []):
             merged.update(o.state)
@@ -702,14 +749,21 @@ class CombinedOptimizer(torch.optim.Optimizer):
             o.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        _refuse_torch_state_dict_api(self)
         return {name: o.state_dict() for name, o in self.optimizers}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
+        """strict=False: the fused part's tables that the state holds nothing for keep theirs
+        (`FusedOptimizer.load_state_dict`); the dense parts load as torch.optim's do."""
+        _refuse_torch_state_dict_api(self)
         missing = [name for name, _ in self.optimizers if name not in state_dict]
         if missing:
             raise ValueError(f"the checkpoint has no optimizer state for {missing}; it has {list(state_dict)}")
         for name, o in self.optimizers:
-            o.load_state_dict(state_dict[name])
+            if isinstance(o, FusedOptimizer):
+                o.load_state_dict(state_dict[name], strict=strict)
+            else:
+                o.load_state_dict(state_dict[name])
         self._sync_groups()
 
     def __repr__(self) -> str:

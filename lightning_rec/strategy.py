@@ -320,9 +320,10 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
-            if self._checkpoint_format == "dcp":  # said now, not at the first save after hours of training
-                for callback in trainer.checkpoint_callbacks:
-                    if getattr(callback, "dirpath", None):
+            for callback in trainer.checkpoint_callbacks:  # said now, not at the first save after hours of training
+                if getattr(callback, "dirpath", None):
+                    rec_checkpoint.refuse_resolved_file_url(callback.dirpath)
+                    if self._checkpoint_format == "dcp":
                         rec_checkpoint._refuse_url(callback.dirpath)
 
             if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
@@ -847,6 +848,7 @@ class RecStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint_path = rec_checkpoint.local_path(checkpoint_path)  # file://: a sharded one is a local directory
         if not rec_checkpoint.is_dcp_checkpoint(checkpoint_path):
             meta = rec_checkpoint.load_file(checkpoint_path)
         else:
@@ -885,10 +887,14 @@ class RecStrategy(DDPStrategy):
                 # strict_loading=False: a table added since the save starts its fused state afresh, as its weights
                 rec_checkpoint.load_optimizer(optimizer, ref.path, ref.index, module=self.lightning_module,
                                               strict=self.lightning_module.strict_loading)
-        elif rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp":
-            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards
+        elif (rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp"
+              or not self.lightning_module.strict_loading):
+            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards; or
+            # strict_loading=False, under which a table added since the save keeps its fresh fused state (the
+            # optimizer's own load_state_dict, which Lightning calls, refused it as missing)
             for optimizer, state in zip(self.optimizers, states):
-                rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module)
+                rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module,
+                                                       strict=self.lightning_module.strict_loading)
         else:
             super().load_optimizer_state_dict(checkpoint)
 

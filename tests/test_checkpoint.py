@@ -618,16 +618,13 @@ def test_a_torch_save_file_is_named_with_what_loads_it(tmp_path):
     (tmp_path / "export" / "model.safetensors").write_bytes(b"")
     for name, words in [("model.pt", ["torch.save(model.state_dict())", "model.load_state_dict(torch.load("]),
                         ("rank0.pt", ["one rank's state dict", "ShardedTensor.merge"]),
-                        ("one.ckpt", ["one-file Lightning checkpoint", "ckpt_path=", "full_state_dict("]),
                         ("export", ["export directory", "load_exported("])]:
         path = tmp_path / name
-        loaders = [lambda p=path: ckpt.load_model(module, p), lambda p=path: ckpt.load_optimizer(optimizer, p)]
-        if name != "one.ckpt":  # full_state_dict reads one-file checkpoints
-            loaders.append(lambda p=path: ckpt.full_state_dict(p))
-        for load in loaders:
+        for load in (lambda p=path: ckpt.load_model(module, p), lambda p=path: ckpt.load_optimizer(optimizer, p),
+                     lambda p=path: ckpt.full_state_dict(p)):
             text = expect_error(ValueError, load, name, *words)
             assert "incomplete" not in text, text
-    ckpt.full_state_dict(tmp_path / "one.ckpt")
+    ckpt.full_state_dict(tmp_path / "one.ckpt")  # a one-file checkpoint loads (test_load_model_and_load_optimizer_...)
 
 
 def test_sharded_state_into_unsharded_collection_says_how_to_merge(tmp_path):
@@ -1612,3 +1609,238 @@ def test_a_folder_of_checkpoints_is_named_as_one_not_as_a_broken_save(tmp_path):
     (tmp_path / "half").mkdir()  # a save cut short: still said as such
     with pytest.raises(ValueError, match=r"is incomplete \(no .metadata, lightning.pt\): its save did not finish"):
         ckpt.lightning_checkpoint(tmp_path / "half")
+
+
+def test_a_table_added_since_a_one_file_save_resumes_with_strict_loading_false(tmp_path):
+    """The one-file format (checkpoint_format="gathered") with a table added since the save and
+    `self.strict_loading = False`: the weights loaded, then Lightning's optimizer.load_state_dict refused the new
+    table's missing fused state ("has no entry for ['ebc.u.sum']"), which the sharded format starts afresh. Now the
+    new table keeps its fresh state and the others restore exactly, in either format."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=2,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, default_root_dir=tmp_path)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    saved = _GrowingModule.make()
+    pl.Trainer(max_steps=2, callbacks=[saving], strategy=RecStrategy(checkpoint_format="gathered"),
+               **kw).fit(saved, data)
+    path = saving.last_model_path
+    assert Path(path).is_file()
+    whole = torch.load(path, weights_only=False)
+    saved_sum = whole["optimizer_states"][0]["fused"]["state"]["ebc.t.sum"]
+    seen = {}
+
+    class Look(pl.Callback):  # what the resume restored, before it trains on
+        def on_train_start(self, trainer, module):
+            fused = dict(trainer.optimizers[0].optimizers)["fused"].global_state_pieces()
+            seen.update(t=module.ebc.state_dict()["embedding_bags.t.weight"].clone(),
+                        u_sum=fused["ebc.u.sum"][1][0][1].clone(), t_sum=fused["ebc.t.sum"][1][0][1].clone())
+
+    grown = _GrowingModule.make(("t", "u"), strict=False)
+    pl.Trainer(max_steps=3, callbacks=[Look()], strategy=RecStrategy(checkpoint_format="gathered"),
+               **kw).fit(grown, data, ckpt_path=path)
+    assert torch.equal(seen["t"], whole["state_dict"]["ebc.embedding_bags.t.weight"])
+    assert torch.equal(seen["t_sum"], saved_sum) and saved_sum.abs().sum() > 0
+    assert not seen["u_sum"].any()  # u's state starts at zero
+
+    # the optimizer's own load, as a hand loop calls it: strict by default, and it names strict=False
+    fresh = _GrowingModule.make(("t", "u"))
+    optimizer = fresh.configure_optimizers()
+    expect_error(ValueError, lambda: optimizer.load_state_dict(whole["optimizer_states"][0]), "ebc.u.sum",
+                 "strict=False")
+    optimizer.load_state_dict(whole["optimizer_states"][0], strict=False)
+    fused = dict(optimizer.optimizers)["fused"].table_states()
+    assert torch.equal(fused["ebc.t"]["sum"], saved_sum) and not fused["ebc.u"]["sum"].any()
+
+
+def _larger_fused_state_worker(rank, W, kind):
+    from lightning_rec.models.dlrm_module import DLRMModule as Module
+
+    torch.manual_seed(0)
+    larger = dict(Module(**{**SMALL, "num_embeddings_per_feature": 100}).configure_optimizers().optimizers)["fused"]
+    for states in larger.table_states().values():
+        for t in states.values():
+            t.fill_(1.0)
+    module = _module()
+    _shard(module, kind, W)
+    fused = dict(module.configure_optimizers().optimizers)["fused"]
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in fused.table_states().items()}
+    said = expect_error(ValueError, lambda: fused.load_state_dict(larger.state_dict()), "has shape (100,) in the "
+                        "checkpoint but (64,) here", f"table '{EBC[6:]}.t_", "is 64 x 8", "the table sizes differ",
+                        "num_embeddings")
+    assert "another world size" not in said, said
+    assert all(torch.equal(t, before[k][n]) for k, s in fused.table_states().items() for n, t in s.items())
+
+
+@pytest.mark.parametrize("kind", ["row_wise", "table_wise"])
+def test_fused_state_of_a_larger_table_is_refused_not_cut_to_size(kind):
+    """FusedOptimizer.load_state_dict given the whole-table state of a table with more rows: each row-wise shard cut
+    its rows out of it without a word (the module's load refuses the larger table's weights); a table-wise one said
+    it "was saved at another world size or plan". Now both name the table, its two sizes and the fix."""
+    run_ranks(_larger_fused_state_worker, 2, kind, timeout=60)
+
+
+def test_load_model_returns_the_missing_and_unexpected_keys_as_torch_does(tmp_path):
+    """`checkpoint.load_model(model, path, strict=False)` returned None: what it skipped was nowhere to be seen, where
+    torch's `load_state_dict` returns them. Now it returns (missing_keys, unexpected_keys) as torch does."""
+    path = str(tmp_path / "c.ckpt")
+    saved = _GrowingModule.make(("t", "v"))
+    ckpt.save({"state_dict": saved.state_dict()}, path)
+    grown = _GrowingModule.make(("t", "u"))
+    keys = ckpt.load_model(grown, path, strict=False)
+    assert keys.missing_keys == ["ebc.embedding_bags.u.weight"]
+    assert keys.unexpected_keys == ["ebc.embedding_bags.v.weight"]
+    missing, unexpected = keys  # a NamedTuple, unpacked as torch's
+    t = "ebc.embedding_bags.t.weight"
+    assert missing == keys.missing_keys and torch.equal(grown.state_dict()[t], saved.state_dict()[t])
+    same = ckpt.load_model(_GrowingModule.make(("t", "v")), path)
+    assert same == ([], []) and same._fields == ("missing_keys", "unexpected_keys")
+
+
+def test_a_sharded_checkpoint_at_a_file_url_resumes_and_one_at_a_remote_url_is_refused_naming_the_fix(tmp_path):
+    """A sharded checkpoint given as a URL: `ckpt_path="file:///.../last.ckpt"` failed in fsspec with
+    IsADirectoryError, `load_model(m, "file://...")` said "checkpoint file:/... does not exist", and a remote one
+    (s3://, here fsspec's memory:// in its place) failed with IsADirectoryError or the fsspec backend's ImportError.
+    Now file:// reads the local directory, and a remote one is refused naming the fix (a local or mounted copy, or
+    the one-file format)."""
+    import fsspec
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    kw = dict(strategy="rec", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    pl.Trainer(max_steps=2, callbacks=[saving], **kw).fit(_GrowingModule.make(), data)
+    path = Path(saving.last_model_path)
+    url = path.resolve().as_uri()
+    assert url.startswith("file:///")
+    resumed = pl.Trainer(max_steps=3, **kw)
+    resumed.fit(_GrowingModule.make(), data, ckpt_path=url)
+    assert resumed.global_step == 3  # resumed at step 2, not started over
+    module = _GrowingModule.make()
+    ckpt.load_model(module, url)
+    assert torch.equal(module.state_dict()["ebc.embedding_bags.t.weight"],
+                       ckpt.full_state_dict(path)["ebc.embedding_bags.t.weight"])
+
+    remote = f"memory://{tmp_path.name}/last.ckpt"  # fsspec's in-memory file system stands in for s3://
+    fsspec.filesystem("memory").put(str(path), remote, recursive=True)
+    expect_error(ValueError, lambda: pl.Trainer(max_steps=3, **kw).fit(_GrowingModule.make(), data, ckpt_path=remote),
+                 f"checkpoint {remote} is a directory at a URL", "copy the directory to a local or mounted path",
+                 "checkpoint_format='gathered'")
+    for read in (lambda: ckpt.load_model(module, remote), lambda: ckpt.full_state_dict(remote)):
+        expect_error(ValueError, read, f"checkpoint {remote} is a URL", "local or mounted", "give that path")
+
+
+def _torch_state_dict_api_worker(rank, W):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
+
+    module = _module()
+    dmp = _shard(module, "row_wise", W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank, steps=1)
+    fused, dense = dict(optimizer.optimizers)["fused"], dict(optimizer.optimizers)["dense"]
+    words = ("cannot read a", "lightning_rec.checkpoint.save(", "load_optimizer(optimizer, path, module=dmp)")
+    expect_error(ValueError, lambda: get_state_dict(dmp, optimizer), "CombinedOptimizer", *words)
+    expect_error(ValueError, lambda: get_optimizer_state_dict(dmp, fused), "FusedOptimizer", *words)
+    expect_error(ValueError, lambda: set_state_dict(dmp, optimizer, model_state_dict={},
+                                                    optim_state_dict={"state": {}, "param_groups": []}), *words)
+    assert get_optimizer_state_dict(dmp, dense)["state"]  # a torch.optim part alone is torch's to read
+    assert optimizer.state_dict().keys() == {"fused", "dense"}  # our own calls are untouched
+
+
+def test_torchs_get_state_dict_of_a_fused_optimizer_names_the_supported_calls():
+    """torch.distributed.checkpoint.state_dict.get_state_dict(dmp, optimizer), torch's public API, raised
+    KeyError: 'state' (a fused-only optimizer: KeyError on a table's name): it reads state by parameter index. Now
+    it says it cannot read it and names checkpoint.save / load_model / load_optimizer."""
+    run_ranks(_torch_state_dict_api_worker, 2, timeout=60)
+
+
+def test_load_model_and_load_optimizer_read_a_one_file_checkpoint(tmp_path):
+    """`checkpoint.load_model` / `load_optimizer` on a one-file checkpoint (checkpoint_format="gathered", whose files
+    README says still load) refused it as "a file, not a checkpoint directory", and for the optimizer named no way
+    to restore its state in a hand loop. Now both read it (every table whole, each rank keeping its pieces), and
+    strict=False works as for a directory."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=2,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    pl.Trainer(strategy=RecStrategy(checkpoint_format="gathered"), accelerator="cpu", devices=1, max_steps=2,
+               logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+               default_root_dir=tmp_path, callbacks=[saving]).fit(_GrowingModule.make(), data)
+    path = saving.last_model_path
+    whole = torch.load(path, weights_only=False)
+    module = _GrowingModule.make(("t", "u"))
+    optimizer = module.configure_optimizers()
+    keys = ckpt.load_model(module, path, strict=False)
+    assert keys.missing_keys == ["ebc.embedding_bags.u.weight"] and not keys.unexpected_keys
+    ckpt.load_optimizer(optimizer, path, module=module, strict=False)
+    for name, value in whole["state_dict"].items():
+        assert torch.equal(module.state_dict()[name], value), name
+    fused = dict(optimizer.optimizers)["fused"].table_states()
+    assert torch.equal(fused["ebc.t"]["sum"], whole["optimizer_states"][0]["fused"]["state"]["ebc.t.sum"])
+    assert fused["ebc.t"]["sum"].any() and not fused["ebc.u"]["sum"].any()
+    dense = dict(optimizer.optimizers)["dense"].state_dict()
+    assert dense["param_groups"][0]["lr"] == whole["optimizer_states"][0]["dense"]["param_groups"][0]["lr"]
+    expect_error(ValueError, lambda: ckpt.load_optimizer(optimizer, path, index=1), "holds no state for optimizer 1",
+                 "1 optimizer(s)")
+    around = tmp_path / "around.ckpt"  # saved from the module around this one: strict=False would load nothing
+    ckpt.save_file({"state_dict": {f"model.{k}": v for k, v in whole["state_dict"].items()}}, around)
+    expect_error(ValueError, lambda: ckpt.load_model(_GrowingModule.make(), around, strict=False), "would skip every",
+                 "names start with 'model.'")
+
+
+def _pieces_strict_false_worker(rank, W):
+    module = _module()
+    _shard(module, "row_wise", W)
+    pieces = dict(module.configure_optimizers().optimizers)["fused"].state_dict()  # "<table>@r<row>c<col>.sum"
+    other = _module()
+    _shard(other, "table_wise", W)
+    fused = dict(other.configure_optimizers().optimizers)["fused"]
+    expect_error(ValueError, lambda: fused.load_state_dict(pieces, strict=False), "saved by one rank of a model "
+                 "sharded otherwise", "checkpoint.save")
+
+
+def test_strict_false_does_not_skip_tables_saved_as_another_layouts_pieces():
+    """FusedOptimizer.load_state_dict(strict=False) skips tables the state holds nothing for (added since); one rank's
+    state of another layout holds the tables as pieces ("t_a@r0c0.sum"): those were skipped as absent, silently
+    loading nothing. They are named as another layout's pieces, as with strict=True."""
+    run_ranks(_pieces_strict_false_worker, 2, timeout=60)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_a_file_url_dirpath_is_refused_naming_the_path_and_save_takes_a_file_url(tmp_path, monkeypatch,
+                                                                                   checkpoint_format):
+    """ModelCheckpoint(dirpath="file:///data/ckpt"): Lightning resolves it against the working directory, and the
+    checkpoints went to ./file:/data/ckpt (a later run from elsewhere found none). Now fit refuses it before
+    training, naming the path to give; checkpoint.save("file:///...") writes the local directory it names."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec.strategy import RecStrategy
+
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "ck"
+    data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, batch_size=64, num_sparse_features=1,
+                                     num_embeddings_per_feature=64, num_signal_features=1)
+    trainer = pl.Trainer(strategy=RecStrategy(checkpoint_format=checkpoint_format), accelerator="cpu", devices=1,
+                         max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, default_root_dir=tmp_path,
+                         callbacks=[ModelCheckpoint(dirpath=target.as_uri(), every_n_train_steps=2)])
+    expect_error(ValueError, lambda: trainer.fit(_GrowingModule.make(), data), "file:// URL",
+                 f"ModelCheckpoint(dirpath='{target}')")
+    assert trainer.global_step == 0 and not (tmp_path / "file:").exists()
+    module = _GrowingModule.make()
+    ckpt.save({"state_dict": module.state_dict()}, (target / "c.ckpt").as_uri())
+    assert (target / "c.ckpt" / ".metadata").is_file()
+    assert ckpt.load_model(_GrowingModule.make(), (target / "c.ckpt").as_uri()) == ([], [])
