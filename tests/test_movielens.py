@@ -805,3 +805,31 @@ def test_bpr_warns_when_a_user_has_seen_every_item():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*interacted with every")
         _interactions([(0, i) for i in range(4)] + [(1, 0)], 2, 4, num_negatives=0)
+
+
+def test_a_csv_log_without_a_rating_column_is_implicit_feedback_as_a_parquet_log(tmp_path):
+    """`user,item[,timestamp]` (an implicit log: clicks, plays) was refused as "cannot find the separator of
+    'user,item'", or "no column for ['rating']" with a timestamp, where the same log as Parquet (or a datasets.Dataset)
+    read as implicit feedback; now the CSV reads the same, every interaction 1.0."""
+    import pyarrow.parquet as pq
+
+    rows = [(u, (u * 3 + j) % 9, 100 + k) for k, (u, j) in enumerate((u, j) for u in range(6) for j in range(5))]
+    _write(tmp_path / "uit" / "ratings.csv", "user,item,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    _write(tmp_path / "ui" / "ratings.csv", "user\titem\n" + "".join(f"{u}\t{i}\n" for u, i, _ in rows))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [r[0] for r in rows], "item": [r[1] for r in rows],
+                             "timestamp": [r[2] for r in rows]}), tmp_path / "pq" / "ratings.parquet")
+    for name, split in (("uit", "loo"), ("ui", "ro_811")):
+        csv, parquet = (MovieLensDataModule(str(tmp_path / d), split=split, side_features=False)
+                        for d in (name, "pq"))
+        csv.setup()
+        parquet.setup()
+        assert (csv.user_ids == parquet.user_ids).all() and (csv.item_ids == parquet.item_ids).all()
+        assert torch.equal(csv.part_N, parquet.part_N) and csv.ratings["rating"] == [1.0] * len(rows)
+    with pytest.raises(ValueError, match="has no rating column"):
+        MovieLensDataModule(str(tmp_path / "ui"), min_rating=4, side_features=False).setup()
+    with pytest.raises(ValueError, match="has no timestamp column"):
+        MovieLensDataModule(str(tmp_path / "ui"), split="loo", side_features=False).setup()
+    _write(tmp_path / "bare" / "ratings.csv", "".join(f"{u},{i}\n" for u, i, _ in rows))  # no header: no names
+    with pytest.raises(ValueError, match=r"2 fields separated by ','.*start the file with a header line"):
+        MovieLensDataModule(str(tmp_path / "bare"), side_features=False).setup()

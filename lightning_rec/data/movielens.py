@@ -14,8 +14,8 @@ split and features, except the release decade, read from the title's year there)
                                                                 movies.dat id::title (year)::Genre|Genre
     ml-20m/25m ratings.csv  userId,movieId,rating,timestamp      movies.csv movieId,title,genres
                (and ml-latest)
-    your own   ratings.csv with a header (user,item,rating[,timestamp]; ids integers or strings: a column is
-               read as integers when every id is one), or
+    your own   ratings.csv with a header (user,item[,rating][,timestamp]; no rating: implicit, 1.0; ids integers
+               or strings: a column is read as integers when every id is one), or
                ratings.parquet  columns user, item[, rating][, timestamp] by name (as in a ratings.csv
                header; no rating: implicit, 1.0; timestamp: seconds or an Arrow timestamp); data_dir
                may also be such a .parquet file itself, or a pattern of them (a Hub dataset's
@@ -228,11 +228,12 @@ def _sniff(path: Path, data: bytes) -> tuple[str, bool]:
     first = data.split(b"\n", 1)[0].removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
     if not first:
         raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
-    for sep in ("::", "\t", ",", ";", "|", " "):
-        fields = first.split(sep)
-        if len(fields) >= 3:
-            has_header = not re.fullmatch(r"\s*-?\d+\s*", fields[0])
-            return sep, has_header
+    for least in (3, 2):  # two fields: a header `user,item` of implicit feedback (no rating, as in Parquet logs)
+        for sep in ("::", "\t", ",", ";", "|", " "):
+            fields = first.split(sep)
+            if len(fields) >= least:
+                has_header = not re.fullmatch(r"\s*-?\d+\s*", fields[0])
+                return sep, has_header
     raise ValueError(f"{path}:1: cannot find the separator of {first[:80]!r}: expected user, item, rating[, timestamp] "
                      f"separated by '::', a tab, ',', ';', '|' or a space")
 
@@ -272,15 +273,16 @@ def _refuse_ambiguous(where: str, header: Sequence[str], fields: Sequence[str | 
                              f"columns={{{what!r}: {names[0]!r}}} (--data.init_args.columns)")
 
 
-def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = ()) -> str:
+def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = (),
+                    checked: Sequence[tuple[int, type]] = ((0, int), (1, int), (2, float))) -> str:
     """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
-    `string_fields` hold string ids, any text."""
+    `string_fields` hold string ids, any text; `checked`: (field, type) of the user, item and rating."""
     for i, raw in enumerate(data.split(b"\n"), start=1):
         if (has_header and i == 1) or not raw.strip():
             continue
         fields = raw.decode("latin-1").rstrip("\r").split(sep)
         try:
-            for k, parse in ((0, int), (1, int), (2, float)):
+            for k, parse in checked:
                 if k not in string_fields:
                     parse(fields[k])
         except (ValueError, IndexError):
@@ -425,15 +427,19 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
                         for i, h in enumerate(header)]
         _refuse_ambiguous(f"{path}:1", [h.strip().strip('"') for h in header],
                           [n if not n.startswith("_unused") else None for n in column_names])
-        missing = [n for n in names[:3] if n not in column_names]
+        missing = [n for n in names[:2] if n not in column_names]
         if missing:
-            raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
-                             f"rating[, timestamp] (ml-20m/25m's ratings.csv), or name yours: columns={{'user': ..., "
-                             f"'item': ..., 'rating': ...}} (--data.init_args.columns)")
-        num_fields = 4 if "timestamp" in column_names else 3
+            raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId"
+                             f"[, rating][, timestamp] (ml-20m/25m's ratings.csv), or name yours: columns={{'user': "
+                             f"..., 'item': ..., 'rating': ...}} (--data.init_args.columns)")
     elif num_fields not in (3, 4):
         raise ValueError(f"{path}:{2 if has_header else 1}: {num_fields} fields separated by {sep!r}; expected "
-                         f"user, item, rating[, timestamp]")
+                         f"user, item, rating[, timestamp] (implicit feedback, without a rating: start the file with "
+                         f"a header line naming its columns, user{sep}item[{sep}timestamp])")
+    # without a rating column (a header of user, item[, timestamp]) the log is implicit feedback, as a Parquet log
+    # without one: it was refused as "cannot find the separator of 'user,item'" or "no column for ['rating']"
+    included = [n for n in names if n in column_names]
+    num_fields = len(included)
 
     def read(string_ids: set[str]) -> pa.Table:
         return pacsv.read_csv(
@@ -443,7 +449,7 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
             convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
                                                                "rating": pa.float32(), "timestamp": pa.float64(),
                                                                **{n: pa.string() for n in string_ids}},
-                                                 include_columns=names[:num_fields]),
+                                                 include_columns=included),
         )
 
     # your own file may name users and items by strings ("A3SGXH7AUHU8GW", an ASIN): when integer ids do not parse,
@@ -463,17 +469,23 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
                 error = e2
         if table is None:
             ids = "numeric user, item" if not string_ids else "user, item"
-            bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids])
+            checked = [(column_names.index(n), t) for n, t in (("user_id", int), ("item_id", int), ("rating", float))
+                       if n in column_names]
+            bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids], checked)
             raise ValueError(f"{path}{bad_line}: cannot parse the ratings ({error}); expected {ids}, a numeric "
                              f"rating[, timestamp] separated by {sep!r}") from None
     _refuse_missing(table, data, path, has_header)
     for name in string_ids:
         table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), data, path,
                                                                                       name, has_header))
-    if num_fields == 3:
+    marks = {}
+    if "rating" not in included:  # implicit feedback: every interaction 1.0 (the mark tells min_rating so)
+        table = table.add_column(2, "rating", pa.array(np.ones(table.num_rows, np.float32)))
+        marks[_NO_RATING] = b"1"
+    if "timestamp" not in included:
         # zeros keep one schema for every file; the mark tells a temporal split there is no time to order by
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
-        table = table.replace_schema_metadata({_NO_TIME: b"1"})
+        table = table.replace_schema_metadata({**marks, _NO_TIME: b"1"})
     else:
         # read as float, kept as whole seconds: a log's fractional timestamps (1700000000.25) were refused, though
         # no split uses them (GroupLens' integer seconds, < 2**53, pass through float64 exactly)
@@ -481,6 +493,7 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
 
         where = table.column_names.index("timestamp")
         table = table.set_column(where, "timestamp", pc.cast(pc.floor(table.column("timestamp")), pa.int64()))
+        table = table.replace_schema_metadata(marks or None)
     return table
 
 
@@ -668,8 +681,8 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
     return users, items, titles, sizes
 
 
-_OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
-             "(integer or string ids; give a constant rating for implicit data), or as <folder>/ratings.parquet with "
+_OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item[,rating][,timestamp] "
+             "(integer or string ids; no rating: implicit feedback, 1.0), or as <folder>/ratings.parquet with "
              "columns user, item[, rating][, timestamp], and pass the folder (or pass a .parquet file or pattern "
              "itself)")
 
