@@ -89,7 +89,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate, worker_options
 from lightning_rec.data.criteo_parse import open_criteo_stream
 from lightning_rec.data.criteo_tables import glob_files
-from lightning_rec.data.hf_dataset import dataset_path
+from lightning_rec.data.hf_dataset import check_same_rows, dataset_path, is_hf_dataset, rows_digest
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 log = logging.getLogger(__name__)
@@ -993,9 +993,12 @@ class MovieLensDataModule(pl.LightningDataModule):
         # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
         # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
         # (lightning_rec.data.hf_dataset)
+        given = data_dir
         data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet",
                                 split_names=tuple(_SPLIT_WORDS) if split == GIVEN else (),
                                 dict_hint=", or split='given' to train, validate and test on its splits as they are")
+        # compared over the ranks at setup: a Dataset shuffled without a seed differs between them
+        self._dataset_rows = {"data_dir": rows_digest(given)} if is_hf_dataset(given) else {}
         self.save_hyperparameters()
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
@@ -1199,6 +1202,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self._check_data_dir()
 
     def setup(self, stage: str | None = None) -> None:
+        check_same_rows(self._dataset_rows, "MovieLensDataModule")
         if not self._built:
             self._build()
 
