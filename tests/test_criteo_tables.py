@@ -341,3 +341,21 @@ def test_a_bad_row_in_a_streamed_table_is_named_or_skipped(text, tmp_path):
         list(_streamed(f))
     loader = _streamed(f, on_bad_row="skip")
     assert len(_rows(loader)) == 299 and loader.dataset.report.num_skipped_rows == 1
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_column_missing_in_every_row_reads_as_missing_values(tmp_path, streaming):
+    """A column of None only (Arrow's null type: datasets.Dataset.from_dict / from_pandas of a sample where I12 or
+    C22, Criteo's most-missing columns, is never set) was refused: "column 'I12' is of type null: must be a number";
+    its text file, all empty fields there, read fine. Now it is missing in every row, as the text's empty fields."""
+    import datasets
+
+    lines = [[str(k % 2), str(k)] + [""] * 12 + [f"{k:08x}"] + [""] * 25 for k in range(20)]
+    path = tmp_path / "rows.tsv"
+    path.write_text("".join("\t".join(line) + "\n" for line in lines))
+    ds = datasets.Dataset.from_dict({"label": [int(line[0]) for line in lines], "I1": [int(line[1]) for line in lines],
+                                     **{f"I{j}": [None] * 20 for j in range(2, 14)},
+                                     "C1": [line[14] for line in lines],
+                                     **{f"C{j}": [None] * 20 for j in range(2, 27)}})
+    assert pa.types.is_null(ds.data.table.schema.field("I12").type)
+    assert _same(_batches(path, tmp_path / "c", streaming=streaming), _batches(ds, tmp_path / "c", streaming=streaming))

@@ -16,6 +16,7 @@ C1..C26; others (an `Id`) are left alone. The values become the cache's raw valu
     C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
             column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
             an integer column with missing values; NaN: missing)
+    I, C    a column of nulls only (Arrow's null type, from a column of None): missing in every row
 Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file).
 
 Read three ways, as text is: converted once into the memory-mapped cache (`read_criteo_table`, through
@@ -151,6 +152,8 @@ def table_has_label(path: str | os.PathLike, has_label: bool | None = None) -> b
 
 def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Any number / bool / string column -> float64 [N] (NaN: null) and a bad-value mask [N]."""
+    if pa.types.is_null(col.type):  # no value in any row (Arrow's type for a column of None only): all missing
+        return np.full(len(col), np.nan), np.zeros(len(col), dtype=bool)
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
         return _strings_to_float(col.cast(pa.string()))
     if pa.types.is_dictionary(col.type):
@@ -164,6 +167,8 @@ def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """A C column -> raw ids int64 [N] (-1: missing) and a bad-value mask [N]."""
+    if pa.types.is_null(col.type):  # every value missing, as above
+        return np.full(len(col), -1, dtype=np.int64), np.zeros(len(col), dtype=bool)
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
