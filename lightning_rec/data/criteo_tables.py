@@ -15,7 +15,8 @@ C1..C26; others (an `Id`) are left alone. The values become the cache's raw valu
     I1..13  any number type (null: missing); strings as in text files
     C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
             column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
-            an integer column with missing values; NaN: missing)
+            an integer column with missing values; NaN: missing); ids are hashed as text hashes are
+            (reserved_id: row 1 + v % (n - 1), so ids 0..V-1 need n >= V + 1 rows to stay apart)
     I, C    a column of nulls only (Arrow's null type, from a column of None): missing in every row
 Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file).
 
