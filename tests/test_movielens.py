@@ -833,3 +833,22 @@ def test_a_csv_log_without_a_rating_column_is_implicit_feedback_as_a_parquet_log
     _write(tmp_path / "bare" / "ratings.csv", "".join(f"{u},{i}\n" for u, i, _ in rows))  # no header: no names
     with pytest.raises(ValueError, match=r"2 fields separated by ','.*start the file with a header line"):
         MovieLensDataModule(str(tmp_path / "bare"), side_features=False).setup()
+
+
+def test_bpr_negatives_differ_between_epochs_without_shuffling_too(tmp_path):
+    """A batch's negatives are seeded by the batch: unshuffled (shuffle=False), every epoch has the same batches, so
+    each pair met the same negative in every epoch, for the whole run. The epoch is now part of their seed there (a
+    shuffled run keeps its negatives); a new loader draws the same epochs' negatives again."""
+    _write(tmp_path / "ml" / "ratings.csv", "user,item,rating,timestamp\n"
+           + "".join(f"{u},{i},4,{u * 100 + i}\n" for u in range(12) for i in range(u % 4, 40, 3)))
+
+    def passes(shuffle: bool) -> list[torch.Tensor]:
+        dm = MovieLensDataModule(str(tmp_path / "ml"), batch_size=16, num_negatives=1, shuffle=shuffle,
+                                 side_features=False)
+        dm.setup("fit")
+        loader = dm.train_dataloader()  # outside a Trainer each pass is the next epoch
+        return [torch.cat([b.neg_item_index for b in loader]) for _ in range(3)]
+
+    fixed = passes(shuffle=False)
+    assert not torch.equal(fixed[0], fixed[1]) and not torch.equal(fixed[1], fixed[2])
+    assert all(torch.equal(a, b) for a, b in zip(fixed, passes(shuffle=False)))  # reproducible

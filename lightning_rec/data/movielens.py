@@ -820,8 +820,12 @@ class InteractionDataset(Dataset):
     """
 
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
-                 num_negatives: int, seed: int) -> None:
+                 num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
         self.user_N, self.item_N = user_N, item_N
+        # unshuffled, a pair is in the same batch every epoch: the epoch (told by the loader's set_epoch, in shared
+        # memory so that loader workers see it) then varies its negatives (see _batch_generator)
+        self.epoch_in_seed = epoch_in_seed
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.users, self.items, self.num_items = users, items, num_items
         counts_I = torch.bincount(item_N, minlength=num_items).double()
         # an item absent from training has frequency 0; clamp so log q stays finite (it is never in a batch)
@@ -840,15 +844,24 @@ class InteractionDataset(Dataset):
     def __len__(self) -> int:
         return self.user_N.shape[0]
 
+    def set_epoch(self, epoch: int) -> None:
+        """The pass the loader starts (StatefulBatchLoader calls it; the fit loop's epoch in a Trainer, also when a run
+        resumes)."""
+        self._epoch[0] = int(epoch)
+
     def _batch_generator(self, idx_B: Tensor) -> torch.Generator:
         """A generator seeded by the batch itself (its pair indices and the module's seed).
 
         Not one generator advanced batch by batch: that would tie a batch's negatives to how many
         batches this process drew before (a resumed run, a loader worker, the loop's read-ahead), so a
         run resumed mid-epoch would train other negatives. Seeded by content, a batch is the same
-        wherever and whenever it is drawn; shuffling makes each epoch's batches differ.
+        wherever and whenever it is drawn; shuffling makes each epoch's batches differ. Without shuffling
+        (`epoch_in_seed`) the epoch is part of the seed: each pair met the same negative in every epoch.
         """
-        digest = hashlib.blake2b(idx_B.numpy().tobytes(), digest_size=8, key=self._seed_key).digest()
+        data = idx_B.numpy().tobytes()
+        if self.epoch_in_seed:
+            data += int(self._epoch[0]).to_bytes(8, "little", signed=True)
+        digest = hashlib.blake2b(data, digest_size=8, key=self._seed_key).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
     def _seen(self, user_B: Tensor, item_B: Tensor) -> Tensor:
@@ -1254,6 +1267,7 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
+        self.datasets["train"].epoch_in_seed = not self.shuffle  # (read here: shuffle may be set after setup)
         return make_train_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
                                  drop_last=self.drop_last, seed=self.seed, trainer=self.trainer,
                                  **self._loader_options())
