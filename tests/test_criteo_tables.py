@@ -359,3 +359,21 @@ def test_a_column_missing_in_every_row_reads_as_missing_values(tmp_path, streami
                                      **{f"C{j}": [None] * 20 for j in range(2, 27)}})
     assert pa.types.is_null(ds.data.table.schema.field("I12").type)
     assert _same(_batches(path, tmp_path / "c", streaming=streaming), _batches(ds, tmp_path / "c", streaming=streaming))
+
+
+def test_a_nan_count_in_a_float_column_is_missing_as_a_null_is(text, tmp_path):
+    """I columns as numpy floats (Dataset.from_dict of arrays, Polars): NaN is their missing value, as it is the
+    cache's, but it was a bad row ("I1 must be a number, got nan"), and on_bad_row='skip', which the error offered,
+    dropped every row with a missing count. Now it reads as the text's empty field; an infinite count is still bad."""
+    import datasets
+
+    table = _as_table(text)
+    floats = {name: (table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+                     if name.startswith("I") else table.column(name).to_pylist()) for name in table.column_names}
+    assert np.isnan(floats["I1"]).any()
+    ds = datasets.Dataset.from_dict(floats)
+    assert not ds.data.table.column("I1").null_count  # NaN values, not nulls
+    assert _same(_batches(text, tmp_path / "c"), _batches(ds, tmp_path / "c"))
+    floats["I2"] = np.where(np.arange(len(floats["I2"])) == 4, np.inf, floats["I2"])
+    with pytest.raises(ValueError, match=r"row 4: I2 must be a number.*got inf"):
+        _batches(datasets.Dataset.from_dict(floats), tmp_path / "c")

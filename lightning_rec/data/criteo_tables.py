@@ -12,7 +12,7 @@ Columns are found by name, as in a text file's header (case ignored): `label` (o
 C1..C26; others (an `Id`) are left alone. The values become the cache's raw values
 (`lightning_rec.data.criteo`), so a table and the text file it came from give the same batches:
     label   0/1 as any integer, float or bool type (null or another value: a bad row)
-    I1..13  any number type (null: missing); strings as in text files
+    I1..13  any number type (null or NaN: missing); strings as in text files
     C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
             column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
             an integer column with missing values; NaN: missing); ids are hashed as text hashes are
@@ -162,8 +162,9 @@ def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
         raise TypeError(col.type)
     values_N = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN
-    null_N = col.is_null().to_numpy(zero_copy_only=False)
-    return values_N, ~np.isfinite(values_N) & ~null_N
+    # a NaN value is missing, as a null (numpy's and Polars' missing float, and the cache's own): it was a bad row,
+    # and on_bad_row='skip', which the error offered, dropped every row with a missing count (most Criteo rows)
+    return values_N, np.isinf(values_N)
 
 
 def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
