@@ -852,3 +852,17 @@ def test_bpr_negatives_differ_between_epochs_without_shuffling_too(tmp_path):
     fixed = passes(shuffle=False)
     assert not torch.equal(fixed[0], fixed[1]) and not torch.equal(fixed[1], fixed[2])
     assert all(torch.equal(a, b) for a, b in zip(fixed, passes(shuffle=False)))  # reproducible
+
+
+def test_a_nan_timestamp_in_a_parquet_log_is_named_not_an_arrow_cast_error(tmp_path):
+    """A float timestamp column holding NaN (numpy's missing value) failed in Arrow's cast, "Float value nan was
+    truncated converting to int64", naming neither the file nor the column; nulls there were already named."""
+    import pyarrow.parquet as pq
+
+    time = np.arange(30, dtype=np.float64)
+    time[3] = np.nan
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [u // 5 for u in range(30)], "item": [u % 7 for u in range(30)],
+                             "timestamp": time}), tmp_path / "pq" / "ratings.parquet")
+    with pytest.raises(ValueError, match=r"ratings\.parquet: column 'timestamp' \(double, 1 NaN\): a timestamp is"):
+        MovieLensDataModule(str(tmp_path / "pq"), split="loo", side_features=False).setup()

@@ -374,11 +374,14 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
         out[column] = pc.cast(col, kind)
     if "timestamp" in ours:
         col = table.column(ours["timestamp"])
-        if col.null_count or not (pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type)
-                                  or pa.types.is_floating(col.type)):
+        # a NaN (numpy's missing float) reached Arrow's cast as "Float value nan was truncated converting to int64"
+        nans = int(pc.sum(pc.is_nan(col)).as_py() or 0) if pa.types.is_floating(col.type) else 0
+        if col.null_count or nans or not (pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type)
+                                          or pa.types.is_floating(col.type)):
             raise ValueError(f"{path}: column {ours['timestamp']!r} ({col.type}"
-                             f"{f', {col.null_count} nulls' if col.null_count else ''}): a timestamp is a time or "
-                             f"a number of seconds in every row")
+                             f"{f', {col.null_count} nulls' if col.null_count else ''}"
+                             f"{f', {nans} NaN' if nans else ''}): a timestamp is a time or a number of seconds in "
+                             f"every row")
         if pa.types.is_timestamp(col.type):  # whole seconds, as GroupLens' files (sub-second ties keep file order)
             out["timestamp"] = pc.cast(pc.cast(col, pa.timestamp("s"), safe=False), pa.int64())
         else:
