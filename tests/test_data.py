@@ -942,3 +942,25 @@ def test_a_dataset_shuffled_without_a_seed_on_each_rank_is_refused_not_read_in_t
     (rows0, users0), (rows1, users1) = run_ranks(_dataset_rows_at_rank, 2, str(tmp_path / "b"), 3, timeout=120)
     assert sorted(rows0 + rows1) == list(range(64)) and len(rows0) == len(rows1) == 32
     assert users0 == users1
+
+
+@pytest.mark.parametrize("parser", ["native", "python"])
+def test_a_minus_one_label_says_to_map_it_not_to_skip_every_negative_row(tmp_path, parser):
+    """A -1/1-labelled file (libsvm style) was "label must be 0 or 1, got '-1'. Fix the file, or pass
+    on_bad_row='skip'": skipping dropped every negative row, training on clicks alone. It now names the mapping; a
+    table says the same; other bad labels keep the skip fix."""
+    import datasets
+
+    path = write(tmp_path, "pm.tsv", "\n".join(good_row(1).replace("1", "-1", 1) if k == 1 else good_row(1)
+                                               for k in range(3)) + "\n")
+    with pytest.raises(ValueError, match=r"pm\.tsv:2: label must be 0 or 1, got '-1'\. The file's labels look like "
+                                         r"-1/1: map -1 to 0 first \(sed 's/\^-1/0/'.*would drop every negative row"):
+        build_criteo_cache(str(path), tmp_path / "cache", parser=parser)
+    rows = [good_row(0).split("\t") for _ in range(2)]
+    ds = datasets.Dataset.from_dict({"label": [1, -1], **{f"I{j}": [int(r[j]) for r in rows] for j in range(1, 14)},
+                                     **{f"C{j}": [r[13 + j] for r in rows] for j in range(1, 27)}})
+    with pytest.raises(ValueError, match=r"row 1: label must be 0 or 1, got -1\. The table's labels look like -1/1"):
+        CriteoDataModule(train_path=ds, cache_dir=str(tmp_path / "c")).prepare_data()
+    write(tmp_path, "two.tsv", good_row(1).replace("1", "2", 1) + "\n")
+    with pytest.raises(ValueError, match=r"got '2'\. Fix the file, or pass on_bad_row='skip'"):
+        build_criteo_cache(str(tmp_path / "two.tsv"), tmp_path / "cache", parser=parser)

@@ -50,6 +50,7 @@ from lightning_rec.data.criteo_parse import (
     _raise_or_record,
     _strings_to_float,
     _to_table,
+    minus_one_label_fix,
 )
 
 _PARQUET_MAGIC = b"PAR1"
@@ -245,8 +246,9 @@ def _checked(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
     label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen)
     if problems and on_bad_row == "error":  # the first bad row, its first bad field (by rank)
         rows, why, _ = min(problems, key=lambda p: (int(p[0].min()), p[2]))
-        raise ValueError(f"{why(int(rows.argmin()))}. Fix the table, or pass on_bad_row='skip' to drop such "
-                         f"rows (they are counted and logged)")
+        reason = why(int(rows.argmin()))
+        raise ValueError(f"{reason}. " + (minus_one_label_fix(reason, "table") or "Fix the table, or pass "
+                                          "on_bad_row='skip' to drop such rows (they are counted and logged)"))
     _raise_or_record(problems, on_bad_row, str(report.path), report)
     report.num_skipped_rows += int(bad_N.sum())
     report.num_rows += int((~bad_N).sum())
