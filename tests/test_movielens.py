@@ -866,3 +866,21 @@ def test_a_nan_timestamp_in_a_parquet_log_is_named_not_an_arrow_cast_error(tmp_p
                              "timestamp": time}), tmp_path / "pq" / "ratings.parquet")
     with pytest.raises(ValueError, match=r"ratings\.parquet: column 'timestamp' \(double, 1 NaN\): a timestamp is"):
         MovieLensDataModule(str(tmp_path / "pq"), split="loo", side_features=False).setup()
+
+
+def test_a_headerless_log_read_as_headed_says_its_first_row_became_the_names(tmp_path, monkeypatch):
+    """load_dataset("csv", data_files="u.data", sep="\\t") takes u.data's first rating as the column names ('196',
+    '242', ...): the error said to map them, columns={'user': '196', ...}, which then dropped that rating in silence.
+    It now says the names are a row and to read the file with column names."""
+    import datasets
+
+    from lightning_rec.data import movielens
+
+    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    rows = [(u, i, 4, 100 + k) for k, (u, i) in enumerate((u, i) for u in range(1, 5) for i in range(1, 6))]
+    path = _write(tmp_path / "u.data", "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
+    ds = datasets.load_dataset("csv", data_files=str(path), sep="\t", split="train", cache_dir=str(tmp_path / "hf"))
+    assert ds.column_names[0] == "1" and len(ds) == len(rows) - 1
+    with pytest.raises(ValueError, match=r"column names \['1', '1.1', '4', '100'\] are numbers: the log had no "
+                                         r"header line.*column_names=\['user', 'item', 'rating', 'timestamp'\]"):
+        MovieLensDataModule(ds, side_features=False).setup()

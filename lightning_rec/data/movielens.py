@@ -333,6 +333,13 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
     ours = {mapped: name for name, mapped in zip(schema.names, fields) if mapped}
     missing = [n for n in ("user_id", "item_id") if n not in ours]
     if missing:
+        if schema.names and all(re.fullmatch(r"\s*-?\d+(\.\d*)?\s*", name) for name in schema.names):
+            # a headerless file read as if headed (load_dataset("csv", ...) of u.data): its first row became the
+            # names, and columns={'user': '196', ...}, the fix said below, then dropped that interaction in silence
+            raise ValueError(f"{path}: its column names {schema.names[:4]} are numbers: the log had no header line, so "
+                             f"its first row was taken as the names (and is not among the rows). Read it again with "
+                             f"names, e.g. load_dataset('csv', data_files=..., sep='\\t', "
+                             f"column_names=['user', 'item', 'rating', 'timestamp']), or pass the file's folder itself")
         raise ValueError(f"{path}: no column for {missing} among {schema.names[:8]}: name the columns user (or userId, "
                          f"user_id), item (or movieId, item_id)[, rating][, timestamp], or say which are which: "
                          f"columns={{'user': ..., 'item': ...}} (--data.init_args.columns)")
