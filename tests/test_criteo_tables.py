@@ -377,3 +377,16 @@ def test_a_nan_count_in_a_float_column_is_missing_as_a_null_is(text, tmp_path):
     floats["I2"] = np.where(np.arange(len(floats["I2"])) == 4, np.inf, floats["I2"])
     with pytest.raises(ValueError, match=r"row 4: I2 must be a number.*got inf"):
         _batches(datasets.Dataset.from_dict(floats), tmp_path / "c")
+
+
+def test_a_headerless_criteo_file_read_as_headed_says_its_first_row_became_the_names(text, tmp_path):
+    """load_dataset("csv", data_files="train.txt", sep="\\t") takes the first row as column names ('0', '1', '1.1',
+    'Unnamed: 12', '68fd1e64', ...): the error said to rename the columns, which then dropped that row in silence. It
+    now says the names are a row, and to pass the file itself or read it with column names."""
+    import datasets
+
+    ds = datasets.load_dataset("csv", data_files=str(text), sep="\t", split="train", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match=r"are a Criteo row: the file had no header line.*Pass the file itself"):
+        _batches(ds, tmp_path / "c")
+    with pytest.raises(ValueError, match=r"no column for \['I1'.*rename its columns"):  # other names: as before
+        _batches(ds.rename_columns({name: f"x{k}" for k, name in enumerate(ds.column_names)}), tmp_path / "c")

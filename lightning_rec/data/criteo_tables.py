@@ -121,6 +121,15 @@ def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None)
     by_lower = {name.lower(): name for name in schema.names}
     wanted = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)] + [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
     missing = [w for w in wanted if w.lower() not in by_lower]
+    if missing and schema.names and all(re.fullmatch(r"-?\d+(\.\d*)?|[0-9a-f]{8}(\.\d+)?|Unnamed: \d+|", name)
+                                        for name in schema.names):
+        # a headerless file read as headed (load_dataset("csv", ...) of train.txt): its first row became the names,
+        # and renaming them, the fix said below, then dropped that row in silence
+        raise ValueError(f"{path}: its column names {schema.names[:5]} ... are a Criteo row: the file had no header "
+                         f"line, so its first row was taken as the names (and is not among the rows). Pass the file "
+                         f"itself (train.txt and day files are read without a header), or read it again with names, "
+                         f"e.g. load_dataset('csv', data_files=..., sep='\\t', column_names=['label', 'I1', ..., "
+                         f"'C26'])")
     if missing:
         raise ValueError(f"{path}: the table has no column for {missing} (its columns: {schema.names[:8]}"
                          f"{' ...' if len(schema.names) > 8 else ''}): a Criteo table names label (optional), I1..I13 "
