@@ -390,3 +390,15 @@ def test_a_headerless_criteo_file_read_as_headed_says_its_first_row_became_the_n
         _batches(ds, tmp_path / "c")
     with pytest.raises(ValueError, match=r"no column for \['I1'.*rename its columns"):  # other names: as before
         _batches(ds.rename_columns({name: f"x{k}" for k, name in enumerate(ds.column_names)}), tmp_path / "c")
+
+
+def test_count_columns_of_strings_read_an_empty_string_as_missing_as_the_text_does(text, tmp_path):
+    """Every column as strings (load_dataset("csv") with string features, pandas' dtype=str, keep_default_na=False):
+    an empty I field was a bad row ("I1 must be a number, got ''"), though the text's empty field is missing and a C
+    column's "" was already; on_bad_row='skip' then dropped every row with a missing count. Now "" is missing."""
+    import datasets
+
+    lines = [line.split("\t") for line in text.read_text().splitlines()]
+    assert any(line[1] == "" for line in lines)
+    ds = datasets.Dataset.from_dict({name: [line[k] for line in lines] for k, name in enumerate(NAMES)})
+    assert _same(_batches(text, tmp_path / "c"), _batches(ds, tmp_path / "c"))

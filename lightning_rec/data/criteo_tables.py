@@ -12,7 +12,7 @@ Columns are found by name, as in a text file's header (case ignored): `label` (o
 C1..C26; others (an `Id`) are left alone. The values become the cache's raw values
 (`lightning_rec.data.criteo`), so a table and the text file it came from give the same batches:
     label   0/1 as any integer, float or bool type (null or another value: a bad row)
-    I1..13  any number type (null or NaN: missing); strings as in text files
+    I1..13  any number type (null or NaN: missing); strings as in text files ("": missing)
     C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
             column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
             an integer column with missing values; NaN: missing); ids are hashed as text hashes are
@@ -166,7 +166,11 @@ def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_null(col.type):  # no value in any row (Arrow's type for a column of None only): all missing
         return np.full(len(col), np.nan), np.zeros(len(col), dtype=bool)
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-        return _strings_to_float(col.cast(pa.string()))
+        # "" is missing, as an empty field of the text (and of a C column): it was a bad row, and on_bad_row='skip'
+        # then dropped every row with a missing count (strings: load_dataset("csv") with string features, pandas'
+        # dtype=str)
+        col = col.cast(pa.string())
+        return _strings_to_float(pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col))
     if pa.types.is_dictionary(col.type):
         return _numbers(col.dictionary_decode())
     if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
