@@ -341,3 +341,64 @@ def test_a_bad_row_in_a_streamed_table_is_named_or_skipped(text, tmp_path):
         list(_streamed(f))
     loader = _streamed(f, on_bad_row="skip")
     assert len(_rows(loader)) == 299 and loader.dataset.report.num_skipped_rows == 1
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_column_missing_in_every_row_reads_as_missing_values(tmp_path, streaming):
+    """A column of None only (Arrow's null type: datasets.Dataset.from_dict / from_pandas of a sample where I12 or
+    C22, Criteo's most-missing columns, is never set) was refused: "column 'I12' is of type null: must be a number";
+    its text file, all empty fields there, read fine. Now it is missing in every row, as the text's empty fields."""
+    import datasets
+
+    lines = [[str(k % 2), str(k)] + [""] * 12 + [f"{k:08x}"] + [""] * 25 for k in range(20)]
+    path = tmp_path / "rows.tsv"
+    path.write_text("".join("\t".join(line) + "\n" for line in lines))
+    ds = datasets.Dataset.from_dict({"label": [int(line[0]) for line in lines], "I1": [int(line[1]) for line in lines],
+                                     **{f"I{j}": [None] * 20 for j in range(2, 14)},
+                                     "C1": [line[14] for line in lines],
+                                     **{f"C{j}": [None] * 20 for j in range(2, 27)}})
+    assert pa.types.is_null(ds.data.table.schema.field("I12").type)
+    assert _same(_batches(path, tmp_path / "c", streaming=streaming), _batches(ds, tmp_path / "c", streaming=streaming))
+
+
+def test_a_nan_count_in_a_float_column_is_missing_as_a_null_is(text, tmp_path):
+    """I columns as numpy floats (Dataset.from_dict of arrays, Polars): NaN is their missing value, as it is the
+    cache's, but it was a bad row ("I1 must be a number, got nan"), and on_bad_row='skip', which the error offered,
+    dropped every row with a missing count. Now it reads as the text's empty field; an infinite count is still bad."""
+    import datasets
+
+    table = _as_table(text)
+    floats = {name: (table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+                     if name.startswith("I") else table.column(name).to_pylist()) for name in table.column_names}
+    assert np.isnan(floats["I1"]).any()
+    ds = datasets.Dataset.from_dict(floats)
+    assert not ds.data.table.column("I1").null_count  # NaN values, not nulls
+    assert _same(_batches(text, tmp_path / "c"), _batches(ds, tmp_path / "c"))
+    floats["I2"] = np.where(np.arange(len(floats["I2"])) == 4, np.inf, floats["I2"])
+    with pytest.raises(ValueError, match=r"row 4: I2 must be a number.*got inf"):
+        _batches(datasets.Dataset.from_dict(floats), tmp_path / "c")
+
+
+def test_a_headerless_criteo_file_read_as_headed_says_its_first_row_became_the_names(text, tmp_path):
+    """load_dataset("csv", data_files="train.txt", sep="\\t") takes the first row as column names ('0', '1', '1.1',
+    'Unnamed: 12', '68fd1e64', ...): the error said to rename the columns, which then dropped that row in silence. It
+    now says the names are a row, and to pass the file itself or read it with column names."""
+    import datasets
+
+    ds = datasets.load_dataset("csv", data_files=str(text), sep="\t", split="train", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match=r"are a Criteo row: the file had no header line.*Pass the file itself"):
+        _batches(ds, tmp_path / "c")
+    with pytest.raises(ValueError, match=r"no column for \['I1'.*rename its columns"):  # other names: as before
+        _batches(ds.rename_columns({name: f"x{k}" for k, name in enumerate(ds.column_names)}), tmp_path / "c")
+
+
+def test_count_columns_of_strings_read_an_empty_string_as_missing_as_the_text_does(text, tmp_path):
+    """Every column as strings (load_dataset("csv") with string features, pandas' dtype=str, keep_default_na=False):
+    an empty I field was a bad row ("I1 must be a number, got ''"), though the text's empty field is missing and a C
+    column's "" was already; on_bad_row='skip' then dropped every row with a missing count. Now "" is missing."""
+    import datasets
+
+    lines = [line.split("\t") for line in text.read_text().splitlines()]
+    assert any(line[1] == "" for line in lines)
+    ds = datasets.Dataset.from_dict({name: [line[k] for line in lines] for k, name in enumerate(NAMES)})
+    assert _same(_batches(text, tmp_path / "c"), _batches(ds, tmp_path / "c"))

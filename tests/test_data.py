@@ -898,3 +898,71 @@ def test_data_modules_take_dataloader_worker_arguments_and_check_them_at_constru
             make(prefetch_factor=2)
         with pytest.raises(ValueError, match=rf"{name} persistent_workers=True needs worker processes"):
             make(persistent_workers=True)
+
+
+def _dataset_rows_at_rank(rank: int, world_size: int, root: str, seed: int | None) -> object:
+    """Each rank builds its own Dataset, as each process of a Lightning run does, from its own numpy random state;
+    the rows of a hand-written loop's first pass (dense I1 = the row's number), or the error."""
+    import datasets
+
+    from lightning_rec.data import MovieLensDataModule, movielens
+
+    movielens.default_cache_dir = lambda: Path(root) / "movielens"  # (this rank's process only)
+
+    np.random.seed(100 + rank)  # two separately started processes: numpy's random state differs
+    rows = [good_row(k % 2, i1=str(k)).split("\t") for k in range(64)]
+    ds = datasets.Dataset.from_dict({"label": [int(r[0]) for r in rows],
+                                     **{f"I{j}": [int(r[j]) for r in rows] for j in range(1, 14)},
+                                     **{f"C{j}": [r[13 + j] for r in rows] for j in range(1, 27)}})
+    ds = ds.shuffle(seed=seed)
+    out = []
+    for make in (lambda: CriteoDataModule(train_path=ds, batch_size=8, num_embeddings_per_feature=10,
+                                          cache_dir=root, shuffle=False),
+                 lambda: MovieLensDataModule(ds.rename_columns({"I1": "user", "I2": "item"}), side_features=False)):
+        try:
+            dm = make()
+            dm.setup("fit")
+            loader = dm.train_dataloader()
+            out.append(sorted(int(r) for b in loader for r in b.dense_features[:, 0].expm1().round())
+                       if isinstance(dm, CriteoDataModule) else len(dm.datasets["train"]))
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_dataset_shuffled_without_a_seed_on_each_rank_is_refused_not_read_in_two_orders(tmp_path):
+    """CriteoDataModule(train_path=ds.shuffle()) at 2 ranks: each process shuffled with its own numpy state, wrote its
+    own copy, and read its share of another order: 16 of 64 rows trained twice and 16 never, in silence (MovieLens
+    split each rank's order apart, so one rank's test interactions were another's training). Now setup compares the
+    ranks' rows and says to seed the shuffle; seeded, each row is read once."""
+    from tests.dist_utils import run_ranks
+
+    unseeded = run_ranks(_dataset_rows_at_rank, 2, str(tmp_path / "a"), None, timeout=120)
+    for rank_out in unseeded:
+        assert all(isinstance(said, str) and "on rank 1 holds other rows" in said and "shuffle(seed=0)" in said
+                   for said in rank_out), rank_out
+    (rows0, users0), (rows1, users1) = run_ranks(_dataset_rows_at_rank, 2, str(tmp_path / "b"), 3, timeout=120)
+    assert sorted(rows0 + rows1) == list(range(64)) and len(rows0) == len(rows1) == 32
+    assert users0 == users1
+
+
+@pytest.mark.parametrize("parser", ["native", "python"])
+def test_a_minus_one_label_says_to_map_it_not_to_skip_every_negative_row(tmp_path, parser):
+    """A -1/1-labelled file (libsvm style) was "label must be 0 or 1, got '-1'. Fix the file, or pass
+    on_bad_row='skip'": skipping dropped every negative row, training on clicks alone. It now names the mapping; a
+    table says the same; other bad labels keep the skip fix."""
+    import datasets
+
+    path = write(tmp_path, "pm.tsv", "\n".join(good_row(1).replace("1", "-1", 1) if k == 1 else good_row(1)
+                                               for k in range(3)) + "\n")
+    with pytest.raises(ValueError, match=r"pm\.tsv:2: label must be 0 or 1, got '-1'\. The file's labels look like "
+                                         r"-1/1: map -1 to 0 first \(sed 's/\^-1/0/'.*would drop every negative row"):
+        build_criteo_cache(str(path), tmp_path / "cache", parser=parser)
+    rows = [good_row(0).split("\t") for _ in range(2)]
+    ds = datasets.Dataset.from_dict({"label": [1, -1], **{f"I{j}": [int(r[j]) for r in rows] for j in range(1, 14)},
+                                     **{f"C{j}": [r[13 + j] for r in rows] for j in range(1, 27)}})
+    with pytest.raises(ValueError, match=r"row 1: label must be 0 or 1, got -1\. The table's labels look like -1/1"):
+        CriteoDataModule(train_path=ds, cache_dir=str(tmp_path / "c")).prepare_data()
+    write(tmp_path, "two.tsv", good_row(1).replace("1", "2", 1) + "\n")
+    with pytest.raises(ValueError, match=r"got '2'\. Fix the file, or pass on_bad_row='skip'"):
+        build_criteo_cache(str(tmp_path / "two.tsv"), tmp_path / "cache", parser=parser)

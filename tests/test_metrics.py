@@ -711,3 +711,16 @@ def test_ignore_index_leaves_entries_out_as_torchmetrics_and_other_retrieval_arg
         Precision(top_k=3, adaptive_k=True)
     with pytest.raises(ValueError, match="aggregation='median'.*torchmetrics.retrieval"):
         NDCG(top_k=3, aggregation="median")
+
+
+def test_a_score_nan_in_the_flat_form_is_said_as_in_the_other_forms():
+    """update(preds, target, indexes) with a NaN score ranked it last, as the other forms do, but compute() said
+    nothing (the candidate and full forms warn): a diverged model's flat scores gave quiet numbers."""
+    preds = torch.tensor([float("nan"), 0.5, 0.2, 0.9, 0.1, 0.3])
+    target = torch.tensor([1, 0, 0, 1, 0, 0])
+    flat, lists = RankingMetrics(ks=2), RankingMetrics(ks=2)
+    flat.update(preds, target, torch.tensor([0, 0, 0, 1, 1, 1]))
+    lists.update(preds.view(2, 3), target.view(2, 3))
+    for metric in (flat, lists):
+        with pytest.warns(UserWarning, match="1 of the scores are NaN: ranked last"):
+            assert float(metric.compute()["ndcg@2"]) == 0.5

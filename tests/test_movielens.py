@@ -632,7 +632,7 @@ def test_latin1_item_file_other_layouts_and_bad_folders(tmp_path):
     # a user's own file: the messages say how to name it (a file as data_dir was told to "download GroupLens")
     own = _write(tmp_path / "own" / "interactions.csv", "user,item,rating,timestamp\n1,2,1,0\n")
     for where in (own, own.parent):
-        with pytest.raises(ValueError, match=r"<folder>/ratings.csv with the header user,item,rating"):
+        with pytest.raises(ValueError, match=r"<folder>/ratings.csv with the header user,item\[,rating\]"):
             MovieLensDataModule(str(where)).setup()
     with pytest.raises(ValueError, match="not a folder"):
         MovieLensDataModule(str(tmp_path / "missing")).setup()
@@ -805,3 +805,82 @@ def test_bpr_warns_when_a_user_has_seen_every_item():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*interacted with every")
         _interactions([(0, i) for i in range(4)] + [(1, 0)], 2, 4, num_negatives=0)
+
+
+def test_a_csv_log_without_a_rating_column_is_implicit_feedback_as_a_parquet_log(tmp_path):
+    """`user,item[,timestamp]` (an implicit log: clicks, plays) was refused as "cannot find the separator of
+    'user,item'", or "no column for ['rating']" with a timestamp, where the same log as Parquet (or a datasets.Dataset)
+    read as implicit feedback; now the CSV reads the same, every interaction 1.0."""
+    import pyarrow.parquet as pq
+
+    rows = [(u, (u * 3 + j) % 9, 100 + k) for k, (u, j) in enumerate((u, j) for u in range(6) for j in range(5))]
+    _write(tmp_path / "uit" / "ratings.csv", "user,item,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    _write(tmp_path / "ui" / "ratings.csv", "user\titem\n" + "".join(f"{u}\t{i}\n" for u, i, _ in rows))
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [r[0] for r in rows], "item": [r[1] for r in rows],
+                             "timestamp": [r[2] for r in rows]}), tmp_path / "pq" / "ratings.parquet")
+    for name, split in (("uit", "loo"), ("ui", "ro_811")):
+        csv, parquet = (MovieLensDataModule(str(tmp_path / d), split=split, side_features=False)
+                        for d in (name, "pq"))
+        csv.setup()
+        parquet.setup()
+        assert (csv.user_ids == parquet.user_ids).all() and (csv.item_ids == parquet.item_ids).all()
+        assert torch.equal(csv.part_N, parquet.part_N) and csv.ratings["rating"] == [1.0] * len(rows)
+    with pytest.raises(ValueError, match="has no rating column"):
+        MovieLensDataModule(str(tmp_path / "ui"), min_rating=4, side_features=False).setup()
+    with pytest.raises(ValueError, match="has no timestamp column"):
+        MovieLensDataModule(str(tmp_path / "ui"), split="loo", side_features=False).setup()
+    _write(tmp_path / "bare" / "ratings.csv", "".join(f"{u},{i}\n" for u, i, _ in rows))  # no header: no names
+    with pytest.raises(ValueError, match=r"2 fields separated by ','.*start the file with a header line"):
+        MovieLensDataModule(str(tmp_path / "bare"), side_features=False).setup()
+
+
+def test_bpr_negatives_differ_between_epochs_without_shuffling_too(tmp_path):
+    """A batch's negatives are seeded by the batch: unshuffled (shuffle=False), every epoch has the same batches, so
+    each pair met the same negative in every epoch, for the whole run. The epoch is now part of their seed there (a
+    shuffled run keeps its negatives); a new loader draws the same epochs' negatives again."""
+    _write(tmp_path / "ml" / "ratings.csv", "user,item,rating,timestamp\n"
+           + "".join(f"{u},{i},4,{u * 100 + i}\n" for u in range(12) for i in range(u % 4, 40, 3)))
+
+    def passes(shuffle: bool) -> list[torch.Tensor]:
+        dm = MovieLensDataModule(str(tmp_path / "ml"), batch_size=16, num_negatives=1, shuffle=shuffle,
+                                 side_features=False)
+        dm.setup("fit")
+        loader = dm.train_dataloader()  # outside a Trainer each pass is the next epoch
+        return [torch.cat([b.neg_item_index for b in loader]) for _ in range(3)]
+
+    fixed = passes(shuffle=False)
+    assert not torch.equal(fixed[0], fixed[1]) and not torch.equal(fixed[1], fixed[2])
+    assert all(torch.equal(a, b) for a, b in zip(fixed, passes(shuffle=False)))  # reproducible
+
+
+def test_a_nan_timestamp_in_a_parquet_log_is_named_not_an_arrow_cast_error(tmp_path):
+    """A float timestamp column holding NaN (numpy's missing value) failed in Arrow's cast, "Float value nan was
+    truncated converting to int64", naming neither the file nor the column; nulls there were already named."""
+    import pyarrow.parquet as pq
+
+    time = np.arange(30, dtype=np.float64)
+    time[3] = np.nan
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"user": [u // 5 for u in range(30)], "item": [u % 7 for u in range(30)],
+                             "timestamp": time}), tmp_path / "pq" / "ratings.parquet")
+    with pytest.raises(ValueError, match=r"ratings\.parquet: column 'timestamp' \(double, 1 NaN\): a timestamp is"):
+        MovieLensDataModule(str(tmp_path / "pq"), split="loo", side_features=False).setup()
+
+
+def test_a_headerless_log_read_as_headed_says_its_first_row_became_the_names(tmp_path, monkeypatch):
+    """load_dataset("csv", data_files="u.data", sep="\\t") takes u.data's first rating as the column names ('196',
+    '242', ...): the error said to map them, columns={'user': '196', ...}, which then dropped that rating in silence.
+    It now says the names are a row and to read the file with column names."""
+    import datasets
+
+    from lightning_rec.data import movielens
+
+    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    rows = [(u, i, 4, 100 + k) for k, (u, i) in enumerate((u, i) for u in range(1, 5) for i in range(1, 6))]
+    path = _write(tmp_path / "u.data", "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
+    ds = datasets.load_dataset("csv", data_files=str(path), sep="\t", split="train", cache_dir=str(tmp_path / "hf"))
+    assert ds.column_names[0] == "1" and len(ds) == len(rows) - 1
+    with pytest.raises(ValueError, match=r"column names \['1', '1.1', '4', '100'\] are numbers: the log had no "
+                                         r"header line.*column_names=\['user', 'item', 'rating', 'timestamp'\]"):
+        MovieLensDataModule(ds, side_features=False).setup()

@@ -108,7 +108,7 @@ from lightning_rec.data.criteo_tables import (
     table_has_label,
     table_source_kind,
 )
-from lightning_rec.data.hf_dataset import dataset_path
+from lightning_rec.data.hf_dataset import check_same_rows, dataset_path, is_hf_dataset, rows_digest
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -675,9 +675,11 @@ class CriteoDataModule(pl.LightningDataModule):
         # a datasets.Dataset becomes the path of its Parquet copy, before the arguments are saved as
         # hyperparameters (lightning_rec.data.hf_dataset)
         root = cache_dir or default_cache_dir()
+        given = {"train_path": train_path, "val_path": val_path, "test_path": test_path, "predict_path": predict_path}
         train_path, val_path, test_path, predict_path = (
-            dataset_path(p, f"CriteoDataModule {n}_path", root, "data.parquet", streams=True)
-            for n, p in (("train", train_path), ("val", val_path), ("test", test_path), ("predict", predict_path)))
+            dataset_path(p, f"CriteoDataModule {n}", root, "data.parquet", streams=True) for n, p in given.items())
+        # compared over the ranks at setup: a Dataset shuffled without a seed differs between them
+        self._dataset_rows = {n: rows_digest(p) for n, p in given.items() if is_hf_dataset(p)}
         self.save_hyperparameters()
         self.paths = {
             "train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path
@@ -823,6 +825,7 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self._check_same_ids(self._splits_of(stage))
+        check_same_rows(self._dataset_rows, "CriteoDataModule")
         for split in self._splits_of(stage):
             if split in self.datasets:
                 continue

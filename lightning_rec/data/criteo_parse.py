@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -497,6 +498,17 @@ def _emit(block: bytes, line: int, skip_header: bool) -> Iterator[tuple[bytes, i
         yield block, line
 
 
+def minus_one_label_fix(reason: str, what: str) -> str | None:
+    """The fix for a label of -1: the data is labelled -1/1 (libsvm style), and on_bad_row='skip', the fix offered for
+    a bad row, dropped every negative row (training on clicks alone, AUC undefined). None for any other reason."""
+    if not re.fullmatch(r"label must be 0 or 1, got '?-1(\.0*)?'?", reason.split(": ")[-1]):
+        return None
+    how = ("ds.map(lambda r: {'label': int(r['label'] > 0)}), or the label column as label > 0"
+           if what == "table" else "sed 's/^-1/0/' FILE > NEW")
+    return (f"The {what}'s labels look like -1/1: map -1 to 0 first ({how}); on_bad_row='skip' would drop every "
+            f"negative row")
+
+
 def _raise_or_record(
     problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str, report: ParseReport
 ) -> None:
@@ -511,10 +523,8 @@ def _raise_or_record(
         first_line, _, reason = min(
             (int(lines.min()), rank, why(int(lines.argmin()))) for lines, why, rank in problems if lines.size
         )
-        raise ValueError(
-            f"{path}:{first_line}: {reason}. Fix the file, or pass on_bad_row='skip' to drop such rows "
-            f"(they are counted and logged, never shifted)"
-        )
+        raise ValueError(f"{path}:{first_line}: {reason}. " + (minus_one_label_fix(reason, "file") or (
+            "Fix the file, or pass on_bad_row='skip' to drop such rows (they are counted and logged, never shifted)")))
     # one reason per line (the first by rank), the first few lines of the block
     seen: dict[int, tuple[int, str]] = {}
     for lines, why, rank in problems:

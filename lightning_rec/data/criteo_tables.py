@@ -12,10 +12,12 @@ Columns are found by name, as in a text file's header (case ignored): `label` (o
 C1..C26; others (an `Id`) are left alone. The values become the cache's raw values
 (`lightning_rec.data.criteo`), so a table and the text file it came from give the same batches:
     label   0/1 as any integer, float or bool type (null or another value: a bad row)
-    I1..13  any number type (null: missing); strings as in text files
+    I1..13  any number type (null or NaN: missing); strings as in text files ("": missing)
     C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
             column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
-            an integer column with missing values; NaN: missing)
+            an integer column with missing values; NaN: missing); ids are hashed as text hashes are
+            (reserved_id: row 1 + v % (n - 1), so ids 0..V-1 need n >= V + 1 rows to stay apart)
+    I, C    a column of nulls only (Arrow's null type, from a column of None): missing in every row
 Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file).
 
 Read three ways, as text is: converted once into the memory-mapped cache (`read_criteo_table`, through
@@ -48,6 +50,7 @@ from lightning_rec.data.criteo_parse import (
     _raise_or_record,
     _strings_to_float,
     _to_table,
+    minus_one_label_fix,
 )
 
 _PARQUET_MAGIC = b"PAR1"
@@ -118,6 +121,15 @@ def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None)
     by_lower = {name.lower(): name for name in schema.names}
     wanted = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)] + [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
     missing = [w for w in wanted if w.lower() not in by_lower]
+    if missing and schema.names and all(re.fullmatch(r"-?\d+(\.\d*)?|[0-9a-f]{8}(\.\d+)?|Unnamed: \d+|", name)
+                                        for name in schema.names):
+        # a headerless file read as headed (load_dataset("csv", ...) of train.txt): its first row became the names,
+        # and renaming them, the fix said below, then dropped that row in silence
+        raise ValueError(f"{path}: its column names {schema.names[:5]} ... are a Criteo row: the file had no header "
+                         f"line, so its first row was taken as the names (and is not among the rows). Pass the file "
+                         f"itself (train.txt and day files are read without a header), or read it again with names, "
+                         f"e.g. load_dataset('csv', data_files=..., sep='\\t', column_names=['label', 'I1', ..., "
+                         f"'C26'])")
     if missing:
         raise ValueError(f"{path}: the table has no column for {missing} (its columns: {schema.names[:8]}"
                          f"{' ...' if len(schema.names) > 8 else ''}): a Criteo table names label (optional), I1..I13 "
@@ -151,19 +163,28 @@ def table_has_label(path: str | os.PathLike, has_label: bool | None = None) -> b
 
 def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Any number / bool / string column -> float64 [N] (NaN: null) and a bad-value mask [N]."""
+    if pa.types.is_null(col.type):  # no value in any row (Arrow's type for a column of None only): all missing
+        return np.full(len(col), np.nan), np.zeros(len(col), dtype=bool)
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-        return _strings_to_float(col.cast(pa.string()))
+        # "" is missing, as an empty field of the text (and of a C column): it was a bad row, and on_bad_row='skip'
+        # then dropped every row with a missing count (strings: load_dataset("csv") with string features, pandas'
+        # dtype=str)
+        col = col.cast(pa.string())
+        return _strings_to_float(pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col))
     if pa.types.is_dictionary(col.type):
         return _numbers(col.dictionary_decode())
     if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
         raise TypeError(col.type)
     values_N = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN
-    null_N = col.is_null().to_numpy(zero_copy_only=False)
-    return values_N, ~np.isfinite(values_N) & ~null_N
+    # a NaN value is missing, as a null (numpy's and Polars' missing float, and the cache's own): it was a bad row,
+    # and on_bad_row='skip', which the error offered, dropped every row with a missing count (most Criteo rows)
+    return values_N, np.isinf(values_N)
 
 
 def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """A C column -> raw ids int64 [N] (-1: missing) and a bad-value mask [N]."""
+    if pa.types.is_null(col.type):  # every value missing, as above
+        return np.full(len(col), -1, dtype=np.int64), np.zeros(len(col), dtype=bool)
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -238,8 +259,9 @@ def _checked(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
     label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen)
     if problems and on_bad_row == "error":  # the first bad row, its first bad field (by rank)
         rows, why, _ = min(problems, key=lambda p: (int(p[0].min()), p[2]))
-        raise ValueError(f"{why(int(rows.argmin()))}. Fix the table, or pass on_bad_row='skip' to drop such "
-                         f"rows (they are counted and logged)")
+        reason = why(int(rows.argmin()))
+        raise ValueError(f"{reason}. " + (minus_one_label_fix(reason, "table") or "Fix the table, or pass "
+                                          "on_bad_row='skip' to drop such rows (they are counted and logged)"))
     _raise_or_record(problems, on_bad_row, str(report.path), report)
     report.num_skipped_rows += int(bad_N.sum())
     report.num_rows += int((~bad_N).sum())

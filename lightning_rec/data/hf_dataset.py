@@ -122,6 +122,49 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
     return _written({file_name: value}, value._fingerprint, cache_root, what)
 
 
+def rows_digest(value: Any) -> str | None:
+    """A digest of a Dataset's (or DatasetDict's) rows: its length, columns and up to 256 rows spread evenly over it,
+    in its order; None for anything else. Compared over ranks by `check_same_rows`."""
+    if not is_hf_dataset(value):
+        return None
+    import datasets
+
+    parts = sorted(value.items()) if isinstance(value, datasets.DatasetDict) else [("", value)]
+    digest = hashlib.sha256()
+    for name, ds in parts:
+        n = len(ds)
+        rows = sorted({i * n // 256 for i in range(min(n, 256))} | {n - 1}) if n else []
+        sample = ds.with_format("arrow")[rows].to_pydict() if rows else None
+        digest.update(repr((name, n, ds.column_names, sample)).encode())
+    return digest.hexdigest()[:16]
+
+
+def check_same_rows(digests: dict[str, str], what: str) -> None:
+    """At 2+ ranks, refuse Datasets (`rows_digest` of each argument given one) whose rows differ between ranks.
+
+    Every process builds its own Dataset (Lightning starts each rank's script anew), and one shuffled or split
+    without a seed (`ds.shuffle()`, `ds.train_test_split(test_size=0.1)`) holds its rows in another order on each
+    rank, from numpy's random state: each rank then read its share of another order, and rows were trained twice
+    or never (16 of 64 at 2 ranks), or validation rows trained on, in silence. A collective: the data modules call
+    it from setup, on every rank, when an argument was a Dataset (the same on every rank: the same script)."""
+    import torch.distributed as dist
+
+    if not digests or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
+    for name in sorted(digests):
+        values = [g.get(name) if isinstance(g, dict) else None for g in gathered]
+        other = next((rank for rank, v in enumerate(values) if v != values[0]), None)
+        if other is not None:
+            raise ValueError(
+                f"{what} {name}: the Dataset given on rank {other} holds other rows (or another order) than on rank 0, "
+                f"so the ranks' shares would overlap and leave rows out: each process built it, and a shuffle or split "
+                f"without a seed draws another order in each. Pass a seed, ds.shuffle(seed=0), "
+                f"ds.train_test_split(test_size=..., seed=0) (or call lightning.seed_everything(...) before building "
+                f"it), and give every rank the whole Dataset (the data module deals the rows to the ranks itself)")
+
+
 def _refuse_transform(ds, what: str) -> None:
     # a with_transform / set_transform function runs only as rows are read: the copy, written from the Arrow table,
     # held the rows without it, and the data module trained on other ids than the user saw, in silence

@@ -14,8 +14,8 @@ split and features, except the release decade, read from the title's year there)
                                                                 movies.dat id::title (year)::Genre|Genre
     ml-20m/25m ratings.csv  userId,movieId,rating,timestamp      movies.csv movieId,title,genres
                (and ml-latest)
-    your own   ratings.csv with a header (user,item,rating[,timestamp]; ids integers or strings: a column is
-               read as integers when every id is one), or
+    your own   ratings.csv with a header (user,item[,rating][,timestamp]; no rating: implicit, 1.0; ids integers
+               or strings: a column is read as integers when every id is one), or
                ratings.parquet  columns user, item[, rating][, timestamp] by name (as in a ratings.csv
                header; no rating: implicit, 1.0; timestamp: seconds or an Arrow timestamp); data_dir
                may also be such a .parquet file itself, or a pattern of them (a Hub dataset's
@@ -89,7 +89,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_rec.data.batch import make_train_loader, moved, parse_to, passthrough_collate, worker_options
 from lightning_rec.data.criteo_parse import open_criteo_stream
 from lightning_rec.data.criteo_tables import glob_files
-from lightning_rec.data.hf_dataset import dataset_path
+from lightning_rec.data.hf_dataset import check_same_rows, dataset_path, is_hf_dataset, rows_digest
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 log = logging.getLogger(__name__)
@@ -228,11 +228,12 @@ def _sniff(path: Path, data: bytes) -> tuple[str, bool]:
     first = data.split(b"\n", 1)[0].removeprefix(_UTF8_BOM).decode("latin-1").rstrip("\r\n")
     if not first:
         raise ValueError(f"{path}: the ratings file is empty (expected lines of user, item, rating[, timestamp])")
-    for sep in ("::", "\t", ",", ";", "|", " "):
-        fields = first.split(sep)
-        if len(fields) >= 3:
-            has_header = not re.fullmatch(r"\s*-?\d+\s*", fields[0])
-            return sep, has_header
+    for least in (3, 2):  # two fields: a header `user,item` of implicit feedback (no rating, as in Parquet logs)
+        for sep in ("::", "\t", ",", ";", "|", " "):
+            fields = first.split(sep)
+            if len(fields) >= least:
+                has_header = not re.fullmatch(r"\s*-?\d+\s*", fields[0])
+                return sep, has_header
     raise ValueError(f"{path}:1: cannot find the separator of {first[:80]!r}: expected user, item, rating[, timestamp] "
                      f"separated by '::', a tab, ',', ';', '|' or a space")
 
@@ -272,15 +273,16 @@ def _refuse_ambiguous(where: str, header: Sequence[str], fields: Sequence[str | 
                              f"columns={{{what!r}: {names[0]!r}}} (--data.init_args.columns)")
 
 
-def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = ()) -> str:
+def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = (),
+                    checked: Sequence[tuple[int, type]] = ((0, int), (1, int), (2, float))) -> str:
     """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
-    `string_fields` hold string ids, any text."""
+    `string_fields` hold string ids, any text; `checked`: (field, type) of the user, item and rating."""
     for i, raw in enumerate(data.split(b"\n"), start=1):
         if (has_header and i == 1) or not raw.strip():
             continue
         fields = raw.decode("latin-1").rstrip("\r").split(sep)
         try:
-            for k, parse in ((0, int), (1, int), (2, float)):
+            for k, parse in checked:
                 if k not in string_fields:
                     parse(fields[k])
         except (ValueError, IndexError):
@@ -331,6 +333,13 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
     ours = {mapped: name for name, mapped in zip(schema.names, fields) if mapped}
     missing = [n for n in ("user_id", "item_id") if n not in ours]
     if missing:
+        if schema.names and all(re.fullmatch(r"\s*-?\d+(\.\d*)?\s*", name) for name in schema.names):
+            # a headerless file read as if headed (load_dataset("csv", ...) of u.data): its first row became the
+            # names, and columns={'user': '196', ...}, the fix said below, then dropped that interaction in silence
+            raise ValueError(f"{path}: its column names {schema.names[:4]} are numbers: the log had no header line, so "
+                             f"its first row was taken as the names (and is not among the rows). Read it again with "
+                             f"names, e.g. load_dataset('csv', data_files=..., sep='\\t', "
+                             f"column_names=['user', 'item', 'rating', 'timestamp']), or pass the file's folder itself")
         raise ValueError(f"{path}: no column for {missing} among {schema.names[:8]}: name the columns user (or userId, "
                          f"user_id), item (or movieId, item_id)[, rating][, timestamp], or say which are which: "
                          f"columns={{'user': ..., 'item': ...}} (--data.init_args.columns)")
@@ -372,11 +381,14 @@ def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> 
         out[column] = pc.cast(col, kind)
     if "timestamp" in ours:
         col = table.column(ours["timestamp"])
-        if col.null_count or not (pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type)
-                                  or pa.types.is_floating(col.type)):
+        # a NaN (numpy's missing float) reached Arrow's cast as "Float value nan was truncated converting to int64"
+        nans = int(pc.sum(pc.is_nan(col)).as_py() or 0) if pa.types.is_floating(col.type) else 0
+        if col.null_count or nans or not (pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type)
+                                          or pa.types.is_floating(col.type)):
             raise ValueError(f"{path}: column {ours['timestamp']!r} ({col.type}"
-                             f"{f', {col.null_count} nulls' if col.null_count else ''}): a timestamp is a time or "
-                             f"a number of seconds in every row")
+                             f"{f', {col.null_count} nulls' if col.null_count else ''}"
+                             f"{f', {nans} NaN' if nans else ''}): a timestamp is a time or a number of seconds in "
+                             f"every row")
         if pa.types.is_timestamp(col.type):  # whole seconds, as GroupLens' files (sub-second ties keep file order)
             out["timestamp"] = pc.cast(pc.cast(col, pa.timestamp("s"), safe=False), pa.int64())
         else:
@@ -425,15 +437,19 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
                         for i, h in enumerate(header)]
         _refuse_ambiguous(f"{path}:1", [h.strip().strip('"') for h in header],
                           [n if not n.startswith("_unused") else None for n in column_names])
-        missing = [n for n in names[:3] if n not in column_names]
+        missing = [n for n in names[:2] if n not in column_names]
         if missing:
-            raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId, "
-                             f"rating[, timestamp] (ml-20m/25m's ratings.csv), or name yours: columns={{'user': ..., "
-                             f"'item': ..., 'rating': ...}} (--data.init_args.columns)")
-        num_fields = 4 if "timestamp" in column_names else 3
+            raise ValueError(f"{path}:1: the header {header} has no column for {missing}: expected userId, movieId"
+                             f"[, rating][, timestamp] (ml-20m/25m's ratings.csv), or name yours: columns={{'user': "
+                             f"..., 'item': ..., 'rating': ...}} (--data.init_args.columns)")
     elif num_fields not in (3, 4):
         raise ValueError(f"{path}:{2 if has_header else 1}: {num_fields} fields separated by {sep!r}; expected "
-                         f"user, item, rating[, timestamp]")
+                         f"user, item, rating[, timestamp] (implicit feedback, without a rating: start the file with "
+                         f"a header line naming its columns, user{sep}item[{sep}timestamp])")
+    # without a rating column (a header of user, item[, timestamp]) the log is implicit feedback, as a Parquet log
+    # without one: it was refused as "cannot find the separator of 'user,item'" or "no column for ['rating']"
+    included = [n for n in names if n in column_names]
+    num_fields = len(included)
 
     def read(string_ids: set[str]) -> pa.Table:
         return pacsv.read_csv(
@@ -443,7 +459,7 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
             convert_options=pacsv.ConvertOptions(column_types={"user_id": pa.int64(), "item_id": pa.int64(),
                                                                "rating": pa.float32(), "timestamp": pa.float64(),
                                                                **{n: pa.string() for n in string_ids}},
-                                                 include_columns=names[:num_fields]),
+                                                 include_columns=included),
         )
 
     # your own file may name users and items by strings ("A3SGXH7AUHU8GW", an ASIN): when integer ids do not parse,
@@ -463,17 +479,23 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
                 error = e2
         if table is None:
             ids = "numeric user, item" if not string_ids else "user, item"
-            bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids])
+            checked = [(column_names.index(n), t) for n, t in (("user_id", int), ("item_id", int), ("rating", float))
+                       if n in column_names]
+            bad_line = _first_bad_line(data, sep, has_header, [column_names.index(n) for n in string_ids], checked)
             raise ValueError(f"{path}{bad_line}: cannot parse the ratings ({error}); expected {ids}, a numeric "
                              f"rating[, timestamp] separated by {sep!r}") from None
     _refuse_missing(table, data, path, has_header)
     for name in string_ids:
         table = table.set_column(table.column_names.index(name), name, _ids_from_text(table.column(name), data, path,
                                                                                       name, has_header))
-    if num_fields == 3:
+    marks = {}
+    if "rating" not in included:  # implicit feedback: every interaction 1.0 (the mark tells min_rating so)
+        table = table.add_column(2, "rating", pa.array(np.ones(table.num_rows, np.float32)))
+        marks[_NO_RATING] = b"1"
+    if "timestamp" not in included:
         # zeros keep one schema for every file; the mark tells a temporal split there is no time to order by
         table = table.append_column("timestamp", pa.array(np.zeros(table.num_rows, np.int64)))
-        table = table.replace_schema_metadata({_NO_TIME: b"1"})
+        table = table.replace_schema_metadata({**marks, _NO_TIME: b"1"})
     else:
         # read as float, kept as whole seconds: a log's fractional timestamps (1700000000.25) were refused, though
         # no split uses them (GroupLens' integer seconds, < 2**53, pass through float64 exactly)
@@ -481,6 +503,7 @@ def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.
 
         where = table.column_names.index("timestamp")
         table = table.set_column(where, "timestamp", pc.cast(pc.floor(table.column("timestamp")), pa.int64()))
+        table = table.replace_schema_metadata(marks or None)
     return table
 
 
@@ -668,8 +691,8 @@ def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, 
     return users, items, titles, sizes
 
 
-_OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item,rating[,timestamp] "
-             "(integer or string ids; give a constant rating for implicit data), or as <folder>/ratings.parquet with "
+_OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item[,rating][,timestamp] "
+             "(integer or string ids; no rating: implicit feedback, 1.0), or as <folder>/ratings.parquet with "
              "columns user, item[, rating][, timestamp], and pass the folder (or pass a .parquet file or pattern "
              "itself)")
 
@@ -807,8 +830,12 @@ class InteractionDataset(Dataset):
     """
 
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
-                 num_negatives: int, seed: int) -> None:
+                 num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
         self.user_N, self.item_N = user_N, item_N
+        # unshuffled, a pair is in the same batch every epoch: the epoch (told by the loader's set_epoch, in shared
+        # memory so that loader workers see it) then varies its negatives (see _batch_generator)
+        self.epoch_in_seed = epoch_in_seed
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.users, self.items, self.num_items = users, items, num_items
         counts_I = torch.bincount(item_N, minlength=num_items).double()
         # an item absent from training has frequency 0; clamp so log q stays finite (it is never in a batch)
@@ -827,15 +854,24 @@ class InteractionDataset(Dataset):
     def __len__(self) -> int:
         return self.user_N.shape[0]
 
+    def set_epoch(self, epoch: int) -> None:
+        """The pass the loader starts (StatefulBatchLoader calls it; the fit loop's epoch in a Trainer, also when a run
+        resumes)."""
+        self._epoch[0] = int(epoch)
+
     def _batch_generator(self, idx_B: Tensor) -> torch.Generator:
         """A generator seeded by the batch itself (its pair indices and the module's seed).
 
         Not one generator advanced batch by batch: that would tie a batch's negatives to how many
         batches this process drew before (a resumed run, a loader worker, the loop's read-ahead), so a
         run resumed mid-epoch would train other negatives. Seeded by content, a batch is the same
-        wherever and whenever it is drawn; shuffling makes each epoch's batches differ.
+        wherever and whenever it is drawn; shuffling makes each epoch's batches differ. Without shuffling
+        (`epoch_in_seed`) the epoch is part of the seed: each pair met the same negative in every epoch.
         """
-        digest = hashlib.blake2b(idx_B.numpy().tobytes(), digest_size=8, key=self._seed_key).digest()
+        data = idx_B.numpy().tobytes()
+        if self.epoch_in_seed:
+            data += int(self._epoch[0]).to_bytes(8, "little", signed=True)
+        digest = hashlib.blake2b(data, digest_size=8, key=self._seed_key).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
     def _seen(self, user_B: Tensor, item_B: Tensor) -> Tensor:
@@ -980,9 +1016,12 @@ class MovieLensDataModule(pl.LightningDataModule):
         # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
         # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
         # (lightning_rec.data.hf_dataset)
+        given = data_dir
         data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet",
                                 split_names=tuple(_SPLIT_WORDS) if split == GIVEN else (),
                                 dict_hint=", or split='given' to train, validate and test on its splits as they are")
+        # compared over the ranks at setup: a Dataset shuffled without a seed differs between them
+        self._dataset_rows = {"data_dir": rows_digest(given)} if is_hf_dataset(given) else {}
         self.save_hyperparameters()
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
@@ -1186,6 +1225,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self._check_data_dir()
 
     def setup(self, stage: str | None = None) -> None:
+        check_same_rows(self._dataset_rows, "MovieLensDataModule")
         if not self._built:
             self._build()
 
@@ -1237,6 +1277,7 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self._need_setup()
+        self.datasets["train"].epoch_in_seed = not self.shuffle  # (read here: shuffle may be set after setup)
         return make_train_loader(self.datasets["train"], self.batch_size, shuffle=self.shuffle,
                                  drop_last=self.drop_last, seed=self.seed, trainer=self.trainer,
                                  **self._loader_options())

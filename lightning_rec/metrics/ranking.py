@@ -406,6 +406,7 @@ class RankingMetrics(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         sums, evaluated, empty = self.sums, int(self.evaluated_users), int(self.empty_users)
+        nan_scores = int(self.nan_scores)
         if len(self.flat_indexes):  # every rank's entries (synced by "cat"), grouped per user once, here
             flat = RankingMetrics(ks=self.ks)
             indexes = (dim_zero_cat(self.flat_indexes).long() << 32) | dim_zero_cat(self.flat_indexes_low).long()
@@ -414,8 +415,9 @@ class RankingMetrics(Metric):
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
             sums = sums + flat.sums.to(sums.device)
             evaluated, empty = evaluated + int(flat.evaluated_users), empty + int(flat.empty_users)
-        if int(self.nan_scores):
-            warnings.warn(f"{int(self.nan_scores)} of the scores are NaN: ranked last and never counted as found; "
+            nan_scores = nan_scores + int(flat.nan_scores)  # (the flat form's NaN were ranked last without a word)
+        if nan_scores:
+            warnings.warn(f"{nan_scores} of the scores are NaN: ranked last and never counted as found; "
                           f"check the model for divergence", UserWarning, stacklevel=2)
         if empty and self.empty_target_action == "error":
             raise ValueError(f"{empty} users have no relevant (held-out) item and empty_target_action='error': "
