@@ -949,7 +949,7 @@ def test_a_first_step_without_embeddings_does_not_leave_every_later_pass_unpipel
     """The pipeline learns from its first step which KJT of the batch each collection reads. A first step that
     called no collection (a dense warm-up) left an empty plan for good: every batch of every later pass was routed
     in the step, without a word. A pass whose recording saw no collection now records again on the next pass."""
-    assert run_ranks(_dense_first_worker, 1, timeout=120)[0] == [0, 3]
+    assert run_ranks(_dense_first_worker, 1, timeout=120)[0] == [2, 4]
 
 
 def _one_loader_for_both_worker(rank, W, pipeline):
@@ -1123,3 +1123,56 @@ def test_an_evaluation_pass_between_training_steps_skips_no_training_batch():
     one training batch, silently (5 of 6 trained). Its batches read ahead now come first when that iterator is
     given again."""
     assert run_ranks(_train_eval_train_worker, 1, timeout=120)[0] == (6, 6, True, True)
+
+
+class _SkipsEmbeddings(Step):
+    """Skips the sharded collections on some steps (the same on every rank): a dense-only step."""
+
+    def __init__(self, skip_at: tuple[int, ...]) -> None:
+        super().__init__()
+        self.skip_at = skip_at
+
+    def forward(self, batch: Batch):
+        if self.calls + 1 in self.skip_at:
+            self.calls += 1
+            dense = self.dlrm.dense_arch(batch.dense_features)  # every dense parameter is used (DDP)
+            sparse = dense.new_zeros(dense.shape[0], NUM_F, DIM)
+            logits = self.dlrm.over_arch(self.dlrm.inter_arch(dense, sparse)).squeeze(1)
+            return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"), logits
+        return super().forward(batch)
+
+
+def _skips_embeddings_worker(rank, W):
+    runs = []
+    for pipelined in (False, True):
+        torch.manual_seed(0)
+        model = _SkipsEmbeddings(skip_at=(1, 4))  # the pass's first step and a later one
+        dmp = DistributedModelParallel(model, plan=_plan("row_wise", model, W), device="cpu", timeout=30)
+        opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                                 ("dense", torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+        it = iter(_loader(rank, 6))
+        if pipelined:
+            with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                losses = _pipelined_steps(pipeline, it)
+                stats = pipeline.stats
+        else:
+            losses, stats = [], None
+            for batch in it:
+                opt.zero_grad()
+                loss, logits = dmp(batch)
+                loss.backward()
+                opt.step()
+                losses.append(float(logits.detach().sum()))
+        runs.append((losses, _weights(dmp), stats))
+    (plain, plain_w, _), (piped, piped_w, stats) = runs
+    return plain == piped, all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w), stats
+
+
+def test_a_step_without_embeddings_first_in_a_pass_leaves_it_pipelined_from_the_next_step():
+    """A pass whose first step called no sharded collection (its forward skipped the embeddings for that batch) ran
+    the whole pass unpipelined, silently (routed_ahead 0 of 6): the recording step saw nothing and the empty plan
+    was final. Now the next step that calls a collection records, and the batches after it are routed ahead; a
+    later step that skips the embeddings changes nothing. Bitwise the plain loop's losses and weights."""
+    for same_losses, same_weights, stats in run_ranks(_skips_embeddings_worker, 2, timeout=120):
+        assert same_losses and same_weights
+        assert stats == {"routed_ahead": 3, "routed_in_step": 1}, stats

@@ -90,7 +90,7 @@ class _Inputs:
             if self.current is not None:
                 self.current.stats["routed_in_step"] += 1
             recording = self.recording
-            if recording is not None:
+            if recording is not None and self.current is recording:  # not another pass's step (a validation's)
                 recording.plan.note(module, self.names[module],
                                     "it was called with a KeyedJaggedTensor that is not part of the batch (computed "
                                     "inside the model, or replaced by a batch hook)")
@@ -109,6 +109,9 @@ class _Plan:
         self.not_pipelined: dict[str, str] = {}
         self.final = threading.Event()
         self.record_entry: _Entry | None = None
+        # the recording step called no collection (a dense warm-up step, a forward that skips the embeddings for some
+        # batch): the next step that calls one records the plan instead
+        self.record_next = False
         self._warned = False
 
     def record(self, module: _ShardedCollectionBase, path: tuple) -> None:
@@ -244,6 +247,12 @@ class _Feeder(Iterator):
 
     def claim(self, module, features, entry: _Entry, path: tuple) -> ShardedBatch | None:
         plan = self.plan
+        if plan.record_next and not plan.final.is_set() and self.inputs.recording is self:
+            # this batch's step records the plan. No batch is routed ahead before the plan is final, and the
+            # feeder, which routes this one once it is (it has not yet), leaves it alone: it is routed here
+            plan.record_next = False
+            plan.record_entry = entry
+            entry.in_step = True
         if entry is plan.record_entry and not plan.final.is_set():
             plan.record(module, path)
             self.stats["routed_in_step"] += 1
@@ -271,8 +280,15 @@ class _Feeder(Iterator):
     def forward_done(self) -> None:
         """The step's forward has run: the recording (if any) is complete, and calls until the next batch is handed
         out (a validation's own ids, e.g. TwoTowerModule's item catalogue) are no input of this pass."""
-        if not self.plan.final.is_set() and self.inputs.recording is self:
-            self.plan.finalize(self.inputs)
+        plan = self.plan
+        if not plan.final.is_set() and self.inputs.recording is self:
+            if plan.routes or plan.not_pipelined:
+                plan.finalize(self.inputs)
+            else:
+                # the step called no collection: finalized, the empty plan routed every later batch of this pass in
+                # the step (the whole pass ran unpipelined); the next step that calls one records it. The same on
+                # every rank: a step that skips the sharded collections on one rank only would hang the plain loop
+                plan.record_entry, plan.record_next = None, True
         self._taken_in_step = 0
         if self.inputs.current is self:
             self.inputs.current = None
@@ -446,6 +462,9 @@ class _Feeder(Iterator):
         return entry
 
     def _route(self, entry: _Entry, put_on_error: bool = False) -> None:
+        if entry.in_step:  # its step recorded the plan (claim): routed there already
+            entry.ready.set()
+            return
         try:
             if self._dist_stream is None:
                 self._route_all(entry)

@@ -51,6 +51,7 @@ class InputPipeline:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
         self.stop_feeder()
         plan = self.plan
+        plan.record_next = False  # (a step that called no collection left it open: batch 0 records, as below)
         if not plan.final.is_set() and plan.record_entry is not None:  # the last pass stopped while recording
             if plan.routes or plan.not_pipelined:
                 plan.finalize(self.inputs)
