@@ -39,6 +39,9 @@ class _Inputs:
         self._lock = threading.Lock()
         self.recording: _Feeder | None = None  # the feeder whose first batch is running plainly
         self.current: _Feeder | None = None  # the feeder that handed out the last batch, until its step is done
+        # TrainPipelineSparseDist: id(iterator) -> (iterator, ReadAhead): batches read from it that no step has taken
+        self.read_ahead: dict[int, tuple[Any, Any]] = {}
+        self._warned_read_ahead = False
         for m in self.modules:
             m._input_source = self.claim
 
@@ -77,6 +80,18 @@ class _Inputs:
             if self._batches.get(id(entry.batch)) is entry.batch:
                 del self._batches[id(entry.batch)]
 
+    def _warn_read_ahead(self) -> None:
+        """A plain training step while batches a pipeline read ahead are kept untrained: say so once."""
+        waiting = sum(len(batches) for _, batches in self.read_ahead.values())
+        if waiting:
+            self._warned_read_ahead = True
+            warnings.warn(f"lightning_rec pipeline: a plain training step runs while {waiting} batch(es) that a "
+                          f"TrainPipelineSparseDist read ahead of its steps are not trained yet. If this loop "
+                          f"iterates the same iterator, it skips them: take them first, "
+                          f"`for batch in itertools.chain(pipeline.close(), it)` (close() returns them), or give the "
+                          f"iterator to a TrainPipelineSparseDist over this model again (it starts with them)",
+                          stacklevel=4)
+
     def owns(self, batch: Any) -> bool:
         """Was `batch` handed out by a feeder (so it is on the device already)?"""
         with self._lock:
@@ -89,6 +104,8 @@ class _Inputs:
         if reg is None or reg.kjt is not features:
             if self.current is not None:
                 self.current.stats["routed_in_step"] += 1
+            elif module.training and not self._warned_read_ahead and self.read_ahead:
+                self._warn_read_ahead()
             recording = self.recording
             if recording is not None and self.current is recording:  # not another pass's step (a validation's)
                 recording.plan.note(module, self.names[module],

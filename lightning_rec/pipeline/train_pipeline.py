@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,6 +104,43 @@ class InputPipeline:
                 pass
 
 
+class ReadAhead:
+    """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first).
+
+    One object is both what `TrainPipelineSparseDist.close()` returns and what the model keeps for the iterator, so
+    a batch taken by the plain loop is not given to the next pipeline too."""
+
+    def __init__(self, batches: list | None = None, feeder: _Feeder | None = None,
+                 rest: ReadAhead | None = None) -> None:
+        self._batches = deque(batches or [])
+        self._feeder = feeder  # a pipeline let go mid-pass: its thread stops by itself; its batches are read here
+        self._rest = rest  # kept batches the pass began with and had not read yet: after the feeder's
+
+    def _settle(self) -> None:
+        if self._feeder is not None:
+            feeder, self._feeder = self._feeder, None
+            self._batches.extend(feeder.close(keep_unused=True))
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            self._batches.extend(rest)
+
+    def __iter__(self) -> ReadAhead:
+        return self
+
+    def __next__(self) -> Any:
+        self._settle()
+        if not self._batches:
+            raise StopIteration
+        return self._batches.popleft()
+
+    def __len__(self) -> int:
+        self._settle()
+        return len(self._batches)
+
+    def __repr__(self) -> str:
+        return f"ReadAhead({len(self)} batches)"
+
+
 class TrainPipelineSparseDist:
     """TorchRec's pipeline for hand-written loops, without tracing.
 
@@ -121,6 +159,13 @@ class TrainPipelineSparseDist:
     (training resumed after an evaluation pass) goes on where its steps stopped. Build,
     close (or let go) and rebuild pipelines over the same model freely; the plain loop
     (`model(batch)` yourself) works in between.
+
+    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (the same
+    count on every rank). `close()` (or letting the pipeline go) keeps them for that iterator: a pipeline over the
+    same model given it again starts with them, and `close()` returns them for a plain loop to take first:
+
+        for batch in itertools.chain(pipeline.close(), it):   # no batch of `it` is skipped
+            ...
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
@@ -135,8 +180,10 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
-        # iterators left mid-pass for another (an evaluation between training steps): the batches read ahead
-        self._read_ahead: dict[int, tuple[Iterator, list]] = {}
+        # iterators left mid-pass (for another iterator, or by a pipeline closed or let go): the batches read ahead,
+        # kept on the model, so that every pipeline over it (and the plain loop, through close()) gets them first
+        self._read_ahead: dict[int, tuple[Iterator, ReadAhead]] = self._pipeline.inputs.read_ahead
+        self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
 
     def progress(self, dataloader_iter: Iterator) -> Any:
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
@@ -164,21 +211,54 @@ class TrainPipelineSparseDist:
         """A pass over `source`. The batches the last pass read ahead are kept for its iterator, and come first when it
         is given again: dropped, every evaluation between training steps cost a training batch, silently."""
         previous = self._source
-        unused = self._pipeline.stop_feeder(keep_unused=previous is not None and previous is not source)
-        if unused:
-            self._read_ahead[id(previous)] = (previous, unused)
+        if previous is not None and previous is not source:
+            self._keep_read_ahead()
+        else:
+            self._pipeline.stop_feeder()
         kept = self._read_ahead.pop(id(source), None)
-        batches = itertools.chain(kept[1], source) if kept is not None and kept[0] is source else source
-        self._pipeline.iterate(batches)
+        self._pass_kept = kept[1] if kept is not None and kept[0] is source else None
+        self._pipeline.iterate(itertools.chain(self._pass_kept, source) if self._pass_kept is not None else source)
         self._source = source
+
+    def _keep_read_ahead(self) -> ReadAhead:
+        """Stop the pass; keep the batches it read ahead that no step took for its iterator (first when it is back)."""
+        source, feeder = self._source, self._pipeline.feeder
+        kept = ReadAhead(self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
+        self._pass_kept = None
+        if source is not None and feeder is not None:
+            self._read_ahead[id(source)] = (source, kept)
+        for key in [k for k, (_, batches) in self._read_ahead.items() if not len(batches)]:
+            del self._read_ahead[key]  # taken: let go of its iterator (a DataLoader's workers)
+        return kept
 
     @property
     def stats(self) -> dict[str, int]:
         """How many collection inputs came routed ahead, and how many were routed inside the step."""
         return dict(self._pipeline.stats)
 
-    def close(self) -> None:
+    def close(self) -> ReadAhead:
+        """Stop the feeder (at the same point on every rank) and give the channels back.
+
+        Returns the batches it read ahead of the steps from the current iterator, oldest first (on the device
+        already; as many on every rank): a plain loop trains them first, `itertools.chain(pipeline.close(), it)`, or a
+        pipeline over the same model given that iterator starts with them. Taken once, by whichever comes first."""
+        kept = self._keep_read_ahead() if not self._pipeline.closed else ReadAhead([])
         self._pipeline.close()
+        return kept
+
+    def __del__(self) -> None:
+        # let go mid-pass: what the feeder read ahead stays kept for the iterator (its thread is joined by whoever takes
+        # them, not here: a collector's timing differs between ranks)
+        pipeline = getattr(self, "_pipeline", None)
+        source = getattr(self, "_source", None)
+        if pipeline is None or pipeline.closed or pipeline.feeder is None or source is None:
+            return
+        try:
+            feeder, pipeline.feeder = pipeline.feeder, None
+            feeder.stop_soon()
+            self._read_ahead[id(source)] = (source, ReadAhead(feeder=feeder, rest=self._pass_kept))
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __enter__(self) -> TrainPipelineSparseDist:
         return self
