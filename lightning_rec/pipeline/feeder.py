@@ -208,6 +208,7 @@ class _Feeder(Iterator):
         # __next__ for batch k (its turn: `_turn`), so both threads' collectives come in one order on every rank
         self._ordered = _in_step_order(config, channels)
         self._turn = -1
+        self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._dist_stream = torch.cuda.Stream(device) if cuda else None
@@ -324,7 +325,9 @@ class _Feeder(Iterator):
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
         with self._cond:
-            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] if keep_unused else []
+            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] + self._held \
+                if keep_unused else []
+            self._held = []
         self._finished = True
         self._release_all()
         return unused
@@ -405,6 +408,8 @@ class _Feeder(Iterator):
                 if batch is not None and error is None:
                     batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
                 if not self._wait_turn(k):
+                    if batch is not None and error is None:
+                        self._held.append(batch)  # read from the source: close(keep_unused) hands it back
                     return
             if channel is not None:
                 missing, failed = channel.agree(batch is None and error is None, error is not None, self._dist_stream)
