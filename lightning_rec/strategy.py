@@ -426,6 +426,7 @@ class RecStrategy(DDPStrategy):
             position = self._batches_this_epoch if self.lightning_module.trainer.training else None
             # it keeps ranks together too
             dataloader = wrap_loader(dataloader, pipeline, pad, position=position)
+            dataloader._rec_evaluating = not self.lightning_module.trainer.training
         elif self.world_size > 1 and isinstance(dataloader, DataLoader):
             evaluating = not self.lightning_module.trainer.training
             _stop_together(dataloader, self._all_have_a_batch, pad, evaluating=evaluating)

@@ -1276,3 +1276,34 @@ def test_in_step_order_close_hands_back_the_batch_read_before_its_turn():
     its turn; a close() before that turn dropped it, silently (7 of 8 trained, pipelined then plain).
     It is handed back with the others read ahead."""
     assert run_ranks(_in_step_order_read_ahead_worker, 2, timeout=120) == [(8, True)] * 2
+
+
+class _UnevenStream(torch.utils.data.IterableDataset):
+    """Whole batches, of unknown count: rank 0 has 2, rank 1 has 3 (no empty batch to pad with)."""
+
+    def __iter__(self):
+        rank = torch.distributed.get_rank()
+        yield from _loader(rank, 2 + rank)
+
+
+def _uneven_stream_validate_worker(rank, W, pipeline):
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    L.seed_everything(0)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(DLRMModule(**{**SMALL, "num_embeddings_per_feature": ROWS}),
+                         torch.utils.data.DataLoader(_UnevenStream(), batch_size=None), verbose=False)
+    return [str(w.message) for w in caught if "batches are skipped" in str(w.message)]
+
+
+def test_pipelined_evaluation_that_skips_a_ranks_batches_names_the_evaluation_fix():
+    """Evaluating over loaders of uneven length without an empty batch to pad with, the rank with more batches skips
+    them. Plain, its warning named the evaluation fix (a dataset with `empty_batch()` scores every row); pipelined it
+    gave only the training advice (drop_last, an even split), which loses rows in evaluation. Both now say it."""
+    for pipeline in (False, True):
+        said = run_ranks(_uneven_stream_validate_worker, 2, pipeline, timeout=120)
+        assert said[0] == [] and len(said[1]) == 1 and "empty_batch()" in said[1][0], (pipeline, said)

@@ -173,6 +173,8 @@ class _Entry:
 
 
 _END = object()
+_EVALUATION_FIX = (" (in evaluation, a dataset with an `empty_batch()` method (a batch of 0 rows) lets a rank that ran "
+                   "out step on with empty batches instead, so that every row is scored)")
 _STEP_BATCHES_KEPT = 16  # batches one step may take (training_step(dataloader_iter)) that stay registered
 
 
@@ -191,9 +193,10 @@ class _Feeder(Iterator):
 
     def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
                  config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int],
-                 pad: Callable[[], Any] | None = None) -> None:
+                 pad: Callable[[], Any] | None = None, evaluating: bool = False) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
         self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data
+        self.evaluating = evaluating  # (without pad: the warning on skipped batches names the evaluation fix)
         self.stats = stats
         self.device, self.config, self.to_device = device, config, to_device
         self.taken = 0
@@ -428,7 +431,8 @@ class _Feeder(Iterator):
                     warnings.warn(f"rank {channel.rank if channel else 0}: the rest of this epoch's batches are "
                                   f"skipped: another rank's dataloader ran out first, and sharded embeddings need "
                                   f"every rank in every step. Give every rank the same number of batches (e.g. "
-                                  f"drop_last, or an even split) to use them all", stacklevel=2)
+                                  f"drop_last, or an even split) to use them all" + _EVALUATION_FIX * self.evaluating,
+                                  stacklevel=2)
                 self._put(_END)
                 return
             entry = self._entry(k, batch) if self._ordered else self._prepare(k, batch)

@@ -43,7 +43,7 @@ class InputPipeline:
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
-    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None) -> _Feeder:
+    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None, evaluating: bool = False) -> _Feeder:
         """A new pass over `source` (the previous pass, if any, is stopped first).
 
         pad: evaluation: an empty batch for a rank whose `source` ran out while another's has not, so that
@@ -63,7 +63,7 @@ class InputPipeline:
             # every later batch in the step, silently; record on this pass (the same on every rank: same code)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
-                              self.to_device, self.stats, pad)
+                              self.to_device, self.stats, pad, evaluating)
         return self.feeder
 
     def stop_feeder(self, keep_unused: bool = False) -> list:
