@@ -1307,3 +1307,41 @@ def test_pipelined_evaluation_that_skips_a_ranks_batches_names_the_evaluation_fi
     for pipeline in (False, True):
         said = run_ranks(_uneven_stream_validate_worker, 2, pipeline, timeout=120)
         assert said[0] == [] and len(said[1]) == 1 and "empty_batch()" in said[1][0], (pipeline, said)
+
+
+def _persistent_workers_epochs_worker(rank, W):
+    batches = list(_loader(rank, 6))
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2, persistent_workers=True)
+    runs = []
+    for pipelined in (False, True):
+        model, dmp, opt = _build("row_wise", W)
+        trained = []
+        forward = model.forward
+
+        def spy(batch, forward=forward, trained=trained):
+            trained.append(batch.labels.clone())
+            return forward(batch)
+
+        model.forward = spy
+        pipeline = TrainPipelineSparseDist(dmp, opt, "cpu") if pipelined else None
+        per_epoch = []
+        for epoch in range(3):
+            it = iter(loader)  # persistent workers: the same iterator object, reset
+            n = 4 if epoch == 1 else None  # the middle epoch cut short
+            per_epoch.append(len(_pipelined_steps(pipeline, it, n) if pipelined else _plain_steps(dmp, opt, it, n)))
+        if pipeline is not None:
+            pipeline.close()
+        runs.append((per_epoch, trained, _weights(dmp)))
+    (plain_n, plain_seen, plain_w), (piped_n, piped_seen, piped_w) = runs
+    return (plain_n, piped_n, len(plain_seen) == len(piped_seen)
+            and all(torch.equal(a, b) for a, b in zip(plain_seen, piped_seen)),
+            all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w))
+
+
+def test_a_persistent_workers_loader_iterated_each_epoch_trains_every_epoch():
+    """torch's DataLoader(persistent_workers=True) gives the same iterator object to every `iter(loader)`, reset.
+    TrainPipelineSparseDist took it for the pass it had finished: epochs 2 and 3 trained 0 batches, silently; after an
+    epoch cut short the reset ran under the feeder's reads (KeyError inside torch's iterator). Now the feeder stops
+    before the reset and the next step starts a new pass: the plain loop's batches and weights, bitwise."""
+    for plain_n, piped_n, same_batches, same_weights in run_ranks(_persistent_workers_epochs_worker, 2, timeout=180):
+        assert plain_n == piped_n == [6, 4, 6] and same_batches and same_weights, (plain_n, piped_n)

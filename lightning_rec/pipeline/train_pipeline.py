@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -215,10 +216,35 @@ class TrainPipelineSparseDist:
             self._keep_read_ahead()
         else:
             self._pipeline.stop_feeder()
+        self._watch_reset(source)
         kept = self._read_ahead.pop(id(source), None)
         self._pass_kept = kept[1] if kept is not None and kept[0] is source else None
         self._pipeline.iterate(itertools.chain(self._pass_kept, source) if self._pass_kept is not None else source)
         self._source = source
+
+    def _watch_reset(self, source: Iterator) -> None:
+        """torch's DataLoader with persistent_workers=True hands out one iterator object for every pass: `iter(loader)`
+        resets it. Given again, it went on with the finished pass (every later epoch trained 0 batches, silently), or,
+        after an epoch cut short, was reset under the feeder's reads (KeyError inside torch's iterator). The feeder now
+        stops before the reset (every rank calls iter(loader) at the same point), and the next step starts a new pass;
+        what the old pass read ahead is dropped with it, as the plain loop drops an epoch it leaves."""
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        if not isinstance(source, _BaseDataLoaderIter):
+            return
+        original = vars(source).get("_rec_original_reset") or source._reset
+        me, store = weakref.ref(self), self._read_ahead
+
+        def reset(*args, **kwargs):
+            pipeline = me()
+            if pipeline is not None and pipeline._source is source:
+                pipeline._pipeline.stop_feeder()
+                pipeline._pass_kept = None
+            store.pop(id(source), None)
+            return original(*args, **kwargs)
+
+        source._rec_original_reset = original
+        source._reset = reset
 
     def _keep_read_ahead(self) -> ReadAhead:
         """Stop the pass; keep the batches it read ahead that no step took for its iterator (first when it is back)."""
