@@ -161,9 +161,10 @@ class TrainPipelineSparseDist:
     close (or let go) and rebuild pipelines over the same model freely; the plain loop
     (`model(batch)` yourself) works in between.
 
-    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (the same
-    count on every rank). `close()` (or letting the pipeline go) keeps them for that iterator: a pipeline over the
-    same model given it again starts with them, and `close()` returns them for a plain loop to take first:
+    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (up to one
+    more under in_step_order, read before its turn; each rank's own, in order). `close()` (or letting the pipeline
+    go) keeps them for that iterator: a pipeline over the same model given it again starts with them, and `close()`
+    returns them for a plain loop to take first:
 
         for batch in itertools.chain(pipeline.close(), it):   # no batch of `it` is skipped
             ...
@@ -266,7 +267,7 @@ class TrainPipelineSparseDist:
         """Stop the feeder (at the same point on every rank) and give the channels back.
 
         Returns the batches it read ahead of the steps from the current iterator, oldest first (on the device
-        already; as many on every rank): a plain loop trains them first, `itertools.chain(pipeline.close(), it)`, or a
+        already; this rank's, in order): a plain loop trains them first, `itertools.chain(pipeline.close(), it)`, or a
         pipeline over the same model given that iterator starts with them. Taken once, by whichever comes first."""
         kept = self._keep_read_ahead() if not self._pipeline.closed else ReadAhead([])
         self._pipeline.close()
