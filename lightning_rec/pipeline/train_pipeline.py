@@ -161,8 +161,8 @@ class TrainPipelineSparseDist:
     close (or let go) and rebuild pipelines over the same model freely; the plain loop
     (`model(batch)` yourself) works in between.
 
-    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (up to one
-    more under in_step_order, read before its turn; each rank's own, in order). `close()` (or letting the pipeline
+    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (each rank's
+    own, in order). `close()` (or letting the pipeline
     go) keeps them for that iterator: a pipeline over the same model given it again starts with them, and `close()`
     returns them for a plain loop to take first:
 
