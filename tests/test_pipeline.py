@@ -1345,3 +1345,49 @@ def test_a_persistent_workers_loader_iterated_each_epoch_trains_every_epoch():
     before the reset and the next step starts a new pass: the plain loop's batches and weights, bitwise."""
     for plain_n, piped_n, same_batches, same_weights in run_ranks(_persistent_workers_epochs_worker, 2, timeout=180):
         assert plain_n == piped_n == [6, 4, 6] and same_batches and same_weights, (plain_n, piped_n)
+
+
+def _loader_itself_worker(rank, W):
+    loader, held_out = _loader(rank, 4), list(_loader(rank, 2, seed=50))
+    runs = []
+    for pipelined in (False, True):
+        model, dmp, opt = _build("row_wise", W)
+        trained = []
+        forward = model.forward
+
+        def spy(batch, forward=forward, trained=trained, model=model):
+            if model.training:
+                trained.append(batch.labels.clone())
+            return forward(batch)
+
+        model.forward = spy
+        if pipelined:  # the DataLoader itself, not iter(dataloader): its epochs one after another
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+            _pipelined_steps(pipeline, loader, 2)
+            dmp.eval()
+            _pipelined_steps(pipeline, held_out)  # an evaluation between training steps
+            dmp.train()
+            _pipelined_steps(pipeline, loader)  # the rest of epoch 1
+            _pipelined_steps(pipeline, loader)  # epoch 2
+            pipeline.close()
+        else:
+            it = iter(loader)
+            _plain_steps(dmp, opt, it, 2)
+            dmp.eval()
+            with torch.no_grad():
+                [dmp(b) for b in held_out]
+            dmp.train()
+            _plain_steps(dmp, opt, it)
+            _plain_steps(dmp, opt, iter(loader))
+        runs.append((trained, _weights(dmp)))
+    (plain_seen, plain_w), (piped_seen, piped_w) = runs
+    return (len(plain_seen), len(piped_seen), all(torch.equal(a, b) for a, b in zip(plain_seen, piped_seen)),
+            all(torch.equal(plain_w[k], piped_w[k]) for k in plain_w))
+
+
+def test_progress_given_the_dataloader_itself_runs_its_epochs_one_after_another():
+    """pipeline.progress(dataloader) (TorchRec passes iter(dataloader)) was taken as one pass for good: the second
+    epoch trained 0 batches, and after an evaluation pass the epoch restarted from its first batch (7 steps where the
+    plain loop takes 8, 3 of them on a batch trained before). Now the loader's passes run one after another, as
+    `for batch in dataloader` each epoch: bitwise the plain loop."""
+    assert run_ranks(_loader_itself_worker, 2, timeout=120) == [(8, 8, True, True)] * 2

@@ -41,6 +41,7 @@ class _Inputs:
         self.current: _Feeder | None = None  # the feeder that handed out the last batch, until its step is done
         # TrainPipelineSparseDist: id(iterator) -> (iterator, ReadAhead): batches read from it that no step has taken
         self.read_ahead: dict[int, tuple[Any, Any]] = {}
+        self.iterables: dict[int, tuple[Any, Any]] = {}  # TrainPipelineSparseDist: a DataLoader's current pass
         self._warned_read_ahead = False
         for m in self.modules:
             m._input_source = self.claim

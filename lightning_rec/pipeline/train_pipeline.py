@@ -186,11 +186,28 @@ class TrainPipelineSparseDist:
         # kept on the model, so that every pipeline over it (and the plain loop, through close()) gets them first
         self._read_ahead: dict[int, tuple[Iterator, ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
+        # iterables given to progress (a DataLoader itself): id -> (iterable, the iterator of its current pass)
+        self._iterables: dict[int, tuple[Any, Iterator]] = self._pipeline.inputs.iterables
 
     def progress(self, dataloader_iter: Iterator) -> Any:
+        iterable = None
+        if not isinstance(dataloader_iter, Iterator):
+            # the DataLoader itself (TorchRec takes iter(dataloader)): its passes one after another, as `for batch in
+            # dataloader` each epoch. Each call made a new pass before: the second epoch trained 0 batches (its pass
+            # was the finished one), and a return after an evaluation restarted the epoch from its first batch
+            iterable = dataloader_iter
+            held = self._iterables.get(id(iterable))
+            if held is None or held[0] is not iterable:
+                held = self._iterables[id(iterable)] = (iterable, iter(iterable))
+            dataloader_iter = held[1]
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
             self._switch_to(dataloader_iter)
-        batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
+        try:
+            batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
+        except StopIteration:
+            if iterable is not None:
+                self._iterables.pop(id(iterable), None)  # the next call starts its next pass
+            raise
         training = self._model.training and self._optimizer is not None
         if training:
             self._optimizer.zero_grad()
