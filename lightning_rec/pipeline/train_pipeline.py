@@ -156,7 +156,8 @@ class TrainPipelineSparseDist:
     `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
     `loss.sum().backward()` and `optimizer.step()`, and returns `output`. With the model in eval
     mode (or optimizer=None) it runs the forward only, without gradients. Batches come out in
-    order; StopIteration comes once every batch is done. A new iterator starts a new pass; one given again
+    order; StopIteration comes once every batch is done (given the DataLoader itself rather than an iterator, the
+    next call starts its next pass: an epoch). A new iterator starts a new pass; one given again
     (training resumed after an evaluation pass) goes on where its steps stopped. Build,
     close (or let go) and rebuild pipelines over the same model freely; the plain loop
     (`model(batch)` yourself) works in between.
