@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from torch import nn
 from lightning_rec.pipeline.batch import move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig
-from lightning_rec.pipeline.feeder import _Feeder, _Inputs, _Plan
+from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 
 
 class InputPipeline:
@@ -111,31 +112,19 @@ class ReadAhead:
     One object is both what `TrainPipelineSparseDist.close()` returns and what the model keeps for the iterator, so
     a batch taken by the plain loop is not given to the next pipeline too."""
 
-    def __init__(self, batches: list | None = None, feeder: _Feeder | None = None,
-                 rest: ReadAhead | None = None) -> None:
-        self._batches = deque(batches or [])
-        self._feeder = feeder  # a pipeline let go mid-pass: its thread stops by itself; its batches are read here
-        self._rest = rest  # kept batches the pass began with and had not read yet: after the feeder's
-
-    def _settle(self) -> None:
-        if self._feeder is not None:
-            feeder, self._feeder = self._feeder, None
-            self._batches.extend(feeder.close(keep_unused=True))
-        if self._rest is not None:
-            rest, self._rest = self._rest, None
-            self._batches.extend(rest)
+    def __init__(self, batches: list | None = None, rest: ReadAhead | None = None) -> None:
+        # rest: kept batches the pass began with and had not read yet (they come after the ones it read)
+        self._batches = deque(list(batches or []) + list(rest or []))
 
     def __iter__(self) -> ReadAhead:
         return self
 
     def __next__(self) -> Any:
-        self._settle()
         if not self._batches:
             raise StopIteration
         return self._batches.popleft()
 
     def __len__(self) -> int:
-        self._settle()
         return len(self._batches)
 
     def __repr__(self) -> str:
@@ -163,12 +152,13 @@ class TrainPipelineSparseDist:
     (`model(batch)` yourself) works in between.
 
     Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (each rank's
-    own, in order). `close()` (or letting the pipeline
-    go) keeps them for that iterator: a pipeline over the same model given it again starts with them, and `close()`
-    returns them for a plain loop to take first:
+    own, in order). `close()` keeps them for that iterator: a pipeline over the same model given it again starts
+    with them, and `close()` returns them for a plain loop to take first:
 
         for batch in itertools.chain(pipeline.close(), it):   # no batch of `it` is skipped
             ...
+
+    A pipeline let go mid-pass without close() drops them, with a warning.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
@@ -183,9 +173,11 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
-        # iterators left mid-pass (for another iterator, or by a pipeline closed or let go): the batches read ahead,
-        # kept on the model, so that every pipeline over it (and the plain loop, through close()) gets them first
-        self._read_ahead: dict[int, tuple[Iterator, ReadAhead]] = self._pipeline.inputs.read_ahead
+        # iterators left mid-pass (for another iterator, or by a closed pipeline): id -> (a reference to the iterator,
+        # the batches read ahead), kept on the model, so that every pipeline over it (and the plain loop, through
+        # close()) gets them first. Weak where it can be: an iterator its user let go (a DataLoader's, with its
+        # workers) is not kept alive for batches no one can ask for
+        self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
         # iterables given to progress (a DataLoader itself): id -> (iterable, the iterator of its current pass)
         self._iterables: dict[int, tuple[Any, Iterator]] = self._pipeline.inputs.iterables
@@ -235,9 +227,10 @@ class TrainPipelineSparseDist:
             self._keep_read_ahead()
         else:
             self._pipeline.stop_feeder()
+            self._forget_taken()
         self._watch_reset(source)
         kept = self._read_ahead.pop(id(source), None)
-        self._pass_kept = kept[1] if kept is not None and kept[0] is source else None
+        self._pass_kept = kept[1] if kept is not None and kept[0]() is source else None
         self._pipeline.iterate(itertools.chain(self._pass_kept, source) if self._pass_kept is not None else source)
         self._source = source
 
@@ -271,10 +264,17 @@ class TrainPipelineSparseDist:
         kept = ReadAhead(self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
         self._pass_kept = None
         if source is not None and feeder is not None:
-            self._read_ahead[id(source)] = (source, kept)
-        for key in [k for k, (_, batches) in self._read_ahead.items() if not len(batches)]:
-            del self._read_ahead[key]  # taken: let go of its iterator (a DataLoader's workers)
+            try:
+                ref = weakref.ref(source)
+            except TypeError:  # (a list's iterator: nothing behind it to let go of)
+                ref = (lambda s: lambda: s)(source)
+            self._read_ahead[id(source)] = (ref, kept)
+        self._forget_taken()
         return kept
+
+    def _forget_taken(self) -> None:
+        for key in [k for k, (ref, batches) in self._read_ahead.items() if not len(batches) or ref() is None]:
+            del self._read_ahead[key]  # taken, or its iterator is gone
 
     @property
     def stats(self) -> dict[str, int]:
@@ -292,16 +292,20 @@ class TrainPipelineSparseDist:
         return kept
 
     def __del__(self) -> None:
-        # let go mid-pass: what the feeder read ahead stays kept for the iterator (its thread is joined by whoever takes
-        # them, not here: a collector's timing differs between ranks)
+        # let go mid-pass: the feeder's batches cannot be handed back (that joins its thread, at a moment the collector
+        # chooses, different on every rank): say so, naming close()
         pipeline = getattr(self, "_pipeline", None)
-        source = getattr(self, "_source", None)
-        if pipeline is None or pipeline.closed or pipeline.feeder is None or source is None:
+        feeder = getattr(pipeline, "feeder", None)
+        if pipeline is None or pipeline.closed or feeder is None or feeder._finished:
             return
         try:
-            feeder, pipeline.feeder = pipeline.feeder, None
-            feeder.stop_soon()
-            self._read_ahead[id(source)] = (source, ReadAhead(feeder=feeder, rest=self._pass_kept))
+            with feeder._cond:
+                dropped = sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
+            if dropped:
+                warnings.warn(f"lightning_rec pipeline: a TrainPipelineSparseDist was let go mid-pass, dropping "
+                              f"{dropped} batch(es) it had read ahead of its steps; call pipeline.close() instead: it "
+                              f"returns them (for batch in itertools.chain(pipeline.close(), it)), and a pipeline "
+                              f"given that iterator again starts with them", stacklevel=2)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
