@@ -106,6 +106,15 @@ class InputPipeline:
                 pass
 
 
+def _reference(obj: Any) -> Callable[[], Any]:
+    """A weak reference where the object takes one (a DataLoader, its iterators), else a strong one (a list's
+    iterator: nothing behind it to let go of)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
 class ReadAhead:
     """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first).
 
@@ -179,8 +188,8 @@ class TrainPipelineSparseDist:
         # workers) is not kept alive for batches no one can ask for
         self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
-        # iterables given to progress (a DataLoader itself): id -> (iterable, the iterator of its current pass)
-        self._iterables: dict[int, tuple[Any, Iterator]] = self._pipeline.inputs.iterables
+        # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)
+        self._iterables: dict[int, tuple[Callable[[], Any], Iterator]] = self._pipeline.inputs.iterables
 
     def progress(self, dataloader_iter: Iterator) -> Any:
         iterable = None
@@ -190,8 +199,10 @@ class TrainPipelineSparseDist:
             # was the finished one), and a return after an evaluation restarted the epoch from its first batch
             iterable = dataloader_iter
             held = self._iterables.get(id(iterable))
-            if held is None or held[0] is not iterable:
-                held = self._iterables[id(iterable)] = (iterable, iter(iterable))
+            if held is None or held[0]() is not iterable:
+                for key in [k for k, (ref, _) in self._iterables.items() if ref() is None]:
+                    del self._iterables[key]  # loaders let go: their passes' iterators (and workers) with them
+                held = self._iterables[id(iterable)] = (_reference(iterable), iter(iterable))
             dataloader_iter = held[1]
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
             self._switch_to(dataloader_iter)
@@ -264,11 +275,7 @@ class TrainPipelineSparseDist:
         kept = ReadAhead(self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
         self._pass_kept = None
         if source is not None and feeder is not None:
-            try:
-                ref = weakref.ref(source)
-            except TypeError:  # (a list's iterator: nothing behind it to let go of)
-                ref = (lambda s: lambda: s)(source)
-            self._read_ahead[id(source)] = (ref, kept)
+            self._read_ahead[id(source)] = (_reference(source), kept)
         self._forget_taken()
         return kept
 
