@@ -253,20 +253,19 @@ class TrainPipelineSparseDist:
         what the old pass read ahead is dropped with it, as the plain loop drops an epoch it leaves."""
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-        if not isinstance(source, _BaseDataLoaderIter):
+        if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
             return
-        original = vars(source).get("_rec_original_reset") or source._reset
-        me, store = weakref.ref(self), self._read_ahead
+        # weak references only: the iterator holds this function, and must not hold itself (nor the pipeline) alive
+        me, store, it = weakref.ref(self), self._read_ahead, weakref.ref(source)
 
         def reset(*args, **kwargs):
-            pipeline = me()
+            pipeline, source = me(), it()
             if pipeline is not None and pipeline._source is source:
                 pipeline._pipeline.stop_feeder()
                 pipeline._pass_kept = None
             store.pop(id(source), None)
-            return original(*args, **kwargs)
+            return type(source)._reset(source, *args, **kwargs)
 
-        source._rec_original_reset = original
         source._reset = reset
 
     def _keep_read_ahead(self) -> ReadAhead:
