@@ -317,6 +317,8 @@ class RecStrategy(DDPStrategy):
         self._check_same_pipeline()
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
+        if trainer.state.fn == TrainerFn.PREDICTING and self.world_size > 1:
+            self._deal_fewer_rows_than_ranks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
 
@@ -425,6 +427,7 @@ class RecStrategy(DDPStrategy):
             position = self._batches_this_epoch if self.lightning_module.trainer.training else None
             # it keeps ranks together too
             dataloader = wrap_loader(dataloader, pipeline, pad, position=position)
+            dataloader._rec_evaluating = not self.lightning_module.trainer.training
         elif self.world_size > 1 and isinstance(dataloader, DataLoader):
             evaluating = not self.lightning_module.trainer.training
             _stop_together(dataloader, self._all_have_a_batch, pad, evaluating=evaluating)
@@ -486,6 +489,38 @@ class RecStrategy(DDPStrategy):
         if self._padding_for(dataloader) is None:
             return dataloader  # no empty batch to step with: the repeated row keeps the ranks' batch counts equal
         return _update_dataloader(dataloader, _OwnRowsOnly(sampler, rows), mode=trainer.state.stage)
+
+    def _deal_fewer_rows_than_ranks(self, trainer: pl.Trainer) -> None:
+        """predict with fewer rows than ranks: Lightning's prediction sampler (UnrepeatedDistributedSampler) asserted
+        on the rank that gets no row (a bare AssertionError in lightning/pytorch/overrides/distributed.py). Here such
+        a loader gets the same deal without the assertion (rank r: rows r, r+W, ...); the rank with no row steps with
+        an empty batch (_agree_evaluation_length), or, where none can be made, the run is refused naming the fix.
+        Lightning 2.6: the sampler is chosen in its data connector's private `_resolve_sampler`, before any strategy
+        hook sees the loader; wrapped on this trainer only."""
+        from lightning.fabric.utilities.data import sized_len
+        from lightning.pytorch.trainer.states import RunningStage
+
+        connector = trainer._data_connector
+        if getattr(connector._resolve_sampler, "_rec_fewer_rows", False):
+            return
+        resolve = connector._resolve_sampler
+
+        def resolve_sampler(dataloader, shuffle, mode=None):
+            dataset = getattr(dataloader, "dataset", None)
+            rows = sized_len(dataset) if dataset is not None else None
+            if (mode != RunningStage.PREDICTING or rows is None or not 0 < rows < self.world_size
+                    or not connector._requires_distributed_sampler(dataloader)):
+                return resolve(dataloader, shuffle, mode)
+            if self._padding_for(dataloader) is None:
+                raise ValueError(f"trainer.predict: the predict dataloader has {rows} row(s) for {self.world_size} "
+                                 f"ranks, so rank(s) {list(range(rows, self.world_size))} get none, and an empty "
+                                 f"batch to step with cannot be made for this loader (a collate_fn of your own). Give "
+                                 f"its dataset an `empty_batch()` method returning a batch of 0 rows, give it at least "
+                                 f"{self.world_size} rows, or predict on fewer devices (Trainer(devices={rows}))")
+            return _RowsOfThisRank(dataloader.sampler, self.world_size, self.global_rank)
+
+        resolve_sampler._rec_fewer_rows = True
+        connector._resolve_sampler = resolve_sampler
 
     def _agree_evaluation_length(self, dataloader: object, pad) -> int | None:
         """Evaluation, several ranks (collective, once per loader: every rank processes its loaders in one order): the
@@ -1011,6 +1046,22 @@ class _OwnRowsOnly(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls it on the loader's sampler each epoch
         self.sampler.set_epoch(epoch)
+
+
+class _RowsOfThisRank(torch.utils.data.Sampler):
+    """Lightning's prediction deal (rank r: the sampler's rows r, r+W, ...), without its assertion that every rank
+    gets one: a rank with none steps with an empty batch."""
+
+    def __init__(self, sampler: torch.utils.data.Sampler, world_size: int, rank: int) -> None:
+        self.sampler, self.world_size, self.rank = sampler, world_size, rank
+
+    def __iter__(self):
+        import itertools
+
+        return itertools.islice(iter(self.sampler), self.rank, None, self.world_size)
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.sampler), self.world_size))
 
 
 def _in_a_combined_batch(trainer: pl.Trainer, loader: object) -> bool:

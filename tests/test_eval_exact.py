@@ -380,3 +380,40 @@ def test_a_per_row_dataset_at_two_ranks_is_validated_and_predicted_every_row_onc
     assert sorted(sum((r["seen"] for r in ranks), [])) == list(range(33))
     assert all(r["ctr"] == pytest.approx(11 / 33, abs=1e-12) for r in ranks)
     assert list(pd.read_csv(out)["row"]) == list(range(33))
+
+
+def _fewer_rows_than_ranks(rank, world_size, out: str):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_rec import PredictionWriter
+
+    x = torch.tensor([[7.0, 0.5]])
+    dataset = TensorDataset(x, torch.ones(1))
+    module = _PerRowModule()
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[PredictionWriter(out, overwrite=True)])
+    trainer.predict(module, DataLoader(dataset, batch_size=4), return_predictions=False)
+    own_collate = DataLoader(dataset, batch_size=4, collate_fn=lambda rows: (torch.stack([r[0] for r in rows]),))
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    try:
+        trainer.predict(module, own_collate, return_predictions=False)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return module.seen, refused
+
+
+def test_predict_with_fewer_rows_than_ranks_writes_them_or_names_the_fix(tmp_path):
+    """trainer.predict over 1 row at 2 ranks failed with a bare AssertionError from Lightning's prediction sampler
+    (the rank with no row). Now that rank steps with an empty batch and the row is written once; where no empty batch
+    can be made (a collate_fn of one's own) every rank refuses with a ValueError naming the fixes."""
+    import pandas as pd
+
+    out = str(tmp_path / "p.csv")
+    ranks = run_ranks(_fewer_rows_than_ranks, 2, out, timeout=120)
+    assert list(pd.read_csv(out)["row"]) == [0]
+    for _, refused in ranks:
+        assert "1 row(s) for 2 ranks" in refused and "empty_batch()" in refused and "devices=1" in refused, refused

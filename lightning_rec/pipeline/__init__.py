@@ -18,6 +18,7 @@ routed are those of the batch the hooks return.
 No tracing. The first batch of a pipeline runs plainly while the pipeline records which input each
 sharded collection is called with: a KeyedJaggedTensor found, by identity, inside the batch (a
 dataclass field, a dict entry, a tuple item, ...) gets a path such as `batch.sparse_features`.
+(A step that calls no collection, a dense warm-up step, leaves the recording to the next step that does.)
 From the next batch on, the feeder routes the KJT at each recorded path for its collection, and the
 collection's `input_dist` hands that result back when it is called with that very object. Whatever
 Python the forward runs around the embeddings does not matter. A collection called with a KJT

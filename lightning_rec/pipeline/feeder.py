@@ -39,6 +39,10 @@ class _Inputs:
         self._lock = threading.Lock()
         self.recording: _Feeder | None = None  # the feeder whose first batch is running plainly
         self.current: _Feeder | None = None  # the feeder that handed out the last batch, until its step is done
+        # TrainPipelineSparseDist: id(iterator) -> (iterator, ReadAhead): batches read from it that no step has taken
+        self.read_ahead: dict[int, tuple[Any, Any]] = {}
+        self.iterables: dict[int, tuple[Any, Any]] = {}  # TrainPipelineSparseDist: a DataLoader's current pass
+        self._warned_read_ahead = False
         for m in self.modules:
             m._input_source = self.claim
 
@@ -77,6 +81,18 @@ class _Inputs:
             if self._batches.get(id(entry.batch)) is entry.batch:
                 del self._batches[id(entry.batch)]
 
+    def _warn_read_ahead(self) -> None:
+        """A plain training step while batches a pipeline read ahead are kept untrained: say so once."""
+        waiting = sum(len(batches) for _, batches in self.read_ahead.values())
+        if waiting:
+            self._warned_read_ahead = True
+            warnings.warn(f"lightning_rec pipeline: a plain training step runs while {waiting} batch(es) that a "
+                          f"TrainPipelineSparseDist read ahead of its steps are not trained yet. If this loop "
+                          f"iterates the same iterator, it skips them: take them first, "
+                          f"`for batch in itertools.chain(pipeline.close(), it)` (close() returns them), or give the "
+                          f"iterator to a TrainPipelineSparseDist over this model again (it starts with them)",
+                          stacklevel=4)
+
     def owns(self, batch: Any) -> bool:
         """Was `batch` handed out by a feeder (so it is on the device already)?"""
         with self._lock:
@@ -89,8 +105,10 @@ class _Inputs:
         if reg is None or reg.kjt is not features:
             if self.current is not None:
                 self.current.stats["routed_in_step"] += 1
+            elif module.training and not self._warned_read_ahead and self.read_ahead:
+                self._warn_read_ahead()
             recording = self.recording
-            if recording is not None:
+            if recording is not None and self.current is recording:  # not another pass's step (a validation's)
                 recording.plan.note(module, self.names[module],
                                     "it was called with a KeyedJaggedTensor that is not part of the batch (computed "
                                     "inside the model, or replaced by a batch hook)")
@@ -109,6 +127,9 @@ class _Plan:
         self.not_pipelined: dict[str, str] = {}
         self.final = threading.Event()
         self.record_entry: _Entry | None = None
+        # the recording step called no collection (a dense warm-up step, a forward that skips the embeddings for some
+        # batch): the next step that calls one records the plan instead
+        self.record_next = False
         self._warned = False
 
     def record(self, module: _ShardedCollectionBase, path: tuple) -> None:
@@ -153,6 +174,8 @@ class _Entry:
 
 
 _END = object()
+_EVALUATION_FIX = (" (in evaluation, a dataset with an `empty_batch()` method (a batch of 0 rows) lets a rank that ran "
+                   "out step on with empty batches instead, so that every row is scored)")
 _STEP_BATCHES_KEPT = 16  # batches one step may take (training_step(dataloader_iter)) that stay registered
 
 
@@ -171,9 +194,10 @@ class _Feeder(Iterator):
 
     def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
                  config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int],
-                 pad: Callable[[], Any] | None = None) -> None:
+                 pad: Callable[[], Any] | None = None, evaluating: bool = False) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
         self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data
+        self.evaluating = evaluating  # (without pad: the warning on skipped batches names the evaluation fix)
         self.stats = stats
         self.device, self.config, self.to_device = device, config, to_device
         self.taken = 0
@@ -188,6 +212,7 @@ class _Feeder(Iterator):
         # __next__ for batch k (its turn: `_turn`), so both threads' collectives come in one order on every rank
         self._ordered = _in_step_order(config, channels)
         self._turn = -1
+        self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._dist_stream = torch.cuda.Stream(device) if cuda else None
@@ -244,6 +269,12 @@ class _Feeder(Iterator):
 
     def claim(self, module, features, entry: _Entry, path: tuple) -> ShardedBatch | None:
         plan = self.plan
+        if plan.record_next and not plan.final.is_set() and self.inputs.recording is self:
+            # this batch's step records the plan. No batch is routed ahead before the plan is final, and the
+            # feeder, which routes this one once it is (it has not yet), leaves it alone: it is routed here
+            plan.record_next = False
+            plan.record_entry = entry
+            entry.in_step = True
         if entry is plan.record_entry and not plan.final.is_set():
             plan.record(module, path)
             self.stats["routed_in_step"] += 1
@@ -271,8 +302,15 @@ class _Feeder(Iterator):
     def forward_done(self) -> None:
         """The step's forward has run: the recording (if any) is complete, and calls until the next batch is handed
         out (a validation's own ids, e.g. TwoTowerModule's item catalogue) are no input of this pass."""
-        if not self.plan.final.is_set() and self.inputs.recording is self:
-            self.plan.finalize(self.inputs)
+        plan = self.plan
+        if not plan.final.is_set() and self.inputs.recording is self:
+            if plan.routes or plan.not_pipelined:
+                plan.finalize(self.inputs)
+            else:
+                # the step called no collection: finalized, the empty plan routed every later batch of this pass in
+                # the step (the whole pass ran unpipelined); the next step that calls one records it. The same on
+                # every rank: a step that skips the sharded collections on one rank only would hang the plain loop
+                plan.record_entry, plan.record_next = None, True
         self._taken_in_step = 0
         if self.inputs.current is self:
             self.inputs.current = None
@@ -286,12 +324,15 @@ class _Feeder(Iterator):
     def close(self, keep_unused: bool = False) -> list:
         """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join.
 
-        keep_unused: return the batches read ahead that no step took (as many on every rank), else drop them."""
+        keep_unused: return the batches read ahead that no step took (as many on every rank, plus, in_step_order, one
+        this rank read before its turn came), else drop them."""
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
         with self._cond:
-            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] if keep_unused else []
+            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] + self._held \
+                if keep_unused else []
+            self._held = []
         self._finished = True
         self._release_all()
         return unused
@@ -372,6 +413,8 @@ class _Feeder(Iterator):
                 if batch is not None and error is None:
                     batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
                 if not self._wait_turn(k):
+                    if batch is not None and error is None:
+                        self._held.append(batch)  # read from the source: close(keep_unused) hands it back
                     return
             if channel is not None:
                 missing, failed = channel.agree(batch is None and error is None, error is not None, self._dist_stream)
@@ -390,7 +433,8 @@ class _Feeder(Iterator):
                     warnings.warn(f"rank {channel.rank if channel else 0}: the rest of this epoch's batches are "
                                   f"skipped: another rank's dataloader ran out first, and sharded embeddings need "
                                   f"every rank in every step. Give every rank the same number of batches (e.g. "
-                                  f"drop_last, or an even split) to use them all", stacklevel=2)
+                                  f"drop_last, or an even split) to use them all" + _EVALUATION_FIX * self.evaluating,
+                                  stacklevel=2)
                 self._put(_END)
                 return
             entry = self._entry(k, batch) if self._ordered else self._prepare(k, batch)
@@ -446,6 +490,9 @@ class _Feeder(Iterator):
         return entry
 
     def _route(self, entry: _Entry, put_on_error: bool = False) -> None:
+        if entry.in_step:  # its step recorded the plan (claim): routed there already
+            entry.ready.set()
+            return
         try:
             if self._dist_stream is None:
                 self._route_all(entry)

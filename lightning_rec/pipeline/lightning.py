@@ -113,4 +113,5 @@ def _iter_pipelined(self):
     if getattr(self, "_rec_position", None) is not None:
         batches = _read_with_states(self, batches)
         return _counting_from_the_first_step(self, pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None)))
-    return pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None))
+    return pipeline.iterate(batches, pad=getattr(self, "_rec_pad_batch", None),
+                            evaluating=getattr(self, "_rec_evaluating", False))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,7 +15,7 @@ from torch import nn
 from lightning_rec.pipeline.batch import move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig
-from lightning_rec.pipeline.feeder import _Feeder, _Inputs, _Plan
+from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 
 
 class InputPipeline:
@@ -42,7 +45,7 @@ class InputPipeline:
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
-    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None) -> _Feeder:
+    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None, evaluating: bool = False) -> _Feeder:
         """A new pass over `source` (the previous pass, if any, is stopped first).
 
         pad: evaluation: an empty batch for a rank whose `source` ran out while another's has not, so that
@@ -51,6 +54,7 @@ class InputPipeline:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
         self.stop_feeder()
         plan = self.plan
+        plan.record_next = False  # (a step that called no collection left it open: batch 0 records, as below)
         if not plan.final.is_set() and plan.record_entry is not None:  # the last pass stopped while recording
             if plan.routes or plan.not_pipelined:
                 plan.finalize(self.inputs)
@@ -61,7 +65,7 @@ class InputPipeline:
             # every later batch in the step, silently; record on this pass (the same on every rank: same code)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
-                              self.to_device, self.stats, pad)
+                              self.to_device, self.stats, pad, evaluating)
         return self.feeder
 
     def stop_feeder(self, keep_unused: bool = False) -> list:
@@ -102,6 +106,40 @@ class InputPipeline:
                 pass
 
 
+def _reference(obj: Any) -> Callable[[], Any]:
+    """A weak reference where the object takes one (a DataLoader, its iterators), else a strong one (a list's
+    iterator: nothing behind it to let go of)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+class ReadAhead:
+    """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first).
+
+    One object is both what `TrainPipelineSparseDist.close()` returns and what the model keeps for the iterator, so
+    a batch taken by the plain loop is not given to the next pipeline too."""
+
+    def __init__(self, batches: list | None = None, rest: ReadAhead | None = None) -> None:
+        # rest: kept batches the pass began with and had not read yet (they come after the ones it read)
+        self._batches = deque(list(batches or []) + list(rest or []))
+
+    def __iter__(self) -> ReadAhead:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._batches:
+            raise StopIteration
+        return self._batches.popleft()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __repr__(self) -> str:
+        return f"ReadAhead({len(self)} batches)"
+
+
 class TrainPipelineSparseDist:
     """TorchRec's pipeline for hand-written loops, without tracing.
 
@@ -116,10 +154,20 @@ class TrainPipelineSparseDist:
     `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
     `loss.sum().backward()` and `optimizer.step()`, and returns `output`. With the model in eval
     mode (or optimizer=None) it runs the forward only, without gradients. Batches come out in
-    order; StopIteration comes once every batch is done. A new iterator starts a new pass; one given again
+    order; StopIteration comes once every batch is done (given the DataLoader itself rather than an iterator, the
+    next call starts its next pass: an epoch). A new iterator starts a new pass; one given again
     (training resumed after an evaluation pass) goes on where its steps stopped. Build,
     close (or let go) and rebuild pipelines over the same model freely; the plain loop
     (`model(batch)` yourself) works in between.
+
+    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (each rank's
+    own, in order). `close()` keeps them for that iterator: a pipeline over the same model given it again starts
+    with them, and `close()` returns them for a plain loop to take first:
+
+        for batch in itertools.chain(pipeline.close(), it):   # no batch of `it` is skipped
+            ...
+
+    A pipeline let go mid-pass without close() drops them, with a warning.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
@@ -134,13 +182,36 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
-        # iterators left mid-pass for another (an evaluation between training steps): the batches read ahead
-        self._read_ahead: dict[int, tuple[Iterator, list]] = {}
+        # iterators left mid-pass (for another iterator, or by a closed pipeline): id -> (a reference to the iterator,
+        # the batches read ahead), kept on the model, so that every pipeline over it (and the plain loop, through
+        # close()) gets them first. Weak where it can be: an iterator its user let go (a DataLoader's, with its
+        # workers) is not kept alive for batches no one can ask for
+        self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
+        self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
+        # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)
+        self._iterables: dict[int, tuple[Callable[[], Any], Iterator]] = self._pipeline.inputs.iterables
 
     def progress(self, dataloader_iter: Iterator) -> Any:
+        iterable = None
+        if not isinstance(dataloader_iter, Iterator):
+            # the DataLoader itself (TorchRec takes iter(dataloader)): its passes one after another, as `for batch in
+            # dataloader` each epoch. Each call made a new pass before: the second epoch trained 0 batches (its pass
+            # was the finished one), and a return after an evaluation restarted the epoch from its first batch
+            iterable = dataloader_iter
+            held = self._iterables.get(id(iterable))
+            if held is None or held[0]() is not iterable:
+                for key in [k for k, (ref, _) in self._iterables.items() if ref() is None]:
+                    del self._iterables[key]  # loaders let go: their passes' iterators (and workers) with them
+                held = self._iterables[id(iterable)] = (_reference(iterable), iter(iterable))
+            dataloader_iter = held[1]
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
             self._switch_to(dataloader_iter)
-        batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
+        try:
+            batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
+        except StopIteration:
+            if iterable is not None:
+                self._iterables.pop(id(iterable), None)  # the next call starts its next pass
+            raise
         training = self._model.training and self._optimizer is not None
         if training:
             self._optimizer.zero_grad()
@@ -163,21 +234,86 @@ class TrainPipelineSparseDist:
         """A pass over `source`. The batches the last pass read ahead are kept for its iterator, and come first when it
         is given again: dropped, every evaluation between training steps cost a training batch, silently."""
         previous = self._source
-        unused = self._pipeline.stop_feeder(keep_unused=previous is not None and previous is not source)
-        if unused:
-            self._read_ahead[id(previous)] = (previous, unused)
+        if previous is not None and previous is not source:
+            self._keep_read_ahead()
+        else:
+            self._pipeline.stop_feeder()
+            self._forget_taken()
+        self._watch_reset(source)
         kept = self._read_ahead.pop(id(source), None)
-        batches = itertools.chain(kept[1], source) if kept is not None and kept[0] is source else source
-        self._pipeline.iterate(batches)
+        self._pass_kept = kept[1] if kept is not None and kept[0]() is source else None
+        self._pipeline.iterate(itertools.chain(self._pass_kept, source) if self._pass_kept is not None else source)
         self._source = source
+
+    def _watch_reset(self, source: Iterator) -> None:
+        """torch's DataLoader with persistent_workers=True hands out one iterator object for every pass: `iter(loader)`
+        resets it. Given again, it went on with the finished pass (every later epoch trained 0 batches, silently), or,
+        after an epoch cut short, was reset under the feeder's reads (KeyError inside torch's iterator). The feeder now
+        stops before the reset (every rank calls iter(loader) at the same point), and the next step starts a new pass;
+        what the old pass read ahead is dropped with it, as the plain loop drops an epoch it leaves."""
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
+            return
+        # weak references only: the iterator holds this function, and must not hold itself (nor the pipeline) alive
+        me, store, it = weakref.ref(self), self._read_ahead, weakref.ref(source)
+
+        def reset(*args, **kwargs):
+            pipeline, source = me(), it()
+            if pipeline is not None and pipeline._source is source:
+                pipeline._pipeline.stop_feeder()
+                pipeline._pass_kept = None
+            store.pop(id(source), None)
+            return type(source)._reset(source, *args, **kwargs)
+
+        source._reset = reset
+
+    def _keep_read_ahead(self) -> ReadAhead:
+        """Stop the pass; keep the batches it read ahead that no step took for its iterator (first when it is back)."""
+        source, feeder = self._source, self._pipeline.feeder
+        kept = ReadAhead(self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
+        self._pass_kept = None
+        if source is not None and feeder is not None:
+            self._read_ahead[id(source)] = (_reference(source), kept)
+        self._forget_taken()
+        return kept
+
+    def _forget_taken(self) -> None:
+        for key in [k for k, (ref, batches) in self._read_ahead.items() if not len(batches) or ref() is None]:
+            del self._read_ahead[key]  # taken, or its iterator is gone
 
     @property
     def stats(self) -> dict[str, int]:
         """How many collection inputs came routed ahead, and how many were routed inside the step."""
         return dict(self._pipeline.stats)
 
-    def close(self) -> None:
+    def close(self) -> ReadAhead:
+        """Stop the feeder (at the same point on every rank) and give the channels back.
+
+        Returns the batches it read ahead of the steps from the current iterator, oldest first (on the device
+        already; this rank's, in order): a plain loop trains them first, `itertools.chain(pipeline.close(), it)`, or a
+        pipeline over the same model given that iterator starts with them. Taken once, by whichever comes first."""
+        kept = self._keep_read_ahead() if not self._pipeline.closed else ReadAhead([])
         self._pipeline.close()
+        return kept
+
+    def __del__(self) -> None:
+        # let go mid-pass: the feeder's batches cannot be handed back (that joins its thread, at a moment the collector
+        # chooses, different on every rank): say so, naming close()
+        pipeline = getattr(self, "_pipeline", None)
+        feeder = getattr(pipeline, "feeder", None)
+        if pipeline is None or pipeline.closed or feeder is None or feeder._finished:
+            return
+        try:
+            with feeder._cond:
+                dropped = sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
+            if dropped:
+                warnings.warn(f"lightning_rec pipeline: a TrainPipelineSparseDist was let go mid-pass, dropping "
+                              f"{dropped} batch(es) it had read ahead of its steps; call pipeline.close() instead: it "
+                              f"returns them (for batch in itertools.chain(pipeline.close(), it)), and a pipeline "
+                              f"given that iterator again starts with them", stacklevel=2)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __enter__(self) -> TrainPipelineSparseDist:
         return self
