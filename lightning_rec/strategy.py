@@ -500,7 +500,10 @@ class RecStrategy(DDPStrategy):
         from lightning.fabric.utilities.data import sized_len
         from lightning.pytorch.trainer.states import RunningStage
 
-        connector = trainer._data_connector
+        connector = getattr(trainer, "_data_connector", None)
+        if not callable(getattr(connector, "_resolve_sampler", None)) or not hasattr(
+                connector, "_requires_distributed_sampler"):
+            return  # another Lightning: its own sampler deal (and message) stays
         if getattr(connector._resolve_sampler, "_rec_fewer_rows", False):
             return
         resolve = connector._resolve_sampler
