@@ -25,6 +25,7 @@ import contextlib
 import copy
 import inspect
 import math
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -179,6 +180,8 @@ class RecStrategy(DDPStrategy):
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []
         self._warned_manual_accumulation = False
+        self._sigterm_pending = False  # this rank got a SIGTERM the ranks have not agreed on yet (_on_sigterm)
+        self._stop_told = False
 
     @property
     def dmp(self) -> DistributedModelParallel:
@@ -315,6 +318,7 @@ class RecStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._check_same_pipeline()
+        self._take_over_sigterm(trainer)
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.FITTING:
@@ -419,6 +423,7 @@ class RecStrategy(DDPStrategy):
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
                                      to_device=self._batch_hooks_for(dataloader))
             pipeline.loader = dataloader
+            pipeline.stop_signal = (self._stop_requested, self._stop_agreed)
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
             position = self._batches_this_epoch if self.lightning_module.trainer.training else None
@@ -767,18 +772,74 @@ class RecStrategy(DDPStrategy):
         """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).
         Through the embedding group's guard (and shared memory when the tables use it): ranks at different
         batches raise on every rank. `last`: this rank's sized loader has no batch after this one."""
+        stop = self._stop_requested()  # a SIGTERM rides on this agreement (_take_over_sigterm)
         if self._dmp is not None and index >= 0:
-            all_have = self._dmp.step_together(have, index, last)
+            all_have = self._dmp.step_together(have, index, last, stop=stop)
+            self._stop_agreed(self._dmp.stop_agreed)
             return all_have, self._dmp.last_batch_agreed, self._dmp.any_batch_agreed
         transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
-        flags = torch.tensor([0 if have else 1, int(have and last)], dtype=torch.int64)  # (missing, last) counts
+        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)  # (missing, last) counts, then stop per rank
+        flags[0], flags[1], flags[2 + self.global_rank] = int(not have), int(have and last), int(stop)
         if transport is not None:
             transport.all_reduce_sum_(flags, tag="ranks step together")
         else:
             flags = flags.to(self.root_device)
             dist.all_reduce(flags, op=dist.ReduceOp.SUM)
-        missing, lasts = flags.tolist()
+        missing, lasts, *stops = flags.tolist()
+        self._stop_agreed([r for r, x in enumerate(stops) if x])
         return not missing, bool(lasts), missing < self.world_size
+
+    # SIGTERM (a preempted job), several ranks ----------------------------------------------------------------
+    #
+    # Lightning 2.6's SIGTERM handler ran a broadcast inside the signal handler, paired with whatever collective
+    # the other ranks were in: a signalled 2-rank fit hung, or failed with CollectiveMismatch (rank 0 in its id
+    # all-to-all, rank 1 in the handler's broadcast). And a rank that was signalled alone stopped alone at its next
+    # loop check, leaving the others waiting. Here the handler only notes the signal; the note rides on the
+    # agreement every batch already makes (every rank has a batch? _all_have_a_batch, or the pipeline's), and every
+    # rank sets Lightning's `trainer.received_sigterm` when it takes the same batch. Lightning's loops then raise
+    # SIGTERMException after the same step on every rank: the callbacks' on_exception runs (OnExceptionCheckpoint
+    # saves a checkpoint, a collective every rank reaches), teardown, and the process exits as Lightning's does.
+
+    def _take_over_sigterm(self, trainer: pl.Trainer) -> None:
+        """Replace Lightning's SIGTERM notifier (registered after setup, until teardown) by _on_sigterm. Lightning 2.6
+        private: `_SignalConnector._sigterm_notifier_fn`, looked up on the instance when the handlers are registered;
+        where a Lightning has none, its own stays."""
+        self._sigterm_pending, self._stop_told = False, False
+        connector = getattr(trainer, "_signal_connector", None)
+        if self.world_size > 1 and callable(getattr(connector, "_sigterm_notifier_fn", None)):
+            connector._sigterm_notifier_fn = self._on_sigterm
+
+    def _on_sigterm(self, signum: Any, _frame: Any) -> None:
+        """The SIGTERM handler: notes it, and passes it on to the ranks this process launched (as Lightning's does).
+        No collective, no print (a signal handler interrupts the main thread anywhere, in a write to stderr too)."""
+        import os
+
+        if self._sigterm_pending:
+            return
+        self._sigterm_pending = True
+        with contextlib.suppress(OSError):
+            os.write(2, f"lightning_rec (rank {self.global_rank}): received SIGTERM ({int(signum)}); every rank stops "
+                        f"after the step that takes the next batch\n".encode())
+        if self.launcher is not None:
+            self.launcher.kill(signum)
+
+    def _stop_requested(self) -> bool:
+        return self._sigterm_pending
+
+    def _stop_agreed(self, ranks: list[int]) -> None:
+        """Every rank calls this at the same batch (the one whose agreement carried the signal)."""
+        if not ranks or self._stop_told:
+            return
+        self._stop_told = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is None:
+            return
+        connector.received_sigterm = True  # what Lightning's loops read (trainer.received_sigterm)
+        if self.global_rank == 0:
+            print(f"lightning_rec: SIGTERM received by rank(s) {ranks}: every rank stops after this step (Lightning's "
+                  f"SIGTERMException: callbacks' on_exception run, e.g. OnExceptionCheckpoint saves a checkpoint)",
+                  file=sys.stderr, flush=True)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:

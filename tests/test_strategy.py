@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -1118,3 +1119,88 @@ def test_a_planner_built_before_the_ranks_plans_for_the_runs_ranks():
     assert planner.topology.world_size == 1  # no process group here
     for sharding_type, batch_size in run_ranks(_planner_built_before_the_ranks_worker, 2, planner, timeout=180):
         assert sharding_type == "row_wise" and batch_size == 64  # the constraint kept; the data's batch per rank
+
+
+# SIGTERM (a preempted job) and other signals, 2 ranks ---------------------------------------------------------
+
+
+class _MarkAt(L.Callback):
+    """Writes this rank's pid to `<out>/at<rank>` once training reaches step `step`, and slows the steps from there
+    on (the signal comes while the ranks train, in or between their collectives); notes the exception fit ends with."""
+
+    def __init__(self, out: str, step: int) -> None:
+        self.out, self.step, self.seen = out, step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            path = os.path.join(self.out, f"at{trainer.global_rank}")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
+        if trainer.global_step >= self.step:
+            time.sleep(0.05)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.seen = (type(exception).__name__, trainer.global_step)
+
+
+def _signalled_fit(rank, world_size, out, pipeline):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    mark = _MarkAt(out, step=3)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, embedding_timeout=20), accelerator="cpu",
+                        devices=world_size, max_steps=120, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=[mark, OnExceptionCheckpoint(dirpath=out)])  # (no other checkpoint callback)
+    try:
+        trainer.fit(DLRMModule(**SMALL), data)
+        ended = "finished"
+    except SystemExit as e:  # Lightning's SIGTERMException is one
+        ended = type(e).__name__
+    return ended, mark.seen, trainer.global_step
+
+
+def _signal_when_marked(out: str, ranks: list[int], signum: int, deadline_s: float = 60.0):
+    """A thread that sends `signum` to each of `ranks` once it has written its marker (from outside, as a scheduler
+    does: wherever the rank is then, a collective included)."""
+    import threading
+
+    def send():
+        end = time.monotonic() + deadline_s
+        pending = list(ranks)
+        while pending and time.monotonic() < end:
+            for r in list(pending):
+                path = os.path.join(out, f"at{r}")
+                if os.path.exists(path):
+                    os.kill(int(Path(path).read_text()), signum)
+                    pending.remove(r)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("ranks,pipeline", [([0, 1], False), ([1], True), ([0], False)],
+                         ids=["both", "rank1-only-pipelined", "rank0-only"])
+def test_sigterm_stops_every_rank_after_the_same_step_and_saves_on_exception(tmp_path, ranks, pipeline):
+    """A preempted job: SIGTERM to every rank, or to one. Lightning 2.6's handler ran a broadcast inside the signal
+    handler, paired with whatever collective the other rank was in: the ranks hung, or failed with
+    CollectiveMismatch (rank 0 in its id all-to-all, rank 1 in the handler's broadcast); a rank signalled alone
+    stopped alone. Now every rank stops after the same step with Lightning's SIGTERMException (SystemExit), and the
+    callbacks' on_exception saves a whole checkpoint there."""
+    from lightning_rec.checkpoint import read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, ranks, signal.SIGTERM)
+    results = run_ranks(_signalled_fit, 2, out, pipeline, timeout=90)
+    sender.join()
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] and results[0][1][0] == "SIGTERMException", results  # the same step
+    step = results[0][2]
+    assert 3 <= step < 120 and results[1][2] == step, results  # stopped early, together
+    saved = read_lightning_state(tmp_path / "on_exception.ckpt")
+    assert saved["global_step"] == step
