@@ -1125,36 +1125,51 @@ def test_a_planner_built_before_the_ranks_plans_for_the_runs_ranks():
 
 
 class _MarkAt(L.Callback):
-    """Writes this rank's pid to `<out>/at<rank>` once training reaches step `step`, and slows the steps from there
-    on (the signal comes while the ranks train, in or between their collectives); notes the exception fit ends with."""
+    """Writes this rank's pid to `<out>/at<rank>` once training reaches step `step` (`during` "train"), or the
+    validation or checkpoint save after it, and slows things from there on (the signal comes while the ranks work, in
+    or between their collectives); notes the exception fit ends with."""
 
-    def __init__(self, out: str, step: int) -> None:
-        self.out, self.step, self.seen = out, step, None
+    def __init__(self, out: str, step: int, during: str = "train") -> None:
+        self.out, self.step, self.during, self.seen = out, step, during, None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            path = os.path.join(self.out, f"at{trainer.global_rank}")
+    def _mark(self, trainer, during: str, pause: float) -> None:
+        if self.during != during or trainer.global_step < self.step:
+            return
+        path = os.path.join(self.out, f"at{trainer.global_rank}")
+        if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
             os.replace(path + ".tmp", path)
-        if trainer.global_step >= self.step:
-            time.sleep(0.05)
+        time.sleep(pause)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._mark(trainer, "train", 0.05)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._mark(trainer, "validation", 0.1)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._mark(trainer, "save", 0.5)  # before its files are written: the signal comes in the save
 
     def on_exception(self, trainer, pl_module, exception):
         self.seen = (type(exception).__name__, trainer.global_step)
 
 
-def _signalled_fit(rank, world_size, out, pipeline):
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+def _signalled_fit(rank, world_size, out, pipeline, during="train"):
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
     L.seed_everything(0)
-    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=128, batch_size=64,
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=64 * 2 * 40, batch_size=64,
                                      num_embeddings_per_feature=64)
-    mark = _MarkAt(out, step=3)
+    mark = _MarkAt(out, step=3, during=during)
+    callbacks = [mark, OnExceptionCheckpoint(dirpath=out)]
+    if during == "save":
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "every"), every_n_train_steps=4, save_top_k=-1))
     trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, embedding_timeout=20), accelerator="cpu",
                         devices=world_size, max_steps=120, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[mark, OnExceptionCheckpoint(dirpath=out)])  # (no other checkpoint callback)
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=40 if during == "validation" else 0, val_check_interval=4,
+                        callbacks=callbacks)
     try:
         trainer.fit(DLRMModule(**SMALL), data)
         ended = "finished"
@@ -1204,3 +1219,25 @@ def test_sigterm_stops_every_rank_after_the_same_step_and_saves_on_exception(tmp
     assert 3 <= step < 120 and results[1][2] == step, results  # stopped early, together
     saved = read_lightning_state(tmp_path / "on_exception.ckpt")
     assert saved["global_step"] == step
+
+
+@pytest.mark.parametrize("during", ["validation", "save"])
+def test_sigterm_during_validation_or_a_checkpoint_save_stops_every_rank_after_it(tmp_path, during):
+    """The signal comes while the ranks validate (40 batches from step 4), or inside a checkpoint save (every 4 steps).
+    Lightning's handler broadcast inside the validation's or the save's collectives (CollectiveMismatch, or a hang);
+    now the save finishes whole, and every rank stops together at its next batch."""
+    from lightning_rec.checkpoint import read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGTERM)
+    results = run_ranks(_signalled_fit, 2, out, False, during, timeout=90)
+    sender.join()
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] and results[0][2] == results[1][2], results
+    step = results[0][2]
+    assert read_lightning_state(tmp_path / "on_exception.ckpt")["global_step"] == step
+    if during == "validation":  # stopped inside the first validation, before its end
+        assert step == 4, results
+    else:  # the save the signal came in (after step 4; batch 5 was agreed on before it) is whole, under its name
+        assert step == 5 and read_lightning_state(tmp_path / "every" / "epoch=0-step=4.ckpt")["global_step"] == 4
+        assert not [p.name for p in (tmp_path / "every").iterdir() if p.name.startswith(".")]
