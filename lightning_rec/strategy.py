@@ -407,6 +407,7 @@ class RecStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         dataloader = self._own_loader_of_this_loop(dataloader)
         dataloader = self._without_repeated_rows(dataloader)
+        _workers_outlive_sigterm(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         agreed = self._agree_training_length(dataloader)
         pad = self._padding_for(dataloader)
@@ -1159,6 +1160,50 @@ def _iter_together(self):
             if not last:
                 warnings.warn(skipped, stacklevel=2)
             return
+
+
+class _IgnoreSigterm:
+    """A DataLoader's worker_init_fn: the worker ignores a SIGTERM that does not come from its rank, then runs the
+    loader's own worker_init_fn (if any).
+
+    A preempted job's SIGTERM reaches every process of the job (SLURM signals the whole job step, `kill -- -PGID` the
+    process group), the loader workers too, and torch's workers die of it at once: the rank's next batch failed with
+    "DataLoader worker (pid N) is killed by signal: Terminated" instead of the step it was to stop after (_on_sigterm).
+    The rank stops its workers itself, by SIGTERM too where they do not end (torch's shutdown, multiprocessing's exit):
+    that one still ends the worker (ignored, the rank's exit waited for it). Told apart by the sender, which a thread
+    waiting on the blocked signal sees (sigwaitinfo; where there is none, the worker keeps torch's behaviour)."""
+
+    def __init__(self, own: Any) -> None:
+        self.own = own
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+        import threading
+
+        if hasattr(signal, "sigwaitinfo") and threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit it
+            threading.Thread(target=_end_on_the_ranks_sigterm, name="lightning_rec: SIGTERM from the rank",
+                             daemon=True).start()
+        if self.own is not None:
+            self.own(worker_id)
+
+
+def _end_on_the_ranks_sigterm() -> None:
+    import os
+    import signal
+
+    rank = os.getppid()
+    while True:
+        sent = signal.sigwaitinfo({signal.SIGTERM})
+        if sent.si_pid == rank or os.getppid() != rank:
+            os._exit(128 + signal.SIGTERM)  # as a SIGTERM'd process's status reads to a shell
+
+
+def _workers_outlive_sigterm(loader: object) -> None:
+    if not isinstance(loader, DataLoader) or loader.num_workers <= 0 or isinstance(loader.worker_init_fn,
+                                                                                    _IgnoreSigterm):
+        return
+    loader.worker_init_fn = _IgnoreSigterm(loader.worker_init_fn)
 
 
 def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

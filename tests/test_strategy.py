@@ -1155,12 +1155,12 @@ class _MarkAt(L.Callback):
         self.seen = (type(exception).__name__, trainer.global_step)
 
 
-def _signalled_fit(rank, world_size, out, pipeline, during="train"):
+def _signalled_fit(rank, world_size, out, pipeline, during="train", num_workers=0):
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
     L.seed_everything(0)
     data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=64 * 2 * 40, batch_size=64,
-                                     num_embeddings_per_feature=64)
+                                     num_embeddings_per_feature=64, num_workers=num_workers)
     mark = _MarkAt(out, step=3, during=during)
     callbacks = [mark, OnExceptionCheckpoint(dirpath=out)]
     if during == "save":
@@ -1178,9 +1178,10 @@ def _signalled_fit(rank, world_size, out, pipeline, during="train"):
     return ended, mark.seen, trainer.global_step
 
 
-def _signal_when_marked(out: str, ranks: list[int], signum: int, deadline_s: float = 60.0):
+def _signal_when_marked(out: str, ranks: list[int], signum: int, deadline_s: float = 60.0, children: bool = False):
     """A thread that sends `signum` to each of `ranks` once it has written its marker (from outside, as a scheduler
-    does: wherever the rank is then, a collective included)."""
+    does: wherever the rank is then, a collective included); `children`: to the rank's own processes too (its
+    DataLoader workers), as SLURM signals every process of a job step."""
     import threading
 
     def send():
@@ -1190,7 +1191,10 @@ def _signal_when_marked(out: str, ranks: list[int], signum: int, deadline_s: flo
             for r in list(pending):
                 path = os.path.join(out, f"at{r}")
                 if os.path.exists(path):
-                    os.kill(int(Path(path).read_text()), signum)
+                    pid = int(Path(path).read_text())
+                    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if children else []
+                    for p in [pid, *map(int, kids)]:
+                        os.kill(p, signum)
                     pending.remove(r)
             time.sleep(0.01)
 
@@ -1241,3 +1245,16 @@ def test_sigterm_during_validation_or_a_checkpoint_save_stops_every_rank_after_i
     else:  # the save the signal came in (after step 4; batch 5 was agreed on before it) is whole, under its name
         assert step == 5 and read_lightning_state(tmp_path / "every" / "epoch=0-step=4.ckpt")["global_step"] == 4
         assert not [p.name for p in (tmp_path / "every").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_sigterm_to_every_process_of_the_job_spares_the_dataloader_workers(tmp_path, pipeline):
+    """SLURM signals every process of a preempted job step, the DataLoader workers too. torch's workers died of it at
+    once, and the fit failed with "DataLoader worker (pid N) is killed by signal: Terminated" instead of stopping after
+    the agreed step; they now leave a SIGTERM that is not their rank's to the rank (which still ends them with one)."""
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [0, 1], signal.SIGTERM, children=True)
+    results = run_ranks(_signalled_fit, 2, out, pipeline, "train", 1, timeout=90)
+    sender.join()
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] and results[0][2] == results[1][2], results
