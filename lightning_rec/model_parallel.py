@@ -823,14 +823,14 @@ class DistributedModelParallel(nn.Module):
 
     # collectives of the training loop, through the embedding group's guard ---------------------------
 
-    def step_together(self, have: bool, batch_index: int, last: bool = False, stop: bool = False) -> bool:
+    def step_together(self, have: bool, batch_index: int, last: bool = False, stop: int = 0) -> bool:
         """Collective: does every rank have batch `batch_index` of this epoch? (False ends it for all.)
 
         last: this rank's batch is its loader's last (a sized loader, which Lightning does not ask
         again): `self.last_batch_agreed` then tells every rank that the epoch ends after this batch.
-        stop: this rank was asked to stop (RecStrategy: a SIGTERM): `self.stop_agreed` then lists the ranks
-        that were, on every rank, so that all of them stop at this batch (the flag rides on this reduction:
-        no collective of its own).
+        stop: the signals this rank was sent, as bits (RecStrategy: 1 a SIGTERM, 2 SLURM's requeue signal):
+        `self.stop_agreed` then maps each rank that was sent one to its bits, on every rank, so that all of them act
+        at this batch (the bits ride on this reduction: no collective of their own).
 
         Every rank reports (has a batch, its index): ranks at different indexes (one consumed a batch
         the others did not) raise CollectiveMismatch on every rank, naming each rank's index, before
@@ -867,8 +867,7 @@ class DistributedModelParallel(nn.Module):
                 f"Every rank must run every step")
         self.last_batch_agreed = any(h == 2 for h, _, _ in triples)  # 2: a rank's last batch (see `last`)
         self.any_batch_agreed = any(h for h, _, _ in triples)  # evaluation steps on while any rank has data
-        stops = [r for r, (_, _, s) in enumerate(triples) if s]  # group ranks; named by their global ranks
-        self.stop_agreed = [dist.get_global_rank(self._emb_pg, r) for r in stops]
+        self.stop_agreed = {dist.get_global_rank(self._emb_pg, r): s for r, (_, _, s) in enumerate(triples) if s}
         return all(h for h, _, _ in triples)
 
     def gather_object(self, obj, dst: int | None = 0) -> list | None:

@@ -182,6 +182,8 @@ class RecStrategy(DDPStrategy):
         self._warned_manual_accumulation = False
         self._sigterm_pending = False  # this rank got a SIGTERM the ranks have not agreed on yet (_on_sigterm)
         self._stop_told = False
+        self._requeue: tuple | None = None  # SLURM auto-requeue: (Lightning's handler, the signal noted or None)
+        self._requeue_state = ""  # "" -> "due" (agreed, runs at the next training batch) -> "done"
 
     @property
     def dmp(self) -> DistributedModelParallel:
@@ -301,6 +303,11 @@ class RecStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._requeue_state == "due" and self._requeue is not None:  # SLURM's requeue signal, agreed on: Lightning's
+            # handler, on every rank here (before the step's collectives; the feeder's wait for the step's next())
+            self._requeue_state = "done"
+            handler, signum = self._requeue
+            handler(signum if signum is not None else 10, None)
         # after the callbacks' and the module's on_train_*_start hooks, where BaseFinetuning (un)freezes
         if self._dense != "ddp" or self.world_size == 1 or self._dmp is None:
             return
@@ -773,13 +780,13 @@ class RecStrategy(DDPStrategy):
         """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).
         Through the embedding group's guard (and shared memory when the tables use it): ranks at different
         batches raise on every rank. `last`: this rank's sized loader has no batch after this one."""
-        stop = self._stop_requested()  # a SIGTERM rides on this agreement (_take_over_sigterm)
+        stop = self._stop_requested()  # a SIGTERM (or SLURM's requeue signal) rides on it (_take_over_sigterm)
         if self._dmp is not None and index >= 0:
             all_have = self._dmp.step_together(have, index, last, stop=stop)
             self._stop_agreed(self._dmp.stop_agreed)
             return all_have, self._dmp.last_batch_agreed, self._dmp.any_batch_agreed
         transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
-        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)  # (missing, last) counts, then stop per rank
+        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)  # (missing, last) counts, then each rank's bits
         flags[0], flags[1], flags[2 + self.global_rank] = int(not have), int(have and last), int(stop)
         if transport is not None:
             transport.all_reduce_sum_(flags, tag="ranks step together")
@@ -787,7 +794,7 @@ class RecStrategy(DDPStrategy):
             flags = flags.to(self.root_device)
             dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         missing, lasts, *stops = flags.tolist()
-        self._stop_agreed([r for r, x in enumerate(stops) if x])
+        self._stop_agreed({r: x for r, x in enumerate(stops) if x})
         return not missing, bool(lasts), missing < self.world_size
 
     # SIGTERM (a preempted job), several ranks ----------------------------------------------------------------
@@ -800,15 +807,23 @@ class RecStrategy(DDPStrategy):
     # rank sets Lightning's `trainer.received_sigterm` when it takes the same batch. Lightning's loops then raise
     # SIGTERMException after the same step on every rank: the callbacks' on_exception runs (OnExceptionCheckpoint
     # saves a checkpoint, a collective every rank reaches), teardown, and the process exits as Lightning's does.
+    # SLURM's auto-requeue signal (SIGUSR1 by default) had the same flaw: Lightning's handler saved the checkpoint (a
+    # collective) inside the signal handler. It is noted the same way, and Lightning's handler (save, then requeue
+    # from rank 0) runs on every rank at the same training batch's start.
 
     def _take_over_sigterm(self, trainer: pl.Trainer) -> None:
-        """Replace Lightning's SIGTERM notifier (registered after setup, until teardown) by _on_sigterm. Lightning 2.6
-        private: `_SignalConnector._sigterm_notifier_fn`, looked up on the instance when the handlers are registered;
-        where a Lightning has none, its own stays."""
-        self._sigterm_pending, self._stop_told = False, False
+        """Replace Lightning's SIGTERM notifier (registered after setup, until teardown) by _on_sigterm, and its SLURM
+        requeue handler by _on_requeue_signal. Lightning 2.6 private: `_SignalConnector._sigterm_notifier_fn` and
+        `_slurm_sigusr_handler_fn`, looked up on the instance when the handlers are registered; where a Lightning has
+        none, its own stays."""
+        self._sigterm_pending, self._stop_told, self._requeue, self._requeue_state = False, False, None, ""
         connector = getattr(trainer, "_signal_connector", None)
         if self.world_size > 1 and callable(getattr(connector, "_sigterm_notifier_fn", None)):
             connector._sigterm_notifier_fn = self._on_sigterm
+        slurm_handler = vars(type(connector)).get("_slurm_sigusr_handler_fn") if connector is not None else None
+        if self.world_size > 1 and callable(slurm_handler):
+            self._requeue = (slurm_handler.__get__(connector), None)  # Lightning's own, run at a batch (below)
+            connector._slurm_sigusr_handler_fn = self._on_requeue_signal
 
     def _on_sigterm(self, signum: Any, _frame: Any) -> None:
         """The SIGTERM handler: notes it, and passes it on to the ranks this process launched (as Lightning's does).
@@ -824,11 +839,28 @@ class RecStrategy(DDPStrategy):
         if self.launcher is not None:
             self.launcher.kill(signum)
 
-    def _stop_requested(self) -> bool:
-        return self._sigterm_pending
+    def _on_requeue_signal(self, signum: Any, _frame: Any) -> None:
+        """SLURM's requeue signal (auto_requeue): noted; Lightning's handler runs at a batch every rank agrees on."""
+        import os
 
-    def _stop_agreed(self, ranks: list[int]) -> None:
-        """Every rank calls this at the same batch (the one whose agreement carried the signal)."""
+        if self._requeue is None or self._requeue[1] is not None or self._requeue_state:
+            return
+        self._requeue = (self._requeue[0], signum)
+        with contextlib.suppress(OSError):
+            os.write(2, f"lightning_rec (rank {self.global_rank}): received the requeue signal ({int(signum)}); "
+                        f"every rank saves the checkpoint at its next training batch, then rank 0 requeues the "
+                        f"job\n".encode())
+
+    def _stop_requested(self) -> int:
+        """This rank's signals, as bits: 1 a SIGTERM, 2 SLURM's requeue signal (not yet acted on)."""
+        requeue = self._requeue is not None and self._requeue[1] is not None and not self._requeue_state
+        return int(self._sigterm_pending) | (2 if requeue else 0)
+
+    def _stop_agreed(self, ranks: dict[int, int]) -> None:
+        """Every rank calls this at the same batch (the one whose agreement carried the signals: {rank: bits})."""
+        if any(bits & 2 for bits in ranks.values()) and not self._requeue_state:
+            self._requeue_state = "due"  # at the next training batch's start (on_train_batch_start), every rank
+        ranks = sorted(r for r, bits in ranks.items() if bits & 1)
         if not ranks or self._stop_told:
             return
         self._stop_told = True

@@ -1258,3 +1258,39 @@ def test_sigterm_to_every_process_of_the_job_spares_the_dataloader_workers(tmp_p
     sender.join()
     assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
     assert results[0][1] == results[1][1] and results[0][2] == results[1][2], results
+
+
+def _slurm_requeue_fit(rank, world_size, out, pipeline):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    # what srun gives each task (the process group is up already, on MASTER_ADDR / MASTER_PORT)
+    os.environ.update(SLURM_NTASKS=str(world_size), SLURM_NTASKS_PER_NODE=str(world_size), SLURM_PROCID=str(rank),
+                      SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                      SLURM_NODELIST="localhost")
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, embedding_timeout=20), accelerator="cpu",
+                        devices=world_size, max_steps=40, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=out,
+                        plugins=[SLURMEnvironment(auto_requeue=True)], callbacks=[_MarkAt(out, step=3)])
+    trainer.fit(DLRMModule(**SMALL), data)
+    return trainer.global_step
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_slurm_requeue_signal_saves_on_every_rank_at_the_same_batch(tmp_path, pipeline):
+    """SLURM's requeue signal (`sbatch --signal=SIGUSR1@90`, Lightning's auto_requeue) to one rank: Lightning's handler
+    saved the checkpoint, a collective, inside the signal handler, on that rank alone (the other one was in a step:
+    CollectiveMismatch, or a hang). Now every rank saves it at the same batch, whole, and training goes on (then rank
+    0 asks scontrol to requeue the job, which fails here without SLURM and says so)."""
+    from lightning_rec.checkpoint import read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGUSR1)
+    steps = run_ranks(_slurm_requeue_fit, 2, out, pipeline, timeout=90)
+    sender.join()
+    assert steps == [40, 40]
+    saved = read_lightning_state(tmp_path / "hpc_ckpt_1.ckpt")
+    assert 3 <= saved["global_step"] < 40, saved["global_step"]

@@ -49,10 +49,10 @@ class _Channel:
         return a2a
 
     def agree(self, missing: bool, failed: bool, stream: Any = None,
-              stop: bool = False) -> tuple[list[int], list[int], list[int]]:
-        """Collective: the ranks without a batch, the ranks whose loader raised, and the ranks asked to stop
-        (RecStrategy: a SIGTERM; carried here so that every rank stops at the same batch, with no collective of its
-        own).
+              stop: int = 0) -> tuple[list[int], list[int], dict[int, int]]:
+        """Collective: the ranks without a batch, the ranks whose loader raised, and the signals the ranks were sent
+        ({rank: bits}, RecStrategy's: 1 a SIGTERM, 2 SLURM's requeue signal; carried here so that every rank acts on
+        them at the same batch, with no collective of their own).
 
         stream: a side CUDA stream (the feeder's) for the NCCL flags: on the current (compute) stream the
         all-reduce would wait for every queued step, and reading the flags back would drain the GPU.
@@ -78,7 +78,7 @@ class _Channel:
                                f"exited or did not answer within the timeout ({self.timeout_s} s). Cause: {e}") from e
         missing_r, failed_r, stop_r = status.tolist()
         return ([r for r, m in enumerate(missing_r) if m], [r for r, f in enumerate(failed_r) if f],
-                [dist.get_global_rank(self.pg, r) for r, x in enumerate(stop_r) if x])  # named as the user knows them
+                {dist.get_global_rank(self.pg, r): x for r, x in enumerate(stop_r) if x})  # the ranks the user knows
 
     @staticmethod
     def acquire(env) -> _Channel:

@@ -151,7 +151,7 @@ class _Entry:
         self.copied = None  # CUDA events (GPU only)
         self.routed_event = None
         self.in_step = False  # in_step_order: its turn came before the plan was recorded; it routes in the step
-        self.stop: list[int] = []  # the ranks asked to stop (a SIGTERM) when the ranks agreed on this batch
+        self.stop: dict[int, int] = {}  # the signals the ranks were sent ({rank: bits}) as they agreed on this batch
 
 
 _END = object()
@@ -175,11 +175,11 @@ class _Feeder(Iterator):
                  config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int],
                  pad: Callable[[], Any] | None = None, stop_signal: tuple | None = None) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
-        # (asked to stop? () -> bool, told the ranks that were: (ranks) -> None), InputPipeline.stop_signal: the
-        # request rides on each batch's agreement and is told when the step's thread takes that batch, so every
-        # rank hears it at the same batch
+        # (this rank's signals: () -> bits, told every rank's: ({rank: bits}) -> None), InputPipeline.stop_signal:
+        # the bits ride on each batch's agreement and are told when the step's thread takes that batch, so every
+        # rank hears them at the same batch
         self.stop_signal = stop_signal
-        self._end_stop: list[int] = []
+        self._end_stop: dict[int, int] = {}
         self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data
         self.stats = stats
         self.device, self.config, self.to_device = device, config, to_device
@@ -251,7 +251,7 @@ class _Feeder(Iterator):
             _record_stream(entry.batch, current)
         return entry.batch
 
-    def _tell_stop(self, ranks: list[int]) -> None:
+    def _tell_stop(self, ranks: dict[int, int]) -> None:
         if ranks and self.stop_signal is not None:
             self.stop_signal[1](ranks)
 
@@ -386,13 +386,13 @@ class _Feeder(Iterator):
                     batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
                 if not self._wait_turn(k):
                     return
-            stop = self.stop_signal is not None and bool(self.stop_signal[0]())
+            stop = int(self.stop_signal[0]()) if self.stop_signal is not None else 0
             if channel is not None:
                 missing, failed, stopping = channel.agree(batch is None and error is None, error is not None,
                                                           self._dist_stream, stop=stop)
             else:
                 missing, failed = ([0] if batch is None and error is None else []), ([0] if error else [])
-                stopping = [0] if stop else []
+                stopping = {0: stop} if stop else {}
             if failed:
                 if error is not None:
                     raise error

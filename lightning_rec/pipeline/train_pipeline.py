@@ -39,7 +39,7 @@ class InputPipeline:
         self.feeder: _Feeder | None = None
         self.closed = False
         self.loader: Any = None  # RecStrategy: the Lightning dataloader it serves (closed once no loop holds it)
-        # RecStrategy: (asked to stop? () -> bool, told the ranks that were: (ranks) -> None); see _Feeder
+        # RecStrategy: (this rank's signals: () -> bits, told every rank's: ({rank: bits}) -> None); see _Feeder
         self.stop_signal: tuple | None = None
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
