@@ -823,11 +823,14 @@ class DistributedModelParallel(nn.Module):
 
     # collectives of the training loop, through the embedding group's guard ---------------------------
 
-    def step_together(self, have: bool, batch_index: int, last: bool = False) -> bool:
+    def step_together(self, have: bool, batch_index: int, last: bool = False, stop: int = 0) -> bool:
         """Collective: does every rank have batch `batch_index` of this epoch? (False ends it for all.)
 
         last: this rank's batch is its loader's last (a sized loader, which Lightning does not ask
         again): `self.last_batch_agreed` then tells every rank that the epoch ends after this batch.
+        stop: the signals this rank was sent, as bits (RecStrategy: 1 a SIGTERM, 2 SLURM's requeue signal):
+        `self.stop_agreed` then maps each rank that was sent one to its bits, on every rank, so that all of them act
+        at this batch (the bits ride on this reduction: no collective of their own).
 
         Every rank reports (has a batch, its index): ranks at different indexes (one consumed a batch
         the others did not) raise CollectiveMismatch on every rank, naming each rank's index, before
@@ -836,15 +839,13 @@ class DistributedModelParallel(nn.Module):
         """
         W, me = dist.get_world_size(self._emb_pg), dist.get_rank(self._emb_pg)
         tag = "ranks step together"
+        slots = torch.zeros(3 * W, dtype=torch.int64)  # per rank: (has a batch [+1: its last], index, stop)
+        slots[3 * me], slots[3 * me + 1], slots[3 * me + 2] = int(have) + int(have and last), batch_index, int(stop)
         if W == 1:  # nobody to agree with (on a GPU, each step's read-back was a wait)
-            slots = torch.tensor([int(have) + int(have and last), batch_index], dtype=torch.int64)
+            pass
         elif self._transport is not None:
-            slots = torch.zeros(2 * W, dtype=torch.int64)
-            slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
-            self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's pair
+            self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's triple
         else:
-            slots = torch.zeros(2 * W, dtype=torch.int64)
-            slots[2 * me], slots[2 * me + 1] = int(have) + int(have and last), batch_index
             # NCCL: on a side stream of its own, so that neither the all-reduce nor reading it back waits for
             # the steps queued on the compute stream (a drained GPU every step)
             side = self._control_stream if self._guard.nccl else None
@@ -855,8 +856,8 @@ class DistributedModelParallel(nn.Module):
                 work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
                 self._guard.wait_work(work, tag, k)
                 slots = slots.cpu()
-        pairs = slots.view(W, 2).tolist()
-        indexes = [i for _, i in pairs]
+        triples = slots.view(W, 3).tolist()
+        indexes = [i for _, i, _ in triples]
         if len(set(indexes)) > 1:
             ranks = dist.get_process_group_ranks(self._emb_pg)
             where = ", ".join(f"rank {ranks[r]} at batch {i}" for r, i in enumerate(indexes))
@@ -864,9 +865,10 @@ class DistributedModelParallel(nn.Module):
                 f"ranks are at different batches of the epoch ({where}): one rank skipped or consumed a batch "
                 f"the others did not (a training_step that calls next(dataloader_iter) on some ranks only?). "
                 f"Every rank must run every step")
-        self.last_batch_agreed = any(h == 2 for h, _ in pairs)  # 2: a rank's last batch (see `last`)
-        self.any_batch_agreed = any(h for h, _ in pairs)  # evaluation steps on while any rank has data
-        return all(h for h, _ in pairs)
+        self.last_batch_agreed = any(h == 2 for h, _, _ in triples)  # 2: a rank's last batch (see `last`)
+        self.any_batch_agreed = any(h for h, _, _ in triples)  # evaluation steps on while any rank has data
+        self.stop_agreed = {dist.get_global_rank(self._emb_pg, r): s for r, (_, _, s) in enumerate(triples) if s}
+        return all(h for h, _, _ in triples)
 
     def gather_object(self, obj, dst: int | None = 0) -> list | None:
         """Collective: every rank's picklable `obj`, in rank order, on group rank `dst`; None elsewhere.

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import inspect
 import math
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -179,6 +180,10 @@ class RecStrategy(DDPStrategy):
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []
         self._warned_manual_accumulation = False
+        self._sigterm_pending = False  # this rank got a SIGTERM the ranks have not agreed on yet (_on_sigterm)
+        self._stop_told = False
+        self._requeue: tuple | None = None  # SLURM auto-requeue: (Lightning's handler, the signal noted or None)
+        self._requeue_state = ""  # "" -> "due" (agreed, runs at the next training batch) -> "done"
 
     @property
     def dmp(self) -> DistributedModelParallel:
@@ -298,6 +303,11 @@ class RecStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._requeue_state == "due" and self._requeue is not None:  # SLURM's requeue signal, agreed on: Lightning's
+            # handler, on every rank here (before the step's collectives; the feeder's wait for the step's next())
+            self._requeue_state = "done"
+            handler, signum = self._requeue
+            handler(signum if signum is not None else 10, None)
         # after the callbacks' and the module's on_train_*_start hooks, where BaseFinetuning (un)freezes
         if self._dense != "ddp" or self.world_size == 1 or self._dmp is None:
             return
@@ -315,6 +325,7 @@ class RecStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self._check_same_pipeline()
+        self._take_over_sigterm(trainer)
         if trainer.state.fn != TrainerFn.FITTING and self._dmp is None:
             self._shard(dense=None)  # evaluation: tables stay sharded, no gradients to reduce
         if trainer.state.fn == TrainerFn.PREDICTING and self.world_size > 1:
@@ -406,6 +417,7 @@ class RecStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         dataloader = self._own_loader_of_this_loop(dataloader)
         dataloader = self._without_repeated_rows(dataloader)
+        _workers_outlive_sigterm(dataloader)
         self._track_loader_position(dataloader)  # the pipeline reads ahead too: the position is the step's
         agreed = self._agree_training_length(dataloader)
         pad = self._padding_for(dataloader)
@@ -422,6 +434,7 @@ class RecStrategy(DDPStrategy):
             pipeline = InputPipeline(self.lightning_module, self.root_device, self._pipeline_config,
                                      to_device=self._batch_hooks_for(dataloader))
             pipeline.loader = dataloader
+            pipeline.stop_signal = (self._stop_requested, self._stop_agreed)
             self._pipelines.append(pipeline)
             self._skip_hooks_for_pipelined_batches()
             position = self._batches_this_epoch if self.lightning_module.trainer.training else None
@@ -806,18 +819,99 @@ class RecStrategy(DDPStrategy):
         """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).
         Through the embedding group's guard (and shared memory when the tables use it): ranks at different
         batches raise on every rank. `last`: this rank's sized loader has no batch after this one."""
+        stop = self._stop_requested()  # a SIGTERM (or SLURM's requeue signal) rides on it (_take_over_sigterm)
         if self._dmp is not None and index >= 0:
-            all_have = self._dmp.step_together(have, index, last)
+            all_have = self._dmp.step_together(have, index, last, stop=stop)
+            self._stop_agreed(self._dmp.stop_agreed)
             return all_have, self._dmp.last_batch_agreed, self._dmp.any_batch_agreed
         transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
-        flags = torch.tensor([0 if have else 1, int(have and last)], dtype=torch.int64)  # (missing, last) counts
+        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)  # (missing, last) counts, then each rank's bits
+        flags[0], flags[1], flags[2 + self.global_rank] = int(not have), int(have and last), int(stop)
         if transport is not None:
             transport.all_reduce_sum_(flags, tag="ranks step together")
         else:
             flags = flags.to(self.root_device)
             dist.all_reduce(flags, op=dist.ReduceOp.SUM)
-        missing, lasts = flags.tolist()
+        missing, lasts, *stops = flags.tolist()
+        self._stop_agreed({r: x for r, x in enumerate(stops) if x})
         return not missing, bool(lasts), missing < self.world_size
+
+    # SIGTERM (a preempted job), several ranks ----------------------------------------------------------------
+    #
+    # Lightning 2.6's SIGTERM handler ran a broadcast inside the signal handler, paired with whatever collective
+    # the other ranks were in: a signalled 2-rank fit hung, or failed with CollectiveMismatch (rank 0 in its id
+    # all-to-all, rank 1 in the handler's broadcast). And a rank that was signalled alone stopped alone at its next
+    # loop check, leaving the others waiting. Here the handler only notes the signal; the note rides on the
+    # agreement every batch already makes (every rank has a batch? _all_have_a_batch, or the pipeline's), and every
+    # rank sets Lightning's `trainer.received_sigterm` when it takes the same batch. Lightning's loops then raise
+    # SIGTERMException after the same step on every rank: the callbacks' on_exception runs (OnExceptionCheckpoint
+    # saves a checkpoint, a collective every rank reaches), teardown, and the process exits as Lightning's does.
+    # SLURM's auto-requeue signal (SIGUSR1 by default) had the same flaw: Lightning's handler saved the checkpoint (a
+    # collective) inside the signal handler. It is noted the same way, and Lightning's handler (save, then requeue
+    # from rank 0) runs on every rank at the same training batch's start.
+
+    def _take_over_sigterm(self, trainer: pl.Trainer) -> None:
+        """Replace Lightning's SIGTERM notifier (registered after setup, until teardown) by _on_sigterm, and its SLURM
+        requeue handler by _on_requeue_signal. Lightning 2.6 private: `_SignalConnector._sigterm_notifier_fn` and
+        `_slurm_sigusr_handler_fn`, looked up on the instance when the handlers are registered; where a Lightning has
+        none, its own stays."""
+        self._sigterm_pending, self._stop_told, self._requeue, self._requeue_state = False, False, None, ""
+        connector = getattr(trainer, "_signal_connector", None)
+        if self.world_size > 1 and callable(getattr(connector, "_sigterm_notifier_fn", None)):
+            connector._sigterm_notifier_fn = self._on_sigterm
+        slurm_handler = vars(type(connector)).get("_slurm_sigusr_handler_fn") if connector is not None else None
+        if self.world_size > 1 and callable(slurm_handler):
+            self._requeue = (slurm_handler.__get__(connector), None)  # Lightning's own, run at a batch (below)
+            connector._slurm_sigusr_handler_fn = self._on_requeue_signal
+
+    def _on_sigterm(self, signum: Any, _frame: Any) -> None:
+        """The SIGTERM handler: notes it, and passes it on to the ranks this process launched (as Lightning's does).
+        No collective, no print (a signal handler interrupts the main thread anywhere, in a write to stderr too)."""
+        import os
+
+        if self._sigterm_pending:
+            return
+        self._sigterm_pending = True
+        with contextlib.suppress(OSError):
+            os.write(2, f"lightning_rec (rank {self.global_rank}): received SIGTERM ({int(signum)}); every rank stops "
+                        f"after the step that takes the next batch\n".encode())
+        if self.launcher is not None:
+            self.launcher.kill(signum)
+
+    def _on_requeue_signal(self, signum: Any, _frame: Any) -> None:
+        """SLURM's requeue signal (auto_requeue): noted; Lightning's handler runs at a batch every rank agrees on."""
+        import os
+
+        if self._requeue is None or self._requeue[1] is not None or self._requeue_state:
+            return
+        self._requeue = (self._requeue[0], signum)
+        with contextlib.suppress(OSError):
+            os.write(2, f"lightning_rec (rank {self.global_rank}): received the requeue signal ({int(signum)}); "
+                        f"every rank saves the checkpoint at its next training batch, then rank 0 requeues the "
+                        f"job\n".encode())
+
+    def _stop_requested(self) -> int:
+        """This rank's signals, as bits: 1 a SIGTERM, 2 SLURM's requeue signal (not yet acted on)."""
+        requeue = self._requeue is not None and self._requeue[1] is not None and not self._requeue_state
+        return int(self._sigterm_pending) | (2 if requeue else 0)
+
+    def _stop_agreed(self, ranks: dict[int, int]) -> None:
+        """Every rank calls this at the same batch (the one whose agreement carried the signals: {rank: bits})."""
+        if any(bits & 2 for bits in ranks.values()) and not self._requeue_state:
+            self._requeue_state = "due"  # at the next training batch's start (on_train_batch_start), every rank
+        ranks = sorted(r for r, bits in ranks.items() if bits & 1)
+        if not ranks or self._stop_told:
+            return
+        self._stop_told = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is None:
+            return
+        connector.received_sigterm = True  # what Lightning's loops read (trainer.received_sigterm)
+        if self.global_rank == 0:
+            print(f"lightning_rec: SIGTERM received by rank(s) {ranks}: every rank stops after this step (Lightning's "
+                  f"SIGTERMException: callbacks' on_exception run, e.g. OnExceptionCheckpoint saves a checkpoint)",
+                  file=sys.stderr, flush=True)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
@@ -1158,6 +1252,50 @@ def _iter_together(self):
             if not last:
                 warnings.warn(skipped, stacklevel=2)
             return
+
+
+class _IgnoreSigterm:
+    """A DataLoader's worker_init_fn: the worker ignores a SIGTERM that does not come from its rank, then runs the
+    loader's own worker_init_fn (if any).
+
+    A preempted job's SIGTERM reaches every process of the job (SLURM signals the whole job step, `kill -- -PGID` the
+    process group), the loader workers too, and torch's workers die of it at once: the rank's next batch failed with
+    "DataLoader worker (pid N) is killed by signal: Terminated" instead of the step it was to stop after (_on_sigterm).
+    The rank stops its workers itself, by SIGTERM too where they do not end (torch's shutdown, multiprocessing's exit):
+    that one still ends the worker (ignored, the rank's exit waited for it). Told apart by the sender, which a thread
+    waiting on the blocked signal sees (sigwaitinfo; where there is none, the worker keeps torch's behaviour)."""
+
+    def __init__(self, own: Any) -> None:
+        self.own = own
+
+    def __call__(self, worker_id: int) -> None:
+        import signal
+        import threading
+
+        if hasattr(signal, "sigwaitinfo") and threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit it
+            threading.Thread(target=_end_on_the_ranks_sigterm, name="lightning_rec: SIGTERM from the rank",
+                             daemon=True).start()
+        if self.own is not None:
+            self.own(worker_id)
+
+
+def _end_on_the_ranks_sigterm() -> None:
+    import os
+    import signal
+
+    rank = os.getppid()
+    while True:
+        sent = signal.sigwaitinfo({signal.SIGTERM})
+        if sent.si_pid == rank or os.getppid() != rank:
+            os._exit(128 + signal.SIGTERM)  # as a SIGTERM'd process's status reads to a shell
+
+
+def _workers_outlive_sigterm(loader: object) -> None:
+    if not isinstance(loader, DataLoader) or loader.num_workers <= 0 or isinstance(loader.worker_init_fn,
+                                                                                    _IgnoreSigterm):
+        return
+    loader.worker_init_fn = _IgnoreSigterm(loader.worker_init_fn)
 
 
 def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

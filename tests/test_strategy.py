@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -1118,3 +1119,178 @@ def test_a_planner_built_before_the_ranks_plans_for_the_runs_ranks():
     assert planner.topology.world_size == 1  # no process group here
     for sharding_type, batch_size in run_ranks(_planner_built_before_the_ranks_worker, 2, planner, timeout=180):
         assert sharding_type == "row_wise" and batch_size == 64  # the constraint kept; the data's batch per rank
+
+
+# SIGTERM (a preempted job) and other signals, 2 ranks ---------------------------------------------------------
+
+
+class _MarkAt(L.Callback):
+    """Writes this rank's pid to `<out>/at<rank>` once training reaches step `step` (`during` "train"), or the
+    validation or checkpoint save after it, and slows things from there on (the signal comes while the ranks work, in
+    or between their collectives); notes the exception fit ends with."""
+
+    def __init__(self, out: str, step: int, during: str = "train") -> None:
+        self.out, self.step, self.during, self.seen = out, step, during, None
+
+    def _mark(self, trainer, during: str, pause: float) -> None:
+        if self.during != during or trainer.global_step < self.step:
+            return
+        path = os.path.join(self.out, f"at{trainer.global_rank}")
+        if not os.path.exists(path):
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
+        time.sleep(pause)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._mark(trainer, "train", 0.05)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._mark(trainer, "validation", 0.1)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._mark(trainer, "save", 0.5)  # before its files are written: the signal comes in the save
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.seen = (type(exception).__name__, trainer.global_step)
+
+
+def _signalled_fit(rank, world_size, out, pipeline, during="train", num_workers=0):
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=64 * 2 * 40, batch_size=64,
+                                     num_embeddings_per_feature=64, num_workers=num_workers)
+    mark = _MarkAt(out, step=3, during=during)
+    callbacks = [mark, OnExceptionCheckpoint(dirpath=out)]
+    if during == "save":
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "every"), every_n_train_steps=4, save_top_k=-1))
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, embedding_timeout=20), accelerator="cpu",
+                        devices=world_size, max_steps=120, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=40 if during == "validation" else 0, val_check_interval=4,
+                        callbacks=callbacks)
+    try:
+        trainer.fit(DLRMModule(**SMALL), data)
+        ended = "finished"
+    except SystemExit as e:  # Lightning's SIGTERMException is one
+        ended = type(e).__name__
+    return ended, mark.seen, trainer.global_step
+
+
+def _signal_when_marked(out: str, ranks: list[int], signum: int, deadline_s: float = 60.0, children: bool = False):
+    """A thread that sends `signum` to each of `ranks` once it has written its marker (from outside, as a scheduler
+    does: wherever the rank is then, a collective included); `children`: to the rank's own processes too (its
+    DataLoader workers), as SLURM signals every process of a job step."""
+    import threading
+
+    def send():
+        end = time.monotonic() + deadline_s
+        pending = list(ranks)
+        while pending and time.monotonic() < end:
+            for r in list(pending):
+                path = os.path.join(out, f"at{r}")
+                if os.path.exists(path):
+                    pid = int(Path(path).read_text())
+                    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if children else []
+                    for p in [pid, *map(int, kids)]:
+                        os.kill(p, signum)
+                    pending.remove(r)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("ranks,pipeline", [([0, 1], False), ([1], True), ([0], False)],
+                         ids=["both", "rank1-only-pipelined", "rank0-only"])
+def test_sigterm_stops_every_rank_after_the_same_step_and_saves_on_exception(tmp_path, ranks, pipeline):
+    """A preempted job: SIGTERM to every rank, or to one. Lightning 2.6's handler ran a broadcast inside the signal
+    handler, paired with whatever collective the other rank was in: the ranks hung, or failed with
+    CollectiveMismatch (rank 0 in its id all-to-all, rank 1 in the handler's broadcast); a rank signalled alone
+    stopped alone. Now every rank stops after the same step with Lightning's SIGTERMException (SystemExit), and the
+    callbacks' on_exception saves a whole checkpoint there."""
+    from lightning_rec.checkpoint import read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, ranks, signal.SIGTERM)
+    results = run_ranks(_signalled_fit, 2, out, pipeline, timeout=90)
+    sender.join()
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] and results[0][1][0] == "SIGTERMException", results  # the same step
+    step = results[0][2]
+    assert 3 <= step < 120 and results[1][2] == step, results  # stopped early, together
+    saved = read_lightning_state(tmp_path / "on_exception.ckpt")
+    assert saved["global_step"] == step
+
+
+@pytest.mark.parametrize("during", ["validation", "save"])
+def test_sigterm_during_validation_or_a_checkpoint_save_stops_every_rank_after_it(tmp_path, during):
+    """The signal comes while the ranks validate (40 batches from step 4), or inside a checkpoint save (every 4 steps).
+    Lightning's handler broadcast inside the validation's or the save's collectives (CollectiveMismatch, or a hang);
+    now the save finishes whole, and every rank stops together at its next batch."""
+    from lightning_rec.checkpoint import read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGTERM)
+    results = run_ranks(_signalled_fit, 2, out, False, during, timeout=90)
+    sender.join()
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] and results[0][2] == results[1][2], results
+    step = results[0][2]
+    assert read_lightning_state(tmp_path / "on_exception.ckpt")["global_step"] == step
+    if during == "validation":  # stopped inside the first validation, before its end
+        assert step == 4, results
+    else:  # the save the signal came in (after step 4; batch 5 was agreed on before it) is whole, under its name
+        assert step == 5 and read_lightning_state(tmp_path / "every" / "epoch=0-step=4.ckpt")["global_step"] == 4
+        assert not [p.name for p in (tmp_path / "every").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_sigterm_to_every_process_of_the_job_spares_the_dataloader_workers(tmp_path, pipeline):
+    """SLURM signals every process of a preempted job step, the DataLoader workers too. torch's workers died of it at
+    once, and the fit failed with "DataLoader worker (pid N) is killed by signal: Terminated" instead of stopping after
+    the agreed step; they now leave a SIGTERM that is not their rank's to the rank (which still ends them with one)."""
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [0, 1], signal.SIGTERM, children=True)
+    results = run_ranks(_signalled_fit, 2, out, pipeline, "train", 1, timeout=90)
+    sender.join()
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] and results[0][2] == results[1][2], results
+
+
+def _slurm_requeue_fit(rank, world_size, out, pipeline):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    # what srun gives each task (the process group is up already, on MASTER_ADDR / MASTER_PORT)
+    os.environ.update(SLURM_NTASKS=str(world_size), SLURM_NTASKS_PER_NODE=str(world_size), SLURM_PROCID=str(rank),
+                      SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                      SLURM_NODELIST="localhost")
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 200, num_val_samples=128, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline, embedding_timeout=20), accelerator="cpu",
+                        devices=world_size, max_steps=40, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, default_root_dir=out,
+                        plugins=[SLURMEnvironment(auto_requeue=True)], callbacks=[_MarkAt(out, step=3)])
+    trainer.fit(DLRMModule(**SMALL), data)
+    return trainer.global_step
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_slurm_requeue_signal_saves_on_every_rank_at_the_same_batch(tmp_path, pipeline):
+    """SLURM's requeue signal (`sbatch --signal=SIGUSR1@90`, Lightning's auto_requeue) to one rank: Lightning's handler
+    saved the checkpoint, a collective, inside the signal handler, on that rank alone (the other one was in a step:
+    CollectiveMismatch, or a hang). Now every rank saves it at the same batch, whole, and training goes on (then rank
+    0 asks scontrol to requeue the job, which fails here without SLURM and says so)."""
+    from lightning_rec.checkpoint import read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGUSR1)
+    steps = run_ranks(_slurm_requeue_fit, 2, out, pipeline, timeout=90)
+    sender.join()
+    assert steps == [40, 40]
+    saved = read_lightning_state(tmp_path / "hpc_ckpt_1.ckpt")
+    assert 3 <= saved["global_step"] < 40, saved["global_step"]

@@ -48,14 +48,17 @@ class _Channel:
             a2a = self._a2a[id(module)] = module.ids_all_to_all(self.comm)
         return a2a
 
-    def agree(self, missing: bool, failed: bool, stream: Any = None) -> tuple[list[int], list[int]]:
-        """Collective: the ranks without a batch, and the ranks whose loader raised.
+    def agree(self, missing: bool, failed: bool, stream: Any = None,
+              stop: int = 0) -> tuple[list[int], list[int], dict[int, int]]:
+        """Collective: the ranks without a batch, the ranks whose loader raised, and the signals the ranks were sent
+        ({rank: bits}, RecStrategy's: 1 a SIGTERM, 2 SLURM's requeue signal; carried here so that every rank acts on
+        them at the same batch, with no collective of their own).
 
         stream: a side CUDA stream (the feeder's) for the NCCL flags: on the current (compute) stream the
         all-reduce would wait for every queued step, and reading the flags back would drain the GPU.
         """
-        status = torch.zeros(2, self.world_size, dtype=torch.int64)
-        status[0, self.rank], status[1, self.rank] = int(missing), int(failed)
+        status = torch.zeros(3, self.world_size, dtype=torch.int64)
+        status[0, self.rank], status[1, self.rank], status[2, self.rank] = int(missing), int(failed), int(stop)
         tag = "pipeline: every rank has a batch"
         try:
             if self.world_size == 1:
@@ -73,8 +76,9 @@ class _Channel:
         except RuntimeError as e:
             raise RuntimeError(f"pipeline: rank {self.rank} could not agree with its peers on the next batch: a peer "
                                f"exited or did not answer within the timeout ({self.timeout_s} s). Cause: {e}") from e
-        missing_r, failed_r = status.tolist()
-        return [r for r, m in enumerate(missing_r) if m], [r for r, f in enumerate(failed_r) if f]
+        missing_r, failed_r, stop_r = status.tolist()
+        return ([r for r, m in enumerate(missing_r) if m], [r for r, f in enumerate(failed_r) if f],
+                {dist.get_global_rank(self.pg, r): x for r, x in enumerate(stop_r) if x})  # the ranks the user knows
 
     @staticmethod
     def acquire(env) -> _Channel:

@@ -160,7 +160,8 @@ class _Plan:
 
 
 class _Entry:
-    __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder", "in_step")
+    __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder", "in_step",
+                 "stop")
 
     def __init__(self, index: int, batch: Any, feeder: _Feeder) -> None:
         self.index, self.batch, self.feeder = index, batch, feeder
@@ -171,6 +172,7 @@ class _Entry:
         self.copied = None  # CUDA events (GPU only)
         self.routed_event = None
         self.in_step = False  # in_step_order: its turn came before the plan was recorded; it routes in the step
+        self.stop: dict[int, int] = {}  # the signals the ranks were sent ({rank: bits}) as they agreed on this batch
 
 
 _END = object()
@@ -194,8 +196,14 @@ class _Feeder(Iterator):
 
     def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
                  config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int],
-                 pad: Callable[[], Any] | None = None, evaluating: bool = False) -> None:
+                 pad: Callable[[], Any] | None = None, evaluating: bool = False,
+                 stop_signal: tuple | None = None) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
+        # (this rank's signals: () -> bits, told every rank's: ({rank: bits}) -> None), InputPipeline.stop_signal:
+        # the bits ride on each batch's agreement and are told when the step's thread takes that batch, so every
+        # rank hears them at the same batch
+        self.stop_signal = stop_signal
+        self._end_stop: dict[int, int] = {}
         self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data
         self.evaluating = evaluating  # (without pad: the warning on skipped batches names the evaluation fix)
         self.stats = stats
@@ -246,12 +254,14 @@ class _Feeder(Iterator):
         if item is _END:
             self._finished = True
             self._release_all()
+            self._tell_stop(self._end_stop)
             raise StopIteration
         if isinstance(item, BaseException):
             self._finished = True
             self._release_all()
             raise item
         entry: _Entry = item
+        self._tell_stop(entry.stop)
         if entry is plan.record_entry:
             self.inputs.recording = self
         self.inputs.current = self
@@ -266,6 +276,10 @@ class _Feeder(Iterator):
             current.wait_event(entry.copied)
             _record_stream(entry.batch, current)
         return entry.batch
+
+    def _tell_stop(self, ranks: dict[int, int]) -> None:
+        if ranks and self.stop_signal is not None:
+            self.stop_signal[1](ranks)
 
     def claim(self, module, features, entry: _Entry, path: tuple) -> ShardedBatch | None:
         plan = self.plan
@@ -416,10 +430,13 @@ class _Feeder(Iterator):
                     if batch is not None and error is None:
                         self._held.append(batch)  # read from the source: close(keep_unused) hands it back
                     return
+            stop = int(self.stop_signal[0]()) if self.stop_signal is not None else 0
             if channel is not None:
-                missing, failed = channel.agree(batch is None and error is None, error is not None, self._dist_stream)
+                missing, failed, stopping = channel.agree(batch is None and error is None, error is not None,
+                                                          self._dist_stream, stop=stop)
             else:
                 missing, failed = ([0] if batch is None and error is None else []), ([0] if error else [])
+                stopping = {0: stop} if stop else {}
             if failed:
                 if error is not None:
                     raise error
@@ -435,9 +452,11 @@ class _Feeder(Iterator):
                                   f"every rank in every step. Give every rank the same number of batches (e.g. "
                                   f"drop_last, or an even split) to use them all" + _EVALUATION_FIX * self.evaluating,
                                   stacklevel=2)
+                self._end_stop = stopping
                 self._put(_END)
                 return
             entry = self._entry(k, batch) if self._ordered else self._prepare(k, batch)
+            entry.stop = stopping
             recording = k == 0 and self.plan.record_entry is None and not self.plan.final.is_set()
             if recording:
                 self.plan.record_entry = entry  # the recording batch: routed in the step

@@ -42,6 +42,8 @@ class InputPipeline:
         self.feeder: _Feeder | None = None
         self.closed = False
         self.loader: Any = None  # RecStrategy: the Lightning dataloader it serves (closed once no loop holds it)
+        # RecStrategy: (this rank's signals: () -> bits, told every rank's: ({rank: bits}) -> None); see _Feeder
+        self.stop_signal: tuple | None = None
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
@@ -65,7 +67,7 @@ class InputPipeline:
             # every later batch in the step, silently; record on this pass (the same on every rank: same code)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
-                              self.to_device, self.stats, pad, evaluating)
+                              self.to_device, self.stats, pad, evaluating, self.stop_signal)
         return self.feeder
 
     def stop_feeder(self, keep_unused: bool = False) -> list:
