@@ -403,6 +403,19 @@ def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
             ) from None
 
 
+def _read_frozen(collection: _EmbeddingCollectionBase) -> frozenset[str]:
+    return frozenset(name for name, p in collection.table_parameters().items() if getattr(p, "frozen", False))
+
+
+# id -> the collection, for _frozen_names, whose only argument (a graph constant) is an int
+_LIVE_COLLECTIONS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _frozen_names(key: int) -> frozenset[str]:
+    return _read_frozen(_LIVE_COLLECTIONS[key])
+
+
 class _EmbeddingCollectionBase(nn.Module):
     """What both collections share: configs, feature routing, id checks, weights in the state dict."""
 
@@ -451,6 +464,7 @@ class _EmbeddingCollectionBase(nn.Module):
         self.validate_ids = validate_ids
         self._is_weighted = is_weighted
         self._warned_replicas = False
+        _LIVE_COLLECTIONS[id(self)] = self  # frozen_tables' way in while torch.compile traces
         try:
             self._build_lookup(self._device)
         except (RuntimeError, MemoryError) as e:
@@ -523,6 +537,7 @@ class _EmbeddingCollectionBase(nn.Module):
         # Point them at the kernels again (the weights are equal: both were copied from the same values), and
         # register them, as the originals are, for apply_optimizer_in_backward.
         super().__setstate__(state)
+        _LIVE_COLLECTIONS[id(self)] = self
         table_weights = self._lookup.table_weights()
         tables = getattr(self, self._weights_attr)
         for name, param in self.table_parameters().items():
@@ -568,7 +583,13 @@ class _EmbeddingCollectionBase(nn.Module):
         """Fused tables whose weights were set to requires_grad=False: their kernels do no update."""
         seen = self.__dict__.get("_frozen_seen")
         if seen is None or seen[0] != FusedTableWeight.freeze_changes:
-            frozen = frozenset(name for name, p in self.table_parameters().items() if getattr(p, "frozen", False))
+            if torch.compiler.is_compiling():
+                # torch.compile cannot read an attribute of a Parameter subclass ("Unsupported tensor subclass
+                # overridden attribute access"): read once while tracing, as a constant of the graph (which is
+                # recompiled when freeze_changes, read above, moves)
+                frozen = _frozen_names(id(self))
+            else:
+                frozen = _read_frozen(self)
             self.__dict__["_frozen_seen"] = seen = (FusedTableWeight.freeze_changes, frozen)
         return seen[1]
 

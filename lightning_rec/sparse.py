@@ -100,8 +100,9 @@ def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
 
 def _readable(t: Tensor) -> bool:
     """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
-    torch.export traces, whose symbolic tensors have no values to read (checked where the inputs are built)."""
-    return t.device.type == "cpu" and not torch.compiler.is_exporting()
+    torch.export or torch.compile traces, whose symbolic tensors have no values to read (checked where the inputs are
+    built; the collections check ids inside a compiled graph, batch_check.py)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
