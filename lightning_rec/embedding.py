@@ -115,6 +115,16 @@ class BaseEmbeddingConfig:
     # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
     # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
     init_fn: Callable[[Tensor], object] | None = None
+    # TorchRec's: a table read with position weights. Learned per-id weights train under every sharding type here,
+    # row_wise included (TorchRec needs this flag for it), so either value is taken and changes nothing.
+    need_pos: bool = False
+    # TorchRec's fields for what this package does not do (inference-time row pruning, bucketized and virtual
+    # tables): the default taken, another value refused naming what to do (they were unexpected-keyword TypeErrors)
+    num_embeddings_post_pruning: int | None = None
+    input_dim: int | None = None
+    total_num_buckets: int | None = None
+    use_virtual_table: bool = False
+    virtual_table_eviction_policy: object | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -138,6 +148,7 @@ class BaseEmbeddingConfig:
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(f"table '{self.name}' lists a feature twice: {self.feature_names}")
         self.data_type = _table_dtype(self.name, self.data_type)
+        self._refuse_unsupported_torchrec_fields()
         for field_name in ("weight_init_min", "weight_init_max"):
             value = getattr(self, field_name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -150,6 +161,29 @@ class BaseEmbeddingConfig:
         if lo_hi is not None and lo_hi[0] > lo_hi[1]:
             raise ValueError(f"table '{self.name}': weight_init_min={lo_hi[0]} is above weight_init_max={lo_hi[1]}: "
                              f"rows are drawn uniformly from [weight_init_min, weight_init_max]")
+
+    def _refuse_unsupported_torchrec_fields(self) -> None:
+        if not isinstance(self.need_pos, bool):
+            raise ValueError(f"table '{self.name}': need_pos must be True or False, got {self.need_pos!r}")
+        pruned = self.num_embeddings_post_pruning
+        if pruned is not None and pruned != self.num_embeddings:
+            raise ValueError(f"table '{self.name}': num_embeddings_post_pruning={pruned!r} (TorchRec's row pruning for "
+                             f"quantized inference) is not supported: leave it None; to serve a table of {pruned} "
+                             f"rows, train it with num_embeddings={pruned} (ids hashed into that many rows)")
+        if self.input_dim is not None and self.input_dim != self.embedding_dim:
+            raise ValueError(f"table '{self.name}': input_dim={self.input_dim!r} is not supported (rows are "
+                             f"embedding_dim={self.embedding_dim} wide, in and out): leave it None")
+        refused = {
+            "total_num_buckets": (self.total_num_buckets is not None, "bucketized (ZCH) tables"),
+            "use_virtual_table": (bool(self.use_virtual_table), "virtual (SSD / key-value) tables"),
+            "virtual_table_eviction_policy": (self.virtual_table_eviction_policy is not None,
+                                              "virtual tables' eviction"),
+        }
+        for field_name, (given, what) in refused.items():
+            if given:
+                raise ValueError(f"table '{self.name}': {field_name}={getattr(self, field_name)!r}: {what} are not "
+                                 f"supported; tables have num_embeddings fixed rows (hash ids into them): leave "
+                                 f"{field_name} out")
 
     def init_range(self) -> tuple[float, float] | None:
         if self.weight_init_min is None and self.weight_init_max is None:

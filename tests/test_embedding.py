@@ -1096,3 +1096,23 @@ def test_torch_compile_fullgraph_trains_as_eager_and_still_checks_ids(kernel):
     with torch.no_grad():
         torch.testing.assert_close(whole(kjt).values(), eager(kjt).values(), atol=ATOL, rtol=0)
     torch._dynamo.reset()
+
+
+def test_torchrec_config_fields_need_pos_and_pruning_are_taken_or_refused_by_name():
+    """TorchRec's BaseEmbeddingConfig fields need_pos, num_embeddings_post_pruning, input_dim, total_num_buckets,
+    use_virtual_table and virtual_table_eviction_policy were unexpected-keyword TypeErrors. Their defaults are taken
+    now (need_pos either way: learned weights train under every sharding type here); another value is refused by
+    name, saying what to do."""
+    kw = dict(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(**kw, need_pos=True, num_embeddings_post_pruning=None,
+                                                     input_dim=None, total_num_buckets=None, use_virtual_table=False,
+                                                     virtual_table_eviction_policy=None)], is_weighted=True)
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([2]), weights=torch.tensor([1.0, 2.0]))
+    assert ebc(kjt).values().shape == (1, 4)
+    assert EmbeddingConfig(**kw, num_embeddings_post_pruning=10).num_embeddings == 10
+    for field, value, words in [("num_embeddings_post_pruning", 5, "row pruning for quantized inference.*"
+                                 "num_embeddings=5"), ("use_virtual_table", True, "virtual .* not supported"),
+                                ("total_num_buckets", 4, "bucketized"), ("input_dim", 3, "input_dim=3 is not"),
+                                ("need_pos", "yes", "need_pos must be True or False")]:
+        with pytest.raises(ValueError, match=words):
+            EmbeddingConfig(**kw, **{field: value})
