@@ -748,6 +748,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
         features = self._route(features)  # kernel order, batch checked
         # one [B, D_group] per kernel group; frozen tables do no update
         pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
@@ -755,7 +756,20 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         pooled_BD = join_outputs(pooled, dim=1)
         if self._column_order is not None:  # kernel groups -> the configs' order
             pooled_BD = pooled_BD.index_select(1, self._column_order)
+        if inverse is not None:
+            pooled_BD = expand_by_inverse_indices(pooled_BD, self._output_names, self._output_dims, inverse)
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
+
+
+def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
+                              inverse: tuple[list[str], Tensor]) -> Tensor:
+    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> one row per sample of the full batch
+    (inverse indices [F, B_full] in the KJT's key order)."""
+    keys, index_FB = inverse
+    at = {k: i for i, k in enumerate(keys)}
+    blocks = torch.split(pooled_BD, list(dims), dim=1)
+    return torch.cat([block.index_select(0, index_FB[at[name]].to(pooled_BD.device).long())
+                      for name, block in zip(names, blocks)], dim=1)
 
 
 def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
@@ -805,6 +819,10 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return [list(c.feature_names) for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
+            raise ValueError("EmbeddingCollection: the input has inverse_indices (TorchRec's deduplicated batch), "
+                             "which expand pooled outputs only: give a sequence collection every sample's bags (build "
+                             "the KJT without inverse_indices), as TorchRec's EmbeddingCollection takes")
         features = self._route(features)
         # one [N_group, D] per kernel group; frozen tables do no update
         values = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
