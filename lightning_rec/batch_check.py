@@ -126,6 +126,15 @@ def describe(problem: Sequence[int], keys: Sequence[str], tables_F: Sequence[str
 def check_features(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str],
                    owner: str = "collection") -> None:
     """ValueError if `features` (exactly the features rows_F / tables_F describe, in order) is unsafe."""
+    if torch.compiler.is_compiling():
+        # torch.compile(fullgraph=True) cannot trace the host reads below (an `if` on a tensor): the same check as one
+        # op of the graph, which raises the same ValueError when the compiled model runs. Device batches are left to
+        # the kernels' own bounds checks there (reading a device flag back would stall the stream).
+        if features.values().device.type == "cpu":
+            torch._assert_async(_compiled_check(rows_F, features.values(), features.offsets(),
+                                                features.weights_or_none(), _SEP.join(features.keys()),
+                                                _SEP.join(tables_F), owner), "lightning_rec batch check")
+        return
     values_N = features.values()
     host = features if values_N.device.type == "cpu" else features.host_copy()
     if host is None:
@@ -135,6 +144,25 @@ def check_features(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequen
     problem = find_problem(rows_F, host.values(), host.offsets(), host.weights_or_none())
     if problem[0] != OK:
         raise ValueError(describe(problem, features.keys(), tables_F, rows_F.tolist(), host.weights_or_none(), owner))
+
+
+_SEP = "\x1f"  # joins names into the one string a custom op takes (it has no list of strings)
+
+
+@torch.library.custom_op("lightning_rec::check_features", mutates_args=())
+def _compiled_check(rows_F: Tensor, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None, keys: str,
+                    tables: str, owner: str) -> Tensor:
+    """check_features inside a compiled graph: raises its ValueError, else a True flag (torch._assert_async keeps
+    the op in the graph; an op with no output would be dropped as dead code)."""
+    problem = find_problem(rows_F, values_N, offsets, weights_N)
+    if problem[0] != OK:
+        raise ValueError(describe(problem, keys.split(_SEP), tables.split(_SEP), rows_F.tolist(), weights_N, owner))
+    return torch.ones((), dtype=torch.bool)
+
+
+@_compiled_check.register_fake
+def _(rows_F, values_N, offsets, weights_N, keys, tables, owner) -> Tensor:
+    return torch.empty((), dtype=torch.bool)
 
 
 # Kept for callers of the earlier name.

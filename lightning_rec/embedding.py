@@ -115,6 +115,16 @@ class BaseEmbeddingConfig:
     # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
     # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
     init_fn: Callable[[Tensor], object] | None = None
+    # TorchRec's: a table read with position weights. Learned per-id weights train under every sharding type here,
+    # row_wise included (TorchRec needs this flag for it), so either value is taken and changes nothing.
+    need_pos: bool = False
+    # TorchRec's fields for what this package does not do (inference-time row pruning, bucketized and virtual
+    # tables): the default taken, another value refused naming what to do (they were unexpected-keyword TypeErrors)
+    num_embeddings_post_pruning: int | None = None
+    input_dim: int | None = None
+    total_num_buckets: int | None = None
+    use_virtual_table: bool = False
+    virtual_table_eviction_policy: object | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -138,6 +148,7 @@ class BaseEmbeddingConfig:
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(f"table '{self.name}' lists a feature twice: {self.feature_names}")
         self.data_type = _table_dtype(self.name, self.data_type)
+        self._refuse_unsupported_torchrec_fields()
         for field_name in ("weight_init_min", "weight_init_max"):
             value = getattr(self, field_name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -150,6 +161,29 @@ class BaseEmbeddingConfig:
         if lo_hi is not None and lo_hi[0] > lo_hi[1]:
             raise ValueError(f"table '{self.name}': weight_init_min={lo_hi[0]} is above weight_init_max={lo_hi[1]}: "
                              f"rows are drawn uniformly from [weight_init_min, weight_init_max]")
+
+    def _refuse_unsupported_torchrec_fields(self) -> None:
+        if not isinstance(self.need_pos, bool):
+            raise ValueError(f"table '{self.name}': need_pos must be True or False, got {self.need_pos!r}")
+        pruned = self.num_embeddings_post_pruning
+        if pruned is not None and pruned != self.num_embeddings:
+            raise ValueError(f"table '{self.name}': num_embeddings_post_pruning={pruned!r} (TorchRec's row pruning for "
+                             f"quantized inference) is not supported: leave it None; to serve a table of {pruned} "
+                             f"rows, train it with num_embeddings={pruned} (ids hashed into that many rows)")
+        if self.input_dim is not None and self.input_dim != self.embedding_dim:
+            raise ValueError(f"table '{self.name}': input_dim={self.input_dim!r} is not supported (rows are "
+                             f"embedding_dim={self.embedding_dim} wide, in and out): leave it None")
+        refused = {
+            "total_num_buckets": (self.total_num_buckets is not None, "bucketized (ZCH) tables"),
+            "use_virtual_table": (bool(self.use_virtual_table), "virtual (SSD / key-value) tables"),
+            "virtual_table_eviction_policy": (self.virtual_table_eviction_policy is not None,
+                                              "virtual tables' eviction"),
+        }
+        for field_name, (given, what) in refused.items():
+            if given:
+                raise ValueError(f"table '{self.name}': {field_name}={getattr(self, field_name)!r}: {what} are not "
+                                 f"supported; tables have num_embeddings fixed rows (hash ids into them): leave "
+                                 f"{field_name} out")
 
     def init_range(self) -> tuple[float, float] | None:
         if self.weight_init_min is None and self.weight_init_max is None:
@@ -403,6 +437,19 @@ def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
             ) from None
 
 
+def _read_frozen(collection: _EmbeddingCollectionBase) -> frozenset[str]:
+    return frozenset(name for name, p in collection.table_parameters().items() if getattr(p, "frozen", False))
+
+
+# id -> the collection, for _frozen_names, whose only argument (a graph constant) is an int
+_LIVE_COLLECTIONS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _frozen_names(key: int) -> frozenset[str]:
+    return _read_frozen(_LIVE_COLLECTIONS[key])
+
+
 class _EmbeddingCollectionBase(nn.Module):
     """What both collections share: configs, feature routing, id checks, weights in the state dict."""
 
@@ -451,6 +498,7 @@ class _EmbeddingCollectionBase(nn.Module):
         self.validate_ids = validate_ids
         self._is_weighted = is_weighted
         self._warned_replicas = False
+        _LIVE_COLLECTIONS[id(self)] = self  # frozen_tables' way in while torch.compile traces
         try:
             self._build_lookup(self._device)
         except (RuntimeError, MemoryError) as e:
@@ -523,6 +571,7 @@ class _EmbeddingCollectionBase(nn.Module):
         # Point them at the kernels again (the weights are equal: both were copied from the same values), and
         # register them, as the originals are, for apply_optimizer_in_backward.
         super().__setstate__(state)
+        _LIVE_COLLECTIONS[id(self)] = self
         table_weights = self._lookup.table_weights()
         tables = getattr(self, self._weights_attr)
         for name, param in self.table_parameters().items():
@@ -568,7 +617,13 @@ class _EmbeddingCollectionBase(nn.Module):
         """Fused tables whose weights were set to requires_grad=False: their kernels do no update."""
         seen = self.__dict__.get("_frozen_seen")
         if seen is None or seen[0] != FusedTableWeight.freeze_changes:
-            frozen = frozenset(name for name, p in self.table_parameters().items() if getattr(p, "frozen", False))
+            if torch.compiler.is_compiling():
+                # torch.compile cannot read an attribute of a Parameter subclass ("Unsupported tensor subclass
+                # overridden attribute access"): read once while tracing, as a constant of the graph (which is
+                # recompiled when freeze_changes, read above, moves)
+                frozen = _frozen_names(id(self))
+            else:
+                frozen = _read_frozen(self)
             self.__dict__["_frozen_seen"] = seen = (FusedTableWeight.freeze_changes, frozen)
         return seen[1]
 
@@ -693,6 +748,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
         features = self._route(features)  # kernel order, batch checked
         # one [B, D_group] per kernel group; frozen tables do no update
         pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
@@ -700,7 +756,20 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         pooled_BD = join_outputs(pooled, dim=1)
         if self._column_order is not None:  # kernel groups -> the configs' order
             pooled_BD = pooled_BD.index_select(1, self._column_order)
+        if inverse is not None:
+            pooled_BD = expand_by_inverse_indices(pooled_BD, self._output_names, self._output_dims, inverse)
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
+
+
+def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
+                              inverse: tuple[list[str], Tensor]) -> Tensor:
+    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> one row per sample of the full batch
+    (inverse indices [F, B_full] in the KJT's key order)."""
+    keys, index_FB = inverse
+    at = {k: i for i, k in enumerate(keys)}
+    blocks = torch.split(pooled_BD, list(dims), dim=1)
+    return torch.cat([block.index_select(0, index_FB[at[name]].to(pooled_BD.device).long())
+                      for name, block in zip(names, blocks)], dim=1)
 
 
 def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
@@ -750,6 +819,10 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return [list(c.feature_names) for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
+            raise ValueError("EmbeddingCollection: the input has inverse_indices (TorchRec's deduplicated batch), "
+                             "which expand pooled outputs only: give a sequence collection every sample's bags (build "
+                             "the KJT without inverse_indices), as TorchRec's EmbeddingCollection takes")
         features = self._route(features)
         # one [N_group, D] per kernel group; frozen tables do no update
         values = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())

@@ -19,6 +19,7 @@ through it (checkpoint loading, resharding) land in the kernel.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -357,6 +358,30 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _tbe_lookup(tbe, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
+    if torch.is_inference_mode_enabled() and values_N.device.type == "cpu":
+        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips:
+        # "Could not run 'fbgemm::split_embedding_codegen_lookup_*_function_pt2' with arguments from the 'CPU'
+        # backend". Out of inference mode, without grad, the same kernel computes the same rows and updates nothing
+        with torch.inference_mode(False), torch.no_grad():
+            return tbe(values_N, offsets, per_sample_weights=weights_N)
+    return tbe(values_N, offsets, per_sample_weights=weights_N)
+
+
+_FBGEMM_EAGER_REASON = (
+    "lightning_rec: fbgemm's fused embedding kernel trains outside the compiled graph (its forward reads a step "
+    "counter on the host, and the update runs in its backward): use torch.compile(model) without fullgraph=True "
+    "(one graph break per kernel), or, on CPU, the native kernel (EmbeddingBagCollection(..., kernel='native'), or "
+    "'auto'), which compiles whole; without grad (evaluation) fbgemm collections compile whole too")
+
+
+def _outside_compile(fn):
+    """fn run eagerly under torch.compile, the reason named in fullgraph's error (`reason=` where this torch has it)."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=_FBGEMM_EAGER_REASON)
+    return torch.compiler.disable(fn)
+
+
 class FusedKernel(nn.Module):
     """One table-batched kernel with the optimizer fused into backward.
 
@@ -441,6 +466,10 @@ class FusedKernel(nn.Module):
             out = out + (plain - plain.detach()).to(out.dtype)
         return out
 
+    @_outside_compile
+    def _tbe_eager(self, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
+        return _tbe_lookup(self.tbe, values_N, offsets, weights_N)
+
     def _pooled(self, features: KeyedJaggedTensor, checked: bool) -> Tensor:
         weights_N = features.weights_or_none()
         if weights_N is not None and weights_N.dtype != torch.float32:
@@ -448,21 +477,20 @@ class FusedKernel(nn.Module):
         if self.kernel == "native":
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
-        if torch.compiler.is_exporting():
+        if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
             # fbgemm's TBE forward reads its step counter on the host (`iter_cpu.item()`), which torch.export cannot
             # trace ("get value out of a tracing tensor"): every fbgemm collection (all of them on GPU) failed to
             # export. An exported program only infers, so torch's own lookup over the same rows (views of the
-            # kernel's storage, configured dims) computes the same output; fp32 out, as the kernel's
+            # kernel's storage, configured dims) computes the same output; fp32 out, as the kernel's. The same for
+            # a compiled lookup without grad (evaluation), which then compiles whole (torch.compile(fullgraph=True))
             return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
                                 fp32_out=True)
-        if torch.is_inference_mode_enabled() and features.values().device.type == "cpu":
-            # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips:
-            # "Could not run 'fbgemm::split_embedding_codegen_lookup_*_function_pt2' with arguments from the 'CPU'
-            # backend". Out of inference mode, without grad, the same kernel computes the same rows and updates nothing
-            with torch.inference_mode(False), torch.no_grad():
-                out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+        if torch.compiler.is_compiling():
+            # training: the update happens in fbgemm's backward, which torch.compile cannot trace. A graph break
+            # (fullgraph=False) runs it eagerly; fullgraph=True stops here with _FBGEMM_EAGER_REASON
+            out = self._tbe_eager(features.values(), features.offsets(), weights_N)
         else:
-            out = self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N)
+            out = _tbe_lookup(self.tbe, features.values(), features.offsets(), weights_N)
         if self._counts_steps and not out.requires_grad:
             # fbgemm advances Adam's / LAMB's step at every forward; a lookup without backward (evaluation)
             # updates nothing, so take the step back: bias correction counts updates (torch.optim, native)

@@ -317,7 +317,11 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
             raise ValueError(f"offsets has {offsets.numel()} entries: expected F * B + 1 with F = {F} features "
                              f"({', '.join(self.feature_names)})")
         if per_sample_weights is not None:
-            if per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices_N.numel():
+            if torch.compiler.is_compiling():
+                # sizes of a feature's ids sliced by counts read from the lengths have no value while torch.compile
+                # traces ('Could not guard on data-dependent expression'): the KJT holds one weight per id
+                torch._check(per_sample_weights.numel() == indices_N.numel())
+            elif per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices_N.numel():
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)} but there are "
                                  f"{indices_N.numel()} ids: give one weight per id")
             if not per_sample_weights.dtype.is_floating_point:

@@ -317,6 +317,11 @@ class _ShardedCollectionBase(nn.Module):
     _input_source = None
 
     def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
+        if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
+            # the ranks exchange bags per sample: the deduplicated batch's rows would come back unexpanded
+            raise ValueError(f"{type(self).__name__}: the input has inverse_indices (TorchRec's deduplicated batch), "
+                             f"which sharded collections do not expand: build the KJT with every sample's bags "
+                             f"(without inverse_indices); the unsharded EmbeddingBagCollection expands them")
         source = self._input_source
         if source is not None:
             ready = source(self, features)

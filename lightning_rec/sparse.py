@@ -100,8 +100,9 @@ def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
 
 def _readable(t: Tensor) -> bool:
     """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
-    torch.export traces, whose symbolic tensors have no values to read (checked where the inputs are built)."""
-    return t.device.type == "cpu" and not torch.compiler.is_exporting()
+    torch.export or torch.compile traces, whose symbolic tensors have no values to read (checked where the inputs are
+    built; the collections check ids inside a compiled graph, batch_check.py)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
@@ -181,10 +182,8 @@ def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank
     batch), refused otherwise. Without the refusal they were an unexpected-keyword TypeError, and a KJT read with
     one stride where keys have several would pair bags with the wrong samples."""
     fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
-           "the batch (an empty bag has length 0) and leave out stride_per_key_per_rank, stride_per_key and "
-           "inverse_indices")
-    if inverse_indices is not None:
-        raise ValueError(f"KeyedJaggedTensor: inverse_indices were given: {fix}")
+           "the batch (an empty bag has length 0), or the same number of (deduplicated) bags with inverse_indices, "
+           "and leave out stride_per_key_per_rank and stride_per_key")
     per_key: list[int] | None = None
     if stride_per_key_per_rank is not None and len(stride_per_key_per_rank):
         if len(stride_per_key_per_rank) != len(keys):
@@ -207,6 +206,26 @@ def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank
         batch = "" if stride is None else f" (stride={stride})"
         raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch sizes {per_key}{batch}: {fix}")
     return per_key[0] if per_key else stride
+
+
+def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tuple[list[str], Tensor]:
+    """TorchRec's (keys, [F, B] tensor): each key's samples of the full batch as positions among its `stride` bags."""
+    if not (isinstance(inverse_indices, (tuple, list)) and len(inverse_indices) == 2
+            and isinstance(inverse_indices[1], Tensor)):
+        raise ValueError("KeyedJaggedTensor: inverse_indices must be (keys, tensor), TorchRec's: the keys and a "
+                         "[keys, batch] tensor of bag positions")
+    inv_keys, index_FB = list(inverse_indices[0]), inverse_indices[1]
+    missing = [k for k in keys if k not in inv_keys]
+    if missing:
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices name keys {inv_keys}, not the KJT's {missing}: give "
+                         f"one row of inverse indices per key")
+    if index_FB.dim() != 2 or index_FB.shape[0] != len(inv_keys) or index_FB.dtype not in _ID_DTYPES:
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices' tensor must be an integer [{len(inv_keys)}, batch] "
+                         f"tensor (one row per key named), got {index_FB.dtype} of shape {tuple(index_FB.shape)}")
+    if _readable(index_FB) and index_FB.numel() and not bool(((index_FB >= 0) & (index_FB < stride)).all()):
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices must be bag positions in 0..{stride - 1} (each key has "
+                         f"stride={stride} bags), got values {int(index_FB.min())}..{int(index_FB.max())}")
+    return inv_keys, index_FB
 
 
 def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
@@ -487,6 +506,9 @@ class KeyedJaggedTensor:
         self._length_per_key = length_per_key
         self._offset_per_key = offset_per_key
         self._index_per_key: dict[str, int] | None = None
+        self._inverse_indices = (None if inverse_indices is None else
+                                 _check_inverse_indices(self._keys, stride, inverse_indices) if _validate else
+                                 (list(inverse_indices[0]), inverse_indices[1]))
 
     # construction --------------------------------------------------------------------------
 
@@ -639,9 +661,18 @@ class KeyedJaggedTensor:
         whose keys share one stride."""
         return []
 
-    def inverse_indices_or_none(self) -> None:
-        """TorchRec's: the inverse indices of a variable-batch KJT; None here (every key has `stride()` samples)."""
-        return None
+    def inverse_indices(self) -> tuple[list[str], Tensor]:
+        """TorchRec's: (keys, [F, B] tensor) giving, for each key and sample of the full batch, the bag (of the
+        `stride()` deduplicated ones) it reads; an EmbeddingBagCollection's output has one row per sample of the full
+        batch."""
+        if self._inverse_indices is None:
+            raise ValueError("this KeyedJaggedTensor has no inverse indices: build it with "
+                             "inverse_indices=(keys, tensor), or use inverse_indices_or_none()")
+        return self._inverse_indices
+
+    def inverse_indices_or_none(self) -> tuple[list[str], Tensor] | None:
+        """TorchRec's: `inverse_indices()`, or None when none were given."""
+        return self._inverse_indices
 
     def lengths_FB(self) -> Tensor:
         """Lengths as a [F, B] view."""
@@ -711,6 +742,7 @@ class KeyedJaggedTensor:
                     stride=self._stride,
                     length_per_key=lpk[k : k + n],
                     _validate=False,
+                    inverse_indices=self._inverse_indices,
                 )
             )
             k += n
@@ -751,7 +783,7 @@ class KeyedJaggedTensor:
             lengths = self._lengths.new_zeros(len(keys) * self._stride)
             return KeyedJaggedTensor(keys, self._values[:0], None if self._weights is None else
                                      self._weights[:0], lengths=lengths, stride=self._stride,
-                                     length_per_key=new_lpk, _validate=False)
+                                     length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices)
         weights = self._weights
         if weights is not None and (weights.requires_grad and torch.is_grad_enabled()
                                     or weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS):
@@ -771,7 +803,7 @@ class KeyedJaggedTensor:
             )
         return KeyedJaggedTensor(
             keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
-            length_per_key=new_lpk, _validate=False,
+            length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices,
         )
 
     def to_dict(self) -> dict[str, JaggedTensor]:
@@ -821,6 +853,8 @@ class KeyedJaggedTensor:
             length_per_key=self._length_per_key,
             offset_per_key=self._offset_per_key,
             _validate=False,
+            inverse_indices=None if self._inverse_indices is None else (
+                self._inverse_indices[0], fn(self._inverse_indices[1])),
         )
 
     def to(self, device: torch.device | str | None, non_blocking: bool = False,

@@ -1060,3 +1060,59 @@ def test_torchrecs_positional_need_indices_names_the_keyword():
                                          r"need_indices=True by keyword"):
         EmbeddingCollection(tables, None, True)
     assert EmbeddingCollection(tables, None, need_indices=True).need_indices()
+
+
+@pytest.mark.parametrize("kernel", ["dense", "native", "fbgemm"])
+def test_torch_compile_fullgraph_trains_as_eager_and_still_checks_ids(kernel):
+    """torch.compile(model, fullgraph=True) of a model holding a collection stopped at the id check's host read
+    ('Could not guard on data-dependent expression', batch_check.py), then at the table's freeze flag, and for fbgemm
+    at its step counter's .item(). Now the dense and native kernels compile whole and train as eager (the ids still
+    checked, inside the graph, with the eager ValueError); fbgemm's training lookup refuses fullgraph naming
+    fullgraph=False, which (graph breaks) trains as eager, and without grad fbgemm compiles whole too."""
+    opt = None if kernel == "dense" else FusedOptimizerConfig("rowwise_adagrad", lr=0.1)
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=50, embedding_dim=8, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1"], pooling="mean")]
+    eager = nn.Sequential(EmbeddingBagCollection(tables, optimizer=opt, kernel=kernel, is_weighted=True))
+    model = copy.deepcopy(eager)  # a copy: its freeze flags are read again (while tracing) at its first forward
+    compiled = torch.compile(model, fullgraph=kernel != "fbgemm")
+    for seed in range(2):
+        kjt = random_kjt(["f1", "f0"], [30, 50], B=4, weighted=True, seed=seed)  # the other order: a permute
+        a, b = eager(kjt).values(), compiled(kjt).values()
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+        (a * a).sum().backward()
+        (b * b).sum().backward()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=ATOL, rtol=0)
+    bad = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 30]), lengths=torch.tensor([1, 0, 0, 1]),
+                            weights=torch.ones(2))
+    with pytest.raises(ValueError, match="feature 'f1' has id 30 outside table 't1'"):
+        compiled(bad)
+    torch._dynamo.reset()  # compiled code is cached per function: the fullgraph=False one would run again
+    whole = torch.compile(model, fullgraph=True)
+    if kernel == "fbgemm":
+        with pytest.raises(Exception, match="without fullgraph=True"):
+            whole(kjt)
+    with torch.no_grad():
+        torch.testing.assert_close(whole(kjt).values(), eager(kjt).values(), atol=ATOL, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_torchrec_config_fields_need_pos_and_pruning_are_taken_or_refused_by_name():
+    """TorchRec's BaseEmbeddingConfig fields need_pos, num_embeddings_post_pruning, input_dim, total_num_buckets,
+    use_virtual_table and virtual_table_eviction_policy were unexpected-keyword TypeErrors. Their defaults are taken
+    now (need_pos either way: learned weights train under every sharding type here); another value is refused by
+    name, saying what to do."""
+    kw = dict(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(**kw, need_pos=True, num_embeddings_post_pruning=None,
+                                                     input_dim=None, total_num_buckets=None, use_virtual_table=False,
+                                                     virtual_table_eviction_policy=None)], is_weighted=True)
+    kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2]), lengths=torch.tensor([2]), weights=torch.tensor([1.0, 2.0]))
+    assert ebc(kjt).values().shape == (1, 4)
+    assert EmbeddingConfig(**kw, num_embeddings_post_pruning=10).num_embeddings == 10
+    for field, value, words in [("num_embeddings_post_pruning", 5, "row pruning for quantized inference.*"
+                                 "num_embeddings=5"), ("use_virtual_table", True, "virtual .* not supported"),
+                                ("total_num_buckets", 4, "bucketized"), ("input_dim", 3, "input_dim=3 is not"),
+                                ("need_pos", "yes", "need_pos must be True or False")]:
+        with pytest.raises(ValueError, match=words):
+            EmbeddingConfig(**kw, **{field: value})

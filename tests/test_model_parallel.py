@@ -1303,3 +1303,20 @@ def test_torchrec_init_fn_draws_the_shards_of_tables_built_on_meta():
     assert a["embedding_bags.t0.weight"][0] < 2e-3 and b["embedding_bags.t0.weight"][0] < 2e-3
     assert a["embedding_bags.t1.weight"] == b["embedding_bags.t1.weight"] and a["embedding_bags.t1.weight"][0] < 2e-3
     assert a["embedding_bags.t2.weight"][0] > 0.01
+
+
+def _inverse_indices_worker(rank, W):
+    table = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a"])
+    ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    model = torch.nn.ModuleDict({"ebc": ebc})
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)}, world_size=1)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    dedup = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]),
+                                                inverse_indices=(["a"], torch.tensor([[0, 1, 1]])))
+    return expect_error(ValueError, lambda: dmp.module["ebc"](dedup), "inverse_indices", "do not expand")
+
+
+def test_a_sharded_collection_refuses_inverse_indices_by_name():
+    """A KJT with inverse_indices (TorchRec's deduplicated batch), which the unsharded EmbeddingBagCollection now
+    expands, would come back from a sharded one with the deduplicated batch's rows: refused, naming the fix."""
+    assert "without inverse_indices" in run_ranks(_inverse_indices_worker, 1, timeout=60)[0]

@@ -922,3 +922,34 @@ def test_stats_after_a_failed_plan_are_not_the_previous_plans():
         planner.plan(too_big)
     with pytest.raises(ValueError, match="last plan\\(\\) raised"):
         _ = planner.stats
+
+
+def test_the_gpu_fit_check_prices_replicas_as_the_planner_does():
+    """planner/fits.py (DistributedModelParallel's check of a plan against the GPU) padded a data_parallel replica's
+    rows to 4 columns, where the planner (and the replica, a plain tensor) does not: a dim-1 replica counted 20 bytes
+    a row there against 12 in the plan, so a plan the planner made for that GPU was refused as too big. Now both
+    price it alike: what the planner places fits, and what it cannot place does not."""
+    from lightning_rec.model_parallel import plan_device_bytes
+    from lightning_rec.optim import FusedOptimizerConfig
+    from lightning_rec.planner.fits import check_plan_fits
+
+    rows = 10_000_000
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=1, feature_names=["f"])]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad"), device="meta")
+    model = torch.nn.ModuleDict({"ebc": ebc})
+    constraints = {"t": ParameterConstraints(sharding_types=["data_parallel"])}
+
+    def plan(hbm_cap):
+        topology = Topology(world_size=2, compute_device="cuda", hbm_cap=hbm_cap)
+        return EmbeddingShardingPlanner(topology, batch_size=8, constraints=constraints, optimizer="rowwise_adagrad",
+                                        print_stats=False).plan(model)
+
+    cap = 160 * 2**20  # 136 MiB for tables: the replica's 120 MB (weights, row-wise state, gradient) fit
+    by_rank = plan_device_bytes(plan(cap), {"ebc": ebc}, 2)
+    assert by_rank[0] == {"ebc.t": rows * (4 + 4 + 4)}
+    check_plan_fits(by_rank, cap)
+    small = 120 * 2**20  # 102 MiB for tables: neither places it
+    with pytest.raises(ValueError):
+        plan(small)
+    with pytest.raises(ValueError, match="on rank 0"):
+        check_plan_fits(by_rank, small)

@@ -142,9 +142,9 @@ def test_variable_batch_per_key_is_refused_by_name():
                    dict(stride_per_key_per_rank=[[1, 0], [1, 1]])):
         with pytest.raises(ValueError, match="variable batch size per key .* not supported: give every key one bag"):
             KeyedJaggedTensor(["a", "b"], values, lengths=lengths, **kwargs)
-    with pytest.raises(ValueError, match="inverse_indices were given"):
+    with pytest.raises(ValueError, match="inverse_indices must be bag positions in 0..1"):  # taken: see the end
         KeyedJaggedTensor.from_lengths_sync(["a", "b"], values, torch.tensor([1, 0, 1, 1]),
-                                            inverse_indices=(["a", "b"], torch.zeros(2, 2, dtype=torch.long)))
+                                            inverse_indices=(["a", "b"], torch.full((2, 2), 2)))
     with pytest.raises(ValueError, match="index_per_key"):
         KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 1, 1]), index_per_key={"b": 0, "a": 1})
     same = KeyedJaggedTensor.from_offsets_sync(["a", "b"], values, torch.tensor([0, 1, 1, 2, 3]),
@@ -387,3 +387,32 @@ def test_permute_of_bfloat16_weights():
         got, want = kjt.permute(order), fp32.permute(order)
         assert got.weights().dtype == torch.bfloat16 and torch.equal(got.weights().float(), want.weights())
         assert torch.equal(got.values(), want.values()) and torch.equal(got.lengths(), want.lengths())
+
+
+def test_inverse_indices_expand_a_deduplicated_batch_as_torchrecs_collections_do():
+    """kjt.inverse_indices() was missing and KeyedJaggedTensor(..., inverse_indices=(keys, tensor)) refused. Now it
+    is held (inverse_indices(), inverse_indices_or_none(); kept by to / permute / split) and an EmbeddingBagCollection
+    expands each feature's deduplicated bags to the full batch by it, as TorchRec's: the same output as the full
+    batch. EmbeddingCollection refuses it by name (TorchRec's takes every sample's bags)."""
+    from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+    t0 = EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=3, feature_names=["a"])
+    t1 = EmbeddingBagConfig(name="t1", num_embeddings=10, embedding_dim=2, feature_names=["b"], pooling="mean")
+    ebc = EmbeddingBagCollection([t0, t1])
+    inverse = (["b", "a"], torch.tensor([[0, 1, 0, 1], [1, 1, 0, 0]]))  # 2 distinct bags per key, 4 samples
+    dedup = KeyedJaggedTensor.from_lengths_sync(["b", "a"], torch.tensor([1, 2, 3, 4, 5]),
+                                                torch.tensor([1, 2, 1, 1]), inverse_indices=inverse)
+    full = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([5, 5, 4, 4, 1, 2, 3, 1, 2, 3]),
+                                               torch.tensor([1, 1, 1, 1, 1, 2, 1, 2]))
+    assert dedup.inverse_indices() is inverse[1] or torch.equal(dedup.inverse_indices()[1], inverse[1])
+    for kjt in (dedup, dedup.to("cpu"), dedup.permute([1, 0]), *dedup.split([1, 1])):
+        assert torch.equal(kjt.inverse_indices()[1], inverse[1])
+    expected = ebc(full).values()
+    assert expected.shape == (4, 5)
+    torch.testing.assert_close(ebc(dedup).values(), expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="has no inverse indices"):
+        full.inverse_indices()
+    assert full.inverse_indices_or_none() is None
+    ec = EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=2, feature_names=["a", "b"])])
+    with pytest.raises(ValueError, match="inverse_indices .* expand pooled outputs only"):
+        ec(dedup)

@@ -33,13 +33,20 @@ def device_bytes_by_rank(plan_by_module: Mapping[str, Mapping], configs_by_modul
             kernel = ComputeKernel(ps.compute_kernel)
             cache = ps.cache_load_factor if ps.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
             share = {ComputeKernel.FUSED_UVM: 0.0, ComputeKernel.FUSED_UVM_CACHING: cache}.get(kernel, 1.0)
-            if ShardingType(ps.sharding_type) == ShardingType.DATA_PARALLEL:
+            replica = ShardingType(ps.sharding_type) == ShardingType.DATA_PARALLEL
+            if replica:
                 pieces = [(r, c.num_embeddings, c.embedding_dim) for r in range(world_size)]
             else:
                 pieces = [(s.placement, s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
             for rank, rows, cols in pieces:
-                cols = padded_dim(cols, pad_multiple("fbgemm"))  # GPU tables run on fbgemm, which pads rows to 4
-                per_row = cols * elem + optimizer_state_bytes_per_row(optimizer, cols)
+                if replica:
+                    # a plain tensor at its own width (lookup.DenseKernel), with the dense gradient autograd
+                    # materialises: priced as the planner's estimate prices it (padded, a dim-1 replica counted
+                    # 2.7x, and a plan the planner made was refused here)
+                    per_row = cols * elem + optimizer_state_bytes_per_row(optimizer, cols) + cols * 4
+                else:
+                    cols = padded_dim(cols, pad_multiple("fbgemm"))  # GPU tables run on fbgemm: rows padded to 4
+                    per_row = cols * elem + optimizer_state_bytes_per_row(optimizer, cols)
                 label = f"{path}.{name}" if path else name
                 out[rank][label] = out[rank].get(label, 0) + int(rows * per_row * share)
     return out
