@@ -146,6 +146,28 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     return said
 
 
+def _strategy_class(strategy) -> type | None:
+    """The Strategy class that --trainer.strategy names: a registered name (`rec`, `ddp`), a class (`RecStrategy`,
+    `lightning.pytorch.strategies.DDPStrategy`, as a string or a class_path); None for anything else."""
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", "") or "")
+    if not name:
+        return None
+    if name in StrategyRegistry:
+        return StrategyRegistry[name]["strategy"]
+    module, _, attr = name.rpartition(".")
+    found = None
+    for where in [module] if module else ["lightning_rec.strategy", "lightning.pytorch.strategies"]:
+        try:
+            found = getattr(importlib.import_module(where), attr, None)
+        except ImportError:
+            found = None
+        if found is not None:
+            break
+    return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
 _JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "Expected a ",
                        "Problem with given class_path")
 
@@ -239,6 +261,15 @@ class RecCLI(LightningCLI):
                              f"or use --trainer.accelerator=cpu")
 
     def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy = self._get(self.config_init, "trainer", {}).get("strategy")
+        if isinstance(strategy, str) and strategy not in StrategyRegistry and "strategy" not in kwargs:
+            # `--trainer.strategy=RecStrategy` (the class, as with options: --trainer.strategy.pipeline=true) stays a
+            # string without options, and Lightning refused it: "recstrategy is not a strategy name"
+            cls = _strategy_class(strategy)
+            if cls is not None:
+                kwargs["strategy"] = cls()
         try:
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException:
@@ -273,6 +304,7 @@ class RecCLI(LightningCLI):
         if ckpt_path == "last":  # the checkpoint Lightning will load: its hyperparameters were not read at all
             ckpt_path = self._last_checkpoint(subcommand) or ckpt_path
         if ckpt_path and os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)):
+            self._strategy_for_sharded_checkpoint(subcommand, str(ckpt_path))
             self._parse_dcp_ckpt_hparams(subcommand, str(ckpt_path))
         else:
             given_path = self.config[subcommand].get("ckpt_path")
@@ -321,6 +353,22 @@ class RecCLI(LightningCLI):
                         path = os.path.join(dirpath, name)
                         found[path] = os.path.getmtime(path)
         return max(found, key=found.__getitem__) if found else None
+
+    def _strategy_for_sharded_checkpoint(self, subcommand: str, ckpt_path: str) -> None:
+        # A sharded checkpoint (a directory) resumes only under strategy=rec, and evaluates under another strategy
+        # only in the library's modules (read whole: one rank's memory). `validate --config two_tower_movielens.yaml
+        # --ckpt_path=DIR` (the recipe says strategy: auto) was refused until --trainer.strategy=rec was added: the
+        # checkpoint says what loads it, so "auto" means rec here. The plan is made for this run (the checkpoint
+        # reshards to any number of devices), so the defaults load it. A strategy the user names is kept
+        # (_run_subcommand refuses it where it cannot load the checkpoint).
+        trainer = self.config[subcommand].get("trainer")
+        if trainer is not None and trainer.get("strategy") in (None, "auto"):
+            from lightning.pytorch.utilities import rank_zero_info
+
+            trainer.strategy = "rec"
+            rank_zero_info(f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint: loading it with "
+                           f"--trainer.strategy=rec (its default settings; --trainer.strategy=RecStrategy "
+                           f"--trainer.strategy.OPTION=... sets others)")
 
     def _parse_dcp_ckpt_hparams(self, subcommand: str, ckpt_path: str) -> None:
         # Lightning's _parse_ckpt_path reads only a file (`Path.is_file()`): a strategy=rec checkpoint is a
@@ -519,15 +567,23 @@ class RecCLI(LightningCLI):
                              f"path (a fit writes its checkpoints where ModelCheckpoint's dirpath says)")
         if local and os.path.isdir(str(ckpt_path)):
             from lightning_rec.checkpoint import LIGHTNING_FILE
+            from lightning_rec.models.module_hooks import RecModuleHooks
             from lightning_rec.strategy import RecStrategy
 
-            if os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)) and \
-                    not isinstance(self.trainer.strategy, RecStrategy):
-                # Lightning's own strategies torch.load() it: "IsADirectoryError: [Errno 21] Is a directory"
+            strategy = self.trainer.strategy
+            # Lightning's own strategies torch.load() it ("IsADirectoryError: [Errno 21] Is a directory"); the
+            # library's modules read it whole under them to evaluate (not to resume: no fused optimizer state)
+            if os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)) and not isinstance(strategy, RecStrategy) \
+                    and (subcommand == "fit" or not isinstance(self.model, RecModuleHooks)):
+                given = self._get(self.config, "trainer", {}).get("strategy")
+                given = given if isinstance(given, str) else getattr(given, "class_path", type(strategy).__name__)
                 raise SystemExit(
-                    f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint (a directory written by "
-                    f"strategy=rec): load it with --trainer.strategy=rec (any number of devices), or write a one-file "
-                    f"model with `lightning-rec export {ckpt_path} OUT`")
+                    f"lightning-rec {subcommand}: error: {ckpt_path} is a sharded checkpoint (a directory written by "
+                    f"strategy=rec), which --trainer.strategy={given} cannot "
+                    f"{'resume from' if subcommand == 'fit' else 'load'}: drop --trainer.strategy (a sharded "
+                    f"checkpoint picks strategy=rec itself) or pass --trainer.strategy=rec (any number of devices)" +
+                    ("" if subcommand == "fit" else
+                     f", or write a one-file model with `lightning-rec export {ckpt_path} OUT`"))
         if subcommand != "fit":  # evaluation restores no callback state: Lightning's advice has nothing to act on
             warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create")
         check_paths = getattr(self.datamodule, "check_paths", None)

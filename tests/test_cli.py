@@ -259,9 +259,10 @@ def test_sharded_checkpoint_without_rec_names_the_strategy(tmp_path):
     sharded.mkdir()
     (sharded / "lightning.pt").write_bytes(b"")
     with pytest.raises(SystemExit) as e:
-        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
-                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
-    assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=rec" in str(e.value), e.value
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
+                 "--trainer.strategy=ddp", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=ddp cannot resume from" in str(e.value) \
+        and "--trainer.strategy=rec" in str(e.value), e.value
 
 
 def test_data_and_model_table_sizes_are_compared_before_training(tmp_path):
@@ -522,3 +523,27 @@ def test_ckpt_path_best_in_a_new_command_names_the_saved_checkpoints(tmp_path):
                  f"--trainer.default_root_dir={tmp_path}", *QUIET])
     assert "each lightning-rec command starts a new one: give the checkpoint's path, --ckpt_path=CHECKPOINT " \
            f"({saved})" in str(e.value), e.value
+
+
+def test_a_sharded_checkpoint_picks_the_rec_strategy_itself(tmp_path, caplog):
+    # validate / test / predict --ckpt_path=<a strategy=rec checkpoint> under the recipe's strategy (auto) was
+    # refused until --trainer.strategy=rec was added: the checkpoint says what loads it, and the run says so
+    caplog.set_level(logging.INFO)
+    args = ["--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--data.num_train_samples=1024", "--data.num_val_samples=512", "--trainer.logger=false", *QUIET]
+    fit = run_cli(["fit", *args, "--trainer.strategy=rec", "--trainer.max_epochs=1",
+                   "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ck'}",
+                   "--trainer.callbacks.filename=last"])
+    sharded = tmp_path / "ck" / "last.ckpt"
+    assert (sharded / "lightning.pt").is_file()
+    cli = run_cli(["validate", *args, f"--ckpt_path={sharded}"])
+    assert type(cli.trainer.strategy).__name__ == "RecStrategy"
+    assert val(cli, "val_auc") == val(fit, "val_auc")
+    assert any(f"{sharded} is a sharded checkpoint: loading it with --trainer.strategy=rec" in r.getMessage()
+               for r in caplog.records)
+    # the class, without options, is a strategy too (Lightning refused "recstrategy is not a strategy name")
+    cli = run_cli(["validate", *args, f"--ckpt_path={sharded}", "--trainer.strategy=RecStrategy"])
+    assert type(cli.trainer.strategy).__name__ == "RecStrategy" and val(cli, "val_auc") == val(fit, "val_auc")
+    # a strategy the user names is kept: the library's modules read the tables whole under it to evaluate
+    cli = run_cli(["validate", *args, f"--ckpt_path={sharded}", "--trainer.strategy=ddp"])
+    assert type(cli.trainer.strategy).__name__ == "DDPStrategy" and val(cli, "val_auc") == val(fit, "val_auc")
