@@ -186,8 +186,11 @@ def constructor_refusal(error: ValueError) -> str:
         if isinstance(cause, ValueError) and not str(cause).startswith(_JSONARGPARSE_WORDS):
             return str(cause)
         cause = cause.__cause__ or cause.__context__
-    listed = re.search(r"\nErrors:\n((?:  .*\n?)*)", str(error))
-    entries = re.findall(r"^  - (.*)$", listed[1], re.MULTILINE) if listed else []
+    # at any depth: a planner's constraint (`--trainer.strategy.planner.constraints='{t_C1: {sharding_types:
+    # [row_wize]}}'`) refuses three Unions down (strategy, planner, constraints), and its sentence was left inside
+    # jsonargparse's 20-line report
+    _, listed, rest = str(error).partition("\nErrors:\n")
+    entries = re.findall(r"^\s*- (.*)$", rest, re.MULTILINE) if listed else []
     return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
 
 

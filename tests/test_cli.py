@@ -547,3 +547,17 @@ def test_a_sharded_checkpoint_picks_the_rec_strategy_itself(tmp_path, caplog):
     # a strategy the user names is kept: the library's modules read the tables whole under it to evaluate
     cli = run_cli(["validate", *args, f"--ckpt_path={sharded}", "--trainer.strategy=ddp"])
     assert type(cli.trainer.strategy).__name__ == "DDPStrategy" and val(cli, "val_auc") == val(fit, "val_auc")
+
+
+def test_a_planner_constraints_refusal_is_its_own_sentence(tmp_path):
+    # the constraint's sentence sits three Unions down (strategy, planner, constraints): the whole 20-line
+    # jsonargparse report was shown, the sentence on line 10 of it
+    config = tmp_path / "planner.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lightning_rec.strategy.RecStrategy\n    init_args:\n"
+                      "      planner:\n        class_path: lightning_rec.planner.EmbeddingShardingPlanner\n"
+                      "        init_args:\n          constraints: {t_C1: {sharding_types: [row_wize]}}\n")
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(config),
+                 "--trainer.max_steps=1"])
+    assert str(e.value).startswith("lightning-rec: error: ParameterConstraints: unknown sharding type 'row_wize' "
+                                   "(did you mean 'row_wise'?)"), e.value
