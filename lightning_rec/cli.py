@@ -168,6 +168,17 @@ def _strategy_class(strategy) -> type | None:
     return found if isinstance(found, type) and issubclass(found, Strategy) else None
 
 
+def _raised_in_lightning(error: BaseException) -> bool:
+    """Whether `error` was raised by Lightning's own code (its innermost frame is in the lightning package)."""
+    import lightning
+
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    root = os.path.dirname(lightning.__file__)
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(root + os.sep)
+
+
 _JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "Expected a ",
                        "Problem with given class_path")
 
@@ -275,14 +286,28 @@ class RecCLI(LightningCLI):
                 kwargs["strategy"] = cls()
         try:
             return super().instantiate_trainer(**kwargs)
-        except MisconfigurationException:
+        except MisconfigurationException as e:
             self._check_accelerator(self.config_init)
-            raise
+            # Lightning's refusal of a Trainer option (`--trainer.devices=0`, `--trainer.max_epochs=-5`) names the
+            # option: it came after a 40-line traceback
+            raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
+        except TypeError as e:
+            # `--trainer.devices=two` / `=-3`: "`devices` selected with `CPUAccelerator` should be an int > 0", raised
+            # as a TypeError by Lightning's device parsing (a TypeError from elsewhere is a bug: its traceback stays)
+            if not _raised_in_lightning(e):
+                raise
+            raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
         except ValueError as e:  # Lightning's refusal of a misspelt strategy name: a 40-line traceback, no guess
             said = strategy_hint(str(e))
             if said:
                 raise SystemExit(said) from None
             raise
+
+    def _trainer_options_named(self, error: BaseException) -> str:
+        """`--trainer.devices=two: ` for the Trainer options that Lightning's refusal names in backticks, or ''."""
+        trainer = self._get(self.config, "trainer", {}) or {}
+        named = dict.fromkeys(m for m in re.findall(r"`(\w+)`", str(error)) if m in trainer)
+        return "".join(f"--trainer.{k}={trainer.get(k)}: " for k in named)
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []

@@ -561,3 +561,15 @@ def test_a_planner_constraints_refusal_is_its_own_sentence(tmp_path):
                  "--trainer.max_steps=1"])
     assert str(e.value).startswith("lightning-rec: error: ParameterConstraints: unknown sharding type 'row_wize' "
                                    "(did you mean 'row_wise'?)"), e.value
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("--trainer.devices=two", "--trainer.devices=two: `devices` selected with `CPUAccelerator` should be an int > 0"),
+    ("--trainer.max_epochs=-5", "--trainer.max_epochs=-5: `max_epochs` must be a non-negative integer or -1"),
+])
+def test_a_trainer_option_lightning_refuses_is_one_line(wrong, said):
+    # Lightning's refusal (a MisconfigurationException, or a TypeError from its device parsing) came after a
+    # 40-line traceback
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong, *QUIET])
+    assert str(e.value).startswith(f"lightning-rec: error: {said}"), e.value
