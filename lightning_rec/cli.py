@@ -246,6 +246,14 @@ def _warn_options_a_later_config_sets(argv: list[str]) -> None:
         options = []
 
 
+class HintingArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for `preprocess` and `export`, whose refusal of a misspelt option names the one meant
+    (`--num_embedings` was "unrecognized arguments" alone)."""
+
+    def error(self, message: str):
+        return super().error(message + did_you_mean(self, message))
+
+
 class RecArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose refusal of a misspelt option also names the option that was meant."""
 
@@ -753,15 +761,16 @@ def export_main(argv: list[str]) -> int:
     """`lightning-rec export CHECKPOINT OUT [--fp16-tables]`."""
     from lightning_rec.checkpoint import export
 
-    parser = argparse.ArgumentParser(prog="lightning-rec export",
+    parser = HintingArgumentParser(prog="lightning-rec export",
                                      description="Write an unsharded model for inference: OUT/model.safetensors + "
                                                  "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--fp16-tables", "--fp16_tables", action="store_true",
-                        help="store embedding tables in float16 (half size)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    # --fp16_tables (preprocess's options are underscored) is the same option; as a second spelling of it, argparse
+    # refused the prefix `--fp16` as "ambiguous option: --fp16 could match --fp16-tables, --fp16_tables"
+    args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
     except ValueError as e:

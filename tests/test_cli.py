@@ -573,3 +573,22 @@ def test_a_trainer_option_lightning_refuses_is_one_line(wrong, said):
     with pytest.raises(SystemExit) as e:
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong, *QUIET])
     assert str(e.value).startswith(f"lightning-rec: error: {said}"), e.value
+
+
+def test_preprocess_and_export_name_the_option_meant(tmp_path, capsys):
+    # their argparse parsers said "unrecognized arguments: --num_embedings 10" alone; and export's two spellings of
+    # one option made its prefix `--fp16` "ambiguous option: --fp16 could match --fp16-tables, --fp16_tables"
+    from lightning_rec.cli import export_main
+    from lightning_rec.data.preprocess import preprocess_main
+
+    with pytest.raises(SystemExit):
+        preprocess_main(["--input", "x.tsv", "--output_dir", str(tmp_path / "out"), "--num_embedings", "10"])
+    assert "did you mean --num_embeddings instead of --num_embedings?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--fp16-tabels"])
+    assert "did you mean --fp16-tables instead of --fp16-tabels?" in capsys.readouterr().err
+    for spelling in ("--fp16", "--fp16_tables"):  # parsed: the refusal is the missing checkpoint's
+        with pytest.raises(SystemExit):
+            export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), spelling])
+        said = capsys.readouterr().err
+        assert "ambiguous" not in said and "does not exist" in said, said
