@@ -292,6 +292,8 @@ class RecCLI(LightningCLI):
             cls = _strategy_class(strategy)
             if cls is not None:
                 kwargs["strategy"] = cls()
+        if strategy in (None, "auto") and "strategy" not in kwargs and self.subcommand == "fit":
+            kwargs.update(self._rec_for_fused_tables_on_ranks())
         try:
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException as e:
@@ -310,6 +312,32 @@ class RecCLI(LightningCLI):
             if said:
                 raise SystemExit(said) from None
             raise
+
+    def _rec_for_fused_tables_on_ranks(self) -> dict:
+        # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe leaves the strategy to auto): Lightning
+        # picks DDP, under which fused tables cannot train (each rank would update its own copy), and each rank
+        # refused it with "use --trainer.strategy=rec". What auto can mean for such a model at 2+ ranks is rec
+        trainer = self._get(self.config_init, "trainer", {}) or {}
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+        count = len(devices) if isinstance(devices, (list, tuple)) else \
+            int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1  # ("auto", -1: not counted)
+        if count * (nodes if isinstance(nodes, int) else 1) <= 1 or self.model is None:
+            return {}
+        from lightning_rec.models.module_hooks import RecModuleHooks, fused_table_modules
+
+        fused = fused_table_modules(self.model)
+        if not fused and not isinstance(self.model, RecModuleHooks):
+            return {}
+        if not fused:  # a library module that builds its tables later (the two-tower's, sized from the data)
+            optimizer = getattr(getattr(self.model, "hparams", None), "sparse_optimizer", None)
+            if not optimizer:
+                return {}
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"lightning-rec fit: {type(self.model).__name__} trains its tables with a fused optimizer, "
+                       f"which only --trainer.strategy=rec keeps in step over {count * nodes} processes: using it "
+                       f"(the recipe's strategy is auto)")
+        return {"strategy": "rec"}
 
     def _trainer_options_named(self, error: BaseException) -> str:
         """`--trainer.devices=two: ` for the Trainer options that Lightning's refusal names in backticks, or ''."""

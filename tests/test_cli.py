@@ -592,3 +592,16 @@ def test_preprocess_and_export_name_the_option_meant(tmp_path, capsys):
             export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), spelling])
         said = capsys.readouterr().err
         assert "ambiguous" not in said and "does not exist" in said, said
+
+
+def test_fused_tables_at_two_devices_under_auto_pick_the_rec_strategy(caplog):
+    # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe's strategy is auto): Lightning picked DDP and
+    # each rank refused it, "use --trainer.strategy=rec"; auto now means rec for fused tables at 2+ ranks. (The run
+    # stops at the missing data file, after the Trainer is built and before the ranks start.)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_criteo_kaggle.yaml", "--trainer.devices=2",
+                 "--data.train_path=/no/such/train.txt"])
+    assert "CriteoDataModule train_path /no/such/train.txt does not exist" in str(e.value), e.value
+    assert any("DLRMModule trains its tables with a fused optimizer, which only --trainer.strategy=rec keeps in step "
+               "over 2 processes: using it" in r.getMessage() for r in caplog.records)
