@@ -605,3 +605,17 @@ def test_fused_tables_at_two_devices_under_auto_pick_the_rec_strategy(caplog):
     assert "CriteoDataModule train_path /no/such/train.txt does not exist" in str(e.value), e.value
     assert any("DLRMModule trains its tables with a fused optimizer, which only --trainer.strategy=rec keeps in step "
                "over 2 processes: using it" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("--trainer.logger=wandb", "did you mean WandbLogger (--trainer.logger=WandbLogger) instead of wandb?"),
+    ("--trainer.logger=CSVLoger", "did you mean CSVLogger (--trainer.logger=CSVLogger) instead of CSVLoger?"),
+    ("--trainer.callbacks+=ModelCheckpiont",
+     "did you mean ModelCheckpoint (--trainer.callbacks+=ModelCheckpoint) instead of ModelCheckpiont?"),
+])
+def test_a_misspelt_logger_or_callback_class_names_the_one_meant(capsys, wrong, said):
+    # jsonargparse's report ("Expected a dot import path string: wandb", and the Union's four other refusals)
+    # named no class
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong])
+    assert said in capsys.readouterr().err
