@@ -619,3 +619,15 @@ def test_a_misspelt_logger_or_callback_class_names_the_one_meant(capsys, wrong, 
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong])
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["DLRMModule", "TwoTowerModule"])
+def test_every_model_option_has_its_help(capsys, module):
+    # arguments documented together in the docstring ("sparse_optimizer / sparse_lr / ...: the fused update") had no
+    # help in `--model.help`: only "(type: str, default: rowwise_adagrad)", not the optimizers to choose from
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--model.help", module])
+    out = capsys.readouterr().out
+    bare = re.findall(r"^  (--model\.\w+)[^\n]*\n\s+\(type:", out, re.MULTILINE)
+    assert not bare, f"no help for {bare}"
+    assert "sgd, adagrad, rowwise_adagrad, adam" in " ".join(out.split())
