@@ -126,12 +126,13 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         package = {"model": "lightning_rec.models", "data": "lightning_rec.data"}[short[1]]
         names = [n for n in _public_names(package) if n.endswith("Module")]
         hints += [(short[2], m) for m in difflib.get_close_matches(short[2], names, n=1)]
-    named = re.search(r"Parser key \"(trainer\.logger|trainer\.callbacks|trainer\.strategy)\":[\s\S]*?Expected a dot "
-                      r"import path string: (\w+)\n", message)
+    named = re.search(r"Parser key \"(trainer\.logger|trainer\.callbacks|trainer\.strategy|optimizer|lr_scheduler)\":"
+                      r"[\s\S]*?Expected a dot import path string: (\w+)\n", message)
     if named:  # --trainer.logger=wandb / CSVLoger: a class name misspelt (or in another case) got no guess
         modules = {"trainer.logger": ["lightning.pytorch.loggers"],
                    "trainer.callbacks": ["lightning.pytorch.callbacks", "lightning_rec.predict"],
-                   "trainer.strategy": ["lightning.pytorch.strategies", "lightning_rec.strategy"]}[named[1]]
+                   "trainer.strategy": ["lightning.pytorch.strategies", "lightning_rec.strategy"],
+                   "optimizer": ["torch.optim"], "lr_scheduler": ["torch.optim.lr_scheduler"]}[named[1]]
         names = {n.lower(): n for module in modules for n in _public_names(module) if n[:1].isupper()}
         given = "+=" if named[1] == "trainer.callbacks" else "="  # callbacks are added to the recipe's list
         hints += [(named[2], f"{names[m]} (--{named[1]}{given}{names[m]})")

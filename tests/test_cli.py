@@ -612,6 +612,9 @@ def test_fused_tables_at_two_devices_under_auto_pick_the_rec_strategy(caplog):
     ("--trainer.logger=CSVLoger", "did you mean CSVLogger (--trainer.logger=CSVLogger) instead of CSVLoger?"),
     ("--trainer.callbacks+=ModelCheckpiont",
      "did you mean ModelCheckpoint (--trainer.callbacks+=ModelCheckpoint) instead of ModelCheckpiont?"),
+    ("--optimizer=adamw", "did you mean AdamW (--optimizer=AdamW) instead of adamw?"),
+    ("--lr_scheduler=CosineAnealingLR",
+     "did you mean CosineAnnealingLR (--lr_scheduler=CosineAnnealingLR) instead of CosineAnealingLR?"),
 ])
 def test_a_misspelt_logger_or_callback_class_names_the_one_meant(capsys, wrong, said):
     # jsonargparse's report ("Expected a dot import path string: wandb", and the Union's four other refusals)
