@@ -137,6 +137,13 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         given = "+=" if named[1] == "trainer.callbacks" else "="  # callbacks are added to the recipe's list
         hints += [(named[2], f"{names[m]} (--{named[1]}{given}{names[m]})")
                   for m in difflib.get_close_matches(named[2].lower(), list(names), n=1)]
+    literal = re.search(r"Parser key \"([\w.]+)\":[\s\S]*?Expected a typing\.Literal\[[\s\S]*Given value: (\S+)\n?$",
+                        message)
+    if literal:  # --trainer.precision=bf16-mix: the report lists every allowed value, and names none as meant
+        allowed = [v for values in re.findall(r"Literal\[([^\]]*)\]", message)
+                   for v in re.findall(r"'([^']*)'|(\d+)", values) for v in v if v]
+        hints += [(literal[2], f"{m} (--{literal[1]}={m})")
+                  for m in difflib.get_close_matches(literal[2], list(dict.fromkeys(allowed)), n=1)]
     for class_path, unknown in dict.fromkeys(
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")

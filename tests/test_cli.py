@@ -634,3 +634,10 @@ def test_every_model_option_has_its_help(capsys, module):
     bare = re.findall(r"^  (--model\.\w+)[^\n]*\n\s+\(type:", out, re.MULTILINE)
     assert not bare, f"no help for {bare}"
     assert "sgd, adagrad, rowwise_adagrad, adam" in " ".join(out.split())
+
+
+def test_a_misspelt_choice_names_the_one_meant(capsys):
+    # jsonargparse listed every allowed precision in four Literal refusals, and named none as meant
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.precision=bf16-mix"])
+    assert "did you mean bf16-mixed (--trainer.precision=bf16-mixed) instead of bf16-mix?" in capsys.readouterr().err
