@@ -641,3 +641,13 @@ def test_a_misspelt_choice_names_the_one_meant(capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.precision=bf16-mix"])
     assert "did you mean bf16-mixed (--trainer.precision=bf16-mixed) instead of bf16-mix?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["SyntheticCriteoDataModule", "CriteoDataModule", "MovieLensDataModule"])
+def test_every_data_option_has_its_help(capsys, module):
+    # `--data.help CriteoDataModule` (and the default recipe's SyntheticCriteoDataModule) had no line for any
+    # argument: only each one's type and default
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--data.help", module])
+    bare = re.findall(r"^  (--data\.\w+)[^\n]*\n\s+\(type:", capsys.readouterr().out, re.MULTILINE)
+    assert not bare, f"no help for {bare}"
