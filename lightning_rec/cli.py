@@ -78,6 +78,30 @@ def strategy_hint(message: str) -> str:
             + " (rec: sharded tables, lightning_rec's; auto, ddp, fsdp, ...: Lightning's)")
 
 
+_ARGV: list[str] = []  # the command line being parsed
+
+
+def _config_file_that_fails(argv: list[str]) -> str:
+    """' in FILE: yaml's own words' for the first --config file of `argv` that is not YAML ('' when all are)."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        path = arg.partition("=")[2] if arg.startswith("--config=") else \
+            argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if path is None or not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" line {where.line + 1}, column {where.column + 1}:" if where is not None else ""
+            return f"\n  in {path},{line} {getattr(e, 'problem', None) or e}"
+        except OSError:
+            continue
+    return ""
+
+
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
 
@@ -86,6 +110,8 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     as an init argument of a class_path ("Problem with given class_path 'X': Option 'embeding_dim' is not
     accepted"); none says what was meant.
     """
+    if "Problems parsing config" in message:  # yaml's error says "<unicode string>", line 3: not which file
+        return _config_file_that_fails(_ARGV)
     command = re.search(r"invalid choice: '([^']*)' \(choose from 'fit'", message)
     if command:  # a misspelt command; main() runs two more than LightningCLI knows
         commands = ["fit", "validate", "test", "predict", "preprocess", "export"]
@@ -366,6 +392,8 @@ class RecCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
         _warn_options_a_later_config_sets(self._argv)  # (before parsing: --print_config exits inside it)
+        global _ARGV
+        _ARGV = self._argv  # a refusal of a config file names the file (did_you_mean)
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:

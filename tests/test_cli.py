@@ -651,3 +651,12 @@ def test_every_data_option_has_its_help(capsys, module):
         run_cli(["fit", "--data.help", module])
     bare = re.findall(r"^  (--data\.\w+)[^\n]*\n\s+\(type:", capsys.readouterr().out, re.MULTILINE)
     assert not bare, f"no help for {bare}"
+
+
+def test_a_config_file_that_is_not_yaml_is_named(tmp_path, capsys):
+    # yaml's error said '"<unicode string>", line 3, column 11': with the recipe and a file of one's own, not which
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("trainer:\n  max_epochs: 1\n   devices: 2\n")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(bad)])
+    assert f"in {bad}, line 3, column 11: mapping values are not allowed here" in capsys.readouterr().err
