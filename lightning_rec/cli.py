@@ -365,7 +365,8 @@ class RecCLI(LightningCLI):
         devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
         count = len(devices) if isinstance(devices, (list, tuple)) else \
             int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1  # ("auto", -1: not counted)
-        if count * (nodes if isinstance(nodes, int) else 1) <= 1 or self.model is None:
+        world = count * (nodes if isinstance(nodes, int) else 1)
+        if world <= 1 or self.model is None:
             return {}
         from lightning_rec.models.module_hooks import RecModuleHooks, fused_table_modules
 
@@ -379,7 +380,7 @@ class RecCLI(LightningCLI):
         from lightning.pytorch.utilities import rank_zero_info
 
         rank_zero_info(f"lightning-rec fit: {type(self.model).__name__} trains its tables with a fused optimizer, "
-                       f"which only --trainer.strategy=rec keeps in step over {count * nodes} processes: using it "
+                       f"which only --trainer.strategy=rec keeps in step over {world} processes: using it "
                        f"(the recipe's strategy is auto)")
         return {"strategy": "rec"}
 
@@ -836,8 +837,8 @@ def export_main(argv: list[str]) -> int:
     from lightning_rec.checkpoint import export
 
     parser = HintingArgumentParser(prog="lightning-rec export",
-                                     description="Write an unsharded model for inference: OUT/model.safetensors + "
-                                                 "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
+                                   description="Write an unsharded model for inference: OUT/model.safetensors + "
+                                               "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
