@@ -102,6 +102,26 @@ def _config_file_that_fails(argv: list[str]) -> str:
     return ""
 
 
+def _where_set(key: str, argv: list[str]) -> str:
+    """'in FILE' or 'on the command line (--KEY=...)': the last of `argv` that sets `key` ('' when none does)."""
+    import yaml
+
+    found = ""
+    for i, arg in enumerate(argv):
+        path = arg.partition("=")[2] if arg.startswith("--config=") else \
+            argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if path is not None:
+            try:
+                with open(path) as f:
+                    if key in _config_keys(yaml.safe_load(f)):
+                        found = f"in {path}"
+            except (OSError, yaml.YAMLError):
+                pass
+        elif re.match("--" + re.escape(key).replace(r"\.", r"\.(?:init_args\.)?") + r"(?:[=+]|$)", arg):
+            found = f"on the command line ({arg})"
+    return found
+
+
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
 
@@ -112,6 +132,14 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """
     if "Problems parsing config" in message:  # yaml's error says "<unicode string>", line 3: not which file
         return _config_file_that_fails(_ARGV)
+    keys = re.findall(r'Parser key "([\w.]+)":', message)
+    located = ""
+    if keys and re.search(r"Expected a <class '\w+'>(\. Got value|\n[\s\S]*Given value)", message):
+        # a value refused (`max_epochs: two`): jsonargparse names the key, not where it was set (the recipe, a file
+        # of one's own, the command line)
+        key = ".".join(keys[:2]) if len(keys) > 1 and keys[0] in ("model", "data") else keys[0]
+        where = _where_set(key, _ARGV)
+        located = f"\n  {key} is set {where}" if where.startswith("in ") else ""  # (the command line's is on screen)
     command = re.search(r"invalid choice: '([^']*)' \(choose from 'fit'", message)
     if command:  # a misspelt command; main() runs two more than LightningCLI knows
         commands = ["fit", "validate", "test", "predict", "preprocess", "export"]
@@ -187,7 +215,7 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     if nested:  # --trainer.strategy=rec --trainer.strategy.pipeline=true: a registered name takes no options
         said += (f"\n  a strategy with options is named by its class: --trainer.strategy=RecStrategy "
                  f"--trainer.strategy.{nested[2]}=... (the short name '{nested[1]}' takes none)")
-    return said
+    return said + located
 
 
 def _strategy_class(strategy) -> type | None:

@@ -660,3 +660,12 @@ def test_a_config_file_that_is_not_yaml_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(bad)])
     assert f"in {bad}, line 3, column 11: mapping values are not allowed here" in capsys.readouterr().err
+
+
+def test_a_value_of_the_wrong_type_in_a_config_file_names_the_file(tmp_path, capsys):
+    # "Parser key "data": ... Parser key "batch_size": Expected a <class 'int'>. Got value: 5x12", not where it was set
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("data:\n  init_args:\n    batch_size: 5x12\n")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(mine)])
+    assert f"data.batch_size is set in {mine}" in capsys.readouterr().err
