@@ -78,6 +78,50 @@ def strategy_hint(message: str) -> str:
             + " (rec: sharded tables, lightning_rec's; auto, ddp, fsdp, ...: Lightning's)")
 
 
+_ARGV: list[str] = []  # the command line being parsed
+
+
+def _config_file_that_fails(argv: list[str]) -> str:
+    """' in FILE: yaml's own words' for the first --config file of `argv` that is not YAML ('' when all are)."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        path = arg.partition("=")[2] if arg.startswith("--config=") else \
+            argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if path is None or not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" line {where.line + 1}, column {where.column + 1}:" if where is not None else ""
+            return f"\n  in {path},{line} {getattr(e, 'problem', None) or e}"
+        except OSError:
+            continue
+    return ""
+
+
+def _where_set(key: str, argv: list[str]) -> str:
+    """'in FILE' or 'on the command line (--KEY=...)': the last of `argv` that sets `key` ('' when none does)."""
+    import yaml
+
+    found = ""
+    for i, arg in enumerate(argv):
+        path = arg.partition("=")[2] if arg.startswith("--config=") else \
+            argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else None
+        if path is not None:
+            try:
+                with open(path) as f:
+                    if key in _config_keys(yaml.safe_load(f)):
+                        found = f"in {path}"
+            except (OSError, yaml.YAMLError):
+                pass
+        elif re.match("--" + re.escape(key).replace(r"\.", r"\.(?:init_args\.)?") + r"(?:[=+]|$)", arg):
+            found = f"on the command line ({arg})"
+    return found
+
+
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
 
@@ -86,6 +130,16 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     as an init argument of a class_path ("Problem with given class_path 'X': Option 'embeding_dim' is not
     accepted"); none says what was meant.
     """
+    if "Problems parsing config" in message:  # yaml's error says "<unicode string>", line 3: not which file
+        return _config_file_that_fails(_ARGV)
+    keys = re.findall(r'Parser key "([\w.]+)":', message)
+    located = ""
+    if keys and re.search(r"Expected a <class '\w+'>(\. Got value|\n[\s\S]*Given value)", message):
+        # a value refused (`max_epochs: two`): jsonargparse names the key, not where it was set (the recipe, a file
+        # of one's own, the command line)
+        key = ".".join(keys[:2]) if len(keys) > 1 and keys[0] in ("model", "data") else keys[0]
+        where = _where_set(key, _ARGV)
+        located = f"\n  {key} is set {where}" if where.startswith("in ") else ""  # (the command line's is on screen)
     command = re.search(r"invalid choice: '([^']*)' \(choose from 'fit'", message)
     if command:  # a misspelt command; main() runs two more than LightningCLI knows
         commands = ["fit", "validate", "test", "predict", "preprocess", "export"]
@@ -126,6 +180,24 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
         package = {"model": "lightning_rec.models", "data": "lightning_rec.data"}[short[1]]
         names = [n for n in _public_names(package) if n.endswith("Module")]
         hints += [(short[2], m) for m in difflib.get_close_matches(short[2], names, n=1)]
+    named = re.search(r"Parser key \"(trainer\.logger|trainer\.callbacks|trainer\.strategy|optimizer|lr_scheduler)\":"
+                      r"[\s\S]*?Expected a dot import path string: (\w+)\n", message)
+    if named:  # --trainer.logger=wandb / CSVLoger: a class name misspelt (or in another case) got no guess
+        modules = {"trainer.logger": ["lightning.pytorch.loggers"],
+                   "trainer.callbacks": ["lightning.pytorch.callbacks", "lightning_rec.predict"],
+                   "trainer.strategy": ["lightning.pytorch.strategies", "lightning_rec.strategy"],
+                   "optimizer": ["torch.optim"], "lr_scheduler": ["torch.optim.lr_scheduler"]}[named[1]]
+        names = {n.lower(): n for module in modules for n in _public_names(module) if n[:1].isupper()}
+        given = "+=" if named[1] == "trainer.callbacks" else "="  # callbacks are added to the recipe's list
+        hints += [(named[2], f"{names[m]} (--{named[1]}{given}{names[m]})")
+                  for m in difflib.get_close_matches(named[2].lower(), list(names), n=1)]
+    literal = re.search(r"Parser key \"([\w.]+)\":[\s\S]*?Expected a typing\.Literal\[[\s\S]*Given value: (\S+)\n?$",
+                        message)
+    if literal:  # --trainer.precision=bf16-mix: the report lists every allowed value, and names none as meant
+        allowed = [v for values in re.findall(r"Literal\[([^\]]*)\]", message)
+                   for v in re.findall(r"'([^']*)'|(\d+)", values) for v in v if v]
+        hints += [(literal[2], f"{m} (--{literal[1]}={m})")
+                  for m in difflib.get_close_matches(literal[2], list(dict.fromkeys(allowed)), n=1)]
     for class_path, unknown in dict.fromkeys(
             re.findall(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", message)):
         hints += [(unknown, f"{m} (an argument of {class_path})")
@@ -143,7 +215,40 @@ def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     if nested:  # --trainer.strategy=rec --trainer.strategy.pipeline=true: a registered name takes no options
         said += (f"\n  a strategy with options is named by its class: --trainer.strategy=RecStrategy "
                  f"--trainer.strategy.{nested[2]}=... (the short name '{nested[1]}' takes none)")
-    return said
+    return said + located
+
+
+def _strategy_class(strategy) -> type | None:
+    """The Strategy class that --trainer.strategy names: a registered name (`rec`, `ddp`), a class (`RecStrategy`,
+    `lightning.pytorch.strategies.DDPStrategy`, as a string or a class_path); None for anything else."""
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", "") or "")
+    if not name:
+        return None
+    if name in StrategyRegistry:
+        return StrategyRegistry[name]["strategy"]
+    module, _, attr = name.rpartition(".")
+    found = None
+    for where in [module] if module else ["lightning_rec.strategy", "lightning.pytorch.strategies"]:
+        try:
+            found = getattr(importlib.import_module(where), attr, None)
+        except ImportError:
+            found = None
+        if found is not None:
+            break
+    return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
+def _raised_in_lightning(error: BaseException) -> bool:
+    """Whether `error` was raised by Lightning's own code (its innermost frame is in the lightning package)."""
+    import lightning
+
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    root = os.path.dirname(lightning.__file__)
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(root + os.sep)
 
 
 _JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "Expected a ",
@@ -164,8 +269,11 @@ def constructor_refusal(error: ValueError) -> str:
         if isinstance(cause, ValueError) and not str(cause).startswith(_JSONARGPARSE_WORDS):
             return str(cause)
         cause = cause.__cause__ or cause.__context__
-    listed = re.search(r"\nErrors:\n((?:  .*\n?)*)", str(error))
-    entries = re.findall(r"^  - (.*)$", listed[1], re.MULTILINE) if listed else []
+    # at any depth: a planner's constraint (`--trainer.strategy.planner.constraints='{t_C1: {sharding_types:
+    # [row_wize]}}'`) refuses three Unions down (strategy, planner, constraints), and its sentence was left inside
+    # jsonargparse's 20-line report
+    _, listed, rest = str(error).partition("\nErrors:\n")
+    entries = re.findall(r"^\s*- (.*)$", rest, re.MULTILINE) if listed else []
     return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
 
 
@@ -210,6 +318,14 @@ def _warn_options_a_later_config_sets(argv: list[str]) -> None:
         options = []
 
 
+class HintingArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for `preprocess` and `export`, whose refusal of a misspelt option names the one meant
+    (`--num_embedings` was "unrecognized arguments" alone)."""
+
+    def error(self, message: str):
+        return super().error(message + did_you_mean(self, message))
+
+
 class RecArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose refusal of a misspelt option also names the option that was meant."""
 
@@ -239,20 +355,74 @@ class RecCLI(LightningCLI):
                              f"or use --trainer.accelerator=cpu")
 
     def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy = self._get(self.config_init, "trainer", {}).get("strategy")
+        if isinstance(strategy, str) and strategy not in StrategyRegistry and "strategy" not in kwargs:
+            # `--trainer.strategy=RecStrategy` (the class, as with options: --trainer.strategy.pipeline=true) stays a
+            # string without options, and Lightning refused it: "recstrategy is not a strategy name"
+            cls = _strategy_class(strategy)
+            if cls is not None:
+                kwargs["strategy"] = cls()
+        if strategy in (None, "auto") and "strategy" not in kwargs and self.subcommand == "fit":
+            kwargs.update(self._rec_for_fused_tables_on_ranks())
         try:
             return super().instantiate_trainer(**kwargs)
-        except MisconfigurationException:
+        except MisconfigurationException as e:
             self._check_accelerator(self.config_init)
-            raise
+            # Lightning's refusal of a Trainer option (`--trainer.devices=0`, `--trainer.max_epochs=-5`) names the
+            # option: it came after a 40-line traceback
+            raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
+        except TypeError as e:
+            # `--trainer.devices=two` / `=-3`: "`devices` selected with `CPUAccelerator` should be an int > 0", raised
+            # as a TypeError by Lightning's device parsing (a TypeError from elsewhere is a bug: its traceback stays)
+            if not _raised_in_lightning(e):
+                raise
+            raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
         except ValueError as e:  # Lightning's refusal of a misspelt strategy name: a 40-line traceback, no guess
             said = strategy_hint(str(e))
             if said:
                 raise SystemExit(said) from None
             raise
 
+    def _rec_for_fused_tables_on_ranks(self) -> dict:
+        # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe leaves the strategy to auto): Lightning
+        # picks DDP, under which fused tables cannot train (each rank would update its own copy), and each rank
+        # refused it with "use --trainer.strategy=rec". What auto can mean for such a model at 2+ ranks is rec
+        trainer = self._get(self.config_init, "trainer", {}) or {}
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+        count = len(devices) if isinstance(devices, (list, tuple)) else \
+            int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1  # ("auto", -1: not counted)
+        world = count * (nodes if isinstance(nodes, int) else 1)
+        if world <= 1 or self.model is None:
+            return {}
+        from lightning_rec.models.module_hooks import RecModuleHooks, fused_table_modules
+
+        fused = fused_table_modules(self.model)
+        if not fused and not isinstance(self.model, RecModuleHooks):
+            return {}
+        if not fused:  # a library module that builds its tables later (the two-tower's, sized from the data)
+            optimizer = getattr(getattr(self.model, "hparams", None), "sparse_optimizer", None)
+            if not optimizer:
+                return {}
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"lightning-rec fit: {type(self.model).__name__} trains its tables with a fused optimizer, "
+                       f"which only --trainer.strategy=rec keeps in step over {world} processes: using it "
+                       f"(the recipe's strategy is auto)")
+        return {"strategy": "rec"}
+
+    def _trainer_options_named(self, error: BaseException) -> str:
+        """`--trainer.devices=two: ` for the Trainer options that Lightning's refusal names in backticks, or ''."""
+        trainer = self._get(self.config, "trainer", {}) or {}
+        named = dict.fromkeys(m for m in re.findall(r"`(\w+)`", str(error)) if m in trainer)
+        return "".join(f"--trainer.{k}={trainer.get(k)}: " for k in named)
+
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
         _warn_options_a_later_config_sets(self._argv)  # (before parsing: --print_config exits inside it)
+        global _ARGV
+        _ARGV = self._argv  # a refusal of a config file names the file (did_you_mean)
         super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
@@ -273,6 +443,7 @@ class RecCLI(LightningCLI):
         if ckpt_path == "last":  # the checkpoint Lightning will load: its hyperparameters were not read at all
             ckpt_path = self._last_checkpoint(subcommand) or ckpt_path
         if ckpt_path and os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)):
+            self._strategy_for_sharded_checkpoint(subcommand, str(ckpt_path))
             self._parse_dcp_ckpt_hparams(subcommand, str(ckpt_path))
         else:
             given_path = self.config[subcommand].get("ckpt_path")
@@ -321,6 +492,22 @@ class RecCLI(LightningCLI):
                         path = os.path.join(dirpath, name)
                         found[path] = os.path.getmtime(path)
         return max(found, key=found.__getitem__) if found else None
+
+    def _strategy_for_sharded_checkpoint(self, subcommand: str, ckpt_path: str) -> None:
+        # A sharded checkpoint (a directory) resumes only under strategy=rec, and evaluates under another strategy
+        # only in the library's modules (read whole: one rank's memory). `validate --config two_tower_movielens.yaml
+        # --ckpt_path=DIR` (the recipe says strategy: auto) was refused until --trainer.strategy=rec was added: the
+        # checkpoint says what loads it, so "auto" means rec here. The plan is made for this run (the checkpoint
+        # reshards to any number of devices), so the defaults load it. A strategy the user names is kept
+        # (_run_subcommand refuses it where it cannot load the checkpoint).
+        trainer = self.config[subcommand].get("trainer")
+        if trainer is not None and trainer.get("strategy") in (None, "auto"):
+            from lightning.pytorch.utilities import rank_zero_info
+
+            trainer.strategy = "rec"
+            rank_zero_info(f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint: loading it with "
+                           f"--trainer.strategy=rec (its default settings; --trainer.strategy=RecStrategy "
+                           f"--trainer.strategy.OPTION=... sets others)")
 
     def _parse_dcp_ckpt_hparams(self, subcommand: str, ckpt_path: str) -> None:
         # Lightning's _parse_ckpt_path reads only a file (`Path.is_file()`): a strategy=rec checkpoint is a
@@ -519,15 +706,23 @@ class RecCLI(LightningCLI):
                              f"path (a fit writes its checkpoints where ModelCheckpoint's dirpath says)")
         if local and os.path.isdir(str(ckpt_path)):
             from lightning_rec.checkpoint import LIGHTNING_FILE
+            from lightning_rec.models.module_hooks import RecModuleHooks
             from lightning_rec.strategy import RecStrategy
 
-            if os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)) and \
-                    not isinstance(self.trainer.strategy, RecStrategy):
-                # Lightning's own strategies torch.load() it: "IsADirectoryError: [Errno 21] Is a directory"
+            strategy = self.trainer.strategy
+            # Lightning's own strategies torch.load() it ("IsADirectoryError: [Errno 21] Is a directory"); the
+            # library's modules read it whole under them to evaluate (not to resume: no fused optimizer state)
+            if os.path.isfile(os.path.join(str(ckpt_path), LIGHTNING_FILE)) and not isinstance(strategy, RecStrategy) \
+                    and (subcommand == "fit" or not isinstance(self.model, RecModuleHooks)):
+                given = self._get(self.config, "trainer", {}).get("strategy")
+                given = given if isinstance(given, str) else getattr(given, "class_path", type(strategy).__name__)
                 raise SystemExit(
-                    f"lightning-rec {subcommand}: {ckpt_path} is a sharded checkpoint (a directory written by "
-                    f"strategy=rec): load it with --trainer.strategy=rec (any number of devices), or write a one-file "
-                    f"model with `lightning-rec export {ckpt_path} OUT`")
+                    f"lightning-rec {subcommand}: error: {ckpt_path} is a sharded checkpoint (a directory written by "
+                    f"strategy=rec), which --trainer.strategy={given} cannot "
+                    f"{'resume from' if subcommand == 'fit' else 'load'}: drop --trainer.strategy (a sharded "
+                    f"checkpoint picks strategy=rec itself) or pass --trainer.strategy=rec (any number of devices)" +
+                    ("" if subcommand == "fit" else
+                     f", or write a one-file model with `lightning-rec export {ckpt_path} OUT`"))
         if subcommand != "fit":  # evaluation restores no callback state: Lightning's advice has nothing to act on
             warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create")
         check_paths = getattr(self.datamodule, "check_paths", None)
@@ -669,15 +864,16 @@ def export_main(argv: list[str]) -> int:
     """`lightning-rec export CHECKPOINT OUT [--fp16-tables]`."""
     from lightning_rec.checkpoint import export
 
-    parser = argparse.ArgumentParser(prog="lightning-rec export",
-                                     description="Write an unsharded model for inference: OUT/model.safetensors + "
-                                                 "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
+    parser = HintingArgumentParser(prog="lightning-rec export",
+                                   description="Write an unsharded model for inference: OUT/model.safetensors + "
+                                               "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--fp16-tables", "--fp16_tables", action="store_true",
-                        help="store embedding tables in float16 (half size)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    # --fp16_tables (preprocess's options are underscored) is the same option; as a second spelling of it, argparse
+    # refused the prefix `--fp16` as "ambiguous option: --fp16 could match --fp16-tables, --fp16_tables"
+    args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
     except ValueError as e:

@@ -259,9 +259,10 @@ def test_sharded_checkpoint_without_rec_names_the_strategy(tmp_path):
     sharded.mkdir()
     (sharded / "lightning.pt").write_bytes(b"")
     with pytest.raises(SystemExit) as e:
-        run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
-                 f"--trainer.default_root_dir={tmp_path}", *QUIET])
-    assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=rec" in str(e.value), e.value
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={sharded}",
+                 "--trainer.strategy=ddp", f"--trainer.default_root_dir={tmp_path}", *QUIET])
+    assert "is a sharded checkpoint" in str(e.value) and "--trainer.strategy=ddp cannot resume from" in str(e.value) \
+        and "--trainer.strategy=rec" in str(e.value), e.value
 
 
 def test_data_and_model_table_sizes_are_compared_before_training(tmp_path):
@@ -522,3 +523,149 @@ def test_ckpt_path_best_in_a_new_command_names_the_saved_checkpoints(tmp_path):
                  f"--trainer.default_root_dir={tmp_path}", *QUIET])
     assert "each lightning-rec command starts a new one: give the checkpoint's path, --ckpt_path=CHECKPOINT " \
            f"({saved})" in str(e.value), e.value
+
+
+def test_a_sharded_checkpoint_picks_the_rec_strategy_itself(tmp_path, caplog):
+    # validate / test / predict --ckpt_path=<a strategy=rec checkpoint> under the recipe's strategy (auto) was
+    # refused until --trainer.strategy=rec was added: the checkpoint says what loads it, and the run says so
+    caplog.set_level(logging.INFO)
+    args = ["--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--data.num_train_samples=1024", "--data.num_val_samples=512", "--trainer.logger=false", *QUIET]
+    fit = run_cli(["fit", *args, "--trainer.strategy=rec", "--trainer.max_epochs=1",
+                   "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ck'}",
+                   "--trainer.callbacks.filename=last"])
+    sharded = tmp_path / "ck" / "last.ckpt"
+    assert (sharded / "lightning.pt").is_file()
+    cli = run_cli(["validate", *args, f"--ckpt_path={sharded}"])
+    assert type(cli.trainer.strategy).__name__ == "RecStrategy"
+    assert val(cli, "val_auc") == val(fit, "val_auc")
+    assert any(f"{sharded} is a sharded checkpoint: loading it with --trainer.strategy=rec" in r.getMessage()
+               for r in caplog.records)
+    # the class, without options, is a strategy too (Lightning refused "recstrategy is not a strategy name")
+    cli = run_cli(["validate", *args, f"--ckpt_path={sharded}", "--trainer.strategy=RecStrategy"])
+    assert type(cli.trainer.strategy).__name__ == "RecStrategy" and val(cli, "val_auc") == val(fit, "val_auc")
+    # a strategy the user names is kept: the library's modules read the tables whole under it to evaluate
+    cli = run_cli(["validate", *args, f"--ckpt_path={sharded}", "--trainer.strategy=ddp"])
+    assert type(cli.trainer.strategy).__name__ == "DDPStrategy" and val(cli, "val_auc") == val(fit, "val_auc")
+
+
+def test_a_planner_constraints_refusal_is_its_own_sentence(tmp_path):
+    # the constraint's sentence sits three Unions down (strategy, planner, constraints): the whole 20-line
+    # jsonargparse report was shown, the sentence on line 10 of it
+    config = tmp_path / "planner.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lightning_rec.strategy.RecStrategy\n    init_args:\n"
+                      "      planner:\n        class_path: lightning_rec.planner.EmbeddingShardingPlanner\n"
+                      "        init_args:\n          constraints: {t_C1: {sharding_types: [row_wize]}}\n")
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(config),
+                 "--trainer.max_steps=1"])
+    assert str(e.value).startswith("lightning-rec: error: ParameterConstraints: unknown sharding type 'row_wize' "
+                                   "(did you mean 'row_wise'?)"), e.value
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("--trainer.devices=two", "--trainer.devices=two: `devices` selected with `CPUAccelerator` should be an int > 0"),
+    ("--trainer.max_epochs=-5", "--trainer.max_epochs=-5: `max_epochs` must be a non-negative integer or -1"),
+])
+def test_a_trainer_option_lightning_refuses_is_one_line(wrong, said):
+    # Lightning's refusal (a MisconfigurationException, or a TypeError from its device parsing) came after a
+    # 40-line traceback
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong, *QUIET])
+    assert str(e.value).startswith(f"lightning-rec: error: {said}"), e.value
+
+
+def test_preprocess_and_export_name_the_option_meant(tmp_path, capsys):
+    # their argparse parsers said "unrecognized arguments: --num_embedings 10" alone; and export's two spellings of
+    # one option made its prefix `--fp16` "ambiguous option: --fp16 could match --fp16-tables, --fp16_tables"
+    from lightning_rec.cli import export_main
+    from lightning_rec.data.preprocess import preprocess_main
+
+    with pytest.raises(SystemExit):
+        preprocess_main(["--input", "x.tsv", "--output_dir", str(tmp_path / "out"), "--num_embedings", "10"])
+    assert "did you mean --num_embeddings instead of --num_embedings?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), "--fp16-tabels"])
+    assert "did you mean --fp16-tables instead of --fp16-tabels?" in capsys.readouterr().err
+    for spelling in ("--fp16", "--fp16_tables"):  # parsed: the refusal is the missing checkpoint's
+        with pytest.raises(SystemExit):
+            export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), spelling])
+        said = capsys.readouterr().err
+        assert "ambiguous" not in said and "does not exist" in said, said
+
+
+def test_fused_tables_at_two_devices_under_auto_pick_the_rec_strategy(caplog):
+    # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe's strategy is auto): Lightning picked DDP and
+    # each rank refused it, "use --trainer.strategy=rec"; auto now means rec for fused tables at 2+ ranks. (The run
+    # stops at the missing data file, after the Trainer is built and before the ranks start.)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(SystemExit) as e:
+        run_cli(["fit", "--config", "recipes/configs/dlrm_criteo_kaggle.yaml", "--trainer.devices=2",
+                 "--data.train_path=/no/such/train.txt"])
+    assert "CriteoDataModule train_path /no/such/train.txt does not exist" in str(e.value), e.value
+    assert any("DLRMModule trains its tables with a fused optimizer, which only --trainer.strategy=rec keeps in step "
+               "over 2 processes: using it" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("wrong, said", [
+    ("--trainer.logger=wandb", "did you mean WandbLogger (--trainer.logger=WandbLogger) instead of wandb?"),
+    ("--trainer.logger=CSVLoger", "did you mean CSVLogger (--trainer.logger=CSVLogger) instead of CSVLoger?"),
+    ("--trainer.callbacks+=ModelCheckpiont",
+     "did you mean ModelCheckpoint (--trainer.callbacks+=ModelCheckpoint) instead of ModelCheckpiont?"),
+    ("--optimizer=adamw", "did you mean AdamW (--optimizer=AdamW) instead of adamw?"),
+    ("--lr_scheduler=CosineAnealingLR",
+     "did you mean CosineAnnealingLR (--lr_scheduler=CosineAnnealingLR) instead of CosineAnealingLR?"),
+])
+def test_a_misspelt_logger_or_callback_class_names_the_one_meant(capsys, wrong, said):
+    # jsonargparse's report ("Expected a dot import path string: wandb", and the Union's four other refusals)
+    # named no class
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", wrong])
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["DLRMModule", "TwoTowerModule"])
+def test_every_model_option_has_its_help(capsys, module):
+    # arguments documented together in the docstring ("sparse_optimizer / sparse_lr / ...: the fused update") had no
+    # help in `--model.help`: only "(type: str, default: rowwise_adagrad)", not the optimizers to choose from
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--model.help", module])
+    out = capsys.readouterr().out
+    bare = re.findall(r"^  (--model\.\w+)[^\n]*\n\s+\(type:", out, re.MULTILINE)
+    assert not bare, f"no help for {bare}"
+    assert "sgd, adagrad, rowwise_adagrad, adam" in " ".join(out.split())
+
+
+def test_a_misspelt_choice_names_the_one_meant(capsys):
+    # jsonargparse listed every allowed precision in four Literal refusals, and named none as meant
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--trainer.precision=bf16-mix"])
+    assert "did you mean bf16-mixed (--trainer.precision=bf16-mixed) instead of bf16-mix?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["SyntheticCriteoDataModule", "CriteoDataModule", "MovieLensDataModule"])
+def test_every_data_option_has_its_help(capsys, module):
+    # `--data.help CriteoDataModule` (and the default recipe's SyntheticCriteoDataModule) had no line for any
+    # argument: only each one's type and default
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--data.help", module])
+    bare = re.findall(r"^  (--data\.\w+)[^\n]*\n\s+\(type:", capsys.readouterr().out, re.MULTILINE)
+    assert not bare, f"no help for {bare}"
+
+
+def test_a_config_file_that_is_not_yaml_is_named(tmp_path, capsys):
+    # yaml's error said '"<unicode string>", line 3, column 11': with the recipe and a file of one's own, not which
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("trainer:\n  max_epochs: 1\n   devices: 2\n")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(bad)])
+    assert f"in {bad}, line 3, column 11: mapping values are not allowed here" in capsys.readouterr().err
+
+
+def test_a_value_of_the_wrong_type_in_a_config_file_names_the_file(tmp_path, capsys):
+    # "Parser key "data": ... Parser key "batch_size": Expected a <class 'int'>. Got value: 5x12", not where it was set
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("data:\n  init_args:\n    batch_size: 5x12\n")
+    with pytest.raises(SystemExit):
+        run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(mine)])
+    assert f"data.batch_size is set in {mine}" in capsys.readouterr().err

@@ -636,6 +636,34 @@ class CriteoDataModule(pl.LightningDataModule):
     `parser`: "auto" (the native op when built), "native" or "python" (the reference).
     Training and validation need labelled files: an unlabelled file (the Kaggle test layout) there is
     an error, not NaN labels.
+
+    Args:
+        train_path: the training data: a Criteo text file, a table, or a `lightning-rec preprocess` directory.
+        val_path: the validation data, in the same forms (None: no validation).
+        test_path: the data `test` scores (labelled).
+        predict_path: the data `predict` scores, labelled or not (None: test_path).
+        batch_size: rows per training batch (per rank).
+        val_batch_size: rows per evaluation and predict batch (None: batch_size).
+        num_embeddings_per_feature: table rows, one int for all features or one per feature (equal to the
+            model's; for a preprocess directory, equal to its manifest's).
+        sparse_feature_names: the KJT keys (None: C1..C26).
+        missing_categorical: "reserved_id" (id 0 of each table means missing) or "empty_bag" (a missing value is an
+            empty bag).
+        cache_dir: where the memory-mapped Arrow cache goes (None: under datasets' cache, HF_DATASETS_CACHE).
+        streaming: parse the files while iterating, without a cache (for files too big to cache).
+        num_workers: DataLoader worker processes (0: load in the main process).
+        pin_memory: pin batches in host memory for the copy to a GPU.
+        shuffle: shuffle the training rows each epoch (streaming: within blocks of block_bytes).
+        seed: the shuffle's seed.
+        drop_last: drop the last, smaller training batch.
+        on_bad_row: "error" (stop, naming file, line and field) or "skip" (leave the row out, logged).
+        separator: "\t" or "," (None: detected from the file).
+        has_header: whether the first line is a header (None: detected).
+        has_label: whether rows carry a label (None: detected from the field count or columns).
+        block_bytes: bytes read and parsed at a time when streaming (and the shuffle's block).
+        parser: "auto" (the native op when built), "native" or "python" (the reference).
+        prefetch_factor: batches each worker loads ahead (None: torch's default).
+        persistent_workers: keep the workers between epochs (None: whenever there are any).
     """
 
     def __init__(

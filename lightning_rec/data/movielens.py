@@ -994,13 +994,20 @@ class MovieLensDataModule(pl.LightningDataModule):
             train / valid / test files, or is a DatasetDict) (see the module's docstring).
         min_rating: None: every rating is an interaction; a number: only ratings >= it.
         side_features: add age/gender/occupation/zip and genre/year features where the layout has them.
-        batch_size: training pairs per batch; eval_batch_size: users per evaluation batch.
+        batch_size: training pairs per batch.
+        eval_batch_size: users per evaluation batch.
         num_negatives: 0 (in-batch negatives) or 1 (one sampled negative per pair, for BPR).
         eval_test_in_fit: the validation loop also ranks the test split (logged as test_*), so one
             `fit` reports both; `trainer.test` works either way.
         seed: the random split (ro_811) and the negatives (the shuffle order too).
         columns: your log's column names where they are not GroupLens' (a headed ratings.csv or a Parquet log):
             {"user": "reviewer_id", "item": "parent_asin", "rating": "stars", "timestamp": "time"}, any of them.
+        shuffle: shuffle the training pairs each epoch.
+        drop_last: drop the last, smaller training batch.
+        num_workers: DataLoader worker processes (0: load in the main process).
+        pin_memory: pin batches in host memory for the copy to a GPU.
+        prefetch_factor: batches each worker loads ahead (None: torch's default).
+        persistent_workers: keep the workers between epochs (None: whenever there are any).
     """
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,

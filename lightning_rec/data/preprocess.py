@@ -485,9 +485,9 @@ class _Progress:
 
 def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     """`lightning-rec preprocess ...`: parse arguments, run, print where the shards are and how to train on them."""
-    import argparse
+    from lightning_rec.cli import HintingArgumentParser  # a misspelt option names the one meant
 
-    parser = argparse.ArgumentParser(
+    parser = HintingArgumentParser(
         prog="lightning-rec preprocess",
         description="Convert Criteo text (day files, Kaggle train.txt / train.csv; .gz read as is) or tables (Parquet, "
         "a save_to_disk folder) into memory-mapped .npy shards for CriteoDataModule. Resumable: rerun the same "

@@ -86,7 +86,32 @@ class SyntheticCriteoDataset(Dataset):
 
 
 class SyntheticCriteoDataModule(pl.LightningDataModule):
-    """Criteo-shaped data with a learnable signal, fast to build (100k samples well under a second)."""
+    """Criteo-shaped data with a learnable signal, fast to build (100k samples well under a second).
+
+    Args:
+        num_train_samples: rows of the train split.
+        num_val_samples: rows of the validation split.
+        num_test_samples: rows of the test split (0: test and predict read the validation split).
+        batch_size: rows per training batch (per rank).
+        val_batch_size: rows per evaluation batch (None: batch_size).
+        num_dense_features: dense inputs per row (13, as Criteo).
+        num_sparse_features: sparse features per row (26, as Criteo).
+        num_embeddings_per_feature: ids per feature, one int for all or one per feature (equal to the model's).
+        sparse_feature_names: the KJT keys (None: C1..C26).
+        ids_per_feature: ids in each feature's bag, one int for all or one per feature.
+        variable_length: bags of 0..2 x ids_per_feature ids, uniformly (False: exactly ids_per_feature).
+        num_signal_features: how many sparse features (the first ones) carry the planted signal.
+        signal_scale: the ids' share of the click logit (0: only the dense features carry signal).
+        zipf_exponent: how skewed the ids are (higher: more of the rows read a few hot ids).
+        ctr: the mean click rate.
+        seed: draws the distribution and each split (train, val and test are different draws of it).
+        shuffle: shuffle the training rows each epoch.
+        drop_last: drop the last, smaller training batch.
+        num_workers: DataLoader worker processes (0: load in the main process).
+        pin_memory: pin batches in host memory for the copy to a GPU.
+        prefetch_factor: batches each worker loads ahead (None: torch's default).
+        persistent_workers: keep the workers between epochs (None: whenever there are any).
+    """
 
     def __init__(
         self,

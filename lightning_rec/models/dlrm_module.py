@@ -48,12 +48,21 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_dim: D, the dim of every table (and of the dense arch's last layer).
         sparse_feature_names: the KJT keys, one table each (default Criteo's C1..C26).
         dense_in_features: I, the number of dense inputs (13 for Criteo).
-        dense_arch_layer_sizes / over_arch_layer_sizes: MLP sizes (the dense arch ends in embedding_dim, the over
-            arch in 1).
+        dense_arch_layer_sizes: the dense arch's MLP sizes (it ends in embedding_dim).
+        over_arch_layer_sizes: the over arch's MLP sizes (it ends in 1).
         interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers: dcn_num_layers, dcn_low_rank_dim,
             refused beside "dot").
-        sparse_optimizer / sparse_lr / sparse_eps / sparse_weight_decay: the fused update.
-        dense_optimizer / dense_lr / dense_weight_decay: torch.optim for the dense layers.
+        dcn_num_layers: cross layers of interaction="dcn".
+        dcn_low_rank_dim: the rank of each cross layer's kernel (interaction="dcn").
+        sparse_optimizer: the tables' fused update: sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb
+            or lars_sgd (fbgemm's / TorchRec's names too, e.g. EXACT_ROWWISE_ADAGRAD).
+        sparse_lr: the fused update's learning rate.
+        sparse_eps: the fused update's eps.
+        sparse_weight_decay: the fused update's weight decay (of the rows a batch reads).
+        dense_optimizer: torch.optim for the dense layers: adagrad, adam, adamw or sgd (LightningCLI's
+            --optimizer replaces it).
+        dense_lr: the dense optimizer's learning rate.
+        dense_weight_decay: the dense optimizer's weight decay.
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
             for tables trained by torch.optim, is refused: these tables are fused).
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
