@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 import sys
@@ -859,6 +860,12 @@ class RecStrategy(DDPStrategy):
         connector = getattr(trainer, "_signal_connector", None)
         if self.world_size > 1 and callable(getattr(connector, "_sigterm_notifier_fn", None)):
             connector._sigterm_notifier_fn = self._on_sigterm
+            # Lightning's epoch loop also broadcasts rank 0's flag before every training batch, then reads it back
+            # (`.item()`): a collective and, on GPU, a host sync per step. Every rank's flag is set at the same batch
+            # here (_stop_agreed), so each rank reads its own: the same stop, without the per-step sync
+            epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+            if callable(getattr(epoch_loop, "_broadcast_sigterm_tensor", None)):
+                epoch_loop._broadcast_sigterm_tensor = functools.partial(_raise_agreed_sigterm, trainer)
         slurm_handler = vars(type(connector)).get("_slurm_sigusr_handler_fn") if connector is not None else None
         if self.world_size > 1 and callable(slurm_handler):
             self._requeue = (slurm_handler.__get__(connector), None)  # Lightning's own, run at a batch (below)
@@ -1278,6 +1285,15 @@ class _IgnoreSigterm:
                              daemon=True).start()
         if self.own is not None:
             self.own(worker_id)
+
+
+def _raise_agreed_sigterm(trainer: pl.Trainer) -> None:
+    """Lightning's per-batch SIGTERM check (`_TrainingEpochLoop._broadcast_sigterm_tensor`) without its broadcast:
+    RecStrategy sets `received_sigterm` on every rank at the same batch, so the local flag is rank 0's."""
+    if getattr(trainer, "received_sigterm", False):
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        raise SIGTERMException()
 
 
 def _end_on_the_ranks_sigterm() -> None:

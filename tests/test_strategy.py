@@ -1294,3 +1294,35 @@ def test_slurm_requeue_signal_saves_on_every_rank_at_the_same_batch(tmp_path, pi
     assert steps == [40, 40]
     saved = read_lightning_state(tmp_path / "hpc_ckpt_1.ckpt")
     assert 3 <= saved["global_step"] < 40, saved["global_step"]
+
+
+def _broadcasts_per_fit(rank, world_size, steps):
+    import torch.distributed as tdist
+
+    calls = []
+    plain = tdist.broadcast
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    tdist.broadcast = counted  # counts the calls made through the module's name (Lightning's per-step one is)
+    try:
+        L.seed_everything(0)
+        data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * steps, num_val_samples=64, batch_size=64,
+                                         num_embeddings_per_feature=64)
+        trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=20), accelerator="cpu", devices=world_size,
+                            max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False)
+        trainer.fit(DLRMModule(**SMALL), data)
+    finally:
+        tdist.broadcast = plain
+    return len(calls), trainer.global_step
+
+
+def test_no_sigterm_broadcast_and_host_read_per_training_step():
+    """Lightning's epoch loop broadcast rank 0's SIGTERM flag before every training batch and read it back
+    (`.item()`): a collective per step and, over NCCL, a host sync per step that stalls the stream. Under rec every
+    rank's flag is set at the same batch, so each rank reads its own: no broadcast a step."""
+    for calls, step in run_ranks(_broadcasts_per_fit, 2, 12, timeout=90):
+        assert step == 12 and calls < 12, (calls, step)
