@@ -75,8 +75,17 @@ def _worker(fn, rank, world_size, port, out_path, pg_timeout, backend, args, kwa
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
-        result = ("ok", fn(rank, world_size, *args, **kwargs))
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except Exception as e:  # noqa: BLE001
+            if "EADDRINUSE" not in str(e):
+                raise
+            # the port free_port found was taken by another process before rank 0 listened on it (another test
+            # worker, another job): run_ranks starts the ranks again on a new port (fn has not run)
+            result = ("port_taken", str(e), type(e).__name__)
+        else:
+            result = ("ok", fn(rank, world_size, *args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__)
     with open(out_path + ".tmp", "wb") as f:
@@ -97,6 +106,21 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: flo
 
     allow_missing: a rank that exits without a result (a test that kills a rank) gives None.
     """
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout, allow_missing,
+                                   local_world_size, backend)
+        except _PortTaken:
+            if attempt == 2:
+                raise RankFailed("rank 0 found its port taken three times (EADDRINUSE)") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_ranks_once(fn, world_size, args, kwargs, timeout, pg_timeout, allow_missing, local_world_size, backend):
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,8 +133,17 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, pg_timeout: flo
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        rank0_read = False
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if not rank0_read and not procs[0].is_alive() and os.path.exists(paths[0]):
+                rank0_read = True
+                with open(paths[0], "rb") as f:
+                    if pickle.load(f)[0] == "port_taken":  # the others wait for a rank 0 that never listens
+                        for p in procs:
+                            p.kill()
+                            p.join()
+                        raise _PortTaken
+            procs[0].join(0.05) if procs[0].is_alive() else time.sleep(0.05)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:
             procs[r].kill()
