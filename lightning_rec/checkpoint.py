@@ -1042,20 +1042,37 @@ def _short(names: Sequence[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
 
 
-def _load(targets: dict[str, Any], reader, path: Path, local: bool = False) -> None:
-    """local: this rank reads alone (not a collective), whatever the process group."""
+def _dmp_of(module: Any) -> Any:
+    """The DistributedModelParallel whose groups bound a load's waits: `module` itself, or the one RecStrategy sharded
+    it with; None (the default group) when there is none or its groups were destroyed."""
+    if module is None:
+        return None
+    dmp = module if hasattr(module, "_checkpoint_pg") else vars(module).get("_lightning_rec_dmp")
+    return dmp if dmp is not None and dmp.groups_alive() else None
+
+
+def _load(targets: dict[str, Any], reader, path: Path, local: bool = False, dmp: Any = None) -> None:
+    """local: this rank reads alone (not a collective), whatever the process group.
+    dmp: DCP's exchanges run on its checkpoint group, bounded by its timeout (see save)."""
     if not targets:
         return
     try:
         with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
+            dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=_group(dmp),
                      no_dist=local or not (dist.is_available() and dist.is_initialized()))
     except (Exception, CheckpointException) as e:  # DCP's errors name no file
-        peer = peer_failure(f"reading checkpoint {path}", e, "Its files are not at fault: load it again with every "
-                                                               "rank running.")
+        then = "Its files are not at fault: load it again with every rank running."
+        peer = peer_failure(f"reading checkpoint {path}", e, then)
         if peer is not None:
             raise peer from e
+        if dmp is not None and not local:
+            # DCP's timeout names no rank (and no file is at fault): the guard's barrier names a peer that does not
+            # come (stopped, stuck); with every peer there the error was DCP's own, said below
+            try:
+                _barrier(dmp, "checkpoint load (after a failed read)")
+            except GUARD_ERRORS as verdict:
+                raise type(verdict)(f"reading checkpoint {path}: {verdict}. {then}") from e
         # (DCP's text holds its traceback, whose source line shows the message's f-string too)
         missing = re.findall(r"Missing key in checkpoint state_dict: ([^\s{}]+?)\.?$", str(e), re.MULTILINE)
         if missing:  # not damage: the entry was saved under another name (or not at all)
@@ -1112,7 +1129,7 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
         targets = kept
     _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.",
                    written_by=written_by)
-    _load(targets, reader, path)
+    _load(targets, reader, path, dmp=_dmp_of(module))
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
             m.weights_written()
@@ -1236,7 +1253,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     for k in bytes_targets:
         if not isinstance(saved[k], BytesStorageMetadata):
             raise ValueError(f"checkpoint {path}: '{k}' is not what this version writes there")
-    _load(targets, reader, path)
+    _load(targets, reader, path, dmp=_dmp_of(module))
     for _, live, bufs, widths in post:
         if len(bufs) == 1:
             live.copy_(bufs[0].view(-1))

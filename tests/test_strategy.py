@@ -1407,3 +1407,64 @@ def test_a_rank_stopped_in_a_sharded_save_is_named_within_the_embedding_timeout(
     assert names == ["epoch=0-step=2.ckpt"], names  # nothing under the new name
     assert read_lightning_state(tmp_path / "every" / names[0])["global_step"] == 2
     assert full_state_dict(tmp_path / "every" / names[0])  # its tensors read back
+
+
+class _MarkOnLoad(DLRMModule):
+    """Writes this rank's pid to `<out>/at<rank>` as the checkpoint it resumes from is about to load, and pauses (the
+    signal comes there)."""
+
+    def __init__(self, out: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def on_load_checkpoint(self, checkpoint):
+        path = os.path.join(self.out, f"at{self.global_rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        time.sleep(0.5)
+
+
+def _stopped_in_load_fit(rank, world_size, out):
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 40, num_val_samples=64, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    kwargs = dict(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False)
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), max_steps=2, **kwargs)
+    trainer.fit(DLRMModule(**SMALL), data)
+    trainer.save_checkpoint(os.path.join(out, "first.ckpt"))
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), max_steps=4, **kwargs)
+    try:
+        trainer.fit(_MarkOnLoad(out, **SMALL), data, ckpt_path=os.path.join(out, "first.ckpt"))
+        return "finished", ""
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the test's subject
+        return type(e).__name__, str(e)
+    finally:
+        Path(out, f"ended{rank}").touch()
+
+
+def test_a_rank_stopped_while_a_sharded_checkpoint_loads_is_named_within_the_embedding_timeout(tmp_path):
+    """Rank 1 is stopped (SIGSTOP) as the run resumes from a sharded checkpoint. DCP's load exchanges ran on the
+    default group: rank 0 waited for its timeout (Lightning's: 30 min). Now they run on the checkpoint group
+    (embedding_timeout), and the guard names rank 1 and the setting (not a damaged file)."""
+    import threading
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGSTOP)
+
+    def resume_when_rank0_ends():  # so that rank 1 can run on, find rank 0 gone, and exit
+        sender.join()
+        end = time.monotonic() + 60
+        while not (tmp_path / "ended0").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "at1").read_text()), signal.SIGCONT)
+
+    resumer = threading.Thread(target=resume_when_rank0_ends, daemon=True)
+    resumer.start()
+    results = run_ranks(_stopped_in_load_fit, 2, out, timeout=60, pg_timeout=120, allow_missing=True)
+    resumer.join()
+    kind, message = results[0]
+    assert kind == "CollectiveTimeout", results[0]
+    assert "rank 1 did not reach it within 3 s" in message and "RecStrategy(embedding_timeout=...)" in message, message
+    assert "reading checkpoint" in message and "first.ckpt" in message and "not at fault" in message, message
