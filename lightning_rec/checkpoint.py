@@ -81,7 +81,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from lightning_rec.collective_guard import peer_failure
+from lightning_rec.collective_guard import CollectiveMismatch, CollectiveTimeout, PeerExited, peer_failure
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 
 LIGHTNING_FILE = "lightning.pt"
@@ -246,7 +246,7 @@ def _fused_entries(fused, prefix: str, columns: Mapping[str, Sequence[int]]) -> 
 
 
 def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[str, list[int]],
-                       module: torch.nn.Module | None = None) -> dict[str, Any]:
+                       module: torch.nn.Module | None = None, dmp: Any = None) -> dict[str, Any]:
     """Optimizer i's DCP entries; `columns` receives its per-row keys' column offsets over all ranks."""
     optimizer = _unwrap(optimizer)
     prefix = f"optimizer_states.{i}."
@@ -257,7 +257,7 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, i: int, columns: dict[s
         fused = _fused_child(optimizer, fused_key)
         mine = _per_row_columns(fused)
         everyone: dict[str, set[int]] = {}
-        for part in _gather(mine):
+        for part in _gather(mine, dmp):
             for k, offsets in part.items():
                 everyone.setdefault(k, set()).update(offsets)
         for k, offsets in everyone.items():
@@ -559,17 +559,24 @@ def _partial_name(path: Path, tag: str) -> Path:
     return path.parent / f".{path.name}.partial-{tag}"
 
 
-def _broadcast(obj: Any) -> Any:
+GUARD_ERRORS = (CollectiveMismatch, CollectiveTimeout, PeerExited)  # the guard's verdicts: each names its ranks
+
+
+def _broadcast(obj: Any, dmp: Any = None) -> Any:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return obj
+    if dmp is not None:  # guarded: a peer that does not come is named within its timeout
+        return dmp.all_gather_object(obj)[0]
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _gather(obj: Any) -> list[Any]:
+def _gather(obj: Any, dmp: Any = None) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
+    if dmp is not None:
+        return dmp.all_gather_object(obj)
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -581,9 +588,24 @@ def barrier_device_ids(backend: str, current_index: Callable[[], int]) -> dict[s
     return {"device_ids": [current_index()]} if backend == "nccl" else {}
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+def _barrier(dmp: Any = None, tag: str = "checkpoint barrier") -> None:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if dmp is None:
         dist.barrier(**barrier_device_ids(dist.get_backend(), torch.cuda.current_device))
+        return
+    # through the DistributedModelParallel's embedding group and its guard: a peer stopped or stuck is named
+    # within RecStrategy(embedding_timeout=...), not after the default group's timeout (Lightning's: 30 min)
+    pg, guard = dmp._emb_pg, dmp._guard
+    k = guard.begin()
+    work = dist.barrier(group=pg, async_op=True, **barrier_device_ids(dist.get_backend(pg), torch.cuda.current_device))
+    guard.wait_work(work, tag, k)
+
+
+def _group(dmp: Any = None) -> Any:
+    """The process group of DCP's own exchanges: the DistributedModelParallel's checkpoint group, whose timeout is
+    the strategy's (None: the default group)."""
+    return getattr(dmp, "_checkpoint_pg", None)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -594,7 +616,7 @@ def _rank_world() -> tuple[int, int]:
 
 def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Sequence[torch.optim.Optimizer] = (),
          loader_state: Any = None, module_class: str | None = None, module: torch.nn.Module | None = None,
-         rng_state: Any = None) -> None:
+         rng_state: Any = None, dmp: Any = None) -> None:
     """Write a Lightning checkpoint dict as a sharded DCP directory (collective: every rank calls it).
 
     checkpoint: Lightning's dict, whose "state_dict" is this rank's (sharded tables as ShardedTensor);
@@ -604,6 +626,10 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         saved by parameter name (get_optimizer_state_dict), which loads at any world size; without
         it, FSDP's dense optimizer state reloads only at this world size.
     rng_state: this rank's `rng_state()` (gathered like loader_state; `rng_state_for_rank` reads it back).
+    dmp: the DistributedModelParallel of the model (RecStrategy passes its own): every exchange of the save, DCP's
+        included, then runs on its embedding group, so a peer that stops or hangs mid-save is named within its
+        timeout (RecStrategy(embedding_timeout=...)) instead of blocking the others for the default group's
+        timeout (Lightning's: 30 min). None: the default group.
     """
     _check_save_args(checkpoint, path, optimizers, module)
     path = local_path(path)  # file://: the local directory it names
@@ -611,11 +637,13 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     path = Path(path)
     rank, world = _rank_world()
     try:  # the first exchanges: a rank that does not come (or left) shows here, before anything is written
-        tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
-        loader_states, rng_states, paths = zip(*_gather((loader_state, rng_state, os.path.normpath(path))))
+        tag = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None, dmp)
+        loader_states, rng_states, paths = zip(*_gather((loader_state, rng_state, os.path.normpath(path)), dmp))
     except Exception as e:  # noqa: BLE001 - named with the usual cause below
         said = "The save is collective: every rank calls it (trainer.save_checkpoint too, not only under " \
                "`if trainer.is_global_zero:`). Nothing was written."
+        if isinstance(e, GUARD_ERRORS):  # the guard's verdict names the rank and the timeout's setting
+            raise type(e)(f"saving checkpoint {path}: {e}. {said}") from e
         peer = peer_failure(f"saving checkpoint {path}", e, said)
         if peer is not None:
             raise peer from e
@@ -632,7 +660,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
         entries[f"state_dict.{key}"] = _pieces_of(value) if isinstance(value, ShardedTensor) else value
     columns: dict[str, list[int]] = {}
     for i, optimizer in enumerate(optimizers):
-        entries.update(_optimizer_entries(optimizer, i, columns, module))
+        entries.update(_optimizer_entries(optimizer, i, columns, module, dmp))
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     meta["lightning_rec"] = {"format": "dcp", "world_size": world, "num_optimizers": len(optimizers),
                              "module_class": module_class, "per_row_columns": columns, "loader_states": None,
@@ -643,15 +671,15 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
             for stale in path.parent.glob(f".{path.name}.partial-*"):
                 _remove_stale(stale)  # a save killed earlier
             partial.mkdir(parents=True)
-        _barrier()
+        _barrier(dmp)
         # One file per rank when the pieces are host memory (written in place, see _own_storage); from a
         # GPU, one file per piece, so that host copies live one piece at a time, not a rank's worth.
         on_host = all(_device_of(v) == "cpu" for v in entries.values())
-        on_host = all(_gather(on_host))
+        on_host = all(_gather(on_host, dmp))
         writer = dcp.FileSystemWriter(str(partial), sync_files=True, single_file_per_rank=on_host)
         with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
+            dcp.save(entries, storage_writer=writer, planner=_SavePlanner(), process_group=_group(dmp))
         if rank == 0:
             meta["lightning_rec"]["loader_states"] = list(loader_states)
             meta["lightning_rec"]["rng_states"] = list(rng_states) if rng_state is not None else None
@@ -663,10 +691,12 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
     except BaseException as e:  # noqa: BLE001 - every rank must still reach the agreement below
         error = e
     try:
-        failed = [r for r, e in enumerate(_gather(error is not None)) if e]
+        failed = [r for r, e in enumerate(_gather(error is not None, dmp)) if e]
     except Exception as e:  # noqa: BLE001 - a peer is gone: say which, and that nothing was committed
         kept = f"Nothing was committed: {path} is unchanged (the partial directory {partial.name} is removed by the " \
                f"next save of that name)."
+        if isinstance(e, GUARD_ERRORS):
+            raise type(e)(f"saving checkpoint {path}: {e}. {kept}") from (error or e)
         peer = peer_failure(f"saving checkpoint {path}", error or e, kept)
         if peer is not None:
             raise peer from (error or e)
@@ -681,7 +711,7 @@ def save(checkpoint: Mapping[str, Any], path: str | os.PathLike, optimizers: Seq
                       f"and the previous checkpoint is unchanged")
     if rank == 0:
         _commit(partial, path)
-    _barrier()
+    _barrier(dmp)
 
 
 def _remove_stale(stale: Path) -> None:
@@ -1012,20 +1042,37 @@ def _short(names: Sequence[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
 
 
-def _load(targets: dict[str, Any], reader, path: Path, local: bool = False) -> None:
-    """local: this rank reads alone (not a collective), whatever the process group."""
+def _dmp_of(module: Any) -> Any:
+    """The DistributedModelParallel whose groups bound a load's waits: `module` itself, or the one RecStrategy sharded
+    it with; None (the default group) when there is none or its groups were destroyed."""
+    if module is None:
+        return None
+    dmp = module if hasattr(module, "_checkpoint_pg") else vars(module).get("_lightning_rec_dmp")
+    return dmp if dmp is not None and dmp.groups_alive() else None
+
+
+def _load(targets: dict[str, Any], reader, path: Path, local: bool = False, dmp: Any = None) -> None:
+    """local: this rank reads alone (not a collective), whatever the process group.
+    dmp: DCP's exchanges run on its checkpoint group, bounded by its timeout (see save)."""
     if not targets:
         return
     try:
         with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
+            dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(), process_group=_group(dmp),
                      no_dist=local or not (dist.is_available() and dist.is_initialized()))
     except (Exception, CheckpointException) as e:  # DCP's errors name no file
-        peer = peer_failure(f"reading checkpoint {path}", e, "Its files are not at fault: load it again with every "
-                                                               "rank running.")
+        then = "Its files are not at fault: load it again with every rank running."
+        peer = peer_failure(f"reading checkpoint {path}", e, then)
         if peer is not None:
             raise peer from e
+        if dmp is not None and not local:
+            # DCP's timeout names no rank (and no file is at fault): the guard's barrier names a peer that does not
+            # come (stopped, stuck); with every peer there the error was DCP's own, said below
+            try:
+                _barrier(dmp, "checkpoint load (after a failed read)")
+            except GUARD_ERRORS as verdict:
+                raise type(verdict)(f"reading checkpoint {path}: {verdict}. {then}") from e
         # (DCP's text holds its traceback, whose source line shows the message's f-string too)
         missing = re.findall(r"Missing key in checkpoint state_dict: ([^\s{}]+?)\.?$", str(e), re.MULTILINE)
         if missing:  # not damage: the entry was saved under another name (or not at all)
@@ -1082,7 +1129,7 @@ def load_model(module: torch.nn.Module, path: str | os.PathLike, strict: bool = 
         targets = kept
     _check_targets(path, md, targets, f"model ({type(module).__name__})", strict, saved_prefix="state_dict.",
                    written_by=written_by)
-    _load(targets, reader, path)
+    _load(targets, reader, path, dmp=_dmp_of(module))
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
             m.weights_written()
@@ -1206,7 +1253,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: str | os.PathLike, in
     for k in bytes_targets:
         if not isinstance(saved[k], BytesStorageMetadata):
             raise ValueError(f"checkpoint {path}: '{k}' is not what this version writes there")
-    _load(targets, reader, path)
+    _load(targets, reader, path, dmp=_dmp_of(module))
     for _, live, bufs, widths in post:
         if len(bufs) == 1:
             live.copy_(bufs[0].view(-1))

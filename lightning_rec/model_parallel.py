@@ -650,6 +650,12 @@ class DistributedModelParallel(nn.Module):
             transport.timeout_setting = timeout_setting
             transport.guard = self._guard if self._guard.enabled else None
         self._emb_pg = emb_pg
+        # a checkpoint's DCP exchanges (checkpoint.save(dmp=...)) get a group of their own with the same timeout,
+        # gloo (they are small pickled plans): a peer that stops mid-save times out there, and the embedding group
+        # stays sound for the guarded agreement after it, whose verdict names that peer. Built here, with every rank
+        # present (built at a save, a stopped peer would hold it up with an unnamed error)
+        self._checkpoint_pg = (dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=self._timeout_s))
+                               if world_size > 1 else None)
         self._transport = transport
         env = ShardingEnv(emb_pg, rank, world_size, device, self._timeout_s, transport)
         init_seed = self._agree_init_seed(collections, device)

@@ -921,6 +921,16 @@ class RecStrategy(DDPStrategy):
                   file=sys.stderr, flush=True)
 
     @override
+    def barrier(self, name: str | None = None) -> None:
+        # Lightning's barriers (one after every trainer.save_checkpoint, a few per fit; none per step) waited on the
+        # default group, for its timeout (30 min), when a peer stopped; once the tables are sharded they run on the
+        # embedding group, through its guard: that peer is named within embedding_timeout
+        if self._dmp is not None and self._dmp.groups_alive():
+            rec_checkpoint._barrier(self._dmp, f"barrier ({name})" if name else "barrier")
+            return
+        super().barrier(name)
+
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         # LightningModule.all_gather: Lightning gathers through torch.distributed.nn.functional.all_gather, which
         # torch 2.13 deprecates with a warning on every call; without gradients plain all_gather does the same
@@ -983,7 +993,7 @@ class RecStrategy(DDPStrategy):
         optimizers = self.optimizers if "optimizer_states" in checkpoint else []  # weights_only=True: none
         rec_checkpoint.save(checkpoint, filepath, optimizers=optimizers, loader_state=loader_state,
                             module_class=module_class, module=module,  # module: FSDP's dense state reshards
-                            rng_state=rng)
+                            rng_state=rng, dmp=self._dmp)  # dmp: every wait of the save bounded by its timeout
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1326,3 +1326,145 @@ def test_no_sigterm_broadcast_and_host_read_per_training_step():
     rank's flag is set at the same batch, so each rank reads its own: no broadcast a step."""
     for calls, step in run_ranks(_broadcasts_per_fit, 2, 12, timeout=90):
         assert step == 12 and calls < 12, (calls, step)
+
+
+class _StopWhenPickled:
+    """A checkpoint entry that stops its rank (SIGSTOP to itself, after writing its pid to `<out>/at<rank>`) as DCP
+    pickles it: inside dcp.save, between its exchanges."""
+
+    def __init__(self, out: str, rank: int) -> None:
+        self.out, self.rank = out, rank
+
+    def __reduce__(self):
+        path = os.path.join(self.out, f"at{self.rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return (str, ("resumed",))
+
+
+class _StopInDCP(L.Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if trainer.global_step == 4 and trainer.global_rank == 1:
+            checkpoint["state_dict"]["stop_here"] = _StopWhenPickled(self.out, 1)
+
+
+def _stopped_in_save_fit(rank, world_size, out, where):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 40, num_val_samples=64, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    every = ModelCheckpoint(dirpath=os.path.join(out, "every"), every_n_train_steps=2, save_top_k=-1)
+    stopper = _MarkAt(out, step=3, during="save") if where == "before" else _StopInDCP(out)
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), accelerator="cpu", devices=world_size,
+                        max_steps=40, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[stopper, every])
+    try:
+        trainer.fit(DLRMModule(**SMALL), data)
+        return "finished", "", trainer.global_step
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the test's subject
+        return type(e).__name__, str(e), trainer.global_step
+    finally:
+        Path(out, f"ended{rank}").touch()
+
+
+@pytest.mark.parametrize("where", ["before", "in_dcp"])
+def test_a_rank_stopped_in_a_sharded_save_is_named_within_the_embedding_timeout(tmp_path, where):
+    """Rank 1 is stopped (SIGSTOP: alive, stuck) as the checkpoint save at step 4 begins, or inside dcp.save. The
+    save's exchanges (and DCP's) ran on the default group: rank 0 waited for its timeout (Lightning's: 30 min), leaving
+    a hidden partial directory. Now they run through the embedding group's guard (DCP's on a checkpoint group with the
+    same timeout): rank 0 raises within RecStrategy(embedding_timeout=...) naming rank 1 and the setting, and the
+    step-2 checkpoint is intact."""
+    from lightning_rec.checkpoint import full_state_dict, read_lightning_state
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGSTOP) if where == "before" else None
+
+    def resume_when_rank0_ends():  # so that rank 1 can run on, find rank 0 gone, and exit
+        if sender is not None:
+            sender.join()
+        end = time.monotonic() + 60
+        while not (tmp_path / "ended0").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "at1").read_text()), signal.SIGCONT)
+
+    import threading
+
+    resumer = threading.Thread(target=resume_when_rank0_ends, daemon=True)
+    resumer.start()
+    results = run_ranks(_stopped_in_save_fit, 2, out, where, timeout=60, pg_timeout=120, allow_missing=True)
+    resumer.join()
+    kind, message, step = results[0]
+    assert kind == "CollectiveTimeout" and step == 4, results[0]
+    assert "rank 1 did not reach it within 3 s" in message and "RecStrategy(embedding_timeout=...)" in message, message
+    assert "saving checkpoint" in message and "epoch=0-step=4.ckpt" in message, message
+    names = sorted(p.name for p in (tmp_path / "every").iterdir() if not p.name.startswith("."))
+    assert names == ["epoch=0-step=2.ckpt"], names  # nothing under the new name
+    assert read_lightning_state(tmp_path / "every" / names[0])["global_step"] == 2
+    assert full_state_dict(tmp_path / "every" / names[0])  # its tensors read back
+
+
+class _MarkOnLoad(DLRMModule):
+    """Writes this rank's pid to `<out>/at<rank>` as the checkpoint it resumes from is about to load, and pauses (the
+    signal comes there)."""
+
+    def __init__(self, out: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def on_load_checkpoint(self, checkpoint):
+        path = os.path.join(self.out, f"at{self.global_rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        time.sleep(0.5)
+
+
+def _stopped_in_load_fit(rank, world_size, out):
+    L.seed_everything(0)
+    data = SyntheticCriteoDataModule(num_train_samples=64 * 2 * 40, num_val_samples=64, batch_size=64,
+                                     num_embeddings_per_feature=64)
+    kwargs = dict(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False)
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), max_steps=2, **kwargs)
+    trainer.fit(DLRMModule(**SMALL), data)
+    trainer.save_checkpoint(os.path.join(out, "first.ckpt"))
+    trainer = L.Trainer(strategy=RecStrategy(embedding_timeout=3), max_steps=4, **kwargs)
+    try:
+        trainer.fit(_MarkOnLoad(out, **SMALL), data, ckpt_path=os.path.join(out, "first.ckpt"))
+        return "finished", ""
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the test's subject
+        return type(e).__name__, str(e)
+    finally:
+        Path(out, f"ended{rank}").touch()
+
+
+def test_a_rank_stopped_while_a_sharded_checkpoint_loads_is_named_within_the_embedding_timeout(tmp_path):
+    """Rank 1 is stopped (SIGSTOP) as the run resumes from a sharded checkpoint. DCP's load exchanges ran on the
+    default group: rank 0 waited for its timeout (Lightning's: 30 min). Now they run on the checkpoint group
+    (embedding_timeout), and the guard names rank 1 and the setting (not a damaged file)."""
+    import threading
+
+    out = str(tmp_path)
+    sender = _signal_when_marked(out, [1], signal.SIGSTOP)
+
+    def resume_when_rank0_ends():  # so that rank 1 can run on, find rank 0 gone, and exit
+        sender.join()
+        end = time.monotonic() + 60
+        while not (tmp_path / "ended0").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "at1").read_text()), signal.SIGCONT)
+
+    resumer = threading.Thread(target=resume_when_rank0_ends, daemon=True)
+    resumer.start()
+    results = run_ranks(_stopped_in_load_fit, 2, out, timeout=60, pg_timeout=120, allow_missing=True)
+    resumer.join()
+    kind, message = results[0]
+    assert kind == "CollectiveTimeout", results[0]
+    assert "rank 1 did not reach it within 3 s" in message and "RecStrategy(embedding_timeout=...)" in message, message
+    assert "reading checkpoint" in message and "first.ckpt" in message and "not at fault" in message, message
