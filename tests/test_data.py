@@ -966,3 +966,21 @@ def test_a_minus_one_label_says_to_map_it_not_to_skip_every_negative_row(tmp_pat
     write(tmp_path, "two.tsv", good_row(1).replace("1", "2", 1) + "\n")
     with pytest.raises(ValueError, match=r"got '2'\. Fix the file, or pass on_bad_row='skip'"):
         build_criteo_cache(str(tmp_path / "two.tsv"), tmp_path / "cache", parser=parser)
+
+
+def test_the_separator_takes_the_words_preprocess_takes(tmp_path):
+    """`lightning-rec preprocess --separator tab` takes the words, but the readers (`--data.separator` of the fit
+    recipes, CriteoDataModule, read_criteo) took only the character: 'tab' was refused, and a backslash-t typed on a
+    command line or in YAML (two characters) too. Both read now, as the tab itself does."""
+    row = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a1b2c3d"] * 26) + "\n"
+    path = tmp_path / "day.tsv"
+    path.write_text(row * 4)
+    for sep in ("tab", "\\t", "\t"):
+        assert detect_layout(path, separator=sep).separator == "\t"
+    comma = tmp_path / "day.csv"
+    comma.write_text(row.replace("\t", ",") * 4)
+    assert detect_layout(comma, separator="comma").separator == ","
+    label, dense, sparse, _ = parse_all(path, separator="tab")
+    assert label.tolist() == [1] * 4 and dense.tolist() == [[1] * 13] * 4 and (sparse == 0x0A1B2C3D).all()
+    with pytest.raises(ValueError, match="'tab' / 'comma'"):
+        detect_layout(path, separator=";")

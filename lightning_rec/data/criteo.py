@@ -657,7 +657,7 @@ class CriteoDataModule(pl.LightningDataModule):
         seed: the shuffle's seed.
         drop_last: drop the last, smaller training batch.
         on_bad_row: "error" (stop, naming file, line and field) or "skip" (leave the row out, logged).
-        separator: "\t" or "," (None: detected from the file).
+        separator: "\t" or "," (or the words "tab" / "comma"; None: detected from the file).
         has_header: whether the first line is a header (None: detected).
         has_label: whether rows carry a label (None: detected from the field count or columns).
         block_bytes: bytes read and parsed at a time when streaming (and the shuffle's block).

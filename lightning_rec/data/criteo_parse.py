@@ -201,6 +201,9 @@ def _read_head(path: str | os.PathLike, num_bytes: int = _HEAD_BYTES) -> bytes:
     return head[len(BOM):] if head.startswith(BOM) else head
 
 
+_SEPARATOR_NAMES = {"tab": "\t", "\\t": "\t", "comma": ","}
+
+
 def detect_layout(
     path: str | os.PathLike,
     separator: str | None = None,
@@ -231,10 +234,13 @@ def detect_layout(
             f"handling, so every value would be refused. Remove the quotes first, e.g. "
             f"`sed 's/\"//g' {path} > {path}.unquoted` (Criteo values never hold quotes, commas or tabs)"
         )
+    # the words `lightning-rec preprocess --separator` takes, and a backslash-t typed on a command line or in YAML
+    separator = _SEPARATOR_NAMES.get(separator, separator) if isinstance(separator, str) else separator
     if separator is None:
         separator = "\t" if "\t" in first else ","
     if separator not in ("\t", ","):
-        raise ValueError(f"separator must be '\\t' or ',' (or None to detect), got {separator!r}")
+        raise ValueError(f"separator must be '\\t' or ',' (or the words 'tab' / 'comma', or None to detect), got "
+                         f"{separator!r}")
     names = [f.strip().lower() for f in first.split(separator)]
     if has_header is None:
         has_header = bool({"label", "i1", "c1", "id"} & set(names))
