@@ -984,3 +984,23 @@ def test_the_separator_takes_the_words_preprocess_takes(tmp_path):
     assert label.tolist() == [1] * 4 and dense.tolist() == [[1] * 13] * 4 and (sparse == 0x0A1B2C3D).all()
     with pytest.raises(ValueError, match="'tab' / 'comma'"):
         detect_layout(path, separator=";")
+
+
+def test_the_synthetic_test_loop_without_test_rows_says_it_scores_the_validation_split():
+    """`lightning-rec test` of the synthetic recipe (num_test_samples=0) printed test_auc etc. of the validation rows
+    without a word; now it says so once, naming num_test_samples. With test rows of its own, nothing is said."""
+    import warnings
+
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=64, batch_size=32,
+                                     num_embeddings_per_feature=16)
+    data.setup("test")
+    with pytest.warns(UserWarning, match="num_test_samples=0, so the test loop scores the validation split"):
+        data.test_dataloader()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*scores the validation split")
+        data.test_dataloader()  # once
+        data.predict_dataloader()  # predict has no metrics to mislabel
+        own = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=64, num_test_samples=64, batch_size=32,
+                                        num_embeddings_per_feature=16)
+        own.setup("test")
+        own.test_dataloader()

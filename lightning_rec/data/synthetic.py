@@ -23,6 +23,7 @@ clicks per id of the signal features on train already reaches about 0.73 on val)
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
@@ -272,7 +273,13 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         return self._loader("val") if self.sizes["val"] > 0 else []
 
     def test_dataloader(self) -> DataLoader:
+        if self.sizes["test"] == 0 and not getattr(self, "_said_test_is_val", False):
+            # `lightning-rec test` of the synthetic recipe printed test_auc etc. of the rows validation had scored
+            self._said_test_is_val = True
+            warnings.warn("SyntheticCriteoDataModule: num_test_samples=0, so the test loop scores the validation split "
+                          "(its test_* metrics are the val_* ones): set num_test_samples > 0 (e.g. "
+                          "--data.num_test_samples=65536) for rows of its own", stacklevel=2)
         return self._loader("test" if self.sizes["test"] > 0 else "val")
 
     def predict_dataloader(self) -> DataLoader:
-        return self.test_dataloader()
+        return self._loader("test" if self.sizes["test"] > 0 else "val")
