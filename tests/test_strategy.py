@@ -1384,19 +1384,7 @@ def test_a_rank_stopped_in_a_sharded_save_is_named_within_the_embedding_timeout(
 
     out = str(tmp_path)
     sender = _signal_when_marked(out, [1], signal.SIGSTOP) if where == "before" else None
-
-    def resume_when_rank0_ends():  # so that rank 1 can run on, find rank 0 gone, and exit
-        if sender is not None:
-            sender.join()
-        end = time.monotonic() + 60
-        while not (tmp_path / "ended0").exists() and time.monotonic() < end:
-            time.sleep(0.05)
-        os.kill(int((tmp_path / "at1").read_text()), signal.SIGCONT)
-
-    import threading
-
-    resumer = threading.Thread(target=resume_when_rank0_ends, daemon=True)
-    resumer.start()
+    resumer = _resume_rank1_when_rank0_ends(tmp_path, sender)
     results = run_ranks(_stopped_in_save_fit, 2, out, where, timeout=60, pg_timeout=120, allow_missing=True)
     resumer.join()
     kind, message, step = results[0]
@@ -1448,23 +1436,30 @@ def test_a_rank_stopped_while_a_sharded_checkpoint_loads_is_named_within_the_emb
     """Rank 1 is stopped (SIGSTOP) as the run resumes from a sharded checkpoint. DCP's load exchanges ran on the
     default group: rank 0 waited for its timeout (Lightning's: 30 min). Now they run on the checkpoint group
     (embedding_timeout), and the guard names rank 1 and the setting (not a damaged file)."""
-    import threading
-
     out = str(tmp_path)
     sender = _signal_when_marked(out, [1], signal.SIGSTOP)
-
-    def resume_when_rank0_ends():  # so that rank 1 can run on, find rank 0 gone, and exit
-        sender.join()
-        end = time.monotonic() + 60
-        while not (tmp_path / "ended0").exists() and time.monotonic() < end:
-            time.sleep(0.05)
-        os.kill(int((tmp_path / "at1").read_text()), signal.SIGCONT)
-
-    resumer = threading.Thread(target=resume_when_rank0_ends, daemon=True)
-    resumer.start()
+    resumer = _resume_rank1_when_rank0_ends(tmp_path, sender)
     results = run_ranks(_stopped_in_load_fit, 2, out, timeout=60, pg_timeout=120, allow_missing=True)
     resumer.join()
     kind, message = results[0]
     assert kind == "CollectiveTimeout", results[0]
     assert "rank 1 did not reach it within 3 s" in message and "RecStrategy(embedding_timeout=...)" in message, message
     assert "reading checkpoint" in message and "first.ckpt" in message and "not at fault" in message, message
+
+
+def _resume_rank1_when_rank0_ends(tmp_path, sender):
+    """A thread that sends SIGCONT to the stopped rank 1 once rank 0 has ended (`ended0`), so that rank 1 can run on,
+    find rank 0 gone, and exit; `sender`: the thread that stopped it (or None: it stopped itself)."""
+    import threading
+
+    def resume():
+        if sender is not None:
+            sender.join()
+        end = time.monotonic() + 60
+        while not (tmp_path / "ended0").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "at1").read_text()), signal.SIGCONT)
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    return thread
