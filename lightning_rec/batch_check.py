@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_rec._native import native_op
 from lightning_rec.sparse import KeyedJaggedTensor
 
 OK, BAD_START, DECREASING, BAD_END, BAD_ID, BAD_WEIGHT, BAD_COUNT = range(7)
@@ -46,11 +47,7 @@ OK, BAD_START, DECREASING, BAD_END, BAD_ID, BAD_WEIGHT, BAD_COUNT = range(7)
 
 def _native_check():
     """torch.ops.lightning_rec.check_batch when the C++ extension is built, else None."""
-    try:
-        from lightning_rec.native_embedding import native_kernel_available
-    except ImportError:
-        return None
-    return torch.ops.lightning_rec.check_batch if native_kernel_available() else None
+    return native_op("check_batch")
 
 
 def find_problem(rows_F: Tensor, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> list[int]:

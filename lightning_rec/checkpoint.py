@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import inspect
 import io
 import json
 import os
@@ -81,13 +80,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from lightning_rec._compat import distribute_tensor_takes_src_data_rank
 from lightning_rec.collective_guard import CollectiveMismatch, CollectiveTimeout, PeerExited, peer_failure
+from lightning_rec.errors import short_list
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 
 LIGHTNING_FILE = "lightning.pt"
 METADATA_FILE = ".metadata"
 PER_ROW = "@per_row"
 FORMATS = ("dcp", "gathered")
+# the LightningModule's class path in a checkpoint (the library's modules write it): export rebuilds the module from it
+MODULE_CLASS_KEY = "lightning_rec_module_class"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,7 +424,7 @@ def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[
     state saved before (by index, without them) met torch's "loaded state dict contains a parameter group that
     doesn't match the size of optimizer's group". The tables never hold optimizer state (no gradient), so each group
     that differs by exactly its table parameters gets them back in their places, with no state."""
-    from lightning_rec.embedding import FusedTableWeight
+    from lightning_rec.table_weight import FusedTableWeight
 
     theirs = saved.get("param_groups") if isinstance(saved, Mapping) else None
     ours = optimizer.param_groups
@@ -536,7 +539,7 @@ def _check_save_args(checkpoint: Any, path: Any, optimizers: Any, module: Any) -
                      "a dict holding the model's state dict: {'state_dict': model.state_dict()}")
     if "state_dict" not in checkpoint:
         raise ValueError(f"lightning_rec.checkpoint.save: the checkpoint dict has no 'state_dict' entry (its keys: "
-                         f"{_short([str(k) for k in checkpoint], 4)}); a model's state dict goes in as "
+                         f"{short_list([str(k) for k in checkpoint], 4)}); a model's state dict goes in as "
                          f"{{'state_dict': model.state_dict()}}. Call it as {SAVE_SIGNATURE}")
     _check_path(SAVE_SIGNATURE, path)
     if not isinstance(optimizers, Sequence) or isinstance(optimizers, (str, bytes)):
@@ -990,11 +993,11 @@ def _check_targets(path: Path, md, targets: Mapping[str, Any], what: str, strict
     if shapes:
         lines.append("shapes differ: " + "; ".join(shapes))
     if missing:
-        lines.append(f"not in the checkpoint: {_short(missing)}")
+        lines.append(f"not in the checkpoint: {short_list(missing)}")
     if unexpected:
-        lines.append(f"in the checkpoint but not in this model: {_short(unexpected)}")
+        lines.append(f"in the checkpoint but not in this model: {short_list(unexpected)}")
     if holes:
-        lines.append(f"the checkpoint's chunks do not cover what this rank holds of: {_short(holes)} "
+        lines.append(f"the checkpoint's chunks do not cover what this rank holds of: {short_list(holes)} "
                      f"(a rank's part is missing)")
     if lines and written_by:
         lines.insert(0, f"it was written by {written_by}")
@@ -1035,11 +1038,6 @@ def _prefix_hint(missing: Sequence[str], unexpected: Sequence[str], head: str) -
                         f"this model's '{extra[:-1]}' (e.g. a hand loop over LightningModule.{extra[:-1]}); load it "
                         f"into that submodule (model.{extra[:-1]})")
     return None
-
-
-def _short(names: Sequence[str], n: int = 8) -> str:
-    names = sorted(names)
-    return ", ".join(names[:n]) + (f" ... ({len(names)} in all)" if len(names) > n else "")
 
 
 def _dmp_of(module: Any) -> Any:
@@ -1154,7 +1152,7 @@ def _load_model_from_file(module: torch.nn.Module, path: Path, strict: bool) -> 
         hint = _prefix_hint(ours, [k for k in state if k not in ours], "")
         raise ValueError(f"checkpoint {path} does not match this model ({type(module).__name__}): strict=False would "
                          f"skip every entry of this model: none is in the checkpoint"
-                         + (f"\n  {hint}" if hint else f" (it holds {_short(list(state), 4)})"))
+                         + (f"\n  {hint}" if hint else f" (it holds {short_list(list(state), 4)})"))
     keys = module.load_state_dict(localize_full_state(module, state), strict=strict)
     for m in module.modules():  # written through views: GPU row caches (fused_uvm_caching) start empty
         if callable(getattr(m, "weights_written", None)):
@@ -1563,7 +1561,7 @@ def localize_full_state(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     live = module.state_dict()
-    local_only = "src_data_rank" in inspect.signature(distribute_tensor).parameters  # torch >= 2.6
+    local_only = distribute_tensor_takes_src_data_rank()
     out = dict(state_dict)
     for key, value in state_dict.items():
         cur = live.get(key)
@@ -1784,7 +1782,6 @@ def _module_class(meta: Mapping[str, Any]) -> str | None:
     keeps `_class_path` in the hyperparameters; a user's own module saved by plain Lightning from Python
     carries none of them.
     """
-    from lightning_rec.models.module_hooks import MODULE_CLASS_KEY
 
     return (meta.get("lightning_rec", {}).get("module_class") or meta.get(MODULE_CLASS_KEY)
             or (meta.get("hyper_parameters") or {}).get("_class_path"))

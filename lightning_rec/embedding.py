@@ -14,29 +14,21 @@ parameters are views into the kernel's storage: loading a state dict writes into
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from lightning_rec.batch_check import DeviceBoundsCheck, check_features, check_ids  # noqa: F401  (check_ids: old name)
+from lightning_rec.errors import is_int, is_number, some
 from lightning_rec.lookup import GroupedLookup, LocalTable, join_outputs
-from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.optim import FusedOptimizerConfig, fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-
-_SHOWN = 5  # names listed in a feature mismatch error
-
-
-def _some(names: Sequence[str]) -> str:
-    """The first few names, and how many there are in all."""
-    shown = ", ".join(f"'{n}'" for n in names[:_SHOWN])
-    return f"[{shown}]" if len(names) <= _SHOWN else f"[{shown}, ...] ({len(names)} in all)"
+from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 
 
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
@@ -132,7 +124,7 @@ class BaseEmbeddingConfig:
                              f"{self.name!r}")
         for field_name in ("num_embeddings", "embedding_dim"):
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"table '{self.name}': {field_name} must be a positive integer, got {value!r}"
                                  + (f": write {field_name}={value.strip()}" if isinstance(value, str) else ""))
         if isinstance(self.feature_names, str):
@@ -151,8 +143,7 @@ class BaseEmbeddingConfig:
         self._refuse_unsupported_torchrec_fields()
         for field_name in ("weight_init_min", "weight_init_max"):
             value = getattr(self, field_name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
+            if value is not None and not is_number(value):
                 raise ValueError(f"table '{self.name}': {field_name} must be a number (finite) or None, got {value!r}")
         if self.init_fn is not None and not callable(self.init_fn):
             raise ValueError(f"table '{self.name}': init_fn must be a function of the weight (e.g. "
@@ -257,12 +248,12 @@ class FeatureRouter:
             if missing:
                 # the differences, a few of each: Criteo's 26 names under another spelling listed both whole lists
                 unexpected = [k for k in keys if k not in self._by_feature]
-                read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:_SHOWN])
-                extra = (f"; it has {_some(unexpected)} that no table reads" if unexpected else
+                read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:5])
+                extra = (f"; it has {some(unexpected)} that no table reads" if unexpected else
                          f"; it has {len(keys)} feature(s), all read")
                 raise ValueError(
-                    f"the input has no feature(s) {_some(missing)} that this {self.owner} reads ({read_by}"
-                    f"{', ...' if len(missing) > _SHOWN else ''}){extra}: rename the features or the tables' "
+                    f"the input has no feature(s) {some(missing)} that this {self.owner} reads ({read_by}"
+                    f"{', ...' if len(missing) > 5 else ''}){extra}: rename the features or the tables' "
                     f"feature_names so they match"
                 )
             unread = [k for k in keys if k not in self._by_feature]
@@ -311,110 +302,6 @@ class FeatureRouter:
                                          offsets=features.offsets_or_none(), stride=features.stride(),
                                          length_per_key=features._length_per_key, _validate=False)
         return features
-
-
-# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward, which gets parameters only.
-# By id, not an attribute on the parameter (a weakref there would make the parameter unpicklable); a stale id is
-# caught by table_owner's identity check.
-_TABLE_OWNERS: dict[int, tuple[weakref.ref, str]] = {}
-
-
-def table_owner(param: Tensor) -> tuple[_EmbeddingCollectionBase, str] | None:
-    """The unsharded collection and table name whose weight `param` is, or None."""
-    entry = _TABLE_OWNERS.get(id(param))
-    owner = entry[0]() if entry is not None else None
-    if owner is None or owner.table_parameters().get(entry[1]) is not param:
-        return None
-    return owner, entry[1]
-
-
-class _Tables(nn.ModuleDict):
-    """table name -> its weight holder. Any table name works, `items` and `keys` included.
-
-    nn.ModuleDict refuses names that are attributes of the container (its methods); a table named
-    `items` would fail with "attribute 'items' already exists". Entries go straight into _modules,
-    which is all that state dicts, `named_parameters` and `tables[name]` read.
-    """
-
-    def __setitem__(self, key: str, module: nn.Module) -> None:
-        self._modules[key] = module
-
-
-class FusedTableWeight(nn.Parameter):
-    """A fused table's weight: a view of the kernel's storage, updated inside backward, never given a gradient.
-
-    `requires_grad` reads False (no autograd gradient: torch.optim and DDP leave it alone). Setting it, by
-    `p.requires_grad = False`, `module.requires_grad_(False)`, LightningModule.freeze() or Lightning's
-    BaseFinetuning, freezes the table: its kernel then does no update and keeps its optimizer state; setting it
-    True resumes. (TorchRec gets the same from fbgemm's placeholder parameter, whose requires_grad gates the
-    kernel's backward.) `frozen` tells which.
-    """
-
-    # Moves at every freeze or unfreeze of any table: a collection reads its tables' flags again only when it moved
-    # (reading them at every forward was ~50 us for 26 tables, several times a host-bound GPU step's overhead)
-    freeze_changes: ClassVar[int] = 0
-
-    @property
-    def frozen(self) -> bool:
-        return self.__dict__.get("frozen", False)  # in the instance dict: pickle keeps it with the parameter
-
-    @frozen.setter
-    def frozen(self, value: bool) -> None:
-        self.__dict__["frozen"] = bool(value)
-        FusedTableWeight.freeze_changes += 1
-
-    @property
-    def requires_grad(self) -> bool:
-        return torch._C.TensorBase.requires_grad.__get__(self)
-
-    @requires_grad.setter
-    def requires_grad(self, value: bool) -> None:
-        self.frozen = not value
-
-    def requires_grad_(self, requires_grad: bool = True) -> FusedTableWeight:
-        self.frozen = not requires_grad
-        return self
-
-    def __deepcopy__(self, memo):
-        # nn.Parameter's deepcopy builds a new parameter from data and requires_grad only: the copy was unfrozen
-        copied = super().__deepcopy__(memo)
-        copied.frozen = self.frozen
-        return copied
-
-    @property
-    def data(self) -> torch.Tensor:
-        return torch._C.TensorBase.data.__get__(self)
-
-    @data.setter
-    def data(self, value: torch.Tensor) -> None:
-        """Written in place: the kernel reads the rows this parameter views. `weight.data = pretrained` (and
-        torch.nn.utils.vector_to_parameters, which assigns so) made the parameter show the new values while
-        forward and the fused update went on with the old rows, silently."""
-        own = torch._C.TensorBase.data.__get__(self)
-        if not isinstance(value, torch.Tensor) or value.shape != own.shape:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            held = ("holds none of the table's values (they are the ranks' shards): load them with "
-                    "dmp.load_state_dict(...) or lightning_rec.checkpoint.load_model" if own.numel() == 0 and
-                    getattr(self, "table_numel", 0) else
-                    f"is a view of the kernel's rows (shape {tuple(own.shape)}): write values of that shape, "
-                    f"weight.data.copy_(...) or the collection's load_state_dict")
-            raise ValueError(f"{type(self).__name__}.data = a tensor of shape {shape}: this embedding table's "
-                             f"parameter {held}; rebinding it would leave the kernel training the old rows")
-        with torch.no_grad():
-            own.copy_(value)
-
-
-class _TableWeight(nn.Module):
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
-        # The weight views the kernel's storage (or is the dense kernel's own parameter): load_state_dict(...,
-        # assign=True) swapped in the loaded tensor, which the kernel never reads. The state dict then showed the
-        # loaded values while forward used the old ones. Tables always load by copy, as the sharded ones do.
-        local_metadata = {**local_metadata, "assign_to_params_buffers": False}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
 
 def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
@@ -686,7 +573,7 @@ class _EmbeddingCollectionBase(nn.Module):
         try:
             probe = fn(torch.empty(0, device=self._device))
         except (RuntimeError, AssertionError) as e:
-            from lightning_rec.lookup import no_cuda_error
+            from lightning_rec._device import no_cuda_error
 
             error = no_cuda_error(f"moving {type(self).__name__} to the GPU (.to('cuda') / .cuda())",
                                   f"or keep it on the CPU (device='cpu', accelerator='cpu'). torch said: {e}")
@@ -839,3 +726,10 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
                 out[name] = sequence_output(part, jt.lengths(), jt.values() if self.need_indices() else None)
             k += n
         return {name: out[name] for name in self._output_names}  # the configs' order
+
+
+def fused_table_modules(module: torch.nn.Module) -> list[str]:
+    """Paths of the embedding collections (unsharded or sharded) inside `module` that train with a fused optimizer."""
+    unsharded = [name for name, m in module.named_modules()
+                 if isinstance(m, _EmbeddingCollectionBase) and m.fused_optimizer_config() is not None]
+    return unsharded or [name for name, _ in fused_modules(module)]

@@ -19,7 +19,6 @@ through it (checkpoint loading, resharding) land in the kernel.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_rec._compat import compiler_disable_takes_reason
+from lightning_rec._device import check_device_ready, cuda_missing, no_cuda_error  # noqa: F401  (imported from here too)
 from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.types import DEFAULT_CACHE_LOAD_FACTOR
@@ -122,43 +123,6 @@ def cpu_supported_optimizers() -> list[EmbOptimType]:
     if native is None:
         return list(FBGEMM_CPU_OPTIMIZERS)
     return [o for o in EmbOptimType if o in FBGEMM_CPU_OPTIMIZERS or _native_supports(native, o)]
-
-
-def cuda_missing() -> str | None:
-    """What this environment lacks for CUDA training, and the fix (None when torch sees a CUDA device)."""
-    if torch.version.cuda is None:
-        return (f"this torch ({torch.__version__}) is a CPU build: install the CUDA build of torch and the "
-                f"fbgemm-gpu that matches it (README, 'GPU')")
-    if not torch.cuda.is_available():
-        return (f"torch {torch.__version__} finds no CUDA device: check that the GPU and its driver work "
-                f"(`nvidia-smi`) and that CUDA_VISIBLE_DEVICES does not hide it")
-    return None
-
-
-def no_cuda_error(call: str, fix: str) -> ValueError | None:
-    """The one-line error for `call` (a move to CUDA, pinning memory) where this environment has no usable
-    CUDA; None where it has one. torch's own (an AssertionError or RuntimeError from inside the copy) names
-    neither the call nor the fix."""
-    what = cuda_missing()
-    if what is None:
-        return None
-    return ValueError(f"CUDA is not available: {call} needs a CUDA GPU, but {what}; {fix}")
-
-
-def check_device_ready(device: torch.device) -> None:
-    """One line saying what is missing when tables are asked for on a GPU this environment cannot use."""
-    if device.type != "cuda":
-        return
-    what = cuda_missing()
-    if what is not None:
-        raise ValueError(f"tables on device='cuda' (or accelerator='gpu') need a CUDA GPU, but {what}; or train "
-                         f"with device='cpu' / accelerator='cpu'")
-    import fbgemm_gpu  # noqa: F401
-
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::asynchronous_complete_cumsum", "CUDA"):
-        raise ValueError("tables on device='cuda' need fbgemm-gpu built for CUDA, but this environment has the CPU "
-                         "build (fbgemm-gpu-cpu): `pip uninstall fbgemm-gpu-cpu` and install the fbgemm-gpu that "
-                         "matches your torch (README, 'GPU'), or train on CPU")
 
 
 def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.device,
@@ -377,7 +341,7 @@ _FBGEMM_EAGER_REASON = (
 
 def _outside_compile(fn):
     """fn run eagerly under torch.compile, the reason named in fullgraph's error (`reason=` where this torch has it)."""
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+    if compiler_disable_takes_reason():
         return torch.compiler.disable(fn, reason=_FBGEMM_EAGER_REASON)
     return torch.compiler.disable(fn)
 

@@ -35,12 +35,11 @@ import dataclasses
 import enum
 import gc
 import hashlib
-import inspect
 import math
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -49,8 +48,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_rec._compat import ddp_has_forward_sync_buffers
+from lightning_rec._device import with_cuda_index  # noqa: F401  (imported from here too)
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
+from lightning_rec.errors import plain, short_repr
 from lightning_rec.lookup import choose_kernel, pad_multiple
 from lightning_rec.optim import EmbOptimType, FusedOptimizer
 from lightning_rec.planner.fits import check_plan_fits
@@ -396,10 +398,6 @@ def _check_tiling_of(name: str, rows: int, dim: int, all_shards: Sequence[ShardM
                          f"column sizes add up to {dim}")
 
 
-def _plain(value: Any) -> str:
-    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
-
-
 def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) -> list[str]:
     """One line per fact every rank must agree on: each collection's kind, tables, optimizer and plan."""
     lines = []
@@ -414,21 +412,10 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
         for c in _collection_configs(m):  # a line per field: the message shows the one that differs, alone
             for f in dataclasses.fields(c):
                 if not f.name.startswith("weight_init") and f.name != "init_fn":  # a function's repr has its address
-                    lines.append(f"{where}: table '{c.name}' {f.name}={_plain(getattr(c, f.name))}")
+                    lines.append(f"{where}: table '{c.name}' {f.name}={plain(getattr(c, f.name))}")
         for name, ps in sorted(plan.plan[path].items()):
             lines.append(f"{where}: table '{name}' planned {ps}")
     return lines
-
-
-def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
-    """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
-
-    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0"): a bare "cuda"
-    kept in the sharding env and compared with its own tensors' devices reads as another device.
-    """
-    if device.type != "cuda" or device.index is not None:
-        return device
-    return torch.device("cuda", current_index())
 
 
 def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
@@ -554,14 +541,14 @@ class DistributedModelParallel(nn.Module):
                  init_data_parallel: bool = True) -> None:
         super().__init__()
         if env is not None:  # TorchRec's ShardingEnv.from_process_group(pg): the group is all it carries for us
-            raise ValueError(f"DistributedModelParallel(env={_short_repr(env)}): pass the process group itself, "
+            raise ValueError(f"DistributedModelParallel(env={short_repr(env)}): pass the process group itself, "
                              f"pg=<group> (TorchRec's env=ShardingEnv.from_process_group(pg)); leave both out to "
                              f"shard over the world")
         if not init_data_parallel:
             dense = None
         if sharders is not None:  # TorchRec's list of EmbeddingBagCollectionSharder(fused_params=...) and the like
             raise ValueError(
-                f"DistributedModelParallel(sharders={_short_repr(sharders)}): no sharders are needed here, every "
+                f"DistributedModelParallel(sharders={short_repr(sharders)}): no sharders are needed here, every "
                 f"EmbeddingBagCollection / EmbeddingCollection is sharded by DistributedModelParallel itself. Drop "
                 f"sharders=; choose sharding types per table with plan= (construct_module_sharding_plan) or "
                 f"EmbeddingShardingPlanner(constraints={{table: ParameterConstraints(sharding_types=[...])}}), and the "
@@ -760,7 +747,7 @@ class DistributedModelParallel(nn.Module):
             # TorchRec's defaults: buffers are synced once at construction, not re-broadcast every step
             # (a collective per forward); gradients share DDP's buckets.
             kwargs = dict(gradient_as_bucket_view=True)
-            new_ddp = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+            new_ddp = ddp_has_forward_sync_buffers()
             if new_ddp:  # torch >= 2.13
                 kwargs["forward_sync_buffers"] = False
             kwargs.update(ddp_kwargs)
@@ -931,11 +918,6 @@ class DistributedModelParallel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Full tensors or ShardedTensors from any world size; each rank reads the pieces it owns."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def _short_repr(obj) -> str:
-    text = repr(obj)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _dense_children(module: nn.Module) -> list[nn.Module]:

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_rec._native import NATIVE_IMPORT_ERROR, native_kernel_available  # noqa: F401  (imported from here too)
+from lightning_rec.errors import is_number
 from lightning_rec.optim import EmbOptimType, FusedOptimizerConfig
 
 _OPTIMIZER_IDS = {
@@ -45,19 +47,6 @@ _OPTIMIZER_IDS = {
 }
 NATIVE_OPTIMIZERS = tuple(_OPTIMIZER_IDS)
 _POOLING_IDS = {"sum": 0, "mean": 1}
-
-try:
-    import lightning_rec._C  # noqa: F401  (registers torch.ops.lightning_rec.*)
-
-    _NATIVE_IMPORT_ERROR: Exception | None = None
-except ImportError as e:  # not built: `pip install --no-build-isolation -e .` (make test does it)
-    _NATIVE_IMPORT_ERROR = e
-
-
-def native_kernel_available() -> bool:
-    """True when the C++ extension is built and its CPU kernels are registered."""
-    return _NATIVE_IMPORT_ERROR is None
-
 
 # The "auto" rule, measured with benchmarks/embedding.py (26 tables x 100k rows x D=64, B=2048, one
 # id per feature, 2 threads, this 2-core AMD EPYC (AVX-512) VM, median of 3 interleaved rounds, two
@@ -189,7 +178,7 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         if not native_kernel_available():
             raise RuntimeError(
                 "lightning_rec's native embedding kernel is not built (lightning_rec._C failed to import: "
-                f"{_NATIVE_IMPORT_ERROR}); run `pip install --no-build-isolation -e .` or use kernel='fbgemm'"
+                f"{NATIVE_IMPORT_ERROR}); run `pip install --no-build-isolation -e .` or use kernel='fbgemm'"
             )
         optimizer = optimizer if optimizer is not None else FusedOptimizerConfig()
         if optimizer.optimizer not in _OPTIMIZER_IDS:
@@ -291,7 +280,7 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         return out
 
     def set_learning_rate(self, lr: float) -> None:
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        if not is_number(lr) or lr < 0:
             raise ValueError(f"fused learning rate {lr!r} for tables {', '.join(self.table_names)} must be a finite "
                              f"number >= 0: a NaN or infinite rate would write NaN into every row it touches")
         self._lr = float(lr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -19,6 +18,9 @@ from enum import Enum
 from typing import Any
 
 import torch
+
+from lightning_rec.errors import is_number
+from lightning_rec.table_weight import FusedTableWeight, table_owner
 
 
 class EmbOptimType(str, Enum):
@@ -145,7 +147,7 @@ class FusedOptimizerConfig:
                     raise ValueError(f"fused optimizer {name}={value!r} is not a number: write e.g. "
                                      f"{name}=0.01") from None
                 object.__setattr__(self, name, value)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not is_number(value):
                 raise ValueError(f"fused optimizer {name} must be a finite number, got {value!r}: a NaN or infinite "
                                  f"value would write NaN into every row the next batch touches")
             if value < 0:
@@ -182,7 +184,7 @@ class FusedOptimizerConfig:
 
 def check_fused_lr(lr: Any, tables: Sequence[str]) -> float:
     """A fused learning rate as a float, or a ValueError naming the tables (every kernel, sharded or replicated)."""
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+    if not is_number(lr) or lr < 0:
         raise ValueError(f"fused learning rate {lr!r} for tables {', '.join(tables)} must be a finite number >= 0: a "
                          f"NaN or infinite rate would write NaN into every row the next batch touches")
     return float(lr)
@@ -669,7 +671,6 @@ class CombinedOptimizer(torch.optim.Optimizer):
         """Lightning's BaseFinetuning, resuming, assigns the groups it saved (the ones it added included) before the
         optimizer state loads: the added ones join the dense child (add_param_group), as when they were first added,
         and the list stays the children's live groups (whose "lr" reaches the fused kernels)."""
-        from lightning_rec.embedding import FusedTableWeight
 
         if not self.__dict__.get("_built"):  # torch's __init__
             self.__dict__["_groups"] = groups
@@ -871,7 +872,6 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
     values kept). Dense parameters are refused: train them with a torch.optim optimizer
     (CombinedOptimizer / combined_optimizer).
     """
-    from lightning_rec.embedding import table_owner
 
     config = _fused_config_for(optimizer_class, optimizer_kwargs or {})
     owners: dict[int, tuple[Any, set[str]]] = {}
@@ -1004,3 +1004,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
 
 _TORCH_OPTIMIZERS[RowWiseAdagrad] = EmbOptimType.ROWWISE_ADAGRAD  # its eps default (1e-10) comes with it
+
+
+# the dense layers' optimizers, by the name the modules' dense_optimizer argument takes
+DENSE_OPTIMIZERS = {
+    "adagrad": torch.optim.Adagrad,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}

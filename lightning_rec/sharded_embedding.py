@@ -36,8 +36,6 @@ from lightning_rec.embedding import (
     EmbeddingBagCollection,
     EmbeddingCollection,
     FeatureRouter,
-    FusedTableWeight,
-    _Tables,
     refuse_dtype_cast,
     sequence_output,
 )
@@ -58,6 +56,7 @@ from lightning_rec.sharding.ids import RouteTables
 from lightning_rec.sharding.routing import Routing, build_routing
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_rec.table_weight import FusedTableWeight, _Tables
 from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ShardingType
 
 

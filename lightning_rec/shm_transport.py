@@ -552,19 +552,11 @@ def _unlink_all(pending: list[tuple[str, int]]) -> None:
     pending.clear()
 
 
-_BARRIER: list = []
-
-
 def _native_barrier():
     """torch.ops.lightning_rec.shm_barrier, or None without the compiled extension."""
-    if not _BARRIER:
-        try:
-            import lightning_rec._C  # noqa: F401  (registers the op)
+    from lightning_rec._native import native_op  # the extension loads on first use: import lightning_rec stays light
 
-            _BARRIER.append(torch.ops.lightning_rec.shm_barrier)
-        except ImportError:
-            _BARRIER.append(None)
-    return _BARRIER[0]
+    return native_op("shm_barrier")
 
 
 def ddp_comm_hook(group: SharedMemoryGroup):

@@ -29,6 +29,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_rec._compat import pytree_takes_flatten_with_keys
+from lightning_rec._device import move_or_explain  # noqa: F401  (imported from here too)
+
 try:
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 except (ImportError, OSError) as _e:  # absent, or built for another torch (its .so fails to load)
@@ -54,26 +57,6 @@ _ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) 
 # permute's indices_tensors found equal to their indices, by id (weakly: gone with the tensor)
 _CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 _FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
-
-
-def move_or_explain(call: str, device: torch.device | str | int | None, move):
-    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so.
-    (The batches' `.to` / `.pin_memory` go through it too.)"""
-    try:
-        return move()
-    except (RuntimeError, AssertionError):  # torch's words differ by build: check what is missing
-        from lightning_rec.lookup import no_cuda_error
-
-        if device is None:
-            error = no_cuda_error(call, "pinned memory only speeds up copies to a GPU: leave pin_memory=False here "
-                                        "(the data modules' pin_memory, DataLoader(pin_memory=...))")
-        elif torch.device(device).type == "cuda":
-            error = no_cuda_error(call, "or keep it on the CPU (device='cpu', accelerator='cpu')")
-        else:
-            error = None
-        if error is None:
-            raise
-        raise error from None
 
 
 def _refuse_dtype_as_device(what: str, device: object, weights: bool = False) -> None:
@@ -1101,11 +1084,9 @@ def _kt_unflatten(leaves, context) -> KeyedTensor:
 
 
 def _register_pytree_nodes() -> None:
-    import inspect
-
     from torch.utils import _pytree as pytree
 
-    with_keys = "flatten_with_keys_fn" in inspect.signature(pytree.register_pytree_node).parameters
+    with_keys = pytree_takes_flatten_with_keys()
     nodes = ((JaggedTensor, _jt_flatten, _jt_unflatten, _JT_FIELDS),
              (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _JT_FIELDS),
              (KeyedTensor, _kt_flatten, _kt_unflatten, ("_values",)))

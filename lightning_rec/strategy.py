@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec.data.batch import Batch
+from lightning_rec.embedding import fused_table_modules
 from lightning_rec.model_parallel import DistributedModelParallel
 from lightning_rec.planner import EmbeddingShardingPlanner
 from lightning_rec.types import ShardingPlan
@@ -146,6 +147,9 @@ class RecStrategy(DDPStrategy):
             LightningModule's steps stay as they are.
         **kwargs: DDPStrategy's arguments (process_group_backend, find_unused_parameters, ...).
     """
+
+    # read by the data modules' loaders: the ranks agree on every batch and gather loader states here
+    steps_ranks_together = True
 
     strategy_name = "rec"
 
@@ -296,7 +300,7 @@ class RecStrategy(DDPStrategy):
         # (BaseFinetuning.freeze_before_training runs before the wrap) and unfrozen later trained on each rank's own
         # gradient, the replicas drifting apart silently; one frozen after it stopped DDP's reduction. Tables
         # (FusedTableWeight: requires_grad reads False) are not DDP's.
-        from lightning_rec.embedding import FusedTableWeight
+        from lightning_rec.table_weight import FusedTableWeight
 
         self._dense_params = [p for p in self._dmp._unwrapped.parameters() if not isinstance(p, FusedTableWeight)]
         self._dense_trainable = [p.requires_grad for p in self._dense_params]
@@ -332,15 +336,13 @@ class RecStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.PREDICTING and self.world_size > 1:
             self._deal_fewer_rows_than_ranks(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning_rec.models.module_hooks import RecModuleHooks, warn_fused_dense_only
-
             for callback in trainer.checkpoint_callbacks:  # said now, not at the first save after hours of training
                 if getattr(callback, "dirpath", None):
                     rec_checkpoint.refuse_resolved_file_url(callback.dirpath)
                     if self._checkpoint_format == "dcp":
                         rec_checkpoint._refuse_url(callback.dirpath)
 
-            if not isinstance(self.lightning_module, RecModuleHooks):  # the library's modules said it in setup()
+            if not getattr(self.lightning_module, "warns_fused_dense_only", False):  # said in the module's setup()
                 warn_fused_dense_only(self.lightning_module, trainer)
             self._warn_if_fused_optimizer_left_out()
             self._backwards_unstepped = 0
@@ -363,8 +365,6 @@ class RecStrategy(DDPStrategy):
         # backward with no optimizer step between is what accumulation looks like, and costs a counter to see.
         self._backwards_unstepped += 1
         if self._backwards_unstepped == 2:
-            from lightning_rec.models.module_hooks import fused_table_modules
-
             fused = fused_table_modules(module)
             self._warned_manual_accumulation = True
             if fused:
@@ -1345,3 +1345,30 @@ def _given_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 if "rec" not in StrategyRegistry:
     RecStrategy.register_strategies(StrategyRegistry)
+
+
+def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
+    """accumulate_grad_batches > 1 or gradient_clip_val with fused tables: say that it reaches the dense layers only.
+
+    fused: fused_table_modules(module), when the caller has it already."""
+    accumulate = trainer.accumulate_grad_batches
+    clip = trainer.gradient_clip_val
+    if accumulate <= 1 and not clip:
+        return
+    if fused is None:
+        fused = fused_table_modules(module)
+    if fused and clip:
+        # Lightning clips between backward and the optimizer step; the fused rows moved inside backward
+        by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"
+        norm = ", and the norm clipped is the dense layers' alone" if by_norm else ""
+        warnings.warn(
+            f"gradient_clip_val={clip} clips the dense layers' gradients only: the fused tables ({fused[0]}) update "
+            f"inside backward, before Lightning clips, from unclipped gradients{norm}. The fused update clips "
+            f"nothing: to bound the tables' steps, lower their learning rate",
+            stacklevel=1)
+    if fused and accumulate > 1:
+        warnings.warn(
+            f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
+            f"({fused[0]}) update inside every batch's backward, {accumulate}x as often as the dense layers, each "
+            f"time from that batch's loss divided by {accumulate} (Lightning's scaling for accumulation). To give "
+            f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)

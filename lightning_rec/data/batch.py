@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13, at every loader construction
@@ -384,10 +385,8 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
         epochs = trainer.fit_loop.epoch_progress  # the epoch Lightning gives samplers' set_epoch
         loader.fit_epoch = lambda: int(epochs.current.processed)
         if trainer.world_size > 1 and _length(loader) is None:
-            from lightning_rec.strategy import RecStrategy
-
             strategy = trainer.strategy
-            if not isinstance(strategy, RecStrategy):  # (which does both itself)
+            if not getattr(strategy, "steps_ranks_together", False):  # (RecStrategy does both itself)
                 # A stream's ranks' shares differ: under plain DDP the rank with batches left waited in its gradient
                 # all-reduce for one that had gone on to the next epoch, until gloo / NCCL failed. The ranks agree
                 # before each batch (a one-number all-reduce) that all have one; the first to run out ends the epoch.
@@ -414,11 +413,11 @@ def worker_options(owner: str, num_workers: int, pin_memory: bool = False, prefe
     the first loader was built, without the data module's name. `persistent_workers=None` keeps the workers
     between epochs whenever there are any (the loaders resume mid-epoch from them).
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+    if not is_int(num_workers) or num_workers < 0:
         raise ValueError(f"{owner} num_workers={num_workers!r}: give 0 (load in the main process) or a number of "
                          f"worker processes")
     if prefetch_factor is not None:
-        if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+        if not is_int(prefetch_factor) or prefetch_factor < 1:
             raise ValueError(f"{owner} prefetch_factor={prefetch_factor!r}: give the number of batches each worker "
                              f"loads ahead (>= 1), or None for torch's default (2)")
         if num_workers == 0:

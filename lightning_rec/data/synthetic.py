@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_rec.data.batch import Batch, make_eval_loader, make_train_loader, worker_options
 from lightning_rec.data.criteo import _resolve_num_embeddings
+from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor
 
 _HASH_PRIME = 2_147_483_647  # 2^31 - 1: (id * a + b) mod p is a cheap per-id pseudo-random number
@@ -145,7 +146,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         self.save_hyperparameters()
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"SyntheticCriteoDataModule {name}={value!r}: give a positive number of samples "
                                  f"per batch")
         if min(num_train_samples, num_val_samples, num_test_samples) < 0:

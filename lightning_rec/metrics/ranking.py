@@ -67,6 +67,8 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
+from lightning_rec.errors import is_int
+
 RANKING_METRICS = ("ndcg", "recall", "precision", "mrr", "hit_rate")
 EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, with its meaning
 
@@ -196,7 +198,7 @@ class RankingMetrics(Metric):
             raise ValueError(f"aggregation={aggregation!r}: the metrics here are means over users (torchmetrics' "
                              f"aggregation='mean'), kept as sums synced over ranks; for a median or another "
                              f"aggregate use torchmetrics.retrieval")
-        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        if ignore_index is not None and not is_int(ignore_index):
             raise ValueError(f"ignore_index={ignore_index!r}: give the int target value to leave out (e.g. -100), "
                              f"or None")
         super().__init__(**kwargs)

@@ -21,14 +21,13 @@ from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
 from lightning_rec.models.module_hooks import RecModuleHooks
-from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
+from lightning_rec.optim import (
+    DENSE_OPTIMIZERS,  # noqa: F401  (imported from here too)
+    FusedOptimizerConfig,
+    combined_optimizer,
+    dense_parameters,
+)
 
-DENSE_OPTIMIZERS = {
-    "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "sgd": torch.optim.SGD,
-}
 CRITEO_SPARSE_FEATURES = [f"C{i}" for i in range(1, 27)]
 
 

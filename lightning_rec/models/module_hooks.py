@@ -4,50 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Any
 
 import torch
 
-# export (lightning_rec/checkpoint.py) reads it to rebuild the module from a checkpoint of any strategy
-MODULE_CLASS_KEY = "lightning_rec_module_class"
-
-
-def fused_table_modules(module: torch.nn.Module) -> list[str]:
-    """Paths of the embedding collections (unsharded or sharded) inside `module` that train with a fused optimizer."""
-    from lightning_rec.embedding import _EmbeddingCollectionBase
-    from lightning_rec.optim import fused_modules
-
-    unsharded = [name for name, m in module.named_modules()
-                 if isinstance(m, _EmbeddingCollectionBase) and m.fused_optimizer_config() is not None]
-    return unsharded or [name for name, _ in fused_modules(module)]
-
-
-def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
-    """accumulate_grad_batches > 1 or gradient_clip_val with fused tables: say that it reaches the dense layers only.
-
-    fused: fused_table_modules(module), when the caller has it already."""
-    accumulate = trainer.accumulate_grad_batches
-    clip = trainer.gradient_clip_val
-    if accumulate <= 1 and not clip:
-        return
-    if fused is None:
-        fused = fused_table_modules(module)
-    if fused and clip:
-        # Lightning clips between backward and the optimizer step; the fused rows moved inside backward
-        by_norm = (trainer.gradient_clip_algorithm or "norm") == "norm"
-        norm = ", and the norm clipped is the dense layers' alone" if by_norm else ""
-        warnings.warn(
-            f"gradient_clip_val={clip} clips the dense layers' gradients only: the fused tables ({fused[0]}) update "
-            f"inside backward, before Lightning clips, from unclipped gradients{norm}. The fused update clips "
-            f"nothing: to bound the tables' steps, lower their learning rate",
-            stacklevel=1)
-    if fused and accumulate > 1:
-        warnings.warn(
-            f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
-            f"({fused[0]}) update inside every batch's backward, {accumulate}x as often as the dense layers, each "
-            f"time from that batch's loss divided by {accumulate} (Lightning's scaling for accumulation). To give "
-            f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
+from lightning_rec.checkpoint import MODULE_CLASS_KEY
+from lightning_rec.embedding import _EmbeddingCollectionBase, fused_table_modules
+from lightning_rec.optim import DENSE_OPTIMIZERS
+from lightning_rec.strategy import RecStrategy, warn_fused_dense_only
 
 
 def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
@@ -113,11 +77,12 @@ class RecCheckpointLoading:
 class RecModuleHooks(RecCheckpointLoading):
     """Mixed in before LightningModule: `class DLRMModule(RecModuleHooks, L.LightningModule)`."""
 
+    # RecStrategy reads it: these modules' setup() warns about settings that reach the dense layers only
+    warns_fused_dense_only = True
+
     def setup(self, stage: str) -> None:
         super().setup(stage)
         trainer = self.trainer
-        from lightning_rec.embedding import _EmbeddingCollectionBase
-        from lightning_rec.strategy import RecStrategy
 
         precision = str(trainer.precision)
         if precision.endswith("-true") and precision != "32-true":
@@ -186,8 +151,6 @@ class RecModuleHooks(RecCheckpointLoading):
             return self.cli_dense_optimizer(params)
         if not params:
             return None
-        from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
-
         hp = self.hparams
         return DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
 

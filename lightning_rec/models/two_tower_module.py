@@ -30,6 +30,7 @@ from torch import Tensor
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.errors import is_int
 from lightning_rec.metrics.ranking import RankingMetrics
 from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
 from lightning_rec.models.module_hooks import RecModuleHooks
@@ -146,7 +147,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         # checked here: eval_item_chunk=0 failed only at the first validation, after training, in range()
         for name, value, least in (("eval_item_chunk", eval_item_chunk, 1),
                                    ("top_k_table_users", top_k_table_users, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if not is_int(value) or value < least:
                 raise ValueError(f"{name}={value!r}: give an int >= {least}")
         self.model: TwoTower | None = None
         self.eval_splits = ["val"]

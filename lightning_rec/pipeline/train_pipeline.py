@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_rec._device import with_cuda_index
 from lightning_rec.pipeline.batch import move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig
@@ -27,8 +28,6 @@ class InputPipeline:
 
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
-        from lightning_rec.model_parallel import with_cuda_index
-
         self.config = config or PipelineConfig()
         # "cuda" alone: the current device's index (the feeder thread sets it, and set_device needs one)
         self.device = with_cuda_index(torch.device(device), torch.cuda.current_device)

@@ -1,0 +1,45 @@
+"""Message helpers: how an error shows the values it names. One place, so every refusal reads alike.
+
+User errors raise ValueError (TypeError for a value of the wrong kind) and name the fix; these
+helpers only format. A leaf: imports nothing of lightning_rec.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def some(names: Sequence[str], shown: int = 5) -> str:
+    """`['a', 'b', ...] (12 in all)`: the first few names, quoted, and how many there are."""
+    head = ", ".join(f"'{n}'" for n in names[:shown])
+    return f"[{head}]" if len(names) <= shown else f"[{head}, ...] ({len(names)} in all)"
+
+
+def short_list(names: Sequence[str], shown: int = 8) -> str:
+    """`a, b ... (12 in all)`: the first few names in sorted order, and how many there are."""
+    names = sorted(names)
+    return ", ".join(names[:shown]) + (f" ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def short_repr(obj: Any, width: int = 80) -> str:
+    """repr(obj), cut to `width` characters."""
+    text = repr(obj)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def plain(value: Any) -> str:
+    """repr of an enum's value (`'row_wise'`, not `<ShardingType.ROW_WISE: 'row_wise'>`), else repr."""
+    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (True is an int to Python, never a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
