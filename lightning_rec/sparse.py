@@ -25,12 +25,22 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_rec._compat import pytree_takes_flatten_with_keys
 from lightning_rec._device import move_or_explain  # noqa: F401  (imported from here too)
+from lightning_rec.sparse_checks import (
+    _need_tensor,
+    _no_key,
+    _readable,
+    _refuse_dtype_as_device,
+    _uniform_stride,
+    validate_jt,
+    validate_kjt,
+)
 
 try:
     import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
@@ -53,203 +63,26 @@ def _lengths_from_offsets(offsets: Tensor) -> Tensor:
     return offsets[1:] - offsets[:-1]
 
 
-_ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
 # permute's indices_tensors found equal to their indices, by id (weakly: gone with the tensor)
 _CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 _FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
-def _refuse_dtype_as_device(what: str, device: object, weights: bool = False) -> None:
-    """`.to(torch.float64)` converted the ids and lengths to floats (every lookup after read other rows, or failed)."""
-    if isinstance(device, torch.dtype):
-        how = (f"{what}.to(device, dtype={device}) converts the weights only" if weights else
-               "it has no dtype= of its own")
-        raise ValueError(f"{what}.to({device}): a {what} holds integer ids and lengths, which keep their type ({how}); "
-                         f"to convert a batch's floating-point tensors, batch.to({device}) (as nn.Module.to)")
+class _JTGiven(NamedTuple):  # what a JaggedTensor's constructor was given, kept for validate()
+    lengths: bool
+    offsets: bool
 
 
-def _need_tensor(what: str, name: str, value) -> None:
-    """Lists and numpy arrays would fail later with an AttributeError naming nothing the user wrote."""
-    if value is not None and not isinstance(value, Tensor):
-        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(value).__name__}: "
-                         f"wrap it with torch.tensor({name})")
+class _KJTGiven(NamedTuple):  # the arguments of a KeyedJaggedTensor that validate() checks
+    lengths: Tensor | None
+    stride: bool
+    length_per_key: Sequence[int] | None
+    offset_per_key: Sequence[int] | None
+    index_per_key: dict[str, int] | None
 
 
-def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
-    """Lengths and offsets of int8/int16/uint8 have no kernel (fbgemm: 'not implemented for Short')."""
-    if t.dtype not in _ID_DTYPES and not (t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex):
-        raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}: convert them with {name}.long()")
-
-
-def _readable(t: Tensor) -> bool:
-    """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
-    torch.export or torch.compile traces, whose symbolic tensors have no values to read (checked where the inputs are
-    built; the collections check ids inside a compiled graph, batch_check.py)."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
-    """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
-
-    A KJT sliced out of a larger batch keeps its parent's offsets (starting at, say, 40): kernels
-    would read ids that are not this batch's, so it is refused here, with the fix. CPU tensors only.
-    """
-    if offsets.dim() != 1 or offsets.numel() == 0:
-        raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
-    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
-        raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
-    _check_index_dtype(what, "offsets", offsets)
-    if not _readable(offsets):
-        return
-    first, last = int(offsets[0]), int(offsets[-1])
-    if first != 0:
-        raise ValueError(f"{what}: offsets start at {first}, not 0: rebase offsets sliced out of a larger batch "
-                         f"(offsets - offsets[0], values[offsets[0]:offsets[-1]]), or build the KJT from lengths")
-    down = (offsets[1:] < offsets[:-1]).nonzero()
-    if down.numel():
-        j = int(down[0, 0])
-        raise ValueError(f"{what}: offsets must never decrease, but offsets[{j + 1}] = {int(offsets[j + 1])} < "
-                         f"offsets[{j}] = {int(offsets[j])}: offsets are cumulative bag sizes")
-    if last != num_values:
-        raise ValueError(f"{what}: offsets end at {last} but there are {num_values} values: the last offset must "
-                         f"equal the number of ids")
-
-
-def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
-    """Lengths and offsets both given must agree (each reader picks one: to_dense the lengths, to_padded_dense and
-    the kernels the offsets). CPU tensors only."""
-    if _readable(lengths) and _readable(offsets) and (
-            offsets.numel() != lengths.numel() + 1 or not torch.equal(_lengths_from_offsets(offsets),
-                                                                      lengths.to(offsets.dtype))):
-        raise ValueError(f"{what}: lengths and offsets were both given and describe different bags (lengths "
-                         f"{lengths.tolist()[:8]}, offsets {offsets.tolist()[:9]}): pass one of them (the other is "
-                         f"derived)")
-
-
-def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
-    """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
-    if values.dim() < 1:
-        raise ValueError(f"{what}: values must be at least 1-d, got shape {tuple(values.shape)}")
-    if lengths.dim() != 1:
-        raise ValueError(f"{what}: lengths must be 1-d, got shape {tuple(lengths.shape)}")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
-    _check_index_dtype(what, "lengths", lengths)
-    if values.device != lengths.device or (weights is not None and weights.device != values.device):
-        where = f"values on {values.device}, lengths on {lengths.device}" + (
-            f", weights on {weights.device}" if weights is not None else "")
-        raise ValueError(f"{what}: {where}: put them on one device (kjt.to(device) moves them together)")
-    if weights is not None and (weights.dim() != 1 or weights.shape[:1] != values.shape[:1]):
-        raise ValueError(
-            f"{what}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: give one weight per id"
-        )
-    if weights is not None and not weights.dtype.is_floating_point:
-        raise ValueError(f"{what}: weights must be floating point, got {weights.dtype}: pass weights.float()")
-    if not _readable(lengths) or lengths.numel() == 0:
-        if lengths.numel() == 0 and values.shape[0] != 0:
-            raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
-        return
-    total, smallest = int(lengths.sum()), int(lengths.min())
-    if smallest < 0:
-        raise ValueError(f"{what}: lengths must be >= 0, found {smallest}")
-    if total != values.shape[0]:
-        raise ValueError(
-            f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
-            f"lengths and values must describe the same ids"
-        )
-
-
-def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
-                    inverse_indices) -> int | None:
-    """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says (every key the same
-    batch), refused otherwise. Without the refusal they were an unexpected-keyword TypeError, and a KJT read with
-    one stride where keys have several would pair bags with the wrong samples."""
-    fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
-           "the batch (an empty bag has length 0), or the same number of (deduplicated) bags with inverse_indices, "
-           "and leave out stride_per_key_per_rank and stride_per_key")
-    per_key: list[int] | None = None
-    if stride_per_key_per_rank is not None and len(stride_per_key_per_rank):
-        if len(stride_per_key_per_rank) != len(keys):
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank has {len(stride_per_key_per_rank)} "
-                             f"entries for the {len(keys)} keys {keys}: {fix}")
-        ranks = {len(r) for r in stride_per_key_per_rank}
-        if len(ranks) > 1 or len(ranks) == 1 and ranks.pop() != 1:
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {[list(r) for r in stride_per_key_per_rank]}"
-                             f" gives per-rank batch sizes: {fix}")
-        per_key = [int(r[0]) for r in stride_per_key_per_rank]
-    if stride_per_key is not None and len(stride_per_key):
-        given = [int(s) for s in stride_per_key]
-        if len(given) != len(keys) or (per_key is not None and given != per_key):
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key {given} does not give one batch size per key "
-                             f"{keys}{'' if per_key is None else ' agreeing with stride_per_key_per_rank'}: {fix}")
-        per_key = given
-    if per_key is None:
-        return stride
-    if len(set(per_key)) > 1 or (stride is not None and per_key and per_key[0] != stride):
-        batch = "" if stride is None else f" (stride={stride})"
-        raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch sizes {per_key}{batch}: {fix}")
-    return per_key[0] if per_key else stride
-
-
-def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tuple[list[str], Tensor]:
-    """TorchRec's (keys, [F, B] tensor): each key's samples of the full batch as positions among its `stride` bags."""
-    if not (isinstance(inverse_indices, (tuple, list)) and len(inverse_indices) == 2
-            and isinstance(inverse_indices[1], Tensor)):
-        raise ValueError("KeyedJaggedTensor: inverse_indices must be (keys, tensor), TorchRec's: the keys and a "
-                         "[keys, batch] tensor of bag positions")
-    inv_keys, index_FB = list(inverse_indices[0]), inverse_indices[1]
-    missing = [k for k in keys if k not in inv_keys]
-    if missing:
-        raise ValueError(f"KeyedJaggedTensor: inverse_indices name keys {inv_keys}, not the KJT's {missing}: give "
-                         f"one row of inverse indices per key")
-    if index_FB.dim() != 2 or index_FB.shape[0] != len(inv_keys) or index_FB.dtype not in _ID_DTYPES:
-        raise ValueError(f"KeyedJaggedTensor: inverse_indices' tensor must be an integer [{len(inv_keys)}, batch] "
-                         f"tensor (one row per key named), got {index_FB.dtype} of shape {tuple(index_FB.shape)}")
-    if _readable(index_FB) and index_FB.numel() and not bool(((index_FB >= 0) & (index_FB < stride)).all()):
-        raise ValueError(f"KeyedJaggedTensor: inverse_indices must be bag positions in 0..{stride - 1} (each key has "
-                         f"stride={stride} bags), got values {int(index_FB.min())}..{int(index_FB.max())}")
-    return inv_keys, index_FB
-
-
-def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
-                   offset_per_key: Sequence[int] | None) -> None:
-    """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids: they are trusted
-    afterwards (to_dict, split, permute and the collections slice values by them), so a stale list (from another
-    batch, or hand-written) sent one feature's ids to another's table without a word. CPU tensors only."""
-    n = len(keys)
-    if length_per_key is not None and any(isinstance(x, (list, tuple)) for x in length_per_key):
-        raise ValueError(f"{what}: length_per_key {list(length_per_key)} holds lists: TorchRec's 7th positional "
-                         f"argument is stride_per_key_per_rank, ours length_per_key; pass it by keyword")
-    if length_per_key is not None and len(length_per_key) != n:
-        raise ValueError(f"{what}: length_per_key has {len(length_per_key)} entries for the {n} keys {keys}: give "
-                         f"one id count per key, or leave length_per_key out (it is computed from the lengths)")
-    if offset_per_key is not None and len(offset_per_key) != n + 1:
-        raise ValueError(f"{what}: offset_per_key has {len(offset_per_key)} entries for the {n} keys {keys}: give "
-                         f"one per key + 1, or leave offset_per_key out (it is computed from the lengths)")
-    if not _readable(lengths):
-        return
-    actual = lengths.reshape(n, stride).sum(dim=1).tolist() if n and stride else [0] * n
-    if length_per_key is not None and [int(x) for x in length_per_key] != actual:
-        raise ValueError(f"{what}: length_per_key {list(length_per_key)} disagrees with the lengths, which give "
-                         f"{actual} ids per key for keys {keys}: leave length_per_key out (it is computed from the "
-                         f"lengths), or pass the lengths' own")
-    if offset_per_key is not None:
-        expected = [0]
-        for x in actual:
-            expected.append(expected[-1] + x)
-        if [int(x) for x in offset_per_key] != expected:
-            raise ValueError(f"{what}: offset_per_key {list(offset_per_key)} disagrees with the lengths, which give "
-                             f"{expected} for keys {keys}: leave offset_per_key out (it is computed from the "
-                             f"lengths), or pass the lengths' own")
-
-
-def _no_key(what: str, key: object, keys: list[str]) -> None:
-    """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
-    kjt[1], ...) read as 'no key 0', as if a feature were missing."""
-    if not isinstance(key, str):
-        raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
-                        f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")
-    raise KeyError(f"no key {key!r} in this {what}; keys are {keys}")
+def _is_pair(x: object) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
 
 
 class JaggedTensor:
@@ -262,19 +95,18 @@ class JaggedTensor:
         lengths: Tensor | None = None,
         offsets: Tensor | None = None,
     ) -> None:
+        # Assigns only, as TorchRec's: jt.validate() checks that values, lengths and offsets agree
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
-        for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
-            _need_tensor("JaggedTensor", name, t)
-        both = lengths is not None and offsets is not None
-        if lengths is None:
-            _check_offsets("JaggedTensor", offsets, values.shape[0] if values.dim() else 0)
+        self._unchecked = _JTGiven(lengths is not None, offsets is not None)
+        if lengths is None and isinstance(offsets, Tensor):
             lengths = _lengths_from_offsets(offsets)
-        _check_jagged("JaggedTensor", values, lengths, weights)
-        if both:  # to_dense reads the lengths, to_padded_dense the offsets
-            _check_offsets("JaggedTensor", offsets, values.shape[0])
-            _check_same_bags("JaggedTensor", lengths, offsets)
         self._values, self._weights, self._lengths, self._offsets = values, weights, lengths, offsets
+
+    def validate(self) -> JaggedTensor:
+        """Check that values, lengths, offsets and weights agree (ValueError naming what differs); returns self."""
+        validate_jt(self)
+        return self
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
@@ -428,70 +260,33 @@ class KeyedJaggedTensor:
         jt_dict: dict[str, JaggedTensor] | None = None,
         inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> None:
-        if isinstance(keys, str):
-            raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got the string {keys!r}: "
-                             f"write keys=[{keys!r}]")
-        if _validate:
-            if keys is None or isinstance(keys, Tensor) or not hasattr(keys, "__iter__"):
-                raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got {keys!r}")
-            for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
-                _need_tensor("KeyedJaggedTensor", name, t)
-        self._keys = list(keys)
-        # TorchRec's keywords: index_per_key and jt_dict are caches of what the keys and ids give (computed here
-        # when asked); the others describe a variable batch per key, which no collection here reads
+        # Assigns only, as TorchRec's: the batch is checked when a collection first reads it, or by kjt.validate()
+        # (sparse_checks.validate_kjt). _validate=False: built by the library from a checked KJT (nothing to check).
+        del jt_dict  # TorchRec's cache of to_dict(): computed here when asked
+        self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
+        self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
+                                    index_per_key) if _validate else None
         stride = _uniform_stride(self._keys, stride, stride_per_key_per_rank, stride_per_key, inverse_indices)
-        if index_per_key is not None and dict(index_per_key) != {k: i for i, k in enumerate(self._keys)}:
-            raise ValueError(f"KeyedJaggedTensor: index_per_key {dict(index_per_key)} does not give each key its "
-                             f"position in keys {self._keys}: leave it out (it is computed from the keys)")
-        del jt_dict
-        self._host: KeyedJaggedTensor | None = None  # this batch on the host, when it was moved from there
-        given_lengths = lengths
-        if lengths is None and offsets is None:
-            raise ValueError("KeyedJaggedTensor needs lengths or offsets")
-        if lengths is None:
-            if _validate:
-                _check_offsets("KeyedJaggedTensor", offsets, values.shape[0] if values.dim() else 0)
+        if lengths is None and isinstance(offsets, Tensor):
             lengths = _lengths_from_offsets(offsets)
-        num_keys = len(self._keys)
         if stride is None:
-            if num_keys == 0:
-                stride = 0
-            elif lengths.numel() % num_keys:
-                raise ValueError(
-                    f"KeyedJaggedTensor: {lengths.numel()} lengths is not a multiple of the "
-                    f"{num_keys} keys {self._keys}: give one length per key per sample (key-major)"
-                )
-            else:
-                stride = lengths.numel() // num_keys
-        if _validate:
-            if len(set(self._keys)) != num_keys:
-                raise ValueError(f"KeyedJaggedTensor: duplicate keys in {self._keys}")
-            if lengths.numel() != num_keys * stride:
-                raise ValueError(
-                    f"KeyedJaggedTensor: {lengths.numel()} lengths for {num_keys} keys x stride "
-                    f"{stride}: give one length per key per sample (key-major)"
-                )
-            if not all(isinstance(k, str) for k in self._keys):
-                raise ValueError(f"KeyedJaggedTensor: keys must be feature names (str), got {self._keys}")
-            _check_jagged("KeyedJaggedTensor", values, lengths, weights)
-            if values.dtype not in _ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
-                raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of "
-                                 f"{values.dtype}: convert them with values.long()")
-            if offsets is not None and given_lengths is not None:
-                _check_same_bags("KeyedJaggedTensor", lengths, offsets)
-            if values.dim() != 1:
-                raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
-            if length_per_key is not None or offset_per_key is not None:
-                _check_per_key("KeyedJaggedTensor", self._keys, lengths, stride, length_per_key, offset_per_key)
+            num_keys = len(self._keys) if isinstance(self._keys, list) else 0
+            stride = lengths.numel() // num_keys if num_keys and isinstance(lengths, Tensor) else 0
+        self._host: KeyedJaggedTensor | None = None  # this batch on the host, when it was moved from there
         self._values, self._weights = values, weights
         self._lengths, self._offsets = lengths, offsets
         self._stride = stride
         self._length_per_key = length_per_key
         self._offset_per_key = offset_per_key
         self._index_per_key: dict[str, int] | None = None
-        self._inverse_indices = (None if inverse_indices is None else
-                                 _check_inverse_indices(self._keys, stride, inverse_indices) if _validate else
-                                 (list(inverse_indices[0]), inverse_indices[1]))
+        self._inverse_indices = (list(inverse_indices[0]), inverse_indices[1]) if _is_pair(inverse_indices) else \
+            inverse_indices
+
+    def validate(self) -> KeyedJaggedTensor:
+        """TorchRec's validator: check that keys, lengths, offsets, ids and weights agree (a ValueError naming what
+        differs and the fix). The collections run it on every batch they are given; returns self."""
+        validate_kjt(self)
+        return self
 
     # construction --------------------------------------------------------------------------
 
@@ -502,8 +297,7 @@ class KeyedJaggedTensor:
                           inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
         kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
-        kjt.sync()
-        return kjt
+        return kjt.validate().sync()  # the per-key lengths are read from checked lengths
 
     @staticmethod
     def from_offsets_sync(keys: Sequence[str], values: Tensor, offsets: Tensor,
@@ -512,8 +306,7 @@ class KeyedJaggedTensor:
                           inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
         kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
-        kjt.sync()
-        return kjt
+        return kjt.validate().sync()  # the per-key lengths are read from checked lengths
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:

@@ -75,7 +75,7 @@ def test_jagged_tensor_refuses_lengths_and_offsets_that_disagree():
     ids by the offsets (one at position -1, written to the last column)."""
     values = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="lengths and offsets were both given and describe different bags"):
-        JaggedTensor(values=values, lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3]))
+        JaggedTensor(values=values, lengths=torch.tensor([1, 2]), offsets=torch.tensor([0, 2, 3])).validate()
     both = JaggedTensor(values=values, lengths=torch.tensor([2, 1]), offsets=torch.tensor([0, 2, 3]))
     assert both.to_padded_dense().tolist() == [[1, 2], [3, 0]]
 
@@ -103,19 +103,20 @@ def test_randomized_against_python_reference():
         assert bags(kjt.permute(order)) == {keys[i]: ref[keys[i]] for i in order}
 
 
-def test_disagreeing_keys_lengths_values_raise_at_construction():
+def test_disagreeing_keys_lengths_values_raise_at_validation():
+    """The constructor only assigns (as TorchRec's); validate() is what a collection runs on every batch it is given."""
     with pytest.raises(ValueError, match="lengths add up to 3 but there are 4 values"):
-        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2]))
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2])).validate()
     with pytest.raises(ValueError, match="not a multiple of the 2 keys"):
-        KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
+        KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1])).validate()
     with pytest.raises(ValueError, match="lengths must be >= 0"):
-        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([2, -1]))
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1]), torch.tensor([2, -1])).validate()
     with pytest.raises(ValueError, match="weights of shape \\(2,\\) for 3 values"):
-        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 3]), torch.tensor([3]), weights=torch.ones(2))
+        KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3]), torch.ones(2), torch.tensor([3])).validate()
     with pytest.raises(ValueError, match="duplicate keys"):
-        KeyedJaggedTensor.from_lengths_sync(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+        KeyedJaggedTensor.from_lengths_sync(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1])).validate()
     with pytest.raises(ValueError, match="ids must be integers"):
-        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1]))
+        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1])).validate()
 
 
 def test_length_and_offset_per_key_that_disagree_with_the_lengths_raise():
@@ -123,13 +124,14 @@ def test_length_and_offset_per_key_that_disagree_with_the_lengths_raise():
     feature 'a' the ids of 'b' and a collection's output changed without a word."""
     values, lengths = torch.tensor([1, 2, 3]), torch.tensor([1, 0, 1, 1])  # a: [1], b: [2, 3]
     with pytest.raises(ValueError, match=r"length_per_key \[2, 1\] disagrees .* \[1, 2\]"):
-        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[2, 1])
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[2, 1]).validate()
     with pytest.raises(ValueError, match=r"offset_per_key \[0, 2, 3\] disagrees .* \[0, 1, 3\]"):
-        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offset_per_key=[0, 2, 3])
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offset_per_key=[0, 2, 3]).validate()
     with pytest.raises(ValueError, match="length_per_key has 1 entries for the 2 keys"):
-        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[3])
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[3]).validate()
     with pytest.raises(ValueError, match="7th positional argument is stride_per_key_per_rank"):
-        KeyedJaggedTensor(["a", "b"], values, None, lengths, None, None, [[2], [2]])  # TorchRec's positional order
+        # TorchRec's positional order
+        KeyedJaggedTensor(["a", "b"], values, None, lengths, None, None, [[2], [2]]).validate()
     ok = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, length_per_key=[1, 2], offset_per_key=[0, 1, 3])
     assert bags(ok) == {"a": [[1], []], "b": [[2], [3]]}
 
@@ -141,12 +143,13 @@ def test_variable_batch_per_key_is_refused_by_name():
     for kwargs in (dict(stride_per_key_per_rank=[[1], [2]]), dict(stride_per_key=[1, 2]),
                    dict(stride_per_key_per_rank=[[1, 0], [1, 1]])):
         with pytest.raises(ValueError, match="variable batch size per key .* not supported: give every key one bag"):
-            KeyedJaggedTensor(["a", "b"], values, lengths=lengths, **kwargs)
+            KeyedJaggedTensor(["a", "b"], values, lengths=lengths, **kwargs).validate()
     with pytest.raises(ValueError, match="inverse_indices must be bag positions in 0..1"):  # taken: see the end
         KeyedJaggedTensor.from_lengths_sync(["a", "b"], values, torch.tensor([1, 0, 1, 1]),
-                                            inverse_indices=(["a", "b"], torch.full((2, 2), 2)))
+                                            inverse_indices=(["a", "b"], torch.full((2, 2), 2))).validate()
     with pytest.raises(ValueError, match="index_per_key"):
-        KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 1, 1]), index_per_key={"b": 0, "a": 1})
+        KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 1, 1]),
+                          index_per_key={"b": 0, "a": 1}).validate()
     same = KeyedJaggedTensor.from_offsets_sync(["a", "b"], values, torch.tensor([0, 1, 1, 2, 3]),
                                                stride_per_key_per_rank=[[2], [2]])
     kjt = KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 0, 1, 1]), stride_per_key=[2, 2],
@@ -191,7 +194,7 @@ def test_jagged_tensor():
     jt = JaggedTensor.from_dense([torch.tensor([1, 2]), torch.tensor([], dtype=torch.long), torch.tensor([3])])
     assert jt.lengths().tolist() == [2, 0, 1] and jt.offsets().tolist() == [0, 2, 2, 3]
     with pytest.raises(ValueError, match="lengths add up"):
-        JaggedTensor(values=torch.tensor([1]), lengths=torch.tensor([2]))
+        JaggedTensor(values=torch.tensor([1]), lengths=torch.tensor([2])).validate()
 
 
 def test_torchrec_accessors():
@@ -416,3 +419,18 @@ def test_inverse_indices_expand_a_deduplicated_batch_as_torchrecs_collections_do
     ec = EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=2, feature_names=["a", "b"])])
     with pytest.raises(ValueError, match="inverse_indices .* expand pooled outputs only"):
         ec(dedup)
+
+
+def test_a_collection_validates_each_batch_it_is_given_once():
+    """The KJT constructor only assigns; the collection's first look at a batch runs the KJT's checks (and, on a device
+    batch, on the host copy it was moved from), so a malformed batch still fails before any lookup, naming the fix."""
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])])
+    bad = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="lengths add up to 3 but there are 4 values"):
+        ebc(bad)
+    good = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]))
+    assert good._unchecked is not None
+    ebc(good)
+    assert good._unchecked is None  # checked once: a second collection reading it checks nothing again

@@ -1,0 +1,284 @@
+"""The contracts of JaggedTensor and KeyedJaggedTensor, checked where they are owned.
+
+The constructors only assign (as TorchRec's): a batch is checked when a collection first reads it
+(FeatureRouter, embedding.py), or on demand with `kjt.validate()` / `jt.validate()`. Each check
+raises a ValueError that names what disagrees and the fix. Tensor values are read only on the host
+(a device read would stall the stream; a device batch is checked on the host copy it was moved from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) read
+_ID_DTYPES = ID_DTYPES
+
+
+def _refuse_dtype_as_device(what: str, device: object, weights: bool = False) -> None:
+    """`.to(torch.float64)` converted the ids and lengths to floats (every lookup after read other rows, or failed)."""
+    if isinstance(device, torch.dtype):
+        how = (f"{what}.to(device, dtype={device}) converts the weights only" if weights else
+               "it has no dtype= of its own")
+        raise ValueError(f"{what}.to({device}): a {what} holds integer ids and lengths, which keep their type ({how}); "
+                         f"to convert a batch's floating-point tensors, batch.to({device}) (as nn.Module.to)")
+
+
+def _need_tensor(what: str, name: str, value) -> None:
+    """Lists and numpy arrays would fail later with an AttributeError naming nothing the user wrote."""
+    if value is not None and not isinstance(value, Tensor):
+        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(value).__name__}: "
+                         f"wrap it with torch.tensor({name})")
+
+
+def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
+    """Lengths and offsets of int8/int16/uint8 have no kernel (fbgemm: 'not implemented for Short')."""
+    if t.dtype not in _ID_DTYPES and not (t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex):
+        raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}: convert them with {name}.long()")
+
+
+def _readable(t: Tensor) -> bool:
+    """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
+    torch.export or torch.compile traces, whose symbolic tensors have no values to read (checked where the inputs are
+    built; the collections check ids inside a compiled graph, batch_check.py)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
+    """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
+
+    A KJT sliced out of a larger batch keeps its parent's offsets (starting at, say, 40): kernels
+    would read ids that are not this batch's, so it is refused here, with the fix. CPU tensors only.
+    """
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
+    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
+        raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
+    _check_index_dtype(what, "offsets", offsets)
+    if not _readable(offsets):
+        return
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        raise ValueError(f"{what}: offsets start at {first}, not 0: rebase offsets sliced out of a larger batch "
+                         f"(offsets - offsets[0], values[offsets[0]:offsets[-1]]), or build the KJT from lengths")
+    down = (offsets[1:] < offsets[:-1]).nonzero()
+    if down.numel():
+        j = int(down[0, 0])
+        raise ValueError(f"{what}: offsets must never decrease, but offsets[{j + 1}] = {int(offsets[j + 1])} < "
+                         f"offsets[{j}] = {int(offsets[j])}: offsets are cumulative bag sizes")
+    if last != num_values:
+        raise ValueError(f"{what}: offsets end at {last} but there are {num_values} values: the last offset must "
+                         f"equal the number of ids")
+
+
+def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
+    """Lengths and offsets both given must agree (each reader picks one: to_dense the lengths, to_padded_dense and
+    the kernels the offsets). CPU tensors only."""
+    if _readable(lengths) and _readable(offsets) and (
+            offsets.numel() != lengths.numel() + 1 or not torch.equal(offsets[1:] - offsets[:-1],
+                                                                      lengths.to(offsets.dtype))):
+        raise ValueError(f"{what}: lengths and offsets were both given and describe different bags (lengths "
+                         f"{lengths.tolist()[:8]}, offsets {offsets.tolist()[:9]}): pass one of them (the other is "
+                         f"derived)")
+
+
+def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
+    """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
+    if values.dim() < 1:
+        raise ValueError(f"{what}: values must be at least 1-d, got shape {tuple(values.shape)}")
+    if lengths.dim() != 1:
+        raise ValueError(f"{what}: lengths must be 1-d, got shape {tuple(lengths.shape)}")
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
+    _check_index_dtype(what, "lengths", lengths)
+    if values.device != lengths.device or (weights is not None and weights.device != values.device):
+        where = f"values on {values.device}, lengths on {lengths.device}" + (
+            f", weights on {weights.device}" if weights is not None else "")
+        raise ValueError(f"{what}: {where}: put them on one device (kjt.to(device) moves them together)")
+    if weights is not None and (weights.dim() != 1 or weights.shape[:1] != values.shape[:1]):
+        raise ValueError(
+            f"{what}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: give one weight per id"
+        )
+    if weights is not None and not weights.dtype.is_floating_point:
+        raise ValueError(f"{what}: weights must be floating point, got {weights.dtype}: pass weights.float()")
+    if not _readable(lengths) or lengths.numel() == 0:
+        if lengths.numel() == 0 and values.shape[0] != 0:
+            raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
+        return
+    total, smallest = int(lengths.sum()), int(lengths.min())
+    if smallest < 0:
+        raise ValueError(f"{what}: lengths must be >= 0, found {smallest}")
+    if total != values.shape[0]:
+        raise ValueError(
+            f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
+            f"lengths and values must describe the same ids"
+        )
+
+
+def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
+                    inverse_indices) -> int | None:
+    """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says (every key the same
+    batch), refused otherwise. Without the refusal they were an unexpected-keyword TypeError, and a KJT read with
+    one stride where keys have several would pair bags with the wrong samples."""
+    fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
+           "the batch (an empty bag has length 0), or the same number of (deduplicated) bags with inverse_indices, "
+           "and leave out stride_per_key_per_rank and stride_per_key")
+    per_key: list[int] | None = None
+    if stride_per_key_per_rank is not None and len(stride_per_key_per_rank):
+        if len(stride_per_key_per_rank) != len(keys):
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank has {len(stride_per_key_per_rank)} "
+                             f"entries for the {len(keys)} keys {keys}: {fix}")
+        ranks = {len(r) for r in stride_per_key_per_rank}
+        if len(ranks) > 1 or len(ranks) == 1 and ranks.pop() != 1:
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {[list(r) for r in stride_per_key_per_rank]}"
+                             f" gives per-rank batch sizes: {fix}")
+        per_key = [int(r[0]) for r in stride_per_key_per_rank]
+    if stride_per_key is not None and len(stride_per_key):
+        given = [int(s) for s in stride_per_key]
+        if len(given) != len(keys) or (per_key is not None and given != per_key):
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key {given} does not give one batch size per key "
+                             f"{keys}{'' if per_key is None else ' agreeing with stride_per_key_per_rank'}: {fix}")
+        per_key = given
+    if per_key is None:
+        return stride
+    if len(set(per_key)) > 1 or (stride is not None and per_key and per_key[0] != stride):
+        batch = "" if stride is None else f" (stride={stride})"
+        raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch sizes {per_key}{batch}: {fix}")
+    return per_key[0] if per_key else stride
+
+
+def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tuple[list[str], Tensor]:
+    """TorchRec's (keys, [F, B] tensor): each key's samples of the full batch as positions among its `stride` bags."""
+    if not (isinstance(inverse_indices, (tuple, list)) and len(inverse_indices) == 2
+            and isinstance(inverse_indices[1], Tensor)):
+        raise ValueError("KeyedJaggedTensor: inverse_indices must be (keys, tensor), TorchRec's: the keys and a "
+                         "[keys, batch] tensor of bag positions")
+    inv_keys, index_FB = list(inverse_indices[0]), inverse_indices[1]
+    missing = [k for k in keys if k not in inv_keys]
+    if missing:
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices name keys {inv_keys}, not the KJT's {missing}: give "
+                         f"one row of inverse indices per key")
+    if index_FB.dim() != 2 or index_FB.shape[0] != len(inv_keys) or index_FB.dtype not in _ID_DTYPES:
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices' tensor must be an integer [{len(inv_keys)}, batch] "
+                         f"tensor (one row per key named), got {index_FB.dtype} of shape {tuple(index_FB.shape)}")
+    if _readable(index_FB) and index_FB.numel() and not bool(((index_FB >= 0) & (index_FB < stride)).all()):
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices must be bag positions in 0..{stride - 1} (each key has "
+                         f"stride={stride} bags), got values {int(index_FB.min())}..{int(index_FB.max())}")
+    return inv_keys, index_FB
+
+
+def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
+                   offset_per_key: Sequence[int] | None) -> None:
+    """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids: they are trusted
+    afterwards (to_dict, split, permute and the collections slice values by them), so a stale list (from another
+    batch, or hand-written) sent one feature's ids to another's table without a word. CPU tensors only."""
+    n = len(keys)
+    if length_per_key is not None and any(isinstance(x, (list, tuple)) for x in length_per_key):
+        raise ValueError(f"{what}: length_per_key {list(length_per_key)} holds lists: TorchRec's 7th positional "
+                         f"argument is stride_per_key_per_rank, ours length_per_key; pass it by keyword")
+    if length_per_key is not None and len(length_per_key) != n:
+        raise ValueError(f"{what}: length_per_key has {len(length_per_key)} entries for the {n} keys {keys}: give "
+                         f"one id count per key, or leave length_per_key out (it is computed from the lengths)")
+    if offset_per_key is not None and len(offset_per_key) != n + 1:
+        raise ValueError(f"{what}: offset_per_key has {len(offset_per_key)} entries for the {n} keys {keys}: give "
+                         f"one per key + 1, or leave offset_per_key out (it is computed from the lengths)")
+    if not _readable(lengths):
+        return
+    actual = lengths.reshape(n, stride).sum(dim=1).tolist() if n and stride else [0] * n
+    if length_per_key is not None and [int(x) for x in length_per_key] != actual:
+        raise ValueError(f"{what}: length_per_key {list(length_per_key)} disagrees with the lengths, which give "
+                         f"{actual} ids per key for keys {keys}: leave length_per_key out (it is computed from the "
+                         f"lengths), or pass the lengths' own")
+    if offset_per_key is not None:
+        expected = [0]
+        for x in actual:
+            expected.append(expected[-1] + x)
+        if [int(x) for x in offset_per_key] != expected:
+            raise ValueError(f"{what}: offset_per_key {list(offset_per_key)} disagrees with the lengths, which give "
+                             f"{expected} for keys {keys}: leave offset_per_key out (it is computed from the "
+                             f"lengths), or pass the lengths' own")
+
+
+def _no_key(what: str, key: object, keys: list[str]) -> None:
+    """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
+    kjt[1], ...) read as 'no key 0', as if a feature were missing."""
+    if not isinstance(key, str):
+        raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
+                        f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")
+    raise KeyError(f"no key {key!r} in this {what}; keys are {keys}")
+
+
+def validate_jt(jt: Any) -> None:
+    """A JaggedTensor's values, lengths, offsets and weights agree (ValueError naming the difference). Once per JT."""
+    given = getattr(jt, "_unchecked", None)
+    if given is None:
+        return
+    what = "JaggedTensor"
+    values, weights, lengths, offsets = jt._values, jt._weights, jt._lengths, jt._offsets
+    for name, t in (("values", values), ("weights", weights), ("lengths", lengths), ("offsets", offsets)):
+        _need_tensor(what, name, t)
+    if given.offsets:
+        _check_offsets(what, offsets, values.shape[0] if values.dim() else 0)
+    _check_jagged(what, values, lengths, weights)
+    if given.offsets and given.lengths:  # to_dense reads the lengths, to_padded_dense the offsets
+        _check_same_bags(what, lengths, offsets)
+    jt._unchecked = None
+
+
+def _check_keys(keys: Any) -> None:
+    if isinstance(keys, str):
+        raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got the string {keys!r}: "
+                         f"write keys=[{keys!r}]")
+    if not isinstance(keys, list):
+        raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got {keys!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"KeyedJaggedTensor: duplicate keys in {keys}")
+    if not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"KeyedJaggedTensor: keys must be feature names (str), got {keys}")
+
+
+def _check_stride(keys: list[str], lengths: Tensor, stride: int, stride_given: bool) -> None:
+    if not stride_given and keys and lengths.numel() % len(keys):
+        raise ValueError(f"KeyedJaggedTensor: {lengths.numel()} lengths is not a multiple of the {len(keys)} keys "
+                         f"{keys}: give one length per key per sample (key-major)")
+    if lengths.numel() != len(keys) * stride:
+        raise ValueError(f"KeyedJaggedTensor: {lengths.numel()} lengths for {len(keys)} keys x stride {stride}: give "
+                         f"one length per key per sample (key-major)")
+
+
+def validate_kjt(kjt: Any) -> None:
+    """A KeyedJaggedTensor built from user arguments holds a well-formed batch of ids, else a ValueError naming
+    what disagrees and the fix. Runs once per KJT (the arguments it checks are then dropped); a KJT the library
+    built from a checked one carries none and passes at once."""
+    given = kjt._unchecked
+    if given is None:
+        return
+    what = "KeyedJaggedTensor"
+    keys, values, weights, lengths, offsets = kjt._keys, kjt._values, kjt._weights, kjt._lengths, kjt._offsets
+    _check_keys(keys)
+    for name, t in (("values", values), ("weights", weights), ("lengths", given.lengths), ("offsets", offsets)):
+        _need_tensor(what, name, t)
+    if lengths is None:
+        raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+    if given.lengths is None:
+        _check_offsets(what, offsets, values.shape[0] if values.dim() else 0)
+    _check_stride(keys, lengths, kjt._stride, given.stride)
+    _check_jagged(what, values, lengths, weights)
+    if values.dtype not in ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
+        raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of {values.dtype}: "
+                         f"convert them with values.long()")
+    if offsets is not None and given.lengths is not None:
+        _check_same_bags(what, lengths, offsets)
+    if values.dim() != 1:
+        raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
+    if given.length_per_key is not None or given.offset_per_key is not None:
+        _check_per_key(what, keys, lengths, kjt._stride, given.length_per_key, given.offset_per_key)
+    if given.index_per_key is not None and dict(given.index_per_key) != {k: i for i, k in enumerate(keys)}:
+        raise ValueError(f"KeyedJaggedTensor: index_per_key {dict(given.index_per_key)} does not give each key its "
+                         f"position in keys {keys}: leave it out (it is computed from the keys)")
+    if kjt._inverse_indices is not None:
+        _check_inverse_indices(keys, kjt._stride, kjt._inverse_indices)
+    kjt._unchecked = None
