@@ -28,8 +28,8 @@ def _extensions():
         cxx_flags.append("-march=native")
     link_flags = ["-fopenmp"]
     if os.environ.get("LIGHTNING_REC_STATIC_LIBSTDCXX") == "1":
-        # .ci/static-libstdcxx: a private copy of the C++ runtime in the extension, as the lent H200's toolchain
-        # built it (its iostreams broke every formatted error message: csrc/check_message.h)
+        # .ci/static-libstdcxx: a private copy of the C++ runtime in the extension, as some toolchains build it
+        # (its iostreams can break every formatted error message: csrc/check_message.h)
         link_flags.append("-static-libstdc++")
     if os.environ.get("LIGHTNING_REC_SANITIZE") == "address":  # .ci/asan: the kernels under AddressSanitizer
         cxx_flags = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address", "-fopenmp", "-std=c++17"]

@@ -1,12 +1,12 @@
-"""Which refused argument of torch.ops.lightning_rec.parse_criteo crashes this machine (the lent H200 segfaulted).
+"""Which refused argument of torch.ops.lightning_rec.parse_criteo crashes this machine, if any.
 
     python .ci/criteo_op_probe.py        # each call in its own process: its exit status, and a C++ backtrace
                                          # (gdb, when the machine has it) for any call that crashed
 
-The lent H200 (torch 2.11+cu130, the extension built there) segfaulted at the second refusal of
-tests/test_criteo_native.py::test_op_refuses_bad_arguments (hash_mode=1 with one size); it passes on CPU here
-(torch 2.11 and 2.13, 16 threads, AddressSanitizer clean). Each call below throws one TORCH_CHECK; the one that
-crashes, and where, tells a bad throw (unwinding, the C++ runtime the extension was built with) from a bad read.
+Each call below throws one TORCH_CHECK. Where the extension's C++ runtime is broken (a toolchain that links a
+private, static libstdc++ can make every check whose message formats a value crash: csrc/check_message.h), the
+calls that crash, and where, tell a bad throw (unwinding, the runtime the extension was built with) from a bad
+read. It ends with the extension's `ldd` and the compiler's version; the exit status counts the crashes.
 """
 
 from __future__ import annotations

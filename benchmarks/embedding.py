@@ -90,12 +90,9 @@ def cuda_section(args) -> None:
         for i in range(5):
             step(i)
     torch.cuda.synchronize()
-    # Many short pairs (a block is ~35 ms): two runs on the lent H200 gave 0.983 and 0.960 from 12 pairs each, with
-    # no change to this path between them that a CPU profile sees; the minute-to-minute drift needs more pairs to
-    # settle. On the lent H100, one commit: 0.954 (48 pairs, quartiles 0.86 / 1.02, raw TBE 15.0M samples/s) on one
-    # machine, 0.997 (48 pairs of 30 steps, quartiles 0.99 / 1.00; 64 pairs of 100 steps, 0.96 / 1.00; raw 16.4M)
-    # on the next: the machine drifts more than the variants differ. Each pair swaps which variant goes first, so
-    # that neither always follows the other's tail.
+    # Many short pairs (a block is ~35 ms): GPU machines drift from minute to minute more than the variants differ
+    # (one commit on two H100s: 0.954 and 0.997, quartiles 0.86 / 1.02 and 0.99 / 1.00), and only many pairs settle
+    # it. Each pair swaps which variant goes first, so that neither always follows the other's tail.
     names = list(variants)
     for b in range(args.blocks):
         for name in (names if b % 2 == 0 else names[::-1]):

@@ -1,12 +1,12 @@
 // LR_CHECK / LR_CHECK_VALUE: TORCH_CHECK / TORCH_CHECK_VALUE whose message is built without std::ostringstream.
 //
-// Why: on the lent H200 (torch 2.11.0+cu130; this extension built there by /opt/gcc/bin/g++, which linked a private,
-// static libstdc++: `ldd` lists none) every TORCH_CHECK whose message formats a value segfaulted, while a check with
-// one literal message threw cleanly (.ci/criteo_op_probe.py: all six formatted refusals of parse_criteo crashed, the
-// literal one raised). TORCH_CHECK formats its arguments through c10::str, i.e. a std::ostringstream of that private
-// runtime; with one std::string argument c10::str returns it untouched. Linked with -static-libstdc++ here, the old
-// messages lost their values ("got " for "got 1": .ci/static-libstdcxx). So the message is assembled from
-// std::to_string and std::string alone, and only when the check fails (the macro evaluates it in that branch).
+// Why: built by a toolchain that links a private, static libstdc++ (`ldd` lists none), every TORCH_CHECK whose
+// message formats a value segfaulted, while a check with one literal message threw cleanly (.ci/criteo_op_probe.py
+// tells which calls crash). TORCH_CHECK formats its arguments through c10::str, i.e. a std::ostringstream of that
+// private runtime; with one std::string argument c10::str returns it untouched. Linked with -static-libstdc++ on
+// a healthy toolchain, the old messages lost their values ("got " for "got 1": .ci/static-libstdcxx). So the
+// message is assembled from std::to_string and std::string alone, and only when the check fails (the macro
+// evaluates it in that branch).
 #pragma once
 
 #include <ATen/ATen.h>
