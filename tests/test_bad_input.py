@@ -56,15 +56,23 @@ def assert_unchanged(module, before):
 # KJTs --------------------------------------------------------------------------------------------------
 
 
+def read_by_a_collection(kjt: KeyedJaggedTensor) -> None:
+    """The KJT constructor only assigns (as TorchRec's): a collection's first look at the batch runs its checks."""
+    ebc(weighted=kjt.weights_or_none() is not None)(kjt)
+
+
 @pytest.mark.parametrize("offsets,words", [
     ([1, 3, 5], "offsets start at 1, not 0.*rebase"),
     ([10**12, 10**12 + 2, 10**12 + 4], "start at 1000000000000, not 0"),
     ([0, 3, 2], "never decrease"),
     ([0, 2, 3], "end at 3 but there are 4 values"),
 ])
-def test_kjt_offsets_are_checked_at_construction(offsets, words):
+def test_kjt_offsets_are_checked_when_a_collection_reads_them(offsets, words):
+    kjt = KeyedJaggedTensor(["user"], torch.tensor([1, 2, 3, 4]), offsets=torch.tensor(offsets))
     with pytest.raises(ValueError, match=words):
-        KeyedJaggedTensor(["user"], torch.tensor([1, 2, 3, 4]), offsets=torch.tensor(offsets))
+        read_by_a_collection(kjt)
+    with pytest.raises(ValueError, match=words):
+        kjt.validate()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -81,13 +89,14 @@ def test_unrebased_slice_reaches_no_kernel(kernel):
 
 def test_ids_and_weights_dtypes_name_the_fix():
     with pytest.raises(ValueError, match="ids must be integers.*values.long()"):
-        KeyedJaggedTensor(["user"], torch.tensor([True, False]), lengths=torch.tensor([1, 1]))
+        read_by_a_collection(KeyedJaggedTensor(["user"], torch.tensor([True, False]), lengths=torch.tensor([1, 1])))
     with pytest.raises(ValueError, match="ids must be integers"):
-        KeyedJaggedTensor(["user"], torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
+        read_by_a_collection(KeyedJaggedTensor(["user"], torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1])))
     with pytest.raises(ValueError, match="weights must be floating point.*weights.float()"):
-        KeyedJaggedTensor(["user"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), weights=torch.tensor([1, 2]))
+        read_by_a_collection(KeyedJaggedTensor(["user"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]),
+                                               weights=torch.tensor([1, 2])))
     with pytest.raises(ValueError, match="keys must be a list.*keys=\\['user'\\]"):
-        KeyedJaggedTensor("user", torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+        read_by_a_collection(KeyedJaggedTensor("user", torch.tensor([1, 2]), lengths=torch.tensor([1, 1])))
 
 
 # ids and weights ------------------------------------------------------------------------------------
@@ -525,10 +534,10 @@ def test_kjt_methods_check_their_arguments(make, words):
     (dict(values=torch.tensor([1, 2, 3], device="meta"), lengths=torch.tensor([1, 2])),
      "values on meta, lengths on cpu: put them on one device"),
 ])
-def test_kjt_construction_refuses_what_no_kernel_reads(kwargs, words):
+def test_kjt_read_by_a_collection_refuses_what_no_kernel_reads(kwargs, words):
     args = {"keys": ["a", "b"], "values": torch.tensor([1, 2, 3]), **kwargs}
     with pytest.raises(ValueError, match=words):
-        KeyedJaggedTensor(**args)
+        read_by_a_collection(KeyedJaggedTensor(**args))
 
 
 def test_from_jt_dict_names_each_features_batch_size():
