@@ -124,3 +124,18 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("name", ["types", "errors", "_compat", "_device", "_native", "table_weight"])
 def test_leaves_import_nothing_of_ours(name):
     assert not GRAPH[name] - {"sharding.sharded_tensor", "types"}, GRAPH[name]
+
+
+def test_modules_and_functions_stay_small():
+    """docs/design.md: a module holds one concept (at most 850 lines), a function does one thing (at most 80 lines,
+    from its first decorator to its last line)."""
+    big = [f"{p.relative_to(ROOT.parent)}: {n} lines" for p in MODULES.values()
+           if (n := len(p.read_text().splitlines())) > 850]
+    long = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                if node.end_lineno - start + 1 > 80:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{start} {node.name}: {node.end_lineno - start + 1}")
+    assert not big and not long, "\n".join(["modules over 850 lines:", *big, "functions over 80 lines:", *long])
