@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "lightning_rec"
 FLOORS = [  # lowest first
     ("types", "errors", "_compat", "_device", "_native", "table_weight", "sharding.sharded_tensor", "metrics"),
     ("collective_guard", "shm_transport", "comm"),
-    ("sparse", "sparse_checks"),
+    ("sparse",),
     ("data",),
     ("optim.config", "native_embedding", "batch_check", "lookup"),
     ("embedding_configs", "embedding"),
