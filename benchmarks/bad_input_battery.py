@@ -1542,7 +1542,7 @@ def _model_cli_ckpt_cases():
                 if entry == "export":
                     return cli_mod.export_main(list(args))
                 if entry == "preprocess":
-                    from lightning_rec.data.preprocess import preprocess_main
+                    from lightning_rec.cli import preprocess_main
                     return preprocess_main(list(args))
                 return cli_mod.run_cli([entry, *args])
             except SystemExit as e:
@@ -2282,7 +2282,7 @@ def _more_cases():
 
     @case("more.preprocess_vocab_from_missing", CLIError, ["--vocab_from", "nowhere_vocab", "vocab.npz"])
     def _(ctx):
-        from lightning_rec.data.preprocess import preprocess_main
+        from lightning_rec.cli import preprocess_main
         p = write(ctx.tmp / "d.tsv", criteo_text(10))
         ctx.after(lambda: expect(not (ctx.tmp / "o").exists(), "a refused run left an output directory"))
         err = io.StringIO()
@@ -2296,7 +2296,7 @@ def _more_cases():
     @case("more.preprocess_then_train_shapes", timeout=60, legit="preprocess -> CriteoDataModule on the directory")
     def _(ctx):
         from lightning_rec import CriteoDataModule
-        from lightning_rec.data.preprocess import preprocess_main
+        from lightning_rec.cli import preprocess_main
         p = write(ctx.tmp / "d.tsv", criteo_text(50))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100"])

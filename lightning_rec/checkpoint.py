@@ -926,6 +926,9 @@ def _lightning_meta(path: Path) -> dict[str, Any]:
                          f"use an earlier checkpoint") from e
 
 
+lightning_meta = _lightning_meta  # the Lightning dict of a sharded checkpoint, tensors left out (the CLI reads it)
+
+
 def read_lightning_state(path: str | os.PathLike) -> dict[str, Any]:
     """Lightning's checkpoint dict of a DCP directory, its tensors left on disk (`DCPCheckpoint` markers)."""
     path = _readable_path(path)

@@ -578,8 +578,7 @@ def test_a_trainer_option_lightning_refuses_is_one_line(wrong, said):
 def test_preprocess_and_export_name_the_option_meant(tmp_path, capsys):
     # their argparse parsers said "unrecognized arguments: --num_embedings 10" alone; and export's two spellings of
     # one option made its prefix `--fp16` "ambiguous option: --fp16 could match --fp16-tables, --fp16_tables"
-    from lightning_rec.cli import export_main
-    from lightning_rec.data.preprocess import preprocess_main
+    from lightning_rec.cli import export_main, preprocess_main
 
     with pytest.raises(SystemExit):
         preprocess_main(["--input", "x.tsv", "--output_dir", str(tmp_path / "out"), "--num_embedings", "10"])

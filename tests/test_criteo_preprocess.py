@@ -17,10 +17,11 @@ import torch
 from conftest import SHARED_DATA
 
 import lightning_rec.data.preprocess as pre
+from lightning_rec.cli import preprocess_main
 from lightning_rec.data import CriteoDataModule, CriteoDataset, build_criteo_cache
 from lightning_rec.data.criteo_parse import native_parser_available
 from lightning_rec.data.criteo_shards import CriteoShardDataset, load_manifest, rank_segments
-from lightning_rec.data.preprocess import preprocess_criteo, preprocess_main
+from lightning_rec.data.preprocess import preprocess_criteo
 
 CRITEO = SHARED_DATA / "criteo"
 TRAIN = CRITEO / "criteo_kaggle_train_sample.tsv"

@@ -1,0 +1,433 @@
+"""`RecCLI`: LightningCLI for the recipes (fit / validate / test / predict), and `run_cli`, which runs it.
+
+Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a recipe can swap
+either without code. After `fit`, the final validation metrics are printed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import sys
+import warnings
+from types import MethodType
+
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
+
+import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
+from lightning_rec.cli.ckpt_path import CheckpointPathCLI
+from lightning_rec.cli.hints import (
+    _raised_in_lightning,
+    _warn_options_a_later_config_sets,
+    constructor_refusal,
+    did_you_mean,
+    remember_command_line,
+    strategy_hint,
+)
+
+
+class RecArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose refusal of a misspelt option also names the option that was meant."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        return super().error(message + did_you_mean(self, message), ex)
+
+    def print_usage(self, file=None) -> None:
+        # argparse prints the usage before an error: for `fit` that is 50 lines of every option, which push
+        # the one line that matters off the screen; the tip after it names --help for the whole list
+        usage = self.format_usage()
+        if usage.count("\n") > 3:
+            usage = f"usage: {self.prog} [options]\n"
+        self._print_message(usage, file or sys.stderr)
+
+
+def _strategy_class(strategy) -> type | None:
+    """The Strategy class that --trainer.strategy names: a registered name (`rec`, `ddp`), a class (`RecStrategy`,
+    `lightning.pytorch.strategies.DDPStrategy`, as a string or a class_path); None for anything else."""
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", "") or "")
+    if not name:
+        return None
+    if name in StrategyRegistry:
+        return StrategyRegistry[name]["strategy"]
+    module, _, attr = name.rpartition(".")
+    found = None
+    for where in [module] if module else ["lightning_rec.strategy", "lightning.pytorch.strategies"]:
+        try:
+            found = getattr(importlib.import_module(where), attr, None)
+        except ImportError:
+            found = None
+        if found is not None:
+            break
+    return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
+def _scheduled(configure, scheduler_init, ours: bool):
+    """A configure_optimizers whose one optimizer (what `configure` returns: fused tables and dense layers) the
+    --lr_scheduler (`scheduler_init`) drives."""
+    name = str(scheduler_init.get("class_path", "")).rsplit(".", 1)[-1]
+
+    def configure_optimizers(module):
+        optimizer = configure()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            warmup = getattr(module.hparams, "warmup_steps", 0) if ours else 0
+            because = (f"it warms up with a scheduler of its own (--model.warmup_steps={warmup}): set "
+                       f"--model.warmup_steps=0" if warmup else "give the optimizer and scheduler there")
+            raise ValueError(f"--lr_scheduler={name} schedules the one optimizer that "
+                             f"{type(module).__name__}.configure_optimizers returns, but it returned "
+                             f"{type(optimizer).__name__}: {because}, or leave --lr_scheduler out")
+        try:
+            scheduler = instantiate_class(optimizer, scheduler_init)
+        except ValueError as e:
+            if "cycle_momentum" not in str(e):
+                raise
+            # the combined optimizer's refusal (lightning_rec.optim) names the Python argument; here the flag:
+            # the fused tables' betas are fixed when they are built, and the combined optimizer has no one momentum
+            raise ValueError(f"--lr_scheduler={name} cycles the momentum by default, but the optimizer that "
+                             f"{type(module).__name__} returns ({type(optimizer).__name__}: fused tables + dense "
+                             f"layers) has no one momentum to cycle (the fused tables' hyper-parameters are fixed "
+                             f"when they are built; only their lr follows a scheduler): add "
+                             f"--lr_scheduler.cycle_momentum=false") from None
+        return LightningCLI.configure_optimizers(module, optimizer, scheduler)
+
+    return configure_optimizers
+
+
+class RecCLI(CheckpointPathCLI):
+    """LightningCLI for the recipes: errors said in a line with their fix, fused tables kept in step, predict
+    writing its rows."""
+
+    def _check_accelerator(self, config) -> None:
+        # Lightning's "No supported gpu backend found!" names neither what is missing nor the fix; and
+        # LightningCLI builds the model before the Trainer, so a GPU recipe on a CPU machine first tried to
+        # allocate its GPU-sized tables in host memory and reported that instead of the missing GPU
+        from lightning_rec.lookup import cuda_missing
+
+        accelerator = str(self._get(config, "trainer", {}).get("accelerator", "")).lower()
+        what = cuda_missing() if accelerator in ("gpu", "cuda") else None
+        if what is not None:
+            raise SystemExit(f"lightning-rec: --trainer.accelerator={accelerator} needs a CUDA GPU, but {what}; "
+                             f"or use --trainer.accelerator=cpu")
+
+    def instantiate_trainer(self, **kwargs):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy = self._get(self.config_init, "trainer", {}).get("strategy")
+        if isinstance(strategy, str) and strategy not in StrategyRegistry and "strategy" not in kwargs:
+            # `--trainer.strategy=RecStrategy` (the class, as with options: --trainer.strategy.pipeline=true) stays a
+            # string without options, and Lightning refused it: "recstrategy is not a strategy name"
+            cls = _strategy_class(strategy)
+            if cls is not None:
+                kwargs["strategy"] = cls()
+        if strategy in (None, "auto") and "strategy" not in kwargs and self.subcommand == "fit":
+            kwargs.update(self._rec_for_fused_tables_on_ranks())
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as e:
+            self._check_accelerator(self.config_init)
+            # Lightning's refusal of a Trainer option (`--trainer.devices=0`, `--trainer.max_epochs=-5`) names the
+            # option: it came after a 40-line traceback
+            raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
+        except TypeError as e:
+            # `--trainer.devices=two` / `=-3`: "`devices` selected with `CPUAccelerator` should be an int > 0", raised
+            # as a TypeError by Lightning's device parsing (a TypeError from elsewhere is a bug: its traceback stays)
+            if not _raised_in_lightning(e):
+                raise
+            raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
+        except ValueError as e:  # Lightning's refusal of a misspelt strategy name: a 40-line traceback, no guess
+            said = strategy_hint(str(e))
+            if said:
+                raise SystemExit(said) from None
+            raise
+
+    def _rec_for_fused_tables_on_ranks(self) -> dict:
+        # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe leaves the strategy to auto): Lightning
+        # picks DDP, under which fused tables cannot train (each rank would update its own copy), and each rank
+        # refused it with "use --trainer.strategy=rec". What auto can mean for such a model at 2+ ranks is rec
+        trainer = self._get(self.config_init, "trainer", {}) or {}
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+        count = len(devices) if isinstance(devices, (list, tuple)) else \
+            int(devices) if isinstance(devices, int) or str(devices).isdigit() else 1  # ("auto", -1: not counted)
+        world = count * (nodes if isinstance(nodes, int) else 1)
+        if world <= 1 or self.model is None:
+            return {}
+        from lightning_rec.models.module_hooks import RecModuleHooks, fused_table_modules
+
+        fused = fused_table_modules(self.model)
+        if not fused and not isinstance(self.model, RecModuleHooks):
+            return {}
+        if not fused:  # a library module that builds its tables later (the two-tower's, sized from the data)
+            optimizer = getattr(getattr(self.model, "hparams", None), "sparse_optimizer", None)
+            if not optimizer:
+                return {}
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"lightning-rec fit: {type(self.model).__name__} trains its tables with a fused optimizer, "
+                       f"which only --trainer.strategy=rec keeps in step over {world} processes: using it "
+                       f"(the recipe's strategy is auto)")
+        return {"strategy": "rec"}
+
+    def _trainer_options_named(self, error: BaseException) -> str:
+        """`--trainer.devices=two: ` for the Trainer options that Lightning's refusal names in backticks, or ''."""
+        trainer = self._get(self.config, "trainer", {}) or {}
+        named = dict.fromkeys(m for m in re.findall(r"`(\w+)`", str(error)) if m in trainer)
+        return "".join(f"--trainer.{k}={trainer.get(k)}: " for k in named)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        self._argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, list) else []
+        _warn_options_a_later_config_sets(self._argv)  # (before parsing: --print_config exits inside it)
+        remember_command_line(self._argv)  # a refusal of a config file names the file (did_you_mean)
+        super().parse_arguments(parser, args)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list):
+        # Every recipe says enable_checkpointing: false (no checkpoints unless asked); asking is adding a
+        # ModelCheckpoint (`--trainer.callbacks+=ModelCheckpoint`, as the README shows), which Lightning then
+        # refused with a MisconfigurationException traceback. The callback the user added is the ask.
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if config.get("enable_checkpointing") is False and any(isinstance(c, ModelCheckpoint) for c in given):
+            config = {**config, "enable_checkpointing": True}
+        return super()._instantiate_trainer(config, callbacks)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # every command's parser gets them (LightningCLI adds arguments to all alike); only predict reads them
+        parser.add_argument("--predictions.output_path", type=str | None, default=None,
+                            help="predict: the file to write (.csv, .tsv or .parquet); default "
+                                 "<trainer.default_root_dir>/predictions.csv (or the next free predictions_<n>.csv)")
+        parser.add_argument("--predictions.overwrite", type=bool, default=False,
+                            help="predict: replace an existing predictions.output_path (default: refuse it)")
+
+    def before_predict(self) -> None:
+        # Lightning's predict keeps what predict_step returns in memory and writes nothing: add the writer
+        from lightning.pytorch.callbacks import BasePredictionWriter
+
+        from lightning_rec.predict import PredictionWriter
+
+        options = self._get(self.config, "predictions", None) or {}
+        given = [c for c in self.trainer.callbacks if isinstance(c, BasePredictionWriter)]
+        if given and (options.get("output_path") is not None or options.get("overwrite")):
+            raise ValueError(f"--predictions.* set the writer that predict adds, but trainer.callbacks has one "
+                             f"already ({type(given[0]).__name__}): set its own options, or drop it")
+        if not given:
+            self.trainer.callbacks.append(PredictionWriter(options.get("output_path"), bool(options.get("overwrite"))))
+        arguments = self.config_init[self.subcommand]
+        if arguments.get("return_predictions") is None:
+            # the writer has every row; Lightning would also keep every batch's output in memory to return them,
+            # and the CLI drops what predict returns (--return_predictions=true still asks for it)
+            arguments["return_predictions"] = False
+
+    def after_predict(self) -> None:
+        from lightning_rec.predict import PredictionWriter
+
+        for writer in self.trainer.callbacks:
+            if isinstance(writer, PredictionWriter) and writer.written_path is not None and self.trainer.is_global_zero:
+                print(f"predictions: {writer.num_rows} rows written to {writer.written_path}", flush=True)
+
+    def _logs_under_root_dir(self, config) -> None:
+        # A W&B logger with no save_dir of its own writes where the run writes (--trainer.default_root_dir), as
+        # Lightning's default logger does; WandbLogger's own default is the working directory
+        trainer = self._get(config, "trainer", {})
+        loggers = trainer.get("logger")
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            init = getattr(logger, "init_args", None) if str(getattr(logger, "class_path", "")).endswith(
+                "WandbLogger") else None
+            if init is not None and init.get("save_dir") in (None, ".") and not init.get("dir") and \
+                    trainer.get("default_root_dir"):
+                init.save_dir = trainer.get("default_root_dir")
+
+    def _check_wandb_installed(self, config) -> None:
+        # Lightning says "Requirement 'wandb>=0.12.10' not met. HINT: Try running `pip install -U ...`": the two
+        # MovieLens recipes log to W&B, and the way to run them without it was not said
+        loggers = self._get(config, "trainer", {}).get("logger")
+        wandb = [logger for logger in (loggers if isinstance(loggers, list) else [loggers])
+                 if str(getattr(logger, "class_path", "")).endswith("WandbLogger")]
+        if wandb and importlib.util.find_spec("wandb") is None:
+            raise SystemExit("lightning-rec: error: the logger is W&B's (trainer.logger: WandbLogger), but wandb is "
+                             "not installed: `pip install wandb` (it runs offline unless WANDB_MODE=online), or run "
+                             "without it: --trainer.logger=false (or --trainer.logger=CSVLogger "
+                             "--trainer.logger.save_dir=DIR)")
+
+    def instantiate_classes(self) -> None:
+        self._check_accelerator(self.config)
+        self._check_wandb_installed(self.config)
+        self._logs_under_root_dir(self.config)
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            # A model's or data module's own ValueError (our way of naming a bad argument and its fix) comes
+            # wrapped in jsonargparse's Union report, after two tracebacks: 70 lines for one sentence
+            said = constructor_refusal(e)
+            if said:
+                raise SystemExit(f"lightning-rec: error: {said}") from None
+            raise
+
+    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+        # LightningCLI's --optimizer / --lr_scheduler. Lightning's own handling swaps configure_optimizers for an
+        # optimizer over model.parameters(): for the library's modules that left the fused tables out of it (the
+        # scheduler never moved their rate, their optimizer state left the checkpoint) and dropped
+        # --model.dense_optimizer and warmup_steps without a word; and --lr_scheduler without --optimizer did nothing.
+        # Here --optimizer is the dense layers' optimizer (in place of --model.dense_optimizer / dense_lr /
+        # dense_weight_decay) and --lr_scheduler drives the optimizer the module returns: fused tables and dense layers
+        from lightning_rec.models.module_hooks import RecModuleHooks
+
+        optimizer_init = self._get(self.config_init, "optimizer")
+        scheduler_init = self._get(self.config_init, "lr_scheduler")
+        model = self.model
+        ours = isinstance(model, RecModuleHooks)
+        if not scheduler_init and not (optimizer_init and ours) or optimizer_init and not ours:
+            return super()._add_configure_optimizers_method_to_model(subcommand)
+        if optimizer_init:
+            model.cli_dense_optimizer = functools.partial(instantiate_class, init=optimizer_init)  # picklable
+        if not scheduler_init:
+            return
+        model.configure_optimizers = MethodType(_scheduled(model.configure_optimizers, scheduler_init, ours), model)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        self._check_ckpt_path(subcommand, self._prepare_subcommand_kwargs(subcommand).get("ckpt_path"))
+        if subcommand != "fit":  # evaluation restores no callback state: Lightning's advice has nothing to act on
+            warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create")
+        check_paths = getattr(self.datamodule, "check_paths", None)
+        if callable(check_paths):  # a missing file: one line here, before N ranks start (not N tracebacks)
+            try:
+                check_paths(subcommand)
+            except ValueError as e:
+                raise SystemExit(f"lightning-rec {subcommand}: error: {e}") from None
+        super()._run_subcommand(subcommand)
+
+    def after_fit(self) -> None:
+        # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)
+        # log test_* there too
+        trainer = self.trainer
+        validated = False
+        for prefix, what in (("val_", "validation"), ("test_", "test")):
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
+            validated |= bool(metrics) and prefix == "val_"
+            if metrics and trainer.is_global_zero:
+                shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
+                print(f"final {what}: {shown}", flush=True)
+        # a recipe that validates every 16 epochs, run for 3: the sanity check read validation batches, so there is
+        # data to validate on, yet the run ended without a metric and without a word
+        if not validated and trainer.is_global_zero and trainer.global_step > 0 and self._has_validation_data():
+            every = trainer.check_val_every_n_epoch
+            why = (f"it runs every {every} epochs here and this fit ran {trainer.current_epoch}" if every and
+                   every > trainer.current_epoch else f"none of its points was reached in {trainer.global_step} steps")
+            print(f"final validation: none ran ({why}): set --trainer.check_val_every_n_epoch (or "
+                  f"--trainer.val_check_interval), or run `lightning-rec validate` with the fit's checkpoint",
+                  flush=True)
+        self._say_if_no_checkpoint_was_saved()
+
+    def _has_validation_data(self) -> bool:
+        trainer = self.trainer
+        if sum(trainer.num_val_batches or [0]) > 0:  # the sanity check read some
+            return True
+        if not trainer.limit_val_batches or trainer.datamodule is None:
+            return False
+        try:  # no sanity check (the MovieLens recipes skip it): ask the data module; building a loader reads nothing
+            loaders = trainer.datamodule.val_dataloader()
+            loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+            return any(len(loader) > 0 for loader in loaders)
+        except Exception:  # noqa: BLE001 (a stream without a length, a module without validation: stay quiet)
+            return False
+
+    def _say_if_no_checkpoint_was_saved(self) -> None:
+        # A ModelCheckpoint without a monitor saves after validation when validation is not every epoch: a fit
+        # shorter than the recipe's check_val_every_n_epoch (1 epoch of a 40-epoch recipe, say) saved nothing, and
+        # Lightning does not say so
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer = self.trainer
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and trainer.global_step > 0 and not callback.best_model_path \
+                    and not callback.last_model_path and trainer.is_global_zero:
+                every = trainer.check_val_every_n_epoch
+                why = (f"it saves after validation, which runs every {every} epochs here and did not run in "
+                       f"{trainer.current_epoch} epoch(s)" if every and every > trainer.current_epoch
+                       else "none of its save points was reached")
+                # --trainer.callbacks.X sets the last callback of the command line's list: Lightning's own
+                # ModelCheckpoint (enable_checkpointing, none given) is not in it, and jsonargparse refused the advice
+                callbacks = (self._get(self.config, "trainer", None) or {}).get("callbacks") or []
+                last = callbacks[-1] if isinstance(callbacks, list) and callbacks else None
+                given = str(getattr(last, "class_path", None) or "").endswith("ModelCheckpoint")
+                add = "" if given else "--trainer.callbacks+=ModelCheckpoint "
+                warnings.warn(f"ModelCheckpoint(dirpath={callback.dirpath}) saved no checkpoint in this fit: {why}. "
+                              f"Add {add}--trainer.callbacks.save_last=true (a last.ckpt when fit ends) or "
+                              f"{add}--trainer.callbacks.every_n_train_steps=N", stacklevel=1)
+
+
+class _LoggedConfig(SaveConfigCallback):
+    """config.yaml beside the run, as Lightning writes it; and the run's seed and Trainer settings to its loggers."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        # Lightning gives the loggers the module's and the data module's hyperparameters only: a W&B run (uploaded
+        # without the config.yaml written beside it) could not say its seed, epochs, devices, strategy or precision
+        import json
+
+        trainer_config = self.config.get("trainer")
+        if hasattr(trainer_config, "as_dict"):
+            trainer_config = trainer_config.as_dict()
+        settings = {"seed_everything": self.config.get("seed_everything"), "trainer": trainer_config}
+        settings = json.loads(json.dumps(settings, default=str))  # paths and the like as text: every logger takes it
+        for logger in trainer.loggers:  # (rank 0 only: Lightning calls save_config there)
+            logger.log_hyperparams(settings)
+
+
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:  # Lightning's advertisements (litlogger, litmodels)
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def run_cli(args: list[str] | None = None) -> RecCLI:
+    """Run the CLI and return it (tests read its trainer and model)."""
+    # W&B never reaches the network unless the user asks for it (WANDB_MODE=online).
+    os.environ.setdefault("WANDB_MODE", "offline")
+    # Lightning 2.6 asks torch 2.13's pytree an isinstance() that torch now deprecates: a FutureWarning in every
+    # run (each rank) that no recipe can act on; Lightning's to change
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+    # lines of Lightning's in every run that no recipe can act on: its advertisements (litlogger, litmodels), and
+    # that the default logger is a CSVLogger when tensorboard is absent (the recipes say where their logs go)
+    warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed")
+    # and two about our loaders that do not apply: streams and shard sets split rows between workers themselves
+    # (their len() is exact), and predictions find each row's place without the loader's sample indices
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", message=r"Couldn't infer the batch indices fetched from your dataloader")
+    # and that a fit without --data.val_path has no validation batches: the data module's empty list says so on
+    # purpose (an empty val file is a DataLoader of length zero, and Lightning still names it)
+    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        rank_zero_log = logging.getLogger(name)
+        if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
+            rank_zero_log.addFilter(_NoLitLoggerTip())
+    # jsonargparse resolves a short class name (`--model=DLRMModule`, `--data=SyntheticCriteoDataModule`, as
+    # LightningCLI's docs write them) among the subclasses imported so far: without these imports it refused the
+    # library's own ("DLRMModule either not accessible or invalid"), and its hint named the same name
+    import lightning_rec.data  # noqa: F401
+    import lightning_rec.models  # noqa: F401
+
+    return RecCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_callback=_LoggedConfig,
+        save_config_kwargs={"overwrite": True},
+        parser_class=RecArgumentParser,
+        # the two commands main() runs itself are not LightningCLI's subcommands: --help names them too
+        parser_kwargs={"description": "Train, evaluate and predict with a recipe (fit / validate / test / predict "
+                                      "--config recipes/configs/<recipe>.yaml); also `lightning-rec preprocess "
+                                      "--help` (Criteo days to shards) and `lightning-rec export --help` (a "
+                                      "checkpoint to an unsharded model for inference)."},
+        args=args,  # None: LightningCLI reads sys.argv itself (passing it too makes Lightning warn)
+    )
+
+
