@@ -85,6 +85,7 @@ def _concat_logs(tables: list[pa.Table], files: list[Path], what: Path) -> pa.Ta
 
 
 def detect_layout(data_dir: Path) -> tuple[str, Path]:
+    """(layout, its ratings file): ml-100k, ml-1m, ml-20m (a ratings.csv), parquet or recbole."""
     if parquet_ratings(data_dir):  # data_dir names the Parquet log itself (a Hub dataset's file, or a pattern)
         return "parquet", data_dir
     for layout, name in (("ml-100k", "u.data"), ("ml-1m", "ratings.dat"), ("ml-20m", "ratings.csv"),
