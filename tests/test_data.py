@@ -905,9 +905,10 @@ def _dataset_rows_at_rank(rank: int, world_size: int, root: str, seed: int | Non
     the rows of a hand-written loop's first pass (dense I1 = the row's number), or the error."""
     import datasets
 
-    from lightning_rec.data import MovieLensDataModule, movielens
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.data.movielens import datamodule
 
-    movielens.default_cache_dir = lambda: Path(root) / "movielens"  # (this rank's process only)
+    datamodule.default_cache_dir = lambda: Path(root) / "movielens"  # (this rank's process only)
 
     np.random.seed(100 + rank)  # two separately started processes: numpy's random state differs
     rows = [good_row(k % 2, i1=str(k)).split("\t") for k in range(64)]

@@ -297,9 +297,9 @@ def test_a_datasets_dataset_is_read_as_its_parquet_copy(tmp_path, monkeypatch):
     import datasets
     import pyarrow.parquet as pq
 
-    from lightning_rec.data import movielens
+    from lightning_rec.data.movielens import datamodule
 
-    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(datamodule, "default_cache_dir", lambda: tmp_path / "cache")
     log = _string_id_log()
     table = pa.table({"reviewer": [u for u, _, _ in log], "asin": [i for _, i, _ in log],
                       "stars": [float(1 + t % 5) for _, _, t in log], "time": [t for _, _, t in log]})
@@ -336,9 +336,9 @@ def test_given_splits_train_validate_and_test_on_the_logs_own_files(tmp_path, mo
     validates and tests on its own files: they were read as one log and split again, or refused."""
     import datasets
 
-    from lightning_rec.data import movielens
+    from lightning_rec.data.movielens import datamodule
 
-    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(datamodule, "default_cache_dir", lambda: tmp_path / "cache")
     log = _string_id_log()
     by_user: dict[str, list] = {}
     for u, i, t in log:
@@ -874,9 +874,9 @@ def test_a_headerless_log_read_as_headed_says_its_first_row_became_the_names(tmp
     It now says the names are a row and to read the file with column names."""
     import datasets
 
-    from lightning_rec.data import movielens
+    from lightning_rec.data.movielens import datamodule
 
-    monkeypatch.setattr(movielens, "default_cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(datamodule, "default_cache_dir", lambda: tmp_path / "cache")
     rows = [(u, i, 4, 100 + k) for k, (u, i) in enumerate((u, i) for u in range(1, 5) for i in range(1, 6))]
     path = _write(tmp_path / "u.data", "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows))
     ds = datasets.load_dataset("csv", data_files=str(path), sep="\t", split="train", cache_dir=str(tmp_path / "hf"))
