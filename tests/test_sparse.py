@@ -426,7 +426,8 @@ def test_a_collection_validates_each_batch_it_is_given_once():
     batch, on the host copy it was moved from), so a malformed batch still fails before any lookup, naming the fix."""
     from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])])
+    table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])
+    ebc = EmbeddingBagCollection([table])
     bad = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="lengths add up to 3 but there are 4 values"):
         ebc(bad)
