@@ -42,8 +42,8 @@ from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables,
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
     """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
     configs' data_type; the fused kernels are built for it)."""
-    # Lightning's "64-true" was told to use bf16-mixed; and a parent's layers converted before this collection refused
-    # stay converted (nn.Module._apply walks children in order), so the next forward failed on mixed dtypes
+    # names the Lightning precision that converts to this dtype; a parent's layers converted before this refusal
+    # stay converted (nn.Module._apply walks children in order), so it says how to convert them back
     lightning = ("Lightning's precision='64-true' converts it: use '32-true', the tables have no float64 kernel"
                  if dtype == torch.float64 else
                  "Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed'")
@@ -93,7 +93,7 @@ class FeatureRouter:
             index = features.index_per_key()
             missing = [f for f in self.feature_names if f not in index]
             if missing:
-                # the differences, a few of each: Criteo's 26 names under another spelling listed both whole lists
+                # the differences, a few of each: two whole lists of 26 names would hide them
                 unexpected = [k for k in keys if k not in self._by_feature]
                 read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:5])
                 extra = (f"; it has {some(unexpected)} that no table reads" if unexpected else
@@ -130,8 +130,8 @@ class FeatureRouter:
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
                              f"build the KJT with weights=..., or set is_weighted=False")
-        # torch.export traces with symbolic ids that no check can read (it stopped at "Could not guard on
-        # data-dependent expression"): an exported program takes its ids unchecked, as TorchRec's does
+        # torch.export traces symbolic ids that no check can read: an exported program takes its ids unchecked,
+        # as TorchRec's does
         if validate_ids and not torch.compiler.is_exporting():
             if features.device().type != "cpu" and self.device_check is not None:
                 self.device_check.before_lookup(features, rows_in, tables_in)  # raises for an earlier bad batch
@@ -302,11 +302,9 @@ class _EmbeddingCollectionBase(nn.Module):
         weakref.finalize(param, _TABLE_OWNERS.pop, id(param), None)  # gone with the parameter, not kept forever
 
     def __setstate__(self, state: dict) -> None:
-        # copy.deepcopy and pickle (torch.save(model)) come through here. nn.Parameter's deepcopy clones its data,
-        # so a copy's table parameters no longer viewed its own kernels' storage: the copy trained, but its
-        # state_dict kept the weights of the moment it was copied and a load_state_dict into it changed nothing.
-        # Point them at the kernels again (the weights are equal: both were copied from the same values), and
-        # register them, as the originals are, for apply_optimizer_in_backward.
+        # copy.deepcopy and pickle (torch.save(model)) come through here. nn.Parameter's deepcopy clones its data:
+        # point the copy's table parameters at its own kernels' storage again (equal values) and register them,
+        # as the originals are, for apply_optimizer_in_backward.
         super().__setstate__(state)
         _LIVE_COLLECTIONS[id(self)] = self
         table_weights = self._lookup.table_weights()
@@ -413,10 +411,9 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         if self._device.type == "meta":
-            # Built on "meta" (TorchRec's way to build tables larger than one device): no values to move. They
-            # stay there until DistributedModelParallel (Trainer(strategy="rec")) draws each shard where it lives;
-            # Lightning moves the module to its device before the strategy shards it (that move failed with
-            # "Cannot copy out of meta tensor"). A forward before sharding says so (_route).
+            # Built on "meta" (TorchRec's way to build tables larger than one device): no values to move, also when
+            # Lightning moves the module before the strategy shards it, which draws each shard where it lives.
+            # A forward before sharding says so (_route).
             return self
         # .to(...) / .cuda() / a parent's, all through here: without CUDA, one line instead of torch's
         # AssertionError from inside the copy ("Torch not compiled with CUDA enabled")

@@ -71,7 +71,7 @@ class BaseEmbeddingConfig:
     # row_wise included (TorchRec needs this flag for it), so either value is taken and changes nothing.
     need_pos: bool = False
     # TorchRec's fields for what this package does not do (inference-time row pruning, bucketized and virtual
-    # tables): the default taken, another value refused naming what to do (they were unexpected-keyword TypeErrors)
+    # tables): the default taken, another value refused naming what to do
     num_embeddings_post_pruning: int | None = None
     input_dim: int | None = None
     total_num_buckets: int | None = None

@@ -64,9 +64,8 @@ class LocalTable:
 def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
     """torch.cat of kernel outputs, by plain type promotion also under autocast.
 
-    Under CPU autocast to bfloat16 (Lightning's precision="bf16-mixed") cat takes autocast's promote path, which
-    refuses float16: an FP16 table's output (unfused, or fbgemm's) failed there with "Unexpected floating
-    ScalarType in at::autocast::prioritize", so the README's pair of bf16-mixed and FP16 tables did not run.
+    Under CPU autocast to bfloat16 (precision="bf16-mixed") cat takes autocast's promote path, which refuses an
+    FP16 table's output ("Unexpected floating ScalarType in at::autocast::prioritize").
     """
     if len(parts) == 1:
         return parts[0]
@@ -154,17 +153,15 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
     ):
         return "native"
     if optimizer.weight_decay and opt in _FBGEMM_CPU_NO_DECAY:
-        # fbgemm-gpu-cpu's EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD apply w -= lr * g (/ ...) without the
-        # decay term, whatever WeightDecayMode (tests/test_native_embedding.py): the tables would train as if
-        # weight_decay were 0, silently. Sequence tables have no CPU kernel that decays.
+        # fbgemm's CPU EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD leave out the decay term whatever
+        # WeightDecayMode (tests/test_native_embedding.py); sequence tables have no CPU kernel that decays.
         fix = ("use kernel='native' (or 'auto')" if pooling in NATIVE_POOLINGS else
                "sequence tables (EmbeddingCollection) run on fbgemm on CPU, which has no weight decay: train them on "
                "GPU (device='cuda') to decay them")
         raise ValueError(f"fbgemm's CPU kernel ignores weight_decay={optimizer.weight_decay} for fused optimizer "
                          f"{opt}: {fix}, or weight_decay=0")
     if opt not in FBGEMM_CPU_OPTIMIZERS and pooling not in NATIVE_POOLINGS:
-        # the native kernel pools: sequence tables have fbgemm's CPU optimizers only (the list above said "CPU
-        # supports ..., adam" beside "adam is not available on CPU")
+        # the native kernel pools: sequence tables have fbgemm's CPU optimizers only
         raise ValueError(f"fused optimizer {opt} is not available for sequence tables (EmbeddingCollection) on CPU, "
                          f"which run on fbgemm's CPU kernel: use {', '.join(str(o) for o in FBGEMM_CPU_OPTIMIZERS)}, "
                          f"or train on GPU (device='cuda')")
@@ -243,9 +240,8 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # LARS's own (None for the other updates, which have neither): fbgemm's defaults then
         **{k: v for k, v in (("momentum", optimizer.momentum), ("eta", optimizer.eta)) if v is not None},
         weights_precision=precision[dtype],
-        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's fused kernels (fbgemm's default): an fp16
-        # output gave the update an fp16 gradient (a small one, subnormal there, kept a few bits), and ranks whose
-        # tables differ in data_type sent their embeddings in different dtypes to the same output all-to-all
+        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's: the update gets an fp32 gradient (a small
+        # one is subnormal in fp16), and every rank sends one dtype through the output all-to-all
         output_dtype=fb["SparseType"].FP32,
         pooling_mode=pooling_mode,
         # CPU batches are checked (with feature and table names) before the kernel (batch_check.py).
@@ -271,8 +267,8 @@ def fbgemm_optimizer_states(tbe: nn.Module, opt: EmbOptimType) -> list[dict[str,
 
     Same names on every kernel and device, so that state saved on GPU (fbgemm) loads on CPU (native)
     and back, and `.to(device)` carries it: Adam / LAMB add the shared step counter as "step" (a
-    0-dim view of fbgemm's `iter`; without it a resumed run restarts bias correction, and a CPU
-    checkpoint's "step" had nowhere to go); LARS-SGD's momentum comes from split_optimizer_states.
+    0-dim view of fbgemm's `iter`, so a resumed run keeps its bias correction); LARS-SGD's momentum comes
+    from split_optimizer_states.
     """
     if opt in _FBGEMM_SPLIT_STATE_NAMES:
         names = _FBGEMM_SPLIT_STATE_NAMES[opt]
@@ -324,9 +320,8 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _tbe_lookup(tbe, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
     if torch.is_inference_mode_enabled() and values_N.device.type == "cpu":
-        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips:
-        # "Could not run 'fbgemm::split_embedding_codegen_lookup_*_function_pt2' with arguments from the 'CPU'
-        # backend". Out of inference mode, without grad, the same kernel computes the same rows and updates nothing
+        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips ("Could not
+        # run ... from the 'CPU' backend"); outside it, without grad, the kernel gives the same rows, no update
         with torch.inference_mode(False), torch.no_grad():
             return tbe(values_N, offsets, per_sample_weights=weights_N)
     return tbe(values_N, offsets, per_sample_weights=weights_N)
@@ -442,11 +437,9 @@ class FusedKernel(nn.Module):
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
         if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
-            # fbgemm's TBE forward reads its step counter on the host (`iter_cpu.item()`), which torch.export cannot
-            # trace ("get value out of a tracing tensor"): every fbgemm collection (all of them on GPU) failed to
-            # export. An exported program only infers, so torch's own lookup over the same rows (views of the
-            # kernel's storage, configured dims) computes the same output; fp32 out, as the kernel's. The same for
-            # a compiled lookup without grad (evaluation), which then compiles whole (torch.compile(fullgraph=True))
+            # fbgemm's TBE forward reads its step counter on the host (`iter_cpu.item()`), which export cannot trace.
+            # Without an update, torch's lookup over the same rows gives the kernel's output (fp32); a compiled
+            # lookup without grad (evaluation) takes it too, and so compiles whole.
             return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
                                 fp32_out=True)
         if torch.compiler.is_compiling():
@@ -554,7 +547,7 @@ def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_
     """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none').
 
     fp32_out: rows of fp16 tables are read as fp32 before pooling, as the fused kernels pool (an fp16 sum
-    differed from theirs by ~1e-4)."""
+    differs from theirs by ~1e-4)."""
     outs = []
     # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
     for t, jt in zip(feature_table, features.to_dict().values()):

@@ -181,7 +181,7 @@ class RunSpill:
                 self.all_nan[k] = False
         self._parts.append(table)
         self._bytes += sum(v.nbytes for v in table.values())
-        self._rows += num_rows(table)  # a running count: a sum over the parts per batch grew with the parts
+        self._rows += num_rows(table)  # a running count: a sum over the parts per batch grows with the parts
         self.held_rows_peak = max(self.held_rows_peak, self._rows)
         if self._bytes >= self.spill_bytes:
             self._spill()
@@ -301,8 +301,7 @@ class TableWriter:
 
     def _quoting(self, batch) -> str:
         """"none" (ids as they are), or "needed" (RFC 4180: pyarrow then quotes every string of the batch) for a batch
-        with a string id that holds the separator, a quote or a line break: "none" refused it (ArrowInvalid), and
-        predict failed after every row was computed."""
+        with a string id that holds the separator, a quote or a line break, which "none" refuses (ArrowInvalid)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 

@@ -77,8 +77,8 @@ class ShardingEnv:
         return self.transport if self.transport is not None else self.pg
 
     def __reduce_ex__(self, protocol):
-        # copy.deepcopy / pickle of a sharded model (torch.optim.swa_utils.AveragedModel(dmp), an EMA helper,
-        # torch.save(dmp)) said only "cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object"
+        # copy.deepcopy / pickle of a sharded model (AveragedModel(dmp), an EMA helper, torch.save(dmp)): torch's own
+        # error names only the ProcessGroup
         if self.pg is None:
             return super().__reduce_ex__(protocol)
         raise TypeError(
@@ -109,8 +109,7 @@ class ReplicaKernel:
     Quacks like lookup.FusedKernel for FusedOptimizer (tables, optimizer_config, weights, state, lr). Each call
     (`forward`) looks up through leaves of its own that view the weights, so its backward applies the rule once
     for that call, as a fused kernel's backward does: a collection called twice in a step (positives, then
-    negatives) updates twice, as its sharded tables do (one hook on the weights summed both calls' gradients
-    into one step, so Adagrad there took another step than on the sharded tables).
+    negatives) updates twice, as its sharded tables do (one hook on the weights would take one step on the sum).
     """
 
     def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
@@ -125,10 +124,8 @@ class ReplicaKernel:
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """This call's lookup: pooled_BD (bags) or values_ND (sequence); its backward updates the rows it named."""
-        # An FP16 replica is looked up through a float32 copy, as the fused kernels give float32 rows and take a
-        # float32 gradient: in float16 a sequence table's rows came out float16 (the unsharded collection's and the
-        # other shards' float32), bags summed in float16, and a small gradient (subnormal there) lost its bits
-        # before the update. The copy costs what the dense float32 gradient of the table does.
+        # An FP16 replica is looked up through a float32 copy: float32 rows and a float32 gradient, as the fused
+        # kernels give and take (a small gradient is subnormal in float16). It costs what the float32 gradient does.
         leaves = [(w.detach() if w.dtype == torch.float32 else w.detach().float()).requires_grad_(
             w.requires_grad and torch.is_grad_enabled()) for w in self.kernel.weights]
         if any(leaf.requires_grad for leaf in leaves):
@@ -169,7 +166,7 @@ class ReplicaKernel:
         return self._states
 
     def set_learning_rate(self, lr: float) -> None:
-        # checked as the fused kernels' rate is: a NaN from a scheduler wrote NaN into the replicated tables only
+        # checked as the fused kernels' rate is: a NaN from a scheduler would write NaN into the replicated tables
         self._lr = check_fused_lr(lr, [t.name for t in self.tables])
 
     def get_learning_rate(self) -> float:
@@ -197,7 +194,7 @@ class ShardedTableWeight(FusedTableWeight):
     """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table.
 
     `numel()` is the global table's rows x columns, so that Lightning's ModelSummary and `sum(p.numel() for p in
-    model.parameters())` count a sharded model's tables as the unsharded model's (they read 0 before). Its shape
+    model.parameters())` count a sharded model's tables as the unsharded model's. Its shape
     stays what it holds, (0,): nothing allocates, moves or broadcasts the table through it (DDP's start-up broadcast
     of the model's parameters, `.to()`, deepcopy)."""
 
@@ -206,10 +203,8 @@ class ShardedTableWeight(FusedTableWeight):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # torch.nn.utils.vector_to_parameters steps through the vector by numel() (the whole table's) but
-        # parameters_to_vector gave this parameter none of it (it holds (0,)): the slice meant for the next dense
-        # parameters reached `.view_as(this)` and failed with "shape '[0]' is invalid for input of size 9", naming
-        # nothing. The only view that fails here is one of values into this empty parameter: say what to pass.
+        # vector_to_parameters steps by numel() (the whole table's) where parameters_to_vector gave this (0,)
+        # parameter nothing: values viewed into this empty parameter mean that mismatch; say what to pass.
         if func is Tensor.view_as and len(args) == 2 and args[1] is not args[0] and isinstance(args[1], cls) and \
                 args[0].numel() != 0:
             raise ValueError(
@@ -284,12 +279,9 @@ class _ShardedCollectionBase(nn.Module):
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
-        # One parameter per table, as the unsharded collection has (`embedding_bags.<table>.weight`, empty here: the
-        # values are the collection's pieces, in its own state dict): what freezing and unfreezing go through when
-        # they walk the model's parameters (dmp.requires_grad_, LightningModule.freeze / unfreeze, BaseFinetuning),
-        # and what the fused optimizer's param groups hold (BaseFinetuning maps them to names). Without them a
-        # collection sharded unfrozen could not be frozen from outside. Tables frozen before sharding (Lightning's
-        # BaseFinetuning freezes in setup, before RecStrategy shards) stay frozen.
+        # One empty parameter per table, as the unsharded collection has (the values are in the state dict): what
+        # freezing walks (dmp.requires_grad_, LightningModule.freeze, BaseFinetuning) and what the fused optimizer's
+        # param groups hold. Tables frozen before sharding (BaseFinetuning freezes in setup) stay frozen.
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
         switches = _Tables()
         for c in self._configs:
@@ -402,8 +394,8 @@ class _ShardedCollectionBase(nn.Module):
 
     def _frozen_split(self) -> str | None:
         """Why this rank cannot freeze these tables: a fused kernel here holds pieces of frozen and unfrozen tables
-        (one kernel updates all its tables in one backward). The lookup refused that on this rank alone, after the
-        id all-to-all, and the other ranks waited for it in the output all-to-all."""
+        (one kernel updates all its tables in one backward). Said in the id all-to-all so every rank raises: the
+        lookup's own refusal would come on this rank alone, with the others waiting in the output all-to-all."""
         for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._frozen_local else []:
             pieces = [t.name for t in kernel.tables]
             held = [n for n in pieces if n in self._frozen_local]
@@ -464,8 +456,8 @@ class _ShardedCollectionBase(nn.Module):
         return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"
 
     def _apply(self, fn, recurse: bool = True):
-        # .double() / .half() / .to(torch.float64): accepted without a word, converting the dense layers beside the
-        # tables (whose kernels stay in their data_type), so the forward failed later on mismatched dtypes
+        # .double() / .half() / .to(torch.float64) would convert the dense layers but not the tables (their kernels
+        # keep their data_type), and the forward would fail on mismatched dtypes
         refuse_dtype_cast(f"sharded {self._kind()}", fn)
         return super()._apply(fn, recurse)
 
@@ -574,8 +566,7 @@ class _ShardedCollectionBase(nn.Module):
             value = state_dict[key]
             (r, c), (nr, nc) = (meta.shard_offsets, meta.shard_sizes) if meta is not None else ((0, 0), w.shape)
             try:
-                # a ShardedTensor of a larger table covers this one's rectangles too: without its own check, rows
-                # 0:64 of a 128-row table loaded into a 64-row one without a word
+                # a ShardedTensor of a larger table covers this one's rectangles too: the shapes must match
                 if tuple(value.shape) != tuple(self._global_shape(table)):
                     raise ValueError(f"'{key}' has shape {tuple(value.shape)} in the checkpoint but the table is "
                                      f"{tuple(self._global_shape(table))}: the table sizes differ; build the table "

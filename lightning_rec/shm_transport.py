@@ -1,9 +1,9 @@
 """Same-host CPU collectives through shared memory; gloo only sets the group up.
 
 Why: gloo moves CPU tensors over TCP, even between processes on one host. Every byte is copied
-into the kernel and out again, by gloo's own threads, on the cores the ranks train on. For a
-2-rank DLRM step on a 2-core machine that was ~15 ms of a ~100 ms step (pooled embeddings both
-ways, the dense gradients). Here each rank writes its bytes once into its own /dev/shm region,
+into the kernel and out again, by gloo's own threads, on the cores the ranks train on (in a
+2-rank DLRM step on 2 cores, ~15 ms of a ~100 ms step: pooled embeddings both ways, the dense
+gradients). Here each rank writes its bytes once into its own /dev/shm region,
 all ranks pass one barrier, and each copies out what is addressed to it.
 
 Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
@@ -28,8 +28,8 @@ exchange later (every peer has mapped it by then), so /dev/shm holds names only 
 If /dev/shm is full (posix_fallocate reserves the bytes, so this is an error, not a SIGBUS later),
 the header says so, every rank sees it, and that exchange goes through the process group instead
 (a warning, once, names the fix: a larger /dev/shm). Later exchanges that fit the regions the ranks
-hold go on through shared memory (one large evaluation batch in a Docker's 64 MB /dev/shm no longer
-sent the rest of training over TCP); a rank does not try again to grow to a size that failed.
+hold go on through shared memory (one large evaluation batch in Docker's 64 MB /dev/shm does not send
+the rest of training over TCP); a rank does not try again to grow to a size that failed.
 Shrinking: a region that held less than a quarter of its size for `shrink_after` exchanges in a row is
 replaced the same way by one twice the largest of them (a large evaluation batch's region is not kept,
 and mapped by every peer, for the rest of the run).
@@ -85,8 +85,8 @@ def _library_dirs() -> tuple[str, ...]:
 
 def _user_stacklevel() -> int:
     """The `stacklevel` (for a warning raised by the caller) of the first frame outside lightning_rec, torch and
-    Lightning: the user's line that led to the collective (their forward, backward or trainer.fit). A fixed
-    stacklevel named one of our own lines, which differed with the collective that needed the room."""
+    Lightning: the user's line that led to the collective (their forward, backward or trainer.fit), whichever
+    of our collectives needed the room."""
     frame, level, library = sys._getframe(1), 1, _library_dirs()
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(library):
         frame, level = frame.f_back, level + 1
@@ -290,8 +290,7 @@ class SharedMemoryGroup:
         out_row = math.prod(out.shape[1:]) * out.element_size()
         in_splits = in_splits if in_splits is not None else [inp.shape[0] // W] * W
         out_splits = out_splits if out_splits is not None else [out.shape[0] // W] * W
-        # as torch.distributed checks: splits that do not add up to the tensor's rows left rows of `out`
-        # unwritten (whatever memory held), silently, or failed in a copy with a message about tensor sizes
+        # as torch.distributed checks: splits that do not add up to the tensor's rows would leave rows unwritten
         for what, t, splits in (("in", inp, in_splits), ("out", out, out_splits)):
             if len(splits) != W or sum(splits) != t.shape[0]:
                 raise ValueError(f"shared-memory all_to_all_single on rank {self.rank}: {what}_splits {list(splits)} "

@@ -52,7 +52,7 @@ class FusedTableWeight(nn.Parameter):
     """
 
     # Moves at every freeze or unfreeze of any table: a collection reads its tables' flags again only when it moved
-    # (reading them at every forward was ~50 us for 26 tables, several times a host-bound GPU step's overhead)
+    # (reading them at every forward is ~50 us for 26 tables, several times a host-bound GPU step's overhead)
     freeze_changes: ClassVar[int] = 0
 
     @property
@@ -77,7 +77,7 @@ class FusedTableWeight(nn.Parameter):
         return self
 
     def __deepcopy__(self, memo):
-        # nn.Parameter's deepcopy builds a new parameter from data and requires_grad only: the copy was unfrozen
+        # nn.Parameter's deepcopy builds a new parameter from data and requires_grad only: carry the freeze over
         copied = super().__deepcopy__(memo)
         copied.frozen = self.frozen
         return copied
@@ -88,9 +88,8 @@ class FusedTableWeight(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        """Written in place: the kernel reads the rows this parameter views. `weight.data = pretrained` (and
-        torch.nn.utils.vector_to_parameters, which assigns so) made the parameter show the new values while
-        forward and the fused update went on with the old rows, silently."""
+        """Written in place: the kernel reads the rows this parameter views, so `weight.data = pretrained` (and
+        torch.nn.utils.vector_to_parameters, which assigns so) must not rebind it."""
         own = torch._C.TensorBase.data.__get__(self)
         if not isinstance(value, torch.Tensor) or value.shape != own.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -112,7 +111,6 @@ class _TableWeight(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         # The weight views the kernel's storage (or is the dense kernel's own parameter): load_state_dict(...,
-        # assign=True) swapped in the loaded tensor, which the kernel never reads. The state dict then showed the
-        # loaded values while forward used the old ones. Tables always load by copy, as the sharded ones do.
+        # assign=True) would swap in a tensor the kernel never reads. Tables always load by copy, as sharded ones do.
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)

@@ -90,7 +90,7 @@ class ParameterSharding:
         given = dict(enforce_hbm=enforce_hbm, stochastic_rounding=stochastic_rounding,
                      bounds_check_mode=bounds_check_mode, output_dtype=output_dtype, key_value_params=key_value_params)
         for name, value in given.items():
-            if value is not None:  # a ported plan's setting was a TypeError 'unexpected keyword argument'
+            if value is not None:  # a ported plan's setting: refused naming what does its job here
                 raise ValueError(f"ParameterSharding({name}={value!r}) is TorchRec's; a plan here carries no such "
                                  f"setting: {_TORCHREC_SETTINGS[name]}; leave it out (None)")
         if sharding_spec is not None:
@@ -127,8 +127,8 @@ class ParameterSharding:
         shards = [str(s) for s in self.shards]
         pieces = "; ".join(shards) if shards else f"ranks {self.ranks}"
         if len(shards) > _SHARDS_SHOWN:
-            # one line per table stays readable at 64 ranks: a row_wise table's 64 shards made a 2,300-character
-            # line (the strategy prints the plan at setup); all of them are in .shards
+            # one line per table stays readable at 64 ranks (the strategy prints the plan at setup); all of them are
+            # in .shards
             ranks = _ranks_text(sorted({s.placement for s in self.shards}))
             pieces = f"{len(shards)} shards on ranks {ranks}: " + "; ".join([*shards[:2], "...", shards[-1]])
         cache = f", cache {self.cache_load_factor:.0%}" if self.cache_load_factor is not None else ""

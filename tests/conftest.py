@@ -32,8 +32,8 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-# W&B is installed by the project's own files; a machine that lacks it (the lent GPU machine has no
-# network to install it) skips the tests that log to it instead of failing them.
+# W&B is installed by the project's own files; a machine that lacks it (no network to install it) skips the
+# tests that log to it instead of failing them.
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="needs wandb (pip install wandb)")
 
 

@@ -445,7 +445,8 @@ def test_check_op_passes_opcheck():
 
 
 def test_check_op_refuses_dtypes_it_cannot_read_with_its_own_message():
-    """Not AT_DISPATCH's error (formatted by c10::str, which crashed the lent H200: csrc/check_message.h)."""
+    """Not AT_DISPATCH's error (formatted by c10::str, which crashes builds with a private libstdc++:
+    csrc/check_message.h)."""
     rows, ids, offsets = torch.tensor([5, 9]), torch.tensor([1, 2, 8]), torch.tensor([0, 1, 2, 3, 3])
     with pytest.raises(RuntimeError, match="indices and offsets must be int32 or int64, got Float and Long"):
         torch.ops.lightning_rec.check_batch(rows, ids.float(), offsets, None)

@@ -1,4 +1,4 @@
-"""Bad distributed input (issue 15): no hang longer than it takes to notice, every error names the ranks.
+"""Bad distributed input: no hang longer than it takes to notice, every error names the ranks.
 
 One case per item, each asserting the exception type and the words its message must contain; the
 2-rank cases run under a time bound (run_ranks kills a case that hangs). The guard's grace is

@@ -628,7 +628,7 @@ def test_cuda_recipe_runs_with_accelerator_gpu(tmp_path):
     assert "final validation" in done.stdout, done.stdout[-2000:]
 
 
-# GPU-only code paths, their device-independent decisions checked here (review for issue 14) ----------------
+# GPU-only code paths, their device-independent decisions checked here -------------------------------------
 
 
 class _FbgemmStateApi:

@@ -534,6 +534,8 @@ def _flat_ranks_compute(rank, world_size, only_rank0):
 
 @pytest.mark.parametrize("only_rank0", [False, True])
 def test_flat_form_identical_when_a_users_entries_are_on_two_ranks(only_rank0):
+    """only_rank0: the other rank's empty state is torchmetrics' float64 placeholder, which gloo aborted the process
+    gathering against int64 ids: every flat state is float64."""
     preds, target, indexes = _flat_batches()
     single = RankingMetrics(ks=[5])
     single.update(preds, target, indexes)

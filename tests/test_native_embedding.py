@@ -504,7 +504,8 @@ def test_bad_offsets(offsets, match):
 )
 def test_the_kernels_own_checks_format_their_values(indices, offsets, match):
     """The C++ kernel's checks (inputs that skip the Python pass: _checked=True) raise with their values. Built with
-    lightning_rec::message, not c10::str's ostringstream, which segfaulted on the lent H200 (csrc/check_message.h)."""
+    lightning_rec::message, not c10::str's ostringstream, which segfaults in builds with a private libstdc++
+    (csrc/check_message.h)."""
     tbe, w0, _ = bad_input_tbe()
     with pytest.raises(ValueError, match=match):
         tbe(torch.tensor(indices), torch.tensor(offsets), _checked=True).sum().backward()
@@ -513,7 +514,7 @@ def test_the_kernels_own_checks_format_their_values(indices, offsets, match):
 
 def test_csrc_checks_go_through_check_message():
     """Every C++ check builds its message with csrc/check_message.h (see there): a TORCH_CHECK with formatted values
-    crashed the GPU machine instead of raising."""
+    crashes builds with a private libstdc++ instead of raising."""
     csrc = Path(__file__).resolve().parents[1] / "csrc"
     for path in sorted(csrc.glob("*.c*")):
         text = path.read_text()

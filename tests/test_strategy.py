@@ -43,7 +43,7 @@ def _fit(rank, world_size, ckpt, wandb_dir):
     return float(trainer.callback_metrics["val_auc"]), str(trainer.strategy.plan), shards
 
 
-@needs_wandb  # the plan goes to W&B (offline); the lent GPU machine has no wandb
+@needs_wandb  # the plan goes to W&B (offline)
 def test_rec_strategy_trains_and_writes_whole_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     ckpt = str(tmp_path / "rec.ckpt")

@@ -115,8 +115,7 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
         return _written(dict(value), key.hexdigest()[:16], cache_root, what)
     _refuse_transform(value, what)
     if len(value) == 0:
-        # said here, of the argument: it was written to the cache as it was, then refused naming that copy
-        # (MovieLens: "no interactions left in <cache>/ratings.parquet"), or, streamed, trained on nothing in silence
+        # said here, of the argument: later it would be refused naming its cache copy, or, streamed, train on nothing
         raise ValueError(f"{what} is a Dataset of 0 rows (columns {value.column_names}): pass one that holds rows "
                          f"(a filter or select may have left none)")
     return _written({file_name: value}, value._fingerprint, cache_root, what)
@@ -144,9 +143,9 @@ def check_same_rows(digests: dict[str, str], what: str) -> None:
 
     Every process builds its own Dataset (Lightning starts each rank's script anew), and one shuffled or split
     without a seed (`ds.shuffle()`, `ds.train_test_split(test_size=0.1)`) holds its rows in another order on each
-    rank, from numpy's random state: each rank then read its share of another order, and rows were trained twice
-    or never (16 of 64 at 2 ranks), or validation rows trained on, in silence. A collective: the data modules call
-    it from setup, on every rank, when an argument was a Dataset (the same on every rank: the same script)."""
+    rank, from numpy's random state: each rank would read its share of another order, training rows twice or
+    never, or validation rows. A collective: the data modules call it from setup, on every rank, when an argument
+    was a Dataset (the same on every rank: the same script)."""
     import torch.distributed as dist
 
     if not digests or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -167,7 +166,7 @@ def check_same_rows(digests: dict[str, str], what: str) -> None:
 
 def _refuse_transform(ds, what: str) -> None:
     # a with_transform / set_transform function runs only as rows are read: the copy, written from the Arrow table,
-    # held the rows without it, and the data module trained on other ids than the user saw, in silence
+    # would hold the rows without it
     if ds.format.get("type") == "custom":
         raise ValueError(f"{what} is a Dataset with a transform (with_transform / set_transform), which datasets runs "
                          f"only as rows are read, so its copy would hold the rows without it: apply it first, "

@@ -275,7 +275,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         if self.sizes["test"] == 0 and not getattr(self, "_said_test_is_val", False):
-            # `lightning-rec test` of the synthetic recipe printed test_auc etc. of the rows validation had scored
+            # the test_* metrics would be those of the rows validation scores: say so, once
             self._said_test_is_val = True
             warnings.warn("SyntheticCriteoDataModule: num_test_samples=0, so the test loop scores the validation split "
                           "(its test_* metrics are the val_* ones): set num_test_samples > 0 (e.g. "

@@ -103,8 +103,7 @@ def _prob_error(num_bad: int, num_preds: int | None, where: str) -> ValueError:
 
 def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor | None:
     """from_logits=False: on CPU raise at once for a prediction outside [0, 1]; elsewhere return the count to keep on
-    the device (no per-step host sync), as for labels. Logits read as probabilities fell into the end bins of
-    BinnedAUC (AUC 0.12 where torchmetrics, which applies the sigmoid itself then, gives 0.64)."""
+    the device (no per-step host sync), as for labels: logits read as probabilities fall into BinnedAUC's end bins."""
     if from_logits:
         return None
     return _raise_now_or_count(((preds_B < 0) | (preds_B > 1)).sum(), preds_B.numel(), _prob_error, where)
@@ -156,7 +155,7 @@ class _SumMetric(Metric):
         bad = _check_labels_now(labels_B, where)
         if bad is not None:
             self.bad_labels += bad
-        bad = _check_probs_now(preds_B, self.from_logits, where)  # torch's BCE said "between 0 and 1" only
+        bad = _check_probs_now(preds_B, self.from_logits, where)  # torch's BCE says only "between 0 and 1"
         if bad is not None:
             self.bad_preds += bad
             preds_B = preds_B.clamp(0, 1)  # counted, raised at compute; a CUDA BCE would assert on the device
@@ -199,8 +198,8 @@ class NormalizedEntropy(_SumMetric):
         count = self._checked_count()
         entropy = binary_entropy(self.label_sum / count)
         if not float(entropy) > 0:
-            # one class: H(ctr) is 0 (as -0.0 at ctr = 1), and loss / -0.0 gave -inf, which reads as the best
-            # model there is (lower is better); without a second class there is no baseline to normalize by
+            # one class: H(ctr) is 0 (as -0.0 at ctr = 1), and loss / -0.0 would be -inf, the best score there is;
+            # without a second class there is no baseline to normalize by
             positives = float(self.label_sum)
             warnings.warn(f"NormalizedEntropy: the evaluation set has {int(positives)} positive and "
                           f"{int(float(count) - positives)} negative labels, so the entropy of its click rate is 0 "
@@ -352,7 +351,7 @@ class RecMetricCollection(MetricCollection):
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}: choose from {sorted(_METRICS)}")
-        # num_thresholds is BinnedAUC's alone: passed to every metric, the others refused it ("Unexpected keyword")
+        # num_thresholds is BinnedAUC's alone: the other metrics refuse it ("Unexpected keyword")
         own = {"binned_auc": {"num_thresholds": num_thresholds}}
         super().__init__(
             {name: _METRICS[name](from_logits=from_logits, **own.get(name, {}), **metric_kwargs) for name in metrics},

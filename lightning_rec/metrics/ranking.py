@@ -75,7 +75,7 @@ EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, 
 
 class _Unset:
     """top_k's default, told apart from None: torchmetrics' top_k=None means every item of the list, which is no
-    cutoff here, and was taken silently as the default (NDCG@10 where torchmetrics ranks whole lists)."""
+    cutoff here (refused, not read as the default)."""
 
     def __repr__(self) -> str:
         return "unset"
@@ -188,8 +188,8 @@ class RankingMetrics(Metric):
                  prefix: str = "", top_k: int | None | _Unset = UNSET, empty_target_action: str = "skip",
                  ignore_index: int | None = None, adaptive_k: bool = False, aggregation: str = "mean",
                  **kwargs) -> None:
-        # torchmetrics' retrieval arguments: ignore_index was refused as an "Unexpected keyword argument" of Metric,
-        # and its entries, given anyway, as non-0/1 relevance; the two others are refused naming what is computed
+        # torchmetrics' retrieval arguments: ignore_index is honoured; the two others are refused naming what is
+        # computed
         if adaptive_k:
             raise ValueError("adaptive_k=True (Precision@k over min(k, the user's candidates)) is not computed here: "
                              "Precision@k divides by k (torchmetrics' adaptive_k=False); give candidate lists of at "
@@ -219,21 +219,16 @@ class RankingMetrics(Metric):
         self._warned_short = False
         # The states hold the same whatever ks and empty_target_action say (every cutoff 1..max(ks); users with and
         # without a relevant item apart), which compute() reads: torchmetrics' MetricCollection shares one state
-        # between metrics whose states are equal after the first update, and NDCG(top_k=5) beside NDCG(top_k=10)
-        # (or "skip" beside "neg") then reported the other's value, as sums per asked k looked alike while no user
-        # had a hit yet. Now equal states mean equal meaning, and a shorter max(ks) has another shape.
+        # between metrics whose states are equal after the first update, so equal states must mean equal meaning.
         shape = (len(RANKING_METRICS), self.max_k)
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("evaluated_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("empty_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("nan_scores", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
-        # several updates (rows of (user, item, label) in batches), and regrouped per update they counted as
-        # several users with partial lists (NDCG@5 0.64 where torchmetrics gives 0.27)
-        # All kept as float64, the dtype torchmetrics gives the empty placeholder of a rank without entries: gloo
-        # aborted the process gathering int64 ids against that float placeholder. An id is kept as its high and low
-        # 32 bits (each exact in float64): one float64 held ids exactly only up to 2**53, and 64-bit hashed user ids
-        # that differ in their last bits became one user (NDCG@1 0.0 where torchmetrics gives 0.5)
+        # several updates (rows of (user, item, label) in batches), and only compute sees each user's whole list.
+        # All float64, the dtype of torchmetrics' empty placeholder on a rank without entries (gloo cannot gather
+        # int64 against it); an id is kept as its high and low 32 bits, as float64 is exact only up to 2**53.
         for name in ("flat_preds", "flat_target", "flat_indexes", "flat_indexes_low"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self._dtype = torch.float64
@@ -360,10 +355,8 @@ class RankingMetrics(Metric):
                           f"in the top {self.max_k} (Recall@K is then 1 for every user, Precision@K still divides "
                           f"by K as in torchmetrics); use ks <= {num_candidates} for meaningful values",
                           UserWarning, stacklevel=3)
-        # topk ranks NaN above everything: a relevant item the model scored NaN was "found" at rank 1 (a
-        # diverging model looked perfect). NaN ranks last here and is never a hit, even within a K that
-        # reaches the -inf entries
-        # (counted on the device and said at compute: reading it back here was a host sync per batch)
+        # topk ranks NaN above everything, so a diverging model would look perfect: NaN ranks last here and is never
+        # a hit, even within a K that reaches the -inf entries (counted on the device, said at compute: no sync)
         nan_UC = torch.isnan(scores_UC)
         self.nan_scores += nan_UC.sum()
         scores_UC = scores_UC.masked_fill(nan_UC, float("-inf"))
@@ -417,7 +410,7 @@ class RankingMetrics(Metric):
                                                           dim_zero_cat(self.flat_target).bool(), indexes))
             sums = sums + flat.sums.to(sums.device)
             evaluated, empty = evaluated + int(flat.evaluated_users), empty + int(flat.empty_users)
-            nan_scores = nan_scores + int(flat.nan_scores)  # (the flat form's NaN were ranked last without a word)
+            nan_scores = nan_scores + int(flat.nan_scores)  # said as in the other forms
         if nan_scores:
             warnings.warn(f"{nan_scores} of the scores are NaN: ranked last and never counted as found; "
                           f"check the model for divergence", UserWarning, stacklevel=2)

@@ -100,7 +100,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                 f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
             )
         # said here, by the names set: torch.optim says "Invalid learning rate: -1.0" only once fit has begun, and a
-        # negative warmup_steps trained without warm-up
+        # negative warmup_steps would train without warm-up
         bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
                                  ("warmup_steps", warmup_steps)) if v < 0}
         if bad:
@@ -109,7 +109,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
         if interaction == "dot" and (dcn_num_layers, dcn_low_rank_dim) != (3, 64):
-            # a recipe's dcn_* without `interaction: dcn` trained the dot model, silently
+            # a recipe's dcn_* without `interaction: dcn` would train the dot model
             raise ValueError(f"DLRMModule(dcn_num_layers={dcn_num_layers}, dcn_low_rank_dim={dcn_low_rank_dim}) with "
                              f"interaction='dot': the cross layers are built for interaction='dcn' only: set "
                              f"interaction: dcn (--model.interaction=dcn), or leave the dcn_* arguments out")
@@ -209,9 +209,9 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         return loss
 
     def _loader_metrics(self, split: str, count: int | None = None) -> list[RecMetricCollection]:
-        """One metric collection per evaluation dataloader: several loaders (a val and a holdout set) were refused
-        by Lightning (validation_step took no dataloader_idx). The first keeps the plain names (val_auc, the one
-        checkpoints and early stopping monitor); loader k >= 1 logs val_auc/dataloader_idx_k, Lightning's naming."""
+        """One metric collection per evaluation dataloader (a val and a holdout set). The first keeps the plain names
+        (val_auc, the one checkpoints and early stopping monitor); loader k >= 1 logs val_auc/dataloader_idx_k,
+        Lightning's naming."""
         first = self.val_metrics if split == "val" else self.test_metrics
         if count is not None:  # at the epoch start, the same on every rank (a rank's empty share still syncs)
             for k in range(1, count):
@@ -234,7 +234,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                           sync_dist=True, add_dataloader_idx=False)
             # {split}_loss (the mean BCE over every row of every rank) is the log loss metric: exact at any world
             # size. (Logged per batch with batch_size=, Lightning's sync truncates the rows counted to an integer
-            # mean.) trainer.test logged no test_loss before.
+            # mean.)
             self.log(f"{split}_loss{suffix}", values[f"{split}_logloss"], sync_dist=True, add_dataloader_idx=False)
             metrics.reset()
 
@@ -263,7 +263,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """The click probability of each row, and its label (NaN in an unlabelled file: the writer then leaves
         the label column out). Written by lightning_rec.predict.PredictionWriter (`lightning-rec predict`)."""
-        # float32 whatever the precision: under bf16-mixed the logit is bfloat16, whose sigmoid kept ~3 digits
+        # float32 whatever the precision: under bf16-mixed the logit is bfloat16, whose sigmoid keeps ~3 digits
         return {"probability": torch.sigmoid(self(batch.dense_features, batch.sparse_features).float()),
                 "label": batch.labels}
 

@@ -60,7 +60,7 @@ class RecCheckpointLoading:
     """Mixed in before LightningModule, `class MyModule(RecCheckpointLoading, L.LightningModule)`: then
     `MyModule.load_from_checkpoint(path)` also reads the checkpoint directories that `strategy="rec"` writes.
 
-    Lightning's reads one file (a torch.load), and raised IsADirectoryError on them; without the mixin,
+    Lightning's reads one file (a torch.load: IsADirectoryError on them); without the mixin,
     `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does the same."""
 
     @_ClassOnly
@@ -124,8 +124,8 @@ class RecModuleHooks(RecCheckpointLoading):
 
     @staticmethod
     def check_embedding_kernel(owner: str, embedding_kernel: str) -> None:
-        """The modules' `embedding_kernel` argument, checked at construction: the collection's own refusal names its
-        arguments (optimizer=, kernel=), not the module's, and without table sizes it came only at configure_model."""
+        """The modules' `embedding_kernel` argument, checked at construction by the module's own names: the
+        collection's refusal names its arguments (optimizer=, kernel=) and comes only at configure_model."""
         from lightning_rec.lookup import KERNELS
 
         if embedding_kernel == "dense":
@@ -156,8 +156,8 @@ class RecModuleHooks(RecCheckpointLoading):
 
     def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The fused tables start at hparams.sparse_lr, read when the optimizer is built, as the dense layers' rate
-        is: the tables' configs keep the value given to __init__, so a rate written later (Tuner.lr_find(...,
-        attr_name="sparse_lr") writes its suggestion there) was reported as set and never used."""
+        is: the tables' configs keep the value given to __init__, and a rate written later (Tuner.lr_find(...,
+        attr_name="sparse_lr") writes its suggestion there) must take effect."""
         fused = dict(getattr(optimizer, "optimizers", [])).get("fused")
         for group in fused.param_groups if fused is not None else []:
             group["lr"] = float(self.hparams.sparse_lr)
@@ -167,8 +167,8 @@ class RecModuleHooks(RecCheckpointLoading):
         """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync.
 
         Lightning turns every progress-bar value into a Python number at each batch end (`.item()`). On a GPU
-        that waits for the step's kernels, and the host then starts the next step from an idle GPU: DLRM through
-        the Trainer ran at 0.93x the hand loop on an H200 with it. On GPU the loss goes to the loggers (they read
+        that waits for the step's kernels, and the host then starts the next step from an idle GPU (DLRM through
+        the Trainer: 0.93x the hand loop, measured on an H200). On GPU the loss goes to the loggers (they read
         it every `log_every_n_steps`) and to callbacks, not to the bar; the bar shows the validation metrics.
         """
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)

@@ -144,7 +144,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
                              f"or None for max(ks)")
-        # checked here: eval_item_chunk=0 failed only at the first validation, after training, in range()
+        # checked here, not at the first validation after training
         for name, value, least in (("eval_item_chunk", eval_item_chunk, 1),
                                    ("top_k_table_users", top_k_table_users, 0)):
             if not is_int(value) or value < least:
@@ -188,7 +188,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                                              ("item", item_sizes, hp.item_layer_sizes))}
         if outs["user"][0] != outs["item"][0] and not (hp.user_layer_sizes and hp.item_layer_sizes):
             # a tower without MLP outputs its features' embeddings side by side: the data module's side
-            # features (on by default) widen it, which the generic message of TwoTower did not say
+            # features (on by default) widen it, which TwoTower's generic message cannot say
             said = "; ".join(f"the {tower} tower gives {dim} = " + ("its MLP's last layer" if layers else
                              f"{len(sizes)} features ({', '.join(sizes)}) x embedding_dim {hp.embedding_dim}")
                              for tower, (dim, sizes, layers) in outs.items())
@@ -199,7 +199,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                               list(hp.user_layer_sizes), list(hp.item_layer_sizes), hp.score, *skips,
                               dropout=hp.tower_dropout)
         hp.user_num_embeddings, hp.item_num_embeddings = user_sizes, item_sizes  # checkpoints rebuild these
-        # and the loggers show them: Lightning logs the hyperparameters as first saved (W&B's config said null)
+        # and the loggers show them: Lightning logs the hyperparameters as first saved (None until now)
         initial = getattr(self, "_hparams_initial", None)
         if initial is not None:
             initial["user_num_embeddings"], initial["item_num_embeddings"] = dict(user_sizes), dict(item_sizes)
@@ -222,7 +222,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
 
     def _check_ids(self, datamodule) -> None:
         """Keep the data module's item and user ids' digests (the first time), or refuse other ids than the model's.
-        (Users too: a snapshot with as many users but other ones gave every user another's row, in silence.)"""
+        (Users too: a snapshot with as many users but other ones would give every user another's row.)"""
         for kind in ("item", "user"):
             key, digest = f"{kind}_ids_digest", _ids_digest(datamodule, f"{kind}_ids")
             if digest is None:  # a data module without such ids: rows are positions
@@ -258,7 +258,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         trainer = self.trainer
         if stage == "fit" and trainer.datamodule is None and trainer.limit_val_batches != 0 \
                 and trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():
-            # said now: it failed at the first validation, after a whole epoch of training
+            # said now, not at the first validation after a whole epoch of training
             raise ValueError(_DATALOADERS_ONLY)
 
     def _need_model(self) -> TwoTower:
@@ -282,9 +282,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 loss = loss + hp.embedding_l2 * (user_BD.square() + item_BD.square() + neg_BD.square()).sum(1).mean()
         else:
             if batch.neg_item_features is not None:
-                # drawn per batch (a rejection loop and a second item KJT) and never read: time lost in silence.
-                # Refused rather than mixed into the softmax: its logQ correction is for in-batch (frequency-
-                # sampled) negatives, not uniform ones
+                # drawn per batch (a rejection loop and a second item KJT) and never read. Refused rather than mixed
+                # into the softmax: its logQ correction is for in-batch (frequency-sampled) negatives, not uniform ones
                 raise ValueError("loss='softmax' takes its negatives from the batch's other items, but the batches "
                                  "carry sampled negatives it would never use: set the data module's num_negatives=0 "
                                  "(or loss='bpr' to train on them)")
@@ -339,7 +338,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         if datamodule is None and self._trainer is not None:
             datamodule = getattr(self._trainer, "datamodule", None)
         if datamodule is None and self._trainer is not None:
-            # (it said "or call it inside trainer.fit/validate/predict" to a user inside trainer.validate)
+            # inside trainer.fit/validate/predict already: the dataloaders-only case
             raise ValueError(_DATALOADERS_ONLY)
         if datamodule is None:
             raise ValueError("embed_catalog() has no data module to read the items from: pass one, "
@@ -363,8 +362,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         return torch.cat(parts)
 
     def _scoring_catalog(self) -> Tensor:
-        # float32 once per epoch (scores are float32, `_scores`): under bf16-mixed each batch cast the whole
-        # catalogue again (a 1M-item, 64-dim one: 256 MB a batch)
+        # float32 once per epoch (scores are float32, `_scores`), not a cast of the whole catalogue per batch
         return self.embed_catalog().float()
 
     def on_validation_epoch_start(self) -> None:
@@ -440,7 +438,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             return
         if not hasattr(datamodule, "datasets") or "val" not in datamodule.datasets:
             return
-        n = min(n, len(datamodule.datasets["val"]))  # fewer users than asked for: show them all (it raised IndexError)
+        n = min(n, len(datamodule.datasets["val"]))  # fewer users than asked for: show them all
         batch = datamodule.datasets["val"].__getitems__(list(range(n))).to(self.device)
         user_UD = self._need_model().user_embeddings(batch.user_features)  # every rank: tables may be sharded
         if not self.trainer.is_global_zero:
@@ -471,16 +469,15 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
 
 
 def _scores(user_UD: Tensor, item_ID: Tensor) -> Tensor:
-    """Every user's dot product with every item, in float32 whatever the precision plugin: under bf16-mixed the
-    matmul ran in bfloat16 (autocast), whose 8-bit scores tied and swapped items (on ml-100k 46% of users' top-10
-    lists differed from float32's), so the ranking metrics and the recommendations moved with the precision."""
+    """Every user's dot product with every item, in float32 whatever the precision plugin: bfloat16 scores (autocast
+    under bf16-mixed) tie and swap items, and the rankings would move with the precision."""
     with torch.autocast(user_UD.device.type, enabled=False):
         return user_UD.float() @ item_ID.float().t()
 
 
 def _id_array(ids) -> np.ndarray:
     """Raw ids as numpy int64 or str: a data module of one's own may keep them in an object array (pandas' string
-    column), which the digest read as int64 and predict as a tensor (both raised on a string id)."""
+    column), which neither the digest (int64) nor predict (a tensor) can read as it is."""
     ids = np.asarray(ids)
     if ids.dtype.kind == "O":
         try:

@@ -43,21 +43,21 @@ input_dist ahead (TorchRec's TrainPipelineSparseDist). A semi-synchronous varian
 next batch's lookup to the feeder's stages (embeddings one update stale); a fused-lookup one would
 start the lookup from the routed ids in the same stage: another entry of `_STAGES_AHEAD`.
 
-GPU (run on the lent H200, torch 2.11; parity tested at one GPU, both collective orders): the copy runs on a side
-stream from pinned memory (pinned here when the loader did not), input_dist on a second stream that
-waits for the copy's event; the step's stream waits for each event before using a batch or its
-routed ids, and every tensor crossing streams is `record_stream`-ed so the caching allocator keeps
-it until the step is done. The feeder's all-to-alls are NCCL calls on the pipeline's own
-communicator. Two threads launching on two communicators would launch them in another order on each
-rank (shown on shared memory: `tests/test_pipeline.py`, the launch-order test, differs between ranks in
-every run with "concurrent"), which NCCL calls deadlock-prone when the kernels cannot all be resident or
-a device sync intervenes. So on NCCL with several ranks (`PipelineConfig.feeder_collectives="auto"`; one rank
-runs "concurrent": no other rank to agree with) the feeder runs batch
-k's collectives (the agreement, the counts and id all-to-alls) only while the step's thread waits in
-`next()` for batch k ("in_step_order"): both threads' launches come in one order on every rank, as
-TorchRec gets by launching from one thread. Reading, pinning, copying and checking stay ahead of the
-step; the id payload still runs on the side stream beside the compute; what the step's thread waits
-for is the small counts exchange. On gloo / shared memory every group is independent and the feeder
+GPU (parity tested at one GPU, both collective orders): the copy runs on a side stream from pinned
+memory (pinned here when the loader did not), input_dist on a second stream that waits for the
+copy's event; the step's stream waits for each event before using a batch or its routed ids, and
+every tensor crossing streams is `record_stream`-ed so the caching allocator keeps it until the
+step is done. The feeder's all-to-alls are NCCL calls on the pipeline's own communicator. Two
+threads launching on two communicators would launch them in another order on each rank (shown on
+shared memory: `tests/test_pipeline.py`, the launch-order test, differs between ranks in every run
+with "concurrent"), which NCCL calls deadlock-prone when the kernels cannot all be resident or a
+device sync intervenes. So on NCCL with several ranks (`PipelineConfig.feeder_collectives="auto"`;
+one rank runs "concurrent": no other rank to agree with) the feeder runs batch k's collectives (the
+agreement, the counts and id all-to-alls) only while the step's thread waits in `next()` for batch k
+("in_step_order"): both threads' launches come in one order on every rank, as TorchRec gets by
+launching from one thread. Reading, pinning, copying and checking stay ahead of the step; the id
+payload still runs on the side stream beside the compute; what the step's thread waits for is the
+small counts exchange. On gloo / shared memory every group is independent and the feeder
 runs them as soon as a batch is read ("concurrent"), which is what takes the routing off a CPU step.
 
 Memory: with depth K the step holds 1 + K batches' routed ids (Lightning's loop takes one more

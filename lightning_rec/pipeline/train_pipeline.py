@@ -63,7 +63,7 @@ class InputPipeline:
                 plan.record_entry = None  # nothing was called: record on this pass
         elif plan.final.is_set() and not plan.routes and not plan.not_pipelined:
             # the last pass's recording step called no collection (a dense warm-up step): an empty plan would route
-            # every later batch in the step, silently; record on this pass (the same on every rank: same code)
+            # every later batch in the step; record on this pass (the same on every rank: same code)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
                               self.to_device, self.stats, pad, evaluating, self.stop_signal)
@@ -196,8 +196,7 @@ class TrainPipelineSparseDist:
         iterable = None
         if not isinstance(dataloader_iter, Iterator):
             # the DataLoader itself (TorchRec takes iter(dataloader)): its passes one after another, as `for batch in
-            # dataloader` each epoch. Each call made a new pass before: the second epoch trained 0 batches (its pass
-            # was the finished one), and a return after an evaluation restarted the epoch from its first batch
+            # dataloader` each epoch; a call goes on with the current pass (after an evaluation too)
             iterable = dataloader_iter
             held = self._iterables.get(id(iterable))
             if held is None or held[0]() is not iterable:
@@ -233,7 +232,7 @@ class TrainPipelineSparseDist:
 
     def _switch_to(self, source: Iterator) -> None:
         """A pass over `source`. The batches the last pass read ahead are kept for its iterator, and come first when it
-        is given again: dropped, every evaluation between training steps cost a training batch, silently."""
+        is given again: an evaluation between training steps costs no training batch."""
         previous = self._source
         if previous is not None and previous is not source:
             self._keep_read_ahead()
@@ -248,10 +247,9 @@ class TrainPipelineSparseDist:
 
     def _watch_reset(self, source: Iterator) -> None:
         """torch's DataLoader with persistent_workers=True hands out one iterator object for every pass: `iter(loader)`
-        resets it. Given again, it went on with the finished pass (every later epoch trained 0 batches, silently), or,
-        after an epoch cut short, was reset under the feeder's reads (KeyError inside torch's iterator). The feeder now
-        stops before the reset (every rank calls iter(loader) at the same point), and the next step starts a new pass;
-        what the old pass read ahead is dropped with it, as the plain loop drops an epoch it leaves."""
+        resets it, possibly under the feeder's reads. So the feeder stops before the reset (every rank calls
+        iter(loader) at the same point), and the next step starts a new pass; what the old pass read ahead is dropped
+        with it, as the plain loop drops an epoch it leaves."""
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
         if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):

@@ -14,8 +14,8 @@ decay every row).
     rowwise_adagrad  s_row += mean_d(g^2);   w -= lr * g / (sqrt(s_row) + eps)
 
 The rule runs in float32 with float32 state for every table data_type, as in the fused kernels: for an FP16
-table the squared gradients of a batch (g < 2.4e-4) and eps=1e-8 round to 0 in float16, so a touched row
-stepped by g / 0 and the replica turned to inf, then NaN, in the first steps.
+table the squared gradients of a batch (g < 2.4e-4) and eps=1e-8 round to 0 in float16, which would step a
+touched row by g / 0.
 """
 
 from __future__ import annotations

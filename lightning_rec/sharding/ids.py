@@ -97,10 +97,9 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
                                     output_size=N)
     copy_N = torch.div(bag_N, max(B, 1), rounding_mode="floor")
     block_N = tables.copy_block_C[copy_N]
-    # An id outside its table (unchecked: validate_ids=False) must not reach another copy's shard: index
-    # copy_first + owner would name the next feature's (or table's) shard, or with a negative id the previous one,
-    # and the id, remapped into range there, read and trained that row without a word. Kept to the copy's own
-    # shards, it stays outside the owner's rows, where the owner's kernel refuses it as for an unsharded table.
+    # An id outside its table (unchecked: validate_ids=False) must not reach another copy's shard (copy_first + owner
+    # would name a neighbour's, where it would read and train a row in range). Kept to the copy's own shards, it
+    # stays outside the owner's rows, where the owner's kernel refuses it as for an unsharded table.
     owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
     owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
     local_N = values_N - owner_N * block_N

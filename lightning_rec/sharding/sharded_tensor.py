@@ -36,14 +36,14 @@ class Shard:
 
     def __iter__(self):
         # unpacks as the list's pairs, (metadata, tensor): `for m, t in st.local_shards()` reads as
-        # `for m, t in st.local_shards` (it was "cannot unpack non-iterable Shard object")
+        # `for m, t in st.local_shards`
         return iter((self.metadata, self.tensor))
 
 
 class LocalShards(list):
     """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's /
     TorchRec's method, `st.local_shards()` -> `[Shard(tensor, metadata), ...]` over the same tensors, so that ported
-    code (`st.local_shards()[0].tensor`) runs: it was "'list' object is not callable"."""
+    code (`st.local_shards()[0].tensor`) runs."""
 
     def __call__(self) -> list[Shard]:
         return [Shard(t, m) for m, t in self]
@@ -77,8 +77,8 @@ class ShardedTensor:
         self.__dict__.update({"shards_metadata": None, **state})  # pickled before shards_metadata: None
         self.local_shards = LocalShards(self.local_shards)
 
-    # torch's / TorchRec's ShardedTensor methods that ported code calls (it was "'ShardedTensor' object has no
-    # attribute 'metadata'"): the global layout, and the one local shard of a table_wise / row_wise table
+    # torch's / TorchRec's ShardedTensor methods that ported code calls: the global layout, and the one local shard
+    # of a table_wise / row_wise table
     def metadata(self) -> ShardedTensorMetadata:
         """Every shard of the table, on every rank (`.shards_metadata`: offsets, sizes, `placement` its rank), and its
         global `.size`."""
@@ -151,9 +151,8 @@ class ShardedTensor:
         return self.read(0, 0, *self.global_shape, what=f"ShardedTensor.full() of a {tuple(self.global_shape)} table")
 
     # DCP's save hook (torch.distributed.checkpoint.planner_helpers._create_write_items), reached only through
-    # its default planner (lightning_rec.checkpoint hands DCP its own objects): without it DCP pickled the
-    # table as one object and kept one rank's copy, so a 2-rank save silently lost the other rank's rows.
-    # (Its default load planner turns objects it does not know into None first: a load fails on its own.)
+    # its default planner (lightning_rec.checkpoint hands DCP its own objects), which would pickle the table as one
+    # object and keep one rank's copy. (Its default load planner turns unknown objects into None: a load fails anyway.)
     def __create_write_items__(self, fqn: str, obj: object) -> list:
         raise TypeError(
             f"torch.distributed.checkpoint.save cannot save {fqn}: it is a lightning_rec ShardedTensor (each rank "

@@ -19,7 +19,7 @@ _ID_DTYPES = ID_DTYPES
 
 
 def _refuse_dtype_as_device(what: str, device: object, weights: bool = False) -> None:
-    """`.to(torch.float64)` converted the ids and lengths to floats (every lookup after read other rows, or failed)."""
+    """`.to(torch.float64)`: ids and lengths keep their integer type (as floats every lookup would read other rows)."""
     if isinstance(device, torch.dtype):
         how = (f"{what}.to(device, dtype={device}) converts the weights only" if weights else
                "it has no dtype= of its own")
@@ -121,8 +121,8 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
 def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
                     inverse_indices) -> int | None:
     """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says (every key the same
-    batch), refused otherwise. Without the refusal they were an unexpected-keyword TypeError, and a KJT read with
-    one stride where keys have several would pair bags with the wrong samples."""
+    batch), refused otherwise: a KJT read with one stride where keys have several would pair bags with the wrong
+    samples."""
     fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
            "the batch (an empty bag has length 0), or the same number of (deduplicated) bags with inverse_indices, "
            "and leave out stride_per_key_per_rank and stride_per_key")
@@ -173,8 +173,8 @@ def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tup
 def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
                    offset_per_key: Sequence[int] | None) -> None:
     """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids: they are trusted
-    afterwards (to_dict, split, permute and the collections slice values by them), so a stale list (from another
-    batch, or hand-written) sent one feature's ids to another's table without a word. CPU tensors only."""
+    afterwards (to_dict, split, permute and the collections slice values by them): a stale list would send one
+    feature's ids to another's table. CPU tensors only."""
     n = len(keys)
     if length_per_key is not None and any(isinstance(x, (list, tuple)) for x in length_per_key):
         raise ValueError(f"{what}: length_per_key {list(length_per_key)} holds lists: TorchRec's 7th positional "
@@ -204,7 +204,7 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
 
 def _no_key(what: str, key: object, keys: list[str]) -> None:
     """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
-    kjt[1], ...) read as 'no key 0', as if a feature were missing."""
+    kjt[1], ...) would read as 'no key 0', as if a feature were missing."""
     if not isinstance(key, str):
         raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
                         f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")

@@ -209,7 +209,7 @@ class JaggedTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
         if isinstance(device, torch.dtype) and self._values.dtype.is_floating_point:
-            # an EmbeddingCollection's output: its values are embeddings, not ids (the message below said ids)
+            # an EmbeddingCollection's output: its values are embeddings, not the ids _refuse_dtype_as_device names
             raise ValueError(f"JaggedTensor.to({device}): to() moves devices only (the lengths stay integers); convert "
                              f"the embedding values themselves: JaggedTensor(values=jt.values().to({device}), "
                              f"lengths=jt.lengths()), or jt.values().to({device})")
@@ -542,9 +542,8 @@ class KeyedJaggedTensor:
         if indices_tensor is None:
             indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
         else:
-            # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only ("expected scalar type Int but
-            # found Long" for torch.tensor(indices)), and one that disagrees with `indices` labelled one feature's
-            # ids with another's key, silently. Checked where it can be read without a device sync.
+            # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only, and one that disagrees with
+            # `indices` would label one feature's ids with another's key. Checked where no device sync is needed.
             indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
             # once per tensor: the collections pass their cached one every batch, and a read per batch is a sync on
             # GPU (tests/test_gpu_paths.py counts them on CPU)
@@ -562,11 +561,9 @@ class KeyedJaggedTensor:
         weights = self._weights
         if weights is not None and (weights.requires_grad and torch.is_grad_enabled()
                                     or weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS):
-            # Learned weights: fbgemm's backward for them assumes a full permutation (a subset or a repeated key
-            # crashed the process in backward, or raised a shape error). Permute positions instead and gather:
-            # indexing's backward sums the gradient of repeated keys and leaves dropped ones at zero. The same for
-            # weights fbgemm's permute has no kernel for: bfloat16 (weights computed under bf16-mixed autocast)
-            # failed every collection's forward with '"permute_2D_indices_weights_kernel_3" not implemented'.
+            # Learned weights: fbgemm's backward for them assumes a full permutation (not a subset or a repeated
+            # key). Permute positions instead and gather: indexing's backward sums the gradient of repeated keys and
+            # leaves dropped ones at zero. The same for weights fbgemm's permute has no kernel for (bfloat16).
             src_N = torch.arange(self._values.shape[0], device=self._values.device)
             lengths_FB, src_N, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), src_N, None, total
@@ -602,7 +599,7 @@ class KeyedJaggedTensor:
         return self.split_one(index)
 
     def __contains__(self, key: object) -> bool:
-        # without it, `"f1" in kjt` (and iterating) went through __getitem__(0): "no key 0 in this KeyedJaggedTensor"
+        # without it, `"f1" in kjt` would go through __getitem__(0), which refuses positions
         return key in self.index_per_key()
 
     def split_one(self, index: int) -> JaggedTensor:
@@ -670,7 +667,7 @@ class KeyedJaggedTensor:
                 t.record_stream(stream)
 
     def device(self) -> torch.device:
-        """The values' device. A method, as TorchRec's `kjt.device()` (it was a property here)."""
+        """The values' device. A method, as TorchRec's `kjt.device()`."""
         return self._values.device
 
     def __repr__(self) -> str:

@@ -55,7 +55,7 @@ class KeyedTensor:
     @classmethod
     def _of_collection(cls, keys: list[str], length_per_key: list[int], values_BD: Tensor) -> KeyedTensor:
         """A collection's output, whose keys and widths were checked when it was built: no checks per batch
-        (they were ~10 us of a host-bound GPU step). Copies of the lists, so a caller that edits keys() does
+        (they cost ~10 us of a host-bound GPU step). Copies of the lists, so a caller that edits keys() does
         not edit the collection's."""
         kt = cls.__new__(cls)
         kt._keys, kt._length_per_key, kt._values = list(keys), list(length_per_key), values_BD
@@ -124,12 +124,12 @@ class KeyedTensor:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
             shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
             if shared:
-                # the last KeyedTensor's block was taken without a word (TorchRec's too): two collections that each
-                # read a feature of that name (a user and an item tower's 'country') gave one tower the other's
+                # TorchRec takes the last KeyedTensor's block: two towers that each read a 'country' feature would
+                # get one block for both
                 raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
                                  f"which block is meant is ambiguous: give the features distinct names (the tables' "
                                  f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")
-            if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refused the empty list)
+            if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refuses an empty list)
                 first = keyed_tensors[0]
                 out.append(first.values().narrow(first.key_dim(), 0, 0))
                 continue

@@ -10,7 +10,7 @@ from lightning_rec.sparse.keyed_tensor import KeyedTensor
 #
 # As TorchRec registers its own: torch.export (and anything else that flattens inputs or outputs with
 # torch.utils._pytree: DDP's find_unused_parameters pass-through, torch.func) sees a KJT's tensors as
-# leaves, where it refused the KJT ("Unsupported input type"). Leaves are the tensors (None where
+# leaves, instead of refusing the KJT ("Unsupported input type"). Leaves are the tensors (None where
 # absent); the context is what is not a tensor. Unflattening does not validate: the leaves may be
 # fake or symbolic tensors mid-trace, and the object they came from was checked when it was built.
 # The stride is derived from the lengths, so an exported program takes other batch sizes.
