@@ -595,7 +595,7 @@ def test_streamed_blocks_go_to_ranks_alike_at_any_worker_count(tmp_path, monkeyp
     the shorter share: a fifth of the file never trained on), and a rank's rows changed with num_workers."""
     from torch.utils.data import DataLoader
 
-    import lightning_rec.data.criteo as criteo_module
+    import lightning_rec.data.criteo.datasets as criteo_module  # where the stream looks dist_rank_world up
     from lightning_rec.data.batch import passthrough_collate
 
     path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(500)))
