@@ -109,6 +109,32 @@ def test_parses_every_shared_criteo_file(name, rows, labelled, positives, padded
 
 
 @needs_criteo
+def test_the_old_criteo_module_paths_name_the_packages_objects():
+    """The Criteo readers became the package lightning_rec.data.criteo: the old modules re-export it, and the
+    class paths recipes name (YAML class_path) still resolve."""
+    import importlib
+
+    from lightning_rec.data import criteo
+    from lightning_rec.data.criteo import datamodule, parse, preprocess, shards, tables
+
+    def resolve(dotted: str):
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    for dotted in ("lightning_rec.data.CriteoDataModule", "lightning_rec.data.criteo.CriteoDataModule"):
+        assert resolve(dotted) is datamodule.CriteoDataModule
+    assert resolve("lightning_rec.data.criteo_parse.read_criteo") is parse.read_criteo
+    assert resolve("lightning_rec.data.criteo_parse._parse_block") is parse._parse_block
+    assert resolve("lightning_rec.data.criteo_tables.TableBlocks") is tables.TableBlocks
+    assert resolve("lightning_rec.data.criteo_shards.CriteoShardDataset") is shards.CriteoShardDataset
+    assert resolve("lightning_rec.data.preprocess.preprocess_criteo") is preprocess.preprocess_criteo
+    assert callable(resolve("lightning_rec.data.preprocess.preprocess_main"))
+    # the cache keys and the shard format are as before
+    assert (criteo._PARSER_VERSION, criteo.TABLE_SOURCE_VERSION) == (2, 1)
+    assert shards.SHARD_FORMAT == "lightning_rec.criteo_shards/1"
+    assert criteo._resolve_num_embeddings(3, 26) == [3] * 26
+
+
 def test_first_row_known_values():
     label, dense, sparse, _ = parse_all(CRITEO / "criteo_kaggle_train_sample.tsv")
     assert label[0] == 0

@@ -3,7 +3,6 @@ native, parse): re-exported here."""
 
 # ruff: noqa: F401
 from lightning_rec.data.criteo.blocks import iter_blocks, iter_blocks_resumable, iter_line_blocks
-from lightning_rec.data.criteo.cache import cache_features as _cache_features
 from lightning_rec.data.criteo.layout import (
     BOM,
     CriteoLayout,
@@ -23,12 +22,7 @@ from lightning_rec.data.criteo.native import (
     resolve_parser,
 )
 from lightning_rec.data.criteo.parse import _PARSER_VERSION, _parse_block, parse_block, read_criteo
-from lightning_rec.data.criteo.parse import decode_hex as _decode_hex
-from lightning_rec.data.criteo.parse import strings_to_float as _strings_to_float
-from lightning_rec.data.criteo.parse import to_table as _to_table
-from lightning_rec.data.criteo.report import MAX_REPORTED_BAD_ROWS as _MAX_REPORTED_BAD_ROWS
 from lightning_rec.data.criteo.report import ParseReport, field_name, minus_one_label_fix
-from lightning_rec.data.criteo.report import raise_or_record as _raise_or_record
 from lightning_rec.data.criteo.schema import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
@@ -41,5 +35,3 @@ from lightning_rec.data.criteo.schema import (
     NUM_SPARSE_FEATURES,
     table_ids,
 )
-from lightning_rec.data.criteo.schema import check_missing_categorical as _check_missing_categorical
-from lightning_rec.data.criteo.schema import check_on_bad_row as _check_on_bad_row

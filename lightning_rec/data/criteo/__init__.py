@@ -18,11 +18,12 @@ them (`report`); a row short of its trailing empty fields is padded as missing. 
 their first bytes say.
 """
 
+# ruff: noqa: F401  (the package's names, and the old module's private ones that tests and scripts use)
 from lightning_rec.data.criteo.blocks import iter_blocks, iter_blocks_resumable, iter_line_blocks
 from lightning_rec.data.criteo.cache import (
-    _pid_alive,  # noqa: F401  (the old module's private names that tests and scripts use)
-    _remove_abandoned_tmp,  # noqa: F401
-    _writer_tag,  # noqa: F401
+    _pid_alive,
+    _remove_abandoned_tmp,
+    _writer_tag,
     build_criteo_cache,
     default_cache_dir,
 )
@@ -44,7 +45,7 @@ from lightning_rec.data.criteo.native import (
     resolve_parser,
 )
 from lightning_rec.data.criteo.parse import (
-    _PARSER_VERSION,  # noqa: F401
+    _PARSER_VERSION,
     CriteoReadOptions,
     parse_block,
     read_criteo,
@@ -78,55 +79,3 @@ from lightning_rec.data.criteo.tables import (
 )
 
 _resolve_num_embeddings = resolve_num_embeddings  # the old module's name
-
-__all__ = [
-    "CAT_FEATURE_COUNT",
-    "DEFAULT_CAT_NAMES",
-    "DEFAULT_INT_NAMES",
-    "DEFAULT_LABEL_NAME",
-    "DEFAULT_SPARSE_FEATURE_NAMES",
-    "HASH_EMPTY_BAG",
-    "HASH_RAW",
-    "HASH_RESERVED_ID",
-    "INT_FEATURE_COUNT",
-    "MISSING_CATEGORICAL",
-    "NUM_DENSE_FEATURES",
-    "NUM_SPARSE_FEATURES",
-    "TABLE_SOURCE_VERSION",
-    "CriteoDataModule",
-    "CriteoDataset",
-    "CriteoIterableDataset",
-    "CriteoLayout",
-    "CriteoReadOptions",
-    "CriteoShardDataset",
-    "ParseReport",
-    "TableBlocks",
-    "build_criteo_cache",
-    "check_criteo_file",
-    "check_missing_categorical",
-    "check_on_bad_row",
-    "default_cache_dir",
-    "detect_layout",
-    "dist_rank_world",
-    "feature_names",
-    "file_compression",
-    "is_shard_dir",
-    "iter_blocks",
-    "iter_blocks_resumable",
-    "iter_line_blocks",
-    "load_manifest",
-    "make_criteo_batch",
-    "native_parser_available",
-    "open_criteo_stream",
-    "parse_block",
-    "parse_block_native",
-    "preprocess_criteo",
-    "read_criteo",
-    "read_criteo_table",
-    "resolve_num_embeddings",
-    "resolve_parser",
-    "source_files",
-    "table_has_label",
-    "table_ids",
-    "table_source_kind",
-]
