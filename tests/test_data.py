@@ -322,6 +322,17 @@ def test_datamodule_streaming_matches_cached(cache_dir, num_workers):
         assert torch.equal(a.dense_features, b.dense_features)
 
 
+def test_a_streaming_datamodule_parses_with_the_parser_it_was_given(tmp_path):
+    """CriteoDataModule(parser=..., streaming=True) built its stream without the parser: "auto" read it."""
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(20)))
+    dm = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True,
+                          parser="python", block_bytes=1 << 30)
+    dm.setup("fit")
+    stream = dm.datasets["train"]
+    assert stream.parser == "python" and stream.block_bytes == 16 << 20  # a streamed block is at most 16 MiB
+    assert sum(len(b) for b in dm.train_dataloader()) == 20
+
+
 def test_streaming_shuffle_and_drop_last(tmp_path):
     path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(100)))
     ds = CriteoIterableDataset(path, batch_size=16, num_embeddings_per_feature=10, shuffle=True,
