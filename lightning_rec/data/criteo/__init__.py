@@ -9,8 +9,8 @@ Layouts read (detected from the first lines, each overridable):
     Parquet / datasets  columns label (optional), I1..I13, C1..C26 by name (`tables`)
 
 A file is cut into blocks of whole lines (`blocks`), parsed into raw values (`parse`; `native` is the C++ op),
-kept in a memory-mapped Arrow cache (`cache`) or streamed, and made into batches per batch (`datasets`):
-dense log(1 + max(x, 0)), sparse hashed into the tables. `preprocess` writes .npy shards that `shards` reads.
+kept in a memory-mapped Arrow cache (`cache`) or streamed, and made into batches (`datasets`), where dense values
+become log(1 + max(x, 0)) and hashes become table ids. `preprocess` writes .npy shards, which `shards` reads.
 Missing categorical values: "reserved_id" (id 0 of every table; a hash v -> 1 + v % (n - 1)) or "empty_bag" (an
 empty bag; v -> v % n). Bad rows (cut short, too many fields, a non-numeric I, a label other than 0/1, a C that is
 not 8 hex characters, a non-ASCII byte): on_bad_row="error" names file, line and field, "skip" drops and counts

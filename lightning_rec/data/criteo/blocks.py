@@ -178,5 +178,3 @@ def _emit(block: bytes, line: int, skip_header: bool) -> Iterator[tuple[bytes, i
         block, line = block[nl:], 2
     if block:
         yield block, line
-
-

@@ -97,8 +97,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-
-
 def _cache_key(path: Path, table_source: bool, separator, has_header, has_label, on_bad_row: str, parser: str) -> str:
     if table_source:  # Parquet / a saved `datasets` folder: every file it reads is in the key
         files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(path)]

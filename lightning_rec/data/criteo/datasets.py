@@ -393,4 +393,3 @@ class CriteoIterableDataset(IterableDataset):
         if row_ids is not None:
             batch.row_ids = torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64))
         return batch
-

@@ -95,7 +95,6 @@ def decode_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return out_N, bad_N
 
 
-
 @dataclass
 class _Lines:
     """Where the lines of a block are, one entry per line (the block ends with a newline)."""
@@ -127,8 +126,8 @@ class _Lines:
         """The lines holding the byte positions `pos`, the first such byte of each, and its field (0-based)."""
         lines_with, first_idx = np.unique(np.searchsorted(self.ends, pos), return_index=True)
         first = pos[first_idx]
-        return lines_with, first, np.searchsorted(self.sep_pos, first) - np.searchsorted(self.sep_pos,
-                                                                                         self.starts[lines_with])
+        field_k = np.searchsorted(self.sep_pos, first) - np.searchsorted(self.sep_pos, self.starts[lines_with])
+        return lines_with, first, field_k
 
 
 def _unreadable_rows(lines: _Lines, layout: CriteoLayout, problems: list) -> np.ndarray:

@@ -50,7 +50,6 @@ class ParseReport:
             )
 
 
-
 def minus_one_label_fix(reason: str, what: str) -> str | None:
     """The fix for a label of -1: the data is labelled -1/1 (libsvm style), and on_bad_row='skip', the fix offered for
     a bad row, dropped every negative row (training on clicks alone, AUC undefined). None for any other reason."""
@@ -124,5 +123,3 @@ def cut_reason(layout: CriteoLayout, count: int) -> str:
 
 def too_many_reason(layout: CriteoLayout, count: int) -> str:
     return f"{count} fields, but this file's rows have {layout.num_fields}"
-
-
