@@ -14,6 +14,8 @@ from enum import Enum
 
 import torch
 
+from lightning_rec.errors import is_number
+
 
 class ShardingType(str, Enum):
     DATA_PARALLEL = "data_parallel"  # every rank holds the whole table; gradients all-reduced
@@ -188,7 +190,7 @@ def _cache_load_factor(compute_kernel, cache_params, cache_load_factor) -> float
     lf = lf if cache_load_factor is None else cache_load_factor
     if lf is None:
         return None
-    if isinstance(lf, bool) or not isinstance(lf, (int, float)) or not 0 < lf <= 1:
+    if not is_number(lf) or not 0 < lf <= 1:
         raise ValueError(f"ParameterSharding cache_load_factor={lf!r}: give the share of the table's rows its "
                          f"device cache holds, a number in (0, 1] (default {DEFAULT_CACHE_LOAD_FACTOR})")
     if str(compute_kernel) != "fused_uvm_caching":  # ComputeKernel's str is its value

@@ -1119,6 +1119,7 @@ def test_streaming_criteo_resume_seeks_to_the_saved_block(tmp_path, num_workers,
 
     from lightning_rec.data import criteo
     from lightning_rec.data.batch import make_stream_loader
+    from lightning_rec.data.criteo import datasets as criteo_datasets  # where the stream looks parse_block up
 
     path = CRITEO / "criteo_kaggle_train_sample.tsv"
     if gzipped:
@@ -1141,13 +1142,13 @@ def test_streaming_criteo_resume_seeks_to_the_saved_block(tmp_path, num_workers,
     torch.save(state, saved)
     state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
     parsed = []
-    parse = criteo.parse_block
+    parse = criteo_datasets.parse_block
 
     def counting(block, *args, **kwargs):
         parsed.append(len(block))
         return parse(block, *args, **kwargs)
 
-    monkeypatch.setattr(criteo, "parse_block", counting)
+    monkeypatch.setattr(criteo_datasets, "parse_block", counting)
     again = loader()
     again.load_state_dict(state)
     rest = _labels(again)

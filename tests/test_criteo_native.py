@@ -213,6 +213,19 @@ def test_non_utf8_byte_skip_mode_keeps_the_rest_of_the_file(tmp_path, parser, ca
     assert "skipped 2 bad rows" in caplog.text
 
 
+def test_a_non_ascii_byte_and_a_stray_cr_in_one_block_are_named_alike_by_both_parsers(tmp_path):
+    """The reference named a non-ASCII row by the byte of a stray carriage return further down the same block
+    (0x0d, not 0xe9): its reason read a variable that the stray-CR check had since reassigned."""
+    rows = [good_row(i1=str(k)).encode() for k in range(4)]
+    rows[1] = rows[1].replace(b"\t1\t", b"\t1\xe9\t", 1)
+    rows[2] = rows[2].replace(b"\t2\t", b"\t2\r\t", 1)
+    path = write(tmp_path, "both.tsv", b"\n".join(rows) + b"\n")
+    reports = {parser: parse_all(path, parser=parser, on_bad_row="skip")[3].skipped for parser in PARSERS}
+    assert reports["python"] == reports["native"], reports
+    assert [line for line, _ in reports["python"]] == [2, 3] and "byte 0xe9" in reports["python"][0][1]
+    assert "carriage return" in reports["python"][1][1]
+
+
 @pytest.mark.parametrize("parser", PARSERS)
 def test_truncated_last_line(tmp_path, parser):
     """A file cut at a tab is refused (or skipped, counted); a file cut mid-value names the value."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import SHARED_DATA
 
-import lightning_rec.data.preprocess as pre
+import lightning_rec.data.criteo.preprocess as pre
 from lightning_rec.cli import preprocess_main
 from lightning_rec.data import CriteoDataModule, CriteoDataset, build_criteo_cache
 from lightning_rec.data.criteo_parse import native_parser_available

@@ -109,6 +109,32 @@ def test_parses_every_shared_criteo_file(name, rows, labelled, positives, padded
 
 
 @needs_criteo
+def test_the_old_criteo_module_paths_name_the_packages_objects():
+    """The Criteo readers became the package lightning_rec.data.criteo: the old modules re-export it, and the
+    class paths recipes name (YAML class_path) still resolve."""
+    import importlib
+
+    from lightning_rec.data import criteo
+    from lightning_rec.data.criteo import datamodule, parse, preprocess, shards, tables
+
+    def resolve(dotted: str):
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    for dotted in ("lightning_rec.data.CriteoDataModule", "lightning_rec.data.criteo.CriteoDataModule"):
+        assert resolve(dotted) is datamodule.CriteoDataModule
+    assert resolve("lightning_rec.data.criteo_parse.read_criteo") is parse.read_criteo
+    assert resolve("lightning_rec.data.criteo_parse._parse_block") is parse._parse_block
+    assert resolve("lightning_rec.data.criteo_tables.TableBlocks") is tables.TableBlocks
+    assert resolve("lightning_rec.data.criteo_shards.CriteoShardDataset") is shards.CriteoShardDataset
+    assert resolve("lightning_rec.data.preprocess.preprocess_criteo") is preprocess.preprocess_criteo
+    assert callable(resolve("lightning_rec.data.preprocess.preprocess_main"))
+    # the cache keys and the shard format are as before
+    assert (criteo._PARSER_VERSION, criteo.TABLE_SOURCE_VERSION) == (2, 1)
+    assert shards.SHARD_FORMAT == "lightning_rec.criteo_shards/1"
+    assert criteo._resolve_num_embeddings(3, 26) == [3] * 26
+
+
 def test_first_row_known_values():
     label, dense, sparse, _ = parse_all(CRITEO / "criteo_kaggle_train_sample.tsv")
     assert label[0] == 0
@@ -294,6 +320,17 @@ def test_datamodule_streaming_matches_cached(cache_dir, num_workers):
         a, b = next(iter(streaming.train_dataloader())), next(iter(cached.train_dataloader()))
         assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
         assert torch.equal(a.dense_features, b.dense_features)
+
+
+def test_a_streaming_datamodule_parses_with_the_parser_it_was_given(tmp_path):
+    """CriteoDataModule(parser=..., streaming=True) built its stream without the parser: "auto" read it."""
+    path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(20)))
+    dm = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10, streaming=True,
+                          parser="python", block_bytes=1 << 30)
+    dm.setup("fit")
+    stream = dm.datasets["train"]
+    assert stream.parser == "python" and stream.block_bytes == 16 << 20  # a streamed block is at most 16 MiB
+    assert sum(len(b) for b in dm.train_dataloader()) == 20
 
 
 def test_streaming_shuffle_and_drop_last(tmp_path):
@@ -595,7 +632,7 @@ def test_streamed_blocks_go_to_ranks_alike_at_any_worker_count(tmp_path, monkeyp
     the shorter share: a fifth of the file never trained on), and a rank's rows changed with num_workers."""
     from torch.utils.data import DataLoader
 
-    import lightning_rec.data.criteo as criteo_module
+    import lightning_rec.data.criteo.datasets as criteo_module  # where the stream looks dist_rank_world up
     from lightning_rec.data.batch import passthrough_collate
 
     path = write(tmp_path, "s.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(500)))

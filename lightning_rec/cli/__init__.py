@@ -3,7 +3,7 @@
     lightning-rec fit --config recipes/configs/dlrm_synthetic.yaml [--trainer.max_steps=200]
     lightning-rec fit --config recipes/configs/dlrm_criteo_kaggle.yaml \
         --data.train_path=train.tsv --data.val_path=valid.tsv
-    lightning-rec preprocess --input day_0.gz ... --output_dir shards/train   (lightning_rec/data/preprocess.py)
+    lightning-rec preprocess --input day_0.gz ... --output_dir shards/train   (lightning_rec/data/criteo/preprocess.py)
 
 Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a
 recipe can swap either without code. After `fit`, the final validation metrics are printed.

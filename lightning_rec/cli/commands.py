@@ -41,7 +41,7 @@ def export_main(argv: list[str]) -> int:
 
 
 def _preprocess_parser() -> HintingArgumentParser:
-    from lightning_rec.data.criteo_parse import MISSING_CATEGORICAL
+    from lightning_rec.data.criteo.schema import MISSING_CATEGORICAL
 
     parser = HintingArgumentParser(
         prog="lightning-rec preprocess",
@@ -80,7 +80,7 @@ def _preprocess_parser() -> HintingArgumentParser:
 
 def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     """`lightning-rec preprocess ...`: parse arguments, run, print where the shards are and how to train on them."""
-    from lightning_rec.data.preprocess import preprocess_criteo
+    from lightning_rec.data.criteo.preprocess import preprocess_criteo
 
     parser = _preprocess_parser()
     # `--output-dir`, `--min-frequency`: the dashed spelling of an option (export's is dashed, --fp16-tables) was

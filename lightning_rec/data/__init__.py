@@ -9,27 +9,25 @@ from lightning_rec.data.batch import (
     passthrough_collate,
 )
 from lightning_rec.data.criteo import (
-    CriteoDataModule,
-    CriteoDataset,
-    CriteoIterableDataset,
-    build_criteo_cache,
-    make_criteo_batch,
-)
-from lightning_rec.data.criteo_parse import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
     DEFAULT_INT_NAMES,
     DEFAULT_LABEL_NAME,
     DEFAULT_SPARSE_FEATURE_NAMES,
     INT_FEATURE_COUNT,
+    CriteoDataModule,
+    CriteoDataset,
+    CriteoIterableDataset,
     CriteoLayout,
+    CriteoShardDataset,
     ParseReport,
+    build_criteo_cache,
     detect_layout,
+    make_criteo_batch,
+    preprocess_criteo,
     read_criteo,
 )
-from lightning_rec.data.criteo_shards import CriteoShardDataset
 from lightning_rec.data.movielens import MovieLensDataModule, RankingBatch, RetrievalBatch, read_ratings
-from lightning_rec.data.preprocess import preprocess_criteo
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule, SyntheticCriteoDataset
 
 __all__ = [

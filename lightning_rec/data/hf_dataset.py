@@ -63,7 +63,7 @@ def _locked(path: Path):
 
 def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_group_rows: int = 1 << 16) -> None:
     """`ds`'s rows, in its order, as one Parquet file of `row_group_rows`-row groups (small enough for streaming
-    readers, lightning_rec.data.criteo_tables). Index mappings (`shuffle`, `select`, `sort`) are applied by Arrow,
+    readers, lightning_rec.data.criteo.tables). Index mappings (`shuffle`, `select`, `sort`) are applied by Arrow,
     `chunk_rows` at a time: datasets' own writers gather them 1000 rows at a time (`save_to_disk` of a shuffled
     1M-row Criteo Dataset: 0.01 M rows/s; here 0.23 M on 2 cores, and unshuffled 0.65 M against save_to_disk's 0.36)."""
     import pyarrow as pa

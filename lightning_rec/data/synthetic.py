@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_rec.data.batch import Batch, make_eval_loader, make_train_loader, worker_options
-from lightning_rec.data.criteo import _resolve_num_embeddings
+from lightning_rec.data.criteo.schema import resolve_num_embeddings
 from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -154,7 +154,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         if num_dense_features < 1 or num_sparse_features < 1:
             raise ValueError("need at least one dense and one sparse feature")
         self.num_dense_features = num_dense_features
-        self.num_embeddings_per_feature = _resolve_num_embeddings(
+        self.num_embeddings_per_feature = resolve_num_embeddings(
             num_embeddings_per_feature, num_sparse_features
         )
         default_names = [f"C{i}" for i in range(1, num_sparse_features + 1)]

@@ -38,6 +38,7 @@ from lightning_rec.data.movielens.splits import (
     ro_split,
     to_split,
 )
+from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def _check_args(split: str, num_negatives: int, batch_size: int, eval_batch_size
     if num_negatives not in (0, 1):
         raise ValueError(f"num_negatives={num_negatives}: use 0 (in-batch negatives) or 1 (BPR)")
     for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"MovieLensDataModule {name}={value!r}: give a positive number per batch")
     _header_map(columns)  # an unknown field is said here, not at setup
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from lightning_rec.data.criteo_tables import glob_files
+from lightning_rec.data.criteo.tables import glob_files
 from lightning_rec.data.movielens.columns import _NO_TIME
 from lightning_rec.data.movielens.parquet import _read_ratings_parquet
 from lightning_rec.data.movielens.splits import _SPLIT_WORDS
 from lightning_rec.data.movielens.text import _read_ratings_text
 
 _LOG_SUFFIXES = (".csv", ".tsv", ".txt", ".parquet")
-_COMPRESSED = (".gz", ".bz2", ".zst")  # the suffixes a ratings file may add (read as criteo_parse detects them)
+_COMPRESSED = (".gz", ".bz2", ".zst")  # the suffixes a ratings file may add (read as the Criteo readers detect them)
 _OWN_FILE = ("Your own interactions: save them as <folder>/ratings.csv with the header user,item[,rating][,timestamp] "
              "(integer or string ids; no rating: implicit feedback, 1.0), or as <folder>/ratings.parquet with "
              "columns user, item[, rating][, timestamp], and pass the folder (or pass a .parquet file or pattern "

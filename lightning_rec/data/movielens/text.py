@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from lightning_rec.data.criteo_parse import open_criteo_stream
+from lightning_rec.data.criteo.layout import open_criteo_stream
 from lightning_rec.data.movielens.columns import _NAMES, _empty_ids, _header_map, _marked, _refuse_ambiguous
 
 _UTF8_BOM = b"\xef\xbb\xbf"

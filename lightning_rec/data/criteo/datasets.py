@@ -1,0 +1,395 @@
+"""Criteo rows -> whole `Batch`es: `make_criteo_batch` (raw values -> dense transform and table ids),
+`CriteoDataset` (map-style, over the memory-mapped cache) and `CriteoIterableDataset` (streaming: parsed
+block by block while iterating, nothing cached).
+
+Shapes: B rows in a batch, F = 26 sparse features, 13 dense features.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from lightning_rec.data.batch import Batch, PassEpoch
+from lightning_rec.data.criteo.blocks import iter_blocks_resumable
+from lightning_rec.data.criteo.layout import check_criteo_file
+from lightning_rec.data.criteo.parse import CriteoReadOptions, parse_block
+from lightning_rec.data.criteo.report import ParseReport
+from lightning_rec.data.criteo.schema import (
+    DEFAULT_SPARSE_FEATURE_NAMES,
+    NUM_DENSE_FEATURES,
+    NUM_SPARSE_FEATURES,
+    check_missing_categorical,
+    feature_names,
+    resolve_num_embeddings,
+    table_ids,
+)
+from lightning_rec.data.criteo.shards import dist_rank_world
+from lightning_rec.data.criteo.tables import TableBlocks, table_source_kind
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+def make_criteo_batch(
+    label_B: np.ndarray,
+    dense_raw_B13: np.ndarray,
+    sparse_raw_BF: np.ndarray,
+    num_embeddings_F: np.ndarray,
+    keys: Sequence[str],
+    missing_categorical: str = "reserved_id",
+) -> Batch:
+    """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse."""
+    # fmax ignores NaN, so a missing count becomes log(1 + 0) = 0
+    dense_B13 = np.log1p(np.fmax(dense_raw_B13, 0.0)).astype(np.float32, copy=False)
+    sparse_FB = sparse_raw_BF.T
+    mod_F1 = num_embeddings_F[:, None]
+    batch_size = label_B.shape[0]
+    if missing_categorical == "reserved_id":
+        ids_FB = table_ids(sparse_FB, mod_F1, missing_categorical)
+        values_N = ids_FB.reshape(-1)
+        lengths_FB = np.ones(ids_FB.size, dtype=np.int64)
+    else:
+        present_FB = sparse_FB >= 0
+        # table_ids' empty_bag rows of the present ids only (no where over the missing ones: a hot path)
+        values_N = (sparse_FB % mod_F1)[present_FB]  # boolean mask keeps [F, B] order: key-major
+        lengths_FB = present_FB.reshape(-1).astype(np.int64)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        list(keys), torch.from_numpy(np.ascontiguousarray(values_N, dtype=np.int64)),
+        torch.from_numpy(lengths_FB), stride=batch_size,
+    )
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(dense_B13)),
+        sparse_features=kjt,
+        labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)),
+    )
+
+
+class CriteoDataset(Dataset):
+    """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch.
+
+    Use with `make_batch_loader` (batch_size + sampler, `collate_fn=passthrough_collate`): the
+    DataLoader then calls `__getitems__(indices)` once per batch and the whole batch is gathered in numpy.
+    """
+
+    def __init__(
+        self,
+        arrow_path: str | os.PathLike,
+        num_embeddings_per_feature: int | Sequence[int],
+        sparse_feature_names: Sequence[str] | None = None,
+        missing_categorical: str = "reserved_id",
+    ) -> None:
+        self.arrow_path = str(arrow_path)
+        self.keys = feature_names(sparse_feature_names)
+        check_missing_categorical(missing_categorical)
+        self.missing_categorical = missing_categorical
+        self.num_embeddings_F = np.asarray(
+            resolve_num_embeddings(num_embeddings_per_feature, NUM_SPARSE_FEATURES), dtype=np.int64
+        )
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._open()
+
+    def _open(self) -> None:
+        import datasets
+
+        # Dataset.from_file memory-maps the file: pages are read on demand, shared between workers.
+        self._hf = datasets.Dataset.from_file(self.arrow_path)
+        chunks = []
+        for rb in self._hf.data.table.to_batches():
+            if rb.num_rows == 0:
+                continue
+            chunks.append(
+                (
+                    rb.column(0).to_numpy(zero_copy_only=True),
+                    rb.column(1).flatten().to_numpy(zero_copy_only=True).reshape(-1, NUM_DENSE_FEATURES),
+                    rb.column(2).flatten().to_numpy(zero_copy_only=True).reshape(-1, NUM_SPARSE_FEATURES),
+                )
+            )
+        self._chunks = chunks
+        self._starts = np.cumsum([0] + [c[0].shape[0] for c in chunks])
+
+    @property
+    def fingerprint(self) -> str:
+        """What a saved loader position belongs to: the cache file (its name carries the parse key)."""
+        return os.path.basename(self.arrow_path)
+
+    def __getstate__(self) -> dict:
+        # workers reopen the memory map instead of receiving pickled arrays
+        state = dict(self.__dict__)
+        state["_chunks"] = state["_hf"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _gather(self, idx_B: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if len(self._chunks) == 1:
+            label, dense, sparse = self._chunks[0]
+            return label[idx_B], dense[idx_B], sparse[idx_B]
+        chunk_B = np.searchsorted(self._starts, idx_B, side="right") - 1
+        out = (
+            np.empty(idx_B.size, np.float32),
+            np.empty((idx_B.size, NUM_DENSE_FEATURES), np.float32),
+            np.empty((idx_B.size, NUM_SPARSE_FEATURES), np.int64),
+        )
+        # a loop over the file's blocks (each ~64 MiB of text), not over rows
+        for c in np.unique(chunk_B):
+            rows = np.flatnonzero(chunk_B == c)
+            local = idx_B[rows] - self._starts[c]
+            for dst, src in zip(out, self._chunks[c]):
+                dst[rows] = src[local]
+        return out
+
+    def __getitems__(self, indices: Sequence[int]) -> Batch:
+        idx_B = np.asarray(indices, dtype=np.int64)
+        if idx_B.size and idx_B.min() < 0:
+            idx_B = idx_B[idx_B != -1]  # -1: an evaluation share's padding (EvalDistributedSampler), no row
+        if idx_B.size and (idx_B.min() < 0 or idx_B.max() >= len(self)):
+            raise IndexError(f"indices out of range for {len(self)} rows")
+        label_B, dense_B13, sparse_BF = self._gather(idx_B)
+        return make_criteo_batch(
+            label_B, dense_B13, sparse_BF, self.num_embeddings_F, self.keys, self.missing_categorical
+        )
+
+    def empty_batch(self) -> Batch:
+        """A batch of 0 rows: what a rank whose evaluation share ran out steps with (strategy.py)."""
+        return self.__getitems__([])
+
+    def __getitem__(self, index: int | Sequence[int] | slice) -> Batch:
+        """A batch of the given rows (an int gives a batch of one)."""
+        if isinstance(index, slice):
+            return self.__getitems__(range(len(self))[index])
+        if isinstance(index, (int, np.integer)):
+            return self.__getitems__([int(index)])
+        return self.__getitems__(index)
+
+
+class CriteoIterableDataset(IterableDataset):
+    """Streaming: parse the file block by block while iterating; nothing is cached.
+
+    Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every
+    row is read by exactly one of them: rank r of W reads the blocks b with b % W == r, its workers
+    taking turns among them, so a rank reads the same rows at any num_workers and ranks' shares differ
+    by one block at most; a file of fewer than two blocks per pair is dealt row by
+    row instead (every pair parses it, each keeps its rows), so small files split evenly too.
+    With `shuffle`, rows are shuffled within each block (and the order differs per epoch: in your own
+    DataLoader, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler; its workers,
+    persistent ones too, read the epoch told; untold, each process counts its own passes); the
+    block order stays the file order. Rows left over at the end of a block carry into the next
+    block's batches, so only the last batch can be short.
+
+    `row_ids=True` (CriteoDataModule's predict set): each batch carries an order key per row
+    (`Batch.row_ids`): its line's place among the file's rows when rows are dealt, (block << 32) + its place
+    in the block when blocks are. Keys grow with the file order, so predictions made at N ranks are put
+    back in input order by sorting them (lightning_rec.predict renumbers them 0..R-1).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        batch_size: int,
+        num_embeddings_per_feature: int | Sequence[int],
+        sparse_feature_names: Sequence[str] | None = None,
+        missing_categorical: str = "reserved_id",
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        on_bad_row: str = "error",
+        separator: str | None = None,
+        has_header: bool | None = None,
+        has_label: bool | None = None,
+        block_bytes: int = 16 << 20,
+        parser: str = "auto",
+        row_ids: bool = False,
+    ) -> None:
+        options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
+        check_missing_categorical(missing_categorical)
+        # a table (Parquet, a save_to_disk folder) streams in blocks of rows instead of bytes: about as many rows
+        # as block_bytes of the cache's rows (264 bytes each)
+        self.table = TableBlocks(path, has_label, block_bytes // 256) if table_source_kind(path) else None
+        if self.table is None:
+            check_criteo_file(path)
+        self.row_ids = row_ids
+        self.parser = options.parser
+        self.path = str(path)
+        self.layout = options.layout(path) if self.table is None else None
+        self.batch_size = batch_size
+        self.num_embeddings_F = np.asarray(
+            resolve_num_embeddings(num_embeddings_per_feature, NUM_SPARSE_FEATURES), dtype=np.int64
+        )
+        self.keys = list(sparse_feature_names or DEFAULT_SPARSE_FEATURE_NAMES)
+        self.missing_categorical = missing_categorical
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
+        self._epoch = PassEpoch()
+        self._dist = dist_rank_world()
+        # The report of the latest pass made in this process (a worker's own rows, with workers).
+        self.report = self._new_report()
+
+    def _new_report(self) -> ParseReport:
+        return ParseReport(path=self.path, layout=asdict(self.layout) if self.table is None else self.table.layout)
+
+    @property
+    def fingerprint(self) -> str:
+        """What a saved loader position belongs to: the file, its size and the batch size."""
+        source = self.table.fingerprint if self.table is not None else \
+            f"{os.path.basename(self.path)}:{os.path.getsize(self.path)}"
+        return f"{source}:{self.batch_size}:{int(self.shuffle)}"
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next pass shuffles for (a resumed run's loader sets it; see StatefulBatchLoader)."""
+        self._epoch.set(epoch)
+
+    def _shard(self) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        # DataLoader workers have no process group: they use what the main process saw (kept in their copy)
+        if info is None:
+            self._dist = dist_rank_world()
+        rank, world = self._dist
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # ranks alternate in the deal (pair w * W + r): block b goes to rank b % W whatever the worker count. Dealt
+        # rank-major (r * num_workers + w), a rank's blocks depended on its workers and its share could be a block per
+        # worker short of another rank's; in training every rank stops at the shortest share, so those rows were
+        # never trained on (15% of a 10 MB file at 2 ranks x 2 workers)
+        return worker * world + rank, world * num_workers
+
+    # Resuming (torchdata's Stateful protocol: StatefulDataLoader saves the state after every batch,
+    # per worker). The position is where the block being read began (the reader's position, the block
+    # index, the shuffling generator's state, the rows carried over from earlier blocks) plus the
+    # batches already yielded from it: a resumed pass seeks there, reads that one block again and skips
+    # those batches, instead of re-reading the stream from the start.
+
+    # The carried-over rows travel as tensors: checkpoints are read back with torch.load(weights_only=True)
+    # (Lightning's default), which refuses numpy arrays ("Unsupported global ... _reconstruct").
+
+    def state_dict(self) -> dict[str, Any]:
+        position = getattr(self, "_position", None)
+        if position is not None and position.get("pending"):
+            position = {**position, "pending": [tuple(torch.from_numpy(a) for a in rows)
+                                                for rows in position["pending"]]}
+        return {"position": position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        position = state.get("position")
+        if position is not None and position.get("pending"):
+            position = {**position, "pending": [tuple(np.asarray(a) for a in rows) for rows in position["pending"]]}
+        self._resume = position
+
+    def _resume_position(self, shard: int, num_shards: int) -> dict[str, Any] | None:
+        position, self._resume = getattr(self, "_resume", None), None
+        if position is None:
+            return None
+        mine = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
+                "fingerprint": self.fingerprint}
+        if any(position.get(k) != v for k, v in mine.items()):
+            warnings.warn(f"{self.path}: the saved reading position belongs to another file, batch size or "
+                          f"split ({ {k: position.get(k) for k in mine} } saved, {mine} here): this pass starts "
+                          f"from the beginning of the file", stacklevel=3)
+            return None
+        return position
+
+    def __iter__(self) -> Iterator[Batch]:
+        shard, num_shards = self._shard()
+        resume = self._resume_position(shard, num_shards)
+        self._position = None
+        epoch = self._epoch.take(None if resume is None else resume["epoch"])
+        base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
+                "fingerprint": self.fingerprint, "epoch": epoch}
+        report = self._new_report()
+        self.report = report
+        if resume is not None and resume.get("done"):  # this reader had yielded its share's last batch (its only key)
+            self._position = {**base, "done": True}
+            return
+        rng = np.random.default_rng([self.seed, epoch, shard])
+        if resume is None:
+            start, k, seen, pending, skip = None, 0, 0, [], 0
+        else:
+            rng.bit_generator.state = resume["rng"]
+            start, k, seen, pending, skip = (resume["reader"], resume["block"], resume["seen"], list(resume["pending"]),
+                                             resume["yielded"])
+        num_pending = sum(p[0].shape[0] for p in pending)
+        blocks, num_blocks = self._blocks(start, k, report)
+        # Few blocks per shard: deal rows (every shard parses every block, keeps every num_shards-th
+        # row), so ranks get equal shares of a small file; many blocks: deal whole blocks (each is
+        # parsed once), and shares differ by at most about a block.
+        by_rows = num_shards > 1 and num_blocks < 2 * num_shards
+        for reader, parse in blocks:
+            here, k = k, k + 1
+            if not by_rows and here % num_shards != shard:
+                continue
+            boundary = {**base, "reader": reader, "block": here, "seen": seen, "rng": rng.bit_generator.state,
+                        "pending": list(pending)}
+            arrays, seen = self._rows_of(parse(), here, seen, (shard, num_shards) if by_rows else None, rng)
+            pending.append(arrays)
+            num_pending += arrays[0].shape[0]
+            if num_pending < self.batch_size:
+                continue
+            columns = [np.concatenate(parts) for parts in zip(*pending)]  # label, dense, sparse (, row ids)
+            full = (num_pending // self.batch_size) * self.batch_size
+            for i, s in enumerate(range(0, full, self.batch_size)):
+                if i < skip:  # a resumed pass: trained before the checkpoint
+                    continue
+                self._position = {**boundary, "yielded": i + 1}  # the state once this batch is taken
+                yield self._batch(*(c[s:s + self.batch_size] for c in columns))
+            skip = 0
+            pending = [tuple(c[full:] for c in columns)]
+            num_pending -= full
+        if num_pending and not self.drop_last:
+            columns = [np.concatenate(parts) for parts in zip(*pending)]
+            self._position = {**base, "done": True}
+            yield self._batch(*columns)
+        self._position = {**base, "done": True}
+        report.log_skips()
+
+    def _blocks(self, start: dict | None, k: int, report: ParseReport) -> tuple[Iterator, int]:
+        """(where each block begins: a text reader's position or a table's block index, a call that parses it)
+        from `start` (text) or block `k` (a table), and the file's block count."""
+        if self.table is None:
+            blocks = ((reader, lambda b=block, line=first_line: parse_block(
+                b, line, self.layout, self.path, self.on_bad_row, report, self.parser))
+                for block, first_line, reader in iter_blocks_resumable(self.path, self.block_bytes,
+                                                                       self.layout.has_header, start))
+            return blocks, math.ceil(os.path.getsize(self.path) / self.block_bytes)
+        blocks = ((b, lambda b=b: self.table.read(b, self.on_bad_row, report)) for b in range(k, self.table.num_blocks))
+        return blocks, self.table.num_blocks
+
+    def _rows_of(self, arrays: tuple, block: int, seen: int, dealt: tuple[int, int] | None,
+                 rng: np.random.Generator) -> tuple[tuple, int]:
+        """A parsed block's rows that this reader keeps (with their order keys when `row_ids`), shuffled if asked;
+        and the rows seen so far. `dealt`: (shard, num_shards) when rows are dealt (None: this reader's block)."""
+        n = arrays[0].shape[0]
+        if self.row_ids:  # an order key per row (see the class doc), carried beside the rows
+            arrays = (*arrays, np.arange(seen, seen + n) if dealt else (block << 32) + np.arange(n))
+        if dealt:
+            shard, num_shards = dealt
+            mine = (np.arange(seen, seen + n) % num_shards) == shard
+            seen += n
+            arrays = tuple(a[mine] for a in arrays)
+        if self.shuffle:
+            perm = rng.permutation(arrays[0].shape[0])
+            arrays = tuple(a[perm] for a in arrays)
+        return arrays, seen
+
+    def empty_batch(self) -> Batch:
+        """A batch of 0 rows. Streams of ranks end at different batches: in evaluation, a rank whose stream
+        ran out steps with these until every rank's has (RecStrategy), so every row is scored once."""
+        return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+                           np.empty((0, NUM_SPARSE_FEATURES), np.int64),
+                           *((np.empty(0, np.int64),) if self.row_ids else ()))
+
+    def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
+               row_ids: np.ndarray | None = None) -> Batch:
+        batch = make_criteo_batch(label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical)
+        if row_ids is not None:
+            batch.row_ids = torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64))
+        return batch

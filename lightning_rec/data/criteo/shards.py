@@ -1,0 +1,336 @@
+"""Preprocessed Criteo shards (`lightning-rec preprocess`) -> whole `Batch`es, each rank reading its share.
+
+Shapes: n rows of a shard, B rows in a batch, F = 26 sparse features, 13 dense features, W ranks.
+
+The on-disk format (written by `lightning_rec.data.criteo.preprocess`):
+
+    <dir>/manifest.json               format, options, num_embeddings_per_feature, has_label, shards
+    <dir>/<shard>.label.npy           [n]      float32  0 / 1
+    <dir>/<shard>.dense.npy           [n, 13]  float32  log(1 + max(x, 0)), missing -> 0
+    <dir>/<shard>.sparse.npy          [n, 26]  int32    table ids (see manifest "missing_categorical")
+    <dir>/<shard>.json                the shard's record: rows, sha256 of each file, input byte range
+
+Why .npy and not Arrow / parquet: a batch is then three contiguous slices of memory-mapped arrays,
+handed to torch without a decode or a copy per column (benchmarks/criteo_ingest.py measures .npy
+against the Arrow IPC file of `datasets` and parquet for the same batches: the "shard_format" rows).
+
+How the rows are dealt (every rank computes the same split from the manifest, no communication):
+
+    shard i, rows [0, n_i)  ->  rank r reads rows [n_i * r / W, n_i * (r + 1) / W) of every shard
+    training: every rank then reads the same number of rows per epoch (the smallest share: fewer than
+    #shards rows of a rank are left out per epoch, and drop_last's remainder), so all ranks run the same
+    number of steps (DDP needs it); epoch e starts where epoch e - 1 stopped in the rank's share, cyclically,
+    so the rows one epoch leaves out are the first the next reads (every row is trained on)
+    evaluation (`every_row=True`): every rank keeps its whole share, so every row is scored once; a rank
+    with fewer batches than the longest share steps on with empty batches (0 rows) to the same count
+    batch k of a rank = its rows [s + k * B, s + (k + 1) * B) (s: the epoch's start, 0 when no row is left
+    out; past the share's end it wraps to its start): slices, never a per-sample gather
+    workers of a rank take batches k = worker, worker + num_workers, ... (the DataLoader interleaves
+    them back in order); shuffle=True permutes the batch order each epoch (rows were already shuffled
+    within each shard by preprocess)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from lightning_rec.data.batch import Batch, PassEpoch
+from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, feature_names
+from lightning_rec.sparse import KeyedJaggedTensor
+
+MANIFEST = "manifest.json"
+SHARD_FORMAT = "lightning_rec.criteo_shards/1"
+ARRAYS = {  # name: (dtype, columns or None)
+    "label": (np.float32, None),
+    "dense": (np.float32, NUM_DENSE_FEATURES),
+    "sparse": (np.int32, NUM_SPARSE_FEATURES),
+}
+
+
+def is_shard_dir(path: str | os.PathLike | None) -> bool:
+    """True for a directory written by `lightning-rec preprocess` (it holds manifest.json)."""
+    return path is not None and os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def shard_files(directory: str | os.PathLike, shard: str) -> dict[str, Path]:
+    return {name: Path(directory) / f"{shard}.{name}.npy" for name in ARRAYS}
+
+
+def verify_shard(directory: str | os.PathLike, record: dict, checksum: bool = True) -> str | None:
+    """None when the shard's files exist with its row count (and checksums); else what is wrong."""
+    for name, path in shard_files(directory, record["name"]).items():
+        if not path.is_file():
+            return f"{path.name} is missing"
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            return f"{path.name} is not a readable .npy file ({e})"
+        dtype, cols = ARRAYS[name]
+        want = (record["rows"],) if cols is None else (record["rows"], cols)
+        if arr.shape != want or arr.dtype != dtype:
+            return f"{path.name} holds {arr.dtype} {arr.shape}, the record says {np.dtype(dtype)} {want}"
+        if checksum and file_sha256(path) != record["sha256"][name]:
+            return f"{path.name} does not match its sha256 (a partial or altered write)"
+    return None
+
+
+def load_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of a finished preprocess run (a clear error for an unfinished or foreign one)."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        hint = "it is still being written or was interrupted: rerun the same `lightning-rec preprocess` command"
+        if not any(Path(directory).glob("*.json")):
+            hint = "it is not a `lightning-rec preprocess` output directory"
+        raise ValueError(f"{directory} has no {MANIFEST}: {hint}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != SHARD_FORMAT:
+        raise ValueError(
+            f"{path} has format {manifest.get('format')!r}, this version reads {SHARD_FORMAT!r}: rerun "
+            f"`lightning-rec preprocess` with this version"
+        )
+    return manifest
+
+
+def dist_rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_row: bool = False
+                  ) -> list[tuple[int, int, int]]:
+    """(shard, lo, hi) row ranges of `rank`: every rank with the same total (training), or the rank's whole
+    share (`every_row`: evaluation, where no row may be left out; see the module doc)."""
+    segs_per_rank = []
+    for r in range(world_size):
+        segs_per_rank.append([(i, n * r // world_size, n * (r + 1) // world_size) for i, n in enumerate(shard_rows)])
+    if every_row:
+        return [seg for seg in segs_per_rank[rank] if seg[2] > seg[1]]
+    common = min(sum(hi - lo for _, lo, hi in segs) for segs in segs_per_rank)
+    out, left = [], common
+    for i, lo, hi in segs_per_rank[rank]:
+        take = min(hi - lo, left)
+        if take > 0:
+            out.append((i, lo, lo + take))
+        left -= take
+    return out
+
+
+class CriteoShardDataset(IterableDataset):
+    """Batches of a preprocessed Criteo directory; each rank reads only its share of every shard.
+
+    Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
+    `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
+    With `shuffle=True`, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler (its
+    workers, persistent ones too, read the epoch told; untold, each process counts its own passes, and workers
+    that are not persistent, torch's default, start every epoch from the main process's count: the same order).
+    CriteoDataModule's loaders tell it.
+    `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
+    and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        batch_size: int,
+        sparse_feature_names: Sequence[str] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        every_row: bool = False,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.directory = str(directory)
+        self.manifest = load_manifest(directory)
+        self.keys = feature_names(sparse_feature_names)
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.num_embeddings_per_feature = list(self.manifest["num_embeddings_per_feature"])
+        self.has_label = bool(self.manifest["has_label"])
+        self.empty_bag = self.manifest["missing_categorical"] == "empty_bag"
+        self._rank, self._world = rank, world_size
+        self.every_row = every_row
+        self._dist = dist_rank_world()
+        self._epoch = PassEpoch()
+        self._skip = 0  # batches of the next epoch already trained on (resume_from)
+        self._pass_epoch, self._yielded, self._resume = 0, 0, None  # the loader's saved position (state_dict)
+        self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the directory (all ranks)."""
+        return int(sum(s["rows"] for s in self.manifest["shards"]))
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self._rank is not None:
+            return self._rank, self._world or 1
+        # DataLoader workers have no process group: they use what the main process saw (kept in the copy)
+        if torch.utils.data.get_worker_info() is None:
+            self._dist = dist_rank_world()
+        return self._dist
+
+    def segments(self, rank: int | None = None) -> list[tuple[int, int, int]]:
+        me, world = self._rank_world()
+        return rank_segments([s["rows"] for s in self.manifest["shards"]], me if rank is None else rank, world,
+                             every_row=self.every_row)
+
+    def rank_rows(self, rank: int | None = None) -> int:
+        return sum(hi - lo for _, lo, hi in self.segments(rank))
+
+    def _num_batches(self, rows: int) -> int:
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
+    def __len__(self) -> int:
+        if self.every_row:  # the same on every rank (each rank computes every share): they step together
+            return max(self._num_batches(self.rank_rows(r)) for r in range(self._rank_world()[1]))
+        return self._num_batches(self.rank_rows())
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose batch order the next iteration uses (shuffle=True).
+
+        Untold, each iteration counts one epoch in the process that iterates (the main process, or each
+        persistent worker); the DataLoader's workers read the epoch told here, persistent ones too.
+        """
+        self._epoch.set(epoch)
+
+    def resume_from(self, epoch: int, batches_done: int) -> None:
+        """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
+
+        The batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on.
+        """
+        if not 0 <= batches_done <= len(self):
+            raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
+        self._epoch.set(epoch)
+        self._skip = batches_done
+
+    # Resuming through a StatefulDataLoader (torchdata's Stateful protocol: the loader saves the state after every
+    # batch, per worker): the pass's epoch and the batches this worker yielded in it. A resumed pass starts after
+    # them without reading them; without the protocol, torchdata fast-forwarded by reading and building every
+    # batch already trained on (and warned "naively fast-forwarding").
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._pass_epoch, "yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = (int(state["epoch"]), int(state["yielded"]))
+
+    def _open(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        # memory maps: pages are read on demand and shared with the other workers through the page cache
+        if self._arrays is None:
+            self._arrays = [
+                tuple(np.load(p, mmap_mode="r") for p in shard_files(self.directory, s["name"]).values())
+                for s in self.manifest["shards"]
+            ]
+        return self._arrays
+
+    def _ones(self, n: int) -> torch.Tensor:
+        # one id per bag: the same lengths every batch of this size (never written to downstream). Not in a
+        # DataLoader worker: each batch crosses to the main process through shared memory, and one storage sent
+        # again and again is a hazard for nothing (the copy into shared memory is made anyway)
+        if torch.utils.data.get_worker_info() is not None:
+            return torch.ones(n, dtype=torch.int64)
+        if getattr(self, "_ones_n", None) is None or self._ones_n.numel() != n:
+            self._ones_n = torch.from_numpy(np.ones(n, dtype=np.int64))
+        return self._ones_n
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_arrays"] = None  # workers map the files themselves
+        return state
+
+    def __iter__(self) -> Iterator[Batch]:
+        me, world = self._rank_world()
+        segments = rank_segments([s["rows"] for s in self.manifest["shards"]], me, world, every_row=True)  # the share
+        # where each segment starts in this rank's row order
+        seg_start = np.cumsum([0] + [hi - lo for _, lo, hi in segments])
+        share = int(seg_start[-1])
+        num_batches = len(self)
+        # rows an epoch reads: fewer than the share in training where drop_last's remainder, or the rows past the
+        # shortest rank's share, are left out
+        rows = min(num_batches * self.batch_size, self.rank_rows())
+        resume, self._resume = self._resume, None
+        epoch = self._epoch.take(None if resume is None else resume[0])
+        # Epoch e starts where epoch e - 1 stopped, cyclically in the share: the rows one epoch leaves out are the
+        # first of the next (from a fixed start, the same rows were left out every epoch, never trained on). A
+        # function of the epoch alone, so a resumed epoch reads the same rows; 0 when every row is read.
+        first_row = (epoch * rows) % share if share else 0
+        order = np.arange(num_batches)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(num_batches)
+        order, self._skip = order[self._skip:], 0
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
+        self._pass_epoch, self._yielded = epoch, done
+        arrays = self._open()
+        # where each shard starts in the directory's row order: an evaluation share's rows carry their place
+        # (Batch.row_ids), which puts predictions made at N ranks back in order
+        shard_start = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
+        for k in order[worker::num_workers][done:]:
+            self._yielded += 1  # before the yield: the loader reads the state while this generator waits there
+            lo, hi = int(k) * self.batch_size, min((int(k) + 1) * self.batch_size, rows)
+            if lo >= hi:  # every_row: past this rank's share, an empty batch keeps it stepping with the others
+                yield self.empty_batch()
+                continue
+            lo, hi = first_row + lo, first_row + hi  # in the share, where the batch may wrap past its end
+            pieces, places = [], []
+            s = int(np.searchsorted(seg_start, lo % share, side="right")) - 1
+            while lo < hi:  # a batch spans at most a few shards
+                shard, seg_lo, _ = segments[s]
+                at = lo % share
+                a = seg_lo + at - int(seg_start[s])
+                take = min(hi - lo, int(seg_start[s + 1]) - at)
+                pieces.append(tuple(arr[a:a + take] for arr in arrays[shard]))
+                places.append((int(shard_start[shard]) + a, take))
+                lo += take
+                s = (s + 1) % len(segments)
+            batch = self.make_batch(*(np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+                                      for parts in zip(*pieces)))
+            if self.every_row:
+                batch.row_ids = torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n in places]))
+            yield batch
+
+    def empty_batch(self) -> Batch:
+        """A batch of 0 rows (evaluation padding; see `every_row`)."""
+        batch = self.make_batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+                                np.empty((0, NUM_SPARSE_FEATURES), np.int32))
+        batch.row_ids = torch.empty(0, dtype=torch.int64)
+        return batch
+
+    def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
+        """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.
+
+        Small numpy steps rather than torch ops: torch would open a thread pool region for each
+        (tens of microseconds, milliseconds on a busy machine) for arrays this small.
+        """
+        batch_size = label_B.shape[0]
+        ids_FB = torch.from_numpy(np.ascontiguousarray(sparse_BF.T, dtype=np.int64))  # int32 [B, F] -> int64 [F, B]
+        if self.empty_bag:
+            present_FB = ids_FB >= 0
+            values_N, lengths = ids_FB[present_FB], present_FB.reshape(-1).to(torch.int64)
+        else:
+            values_N, lengths = ids_FB.reshape(-1), self._ones(ids_FB.numel())
+        kjt = KeyedJaggedTensor.from_lengths_sync(self.keys, values_N, lengths, stride=batch_size)
+        labels = torch.from_numpy(label_B)
+        if not self.has_label:
+            labels = torch.full((batch_size,), float("nan"))
+        return Batch(dense_features=torch.from_numpy(dense_B13), sparse_features=kjt, labels=labels)
