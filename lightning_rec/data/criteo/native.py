@@ -23,6 +23,7 @@ from lightning_rec.data.criteo.report import (
     stray_cr_reason,
     too_many_reason,
 )
+from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES
 
 PARSERS = ("auto", "native", "python")
 # Row status codes of the native op (csrc/criteo_parse_cpu.cpp): kind | (field << 8).
