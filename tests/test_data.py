@@ -128,7 +128,7 @@ def test_the_old_criteo_module_paths_name_the_packages_objects():
     assert resolve("lightning_rec.data.criteo_tables.TableBlocks") is tables.TableBlocks
     assert resolve("lightning_rec.data.criteo_shards.CriteoShardDataset") is shards.CriteoShardDataset
     assert resolve("lightning_rec.data.preprocess.preprocess_criteo") is preprocess.preprocess_criteo
-    assert callable(resolve("lightning_rec.data.preprocess.preprocess_main"))
+    assert callable(resolve("lightning_rec.cli.preprocess_main"))  # the command line lives with the CLI
     # the cache keys and the shard format are as before
     assert (criteo._PARSER_VERSION, criteo.TABLE_SOURCE_VERSION) == (2, 1)
     assert shards.SHARD_FORMAT == "lightning_rec.criteo_shards/1"
