@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from lightning_rec.batch_check import DeviceBoundsCheck, check_features, check_ids  # noqa: F401  (check_ids: old name)
 from lightning_rec.errors import is_int, is_number, some
 from lightning_rec.lookup import GroupedLookup, LocalTable, join_outputs
-from lightning_rec.optim import FusedOptimizerConfig, fused_modules
+from lightning_rec.optim.config import FusedOptimizerConfig
+from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 

@@ -54,7 +54,8 @@ from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, 
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
 from lightning_rec.errors import plain, short_repr
 from lightning_rec.lookup import choose_kernel, pad_multiple
-from lightning_rec.optim import EmbOptimType, FusedOptimizer
+from lightning_rec.optim.config import EmbOptimType
+from lightning_rec.optim.fused import FusedOptimizer
 from lightning_rec.planner.fits import check_plan_fits
 from lightning_rec.sharded_embedding import (
     SEQUENCE_SHARDING_TYPES,

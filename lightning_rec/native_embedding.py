@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_rec._native import NATIVE_IMPORT_ERROR, native_kernel_available  # noqa: F401  (imported from here too)
 from lightning_rec.errors import is_number
-from lightning_rec.optim import EmbOptimType, FusedOptimizerConfig
+from lightning_rec.optim.config import EmbOptimType, FusedOptimizerConfig
 
 _OPTIMIZER_IDS = {
     EmbOptimType.SGD: 0,

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from lightning_rec.optim import emb_optim_type
+from lightning_rec.optim.config import emb_optim_type
 from lightning_rec.planner.constraints import DEFAULT_MIN_PARTITION, ParameterConstraints
 from lightning_rec.planner.estimate import (
     COMM,
