@@ -33,7 +33,8 @@ from lightning_rec.embedding_configs import (  # noqa: F401  (their path until n
 )
 from lightning_rec.errors import some
 from lightning_rec.lookup import GroupedLookup, join_outputs
-from lightning_rec.optim import FusedOptimizerConfig, fused_modules
+from lightning_rec.optim.config import FusedOptimizerConfig
+from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.checks import validate_kjt
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401

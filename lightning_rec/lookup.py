@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_rec._compat import compiler_disable_takes_reason
 from lightning_rec._device import check_device_ready, cuda_missing, no_cuda_error  # noqa: F401  (imported from here too)
-from lightning_rec.optim import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
+from lightning_rec.optim.config import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.types import DEFAULT_CACHE_LOAD_FACTOR
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_rec._native import NATIVE_IMPORT_ERROR, native_kernel_available  # noqa: F401  (imported from here too)
 from lightning_rec.errors import is_number
-from lightning_rec.optim import EmbOptimType, FusedOptimizerConfig
+from lightning_rec.optim.config import EmbOptimType, FusedOptimizerConfig
 
 _OPTIMIZER_IDS = {
     EmbOptimType.SGD: 0,
@@ -155,6 +155,35 @@ def _as_index_tensor(x: Tensor, name: str) -> Tensor:
     return x.to(torch.int64).contiguous()
 
 
+def _check_arguments(embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int], pooling_mode: str,
+                     optimizer: FusedOptimizerConfig, weights_precision: torch.dtype) -> None:
+    """The TBE's arguments, refused before anything is allocated (the kernel built, the optimizer implemented)."""
+    if not native_kernel_available():
+        raise RuntimeError(
+            "lightning_rec's native embedding kernel is not built (lightning_rec._C failed to import: "
+            f"{NATIVE_IMPORT_ERROR}); run `pip install --no-build-isolation -e .` or use kernel='fbgemm'"
+        )
+    if optimizer.optimizer not in _OPTIMIZER_IDS:
+        supported = ", ".join(o.value for o in NATIVE_OPTIMIZERS)
+        raise ValueError(
+            f"optimizer {optimizer.optimizer.value!r} is not implemented by the native CPU kernel: "
+            f"choose one of {supported} (LAMB and LARS-SGD run on GPU with fbgemm only)"
+        )
+    if pooling_mode not in _POOLING_IDS:
+        raise ValueError(f"pooling_mode must be 'sum' or 'mean', got {pooling_mode!r}")
+    if weights_precision not in (torch.float32, torch.float16):
+        raise ValueError(f"weights_precision must be torch.float32 or torch.float16, got {weights_precision}")
+    T, F = len(embedding_specs), len(feature_table_map)
+    if T == 0 or F == 0:
+        raise ValueError("a TBE needs at least one table and one feature")
+    for t, (rows, dim) in enumerate(embedding_specs):
+        if rows <= 0 or dim <= 0:
+            raise ValueError(f"table {t} has shape ({rows}, {dim}): rows and dim must be positive")
+    for f, t in enumerate(feature_table_map):
+        if not 0 <= t < T:
+            raise ValueError(f"feature_table_map[{f}] = {t} names no table: there are {T} tables")
+
+
 class NativeTableBatchedEmbeddingBags(nn.Module):
     """Pooled lookups over T tables in one op, with the optimizer fused into the backward (CPU).
 
@@ -175,31 +204,9 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         weight_init: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         super().__init__()
-        if not native_kernel_available():
-            raise RuntimeError(
-                "lightning_rec's native embedding kernel is not built (lightning_rec._C failed to import: "
-                f"{NATIVE_IMPORT_ERROR}); run `pip install --no-build-isolation -e .` or use kernel='fbgemm'"
-            )
         optimizer = optimizer if optimizer is not None else FusedOptimizerConfig()
-        if optimizer.optimizer not in _OPTIMIZER_IDS:
-            supported = ", ".join(o.value for o in NATIVE_OPTIMIZERS)
-            raise ValueError(
-                f"optimizer {optimizer.optimizer.value!r} is not implemented by the native CPU kernel: "
-                f"choose one of {supported} (LAMB and LARS-SGD run on GPU with fbgemm only)"
-            )
-        if pooling_mode not in _POOLING_IDS:
-            raise ValueError(f"pooling_mode must be 'sum' or 'mean', got {pooling_mode!r}")
-        if weights_precision not in (torch.float32, torch.float16):
-            raise ValueError(f"weights_precision must be torch.float32 or torch.float16, got {weights_precision}")
+        _check_arguments(embedding_specs, feature_table_map, pooling_mode, optimizer, weights_precision)
         T, F = len(embedding_specs), len(feature_table_map)
-        if T == 0 or F == 0:
-            raise ValueError("a TBE needs at least one table and one feature")
-        for t, (rows, dim) in enumerate(embedding_specs):
-            if rows <= 0 or dim <= 0:
-                raise ValueError(f"table {t} has shape ({rows}, {dim}): rows and dim must be positive")
-        for f, t in enumerate(feature_table_map):
-            if not 0 <= t < T:
-                raise ValueError(f"feature_table_map[{f}] = {t} names no table: there are {T} tables")
         self.table_names = list(table_names) if table_names is not None else [f"t{t}" for t in range(T)]
         self.feature_names = list(feature_names) if feature_names is not None else [f"f{f}" for f in range(F)]
         if len(self.table_names) != T or len(self.feature_names) != F:
@@ -214,6 +221,13 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         self.optimizer = optimizer.optimizer
         self.optimizer_config = optimizer
         self._lr = float(optimizer.lr)
+        self._register_offsets()
+        self._register_weights_and_state(weights_precision, weight_init)
+        # Gives the output a grad_fn so that loss.backward() reaches the fused update (as in fbgemm).
+        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, dtype=torch.float32))
+
+    def _register_offsets(self) -> None:
+        """Where each table starts in the flat weights and rows, and each feature in the pooled output."""
         rows_T = [r for r, _ in self.embedding_specs]
         dims_T = [d for _, d in self.embedding_specs]
         sizes_T = [r * d for r, d in self.embedding_specs]
@@ -232,7 +246,10 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
             self.register_buffer(name, torch.tensor(values, dtype=torch.int64), persistent=False)
         self.rows_F = torch.tensor([rows_T[t] for t in self.feature_table_map], dtype=torch.int64)  # batch checks
 
-        weights = _empty_huge(sum(sizes_T), weights_precision)
+    def _register_weights_and_state(self, weights_precision: torch.dtype,
+                                    weight_init: Sequence[tuple[float, float]] | None) -> None:
+        """The flat weights, drawn per table, and the optimizer's zeroed state."""
+        weights = _empty_huge(sum(r * d for r, d in self.embedding_specs), weights_precision)
         for t, (rows, dim) in enumerate(self.embedding_specs):
             low, high = weight_init[t] if weight_init is not None else (-math.sqrt(1 / rows), math.sqrt(1 / rows))
             o = self.weights_offsets_list[t]
@@ -245,8 +262,6 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         self.register_buffer("momentum1", _empty_huge(m1, torch.float32).zero_())
         self.register_buffer("momentum2", _empty_huge(m2, torch.float32).zero_())
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
-        # Gives the output a grad_fn so that loss.backward() reaches the fused update (as in fbgemm).
-        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, dtype=torch.float32))
 
     # ---- fbgemm-compatible handles -------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from lightning_rec.embedding import (
 )
 from lightning_rec.input_dist import DistContext, FrozenTablesDisagree, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
-from lightning_rec.optim import FusedOptimizerConfig, check_fused_lr
+from lightning_rec.optim.config import FusedOptimizerConfig, check_fused_lr
 from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
 from lightning_rec.sharding import data_parallel
 from lightning_rec.sharding.embeddings import (

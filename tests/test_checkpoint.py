@@ -238,15 +238,14 @@ def test_torchrec_style_combined_optimizer_loads_into_combined_optimizer(tmp_pat
 
 def test_fused_state_saved_under_the_wrappers_names_still_loads(tmp_path, monkeypatch):
     """Checkpoints written before the fix above (fused state and learning rates under '_dmp_wrapped_module...')."""
-    from lightning_rec import optim
-    from lightning_rec.optim import combined_optimizer, dense_parameters
+    from lightning_rec.optim import combined_optimizer, dense_parameters, fused_paths
 
     path = str(tmp_path / "old.ckpt")
     module = _module()
     wrapper = torch.nn.Module()
     wrapper._dmp_wrapped_module = module  # a DistributedModelParallel(dense=None)'s layout
     with monkeypatch.context() as m:
-        m.setattr(optim, "_is_wrapper_child", lambda parent, name: False)  # the old naming
+        m.setattr(fused_paths, "_is_wrapper_child", lambda parent, name: False)  # the old naming
         optimizer = combined_optimizer(wrapper, torch.optim.SGD(dense_parameters(module), lr=0.02))
     _train(module, module, optimizer, 0, steps=2)
     optimizer.param_groups[0]["lr"] = 0.125  # the fused rate a scheduler left

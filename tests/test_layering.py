@@ -16,7 +16,7 @@ FLOORS = [  # lowest first
     ("collective_guard", "shm_transport", "comm"),
     ("sparse",),
     ("data",),
-    ("optim.config", "native_embedding", "batch_check", "lookup"),
+    ("optim.config", "optim.fused_paths", "native_embedding", "batch_check", "lookup"),
     ("embedding_configs", "embedding"),
     ("optim",),
     ("sharding", "planner"),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_rec.lookup import pad_multiple, padded_dim
-from lightning_rec.optim import EmbOptimType
+from lightning_rec.optim.config import EmbOptimType
 from lightning_rec.planner.constraints import (
     DEFAULT_CACHE_LOAD_FACTOR,
     DEFAULT_MIN_PARTITION,

@@ -40,11 +40,22 @@ def _partition(
     load = np.zeros((W, 4))
     where: list[list[int]] = [[-1] * len(o.pieces) for o in options]
     failed: set[int] = set()
-    safe_h, safe_d = (float(c) if c > 0 else 1.0 for c in caps)  # CPU ranks have no HBM
-    cap_h, cap_d = float(caps[HBM]) + _EPS, float(caps[DDR]) + _EPS
+    safe = tuple(float(c) if c > 0 else 1.0 for c in caps)  # CPU ranks have no HBM
+    fixed, host, rank = _ordered_pieces(options, by_memory, safe)
+    _place_fixed(options, fixed, load, caps, failed)
+    _place_on_hosts(options, host, load, where, failed, caps, L, by_memory, safe)
+    added = _place_on_ranks(options, rank, load, where, failed, caps, by_memory, safe)
+    return _Placement(load + added, where, sorted(failed))
 
-    fixed, host, rank = [], [], []
-    lists = {"fixed": fixed, "host": host, "rank": rank}
+
+_Piece = tuple[float, int, int]  # (sort key, table, piece)
+
+
+def _ordered_pieces(options: Sequence[ShardingOption], by_memory: bool,
+                    safe: tuple[float, float]) -> tuple[list[_Piece], list[_Piece], list[_Piece]]:
+    """The fixed, host and rank pieces, each list biggest (by memory share) or slowest first."""
+    safe_h, safe_d = safe
+    lists: dict[str, list[_Piece]] = {"fixed": [], "host": [], "rank": []}
     for t, o in enumerate(options):
         out = lists[o.kind]
         for k in range(len(o.pieces)):
@@ -53,15 +64,19 @@ def _partition(
                 out.append((-max(h / safe_h, d / safe_d), t, k))
             else:
                 out.append((-o.piece_ms[k], t, k))
-    fixed.sort()
-    host.sort()
-    rank.sort()
+    for pieces in lists.values():
+        pieces.sort()
+    return lists["fixed"], lists["host"], lists["rank"]
 
+
+def _place_fixed(options: Sequence[ShardingOption], fixed: list[_Piece], load: np.ndarray, caps: np.ndarray,
+                 failed: set[int]) -> None:
+    """Pieces whose ranks are given (every rank's [W, 4] load at once): added to `load` where they fit."""
     if fixed:
         together = np.sum([options[t].pieces[0] for _, t, _ in fixed], axis=0)
         if (together[:, :2] <= caps + _EPS).all():  # the common case: no need to go one by one
             load += together
-            fixed = []
+            return
     for _, t, _ in fixed:
         piece = options[t].pieces[0]
         new = load[:, :2] + piece[:, :2]
@@ -70,7 +85,11 @@ def _partition(
         else:
             failed.add(t)
 
-    H = W // L
+
+def _place_on_hosts(options: Sequence[ShardingOption], host: list[_Piece], load: np.ndarray, where: list[list[int]],
+                    failed: set[int], caps: np.ndarray, L: int, by_memory: bool, safe: tuple[float, float]) -> None:
+    """Host pieces ([L, 4]): each onto the host with room whose fullest (or slowest) rank stays lowest."""
+    H = load.shape[0] // L
     for _, t, k in host:
         if t in failed:
             continue
@@ -82,22 +101,28 @@ def _partition(
             failed.add(t)
             continue
         if by_memory:
-            key = (new[:, :, :2] / np.array([safe_h, safe_d])).max(axis=(1, 2))
+            key = (new[:, :, :2] / np.array(safe)).max(axis=(1, 2))
         else:
             key = (new[:, :, COMPUTE] + new[:, :, COMM]).max(axis=1)
         h = int(np.argmin(np.where(fits, key, np.inf)))
         load[h * L : (h + 1) * L] += piece
         where[t][k] = h
 
-    # rank pieces: one slot each, so plain floats; a heap of (key, rank) finds the emptiest rank
+
+def _place_on_ranks(options: Sequence[ShardingOption], rank: list[_Piece], load: np.ndarray, where: list[list[int]],
+                    failed: set[int], caps: np.ndarray, by_memory: bool, safe: tuple[float, float]) -> np.ndarray:
+    """Rank pieces: each onto the emptiest (or fastest) rank with room; the [W, 4] load they add."""
+    # one slot each, so plain floats; a heap of (key, rank) finds the emptiest rank
+    safe_h, safe_d = safe
+    cap_h, cap_d = float(caps[HBM]) + _EPS, float(caps[DDR]) + _EPS
     used_h, used_d = load[:, HBM].tolist(), load[:, DDR].tolist()
     ms = (load[:, COMPUTE] + load[:, COMM]).tolist()
-    added = np.zeros((W, 4))
+    added = np.zeros_like(load)
 
     def rank_key(r: int) -> float:
         return max(used_h[r] / safe_h, used_d[r] / safe_d) if by_memory else ms[r]
 
-    heap = [(rank_key(r), r) for r in range(W)]
+    heap = [(rank_key(r), r) for r in range(load.shape[0])]
     heapq.heapify(heap)
     for _, t, k in rank:
         if t in failed:
@@ -129,4 +154,4 @@ def _partition(
         added[r] += options[t].pieces[k][0]
         used[k] = r
         heapq.heappush(heap, (rank_key(r), r))
-    return _Placement(load + added, where, sorted(failed))
+    return added

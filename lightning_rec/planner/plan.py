@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from lightning_rec.optim import emb_optim_type
+from lightning_rec.optim.config import emb_optim_type
 from lightning_rec.planner.constraints import DEFAULT_MIN_PARTITION, ParameterConstraints
 from lightning_rec.planner.estimate import (
     COMM,
@@ -142,41 +142,8 @@ class EmbeddingShardingPlanner:
         debug: bool = True,
         **torchrec_components,
     ):
-        # Positional arguments after the topology: TorchRec's order (a ported
-        # EmbeddingShardingPlanner(topology, 8192) means batch_size=8192), or this planner's earlier
-        # form EmbeddingShardingPlanner(topology, constraints) (a mapping: nothing else reads as one).
-        if args and isinstance(args[0], Mapping):
-            if len(args) > 1 or constraints is not None:
-                raise ValueError(
-                    "EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
-                    "(batch_size=..., optimizer=...)"
-                )
-            constraints = args[0]
-        else:
-            if len(args) > len(_TORCHREC_POSITIONAL):
-                raise ValueError(
-                    f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
-                    f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}"
-                )
-            given = dict(batch_size=batch_size, constraints=constraints, debug=debug)
-            for name, value in zip(_TORCHREC_POSITIONAL, args):
-                if name in given:
-                    if name != "debug" and given[name] is not None:
-                        raise ValueError(f"EmbeddingShardingPlanner got {name} twice (by position and by keyword)")
-                    given[name] = value
-                else:
-                    torchrec_components[name] = value
-            batch_size, constraints, debug = given["batch_size"], given["constraints"], given["debug"]
-        # TorchRec's pluggable pieces have no slot to plug into here: each is refused with the knob
-        # that does its job (None, TorchRec's default, is fine)
-        for name, value in torchrec_components.items():
-            if name not in _TORCHREC_COMPONENTS:
-                raise TypeError(f"EmbeddingShardingPlanner() got an unexpected keyword argument '{name}'")
-            if value is not None:
-                raise ValueError(
-                    f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
-                    f"slot: {_TORCHREC_COMPONENTS[name]}"
-                )
+        batch_size, constraints, debug = _read_positional(args, batch_size, constraints, debug, torchrec_components)
+        _refuse_components(torchrec_components)
         # debug: TorchRec's switch for a more detailed stats log; it changes no plan. The stats here
         # are the detailed table already, printed per print_stats.
         self.debug = debug
@@ -185,29 +152,9 @@ class EmbeddingShardingPlanner:
         self._defaulted = {name for name, value in (("topology", topology), ("batch_size", batch_size))
                            if value is None}
         batch_size = 512 if batch_size is None else batch_size  # TorchRec's default BATCH_SIZE
-        try:
-            batch_size = operator.index(batch_size)
-        except TypeError:
-            raise ValueError(
-                f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
-                f"in constraints={{table: ParameterConstraints(...)}}"
-            ) from None
-        if batch_size <= 0:
-            raise ValueError(f"planner batch_size={batch_size} must be the positive batch size per rank")
-        if not 0 <= reserved_fraction < 1:
-            raise ValueError(
-                f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
-                f"memory kept for dense layers and activations"
-            )
-        if not 0 < max_shard_fraction <= 1:
-            raise ValueError(f"planner max_shard_fraction={max_shard_fraction} must be in (0, 1]")
+        batch_size = _check_sizes(batch_size, reserved_fraction, max_shard_fraction)
         self.topology = topology if topology is not None else _default_topology()
-        self.constraints = dict(constraints or {})
-        for name, c in self.constraints.items():
-            if not isinstance(c, ParameterConstraints):
-                raise ValueError(
-                    f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)"
-                )
+        self.constraints = _check_constraints(constraints)
         # None: the fused optimizer of the module being planned (plan()), else row-wise Adagrad.
         self._optimizer_given = optimizer is not None
         self._cost_args = (batch_size, pipelined)
@@ -568,6 +515,78 @@ class EmbeddingShardingPlanner:
 
 _COLUMN_SPLITS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.GRID_SHARD)
 _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message; the rest are counted
+
+
+def _read_positional(args: tuple, batch_size, constraints, debug, torchrec_components: dict) -> tuple:
+    """(batch_size, constraints, debug) with the positional arguments after the topology read in TorchRec's order
+    (a ported EmbeddingShardingPlanner(topology, 8192) means batch_size=8192), or as this planner's earlier form
+    EmbeddingShardingPlanner(topology, constraints) (a mapping: nothing else reads as one). TorchRec's components
+    given by position join `torchrec_components`."""
+    if args and isinstance(args[0], Mapping):
+        if len(args) > 1 or constraints is not None:
+            raise ValueError(
+                "EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
+                "(batch_size=..., optimizer=...)"
+            )
+        return batch_size, args[0], debug
+    if len(args) > len(_TORCHREC_POSITIONAL):
+        raise ValueError(
+            f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
+            f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}"
+        )
+    given = dict(batch_size=batch_size, constraints=constraints, debug=debug)
+    for name, value in zip(_TORCHREC_POSITIONAL, args):
+        if name in given:
+            if name != "debug" and given[name] is not None:
+                raise ValueError(f"EmbeddingShardingPlanner got {name} twice (by position and by keyword)")
+            given[name] = value
+        else:
+            torchrec_components[name] = value
+    return given["batch_size"], given["constraints"], given["debug"]
+
+
+def _refuse_components(torchrec_components: Mapping[str, object]) -> None:
+    """TorchRec's pluggable pieces have no slot to plug into here: each is refused with the knob that does its job
+    (None, TorchRec's default, is fine)."""
+    for name, value in torchrec_components.items():
+        if name not in _TORCHREC_COMPONENTS:
+            raise TypeError(f"EmbeddingShardingPlanner() got an unexpected keyword argument '{name}'")
+        if value is not None:
+            raise ValueError(
+                f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
+                f"slot: {_TORCHREC_COMPONENTS[name]}"
+            )
+
+
+def _check_sizes(batch_size, reserved_fraction: float, max_shard_fraction: float) -> int:
+    """The planner's numbers, refused when out of range; the batch size as an int."""
+    try:
+        batch_size = operator.index(batch_size)
+    except TypeError:
+        raise ValueError(
+            f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
+            f"in constraints={{table: ParameterConstraints(...)}}"
+        ) from None
+    if batch_size <= 0:
+        raise ValueError(f"planner batch_size={batch_size} must be the positive batch size per rank")
+    if not 0 <= reserved_fraction < 1:
+        raise ValueError(
+            f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
+            f"memory kept for dense layers and activations"
+        )
+    if not 0 < max_shard_fraction <= 1:
+        raise ValueError(f"planner max_shard_fraction={max_shard_fraction} must be in (0, 1]")
+    return batch_size
+
+
+def _check_constraints(constraints: Mapping[str, ParameterConstraints] | None) -> dict[str, ParameterConstraints]:
+    out = dict(constraints or {})
+    for name, c in out.items():
+        if not isinstance(c, ParameterConstraints):
+            raise ValueError(
+                f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)"
+            )
+    return out
 
 
 def _grouped(reasons: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_rec.optim import EmbOptimType, FusedOptimizerConfig
+from lightning_rec.optim.config import EmbOptimType, FusedOptimizerConfig
 
 REPLICA_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 

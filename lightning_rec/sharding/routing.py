@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -145,7 +146,7 @@ def build_routing(
 ) -> Routing:
     """The routing of one collection. `configs`: its table configs; `feature_names`: its output order.
 
-    `table_plans` must already be validated (see model_parallel.validate_module_plan).
+    `table_plans` must already be validated (see plan_checks.validate_module_plan).
     """
     by_feature = {f: c for c in configs for f in c.feature_names}
     f_index = {f: i for i, f in enumerate(feature_names)}
@@ -153,24 +154,56 @@ def build_routing(
     mean = [pooled and str(by_feature[f].pooling_name()) == "mean" for f in feature_names]
     pooling = "sum" if pooled else "none"  # mean = sum / bag length, applied after the reduction
 
-    per_rank: list[list[LocalTable]] = [[] for _ in range(world_size)]
-    sf_by_name: dict[tuple[str, int], ShardFeature] = {}
-    pieces: dict[tuple[int, str], tuple[str, ShardMetadata]] = {}
-    dp_tables: list[LocalTable] = []
-    blocks: dict[str, list[tuple[int, int, list[ShardMetadata]]]] = {}
+    placed = _place_pieces(configs, table_plans, f_index, pooling, world_size)
+    _check_local_names(placed.per_rank, placed.dp_tables)
+    rank_tables = [[t for g in group_tables(ts) for t in g] for ts in placed.per_rank]
+    shard_features: list[ShardFeature] = []
+    counts, rank_dims = [], []
+    for rank, tables in enumerate(rank_tables):
+        sfs = [placed.shard_features[(n, rank)] for t in tables for n in t.feature_names]
+        shard_features += sfs
+        counts.append(len(sfs))
+        rank_dims.append(sum(sf.cols for sf in sfs))
+    global_index = {(sf.name, sf.rank): i for i, sf in enumerate(shard_features)}
+
+    dp_groups = [t for g in group_tables(placed.dp_tables) for t in g]
+    dp_feature_index = [f_index[f] for t in dp_groups for f in t.feature_names]
+    return Routing(
+        world_size=world_size, feature_names=list(feature_names), feature_dims=dims, pooled=pooled,
+        mean_features=mean, rank_tables=rank_tables, shard_features=shard_features, rank_sf_counts=counts,
+        rank_dims=rank_dims, dp_tables=dp_groups, dp_feature_index=dp_feature_index,
+        **_copy_plan(feature_names, by_feature, placed.blocks, table_plans, global_index),
+        table_shardings={c.name: table_plans[c.name] for c in configs}, pieces=placed.pieces,
+    )
+
+
+@dataclass
+class _Placed:
+    """Every sharded table's pieces, by the rank that holds them, and the replicated tables."""
+
+    per_rank: list[list[LocalTable]]  # rank -> its pieces, in the collection's table order
+    shard_features: dict[tuple[str, int], ShardFeature]  # (piece's feature name, rank) -> the feature's piece
+    pieces: dict[tuple[int, str], tuple[str, ShardMetadata]]  # (rank, piece name) -> (table, shard)
+    dp_tables: list[LocalTable]
+    blocks: dict[str, list[tuple[int, int, list[ShardMetadata]]]]  # table -> (first col, cols, row shards) per block
+
+
+def _place_pieces(configs: Sequence, table_plans: Mapping[str, ParameterSharding], f_index: Mapping[str, int],
+                  pooling: str, world_size: int) -> _Placed:
+    placed = _Placed([[] for _ in range(world_size)], {}, {}, [], {})
     for cfg in configs:
         ps = table_plans[cfg.name]
         init = cfg.local_table().init_range()
         if ps.sharding_type == ShardingType.DATA_PARALLEL:
-            dp_tables.append(LocalTable(cfg.name, cfg.num_embeddings, cfg.embedding_dim, tuple(cfg.feature_names),
-                                        pooling, cfg.data_type, init))
+            placed.dp_tables.append(LocalTable(cfg.name, cfg.num_embeddings, cfg.embedding_dim,
+                                               tuple(cfg.feature_names), pooling, cfg.data_type, init))
             continue
         whole = len(ps.shards) == 1
         by_col: dict[int, list[ShardMetadata]] = {}
         for s in ps.shards:
             by_col.setdefault(s.shard_offsets[1], []).append(s)
-        blocks[cfg.name] = [(c, v[0].shard_sizes[1], sorted(v, key=lambda s: s.shard_offsets[0]))
-                            for c, v in sorted(by_col.items())]
+        placed.blocks[cfg.name] = [(c, v[0].shard_sizes[1], sorted(v, key=lambda s: s.shard_offsets[0]))
+                                   for c, v in sorted(by_col.items())]
         for s in ps.shards:
             if s.shard_sizes[0] == 0:
                 continue  # a trailing row shard the block rule left empty: no id ever goes there
@@ -178,27 +211,20 @@ def build_routing(
             names = tuple(f"{f}{suffix}" for f in cfg.feature_names)
             table = LocalTable(f"{cfg.name}{suffix}", s.shard_sizes[0], s.shard_sizes[1], names, pooling,
                                cfg.data_type, init, _fused_kernel(ps.compute_kernel), ps.cache_load_factor)
-            per_rank[s.placement].append(table)
-            pieces[(s.placement, table.name)] = (cfg.name, s)
+            placed.per_rank[s.placement].append(table)
+            placed.pieces[(s.placement, table.name)] = (cfg.name, s)
             for f, n in zip(cfg.feature_names, names):
-                sf_by_name[(n, s.placement)] = ShardFeature(f, f_index[f], cfg.name, s, table.name, n)
+                placed.shard_features[(n, s.placement)] = ShardFeature(f, f_index[f], cfg.name, s, table.name, n)
+    return placed
 
-    _check_local_names(per_rank, dp_tables)
-    rank_tables = [[t for g in group_tables(ts) for t in g] for ts in per_rank]
-    shard_features: list[ShardFeature] = []
-    counts, rank_dims = [], []
-    for rank, tables in enumerate(rank_tables):
-        sfs = [sf_by_name[(n, rank)] for t in tables for n in t.feature_names]
-        shard_features += sfs
-        counts.append(len(sfs))
-        rank_dims.append(sum(sf.cols for sf in sfs))
-    global_index = {(sf.name, sf.rank): i for i, sf in enumerate(shard_features)}
 
-    dp_groups = [t for g in group_tables(dp_tables) for t in g]
-    dp_feature_index = [f_index[f] for t in dp_groups for f in t.feature_names]
-
+def _copy_plan(feature_names: Sequence[str], by_feature: Mapping[str, Any],
+               blocks: Mapping[str, list[tuple[int, int, list[ShardMetadata]]]],
+               table_plans: Mapping[str, ParameterSharding], global_index: Mapping[tuple[str, int], int]) -> dict:
+    """Routing's copy_* fields: where each sharded feature's column blocks come back from (in output order)."""
     copy_feature, copy_cols, copy_block, copy_first, copy_sf = [], [], [], [], []
     row_split = False
+    f_index = {f: i for i, f in enumerate(feature_names)}
     for f in feature_names:
         cfg = by_feature[f]
         if cfg.name not in blocks:
@@ -213,12 +239,5 @@ def build_routing(
             for s in row_shards:
                 key = (f"{f}{_shard_suffix(s, whole)}", s.placement)
                 copy_sf.append(global_index[key] if s.shard_sizes[0] else -1)
-
-    return Routing(
-        world_size=world_size, feature_names=list(feature_names), feature_dims=dims, pooled=pooled,
-        mean_features=mean, rank_tables=rank_tables, shard_features=shard_features, rank_sf_counts=counts,
-        rank_dims=rank_dims, dp_tables=dp_groups, dp_feature_index=dp_feature_index,
-        copy_feature_index=copy_feature, copy_cols=copy_cols, copy_row_block=copy_block,
-        copy_first=copy_first, copy_shard_sf=copy_sf, row_split=row_split,
-        table_shardings={c.name: table_plans[c.name] for c in configs}, pieces=pieces,
-    )
+    return dict(copy_feature_index=copy_feature, copy_cols=copy_cols, copy_row_block=copy_block,
+                copy_first=copy_first, copy_shard_sf=copy_sf, row_split=row_split)

@@ -1,0 +1,54 @@
+"""Which modules of a model own fused embedding kernels, under the model's own paths.
+
+Below the collections (embedding.fused_table_modules reads it), so it imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+
+def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
+    """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
+    dicts leave these names out; DistributedModelParallel.state_dict is its model's).
+
+    The one place optim knows the wrappers' names ('_dmp_wrapped_module.', DDP's 'module.')."""
+    return name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
+
+
+def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | None = None):
+    """named_modules() under the model's own names: wrappers add no path component."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield prefix, module
+    for name, child in module.named_children():
+        if child is None:
+            continue
+        path = prefix if _is_wrapper_child(module, name) else (f"{prefix}.{name}" if prefix else name)
+        yield from _model_named_modules(child, path, seen)
+
+
+def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) for every module in `model` that owns fused embedding kernels.
+
+    Paths are the model's own (its state_dict's), also when `model` is a DistributedModelParallel (with DDP
+    inside): the fused state is saved under them, and a checkpoint written from
+    `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
+    unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
+    """
+    return [(path, m) for path, m in _model_named_modules(model) if _has_fused_update(m)]
+
+
+def _has_fused_update(module: torch.nn.Module) -> bool:
+    if not callable(getattr(module, "fused_kernels", None)):
+        return False
+    if module.fused_kernels():
+        return True
+    # A sharded collection none of whose shards is on this rank (a table_wise table on another rank): every rank
+    # still keeps its fused optimizer, so that every rank's optimizer has the same parts and its checkpoint the same
+    # collectives (this rank's had no fused part; its save skipped a gather that the others waited in).
+    config = getattr(module, "fused_optimizer_config", None)
+    return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None

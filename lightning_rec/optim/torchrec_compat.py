@@ -1,0 +1,202 @@
+"""TorchRec's ways in: apply_optimizer_in_backward, in_backward_optimizer_filter, KeyedOptimizerWrapper and
+RowWiseAdagrad."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_rec.optim.config import _TORCH_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig
+from lightning_rec.optim.param_groups import _picklable_state
+from lightning_rec.table_weight import table_owner
+
+# arguments whose torch default the fused update matches; any other value would train differently
+_TORCH_ONLY_DEFAULTS = {"momentum": 0, "dampening": 0, "nesterov": False, "lr_decay": 0,
+                        "initial_accumulator_value": 0, "amsgrad": False, "maximize": False,
+                        "decoupled_weight_decay": False}  # Adam's AdamW switch (torch 2.6+): the fused decay is L2
+
+
+def _fused_config_for(optimizer_class: Any, optimizer_kwargs: dict[str, Any]) -> FusedOptimizerConfig:
+    """torch.optim.SGD / Adagrad / Adam (their defaults included), an EmbOptimType or a name -> the fused config."""
+    kwargs = dict(optimizer_kwargs or {})
+    if isinstance(optimizer_class, FusedOptimizerConfig):
+        if kwargs:
+            return dataclasses.replace(optimizer_class, **kwargs)
+        return optimizer_class
+    if isinstance(optimizer_class, (str, EmbOptimType)):
+        return FusedOptimizerConfig(optimizer_class, **kwargs)
+    if optimizer_class not in _TORCH_OPTIMIZERS:
+        name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+        raise ValueError(f"apply_optimizer_in_backward({name}, ...): the fused tables implement torch.optim.SGD, "
+                         f"torch.optim.Adagrad and torch.optim.Adam (SparseAdam), or a fused optimizer by name: "
+                         f"pass e.g. apply_optimizer_in_backward('rowwise_adagrad', params, {{'lr': 0.01}}) (names: "
+                         f"{', '.join(o.value for o in EmbOptimType)})")
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    unknown = sorted(k for k in kwargs if k not in accepted or k in ("self", "params"))
+    if unknown:
+        raise ValueError(f"apply_optimizer_in_backward({optimizer_class.__name__}, ...): {optimizer_class.__name__} "
+                         f"takes no argument(s) {unknown}")
+    for key, expected in _TORCH_ONLY_DEFAULTS.items():
+        if key in kwargs and kwargs[key] != expected:
+            raise ValueError(f"apply_optimizer_in_backward({optimizer_class.__name__}, ..., {{'{key}': "
+                             f"{kwargs[key]!r}}}): the fused update has no {key}; leave it at {expected!r}, or train "
+                             f"the tables unfused (a plain torch.optim optimizer over an unsharded collection)")
+    # what is left out takes the class's own default (Adagrad's eps 1e-10): FusedOptimizerConfig does that
+    config = {k: kwargs[k] for k in ("lr", "eps", "weight_decay", "betas") if k in kwargs}
+    return FusedOptimizerConfig(optimizer_class, **config)
+
+
+def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.Parameter],
+                                optimizer_kwargs: dict[str, Any] | None = None) -> None:
+    """TorchRec's way to fuse an optimizer into the embedding backward, on our collections.
+
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.05})
+        dmp = DistributedModelParallel(model, ...)        # the tables are sharded with that update
+
+    Equivalent to building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection
+    whose tables are in `params` gets that fused update (torch.optim.SGD, Adagrad or Adam with their
+    defaults, or a fused optimizer by name such as "rowwise_adagrad"). One update per collection:
+    `params` must hold all of a collection's tables. As in every fused (sparse) update, only the rows a
+    batch reads move: weight_decay decays those rows, and Adam takes torch.optim.Adam's step on them, lazily as
+    torch.optim.SparseAdam does (whose eps, though, sits before the bias correction); torch.optim.Adam decays,
+    and moves by momentum, every row at every step. Call it before building optimizers or
+    DistributedModelParallel over the model: the collection's table parameters are made anew (their
+    values kept). Dense parameters are refused: train them with a torch.optim optimizer
+    (CombinedOptimizer / combined_optimizer).
+    """
+
+    config = _fused_config_for(optimizer_class, optimizer_kwargs or {})
+    owners: dict[int, tuple[Any, set[str]]] = {}
+    for p in params:
+        found = table_owner(p)
+        if found is None:
+            raise ValueError(f"apply_optimizer_in_backward got a parameter of shape {tuple(p.shape)} that is not a "
+                             f"table of an unsharded EmbeddingBagCollection / EmbeddingCollection: pass the "
+                             f"collections' parameters only (e.g. model.sparse_arch.parameters()), before "
+                             f"DistributedModelParallel; dense layers train with a torch.optim optimizer")
+        owner, table = found
+        owners.setdefault(id(owner), (owner, set()))[1].add(table)
+    for owner, tables in owners.values():
+        missing = sorted(set(owner.table_parameters()) - tables)
+        if missing:
+            raise ValueError(f"apply_optimizer_in_backward got tables {sorted(tables)} of a "
+                             f"{type(owner).__name__} but not {missing}: a collection has one fused update for all "
+                             f"its tables; pass all its parameters (collection.parameters()), or put the tables "
+                             f"that train differently in a collection of their own")
+    for owner, _ in owners.values():
+        owner.use_fused_optimizer(config)
+
+
+def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                                 include: bool = False) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one).
+
+    Fused tables never require a gradient (their rows are updated inside backward): that is the test.
+    """
+    for name, p in named_parameters:
+        if (not p.requires_grad) == include:
+            yield name, p
+
+
+class KeyedOptimizerWrapper(torch.optim.Optimizer):
+    """TorchRec's `KeyedOptimizerWrapper(dict(model.named_parameters()), lambda params: torch.optim.SGD(params, ...))`.
+
+    The factory's optimizer over the parameters that train through autograd: fused tables (which
+    never hold a gradient) are left out, so that e.g. Adagrad keeps no state for them. `params` maps
+    names to those parameters. state_dict is the inner optimizer's (torch's format, by index).
+    Combine it with the fused part: `CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", it)])`.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor],
+                 optim_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        if not isinstance(params, Mapping):
+            raise ValueError(f"KeyedOptimizerWrapper takes a dict of name -> parameter, got a "
+                             f"{type(params).__name__}: pass dict(model.named_parameters())")
+        self.params = {name: p for name, p in params.items() if p.requires_grad}
+        if not self.params:
+            raise ValueError("KeyedOptimizerWrapper: none of the parameters trains through autograd (fused tables "
+                             "are updated in backward): use dmp.fused_optimizer for those")
+        self._optimizer = optim_factory(list(self.params.values()))
+        super().__init__(self._optimizer.param_groups, {})
+        self.param_groups = self._optimizer.param_groups
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _picklable_state(self)  # torch's keeps param_groups only: a copy lost its inner optimizer
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return self._optimizer.state if hasattr(self, "_optimizer") else {}
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        pass  # the inner optimizer owns its state
+
+    def step(self, closure=None):  # type: ignore[override]
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self._optimizer.load_state_dict(state_dict)
+        self.param_groups = self._optimizer.param_groups
+
+    def __repr__(self) -> str:
+        return f"KeyedOptimizerWrapper({self._optimizer!r})"
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """TorchRec's row-wise Adagrad as a plain torch optimizer: one accumulator per row of each 2-d parameter.
+
+    state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps). It is the
+    fused "rowwise_adagrad" update, so `apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(),
+    {"lr": 0.05})` fuses it into the tables (TorchRec's golden DLRM example does that), and it trains
+    unfused tables or other 2-d weights directly. 1-d parameters keep one accumulator per element.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> None:
+        for name, value in (("lr", lr), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
+                            ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
+            if not value >= 0:
+                raise ValueError(f"RowWiseAdagrad {name}={value!r} must be >= 0")
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if not group["weight_decay"] else p.grad.add(p, alpha=group["weight_decay"])
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    rows = p.shape[:1] if p.dim() > 1 else p.shape
+                    state["sum"] = torch.full(rows, group["initial_accumulator_value"], dtype=p.dtype,
+                                              device=p.device)
+                state["step"] += 1
+                clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
+                if p.dim() > 1:
+                    state["sum"].add_(grad.pow(2).flatten(1).mean(dim=1))
+                    std = state["sum"].sqrt().add_(group["eps"]).view(-1, *([1] * (p.dim() - 1)))
+                else:
+                    state["sum"].add_(grad.pow(2))
+                    std = state["sum"].sqrt().add_(group["eps"])
+                p.addcdiv_(grad, std, value=-clr)
+        return loss
+
+
+_TORCH_OPTIMIZERS[RowWiseAdagrad] = EmbOptimType.ROWWISE_ADAGRAD  # its eps default (1e-10) comes with it
