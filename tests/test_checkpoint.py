@@ -19,6 +19,8 @@ from conftest import SHARED_DATA
 from dist_utils import expect_error, run_ranks
 
 from lightning_rec import checkpoint as ckpt
+from lightning_rec.checkpoint import files as ckpt_files
+from lightning_rec.checkpoint import optimizer_state
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule
 from lightning_rec.model_parallel import (
     DistributedModelParallel,
@@ -831,7 +833,7 @@ def test_replacing_a_checkpoint_never_leaves_its_name_empty(tmp_path, monkeypatc
         ckpt.load_model(fresh, tmp_path / "epoch=0.ckpt")
         assert torch.equal(fresh.table_parameters()["t"], torch.ones(4, 4))
     # where the swap is not available (not Linux, an old libc or a file system without it): the two renames
-    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ckpt_files, "exchange", lambda a, b: False)
     with torch.no_grad():
         module.table_parameters()["t"].fill_(3.0)
     ckpt.save({"state_dict": module.state_dict()}, path)
@@ -965,7 +967,7 @@ def _fsdp_worker(rank, W, path, mode, module_arg="module"):
     optimizer = module.configure_optimizers()
     trains = dmp if module_arg == "dmp" else module  # the README's hand-written loop passes module=dmp
     if mode == "save_old":  # as before _named_model: the dense state under '_dmp_wrapped_module.<param>'
-        ckpt._named_model, mode = ckpt._wrapped_named_model, "save"
+        optimizer_state.named_model, mode = optimizer_state.wrapped_named_model, "save"
     if mode == "save":
         _train(module, dmp, optimizer, rank)
         ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=trains)

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "lightning_rec"
 
 FLOORS = [  # lowest first
-    ("types", "errors", "_compat", "_device", "_native", "table_weight", "sharding.sharded_tensor", "metrics"),
+    ("types", "errors", "fqn", "_compat", "_device", "_native", "table_weight", "sharding.sharded_tensor", "metrics"),
     ("collective_guard", "shm_transport", "comm"),
     ("sparse", "sparse_checks"),
     ("data",),
@@ -121,6 +121,6 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
-@pytest.mark.parametrize("name", ["types", "errors", "_compat", "_device", "_native", "table_weight"])
+@pytest.mark.parametrize("name", ["types", "errors", "fqn", "_compat", "_device", "_native", "table_weight"])
 def test_leaves_import_nothing_of_ours(name):
     assert not GRAPH[name] - {"sharding.sharded_tensor", "types"}, GRAPH[name]
