@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.serialization import config as serialization_config
 
 from lightning_rec.checkpoint.format import partial_name
 from lightning_rec.checkpoint.paths import REMOTE_SHARDED, is_local_path, local_path
@@ -90,23 +91,14 @@ def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def _no_crc32():
-    """torch.save without the zip records' CRC32 (where torch has the switch): torch.load never checks
+    """torch.save without the zip records' CRC32 (a switch every supported torch has): torch.load never checks
     it, and computing it costs more than the write itself. Completeness is what the rename guarantees."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # pragma: no cover - older torch: the CRC is computed
-        yield
-        return
-    save = getattr(config, "save", None)
-    if save is None or not hasattr(save, "compute_crc32"):  # pragma: no cover
-        yield
-        return
-    before = save.compute_crc32
-    save.compute_crc32 = False
+    before = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
     try:
         yield
     finally:
-        save.compute_crc32 = before
+        serialization_config.save.compute_crc32 = before
 
 
 def _load_remote_file(path: str) -> dict[str, Any]:
