@@ -19,6 +19,8 @@ from conftest import SHARED_DATA
 from dist_utils import expect_error, run_ranks
 
 from lightning_rec import checkpoint as ckpt
+from lightning_rec.checkpoint import files as ckpt_files
+from lightning_rec.checkpoint import optimizer_state
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule
 from lightning_rec.model_parallel import (
     DistributedModelParallel,
@@ -245,7 +247,7 @@ def test_fused_state_saved_under_the_wrappers_names_still_loads(tmp_path, monkey
     wrapper = torch.nn.Module()
     wrapper._dmp_wrapped_module = module  # a DistributedModelParallel(dense=None)'s layout
     with monkeypatch.context() as m:
-        m.setattr(fused_paths, "_is_wrapper_child", lambda parent, name: False)  # the old naming
+        m.setattr(fused_paths, "is_wrapper_child", lambda parent, name: False)  # the old naming
         optimizer = combined_optimizer(wrapper, torch.optim.SGD(dense_parameters(module), lr=0.02))
     _train(module, module, optimizer, 0, steps=2)
     optimizer.param_groups[0]["lr"] = 0.125  # the fused rate a scheduler left
@@ -830,7 +832,7 @@ def test_replacing_a_checkpoint_never_leaves_its_name_empty(tmp_path, monkeypatc
         ckpt.load_model(fresh, tmp_path / "epoch=0.ckpt")
         assert torch.equal(fresh.table_parameters()["t"], torch.ones(4, 4))
     # where the swap is not available (not Linux, an old libc or a file system without it): the two renames
-    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(ckpt_files, "exchange", lambda a, b: False)
     with torch.no_grad():
         module.table_parameters()["t"].fill_(3.0)
     ckpt.save({"state_dict": module.state_dict()}, path)
@@ -964,7 +966,7 @@ def _fsdp_worker(rank, W, path, mode, module_arg="module"):
     optimizer = module.configure_optimizers()
     trains = dmp if module_arg == "dmp" else module  # the README's hand-written loop passes module=dmp
     if mode == "save_old":  # as before _named_model: the dense state under '_dmp_wrapped_module.<param>'
-        ckpt._named_model, mode = ckpt._wrapped_named_model, "save"
+        optimizer_state.named_model, mode = optimizer_state.wrapped_named_model, "save"
     if mode == "save":
         _train(module, dmp, optimizer, rank)
         ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer], module=trains)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 _SUBMODULES = {
     "config": ("EmbOptimType", "FBGEMM_CPU_OPTIMIZERS", "FusedOptimizerConfig", "check_fused_lr", "emb_optim_type",
                "DENSE_OPTIMIZERS", "_TORCH_OPTIMIZERS", "_USES_BETAS", "_DIVIDES_BY_EPS", "_torch_default"),
-    "fused_paths": ("fused_modules", "_is_wrapper_child", "_model_named_modules", "_has_fused_update"),
+    "fused_paths": ("fused_modules", "_model_named_modules", "_has_fused_update"),
     "param_groups": ("_FIXED_KEYS", "_FusedParamGroup", "_rebuild_fused_group", "_FusedDefaults",
                      "_fused_hyperparameters", "_picklable_state"),
     "fused": ("FusedOptimizer", "merge_fused_state", "_SHARDED_COPY", "_TORCH_STATE_DICT_API",

@@ -1,20 +1,13 @@
 """Which modules of a model own fused embedding kernels, under the model's own paths.
 
-Below the collections (embedding.fused_table_modules reads it), so it imports nothing of ours.
+Below the collections (embedding.fused_table_modules reads it): it imports only the leaf that knows the wrappers.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-
-def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
-    """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
-    dicts leave these names out; DistributedModelParallel.state_dict is its model's).
-
-    The one place optim knows the wrappers' names ('_dmp_wrapped_module.', DDP's 'module.')."""
-    return name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
+from lightning_rec.fqn import is_wrapper_child
 
 
 def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | None = None):
@@ -27,7 +20,7 @@ def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | 
     for name, child in module.named_children():
         if child is None:
             continue
-        path = prefix if _is_wrapper_child(module, name) else (f"{prefix}.{name}" if prefix else name)
+        path = prefix if is_wrapper_child(module, name) else (f"{prefix}.{name}" if prefix else name)
         yield from _model_named_modules(child, path, seen)
 
 

@@ -1,0 +1,161 @@
+"""A checkpoint read whole on one process (no torch.distributed): the state dict, Lightning's one-file dict, the
+LightningModule rebuilt from it, and an export for inference (`model.safetensors` + `config.json`)."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_rec.checkpoint.format import module_class
+from lightning_rec.checkpoint.paths import readable_path
+from lightning_rec.checkpoint.reader import full_model_state
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    path = readable_path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    return path
+
+
+def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model's state dict with every table whole (CPU), from a DCP directory or a gathered file.
+
+    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
+    """
+    return full_model_state(_existing(path))[0]
+
+
+def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint at `path` as the dict a one-file Lightning checkpoint holds (what `torch.load` of one
+    gives): every table whole (CPU) in "state_dict", and Lightning's other keys (epoch, global_step,
+    hyper_parameters, loops, callbacks). No optimizer state, and no rank's dataloader position or random
+    number generators: for weights and evaluation, not for resuming (`Trainer(strategy="rec")` resumes).
+
+    One process, no torch.distributed; it holds the whole model.
+    """
+    state, meta = full_model_state(_existing(path))
+    drop = ("state_dict", "optimizer_states", "lightning_rec")
+    out = {**{k: v for k, v in meta.items() if k not in drop}, "state_dict": state}
+    if "pytorch-lightning_version" not in out:  # written by save() from a hand loop: Lightning's readers need it
+        import lightning
+
+        out["pytorch-lightning_version"] = lightning.__version__
+    return out
+
+
+def load_from_checkpoint(cls: type, path: str | os.PathLike, map_location: Any = None, hparams_file: Any = None,
+                         strict: bool | None = None, weights_only: bool | None = None, **kwargs: Any) -> Any:
+    """`cls.load_from_checkpoint(path, ...)` for a checkpoint directory that `strategy="rec"` wrote: the
+    LightningModule rebuilt from its hyperparameters, unsharded, on one process (no torch.distributed).
+
+    Lightning's `load_from_checkpoint` reads one file (`torch.load`), so it fails on a directory
+    (IsADirectoryError); this hands it the whole checkpoint instead and keeps all of its behaviour
+    (`**kwargs` override hyperparameters, `strict`, `map_location`, `on_load_checkpoint`).
+    DLRMModule.load_from_checkpoint and TwoTowerModule.load_from_checkpoint call it themselves.
+    """
+    checkpoint = lightning_checkpoint(path)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("embedding_device") == "meta" and "embedding_device" not in kwargs:
+        kwargs["embedding_device"] = "cpu"  # one unsharded module: its tables take the checkpoint's values
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    # a file-like object: RecModuleHooks' load_from_checkpoint passes it on to Lightning's
+    return cls.load_from_checkpoint(buffer, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                                    weights_only=weights_only, **kwargs)
+
+
+def _is_table(key: str) -> bool:
+    return ".embedding_bags." in key or ".embeddings." in key
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _write_weights(state: Mapping[str, Tensor], out: Path, fp16_tables: bool) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for k, v in state.items():
+        v = v.detach().cpu().contiguous()
+        if fp16_tables and _is_table(k) and v.is_floating_point():
+            v = v.half()
+        tensors[k] = v
+    save_file(tensors, str(out / "model.safetensors"))
+    # safetensors creates the file 0600; an export is meant to be served, so the user's umask decides, as for
+    # config.json
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: bool = False) -> Path:
+    """Write an unsharded model for inference: `out/model.safetensors` + `out/config.json`.
+
+    Reads a DCP checkpoint directory (or an old gathered file) on one process, without
+    torch.distributed. `config.json` holds the LightningModule's class and init arguments;
+    `load_exported(out)` rebuilds the module on CPU and loads the weights. fp16_tables: tables are
+    stored in float16 (half the size; loading casts them back to the module's dtype).
+    """
+    checkpoint, out = _existing(checkpoint), Path(out)
+    state, meta = full_model_state(checkpoint)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: give export a directory to write model.safetensors and config.json in "
+                         f"(a new one, or an earlier export's, whose two files are replaced)")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(state, out, fp16_tables)
+    # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
+    hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
+    if hparams.get("embedding_device") == "meta":
+        hparams["embedding_device"] = "cpu"  # an export is one unsharded module: its tables are the file's values
+    class_path = module_class(meta)
+    if class_path is None:
+        warnings.warn(f"{checkpoint} does not say which LightningModule wrote it (saved by plain Lightning from "
+                      f"Python, without strategy='rec', or by checkpoint.save(...) without module_class='pkg.Module'): "
+                      f"{out}/config.json names no class, so load it with "
+                      f"load_exported({str(out)!r}, module=YourModule(...))", stacklevel=2)
+    config = {"class_path": class_path, "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
+              "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The module of an `export` directory, on CPU, in eval mode (no torch.distributed needed)."""
+    from safetensors.torch import load_file as load_safetensors
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ValueError(f"{path} is not an export directory (needs config.json and model.safetensors): "
+                         f"write one with `lightning-rec export CHECKPOINT {path}`")
+    config = json.loads((path / "config.json").read_text())
+    if module is None:
+        if not config.get("class_path"):
+            raise ValueError(f"{path}/config.json names no LightningModule class (its checkpoint did not say): pass "
+                             f"the module to load into, load_exported({str(path)!r}, module=YourModule(...))")
+        mod_name, _, cls_name = config["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        module = cls(**config["init_args"])
+    state = load_safetensors(str(path / "model.safetensors"))
+    live = module.state_dict()
+    state = {k: v.to(live[k].dtype) if k in live and v.dtype != live[k].dtype else v for k, v in state.items()}
+    module.load_state_dict(state)
+    return module.eval()
+
