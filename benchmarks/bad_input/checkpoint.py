@@ -25,6 +25,7 @@ def checkpoint_load_cases() -> None:
     """Loads from a missing or truncated checkpoint, into other tables or dims."""
     torch = _t()
     from lightning_rec import checkpoint as ck
+
     @case("ckpt.load_missing_dir", (ValueError, FileNotFoundError), ["nowhere"])
     def _(ctx):
         ck.load_model(make_ebc(), ctx.tmp / "nowhere")
@@ -67,6 +68,7 @@ def checkpoint_file_cases() -> None:
     """A round trip; export and the one-file format from the wrong files."""
     torch = _t()
     from lightning_rec import checkpoint as ck
+
     @case("ckpt.round_trip_exact")
     def _(ctx):
         m, path = saved(ctx)

@@ -207,6 +207,7 @@ def criteo_file_cases() -> None:
 def criteo_datamodule_cases() -> None:
     """CriteoDataModule's arguments, files without labels, the real sample."""
     from lightning_rec import CriteoDataModule
+
     simple("criteo.dm_on_bad_row_drop", lambda: CriteoDataModule(on_bad_row="drop"), ValueError, ["'drop'", "skip"])
     simple("criteo.dm_missing_categorical_bad", lambda: CriteoDataModule(missing_categorical="zero"), ValueError,
            ["'zero'", "reserved_id"])
@@ -251,6 +252,7 @@ def criteo_datamodule_cases() -> None:
 def criteo_dataset_cases() -> None:
     """A Hub data folder, DatasetDict / IterableDataset / Dataset objects."""
     from lightning_rec import CriteoDataModule
+
     @case("criteo.parquet_hub_data_folder", ValueError, ["several splits", "train-*.parquet"])
     def _(ctx):
         d = ctx.tmp / "data"

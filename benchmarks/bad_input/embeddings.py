@@ -27,6 +27,7 @@ def config_cases() -> None:
     """EmbeddingBagConfig / EmbeddingConfig arguments."""
     torch = _t()
     from lightning_rec import EmbeddingBagCollection, FusedOptimizerConfig
+
     simple("cfg.rows_zero", lambda: bag_cfg("t", 0, 4, ["f"]), ValueError, ["'t'", "num_embeddings"])
     simple("cfg.rows_float", lambda: bag_cfg("t", 10.0, 4, ["f"]), ValueError, ["'t'", "num_embeddings", "10.0"])
     simple("cfg.rows_numpy_int", lambda: bag_cfg("t", __import__("numpy").int64(10), 4, ["f"]), ValueError,
@@ -65,6 +66,7 @@ def collection_build_cases() -> None:
     """Collections built from the wrong tables, kernels, devices, optimizers, names."""
     torch = _t()
     from lightning_rec import EmbeddingBagCollection, EmbeddingCollection, FusedOptimizerConfig
+
     simple("coll.no_tables", lambda: EmbeddingBagCollection([]), ValueError, ["at least one table"])
     simple("coll.two_tables_same_name",
            lambda: EmbeddingBagCollection([bag_cfg("t", 5, 4, ["f"]), bag_cfg("t", 5, 4, ["g"])]), ValueError,
@@ -124,6 +126,7 @@ def collection_build_cases() -> None:
 def collection_batch_cases() -> None:
     """Batches whose features do not match the tables."""
     torch = _t()
+
     @case("coll.missing_feature_in_batch", ValueError, ["'b'", "t_b"])
     def _(ctx):
         make_ebc()(kjt_lengths(["a"], [1, 2], [1, 1]))
@@ -170,6 +173,7 @@ def collection_batch_cases() -> None:
 def collection_input_cases() -> None:
     """Sequence lookups, inputs that are not a KJT, state dicts, validate_ids=False."""
     torch = _t()
+
     @case("coll.ec_keys_reordered_values_right")
     def _(ctx):
         ec = make_ec()
@@ -232,6 +236,7 @@ def make_ebc_opt(optimizer):
 def more_table_cases() -> None:
     """Second wave: the smallest tables, odd dims."""
     from lightning_rec import EmbeddingBagCollection, FusedOptimizerConfig
+
     @case("more.one_row_one_dim_tables", legit="num_embeddings=1 and embedding_dim=1 are valid sizes")
     def _(ctx):
         for kernel in ("native", "fbgemm"):

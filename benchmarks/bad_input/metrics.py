@@ -23,6 +23,7 @@ def metric_label_cases() -> None:
     """Labels and scores the binary metrics refuse; ties, NaN and one class."""
     torch = _t()
     from lightning_rec import AUC, CTR, BinnedAUC, LogLoss, NormalizedEntropy
+
     simple("metric.auc_label_two", lambda: upd(AUC(), T([0.1, 0.2, 0.3]), T([0, 1, 2])), ValueError,
            ["0", "1", "label"])
     simple("metric.auc_label_half", lambda: upd(AUC(), T([0.1, 0.2]), T([0.5, 1.0])), ValueError, ["label"])
@@ -62,6 +63,7 @@ def ranking_metric_cases() -> None:
     """Ranking metrics: k, shapes, full-ranking offsets, torchmetrics' values."""
     torch = _t()
     from lightning_rec import NDCG, RankingMetrics, Recall
+
     simple("metric.ndcg_k_zero", lambda: NDCG(ks=0), ValueError, ["k"])
     simple("metric.recall_k_negative", lambda: Recall(ks=[5, -1]), ValueError, ["-1"])
     simple("metric.ranking_unknown_metric", lambda: RankingMetrics(metrics=["ndcg", "f1"]), ValueError,
@@ -120,6 +122,7 @@ def more_metric_cases() -> None:
     """Second wave: k above the candidates, NaN scores binned, top-k shapes."""
     torch = _t()
     from lightning_rec import NDCG, BinnedAUC
+
     @case("more.ndcg_k_above_items", legit="k larger than the candidate list: all of it is ranked")
     def _(ctx):
         from torchmetrics.retrieval import RetrievalNormalizedDCG

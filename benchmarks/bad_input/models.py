@@ -28,6 +28,7 @@ def dlrm_module_cases() -> None:
     """DLRMModule: arguments, dense widths, labels."""
     torch = _t()
     from lightning_rec import DLRMModule
+
     simple("model.dlrm_interaction_cat", lambda: DLRMModule(**SMALL, interaction="cat"), ValueError, ["'cat'", "dot"])
     simple("model.dlrm_dense_opt_lbfgs", lambda: DLRMModule(**SMALL, dense_optimizer="lbfgs"), ValueError, ["'lbfgs'"])
     simple("model.dlrm_over_arch_two_logits", lambda: DLRMModule(**{**SMALL, "over_arch_layer_sizes": [8, 2]}),
@@ -64,6 +65,7 @@ def dlrm_module_cases() -> None:
 def strategy_cases() -> None:
     """RecStrategy's arguments; strategy='rec' on one device trains."""
     from lightning_rec import RecStrategy
+
     simple("strategy.dense_zero", lambda: RecStrategy(dense="zero"), ValueError, ["'zero'", "ddp", "fsdp"])
     simple("strategy.checkpoint_format_pickle", lambda: RecStrategy(checkpoint_format="pickle"), ValueError,
            ["'pickle'", "dcp"])

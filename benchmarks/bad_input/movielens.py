@@ -13,6 +13,7 @@ SMOKE = ("ml.split_unknown", "ml.udata_bad_row", "ml.string_ids", "more.movielen
 def movielens_file_cases() -> None:
     """Folders and rating files MovieLensDataModule refuses or reads."""
     from lightning_rec import MovieLensDataModule
+
     # MovieLens
     @case("ml.empty_folder", (ValueError, FileNotFoundError), ["u.data", "ratings"])
     def _(ctx):
@@ -65,6 +66,7 @@ def movielens_file_cases() -> None:
 def movielens_split_cases() -> None:
     """DatasetDict objects, split='given' files, min_rating on the real data."""
     from lightning_rec import MovieLensDataModule
+
     @case("ml.dataset_dict_object", ValueError, ["data_dir", "DatasetDict", "pass one split"])
     def _(ctx):
         import datasets

@@ -27,6 +27,7 @@ def optimizer_config_cases() -> None:
     from lightning_rec import FusedOptimizerConfig
 
     F = FusedOptimizerConfig
+
     simple("opt.name_adamw", lambda: F("adamw"), ValueError, ["adamw", "rowwise_adagrad"])
     simple("opt.name_none", lambda: F(None), ValueError, ["None", "sgd"])
     simple("opt.name_enum_case", lambda: F("SGD"), ValueError, ["SGD"], ok=True, legit="names are case-insensitive")
@@ -62,6 +63,7 @@ def optimizer_state_cases() -> None:
     from lightning_rec import FusedOptimizer, FusedOptimizerConfig
 
     F = FusedOptimizerConfig
+
     @case("opt.scheduler_sets_nan_lr", ValueError, ["learning rate", "nan"])
     def _(ctx):
         ebc = make_ebc(lr=0.1)
@@ -110,6 +112,7 @@ def kernel_cases() -> None:
     from lightning_rec import FusedOptimizerConfig
 
     F = FusedOptimizerConfig
+
     # kernels: parity with torch.optim on duplicate ids (edge: one row twice in a bag and across bags)
     for kernel in ("native", "fbgemm"):
         for opt_name in (("sgd", "adagrad", "rowwise_adagrad") if kernel == "fbgemm"
@@ -234,6 +237,7 @@ def more_optimizer_cases() -> None:
     """Second wave: lr=0, eps=0, weight decay against torch.optim."""
     torch = _t()
     from lightning_rec import FusedOptimizerConfig
+
     @case("more.lr_zero_changes_nothing", legit="lr=0 is a frozen table")
     def _(ctx):
         for kernel, opt in (("native", "adam"), ("fbgemm", "rowwise_adagrad"), ("native", "sgd")):

@@ -12,6 +12,7 @@ SMOKE = ("plan.topology_world_zero", "plan.constraints_unknown_sharding", "plan.
 def planner_argument_cases() -> None:
     """Topology, ParameterConstraints and planner arguments."""
     from lightning_rec import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
     simple("plan.topology_world_zero", lambda: Topology(world_size=0), ValueError, ["world_size", "0"])
     simple("plan.topology_world_float", lambda: Topology(world_size=2.0), ValueError, ["world_size"], ok=True,
            legit="2.0 ranks may be read as 2")
@@ -50,6 +51,7 @@ def planner_plan_cases() -> None:
     """Plans the planner cannot make, and says why."""
     torch = _t()
     from lightning_rec import EmbeddingShardingPlanner, ParameterConstraints, PlannerError, Topology
+
     @case("plan.constraint_for_unknown_table", ValueError, ["t_zz", "t_a"])
     def _(ctx):
         EmbeddingShardingPlanner(Topology(world_size=2), constraints={"t_zz": ParameterConstraints(
@@ -91,6 +93,7 @@ def sharding_type_cases() -> None:
         row_wise,
         table_wise,
     )
+
     @case("plan.sequence_tables_two_hosts_only_valid_types")
     def _(ctx):
         from lightning_rec.types import SEQUENCE_SHARDING_TYPES

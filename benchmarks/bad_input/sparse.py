@@ -13,6 +13,7 @@ def kjt_construction_cases() -> None:
     """Ids, lengths, offsets, keys and weights a KeyedJaggedTensor refuses."""
     torch = _t()
     from lightning_rec import KeyedJaggedTensor
+
     simple("kjt.values_float64_with_offsets",
            lambda: KJT(["a"], T([1.0, 2.0], torch.float64), offsets=T([0, 2])), ValueError, ["integers", "long()"])
     simple("kjt.values_bool", lambda: KJT(["a"], T([True, False]), lengths=T([2])), ValueError, ["bool", "long()"])
@@ -60,6 +61,7 @@ def kjt_construction_cases() -> None:
 def kjt_lookup_cases() -> None:
     """Batches a collection looks up: dtypes, views, empty bags, ids out of range."""
     torch = _t()
+
     @case("kjt.lengths_and_offsets_disagree", ValueError, ["lengths", "offsets"])
     def _(ctx):
         # both given and they describe different bags: one of the two would silently win
@@ -132,6 +134,7 @@ def kjt_lookup_cases() -> None:
 def kjt_method_cases() -> None:
     """split, permute, concat, from_jt_dict, to_dict, __getitem__."""
     from lightning_rec import JaggedTensor, KeyedJaggedTensor
+
     @case("kjt.split_segments_too_many", ValueError, ["segments"])
     def _(ctx):
         good_batch().split([3])
@@ -197,6 +200,7 @@ def kjt_method_cases() -> None:
 def kjt_weight_cases() -> None:
     """Weights a weighted collection refuses or casts."""
     torch = _t()
+
     @case("kjt.weights_nan_weighted_ebc", ValueError, ["'a'", "t_a", "nan"])
     def _(ctx):
         ebc = make_ebc(weighted=True)
@@ -222,6 +226,7 @@ def jagged_and_keyed_tensor_cases() -> None:
     """JaggedTensor and KeyedTensor."""
     torch = _t()
     from lightning_rec import JaggedTensor, KeyedTensor
+
     # JaggedTensor
     simple("jt.neither_lengths_nor_offsets", lambda: JaggedTensor(T([1, 2])), ValueError, ["lengths", "offsets"])
     simple("jt.offsets_start_at_one", lambda: JaggedTensor(T([1, 2, 3]), offsets=T([1, 2, 3])), ValueError,
@@ -281,6 +286,7 @@ def more_sparse_cases() -> None:
     """Second wave: sizes at the edges of the integer types, devices, key sequences."""
     torch = _t()
     from lightning_rec import KeyedJaggedTensor
+
     simple("more.lengths_huge_few_values", lambda: KJT(["a"], T([1, 2]), lengths=T([2 ** 40])), ValueError,
            ["add up to 1099511627776", "2 values"])
     simple("more.offsets_int32_huge_end", lambda: KJT(["a"], T([1, 2]), offsets=T([0, 2 ** 31 - 1], torch.int32)),
