@@ -59,6 +59,18 @@ DENSE_ARCH, OVER_ARCH = [512, 256, 64], [512, 512, 256, 1]
 TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard", "data_parallel"]
 
 
+def start_method(smoke: bool):
+    """spawn; under --smoke, fork: the ranks start from this process with torch and lightning_rec imported once
+    (spawn imports them again in every process, seconds each: most of a smoke run)."""
+    if not smoke:
+        return mp.get_context("spawn")
+    import lightning_rec.model_parallel  # noqa: F401
+    import lightning_rec.models.dlrm  # noqa: F401
+    import lightning_rec.pipeline  # noqa: F401
+
+    return mp.get_context("fork")
+
+
 def build_model(device: str = "cpu", rows: int = ROWS):
     from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
     from lightning_rec.optim import FusedOptimizerConfig
@@ -385,7 +397,7 @@ def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
 def pipeline_main(args) -> None:
     world_size = 2
     load_before = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
+    ctx = start_method(args.smoke)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=pipeline_rank_main, args=(r, world_size, port, args, queue))
@@ -562,7 +574,7 @@ def main() -> None:
         pipeline_main(args)
         return
     world_size = 2
-    ctx = mp.get_context("spawn")
+    ctx = start_method(args.smoke)
     # Rounds alternate the 2-rank run and the one-process run, and each figure is the median over
     # rounds: this VM's speed drifts by 10-20% between windows, and alternating puts both sides of
     # every ratio in the same windows. Only the first round profiles.

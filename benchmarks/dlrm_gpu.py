@@ -1,7 +1,7 @@
 """DLRM training throughput on one GPU: a plain loop and Trainer(strategy="rec"), fp32 / TF32 / bf16 autocast.
 
     python benchmarks/dlrm_gpu.py [--steps 50] [--rounds 3] [--modes fp32,tf32,bf16]
-    python benchmarks/dlrm_gpu.py --device cpu --rows 1000 --batch 256 --steps 5 --rounds 1   # a smoke run
+    python benchmarks/dlrm_gpu.py --smoke [--pipeline] [--device cpu]   # seconds: 1,000-row tables, 3 steps, 1 round
 
 Model (the GPU issue's): 13 dense features -> dense arch 512-256-128; 26 tables x 1M rows x dim 128,
 sum pooling, one id per feature, fused row-wise Adagrad (lr 0.01); dot interaction; over arch
@@ -294,7 +294,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print where a loop step's time goes (once a mode)")
     parser.add_argument("--pipeline", action="store_true",
                         help="plain loop vs TrainPipelineSparseDist over pinned host batches (see the module doc)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 1,000-row tables, batch 1024, 3 steps, one round (every mode and variant)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.batch, args.steps, args.batches, args.rounds = 1000, 1024, 3, 2, 1
     device = torch.device(args.device)
     modes = args.modes.split(",")
     if device.type != "cuda":

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/embedding.py [--rounds 3] [--steps 30] [--rows 100000]
     python benchmarks/embedding.py --device cuda      # GPU: 26 x 1M rows x dim 128, batch 16,384
+    python benchmarks/embedding.py --smoke [--device cuda]   # seconds: 4 tiny tables, 6 steps, one process
 
 On CUDA (the GPU issue's configuration: 26 tables x 1M rows x dim 128, batch 16,384, one id per
 feature, row-wise Adagrad, batches already on the GPU) ours and the raw TBE (fbgemm's default
@@ -316,26 +317,37 @@ def native_section(args) -> tuple[list[dict], dict, dict]:
     return results, ratios, figures
 
 
-def child(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> None:
+def child_result(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> dict:
+    """One variant (or 'a+b', paired): samples/s and this process's peak RSS."""
     torch.set_num_threads(threads)
     ids = make_ids(rows, steps)
+    _RESULT.clear()
     if "+" in variant:  # "ours+raw_tbe": both in this process, alternating steps
         first, second = variant.split("+")
         time_paired(CHILD_VARIANTS[first](rows, ids, optimizer), CHILD_VARIANTS[second](rows, ids, optimizer))
     else:
         time_steps(*CHILD_VARIANTS[variant](rows, ids, optimizer))
     _RESULT["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps(_RESULT))
+    return dict(_RESULT)
+
+
+def child(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> None:
+    print(json.dumps(child_result(variant, optimizer, rows, steps, threads)))
+
+
+IN_PROCESS = False  # --smoke: every variant in this process (a process each costs seconds; the RSS is then shared)
 
 
 def measure(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> dict:
+    if IN_PROCESS:
+        return child_result(variant, optimizer, rows, steps, threads)
     cmd = [sys.executable, __file__, "--child", variant, "--optimizer", optimizer, "--rows", str(rows),
            "--steps", str(steps), "--threads", str(threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
@@ -352,20 +364,21 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="--device cuda: also print where a step's time goes")
     parser.add_argument("--blocks", type=int, default=48,
                         help="--device cuda: alternating pairs of blocks (each --steps steps of each variant)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 4 tables x 1,000 rows, batch 256, 6 steps, one round, every variant in "
+                             "this process")
     args = parser.parse_args()
     if args.blocks < 1:
         parser.error(f"--blocks must be at least 1 (pairs of timed blocks), got {args.blocks}")
-    if args.device == "cuda":
-        global BATCH
-        BATCH = args.batch
-        if args.rows == parser.get_default("rows"):
-            args.rows = 1_000_000
-        cuda_section(args)
-        return
-    if args.child:
-        child(args.child, args.optimizer, args.rows, args.steps, args.threads)
-        return
+    if args.smoke:
+        args.rows, args.steps, args.rounds, args.pair_repeats, args.blocks = 1000, 6, 1, 1, 2
+        if args.device == "cuda":
+            args.batch = 1024
+    return args
 
+
+def cpu_section(args) -> tuple[list[dict], dict, dict]:
+    """ours vs raw TBE (paired processes), vs plain PyTorch, and the collection on the native kernel vs that kernel."""
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     pairs: list[dict] = []
     from lightning_rec.native_embedding import native_kernel_available
@@ -406,6 +419,25 @@ def main() -> None:
     results = [{"variant": v, "optimizer": args.optimizer, **m} for v, m in med.items()]
     figures = {f"{v}_samples_per_s": m["samples_per_s"] for v, m in med.items()}
     figures["ours_vs_raw_tbe_per_process"] = [round(r, 3) for r in per_process]
+    return results, ratios, figures
+
+
+def main() -> None:
+    global IN_PROCESS, NUM_TABLES, BATCH
+    args = parse_args()
+    IN_PROCESS = args.smoke
+    if args.smoke:
+        NUM_TABLES, BATCH = 4, 256
+    if args.device == "cuda":
+        BATCH = args.batch
+        if args.rows == 100_000:
+            args.rows = 1_000_000
+        cuda_section(args)
+        return
+    if args.child:
+        child(args.child, args.optimizer, args.rows, args.steps, args.threads)
+        return
+    results, ratios, figures = cpu_section(args)
     if not args.no_native:
         from lightning_rec.native_embedding import native_kernel_available
 
