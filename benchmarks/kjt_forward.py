@@ -15,7 +15,7 @@ over rounds of the microseconds per batch. Only public names are used (lightning
 EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig), so the same file measures an older checkout
 (PYTHONPATH=that/checkout python benchmarks/kjt_forward.py) in the same minutes, for a before / after.
 Last line: {"benchmark": "kjt_forward", "results": [...], "ratios": {"kjt_construct_share_b<B>"},
-"figures": {"kjt_construct_us": {"<B>": us}, "ebc_forward_us": {"<B>": us}}}.
+"figures": {"kjt_construct_us": {"<B>": us}, "ebc_forward_us": {"<B>": us}, "lightning_rec": the package measured}}.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -101,8 +102,10 @@ def report(args, times: dict[tuple[int, str], list[float]]) -> None:
         for name in ("construct", "forward"):
             results.append({"batch": batch, "variant": name, "median_us": round(med[(batch, name)], 2),
                             "per_round_us": [round(t, 2) for t in times[(batch, name)]]})
+    import lightning_rec
+
     figures |= {"rows": args.rows, "tables": NUM_TABLES, "dim": DIM, "threads": torch.get_num_threads(),
-                "rounds": args.rounds}
+                "rounds": args.rounds, "lightning_rec": str(Path(lightning_rec.__file__).parent)}  # which checkout
     print(json.dumps({"benchmark": "kjt_forward", "results": results, "ratios": ratios, "figures": figures}))
 
 
