@@ -414,8 +414,8 @@ def pipeline_main(args) -> None:
                  for i in range(rounds)] for m in ("plain", "pipelined")}
     sps = {m: [global_batch * len(v) / sum(v) for v in per_round] for m, per_round in steps.items()}
     ratio_per_round = [p / q for p, q in zip(sps["pipelined"], sps["plain"])]
-    # The figure: median step time over every timed step of each mode. This machine is shared and its
-    # load swings 3x within a minute; medians of many short, interleaved samples are what survives that.
+    # The figure: median step time over every timed step of each mode. A shared machine's load can swing 3x
+    # within a minute; medians of many short, interleaved samples are what survives that.
     median_step = {m: statistics.median(t for per_round in v for t in per_round) for m, v in steps.items()}
     print(f"DLRM 26 x {args.rows:,} x 64, 2 ranks ({args.types[0]}), batch {args.batch}/rank from a DataLoader "
           f"(SyntheticCriteoDataModule), {args.steps} timed steps, {rounds} alternating rounds")
@@ -576,7 +576,7 @@ def main() -> None:
     world_size = 2
     ctx = start_method(args.smoke)
     # Rounds alternate the 2-rank run and the one-process run, and each figure is the median over
-    # rounds: this VM's speed drifts by 10-20% between windows, and alternating puts both sides of
+    # rounds: a VM's speed drifts by 10-20% between windows, and alternating puts both sides of
     # every ratio in the same windows. Only the first round profiles.
     rounds: list[tuple[dict, dict]] = []
     for i in range(args.rounds):

@@ -25,12 +25,10 @@ copied with .to(device, non_blocking=True) in the step) and by TrainPipelineSpar
 side stream, input_dist on its own stream, one batch ahead), alternating within each round over the
 same model. JSON: ratios.pipelined_vs_plain_cuda (median pipelined / median plain samples/s of the
 first mode), figures.pipelined_samples_s_<mode>, figures.plain_host_samples_s_<mode>, and TorchRec
-1.6.1's pipelined figures on the lent H100 for the same shapes (1.67M fp32 / 1.83M TF32, measured by
-the GPU issue) as figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with
-its default PipelineConfig (feeder_collectives="auto": "concurrent" at one rank, NCCL included) and, in the
-same rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>).
-The lent H200 (torch 2.11, fp32 / TF32, pipelined from host batches): concurrent 1.83M / 3.03M samples/s,
-in step order 1.80M / 2.17M, the plain loop 1.32M / 2.10M (one run; before "auto" chose concurrent at one rank).
+1.6.1's pipelined figures on an H100 for the same shapes (1.67M fp32 / 1.83M TF32) as
+figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with its default
+PipelineConfig (feeder_collectives="auto": "concurrent" at one rank, NCCL included) and, in the same
+rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>).
 """
 
 from __future__ import annotations
@@ -180,7 +178,7 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
     return args.batch * args.steps / timer.elapsed
 
 
-TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist, lent H100
+TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist on an H100
 
 
 def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:

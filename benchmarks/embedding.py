@@ -57,6 +57,33 @@ def _time_blocks(step, steps: int, blocks: int) -> float:
     return statistics.median(spent)
 
 
+def cuda_profile(args, ebc, variants, B: int) -> None:
+    """--profile: where a step's time goes (torch and Python profiles), and the id check's share of the host."""
+    from gpu_profile import print_profile, print_python_profile  # this folder
+
+    for name, step in variants.items():
+        print_profile(name, step)
+    print_python_profile("ours", variants["ours"], args.steps)
+    # the id check's share of the host time: the same collection without it, timed like the others
+    from lightning_rec.batch_check import DeviceBoundsCheck
+
+    for _ in range(2):  # the host's share of the id check: without it, and copying its count less often
+        ebc.validate_ids = False
+        unchecked = _time_blocks(variants["ours"], args.steps, 4)
+        ebc.validate_ids = True
+        router, default = ebc._router, ebc._router.device_check
+        times = {}
+        for every in (1, 8, DeviceBoundsCheck.copy_every):
+            router.device_check = DeviceBoundsCheck(router.rows_F, router.tables_F, "EmbeddingBagCollection",
+                                                    ebc.lookup.bounds_checked(), router.feature_names, every)
+            times[every] = _time_blocks(variants["ours"], args.steps, 4)
+        router.device_check = default
+        raw = _time_blocks(variants["raw_tbe"], args.steps, 4)
+        print(f"raw TBE {B * args.steps / raw:,.0f} samples/s; ours: validate_ids=False "
+              f"{B * args.steps / unchecked:,.0f}; counts read back every "
+              + ", ".join(f"{e}: {B * args.steps / t:,.0f}" for e, t in times.items()) + " lookups (same minute)")
+
+
 def cuda_section(args) -> None:
     """ours vs raw fbgemm TBE on one GPU, same process, alternating blocks (see the module docstring)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -91,12 +118,9 @@ def cuda_section(args) -> None:
         for i in range(5):
             step(i)
     torch.cuda.synchronize()
-    # Many short pairs (a block is ~35 ms): two runs on the lent H200 gave 0.983 and 0.960 from 12 pairs each, with
-    # no change to this path between them that a CPU profile sees; the minute-to-minute drift needs more pairs to
-    # settle. On the lent H100, one commit: 0.954 (48 pairs, quartiles 0.86 / 1.02, raw TBE 15.0M samples/s) on one
-    # machine, 0.997 (48 pairs of 30 steps, quartiles 0.99 / 1.00; 64 pairs of 100 steps, 0.96 / 1.00; raw 16.4M)
-    # on the next: the machine drifts more than the variants differ. Each pair swaps which variant goes first, so
-    # that neither always follows the other's tail.
+    # Many short pairs (a block is ~35 ms): a GPU machine drifts from minute to minute more than the two variants
+    # differ, and a few pairs do not settle it. Each pair swaps which variant goes first, so that neither always
+    # follows the other's tail.
     names = list(variants)
     for b in range(args.blocks):
         for name in (names if b % 2 == 0 else names[::-1]):
@@ -112,29 +136,7 @@ def cuda_section(args) -> None:
     quartiles = statistics.quantiles(ratios_P, n=4) if len(ratios_P) > 1 else [ratio] * 3
     peak = torch.cuda.max_memory_allocated() / 2**20
     if args.profile:
-        from gpu_profile import print_profile, print_python_profile  # this folder
-
-        for name, step in variants.items():
-            print_profile(name, step)
-        print_python_profile("ours", variants["ours"], args.steps)
-        # the id check's share of the host time: the same collection without it, timed like the others
-        from lightning_rec.batch_check import DeviceBoundsCheck
-
-        for _ in range(2):  # the host's share of the id check: without it, and copying its count less often
-            ebc.validate_ids = False
-            unchecked = _time_blocks(variants["ours"], args.steps, 4)
-            ebc.validate_ids = True
-            router, default = ebc._router, ebc._router.device_check
-            times = {}
-            for every in (1, 8, DeviceBoundsCheck.copy_every):
-                router.device_check = DeviceBoundsCheck(router.rows_F, router.tables_F, "EmbeddingBagCollection",
-                                                        ebc.lookup.bounds_checked(), router.feature_names, every)
-                times[every] = _time_blocks(variants["ours"], args.steps, 4)
-            router.device_check = default
-            raw = _time_blocks(variants["raw_tbe"], args.steps, 4)
-            print(f"raw TBE {B * args.steps / raw:,.0f} samples/s; ours: validate_ids=False "
-                  f"{B * args.steps / unchecked:,.0f}; counts read back every "
-                  + ", ".join(f"{e}: {B * args.steps / t:,.0f}" for e, t in times.items()) + " lookups (same minute)")
+        cuda_profile(args, ebc, variants, B)
     print(f"embedding fwd+bwd+rowwise_adagrad on {torch.cuda.get_device_name()}: {T} x {rows} rows x dim {D}, "
           f"batch {B}, median of {len(spent['ours'])} pairs of blocks of {args.steps} steps")
     for v, x in sps.items():

@@ -1,9 +1,8 @@
 """A short torch.profiler look at a GPU step, printed by the GPU benchmarks under --profile.
 
-Device time is scarce (one call per lent session): when a figure falls short, the same call's log must
-already say where the step's time goes. Prints host (CPU) time per step against GPU kernel time per
-step, the host-device syncs and copies per step (each one a stall of the host-bound step), and the
-ops that cost the host most.
+When a figure falls short, the same run's log should already say where the step's time goes. Prints host
+(CPU) time per step against GPU kernel time per step, the host-device syncs and copies per step (each one
+a stall of the host-bound step), and the ops that cost the host most.
 
     python benchmarks/gpu_profile.py [--device cuda] [--rows 1000000] [--dim 128] [--batch 16384]
     python benchmarks/gpu_profile.py --smoke      # seconds: 1,000-row tables, batch 1024, 3 steps
