@@ -2,12 +2,16 @@
 binned AUC (BinnedAUC = torchmetrics' binned BinaryAUROC): time, state memory, and agreement.
 
     flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/auc.py [--sizes 1000000 4000000] [--rounds 3]
+    .venv/bin/python benchmarks/auc.py --smoke      # seconds: 20,000 logits, one round
 
 Each variant sees the same N logits (a CTR model's outputs, 25% positives) in batches of 65,536
 (update), then computes; variants alternate over rounds and the table shows medians. torchmetrics'
 BinaryAUROC gets probabilities (the sigmoid of the logits, as a user would pass them; given logits it
 applies the same float32 sigmoid itself). State memory is the bytes the metric holds before compute.
-The last line is one JSON object.
+The last line is one JSON object: {"benchmark": "auc", "results": [...], "ratios":
+{"torchmetrics_over_ours_time_n<N>", "torchmetrics_over_ours_state_n<N>"}, "figures":
+{"abs_diff_ours_vs_torchmetrics_n<N>", "abs_diff_binned_vs_exact_n<N>", "confident_logits_ours",
+"confident_logits_torchmetrics"}}.
 """
 
 from __future__ import annotations
@@ -57,7 +61,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 4_000_000])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 20,000 logits, one round")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.rounds = [20_000], 1
     variants = ("ours_exact", "torchmetrics_exact", "binned_10k")
     results, ratios, figures = [], {}, {}
     print(f"{'N':>10} {'variant':<20}{'median s':>10}{'state MB':>10}{'AUC':>12}")

@@ -1,8 +1,9 @@
 """Checkpoint save / load at 2 ranks: the gathered one-file format vs sharded DCP, same run.
 
     flock /tmp/lightning_rec_bench.lock python benchmarks/checkpoint.py [--rows 1000000] [--rounds 2]
+    python benchmarks/checkpoint.py --smoke      # seconds: 1,000-row tables, one round
 
-Model (issue 11): 26 tables x `--rows` rows (1M: 6.7 GB of weights) x dim 64, fused row-wise
+Model: 26 tables x `--rows` rows (1M: 6.7 GB of weights) x dim 64, fused row-wise
 Adagrad, sharded table-wise over 2 ranks (13 tables each), 1 thread per rank. A few training
 steps first, so the optimizer state is real.
 
@@ -183,6 +184,11 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; None where b is 0 (tiny tables: a load that grows the RSS by less than a page)."""
+    return a / b if b else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows per table (1M: 6.7 GB of weights)")
@@ -190,11 +196,17 @@ def main() -> None:
     parser.add_argument("--formats", default="gathered,dcp",
                         help="which to run; 'dcp' alone for sizes where gathering to rank 0 does not fit in memory")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 1,000-row tables, one round")
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.rounds = 1000, 1
     world_size = 2
     tmp = tempfile.mkdtemp(prefix="lr_ckpt_bench_", dir=args.dir)
     args.dir = tmp
-    ctx = mp.get_context("spawn")
+    if args.smoke:  # fork: the ranks start with torch and lightning_rec imported once (spawn: seconds a rank)
+        import lightning_rec.checkpoint  # noqa: F401
+        import lightning_rec.model_parallel  # noqa: F401
+    ctx = mp.get_context("fork" if args.smoke else "spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
@@ -244,14 +256,14 @@ def main() -> None:
     if "gathered" in formats and "dcp" in formats:
         ratios = {
             # DCP's largest per-rank peak over the gathered format's rank 0 (the rank that gathers)
-            "dcp_vs_gathered_peak_rss": figures["dcp_max_rank_save_peak_extra_rss"]
-            / figures["gathered_rank0_save_peak_extra_rss"],
-            "dcp_vs_gathered_save_s": figures["dcp_save_s"] / figures["gathered_save_s"],
-            "dcp_vs_gathered_load_s": figures["dcp_load_s"] / figures["gathered_load_s"],
-            "dcp_vs_gathered_load_peak_rss": figures["dcp_max_rank_load_peak_extra_rss"]
-            / figures["gathered_max_rank_load_peak_extra_rss"],
+            "dcp_vs_gathered_peak_rss": _ratio(figures["dcp_max_rank_save_peak_extra_rss"],
+                                               figures["gathered_rank0_save_peak_extra_rss"]),
+            "dcp_vs_gathered_save_s": _ratio(figures["dcp_save_s"], figures["gathered_save_s"]),
+            "dcp_vs_gathered_load_s": _ratio(figures["dcp_load_s"], figures["gathered_load_s"]),
+            "dcp_vs_gathered_load_peak_rss": _ratio(figures["dcp_max_rank_load_peak_extra_rss"],
+                                                    figures["gathered_max_rank_load_peak_extra_rss"]),
         }
-    print("ratios: " + "  ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    print("ratios: " + "  ".join(f"{k}={v:.3f}" if v is not None else f"{k}=-" for k, v in ratios.items()))
     print(json.dumps({"benchmark": "checkpoint", "results": results, "ratios": ratios, "figures": figures}))
     sys.stdout.flush()
 

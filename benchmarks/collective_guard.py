@@ -1,6 +1,7 @@
 """What the collective guard costs per call: the CPU time it adds to a collective, without peers.
 
     python benchmarks/collective_guard.py [--calls 20000] [--rounds 7]
+    python benchmarks/collective_guard.py --smoke      # seconds: 200 calls, 2 rounds
 
 One process, a 1-rank gloo group, so a collective completes at once and what is timed is the
 code around it: `input_dist.all_to_all` (the embedding path's entry point) with the group's
@@ -29,7 +30,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 200 calls, 2 rounds")
     args = parser.parse_args()
+    if args.smoke:
+        args.calls, args.rounds = 200, 2
     torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

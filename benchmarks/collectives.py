@@ -1,6 +1,7 @@
 """CPU collectives between ranks of one host: the shared-memory transport against gloo, same run.
 
     python benchmarks/collectives.py [--ranks 2] [--iters 30]
+    python benchmarks/collectives.py --smoke      # seconds: 2 calls per size
 
 Per size: all_to_all_single (equal splits; `MB` is what each rank sends in all) and all-reduce
 (sum) through `SharedMemoryGroup` (lightning_rec/shm_transport.py) and through gloo, both in the
@@ -9,7 +10,9 @@ same processes, alternating, 1 thread per rank. Sizes are those of the DLRM benc
 (~3 MB), plus a tiny exchange (latency). Results must match gloo's (checked before timing).
 Then the collective guard's cost (lightning_rec/collective_guard.py): a tiny all-to-all through
 input_dist.all_to_all with the guard on and off, over gloo and over shared memory, alternating.
-Last line: {"benchmark": "collectives", "results": [...], "ratios": {...}}.
+Last line: {"benchmark": "collectives", "results": [...], "ratios": {"a2a_<size>_gloo_over_shm",
+"all_reduce_<size>_gloo_over_shm", "a2a_tiny_<gloo|shm>_guard_over_plain"}, "figures": {"<op>_<size>_<path>_ms",
+"ranks", "iters"}}.
 """
 
 from __future__ import annotations
@@ -108,11 +111,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 2 calls per size")
     args = parser.parse_args()
+    if args.smoke:
+        args.iters = 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    if args.smoke:  # fork: the ranks start with torch and lightning_rec imported once (spawn: seconds a rank)
+        import lightning_rec.collective_guard  # noqa: F401
+        import lightning_rec.input_dist  # noqa: F401
+        import lightning_rec.shm_transport  # noqa: F401
+    ctx = mp.get_context("fork" if args.smoke else "spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, args.iters, queue)) for r in range(args.ranks)]
     for p in procs:
@@ -123,11 +133,13 @@ def main() -> None:
     print(f"{args.ranks} ranks, 1 thread each; median of 3 alternating rounds of {args.iters} calls (ms per call)")
     print(f"{'traffic':<13}{'MB':>7}{'a2a gloo':>11}{'a2a shm':>10}{'x':>7}"
           f"{'reduce gloo':>13}{'reduce shm':>12}{'x':>7}")
-    ratios = {}
+    ratios, figures = {}, {"ranks": args.ranks, "iters": args.iters}
     for r in rows:
         a, b = r["a2a_ms"], r["all_reduce_ms"]
         ratios[f"a2a_{r['size']}_gloo_over_shm"] = round(a["gloo"] / a["shm"], 2)
         ratios[f"all_reduce_{r['size']}_gloo_over_shm"] = round(b["gloo"] / b["shm"], 2)
+        figures |= {f"{op}_{r['size']}_{path}_ms": ms[path] for op, ms in (("a2a", a), ("all_reduce", b))
+                    for path in ("gloo", "shm")}
         print(f"{r['size']:<13}{r['mb']:>7.2f}{a['gloo']:>11.3f}{a['shm']:>10.3f}{a['gloo'] / a['shm']:>7.2f}"
               f"{b['gloo']:>13.3f}{b['shm']:>12.3f}{b['gloo'] / b['shm']:>7.2f}")
     print(f"\ncollective guard, tiny all-to-all through input_dist.all_to_all (median of 5 alternating rounds of "
@@ -137,7 +149,7 @@ def main() -> None:
         ratios[f"a2a_tiny_{path}_guard_over_plain"] = round(guarded / plain, 3)
         print(f"{path:<6} plain {plain:.4f}  guarded {guarded:.4f}  x{guarded / plain:.3f}")
     rows.append(dict(size="tiny", guard_ms=guard_ms))
-    print(json.dumps({"benchmark": "collectives", "results": rows, "ratios": ratios}))
+    print(json.dumps({"benchmark": "collectives", "results": rows, "ratios": ratios, "figures": figures}))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "criteo" / "criteo_kaggle_train_sample.tsv"
 NUM_EMBEDDINGS = 40_000_000  # TorchRec's 1TB table size; the modulo costs the same for any size
-GPU_SAMPLES_PER_S = (1.6e6, 2.4e6)  # the GPU issue's DLRM step rates (H100), for the report line
+GPU_SAMPLES_PER_S = (1.6e6, 2.4e6)  # DLRM step rates measured on an H100 (benchmarks/dlrm_gpu.py), for the report line
 
 
 def peak_rss_mb() -> float:
@@ -103,7 +105,8 @@ def generate(path: Path, size: int, seed: int = 0) -> Path:
         return path
     rng = np.random.default_rng(seed)
     models = _column_models(rng)
-    blocks = [_block_text(models, rng, 100_000) for _ in range(8)]  # ~22 MB each, cycled with a shift
+    block_rows = min(100_000, max(1000, size // (8 * 220)))  # ~220 bytes a row; a small file: small blocks
+    blocks = [_block_text(models, rng, block_rows) for _ in range(8)]  # ~22 MB each at most, cycled with a shift
     tmp = path.with_suffix(".tmp")
     written, k = 0, 0
     with open(tmp, "wb") as f:
@@ -288,58 +291,68 @@ def run_formats(directory: str, batch: int, rounds: int) -> dict:
             for k, v in times.items()}
 
 
-def run_dlrm(steps: int) -> dict:
+def run_dlrm(steps: int, rows: int = 0) -> dict:
+    """The one-process CPU DLRM step of benchmarks/dlrm_distributed.py (rows: per table, 0: its size)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import dlrm_distributed as dd
 
-    from lightning_rec.optim import combined_optimizer
+    from lightning_rec.optim import combined_optimizer, dense_parameters
 
     torch.set_num_threads(2)
-    model = dd.build_model("cpu")
-    opt = combined_optimizer(model, torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=0.01))
-    batches = dd.make_batches(2048, 4, seed=0)
+    rows = rows or dd.ROWS
+    model = dd.build_model("cpu", rows)
+    opt = combined_optimizer(model, torch.optim.Adagrad(dense_parameters(model), lr=0.01))
+    batches = dd.make_batches(2048, 4, seed=0, rows=rows)
     seconds = dd.train(model, opt, batches, steps, 3)
     return dict(rows=2048 * steps, seconds=seconds)
 
 
-def child(args) -> None:
+def child_result(kind: str, threads: int, path: str, out: str, workers: int, steps: int, rows: int = 0) -> dict:
+    """One variant, and this process's peak RSS."""
     import torch
 
-    torch.set_num_threads(args.threads)
-    kind = args.child
-    if kind == "native":
-        r = run_native(args.path)
-    elif kind == "pyarrow":
-        r = run_pyarrow(args.path)
-    elif kind == "datasets":
-        r = run_datasets(args.path, args.out)
-    elif kind == "preprocess":
-        r = run_preprocess(args.path, args.out)
-    elif kind == "load":
-        r = run_load(args.out, args.workers, 2048)
-    elif kind == "formats":
-        r = run_formats(args.out, 2048, 3)
-    elif kind == "dlrm":
-        r = run_dlrm(args.steps)
-    else:
+    torch.set_num_threads(threads)
+    runs = {
+        "native": lambda: run_native(path),
+        "pyarrow": lambda: run_pyarrow(path),
+        "datasets": lambda: run_datasets(path, out),
+        "preprocess": lambda: run_preprocess(path, out),
+        "load": lambda: run_load(out, workers, 2048),
+        "formats": lambda: run_formats(out, 2048, 3),
+        "dlrm": lambda: run_dlrm(steps, rows),
+    }
+    if kind not in runs:
         raise SystemExit(f"unknown child {kind}")
+    r = runs[kind]()
     r["peak_rss_mb"] = peak_rss_mb()
+    return r
+
+
+def child(args) -> None:
+    r = child_result(args.child, args.threads, args.path, args.out, args.workers, args.steps)
     print("RESULT " + json.dumps(r), flush=True)
 
 
-def spawn(kind: str, threads: int, path: str = "", out: str = "", workers: int = 0, steps: int = 0) -> dict:
-    cmd = [sys.executable, __file__, "--child", kind, "--threads", str(threads), "--path", path, "--out", out,
-           "--workers", str(workers), "--steps", str(steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            if "rows" in r:
-                r["rows_per_s"] = r["rows"] / r["seconds"]
-            return r
-    raise SystemExit(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+IN_PROCESS = False  # --smoke: every variant in this process (a process each costs seconds; the peak RSS is shared)
+
+
+def spawn(kind: str, threads: int, path: str = "", out: str = "", workers: int = 0, steps: int = 0,
+          rows: int = 0) -> dict:
+    if IN_PROCESS:
+        r = child_result(kind, threads, path, out, workers, steps, rows)
+    else:
+        cmd = [sys.executable, __file__, "--child", kind, "--threads", str(threads), "--path", path, "--out", out,
+               "--workers", str(workers), "--steps", str(steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            raise SystemExit(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        r = json.loads(lines[0][7:])
+    if "rows" in r:
+        r["rows_per_s"] = r["rows"] / r["seconds"]
+    return r
 
 
 def parse_size(text: str) -> int:
@@ -350,7 +363,7 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="4GB", help="generated file size (4GB: the headline figure)")
     parser.add_argument("--dir", default="/tmp/lightning_rec_criteo_ingest", help="where the generated files go")
@@ -359,68 +372,82 @@ def main() -> None:
     parser.add_argument("--prefix_mb", type=int, default=256, help="file for the alternating rounds and preprocess")
     parser.add_argument("--baseline_mb", type=int, default=32, help="file for the datasets csv path (slow)")
     parser.add_argument("--dlrm_steps", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: a 2 MB file in a temporary --dir, one round, 1,000-row DLRM tables, "
+                             "every variant in this process")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--path", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        return child(args)
+    args.dlrm_rows = 0
+    if args.smoke:
+        args.size, args.rounds, args.prefix_mb, args.baseline_mb, args.dlrm_steps = "2MB", 1, 1, 1, 2
+        args.dlrm_rows = 1000
+    return args
 
+
+def make_files(args, work: Path) -> dict[str, Path]:
+    """The generated file (once; reused) and its prefixes: the rounds', 1/8, and the baseline's."""
     size = parse_size(args.size)
-    work = Path(args.dir)
-    work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     big = work / f"criteo_{args.size}.tsv"
-    if not _have(big, size):  # generated in a child: this process stays small
+    if not _have(big, size) and IN_PROCESS:
+        generate(big, size)
+    elif not _have(big, size):  # generated in a child: this process stays small
         subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
                         f"import criteo_ingest as c; from pathlib import Path; c.generate(Path({str(big)!r}), {size})"],
                        check=True)
     print(f"generated {big} ({big.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s", flush=True)
     prefix_mb = min(args.prefix_mb, size >> 20)
-    prefix = prefix_file(big, prefix_mb)
-    eighth = prefix_file(big, max(1, (size >> 20) // 8))
-    small = prefix_file(big, min(args.baseline_mb, prefix_mb))
-    T = args.threads
+    return {"big": big, "prefix": prefix_file(big, prefix_mb), "eighth": prefix_file(big, max(1, (size >> 20) // 8)),
+            "small": prefix_file(big, min(args.baseline_mb, prefix_mb))}
 
+
+def run_variants(args, files: dict[str, Path], work: Path) -> dict:
+    """Every measurement, each in its own process (in this one under --smoke)."""
+    T = args.threads
     rounds = {"native": [], "pyarrow": []}
     for _ in range(args.rounds):  # alternating: the machine drifts 10-30% between minutes
         for kind in rounds:
-            rounds[kind].append(spawn(kind, T, str(prefix)))
-    med = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in rounds.items()}
-    rss = {k: max(r["peak_rss_mb"] for r in v) for k, v in rounds.items()}
-    ds_run = spawn("datasets", T, str(small), str(work / "hf_cache"))
-    nat_small = spawn("native", T, str(small))
-    full = spawn("native", T, str(big))
-    part = spawn("native", T, str(eighth))
-    pre = spawn("preprocess", T, str(prefix), str(work / "shards"))
-    load0 = spawn("load", 1, out=str(work / "shards"), workers=0)  # one loading process, as a worker runs
-    load2 = spawn("load", T, out=str(work / "shards"), workers=2)
-    formats = spawn("formats", 1, out=str(work / "shards"))
-    dlrm = spawn("dlrm", T, steps=args.dlrm_steps)
+            rounds[kind].append(spawn(kind, T, str(files["prefix"])))
+    shards = str(work / "shards")
+    return {
+        "med": {k: statistics.median(r["rows_per_s"] for r in v) for k, v in rounds.items()},
+        "rss": {k: max(r["peak_rss_mb"] for r in v) for k, v in rounds.items()},
+        "ds_run": spawn("datasets", T, str(files["small"]), str(work / "hf_cache")),
+        "nat_small": spawn("native", T, str(files["small"])),
+        "full": spawn("native", T, str(files["big"])),
+        "part": spawn("native", T, str(files["eighth"])),
+        "pre": spawn("preprocess", T, str(files["prefix"]), shards),
+        "load0": spawn("load", 1, out=shards, workers=0),  # one loading process, as a worker runs
+        "load2": spawn("load", T, out=shards, workers=2),
+        "formats": spawn("formats", 1, out=shards),
+        "dlrm": spawn("dlrm", T, steps=args.dlrm_steps, rows=args.dlrm_rows),
+    }
 
-    gb = big.stat().st_size / 2**30
+
+def _row(variant: str, run: dict, path: Path | None = None, **extra) -> dict:
+    file_mb = {} if path is None else {"file_mb": path.stat().st_size >> 20}
+    return dict(variant=variant, **file_mb, **extra, rows_per_s=round(run["rows_per_s"]),
+                peak_rss_mb=round(run["peak_rss_mb"]))
+
+
+def results_of(files: dict[str, Path], prefix_mb: int, runs: dict) -> list[dict]:
+    med, rss, formats = runs["med"], runs["rss"], runs["formats"]
     results = [
         dict(variant="native", file_mb=prefix_mb, rows_per_s=round(med["native"]), peak_rss_mb=round(rss["native"])),
         dict(variant="pyarrow+numpy", file_mb=prefix_mb, rows_per_s=round(med["pyarrow"]),
              peak_rss_mb=round(rss["pyarrow"])),
-        dict(variant="native", file_mb=small.stat().st_size >> 20, rows_per_s=round(nat_small["rows_per_s"]),
-             peak_rss_mb=round(nat_small["peak_rss_mb"])),
-        dict(variant="datasets csv + map", file_mb=small.stat().st_size >> 20, rows_per_s=round(ds_run["rows_per_s"]),
-             peak_rss_mb=round(ds_run["peak_rss_mb"])),
-        dict(variant="native (whole file)", file_mb=big.stat().st_size >> 20, rows=full["rows"],
-             rows_per_s=round(full["rows_per_s"]), peak_rss_mb=round(full["peak_rss_mb"])),
-        dict(variant="native (1/8 file)", file_mb=eighth.stat().st_size >> 20, rows_per_s=round(part["rows_per_s"]),
-             peak_rss_mb=round(part["peak_rss_mb"])),
-        dict(variant="preprocess -> .npy shards", file_mb=prefix_mb, rows_per_s=round(pre["rows_per_s"]),
-             peak_rss_mb=round(pre["peak_rss_mb"])),
-        dict(variant="shards -> batches, 1 process", rows_per_s=round(load0["rows_per_s"]),
-             peak_rss_mb=round(load0["peak_rss_mb"])),
-        dict(variant="shards -> batches, 2 workers -> main", rows_per_s=round(load2["rows_per_s"]),
-             peak_rss_mb=round(load2["peak_rss_mb"])),
-        dict(variant="DLRM step, 1 process CPU", rows_per_s=round(dlrm["rows_per_s"]),
-             peak_rss_mb=round(dlrm["peak_rss_mb"])),
+        _row("native", runs["nat_small"], files["small"]),
+        _row("datasets csv + map", runs["ds_run"], files["small"]),
+        _row("native (whole file)", runs["full"], files["big"], rows=runs["full"]["rows"]),
+        _row("native (1/8 file)", runs["part"], files["eighth"]),
+        dict(_row("preprocess -> .npy shards", runs["pre"]), file_mb=prefix_mb),
+        _row("shards -> batches, 1 process", runs["load0"]),
+        _row("shards -> batches, 2 workers -> main", runs["load2"]),
+        _row("DLRM step, 1 process CPU", runs["dlrm"]),
     ]
     for k in ("npy", "arrow_ipc", "parquet"):
         results.append(dict(variant=f"shard_format {k} -> batches", rows_per_s=round(formats[k]["rows_per_s"]),
@@ -428,16 +455,16 @@ def main() -> None:
         results.append(dict(variant=f"shard_format {k} -> arrays only",
                             rows_per_s=round(formats[k + "_arrays_only"]["rows_per_s"]),
                             mb_on_disk=round(formats[k]["mb"], 1)))
-    print(f"\n{'variant':34s} {'file MB':>8s} {'rows/s':>12s} {'peak RSS MB':>12s}")
-    for r in results:
-        extra = f"  ({r['mb_on_disk']} MB on disk)" if "mb_on_disk" in r else ""
-        print(f"{r['variant']:34s} {str(r.get('file_mb', '')):>8s} {r['rows_per_s']:>12,d} "
-              f"{str(r.get('peak_rss_mb', '')):>12s}{extra}")
-    load_best = max(load0["rows_per_s"], load2["rows_per_s"])
-    ratios = {
+    return results
+
+
+def ratios_of(runs: dict) -> dict:
+    med, formats = runs["med"], runs["formats"]
+    load_best = max(runs["load0"]["rows_per_s"], runs["load2"]["rows_per_s"])
+    return {
         "native_vs_pyarrow": round(med["native"] / med["pyarrow"], 2),
-        "native_vs_datasets": round(nat_small["rows_per_s"] / ds_run["rows_per_s"], 2),
-        "load_vs_dlrm_cpu_step": round(load_best / dlrm["rows_per_s"], 2),
+        "native_vs_datasets": round(runs["nat_small"]["rows_per_s"] / runs["ds_run"]["rows_per_s"], 2),
+        "load_vs_dlrm_cpu_step": round(load_best / runs["dlrm"]["rows_per_s"], 2),
         "load_vs_gpu_dlrm_low": round(load_best / GPU_SAMPLES_PER_S[0], 3),
         "npy_vs_arrow_ipc": round(formats["npy"]["rows_per_s"] / formats["arrow_ipc"]["rows_per_s"], 2),
         "npy_vs_parquet": round(formats["npy"]["rows_per_s"] / formats["parquet"]["rows_per_s"], 2),
@@ -446,19 +473,32 @@ def main() -> None:
         "npy_vs_parquet_arrays_only": round(formats["npy_arrays_only"]["rows_per_s"]
                                             / formats["parquet_arrays_only"]["rows_per_s"], 2),
     }
+
+
+def report(args, files: dict[str, Path], runs: dict) -> None:
+    prefix_mb = min(args.prefix_mb, parse_size(args.size) >> 20)
+    results = results_of(files, prefix_mb, runs)
+    print(f"\n{'variant':34s} {'file MB':>8s} {'rows/s':>12s} {'peak RSS MB':>12s}")
+    for r in results:
+        extra = f"  ({r['mb_on_disk']} MB on disk)" if "mb_on_disk" in r else ""
+        print(f"{r['variant']:34s} {str(r.get('file_mb', '')):>8s} {r['rows_per_s']:>12,d} "
+              f"{str(r.get('peak_rss_mb', '')):>12s}{extra}")
+    ratios = ratios_of(runs)
+    load_best = max(runs["load0"]["rows_per_s"], runs["load2"]["rows_per_s"])
+    gb = files["big"].stat().st_size / 2**30
     figures = {
-        "native_rows_per_s": round(full["rows_per_s"]),
-        "native_rows_per_s_prefix_median": round(med["native"]),
-        "pyarrow_rows_per_s": round(med["pyarrow"]),
-        "datasets_rows_per_s": round(ds_run["rows_per_s"]),
-        "peak_rss_mb_4gb": round(full["peak_rss_mb"]),
-        "peak_rss_mb_eighth": round(part["peak_rss_mb"]),
+        "native_rows_per_s": round(runs["full"]["rows_per_s"]),
+        "native_rows_per_s_prefix_median": round(runs["med"]["native"]),
+        "pyarrow_rows_per_s": round(runs["med"]["pyarrow"]),
+        "datasets_rows_per_s": round(runs["ds_run"]["rows_per_s"]),
+        "peak_rss_mb_4gb": round(runs["full"]["peak_rss_mb"]),
+        "peak_rss_mb_eighth": round(runs["part"]["peak_rss_mb"]),
         "file_gib": round(gb, 2),
-        "preprocess_rows_per_s": round(pre["rows_per_s"]),
-        "preprocess_peak_rss_mb": round(pre["peak_rss_mb"]),
+        "preprocess_rows_per_s": round(runs["pre"]["rows_per_s"]),
+        "preprocess_peak_rss_mb": round(runs["pre"]["peak_rss_mb"]),
         "load_rows_per_s": round(load_best),
-        "dlrm_cpu_samples_per_s": round(dlrm["rows_per_s"]),
-        "threads": T,
+        "dlrm_cpu_samples_per_s": round(runs["dlrm"]["rows_per_s"]),
+        "threads": args.threads,
     }
     print(f"\nnative {ratios['native_vs_pyarrow']}x pyarrow+numpy, {ratios['native_vs_datasets']}x datasets; "
           f"peak RSS {figures['peak_rss_mb_4gb']} MB for {gb:.2f} GiB vs {figures['peak_rss_mb_eighth']} MB for 1/8; "
@@ -466,6 +506,22 @@ def main() -> None:
           f"{load_best / GPU_SAMPLES_PER_S[0]:.2f}-{load_best / GPU_SAMPLES_PER_S[1]:.2f}x the GPU step "
           f"(1.6-2.4M samples/s) per loading process")
     print(json.dumps({"benchmark": "criteo_ingest", "results": results, "ratios": ratios, "figures": figures}))
+
+
+def main() -> None:
+    global IN_PROCESS
+    args = parse_args()
+    if args.child:
+        return child(args)
+    IN_PROCESS = args.smoke
+    work = Path(tempfile.mkdtemp(prefix="criteo_ingest_smoke_")) if args.smoke else Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        files = make_files(args, work)
+        report(args, files, run_variants(args, files, work))
+    finally:
+        if args.smoke:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 the same rows (the native parser and the Python reference), alternating rounds, medians.
 
     flock /tmp/lightning_rec_bench.lock python benchmarks/criteo_tables.py [--rows 1000000] [--rounds 3]
+    python benchmarks/criteo_tables.py --smoke      # seconds: 2,000 rows (or the sample's), one round
 
 The rows are ../shared/data's Kaggle train sample repeated (a generated tab file without it). Every round builds
 each cache from scratch (`build_criteo_cache` into a new directory: the one-time conversion a user waits for),
 and checks the caches hold the same rows; then one streaming pass of each (batches of 2048, one process: what
-an epoch costs without a cache). Last line: {"benchmark": "criteo_tables", "ratios":
-{"parquet_vs_text_native", "parquet_vs_text_python"}, "figures": {"<source>_rows_per_s", ...}}.
+an epoch costs without a cache). Last line: {"benchmark": "criteo_tables", "results": [...], "ratios":
+{"parquet_vs_text_native", "parquet_vs_text_python", ...}, "figures": {"<source>_rows_per_s", ...}}.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="seconds: 2,000 rows (or the sample's), one round")
     args = ap.parse_args()
+    if args.smoke:
+        args.rows, args.rounds = 2000, 1
     import datasets
 
     datasets.disable_progress_bars()
@@ -134,7 +138,9 @@ def main() -> None:
                                                     / figures["parquet_rows_per_s"], 3),
                   "parquet_stream_vs_text_stream": round(figures["parquet_stream_rows_per_s"]
                                                          / figures["text_native_stream_rows_per_s"], 3)}
-        print(json.dumps({"benchmark": "criteo_tables", "ratios": ratios,
+        results = [{"source": name, "rows": rows[name], "cache_s": statistics.median(s),
+                    "stream_s": statistics.median(streamed[name])} for name, s in seconds.items()]
+        print(json.dumps({"benchmark": "criteo_tables", "results": results, "ratios": ratios,
                           "figures": {**figures, "rows": rows["parquet"], "rounds": args.rounds}}))
     finally:
         shutil.rmtree(work, ignore_errors=True)

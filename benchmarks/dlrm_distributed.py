@@ -1,6 +1,7 @@
 """DLRM training throughput: 2 ranks x 1 thread (gloo) per sharding type vs one process x 2 threads.
 
     python benchmarks/dlrm_distributed.py [--steps 20] [--rounds 3] [--types table_wise,row_wise,...]
+    python benchmarks/dlrm_distributed.py --smoke [--pipeline]   # seconds: tiny tables, 2 steps, 1 round
 
 `--types` entries may end in `@gloo` (e.g. `table_wise@gloo`): the same run with every collective
 over gloo's TCP instead of shared memory (DistributedModelParallel(shared_memory=False)), the
@@ -12,7 +13,7 @@ off (LIGHTNING_REC_COLLECTIVE_GUARD=0, lightning_rec/collective_guard.py), to me
 `--types` may also name `planner` (the plan EmbeddingShardingPlanner picks for this model);
 benchmarks/planner.py runs it that way to put measured step times next to its estimates.
 
-Model (issue 4): 13 dense features -> dense arch 512-256-64; 26 tables x 100,000 rows x dim 64, sum
+Model: 13 dense features -> dense arch 512-256-64; 26 tables x 100,000 rows x dim 64, sum
 pooling, one id per feature; over arch 512-512-256-1; fused row-wise Adagrad (lr 0.01) for the
 embeddings, torch Adagrad for the dense layers. Distributed: batch 1024 per rank, the dense layers
 in DDP, the tables sharded by DistributedModelParallel. One process: the unsharded model, batch
@@ -58,11 +59,23 @@ DENSE_ARCH, OVER_ARCH = [512, 256, 64], [512, 512, 256, 1]
 TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard", "data_parallel"]
 
 
-def build_model(device: str = "cpu"):
+def start_method(smoke: bool):
+    """spawn; under --smoke, fork: the ranks start from this process with torch and lightning_rec imported once
+    (spawn imports them again in every process, seconds each: most of a smoke run)."""
+    if not smoke:
+        return mp.get_context("spawn")
+    import lightning_rec.model_parallel  # noqa: F401
+    import lightning_rec.models.dlrm  # noqa: F401
+    import lightning_rec.pipeline  # noqa: F401
+
+    return mp.get_context("fork")
+
+
+def build_model(device: str = "cpu", rows: int = ROWS):
     from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
     from lightning_rec.optim import FusedOptimizerConfig
 
-    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=rows, embedding_dim=DIM, feature_names=[f"f{i}"])
               for i in range(NUM_TABLES)]
     ebc = EmbeddingBagCollection(tables, device=device, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.01))
     try:
@@ -73,7 +86,7 @@ def build_model(device: str = "cpu"):
     return DLRM(ebc, DENSE_IN, DENSE_ARCH, OVER_ARCH)
 
 
-def make_batches(batch: int, count: int, seed: int):
+def make_batches(batch: int, count: int, seed: int, rows: int = ROWS):
     from lightning_rec.sparse import KeyedJaggedTensor
 
     g = torch.Generator().manual_seed(seed)
@@ -81,7 +94,7 @@ def make_batches(batch: int, count: int, seed: int):
     out = []
     for _ in range(count):
         dense = torch.rand(batch, DENSE_IN, generator=g)
-        values = torch.randint(0, ROWS, (NUM_TABLES * batch,), generator=g)
+        values = torch.randint(0, rows, (NUM_TABLES * batch,), generator=g)
         lengths = torch.ones(NUM_TABLES * batch, dtype=torch.long)
         labels = torch.randint(0, 2, (batch, 1), generator=g).float()
         out.append((dense, KeyedJaggedTensor.from_lengths_sync(keys, values, lengths), labels))
@@ -141,12 +154,12 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     from lightning_rec.model_parallel import DistributedModelParallel
-    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.optim import CombinedOptimizer, dense_parameters
 
-    batches = make_batches(args.batch, 4, seed=rank + 1)
+    batches = make_batches(args.batch, 4, seed=rank + 1, rows=args.rows)
     results = {}
     for kind in args.types:
-        model = build_model("meta")  # tables are built where their shards live, never whole
+        model = build_model("meta", args.rows)  # tables are built where their shards live, never whole
         dense = None if args.dense == "none" else args.dense
         sharding, _, options = kind.partition("@")  # "table_wise@gloo": embedding + DDP traffic over gloo TCP
         options = set(options.split("+"))  # "table_wise@gloo+noguard": and without the collective guard
@@ -154,8 +167,10 @@ def rank_main(rank: int, world_size: int, port: int, args, queue) -> None:
         plan = plan_for(sharding, model, world_size, args.batch)
         dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120, dense=dense,
                                        shared_memory=False if "gloo" in options else None)
+        # the dense optimizer holds the parameters autograd trains, not the fused tables (CombinedOptimizer
+        # refuses those: their fused optimizer updates them inside backward)
         opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
-                                 ("dense", torch.optim.Adagrad(dmp.parameters(), lr=0.01))])
+                                 ("dense", torch.optim.Adagrad(dense_parameters(dmp), lr=0.01))])
         seconds = train(dmp, opt, batches, args.steps, args.warmup)
         results[kind] = dict(seconds=seconds, emb_bytes=embedding_bytes(dmp))
         if kind == "table_wise" and args.profile_now:
@@ -180,11 +195,11 @@ def profile(model, opt, batches) -> str:
 
 def one_process_main(args, queue) -> None:
     torch.set_num_threads(2)
-    model = build_model("cpu")
-    from lightning_rec.optim import combined_optimizer
+    model = build_model("cpu", args.rows)
+    from lightning_rec.optim import combined_optimizer, dense_parameters
 
-    opt = combined_optimizer(model, torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=0.01))
-    batches = make_batches(2 * args.batch, 4, seed=0)
+    opt = combined_optimizer(model, torch.optim.Adagrad(dense_parameters(model), lr=0.01))
+    batches = make_batches(2 * args.batch, 4, seed=0, rows=args.rows)
     seconds = train(model, opt, batches, args.steps, args.warmup)
     emb = sum(w.numel() * 4 for w in model.sparse_arch.embedding_bag_collection.lookup.table_weights().values())
     emb += sum(v.numel() * 4 for k in model.sparse_arch.embedding_bag_collection.fused_kernels()
@@ -222,11 +237,11 @@ class TrainStep(torch.nn.Module):
         return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels), logits
 
 
-def pipeline_loader(rank: int, batch: int, batches: int):
+def pipeline_loader(rank: int, batch: int, batches: int, rows: int = ROWS):
     from lightning_rec.data.synthetic import SyntheticCriteoDataModule
 
     data = SyntheticCriteoDataModule(num_train_samples=batch * batches, num_val_samples=batch, batch_size=batch,
-                                     num_embeddings_per_feature=ROWS, sparse_feature_names=[f"f{i}" for i in
+                                     num_embeddings_per_feature=rows, sparse_feature_names=[f"f{i}" for i in
                                                                                              range(NUM_TABLES)],
                                      seed=rank, shuffle=True)
     data.setup("fit")
@@ -273,18 +288,18 @@ def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     from lightning_rec.model_parallel import DistributedModelParallel
-    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.optim import CombinedOptimizer, dense_parameters
     from lightning_rec.pipeline import TrainPipelineSparseDist
 
     kind = args.types[0]
-    dlrm = build_model("meta")
+    dlrm = build_model("meta", args.rows)
     model = TrainStep(dlrm)
     plan = plan_for(kind, dlrm, world_size, args.batch)
     plan.plan = {f"dlrm.{k}": v for k, v in plan.plan.items()}
     dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=120)
     opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
-                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
-    loader = pipeline_loader(rank, args.batch, args.warmup + args.steps + 2)
+                             ("dense", torch.optim.Adagrad(dense_parameters(dmp), lr=0.01))])
+    loader = pipeline_loader(rank, args.batch, args.warmup + args.steps + 2, args.rows)
     times: dict[str, list[list[float]]] = {"plain": [], "pipelined": []}  # per round, per step
     plain_cpu: list[float] = []  # the plain loop's main-thread CPU seconds per round
     profiles = {}
@@ -382,7 +397,7 @@ def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
 def pipeline_main(args) -> None:
     world_size = 2
     load_before = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
+    ctx = start_method(args.smoke)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=pipeline_rank_main, args=(r, world_size, port, args, queue))
@@ -399,10 +414,10 @@ def pipeline_main(args) -> None:
                  for i in range(rounds)] for m in ("plain", "pipelined")}
     sps = {m: [global_batch * len(v) / sum(v) for v in per_round] for m, per_round in steps.items()}
     ratio_per_round = [p / q for p, q in zip(sps["pipelined"], sps["plain"])]
-    # The figure: median step time over every timed step of each mode. This machine is shared and its
-    # load swings 3x within a minute; medians of many short, interleaved samples are what survives that.
+    # The figure: median step time over every timed step of each mode. A shared machine's load can swing 3x
+    # within a minute; medians of many short, interleaved samples are what survives that.
     median_step = {m: statistics.median(t for per_round in v for t in per_round) for m, v in steps.items()}
-    print(f"DLRM 26 x 100k x 64, 2 ranks ({args.types[0]}), batch {args.batch}/rank from a DataLoader "
+    print(f"DLRM 26 x {args.rows:,} x 64, 2 ranks ({args.types[0]}), batch {args.batch}/rank from a DataLoader "
           f"(SyntheticCriteoDataModule), {args.steps} timed steps, {rounds} alternating rounds")
     print(f"{'round':<8}{'plain samples/s':>18}{'pipelined samples/s':>22}{'ratio':>8}")
     for i in range(rounds):
@@ -453,11 +468,12 @@ def pipeline_main(args) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1024, help="per rank")
+    parser.add_argument("--rows", type=int, default=ROWS, help="rows per table")
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; figures are medians")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
@@ -465,39 +481,36 @@ def main() -> None:
                         help="none: dense layers not synchronised (diagnostic: the cost of DDP)")
     parser.add_argument("--pipeline", action="store_true",
                         help="plain loop vs TrainPipelineSparseDist, batches from a DataLoader (first of --types)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 1,000-row tables, batch 64, 2 steps, 1 round (the same code path)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rows, args.batch, args.steps, args.warmup, args.rounds = 1000, 64, 2, 1, 1
     args.types = [t for t in args.types.split(",") if t]
-    if args.pipeline:
-        pipeline_main(args)
-        return
-    world_size = 2
-    ctx = mp.get_context("spawn")
+    return args
 
-    # Rounds alternate the 2-rank run and the one-process run, and each figure is the median over
-    # rounds: this VM's speed drifts by 10-20% between windows, and alternating puts both sides of
-    # every ratio in the same windows. Only the first round profiles.
-    rounds: list[tuple[dict, dict]] = []
-    for i in range(args.rounds):
-        args.profile_now = args.profile and i == 0
-        queue = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        per_rank = dict(_collect(queue, procs, len(procs)))
-        for p in procs:
-            p.join()
 
-        single_q = ctx.Queue()
-        p = ctx.Process(target=one_process_main, args=(args, single_q))
+def _one_round(args, ctx, world_size: int) -> tuple[dict, dict]:
+    """The 2-rank run (every --types entry), then the one-process run: (per-rank results, one-process result)."""
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
         p.start()
-        single = _collect(single_q, [p], 1)[0]
+    per_rank = dict(_collect(queue, procs, len(procs)))
+    for p in procs:
         p.join()
-        rounds.append((per_rank, single))
-        if args.rounds > 1:
-            seconds = {k: max(per_rank[r][k]["seconds"] for r in per_rank) for k in args.types}
-            print(f"round {i + 1}: one process {single['seconds']:.2f} s, " +
-                  ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()), flush=True)
+
+    single_q = ctx.Queue()
+    p = ctx.Process(target=one_process_main, args=(args, single_q))
+    p.start()
+    single = _collect(single_q, [p], 1)[0]
+    p.join()
+    return per_rank, single
+
+
+def _medians(args, rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """Per rank and the one process: seconds as the median over rounds, the peak RSS as the max."""
     per_rank = {r: {k: dict(rounds[0][0][r][k], seconds=statistics.median(x[0][r][k]["seconds"] for x in rounds))
                     for k in args.types} | {"max_rss": max(x[0][r]["max_rss"] for x in rounds)}
                 for r in rounds[0][0]}
@@ -505,11 +518,28 @@ def main() -> None:
         per_rank[0]["profile"] = rounds[0][0][0]["profile"]
     single = dict(rounds[0][1], seconds=statistics.median(x[1]["seconds"] for x in rounds),
                   max_rss=max(x[1]["max_rss"] for x in rounds))
+    return per_rank, single
 
+
+def _guard_ratios(args, figures: dict) -> dict:
+    """The guard's cost: guarded over unguarded throughput, same run (entries ending in @noguard)."""
+    ratios = {}
+    for kind in args.types:
+        base, _, options = kind.partition("@")
+        if "noguard" in options.split("+"):
+            guarded = base + ("@" + options.replace("+noguard", "").replace("noguard", "")).rstrip("@")
+            if guarded in args.types:
+                ratios[f"{guarded}_guard_over_noguard"] = round(
+                    figures[f"{guarded}_samples_per_s"] / figures[f"{kind}_samples_per_s"], 3)
+    return ratios
+
+
+def report(args, per_rank: dict, single: dict, world_size: int) -> None:
+    """The table, the profile, then the JSON line."""
     global_batch = world_size * args.batch
     one = global_batch * args.steps / single["seconds"]
     rows, figures = [], {"one_process_samples_per_s": round(one, 1)}
-    print(f"DLRM, 26 x 100k x 64 tables, global batch {global_batch}, {args.steps} timed steps, "
+    print(f"DLRM, 26 x {args.rows:,} x 64 tables, global batch {global_batch}, {args.steps} timed steps, "
           f"median of {args.rounds} alternating rounds")
     print(f"{'run':<28}{'samples/s':>12}{'vs 1 proc':>11}{'emb MB/rank':>13}{'peak RSS MB/rank':>18}")
     print(f"{'one process x 2 threads':<28}{one:>12.0f}{1.0:>11.2f}{single['emb_bytes'] / 2**20:>13.1f}"
@@ -533,15 +563,31 @@ def main() -> None:
     ratios = {}
     if "table_wise" in args.types:
         ratios["two_rank_vs_one_process"] = round(figures["table_wise_samples_per_s"] / one, 3)
-    for kind in args.types:  # the guard's cost: guarded over unguarded throughput, same run
-        base, _, options = kind.partition("@")
-        if "noguard" in options.split("+"):
-            guarded = base + ("@" + options.replace("+noguard", "").replace("noguard", "")).rstrip("@")
-            if guarded in args.types:
-                ratios[f"{guarded}_guard_over_noguard"] = round(
-                    figures[f"{guarded}_samples_per_s"] / figures[f"{kind}_samples_per_s"], 3)
+    ratios.update(_guard_ratios(args, figures))
     print(json.dumps({"benchmark": "dlrm_distributed", "results": rows, "ratios": ratios, "figures": figures}))
     sys.stdout.flush()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.pipeline:
+        pipeline_main(args)
+        return
+    world_size = 2
+    ctx = start_method(args.smoke)
+    # Rounds alternate the 2-rank run and the one-process run, and each figure is the median over
+    # rounds: a VM's speed drifts by 10-20% between windows, and alternating puts both sides of
+    # every ratio in the same windows. Only the first round profiles.
+    rounds: list[tuple[dict, dict]] = []
+    for i in range(args.rounds):
+        args.profile_now = args.profile and i == 0
+        per_rank, single = _one_round(args, ctx, world_size)
+        rounds.append((per_rank, single))
+        if args.rounds > 1:
+            seconds = {k: max(per_rank[r][k]["seconds"] for r in per_rank) for k in args.types}
+            print(f"round {i + 1}: one process {single['seconds']:.2f} s, " +
+                  ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()), flush=True)
+    report(args, *_medians(args, rounds), world_size)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """DLRM training throughput on one GPU: a plain loop and Trainer(strategy="rec"), fp32 / TF32 / bf16 autocast.
 
     python benchmarks/dlrm_gpu.py [--steps 50] [--rounds 3] [--modes fp32,tf32,bf16]
-    python benchmarks/dlrm_gpu.py --device cpu --rows 1000 --batch 256 --steps 5 --rounds 1   # a smoke run
+    python benchmarks/dlrm_gpu.py --smoke [--pipeline] [--device cpu]   # seconds: 1,000-row tables, 3 steps, 1 round
 
-Model (the GPU issue's): 13 dense features -> dense arch 512-256-128; 26 tables x 1M rows x dim 128,
+Model: 13 dense features -> dense arch 512-256-128; 26 tables x 1M rows x dim 128,
 sum pooling, one id per feature, fused row-wise Adagrad (lr 0.01); dot interaction; over arch
 1024-1024-512-256-1; torch Adagrad for the dense layers; batch 16,384.
 
@@ -19,18 +19,16 @@ GPU memory per mode.
 
     python benchmarks/dlrm_gpu.py --pipeline [--modes fp32,tf32] [--rounds 3]
 
-`--pipeline` (issue 10): the same model as a one-rank DistributedModelParallel (NCCL on GPU, gloo on
+`--pipeline`: the same model as a one-rank DistributedModelParallel (NCCL on GPU, gloo on
 CPU), batches from pinned host memory through a DataLoader, trained by the plain loop (each batch
 copied with .to(device, non_blocking=True) in the step) and by TrainPipelineSparseDist (the copy on a
 side stream, input_dist on its own stream, one batch ahead), alternating within each round over the
 same model. JSON: ratios.pipelined_vs_plain_cuda (median pipelined / median plain samples/s of the
 first mode), figures.pipelined_samples_s_<mode>, figures.plain_host_samples_s_<mode>, and TorchRec
 1.6.1's pipelined figures on an H100 for the same shapes (1.67M fp32 / 1.83M TF32) as
-figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with its default PipelineConfig
-(feeder_collectives="auto": "concurrent" at one rank, NCCL included) and, in the same rounds, with the order
-NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>).
-On an H200 (torch 2.11, fp32 / TF32, pipelined from host batches): concurrent 1.83M / 3.03M samples/s,
-in step order 1.80M / 2.17M, the plain loop 1.32M / 2.10M (one run; before "auto" chose concurrent at one rank).
+figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with its default
+PipelineConfig (feeder_collectives="auto": "concurrent" at one rank, NCCL included) and, in the same
+rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>).
 """
 
 from __future__ import annotations
@@ -180,7 +178,7 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
     return args.batch * args.steps / timer.elapsed
 
 
-TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist, an H100
+TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist on an H100
 
 
 def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:
@@ -294,7 +292,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print where a loop step's time goes (once a mode)")
     parser.add_argument("--pipeline", action="store_true",
                         help="plain loop vs TrainPipelineSparseDist over pinned host batches (see the module doc)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 1,000-row tables, batch 1024, 3 steps, one round (every mode and variant)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.batch, args.steps, args.batches, args.rounds = 1000, 1024, 3, 2, 1
     device = torch.device(args.device)
     modes = args.modes.split(",")
     if device.type != "cuda":

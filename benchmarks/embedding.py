@@ -2,15 +2,16 @@
 
     .venv/bin/python benchmarks/embedding.py [--rounds 3] [--steps 30] [--rows 100000]
     python benchmarks/embedding.py --device cuda      # GPU: 26 x 1M rows x dim 128, batch 16,384
+    python benchmarks/embedding.py --smoke [--device cuda]   # seconds: 4 tiny tables, 6 steps, one process
 
-On CUDA (the GPU issue's configuration: 26 tables x 1M rows x dim 128, batch 16,384, one id per
+On CUDA (the GPU configuration: 26 tables x 1M rows x dim 128, batch 16,384, one id per
 feature, row-wise Adagrad, batches already on the GPU) ours and the raw TBE (fbgemm's default
 bounds check, WARNING) run in one process in alternating blocks of steps, synchronised at block
 ends, which goes first swapping each pair; the ratio is the median over --blocks pairs (JSON
 ratios.ours_vs_raw_tbe_cuda, its quartiles beside it in figures). Ours checks ids
 without a host sync there (batch_check.py: fbgemm's device-side count, read lazily).
 
-Workload (issue 3): 26 tables x 100,000 rows x dim 64, batch 2048, one id per feature, row-wise
+Workload: 26 tables x 100,000 rows x dim 64, batch 2048, one id per feature, row-wise
 Adagrad. Variants, each in its own process so that its peak RSS is its own:
   ours      lightning_rec.EmbeddingBagCollection(kernel="fbgemm") fed a KeyedJaggedTensor
   raw_tbe   fbgemm's SplitTableBatchedEmbeddingBagsCodegen called with indices/offsets
@@ -56,6 +57,33 @@ def _time_blocks(step, steps: int, blocks: int) -> float:
     return statistics.median(spent)
 
 
+def cuda_profile(args, ebc, variants, B: int) -> None:
+    """--profile: where a step's time goes (torch and Python profiles), and the id check's share of the host."""
+    from gpu_profile import print_profile, print_python_profile  # this folder
+
+    for name, step in variants.items():
+        print_profile(name, step)
+    print_python_profile("ours", variants["ours"], args.steps)
+    # the id check's share of the host time: the same collection without it, timed like the others
+    from lightning_rec.batch_check import DeviceBoundsCheck
+
+    for _ in range(2):  # the host's share of the id check: without it, and copying its count less often
+        ebc.validate_ids = False
+        unchecked = _time_blocks(variants["ours"], args.steps, 4)
+        ebc.validate_ids = True
+        router, default = ebc._router, ebc._router.device_check
+        times = {}
+        for every in (1, 8, DeviceBoundsCheck.copy_every):
+            router.device_check = DeviceBoundsCheck(router.rows_F, router.tables_F, "EmbeddingBagCollection",
+                                                    ebc.lookup.bounds_checked(), router.feature_names, every)
+            times[every] = _time_blocks(variants["ours"], args.steps, 4)
+        router.device_check = default
+        raw = _time_blocks(variants["raw_tbe"], args.steps, 4)
+        print(f"raw TBE {B * args.steps / raw:,.0f} samples/s; ours: validate_ids=False "
+              f"{B * args.steps / unchecked:,.0f}; counts read back every "
+              + ", ".join(f"{e}: {B * args.steps / t:,.0f}" for e, t in times.items()) + " lookups (same minute)")
+
+
 def cuda_section(args) -> None:
     """ours vs raw fbgemm TBE on one GPU, same process, alternating blocks (see the module docstring)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -90,9 +118,9 @@ def cuda_section(args) -> None:
         for i in range(5):
             step(i)
     torch.cuda.synchronize()
-    # Many short pairs (a block is ~35 ms): GPU machines drift from minute to minute more than the variants differ
-    # (one commit on two H100s: 0.954 and 0.997, quartiles 0.86 / 1.02 and 0.99 / 1.00), and only many pairs settle
-    # it. Each pair swaps which variant goes first, so that neither always follows the other's tail.
+    # Many short pairs (a block is ~35 ms): a GPU machine drifts from minute to minute more than the two variants
+    # differ, and a few pairs do not settle it. Each pair swaps which variant goes first, so that neither always
+    # follows the other's tail.
     names = list(variants)
     for b in range(args.blocks):
         for name in (names if b % 2 == 0 else names[::-1]):
@@ -108,29 +136,7 @@ def cuda_section(args) -> None:
     quartiles = statistics.quantiles(ratios_P, n=4) if len(ratios_P) > 1 else [ratio] * 3
     peak = torch.cuda.max_memory_allocated() / 2**20
     if args.profile:
-        from gpu_profile import print_profile, print_python_profile  # this folder
-
-        for name, step in variants.items():
-            print_profile(name, step)
-        print_python_profile("ours", variants["ours"], args.steps)
-        # the id check's share of the host time: the same collection without it, timed like the others
-        from lightning_rec.batch_check import DeviceBoundsCheck
-
-        for _ in range(2):  # the host's share of the id check: without it, and copying its count less often
-            ebc.validate_ids = False
-            unchecked = _time_blocks(variants["ours"], args.steps, 4)
-            ebc.validate_ids = True
-            router, default = ebc._router, ebc._router.device_check
-            times = {}
-            for every in (1, 8, DeviceBoundsCheck.copy_every):
-                router.device_check = DeviceBoundsCheck(router.rows_F, router.tables_F, "EmbeddingBagCollection",
-                                                        ebc.lookup.bounds_checked(), router.feature_names, every)
-                times[every] = _time_blocks(variants["ours"], args.steps, 4)
-            router.device_check = default
-            raw = _time_blocks(variants["raw_tbe"], args.steps, 4)
-            print(f"raw TBE {B * args.steps / raw:,.0f} samples/s; ours: validate_ids=False "
-                  f"{B * args.steps / unchecked:,.0f}; counts read back every "
-                  + ", ".join(f"{e}: {B * args.steps / t:,.0f}" for e, t in times.items()) + " lookups (same minute)")
+        cuda_profile(args, ebc, variants, B)
     print(f"embedding fwd+bwd+rowwise_adagrad on {torch.cuda.get_device_name()}: {T} x {rows} rows x dim {D}, "
           f"batch {B}, median of {len(spent['ours'])} pairs of blocks of {args.steps} steps")
     for v, x in sps.items():
@@ -249,7 +255,7 @@ VARIANTS = {
 CHILD_VARIANTS = {**VARIANTS, "native": run_native,
                   "ours_native": lambda rows, ids, opt: run_ours(rows, ids, opt, kernel="native")}
 
-# Native kernel section (issue 6): per optimizer, native vs fbgemm TBE (where fbgemm has it on CPU)
+# Native kernel section: per optimizer, native vs fbgemm TBE (where fbgemm has it on CPU)
 # vs plain PyTorch (EmbeddingBag(sparse=True) + torch.optim.Adagrad / SGD / SparseAdam), plus
 # native on one thread. partial_rowwise_adam is compared with plain SparseAdam.
 NATIVE_OPTIMIZERS = ("rowwise_adagrad", "sgd", "adagrad", "adam", "partial_rowwise_adam")
@@ -313,26 +319,37 @@ def native_section(args) -> tuple[list[dict], dict, dict]:
     return results, ratios, figures
 
 
-def child(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> None:
+def child_result(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> dict:
+    """One variant (or 'a+b', paired): samples/s and this process's peak RSS."""
     torch.set_num_threads(threads)
     ids = make_ids(rows, steps)
+    _RESULT.clear()
     if "+" in variant:  # "ours+raw_tbe": both in this process, alternating steps
         first, second = variant.split("+")
         time_paired(CHILD_VARIANTS[first](rows, ids, optimizer), CHILD_VARIANTS[second](rows, ids, optimizer))
     else:
         time_steps(*CHILD_VARIANTS[variant](rows, ids, optimizer))
     _RESULT["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps(_RESULT))
+    return dict(_RESULT)
+
+
+def child(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> None:
+    print(json.dumps(child_result(variant, optimizer, rows, steps, threads)))
+
+
+IN_PROCESS = False  # --smoke: every variant in this process (a process each costs seconds; the RSS is then shared)
 
 
 def measure(variant: str, optimizer: str, rows: int, steps: int, threads: int) -> dict:
+    if IN_PROCESS:
+        return child_result(variant, optimizer, rows, steps, threads)
     cmd = [sys.executable, __file__, "--child", variant, "--optimizer", optimizer, "--rows", str(rows),
            "--steps", str(steps), "--threads", str(threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
@@ -349,20 +366,21 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="--device cuda: also print where a step's time goes")
     parser.add_argument("--blocks", type=int, default=48,
                         help="--device cuda: alternating pairs of blocks (each --steps steps of each variant)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: 4 tables x 1,000 rows, batch 256, 6 steps, one round, every variant in "
+                             "this process")
     args = parser.parse_args()
     if args.blocks < 1:
         parser.error(f"--blocks must be at least 1 (pairs of timed blocks), got {args.blocks}")
-    if args.device == "cuda":
-        global BATCH
-        BATCH = args.batch
-        if args.rows == parser.get_default("rows"):
-            args.rows = 1_000_000
-        cuda_section(args)
-        return
-    if args.child:
-        child(args.child, args.optimizer, args.rows, args.steps, args.threads)
-        return
+    if args.smoke:
+        args.rows, args.steps, args.rounds, args.pair_repeats, args.blocks = 1000, 6, 1, 1, 2
+        if args.device == "cuda":
+            args.batch = 1024
+    return args
 
+
+def cpu_section(args) -> tuple[list[dict], dict, dict]:
+    """ours vs raw TBE (paired processes), vs plain PyTorch, and the collection on the native kernel vs that kernel."""
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     pairs: list[dict] = []
     from lightning_rec.native_embedding import native_kernel_available
@@ -403,6 +421,25 @@ def main() -> None:
     results = [{"variant": v, "optimizer": args.optimizer, **m} for v, m in med.items()]
     figures = {f"{v}_samples_per_s": m["samples_per_s"] for v, m in med.items()}
     figures["ours_vs_raw_tbe_per_process"] = [round(r, 3) for r in per_process]
+    return results, ratios, figures
+
+
+def main() -> None:
+    global IN_PROCESS, NUM_TABLES, BATCH
+    args = parse_args()
+    IN_PROCESS = args.smoke
+    if args.smoke:
+        NUM_TABLES, BATCH = 4, 256
+    if args.device == "cuda":
+        BATCH = args.batch
+        if args.rows == 100_000:
+            args.rows = 1_000_000
+        cuda_section(args)
+        return
+    if args.child:
+        child(args.child, args.optimizer, args.rows, args.steps, args.threads)
+        return
+    results, ratios, figures = cpu_section(args)
     if not args.no_native:
         from lightning_rec.native_embedding import native_kernel_available
 

@@ -1,14 +1,16 @@
 """A short torch.profiler look at a GPU step, printed by the GPU benchmarks under --profile.
 
 When a figure falls short, the same run's log should already say where the step's time goes. Prints host
-(CPU) time per step against GPU kernel time per step, the host-device syncs and copies per step (each one a
-stall of the host-bound step), and the ops that cost the host most.
+(CPU) time per step against GPU kernel time per step, the host-device syncs and copies per step (each one
+a stall of the host-bound step), and the ops that cost the host most.
 
     python benchmarks/gpu_profile.py [--device cuda] [--rows 1000000] [--dim 128] [--batch 16384]
+    python benchmarks/gpu_profile.py --smoke      # seconds: 1,000-row tables, batch 1024, 3 steps
 
 run alone, profiles one EmbeddingBagCollection step (26 tables, one id per feature, fused row-wise Adagrad,
-batches already on the device, the id check on) and ends with one JSON line: figures.host_ms_per_step,
-wall_ms_per_step, gpu_kernel_ms_per_step and syncs_per_step (the SYNC_EVENTS counted per step).
+batches already on the device, the id check on) and ends with one JSON line {"benchmark": "gpu_profile",
+"device": ..., "results": [...], "ratios": {}, "figures": {...}}: figures.host_ms_per_step, wall_ms_per_step,
+gpu_kernel_ms_per_step and syncs_per_step (the SYNC_EVENTS counted per step).
 """
 
 from __future__ import annotations
@@ -120,7 +122,10 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16_384)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 1,000-row tables, batch 1024, 3 steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.batch, args.steps = 1000, 1024, 3
     T, dev = 26, torch.device(args.device)
     keys = [f"f{t}" for t in range(T)]
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{t}", num_embeddings=args.rows, embedding_dim=args.dim,
@@ -132,7 +137,10 @@ def main() -> None:
                               lengths=lengths, stride=args.batch) for _ in range(args.steps)]
     figures = print_profile(f"EmbeddingBagCollection on {args.device}",
                             lambda i: ebc(kjts[i % len(kjts)]).values().sum().backward(), steps=args.steps)
-    print(json.dumps({"benchmark": "gpu_profile", "device": args.device, "ratios": {}, "figures": figures}))
+    results = [{"step": "EmbeddingBagCollection forward + backward", "rows": args.rows, "dim": args.dim,
+                "batch": args.batch, "steps": args.steps}]
+    print(json.dumps({"benchmark": "gpu_profile", "device": args.device, "results": results, "ratios": {},
+                      "figures": figures}))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 by torchmetrics.retrieval, the same embeddings, the same excluded items; and peak memory with users x10.
 
     flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/ranking_eval.py [--data-dir ...] [--rounds 5]
+    .venv/bin/python benchmarks/ranking_eval.py --smoke      # seconds: 20 users, one round, memory in this process
 
 Both variants rank every item for every user of the RO 8:1:1 validation split (943 users x 1,682 items,
 training items excluded) from the same random D=64 embeddings (the cost does not depend on training),
@@ -13,7 +14,9 @@ the 5 torchmetrics.retrieval metrics at k = 10 and 20. Their values must agree (
 Memory: each scale (users x1 and x10, by repeating the users) runs in a fresh process that samples its
 resident memory every millisecond during the evaluation; "peak above start" is the growth over the
 memory held before the evaluation starts (data and embeddings). Without ml-100k, a synthetic set with
-its shape is used (noted in the output). The last line is one JSON object.
+its shape is used (noted in the output). The last line is one JSON object: {"benchmark": "ranking_eval", "results":
+[...], "ratios": {"torchmetrics_over_ours_time", "ours_peak_mem_x10_over_x1", "torchmetrics_peak_mem_x10_over_x1"},
+"figures": {"full_ranking_eval_s_ml100k", "ours_peak_above_start_mb_x1", "ours_peak_above_start_mb_x10", ...}}.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ class PeakRSS:
         self.peak = max(self.peak, _rss_mb())
 
 
-def load(data_dir: Path, scale: int):
-    """The validation users (repeated `scale` times) as a UserRankingDataset, and embeddings."""
+def load(data_dir: Path, scale: int, max_users: int = 0):
+    """The validation users (the first `max_users` of them, 0: all; repeated `scale` times) as a UserRankingDataset, and
+    embeddings."""
     from lightning_rec.data.movielens import MovieLensDataModule, UserRankingDataset
 
     if (data_dir / "u.data").is_file():
@@ -80,7 +84,7 @@ def load(data_dir: Path, scale: int):
         users = FeatureTable({"user_id": (torch.arange(num_users), num_users)}, {})
         val = UserRankingDataset(torch.arange(num_users), users, _csr_by_user(user[part < 0.1], item[part < 0.1],
                                  num_users), _csr_by_user(user[part >= 0.2], item[part >= 0.2], num_users))
-    users_U = torch.arange(num_users).repeat(scale)
+    users_U = torch.arange(min(max_users, num_users) if max_users else num_users).repeat(scale)
     dataset = UserRankingDataset(users_U, val.users, val.target, val.exclude)
     g = torch.Generator().manual_seed(1)
     return dataset, torch.randn(num_users, 64, generator=g), torch.randn(num_items, 64, generator=g), source
@@ -122,10 +126,10 @@ def eval_torchmetrics(dataset, user_emb, item_emb) -> dict[str, float]:
     return out
 
 
-def memory_child(data_dir: Path, scale: int, batch_users: int, variant: str) -> None:
+def memory_child(data_dir: Path, scale: int, batch_users: int, variant: str, users: int = 0) -> dict[str, float]:
     from lightning_rec.data.movielens import UserRankingDataset
 
-    dataset, user_emb, item_emb, _ = load(data_dir, scale)
+    dataset, user_emb, item_emb, _ = load(data_dir, scale, users)
     # warm-up on 8 users (lazy imports, first-call costs), not on all: a full warm-up would leave the
     # allocator holding the peak and hide it
     few = UserRankingDataset(dataset.users_U[:8], dataset.users, dataset.target, dataset.exclude)
@@ -136,12 +140,15 @@ def memory_child(data_dir: Path, scale: int, batch_users: int, variant: str) -> 
             eval_ours(dataset, user_emb, item_emb, batch_users)
         else:
             eval_torchmetrics(dataset, user_emb, item_emb)
-    print(json.dumps({"start_mb": mem.start, "peak_mb": mem.peak}))
+    return {"start_mb": mem.start, "peak_mb": mem.peak}
 
 
-def measure_memory(data_dir: Path, scale: int, batch_users: int, variant: str) -> dict[str, float]:
+def measure_memory(data_dir: Path, scale: int, batch_users: int, variant: str, smoke: bool,
+                   users: int) -> dict[str, float]:
+    if smoke:  # in this process: a process per measure costs seconds (the peak above start is then approximate)
+        return memory_child(data_dir, scale, batch_users, variant, users)
     out = subprocess.run([sys.executable, __file__, "--memory-child", str(scale), "--variant", variant,
-                          "--data-dir", str(data_dir), "--batch-users", str(batch_users)],
+                          "--data-dir", str(data_dir), "--batch-users", str(batch_users), "--users", str(users)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -153,12 +160,16 @@ def main() -> None:
     parser.add_argument("--batch-users", type=int, default=256)
     parser.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="ours", help=argparse.SUPPRESS)
+    parser.add_argument("--users", type=int, default=0, help="evaluate the first N validation users only (0: all)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: 20 users, one round, memory in this process")
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(args.data_dir, args.memory_child, args.batch_users, args.variant)
+        print(json.dumps(memory_child(args.data_dir, args.memory_child, args.batch_users, args.variant, args.users)))
         return
+    if args.smoke:
+        args.users, args.rounds = 20, 1
 
-    dataset, user_emb, item_emb, source = load(args.data_dir, 1)
+    dataset, user_emb, item_emb, source = load(args.data_dir, 1, args.users)
     print(f"data: {source}; {len(dataset)} users x {item_emb.shape[0]} items; torch threads {torch.get_num_threads()}")
     times: dict[str, list[float]] = {"ours": [], "torchmetrics": []}
     values = {}
@@ -171,7 +182,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     max_diff = max(abs(values["ours"][k] - values["torchmetrics"][k]) for k in values["ours"])
 
-    memory = {(variant, scale): measure_memory(args.data_dir, scale, args.batch_users, variant)
+    memory = {(variant, scale): measure_memory(args.data_dir, scale, args.batch_users, variant, args.smoke, args.users)
               for variant in ("ours", "torchmetrics") for scale in (1, 10)}
     growth = {key: m["peak_mb"] - m["start_mb"] for key, m in memory.items()}
 

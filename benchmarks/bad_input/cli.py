@@ -1,0 +1,58 @@
+"""The `lightning-rec` commands (fit, export, preprocess), run in process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+from .helpers import ROOT, CLIError
+from .registry import simple
+
+SMOKE = ("cli.fit_config_missing", "cli.preprocess_missing_input")
+
+
+# CLI (in process; argparse/jsonargparse errors exit with a message on stderr)
+def cli(*args, entry="fit"):
+    from lightning_rec import cli as cli_mod
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            if entry == "export":
+                return cli_mod.export_main(list(args))
+            if entry == "preprocess":
+                from lightning_rec.cli import preprocess_main
+                return preprocess_main(list(args))
+            return cli_mod.run_cli([entry, *args])
+        except SystemExit as e:
+            if e.code in (0, None):
+                return None
+            raise CLIError(err.getvalue()[-2000:] or f"exit {e.code}") from None
+
+
+def cli_cases() -> None:
+    """Configs, flags and paths the commands refuse, naming them."""
+    simple("cli.fit_config_missing", lambda: cli("--config", "/nonexistent/cfg.yaml"), CLIError, ["cfg.yaml"])
+    simple("cli.fit_max_steps_text", lambda: cli("--config", str(ROOT / "recipes/configs/dlrm_synthetic.yaml"),
+                                                  "--trainer.max_steps=abc"), CLIError, ["max_steps", "abc"],
+           timeout=60)
+    simple("cli.fit_unknown_model_class", lambda: cli("--model=lightning_rec.NoSuchModel"), CLIError,
+           ["NoSuchModel"], timeout=60)
+    simple("cli.fit_negative_sparse_lr", lambda: cli("--config", str(ROOT / "recipes/configs/dlrm_synthetic.yaml"),
+                                                      "--model.init_args.sparse_lr=-1", "--trainer.max_steps=1"),
+           CLIError, ["sparse_lr=-1", ">= 0"], timeout=60)
+    simple("cli.export_missing_checkpoint", lambda: cli("/nonexistent/x.ckpt", "/tmp/out_never", entry="export"),
+           (CLIError, ValueError, FileNotFoundError), ["x.ckpt"])
+    simple("cli.preprocess_26_sizes_wrong", lambda: cli("--input", str(ROOT / "README.md"), "--output_dir",
+                                                         "/tmp/battery_never",
+                                                         "--num_embeddings", "1,2,3", entry="preprocess"),
+           (CLIError, ValueError), ["26", "num_embeddings"])
+    simple("cli.preprocess_missing_input", lambda: cli("--input", "/nonexistent/day_0.gz", "--output_dir",
+                                                        "/tmp/battery_never", entry="preprocess"),
+           (CLIError, ValueError, FileNotFoundError), ["day_0.gz"])
+    simple("cli.preprocess_rows_per_shard_zero", lambda: cli("--input", str(ROOT / "README.md"), "--output_dir",
+                                                              "/tmp/battery_never", "--rows_per_shard", "0",
+                                                              entry="preprocess"),
+           (CLIError, ValueError), ["rows_per_shard"])
+
+
+CASES = (cli_cases,)
