@@ -26,6 +26,16 @@ def KJT(*a, **k):
     return KeyedJaggedTensor(*a, **k)
 
 
+def read(kjt):
+    """What a collection does with a batch first: the KJT's checks (its constructor only assigns), then the ids'."""
+    make_ebc(weighted=kjt.weights_or_none() is not None)(kjt)
+    return kjt
+
+
+def KJT_read(*a, **k):
+    return read(KJT(*a, **k))
+
+
 def kjt_lengths(keys, values, lengths, weights=None):
     from lightning_rec import KeyedJaggedTensor
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=T(values) if isinstance(values, list) else values,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .helpers import KJT, T, _t, check_ebc, good_batch, kjt_lengths, make_ebc, tables_of, unchanged
+from .helpers import KJT, KJT_read, T, _t, check_ebc, good_batch, kjt_lengths, make_ebc, read, tables_of, unchanged
 from .registry import case, expect, simple
 
 SMOKE = ("kjt.values_bool", "kjt.lengths_sum_too_small", "kjt.int32_ids_int64_lengths", "kjt.id_equal_to_rows",
@@ -10,34 +10,36 @@ SMOKE = ("kjt.values_bool", "kjt.lengths_sum_too_small", "kjt.int32_ids_int64_le
 
 
 def kjt_construction_cases() -> None:
-    """Ids, lengths, offsets, keys and weights a KeyedJaggedTensor refuses."""
+    """Ids, lengths, offsets, keys and weights refused when a collection reads the KJT (its constructor assigns)."""
     torch = _t()
     from lightning_rec import KeyedJaggedTensor
 
     simple("kjt.values_float64_with_offsets",
-           lambda: KJT(["a"], T([1.0, 2.0], torch.float64), offsets=T([0, 2])), ValueError, ["integers", "long()"])
-    simple("kjt.values_bool", lambda: KJT(["a"], T([True, False]), lengths=T([2])), ValueError, ["bool", "long()"])
-    simple("kjt.values_complex", lambda: KJT(["a"], torch.tensor([1 + 0j]), lengths=T([1])), ValueError, ["integers"])
-    simple("kjt.values_2d_matrix", lambda: KJT(["a"], T([[1, 2], [3, 4]]), lengths=T([2])), ValueError, ["1-d"])
-    simple("kjt.values_scalar", lambda: KJT(["a"], T(3), lengths=T([1])), ValueError, ["values"])
-    simple("kjt.lengths_float16", lambda: KJT(["a"], T([1, 2]), lengths=T([2.0], torch.float16)), ValueError,
+           lambda: KJT_read(["a"], T([1.0, 2.0], torch.float64), offsets=T([0, 2])), ValueError, ["integers", "long()"])
+    simple("kjt.values_bool", lambda: KJT_read(["a"], T([True, False]), lengths=T([2])), ValueError, ["bool", "long()"])
+    simple("kjt.values_complex", lambda: KJT_read(["a"], torch.tensor([1 + 0j]), lengths=T([1])), ValueError,
+           ["integers"])
+    simple("kjt.values_2d_matrix", lambda: KJT_read(["a"], T([[1, 2], [3, 4]]), lengths=T([2])), ValueError, ["1-d"])
+    simple("kjt.values_scalar", lambda: KJT_read(["a"], T(3), lengths=T([1])), ValueError, ["values"])
+    simple("kjt.lengths_float16", lambda: KJT_read(["a"], T([1, 2]), lengths=T([2.0], torch.float16)), ValueError,
            ["lengths", "integer"])
-    simple("kjt.lengths_negative_sum_ok", lambda: KJT(["a", "b"], T([1, 2]), lengths=T([3, -1])), ValueError,
+    simple("kjt.lengths_negative_sum_ok", lambda: KJT_read(["a", "b"], T([1, 2]), lengths=T([3, -1])), ValueError,
            ["lengths", ">= 0"])
-    simple("kjt.lengths_matrix", lambda: KJT(["a", "b"], T([1, 2]), lengths=T([[1], [1]])), ValueError, ["1-d"])
-    simple("kjt.lengths_three_for_two_keys", lambda: KJT(["a", "b"], T([1, 2, 3]), lengths=T([1, 1, 1])), ValueError,
+    simple("kjt.lengths_matrix", lambda: KJT_read(["a", "b"], T([1, 2]), lengths=T([[1], [1]])), ValueError, ["1-d"])
+    simple("kjt.lengths_three_for_two_keys", lambda: KJT_read(["a", "b"], T([1, 2, 3]), lengths=T([1, 1, 1])),
+           ValueError,
            ["multiple", "key-major"])
-    simple("kjt.lengths_sum_too_small", lambda: KJT(["a"], T([1, 2, 3, 4]), lengths=T([1, 2])), ValueError,
+    simple("kjt.lengths_sum_too_small", lambda: KJT_read(["a"], T([1, 2, 3, 4]), lengths=T([1, 2])), ValueError,
            ["add up", "4 values"])
-    simple("kjt.offsets_start_at_two", lambda: KJT(["a"], T([5, 6, 7, 8]), offsets=T([2, 3, 4])), ValueError,
+    simple("kjt.offsets_start_at_two", lambda: KJT_read(["a"], T([5, 6, 7, 8]), offsets=T([2, 3, 4])), ValueError,
            ["start at 2", "rebase"])
-    simple("kjt.offsets_go_down", lambda: KJT(["a", "b"], T([5, 6, 7]), offsets=T([0, 3, 1, 3, 3])), ValueError,
+    simple("kjt.offsets_go_down", lambda: KJT_read(["a", "b"], T([5, 6, 7]), offsets=T([0, 3, 1, 3, 3])), ValueError,
            ["never decrease"])
-    simple("kjt.offsets_end_short", lambda: KJT(["a"], T([5, 6, 7]), offsets=T([0, 1, 2])), ValueError,
+    simple("kjt.offsets_end_short", lambda: KJT_read(["a"], T([5, 6, 7]), offsets=T([0, 1, 2])), ValueError,
            ["end at 2", "3 values"])
-    simple("kjt.offsets_float32", lambda: KJT(["a"], T([5, 6]), offsets=T([0.0, 2.0])), ValueError,
+    simple("kjt.offsets_float32", lambda: KJT_read(["a"], T([5, 6]), offsets=T([0.0, 2.0])), ValueError,
            ["offsets", "integer"])
-    simple("kjt.offsets_empty", lambda: KJT(["a"], T([], torch.int64), offsets=T([], torch.int64)), ValueError,
+    simple("kjt.offsets_empty", lambda: KJT_read(["a"], T([], torch.int64), offsets=T([], torch.int64)), ValueError,
            ["offsets"])
     simple("kjt.keys_one_string", lambda: kjt_lengths("user", [1], [1]), ValueError, ["keys=['user']"])
     simple("kjt.keys_repeated", lambda: kjt_lengths(["a", "a"], [1, 2], [1, 1]), ValueError, ["duplicate", "a"])
@@ -50,11 +52,11 @@ def kjt_construction_cases() -> None:
     simple("kjt.weights_column_vector", lambda: kjt_lengths(["a"], [1, 2], [2], weights=T([[1.0], [2.0]])),
            ValueError, ["weights"])
     simple("kjt.stride_disagrees_with_lengths",
-           lambda: KJT(["a", "b"], T([1, 2, 3, 4]), lengths=T([1, 1, 1, 1]), stride=3), ValueError,
+           lambda: KJT_read(["a", "b"], T([1, 2, 3, 4]), lengths=T([1, 1, 1, 1]), stride=3), ValueError,
            ["stride 3", "one length per key per sample"])
     simple("kjt.values_python_list", lambda: KeyedJaggedTensor.from_lengths_sync(["a"], [1, 2], T([2])),
            ValueError, ["values", "tensor"])
-    simple("kjt.lengths_python_list", lambda: KeyedJaggedTensor(["a"], T([1, 2]), lengths=[2]), ValueError,
+    simple("kjt.lengths_python_list", lambda: KJT_read(["a"], T([1, 2]), lengths=[2]), ValueError,
            ["lengths", "tensor"])
 
 
@@ -166,7 +168,7 @@ def kjt_method_cases() -> None:
 
     @case("kjt.concat_same_key_twice", ValueError, ["duplicate", "a"])
     def _(ctx):
-        KeyedJaggedTensor.concat([kjt_lengths(["a"], [1], [1]), kjt_lengths(["a"], [2], [1])])
+        read(KeyedJaggedTensor.concat([kjt_lengths(["a"], [1], [1]), kjt_lengths(["a"], [2], [1])]))
 
     @case("kjt.concat_weighted_with_unweighted", ValueError, ["weight"])
     def _(ctx):
@@ -194,7 +196,7 @@ def kjt_method_cases() -> None:
 
     @case("kjt.values_and_lengths_on_different_devices", ValueError, ["device"])
     def _(ctx):
-        KJT(["a"], T([1, 2]).to("meta"), lengths=T([2]))
+        read(KJT(["a"], T([1, 2]).to("meta"), lengths=T([2])))
 
 
 def kjt_weight_cases() -> None:
@@ -287,9 +289,9 @@ def more_sparse_cases() -> None:
     torch = _t()
     from lightning_rec import KeyedJaggedTensor
 
-    simple("more.lengths_huge_few_values", lambda: KJT(["a"], T([1, 2]), lengths=T([2 ** 40])), ValueError,
+    simple("more.lengths_huge_few_values", lambda: KJT_read(["a"], T([1, 2]), lengths=T([2 ** 40])), ValueError,
            ["add up to 1099511627776", "2 values"])
-    simple("more.offsets_int32_huge_end", lambda: KJT(["a"], T([1, 2]), offsets=T([0, 2 ** 31 - 1], torch.int32)),
+    simple("more.offsets_int32_huge_end", lambda: KJT_read(["a"], T([1, 2]), offsets=T([0, 2 ** 31 - 1], torch.int32)),
            ValueError, ["end at 2147483647"])
     simple("more.kjt_to_cuda_without_gpu", lambda: good_batch().to("cuda"), ValueError, ["needs a CUDA GPU"])
 
