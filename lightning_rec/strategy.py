@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_rec import checkpoint as rec_checkpoint
+from lightning_rec import comm
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import fused_table_modules
 from lightning_rec.model_parallel import DistributedModelParallel
@@ -383,12 +384,11 @@ class RecStrategy(DDPStrategy):
         if self.world_size <= 1 or not dist.is_initialized():
             return
         depth = self._pipeline_config.depth if self._pipeline_config is not None else 0
-        flags = torch.tensor([depth, -depth], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # min and -max in one reduction
-        least, most = flags.tolist()
-        if least != -most:
+        depths = [d for (d,) in comm.agree([depth], device=self.root_device, tag="the ranks' pipeline depths")]
+        least, most = min(depths), max(depths)
+        if least != most:
             raise ValueError(f"RecStrategy(pipeline=...) differs between ranks: rank {self.global_rank} has depth "
-                             f"{depth}, the ranks' depths range from {least} to {-most} (0: not pipelined). Pass "
+                             f"{depth}, the ranks' depths range from {least} to {most} (0: not pipelined). Pass "
                              f"the same pipeline setting on every rank")
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
@@ -552,10 +552,9 @@ class RecStrategy(DDPStrategy):
         from lightning.fabric.utilities.data import sized_len
 
         own = sized_len(dataloader)
-        flags = torch.tensor([0 if own is None else -own, int(pad is not None)], dtype=torch.int64,
-                             device=self.root_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # (-most, every rank can pad)
-        most, all_can_pad = -int(flags[0]), bool(flags[1])
+        rows = comm.agree([0 if own is None else own, int(pad is not None)], device=self.root_device,
+                          tag="the ranks' evaluation lengths")
+        most, all_can_pad = max(n for n, _ in rows), all(can for _, can in rows)
         if own is None or most <= own or not all_can_pad:
             return None  # (without padding, the rank with more batches says which it skips: _iter_together)
         return most
@@ -573,9 +572,8 @@ class RecStrategy(DDPStrategy):
         from lightning.fabric.utilities.data import sized_len
 
         own = sized_len(dataloader)
-        flags = torch.tensor([own if own is not None else 2**62], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        fewest = int(flags.item())
+        rows = comm.agree([-1 if own is None else own], device=self.root_device, tag="the ranks' training lengths")
+        fewest = min((n for (n,) in rows if n >= 0), default=None)
         if own is None or fewest >= own:
             return None
         warnings.warn(f"rank {self.global_rank}: the rest of this epoch's batches are skipped: this rank's training "
@@ -816,26 +814,23 @@ class RecStrategy(DDPStrategy):
         finally:
             vars(module).pop("cpu", None)
 
-    def _all_have_a_batch(self, have: bool, index: int = -1, last: bool = False) -> tuple[bool, bool, bool]:
+    def _all_have_a_batch(self, have: bool, index: int, last: bool = False) -> tuple[bool, bool, bool]:
         """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).
         Through the embedding group's guard (and shared memory when the tables use it): ranks at different
         batches raise on every rank. `last`: this rank's sized loader has no batch after this one."""
         stop = self._stop_requested()  # a SIGTERM (or SLURM's requeue signal) rides on it (_take_over_sigterm)
-        if self._dmp is not None and index >= 0:
+        if self._dmp is not None:
             all_have = self._dmp.step_together(have, index, last, stop=stop)
             self._stop_agreed(self._dmp.stop_agreed)
             return all_have, self._dmp.last_batch_agreed, self._dmp.any_batch_agreed
-        transport = getattr(self._dmp, "_transport", None) if self._dmp is not None else None
-        flags = torch.zeros(2 + self.world_size, dtype=torch.int64)  # (missing, last) counts, then each rank's bits
-        flags[0], flags[1], flags[2 + self.global_rank] = int(not have), int(have and last), int(stop)
-        if transport is not None:
-            transport.all_reduce_sum_(flags, tag="ranks step together")
-        else:
-            flags = flags.to(self.root_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
-        missing, lasts, *stops = flags.tolist()
-        self._stop_agreed({r: x for r, x in enumerate(stops) if x})
-        return not missing, bool(lasts), missing < self.world_size
+        rows = comm.agree([int(have), int(have and last), stop], device=self.root_device, tag="ranks step together")
+        self._stop_agreed({r: bits for r, (_, _, bits) in enumerate(rows) if bits})
+        return all(h for h, _, _ in rows), any(x for _, x, _ in rows), any(h for h, _, _ in rows)
+
+    def _all_gather_object(self, obj: Any) -> list:
+        if self._dmp is not None:  # guarded: a rank elsewhere is named within embedding_timeout
+            return self._dmp.all_gather_object(obj)
+        return comm.all_gather_object(obj)
 
     # SIGTERM (a preempted job), several ranks ----------------------------------------------------------------
     #
@@ -926,7 +921,7 @@ class RecStrategy(DDPStrategy):
         # default group, for its timeout (30 min), when a peer stopped; once the tables are sharded they run on the
         # embedding group, through its guard: that peer is named within embedding_timeout
         if self._dmp is not None and self._dmp.groups_alive():
-            rec_checkpoint._barrier(self._dmp, f"barrier ({name})" if name else "barrier")
+            comm.barrier(f"barrier ({name})" if name else "barrier", group=self._dmp._emb_pg)
             return
         super().barrier(name)
 
@@ -978,7 +973,7 @@ class RecStrategy(DDPStrategy):
             # every rank's loader position too: a data module's sampler is each rank's own (its rank is in the
             # position's fingerprint), so rank 0's position would make every other rank start its epoch over
             loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-            per_rank = rec_checkpoint._all_gather_object((rng, loops.get("combined_loader")), self._dmp)
+            per_rank = self._all_gather_object((rng, loops.get("combined_loader")))
             checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class,
                                            "rng_states": [r for r, _ in per_rank],
                                            "loader_states": [state for _, state in per_rank]}

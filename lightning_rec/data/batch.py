@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_rec.comm import all_gather_object
 from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
@@ -391,18 +392,12 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
                 # all-reduce for one that had gone on to the next epoch, until gloo / NCCL failed. The ranks agree
                 # before each batch (a one-number all-reduce) that all have one; the first to run out ends the epoch.
                 loader.ranks_have_a_batch = lambda have: strategy.reduce_boolean_decision(have, all=True)
-                loader.gather_states = _all_gather_object  # (Lightning builds a checkpoint on every rank)
+                loader.gather_states = all_gather_object  # (Lightning builds a checkpoint on every rank)
     elif isinstance(loader, StatefulBatchLoader):
         # a hand-written loop: no Lightning to call the sampler's set_epoch, so each pass numbers itself
         # (a shuffled loader drew the same order every epoch, unlike torch's RandomSampler)
         loader.own_epochs = True
     return loader
-
-
-def _all_gather_object(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def worker_options(owner: str, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None,
