@@ -45,6 +45,7 @@ from lightning_rec.embedding import fused_table_modules
 from lightning_rec.model_parallel import DistributedModelParallel
 from lightning_rec.optim import fused_modules, holds_fused_optimizer
 from lightning_rec.pipeline import InputPipeline, PipelineConfig, wrap_loader
+from lightning_rec.pipeline.lightning import LoopState, set_loop_state
 from lightning_rec.planner import EmbeddingShardingPlanner, Topology
 from lightning_rec.table_weight import FusedTableWeight
 from lightning_rec.types import ShardingPlan
@@ -340,20 +341,21 @@ class RecStrategy(DDPStrategy):
         if several and not training:
             loader = loaders.without_repeated_rows(loader, trainer.state.stage)
         workers_outlive_sigterm(loader)
-        agreed = loaders.agree_training_length(loader, self.global_rank, self.root_device) \
-            if several and training else None
-        pad = loaders.padding_for(loader, training)
-        padded = loaders.agree_evaluation_length(loader, pad, self.root_device) if several and not training else None
+        state = LoopState(training=training, evaluating=not training)
+        if several and training:
+            state.agreed_len = loaders.agree_training_length(loader, self.global_rank, self.root_device)
+        state.pad = loaders.padding_for(loader, training)
+        if several and not training:
+            state.padded_len = loaders.agree_evaluation_length(loader, state.pad, self.root_device)
         if self._pipeline_config is not None and self._dmp is not None:
-            loader = self._pipelined(loader, pad, training)
-        elif several:
-            loaders.step_together(loader, self._all_have_a_batch, pad, evaluating=not training)
-        if getattr(type(loader), "_rec_step_together", False):
-            loader._rec_agreed_len = agreed
-            loader._rec_padded_len = padded
+            return self._pipelined(loader, state)
+        if several:
+            loaders.step_together(loader, state, self._all_have_a_batch)
+        else:
+            set_loop_state(loader, state)
         return loader
 
-    def _pipelined(self, loader: DataLoader, pad, training: bool) -> DataLoader:
+    def _pipelined(self, loader: DataLoader, state: LoopState) -> DataLoader:
         self._close_replaced_pipelines()
         if any(p.loader is loader and p.feeder is None and not p.closed for p in self._pipelines):
             # one loader object twice in one loop ({"a": loader, "b": loader}), iterated twice at once: each pass
@@ -366,10 +368,9 @@ class RecStrategy(DDPStrategy):
         pipeline.stop_signal = (self._stop_requested, self._stop_agreed)
         self._pipelines.append(pipeline)
         loaders.skip_hooks_for_pipelined_batches(self.lightning_module, self._pipelined_batch)
+        set_loop_state(loader, state)
         # it keeps ranks together too
-        loader = wrap_loader(loader, pipeline, pad, position=self._batches_this_epoch if training else None)
-        loader._rec_evaluating = not training
-        return loader
+        return wrap_loader(loader, pipeline, state.pad, position=self._batches_this_epoch if state.training else None)
 
     def _pipelined_batch(self, batch: Any) -> bool:
         return any(p.owns(batch) for p in self._pipelines)

@@ -37,30 +37,23 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lightning_rec import _compat, comm
 from lightning_rec.data.batch import Batch
-from lightning_rec.pipeline import base_loader_class, move_to_device
-from lightning_rec.pipeline.lightning import swap_iter
-
-# what process_dataloader (and pipeline.wrap_loader) keep on a loader for the loop that iterates it
-_LOOP_STATE = ("_rec_agreed_len", "_rec_padded_len", "_rec_all_have_a_batch", "_rec_evaluating", "_rec_pad_batch",
-               "_rec_pipeline", "_rec_position", "_rec_states", "_rec_first_step", "state_dict")
+from lightning_rec.pipeline.batch import move_to_device
+from lightning_rec.pipeline.lightning import LoopState, base_loader_class, loop_state, set_loop_state
 
 
 def own_loader_of_this_loop(loader: DataLoader, training: bool) -> DataLoader:
     """A loader that training and evaluation share: a shallow copy for this loop, so that each loop's state on it
     is its own (the validation loop's replaced the training loop's, and pipelined, ended its epochs early)."""
-    seen = vars(loader).get("_rec_training")
-    if seen is not None and seen != training:
+    state = loop_state(loader)
+    if state is not None and state.training is not None and state.training != training:
         loader = loader_copy(loader)
-    loader._rec_training = training
     return loader
 
 
 def loader_copy(loader: DataLoader) -> DataLoader:
     """The same dataset, sampler and settings (no DataLoader.__init__), without the other loop's state."""
     loader = copy.copy(loader)
-    for key in _LOOP_STATE:
-        vars(loader).pop(key, None)
-    loader.__class__ = base_loader_class(type(loader))
+    set_loop_state(loader, None)
     _compat.forget_loader_iterator(loader)  # persistent_workers: workers of its own, not the other loop's
     return loader
 
@@ -284,17 +277,10 @@ def _is_empty(batch: Any) -> bool:
 
 # Stepping together ----------------------------------------------------------------------------------------------
 
-_TOGETHER_CLASSES: dict[type, type] = {}
-
-
-def step_together(loader: DataLoader, all_have_a_batch, pad=None, evaluating: bool = False) -> None:
+def step_together(loader: DataLoader, state: LoopState, all_have_a_batch) -> None:
     """Before each batch the ranks agree that all have one (`all_have_a_batch(have, index, last)`)."""
-    # a subclass whose only change is __iter__ (of the loader's own class: a loader that ran pipelined before goes
-    # back to the plain rule)
-    swap_iter(loader, "StepTogether", _iter_together, _TOGETHER_CLASSES)
-    loader._rec_all_have_a_batch = all_have_a_batch
-    loader._rec_pad_batch = pad
-    loader._rec_evaluating = evaluating
+    state.iterate, state.all_have_a_batch = iter_together, all_have_a_batch
+    set_loop_state(loader, state)
 
 
 _SKIPPED = ("rank {rank}: the rest of this epoch's batches are skipped: another rank's dataloader ran out first, and "
@@ -304,18 +290,19 @@ _PAD_HINT = (" (in evaluation, a dataset with an `empty_batch()` method (a batch
              "step on with empty batches instead, so that every row is scored)")
 
 
-def _iter_together(self):
-    batches = base_loader_class(type(self)).__iter__(self)
+def iter_together(loader: DataLoader, state: LoopState):
+    """The loader's batches, each agreed on by every rank first (LoopState.iterate of a loader stepping together)."""
+    batches = base_loader_class(type(loader)).__iter__(loader)
     if not comm.distributed():
         yield from batches  # the loader went on to a run without ranks
         return
     try:  # a sized loader's last batch is known: Lightning does not ask such a loader for one more
-        length = len(self)
+        length = len(loader)
     except TypeError:
         length = None
     skipped = _SKIPPED.format(rank=dist.get_rank())
-    pad = getattr(self, "_rec_pad_batch", None)
-    if pad is None and (not length or getattr(self, "_rec_evaluating", False)):
+    pad = state.pad
+    if pad is None and (not length or state.evaluating):
         skipped += _PAD_HINT
     index, exhausted = 0, False
     while True:
@@ -326,7 +313,7 @@ def _iter_together(self):
             except StopIteration:
                 exhausted = True
         last = length is not None and index == length - 1
-        all_have, someones_last, any_has = self._rec_all_have_a_batch(have, index, last)
+        all_have, someones_last, any_has = state.all_have_a_batch(have, index, last)
         if not all_have:
             if pad is None or not any_has:
                 if have:  # the rest is not read: parsing it could keep the others waiting
