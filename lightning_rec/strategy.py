@@ -385,9 +385,6 @@ class RecStrategy(DDPStrategy):
             pipeline.close()
             self._pipelines.remove(pipeline)
 
-    def _padding_for(self, loader: object):
-        return loaders.padding_for(loader, self.lightning_module.trainer.training)
-
     def _all_have_a_batch(self, have: bool, index: int, last: bool = False) -> tuple[bool, bool, bool]:
         """Collective: (does every rank have batch `index`, is it some rank's last, does any rank have one).
         Through the embedding group's guard (and shared memory when the tables use it): ranks at different
