@@ -46,3 +46,157 @@ def pytree_takes_flatten_with_keys() -> bool:
     from torch.utils import _pytree as pytree
 
     return _takes(pytree.register_pytree_node, "flatten_with_keys_fn")
+
+
+@functools.cache
+def ddp_keyword_defaults() -> dict[str, object]:
+    """DistributedDataParallel.__init__'s arguments with a default, and those defaults (torch 2.11-2.13)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+# torch DataLoader internals ------------------------------------------------------------------------------------
+
+
+def forget_loader_iterator(loader) -> None:
+    """A copied DataLoader starts its own iterator (persistent_workers keeps one in `DataLoader._iterator`,
+    torch 2.11-2.13), not the original's workers."""
+    loader._iterator = None
+
+
+# Lightning 2.6.x private hooks ---------------------------------------------------------------------------------
+# Each is looked up where it is used; where a Lightning lacks it, the accessor says so (None / False) and the
+# caller keeps Lightning's own behaviour.
+
+
+def sampler_resolution(trainer):
+    """(resolve_sampler(dataloader, shuffle, mode=None), requires_distributed_sampler(dataloader)) of the trainer's
+    data connector, which picks a loader's sampler before any strategy hook sees the loader (Lightning 2.6.x
+    `_DataConnector._resolve_sampler`, `_requires_distributed_sampler`); None where a Lightning lacks them."""
+    connector = getattr(trainer, "_data_connector", None)
+    resolve = getattr(connector, "_resolve_sampler", None)
+    requires = getattr(connector, "_requires_distributed_sampler", None)
+    if not callable(resolve) or not callable(requires):
+        return None
+    return resolve, requires
+
+
+def set_sampler_resolution(trainer, resolve) -> None:
+    """This trainer's data connector picks samplers with `resolve` (see sampler_resolution; Lightning 2.6.x)."""
+    trainer._data_connector._resolve_sampler = resolve
+
+
+def update_dataloader(dataloader, sampler, mode):
+    """The loader rebuilt with `sampler` (Lightning 2.6.x `lightning.pytorch.utilities.data._update_dataloader`:
+    the loader's own arguments, re-instantiated; its class's extra __init__ arguments too)."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler, mode=mode)
+
+
+def is_index_batch_sampler(batch_sampler) -> bool:
+    """Is it the wrapper by which Lightning's predict loop records each batch's row indices (Lightning 2.6.x
+    `lightning.pytorch.overrides.distributed._IndexBatchSamplerWrapper`, `seen_batch_indices`)? False where absent."""
+    try:
+        from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    except ImportError:  # pragma: no cover - another Lightning
+        return False
+    return isinstance(batch_sampler, _IndexBatchSamplerWrapper)
+
+
+def combined_loader(loop):
+    """The CombinedLoader a loop iterates (Lightning 2.6.x `_FitLoop/_EvaluationLoop/_PredictionLoop._combined_loader`),
+    None before the loop set it up or where a Lightning keeps it elsewhere."""
+    return getattr(loop, "_combined_loader", None)
+
+
+def combined_mode(combined) -> str:
+    """A CombinedLoader's mode ("sequential", "max_size_cycle", ...; Lightning 2.6.x `CombinedLoader._mode`)."""
+    return getattr(combined, "_mode", "sequential")
+
+
+def batch_hook_owner(trainer, module):
+    """`name -> the object whose batch hook (on_before_batch_transfer, transfer_batch_to_device,
+    on_after_batch_transfer) Lightning runs`: the datamodule's or the module's, as Lightning 2.6.x's
+    `_DataConnector._datahook_selector` picks; the module where a Lightning has no selector."""
+    selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
+    if selector is None:
+        return lambda name: module
+    return selector.get_instance
+
+
+def wrap_before_batch_transfer(module, wrap) -> None:
+    """The loops' call of on_before_batch_transfer (Lightning 2.6.x `LightningModule._on_before_batch_transfer`, the
+    hook runner the training, evaluation and prediction loops call on each batch) goes through `wrap(runner)` on
+    this module; once (a second call keeps the first wrapper) until unwrap_before_batch_transfer."""
+    if "_on_before_batch_transfer" in vars(module):
+        return
+    module._on_before_batch_transfer = wrap(module._on_before_batch_transfer)
+
+
+def unwrap_before_batch_transfer(module) -> None:
+    """Undo wrap_before_batch_transfer (Lightning 2.6.x)."""
+    vars(module).pop("_on_before_batch_transfer", None)
+
+
+def finetuning_restarting(callback) -> bool:
+    """A BaseFinetuning callback that loaded its state and puts its param groups back in on_fit_start (Lightning
+    2.6.x `BaseFinetuning._restarting`); False where a Lightning does not say."""
+    return bool(getattr(callback, "_restarting", False))
+
+
+def weight_averaging_callbacks() -> tuple[type, ...]:
+    """The callbacks that average a copy of the module's parameters: StochasticWeightAveraging, and
+    WeightAveraging (Lightning >= 2.6; absent before)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # pragma: no cover - older Lightning
+        return (StochasticWeightAveraging,)
+    return (WeightAveraging, StochasticWeightAveraging)
+
+
+def take_over_sigterm(trainer, notifier) -> bool:
+    """SIGTERM's handler becomes `notifier(signum, frame)` (Lightning 2.6.x: `_SignalConnector._sigterm_notifier_fn`,
+    looked up on the instance when the handlers are registered, after the strategy's setup); False where absent."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if not callable(getattr(connector, "_sigterm_notifier_fn", None)):
+        return False
+    connector._sigterm_notifier_fn = notifier
+    return True
+
+
+def take_over_sigterm_check(trainer, check) -> bool:
+    """The training epoch loop's per-batch SIGTERM check becomes `check()` (Lightning 2.6.x
+    `_TrainingEpochLoop._broadcast_sigterm_tensor`: a broadcast of rank 0's flag and a read-back every batch);
+    False where absent."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if not callable(getattr(epoch_loop, "_broadcast_sigterm_tensor", None)):
+        return False
+    epoch_loop._broadcast_sigterm_tensor = check
+    return True
+
+
+def take_over_slurm_requeue(trainer, handler):
+    """SLURM's requeue signal's handler (auto_requeue) becomes `handler(signum, frame)`; returns Lightning's own,
+    bound (Lightning 2.6.x `_SignalConnector._slurm_sigusr_handler_fn`: saves a checkpoint, then requeues from rank
+    0). None (and nothing replaced) where absent."""
+    connector = getattr(trainer, "_signal_connector", None)
+    own = vars(type(connector)).get("_slurm_sigusr_handler_fn") if connector is not None else None
+    if not callable(own):
+        return None
+    connector._slurm_sigusr_handler_fn = handler
+    return own.__get__(connector)
+
+
+def note_sigterm(trainer) -> bool:
+    """Set what Lightning's loops read as `trainer.received_sigterm` (Lightning 2.6.x
+    `_SignalConnector.received_sigterm`); False where the trainer has no signal connector."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None:
+        return False
+    connector.received_sigterm = True
+    return True

@@ -1,7 +1,7 @@
 """Ranks agree on which collective they are in: a wait that lasts finds out why, within seconds.
 
 Every collective lightning_rec runs (the embedding exchanges of input_dist.py / output_dist.py, the
-shared-memory transport's barrier, the step agreement and checkpoint gathers of strategy.py) waits
+shared-memory transport's barrier, the rank agreements and object collectives of comm.py) waits
 through the CollectiveGuard of its process group:
 
     begin(tag)   numbers the call: call k of the group (the same k on every rank, as every rank

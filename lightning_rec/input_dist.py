@@ -28,7 +28,8 @@ no backward and no extra collective.
 
 Ranks of one CPU host use shared memory instead (shm_transport.py): #1-#3 become one exchange,
 since there a piece carries its own sizes ([B, N_p, flags] first, then lengths, ids, weights).
-Only this file, output_dist.py and shm_transport.py call torch.distributed.
+The embedding exchanges call torch.distributed here, in output_dist.py and shm_transport.py; their errors come
+from comm.collective_error.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_rec.collective_guard import CollectiveMismatch, GuardedWork, guard_of
+from lightning_rec.collective_guard import GuardedWork, guard_of
+from lightning_rec.comm import collective_error
 from lightning_rec.sharding.ids import (
     RoutedIds,
     RouteTables,
@@ -81,19 +83,6 @@ class DistContext:
     positions_N: Tensor | None = None  # sequence: source-major position of each key-major id
     lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
     weights_grad: bool = False  # some rank's weights require a gradient: every rank runs the weights' backward
-
-
-def collective_error(what: str, err: Exception, timeout_s: float | None, pg=None) -> RuntimeError:
-    """The error for a failed embedding collective; the group's guard names exited ranks and the setting."""
-    if isinstance(err, CollectiveMismatch):  # its message names both calls already
-        return err
-    guard = guard_of(pg.pg if isinstance(pg, SharedMemoryGroup) else pg, enabled_only=False) if pg is not None else None
-    if guard is not None:
-        return guard.failure(what, guard.k, err)
-    return RuntimeError(
-        f"embedding {what} failed on rank {dist.get_rank()}: a peer rank exited or did not answer within the "
-        f"process group timeout ({timeout_s} s; set DistributedModelParallel(timeout=...)). Cause: {err}"
-    )
 
 
 class _Done:

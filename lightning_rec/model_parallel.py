@@ -29,12 +29,9 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
-import pickle
-import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -42,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_rec import comm
 from lightning_rec._compat import ddp_has_forward_sync_buffers
 from lightning_rec._device import with_cuda_index  # noqa: F401  (imported from here too)
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
@@ -496,26 +494,10 @@ class DistributedModelParallel(nn.Module):
         their batches are mixed in one step. One tiny all-reduce, through shared memory when the
         tables use it.
         """
-        W, me = dist.get_world_size(self._emb_pg), dist.get_rank(self._emb_pg)
-        tag = "ranks step together"
-        slots = torch.zeros(3 * W, dtype=torch.int64)  # per rank: (has a batch [+1: its last], index, stop)
-        slots[3 * me], slots[3 * me + 1], slots[3 * me + 2] = int(have) + int(have and last), batch_index, int(stop)
-        if W == 1:  # nobody to agree with (on a GPU, each step's read-back was a wait)
-            pass
-        elif self._transport is not None:
-            self._transport.all_reduce_sum_(slots, tag=tag)  # a sum of one-hot slots: every rank's triple
-        else:
-            # NCCL: on a side stream of its own, so that neither the all-reduce nor reading it back waits for
-            # the steps queued on the compute stream (a drained GPU every step)
-            side = self._control_stream if self._guard.nccl else None
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                if self._guard.nccl:
-                    slots = slots.to(self._device)
-                k = self._guard.begin()
-                work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=self._emb_pg, async_op=True)
-                self._guard.wait_work(work, tag, k)
-                slots = slots.cpu()
-        triples = slots.view(W, 3).tolist()
+        nccl = self._guard.nccl  # NCCL: on a side stream, so that neither the all-reduce nor its read-back waits
+        triples = comm.agree([int(have) + int(have and last), batch_index, int(stop)], self._emb_pg, self._transport,
+                             device=self._device if nccl else None, stream=self._control_stream if nccl else None,
+                             tag="ranks step together")
         indexes = [i for _, i, _ in triples]
         if len(set(indexes)) > 1:
             ranks = dist.get_process_group_ranks(self._emb_pg)
@@ -537,41 +519,7 @@ class DistributedModelParallel(nn.Module):
         this module's timeout. Host memory: the pickle and one padded buffer on every rank, and the
         world's buffers on `dst`; checkpoints send one table at a time (checkpoint.gathered_state_dict).
         """
-        pg, guard = self._emb_pg, self._guard
-        W, me = dist.get_world_size(pg), dist.get_rank(pg)
-        dev = self._device if guard.nccl else torch.device("cpu")
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(W)]
-        k = guard.begin()
-        work = dist.all_gather(sizes, torch.tensor([len(payload)], device=dev), group=pg, async_op=True)
-        guard.wait_work(work, "checkpoint gather (sizes)", k)
-        sizes_W = [int(t) for t in sizes]
-        buf = torch.empty(max(sizes_W), dtype=torch.uint8, device=dev)  # gather needs one size on every rank
-        if payload:
-            with warnings.catch_warnings():  # read-only bytes, copied at once: no write goes through them
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                buf[: len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
-        del payload
-        gather_all = dst is None
-        if gather_all or me == dst:
-            out = [torch.empty_like(buf) for _ in range(W)]
-        else:
-            out = None
-        k = guard.begin()
-        if gather_all:
-            work = dist.all_gather(out, buf, group=pg, async_op=True)
-        else:
-            work = dist.gather(buf, out, dst=dist.get_global_rank(pg, dst), group=pg, async_op=True)
-        guard.wait_work(work, "checkpoint gather", k)
-        del buf
-        if out is None:
-            return None
-        objs = []
-        for i, n in enumerate(sizes_W):  # each buffer freed once read
-            t, out[i] = out[i], None
-            objs.append(pickle.loads(t[:n].cpu().numpy().data) if n else None)
-            del t
-        return objs
+        return comm.gather_object(obj, dst, self._emb_pg, self._device)
 
     def all_gather_object(self, obj) -> list:
         """Collective: every rank's picklable `obj`, in rank order, on every rank (guarded: see gather_object)."""

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_rec.collective_guard import guard_of
-from lightning_rec.input_dist import DistContext, all_to_all, collective_error, wait
+from lightning_rec.comm import collective_error
+from lightning_rec.input_dist import DistContext, all_to_all, wait
 from lightning_rec.sharding.embeddings import OutputColumns, gather_columns, gather_dp, place_parts
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 

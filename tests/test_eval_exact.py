@@ -290,30 +290,26 @@ def test_a_padding_batch_is_offered_only_where_the_dataset_makes_an_empty_one():
     """A rank whose share ran out steps with the loader's batch of no rows; a dataset that cannot make one (torch's
     Subset over a per-row dataset hands default_collate an empty list) would have failed on that rank mid-pass, its
     peers waiting: it keeps Lightning's sampler (no padding) instead."""
-    from types import SimpleNamespace
-
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
     from lightning_rec import SyntheticCriteoDataModule
+    from lightning_rec._strategy.loaders import padding_for
     from lightning_rec.data.batch import passthrough_collate
 
-    strategy = RecStrategy()
-    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=False))
     per_row = DataLoader(Subset(TensorDataset(torch.arange(5.0)), range(5)), batch_size=2)
-    (empty,) = strategy._padding_for(per_row)()  # its first row cut to 0 rows, never default_collate([])
+    (empty,) = padding_for(per_row, training=False)()  # its first row cut to 0 rows, never default_collate([])
     assert empty.shape == (0,) and empty.dtype == torch.float32
     own_collate = DataLoader(Subset(TensorDataset(torch.arange(5.0)), range(5)), batch_size=2,
                              collate_fn=lambda rows: torch.stack([r[0] for r in rows]))
-    assert strategy._padding_for(own_collate) is None
+    assert padding_for(own_collate, training=False) is None
     strings = DataLoader([("a", 1.0), ("b", 2.0)], batch_size=2)  # a list of str: no row of it to cut
-    assert strategy._padding_for(strings) is None
+    assert padding_for(strings, training=False) is None
     data = SyntheticCriteoDataModule(num_train_samples=8, num_val_samples=33, num_embeddings_per_feature=64)
     data.setup("fit")
     whole = DataLoader(Subset(data.datasets["val"], range(33)), batch_size=16, collate_fn=passthrough_collate)
-    assert len(strategy._padding_for(whole)()) == 0  # a Batch of no rows
-    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=True))
-    assert strategy._padding_for(whole) is None  # training: the first rank to run out ends the epoch for all
+    assert len(padding_for(whole, training=False)()) == 0  # a Batch of no rows
+    assert padding_for(whole, training=True) is None  # training: the first rank to run out ends the epoch for all
 
 
 class _PerRowModule(L.LightningModule):

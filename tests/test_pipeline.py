@@ -667,6 +667,7 @@ def _reload_worker(rank, W):
     import torch.distributed.distributed_c10d as c10d
 
     from lightning_rec import DLRMModule
+    from lightning_rec.pipeline.lightning import loop_state
     from lightning_rec.strategy import RecStrategy
 
     class Count(L.Callback):
@@ -680,8 +681,8 @@ def _reload_worker(rank, W):
 
         def on_validation_end(self, trainer, pl_module):  # both val loaders ran pipelined
             loaders = trainer.fit_loop.epoch_loop.val_loop._combined_loader.flattened
-            self.val_pipelined = [not dl._rec_pipeline.closed and dl._rec_pipeline.stats["routed_ahead"] > 0
-                                  for dl in loaders]
+            pipelines = [loop_state(dl).pipeline for dl in loaders]
+            self.val_pipelined = [not p.closed and p.stats["routed_ahead"] > 0 for p in pipelines]
 
     class TwoValLoaders(SyntheticCriteoDataModule):
         def val_dataloader(self):
@@ -742,6 +743,7 @@ def test_a_step_that_moves_its_batch_to_the_device_it_is_on_stays_pipelined():
 
 def _new_pass_worker(rank, W):
     from lightning_rec import DLRMModule
+    from lightning_rec.pipeline.lightning import loop_state
     from lightning_rec.strategy import RecStrategy
 
     seen = []  # per pass: was the previous pass's feeder thread still running when the loader's __iter__ ran?
@@ -752,7 +754,7 @@ def _new_pass_worker(rank, W):
 
             class Watching(type(loader)):
                 def __iter__(self):
-                    feeder = getattr(getattr(self, "_rec_pipeline", None), "feeder", None)
+                    feeder = getattr(getattr(loop_state(self), "pipeline", None), "feeder", None)
                     seen.append(feeder is not None and feeder._thread.is_alive())
                     return super().__iter__()
 

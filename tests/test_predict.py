@@ -127,7 +127,8 @@ def _predict_two_ranks(rank: int, world_size: int, ckpt: Path, root: Path, pipel
     rows = next(c.num_rows for c in cli.trainer.callbacks if hasattr(c, "written_path"))
     del cli
     # what `lightning-rec` does after a run that ended well: every group destroyed and collected while the
-    # interpreter is whole (one left to the exit made gloo abort the process now and then, SIGABRT)
+    # interpreter is whole (one left to the exit made gloo abort the process now and then, SIGABRT: 2 of 8 two-rank
+    # CLI predicts said "terminate called without an active exception", and torchrun reported the job failed)
     import gc
 
     import torch.distributed as dist

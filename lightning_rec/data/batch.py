@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_rec.comm import all_gather_object
 from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
@@ -171,6 +172,19 @@ class EpochRandomSampler(RandomSampler):
         yield from torch.randperm(len(self.data_source), generator=g).tolist()
 
 
+@dataclass(frozen=True)
+class _Passes:
+    """A StatefulBatchLoader's count of its passes. Replaced, never changed in place: a shallow copy of the loader
+    (one per Lightning loop that shares it) counts on alone, as its own attributes would."""
+
+    number: int = 0  # the pass (epoch) the last iteration drew
+    started: bool = False  # a pass has started (the next one counts one more)
+    seen_epoch: int | None = None  # own_epochs: the sampler epoch the last pass saw
+    pending: dict | None = None  # a loaded state, applied when the next pass starts
+    history: dict | None = None  # of pass `history_pass`: batches read -> (the loader's state, finished)
+    history_pass: int = 0
+
+
 class StatefulBatchLoader(StatefulDataLoader):
     """A torchdata StatefulDataLoader whose saved position is the training step's, not the fetcher's.
 
@@ -204,6 +218,7 @@ class StatefulBatchLoader(StatefulDataLoader):
     # stream, and Lightning's checkpoint holds rank 0's alone)
     ranks_have_a_batch: Callable[[bool], bool] | None = None
     gather_states: Callable[[dict], list] | None = None
+    _passes: _Passes = _Passes()
 
     def __iter__(self):  # type: ignore[override]
         return self._resumable_batches()
@@ -216,16 +231,18 @@ class StatefulBatchLoader(StatefulDataLoader):
         epoch = getattr(sampler, "epoch", None)
         if not callable(getattr(sampler, "set_epoch", None)) or not isinstance(epoch, int):
             return
-        seen, self._rec_seen_epoch = getattr(self, "_rec_seen_epoch", None), epoch
+        seen = self._passes.seen_epoch
         if seen is not None and epoch == seen:
             sampler.set_epoch(epoch + 1)
-            self._rec_seen_epoch = epoch + 1
+            epoch += 1
+        self._passes = replace(self._passes, seen_epoch=epoch)
 
     def _resumable_batches(self) -> Iterator[Any]:
-        pending, self._rec_pending = getattr(self, "_rec_pending", None), None
+        pending = self._passes.pending
         # The pass (epoch) number: one more at every new iteration (Lightning stops a sized loader after
         # its last batch without reaching StopIteration, so the count moves at the start, not the end).
-        pass_index = getattr(self, "_rec_pass", 0) + (1 if getattr(self, "_rec_started", False) else 0)
+        pass_index = self._passes.number + (1 if self._passes.started else 0)
+        self._passes = replace(self._passes, pending=None)
         if self.fit_epoch is not None:
             # in a fit, the pass is the fit loop's epoch, the one Lightning gives samplers' set_epoch. Counted here, a
             # loader made anew for an epoch (Trainer(reload_dataloaders_every_n_epochs=...)), which Lightning also
@@ -240,8 +257,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             else:
                 count = pending["batches"]
                 super().load_state_dict(pending["base"])
-        self._rec_started = True
-        self._rec_pass = pass_index
+        self._passes = replace(self._passes, started=True, number=pass_index)
         if pending is not None:
             # A reader that starts before Lightning's set_epoch (a pipeline's feeder thread, on resume)
             # must still draw the resumed epoch's order: the sampler gets it from the saved pass.
@@ -251,7 +267,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             # a hand loop numbers its own passes from here: the next pass, seeing this epoch, draws the next
             # one (unrecorded, it took this epoch as one the user set, and the epoch after the resumed one
             # repeated the resumed epoch's order)
-            self._rec_seen_epoch = getattr(self.sampler, "epoch", None)
+            self._passes = replace(self._passes, seen_epoch=getattr(self.sampler, "epoch", None))
         elif self.own_epochs:
             self._next_own_epoch()
         set_epoch = getattr(self.dataset, "set_epoch", None)
@@ -259,7 +275,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             set_epoch(pass_index)
         base = self._iterator_of_pass(pass_index)
         history: dict[int, tuple[dict, bool]] = {count: (super().state_dict(), False)}
-        self._rec_history, self._rec_history_pass = history, pass_index
+        self._passes = replace(self._passes, history=history, history_pass=pass_index)
         while True:
             try:
                 batch, have = next(base), True
@@ -308,17 +324,16 @@ class StatefulBatchLoader(StatefulDataLoader):
         return {"pass": state["pass"], "fingerprint": state["fingerprint"], "ranks": self.gather_states(state)}
 
     def _own_state(self) -> dict[str, Any]:
-        history = getattr(self, "_rec_history", None)
+        history = self._passes.history
         if not history:
-            pass_index = getattr(self, "_rec_pass", 0)
-            return {"pass": pass_index, "batches": 0, "finished": False, "base": {},
+            return {"pass": self._passes.number, "batches": 0, "finished": False, "base": {},
                     "fingerprint": self.fingerprint()}
         wanted = self.consumed_batches() if self.consumed_batches is not None else None
         latest = max(history)
         if wanted is None or wanted not in history:
             wanted = latest
         base, finished = history[wanted]
-        return {"pass": self._rec_history_pass, "batches": wanted, "finished": finished, "base": base,
+        return {"pass": self._passes.history_pass, "batches": wanted, "finished": finished, "base": base,
                 "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
@@ -331,8 +346,7 @@ class StatefulBatchLoader(StatefulDataLoader):
                               f"streams, this run has {world}: the interrupted epoch starts over from its first "
                               f"batch instead of resuming mid-epoch (resume at the same world size to continue it)",
                               stacklevel=2)
-                self._rec_pending = None
-                self._rec_pass = int(state.get("pass", 0))
+                self._passes = replace(self._passes, pending=None, number=int(state.get("pass", 0)))
                 return
             state = state["ranks"][rank]
         mine = self.fingerprint()
@@ -345,11 +359,10 @@ class StatefulBatchLoader(StatefulDataLoader):
                 f"the interrupted epoch starts over from its first batch instead of resuming mid-epoch",
                 stacklevel=2,
             )
-            self._rec_pending = None
-            self._rec_pass = int(state.get("pass", 0)) if isinstance(state, dict) else 0
+            number = int(state.get("pass", 0)) if isinstance(state, dict) else 0
+            self._passes = replace(self._passes, pending=None, number=number)
             return
-        self._rec_pending = state
-        self._rec_pass = state["pass"]
+        self._passes = replace(self._passes, pending=state, number=state["pass"])
 
     def fingerprint(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
@@ -391,18 +404,12 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
                 # all-reduce for one that had gone on to the next epoch, until gloo / NCCL failed. The ranks agree
                 # before each batch (a one-number all-reduce) that all have one; the first to run out ends the epoch.
                 loader.ranks_have_a_batch = lambda have: strategy.reduce_boolean_decision(have, all=True)
-                loader.gather_states = _all_gather_object  # (Lightning builds a checkpoint on every rank)
+                loader.gather_states = all_gather_object  # (Lightning builds a checkpoint on every rank)
     elif isinstance(loader, StatefulBatchLoader):
         # a hand-written loop: no Lightning to call the sampler's set_epoch, so each pass numbers itself
         # (a shuffled loader drew the same order every epoch, unlike torch's RandomSampler)
         loader.own_epochs = True
     return loader
-
-
-def _all_gather_object(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def worker_options(owner: str, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None,

@@ -12,7 +12,7 @@ Legend: i the batch the step computes, K the depth (batches routed ahead, 1 by d
 
 So the loader, the host-to-device copy and the id routing (its local work and its all-to-all)
 leave the step's critical path. Batches come out in order; the last ones are drained. Under
-RecStrategy, "copy" is Lightning's three batch hooks (strategy.py `_batch_hooks_for`), so the ids
+RecStrategy, "copy" is Lightning's three batch hooks (_strategy/loaders.py `batch_hooks_for`), so the ids
 routed are those of the batch the hooks return.
 
 No tracing. The first batch of a pipeline runs plainly while the pipeline records which input each
@@ -34,7 +34,7 @@ second shared-memory group on CPU). The feeder starts batch k only while k < tak
 batches the loop has taken), the same on every rank, so whenever a pass stops (end of data, an
 exception in the step, a loop cut short) every rank's feeder has run the same collectives and stops
 at the same point. A rank whose loader ends first ends the pass for all (the step-together rule of
-strategy.py), except in evaluation, where it steps on with its dataset's empty batches until all have
+_strategy/loaders.py), except in evaluation, where it steps on with its dataset's empty batches until all have
 ended; a batch whose features do not match raises the same ValueError on every rank at that
 batch; an exception in one rank's loader stops every rank there.
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, CollectiveTimeout, PeerExited, guard_of
+from lightning_rec.collective_guard import CollectiveGuard, guard_of
+from lightning_rec.comm import agree
 from lightning_rec.sharded_embedding import _ShardedCollectionBase
 from lightning_rec.shm_transport import SharedMemoryGroup
 
@@ -57,28 +56,10 @@ class _Channel:
         stream: a side CUDA stream (the feeder's) for the NCCL flags: on the current (compute) stream the
         all-reduce would wait for every queued step, and reading the flags back would drain the GPU.
         """
-        status = torch.zeros(3, self.world_size, dtype=torch.int64)
-        status[0, self.rank], status[1, self.rank], status[2, self.rank] = int(missing), int(failed), int(stop)
-        tag = "pipeline: every rank has a batch"
-        try:
-            if self.world_size == 1:
-                pass  # nobody to agree with (on a GPU, each batch's read-back was a wait)
-            elif self.transport is not None:
-                self.transport.all_reduce_sum_(status, tag=tag)
-            else:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    on_device = status.to(self.device)
-                    k = self.guard.begin()
-                    self.guard.wait_work(dist.all_reduce(on_device, group=self.pg, async_op=True), tag, k)
-                    status = on_device.cpu()
-        except (CollectiveMismatch, CollectiveTimeout, PeerExited):
-            raise  # they name the ranks and the setting already
-        except RuntimeError as e:
-            raise RuntimeError(f"pipeline: rank {self.rank} could not agree with its peers on the next batch: a peer "
-                               f"exited or did not answer within the timeout ({self.timeout_s} s). Cause: {e}") from e
-        missing_r, failed_r, stop_r = status.tolist()
-        return ([r for r, m in enumerate(missing_r) if m], [r for r, f in enumerate(failed_r) if f],
-                {dist.get_global_rank(self.pg, r): x for r, x in enumerate(stop_r) if x})  # the ranks the user knows
+        rows = agree([int(missing), int(failed), int(stop)], self.pg, self.transport, device=self.device,
+                     stream=stream, tag="pipeline: every rank has a batch")
+        return ([r for r, (m, _, _) in enumerate(rows) if m], [r for r, (_, f, _) in enumerate(rows) if f],
+                {dist.get_global_rank(self.pg, r): x for r, (_, _, x) in enumerate(rows) if x})  # the ranks users know
 
     @staticmethod
     def acquire(env) -> _Channel:

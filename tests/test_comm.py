@@ -1,0 +1,64 @@
+"""lightning_rec.comm: one slot layout for rank agreement, guarded-or-plain object collectives, one error wording."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+from lightning_rec import comm
+
+
+def _collectives(rank, world_size):
+    from datetime import timedelta
+
+    from lightning_rec.collective_guard import CollectiveGuard
+    from lightning_rec.shm_transport import SharedMemoryGroup
+
+    guarded = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    guard = CollectiveGuard(guarded, "test", 30.0, "the test's timeout")
+    transport = SharedMemoryGroup.create(guarded, 30.0)
+    row = [rank, 10 * rank, -rank]
+    out = {
+        "plain": comm.agree(row),
+        "guarded": comm.agree(row, guarded),
+        "shared memory": comm.agree(row, guarded, transport) if transport is not None else comm.agree(row),
+        "gather plain": comm.gather_object({"rank": rank}),
+        "gather guarded": comm.gather_object({"rank": rank}, 1, guarded),
+        "all_gather guarded": comm.all_gather_object(("r", rank), guarded),
+        "broadcast plain": comm.broadcast_object(f"from {rank}"),
+        "broadcast guarded": comm.broadcast_object(f"from {rank}", 1, guarded),
+    }
+    comm.barrier("test barrier", guarded)
+    comm.barrier()
+    out["calls"] = guard.k
+    return out
+
+
+def test_agree_gives_every_rank_every_row_and_the_object_collectives_match_torchs():
+    results = run_ranks(_collectives, 2)
+    rows = [[0, 0, 0], [1, 10, -1]]
+    for rank, out in enumerate(results):
+        assert out["plain"] == out["guarded"] == out["shared memory"] == rows
+        assert out["gather plain"] == ([{"rank": 0}, {"rank": 1}] if rank == 0 else None)
+        assert out["gather guarded"] == ([{"rank": 0}, {"rank": 1}] if rank == 1 else None)
+        assert out["all_gather guarded"] == [("r", 0), ("r", 1)]
+        assert out["broadcast plain"] == "from 0" and out["broadcast guarded"] == "from 1"
+        assert out["calls"] == 8  # agree 1, gather 2, all_gather 2, broadcast 2, barrier 1: all through the guard
+
+
+def test_one_rank_agrees_with_itself_without_a_collective():
+    assert not dist.is_initialized()
+    assert comm.gather_object("x") == ["x"] and comm.broadcast_object("x") == "x"
+    comm.barrier()
+
+
+def test_a_failed_collective_names_what_failed_the_timeout_and_its_setting():
+    err = comm.collective_error("id all-to-all", RuntimeError("Connection closed by peer"), 300.0)
+    assert type(err) is RuntimeError
+    assert str(err) == ("id all-to-all failed on rank 0: a peer rank exited or did not answer within the process "
+                        "group timeout (300.0 s; set DistributedModelParallel(timeout=...)). Cause: Connection closed "
+                        "by peer")
+    from lightning_rec.collective_guard import CollectiveMismatch
+
+    verdict = CollectiveMismatch("ranks at different collectives")
+    assert comm.collective_error("x", verdict) is verdict  # a guard's verdict names the ranks already

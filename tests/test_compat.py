@@ -1,0 +1,148 @@
+"""lightning_rec._compat: each torch probe and private Lightning accessor, pinned on the installed versions.
+
+A Lightning or torch upgrade that moves one of these fails here, naming the accessor, instead of somewhere
+inside a multi-rank fit (where the caller would quietly fall back to Lightning's own behaviour).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+from lightning_rec import _compat
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, **kwargs)
+
+
+def test_torch_probes_on_the_installed_torch():
+    assert torch.__version__.startswith("2.13")
+    assert _compat.ddp_has_forward_sync_buffers()
+    assert _compat.compiler_disable_takes_reason()
+    assert _compat.distribute_tensor_takes_src_data_rank()
+    assert _compat.pytree_takes_flatten_with_keys()
+    defaults = _compat.ddp_keyword_defaults()
+    assert defaults["process_group"] is None and defaults["gradient_as_bucket_view"] is False
+    assert "module" not in defaults  # no default: not an argument a recipe can spell out at its default
+
+
+def test_a_copied_loader_forgets_its_iterator():
+    loader = DataLoader(list(range(4)), batch_size=2)
+    assert "_iterator" in vars(loader)  # torch keeps the persistent workers' iterator there
+    loader._iterator = object()
+    _compat.forget_loader_iterator(loader)
+    assert loader._iterator is None
+
+
+def test_sampler_resolution_is_the_data_connectors():
+    trainer = _trainer()
+    resolve, requires = _compat.sampler_resolution(trainer)
+    loader = DataLoader(list(range(4)), batch_size=2)
+    assert isinstance(resolve(loader, False, mode=None), SequentialSampler)
+    assert requires(loader) is False  # one device: no DistributedSampler
+
+    def mine(dataloader, shuffle, mode=None):
+        return resolve(dataloader, shuffle, mode)
+
+    _compat.set_sampler_resolution(trainer, mine)
+    assert _compat.sampler_resolution(trainer)[0] is mine
+    assert _compat.sampler_resolution(object()) is None
+
+
+def test_update_dataloader_and_the_predict_index_wrapper():
+    from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+    from lightning.pytorch.trainer.states import RunningStage
+
+    loader = DataLoader(list(range(6)), batch_size=2)
+    again = _compat.update_dataloader(loader, SequentialSampler(range(3)), RunningStage.VALIDATING)
+    assert [b.tolist() for b in again] == [[0, 1], [2]]
+    batches = BatchSampler(SequentialSampler(range(4)), 2, False)
+    assert _compat.is_index_batch_sampler(_IndexBatchSamplerWrapper(batches))
+    assert not _compat.is_index_batch_sampler(batches)
+
+
+def test_loop_accessors_inside_a_fit():
+    seen = {}
+
+    class Data(BoringDataModule):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    class Look(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            combined = _compat.combined_loader(trainer.fit_loop)
+            seen["train"] = (_compat.combined_mode(combined), list(combined.flattened))
+            owner = _compat.batch_hook_owner(trainer, module)
+            seen["owners"] = (owner("on_before_batch_transfer"), owner("transfer_batch_to_device"))
+
+        def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+            seen["val"] = _compat.combined_mode(_compat.combined_loader(trainer.fit_loop.epoch_loop.val_loop))
+
+    trainer = _trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=1, num_sanity_val_steps=0,
+                       callbacks=[Look()])
+    assert _compat.combined_loader(trainer.fit_loop) is None  # before the loop sets up
+    data, module = Data(), BoringModel()
+    trainer.fit(module, data)
+    mode, flattened = seen["train"]
+    assert mode == "max_size_cycle" and len(flattened) == 1 and isinstance(flattened[0], DataLoader)
+    assert seen["val"] == "sequential"
+    assert seen["owners"] == (data, module)
+    assert _compat.batch_hook_owner(object(), module)("on_before_batch_transfer") is module
+
+
+def test_wrapping_the_before_batch_transfer_runner():
+    module = BoringModel()
+    runner = module._on_before_batch_transfer
+    assert runner(7, dataloader_idx=0) == 7
+    _compat.wrap_before_batch_transfer(module, lambda run: lambda batch, dataloader_idx=0: ("mine", run(batch)))
+    _compat.wrap_before_batch_transfer(module, lambda run: lambda batch, dataloader_idx=0: "second")  # kept first
+    assert module._on_before_batch_transfer(7) == ("mine", 7)
+    _compat.unwrap_before_batch_transfer(module)
+    assert module._on_before_batch_transfer(7, dataloader_idx=0) == 7
+
+
+def test_finetuning_restarting_and_weight_averaging():
+    from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging, WeightAveraging
+
+    finetuning = BaseFinetuning()
+    assert not _compat.finetuning_restarting(finetuning)
+    finetuning.load_state_dict({"internal_optimizer_metadata": {}})
+    assert _compat.finetuning_restarting(finetuning)
+    assert set(_compat.weight_averaging_callbacks()) == {WeightAveraging, StochasticWeightAveraging}
+
+
+def test_signal_takeover_reaches_the_handlers_lightning_registers():
+    trainer = _trainer()
+    calls = []
+
+    def notifier(signum, frame):
+        calls.append(("sigterm", signum))
+
+    assert _compat.take_over_sigterm(trainer, notifier)
+    connector = trainer._signal_connector
+    before = signal.getsignal(signal.SIGTERM)
+    connector.register_signal_handlers()
+    try:
+        assert notifier in signal.getsignal(signal.SIGTERM).signal_handlers
+    finally:
+        connector.teardown()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    check = object()
+    assert _compat.take_over_sigterm_check(trainer, check)
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor is check
+
+    own = _compat.take_over_slurm_requeue(trainer, notifier)
+    assert own.__func__ is type(connector)._slurm_sigusr_handler_fn and own.__self__ is connector
+    assert connector._slurm_sigusr_handler_fn is notifier
+
+    assert not trainer.received_sigterm
+    assert _compat.note_sigterm(trainer) and trainer.received_sigterm
+    assert not _compat.take_over_sigterm(object(), notifier) and not _compat.note_sigterm(object())
+    assert _compat.take_over_slurm_requeue(object(), notifier) is None
