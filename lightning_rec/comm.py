@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -156,14 +156,19 @@ def barrier(tag: str = "barrier", group: Any = None) -> None:
     if not distributed():
         return
     pg = group if group is not None else dist.group.WORLD
-    backend = dist.get_backend(pg)
-    device_ids = {"device_ids": [torch.cuda.current_device()]} if backend == "nccl" else {}
+    device_ids = barrier_device_ids(dist.get_backend(pg), torch.cuda.current_device)
     guard = guard_of(pg, enabled_only=False)
     if guard is None:
         dist.barrier(group=pg, **device_ids)
         return
     k = guard.begin()
     guard.wait_work(dist.barrier(group=pg, async_op=True, **device_ids), tag, k)
+
+
+def barrier_device_ids(backend: str, current_index: Callable[[], int]) -> dict[str, Any]:
+    """dist.barrier's device_ids on NCCL (the current device), so that it neither warns nor guesses a device from the
+    rank; nothing for gloo, whose barrier takes none."""
+    return {"device_ids": [current_index()]} if backend == "nccl" else {}
 
 
 def _device(guard: Any, device: torch.device | None) -> torch.device:

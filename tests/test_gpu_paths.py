@@ -685,7 +685,7 @@ def test_bare_cuda_device_gets_the_current_index():
 
 
 def test_nccl_barrier_names_its_device():
-    from lightning_rec.checkpoint import barrier_device_ids
+    from lightning_rec.comm import barrier_device_ids
 
     assert barrier_device_ids("nccl", lambda: 2) == {"device_ids": [2]}
     assert barrier_device_ids("gloo", lambda: 2) == {}

@@ -1,4 +1,4 @@
-"""The collectives of a save or a load, guarded or plain, and the wording of their failures.
+"""The collectives of a save or a load: lightning_rec.comm's, on the DistributedModelParallel's groups.
 
 dmp: the DistributedModelParallel of the model (RecStrategy passes its own). Given, every exchange runs through its
 guard on its groups, so a peer that stops or hangs is named within its timeout (RecStrategy(embedding_timeout=...))
@@ -7,19 +7,14 @@ instead of blocking the others for the default group's timeout (Lightning's: 30 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_rec.collective_guard import CollectiveMismatch, CollectiveTimeout, PeerExited, peer_failure
-
-GUARD_ERRORS = (CollectiveMismatch, CollectiveTimeout, PeerExited)  # the guard's verdicts: each names its ranks
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+from lightning_rec import comm
+from lightning_rec.collective_guard import peer_failure
+from lightning_rec.comm import GUARD_VERDICTS as GUARD_ERRORS
+from lightning_rec.comm import barrier_device_ids  # noqa: F401  (imported from here too)
 
 
 def rank_world() -> tuple[int, int]:
@@ -30,53 +25,23 @@ def rank_world() -> tuple[int, int]:
 
 def broadcast(obj: Any, dmp: Any = None) -> Any:
     """Rank 0's `obj` on every rank."""
-    if not _distributed():
-        return obj
-    if dmp is not None:
-        return dmp.all_gather_object(obj)[0]
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if dmp is None:
+        return comm.broadcast_object(obj)
+    return comm.broadcast_object(obj, group=dmp._emb_pg, device=dmp._device)
 
 
 def all_gather(obj: Any, dmp: Any = None) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank."""
-    if not _distributed():
-        return [obj]
-    if dmp is not None:
-        return dmp.all_gather_object(obj)
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj) if dmp is None else dmp.all_gather_object(obj)
 
 
 def gather_to_zero(obj: Any, dmp: Any = None) -> list[Any] | None:
     """Every rank's `obj` on rank 0 (None elsewhere)."""
-    if not _distributed():
-        return [obj]
-    if dmp is not None:
-        return dmp.gather_object(obj)
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, parts, dst=0)
-    return parts
-
-
-def barrier_device_ids(backend: str, current_index: Callable[[], int]) -> dict[str, Any]:
-    """dist.barrier's device_ids on NCCL (the current device), so that it neither warns nor guesses a
-    device from the rank; nothing for gloo, whose barrier takes none."""
-    return {"device_ids": [current_index()]} if backend == "nccl" else {}
+    return comm.gather_object(obj) if dmp is None else dmp.gather_object(obj)
 
 
 def barrier(dmp: Any = None, tag: str = "checkpoint barrier") -> None:
-    if not _distributed():
-        return
-    if dmp is None:
-        dist.barrier(**barrier_device_ids(dist.get_backend(), torch.cuda.current_device))
-        return
-    pg, guard = dmp._emb_pg, dmp._guard  # the embedding group's guard names a peer that does not come
-    k = guard.begin()
-    work = dist.barrier(group=pg, async_op=True, **barrier_device_ids(dist.get_backend(pg), torch.cuda.current_device))
-    guard.wait_work(work, tag, k)
+    comm.barrier(tag, group=None if dmp is None else dmp._emb_pg)
 
 
 def dcp_group(dmp: Any = None) -> Any:
