@@ -332,7 +332,7 @@ def preprocess_cases() -> None:
     """`lightning-rec preprocess`: a missing vocabulary; its shards train."""
     @case("more.preprocess_vocab_from_missing", CLIError, ["--vocab_from", "nowhere_vocab", "vocab.npz"])
     def _(ctx):
-        from lightning_rec.data.preprocess import preprocess_main
+        from lightning_rec.cli import preprocess_main
         p = write(ctx.tmp / "d.tsv", criteo_text(10))
         ctx.after(lambda: expect(not (ctx.tmp / "o").exists(), "a refused run left an output directory"))
         err = io.StringIO()
@@ -346,7 +346,7 @@ def preprocess_cases() -> None:
     @case("more.preprocess_then_train_shapes", timeout=60, legit="preprocess -> CriteoDataModule on the directory")
     def _(ctx):
         from lightning_rec import CriteoDataModule
-        from lightning_rec.data.preprocess import preprocess_main
+        from lightning_rec.cli import preprocess_main
         p = write(ctx.tmp / "d.tsv", criteo_text(50))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100"])

@@ -227,15 +227,21 @@ def kjt_weight_cases() -> None:
 def jagged_and_keyed_tensor_cases() -> None:
     """JaggedTensor and KeyedTensor."""
     torch = _t()
-    from lightning_rec import JaggedTensor, KeyedTensor
+    from lightning_rec import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
     # JaggedTensor
     simple("jt.neither_lengths_nor_offsets", lambda: JaggedTensor(T([1, 2])), ValueError, ["lengths", "offsets"])
-    simple("jt.offsets_start_at_one", lambda: JaggedTensor(T([1, 2, 3]), offsets=T([1, 2, 3])), ValueError,
+
+    def batch_of(jt):  # a JaggedTensor's checks run where it joins a batch (its constructor assigns)
+        return KeyedJaggedTensor.from_jt_dict({"a": jt})
+
+    simple("jt.offsets_start_at_one", lambda: batch_of(JaggedTensor(T([1, 2, 3]), offsets=T([1, 2, 3]))), ValueError,
            ["start at 1"])
-    simple("jt.weights_too_long", lambda: JaggedTensor(T([1, 2]), weights=T([1.0, 1.0, 1.0]), lengths=T([2])),
+    simple("jt.weights_too_long",
+           lambda: batch_of(JaggedTensor(T([1, 2]), weights=T([1.0, 1.0, 1.0]), lengths=T([2]))),
            ValueError, ["one weight per id"])
-    simple("jt.lengths_negative", lambda: JaggedTensor(T([1, 2]), lengths=T([3, -1])), ValueError, [">= 0"])
+    simple("jt.lengths_negative", lambda: batch_of(JaggedTensor(T([1, 2]), lengths=T([3, -1]))), ValueError,
+           [">= 0"])
 
     @case("jt.to_padded_dense_negative_length", ValueError, ["desired_length"])
     def _(ctx):

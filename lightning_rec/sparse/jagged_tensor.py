@@ -313,7 +313,7 @@ class KeyedJaggedTensor:
         keys = list(jt_dict)
         if not keys:
             return KeyedJaggedTensor.empty()
-        jts = list(jt_dict.values())
+        jts = [jt.validate() for jt in jt_dict.values()]  # where user JaggedTensors enter a batch
         strides = {jt.lengths().numel() for jt in jts}
         if len(strides) != 1:
             sizes = ", ".join(f"'{k}': {jt.lengths().numel()}" for k, jt in zip(keys, jts))
