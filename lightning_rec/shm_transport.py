@@ -1,10 +1,7 @@
-"""Same-host CPU collectives through shared memory; gloo only sets the group up.
+"""Same-host CPU collectives through shared memory; gloo only sets the group up (docs/distributed.md).
 
-Why: gloo moves CPU tensors over TCP, even between processes on one host. Every byte is copied
-into the kernel and out again, by gloo's own threads, on the cores the ranks train on (in a
-2-rank DLRM step on 2 cores, ~15 ms of a ~100 ms step: pooled embeddings both ways, the dense
-gradients). Here each rank writes its bytes once into its own /dev/shm region,
-all ranks pass one barrier, and each copies out what is addressed to it.
+gloo copies every CPU byte through the kernel's TCP stack, on the cores the ranks train on; here each rank
+writes its bytes once into its own /dev/shm region, all ranks pass one barrier, and each copies out its part.
 
 Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
 
@@ -15,30 +12,12 @@ Legend: W ranks in the group, k the exchange counter (the same on every rank), s
               group's timeout and notices a dead peer (/proc) within ~50 ms
       read    every peer's header (the same decision on every rank); copy peer p's bytes for r out
 
-Collectives: `all_to_all_single` (as torch.distributed's), `exchange` (sizes only the senders know;
-a send may be a Writer that fills shared memory itself, e.g. a gather), `all_reduce_sum_many_`
-(bitwise the same sum on every rank), and `ddp_comm_hook`.
-
-Double buffering makes one barrier per exchange enough: a rank writes slot k%2 again at k+2,
-after barrier k+1, which every peer enters only once it has finished reading exchange k.
-
-Growth: a region too small for a write is replaced by a larger file (generation + 1); peers see
-the new generation in the header and map the file in the same exchange; its name is unlinked one
-exchange later (every peer has mapped it by then), so /dev/shm holds names only for a step.
-If /dev/shm is full (posix_fallocate reserves the bytes, so this is an error, not a SIGBUS later),
-the header says so, every rank sees it, and that exchange goes through the process group instead
-(a warning, once, names the fix: a larger /dev/shm). Later exchanges that fit the regions the ranks
-hold go on through shared memory (one large evaluation batch in Docker's 64 MB /dev/shm does not send
-the rest of training over TCP); a rank does not try again to grow to a size that failed.
-Shrinking: a region that held less than a quarter of its size for `shrink_after` exchanges in a row is
-replaced the same way by one twice the largest of them (a large evaluation batch's region is not kept,
-and mapped by every peer, for the rest of the run).
-
-Every rank must call the same operations in the same order (as with any collective); each header
-carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
-on every rank, naming both calls, instead of mixing data. A peer that never reaches the barrier
-(blocked in a collective of its own, e.g. torch.distributed.barrier) is named by the group's
-CollectiveGuard (collective_guard.py): the barrier waits in slices and the guard looks in between.
+Double buffering makes one barrier per exchange enough: a rank writes slot k%2 again at k+2, after
+barrier k+1, which every peer enters only once it has read exchange k. A region too small is replaced
+by a larger file (generation + 1), mapped by peers in the same exchange and unlinked one exchange later;
+one that /dev/shm has no room for sends that exchange through the process group on every rank. A region
+mostly unused for `shrink_after` exchanges is replaced by a smaller one. Each header carries the op, its
+sizes and call site, so ranks that disagree raise CollectiveMismatch instead of mixing data.
 """
 
 from __future__ import annotations
@@ -177,13 +156,13 @@ class _Region:
 
 
 class SharedMemoryGroup:
-    shrink_after = 512  # exchanges in a row using under a quarter of a region before it is replaced by a smaller one
-
     """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm.
 
     Build it with `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks
     cannot share memory (other hosts, no /dev/shm): callers then keep using the process group.
     """
+
+    shrink_after = 512  # exchanges in a row using under a quarter of a region before it is replaced by a smaller one
 
     def __init__(self, pg, session: str, timeout_s: float | None) -> None:
         self.pg, self.session, self.timeout_s = pg, session, timeout_s

@@ -1,20 +1,13 @@
-"""A Hugging Face `datasets.Dataset` object where a data module takes a path: written once, named by its fingerprint.
+"""A Hugging Face `datasets.Dataset` object where a data module takes a path: written once, named by its fingerprint
+(docs/criteo.md#a-datasetsdataset-in-python, docs/movielens.md).
 
     dm = CriteoDataModule(train_path=load_dataset("parquet", data_files="train-*.parquet")["train"], ...)
-    dm = MovieLensDataModule(ds.filter(lambda r: r["rating"] >= 3), columns={"item": "parent_asin"})
 
-Data modules keep paths: their arguments are saved as hyperparameters in checkpoints (read back with
-`weights_only=True`, which loads no Dataset object) and their sources are handed to loader workers and to the
-other ranks. So a Dataset becomes the path of a copy written once, as one Parquet file (`data.parquet` for
-Criteo: a table source, cached or streamed as any other; `ratings.parquet` for MovieLens), in
-`<cache>/hf_datasets/<fingerprint>/`. The fingerprint is datasets' own hash of the data and of every transform
-applied to it (`map`, `filter`, `shuffle`, `select`, ...), so the same Dataset built again, by another rank or
-the next run, finds its copy instead of writing another (a Dataset whose fingerprint datasets could not compute,
-which it warns about, gets a random one and a new copy each time). Pending index mappings (`shuffle`, `select`,
-`sort`) are applied in the copy, in their order; a `with_transform` / `set_transform` function, which runs only as
-rows are read, is refused (`map` it first), as is a Dataset of no rows. A process that writes holds a lock beside
-the folder while the others wait, and the copy appears whole or not at all (written aside, marked whole, then
-renamed).
+Data modules keep paths (their arguments are saved as hyperparameters, read back with `weights_only=True`, and
+handed to workers and other ranks), so a Dataset becomes the path of a copy written once as one Parquet file in
+`<cache>/hf_datasets/<fingerprint>/`, datasets' own hash of the data and its transforms: the same Dataset built
+again finds it. Pending index mappings are applied in the copy; a `set_transform` function is refused. A writer
+holds a lock beside the folder while the others wait; the copy is written aside, marked whole, then renamed.
 """
 
 from __future__ import annotations

@@ -1,36 +1,8 @@
-"""Click-through-rate metrics on torchmetrics: AUC, normalized entropy (NE), log loss, CTR.
+"""Click-through-rate metrics on torchmetrics: AUC, BinnedAUC, normalized entropy (NE), log loss, CTR (what each
+keeps and computes: docs/criteo.md#click-metrics). Sums are float64: float32 loses digits over tens of millions of
+samples. Labels are checked on CPU at once; on GPU the bad ones are counted on the device and raised at compute.
 
 Shapes: B predictions in one update, N predictions in all (every update, every rank).
-
-Every metric takes `update(preds_B, target_B)` (torchmetrics' names; `labels=` is taken too), with
-`preds` logits (`from_logits=True`, the default: what a CTR model outputs before its sigmoid) or
-probabilities, and labels 0./1. States are torchmetrics states with a `dist_reduce_fx`, so
-`compute()` is over all ranks:
-
-    LogLoss   sum of per-sample BCE, count                  ("sum")   -> mean BCE
-    CTR       sum of labels, count                          ("sum")   -> positives / count
-    NE        sum of BCE, sum of labels, count              ("sum")   -> logloss / H(ctr)
-    AUC       every prediction and label                    ("cat")   -> exact, tie-aware
-    BinnedAUC confusion counts at T thresholds              ("sum")   -> torchmetrics BinaryAUROC
-
-    H(p) = -(p log p + (1 - p) log(1 - p)), the log loss of always predicting the data's own
-    click rate; NE < 1 means the model beats that constant (He et al., 2014).
-
-Sums are kept in float64: over tens of millions of samples float32 sums lose digits. AUC keeps
-all predictions (4 bytes each, plus the label); pass `compute_on_cpu=True` to keep them on the
-host, or use `BinnedAUC` (torchmetrics' binned BinaryAUROC: memory fixed by the number of
-thresholds) for evaluation sets too big to keep.
-
-Why AUC is our own exact rank statistic and not torchmetrics' exact `BinaryAUROC`: the same
-value (a test checks it on probabilities), but `BinaryAUROC` applies a float32 sigmoid to logits,
-which rounds every logit above ~17 to 1.0 and turns distinct scores into ties (a wrong AUC for
-confident models), stores labels as int64 (8 bytes a sample instead of 4), and validates labels
-with a host sync per batch. `benchmarks/auc.py` measures the speed and memory of both.
-
-Labels must be 0 or 1 (ratings, -1/1 labels or NaN labels of unlabelled data would give an AUC
-above 1 or a meaningless NE). On CPU every batch is checked in `update`; on GPU the count of bad
-labels is kept on the device (no per-step host sync) and `compute()` raises. An evaluation set of
-one class has no AUC and no NE: a warning and NaN, never a crash.
 """
 
 from __future__ import annotations

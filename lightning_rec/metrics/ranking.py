@@ -1,60 +1,14 @@
-"""Top-K ranking metrics on torchmetrics: NDCG@K, Recall@K, Precision@K, MRR@K, HitRate@K.
+"""Top-K ranking metrics on torchmetrics: NDCG@K, Recall@K, Precision@K, MRR@K, HitRate@K (definitions, the
+ways in, and how they differ from torchmetrics: docs/movielens.md#evaluation).
 
 Shapes: U users in one update (one batch of users), I items in the catalogue, C candidates per
 user, K the largest cutoff asked for, R held-out (relevant) items of the batch, X excluded ones.
 
-Three ways in; the first two are reduced at once to the top K of each user (`torch.topk`), so
-nothing larger than one batch of users x items ever exists:
-
-    full ranking   update_full(scores_UI, target_offsets_U1, target_items_R,
-                               exclude_offsets_U1, exclude_items_X)
-                   every item scored for every user of the batch; the user's training items
-                   (exclude) are pushed to -inf, the held-out items (target) are the relevant ones
-    candidates     update(preds_UC, target_UC, mask=mask_UC)
-                   given candidate lists (padded to C; mask False marks padding)
-    flat           update(preds_N, target_N, indexes_N)
-                   torchmetrics' retrieval form: one entry per (user, candidate), `indexes` saying
-                   whose (any ids, any order, a user's entries spread over updates and ranks);
-                   kept until compute, as torchmetrics keeps them, then regrouped into padded
-                   candidate lists (the one way in whose memory grows with the data)
-
     target_offsets_U1 = [0, 2, 2, 5]    user 0: target_items[0:2], user 1: none, user 2: [2:5]
 
-For each user with n >= 1 relevant items and hit_j = 1 when the item ranked j (1-based) is relevant:
-
-    HitRate@k   1 if any hit_j, j <= k
-    Precision@k sum_{j<=k} hit_j / k          (k, not min(k, candidates): torchmetrics' adaptive_k=False)
-    Recall@k    sum_{j<=k} hit_j / n
-    MRR@k       1 / (first j <= k with hit_j), 0 if none
-    NDCG@k      sum_{j<=k} hit_j / log2(j+1)  /  sum_{j<=min(n,k)} 1 / log2(j+1)
-
-each averaged over users: the definitions of RecBole and of `torchmetrics.retrieval` (tests check
-both). A user with no relevant item has no value of its own; torchmetrics' `empty_target_action`
-says what it counts for, with torchmetrics' meaning:
-
-    "skip"   (ours by default) left out of the mean, and counted in `skipped_users`: never a division by zero
-    "neg"    (torchmetrics' default) counts as 0 for every metric
-    "pos"    counts as 1 for every metric
-    "error"  compute() raises (after the ranks' sync, so that every rank raises, none waits)
-
-Our default stays "skip", so compare with `RetrievalRecall(top_k=k, empty_target_action="skip")`, or
-pass empty_target_action="neg" for torchmetrics' default numbers. It matters on ml-100k's official
-splits, whose test files hold about half of the users. (One difference: when every user is skipped
-torchmetrics returns 0, this returns NaN with a warning, as no user was evaluated.) Ties in score are
-broken by `torch.topk` (as RecBole does), in an order that may differ between CPU and GPU;
-torchmetrics' NDCG instead averages the gain over tied items. With discrete scores the two
-differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 here, 0.1223 in
-torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
-A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
-Scores <= 0: torchmetrics 1.9's Recall, Precision and MRR (not its NDCG or HitRate) count a relevant item only
-when its score is > 0 (its PR #3104); here the ranking alone counts, as in RecBole, so a model's raw dot products
-or logits (often negative) give higher Recall / Precision / MRR here. Compare on positive scores
-(`torch.sigmoid(scores)` keeps the order).
-
-States are float64 sums per (metric, cutoff 1..max(ks)) and counts of users with and without a relevant item,
-whatever ks and empty_target_action say (so a MetricCollection groups only metrics that compute alike), reduced
-with "sum": `compute()` covers every rank, and the same users split over 1, 2 or 4 ranks give the same value
-(float64 sums in another order: equal to ~1e-15, identical once logged as float32).
+The full-ranking and candidate forms are reduced at once to each user's top K, so nothing larger than one batch
+of users x items exists. States are float64 sums per (metric, cutoff 1..max(ks)) and user counts, whatever ks and
+empty_target_action say (a MetricCollection shares equal states), reduced with "sum" over ranks.
 """
 
 from __future__ import annotations
@@ -188,8 +142,7 @@ class RankingMetrics(Metric):
                  prefix: str = "", top_k: int | None | _Unset = UNSET, empty_target_action: str = "skip",
                  ignore_index: int | None = None, adaptive_k: bool = False, aggregation: str = "mean",
                  **kwargs) -> None:
-        # torchmetrics' retrieval arguments: ignore_index is honoured; the two others are refused naming what is
-        # computed
+        # torchmetrics' retrieval arguments: ignore_index is honoured, the two others refused
         if adaptive_k:
             raise ValueError("adaptive_k=True (Precision@k over min(k, the user's candidates)) is not computed here: "
                              "Precision@k divides by k (torchmetrics' adaptive_k=False); give candidate lists of at "
@@ -217,9 +170,7 @@ class RankingMetrics(Metric):
         self.metric_names = tuple(dict.fromkeys(metrics))
         self.prefix = prefix
         self._warned_short = False
-        # The states hold the same whatever ks and empty_target_action say (every cutoff 1..max(ks); users with and
-        # without a relevant item apart), which compute() reads: torchmetrics' MetricCollection shares one state
-        # between metrics whose states are equal after the first update, so equal states must mean equal meaning.
+        # the same states whatever ks and empty_target_action say: a MetricCollection shares equal states
         shape = (len(RANKING_METRICS), self.max_k)
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("evaluated_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
@@ -282,7 +233,7 @@ class RankingMetrics(Metric):
 
     def update_full(self, scores_UI: Tensor, target_offsets: Tensor, target_items: Tensor,
                     exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None) -> None:
-        """Full ranking of a batch of users against every item (see the module docstring)."""
+        """Full ranking of a batch of users against every item; a user's `exclude_items` are pushed to -inf."""
         self.update(scores_UI, target_offsets=target_offsets, target_items=target_items,
                     exclude_offsets=exclude_offsets, exclude_items=exclude_items)
 

@@ -12,7 +12,7 @@ FEEDER_COLLECTIVES = ("auto", "concurrent", "in_step_order")
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: see the module doc.
+    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: the stages run ahead.
 
     feeder_collectives: when the feeder runs its collectives (the agreement on the next batch, the id
     all-to-alls). "concurrent": as soon as a batch is read, beside the step's own (gloo and shared

@@ -37,26 +37,13 @@ _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",
 
 
 class CriteoDataModule(pl.LightningDataModule):
-    """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es.
+    """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es (docs/criteo.md).
 
-    Map-style (default): each file is parsed once into a memory-mapped Arrow cache under
-    `cache_dir` (`prepare_data`, local rank 0), then read by index; shuffling is exact.
-    `streaming=True`: files are parsed while iterating (no cache; for files too big to cache);
-    shuffling is within blocks of `block_bytes`. See `lightning_rec.data.criteo` for layouts, missing
-    values and bad rows.
-
-    A path may also be a table: a Parquet file, a folder of them (a Hugging Face Hub dataset's files) or a
-    `datasets` save_to_disk folder, with columns label, I1..I13, C1..C26; it is converted once into the
-    same cache, or streamed in blocks of rows, and gives the batches its text would
-    (`lightning_rec.data.criteo.tables`). In Python, a `datasets.Dataset` with those columns may be passed
-    as a path: it is written once as Parquet under `cache_dir`, in a folder named by its fingerprint
-    (`lightning_rec.data.hf_dataset`), and read as that folder.
-    Or a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
-    logs): each rank then reads its share of the .npy shards as batch slices
-    (`lightning_rec.data.criteo.shards`); `num_embeddings_per_feature` must match the directory's.
-    `parser`: "auto" (the native op when built), "native" or "python" (the reference).
-    Training and validation need labelled files: an unlabelled file (the Kaggle test layout) there is
-    an error, not NaN labels.
+    Map-style (default): each file is parsed once into a memory-mapped Arrow cache under `cache_dir`
+    (`prepare_data`, local rank 0), then read by index. `streaming=True`: parsed while iterating, shuffled
+    within blocks. A path may also be a table (Parquet, a save_to_disk folder; in Python a `datasets.Dataset`)
+    or a `lightning-rec preprocess` directory, whose shards each rank reads its share of. Training and
+    validation need labelled files.
 
     Args:
         train_path: the training data: a Criteo text file, a table, or a `lightning-rec preprocess` directory.
@@ -191,10 +178,8 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def check_paths(self, stage: str) -> None:
         """A clear ValueError for a file that `stage` reads and that does not exist (or a split it needs and has
-        no path for). The CLI calls it before the Trainer starts, so that at N ranks the error comes once, before
-        any process group: found in prepare_data (local rank 0 only), it left rank 1 in a barrier, whose gloo
-        "Connection closed by peer" traceback was the last thing on the screen. Only the stage's files: predict
-        on a machine without the recipe's training files works."""
+        no path for). The CLI calls it before any process group exists, so that the error comes once, not from
+        prepare_data on one rank while the others wait in a barrier. Only the stage's files are checked."""
         for split in self._splits_of(stage):
             if table_source_kind(self.paths[split]):
                 source_files(self.paths[split])  # a folder of several splits' files is refused here, before any rank
@@ -217,10 +202,8 @@ class CriteoDataModule(pl.LightningDataModule):
                 self._cache(split)
 
     def _check_same_ids(self, splits: Sequence[str]) -> None:
-        """The splits a stage reads must map a value to the same table row. A preprocessed directory holds ids hashed
-        by its --missing_categorical, or mapped through a vocabulary (--min_frequency / --vocab_from); a text or table
-        file is hashed here by `missing_categorical`. Mixed, the same value was another row in training than in
-        validation, in silence."""
+        """The splits a stage reads must map a value to the same table row: a preprocessed directory's ids are hashed
+        by its --missing_categorical or mapped through a vocabulary; a text or table file's by `missing_categorical`."""
         maps = {}
         for split in splits:
             path = self.paths[split]

@@ -177,16 +177,12 @@ class CriteoDataset(Dataset):
 class CriteoIterableDataset(IterableDataset):
     """Streaming: parse the file block by block while iterating; nothing is cached.
 
-    Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every
-    row is read by exactly one of them: rank r of W reads the blocks b with b % W == r, its workers
-    taking turns among them, so a rank reads the same rows at any num_workers and ranks' shares differ
-    by one block at most; a file of fewer than two blocks per pair is dealt row by
-    row instead (every pair parses it, each keeps its rows), so small files split evenly too.
-    With `shuffle`, rows are shuffled within each block (and the order differs per epoch: in your own
-    DataLoader, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler; its workers,
-    persistent ones too, read the epoch told; untold, each process counts its own passes); the
-    block order stays the file order. Rows left over at the end of a block carry into the next
-    block's batches, so only the last batch can be short.
+    Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every row is read
+    by exactly one of them: rank r of W reads the blocks b with b % W == r, at any num_workers; a file of
+    fewer than two blocks per pair is dealt row by row instead. With `shuffle`, rows are shuffled within
+    each block, per epoch (in your own DataLoader, call `set_epoch(epoch)` before each epoch, as with
+    torch's DistributedSampler); the block order stays the file order. Rows left over at the end of a
+    block carry into the next block's batches, so only the last batch can be short.
 
     `row_ids=True` (CriteoDataModule's predict set): each batch carries an order key per row
     (`Batch.row_ids`): its line's place among the file's rows when rows are dealt, (block << 32) + its place
@@ -233,7 +229,6 @@ class CriteoIterableDataset(IterableDataset):
         self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
         self._epoch = PassEpoch()
         self._dist = dist_rank_world()
-        # The report of the latest pass made in this process (a worker's own rows, with workers).
         self.report = self._new_report()
 
     def _new_report(self) -> ParseReport:
@@ -257,20 +252,13 @@ class CriteoIterableDataset(IterableDataset):
             self._dist = dist_rank_world()
         rank, world = self._dist
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        # ranks alternate in the deal (pair w * W + r): block b goes to rank b % W whatever the worker count. Dealt
-        # rank-major (r * num_workers + w), a rank's blocks depended on its workers and its share could be a block per
-        # worker short of another rank's; in training every rank stops at the shortest share, so those rows were
-        # never trained on (15% of a 10 MB file at 2 ranks x 2 workers)
+        # ranks alternate in the deal (pair w * W + r): block b goes to rank b % W whatever the worker count, so
+        # no rank's share is a block per worker short of another's
         return worker * world + rank, world * num_workers
 
-    # Resuming (torchdata's Stateful protocol: StatefulDataLoader saves the state after every batch,
-    # per worker). The position is where the block being read began (the reader's position, the block
-    # index, the shuffling generator's state, the rows carried over from earlier blocks) plus the
-    # batches already yielded from it: a resumed pass seeks there, reads that one block again and skips
-    # those batches, instead of re-reading the stream from the start.
-
-    # The carried-over rows travel as tensors: checkpoints are read back with torch.load(weights_only=True)
-    # (Lightning's default), which refuses numpy arrays ("Unsupported global ... _reconstruct").
+    # torchdata's Stateful protocol: the position is where the block being read began (reader position, block
+    # index, generator state, rows carried over) plus the batches yielded from it; a resumed pass seeks there.
+    # The carried-over rows travel as tensors: torch.load(weights_only=True) refuses numpy arrays.
 
     def state_dict(self) -> dict[str, Any]:
         position = getattr(self, "_position", None)
@@ -319,9 +307,8 @@ class CriteoIterableDataset(IterableDataset):
                                              resume["yielded"])
         num_pending = sum(p[0].shape[0] for p in pending)
         blocks, num_blocks = self._blocks(start, k, report)
-        # Few blocks per shard: deal rows (every shard parses every block, keeps every num_shards-th
-        # row), so ranks get equal shares of a small file; many blocks: deal whole blocks (each is
-        # parsed once), and shares differ by at most about a block.
+        # few blocks per shard: deal rows (each shard parses every block), so a small file is shared evenly;
+        # many blocks: deal whole blocks, each parsed once
         by_rows = num_shards > 1 and num_blocks < 2 * num_shards
         for reader, parse in blocks:
             here, k = k, k + 1

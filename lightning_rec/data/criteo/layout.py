@@ -37,8 +37,7 @@ def layout_width(has_label: bool) -> int:
 
 _MAGIC = ((b"\x1f\x8b", "gzip", ".gz"), (b"BZh", "bz2", ".bz2"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst"))
 _warned_compression: set[str] = set()
-# A UTF-8 byte-order mark, which editors on Windows (and Excel's "CSV UTF-8") put before the first row: the
-# readers skip it at the start of the text, as Python's "utf-8-sig" does (it is no field's byte).
+# a UTF-8 byte-order mark (Excel's "CSV UTF-8"): skipped at the start of the text, as "utf-8-sig" does
 BOM = b"\xef\xbb\xbf"
 _HEAD_BYTES = 1 << 20  # what layout detection reads
 _SEPARATOR_NAMES = {"tab": "\t", "\\t": "\t", "comma": ","}
@@ -171,7 +170,6 @@ def _header_layout(path, head: bytes, names: list[str], separator: str, has_labe
         )
     after = head.lstrip().split(b"\n", 1)[1:]  # what follows the header line
     if not (after and after[0].strip()) and len(head) < _HEAD_BYTES - len(BOM):  # the whole file: no row
-        # (streamed, a header-only file trained on no batches in silence)
         raise ValueError(f"{path} has no data rows (a header only): expected Criteo rows (label, I1..I13, "
                          f"C1..C26)")
     label_field = index.get("label")

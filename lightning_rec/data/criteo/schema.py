@@ -10,9 +10,7 @@ import numpy as np
 NUM_DENSE_FEATURES = 13
 NUM_SPARSE_FEATURES = 26
 DEFAULT_SPARSE_FEATURE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
-# TorchRec's torchrec.datasets.criteo names, with the values our loaders use: the KJT keys of every Criteo
-# and synthetic data module (TorchRec's loaders say cat_0..cat_25; tables built from these names read our
-# batches, and a data module's sparse_feature_names=... gives other keys).
+# TorchRec's torchrec.datasets.criteo names, with the values our loaders use (their KJT keys)
 CAT_FEATURE_COUNT, INT_FEATURE_COUNT = NUM_SPARSE_FEATURES, NUM_DENSE_FEATURES
 DEFAULT_CAT_NAMES = DEFAULT_SPARSE_FEATURE_NAMES
 DEFAULT_INT_NAMES = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)]

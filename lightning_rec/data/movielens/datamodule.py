@@ -95,7 +95,7 @@ class MovieLensDataModule(pl.LightningDataModule):
             fingerprint, under datasets' cache: `lightning_rec.data.hf_dataset`).
         split: "ro_811" (RecBole's random-order 8:1:1 per user), "to_811" (the same in time order), "loo"
             (leave-one-out in time order), ml-100k's "u1".."u5", "ua", "ub", or "given" (data_dir holds the log's own
-            train / valid / test files, or is a DatasetDict) (see the package docstring).
+            train / valid / test files, or is a DatasetDict) (docs/movielens.md).
         min_rating: None: every rating is an interaction; a number: only ratings >= it.
         side_features: add age/gender/occupation/zip and genre/year features where the layout has them.
         batch_size: training pairs per batch.
@@ -113,7 +113,6 @@ class MovieLensDataModule(pl.LightningDataModule):
         prefetch_factor: batches each worker loads ahead (None: torch's default).
         persistent_workers: keep the workers between epochs (None: whenever there are any).
     """
-
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,

@@ -73,7 +73,6 @@ def _atomic_rows(path: Path):
             yield dict(zip(names, line.split("\t")))
 
 
-
 def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, dict], dict[int, str], dict]:
     """Raw user id -> {feature: id}, raw item id -> {feature: id or [ids]}, item id -> title, feature sizes."""
     vocab = {"gender": _Vocab(), "occupation": _Vocab(), "genre": _Vocab()}

@@ -1,5 +1,5 @@
 """The splits of MovieLens' interactions into train (0), validation (1) and test (2): their names, and RecBole's
-RO / TO ratio splits and leave-one-out (see the package docstring)."""
+RO / TO ratio splits and leave-one-out (docs/movielens.md)."""
 
 from __future__ import annotations
 
