@@ -2,19 +2,14 @@
 
 Shapes: F features, B batch, N ids, D dims, T tables.
 
-Used by the unsharded collections (every table is local) and by the sharded ones (the local
-tables are this rank's shards). Two compute kernels:
+Used by the unsharded collections and by the sharded ones (the local tables are this rank's shards).
+Two compute kernels: fused (one table-batched kernel per group, fbgemm TBE or our native CPU kernel, whose
+backward applies the optimizer to the rows it touched: no weight gradient exists) and dense (an
+`nn.Parameter` per table, `F.embedding_bag` per feature, stepped by a torch.optim optimizer).
 
-- fused: one table-batched kernel per group (fbgemm TBE, or our native CPU kernel once built)
-  whose backward applies the optimizer to the rows it touched; no weight gradient exists.
-- dense: one ordinary `nn.Parameter` per table and `F.embedding_bag` per feature; autograd
-  produces the gradient and a torch.optim optimizer (or DDP) steps it.
-
-Tables are grouped by what a kernel must share (pooling; data type); several features may read
-one table. A lookup expects its features in `feature_names` order (group-major) and returns
-their pooled embeddings side by side in that order: pooled_BD with D = sum of the features' dims.
-Each table's weights are exposed as `weights[name]`: a view into the kernel's storage, so writes
-through it (checkpoint loading, resharding) land in the kernel.
+Tables are grouped by what a kernel must share (pooling, data type). A lookup takes its features in
+`feature_names` order (group-major) and returns pooled_BD, D = sum of the features' dims. A table's weights
+are views into the kernel's storage, so writes through them (checkpoint loading) land in the kernel.
 """
 
 from __future__ import annotations
@@ -48,9 +43,7 @@ class LocalTable:
     pooling: str  # "sum" | "mean" | "none"
     data_type: torch.dtype = torch.float32
     weight_init: tuple[float, float] | None = None  # uniform range; None: +-sqrt(1/rows)
-    # Where a fused table lives on GPU (a plan's compute kernel): "fused" in device memory,
-    # "fused_uvm" in host memory through unified memory, "fused_uvm_caching" in host memory with a
-    # device cache. On CPU every table is in host memory already, so all three are the same.
+    # on GPU: "fused" device memory, "fused_uvm" host memory (unified), "fused_uvm_caching" host + device cache
     compute_kernel: str = "fused"
     cache_load_factor: float | None = None  # fused_uvm_caching: its cache's share of rows (None: fbgemm's 20%)
 
@@ -62,11 +55,8 @@ class LocalTable:
 
 
 def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
-    """torch.cat of kernel outputs, by plain type promotion also under autocast.
-
-    Under CPU autocast to bfloat16 (precision="bf16-mixed") cat takes autocast's promote path, which refuses an
-    FP16 table's output ("Unexpected floating ScalarType in at::autocast::prioritize").
-    """
+    """torch.cat of kernel outputs, by plain type promotion also under autocast (whose bf16 promote path refuses
+    an FP16 table's output)."""
     if len(parts) == 1:
         return parts[0]
     device_type = parts[0].device.type
@@ -153,8 +143,7 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
     ):
         return "native"
     if optimizer.weight_decay and opt in _FBGEMM_CPU_NO_DECAY:
-        # fbgemm's CPU EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD leave out the decay term whatever
-        # WeightDecayMode (tests/test_native_embedding.py); sequence tables have no CPU kernel that decays.
+        # fbgemm's CPU kernels leave out the decay term whatever WeightDecayMode (tests/test_native_embedding.py)
         fix = ("use kernel='native' (or 'auto')" if pooling in NATIVE_POOLINGS else
                "sequence tables (EmbeddingCollection) run on fbgemm on CPU, which has no weight decay: train them on "
                "GPU (device='cuda') to decay them")
@@ -226,8 +215,7 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # this module has it in fbgemm 1.6-1.8 (fbgemm_gpu.tbe.config, where 1.7+ define it, is absent in 1.6)
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
-        # L2 adds weight_decay * w to the gradient before the update, as torch.optim does. With a
-        # scaled gradient (padded row-wise tables, see FusedKernel) the decay term is scaled alike.
+        # L2: weight_decay * w added to the gradient, as torch.optim; scaled with a scaled gradient (padding)
         kwargs.update(weight_decay=optimizer.weight_decay * grad_scale, weight_decay_mode=WeightDecayMode.L2)
     tbe = fb["TBE"](
         specs,
@@ -244,9 +232,7 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # one is subnormal in fp16), and every rank sends one dtype through the output all-to-all
         output_dtype=fb["SparseType"].FP32,
         pooling_mode=pooling_mode,
-        # CPU batches are checked (with feature and table names) before the kernel (batch_check.py).
-        # On GPU, fbgemm's own check keeps the kernel safe without a host sync and counts bad ids on
-        # the device, for the lazy named error (batch_check.DeviceBoundsCheck).
+        # CPU batches are checked before the kernel; on GPU fbgemm counts bad ids on the device (batch_check.py)
         bounds_check_mode=fb["BoundsCheckMode"].NONE if on_cpu else fb["BoundsCheckMode"].WARNING,
         device=device,
         table_names=[t.name for t in tables],
@@ -263,13 +249,8 @@ _STEP_OPTIMIZERS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOpt
 
 
 def fbgemm_optimizer_states(tbe: nn.Module, opt: EmbOptimType) -> list[dict[str, Tensor]]:
-    """Per table, an fbgemm TBE's optimizer state under the names the native kernel uses (views).
-
-    Same names on every kernel and device, so that state saved on GPU (fbgemm) loads on CPU (native)
-    and back, and `.to(device)` carries it: Adam / LAMB add the shared step counter as "step" (a
-    0-dim view of fbgemm's `iter`, so a resumed run keeps its bias correction); LARS-SGD's momentum comes
-    from split_optimizer_states.
-    """
+    """Per table, an fbgemm TBE's optimizer state under the names the native kernel uses (views), so state saved
+    on GPU loads on CPU and back: Adam / LAMB add fbgemm's shared step counter `iter` as "step" (a 0-dim view)."""
     if opt in _FBGEMM_SPLIT_STATE_NAMES:
         names = _FBGEMM_SPLIT_STATE_NAMES[opt]
         return [dict(zip(names, per_table)) for per_table in tbe.split_optimizer_states()]
@@ -414,9 +395,7 @@ class FusedKernel(nn.Module):
         """frozen: the tables' weights were set to requires_grad=False (fine-tuning): no update, no state change."""
         if not frozen:
             return self._pooled(features, checked)
-        # The kernel's backward is its update: with no autograd graph it never runs (fbgemm's Adam step, advanced in
-        # forward, is taken back in _pooled). Per-id weights that require grad get theirs through a plain lookup of
-        # the (constant) rows, added as an exact zero so the output stays the kernel's.
+        # no graph, no update; per-id weights that require grad get theirs through a plain lookup added as zero
         with torch.no_grad():
             out = self._pooled(features, checked)
         weights_N = features.weights_or_none()
@@ -437,9 +416,8 @@ class FusedKernel(nn.Module):
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
         if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
-            # fbgemm's TBE forward reads its step counter on the host (`iter_cpu.item()`), which export cannot trace.
-            # Without an update, torch's lookup over the same rows gives the kernel's output (fp32); a compiled
-            # lookup without grad (evaluation) takes it too, and so compiles whole.
+            # fbgemm's forward reads its step counter on the host, which export cannot trace; without an update,
+            # torch's lookup over the same rows gives the kernel's output
             return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
                                 fp32_out=True)
         if torch.compiler.is_compiling():
@@ -484,7 +462,6 @@ class FusedKernel(nn.Module):
             states = [dict(s) for s in self.tbe.get_optimizer_state()]
         else:
             states = fbgemm_optimizer_states(self.tbe, EmbOptimType(self.optimizer_config.optimizer))
-        # Stateless optimizers (SGD) come back as an empty list rather than one {} per table.
         states = states if states else [{} for _ in self.tables]
         if self._padded != self._dims:
             states = [{k: (v[:, :d] if v.dim() == 2 else v) for k, v in st.items()}
@@ -497,11 +474,8 @@ class FusedKernel(nn.Module):
             self.tbe.reset_cache_states()
 
     def state_loaded(self) -> None:
-        """The state views were written (a checkpoint, a device move): fbgemm re-reads its step counter.
-
-        fbgemm (1.6-1.8) keeps a host copy of the Adam / LAMB step (`iter_cpu`) that it refreshes from
-        the device counter only while the host copy is 0; zeroing it makes the next forward read the
-        loaded step (one host read, once)."""
+        """The state views were written (a checkpoint, a device move): fbgemm (1.6-1.8) re-reads its step counter
+        from the device only while its host copy `iter_cpu` is 0."""
         iter_cpu = getattr(self.tbe, "iter_cpu", None)
         if self.kernel != "native" and isinstance(iter_cpu, Tensor):
             iter_cpu.zero_()
@@ -618,10 +592,6 @@ class GroupedLookup(nn.Module):
         self.feature_dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
         self._group_sizes = [sum(len(t.feature_names) for t in g) for g in self.groups]
 
-    @property
-    def is_fused(self) -> bool:
-        return any(isinstance(k, FusedKernel) for k in self.kernels)
-
     def forward(self, features: KeyedJaggedTensor, checked: bool = False,
                 frozen: frozenset[str] = frozenset()) -> list[Tensor]:
         """One output per kernel group: pooled_BD (features side by side) or values_ND (sequence).
@@ -643,8 +613,7 @@ class GroupedLookup(nn.Module):
         names = [t.name for t in kernel.tables]
         held = [n for n in names if n in frozen]
         if held and len(held) != len(names):
-            # One kernel updates all its tables in one backward; freezing part of it would need per-row masking
-            # that every optimizer (Adam's moments, weight decay) honours. Refused rather than half-frozen.
+            # one kernel updates all its tables in one backward: refused rather than half-frozen
             raise ValueError(
                 f"tables {held} are frozen (requires_grad=False) but share one fused kernel with "
                 f"{[n for n in names if n not in frozen]}, which are not: freeze all of {names} together, or put "

@@ -192,17 +192,11 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
     `set_learning_rate()`, `get_learning_rate()`.
     """
 
-    def __init__(
-        self,
-        embedding_specs: Sequence[tuple[int, int]],
-        feature_table_map: Sequence[int],
-        pooling_mode: str = "sum",
-        optimizer: FusedOptimizerConfig | None = None,
-        feature_names: Sequence[str] | None = None,
-        table_names: Sequence[str] | None = None,
-        weights_precision: torch.dtype = torch.float32,
-        weight_init: Sequence[tuple[float, float]] | None = None,
-    ) -> None:
+    def __init__(self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int],
+                 pooling_mode: str = "sum", optimizer: FusedOptimizerConfig | None = None,
+                 feature_names: Sequence[str] | None = None, table_names: Sequence[str] | None = None,
+                 weights_precision: torch.dtype = torch.float32,
+                 weight_init: Sequence[tuple[float, float]] | None = None) -> None:
         super().__init__()
         optimizer = optimizer if optimizer is not None else FusedOptimizerConfig()
         _check_arguments(embedding_specs, feature_table_map, pooling_mode, optimizer, weights_precision)

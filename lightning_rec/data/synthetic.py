@@ -115,31 +115,14 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         persistent_workers: keep the workers between epochs (None: whenever there are any).
     """
 
-    def __init__(
-        self,
-        num_train_samples: int = 65_536,
-        num_val_samples: int = 16_384,
-        num_test_samples: int = 0,
-        batch_size: int = 512,
-        val_batch_size: int | None = None,
-        num_dense_features: int = 13,
-        num_sparse_features: int = 26,
-        num_embeddings_per_feature: int | list[int] = 1000,
-        sparse_feature_names: list[str] | None = None,
-        ids_per_feature: int | list[int] = 1,
-        variable_length: bool = False,
-        num_signal_features: int = 8,
-        signal_scale: float = 1.0,
-        zipf_exponent: float = 3.0,
-        ctr: float = 0.25,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
-        persistent_workers: bool | None = None,
-    ) -> None:
+    def __init__(self, num_train_samples: int = 65_536, num_val_samples: int = 16_384, num_test_samples: int = 0,
+                 batch_size: int = 512, val_batch_size: int | None = None, num_dense_features: int = 13,
+                 num_sparse_features: int = 26, num_embeddings_per_feature: int | list[int] = 1000,
+                 sparse_feature_names: list[str] | None = None, ids_per_feature: int | list[int] = 1,
+                 variable_length: bool = False, num_signal_features: int = 8, signal_scale: float = 1.0,
+                 zipf_exponent: float = 3.0, ctr: float = 0.25, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int | None = None, persistent_workers: bool | None = None) -> None:
         super().__init__()
         # said here, not when the first loader is built
         worker_options("SyntheticCriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)

@@ -312,14 +312,9 @@ class RecMetricCollection(MetricCollection):
     Lightning then computes each metric over the epoch (all ranks) and resets it.
     """
 
-    def __init__(
-        self,
-        prefix: str | None = "val/",
-        from_logits: bool = True,
-        metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr"),
-        num_thresholds: int = 10_000,
-        **metric_kwargs,
-    ) -> None:
+    def __init__(self, prefix: str | None = "val/", from_logits: bool = True,
+                 metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr"), num_thresholds: int = 10_000,
+                 **metric_kwargs) -> None:
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}: choose from {sorted(_METRICS)}")

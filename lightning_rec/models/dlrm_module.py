@@ -70,28 +70,14 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             on the device where it lives (TorchRec's way: tables larger than one machine's memory).
     """
 
-    def __init__(
-        self,
-        num_embeddings_per_feature: int | list[int] = 100_000,
-        embedding_dim: int = 64,
-        sparse_feature_names: list[str] | None = None,
-        dense_in_features: int = 13,
-        dense_arch_layer_sizes: list[int] = (512, 256, 64),
-        over_arch_layer_sizes: list[int] = (512, 512, 256, 1),
-        interaction: str = "dot",
-        dcn_num_layers: int = 3,
-        dcn_low_rank_dim: int = 64,
-        sparse_optimizer: str = "rowwise_adagrad",
-        sparse_lr: float = 0.01,
-        sparse_eps: float = 1e-8,
-        sparse_weight_decay: float = 0.0,
-        dense_optimizer: str = "adagrad",
-        dense_lr: float = 0.01,
-        dense_weight_decay: float = 0.0,
-        embedding_kernel: str = "auto",
-        warmup_steps: int = 0,
-        embedding_device: str = "cpu",
-    ) -> None:
+    def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
+                 sparse_feature_names: list[str] | None = None, dense_in_features: int = 13,
+                 dense_arch_layer_sizes: list[int] = (512, 256, 64),
+                 over_arch_layer_sizes: list[int] = (512, 512, 256, 1), interaction: str = "dot",
+                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64, sparse_optimizer: str = "rowwise_adagrad",
+                 sparse_lr: float = 0.01, sparse_eps: float = 1e-8, sparse_weight_decay: float = 0.0,
+                 dense_optimizer: str = "adagrad", dense_lr: float = 0.01, dense_weight_decay: float = 0.0,
+                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
         super().__init__()
         self.save_hyperparameters()
         names = list(sparse_feature_names or CRITEO_SPARSE_FEATURES)

@@ -96,36 +96,16 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     the data module has them: `user_ids`, `item_ids`), score (the model's score; -inf once no unseen item is left).
     """
 
-    def __init__(
-        self,
-        user_num_embeddings: dict[str, int] | None = None,
-        item_num_embeddings: dict[str, int] | None = None,
-        embedding_dim: int = 64,
-        user_layer_sizes: Sequence[int] = (),
-        item_layer_sizes: Sequence[int] = (),
-        id_skip: bool = False,
-        tower_dropout: float = 0.0,
-        score: str = "dot",
-        temperature: float = 1.0,
-        loss: str = "softmax",
-        logq_correction: bool = True,
-        embedding_l2: float = 0.0,
-        sparse_optimizer: str = "rowwise_adagrad",
-        sparse_lr: float = 0.05,
-        sparse_weight_decay: float = 0.0,
-        dense_optimizer: str = "adam",
-        dense_lr: float = 0.001,
-        dense_weight_decay: float = 0.0,
-        embedding_kernel: str = "auto",
-        ks: Sequence[int] = (10, 20),
-        top_k_table_users: int = 5,
-        eval_item_chunk: int = 8192,
-        predict_top_k: int | None = None,
-        empty_target_action: str = "skip",
-        embedding_device: str = "cpu",
-        item_ids_digest: str | None = None,
-        user_ids_digest: str | None = None,
-    ) -> None:
+    def __init__(self, user_num_embeddings: dict[str, int] | None = None,
+                 item_num_embeddings: dict[str, int] | None = None, embedding_dim: int = 64,
+                 user_layer_sizes: Sequence[int] = (), item_layer_sizes: Sequence[int] = (), id_skip: bool = False,
+                 tower_dropout: float = 0.0, score: str = "dot", temperature: float = 1.0, loss: str = "softmax",
+                 logq_correction: bool = True, embedding_l2: float = 0.0, sparse_optimizer: str = "rowwise_adagrad",
+                 sparse_lr: float = 0.05, sparse_weight_decay: float = 0.0, dense_optimizer: str = "adam",
+                 dense_lr: float = 0.001, dense_weight_decay: float = 0.0, embedding_kernel: str = "auto",
+                 ks: Sequence[int] = (10, 20), top_k_table_users: int = 5, eval_item_chunk: int = 8192,
+                 predict_top_k: int | None = None, empty_target_action: str = "skip", embedding_device: str = "cpu",
+                 item_ids_digest: str | None = None, user_ids_digest: str | None = None) -> None:
         super().__init__()
         # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
         # `lightning-rec predict --ckpt_path=...` takes it from the command line (LightningCLI would

@@ -90,9 +90,6 @@ class TableSpec:
     def key(self) -> str:
         return f"{self.path}.{self.name}" if self.path else self.name
 
-    def bytes_per_row(self, optimizer: str) -> int:
-        return self.dim * self.elem_bytes + optimizer_state_bytes_per_row(optimizer, self.dim)
-
 
 @dataclass
 class ShardingOption:

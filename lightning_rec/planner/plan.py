@@ -126,22 +126,11 @@ class EmbeddingShardingPlanner:
     out, each collection's tables are planned by its own fused update.
     """
 
-    def __init__(
-        self,
-        topology: Topology | None = None,
-        *args,
-        batch_size: int | None = None,
-        constraints: Mapping[str, ParameterConstraints] | None = None,
-        optimizer=None,
-        pipelined: bool | int = True,
-        reserved_fraction: float = 0.15,
-        max_shard_fraction: float = 0.125,
-        max_proposals: int = 200,
-        grid_search_limit: int = 64,
-        print_stats: bool = True,
-        debug: bool = True,
-        **torchrec_components,
-    ):
+    def __init__(self, topology: Topology | None = None, *args, batch_size: int | None = None,
+                 constraints: Mapping[str, ParameterConstraints] | None = None, optimizer=None,
+                 pipelined: bool | int = True, reserved_fraction: float = 0.15, max_shard_fraction: float = 0.125,
+                 max_proposals: int = 200, grid_search_limit: int = 64, print_stats: bool = True, debug: bool = True,
+                 **torchrec_components):
         batch_size, constraints, debug = _read_positional(args, batch_size, constraints, debug, torchrec_components)
         _refuse_components(torchrec_components)
         # debug: TorchRec's switch for a more detailed stats log; it changes no plan. The stats here

@@ -110,10 +110,6 @@ class OutputColumns:
         self.mean_D = torch.repeat_interleave(mean_F, dims) if bool(mean_F.any()) else None
 
 
-def pooled_send_splits(batch_per_source: Sequence[int], width: int) -> list[int]:
-    return [b * width for b in batch_per_source]
-
-
 def place_parts(parts_BD: Sequence[Tensor | None], dp_BD: Tensor | None, cols: OutputColumns, batch: int,
                 like: Tensor) -> Tensor:
     """Each owner's block [B, D_p] (None: nothing from it) and the data-parallel block -> [B, D] in

@@ -68,18 +68,10 @@ def _column_sizes(dim: int, parts: int, column_sizes: Sequence[int] | None, tabl
     return sizes
 
 
-def shard_layout(
-    table: str,
-    num_rows: int,
-    dim: int,
-    sharding_type: ShardingType,
-    world_size: int,
-    *,
-    ranks: Sequence[int] | None = None,
-    local_world_size: int | None = None,
-    host_indexes: Sequence[int] | None = None,
-    column_sizes: Sequence[int] | None = None,
-) -> list[ShardMetadata]:
+def shard_layout(table: str, num_rows: int, dim: int, sharding_type: ShardingType, world_size: int, *,
+                 ranks: Sequence[int] | None = None, local_world_size: int | None = None,
+                 host_indexes: Sequence[int] | None = None,
+                 column_sizes: Sequence[int] | None = None) -> list[ShardMetadata]:
     """The shards of one table. `ranks` / `host_indexes` say where; defaults spread over everything.
 
     - table_wise: `ranks=[r]` (default rank 0)

@@ -107,13 +107,9 @@ def collection_configs(module) -> list:
                      f"EmbeddingCollection whose tables the plan covers")
 
 
-def construct_module_sharding_plan(
-    module: nn.Module,
-    per_param_sharding: Mapping[str, ShardingSpec],
-    local_size: int | None = None,
-    world_size: int | None = None,
-    device_type: str | None = None,
-) -> EmbeddingModuleShardingPlan:
+def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Mapping[str, ShardingSpec],
+                                   local_size: int | None = None, world_size: int | None = None,
+                                   device_type: str | None = None) -> EmbeddingModuleShardingPlan:
     """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (concrete shards).
 
     `world_size` / `local_size` (ranks per host) default to the initialised process group's.

@@ -137,13 +137,8 @@ def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Seque
                                  f"'@r..c..' at the end)")
 
 
-def build_routing(
-    configs: Sequence,
-    feature_names: Sequence[str],
-    table_plans: Mapping[str, ParameterSharding],
-    world_size: int,
-    pooled: bool,
-) -> Routing:
+def build_routing(configs: Sequence, feature_names: Sequence[str], table_plans: Mapping[str, ParameterSharding],
+                  world_size: int, pooled: bool) -> Routing:
     """The routing of one collection. `configs`: its table configs; `feature_names`: its output order.
 
     `table_plans` must already be validated (see plan_checks.validate_module_plan).

@@ -4,16 +4,12 @@ This is what the sharded collections put in their state dict for every sharded t
 
     ShardedTensor(global_shape=(rows, dim), local_shards=[(ShardMetadata, tensor [rows_s, cols_s]), ...])
 
-The metadata makes a checkpoint independent of the world size that wrote it: any layout reads
-any rectangle it owns from the pieces that cover it (`read`). Per-rank checkpoints are combined
-with `ShardedTensor.merge([...])`; `full()` assembles the whole table when every piece is there.
-Pure tensor code; pickles with torch.save and loads with torch.load's default weights_only=True
-(this module registers `ShardedTensor` with torch.serialization's safe globals, types.py the plan classes).
+Any layout reads any rectangle it owns from the pieces that cover it (`read`), so a checkpoint does not
+depend on the world size that wrote it; `merge([...])` combines per-rank ones, `full()` assembles the table.
+It loads with torch.load's default weights_only=True (registered as a safe global below).
 
-torch.distributed.checkpoint with its default planners cannot hold one: DCP looks up the chunks it
-planned only in real tensors (`find_state_dict_object`), and a non-tensor value it pickles per rank
-and keeps one rank's copy. So `dcp.save(dmp.state_dict())` refuses (the hook below) instead of
-writing one rank's pieces; `lightning_rec.checkpoint.save` / `load_model` write and read every piece.
+DCP's default planners keep one rank's pickled copy of a non-tensor value, so `dcp.save(dmp.state_dict())`
+refuses it (the hook below); `lightning_rec.checkpoint.save` / `load_model` write and read every piece.
 """
 
 from __future__ import annotations

@@ -87,13 +87,8 @@ def _is_pair(x: object) -> bool:
 class JaggedTensor:
     """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
 
-    def __init__(
-        self,
-        values: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-        offsets: Tensor | None = None,
-    ) -> None:
+    def __init__(self, values: Tensor, weights: Tensor | None = None, lengths: Tensor | None = None,
+                 offsets: Tensor | None = None) -> None:
         # Assigns only, as TorchRec's: jt.validate() checks that values, lengths and offsets agree
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
@@ -241,24 +236,13 @@ class JaggedTensor:
 class KeyedJaggedTensor:
     """Many features' bags over one batch. See the module docstring for the layout."""
 
-    def __init__(
-        self,
-        keys: Sequence[str],
-        values: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-        offsets: Tensor | None = None,
-        stride: int | None = None,
-        length_per_key: list[int] | None = None,
-        offset_per_key: list[int] | None = None,
-        _validate: bool = True,
-        *,
-        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
-        stride_per_key: Sequence[int] | None = None,
-        index_per_key: dict[str, int] | None = None,
-        jt_dict: dict[str, JaggedTensor] | None = None,
-        inverse_indices: tuple[list[str], Tensor] | None = None,
-    ) -> None:
+    def __init__(self, keys: Sequence[str], values: Tensor, weights: Tensor | None = None,
+                 lengths: Tensor | None = None, offsets: Tensor | None = None, stride: int | None = None,
+                 length_per_key: list[int] | None = None, offset_per_key: list[int] | None = None,
+                 _validate: bool = True, *, stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+                 stride_per_key: Sequence[int] | None = None, index_per_key: dict[str, int] | None = None,
+                 jt_dict: dict[str, JaggedTensor] | None = None,
+                 inverse_indices: tuple[list[str], Tensor] | None = None) -> None:
         # Assigns only, as TorchRec's: the batch is checked when a collection first reads it, or by kjt.validate()
         # (sparse_checks.validate_kjt). _validate=False: built by the library from a checked KJT (nothing to check).
         del jt_dict  # TorchRec's cache of to_dict(): computed here when asked

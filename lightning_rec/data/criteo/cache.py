@@ -112,16 +112,10 @@ def _cache_key(path: Path, table_source: bool, separator, has_header, has_label,
     return hashlib.sha256(key_src.encode()).hexdigest()[:16]
 
 
-def build_criteo_cache(
-    path: str | os.PathLike,
-    cache_dir: str | os.PathLike | None = None,
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-    on_bad_row: str = "error",
-    block_bytes: int = 64 << 20,
-    parser: str = "auto",
-) -> tuple[Path, ParseReport]:
+def build_criteo_cache(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                       separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
+                       on_bad_row: str = "error", block_bytes: int = 64 << 20,
+                       parser: str = "auto") -> tuple[Path, ParseReport]:
     """Parse `path` once into a memory-mappable Arrow file; later calls find it and return at once.
 
     The cache key covers the file (absolute path, size, mtime), the parse options and the parser

@@ -74,33 +74,15 @@ class CriteoDataModule(pl.LightningDataModule):
         persistent_workers: keep the workers between epochs (None: whenever there are any).
     """
 
-    def __init__(
-        self,
-        train_path: str | None = None,
-        val_path: str | None = None,
-        test_path: str | None = None,
-        predict_path: str | None = None,
-        batch_size: int = 2048,
-        val_batch_size: int | None = None,
-        num_embeddings_per_feature: int | list[int] = 100_000,
-        sparse_feature_names: list[str] | None = None,
-        missing_categorical: str = "reserved_id",
-        cache_dir: str | None = None,
-        streaming: bool = False,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        on_bad_row: str = "error",
-        separator: str | None = None,
-        has_header: bool | None = None,
-        has_label: bool | None = None,
-        block_bytes: int = 64 << 20,
-        parser: str = "auto",
-        prefetch_factor: int | None = None,
-        persistent_workers: bool | None = None,
-    ) -> None:
+    def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
+                 predict_path: str | None = None, batch_size: int = 2048, val_batch_size: int | None = None,
+                 num_embeddings_per_feature: int | list[int] = 100_000, sparse_feature_names: list[str] | None = None,
+                 missing_categorical: str = "reserved_id", cache_dir: str | None = None, streaming: bool = False,
+                 num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, on_bad_row: str = "error", separator: str | None = None,
+                 has_header: bool | None = None, has_label: bool | None = None, block_bytes: int = 64 << 20,
+                 parser: str = "auto", prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None) -> None:
         super().__init__()
         # said here, not when the first loader is built
         worker_options("CriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)

@@ -37,14 +37,9 @@ from lightning_rec.data.criteo.tables import TableBlocks, table_source_kind
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
-def make_criteo_batch(
-    label_B: np.ndarray,
-    dense_raw_B13: np.ndarray,
-    sparse_raw_BF: np.ndarray,
-    num_embeddings_F: np.ndarray,
-    keys: Sequence[str],
-    missing_categorical: str = "reserved_id",
-) -> Batch:
+def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw_BF: np.ndarray,
+                      num_embeddings_F: np.ndarray, keys: Sequence[str],
+                      missing_categorical: str = "reserved_id") -> Batch:
     """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse."""
     # fmax ignores NaN, so a missing count becomes log(1 + 0) = 0
     dense_B13 = np.log1p(np.fmax(dense_raw_B13, 0.0)).astype(np.float32, copy=False)
@@ -78,13 +73,8 @@ class CriteoDataset(Dataset):
     DataLoader then calls `__getitems__(indices)` once per batch and the whole batch is gathered in numpy.
     """
 
-    def __init__(
-        self,
-        arrow_path: str | os.PathLike,
-        num_embeddings_per_feature: int | Sequence[int],
-        sparse_feature_names: Sequence[str] | None = None,
-        missing_categorical: str = "reserved_id",
-    ) -> None:
+    def __init__(self, arrow_path: str | os.PathLike, num_embeddings_per_feature: int | Sequence[int],
+                 sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id") -> None:
         self.arrow_path = str(arrow_path)
         self.keys = feature_names(sparse_feature_names)
         check_missing_categorical(missing_categorical)
@@ -190,24 +180,11 @@ class CriteoIterableDataset(IterableDataset):
     back in input order by sorting them (lightning_rec.predict renumbers them 0..R-1).
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        batch_size: int,
-        num_embeddings_per_feature: int | Sequence[int],
-        sparse_feature_names: Sequence[str] | None = None,
-        missing_categorical: str = "reserved_id",
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        on_bad_row: str = "error",
-        separator: str | None = None,
-        has_header: bool | None = None,
-        has_label: bool | None = None,
-        block_bytes: int = 16 << 20,
-        parser: str = "auto",
-        row_ids: bool = False,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, batch_size: int, num_embeddings_per_feature: int | Sequence[int],
+                 sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, on_bad_row: str = "error",
+                 separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
+                 block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False) -> None:
         options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
         check_missing_categorical(missing_categorical)
         # a table (Parquet, a save_to_disk folder) streams in blocks of rows instead of bytes: about as many rows

@@ -99,12 +99,8 @@ def _read_head(path: str | os.PathLike, num_bytes: int = _HEAD_BYTES) -> bytes:
     return head[len(BOM):] if head.startswith(BOM) else head
 
 
-def detect_layout(
-    path: str | os.PathLike,
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-) -> CriteoLayout:
+def detect_layout(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
+                  has_label: bool | None = None) -> CriteoLayout:
     """Find separator, header and label column from the file's first lines (None = detect)."""
     head = _read_head(path)
     lines, numbers = _head_lines(path, head)

@@ -69,18 +69,10 @@ def _native_args(layout: CriteoLayout) -> tuple:
     )
 
 
-def parse_block_native(
-    block: bytes | np.ndarray,
-    first_line: int,
-    layout: CriteoLayout,
-    path: str,
-    on_bad_row: str,
-    report: ParseReport,
-    hash_mode: int = HASH_RAW,
-    num_embeddings: Sequence[int] = (),
-    log_dense: bool = False,
-    lines_out: list[int] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_block_native(block: bytes | np.ndarray, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str,
+                       report: ParseReport, hash_mode: int = HASH_RAW, num_embeddings: Sequence[int] = (),
+                       log_dense: bool = False,
+                       lines_out: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The native op on whole lines; the same rows, values, report and errors as `_parse_block`.
 
     With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the

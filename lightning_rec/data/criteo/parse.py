@@ -300,15 +300,9 @@ class CriteoReadOptions:
         return {**asdict(self), **changes}
 
 
-def read_criteo(
-    path: str | os.PathLike,
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-    on_bad_row: str = "error",
-    block_bytes: int = 64 << 20,
-    parser: str = "auto",
-) -> Iterator[tuple[pa.Table, ParseReport]]:
+def read_criteo(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
+                has_label: bool | None = None, on_bad_row: str = "error", block_bytes: int = 64 << 20,
+                parser: str = "auto") -> Iterator[tuple[pa.Table, ParseReport]]:
     """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block.
 
     The report is the same object every time, updated as blocks are parsed. `parser`: "auto"

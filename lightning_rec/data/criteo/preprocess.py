@@ -120,24 +120,13 @@ class _Run:
     remaps: list[np.ndarray] | None = None  # --min_frequency / --vocab_from: hashed id -> kept id, per feature
 
 
-def preprocess_criteo(
-    inputs: Sequence[str | os.PathLike],
-    output_dir: str | os.PathLike,
-    num_embeddings: int | Sequence[int] = 40_000_000,
-    min_frequency: int = 0,
-    vocab_from: str | os.PathLike | None = None,
-    missing_categorical: str = "reserved_id",
-    rows_per_shard: int = 1_000_000,
-    block_mb: int = 8,
-    shuffle_rows: bool | None = None,
-    seed: int = 0,
-    on_bad_row: str = "error",
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-    verify: bool = True,
-    progress: bool = True,
-) -> dict:
+def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike,
+                      num_embeddings: int | Sequence[int] = 40_000_000, min_frequency: int = 0,
+                      vocab_from: str | os.PathLike | None = None, missing_categorical: str = "reserved_id",
+                      rows_per_shard: int = 1_000_000, block_mb: int = 8, shuffle_rows: bool | None = None,
+                      seed: int = 0, on_bad_row: str = "error", separator: str | None = None,
+                      has_header: bool | None = None, has_label: bool | None = None, verify: bool = True,
+                      progress: bool = True) -> dict:
     """Convert Criteo text files (or tables: see `lightning_rec.data.criteo.tables`) into a shard directory;
     returns the manifest."""
     _check_arguments(inputs, missing_categorical, on_bad_row, rows_per_shard, block_mb, min_frequency, vocab_from)

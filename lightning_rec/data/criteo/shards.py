@@ -139,18 +139,9 @@ class CriteoShardDataset(IterableDataset):
     and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        batch_size: int,
-        sparse_feature_names: Sequence[str] | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        every_row: bool = False,
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike, batch_size: int, sparse_feature_names: Sequence[str] | None = None,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, every_row: bool = False) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.directory = str(directory)
