@@ -256,13 +256,8 @@ def _where_refused_value_is_set(message: str) -> str:
 
 
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
-    """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
-
-    jsonargparse refuses a misspelt option in three ways: on the command line ("unrecognized arguments:
-    --trainer.max_epocs=1"), as a key of the config file ("does not accept option 'trainer.max_epocs'") and
-    as an init argument of a class_path ("Problem with given class_path 'X': Option 'embeding_dim' is not
-    accepted"); none says what was meant.
-    """
+    """The close spellings of the options `message` refuses (on the command line, as a config file's key, or as a
+    class_path's init argument), as lines to add to it ('' when none)."""
     if "Problems parsing config" in message:  # yaml's error says "<unicode string>", line 3: not which file
         return _config_file_that_fails(_ARGV)
     for whole in (_command_hint, _config_file_meant):  # refusals that are said in full by one hint
@@ -291,12 +286,8 @@ _JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "E
 
 
 def constructor_refusal(error: ValueError) -> str:
-    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none).
-
-    A model's or data module's ValueError is in the report's exception chain; a strategy's is not: its Union (a name
-    or a Strategy) chains "Expected a <class 'str'>", which alone was shown for `--trainer.strategy.dense=ddpp`, and
-    the strategy's own sentence is an entry of the report's Errors list.
-    """
+    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none): in
+    the exception chain (a model's, a data module's), or an entry of the report's Errors list (a strategy's)."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
@@ -304,17 +295,14 @@ def constructor_refusal(error: ValueError) -> str:
         if isinstance(cause, ValueError) and not str(cause).startswith(_JSONARGPARSE_WORDS):
             return str(cause)
         cause = cause.__cause__ or cause.__context__
-    # at any depth: a planner's constraint (`--trainer.strategy.planner.constraints='{t_C1: {sharding_types:
-    # [row_wize]}}'`) refuses three Unions down (strategy, planner, constraints), and its sentence was left inside
-    # jsonargparse's 20-line report
+    # at any depth (a planner's constraint refuses three Unions down)
     _, listed, rest = str(error).partition("\nErrors:\n")
     entries = re.findall(r"^\s*- (.*)$", rest, re.MULTILINE) if listed else []
     return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
 
 
 def _warn_options_a_later_config_sets(argv: list[str]) -> None:
-    # jsonargparse applies arguments in order: `fit --trainer.max_epochs=1 --config recipe.yaml` trained the recipe's
-    # 2 epochs, without a word (the option was read, then the file set it again)
+    # jsonargparse applies arguments in order: an option before --config is set again by the file, silently
     import yaml
     from lightning.pytorch.utilities import rank_zero_warn
 

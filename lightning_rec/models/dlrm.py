@@ -185,11 +185,9 @@ class DLRM(nn.Module):
     def torchrec_names(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
         """TorchRec's name of each dense parameter -> (ours, our shape where TorchRec's differs; else None).
 
-        TorchRec's DenseArch is `model._mlp.<i>._linear` (a Perceptron per layer, ReLU after each), its OverArch
-        `model.0._mlp.<i>._linear` (the layers but the last, ReLU after each) then `model.1` (the logit), and its
-        LowRankCrossNet `W_kernels.<l>` [K, r], `V_kernels.<l>` [r, K], `bias.<l>` [K, 1] (or [K]): our U.<l>.weight,
-        V.<l>.weight and U.<l>.bias. The same layers and the same arithmetic, so a TorchRec DLRM's state dict loads
-        as is (the tables' names are the same already)."""
+        TorchRec's DenseArch is `model._mlp.<i>._linear`, its OverArch `model.0._mlp.<i>._linear` then `model.1`,
+        its LowRankCrossNet `W_kernels.<l>` [K, r], `V_kernels.<l>` [r, K], `bias.<l>` [K, 1]: our U.<l>.weight,
+        V.<l>.weight and U.<l>.bias. The same layers and arithmetic, so a TorchRec DLRM's state dict loads as is."""
         names: dict[str, tuple[str, tuple[int, ...] | None]] = {}
 
         def linears(arch: nn.Sequential) -> list[int]:
@@ -219,9 +217,8 @@ class DLRM(nn.Module):
         return names
 
     def _rename_torchrec_keys(self, state_dict, prefix, *args) -> None:
-        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched.
-        # TorchRec's DLRM_Projection holds its branches twice (as `interaction_branch1` and inside `inter_arch`), so
-        # its state dict has each branch under both names: the top-level copy goes where the other one does
+        # load_state_dict's pre-hook: TorchRec's dense names become ours (DLRM_Projection's branches appear twice
+        # there, at the top level and inside `inter_arch`: both go to one place)
         for key in [k for k in state_dict if k.startswith((prefix + "interaction_branch1.",
                                                            prefix + "interaction_branch2."))]:
             if prefix + "inter_arch." + key[len(prefix):] in state_dict:

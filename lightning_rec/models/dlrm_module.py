@@ -65,9 +65,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
             for tables trained by torch.optim, is refused: these tables are fused).
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
-        embedding_device: "cpu": the tables are drawn here, then moved or sharded (26 tables x 1M rows x 128: 13 GB
-            of host memory first); "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
-            on the device where it lives (TorchRec's way: tables larger than one machine's memory).
+        embedding_device: "cpu": the tables are drawn here, then moved or sharded; "meta": no values until
+            Trainer(strategy="rec") shards them, each shard drawn where it lives (tables larger than host memory).
     """
 
     def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
@@ -134,9 +133,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         super().setup(stage)
         data = getattr(self.trainer, "datamodule", None)
         self._check_data_sizes(data)
-        # Keys both modules have: Lightning refuses to log two values that differ ("Error while merging hparams"),
-        # also where they agree (tables larger than the data needs; --model.sparse_feature_names=[C1,...] beside the
-        # data's None, which means the same names): the data's value is logged as data_<key>
+        # keys both modules have: Lightning refuses two differing values ("Error while merging hparams"), also
+        # where they mean the same: the data's value is logged as data_<key>
         initial = getattr(data, "_hparams_initial", None)
         for key in ("num_embeddings_per_feature", "sparse_feature_names"):
             if initial is not None and key in initial and initial[key] != self.hparams_initial.get(key):
@@ -218,9 +216,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             values = metrics.compute()
             self.log_dict({name + suffix: v for name, v in values.items()}, prog_bar=prog_bar and not k,
                           sync_dist=True, add_dataloader_idx=False)
-            # {split}_loss (the mean BCE over every row of every rank) is the log loss metric: exact at any world
-            # size. (Logged per batch with batch_size=, Lightning's sync truncates the rows counted to an integer
-            # mean.)
+            # {split}_loss is the log loss metric, exact at any world size (Lightning's per-batch sync is not)
             self.log(f"{split}_loss{suffix}", values[f"{split}_logloss"], sync_dist=True, add_dataloader_idx=False)
             metrics.reset()
 

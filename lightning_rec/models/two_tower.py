@@ -39,13 +39,9 @@ LOSSES = ("softmax", "bpr")
 class Tower(nn.Module):
     """KJT -> pooled embeddings of every feature, concatenated -> MLP (none when layer_sizes is empty).
 
-    `skip_feature` (e.g. "user_id") adds that feature's pooled embedding to the MLP's output: a
-    residual path, out_BD = emb_id_BD + MLP(concat(every feature)). The tower starts as the id
-    embedding of matrix factorisation and the MLP learns from the side features what the id
-    cannot tell (a new item's genres). Measured on ml-100k (recipes/configs/two_tower_movielens.yaml):
-    side features + MLP without it train worse than ids alone, and weight decay on the MLP, which
-    the recipe needs against overfitting, then shrinks the whole tower; with it the decay only
-    shrinks the side-feature correction. The MLP's last layer must have the embedding's dim.
+    `skip_feature` (e.g. "user_id") adds that feature's pooled embedding to the MLP's output, a residual path:
+    out_BD = emb_id_BD + MLP(concat(every feature)), so weight decay on the MLP shrinks only the side-feature
+    correction (docs/movielens.md#the-model). The MLP's last layer must then have the embedding's dim.
     `dropout` acts on the MLP's input and between its layers.
     """
 
