@@ -154,7 +154,7 @@ def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
         raise TypeError(col.type)
     values_N = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN
-    return values_N  # NaN (numpy's and Polars' missing float) is missing, as a null, np.isinf(values_N)
+    return values_N, np.isinf(values_N)  # NaN (numpy's and Polars' missing float) is missing, as a null
 
 
 def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
