@@ -69,11 +69,10 @@ def refuse_dtype_cast(owner: str, fn) -> None:
 class FeatureRouter:
     """A KJT's features put into a collection's order, its per-id weights kept or dropped, the batch checked.
 
-    Shared by the unsharded and the sharded collections. For each input key order (cached) it
-    knows the permutation and every input feature's table size; the batch is checked in the order
-    it arrives (batch_check.py), before the permutation, so that a GPU batch moved from the host is
-    checked on its host copy. A feature no table reads, and weights given to an unweighted
-    collection, are dropped with a warning (once).
+    Shared by the unsharded and the sharded collections; per input key order (cached) it knows the permutation
+    and each feature's table size. The batch is checked as it arrives, before the permutation, so that a GPU
+    batch moved from the host is checked on its host copy. Unread features and unused weights are dropped with
+    a warning (once).
     """
 
     def __init__(self, feature_names: Sequence[str], rows_F: Tensor, tables_F: Sequence[str], is_weighted: bool,
@@ -303,9 +302,7 @@ class _EmbeddingCollectionBase(nn.Module):
         weakref.finalize(param, _TABLE_OWNERS.pop, id(param), None)  # gone with the parameter, not kept forever
 
     def __setstate__(self, state: dict) -> None:
-        # copy.deepcopy and pickle (torch.save(model)) come through here. nn.Parameter's deepcopy clones its data:
-        # point the copy's table parameters at its own kernels' storage again (equal values) and register them,
-        # as the originals are, for apply_optimizer_in_backward.
+        # deepcopy / pickle: point the copy's table parameters at its own kernels' storage again, and register them
         super().__setstate__(state)
         _LIVE_COLLECTIONS[id(self)] = self
         table_weights = self._lookup.table_weights()
@@ -354,9 +351,8 @@ class _EmbeddingCollectionBase(nn.Module):
         seen = self.__dict__.get("_frozen_seen")
         if seen is None or seen[0] != FusedTableWeight.freeze_changes:
             if torch.compiler.is_compiling():
-                # torch.compile cannot read an attribute of a Parameter subclass ("Unsupported tensor subclass
-                # overridden attribute access"): read once while tracing, as a constant of the graph (which is
-                # recompiled when freeze_changes, read above, moves)
+                # torch.compile cannot read a Parameter subclass's attribute: a constant of the graph, recompiled
+                # when freeze_changes moves
                 frozen = _frozen_names(id(self))
             else:
                 frozen = _read_frozen(self)
@@ -412,12 +408,9 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         if self._device.type == "meta":
-            # Built on "meta" (TorchRec's way to build tables larger than one device): no values to move, also when
-            # Lightning moves the module before the strategy shards it, which draws each shard where it lives.
-            # A forward before sharding says so (_route).
+            # built on "meta": no values to move; the strategy draws each shard where it lives
             return self
-        # .to(...) / .cuda() / a parent's, all through here: without CUDA, one line instead of torch's
-        # AssertionError from inside the copy ("Torch not compiled with CUDA enabled")
+        # .to(...) / .cuda() / a parent's: without CUDA, one line instead of torch's AssertionError
         try:
             probe = fn(torch.empty(0, device=self._device))
         except (RuntimeError, AssertionError) as e:

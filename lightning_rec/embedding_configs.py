@@ -67,8 +67,7 @@ class BaseEmbeddingConfig:
     # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
     # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
     init_fn: Callable[[Tensor], object] | None = None
-    # TorchRec's: a table read with position weights. Learned per-id weights train under every sharding type here,
-    # row_wise included (TorchRec needs this flag for it), so either value is taken and changes nothing.
+    # TorchRec's flag for position-weighted tables: learned per-id weights train under every sharding type here
     need_pos: bool = False
     # TorchRec's fields for what this package does not do (inference-time row pruning, bucketized and virtual
     # tables): the default taken, another value refused naming what to do

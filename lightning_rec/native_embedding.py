@@ -48,12 +48,8 @@ _OPTIMIZER_IDS = {
 NATIVE_OPTIMIZERS = tuple(_OPTIMIZER_IDS)
 _POOLING_IDS = {"sum": 0, "mean": 1}
 
-# The "auto" rule, measured with benchmarks/embedding.py (26 tables x 100k rows x D=64, B=2048, one
-# id per feature, 2 threads, this 2-core AMD EPYC (AVX-512) VM, median of 3 interleaved rounds, two
-# runs): native / fbgemm-gpu-cpu 1.8.0 = 1.7-2.4x row-wise Adagrad, 2.4-2.9x SGD, 2.9x Adagrad; fbgemm
-# has no CPU Adam or partial-row-wise Adam (native 3.3-3.5x / 5.3-6.6x plain SparseAdam). Native wins
-# for every optimizer it implements in every run, so on CPU "auto" = native whenever the extension is
-# built; LAMB / LARS stay with fbgemm (GPU).
+# The "auto" rule: native beats fbgemm's CPU kernel for every optimizer it implements (benchmarks/embedding.py),
+# so on CPU "auto" = native whenever the extension is built; LAMB / LARS stay with fbgemm (GPU).
 def prefer_native(optimizer: EmbOptimType | str) -> bool:
     """The "auto" rule: use the native kernel on CPU for this optimizer (else fbgemm)."""
     return native_kernel_available() and EmbOptimType(str(optimizer).lower()) in _OPTIMIZER_IDS
@@ -304,9 +300,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm:
         evaluate under torch.no_grad()).
 
-        The batch is checked first (offsets, ids, finite weights: batch_check.py) and a bad one is a
-        ValueError naming the feature and table; `_checked=True` (the collections, which checked it
-        already) skips that pass.
+        The batch is checked first (batch_check.py); `_checked=True` (the collections, which checked it already)
+        skips that pass.
         """
         indices_N = _as_index_tensor(indices, "indices")
         offsets = _as_index_tensor(offsets, "offsets")
@@ -356,12 +351,9 @@ _INIT_CHUNK = 1 << 22  # elements per generator in _uniform_
 
 
 def _uniform_(flat_N: Tensor, low: float, high: float) -> None:
-    """flat_N.uniform_(low, high) on every thread, with the same values for any number of threads.
-
-    torch's CPU uniform_ runs on one thread (~1 s per 128M floats here): a DLRM of 26 tables x 1M rows x 128
-    spent ~20 s initialising on the host before it sharded. A large table is drawn in fixed chunks, each from its
-    own generator seeded from one draw of the global one (so torch.manual_seed still decides every value);
-    small tables (under two chunks) draw as before."""
+    """flat_N.uniform_(low, high) on every thread (torch's CPU uniform_ uses one), the same values for any number
+    of threads: a large table is drawn in fixed chunks, each from a generator seeded from one draw of the global
+    one (so torch.manual_seed still decides every value); small tables (under two chunks) draw as before."""
     n = flat_N.numel()
     if n < 2 * _INIT_CHUNK:
         flat_N.uniform_(low, high)
@@ -379,13 +371,8 @@ def _uniform_(flat_N: Tensor, low: float, high: float) -> None:
 
 
 def _empty_huge(numel: int, dtype: torch.dtype) -> Tensor:
-    """An uninitialised tensor whose pages the kernel may back with transparent huge pages.
-
-    Lookups and updates touch rows at random across hundreds of MB; with 4 KiB pages almost every
-    row costs a TLB miss (a page walk). Linux backs a region with 2 MiB pages when asked with
-    madvise(MADV_HUGEPAGE) before the first write (THP "madvise" mode, the common default). Where
-    that is not possible this is a plain torch.empty.
-    """
+    """An uninitialised tensor whose pages the kernel may back with transparent huge pages (madvise before the
+    first write): random row accesses then miss the TLB far less. Elsewhere a plain torch.empty."""
     t = torch.empty(numel, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if nbytes < 2 * _HUGE_PAGE or _LIBC is None:

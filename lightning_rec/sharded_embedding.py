@@ -10,16 +10,10 @@ Legend: B local batch, F features, S_p this rank's shard features, D dims, W wor
       output_dist  embeddings travel back (output_dist.py) and land in the unsharded layout:
                    KeyedTensor [B, sum(D)] (bags) / {feature: JaggedTensor [N_f, D]} (sequence)
 
-Each rank's output covers its own samples (data parallel in and out), exactly what the unsharded
-collection returns for them. The pure routing lives in `sharding/`.
-
-State dict: the same keys as the unsharded collection (`embedding_bags.<table>.weight`,
-`embeddings.<table>.weight`). A sharded table's entry is a `ShardedTensor` (global shape + this
-rank's pieces with their row/column offsets); a replicated table's entry is a plain tensor.
-`load_state_dict` takes either form, from any world size and layout: a full tensor (an unsharded
-checkpoint), or ShardedTensors whose pieces cover this rank's shards (merge per-rank checkpoints
-with `ShardedTensor.merge`). Shard-local names (`<table>@r<row>c<col>`, the table's own name when
-it is whole) name each piece's kernel table and so its fused optimizer state.
+Each rank's output covers its own samples, exactly what the unsharded collection returns for them. The pure
+routing lives in `sharding/`. The state dict has the unsharded collection's keys: a sharded table's entry is a
+`ShardedTensor`, a replicated one's a plain tensor; `load_state_dict` takes either, from any world size and layout.
+Shard-local names (`<table>@r<row>c<col>`, the table's own when whole) name each piece's kernel table.
 """
 
 from __future__ import annotations
@@ -106,10 +100,8 @@ class ShardedLookupOut:
 class ReplicaKernel:
     """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward.
 
-    Quacks like lookup.FusedKernel for FusedOptimizer (tables, optimizer_config, weights, state, lr). Each call
-    (`forward`) looks up through leaves of its own that view the weights, so its backward applies the rule once
-    for that call, as a fused kernel's backward does: a collection called twice in a step (positives, then
-    negatives) updates twice, as its sharded tables do (one hook on the weights would take one step on the sum).
+    Quacks like lookup.FusedKernel for FusedOptimizer. Each call looks up through leaves of its own that view the
+    weights, so its backward applies the rule once per call, as a fused kernel's does.
     """
 
     def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
@@ -124,13 +116,11 @@ class ReplicaKernel:
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """This call's lookup: pooled_BD (bags) or values_ND (sequence); its backward updates the rows it named."""
-        # An FP16 replica is looked up through a float32 copy: float32 rows and a float32 gradient, as the fused
-        # kernels give and take (a small gradient is subnormal in float16). It costs what the float32 gradient does.
+        # an FP16 replica is looked up through a float32 copy, as the fused kernels give and take rows
         leaves = [(w.detach() if w.dtype == torch.float32 else w.detach().float()).requires_grad_(
             w.requires_grad and torch.is_grad_enabled()) for w in self.kernel.weights]
         if any(leaf.requires_grad for leaf in leaves):
-            # With weight_decay every row the call names is stepped, as in the fused kernels (a row named with a
-            # zero gradient, e.g. a per-id weight of 0, is decayed); without it such a row's step is 0 anyway.
+            # with weight_decay every row the call names is stepped (decayed), as in the fused kernels
             named = self._named_rows(features) if self.optimizer_config.weight_decay else [None] * len(leaves)
             for w, leaf, state, named_R in zip(self.kernel.weights, leaves, self._states, named):
                 if leaf.requires_grad:
@@ -193,18 +183,15 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
 class ShardedTableWeight(FusedTableWeight):
     """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table.
 
-    `numel()` is the global table's rows x columns, so that Lightning's ModelSummary and `sum(p.numel() for p in
-    model.parameters())` count a sharded model's tables as the unsharded model's. Its shape
-    stays what it holds, (0,): nothing allocates, moves or broadcasts the table through it (DDP's start-up broadcast
-    of the model's parameters, `.to()`, deepcopy)."""
+    `numel()` is the global table's rows x columns (ModelSummary counts the unsharded model's); its shape stays
+    (0,), so nothing allocates, moves or broadcasts the table through it."""
 
     def numel(self) -> int:  # type: ignore[override]
         return self.__dict__.get("table_numel", 0)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # vector_to_parameters steps by numel() (the whole table's) where parameters_to_vector gave this (0,)
-        # parameter nothing: values viewed into this empty parameter mean that mismatch; say what to pass.
+        # values viewed into this empty parameter: vector_to_parameters stepping by numel()
         if func is Tensor.view_as and len(args) == 2 and args[1] is not args[0] and isinstance(args[1], cls) and \
                 args[0].numel() != 0:
             raise ValueError(
@@ -228,8 +215,7 @@ class _FreezeSwitch(nn.Module):
 
     def __init__(self, frozen: bool, table_numel: int, device: torch.device) -> None:
         super().__init__()
-        # on the module's device: DDP refuses a module whose parameters are on two device types (a CPU one in a
-        # CUDA model: "input module parameters locate in {'cpu', 'cuda'}"), empty ones included
+        # on the module's device: DDP refuses parameters on two device types, empty ones included
         self.weight = ShardedTableWeight(torch.empty(0, device=device), requires_grad=False)
         self.weight.__dict__["table_numel"] = table_numel
         self.weight.frozen = frozen
@@ -279,9 +265,8 @@ class _ShardedCollectionBase(nn.Module):
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
-        # One empty parameter per table, as the unsharded collection has (the values are in the state dict): what
-        # freezing walks (dmp.requires_grad_, LightningModule.freeze, BaseFinetuning) and what the fused optimizer's
-        # param groups hold. Tables frozen before sharding (BaseFinetuning freezes in setup) stay frozen.
+        # one empty parameter per table, for freezing and the fused optimizer's param groups; tables frozen before
+        # sharding stay frozen
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
         switches = _Tables()
         for c in self._configs:
@@ -331,8 +316,7 @@ class _ShardedCollectionBase(nn.Module):
             error = self._frozen_error  # raised on every rank in the exchange below, not on this rank alone
         if ahead and error is None and self._is_weighted and features.weights_or_none() is not None \
                 and features.weights().requires_grad:
-            # Routed outside autograd their gradient would be lost (the plain loop gives one); an error, so every
-            # rank agrees in the counts exchange and raises (nobody hangs)
+            # routed outside autograd their gradient would be lost: an error every rank raises after the exchange
             error = (f"the batch's KeyedJaggedTensor for sharded {self._kind()} (features {self._feature_names}) "
                      f"has per-id weights that require a gradient (learned weights), but the pipeline routes "
                      f"batches ahead of their step, outside autograd, so those weights would not train: compute "
@@ -393,9 +377,8 @@ class _ShardedCollectionBase(nn.Module):
                 w.requires_grad_(t.name not in self._frozen)
 
     def _frozen_split(self) -> str | None:
-        """Why this rank cannot freeze these tables: a fused kernel here holds pieces of frozen and unfrozen tables
-        (one kernel updates all its tables in one backward). Said in the id all-to-all so every rank raises: the
-        lookup's own refusal would come on this rank alone, with the others waiting in the output all-to-all."""
+        """Why this rank cannot freeze these tables (a fused kernel here holds pieces of frozen and unfrozen ones):
+        said in the id all-to-all so every rank raises, not this one alone."""
         for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._frozen_local else []:
             pieces = [t.name for t in kernel.tables]
             held = [n for n in pieces if n in self._frozen_local]

@@ -14,9 +14,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward, which gets parameters only.
-# By id, not an attribute on the parameter (a weakref there would make the parameter unpicklable); a stale id is
-# caught by table_owner's identity check.
+# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward (by id: a weakref on the
+# parameter would make it unpicklable; table_owner checks identity)
 _TABLE_OWNERS: dict[int, tuple[weakref.ref, str]] = {}
 
 
@@ -30,12 +29,8 @@ def table_owner(param: Tensor) -> tuple[nn.Module, str] | None:
 
 
 class _Tables(nn.ModuleDict):
-    """table name -> its weight holder. Any table name works, `items` and `keys` included.
-
-    nn.ModuleDict refuses names that are attributes of the container (its methods); a table named
-    `items` would fail with "attribute 'items' already exists". Entries go straight into _modules,
-    which is all that state dicts, `named_parameters` and `tables[name]` read.
-    """
+    """table name -> its weight holder. Any table name works, `items` and `keys` included (nn.ModuleDict refuses
+    its own attribute names): entries go straight into _modules, which is all state dicts and lookups read."""
 
     def __setitem__(self, key: str, module: nn.Module) -> None:
         self._modules[key] = module
@@ -44,15 +39,12 @@ class _Tables(nn.ModuleDict):
 class FusedTableWeight(nn.Parameter):
     """A fused table's weight: a view of the kernel's storage, updated inside backward, never given a gradient.
 
-    `requires_grad` reads False (no autograd gradient: torch.optim and DDP leave it alone). Setting it, by
-    `p.requires_grad = False`, `module.requires_grad_(False)`, LightningModule.freeze() or Lightning's
-    BaseFinetuning, freezes the table: its kernel then does no update and keeps its optimizer state; setting it
-    True resumes. (TorchRec gets the same from fbgemm's placeholder parameter, whose requires_grad gates the
-    kernel's backward.) `frozen` tells which.
+    `requires_grad` reads False (torch.optim and DDP leave it alone). Setting it False (`requires_grad_`,
+    LightningModule.freeze(), BaseFinetuning) freezes the table: no update, optimizer state kept; True resumes.
+    `frozen` tells which.
     """
 
-    # Moves at every freeze or unfreeze of any table: a collection reads its tables' flags again only when it moved
-    # (reading them at every forward is ~50 us for 26 tables, several times a host-bound GPU step's overhead)
+    # moves at every freeze or unfreeze: a collection reads its tables' flags again only then (not every forward)
     freeze_changes: ClassVar[int] = 0
 
     @property
@@ -110,7 +102,6 @@ class _TableWeight(nn.Module):
         self.weight = weight
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
-        # The weight views the kernel's storage (or is the dense kernel's own parameter): load_state_dict(...,
-        # assign=True) would swap in a tensor the kernel never reads. Tables always load by copy, as sharded ones do.
+        # the weight views the kernel's storage: assign=True would swap in a tensor the kernel never reads
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)

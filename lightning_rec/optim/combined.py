@@ -26,9 +26,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer
     drives each child, including the fused learning rate. `step(closure)` runs the closure once,
-    then steps every child. The fused groups' other hyper-parameters are fixed (a write is refused at the next
-    step): torch's OneCycleLR / CyclicLR need `cycle_momentum=False` here (theirs says "optimizer must support
-    momentum or beta1").
+    then steps every child. The fused groups' other hyper-parameters are fixed: torch's OneCycleLR / CyclicLR
+    need `cycle_momentum=False` here.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
@@ -69,11 +68,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._sync_groups()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """A new group joins the dense (torch.optim) child, which steps it.
-
-        Lightning's BaseFinetuning.unfreeze_and_add_param_group adds the layers it unfreezes so; torch's
-        add_param_group put the group in this optimizer's list only, which no child steps: the layers got gradients
-        and never moved."""
+        """A new group joins the dense (torch.optim) child, which steps it (BaseFinetuning adds unfrozen layers so)."""
         if not self.__dict__.get("_built"):  # torch's __init__: the children's own groups
             super().add_param_group(param_group)
             return
@@ -85,8 +80,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                  for g in o.param_groups for p in g["params"]}
         held = sorted({fused[id(p)] for p in params if id(p) in fused})
         if held:
-            # the dense child took them and never stepped them (no gradient), silently: e.g. a group meant to give
-            # the tables another learning rate
+            # the dense child would hold them and never step them (no gradient)
             raise ValueError(
                 f"CombinedOptimizer.add_param_group: the group holds fused table weights (param group(s) "
                 f"{', '.join(held)}), which their fused optimizer updates inside backward; a dense optimizer's group "

@@ -34,9 +34,8 @@ class EmbOptimType(str, Enum):
 FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
-# torch.optim classes with a fused twin of the same update (AdamW's decoupled decay has none: fused adam
-# applies weight_decay as torch.optim.Adam does, to the gradient; it moves only the rows in the batch, which
-# is SparseAdam's rule). RowWiseAdagrad joins them where it is defined (torchrec_compat).
+# torch.optim classes with a fused twin of the same update (AdamW's decoupled decay has none); RowWiseAdagrad
+# joins them where it is defined (torchrec_compat)
 _TORCH_OPTIMIZERS = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: EmbOptimType.ADAGRAD,
                      torch.optim.Adam: EmbOptimType.ADAM, torch.optim.SparseAdam: EmbOptimType.ADAM}
 _USES_BETAS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
@@ -88,20 +87,12 @@ class FusedOptimizerConfig:
     gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
     and its second moment per row.
 
-    One update per lookup: the ids of one call are summed per row and the row is stepped once, as torch.optim
-    on the dense table would. A collection called twice in a step (positives and negatives through one tower)
-    updates twice, once from each call's gradient, as fbgemm and TorchRec do: the same for sgd without weight
-    decay, but adagrad adds
-    g1^2 + g2^2 rather than (g1 + g2)^2 and adam takes two steps (its step count too). Call it once on one
-    batch holding both (their bags stacked per feature) for torch.optim's one step.
+    One update per lookup's backward: a collection called twice in a step updates twice (docs/embeddings.md).
 
-    optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names
-    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_SGD", "row_wise_adagrad") or the class torch.optim.SGD /
-    Adagrad / Adam, with that class's defaults for what is not given (Adagrad's eps 1e-10, Adam's lr 1e-3, as
-    apply_optimizer_in_backward; otherwise lr 0.01, eps 1e-8). A hyper-parameter
-    the update would not use is refused, not ignored: momentum (lars_sgd's only), eta (lars_sgd's),
-    betas (adam, partial_rowwise_adam, lamb). eps is taken by every optimizer (sgd and lars_sgd divide
-    by nothing).
+    optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names ("EXACT_SGD") or the class
+    torch.optim.SGD / Adagrad / Adam, with that class's defaults for what is not given (otherwise lr 0.01, eps
+    1e-8). A hyper-parameter the update would not use is refused: momentum and eta (lars_sgd's), betas (adam,
+    partial_rowwise_adam, lamb). eps is taken by every optimizer.
     """
 
     optimizer: EmbOptimType | str = EmbOptimType.ROWWISE_ADAGRAD

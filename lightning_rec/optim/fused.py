@@ -27,11 +27,8 @@ _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 
 
 def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
-    """torch's get_state_dict / get_optimizer_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict)
-    read an optimizer's state dict as torch.optim's, state by parameter index, and map the indices to parameter
-    names: a combined optimizer's (by part) met KeyError: 'state', a fused one's (by table) KeyError on a table's
-    name. Called from there, the optimizer says what saves and loads it instead. Its caller is looked up a few frames
-    up (the method itself, torch's no_grad wrapper, a CombinedOptimizer's child call)."""
+    """torch.distributed.checkpoint.state_dict's get/set_state_dict read an optimizer's state by parameter index,
+    which ours is not: called from there (a few frames up), the optimizer says what saves and loads it instead."""
     frame = sys._getframe(2)
     for _ in range(4):
         if frame is None:
@@ -67,10 +64,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sharded = any(callable(getattr(m, "shard_of", None)) for _, m in fused_modules(model))
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
-            # The collection's own table parameters (unsharded: the same storage as the kernel's views; sharded: one
-            # empty parameter per table): optimizer param groups that hold the model's parameters, as Lightning's
-            # BaseFinetuning maps them to names (KeyError on the kernel's views at every epoch start). A sharded
-            # table's pieces share its parameter, which a torch optimizer holds once.
+            # the collection's own table parameters (sharded: one empty parameter per table, held once), which
+            # BaseFinetuning maps to the model's names
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
             prefix = f"{path}." if path else ""
             if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
@@ -90,9 +85,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         held.add(id(p))
                         params.append(p)
                 config = kernel.optimizer_config
-                # a new optimizer starts at its configured rate, as torch.optim's do: the kernel keeps the rate
-                # the last scheduler wrote (a second fit, or Tuner.lr_find's sweep, began from that one while
-                # the dense part started afresh)
+                # a new optimizer starts at its configured rate (the kernel keeps the last scheduler's)
                 kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
                     [kernel], config,
@@ -117,8 +110,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        # a weight_decay / eps / betas written into a group (a scheduler, a user) never reached the kernels: said
-        # here, at the first step after the write, not ignored for the whole run
+        # a weight_decay / eps / betas written into a group never reaches the kernels: refused at the next step
         for group in self.param_groups:
             if isinstance(group, _FusedParamGroup):
                 group.check_fixed()
@@ -211,8 +203,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 value = saved[local_key]
             else:
                 whole = saved[global_key]
-                # a shard slices its rows out of the whole table's state: that of a larger table covered them too,
-                # and rows 0:32 of a 100-row table's state loaded into a 64-row one without a word
+                # a shard slices its rows out of the whole table's state: a larger table's would cover them too
                 want = {0: (), 1: (rows,)}.get(whole.dim(), (rows, cols))
                 if tuple(whole.shape) != want:
                     raise ValueError(f"fused optimizer state '{global_key}' has shape {tuple(whole.shape)} in the "
@@ -234,8 +225,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The saved groups' values (the learning rate a scheduler reached) into the groups of the same name."""
         for group in self.param_groups:
             for key, value in saved_by_name.get(group["name"], {}).items():
-                # the tables' own weight_decay / eps / betas win: they were built with them (a resume with another
-                # weight_decay is a choice), and the kernels cannot take the saved ones
+                # the tables' own weight_decay / eps / betas win: the kernels were built with them
                 if key not in ("name", "tables", "optimizer") and key not in _FIXED_KEYS:
                     group[key] = value
 

@@ -35,9 +35,7 @@ def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(path, module) for every module in `model` that owns fused embedding kernels.
 
     Paths are the model's own (its state_dict's), also when `model` is a DistributedModelParallel (with DDP
-    inside): the fused state is saved under them, and a checkpoint written from
-    `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
-    unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
+    inside), so that the fused state saved under them loads into the unsharded model too.
     """
     return [(path, m) for path, m in _model_named_modules(model) if _has_fused_update(m)]
 
@@ -47,8 +45,7 @@ def _has_fused_update(module: torch.nn.Module) -> bool:
         return False
     if module.fused_kernels():
         return True
-    # A sharded collection none of whose shards is on this rank (a table_wise table on another rank): every rank
-    # still keeps its fused optimizer, so that every rank's optimizer has the same parts and its checkpoint the same
-    # collectives (this rank's had no fused part; its save skipped a gather that the others waited in).
+    # a sharded collection with no shard on this rank still counts: every rank's optimizer has the same parts,
+    # and its checkpoint the same collectives
     config = getattr(module, "fused_optimizer_config", None)
     return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None

@@ -32,11 +32,9 @@ _FIXED_KEYS = ("weight_decay", "eps", "betas", "momentum", "eta")
 class _FusedParamGroup(dict):
     """A param group whose "lr" is the fused kernels' learning rate: writing it reaches them at once.
 
-    Schedulers set `group["lr"]` after `optimizer.step()`; the next backward (where the fused update
-    runs) must already use the new rate, so the write is pushed through instead of read at step().
-    The other hyper-parameters (weight_decay, eps, betas; momentum, eta for lars_sgd) are shown as in a
-    torch.optim group but are fixed when the tables are built: `FusedOptimizer.step` refuses a group
-    where one was changed (or added), since the kernels would go on with the built value, silently.
+    Schedulers set `group["lr"]` after `optimizer.step()`, and the next backward (where the update runs) must use
+    it. The other hyper-parameters are shown as in a torch.optim group but fixed when the tables are built:
+    `FusedOptimizer.step` refuses a group where one was changed.
     """
 
     def __init__(self, kernels: Sequence[Any], config: FusedOptimizerConfig, **values: Any) -> None:
@@ -80,8 +78,7 @@ class _FusedParamGroup(dict):
         super().__setitem__(key, value)
 
     def __reduce__(self):
-        # pickle's default for a dict subclass sets the items before the attributes: "lr" went through __setitem__
-        # to kernels the group did not have yet (AttributeError '_kernels' in torch.load of an optimizer)
+        # pickle sets a dict subclass's items before its attributes: "lr" must not reach kernels not there yet
         return _rebuild_fused_group, (type(self), dict(self), dict(self.__dict__))
 
 
@@ -101,9 +98,8 @@ class _FusedDefaults(dict):
     """A fused (or combined) optimizer's `defaults`: torch's OneCycleLR / CyclicLR, whose cycle_momentum=True (their
     default) asks them for "momentum" or "betas", are told why there is none and what to pass.
 
-    Only the learning rate of a fused group follows a scheduler; its betas are fixed when the tables are built
-    (and sgd / adagrad have no momentum at all). torch said "optimizer must support momentum or beta1 with
-    `cycle_momentum` option enabled", naming neither. Other readers (Lightning's LearningRateMonitor) get False."""
+    Only the learning rate of a fused group follows a scheduler; its betas are fixed when the tables are built.
+    Other readers (Lightning's LearningRateMonitor) get False."""
 
     def __contains__(self, key: object) -> bool:
         found = dict.__contains__(self, key)

@@ -57,16 +57,11 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
         apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.05})
         dmp = DistributedModelParallel(model, ...)        # the tables are sharded with that update
 
-    Equivalent to building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection
-    whose tables are in `params` gets that fused update (torch.optim.SGD, Adagrad or Adam with their
-    defaults, or a fused optimizer by name such as "rowwise_adagrad"). One update per collection:
-    `params` must hold all of a collection's tables. As in every fused (sparse) update, only the rows a
-    batch reads move: weight_decay decays those rows, and Adam takes torch.optim.Adam's step on them, lazily as
-    torch.optim.SparseAdam does (whose eps, though, sits before the bias correction); torch.optim.Adam decays,
-    and moves by momentum, every row at every step. Call it before building optimizers or
-    DistributedModelParallel over the model: the collection's table parameters are made anew (their
-    values kept). Dense parameters are refused: train them with a torch.optim optimizer
-    (CombinedOptimizer / combined_optimizer).
+    Equivalent to building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection whose
+    tables are in `params` (all of them) gets that fused update (torch.optim.SGD, Adagrad or Adam with their
+    defaults, or a fused name such as "rowwise_adagrad"); only the rows a batch reads move
+    (docs/torchrec.md#sharded-tables-train-fused). Call it before building optimizers or DistributedModelParallel:
+    the table parameters are made anew (values kept). Dense parameters are refused (combined_optimizer).
     """
 
     config = _fused_config_for(optimizer_class, optimizer_kwargs or {})

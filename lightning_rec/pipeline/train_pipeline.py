@@ -153,22 +153,11 @@ class TrainPipelineSparseDist:
                 break
 
     `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
-    `loss.sum().backward()` and `optimizer.step()`, and returns `output`. With the model in eval
-    mode (or optimizer=None) it runs the forward only, without gradients. Batches come out in
-    order; StopIteration comes once every batch is done (given the DataLoader itself rather than an iterator, the
-    next call starts its next pass: an epoch). A new iterator starts a new pass; one given again
-    (training resumed after an evaluation pass) goes on where its steps stopped. Build,
-    close (or let go) and rebuild pipelines over the same model freely; the plain loop
-    (`model(batch)` yourself) works in between.
-
-    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (each rank's
-    own, in order). `close()` keeps them for that iterator: a pipeline over the same model given it again starts
-    with them, and `close()` returns them for a plain loop to take first:
-
-        for batch in itertools.chain(pipeline.close(), it):   # no batch of `it` is skipped
-            ...
-
-    A pipeline let go mid-pass without close() drops them, with a warning.
+    `loss.sum().backward()` and `optimizer.step()`, and returns `output`; in eval mode (or optimizer=None) the
+    forward only. Batches come out in order; StopIteration comes once every batch is done (given the DataLoader
+    itself, the next call starts its next pass). An iterator given again goes on where its steps stopped.
+    `close()` keeps the batches read ahead for that iterator and returns them for a plain loop to take first
+    (docs/pipeline.md#hand-written-loops).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
@@ -183,10 +172,8 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
-        # iterators left mid-pass (for another iterator, or by a closed pipeline): id -> (a reference to the iterator,
-        # the batches read ahead), kept on the model, so that every pipeline over it (and the plain loop, through
-        # close()) gets them first. Weak where it can be: an iterator its user let go (a DataLoader's, with its
-        # workers) is not kept alive for batches no one can ask for
+        # iterators left mid-pass: id -> (a reference to it, weak where it can be; the batches read ahead), kept on
+        # the model so that every pipeline over it gets them first
         self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
         # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)

@@ -48,11 +48,8 @@ class ParameterConstraints:
     - `cache_load_factor`: fraction of rows the `fused_uvm_caching` kernel keeps in device memory
       (TorchRec's `cache_params=CacheParams(load_factor=...)`, which is accepted too).
 
-    The fields come in TorchRec's order, so a ported positional call means the same. TorchRec's
-    `num_poolings`, `batch_sizes`, `feature_names`, `stochastic_rounding`, `bounds_check_mode`, ... are
-    accepted where they mean what this planner does anyway (one pooling per sample, the planner's
-    batch size, the table's features) and refused by name otherwise: a setting that would change
-    the plan is never dropped silently.
+    The fields come in TorchRec's order. TorchRec's other fields (`num_poolings`, `batch_sizes`, ...) are
+    accepted where they mean what this planner does anyway and refused by name otherwise (docs/torchrec.md).
     """
 
     sharding_types: list[ShardingType | str] | None = None

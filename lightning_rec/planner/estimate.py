@@ -175,10 +175,8 @@ class CostModel:
         return DEFAULT_CACHE_LOAD_FACTOR if clf is None else clf
 
     def stored_cols(self, spec: TableSpec, cols: int) -> int:
-        """Columns a shard's rows take in memory. fbgemm's kernel pads them to a multiple of 4 (lookup.py): every
-        table on GPU; on CPU, sequence tables (the native CPU kernel pools only) and a collection built with
-        kernel="fbgemm". Priced at `cols`, a dim-1 table on GPU took 4 times the memory the plan gave it, and a
-        dim-2 bag of an EmbeddingBagCollection(kernel="fbgemm") on CPU 1.7 times (its row-wise state unpadded)."""
+        """Columns a shard's rows take in memory: fbgemm's kernel pads them to a multiple of 4 (lookup.py), which
+        is every table on GPU and, on CPU, sequence tables and a collection built with kernel="fbgemm"."""
         if self.topology.compute_device == "cuda":
             return padded_dim(cols, pad_multiple("fbgemm"))
         kernel = spec.cpu_kernel or ("native" if spec.pooled else "fbgemm")
@@ -210,10 +208,8 @@ class CostModel:
             state += rows * cols * 4  # the dense gradient autograd materialises
         io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
         if t.compute_device == "cpu" and W == L > 1 and not dp:
-            # ranks of one host exchange through shared memory (shm_transport.py): each rank's /dev/shm region
-            # holds two slots of the largest exchange it sends, less its own share; at most this shard's ids or
-            # embeddings, summed over the rank's shards (8 MB a rank in a 2-rank run whose plan counted 17 MB).
-            # A replica's gradient all-reduce goes there too, one table at a time: within reserved_fraction.
+            # ranks of one host exchange through /dev/shm (shm_transport.py): two slots of the largest exchange a
+            # rank sends, at most this shard's ids or embeddings summed over its shards
             io += 2 * (W - 1) / W * max(in_bytes, out_bytes)
         if t.compute_device == "cpu":
             hbm, ddr = 0.0, weights + state + io
@@ -270,8 +266,7 @@ def _kernels_for(spec: TableSpec, st: ShardingType, topology: Topology) -> tuple
         else:
             kernels.append(k)
     if kernels and c.compute_kernels is None:
-        # the user chose no kernels: the ones that do not apply are no news, and listed first they hid the reason
-        # that mattered ("row_wise (dense): ...; row_wise (fused_uvm): ...; row_wise: 1 rows cannot be split ...")
+        # the user chose no kernels: the ones that do not apply would hide the reason that matters
         reasons = []
     return kernels, reasons
 
@@ -407,8 +402,7 @@ def enumerate_options(
                 options.append(
                     ShardingOption(spec, st, kernel, kind, pieces, column_sizes, num_blocks=num_blocks)
                 )
-    # Per kernel: a table too big for the share in device memory kept only its UVM options (host memory, ~4x slower
-    # lookups by this model), though fused shards fitted the GPUs: a 51 GB table on 3 x 40 GB went to fused_uvm_caching
+    # per kernel: a table too big for max_shard_bytes in device memory keeps its fused shards when they fit
     over = {id(o) for o in options
             if o.max_piece_bytes[0] > max_shard_bytes[0] or o.max_piece_bytes[1] > max_shard_bytes[1]}
     within = {o.kernel for o in options if id(o) not in over}

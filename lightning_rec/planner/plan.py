@@ -133,11 +133,9 @@ class EmbeddingShardingPlanner:
                  **torchrec_components):
         batch_size, constraints, debug = _read_positional(args, batch_size, constraints, debug, torchrec_components)
         _refuse_components(torchrec_components)
-        # debug: TorchRec's switch for a more detailed stats log; it changes no plan. The stats here
-        # are the detailed table already, printed per print_stats.
+        # debug: TorchRec's switch for a more detailed stats log; the stats here are detailed already
         self.debug = debug
-        # what was left to the defaults: RecStrategy(planner=...) fills them with the run's own (a planner built in a
-        # recipe or before Trainer(devices=N) runs before the ranks exist, when the default topology has one rank)
+        # what was left to the defaults: RecStrategy(planner=...) fills them with the run's own
         self._defaulted = {name for name, value in (("topology", topology), ("batch_size", batch_size))
                            if value is None}
         batch_size = 512 if batch_size is None else batch_size  # TorchRec's default BATCH_SIZE
@@ -214,8 +212,7 @@ class EmbeddingShardingPlanner:
                         pooled=_is_pooled(cfg) if pooled is None else pooled,
                         num_features=len(features),
                         pooling_factors=pfs,
-                        # a weighted collection's ids carry weights whatever the constraints say (TorchRec reads it
-                        # from the module too); they were priced unweighted unless is_weighted=True was repeated there
+                        # a weighted collection's ids carry weights whatever the constraints say (as TorchRec reads it)
                         is_weighted=c.is_weighted or path in weighted,
                         constraints=c,
                         cpu_kernel=_cpu_kernel(collections.get(path), cfg),
@@ -249,9 +246,7 @@ class EmbeddingShardingPlanner:
             fit = [o for o in fits_cluster if (o.max_piece_bytes <= caps + _EPS).all()]
             replicated = all(o.sharding_type == ShardingType.DATA_PARALLEL for o in opts)
             if not fit and (fits_cluster or replicated):
-                # The cluster would hold the table, but no allowed sharding cuts it into shards that fit one rank:
-                # "larger than the whole cluster, add ranks" was wrong advice here (a data_parallel table is
-                # copied whole to every rank, so it needs as much more memory as ranks are added).
+                # the cluster would hold the table, but no allowed sharding cuts it into shards that fit one rank
                 raise PlannerError(self._shard_too_big_message(spec, opts, replicated))
             if not fit:
                 raise PlannerError(self._too_big_for_cluster_message(spec, opts))
@@ -261,8 +256,7 @@ class EmbeddingShardingPlanner:
 
     def _too_big_for_cluster_message(self, spec: TableSpec, opts: list[ShardingOption]) -> str:
         cluster = self.capacity * self.topology.world_size
-        # the option closest to fitting, not the one of fewest bytes: with a small hbm_cap the fused one (19 GB of
-        # HBM) was named, and "let tables live in host memory" advised, while fused_uvm lacked only HBM for a batch
+        # the option closest to fitting, not the one of fewest bytes
         closest = min(opts, key=lambda o: (float(np.maximum(o.totals[:2] - cluster, 0).sum()), o.total_bytes,
                                            o.describe()))
         needs = (f"its closest option, {closest.describe()}, needs {self._mem(closest.totals)} but "
@@ -344,7 +338,6 @@ class EmbeddingShardingPlanner:
             fused = [m.fused_optimizer_config() for m in _modules(module)
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
             # the collections' own update decides state bytes and which sharding types apply; none: the default
-            # (not the one an earlier plan() read: a planner reused for configs after an adam model priced adam)
             self._set_optimizer(fused[0] if fused else _DEFAULT_OPTIMIZER)
         self._collection_costs(module)
         specs = self._specs(module)
@@ -507,10 +500,9 @@ _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message
 
 
 def _read_positional(args: tuple, batch_size, constraints, debug, torchrec_components: dict) -> tuple:
-    """(batch_size, constraints, debug) with the positional arguments after the topology read in TorchRec's order
-    (a ported EmbeddingShardingPlanner(topology, 8192) means batch_size=8192), or as this planner's earlier form
-    EmbeddingShardingPlanner(topology, constraints) (a mapping: nothing else reads as one). TorchRec's components
-    given by position join `torchrec_components`."""
+    """(batch_size, constraints, debug) from the positional arguments after the topology, in TorchRec's order, or
+    as this planner's earlier form (topology, constraints: a mapping). TorchRec's components join
+    `torchrec_components`."""
     if args and isinstance(args[0], Mapping):
         if len(args) > 1 or constraints is not None:
             raise ValueError(

@@ -103,8 +103,7 @@ class PlanStats:
         }
 
     def __str__(self) -> str:
-        # memory in a unit per cell: a CPU cluster's 40 KB of tables read "0.00/10.01" in a GB column. On CPU the
-        # HBM columns (0 of 0 on every rank) are left out.
+        # memory in a unit per cell (KB of tables would read 0.00 in a GB column); on CPU no HBM columns
         with_hbm = any(r.hbm_cap > 0 or r.hbm_used > 0 for r in self.ranks)
         header = ["rank", *(["HBM used/cap"] if with_hbm else []), "DDR used/cap", "compute ms", "comm ms",
                   "total ms", "shards"]

@@ -22,16 +22,13 @@ _CUDA_DDR_BW = 51e9
 _CUDA_INTRA_HOST_BW = 600e9  # NVLink
 _CUDA_INTER_HOST_BW = 12.5e9  # 100 Gbit/s per rank
 _CUDA_PCIE_BW = 32e9  # UVM reads cross PCIe gen4 x16
-# CPU defaults: ranks of one host exchange through shared memory (shm_transport.py): an all-to-all
-# of 6.8 MB between 2 ranks takes ~1.0 ms (gloo's loopback TCP: ~3.6 ms, DESIGN.md section 2).
+# CPU defaults: ranks of one host exchange through shared memory (shm_transport.py)
 _CPU_DDR_BW = 20e9  # random 128-512 B row gathers from one core's share of DDR
 _CPU_INTRA_HOST_BW = 6.5e9
 _CPU_INTER_HOST_BW = 1.25e9  # 10 Gbit/s ethernet
 
 COMPUTE_DEVICES = ("cpu", "cuda")
-# Slower than any real link of its kind (bytes per second). TorchRec's bandwidths are bytes per millisecond, so its
-# figures (HBM 9.6e8, DDR 5.5e7, PCIe 3.4e7, NVLink 6.4e8, network 1.3e7) all land below these: ported as they were,
-# they priced every lookup and all-to-all 1000 times too slow, and the plan followed.
+# Slower than any real link of its kind, in bytes per second (TorchRec's are per millisecond: 1000x below these)
 _BW_FLOORS = {
     "hbm_mem_bw": (1e10, "GPU memory"),
     "ddr_mem_bw": (1e9, "host memory"),
@@ -86,8 +83,7 @@ class Topology:
     machine (GPU 0's memory, host RAM shared by the host's ranks) or from the defaults above.
     """
 
-    # TorchRec's field order, so that its positional calls read the same: Topology(8, "cuda", 80 * GB) gave
-    # local_world_size=80 GB ("must divide world_size") when local_world_size came third
+    # TorchRec's field order, so that its positional calls read the same
     world_size: int
     compute_device: str = "cpu"
     hbm_cap: int | None = None  # device memory per rank; 0 on CPU
@@ -98,9 +94,8 @@ class Topology:
     intra_host_bw: float | None = None  # per rank, to ranks on the same host
     inter_host_bw: float | None = None  # per rank, to ranks on other hosts
     pcie_bw: float | None = None  # host <-> device, what UVM lookups go through
-    # TorchRec's names, by keyword. hbm_to_ddr_mem_bw is read into pcie_bw and kept as given (a copy of pcie_bw
-    # would go stale under dataclasses.replace(topology, pcie_bw=...)); the others are accepted at None only and
-    # refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
+    # TorchRec's names, by keyword: hbm_to_ddr_mem_bw is read into pcie_bw; the others are accepted at None only
+    # and refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
     hbm_to_ddr_mem_bw: float | None = None
     bwd_compute_multiplier: float | None = None
     custom_topology_data: object | None = None
