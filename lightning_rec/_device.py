@@ -20,8 +20,7 @@ def cuda_missing() -> str | None:
 
 def no_cuda_error(call: str, fix: str) -> ValueError | None:
     """The one-line error for `call` (a move to CUDA, pinning memory) where this environment has no usable
-    CUDA; None where it has one. torch's own (an AssertionError or RuntimeError from inside the copy) names
-    neither the call nor the fix."""
+    CUDA, naming the call and the fix; None where it has one."""
     what = cuda_missing()
     if what is None:
         return None
@@ -47,8 +46,7 @@ def check_device_ready(device: torch.device) -> None:
 def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
     """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
 
-    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0"): a bare "cuda"
-    kept in the sharding env and compared with its own tensors' devices reads as another device.
+    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0").
     """
     if device.type != "cuda" or device.index is not None:
         return device

@@ -98,11 +98,9 @@ class FeatureRouter:
                 read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:5])
                 extra = (f"; it has {some(unexpected)} that no table reads" if unexpected else
                          f"; it has {len(keys)} feature(s), all read")
-                raise ValueError(
-                    f"the input has no feature(s) {some(missing)} that this {self.owner} reads ({read_by}"
-                    f"{', ...' if len(missing) > 5 else ''}){extra}: rename the features or the tables' "
-                    f"feature_names so they match"
-                )
+                raise ValueError(f"the input has no feature(s) {some(missing)} that this {self.owner} reads ({read_by}"
+                                 f"{', ...' if len(missing) > 5 else ''}){extra}: rename the features or the tables' "
+                                 f"feature_names so they match")
             unread = [k for k in keys if k not in self._by_feature]
             if unread:
                 warnings.warn(f"the input's feature(s) {unread} are read by no table of this {self.owner} and are "

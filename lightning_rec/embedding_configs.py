@@ -64,8 +64,7 @@ class BaseEmbeddingConfig:
     data_type: torch.dtype = torch.float32
     weight_init_min: float | None = None  # default: -sqrt(1 / num_embeddings), as TorchRec
     weight_init_max: float | None = None
-    # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
-    # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
+    # TorchRec's: called on each table's weight in place instead of the uniform draw (per shard on "meta")
     init_fn: Callable[[Tensor], object] | None = None
     # TorchRec's flag for position-weighted tables: learned per-id weights train under every sharding type here
     need_pos: bool = False

@@ -159,10 +159,8 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
         if kernel == "fbgemm" and opt in cpu_supported_optimizers():
             raise ValueError(f"fbgemm's CPU kernel does not implement fused optimizer {opt}: use kernel='native' "
                              f"(or 'auto'), which does on CPU; kernel='fbgemm' runs {opt} on GPU (device='cuda')")
-        raise ValueError(
-            f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
-            f"{opt} runs on GPU (device='cuda')"
-        )
+        raise ValueError(f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
+                         f"{opt} runs on GPU (device='cuda')")
     return "fbgemm"
 
 

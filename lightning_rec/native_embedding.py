@@ -161,10 +161,8 @@ def _check_arguments(embedding_specs: Sequence[tuple[int, int]], feature_table_m
         )
     if optimizer.optimizer not in _OPTIMIZER_IDS:
         supported = ", ".join(o.value for o in NATIVE_OPTIMIZERS)
-        raise ValueError(
-            f"optimizer {optimizer.optimizer.value!r} is not implemented by the native CPU kernel: "
-            f"choose one of {supported} (LAMB and LARS-SGD run on GPU with fbgemm only)"
-        )
+        raise ValueError(f"optimizer {optimizer.optimizer.value!r} is not implemented by the native CPU kernel: "
+                         f"choose one of {supported} (LAMB and LARS-SGD run on GPU with fbgemm only)")
     if pooling_mode not in _POOLING_IDS:
         raise ValueError(f"pooling_mode must be 'sum' or 'mean', got {pooling_mode!r}")
     if weights_precision not in (torch.float32, torch.float16):

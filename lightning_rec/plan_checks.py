@@ -40,9 +40,8 @@ _UVM_KERNELS = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
 def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str, ParameterSharding],
                          world_size: int, device: torch.device | None = None) -> None:
-    """Metadata only, so every rank refuses a bad plan with the same message: a check left to the rank that
-    builds a shard (its kernel, its shape) failed on that rank alone, and its peers waited for it in the next
-    collective until the embedding timeout."""
+    """Metadata only, so every rank refuses a bad plan with the same message (not one rank alone while the others
+    wait in the next collective)."""
     where = f"module '{path}'" if path else "the model"
     configs = {c.name: c for c in collection_configs(module)}
     unknown = [t for t in table_plans if t not in configs]
@@ -107,10 +106,8 @@ def _check_replicas(name: str, rows: int, dim: int, ps: ParameterSharding, world
 
 def _check_fused_kernels(module: nn.Module, configs: Mapping[str, Any], table_plans: Mapping[str, ParameterSharding],
                          device: torch.device | None) -> None:
-    """The fused kernels' refusals, for every shard on every rank. Raised while a rank builds its kernels, they
-    failed only on the ranks holding such a shard, and the others waited in the next collective until the
-    timeout: fbgemm's CPU kernel without the optimizer (kernel='fbgemm'), and partial_rowwise_adam on column
-    blocks whose width fbgemm pads (GPU)."""
+    """The fused kernels' refusals, for every shard on every rank (not only on the ranks that build it): fbgemm's
+    CPU kernel without the optimizer, and partial_rowwise_adam on column blocks whose width fbgemm pads (GPU)."""
     optimizer = getattr(module, "_optimizer", None)
     sharded = [t for t, ps in table_plans.items()
                if ShardingType(str(ps.sharding_type)) != ShardingType.DATA_PARALLEL]  # replicas: a dense kernel
@@ -172,8 +169,7 @@ def _check_label(name: str, st: ShardingType, rows: int, ps: ParameterSharding) 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
     other = _tiled_size(ps.shards)
     if other is not None and other != (rows, dim):
-        # a plan saved (torch.save) or built for this table at another size: "do not follow the block rule" and
-        # "fix size_per_rank" sent the user to edit shards that were right for the table they were planned for
+        # a plan saved or built for this table at another size: said so, not as a wrong shard
         raise ValueError(f"table '{name}' is {rows} x {dim}, but its shards in the plan tile a {other[0]} x {other[1]} "
                          f"table: the plan was made for the table at another size (num_embeddings / embedding_dim "
                          f"changed since): plan again for this model (EmbeddingShardingPlanner(...).plan(model)), or "
@@ -246,10 +242,8 @@ def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPl
                           device: torch.device, extra: Sequence[str] = ()) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
 
-    Ranks that disagree would route ids by different maps and return wrong embeddings without an
-    error, so this runs once at construction: a digest all-gathered (through `guard`: a rank that
-    never comes is named or timed out), and the full descriptions only when the digests differ
-    (the same message on every rank).
+    Ranks that disagree would route ids by different maps, silently: a digest all-gathered once at construction
+    (through `guard`), and the full descriptions only when the digests differ.
     """
     pg = guard.pg
     W = dist.get_world_size(pg)

@@ -75,8 +75,7 @@ class ParameterSharding:
     compute_kernel: ComputeKernel = ComputeKernel.FUSED
     ranks: list[int] = field(default_factory=list)
     shards: list[ShardMetadata] = field(default_factory=list)
-    # fused_uvm_caching: the share of the table's rows its device cache holds (None: fbgemm's default, 20%); the
-    # planner writes ParameterConstraints(cache_load_factor=...) here, the kernel and the GPU fit check read it
+    # fused_uvm_caching: the share of the table's rows its device cache holds (None: fbgemm's default, 20%)
     cache_load_factor: float | None = None
 
     # TorchRec's other per-table kernel settings, in its order after sharding_spec: None (its default) reads and
@@ -129,8 +128,7 @@ class ParameterSharding:
         shards = [str(s) for s in self.shards]
         pieces = "; ".join(shards) if shards else f"ranks {self.ranks}"
         if len(shards) > _SHARDS_SHOWN:
-            # one line per table stays readable at 64 ranks (the strategy prints the plan at setup); all of them are
-            # in .shards
+            # one line per table stays readable at 64 ranks; all shards are in .shards
             ranks = _ranks_text(sorted({s.placement for s in self.shards}))
             pieces = f"{len(shards)} shards on ranks {ranks}: " + "; ".join([*shards[:2], "...", shards[-1]])
         cache = f", cache {self.cache_load_factor:.0%}" if self.cache_load_factor is not None else ""
@@ -250,9 +248,7 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-# Plans are plain data: torch.save(plan, f) then torch.load(f) (weights_only=True, torch's default since
-# 2.6) reads them back once this module is imported (any plan name, e.g. `from lightning_rec import
-# ShardingPlan`), without weights_only=False, which would let the file run arbitrary code.
+# plans are plain data: torch.load(f) (weights_only=True) reads them back once this module is imported
 torch.serialization.add_safe_globals(
     [ShardingType, ComputeKernel, ShardMetadata, ParameterSharding, EmbeddingModuleShardingPlan, ShardingPlan]
 )

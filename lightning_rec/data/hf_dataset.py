@@ -57,15 +57,13 @@ def _locked(path: Path):
 def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_group_rows: int = 1 << 16) -> None:
     """`ds`'s rows, in its order, as one Parquet file of `row_group_rows`-row groups (small enough for streaming
     readers, lightning_rec.data.criteo.tables). Index mappings (`shuffle`, `select`, `sort`) are applied by Arrow,
-    `chunk_rows` at a time: datasets' own writers gather them 1000 rows at a time (`save_to_disk` of a shuffled
-    1M-row Criteo Dataset: 0.01 M rows/s; here 0.23 M on 2 cores, and unshuffled 0.65 M against save_to_disk's 0.36)."""
+    `chunk_rows` at a time (datasets' own writers gather 1000 rows at a time, far slower)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = ds.data.table  # the Arrow table as transformed (columns renamed or dropped), before index mappings
     indices = None if ds._indices is None else ds._indices.column(0)
-    # a column per thread (Arrow releases the GIL): a random gather is bound by memory latency, ~0.15 s per 1M
-    # string values
+    # a column per thread (Arrow releases the GIL): a random gather is bound by memory latency
     with pq.ParquetWriter(str(path), table.schema) as writer, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for start in range(0, len(ds), chunk_rows):
             if indices is None:
@@ -134,11 +132,8 @@ def rows_digest(value: Any) -> str | None:
 def check_same_rows(digests: dict[str, str], what: str) -> None:
     """At 2+ ranks, refuse Datasets (`rows_digest` of each argument given one) whose rows differ between ranks.
 
-    Every process builds its own Dataset (Lightning starts each rank's script anew), and one shuffled or split
-    without a seed (`ds.shuffle()`, `ds.train_test_split(test_size=0.1)`) holds its rows in another order on each
-    rank, from numpy's random state: each rank would read its share of another order, training rows twice or
-    never, or validation rows. A collective: the data modules call it from setup, on every rank, when an argument
-    was a Dataset (the same on every rank: the same script)."""
+    Every rank builds its own Dataset, and one shuffled or split without a seed holds its rows in another order on
+    each rank: each would read its share of another order. A collective, called from setup on every rank."""
     import torch.distributed as dist
 
     if not digests or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -178,8 +173,7 @@ def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what:
         if (folder / _READY).is_file():  # another rank wrote it while this one waited
             return str(folder)
         if exclusive:
-            # a copy being written is made only under this lock, which dies with its holder: any other one here
-            # was left by a killed run (hidden, as large as the Dataset, and never reused)
+            # a copy is written only under this lock: any other one here was left by a killed run
             for stale in folder.parent.glob(f".{glob.escape(folder.name)}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))

@@ -143,21 +143,15 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         default_names = [f"C{i}" for i in range(1, num_sparse_features + 1)]
         self.sparse_feature_names = list(sparse_feature_names or default_names)
         if len(self.sparse_feature_names) != num_sparse_features:
-            raise ValueError(
-                f"sparse_feature_names has {len(self.sparse_feature_names)} names for "
-                f"num_sparse_features={num_sparse_features}"
-            )
+            raise ValueError(f"sparse_feature_names has {len(self.sparse_feature_names)} names for "
+                             f"num_sparse_features={num_sparse_features}")
         if isinstance(ids_per_feature, int):
             ids_per_feature = [ids_per_feature] * num_sparse_features
         if len(ids_per_feature) != num_sparse_features or min(ids_per_feature) < 1:
-            raise ValueError(
-                f"ids_per_feature must be one int >= 1 or {num_sparse_features} of them, "
-                f"got {ids_per_feature}"
-            )
+            raise ValueError(f"ids_per_feature must be one int >= 1 or {num_sparse_features} of them, "
+                             f"got {ids_per_feature}")
         if not 0 <= num_signal_features <= num_sparse_features:
-            raise ValueError(
-                f"num_signal_features must be in 0..{num_sparse_features}, got {num_signal_features}"
-            )
+            raise ValueError(f"num_signal_features must be in 0..{num_sparse_features}, got {num_signal_features}")
         if not 0.0 < ctr < 1.0:
             raise ValueError(f"ctr must be in (0, 1), got {ctr}")
         self.ids_per_feature = list(ids_per_feature)

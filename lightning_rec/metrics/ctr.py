@@ -29,10 +29,8 @@ def _target_of(target: Tensor | None, labels: Tensor | None, where: str) -> Tens
 def _flat(preds: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     preds_B, labels_B = preds.detach().reshape(-1), labels.detach().reshape(-1)
     if preds_B.shape != labels_B.shape:
-        raise ValueError(
-            f"{preds_B.numel()} predictions for {labels_B.numel()} labels: pass one prediction per "
-            f"sample (shape [B] or [B, 1]) and labels of shape [B]"
-        )
+        raise ValueError(f"{preds_B.numel()} predictions for {labels_B.numel()} labels: pass one prediction per "
+                         f"sample (shape [B] or [B, 1]) and labels of shape [B]")
     return preds_B, labels_B
 
 
@@ -84,13 +82,11 @@ def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor |
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
     if num_pos > 0 and num_neg > 0:
         return None
-    warnings.warn(
-        f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
-        f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
-        f"Evaluate on a set with both clicks and non-clicks",
-        UserWarning,
-        stacklevel=3,
-    )
+    warnings.warn(f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
+                  f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
+                  f"Evaluate on a set with both clicks and non-clicks",
+                  UserWarning,
+                  stacklevel=3,)
     return torch.tensor(float("nan"), dtype=torch.float64)
 
 

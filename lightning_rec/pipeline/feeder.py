@@ -186,8 +186,7 @@ def _in_step_order(config: PipelineConfig, channels: dict) -> bool:
         return config.feeder_collectives == "in_step_order"
     import torch.distributed as dist
 
-    # one rank: no other rank to launch in another order, so nothing to keep in step (TF32 DLRM from host batches,
-    # measured on an H200: 3.03M samples/s concurrent vs 2.17M in step order)
+    # one rank: no other rank to launch in another order, and step order costs speed (docs/pipeline.md)
     return any(dist.get_backend(c.pg) == "nccl" and dist.get_world_size(c.pg) > 1 for c in channels.values())
 
 
@@ -321,9 +320,8 @@ class _Feeder(Iterator):
             if plan.routes or plan.not_pipelined:
                 plan.finalize(self.inputs)
             else:
-                # the step called no collection: finalized, the empty plan routed every later batch of this pass in
-                # the step (the whole pass ran unpipelined); the next step that calls one records it. The same on
-                # every rank: a step that skips the sharded collections on one rank only would hang the plain loop
+                # the step called no collection: the next step that calls one records the plan (the same on every
+                # rank: a step that skips the sharded collections on one rank only would hang the plain loop too)
                 plan.record_entry, plan.record_next = None, True
         self._taken_in_step = 0
         if self.inputs.current is self:

@@ -82,21 +82,15 @@ class ParameterConstraints:
                 f"feature of the table (pooling_factors=[2.0, 1.5])"
             ) from None
         if not self.pooling_factors:
-            raise ValueError(
-                "ParameterConstraints pooling_factors=[]: give one ids-per-sample figure per feature"
-            )
+            raise ValueError("ParameterConstraints pooling_factors=[]: give one ids-per-sample figure per feature")
         self.enforce_hbm = bool(self.enforce_hbm)  # TorchRec's default is None: not enforced
         self._torchrec_fields()
         if self.min_partition is not None and self.min_partition <= 0:
-            raise ValueError(
-                f"ParameterConstraints min_partition={self.min_partition} must be a positive number of "
-                "columns"
-            )
+            raise ValueError(f"ParameterConstraints min_partition={self.min_partition} must be a positive number of "
+                             "columns")
         if self.cache_load_factor is not None and not 0 < self.cache_load_factor <= 1:
-            raise ValueError(
-                f"ParameterConstraints cache_load_factor={self.cache_load_factor} must be in (0, 1]: "
-                f"the fraction of rows cached in device memory"
-            )
+            raise ValueError(f"ParameterConstraints cache_load_factor={self.cache_load_factor} must be in (0, 1]: "
+                             f"the fraction of rows cached in device memory")
 
     def _torchrec_fields(self) -> None:
         """TorchRec's fields: kept where they mean what this planner does, else refused by name."""
@@ -109,19 +103,15 @@ class ParameterConstraints:
                     f"{n}: give one per feature of the table, as TorchRec requires"
                 )
         if self.num_poolings is not None and any(float(p) != 1.0 for p in self.num_poolings):
-            raise ValueError(
-                f"ParameterConstraints num_poolings={self.num_poolings}: this planner prices one pooled "
-                f"embedding per feature per sample; several poolings per sample are not modelled: leave "
-                f"num_poolings out (or all 1.0)"
-            )
+            raise ValueError(f"ParameterConstraints num_poolings={self.num_poolings}: this planner prices one pooled "
+                             f"embedding per feature per sample; several poolings per sample are not modelled: leave "
+                             f"num_poolings out (or all 1.0)")
         # batch_sizes must equal the planner's batch_size: checked in check_batch_size (the planner knows it)
         lf = cache_params_load_factor(self.cache_params, "ParameterConstraints")
         if lf is not None:
             if self.cache_load_factor is not None and lf != self.cache_load_factor:
-                raise ValueError(
-                    f"ParameterConstraints cache_params.load_factor={lf} disagrees with "
-                    f"cache_load_factor={self.cache_load_factor}: pass one of them"
-                )
+                raise ValueError(f"ParameterConstraints cache_params.load_factor={lf} disagrees with "
+                                 f"cache_load_factor={self.cache_load_factor}: pass one of them")
             self.cache_load_factor = lf
         if self.stochastic_rounding is not None:
             raise ValueError(

@@ -86,10 +86,8 @@ def find_tables(module) -> list[tuple[str, list, bool | None]]:
             elif callable(getattr(m, "embedding_configs", None)):
                 found.append((path, list(m.embedding_configs()), False))
         return found
-    raise ValueError(
-        f"cannot plan for {type(module).__name__}: pass a model holding EmbeddingBagCollection / "
-        f"EmbeddingCollection modules, or a list of EmbeddingBagConfig"
-    )
+    raise ValueError(f"cannot plan for {type(module).__name__}: pass a model holding EmbeddingBagCollection / "
+                     f"EmbeddingCollection modules, or a list of EmbeddingBagConfig")
 
 
 # TorchRec's EmbeddingShardingPlanner positional order after the topology
@@ -192,15 +190,11 @@ class EmbeddingShardingPlanner:
                 if len(pfs) == 1:
                     pfs = pfs * len(features)
                 elif len(pfs) != len(features):
-                    raise ValueError(
-                        f"table '{name}' has {len(features)} features but {len(pfs)} pooling factors: "
-                        f"give one per feature, or one for all"
-                    )
+                    raise ValueError(f"table '{name}' has {len(features)} features but {len(pfs)} pooling factors: "
+                                     f"give one per feature, or one for all")
                 if cfg.num_embeddings <= 0 or cfg.embedding_dim <= 0:
-                    raise ValueError(
-                        f"table '{name}' has {cfg.num_embeddings} rows x dim {cfg.embedding_dim}: "
-                        "both must be positive"
-                    )
+                    raise ValueError(f"table '{name}' has {cfg.num_embeddings} rows x dim {cfg.embedding_dim}: "
+                                     "both must be positive")
                 specs.append(
                     TableSpec(
                         index=len(specs),
@@ -220,15 +214,11 @@ class EmbeddingShardingPlanner:
                 )
         unknown = sorted(set(self.constraints) - names)
         if unknown:
-            raise ValueError(
-                f"constraints name table(s) {unknown} that the model does not have; its tables are "
-                f"{sorted(names)}: fix the names"
-            )
+            raise ValueError(f"constraints name table(s) {unknown} that the model does not have; its tables are "
+                             f"{sorted(names)}: fix the names")
         if not specs:
-            raise ValueError(
-                "found no embedding tables to plan: pass a model holding EmbeddingBagCollection / "
-                "EmbeddingCollection modules, or a non-empty list of table configs"
-            )
+            raise ValueError("found no embedding tables to plan: pass a model holding EmbeddingBagCollection / "
+                             "EmbeddingCollection modules, or a non-empty list of table configs")
         return specs
 
     def _options(self, specs: list[TableSpec]) -> list[list[ShardingOption]]:
@@ -238,10 +228,8 @@ class EmbeddingShardingPlanner:
             opts, reasons = enumerate_options(spec, self._cost(spec), tuple(caps * self.max_shard_fraction))
             if not opts:
                 why = "; ".join(_grouped(reasons)) or "no sharding type allowed"
-                raise PlannerError(
-                    f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
-                    f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it"
-                )
+                raise PlannerError(f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
+                                   f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it")
             fits_cluster = [o for o in opts if (o.totals[:2] <= caps * self.topology.world_size + _EPS).all()]
             fit = [o for o in fits_cluster if (o.max_piece_bytes <= caps + _EPS).all()]
             replicated = all(o.sharding_type == ShardingType.DATA_PARALLEL for o in opts)
@@ -382,10 +370,8 @@ class EmbeddingShardingPlanner:
             return self.plan(module, sharders)
         group_size = dist.get_world_size(pg)
         if group_size != self.topology.world_size:
-            raise ValueError(
-                f"Topology(world_size={self.topology.world_size}) but the process group has {group_size} "
-                f"ranks: plan with Topology(world_size={group_size}, ...)"
-            )
+            raise ValueError(f"Topology(world_size={self.topology.world_size}) but the process group has {group_size} "
+                             f"ranks: plan with Topology(world_size={group_size}, ...)")
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         payload: list = [None]
         own_error, self._stats = None, None  # on every rank: an error below leaves no earlier plan's stats
@@ -505,16 +491,12 @@ def _read_positional(args: tuple, batch_size, constraints, debug, torchrec_compo
     `torchrec_components`."""
     if args and isinstance(args[0], Mapping):
         if len(args) > 1 or constraints is not None:
-            raise ValueError(
-                "EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
-                "(batch_size=..., optimizer=...)"
-            )
+            raise ValueError("EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
+                             "(batch_size=..., optimizer=...)")
         return batch_size, args[0], debug
     if len(args) > len(_TORCHREC_POSITIONAL):
-        raise ValueError(
-            f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
-            f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}"
-        )
+        raise ValueError(f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
+                         f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}")
     given = dict(batch_size=batch_size, constraints=constraints, debug=debug)
     for name, value in zip(_TORCHREC_POSITIONAL, args):
         if name in given:
@@ -533,10 +515,8 @@ def _refuse_components(torchrec_components: Mapping[str, object]) -> None:
         if name not in _TORCHREC_COMPONENTS:
             raise TypeError(f"EmbeddingShardingPlanner() got an unexpected keyword argument '{name}'")
         if value is not None:
-            raise ValueError(
-                f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
-                f"slot: {_TORCHREC_COMPONENTS[name]}"
-            )
+            raise ValueError(f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
+                             f"slot: {_TORCHREC_COMPONENTS[name]}")
 
 
 def _check_sizes(batch_size, reserved_fraction: float, max_shard_fraction: float) -> int:
@@ -544,17 +524,13 @@ def _check_sizes(batch_size, reserved_fraction: float, max_shard_fraction: float
     try:
         batch_size = operator.index(batch_size)
     except TypeError:
-        raise ValueError(
-            f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
-            f"in constraints={{table: ParameterConstraints(...)}}"
-        ) from None
+        raise ValueError(f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
+                         f"in constraints={{table: ParameterConstraints(...)}}") from None
     if batch_size <= 0:
         raise ValueError(f"planner batch_size={batch_size} must be the positive batch size per rank")
     if not 0 <= reserved_fraction < 1:
-        raise ValueError(
-            f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
-            f"memory kept for dense layers and activations"
-        )
+        raise ValueError(f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
+                         f"memory kept for dense layers and activations")
     if not 0 < max_shard_fraction <= 1:
         raise ValueError(f"planner max_shard_fraction={max_shard_fraction} must be in (0, 1]")
     return batch_size
@@ -564,9 +540,7 @@ def _check_constraints(constraints: Mapping[str, ParameterConstraints] | None) -
     out = dict(constraints or {})
     for name, c in out.items():
         if not isinstance(c, ParameterConstraints):
-            raise ValueError(
-                f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)"
-            )
+            raise ValueError(f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)")
     return out
 
 

@@ -117,45 +117,31 @@ class Topology:
             self.pcie_bw = self.hbm_to_ddr_mem_bw
         self.compute_device = str(self.compute_device).lower()
         if self.compute_device not in COMPUTE_DEVICES:
-            raise ValueError(
-                f"Topology compute_device={self.compute_device!r} is not supported: use 'cpu' or 'cuda'"
-            )
+            raise ValueError(f"Topology compute_device={self.compute_device!r} is not supported: use 'cpu' or 'cuda'")
         if not isinstance(self.world_size, int) or self.world_size <= 0:
-            raise ValueError(
-                f"Topology world_size must be a positive number of ranks, got {self.world_size!r}"
-            )
+            raise ValueError(f"Topology world_size must be a positive number of ranks, got {self.world_size!r}")
         if self.local_world_size is None:
             self.local_world_size = self.world_size
         if self.local_world_size <= 0 or self.world_size % self.local_world_size:
-            raise ValueError(
-                f"Topology local_world_size={self.local_world_size} must be positive and divide "
-                f"world_size={self.world_size}: set it to the number of ranks per host"
-            )
+            raise ValueError(f"Topology local_world_size={self.local_world_size} must be positive and divide "
+                             f"world_size={self.world_size}: set it to the number of ranks per host")
         cuda = self.compute_device == "cuda"
         if self.hbm_cap is None:
             self.hbm_cap = gpu_memory_bytes() if cuda else 0
             if cuda and not self.hbm_cap:
-                raise ValueError(
-                    "Topology(compute_device='cuda') could not read GPU memory (no GPU visible here): "
-                    "pass hbm_cap=<bytes per rank>, e.g. hbm_cap=80 * GB"
-                )
+                raise ValueError("Topology(compute_device='cuda') could not read GPU memory (no GPU visible here): "
+                                 "pass hbm_cap=<bytes per rank>, e.g. hbm_cap=80 * GB")
         if self.ddr_cap is None:
             self.ddr_cap = host_memory_bytes() // self.local_world_size
         if cuda and self.hbm_cap <= 0:
-            raise ValueError(
-                f"Topology hbm_cap={self.hbm_cap} leaves no device memory per rank: pass the GPU's "
-                f"memory in bytes (hbm_cap=80 * GB), or plan for compute_device='cpu'"
-            )
+            raise ValueError(f"Topology hbm_cap={self.hbm_cap} leaves no device memory per rank: pass the GPU's "
+                             f"memory in bytes (hbm_cap=80 * GB), or plan for compute_device='cpu'")
         if not cuda and self.hbm_cap:
-            raise ValueError(
-                f"Topology hbm_cap={self.hbm_cap} is set for compute_device='cpu', which has no device "
-                f"memory: leave hbm_cap out and size host memory with ddr_cap"
-            )
+            raise ValueError(f"Topology hbm_cap={self.hbm_cap} is set for compute_device='cpu', which has no device "
+                             f"memory: leave hbm_cap out and size host memory with ddr_cap")
         if self.ddr_cap <= 0:
-            raise ValueError(
-                f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
-                f"per rank> (e.g. ddr_cap=64 * GB)"
-            )
+            raise ValueError(f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
+                             f"per rank> (e.g. ddr_cap=64 * GB)")
         defaults = {
             "hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0,
             "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,

@@ -33,10 +33,8 @@ def host_ranks(host_index: int, local_world_size: int, world_size: int) -> list[
     ranks = list(range(host_index * local_world_size, (host_index + 1) * local_world_size))
     if host_index < 0 or ranks[-1] >= world_size:
         num_hosts = world_size // local_world_size
-        raise ValueError(
-            f"host_index={host_index} does not exist: world_size={world_size} with "
-            f"local_world_size={local_world_size} gives hosts 0..{num_hosts - 1}"
-        )
+        raise ValueError(f"host_index={host_index} does not exist: world_size={world_size} with "
+                         f"local_world_size={local_world_size} gives hosts 0..{num_hosts - 1}")
     return ranks
 
 
@@ -53,10 +51,8 @@ def _row_shards(rows: int, col_offset: int, cols: int, ranks: Sequence[int]) -> 
 def _column_sizes(dim: int, parts: int, column_sizes: Sequence[int] | None, table: str) -> list[int]:
     if column_sizes is None:
         if parts > dim:
-            raise ValueError(
-                f"table '{table}' has dim {dim} but is split into {parts} column blocks: "
-                f"use fewer ranks for its column split, or table_wise"
-            )
+            raise ValueError(f"table '{table}' has dim {dim} but is split into {parts} column blocks: "
+                             f"use fewer ranks for its column split, or table_wise")
         return split_evenly(dim, parts)
     sizes = list(column_sizes)
     if len(sizes) != parts or sum(sizes) != dim or min(sizes) <= 0:
@@ -89,10 +85,8 @@ def shard_layout(table: str, num_rows: int, dim: int, sharding_type: ShardingTyp
         raise ValueError(f"world_size={world_size} is not a multiple of local_world_size={lws}")
     for r in ranks or ():
         if not 0 <= r < world_size:
-            raise ValueError(
-                f"table '{table}' is placed on rank {r} but world_size={world_size}: "
-                f"use ranks in 0..{world_size - 1}"
-            )
+            raise ValueError(f"table '{table}' is placed on rank {r} but world_size={world_size}: "
+                             f"use ranks in 0..{world_size - 1}")
     if st == ShardingType.DATA_PARALLEL:
         return [ShardMetadata((0, 0), (num_rows, dim), r) for r in range(world_size)]
     if st == ShardingType.TABLE_WISE:
@@ -137,7 +131,5 @@ def _column_shards(num_rows: int, sizes: Sequence[int], owners: Sequence[int]) -
 
 def _check_rows(table: str, num_rows: int, num_ranks: int, st: ShardingType) -> None:
     if num_rows < num_ranks:
-        raise ValueError(
-            f"table '{table}' has {num_rows} rows but {st} splits it over {num_ranks} ranks: "
-            f"use table_wise or data_parallel for tables this small"
-        )
+        raise ValueError(f"table '{table}' has {num_rows} rows but {st} splits it over {num_ranks} ranks: "
+                         f"use table_wise or data_parallel for tables this small")

@@ -124,9 +124,8 @@ def _fused_kernel(kernel) -> str:
 
 
 def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Sequence[LocalTable]) -> None:
-    """A piece is named '<table>@r<row>c<col>' and its features '<feature>@r<row>c<col>' on its rank: a table or
-    feature of the collection already named so met the piece's name there, and one's ids were looked up (and
-    trained) in the other's rows without a word. Same on every rank (the routing is), so every rank raises."""
+    """A piece is named '<table>@r<row>c<col>' (its features '<feature>@r<row>c<col>'): a table or feature already
+    named so would share its rows. The same on every rank (the routing is), so every rank raises."""
     for rank, tables in enumerate(per_rank):
         for kind, names in (("table", [t.name for t in list(tables) + list(replicas)]),
                             ("feature", [f for t in list(tables) + list(replicas) for f in t.feature_names])):

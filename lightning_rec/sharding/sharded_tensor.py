@@ -63,8 +63,7 @@ class ShardedTensor:
     def __post_init__(self) -> None:
         self.local_shards = LocalShards(self.local_shards)
 
-    # pickled (torch.save, all_gather_object, deepcopy) with a plain list, as before LocalShards: checkpoints stay
-    # readable by older versions, and older checkpoints (a plain list) get the callable list when loaded
+    # pickled with a plain list, as before LocalShards: checkpoints stay readable by older versions and back
     def __getstate__(self) -> dict:
         return {"global_shape": self.global_shape, "local_shards": list(self.local_shards),
                 "shards_metadata": self.shards_metadata}
@@ -146,9 +145,7 @@ class ShardedTensor:
     def full(self) -> Tensor:
         return self.read(0, 0, *self.global_shape, what=f"ShardedTensor.full() of a {tuple(self.global_shape)} table")
 
-    # DCP's save hook (torch.distributed.checkpoint.planner_helpers._create_write_items), reached only through
-    # its default planner (lightning_rec.checkpoint hands DCP its own objects), which would pickle the table as one
-    # object and keep one rank's copy. (Its default load planner turns unknown objects into None: a load fails anyway.)
+    # DCP's save hook, reached only through its default planner, which would keep one rank's pickled copy
     def __create_write_items__(self, fqn: str, obj: object) -> list:
         raise TypeError(
             f"torch.distributed.checkpoint.save cannot save {fqn}: it is a lightning_rec ShardedTensor (each rank "

@@ -112,10 +112,8 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
     if smallest < 0:
         raise ValueError(f"{what}: lengths must be >= 0, found {smallest}")
     if total != values.shape[0]:
-        raise ValueError(
-            f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
-            f"lengths and values must describe the same ids"
-        )
+        raise ValueError(f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
+                         f"lengths and values must describe the same ids")
 
 
 def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,

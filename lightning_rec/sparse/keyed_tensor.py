@@ -44,19 +44,16 @@ class KeyedTensor:
             raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
                              f"{tuple(values.shape)} (1 for [B, sum of widths])")
         if values.shape[key_dim] != sum(self._length_per_key):
-            raise ValueError(
-                f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
-                f"to {sum(self._length_per_key)}"
-            )
+            raise ValueError(f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
+                             f"to {sum(self._length_per_key)}")
         self._values = values
         self._key_dim = key_dim
         self._offset_per_key: list[int] | None = None
 
     @classmethod
     def _of_collection(cls, keys: list[str], length_per_key: list[int], values_BD: Tensor) -> KeyedTensor:
-        """A collection's output, whose keys and widths were checked when it was built: no checks per batch
-        (they cost ~10 us of a host-bound GPU step). Copies of the lists, so a caller that edits keys() does
-        not edit the collection's."""
+        """A collection's output, whose keys and widths were checked when it was built: no checks per batch. Copies
+        of the lists, so a caller that edits keys() does not edit the collection's."""
         kt = cls.__new__(cls)
         kt._keys, kt._length_per_key, kt._values = list(keys), list(length_per_key), values_BD
         kt._key_dim, kt._offset_per_key = 1, None

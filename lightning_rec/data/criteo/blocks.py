@@ -88,11 +88,9 @@ def iter_line_blocks(
 ) -> Iterator[tuple[np.ndarray, int]]:
     """Yield (whole lines ending in b"\\n" as a uint8 view, byte offset after them) from `start_byte` of the text.
 
-    The native parser's reader: text is read straight into one reused buffer (no copy or count per
-    block; the parser counts lines), so each view is valid only until the next one is asked for.
-    Offsets count the decompressed text (a compressed file is decompressed up to `start_byte`, since
-    streams cannot seek). `skip_header` drops the first line when starting at byte 0. `progress(n)`
-    is called with the bytes of the file itself read so far.
+    The native parser's reader: text is read into one reused buffer, so each view is valid only until the next.
+    Offsets count the decompressed text. `skip_header` drops the first line when starting at byte 0;
+    `progress(n)` is called with the bytes of the file itself read so far.
     """
     compression = file_compression(path)
     raw = pa.OSFile(str(path), "rb")

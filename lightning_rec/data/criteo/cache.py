@@ -64,10 +64,8 @@ _LEGACY_TMP_AGE_S = 24 * 3600  # "<pid>" names (no host) written before the host
 def _remove_abandoned_tmp(cache_dir: Path, prefix: str) -> None:
     """Remove `<prefix><host>~<pid>.<uuid>.tmp` files that a killed build left (hidden, GBs each, never reused).
 
-    Only those provably abandoned: written on this host by a process that no longer runs (ranks building the same
-    cache at once each write their own file; another host's, or a live process's, are left alone), or, for names
-    without a host, by a dead pid and untouched for a day. A minute's grace covers a writer in another pid
-    namespace of this host that is between two blocks.
+    Only those provably abandoned: written on this host by a process that no longer runs (after a minute's grace),
+    or, for names without a host, by a dead pid and untouched for a day.
     """
     host, now = socket.gethostname().replace("~", "-"), time.time()
     for tmp in cache_dir.glob(f"{glob.escape(prefix)}*.tmp"):
@@ -160,10 +158,8 @@ def _write_arrow(tables: Iterator[tuple[pa.Table, ParseReport]], arrow_path: Pat
                     writer.write_table(table, writer_batch_size=max(table.num_rows, 1))
             writer.finalize()
         if report.num_rows == 0:
-            raise ValueError(
-                f"{report.path} has no data rows ({report.num_skipped_rows} bad rows skipped, "
-                f"{report.num_blank_lines} blank lines): expected Criteo rows (label, I1..I13, C1..C26)"
-            )
+            raise ValueError(f"{report.path} has no data rows ({report.num_skipped_rows} bad rows skipped, "
+                             f"{report.num_blank_lines} blank lines): expected Criteo rows (label, I1..I13, C1..C26)")
         os.replace(tmp, arrow_path)
     finally:
         if tmp.exists():

@@ -70,10 +70,8 @@ def file_compression(path: str | os.PathLike) -> str | None:
         if magic.startswith(prefix):
             if not str(path).endswith(suffix) and str(path) not in _warned_compression:
                 _warned_compression.add(str(path))
-                log.warning(
-                    "%s is %s-compressed although its name does not end in %s: reading it through %s "
-                    "(rename it to %s%s to make this explicit)", path, name, suffix, name, path, suffix,
-                )
+                log.warning("%s is %s-compressed although its name does not end in %s: reading it through %s "
+                            "(rename it to %s%s to make this explicit)", path, name, suffix, name, path, suffix,)
             return name
     return None
 
@@ -160,10 +158,8 @@ def _header_layout(path, head: bytes, names: list[str], separator: str, has_labe
     missing = [f"I{i}" for i in range(1, 14) if f"i{i}" not in index]
     missing += [f"C{i}" for i in range(1, 27) if f"c{i}" not in index]
     if missing:
-        raise ValueError(
-            f"{path}: the header lacks columns {missing}: a Criteo header names label (optional), "
-            f"I1..I13 and C1..C26; pass has_header=False if the first line is data"
-        )
+        raise ValueError(f"{path}: the header lacks columns {missing}: a Criteo header names label (optional), "
+                         f"I1..I13 and C1..C26; pass has_header=False if the first line is data")
     after = head.lstrip().split(b"\n", 1)[1:]  # what follows the header line
     if not (after and after[0].strip()) and len(head) < _HEAD_BYTES - len(BOM):  # the whole file: no row
         raise ValueError(f"{path} has no data rows (a header only): expected Criteo rows (label, I1..I13, "

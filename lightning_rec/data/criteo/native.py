@@ -53,10 +53,8 @@ def resolve_parser(parser: str) -> str:
     if parser not in PARSERS:
         raise ValueError(f"parser must be one of {PARSERS}, got {parser!r}")
     if parser == "native" and not native_parser_available():
-        raise ValueError(
-            f"parser='native' needs the C++ extension, which failed to import ({NATIVE_IMPORT_ERROR}): "
-            f"build it with `pip install --no-build-isolation -e .`, or pass parser='python'"
-        )
+        raise ValueError(f"parser='native' needs the C++ extension, which failed to import ({NATIVE_IMPORT_ERROR}): "
+                         f"build it with `pip install --no-build-isolation -e .`, or pass parser='python'")
     if parser == "auto":
         return "native" if native_parser_available() else "python"
     return parser

@@ -43,11 +43,9 @@ class ParseReport:
                 self.path, self.num_skipped_rows, self.num_rows, first,
             )
         if self.num_padded_rows:
-            log.warning(
-                "%s: %d of %d rows had fewer fields than the layout and were padded with missing values "
-                "(trailing empty fields stripped, as in some copies of train.txt); a row cut after a separator "
-                "is refused instead", self.path, self.num_padded_rows, self.num_rows,
-            )
+            log.warning("%s: %d of %d rows had fewer fields than the layout and were padded with missing values "
+                        "(trailing empty fields stripped, as in some copies of train.txt); a row cut after a separator "
+                        "is refused instead", self.path, self.num_padded_rows, self.num_rows,)
 
 
 def minus_one_label_fix(reason: str, what: str) -> str | None:

@@ -20,9 +20,7 @@ MISSING_CATEGORICAL = ("reserved_id", "empty_bag")
 
 def check_missing_categorical(missing_categorical: str) -> None:
     if missing_categorical not in MISSING_CATEGORICAL:
-        raise ValueError(
-            f"missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}"
-        )
+        raise ValueError(f"missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}")
 
 
 def check_on_bad_row(on_bad_row: str) -> None:
@@ -45,10 +43,8 @@ def resolve_num_embeddings(num_embeddings_per_feature: int | Sequence[int], num_
     else:
         sizes = [int(n) for n in num_embeddings_per_feature]
     if len(sizes) != num_features:
-        raise ValueError(
-            f"num_embeddings_per_feature has {len(sizes)} entries for {num_features} sparse features: "
-            f"give one int for all, or one per feature"
-        )
+        raise ValueError(f"num_embeddings_per_feature has {len(sizes)} entries for {num_features} sparse features: "
+                         f"give one int for all, or one per feature")
     if min(sizes) < 2:
         raise ValueError(f"num_embeddings_per_feature must be >= 2 for every feature, got {sizes}")
     return sizes

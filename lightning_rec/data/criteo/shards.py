@@ -95,10 +95,8 @@ def load_manifest(directory: str | os.PathLike) -> dict:
         raise ValueError(f"{directory} has no {MANIFEST}: {hint}")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != SHARD_FORMAT:
-        raise ValueError(
-            f"{path} has format {manifest.get('format')!r}, this version reads {SHARD_FORMAT!r}: rerun "
-            f"`lightning-rec preprocess` with this version"
-        )
+        raise ValueError(f"{path} has format {manifest.get('format')!r}, this version reads {SHARD_FORMAT!r}: rerun "
+                         f"`lightning-rec preprocess` with this version")
     return manifest
 
 

@@ -91,8 +91,7 @@ class MovieLensDataModule(pl.LightningDataModule):
     Args:
         data_dir: an unpacked GroupLens folder (ml-100k, ml-1m, ml-20m, ml-25m, ...), your own log (a folder
             with ratings.csv or ratings.parquet, a .parquet file or a pattern), or, in Python, a
-            `datasets.Dataset` of interactions (written once as ratings.parquet in a folder named by its
-            fingerprint, under datasets' cache: `lightning_rec.data.hf_dataset`).
+            `datasets.Dataset` of interactions.
         split: "ro_811" (RecBole's random-order 8:1:1 per user), "to_811" (the same in time order), "loo"
             (leave-one-out in time order), ml-100k's "u1".."u5", "ua", "ub", or "given" (data_dir holds the log's own
             train / valid / test files, or is a DatasetDict) (docs/movielens.md).
@@ -125,8 +124,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         worker_options("MovieLensDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
         _check_args(split, num_negatives, batch_size, eval_batch_size, columns)
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
-        # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
-        # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
+        # a datasets.Dataset becomes a folder holding its ratings.parquet, before the hyperparameters are saved
         given = data_dir
         data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet",
                                 split_names=tuple(_SPLIT_WORDS) if split == GIVEN else (),
@@ -136,8 +134,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.columns = dict(columns) if columns else None
         self.data_dir = Path(data_dir)
-        # here, on every rank before any process group exists (found only in prepare_data, on local rank 0, it left
-        # the other ranks waiting in a barrier); again at prepare_data and setup (the folder may be removed between)
+        # here, on every rank before any process group exists; again at prepare_data and setup
         self._check_data_dir()
         self.split, self.min_rating, self.side_features = split, min_rating, side_features
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
@@ -219,8 +216,7 @@ class MovieLensDataModule(pl.LightningDataModule):
                           stacklevel=3)
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
-        # side files key users and items as the ratings do (ints; RecBole's Amazon files: strings): keys of the
-        # other kind cannot be one of these users or items
+        # side files keyed as the ratings' ids are (ints or strings): keys of the other kind are no one's
         user_text, item_text = _is_text(table.column("user_id")), _is_text(table.column("item_id"))
         users = _keyed_like(users, user_text, self.data_dir, "user")
         items = _keyed_like(items, item_text, self.data_dir, "item")
@@ -238,8 +234,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.item_ids, item_N = _indexed(table.column("item_id"), list(items))
         user_N, item_N = torch.from_numpy(user_N), torch.from_numpy(item_N)
         self.num_users, self.num_items = len(self.user_ids), len(self.item_ids)
-        # implicit feedback is one interaction per (user, item): a repeated pair split into training and test would
-        # be a target the model has seen, scored as found; a temporal split keeps the earliest copy
+        # one interaction per (user, item): a repeat in training and test would be a target the model has seen
         time_N = np.asarray(table.column("timestamp")) if self.split in TEMPORAL_SPLITS else None
         keep_N = _first_of_pairs(user_N, item_N, self.num_items, time_N)
         if keep_N is not None:
@@ -388,7 +383,6 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def eval_split_names(self) -> list[str]:
         """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
-        # in fit only: `validate` ranks the validation split (Lightning would show every metric under both
-        # dataloaders, as they are logged once per epoch), and `test` the test split
+        # in fit only: `validate` ranks the validation split, `test` the test split
         fitting = self.trainer is None or self.trainer.state.fn == "fit"
         return ["val", "test"] if self.eval_test_in_fit and fitting else ["val"]

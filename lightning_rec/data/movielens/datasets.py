@@ -24,8 +24,7 @@ class InteractionDataset(Dataset):
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
                  num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
         self.user_N, self.item_N = user_N, item_N
-        # unshuffled, a pair is in the same batch every epoch: the epoch (told by the loader's set_epoch, in shared
-        # memory so that loader workers see it) then varies its negatives (see _batch_generator)
+        # unshuffled, the epoch (in shared memory, for loader workers) varies the negatives (_batch_generator)
         self.epoch_in_seed = epoch_in_seed
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.users, self.items, self.num_items = users, items, num_items
@@ -52,13 +51,9 @@ class InteractionDataset(Dataset):
         self._epoch[0] = int(epoch)
 
     def _batch_generator(self, idx_B: Tensor) -> torch.Generator:
-        """A generator seeded by the batch itself (its pair indices and the module's seed).
-
-        Not one generator advanced batch by batch: that would tie a batch's negatives to how many
-        batches this process drew before (a resumed run, a loader worker, the loop's read-ahead), so a
-        run resumed mid-epoch would train other negatives. Seeded by content, a batch is the same
-        wherever and whenever it is drawn; shuffling makes each epoch's batches differ. Without shuffling
-        (`epoch_in_seed`) the epoch is part of the seed: each pair met the same negative in every epoch.
+        """A generator seeded by the batch itself (its pair indices and the module's seed), so that a batch draws the
+        same negatives wherever and whenever it is drawn (a resumed run, a loader worker). Without shuffling
+        (`epoch_in_seed`) the epoch is part of the seed, so each epoch's negatives differ.
         """
         data = idx_B.numpy().tobytes()
         if self.epoch_in_seed:

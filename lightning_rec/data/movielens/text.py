@@ -138,9 +138,8 @@ def _parse(path: Path, data: bytes, sep: str, has_header: bool, column_names: li
            included: list[str]) -> tuple[pa.Table, set[str]]:
     """The parsed table, and the id columns read as text.
 
-    Integer ids first (reading text and casting it costs 2.3x on ml-25m-like files); a file with a header whose ids
-    do not parse is read again with its ids as text ("A3SGXH7AUHU8GW", an ASIN). GroupLens' headerless files keep
-    integer ids: a letter there is damage."""
+    Integer ids first (faster); a headed file whose ids do not parse is read again with its ids as text (ASINs).
+    GroupLens' headerless files keep integer ids: a letter there is damage."""
 
     def read(string_ids: set[str]) -> pa.Table:
         return pacsv.read_csv(
