@@ -77,11 +77,9 @@ def _fbgemm():
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    return dict(
-        TBE=SplitTableBatchedEmbeddingBagsCodegen, ComputeDevice=ComputeDevice,
-        EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode, BoundsCheckMode=BoundsCheckMode,
-        FbOpt=FbOpt, SparseType=SparseType,
-    )
+    return dict(TBE=SplitTableBatchedEmbeddingBagsCodegen, ComputeDevice=ComputeDevice,
+                EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode, BoundsCheckMode=BoundsCheckMode,
+                FbOpt=FbOpt, SparseType=SparseType)
 
 
 _FBGEMM_OPTIMIZER_NAMES = {

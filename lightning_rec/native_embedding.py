@@ -223,13 +223,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         self.row_offsets_list = [0] + list(_cumsum(rows_T))
         self.D_offsets_list = [0] + list(_cumsum(dims_T[t] for t in self.feature_table_map))
         self.total_D = self.D_offsets_list[-1]
-        meta = dict(
-            weights_offsets=self.weights_offsets_list,
-            row_offsets=self.row_offsets_list,
-            table_dims=dims_T,
-            feature_table=self.feature_table_map,
-            D_offsets=self.D_offsets_list,
-        )
+        meta = dict(weights_offsets=self.weights_offsets_list, row_offsets=self.row_offsets_list, table_dims=dims_T,
+                    feature_table=self.feature_table_map, D_offsets=self.D_offsets_list)
         for name, values in meta.items():
             self.register_buffer(name, torch.tensor(values, dtype=torch.int64), persistent=False)
         self.rows_F = torch.tensor([rows_T[t] for t in self.feature_table_map], dtype=torch.int64)  # batch checks

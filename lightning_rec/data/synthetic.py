@@ -137,9 +137,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         if num_dense_features < 1 or num_sparse_features < 1:
             raise ValueError("need at least one dense and one sparse feature")
         self.num_dense_features = num_dense_features
-        self.num_embeddings_per_feature = resolve_num_embeddings(
-            num_embeddings_per_feature, num_sparse_features
-        )
+        self.num_embeddings_per_feature = resolve_num_embeddings(num_embeddings_per_feature, num_sparse_features)
         default_names = [f"C{i}" for i in range(1, num_sparse_features + 1)]
         self.sparse_feature_names = list(sparse_feature_names or default_names)
         if len(self.sparse_feature_names) != num_sparse_features:

@@ -255,7 +255,5 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         optimizer = self.fused_rate_from_hparams(combined_optimizer(self.model, dense))
         if hp.warmup_steps <= 0:
             return optimizer
-        warmup = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps)
-        )
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}

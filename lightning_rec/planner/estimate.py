@@ -399,9 +399,7 @@ def enumerate_options(
                         _by_rank(arr[i : i + L], shards[i : i + L], L, base=shards[i].placement)
                         for i in range(0, len(shards), L)
                     ]
-                options.append(
-                    ShardingOption(spec, st, kernel, kind, pieces, column_sizes, num_blocks=num_blocks)
-                )
+                options.append(ShardingOption(spec, st, kernel, kind, pieces, column_sizes, num_blocks=num_blocks))
     # per kernel: a table too big for max_shard_bytes in device memory keeps its fused shards when they fit
     over = {id(o) for o in options
             if o.max_piece_bytes[0] > max_shard_bytes[0] or o.max_piece_bytes[1] > max_shard_bytes[1]}

@@ -423,28 +423,12 @@ class EmbeddingShardingPlanner:
                 d = shards[s.placement]
                 d[str(o.sharding_type)] = d.get(str(o.sharding_type), 0) + 1
             tables.append(
-                TableStats(
-                    o.spec.path,
-                    o.spec.name,
-                    str(o.sharding_type),
-                    str(o.kernel),
-                    sorted(set(ps.ranks)),
-                    float(o.totals[HBM]),
-                    float(o.totals[DDR]),
-                    o.total_ms,
-                )
+                TableStats(o.spec.path, o.spec.name, str(o.sharding_type), str(o.kernel), sorted(set(ps.ranks)),
+                           float(o.totals[HBM]), float(o.totals[DDR]), o.total_ms)
             )
         ranks = [
-            RankStats(
-                r,
-                float(row[HBM]),
-                float(caps[HBM]),
-                float(row[DDR]),
-                float(caps[DDR]),
-                float(row[COMPUTE]),
-                float(row[COMM]),
-                shards[r],
-            )
+            RankStats(r, float(row[HBM]), float(caps[HBM]), float(row[DDR]), float(caps[DDR]), float(row[COMPUTE]),
+                      float(row[COMM]), shards[r])
             for r, row in enumerate(placement.load)
         ]
         return PlanStats(self.topology.describe(), ranks, tables, proposals, proposer, seconds)

@@ -89,9 +89,7 @@ class _Search:
         # enough memory in all, but pieces too big to pack: split the tables that found no room
         safe = np.where(self.caps > 0, self.caps, 1.0)
         frac = lambda o: float((o.max_piece_bytes / safe).max())
-        order = p.failed + sorted(
-            set(range(len(chosen))) - set(p.failed), key=lambda t: (-frac(chosen[t]), t)
-        )
+        order = p.failed + sorted(set(range(len(chosen))) - set(p.failed), key=lambda t: (-frac(chosen[t]), t))
         for t in order:
             cur, before = chosen[t], choice[t]
             alts = [j for j, o in enumerate(self.options[t]) if frac(o) < frac(cur) - _EPS]

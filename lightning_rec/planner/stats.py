@@ -121,9 +121,7 @@ class PlanStats:
         ]
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
         last = len(header) - 1  # the shards column, left-aligned
-        fmt = lambda cells: "  ".join(
-            c.rjust(w) if i < last else c for i, (c, w) in enumerate(zip(cells, widths))
-        )
+        fmt = lambda cells: "  ".join(c.rjust(w) if i < last else c for i, (c, w) in enumerate(zip(cells, widths)))
         lines = [
             f"planner: {self.topology}; {len(self.tables)} tables; {self.proposals} proposals in "
             f"{self.seconds:.2f} s (kept: {self.proposer}); slowest rank {self.max_ms:.3f} ms = "

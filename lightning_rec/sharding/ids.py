@@ -116,10 +116,8 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
         per_rank = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     else:
         per_rank = [0] * tables.routing.world_size
-    return RoutedIds(
-        lengths_SB.to(lengths_CB.dtype), local_N[order_N],
-        None if weights_N is None else weights_N[order_N], per_rank, order_N, copies,
-    )
+    return RoutedIds(lengths_SB.to(lengths_CB.dtype), local_N[order_N],
+                     None if weights_N is None else weights_N[order_N], per_rank, order_N, copies)
 
 
 def key_major_permutation(num_keys: int, batch_per_source: Sequence[int], device: torch.device) -> Tensor:

@@ -162,13 +162,11 @@ def build_routing(configs: Sequence, feature_names: Sequence[str], table_plans: 
 
     dp_groups = [t for g in group_tables(placed.dp_tables) for t in g]
     dp_feature_index = [f_index[f] for t in dp_groups for f in t.feature_names]
-    return Routing(
-        world_size=world_size, feature_names=list(feature_names), feature_dims=dims, pooled=pooled,
-        mean_features=mean, rank_tables=rank_tables, shard_features=shard_features, rank_sf_counts=counts,
-        rank_dims=rank_dims, dp_tables=dp_groups, dp_feature_index=dp_feature_index,
-        **_copy_plan(feature_names, by_feature, placed.blocks, table_plans, global_index),
-        table_shardings={c.name: table_plans[c.name] for c in configs}, pieces=placed.pieces,
-    )
+    return Routing(world_size=world_size, feature_names=list(feature_names), feature_dims=dims, pooled=pooled,
+                   mean_features=mean, rank_tables=rank_tables, shard_features=shard_features, rank_sf_counts=counts,
+                   rank_dims=rank_dims, dp_tables=dp_groups, dp_feature_index=dp_feature_index,
+                   **_copy_plan(feature_names, by_feature, placed.blocks, table_plans, global_index),
+                   table_shardings={c.name: table_plans[c.name] for c in configs}, pieces=placed.pieces)
 
 
 @dataclass

@@ -107,11 +107,9 @@ class JaggedTensor:
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
               lengths_dtype: torch.dtype = torch.int64) -> JaggedTensor:
         """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
-        return JaggedTensor(
-            values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
-            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
-            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
-        )
+        return JaggedTensor(values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
+                            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+                            lengths=torch.empty(0, dtype=lengths_dtype, device=device))
 
     @staticmethod
     def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
@@ -306,38 +304,26 @@ class KeyedJaggedTensor:
         weighted = [jt.weights_or_none() is not None for jt in jts]
         if any(weighted) and not all(weighted):
             raise ValueError("from_jt_dict: either every JaggedTensor has weights or none does")
-        return KeyedJaggedTensor(
-            keys,
-            values=torch.cat([jt.values() for jt in jts]),
-            weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
-            lengths=torch.cat([jt.lengths() for jt in jts]),
-            stride=strides.pop(),
-        )
+        return KeyedJaggedTensor(keys, values=torch.cat([jt.values() for jt in jts]),
+                                 weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
+                                 lengths=torch.cat([jt.lengths() for jt in jts]), stride=strides.pop())
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
               lengths_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
         """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
-        return KeyedJaggedTensor(
-            keys=[],
-            values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
-            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
-            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
-            stride=0,
-        )
+        return KeyedJaggedTensor(keys=[], values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
+                                 weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+                                 lengths=torch.empty(0, dtype=lengths_dtype, device=device), stride=0)
 
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Same keys and stride, every bag empty."""
         device = kjt.values().device
-        return KeyedJaggedTensor(
-            kjt.keys(),
-            values=torch.empty(0, dtype=kjt.values().dtype, device=device),
-            weights=None if kjt.weights_or_none() is None else torch.empty(0, device=device),
-            lengths=torch.zeros_like(kjt.lengths()),
-            stride=kjt.stride(),
-        )
+        return KeyedJaggedTensor(kjt.keys(), values=torch.empty(0, dtype=kjt.values().dtype, device=device),
+                                 weights=None if kjt.weights_or_none() is None else torch.empty(0, device=device),
+                                 lengths=torch.zeros_like(kjt.lengths()), stride=kjt.stride())
 
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -493,16 +479,10 @@ class KeyedJaggedTensor:
         for n in segments:
             v0, v1 = opk[k], opk[k + n]
             out.append(
-                KeyedJaggedTensor(
-                    self._keys[k : k + n],
-                    values=self._values[v0:v1],
-                    weights=None if self._weights is None else self._weights[v0:v1],
-                    lengths=self._lengths[k * self._stride : (k + n) * self._stride],
-                    stride=self._stride,
-                    length_per_key=lpk[k : k + n],
-                    _validate=False,
-                    inverse_indices=self._inverse_indices,
-                )
+                KeyedJaggedTensor(self._keys[k : k + n], values=self._values[v0:v1],
+                                  weights=None if self._weights is None else self._weights[v0:v1],
+                                  lengths=self._lengths[k * self._stride : (k + n) * self._stride], stride=self._stride,
+                                  length_per_key=lpk[k : k + n], _validate=False, inverse_indices=self._inverse_indices)
             )
             k += n
         return out
@@ -557,10 +537,8 @@ class KeyedJaggedTensor:
             lengths_FB, values_N, weights_N = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), self._values, weights, total
             )
-        return KeyedJaggedTensor(
-            keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
-            length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices,
-        )
+        return KeyedJaggedTensor(keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
+                                 length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices)
 
     def to_dict(self) -> dict[str, JaggedTensor]:
         opk = self.offset_per_key()

@@ -59,11 +59,8 @@ def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw
         list(keys), torch.from_numpy(np.ascontiguousarray(values_N, dtype=np.int64)),
         torch.from_numpy(lengths_FB), stride=batch_size,
     )
-    return Batch(
-        dense_features=torch.from_numpy(np.ascontiguousarray(dense_B13)),
-        sparse_features=kjt,
-        labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)),
-    )
+    return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(dense_B13)), sparse_features=kjt,
+                 labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)))
 
 
 class CriteoDataset(Dataset):

@@ -169,15 +169,9 @@ def _header_layout(path, head: bytes, names: list[str], separator: str, has_labe
         raise ValueError(f"{path}: has_label=True but the header has no 'label' column")
     if has_label is False:
         label_field = None
-    return CriteoLayout(
-        separator=separator,
-        has_header=True,
-        has_label=label_field is not None,
-        num_fields=len(names),
-        label_field=label_field,
-        dense_fields=[index[f"i{i}"] for i in range(1, 14)],
-        sparse_fields=[index[f"c{i}"] for i in range(1, 27)],
-    )
+    return CriteoLayout(separator=separator, has_header=True, has_label=label_field is not None, num_fields=len(names),
+                        label_field=label_field, dense_fields=[index[f"i{i}"] for i in range(1, 14)],
+                        sparse_fields=[index[f"c{i}"] for i in range(1, 27)])
 
 
 def _headerless_layout(path, lines: list[bytes], numbers: list[int], separator: str,
@@ -193,12 +187,7 @@ def _headerless_layout(path, lines: list[bytes], numbers: list[int], separator: 
         # The majority decides: a stripped row of a labelled file can have 39 fields too.
         has_label = n40 >= n39
     offset = 1 if has_label else 0
-    return CriteoLayout(
-        separator=separator,
-        has_header=False,
-        has_label=has_label,
-        num_fields=layout_width(has_label),
-        label_field=0 if has_label else None,
-        dense_fields=list(range(offset, offset + NUM_DENSE_FEATURES)),
-        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(has_label))),
-    )
+    return CriteoLayout(separator=separator, has_header=False, has_label=has_label, num_fields=layout_width(has_label),
+                        label_field=0 if has_label else None,
+                        dense_fields=list(range(offset, offset + NUM_DENSE_FEATURES)),
+                        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(has_label))))

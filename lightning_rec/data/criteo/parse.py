@@ -195,12 +195,9 @@ def _read_fields(clean: np.ndarray, layout: CriteoLayout, num_rows: int) -> Call
             delimiter=layout.separator, quote_char=False, double_quote=False, escape_char=False,
             newlines_in_values=False, ignore_empty_lines=False,
         ),
-        convert_options=pacsv.ConvertOptions(
-            include_columns=[names[i] for i in used],
-            column_types={names[i]: pa.string() for i in used},
-            null_values=[""],
-            strings_can_be_null=True,
-        ),
+        convert_options=pacsv.ConvertOptions(include_columns=[names[i] for i in used],
+                                             column_types={names[i]: pa.string() for i in used}, null_values=[""],
+                                             strings_can_be_null=True),
     ).combine_chunks()
     assert table.num_rows == num_rows, (table.num_rows, num_rows)
     return lambda i: table.column(names[i]).chunk(0)

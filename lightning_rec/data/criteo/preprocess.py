@@ -159,12 +159,10 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
     run = _Run(out, sizes, missing_categorical, rows_per_shard, seed, shuffle_rows, on_bad_row, block_bytes)
     run.remaps = _remaps(run, inputs, layouts, tables, min_frequency, vocab_from, progress)
     shards, reports = _write_inputs(run, inputs, layouts, tables, sources, verify, progress)
-    manifest = dict(
-        format=SHARD_FORMAT, inputs=sources, options=options, has_label=labelled,
-        missing_categorical=missing_categorical,
-        num_embeddings_per_feature=sizes if run.remaps is None else [int(r.max()) + 1 for r in run.remaps],
-        num_rows=int(sum(s["rows"] for s in shards)), shards=shards, reports=reports,
-    )
+    manifest = dict(format=SHARD_FORMAT, inputs=sources, options=options, has_label=labelled,
+                    missing_categorical=missing_categorical,
+                    num_embeddings_per_feature=sizes if run.remaps is None else [int(r.max()) + 1 for r in run.remaps],
+                    num_rows=int(sum(s["rows"] for s in shards)), shards=shards, reports=reports)
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / MANIFEST)

@@ -38,10 +38,8 @@ class ParseReport:
         """Warn once at the end of parsing about rows dropped or padded (never silent)."""
         if self.num_skipped_rows:
             first = "; ".join(f"line {ln}: {why}" for ln, why in self.skipped[:3])
-            log.warning(
-                "%s: skipped %d bad rows (on_bad_row='skip'), kept %d. First: %s",
-                self.path, self.num_skipped_rows, self.num_rows, first,
-            )
+            log.warning("%s: skipped %d bad rows (on_bad_row='skip'), kept %d. First: %s",
+                        self.path, self.num_skipped_rows, self.num_rows, first)
         if self.num_padded_rows:
             log.warning("%s: %d of %d rows had fewer fields than the layout and were padded with missing values "
                         "(trailing empty fields stripped, as in some copies of train.txt); a row cut after a separator "
