@@ -178,8 +178,7 @@ class _CountRing:
                        torch.cuda.Event() if cuda else _Arrived()) for _ in range(self.SLOTS)]
         self.block, self.j, self.lookups = 0, 0, 0
         self._pending: list[tuple[int, int]] = []  # (block, number of its first lookup), oldest first
-        # CUDA streams that wrote rows of the block being filled (row()): a pipeline routes its first batch on the
-        # step's stream and the later ones on its feeder's, and the block's copy must follow every write
+        # CUDA streams that wrote rows of the block being filled: its copy must follow every write
         self._cuda = cuda
         self._writers: dict[int, torch.cuda.Stream] = {}
 

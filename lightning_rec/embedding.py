@@ -43,8 +43,7 @@ from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables,
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
     """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
     configs' data_type; the fused kernels are built for it)."""
-    # names the Lightning precision that converts to this dtype; a parent's layers converted before this refusal
-    # stay converted (nn.Module._apply walks children in order), so it says how to convert them back
+    # names the Lightning precision that converts to this dtype, and how to convert layers already converted back
     lightning = ("Lightning's precision='64-true' converts it: use '32-true', the tables have no float64 kernel"
                  if dtype == torch.float64 else
                  "Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed'")
@@ -128,8 +127,7 @@ class FeatureRouter:
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
                              f"build the KJT with weights=..., or set is_weighted=False")
-        # torch.export traces symbolic ids that no check can read: an exported program takes its ids unchecked,
-        # as TorchRec's does
+        # torch.export traces symbolic ids that no check can read (as TorchRec's, unchecked)
         if validate_ids and not torch.compiler.is_exporting():
             if features.device().type != "cpu" and self.device_check is not None:
                 self.device_check.before_lookup(features, rows_in, tables_in)  # raises for an earlier bad batch
@@ -219,8 +217,7 @@ class _EmbeddingCollectionBase(nn.Module):
         for t in tables:
             for f in t.feature_names:
                 if f in readers:
-                    # Two tables reading one feature would give one output key twice: to_dict() and kt[key]
-                    # would silently keep one of the two embeddings.
+                    # two tables reading one feature would give one output key twice
                     raise ValueError(
                         f"feature '{f}' is read by tables '{readers[f]}' and '{t.name}': each feature can feed one "
                         f"table of a collection. Give the second table its own feature name (e.g. '{f}_{t.name}') "
@@ -261,8 +258,7 @@ class _EmbeddingCollectionBase(nn.Module):
     def _build_lookup(self, device: torch.device) -> None:
         lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,
                                weighted=self._is_weighted)
-        # The lookup is kept out of the module tree so that the state dict shows tables, not kernel
-        # internals; its tables are registered below as parameters that view the kernel's storage.
+        # the lookup is kept out of the module tree: the state dict shows tables that view the kernel's storage
         object.__setattr__(self, "_lookup", lookup)
         weights = _Tables()
         table_weights = lookup.table_weights()
@@ -274,8 +270,7 @@ class _EmbeddingCollectionBase(nn.Module):
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
         self._feature_names = lookup.feature_names  # the kernels' order: tables grouped by pooling and data type
-        # Outputs come in the configs' order, as TorchRec's: a KeyedTensor read by position (values()[:, :D],
-        # DLRM's interaction) must not depend on how the tables were grouped into kernels.
+        # outputs in the configs' order, as TorchRec's, whatever the kernels' grouping
         self._output_names = [f for c in self._configs for f in c.feature_names]
         self._output_dims = [by_feature[f].embedding_dim for f in self._output_names]
         self._column_order = None
@@ -391,8 +386,7 @@ class _EmbeddingCollectionBase(nn.Module):
         return self._router(features, self.validate_ids)
 
     def _warn_if_replicated(self) -> None:
-        # A fused update trains the tables inside backward, where DDP / FSDP never see a gradient to average:
-        # unsharded in a multi-rank run, every rank's copy takes only its own batches and they drift apart.
+        # a fused update trains inside backward, unseen by DDP / FSDP: unsharded copies on N ranks drift apart
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._warned_replicas = True
@@ -455,8 +449,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         tables: one EmbeddingBagConfig per table; several features may read one table.
         is_weighted: use the KJT's per-id weights (weighted sum / mean).
         device: where the tables live ("cpu" or "cuda").
-        optimizer: a FusedOptimizerConfig to update rows inside backward (fbgemm TBE, or the
-            native CPU kernel); None for plain parameters trained by torch.optim.
+        optimizer: a FusedOptimizerConfig to update rows inside backward; None: parameters trained by torch.optim.
         kernel: "auto" | "fbgemm" | "native" | "dense" (see lookup.choose_kernel).
         validate_ids: check every id against its table's rows (ValueError naming both).
     """

@@ -68,8 +68,7 @@ class BaseEmbeddingConfig:
     init_fn: Callable[[Tensor], object] | None = None
     # TorchRec's flag for position-weighted tables: learned per-id weights train under every sharding type here
     need_pos: bool = False
-    # TorchRec's fields for what this package does not do (inference-time row pruning, bucketized and virtual
-    # tables): the default taken, another value refused naming what to do
+    # TorchRec's fields for what this package does not do: the default taken, another value refused
     num_embeddings_post_pruning: int | None = None
     input_dim: int | None = None
     total_num_buckets: int | None = None

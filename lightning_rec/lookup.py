@@ -224,8 +224,7 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # LARS's own (None for the other updates, which have neither): fbgemm's defaults then
         **{k: v for k, v in (("momentum", optimizer.momentum), ("eta", optimizer.eta)) if v is not None},
         weights_precision=precision[dtype],
-        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's: the update gets an fp32 gradient (a small
-        # one is subnormal in fp16), and every rank sends one dtype through the output all-to-all
+        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's (an fp32 gradient, one wire dtype)
         output_dtype=fb["SparseType"].FP32,
         pooling_mode=pooling_mode,
         # CPU batches are checked before the kernel; on GPU fbgemm counts bad ids on the device (batch_check.py)
@@ -297,8 +296,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _tbe_lookup(tbe, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
     if torch.is_inference_mode_enabled() and values_N.device.type == "cpu":
-        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips ("Could not
-        # run ... from the 'CPU' backend"); outside it, without grad, the kernel gives the same rows, no update
+        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips
         with torch.inference_mode(False), torch.no_grad():
             return tbe(values_N, offsets, per_sample_weights=weights_N)
     return tbe(values_N, offsets, per_sample_weights=weights_N)
@@ -417,14 +415,12 @@ class FusedKernel(nn.Module):
             return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
                                 fp32_out=True)
         if torch.compiler.is_compiling():
-            # training: the update happens in fbgemm's backward, which torch.compile cannot trace. A graph break
-            # (fullgraph=False) runs it eagerly; fullgraph=True stops here with _FBGEMM_EAGER_REASON
+            # training: fbgemm's backward cannot be traced: a graph break (fullgraph=True stops with the reason)
             out = self._tbe_eager(features.values(), features.offsets(), weights_N)
         else:
             out = _tbe_lookup(self.tbe, features.values(), features.offsets(), weights_N)
         if self._counts_steps and not out.requires_grad:
-            # fbgemm advances Adam's / LAMB's step at every forward; a lookup without backward (evaluation)
-            # updates nothing, so take the step back: bias correction counts updates (torch.optim, native)
+            # fbgemm advances Adam's / LAMB's step at every forward: taken back without a backward
             self.tbe.iter.sub_(1)
             self.tbe.iter_cpu.sub_(1)
         if self._grad_scale != 1.0:
@@ -532,8 +528,7 @@ def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_
         w = jt.weights_or_none()
         if w is not None:
             w = w.to(table.dtype)
-            # torch.export slices a feature's ids and weights by sizes it cannot read ("Could not guard on
-            # data-dependent expression" in embedding_bag): they are one per id, as the KJT was checked to hold
+            # torch.export cannot read the slices' sizes: one weight per id, as the KJT was checked to hold
             torch._check(w.shape[0] == ids.shape[0])
         bag_offsets = jt.offsets()[:-1]
         if pooling == "mean" and w is not None:
@@ -550,8 +545,7 @@ def group_tables(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig |
     """Tables that can share one kernel, in order of first appearance."""
     groups: dict[tuple, list[LocalTable]] = {}
     for t in tables:
-        # Sequence kernels need one dim per kernel; pooled kernels mix dims freely, except padded
-        # row-wise tables, whose learning rate depends on their dim (padding_grad_scale).
+        # sequence kernels need one dim; padded row-wise tables one gradient scale (padding_grad_scale)
         scale = 1.0
         if optimizer is not None:
             resolved = choose_kernel(kernel, optimizer, device, t.pooling)
@@ -597,8 +591,7 @@ class GroupedLookup(nn.Module):
         """
         assert features.keys() == self.feature_names, (features.keys(), self.feature_names)
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
-        # .forward, not __call__: kernels are internal (outside the module tree), and a module call's hook
-        # machinery is a few us of a host-bound GPU step
+        # .forward, not __call__: kernels are internal, and hooks cost a host-bound GPU step
         return [kernel.forward(part, checked, self._frozen(kernel, frozen)) if isinstance(kernel, FusedKernel)
                 else kernel.forward(part) for kernel, part in zip(self.kernels, parts)]
 

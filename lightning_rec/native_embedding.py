@@ -82,8 +82,7 @@ def _backward(ctx, grad_BD: Tensor):
      weight_decay) = ctx.inputs
     grads: list[Tensor | None] = [None] * len(ctx.inputs)
     if per_sample_weights is not None and ctx.needs_input_grad[_PSW_INPUT]:
-        # Learned per-id weights (TorchRec's PositionWeightedModule) train through this gradient, as they do on
-        # fbgemm and the dense kernel. From the rows as the forward read them: before the update below moves them.
+        # learned per-id weights train through this gradient, from the rows before the update below moves them
         grads[_PSW_INPUT] = per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, feature_table,
                                                     D_offsets, indices, offsets, pooling_mode, grad_BD)
     torch.ops.lightning_rec.tbe_backward_update(
@@ -93,8 +92,7 @@ def _backward(ctx, grad_BD: Tensor):
     return tuple(grads)
 
 
-# An op of its own (opaque to torch.compile, with a fake kernel): its per-feature slices read sizes from the layout
-# tensors, which a traced backward cannot.
+# an op of its own (opaque to torch.compile): its slices read sizes a traced backward cannot
 @torch.library.custom_op("lightning_rec::tbe_per_sample_weights_grad", mutates_args=())
 def per_sample_weights_grad(weights: Tensor, weights_offsets: Tensor, row_offsets: Tensor, table_dims: Tensor,
                             feature_table: Tensor, D_offsets: Tensor, indices: Tensor, offsets: Tensor,
@@ -304,8 +302,7 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
                              f"({', '.join(self.feature_names)})")
         if per_sample_weights is not None:
             if torch.compiler.is_compiling():
-                # sizes of a feature's ids sliced by counts read from the lengths have no value while torch.compile
-                # traces ('Could not guard on data-dependent expression'): the KJT holds one weight per id
+                # torch.compile cannot read the slices' sizes: the KJT holds one weight per id
                 torch._check(per_sample_weights.numel() == indices_N.numel())
             elif per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices_N.numel():
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)} but there are "

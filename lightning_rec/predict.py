@@ -73,8 +73,7 @@ class PredictionWriter(BasePredictionWriter):
             next free predictions_<n>.csv).
         overwrite: replace an existing output_path (otherwise an existing file is refused before predicting).
 
-    After the run, `written_path` is the file written and `num_rows` its rows (every rank knows them), and
-    `held_rows_peak` the most rows this rank held in memory at once.
+    After the run: `written_path`, `num_rows` (every rank knows them) and `held_rows_peak` (this rank's).
     """
 
     # the most bytes of rows a rank keeps in memory before it writes them, sorted, to a run file on disk

@@ -318,11 +318,8 @@ class SharedMemoryGroup:
     def exchange(self, sends: list[Tensor | Writer], tag: str = "exchange") -> list[Tensor]:
         """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here.
 
-        A send is a tensor (its bytes) or a Writer (nbytes + a function that fills a uint8 view: a
-        gather that writes straight into shared memory, without a staging copy). Received pieces are
-        uint8 tensors; a peer's is a view into its shared memory, valid until this rank's next
-        collective on the group (the peer rewrites that slot two exchanges later), so copy it out
-        (or consume it) before then. This rank's own piece comes back as its bytes.
+        A send is a tensor or a Writer (fills shared memory itself). Received pieces are uint8 tensors; a peer's is
+        a view into its shared memory, valid until this rank's next collective on the group: consume it before.
         """
         W = self.world_size
         if len(sends) != W:

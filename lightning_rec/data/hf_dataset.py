@@ -153,8 +153,7 @@ def check_same_rows(digests: dict[str, str], what: str) -> None:
 
 
 def _refuse_transform(ds, what: str) -> None:
-    # a with_transform / set_transform function runs only as rows are read: the copy, written from the Arrow table,
-    # would hold the rows without it
+    # a set_transform function runs only as rows are read: the copy would lack it
     if ds.format.get("type") == "custom":
         raise ValueError(f"{what} is a Dataset with a transform (with_transform / set_transform), which datasets runs "
                          f"only as rows are read, so its copy would hold the rows without it: apply it first, "

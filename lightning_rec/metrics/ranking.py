@@ -127,8 +127,7 @@ class RankingMetrics(Metric):
         prefix: put before each name in `compute()`'s dict ("val_" -> "val_ndcg@10").
         empty_target_action: what a user with no relevant item counts for, as in torchmetrics: "skip" (left
             out; our default), "neg" (0; torchmetrics' default), "pos" (1) or "error" (compute() raises).
-        ignore_index: as in torchmetrics, a target value whose entries are left out (not a candidate at all), in
-            the flat and candidate forms (e.g. -100 for padding).
+        ignore_index: as in torchmetrics, a target value whose entries are left out (e.g. -100 for padding).
         adaptive_k, aggregation: torchmetrics' arguments, taken at their defaults only (False, "mean").
 
     `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`.
@@ -306,8 +305,7 @@ class RankingMetrics(Metric):
                           f"in the top {self.max_k} (Recall@K is then 1 for every user, Precision@K still divides "
                           f"by K as in torchmetrics); use ks <= {num_candidates} for meaningful values",
                           UserWarning, stacklevel=3)
-        # topk ranks NaN above everything, so a diverging model would look perfect: NaN ranks last here and is never
-        # a hit, even within a K that reaches the -inf entries (counted on the device, said at compute: no sync)
+        # topk ranks NaN first: here it ranks last and is never a hit (counted on the device, said at compute)
         nan_UC = torch.isnan(scores_UC)
         self.nan_scores += nan_UC.sum()
         scores_UC = scores_UC.masked_fill(nan_UC, float("-inf"))

@@ -155,11 +155,9 @@ class DLRM(nn.Module):
         embedding_bag_collection: the sparse features' tables (all of one dim D).
         dense_in_features: I, the number of dense inputs.
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
-        over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample (1 for
-            a click model; more for several tasks, as TorchRec's OverArch allows; DLRMModule takes 1).
-        dense_device: where the dense layers (dense arch, interaction, over arch) are built; None: the
-            default device. The tables stay where the collection put them (TorchRec's argument: build the
-            collection on "meta" and let DistributedModelParallel place the shards).
+        over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample.
+        dense_device: where the dense layers are built (None: the default device); the tables stay where the
+            collection put them (TorchRec's argument).
     """
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,

@@ -49,24 +49,21 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         dense_in_features: I, the number of dense inputs (13 for Criteo).
         dense_arch_layer_sizes: the dense arch's MLP sizes (it ends in embedding_dim).
         over_arch_layer_sizes: the over arch's MLP sizes (it ends in 1).
-        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers: dcn_num_layers, dcn_low_rank_dim,
-            refused beside "dot").
+        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
         dcn_num_layers: cross layers of interaction="dcn".
         dcn_low_rank_dim: the rank of each cross layer's kernel (interaction="dcn").
         sparse_optimizer: the tables' fused update: sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb
-            or lars_sgd (fbgemm's / TorchRec's names too, e.g. EXACT_ROWWISE_ADAGRAD).
+            or lars_sgd (fbgemm's / TorchRec's names too).
         sparse_lr: the fused update's learning rate.
         sparse_eps: the fused update's eps.
         sparse_weight_decay: the fused update's weight decay (of the rows a batch reads).
-        dense_optimizer: torch.optim for the dense layers: adagrad, adam, adamw or sgd (LightningCLI's
-            --optimizer replaces it).
+        dense_optimizer: torch.optim for the dense layers: adagrad, adam, adamw or sgd (--optimizer replaces it).
         dense_lr: the dense optimizer's learning rate.
         dense_weight_decay: the dense optimizer's weight decay.
-        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
-            for tables trained by torch.optim, is refused: these tables are fused).
+        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
-        embedding_device: "cpu": the tables are drawn here, then moved or sharded; "meta": no values until
-            Trainer(strategy="rec") shards them, each shard drawn where it lives (tables larger than host memory).
+        embedding_device: "cpu", or "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
+            where it lives (tables larger than host memory).
     """
 
     def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
@@ -84,8 +81,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(
                 f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
             )
-        # said here, by the names set: torch.optim says "Invalid learning rate: -1.0" only once fit has begun, and a
-        # negative warmup_steps would train without warm-up
+        # said here, by name: torch.optim would say it only once fit began
         bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
                                  ("warmup_steps", warmup_steps)) if v < 0}
         if bad:
@@ -133,8 +129,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         super().setup(stage)
         data = getattr(self.trainer, "datamodule", None)
         self._check_data_sizes(data)
-        # keys both modules have: Lightning refuses two differing values ("Error while merging hparams"), also
-        # where they mean the same: the data's value is logged as data_<key>
+        # keys both modules have: the data's is logged as data_<key> (Lightning refuses two values)
         initial = getattr(data, "_hparams_initial", None)
         for key in ("num_embeddings_per_feature", "sparse_feature_names"):
             if initial is not None and key in initial and initial[key] != self.hparams_initial.get(key):
@@ -169,8 +164,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError("the batch has no labels: DLRMModule trains and evaluates on labelled click logs; an "
                              "unlabelled file (e.g. Kaggle's test.txt) can only be used for prediction")
         if labels.device.type == "cpu" and labels.numel() and not bool(((labels >= 0) & (labels <= 1)).all()):
-            # Checked before the forward: a NaN loss would reach the fused update and write NaN rows.
-            # (CPU batches only: on GPU this read would stall the stream; the data modules check labels.)
+            # checked before the forward (CPU batches only): a NaN loss would write NaN rows
             bad = labels[~((labels >= 0) & (labels <= 1))][:3].tolist()
             raise ValueError(f"labels must be click labels in [0, 1], found {bad}: an unlabelled file (NaN labels) "
                              f"or labels on another scale; fix the data or map labels to 0/1")
@@ -182,8 +176,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         if batch.labels.numel() == 0:
             # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.
             return logits_B.sum() * 0.0, logits_B
-        # integer / bool click labels and a [B, 1] column are labels too (BCE needs floats of the logits' shape);
-        # float32 at least, so that soft labels keep their value under bf16 autocast
+        # integer / bool labels and a [B, 1] column too; float32 at least, for soft labels under bf16
         labels_B = labels.reshape(-1).to(torch.promote_types(logits_B.dtype, torch.float32))
         return F.binary_cross_entropy_with_logits(logits_B, labels_B), logits_B
 

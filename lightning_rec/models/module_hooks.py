@@ -86,8 +86,7 @@ class RecModuleHooks(RecCheckpointLoading):
 
         precision = str(trainer.precision)
         if precision.endswith("-true") and precision != "32-true":
-            # said here, before Lightning converts the module (the collections refuse a dtype cast, without
-            # knowing who asked for it)
+            # said here, before Lightning converts the module, naming the precision
             raise ValueError(
                 f"Trainer(precision={precision!r}) converts every parameter, the embedding tables too, which keep "
                 f"the data_type of their configs: use precision='bf16-mixed' (--trainer.precision=bf16-mixed: the "
@@ -136,8 +135,7 @@ class RecModuleHooks(RecCheckpointLoading):
             raise ValueError(f"{owner}(embedding_kernel={embedding_kernel!r}): unknown kernel: use 'auto', 'fbgemm' or "
                              f"'native'")
 
-    # `lightning-rec fit --optimizer=CLASS` (LightningCLI's optimizer) sets it: builds the dense layers' optimizer
-    # from their parameters, in place of the module's dense_optimizer / dense_lr / dense_weight_decay
+    # `lightning-rec fit --optimizer=CLASS` sets it: the dense layers' optimizer, in place of dense_optimizer
     cli_dense_optimizer: Any = None
 
     def dense_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:

@@ -117,8 +117,7 @@ def in_batch_softmax_loss(user_BD: Tensor, item_BD: Tensor, item_index_B: Tensor
     # an item that is the positive itself elsewhere in the batch is no negative (an accidental hit)
     same_item_BB = item_index_B.unsqueeze(0) == item_index_B.unsqueeze(1)
     same_item_BB.fill_diagonal_(False)
-    # the dtype's lowest finite value: -inf gives NaN gradients against an inf score, -1e9 does not fit in
-    # float16 (precision="16-mixed" without logQ) and sat above scores past 1e9
+    # the dtype's lowest finite value: -inf gives NaN gradients, -1e9 does not fit float16
     logits_BB = logits_BB.masked_fill(same_item_BB, torch.finfo(logits_BB.dtype).min)
     return F.cross_entropy(logits_BB, torch.arange(logits_BB.shape[0], device=logits_BB.device))
 

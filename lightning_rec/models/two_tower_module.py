@@ -42,23 +42,19 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     """Two-tower retrieval on implicit feedback (MovieLensDataModule or any module giving the same batches).
 
     Args:
-        user_num_embeddings: {feature: rows} of the user tower; None: read from the data module
-            (`user_num_embeddings`) when the trainer sets the model up.
+        user_num_embeddings: {feature: rows} of the user tower; None: read from the data module at setup.
         item_num_embeddings: the same for the item tower (`item_num_embeddings`).
         embedding_dim: D of every table.
         user_layer_sizes: the user tower's MLP ([] = no MLP: matrix factorisation).
         item_layer_sizes: the item tower's MLP ([] = no MLP).
-        id_skip: each tower's output is its id embedding (user_id / item_id) + the MLP of all its
-            features (a residual path; the last layer sizes must equal embedding_dim).
+        id_skip: each tower's output is its id embedding + the MLP of all its features (last layer = embedding_dim).
         tower_dropout: dropout on the MLPs' inputs and hidden layers (training only).
         score: "dot" or "cosine".
         temperature: divides the scores (use ~0.05-0.2 with cosine).
-        loss: "softmax" (in-batch negatives, `logq_correction`; needs num_negatives=0 data) or "bpr" (needs
-            num_negatives=1 data).
-        logq_correction: softmax loss: subtract each in-batch item's log training frequency from its scores (an
-            item seen often is a negative often).
-        embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
-            tower outputs of the batch (for MF: the embedding rows it touches); 0 = none.
+        loss: "softmax" (in-batch negatives; num_negatives=0 data) or "bpr" (num_negatives=1 data).
+        logq_correction: softmax loss: subtract each in-batch item's log training frequency from its scores.
+        embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the batch's
+            tower outputs; 0 = none.
         sparse_optimizer: the tables' fused update: sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb
             or lars_sgd (fbgemm's / TorchRec's names too).
         sparse_lr: the fused update's learning rate.
@@ -69,13 +65,11 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables, as DLRMModule's.
         ks: ranking cutoffs of the metrics (NDCG@k, Recall@k, ...).
         top_k_table_users: users shown in the top-10 table (0 = none).
-        empty_target_action: what an evaluated user with no held-out item counts for in the ranking metrics, with
-            torchmetrics' meaning: "skip" (left out of the mean; the default), "neg" (0: torchmetrics' default),
-            "pos" (1) or "error" (raise). ml-100k's official test splits leave about half the users without one.
+        empty_target_action: what a user with no held-out item counts for in the ranking metrics, as in
+            torchmetrics: "skip" (left out; the default), "neg" (0: torchmetrics' default), "pos" (1) or "error".
         eval_item_chunk: items embedded per item-tower call at evaluation.
         predict_top_k: items per user that `predict` writes (None: max(ks)).
-        embedding_device: "cpu" (tables drawn here, then moved or sharded) or "meta" (no values until
-            Trainer(strategy="rec") shards them, each shard drawn where it lives), as DLRMModule's.
+        embedding_device: "cpu" or "meta" (no values until Trainer(strategy="rec") shards them), as DLRMModule's.
         item_ids_digest: which item each row of the item tables is (a digest of the data module's `item_ids`); None:
             taken from the data module at setup and kept in the checkpoint. Evaluation and prediction refuse a data
             module whose item ids differ.

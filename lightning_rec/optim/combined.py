@@ -61,8 +61,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
             return
         held = {id(p) for _, o in self.optimizers for g in o.param_groups for p in g["params"]}
         for group in groups:
-            # a fused group is the fused optimizer's, never new: BaseFinetuning saves rank 0's groups, and another
-            # rank holds pieces of other tables (their groups hold other table parameters)
+            # a fused group is the fused optimizer's, never new (ranks hold other tables' groups)
             if group["params"] and not any(id(p) in held or isinstance(p, FusedTableWeight) for p in group["params"]):
                 self.add_param_group(dict(group))
         self._sync_groups()

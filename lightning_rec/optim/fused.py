@@ -48,11 +48,9 @@ def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
-    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param
-    group per fused kernel carries its "lr", which starts at the kernel's configured rate
-    (`FusedOptimizerConfig.lr`) as a torch.optim optimizer starts at its `lr`. The state dict keys optimizer state by
-    `<module path>.<table>.<state name>`, so it loads into any kernel (fbgemm or native) and any
-    grouping of the same tables.
+    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param group per fused
+    kernel carries its "lr", starting at `FusedOptimizerConfig.lr`. The state dict keys state by
+    `<module path>.<table>.<state name>`, so it loads into any kernel and any grouping of the same tables.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -64,8 +62,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sharded = any(callable(getattr(m, "shard_of", None)) for _, m in fused_modules(model))
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
-            # the collection's own table parameters (sharded: one empty parameter per table, held once), which
-            # BaseFinetuning maps to the model's names
+            # the collection's own table parameters, which BaseFinetuning maps to the model's names
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
             prefix = f"{path}." if path else ""
             if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
@@ -265,11 +262,8 @@ def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
 def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]]) -> dict[str, torch.Tensor]:
     """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors).
 
-    Per-element state ([rows, cols]: Adagrad's sum, Adam's moments) is assembled exactly. Per-row
-    state ([rows]: row-wise Adagrad) of a table split by columns exists once per column shard,
-    each over its own columns; the whole table's is their average weighted by width, which is what
-    the unsharded optimizer keeps (the mean over all columns) when the shards saw the same rows.
-    Scalars (Adam's step) are the same on every piece.
+    Per-element state is assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the
+    column shards' average weighted by width (the unsharded mean over all columns). Scalars are the same everywhere.
     """
     merged: dict[str, tuple[tuple[int, int], list]] = {}
     for pieces in per_rank:

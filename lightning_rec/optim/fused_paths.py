@@ -45,7 +45,6 @@ def _has_fused_update(module: torch.nn.Module) -> bool:
         return False
     if module.fused_kernels():
         return True
-    # a sharded collection with no shard on this rank still counts: every rank's optimizer has the same parts,
-    # and its checkpoint the same collectives
+    # a sharded collection with no shard here still counts: every rank's optimizer has the same parts
     config = getattr(module, "fused_optimizer_config", None)
     return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None

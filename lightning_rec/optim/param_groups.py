@@ -89,8 +89,7 @@ def _rebuild_fused_group(cls: type, items: dict[str, Any], attrs: dict[str, Any]
     return group
 
 
-# Pickled param groups (Lightning's BaseFinetuning saves them) name these two by the path of the module optim
-# was: kept, so that files written before and after the split load alike
+# pickled param groups name these two by optim's old module path: kept, so that old files load
 _FusedParamGroup.__module__ = _rebuild_fused_group.__module__ = "lightning_rec.optim"
 
 

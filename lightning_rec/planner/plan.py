@@ -117,11 +117,9 @@ class EmbeddingShardingPlanner:
                                        batch_size=8192)
     plan = planner.plan(model)          # ShardingPlan; planner.stats holds the PlanStats
 
-    Arguments take TorchRec's positional order (topology, batch_size, ..., constraints, debug);
-    TorchRec's pluggable components (enumerator, proposer, ...) are refused by name with the knob
-    that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices every table's optimizer
-    state and decides which sharding types apply (replicas take sgd / adagrad / rowwise_adagrad only); left
-    out, each collection's tables are planned by its own fused update.
+    Arguments take TorchRec's positional order; its pluggable components (enumerator, proposer, ...) are refused
+    by name with the knob that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices the
+    tables' optimizer state and decides which sharding types apply; left out, each collection's own fused update.
     """
 
     def __init__(self, topology: Topology | None = None, *args, batch_size: int | None = None,

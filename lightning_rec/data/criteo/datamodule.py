@@ -52,11 +52,9 @@ class CriteoDataModule(pl.LightningDataModule):
         predict_path: the data `predict` scores, labelled or not (None: test_path).
         batch_size: rows per training batch (per rank).
         val_batch_size: rows per evaluation and predict batch (None: batch_size).
-        num_embeddings_per_feature: table rows, one int for all features or one per feature (equal to the
-            model's; for a preprocess directory, equal to its manifest's).
+        num_embeddings_per_feature: table rows, one int for all features or one per feature (the model's).
         sparse_feature_names: the KJT keys (None: C1..C26).
-        missing_categorical: "reserved_id" (id 0 of each table means missing) or "empty_bag" (a missing value is an
-            empty bag).
+        missing_categorical: "reserved_id" (id 0 of each table means missing) or "empty_bag" (an empty bag).
         cache_dir: where the memory-mapped Arrow cache goes (None: under datasets' cache, HF_DATASETS_CACHE).
         streaming: parse the files while iterating, without a cache (for files too big to cache).
         num_workers: DataLoader worker processes (0: load in the main process).
@@ -89,8 +87,7 @@ class CriteoDataModule(pl.LightningDataModule):
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         self.read_options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
         check_missing_categorical(missing_categorical)
-        # a datasets.Dataset becomes the path of its Parquet copy, before the arguments are saved as
-        # hyperparameters (lightning_rec.data.hf_dataset)
+        # a datasets.Dataset becomes the path of its Parquet copy, before the hyperparameters are saved
         root = cache_dir or default_cache_dir()
         given = {"train_path": train_path, "val_path": val_path, "test_path": test_path, "predict_path": predict_path}
         train_path, val_path, test_path, predict_path = (

@@ -171,10 +171,8 @@ class CriteoIterableDataset(IterableDataset):
     torch's DistributedSampler); the block order stays the file order. Rows left over at the end of a
     block carry into the next block's batches, so only the last batch can be short.
 
-    `row_ids=True` (CriteoDataModule's predict set): each batch carries an order key per row
-    (`Batch.row_ids`): its line's place among the file's rows when rows are dealt, (block << 32) + its place
-    in the block when blocks are. Keys grow with the file order, so predictions made at N ranks are put
-    back in input order by sorting them (lightning_rec.predict renumbers them 0..R-1).
+    `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file
+    order (the line's place, or (block << 32) + its place in the block), by which predictions are put in order.
     """
 
     def __init__(self, path: str | os.PathLike, batch_size: int, num_embeddings_per_feature: int | Sequence[int],
@@ -184,8 +182,7 @@ class CriteoIterableDataset(IterableDataset):
                  block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False) -> None:
         options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
         check_missing_categorical(missing_categorical)
-        # a table (Parquet, a save_to_disk folder) streams in blocks of rows instead of bytes: about as many rows
-        # as block_bytes of the cache's rows (264 bytes each)
+        # a table streams in blocks of rows: about as many as block_bytes of the cache's rows (264 bytes each)
         self.table = TableBlocks(path, has_label, block_bytes // 256) if table_source_kind(path) else None
         if self.table is None:
             check_criteo_file(path)

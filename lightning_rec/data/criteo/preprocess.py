@@ -151,8 +151,7 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
         shuffle_rows=shuffle_rows, seed=seed, on_bad_row=on_bad_row,
     )
     if vocab_from is not None:
-        # the vocabulary itself, not only where it was: a train split preprocessed again (another --min_frequency)
-        # gave the val run's finished shards, rerun, a manifest of the new table sizes over the old ids
+        # the vocabulary itself, not only where it was (it may be rewritten there)
         options["vocab_sha256"] = file_sha256(Path(vocab_from) / "vocab.npz")
     sources = [_source(p, t) for p, t in zip(inputs, tables)]
     _check_same_run(out, options, sources)

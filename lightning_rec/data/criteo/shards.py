@@ -129,12 +129,9 @@ def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_r
 class CriteoShardDataset(IterableDataset):
     """Batches of a preprocessed Criteo directory; each rank reads only its share of every shard.
 
-    Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
-    `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
-    With `shuffle=True`, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler
-    (CriteoDataModule's loaders do).
-    `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
-    and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
+    Use with `DataLoader(dataset, batch_size=None, ...)`; `len()` is this rank's batch count. With `shuffle=True`,
+    call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler. `every_row=True` (evaluation):
+    each rank reads its whole share, `len()` is the longest share's count, and batches past it are empty.
     """
 
     def __init__(self, directory: str | os.PathLike, batch_size: int, sparse_feature_names: Sequence[str] | None = None,
@@ -204,8 +201,7 @@ class CriteoShardDataset(IterableDataset):
         self._epoch.set(epoch)
         self._skip = batches_done
 
-    # torchdata's Stateful protocol (saved after every batch, per worker): a resumed pass skips the batches
-    # yielded without reading them
+    # torchdata's Stateful protocol: a resumed pass skips the batches yielded without reading them
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._pass_epoch, "yielded": self._yielded}
@@ -243,8 +239,7 @@ class CriteoShardDataset(IterableDataset):
         seg_start = np.cumsum([0] + [hi - lo for _, lo, hi in segments])
         share = int(seg_start[-1])
         num_batches = len(self)
-        # rows an epoch reads: fewer than the share in training where drop_last's remainder, or the rows past the
-        # shortest rank's share, are left out
+        # rows an epoch reads (training: drop_last's remainder and rows past the shortest share left out)
         rows = min(num_batches * self.batch_size, self.rank_rows())
         resume, self._resume = self._resume, None
         epoch = self._epoch.take(None if resume is None else resume[0])
@@ -259,8 +254,7 @@ class CriteoShardDataset(IterableDataset):
         done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
         self._pass_epoch, self._yielded = epoch, done
         arrays = self._open()
-        # where each shard starts in the directory's row order: an evaluation share's rows carry their place
-        # (Batch.row_ids), which puts predictions made at N ranks back in order
+        # where each shard starts in the directory's row order (Batch.row_ids of evaluation rows)
         shard_start = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
         for k in order[worker::num_workers][done:]:
             self._yielded += 1  # before the yield: the loader reads the state while this generator waits there

@@ -85,8 +85,7 @@ def source_files(path: str | os.PathLike) -> list[Path]:
         if not p.is_dir():
             return glob_files(path) or [p]
         files = sorted(p.glob("*.parquet"))
-        # the Hub's data/ folder holds every split's files side by side (train-00000-of-00004.parquet, test-...):
-        # read whole, it would train on the test rows
+        # the Hub's data/ folder holds every split's files: read whole, it would train on the test rows
         splits = sorted({m.group(1) for f in files if (m := _SPLIT_FILE.match(f.name))})
         if len(splits) > 1:
             example = "train" if "train" in splits else splits[0]

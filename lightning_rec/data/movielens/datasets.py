@@ -84,8 +84,7 @@ class InteractionDataset(Dataset):
             if not bool(seen_B.any()):
                 return neg_B
             neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=gen), neg_B)
-        # still seen after 10 draws (a user who has seen most items; the last draw was never checked): drawn
-        # among the unseen items exactly, which keeps the negative uniform over them
+        # still seen after 10 draws: drawn among the unseen items exactly (uniform over them)
         for j in self._seen(user_B, neg_B).nonzero().flatten().tolist():
             neg_B[j] = self._unseen_item(int(user_B[j]), gen)
         return neg_B
