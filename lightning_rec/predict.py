@@ -130,8 +130,7 @@ class PredictionWriter(BasePredictionWriter):
         self._close()
         loaders = trainer.predict_loop.num_dataloaders
         if loaders > 1:
-            # every loader numbers its rows from 0: the merge would take the second one's rows for repeats of the
-            # first's
+            # every loader numbers its rows from 0: the merge would take one's rows for repeats of another's
             raise ValueError(f"PredictionWriter writes one input's rows to one file, in its order, but trainer.predict "
                              f"was given {loaders} dataloaders: predict each in its own trainer.predict call, with its "
                              f"own output_path")

@@ -71,8 +71,7 @@ class ShardingEnv:
         return self.transport if self.transport is not None else self.pg
 
     def __reduce_ex__(self, protocol):
-        # copy.deepcopy / pickle of a sharded model (AveragedModel(dmp), an EMA helper, torch.save(dmp)): torch's own
-        # error names only the ProcessGroup
+        # deepcopy / pickle of a sharded model: torch's own error names only the ProcessGroup
         if self.pg is None:
             return super().__reduce_ex__(protocol)
         raise TypeError(
@@ -258,8 +257,7 @@ class _ShardedCollectionBase(nn.Module):
         rank, device = env.rank, env.device
         kernel = getattr(module, "_kernel", "auto")
         mine = self.routing.rank_tables[rank]
-        # Kernels are kept out of the module tree (as in the unsharded collections): the state dict
-        # shows tables, and DDP / FSDP never see the shards or replicas.
+        # kernels are kept out of the module tree: DDP / FSDP never see the shards or replicas
         object.__setattr__(self, "_lookup", GroupedLookup(mine, optimizer, device, kernel) if mine else None)
         replicas = GroupedLookup(self.routing.dp_tables, None, device, "dense") if self.routing.dp_tables else None
         object.__setattr__(self, "_replicas", replicas)
@@ -288,8 +286,7 @@ class _ShardedCollectionBase(nn.Module):
 
     # the data path ------------------------------------------------------------------------------
 
-    # pipeline/feeder.py sets this (`source(module, features) -> ShardedBatch | None`) while a pipeline runs:
-    # a batch it routed during the previous step comes back from it instead of being routed here.
+    # pipeline/feeder.py sets it while a pipeline runs: a batch it routed ahead comes back from it
     _input_source = None
 
     def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
@@ -371,8 +368,7 @@ class _ShardedCollectionBase(nn.Module):
                                        if self.shard_of(t.name)[0] in self._frozen)
         self._frozen_error = self._frozen_split()
         if self._replicas is not None:
-            # replicas train by autograd (their hook sums the gradient over ranks): a frozen one gets no gradient,
-            # hence no hook and no all-reduce, on every rank alike
+            # replicas train by autograd: a frozen one gets no gradient, no hook, no all-reduce, on every rank
             for t, w in zip(self._replicas.tables, self._replicas.table_weights().values()):
                 w.requires_grad_(t.name not in self._frozen)
 
@@ -409,8 +405,7 @@ class _ShardedCollectionBase(nn.Module):
         owned = (self._lookup(batch.routed, checked=self.validate_ids, frozen=self._frozen_local)
                  if self._lookup is not None else [])
         if batch.ctx.weights_grad and self._lookup is None:
-            # No shard here reads the learned weights, yet every other rank waits for this one in their backward
-            # exchange: tie them to the output, which every rank's backward reaches.
+            # no shard here reads the learned weights: tie them to the output, so this rank joins the backward
             owned = [_tie(self._join_owned(owned, batch), batch.routed.weights())]
         replicated = self._replica_lookup(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
@@ -439,8 +434,7 @@ class _ShardedCollectionBase(nn.Module):
         return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"
 
     def _apply(self, fn, recurse: bool = True):
-        # .double() / .half() / .to(torch.float64) would convert the dense layers but not the tables (their kernels
-        # keep their data_type), and the forward would fail on mismatched dtypes
+        # a dtype cast would convert the dense layers but not the tables (their kernels keep their data_type)
         refuse_dtype_cast(f"sharded {self._kind()}", fn)
         return super()._apply(fn, recurse)
 

@@ -188,8 +188,7 @@ class SharedMemoryGroup:
         self.fallbacks = 0  # exchanges that went through the process group (/dev/shm had no room for one)
         self._no_room_from: int | None = None  # the smallest slot size /dev/shm refused: not tried again
         self._small_run, self._small_peak = 0, 0  # exchanges in a row under a quarter of a slot, their largest
-        # set by DistributedModelParallel: a barrier that waits past its grace asks where the peers are
-        # (collective_guard.py), so a peer blocked elsewhere is named within seconds, not at the timeout
+        # set by DistributedModelParallel: past its grace, the barrier asks where the peers are (collective_guard.py)
         self.guard: CollectiveGuard | None = None
         self.timeout_setting = "DistributedModelParallel(timeout=...)"  # how messages name timeout_s
         self._tag = ""
@@ -467,8 +466,7 @@ class SharedMemoryGroup:
             region = self._peer_data[p][1]
             peers[p] = (header, slot * (region.nbytes // 2), region)
         if not (own[_OK] and all(h[_OK] for h in headers.values())):
-            # someone had no room for this exchange: it goes through the process group; the next one that fits
-            # the regions every rank holds goes through shared memory again
+            # someone had no room: this exchange goes through the process group, the next that fits through shm
             self.fallbacks += 1
             return None
         return peers

@@ -78,8 +78,7 @@ class ParameterSharding:
     # fused_uvm_caching: the share of the table's rows its device cache holds (None: fbgemm's default, 20%)
     cache_load_factor: float | None = None
 
-    # TorchRec's other per-table kernel settings, in its order after sharding_spec: None (its default) reads and
-    # passes as there; a value is refused in __init__ with the setting that does its job here (_TORCHREC_SETTINGS)
+    # TorchRec's other per-table settings: None passes, a value is refused naming ours (_TORCHREC_SETTINGS)
     enforce_hbm = stochastic_rounding = bounds_check_mode = output_dtype = key_value_params = None
 
     def __init__(self, sharding_type: ShardingType, compute_kernel: ComputeKernel = ComputeKernel.FUSED,

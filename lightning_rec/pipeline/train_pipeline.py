@@ -62,8 +62,7 @@ class InputPipeline:
             else:
                 plan.record_entry = None  # nothing was called: record on this pass
         elif plan.final.is_set() and not plan.routes and not plan.not_pipelined:
-            # the last pass's recording step called no collection (a dense warm-up step): an empty plan would route
-            # every later batch in the step; record on this pass (the same on every rank: same code)
+            # the last pass's recording step called no collection: record on this pass (the same on every rank)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
                               self.to_device, self.stats, pad, evaluating, self.stop_signal)
@@ -182,8 +181,7 @@ class TrainPipelineSparseDist:
     def progress(self, dataloader_iter: Iterator) -> Any:
         iterable = None
         if not isinstance(dataloader_iter, Iterator):
-            # the DataLoader itself (TorchRec takes iter(dataloader)): its passes one after another, as `for batch in
-            # dataloader` each epoch; a call goes on with the current pass (after an evaluation too)
+            # the DataLoader itself: its passes one after another, a call going on with the current one
             iterable = dataloader_iter
             held = self._iterables.get(id(iterable))
             if held is None or held[0]() is not iterable:
@@ -284,8 +282,7 @@ class TrainPipelineSparseDist:
         return kept
 
     def __del__(self) -> None:
-        # let go mid-pass: the feeder's batches cannot be handed back (that joins its thread, at a moment the collector
-        # chooses, different on every rank): say so, naming close()
+        # let go mid-pass: the batches cannot be handed back (a join at the collector's moment): say so
         pipeline = getattr(self, "_pipeline", None)
         feeder = getattr(pipeline, "feeder", None)
         if pipeline is None or pipeline.closed or feeder is None or feeder._finished:

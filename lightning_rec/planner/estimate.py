@@ -78,8 +78,7 @@ class TableSpec:
     pooling_factors: list[float]  # per feature
     is_weighted: bool
     constraints: ParameterConstraints
-    # the CPU kernel its collection resolves to ("fbgemm" pads rows to 4 columns, "native" does not); None: the
-    # "auto" rule's (native for bags, fbgemm for sequence tables, which the native kernel does not pool)
+    # the CPU kernel its collection resolves to (fbgemm pads rows to 4 columns); None: the "auto" rule's
     cpu_kernel: str | None = None
 
     @property

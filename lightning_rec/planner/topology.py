@@ -94,8 +94,7 @@ class Topology:
     intra_host_bw: float | None = None  # per rank, to ranks on the same host
     inter_host_bw: float | None = None  # per rank, to ranks on other hosts
     pcie_bw: float | None = None  # host <-> device, what UVM lookups go through
-    # TorchRec's names, by keyword: hbm_to_ddr_mem_bw is read into pcie_bw; the others are accepted at None only
-    # and refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
+    # TorchRec's names: hbm_to_ddr_mem_bw is read into pcie_bw, the others refused unless None (_TORCHREC_REFUSED)
     hbm_to_ddr_mem_bw: float | None = None
     bwd_compute_multiplier: float | None = None
     custom_topology_data: object | None = None

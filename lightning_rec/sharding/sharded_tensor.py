@@ -31,8 +31,7 @@ class Shard:
     metadata: ShardMetadata
 
     def __iter__(self):
-        # unpacks as the list's pairs, (metadata, tensor): `for m, t in st.local_shards()` reads as
-        # `for m, t in st.local_shards`
+        # unpacks as the list's (metadata, tensor) pairs
         return iter((self.metadata, self.tensor))
 
 
@@ -72,8 +71,7 @@ class ShardedTensor:
         self.__dict__.update({"shards_metadata": None, **state})  # pickled before shards_metadata: None
         self.local_shards = LocalShards(self.local_shards)
 
-    # torch's / TorchRec's ShardedTensor methods that ported code calls: the global layout, and the one local shard
-    # of a table_wise / row_wise table
+    # torch's / TorchRec's ShardedTensor methods that ported code calls
     def metadata(self) -> ShardedTensorMetadata:
         """Every shard of the table, on every rank (`.shards_metadata`: offsets, sizes, `placement` its rank), and its
         global `.size`."""

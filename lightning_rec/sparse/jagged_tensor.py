@@ -509,8 +509,7 @@ class KeyedJaggedTensor:
             # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only, and one that disagrees with
             # `indices` would label one feature's ids with another's key. Checked where no device sync is needed.
             indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
-            # once per tensor: the collections pass their cached one every batch, and a read per batch is a sync on
-            # GPU (tests/test_gpu_paths.py counts them on CPU)
+            # once per tensor: a read per batch would sync on GPU (tests/test_gpu_paths.py counts them)
             if _readable(indices_tensor) and _CHECKED_PERMUTES.get(id(indices_tensor)) is not indices_tensor:
                 if indices_tensor.tolist() != [int(i) for i in indices]:
                     raise ValueError(f"permute: indices_tensor {indices_tensor.tolist()} is not indices "
@@ -608,8 +607,7 @@ class KeyedJaggedTensor:
 
         moved = move_or_explain(f"KeyedJaggedTensor.to({str(device)!r})", device, lambda: self._map(move, move_weights))
         if all(getattr(moved, a) is getattr(self, a) for a in ("_values", "_weights", "_lengths", "_offsets")):
-            # already there: itself, as Tensor.to. The pipeline knows a batch's KJT by identity, so a step that
-            # moves its (already moved) batch again, `batch.to(self.device)`, stays pipelined
+            # already there: itself, as Tensor.to (the pipeline knows a batch's KJT by identity)
             return self
         if moved.device().type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.

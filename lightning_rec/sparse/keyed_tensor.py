@@ -24,8 +24,7 @@ class KeyedTensor:
                  index_per_key: dict[str, int] | None = None) -> None:
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
-        # TorchRec's caches of what keys and widths give: checked, not trusted (a stale one would hand
-        # kt[key] another key's columns)
+        # TorchRec's caches of what keys and widths give: checked, not trusted
         if offset_per_key is not None and [int(o) for o in offset_per_key] != [
                 sum(self._length_per_key[:i]) for i in range(len(self._length_per_key) + 1)]:
             raise ValueError(f"KeyedTensor: offset_per_key {list(offset_per_key)} disagrees with the widths "
@@ -121,8 +120,7 @@ class KeyedTensor:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
             shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
             if shared:
-                # TorchRec takes the last KeyedTensor's block: two towers that each read a 'country' feature would
-                # get one block for both
+                # TorchRec takes the last KeyedTensor's block: two towers' 'country' blocks would become one
                 raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
                                  f"which block is meant is ambiguous: give the features distinct names (the tables' "
                                  f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")
