@@ -82,15 +82,10 @@ def _fbgemm():
                 FbOpt=FbOpt, SparseType=SparseType)
 
 
-_FBGEMM_OPTIMIZER_NAMES = {
-    EmbOptimType.SGD: "EXACT_SGD",
-    EmbOptimType.ADAGRAD: "EXACT_ADAGRAD",
-    EmbOptimType.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD",
-    EmbOptimType.ADAM: "ADAM",
-    EmbOptimType.PARTIAL_ROWWISE_ADAM: "PARTIAL_ROWWISE_ADAM",
-    EmbOptimType.LAMB: "LAMB",
-    EmbOptimType.LARS_SGD: "LARS_SGD",
-}
+_FBGEMM_OPTIMIZER_NAMES = {EmbOptimType.SGD: "EXACT_SGD", EmbOptimType.ADAGRAD: "EXACT_ADAGRAD",
+                           EmbOptimType.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD", EmbOptimType.ADAM: "ADAM",
+                           EmbOptimType.PARTIAL_ROWWISE_ADAM: "PARTIAL_ROWWISE_ADAM", EmbOptimType.LAMB: "LAMB",
+                           EmbOptimType.LARS_SGD: "LARS_SGD"}
 
 
 def _native_module():

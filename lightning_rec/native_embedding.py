@@ -38,13 +38,8 @@ from lightning_rec._native import NATIVE_IMPORT_ERROR, native_kernel_available  
 from lightning_rec.errors import is_number
 from lightning_rec.optim.config import EmbOptimType, FusedOptimizerConfig
 
-_OPTIMIZER_IDS = {
-    EmbOptimType.SGD: 0,
-    EmbOptimType.ADAGRAD: 1,
-    EmbOptimType.ROWWISE_ADAGRAD: 2,
-    EmbOptimType.ADAM: 3,
-    EmbOptimType.PARTIAL_ROWWISE_ADAM: 4,
-}
+_OPTIMIZER_IDS = {EmbOptimType.SGD: 0, EmbOptimType.ADAGRAD: 1, EmbOptimType.ROWWISE_ADAGRAD: 2, EmbOptimType.ADAM: 3,
+                  EmbOptimType.PARTIAL_ROWWISE_ADAM: 4}
 NATIVE_OPTIMIZERS = tuple(_OPTIMIZER_IDS)
 _POOLING_IDS = {"sum": 0, "mean": 1}
 
@@ -55,11 +50,9 @@ def prefer_native(optimizer: EmbOptimType | str) -> bool:
     return native_kernel_available() and EmbOptimType(str(optimizer).lower()) in _OPTIMIZER_IDS
 
 
-def _fake_forward(
-    placeholder, weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets,
-    per_sample_weights, pooling_mode, total_D, momentum1, momentum2, step, optimizer, lr, eps, beta1, beta2,
-    weight_decay,
-):
+def _fake_forward(placeholder, weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices,
+                  offsets, per_sample_weights, pooling_mode, total_D, momentum1, momentum2, step, optimizer, lr, eps,
+                  beta1, beta2, weight_decay):
     B = (offsets.shape[0] - 1) // feature_table.shape[0]
     return weights.new_empty((B, total_D), dtype=torch.float32)
 

@@ -337,13 +337,9 @@ class RankingMetrics(Metric):
 
         # every cutoff k = 1..K (column k - 1); compute() reads the asked ones
         n_ideal_UK = torch.minimum(num_relevant_U.unsqueeze(1), rank_K).long() - 1
-        per_user = {
-            "ndcg": dcg_UK / ideal_K[n_ideal_UK],
-            "recall": cum_hits_UK / num_relevant_U.unsqueeze(1),
-            "precision": cum_hits_UK / rank_K,
-            "mrr": reciprocal_UK,
-            "hit_rate": (cum_hits_UK > 0).to(torch.float64),
-        }
+        per_user = {"ndcg": dcg_UK / ideal_K[n_ideal_UK], "recall": cum_hits_UK / num_relevant_U.unsqueeze(1),
+                    "precision": cum_hits_UK / rank_K, "mrr": reciprocal_UK,
+                    "hit_rate": (cum_hits_UK > 0).to(torch.float64)}
         self.sums += torch.stack([per_user[m].sum(0) for m in RANKING_METRICS]).to(self.sums.device)
 
     # way out ------------------------------------------------------------------------------------

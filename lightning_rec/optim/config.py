@@ -176,9 +176,5 @@ def check_fused_lr(lr: Any, tables: Sequence[str]) -> float:
 
 
 # the dense layers' optimizers, by the name the modules' dense_optimizer argument takes
-DENSE_OPTIMIZERS = {
-    "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "sgd": torch.optim.SGD,
-}
+DENSE_OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+                    "sgd": torch.optim.SGD}

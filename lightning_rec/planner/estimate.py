@@ -43,15 +43,9 @@ UVM_KERNELS = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
 def optimizer_state_bytes_per_row(optimizer: str, cols: int) -> int:
     """fp32 state the optimizer keeps per row of `cols` columns."""
-    floats = {
-        "sgd": 0,
-        "adagrad": cols,
-        "rowwise_adagrad": 1,
-        "adam": 2 * cols,
-        "partial_rowwise_adam": cols + 1,
-        "lamb": 2 * cols,
-        "lars_sgd": cols,
-    }
+    floats = {"sgd": 0, "adagrad": cols, "rowwise_adagrad": 1, "adam": 2 * cols, "partial_rowwise_adam": cols + 1,
+              "lamb": 2 * cols,
+              "lars_sgd": cols}
     try:
         return 4 * floats[str(optimizer)]
     except KeyError:
@@ -181,9 +175,8 @@ class CostModel:
         kernel = spec.cpu_kernel or ("native" if spec.pooled else "fbgemm")
         return padded_dim(cols, pad_multiple(kernel))
 
-    def shard_cost(
-        self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int, cols: int
-    ) -> tuple[float, float, float, float]:
+    def shard_cost(self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int,
+                   cols: int) -> tuple[float, float, float, float]:
         """(HBM bytes, DDR bytes, compute ms, comm ms) of one shard of `rows` x `cols`."""
         t = self.topology
         W, L = t.world_size, t.local_world_size
@@ -349,9 +342,8 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
     raise AssertionError(f"unhandled sharding type {st}")
 
 
-def enumerate_options(
-    spec: TableSpec, cost: CostModel, max_shard_bytes: tuple[float, float]
-) -> tuple[list[ShardingOption], list[str]]:
+def enumerate_options(spec: TableSpec, cost: CostModel,
+                      max_shard_bytes: tuple[float, float]) -> tuple[list[ShardingOption], list[str]]:
     """Every priced option for one table, and why each excluded one was excluded.
 
     Options whose largest shard exceeds `max_shard_bytes` (HBM, DDR) are dropped when others exist:

@@ -33,9 +33,7 @@ class _Placement:
         self.score = float((load[:, COMPUTE] + load[:, COMM]).max()) if self.ok else float("inf")
 
 
-def _partition(
-    options: Sequence[ShardingOption], caps: np.ndarray, W: int, L: int, by_memory: bool
-) -> _Placement:
+def _partition(options: Sequence[ShardingOption], caps: np.ndarray, W: int, L: int, by_memory: bool) -> _Placement:
     """Place one option per table. `by_memory`: biggest pieces first onto the emptiest rank."""
     load = np.zeros((W, 4))
     where: list[list[int]] = [[-1] * len(o.pieces) for o in options]

@@ -409,9 +409,8 @@ class EmbeddingShardingPlanner:
             out.plan.setdefault(spec.path, EmbeddingModuleShardingPlan())[spec.name] = ps
         return out
 
-    def _make_stats(
-        self, chosen, placement: _Placement, plan: ShardingPlan, proposals: int, proposer: str, seconds: float
-    ) -> PlanStats:
+    def _make_stats(self, chosen, placement: _Placement, plan: ShardingPlan, proposals: int, proposer: str,
+                    seconds: float) -> PlanStats:
         caps = self.capacity
         shards: list[dict[str, int]] = [{} for _ in range(self.topology.world_size)]
         tables = []

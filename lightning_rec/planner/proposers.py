@@ -26,9 +26,7 @@ from lightning_rec.types import (
 class _Search:
     """Proposals over per-table option lists, each partitioned once (results cached)."""
 
-    def __init__(
-        self, options: list[list[ShardingOption]], topology: Topology, caps: np.ndarray, max_proposals: int
-    ):
+    def __init__(self, options: list[list[ShardingOption]], topology: Topology, caps: np.ndarray, max_proposals: int):
         self.options = options
         self.W, self.L = topology.world_size, topology.local_world_size
         self.caps = caps
@@ -129,9 +127,7 @@ class _Search:
             contrib = self._contributions(choice, p, slow)
             improved = False
             for ms, t in contrib:
-                alts = [
-                    j for j, o in enumerate(self.options[t]) if o.max_piece_ms < ms - _EPS and j != choice[t]
-                ]
+                alts = [j for j, o in enumerate(self.options[t]) if o.max_piece_ms < ms - _EPS and j != choice[t]]
                 for j in sorted(alts, key=lambda j: (self.options[t][j].total_ms, j))[:2]:
                     trial = list(choice)
                     trial[t] = j

@@ -90,17 +90,10 @@ class PlanStats:
         return list(self.RANK_COLUMNS), rows
 
     def to_dict(self) -> dict:
-        return {
-            "topology": self.topology,
-            "proposals": self.proposals,
-            "proposer": self.proposer,
-            "seconds": self.seconds,
-            "max_ms": self.max_ms,
-            "mean_ms": self.mean_ms,
-            "imbalance": self.imbalance,
-            "ranks": [asdict(r) | {"total_ms": r.total_ms} for r in self.ranks],
-            "tables": [asdict(t) for t in self.tables],
-        }
+        return {"topology": self.topology, "proposals": self.proposals, "proposer": self.proposer,
+                "seconds": self.seconds, "max_ms": self.max_ms, "mean_ms": self.mean_ms, "imbalance": self.imbalance,
+                "ranks": [asdict(r) | {"total_ms": r.total_ms} for r in self.ranks],
+                "tables": [asdict(t) for t in self.tables]}
 
     def __str__(self) -> str:
         # memory in a unit per cell (KB of tables would read 0.00 in a GB column); on CPU no HBM columns

@@ -29,13 +29,10 @@ _CPU_INTER_HOST_BW = 1.25e9  # 10 Gbit/s ethernet
 
 COMPUTE_DEVICES = ("cpu", "cuda")
 # Slower than any real link of its kind, in bytes per second (TorchRec's are per millisecond: 1000x below these)
-_BW_FLOORS = {
-    "hbm_mem_bw": (1e10, "GPU memory"),
-    "ddr_mem_bw": (1e9, "host memory"),
-    "intra_host_bw": (1e9, "GPU link between ranks of one host"),
-    "inter_host_bw": (1e8, "network between hosts"),
-    "pcie_bw": (1e9, "host-device link"),
-}
+_BW_FLOORS = {"hbm_mem_bw": (1e10, "GPU memory"), "ddr_mem_bw": (1e9, "host memory"),
+              "intra_host_bw": (1e9, "GPU link between ranks of one host"),
+              "inter_host_bw": (1e8, "network between hosts"),
+              "pcie_bw": (1e9, "host-device link")}
 _CPU_INTRA_HOST_FLOOR = (1e8, "link between ranks of one host")  # gloo's loopback TCP on a slow host: under 1e9
 # TorchRec's Topology fields that this planner does not model: what does their job here
 _TORCHREC_REFUSED = {
@@ -141,13 +138,10 @@ class Topology:
         if self.ddr_cap <= 0:
             raise ValueError(f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
                              f"per rank> (e.g. ddr_cap=64 * GB)")
-        defaults = {
-            "hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0,
-            "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,
-            "intra_host_bw": _CUDA_INTRA_HOST_BW if cuda else _CPU_INTRA_HOST_BW,
-            "inter_host_bw": _CUDA_INTER_HOST_BW if cuda else _CPU_INTER_HOST_BW,
-            "pcie_bw": _CUDA_PCIE_BW if cuda else 0.0,
-        }
+        defaults = {"hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0, "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,
+                    "intra_host_bw": _CUDA_INTRA_HOST_BW if cuda else _CPU_INTRA_HOST_BW,
+                    "inter_host_bw": _CUDA_INTER_HOST_BW if cuda else _CPU_INTER_HOST_BW,
+                    "pcie_bw": _CUDA_PCIE_BW if cuda else 0.0}
         for name, default in defaults.items():
             value = getattr(self, name)
             floor, what = _BW_FLOORS[name] if cuda or name != "intra_host_bw" else _CPU_INTRA_HOST_FLOOR

@@ -83,9 +83,8 @@ def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header
             line += block.count(b"\n")
 
 
-def iter_line_blocks(
-    path: str | os.PathLike, block_bytes: int, skip_header: bool, start_byte: int = 0, progress=None
-) -> Iterator[tuple[np.ndarray, int]]:
+def iter_line_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool, start_byte: int = 0,
+                     progress=None) -> Iterator[tuple[np.ndarray, int]]:
     """Yield (whole lines ending in b"\\n" as a uint8 view, byte offset after them) from `start_byte` of the text.
 
     The native parser's reader: text is read into one reused buffer, so each view is valid only until the next.

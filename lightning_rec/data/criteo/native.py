@@ -113,10 +113,8 @@ def _status_field(layout: CriteoLayout, kind: int, k: int) -> int | None:
     return layout.sparse_fields[k] if kind == _STATUS_SPARSE else None
 
 
-def _native_problems(
-    block, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
-    status: np.ndarray, bad: np.ndarray,
-) -> None:
+def _native_problems(block, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
+                     status: np.ndarray, bad: np.ndarray) -> None:
     """Reasons for the bad rows the op flagged (error path only: the line's bytes are looked at again)."""
     buf_L = block if isinstance(block, np.ndarray) else np.frombuffer(block, dtype=np.uint8)
     ends = np.flatnonzero(buf_L == 10)

@@ -235,9 +235,8 @@ def _convert_rows(clean: np.ndarray, rows_line: np.ndarray, layout: CriteoLayout
     return label_N, dense_N13, sparse_NF, bad_N
 
 
-def _parse_block(
-    block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str,
+                 report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
 
     Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row
@@ -262,10 +261,8 @@ def _parse_block(
     return label_N, dense_N13, sparse_NF
 
 
-def parse_block(
-    block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
-    parser: str = "auto",
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
+                parser: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Whole lines -> (label [N], dense [N, 13] raw, sparse [N, 26] raw) with `parser` (see the module doc)."""
     if resolve_parser(parser) == "native":
         return parse_block_native(block, first_line, layout, path, on_bad_row, report)

@@ -57,9 +57,8 @@ def minus_one_label_fix(reason: str, what: str) -> str | None:
             f"negative row")
 
 
-def raise_or_record(
-    problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str, report: ParseReport
-) -> None:
+def raise_or_record(problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str,
+                    report: ParseReport) -> None:
     """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record.
 
     rank orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3),

@@ -254,9 +254,8 @@ def table_layout(path: str | os.PathLike, has_label: bool | None = None) -> dict
     return {"format": table_source_kind(path), "columns": _columns(path, _schema(path), has_label)}
 
 
-def read_criteo_table(
-    path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error", batch_rows: int = 1 << 20,
-) -> Iterator[tuple[pa.Table, ParseReport]]:
+def read_criteo_table(path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error",
+                      batch_rows: int = 1 << 20) -> Iterator[tuple[pa.Table, ParseReport]]:
     """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text.
 
     The report is the same object every time; `skipped` holds (row, reason) with the row counted over the
