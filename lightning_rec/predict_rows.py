@@ -224,6 +224,10 @@ class RunSpill:
                        for lo in range(0, num_rows(in_memory), chunk_rows))
         return merged(streams)
 
+    @property
+    def num_runs(self) -> int:
+        return len(self._runs)
+
     def close(self) -> None:
         self._parts, self._runs = [], []
         if self._dir is not None:
