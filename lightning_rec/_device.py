@@ -46,8 +46,7 @@ def check_device_ready(device: torch.device) -> None:
 def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
     """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
 
-    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0").
-    """
+    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0")."""
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", current_index())

@@ -162,11 +162,10 @@ class _Arrived:
 class _CountRing:
     """Per-lookup counts on the device, read back a block of `copy_every` lookups at a time without waiting.
 
-    counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); after a block's last
-    lookup the block travels to pinned host memory in one non-blocking copy (a copy per lookup would cost a
-    large share of a GPU embedding step). `drain()` reads the blocks whose copies have arrived, oldest first;
-    a block is never overwritten unread.
-    """
+    counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); after a block's last lookup the
+    block travels to pinned host memory in one non-blocking copy (a copy per lookup would cost a large share of a GPU
+    embedding step). `drain()` reads the blocks whose copies have arrived, oldest first; a block is never overwritten
+    unread."""
 
     SLOTS = 4  # blocks in flight
 
@@ -230,14 +229,13 @@ class _CountRing:
 class DeviceBoundsCheck:
     """Bad ids on GPU batches that were never on the host, reported without a per-step sync.
 
-    fbgemm's bounds check (BoundsCheckMode.WARNING) zeroes its counter at each call, then counts the
-    bad ids of that call on the device (and reads them as row 0). Each kernel's counter is pointed at
-    its column of this lookup's row of a _CountRing (setting a buffer launches nothing), so the counts
-    travel to the host a block at a time; a later call raises once a block with a count has arrived,
-    naming the tables and features of the kernels that counted and which lookup it was.
+    fbgemm's bounds check (BoundsCheckMode.WARNING) zeroes its counter at each call, then counts the bad ids of that
+    call on the device (and reads them as row 0). Each kernel's counter is pointed at its column of this lookup's row of
+    a _CountRing (setting a buffer launches nothing), so the counts travel to the host a block at a time; a later call
+    raises once a block with a count has arrived, naming the tables and features of the kernels that counted and which
+    lookup it was.
 
-    The batch itself is not kept (a block would hold copy_every batches), so the message names the
-    lookup, not the id.
+    The batch itself is not kept (a block would hold copy_every batches), so the message names the lookup, not the id.
     """
 
     SLOTS = _CountRing.SLOTS
@@ -306,10 +304,9 @@ class DeviceBoundsCheck:
 class DeviceIdGuard:
     """A sharded collection's check of GPU batches never on the host, before the ids are routed.
 
-    Row-wise routing would send an id outside its table to another shard's rows or past the routing tables
-    (a device assert), and no kernel would count it. So, without a sync: such ids are read as row 0 (as
-    fbgemm's WARNING mode does), counted per feature into a _CountRing, and a later call raises.
-    """
+    Row-wise routing would send an id outside its table to another shard's rows or past the routing tables (a device
+    assert), and no kernel would count it. So, without a sync: such ids are read as row 0 (as fbgemm's WARNING mode
+    does), counted per feature into a _CountRing, and a later call raises."""
 
     copy_every = 32
 

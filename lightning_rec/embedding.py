@@ -68,11 +68,9 @@ def refuse_dtype_cast(owner: str, fn) -> None:
 class FeatureRouter:
     """A KJT's features put into a collection's order, its per-id weights kept or dropped, the batch checked.
 
-    Shared by the unsharded and the sharded collections; per input key order (cached) it knows the permutation
-    and each feature's table size. The batch is checked as it arrives, before the permutation, so that a GPU
-    batch moved from the host is checked on its host copy. Unread features and unused weights are dropped with
-    a warning (once).
-    """
+    Shared by the unsharded and the sharded collections; per input key order (cached) it knows the permutation and each
+    feature's table size. The batch is checked as it arrives, before the permutation, so that a GPU batch moved from the
+    host is checked on its host copy. Unread features and unused weights are dropped with a warning (once)."""
 
     def __init__(self, feature_names: Sequence[str], rows_F: Tensor, tables_F: Sequence[str], is_weighted: bool,
                  owner: str) -> None:
@@ -355,9 +353,8 @@ class _EmbeddingCollectionBase(nn.Module):
     def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
         """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in).
 
-        The kernels are built anew around the current weights (fresh optimizer state): the table
-        parameters are new objects, so build optimizers over the model after this call.
-        """
+        The kernels are built anew around the current weights (fresh optimizer state): the table parameters are new
+        objects, so build optimizers over the model after this call."""
         if not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"use_fused_optimizer takes a FusedOptimizerConfig, got {type(optimizer).__name__}")
         weights = {n: w.detach().clone() for n, w in self._lookup.table_weights().items()}

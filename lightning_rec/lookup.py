@@ -264,12 +264,10 @@ def padding_grad_scale(tables: Sequence[LocalTable], optimizer: FusedOptimizerCo
                        multiple: int) -> float:
     """The gradient scale that keeps a padded row-wise Adagrad table exact (1.0: none needed).
 
-    Row-wise Adagrad keeps one accumulator per row, s += mean over the row's columns of g^2. A table of
-    dim D padded to P columns (zero gradient in the P - D padding) would add only D/P of that. Scaling
-    the gradient by c = sqrt(P/D) restores s exactly; the kernel's learning rate lr/c and weight decay
-    wd*c then give the same step w -= lr * (g + wd*w) / (sqrt(s) + eps). The scale depends on D, so
-    tables are grouped by it (one learning rate per kernel).
-    """
+    Row-wise Adagrad keeps one accumulator per row, s += mean over the row's columns of g^2. A table of dim D padded to
+    P columns (zero gradient in the P - D padding) would add only D/P of that. Scaling the gradient by c = sqrt(P/D)
+    restores s exactly; the kernel's learning rate lr/c and weight decay wd*c then give the same step w -= lr * (g +
+    wd*w) / (sqrt(s) + eps). The scale depends on D, so tables are grouped by it (one learning rate per kernel)."""
     if optimizer is None or EmbOptimType(optimizer.optimizer) != EmbOptimType.ROWWISE_ADAGRAD or multiple == 1:
         return 1.0
     dim = tables[0].embedding_dim  # a kernel's tables share the scale (group_tables)
@@ -314,12 +312,10 @@ def _outside_compile(fn):
 class FusedKernel(nn.Module):
     """One table-batched kernel with the optimizer fused into backward.
 
-    Dims the kernel cannot take (fbgemm on GPU: multiples of 4) are padded inside it: the padding
-    columns are zero, never reach the output, get no gradient, and are cut from the weight and state
-    views, so outputs, gradients, state dicts and checkpoints show the configured dims. Weighted mean
-    pooling on fbgemm runs as a sum divided by the bag's id count afterwards (through autograd):
-    fbgemm's weighted MEAN divides the forward by L but not the gradient.
-    """
+    Dims the kernel cannot take (fbgemm on GPU: multiples of 4) are padded inside it: the padding columns are zero,
+    never reach the output, get no gradient, and are cut from the weight and state views, so outputs, gradients, state
+    dicts and checkpoints show the configured dims. Weighted mean pooling on fbgemm runs as a sum divided by the bag's
+    id count afterwards (through autograd): fbgemm's weighted MEAN divides the forward by L but not the gradient."""
 
     def __init__(self, tables: Sequence[LocalTable], pooling: str, optimizer: FusedOptimizerConfig,
                  device: torch.device, kernel: str = "auto", weighted: bool = False) -> None:
@@ -582,8 +578,7 @@ class GroupedLookup(nn.Module):
         """One output per kernel group: pooled_BD (features side by side) or values_ND (sequence).
 
         checked: the batch passed batch_check already (the native kernel then skips its own check).
-        frozen: names of fused tables whose weights were set to requires_grad=False (no update in backward).
-        """
+        frozen: names of fused tables whose weights were set to requires_grad=False (no update in backward)."""
         assert features.keys() == self.feature_names, (features.keys(), self.feature_names)
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
         # .forward, not __call__: kernels are internal, and hooks cost a host-bound GPU step

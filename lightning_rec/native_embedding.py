@@ -173,9 +173,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
     """Pooled lookups over T tables in one op, with the optimizer fused into the backward (CPU).
 
     Mirrors fbgemm's `SplitTableBatchedEmbeddingBagsCodegen` (HOST / CPU): `forward(indices, offsets,
-    per_sample_weights)`, `split_embedding_weights()`, `get_optimizer_state()`,
-    `set_learning_rate()`, `get_learning_rate()`.
-    """
+    per_sample_weights)`, `split_embedding_weights()`, `get_optimizer_state()`, `set_learning_rate()`,
+    `get_learning_rate()`."""
 
     def __init__(self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int],
                  pooling_mode: str = "sum", optimizer: FusedOptimizerConfig | None = None,
@@ -284,9 +283,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm:
         evaluate under torch.no_grad()).
 
-        The batch is checked first (batch_check.py); `_checked=True` (the collections, which checked it already)
-        skips that pass.
-        """
+        The batch is checked first (batch_check.py); `_checked=True` (the collections, which checked it already) skips
+        that pass."""
         indices_N = _as_index_tensor(indices, "indices")
         offsets = _as_index_tensor(offsets, "offsets")
         F = len(self.feature_table_map)

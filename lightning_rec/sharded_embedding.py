@@ -100,8 +100,7 @@ class ReplicaKernel:
     """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward.
 
     Quacks like lookup.FusedKernel for FusedOptimizer. Each call looks up through leaves of its own that view the
-    weights, so its backward applies the rule once per call, as a fused kernel's does.
-    """
+    weights, so its backward applies the rule once per call, as a fused kernel's does."""
 
     def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
         self.kernel = kernel
@@ -305,8 +304,7 @@ class _ShardedCollectionBase(nn.Module):
     def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
         """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py).
 
-        `ahead`: the pipeline's feeder routes a batch before its step, outside autograd.
-        """
+        `ahead`: the pipeline's feeder routes a batch before its step, outside autograd."""
         ordered, error = self._validate(features)
         self.frozen_tables()  # brings _frozen_key and _frozen_error up to date
         if error is None:
@@ -562,9 +560,8 @@ class _ShardedCollectionBase(nn.Module):
         """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets).
 
         For collections built on "meta", whose values are first drawn here: with one `seed` on every rank
-        (DistributedModelParallel broadcasts rank 0's), a replica is the same on every rank, and no two
-        tables or row blocks start as copies of each other, however the ranks' global RNGs were seeded.
-        """
+        (DistributedModelParallel broadcasts rank 0's), a replica is the same on every rank, and no two tables or row
+        blocks start as copies of each other, however the ranks' global RNGs were seeded."""
         init = {c.name: c.local_table().init_range() for c in self._configs}
         init_fns = {c.name: c.init_fn for c in self._configs}
         for table, meta, w in self._pieces():

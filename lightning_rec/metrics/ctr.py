@@ -179,9 +179,8 @@ class NormalizedEntropy(_SumMetric):
 class AUC(Metric):
     """Exact ROC AUC over every prediction of every rank (Mann-Whitney rank statistic, ties count 1/2).
 
-    Logits and probabilities give the same AUC (the sigmoid keeps the order), so `from_logits`
-    only documents the input; predictions are stored as float32.
-    """
+    Logits and probabilities give the same AUC (the sigmoid keeps the order), so `from_logits` only documents the input;
+    predictions are stored as float32."""
 
     is_differentiable = False
     higher_is_better = True
@@ -219,13 +218,12 @@ class AUC(Metric):
 
 
 class BinnedAUC(BinaryAUROC):
-    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities: torchmetrics'
-    binned `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
+    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities: torchmetrics' binned
+    `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
 
     Logits (`from_logits=True`) go through a sigmoid first. `update` builds torchmetrics' confusion counts from a
-    histogram (O(N log T) instead of O(N T)). Predictions crowded into a few bins lose precision: check against
-    `AUC` on a sample.
-    """
+    histogram (O(N log T) instead of O(N T)). Predictions crowded into a few bins lose precision: check against `AUC` on
+    a sample."""
 
     def __init__(self, num_thresholds: int = 10_000, from_logits: bool = True, **kwargs) -> None:
         if not isinstance(num_thresholds, int) or num_thresholds < 2:

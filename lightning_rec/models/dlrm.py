@@ -26,8 +26,7 @@ from lightning_rec.sparse import KeyedJaggedTensor
 class MLP(nn.Sequential):
     """Linear + ReLU per layer; the last layer without activation when `last_activation=False`.
 
-    dropout > 0: on the input and after every hidden layer's ReLU (none after the last layer).
-    """
+    dropout > 0: on the input and after every hidden layer's ReLU (none after the last layer)."""
 
     def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True,
                  dropout: float = 0.0) -> None:
@@ -264,9 +263,8 @@ class DLRM_DCN(DLRM):
 class DLRM_Projection(DLRM):
     """DLRM with a projection interaction (TorchRec's DLRM_Projection): two MLP branches over the F+1 vectors.
 
-    interaction_branch1_layer_sizes / interaction_branch2_layer_sizes: each branch's MLP sizes (ReLU after every
-    layer, as TorchRec's DenseArch); each last size a multiple of D: F1 D and F2 D give F1 x F2 interactions.
-    """
+    interaction_branch1_layer_sizes / interaction_branch2_layer_sizes: each branch's MLP sizes (ReLU after every layer,
+    as TorchRec's DenseArch); each last size a multiple of D: F1 D and F2 D give F1 x F2 interactions."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
@@ -289,10 +287,9 @@ class DLRM_Projection(DLRM):
 class DLRMTrain(nn.Module):
     """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached.
 
-    The loss is BCE-with-logits, the mean over the batch. This is the `(loss, output)` pair that
-    TrainPipelineSparseDist expects; `batch` is a lightning_rec.data.Batch (dense_features,
-    sparse_features, labels), or anything with those three attributes.
-    """
+    The loss is BCE-with-logits, the mean over the batch. This is the `(loss, output)` pair that TrainPipelineSparseDist
+    expects; `batch` is a lightning_rec.data.Batch (dense_features, sparse_features, labels), or anything with those
+    three attributes."""
 
     def __init__(self, dlrm_module: DLRM) -> None:
         super().__init__()

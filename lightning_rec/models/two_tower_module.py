@@ -287,8 +287,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded): [I, D].
 
         `datamodule` (with `item_catalog()` and `num_items`, e.g. a set-up MovieLensDataModule) defaults to the
-        Trainer's. The tower runs in eval mode. Score users with `model.user_embeddings(kjt) @ items_ID.t()`.
-        """
+        Trainer's. The tower runs in eval mode. Score users with `model.user_embeddings(kjt) @ items_ID.t()`."""
         if datamodule is None and self._trainer is not None:
             datamodule = getattr(self._trainer, "datamodule", None)
         if datamodule is None and self._trainer is not None:

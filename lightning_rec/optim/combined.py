@@ -24,11 +24,9 @@ class _CombinedState(dict):
 class CombinedOptimizer(torch.optim.Optimizer):
     """Several optimizers stepped as one: typically FusedOptimizer (embeddings) + torch.optim (dense).
 
-    `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer
-    drives each child, including the fused learning rate. `step(closure)` runs the closure once,
-    then steps every child. The fused groups' other hyper-parameters are fixed: torch's OneCycleLR / CyclicLR
-    need `cycle_momentum=False` here.
-    """
+    `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer drives each child,
+    including the fused learning rate. `step(closure)` runs the closure once, then steps every child. The fused groups'
+    other hyper-parameters are fixed: torch's OneCycleLR / CyclicLR need `cycle_momentum=False` here."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
         named = [(o if isinstance(o, tuple) else (f"{i}_{type(o).__name__.lower()}", o))

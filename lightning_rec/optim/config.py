@@ -81,19 +81,17 @@ _DIVIDES_BY_EPS = (EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD, EmbOptimT
 class FusedOptimizerConfig:
     """The update applied inside the embedding backward.
 
-    Matches torch.optim where one exists: `sgd` = SGD(lr, weight_decay), `adagrad` =
-    Adagrad(lr, eps, weight_decay) with initial_accumulator_value=0, `adam` = Adam(lr, betas, eps,
-    weight_decay). `rowwise_adagrad` keeps one accumulator per row: the mean of the squared
-    gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
-    and its second moment per row.
+    Matches torch.optim where one exists: `sgd` = SGD(lr, weight_decay), `adagrad` = Adagrad(lr, eps, weight_decay) with
+    initial_accumulator_value=0, `adam` = Adam(lr, betas, eps, weight_decay). `rowwise_adagrad` keeps one accumulator
+    per row: the mean of the squared gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment
+    per element and its second moment per row.
 
     One update per lookup's backward: a collection called twice in a step updates twice (docs/embeddings.md).
 
     optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names ("EXACT_SGD") or the class
-    torch.optim.SGD / Adagrad / Adam, with that class's defaults for what is not given (otherwise lr 0.01, eps
-    1e-8). A hyper-parameter the update would not use is refused: momentum and eta (lars_sgd's), betas (adam,
-    partial_rowwise_adam, lamb). eps is taken by every optimizer.
-    """
+    torch.optim.SGD / Adagrad / Adam, with that class's defaults for what is not given (otherwise lr 0.01, eps 1e-8). A
+    hyper-parameter the update would not use is refused: momentum and eta (lars_sgd's), betas (adam,
+    partial_rowwise_adam, lamb). eps is taken by every optimizer."""
 
     optimizer: EmbOptimType | str = EmbOptimType.ROWWISE_ADAGRAD
     lr: float | None = None  # None: 0.01, or the torch.optim class's own default (Adam 1e-3)

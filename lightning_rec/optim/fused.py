@@ -48,10 +48,9 @@ def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
-    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param group per fused
-    kernel carries its "lr", starting at `FusedOptimizerConfig.lr`. The state dict keys state by
-    `<module path>.<table>.<state name>`, so it loads into any kernel and any grouping of the same tables.
-    """
+    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param group per fused kernel
+    carries its "lr", starting at `FusedOptimizerConfig.lr`. The state dict keys state by `<module path>.<table>.<state
+    name>`, so it loads into any kernel and any grouping of the same tables."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._tables: dict[str, tuple[Any, int]] = {}  # "<path>.<table>" -> (kernel, index in kernel)
@@ -145,10 +144,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
         """This rank's optimizer state under whole-table names, for resharding.
 
-        "<path>.<table>.<state>" -> (the table's global shape, [(ShardMetadata or None, state view)]).
-        Gather every rank's pieces and `merge_fused_state` them into a state dict that loads into
-        any world size, plan, or the unsharded model (RecStrategy's checkpoints do this).
-        """
+        "<path>.<table>.<state>" -> (the table's global shape, [(ShardMetadata or None, state view)]). Gather every
+        rank's pieces and `merge_fused_state` them into a state dict that loads into any world size, plan, or the
+        unsharded model (RecStrategy's checkpoints do this)."""
         out: dict[str, tuple[tuple[int, int], list]] = {}
         for local, states in self.table_states().items():
             name, meta, shape = self._pieces[local]
@@ -262,9 +260,8 @@ def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
 def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]]) -> dict[str, torch.Tensor]:
     """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors).
 
-    Per-element state is assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the
-    column shards' average weighted by width (the unsharded mean over all columns). Scalars are the same everywhere.
-    """
+    Per-element state is assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the column
+    shards' average weighted by width (the unsharded mean over all columns). Scalars are the same everywhere."""
     merged: dict[str, tuple[tuple[int, int], list]] = {}
     for pieces in per_rank:
         for key, (shape, parts) in pieces.items():

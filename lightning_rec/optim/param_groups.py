@@ -32,10 +32,9 @@ _FIXED_KEYS = ("weight_decay", "eps", "betas", "momentum", "eta")
 class _FusedParamGroup(dict):
     """A param group whose "lr" is the fused kernels' learning rate: writing it reaches them at once.
 
-    Schedulers set `group["lr"]` after `optimizer.step()`, and the next backward (where the update runs) must use
-    it. The other hyper-parameters are shown as in a torch.optim group but fixed when the tables are built:
-    `FusedOptimizer.step` refuses a group where one was changed.
-    """
+    Schedulers set `group["lr"]` after `optimizer.step()`, and the next backward (where the update runs) must use it.
+    The other hyper-parameters are shown as in a torch.optim group but fixed when the tables are built:
+    `FusedOptimizer.step` refuses a group where one was changed."""
 
     def __init__(self, kernels: Sequence[Any], config: FusedOptimizerConfig, **values: Any) -> None:
         fixed = _fused_hyperparameters(config)

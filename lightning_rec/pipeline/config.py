@@ -14,10 +14,9 @@ FEEDER_COLLECTIVES = ("auto", "concurrent", "in_step_order")
 class PipelineConfig:
     """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: the stages run ahead.
 
-    feeder_collectives: when the feeder runs its collectives: "concurrent" (as soon as a batch is read),
-    "in_step_order" (only while the step's thread waits for that batch, so every rank launches both threads'
-    collectives in one order, as NCCL needs), or "auto": in_step_order on NCCL with more than one rank.
-    """
+    feeder_collectives: when the feeder runs its collectives: "concurrent" (as soon as a batch is read), "in_step_order"
+    (only while the step's thread waits for that batch, so every rank launches both threads' collectives in one order,
+    as NCCL needs), or "auto": in_step_order on NCCL with more than one rank."""
 
     depth: int = 1
     variant: str = "sparse_dist"

@@ -22,9 +22,8 @@ from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 class InputPipeline:
     """The parts a pipeline over one model needs: its channels, its plan, one feeder per pass.
 
-    TrainPipelineSparseDist drives it from a hand loop; RecStrategy(pipeline=True) builds one per
-    dataloader of Lightning's loops (lightning_rec.pipeline.wrap_loader).
-    """
+    TrainPipelineSparseDist drives it from a hand loop; RecStrategy(pipeline=True) builds one per dataloader of
+    Lightning's loops (lightning_rec.pipeline.wrap_loader)."""
 
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:

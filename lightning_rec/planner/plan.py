@@ -73,9 +73,8 @@ def _is_pooled(cfg) -> bool:
 def find_tables(module) -> list[tuple[str, list, bool | None]]:
     """(module path, configs, pooled) for each embedding collection in `module`.
 
-    Accepts a model (any module with `embedding_bag_configs()` / `embedding_configs()` inside), one
-    collection, or a list of configs (path "", pooled read from each config: None).
-    """
+    Accepts a model (any module with `embedding_bag_configs()` / `embedding_configs()` inside), one collection, or a
+    list of configs (path "", pooled read from each config: None)."""
     if isinstance(module, (list, tuple)):
         return [("", list(module), None)] if module else []
     if hasattr(module, "named_modules"):
@@ -314,9 +313,8 @@ class EmbeddingShardingPlanner:
     def plan(self, module, sharders=None) -> ShardingPlan:
         """Plan every table of `module` (a model, a collection, or a list of configs).
 
-        `sharders` is accepted for TorchRec compatibility; the sharding types a table may use are
-        set through ParameterConstraints.
-        """
+        `sharders` is accepted for TorchRec compatibility; the sharding types a table may use are set through
+        ParameterConstraints."""
         del sharders
         start = time.perf_counter()
         self._stats = None  # a failed plan() left the previous model's stats readable, as if they were this one's
@@ -348,9 +346,8 @@ class EmbeddingShardingPlanner:
     def collective_plan(self, module, sharders=None, pg=None) -> ShardingPlan:
         """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error).
 
-        TorchRec's argument order, `collective_plan(module, sharders, pg)`: `sharders` is accepted and
-        ignored (as in `plan`); `pg` is the process group to plan for (default: the world).
-        """
+        TorchRec's argument order, `collective_plan(module, sharders, pg)`: `sharders` is accepted and ignored (as in
+        `plan`); `pg` is the process group to plan for (default: the world)."""
         import torch.distributed as dist
 
         if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all

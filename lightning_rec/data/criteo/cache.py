@@ -64,9 +64,8 @@ _LEGACY_TMP_AGE_S = 24 * 3600  # "<pid>" names (no host) written before the host
 def _remove_abandoned_tmp(cache_dir: Path, prefix: str) -> None:
     """Remove `<prefix><host>~<pid>.<uuid>.tmp` files that a killed build left (hidden, GBs each, never reused).
 
-    Only those provably abandoned: written on this host by a process that no longer runs (after a minute's grace),
-    or, for names without a host, by a dead pid and untouched for a day.
-    """
+    Only those provably abandoned: written on this host by a process that no longer runs (after a minute's grace), or,
+    for names without a host, by a dead pid and untouched for a day."""
     host, now = socket.gethostname().replace("~", "-"), time.time()
     for tmp in cache_dir.glob(f"{glob.escape(prefix)}*.tmp"):
         writer = tmp.name[len(prefix):].split(".")
@@ -116,10 +115,9 @@ def build_criteo_cache(path: str | os.PathLike, cache_dir: str | os.PathLike | N
                        parser: str = "auto") -> tuple[Path, ParseReport]:
     """Parse `path` once into a memory-mappable Arrow file; later calls find it and return at once.
 
-    The cache key covers the file (absolute path, size, mtime), the parse options and the parser
-    version. The file is written under a temporary name and renamed, so ranks that build the same
-    cache at once never read a half-written file.
-    """
+    The cache key covers the file (absolute path, size, mtime), the parse options and the parser version. The file is
+    written under a temporary name and renamed, so ranks that build the same cache at once never read a half-written
+    file."""
     path = Path(path)
     table_source = table_source_kind(path) is not None
     key = _cache_key(path, table_source, separator, has_header, has_label, on_bad_row, parser)

@@ -73,10 +73,9 @@ def parse_block_native(block: bytes | np.ndarray, first_line: int, layout: Crite
                        lines_out: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The native op on whole lines; the same rows, values, report and errors as `_parse_block`.
 
-    With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the
-    op also do what `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing.
-    `lines_out[0]` is advanced by the block's line count (so it holds the next block's first line).
-    """
+    With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the op also do what
+    `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing. `lines_out[0]` is advanced by
+    the block's line count (so it holds the next block's first line)."""
     if isinstance(block, np.ndarray):
         buf_L = torch.from_numpy(block)
     else:

@@ -66,9 +66,8 @@ def strings_to_float(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 def decode_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """8-hex-character strings -> int64 [N] (-1 = missing) and a bad-value mask [N], vectorized.
 
-    Reads the Arrow string buffers directly: offsets give each value's start, the 8 bytes are
-    gathered as an [n, 8] array, a 256-entry table turns bytes into nibbles.
-    """
+    Reads the Arrow string buffers directly: offsets give each value's start, the 8 bytes are gathered as an [n, 8]
+    array, a 256-entry table turns bytes into nibbles."""
     n = len(col)
     _, offsets_buf, data_buf = col.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=n + 1, offset=col.offset * 4)
@@ -239,9 +238,8 @@ def _parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str,
                  report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
 
-    Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row
-    handed to Arrow has exactly `num_fields` fields and its file line number is known.
-    """
+    Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row handed to Arrow has
+    exactly `num_fields` fields and its file line number is known."""
     lines = _Lines.of(block, first_line, ord(layout.separator))
     problems: list[tuple[np.ndarray, object, int]] = []
     unreadable = _unreadable_rows(lines, layout, problems)
@@ -299,9 +297,8 @@ def read_criteo(path: str | os.PathLike, separator: str | None = None, has_heade
                 parser: str = "auto") -> Iterator[tuple[pa.Table, ParseReport]]:
     """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block.
 
-    The report is the same object every time, updated as blocks are parsed. `parser`: "auto"
-    (native when built), "native" or "python" (the reference); both give the same tables.
-    """
+    The report is the same object every time, updated as blocks are parsed. `parser`: "auto" (native when built),
+    "native" or "python" (the reference); both give the same tables."""
     options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
     layout = options.layout(path)
     report = ParseReport(path=str(path), layout=asdict(layout))

@@ -61,9 +61,8 @@ def raise_or_record(problems: list[tuple[np.ndarray, object, int]], on_bad_row: 
                     report: ParseReport) -> None:
     """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record.
 
-    rank orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3),
-    too many fields (-2), a cut row (-1), else the field position of the first bad field.
-    """
+    rank orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3), too many fields
+    (-2), a cut row (-1), else the field position of the first bad field."""
     if not problems:
         return
     if on_bad_row == "error":

@@ -129,10 +129,9 @@ def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_r
 class CriteoShardDataset(IterableDataset):
     """Batches of a preprocessed Criteo directory; each rank reads only its share of every shard.
 
-    Use with `DataLoader(dataset, batch_size=None, ...)`; `len()` is this rank's batch count. With `shuffle=True`,
-    call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler. `every_row=True` (evaluation):
-    each rank reads its whole share, `len()` is the longest share's count, and batches past it are empty.
-    """
+    Use with `DataLoader(dataset, batch_size=None, ...)`; `len()` is this rank's batch count. With `shuffle=True`, call
+    `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler. `every_row=True` (evaluation): each rank
+    reads its whole share, `len()` is the longest share's count, and batches past it are empty."""
 
     def __init__(self, directory: str | os.PathLike, batch_size: int, sparse_feature_names: Sequence[str] | None = None,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, rank: int | None = None,
@@ -186,16 +185,14 @@ class CriteoShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order the next iteration uses (shuffle=True).
 
-        Untold, each iteration counts one epoch in the process that iterates (the main process, or each
-        persistent worker); the DataLoader's workers read the epoch told here, persistent ones too.
-        """
+        Untold, each iteration counts one epoch in the process that iterates (the main process, or each persistent
+        worker); the DataLoader's workers read the epoch told here, persistent ones too."""
         self._epoch.set(epoch)
 
     def resume_from(self, epoch: int, batches_done: int) -> None:
         """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
 
-        The batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on.
-        """
+        The batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on."""
         if not 0 <= batches_done <= len(self):
             raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
         self._epoch.set(epoch)
@@ -290,9 +287,8 @@ class CriteoShardDataset(IterableDataset):
     def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
         """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.
 
-        Small numpy steps rather than torch ops: torch would open a thread pool region for each
-        (tens of microseconds, milliseconds on a busy machine) for arrays this small.
-        """
+        Small numpy steps rather than torch ops: torch would open a thread pool region for each (tens of microseconds,
+        milliseconds on a busy machine) for arrays this small."""
         batch_size = label_B.shape[0]
         ids_FB = torch.from_numpy(np.ascontiguousarray(sparse_BF.T, dtype=np.int64))  # int32 [B, F] -> int64 [F, B]
         if self.empty_bag:

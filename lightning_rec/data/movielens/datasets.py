@@ -17,9 +17,8 @@ from lightning_rec.data.movielens.batches import FeatureTable, RankingBatch, Ret
 class InteractionDataset(Dataset):
     """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`).
 
-    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has
-    not interacted with in training (BPR); rejection is redrawn a few times, whole-batch.
-    """
+    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has not interacted with in
+    training (BPR); rejection is redrawn a few times, whole-batch."""
 
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
                  num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
@@ -53,8 +52,7 @@ class InteractionDataset(Dataset):
     def _batch_generator(self, idx_B: Tensor) -> torch.Generator:
         """A generator seeded by the batch itself (its pair indices and the module's seed), so that a batch draws the
         same negatives wherever and whenever it is drawn (a resumed run, a loader worker). Without shuffling
-        (`epoch_in_seed`) the epoch is part of the seed, so each epoch's negatives differ.
-        """
+        (`epoch_in_seed`) the epoch is part of the seed, so each epoch's negatives differ."""
         data = idx_B.numpy().tobytes()
         if self.epoch_in_seed:
             data += int(self._epoch[0]).to_bytes(8, "little", signed=True)
