@@ -1,7 +1,6 @@
 """The tables' configs: EmbeddingBagConfig / EmbeddingConfig (TorchRec's fields), PoolingType, DataType.
 
-Each config checks its own fields once, when it is built: the collections, the planner and the CLI
-take them as given.
+Each config checks its own fields once, when it is built: the collections, the planner and the CLI take them as given.
 """
 
 from __future__ import annotations

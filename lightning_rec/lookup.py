@@ -7,10 +7,9 @@ Two compute kernels: fused (one table-batched kernel per group, fbgemm TBE or ou
 backward applies the optimizer to the rows it touched: no weight gradient exists) and dense (an
 `nn.Parameter` per table, `F.embedding_bag` per feature, stepped by a torch.optim optimizer).
 
-Tables are grouped by what a kernel must share (pooling, data type). A lookup takes its features in
-`feature_names` order (group-major) and returns pooled_BD, D = sum of the features' dims. A table's weights
-are views into the kernel's storage, so writes through them (checkpoint loading) land in the kernel.
-"""
+Tables are grouped by what a kernel must share (pooling, data type). A lookup takes its features in `feature_names`
+order (group-major) and returns pooled_BD, D = sum of the features' dims. A table's weights are views into the kernel's
+storage, so writes through them (checkpoint loading) land in the kernel."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Plan checks: from metadata alone, so every rank refuses a bad plan with the same message before any collective.
 
-`validate_module_plan` checks one collection's plan (tables, ranks, tiling, labels, kernels);
-`check_same_everywhere` is the one collective: every rank holds the same tables, optimizer and plan.
-"""
+`validate_module_plan` checks one collection's plan (tables, ranks, tiling, labels, kernels); `check_same_everywhere` is
+the one collective: every rank holds the same tables, optimizer and plan."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """An embedding table's weight parameter, and which collection owns it.
 
-A table's parameter is a view into its kernel's storage (fused tables) or the kernel's own parameter
-(dense): the classes here keep that view honest (no rebinding, loads copy in place, freezing gates the
-kernel's update), and the registry maps a parameter back to its collection for
-apply_optimizer_in_backward, which gets parameters only.
-"""
+A table's parameter is a view into its kernel's storage (fused tables) or the kernel's own parameter (dense): the
+classes here keep that view honest (no rebinding, loads copy in place, freezing gates the kernel's update), and the
+registry maps a parameter back to its collection for apply_optimizer_in_backward, which gets parameters only."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What `--ckpt_path` means to the recipe commands: the checkpoint's hyperparameters, `last`, sharded directories.
 
-`CheckpointPathCLI` is LightningCLI with the library's reading of --ckpt_path; `RecCLI` (recipe.py) builds on it.
-"""
+`CheckpointPathCLI` is LightningCLI with the library's reading of --ckpt_path; `RecCLI` (recipe.py) builds on it."""
 
 from __future__ import annotations
 

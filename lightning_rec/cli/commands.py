@@ -1,7 +1,6 @@
 """The commands `main` runs itself: `lightning-rec preprocess` (Criteo text -> shards) and `lightning-rec export`.
 
-`main` is the console entry point: fit / validate / test / predict go to the recipe CLI (`run_cli`).
-"""
+`main` is the console entry point: fit / validate / test / predict go to the recipe CLI (`run_cli`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """What the command line's refusals leave out: the option, command, class or file that was meant.
 
-argparse and jsonargparse refuse a misspelt option, a value of the wrong type or a missing file without saying
-what was meant or where the value was set; `did_you_mean` adds those lines to the refusal. No top-level
-Lightning import: `HintingArgumentParser` (preprocess, export) stays light.
-"""
+argparse and jsonargparse refuse a misspelt option, a value of the wrong type or a missing file without saying what was
+meant or where the value was set; `did_you_mean` adds those lines to the refusal. No top-level Lightning import:
+`HintingArgumentParser` (preprocess, export) stays light."""
 
 from __future__ import annotations
 

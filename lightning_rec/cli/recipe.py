@@ -1,8 +1,7 @@
 """`RecCLI`: LightningCLI for the recipes (fit / validate / test / predict), and `run_cli`, which runs it.
 
-Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a recipe can swap
-either without code. After `fit`, the final validation metrics are printed.
-"""
+Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a recipe can swap either
+without code. After `fit`, the final validation metrics are printed."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Click-through-rate metrics on torchmetrics: AUC, BinnedAUC, normalized entropy (NE), log loss, CTR (what each
-keeps and computes: docs/criteo.md#click-metrics). Sums are float64: float32 loses digits over tens of millions of
-samples. Labels are checked on CPU at once; on GPU the bad ones are counted on the device and raised at compute.
+"""Click-through-rate metrics on torchmetrics: AUC, BinnedAUC, normalized entropy (NE), log loss, CTR (what each keeps
+and computes: docs/criteo.md#click-metrics). Sums are float64: float32 loses digits over tens of millions of samples.
+Labels are checked on CPU at once; on GPU the bad ones are counted on the device and raised at compute.
 
-Shapes: B predictions in one update, N predictions in all (every update, every rank).
-"""
+Shapes: B predictions in one update, N predictions in all (every update, every rank)."""
 
 from __future__ import annotations
 

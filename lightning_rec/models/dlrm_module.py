@@ -1,10 +1,8 @@
 """DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits, AUC/NE/logloss/CTR).
 
-Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding
-tables train with a fused optimizer (updated inside backward); the dense layers with a
-torch.optim optimizer; `configure_optimizers` returns both as one CombinedOptimizer, so a
-scheduler (here an optional linear warm-up) drives both learning rates.
-"""
+Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding tables train with a fused
+optimizer (updated inside backward); the dense layers with a torch.optim optimizer; `configure_optimizers` returns both
+as one CombinedOptimizer, so a scheduler (here an optional linear warm-up) drives both learning rates."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""TwoTowerModule: two-tower retrieval (or BPR-MF) as a LightningModule, evaluated by full ranking
-(docs/movielens.md).
+"""TwoTowerModule: two-tower retrieval (or BPR-MF) as a LightningModule, evaluated by full ranking (docs/movielens.md).
 
-Training batches are `RetrievalBatch`es; evaluation batches are `RankingBatch`es of users, scored against the
-whole catalogue, which the item tower embeds once per validation (`on_validation_epoch_start`). Table sizes
-come from the data module when not given (`configure_model`) and are written back into the hyperparameters.
+Training batches are `RetrievalBatch`es; evaluation batches are `RankingBatch`es of users, scored against the whole
+catalogue, which the item tower embeds once per validation (`on_validation_epoch_start`). Table sizes come from the data
+module when not given (`configure_model`) and are written back into the hyperparameters.
 
-Logged: train_loss, train_samples_per_s, mem/rank<r>_max_rss_mb, <split>_ndcg@10 ..., and on loggers with
-`log_table` (W&B) a few users' top-10 unseen items with the held-out ones marked.
-"""
+Logged: train_loss, train_samples_per_s, mem/rank<r>_max_rss_mb, <split>_ndcg@10 ..., and on loggers with `log_table`
+(W&B) a few users' top-10 unseen items with the held-out ones marked."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """CombinedOptimizer: the fused part and torch.optim dense optimizers stepped as one optimizer.
 
-It is a real `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive both: a scheduler that
-writes `param_groups[i]["lr"]` of a fused group reaches the kernels at once.
-"""
+It is a real `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive both: a scheduler that writes
+`param_groups[i]["lr"]` of a fused group reaches the kernels at once."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Fused optimizer configs: which update runs inside the embedding backward, with which hyper-parameters.
 
-The kernels (lookup, native_embedding) and the collections read these, so this module imports only leaves.
-"""
+The kernels (lookup, native_embedding) and the collections read these, so this module imports only leaves."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """FusedOptimizer: the fused embedding updates of a model, seen as a torch optimizer; `merge_fused_state`.
 
-The state dict keys state by table ("<module path>.<table>.<state>"), so it loads into any kernel and
-any grouping of the same tables; a sharded model's pieces merge into whole tables for resharding.
-"""
+The state dict keys state by table ("<module path>.<table>.<state>"), so it loads into any kernel and any grouping of
+the same tables; a sharded model's pieces merge into whole tables for resharding."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Which modules of a model own fused embedding kernels, under the model's own paths.
 
-Below the collections (embedding.fused_table_modules reads it), so it imports nothing of ours.
-"""
+Below the collections (embedding.fused_table_modules reads it), so it imports nothing of ours."""
 
 from __future__ import annotations
 

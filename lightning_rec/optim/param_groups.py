@@ -1,8 +1,7 @@
 """What an LR scheduler (and pickle) sees of a fused optimizer: its param groups and its `defaults`.
 
-A fused group's "lr" is pushed to the kernels as it is written; its other hyper-parameters are fixed
-when the tables are built, and a write to one is refused at the next step.
-"""
+A fused group's "lr" is pushed to the kernels as it is written; its other hyper-parameters are fixed when the tables are
+built, and a write to one is refused at the next step."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Does a concrete plan fit the GPUs it is put on? Checked before any table is allocated.
 
-A plan written by hand (or for other GPUs) can put more tables on a rank than its device holds; the
-allocation would then fail as a bare CUDA out-of-memory error halfway through sharding. This sums
-what each rank will hold in device memory (weights, fused optimizer state, and for
-`fused_uvm_caching` its cache) from the plan's metadata alone, identical on every rank, and
-explains what does not fit the way the planner does: the rank, the bytes, the largest tables there,
-and what to change.
-"""
+A plan written by hand (or for other GPUs) can put more tables on a rank than its device holds; the allocation would
+then fail as a bare CUDA out-of-memory error halfway through sharding. This sums what each rank will hold in device
+memory (weights, fused optimizer state, and for `fused_uvm_caching` its cache) from the plan's metadata alone, identical
+on every rank, and explains what does not fit the way the planner does: the rank, the bytes, the largest tables there,
+and what to change."""
 
 from __future__ import annotations
 

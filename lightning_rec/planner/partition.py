@@ -1,8 +1,7 @@
 """Placing one proposal's pieces onto ranks under memory limits, slowest rank first (a heap).
 
-Fixed pieces stay where they are, host pieces go to the host whose slowest rank stays fastest,
-rank pieces go slowest-first onto the least-loaded rank with room. See plan.py for the whole flow.
-"""
+Fixed pieces stay where they are, host pieces go to the host whose slowest rank stays fastest, rank pieces go
+slowest-first onto the least-loaded rank with room. See plan.py for the whole flow."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Proposers: which option each table takes (greedy with memory relief and balancing, uniform,
-grid search around the best), each proposal scored by its slowest rank. See plan.py.
-"""
+"""Proposers: which option each table takes (greedy with memory relief and balancing, uniform, grid search around the
+best), each proposal scored by its slowest rank. See plan.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The contracts of JaggedTensor and KeyedJaggedTensor, checked where they are owned.
 
-The constructors only assign (as TorchRec's): a batch is checked when a collection first reads it
-(FeatureRouter, embedding.py), or on demand with `kjt.validate()` / `jt.validate()`. Each check
-raises a ValueError that names what disagrees and the fix. Tensor values are read only on the host
-(a device read would stall the stream; a device batch is checked on the host copy it was moved from).
-"""
+The constructors only assign (as TorchRec's): a batch is checked when a collection first reads it (FeatureRouter,
+embedding.py), or on demand with `kjt.validate()` / `jt.validate()`. Each check raises a ValueError that names what
+disagrees and the fix. Tensor values are read only on the host (a device read would stall the stream; a device batch is
+checked on the host copy it was moved from)."""
 
 from __future__ import annotations
 

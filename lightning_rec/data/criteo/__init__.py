@@ -1,10 +1,9 @@
-"""Criteo click logs -> whole `Batch`es, from text files, tables or `lightning-rec preprocess` shards
-(docs/criteo.md: the layouts read, bad rows, the table ids).
+"""Criteo click logs -> whole `Batch`es, from text files, tables or `lightning-rec preprocess` shards (docs/criteo.md:
+the layouts read, bad rows, the table ids).
 
-A file is cut into blocks of whole lines (`blocks`), parsed into raw values (`parse`; `native` is the C++ op),
-kept in a memory-mapped Arrow cache (`cache`) or streamed, and made into batches (`datasets`), where dense values
-become log(1 + max(x, 0)) and hashes become table ids. `preprocess` writes .npy shards, which `shards` reads.
-"""
+A file is cut into blocks of whole lines (`blocks`), parsed into raw values (`parse`; `native` is the C++ op), kept in a
+memory-mapped Arrow cache (`cache`) or streamed, and made into batches (`datasets`), where dense values become log(1 +
+max(x, 0)) and hashes become table ids. `preprocess` writes .npy shards, which `shards` reads."""
 
 # ruff: noqa: F401  (the package's names, and the old module's private ones that tests and scripts use)
 from lightning_rec.data.criteo.blocks import iter_blocks, iter_blocks_resumable, iter_line_blocks

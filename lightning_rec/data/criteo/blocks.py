@@ -1,9 +1,8 @@
 """Criteo text -> blocks of whole lines, read in `block_bytes` steps: what the parsers take.
 
-Three readers: `iter_blocks` (bytes, with the first line's number), `iter_blocks_resumable` (the same, with the
-position to resume from; streaming uses it) and `iter_line_blocks` (one reused uint8 buffer and byte offsets; the
-native parser and preprocess use it). Compressed files are read through Arrow's decompressing stream.
-"""
+Three readers: `iter_blocks` (bytes, with the first line's number), `iter_blocks_resumable` (the same, with the position
+to resume from; streaming uses it) and `iter_line_blocks` (one reused uint8 buffer and byte offsets; the native parser
+and preprocess use it). Compressed files are read through Arrow's decompressing stream."""
 
 from __future__ import annotations
 

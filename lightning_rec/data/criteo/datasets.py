@@ -1,9 +1,8 @@
-"""Criteo rows -> whole `Batch`es: `make_criteo_batch` (raw values -> dense transform and table ids),
-`CriteoDataset` (map-style, over the memory-mapped cache) and `CriteoIterableDataset` (streaming: parsed
-block by block while iterating, nothing cached).
+"""Criteo rows -> whole `Batch`es: `make_criteo_batch` (raw values -> dense transform and table ids), `CriteoDataset`
+(map-style, over the memory-mapped cache) and `CriteoIterableDataset` (streaming: parsed block by block while iterating,
+nothing cached).
 
-Shapes: B rows in a batch, F = 26 sparse features, 13 dense features.
-"""
+Shapes: B rows in a batch, F = 26 sparse features, 13 dense features."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Criteo text files: how their bytes are opened and where the fields of a row sit.
 
-Compression (gzip / bz2 / zstd) is read from the first bytes, not the name; a UTF-8 byte-order mark before the
-first row is skipped. `detect_layout` finds the separator, a header and the label column from the first lines.
-"""
+Compression (gzip / bz2 / zstd) is read from the first bytes, not the name; a UTF-8 byte-order mark before the first row
+is skipped. `detect_layout` finds the separator, a header and the label column from the first lines."""
 
 from __future__ import annotations
 

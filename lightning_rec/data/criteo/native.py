@@ -1,8 +1,7 @@
 """The native parser: `torch.ops.lightning_rec.parse_criteo` (csrc/criteo_parse_cpu.cpp) on whole lines.
 
-One pass over a block's bytes, multi-threaded over line ranges; ~10x the Python reference
-(benchmarks/criteo_ingest.py), with the same rows, values, reports and error messages.
-"""
+One pass over a block's bytes, multi-threaded over line ranges; ~10x the Python reference (benchmarks/criteo_ingest.py),
+with the same rows, values, reports and error messages."""
 
 from __future__ import annotations
 

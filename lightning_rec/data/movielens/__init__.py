@@ -1,9 +1,8 @@
-"""MovieLens (GroupLens) ratings, or your own interaction log, as implicit feedback for retrieval: training pairs
-and full-ranking users (docs/movielens.md: layouts, splits, evaluation, features).
+"""MovieLens (GroupLens) ratings, or your own interaction log, as implicit feedback for retrieval: training pairs and
+full-ranking users (docs/movielens.md: layouts, splits, evaluation, features).
 
-Shapes: N interactions of a split, B interactions in a batch, U users in an evaluation batch,
-I items, R held-out items of an evaluation batch, X excluded (already seen) items of it.
-"""
+Shapes: N interactions of a split, B interactions in a batch, U users in an evaluation batch, I items, R held-out items
+of an evaluation batch, X excluded (already seen) items of it."""
 
 from lightning_rec.data.movielens.batches import FeatureTable, RankingBatch, RetrievalBatch
 from lightning_rec.data.movielens.datamodule import MovieLensDataModule, MovieLensReport, default_cache_dir
