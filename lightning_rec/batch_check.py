@@ -141,7 +141,7 @@ def _(rows_F, values_N, offsets, weights_N, keys, tables, owner) -> Tensor:
     return torch.empty((), dtype=torch.bool)
 
 
-# Kept for callers of the earlier name.
+# the earlier name
 def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str]) -> None:
     check_features(features, rows_F, tables_F)
 
@@ -162,10 +162,8 @@ class _Arrived:
 class _CountRing:
     """Per-lookup counts on the device, read back a block of `copy_every` lookups at a time without waiting.
 
-    counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); after a block's last lookup the
-    block travels to pinned host memory in one non-blocking copy (a copy per lookup would cost a large share of a GPU
-    embedding step). `drain()` reads the blocks whose copies have arrived, oldest first; a block is never overwritten
-    unread."""
+    counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); a full block travels to
+    pinned host memory in one non-blocking copy. `drain()` reads arrived blocks, oldest first (none lost unread)."""
 
     SLOTS = 4  # blocks in flight
 
@@ -229,14 +227,9 @@ class _CountRing:
 class DeviceBoundsCheck:
     """Bad ids on GPU batches that were never on the host, reported without a per-step sync.
 
-    fbgemm's bounds check (BoundsCheckMode.WARNING) zeroes its counter at each call, then counts the bad ids of that
-    call on the device (and reads them as row 0). Each kernel's counter is pointed at its column of this lookup's row of
-    a _CountRing (setting a buffer launches nothing), so the counts travel to the host a block at a time; a later call
-    raises once a block with a count has arrived, naming the tables and features of the kernels that counted and which
-    lookup it was.
-
-    The batch itself is not kept (a block would hold copy_every batches), so the message names the lookup, not the id.
-    """
+    fbgemm's bounds check (BoundsCheckMode.WARNING) counts a call's bad ids on the device (read as row 0). Each
+    kernel's counter is pointed at its column of this lookup's row of a _CountRing, and a later call raises once a
+    block with a count has arrived, naming the kernel's tables and features and the lookup (the batch is not kept)."""
 
     SLOTS = _CountRing.SLOTS
     copy_every = 32  # lookups per block: one host copy per block
@@ -266,9 +259,8 @@ class DeviceBoundsCheck:
                       tables_F: Sequence[str] | None = None) -> None:
         """Raise for an earlier lookup whose count has arrived with bad ids (never waits).
 
-        now, rows_F, tables_F: the batch about to be looked up and its features' table sizes and names (its own key
-        order). Only when raising, it is checked on the host (one sync, on the error path alone): fbgemm counts a
-        kernel's tables together, so this names the feature, table and id when the data still has the problem."""
+        now, rows_F, tables_F: the batch about to be looked up, its features' table sizes and names. When raising, it
+        is checked on the host (a sync on the error path alone), to name the feature, table and id."""
         found = self._ring.drain()
         if found is not None:
             self._raise(found, self._check_now(now, rows_F, tables_F) if now is not None else "")

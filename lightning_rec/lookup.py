@@ -171,9 +171,8 @@ def _location(fb: dict, table: LocalTable, on_cpu: bool):
 
 
 def tbe_cache_load_factor(tables: Sequence[LocalTable]) -> float | None:
-    """One fbgemm TBE has one row cache, sized as its load factor x its fused_uvm_caching tables' rows: tables
-    planned with their own factors get the rows-weighted one, so that the cache holds the rows the plan priced.
-    None: no table asked for one (fbgemm's default)."""
+    """The load factor of a TBE's one row cache: its fused_uvm_caching tables' factors weighted by rows, so that the
+    cache holds the rows the plan priced. None: no table asked for one (fbgemm's default)."""
     caching = [t for t in tables if t.compute_kernel == "fused_uvm_caching"]
     if all(t.cache_load_factor is None for t in caching):
         return None
@@ -502,8 +501,7 @@ def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_
                  pooling: str, fp32_out: bool = False) -> Tensor:
     """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none').
 
-    fp32_out: rows of fp16 tables are read as fp32 before pooling, as the fused kernels pool (an fp16 sum
-    differs from theirs by ~1e-4)."""
+    fp32_out: rows of fp16 tables are read as fp32 before pooling, as the fused kernels pool."""
     outs = []
     # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
     for t, jt in zip(feature_table, features.to_dict().values()):

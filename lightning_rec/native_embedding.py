@@ -90,9 +90,7 @@ def _backward(ctx, grad_BD: Tensor):
 def per_sample_weights_grad(weights: Tensor, weights_offsets: Tensor, row_offsets: Tensor, table_dims: Tensor,
                             feature_table: Tensor, D_offsets: Tensor, indices: Tensor, offsets: Tensor,
                             pooling_mode: int, grad_BD: Tensor) -> Tensor:
-    """d loss / d w_p = <gradient of id p's bag, id p's row> (over the bag's length for mean): [N].
-
-    One pass per feature (a few torch ops each, no loop over ids); only when the weights require a gradient."""
+    """d loss / d w_p = <gradient of id p's bag, id p's row> (over the bag's length for mean): [N], per feature."""
     F_ = feature_table.numel()
     B = (offsets.numel() - 1) // F_
     grad_N = torch.zeros(indices.numel(), dtype=torch.float32)
@@ -280,11 +278,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
 
     def forward(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None,
                 _checked: bool = False) -> Tensor:
-        """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm:
-        evaluate under torch.no_grad()).
-
-        The batch is checked first (batch_check.py); `_checked=True` (the collections, which checked it already) skips
-        that pass."""
+        """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm).
+        The batch is checked first (batch_check.py) unless `_checked=True` (the collections checked it already)."""
         indices_N = _as_index_tensor(indices, "indices")
         offsets = _as_index_tensor(offsets, "offsets")
         F = len(self.feature_table_map)

@@ -241,8 +241,7 @@ def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPl
                           device: torch.device, extra: Sequence[str] = ()) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
 
-    Ranks that disagree would route ids by different maps, silently: a digest all-gathered once at construction (through
-    `guard`), and the full descriptions only when the digests differ."""
+    A digest all-gathered once at construction (through `guard`); the full descriptions only when digests differ."""
     pg = guard.pg
     W = dist.get_world_size(pg)
     if W == 1:

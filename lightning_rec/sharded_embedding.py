@@ -207,9 +207,8 @@ class ShardedTableWeight(FusedTableWeight):
 
 
 class _FreezeSwitch(nn.Module):
-    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight (as TorchRec's empty
-    parameters for shards held elsewhere) that freezing and unfreezing reach (requires_grad_, LightningModule.freeze
-    / unfreeze, BaseFinetuning). It holds no values: the state dict is the collection's own."""
+    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight that freezing reaches (it
+    holds no values: the state dict is the collection's own)."""
 
     def __init__(self, frozen: bool, table_numel: int, device: torch.device) -> None:
         super().__init__()
@@ -302,9 +301,7 @@ class _ShardedCollectionBase(nn.Module):
         return self.route(features, self._ids_a2a)
 
     def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
-        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py).
-
-        `ahead`: the pipeline's feeder routes a batch before its step, outside autograd."""
+        """input_dist through `ids_a2a` (the pipeline's own channel); `ahead`: the feeder routes it outside autograd."""
         ordered, error = self._validate(features)
         self.frozen_tables()  # brings _frozen_key and _frozen_error up to date
         if error is None:
@@ -559,9 +556,8 @@ class _ShardedCollectionBase(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets).
 
-        For collections built on "meta", whose values are first drawn here: with one `seed` on every rank
-        (DistributedModelParallel broadcasts rank 0's), a replica is the same on every rank, and no two tables or row
-        blocks start as copies of each other, however the ranks' global RNGs were seeded."""
+        For collections built on "meta": with one `seed` on every rank (rank 0's), a replica is the same everywhere, and
+        no two tables or row blocks start as copies of each other."""
         init = {c.name: c.local_table().init_range() for c in self._configs}
         init_fns = {c.name: c.init_fn for c in self._configs}
         for table, meta, w in self._pieces():

@@ -37,9 +37,8 @@ class _Tables(nn.ModuleDict):
 class FusedTableWeight(nn.Parameter):
     """A fused table's weight: a view of the kernel's storage, updated inside backward, never given a gradient.
 
-    `requires_grad` reads False (torch.optim and DDP leave it alone). Setting it False (`requires_grad_`,
-    LightningModule.freeze(), BaseFinetuning) freezes the table: no update, optimizer state kept; True resumes. `frozen`
-    tells which."""
+    `requires_grad` reads False (torch.optim and DDP leave it alone); setting it False freezes the table (no update,
+    state kept), True resumes. `frozen` tells which."""
 
     # moves at every freeze or unfreeze: a collection reads its tables' flags again only then (not every forward)
     freeze_changes: ClassVar[int] = 0

@@ -65,9 +65,7 @@ class ShardMetadata:
 class ParameterSharding:
     """One table's entry in a plan: how it is split, its kernel, and its shards (with their ranks).
 
-    TorchRec keeps the shards in `sharding_spec` (torch's EnumerableShardingSpec); a ported `ParameterSharding(...,
-    sharding_spec=EnumerableShardingSpec([...]))` is read into `shards` (the placement's rank is kept; the device is the
-    run's). Read them back from `.shards`."""
+    TorchRec's `sharding_spec=EnumerableShardingSpec([...])` is read into `shards` (the placement's rank is kept)."""
 
     sharding_type: ShardingType
     compute_kernel: ComputeKernel = ComputeKernel.FUSED

@@ -142,8 +142,7 @@ class FusedOptimizerConfig:
         self._refuse_unused()
 
     def _refuse_unused(self) -> None:
-        """A hyper-parameter this update has no use for was ignored, silently (SGD with momentum=0.9 trained
-        as plain SGD): refused, naming an optimizer that has it."""
+        """A hyper-parameter this update has no use for is refused, naming an optimizer that has it."""
         opt = self.optimizer
         if opt == EmbOptimType.LARS_SGD:
             object.__setattr__(self, "momentum", 0.9 if self.momentum is None else self.momentum)

@@ -223,10 +223,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if key not in ("name", "tables", "optimizer") and key not in _FIXED_KEYS:
                     group[key] = value
 
-
     def _check_same_optimizer(self, saved_groups: Sequence[Mapping[str, Any]]) -> None:
-        """State saved by tables that trained with another fused optimizer is refused, naming both: rowwise_adagrad's
-        per-row "sum" into adagrad said "the table sizes differ", and into sgd (no state) it loaded, silently."""
+        """State saved by tables that trained with another fused optimizer is refused, naming both."""
         def by_table(groups) -> dict[str, str]:
             out = {}
             for g in groups:

@@ -272,7 +272,7 @@ class EmbeddingShardingPlanner:
         W = self.topology.world_size
         min_cols = spec.constraints.min_partition or min(spec.dim, DEFAULT_MIN_PARTITION)
         if not replicated and least.sharding_type in _COLUMN_SPLITS and spec.dim // min_cols < W:
-            # "allow a finer split ... 'column_wise'" when column_wise was allowed already: the block width held it
+            # column_wise is allowed already: the block width holds it
             how = (f"column blocks are at least min_partition={min_cols} columns, so dim {spec.dim} makes at most "
                    f"{spec.dim // min_cols} of them on {W} ranks: lower it (ParameterConstraints(min_partition="
                    f"{max(1, spec.dim // W)})) for more, narrower blocks, or {how}")
@@ -292,9 +292,7 @@ class EmbeddingShardingPlanner:
         self._module_costs: dict[str, CostModel] = {}  # collection path -> its own update's (plan() sets them)
 
     def _collection_costs(self, module) -> None:
-        """Each collection's tables are priced, and their sharding types chosen, by its own fused update: a model
-        whose collections train with rowwise_adagrad and adam was planned by the first one's, so an adam table
-        was replicated (data_parallel), which DistributedModelParallel then refused."""
+        """Each collection's tables are priced, and their sharding types chosen, by its own fused update."""
         self._module_costs = {}
         if self._optimizer_given or not hasattr(module, "named_modules"):
             return

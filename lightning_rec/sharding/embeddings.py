@@ -38,9 +38,8 @@ def inverse_permutation(perm_N: Tensor) -> Tensor:
 def column_runs(dst_cols: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
     """Where a part's columns land, as few strided copies as possible: (src, dst, width, count, stride).
 
-    Column i of the part goes to output column dst_cols[i]. Consecutive columns that stay consecutive form a run of
-    `width`; `count` equal-width runs that follow each other in the part and sit `stride` apart in the output form one
-    strided copy (table-wise round robin: every other 64-column block is one copy instead of 13)."""
+    Column i of the part goes to output column dst_cols[i]; consecutive columns form a run of `width`, and `count`
+    equal runs that sit `stride` apart in the output form one strided copy."""
     runs: list[list[int]] = []  # [src, dst, width]
     for i, d in enumerate(dst_cols):
         if runs and runs[-1][1] + runs[-1][2] == d:

@@ -112,8 +112,7 @@ def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Mappin
                                    device_type: str | None = None) -> EmbeddingModuleShardingPlan:
     """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (concrete shards).
 
-    `world_size` / `local_size` (ranks per host) default to the initialised process group's. `device_type` is accepted
-    for TorchRec compatibility."""
+    `world_size` / `local_size` default to the process group's; `device_type` is accepted for TorchRec compatibility."""
     del device_type
     if world_size is None:
         world_size, default_local = _world()

@@ -138,9 +138,7 @@ def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Seque
 
 def build_routing(configs: Sequence, feature_names: Sequence[str], table_plans: Mapping[str, ParameterSharding],
                   world_size: int, pooled: bool) -> Routing:
-    """The routing of one collection. `configs`: its table configs; `feature_names`: its output order.
-
-    `table_plans` must already be validated (see plan_checks.validate_module_plan)."""
+    """The routing of one collection, from its table configs, output order and validated `table_plans`."""
     by_feature = {f: c for c in configs for f in c.feature_names}
     f_index = {f: i for i, f in enumerate(feature_names)}
     dims = [by_feature[f].embedding_dim for f in feature_names]

@@ -36,9 +36,8 @@ class Shard:
 
 
 class LocalShards(list):
-    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's /
-    TorchRec's method, `st.local_shards()` -> `[Shard(tensor, metadata), ...]` over the same tensors, so that ported
-    code (`st.local_shards()[0].tensor`) runs."""
+    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's
+    method, `st.local_shards()` -> `[Shard(tensor, metadata), ...]`, for ported code."""
 
     def __call__(self) -> list[Shard]:
         return [Shard(t, m) for m, t in self]

@@ -69,8 +69,7 @@ def _line_of_row(data: bytes, row: int, has_header: bool) -> int:
 
 
 def _refuse_missing(table: pa.Table, data: bytes, path: Path, has_header: bool) -> None:
-    """An empty field where a number belongs reads as null: refused, naming its line (a null id would make every id
-    a float, a null rating an interaction kept or dropped without a word)."""
+    """An empty field where a number belongs reads as null: refused, naming its line."""
     for name in table.column_names:
         col = table.column(name)
         if col.null_count:
