@@ -235,10 +235,8 @@ class PredictionWriter(BasePredictionWriter):
     def _merge_ranks(self, local: Iterator[dict[str, np.ndarray]], device: torch.device,
                      shapes: list | None) -> tuple[int, int]:
         """Rank 0 writes every rank's rows in row order, holding at most a chunk per rank: each round it tells the
-        ranks whose rows it needs next (a broadcast flag per rank) to send their next chunk (gather_object).
-        The last round tells every rank the rows written (the file is whole by then), or that rank 0 failed
-        (its disk, say): every rank raises then, none waits for a round that will not come.
-        Returns (rows written, the most rows rank 0's merge held at once; 0 elsewhere)."""
+        ranks whose rows it needs next (a broadcast flag per rank) to send a chunk. The last round tells every rank
+        the rows written, or that rank 0 failed (every rank raises then). Returns (rows, rank 0's merge peak)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         merge = SortedMerge(world) if rank == 0 else None
         failure: BaseException | None = None

@@ -239,9 +239,8 @@ class TableWriter:
     """Writes tables with the same columns to one .csv / .tsv / .parquet file, a chunk at a time, into a temporary
     file that `close()` renames into place (`abort()` removes it): the path holds the whole file or nothing.
 
-    `columns` is name -> (dtype, shape past the rows); a [R, K] column is K columns name_1..name_K in a csv and a
-    list column of size K in a parquet file. Columns not named are left out. `renumber`: ROW is written as
-    0, 1, 2, ... in the order given (the rows were order keys that may skip numbers). ROW is the first column."""
+    `columns` is name -> (dtype, shape past the rows); a [R, K] column is K csv columns name_1..name_K, or a list
+    column in parquet. Columns not named are left out. ROW comes first; `renumber` writes it as 0, 1, 2, ..."""
 
     def __init__(self, path: Path, columns: dict[str, tuple[np.dtype, tuple[int, ...]]],
                  renumber: bool = False) -> None:

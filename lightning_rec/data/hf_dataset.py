@@ -77,12 +77,9 @@ def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_gr
 
 def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name: str,
                  split_names: Sequence[str] = (), dict_hint: str = "", streams: bool = False) -> Any:
-    """`value` unchanged unless it is a `datasets` object; a Dataset: the path of the folder holding its copy,
-    `file_name` (a .parquet file); a DatasetDict whose splits are all `split_names` (none: refused, `dict_hint`
-    saying what to do): the folder holding `<split>.parquet` for each.
-
-    `what` names the argument in errors ("CriteoDataModule train_path"); `streams`: its data module reads files in
-    blocks with streaming=True (said to a streaming IterableDataset's user)."""
+    """`value` unchanged unless it is a `datasets` object; a Dataset: the folder holding its copy `file_name`; a
+    DatasetDict whose splits are all `split_names` (else refused, with `dict_hint`): the folder of `<split>.parquet`.
+    `what` names the argument in errors; `streams`: its data module can stream (said to an IterableDataset's user)."""
     if not is_hf_dataset(value):
         return value
     import datasets

@@ -204,10 +204,9 @@ class RankingMetrics(Metric):
                mask: Tensor | None = None, target_offsets: Tensor | None = None, target_items: Tensor | None = None,
                exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None,
                hits: Tensor | None = None, num_relevant: Tensor | None = None) -> None:
-        """Candidate lists: `update(preds_UC, target_UC, mask=mask_UC)`; torchmetrics' flat retrieval form:
-        `update(preds_N, target_N, indexes_N)` (the third argument is `indexes`, as in torchmetrics). The other
-        keywords are what `update_full` and `update_topk` pass (every way in goes through `update`, which
-        torchmetrics wraps: update counts, the compute cache, `forward`)."""
+        """Candidate lists: `update(preds_UC, target_UC, mask=mask_UC)`; torchmetrics' flat form: `update(preds_N,
+        target_N, indexes_N)`. The other keywords are what `update_full` and `update_topk` pass (every way in goes
+        through `update`, which torchmetrics wraps)."""
         if hits is not None:
             self._update_topk(hits, num_relevant)
         elif target_offsets is not None:

@@ -287,9 +287,8 @@ class DLRM_Projection(DLRM):
 class DLRMTrain(nn.Module):
     """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached.
 
-    The loss is BCE-with-logits, the mean over the batch. This is the `(loss, output)` pair that TrainPipelineSparseDist
-    expects; `batch` is a lightning_rec.data.Batch (dense_features, sparse_features, labels), or anything with those
-    three attributes."""
+    The loss is BCE-with-logits (batch mean), the pair TrainPipelineSparseDist expects; `batch` has dense_features,
+    sparse_features and labels."""
 
     def __init__(self, dlrm_module: DLRM) -> None:
         super().__init__()

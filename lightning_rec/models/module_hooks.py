@@ -60,8 +60,7 @@ class RecCheckpointLoading:
     """Mixed in before LightningModule, `class MyModule(RecCheckpointLoading, L.LightningModule)`: then
     `MyModule.load_from_checkpoint(path)` also reads the checkpoint directories that `strategy="rec"` writes.
 
-    Lightning's reads one file (a torch.load: IsADirectoryError on them); without the mixin,
-    `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does the same."""
+    Without the mixin, `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does the same."""
 
     @_ClassOnly
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -153,9 +152,8 @@ class RecModuleHooks(RecCheckpointLoading):
         return DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
 
     def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The fused tables start at hparams.sparse_lr, read when the optimizer is built, as the dense layers' rate
-        is: the tables' configs keep the value given to __init__, and a rate written later (Tuner.lr_find(...,
-        attr_name="sparse_lr") writes its suggestion there) must take effect."""
+        """The fused tables start at hparams.sparse_lr, read when the optimizer is built, so that a rate written later
+        (Tuner.lr_find(..., attr_name="sparse_lr")) takes effect."""
         fused = dict(getattr(optimizer, "optimizers", [])).get("fused")
         for group in fused.param_groups if fused is not None else []:
             group["lr"] = float(self.hparams.sparse_lr)

@@ -140,10 +140,8 @@ class CriteoDataModule(pl.LightningDataModule):
             )
 
     def _splits_of(self, stage: str | None, check: bool = True) -> tuple[str, ...]:
-        """The splits a Trainer stage reads (fit: train and val, if given; predict: predict); every split
-        given when the stage is unknown (outside a Trainer). `check`: a split the stage needs but has no
-        path is an error naming the option to set (raised by setup: it runs on every rank, where
-        prepare_data runs on one while the others wait for it)."""
+        """The splits a Trainer stage reads (every split given outside a Trainer). `check`: a split the stage needs but
+        has no path for is an error naming the option (raised by setup, which runs on every rank)."""
         if stage is None:
             return tuple(s for s, p in self.paths.items() if p is not None)
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn (a str enum)
@@ -156,9 +154,8 @@ class CriteoDataModule(pl.LightningDataModule):
         return tuple(s for s in _STAGE_SPLITS.get(stage, tuple(self.paths)) if self.paths[s] is not None)
 
     def check_paths(self, stage: str) -> None:
-        """A clear ValueError for a file that `stage` reads and that does not exist (or a split it needs and has
-        no path for). The CLI calls it before any process group exists, so that the error comes once, not from
-        prepare_data on one rank while the others wait in a barrier. Only the stage's files are checked."""
+        """A clear ValueError for a file that `stage` reads and that does not exist (or a split it needs and has no
+        path for). The CLI calls it before any process group exists, so that the error comes once."""
         for split in self._splits_of(stage):
             if table_source_kind(self.paths[split]):
                 source_files(self.paths[split])  # a folder of several splits' files is refused here, before any rank

@@ -65,8 +65,7 @@ def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw
 class CriteoDataset(Dataset):
     """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch.
 
-    Use with `make_batch_loader` (batch_size + sampler, `collate_fn=passthrough_collate`): the DataLoader then calls
-    `__getitems__(indices)` once per batch and the whole batch is gathered in numpy."""
+    Use with `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy."""
 
     def __init__(self, arrow_path: str | os.PathLike, num_embeddings_per_feature: int | Sequence[int],
                  sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id") -> None:
@@ -164,10 +163,8 @@ class CriteoIterableDataset(IterableDataset):
 
     Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every row is read by exactly
     one of them: rank r of W reads the blocks b with b % W == r, at any num_workers; a file of fewer than two blocks per
-    pair is dealt row by row instead. With `shuffle`, rows are shuffled within each block, per epoch (in your own
-    DataLoader, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler); the block order stays
-    the file order. Rows left over at the end of a block carry into the next block's batches, so only the last batch can
-    be short.
+    pair is dealt row by row instead. With `shuffle`, rows are shuffled within each block, per epoch (`set_epoch`);
+    the block order stays the file order. Rows left over carry into the next block's batches.
 
     `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file order
     (the line's place, or (block << 32) + its place in the block), by which predictions are put in order."""

@@ -130,9 +130,8 @@ class _Lines:
 
 
 def _unreadable_rows(lines: _Lines, layout: CriteoLayout, problems: list) -> np.ndarray:
-    """Rows Arrow must not see, their reasons added to `problems`: a byte >= 0x80 (Arrow refuses the whole block as
-    invalid UTF-8; Criteo text is ASCII, so it is corruption), or a carriage return inside the line ("\\r\\r\\n", a
-    file converted to CRLF twice: Arrow ends a row there; the native op reads it as part of the field)."""
+    """Rows Arrow must not see, their reasons added to `problems`: a byte >= 0x80 (Arrow refuses the block as
+    invalid UTF-8), or a carriage return inside a line (Arrow ends a row there; the native op keeps it in the field)."""
     buf_L = lines.buf_L
     bad = np.zeros(lines.ends.size, dtype=bool)
     high_pos = np.flatnonzero(buf_L >= 128)
@@ -269,9 +268,8 @@ def parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str, 
 
 @dataclass
 class CriteoReadOptions:
-    """How a Criteo text file is read (the keyword arguments of `read_criteo`, `build_criteo_cache`,
-    `CriteoIterableDataset` and `CriteoDataModule`): its layout (None: detected from the file), what a bad row does
-    ("error" or "skip"), the bytes parsed at a time, and the parser ("auto": the native op when built; resolved)."""
+    """How a Criteo text file is read (the readers' and data modules' keyword arguments): its layout (None:
+    detected), what a bad row does, the bytes parsed at a time, and the parser (resolved)."""
 
     separator: str | None = None
     has_header: bool | None = None

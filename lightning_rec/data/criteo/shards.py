@@ -185,8 +185,7 @@ class CriteoShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order the next iteration uses (shuffle=True).
 
-        Untold, each iteration counts one epoch in the process that iterates (the main process, or each persistent
-        worker); the DataLoader's workers read the epoch told here, persistent ones too."""
+        Untold, each iteration counts one epoch in the process that iterates; the workers read the epoch told here."""
         self._epoch.set(epoch)
 
     def resume_from(self, epoch: int, batches_done: int) -> None:
@@ -287,8 +286,7 @@ class CriteoShardDataset(IterableDataset):
     def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
         """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.
 
-        Small numpy steps rather than torch ops: torch would open a thread pool region for each (tens of microseconds,
-        milliseconds on a busy machine) for arrays this small."""
+        Small numpy steps rather than torch ops, which would each open a thread pool region for arrays this small."""
         batch_size = label_B.shape[0]
         ids_FB = torch.from_numpy(np.ascontiguousarray(sparse_BF.T, dtype=np.int64))  # int32 [B, F] -> int64 [F, B]
         if self.empty_bag:

@@ -268,11 +268,9 @@ def read_criteo_table(path: str | os.PathLike, has_label: bool | None = None, on
 
 
 class TableBlocks:
-    """A table source cut into blocks of `block_rows` rows of the whole (its files end to end), read by index:
-    what streaming and preprocess read instead of text blocks, and the cache is built from. Block k is found from
-    the Parquet files' row-group sizes (the row groups of a file that it spans are read in one call and converted
-    together, then kept for the next block) or sliced from a save_to_disk folder's memory-mapped table, so a
-    resumed or sharded pass reads only its own blocks."""
+    """A table source cut into blocks of `block_rows` rows (its files end to end), read by index: what streaming,
+    preprocess and the cache read instead of text blocks. Block k is found from the Parquet row-group sizes (read in
+    one call, kept for the next block) or sliced from a save_to_disk table, so a pass reads only its own blocks."""
 
     def __init__(self, path: str | os.PathLike, has_label: bool | None, block_rows: int) -> None:
         self.path, self.block_rows = str(path), max(1, int(block_rows))
