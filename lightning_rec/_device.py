@@ -44,9 +44,7 @@ def check_device_ready(device: torch.device) -> None:
 
 
 def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
-    """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
-
-    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0")."""
+    """A CUDA device with its index ("cuda" alone: the current device's, as tensors report it); others unchanged."""
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", current_index())

@@ -26,9 +26,8 @@ class PoolingType(str, Enum):
 
 
 class DataType(str, Enum):
-    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`); torch dtypes work as well.
-
-    The two that the tables store: TorchRec's other members (BF16, INT8, ...) have no kernel here."""
+    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`), the two the tables store; torch dtypes
+    work as well."""
 
     FP32 = "fp32"
     FP16 = "fp16"

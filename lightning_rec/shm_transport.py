@@ -63,9 +63,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _user_stacklevel() -> int:
-    """The `stacklevel` (for a warning raised by the caller) of the first frame outside lightning_rec, torch and
-    Lightning: the user's line that led to the collective (their forward, backward or trainer.fit), whichever
-    of our collectives needed the room."""
+    """The `stacklevel` (for the caller's warning) of the first frame outside lightning_rec, torch and Lightning."""
     frame, level, library = sys._getframe(1), 1, _library_dirs()
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(library):
         frame, level = frame.f_back, level + 1
@@ -533,10 +531,8 @@ def _native_barrier():
 def ddp_comm_hook(group: SharedMemoryGroup):
     """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)).
 
-    DDP hands over buckets in order as they fill; the hook holds them and reduces them all at the last one, in one
-    exchange: one barrier per step instead of one per bucket (on a CPU box every core computes, so reducing early would
-    not overlap with anything; waiting for a peer at every bucket only adds skew). DDP waits for the futures only after
-    the last bucket."""
+    The hook holds DDP's buckets and reduces them all at the last one, in one exchange: one barrier per step (on a CPU
+    box early reduction overlaps nothing). DDP waits for the futures only after the last bucket."""
     pending: list[tuple[Tensor, torch.futures.Future]] = []
 
     def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them

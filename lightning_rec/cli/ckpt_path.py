@@ -59,9 +59,8 @@ class CheckpointPathCLI(LightningCLI):
                 f"configuration", category=UserWarning)
 
     def _checkpoint_dirpaths(self, subcommand: str) -> list[str]:
-        """The dirpath of every ModelCheckpoint the config adds (`--trainer.callbacks.dirpath=DIR`); [] unless each
-        one names it (one without saves under the logger's folder, which Lightning finds itself, as it does the
-        on-exception checkpoint)."""
+        """The dirpath of every ModelCheckpoint the config adds; [] unless each one names it (Lightning finds the
+        others itself)."""
         callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
         dirpaths = []
         for callback in callbacks if isinstance(callbacks, list) else [callbacks]:

@@ -49,9 +49,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        """Lightning's BaseFinetuning, resuming, assigns the groups it saved (the ones it added included) before the
-        optimizer state loads: the added ones join the dense child (add_param_group), as when they were first added,
-        and the list stays the children's live groups (whose "lr" reaches the fused kernels)."""
+        """BaseFinetuning, resuming, assigns the groups it saved: the ones it added join the dense child again, and the
+        list stays the children's live groups."""
 
         if not self.__dict__.get("_built"):  # torch's __init__
             self.__dict__["_groups"] = groups

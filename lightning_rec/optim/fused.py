@@ -143,9 +143,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
         """This rank's optimizer state under whole-table names, for resharding.
 
-        "<path>.<table>.<state>" -> (the table's global shape, [(ShardMetadata or None, state view)]). Gather every
-        rank's pieces and `merge_fused_state` them into a state dict that loads into any world size, plan, or the
-        unsharded model (RecStrategy's checkpoints do this)."""
+        "<path>.<table>.<state>" -> (global shape, [(ShardMetadata or None, state view)]); every rank's, merged by
+        `merge_fused_state`, load into any world size, plan, or the unsharded model."""
         out: dict[str, tuple[tuple[int, int], list]] = {}
         for local, states in self.table_states().items():
             name, meta, shape = self._pieces[local]
@@ -158,8 +157,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
         model): each piece reads its rows and columns.
 
-        strict=False: a table the state holds nothing for (one added to the model since the save) keeps its
-        current state, as `module.load_state_dict(..., strict=False)` leaves its weights; the others load."""
+        strict=False: a table the state holds nothing for keeps its current state; the others load."""
         _refuse_torch_state_dict_api(self)
         saved = state_dict.get("state", {})
         self._check_same_optimizer(state_dict.get("param_groups", []))

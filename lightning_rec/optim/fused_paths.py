@@ -9,10 +9,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
-    """The child that a wrapper holds the user's model under: DistributedModelParallel's and DDP's (whose state
-    dicts leave these names out; DistributedModelParallel.state_dict is its model's).
-
-    The one place optim knows the wrappers' names ('_dmp_wrapped_module.', DDP's 'module.')."""
+    """The child that a wrapper holds the user's model under (DistributedModelParallel's, DDP's), left out of state
+    dicts: the one place optim knows the wrappers' names."""
     return name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
 
 

@@ -92,11 +92,8 @@ _FusedParamGroup.__module__ = _rebuild_fused_group.__module__ = "lightning_rec.o
 
 
 class _FusedDefaults(dict):
-    """A fused (or combined) optimizer's `defaults`: torch's OneCycleLR / CyclicLR, whose cycle_momentum=True (their
-    default) asks them for "momentum" or "betas", are told why there is none and what to pass.
-
-    Only the learning rate of a fused group follows a scheduler; its betas are fixed when the tables are built.
-    Other readers (Lightning's LearningRateMonitor) get False."""
+    """A fused (or combined) optimizer's `defaults`: OneCycleLR / CyclicLR (cycle_momentum=True) asking for "momentum"
+    or "betas" are told why there is none (fixed when tables are built) and what to pass; other readers get False."""
 
     def __contains__(self, key: object) -> bool:
         found = dict.__contains__(self, key)

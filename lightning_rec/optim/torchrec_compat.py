@@ -88,9 +88,8 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
 
 def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                                  include: bool = False) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one).
-
-    Fused tables never require a gradient (their rows are updated inside backward): that is the test."""
+    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one), told
+    apart by requires_grad (fused tables never require a gradient)."""
     for name, p in named_parameters:
         if (not p.requires_grad) == include:
             yield name, p
@@ -99,10 +98,8 @@ def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.
 class KeyedOptimizerWrapper(torch.optim.Optimizer):
     """TorchRec's `KeyedOptimizerWrapper(dict(model.named_parameters()), lambda params: torch.optim.SGD(params, ...))`.
 
-    The factory's optimizer over the parameters that train through autograd: fused tables (which never hold a gradient)
-    are left out, so that e.g. Adagrad keeps no state for them. `params` maps names to those parameters. state_dict is
-    the inner optimizer's (torch's format, by index). Combine it with the fused part: `CombinedOptimizer([("fused",
-    dmp.fused_optimizer), ("dense", it)])`."""
+    The factory's optimizer over the parameters that train through autograd (fused tables left out); state_dict is
+    the inner optimizer's. Combine it: `CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", it)])`."""
 
     def __init__(self, params: Mapping[str, torch.Tensor],
                  optim_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
@@ -148,10 +145,8 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
 class RowWiseAdagrad(torch.optim.Optimizer):
     """TorchRec's row-wise Adagrad as a plain torch optimizer: one accumulator per row of each 2-d parameter.
 
-    state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps). It is the fused
-    "rowwise_adagrad" update, so `apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})` fuses it
-    into the tables (TorchRec's golden DLRM example does that), and it trains unfused tables or other 2-d weights
-    directly. 1-d parameters keep one accumulator per element."""
+    state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps): the fused "rowwise_adagrad"
+    update, so apply_optimizer_in_backward fuses it into tables. 1-d parameters keep one accumulator per element."""
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> None:

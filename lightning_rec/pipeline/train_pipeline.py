@@ -22,8 +22,7 @@ from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 class InputPipeline:
     """The parts a pipeline over one model needs: its channels, its plan, one feeder per pass.
 
-    TrainPipelineSparseDist drives it from a hand loop; RecStrategy(pipeline=True) builds one per dataloader of
-    Lightning's loops (lightning_rec.pipeline.wrap_loader)."""
+    TrainPipelineSparseDist drives it; RecStrategy(pipeline=True) builds one per dataloader (wrap_loader)."""
 
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
@@ -117,8 +116,7 @@ def _reference(obj: Any) -> Callable[[], Any]:
 class ReadAhead:
     """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first).
 
-    One object is both what `TrainPipelineSparseDist.close()` returns and what the model keeps for the iterator, so
-    a batch taken by the plain loop is not given to the next pipeline too."""
+    One object is both what `close()` returns and what the model keeps for the iterator: no batch is given twice."""
 
     def __init__(self, batches: list | None = None, rest: ReadAhead | None = None) -> None:
         # rest: kept batches the pass began with and had not read yet (they come after the ones it read)
@@ -230,10 +228,8 @@ class TrainPipelineSparseDist:
         self._source = source
 
     def _watch_reset(self, source: Iterator) -> None:
-        """torch's DataLoader with persistent_workers=True hands out one iterator object for every pass: `iter(loader)`
-        resets it, possibly under the feeder's reads. So the feeder stops before the reset (every rank calls
-        iter(loader) at the same point), and the next step starts a new pass; what the old pass read ahead is dropped
-        with it, as the plain loop drops an epoch it leaves."""
+        """A DataLoader with persistent_workers=True reuses one iterator, which `iter(loader)` resets: the feeder stops
+        before the reset, and the next step starts a new pass (what was read ahead is dropped, as in the plain loop)."""
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
         if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
@@ -273,9 +269,8 @@ class TrainPipelineSparseDist:
     def close(self) -> ReadAhead:
         """Stop the feeder (at the same point on every rank) and give the channels back.
 
-        Returns the batches it read ahead of the steps from the current iterator, oldest first (on the device
-        already; this rank's, in order): a plain loop trains them first, `itertools.chain(pipeline.close(), it)`, or a
-        pipeline over the same model given that iterator starts with them. Taken once, by whichever comes first."""
+        Returns the batches read ahead from the current iterator, oldest first (on the device), for a plain loop,
+        `itertools.chain(pipeline.close(), it)`, or the next pipeline given that iterator: taken once."""
         kept = self._keep_read_ahead() if not self._pipeline.closed else ReadAhead([])
         self._pipeline.close()
         return kept

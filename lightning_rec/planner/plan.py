@@ -311,8 +311,7 @@ class EmbeddingShardingPlanner:
     def plan(self, module, sharders=None) -> ShardingPlan:
         """Plan every table of `module` (a model, a collection, or a list of configs).
 
-        `sharders` is accepted for TorchRec compatibility; the sharding types a table may use are set through
-        ParameterConstraints."""
+        `sharders` is accepted for TorchRec compatibility (ParameterConstraints sets the sharding types)."""
         del sharders
         start = time.perf_counter()
         self._stats = None  # a failed plan() left the previous model's stats readable, as if they were this one's
@@ -344,8 +343,7 @@ class EmbeddingShardingPlanner:
     def collective_plan(self, module, sharders=None, pg=None) -> ShardingPlan:
         """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error).
 
-        TorchRec's argument order, `collective_plan(module, sharders, pg)`: `sharders` is accepted and ignored (as in
-        `plan`); `pg` is the process group to plan for (default: the world)."""
+        TorchRec's argument order; `sharders` is ignored, `pg` the process group to plan for (default: the world)."""
         import torch.distributed as dist
 
         if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all

@@ -17,8 +17,7 @@ from lightning_rec.data.movielens.batches import FeatureTable, RankingBatch, Ret
 class InteractionDataset(Dataset):
     """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`).
 
-    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has not interacted with in
-    training (BPR); rejection is redrawn a few times, whole-batch."""
+    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has not seen (BPR)."""
 
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
                  num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
@@ -125,9 +124,8 @@ class UserRankingDataset(Dataset):
 
 
 class EvalShardSampler(DistributedSampler):
-    """Every user once over all ranks (DistributedSampler would repeat some to even the shares, which
-    counts them twice in the metrics): rank r takes users r, r + W, ...; shorter shares are padded
-    with -1, which the dataset drops, so every rank runs the same number of batches."""
+    """Every user once over all ranks (not DistributedSampler's repeats): rank r takes users r, r + W, ...; shorter
+    shares are padded with -1, which the dataset drops, so every rank runs the same number of batches."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
