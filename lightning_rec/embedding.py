@@ -5,12 +5,9 @@ Shapes: B batch, F features, N ids, D dims.
     KJT (features, any key order) --permute--> lookup kernels --> KeyedTensor [B, sum(D)]   (bags)
                                                               --> {feature: JaggedTensor [N_f, D]} (sequence)
 
-With `optimizer=FusedOptimizerConfig(...)` the tables live in fused table-batched kernels that
-update rows inside backward; with `optimizer=None` each table is an ordinary parameter trained by
-any torch.optim optimizer. Either way the state dict holds one `[rows, dim]` weight per table
-under TorchRec's names (`embedding_bags.<table>.weight`, `embeddings.<table>.weight`), and those
-parameters are views into the kernel's storage: loading a state dict writes into the kernel.
-"""
+With `optimizer=FusedOptimizerConfig(...)` the tables live in fused kernels that update rows inside backward;
+with `optimizer=None` each is an ordinary parameter. Either way the state dict holds one `[rows, dim]` weight per
+table under TorchRec's names, views into the kernel's storage (loading writes into the kernel)."""
 
 from __future__ import annotations
 

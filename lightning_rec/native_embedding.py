@@ -1,10 +1,7 @@
 """Our fused CPU table-batched embedding (`torch.ops.lightning_rec.tbe_*`, built from csrc/).
 
-`NativeTableBatchedEmbeddingBags` is a drop-in for the part of fbgemm's
-`SplitTableBatchedEmbeddingBagsCodegen` that `EmbeddingBagCollection` uses: same input layout, same
-output layout, same per-table weight views and optimizer-state names, so a checkpoint written
-through one loads into the other. The backward applies the optimizer to the touched rows; no
-embedding gradient is ever materialised.
+`NativeTableBatchedEmbeddingBags` is a drop-in for the part of fbgemm's `SplitTableBatchedEmbeddingBagsCodegen`
+that `EmbeddingBagCollection` uses (same layouts, weight views and state names: checkpoints move between them).
 
 Legend: T tables, F features, B batch, N ids, D dim of a table, total_D = sum over features of D.
 
@@ -20,9 +17,7 @@ Optimizer semantics (all with L2 weight decay, `g += weight_decay * w`, as torch
   adam                  torch.optim.Adam on the touched rows: m, v per element, bias correction
                         with the module's step counter (state "step", one int64 per TBE, shared)
   partial_rowwise_adam  as adam, with v one value per row: v_row = b2 v_row + (1 - b2) mean_d(g^2)
-Rows that a batch does not touch are left alone (lazy, like torch.optim.SparseAdam and fbgemm).
-LAMB and LARS-SGD are not implemented on CPU (fbgemm has them on GPU only).
-"""
+Rows a batch does not touch are left alone (lazy, like SparseAdam and fbgemm); no LAMB or LARS-SGD on CPU."""
 
 from __future__ import annotations
 

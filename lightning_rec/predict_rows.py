@@ -10,9 +10,8 @@ place in the input, the order the file is written in. A stream is a sequence of 
                    --> (rank 0, one chunk per rank asked for) SortedMerge of the ranks' streams
                    --> TableWriter (.csv / .tsv / .parquet, temporary file renamed into place)
 
-Memory: a rank holds at most spill_bytes of unsorted rows, plus one chunk per run while merging; rank 0 holds one
-chunk per rank on top. A row seen twice (a sampler's padding repeat) is written once.
-"""
+A rank holds at most spill_bytes of unsorted rows, plus a chunk per run while merging (rank 0 a chunk per rank on
+top). A row seen twice (a sampler's padding repeat) is written once."""
 
 from __future__ import annotations
 

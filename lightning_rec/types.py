@@ -1,9 +1,7 @@
 """Names shared by the sharder, the planner and the strategy: sharding types, compute kernels, plans.
 
-TorchRec's public names, so that its users feel at home. A plan maps module paths to per-table `ParameterSharding`s;
-each says how a table is split (`sharding_type`), which kernel runs its lookup (`compute_kernel`), and where each shard
-sits (`shards`: global row/column offsets, sizes, owning rank). Plans are plain data: they print, compare, and travel
-between ranks as they are."""
+TorchRec's public names. A plan maps module paths to per-table `ParameterSharding`s (sharding type, compute kernel,
+shards with their offsets, sizes and ranks); plans are plain data that print, compare and travel between ranks."""
 
 from __future__ import annotations
 

@@ -6,10 +6,8 @@ Shapes: B pairs in a batch, I items in the catalogue, D the towers' output dim.
                                                                                       > score = <u, v> (/ temperature)
     item KJT --item EmbeddingBagCollection--> pooled [B, sum D_f] --MLP--> item_BD  /
 
-`score="cosine"` normalises both vectors first. Each tower's tables are an ordinary
-EmbeddingBagCollection, so `Trainer(strategy="rec")` shards them like any other. With no MLP
-(`layer_sizes=[]`) and id features only, a tower is a plain embedding table: the two-tower model is
-then matrix factorisation (BPR-MF with `loss="bpr"`).
+`score="cosine"` normalises both vectors first. The towers' tables shard like any other under strategy="rec". With
+no MLP and id features only, the model is matrix factorisation (BPR-MF with `loss="bpr"`).
 
 Losses on a batch of positive pairs:
 

@@ -1,9 +1,7 @@
 """The planner: enumerate priced options per table -> propose combinations -> partition onto ranks.
 
-A proposal picks one option per table. The partitioner places its pieces (see estimate.py): fixed
-pieces where they are, host pieces on the host whose slowest rank stays fastest, rank pieces
-slowest-first onto the least-loaded rank with room (a heap), all under each rank's memory. A
-proposal's score is its slowest rank's estimated ms. Proposers, in order:
+A proposal picks one option per table; the partitioner places its pieces (estimate.py) under each rank's memory,
+and its score is its slowest rank's estimated ms. Proposers, in order:
 
 1. greedy: every table's cheapest option (least total work); while it does not fit, the tables
    holding the most of the short memory move to options that hold less (UVM, caching, finer

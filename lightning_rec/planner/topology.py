@@ -1,11 +1,8 @@
 """The hardware the planner plans for: ranks, hosts, memory per rank, bandwidths.
 
-Memory is in bytes, bandwidth in bytes per second, both per rank. On CPU there is one memory kind (host DDR): the fused
-kernel's tables live there and `hbm_cap` is 0. On CUDA a table lives in HBM (`fused`), in DDR reached through unified
-memory (`fused_uvm`), or in DDR with an HBM cache (`fused_uvm_caching`).
-
-Defaults are read from the machine where it can tell (GPU memory, host RAM); bandwidths default to conservative figures
-(TorchRec's for GPUs, measured gloo figures for CPU) and are overridable."""
+Memory in bytes, bandwidth in bytes per second, per rank. On CPU the tables live in host DDR (`hbm_cap` is 0); on
+CUDA in HBM (`fused`), in DDR through unified memory (`fused_uvm`), or in DDR with an HBM cache (`fused_uvm_caching`).
+Defaults come from the machine where it can tell; bandwidths default to conservative figures."""
 
 from __future__ import annotations
 

@@ -13,11 +13,8 @@ owner p and places the columns:
     [ f0 cols | f1 cols | ... ]                           [B, D]   a gather, or a sum (index_add)
                                                                    when row shards add up
 
-Mean pooling under any split is sum then divide by the global bag length, known at the source.
-
-Sequence. Rank p's lookup gives one row per id, key-major; rows go back source-major (the inverse
-of the ids' permutation) and each source puts them back in its features' id order.
-"""
+Mean pooling under any split is sum then divide by the global bag length, known at the source. Sequence: rows go
+back source-major (the inverse of the ids' permutation), and each source puts them in its features' id order."""
 
 from __future__ import annotations
 

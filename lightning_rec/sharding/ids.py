@@ -19,13 +19,8 @@ the concatenated batch B_0 + ... + B_{W-1}):
     source-major  [r0: s0 b.. | s1 b..] [r1: s0 b.. | s1 b..]
     key-major     [s0: r0 b.. r1 b.. ] [s1: r0 b.. r1 b.. ]
 
-Learned weights' gradient goes the other way (`to_source_major`, then the reverse all-to-all): each id's
-gradient lands where its weight was sent from, and autograd of `route_ids` (an index, a permute) takes it
-back to the input's order, summing over the column blocks that read one id.
-
-Tables that no rank splits by rows take a fast path: routing is a key permutation (copies of a
-feature for its column blocks), with no per-id arithmetic.
-"""
+Learned weights' gradient goes the other way (`to_source_major`, then the reverse all-to-all). Tables that no
+rank splits by rows take a fast path: routing is a key permutation, with no per-id arithmetic."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Where every feature's ids go, and where every shard's output lands: one collection's routing.
 
-Legend: F features (the collection's output order), C copies, S shard features (all ranks, rank
-by rank), W world size, D dims. Pure metadata, identical on every rank (built from the plan and
-the table configs only), so every rank can compute every other rank's split sizes.
+Legend: F features (the collection's output order), C copies, S shard features (all ranks, rank by rank), W world
+size, D dims. Pure metadata, identical on every rank (from the plan and the configs only).
 
 Every sharding type is a grid of column blocks x row blocks of a table:
 
@@ -18,10 +17,8 @@ so one routing serves them all:
       ids of f                                  ids of f      id // block           on its rank,
                                                                                     id - owner*block
 
-and on the way back a shard feature's pooled [B, cols] lands in its feature's output columns
-[col_offset, col_offset + cols); row shards of one block add up (partial sums). Row shards follow
-the block rule of `layout.row_block_size`, so an id's owner is one integer division.
-"""
+and on the way back a shard feature's pooled [B, cols] lands in its feature's output columns (row shards of one
+block add up). Row shards follow `layout.row_block_size`, so an id's owner is one integer division."""
 
 from __future__ import annotations
 

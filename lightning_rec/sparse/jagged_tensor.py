@@ -15,11 +15,8 @@ key-major: feature 0's B lengths, then feature 1's, and so on; values follow the
       offsets    = [0, 2, 2, 3, 4, 6, 7]     (F*B + 1)
       length_per_key = [3, 4], offset_per_key = [0, 3, 7]
 
-The constructors only assign, as TorchRec's. `validate()` checks that keys, lengths and values
-agree (checks.py); a collection runs it on every batch it reads, before any lookup, so a
-malformed batch fails with the fix named, not as a wrong row deep inside a kernel. Jagged work
-(permute, cumsum) uses fbgemm ops.
-"""
+The constructors only assign, as TorchRec's; `validate()` (checks.py) checks that keys, lengths and values agree,
+and a collection runs it on every batch it reads. Jagged work (permute, cumsum) uses fbgemm ops."""
 
 from __future__ import annotations
 
