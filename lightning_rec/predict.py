@@ -13,10 +13,7 @@ each, in input order, in bounded memory (lightning_rec.predict_rows):
     rank 0: asks the ranks whose next rows it needs for a chunk each (gather_object, gather_chunk_bytes)
                  --> merges them in row order (a repeat once) --> writes them --> the file, renamed into place
 
-An evaluation share's padding (index -1, EvalDistributedSampler) is dropped; a sampler that pads with repeated
-rows (torch's DistributedSampler) gives each row once too. A float column that is NaN in every row on every rank
-(the label of an unlabelled file) is left out.
-"""
+Padding (index -1, or a repeated row) is dropped; a float column NaN in every row on every rank is left out."""
 from __future__ import annotations
 
 import os

@@ -1,9 +1,7 @@
 """Same-host CPU collectives through shared memory; gloo only sets the group up (docs/distributed.md).
 
-gloo copies every CPU byte through the kernel's TCP stack, on the cores the ranks train on; here each rank
-writes its bytes once into its own /dev/shm region, all ranks pass one barrier, and each copies out its part.
-
-Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
+Each rank writes its bytes once into its own /dev/shm region (not through gloo's TCP), all ranks pass one barrier,
+and each copies out its part. Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
 
     rank r, exchange k:
       write   its pieces -> own region, slot k%2; header[k%2] = (generation, op, ok, size, call-site
@@ -12,13 +10,10 @@ Legend: W ranks in the group, k the exchange counter (the same on every rank), s
               group's timeout and notices a dead peer (/proc) within ~50 ms
       read    every peer's header (the same decision on every rank); copy peer p's bytes for r out
 
-Double buffering makes one barrier per exchange enough: a rank writes slot k%2 again at k+2, after
-barrier k+1, which every peer enters only once it has read exchange k. A region too small is replaced
-by a larger file (generation + 1), mapped by peers in the same exchange and unlinked one exchange later;
-one that /dev/shm has no room for sends that exchange through the process group on every rank. A region
-mostly unused for `shrink_after` exchanges is replaced by a smaller one. Each header carries the op, its
-sizes and call site, so ranks that disagree raise CollectiveMismatch instead of mixing data.
-"""
+Double buffering makes one barrier per exchange enough (slot k%2 is written again after barrier k+1). A region too
+small is replaced by a larger file (generation + 1), mapped by peers in the same exchange; without room in /dev/shm
+that exchange goes through the process group. Headers carry op, sizes and call site: disagreeing ranks raise
+CollectiveMismatch."""
 
 from __future__ import annotations
 

@@ -3,12 +3,9 @@
 
     dm = CriteoDataModule(train_path=load_dataset("parquet", data_files="train-*.parquet")["train"], ...)
 
-Data modules keep paths (their arguments are saved as hyperparameters, read back with `weights_only=True`, and
-handed to workers and other ranks), so a Dataset becomes the path of a copy written once as one Parquet file in
-`<cache>/hf_datasets/<fingerprint>/`, datasets' own hash of the data and its transforms: the same Dataset built
-again finds it. Pending index mappings are applied in the copy; a `set_transform` function is refused. A writer
-holds a lock beside the folder while the others wait; the copy is written aside, marked whole, then renamed.
-"""
+Data modules keep paths (saved as hyperparameters, handed to workers and ranks), so a Dataset becomes a Parquet copy
+in `<cache>/hf_datasets/<fingerprint>/` (datasets' hash of the data and its transforms), written once under a lock,
+aside, then renamed. A `set_transform` function is refused."""
 
 from __future__ import annotations
 

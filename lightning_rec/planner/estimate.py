@@ -1,8 +1,7 @@
 """Bytes and milliseconds per shard, and the priced options the planner chooses from.
 
-A table's options are (sharding type, compute kernel, number of column blocks). Each option's shards
-come from `shard_layout`, the same function the sharder builds them with, so the planner prices the
-shards that will exist. Shards are grouped into *pieces*, the unit the partitioner places:
+A table's options are (sharding type, compute kernel, column blocks); their shards come from `shard_layout`, as the
+sharder's do. Shards are grouped into *pieces*, the unit the partitioner places:
 
     kind "fixed": data_parallel, row_wise      one piece, one slot per rank (placement is decided)
     kind "rank":  table_wise, column_wise      one piece per shard; the partitioner picks its rank

@@ -1,17 +1,13 @@
 """Data-parallel tables: the fused optimizer's rule applied to a replica's summed gradient. Pure math.
 
-A replicated table's gradient (summed over ranks in backward) is applied with the fused kernels' rule,
-learning rate and state names, so it trains like a fused one on the global batch and FusedOptimizer /
-checkpoints treat both alike. Updates are lazy: only rows some rank's batch names are stepped (and, with
-weight_decay, decayed, even with a zero gradient), as in the fused kernels.
+A replicated table's gradient (summed over ranks) is applied with the fused kernels' rule, rate and state names, so
+it trains like a fused one; updates are lazy (only rows some rank's batch names), as in the fused kernels.
 
     sgd              w -= lr * (g + wd * w)
     adagrad          s += g^2;               w -= lr * g / (sqrt(s) + eps)
     rowwise_adagrad  s_row += mean_d(g^2);   w -= lr * g / (sqrt(s_row) + eps)
 
-The rule runs in float32 with float32 state for every table data_type, as in the fused kernels (in float16,
-small squared gradients and eps round to 0: a step of g / 0).
-"""
+The rule runs in float32 with float32 state for every table data_type, as in the fused kernels."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Where each piece of a table sits: sharding type + ranks -> list of ShardMetadata. Pure math.
 
-Shared by the sharder (which builds the shards) and the planner (which prices them), so both agree
-on every shard's size. Row-wise splits use TorchRec's block rule: block = ceil(rows / n) rows per
-rank, so a row's owner is `row // block` (one integer division on the id path), and the last
-ranks may hold fewer rows, or none.
+Shared by the sharder and the planner, so both agree on every shard's size. Row-wise splits use TorchRec's block
+rule: block = ceil(rows / n) rows per rank, owner = `row // block`; the last ranks may hold fewer rows, or none.
 
     row_wise over 3 ranks, 10 rows:      column_wise over 2 ranks, dim 8:
       rank 0: rows 0:4                     rank a: cols 0:4

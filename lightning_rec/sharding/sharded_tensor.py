@@ -1,16 +1,12 @@
 """A table as this rank holds it: its pieces (shards) and where they sit in the global table.
 
-This is what the sharded collections put in their state dict for every sharded table:
-
     ShardedTensor(global_shape=(rows, dim), local_shards=[(ShardMetadata, tensor [rows_s, cols_s]), ...])
 
 Any layout reads any rectangle it owns from the pieces that cover it (`read`), so a checkpoint does not
 depend on the world size that wrote it; `merge([...])` combines per-rank ones, `full()` assembles the table.
 It loads with torch.load's default weights_only=True (registered as a safe global below).
 
-DCP's default planners keep one rank's pickled copy of a non-tensor value, so `dcp.save(dmp.state_dict())`
-refuses it (the hook below); `lightning_rec.checkpoint.save` / `load_model` write and read every piece.
-"""
+`dcp.save(dmp.state_dict())` refuses it (DCP would keep one rank's pickled copy): use lightning_rec.checkpoint."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 values, reports and error messages:
 
     "native"  torch.ops.lightning_rec.parse_criteo (`lightning_rec.data.criteo.native`)
-    "python"  the reference here: numpy line bookkeeping + Arrow's CSV reader + a vectorised hex decode, never a
-              Python loop per row; used when the extension is not built, and in the tests as the op's parity reference
+    "python"  the reference here (numpy line bookkeeping, Arrow's CSV reader, a vectorised hex decode), used when
+              the extension is not built
 
 Shapes: N rows of a block, F = 26 sparse features, L bytes of a block.
 """

@@ -10,9 +10,8 @@ The on-disk format (written by `lightning_rec.data.criteo.preprocess`):
     <dir>/<shard>.sparse.npy          [n, 26]  int32    table ids (see manifest "missing_categorical")
     <dir>/<shard>.json                the shard's record: rows, sha256 of each file, input byte range
 
-.npy, not Arrow: a batch is three contiguous slices of memory-mapped arrays, no decode or copy per column.
-
-How the rows are dealt (every rank computes the same split from the manifest, no communication):
+.npy, not Arrow: a batch is three contiguous slices of memory-mapped arrays. How the rows are dealt (every rank
+computes the same split from the manifest, no communication):
 
     shard i, rows [0, n_i)  ->  rank r reads rows [n_i * r / W, n_i * (r + 1) / W) of every shard
     training: every rank reads the smallest share's row count per epoch (same steps on every rank);
