@@ -348,9 +348,8 @@ class _EmbeddingCollectionBase(nn.Module):
         return seen[1]
 
     def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
-        """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in).
-
-        The kernels are built anew around the current weights: build optimizers over the model after this call."""
+        """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in). The kernels
+        are built anew around the current weights: build optimizers over the model after this call."""
         if not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"use_fused_optimizer takes a FusedOptimizerConfig, got {type(optimizer).__name__}")
         weights = {n: w.detach().clone() for n, w in self._lookup.table_weights().items()}

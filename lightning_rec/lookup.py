@@ -499,9 +499,8 @@ class DenseKernel(nn.Module):
 
 def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_table: Sequence[int],
                  pooling: str, fp32_out: bool = False) -> Tensor:
-    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none').
-
-    fp32_out: rows of fp16 tables are read as fp32 before pooling, as the fused kernels pool."""
+    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none'). fp32_out: rows
+    of fp16 tables are read as fp32 before pooling, as the fused kernels pool."""
     outs = []
     # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
     for t, jt in zip(feature_table, features.to_dict().values()):

@@ -240,7 +240,6 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
 def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
                           device: torch.device, extra: Sequence[str] = ()) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
-
     A digest all-gathered once at construction (through `guard`); the full descriptions only when digests differ."""
     pg = guard.pg
     W = dist.get_world_size(pg)

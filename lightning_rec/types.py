@@ -61,9 +61,8 @@ class ShardMetadata:
 
 @dataclass
 class ParameterSharding:
-    """One table's entry in a plan: how it is split, its kernel, and its shards (with their ranks).
-
-    TorchRec's `sharding_spec=EnumerableShardingSpec([...])` is read into `shards` (the placement's rank is kept)."""
+    """One table's entry in a plan: how it is split, its kernel, and its shards (with their ranks). TorchRec's
+    `sharding_spec=EnumerableShardingSpec([...])` is read into `shards` (the placement's rank is kept)."""
 
     sharding_type: ShardingType
     compute_kernel: ComputeKernel = ComputeKernel.FUSED

@@ -39,9 +39,8 @@ _SCATTER = 2_654_435_761  # Knuth's multiplicative hash constant, prime: a bijec
 
 
 def _per_id_weight(ids: Tensor, a_F: Tensor, b_F: Tensor, feature_dim: int) -> Tensor:
-    """w_f(id) in [-sqrt(3), sqrt(3)) (unit variance), a deterministic function of (f, id).
-
-    ids: [..., F, ...] int64 with F at `feature_dim`; a_F, b_F: [F] int64 < 2^31."""
+    """w_f(id) in [-sqrt(3), sqrt(3)) (unit variance), a deterministic function of (f, id). ids: [..., F, ...] int64
+    with F at `feature_dim`; a_F, b_F: [F] int64 < 2^31."""
     shape = [1] * ids.dim()
     shape[feature_dim] = -1
     # ids < 2^32 and a < 2^31, so the product fits in int64 without wrapping

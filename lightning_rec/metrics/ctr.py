@@ -176,9 +176,8 @@ class NormalizedEntropy(_SumMetric):
 
 
 class AUC(Metric):
-    """Exact ROC AUC over every prediction of every rank (Mann-Whitney rank statistic, ties count 1/2).
-
-    Logits and probabilities give the same AUC, so `from_logits` only documents the input; kept as float32."""
+    """Exact ROC AUC over every prediction of every rank (Mann-Whitney rank statistic, ties count 1/2). Logits and
+    probabilities give the same AUC, so `from_logits` only documents the input; kept as float32."""
 
     is_differentiable = False
     higher_is_better = True

@@ -24,9 +24,8 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 
 class MLP(nn.Sequential):
-    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`.
-
-    dropout > 0: on the input and after every hidden layer's ReLU (none after the last layer)."""
+    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`. dropout > 0: on the
+    input and after every hidden layer's ReLU (none after the last layer)."""
 
     def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True,
                  dropout: float = 0.0) -> None:

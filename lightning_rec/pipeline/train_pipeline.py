@@ -21,7 +21,6 @@ from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 
 class InputPipeline:
     """The parts a pipeline over one model needs: its channels, its plan, one feeder per pass.
-
     TrainPipelineSparseDist drives it; RecStrategy(pipeline=True) builds one per dataloader (wrap_loader)."""
 
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
@@ -68,7 +67,6 @@ class InputPipeline:
 
     def stop_feeder(self, keep_unused: bool = False) -> list:
         """Stop the current pass's feeder, if any (at the same point on every rank: it agrees where to stop).
-
         keep_unused: return the batches it read ahead that no step took (on the device already), else drop them."""
         unused: list = []
         if self.feeder is not None:
@@ -114,9 +112,8 @@ def _reference(obj: Any) -> Callable[[], Any]:
 
 
 class ReadAhead:
-    """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first).
-
-    One object is both what `close()` returns and what the model keeps for the iterator: no batch is given twice."""
+    """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first). One
+    object is both what `close()` returns and what the model keeps for the iterator: no batch is given twice."""
 
     def __init__(self, batches: list | None = None, rest: ReadAhead | None = None) -> None:
         # rest: kept batches the pass began with and had not read yet (they come after the ones it read)

@@ -46,9 +46,8 @@ def _readable(t: Tensor) -> bool:
 
 
 def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
-    """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
-
-    A KJT sliced out of a larger batch keeps its parent's offsets: refused, with the fix. CPU tensors only."""
+    """Offsets given directly: they must start at 0, never decrease, and end at the number of values. A KJT sliced
+    out of a larger batch keeps its parent's offsets: refused, with the fix. CPU tensors only."""
     if offsets.dim() != 1 or offsets.numel() == 0:
         raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
     if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:

@@ -16,9 +16,8 @@ from lightning_rec.data.criteo.layout import BOM, file_compression, open_criteo_
 
 
 def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
-    """Yield (whole lines ending in b"\\n", 1-based line number of the first) from a file.
-
-    gzip/bz2/zstd files are read through Arrow's decompressing stream (detected from the first bytes)."""
+    """Yield (whole lines ending in b"\\n", 1-based line number of the first) from a file. gzip/bz2/zstd files are
+    read through Arrow's decompressing stream (detected from the first bytes)."""
     for block, line, _ in iter_blocks_resumable(path, block_bytes, skip_header):
         yield block, line
 

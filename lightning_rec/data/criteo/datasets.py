@@ -63,9 +63,8 @@ def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw
 
 
 class CriteoDataset(Dataset):
-    """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch.
-
-    Use with `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy."""
+    """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch. Use with
+    `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy."""
 
     def __init__(self, arrow_path: str | os.PathLike, num_embeddings_per_feature: int | Sequence[int],
                  sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id") -> None:

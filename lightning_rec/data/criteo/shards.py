@@ -182,15 +182,13 @@ class CriteoShardDataset(IterableDataset):
         return self._num_batches(self.rank_rows())
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose batch order the next iteration uses (shuffle=True).
-
-        Untold, each iteration counts one epoch in the process that iterates; the workers read the epoch told here."""
+        """The epoch whose batch order the next iteration uses (shuffle=True). Untold, each iteration counts one
+        epoch in the process that iterates; the workers read the epoch told here."""
         self._epoch.set(epoch)
 
     def resume_from(self, epoch: int, batches_done: int) -> None:
-        """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
-
-        The batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on."""
+        """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume). The
+        batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on."""
         if not 0 <= batches_done <= len(self):
             raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
         self._epoch.set(epoch)
@@ -283,9 +281,8 @@ class CriteoShardDataset(IterableDataset):
         return batch
 
     def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
-        """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.
-
-        Small numpy steps rather than torch ops, which would each open a thread pool region for arrays this small."""
+        """Slices -> Batch: the ids become key-major KJT values, nothing else is computed. Small numpy steps rather
+        than torch ops, which would each open a thread pool region for arrays this small."""
         batch_size = label_B.shape[0]
         ids_FB = torch.from_numpy(np.ascontiguousarray(sparse_BF.T, dtype=np.int64))  # int32 [B, F] -> int64 [F, B]
         if self.empty_bag:

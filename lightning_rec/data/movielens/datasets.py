@@ -15,9 +15,8 @@ from lightning_rec.data.movielens.batches import FeatureTable, RankingBatch, Ret
 
 
 class InteractionDataset(Dataset):
-    """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`).
-
-    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has not seen (BPR)."""
+    """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`). With
+    `num_negatives=1` each pair gets one item drawn uniformly among the items the user has not seen (BPR)."""
 
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
                  num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
