@@ -51,8 +51,7 @@ def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> t
 
 
 def move_or_explain(call: str, device: torch.device | str | int | None, move):
-    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so.
-    (The batches' `.to` / `.pin_memory` go through it too.)"""
+    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so."""
     try:
         return move()
     except (RuntimeError, AssertionError):  # torch's words differ by build: check what is missing

@@ -128,8 +128,7 @@ _SEP = "\x1f"  # joins names into the one string a custom op takes (it has no li
 @torch.library.custom_op("lightning_rec::check_features", mutates_args=())
 def _compiled_check(rows_F: Tensor, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None, keys: str,
                     tables: str, owner: str) -> Tensor:
-    """check_features inside a compiled graph: raises its ValueError, else a True flag (torch._assert_async keeps
-    the op in the graph; an op with no output would be dropped as dead code)."""
+    """check_features inside a compiled graph: raises its ValueError, else a True flag (kept by torch._assert_async)."""
     problem = find_problem(rows_F, values_N, offsets, weights_N)
     if problem[0] != OK:
         raise ValueError(describe(problem, keys.split(_SEP), tables.split(_SEP), rows_F.tolist(), weights_N, owner))

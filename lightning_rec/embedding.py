@@ -38,8 +38,7 @@ from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables,
 
 
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
-    """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
-    configs' data_type; the fused kernels are built for it)."""
+    """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (set the configs' data_type)."""
     # names the Lightning precision that converts to this dtype, and how to convert layers already converted back
     lightning = ("Lightning's precision='64-true' converts it: use '32-true', the tables have no float64 kernel"
                  if dtype == torch.float64 else
@@ -52,8 +51,7 @@ def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
 
 
 def refuse_dtype_cast(owner: str, fn) -> None:
-    """Raise `dtype_cast_error` when `fn` (what nn.Module._apply applies) would change a float32 tensor's dtype;
-    a device move (`.to(device)`, `.cuda()`) passes."""
+    """Raise `dtype_cast_error` when `fn` (what nn.Module._apply applies) would change a float32 tensor's dtype."""
     try:
         dtype = fn(torch.empty(0)).dtype
     except (RuntimeError, AssertionError):  # a move this machine cannot make: the module's own _apply says so
@@ -525,8 +523,7 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return next(iter(dims.values()))
 
     def embedding_names_by_table(self) -> list[list[str]]:
-        """TorchRec's: each table's output names, its features (a feature is read by one table here, so TorchRec's
-        'feature@table' names for a feature shared by tables do not arise)."""
+        """TorchRec's: each table's output names, its features (a feature is read by one table here)."""
         return [list(c.feature_names) for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:

@@ -54,8 +54,7 @@ class LocalTable:
 
 
 def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
-    """torch.cat of kernel outputs, by plain type promotion also under autocast (whose bf16 promote path refuses
-    an FP16 table's output)."""
+    """torch.cat of kernel outputs, by plain type promotion also under autocast (whose bf16 path refuses FP16 rows)."""
     if len(parts) == 1:
         return parts[0]
     device_type = parts[0].device.type

@@ -39,8 +39,7 @@ _UVM_KERNELS = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
 def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str, ParameterSharding],
                          world_size: int, device: torch.device | None = None) -> None:
-    """Metadata only, so every rank refuses a bad plan with the same message (not one rank alone while the others
-    wait in the next collective)."""
+    """Metadata only, so every rank refuses a bad plan with the same message."""
     where = f"module '{path}'" if path else "the model"
     configs = {c.name: c for c in collection_configs(module)}
     unknown = [t for t in table_plans if t not in configs]

@@ -59,8 +59,7 @@ class CheckpointPathCLI(LightningCLI):
                 f"configuration", category=UserWarning)
 
     def _checkpoint_dirpaths(self, subcommand: str) -> list[str]:
-        """The dirpath of every ModelCheckpoint the config adds; [] unless each one names it (Lightning finds the
-        others itself)."""
+        """The dirpath of every ModelCheckpoint the config adds; [] unless each one names it."""
         callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
         dirpaths = []
         for callback in callbacks if isinstance(callbacks, list) else [callbacks]:

@@ -198,8 +198,7 @@ def _misspelt_classes(message: str) -> list[tuple[str, str]]:
 
 
 def _misspelt_choice(message: str) -> list[tuple[str, str]]:
-    """(given, meant) for a value outside a Literal (`--trainer.precision=bf16-mix`): the report lists every allowed
-    value, and names none as meant."""
+    """(given, meant) for a value outside a Literal (`--trainer.precision=bf16-mix`)."""
     literal = re.search(r"Parser key \"([\w.]+)\":[\s\S]*?Expected a typing\.Literal\[[\s\S]*Given value: (\S+)\n?$",
                         message)
     if not literal:
@@ -244,8 +243,7 @@ def _strategy_options_hint(message: str) -> str:
 
 
 def _where_refused_value_is_set(message: str) -> str:
-    """For a value refused (`max_epochs: two`), the file that set it: jsonargparse names the key, not where it was
-    set (the recipe, a file of one's own, the command line)."""
+    """For a refused value (`max_epochs: two`), where it was set (jsonargparse names only the key)."""
     keys = re.findall(r'Parser key "([\w.]+)":', message)
     if not keys or not re.search(r"Expected a <class '\w+'>(\. Got value|\n[\s\S]*Given value)", message):
         return ""
@@ -329,8 +327,7 @@ def _warn_options_a_later_config_sets(argv: list[str]) -> None:
 
 
 class HintingArgumentParser(argparse.ArgumentParser):
-    """argparse's parser for `preprocess` and `export`, whose refusal of a misspelt option names the one meant
-    (`--num_embedings` was "unrecognized arguments" alone)."""
+    """argparse's parser for `preprocess` and `export`, whose refusal of a misspelt option names the one meant."""
 
     def error(self, message: str):
         return super().error(message + did_you_mean(self, message))

@@ -69,8 +69,7 @@ def _strategy_class(strategy) -> type | None:
 
 
 def _scheduled(configure, scheduler_init, ours: bool):
-    """A configure_optimizers whose one optimizer (what `configure` returns: fused tables and dense layers) the
-    --lr_scheduler (`scheduler_init`) drives."""
+    """A configure_optimizers whose one optimizer (fused tables and dense layers) the --lr_scheduler drives."""
     name = str(scheduler_init.get("class_path", "")).rsplit(".", 1)[-1]
 
     def configure_optimizers(module):
@@ -99,8 +98,7 @@ def _scheduled(configure, scheduler_init, ours: bool):
 
 
 class RecCLI(CheckpointPathCLI):
-    """LightningCLI for the recipes: errors said in a line with their fix, fused tables kept in step, predict
-    writing its rows."""
+    """LightningCLI for the recipes: one-line errors with their fix, fused tables kept in step, predict writing rows."""
 
     def _check_accelerator(self, config) -> None:
         # before the model is built (its GPU-sized tables would fill host memory first), naming what is missing

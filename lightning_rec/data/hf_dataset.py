@@ -155,8 +155,7 @@ def _refuse_transform(ds, what: str) -> None:
 
 
 def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what: str) -> str:
-    """The folder `<cache_root>/hf_datasets/<fingerprint>` holding each Dataset of `files` as `<name>` (a split
-    name gets ".parquet"), written once."""
+    """The folder `<cache_root>/hf_datasets/<fingerprint>` holding each Dataset of `files`, written once."""
     files = {name if name.endswith(".parquet") else f"{name}.parquet": ds for name, ds in files.items()}
     folder = Path(cache_root) / "hf_datasets" / fingerprint
     if (folder / _READY).is_file():

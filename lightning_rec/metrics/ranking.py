@@ -28,8 +28,7 @@ EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, 
 
 
 class _Unset:
-    """top_k's default, told apart from None: torchmetrics' top_k=None means every item of the list, which is no
-    cutoff here (refused, not read as the default)."""
+    """top_k's default, told apart from torchmetrics' top_k=None (every item: no cutoff here, refused)."""
 
     def __repr__(self) -> str:
         return "unset"

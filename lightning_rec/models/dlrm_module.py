@@ -234,8 +234,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self._log_evaluation("test", self._loader_count(self.trainer.num_test_batches), prog_bar=False)
 
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        """The click probability of each row, and its label (NaN in an unlabelled file: the writer then leaves
-        the label column out). Written by lightning_rec.predict.PredictionWriter (`lightning-rec predict`)."""
+        """The click probability of each row, and its label (NaN in an unlabelled file: the column is left out)."""
         # float32 whatever the precision: under bf16-mixed the logit is bfloat16, whose sigmoid keeps ~3 digits
         return {"probability": torch.sigmoid(self(batch.dense_features, batch.sparse_features).float()),
                 "label": batch.labels}

@@ -15,8 +15,7 @@ from lightning_rec.strategy import RecStrategy, warn_fused_dense_only
 
 
 def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
-    """Let a Trainer of another strategy read `strategy="rec"` checkpoint directories (validate / test / predict with
-    `ckpt_path=`), which its TorchCheckpointIO, a torch.load, fails on (IsADirectoryError)."""
+    """Let a Trainer of another strategy read `strategy="rec"` checkpoint directories (a torch.load fails on them)."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from lightning.pytorch.trainer.states import TrainerFn
 
@@ -40,8 +39,7 @@ def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
 
 
 class _ClassOnly(classmethod):
-    """A classmethod that refuses to be called on an instance, as Lightning's load_from_checkpoint does:
-    `model.load_from_checkpoint(path)` returns a new module and leaves `model` as it was."""
+    """A classmethod that refuses to be called on an instance, as Lightning's load_from_checkpoint does."""
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -122,8 +120,7 @@ class RecModuleHooks(RecCheckpointLoading):
 
     @staticmethod
     def check_embedding_kernel(owner: str, embedding_kernel: str) -> None:
-        """The modules' `embedding_kernel` argument, checked at construction by the module's own names: the
-        collection's refusal names its arguments (optimizer=, kernel=) and comes only at configure_model."""
+        """The modules' `embedding_kernel` argument, checked at construction by the module's own names."""
         from lightning_rec.lookup import KERNELS
 
         if embedding_kernel == "dense":
@@ -138,8 +135,7 @@ class RecModuleHooks(RecCheckpointLoading):
     cli_dense_optimizer: Any = None
 
     def dense_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
-        """The dense layers' torch.optim optimizer (None where there are none): hparams.dense_optimizer at
-        dense_lr / dense_weight_decay, or the CLI's --optimizer."""
+        """The dense layers' optimizer (None without any): hparams.dense_optimizer, or the CLI's --optimizer."""
         if self.cli_dense_optimizer is not None:
             if not params:
                 raise ValueError(f"--optimizer trains the dense layers, and this {type(self).__name__} has none (its "

@@ -94,8 +94,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._sync_groups()
 
     def __getstate__(self) -> dict[str, Any]:
-        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and a deep copy had no
-        children (KeyError '_groups' at its first use)."""
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only (a copy had no children)."""
         return _picklable_state(self)
 
     @property
@@ -128,8 +127,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return {name: o.state_dict() for name, o in self.optimizers}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
-        """strict=False: the fused part's tables that the state holds nothing for keep theirs
-        (`FusedOptimizer.load_state_dict`); the dense parts load as torch.optim's do."""
+        """strict=False: fused tables the state holds nothing for keep theirs; the dense parts load as torch.optim's."""
         _refuse_torch_state_dict_api(self)
         missing = [name for name, _ in self.optimizers if name not in state_dict]
         if missing:
@@ -146,8 +144,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
 
 def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
-    """A dense optimizer built over model.parameters() holds the fused tables' weights too (which never get a
-    gradient): torch said only "some parameters appear in more than one parameter group"."""
+    """A dense optimizer built over model.parameters() holds the fused tables' weights too: refused, saying so."""
     # a sharded group holds one parameter per table, not per piece: its params do not pair with its tables' names
     fused = {id(p): f"{g['name']}: {g['tables'][i]}" if len(g["params"]) == len(g["tables"]) else g["name"]
              for _, o in named if isinstance(o, FusedOptimizer) for g in o.param_groups

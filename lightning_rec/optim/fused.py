@@ -97,8 +97,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.defaults = _FusedDefaults(self.defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and the copy (deepcopy,
-        torch.save(optimizer)) had no tables: its state_dict() raised AttributeError '_tables'."""
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only (a copy had no tables)."""
         if self.__dict__.get("_sharded"):
             raise TypeError(_SHARDED_COPY)
         return _picklable_state(self)

@@ -110,6 +110,5 @@ class _FusedDefaults(dict):
 
 
 def _picklable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """An optimizer's attributes for pickle / deepcopy, less the `step` that an LR scheduler puts on the instance
-    (a wrapper of the original's step: a copy keeping it stepped the original; pickle cannot write it)."""
+    """An optimizer's attributes for pickle / deepcopy, less the `step` wrapper an LR scheduler puts on it."""
     return {k: v for k, v in optimizer.__dict__.items() if k != "step"}

@@ -103,8 +103,7 @@ class InputPipeline:
 
 
 def _reference(obj: Any) -> Callable[[], Any]:
-    """A weak reference where the object takes one (a DataLoader, its iterators), else a strong one (a list's
-    iterator: nothing behind it to let go of)."""
+    """A weak reference where the object takes one (a DataLoader, its iterators), else a strong one."""
     try:
         return weakref.ref(obj)
     except TypeError:

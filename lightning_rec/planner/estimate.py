@@ -270,8 +270,7 @@ def _min_partition_fix(spec: TableSpec, min_cols: int, at_most: int) -> str:
 
 
 def _block_counts(n: int, dim: int, min_cols: int) -> list[int]:
-    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ..., `n` itself (not powers of two only), and the
-    most blocks of `min_cols` columns."""
+    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ..., `n`, and the most blocks of `min_cols` columns."""
     counts, k = {n, dim // min_cols}, 2
     while k <= n:
         counts.add(k)

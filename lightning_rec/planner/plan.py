@@ -479,8 +479,7 @@ def _read_positional(args: tuple, batch_size, constraints, debug, torchrec_compo
 
 
 def _refuse_components(torchrec_components: Mapping[str, object]) -> None:
-    """TorchRec's pluggable pieces have no slot to plug into here: each is refused with the knob that does its job
-    (None, TorchRec's default, is fine)."""
+    """TorchRec's pluggable pieces: each refused with the knob that does its job (None, its default, is fine)."""
     for name, value in torchrec_components.items():
         if name not in _TORCHREC_COMPONENTS:
             raise TypeError(f"EmbeddingShardingPlanner() got an unexpected keyword argument '{name}'")

@@ -127,8 +127,7 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
                       seed: int = 0, on_bad_row: str = "error", separator: str | None = None,
                       has_header: bool | None = None, has_label: bool | None = None, verify: bool = True,
                       progress: bool = True) -> dict:
-    """Convert Criteo text files (or tables: see `lightning_rec.data.criteo.tables`) into a shard directory;
-    returns the manifest."""
+    """Convert Criteo text files (or tables) into a shard directory; returns the manifest."""
     _check_arguments(inputs, missing_categorical, on_bad_row, rows_per_shard, block_mb, min_frequency, vocab_from)
     inputs = [str(p) for p in inputs]
     block_bytes = block_mb << 20
@@ -332,8 +331,7 @@ def _hashed(sparse_raw: np.ndarray, sizes: Sequence[int], remaps, missing_catego
 
 def _text_shards(run: _Run, idx: int, path: str, layout: CriteoLayout, done: list[dict], report: ParseReport,
                  progress, bar: _Progress) -> list[dict]:
-    """A text input's shards, from where the good shards of an earlier run ended (their records' byte_end and
-    line_end: bytes of text and lines)."""
+    """A text input's shards, from where the good shards of an earlier run ended (byte_end, line_end)."""
     start_byte = done[-1]["byte_end"] if done else 0
     start_line = done[-1]["line_end"] if done else 1
     if start_byte == 0 and layout.has_header:

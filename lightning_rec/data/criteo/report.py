@@ -47,8 +47,7 @@ class ParseReport:
 
 
 def minus_one_label_fix(reason: str, what: str) -> str | None:
-    """The fix for a label of -1: the data is labelled -1/1 (libsvm style), and on_bad_row='skip', the fix offered for
-    a bad row, dropped every negative row (training on clicks alone, AUC undefined). None for any other reason."""
+    """The fix for a label of -1 (-1/1 labels: skipping bad rows would drop every negative); None for other reasons."""
     if not re.fullmatch(r"label must be 0 or 1, got '?-1(\.0*)?'?", reason.split(": ")[-1]):
         return None
     how = ("ds.map(lambda r: {'label': int(r['label'] > 0)}), or the label column as label > 0"

@@ -57,8 +57,7 @@ def glob_files(path: str | os.PathLike) -> list[Path]:
 
 
 def table_source_kind(path: str | os.PathLike | None) -> str | None:
-    """"parquet" (a file, a folder of .parquet files, or a pattern naming them), "saved_dataset" (datasets'
-    save_to_disk), or None."""
+    """"parquet" (a file, a folder or a pattern of them), "saved_dataset" (save_to_disk), or None."""
     if path is None:
         return None
     matches = glob_files(path)

@@ -201,8 +201,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return layout, ratings_path, given, table, part_N
 
     def _side_of(self, layout: str, given: dict | None, table: pa.Table) -> tuple[dict, dict, dict, dict]:
-        """Users' and items' side features (none unless side_features), keyed as the ratings' ids are; item titles;
-        feature sizes."""
+        """Users' and items' side features (none unless side_features), item titles, feature sizes."""
         side_layout = layout
         if given:  # split files beside GroupLens' side files (u.user / u.item, users.dat / movies.dat, movies.csv)
             side_layout = next((name for name, files in (("ml-100k", ("u.user", "u.item")),
@@ -334,8 +333,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return self.item_features.num_embeddings
 
     def user_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
-        """Users' features (all, rows 0..U-1, or the given rows): what the user tower embeds (`user_ids[row]` is
-        the data's own id)."""
+        """Users' features (all, rows 0..U-1, or the given rows): what the user tower embeds."""
         self._need_setup()
         return self.user_features.kjt(torch.arange(self.num_users) if rows is None else rows.cpu())
 

@@ -43,8 +43,7 @@ class InteractionDataset(Dataset):
         return self.user_N.shape[0]
 
     def set_epoch(self, epoch: int) -> None:
-        """The pass the loader starts (StatefulBatchLoader calls it; the fit loop's epoch in a Trainer, also when a run
-        resumes)."""
+        """The pass the loader starts (StatefulBatchLoader calls it with the fit loop's epoch)."""
         self._epoch[0] = int(epoch)
 
     def _batch_generator(self, idx_B: Tensor) -> torch.Generator:

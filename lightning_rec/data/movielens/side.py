@@ -169,8 +169,7 @@ _SIDE_READERS = {"ml-100k": _ml100k_side, "ml-1m": _ml1m_side, "recbole": _recbo
 
 
 def _keyed_like(side: dict, strings: bool, where: Path, what: str) -> dict:
-    """A side file's rows keyed as the ratings' ids are: str keys for string ids, int keys for integer ids; a key
-    of the other kind cannot be one of the ratings' users or items (dropped, logged)."""
+    """A side file's rows keyed as the ratings' ids are (str or int); keys of the other kind are dropped, logged."""
     if strings:
         return {str(k): v for k, v in side.items()}
     kept = {k: v for k, v in side.items() if isinstance(k, int)}
