@@ -342,8 +342,7 @@ def _uniform_(flat_N: Tensor, low: float, high: float) -> None:
 
 
 def _empty_huge(numel: int, dtype: torch.dtype) -> Tensor:
-    """An uninitialised tensor whose pages the kernel may back with transparent huge pages (madvise before the
-    first write): random row accesses then miss the TLB far less. Elsewhere a plain torch.empty."""
+    """An uninitialised tensor the kernel may back with transparent huge pages (fewer TLB misses); else torch.empty."""
     t = torch.empty(numel, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if nbytes < 2 * _HUGE_PAGE or _LIBC is None:

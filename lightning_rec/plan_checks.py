@@ -104,8 +104,7 @@ def _check_replicas(name: str, rows: int, dim: int, ps: ParameterSharding, world
 
 def _check_fused_kernels(module: nn.Module, configs: Mapping[str, Any], table_plans: Mapping[str, ParameterSharding],
                          device: torch.device | None) -> None:
-    """The fused kernels' refusals, for every shard on every rank (not only on the ranks that build it): fbgemm's
-    CPU kernel without the optimizer, and partial_rowwise_adam on column blocks whose width fbgemm pads (GPU)."""
+    """The fused kernels' refusals, for every shard on every rank (not only on the ranks that build it)."""
     optimizer = getattr(module, "_optimizer", None)
     sharded = [t for t, ps in table_plans.items()
                if ShardingType(str(ps.sharding_type)) != ShardingType.DATA_PARALLEL]  # replicas: a dense kernel

@@ -207,8 +207,7 @@ class ShardedTableWeight(FusedTableWeight):
 
 
 class _FreezeSwitch(nn.Module):
-    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight that freezing reaches (it
-    holds no values: the state dict is the collection's own)."""
+    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight that freezing reaches."""
 
     def __init__(self, frozen: bool, table_numel: int, device: torch.device) -> None:
         super().__init__()
@@ -450,8 +449,7 @@ class _ShardedCollectionBase(nn.Module):
         return own + self._replica_kernels
 
     def table_parameters(self) -> dict[str, nn.Parameter]:
-        """table name -> its parameter: empty (the values are this rank's pieces, `table_weights()`); it carries the
-        table's freeze (requires_grad) and stands for the table in the fused optimizer's param groups."""
+        """table name -> its empty parameter, which carries the table's freeze and stands for it in param groups."""
         switches = self._modules[self._weights_attr]
         return {name: switches[name].weight for name in switches}
 

@@ -76,8 +76,7 @@ class FusedTableWeight(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        """Written in place: the kernel reads the rows this parameter views, so `weight.data = pretrained` (and
-        torch.nn.utils.vector_to_parameters, which assigns so) must not rebind it."""
+        """Written in place: the kernel reads the rows this parameter views, so `weight.data = x` must not rebind it."""
         own = torch._C.TensorBase.data.__get__(self)
         if not isinstance(value, torch.Tensor) or value.shape != own.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

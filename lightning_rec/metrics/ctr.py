@@ -71,8 +71,7 @@ def _prob_error(num_bad: int, num_preds: int | None, where: str) -> ValueError:
 
 
 def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor | None:
-    """from_logits=False: on CPU raise at once for a prediction outside [0, 1]; elsewhere return the count to keep on
-    the device (no per-step host sync), as for labels: logits read as probabilities fall into BinnedAUC's end bins."""
+    """from_logits=False: a prediction outside [0, 1] raised at once on CPU, else counted on the device (as labels)."""
     if from_logits:
         return None
     return _raise_now_or_count(((preds_B < 0) | (preds_B > 1)).sum(), preds_B.numel(), _prob_error, where)

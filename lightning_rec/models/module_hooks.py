@@ -148,8 +148,7 @@ class RecModuleHooks(RecCheckpointLoading):
         return DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
 
     def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The fused tables start at hparams.sparse_lr, read when the optimizer is built, so that a rate written later
-        (Tuner.lr_find(..., attr_name="sparse_lr")) takes effect."""
+        """The fused tables start at hparams.sparse_lr, read when the optimizer is built (so lr_find's rate applies)."""
         fused = dict(getattr(optimizer, "optimizers", [])).get("fused")
         for group in fused.param_groups if fused is not None else []:
             group["lr"] = float(self.hparams.sparse_lr)

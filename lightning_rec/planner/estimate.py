@@ -141,8 +141,7 @@ class CostModel:
         return 2 + depth
 
     def _a2a_ms(self, nbytes: float) -> float:
-        """One rank's all-to-all of `nbytes` spread evenly over all ranks, itself included: its own
-        share stays put, the other hosts' share goes at the inter-host rate."""
+        """One rank's all-to-all of `nbytes` spread over all ranks (other hosts' share at the inter-host rate)."""
         t = self.topology
         W, L = t.world_size, t.local_world_size
         if W == 1:
@@ -167,8 +166,7 @@ class CostModel:
         return DEFAULT_CACHE_LOAD_FACTOR if clf is None else clf
 
     def stored_cols(self, spec: TableSpec, cols: int) -> int:
-        """Columns a shard's rows take in memory: fbgemm's kernel pads them to a multiple of 4 (lookup.py), which
-        is every table on GPU and, on CPU, sequence tables and a collection built with kernel="fbgemm"."""
+        """Columns a shard's rows take in memory: fbgemm's kernel pads them to a multiple of 4 (lookup.py)."""
         if self.topology.compute_device == "cuda":
             return padded_dim(cols, pad_multiple("fbgemm"))
         kernel = spec.cpu_kernel or ("native" if spec.pooled else "fbgemm")

@@ -514,8 +514,7 @@ def _check_constraints(constraints: Mapping[str, ParameterConstraints] | None) -
 
 
 def _grouped(reasons: list[str]) -> list[str]:
-    """"table_wise (fused_uvm): X; row_wise (fused_uvm): X; ..." (7 alike, one per sharding type, before the fix) as
-    "table_wise, row_wise, ... (fused_uvm): X"."""
+    """"table_wise (fused_uvm): X; row_wise (fused_uvm): X; ..." as "table_wise, row_wise, ... (fused_uvm): X"."""
     groups: dict[tuple[str, str], list[str]] = {}
     for r in reasons:
         head, sep, why = r.partition(": ")
@@ -564,8 +563,7 @@ def _default_topology() -> Topology:
 
 
 def _cpu_kernel(collection, cfg) -> str | None:
-    """The kernel `collection` runs `cfg`'s table with on CPU (EmbeddingBagCollection(kernel=...) resolved as the
-    sharded module resolves it), or None where it does not say (a list of configs, no fused optimizer)."""
+    """The kernel `collection` runs `cfg`'s table with on CPU, or None where it does not say."""
     kernel, optimizer = getattr(collection, "_kernel", None), getattr(collection, "_optimizer", None)
     if kernel == "dense":
         return "dense"

@@ -106,8 +106,7 @@ class OutputColumns:
 
 def place_parts(parts_BD: Sequence[Tensor | None], dp_BD: Tensor | None, cols: OutputColumns, batch: int,
                 like: Tensor) -> Tensor:
-    """Each owner's block [B, D_p] (None: nothing from it) and the data-parallel block -> [B, D] in
-    feature order, each column copied once into place (added, where row shards sum)."""
+    """Each owner's block [B, D_p] (None: nothing) and the data-parallel block -> [B, D] in feature order."""
     out_BD = (like.new_zeros if cols.summed else like.new_empty)(batch, cols.width)
     for part_BD, runs in zip(parts_BD, cols.part_runs):
         if part_BD is not None:

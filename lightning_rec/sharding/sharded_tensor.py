@@ -68,8 +68,7 @@ class ShardedTensor:
 
     # torch's / TorchRec's ShardedTensor methods that ported code calls
     def metadata(self) -> ShardedTensorMetadata:
-        """Every shard of the table, on every rank (`.shards_metadata`: offsets, sizes, `placement` its rank), and its
-        global `.size`."""
+        """Every shard of the table, on every rank (`.shards_metadata`), and its global `.size`."""
         if self.shards_metadata is None:
             raise ValueError(f"{self!r} holds no layout of the other ranks' shards (it was built from pieces by "
                              f"hand): read its own pieces from .local_shards, or take metadata() from the sharded "

@@ -40,8 +40,7 @@ def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
 
 
 def _readable(t: Tensor) -> bool:
-    """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
-    torch.export or torch.compile traces (symbolic tensors have none)."""
+    """Whether a check may read this tensor's values: on the host, and not while torch.export / compile traces."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
@@ -70,8 +69,7 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
 
 
 def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
-    """Lengths and offsets both given must agree (each reader picks one: to_dense the lengths, to_padded_dense and
-    the kernels the offsets). CPU tensors only."""
+    """Lengths and offsets both given must agree (readers pick one or the other). CPU tensors only."""
     if _readable(lengths) and _readable(offsets) and (
             offsets.numel() != lengths.numel() + 1 or not torch.equal(offsets[1:] - offsets[:-1],
                                                                       lengths.to(offsets.dtype))):
@@ -194,8 +192,7 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
 
 
 def _no_key(what: str, key: object, keys: list[str]) -> None:
-    """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
-    kjt[1], ...) would read as 'no key 0', as if a feature were missing."""
+    """A KJT / KT is indexed by key name: a position (`kt[0]`, `for x in kjt`) is refused as such."""
     if not isinstance(key, str):
         raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
                         f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")

@@ -390,8 +390,7 @@ class KeyedJaggedTensor:
         return self._stride
 
     def stride_per_key(self) -> list[int]:
-        """TorchRec's: samples per key; every key has the batch's stride (variable batch per key is not
-        supported here)."""
+        """TorchRec's: samples per key (every key has the batch's stride here)."""
         return [self._stride] * len(self._keys)
 
     def variable_stride_per_key(self) -> bool:
@@ -399,8 +398,7 @@ class KeyedJaggedTensor:
         return False
 
     def stride_per_key_per_rank(self) -> list[list[int]]:
-        """TorchRec's: each key's batch size per rank of a variable-batch KJT; [] here, as TorchRec's for a KJT
-        whose keys share one stride."""
+        """TorchRec's: each key's batch size per rank of a variable-batch KJT; [] here (one stride)."""
         return []
 
     def inverse_indices(self) -> tuple[list[str], Tensor]:
