@@ -19,8 +19,7 @@ def cuda_missing() -> str | None:
 
 
 def no_cuda_error(call: str, fix: str) -> ValueError | None:
-    """The one-line error for `call` (a move to CUDA, pinning memory) where this environment has no usable
-    CUDA, naming the call and the fix; None where it has one."""
+    """The one-line error for `call` (a move to CUDA, pinning memory) without usable CUDA, naming the fix; else None."""
     what = cuda_missing()
     if what is None:
         return None

@@ -186,8 +186,7 @@ class _CountRing:
         return self.counts[self.block, self.j]
 
     def drain(self) -> tuple[int, Tensor] | None:
-        """(lookup number, its host counts) of the first arrived lookup with a count, else None. Reported once:
-        the blocks still in flight are dropped with it (the run stops there, or goes on past it)."""
+        """(lookup number, its host counts) of the first arrived lookup with a count, else None (reported once)."""
         while self._pending and self._host[self._pending[0][0]][1].query():
             block, first = self._pending.pop(0)
             counts_JC = self._host[block][0]
@@ -199,8 +198,7 @@ class _CountRing:
         return None
 
     def advance(self) -> tuple[int, Tensor] | None:
-        """A lookup wrote its row: the next lookup gets the next; a full block is copied. Returns what drain
-        found when the ring had to wait for a block before reusing it."""
+        """A lookup wrote its row: the next gets the next; a full block is copied. Returns what a forced drain found."""
         self.lookups += 1
         self.j += 1
         found = None

@@ -72,8 +72,7 @@ class CheckpointPathCLI(LightningCLI):
         return dirpaths
 
     def _last_checkpoint(self, subcommand: str) -> str | None:
-        """What `--ckpt_path=last` loads (Lightning's rule: the newest last*.ckpt in a ModelCheckpoint's dirpath), found
-        from the config before the Trainer exists; None when no callback names a dirpath or none is there yet."""
+        """What `--ckpt_path=last` loads (the newest last*.ckpt in a ModelCheckpoint's dirpath), or None."""
         found: dict[str, float] = {}
         for dirpath in self._checkpoint_dirpaths(subcommand):
             if os.path.isdir(dirpath):

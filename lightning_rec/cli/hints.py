@@ -253,8 +253,7 @@ def _where_refused_value_is_set(message: str) -> str:
 
 
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
-    """The close spellings of the options `message` refuses (on the command line, as a config file's key, or as a
-    class_path's init argument), as lines to add to it ('' when none)."""
+    """The close spellings of the options `message` refuses, as lines to add to it ('' when none)."""
     if "Problems parsing config" in message:  # yaml's error says "<unicode string>", line 3: not which file
         return _config_file_that_fails(_ARGV)
     for whole in (_command_hint, _config_file_meant):  # refusals that are said in full by one hint

@@ -47,8 +47,7 @@ class RecArgumentParser(LightningArgumentParser):
 
 
 def _strategy_class(strategy) -> type | None:
-    """The Strategy class that --trainer.strategy names: a registered name (`rec`, `ddp`), a class (`RecStrategy`,
-    `lightning.pytorch.strategies.DDPStrategy`, as a string or a class_path); None for anything else."""
+    """The Strategy class that --trainer.strategy names (a registered name, a class or its path), else None."""
     from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
     name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", "") or "")

@@ -107,8 +107,7 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
 
 
 def rows_digest(value: Any) -> str | None:
-    """A digest of a Dataset's (or DatasetDict's) rows: its length, columns and up to 256 rows spread evenly over it,
-    in its order; None for anything else. Compared over ranks by `check_same_rows`."""
+    """A digest of a Dataset's rows (length, columns, up to 256 rows), for `check_same_rows`; else None."""
     if not is_hf_dataset(value):
         return None
     import datasets

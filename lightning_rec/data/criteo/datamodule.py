@@ -154,8 +154,7 @@ class CriteoDataModule(pl.LightningDataModule):
         return tuple(s for s in _STAGE_SPLITS.get(stage, tuple(self.paths)) if self.paths[s] is not None)
 
     def check_paths(self, stage: str) -> None:
-        """A clear ValueError for a file that `stage` reads and that does not exist (or a split it needs and has no
-        path for). The CLI calls it before any process group exists, so that the error comes once."""
+        """A clear ValueError for a file `stage` reads that does not exist (called before any process group)."""
         for split in self._splits_of(stage):
             if table_source_kind(self.paths[split]):
                 source_files(self.paths[split])  # a folder of several splits' files is refused here, before any rank

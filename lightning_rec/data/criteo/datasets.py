@@ -332,8 +332,7 @@ class CriteoIterableDataset(IterableDataset):
         return arrays, seen
 
     def empty_batch(self) -> Batch:
-        """A batch of 0 rows. Streams of ranks end at different batches: in evaluation, a rank whose stream
-        ran out steps with these until every rank's has (RecStrategy), so every row is scored once."""
+        """A batch of 0 rows, what a rank whose stream ran out steps with in evaluation (strategy.py)."""
         return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
                            np.empty((0, NUM_SPARSE_FEATURES), np.int64),
                            *((np.empty(0, np.int64),) if self.row_ids else ()))

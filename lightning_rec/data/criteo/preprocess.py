@@ -356,8 +356,7 @@ def _text_shards(run: _Run, idx: int, path: str, layout: CriteoLayout, done: lis
 
 def _table_shards(run: _Run, idx: int, table: TableBlocks, done: list[dict], report: ParseReport, progress,
                   size: int, bar: _Progress) -> list[dict]:
-    """A table input's shards. Its records' byte_start / byte_end are block indices of the table (line_start /
-    line_end: its rows), so a resumed run goes on from the block where the good shards ended."""
+    """A table input's shards; its records' byte_start / byte_end count the table's blocks (line_*: its rows)."""
     start = done[-1]["byte_end"] if done else 0
     k, shards, pending, pending_rows, shard_start = len(done), [], [], 0, start
     for b in range(start, table.num_blocks):

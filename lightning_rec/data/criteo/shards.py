@@ -108,8 +108,7 @@ def dist_rank_world() -> tuple[int, int]:
 
 def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_row: bool = False
                   ) -> list[tuple[int, int, int]]:
-    """(shard, lo, hi) row ranges of `rank`: every rank with the same total (training), or the rank's whole
-    share (`every_row`: evaluation, where no row may be left out)."""
+    """(shard, lo, hi) row ranges of `rank`: the same total on every rank, or its whole share (`every_row`)."""
     segs_per_rank = []
     for r in range(world_size):
         segs_per_rank.append([(i, n * r // world_size, n * (r + 1) // world_size) for i, n in enumerate(shard_rows)])

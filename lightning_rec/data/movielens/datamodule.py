@@ -78,8 +78,7 @@ def _check_args(split: str, num_negatives: int, batch_size: int, eval_batch_size
 
 
 def _first_of_pairs(user_N: Tensor, item_N: Tensor, num_items: int, time_N: np.ndarray | None) -> np.ndarray | None:
-    """The rows to keep, one per (user, item) pair: the earliest by `time_N` (ties: file order), or the file's first
-    without it; None when no pair repeats."""
+    """The rows to keep, one per (user, item) pair (the earliest by `time_N`, or the first); None when none repeats."""
     first_N = np.argsort(time_N, kind="stable") if time_N is not None else np.arange(user_N.shape[0])
     _, first_P = np.unique((user_N.numpy() * num_items + item_N.numpy())[first_N], return_index=True)
     return None if first_P.shape[0] == user_N.shape[0] else np.sort(first_N[first_P])
@@ -171,8 +170,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return table
 
     def _read_interactions(self) -> tuple[str, Path, dict[int, list[Path]] | None, pa.Table, Tensor | None]:
-        """(layout, its ratings file, split="given"'s files or None, the interactions, each one's part where the files
-        say it, else None)."""
+        """(layout, its ratings file, split="given"'s files or None, the interactions, each one's part or None)."""
         given = given_split_files(self.data_dir) if self.split == GIVEN else None
         layout, ratings_path = ("given", given[0][0]) if given else detect_layout(self.data_dir)
         self.report.layout = layout
@@ -267,8 +265,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self._built = True
 
     def _make_datasets(self, user_N: Tensor, item_N: Tensor, part_N: Tensor, official: bool) -> None:
-        """Training pairs; validation and test users, whose held-out items are ranked with their training items
-        (for test: training + validation items) excluded; the report's split counts."""
+        """Training pairs; validation and test users (seen items excluded); the report's split counts."""
         num_users, r = self.num_users, self.report
         csr = {p: _csr_by_user(user_N[part_N == p], item_N[part_N == p], num_users) for p in (0, 1, 2)}
         if official:
