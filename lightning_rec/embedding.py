@@ -346,8 +346,7 @@ class _EmbeddingCollectionBase(nn.Module):
         return seen[1]
 
     def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
-        """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in). The kernels
-        are built anew around the current weights: build optimizers over the model after this call."""
+        """Train the tables with this fused update from now on (build optimizers over the model after this call)."""
         if not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"use_fused_optimizer takes a FusedOptimizerConfig, got {type(optimizer).__name__}")
         weights = {n: w.detach().clone() for n, w in self._lookup.table_weights().items()}
@@ -472,8 +471,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
 
 def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
                               inverse: tuple[list[str], Tensor]) -> Tensor:
-    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> one row per sample of the full batch
-    (inverse indices [F, B_full] in the KJT's key order)."""
+    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> a row per sample of the full batch."""
     keys, index_FB = inverse
     at = {k: i for i, k in enumerate(keys)}
     blocks = torch.split(pooled_BD, list(dims), dim=1)
@@ -482,8 +480,7 @@ def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Seq
 
 
 def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
-    """One feature's rows as a JaggedTensor; with need_indices, its ids ride as the weights (TorchRec's layout: integer
-    weights, which a JaggedTensor built by hand refuses as per-id weights)."""
+    """One feature's rows as a JaggedTensor; with need_indices, its ids ride as the weights (TorchRec's layout)."""
     jt = JaggedTensor(values=rows_ND, lengths=lengths_B)
     jt._weights = ids_N
     return jt

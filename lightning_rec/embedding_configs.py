@@ -26,8 +26,7 @@ class PoolingType(str, Enum):
 
 
 class DataType(str, Enum):
-    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`), the two the tables store; torch dtypes
-    work as well."""
+    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`); torch dtypes work as well."""
 
     FP32 = "fp32"
     FP16 = "fp16"

@@ -454,8 +454,7 @@ class FusedKernel(nn.Module):
             self.tbe.reset_cache_states()
 
     def state_loaded(self) -> None:
-        """The state views were written (a checkpoint, a device move): fbgemm (1.6-1.8) re-reads its step counter
-        from the device only while its host copy `iter_cpu` is 0."""
+        """The state views were written: fbgemm (1.6-1.8) re-reads its step counter while `iter_cpu` is 0."""
         iter_cpu = getattr(self.tbe, "iter_cpu", None)
         if self.kernel != "native" and isinstance(iter_cpu, Tensor):
             iter_cpu.zero_()

@@ -48,8 +48,7 @@ def _label_error(num_bad: int, num_labels: int | None, where: str) -> ValueError
 
 
 def _raise_now_or_count(bad: Tensor, total: int, error, where: str) -> Tensor | None:
-    """On CPU: raise `error(bad, total, where)` at once if any entry is bad. Elsewhere: return the bad count to keep
-    on the device (no per-step host sync; raised at compute)."""
+    """On CPU: raise `error(bad, total, where)` at once if any entry is bad; elsewhere return the count (no sync)."""
     if bad.device.type == "cpu":
         if int(bad):
             raise error(int(bad), total, where)

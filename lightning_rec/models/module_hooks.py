@@ -62,8 +62,7 @@ class RecCheckpointLoading:
 
     @_ClassOnly
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, which also reads the checkpoint directories that `strategy="rec"` writes: the module comes
-        back unsharded, on one process, every table whole (`lightning_rec.checkpoint.load_from_checkpoint`)."""
+        """Lightning's, which also reads `strategy="rec"` checkpoint directories (the module comes back unsharded)."""
         from lightning_rec import checkpoint as rec_checkpoint
 
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
@@ -155,8 +154,7 @@ class RecModuleHooks(RecCheckpointLoading):
         return optimizer
 
     def log_train_loss(self, loss, batch_size: int) -> None:
-        """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync
-        (Lightning reads every bar value with `.item()` at each batch end, which on GPU idles the device)."""
+        """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync."""
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -49,8 +49,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        """BaseFinetuning, resuming, assigns the groups it saved: the ones it added join the dense child again, and the
-        list stays the children's live groups."""
+        """BaseFinetuning, resuming, assigns the groups it saved: the ones it added join the dense child again."""
 
         if not self.__dict__.get("_built"):  # torch's __init__
             self.__dict__["_groups"] = groups

@@ -26,8 +26,7 @@ _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 
 
 def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
-    """torch.distributed.checkpoint.state_dict's get/set_state_dict read an optimizer's state by parameter index,
-    which ours is not: called from there (a few frames up), the optimizer says what saves and loads it instead."""
+    """DCP's get/set_state_dict read optimizer state by parameter index: called from there, say what does it instead."""
     frame = sys._getframe(2)
     for _ in range(4):
         if frame is None:

@@ -9,8 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def _is_wrapper_child(parent: torch.nn.Module, name: str) -> bool:
-    """The child that a wrapper holds the user's model under (DistributedModelParallel's, DDP's), left out of state
-    dicts: the one place optim knows the wrappers' names."""
+    """The child a wrapper (DistributedModelParallel, DDP) holds the model under: the one place optim knows it."""
     return name == "_dmp_wrapped_module" or (name == "module" and isinstance(parent, DistributedDataParallel))
 
 

@@ -38,8 +38,7 @@ def _sniff(path: Path, data: bytes) -> tuple[str, bool]:
 
 def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = (),
                     checked: Sequence[tuple[int, type]] = ((0, int), (1, int), (2, float))) -> str:
-    """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
-    `string_fields` hold string ids, any text; `checked`: (field, type) of the user, item and rating."""
+    """':LINE' of the first row whose user, item or rating (`checked`, less `string_fields`) is not a number."""
     for i, raw in enumerate(data.split(b"\n"), start=1):
         if (has_header and i == 1) or not raw.strip():
             continue
@@ -171,8 +170,7 @@ def _parse(path: Path, data: bytes, sep: str, has_header: bool, column_names: li
 
 
 def _ids_from_text(col: pa.ChunkedArray, data: bytes, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
-    """A header-named id column read as text: int64 when every id is an integer, else the strings (with a warning
-    when integers and other ids are mixed: ISBN-like ids beside ASINs are fine, a damaged row is not)."""
+    """A header-named id column read as text: int64 when every id is an integer, else the strings (mixed: a warning)."""
     col = pc.utf8_trim_whitespace(col)
     empty = _empty_ids(col)  # an empty field is a missing id, not the id "" (nor a reason to read strings)
     if empty is not None:
