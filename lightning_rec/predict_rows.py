@@ -133,8 +133,7 @@ def merged(streams: list[Iterator[dict[str, np.ndarray]]]) -> Iterator[dict[str,
 
 
 def promoted(shapes: list[dict[str, tuple[np.dtype, tuple[int, ...]]]]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """One set of columns for batches (or ranks) whose columns are `shapes`: a column's dtype is the one that holds
-    each batch's (float32 and float64: float64); its names and shape past the rows must agree."""
+    """One set of columns for batches (or ranks) of `shapes`: each column's widest dtype; names and shapes agree."""
     first = shapes[0]
 
     def shown(shape: tuple[int, ...]) -> str:

@@ -367,8 +367,7 @@ class _ShardedCollectionBase(nn.Module):
                 w.requires_grad_(t.name not in self._frozen)
 
     def _frozen_split(self) -> str | None:
-        """Why this rank cannot freeze these tables (a fused kernel here holds pieces of frozen and unfrozen ones):
-        said in the id all-to-all so every rank raises, not this one alone."""
+        """Why this rank cannot freeze these tables (a kernel holds frozen and unfrozen pieces): every rank raises."""
         for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._frozen_local else []:
             pieces = [t.name for t in kernel.tables]
             held = [n for n in pieces if n in self._frozen_local]

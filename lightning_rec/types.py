@@ -146,8 +146,7 @@ DEFAULT_CACHE_LOAD_FACTOR = 0.2  # fbgemm's and TorchRec's default: a fused_uvm_
 
 @dataclass(frozen=True)
 class CacheParams:
-    """TorchRec's cache settings of a fused_uvm_caching table; its load_factor is honoured (the share of rows the
-    device cache holds), the rest run fbgemm's defaults and are refused when set."""
+    """TorchRec's cache settings of a fused_uvm_caching table: load_factor honoured, the rest refused when set."""
 
     algorithm: object = None
     load_factor: float | None = None

@@ -282,8 +282,7 @@ _JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "E
 
 
 def constructor_refusal(error: ValueError) -> str:
-    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none): in
-    the exception chain (a model's, a data module's), or an entry of the report's Errors list (a strategy's)."""
+    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none)."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:

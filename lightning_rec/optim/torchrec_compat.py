@@ -88,8 +88,7 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
 
 def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                                  include: bool = False) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one), told
-    apart by requires_grad (fused tables never require a gradient)."""
+    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one)."""
     for name, p in named_parameters:
         if (not p.requires_grad) == include:
             yield name, p

@@ -313,8 +313,7 @@ class _Feeder(Iterator):
         return routed
 
     def forward_done(self) -> None:
-        """The step's forward has run: the recording (if any) is complete, and calls until the next batch is handed
-        out (a validation's own ids, e.g. TwoTowerModule's item catalogue) are no input of this pass."""
+        """The step's forward has run: the recording (if any) is complete; later calls are no input of this pass."""
         plan = self.plan
         if not plan.final.is_set() and self.inputs.recording is self:
             if plan.routes or plan.not_pipelined:

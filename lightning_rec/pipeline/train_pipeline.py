@@ -209,8 +209,7 @@ class TrainPipelineSparseDist:
         return output
 
     def _switch_to(self, source: Iterator) -> None:
-        """A pass over `source`. The batches the last pass read ahead are kept for its iterator, and come first when it
-        is given again: an evaluation between training steps costs no training batch."""
+        """A pass over `source`; what the last pass read ahead is kept for its iterator, first when it is back."""
         previous = self._source
         if previous is not None and previous is not source:
             self._keep_read_ahead()

@@ -307,8 +307,7 @@ class EmbeddingShardingPlanner:
         return self._module_costs.get(spec.path, self.cost)
 
     def plan(self, module, sharders=None) -> ShardingPlan:
-        """Plan every table of `module` (a model, a collection, or a list of configs). `sharders` is accepted for
-        TorchRec compatibility (ParameterConstraints sets the sharding types)."""
+        """Plan every table of `module` (a model, a collection, or a list of configs); `sharders` is ignored."""
         del sharders
         start = time.perf_counter()
         self._stats = None  # a failed plan() left the previous model's stats readable, as if they were this one's
@@ -338,8 +337,7 @@ class EmbeddingShardingPlanner:
         return plan
 
     def collective_plan(self, module, sharders=None, pg=None) -> ShardingPlan:
-        """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error). TorchRec's
-        argument order; `sharders` is ignored, `pg` the process group to plan for (default: the world)."""
+        """Plan on rank 0 and broadcast: every rank holds the same plan (or error); TorchRec's argument order."""
         import torch.distributed as dist
 
         if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all

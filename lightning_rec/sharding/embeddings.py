@@ -124,8 +124,7 @@ def gather_dp(grad_BD: Tensor, cols: OutputColumns, dtype: torch.dtype) -> Tenso
 
 
 class _PlaceParts(torch.autograd.Function):
-    """Received parts (flat: [B, D_p] per owner p, rank order) and the data-parallel part -> [B, D]
-    in feature order (place_parts). Backward gathers each part's columns back out of the gradient."""
+    """Received parts and the data-parallel part -> [B, D] in feature order; backward gathers each part's columns."""
 
     @staticmethod
     def forward(ctx, received: Tensor, dp_BD: Tensor | None, cols: OutputColumns, batch: int) -> Tensor:

@@ -110,8 +110,7 @@ def collection_configs(module) -> list:
 def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Mapping[str, ShardingSpec],
                                    local_size: int | None = None, world_size: int | None = None,
                                    device_type: str | None = None) -> EmbeddingModuleShardingPlan:
-    """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (concrete shards). `world_size` /
-    `local_size` default to the process group's; `device_type` is accepted for TorchRec compatibility."""
+    """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (sizes: the process group's)."""
     del device_type
     if world_size is None:
         world_size, default_local = _world()

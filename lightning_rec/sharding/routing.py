@@ -121,8 +121,7 @@ def _fused_kernel(kernel) -> str:
 
 
 def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Sequence[LocalTable]) -> None:
-    """A piece is named '<table>@r<row>c<col>' (its features '<feature>@r<row>c<col>'): a table or feature already
-    named so would share its rows. The same on every rank (the routing is), so every rank raises."""
+    """A piece is named '<table>@r<row>c<col>': a table or feature already named so is refused, on every rank."""
     for rank, tables in enumerate(per_rank):
         for kind, names in (("table", [t.name for t in list(tables) + list(replicas)]),
                             ("feature", [f for t in list(tables) + list(replicas) for f in t.feature_names])):

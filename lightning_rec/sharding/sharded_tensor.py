@@ -32,8 +32,7 @@ class Shard:
 
 
 class LocalShards(list):
-    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's
-    method, `st.local_shards()` -> `[Shard(tensor, metadata), ...]`, for ported code."""
+    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs; callable as torch's method too."""
 
     def __call__(self) -> list[Shard]:
         return [Shard(t, m) for m, t in self]

@@ -261,8 +261,7 @@ class KeyedJaggedTensor:
             inverse_indices
 
     def validate(self) -> KeyedJaggedTensor:
-        """TorchRec's validator: check that keys, lengths, offsets, ids and weights agree (a ValueError naming what
-        differs and the fix). The collections run it on every batch they are given; returns self."""
+        """TorchRec's validator: keys, lengths, offsets, ids and weights agree, else a ValueError; returns self."""
         validate_kjt(self)
         return self
 
@@ -587,8 +586,7 @@ class KeyedJaggedTensor:
 
     def to(self, device: torch.device | str | None, non_blocking: bool = False,
            dtype: torch.dtype | None = None) -> KeyedJaggedTensor:
-        """A copy on `device` (None: where it is), as TorchRec's: `dtype` converts the weights only; ids, lengths and
-        offsets keep their integer types."""
+        """A copy on `device` (None: where it is), as TorchRec's: `dtype` converts the weights only."""
         _refuse_dtype_as_device("KeyedJaggedTensor", device, weights=True)
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"KeyedJaggedTensor.to(dtype={dtype}): dtype converts the per-id weights, which are "

@@ -51,8 +51,7 @@ class KeyedTensor:
 
     @classmethod
     def _of_collection(cls, keys: list[str], length_per_key: list[int], values_BD: Tensor) -> KeyedTensor:
-        """A collection's output, whose keys and widths were checked when it was built: no checks per batch. Copies
-        of the lists, so a caller that edits keys() does not edit the collection's."""
+        """A collection's output (keys and widths checked when it was built), with copies of the lists."""
         kt = cls.__new__(cls)
         kt._keys, kt._length_per_key, kt._values = list(keys), list(length_per_key), values_BD
         kt._key_dim, kt._offset_per_key = 1, None
