@@ -104,8 +104,7 @@ def check_features(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequen
                    owner: str = "collection") -> None:
     """ValueError if `features` (exactly the features rows_F / tables_F describe, in order) is unsafe."""
     if torch.compiler.is_compiling():
-        # torch.compile cannot trace the host reads below: the same check as one op of the graph (device batches
-        # are left to the kernels' own bounds checks there)
+        # torch.compile cannot trace the host reads below: the same check as one op of the graph
         if features.values().device.type == "cpu":
             torch._assert_async(_compiled_check(rows_F, features.values(), features.offsets(),
                                                 features.weights_or_none(), _SEP.join(features.keys()),

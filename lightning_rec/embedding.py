@@ -337,8 +337,7 @@ class _EmbeddingCollectionBase(nn.Module):
         seen = self.__dict__.get("_frozen_seen")
         if seen is None or seen[0] != FusedTableWeight.freeze_changes:
             if torch.compiler.is_compiling():
-                # torch.compile cannot read a Parameter subclass's attribute: a constant of the graph, recompiled
-                # when freeze_changes moves
+                # torch.compile cannot read a Parameter subclass's attribute: a graph constant (recompiled on freeze)
                 frozen = _frozen_names(id(self))
             else:
                 frozen = _read_frozen(self)

@@ -230,8 +230,7 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
 
 # fbgemm's state names where fbgemm's get_optimizer_state has none (LARS-SGD: NotImplementedError in 1.6-1.8)
 _FBGEMM_SPLIT_STATE_NAMES = {EmbOptimType.LARS_SGD: ("momentum_buffer",)}
-# optimizers whose bias correction counts steps: fbgemm keeps the count in `tbe.iter` ([1], on the
-# kernel's device) and leaves it out of get_optimizer_state; the native kernel calls it "step" ([])
+# optimizers whose bias correction counts steps: fbgemm's count is `tbe.iter`, the native kernel's "step"
 _STEP_OPTIMIZERS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
 
 
@@ -398,8 +397,7 @@ class FusedKernel(nn.Module):
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
         if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
-            # fbgemm's forward reads its step counter on the host, which export cannot trace; without an update,
-            # torch's lookup over the same rows gives the kernel's output
+            # fbgemm's forward reads its step counter on the host, which export cannot trace: torch's lookup, no update
             return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
                                 fp32_out=True)
         if torch.compiler.is_compiling():

@@ -138,8 +138,7 @@ def _check_ranks(name: str, st: ShardingType, ps: ParameterSharding, world_size:
                          f"or leave ranks empty")
 
 
-# what each sharding type's shards look like, beyond tiling the table: a plan that builds but is labelled
-# with another type prints (and prices) one layout while the ranks hold another
+# what each sharding type's shards look like, beyond tiling the table (the label must match the layout)
 _ONE_COLUMN_BLOCK = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 _WHOLE_ROWS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 

@@ -260,8 +260,7 @@ class _ShardedCollectionBase(nn.Module):
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
-        # one empty parameter per table, for freezing and the fused optimizer's param groups; tables frozen before
-        # sharding stay frozen
+        # one empty parameter per table, for freezing and the fused optimizer's param groups
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
         switches = _Tables()
         for c in self._configs:

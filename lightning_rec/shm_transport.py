@@ -398,8 +398,7 @@ class SharedMemoryGroup:
         sizes = [hi - lo for lo, hi in zip(spans[::2], spans[1::2])]
         self._tag = tag
         fields = [self._gen, op, ok, sum(sizes), _tag_id(tag)]  # _GEN, _OP, _OK, _SIZE, _TAG
-        # all-reduce: any number of tensors, so their count and a signature of their sizes;
-        # all-to-all / exchange: one (start, end) per rank
+        # all-reduce: the count and a signature of the sizes; all-to-all / exchange: (start, end) per rank
         fields += [len(sizes), _signature(sizes)] if op == _OP_ALL_REDUCE else spans
         self._header[slot, : len(fields)] = torch.tensor(fields, dtype=torch.int64)  # one write
         return bool(ok)
@@ -467,8 +466,7 @@ class SharedMemoryGroup:
             dist.barrier(group=self.pg)  # no compiled extension: gloo carries the signal (slower, same result)
             return
         if self.guard is not None:
-            # the barrier is re-entrant (storing the same k again is a no-op): wait the grace, then in
-            # slices, and between them the guard compares where the peers are
+            # the barrier is re-entrant: wait the grace, then in slices, the guard comparing where the peers are
             k = self.guard.begin()
             if not self._barrier_for(self.guard.grace_s):
                 self.guard.wait_until(self._barrier_for, self._tag, k, graced=True)

@@ -27,8 +27,7 @@ class ShardingType(str, Enum):
         return self.value
 
 
-# What a sequence collection (EmbeddingCollection) can be sharded by: its rows travel back per id,
-# so the host-level types (whose pooled partial sums are reduced inside a host) do not apply.
+# what a sequence collection can be sharded by (host-level types reduce pooled partial sums: not for rows)
 SEQUENCE_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
                            ShardingType.DATA_PARALLEL)
 

@@ -83,8 +83,7 @@ class CheckpointPathCLI(LightningCLI):
         return max(found, key=found.__getitem__) if found else None
 
     def _strategy_for_sharded_checkpoint(self, subcommand: str, ckpt_path: str) -> None:
-        # a sharded checkpoint says what loads it: strategy "auto" means rec here (at any number of devices); a
-        # strategy the user names is kept (_check_sharded_strategy refuses it where it cannot load the checkpoint)
+        # a sharded checkpoint says what loads it: strategy "auto" means rec here (a named one is kept)
         trainer = self.config[subcommand].get("trainer")
         if trainer is not None and trainer.get("strategy") in (None, "auto"):
             from lightning.pytorch.utilities import rank_zero_info

@@ -213,8 +213,7 @@ class DLRM(nn.Module):
         return names
 
     def _rename_torchrec_keys(self, state_dict, prefix, *args) -> None:
-        # load_state_dict's pre-hook: TorchRec's dense names become ours (DLRM_Projection's branches appear twice
-        # there, at the top level and inside `inter_arch`: both go to one place)
+        # load_state_dict's pre-hook: TorchRec's dense names become ours
         for key in [k for k in state_dict if k.startswith((prefix + "interaction_branch1.",
                                                            prefix + "interaction_branch2."))]:
             if prefix + "inter_arch." + key[len(prefix):] in state_dict:

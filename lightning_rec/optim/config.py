@@ -33,8 +33,7 @@ class EmbOptimType(str, Enum):
 FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
-# torch.optim classes with a fused twin of the same update (AdamW's decoupled decay has none); RowWiseAdagrad
-# joins them where it is defined (torchrec_compat)
+# torch.optim classes with a fused twin of the same update (RowWiseAdagrad joins them in torchrec_compat)
 _TORCH_OPTIMIZERS = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: EmbOptimType.ADAGRAD,
                      torch.optim.Adam: EmbOptimType.ADAM, torch.optim.SparseAdam: EmbOptimType.ADAM}
 _USES_BETAS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)

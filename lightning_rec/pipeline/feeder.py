@@ -127,8 +127,7 @@ class _Plan:
         self.not_pipelined: dict[str, str] = {}
         self.final = threading.Event()
         self.record_entry: _Entry | None = None
-        # the recording step called no collection (a dense warm-up step, a forward that skips the embeddings for some
-        # batch): the next step that calls one records the plan instead
+        # the recording step called no collection (a dense warm-up step): the next one that calls one records
         self.record_next = False
         self._warned = False
 

@@ -92,8 +92,7 @@ class InputPipeline:
         self.closed = True
 
     def __del__(self) -> None:
-        # let go without close(): the thread ends when idle; the channels are not reused (a garbage
-        # collector's timing differs between ranks, and channels must be handed out in one order)
+        # let go without close(): the thread ends when idle; the channels are not reused (GC timing differs by rank)
         feeder = getattr(self, "feeder", None)
         if feeder is not None:
             try:
@@ -164,8 +163,7 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
-        # iterators left mid-pass: id -> (a reference to it, weak where it can be; the batches read ahead), kept on
-        # the model so that every pipeline over it gets them first
+        # iterators left mid-pass: id -> (a reference to it, the batches read ahead), kept on the model
         self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
         # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)

@@ -197,8 +197,7 @@ class CostModel:
             state += rows * cols * 4  # the dense gradient autograd materialises
         io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
         if t.compute_device == "cpu" and W == L > 1 and not dp:
-            # ranks of one host exchange through /dev/shm (shm_transport.py): two slots of the largest exchange a
-            # rank sends, at most this shard's ids or embeddings summed over its shards
+            # ranks of one host exchange through /dev/shm: two slots of the largest exchange a rank sends
             io += 2 * (W - 1) / W * max(in_bytes, out_bytes)
         if t.compute_device == "cpu":
             hbm, ddr = 0.0, weights + state + io

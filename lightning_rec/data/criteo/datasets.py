@@ -216,8 +216,7 @@ class CriteoIterableDataset(IterableDataset):
             self._dist = dist_rank_world()
         rank, world = self._dist
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        # ranks alternate in the deal (pair w * W + r): block b goes to rank b % W whatever the worker count, so
-        # no rank's share is a block per worker short of another's
+        # ranks alternate in the deal (pair w * W + r): a rank's blocks do not depend on its worker count
         return worker * world + rank, world * num_workers
 
     # torchdata's Stateful protocol: the position is where the block being read began (reader position, block
@@ -271,8 +270,7 @@ class CriteoIterableDataset(IterableDataset):
                                              resume["yielded"])
         num_pending = sum(p[0].shape[0] for p in pending)
         blocks, num_blocks = self._blocks(start, k, report)
-        # few blocks per shard: deal rows (each shard parses every block), so a small file is shared evenly;
-        # many blocks: deal whole blocks, each parsed once
+        # few blocks per shard: deal rows (a small file is shared evenly); many: deal whole blocks
         by_rows = num_shards > 1 and num_blocks < 2 * num_shards
         for reader, parse in blocks:
             here, k = k, k + 1

@@ -41,8 +41,7 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_LUT[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX_LUT[_c] = 10 + _i
-# What Arrow's string -> double cast accepts, minus nan/inf (checked separately); used only to
-# find which values broke a cast, so that the error names a line.
+# what Arrow's string -> double cast accepts, minus nan/inf: finds which values broke a cast
 _NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
 
 

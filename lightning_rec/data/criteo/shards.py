@@ -211,8 +211,7 @@ class CriteoShardDataset(IterableDataset):
         return self._arrays
 
     def _ones(self, n: int) -> torch.Tensor:
-        # one id per bag: the same lengths every batch of this size (never written to downstream); not shared
-        # in a DataLoader worker, whose batches are copied into shared memory anyway
+        # one id per bag: the same lengths every batch of this size (not shared in a DataLoader worker)
         if torch.utils.data.get_worker_info() is not None:
             return torch.ones(n, dtype=torch.int64)
         if getattr(self, "_ones_n", None) is None or self._ones_n.numel() != n:
