@@ -9,8 +9,7 @@ Shapes: F features, B samples, N ids.
 
 CPU batches, and GPU batches that keep their host copy, are checked on the host (one C++ pass, or the same
 rules in torch ops) before anything is updated. GPU batches never on the host are counted on the device
-(fbgemm's bounds check, or DeviceIdGuard before routing) and raised a few lookups later, without a sync.
-"""
+(fbgemm's bounds check, or DeviceIdGuard before routing) and raised a few lookups later, without a sync."""
 
 from __future__ import annotations
 

@@ -439,8 +439,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         device: where the tables live ("cpu" or "cuda").
         optimizer: a FusedOptimizerConfig to update rows inside backward; None: parameters trained by torch.optim.
         kernel: "auto" | "fbgemm" | "native" | "dense" (see lookup.choose_kernel).
-        validate_ids: check every id against its table's rows (ValueError naming both).
-    """
+        validate_ids: check every id against its table's rows (ValueError naming both)."""
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False,
                  device: torch.device | str | None = None, optimizer: FusedOptimizerConfig | None = None,

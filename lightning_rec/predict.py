@@ -70,8 +70,7 @@ class PredictionWriter(BasePredictionWriter):
             next free predictions_<n>.csv).
         overwrite: replace an existing output_path (otherwise an existing file is refused before predicting).
 
-    After the run: `written_path`, `num_rows` (every rank knows them) and `held_rows_peak` (this rank's).
-    """
+    After the run: `written_path`, `num_rows` (every rank knows them) and `held_rows_peak` (this rank's)."""
 
     # the most bytes of rows a rank keeps in memory before it writes them, sorted, to a run file on disk
     spill_bytes: int = 256 << 20

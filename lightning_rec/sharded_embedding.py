@@ -13,8 +13,7 @@ Legend: B local batch, F features, S_p this rank's shard features, D dims, W wor
 Each rank's output covers its own samples, exactly what the unsharded collection returns for them. The pure
 routing lives in `sharding/`. The state dict has the unsharded collection's keys: a sharded table's entry is a
 `ShardedTensor`, a replicated one's a plain tensor; `load_state_dict` takes either, from any world size and layout.
-Shard-local names (`<table>@r<row>c<col>`, the table's own when whole) name each piece's kernel table.
-"""
+Shard-local names (`<table>@r<row>c<col>`, the table's own when whole) name each piece's kernel table."""
 
 from __future__ import annotations
 

@@ -36,5 +36,4 @@ __all__ = [
     "CriteoShardDataset", "MovieLensDataModule", "ParseReport", "RankingBatch", "RetrievalBatch",
     "SyntheticCriteoDataModule", "StatefulBatchLoader", "SyntheticCriteoDataset", "build_criteo_cache", "detect_layout",
     "make_batch_loader", "make_criteo_batch", "make_stream_loader", "make_train_loader", "passthrough_collate",
-    "preprocess_criteo", "read_criteo", "read_ratings"
-]
+    "preprocess_criteo", "read_criteo", "read_ratings"]

@@ -108,8 +108,7 @@ class SyntheticCriteoDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes (0: load in the main process).
         pin_memory: pin batches in host memory for the copy to a GPU.
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any).
-    """
+        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
 
     def __init__(self, num_train_samples: int = 65_536, num_val_samples: int = 16_384, num_test_samples: int = 0,
                  batch_size: int = 512, val_batch_size: int | None = None, num_dense_features: int = 13,

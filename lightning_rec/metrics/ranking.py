@@ -8,8 +8,7 @@ user, K the largest cutoff asked for, R held-out (relevant) items of the batch, 
 
 The full-ranking and candidate forms are reduced at once to each user's top K, so nothing larger than one batch
 of users x items exists. States are float64 sums per (metric, cutoff 1..max(ks)) and user counts, whatever ks and
-empty_target_action say (a MetricCollection shares equal states), reduced with "sum" over ranks.
-"""
+empty_target_action say (a MetricCollection shares equal states), reduced with "sum" over ranks."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ def _padded_by_query(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> tu
     """torchmetrics' flat retrieval form -> [U, C] candidate lists padded to the longest, and their mask.
 
         indexes_N = [7, 3, 7, 3, 3]       preds_UC = [[p1, p3, p4],     (user 3: entries 1, 3, 4)
-        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)
-    """
+        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)"""
     preds_N, target_N, indexes_N = preds_N.reshape(-1), target_N.reshape(-1), indexes_N.reshape(-1)
     order_N = torch.argsort(indexes_N, stable=True)
     _, count_U = torch.unique_consecutive(indexes_N[order_N], return_counts=True)
@@ -129,8 +127,7 @@ class RankingMetrics(Metric):
         ignore_index: as in torchmetrics, a target value whose entries are left out (e.g. -100 for padding).
         adaptive_k, aggregation: torchmetrics' arguments, taken at their defaults only (False, "mean").
 
-    `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`.
-    """
+    `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`."""
 
     is_differentiable = False
     higher_is_better = True

@@ -9,8 +9,7 @@ Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last lay
 Dot interaction (DLRM): the pairwise dot products of the F+1 vectors (dense + each feature),
 upper triangle without the diagonal, next to the dense vector: D + (F+1)F/2 features.
 DCNv2 interaction: the F+1 vectors flattened, through low-rank cross layers
-x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l: (F+1)D features.
-"""
+x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l: (F+1)D features."""
 
 from __future__ import annotations
 
@@ -155,8 +154,7 @@ class DLRM(nn.Module):
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
         over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample.
         dense_device: where the dense layers are built (None: the default device); the tables stay where the
-            collection put them (TorchRec's argument).
-    """
+            collection put them (TorchRec's argument)."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],

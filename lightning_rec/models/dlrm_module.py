@@ -61,8 +61,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
         embedding_device: "cpu", or "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
-            where it lives (tables larger than host memory).
-    """
+            where it lives (tables larger than host memory)."""
 
     def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
                  sparse_feature_names: list[str] | None = None, dense_in_features: int = 13,

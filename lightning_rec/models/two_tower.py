@@ -15,8 +15,7 @@ Losses on a batch of positive pairs:
              logits_BB = s(u_b, v_j) - log q_j (logQ correction: q_j the chance that item j is in a
              batch, its training frequency; Yi et al., RecSys 2019), an item that is the same as the
              positive (an accidental hit) is masked, cross-entropy on the diagonal
-    bpr      -log sigmoid(s(u, v_pos) - s(u, v_neg)) with one sampled negative per pair (Rendle 2009)
-"""
+    bpr      -log sigmoid(s(u, v_pos) - s(u, v_neg)) with one sampled negative per pair (Rendle 2009)"""
 
 from __future__ import annotations
 

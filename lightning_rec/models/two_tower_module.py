@@ -73,8 +73,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             module whose item ids differ.
         user_ids_digest: the same for the users: row i of the user tables is the data module's `user_ids[i]`.
 
-    Predict writes each user's top predict_top_k unseen items, best first (docs/predict.md#two-tower-models).
-    """
+    Predict writes each user's top predict_top_k unseen items, best first (docs/predict.md#two-tower-models)."""
 
     def __init__(self, user_num_embeddings: dict[str, int] | None = None,
                  item_num_embeddings: dict[str, int] | None = None, embedding_dim: int = 64,

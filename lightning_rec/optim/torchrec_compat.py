@@ -61,8 +61,7 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
     tables are in `params` (all of them) gets that fused update (torch.optim.SGD, Adagrad or Adam with their
     defaults, or a fused name such as "rowwise_adagrad"); only the rows a batch reads move
     (docs/torchrec.md#sharded-tables-train-fused). Call it before building optimizers or DistributedModelParallel:
-    the table parameters are made anew (values kept). Dense parameters are refused (combined_optimizer).
-    """
+    the table parameters are made anew (values kept). Dense parameters are refused (combined_optimizer)."""
 
     config = _fused_config_for(optimizer_class, optimizer_kwargs or {})
     owners: dict[int, tuple[Any, set[str]]] = {}

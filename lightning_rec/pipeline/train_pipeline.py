@@ -148,8 +148,7 @@ class TrainPipelineSparseDist:
     forward only. Batches come out in order; StopIteration comes once every batch is done (given the DataLoader
     itself, the next call starts its next pass). An iterator given again goes on where its steps stopped.
     `close()` keeps the batches read ahead for that iterator and returns them for a plain loop to take first
-    (docs/pipeline.md#hand-written-loops).
-    """
+    (docs/pipeline.md#hand-written-loops)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
                  config: PipelineConfig | None = None, *, execute_all_batches: bool = True) -> None:

@@ -7,5 +7,4 @@ from lightning_rec.planner.topology import GB, Topology
 
 __all__ = [
     "GB", "EmbeddingShardingPlanner", "ParameterConstraints", "PlanStats", "PlannerError", "RankStats", "TableStats",
-    "Topology", "find_tables"
-]
+    "Topology", "find_tables"]

@@ -49,8 +49,7 @@ class ParameterConstraints:
       (TorchRec's `cache_params=CacheParams(load_factor=...)`, which is accepted too).
 
     The fields come in TorchRec's order. TorchRec's other fields (`num_poolings`, `batch_sizes`, ...) are
-    accepted where they mean what this planner does anyway and refused by name otherwise (docs/torchrec.md).
-    """
+    accepted where they mean what this planner does anyway and refused by name otherwise (docs/torchrec.md)."""
 
     sharding_types: list[ShardingType | str] | None = None
     compute_kernels: list[ComputeKernel | str] | None = None

@@ -10,8 +10,7 @@ sharder's do. Shards are grouped into *pieces*, the unit the partitioner places:
                                                partitioner picks the host, slot = local rank
 
 Each slot carries four numbers: HBM bytes, DDR bytes, compute ms, communication ms.
-Legend: B batch per rank, W world size, L ranks per host, S samples a shard serves, p ids per sample.
-"""
+Legend: B batch per rank, W world size, L ranks per host, S samples a shard serves, p ids per sample."""
 
 from __future__ import annotations
 

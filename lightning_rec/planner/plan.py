@@ -9,8 +9,7 @@ and its score is its slowest rank's estimated ms. Proposers, in order:
 2. uniform: every table on one sharding type, where it has it;
 3. grid search: every combination of the top options of the heaviest tables, around the best plan.
 
-Everything is ordered by numbers and table/rank indexes, so the same inputs give the same plan.
-"""
+Everything is ordered by numbers and table/rank indexes, so the same inputs give the same plan."""
 
 from __future__ import annotations
 
@@ -116,8 +115,7 @@ class EmbeddingShardingPlanner:
 
     Arguments take TorchRec's positional order; its pluggable components (enumerator, proposer, ...) are refused
     by name with the knob that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices the
-    tables' optimizer state and decides which sharding types apply; left out, each collection's own fused update.
-    """
+    tables' optimizer state and decides which sharding types apply; left out, each collection's own fused update."""
 
     def __init__(self, topology: Topology | None = None, *args, batch_size: int | None = None,
                  constraints: Mapping[str, ParameterConstraints] | None = None, optimizer=None,

@@ -4,8 +4,7 @@
 Each verb is a choice for one table; `construct_module_sharding_plan` makes it concrete shards once the
 table's size and the world size are known:
 
-    construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": row_wise(), "t2": data_parallel()})
-"""
+    construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": row_wise(), "t2": data_parallel()})"""
 
 from __future__ import annotations
 

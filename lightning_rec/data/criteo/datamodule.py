@@ -69,8 +69,7 @@ class CriteoDataModule(pl.LightningDataModule):
         block_bytes: bytes read and parsed at a time when streaming (and the shuffle's block).
         parser: "auto" (the native op when built), "native" or "python" (the reference).
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any).
-    """
+        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
 
     def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
                  predict_path: str | None = None, batch_size: int = 2048, val_batch_size: int | None = None,

@@ -5,8 +5,7 @@ values, reports and error messages:
     "python"  the reference here (numpy line bookkeeping, Arrow's CSV reader, a vectorised hex decode), used when
               the extension is not built
 
-Shapes: N rows of a block, F = 26 sparse features, L bytes of a block.
-"""
+Shapes: N rows of a block, F = 26 sparse features, L bytes of a block."""
 
 from __future__ import annotations
 

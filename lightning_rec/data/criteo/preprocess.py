@@ -11,8 +11,7 @@ Shapes: n rows of a shard, F = 26 sparse features, 13 dense features.
 
 A table input is read in blocks of rows, its records' byte_start / byte_end counting blocks. A shard's files are
 written under temporary names and renamed, its .json record last; the shard boundaries depend only on the input
-bytes and --block_mb / --rows_per_shard, so a resumed run writes the same shards.
-"""
+bytes and --block_mb / --rows_per_shard, so a resumed run writes the same shards."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ computes the same split from the manifest, no communication):
     batch k of a rank = its rows [s + k * B, s + (k + 1) * B) (s: the epoch's start; past the share's end
     it wraps to its start): slices, never a per-sample gather
     workers of a rank take batches k = worker, worker + num_workers, ...; shuffle=True permutes the
-    batch order each epoch (rows were shuffled within each shard by preprocess)
-"""
+    batch order each epoch (rows were shuffled within each shard by preprocess)"""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ file it came from give the same batches:
             or floats holding whole numbers (NaN: missing); ids are hashed as text hashes are
     I, C    a column of nulls only (Arrow's null type): missing in every row
 Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file). A table is
-cached (`read_criteo_table`), streamed in blocks of rows read by index (`TableBlocks`), or cut into shards.
-"""
+cached (`read_criteo_table`), streamed in blocks of rows read by index (`TableBlocks`), or cut into shards."""
 
 from __future__ import annotations
 

@@ -23,5 +23,4 @@ __all__ = [
     "GIVEN", "OFFICIAL_SPLITS", "SPLITS", "TEMPORAL_SPLITS", "EvalShardSampler", "FeatureTable", "InteractionDataset",
     "MovieLensDataModule", "MovieLensReport", "RankingBatch", "RetrievalBatch", "UserRankingDataset",
     "default_cache_dir", "detect_layout", "given_split_files", "loo_split", "parquet_ratings", "read_ratings",
-    "ro_split", "to_split"
-]
+    "ro_split", "to_split"]

@@ -109,8 +109,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes (0: load in the main process).
         pin_memory: pin batches in host memory for the copy to a GPU.
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any).
-    """
+        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
