@@ -158,7 +158,6 @@ class _Arrived:
 
 class _CountRing:
     """Per-lookup counts on the device, read back a block of `copy_every` lookups at a time without waiting.
-
     counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); a full block travels to
     pinned host memory in one non-blocking copy. `drain()` reads arrived blocks, oldest first (none lost unread)."""
 

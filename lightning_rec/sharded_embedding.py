@@ -96,10 +96,9 @@ class ShardedLookupOut:
 
 
 class ReplicaKernel:
-    """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward.
-
-    Quacks like lookup.FusedKernel for FusedOptimizer. Each call looks up through leaves of its own that view the
-    weights, so its backward applies the rule once per call, as a fused kernel's does."""
+    """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward. Quacks
+    like lookup.FusedKernel for FusedOptimizer. Each call looks up through leaves of its own that view the weights,
+    so its backward applies the rule once per call, as a fused kernel's does."""
 
     def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
         self.kernel = kernel
@@ -178,10 +177,9 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
 
 
 class ShardedTableWeight(FusedTableWeight):
-    """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table.
-
-    `numel()` is the global table's rows x columns (ModelSummary counts the unsharded model's); its shape stays
-    (0,), so nothing allocates, moves or broadcasts the table through it."""
+    """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table. `numel()`
+    is the global table's rows x columns (ModelSummary counts the unsharded model's); its shape stays (0,), so
+    nothing allocates, moves or broadcasts the table through it."""
 
     def numel(self) -> int:  # type: ignore[override]
         return self.__dict__.get("table_numel", 0)
@@ -549,9 +547,8 @@ class _ShardedCollectionBase(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets).
-
-        For collections built on "meta": with one `seed` on every rank (rank 0's), a replica is the same everywhere, and
+        """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets). For
+        collections built on "meta": with one `seed` on every rank (rank 0's), a replica is the same everywhere, and
         no two tables or row blocks start as copies of each other."""
         init = {c.name: c.local_table().init_range() for c in self._configs}
         init_fns = {c.name: c.init_fn for c in self._configs}

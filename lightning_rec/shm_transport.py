@@ -149,10 +149,9 @@ class _Region:
 
 
 class SharedMemoryGroup:
-    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm.
-
-    Build it with `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks cannot share memory
-    (other hosts, no /dev/shm): callers then keep using the process group."""
+    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm. Build it with
+    `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks cannot share memory (other hosts,
+    no /dev/shm): callers then keep using the process group."""
 
     shrink_after = 512  # exchanges in a row using under a quarter of a region before it is replaced by a smaller one
 
@@ -307,9 +306,8 @@ class SharedMemoryGroup:
             at += n
 
     def exchange(self, sends: list[Tensor | Writer], tag: str = "exchange") -> list[Tensor]:
-        """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here.
-
-        A send is a tensor or a Writer (fills shared memory itself). Received pieces are uint8 tensors; a peer's is a
+        """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here. A
+        send is a tensor or a Writer (fills shared memory itself). Received pieces are uint8 tensors; a peer's is a
         view into its shared memory, valid until this rank's next collective on the group: consume it before."""
         W = self.world_size
         if len(sends) != W:
@@ -522,10 +520,9 @@ def _native_barrier():
 
 
 def ddp_comm_hook(group: SharedMemoryGroup):
-    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)).
-
-    The hook holds DDP's buckets and reduces them all at the last one, in one exchange: one barrier per step (on a CPU
-    box early reduction overlaps nothing). DDP waits for the futures only after the last bucket."""
+    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)). The hook
+    holds DDP's buckets and reduces them all at the last one, in one exchange: one barrier per step (on a CPU box
+    early reduction overlaps nothing). DDP waits for the futures only after the last bucket."""
     pending: list[tuple[Tensor, torch.futures.Future]] = []
 
     def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them

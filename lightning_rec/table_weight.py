@@ -36,7 +36,6 @@ class _Tables(nn.ModuleDict):
 
 class FusedTableWeight(nn.Parameter):
     """A fused table's weight: a view of the kernel's storage, updated inside backward, never given a gradient.
-
     `requires_grad` reads False (torch.optim and DDP leave it alone); setting it False freezes the table (no update,
     state kept), True resumes. `frozen` tells which."""
 

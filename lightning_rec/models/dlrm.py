@@ -281,9 +281,8 @@ class DLRM_Projection(DLRM):
 
 
 class DLRMTrain(nn.Module):
-    """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached.
-
-    The loss is BCE-with-logits (batch mean), the pair TrainPipelineSparseDist expects; `batch` has dense_features,
+    """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached. The loss
+    is BCE-with-logits (batch mean), the pair TrainPipelineSparseDist expects; `batch` has dense_features,
     sparse_features and labels."""
 
     def __init__(self, dlrm_module: DLRM) -> None:

@@ -282,7 +282,6 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     @torch.no_grad()
     def embed_catalog(self, datamodule=None) -> Tensor:
         """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded): [I, D].
-
         `datamodule` (with `item_catalog()` and `num_items`, e.g. a set-up MovieLensDataModule) defaults to the
         Trainer's. The tower runs in eval mode. Score users with `model.user_embeddings(kjt) @ items_ID.t()`."""
         if datamodule is None and self._trainer is not None:

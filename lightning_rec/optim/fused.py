@@ -139,10 +139,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         return list(dict.fromkeys(name for name, _, _ in self._pieces.values()))
 
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
-        """This rank's optimizer state under whole-table names, for resharding.
-
-        "<path>.<table>.<state>" -> (global shape, [(ShardMetadata or None, state view)]); every rank's, merged by
-        `merge_fused_state`, load into any world size, plan, or the unsharded model."""
+        """This rank's optimizer state under whole-table names, for resharding. "<path>.<table>.<state>" -> (global
+        shape, [(ShardMetadata or None, state view)]); every rank's, merged by `merge_fused_state`, load into any
+        world size, plan, or the unsharded model."""
         out: dict[str, tuple[tuple[int, int], list]] = {}
         for local, states in self.table_states().items():
             name, meta, shape = self._pieces[local]
@@ -251,10 +250,9 @@ def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
 
 
 def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]]) -> dict[str, torch.Tensor]:
-    """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors).
-
-    Per-element state is assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the column
-    shards' average weighted by width (the unsharded mean over all columns). Scalars are the same everywhere."""
+    """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors). Per-element state is
+    assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the column shards' average
+    weighted by width (the unsharded mean over all columns). Scalars are the same everywhere."""
     merged: dict[str, tuple[tuple[int, int], list]] = {}
     for pieces in per_rank:
         for key, (shape, parts) in pieces.items():

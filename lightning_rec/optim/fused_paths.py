@@ -28,10 +28,9 @@ def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | 
 
 
 def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(path, module) for every module in `model` that owns fused embedding kernels.
-
-    Paths are the model's own (its state_dict's), also when `model` is a DistributedModelParallel (with DDP inside), so
-    that the fused state saved under them loads into the unsharded model too."""
+    """(path, module) for every module in `model` that owns fused embedding kernels. Paths are the model's own (its
+    state_dict's), also when `model` is a DistributedModelParallel (with DDP inside), so that the fused state saved
+    under them loads into the unsharded model too."""
     return [(path, m) for path, m in _model_named_modules(model) if _has_fused_update(m)]
 
 

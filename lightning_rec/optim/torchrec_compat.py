@@ -142,7 +142,6 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
 
 class RowWiseAdagrad(torch.optim.Optimizer):
     """TorchRec's row-wise Adagrad as a plain torch optimizer: one accumulator per row of each 2-d parameter.
-
     state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps): the fused "rowwise_adagrad"
     update, so apply_optimizer_in_backward fuses it into tables. 1-d parameters keep one accumulator per element."""
 

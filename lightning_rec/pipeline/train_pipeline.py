@@ -259,9 +259,8 @@ class TrainPipelineSparseDist:
         return dict(self._pipeline.stats)
 
     def close(self) -> ReadAhead:
-        """Stop the feeder (at the same point on every rank) and give the channels back.
-
-        Returns the batches read ahead from the current iterator, oldest first (on the device), for a plain loop,
+        """Stop the feeder (at the same point on every rank) and give the channels back. Returns the batches read
+        ahead from the current iterator, oldest first (on the device), for a plain loop,
         `itertools.chain(pipeline.close(), it)`, or the next pipeline given that iterator: taken once."""
         kept = self._keep_read_ahead() if not self._pipeline.closed else ReadAhead([])
         self._pipeline.close()

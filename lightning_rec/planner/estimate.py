@@ -337,10 +337,9 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
 
 def enumerate_options(spec: TableSpec, cost: CostModel,
                       max_shard_bytes: tuple[float, float]) -> tuple[list[ShardingOption], list[str]]:
-    """Every priced option for one table, and why each excluded one was excluded.
-
-    Options whose largest shard exceeds `max_shard_bytes` (HBM, DDR) are dropped when others exist: one huge shard pins
-    a rank's memory and leaves the partitioner nothing to balance with."""
+    """Every priced option for one table, and why each excluded one was excluded. Options whose largest shard exceeds
+    `max_shard_bytes` (HBM, DDR) are dropped when others exist: one huge shard pins a rank's memory and leaves the
+    partitioner nothing to balance with."""
     t = cost.topology
     L = t.local_world_size
     options: list[ShardingOption] = []

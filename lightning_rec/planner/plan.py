@@ -68,10 +68,9 @@ def _is_pooled(cfg) -> bool:
 
 
 def find_tables(module) -> list[tuple[str, list, bool | None]]:
-    """(module path, configs, pooled) for each embedding collection in `module`.
-
-    Accepts a model (any module with `embedding_bag_configs()` / `embedding_configs()` inside), one collection, or a
-    list of configs (path "", pooled read from each config: None)."""
+    """(module path, configs, pooled) for each embedding collection in `module`. Accepts a model (any module with
+    `embedding_bag_configs()` / `embedding_configs()` inside), one collection, or a list of configs (path "", pooled
+    read from each config: None)."""
     if isinstance(module, (list, tuple)):
         return [("", list(module), None)] if module else []
     if hasattr(module, "named_modules"):

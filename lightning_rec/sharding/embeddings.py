@@ -33,10 +33,9 @@ def inverse_permutation(perm_N: Tensor) -> Tensor:
 
 
 def column_runs(dst_cols: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
-    """Where a part's columns land, as few strided copies as possible: (src, dst, width, count, stride).
-
-    Column i of the part goes to output column dst_cols[i]; consecutive columns form a run of `width`, and `count`
-    equal runs that sit `stride` apart in the output form one strided copy."""
+    """Where a part's columns land, as few strided copies as possible: (src, dst, width, count, stride). Column i of
+    the part goes to output column dst_cols[i]; consecutive columns form a run of `width`, and `count` equal runs
+    that sit `stride` apart in the output form one strided copy."""
     runs: list[list[int]] = []  # [src, dst, width]
     for i, d in enumerate(dst_cols):
         if runs and runs[-1][1] + runs[-1][2] == d:
@@ -173,10 +172,9 @@ def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
 
 def assemble_sequence(received_ND: Tensor, order_N: Tensor, routing: Routing,
                       copy_lengths: Sequence[int]) -> list[Tensor]:
-    """Rows back in each feature's id order: one [N_f, D_f] per routed feature (output order).
-
-    `received_ND` is in routed order; `order_N[i]` is the copy-order position of routed id i; `copy_lengths` the ids per
-    copy (feature-major, column blocks in order)."""
+    """Rows back in each feature's id order: one [N_f, D_f] per routed feature (output order). `received_ND` is in
+    routed order; `order_N[i]` is the copy-order position of routed id i; `copy_lengths` the ids per copy
+    (feature-major, column blocks in order)."""
     rows_ND = received_ND.index_select(0, inverse_permutation(order_N)) if order_N.numel() else received_ND
     per_copy = rows_ND.split(list(copy_lengths))
     by_feature: dict[int, list[Tensor]] = {}

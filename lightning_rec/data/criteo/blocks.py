@@ -24,10 +24,9 @@ def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) ->
 
 def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header: bool,
                           start: dict | None = None) -> Iterator[tuple[bytes, int, dict]]:
-    """iter_blocks, each block with the reader's position before it (`start` resumes there).
-
-    The position is {"read", "rest" (the cut line carried over), "line", "skip_header"}: reading on from it cuts the
-    same blocks as the first pass. A compressed stream cannot seek: it is decompressed up to "read" (not parsed)."""
+    """iter_blocks, each block with the reader's position before it (`start` resumes there). The position is {"read",
+    "rest" (the cut line carried over), "line", "skip_header"}: reading on from it cuts the same blocks as the first
+    pass. A compressed stream cannot seek: it is decompressed up to "read" (not parsed)."""
     read, rest, line = 0, b"", 1
     if start is not None:
         read, rest, line = int(start["read"]), bytes(start["rest"]), int(start["line"])

@@ -58,10 +58,9 @@ def minus_one_label_fix(reason: str, what: str) -> str | None:
 
 def raise_or_record(problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str,
                     report: ParseReport) -> None:
-    """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record.
-
-    rank orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3), too many fields
-    (-2), a cut row (-1), else the field position of the first bad field."""
+    """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record. rank
+    orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3), too many fields (-2),
+    a cut row (-1), else the field position of the first bad field."""
     if not problems:
         return
     if on_bad_row == "error":
