@@ -352,8 +352,7 @@ class _ShardedCollectionBase(nn.Module):
         # what the id all-to-all's counts carry so that every rank checks that all froze the same tables
         digest = hashlib.blake2b("\0".join(sorted(frozen)).encode(), digest_size=6).digest()
         self._frozen_key = (int.from_bytes(digest, "little") | 1) if frozen else 0
-        # The kernels know their pieces by shard-local names. Every rank holds the same set, so every rank skips
-        # the same updates; the pooled all-to-all's backward still runs on every rank (output_dist._differentiable).
+        # the kernels know their pieces by shard-local names; every rank skips the same updates
         self._frozen_local = frozenset(t.name for t in (self._lookup.tables if self._lookup is not None else [])
                                        if self.shard_of(t.name)[0] in self._frozen)
         self._frozen_error = self._frozen_split()

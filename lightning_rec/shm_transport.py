@@ -41,8 +41,7 @@ _ALIGN = 64
 _OP_ALL_TO_ALL, _OP_ALL_REDUCE, _OP_EXCHANGE = 1, 2, 3
 _GEN, _OP, _OK, _SIZE, _TAG, _SPANS = 0, 1, 2, 3, 4, 5  # header fields; spans: (start, end) bytes per destination
 _TAG_NAMES: dict[int, str] = {}  # what each call site calls its collective (the same code runs on every rank)
-# A rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid,
-# [16:] the two slots' headers.
+# a rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid, [16:] the slots'
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
 _INITIAL_BYTES = 1 << 20
 
@@ -443,8 +442,7 @@ class SharedMemoryGroup:
                     f"({own[_SIZE]} bytes), rank {p} ran '{theirs}' ({header[_SIZE]} bytes). Every rank "
                     f"must run the same collectives with the same sizes in the same order (do all ranks have the "
                     f"same number of batches? a rank-dependent branch in the model?)")
-        # every peer's region first, also when this exchange falls back: a peer that grew now unlinks the new file's
-        # name after the next barrier, so it must be mapped in this exchange
+        # every peer's region first, also when this exchange falls back: a grown one is unlinked after the next barrier
         peers = {}
         for p, header in headers.items():
             gen = header[_GEN]

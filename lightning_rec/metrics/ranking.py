@@ -171,10 +171,8 @@ class RankingMetrics(Metric):
         self.add_state("evaluated_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("empty_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("nan_scores", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
-        # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
-        # several updates (rows of (user, item, label) in batches), and only compute sees each user's whole list.
-        # All float64, the dtype of torchmetrics' empty placeholder on a rank without entries (gloo cannot gather
-        # int64 against it); an id is kept as its high and low 32 bits, as float64 is exact only up to 2**53.
+        # the flat form's entries, kept until compute (a user's list may span updates), all float64 (torchmetrics'
+        # empty placeholder's dtype): an id as its high and low 32 bits, exact in float64
         for name in ("flat_preds", "flat_target", "flat_indexes", "flat_indexes_low"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self._dtype = torch.float64

@@ -197,9 +197,7 @@ class _Feeder(Iterator):
                  pad: Callable[[], Any] | None = None, evaluating: bool = False,
                  stop_signal: tuple | None = None) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
-        # (this rank's signals: () -> bits, told every rank's: ({rank: bits}) -> None), InputPipeline.stop_signal:
-        # the bits ride on each batch's agreement and are told when the step's thread takes that batch, so every
-        # rank hears them at the same batch
+        # InputPipeline.stop_signal: the bits ride on each batch's agreement, told as the step takes that batch
         self.stop_signal = stop_signal
         self._end_stop: dict[int, int] = {}
         self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data

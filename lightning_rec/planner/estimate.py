@@ -187,8 +187,7 @@ class CostModel:
         )
         opt_row = optimizer_state_bytes_per_row(self.optimizer, cols)
 
-        # storage: rows as the kernel allocates them
-        # replicas are plain tensors (lookup.DenseKernel): only the fused kernels pad
+        # storage: rows as the kernel allocates them (only the fused kernels pad; replicas are plain tensors)
         stored = cols if kernel == ComputeKernel.DENSE else self.stored_cols(spec, cols)
         weights = rows * stored * spec.elem_bytes
         state = rows * optimizer_state_bytes_per_row(self.optimizer, stored)

@@ -40,8 +40,7 @@ class RoutedIds:
     values_N: Tensor  # remapped to local rows, rank-major
     weights_N: Tensor | None
     ids_per_rank: list[int]  # N_p: how many ids go to each rank
-    # Sequence outputs come back in routed order; row `order_N[i]` of the copies' ids (feature-
-    # major) travelled as routed id i. None on the fast path (routed order = copies in S order).
+    # row `order_N[i]` of the copies' ids travelled as routed id i (None on the fast path)
     order_N: Tensor | None
     copies: KeyedJaggedTensor | None  # the copies' ids before bucketizing (generic path)
 
@@ -92,9 +91,7 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
                                     output_size=N)
     copy_N = torch.div(bag_N, max(B, 1), rounding_mode="floor")
     block_N = tables.copy_block_C[copy_N]
-    # An id outside its table (unchecked: validate_ids=False) must not reach another copy's shard (copy_first + owner
-    # would name a neighbour's, where it would read and train a row in range). Kept to the copy's own shards, it
-    # stays outside the owner's rows, where the owner's kernel refuses it as for an unsharded table.
+    # an unchecked id outside its table stays among its copy's own shards, where the owner's kernel refuses it
     owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
     owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
     local_N = values_N - owner_N * block_N

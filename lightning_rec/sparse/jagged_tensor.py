@@ -238,8 +238,7 @@ class KeyedJaggedTensor:
                  stride_per_key: Sequence[int] | None = None, index_per_key: dict[str, int] | None = None,
                  jt_dict: dict[str, JaggedTensor] | None = None,
                  inverse_indices: tuple[list[str], Tensor] | None = None) -> None:
-        # Assigns only, as TorchRec's: the batch is checked when a collection first reads it, or by kjt.validate()
-        # (sparse_checks.validate_kjt). _validate=False: built by the library from a checked KJT (nothing to check).
+        # assigns only, as TorchRec's (kjt.validate() checks); _validate=False: built from a checked KJT
         del jt_dict  # TorchRec's cache of to_dict(): computed here when asked
         self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
@@ -401,9 +400,7 @@ class KeyedJaggedTensor:
         return []
 
     def inverse_indices(self) -> tuple[list[str], Tensor]:
-        """TorchRec's: (keys, [F, B] tensor) giving, for each key and sample of the full batch, the bag (of the
-        `stride()` deduplicated ones) it reads; an EmbeddingBagCollection's output has one row per sample of the full
-        batch."""
+        """TorchRec's: (keys, [F, B] tensor): for each key and sample of the full batch, the bag it reads."""
         if self._inverse_indices is None:
             raise ValueError("this KeyedJaggedTensor has no inverse indices: build it with "
                              "inverse_indices=(keys, tensor), or use inverse_indices_or_none()")
@@ -500,8 +497,7 @@ class KeyedJaggedTensor:
         if indices_tensor is None:
             indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
         else:
-            # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only, and one that disagrees with
-            # `indices` would label one feature's ids with another's key. Checked where no device sync is needed.
+            # TorchRec's cached int32 copy of `indices` (fbgemm reads int32): checked where no device sync is needed
             indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
             # once per tensor: a read per batch would sync on GPU (tests/test_gpu_paths.py counts them)
             if _readable(indices_tensor) and _CHECKED_PERMUTES.get(id(indices_tensor)) is not indices_tensor:
@@ -518,9 +514,7 @@ class KeyedJaggedTensor:
         weights = self._weights
         if weights is not None and (weights.requires_grad and torch.is_grad_enabled()
                                     or weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS):
-            # Learned weights: fbgemm's backward for them assumes a full permutation (not a subset or a repeated
-            # key). Permute positions instead and gather: indexing's backward sums the gradient of repeated keys and
-            # leaves dropped ones at zero. The same for weights fbgemm's permute has no kernel for (bfloat16).
+            # learned (or bfloat16) weights: fbgemm's backward assumes a full permutation; gather by position instead
             src_N = torch.arange(self._values.shape[0], device=self._values.device)
             lengths_FB, src_N, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), src_N, None, total
