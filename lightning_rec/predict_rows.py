@@ -61,10 +61,8 @@ def sort_by_row(table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class SortedMerge:
-    """Merges S streams, each sorted by ROW, into one stream in ROW order with each ROW once (its first copy), holding
-    at most one chunk per stream: the caller asks `needs()` which streams to read next, `feed`s their chunks (None:
-    the stream has ended) and `pop`s what is ready. A row is ready once no stream can still give a smaller one: it
-    is at most the last row buffered of every stream that has not ended."""
+    """Merges S streams, each sorted by ROW, into one in ROW order with each ROW once, holding a chunk per stream: the
+    caller asks `needs()`, `feed`s those chunks (None: ended) and `pop`s what no stream can still precede."""
 
     def __init__(self, num_streams: int) -> None:
         self._buffers: list[dict[str, np.ndarray]] = [{} for _ in range(num_streams)]

@@ -153,8 +153,7 @@ class DLRM(nn.Module):
         dense_in_features: I, the number of dense inputs.
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
         over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample.
-        dense_device: where the dense layers are built (None: the default device); the tables stay where the
-            collection put them (TorchRec's argument)."""
+        dense_device: where the dense layers are built (None: the default device); the tables stay where they are."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
@@ -259,8 +258,7 @@ class DLRM_DCN(DLRM):
 class DLRM_Projection(DLRM):
     """DLRM with a projection interaction (TorchRec's DLRM_Projection): two MLP branches over the F+1 vectors.
 
-    interaction_branch1_layer_sizes / interaction_branch2_layer_sizes: each branch's MLP sizes (ReLU after every layer,
-    as TorchRec's DenseArch); each last size a multiple of D: F1 D and F2 D give F1 x F2 interactions."""
+    interaction_branch{1,2}_layer_sizes: each branch's MLP sizes, each last a multiple of D (F1 D, F2 D: F1 x F2)."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],

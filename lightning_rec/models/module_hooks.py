@@ -55,10 +55,8 @@ class _ClassOnly(classmethod):
 
 
 class RecCheckpointLoading:
-    """Mixed in before LightningModule, `class MyModule(RecCheckpointLoading, L.LightningModule)`: then
-    `MyModule.load_from_checkpoint(path)` also reads the checkpoint directories that `strategy="rec"` writes.
-
-    Without the mixin, `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does the same."""
+    """Mixed in before LightningModule: `MyModule.load_from_checkpoint(path)` also reads `strategy="rec"` checkpoint
+    directories (as `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does without it)."""
 
     @_ClassOnly
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:

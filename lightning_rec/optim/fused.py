@@ -151,10 +151,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
-        """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
-        model): each piece reads its rows and columns.
-
-        strict=False: a table the state holds nothing for keeps its current state; the others load."""
+        """Shard-local state (saved by this layout) or whole-table state: each piece reads its rows and columns.
+        strict=False: a table the state holds nothing for keeps its current state."""
         _refuse_torch_state_dict_api(self)
         saved = state_dict.get("state", {})
         self._check_same_optimizer(state_dict.get("param_groups", []))

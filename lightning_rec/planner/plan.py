@@ -112,9 +112,8 @@ class EmbeddingShardingPlanner:
                                        batch_size=8192)
     plan = planner.plan(model)          # ShardingPlan; planner.stats holds the PlanStats
 
-    Arguments take TorchRec's positional order; its pluggable components (enumerator, proposer, ...) are refused
-    by name with the knob that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices the
-    tables' optimizer state and decides which sharding types apply; left out, each collection's own fused update."""
+    Arguments take TorchRec's positional order (its pluggable components refused by name). `optimizer` prices the
+    tables' optimizer state and decides which sharding types apply; left out, each collection's own update."""
 
     def __init__(self, topology: Topology | None = None, *args, batch_size: int | None = None,
                  constraints: Mapping[str, ParameterConstraints] | None = None, optimizer=None,
