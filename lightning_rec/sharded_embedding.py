@@ -177,9 +177,8 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
 
 
 class ShardedTableWeight(FusedTableWeight):
-    """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table. `numel()`
-    is the global table's rows x columns (ModelSummary counts the unsharded model's); its shape stays (0,), so
-    nothing allocates, moves or broadcasts the table through it."""
+    """A sharded table's parameter: empty (shape (0,): nothing moves the table through it), yet `numel()` is the whole
+    table's, as ModelSummary counts the unsharded model."""
 
     def numel(self) -> int:  # type: ignore[override]
         return self.__dict__.get("table_numel", 0)

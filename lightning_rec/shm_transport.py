@@ -148,9 +148,8 @@ class _Region:
 
 
 class SharedMemoryGroup:
-    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm. Build it with
-    `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks cannot share memory (other hosts,
-    no /dev/shm): callers then keep using the process group."""
+    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm. `create(pg)` (collective)
+    returns None when the ranks cannot share memory: callers then keep using the process group."""
 
     shrink_after = 512  # exchanges in a row using under a quarter of a region before it is replaced by a smaller one
 
@@ -360,9 +359,8 @@ class SharedMemoryGroup:
     # the protocol ----------------------------------------------------------------------------------
 
     def _write(self, slot: int, pieces: list[Tensor | Writer | None], op: int, tag: str) -> bool:
-        """Pieces into this rank's slot, each at a 64-byte aligned start (receivers view them as any
-        dtype), then the header: op, total size, and (all-to-alls: one piece per rank) each piece's
-        (start, end). None: nothing."""
+        """Pieces into this rank's slot, each at a 64-byte aligned start (viewable as any dtype), then the header: op,
+        total size, and each piece's (start, end). None: nothing."""
         spans = _layout(pieces)
         at = _align(spans[-1]) if spans else 0
         cap = self._data.nbytes // 2
@@ -518,9 +516,8 @@ def _native_barrier():
 
 
 def ddp_comm_hook(group: SharedMemoryGroup):
-    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)). The hook
-    holds DDP's buckets and reduces them all at the last one, in one exchange: one barrier per step (on a CPU box
-    early reduction overlaps nothing). DDP waits for the futures only after the last bucket."""
+    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)): it holds the
+    buckets and reduces them all at the last one, in one exchange (one barrier per step)."""
     pending: list[tuple[Tensor, torch.futures.Future]] = []
 
     def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them

@@ -57,11 +57,9 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
         apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.05})
         dmp = DistributedModelParallel(model, ...)        # the tables are sharded with that update
 
-    Equivalent to building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection whose
-    tables are in `params` (all of them) gets that fused update (torch.optim.SGD, Adagrad or Adam with their
-    defaults, or a fused name such as "rowwise_adagrad"); only the rows a batch reads move
-    (docs/torchrec.md#sharded-tables-train-fused). Call it before building optimizers or DistributedModelParallel:
-    the table parameters are made anew (values kept). Dense parameters are refused (combined_optimizer)."""
+    As building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection whose tables are all in
+    `params` gets that update (docs/torchrec.md#sharded-tables-train-fused). Call it before building optimizers or
+    DistributedModelParallel (the table parameters are made anew). Dense parameters are refused."""
 
     config = _fused_config_for(optimizer_class, optimizer_kwargs or {})
     owners: dict[int, tuple[Any, set[str]]] = {}

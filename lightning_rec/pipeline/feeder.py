@@ -332,8 +332,7 @@ class _Feeder(Iterator):
     def close(self, keep_unused: bool = False) -> list:
         """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join.
 
-        keep_unused: return the batches read ahead that no step took (as many on every rank, plus, in_step_order, one
-        this rank read before its turn came), else drop them."""
+        keep_unused: return the batches read ahead that no step took, else drop them."""
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)

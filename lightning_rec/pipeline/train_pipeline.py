@@ -46,8 +46,7 @@ class InputPipeline:
     def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None, evaluating: bool = False) -> _Feeder:
         """A new pass over `source` (the previous pass, if any, is stopped first).
 
-        pad: evaluation: an empty batch for a rank whose `source` ran out while another's has not, so that
-        every rank's batches are all used (None: the pass ends when the first rank's source does)."""
+        pad: evaluation's empty batch for a rank whose `source` ran out before another's (None: no padding)."""
         if self.closed:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
         self.stop_feeder()
@@ -143,12 +142,9 @@ class TrainPipelineSparseDist:
             except StopIteration:
                 break
 
-    `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
-    `loss.sum().backward()` and `optimizer.step()`, and returns `output`; in eval mode (or optimizer=None) the
-    forward only. Batches come out in order; StopIteration comes once every batch is done (given the DataLoader
-    itself, the next call starts its next pass). An iterator given again goes on where its steps stopped.
-    `close()` keeps the batches read ahead for that iterator and returns them for a plain loop to take first
-    (docs/pipeline.md#hand-written-loops)."""
+    `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward, backward and
+    `optimizer.step()`, and returns `output` (eval mode, or optimizer=None: the forward only). Batches come out in
+    order; StopIteration comes once every batch is done (docs/pipeline.md#hand-written-loops)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
                  config: PipelineConfig | None = None, *, execute_all_batches: bool = True) -> None:

@@ -131,9 +131,8 @@ class CostModel:
 
     @property
     def live_batches(self) -> int:
-        """Batches whose routed ids a rank holds at once (lightning_rec/pipeline/): the step's own;
-        pipelined with depth K, also the K routed ahead and the one Lightning's loop takes ahead
-        (the fetcher's look-ahead batch is routed too). A hand loop holds one fewer: counted anyway."""
+        """Batches whose routed ids a rank holds at once: the step's own; pipelined with depth K, also the K routed
+        ahead and the one Lightning's loop takes ahead (a hand loop holds one fewer: counted anyway)."""
         if self.pipelined is False or self.pipelined is None or self.pipelined == 0:
             return 1
         depth = 1 if self.pipelined is True else int(self.pipelined)
@@ -336,9 +335,8 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
 
 def enumerate_options(spec: TableSpec, cost: CostModel,
                       max_shard_bytes: tuple[float, float]) -> tuple[list[ShardingOption], list[str]]:
-    """Every priced option for one table, and why each excluded one was excluded. Options whose largest shard exceeds
-    `max_shard_bytes` (HBM, DDR) are dropped when others exist: one huge shard pins a rank's memory and leaves the
-    partitioner nothing to balance with."""
+    """Every priced option for one table, and why each excluded one was excluded (a shard over `max_shard_bytes`,
+    when others exist: it would leave the partitioner nothing to balance)."""
     t = cost.topology
     L = t.local_world_size
     options: list[ShardingOption] = []

@@ -69,9 +69,8 @@ def _size(nbytes: float) -> str:
 
 @dataclass
 class Topology:
-    """World size, ranks per host, compute device, memory and bandwidth per rank. `Topology(world_size=8,
-    compute_device="cuda", hbm_cap=80 * GB)`: unset fields come from the machine (GPU 0's memory, host RAM shared by
-    the host's ranks) or from the defaults above."""
+    """World size, ranks per host, compute device, memory and bandwidth per rank; unset fields come from the machine
+    (GPU 0's memory, host RAM shared by the host's ranks) or from the defaults above."""
 
     # TorchRec's field order, so that its positional calls read the same
     world_size: int
