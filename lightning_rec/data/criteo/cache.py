@@ -115,8 +115,7 @@ def build_criteo_cache(path: str | os.PathLike, cache_dir: str | os.PathLike | N
                        parser: str = "auto") -> tuple[Path, ParseReport]:
     """Parse `path` once into a memory-mappable Arrow file; later calls find it and return at once.
 
-    The cache key covers the file (absolute path, size, mtime), the parse options and the parser version. It is
-    written under a temporary name and renamed: ranks that build it at once never read a half-written file."""
+    It is written under a temporary name and renamed: ranks that build it at once never read a half-written file."""
     path = Path(path)
     table_source = table_source_kind(path) is not None
     key = _cache_key(path, table_source, separator, has_header, has_label, on_bad_row, parser)

@@ -39,11 +39,8 @@ _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",
 class CriteoDataModule(pl.LightningDataModule):
     """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es (docs/criteo.md).
 
-    Map-style (default): each file is parsed once into a memory-mapped Arrow cache under `cache_dir`
-    (`prepare_data`, local rank 0), then read by index. `streaming=True`: parsed while iterating, shuffled
-    within blocks. A path may also be a table (Parquet, a save_to_disk folder; in Python a `datasets.Dataset`)
-    or a `lightning-rec preprocess` directory, whose shards each rank reads its share of. Training and
-    validation need labelled files.
+    Each file is parsed once into a memory-mapped Arrow cache (`prepare_data`), or with `streaming=True` while
+    iterating. A path may also be a table, a `datasets.Dataset` or a `lightning-rec preprocess` directory.
 
     Args:
         train_path: the training data: a Criteo text file, a table, or a `lightning-rec preprocess` directory.

@@ -165,8 +165,7 @@ class CriteoIterableDataset(IterableDataset):
     pair is dealt row by row instead. With `shuffle`, rows are shuffled within each block, per epoch (`set_epoch`);
     the block order stays the file order. Rows left over carry into the next block's batches.
 
-    `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file order
-    (the line's place, or (block << 32) + its place in the block), by which predictions are put in order."""
+    `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file order."""
 
     def __init__(self, path: str | os.PathLike, batch_size: int, num_embeddings_per_feature: int | Sequence[int],
                  sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",

@@ -58,9 +58,7 @@ def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file",
 
 
 def file_compression(path: str | os.PathLike) -> str | None:
-    """gzip / bz2 / zstd from the file's first bytes (not its name), or None for plain text. A compressed file named
-    like text (`day_0.tsv` holding gzip) is read through the decompressor, with a warning naming the rename that
-    silences it."""
+    """gzip / bz2 / zstd from the file's first bytes (not its name; a misnamed one is warned about), or None."""
     with open(path, "rb") as f:
         magic = f.read(4)
     for prefix, name, suffix in _MAGIC:

@@ -233,9 +233,8 @@ def _convert_rows(clean: np.ndarray, rows_line: np.ndarray, layout: CriteoLayout
 
 def _parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str,
                  report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
-    Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row handed to Arrow has
-    exactly `num_fields` fields and its file line number is known."""
+    """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw),
+    every row checked in numpy before Arrow's CSV reader sees it."""
     lines = _Lines.of(block, first_line, ord(layout.separator))
     problems: list[tuple[np.ndarray, object, int]] = []
     unreadable = _unreadable_rows(lines, layout, problems)
@@ -290,9 +289,8 @@ class CriteoReadOptions:
 def read_criteo(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
                 has_label: bool | None = None, on_bad_row: str = "error", block_bytes: int = 64 << 20,
                 parser: str = "auto") -> Iterator[tuple[pa.Table, ParseReport]]:
-    """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block. The report is the
-    same object every time, updated as blocks are parsed. `parser`: "auto" (native when built), "native" or "python"
-    (the reference); both give the same tables."""
+    """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block, with one report
+    updated as blocks are parsed. `parser`: "auto" (native when built), "native" or "python" (the reference)."""
     options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
     layout = options.layout(path)
     report = ParseReport(path=str(path), layout=asdict(layout))

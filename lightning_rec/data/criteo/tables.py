@@ -254,9 +254,8 @@ def table_layout(path: str | os.PathLike, has_label: bool | None = None) -> dict
 
 def read_criteo_table(path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error",
                       batch_rows: int = 1 << 20) -> Iterator[tuple[pa.Table, ParseReport]]:
-    """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text. The
-    report is the same object every time; `skipped` holds (row, reason) with the row counted over the whole source
-    (0-based), and the reasons name the file and its own row."""
+    """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text; the
+    report's `skipped` rows count over the whole source, its reasons name the file and its own row."""
     check_on_bad_row(on_bad_row)
     blocks = TableBlocks(path, has_label, batch_rows)
     report = ParseReport(path=str(path), layout=blocks.layout)
