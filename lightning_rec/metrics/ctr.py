@@ -213,12 +213,8 @@ class AUC(Metric):
 
 
 class BinnedAUC(BinaryAUROC):
-    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities: torchmetrics' binned
-    `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
-
-    Logits (`from_logits=True`) go through a sigmoid first. `update` builds torchmetrics' confusion counts from a
-    histogram (O(N log T) instead of O(N T)). Predictions crowded into a few bins lose precision: check against `AUC` on
-    a sample."""
+    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities (torchmetrics' binned
+    `BinaryAUROC`, fixed memory), its counts built from a histogram. Logits go through a sigmoid first."""
 
     def __init__(self, num_thresholds: int = 10_000, from_logits: bool = True, **kwargs) -> None:
         if not isinstance(num_thresholds, int) or num_thresholds < 2:

@@ -183,9 +183,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         return loss
 
     def _loader_metrics(self, split: str, count: int | None = None) -> list[RecMetricCollection]:
-        """One metric collection per evaluation dataloader (a val and a holdout set). The first keeps the plain names
-        (val_auc, the one checkpoints and early stopping monitor); loader k >= 1 logs val_auc/dataloader_idx_k,
-        Lightning's naming."""
+        """One metric collection per evaluation dataloader: the first keeps the plain names (val_auc), loader k >= 1
+        logs val_auc/dataloader_idx_k (Lightning's naming)."""
         first = self.val_metrics if split == "val" else self.test_metrics
         if count is not None:  # at the epoch start, the same on every rank (a rank's empty share still syncs)
             for k in range(1, count):

@@ -36,10 +36,8 @@ LOSSES = ("softmax", "bpr")
 class Tower(nn.Module):
     """KJT -> pooled embeddings of every feature, concatenated -> MLP (none when layer_sizes is empty).
 
-    `skip_feature` (e.g. "user_id") adds that feature's pooled embedding to the MLP's output, a residual path: out_BD =
-    emb_id_BD + MLP(concat(every feature)), so weight decay on the MLP shrinks only the side-feature correction
-    (docs/movielens.md#the-model). The MLP's last layer must then have the embedding's dim. `dropout` acts on the MLP's
-    input and between its layers."""
+    `skip_feature` (e.g. "user_id") adds that feature's embedding to the MLP's output (docs/movielens.md#the-model):
+    out_BD = emb_id_BD + MLP(concat(every feature)). `dropout` acts on the MLP's input and between its layers."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, layer_sizes: Sequence[int] = (),
                  skip_feature: str | None = None, dropout: float = 0.0) -> None:

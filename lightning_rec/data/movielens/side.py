@@ -184,9 +184,8 @@ def _is_text(column: pa.ChunkedArray) -> bool:
 
 
 def _indexed(column: pa.ChunkedArray, extra: list) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct ids of the column and of `extra`, a side file's keys, sorted; each row's place among them). Raw
-    ids are int64, or fixed-width unicode for string ids (saved without pickle); string ids are dictionary-encoded by
-    Arrow and only the distinct ones sorted."""
+    """(the distinct ids of the column and of `extra`, sorted: int64, or fixed-width unicode for strings; each row's
+    place among them). String ids are dictionary-encoded by Arrow and only the distinct ones sorted."""
     if not _is_text(column):
         raw = np.asarray(column)
         ids = np.unique(np.concatenate([raw, np.asarray(extra, dtype=np.int64)]) if extra else raw)

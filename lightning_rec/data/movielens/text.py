@@ -134,9 +134,8 @@ def _column_names(path: Path, data: bytes, sep: str, has_header: bool, columns: 
 
 def _parse(path: Path, data: bytes, sep: str, has_header: bool, column_names: list[str],
            included: list[str]) -> tuple[pa.Table, set[str]]:
-    """The parsed table, and the id columns read as text. Integer ids first (faster); a headed file whose ids do not
-    parse is read again with its ids as text (ASINs). GroupLens' headerless files keep integer ids: a letter there is
-    damage."""
+    """The parsed table, and the id columns read as text: integer ids first; a headed file whose ids do not parse is
+    read again with text ids (ASINs). Headerless files keep integer ids: a letter there is damage."""
 
     def read(string_ids: set[str]) -> pa.Table:
         return pacsv.read_csv(
