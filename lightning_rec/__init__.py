@@ -1,14 +1,10 @@
 """lightning_rec: train large recommendation models with Lightning.
 
-Keyed jagged tensors, fused embedding collections on fbgemm kernels, model-parallel sharding,
-a planner, and Lightning integration (`Trainer(strategy="rec")`, the `lightning-rec` recipe CLI).
+Keyed jagged tensors, fused embedding collections on fbgemm kernels, model-parallel sharding, a planner, and Lightning
+integration (`Trainer(strategy="rec")`, the `lightning-rec` recipe CLI).
 
-Names are imported on first use: `import lightning_rec` stays light (no Lightning, datasets or
-wandb until a name that needs them is touched), which keeps an embedding-only process small.
-Importing any LightningModule or the CLI registers `strategy="rec"` with Lightning, and so does
-`import lightning_rec` itself when Lightning is already imported (`import lightning.pytorch as L`
-first, as isort orders them): then `L.Trainer(strategy="rec")` works with any LightningModule.
-"""
+Names are imported on first use, so `import lightning_rec` stays light. Importing any LightningModule or the CLI
+registers `strategy="rec"` with Lightning, and so does `import lightning_rec` when Lightning is imported already."""
 
 from __future__ import annotations
 

@@ -19,9 +19,7 @@ def cuda_missing() -> str | None:
 
 
 def no_cuda_error(call: str, fix: str) -> ValueError | None:
-    """The one-line error for `call` (a move to CUDA, pinning memory) where this environment has no usable
-    CUDA; None where it has one. torch's own (an AssertionError or RuntimeError from inside the copy) names
-    neither the call nor the fix."""
+    """The one-line error for `call` (a move to CUDA, pinning memory) without usable CUDA, naming the fix; else None."""
     what = cuda_missing()
     if what is None:
         return None
@@ -45,19 +43,14 @@ def check_device_ready(device: torch.device) -> None:
 
 
 def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
-    """A CUDA device with its index ("cuda" alone: the current device's); others unchanged.
-
-    Tensors report indexed devices, and torch.device("cuda") != torch.device("cuda:0"): a bare "cuda"
-    kept in the sharding env and compared with its own tensors' devices reads as another device.
-    """
+    """A CUDA device with its index ("cuda" alone: the current device's, as tensors report it); others unchanged."""
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", current_index())
 
 
 def move_or_explain(call: str, device: torch.device | str | int | None, move):
-    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so.
-    (The batches' `.to` / `.pin_memory` go through it too.)"""
+    """move() (a copy to `device`, or pinning when device is None); without CUDA, one line that says so."""
     try:
         return move()
     except (RuntimeError, AssertionError):  # torch's words differ by build: check what is missing

@@ -1,36 +1,15 @@
-"""Checks a batch passes before any kernel reads it: offsets, ids in their tables, finite weights.
+"""Checks a batch passes before any kernel reads it: offsets, ids in their tables, finite weights
+(docs/kernels.md; on GPU, docs/gpu.md#on-gpu).
 
 Shapes: F features, B samples, N ids.
-
-Every KJT that reaches a table-batched kernel (ours or fbgemm's) is checked first, so a bad batch
-is a ValueError naming the feature, the table and the fix, never a crash, a wrong row or a NaN row
-written by the fused update:
 
     offsets  start at 0, never decrease, end at N            (a slice of a larger batch, not rebased)
     ids      in [0, rows of the feature's table)              (one table's size per feature, not per key name)
     weights  finite                                           (one NaN weight poisons every row it touches)
 
-Where the check runs, and what it costs:
-
-- **CPU batches**: one pass in C++ (`torch.ops.lightning_rec.check_batch`, multi-threaded over
-  features), before the lookup, so a bad batch changes nothing. Without the extension, the same
-  rules in vectorised torch ops.
-- **GPU batches built on the host** (the usual data path: a CPU batch moved with `.to("cuda")`):
-  the KJT keeps its host copy, which is checked on the host. No device sync, nothing updated.
-- **GPU batches that never were on the host**: reading a flag back every step would stall the
-  stream, so the check is lazy: fbgemm's own bounds check (BoundsCheckMode.WARNING) keeps the kernel
-  safe (a bad id reads row 0) and counts bad ids on the device, each lookup into its own slot of a
-  device ring; every DeviceBoundsCheck.copy_every (32) lookups the ring's block travels to pinned host
-  memory without waiting, and a later call raises once it has arrived, naming the lookup that had
-  them and the tables of the kernel that counted them (fbgemm counts a kernel's tables together).
-  That call's own batch is then checked on the host (a sync on the error path only) and, when it
-  has bad ids too (a data pipeline's usually recur), the message names its feature, table and id.
-  The bad batch has trained (as row 0), and fbgemm rewrote its bad ids to 0 in place; build
-  batches on the host for the strict check.
-
-`validate_ids=False` on a collection turns the id and weight checks off (the kernels' own memory
-safety stays: the native kernel checks offsets and ids in C++; fbgemm's bounds check on GPU).
-"""
+CPU batches, and GPU batches that keep their host copy, are checked on the host (one C++ pass, or the same
+rules in torch ops) before anything is updated. GPU batches never on the host are counted on the device
+(fbgemm's bounds check, or DeviceIdGuard before routing) and raised a few lookups later, without a sync."""
 
 from __future__ import annotations
 
@@ -124,9 +103,7 @@ def check_features(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequen
                    owner: str = "collection") -> None:
     """ValueError if `features` (exactly the features rows_F / tables_F describe, in order) is unsafe."""
     if torch.compiler.is_compiling():
-        # torch.compile(fullgraph=True) cannot trace the host reads below (an `if` on a tensor): the same check as one
-        # op of the graph, which raises the same ValueError when the compiled model runs. Device batches are left to
-        # the kernels' own bounds checks there (reading a device flag back would stall the stream).
+        # torch.compile cannot trace the host reads below: the same check as one op of the graph
         if features.values().device.type == "cpu":
             torch._assert_async(_compiled_check(rows_F, features.values(), features.offsets(),
                                                 features.weights_or_none(), _SEP.join(features.keys()),
@@ -149,8 +126,7 @@ _SEP = "\x1f"  # joins names into the one string a custom op takes (it has no li
 @torch.library.custom_op("lightning_rec::check_features", mutates_args=())
 def _compiled_check(rows_F: Tensor, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None, keys: str,
                     tables: str, owner: str) -> Tensor:
-    """check_features inside a compiled graph: raises its ValueError, else a True flag (torch._assert_async keeps
-    the op in the graph; an op with no output would be dropped as dead code)."""
+    """check_features inside a compiled graph: raises its ValueError, else a True flag (kept by torch._assert_async)."""
     problem = find_problem(rows_F, values_N, offsets, weights_N)
     if problem[0] != OK:
         raise ValueError(describe(problem, keys.split(_SEP), tables.split(_SEP), rows_F.tolist(), weights_N, owner))
@@ -162,7 +138,7 @@ def _(rows_F, values_N, offsets, weights_N, keys, tables, owner) -> Tensor:
     return torch.empty((), dtype=torch.bool)
 
 
-# Kept for callers of the earlier name.
+# the earlier name
 def check_ids(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequence[str]) -> None:
     check_features(features, rows_F, tables_F)
 
@@ -182,13 +158,8 @@ class _Arrived:
 
 class _CountRing:
     """Per-lookup counts on the device, read back a block of `copy_every` lookups at a time without waiting.
-
-    counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); after a block's last
-    lookup the block travels to pinned host memory in one non-blocking copy. `drain()` reads the blocks
-    whose copies have arrived, oldest first; a block is never overwritten unread (the ring waits for it,
-    which needs the stream SLOTS blocks behind). One copy per block, not per lookup: a copy after every
-    lookup costs ~180 us of a ~1 ms embedding step (measured on an H200).
-    """
+    counts[block, j, c]: lookup j of a block writes its row (c: a kernel, or a feature); a full block travels to
+    pinned host memory in one non-blocking copy. `drain()` reads arrived blocks, oldest first (none lost unread)."""
 
     SLOTS = 4  # blocks in flight
 
@@ -200,8 +171,7 @@ class _CountRing:
                        torch.cuda.Event() if cuda else _Arrived()) for _ in range(self.SLOTS)]
         self.block, self.j, self.lookups = 0, 0, 0
         self._pending: list[tuple[int, int]] = []  # (block, number of its first lookup), oldest first
-        # CUDA streams that wrote rows of the block being filled (row()): a pipeline routes its first batch on the
-        # step's stream and the later ones on its feeder's, and the block's copy must follow every write
+        # CUDA streams that wrote rows of the block being filled: its copy must follow every write
         self._cuda = cuda
         self._writers: dict[int, torch.cuda.Stream] = {}
 
@@ -213,8 +183,7 @@ class _CountRing:
         return self.counts[self.block, self.j]
 
     def drain(self) -> tuple[int, Tensor] | None:
-        """(lookup number, its host counts) of the first arrived lookup with a count, else None. Reported once:
-        the blocks still in flight are dropped with it (the run stops there, or goes on past it)."""
+        """(lookup number, its host counts) of the first arrived lookup with a count, else None (reported once)."""
         while self._pending and self._host[self._pending[0][0]][1].query():
             block, first = self._pending.pop(0)
             counts_JC = self._host[block][0]
@@ -226,8 +195,7 @@ class _CountRing:
         return None
 
     def advance(self) -> tuple[int, Tensor] | None:
-        """A lookup wrote its row: the next lookup gets the next; a full block is copied. Returns what drain
-        found when the ring had to wait for a block before reusing it."""
+        """A lookup wrote its row: the next gets the next; a full block is copied. Returns what a forced drain found."""
         self.lookups += 1
         self.j += 1
         found = None
@@ -253,16 +221,9 @@ class _CountRing:
 class DeviceBoundsCheck:
     """Bad ids on GPU batches that were never on the host, reported without a per-step sync.
 
-    fbgemm's bounds check (BoundsCheckMode.WARNING) zeroes its counter at each call, then counts the
-    bad ids of that call on the device (and reads them as row 0). Each kernel's counter is pointed at
-    its column of this lookup's row of a _CountRing (setting a buffer launches nothing), so the counts
-    travel to the host a block at a time; a later call raises once a block with a count has arrived,
-    naming the tables and features of the kernels that counted and which lookup it was.
-
-    The batch itself is not kept (a block would hold copy_every batches), so the message names the
-    lookup, not the id; batches built on the host and moved with .to('cuda') are checked there,
-    strictly, before any update (see the module docstring).
-    """
+    fbgemm's bounds check (BoundsCheckMode.WARNING) counts a call's bad ids on the device (read as row 0). Each
+    kernel's counter is pointed at its column of this lookup's row of a _CountRing, and a later call raises once a
+    block with a count has arrived, naming the kernel's tables and features and the lookup (the batch is not kept)."""
 
     SLOTS = _CountRing.SLOTS
     copy_every = 32  # lookups per block: one host copy per block
@@ -292,9 +253,8 @@ class DeviceBoundsCheck:
                       tables_F: Sequence[str] | None = None) -> None:
         """Raise for an earlier lookup whose count has arrived with bad ids (never waits).
 
-        now, rows_F, tables_F: the batch about to be looked up and its features' table sizes and names (its own key
-        order). Only when raising, it is checked on the host (one sync, on the error path alone): fbgemm counts a
-        kernel's tables together, so this names the feature, table and id when the data still has the problem."""
+        now, rows_F, tables_F: the batch about to be looked up, its features' table sizes and names. When raising, it
+        is checked on the host (a sync on the error path alone), to name the feature, table and id."""
         found = self._ring.drain()
         if found is not None:
             self._raise(found, self._check_now(now, rows_F, tables_F) if now is not None else "")
@@ -330,13 +290,9 @@ class DeviceBoundsCheck:
 class DeviceIdGuard:
     """A sharded collection's check of GPU batches never on the host, before the ids are routed.
 
-    Row-wise routing divides each id by its table's rows per shard: an id outside its table would go to
-    another shard's rows or past the routing tables (a device assert, the CUDA context lost), and no
-    kernel would count it. So, on the device and without a sync: ids outside [0, rows) are read as row 0
-    (as fbgemm's WARNING mode does), counted per feature into this lookup's row of a _CountRing, and a later
-    call raises once the counts have arrived, naming the feature, its table and the lookup. A handful of
-    elementwise kernels per step, only for batches that were never on the host.
-    """
+    Row-wise routing would send an id outside its table to another shard's rows or past the routing tables (a device
+    assert), and no kernel would count it. So, without a sync: such ids are read as row 0 (as fbgemm's WARNING mode
+    does), counted per feature into a _CountRing, and a later call raises."""
 
     copy_every = 32
 

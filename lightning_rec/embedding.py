@@ -5,12 +5,9 @@ Shapes: B batch, F features, N ids, D dims.
     KJT (features, any key order) --permute--> lookup kernels --> KeyedTensor [B, sum(D)]   (bags)
                                                               --> {feature: JaggedTensor [N_f, D]} (sequence)
 
-With `optimizer=FusedOptimizerConfig(...)` the tables live in fused table-batched kernels that
-update rows inside backward; with `optimizer=None` each table is an ordinary parameter trained by
-any torch.optim optimizer. Either way the state dict holds one `[rows, dim]` weight per table
-under TorchRec's names (`embedding_bags.<table>.weight`, `embeddings.<table>.weight`), and those
-parameters are views into the kernel's storage: loading a state dict writes into the kernel.
-"""
+With `optimizer=FusedOptimizerConfig(...)` the tables live in fused kernels that update rows inside backward;
+with `optimizer=None` each is an ordinary parameter. Either way the state dict holds one `[rows, dim]` weight per
+table under TorchRec's names, views into the kernel's storage (loading writes into the kernel)."""
 
 from __future__ import annotations
 
@@ -41,10 +38,8 @@ from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables,
 
 
 def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
-    """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (the tables' dtype is their
-    configs' data_type; the fused kernels are built for it)."""
-    # names the Lightning precision that converts to this dtype; a parent's layers converted before this refusal
-    # stay converted (nn.Module._apply walks children in order), so it says how to convert them back
+    """`.double()` / `.half()` / `.to(dtype)` of a module holding fused tables: refused (set the configs' data_type)."""
+    # names the Lightning precision that converts to this dtype, and how to convert layers already converted back
     lightning = ("Lightning's precision='64-true' converts it: use '32-true', the tables have no float64 kernel"
                  if dtype == torch.float64 else
                  "Lightning's precision='bf16-true' / '16-true' converts it: use 'bf16-mixed'")
@@ -56,8 +51,7 @@ def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
 
 
 def refuse_dtype_cast(owner: str, fn) -> None:
-    """Raise `dtype_cast_error` when `fn` (what nn.Module._apply applies) would change a float32 tensor's dtype;
-    a device move (`.to(device)`, `.cuda()`) passes."""
+    """Raise `dtype_cast_error` when `fn` (what nn.Module._apply applies) would change a float32 tensor's dtype."""
     try:
         dtype = fn(torch.empty(0)).dtype
     except (RuntimeError, AssertionError):  # a move this machine cannot make: the module's own _apply says so
@@ -69,12 +63,9 @@ def refuse_dtype_cast(owner: str, fn) -> None:
 class FeatureRouter:
     """A KJT's features put into a collection's order, its per-id weights kept or dropped, the batch checked.
 
-    Shared by the unsharded and the sharded collections. For each input key order (cached) it
-    knows the permutation and every input feature's table size; the batch is checked in the order
-    it arrives (batch_check.py), before the permutation, so that a GPU batch moved from the host is
-    checked on its host copy. A feature no table reads, and weights given to an unweighted
-    collection, are dropped with a warning (once).
-    """
+    Shared by the unsharded and the sharded collections; per input key order (cached) it knows the permutation and each
+    feature's table size. The batch is checked as it arrives, before the permutation, so that a GPU batch moved from the
+    host is checked on its host copy. Unread features and unused weights are dropped with a warning (once)."""
 
     def __init__(self, feature_names: Sequence[str], rows_F: Tensor, tables_F: Sequence[str], is_weighted: bool,
                  owner: str) -> None:
@@ -99,11 +90,9 @@ class FeatureRouter:
                 read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:5])
                 extra = (f"; it has {some(unexpected)} that no table reads" if unexpected else
                          f"; it has {len(keys)} feature(s), all read")
-                raise ValueError(
-                    f"the input has no feature(s) {some(missing)} that this {self.owner} reads ({read_by}"
-                    f"{', ...' if len(missing) > 5 else ''}){extra}: rename the features or the tables' "
-                    f"feature_names so they match"
-                )
+                raise ValueError(f"the input has no feature(s) {some(missing)} that this {self.owner} reads ({read_by}"
+                                 f"{', ...' if len(missing) > 5 else ''}){extra}: rename the features or the tables' "
+                                 f"feature_names so they match")
             unread = [k for k in keys if k not in self._by_feature]
             if unread:
                 warnings.warn(f"the input's feature(s) {unread} are read by no table of this {self.owner} and are "
@@ -131,8 +120,7 @@ class FeatureRouter:
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
                              f"build the KJT with weights=..., or set is_weighted=False")
-        # torch.export traces symbolic ids that no check can read: an exported program takes its ids unchecked,
-        # as TorchRec's does
+        # torch.export traces symbolic ids that no check can read (as TorchRec's, unchecked)
         if validate_ids and not torch.compiler.is_exporting():
             if features.device().type != "cpu" and self.device_check is not None:
                 self.device_check.before_lookup(features, rows_in, tables_in)  # raises for an earlier bad batch
@@ -222,8 +210,7 @@ class _EmbeddingCollectionBase(nn.Module):
         for t in tables:
             for f in t.feature_names:
                 if f in readers:
-                    # Two tables reading one feature would give one output key twice: to_dict() and kt[key]
-                    # would silently keep one of the two embeddings.
+                    # two tables reading one feature would give one output key twice
                     raise ValueError(
                         f"feature '{f}' is read by tables '{readers[f]}' and '{t.name}': each feature can feed one "
                         f"table of a collection. Give the second table its own feature name (e.g. '{f}_{t.name}') "
@@ -264,8 +251,7 @@ class _EmbeddingCollectionBase(nn.Module):
     def _build_lookup(self, device: torch.device) -> None:
         lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,
                                weighted=self._is_weighted)
-        # The lookup is kept out of the module tree so that the state dict shows tables, not kernel
-        # internals; its tables are registered below as parameters that view the kernel's storage.
+        # the lookup is kept out of the module tree: the state dict shows tables that view the kernel's storage
         object.__setattr__(self, "_lookup", lookup)
         weights = _Tables()
         table_weights = lookup.table_weights()
@@ -277,8 +263,7 @@ class _EmbeddingCollectionBase(nn.Module):
         setattr(self, self._weights_attr, weights)
         by_feature = {f: c for c in self._configs for f in c.feature_names}
         self._feature_names = lookup.feature_names  # the kernels' order: tables grouped by pooling and data type
-        # Outputs come in the configs' order, as TorchRec's: a KeyedTensor read by position (values()[:, :D],
-        # DLRM's interaction) must not depend on how the tables were grouped into kernels.
+        # outputs in the configs' order, as TorchRec's, whatever the kernels' grouping
         self._output_names = [f for c in self._configs for f in c.feature_names]
         self._output_dims = [by_feature[f].embedding_dim for f in self._output_names]
         self._column_order = None
@@ -303,9 +288,7 @@ class _EmbeddingCollectionBase(nn.Module):
         weakref.finalize(param, _TABLE_OWNERS.pop, id(param), None)  # gone with the parameter, not kept forever
 
     def __setstate__(self, state: dict) -> None:
-        # copy.deepcopy and pickle (torch.save(model)) come through here. nn.Parameter's deepcopy clones its data:
-        # point the copy's table parameters at its own kernels' storage again (equal values) and register them,
-        # as the originals are, for apply_optimizer_in_backward.
+        # deepcopy / pickle: point the copy's table parameters at its own kernels' storage again, and register them
         super().__setstate__(state)
         _LIVE_COLLECTIONS[id(self)] = self
         table_weights = self._lookup.table_weights()
@@ -354,9 +337,7 @@ class _EmbeddingCollectionBase(nn.Module):
         seen = self.__dict__.get("_frozen_seen")
         if seen is None or seen[0] != FusedTableWeight.freeze_changes:
             if torch.compiler.is_compiling():
-                # torch.compile cannot read an attribute of a Parameter subclass ("Unsupported tensor subclass
-                # overridden attribute access"): read once while tracing, as a constant of the graph (which is
-                # recompiled when freeze_changes, read above, moves)
+                # torch.compile cannot read a Parameter subclass's attribute: a graph constant (recompiled on freeze)
                 frozen = _frozen_names(id(self))
             else:
                 frozen = _read_frozen(self)
@@ -364,11 +345,7 @@ class _EmbeddingCollectionBase(nn.Module):
         return seen[1]
 
     def use_fused_optimizer(self, optimizer: FusedOptimizerConfig) -> None:
-        """Train the tables with this fused update from now on (apply_optimizer_in_backward's way in).
-
-        The kernels are built anew around the current weights (fresh optimizer state): the table
-        parameters are new objects, so build optimizers over the model after this call.
-        """
+        """Train the tables with this fused update from now on (build optimizers over the model after this call)."""
         if not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"use_fused_optimizer takes a FusedOptimizerConfig, got {type(optimizer).__name__}")
         weights = {n: w.detach().clone() for n, w in self._lookup.table_weights().items()}
@@ -397,8 +374,7 @@ class _EmbeddingCollectionBase(nn.Module):
         return self._router(features, self.validate_ids)
 
     def _warn_if_replicated(self) -> None:
-        # A fused update trains the tables inside backward, where DDP / FSDP never see a gradient to average:
-        # unsharded in a multi-rank run, every rank's copy takes only its own batches and they drift apart.
+        # a fused update trains inside backward, unseen by DDP / FSDP: unsharded copies on N ranks drift apart
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._warned_replicas = True
@@ -412,12 +388,9 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         if self._device.type == "meta":
-            # Built on "meta" (TorchRec's way to build tables larger than one device): no values to move, also when
-            # Lightning moves the module before the strategy shards it, which draws each shard where it lives.
-            # A forward before sharding says so (_route).
+            # built on "meta": no values to move; the strategy draws each shard where it lives
             return self
-        # .to(...) / .cuda() / a parent's, all through here: without CUDA, one line instead of torch's
-        # AssertionError from inside the copy ("Torch not compiled with CUDA enabled")
+        # .to(...) / .cuda() / a parent's: without CUDA, one line instead of torch's AssertionError
         try:
             probe = fn(torch.empty(0, device=self._device))
         except (RuntimeError, AssertionError) as e:
@@ -464,11 +437,9 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         tables: one EmbeddingBagConfig per table; several features may read one table.
         is_weighted: use the KJT's per-id weights (weighted sum / mean).
         device: where the tables live ("cpu" or "cuda").
-        optimizer: a FusedOptimizerConfig to update rows inside backward (fbgemm TBE, or the
-            native CPU kernel); None for plain parameters trained by torch.optim.
+        optimizer: a FusedOptimizerConfig to update rows inside backward; None: parameters trained by torch.optim.
         kernel: "auto" | "fbgemm" | "native" | "dense" (see lookup.choose_kernel).
-        validate_ids: check every id against its table's rows (ValueError naming both).
-    """
+        validate_ids: check every id against its table's rows (ValueError naming both)."""
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False,
                  device: torch.device | str | None = None, optimizer: FusedOptimizerConfig | None = None,
@@ -498,8 +469,7 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
 
 def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
                               inverse: tuple[list[str], Tensor]) -> Tensor:
-    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> one row per sample of the full batch
-    (inverse indices [F, B_full] in the KJT's key order)."""
+    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> a row per sample of the full batch."""
     keys, index_FB = inverse
     at = {k: i for i, k in enumerate(keys)}
     blocks = torch.split(pooled_BD, list(dims), dim=1)
@@ -508,8 +478,7 @@ def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Seq
 
 
 def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
-    """One feature's rows as a JaggedTensor; with need_indices, its ids ride as the weights (TorchRec's layout: integer
-    weights, which a JaggedTensor built by hand refuses as per-id weights)."""
+    """One feature's rows as a JaggedTensor; with need_indices, its ids ride as the weights (TorchRec's layout)."""
     jt = JaggedTensor(values=rows_ND, lengths=lengths_B)
     jt._weights = ids_N
     return jt
@@ -549,8 +518,7 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return next(iter(dims.values()))
 
     def embedding_names_by_table(self) -> list[list[str]]:
-        """TorchRec's: each table's output names, its features (a feature is read by one table here, so TorchRec's
-        'feature@table' names for a feature shared by tables do not arise)."""
+        """TorchRec's: each table's output names, its features (a feature is read by one table here)."""
         return [list(c.feature_names) for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:

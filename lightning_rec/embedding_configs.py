@@ -1,7 +1,6 @@
 """The tables' configs: EmbeddingBagConfig / EmbeddingConfig (TorchRec's fields), PoolingType, DataType.
 
-Each config checks its own fields once, when it is built: the collections, the planner and the CLI
-take them as given.
+Each config checks its own fields once, when it is built: the collections, the planner and the CLI take them as given.
 """
 
 from __future__ import annotations
@@ -27,10 +26,7 @@ class PoolingType(str, Enum):
 
 
 class DataType(str, Enum):
-    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`); torch dtypes work as well.
-
-    The two that the tables store: TorchRec's other members (BF16, INT8, ...) have no kernel here.
-    """
+    """TorchRec's name for a table's data_type (`data_type=DataType.FP16`); torch dtypes work as well."""
 
     FP32 = "fp32"
     FP16 = "fp16"
@@ -64,14 +60,11 @@ class BaseEmbeddingConfig:
     data_type: torch.dtype = torch.float32
     weight_init_min: float | None = None  # default: -sqrt(1 / num_embeddings), as TorchRec
     weight_init_max: float | None = None
-    # TorchRec's: called on each table's weight in place (e.g. partial(nn.init.normal_, std=0.01)) instead of the
-    # uniform weight_init_min..max draw. Sharded tables built on "meta" get it per shard (elementwise inits match).
+    # TorchRec's: called on each table's weight in place instead of the uniform draw (per shard on "meta")
     init_fn: Callable[[Tensor], object] | None = None
-    # TorchRec's: a table read with position weights. Learned per-id weights train under every sharding type here,
-    # row_wise included (TorchRec needs this flag for it), so either value is taken and changes nothing.
+    # TorchRec's flag for position-weighted tables: learned per-id weights train under every sharding type here
     need_pos: bool = False
-    # TorchRec's fields for what this package does not do (inference-time row pruning, bucketized and virtual
-    # tables): the default taken, another value refused naming what to do
+    # TorchRec's fields for what this package does not do: the default taken, another value refused
     num_embeddings_post_pruning: int | None = None
     input_dim: int | None = None
     total_num_buckets: int | None = None

@@ -1,8 +1,7 @@
 """Message helpers: how an error shows the values it names. One place, so every refusal reads alike.
 
-User errors raise ValueError (TypeError for a value of the wrong kind) and name the fix; these
-helpers only format. A leaf: imports nothing of lightning_rec.
-"""
+User errors raise ValueError (TypeError for a value of the wrong kind) and name the fix; these helpers only format. A
+leaf: imports nothing of lightning_rec."""
 
 from __future__ import annotations
 

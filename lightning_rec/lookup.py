@@ -2,20 +2,14 @@
 
 Shapes: F features, B batch, N ids, D dims, T tables.
 
-Used by the unsharded collections (every table is local) and by the sharded ones (the local
-tables are this rank's shards). Two compute kernels:
+Used by the unsharded collections and by the sharded ones (the local tables are this rank's shards).
+Two compute kernels: fused (one table-batched kernel per group, fbgemm TBE or our native CPU kernel, whose
+backward applies the optimizer to the rows it touched: no weight gradient exists) and dense (an
+`nn.Parameter` per table, `F.embedding_bag` per feature, stepped by a torch.optim optimizer).
 
-- fused: one table-batched kernel per group (fbgemm TBE, or our native CPU kernel once built)
-  whose backward applies the optimizer to the rows it touched; no weight gradient exists.
-- dense: one ordinary `nn.Parameter` per table and `F.embedding_bag` per feature; autograd
-  produces the gradient and a torch.optim optimizer (or DDP) steps it.
-
-Tables are grouped by what a kernel must share (pooling; data type); several features may read
-one table. A lookup expects its features in `feature_names` order (group-major) and returns
-their pooled embeddings side by side in that order: pooled_BD with D = sum of the features' dims.
-Each table's weights are exposed as `weights[name]`: a view into the kernel's storage, so writes
-through it (checkpoint loading, resharding) land in the kernel.
-"""
+Tables are grouped by what a kernel must share (pooling, data type). A lookup takes its features in `feature_names`
+order (group-major) and returns pooled_BD, D = sum of the features' dims. A table's weights are views into the kernel's
+storage, so writes through them (checkpoint loading) land in the kernel."""
 
 from __future__ import annotations
 
@@ -48,9 +42,7 @@ class LocalTable:
     pooling: str  # "sum" | "mean" | "none"
     data_type: torch.dtype = torch.float32
     weight_init: tuple[float, float] | None = None  # uniform range; None: +-sqrt(1/rows)
-    # Where a fused table lives on GPU (a plan's compute kernel): "fused" in device memory,
-    # "fused_uvm" in host memory through unified memory, "fused_uvm_caching" in host memory with a
-    # device cache. On CPU every table is in host memory already, so all three are the same.
+    # on GPU: "fused" device memory, "fused_uvm" host memory (unified), "fused_uvm_caching" host + device cache
     compute_kernel: str = "fused"
     cache_load_factor: float | None = None  # fused_uvm_caching: its cache's share of rows (None: fbgemm's 20%)
 
@@ -62,11 +54,7 @@ class LocalTable:
 
 
 def join_outputs(parts: Sequence[Tensor], dim: int) -> Tensor:
-    """torch.cat of kernel outputs, by plain type promotion also under autocast.
-
-    Under CPU autocast to bfloat16 (precision="bf16-mixed") cat takes autocast's promote path, which refuses an
-    FP16 table's output ("Unexpected floating ScalarType in at::autocast::prioritize").
-    """
+    """torch.cat of kernel outputs, by plain type promotion also under autocast (whose bf16 path refuses FP16 rows)."""
     if len(parts) == 1:
         return parts[0]
     device_type = parts[0].device.type
@@ -87,22 +75,15 @@ def _fbgemm():
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    return dict(
-        TBE=SplitTableBatchedEmbeddingBagsCodegen, ComputeDevice=ComputeDevice,
-        EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode, BoundsCheckMode=BoundsCheckMode,
-        FbOpt=FbOpt, SparseType=SparseType,
-    )
+    return dict(TBE=SplitTableBatchedEmbeddingBagsCodegen, ComputeDevice=ComputeDevice,
+                EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode, BoundsCheckMode=BoundsCheckMode,
+                FbOpt=FbOpt, SparseType=SparseType)
 
 
-_FBGEMM_OPTIMIZER_NAMES = {
-    EmbOptimType.SGD: "EXACT_SGD",
-    EmbOptimType.ADAGRAD: "EXACT_ADAGRAD",
-    EmbOptimType.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD",
-    EmbOptimType.ADAM: "ADAM",
-    EmbOptimType.PARTIAL_ROWWISE_ADAM: "PARTIAL_ROWWISE_ADAM",
-    EmbOptimType.LAMB: "LAMB",
-    EmbOptimType.LARS_SGD: "LARS_SGD",
-}
+_FBGEMM_OPTIMIZER_NAMES = {EmbOptimType.SGD: "EXACT_SGD", EmbOptimType.ADAGRAD: "EXACT_ADAGRAD",
+                           EmbOptimType.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD", EmbOptimType.ADAM: "ADAM",
+                           EmbOptimType.PARTIAL_ROWWISE_ADAM: "PARTIAL_ROWWISE_ADAM", EmbOptimType.LAMB: "LAMB",
+                           EmbOptimType.LARS_SGD: "LARS_SGD"}
 
 
 def _native_module():
@@ -153,8 +134,7 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
     ):
         return "native"
     if optimizer.weight_decay and opt in _FBGEMM_CPU_NO_DECAY:
-        # fbgemm's CPU EXACT_SGD / EXACT_ADAGRAD / EXACT_ROWWISE_ADAGRAD leave out the decay term whatever
-        # WeightDecayMode (tests/test_native_embedding.py); sequence tables have no CPU kernel that decays.
+        # fbgemm's CPU kernels leave out the decay term whatever WeightDecayMode (tests/test_native_embedding.py)
         fix = ("use kernel='native' (or 'auto')" if pooling in NATIVE_POOLINGS else
                "sequence tables (EmbeddingCollection) run on fbgemm on CPU, which has no weight decay: train them on "
                "GPU (device='cuda') to decay them")
@@ -170,10 +150,8 @@ def choose_kernel(kernel: str, optimizer: FusedOptimizerConfig, device: torch.de
         if kernel == "fbgemm" and opt in cpu_supported_optimizers():
             raise ValueError(f"fbgemm's CPU kernel does not implement fused optimizer {opt}: use kernel='native' "
                              f"(or 'auto'), which does on CPU; kernel='fbgemm' runs {opt} on GPU (device='cuda')")
-        raise ValueError(
-            f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
-            f"{opt} runs on GPU (device='cuda')"
-        )
+        raise ValueError(f"fused optimizer {opt} is not available on CPU: CPU supports {supported}; "
+                         f"{opt} runs on GPU (device='cuda')")
     return "fbgemm"
 
 
@@ -192,9 +170,8 @@ def _location(fb: dict, table: LocalTable, on_cpu: bool):
 
 
 def tbe_cache_load_factor(tables: Sequence[LocalTable]) -> float | None:
-    """One fbgemm TBE has one row cache, sized as its load factor x its fused_uvm_caching tables' rows: tables
-    planned with their own factors get the rows-weighted one, so that the cache holds the rows the plan priced.
-    None: no table asked for one (fbgemm's default)."""
+    """The load factor of a TBE's one row cache: its fused_uvm_caching tables' factors weighted by rows, so that the
+    cache holds the rows the plan priced. None: no table asked for one (fbgemm's default)."""
     caching = [t for t in tables if t.compute_kernel == "fused_uvm_caching"]
     if all(t.cache_load_factor is None for t in caching):
         return None
@@ -226,8 +203,7 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # this module has it in fbgemm 1.6-1.8 (fbgemm_gpu.tbe.config, where 1.7+ define it, is absent in 1.6)
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
-        # L2 adds weight_decay * w to the gradient before the update, as torch.optim does. With a
-        # scaled gradient (padded row-wise tables, see FusedKernel) the decay term is scaled alike.
+        # L2: weight_decay * w added to the gradient, as torch.optim; scaled with a scaled gradient (padding)
         kwargs.update(weight_decay=optimizer.weight_decay * grad_scale, weight_decay_mode=WeightDecayMode.L2)
     tbe = fb["TBE"](
         specs,
@@ -240,13 +216,10 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
         # LARS's own (None for the other updates, which have neither): fbgemm's defaults then
         **{k: v for k, v in (("momentum", optimizer.momentum), ("eta", optimizer.eta)) if v is not None},
         weights_precision=precision[dtype],
-        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's: the update gets an fp32 gradient (a small
-        # one is subnormal in fp16), and every rank sends one dtype through the output all-to-all
+        # fp32 rows out of fp16 tables, as the native kernel and TorchRec's (an fp32 gradient, one wire dtype)
         output_dtype=fb["SparseType"].FP32,
         pooling_mode=pooling_mode,
-        # CPU batches are checked (with feature and table names) before the kernel (batch_check.py).
-        # On GPU, fbgemm's own check keeps the kernel safe without a host sync and counts bad ids on
-        # the device, for the lazy named error (batch_check.DeviceBoundsCheck).
+        # CPU batches are checked before the kernel; on GPU fbgemm counts bad ids on the device (batch_check.py)
         bounds_check_mode=fb["BoundsCheckMode"].NONE if on_cpu else fb["BoundsCheckMode"].WARNING,
         device=device,
         table_names=[t.name for t in tables],
@@ -257,19 +230,13 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
 
 # fbgemm's state names where fbgemm's get_optimizer_state has none (LARS-SGD: NotImplementedError in 1.6-1.8)
 _FBGEMM_SPLIT_STATE_NAMES = {EmbOptimType.LARS_SGD: ("momentum_buffer",)}
-# optimizers whose bias correction counts steps: fbgemm keeps the count in `tbe.iter` ([1], on the
-# kernel's device) and leaves it out of get_optimizer_state; the native kernel calls it "step" ([])
+# optimizers whose bias correction counts steps: fbgemm's count is `tbe.iter`, the native kernel's "step"
 _STEP_OPTIMIZERS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
 
 
 def fbgemm_optimizer_states(tbe: nn.Module, opt: EmbOptimType) -> list[dict[str, Tensor]]:
-    """Per table, an fbgemm TBE's optimizer state under the names the native kernel uses (views).
-
-    Same names on every kernel and device, so that state saved on GPU (fbgemm) loads on CPU (native)
-    and back, and `.to(device)` carries it: Adam / LAMB add the shared step counter as "step" (a
-    0-dim view of fbgemm's `iter`, so a resumed run keeps its bias correction); LARS-SGD's momentum comes
-    from split_optimizer_states.
-    """
+    """Per table, an fbgemm TBE's optimizer state under the names the native kernel uses (views), so state saved
+    on GPU loads on CPU and back: Adam / LAMB add fbgemm's shared step counter `iter` as "step" (a 0-dim view)."""
     if opt in _FBGEMM_SPLIT_STATE_NAMES:
         names = _FBGEMM_SPLIT_STATE_NAMES[opt]
         return [dict(zip(names, per_table)) for per_table in tbe.split_optimizer_states()]
@@ -293,12 +260,10 @@ def padding_grad_scale(tables: Sequence[LocalTable], optimizer: FusedOptimizerCo
                        multiple: int) -> float:
     """The gradient scale that keeps a padded row-wise Adagrad table exact (1.0: none needed).
 
-    Row-wise Adagrad keeps one accumulator per row, s += mean over the row's columns of g^2. A table of
-    dim D padded to P columns (zero gradient in the P - D padding) would add only D/P of that. Scaling
-    the gradient by c = sqrt(P/D) restores s exactly; the kernel's learning rate lr/c and weight decay
-    wd*c then give the same step w -= lr * (g + wd*w) / (sqrt(s) + eps). The scale depends on D, so
-    tables are grouped by it (one learning rate per kernel).
-    """
+    Row-wise Adagrad keeps one accumulator per row, s += mean over the row's columns of g^2. A table of dim D padded to
+    P columns (zero gradient in the P - D padding) would add only D/P of that. Scaling the gradient by c = sqrt(P/D)
+    restores s exactly; the kernel's learning rate lr/c and weight decay wd*c then give the same step w -= lr * (g +
+    wd*w) / (sqrt(s) + eps). The scale depends on D, so tables are grouped by it (one learning rate per kernel)."""
     if optimizer is None or EmbOptimType(optimizer.optimizer) != EmbOptimType.ROWWISE_ADAGRAD or multiple == 1:
         return 1.0
     dim = tables[0].embedding_dim  # a kernel's tables share the scale (group_tables)
@@ -320,8 +285,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _tbe_lookup(tbe, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
     if torch.is_inference_mode_enabled() and values_N.device.type == "cpu":
-        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips ("Could not
-        # run ... from the 'CPU' backend"); outside it, without grad, the kernel gives the same rows, no update
+        # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips
         with torch.inference_mode(False), torch.no_grad():
             return tbe(values_N, offsets, per_sample_weights=weights_N)
     return tbe(values_N, offsets, per_sample_weights=weights_N)
@@ -344,12 +308,10 @@ def _outside_compile(fn):
 class FusedKernel(nn.Module):
     """One table-batched kernel with the optimizer fused into backward.
 
-    Dims the kernel cannot take (fbgemm on GPU: multiples of 4) are padded inside it: the padding
-    columns are zero, never reach the output, get no gradient, and are cut from the weight and state
-    views, so outputs, gradients, state dicts and checkpoints show the configured dims. Weighted mean
-    pooling on fbgemm runs as a sum divided by the bag's id count afterwards (through autograd):
-    fbgemm's weighted MEAN divides the forward by L but not the gradient.
-    """
+    Dims the kernel cannot take (fbgemm on GPU: multiples of 4) are padded inside it: the padding columns are zero,
+    never reach the output, get no gradient, and are cut from the weight and state views, so outputs, gradients, state
+    dicts and checkpoints show the configured dims. Weighted mean pooling on fbgemm runs as a sum divided by the bag's
+    id count afterwards (through autograd): fbgemm's weighted MEAN divides the forward by L but not the gradient."""
 
     def __init__(self, tables: Sequence[LocalTable], pooling: str, optimizer: FusedOptimizerConfig,
                  device: torch.device, kernel: str = "auto", weighted: bool = False) -> None:
@@ -414,9 +376,7 @@ class FusedKernel(nn.Module):
         """frozen: the tables' weights were set to requires_grad=False (fine-tuning): no update, no state change."""
         if not frozen:
             return self._pooled(features, checked)
-        # The kernel's backward is its update: with no autograd graph it never runs (fbgemm's Adam step, advanced in
-        # forward, is taken back in _pooled). Per-id weights that require grad get theirs through a plain lookup of
-        # the (constant) rows, added as an exact zero so the output stays the kernel's.
+        # no graph, no update; per-id weights that require grad get theirs through a plain lookup added as zero
         with torch.no_grad():
             out = self._pooled(features, checked)
         weights_N = features.weights_or_none()
@@ -437,20 +397,16 @@ class FusedKernel(nn.Module):
             # checked: the collection checked this batch (batch_check.py); else the kernel checks it itself.
             return self.tbe(features.values(), features.offsets(), per_sample_weights=weights_N, _checked=checked)
         if torch.compiler.is_exporting() or (torch.compiler.is_compiling() and not torch.is_grad_enabled()):
-            # fbgemm's TBE forward reads its step counter on the host (`iter_cpu.item()`), which export cannot trace.
-            # Without an update, torch's lookup over the same rows gives the kernel's output (fp32); a compiled
-            # lookup without grad (evaluation) takes it too, and so compiles whole.
+            # fbgemm's forward reads its step counter on the host, which export cannot trace: torch's lookup, no update
             return plain_lookup(features, self.split_embedding_weights(), self._feature_table, self.pooling,
                                 fp32_out=True)
         if torch.compiler.is_compiling():
-            # training: the update happens in fbgemm's backward, which torch.compile cannot trace. A graph break
-            # (fullgraph=False) runs it eagerly; fullgraph=True stops here with _FBGEMM_EAGER_REASON
+            # training: fbgemm's backward cannot be traced: a graph break (fullgraph=True stops with the reason)
             out = self._tbe_eager(features.values(), features.offsets(), weights_N)
         else:
             out = _tbe_lookup(self.tbe, features.values(), features.offsets(), weights_N)
         if self._counts_steps and not out.requires_grad:
-            # fbgemm advances Adam's / LAMB's step at every forward; a lookup without backward (evaluation)
-            # updates nothing, so take the step back: bias correction counts updates (torch.optim, native)
+            # fbgemm advances Adam's / LAMB's step at every forward: taken back without a backward
             self.tbe.iter.sub_(1)
             self.tbe.iter_cpu.sub_(1)
         if self._grad_scale != 1.0:
@@ -484,7 +440,6 @@ class FusedKernel(nn.Module):
             states = [dict(s) for s in self.tbe.get_optimizer_state()]
         else:
             states = fbgemm_optimizer_states(self.tbe, EmbOptimType(self.optimizer_config.optimizer))
-        # Stateless optimizers (SGD) come back as an empty list rather than one {} per table.
         states = states if states else [{} for _ in self.tables]
         if self._padded != self._dims:
             states = [{k: (v[:, :d] if v.dim() == 2 else v) for k, v in st.items()}
@@ -497,11 +452,7 @@ class FusedKernel(nn.Module):
             self.tbe.reset_cache_states()
 
     def state_loaded(self) -> None:
-        """The state views were written (a checkpoint, a device move): fbgemm re-reads its step counter.
-
-        fbgemm (1.6-1.8) keeps a host copy of the Adam / LAMB step (`iter_cpu`) that it refreshes from
-        the device counter only while the host copy is 0; zeroing it makes the next forward read the
-        loaded step (one host read, once)."""
+        """The state views were written: fbgemm (1.6-1.8) re-reads its step counter while `iter_cpu` is 0."""
         iter_cpu = getattr(self.tbe, "iter_cpu", None)
         if self.kernel != "native" and isinstance(iter_cpu, Tensor):
             iter_cpu.zero_()
@@ -544,10 +495,8 @@ class DenseKernel(nn.Module):
 
 def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_table: Sequence[int],
                  pooling: str, fp32_out: bool = False) -> Tensor:
-    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none').
-
-    fp32_out: rows of fp16 tables are read as fp32 before pooling, as the fused kernels pool (an fp16 sum
-    differs from theirs by ~1e-4)."""
+    """Per-table lookups with torch's ops: features side by side (pooled) or stacked (pooling 'none'). fp32_out: rows
+    of fp16 tables are read as fp32 before pooling, as the fused kernels pool."""
     outs = []
     # One call per feature (not per id): per-key lengths are cached on the KJT, so no sync.
     for t, jt in zip(feature_table, features.to_dict().values()):
@@ -562,8 +511,7 @@ def plain_lookup(features: KeyedJaggedTensor, tables: Sequence[Tensor], feature_
         w = jt.weights_or_none()
         if w is not None:
             w = w.to(table.dtype)
-            # torch.export slices a feature's ids and weights by sizes it cannot read ("Could not guard on
-            # data-dependent expression" in embedding_bag): they are one per id, as the KJT was checked to hold
+            # torch.export cannot read the slices' sizes: one weight per id, as the KJT was checked to hold
             torch._check(w.shape[0] == ids.shape[0])
         bag_offsets = jt.offsets()[:-1]
         if pooling == "mean" and w is not None:
@@ -580,8 +528,7 @@ def group_tables(tables: Sequence[LocalTable], optimizer: FusedOptimizerConfig |
     """Tables that can share one kernel, in order of first appearance."""
     groups: dict[tuple, list[LocalTable]] = {}
     for t in tables:
-        # Sequence kernels need one dim per kernel; pooled kernels mix dims freely, except padded
-        # row-wise tables, whose learning rate depends on their dim (padding_grad_scale).
+        # sequence kernels need one dim; padded row-wise tables one gradient scale (padding_grad_scale)
         scale = 1.0
         if optimizer is not None:
             resolved = choose_kernel(kernel, optimizer, device, t.pooling)
@@ -618,21 +565,15 @@ class GroupedLookup(nn.Module):
         self.feature_dims = [t.embedding_dim for t in self.tables for _ in t.feature_names]
         self._group_sizes = [sum(len(t.feature_names) for t in g) for g in self.groups]
 
-    @property
-    def is_fused(self) -> bool:
-        return any(isinstance(k, FusedKernel) for k in self.kernels)
-
     def forward(self, features: KeyedJaggedTensor, checked: bool = False,
                 frozen: frozenset[str] = frozenset()) -> list[Tensor]:
         """One output per kernel group: pooled_BD (features side by side) or values_ND (sequence).
 
         checked: the batch passed batch_check already (the native kernel then skips its own check).
-        frozen: names of fused tables whose weights were set to requires_grad=False (no update in backward).
-        """
+        frozen: names of fused tables whose weights were set to requires_grad=False (no update in backward)."""
         assert features.keys() == self.feature_names, (features.keys(), self.feature_names)
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
-        # .forward, not __call__: kernels are internal (outside the module tree), and a module call's hook
-        # machinery is a few us of a host-bound GPU step
+        # .forward, not __call__: kernels are internal, and hooks cost a host-bound GPU step
         return [kernel.forward(part, checked, self._frozen(kernel, frozen)) if isinstance(kernel, FusedKernel)
                 else kernel.forward(part) for kernel, part in zip(self.kernels, parts)]
 
@@ -643,8 +584,7 @@ class GroupedLookup(nn.Module):
         names = [t.name for t in kernel.tables]
         held = [n for n in names if n in frozen]
         if held and len(held) != len(names):
-            # One kernel updates all its tables in one backward; freezing part of it would need per-row masking
-            # that every optimizer (Adam's moments, weight decay) honours. Refused rather than half-frozen.
+            # one kernel updates all its tables in one backward: refused rather than half-frozen
             raise ValueError(
                 f"tables {held} are frozen (requires_grad=False) but share one fused kernel with "
                 f"{[n for n in names if n not in frozen]}, which are not: freeze all of {names} together, or put "

@@ -1,10 +1,7 @@
 """Our fused CPU table-batched embedding (`torch.ops.lightning_rec.tbe_*`, built from csrc/).
 
-`NativeTableBatchedEmbeddingBags` is a drop-in for the part of fbgemm's
-`SplitTableBatchedEmbeddingBagsCodegen` that `EmbeddingBagCollection` uses: same input layout, same
-output layout, same per-table weight views and optimizer-state names, so a checkpoint written
-through one loads into the other. The backward applies the optimizer to the touched rows; no
-embedding gradient is ever materialised.
+`NativeTableBatchedEmbeddingBags` is a drop-in for the part of fbgemm's `SplitTableBatchedEmbeddingBagsCodegen`
+that `EmbeddingBagCollection` uses (same layouts, weight views and state names: checkpoints move between them).
 
 Legend: T tables, F features, B batch, N ids, D dim of a table, total_D = sum over features of D.
 
@@ -20,9 +17,7 @@ Optimizer semantics (all with L2 weight decay, `g += weight_decay * w`, as torch
   adam                  torch.optim.Adam on the touched rows: m, v per element, bias correction
                         with the module's step counter (state "step", one int64 per TBE, shared)
   partial_rowwise_adam  as adam, with v one value per row: v_row = b2 v_row + (1 - b2) mean_d(g^2)
-Rows that a batch does not touch are left alone (lazy, like torch.optim.SparseAdam and fbgemm).
-LAMB and LARS-SGD are not implemented on CPU (fbgemm has them on GPU only).
-"""
+Rows a batch does not touch are left alone (lazy, like SparseAdam and fbgemm); no LAMB or LARS-SGD on CPU."""
 
 from __future__ import annotations
 
@@ -38,32 +33,21 @@ from lightning_rec._native import NATIVE_IMPORT_ERROR, native_kernel_available  
 from lightning_rec.errors import is_number
 from lightning_rec.optim.config import EmbOptimType, FusedOptimizerConfig
 
-_OPTIMIZER_IDS = {
-    EmbOptimType.SGD: 0,
-    EmbOptimType.ADAGRAD: 1,
-    EmbOptimType.ROWWISE_ADAGRAD: 2,
-    EmbOptimType.ADAM: 3,
-    EmbOptimType.PARTIAL_ROWWISE_ADAM: 4,
-}
+_OPTIMIZER_IDS = {EmbOptimType.SGD: 0, EmbOptimType.ADAGRAD: 1, EmbOptimType.ROWWISE_ADAGRAD: 2, EmbOptimType.ADAM: 3,
+                  EmbOptimType.PARTIAL_ROWWISE_ADAM: 4}
 NATIVE_OPTIMIZERS = tuple(_OPTIMIZER_IDS)
 _POOLING_IDS = {"sum": 0, "mean": 1}
 
-# The "auto" rule, measured with benchmarks/embedding.py (26 tables x 100k rows x D=64, B=2048, one
-# id per feature, 2 threads, this 2-core AMD EPYC (AVX-512) VM, median of 3 interleaved rounds, two
-# runs): native / fbgemm-gpu-cpu 1.8.0 = 1.7-2.4x row-wise Adagrad, 2.4-2.9x SGD, 2.9x Adagrad; fbgemm
-# has no CPU Adam or partial-row-wise Adam (native 3.3-3.5x / 5.3-6.6x plain SparseAdam). Native wins
-# for every optimizer it implements in every run, so on CPU "auto" = native whenever the extension is
-# built; LAMB / LARS stay with fbgemm (GPU).
+# The "auto" rule: native beats fbgemm's CPU kernel for every optimizer it implements (benchmarks/embedding.py),
+# so on CPU "auto" = native whenever the extension is built; LAMB / LARS stay with fbgemm (GPU).
 def prefer_native(optimizer: EmbOptimType | str) -> bool:
     """The "auto" rule: use the native kernel on CPU for this optimizer (else fbgemm)."""
     return native_kernel_available() and EmbOptimType(str(optimizer).lower()) in _OPTIMIZER_IDS
 
 
-def _fake_forward(
-    placeholder, weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices, offsets,
-    per_sample_weights, pooling_mode, total_D, momentum1, momentum2, step, optimizer, lr, eps, beta1, beta2,
-    weight_decay,
-):
+def _fake_forward(placeholder, weights, weights_offsets, row_offsets, table_dims, feature_table, D_offsets, indices,
+                  offsets, per_sample_weights, pooling_mode, total_D, momentum1, momentum2, step, optimizer, lr, eps,
+                  beta1, beta2, weight_decay):
     B = (offsets.shape[0] - 1) // feature_table.shape[0]
     return weights.new_empty((B, total_D), dtype=torch.float32)
 
@@ -86,8 +70,7 @@ def _backward(ctx, grad_BD: Tensor):
      weight_decay) = ctx.inputs
     grads: list[Tensor | None] = [None] * len(ctx.inputs)
     if per_sample_weights is not None and ctx.needs_input_grad[_PSW_INPUT]:
-        # Learned per-id weights (TorchRec's PositionWeightedModule) train through this gradient, as they do on
-        # fbgemm and the dense kernel. From the rows as the forward read them: before the update below moves them.
+        # learned per-id weights train through this gradient, from the rows before the update below moves them
         grads[_PSW_INPUT] = per_sample_weights_grad(weights, weights_offsets, row_offsets, table_dims, feature_table,
                                                     D_offsets, indices, offsets, pooling_mode, grad_BD)
     torch.ops.lightning_rec.tbe_backward_update(
@@ -97,15 +80,12 @@ def _backward(ctx, grad_BD: Tensor):
     return tuple(grads)
 
 
-# An op of its own (opaque to torch.compile, with a fake kernel): its per-feature slices read sizes from the layout
-# tensors, which a traced backward cannot.
+# an op of its own (opaque to torch.compile): its slices read sizes a traced backward cannot
 @torch.library.custom_op("lightning_rec::tbe_per_sample_weights_grad", mutates_args=())
 def per_sample_weights_grad(weights: Tensor, weights_offsets: Tensor, row_offsets: Tensor, table_dims: Tensor,
                             feature_table: Tensor, D_offsets: Tensor, indices: Tensor, offsets: Tensor,
                             pooling_mode: int, grad_BD: Tensor) -> Tensor:
-    """d loss / d w_p = <gradient of id p's bag, id p's row> (over the bag's length for mean): [N].
-
-    One pass per feature (a few torch ops each, no loop over ids); only when the weights require a gradient."""
+    """d loss / d w_p = <gradient of id p's bag, id p's row> (over the bag's length for mean): [N], per feature."""
     F_ = feature_table.numel()
     B = (offsets.numel() - 1) // F_
     grad_N = torch.zeros(indices.numel(), dtype=torch.float32)
@@ -165,10 +145,8 @@ def _check_arguments(embedding_specs: Sequence[tuple[int, int]], feature_table_m
         )
     if optimizer.optimizer not in _OPTIMIZER_IDS:
         supported = ", ".join(o.value for o in NATIVE_OPTIMIZERS)
-        raise ValueError(
-            f"optimizer {optimizer.optimizer.value!r} is not implemented by the native CPU kernel: "
-            f"choose one of {supported} (LAMB and LARS-SGD run on GPU with fbgemm only)"
-        )
+        raise ValueError(f"optimizer {optimizer.optimizer.value!r} is not implemented by the native CPU kernel: "
+                         f"choose one of {supported} (LAMB and LARS-SGD run on GPU with fbgemm only)")
     if pooling_mode not in _POOLING_IDS:
         raise ValueError(f"pooling_mode must be 'sum' or 'mean', got {pooling_mode!r}")
     if weights_precision not in (torch.float32, torch.float16):
@@ -188,21 +166,14 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
     """Pooled lookups over T tables in one op, with the optimizer fused into the backward (CPU).
 
     Mirrors fbgemm's `SplitTableBatchedEmbeddingBagsCodegen` (HOST / CPU): `forward(indices, offsets,
-    per_sample_weights)`, `split_embedding_weights()`, `get_optimizer_state()`,
-    `set_learning_rate()`, `get_learning_rate()`.
-    """
+    per_sample_weights)`, `split_embedding_weights()`, `get_optimizer_state()`, `set_learning_rate()`,
+    `get_learning_rate()`."""
 
-    def __init__(
-        self,
-        embedding_specs: Sequence[tuple[int, int]],
-        feature_table_map: Sequence[int],
-        pooling_mode: str = "sum",
-        optimizer: FusedOptimizerConfig | None = None,
-        feature_names: Sequence[str] | None = None,
-        table_names: Sequence[str] | None = None,
-        weights_precision: torch.dtype = torch.float32,
-        weight_init: Sequence[tuple[float, float]] | None = None,
-    ) -> None:
+    def __init__(self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int],
+                 pooling_mode: str = "sum", optimizer: FusedOptimizerConfig | None = None,
+                 feature_names: Sequence[str] | None = None, table_names: Sequence[str] | None = None,
+                 weights_precision: torch.dtype = torch.float32,
+                 weight_init: Sequence[tuple[float, float]] | None = None) -> None:
         super().__init__()
         optimizer = optimizer if optimizer is not None else FusedOptimizerConfig()
         _check_arguments(embedding_specs, feature_table_map, pooling_mode, optimizer, weights_precision)
@@ -235,13 +206,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         self.row_offsets_list = [0] + list(_cumsum(rows_T))
         self.D_offsets_list = [0] + list(_cumsum(dims_T[t] for t in self.feature_table_map))
         self.total_D = self.D_offsets_list[-1]
-        meta = dict(
-            weights_offsets=self.weights_offsets_list,
-            row_offsets=self.row_offsets_list,
-            table_dims=dims_T,
-            feature_table=self.feature_table_map,
-            D_offsets=self.D_offsets_list,
-        )
+        meta = dict(weights_offsets=self.weights_offsets_list, row_offsets=self.row_offsets_list, table_dims=dims_T,
+                    feature_table=self.feature_table_map, D_offsets=self.D_offsets_list)
         for name, values in meta.items():
             self.register_buffer(name, torch.tensor(values, dtype=torch.int64), persistent=False)
         self.rows_F = torch.tensor([rows_T[t] for t in self.feature_table_map], dtype=torch.int64)  # batch checks
@@ -307,13 +273,8 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
 
     def forward(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None,
                 _checked: bool = False) -> Tensor:
-        """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm:
-        evaluate under torch.no_grad()).
-
-        The batch is checked first (offsets, ids, finite weights: batch_check.py) and a bad one is a
-        ValueError naming the feature and table; `_checked=True` (the collections, which checked it
-        already) skips that pass.
-        """
+        """Pooled embeddings [B, total_D]; with grad enabled, backward updates the rows (in eval mode too, as fbgemm).
+        The batch is checked first (batch_check.py) unless `_checked=True` (the collections checked it already)."""
         indices_N = _as_index_tensor(indices, "indices")
         offsets = _as_index_tensor(offsets, "offsets")
         F = len(self.feature_table_map)
@@ -322,8 +283,7 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
                              f"({', '.join(self.feature_names)})")
         if per_sample_weights is not None:
             if torch.compiler.is_compiling():
-                # sizes of a feature's ids sliced by counts read from the lengths have no value while torch.compile
-                # traces ('Could not guard on data-dependent expression'): the KJT holds one weight per id
+                # torch.compile cannot read the slices' sizes: the KJT holds one weight per id
                 torch._check(per_sample_weights.numel() == indices_N.numel())
             elif per_sample_weights.dim() != 1 or per_sample_weights.numel() != indices_N.numel():
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)} but there are "
@@ -362,12 +322,9 @@ _INIT_CHUNK = 1 << 22  # elements per generator in _uniform_
 
 
 def _uniform_(flat_N: Tensor, low: float, high: float) -> None:
-    """flat_N.uniform_(low, high) on every thread, with the same values for any number of threads.
-
-    torch's CPU uniform_ runs on one thread (~1 s per 128M floats here): a DLRM of 26 tables x 1M rows x 128
-    spent ~20 s initialising on the host before it sharded. A large table is drawn in fixed chunks, each from its
-    own generator seeded from one draw of the global one (so torch.manual_seed still decides every value);
-    small tables (under two chunks) draw as before."""
+    """flat_N.uniform_(low, high) on every thread (torch's CPU uniform_ uses one), the same values for any number
+    of threads: a large table is drawn in fixed chunks, each from a generator seeded from one draw of the global
+    one (so torch.manual_seed still decides every value); small tables (under two chunks) draw as before."""
     n = flat_N.numel()
     if n < 2 * _INIT_CHUNK:
         flat_N.uniform_(low, high)
@@ -385,13 +342,7 @@ def _uniform_(flat_N: Tensor, low: float, high: float) -> None:
 
 
 def _empty_huge(numel: int, dtype: torch.dtype) -> Tensor:
-    """An uninitialised tensor whose pages the kernel may back with transparent huge pages.
-
-    Lookups and updates touch rows at random across hundreds of MB; with 4 KiB pages almost every
-    row costs a TLB miss (a page walk). Linux backs a region with 2 MiB pages when asked with
-    madvise(MADV_HUGEPAGE) before the first write (THP "madvise" mode, the common default). Where
-    that is not possible this is a plain torch.empty.
-    """
+    """An uninitialised tensor the kernel may back with transparent huge pages (fewer TLB misses); else torch.empty."""
     t = torch.empty(numel, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if nbytes < 2 * _HUGE_PAGE or _LIBC is None:

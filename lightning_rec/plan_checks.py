@@ -1,8 +1,7 @@
 """Plan checks: from metadata alone, so every rank refuses a bad plan with the same message before any collective.
 
-`validate_module_plan` checks one collection's plan (tables, ranks, tiling, labels, kernels);
-`check_same_everywhere` is the one collective: every rank holds the same tables, optimizer and plan.
-"""
+`validate_module_plan` checks one collection's plan (tables, ranks, tiling, labels, kernels); `check_same_everywhere` is
+the one collective: every rank holds the same tables, optimizer and plan."""
 
 from __future__ import annotations
 
@@ -40,9 +39,7 @@ _UVM_KERNELS = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
 def validate_module_plan(path: str, module: nn.Module, table_plans: Mapping[str, ParameterSharding],
                          world_size: int, device: torch.device | None = None) -> None:
-    """Metadata only, so every rank refuses a bad plan with the same message: a check left to the rank that
-    builds a shard (its kernel, its shape) failed on that rank alone, and its peers waited for it in the next
-    collective until the embedding timeout."""
+    """Metadata only, so every rank refuses a bad plan with the same message."""
     where = f"module '{path}'" if path else "the model"
     configs = {c.name: c for c in collection_configs(module)}
     unknown = [t for t in table_plans if t not in configs]
@@ -107,10 +104,7 @@ def _check_replicas(name: str, rows: int, dim: int, ps: ParameterSharding, world
 
 def _check_fused_kernels(module: nn.Module, configs: Mapping[str, Any], table_plans: Mapping[str, ParameterSharding],
                          device: torch.device | None) -> None:
-    """The fused kernels' refusals, for every shard on every rank. Raised while a rank builds its kernels, they
-    failed only on the ranks holding such a shard, and the others waited in the next collective until the
-    timeout: fbgemm's CPU kernel without the optimizer (kernel='fbgemm'), and partial_rowwise_adam on column
-    blocks whose width fbgemm pads (GPU)."""
+    """The fused kernels' refusals, for every shard on every rank (not only on the ranks that build it)."""
     optimizer = getattr(module, "_optimizer", None)
     sharded = [t for t, ps in table_plans.items()
                if ShardingType(str(ps.sharding_type)) != ShardingType.DATA_PARALLEL]  # replicas: a dense kernel
@@ -144,8 +138,7 @@ def _check_ranks(name: str, st: ShardingType, ps: ParameterSharding, world_size:
                          f"or leave ranks empty")
 
 
-# what each sharding type's shards look like, beyond tiling the table: a plan that builds but is labelled
-# with another type prints (and prices) one layout while the ranks hold another
+# what each sharding type's shards look like, beyond tiling the table (the label must match the layout)
 _ONE_COLUMN_BLOCK = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 _WHOLE_ROWS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 
@@ -172,8 +165,7 @@ def _check_label(name: str, st: ShardingType, rows: int, ps: ParameterSharding) 
 def _check_tiling(name: str, rows: int, dim: int, ps: ParameterSharding) -> None:
     other = _tiled_size(ps.shards)
     if other is not None and other != (rows, dim):
-        # a plan saved (torch.save) or built for this table at another size: "do not follow the block rule" and
-        # "fix size_per_rank" sent the user to edit shards that were right for the table they were planned for
+        # a plan saved or built for this table at another size: said so, not as a wrong shard
         raise ValueError(f"table '{name}' is {rows} x {dim}, but its shards in the plan tile a {other[0]} x {other[1]} "
                          f"table: the plan was made for the table at another size (num_embeddings / embedding_dim "
                          f"changed since): plan again for this model (EmbeddingShardingPlanner(...).plan(model)), or "
@@ -245,12 +237,7 @@ def _describe_model(collections: Mapping[str, nn.Module], plan: ShardingPlan) ->
 def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPlan, guard: CollectiveGuard,
                           device: torch.device, extra: Sequence[str] = ()) -> None:
     """Collective: every rank holds the same tables, optimizer and plan, else ValueError naming the first difference.
-
-    Ranks that disagree would route ids by different maps and return wrong embeddings without an
-    error, so this runs once at construction: a digest all-gathered (through `guard`: a rank that
-    never comes is named or timed out), and the full descriptions only when the digests differ
-    (the same message on every rank).
-    """
+    A digest all-gathered once at construction (through `guard`); the full descriptions only when digests differ."""
     pg = guard.pg
     W = dist.get_world_size(pg)
     if W == 1:

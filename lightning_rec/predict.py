@@ -1,35 +1,19 @@
-"""Predictions to a file: `PredictionWriter`, the callback that `lightning-rec predict` adds.
+"""Predictions to a file: `PredictionWriter`, the callback that `lightning-rec predict` adds (docs/predict.md).
 
 Shapes: R rows predicted (on this rank, or over every rank once gathered), K columns of a 2-D output.
 
-What a module's `predict_step` returns: a dict of columns, each a tensor whose first dim is the batch's
-rows, e.g. DLRMModule {"probability": p_B, "label": y_B} and TwoTowerModule {"row": u_U, "user": id_U,
-"item": id_UK, "score": s_UK}. Each row's place in the input is its "row" column when the step gives
-one, else the index Lightning's predict loop records for it (map-style datasets), else the batch's
-`row_ids` (order keys from a preprocessed directory or a text stream; rows are numbered 0..R-1 in that
-order), else its order in this rank's stream (one rank only). Rows are written once each, in input
-order, in bounded memory (lightning_rec.predict_rows):
+`predict_step` returns a dict of columns whose first dim is the batch's rows (DLRMModule {"probability", "label"},
+TwoTowerModule {"row", "user", "item", "score"}). Each row's place in the input is its "row" column when the step
+gives one, else the index Lightning's predict loop records (map-style datasets), else the batch's `row_ids`
+(order keys, renumbered 0..R-1), else its order in this rank's stream (one rank only). Rows are written once
+each, in input order, in bounded memory (lightning_rec.predict_rows):
 
     rank r: rows --> memory, up to spill_bytes; then sorted runs on disk, next to the output file
                  --> its runs merged in row order, a chunk at a time
     rank 0: asks the ranks whose next rows it needs for a chunk each (gather_object, gather_chunk_bytes)
                  --> merges them in row order (a repeat once) --> writes them --> the file, renamed into place
 
-(The data modules' evaluation loaders give every rank the same number of steps, which sharded tables
-need, by padding a shorter share with the index -1, which the dataset drops (lightning_rec.data.batch.
-EvalDistributedSampler): the -1 indices are dropped here too. A sampler that pads with repeated rows
-instead, torch's DistributedSampler, also gives each row once: repeats are dropped.)
-
-File formats, chosen by the output path's suffix:
-    .csv / .tsv   a header, then one line per row; a [R, K] column becomes K columns name_1..name_K
-    .parquet      one column per output; a [R, K] column is a list column (fixed size K)
-A float column that is NaN in every row on every rank (the label of an unlabelled file) is left out.
-
-The output path defaults to <trainer.default_root_dir>/predictions.csv; when that file exists, the
-next free predictions_1.csv, predictions_2.csv, ... is taken (a default never overwrites a run).
-A path the user gives that exists is refused unless `overwrite=True`.
-"""
-
+Padding (index -1, or a repeated row) is dropped; a float column NaN in every row on every rank is left out."""
 from __future__ import annotations
 
 import os
@@ -62,8 +46,7 @@ __all__ = ["PredictionWriter", "default_output_path", "write_table"]
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    """A column on the host, as numpy. bfloat16 (a step's output under precision='bf16-mixed') has no numpy type
-    ("Got unsupported ScalarType BFloat16"): written as float32, which holds every bfloat16 value exactly."""
+    """A column on the host, as numpy (bfloat16, which numpy lacks, as float32: exact)."""
     t = t.detach().cpu()
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
@@ -79,7 +62,7 @@ def default_output_path(root: str | os.PathLike) -> Path:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes what `predict_step` returns to one file: one row per input row, in input order (see the module doc).
+    """Writes what `predict_step` returns to one file: one row per input row, in input order.
     One input per `trainer.predict` call: a list of predict dataloaders is refused (their rows' numbers collide).
 
     Args:
@@ -87,9 +70,7 @@ class PredictionWriter(BasePredictionWriter):
             next free predictions_<n>.csv).
         overwrite: replace an existing output_path (otherwise an existing file is refused before predicting).
 
-    After the run, `written_path` is the file written and `num_rows` its rows (every rank knows them), and
-    `held_rows_peak` the most rows this rank held in memory at once.
-    """
+    After the run: `written_path`, `num_rows` (every rank knows them) and `held_rows_peak` (this rank's)."""
 
     # the most bytes of rows a rank keeps in memory before it writes them, sorted, to a run file on disk
     spill_bytes: int = 256 << 20
@@ -145,8 +126,7 @@ class PredictionWriter(BasePredictionWriter):
         self._close()
         loaders = trainer.predict_loop.num_dataloaders
         if loaders > 1:
-            # every loader numbers its rows from 0: the merge would take the second one's rows for repeats of the
-            # first's
+            # every loader numbers its rows from 0: the merge would take one's rows for repeats of another's
             raise ValueError(f"PredictionWriter writes one input's rows to one file, in its order, but trainer.predict "
                              f"was given {loaders} dataloaders: predict each in its own trainer.predict call, with its "
                              f"own output_path")
@@ -251,10 +231,8 @@ class PredictionWriter(BasePredictionWriter):
     def _merge_ranks(self, local: Iterator[dict[str, np.ndarray]], device: torch.device,
                      shapes: list | None) -> tuple[int, int]:
         """Rank 0 writes every rank's rows in row order, holding at most a chunk per rank: each round it tells the
-        ranks whose rows it needs next (a broadcast flag per rank) to send their next chunk (gather_object).
-        The last round tells every rank the rows written (the file is whole by then), or that rank 0 failed
-        (its disk, say): every rank raises then, none waits for a round that will not come.
-        Returns (rows written, the most rows rank 0's merge held at once; 0 elsewhere)."""
+        ranks whose rows it needs next (a broadcast flag per rank) to send a chunk. The last round tells every rank
+        the rows written, or that rank 0 failed (every rank raises then). Returns (rows, rank 0's merge peak)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         merge = SortedMerge(world) if rank == 0 else None
         failure: BaseException | None = None

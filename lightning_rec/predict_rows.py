@@ -10,9 +10,8 @@ place in the input, the order the file is written in. A stream is a sequence of 
                    --> (rank 0, one chunk per rank asked for) SortedMerge of the ranks' streams
                    --> TableWriter (.csv / .tsv / .parquet, temporary file renamed into place)
 
-Memory: a rank holds at most spill_bytes of unsorted rows, plus one chunk per run while merging; rank 0 holds one
-chunk per rank on top. A row seen twice (a sampler's padding repeat) is written once.
-"""
+A rank holds at most spill_bytes of unsorted rows, plus a chunk per run while merging (rank 0 a chunk per rank on
+top). A row seen twice (a sampler's padding repeat) is written once."""
 
 from __future__ import annotations
 
@@ -62,10 +61,8 @@ def sort_by_row(table: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class SortedMerge:
-    """Merges S streams, each sorted by ROW, into one stream in ROW order with each ROW once (its first copy), holding
-    at most one chunk per stream: the caller asks `needs()` which streams to read next, `feed`s their chunks (None:
-    the stream has ended) and `pop`s what is ready. A row is ready once no stream can still give a smaller one: it
-    is at most the last row buffered of every stream that has not ended."""
+    """Merges S streams, each sorted by ROW, into one in ROW order with each ROW once, holding a chunk per stream: the
+    caller asks `needs()`, `feed`s those chunks (None: ended) and `pop`s what no stream can still precede."""
 
     def __init__(self, num_streams: int) -> None:
         self._buffers: list[dict[str, np.ndarray]] = [{} for _ in range(num_streams)]
@@ -134,8 +131,7 @@ def merged(streams: list[Iterator[dict[str, np.ndarray]]]) -> Iterator[dict[str,
 
 
 def promoted(shapes: list[dict[str, tuple[np.dtype, tuple[int, ...]]]]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """One set of columns for batches (or ranks) whose columns are `shapes`: a column's dtype is the one that holds
-    each batch's (float32 and float64: float64); its names and shape past the rows must agree."""
+    """One set of columns for batches (or ranks) of `shapes`: each column's widest dtype; names and shapes agree."""
     first = shapes[0]
 
     def shown(shape: tuple[int, ...]) -> str:
@@ -239,9 +235,8 @@ class TableWriter:
     """Writes tables with the same columns to one .csv / .tsv / .parquet file, a chunk at a time, into a temporary
     file that `close()` renames into place (`abort()` removes it): the path holds the whole file or nothing.
 
-    `columns` is name -> (dtype, shape past the rows); a [R, K] column is K columns name_1..name_K in a csv and a
-    list column of size K in a parquet file. Columns not named are left out. `renumber`: ROW is written as
-    0, 1, 2, ... in the order given (the rows were order keys that may skip numbers). ROW is the first column."""
+    `columns` is name -> (dtype, shape past the rows); a [R, K] column is K csv columns name_1..name_K, or a list
+    column in parquet. Columns not named are left out. ROW comes first; `renumber` writes it as 0, 1, 2, ..."""
 
     def __init__(self, path: Path, columns: dict[str, tuple[np.dtype, tuple[int, ...]]],
                  renumber: bool = False) -> None:

@@ -10,17 +10,10 @@ Legend: B local batch, F features, S_p this rank's shard features, D dims, W wor
       output_dist  embeddings travel back (output_dist.py) and land in the unsharded layout:
                    KeyedTensor [B, sum(D)] (bags) / {feature: JaggedTensor [N_f, D]} (sequence)
 
-Each rank's output covers its own samples (data parallel in and out), exactly what the unsharded
-collection returns for them. The pure routing lives in `sharding/`.
-
-State dict: the same keys as the unsharded collection (`embedding_bags.<table>.weight`,
-`embeddings.<table>.weight`). A sharded table's entry is a `ShardedTensor` (global shape + this
-rank's pieces with their row/column offsets); a replicated table's entry is a plain tensor.
-`load_state_dict` takes either form, from any world size and layout: a full tensor (an unsharded
-checkpoint), or ShardedTensors whose pieces cover this rank's shards (merge per-rank checkpoints
-with `ShardedTensor.merge`). Shard-local names (`<table>@r<row>c<col>`, the table's own name when
-it is whole) name each piece's kernel table and so its fused optimizer state.
-"""
+Each rank's output covers its own samples, exactly what the unsharded collection returns for them. The pure
+routing lives in `sharding/`. The state dict has the unsharded collection's keys: a sharded table's entry is a
+`ShardedTensor`, a replicated one's a plain tensor; `load_state_dict` takes either, from any world size and layout.
+Shard-local names (`<table>@r<row>c<col>`, the table's own when whole) name each piece's kernel table."""
 
 from __future__ import annotations
 
@@ -77,8 +70,7 @@ class ShardingEnv:
         return self.transport if self.transport is not None else self.pg
 
     def __reduce_ex__(self, protocol):
-        # copy.deepcopy / pickle of a sharded model (AveragedModel(dmp), an EMA helper, torch.save(dmp)): torch's own
-        # error names only the ProcessGroup
+        # deepcopy / pickle of a sharded model: torch's own error names only the ProcessGroup
         if self.pg is None:
             return super().__reduce_ex__(protocol)
         raise TypeError(
@@ -104,13 +96,9 @@ class ShardedLookupOut:
 
 
 class ReplicaKernel:
-    """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward.
-
-    Quacks like lookup.FusedKernel for FusedOptimizer (tables, optimizer_config, weights, state, lr). Each call
-    (`forward`) looks up through leaves of its own that view the weights, so its backward applies the rule once
-    for that call, as a fused kernel's backward does: a collection called twice in a step (positives, then
-    negatives) updates twice, as its sharded tables do (one hook on the weights would take one step on the sum).
-    """
+    """A data-parallel group of tables: dense weights, gradient summed over ranks, fused rule in backward. Quacks
+    like lookup.FusedKernel for FusedOptimizer. Each call looks up through leaves of its own that view the weights,
+    so its backward applies the rule once per call, as a fused kernel's does."""
 
     def __init__(self, kernel: DenseKernel, optimizer: FusedOptimizerConfig, env: ShardingEnv) -> None:
         self.kernel = kernel
@@ -124,13 +112,11 @@ class ReplicaKernel:
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """This call's lookup: pooled_BD (bags) or values_ND (sequence); its backward updates the rows it named."""
-        # An FP16 replica is looked up through a float32 copy: float32 rows and a float32 gradient, as the fused
-        # kernels give and take (a small gradient is subnormal in float16). It costs what the float32 gradient does.
+        # an FP16 replica is looked up through a float32 copy, as the fused kernels give and take rows
         leaves = [(w.detach() if w.dtype == torch.float32 else w.detach().float()).requires_grad_(
             w.requires_grad and torch.is_grad_enabled()) for w in self.kernel.weights]
         if any(leaf.requires_grad for leaf in leaves):
-            # With weight_decay every row the call names is stepped, as in the fused kernels (a row named with a
-            # zero gradient, e.g. a per-id weight of 0, is decayed); without it such a row's step is 0 anyway.
+            # with weight_decay every row the call names is stepped (decayed), as in the fused kernels
             named = self._named_rows(features) if self.optimizer_config.weight_decay else [None] * len(leaves)
             for w, leaf, state, named_R in zip(self.kernel.weights, leaves, self._states, named):
                 if leaf.requires_grad:
@@ -191,20 +177,15 @@ def _tie(out: Tensor, t: Tensor) -> Tensor:
 
 
 class ShardedTableWeight(FusedTableWeight):
-    """A sharded table's parameter: empty (its values are the ranks' pieces), counted as the whole table.
-
-    `numel()` is the global table's rows x columns, so that Lightning's ModelSummary and `sum(p.numel() for p in
-    model.parameters())` count a sharded model's tables as the unsharded model's. Its shape
-    stays what it holds, (0,): nothing allocates, moves or broadcasts the table through it (DDP's start-up broadcast
-    of the model's parameters, `.to()`, deepcopy)."""
+    """A sharded table's parameter: empty (shape (0,): nothing moves the table through it), yet `numel()` is the whole
+    table's, as ModelSummary counts the unsharded model."""
 
     def numel(self) -> int:  # type: ignore[override]
         return self.__dict__.get("table_numel", 0)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        # vector_to_parameters steps by numel() (the whole table's) where parameters_to_vector gave this (0,)
-        # parameter nothing: values viewed into this empty parameter mean that mismatch; say what to pass.
+        # values viewed into this empty parameter: vector_to_parameters stepping by numel()
         if func is Tensor.view_as and len(args) == 2 and args[1] is not args[0] and isinstance(args[1], cls) and \
                 args[0].numel() != 0:
             raise ValueError(
@@ -222,14 +203,11 @@ class ShardedTableWeight(FusedTableWeight):
 
 
 class _FreezeSwitch(nn.Module):
-    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight (as TorchRec's empty
-    parameters for shards held elsewhere) that freezing and unfreezing reach (requires_grad_, LightningModule.freeze
-    / unfreeze, BaseFinetuning). It holds no values: the state dict is the collection's own."""
+    """A sharded table's entry among the module's parameters: an empty ShardedTableWeight that freezing reaches."""
 
     def __init__(self, frozen: bool, table_numel: int, device: torch.device) -> None:
         super().__init__()
-        # on the module's device: DDP refuses a module whose parameters are on two device types (a CPU one in a
-        # CUDA model: "input module parameters locate in {'cpu', 'cuda'}"), empty ones included
+        # on the module's device: DDP refuses parameters on two device types, empty ones included
         self.weight = ShardedTableWeight(torch.empty(0, device=device), requires_grad=False)
         self.weight.__dict__["table_numel"] = table_numel
         self.weight.frozen = frozen
@@ -272,16 +250,13 @@ class _ShardedCollectionBase(nn.Module):
         rank, device = env.rank, env.device
         kernel = getattr(module, "_kernel", "auto")
         mine = self.routing.rank_tables[rank]
-        # Kernels are kept out of the module tree (as in the unsharded collections): the state dict
-        # shows tables, and DDP / FSDP never see the shards or replicas.
+        # kernels are kept out of the module tree: DDP / FSDP never see the shards or replicas
         object.__setattr__(self, "_lookup", GroupedLookup(mine, optimizer, device, kernel) if mine else None)
         replicas = GroupedLookup(self.routing.dp_tables, None, device, "dense") if self.routing.dp_tables else None
         object.__setattr__(self, "_replicas", replicas)
         self._replica_kernels = [ReplicaKernel(k, optimizer, env) for k in replicas.kernels] if replicas else []
         self._copy_weights(module.lookup.table_weights())
-        # One empty parameter per table, as the unsharded collection has (the values are in the state dict): what
-        # freezing walks (dmp.requires_grad_, LightningModule.freeze, BaseFinetuning) and what the fused optimizer's
-        # param groups hold. Tables frozen before sharding (BaseFinetuning freezes in setup) stay frozen.
+        # one empty parameter per table, for freezing and the fused optimizer's param groups
         frozen = module.frozen_tables() if hasattr(module, "frozen_tables") else frozenset()
         switches = _Tables()
         for c in self._configs:
@@ -303,8 +278,7 @@ class _ShardedCollectionBase(nn.Module):
 
     # the data path ------------------------------------------------------------------------------
 
-    # pipeline/feeder.py sets this (`source(module, features) -> ShardedBatch | None`) while a pipeline runs:
-    # a batch it routed during the previous step comes back from it instead of being routed here.
+    # pipeline/feeder.py sets it while a pipeline runs: a batch it routed ahead comes back from it
     _input_source = None
 
     def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
@@ -321,18 +295,14 @@ class _ShardedCollectionBase(nn.Module):
         return self.route(features, self._ids_a2a)
 
     def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
-        """input_dist through `ids_a2a` (the pipeline sends ids over its own channel, see pipeline/channel.py).
-
-        `ahead`: the pipeline's feeder routes a batch before its step, outside autograd.
-        """
+        """input_dist through `ids_a2a` (the pipeline's own channel); `ahead`: the feeder routes it outside autograd."""
         ordered, error = self._validate(features)
         self.frozen_tables()  # brings _frozen_key and _frozen_error up to date
         if error is None:
             error = self._frozen_error  # raised on every rank in the exchange below, not on this rank alone
         if ahead and error is None and self._is_weighted and features.weights_or_none() is not None \
                 and features.weights().requires_grad:
-            # Routed outside autograd their gradient would be lost (the plain loop gives one); an error, so every
-            # rank agrees in the counts exchange and raises (nobody hangs)
+            # routed outside autograd their gradient would be lost: an error every rank raises after the exchange
             error = (f"the batch's KeyedJaggedTensor for sharded {self._kind()} (features {self._feature_names}) "
                      f"has per-id weights that require a gradient (learned weights), but the pipeline routes "
                      f"batches ahead of their step, outside autograd, so those weights would not train: compute "
@@ -381,21 +351,17 @@ class _ShardedCollectionBase(nn.Module):
         # what the id all-to-all's counts carry so that every rank checks that all froze the same tables
         digest = hashlib.blake2b("\0".join(sorted(frozen)).encode(), digest_size=6).digest()
         self._frozen_key = (int.from_bytes(digest, "little") | 1) if frozen else 0
-        # The kernels know their pieces by shard-local names. Every rank holds the same set, so every rank skips
-        # the same updates; the pooled all-to-all's backward still runs on every rank (output_dist._differentiable).
+        # the kernels know their pieces by shard-local names; every rank skips the same updates
         self._frozen_local = frozenset(t.name for t in (self._lookup.tables if self._lookup is not None else [])
                                        if self.shard_of(t.name)[0] in self._frozen)
         self._frozen_error = self._frozen_split()
         if self._replicas is not None:
-            # replicas train by autograd (their hook sums the gradient over ranks): a frozen one gets no gradient,
-            # hence no hook and no all-reduce, on every rank alike
+            # replicas train by autograd: a frozen one gets no gradient, no hook, no all-reduce, on every rank
             for t, w in zip(self._replicas.tables, self._replicas.table_weights().values()):
                 w.requires_grad_(t.name not in self._frozen)
 
     def _frozen_split(self) -> str | None:
-        """Why this rank cannot freeze these tables: a fused kernel here holds pieces of frozen and unfrozen tables
-        (one kernel updates all its tables in one backward). Said in the id all-to-all so every rank raises: the
-        lookup's own refusal would come on this rank alone, with the others waiting in the output all-to-all."""
+        """Why this rank cannot freeze these tables (a kernel holds frozen and unfrozen pieces): every rank raises."""
         for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._frozen_local else []:
             pieces = [t.name for t in kernel.tables]
             held = [n for n in pieces if n in self._frozen_local]
@@ -426,8 +392,7 @@ class _ShardedCollectionBase(nn.Module):
         owned = (self._lookup(batch.routed, checked=self.validate_ids, frozen=self._frozen_local)
                  if self._lookup is not None else [])
         if batch.ctx.weights_grad and self._lookup is None:
-            # No shard here reads the learned weights, yet every other rank waits for this one in their backward
-            # exchange: tie them to the output, which every rank's backward reaches.
+            # no shard here reads the learned weights: tie them to the output, so this rank joins the backward
             owned = [_tie(self._join_owned(owned, batch), batch.routed.weights())]
         replicated = self._replica_lookup(batch.replicated) if self._replicas is not None else []
         return ShardedLookupOut(self._join_owned(owned, batch), replicated, batch)
@@ -456,8 +421,7 @@ class _ShardedCollectionBase(nn.Module):
         return "EmbeddingBagCollection" if self._pooled else "EmbeddingCollection"
 
     def _apply(self, fn, recurse: bool = True):
-        # .double() / .half() / .to(torch.float64) would convert the dense layers but not the tables (their kernels
-        # keep their data_type), and the forward would fail on mismatched dtypes
+        # a dtype cast would convert the dense layers but not the tables (their kernels keep their data_type)
         refuse_dtype_cast(f"sharded {self._kind()}", fn)
         return super()._apply(fn, recurse)
 
@@ -478,8 +442,7 @@ class _ShardedCollectionBase(nn.Module):
         return own + self._replica_kernels
 
     def table_parameters(self) -> dict[str, nn.Parameter]:
-        """table name -> its parameter: empty (the values are this rank's pieces, `table_weights()`); it carries the
-        table's freeze (requires_grad) and stands for the table in the fused optimizer's param groups."""
+        """table name -> its empty parameter, which carries the table's freeze and stands for it in param groups."""
         switches = self._modules[self._weights_attr]
         return {name: switches[name].weight for name in switches}
 
@@ -582,12 +545,9 @@ class _ShardedCollectionBase(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets).
-
-        For collections built on "meta", whose values are first drawn here: with one `seed` on every rank
-        (DistributedModelParallel broadcasts rank 0's), a replica is the same on every rank, and no two
-        tables or row blocks start as copies of each other, however the ranks' global RNGs were seeded.
-        """
+        """Draw every piece this rank holds from its own generator, seeded by (seed, table, piece offsets). For
+        collections built on "meta": with one `seed` on every rank (rank 0's), a replica is the same everywhere, and
+        no two tables or row blocks start as copies of each other."""
         init = {c.name: c.local_table().init_range() for c in self._configs}
         init_fns = {c.name: c.init_fn for c in self._configs}
         for table, meta, w in self._pieces():

@@ -1,12 +1,7 @@
-"""Same-host CPU collectives through shared memory; gloo only sets the group up.
+"""Same-host CPU collectives through shared memory; gloo only sets the group up (docs/distributed.md).
 
-Why: gloo moves CPU tensors over TCP, even between processes on one host. Every byte is copied
-into the kernel and out again, by gloo's own threads, on the cores the ranks train on (in a
-2-rank DLRM step on 2 cores, ~15 ms of a ~100 ms step: pooled embeddings both ways, the dense
-gradients). Here each rank writes its bytes once into its own /dev/shm region,
-all ranks pass one barrier, and each copies out what is addressed to it.
-
-Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
+Each rank writes its bytes once into its own /dev/shm region (not through gloo's TCP), all ranks pass one barrier,
+and each copies out its part. Legend: W ranks in the group, k the exchange counter (the same on every rank), slot k % 2.
 
     rank r, exchange k:
       write   its pieces -> own region, slot k%2; header[k%2] = (generation, op, ok, size, call-site
@@ -15,31 +10,10 @@ Legend: W ranks in the group, k the exchange counter (the same on every rank), s
               group's timeout and notices a dead peer (/proc) within ~50 ms
       read    every peer's header (the same decision on every rank); copy peer p's bytes for r out
 
-Collectives: `all_to_all_single` (as torch.distributed's), `exchange` (sizes only the senders know;
-a send may be a Writer that fills shared memory itself, e.g. a gather), `all_reduce_sum_many_`
-(bitwise the same sum on every rank), and `ddp_comm_hook`.
-
-Double buffering makes one barrier per exchange enough: a rank writes slot k%2 again at k+2,
-after barrier k+1, which every peer enters only once it has finished reading exchange k.
-
-Growth: a region too small for a write is replaced by a larger file (generation + 1); peers see
-the new generation in the header and map the file in the same exchange; its name is unlinked one
-exchange later (every peer has mapped it by then), so /dev/shm holds names only for a step.
-If /dev/shm is full (posix_fallocate reserves the bytes, so this is an error, not a SIGBUS later),
-the header says so, every rank sees it, and that exchange goes through the process group instead
-(a warning, once, names the fix: a larger /dev/shm). Later exchanges that fit the regions the ranks
-hold go on through shared memory (one large evaluation batch in Docker's 64 MB /dev/shm does not send
-the rest of training over TCP); a rank does not try again to grow to a size that failed.
-Shrinking: a region that held less than a quarter of its size for `shrink_after` exchanges in a row is
-replaced the same way by one twice the largest of them (a large evaluation batch's region is not kept,
-and mapped by every peer, for the rest of the run).
-
-Every rank must call the same operations in the same order (as with any collective); each header
-carries the operation, its sizes and its call site's name, so a mismatch raises CollectiveMismatch
-on every rank, naming both calls, instead of mixing data. A peer that never reaches the barrier
-(blocked in a collective of its own, e.g. torch.distributed.barrier) is named by the group's
-CollectiveGuard (collective_guard.py): the barrier waits in slices and the guard looks in between.
-"""
+Double buffering makes one barrier per exchange enough (slot k%2 is written again after barrier k+1). A region too
+small is replaced by a larger file (generation + 1), mapped by peers in the same exchange; without room in /dev/shm
+that exchange goes through the process group. Headers carry op, sizes and call site: disagreeing ranks raise
+CollectiveMismatch."""
 
 from __future__ import annotations
 
@@ -67,8 +41,7 @@ _ALIGN = 64
 _OP_ALL_TO_ALL, _OP_ALL_REDUCE, _OP_EXCHANGE = 1, 2, 3
 _GEN, _OP, _OK, _SIZE, _TAG, _SPANS = 0, 1, 2, 3, 4, 5  # header fields; spans: (start, end) bytes per destination
 _TAG_NAMES: dict[int, str] = {}  # what each call site calls its collective (the same code runs on every rank)
-# A rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid,
-# [16:] the two slots' headers.
+# a rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid, [16:] the slots'
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
 _INITIAL_BYTES = 1 << 20
 
@@ -84,9 +57,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _user_stacklevel() -> int:
-    """The `stacklevel` (for a warning raised by the caller) of the first frame outside lightning_rec, torch and
-    Lightning: the user's line that led to the collective (their forward, backward or trainer.fit), whichever
-    of our collectives needed the room."""
+    """The `stacklevel` (for the caller's warning) of the first frame outside lightning_rec, torch and Lightning."""
     frame, level, library = sys._getframe(1), 1, _library_dirs()
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(library):
         frame, level = frame.f_back, level + 1
@@ -177,13 +148,10 @@ class _Region:
 
 
 class SharedMemoryGroup:
+    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm. `create(pg)` (collective)
+    returns None when the ranks cannot share memory: callers then keep using the process group."""
+
     shrink_after = 512  # exchanges in a row using under a quarter of a region before it is replaced by a smaller one
-
-    """all_to_all_single / all_reduce for ranks of `pg` that share a host, through /dev/shm.
-
-    Build it with `SharedMemoryGroup.create(pg)` (collective), which returns None when the ranks
-    cannot share memory (other hosts, no /dev/shm): callers then keep using the process group.
-    """
 
     def __init__(self, pg, session: str, timeout_s: float | None) -> None:
         self.pg, self.session, self.timeout_s = pg, session, timeout_s
@@ -209,8 +177,7 @@ class SharedMemoryGroup:
         self.fallbacks = 0  # exchanges that went through the process group (/dev/shm had no room for one)
         self._no_room_from: int | None = None  # the smallest slot size /dev/shm refused: not tried again
         self._small_run, self._small_peak = 0, 0  # exchanges in a row under a quarter of a slot, their largest
-        # set by DistributedModelParallel: a barrier that waits past its grace asks where the peers are
-        # (collective_guard.py), so a peer blocked elsewhere is named within seconds, not at the timeout
+        # set by DistributedModelParallel: past its grace, the barrier asks where the peers are (collective_guard.py)
         self.guard: CollectiveGuard | None = None
         self.timeout_setting = "DistributedModelParallel(timeout=...)"  # how messages name timeout_s
         self._tag = ""
@@ -337,14 +304,9 @@ class SharedMemoryGroup:
             at += n
 
     def exchange(self, sends: list[Tensor | Writer], tag: str = "exchange") -> list[Tensor]:
-        """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here.
-
-        A send is a tensor (its bytes) or a Writer (nbytes + a function that fills a uint8 view: a
-        gather that writes straight into shared memory, without a staging copy). Received pieces are
-        uint8 tensors; a peer's is a view into its shared memory, valid until this rank's next
-        collective on the group (the peer rewrites that slot two exchanges later), so copy it out
-        (or consume it) before then. This rank's own piece comes back as its bytes.
-        """
+        """All-to-all of sizes only the senders know: sends[p] goes to rank p; returns what each rank sent here. A
+        send is a tensor or a Writer (fills shared memory itself). Received pieces are uint8 tensors; a peer's is a
+        view into its shared memory, valid until this rank's next collective on the group: consume it before."""
         W = self.world_size
         if len(sends) != W:
             raise ValueError(f"exchange takes one send per rank ({W}), got {len(sends)}")
@@ -397,9 +359,8 @@ class SharedMemoryGroup:
     # the protocol ----------------------------------------------------------------------------------
 
     def _write(self, slot: int, pieces: list[Tensor | Writer | None], op: int, tag: str) -> bool:
-        """Pieces into this rank's slot, each at a 64-byte aligned start (receivers view them as any
-        dtype), then the header: op, total size, and (all-to-alls: one piece per rank) each piece's
-        (start, end). None: nothing."""
+        """Pieces into this rank's slot, each at a 64-byte aligned start (viewable as any dtype), then the header: op,
+        total size, and each piece's (start, end). None: nothing."""
         spans = _layout(pieces)
         at = _align(spans[-1]) if spans else 0
         cap = self._data.nbytes // 2
@@ -432,8 +393,7 @@ class SharedMemoryGroup:
         sizes = [hi - lo for lo, hi in zip(spans[::2], spans[1::2])]
         self._tag = tag
         fields = [self._gen, op, ok, sum(sizes), _tag_id(tag)]  # _GEN, _OP, _OK, _SIZE, _TAG
-        # all-reduce: any number of tensors, so their count and a signature of their sizes;
-        # all-to-all / exchange: one (start, end) per rank
+        # all-reduce: the count and a signature of the sizes; all-to-all / exchange: (start, end) per rank
         fields += [len(sizes), _signature(sizes)] if op == _OP_ALL_REDUCE else spans
         self._header[slot, : len(fields)] = torch.tensor(fields, dtype=torch.int64)  # one write
         return bool(ok)
@@ -480,8 +440,7 @@ class SharedMemoryGroup:
                     f"({own[_SIZE]} bytes), rank {p} ran '{theirs}' ({header[_SIZE]} bytes). Every rank "
                     f"must run the same collectives with the same sizes in the same order (do all ranks have the "
                     f"same number of batches? a rank-dependent branch in the model?)")
-        # every peer's region first, also when this exchange falls back: a peer that grew now unlinks the new file's
-        # name after the next barrier, so it must be mapped in this exchange
+        # every peer's region first, also when this exchange falls back: a grown one is unlinked after the next barrier
         peers = {}
         for p, header in headers.items():
             gen = header[_GEN]
@@ -491,8 +450,7 @@ class SharedMemoryGroup:
             region = self._peer_data[p][1]
             peers[p] = (header, slot * (region.nbytes // 2), region)
         if not (own[_OK] and all(h[_OK] for h in headers.values())):
-            # someone had no room for this exchange: it goes through the process group; the next one that fits
-            # the regions every rank holds goes through shared memory again
+            # someone had no room: this exchange goes through the process group, the next that fits through shm
             self.fallbacks += 1
             return None
         return peers
@@ -502,8 +460,7 @@ class SharedMemoryGroup:
             dist.barrier(group=self.pg)  # no compiled extension: gloo carries the signal (slower, same result)
             return
         if self.guard is not None:
-            # the barrier is re-entrant (storing the same k again is a no-op): wait the grace, then in
-            # slices, and between them the guard compares where the peers are
+            # the barrier is re-entrant: wait the grace, then in slices, the guard comparing where the peers are
             k = self.guard.begin()
             if not self._barrier_for(self.guard.grace_s):
                 self.guard.wait_until(self._barrier_for, self._tag, k, graced=True)
@@ -559,13 +516,8 @@ def _native_barrier():
 
 
 def ddp_comm_hook(group: SharedMemoryGroup):
-    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)).
-
-    DDP hands over buckets in order as they fill; the hook holds them and reduces them all at the
-    last one, in one exchange: one barrier per step instead of one per bucket (on a CPU box every
-    core computes, so reducing early would not overlap with anything; waiting for a peer at every
-    bucket only adds skew). DDP waits for the futures only after the last bucket.
-    """
+    """A DDP comm hook averaging the gradient buckets through `group` (register_comm_hook(None, hook)): it holds the
+    buckets and reduces them all at the last one, in one exchange (one barrier per step)."""
     pending: list[tuple[Tensor, torch.futures.Future]] = []
 
     def hook(_state, bucket):  # unannotated: DDP compares annotations as objects, and this module defers them

@@ -1,10 +1,8 @@
 """An embedding table's weight parameter, and which collection owns it.
 
-A table's parameter is a view into its kernel's storage (fused tables) or the kernel's own parameter
-(dense): the classes here keep that view honest (no rebinding, loads copy in place, freezing gates the
-kernel's update), and the registry maps a parameter back to its collection for
-apply_optimizer_in_backward, which gets parameters only.
-"""
+A table's parameter is a view into its kernel's storage (fused tables) or the kernel's own parameter (dense): the
+classes here keep that view honest (no rebinding, loads copy in place, freezing gates the kernel's update), and the
+registry maps a parameter back to its collection for apply_optimizer_in_backward, which gets parameters only."""
 
 from __future__ import annotations
 
@@ -14,9 +12,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward, which gets parameters only.
-# By id, not an attribute on the parameter (a weakref there would make the parameter unpicklable); a stale id is
-# caught by table_owner's identity check.
+# id(table parameter) -> (its collection, table name), for apply_optimizer_in_backward (by id: a weakref on the
+# parameter would make it unpicklable; table_owner checks identity)
 _TABLE_OWNERS: dict[int, tuple[weakref.ref, str]] = {}
 
 
@@ -30,12 +27,8 @@ def table_owner(param: Tensor) -> tuple[nn.Module, str] | None:
 
 
 class _Tables(nn.ModuleDict):
-    """table name -> its weight holder. Any table name works, `items` and `keys` included.
-
-    nn.ModuleDict refuses names that are attributes of the container (its methods); a table named
-    `items` would fail with "attribute 'items' already exists". Entries go straight into _modules,
-    which is all that state dicts, `named_parameters` and `tables[name]` read.
-    """
+    """table name -> its weight holder. Any table name works, `items` and `keys` included (nn.ModuleDict refuses
+    its own attribute names): entries go straight into _modules, which is all state dicts and lookups read."""
 
     def __setitem__(self, key: str, module: nn.Module) -> None:
         self._modules[key] = module
@@ -43,16 +36,10 @@ class _Tables(nn.ModuleDict):
 
 class FusedTableWeight(nn.Parameter):
     """A fused table's weight: a view of the kernel's storage, updated inside backward, never given a gradient.
+    `requires_grad` reads False (torch.optim and DDP leave it alone); setting it False freezes the table (no update,
+    state kept), True resumes. `frozen` tells which."""
 
-    `requires_grad` reads False (no autograd gradient: torch.optim and DDP leave it alone). Setting it, by
-    `p.requires_grad = False`, `module.requires_grad_(False)`, LightningModule.freeze() or Lightning's
-    BaseFinetuning, freezes the table: its kernel then does no update and keeps its optimizer state; setting it
-    True resumes. (TorchRec gets the same from fbgemm's placeholder parameter, whose requires_grad gates the
-    kernel's backward.) `frozen` tells which.
-    """
-
-    # Moves at every freeze or unfreeze of any table: a collection reads its tables' flags again only when it moved
-    # (reading them at every forward is ~50 us for 26 tables, several times a host-bound GPU step's overhead)
+    # moves at every freeze or unfreeze: a collection reads its tables' flags again only then (not every forward)
     freeze_changes: ClassVar[int] = 0
 
     @property
@@ -88,8 +75,7 @@ class FusedTableWeight(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        """Written in place: the kernel reads the rows this parameter views, so `weight.data = pretrained` (and
-        torch.nn.utils.vector_to_parameters, which assigns so) must not rebind it."""
+        """Written in place: the kernel reads the rows this parameter views, so `weight.data = x` must not rebind it."""
         own = torch._C.TensorBase.data.__get__(self)
         if not isinstance(value, torch.Tensor) or value.shape != own.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -110,7 +96,6 @@ class _TableWeight(nn.Module):
         self.weight = weight
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
-        # The weight views the kernel's storage (or is the dense kernel's own parameter): load_state_dict(...,
-        # assign=True) would swap in a tensor the kernel never reads. Tables always load by copy, as sharded ones do.
+        # the weight views the kernel's storage: assign=True would swap in a tensor the kernel never reads
         local_metadata = {**local_metadata, "assign_to_params_buffers": False}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)

@@ -1,10 +1,7 @@
 """Names shared by the sharder, the planner and the strategy: sharding types, compute kernels, plans.
 
-TorchRec's public names, so that its users feel at home. A plan maps module paths to per-table
-`ParameterSharding`s; each says how a table is split (`sharding_type`), which kernel runs its
-lookup (`compute_kernel`), and where each shard sits (`shards`: global row/column offsets, sizes,
-owning rank). Plans are plain data: they print, compare, and travel between ranks as they are.
-"""
+TorchRec's public names. A plan maps module paths to per-table `ParameterSharding`s (sharding type, compute kernel,
+shards with their offsets, sizes and ranks); plans are plain data that print, compare and travel between ranks."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ class ShardingType(str, Enum):
         return self.value
 
 
-# What a sequence collection (EmbeddingCollection) can be sharded by: its rows travel back per id,
-# so the host-level types (whose pooled partial sums are reduced inside a host) do not apply.
+# what a sequence collection can be sharded by (host-level types reduce pooled partial sums: not for rows)
 SEQUENCE_SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
                            ShardingType.DATA_PARALLEL)
 
@@ -64,23 +60,17 @@ class ShardMetadata:
 
 @dataclass
 class ParameterSharding:
-    """One table's entry in a plan: how it is split, its kernel, and its shards (with their ranks).
-
-    TorchRec keeps the shards in `sharding_spec` (torch's EnumerableShardingSpec); a ported
-    `ParameterSharding(..., sharding_spec=EnumerableShardingSpec([...]))` is read into `shards` (the
-    placement's rank is kept; the device is the run's). Read them back from `.shards`.
-    """
+    """One table's entry in a plan: how it is split, its kernel, and its shards (with their ranks). TorchRec's
+    `sharding_spec=EnumerableShardingSpec([...])` is read into `shards` (the placement's rank is kept)."""
 
     sharding_type: ShardingType
     compute_kernel: ComputeKernel = ComputeKernel.FUSED
     ranks: list[int] = field(default_factory=list)
     shards: list[ShardMetadata] = field(default_factory=list)
-    # fused_uvm_caching: the share of the table's rows its device cache holds (None: fbgemm's default, 20%); the
-    # planner writes ParameterConstraints(cache_load_factor=...) here, the kernel and the GPU fit check read it
+    # fused_uvm_caching: the share of the table's rows its device cache holds (None: fbgemm's default, 20%)
     cache_load_factor: float | None = None
 
-    # TorchRec's other per-table kernel settings, in its order after sharding_spec: None (its default) reads and
-    # passes as there; a value is refused in __init__ with the setting that does its job here (_TORCHREC_SETTINGS)
+    # TorchRec's other per-table settings: None passes, a value is refused naming ours (_TORCHREC_SETTINGS)
     enforce_hbm = stochastic_rounding = bounds_check_mode = output_dtype = key_value_params = None
 
     def __init__(self, sharding_type: ShardingType, compute_kernel: ComputeKernel = ComputeKernel.FUSED,
@@ -129,8 +119,7 @@ class ParameterSharding:
         shards = [str(s) for s in self.shards]
         pieces = "; ".join(shards) if shards else f"ranks {self.ranks}"
         if len(shards) > _SHARDS_SHOWN:
-            # one line per table stays readable at 64 ranks (the strategy prints the plan at setup); all of them are
-            # in .shards
+            # one line per table stays readable at 64 ranks; all shards are in .shards
             ranks = _ranks_text(sorted({s.placement for s in self.shards}))
             pieces = f"{len(shards)} shards on ranks {ranks}: " + "; ".join([*shards[:2], "...", shards[-1]])
         cache = f", cache {self.cache_load_factor:.0%}" if self.cache_load_factor is not None else ""
@@ -156,8 +145,7 @@ DEFAULT_CACHE_LOAD_FACTOR = 0.2  # fbgemm's and TorchRec's default: a fused_uvm_
 
 @dataclass(frozen=True)
 class CacheParams:
-    """TorchRec's cache settings of a fused_uvm_caching table; its load_factor is honoured (the share of rows the
-    device cache holds), the rest run fbgemm's defaults and are refused when set."""
+    """TorchRec's cache settings of a fused_uvm_caching table: load_factor honoured, the rest refused when set."""
 
     algorithm: object = None
     load_factor: float | None = None
@@ -250,9 +238,7 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-# Plans are plain data: torch.save(plan, f) then torch.load(f) (weights_only=True, torch's default since
-# 2.6) reads them back once this module is imported (any plan name, e.g. `from lightning_rec import
-# ShardingPlan`), without weights_only=False, which would let the file run arbitrary code.
+# plans are plain data: torch.load(f) (weights_only=True) reads them back once this module is imported
 torch.serialization.add_safe_globals(
     [ShardingType, ComputeKernel, ShardMetadata, ParameterSharding, EmbeddingModuleShardingPlan, ShardingPlan]
 )

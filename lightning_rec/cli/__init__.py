@@ -1,23 +1,8 @@
-"""`lightning-rec`: the recipe command line (LightningCLI).
+"""`lightning-rec`: the recipe command line (LightningCLI): fit / validate / test / predict --config <recipe>,
+preprocess (Criteo text to shards) and export (an unsharded model for inference). docs/criteo.md, docs/predict.md.
 
-    lightning-rec fit --config recipes/configs/dlrm_synthetic.yaml [--trainer.max_steps=200]
-    lightning-rec fit --config recipes/configs/dlrm_criteo_kaggle.yaml \
-        --data.train_path=train.tsv --data.val_path=valid.tsv
-    lightning-rec preprocess --input day_0.gz ... --output_dir shards/train   (lightning_rec/data/criteo/preprocess.py)
-
-Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a
-recipe can swap either without code. After `fit`, the final validation metrics are printed.
-
-    lightning-rec export CHECKPOINT OUT [--fp16-tables]
-
-writes an unsharded model for inference (OUT/model.safetensors + OUT/config.json) from a sharded
-checkpoint directory or an old one-file checkpoint; `lightning_rec.checkpoint.load_exported(OUT)`
-rebuilds it on one CPU process (see checkpoint.py).
-
-hints.py repairs the parsers' refusals, recipe.py holds RecCLI (ckpt_path.py: its --ckpt_path), commands.py the
-entry point and the two commands it runs itself.
-"""
-
+hints.py repairs the parsers' refusals, recipe.py holds RecCLI (ckpt_path.py: its --ckpt_path), commands.py the entry
+point and the two commands it runs itself."""
 from lightning_rec.cli.commands import export_main, main, preprocess_main
 from lightning_rec.cli.hints import (  # noqa: F401  (the names lightning_rec/cli.py had)
     _JSONARGPARSE_WORDS,

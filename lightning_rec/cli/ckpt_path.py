@@ -1,7 +1,6 @@
 """What `--ckpt_path` means to the recipe commands: the checkpoint's hyperparameters, `last`, sharded directories.
 
-`CheckpointPathCLI` is LightningCLI with the library's reading of --ckpt_path; `RecCLI` (recipe.py) builds on it.
-"""
+`CheckpointPathCLI` is LightningCLI with the library's reading of --ckpt_path; `RecCLI` (recipe.py) builds on it."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ class CheckpointPathCLI(LightningCLI):
     """LightningCLI whose --ckpt_path also reads sharded directories and `last`, and says what it replaced."""
 
     def _parse_ckpt_path(self) -> None:
-        # Lightning rebuilds the model from the checkpoint's hyperparameters, replacing what the command line
-        # said: `validate --ckpt_path=X --model.embedding_dim=8` ran the checkpoint's 16 without a word. The
-        # checkpoint must win (its weights only fit its own shapes); the user is told which options were not used
+        # the checkpoint's hyperparameters win (its weights fit only its shapes): say which --model options lost
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return super()._parse_ckpt_path()
@@ -62,9 +59,7 @@ class CheckpointPathCLI(LightningCLI):
                 f"configuration", category=UserWarning)
 
     def _checkpoint_dirpaths(self, subcommand: str) -> list[str]:
-        """The dirpath of every ModelCheckpoint the config adds (`--trainer.callbacks.dirpath=DIR`); [] unless each
-        one names it (one without saves under the logger's folder, which Lightning finds itself, as it does the
-        on-exception checkpoint)."""
+        """The dirpath of every ModelCheckpoint the config adds; [] unless each one names it."""
         callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
         dirpaths = []
         for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
@@ -77,8 +72,7 @@ class CheckpointPathCLI(LightningCLI):
         return dirpaths
 
     def _last_checkpoint(self, subcommand: str) -> str | None:
-        """What `--ckpt_path=last` loads (Lightning's rule: the newest last*.ckpt in a ModelCheckpoint's dirpath), found
-        from the config before the Trainer exists; None when no callback names a dirpath or none is there yet."""
+        """What `--ckpt_path=last` loads (the newest last*.ckpt in a ModelCheckpoint's dirpath), or None."""
         found: dict[str, float] = {}
         for dirpath in self._checkpoint_dirpaths(subcommand):
             if os.path.isdir(dirpath):
@@ -89,12 +83,7 @@ class CheckpointPathCLI(LightningCLI):
         return max(found, key=found.__getitem__) if found else None
 
     def _strategy_for_sharded_checkpoint(self, subcommand: str, ckpt_path: str) -> None:
-        # A sharded checkpoint (a directory) resumes only under strategy=rec, and evaluates under another strategy
-        # only in the library's modules (read whole: one rank's memory). `validate --config two_tower_movielens.yaml
-        # --ckpt_path=DIR` (the recipe says strategy: auto) was refused until --trainer.strategy=rec was added: the
-        # checkpoint says what loads it, so "auto" means rec here. The plan is made for this run (the checkpoint
-        # reshards to any number of devices), so the defaults load it. A strategy the user names is kept
-        # (_run_subcommand refuses it where it cannot load the checkpoint).
+        # a sharded checkpoint says what loads it: strategy "auto" means rec here (a named one is kept)
         trainer = self.config[subcommand].get("trainer")
         if trainer is not None and trainer.get("strategy") in (None, "auto"):
             from lightning.pytorch.utilities import rank_zero_info
@@ -105,10 +94,7 @@ class CheckpointPathCLI(LightningCLI):
                            f"--trainer.strategy.OPTION=... sets others)")
 
     def _parse_dcp_ckpt_hparams(self, subcommand: str, ckpt_path: str) -> None:
-        # Lightning's _parse_ckpt_path reads only a file (`Path.is_file()`): a strategy=rec checkpoint is a
-        # directory, whose hyperparameters were not read at all, so the model was built from the command line
-        # (a fit with --model.embedding_dim=8, predicted with the recipe's 16, failed on the shapes). The same
-        # steps as Lightning's (lightning 2.6), on the directory's Lightning dict.
+        # Lightning's _parse_ckpt_path reads only a file: the same steps (lightning 2.6) on a directory's Lightning dict
         from pathlib import Path
 
         from lightning_rec.checkpoint import lightning_meta
@@ -128,7 +114,6 @@ class CheckpointPathCLI(LightningCLI):
             sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
             raise
 
-
     def _check_ckpt_path(self, subcommand: str, ckpt_path) -> None:
         """Refuse, in one line before any rank starts, a --ckpt_path that this command cannot load."""
         if ckpt_path is None and subcommand != "fit":
@@ -145,8 +130,7 @@ class CheckpointPathCLI(LightningCLI):
             self._check_sharded_strategy(subcommand, str(ckpt_path))
 
     def _warn_untrained(self, subcommand: str) -> None:
-        # each command builds the model anew: without a checkpoint, predict wrote a file of an untrained model's
-        # probabilities (validate / test: its metrics) without a word
+        # each command builds the model anew: without a checkpoint it is untrained
         from lightning.pytorch.utilities import rank_zero_warn
 
         does = "predicts" if subcommand == "predict" else "evaluates"
@@ -174,17 +158,14 @@ class CheckpointPathCLI(LightningCLI):
         if subcommand != "fit":  # Lightning warned, then evaluated the model as built, untrained
             raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path=last found no last checkpoint "
                              f"(last*.ckpt) in {where}: give the fit's checkpoint, --ckpt_path=CHECKPOINT")
-        # a first run of the README's resumable command: Lightning's "HINT: Set ModelCheckpoint(...,
-        # save_last=True)" asked for what the command sets
+        # a first run of a resumable command: Lightning's hint asks for what the command sets
         warnings.filterwarnings("ignore", message=r'\.fit\(ckpt_path="last"\) is set, but there is no last')
         from lightning.pytorch.utilities import rank_zero_info
 
         rank_zero_info(f"--ckpt_path=last: no last checkpoint in {where} yet; this fit starts from the beginning")
 
     def _check_sharded_strategy(self, subcommand: str, ckpt_path: str) -> None:
-        # Lightning's own strategies torch.load() a sharded checkpoint ("IsADirectoryError: [Errno 21] Is a
-        # directory"); the library's modules read it whole under them to evaluate (not to resume: no fused
-        # optimizer state)
+        # Lightning's own strategies torch.load() a file; the library's modules read a directory whole to evaluate
         from lightning_rec.checkpoint import LIGHTNING_FILE
         from lightning_rec.models.module_hooks import RecModuleHooks
         from lightning_rec.strategy import RecStrategy

@@ -1,7 +1,6 @@
 """The commands `main` runs itself: `lightning-rec preprocess` (Criteo text -> shards) and `lightning-rec export`.
 
-`main` is the console entry point: fit / validate / test / predict go to the recipe CLI (`run_cli`).
-"""
+`main` is the console entry point: fit / validate / test / predict go to the recipe CLI (`run_cli`)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def export_main(argv: list[str]) -> int:
                                            "lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
-    # --fp16_tables (preprocess's options are underscored) is the same option; as a second spelling of it, argparse
-    # refused the prefix `--fp16` as "ambiguous option: --fp16 could match --fp16-tables, --fp16_tables"
+    # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous
     args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
@@ -83,8 +81,7 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     from lightning_rec.data.criteo.preprocess import preprocess_criteo
 
     parser = _preprocess_parser()
-    # `--output-dir`, `--min-frequency`: the dashed spelling of an option (export's is dashed, --fp16-tables) was
-    # refused as "the following arguments are required: --output_dir" with --output-dir right there
+    # `--output-dir`: the dashed spelling (export's style) is the same option
     argv = [re.sub(r"^--[\w-]+", lambda m: m[0][:2] + m[0][2:].replace("-", "_"), a) for a in
             (sys.argv[1:] if argv is None else argv)]
     args = parser.parse_args(argv)

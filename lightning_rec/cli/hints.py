@@ -1,9 +1,8 @@
 """What the command line's refusals leave out: the option, command, class or file that was meant.
 
-argparse and jsonargparse refuse a misspelt option, a value of the wrong type or a missing file without saying
-what was meant or where the value was set; `did_you_mean` adds those lines to the refusal. No top-level
-Lightning import: `HintingArgumentParser` (preprocess, export) stays light.
-"""
+argparse and jsonargparse refuse a misspelt option, a value of the wrong type or a missing file without saying what was
+meant or where the value was set; `did_you_mean` adds those lines to the refusal. No top-level Lightning import:
+`HintingArgumentParser` (preprocess, export) stays light."""
 
 from __future__ import annotations
 
@@ -199,8 +198,7 @@ def _misspelt_classes(message: str) -> list[tuple[str, str]]:
 
 
 def _misspelt_choice(message: str) -> list[tuple[str, str]]:
-    """(given, meant) for a value outside a Literal (`--trainer.precision=bf16-mix`): the report lists every allowed
-    value, and names none as meant."""
+    """(given, meant) for a value outside a Literal (`--trainer.precision=bf16-mix`)."""
     literal = re.search(r"Parser key \"([\w.]+)\":[\s\S]*?Expected a typing\.Literal\[[\s\S]*Given value: (\S+)\n?$",
                         message)
     if not literal:
@@ -245,8 +243,7 @@ def _strategy_options_hint(message: str) -> str:
 
 
 def _where_refused_value_is_set(message: str) -> str:
-    """For a value refused (`max_epochs: two`), the file that set it: jsonargparse names the key, not where it was
-    set (the recipe, a file of one's own, the command line)."""
+    """For a refused value (`max_epochs: two`), where it was set (jsonargparse names only the key)."""
     keys = re.findall(r'Parser key "([\w.]+)":', message)
     if not keys or not re.search(r"Expected a <class '\w+'>(\. Got value|\n[\s\S]*Given value)", message):
         return ""
@@ -256,13 +253,7 @@ def _where_refused_value_is_set(message: str) -> str:
 
 
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
-    """The close spellings of the options `message` refuses, as lines to add to it ('' when none).
-
-    jsonargparse refuses a misspelt option in three ways: on the command line ("unrecognized arguments:
-    --trainer.max_epocs=1"), as a key of the config file ("does not accept option 'trainer.max_epocs'") and
-    as an init argument of a class_path ("Problem with given class_path 'X': Option 'embeding_dim' is not
-    accepted"); none says what was meant.
-    """
+    """The close spellings of the options `message` refuses, as lines to add to it ('' when none)."""
     if "Problems parsing config" in message:  # yaml's error says "<unicode string>", line 3: not which file
         return _config_file_that_fails(_ARGV)
     for whole in (_command_hint, _config_file_meant):  # refusals that are said in full by one hint
@@ -291,12 +282,7 @@ _JSONARGPARSE_WORDS = ("Does not validate against any of the Union subtypes", "E
 
 
 def constructor_refusal(error: ValueError) -> str:
-    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none).
-
-    A model's or data module's ValueError is in the report's exception chain; a strategy's is not: its Union (a name
-    or a Strategy) chains "Expected a <class 'str'>", which alone was shown for `--trainer.strategy.dense=ddpp`, and
-    the strategy's own sentence is an entry of the report's Errors list.
-    """
+    """A class's own refusal of its arguments inside jsonargparse's report of an instantiation ('' when none)."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
@@ -304,17 +290,14 @@ def constructor_refusal(error: ValueError) -> str:
         if isinstance(cause, ValueError) and not str(cause).startswith(_JSONARGPARSE_WORDS):
             return str(cause)
         cause = cause.__cause__ or cause.__context__
-    # at any depth: a planner's constraint (`--trainer.strategy.planner.constraints='{t_C1: {sharding_types:
-    # [row_wize]}}'`) refuses three Unions down (strategy, planner, constraints), and its sentence was left inside
-    # jsonargparse's 20-line report
+    # at any depth (a planner's constraint refuses three Unions down)
     _, listed, rest = str(error).partition("\nErrors:\n")
     entries = re.findall(r"^\s*- (.*)$", rest, re.MULTILINE) if listed else []
     return next((entry for entry in entries if not entry.startswith(_JSONARGPARSE_WORDS)), "")
 
 
 def _warn_options_a_later_config_sets(argv: list[str]) -> None:
-    # jsonargparse applies arguments in order: `fit --trainer.max_epochs=1 --config recipe.yaml` trained the recipe's
-    # 2 epochs, without a word (the option was read, then the file set it again)
+    # jsonargparse applies arguments in order: an option before --config is set again by the file, silently
     import yaml
     from lightning.pytorch.utilities import rank_zero_warn
 
@@ -342,8 +325,7 @@ def _warn_options_a_later_config_sets(argv: list[str]) -> None:
 
 
 class HintingArgumentParser(argparse.ArgumentParser):
-    """argparse's parser for `preprocess` and `export`, whose refusal of a misspelt option names the one meant
-    (`--num_embedings` was "unrecognized arguments" alone)."""
+    """argparse's parser for `preprocess` and `export`, whose refusal of a misspelt option names the one meant."""
 
     def error(self, message: str):
         return super().error(message + did_you_mean(self, message))

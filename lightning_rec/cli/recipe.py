@@ -1,8 +1,7 @@
 """`RecCLI`: LightningCLI for the recipes (fit / validate / test / predict), and `run_cli`, which runs it.
 
-Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a recipe can swap
-either without code. After `fit`, the final validation metrics are printed.
-"""
+Model and data are chosen by class path in the YAML (`model.class_path`, `data.class_path`), so a recipe can swap either
+without code. After `fit`, the final validation metrics are printed."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class RecArgumentParser(LightningArgumentParser):
         return super().error(message + did_you_mean(self, message), ex)
 
     def print_usage(self, file=None) -> None:
-        # argparse prints the usage before an error: for `fit` that is 50 lines of every option, which push
-        # the one line that matters off the screen; the tip after it names --help for the whole list
+        # argparse prints the usage before an error: for `fit`, 50 lines that push the error off the screen
         usage = self.format_usage()
         if usage.count("\n") > 3:
             usage = f"usage: {self.prog} [options]\n"
@@ -49,8 +47,7 @@ class RecArgumentParser(LightningArgumentParser):
 
 
 def _strategy_class(strategy) -> type | None:
-    """The Strategy class that --trainer.strategy names: a registered name (`rec`, `ddp`), a class (`RecStrategy`,
-    `lightning.pytorch.strategies.DDPStrategy`, as a string or a class_path); None for anything else."""
+    """The Strategy class that --trainer.strategy names (a registered name, a class or its path), else None."""
     from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
     name = strategy if isinstance(strategy, str) else str(getattr(strategy, "class_path", "") or "")
@@ -71,8 +68,7 @@ def _strategy_class(strategy) -> type | None:
 
 
 def _scheduled(configure, scheduler_init, ours: bool):
-    """A configure_optimizers whose one optimizer (what `configure` returns: fused tables and dense layers) the
-    --lr_scheduler (`scheduler_init`) drives."""
+    """A configure_optimizers whose one optimizer (fused tables and dense layers) the --lr_scheduler drives."""
     name = str(scheduler_init.get("class_path", "")).rsplit(".", 1)[-1]
 
     def configure_optimizers(module):
@@ -89,8 +85,7 @@ def _scheduled(configure, scheduler_init, ours: bool):
         except ValueError as e:
             if "cycle_momentum" not in str(e):
                 raise
-            # the combined optimizer's refusal (lightning_rec.optim) names the Python argument; here the flag:
-            # the fused tables' betas are fixed when they are built, and the combined optimizer has no one momentum
+            # the combined optimizer's refusal names the Python argument; here the flag
             raise ValueError(f"--lr_scheduler={name} cycles the momentum by default, but the optimizer that "
                              f"{type(module).__name__} returns ({type(optimizer).__name__}: fused tables + dense "
                              f"layers) has no one momentum to cycle (the fused tables' hyper-parameters are fixed "
@@ -102,13 +97,10 @@ def _scheduled(configure, scheduler_init, ours: bool):
 
 
 class RecCLI(CheckpointPathCLI):
-    """LightningCLI for the recipes: errors said in a line with their fix, fused tables kept in step, predict
-    writing its rows."""
+    """LightningCLI for the recipes: one-line errors with their fix, fused tables kept in step, predict writing rows."""
 
     def _check_accelerator(self, config) -> None:
-        # Lightning's "No supported gpu backend found!" names neither what is missing nor the fix; and
-        # LightningCLI builds the model before the Trainer, so a GPU recipe on a CPU machine first tried to
-        # allocate its GPU-sized tables in host memory and reported that instead of the missing GPU
+        # before the model is built (its GPU-sized tables would fill host memory first), naming what is missing
         from lightning_rec.lookup import cuda_missing
 
         accelerator = str(self._get(config, "trainer", {}).get("accelerator", "")).lower()
@@ -122,8 +114,7 @@ class RecCLI(CheckpointPathCLI):
 
         strategy = self._get(self.config_init, "trainer", {}).get("strategy")
         if isinstance(strategy, str) and strategy not in StrategyRegistry and "strategy" not in kwargs:
-            # `--trainer.strategy=RecStrategy` (the class, as with options: --trainer.strategy.pipeline=true) stays a
-            # string without options, and Lightning refused it: "recstrategy is not a strategy name"
+            # `--trainer.strategy=RecStrategy` without options stays a string, which Lightning refuses
             cls = _strategy_class(strategy)
             if cls is not None:
                 kwargs["strategy"] = cls()
@@ -133,12 +124,10 @@ class RecCLI(CheckpointPathCLI):
             return super().instantiate_trainer(**kwargs)
         except MisconfigurationException as e:
             self._check_accelerator(self.config_init)
-            # Lightning's refusal of a Trainer option (`--trainer.devices=0`, `--trainer.max_epochs=-5`) names the
-            # option: it came after a 40-line traceback
+            # a refused Trainer option (`--trainer.devices=0`) in a line that names it, not a traceback
             raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
         except TypeError as e:
-            # `--trainer.devices=two` / `=-3`: "`devices` selected with `CPUAccelerator` should be an int > 0", raised
-            # as a TypeError by Lightning's device parsing (a TypeError from elsewhere is a bug: its traceback stays)
+            # `--trainer.devices=two`: a TypeError from Lightning's device parsing (elsewhere: a bug, traceback kept)
             if not _raised_in_lightning(e):
                 raise
             raise SystemExit(f"lightning-rec: error: {self._trainer_options_named(e)}{e}") from None
@@ -149,9 +138,7 @@ class RecCLI(CheckpointPathCLI):
             raise
 
     def _rec_for_fused_tables_on_ranks(self) -> dict:
-        # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe leaves the strategy to auto): Lightning
-        # picks DDP, under which fused tables cannot train (each rank would update its own copy), and each rank
-        # refused it with "use --trainer.strategy=rec". What auto can mean for such a model at 2+ ranks is rec
+        # strategy auto at 2+ ranks would be DDP, under which fused tables cannot train: for such a model it means rec
         trainer = self._get(self.config_init, "trainer", {}) or {}
         devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
         count = len(devices) if isinstance(devices, (list, tuple)) else \
@@ -188,9 +175,7 @@ class RecCLI(CheckpointPathCLI):
         super().parse_arguments(parser, args)
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
-        # Every recipe says enable_checkpointing: false (no checkpoints unless asked); asking is adding a
-        # ModelCheckpoint (`--trainer.callbacks+=ModelCheckpoint`, as the README shows), which Lightning then
-        # refused with a MisconfigurationException traceback. The callback the user added is the ask.
+        # recipes say enable_checkpointing: false; a ModelCheckpoint the user adds is the ask to save
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         given = config.get("callbacks") or []
@@ -222,8 +207,7 @@ class RecCLI(CheckpointPathCLI):
             self.trainer.callbacks.append(PredictionWriter(options.get("output_path"), bool(options.get("overwrite"))))
         arguments = self.config_init[self.subcommand]
         if arguments.get("return_predictions") is None:
-            # the writer has every row; Lightning would also keep every batch's output in memory to return them,
-            # and the CLI drops what predict returns (--return_predictions=true still asks for it)
+            # the writer has every row: Lightning need not keep them all in memory too
             arguments["return_predictions"] = False
 
     def after_predict(self) -> None:
@@ -234,8 +218,7 @@ class RecCLI(CheckpointPathCLI):
                 print(f"predictions: {writer.num_rows} rows written to {writer.written_path}", flush=True)
 
     def _logs_under_root_dir(self, config) -> None:
-        # A W&B logger with no save_dir of its own writes where the run writes (--trainer.default_root_dir), as
-        # Lightning's default logger does; WandbLogger's own default is the working directory
+        # a W&B logger with no save_dir writes under --trainer.default_root_dir, as Lightning's default logger does
         trainer = self._get(config, "trainer", {})
         loggers = trainer.get("logger")
         for logger in loggers if isinstance(loggers, list) else [loggers]:
@@ -246,8 +229,7 @@ class RecCLI(CheckpointPathCLI):
                 init.save_dir = trainer.get("default_root_dir")
 
     def _check_wandb_installed(self, config) -> None:
-        # Lightning says "Requirement 'wandb>=0.12.10' not met. HINT: Try running `pip install -U ...`": the two
-        # MovieLens recipes log to W&B, and the way to run them without it was not said
+        # Lightning's "Requirement 'wandb>=0.12.10' not met" does not say how to run without it
         loggers = self._get(config, "trainer", {}).get("logger")
         wandb = [logger for logger in (loggers if isinstance(loggers, list) else [loggers])
                  if str(getattr(logger, "class_path", "")).endswith("WandbLogger")]
@@ -264,20 +246,15 @@ class RecCLI(CheckpointPathCLI):
         try:
             super().instantiate_classes()
         except ValueError as e:
-            # A model's or data module's own ValueError (our way of naming a bad argument and its fix) comes
-            # wrapped in jsonargparse's Union report, after two tracebacks: 70 lines for one sentence
+            # a model's or data module's own ValueError, out of jsonargparse's 70-line Union report
             said = constructor_refusal(e)
             if said:
                 raise SystemExit(f"lightning-rec: error: {said}") from None
             raise
 
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
-        # LightningCLI's --optimizer / --lr_scheduler. Lightning's own handling swaps configure_optimizers for an
-        # optimizer over model.parameters(): for the library's modules that left the fused tables out of it (the
-        # scheduler never moved their rate, their optimizer state left the checkpoint) and dropped
-        # --model.dense_optimizer and warmup_steps without a word; and --lr_scheduler without --optimizer did nothing.
-        # Here --optimizer is the dense layers' optimizer (in place of --model.dense_optimizer / dense_lr /
-        # dense_weight_decay) and --lr_scheduler drives the optimizer the module returns: fused tables and dense layers
+        # Lightning's --optimizer would optimize model.parameters(), leaving the fused tables out: here --optimizer is
+        # the dense layers' optimizer and --lr_scheduler drives what the module returns (fused tables and dense layers)
         from lightning_rec.models.module_hooks import RecModuleHooks
 
         optimizer_init = self._get(self.config_init, "optimizer")
@@ -305,8 +282,7 @@ class RecCLI(CheckpointPathCLI):
         super()._run_subcommand(subcommand)
 
     def after_fit(self) -> None:
-        # the last validation's metrics; recipes that also rank the test split in fit (eval_test_in_fit)
-        # log test_* there too
+        # the last validation's metrics (test_* too, with eval_test_in_fit)
         trainer = self.trainer
         validated = False
         for prefix, what in (("val_", "validation"), ("test_", "test")):
@@ -315,8 +291,7 @@ class RecCLI(CheckpointPathCLI):
             if metrics and trainer.is_global_zero:
                 shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
                 print(f"final {what}: {shown}", flush=True)
-        # a recipe that validates every 16 epochs, run for 3: the sanity check read validation batches, so there is
-        # data to validate on, yet the run ended without a metric and without a word
+        # a fit shorter than the recipe's validation interval would end without a metric and without a word
         if not validated and trainer.is_global_zero and trainer.global_step > 0 and self._has_validation_data():
             every = trainer.check_val_every_n_epoch
             why = (f"it runs every {every} epochs here and this fit ran {trainer.current_epoch}" if every and
@@ -340,9 +315,7 @@ class RecCLI(CheckpointPathCLI):
             return False
 
     def _say_if_no_checkpoint_was_saved(self) -> None:
-        # A ModelCheckpoint without a monitor saves after validation when validation is not every epoch: a fit
-        # shorter than the recipe's check_val_every_n_epoch (1 epoch of a 40-epoch recipe, say) saved nothing, and
-        # Lightning does not say so
+        # a ModelCheckpoint saves after validation: a fit shorter than the validation interval saves nothing, silently
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         trainer = self.trainer
@@ -353,8 +326,7 @@ class RecCLI(CheckpointPathCLI):
                 why = (f"it saves after validation, which runs every {every} epochs here and did not run in "
                        f"{trainer.current_epoch} epoch(s)" if every and every > trainer.current_epoch
                        else "none of its save points was reached")
-                # --trainer.callbacks.X sets the last callback of the command line's list: Lightning's own
-                # ModelCheckpoint (enable_checkpointing, none given) is not in it, and jsonargparse refused the advice
+                # --trainer.callbacks.X sets the last callback of the command line's list, which may not be this one
                 callbacks = (self._get(self.config, "trainer", None) or {}).get("callbacks") or []
                 last = callbacks[-1] if isinstance(callbacks, list) and callbacks else None
                 given = str(getattr(last, "class_path", None) or "").endswith("ModelCheckpoint")
@@ -368,8 +340,7 @@ class _LoggedConfig(SaveConfigCallback):
     """config.yaml beside the run, as Lightning writes it; and the run's seed and Trainer settings to its loggers."""
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        # Lightning gives the loggers the module's and the data module's hyperparameters only: a W&B run (uploaded
-        # without the config.yaml written beside it) could not say its seed, epochs, devices, strategy or precision
+        # Lightning logs the modules' hyperparameters only: the seed and Trainer settings too
         import json
 
         trainer_config = self.config.get("trainer")
@@ -390,27 +361,21 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     """Run the CLI and return it (tests read its trainer and model)."""
     # W&B never reaches the network unless the user asks for it (WANDB_MODE=online).
     os.environ.setdefault("WANDB_MODE", "offline")
-    # Lightning 2.6 asks torch 2.13's pytree an isinstance() that torch now deprecates: a FutureWarning in every
-    # run (each rank) that no recipe can act on; Lightning's to change
+    # warnings no recipe can act on: Lightning 2.6's use of a pytree API torch 2.13 deprecates,
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
-    # lines of Lightning's in every run that no recipe can act on: its advertisements (litlogger, litmodels), and
-    # that the default logger is a CSVLogger when tensorboard is absent (the recipes say where their logs go)
+    # Lightning's note that the default logger is a CSVLogger without tensorboard,
     warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed")
-    # and two about our loaders that do not apply: streams and shard sets split rows between workers themselves
-    # (their len() is exact), and predictions find each row's place without the loader's sample indices
+    # two about our loaders that do not apply (they split rows between workers and place predicted rows themselves),
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"Couldn't infer the batch indices fetched from your dataloader")
-    # and that a fit without --data.val_path has no validation batches: the data module's empty list says so on
-    # purpose (an empty val file is a DataLoader of length zero, and Lightning still names it)
+    # and that a fit without --data.val_path has no validation batches (the data module's empty list, on purpose)
     warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
             rank_zero_log.addFilter(_NoLitLoggerTip())
-    # jsonargparse resolves a short class name (`--model=DLRMModule`, `--data=SyntheticCriteoDataModule`, as
-    # LightningCLI's docs write them) among the subclasses imported so far: without these imports it refused the
-    # library's own ("DLRMModule either not accessible or invalid"), and its hint named the same name
+    # jsonargparse resolves a short class name (`--model=DLRMModule`) among the subclasses imported so far
     import lightning_rec.data  # noqa: F401
     import lightning_rec.models  # noqa: F401
 

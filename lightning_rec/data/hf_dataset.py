@@ -1,21 +1,11 @@
-"""A Hugging Face `datasets.Dataset` object where a data module takes a path: written once, named by its fingerprint.
+"""A Hugging Face `datasets.Dataset` object where a data module takes a path: written once, named by its fingerprint
+(docs/criteo.md#a-datasetsdataset-in-python, docs/movielens.md).
 
     dm = CriteoDataModule(train_path=load_dataset("parquet", data_files="train-*.parquet")["train"], ...)
-    dm = MovieLensDataModule(ds.filter(lambda r: r["rating"] >= 3), columns={"item": "parent_asin"})
 
-Data modules keep paths: their arguments are saved as hyperparameters in checkpoints (read back with
-`weights_only=True`, which loads no Dataset object) and their sources are handed to loader workers and to the
-other ranks. So a Dataset becomes the path of a copy written once, as one Parquet file (`data.parquet` for
-Criteo: a table source, cached or streamed as any other; `ratings.parquet` for MovieLens), in
-`<cache>/hf_datasets/<fingerprint>/`. The fingerprint is datasets' own hash of the data and of every transform
-applied to it (`map`, `filter`, `shuffle`, `select`, ...), so the same Dataset built again, by another rank or
-the next run, finds its copy instead of writing another (a Dataset whose fingerprint datasets could not compute,
-which it warns about, gets a random one and a new copy each time). Pending index mappings (`shuffle`, `select`,
-`sort`) are applied in the copy, in their order; a `with_transform` / `set_transform` function, which runs only as
-rows are read, is refused (`map` it first), as is a Dataset of no rows. A process that writes holds a lock beside
-the folder while the others wait, and the copy appears whole or not at all (written aside, marked whole, then
-renamed).
-"""
+Data modules keep paths (saved as hyperparameters, handed to workers and ranks), so a Dataset becomes a Parquet copy
+in `<cache>/hf_datasets/<fingerprint>/` (datasets' hash of the data and its transforms), written once under a lock,
+aside, then renamed. A `set_transform` function is refused."""
 
 from __future__ import annotations
 
@@ -64,15 +54,13 @@ def _locked(path: Path):
 def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_group_rows: int = 1 << 16) -> None:
     """`ds`'s rows, in its order, as one Parquet file of `row_group_rows`-row groups (small enough for streaming
     readers, lightning_rec.data.criteo.tables). Index mappings (`shuffle`, `select`, `sort`) are applied by Arrow,
-    `chunk_rows` at a time: datasets' own writers gather them 1000 rows at a time (`save_to_disk` of a shuffled
-    1M-row Criteo Dataset: 0.01 M rows/s; here 0.23 M on 2 cores, and unshuffled 0.65 M against save_to_disk's 0.36)."""
+    `chunk_rows` at a time (datasets' own writers gather 1000 rows at a time, far slower)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = ds.data.table  # the Arrow table as transformed (columns renamed or dropped), before index mappings
     indices = None if ds._indices is None else ds._indices.column(0)
-    # a column per thread (Arrow releases the GIL): a random gather is bound by memory latency, ~0.15 s per 1M
-    # string values
+    # a column per thread (Arrow releases the GIL): a random gather is bound by memory latency
     with pq.ParquetWriter(str(path), table.schema) as writer, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for start in range(0, len(ds), chunk_rows):
             if indices is None:
@@ -86,12 +74,9 @@ def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_gr
 
 def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name: str,
                  split_names: Sequence[str] = (), dict_hint: str = "", streams: bool = False) -> Any:
-    """`value` unchanged unless it is a `datasets` object; a Dataset: the path of the folder holding its copy,
-    `file_name` (a .parquet file); a DatasetDict whose splits are all `split_names` (none: refused, `dict_hint`
-    saying what to do): the folder holding `<split>.parquet` for each.
-
-    `what` names the argument in errors ("CriteoDataModule train_path"); `streams`: its data module reads files in
-    blocks with streaming=True (said to a streaming IterableDataset's user)."""
+    """`value` unchanged unless it is a `datasets` object; a Dataset: the folder holding its copy `file_name`; a
+    DatasetDict whose splits are all `split_names` (else refused, with `dict_hint`): the folder of `<split>.parquet`.
+    `what` names the argument in errors; `streams`: its data module can stream (said to an IterableDataset's user)."""
     if not is_hf_dataset(value):
         return value
     import datasets
@@ -122,8 +107,7 @@ def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name
 
 
 def rows_digest(value: Any) -> str | None:
-    """A digest of a Dataset's (or DatasetDict's) rows: its length, columns and up to 256 rows spread evenly over it,
-    in its order; None for anything else. Compared over ranks by `check_same_rows`."""
+    """A digest of a Dataset's rows (length, columns, up to 256 rows), for `check_same_rows`; else None."""
     if not is_hf_dataset(value):
         return None
     import datasets
@@ -141,11 +125,8 @@ def rows_digest(value: Any) -> str | None:
 def check_same_rows(digests: dict[str, str], what: str) -> None:
     """At 2+ ranks, refuse Datasets (`rows_digest` of each argument given one) whose rows differ between ranks.
 
-    Every process builds its own Dataset (Lightning starts each rank's script anew), and one shuffled or split
-    without a seed (`ds.shuffle()`, `ds.train_test_split(test_size=0.1)`) holds its rows in another order on each
-    rank, from numpy's random state: each rank would read its share of another order, training rows twice or
-    never, or validation rows. A collective: the data modules call it from setup, on every rank, when an argument
-    was a Dataset (the same on every rank: the same script)."""
+    Every rank builds its own Dataset, and one shuffled or split without a seed holds its rows in another order on
+    each rank: each would read its share of another order. A collective, called from setup on every rank."""
     import torch.distributed as dist
 
     if not digests or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -165,8 +146,7 @@ def check_same_rows(digests: dict[str, str], what: str) -> None:
 
 
 def _refuse_transform(ds, what: str) -> None:
-    # a with_transform / set_transform function runs only as rows are read: the copy, written from the Arrow table,
-    # would hold the rows without it
+    # a set_transform function runs only as rows are read: the copy would lack it
     if ds.format.get("type") == "custom":
         raise ValueError(f"{what} is a Dataset with a transform (with_transform / set_transform), which datasets runs "
                          f"only as rows are read, so its copy would hold the rows without it: apply it first, "
@@ -174,8 +154,7 @@ def _refuse_transform(ds, what: str) -> None:
 
 
 def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what: str) -> str:
-    """The folder `<cache_root>/hf_datasets/<fingerprint>` holding each Dataset of `files` as `<name>` (a split
-    name gets ".parquet"), written once."""
+    """The folder `<cache_root>/hf_datasets/<fingerprint>` holding each Dataset of `files`, written once."""
     files = {name if name.endswith(".parquet") else f"{name}.parquet": ds for name, ds in files.items()}
     folder = Path(cache_root) / "hf_datasets" / fingerprint
     if (folder / _READY).is_file():
@@ -185,8 +164,7 @@ def _written(files: dict, fingerprint: str, cache_root: str | os.PathLike, what:
         if (folder / _READY).is_file():  # another rank wrote it while this one waited
             return str(folder)
         if exclusive:
-            # a copy being written is made only under this lock, which dies with its holder: any other one here
-            # was left by a killed run (hidden, as large as the Dataset, and never reused)
+            # a copy is written only under this lock: any other one here was left by a killed run
             for stale in folder.parent.glob(f".{glob.escape(folder.name)}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))

@@ -21,19 +21,5 @@ from lightning_rec.metrics.ranking import (
 )
 
 __all__ = [
-    "AUC",
-    "CTR",
-    "MRR",
-    "NDCG",
-    "RANKING_METRICS",
-    "BinnedAUC",
-    "HitRate",
-    "LogLoss",
-    "NormalizedEntropy",
-    "Precision",
-    "RankingMetrics",
-    "Recall",
-    "RecMetricCollection",
-    "binary_entropy",
-    "exact_auc",
-]
+    "AUC", "CTR", "MRR", "NDCG", "RANKING_METRICS", "BinnedAUC", "HitRate", "LogLoss", "NormalizedEntropy", "Precision",
+    "RankingMetrics", "Recall", "RecMetricCollection", "binary_entropy", "exact_auc"]

@@ -1,37 +1,8 @@
-"""Click-through-rate metrics on torchmetrics: AUC, normalized entropy (NE), log loss, CTR.
+"""Click-through-rate metrics on torchmetrics: AUC, BinnedAUC, normalized entropy (NE), log loss, CTR (what each keeps
+and computes: docs/criteo.md#click-metrics). Sums are float64: float32 loses digits over tens of millions of samples.
+Labels are checked on CPU at once; on GPU the bad ones are counted on the device and raised at compute.
 
-Shapes: B predictions in one update, N predictions in all (every update, every rank).
-
-Every metric takes `update(preds_B, target_B)` (torchmetrics' names; `labels=` is taken too), with
-`preds` logits (`from_logits=True`, the default: what a CTR model outputs before its sigmoid) or
-probabilities, and labels 0./1. States are torchmetrics states with a `dist_reduce_fx`, so
-`compute()` is over all ranks:
-
-    LogLoss   sum of per-sample BCE, count                  ("sum")   -> mean BCE
-    CTR       sum of labels, count                          ("sum")   -> positives / count
-    NE        sum of BCE, sum of labels, count              ("sum")   -> logloss / H(ctr)
-    AUC       every prediction and label                    ("cat")   -> exact, tie-aware
-    BinnedAUC confusion counts at T thresholds              ("sum")   -> torchmetrics BinaryAUROC
-
-    H(p) = -(p log p + (1 - p) log(1 - p)), the log loss of always predicting the data's own
-    click rate; NE < 1 means the model beats that constant (He et al., 2014).
-
-Sums are kept in float64: over tens of millions of samples float32 sums lose digits. AUC keeps
-all predictions (4 bytes each, plus the label); pass `compute_on_cpu=True` to keep them on the
-host, or use `BinnedAUC` (torchmetrics' binned BinaryAUROC: memory fixed by the number of
-thresholds) for evaluation sets too big to keep.
-
-Why AUC is our own exact rank statistic and not torchmetrics' exact `BinaryAUROC`: the same
-value (a test checks it on probabilities), but `BinaryAUROC` applies a float32 sigmoid to logits,
-which rounds every logit above ~17 to 1.0 and turns distinct scores into ties (a wrong AUC for
-confident models), stores labels as int64 (8 bytes a sample instead of 4), and validates labels
-with a host sync per batch. `benchmarks/auc.py` measures the speed and memory of both.
-
-Labels must be 0 or 1 (ratings, -1/1 labels or NaN labels of unlabelled data would give an AUC
-above 1 or a meaningless NE). On CPU every batch is checked in `update`; on GPU the count of bad
-labels is kept on the device (no per-step host sync) and `compute()` raises. An evaluation set of
-one class has no AUC and no NE: a warning and NaN, never a crash.
-"""
+Shapes: B predictions in one update, N predictions in all (every update, every rank)."""
 
 from __future__ import annotations
 
@@ -57,10 +28,8 @@ def _target_of(target: Tensor | None, labels: Tensor | None, where: str) -> Tens
 def _flat(preds: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     preds_B, labels_B = preds.detach().reshape(-1), labels.detach().reshape(-1)
     if preds_B.shape != labels_B.shape:
-        raise ValueError(
-            f"{preds_B.numel()} predictions for {labels_B.numel()} labels: pass one prediction per "
-            f"sample (shape [B] or [B, 1]) and labels of shape [B]"
-        )
+        raise ValueError(f"{preds_B.numel()} predictions for {labels_B.numel()} labels: pass one prediction per "
+                         f"sample (shape [B] or [B, 1]) and labels of shape [B]")
     return preds_B, labels_B
 
 
@@ -79,8 +48,7 @@ def _label_error(num_bad: int, num_labels: int | None, where: str) -> ValueError
 
 
 def _raise_now_or_count(bad: Tensor, total: int, error, where: str) -> Tensor | None:
-    """On CPU: raise `error(bad, total, where)` at once if any entry is bad. Elsewhere: return the bad count to keep
-    on the device (no per-step host sync; raised at compute)."""
+    """On CPU: raise `error(bad, total, where)` at once if any entry is bad; elsewhere return the count (no sync)."""
     if bad.device.type == "cpu":
         if int(bad):
             raise error(int(bad), total, where)
@@ -102,8 +70,7 @@ def _prob_error(num_bad: int, num_preds: int | None, where: str) -> ValueError:
 
 
 def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor | None:
-    """from_logits=False: on CPU raise at once for a prediction outside [0, 1]; elsewhere return the count to keep on
-    the device (no per-step host sync), as for labels: logits read as probabilities fall into BinnedAUC's end bins."""
+    """from_logits=False: a prediction outside [0, 1] raised at once on CPU, else counted on the device (as labels)."""
     if from_logits:
         return None
     return _raise_now_or_count(((preds_B < 0) | (preds_B > 1)).sum(), preds_B.numel(), _prob_error, where)
@@ -112,13 +79,11 @@ def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor |
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
     if num_pos > 0 and num_neg > 0:
         return None
-    warnings.warn(
-        f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
-        f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
-        f"Evaluate on a set with both clicks and non-clicks",
-        UserWarning,
-        stacklevel=3,
-    )
+    warnings.warn(f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
+                  f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
+                  f"Evaluate on a set with both clicks and non-clicks",
+                  UserWarning,
+                  stacklevel=3,)
     return torch.tensor(float("nan"), dtype=torch.float64)
 
 
@@ -198,8 +163,7 @@ class NormalizedEntropy(_SumMetric):
         count = self._checked_count()
         entropy = binary_entropy(self.label_sum / count)
         if not float(entropy) > 0:
-            # one class: H(ctr) is 0 (as -0.0 at ctr = 1), and loss / -0.0 would be -inf, the best score there is;
-            # without a second class there is no baseline to normalize by
+            # one class: H(ctr) is 0, no baseline to normalize by (loss / -0.0 would read as the best score)
             positives = float(self.label_sum)
             warnings.warn(f"NormalizedEntropy: the evaluation set has {int(positives)} positive and "
                           f"{int(float(count) - positives)} negative labels, so the entropy of its click rate is 0 "
@@ -210,11 +174,8 @@ class NormalizedEntropy(_SumMetric):
 
 
 class AUC(Metric):
-    """Exact ROC AUC over every prediction of every rank (Mann-Whitney rank statistic, ties count 1/2).
-
-    Logits and probabilities give the same AUC (the sigmoid keeps the order), so `from_logits`
-    only documents the input; predictions are stored as float32.
-    """
+    """Exact ROC AUC over every prediction of every rank (Mann-Whitney rank statistic, ties count 1/2). Logits and
+    probabilities give the same AUC, so `from_logits` only documents the input; kept as float32."""
 
     is_differentiable = False
     higher_is_better = True
@@ -252,15 +213,8 @@ class AUC(Metric):
 
 
 class BinnedAUC(BinaryAUROC):
-    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities: torchmetrics'
-    binned `BinaryAUROC`, whose memory is fixed (4 counts per threshold) whatever the set's size.
-
-    Logits (`from_logits=True`) go through a sigmoid first. `update` builds the same confusion counts as
-    torchmetrics from a histogram (O(N log T) instead of O(N T); a test checks the counts are equal).
-    With 10,000 thresholds the value is within about 1e-3 of the exact AUC for well-spread
-    probabilities; predictions that crowd into a few bins (a very confident model) lose more, so
-    check against `AUC` on a sample.
-    """
+    """ROC AUC from confusion counts at `num_thresholds` evenly spaced probabilities (torchmetrics' binned
+    `BinaryAUROC`, fixed memory), its counts built from a histogram. Logits go through a sigmoid first."""
 
     def __init__(self, num_thresholds: int = 10_000, from_logits: bool = True, **kwargs) -> None:
         if not isinstance(num_thresholds, int) or num_thresholds < 2:
@@ -283,8 +237,7 @@ class BinnedAUC(BinaryAUROC):
         if bad is not None:
             self.bad_preds += bad
         probs_B = torch.sigmoid(preds_B.float()) if self.from_logits else preds_B.float()
-        # torchmetrics compares every sample with every threshold (O(B T): 16 s per million samples at
-        # T = 10,000 on a 2-core CPU); a histogram over the thresholds gives the same counts in O(B log T)
+        # a histogram over the thresholds: torchmetrics' counts in O(B log T), not O(B T)
         thresholds_T = self.thresholds
         T = thresholds_T.numel()
         above_B = torch.searchsorted(thresholds_T, probs_B, right=True)  # how many thresholds are <= p
@@ -340,14 +293,9 @@ class RecMetricCollection(MetricCollection):
     Lightning then computes each metric over the epoch (all ranks) and resets it.
     """
 
-    def __init__(
-        self,
-        prefix: str | None = "val/",
-        from_logits: bool = True,
-        metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr"),
-        num_thresholds: int = 10_000,
-        **metric_kwargs,
-    ) -> None:
+    def __init__(self, prefix: str | None = "val/", from_logits: bool = True,
+                 metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr"), num_thresholds: int = 10_000,
+                 **metric_kwargs) -> None:
         unknown = [m for m in metrics if m not in _METRICS]
         if unknown:
             raise ValueError(f"unknown metrics {unknown}: choose from {sorted(_METRICS)}")

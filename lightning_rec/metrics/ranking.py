@@ -1,61 +1,14 @@
-"""Top-K ranking metrics on torchmetrics: NDCG@K, Recall@K, Precision@K, MRR@K, HitRate@K.
+"""Top-K ranking metrics on torchmetrics: NDCG@K, Recall@K, Precision@K, MRR@K, HitRate@K (definitions, the
+ways in, and how they differ from torchmetrics: docs/movielens.md#evaluation).
 
 Shapes: U users in one update (one batch of users), I items in the catalogue, C candidates per
 user, K the largest cutoff asked for, R held-out (relevant) items of the batch, X excluded ones.
 
-Three ways in; the first two are reduced at once to the top K of each user (`torch.topk`), so
-nothing larger than one batch of users x items ever exists:
-
-    full ranking   update_full(scores_UI, target_offsets_U1, target_items_R,
-                               exclude_offsets_U1, exclude_items_X)
-                   every item scored for every user of the batch; the user's training items
-                   (exclude) are pushed to -inf, the held-out items (target) are the relevant ones
-    candidates     update(preds_UC, target_UC, mask=mask_UC)
-                   given candidate lists (padded to C; mask False marks padding)
-    flat           update(preds_N, target_N, indexes_N)
-                   torchmetrics' retrieval form: one entry per (user, candidate), `indexes` saying
-                   whose (any ids, any order, a user's entries spread over updates and ranks);
-                   kept until compute, as torchmetrics keeps them, then regrouped into padded
-                   candidate lists (the one way in whose memory grows with the data)
-
     target_offsets_U1 = [0, 2, 2, 5]    user 0: target_items[0:2], user 1: none, user 2: [2:5]
 
-For each user with n >= 1 relevant items and hit_j = 1 when the item ranked j (1-based) is relevant:
-
-    HitRate@k   1 if any hit_j, j <= k
-    Precision@k sum_{j<=k} hit_j / k          (k, not min(k, candidates): torchmetrics' adaptive_k=False)
-    Recall@k    sum_{j<=k} hit_j / n
-    MRR@k       1 / (first j <= k with hit_j), 0 if none
-    NDCG@k      sum_{j<=k} hit_j / log2(j+1)  /  sum_{j<=min(n,k)} 1 / log2(j+1)
-
-each averaged over users: the definitions of RecBole and of `torchmetrics.retrieval` (tests check
-both). A user with no relevant item has no value of its own; torchmetrics' `empty_target_action`
-says what it counts for, with torchmetrics' meaning:
-
-    "skip"   (ours by default) left out of the mean, and counted in `skipped_users`: never a division by zero
-    "neg"    (torchmetrics' default) counts as 0 for every metric
-    "pos"    counts as 1 for every metric
-    "error"  compute() raises (after the ranks' sync, so that every rank raises, none waits)
-
-Our default stays "skip", so compare with `RetrievalRecall(top_k=k, empty_target_action="skip")`, or
-pass empty_target_action="neg" for torchmetrics' default numbers. It matters on ml-100k's official
-splits, whose test files hold about half of the users. (One difference: when every user is skipped
-torchmetrics returns 0, this returns NaN with a warning, as no user was evaluated.) Ties in score are
-broken by `torch.topk` (as RecBole does), in an order that may differ between CPU and GPU;
-torchmetrics' NDCG instead averages the gain over tied items. With discrete scores the two
-differ (ml-100k validation, popularity scores = training counts: NDCG@10 0.1221 here, 0.1223 in
-torchmetrics; Recall@10 0.1125 / 0.1133): add a tie-breaker to such scores.
-A NaN score ranks last and is never a hit (with a warning): topk alone would rank it first.
-Scores <= 0: torchmetrics 1.9's Recall, Precision and MRR (not its NDCG or HitRate) count a relevant item only
-when its score is > 0 (its PR #3104); here the ranking alone counts, as in RecBole, so a model's raw dot products
-or logits (often negative) give higher Recall / Precision / MRR here. Compare on positive scores
-(`torch.sigmoid(scores)` keeps the order).
-
-States are float64 sums per (metric, cutoff 1..max(ks)) and counts of users with and without a relevant item,
-whatever ks and empty_target_action say (so a MetricCollection groups only metrics that compute alike), reduced
-with "sum": `compute()` covers every rank, and the same users split over 1, 2 or 4 ranks give the same value
-(float64 sums in another order: equal to ~1e-15, identical once logged as float32).
-"""
+The full-ranking and candidate forms are reduced at once to each user's top K, so nothing larger than one batch
+of users x items exists. States are float64 sums per (metric, cutoff 1..max(ks)) and user counts, whatever ks and
+empty_target_action say (a MetricCollection shares equal states), reduced with "sum" over ranks."""
 
 from __future__ import annotations
 
@@ -74,8 +27,7 @@ EMPTY_TARGET_ACTIONS = ("skip", "neg", "pos", "error")  # torchmetrics' values, 
 
 
 class _Unset:
-    """top_k's default, told apart from None: torchmetrics' top_k=None means every item of the list, which is no
-    cutoff here (refused, not read as the default)."""
+    """top_k's default, told apart from torchmetrics' top_k=None (every item: no cutoff here, refused)."""
 
     def __repr__(self) -> str:
         return "unset"
@@ -145,8 +97,7 @@ def _padded_by_query(preds_N: Tensor, target_N: Tensor, indexes_N: Tensor) -> tu
     """torchmetrics' flat retrieval form -> [U, C] candidate lists padded to the longest, and their mask.
 
         indexes_N = [7, 3, 7, 3, 3]       preds_UC = [[p1, p3, p4],     (user 3: entries 1, 3, 4)
-        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)
-    """
+        preds_N   = [p0 .. p4]                        [p0, p2, -- ]]    (user 7: entries 0, 2)"""
     preds_N, target_N, indexes_N = preds_N.reshape(-1), target_N.reshape(-1), indexes_N.reshape(-1)
     order_N = torch.argsort(indexes_N, stable=True)
     _, count_U = torch.unique_consecutive(indexes_N[order_N], return_counts=True)
@@ -173,12 +124,10 @@ class RankingMetrics(Metric):
         prefix: put before each name in `compute()`'s dict ("val_" -> "val_ndcg@10").
         empty_target_action: what a user with no relevant item counts for, as in torchmetrics: "skip" (left
             out; our default), "neg" (0; torchmetrics' default), "pos" (1) or "error" (compute() raises).
-        ignore_index: as in torchmetrics, a target value whose entries are left out (not a candidate at all), in
-            the flat and candidate forms (e.g. -100 for padding).
+        ignore_index: as in torchmetrics, a target value whose entries are left out (e.g. -100 for padding).
         adaptive_k, aggregation: torchmetrics' arguments, taken at their defaults only (False, "mean").
 
-    `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`.
-    """
+    `compute()` returns {"ndcg@10": tensor, ...}, ready for `LightningModule.log_dict`."""
 
     is_differentiable = False
     higher_is_better = True
@@ -188,8 +137,7 @@ class RankingMetrics(Metric):
                  prefix: str = "", top_k: int | None | _Unset = UNSET, empty_target_action: str = "skip",
                  ignore_index: int | None = None, adaptive_k: bool = False, aggregation: str = "mean",
                  **kwargs) -> None:
-        # torchmetrics' retrieval arguments: ignore_index is honoured; the two others are refused naming what is
-        # computed
+        # torchmetrics' retrieval arguments: ignore_index is honoured, the two others refused
         if adaptive_k:
             raise ValueError("adaptive_k=True (Precision@k over min(k, the user's candidates)) is not computed here: "
                              "Precision@k divides by k (torchmetrics' adaptive_k=False); give candidate lists of at "
@@ -217,18 +165,14 @@ class RankingMetrics(Metric):
         self.metric_names = tuple(dict.fromkeys(metrics))
         self.prefix = prefix
         self._warned_short = False
-        # The states hold the same whatever ks and empty_target_action say (every cutoff 1..max(ks); users with and
-        # without a relevant item apart), which compute() reads: torchmetrics' MetricCollection shares one state
-        # between metrics whose states are equal after the first update, so equal states must mean equal meaning.
+        # the same states whatever ks and empty_target_action say: a MetricCollection shares equal states
         shape = (len(RANKING_METRICS), self.max_k)
         self.add_state("sums", default=torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("evaluated_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("empty_users", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("nan_scores", default=torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
-        # the flat form's entries, kept until compute as torchmetrics keeps them: a user's candidates may come in
-        # several updates (rows of (user, item, label) in batches), and only compute sees each user's whole list.
-        # All float64, the dtype of torchmetrics' empty placeholder on a rank without entries (gloo cannot gather
-        # int64 against it); an id is kept as its high and low 32 bits, as float64 is exact only up to 2**53.
+        # the flat form's entries, kept until compute (a user's list may span updates), all float64 (torchmetrics'
+        # empty placeholder's dtype): an id as its high and low 32 bits, exact in float64
         for name in ("flat_preds", "flat_target", "flat_indexes", "flat_indexes_low"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
         self._dtype = torch.float64
@@ -254,10 +198,9 @@ class RankingMetrics(Metric):
                mask: Tensor | None = None, target_offsets: Tensor | None = None, target_items: Tensor | None = None,
                exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None,
                hits: Tensor | None = None, num_relevant: Tensor | None = None) -> None:
-        """Candidate lists: `update(preds_UC, target_UC, mask=mask_UC)`; torchmetrics' flat retrieval form:
-        `update(preds_N, target_N, indexes_N)` (the third argument is `indexes`, as in torchmetrics). The other
-        keywords are what `update_full` and `update_topk` pass (every way in goes through `update`, which
-        torchmetrics wraps: update counts, the compute cache, `forward`)."""
+        """Candidate lists: `update(preds_UC, target_UC, mask=mask_UC)`; torchmetrics' flat form: `update(preds_N,
+        target_N, indexes_N)`. The other keywords are what `update_full` and `update_topk` pass (every way in goes
+        through `update`, which torchmetrics wraps)."""
         if hits is not None:
             self._update_topk(hits, num_relevant)
         elif target_offsets is not None:
@@ -282,7 +225,7 @@ class RankingMetrics(Metric):
 
     def update_full(self, scores_UI: Tensor, target_offsets: Tensor, target_items: Tensor,
                     exclude_offsets: Tensor | None = None, exclude_items: Tensor | None = None) -> None:
-        """Full ranking of a batch of users against every item (see the module docstring)."""
+        """Full ranking of a batch of users against every item; a user's `exclude_items` are pushed to -inf."""
         self.update(scores_UI, target_offsets=target_offsets, target_items=target_items,
                     exclude_offsets=exclude_offsets, exclude_items=exclude_items)
 
@@ -355,8 +298,7 @@ class RankingMetrics(Metric):
                           f"in the top {self.max_k} (Recall@K is then 1 for every user, Precision@K still divides "
                           f"by K as in torchmetrics); use ks <= {num_candidates} for meaningful values",
                           UserWarning, stacklevel=3)
-        # topk ranks NaN above everything, so a diverging model would look perfect: NaN ranks last here and is never
-        # a hit, even within a K that reaches the -inf entries (counted on the device, said at compute: no sync)
+        # topk ranks NaN first: here it ranks last and is never a hit (counted on the device, said at compute)
         nan_UC = torch.isnan(scores_UC)
         self.nan_scores += nan_UC.sum()
         scores_UC = scores_UC.masked_fill(nan_UC, float("-inf"))
@@ -388,13 +330,9 @@ class RankingMetrics(Metric):
 
         # every cutoff k = 1..K (column k - 1); compute() reads the asked ones
         n_ideal_UK = torch.minimum(num_relevant_U.unsqueeze(1), rank_K).long() - 1
-        per_user = {
-            "ndcg": dcg_UK / ideal_K[n_ideal_UK],
-            "recall": cum_hits_UK / num_relevant_U.unsqueeze(1),
-            "precision": cum_hits_UK / rank_K,
-            "mrr": reciprocal_UK,
-            "hit_rate": (cum_hits_UK > 0).to(torch.float64),
-        }
+        per_user = {"ndcg": dcg_UK / ideal_K[n_ideal_UK], "recall": cum_hits_UK / num_relevant_U.unsqueeze(1),
+                    "precision": cum_hits_UK / rank_K, "mrr": reciprocal_UK,
+                    "hit_rate": (cum_hits_UK > 0).to(torch.float64)}
         self.sums += torch.stack([per_user[m].sum(0) for m in RANKING_METRICS]).to(self.sums.device)
 
     # way out ------------------------------------------------------------------------------------

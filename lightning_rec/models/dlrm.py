@@ -9,8 +9,7 @@ Shapes: B batch, F sparse features, D embedding dim (= the dense arch's last lay
 Dot interaction (DLRM): the pairwise dot products of the F+1 vectors (dense + each feature),
 upper triangle without the diagonal, next to the dense vector: D + (F+1)F/2 features.
 DCNv2 interaction: the F+1 vectors flattened, through low-rank cross layers
-x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l: (F+1)D features.
-"""
+x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l: (F+1)D features."""
 
 from __future__ import annotations
 
@@ -24,10 +23,8 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 
 class MLP(nn.Sequential):
-    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`.
-
-    dropout > 0: on the input and after every hidden layer's ReLU (none after the last layer).
-    """
+    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`. dropout > 0: on the
+    input and after every hidden layer's ReLU (none after the last layer)."""
 
     def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True,
                  dropout: float = 0.0) -> None:
@@ -155,12 +152,8 @@ class DLRM(nn.Module):
         embedding_bag_collection: the sparse features' tables (all of one dim D).
         dense_in_features: I, the number of dense inputs.
         dense_arch_layer_sizes: MLP sizes for the dense inputs; the last must equal D.
-        over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample (1 for
-            a click model; more for several tasks, as TorchRec's OverArch allows; DLRMModule takes 1).
-        dense_device: where the dense layers (dense arch, interaction, over arch) are built; None: the
-            default device. The tables stay where the collection put them (TorchRec's argument: build the
-            collection on "meta" and let DistributedModelParallel place the shards).
-    """
+        over_arch_layer_sizes: MLP sizes after the interaction; the last is the number of logits per sample.
+        dense_device: where the dense layers are built (None: the default device); the tables stay where they are."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
@@ -185,11 +178,9 @@ class DLRM(nn.Module):
     def torchrec_names(self) -> dict[str, tuple[str, tuple[int, ...] | None]]:
         """TorchRec's name of each dense parameter -> (ours, our shape where TorchRec's differs; else None).
 
-        TorchRec's DenseArch is `model._mlp.<i>._linear` (a Perceptron per layer, ReLU after each), its OverArch
-        `model.0._mlp.<i>._linear` (the layers but the last, ReLU after each) then `model.1` (the logit), and its
-        LowRankCrossNet `W_kernels.<l>` [K, r], `V_kernels.<l>` [r, K], `bias.<l>` [K, 1] (or [K]): our U.<l>.weight,
-        V.<l>.weight and U.<l>.bias. The same layers and the same arithmetic, so a TorchRec DLRM's state dict loads
-        as is (the tables' names are the same already)."""
+        TorchRec's DenseArch is `model._mlp.<i>._linear`, its OverArch `model.0._mlp.<i>._linear` then `model.1`,
+        its LowRankCrossNet `W_kernels.<l>` [K, r], `V_kernels.<l>` [r, K], `bias.<l>` [K, 1]: our U.<l>.weight,
+        V.<l>.weight and U.<l>.bias. The same layers and arithmetic, so a TorchRec DLRM's state dict loads as is."""
         names: dict[str, tuple[str, tuple[int, ...] | None]] = {}
 
         def linears(arch: nn.Sequential) -> list[int]:
@@ -219,9 +210,7 @@ class DLRM(nn.Module):
         return names
 
     def _rename_torchrec_keys(self, state_dict, prefix, *args) -> None:
-        # load_state_dict's pre-hook: a TorchRec DLRM's dense names become ours before the keys are matched.
-        # TorchRec's DLRM_Projection holds its branches twice (as `interaction_branch1` and inside `inter_arch`), so
-        # its state dict has each branch under both names: the top-level copy goes where the other one does
+        # load_state_dict's pre-hook: TorchRec's dense names become ours
         for key in [k for k in state_dict if k.startswith((prefix + "interaction_branch1.",
                                                            prefix + "interaction_branch2."))]:
             if prefix + "inter_arch." + key[len(prefix):] in state_dict:
@@ -269,9 +258,7 @@ class DLRM_DCN(DLRM):
 class DLRM_Projection(DLRM):
     """DLRM with a projection interaction (TorchRec's DLRM_Projection): two MLP branches over the F+1 vectors.
 
-    interaction_branch1_layer_sizes / interaction_branch2_layer_sizes: each branch's MLP sizes (ReLU after every
-    layer, as TorchRec's DenseArch); each last size a multiple of D: F1 D and F2 D give F1 x F2 interactions.
-    """
+    interaction_branch{1,2}_layer_sizes: each branch's MLP sizes, each last a multiple of D (F1 D, F2 D: F1 x F2)."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int],
@@ -292,12 +279,9 @@ class DLRM_Projection(DLRM):
 
 
 class DLRMTrain(nn.Module):
-    """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached.
-
-    The loss is BCE-with-logits, the mean over the batch. This is the `(loss, output)` pair that
-    TrainPipelineSparseDist expects; `batch` is a lightning_rec.data.Batch (dense_features,
-    sparse_features, labels), or anything with those three attributes.
-    """
+    """TorchRec's training wrapper: `model(batch)` -> (loss, (loss, logits, labels)), all but loss detached. The loss
+    is BCE-with-logits (batch mean), the pair TrainPipelineSparseDist expects; `batch` has dense_features,
+    sparse_features and labels."""
 
     def __init__(self, dlrm_module: DLRM) -> None:
         super().__init__()

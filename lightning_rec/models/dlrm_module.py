@@ -1,10 +1,8 @@
 """DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits, AUC/NE/logloss/CTR).
 
-Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding
-tables train with a fused optimizer (updated inside backward); the dense layers with a
-torch.optim optimizer; `configure_optimizers` returns both as one CombinedOptimizer, so a
-scheduler (here an optional linear warm-up) drives both learning rates.
-"""
+Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding tables train with a fused
+optimizer (updated inside backward); the dense layers with a torch.optim optimizer; `configure_optimizers` returns both
+as one CombinedOptimizer, so a scheduler (here an optional linear warm-up) drives both learning rates."""
 
 from __future__ import annotations
 
@@ -49,49 +47,30 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         dense_in_features: I, the number of dense inputs (13 for Criteo).
         dense_arch_layer_sizes: the dense arch's MLP sizes (it ends in embedding_dim).
         over_arch_layer_sizes: the over arch's MLP sizes (it ends in 1).
-        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers: dcn_num_layers, dcn_low_rank_dim,
-            refused beside "dot").
+        interaction: "dot" (DLRM) or "dcn" (DLRM-DCNv2 low-rank cross layers).
         dcn_num_layers: cross layers of interaction="dcn".
         dcn_low_rank_dim: the rank of each cross layer's kernel (interaction="dcn").
         sparse_optimizer: the tables' fused update: sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb
-            or lars_sgd (fbgemm's / TorchRec's names too, e.g. EXACT_ROWWISE_ADAGRAD).
+            or lars_sgd (fbgemm's / TorchRec's names too).
         sparse_lr: the fused update's learning rate.
         sparse_eps: the fused update's eps.
         sparse_weight_decay: the fused update's weight decay (of the rows a batch reads).
-        dense_optimizer: torch.optim for the dense layers: adagrad, adam, adamw or sgd (LightningCLI's
-            --optimizer replaces it).
+        dense_optimizer: torch.optim for the dense layers: adagrad, adam, adamw or sgd (--optimizer replaces it).
         dense_lr: the dense optimizer's learning rate.
         dense_weight_decay: the dense optimizer's weight decay.
-        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables ("dense", the collections' kernel
-            for tables trained by torch.optim, is refused: these tables are fused).
+        embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
-        embedding_device: "cpu": the tables are drawn here, then moved or sharded (26 tables x 1M rows x 128: 13 GB
-            of host memory first); "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
-            on the device where it lives (TorchRec's way: tables larger than one machine's memory).
-    """
+        embedding_device: "cpu", or "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
+            where it lives (tables larger than host memory)."""
 
-    def __init__(
-        self,
-        num_embeddings_per_feature: int | list[int] = 100_000,
-        embedding_dim: int = 64,
-        sparse_feature_names: list[str] | None = None,
-        dense_in_features: int = 13,
-        dense_arch_layer_sizes: list[int] = (512, 256, 64),
-        over_arch_layer_sizes: list[int] = (512, 512, 256, 1),
-        interaction: str = "dot",
-        dcn_num_layers: int = 3,
-        dcn_low_rank_dim: int = 64,
-        sparse_optimizer: str = "rowwise_adagrad",
-        sparse_lr: float = 0.01,
-        sparse_eps: float = 1e-8,
-        sparse_weight_decay: float = 0.0,
-        dense_optimizer: str = "adagrad",
-        dense_lr: float = 0.01,
-        dense_weight_decay: float = 0.0,
-        embedding_kernel: str = "auto",
-        warmup_steps: int = 0,
-        embedding_device: str = "cpu",
-    ) -> None:
+    def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
+                 sparse_feature_names: list[str] | None = None, dense_in_features: int = 13,
+                 dense_arch_layer_sizes: list[int] = (512, 256, 64),
+                 over_arch_layer_sizes: list[int] = (512, 512, 256, 1), interaction: str = "dot",
+                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64, sparse_optimizer: str = "rowwise_adagrad",
+                 sparse_lr: float = 0.01, sparse_eps: float = 1e-8, sparse_weight_decay: float = 0.0,
+                 dense_optimizer: str = "adagrad", dense_lr: float = 0.01, dense_weight_decay: float = 0.0,
+                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
         super().__init__()
         self.save_hyperparameters()
         names = list(sparse_feature_names or CRITEO_SPARSE_FEATURES)
@@ -99,8 +78,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError(
                 f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
             )
-        # said here, by the names set: torch.optim says "Invalid learning rate: -1.0" only once fit has begun, and a
-        # negative warmup_steps would train without warm-up
+        # said here, by name: torch.optim would say it only once fit began
         bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
                                  ("warmup_steps", warmup_steps)) if v < 0}
         if bad:
@@ -148,9 +126,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         super().setup(stage)
         data = getattr(self.trainer, "datamodule", None)
         self._check_data_sizes(data)
-        # Keys both modules have: Lightning refuses to log two values that differ ("Error while merging hparams"),
-        # also where they agree (tables larger than the data needs; --model.sparse_feature_names=[C1,...] beside the
-        # data's None, which means the same names): the data's value is logged as data_<key>
+        # keys both modules have: the data's is logged as data_<key> (Lightning refuses two values)
         initial = getattr(data, "_hparams_initial", None)
         for key in ("num_embeddings_per_feature", "sparse_feature_names"):
             if initial is not None and key in initial and initial[key] != self.hparams_initial.get(key):
@@ -185,8 +161,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             raise ValueError("the batch has no labels: DLRMModule trains and evaluates on labelled click logs; an "
                              "unlabelled file (e.g. Kaggle's test.txt) can only be used for prediction")
         if labels.device.type == "cpu" and labels.numel() and not bool(((labels >= 0) & (labels <= 1)).all()):
-            # Checked before the forward: a NaN loss would reach the fused update and write NaN rows.
-            # (CPU batches only: on GPU this read would stall the stream; the data modules check labels.)
+            # checked before the forward (CPU batches only): a NaN loss would write NaN rows
             bad = labels[~((labels >= 0) & (labels <= 1))][:3].tolist()
             raise ValueError(f"labels must be click labels in [0, 1], found {bad}: an unlabelled file (NaN labels) "
                              f"or labels on another scale; fix the data or map labels to 0/1")
@@ -198,8 +173,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         if batch.labels.numel() == 0:
             # An empty batch still runs backward (the fused kernels see zero rows): a zero loss, not NaN.
             return logits_B.sum() * 0.0, logits_B
-        # integer / bool click labels and a [B, 1] column are labels too (BCE needs floats of the logits' shape);
-        # float32 at least, so that soft labels keep their value under bf16 autocast
+        # integer / bool labels and a [B, 1] column too; float32 at least, for soft labels under bf16
         labels_B = labels.reshape(-1).to(torch.promote_types(logits_B.dtype, torch.float32))
         return F.binary_cross_entropy_with_logits(logits_B, labels_B), logits_B
 
@@ -209,9 +183,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         return loss
 
     def _loader_metrics(self, split: str, count: int | None = None) -> list[RecMetricCollection]:
-        """One metric collection per evaluation dataloader (a val and a holdout set). The first keeps the plain names
-        (val_auc, the one checkpoints and early stopping monitor); loader k >= 1 logs val_auc/dataloader_idx_k,
-        Lightning's naming."""
+        """One metric collection per evaluation dataloader: the first keeps the plain names (val_auc), loader k >= 1
+        logs val_auc/dataloader_idx_k (Lightning's naming)."""
         first = self.val_metrics if split == "val" else self.test_metrics
         if count is not None:  # at the epoch start, the same on every rank (a rank's empty share still syncs)
             for k in range(1, count):
@@ -232,9 +205,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             values = metrics.compute()
             self.log_dict({name + suffix: v for name, v in values.items()}, prog_bar=prog_bar and not k,
                           sync_dist=True, add_dataloader_idx=False)
-            # {split}_loss (the mean BCE over every row of every rank) is the log loss metric: exact at any world
-            # size. (Logged per batch with batch_size=, Lightning's sync truncates the rows counted to an integer
-            # mean.)
+            # {split}_loss is the log loss metric, exact at any world size (Lightning's per-batch sync is not)
             self.log(f"{split}_loss{suffix}", values[f"{split}_logloss"], sync_dist=True, add_dataloader_idx=False)
             metrics.reset()
 
@@ -261,8 +232,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self._log_evaluation("test", self._loader_count(self.trainer.num_test_batches), prog_bar=False)
 
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        """The click probability of each row, and its label (NaN in an unlabelled file: the writer then leaves
-        the label column out). Written by lightning_rec.predict.PredictionWriter (`lightning-rec predict`)."""
+        """The click probability of each row, and its label (NaN in an unlabelled file: the column is left out)."""
         # float32 whatever the precision: under bf16-mixed the logit is bfloat16, whose sigmoid keeps ~3 digits
         return {"probability": torch.sigmoid(self(batch.dense_features, batch.sparse_features).float()),
                 "label": batch.labels}
@@ -273,7 +243,5 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         optimizer = self.fused_rate_from_hparams(combined_optimizer(self.model, dense))
         if hp.warmup_steps <= 0:
             return optimizer
-        warmup = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps)
-        )
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}

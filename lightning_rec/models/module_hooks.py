@@ -15,8 +15,7 @@ from lightning_rec.strategy import RecStrategy, warn_fused_dense_only
 
 
 def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
-    """Let a Trainer of another strategy read `strategy="rec"` checkpoint directories (validate / test / predict with
-    `ckpt_path=`), which its TorchCheckpointIO, a torch.load, fails on (IsADirectoryError)."""
+    """Let a Trainer of another strategy read `strategy="rec"` checkpoint directories (a torch.load fails on them)."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from lightning.pytorch.trainer.states import TrainerFn
 
@@ -40,8 +39,7 @@ def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
 
 
 class _ClassOnly(classmethod):
-    """A classmethod that refuses to be called on an instance, as Lightning's load_from_checkpoint does:
-    `model.load_from_checkpoint(path)` returns a new module and leaves `model` as it was."""
+    """A classmethod that refuses to be called on an instance, as Lightning's load_from_checkpoint does."""
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -57,16 +55,12 @@ class _ClassOnly(classmethod):
 
 
 class RecCheckpointLoading:
-    """Mixed in before LightningModule, `class MyModule(RecCheckpointLoading, L.LightningModule)`: then
-    `MyModule.load_from_checkpoint(path)` also reads the checkpoint directories that `strategy="rec"` writes.
-
-    Lightning's reads one file (a torch.load: IsADirectoryError on them); without the mixin,
-    `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does the same."""
+    """Mixed in before LightningModule: `MyModule.load_from_checkpoint(path)` also reads `strategy="rec"` checkpoint
+    directories (as `lightning_rec.checkpoint.load_from_checkpoint(MyModule, path)` does without it)."""
 
     @_ClassOnly
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, which also reads the checkpoint directories that `strategy="rec"` writes: the module comes
-        back unsharded, on one process, every table whole (`lightning_rec.checkpoint.load_from_checkpoint`)."""
+        """Lightning's, which also reads `strategy="rec"` checkpoint directories (the module comes back unsharded)."""
         from lightning_rec import checkpoint as rec_checkpoint
 
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
@@ -86,8 +80,7 @@ class RecModuleHooks(RecCheckpointLoading):
 
         precision = str(trainer.precision)
         if precision.endswith("-true") and precision != "32-true":
-            # said here, before Lightning converts the module (the collections refuse a dtype cast, without
-            # knowing who asked for it)
+            # said here, before Lightning converts the module, naming the precision
             raise ValueError(
                 f"Trainer(precision={precision!r}) converts every parameter, the embedding tables too, which keep "
                 f"the data_type of their configs: use precision='bf16-mixed' (--trainer.precision=bf16-mixed: the "
@@ -124,8 +117,7 @@ class RecModuleHooks(RecCheckpointLoading):
 
     @staticmethod
     def check_embedding_kernel(owner: str, embedding_kernel: str) -> None:
-        """The modules' `embedding_kernel` argument, checked at construction by the module's own names: the
-        collection's refusal names its arguments (optimizer=, kernel=) and comes only at configure_model."""
+        """The modules' `embedding_kernel` argument, checked at construction by the module's own names."""
         from lightning_rec.lookup import KERNELS
 
         if embedding_kernel == "dense":
@@ -136,13 +128,11 @@ class RecModuleHooks(RecCheckpointLoading):
             raise ValueError(f"{owner}(embedding_kernel={embedding_kernel!r}): unknown kernel: use 'auto', 'fbgemm' or "
                              f"'native'")
 
-    # `lightning-rec fit --optimizer=CLASS` (LightningCLI's optimizer) sets it: builds the dense layers' optimizer
-    # from their parameters, in place of the module's dense_optimizer / dense_lr / dense_weight_decay
+    # `lightning-rec fit --optimizer=CLASS` sets it: the dense layers' optimizer, in place of dense_optimizer
     cli_dense_optimizer: Any = None
 
     def dense_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
-        """The dense layers' torch.optim optimizer (None where there are none): hparams.dense_optimizer at
-        dense_lr / dense_weight_decay, or the CLI's --optimizer."""
+        """The dense layers' optimizer (None without any): hparams.dense_optimizer, or the CLI's --optimizer."""
         if self.cli_dense_optimizer is not None:
             if not params:
                 raise ValueError(f"--optimizer trains the dense layers, and this {type(self).__name__} has none (its "
@@ -155,22 +145,14 @@ class RecModuleHooks(RecCheckpointLoading):
         return DENSE_OPTIMIZERS[hp.dense_optimizer](params, lr=hp.dense_lr, weight_decay=hp.dense_weight_decay)
 
     def fused_rate_from_hparams(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The fused tables start at hparams.sparse_lr, read when the optimizer is built, as the dense layers' rate
-        is: the tables' configs keep the value given to __init__, and a rate written later (Tuner.lr_find(...,
-        attr_name="sparse_lr") writes its suggestion there) must take effect."""
+        """The fused tables start at hparams.sparse_lr, read when the optimizer is built (so lr_find's rate applies)."""
         fused = dict(getattr(optimizer, "optimizers", [])).get("fused")
         for group in fused.param_groups if fused is not None else []:
             group["lr"] = float(self.hparams.sparse_lr)
         return optimizer
 
     def log_train_loss(self, loss, batch_size: int) -> None:
-        """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync.
-
-        Lightning turns every progress-bar value into a Python number at each batch end (`.item()`). On a GPU
-        that waits for the step's kernels, and the host then starts the next step from an idle GPU (DLRM through
-        the Trainer: 0.93x the hand loop, measured on an H200). On GPU the loss goes to the loggers (they read
-        it every `log_every_n_steps`) and to callbacks, not to the bar; the bar shows the validation metrics.
-        """
+        """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync."""
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

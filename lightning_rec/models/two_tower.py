@@ -6,10 +6,8 @@ Shapes: B pairs in a batch, I items in the catalogue, D the towers' output dim.
                                                                                       > score = <u, v> (/ temperature)
     item KJT --item EmbeddingBagCollection--> pooled [B, sum D_f] --MLP--> item_BD  /
 
-`score="cosine"` normalises both vectors first. Each tower's tables are an ordinary
-EmbeddingBagCollection, so `Trainer(strategy="rec")` shards them like any other. With no MLP
-(`layer_sizes=[]`) and id features only, a tower is a plain embedding table: the two-tower model is
-then matrix factorisation (BPR-MF with `loss="bpr"`).
+`score="cosine"` normalises both vectors first. The towers' tables shard like any other under strategy="rec". With
+no MLP and id features only, the model is matrix factorisation (BPR-MF with `loss="bpr"`).
 
 Losses on a batch of positive pairs:
 
@@ -17,8 +15,7 @@ Losses on a batch of positive pairs:
              logits_BB = s(u_b, v_j) - log q_j (logQ correction: q_j the chance that item j is in a
              batch, its training frequency; Yi et al., RecSys 2019), an item that is the same as the
              positive (an accidental hit) is masked, cross-entropy on the diagonal
-    bpr      -log sigmoid(s(u, v_pos) - s(u, v_neg)) with one sampled negative per pair (Rendle 2009)
-"""
+    bpr      -log sigmoid(s(u, v_pos) - s(u, v_neg)) with one sampled negative per pair (Rendle 2009)"""
 
 from __future__ import annotations
 
@@ -39,15 +36,8 @@ LOSSES = ("softmax", "bpr")
 class Tower(nn.Module):
     """KJT -> pooled embeddings of every feature, concatenated -> MLP (none when layer_sizes is empty).
 
-    `skip_feature` (e.g. "user_id") adds that feature's pooled embedding to the MLP's output: a
-    residual path, out_BD = emb_id_BD + MLP(concat(every feature)). The tower starts as the id
-    embedding of matrix factorisation and the MLP learns from the side features what the id
-    cannot tell (a new item's genres). Measured on ml-100k (recipes/configs/two_tower_movielens.yaml):
-    side features + MLP without it train worse than ids alone, and weight decay on the MLP, which
-    the recipe needs against overfitting, then shrinks the whole tower; with it the decay only
-    shrinks the side-feature correction. The MLP's last layer must have the embedding's dim.
-    `dropout` acts on the MLP's input and between its layers.
-    """
+    `skip_feature` (e.g. "user_id") adds that feature's embedding to the MLP's output (docs/movielens.md#the-model):
+    out_BD = emb_id_BD + MLP(concat(every feature)). `dropout` acts on the MLP's input and between its layers."""
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, layer_sizes: Sequence[int] = (),
                  skip_feature: str | None = None, dropout: float = 0.0) -> None:
@@ -121,8 +111,7 @@ def in_batch_softmax_loss(user_BD: Tensor, item_BD: Tensor, item_index_B: Tensor
     # an item that is the positive itself elsewhere in the batch is no negative (an accidental hit)
     same_item_BB = item_index_B.unsqueeze(0) == item_index_B.unsqueeze(1)
     same_item_BB.fill_diagonal_(False)
-    # the dtype's lowest finite value: -inf gives NaN gradients against an inf score, -1e9 does not fit in
-    # float16 (precision="16-mixed" without logQ) and sat above scores past 1e9
+    # the dtype's lowest finite value: -inf gives NaN gradients, -1e9 does not fit float16
     logits_BB = logits_BB.masked_fill(same_item_BB, torch.finfo(logits_BB.dtype).min)
     return F.cross_entropy(logits_BB, torch.arange(logits_BB.shape[0], device=logits_BB.device))
 

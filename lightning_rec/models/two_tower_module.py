@@ -1,19 +1,11 @@
-"""TwoTowerModule: two-tower retrieval (or BPR-MF) as a LightningModule, evaluated by full ranking.
+"""TwoTowerModule: two-tower retrieval (or BPR-MF) as a LightningModule, evaluated by full ranking (docs/movielens.md).
 
-Training batches are `RetrievalBatch`es (user KJT, item KJT, item log q; a sampled negative for
-BPR). Evaluation batches are `RankingBatch`es of users: the item tower embeds the whole catalogue
-once per validation (`on_validation_epoch_start`, chunks of `eval_item_chunk` items), each user
-batch is scored against every item ([U, I], one batch at a time), its seen items are excluded and
-the top max(ks) go to `RankingMetrics` (NDCG, Recall, Precision, MRR, HitRate at every k).
+Training batches are `RetrievalBatch`es; evaluation batches are `RankingBatch`es of users, scored against the whole
+catalogue, which the item tower embeds once per validation (`on_validation_epoch_start`). Table sizes come from the data
+module when not given (`configure_model`) and are written back into the hyperparameters.
 
-Table sizes come from the data module when not given (`configure_model`, before sharding), and are
-written back into the hyperparameters so a checkpoint rebuilds the same tables.
-
-Logged: train_loss, train_samples_per_s (all ranks), mem/rank<r>_max_rss_mb (every rank's peak
-host memory; GPU peak too on GPU), <split>_ndcg@10 ... for each evaluated split, and, on loggers with
-`log_table` (W&B), a table of a few users' top-10 unseen items (fewer where fewer are left) with the held-out
-ones marked.
-"""
+Logged: train_loss, train_samples_per_s, mem/rank<r>_max_rss_mb, <split>_ndcg@10 ..., and on loggers with `log_table`
+(W&B) a few users' top-10 unseen items with the held-out ones marked."""
 
 from __future__ import annotations
 
@@ -37,9 +29,7 @@ from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.models.two_tower import LOSSES, TwoTower, bpr_loss, in_batch_softmax_loss
 from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_parameters
 
-# Values every rank already holds (torchmetrics synced them, or they were all-gathered): Lightning's
-# reduce over ranks is then the identity with "max" (exact, where a mean of 3 equal floats may round),
-# and logging them as synced stops Lightning's "use sync_dist=True" warning, one per metric, at >1 rank.
+# values every rank already holds: "max" is an exact identity reduce, and sync_dist stops Lightning's warning
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
 _DATALOADERS_ONLY = ("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was given "
                      "dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) (fit, test and "
@@ -50,23 +40,19 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     """Two-tower retrieval on implicit feedback (MovieLensDataModule or any module giving the same batches).
 
     Args:
-        user_num_embeddings: {feature: rows} of the user tower; None: read from the data module
-            (`user_num_embeddings`) when the trainer sets the model up.
+        user_num_embeddings: {feature: rows} of the user tower; None: read from the data module at setup.
         item_num_embeddings: the same for the item tower (`item_num_embeddings`).
         embedding_dim: D of every table.
         user_layer_sizes: the user tower's MLP ([] = no MLP: matrix factorisation).
         item_layer_sizes: the item tower's MLP ([] = no MLP).
-        id_skip: each tower's output is its id embedding (user_id / item_id) + the MLP of all its
-            features (a residual path; the last layer sizes must equal embedding_dim).
+        id_skip: each tower's output is its id embedding + the MLP of all its features (last layer = embedding_dim).
         tower_dropout: dropout on the MLPs' inputs and hidden layers (training only).
         score: "dot" or "cosine".
         temperature: divides the scores (use ~0.05-0.2 with cosine).
-        loss: "softmax" (in-batch negatives, `logq_correction`; needs num_negatives=0 data) or "bpr" (needs
-            num_negatives=1 data).
-        logq_correction: softmax loss: subtract each in-batch item's log training frequency from its scores (an
-            item seen often is a negative often).
-        embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the
-            tower outputs of the batch (for MF: the embedding rows it touches); 0 = none.
+        loss: "softmax" (in-batch negatives; num_negatives=0 data) or "bpr" (num_negatives=1 data).
+        logq_correction: softmax loss: subtract each in-batch item's log training frequency from its scores.
+        embedding_l2: lambda of BPR's regulariser lambda * mean(|u|^2 + |v_pos|^2 + |v_neg|^2) on the batch's
+            tower outputs; 0 = none.
         sparse_optimizer: the tables' fused update: sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb
             or lars_sgd (fbgemm's / TorchRec's names too).
         sparse_lr: the fused update's learning rate.
@@ -77,59 +63,30 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables, as DLRMModule's.
         ks: ranking cutoffs of the metrics (NDCG@k, Recall@k, ...).
         top_k_table_users: users shown in the top-10 table (0 = none).
-        empty_target_action: what an evaluated user with no held-out item counts for in the ranking metrics, with
-            torchmetrics' meaning: "skip" (left out of the mean; the default), "neg" (0: torchmetrics' default),
-            "pos" (1) or "error" (raise). ml-100k's official test splits leave about half the users without one.
+        empty_target_action: what a user with no held-out item counts for in the ranking metrics, as in
+            torchmetrics: "skip" (left out; the default), "neg" (0: torchmetrics' default), "pos" (1) or "error".
         eval_item_chunk: items embedded per item-tower call at evaluation.
         predict_top_k: items per user that `predict` writes (None: max(ks)).
-        embedding_device: "cpu" (tables drawn here, then moved or sharded) or "meta" (no values until
-            Trainer(strategy="rec") shards them, each shard drawn where it lives), as DLRMModule's.
-        item_ids_digest: which item each row of the item tables is (a digest of the data module's `item_ids`, row i
-            = item_ids[i]); None: taken from the data module when the trainer sets the model up, and kept in the
-            checkpoint and export. Evaluation and prediction refuse a data module whose item ids differ (another
-            data snapshot of the same item count would map the rows to other items, silently).
+        embedding_device: "cpu" or "meta" (no values until Trainer(strategy="rec") shards them), as DLRMModule's.
+        item_ids_digest: which item each row of the item tables is (a digest of the data module's `item_ids`); None:
+            taken from the data module at setup and kept in the checkpoint. Evaluation and prediction refuse a data
+            module whose item ids differ.
         user_ids_digest: the same for the users: row i of the user tables is the data module's `user_ids[i]`.
 
-    Predict (`lightning-rec predict`, `trainer.predict`): every user of the data module's predict split (MovieLens:
-    the test split's users, every user) gets its top predict_top_k items among those it has not seen (in training
-    and validation), best first: columns row (the user's row in the split), user and item (the data's own ids, when
-    the data module has them: `user_ids`, `item_ids`), score (the model's score; -inf once no unseen item is left).
-    """
+    Predict writes each user's top predict_top_k unseen items, best first (docs/predict.md#two-tower-models)."""
 
-    def __init__(
-        self,
-        user_num_embeddings: dict[str, int] | None = None,
-        item_num_embeddings: dict[str, int] | None = None,
-        embedding_dim: int = 64,
-        user_layer_sizes: Sequence[int] = (),
-        item_layer_sizes: Sequence[int] = (),
-        id_skip: bool = False,
-        tower_dropout: float = 0.0,
-        score: str = "dot",
-        temperature: float = 1.0,
-        loss: str = "softmax",
-        logq_correction: bool = True,
-        embedding_l2: float = 0.0,
-        sparse_optimizer: str = "rowwise_adagrad",
-        sparse_lr: float = 0.05,
-        sparse_weight_decay: float = 0.0,
-        dense_optimizer: str = "adam",
-        dense_lr: float = 0.001,
-        dense_weight_decay: float = 0.0,
-        embedding_kernel: str = "auto",
-        ks: Sequence[int] = (10, 20),
-        top_k_table_users: int = 5,
-        eval_item_chunk: int = 8192,
-        predict_top_k: int | None = None,
-        empty_target_action: str = "skip",
-        embedding_device: str = "cpu",
-        item_ids_digest: str | None = None,
-        user_ids_digest: str | None = None,
-    ) -> None:
+    def __init__(self, user_num_embeddings: dict[str, int] | None = None,
+                 item_num_embeddings: dict[str, int] | None = None, embedding_dim: int = 64,
+                 user_layer_sizes: Sequence[int] = (), item_layer_sizes: Sequence[int] = (), id_skip: bool = False,
+                 tower_dropout: float = 0.0, score: str = "dot", temperature: float = 1.0, loss: str = "softmax",
+                 logq_correction: bool = True, embedding_l2: float = 0.0, sparse_optimizer: str = "rowwise_adagrad",
+                 sparse_lr: float = 0.05, sparse_weight_decay: float = 0.0, dense_optimizer: str = "adam",
+                 dense_lr: float = 0.001, dense_weight_decay: float = 0.0, embedding_kernel: str = "auto",
+                 ks: Sequence[int] = (10, 20), top_k_table_users: int = 5, eval_item_chunk: int = 8192,
+                 predict_top_k: int | None = None, empty_target_action: str = "skip", embedding_device: str = "cpu",
+                 item_ids_digest: str | None = None, user_ids_digest: str | None = None) -> None:
         super().__init__()
-        # predict_top_k is an inference choice, not part of the model: kept out of checkpoints, so that
-        # `lightning-rec predict --ckpt_path=...` takes it from the command line (LightningCLI would
-        # otherwise override the command line with the checkpoint's value)
+        # predict_top_k is an inference choice: kept out of checkpoints, whose value would override the command line
         self.save_hyperparameters(ignore=["predict_top_k"])
         self.predict_top_k = predict_top_k
         if loss not in LOSSES:
@@ -187,8 +144,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 for tower, sizes, layers in (("user", user_sizes, hp.user_layer_sizes),
                                              ("item", item_sizes, hp.item_layer_sizes))}
         if outs["user"][0] != outs["item"][0] and not (hp.user_layer_sizes and hp.item_layer_sizes):
-            # a tower without MLP outputs its features' embeddings side by side: the data module's side
-            # features (on by default) widen it, which TwoTower's generic message cannot say
+            # a tower without MLP is its features side by side: side features widen it (said here, with the fix)
             said = "; ".join(f"the {tower} tower gives {dim} = " + ("its MLP's last layer" if layers else
                              f"{len(sizes)} features ({', '.join(sizes)}) x embedding_dim {hp.embedding_dim}")
                              for tower, (dim, sizes, layers) in outs.items())
@@ -221,8 +177,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         self._build(dict(datamodule.user_num_embeddings), dict(datamodule.item_num_embeddings))
 
     def _check_ids(self, datamodule) -> None:
-        """Keep the data module's item and user ids' digests (the first time), or refuse other ids than the model's.
-        (Users too: a snapshot with as many users but other ones would give every user another's row.)"""
+        """Keep the data module's item and user ids' digests (the first time), or refuse other ids than the model's."""
         for kind in ("item", "user"):
             key, digest = f"{kind}_ids_digest", _ids_digest(datamodule, f"{kind}_ids")
             if digest is None:  # a data module without such ids: rows are positions
@@ -282,13 +237,11 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 loss = loss + hp.embedding_l2 * (user_BD.square() + item_BD.square() + neg_BD.square()).sum(1).mean()
         else:
             if batch.neg_item_features is not None:
-                # drawn per batch (a rejection loop and a second item KJT) and never read. Refused rather than mixed
-                # into the softmax: its logQ correction is for in-batch (frequency-sampled) negatives, not uniform ones
+                # its logQ correction is for in-batch negatives, not uniform ones: refused rather than mixed in
                 raise ValueError("loss='softmax' takes its negatives from the batch's other items, but the batches "
                                  "carry sampled negatives it would never use: set the data module's num_negatives=0 "
                                  "(or loss='bpr' to train on them)")
             if len(batch) == 1 and not self._warned_one_pair:
-                # softmax over its only item: loss 0 and no gradient, a step that trains nothing, in silence
                 self._warned_one_pair = True
                 rank_zero_warn("loss='softmax' got a batch of 1 pair: its negatives are the batch's other items, so "
                                "its loss is 0 and it trains nothing. Use the data module's batch_size >= 2 (and "
@@ -329,12 +282,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
     @torch.no_grad()
     def embed_catalog(self, datamodule=None) -> Tensor:
         """Every item through the item tower, in chunks (every rank the same calls: tables may be sharded): [I, D].
-
-        `datamodule` (one with `item_catalog()` and `num_items`, e.g. a set-up MovieLensDataModule) defaults to the
-        Trainer's. The tower runs in eval mode (no dropout), whatever mode the module is in: an export from a
-        hand-written loop gets the embeddings evaluation uses. Score users against it with
-        `model.user_embeddings(kjt) @ items_ID.t()`.
-        """
+        `datamodule` (with `item_catalog()` and `num_items`, e.g. a set-up MovieLensDataModule) defaults to the
+        Trainer's. The tower runs in eval mode. Score users with `model.user_embeddings(kjt) @ items_ID.t()`."""
         if datamodule is None and self._trainer is not None:
             datamodule = getattr(self._trainer, "datamodule", None)
         if datamodule is None and self._trainer is not None:
@@ -469,15 +418,13 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
 
 
 def _scores(user_UD: Tensor, item_ID: Tensor) -> Tensor:
-    """Every user's dot product with every item, in float32 whatever the precision plugin: bfloat16 scores (autocast
-    under bf16-mixed) tie and swap items, and the rankings would move with the precision."""
+    """Every user's dot product with every item, in float32 whatever the precision (bfloat16 scores tie and swap)."""
     with torch.autocast(user_UD.device.type, enabled=False):
         return user_UD.float() @ item_ID.float().t()
 
 
 def _id_array(ids) -> np.ndarray:
-    """Raw ids as numpy int64 or str: a data module of one's own may keep them in an object array (pandas' string
-    column), which neither the digest (int64) nor predict (a tensor) can read as it is."""
+    """Raw ids as numpy int64 or str (a data module may keep them in an object array, as pandas does)."""
     ids = np.asarray(ids)
     if ids.dtype.kind == "O":
         try:

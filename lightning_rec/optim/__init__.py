@@ -1,9 +1,7 @@
 """Fused embedding optimizers, and one optimizer object that steps fused sparse + torch.optim dense.
 
-A fused optimizer updates embedding rows inside the lookup's backward (fbgemm TBE or our native
-CPU kernel): no embedding gradient is materialised. What remains for `step()` is the dense part.
-`CombinedOptimizer` is a real `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive
-both: a scheduler that writes `param_groups[i]["lr"]` of a fused group reaches the kernel at once.
+A fused optimizer updates embedding rows inside the lookup's backward; `CombinedOptimizer` is a real
+`torch.optim.Optimizer`, so schedulers drive both parts (a fused group's "lr" reaches the kernel at once).
 
     config            EmbOptimType, FusedOptimizerConfig, check_fused_lr (read by the kernels and collections)
     fused_paths       fused_modules: the modules that own fused kernels, under the model's own paths
@@ -12,9 +10,7 @@ both: a scheduler that writes `param_groups[i]["lr"]` of a fused group reaches t
     combined          CombinedOptimizer, combined_optimizer, dense_parameters
     torchrec_compat   apply_optimizer_in_backward, KeyedOptimizerWrapper, RowWiseAdagrad, ...
 
-Names are imported on first use: the kernels import `optim.config`, which sits below the collections,
-and must not pull in the modules above them.
-"""
+Names are imported on first use: the kernels import `optim.config` and must not pull in the modules above them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """CombinedOptimizer: the fused part and torch.optim dense optimizers stepped as one optimizer.
 
-It is a real `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive both: a scheduler that
-writes `param_groups[i]["lr"]` of a fused group reaches the kernels at once.
-"""
+It is a real `torch.optim.Optimizer`, so Lightning and torch LR schedulers drive both: a scheduler that writes
+`param_groups[i]["lr"]` of a fused group reaches the kernels at once."""
 
 from __future__ import annotations
 
@@ -24,12 +23,9 @@ class _CombinedState(dict):
 class CombinedOptimizer(torch.optim.Optimizer):
     """Several optimizers stepped as one: typically FusedOptimizer (embeddings) + torch.optim (dense).
 
-    `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer
-    drives each child, including the fused learning rate. `step(closure)` runs the closure once,
-    then steps every child. The fused groups' other hyper-parameters are fixed (a write is refused at the next
-    step): torch's OneCycleLR / CyclicLR need `cycle_momentum=False` here (theirs says "optimizer must support
-    momentum or beta1").
-    """
+    `param_groups` are the children's own group dicts, so a scheduler on the combined optimizer drives each child,
+    including the fused learning rate. `step(closure)` runs the closure once, then steps every child. The fused groups'
+    other hyper-parameters are fixed: torch's OneCycleLR / CyclicLR need `cycle_momentum=False` here."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer | tuple[str, torch.optim.Optimizer]]) -> None:
         named = [(o if isinstance(o, tuple) else (f"{i}_{type(o).__name__.lower()}", o))
@@ -53,27 +49,20 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        """Lightning's BaseFinetuning, resuming, assigns the groups it saved (the ones it added included) before the
-        optimizer state loads: the added ones join the dense child (add_param_group), as when they were first added,
-        and the list stays the children's live groups (whose "lr" reaches the fused kernels)."""
+        """BaseFinetuning, resuming, assigns the groups it saved: the ones it added join the dense child again."""
 
         if not self.__dict__.get("_built"):  # torch's __init__
             self.__dict__["_groups"] = groups
             return
         held = {id(p) for _, o in self.optimizers for g in o.param_groups for p in g["params"]}
         for group in groups:
-            # a fused group is the fused optimizer's, never new: BaseFinetuning saves rank 0's groups, and another
-            # rank holds pieces of other tables (their groups hold other table parameters)
+            # a fused group is the fused optimizer's, never new (ranks hold other tables' groups)
             if group["params"] and not any(id(p) in held or isinstance(p, FusedTableWeight) for p in group["params"]):
                 self.add_param_group(dict(group))
         self._sync_groups()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """A new group joins the dense (torch.optim) child, which steps it.
-
-        Lightning's BaseFinetuning.unfreeze_and_add_param_group adds the layers it unfreezes so; torch's
-        add_param_group put the group in this optimizer's list only, which no child steps: the layers got gradients
-        and never moved."""
+        """A new group joins the dense (torch.optim) child, which steps it (BaseFinetuning adds unfrozen layers so)."""
         if not self.__dict__.get("_built"):  # torch's __init__: the children's own groups
             super().add_param_group(param_group)
             return
@@ -85,8 +74,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
                  for g in o.param_groups for p in g["params"]}
         held = sorted({fused[id(p)] for p in params if id(p) in fused})
         if held:
-            # the dense child took them and never stepped them (no gradient), silently: e.g. a group meant to give
-            # the tables another learning rate
+            # the dense child would hold them and never step them (no gradient)
             raise ValueError(
                 f"CombinedOptimizer.add_param_group: the group holds fused table weights (param group(s) "
                 f"{', '.join(held)}), which their fused optimizer updates inside backward; a dense optimizer's group "
@@ -105,8 +93,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self._sync_groups()
 
     def __getstate__(self) -> dict[str, Any]:
-        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and a deep copy had no
-        children (KeyError '_groups' at its first use)."""
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only (a copy had no children)."""
         return _picklable_state(self)
 
     @property
@@ -139,8 +126,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return {name: o.state_dict() for name, o in self.optimizers}
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
-        """strict=False: the fused part's tables that the state holds nothing for keep theirs
-        (`FusedOptimizer.load_state_dict`); the dense parts load as torch.optim's do."""
+        """strict=False: fused tables the state holds nothing for keep theirs; the dense parts load as torch.optim's."""
         _refuse_torch_state_dict_api(self)
         missing = [name for name, _ in self.optimizers if name not in state_dict]
         if missing:
@@ -157,8 +143,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
 
 def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
-    """A dense optimizer built over model.parameters() holds the fused tables' weights too (which never get a
-    gradient): torch said only "some parameters appear in more than one parameter group"."""
+    """A dense optimizer built over model.parameters() holds the fused tables' weights too: refused, saying so."""
     # a sharded group holds one parameter per table, not per piece: its params do not pair with its tables' names
     fused = {id(p): f"{g['name']}: {g['tables'][i]}" if len(g["params"]) == len(g["tables"]) else g["name"]
              for _, o in named if isinstance(o, FusedOptimizer) for g in o.param_groups

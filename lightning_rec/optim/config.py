@@ -1,7 +1,6 @@
 """Fused optimizer configs: which update runs inside the embedding backward, with which hyper-parameters.
 
-The kernels (lookup, native_embedding) and the collections read these, so this module imports only leaves.
-"""
+The kernels (lookup, native_embedding) and the collections read these, so this module imports only leaves."""
 
 from __future__ import annotations
 
@@ -34,9 +33,7 @@ class EmbOptimType(str, Enum):
 FBGEMM_CPU_OPTIMIZERS = (EmbOptimType.SGD, EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD)
 
 
-# torch.optim classes with a fused twin of the same update (AdamW's decoupled decay has none: fused adam
-# applies weight_decay as torch.optim.Adam does, to the gradient; it moves only the rows in the batch, which
-# is SparseAdam's rule). RowWiseAdagrad joins them where it is defined (torchrec_compat).
+# torch.optim classes with a fused twin of the same update (RowWiseAdagrad joins them in torchrec_compat)
 _TORCH_OPTIMIZERS = {torch.optim.SGD: EmbOptimType.SGD, torch.optim.Adagrad: EmbOptimType.ADAGRAD,
                      torch.optim.Adam: EmbOptimType.ADAM, torch.optim.SparseAdam: EmbOptimType.ADAM}
 _USES_BETAS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
@@ -82,27 +79,17 @@ _DIVIDES_BY_EPS = (EmbOptimType.ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD, EmbOptimT
 class FusedOptimizerConfig:
     """The update applied inside the embedding backward.
 
-    Matches torch.optim where one exists: `sgd` = SGD(lr, weight_decay), `adagrad` =
-    Adagrad(lr, eps, weight_decay) with initial_accumulator_value=0, `adam` = Adam(lr, betas, eps,
-    weight_decay). `rowwise_adagrad` keeps one accumulator per row: the mean of the squared
-    gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment per element
-    and its second moment per row.
+    Matches torch.optim where one exists: `sgd` = SGD(lr, weight_decay), `adagrad` = Adagrad(lr, eps, weight_decay) with
+    initial_accumulator_value=0, `adam` = Adam(lr, betas, eps, weight_decay). `rowwise_adagrad` keeps one accumulator
+    per row: the mean of the squared gradient over the row's columns. `partial_rowwise_adam` keeps Adam's first moment
+    per element and its second moment per row.
 
-    One update per lookup: the ids of one call are summed per row and the row is stepped once, as torch.optim
-    on the dense table would. A collection called twice in a step (positives and negatives through one tower)
-    updates twice, once from each call's gradient, as fbgemm and TorchRec do: the same for sgd without weight
-    decay, but adagrad adds
-    g1^2 + g2^2 rather than (g1 + g2)^2 and adam takes two steps (its step count too). Call it once on one
-    batch holding both (their bags stacked per feature) for torch.optim's one step.
+    One update per lookup's backward: a collection called twice in a step updates twice (docs/embeddings.md).
 
-    optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names
-    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "EXACT_SGD", "row_wise_adagrad") or the class torch.optim.SGD /
-    Adagrad / Adam, with that class's defaults for what is not given (Adagrad's eps 1e-10, Adam's lr 1e-3, as
-    apply_optimizer_in_backward; otherwise lr 0.01, eps 1e-8). A hyper-parameter
-    the update would not use is refused, not ignored: momentum (lars_sgd's only), eta (lars_sgd's),
-    betas (adam, partial_rowwise_adam, lamb). eps is taken by every optimizer (sgd and lars_sgd divide
-    by nothing).
-    """
+    optimizer: ours ("rowwise_adagrad"), fbgemm's / TorchRec's EmbOptimType names ("EXACT_SGD") or the class
+    torch.optim.SGD / Adagrad / Adam, with that class's defaults for what is not given (otherwise lr 0.01, eps 1e-8). A
+    hyper-parameter the update would not use is refused: momentum and eta (lars_sgd's), betas (adam,
+    partial_rowwise_adam, lamb). eps is taken by every optimizer."""
 
     optimizer: EmbOptimType | str = EmbOptimType.ROWWISE_ADAGRAD
     lr: float | None = None  # None: 0.01, or the torch.optim class's own default (Adam 1e-3)
@@ -154,8 +141,7 @@ class FusedOptimizerConfig:
         self._refuse_unused()
 
     def _refuse_unused(self) -> None:
-        """A hyper-parameter this update has no use for was ignored, silently (SGD with momentum=0.9 trained
-        as plain SGD): refused, naming an optimizer that has it."""
+        """A hyper-parameter this update has no use for is refused, naming an optimizer that has it."""
         opt = self.optimizer
         if opt == EmbOptimType.LARS_SGD:
             object.__setattr__(self, "momentum", 0.9 if self.momentum is None else self.momentum)
@@ -185,9 +171,5 @@ def check_fused_lr(lr: Any, tables: Sequence[str]) -> float:
 
 
 # the dense layers' optimizers, by the name the modules' dense_optimizer argument takes
-DENSE_OPTIMIZERS = {
-    "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "sgd": torch.optim.SGD,
-}
+DENSE_OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+                    "sgd": torch.optim.SGD}

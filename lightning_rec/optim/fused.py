@@ -1,8 +1,7 @@
 """FusedOptimizer: the fused embedding updates of a model, seen as a torch optimizer; `merge_fused_state`.
 
-The state dict keys state by table ("<module path>.<table>.<state>"), so it loads into any kernel and
-any grouping of the same tables; a sharded model's pieces merge into whole tables for resharding.
-"""
+The state dict keys state by table ("<module path>.<table>.<state>"), so it loads into any kernel and any grouping of
+the same tables; a sharded model's pieces merge into whole tables for resharding."""
 
 from __future__ import annotations
 
@@ -27,11 +26,7 @@ _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
 
 
 def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
-    """torch's get_state_dict / get_optimizer_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict)
-    read an optimizer's state dict as torch.optim's, state by parameter index, and map the indices to parameter
-    names: a combined optimizer's (by part) met KeyError: 'state', a fused one's (by table) KeyError on a table's
-    name. Called from there, the optimizer says what saves and loads it instead. Its caller is looked up a few frames
-    up (the method itself, torch's no_grad wrapper, a CombinedOptimizer's child call)."""
+    """DCP's get/set_state_dict read optimizer state by parameter index: called from there, say what does it instead."""
     frame = sys._getframe(2)
     for _ in range(4):
         if frame is None:
@@ -51,12 +46,9 @@ def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
-    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param
-    group per fused kernel carries its "lr", which starts at the kernel's configured rate
-    (`FusedOptimizerConfig.lr`) as a torch.optim optimizer starts at its `lr`. The state dict keys optimizer state by
-    `<module path>.<table>.<state name>`, so it loads into any kernel (fbgemm or native) and any
-    grouping of the same tables.
-    """
+    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param group per fused kernel
+    carries its "lr", starting at `FusedOptimizerConfig.lr`. The state dict keys state by `<module path>.<table>.<state
+    name>`, so it loads into any kernel and any grouping of the same tables."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._tables: dict[str, tuple[Any, int]] = {}  # "<path>.<table>" -> (kernel, index in kernel)
@@ -67,10 +59,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sharded = any(callable(getattr(m, "shard_of", None)) for _, m in fused_modules(model))
         for path, module in fused_modules(model):
             shard_of = getattr(module, "shard_of", None)
-            # The collection's own table parameters (unsharded: the same storage as the kernel's views; sharded: one
-            # empty parameter per table): optimizer param groups that hold the model's parameters, as Lightning's
-            # BaseFinetuning maps them to names (KeyError on the kernel's views at every epoch start). A sharded
-            # table's pieces share its parameter, which a torch optimizer holds once.
+            # the collection's own table parameters, which BaseFinetuning maps to the model's names
             own = module.table_parameters() if hasattr(module, "table_parameters") else {}
             prefix = f"{path}." if path else ""
             if not module.fused_kernels():  # no shard here: a group without tables, at the configured rate
@@ -90,9 +79,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         held.add(id(p))
                         params.append(p)
                 config = kernel.optimizer_config
-                # a new optimizer starts at its configured rate, as torch.optim's do: the kernel keeps the rate
-                # the last scheduler wrote (a second fit, or Tuner.lr_find's sweep, began from that one while
-                # the dense part started afresh)
+                # a new optimizer starts at its configured rate (the kernel keeps the last scheduler's)
                 kernel.set_learning_rate(config.lr)
                 groups.append(_FusedParamGroup(
                     [kernel], config,
@@ -109,16 +96,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.defaults = _FusedDefaults(self.defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        """All of it: torch's Optimizer pickles defaults, state and param_groups only, and the copy (deepcopy,
-        torch.save(optimizer)) had no tables: its state_dict() raised AttributeError '_tables'."""
+        """All of it: torch's Optimizer pickles defaults, state and param_groups only (a copy had no tables)."""
         if self.__dict__.get("_sharded"):
             raise TypeError(_SHARDED_COPY)
         return _picklable_state(self)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        # a weight_decay / eps / betas written into a group (a scheduler, a user) never reached the kernels: said
-        # here, at the first step after the write, not ignored for the whole run
+        # a weight_decay / eps / betas written into a group never reaches the kernels: refused at the next step
         for group in self.param_groups:
             if isinstance(group, _FusedParamGroup):
                 group.check_fixed()
@@ -154,12 +139,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         return list(dict.fromkeys(name for name, _, _ in self._pieces.values()))
 
     def global_state_pieces(self) -> dict[str, tuple[tuple[int, int], list[tuple[Any, torch.Tensor]]]]:
-        """This rank's optimizer state under whole-table names, for resharding.
-
-        "<path>.<table>.<state>" -> (the table's global shape, [(ShardMetadata or None, state view)]).
-        Gather every rank's pieces and `merge_fused_state` them into a state dict that loads into
-        any world size, plan, or the unsharded model (RecStrategy's checkpoints do this).
-        """
+        """This rank's optimizer state under whole-table names, for resharding. "<path>.<table>.<state>" -> (global
+        shape, [(ShardMetadata or None, state view)]); every rank's, merged by `merge_fused_state`, load into any
+        world size, plan, or the unsharded model."""
         out: dict[str, tuple[tuple[int, int], list]] = {}
         for local, states in self.table_states().items():
             name, meta, shape = self._pieces[local]
@@ -169,11 +151,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
-        """Shard-local state (saved by this layout), or whole-table state (`merge_fused_state`, an unsharded
-        model): each piece reads its rows and columns.
-
-        strict=False: a table the state holds nothing for (one added to the model since the save) keeps its
-        current state, as `module.load_state_dict(..., strict=False)` leaves its weights; the others load."""
+        """Shard-local state (saved by this layout) or whole-table state: each piece reads its rows and columns.
+        strict=False: a table the state holds nothing for keeps its current state."""
         _refuse_torch_state_dict_api(self)
         saved = state_dict.get("state", {})
         self._check_same_optimizer(state_dict.get("param_groups", []))
@@ -211,8 +190,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 value = saved[local_key]
             else:
                 whole = saved[global_key]
-                # a shard slices its rows out of the whole table's state: that of a larger table covered them too,
-                # and rows 0:32 of a 100-row table's state loaded into a 64-row one without a word
+                # a shard slices its rows out of the whole table's state: a larger table's would cover them too
                 want = {0: (), 1: (rows,)}.get(whole.dim(), (rows, cols))
                 if tuple(whole.shape) != want:
                     raise ValueError(f"fused optimizer state '{global_key}' has shape {tuple(whole.shape)} in the "
@@ -234,15 +212,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The saved groups' values (the learning rate a scheduler reached) into the groups of the same name."""
         for group in self.param_groups:
             for key, value in saved_by_name.get(group["name"], {}).items():
-                # the tables' own weight_decay / eps / betas win: they were built with them (a resume with another
-                # weight_decay is a choice), and the kernels cannot take the saved ones
+                # the tables' own weight_decay / eps / betas win: the kernels were built with them
                 if key not in ("name", "tables", "optimizer") and key not in _FIXED_KEYS:
                     group[key] = value
 
-
     def _check_same_optimizer(self, saved_groups: Sequence[Mapping[str, Any]]) -> None:
-        """State saved by tables that trained with another fused optimizer is refused, naming both: rowwise_adagrad's
-        per-row "sum" into adagrad said "the table sizes differ", and into sgd (no state) it loaded, silently."""
+        """State saved by tables that trained with another fused optimizer is refused, naming both."""
         def by_table(groups) -> dict[str, str]:
             out = {}
             for g in groups:
@@ -273,14 +248,9 @@ def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
 
 
 def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]]) -> dict[str, torch.Tensor]:
-    """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors).
-
-    Per-element state ([rows, cols]: Adagrad's sum, Adam's moments) is assembled exactly. Per-row
-    state ([rows]: row-wise Adagrad) of a table split by columns exists once per column shard,
-    each over its own columns; the whole table's is their average weighted by width, which is what
-    the unsharded optimizer keeps (the mean over all columns) when the shards saw the same rows.
-    Scalars (Adam's step) are the same on every piece.
-    """
+    """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors). Per-element state is
+    assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the column shards' average
+    weighted by width (the unsharded mean over all columns). Scalars are the same everywhere."""
     merged: dict[str, tuple[tuple[int, int], list]] = {}
     for pieces in per_rank:
         for key, (shape, parts) in pieces.items():

@@ -1,7 +1,6 @@
 """Which modules of a model own fused embedding kernels, under the model's own paths.
 
-Below the collections (embedding.fused_table_modules reads it): it imports only the leaf that knows the wrappers.
-"""
+Below the collections (embedding.fused_table_modules reads it): it imports only the leaf that knows the wrappers."""
 
 from __future__ import annotations
 
@@ -25,13 +24,9 @@ def _model_named_modules(module: torch.nn.Module, prefix: str = "", seen: set | 
 
 
 def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(path, module) for every module in `model` that owns fused embedding kernels.
-
-    Paths are the model's own (its state_dict's), also when `model` is a DistributedModelParallel (with DDP
-    inside): the fused state is saved under them, and a checkpoint written from
-    `combined_optimizer(dmp, ...)` named every table `_dmp_wrapped_module.module.<path>`, which the
-    unsharded model (and a DistributedModelParallel with dense=None or "fsdp") could not load.
-    """
+    """(path, module) for every module in `model` that owns fused embedding kernels. Paths are the model's own (its
+    state_dict's), also when `model` is a DistributedModelParallel (with DDP inside), so that the fused state saved
+    under them loads into the unsharded model too."""
     return [(path, m) for path, m in _model_named_modules(model) if _has_fused_update(m)]
 
 
@@ -40,8 +35,6 @@ def _has_fused_update(module: torch.nn.Module) -> bool:
         return False
     if module.fused_kernels():
         return True
-    # A sharded collection none of whose shards is on this rank (a table_wise table on another rank): every rank
-    # still keeps its fused optimizer, so that every rank's optimizer has the same parts and its checkpoint the same
-    # collectives (this rank's had no fused part; its save skipped a gather that the others waited in).
+    # a sharded collection with no shard here still counts: every rank's optimizer has the same parts
     config = getattr(module, "fused_optimizer_config", None)
     return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None

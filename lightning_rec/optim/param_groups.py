@@ -1,8 +1,7 @@
 """What an LR scheduler (and pickle) sees of a fused optimizer: its param groups and its `defaults`.
 
-A fused group's "lr" is pushed to the kernels as it is written; its other hyper-parameters are fixed
-when the tables are built, and a write to one is refused at the next step.
-"""
+A fused group's "lr" is pushed to the kernels as it is written; its other hyper-parameters are fixed when the tables are
+built, and a write to one is refused at the next step."""
 
 from __future__ import annotations
 
@@ -32,12 +31,9 @@ _FIXED_KEYS = ("weight_decay", "eps", "betas", "momentum", "eta")
 class _FusedParamGroup(dict):
     """A param group whose "lr" is the fused kernels' learning rate: writing it reaches them at once.
 
-    Schedulers set `group["lr"]` after `optimizer.step()`; the next backward (where the fused update
-    runs) must already use the new rate, so the write is pushed through instead of read at step().
-    The other hyper-parameters (weight_decay, eps, betas; momentum, eta for lars_sgd) are shown as in a
-    torch.optim group but are fixed when the tables are built: `FusedOptimizer.step` refuses a group
-    where one was changed (or added), since the kernels would go on with the built value, silently.
-    """
+    Schedulers set `group["lr"]` after `optimizer.step()`, and the next backward (where the update runs) must use it.
+    The other hyper-parameters are shown as in a torch.optim group but fixed when the tables are built:
+    `FusedOptimizer.step` refuses a group where one was changed."""
 
     def __init__(self, kernels: Sequence[Any], config: FusedOptimizerConfig, **values: Any) -> None:
         fixed = _fused_hyperparameters(config)
@@ -80,8 +76,7 @@ class _FusedParamGroup(dict):
         super().__setitem__(key, value)
 
     def __reduce__(self):
-        # pickle's default for a dict subclass sets the items before the attributes: "lr" went through __setitem__
-        # to kernels the group did not have yet (AttributeError '_kernels' in torch.load of an optimizer)
+        # pickle sets a dict subclass's items before its attributes: "lr" must not reach kernels not there yet
         return _rebuild_fused_group, (type(self), dict(self), dict(self.__dict__))
 
 
@@ -92,18 +87,13 @@ def _rebuild_fused_group(cls: type, items: dict[str, Any], attrs: dict[str, Any]
     return group
 
 
-# Pickled param groups (Lightning's BaseFinetuning saves them) name these two by the path of the module optim
-# was: kept, so that files written before and after the split load alike
+# pickled param groups name these two by optim's old module path: kept, so that old files load
 _FusedParamGroup.__module__ = _rebuild_fused_group.__module__ = "lightning_rec.optim"
 
 
 class _FusedDefaults(dict):
-    """A fused (or combined) optimizer's `defaults`: torch's OneCycleLR / CyclicLR, whose cycle_momentum=True (their
-    default) asks them for "momentum" or "betas", are told why there is none and what to pass.
-
-    Only the learning rate of a fused group follows a scheduler; its betas are fixed when the tables are built
-    (and sgd / adagrad have no momentum at all). torch said "optimizer must support momentum or beta1 with
-    `cycle_momentum` option enabled", naming neither. Other readers (Lightning's LearningRateMonitor) get False."""
+    """A fused (or combined) optimizer's `defaults`: OneCycleLR / CyclicLR (cycle_momentum=True) asking for "momentum"
+    or "betas" are told why there is none (fixed when tables are built) and what to pass; other readers get False."""
 
     def __contains__(self, key: object) -> bool:
         found = dict.__contains__(self, key)
@@ -120,6 +110,5 @@ class _FusedDefaults(dict):
 
 
 def _picklable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """An optimizer's attributes for pickle / deepcopy, less the `step` that an LR scheduler puts on the instance
-    (a wrapper of the original's step: a copy keeping it stepped the original; pickle cannot write it)."""
+    """An optimizer's attributes for pickle / deepcopy, less the `step` wrapper an LR scheduler puts on it."""
     return {k: v for k, v in optimizer.__dict__.items() if k != "step"}

@@ -57,17 +57,9 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
         apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.05})
         dmp = DistributedModelParallel(model, ...)        # the tables are sharded with that update
 
-    Equivalent to building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection
-    whose tables are in `params` gets that fused update (torch.optim.SGD, Adagrad or Adam with their
-    defaults, or a fused optimizer by name such as "rowwise_adagrad"). One update per collection:
-    `params` must hold all of a collection's tables. As in every fused (sparse) update, only the rows a
-    batch reads move: weight_decay decays those rows, and Adam takes torch.optim.Adam's step on them, lazily as
-    torch.optim.SparseAdam does (whose eps, though, sits before the bias correction); torch.optim.Adam decays,
-    and moves by momentum, every row at every step. Call it before building optimizers or
-    DistributedModelParallel over the model: the collection's table parameters are made anew (their
-    values kept). Dense parameters are refused: train them with a torch.optim optimizer
-    (CombinedOptimizer / combined_optimizer).
-    """
+    As building the collections with `optimizer=FusedOptimizerConfig(...)`: every collection whose tables are all in
+    `params` gets that update (docs/torchrec.md#sharded-tables-train-fused). Call it before building optimizers or
+    DistributedModelParallel (the table parameters are made anew). Dense parameters are refused."""
 
     config = _fused_config_for(optimizer_class, optimizer_kwargs or {})
     owners: dict[int, tuple[Any, set[str]]] = {}
@@ -93,10 +85,7 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
 
 def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                                  include: bool = False) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one).
-
-    Fused tables never require a gradient (their rows are updated inside backward): that is the test.
-    """
+    """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one)."""
     for name, p in named_parameters:
         if (not p.requires_grad) == include:
             yield name, p
@@ -105,11 +94,8 @@ def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.
 class KeyedOptimizerWrapper(torch.optim.Optimizer):
     """TorchRec's `KeyedOptimizerWrapper(dict(model.named_parameters()), lambda params: torch.optim.SGD(params, ...))`.
 
-    The factory's optimizer over the parameters that train through autograd: fused tables (which
-    never hold a gradient) are left out, so that e.g. Adagrad keeps no state for them. `params` maps
-    names to those parameters. state_dict is the inner optimizer's (torch's format, by index).
-    Combine it with the fused part: `CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", it)])`.
-    """
+    The factory's optimizer over the parameters that train through autograd (fused tables left out); state_dict is
+    the inner optimizer's. Combine it: `CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", it)])`."""
 
     def __init__(self, params: Mapping[str, torch.Tensor],
                  optim_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
@@ -154,12 +140,8 @@ class KeyedOptimizerWrapper(torch.optim.Optimizer):
 
 class RowWiseAdagrad(torch.optim.Optimizer):
     """TorchRec's row-wise Adagrad as a plain torch optimizer: one accumulator per row of each 2-d parameter.
-
-    state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps). It is the
-    fused "rowwise_adagrad" update, so `apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(),
-    {"lr": 0.05})` fuses it into the tables (TorchRec's golden DLRM example does that), and it trains
-    unfused tables or other 2-d weights directly. 1-d parameters keep one accumulator per element.
-    """
+    state_sum += mean(g^2 over the row's columns); w -= lr * g / (sqrt(state_sum) + eps): the fused "rowwise_adagrad"
+    update, so apply_optimizer_in_backward fuses it into tables. 1-d parameters keep one accumulator per element."""
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> None:

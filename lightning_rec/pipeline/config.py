@@ -12,16 +12,11 @@ FEEDER_COLLECTIVES = ("auto", "concurrent", "in_step_order")
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: see the module doc.
+    """depth: batches routed ahead of the step (1: batch i+1 while i computes). variant: the stages run ahead.
 
-    feeder_collectives: when the feeder runs its collectives (the agreement on the next batch, the id
-    all-to-alls). "concurrent": as soon as a batch is read, beside the step's own (gloo and shared
-    memory: every group is independent). "in_step_order": only while the step's thread waits for that
-    batch, so every rank launches the two threads' collectives in one order, which NCCL asks of several
-    communicators; reading, copying and checking stay ahead, and on GPU the id payload still runs
-    asynchronously beside the compute. "auto": in_step_order on NCCL with more than one rank, concurrent
-    otherwise (one GPU included: no other rank's order to match).
-    """
+    feeder_collectives: when the feeder runs its collectives: "concurrent" (as soon as a batch is read), "in_step_order"
+    (only while the step's thread waits for that batch, so every rank launches both threads' collectives in one order,
+    as NCCL needs), or "auto": in_step_order on NCCL with more than one rank."""
 
     depth: int = 1
     variant: str = "sparse_dist"

@@ -127,8 +127,7 @@ class _Plan:
         self.not_pipelined: dict[str, str] = {}
         self.final = threading.Event()
         self.record_entry: _Entry | None = None
-        # the recording step called no collection (a dense warm-up step, a forward that skips the embeddings for some
-        # batch): the next step that calls one records the plan instead
+        # the recording step called no collection (a dense warm-up step): the next one that calls one records
         self.record_next = False
         self._warned = False
 
@@ -186,8 +185,7 @@ def _in_step_order(config: PipelineConfig, channels: dict) -> bool:
         return config.feeder_collectives == "in_step_order"
     import torch.distributed as dist
 
-    # one rank: no other rank to launch in another order, so nothing to keep in step (TF32 DLRM from host batches,
-    # measured on an H200: 3.03M samples/s concurrent vs 2.17M in step order)
+    # one rank: no other rank to launch in another order, and step order costs speed (docs/pipeline.md)
     return any(dist.get_backend(c.pg) == "nccl" and dist.get_world_size(c.pg) > 1 for c in channels.values())
 
 
@@ -199,9 +197,7 @@ class _Feeder(Iterator):
                  pad: Callable[[], Any] | None = None, evaluating: bool = False,
                  stop_signal: tuple | None = None) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
-        # (this rank's signals: () -> bits, told every rank's: ({rank: bits}) -> None), InputPipeline.stop_signal:
-        # the bits ride on each batch's agreement and are told when the step's thread takes that batch, so every
-        # rank hears them at the same batch
+        # InputPipeline.stop_signal: the bits ride on each batch's agreement, told as the step takes that batch
         self.stop_signal = stop_signal
         self._end_stop: dict[int, int] = {}
         self.pad = pad  # evaluation: an empty batch, stepped with while another rank still has data
@@ -314,16 +310,14 @@ class _Feeder(Iterator):
         return routed
 
     def forward_done(self) -> None:
-        """The step's forward has run: the recording (if any) is complete, and calls until the next batch is handed
-        out (a validation's own ids, e.g. TwoTowerModule's item catalogue) are no input of this pass."""
+        """The step's forward has run: the recording (if any) is complete; later calls are no input of this pass."""
         plan = self.plan
         if not plan.final.is_set() and self.inputs.recording is self:
             if plan.routes or plan.not_pipelined:
                 plan.finalize(self.inputs)
             else:
-                # the step called no collection: finalized, the empty plan routed every later batch of this pass in
-                # the step (the whole pass ran unpipelined); the next step that calls one records it. The same on
-                # every rank: a step that skips the sharded collections on one rank only would hang the plain loop
+                # the step called no collection: the next step that calls one records the plan (the same on every
+                # rank: a step that skips the sharded collections on one rank only would hang the plain loop too)
                 plan.record_entry, plan.record_next = None, True
         self._taken_in_step = 0
         if self.inputs.current is self:
@@ -338,8 +332,7 @@ class _Feeder(Iterator):
     def close(self, keep_unused: bool = False) -> list:
         """Stop after the batches every rank's feeder is allowed to start (the same everywhere); join.
 
-        keep_unused: return the batches read ahead that no step took (as many on every rank, plus, in_step_order, one
-        this rank read before its turn came), else drop them."""
+        keep_unused: return the batches read ahead that no step took, else drop them."""
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)

@@ -21,10 +21,7 @@ from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 
 class InputPipeline:
     """The parts a pipeline over one model needs: its channels, its plan, one feeder per pass.
-
-    TrainPipelineSparseDist drives it from a hand loop; RecStrategy(pipeline=True) builds one per
-    dataloader of Lightning's loops (lightning_rec.pipeline.wrap_loader).
-    """
+    TrainPipelineSparseDist drives it; RecStrategy(pipeline=True) builds one per dataloader (wrap_loader)."""
 
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
@@ -49,8 +46,7 @@ class InputPipeline:
     def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None, evaluating: bool = False) -> _Feeder:
         """A new pass over `source` (the previous pass, if any, is stopped first).
 
-        pad: evaluation: an empty batch for a rank whose `source` ran out while another's has not, so that
-        every rank's batches are all used (None: the pass ends when the first rank's source does)."""
+        pad: evaluation's empty batch for a rank whose `source` ran out before another's (None: no padding)."""
         if self.closed:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
         self.stop_feeder()
@@ -62,8 +58,7 @@ class InputPipeline:
             else:
                 plan.record_entry = None  # nothing was called: record on this pass
         elif plan.final.is_set() and not plan.routes and not plan.not_pipelined:
-            # the last pass's recording step called no collection (a dense warm-up step): an empty plan would route
-            # every later batch in the step; record on this pass (the same on every rank: same code)
+            # the last pass's recording step called no collection: record on this pass (the same on every rank)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
                               self.to_device, self.stats, pad, evaluating, self.stop_signal)
@@ -71,7 +66,6 @@ class InputPipeline:
 
     def stop_feeder(self, keep_unused: bool = False) -> list:
         """Stop the current pass's feeder, if any (at the same point on every rank: it agrees where to stop).
-
         keep_unused: return the batches it read ahead that no step took (on the device already), else drop them."""
         unused: list = []
         if self.feeder is not None:
@@ -97,8 +91,7 @@ class InputPipeline:
         self.closed = True
 
     def __del__(self) -> None:
-        # let go without close(): the thread ends when idle; the channels are not reused (a garbage
-        # collector's timing differs between ranks, and channels must be handed out in one order)
+        # let go without close(): the thread ends when idle; the channels are not reused (GC timing differs by rank)
         feeder = getattr(self, "feeder", None)
         if feeder is not None:
             try:
@@ -108,8 +101,7 @@ class InputPipeline:
 
 
 def _reference(obj: Any) -> Callable[[], Any]:
-    """A weak reference where the object takes one (a DataLoader, its iterators), else a strong one (a list's
-    iterator: nothing behind it to let go of)."""
+    """A weak reference where the object takes one (a DataLoader, its iterators), else a strong one."""
     try:
         return weakref.ref(obj)
     except TypeError:
@@ -117,10 +109,8 @@ def _reference(obj: Any) -> Callable[[], Any]:
 
 
 class ReadAhead:
-    """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first).
-
-    One object is both what `TrainPipelineSparseDist.close()` returns and what the model keeps for the iterator, so
-    a batch taken by the plain loop is not given to the next pipeline too."""
+    """Batches a pipeline read ahead of its steps that no step took; iterating takes them (once, oldest first). One
+    object is both what `close()` returns and what the model keeps for the iterator: no batch is given twice."""
 
     def __init__(self, batches: list | None = None, rest: ReadAhead | None = None) -> None:
         # rest: kept batches the pass began with and had not read yet (they come after the ones it read)
@@ -152,24 +142,9 @@ class TrainPipelineSparseDist:
             except StopIteration:
                 break
 
-    `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward,
-    `loss.sum().backward()` and `optimizer.step()`, and returns `output`. With the model in eval
-    mode (or optimizer=None) it runs the forward only, without gradients. Batches come out in
-    order; StopIteration comes once every batch is done (given the DataLoader itself rather than an iterator, the
-    next call starts its next pass: an epoch). A new iterator starts a new pass; one given again
-    (training resumed after an evaluation pass) goes on where its steps stopped. Build,
-    close (or let go) and rebuild pipelines over the same model freely; the plain loop
-    (`model(batch)` yourself) works in between.
-
-    Read ahead: the pipeline has read up to `depth` batches from the iterator that no step has taken yet (each rank's
-    own, in order). `close()` keeps them for that iterator: a pipeline over the same model given it again starts
-    with them, and `close()` returns them for a plain loop to take first:
-
-        for batch in itertools.chain(pipeline.close(), it):   # no batch of `it` is skipped
-            ...
-
-    A pipeline let go mid-pass without close() drops them, with a warning.
-    """
+    `model(batch)` returns `(loss, output)`; in training mode `progress` runs zero_grad, forward, backward and
+    `optimizer.step()`, and returns `output` (eval mode, or optimizer=None: the forward only). Batches come out in
+    order; StopIteration comes once every batch is done (docs/pipeline.md#hand-written-loops)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str,
                  config: PipelineConfig | None = None, *, execute_all_batches: bool = True) -> None:
@@ -183,10 +158,7 @@ class TrainPipelineSparseDist:
         self._optimizer = optimizer
         self._pipeline = InputPipeline(model, device, config)
         self._source: Iterator | None = None
-        # iterators left mid-pass (for another iterator, or by a closed pipeline): id -> (a reference to the iterator,
-        # the batches read ahead), kept on the model, so that every pipeline over it (and the plain loop, through
-        # close()) gets them first. Weak where it can be: an iterator its user let go (a DataLoader's, with its
-        # workers) is not kept alive for batches no one can ask for
+        # iterators left mid-pass: id -> (a reference to it, the batches read ahead), kept on the model
         self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
         # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)
@@ -195,8 +167,7 @@ class TrainPipelineSparseDist:
     def progress(self, dataloader_iter: Iterator) -> Any:
         iterable = None
         if not isinstance(dataloader_iter, Iterator):
-            # the DataLoader itself (TorchRec takes iter(dataloader)): its passes one after another, as `for batch in
-            # dataloader` each epoch; a call goes on with the current pass (after an evaluation too)
+            # the DataLoader itself: its passes one after another, a call going on with the current one
             iterable = dataloader_iter
             held = self._iterables.get(id(iterable))
             if held is None or held[0]() is not iterable:
@@ -231,8 +202,7 @@ class TrainPipelineSparseDist:
         return output
 
     def _switch_to(self, source: Iterator) -> None:
-        """A pass over `source`. The batches the last pass read ahead are kept for its iterator, and come first when it
-        is given again: an evaluation between training steps costs no training batch."""
+        """A pass over `source`; what the last pass read ahead is kept for its iterator, first when it is back."""
         previous = self._source
         if previous is not None and previous is not source:
             self._keep_read_ahead()
@@ -246,10 +216,8 @@ class TrainPipelineSparseDist:
         self._source = source
 
     def _watch_reset(self, source: Iterator) -> None:
-        """torch's DataLoader with persistent_workers=True hands out one iterator object for every pass: `iter(loader)`
-        resets it, possibly under the feeder's reads. So the feeder stops before the reset (every rank calls
-        iter(loader) at the same point), and the next step starts a new pass; what the old pass read ahead is dropped
-        with it, as the plain loop drops an epoch it leaves."""
+        """A DataLoader with persistent_workers=True reuses one iterator, which `iter(loader)` resets: the feeder stops
+        before the reset, and the next step starts a new pass (what was read ahead is dropped, as in the plain loop)."""
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
         if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
@@ -287,18 +255,15 @@ class TrainPipelineSparseDist:
         return dict(self._pipeline.stats)
 
     def close(self) -> ReadAhead:
-        """Stop the feeder (at the same point on every rank) and give the channels back.
-
-        Returns the batches it read ahead of the steps from the current iterator, oldest first (on the device
-        already; this rank's, in order): a plain loop trains them first, `itertools.chain(pipeline.close(), it)`, or a
-        pipeline over the same model given that iterator starts with them. Taken once, by whichever comes first."""
+        """Stop the feeder (at the same point on every rank) and give the channels back. Returns the batches read
+        ahead from the current iterator, oldest first (on the device), for a plain loop,
+        `itertools.chain(pipeline.close(), it)`, or the next pipeline given that iterator: taken once."""
         kept = self._keep_read_ahead() if not self._pipeline.closed else ReadAhead([])
         self._pipeline.close()
         return kept
 
     def __del__(self) -> None:
-        # let go mid-pass: the feeder's batches cannot be handed back (that joins its thread, at a moment the collector
-        # chooses, different on every rank): say so, naming close()
+        # let go mid-pass: the batches cannot be handed back (a join at the collector's moment): say so
         pipeline = getattr(self, "_pipeline", None)
         feeder = getattr(pipeline, "feeder", None)
         if pipeline is None or pipeline.closed or feeder is None or feeder._finished:

@@ -6,13 +6,5 @@ from lightning_rec.planner.stats import PlanStats, RankStats, TableStats
 from lightning_rec.planner.topology import GB, Topology
 
 __all__ = [
-    "GB",
-    "EmbeddingShardingPlanner",
-    "ParameterConstraints",
-    "PlanStats",
-    "PlannerError",
-    "RankStats",
-    "TableStats",
-    "Topology",
-    "find_tables",
-]
+    "GB", "EmbeddingShardingPlanner", "ParameterConstraints", "PlanStats", "PlannerError", "RankStats", "TableStats",
+    "Topology", "find_tables"]

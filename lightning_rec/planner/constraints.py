@@ -48,12 +48,8 @@ class ParameterConstraints:
     - `cache_load_factor`: fraction of rows the `fused_uvm_caching` kernel keeps in device memory
       (TorchRec's `cache_params=CacheParams(load_factor=...)`, which is accepted too).
 
-    The fields come in TorchRec's order, so a ported positional call means the same. TorchRec's
-    `num_poolings`, `batch_sizes`, `feature_names`, `stochastic_rounding`, `bounds_check_mode`, ... are
-    accepted where they mean what this planner does anyway (one pooling per sample, the planner's
-    batch size, the table's features) and refused by name otherwise: a setting that would change
-    the plan is never dropped silently.
-    """
+    The fields come in TorchRec's order. TorchRec's other fields (`num_poolings`, `batch_sizes`, ...) are
+    accepted where they mean what this planner does anyway and refused by name otherwise (docs/torchrec.md)."""
 
     sharding_types: list[ShardingType | str] | None = None
     compute_kernels: list[ComputeKernel | str] | None = None
@@ -85,21 +81,15 @@ class ParameterConstraints:
                 f"feature of the table (pooling_factors=[2.0, 1.5])"
             ) from None
         if not self.pooling_factors:
-            raise ValueError(
-                "ParameterConstraints pooling_factors=[]: give one ids-per-sample figure per feature"
-            )
+            raise ValueError("ParameterConstraints pooling_factors=[]: give one ids-per-sample figure per feature")
         self.enforce_hbm = bool(self.enforce_hbm)  # TorchRec's default is None: not enforced
         self._torchrec_fields()
         if self.min_partition is not None and self.min_partition <= 0:
-            raise ValueError(
-                f"ParameterConstraints min_partition={self.min_partition} must be a positive number of "
-                "columns"
-            )
+            raise ValueError(f"ParameterConstraints min_partition={self.min_partition} must be a positive number of "
+                             "columns")
         if self.cache_load_factor is not None and not 0 < self.cache_load_factor <= 1:
-            raise ValueError(
-                f"ParameterConstraints cache_load_factor={self.cache_load_factor} must be in (0, 1]: "
-                f"the fraction of rows cached in device memory"
-            )
+            raise ValueError(f"ParameterConstraints cache_load_factor={self.cache_load_factor} must be in (0, 1]: "
+                             f"the fraction of rows cached in device memory")
 
     def _torchrec_fields(self) -> None:
         """TorchRec's fields: kept where they mean what this planner does, else refused by name."""
@@ -112,19 +102,15 @@ class ParameterConstraints:
                     f"{n}: give one per feature of the table, as TorchRec requires"
                 )
         if self.num_poolings is not None and any(float(p) != 1.0 for p in self.num_poolings):
-            raise ValueError(
-                f"ParameterConstraints num_poolings={self.num_poolings}: this planner prices one pooled "
-                f"embedding per feature per sample; several poolings per sample are not modelled: leave "
-                f"num_poolings out (or all 1.0)"
-            )
+            raise ValueError(f"ParameterConstraints num_poolings={self.num_poolings}: this planner prices one pooled "
+                             f"embedding per feature per sample; several poolings per sample are not modelled: leave "
+                             f"num_poolings out (or all 1.0)")
         # batch_sizes must equal the planner's batch_size: checked in check_batch_size (the planner knows it)
         lf = cache_params_load_factor(self.cache_params, "ParameterConstraints")
         if lf is not None:
             if self.cache_load_factor is not None and lf != self.cache_load_factor:
-                raise ValueError(
-                    f"ParameterConstraints cache_params.load_factor={lf} disagrees with "
-                    f"cache_load_factor={self.cache_load_factor}: pass one of them"
-                )
+                raise ValueError(f"ParameterConstraints cache_params.load_factor={lf} disagrees with "
+                                 f"cache_load_factor={self.cache_load_factor}: pass one of them")
             self.cache_load_factor = lf
         if self.stochastic_rounding is not None:
             raise ValueError(

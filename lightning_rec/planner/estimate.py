@@ -1,8 +1,7 @@
 """Bytes and milliseconds per shard, and the priced options the planner chooses from.
 
-A table's options are (sharding type, compute kernel, number of column blocks). Each option's shards
-come from `shard_layout`, the same function the sharder builds them with, so the planner prices the
-shards that will exist. Shards are grouped into *pieces*, the unit the partitioner places:
+A table's options are (sharding type, compute kernel, column blocks); their shards come from `shard_layout`, as the
+sharder's do. Shards are grouped into *pieces*, the unit the partitioner places:
 
     kind "fixed": data_parallel, row_wise      one piece, one slot per rank (placement is decided)
     kind "rank":  table_wise, column_wise      one piece per shard; the partitioner picks its rank
@@ -11,8 +10,7 @@ shards that will exist. Shards are grouped into *pieces*, the unit the partition
                                                partitioner picks the host, slot = local rank
 
 Each slot carries four numbers: HBM bytes, DDR bytes, compute ms, communication ms.
-Legend: B batch per rank, W world size, L ranks per host, S samples a shard serves, p ids per sample.
-"""
+Legend: B batch per rank, W world size, L ranks per host, S samples a shard serves, p ids per sample."""
 
 from __future__ import annotations
 
@@ -43,15 +41,9 @@ UVM_KERNELS = (ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING)
 
 def optimizer_state_bytes_per_row(optimizer: str, cols: int) -> int:
     """fp32 state the optimizer keeps per row of `cols` columns."""
-    floats = {
-        "sgd": 0,
-        "adagrad": cols,
-        "rowwise_adagrad": 1,
-        "adam": 2 * cols,
-        "partial_rowwise_adam": cols + 1,
-        "lamb": 2 * cols,
-        "lars_sgd": cols,
-    }
+    floats = {"sgd": 0, "adagrad": cols, "rowwise_adagrad": 1, "adam": 2 * cols, "partial_rowwise_adam": cols + 1,
+              "lamb": 2 * cols,
+              "lars_sgd": cols}
     try:
         return 4 * floats[str(optimizer)]
     except KeyError:
@@ -78,8 +70,7 @@ class TableSpec:
     pooling_factors: list[float]  # per feature
     is_weighted: bool
     constraints: ParameterConstraints
-    # the CPU kernel its collection resolves to ("fbgemm" pads rows to 4 columns, "native" does not); None: the
-    # "auto" rule's (native for bags, fbgemm for sequence tables, which the native kernel does not pool)
+    # the CPU kernel its collection resolves to (fbgemm pads rows to 4 columns); None: the "auto" rule's
     cpu_kernel: str | None = None
 
     @property
@@ -89,9 +80,6 @@ class TableSpec:
     @property
     def key(self) -> str:
         return f"{self.path}.{self.name}" if self.path else self.name
-
-    def bytes_per_row(self, optimizer: str) -> int:
-        return self.dim * self.elem_bytes + optimizer_state_bytes_per_row(optimizer, self.dim)
 
 
 @dataclass
@@ -143,17 +131,15 @@ class CostModel:
 
     @property
     def live_batches(self) -> int:
-        """Batches whose routed ids a rank holds at once (lightning_rec/pipeline/): the step's own;
-        pipelined with depth K, also the K routed ahead and the one Lightning's loop takes ahead
-        (the fetcher's look-ahead batch is routed too). A hand loop holds one fewer: counted anyway."""
+        """Batches whose routed ids a rank holds at once: the step's own; pipelined with depth K, also the K routed
+        ahead and the one Lightning's loop takes ahead (a hand loop holds one fewer: counted anyway)."""
         if self.pipelined is False or self.pipelined is None or self.pipelined == 0:
             return 1
         depth = 1 if self.pipelined is True else int(self.pipelined)
         return 2 + depth
 
     def _a2a_ms(self, nbytes: float) -> float:
-        """One rank's all-to-all of `nbytes` spread evenly over all ranks, itself included: its own
-        share stays put, the other hosts' share goes at the inter-host rate."""
+        """One rank's all-to-all of `nbytes` spread over all ranks (other hosts' share at the inter-host rate)."""
         t = self.topology
         W, L = t.world_size, t.local_world_size
         if W == 1:
@@ -178,18 +164,14 @@ class CostModel:
         return DEFAULT_CACHE_LOAD_FACTOR if clf is None else clf
 
     def stored_cols(self, spec: TableSpec, cols: int) -> int:
-        """Columns a shard's rows take in memory. fbgemm's kernel pads them to a multiple of 4 (lookup.py): every
-        table on GPU; on CPU, sequence tables (the native CPU kernel pools only) and a collection built with
-        kernel="fbgemm". Priced at `cols`, a dim-1 table on GPU took 4 times the memory the plan gave it, and a
-        dim-2 bag of an EmbeddingBagCollection(kernel="fbgemm") on CPU 1.7 times (its row-wise state unpadded)."""
+        """Columns a shard's rows take in memory: fbgemm's kernel pads them to a multiple of 4 (lookup.py)."""
         if self.topology.compute_device == "cuda":
             return padded_dim(cols, pad_multiple("fbgemm"))
         kernel = spec.cpu_kernel or ("native" if spec.pooled else "fbgemm")
         return padded_dim(cols, pad_multiple(kernel))
 
-    def shard_cost(
-        self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int, cols: int
-    ) -> tuple[float, float, float, float]:
+    def shard_cost(self, spec: TableSpec, st: ShardingType, kernel: ComputeKernel, rows: int,
+                   cols: int) -> tuple[float, float, float, float]:
         """(HBM bytes, DDR bytes, compute ms, comm ms) of one shard of `rows` x `cols`."""
         t = self.topology
         W, L = t.world_size, t.local_world_size
@@ -204,8 +186,7 @@ class CostModel:
         )
         opt_row = optimizer_state_bytes_per_row(self.optimizer, cols)
 
-        # storage: rows as the kernel allocates them
-        # replicas are plain tensors (lookup.DenseKernel): only the fused kernels pad
+        # storage: rows as the kernel allocates them (only the fused kernels pad; replicas are plain tensors)
         stored = cols if kernel == ComputeKernel.DENSE else self.stored_cols(spec, cols)
         weights = rows * stored * spec.elem_bytes
         state = rows * optimizer_state_bytes_per_row(self.optimizer, stored)
@@ -213,10 +194,7 @@ class CostModel:
             state += rows * cols * 4  # the dense gradient autograd materialises
         io = in_bytes * self.live_batches + 2 * out_bytes  # output + its gradient
         if t.compute_device == "cpu" and W == L > 1 and not dp:
-            # ranks of one host exchange through shared memory (shm_transport.py): each rank's /dev/shm region
-            # holds two slots of the largest exchange it sends, less its own share; at most this shard's ids or
-            # embeddings, summed over the rank's shards (8 MB a rank in a 2-rank run whose plan counted 17 MB).
-            # A replica's gradient all-reduce goes there too, one table at a time: within reserved_fraction.
+            # ranks of one host exchange through /dev/shm: two slots of the largest exchange a rank sends
             io += 2 * (W - 1) / W * max(in_bytes, out_bytes)
         if t.compute_device == "cpu":
             hbm, ddr = 0.0, weights + state + io
@@ -273,8 +251,7 @@ def _kernels_for(spec: TableSpec, st: ShardingType, topology: Topology) -> tuple
         else:
             kernels.append(k)
     if kernels and c.compute_kernels is None:
-        # the user chose no kernels: the ones that do not apply are no news, and listed first they hid the reason
-        # that mattered ("row_wise (dense): ...; row_wise (fused_uvm): ...; row_wise: 1 rows cannot be split ...")
+        # the user chose no kernels: the ones that do not apply would hide the reason that matters
         reasons = []
     return kernels, reasons
 
@@ -287,9 +264,7 @@ def _min_partition_fix(spec: TableSpec, min_cols: int, at_most: int) -> str:
 
 
 def _block_counts(n: int, dim: int, min_cols: int) -> list[int]:
-    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ..., `n` itself, and the most blocks of `min_cols`
-    columns. Powers of two only left a third of a 3-rank (6-rank) cluster out of every column split: a table that
-    fit in 3 blocks was refused."""
+    """Column blocks to try over `n` ranks (or hosts): 2, 4, 8, ..., `n`, and the most blocks of `min_cols` columns."""
     counts, k = {n, dim // min_cols}, 2
     while k <= n:
         counts.add(k)
@@ -358,14 +333,10 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
     raise AssertionError(f"unhandled sharding type {st}")
 
 
-def enumerate_options(
-    spec: TableSpec, cost: CostModel, max_shard_bytes: tuple[float, float]
-) -> tuple[list[ShardingOption], list[str]]:
-    """Every priced option for one table, and why each excluded one was excluded.
-
-    Options whose largest shard exceeds `max_shard_bytes` (HBM, DDR) are dropped when others exist:
-    one huge shard pins a rank's memory and leaves the partitioner nothing to balance with.
-    """
+def enumerate_options(spec: TableSpec, cost: CostModel,
+                      max_shard_bytes: tuple[float, float]) -> tuple[list[ShardingOption], list[str]]:
+    """Every priced option for one table, and why each excluded one was excluded (a shard over `max_shard_bytes`,
+    when others exist: it would leave the partitioner nothing to balance)."""
     t = cost.topology
     L = t.local_world_size
     options: list[ShardingOption] = []
@@ -407,11 +378,8 @@ def enumerate_options(
                         _by_rank(arr[i : i + L], shards[i : i + L], L, base=shards[i].placement)
                         for i in range(0, len(shards), L)
                     ]
-                options.append(
-                    ShardingOption(spec, st, kernel, kind, pieces, column_sizes, num_blocks=num_blocks)
-                )
-    # Per kernel: a table too big for the share in device memory kept only its UVM options (host memory, ~4x slower
-    # lookups by this model), though fused shards fitted the GPUs: a 51 GB table on 3 x 40 GB went to fused_uvm_caching
+                options.append(ShardingOption(spec, st, kernel, kind, pieces, column_sizes, num_blocks=num_blocks))
+    # per kernel: a table too big for max_shard_bytes in device memory keeps its fused shards when they fit
     over = {id(o) for o in options
             if o.max_piece_bytes[0] > max_shard_bytes[0] or o.max_piece_bytes[1] > max_shard_bytes[1]}
     within = {o.kernel for o in options if id(o) not in over}

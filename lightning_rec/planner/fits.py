@@ -1,12 +1,10 @@
 """Does a concrete plan fit the GPUs it is put on? Checked before any table is allocated.
 
-A plan written by hand (or for other GPUs) can put more tables on a rank than its device holds; the
-allocation would then fail as a bare CUDA out-of-memory error halfway through sharding. This sums
-what each rank will hold in device memory (weights, fused optimizer state, and for
-`fused_uvm_caching` its cache) from the plan's metadata alone, identical on every rank, and
-explains what does not fit the way the planner does: the rank, the bytes, the largest tables there,
-and what to change.
-"""
+A plan written by hand (or for other GPUs) can put more tables on a rank than its device holds; the allocation would
+then fail as a bare CUDA out-of-memory error halfway through sharding. This sums what each rank will hold in device
+memory (weights, fused optimizer state, and for `fused_uvm_caching` its cache) from the plan's metadata alone, identical
+on every rank, and explains what does not fit the way the planner does: the rank, the bytes, the largest tables there,
+and what to change."""
 
 from __future__ import annotations
 
@@ -40,9 +38,7 @@ def device_bytes_by_rank(plan_by_module: Mapping[str, Mapping], configs_by_modul
                 pieces = [(s.placement, s.shard_sizes[0], s.shard_sizes[1]) for s in ps.shards]
             for rank, rows, cols in pieces:
                 if replica:
-                    # a plain tensor at its own width (lookup.DenseKernel), with the dense gradient autograd
-                    # materialises: priced as the planner's estimate prices it (padded, a dim-1 replica counted
-                    # 2.7x, and a plan the planner made was refused here)
+                    # a plain tensor at its own width (lookup.DenseKernel) and its gradient, as the estimate prices it
                     per_row = cols * elem + optimizer_state_bytes_per_row(optimizer, cols) + cols * 4
                 else:
                     cols = padded_dim(cols, pad_multiple("fbgemm"))  # GPU tables run on fbgemm: rows padded to 4

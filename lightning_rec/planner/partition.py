@@ -1,8 +1,7 @@
 """Placing one proposal's pieces onto ranks under memory limits, slowest rank first (a heap).
 
-Fixed pieces stay where they are, host pieces go to the host whose slowest rank stays fastest,
-rank pieces go slowest-first onto the least-loaded rank with room. See plan.py for the whole flow.
-"""
+Fixed pieces stay where they are, host pieces go to the host whose slowest rank stays fastest, rank pieces go
+slowest-first onto the least-loaded rank with room. See plan.py for the whole flow."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ class _Placement:
         self.score = float((load[:, COMPUTE] + load[:, COMM]).max()) if self.ok else float("inf")
 
 
-def _partition(
-    options: Sequence[ShardingOption], caps: np.ndarray, W: int, L: int, by_memory: bool
-) -> _Placement:
+def _partition(options: Sequence[ShardingOption], caps: np.ndarray, W: int, L: int, by_memory: bool) -> _Placement:
     """Place one option per table. `by_memory`: biggest pieces first onto the emptiest rank."""
     load = np.zeros((W, 4))
     where: list[list[int]] = [[-1] * len(o.pieces) for o in options]

@@ -1,9 +1,7 @@
 """The planner: enumerate priced options per table -> propose combinations -> partition onto ranks.
 
-A proposal picks one option per table. The partitioner places its pieces (see estimate.py): fixed
-pieces where they are, host pieces on the host whose slowest rank stays fastest, rank pieces
-slowest-first onto the least-loaded rank with room (a heap), all under each rank's memory. A
-proposal's score is its slowest rank's estimated ms. Proposers, in order:
+A proposal picks one option per table; the partitioner places its pieces (estimate.py) under each rank's memory,
+and its score is its slowest rank's estimated ms. Proposers, in order:
 
 1. greedy: every table's cheapest option (least total work); while it does not fit, the tables
    holding the most of the short memory move to options that hold less (UVM, caching, finer
@@ -11,8 +9,7 @@ proposal's score is its slowest rank's estimated ms. Proposers, in order:
 2. uniform: every table on one sharding type, where it has it;
 3. grid search: every combination of the top options of the heaviest tables, around the best plan.
 
-Everything is ordered by numbers and table/rank indexes, so the same inputs give the same plan.
-"""
+Everything is ordered by numbers and table/rank indexes, so the same inputs give the same plan."""
 
 from __future__ import annotations
 
@@ -71,11 +68,9 @@ def _is_pooled(cfg) -> bool:
 
 
 def find_tables(module) -> list[tuple[str, list, bool | None]]:
-    """(module path, configs, pooled) for each embedding collection in `module`.
-
-    Accepts a model (any module with `embedding_bag_configs()` / `embedding_configs()` inside), one
-    collection, or a list of configs (path "", pooled read from each config: None).
-    """
+    """(module path, configs, pooled) for each embedding collection in `module`. Accepts a model (any module with
+    `embedding_bag_configs()` / `embedding_configs()` inside), one collection, or a list of configs (path "", pooled
+    read from each config: None)."""
     if isinstance(module, (list, tuple)):
         return [("", list(module), None)] if module else []
     if hasattr(module, "named_modules"):
@@ -86,10 +81,8 @@ def find_tables(module) -> list[tuple[str, list, bool | None]]:
             elif callable(getattr(m, "embedding_configs", None)):
                 found.append((path, list(m.embedding_configs()), False))
         return found
-    raise ValueError(
-        f"cannot plan for {type(module).__name__}: pass a model holding EmbeddingBagCollection / "
-        f"EmbeddingCollection modules, or a list of EmbeddingBagConfig"
-    )
+    raise ValueError(f"cannot plan for {type(module).__name__}: pass a model holding EmbeddingBagCollection / "
+                     f"EmbeddingCollection modules, or a list of EmbeddingBagConfig")
 
 
 # TorchRec's EmbeddingShardingPlanner positional order after the topology
@@ -119,36 +112,19 @@ class EmbeddingShardingPlanner:
                                        batch_size=8192)
     plan = planner.plan(model)          # ShardingPlan; planner.stats holds the PlanStats
 
-    Arguments take TorchRec's positional order (topology, batch_size, ..., constraints, debug);
-    TorchRec's pluggable components (enumerator, proposer, ...) are refused by name with the knob
-    that does their job here. `optimizer` (a FusedOptimizerConfig or a name) prices every table's optimizer
-    state and decides which sharding types apply (replicas take sgd / adagrad / rowwise_adagrad only); left
-    out, each collection's tables are planned by its own fused update.
-    """
+    Arguments take TorchRec's positional order (its pluggable components refused by name). `optimizer` prices the
+    tables' optimizer state and decides which sharding types apply; left out, each collection's own update."""
 
-    def __init__(
-        self,
-        topology: Topology | None = None,
-        *args,
-        batch_size: int | None = None,
-        constraints: Mapping[str, ParameterConstraints] | None = None,
-        optimizer=None,
-        pipelined: bool | int = True,
-        reserved_fraction: float = 0.15,
-        max_shard_fraction: float = 0.125,
-        max_proposals: int = 200,
-        grid_search_limit: int = 64,
-        print_stats: bool = True,
-        debug: bool = True,
-        **torchrec_components,
-    ):
+    def __init__(self, topology: Topology | None = None, *args, batch_size: int | None = None,
+                 constraints: Mapping[str, ParameterConstraints] | None = None, optimizer=None,
+                 pipelined: bool | int = True, reserved_fraction: float = 0.15, max_shard_fraction: float = 0.125,
+                 max_proposals: int = 200, grid_search_limit: int = 64, print_stats: bool = True, debug: bool = True,
+                 **torchrec_components):
         batch_size, constraints, debug = _read_positional(args, batch_size, constraints, debug, torchrec_components)
         _refuse_components(torchrec_components)
-        # debug: TorchRec's switch for a more detailed stats log; it changes no plan. The stats here
-        # are the detailed table already, printed per print_stats.
+        # debug: TorchRec's switch for a more detailed stats log; the stats here are detailed already
         self.debug = debug
-        # what was left to the defaults: RecStrategy(planner=...) fills them with the run's own (a planner built in a
-        # recipe or before Trainer(devices=N) runs before the ranks exist, when the default topology has one rank)
+        # what was left to the defaults: RecStrategy(planner=...) fills them with the run's own
         self._defaulted = {name for name, value in (("topology", topology), ("batch_size", batch_size))
                            if value is None}
         batch_size = 512 if batch_size is None else batch_size  # TorchRec's default BATCH_SIZE
@@ -205,15 +181,11 @@ class EmbeddingShardingPlanner:
                 if len(pfs) == 1:
                     pfs = pfs * len(features)
                 elif len(pfs) != len(features):
-                    raise ValueError(
-                        f"table '{name}' has {len(features)} features but {len(pfs)} pooling factors: "
-                        f"give one per feature, or one for all"
-                    )
+                    raise ValueError(f"table '{name}' has {len(features)} features but {len(pfs)} pooling factors: "
+                                     f"give one per feature, or one for all")
                 if cfg.num_embeddings <= 0 or cfg.embedding_dim <= 0:
-                    raise ValueError(
-                        f"table '{name}' has {cfg.num_embeddings} rows x dim {cfg.embedding_dim}: "
-                        "both must be positive"
-                    )
+                    raise ValueError(f"table '{name}' has {cfg.num_embeddings} rows x dim {cfg.embedding_dim}: "
+                                     "both must be positive")
                 specs.append(
                     TableSpec(
                         index=len(specs),
@@ -225,8 +197,7 @@ class EmbeddingShardingPlanner:
                         pooled=_is_pooled(cfg) if pooled is None else pooled,
                         num_features=len(features),
                         pooling_factors=pfs,
-                        # a weighted collection's ids carry weights whatever the constraints say (TorchRec reads it
-                        # from the module too); they were priced unweighted unless is_weighted=True was repeated there
+                        # a weighted collection's ids carry weights whatever the constraints say (as TorchRec reads it)
                         is_weighted=c.is_weighted or path in weighted,
                         constraints=c,
                         cpu_kernel=_cpu_kernel(collections.get(path), cfg),
@@ -234,15 +205,11 @@ class EmbeddingShardingPlanner:
                 )
         unknown = sorted(set(self.constraints) - names)
         if unknown:
-            raise ValueError(
-                f"constraints name table(s) {unknown} that the model does not have; its tables are "
-                f"{sorted(names)}: fix the names"
-            )
+            raise ValueError(f"constraints name table(s) {unknown} that the model does not have; its tables are "
+                             f"{sorted(names)}: fix the names")
         if not specs:
-            raise ValueError(
-                "found no embedding tables to plan: pass a model holding EmbeddingBagCollection / "
-                "EmbeddingCollection modules, or a non-empty list of table configs"
-            )
+            raise ValueError("found no embedding tables to plan: pass a model holding EmbeddingBagCollection / "
+                             "EmbeddingCollection modules, or a non-empty list of table configs")
         return specs
 
     def _options(self, specs: list[TableSpec]) -> list[list[ShardingOption]]:
@@ -252,17 +219,13 @@ class EmbeddingShardingPlanner:
             opts, reasons = enumerate_options(spec, self._cost(spec), tuple(caps * self.max_shard_fraction))
             if not opts:
                 why = "; ".join(_grouped(reasons)) or "no sharding type allowed"
-                raise PlannerError(
-                    f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
-                    f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it"
-                )
+                raise PlannerError(f"table '{spec.key}' has no sharding option on {self.topology.describe()}: {why}. "
+                                   f"Fix: widen ParameterConstraints(sharding_types=..., compute_kernels=...) for it")
             fits_cluster = [o for o in opts if (o.totals[:2] <= caps * self.topology.world_size + _EPS).all()]
             fit = [o for o in fits_cluster if (o.max_piece_bytes <= caps + _EPS).all()]
             replicated = all(o.sharding_type == ShardingType.DATA_PARALLEL for o in opts)
             if not fit and (fits_cluster or replicated):
-                # The cluster would hold the table, but no allowed sharding cuts it into shards that fit one rank:
-                # "larger than the whole cluster, add ranks" was wrong advice here (a data_parallel table is
-                # copied whole to every rank, so it needs as much more memory as ranks are added).
+                # the cluster would hold the table, but no allowed sharding cuts it into shards that fit one rank
                 raise PlannerError(self._shard_too_big_message(spec, opts, replicated))
             if not fit:
                 raise PlannerError(self._too_big_for_cluster_message(spec, opts))
@@ -272,8 +235,7 @@ class EmbeddingShardingPlanner:
 
     def _too_big_for_cluster_message(self, spec: TableSpec, opts: list[ShardingOption]) -> str:
         cluster = self.capacity * self.topology.world_size
-        # the option closest to fitting, not the one of fewest bytes: with a small hbm_cap the fused one (19 GB of
-        # HBM) was named, and "let tables live in host memory" advised, while fused_uvm lacked only HBM for a batch
+        # the option closest to fitting, not the one of fewest bytes
         closest = min(opts, key=lambda o: (float(np.maximum(o.totals[:2] - cluster, 0).sum()), o.total_bytes,
                                            o.describe()))
         needs = (f"its closest option, {closest.describe()}, needs {self._mem(closest.totals)} but "
@@ -304,7 +266,7 @@ class EmbeddingShardingPlanner:
         W = self.topology.world_size
         min_cols = spec.constraints.min_partition or min(spec.dim, DEFAULT_MIN_PARTITION)
         if not replicated and least.sharding_type in _COLUMN_SPLITS and spec.dim // min_cols < W:
-            # "allow a finer split ... 'column_wise'" when column_wise was allowed already: the block width held it
+            # column_wise is allowed already: the block width holds it
             how = (f"column blocks are at least min_partition={min_cols} columns, so dim {spec.dim} makes at most "
                    f"{spec.dim // min_cols} of them on {W} ranks: lower it (ParameterConstraints(min_partition="
                    f"{max(1, spec.dim // W)})) for more, narrower blocks, or {how}")
@@ -324,9 +286,7 @@ class EmbeddingShardingPlanner:
         self._module_costs: dict[str, CostModel] = {}  # collection path -> its own update's (plan() sets them)
 
     def _collection_costs(self, module) -> None:
-        """Each collection's tables are priced, and their sharding types chosen, by its own fused update: a model
-        whose collections train with rowwise_adagrad and adam was planned by the first one's, so an adam table
-        was replicated (data_parallel), which DistributedModelParallel then refused."""
+        """Each collection's tables are priced, and their sharding types chosen, by its own fused update."""
         self._module_costs = {}
         if self._optimizer_given or not hasattr(module, "named_modules"):
             return
@@ -343,11 +303,7 @@ class EmbeddingShardingPlanner:
         return self._module_costs.get(spec.path, self.cost)
 
     def plan(self, module, sharders=None) -> ShardingPlan:
-        """Plan every table of `module` (a model, a collection, or a list of configs).
-
-        `sharders` is accepted for TorchRec compatibility; the sharding types a table may use are
-        set through ParameterConstraints.
-        """
+        """Plan every table of `module` (a model, a collection, or a list of configs); `sharders` is ignored."""
         del sharders
         start = time.perf_counter()
         self._stats = None  # a failed plan() left the previous model's stats readable, as if they were this one's
@@ -355,7 +311,6 @@ class EmbeddingShardingPlanner:
             fused = [m.fused_optimizer_config() for m in _modules(module)
                      if callable(getattr(m, "fused_optimizer_config", None)) and m.fused_optimizer_config() is not None]
             # the collections' own update decides state bytes and which sharding types apply; none: the default
-            # (not the one an earlier plan() read: a planner reused for configs after an adam model priced adam)
             self._set_optimizer(fused[0] if fused else _DEFAULT_OPTIMIZER)
         self._collection_costs(module)
         specs = self._specs(module)
@@ -378,11 +333,7 @@ class EmbeddingShardingPlanner:
         return plan
 
     def collective_plan(self, module, sharders=None, pg=None) -> ShardingPlan:
-        """Plan on rank 0 and broadcast, so every rank holds the identical plan (or the same error).
-
-        TorchRec's argument order, `collective_plan(module, sharders, pg)`: `sharders` is accepted and
-        ignored (as in `plan`); `pg` is the process group to plan for (default: the world).
-        """
+        """Plan on rank 0 and broadcast: every rank holds the same plan (or error); TorchRec's argument order."""
         import torch.distributed as dist
 
         if isinstance(sharders, dist.ProcessGroup) and pg is None:  # collective_plan(module, pg): one order fits all
@@ -400,10 +351,8 @@ class EmbeddingShardingPlanner:
             return self.plan(module, sharders)
         group_size = dist.get_world_size(pg)
         if group_size != self.topology.world_size:
-            raise ValueError(
-                f"Topology(world_size={self.topology.world_size}) but the process group has {group_size} "
-                f"ranks: plan with Topology(world_size={group_size}, ...)"
-            )
+            raise ValueError(f"Topology(world_size={self.topology.world_size}) but the process group has {group_size} "
+                             f"ranks: plan with Topology(world_size={group_size}, ...)")
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         payload: list = [None]
         own_error, self._stats = None, None  # on every rank: an error below leaves no earlier plan's stats
@@ -443,9 +392,8 @@ class EmbeddingShardingPlanner:
             out.plan.setdefault(spec.path, EmbeddingModuleShardingPlan())[spec.name] = ps
         return out
 
-    def _make_stats(
-        self, chosen, placement: _Placement, plan: ShardingPlan, proposals: int, proposer: str, seconds: float
-    ) -> PlanStats:
+    def _make_stats(self, chosen, placement: _Placement, plan: ShardingPlan, proposals: int, proposer: str,
+                    seconds: float) -> PlanStats:
         caps = self.capacity
         shards: list[dict[str, int]] = [{} for _ in range(self.topology.world_size)]
         tables = []
@@ -455,28 +403,12 @@ class EmbeddingShardingPlanner:
                 d = shards[s.placement]
                 d[str(o.sharding_type)] = d.get(str(o.sharding_type), 0) + 1
             tables.append(
-                TableStats(
-                    o.spec.path,
-                    o.spec.name,
-                    str(o.sharding_type),
-                    str(o.kernel),
-                    sorted(set(ps.ranks)),
-                    float(o.totals[HBM]),
-                    float(o.totals[DDR]),
-                    o.total_ms,
-                )
+                TableStats(o.spec.path, o.spec.name, str(o.sharding_type), str(o.kernel), sorted(set(ps.ranks)),
+                           float(o.totals[HBM]), float(o.totals[DDR]), o.total_ms)
             )
         ranks = [
-            RankStats(
-                r,
-                float(row[HBM]),
-                float(caps[HBM]),
-                float(row[DDR]),
-                float(caps[DDR]),
-                float(row[COMPUTE]),
-                float(row[COMM]),
-                shards[r],
-            )
+            RankStats(r, float(row[HBM]), float(caps[HBM]), float(row[DDR]), float(caps[DDR]), float(row[COMPUTE]),
+                      float(row[COMM]), shards[r])
             for r, row in enumerate(placement.load)
         ]
         return PlanStats(self.topology.describe(), ranks, tables, proposals, proposer, seconds)
@@ -518,22 +450,17 @@ _MAX_FAILED_LISTED = 10  # tables named one per line in a "no plan fits" message
 
 
 def _read_positional(args: tuple, batch_size, constraints, debug, torchrec_components: dict) -> tuple:
-    """(batch_size, constraints, debug) with the positional arguments after the topology read in TorchRec's order
-    (a ported EmbeddingShardingPlanner(topology, 8192) means batch_size=8192), or as this planner's earlier form
-    EmbeddingShardingPlanner(topology, constraints) (a mapping: nothing else reads as one). TorchRec's components
-    given by position join `torchrec_components`."""
+    """(batch_size, constraints, debug) from the positional arguments after the topology, in TorchRec's order, or
+    as this planner's earlier form (topology, constraints: a mapping). TorchRec's components join
+    `torchrec_components`."""
     if args and isinstance(args[0], Mapping):
         if len(args) > 1 or constraints is not None:
-            raise ValueError(
-                "EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
-                "(batch_size=..., optimizer=...)"
-            )
+            raise ValueError("EmbeddingShardingPlanner(topology, constraints, ...): pass the rest by keyword "
+                             "(batch_size=..., optimizer=...)")
         return batch_size, args[0], debug
     if len(args) > len(_TORCHREC_POSITIONAL):
-        raise ValueError(
-            f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
-            f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}"
-        )
+        raise ValueError(f"EmbeddingShardingPlanner takes at most {len(_TORCHREC_POSITIONAL) + 1} positional arguments "
+                         f"(TorchRec's: topology, {', '.join(_TORCHREC_POSITIONAL)}), got {len(args) + 1}")
     given = dict(batch_size=batch_size, constraints=constraints, debug=debug)
     for name, value in zip(_TORCHREC_POSITIONAL, args):
         if name in given:
@@ -546,16 +473,13 @@ def _read_positional(args: tuple, batch_size, constraints, debug, torchrec_compo
 
 
 def _refuse_components(torchrec_components: Mapping[str, object]) -> None:
-    """TorchRec's pluggable pieces have no slot to plug into here: each is refused with the knob that does its job
-    (None, TorchRec's default, is fine)."""
+    """TorchRec's pluggable pieces: each refused with the knob that does its job (None, its default, is fine)."""
     for name, value in torchrec_components.items():
         if name not in _TORCHREC_COMPONENTS:
             raise TypeError(f"EmbeddingShardingPlanner() got an unexpected keyword argument '{name}'")
         if value is not None:
-            raise ValueError(
-                f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
-                f"slot: {_TORCHREC_COMPONENTS[name]}"
-            )
+            raise ValueError(f"EmbeddingShardingPlanner({name}=...) is TorchRec's; lightning_rec's planner has no such "
+                             f"slot: {_TORCHREC_COMPONENTS[name]}")
 
 
 def _check_sizes(batch_size, reserved_fraction: float, max_shard_fraction: float) -> int:
@@ -563,17 +487,13 @@ def _check_sizes(batch_size, reserved_fraction: float, max_shard_fraction: float
     try:
         batch_size = operator.index(batch_size)
     except TypeError:
-        raise ValueError(
-            f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
-            f"in constraints={{table: ParameterConstraints(...)}}"
-        ) from None
+        raise ValueError(f"planner batch_size={batch_size!r} must be an int (the batch size per rank); constraints go "
+                         f"in constraints={{table: ParameterConstraints(...)}}") from None
     if batch_size <= 0:
         raise ValueError(f"planner batch_size={batch_size} must be the positive batch size per rank")
     if not 0 <= reserved_fraction < 1:
-        raise ValueError(
-            f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
-            f"memory kept for dense layers and activations"
-        )
+        raise ValueError(f"planner reserved_fraction={reserved_fraction} must be in [0, 1): the share of each rank's "
+                         f"memory kept for dense layers and activations")
     if not 0 < max_shard_fraction <= 1:
         raise ValueError(f"planner max_shard_fraction={max_shard_fraction} must be in (0, 1]")
     return batch_size
@@ -583,15 +503,12 @@ def _check_constraints(constraints: Mapping[str, ParameterConstraints] | None) -
     out = dict(constraints or {})
     for name, c in out.items():
         if not isinstance(c, ParameterConstraints):
-            raise ValueError(
-                f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)"
-            )
+            raise ValueError(f"constraints['{name}'] is a {type(c).__name__}: pass ParameterConstraints(...)")
     return out
 
 
 def _grouped(reasons: list[str]) -> list[str]:
-    """"table_wise (fused_uvm): X; row_wise (fused_uvm): X; ..." (7 alike, one per sharding type, before the fix) as
-    "table_wise, row_wise, ... (fused_uvm): X"."""
+    """"table_wise (fused_uvm): X; row_wise (fused_uvm): X; ..." as "table_wise, row_wise, ... (fused_uvm): X"."""
     groups: dict[tuple[str, str], list[str]] = {}
     for r in reasons:
         head, sep, why = r.partition(": ")
@@ -640,8 +557,7 @@ def _default_topology() -> Topology:
 
 
 def _cpu_kernel(collection, cfg) -> str | None:
-    """The kernel `collection` runs `cfg`'s table with on CPU (EmbeddingBagCollection(kernel=...) resolved as the
-    sharded module resolves it), or None where it does not say (a list of configs, no fused optimizer)."""
+    """The kernel `collection` runs `cfg`'s table with on CPU, or None where it does not say."""
     kernel, optimizer = getattr(collection, "_kernel", None), getattr(collection, "_optimizer", None)
     if kernel == "dense":
         return "dense"

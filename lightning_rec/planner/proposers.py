@@ -1,6 +1,5 @@
-"""Proposers: which option each table takes (greedy with memory relief and balancing, uniform,
-grid search around the best), each proposal scored by its slowest rank. See plan.py.
-"""
+"""Proposers: which option each table takes (greedy with memory relief and balancing, uniform, grid search around the
+best), each proposal scored by its slowest rank. See plan.py."""
 
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ from lightning_rec.types import (
 class _Search:
     """Proposals over per-table option lists, each partitioned once (results cached)."""
 
-    def __init__(
-        self, options: list[list[ShardingOption]], topology: Topology, caps: np.ndarray, max_proposals: int
-    ):
+    def __init__(self, options: list[list[ShardingOption]], topology: Topology, caps: np.ndarray, max_proposals: int):
         self.options = options
         self.W, self.L = topology.world_size, topology.local_world_size
         self.caps = caps
@@ -89,9 +86,7 @@ class _Search:
         # enough memory in all, but pieces too big to pack: split the tables that found no room
         safe = np.where(self.caps > 0, self.caps, 1.0)
         frac = lambda o: float((o.max_piece_bytes / safe).max())
-        order = p.failed + sorted(
-            set(range(len(chosen))) - set(p.failed), key=lambda t: (-frac(chosen[t]), t)
-        )
+        order = p.failed + sorted(set(range(len(chosen))) - set(p.failed), key=lambda t: (-frac(chosen[t]), t))
         for t in order:
             cur, before = chosen[t], choice[t]
             alts = [j for j, o in enumerate(self.options[t]) if frac(o) < frac(cur) - _EPS]
@@ -131,9 +126,7 @@ class _Search:
             contrib = self._contributions(choice, p, slow)
             improved = False
             for ms, t in contrib:
-                alts = [
-                    j for j, o in enumerate(self.options[t]) if o.max_piece_ms < ms - _EPS and j != choice[t]
-                ]
+                alts = [j for j, o in enumerate(self.options[t]) if o.max_piece_ms < ms - _EPS and j != choice[t]]
                 for j in sorted(alts, key=lambda j: (self.options[t][j].total_ms, j))[:2]:
                     trial = list(choice)
                     trial[t] = j

@@ -90,21 +90,13 @@ class PlanStats:
         return list(self.RANK_COLUMNS), rows
 
     def to_dict(self) -> dict:
-        return {
-            "topology": self.topology,
-            "proposals": self.proposals,
-            "proposer": self.proposer,
-            "seconds": self.seconds,
-            "max_ms": self.max_ms,
-            "mean_ms": self.mean_ms,
-            "imbalance": self.imbalance,
-            "ranks": [asdict(r) | {"total_ms": r.total_ms} for r in self.ranks],
-            "tables": [asdict(t) for t in self.tables],
-        }
+        return {"topology": self.topology, "proposals": self.proposals, "proposer": self.proposer,
+                "seconds": self.seconds, "max_ms": self.max_ms, "mean_ms": self.mean_ms, "imbalance": self.imbalance,
+                "ranks": [asdict(r) | {"total_ms": r.total_ms} for r in self.ranks],
+                "tables": [asdict(t) for t in self.tables]}
 
     def __str__(self) -> str:
-        # memory in a unit per cell: a CPU cluster's 40 KB of tables read "0.00/10.01" in a GB column. On CPU the
-        # HBM columns (0 of 0 on every rank) are left out.
+        # memory in a unit per cell (KB of tables would read 0.00 in a GB column); on CPU no HBM columns
         with_hbm = any(r.hbm_cap > 0 or r.hbm_used > 0 for r in self.ranks)
         header = ["rank", *(["HBM used/cap"] if with_hbm else []), "DDR used/cap", "compute ms", "comm ms",
                   "total ms", "shards"]
@@ -122,9 +114,7 @@ class PlanStats:
         ]
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
         last = len(header) - 1  # the shards column, left-aligned
-        fmt = lambda cells: "  ".join(
-            c.rjust(w) if i < last else c for i, (c, w) in enumerate(zip(cells, widths))
-        )
+        fmt = lambda cells: "  ".join(c.rjust(w) if i < last else c for i, (c, w) in enumerate(zip(cells, widths)))
         lines = [
             f"planner: {self.topology}; {len(self.tables)} tables; {self.proposals} proposals in "
             f"{self.seconds:.2f} s (kept: {self.proposer}); slowest rank {self.max_ms:.3f} ms = "

@@ -1,13 +1,8 @@
 """The hardware the planner plans for: ranks, hosts, memory per rank, bandwidths.
 
-Memory is in bytes, bandwidth in bytes per second, both per rank. On CPU there is one memory kind
-(host DDR): the fused kernel's tables live there and `hbm_cap` is 0. On CUDA a table lives in HBM
-(`fused`), in DDR reached through unified memory (`fused_uvm`), or in DDR with an HBM cache
-(`fused_uvm_caching`).
-
-Defaults are read from the machine where it can tell (GPU memory, host RAM); bandwidths default to
-conservative figures (TorchRec's for GPUs, measured gloo figures for CPU) and are overridable.
-"""
+Memory in bytes, bandwidth in bytes per second, per rank. On CPU the tables live in host DDR (`hbm_cap` is 0); on
+CUDA in HBM (`fused`), in DDR through unified memory (`fused_uvm`), or in DDR with an HBM cache (`fused_uvm_caching`).
+Defaults come from the machine where it can tell; bandwidths default to conservative figures."""
 
 from __future__ import annotations
 
@@ -22,23 +17,17 @@ _CUDA_DDR_BW = 51e9
 _CUDA_INTRA_HOST_BW = 600e9  # NVLink
 _CUDA_INTER_HOST_BW = 12.5e9  # 100 Gbit/s per rank
 _CUDA_PCIE_BW = 32e9  # UVM reads cross PCIe gen4 x16
-# CPU defaults: ranks of one host exchange through shared memory (shm_transport.py): an all-to-all
-# of 6.8 MB between 2 ranks takes ~1.0 ms (gloo's loopback TCP: ~3.6 ms, DESIGN.md section 2).
+# CPU defaults: ranks of one host exchange through shared memory (shm_transport.py)
 _CPU_DDR_BW = 20e9  # random 128-512 B row gathers from one core's share of DDR
 _CPU_INTRA_HOST_BW = 6.5e9
 _CPU_INTER_HOST_BW = 1.25e9  # 10 Gbit/s ethernet
 
 COMPUTE_DEVICES = ("cpu", "cuda")
-# Slower than any real link of its kind (bytes per second). TorchRec's bandwidths are bytes per millisecond, so its
-# figures (HBM 9.6e8, DDR 5.5e7, PCIe 3.4e7, NVLink 6.4e8, network 1.3e7) all land below these: ported as they were,
-# they priced every lookup and all-to-all 1000 times too slow, and the plan followed.
-_BW_FLOORS = {
-    "hbm_mem_bw": (1e10, "GPU memory"),
-    "ddr_mem_bw": (1e9, "host memory"),
-    "intra_host_bw": (1e9, "GPU link between ranks of one host"),
-    "inter_host_bw": (1e8, "network between hosts"),
-    "pcie_bw": (1e9, "host-device link"),
-}
+# Slower than any real link of its kind, in bytes per second (TorchRec's are per millisecond: 1000x below these)
+_BW_FLOORS = {"hbm_mem_bw": (1e10, "GPU memory"), "ddr_mem_bw": (1e9, "host memory"),
+              "intra_host_bw": (1e9, "GPU link between ranks of one host"),
+              "inter_host_bw": (1e8, "network between hosts"),
+              "pcie_bw": (1e9, "host-device link")}
 _CPU_INTRA_HOST_FLOOR = (1e8, "link between ranks of one host")  # gloo's loopback TCP on a slow host: under 1e9
 # TorchRec's Topology fields that this planner does not model: what does their job here
 _TORCHREC_REFUSED = {
@@ -80,14 +69,10 @@ def _size(nbytes: float) -> str:
 
 @dataclass
 class Topology:
-    """World size, ranks per host, compute device, memory and bandwidth per rank.
+    """World size, ranks per host, compute device, memory and bandwidth per rank; unset fields come from the machine
+    (GPU 0's memory, host RAM shared by the host's ranks) or from the defaults above."""
 
-    `Topology(world_size=8, compute_device="cuda", hbm_cap=80 * GB)`: unset fields come from the
-    machine (GPU 0's memory, host RAM shared by the host's ranks) or from the defaults above.
-    """
-
-    # TorchRec's field order, so that its positional calls read the same: Topology(8, "cuda", 80 * GB) gave
-    # local_world_size=80 GB ("must divide world_size") when local_world_size came third
+    # TorchRec's field order, so that its positional calls read the same
     world_size: int
     compute_device: str = "cpu"
     hbm_cap: int | None = None  # device memory per rank; 0 on CPU
@@ -98,9 +83,7 @@ class Topology:
     intra_host_bw: float | None = None  # per rank, to ranks on the same host
     inter_host_bw: float | None = None  # per rank, to ranks on other hosts
     pcie_bw: float | None = None  # host <-> device, what UVM lookups go through
-    # TorchRec's names, by keyword. hbm_to_ddr_mem_bw is read into pcie_bw and kept as given (a copy of pcie_bw
-    # would go stale under dataclasses.replace(topology, pcie_bw=...)); the others are accepted at None only and
-    # refused otherwise, naming what does their job here (_TORCHREC_REFUSED)
+    # TorchRec's names: hbm_to_ddr_mem_bw is read into pcie_bw, the others refused unless None (_TORCHREC_REFUSED)
     hbm_to_ddr_mem_bw: float | None = None
     bwd_compute_multiplier: float | None = None
     custom_topology_data: object | None = None
@@ -122,52 +105,35 @@ class Topology:
             self.pcie_bw = self.hbm_to_ddr_mem_bw
         self.compute_device = str(self.compute_device).lower()
         if self.compute_device not in COMPUTE_DEVICES:
-            raise ValueError(
-                f"Topology compute_device={self.compute_device!r} is not supported: use 'cpu' or 'cuda'"
-            )
+            raise ValueError(f"Topology compute_device={self.compute_device!r} is not supported: use 'cpu' or 'cuda'")
         if not isinstance(self.world_size, int) or self.world_size <= 0:
-            raise ValueError(
-                f"Topology world_size must be a positive number of ranks, got {self.world_size!r}"
-            )
+            raise ValueError(f"Topology world_size must be a positive number of ranks, got {self.world_size!r}")
         if self.local_world_size is None:
             self.local_world_size = self.world_size
         if self.local_world_size <= 0 or self.world_size % self.local_world_size:
-            raise ValueError(
-                f"Topology local_world_size={self.local_world_size} must be positive and divide "
-                f"world_size={self.world_size}: set it to the number of ranks per host"
-            )
+            raise ValueError(f"Topology local_world_size={self.local_world_size} must be positive and divide "
+                             f"world_size={self.world_size}: set it to the number of ranks per host")
         cuda = self.compute_device == "cuda"
         if self.hbm_cap is None:
             self.hbm_cap = gpu_memory_bytes() if cuda else 0
             if cuda and not self.hbm_cap:
-                raise ValueError(
-                    "Topology(compute_device='cuda') could not read GPU memory (no GPU visible here): "
-                    "pass hbm_cap=<bytes per rank>, e.g. hbm_cap=80 * GB"
-                )
+                raise ValueError("Topology(compute_device='cuda') could not read GPU memory (no GPU visible here): "
+                                 "pass hbm_cap=<bytes per rank>, e.g. hbm_cap=80 * GB")
         if self.ddr_cap is None:
             self.ddr_cap = host_memory_bytes() // self.local_world_size
         if cuda and self.hbm_cap <= 0:
-            raise ValueError(
-                f"Topology hbm_cap={self.hbm_cap} leaves no device memory per rank: pass the GPU's "
-                f"memory in bytes (hbm_cap=80 * GB), or plan for compute_device='cpu'"
-            )
+            raise ValueError(f"Topology hbm_cap={self.hbm_cap} leaves no device memory per rank: pass the GPU's "
+                             f"memory in bytes (hbm_cap=80 * GB), or plan for compute_device='cpu'")
         if not cuda and self.hbm_cap:
-            raise ValueError(
-                f"Topology hbm_cap={self.hbm_cap} is set for compute_device='cpu', which has no device "
-                f"memory: leave hbm_cap out and size host memory with ddr_cap"
-            )
+            raise ValueError(f"Topology hbm_cap={self.hbm_cap} is set for compute_device='cpu', which has no device "
+                             f"memory: leave hbm_cap out and size host memory with ddr_cap")
         if self.ddr_cap <= 0:
-            raise ValueError(
-                f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
-                f"per rank> (e.g. ddr_cap=64 * GB)"
-            )
-        defaults = {
-            "hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0,
-            "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,
-            "intra_host_bw": _CUDA_INTRA_HOST_BW if cuda else _CPU_INTRA_HOST_BW,
-            "inter_host_bw": _CUDA_INTER_HOST_BW if cuda else _CPU_INTER_HOST_BW,
-            "pcie_bw": _CUDA_PCIE_BW if cuda else 0.0,
-        }
+            raise ValueError(f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
+                             f"per rank> (e.g. ddr_cap=64 * GB)")
+        defaults = {"hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0, "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,
+                    "intra_host_bw": _CUDA_INTRA_HOST_BW if cuda else _CPU_INTRA_HOST_BW,
+                    "inter_host_bw": _CUDA_INTER_HOST_BW if cuda else _CPU_INTER_HOST_BW,
+                    "pcie_bw": _CUDA_PCIE_BW if cuda else 0.0}
         for name, default in defaults.items():
             value = getattr(self, name)
             floor, what = _BW_FLOORS[name] if cuda or name != "intra_host_bw" else _CPU_INTRA_HOST_FLOOR

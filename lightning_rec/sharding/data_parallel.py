@@ -1,22 +1,13 @@
 """Data-parallel tables: the fused optimizer's rule applied to a replica's summed gradient. Pure math.
 
-A replicated table lives on every rank as an ordinary parameter. Its gradient (summed over ranks in
-backward by output_dist.all_reduce_sum_) is applied at once with the same rule, learning rate and
-state names as the fused kernels, so a replicated table trains like a fused one on the global
-batch, and FusedOptimizer / checkpoints treat both alike. Updates are lazy, as in the fused
-kernels: the rows that some rank's batch names are stepped, the others left alone. With weight_decay
-that includes a row named only with a zero gradient (a per-id weight of 0, a bag whose output the
-loss ignores): it is decayed, as the fused kernels decay it (torch.optim, on the dense table, would
-decay every row).
+A replicated table's gradient (summed over ranks) is applied with the fused kernels' rule, rate and state names, so
+it trains like a fused one; updates are lazy (only rows some rank's batch names), as in the fused kernels.
 
     sgd              w -= lr * (g + wd * w)
     adagrad          s += g^2;               w -= lr * g / (sqrt(s) + eps)
     rowwise_adagrad  s_row += mean_d(g^2);   w -= lr * g / (sqrt(s_row) + eps)
 
-The rule runs in float32 with float32 state for every table data_type, as in the fused kernels: for an FP16
-table the squared gradients of a batch (g < 2.4e-4) and eps=1e-8 round to 0 in float16, which would step a
-touched row by g / 0.
-"""
+The rule runs in float32 with float32 state for every table data_type, as in the fused kernels."""
 
 from __future__ import annotations
 

@@ -13,11 +13,8 @@ owner p and places the columns:
     [ f0 cols | f1 cols | ... ]                           [B, D]   a gather, or a sum (index_add)
                                                                    when row shards add up
 
-Mean pooling under any split is sum then divide by the global bag length, known at the source.
-
-Sequence. Rank p's lookup gives one row per id, key-major; rows go back source-major (the inverse
-of the ids' permutation) and each source puts them back in its features' id order.
-"""
+Mean pooling under any split is sum then divide by the global bag length, known at the source. Sequence: rows go
+back source-major (the inverse of the ids' permutation), and each source puts them in its features' id order."""
 
 from __future__ import annotations
 
@@ -36,13 +33,9 @@ def inverse_permutation(perm_N: Tensor) -> Tensor:
 
 
 def column_runs(dst_cols: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
-    """Where a part's columns land, as few strided copies as possible: (src, dst, width, count, stride).
-
-    Column i of the part goes to output column dst_cols[i]. Consecutive columns that stay
-    consecutive form a run of `width`; `count` equal-width runs that follow each other in the part
-    and sit `stride` apart in the output form one strided copy (table-wise round robin: every
-    other 64-column block is one copy instead of 13).
-    """
+    """Where a part's columns land, as few strided copies as possible: (src, dst, width, count, stride). Column i of
+    the part goes to output column dst_cols[i]; consecutive columns form a run of `width`, and `count` equal runs
+    that sit `stride` apart in the output form one strided copy."""
     runs: list[list[int]] = []  # [src, dst, width]
     for i, d in enumerate(dst_cols):
         if runs and runs[-1][1] + runs[-1][2] == d:
@@ -110,14 +103,9 @@ class OutputColumns:
         self.mean_D = torch.repeat_interleave(mean_F, dims) if bool(mean_F.any()) else None
 
 
-def pooled_send_splits(batch_per_source: Sequence[int], width: int) -> list[int]:
-    return [b * width for b in batch_per_source]
-
-
 def place_parts(parts_BD: Sequence[Tensor | None], dp_BD: Tensor | None, cols: OutputColumns, batch: int,
                 like: Tensor) -> Tensor:
-    """Each owner's block [B, D_p] (None: nothing from it) and the data-parallel block -> [B, D] in
-    feature order, each column copied once into place (added, where row shards sum)."""
+    """Each owner's block [B, D_p] (None: nothing) and the data-parallel block -> [B, D] in feature order."""
     out_BD = (like.new_zeros if cols.summed else like.new_empty)(batch, cols.width)
     for part_BD, runs in zip(parts_BD, cols.part_runs):
         if part_BD is not None:
@@ -135,8 +123,7 @@ def gather_dp(grad_BD: Tensor, cols: OutputColumns, dtype: torch.dtype) -> Tenso
 
 
 class _PlaceParts(torch.autograd.Function):
-    """Received parts (flat: [B, D_p] per owner p, rank order) and the data-parallel part -> [B, D]
-    in feature order (place_parts). Backward gathers each part's columns back out of the gradient."""
+    """Received parts and the data-parallel part -> [B, D] in feature order; backward gathers each part's columns."""
 
     @staticmethod
     def forward(ctx, received: Tensor, dp_BD: Tensor | None, cols: OutputColumns, batch: int) -> Tensor:
@@ -185,11 +172,9 @@ def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
 
 def assemble_sequence(received_ND: Tensor, order_N: Tensor, routing: Routing,
                       copy_lengths: Sequence[int]) -> list[Tensor]:
-    """Rows back in each feature's id order: one [N_f, D_f] per routed feature (output order).
-
-    `received_ND` is in routed order; `order_N[i]` is the copy-order position of routed id i;
-    `copy_lengths` the ids per copy (feature-major, column blocks in order).
-    """
+    """Rows back in each feature's id order: one [N_f, D_f] per routed feature (output order). `received_ND` is in
+    routed order; `order_N[i]` is the copy-order position of routed id i; `copy_lengths` the ids per copy
+    (feature-major, column blocks in order)."""
     rows_ND = received_ND.index_select(0, inverse_permutation(order_N)) if order_N.numel() else received_ND
     per_copy = rows_ND.split(list(copy_lengths))
     by_feature: dict[int, list[Tensor]] = {}

@@ -19,13 +19,8 @@ the concatenated batch B_0 + ... + B_{W-1}):
     source-major  [r0: s0 b.. | s1 b..] [r1: s0 b.. | s1 b..]
     key-major     [s0: r0 b.. r1 b.. ] [s1: r0 b.. r1 b.. ]
 
-Learned weights' gradient goes the other way (`to_source_major`, then the reverse all-to-all): each id's
-gradient lands where its weight was sent from, and autograd of `route_ids` (an index, a permute) takes it
-back to the input's order, summing over the column blocks that read one id.
-
-Tables that no rank splits by rows take a fast path: routing is a key permutation (copies of a
-feature for its column blocks), with no per-id arithmetic.
-"""
+Learned weights' gradient goes the other way (`to_source_major`, then the reverse all-to-all). Tables that no
+rank splits by rows take a fast path: routing is a key permutation, with no per-id arithmetic."""
 
 from __future__ import annotations
 
@@ -45,8 +40,7 @@ class RoutedIds:
     values_N: Tensor  # remapped to local rows, rank-major
     weights_N: Tensor | None
     ids_per_rank: list[int]  # N_p: how many ids go to each rank
-    # Sequence outputs come back in routed order; row `order_N[i]` of the copies' ids (feature-
-    # major) travelled as routed id i. None on the fast path (routed order = copies in S order).
+    # row `order_N[i]` of the copies' ids travelled as routed id i (None on the fast path)
     order_N: Tensor | None
     copies: KeyedJaggedTensor | None  # the copies' ids before bucketizing (generic path)
 
@@ -97,9 +91,7 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
                                     output_size=N)
     copy_N = torch.div(bag_N, max(B, 1), rounding_mode="floor")
     block_N = tables.copy_block_C[copy_N]
-    # An id outside its table (unchecked: validate_ids=False) must not reach another copy's shard (copy_first + owner
-    # would name a neighbour's, where it would read and train a row in range). Kept to the copy's own shards, it
-    # stays outside the owner's rows, where the owner's kernel refuses it as for an unsharded table.
+    # an unchecked id outside its table stays among its copy's own shards, where the owner's kernel refuses it
     owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
     owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
     local_N = values_N - owner_N * block_N
@@ -116,10 +108,8 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
         per_rank = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     else:
         per_rank = [0] * tables.routing.world_size
-    return RoutedIds(
-        lengths_SB.to(lengths_CB.dtype), local_N[order_N],
-        None if weights_N is None else weights_N[order_N], per_rank, order_N, copies,
-    )
+    return RoutedIds(lengths_SB.to(lengths_CB.dtype), local_N[order_N],
+                     None if weights_N is None else weights_N[order_N], per_rank, order_N, copies)
 
 
 def key_major_permutation(num_keys: int, batch_per_source: Sequence[int], device: torch.device) -> Tensor:

@@ -1,9 +1,7 @@
 """Where each piece of a table sits: sharding type + ranks -> list of ShardMetadata. Pure math.
 
-Shared by the sharder (which builds the shards) and the planner (which prices them), so both agree
-on every shard's size. Row-wise splits use TorchRec's block rule: block = ceil(rows / n) rows per
-rank, so a row's owner is `row // block` (one integer division on the id path), and the last
-ranks may hold fewer rows, or none.
+Shared by the sharder and the planner, so both agree on every shard's size. Row-wise splits use TorchRec's block
+rule: block = ceil(rows / n) rows per rank, owner = `row // block`; the last ranks may hold fewer rows, or none.
 
     row_wise over 3 ranks, 10 rows:      column_wise over 2 ranks, dim 8:
       rank 0: rows 0:4                     rank a: cols 0:4
@@ -33,10 +31,8 @@ def host_ranks(host_index: int, local_world_size: int, world_size: int) -> list[
     ranks = list(range(host_index * local_world_size, (host_index + 1) * local_world_size))
     if host_index < 0 or ranks[-1] >= world_size:
         num_hosts = world_size // local_world_size
-        raise ValueError(
-            f"host_index={host_index} does not exist: world_size={world_size} with "
-            f"local_world_size={local_world_size} gives hosts 0..{num_hosts - 1}"
-        )
+        raise ValueError(f"host_index={host_index} does not exist: world_size={world_size} with "
+                         f"local_world_size={local_world_size} gives hosts 0..{num_hosts - 1}")
     return ranks
 
 
@@ -53,10 +49,8 @@ def _row_shards(rows: int, col_offset: int, cols: int, ranks: Sequence[int]) -> 
 def _column_sizes(dim: int, parts: int, column_sizes: Sequence[int] | None, table: str) -> list[int]:
     if column_sizes is None:
         if parts > dim:
-            raise ValueError(
-                f"table '{table}' has dim {dim} but is split into {parts} column blocks: "
-                f"use fewer ranks for its column split, or table_wise"
-            )
+            raise ValueError(f"table '{table}' has dim {dim} but is split into {parts} column blocks: "
+                             f"use fewer ranks for its column split, or table_wise")
         return split_evenly(dim, parts)
     sizes = list(column_sizes)
     if len(sizes) != parts or sum(sizes) != dim or min(sizes) <= 0:
@@ -68,18 +62,10 @@ def _column_sizes(dim: int, parts: int, column_sizes: Sequence[int] | None, tabl
     return sizes
 
 
-def shard_layout(
-    table: str,
-    num_rows: int,
-    dim: int,
-    sharding_type: ShardingType,
-    world_size: int,
-    *,
-    ranks: Sequence[int] | None = None,
-    local_world_size: int | None = None,
-    host_indexes: Sequence[int] | None = None,
-    column_sizes: Sequence[int] | None = None,
-) -> list[ShardMetadata]:
+def shard_layout(table: str, num_rows: int, dim: int, sharding_type: ShardingType, world_size: int, *,
+                 ranks: Sequence[int] | None = None, local_world_size: int | None = None,
+                 host_indexes: Sequence[int] | None = None,
+                 column_sizes: Sequence[int] | None = None) -> list[ShardMetadata]:
     """The shards of one table. `ranks` / `host_indexes` say where; defaults spread over everything.
 
     - table_wise: `ranks=[r]` (default rank 0)
@@ -97,10 +83,8 @@ def shard_layout(
         raise ValueError(f"world_size={world_size} is not a multiple of local_world_size={lws}")
     for r in ranks or ():
         if not 0 <= r < world_size:
-            raise ValueError(
-                f"table '{table}' is placed on rank {r} but world_size={world_size}: "
-                f"use ranks in 0..{world_size - 1}"
-            )
+            raise ValueError(f"table '{table}' is placed on rank {r} but world_size={world_size}: "
+                             f"use ranks in 0..{world_size - 1}")
     if st == ShardingType.DATA_PARALLEL:
         return [ShardMetadata((0, 0), (num_rows, dim), r) for r in range(world_size)]
     if st == ShardingType.TABLE_WISE:
@@ -145,7 +129,5 @@ def _column_shards(num_rows: int, sizes: Sequence[int], owners: Sequence[int]) -
 
 def _check_rows(table: str, num_rows: int, num_ranks: int, st: ShardingType) -> None:
     if num_rows < num_ranks:
-        raise ValueError(
-            f"table '{table}' has {num_rows} rows but {st} splits it over {num_ranks} ranks: "
-            f"use table_wise or data_parallel for tables this small"
-        )
+        raise ValueError(f"table '{table}' has {num_rows} rows but {st} splits it over {num_ranks} ranks: "
+                         f"use table_wise or data_parallel for tables this small")

@@ -4,8 +4,7 @@
 Each verb is a choice for one table; `construct_module_sharding_plan` makes it concrete shards once the
 table's size and the world size are known:
 
-    construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": row_wise(), "t2": data_parallel()})
-"""
+    construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": row_wise(), "t2": data_parallel()})"""
 
 from __future__ import annotations
 
@@ -107,18 +106,10 @@ def collection_configs(module) -> list:
                      f"EmbeddingCollection whose tables the plan covers")
 
 
-def construct_module_sharding_plan(
-    module: nn.Module,
-    per_param_sharding: Mapping[str, ShardingSpec],
-    local_size: int | None = None,
-    world_size: int | None = None,
-    device_type: str | None = None,
-) -> EmbeddingModuleShardingPlan:
-    """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (concrete shards).
-
-    `world_size` / `local_size` (ranks per host) default to the initialised process group's.
-    `device_type` is accepted for TorchRec compatibility.
-    """
+def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Mapping[str, ShardingSpec],
+                                   local_size: int | None = None, world_size: int | None = None,
+                                   device_type: str | None = None) -> EmbeddingModuleShardingPlan:
+    """table name -> verb, for one collection -> its EmbeddingModuleShardingPlan (sizes: the process group's)."""
     del device_type
     if world_size is None:
         world_size, default_local = _world()

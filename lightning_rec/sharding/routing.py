@@ -1,8 +1,7 @@
 """Where every feature's ids go, and where every shard's output lands: one collection's routing.
 
-Legend: F features (the collection's output order), C copies, S shard features (all ranks, rank
-by rank), W world size, D dims. Pure metadata, identical on every rank (built from the plan and
-the table configs only), so every rank can compute every other rank's split sizes.
+Legend: F features (the collection's output order), C copies, S shard features (all ranks, rank by rank), W world
+size, D dims. Pure metadata, identical on every rank (from the plan and the configs only).
 
 Every sharding type is a grid of column blocks x row blocks of a table:
 
@@ -18,10 +17,8 @@ so one routing serves them all:
       ids of f                                  ids of f      id // block           on its rank,
                                                                                     id - owner*block
 
-and on the way back a shard feature's pooled [B, cols] lands in its feature's output columns
-[col_offset, col_offset + cols); row shards of one block add up (partial sums). Row shards follow
-the block rule of `layout.row_block_size`, so an id's owner is one integer division.
-"""
+and on the way back a shard feature's pooled [B, cols] lands in its feature's output columns (row shards of one
+block add up). Row shards follow `layout.row_block_size`, so an id's owner is one integer division."""
 
 from __future__ import annotations
 
@@ -124,9 +121,7 @@ def _fused_kernel(kernel) -> str:
 
 
 def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Sequence[LocalTable]) -> None:
-    """A piece is named '<table>@r<row>c<col>' and its features '<feature>@r<row>c<col>' on its rank: a table or
-    feature of the collection already named so met the piece's name there, and one's ids were looked up (and
-    trained) in the other's rows without a word. Same on every rank (the routing is), so every rank raises."""
+    """A piece is named '<table>@r<row>c<col>': a table or feature already named so is refused, on every rank."""
     for rank, tables in enumerate(per_rank):
         for kind, names in (("table", [t.name for t in list(tables) + list(replicas)]),
                             ("feature", [f for t in list(tables) + list(replicas) for f in t.feature_names])):
@@ -137,17 +132,9 @@ def _check_local_names(per_rank: Sequence[Sequence[LocalTable]], replicas: Seque
                                  f"'@r..c..' at the end)")
 
 
-def build_routing(
-    configs: Sequence,
-    feature_names: Sequence[str],
-    table_plans: Mapping[str, ParameterSharding],
-    world_size: int,
-    pooled: bool,
-) -> Routing:
-    """The routing of one collection. `configs`: its table configs; `feature_names`: its output order.
-
-    `table_plans` must already be validated (see plan_checks.validate_module_plan).
-    """
+def build_routing(configs: Sequence, feature_names: Sequence[str], table_plans: Mapping[str, ParameterSharding],
+                  world_size: int, pooled: bool) -> Routing:
+    """The routing of one collection, from its table configs, output order and validated `table_plans`."""
     by_feature = {f: c for c in configs for f in c.feature_names}
     f_index = {f: i for i, f in enumerate(feature_names)}
     dims = [by_feature[f].embedding_dim for f in feature_names]
@@ -168,13 +155,11 @@ def build_routing(
 
     dp_groups = [t for g in group_tables(placed.dp_tables) for t in g]
     dp_feature_index = [f_index[f] for t in dp_groups for f in t.feature_names]
-    return Routing(
-        world_size=world_size, feature_names=list(feature_names), feature_dims=dims, pooled=pooled,
-        mean_features=mean, rank_tables=rank_tables, shard_features=shard_features, rank_sf_counts=counts,
-        rank_dims=rank_dims, dp_tables=dp_groups, dp_feature_index=dp_feature_index,
-        **_copy_plan(feature_names, by_feature, placed.blocks, table_plans, global_index),
-        table_shardings={c.name: table_plans[c.name] for c in configs}, pieces=placed.pieces,
-    )
+    return Routing(world_size=world_size, feature_names=list(feature_names), feature_dims=dims, pooled=pooled,
+                   mean_features=mean, rank_tables=rank_tables, shard_features=shard_features, rank_sf_counts=counts,
+                   rank_dims=rank_dims, dp_tables=dp_groups, dp_feature_index=dp_feature_index,
+                   **_copy_plan(feature_names, by_feature, placed.blocks, table_plans, global_index),
+                   table_shardings={c.name: table_plans[c.name] for c in configs}, pieces=placed.pieces)
 
 
 @dataclass

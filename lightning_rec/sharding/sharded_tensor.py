@@ -1,20 +1,12 @@
 """A table as this rank holds it: its pieces (shards) and where they sit in the global table.
 
-This is what the sharded collections put in their state dict for every sharded table:
-
     ShardedTensor(global_shape=(rows, dim), local_shards=[(ShardMetadata, tensor [rows_s, cols_s]), ...])
 
-The metadata makes a checkpoint independent of the world size that wrote it: any layout reads
-any rectangle it owns from the pieces that cover it (`read`). Per-rank checkpoints are combined
-with `ShardedTensor.merge([...])`; `full()` assembles the whole table when every piece is there.
-Pure tensor code; pickles with torch.save and loads with torch.load's default weights_only=True
-(this module registers `ShardedTensor` with torch.serialization's safe globals, types.py the plan classes).
+Any layout reads any rectangle it owns from the pieces that cover it (`read`), so a checkpoint does not
+depend on the world size that wrote it; `merge([...])` combines per-rank ones, `full()` assembles the table.
+It loads with torch.load's default weights_only=True (registered as a safe global below).
 
-torch.distributed.checkpoint with its default planners cannot hold one: DCP looks up the chunks it
-planned only in real tensors (`find_state_dict_object`), and a non-tensor value it pickles per rank
-and keeps one rank's copy. So `dcp.save(dmp.state_dict())` refuses (the hook below) instead of
-writing one rank's pieces; `lightning_rec.checkpoint.save` / `load_model` write and read every piece.
-"""
+`dcp.save(dmp.state_dict())` refuses it (DCP would keep one rank's pickled copy): use lightning_rec.checkpoint."""
 
 from __future__ import annotations
 
@@ -35,15 +27,12 @@ class Shard:
     metadata: ShardMetadata
 
     def __iter__(self):
-        # unpacks as the list's pairs, (metadata, tensor): `for m, t in st.local_shards()` reads as
-        # `for m, t in st.local_shards`
+        # unpacks as the list's (metadata, tensor) pairs
         return iter((self.metadata, self.tensor))
 
 
 class LocalShards(list):
-    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs, a list; also callable as torch's /
-    TorchRec's method, `st.local_shards()` -> `[Shard(tensor, metadata), ...]` over the same tensors, so that ported
-    code (`st.local_shards()[0].tensor`) runs."""
+    """`ShardedTensor.local_shards`: this rank's `(ShardMetadata, tensor)` pairs; callable as torch's method too."""
 
     def __call__(self) -> list[Shard]:
         return [Shard(t, m) for m, t in self]
@@ -67,8 +56,7 @@ class ShardedTensor:
     def __post_init__(self) -> None:
         self.local_shards = LocalShards(self.local_shards)
 
-    # pickled (torch.save, all_gather_object, deepcopy) with a plain list, as before LocalShards: checkpoints stay
-    # readable by older versions, and older checkpoints (a plain list) get the callable list when loaded
+    # pickled with a plain list, as before LocalShards: checkpoints stay readable by older versions and back
     def __getstate__(self) -> dict:
         return {"global_shape": self.global_shape, "local_shards": list(self.local_shards),
                 "shards_metadata": self.shards_metadata}
@@ -77,11 +65,9 @@ class ShardedTensor:
         self.__dict__.update({"shards_metadata": None, **state})  # pickled before shards_metadata: None
         self.local_shards = LocalShards(self.local_shards)
 
-    # torch's / TorchRec's ShardedTensor methods that ported code calls: the global layout, and the one local shard
-    # of a table_wise / row_wise table
+    # torch's / TorchRec's ShardedTensor methods that ported code calls
     def metadata(self) -> ShardedTensorMetadata:
-        """Every shard of the table, on every rank (`.shards_metadata`: offsets, sizes, `placement` its rank), and its
-        global `.size`."""
+        """Every shard of the table, on every rank (`.shards_metadata`), and its global `.size`."""
         if self.shards_metadata is None:
             raise ValueError(f"{self!r} holds no layout of the other ranks' shards (it was built from pieces by "
                              f"hand): read its own pieces from .local_shards, or take metadata() from the sharded "
@@ -150,9 +136,7 @@ class ShardedTensor:
     def full(self) -> Tensor:
         return self.read(0, 0, *self.global_shape, what=f"ShardedTensor.full() of a {tuple(self.global_shape)} table")
 
-    # DCP's save hook (torch.distributed.checkpoint.planner_helpers._create_write_items), reached only through
-    # its default planner (lightning_rec.checkpoint hands DCP its own objects), which would pickle the table as one
-    # object and keep one rank's copy. (Its default load planner turns unknown objects into None: a load fails anyway.)
+    # DCP's save hook, reached only through its default planner, which would keep one rank's pickled copy
     def __create_write_items__(self, fqn: str, obj: object) -> list:
         raise TypeError(
             f"torch.distributed.checkpoint.save cannot save {fqn}: it is a lightning_rec ShardedTensor (each rank "

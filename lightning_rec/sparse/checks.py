@@ -1,10 +1,9 @@
 """The contracts of JaggedTensor and KeyedJaggedTensor, checked where they are owned.
 
-The constructors only assign (as TorchRec's): a batch is checked when a collection first reads it
-(FeatureRouter, embedding.py), or on demand with `kjt.validate()` / `jt.validate()`. Each check
-raises a ValueError that names what disagrees and the fix. Tensor values are read only on the host
-(a device read would stall the stream; a device batch is checked on the host copy it was moved from).
-"""
+The constructors only assign (as TorchRec's): a batch is checked when a collection first reads it (FeatureRouter,
+embedding.py), or on demand with `kjt.validate()` / `jt.validate()`. Each check raises a ValueError that names what
+disagrees and the fix. Tensor values are read only on the host (a device read would stall the stream; a device batch is
+checked on the host copy it was moved from)."""
 
 from __future__ import annotations
 
@@ -41,18 +40,13 @@ def _check_index_dtype(what: str, name: str, t: Tensor) -> None:
 
 
 def _readable(t: Tensor) -> bool:
-    """Whether a check may read this tensor's values: on the host (a device read would stall), and not while
-    torch.export or torch.compile traces, whose symbolic tensors have no values to read (checked where the inputs are
-    built; the collections check ids inside a compiled graph, batch_check.py)."""
+    """Whether a check may read this tensor's values: on the host, and not while torch.export / compile traces."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
-    """Offsets given directly: they must start at 0, never decrease, and end at the number of values.
-
-    A KJT sliced out of a larger batch keeps its parent's offsets (starting at, say, 40): kernels
-    would read ids that are not this batch's, so it is refused here, with the fix. CPU tensors only.
-    """
+    """Offsets given directly: they must start at 0, never decrease, and end at the number of values. A KJT sliced
+    out of a larger batch keeps its parent's offsets: refused, with the fix. CPU tensors only."""
     if offsets.dim() != 1 or offsets.numel() == 0:
         raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
     if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
@@ -75,8 +69,7 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
 
 
 def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
-    """Lengths and offsets both given must agree (each reader picks one: to_dense the lengths, to_padded_dense and
-    the kernels the offsets). CPU tensors only."""
+    """Lengths and offsets both given must agree (readers pick one or the other). CPU tensors only."""
     if _readable(lengths) and _readable(offsets) and (
             offsets.numel() != lengths.numel() + 1 or not torch.equal(offsets[1:] - offsets[:-1],
                                                                       lengths.to(offsets.dtype))):
@@ -112,17 +105,14 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
     if smallest < 0:
         raise ValueError(f"{what}: lengths must be >= 0, found {smallest}")
     if total != values.shape[0]:
-        raise ValueError(
-            f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
-            f"lengths and values must describe the same ids"
-        )
+        raise ValueError(f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
+                         f"lengths and values must describe the same ids")
 
 
 def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
                     inverse_indices) -> int | None:
-    """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says (every key the same
-    batch), refused otherwise: a KJT read with one stride where keys have several would pair bags with the wrong
-    samples."""
+    """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says, refused otherwise (one
+    stride where keys have several would pair bags with the wrong samples)."""
     fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
            "the batch (an empty bag has length 0), or the same number of (deduplicated) bags with inverse_indices, "
            "and leave out stride_per_key_per_rank and stride_per_key")
@@ -172,9 +162,8 @@ def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tup
 
 def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
                    offset_per_key: Sequence[int] | None) -> None:
-    """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids: they are trusted
-    afterwards (to_dict, split, permute and the collections slice values by them): a stale list would send one
-    feature's ids to another's table. CPU tensors only."""
+    """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids (they are trusted
+    afterwards: a stale list would send one feature's ids to another's table). CPU tensors only."""
     n = len(keys)
     if length_per_key is not None and any(isinstance(x, (list, tuple)) for x in length_per_key):
         raise ValueError(f"{what}: length_per_key {list(length_per_key)} holds lists: TorchRec's 7th positional "
@@ -203,8 +192,7 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
 
 
 def _no_key(what: str, key: object, keys: list[str]) -> None:
-    """A KJT / KT is indexed by key name; a position (`kt[0]`, and `for x in kjt`, which Python runs as kjt[0],
-    kjt[1], ...) would read as 'no key 0', as if a feature were missing."""
+    """A KJT / KT is indexed by key name: a position (`kt[0]`, `for x in kjt`) is refused as such."""
     if not isinstance(key, str):
         raise TypeError(f"{what} is indexed by key name (one of {keys}), got {key!r}: iterate over .keys(), or "
                         f".to_dict().items() for each key's {'JaggedTensor' if what != 'KeyedTensor' else 'block'}")
@@ -250,9 +238,8 @@ def _check_stride(keys: list[str], lengths: Tensor, stride: int, stride_given: b
 
 
 def validate_kjt(kjt: Any) -> None:
-    """A KeyedJaggedTensor built from user arguments holds a well-formed batch of ids, else a ValueError naming
-    what disagrees and the fix. Runs once per KJT (the arguments it checks are then dropped); a KJT the library
-    built from a checked one carries none and passes at once."""
+    """A KeyedJaggedTensor built from user arguments holds a well-formed batch of ids, else a ValueError naming what
+    disagrees and the fix. Runs once per KJT; one the library built from a checked one passes at once."""
     given = kjt._unchecked
     if given is None:
         return

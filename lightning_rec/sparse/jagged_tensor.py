@@ -15,11 +15,8 @@ key-major: feature 0's B lengths, then feature 1's, and so on; values follow the
       offsets    = [0, 2, 2, 3, 4, 6, 7]     (F*B + 1)
       length_per_key = [3, 4], offset_per_key = [0, 3, 7]
 
-The constructors only assign, as TorchRec's. `validate()` checks that keys, lengths and values
-agree (checks.py); a collection runs it on every batch it reads, before any lookup, so a
-malformed batch fails with the fix named, not as a wrong row deep inside a kernel. Jagged work
-(permute, cumsum) uses fbgemm ops.
-"""
+The constructors only assign, as TorchRec's; `validate()` (checks.py) checks that keys, lengths and values agree,
+and a collection runs it on every batch it reads. Jagged work (permute, cumsum) uses fbgemm ops."""
 
 from __future__ import annotations
 
@@ -87,13 +84,8 @@ def _is_pair(x: object) -> bool:
 class JaggedTensor:
     """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
 
-    def __init__(
-        self,
-        values: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-        offsets: Tensor | None = None,
-    ) -> None:
+    def __init__(self, values: Tensor, weights: Tensor | None = None, lengths: Tensor | None = None,
+                 offsets: Tensor | None = None) -> None:
         # Assigns only, as TorchRec's: jt.validate() checks that values, lengths and offsets agree
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets")
@@ -112,11 +104,9 @@ class JaggedTensor:
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
               lengths_dtype: torch.dtype = torch.int64) -> JaggedTensor:
         """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
-        return JaggedTensor(
-            values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
-            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
-            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
-        )
+        return JaggedTensor(values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
+                            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+                            lengths=torch.empty(0, dtype=lengths_dtype, device=device))
 
     @staticmethod
     def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
@@ -241,26 +231,14 @@ class JaggedTensor:
 class KeyedJaggedTensor:
     """Many features' bags over one batch. See the module docstring for the layout."""
 
-    def __init__(
-        self,
-        keys: Sequence[str],
-        values: Tensor,
-        weights: Tensor | None = None,
-        lengths: Tensor | None = None,
-        offsets: Tensor | None = None,
-        stride: int | None = None,
-        length_per_key: list[int] | None = None,
-        offset_per_key: list[int] | None = None,
-        _validate: bool = True,
-        *,
-        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
-        stride_per_key: Sequence[int] | None = None,
-        index_per_key: dict[str, int] | None = None,
-        jt_dict: dict[str, JaggedTensor] | None = None,
-        inverse_indices: tuple[list[str], Tensor] | None = None,
-    ) -> None:
-        # Assigns only, as TorchRec's: the batch is checked when a collection first reads it, or by kjt.validate()
-        # (sparse_checks.validate_kjt). _validate=False: built by the library from a checked KJT (nothing to check).
+    def __init__(self, keys: Sequence[str], values: Tensor, weights: Tensor | None = None,
+                 lengths: Tensor | None = None, offsets: Tensor | None = None, stride: int | None = None,
+                 length_per_key: list[int] | None = None, offset_per_key: list[int] | None = None,
+                 _validate: bool = True, *, stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+                 stride_per_key: Sequence[int] | None = None, index_per_key: dict[str, int] | None = None,
+                 jt_dict: dict[str, JaggedTensor] | None = None,
+                 inverse_indices: tuple[list[str], Tensor] | None = None) -> None:
+        # assigns only, as TorchRec's (kjt.validate() checks); _validate=False: built from a checked KJT
         del jt_dict  # TorchRec's cache of to_dict(): computed here when asked
         self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
@@ -282,8 +260,7 @@ class KeyedJaggedTensor:
             inverse_indices
 
     def validate(self) -> KeyedJaggedTensor:
-        """TorchRec's validator: check that keys, lengths, offsets, ids and weights agree (a ValueError naming what
-        differs and the fix). The collections run it on every batch they are given; returns self."""
+        """TorchRec's validator: keys, lengths, offsets, ids and weights agree, else a ValueError; returns self."""
         validate_kjt(self)
         return self
 
@@ -322,38 +299,26 @@ class KeyedJaggedTensor:
         weighted = [jt.weights_or_none() is not None for jt in jts]
         if any(weighted) and not all(weighted):
             raise ValueError("from_jt_dict: either every JaggedTensor has weights or none does")
-        return KeyedJaggedTensor(
-            keys,
-            values=torch.cat([jt.values() for jt in jts]),
-            weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
-            lengths=torch.cat([jt.lengths() for jt in jts]),
-            stride=strides.pop(),
-        )
+        return KeyedJaggedTensor(keys, values=torch.cat([jt.values() for jt in jts]),
+                                 weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
+                                 lengths=torch.cat([jt.lengths() for jt in jts]), stride=strides.pop())
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
               lengths_dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
         """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
-        return KeyedJaggedTensor(
-            keys=[],
-            values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
-            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
-            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
-            stride=0,
-        )
+        return KeyedJaggedTensor(keys=[], values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
+                                 weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+                                 lengths=torch.empty(0, dtype=lengths_dtype, device=device), stride=0)
 
     @staticmethod
     def empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Same keys and stride, every bag empty."""
         device = kjt.values().device
-        return KeyedJaggedTensor(
-            kjt.keys(),
-            values=torch.empty(0, dtype=kjt.values().dtype, device=device),
-            weights=None if kjt.weights_or_none() is None else torch.empty(0, device=device),
-            lengths=torch.zeros_like(kjt.lengths()),
-            stride=kjt.stride(),
-        )
+        return KeyedJaggedTensor(kjt.keys(), values=torch.empty(0, dtype=kjt.values().dtype, device=device),
+                                 weights=None if kjt.weights_or_none() is None else torch.empty(0, device=device),
+                                 lengths=torch.zeros_like(kjt.lengths()), stride=kjt.stride())
 
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -423,8 +388,7 @@ class KeyedJaggedTensor:
         return self._stride
 
     def stride_per_key(self) -> list[int]:
-        """TorchRec's: samples per key; every key has the batch's stride (variable batch per key is not
-        supported here)."""
+        """TorchRec's: samples per key (every key has the batch's stride here)."""
         return [self._stride] * len(self._keys)
 
     def variable_stride_per_key(self) -> bool:
@@ -432,14 +396,11 @@ class KeyedJaggedTensor:
         return False
 
     def stride_per_key_per_rank(self) -> list[list[int]]:
-        """TorchRec's: each key's batch size per rank of a variable-batch KJT; [] here, as TorchRec's for a KJT
-        whose keys share one stride."""
+        """TorchRec's: each key's batch size per rank of a variable-batch KJT; [] here (one stride)."""
         return []
 
     def inverse_indices(self) -> tuple[list[str], Tensor]:
-        """TorchRec's: (keys, [F, B] tensor) giving, for each key and sample of the full batch, the bag (of the
-        `stride()` deduplicated ones) it reads; an EmbeddingBagCollection's output has one row per sample of the full
-        batch."""
+        """TorchRec's: (keys, [F, B] tensor): for each key and sample of the full batch, the bag it reads."""
         if self._inverse_indices is None:
             raise ValueError("this KeyedJaggedTensor has no inverse indices: build it with "
                              "inverse_indices=(keys, tensor), or use inverse_indices_or_none()")
@@ -509,16 +470,10 @@ class KeyedJaggedTensor:
         for n in segments:
             v0, v1 = opk[k], opk[k + n]
             out.append(
-                KeyedJaggedTensor(
-                    self._keys[k : k + n],
-                    values=self._values[v0:v1],
-                    weights=None if self._weights is None else self._weights[v0:v1],
-                    lengths=self._lengths[k * self._stride : (k + n) * self._stride],
-                    stride=self._stride,
-                    length_per_key=lpk[k : k + n],
-                    _validate=False,
-                    inverse_indices=self._inverse_indices,
-                )
+                KeyedJaggedTensor(self._keys[k : k + n], values=self._values[v0:v1],
+                                  weights=None if self._weights is None else self._weights[v0:v1],
+                                  lengths=self._lengths[k * self._stride : (k + n) * self._stride], stride=self._stride,
+                                  length_per_key=lpk[k : k + n], _validate=False, inverse_indices=self._inverse_indices)
             )
             k += n
         return out
@@ -542,11 +497,9 @@ class KeyedJaggedTensor:
         if indices_tensor is None:
             indices_tensor = torch.tensor(list(indices), dtype=torch.int32, device=self._values.device)
         else:
-            # TorchRec's cached copy of `indices`: fbgemm's permute reads int32 only, and one that disagrees with
-            # `indices` would label one feature's ids with another's key. Checked where no device sync is needed.
+            # TorchRec's cached int32 copy of `indices` (fbgemm reads int32): checked where no device sync is needed
             indices_tensor = indices_tensor.to(device=self._values.device, dtype=torch.int32)
-            # once per tensor: the collections pass their cached one every batch, and a read per batch is a sync on
-            # GPU (tests/test_gpu_paths.py counts them on CPU)
+            # once per tensor: a read per batch would sync on GPU (tests/test_gpu_paths.py counts them)
             if _readable(indices_tensor) and _CHECKED_PERMUTES.get(id(indices_tensor)) is not indices_tensor:
                 if indices_tensor.tolist() != [int(i) for i in indices]:
                     raise ValueError(f"permute: indices_tensor {indices_tensor.tolist()} is not indices "
@@ -561,9 +514,7 @@ class KeyedJaggedTensor:
         weights = self._weights
         if weights is not None and (weights.requires_grad and torch.is_grad_enabled()
                                     or weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS):
-            # Learned weights: fbgemm's backward for them assumes a full permutation (not a subset or a repeated
-            # key). Permute positions instead and gather: indexing's backward sums the gradient of repeated keys and
-            # leaves dropped ones at zero. The same for weights fbgemm's permute has no kernel for (bfloat16).
+            # learned (or bfloat16) weights: fbgemm's backward assumes a full permutation; gather by position instead
             src_N = torch.arange(self._values.shape[0], device=self._values.device)
             lengths_FB, src_N, _ = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), src_N, None, total
@@ -573,10 +524,8 @@ class KeyedJaggedTensor:
             lengths_FB, values_N, weights_N = torch.ops.fbgemm.permute_2D_sparse_data(
                 indices_tensor, self.lengths_FB(), self._values, weights, total
             )
-        return KeyedJaggedTensor(
-            keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
-            length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices,
-        )
+        return KeyedJaggedTensor(keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
+                                 length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices)
 
     def to_dict(self) -> dict[str, JaggedTensor]:
         opk = self.offset_per_key()
@@ -631,8 +580,7 @@ class KeyedJaggedTensor:
 
     def to(self, device: torch.device | str | None, non_blocking: bool = False,
            dtype: torch.dtype | None = None) -> KeyedJaggedTensor:
-        """A copy on `device` (None: where it is), as TorchRec's: `dtype` converts the weights only; ids, lengths and
-        offsets keep their integer types."""
+        """A copy on `device` (None: where it is), as TorchRec's: `dtype` converts the weights only."""
         _refuse_dtype_as_device("KeyedJaggedTensor", device, weights=True)
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"KeyedJaggedTensor.to(dtype={dtype}): dtype converts the per-id weights, which are "
@@ -646,8 +594,7 @@ class KeyedJaggedTensor:
 
         moved = move_or_explain(f"KeyedJaggedTensor.to({str(device)!r})", device, lambda: self._map(move, move_weights))
         if all(getattr(moved, a) is getattr(self, a) for a in ("_values", "_weights", "_lengths", "_offsets")):
-            # already there: itself, as Tensor.to. The pipeline knows a batch's KJT by identity, so a step that
-            # moves its (already moved) batch again, `batch.to(self.device)`, stays pipelined
+            # already there: itself, as Tensor.to (the pipeline knows a batch's KJT by identity)
             return self
         if moved.device().type != "cpu":
             # The host copy lets collections check ids on the host, without reading the device back.

@@ -24,8 +24,7 @@ class KeyedTensor:
                  index_per_key: dict[str, int] | None = None) -> None:
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
-        # TorchRec's caches of what keys and widths give: checked, not trusted (a stale one would hand
-        # kt[key] another key's columns)
+        # TorchRec's caches of what keys and widths give: checked, not trusted
         if offset_per_key is not None and [int(o) for o in offset_per_key] != [
                 sum(self._length_per_key[:i]) for i in range(len(self._length_per_key) + 1)]:
             raise ValueError(f"KeyedTensor: offset_per_key {list(offset_per_key)} disagrees with the widths "
@@ -44,19 +43,15 @@ class KeyedTensor:
             raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
                              f"{tuple(values.shape)} (1 for [B, sum of widths])")
         if values.shape[key_dim] != sum(self._length_per_key):
-            raise ValueError(
-                f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
-                f"to {sum(self._length_per_key)}"
-            )
+            raise ValueError(f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
+                             f"to {sum(self._length_per_key)}")
         self._values = values
         self._key_dim = key_dim
         self._offset_per_key: list[int] | None = None
 
     @classmethod
     def _of_collection(cls, keys: list[str], length_per_key: list[int], values_BD: Tensor) -> KeyedTensor:
-        """A collection's output, whose keys and widths were checked when it was built: no checks per batch
-        (they cost ~10 us of a host-bound GPU step). Copies of the lists, so a caller that edits keys() does
-        not edit the collection's."""
+        """A collection's output (keys and widths checked when it was built), with copies of the lists."""
         kt = cls.__new__(cls)
         kt._keys, kt._length_per_key, kt._values = list(keys), list(length_per_key), values_BD
         kt._key_dim, kt._offset_per_key = 1, None
@@ -124,8 +119,7 @@ class KeyedTensor:
                 raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
             shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
             if shared:
-                # TorchRec takes the last KeyedTensor's block: two towers that each read a 'country' feature would
-                # get one block for both
+                # TorchRec takes the last KeyedTensor's block: two towers' 'country' blocks would become one
                 raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
                                  f"which block is meant is ambiguous: give the features distinct names (the tables' "
                                  f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")

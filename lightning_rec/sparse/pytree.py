@@ -8,12 +8,9 @@ from lightning_rec.sparse.keyed_tensor import KeyedTensor
 
 # pytree nodes ---------------------------------------------------------------------------------
 #
-# As TorchRec registers its own: torch.export (and anything else that flattens inputs or outputs with
-# torch.utils._pytree: DDP's find_unused_parameters pass-through, torch.func) sees a KJT's tensors as
-# leaves, instead of refusing the KJT ("Unsupported input type"). Leaves are the tensors (None where
-# absent); the context is what is not a tensor. Unflattening does not validate: the leaves may be
-# fake or symbolic tensors mid-trace, and the object they came from was checked when it was built.
-# The stride is derived from the lengths, so an exported program takes other batch sizes.
+# As TorchRec registers its own: torch.export (and anything that flattens with torch.utils._pytree) sees a KJT's
+# tensors as leaves (None where absent); the context is what is not a tensor. Unflattening does not validate (the
+# leaves may be symbolic mid-trace); the stride comes from the lengths, so an export takes other batch sizes.
 
 _JT_FIELDS = ("_values", "_weights", "_lengths", "_offsets")
 

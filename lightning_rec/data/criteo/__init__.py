@@ -1,29 +1,14 @@
-"""Criteo click logs -> whole `Batch`es, from text files, tables or `lightning-rec preprocess` shards.
+"""Criteo click logs -> whole `Batch`es, from text files, tables or `lightning-rec preprocess` shards (docs/criteo.md:
+the layouts read, bad rows, the table ids).
 
-Layouts read (detected from the first lines, each overridable):
-
-    train.txt / day_N   label \\t I1..I13 \\t C1..C26          40 fields, no header
-    Kaggle test file    I1..I13 \\t C1..C26                    39 fields, no header, no label
-    Kaggle train.csv    Id,Label,I1..I13,C1..C26              header, comma (test.csv: no Label)
-    DeepCTR sample      label,I1..I13,C1..C26                 header, comma, ints may be "260.0"
-    Parquet / datasets  columns label (optional), I1..I13, C1..C26 by name (`tables`)
-
-A file is cut into blocks of whole lines (`blocks`), parsed into raw values (`parse`; `native` is the C++ op),
-kept in a memory-mapped Arrow cache (`cache`) or streamed, and made into batches (`datasets`), where dense values
-become log(1 + max(x, 0)) and hashes become table ids. `preprocess` writes .npy shards, which `shards` reads.
-Missing categorical values: "reserved_id" (id 0 of every table; a hash v -> 1 + v % (n - 1)) or "empty_bag" (an
-empty bag; v -> v % n). Bad rows (cut short, too many fields, a non-numeric I, a label other than 0/1, a C that is
-not 8 hex characters, a non-ASCII byte): on_bad_row="error" names file, line and field, "skip" drops and counts
-them (`report`); a row short of its trailing empty fields is padded as missing. gzip / bz2 / zstd are read as
-their first bytes say.
-"""
+A file is cut into blocks of whole lines (`blocks`), parsed into raw values (`parse`; `native` is the C++ op), kept in a
+memory-mapped Arrow cache (`cache`) or streamed, and made into batches (`datasets`), where dense values become log(1 +
+max(x, 0)) and hashes become table ids. `preprocess` writes .npy shards, which `shards` reads."""
 
 # ruff: noqa: F401  (the package's names, and the old module's private ones that tests and scripts use)
 from lightning_rec.data.criteo.blocks import iter_blocks, iter_blocks_resumable, iter_line_blocks
 from lightning_rec.data.criteo.cache import (
     _pid_alive,
-    _remove_abandoned_tmp,
-    _writer_tag,
     build_criteo_cache,
     default_cache_dir,
 )

@@ -1,9 +1,8 @@
 """Criteo text -> blocks of whole lines, read in `block_bytes` steps: what the parsers take.
 
-Three readers: `iter_blocks` (bytes, with the first line's number), `iter_blocks_resumable` (the same, with the
-position to resume from; streaming uses it) and `iter_line_blocks` (one reused uint8 buffer and byte offsets; the
-native parser and preprocess use it). Compressed files are read through Arrow's decompressing stream.
-"""
+Three readers: `iter_blocks` (bytes, with the first line's number), `iter_blocks_resumable` (the same, with the position
+to resume from; streaming uses it) and `iter_line_blocks` (one reused uint8 buffer and byte offsets; the native parser
+and preprocess use it). Compressed files are read through Arrow's decompressing stream."""
 
 from __future__ import annotations
 
@@ -17,23 +16,17 @@ from lightning_rec.data.criteo.layout import BOM, file_compression, open_criteo_
 
 
 def iter_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool) -> Iterator[tuple[bytes, int]]:
-    """Yield (whole lines ending in b"\\n", 1-based line number of the first) from a file.
-
-    gzip/bz2/zstd files are read through Arrow's decompressing stream (detected from the first bytes).
-    """
+    """Yield (whole lines ending in b"\\n", 1-based line number of the first) from a file. gzip/bz2/zstd files are
+    read through Arrow's decompressing stream (detected from the first bytes)."""
     for block, line, _ in iter_blocks_resumable(path, block_bytes, skip_header):
         yield block, line
 
 
 def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header: bool,
                           start: dict | None = None) -> Iterator[tuple[bytes, int, dict]]:
-    """iter_blocks, each block with the reader's position before it (`start` resumes there).
-
-    The position is {"read": bytes of text read, "rest": the cut line carried over, "line", "skip_header"}:
-    reading on from it gives this block and every later one exactly as the first pass cut them (the
-    text is read in the same `block_bytes` steps). An uncompressed file seeks to "read"; a compressed
-    stream cannot seek and is decompressed up to it (not parsed).
-    """
+    """iter_blocks, each block with the reader's position before it (`start` resumes there). The position is {"read",
+    "rest" (the cut line carried over), "line", "skip_header"}: reading on from it cuts the same blocks as the first
+    pass. A compressed stream cannot seek: it is decompressed up to "read" (not parsed)."""
     read, rest, line = 0, b"", 1
     if start is not None:
         read, rest, line = int(start["read"]), bytes(start["rest"]), int(start["line"])
@@ -83,17 +76,13 @@ def iter_blocks_resumable(path: str | os.PathLike, block_bytes: int, skip_header
             line += block.count(b"\n")
 
 
-def iter_line_blocks(
-    path: str | os.PathLike, block_bytes: int, skip_header: bool, start_byte: int = 0, progress=None
-) -> Iterator[tuple[np.ndarray, int]]:
+def iter_line_blocks(path: str | os.PathLike, block_bytes: int, skip_header: bool, start_byte: int = 0,
+                     progress=None) -> Iterator[tuple[np.ndarray, int]]:
     """Yield (whole lines ending in b"\\n" as a uint8 view, byte offset after them) from `start_byte` of the text.
 
-    The native parser's reader: text is read straight into one reused buffer (no copy or count per
-    block; the parser counts lines), so each view is valid only until the next one is asked for.
-    Offsets count the decompressed text (a compressed file is decompressed up to `start_byte`, since
-    streams cannot seek). `skip_header` drops the first line when starting at byte 0. `progress(n)`
-    is called with the bytes of the file itself read so far.
-    """
+    The native parser's reader: text is read into one reused buffer, so each view is valid only until the next. Offsets
+    count the decompressed text. `skip_header` drops the first line when starting at byte 0; `progress(n)` is called
+    with the bytes of the file itself read so far."""
     compression = file_compression(path)
     raw = pa.OSFile(str(path), "rb")
     stream = pa.CompressedInputStream(raw, compression) if compression else raw

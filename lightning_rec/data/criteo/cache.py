@@ -64,11 +64,8 @@ _LEGACY_TMP_AGE_S = 24 * 3600  # "<pid>" names (no host) written before the host
 def _remove_abandoned_tmp(cache_dir: Path, prefix: str) -> None:
     """Remove `<prefix><host>~<pid>.<uuid>.tmp` files that a killed build left (hidden, GBs each, never reused).
 
-    Only those provably abandoned: written on this host by a process that no longer runs (ranks building the same
-    cache at once each write their own file; another host's, or a live process's, are left alone), or, for names
-    without a host, by a dead pid and untouched for a day. A minute's grace covers a writer in another pid
-    namespace of this host that is between two blocks.
-    """
+    Only those provably abandoned: written on this host by a process that no longer runs (after a minute's grace), or,
+    for names without a host, by a dead pid and untouched for a day."""
     host, now = socket.gethostname().replace("~", "-"), time.time()
     for tmp in cache_dir.glob(f"{glob.escape(prefix)}*.tmp"):
         writer = tmp.name[len(prefix):].split(".")
@@ -112,22 +109,13 @@ def _cache_key(path: Path, table_source: bool, separator, has_header, has_label,
     return hashlib.sha256(key_src.encode()).hexdigest()[:16]
 
 
-def build_criteo_cache(
-    path: str | os.PathLike,
-    cache_dir: str | os.PathLike | None = None,
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-    on_bad_row: str = "error",
-    block_bytes: int = 64 << 20,
-    parser: str = "auto",
-) -> tuple[Path, ParseReport]:
+def build_criteo_cache(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                       separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
+                       on_bad_row: str = "error", block_bytes: int = 64 << 20,
+                       parser: str = "auto") -> tuple[Path, ParseReport]:
     """Parse `path` once into a memory-mappable Arrow file; later calls find it and return at once.
 
-    The cache key covers the file (absolute path, size, mtime), the parse options and the parser
-    version. The file is written under a temporary name and renamed, so ranks that build the same
-    cache at once never read a half-written file.
-    """
+    It is written under a temporary name and renamed: ranks that build it at once never read a half-written file."""
     path = Path(path)
     table_source = table_source_kind(path) is not None
     key = _cache_key(path, table_source, separator, has_header, has_label, on_bad_row, parser)
@@ -166,10 +154,8 @@ def _write_arrow(tables: Iterator[tuple[pa.Table, ParseReport]], arrow_path: Pat
                     writer.write_table(table, writer_batch_size=max(table.num_rows, 1))
             writer.finalize()
         if report.num_rows == 0:
-            raise ValueError(
-                f"{report.path} has no data rows ({report.num_skipped_rows} bad rows skipped, "
-                f"{report.num_blank_lines} blank lines): expected Criteo rows (label, I1..I13, C1..C26)"
-            )
+            raise ValueError(f"{report.path} has no data rows ({report.num_skipped_rows} bad rows skipped, "
+                             f"{report.num_blank_lines} blank lines): expected Criteo rows (label, I1..I13, C1..C26)")
         os.replace(tmp, arrow_path)
     finally:
         if tmp.exists():

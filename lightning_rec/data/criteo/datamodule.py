@@ -37,26 +37,10 @@ _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",
 
 
 class CriteoDataModule(pl.LightningDataModule):
-    """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es.
+    """Criteo click logs (Kaggle CSV, dac train.txt / day files, DeepCTR sample) as `Batch`es (docs/criteo.md).
 
-    Map-style (default): each file is parsed once into a memory-mapped Arrow cache under
-    `cache_dir` (`prepare_data`, local rank 0), then read by index; shuffling is exact.
-    `streaming=True`: files are parsed while iterating (no cache; for files too big to cache);
-    shuffling is within blocks of `block_bytes`. See `lightning_rec.data.criteo` for layouts, missing
-    values and bad rows.
-
-    A path may also be a table: a Parquet file, a folder of them (a Hugging Face Hub dataset's files) or a
-    `datasets` save_to_disk folder, with columns label, I1..I13, C1..C26; it is converted once into the
-    same cache, or streamed in blocks of rows, and gives the batches its text would
-    (`lightning_rec.data.criteo.tables`). In Python, a `datasets.Dataset` with those columns may be passed
-    as a path: it is written once as Parquet under `cache_dir`, in a folder named by its fingerprint
-    (`lightning_rec.data.hf_dataset`), and read as that folder.
-    Or a directory written by `lightning-rec preprocess` (the Kaggle set, the 1TB
-    logs): each rank then reads its share of the .npy shards as batch slices
-    (`lightning_rec.data.criteo.shards`); `num_embeddings_per_feature` must match the directory's.
-    `parser`: "auto" (the native op when built), "native" or "python" (the reference).
-    Training and validation need labelled files: an unlabelled file (the Kaggle test layout) there is
-    an error, not NaN labels.
+    Each file is parsed once into a memory-mapped Arrow cache (`prepare_data`), or with `streaming=True` while
+    iterating. A path may also be a table, a `datasets.Dataset` or a `lightning-rec preprocess` directory.
 
     Args:
         train_path: the training data: a Criteo text file, a table, or a `lightning-rec preprocess` directory.
@@ -65,11 +49,9 @@ class CriteoDataModule(pl.LightningDataModule):
         predict_path: the data `predict` scores, labelled or not (None: test_path).
         batch_size: rows per training batch (per rank).
         val_batch_size: rows per evaluation and predict batch (None: batch_size).
-        num_embeddings_per_feature: table rows, one int for all features or one per feature (equal to the
-            model's; for a preprocess directory, equal to its manifest's).
+        num_embeddings_per_feature: table rows, one int for all features or one per feature (the model's).
         sparse_feature_names: the KJT keys (None: C1..C26).
-        missing_categorical: "reserved_id" (id 0 of each table means missing) or "empty_bag" (a missing value is an
-            empty bag).
+        missing_categorical: "reserved_id" (id 0 of each table means missing) or "empty_bag" (an empty bag).
         cache_dir: where the memory-mapped Arrow cache goes (None: under datasets' cache, HF_DATASETS_CACHE).
         streaming: parse the files while iterating, without a cache (for files too big to cache).
         num_workers: DataLoader worker processes (0: load in the main process).
@@ -84,44 +66,24 @@ class CriteoDataModule(pl.LightningDataModule):
         block_bytes: bytes read and parsed at a time when streaming (and the shuffle's block).
         parser: "auto" (the native op when built), "native" or "python" (the reference).
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any).
-    """
+        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
 
-    def __init__(
-        self,
-        train_path: str | None = None,
-        val_path: str | None = None,
-        test_path: str | None = None,
-        predict_path: str | None = None,
-        batch_size: int = 2048,
-        val_batch_size: int | None = None,
-        num_embeddings_per_feature: int | list[int] = 100_000,
-        sparse_feature_names: list[str] | None = None,
-        missing_categorical: str = "reserved_id",
-        cache_dir: str | None = None,
-        streaming: bool = False,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        on_bad_row: str = "error",
-        separator: str | None = None,
-        has_header: bool | None = None,
-        has_label: bool | None = None,
-        block_bytes: int = 64 << 20,
-        parser: str = "auto",
-        prefetch_factor: int | None = None,
-        persistent_workers: bool | None = None,
-    ) -> None:
+    def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
+                 predict_path: str | None = None, batch_size: int = 2048, val_batch_size: int | None = None,
+                 num_embeddings_per_feature: int | list[int] = 100_000, sparse_feature_names: list[str] | None = None,
+                 missing_categorical: str = "reserved_id", cache_dir: str | None = None, streaming: bool = False,
+                 num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, on_bad_row: str = "error", separator: str | None = None,
+                 has_header: bool | None = None, has_label: bool | None = None, block_bytes: int = 64 << 20,
+                 parser: str = "auto", prefetch_factor: int | None = None,
+                 persistent_workers: bool | None = None) -> None:
         super().__init__()
         # said here, not when the first loader is built
         worker_options("CriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         self.read_options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
         check_missing_categorical(missing_categorical)
-        # a datasets.Dataset becomes the path of its Parquet copy, before the arguments are saved as
-        # hyperparameters (lightning_rec.data.hf_dataset)
+        # a datasets.Dataset becomes the path of its Parquet copy, before the hyperparameters are saved
         root = cache_dir or default_cache_dir()
         given = {"train_path": train_path, "val_path": val_path, "test_path": test_path, "predict_path": predict_path}
         train_path, val_path, test_path, predict_path = (
@@ -174,10 +136,8 @@ class CriteoDataModule(pl.LightningDataModule):
             )
 
     def _splits_of(self, stage: str | None, check: bool = True) -> tuple[str, ...]:
-        """The splits a Trainer stage reads (fit: train and val, if given; predict: predict); every split
-        given when the stage is unknown (outside a Trainer). `check`: a split the stage needs but has no
-        path is an error naming the option to set (raised by setup: it runs on every rank, where
-        prepare_data runs on one while the others wait for it)."""
+        """The splits a Trainer stage reads (every split given outside a Trainer). `check`: a split the stage needs but
+        has no path for is an error naming the option (raised by setup, which runs on every rank)."""
         if stage is None:
             return tuple(s for s, p in self.paths.items() if p is not None)
         stage = getattr(stage, "value", stage)  # Lightning passes a TrainerFn (a str enum)
@@ -190,11 +150,7 @@ class CriteoDataModule(pl.LightningDataModule):
         return tuple(s for s in _STAGE_SPLITS.get(stage, tuple(self.paths)) if self.paths[s] is not None)
 
     def check_paths(self, stage: str) -> None:
-        """A clear ValueError for a file that `stage` reads and that does not exist (or a split it needs and has
-        no path for). The CLI calls it before the Trainer starts, so that at N ranks the error comes once, before
-        any process group: found in prepare_data (local rank 0 only), it left rank 1 in a barrier, whose gloo
-        "Connection closed by peer" traceback was the last thing on the screen. Only the stage's files: predict
-        on a machine without the recipe's training files works."""
+        """A clear ValueError for a file `stage` reads that does not exist (called before any process group)."""
         for split in self._splits_of(stage):
             if table_source_kind(self.paths[split]):
                 source_files(self.paths[split])  # a folder of several splits' files is refused here, before any rank
@@ -217,10 +173,8 @@ class CriteoDataModule(pl.LightningDataModule):
                 self._cache(split)
 
     def _check_same_ids(self, splits: Sequence[str]) -> None:
-        """The splits a stage reads must map a value to the same table row. A preprocessed directory holds ids hashed
-        by its --missing_categorical, or mapped through a vocabulary (--min_frequency / --vocab_from); a text or table
-        file is hashed here by `missing_categorical`. Mixed, the same value was another row in training than in
-        validation, in silence."""
+        """The splits a stage reads must map a value to the same table row: a preprocessed directory's ids are hashed
+        by its --missing_categorical or mapped through a vocabulary; a text or table file's by `missing_categorical`."""
         maps = {}
         for split in splits:
             path = self.paths[split]

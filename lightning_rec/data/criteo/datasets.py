@@ -1,9 +1,8 @@
-"""Criteo rows -> whole `Batch`es: `make_criteo_batch` (raw values -> dense transform and table ids),
-`CriteoDataset` (map-style, over the memory-mapped cache) and `CriteoIterableDataset` (streaming: parsed
-block by block while iterating, nothing cached).
+"""Criteo rows -> whole `Batch`es: `make_criteo_batch` (raw values -> dense transform and table ids), `CriteoDataset`
+(map-style, over the memory-mapped cache) and `CriteoIterableDataset` (streaming: parsed block by block while iterating,
+nothing cached).
 
-Shapes: B rows in a batch, F = 26 sparse features, 13 dense features.
-"""
+Shapes: B rows in a batch, F = 26 sparse features, 13 dense features."""
 
 from __future__ import annotations
 
@@ -37,14 +36,9 @@ from lightning_rec.data.criteo.tables import TableBlocks, table_source_kind
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
-def make_criteo_batch(
-    label_B: np.ndarray,
-    dense_raw_B13: np.ndarray,
-    sparse_raw_BF: np.ndarray,
-    num_embeddings_F: np.ndarray,
-    keys: Sequence[str],
-    missing_categorical: str = "reserved_id",
-) -> Batch:
+def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw_BF: np.ndarray,
+                      num_embeddings_F: np.ndarray, keys: Sequence[str],
+                      missing_categorical: str = "reserved_id") -> Batch:
     """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse."""
     # fmax ignores NaN, so a missing count becomes log(1 + 0) = 0
     dense_B13 = np.log1p(np.fmax(dense_raw_B13, 0.0)).astype(np.float32, copy=False)
@@ -64,27 +58,16 @@ def make_criteo_batch(
         list(keys), torch.from_numpy(np.ascontiguousarray(values_N, dtype=np.int64)),
         torch.from_numpy(lengths_FB), stride=batch_size,
     )
-    return Batch(
-        dense_features=torch.from_numpy(np.ascontiguousarray(dense_B13)),
-        sparse_features=kjt,
-        labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)),
-    )
+    return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(dense_B13)), sparse_features=kjt,
+                 labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)))
 
 
 class CriteoDataset(Dataset):
-    """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch.
+    """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch. Use with
+    `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy."""
 
-    Use with `make_batch_loader` (batch_size + sampler, `collate_fn=passthrough_collate`): the
-    DataLoader then calls `__getitems__(indices)` once per batch and the whole batch is gathered in numpy.
-    """
-
-    def __init__(
-        self,
-        arrow_path: str | os.PathLike,
-        num_embeddings_per_feature: int | Sequence[int],
-        sparse_feature_names: Sequence[str] | None = None,
-        missing_categorical: str = "reserved_id",
-    ) -> None:
+    def __init__(self, arrow_path: str | os.PathLike, num_embeddings_per_feature: int | Sequence[int],
+                 sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id") -> None:
         self.arrow_path = str(arrow_path)
         self.keys = feature_names(sparse_feature_names)
         check_missing_categorical(missing_categorical)
@@ -177,45 +160,21 @@ class CriteoDataset(Dataset):
 class CriteoIterableDataset(IterableDataset):
     """Streaming: parse the file block by block while iterating; nothing is cached.
 
-    Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every
-    row is read by exactly one of them: rank r of W reads the blocks b with b % W == r, its workers
-    taking turns among them, so a rank reads the same rows at any num_workers and ranks' shares differ
-    by one block at most; a file of fewer than two blocks per pair is dealt row by
-    row instead (every pair parses it, each keeps its rows), so small files split evenly too.
-    With `shuffle`, rows are shuffled within each block (and the order differs per epoch: in your own
-    DataLoader, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler; its workers,
-    persistent ones too, read the epoch told; untold, each process counts its own passes); the
-    block order stays the file order. Rows left over at the end of a block carry into the next
-    block's batches, so only the last batch can be short.
+    Blocks (each `block_bytes` of text) are dealt round-robin to (rank, worker) pairs, so every row is read by exactly
+    one of them: rank r of W reads the blocks b with b % W == r, at any num_workers; a file of fewer than two blocks per
+    pair is dealt row by row instead. With `shuffle`, rows are shuffled within each block, per epoch (`set_epoch`);
+    the block order stays the file order. Rows left over carry into the next block's batches.
 
-    `row_ids=True` (CriteoDataModule's predict set): each batch carries an order key per row
-    (`Batch.row_ids`): its line's place among the file's rows when rows are dealt, (block << 32) + its place
-    in the block when blocks are. Keys grow with the file order, so predictions made at N ranks are put
-    back in input order by sorting them (lightning_rec.predict renumbers them 0..R-1).
-    """
+    `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file order."""
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        batch_size: int,
-        num_embeddings_per_feature: int | Sequence[int],
-        sparse_feature_names: Sequence[str] | None = None,
-        missing_categorical: str = "reserved_id",
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        on_bad_row: str = "error",
-        separator: str | None = None,
-        has_header: bool | None = None,
-        has_label: bool | None = None,
-        block_bytes: int = 16 << 20,
-        parser: str = "auto",
-        row_ids: bool = False,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, batch_size: int, num_embeddings_per_feature: int | Sequence[int],
+                 sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, on_bad_row: str = "error",
+                 separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
+                 block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False) -> None:
         options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
         check_missing_categorical(missing_categorical)
-        # a table (Parquet, a save_to_disk folder) streams in blocks of rows instead of bytes: about as many rows
-        # as block_bytes of the cache's rows (264 bytes each)
+        # a table streams in blocks of rows: about as many as block_bytes of the cache's rows (264 bytes each)
         self.table = TableBlocks(path, has_label, block_bytes // 256) if table_source_kind(path) else None
         if self.table is None:
             check_criteo_file(path)
@@ -233,7 +192,6 @@ class CriteoIterableDataset(IterableDataset):
         self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
         self._epoch = PassEpoch()
         self._dist = dist_rank_world()
-        # The report of the latest pass made in this process (a worker's own rows, with workers).
         self.report = self._new_report()
 
     def _new_report(self) -> ParseReport:
@@ -257,20 +215,12 @@ class CriteoIterableDataset(IterableDataset):
             self._dist = dist_rank_world()
         rank, world = self._dist
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        # ranks alternate in the deal (pair w * W + r): block b goes to rank b % W whatever the worker count. Dealt
-        # rank-major (r * num_workers + w), a rank's blocks depended on its workers and its share could be a block per
-        # worker short of another rank's; in training every rank stops at the shortest share, so those rows were
-        # never trained on (15% of a 10 MB file at 2 ranks x 2 workers)
+        # ranks alternate in the deal (pair w * W + r): a rank's blocks do not depend on its worker count
         return worker * world + rank, world * num_workers
 
-    # Resuming (torchdata's Stateful protocol: StatefulDataLoader saves the state after every batch,
-    # per worker). The position is where the block being read began (the reader's position, the block
-    # index, the shuffling generator's state, the rows carried over from earlier blocks) plus the
-    # batches already yielded from it: a resumed pass seeks there, reads that one block again and skips
-    # those batches, instead of re-reading the stream from the start.
-
-    # The carried-over rows travel as tensors: checkpoints are read back with torch.load(weights_only=True)
-    # (Lightning's default), which refuses numpy arrays ("Unsupported global ... _reconstruct").
+    # torchdata's Stateful protocol: the position is where the block being read began (reader position, block
+    # index, generator state, rows carried over) plus the batches yielded from it; a resumed pass seeks there.
+    # The carried-over rows travel as tensors: torch.load(weights_only=True) refuses numpy arrays.
 
     def state_dict(self) -> dict[str, Any]:
         position = getattr(self, "_position", None)
@@ -319,9 +269,7 @@ class CriteoIterableDataset(IterableDataset):
                                              resume["yielded"])
         num_pending = sum(p[0].shape[0] for p in pending)
         blocks, num_blocks = self._blocks(start, k, report)
-        # Few blocks per shard: deal rows (every shard parses every block, keeps every num_shards-th
-        # row), so ranks get equal shares of a small file; many blocks: deal whole blocks (each is
-        # parsed once), and shares differ by at most about a block.
+        # few blocks per shard: deal rows (a small file is shared evenly); many: deal whole blocks
         by_rows = num_shards > 1 and num_blocks < 2 * num_shards
         for reader, parse in blocks:
             here, k = k, k + 1
@@ -381,8 +329,7 @@ class CriteoIterableDataset(IterableDataset):
         return arrays, seen
 
     def empty_batch(self) -> Batch:
-        """A batch of 0 rows. Streams of ranks end at different batches: in evaluation, a rank whose stream
-        ran out steps with these until every rank's has (RecStrategy), so every row is scored once."""
+        """A batch of 0 rows, what a rank whose stream ran out steps with in evaluation (strategy.py)."""
         return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
                            np.empty((0, NUM_SPARSE_FEATURES), np.int64),
                            *((np.empty(0, np.int64),) if self.row_ids else ()))

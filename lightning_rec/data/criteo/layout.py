@@ -1,8 +1,7 @@
 """Criteo text files: how their bytes are opened and where the fields of a row sit.
 
-Compression (gzip / bz2 / zstd) is read from the first bytes, not the name; a UTF-8 byte-order mark before the
-first row is skipped. `detect_layout` finds the separator, a header and the label column from the first lines.
-"""
+Compression (gzip / bz2 / zstd) is read from the first bytes, not the name; a UTF-8 byte-order mark before the first row
+is skipped. `detect_layout` finds the separator, a header and the label column from the first lines."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def layout_width(has_label: bool) -> int:
 
 _MAGIC = ((b"\x1f\x8b", "gzip", ".gz"), (b"BZh", "bz2", ".bz2"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst"))
 _warned_compression: set[str] = set()
-# A UTF-8 byte-order mark, which editors on Windows (and Excel's "CSV UTF-8") put before the first row: the
-# readers skip it at the start of the text, as Python's "utf-8-sig" does (it is no field's byte).
+# a UTF-8 byte-order mark (Excel's "CSV UTF-8"): skipped at the start of the text, as "utf-8-sig" does
 BOM = b"\xef\xbb\xbf"
 _HEAD_BYTES = 1 << 20  # what layout detection reads
 _SEPARATOR_NAMES = {"tab": "\t", "\\t": "\t", "comma": ","}
@@ -60,21 +58,15 @@ def check_criteo_file(path: str | os.PathLike, what: str = "Criteo file",
 
 
 def file_compression(path: str | os.PathLike) -> str | None:
-    """gzip / bz2 / zstd from the file's first bytes (not its name), or None for plain text.
-
-    A compressed file named like text (`day_0.tsv` holding gzip) is read through the decompressor,
-    with a warning naming the rename that silences it.
-    """
+    """gzip / bz2 / zstd from the file's first bytes (not its name; a misnamed one is warned about), or None."""
     with open(path, "rb") as f:
         magic = f.read(4)
     for prefix, name, suffix in _MAGIC:
         if magic.startswith(prefix):
             if not str(path).endswith(suffix) and str(path) not in _warned_compression:
                 _warned_compression.add(str(path))
-                log.warning(
-                    "%s is %s-compressed although its name does not end in %s: reading it through %s "
-                    "(rename it to %s%s to make this explicit)", path, name, suffix, name, path, suffix,
-                )
+                log.warning("%s is %s-compressed although its name does not end in %s: reading it through %s "
+                            "(rename it to %s%s to make this explicit)", path, name, suffix, name, path, suffix,)
             return name
     return None
 
@@ -100,12 +92,8 @@ def _read_head(path: str | os.PathLike, num_bytes: int = _HEAD_BYTES) -> bytes:
     return head[len(BOM):] if head.startswith(BOM) else head
 
 
-def detect_layout(
-    path: str | os.PathLike,
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-) -> CriteoLayout:
+def detect_layout(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
+                  has_label: bool | None = None) -> CriteoLayout:
     """Find separator, header and label column from the file's first lines (None = detect)."""
     head = _read_head(path)
     lines, numbers = _head_lines(path, head)
@@ -165,13 +153,10 @@ def _header_layout(path, head: bytes, names: list[str], separator: str, has_labe
     missing = [f"I{i}" for i in range(1, 14) if f"i{i}" not in index]
     missing += [f"C{i}" for i in range(1, 27) if f"c{i}" not in index]
     if missing:
-        raise ValueError(
-            f"{path}: the header lacks columns {missing}: a Criteo header names label (optional), "
-            f"I1..I13 and C1..C26; pass has_header=False if the first line is data"
-        )
+        raise ValueError(f"{path}: the header lacks columns {missing}: a Criteo header names label (optional), "
+                         f"I1..I13 and C1..C26; pass has_header=False if the first line is data")
     after = head.lstrip().split(b"\n", 1)[1:]  # what follows the header line
     if not (after and after[0].strip()) and len(head) < _HEAD_BYTES - len(BOM):  # the whole file: no row
-        # (streamed, a header-only file trained on no batches in silence)
         raise ValueError(f"{path} has no data rows (a header only): expected Criteo rows (label, I1..I13, "
                          f"C1..C26)")
     label_field = index.get("label")
@@ -179,15 +164,9 @@ def _header_layout(path, head: bytes, names: list[str], separator: str, has_labe
         raise ValueError(f"{path}: has_label=True but the header has no 'label' column")
     if has_label is False:
         label_field = None
-    return CriteoLayout(
-        separator=separator,
-        has_header=True,
-        has_label=label_field is not None,
-        num_fields=len(names),
-        label_field=label_field,
-        dense_fields=[index[f"i{i}"] for i in range(1, 14)],
-        sparse_fields=[index[f"c{i}"] for i in range(1, 27)],
-    )
+    return CriteoLayout(separator=separator, has_header=True, has_label=label_field is not None, num_fields=len(names),
+                        label_field=label_field, dense_fields=[index[f"i{i}"] for i in range(1, 14)],
+                        sparse_fields=[index[f"c{i}"] for i in range(1, 27)])
 
 
 def _headerless_layout(path, lines: list[bytes], numbers: list[int], separator: str,
@@ -203,12 +182,7 @@ def _headerless_layout(path, lines: list[bytes], numbers: list[int], separator: 
         # The majority decides: a stripped row of a labelled file can have 39 fields too.
         has_label = n40 >= n39
     offset = 1 if has_label else 0
-    return CriteoLayout(
-        separator=separator,
-        has_header=False,
-        has_label=has_label,
-        num_fields=layout_width(has_label),
-        label_field=0 if has_label else None,
-        dense_fields=list(range(offset, offset + NUM_DENSE_FEATURES)),
-        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(has_label))),
-    )
+    return CriteoLayout(separator=separator, has_header=False, has_label=has_label, num_fields=layout_width(has_label),
+                        label_field=0 if has_label else None,
+                        dense_fields=list(range(offset, offset + NUM_DENSE_FEATURES)),
+                        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(has_label))))

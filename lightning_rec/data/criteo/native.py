@@ -1,8 +1,7 @@
 """The native parser: `torch.ops.lightning_rec.parse_criteo` (csrc/criteo_parse_cpu.cpp) on whole lines.
 
-One pass over a block's bytes, multi-threaded over line ranges; ~10x the Python reference
-(benchmarks/criteo_ingest.py), with the same rows, values, reports and error messages.
-"""
+One pass over a block's bytes, multi-threaded over line ranges; ~10x the Python reference (benchmarks/criteo_ingest.py),
+with the same rows, values, reports and error messages."""
 
 from __future__ import annotations
 
@@ -53,10 +52,8 @@ def resolve_parser(parser: str) -> str:
     if parser not in PARSERS:
         raise ValueError(f"parser must be one of {PARSERS}, got {parser!r}")
     if parser == "native" and not native_parser_available():
-        raise ValueError(
-            f"parser='native' needs the C++ extension, which failed to import ({NATIVE_IMPORT_ERROR}): "
-            f"build it with `pip install --no-build-isolation -e .`, or pass parser='python'"
-        )
+        raise ValueError(f"parser='native' needs the C++ extension, which failed to import ({NATIVE_IMPORT_ERROR}): "
+                         f"build it with `pip install --no-build-isolation -e .`, or pass parser='python'")
     if parser == "auto":
         return "native" if native_parser_available() else "python"
     return parser
@@ -69,24 +66,15 @@ def _native_args(layout: CriteoLayout) -> tuple:
     )
 
 
-def parse_block_native(
-    block: bytes | np.ndarray,
-    first_line: int,
-    layout: CriteoLayout,
-    path: str,
-    on_bad_row: str,
-    report: ParseReport,
-    hash_mode: int = HASH_RAW,
-    num_embeddings: Sequence[int] = (),
-    log_dense: bool = False,
-    lines_out: list[int] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_block_native(block: bytes | np.ndarray, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str,
+                       report: ParseReport, hash_mode: int = HASH_RAW, num_embeddings: Sequence[int] = (),
+                       log_dense: bool = False,
+                       lines_out: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The native op on whole lines; the same rows, values, report and errors as `_parse_block`.
 
-    With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the
-    op also do what `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing.
-    `lines_out[0]` is advanced by the block's line count (so it holds the next block's first line).
-    """
+    With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the op also do what
+    `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing. `lines_out[0]` is advanced by
+    the block's line count (so it holds the next block's first line)."""
     if isinstance(block, np.ndarray):
         buf_L = torch.from_numpy(block)
     else:
@@ -123,10 +111,8 @@ def _status_field(layout: CriteoLayout, kind: int, k: int) -> int | None:
     return layout.sparse_fields[k] if kind == _STATUS_SPARSE else None
 
 
-def _native_problems(
-    block, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
-    status: np.ndarray, bad: np.ndarray,
-) -> None:
+def _native_problems(block, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
+                     status: np.ndarray, bad: np.ndarray) -> None:
     """Reasons for the bad rows the op flagged (error path only: the line's bytes are looked at again)."""
     buf_L = block if isinstance(block, np.ndarray) else np.frombuffer(block, dtype=np.uint8)
     ends = np.flatnonzero(buf_L == 10)

@@ -2,11 +2,10 @@
 values, reports and error messages:
 
     "native"  torch.ops.lightning_rec.parse_criteo (`lightning_rec.data.criteo.native`)
-    "python"  the reference here: numpy line bookkeeping + Arrow's CSV reader + a vectorised hex decode, never a
-              Python loop per row; used when the extension is not built, and in the tests as the op's parity reference
+    "python"  the reference here (numpy line bookkeeping, Arrow's CSV reader, a vectorised hex decode), used when
+              the extension is not built
 
-Shapes: N rows of a block, F = 26 sparse features, L bytes of a block.
-"""
+Shapes: N rows of a block, F = 26 sparse features, L bytes of a block."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_LUT[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX_LUT[_c] = 10 + _i
-# What Arrow's string -> double cast accepts, minus nan/inf (checked separately); used only to
-# find which values broke a cast, so that the error names a line.
+# what Arrow's string -> double cast accepts, minus nan/inf: finds which values broke a cast
 _NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
 
 
@@ -66,9 +64,8 @@ def strings_to_float(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 def decode_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """8-hex-character strings -> int64 [N] (-1 = missing) and a bad-value mask [N], vectorized.
 
-    Reads the Arrow string buffers directly: offsets give each value's start, the 8 bytes are
-    gathered as an [n, 8] array, a 256-entry table turns bytes into nibbles.
-    """
+    Reads the Arrow string buffers directly: offsets give each value's start, the 8 bytes are gathered as an [n, 8]
+    array, a 256-entry table turns bytes into nibbles."""
     n = len(col)
     _, offsets_buf, data_buf = col.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=n + 1, offset=col.offset * 4)
@@ -131,9 +128,8 @@ class _Lines:
 
 
 def _unreadable_rows(lines: _Lines, layout: CriteoLayout, problems: list) -> np.ndarray:
-    """Rows Arrow must not see, their reasons added to `problems`: a byte >= 0x80 (Arrow refuses the whole block as
-    invalid UTF-8; Criteo text is ASCII, so it is corruption), or a carriage return inside the line ("\\r\\r\\n", a
-    file converted to CRLF twice: Arrow ends a row there; the native op reads it as part of the field)."""
+    """Rows Arrow must not see, their reasons added to `problems`: a byte >= 0x80 (Arrow refuses the block as
+    invalid UTF-8), or a carriage return inside a line (Arrow ends a row there; the native op keeps it in the field)."""
     buf_L = lines.buf_L
     bad = np.zeros(lines.ends.size, dtype=bool)
     high_pos = np.flatnonzero(buf_L >= 128)
@@ -195,12 +191,9 @@ def _read_fields(clean: np.ndarray, layout: CriteoLayout, num_rows: int) -> Call
             delimiter=layout.separator, quote_char=False, double_quote=False, escape_char=False,
             newlines_in_values=False, ignore_empty_lines=False,
         ),
-        convert_options=pacsv.ConvertOptions(
-            include_columns=[names[i] for i in used],
-            column_types={names[i]: pa.string() for i in used},
-            null_values=[""],
-            strings_can_be_null=True,
-        ),
+        convert_options=pacsv.ConvertOptions(include_columns=[names[i] for i in used],
+                                             column_types={names[i]: pa.string() for i in used}, null_values=[""],
+                                             strings_can_be_null=True),
     ).combine_chunks()
     assert table.num_rows == num_rows, (table.num_rows, num_rows)
     return lambda i: table.column(names[i]).chunk(0)
@@ -238,14 +231,10 @@ def _convert_rows(clean: np.ndarray, rows_line: np.ndarray, layout: CriteoLayout
     return label_N, dense_N13, sparse_NF, bad_N
 
 
-def _parse_block(
-    block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw).
-
-    Line bookkeeping is done in numpy before Arrow's CSV reader sees the bytes, so that every row
-    handed to Arrow has exactly `num_fields` fields and its file line number is known.
-    """
+def _parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str,
+                 report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference parser. Whole lines -> (label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw),
+    every row checked in numpy before Arrow's CSV reader sees it."""
     lines = _Lines.of(block, first_line, ord(layout.separator))
     problems: list[tuple[np.ndarray, object, int]] = []
     unreadable = _unreadable_rows(lines, layout, problems)
@@ -265,10 +254,8 @@ def _parse_block(
     return label_N, dense_N13, sparse_NF
 
 
-def parse_block(
-    block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
-    parser: str = "auto",
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_block(block: bytes, first_line: int, layout: CriteoLayout, path: str, on_bad_row: str, report: ParseReport,
+                parser: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Whole lines -> (label [N], dense [N, 13] raw, sparse [N, 26] raw) with `parser` (see the module doc)."""
     if resolve_parser(parser) == "native":
         return parse_block_native(block, first_line, layout, path, on_bad_row, report)
@@ -277,9 +264,8 @@ def parse_block(
 
 @dataclass
 class CriteoReadOptions:
-    """How a Criteo text file is read (the keyword arguments of `read_criteo`, `build_criteo_cache`,
-    `CriteoIterableDataset` and `CriteoDataModule`): its layout (None: detected from the file), what a bad row does
-    ("error" or "skip"), the bytes parsed at a time, and the parser ("auto": the native op when built; resolved)."""
+    """How a Criteo text file is read (the readers' and data modules' keyword arguments): its layout (None:
+    detected), what a bad row does, the bytes parsed at a time, and the parser (resolved)."""
 
     separator: str | None = None
     has_header: bool | None = None
@@ -300,20 +286,11 @@ class CriteoReadOptions:
         return {**asdict(self), **changes}
 
 
-def read_criteo(
-    path: str | os.PathLike,
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-    on_bad_row: str = "error",
-    block_bytes: int = 64 << 20,
-    parser: str = "auto",
-) -> Iterator[tuple[pa.Table, ParseReport]]:
-    """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block.
-
-    The report is the same object every time, updated as blocks are parsed. `parser`: "auto"
-    (native when built), "native" or "python" (the reference); both give the same tables.
-    """
+def read_criteo(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
+                has_label: bool | None = None, on_bad_row: str = "error", block_bytes: int = 64 << 20,
+                parser: str = "auto") -> Iterator[tuple[pa.Table, ParseReport]]:
+    """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block, with one report
+    updated as blocks are parsed. `parser`: "auto" (native when built), "native" or "python" (the reference)."""
     options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
     layout = options.layout(path)
     report = ParseReport(path=str(path), layout=asdict(layout))

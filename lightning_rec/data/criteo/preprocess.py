@@ -1,40 +1,17 @@
-"""`lightning-rec preprocess`: Criteo text -> memory-mapped .npy shards, in bounded memory, resumable.
-
-    lightning-rec preprocess --input day_0.gz day_1.gz ... --output_dir /data/criteo1tb/train \\
-        --num_embeddings 40000000 [--min_frequency 3] [--rows_per_shard 1000000]
+"""`lightning-rec preprocess`: Criteo text (or tables) -> memory-mapped .npy shards, in bounded memory, resumable
+(docs/criteo.md#the-full-kaggle-set-and-the-criteo-1tb-logs).
 
 Shapes: n rows of a shard, F = 26 sparse features, 13 dense features.
 
-What it does, per input file in order (day files, Kaggle train.txt / train.csv; gzip / bz2 / zstd read
-as they are; or a table: a Parquet file, a folder or pattern of them, a save_to_disk folder, read in
-blocks of about --block_mb of rows and hashed as the op hashes text, its records' byte_start / byte_end
-then counting blocks):
-
     text --(blocks of --block_mb, cut at newlines)--> torch.ops.lightning_rec.parse_criteo
          (ids hashed into the tables, log(1 + max(x, 0)) dense, all in the op) --> rows of a shard
-    --(>= --rows_per_shard rows: shuffled within the shard, seeded; unlabelled inputs, which are for
-       predict, keep their order)--> <shard>.{label,dense,sparse}.npy
+    --(>= --rows_per_shard rows: shuffled within the shard, seeded)--> <shard>.{label,dense,sparse}.npy
     --> <shard>.json (rows, sha256 of each file, the input byte range it came from)
     --> manifest.json when every input is done (CriteoDataModule reads the directory through it)
 
-Memory: one shard of rows (~160 B a row, held twice while it is shuffled) plus one block of text and its
-parsed arrays; it does not grow with the input (benchmarks/criteo_ingest.py measures the peak RSS).
-
-Resuming: a shard's files are written under temporary names and renamed, then its .json record; a run
-that restarts verifies each recorded shard (row count and sha256), keeps the good prefix of every
-input, deletes what follows, and goes on from the byte where that prefix ended. No row is lost or
-written twice (the shard boundaries depend only on the input bytes and --block_mb / --rows_per_shard).
-
-Table ids (`--missing_categorical`, as in CriteoDataModule):
-    reserved_id (default)  0 = missing; a present 32-bit hash v -> 1 + v % (n_f - 1)
-    empty_bag              missing = -1 (an empty bag at batch time); v -> v % n_f
-`--min_frequency N` (the DLRM reference's frequency threshold): a first pass counts, per feature, how
-often each hashed id v % n_f occurs; ids seen fewer than N times map to 0 with the missing values, the
-others to 1..V_f in id order, and the manifest's num_embeddings_per_feature becomes [V_f + 1]. The count
-is exact when n_f (--num_embeddings) is at least the number of distinct values of the feature; values
-that share a bucket count together. It holds 4 bytes per table row while counting. For val/test data
-pass `--vocab_from <train output_dir>` so that ids mean the same rows.
-"""
+A table input is read in blocks of rows, its records' byte_start / byte_end counting blocks. A shard's files are
+written under temporary names and renamed, its .json record last; the shard boundaries depend only on the input
+bytes and --block_mb / --rows_per_shard, so a resumed run writes the same shards."""
 
 from __future__ import annotations
 
@@ -142,26 +119,14 @@ class _Run:
     remaps: list[np.ndarray] | None = None  # --min_frequency / --vocab_from: hashed id -> kept id, per feature
 
 
-def preprocess_criteo(
-    inputs: Sequence[str | os.PathLike],
-    output_dir: str | os.PathLike,
-    num_embeddings: int | Sequence[int] = 40_000_000,
-    min_frequency: int = 0,
-    vocab_from: str | os.PathLike | None = None,
-    missing_categorical: str = "reserved_id",
-    rows_per_shard: int = 1_000_000,
-    block_mb: int = 8,
-    shuffle_rows: bool | None = None,
-    seed: int = 0,
-    on_bad_row: str = "error",
-    separator: str | None = None,
-    has_header: bool | None = None,
-    has_label: bool | None = None,
-    verify: bool = True,
-    progress: bool = True,
-) -> dict:
-    """Convert Criteo text files (or tables: see `lightning_rec.data.criteo.tables`) into a shard directory (see
-    the module doc); returns the manifest."""
+def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike,
+                      num_embeddings: int | Sequence[int] = 40_000_000, min_frequency: int = 0,
+                      vocab_from: str | os.PathLike | None = None, missing_categorical: str = "reserved_id",
+                      rows_per_shard: int = 1_000_000, block_mb: int = 8, shuffle_rows: bool | None = None,
+                      seed: int = 0, on_bad_row: str = "error", separator: str | None = None,
+                      has_header: bool | None = None, has_label: bool | None = None, verify: bool = True,
+                      progress: bool = True) -> dict:
+    """Convert Criteo text files (or tables) into a shard directory; returns the manifest."""
     _check_arguments(inputs, missing_categorical, on_bad_row, rows_per_shard, block_mb, min_frequency, vocab_from)
     inputs = [str(p) for p in inputs]
     block_bytes = block_mb << 20
@@ -184,20 +149,17 @@ def preprocess_criteo(
         shuffle_rows=shuffle_rows, seed=seed, on_bad_row=on_bad_row,
     )
     if vocab_from is not None:
-        # the vocabulary itself, not only where it was: a train split preprocessed again (another --min_frequency)
-        # gave the val run's finished shards, rerun, a manifest of the new table sizes over the old ids
+        # the vocabulary itself, not only where it was (it may be rewritten there)
         options["vocab_sha256"] = file_sha256(Path(vocab_from) / "vocab.npz")
     sources = [_source(p, t) for p, t in zip(inputs, tables)]
     _check_same_run(out, options, sources)
     run = _Run(out, sizes, missing_categorical, rows_per_shard, seed, shuffle_rows, on_bad_row, block_bytes)
     run.remaps = _remaps(run, inputs, layouts, tables, min_frequency, vocab_from, progress)
     shards, reports = _write_inputs(run, inputs, layouts, tables, sources, verify, progress)
-    manifest = dict(
-        format=SHARD_FORMAT, inputs=sources, options=options, has_label=labelled,
-        missing_categorical=missing_categorical,
-        num_embeddings_per_feature=sizes if run.remaps is None else [int(r.max()) + 1 for r in run.remaps],
-        num_rows=int(sum(s["rows"] for s in shards)), shards=shards, reports=reports,
-    )
+    manifest = dict(format=SHARD_FORMAT, inputs=sources, options=options, has_label=labelled,
+                    missing_categorical=missing_categorical,
+                    num_embeddings_per_feature=sizes if run.remaps is None else [int(r.max()) + 1 for r in run.remaps],
+                    num_rows=int(sum(s["rows"] for s in shards)), shards=shards, reports=reports)
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / MANIFEST)
@@ -368,8 +330,7 @@ def _hashed(sparse_raw: np.ndarray, sizes: Sequence[int], remaps, missing_catego
 
 def _text_shards(run: _Run, idx: int, path: str, layout: CriteoLayout, done: list[dict], report: ParseReport,
                  progress, bar: _Progress) -> list[dict]:
-    """A text input's shards, from where the good shards of an earlier run ended (their records' byte_end and
-    line_end: bytes of text and lines)."""
+    """A text input's shards, from where the good shards of an earlier run ended (byte_end, line_end)."""
     start_byte = done[-1]["byte_end"] if done else 0
     start_line = done[-1]["line_end"] if done else 1
     if start_byte == 0 and layout.has_header:
@@ -394,8 +355,7 @@ def _text_shards(run: _Run, idx: int, path: str, layout: CriteoLayout, done: lis
 
 def _table_shards(run: _Run, idx: int, table: TableBlocks, done: list[dict], report: ParseReport, progress,
                   size: int, bar: _Progress) -> list[dict]:
-    """A table input's shards. Its records' byte_start / byte_end are block indices of the table (line_start /
-    line_end: its rows), so a resumed run goes on from the block where the good shards ended."""
+    """A table input's shards; its records' byte_start / byte_end count the table's blocks (line_*: its rows)."""
     start = done[-1]["byte_end"] if done else 0
     k, shards, pending, pending_rows, shard_start = len(done), [], [], 0, start
     for b in range(start, table.num_blocks):

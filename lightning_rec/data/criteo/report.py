@@ -38,21 +38,16 @@ class ParseReport:
         """Warn once at the end of parsing about rows dropped or padded (never silent)."""
         if self.num_skipped_rows:
             first = "; ".join(f"line {ln}: {why}" for ln, why in self.skipped[:3])
-            log.warning(
-                "%s: skipped %d bad rows (on_bad_row='skip'), kept %d. First: %s",
-                self.path, self.num_skipped_rows, self.num_rows, first,
-            )
+            log.warning("%s: skipped %d bad rows (on_bad_row='skip'), kept %d. First: %s",
+                        self.path, self.num_skipped_rows, self.num_rows, first)
         if self.num_padded_rows:
-            log.warning(
-                "%s: %d of %d rows had fewer fields than the layout and were padded with missing values "
-                "(trailing empty fields stripped, as in some copies of train.txt); a row cut after a separator "
-                "is refused instead", self.path, self.num_padded_rows, self.num_rows,
-            )
+            log.warning("%s: %d of %d rows had fewer fields than the layout and were padded with missing values "
+                        "(trailing empty fields stripped, as in some copies of train.txt); a row cut after a separator "
+                        "is refused instead", self.path, self.num_padded_rows, self.num_rows,)
 
 
 def minus_one_label_fix(reason: str, what: str) -> str | None:
-    """The fix for a label of -1: the data is labelled -1/1 (libsvm style), and on_bad_row='skip', the fix offered for
-    a bad row, dropped every negative row (training on clicks alone, AUC undefined). None for any other reason."""
+    """The fix for a label of -1 (-1/1 labels: skipping bad rows would drop every negative); None for other reasons."""
     if not re.fullmatch(r"label must be 0 or 1, got '?-1(\.0*)?'?", reason.split(": ")[-1]):
         return None
     how = ("ds.map(lambda r: {'label': int(r['label'] > 0)}), or the label column as label > 0"
@@ -61,14 +56,11 @@ def minus_one_label_fix(reason: str, what: str) -> str | None:
             f"negative row")
 
 
-def raise_or_record(
-    problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str, report: ParseReport
-) -> None:
-    """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record.
-
-    rank orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3),
-    too many fields (-2), a cut row (-1), else the field position of the first bad field.
-    """
+def raise_or_record(problems: list[tuple[np.ndarray, object, int]], on_bad_row: str, path: str,
+                    report: ParseReport) -> None:
+    """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record. rank
+    orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3), too many fields (-2),
+    a cut row (-1), else the field position of the first bad field."""
     if not problems:
         return
     if on_bad_row == "error":

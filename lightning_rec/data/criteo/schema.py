@@ -10,9 +10,7 @@ import numpy as np
 NUM_DENSE_FEATURES = 13
 NUM_SPARSE_FEATURES = 26
 DEFAULT_SPARSE_FEATURE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
-# TorchRec's torchrec.datasets.criteo names, with the values our loaders use: the KJT keys of every Criteo
-# and synthetic data module (TorchRec's loaders say cat_0..cat_25; tables built from these names read our
-# batches, and a data module's sparse_feature_names=... gives other keys).
+# TorchRec's torchrec.datasets.criteo names, with the values our loaders use (their KJT keys)
 CAT_FEATURE_COUNT, INT_FEATURE_COUNT = NUM_SPARSE_FEATURES, NUM_DENSE_FEATURES
 DEFAULT_CAT_NAMES = DEFAULT_SPARSE_FEATURE_NAMES
 DEFAULT_INT_NAMES = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)]
@@ -22,9 +20,7 @@ MISSING_CATEGORICAL = ("reserved_id", "empty_bag")
 
 def check_missing_categorical(missing_categorical: str) -> None:
     if missing_categorical not in MISSING_CATEGORICAL:
-        raise ValueError(
-            f"missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}"
-        )
+        raise ValueError(f"missing_categorical must be one of {MISSING_CATEGORICAL}, got {missing_categorical!r}")
 
 
 def check_on_bad_row(on_bad_row: str) -> None:
@@ -47,10 +43,8 @@ def resolve_num_embeddings(num_embeddings_per_feature: int | Sequence[int], num_
     else:
         sizes = [int(n) for n in num_embeddings_per_feature]
     if len(sizes) != num_features:
-        raise ValueError(
-            f"num_embeddings_per_feature has {len(sizes)} entries for {num_features} sparse features: "
-            f"give one int for all, or one per feature"
-        )
+        raise ValueError(f"num_embeddings_per_feature has {len(sizes)} entries for {num_features} sparse features: "
+                         f"give one int for all, or one per feature")
     if min(sizes) < 2:
         raise ValueError(f"num_embeddings_per_feature must be >= 2 for every feature, got {sizes}")
     return sizes

@@ -10,25 +10,18 @@ The on-disk format (written by `lightning_rec.data.criteo.preprocess`):
     <dir>/<shard>.sparse.npy          [n, 26]  int32    table ids (see manifest "missing_categorical")
     <dir>/<shard>.json                the shard's record: rows, sha256 of each file, input byte range
 
-Why .npy and not Arrow / parquet: a batch is then three contiguous slices of memory-mapped arrays,
-handed to torch without a decode or a copy per column (benchmarks/criteo_ingest.py measures .npy
-against the Arrow IPC file of `datasets` and parquet for the same batches: the "shard_format" rows).
-
-How the rows are dealt (every rank computes the same split from the manifest, no communication):
+.npy, not Arrow: a batch is three contiguous slices of memory-mapped arrays. How the rows are dealt (every rank
+computes the same split from the manifest, no communication):
 
     shard i, rows [0, n_i)  ->  rank r reads rows [n_i * r / W, n_i * (r + 1) / W) of every shard
-    training: every rank then reads the same number of rows per epoch (the smallest share: fewer than
-    #shards rows of a rank are left out per epoch, and drop_last's remainder), so all ranks run the same
-    number of steps (DDP needs it); epoch e starts where epoch e - 1 stopped in the rank's share, cyclically,
-    so the rows one epoch leaves out are the first the next reads (every row is trained on)
-    evaluation (`every_row=True`): every rank keeps its whole share, so every row is scored once; a rank
-    with fewer batches than the longest share steps on with empty batches (0 rows) to the same count
-    batch k of a rank = its rows [s + k * B, s + (k + 1) * B) (s: the epoch's start, 0 when no row is left
-    out; past the share's end it wraps to its start): slices, never a per-sample gather
-    workers of a rank take batches k = worker, worker + num_workers, ... (the DataLoader interleaves
-    them back in order); shuffle=True permutes the batch order each epoch (rows were already shuffled
-    within each shard by preprocess)
-"""
+    training: every rank reads the smallest share's row count per epoch (same steps on every rank);
+    epoch e starts where epoch e - 1 stopped in the rank's share, cyclically, so every row is trained on
+    evaluation (`every_row=True`): every rank keeps its whole share; a shorter one steps on with empty
+    batches (0 rows) to the longest share's count
+    batch k of a rank = its rows [s + k * B, s + (k + 1) * B) (s: the epoch's start; past the share's end
+    it wraps to its start): slices, never a per-sample gather
+    workers of a rank take batches k = worker, worker + num_workers, ...; shuffle=True permutes the
+    batch order each epoch (rows were shuffled within each shard by preprocess)"""
 
 from __future__ import annotations
 
@@ -100,10 +93,8 @@ def load_manifest(directory: str | os.PathLike) -> dict:
         raise ValueError(f"{directory} has no {MANIFEST}: {hint}")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != SHARD_FORMAT:
-        raise ValueError(
-            f"{path} has format {manifest.get('format')!r}, this version reads {SHARD_FORMAT!r}: rerun "
-            f"`lightning-rec preprocess` with this version"
-        )
+        raise ValueError(f"{path} has format {manifest.get('format')!r}, this version reads {SHARD_FORMAT!r}: rerun "
+                         f"`lightning-rec preprocess` with this version")
     return manifest
 
 
@@ -116,8 +107,7 @@ def dist_rank_world() -> tuple[int, int]:
 
 def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_row: bool = False
                   ) -> list[tuple[int, int, int]]:
-    """(shard, lo, hi) row ranges of `rank`: every rank with the same total (training), or the rank's whole
-    share (`every_row`: evaluation, where no row may be left out; see the module doc)."""
+    """(shard, lo, hi) row ranges of `rank`: the same total on every rank, or its whole share (`every_row`)."""
     segs_per_rank = []
     for r in range(world_size):
         segs_per_rank.append([(i, n * r // world_size, n * (r + 1) // world_size) for i, n in enumerate(shard_rows)])
@@ -136,28 +126,13 @@ def rank_segments(shard_rows: Sequence[int], rank: int, world_size: int, every_r
 class CriteoShardDataset(IterableDataset):
     """Batches of a preprocessed Criteo directory; each rank reads only its share of every shard.
 
-    Use with `DataLoader(dataset, batch_size=None, num_workers=..., pin_memory=...)` (what
-    `CriteoDataModule` builds for a preprocessed directory). `len()` is the number of batches of this rank.
-    With `shuffle=True`, call `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler (its
-    workers, persistent ones too, read the epoch told; untold, each process counts its own passes, and workers
-    that are not persistent, torch's default, start every epoch from the main process's count: the same order).
-    CriteoDataModule's loaders tell it.
-    `every_row=True` (CriteoDataModule's validation / test / predict sets): each rank reads its whole share
-    and `len()` is the longest share's batch count on every rank; batches past this rank's rows are empty.
-    """
+    Use with `DataLoader(dataset, batch_size=None, ...)`; `len()` is this rank's batch count. With `shuffle=True`, call
+    `set_epoch(epoch)` before each epoch, as with torch's DistributedSampler. `every_row=True` (evaluation): each rank
+    reads its whole share, `len()` is the longest share's count, and batches past it are empty."""
 
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        batch_size: int,
-        sparse_feature_names: Sequence[str] | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        every_row: bool = False,
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike, batch_size: int, sparse_feature_names: Sequence[str] | None = None,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, rank: int | None = None,
+                 world_size: int | None = None, every_row: bool = False) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.directory = str(directory)
@@ -205,27 +180,19 @@ class CriteoShardDataset(IterableDataset):
         return self._num_batches(self.rank_rows())
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose batch order the next iteration uses (shuffle=True).
-
-        Untold, each iteration counts one epoch in the process that iterates (the main process, or each
-        persistent worker); the DataLoader's workers read the epoch told here, persistent ones too.
-        """
+        """The epoch whose batch order the next iteration uses (shuffle=True). Untold, each iteration counts one
+        epoch in the process that iterates; the workers read the epoch told here."""
         self._epoch.set(epoch)
 
     def resume_from(self, epoch: int, batches_done: int) -> None:
-        """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume).
-
-        The batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on.
-        """
+        """Make the next iteration epoch `epoch` without its first `batches_done` batches (mid-epoch resume). The
+        batch order depends only on (seed, epoch), so the skipped batches are exactly the ones trained on."""
         if not 0 <= batches_done <= len(self):
             raise ValueError(f"batches_done must be in [0, {len(self)}] for this rank, got {batches_done}")
         self._epoch.set(epoch)
         self._skip = batches_done
 
-    # Resuming through a StatefulDataLoader (torchdata's Stateful protocol: the loader saves the state after every
-    # batch, per worker): the pass's epoch and the batches this worker yielded in it. A resumed pass starts after
-    # them without reading them; without the protocol, torchdata fast-forwarded by reading and building every
-    # batch already trained on (and warned "naively fast-forwarding").
+    # torchdata's Stateful protocol: a resumed pass skips the batches yielded without reading them
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._pass_epoch, "yielded": self._yielded}
@@ -243,9 +210,7 @@ class CriteoShardDataset(IterableDataset):
         return self._arrays
 
     def _ones(self, n: int) -> torch.Tensor:
-        # one id per bag: the same lengths every batch of this size (never written to downstream). Not in a
-        # DataLoader worker: each batch crosses to the main process through shared memory, and one storage sent
-        # again and again is a hazard for nothing (the copy into shared memory is made anyway)
+        # one id per bag: the same lengths every batch of this size (not shared in a DataLoader worker)
         if torch.utils.data.get_worker_info() is not None:
             return torch.ones(n, dtype=torch.int64)
         if getattr(self, "_ones_n", None) is None or self._ones_n.numel() != n:
@@ -264,14 +229,11 @@ class CriteoShardDataset(IterableDataset):
         seg_start = np.cumsum([0] + [hi - lo for _, lo, hi in segments])
         share = int(seg_start[-1])
         num_batches = len(self)
-        # rows an epoch reads: fewer than the share in training where drop_last's remainder, or the rows past the
-        # shortest rank's share, are left out
+        # rows an epoch reads (training: drop_last's remainder and rows past the shortest share left out)
         rows = min(num_batches * self.batch_size, self.rank_rows())
         resume, self._resume = self._resume, None
         epoch = self._epoch.take(None if resume is None else resume[0])
-        # Epoch e starts where epoch e - 1 stopped, cyclically in the share: the rows one epoch leaves out are the
-        # first of the next (from a fixed start, the same rows were left out every epoch, never trained on). A
-        # function of the epoch alone, so a resumed epoch reads the same rows; 0 when every row is read.
+        # epoch e starts where epoch e - 1 stopped (a function of the epoch alone: a resumed epoch reads the same rows)
         first_row = (epoch * rows) % share if share else 0
         order = np.arange(num_batches)
         if self.shuffle:
@@ -282,8 +244,7 @@ class CriteoShardDataset(IterableDataset):
         done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
         self._pass_epoch, self._yielded = epoch, done
         arrays = self._open()
-        # where each shard starts in the directory's row order: an evaluation share's rows carry their place
-        # (Batch.row_ids), which puts predictions made at N ranks back in order
+        # where each shard starts in the directory's row order (Batch.row_ids of evaluation rows)
         shard_start = np.cumsum([0] + [s["rows"] for s in self.manifest["shards"]])
         for k in order[worker::num_workers][done:]:
             self._yielded += 1  # before the yield: the loader reads the state while this generator waits there
@@ -317,11 +278,8 @@ class CriteoShardDataset(IterableDataset):
         return batch
 
     def make_batch(self, label_B: np.ndarray, dense_B13: np.ndarray, sparse_BF: np.ndarray) -> Batch:
-        """Slices -> Batch: the ids become key-major KJT values, nothing else is computed.
-
-        Small numpy steps rather than torch ops: torch would open a thread pool region for each
-        (tens of microseconds, milliseconds on a busy machine) for arrays this small.
-        """
+        """Slices -> Batch: the ids become key-major KJT values, nothing else is computed. Small numpy steps rather
+        than torch ops, which would each open a thread pool region for arrays this small."""
         batch_size = label_B.shape[0]
         ids_FB = torch.from_numpy(np.ascontiguousarray(sparse_BF.T, dtype=np.int64))  # int32 [B, F] -> int64 [F, B]
         if self.empty_bag:

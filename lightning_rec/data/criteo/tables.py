@@ -1,29 +1,17 @@
-"""Criteo rows that are already tables: Parquet files (what the Hugging Face Hub serves) and `datasets` folders.
+"""Criteo rows that are already tables: Parquet files, folders or patterns of them, and `datasets` save_to_disk
+folders (docs/criteo.md#parquet-and-hugging-face-datasets).
 
 Shapes: N rows of a record batch, F = 26 sparse features (C1..C26), 13 dense features (I1..I13).
 
-A source is
-    a `.parquet` file (found by its first bytes, "PAR1"),
-    a folder of `.parquet` files, read in name order (`Dataset.to_parquet` / pandas' `to_parquet` in
-        pieces; a folder holding several splits' files, the Hub's `data/`, is refused),
-    a pattern naming them (`data/train-*.parquet`: one split of a Hub dataset's files), or
-    a folder written by `datasets.Dataset.save_to_disk` (dataset_info.json + state.json).
-Columns are found by name, as in a text file's header (case ignored): `label` (optional), I1..I13,
-C1..C26; others (an `Id`) are left alone. The values become the cache's raw values
-(`lightning_rec.data.criteo`), so a table and the text file it came from give the same batches:
+Columns are found by name (case ignored); the values become the cache's raw values, so a table and the text
+file it came from give the same batches:
     label   0/1 as any integer, float or bool type (null or another value: a bad row)
     I1..13  any number type (null or NaN: missing); strings as in text files ("": missing)
-    C1..26  8-hex-character strings as in text files (null or "": missing), or integer ids >= 0 (a
-            column already encoded; null: missing), or floats that hold whole numbers (pandas' type for
-            an integer column with missing values; NaN: missing); ids are hashed as text hashes are
-            (reserved_id: row 1 + v % (n - 1), so ids 0..V-1 need n >= V + 1 rows to stay apart)
-    I, C    a column of nulls only (Arrow's null type, from a column of None): missing in every row
-Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file).
-
-Read three ways, as text is: converted once into the memory-mapped cache (`read_criteo_table`, through
-`build_criteo_cache`), streamed in blocks of rows read by index (`TableBlocks`, through
-`CriteoIterableDataset`), or cut into `lightning-rec preprocess` shards (`TableBlocks` again).
-"""
+    C1..26  8-hex-character strings as in text files (null or "": missing), integer ids >= 0 (null: missing),
+            or floats holding whole numbers (NaN: missing); ids are hashed as text hashes are
+    I, C    a column of nulls only (Arrow's null type): missing in every row
+Bad rows follow `on_bad_row` as in text files, named by file and row (0-based, within that file). A table is
+cached (`read_criteo_table`), streamed in blocks of rows read by index (`TableBlocks`), or cut into shards."""
 
 from __future__ import annotations
 
@@ -68,8 +56,7 @@ def glob_files(path: str | os.PathLike) -> list[Path]:
 
 
 def table_source_kind(path: str | os.PathLike | None) -> str | None:
-    """"parquet" (a file, a folder of .parquet files, or a pattern naming them), "saved_dataset" (datasets'
-    save_to_disk), or None."""
+    """"parquet" (a file, a folder or a pattern of them), "saved_dataset" (save_to_disk), or None."""
     if path is None:
         return None
     matches = glob_files(path)
@@ -96,8 +83,7 @@ def source_files(path: str | os.PathLike) -> list[Path]:
         if not p.is_dir():
             return glob_files(path) or [p]
         files = sorted(p.glob("*.parquet"))
-        # the Hub's data/ folder holds every split's files side by side (train-00000-of-00004.parquet, test-...):
-        # read whole, it would train on the test rows
+        # the Hub's data/ folder holds every split's files: read whole, it would train on the test rows
         splits = sorted({m.group(1) for f in files if (m := _SPLIT_FILE.match(f.name))})
         if len(splits) > 1:
             example = "train" if "train" in splits else splits[0]
@@ -115,8 +101,7 @@ def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None)
     missing = [w for w in wanted if w.lower() not in by_lower]
     if missing and schema.names and all(re.fullmatch(r"-?\d+(\.\d*)?|[0-9a-f]{8}(\.\d+)?|Unnamed: \d+|", name)
                                         for name in schema.names):
-        # a headerless file read as headed (load_dataset("csv", ...) of train.txt): its first row became the names,
-        # and renaming them, the fix said below, then dropped that row in silence
+        # a headerless file read as headed: its first row became the names (renaming them would lose that row)
         raise ValueError(f"{path}: its column names {schema.names[:5]} ... are a Criteo row: the file had no header "
                          f"line, so its first row was taken as the names (and is not among the rows). Pass the file "
                          f"itself (train.txt and day files are read without a header), or read it again with names, "
@@ -158,9 +143,7 @@ def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if pa.types.is_null(col.type):  # no value in any row (Arrow's type for a column of None only): all missing
         return np.full(len(col), np.nan), np.zeros(len(col), dtype=bool)
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-        # "" is missing, as an empty field of the text (and of a C column): it was a bad row, and on_bad_row='skip'
-        # then dropped every row with a missing count (strings: load_dataset("csv") with string features, pandas'
-        # dtype=str)
+        # "" is missing, as an empty field of the text
         col = col.cast(pa.string())
         return strings_to_float(pc.if_else(pc.equal(col, ""), pa.scalar(None, pa.string()), col))
     if pa.types.is_dictionary(col.type):
@@ -168,9 +151,7 @@ def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
         raise TypeError(col.type)
     values_N = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN
-    # a NaN value is missing, as a null (numpy's and Polars' missing float, and the cache's own): it was a bad row,
-    # and on_bad_row='skip', which the error offered, dropped every row with a missing count (most Criteo rows)
-    return values_N, np.isinf(values_N)
+    return values_N, np.isinf(values_N)  # NaN (numpy's and Polars' missing float) is missing, as a null
 
 
 def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -231,14 +212,12 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
                                  1 + j)
 
     def sparse(j: int) -> None:
-        # (the range, not ">= 0": a uint64 hash past 2**63 is >= 0, and was refused in those words)
         sparse_NF[:, j] = column(f"C{j + 1}", _ids, "must be 8 hex characters or an integer id in 0..2**63 - 1: a "
                                  "string column of hashes, or an integer one of ids", 14 + j)
 
     jobs = ([label] if columns["label"] is not None else []) + [lambda j=j: dense(j) for j in range(NUM_DENSE_FEATURES)]
     jobs += [lambda j=j: sparse(j) for j in range(NUM_SPARSE_FEATURES)]
-    # columns convert independently and numpy / Arrow release the GIL in them: one thread per core. The problems
-    # may come in any order; the first bad row and its reason are chosen by (row, rank) all the same
+    # numpy / Arrow release the GIL: a thread per column; the first bad row is chosen by (row, rank) after
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), torch.get_num_threads()))) as pool:
         for future in [pool.submit(job) for job in jobs]:
             future.result()
@@ -273,14 +252,10 @@ def table_layout(path: str | os.PathLike, has_label: bool | None = None) -> dict
     return {"format": table_source_kind(path), "columns": _columns(path, _schema(path), has_label)}
 
 
-def read_criteo_table(
-    path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error", batch_rows: int = 1 << 20,
-) -> Iterator[tuple[pa.Table, ParseReport]]:
-    """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text.
-
-    The report is the same object every time; `skipped` holds (row, reason) with the row counted over the
-    whole source (0-based), and the reasons name the file and its own row.
-    """
+def read_criteo_table(path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error",
+                      batch_rows: int = 1 << 20) -> Iterator[tuple[pa.Table, ParseReport]]:
+    """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text; the
+    report's `skipped` rows count over the whole source, its reasons name the file and its own row."""
     check_on_bad_row(on_bad_row)
     blocks = TableBlocks(path, has_label, batch_rows)
     report = ParseReport(path=str(path), layout=blocks.layout)
@@ -289,11 +264,9 @@ def read_criteo_table(
 
 
 class TableBlocks:
-    """A table source cut into blocks of `block_rows` rows of the whole (its files end to end), read by index:
-    what streaming and preprocess read instead of text blocks, and the cache is built from. Block k is found from
-    the Parquet files' row-group sizes (the row groups of a file that it spans are read in one call and converted
-    together, then kept for the next block) or sliced from a save_to_disk folder's memory-mapped table, so a
-    resumed or sharded pass reads only its own blocks."""
+    """A table source cut into blocks of `block_rows` rows (its files end to end), read by index: what streaming,
+    preprocess and the cache read instead of text blocks. Block k is found from the Parquet row-group sizes (read in
+    one call, kept for the next block) or sliced from a save_to_disk table, so a pass reads only its own blocks."""
 
     def __init__(self, path: str | os.PathLike, has_label: bool | None, block_rows: int) -> None:
         self.path, self.block_rows = str(path), max(1, int(block_rows))
@@ -327,7 +300,6 @@ class TableBlocks:
             self._starts = np.array([g[2] for g in self._groups] + [start], dtype=np.int64)
             self.num_rows = start
         if self.num_rows == 0:
-            # streamed, it trained on no batches in silence (the cache and preprocess refused it later, or not)
             raise ValueError(f"{path} has no data rows: expected Criteo rows (label, I1..I13, C1..C26)")
         sizes = json.dumps([[f.name, f.stat().st_size] for f in source_files(path)])
         digest = hashlib.sha1(sizes.encode()).hexdigest()[:8]  # not hash(): it differs between processes

@@ -14,11 +14,8 @@ from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
 @dataclass
 class RetrievalBatch:
-    """Training pairs: B (user, item) interactions, and optionally one sampled negative item each.
-
-    item_log_q_B is log P(an in-batch item is this item) (its training frequency): the logQ
-    correction of in-batch softmax. neg_* are None unless the data module samples negatives (BPR).
-    """
+    """Training pairs: B (user, item) interactions, and optionally one sampled negative item each (BPR). item_log_q_B:
+    log P(an in-batch item is this item), its training frequency, for the logQ correction."""
 
     user_features: KeyedJaggedTensor
     item_features: KeyedJaggedTensor

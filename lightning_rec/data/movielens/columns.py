@@ -20,8 +20,7 @@ _FIELDS = {"user": "user_id", "item": "item_id", "rating": "rating", "timestamp"
 
 
 def _header_map(columns: dict[str, str] | None) -> dict[str, str]:
-    """Lower-cased header name -> our column, with `columns` ({"item": "parent_asin", ...}: a log's own names)
-    taking precedence over the GroupLens / RecBole names."""
+    """Lower-cased header name -> our column, `columns` (a log's own names) before GroupLens / RecBole's."""
     names = dict(_HEADER_NAMES)
     if columns is not None and not isinstance(columns, dict):
         raise ValueError(f"columns={columns!r}: give a mapping of user / item / rating / timestamp to your file's "
@@ -55,8 +54,7 @@ def _empty_ids(col: pa.ChunkedArray) -> int | None:
 
 
 def _marked(table: pa.Table, implicit: bool, timeless: bool) -> pa.Table:
-    """The table with its schema marks: no rating column (min_rating has nothing to threshold), no timestamp column
-    (a temporal split has no time order)."""
+    """The table with its schema marks: no rating column, no timestamp column."""
     marks = {_NO_RATING: b"1"} if implicit else {}
     if timeless:
         marks[_NO_TIME] = b"1"

@@ -78,8 +78,7 @@ def _check_args(split: str, num_negatives: int, batch_size: int, eval_batch_size
 
 
 def _first_of_pairs(user_N: Tensor, item_N: Tensor, num_items: int, time_N: np.ndarray | None) -> np.ndarray | None:
-    """The rows to keep, one per (user, item) pair: the earliest by `time_N` (ties: file order), or the file's first
-    without it; None when no pair repeats."""
+    """The rows to keep, one per (user, item) pair (the earliest by `time_N`, or the first); None when none repeats."""
     first_N = np.argsort(time_N, kind="stable") if time_N is not None else np.arange(user_N.shape[0])
     _, first_P = np.unique((user_N.numpy() * num_items + item_N.numpy())[first_N], return_index=True)
     return None if first_P.shape[0] == user_N.shape[0] else np.sort(first_N[first_P])
@@ -91,11 +90,10 @@ class MovieLensDataModule(pl.LightningDataModule):
     Args:
         data_dir: an unpacked GroupLens folder (ml-100k, ml-1m, ml-20m, ml-25m, ...), your own log (a folder
             with ratings.csv or ratings.parquet, a .parquet file or a pattern), or, in Python, a
-            `datasets.Dataset` of interactions (written once as ratings.parquet in a folder named by its
-            fingerprint, under datasets' cache: `lightning_rec.data.hf_dataset`).
+            `datasets.Dataset` of interactions.
         split: "ro_811" (RecBole's random-order 8:1:1 per user), "to_811" (the same in time order), "loo"
             (leave-one-out in time order), ml-100k's "u1".."u5", "ua", "ub", or "given" (data_dir holds the log's own
-            train / valid / test files, or is a DatasetDict) (see the package docstring).
+            train / valid / test files, or is a DatasetDict) (docs/movielens.md).
         min_rating: None: every rating is an interaction; a number: only ratings >= it.
         side_features: add age/gender/occupation/zip and genre/year features where the layout has them.
         batch_size: training pairs per batch.
@@ -111,9 +109,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes (0: load in the main process).
         pin_memory: pin batches in host memory for the copy to a GPU.
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any).
-    """
-
+        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
@@ -126,8 +122,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         worker_options("MovieLensDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
         _check_args(split, num_negatives, batch_size, eval_batch_size, columns)
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
-        # a datasets.Dataset of interactions becomes a folder holding its ratings.parquet (a DatasetDict, with
-        # split="given": <split>.parquet each), before the arguments are saved as hyperparameters
+        # a datasets.Dataset becomes a folder holding its ratings.parquet, before the hyperparameters are saved
         given = data_dir
         data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet",
                                 split_names=tuple(_SPLIT_WORDS) if split == GIVEN else (),
@@ -137,8 +132,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.columns = dict(columns) if columns else None
         self.data_dir = Path(data_dir)
-        # here, on every rank before any process group exists (found only in prepare_data, on local rank 0, it left
-        # the other ranks waiting in a barrier); again at prepare_data and setup (the folder may be removed between)
+        # here, on every rank before any process group exists; again at prepare_data and setup
         self._check_data_dir()
         self.split, self.min_rating, self.side_features = split, min_rating, side_features
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
@@ -175,8 +169,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return table
 
     def _read_interactions(self) -> tuple[str, Path, dict[int, list[Path]] | None, pa.Table, Tensor | None]:
-        """(layout, its ratings file, split="given"'s files or None, the interactions, each one's part where the files
-        say it, else None)."""
+        """(layout, its ratings file, split="given"'s files or None, the interactions, each one's part or None)."""
         given = given_split_files(self.data_dir) if self.split == GIVEN else None
         layout, ratings_path = ("given", given[0][0]) if given else detect_layout(self.data_dir)
         self.report.layout = layout
@@ -205,8 +198,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return layout, ratings_path, given, table, part_N
 
     def _side_of(self, layout: str, given: dict | None, table: pa.Table) -> tuple[dict, dict, dict, dict]:
-        """Users' and items' side features (none unless side_features), keyed as the ratings' ids are; item titles;
-        feature sizes."""
+        """Users' and items' side features (none unless side_features), item titles, feature sizes."""
         side_layout = layout
         if given:  # split files beside GroupLens' side files (u.user / u.item, users.dat / movies.dat, movies.csv)
             side_layout = next((name for name, files in (("ml-100k", ("u.user", "u.item")),
@@ -220,8 +212,7 @@ class MovieLensDataModule(pl.LightningDataModule):
                           stacklevel=3)
         if not self.side_features:
             users, items = {}, {}  # ids only (titles still name the items in logs)
-        # side files key users and items as the ratings do (ints; RecBole's Amazon files: strings): keys of the
-        # other kind cannot be one of these users or items
+        # side files keyed as the ratings' ids are (ints or strings): keys of the other kind are no one's
         user_text, item_text = _is_text(table.column("user_id")), _is_text(table.column("item_id"))
         users = _keyed_like(users, user_text, self.data_dir, "user")
         items = _keyed_like(items, item_text, self.data_dir, "item")
@@ -239,8 +230,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.item_ids, item_N = _indexed(table.column("item_id"), list(items))
         user_N, item_N = torch.from_numpy(user_N), torch.from_numpy(item_N)
         self.num_users, self.num_items = len(self.user_ids), len(self.item_ids)
-        # implicit feedback is one interaction per (user, item): a repeated pair split into training and test would
-        # be a target the model has seen, scored as found; a temporal split keeps the earliest copy
+        # one interaction per (user, item): a repeat in training and test would be a target the model has seen
         time_N = np.asarray(table.column("timestamp")) if self.split in TEMPORAL_SPLITS else None
         keep_N = _first_of_pairs(user_N, item_N, self.num_items, time_N)
         if keep_N is not None:
@@ -274,8 +264,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self._built = True
 
     def _make_datasets(self, user_N: Tensor, item_N: Tensor, part_N: Tensor, official: bool) -> None:
-        """Training pairs; validation and test users, whose held-out items are ranked with their training items
-        (for test: training + validation items) excluded; the report's split counts."""
+        """Training pairs; validation and test users (seen items excluded); the report's split counts."""
         num_users, r = self.num_users, self.report
         csr = {p: _csr_by_user(user_N[part_N == p], item_N[part_N == p], num_users) for p in (0, 1, 2)}
         if official:
@@ -340,8 +329,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         return self.item_features.num_embeddings
 
     def user_catalog(self, rows: Tensor | None = None) -> KeyedJaggedTensor:
-        """Users' features (all, rows 0..U-1, or the given rows): what the user tower embeds (`user_ids[row]` is
-        the data's own id)."""
+        """Users' features (all, rows 0..U-1, or the given rows): what the user tower embeds."""
         self._need_setup()
         return self.user_features.kjt(torch.arange(self.num_users) if rows is None else rows.cpu())
 
@@ -389,7 +377,6 @@ class MovieLensDataModule(pl.LightningDataModule):
 
     def eval_split_names(self) -> list[str]:
         """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
-        # in fit only: `validate` ranks the validation split (Lightning would show every metric under both
-        # dataloaders, as they are logged once per epoch), and `test` the test split
+        # in fit only: `validate` ranks the validation split, `test` the test split
         fitting = self.trainer is None or self.trainer.state.fn == "fit"
         return ["val", "test"] if self.eval_test_in_fit and fitting else ["val"]

@@ -15,17 +15,13 @@ from lightning_rec.data.movielens.batches import FeatureTable, RankingBatch, Ret
 
 
 class InteractionDataset(Dataset):
-    """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`).
-
-    With `num_negatives=1` each pair gets one item drawn uniformly among the items the user has
-    not interacted with in training (BPR); rejection is redrawn a few times, whole-batch.
-    """
+    """Training (user, item) pairs; one item of the loader = one RetrievalBatch (`__getitems__`). With
+    `num_negatives=1` each pair gets one item drawn uniformly among the items the user has not seen (BPR)."""
 
     def __init__(self, user_N: Tensor, item_N: Tensor, users: FeatureTable, items: FeatureTable, num_items: int,
                  num_negatives: int, seed: int, epoch_in_seed: bool = False) -> None:
         self.user_N, self.item_N = user_N, item_N
-        # unshuffled, a pair is in the same batch every epoch: the epoch (told by the loader's set_epoch, in shared
-        # memory so that loader workers see it) then varies its negatives (see _batch_generator)
+        # unshuffled, the epoch (in shared memory, for loader workers) varies the negatives (_batch_generator)
         self.epoch_in_seed = epoch_in_seed
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.users, self.items, self.num_items = users, items, num_items
@@ -47,19 +43,13 @@ class InteractionDataset(Dataset):
         return self.user_N.shape[0]
 
     def set_epoch(self, epoch: int) -> None:
-        """The pass the loader starts (StatefulBatchLoader calls it; the fit loop's epoch in a Trainer, also when a run
-        resumes)."""
+        """The pass the loader starts (StatefulBatchLoader calls it with the fit loop's epoch)."""
         self._epoch[0] = int(epoch)
 
     def _batch_generator(self, idx_B: Tensor) -> torch.Generator:
-        """A generator seeded by the batch itself (its pair indices and the module's seed).
-
-        Not one generator advanced batch by batch: that would tie a batch's negatives to how many
-        batches this process drew before (a resumed run, a loader worker, the loop's read-ahead), so a
-        run resumed mid-epoch would train other negatives. Seeded by content, a batch is the same
-        wherever and whenever it is drawn; shuffling makes each epoch's batches differ. Without shuffling
-        (`epoch_in_seed`) the epoch is part of the seed: each pair met the same negative in every epoch.
-        """
+        """A generator seeded by the batch itself (its pair indices and the module's seed), so that a batch draws the
+        same negatives wherever and whenever it is drawn (a resumed run, a loader worker). Without shuffling
+        (`epoch_in_seed`) the epoch is part of the seed, so each epoch's negatives differ."""
         data = idx_B.numpy().tobytes()
         if self.epoch_in_seed:
             data += int(self._epoch[0]).to_bytes(8, "little", signed=True)
@@ -89,8 +79,7 @@ class InteractionDataset(Dataset):
             if not bool(seen_B.any()):
                 return neg_B
             neg_B = torch.where(seen_B, torch.randint(self.num_items, user_B.shape, generator=gen), neg_B)
-        # still seen after 10 draws (a user who has seen most items; the last draw was never checked): drawn
-        # among the unseen items exactly, which keeps the negative uniform over them
+        # still seen after 10 draws: drawn among the unseen items exactly (uniform over them)
         for j in self._seen(user_B, neg_B).nonzero().flatten().tolist():
             neg_B[j] = self._unseen_item(int(user_B[j]), gen)
         return neg_B
@@ -133,9 +122,8 @@ class UserRankingDataset(Dataset):
 
 
 class EvalShardSampler(DistributedSampler):
-    """Every user once over all ranks (DistributedSampler would repeat some to even the shares, which
-    counts them twice in the metrics): rank r takes users r, r + W, ...; shorter shares are padded
-    with -1, which the dataset drops, so every rank runs the same number of batches."""
+    """Every user once over all ranks (not DistributedSampler's repeats): rank r takes users r, r + W, ...; shorter
+    shares are padded with -1, which the dataset drops, so every rank runs the same number of batches."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)

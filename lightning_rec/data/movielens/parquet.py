@@ -16,9 +16,7 @@ _NEEDS = "every interaction needs a user, an item and (when the column is there)
 
 def _read_ratings_parquet(path: Path, columns: dict[str, str] | None = None) -> pa.Table:
     """A Parquet log of interactions, columns by name as in a ratings.csv header: user, item[, rating][, timestamp].
-
-    A missing rating column is implicit feedback (every row 1.0); a timestamp column may be integer seconds or an
-    Arrow timestamp; without one there is no time order (the temporal splits refuse it)."""
+    No rating column: implicit feedback (1.0); a timestamp column: integer seconds or an Arrow timestamp."""
     import pyarrow.parquet as pq
 
     ours = _parquet_columns(path, pq.read_schema(path), columns)

@@ -30,8 +30,7 @@ def parquet_ratings(path: Path) -> list[Path]:
 
 
 def read_ratings(path: str | Path, columns: dict[str, str] | None = None) -> pa.Table:
-    """A ratings file (any GroupLens layout, header or not; or a Parquet log, or a pattern naming its pieces)
-    -> Arrow table user_id, item_id, rating, timestamp."""
+    """A ratings file (any GroupLens layout, a Parquet log or pattern) -> Arrow table user_id, item_id, rating, time."""
     path = Path(path)
     pieces = parquet_ratings(path)
     if len(pieces) > 1 or (pieces and pieces[0] != path):

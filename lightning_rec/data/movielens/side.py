@@ -73,7 +73,6 @@ def _atomic_rows(path: Path):
             yield dict(zip(names, line.split("\t")))
 
 
-
 def _read_side(data_dir: Path, layout: str) -> tuple[dict[int, dict], dict[int, dict], dict[int, str], dict]:
     """Raw user id -> {feature: id}, raw item id -> {feature: id or [ids]}, item id -> title, feature sizes."""
     vocab = {"gender": _Vocab(), "occupation": _Vocab(), "genre": _Vocab()}
@@ -170,8 +169,7 @@ _SIDE_READERS = {"ml-100k": _ml100k_side, "ml-1m": _ml1m_side, "recbole": _recbo
 
 
 def _keyed_like(side: dict, strings: bool, where: Path, what: str) -> dict:
-    """A side file's rows keyed as the ratings' ids are: str keys for string ids, int keys for integer ids; a key
-    of the other kind cannot be one of the ratings' users or items (dropped, logged)."""
+    """A side file's rows keyed as the ratings' ids are (str or int); keys of the other kind are dropped, logged."""
     if strings:
         return {str(k): v for k, v in side.items()}
     kept = {k: v for k, v in side.items() if isinstance(k, int)}
@@ -186,11 +184,8 @@ def _is_text(column: pa.ChunkedArray) -> bool:
 
 
 def _indexed(column: pa.ChunkedArray, extra: list) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct ids of the column and of `extra`, a side file's keys, sorted; each row's place among them).
-
-    Raw ids are int64, or fixed-width unicode for string ids (sortable, saved without pickle). String ids are
-    dictionary-encoded by Arrow and only the distinct ones sorted (4x faster than numpy's unique + searchsorted over
-    every row's string)."""
+    """(the distinct ids of the column and of `extra`, sorted: int64, or fixed-width unicode for strings; each row's
+    place among them). String ids are dictionary-encoded by Arrow and only the distinct ones sorted."""
     if not _is_text(column):
         raw = np.asarray(column)
         ids = np.unique(np.concatenate([raw, np.asarray(extra, dtype=np.int64)]) if extra else raw)

@@ -1,5 +1,5 @@
 """The splits of MovieLens' interactions into train (0), validation (1) and test (2): their names, and RecBole's
-RO / TO ratio splits and leave-one-out (see the package docstring)."""
+RO / TO ratio splits and leave-one-out (docs/movielens.md)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ def loo_split(user_N: Tensor, time_N: Tensor) -> Tensor:
 
 
 def _grouped(user_N: Tensor, within_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Interactions grouped by user, in `within_N`'s order inside a user: (order_N, position in its user,
-    its user's count), the last two in that grouped order."""
+    """Interactions grouped by user in `within_N`'s order: (order_N, position in its user, its user's count)."""
     order_N = within_N[torch.sort(user_N[within_N], stable=True).indices]
     _, counts_U = torch.unique_consecutive(user_N[order_N], return_counts=True)
     starts_U = torch.cumsum(counts_U, 0) - counts_U

@@ -38,8 +38,7 @@ def _sniff(path: Path, data: bytes) -> tuple[str, bool]:
 
 def _first_bad_line(data: bytes, sep: str, has_header: bool, string_fields: Sequence[int] = (),
                     checked: Sequence[tuple[int, type]] = ((0, int), (1, int), (2, float))) -> str:
-    """':LINE' of the first row whose user, item or rating is not a number (pyarrow names only the column);
-    `string_fields` hold string ids, any text; `checked`: (field, type) of the user, item and rating."""
+    """':LINE' of the first row whose user, item or rating (`checked`, less `string_fields`) is not a number."""
     for i, raw in enumerate(data.split(b"\n"), start=1):
         if (has_header and i == 1) or not raw.strip():
             continue
@@ -69,8 +68,7 @@ def _line_of_row(data: bytes, row: int, has_header: bool) -> int:
 
 
 def _refuse_missing(table: pa.Table, data: bytes, path: Path, has_header: bool) -> None:
-    """An empty field where a number belongs reads as null: refused, naming its line (a null id would make every id
-    a float, a null rating an interaction kept or dropped without a word)."""
+    """An empty field where a number belongs reads as null: refused, naming its line."""
     for name in table.column_names:
         col = table.column(name)
         if col.null_count:
@@ -136,11 +134,8 @@ def _column_names(path: Path, data: bytes, sep: str, has_header: bool, columns: 
 
 def _parse(path: Path, data: bytes, sep: str, has_header: bool, column_names: list[str],
            included: list[str]) -> tuple[pa.Table, set[str]]:
-    """The parsed table, and the id columns read as text.
-
-    Integer ids first (reading text and casting it costs 2.3x on ml-25m-like files); a file with a header whose ids
-    do not parse is read again with its ids as text ("A3SGXH7AUHU8GW", an ASIN). GroupLens' headerless files keep
-    integer ids: a letter there is damage."""
+    """The parsed table, and the id columns read as text: integer ids first; a headed file whose ids do not parse is
+    read again with text ids (ASINs). Headerless files keep integer ids: a letter there is damage."""
 
     def read(string_ids: set[str]) -> pa.Table:
         return pacsv.read_csv(
@@ -173,8 +168,7 @@ def _parse(path: Path, data: bytes, sep: str, has_header: bool, column_names: li
 
 
 def _ids_from_text(col: pa.ChunkedArray, data: bytes, path: Path, name: str, has_header: bool) -> pa.ChunkedArray:
-    """A header-named id column read as text: int64 when every id is an integer, else the strings (with a warning
-    when integers and other ids are mixed: ISBN-like ids beside ASINs are fine, a damaged row is not)."""
+    """A header-named id column read as text: int64 when every id is an integer, else the strings (mixed: a warning)."""
     col = pc.utf8_trim_whitespace(col)
     empty = _empty_ids(col)  # an empty field is a missing id, not the id "" (nor a reason to read strings)
     if empty is not None:
