@@ -210,12 +210,21 @@ def run_once(name: str, side: Path, args: argparse.Namespace, label: str) -> dic
 
 
 def _labels(items: list) -> list[str]:
-    """Keys for a list's items: each dict's first string value (a variant's name, say) when those are unique."""
-    names = [next((v for v in item.values() if isinstance(v, str)), None) if isinstance(item, dict) else None
-             for item in items]
-    if None not in names and len(set(names)) == len(names):
-        return names
-    return [str(i) for i in range(len(items))]
+    """Keys for a list's items: a list of dicts is keyed by each dict's string values ("ours", or
+    "native/sgd" where one is not unique; a repeat gets "~2"), so that a reordered list still pairs up."""
+    if not items or not all(isinstance(item, dict) for item in items):
+        return [str(i) for i in range(len(items))]
+    texts = [[v for v in item.values() if isinstance(v, str)] for item in items]
+    firsts = [t[0] if t else "" for t in texts]
+    names = firsts if "" not in firsts and len(set(firsts)) == len(firsts) else ["/".join(t) for t in texts]
+    if "" in names:
+        return [str(i) for i in range(len(items))]
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name}~{seen[name]}")
+    return labels
 
 
 def flatten(obj, prefix: str = "") -> dict[str, float]:

@@ -73,3 +73,16 @@ def test_against_reports_a_side_that_fails(tmp_path):
     assert [(f["side"], f["round"]) for f in report["failures"]] == [("old", 1), ("old", 2)]
     assert "the old library refuses this" in report["failures"][0]["stderr_tail"]
     assert report["ratios"] == {} and report["figures"]["figures.tree"] == {"new": 2.0, "new_runs": [2.0, 2.0]}
+
+
+def test_flatten_keys_lists_of_dicts_by_their_names():
+    sys.path.insert(0, str(AGAINST.parent))
+    try:
+        from against import flatten
+    finally:
+        sys.path.remove(str(AGAINST.parent))
+    results = [{"variant": "ours", "optimizer": "sgd", "x": 1}, {"variant": "native", "optimizer": "sgd", "x": 2},
+               {"variant": "native", "optimizer": "sgd", "threads": 1, "x": 3}]
+    assert flatten({"results": results, "per_run": [0.5, 0.7], "ok": True, "name": "x", "nan": float("nan")}) == {
+        "results.ours/sgd.x": 1.0, "results.native/sgd.x": 2.0, "results.native/sgd~2.threads": 1.0,
+        "results.native/sgd~2.x": 3.0, "per_run.0": 0.5, "per_run.1": 0.7}
