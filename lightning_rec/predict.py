@@ -163,7 +163,7 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError(f"{type(pl_module).__name__}.predict_step returned columns of shapes {shapes}: each "
                              f"must be [rows] or [rows, K] with the same rows")
         if ROW not in columns:
-            if num == 0:  # a step with no rows (a rank whose share ran out steps with an empty batch: strategy.py)
+            if num == 0:  # a step with no rows (a rank whose share ran out steps with an empty batch)
                 columns[ROW] = np.zeros(0, dtype=np.int64)
             elif batch_indices:  # a map-style loader: Lightning recorded the indices of the batch
                 indices = [i for i in batch_indices if i != -1]  # -1: a share's padding, no row

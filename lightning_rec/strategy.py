@@ -13,7 +13,7 @@ Checkpoints (`checkpoint_format="dcp"`, the default) are sharded directories wri
 torch.distributed.checkpoint: every rank writes its own shards and their fused optimizer state,
 the dense layers and dense optimizer are written once, and a save commits only when whole.
 Loading reads each rank's pieces into any world size or plan, or into the unsharded module, and
-restores every rank's dataloader position (exact mid-epoch resume). See checkpoint.py.
+restores every rank's dataloader position (exact mid-epoch resume). See lightning_rec/checkpoint/
 `checkpoint_format="gathered"` writes the previous format: every table gathered whole to rank 0
 one table at a time, one file written straight to disk (rank 0 holds the whole model once); both
 formats load (a gathered file is memory-mapped: each rank reads only its pieces).
@@ -520,7 +520,7 @@ class RecStrategy(DDPStrategy):
         dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
-    # checkpoints: sharded through DCP (checkpoint.py), or gathered whole to rank 0 ------------------
+    # checkpoints: sharded through DCP (lightning_rec/checkpoint/), or gathered whole to rank 0 ------------------
 
     @property
     @override
@@ -633,7 +633,7 @@ class RecStrategy(DDPStrategy):
         return comm.all_gather_object(obj)
 
     def _gathered_state_dict(self) -> dict[str, Any]:
-        # one table at a time, through the DMP's guarded gather (checkpoint.py, "the gathered format")
+        # one table at a time, through the DMP's guarded gather (checkpoint/gathered.py)
         return rec_checkpoint.gathered_state_dict(self.lightning_module.state_dict(), self._dmp)
 
     def _gathered_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -145,7 +145,7 @@ class CriteoDataset(Dataset):
         )
 
     def empty_batch(self) -> Batch:
-        """A batch of 0 rows: what a rank whose evaluation share ran out steps with (strategy.py)."""
+        """A batch of 0 rows: what a rank whose evaluation share ran out steps with (_strategy/loaders.py)."""
         return self.__getitems__([])
 
     def __getitem__(self, index: int | Sequence[int] | slice) -> Batch:
@@ -329,7 +329,7 @@ class CriteoIterableDataset(IterableDataset):
         return arrays, seen
 
     def empty_batch(self) -> Batch:
-        """A batch of 0 rows, what a rank whose stream ran out steps with in evaluation (strategy.py)."""
+        """A batch of 0 rows, what a rank whose stream ran out steps with in evaluation (_strategy/loaders.py)."""
         return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
                            np.empty((0, NUM_SPARSE_FEATURES), np.int64),
                            *((np.empty(0, np.int64),) if self.row_ids else ()))
