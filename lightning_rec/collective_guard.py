@@ -40,7 +40,7 @@ NCCL: collectives do not block the host, and a timed wait would add a host sync,
 the waits the host makes anyway are guarded (the id counts, whose sizes the host reads; the step
 agreement; checkpoint gathers); a mismatch elsewhere surfaces at the next of those. The watcher
 sees a rank blocked in torch.distributed only where the host blocks (barrier, object collectives,
-.item() after a collective). Untested on GPU here (no GPU on the CPU machines).
+.item() after a collective).
 """
 
 from __future__ import annotations

@@ -78,8 +78,7 @@ class RecStrategy(DDPStrategy):
 
     strategy_name = "rec"
 
-    # planner typed (not Any): a recipe's `planner:` whose init_args jsonargparse refuses (a misspelt field) is an
-    # error naming the field, not a dict handed on ("'dict' object has no attribute 'collective_plan'" at setup)
+    # typed (not Any): jsonargparse then names a recipe's misspelt `planner:` field instead of handing on a dict
     def __init__(self, plan: ShardingPlan | None = None, planner: EmbeddingShardingPlanner | None = None,
                  dense: str = "ddp", embedding_timeout: float = 300.0, pipeline: Any = False,
                  checkpoint_format: str = "dcp", **kwargs: Any) -> None:
@@ -212,10 +211,8 @@ class RecStrategy(DDPStrategy):
         self._note_trainable_dense()
 
     def _note_trainable_dense(self) -> None:
-        # DDP reduces the gradients of the parameters that required one when it was built: a dense layer frozen then
-        # (BaseFinetuning.freeze_before_training runs before the wrap) and unfrozen later trained on each rank's own
-        # gradient, the replicas drifting apart silently; one frozen after it stopped DDP's reduction. Tables
-        # (FusedTableWeight: requires_grad reads False) are not DDP's.
+        # DDP reduces only the parameters that required a gradient when it was built: a change of what is frozen
+        # rebuilds it (below). Tables (FusedTableWeight: requires_grad reads False) are not DDP's.
         self._dense_params = [p for p in self._dmp._unwrapped.parameters() if not isinstance(p, FusedTableWeight)]
         self._dense_trainable = [p.requires_grad for p in self._dense_params]
 
@@ -273,9 +270,7 @@ class RecStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None or module.automatic_optimization or self._warned_manual_accumulation:
             return out
-        # Manual optimization with gradients accumulated by hand (opt.step() every N batches): the automatic path
-        # warns through accumulate_grad_batches, this one trained the tables N x as often without a word. A second
-        # backward with no optimizer step between is what accumulation looks like, and costs a counter to see.
+        # a second backward with no optimizer step between is manual accumulation: the fused tables do not accumulate
         self._backwards_unstepped += 1
         if self._backwards_unstepped == 2:
             fused = fused_table_modules(module)
@@ -490,9 +485,7 @@ class RecStrategy(DDPStrategy):
         if module is None or self._dmp is None or self.root_device.type == "cpu":
             super().teardown()
             return
-        # Lightning moves the module to the CPU here. Sharded tables cannot follow (each rank holds its pieces in
-        # the device's kernels; a replica moved alone left a module on two devices), so the whole module stays on
-        # its device, as a later Trainer or `module(...)` expects it
+        # Lightning moves the module to the CPU here; sharded tables cannot follow, so the whole module stays put
         vars(module)["cpu"] = lambda: module
         try:
             super().teardown()
@@ -501,9 +494,8 @@ class RecStrategy(DDPStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        # Lightning's barriers (after every trainer.save_checkpoint; none per step) waited on the default group for
-        # its timeout (30 min) when a peer stopped; once the tables are sharded they run on the embedding group,
-        # through its guard: that peer is named within embedding_timeout
+        # once the tables are sharded, on the embedding group through its guard: a stopped peer is named within
+        # embedding_timeout (the default group would wait its 30 minutes)
         if self._dmp is not None and self._dmp.groups_alive():
             comm.barrier(f"barrier ({name})" if name else "barrier", group=self._dmp._emb_pg)
             return
@@ -511,8 +503,7 @@ class RecStrategy(DDPStrategy):
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        # LightningModule.all_gather: Lightning gathers through torch.distributed.nn.functional.all_gather, which
-        # torch 2.13 deprecates with a warning on every call; without gradients plain all_gather does the same
+        # without gradients, plain all_gather (torch 2.13 deprecates the autograd one Lightning calls, per call)
         if sync_grads or not dist.is_initialized():
             return super().all_gather(tensor, group, sync_grads)
         tensor = tensor.contiguous()

@@ -1,51 +1,5 @@
-"""The on-disk format of a checkpoint: its files, its entry names and the keys of its Lightning dict.
-
-A checkpoint is a directory (Lightning's `ModelCheckpoint` names it `epoch=0-step=20.ckpt`):
-
-    <name>.ckpt/
-      .metadata        DCP: every tensor's global shape and where each of its chunks lies
-      __<r>_0.distcp   what rank r wrote: its own table shards and their fused optimizer state,
-                       and its share of the replicated entries (dense layers, dense optimizer:
-                       DCP writes each replicated entry once)
-      lightning.pt     the rest of Lightning's checkpoint (epoch, loops, callbacks, hparams,
-                       schedulers), with every rank's dataloader state and random number generator
-                       states; written last by rank 0
-
-Entry names in DCP (a flat dict; `t` a table, `s` an optimizer state name):
-
-    state_dict.<key>                          the LightningModule's state dict; a sharded table is
-                                              one tensor of its global shape [rows, dim], each rank
-                                              writing the chunks it holds
-    optimizer_states.<i>.fused.<path>.<t>.<s> fused state per element [rows, dim] (Adagrad, Adam)
-    ...fused.<path>.<t>.<s>@per_row           fused state per row (row-wise Adagrad): [rows, K]
-                                              whose chunks are one column wide, column k holding
-                                              the state kept by the table's k-th column shard
-                                              (loading takes their mean weighted by shard width,
-                                              as `optim.merge_fused_state` does)
-    ...fused.<path>.<t>.<s>                   a scalar (Adam's step): replicated
-    optimizer_states.<i>.fused.param_groups   the fused learning rates (bytes)
-    optimizer_states.<i>.rest                 the rest of the optimizer's state dict (the dense
-                                              torch.optim part), pickled once
-    optimizer_states.<i>.dense[.<part>]....   a dense part sharded by FSDP, by parameter name
-                                              (get_optimizer_state_dict): DTensors written as their
-                                              shards, so it loads at any world size; `rest` holds
-                                              DENSE_IN_DCP in its place
-
-Saving writes only this rank's pieces, straight from the kernels' memory, so the extra host memory
-per rank is bounded by a piece, not the model. Loading asks DCP for the rectangles this rank's
-layout holds and copies them straight into the kernels: any world size, any plan, or the unsharded
-module.
-
-A save is a commit: every rank writes into `.<name>.partial-<id>/`; after rank 0 has written
-`lightning.pt`, rank 0 swaps the directory in under its final name. A save killed midway leaves a
-hidden partial directory that nothing loads, and the previous checkpoint stays whole; the next save
-of that name removes the leftovers.
-
-The one-file format (`RecStrategy(checkpoint_format="gathered")`, and checkpoints from before the
-directories) is Lightning's checkpoint dict as torch.save writes it, every sharded table whole under
-its state-dict name and the fused optimizer state whole under its global names (FULL_BY_NAME marks a
-dense part stored whole by parameter name); it loads into any world size, plan or the unsharded model.
-"""
+"""The on-disk format of a checkpoint: its files, its entry names and the keys of its Lightning dict
+(docs/checkpoints.md, "On disk": the layout, every entry name, the commit, the one-file format)."""
 
 from __future__ import annotations
 

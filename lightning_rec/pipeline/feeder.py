@@ -408,14 +408,7 @@ class _Feeder(Iterator):
         k, exhausted = 0, False
         channel = next(iter(self.channels.values()), None)
         while self._may_start(k):
-            batch, error = None, None
-            try:
-                if not exhausted:
-                    batch = next(self.source)
-            except StopIteration:
-                exhausted = True
-            except Exception as e:  # noqa: BLE001 - every rank must hear of it first
-                error = e
+            batch, error, exhausted = self._read(exhausted)
             if self._ordered:
                 if batch is not None and error is None:
                     batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
@@ -423,13 +416,7 @@ class _Feeder(Iterator):
                     if batch is not None and error is None:
                         self._held.append(batch)  # read from the source: close(keep_unused) hands it back
                     return
-            stop = int(self.stop_signal[0]()) if self.stop_signal is not None else 0
-            if channel is not None:
-                missing, failed, stopping = channel.agree(batch is None and error is None, error is not None,
-                                                          self._dist_stream, stop=stop)
-            else:
-                missing, failed = ([0] if batch is None and error is None else []), ([0] if error else [])
-                stopping = {0: stop} if stop else {}
+            missing, failed, stopping = self._agree(channel, batch, error)
             if failed:
                 if error is not None:
                     raise error
@@ -439,44 +426,69 @@ class _Feeder(Iterator):
                 if batch is None:  # evaluation: this rank ran out, another has not: step on with an empty batch
                     batch = self._copy(self.pad()) if self._ordered else self.pad()
             elif missing:
-                if batch is not None:
-                    warnings.warn(f"rank {channel.rank if channel else 0}: the rest of this epoch's batches are "
-                                  f"skipped: another rank's dataloader ran out first, and sharded embeddings need "
-                                  f"every rank in every step. Give every rank the same number of batches (e.g. "
-                                  f"drop_last, or an even split) to use them all" + _EVALUATION_FIX * self.evaluating,
-                                  stacklevel=2)
-                self._end_stop = stopping
-                self._put(_END)
+                self._end_early(channel, batch, stopping)
                 return
-            entry = self._entry(k, batch) if self._ordered else self._prepare(k, batch)
-            entry.stop = stopping
-            recording = k == 0 and self.plan.record_entry is None and not self.plan.final.is_set()
-            if recording:
-                self.plan.record_entry = entry  # the recording batch: routed in the step
-                entry.ready.set()
-            if self._ordered and not recording:  # routed in its turn, then handed out
-                if self.plan.final.is_set():
-                    self._route(entry, put_on_error=True)
-                else:  # the plan is still being recorded (a loop that takes a batch ahead): route it in the step
-                    entry.in_step = True
-                    entry.ready.set()
-                self._put(entry)
-            else:
-                self._put(entry)  # the loop may take it now; its routing follows
-            if recording or self._ordered:
-                pass
-            else:
-                waited = self._wait_plan(k)
-                if waited is False:
-                    entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
-                    entry.ready.set()
-                    return
-                if waited is None:
-                    entry.in_step = True
-                    entry.ready.set()
-                else:
-                    self._route(entry)
+            if not self._hand_out(k, batch, stopping):
+                return
             k += 1
+
+    def _read(self, exhausted: bool) -> tuple[Any, BaseException | None, bool]:
+        """(the source's next batch or None, the error it raised or None, whether it is exhausted)."""
+        if exhausted:
+            return None, None, True
+        try:
+            return next(self.source), None, False
+        except StopIteration:
+            return None, None, True
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it first
+            return None, e, False
+
+    def _agree(self, channel, batch, error) -> tuple[list[int], list[int], dict[int, int]]:
+        """The ranks without a batch, the ranks whose loader raised, and the signals sent: agreed by every rank."""
+        stop = int(self.stop_signal[0]()) if self.stop_signal is not None else 0
+        if channel is not None:
+            return channel.agree(batch is None and error is None, error is not None, self._dist_stream, stop=stop)
+        return ([0] if batch is None and error is None else []), ([0] if error else []), ({0: stop} if stop else {})
+
+    def _end_early(self, channel, batch, stopping: dict[int, int]) -> None:
+        """A rank ran out: the pass ends for every rank here (this rank's unused batch is said to be skipped)."""
+        if batch is not None:
+            warnings.warn(f"rank {channel.rank if channel else 0}: the rest of this epoch's batches are "
+                          f"skipped: another rank's dataloader ran out first, and sharded embeddings need "
+                          f"every rank in every step. Give every rank the same number of batches (e.g. "
+                          f"drop_last, or an even split) to use them all" + _EVALUATION_FIX * self.evaluating,
+                          stacklevel=3)
+        self._end_stop = stopping
+        self._put(_END)
+
+    def _hand_out(self, k: int, batch, stopping: dict[int, int]) -> bool:
+        """Batch k to the loop, routed ahead once the plan is known; False when the pipeline stopped meanwhile."""
+        entry = self._entry(k, batch) if self._ordered else self._prepare(k, batch)
+        entry.stop = stopping
+        recording = k == 0 and self.plan.record_entry is None and not self.plan.final.is_set()
+        if recording:
+            self.plan.record_entry = entry  # the recording batch: routed in the step
+            entry.ready.set()
+        if self._ordered and not recording:  # routed in its turn, then handed out
+            if self.plan.final.is_set():
+                self._route(entry, put_on_error=True)
+            else:  # the plan is still being recorded (a loop that takes a batch ahead): route it in the step
+                entry.in_step = True
+                entry.ready.set()
+        self._put(entry)  # unordered: the loop may take it now; its routing follows
+        if recording or self._ordered:
+            return True
+        waited = self._wait_plan(k)
+        if waited is False:
+            entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
+            entry.ready.set()
+            return False
+        if waited is None:
+            entry.in_step = True
+            entry.ready.set()
+        else:
+            self._route(entry)
+        return True
 
     def _prepare(self, k: int, batch: Any) -> _Entry:
         return self._entry(k, self._copy(batch))

@@ -277,8 +277,7 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
     W, L, H = t.world_size, t.local_world_size, t.num_hosts
     min_cols = spec.constraints.min_partition or min(spec.dim, DEFAULT_MIN_PARTITION)
     name, rows, dim = spec.name, spec.rows, spec.dim
-    allowed = spec.constraints.sharding_types
-    user_only = allowed is not None
+    user_only = spec.constraints.sharding_types is not None
     if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) and rows < (
         W if st == ShardingType.ROW_WISE else L
     ):
@@ -296,41 +295,59 @@ def _layouts(spec: TableSpec, st: ShardingType, t: Topology) -> tuple[list, list
             return [], [f"{st}: one host, same as row_wise"]
         return [(1, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
     if st == ShardingType.COLUMN_WISE:
-        out = []
-        for k in _block_counts(W, dim, min_cols):
-            shards = shard_layout(name, rows, dim, st, W, ranks=[0] * k)
-            # sequence tables run on fbgemm, whose column blocks must be multiples of 4 (model_parallel.py)
-            if spec.pooled or dim % 4 or not any(s.shard_sizes[1] % 4 for s in shards):
-                out.append((k, None, shards))
-        return out, [] if out else [
-            f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks "
-            f"({_min_partition_fix(spec, min_cols, dim // 2)})"
-        ]
+        return _column_wise_layouts(spec, st, t, min_cols)
     if st == ShardingType.TABLE_COLUMN_WISE:
-        if H == 1 and not user_only:
-            return [], [f"{st}: one host, same as column_wise"]
-        if L < 2:  # one block per host would be table_wise; "blocks under min_partition" named the wrong cause
-            return [], [f"{st}: splits columns over the ranks of a host, and a host has {L} rank "
-                        f"(local_world_size={L}): needs 2+ ranks per host (else use table_wise or column_wise)"]
-        if dim // L < min_cols:
-            return [], [f"{st}: dim {dim} over {L} local ranks gives blocks under {min_cols} columns "
-                        f"({_min_partition_fix(spec, min_cols, dim // L)})"]
-        return [(L, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
+        return _table_column_wise_layouts(spec, st, t, min_cols, user_only)
     if st == ShardingType.GRID_SHARD:
-        out = []
-        if rows < L:
-            return [], [f"{st}: {rows} rows cannot be split over the {L} ranks of a host"]
-        for k in _block_counts(H, dim, min_cols):
-            shards = shard_layout(name, rows, dim, st, W, local_world_size=L, host_indexes=list(range(k)))
-            out.append((k, None, shards))
-        if out:
-            return out, []
-        if H < 2:
-            return [], [f"{st}: splits columns over hosts, and there is {H} (world_size {W} / local_world_size {L}): "
-                        f"needs 2+ hosts (else use row_wise or table_row_wise)"]
-        return [], [f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {H} hosts "
-                    f"({_min_partition_fix(spec, min_cols, dim // 2)})"]
+        return _grid_layouts(spec, st, t, min_cols)
     raise AssertionError(f"unhandled sharding type {st}")
+
+
+def _column_wise_layouts(spec: TableSpec, st: ShardingType, t: Topology, min_cols: int) -> tuple[list, list[str]]:
+    W, name, rows, dim = t.world_size, spec.name, spec.rows, spec.dim
+    out = []
+    for k in _block_counts(W, dim, min_cols):
+        shards = shard_layout(name, rows, dim, st, W, ranks=[0] * k)
+        # sequence tables run on fbgemm, whose column blocks must be multiples of 4 (model_parallel.py)
+        if spec.pooled or dim % 4 or not any(s.shard_sizes[1] % 4 for s in shards):
+            out.append((k, None, shards))
+    return out, [] if out else [
+        f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {W} ranks "
+        f"({_min_partition_fix(spec, min_cols, dim // 2)})"
+    ]
+
+
+def _table_column_wise_layouts(spec: TableSpec, st: ShardingType, t: Topology, min_cols: int,
+                               user_only: bool) -> tuple[list, list[str]]:
+    W, L, H = t.world_size, t.local_world_size, t.num_hosts
+    name, rows, dim = spec.name, spec.rows, spec.dim
+    if H == 1 and not user_only:
+        return [], [f"{st}: one host, same as column_wise"]
+    if L < 2:  # one block per host would be table_wise; "blocks under min_partition" named the wrong cause
+        return [], [f"{st}: splits columns over the ranks of a host, and a host has {L} rank "
+                    f"(local_world_size={L}): needs 2+ ranks per host (else use table_wise or column_wise)"]
+    if dim // L < min_cols:
+        return [], [f"{st}: dim {dim} over {L} local ranks gives blocks under {min_cols} columns "
+                    f"({_min_partition_fix(spec, min_cols, dim // L)})"]
+    return [(L, None, shard_layout(name, rows, dim, st, W, local_world_size=L))], []
+
+
+def _grid_layouts(spec: TableSpec, st: ShardingType, t: Topology, min_cols: int) -> tuple[list, list[str]]:
+    W, L, H = t.world_size, t.local_world_size, t.num_hosts
+    name, rows, dim = spec.name, spec.rows, spec.dim
+    out = []
+    if rows < L:
+        return [], [f"{st}: {rows} rows cannot be split over the {L} ranks of a host"]
+    for k in _block_counts(H, dim, min_cols):
+        shards = shard_layout(name, rows, dim, st, W, local_world_size=L, host_indexes=list(range(k)))
+        out.append((k, None, shards))
+    if out:
+        return out, []
+    if H < 2:
+        return [], [f"{st}: splits columns over hosts, and there is {H} (world_size {W} / local_world_size {L}): "
+                    f"needs 2+ hosts (else use row_wise or table_row_wise)"]
+    return [], [f"{st}: dim {dim} makes no 2+ column blocks of >= {min_cols} columns over {H} hosts "
+                f"({_min_partition_fix(spec, min_cols, dim // 2)})"]
 
 
 def enumerate_options(spec: TableSpec, cost: CostModel,

@@ -92,17 +92,7 @@ class Topology:
     generalized_comms_bandwidths: object | None = None
 
     def __post_init__(self) -> None:
-        for name, instead in _TORCHREC_REFUSED.items():
-            value = getattr(self, name)
-            if value is not None:  # was a TypeError "unexpected keyword argument" naming no way forward
-                raise ValueError(f"Topology({name}={value!r}) is TorchRec's; this planner does not model it: "
-                                 f"{instead}; leave it out")
-        pcie_name = "pcie_bw" if self.hbm_to_ddr_mem_bw is None else "hbm_to_ddr_mem_bw"
-        if self.hbm_to_ddr_mem_bw is not None:
-            if self.pcie_bw is not None and self.pcie_bw != self.hbm_to_ddr_mem_bw:
-                raise ValueError(f"Topology hbm_to_ddr_mem_bw={self.hbm_to_ddr_mem_bw} (TorchRec's name) disagrees "
-                                 f"with pcie_bw={self.pcie_bw}: they are the same link; pass one of them")
-            self.pcie_bw = self.hbm_to_ddr_mem_bw
+        self._take_torchrec_names()
         self.compute_device = str(self.compute_device).lower()
         if self.compute_device not in COMPUTE_DEVICES:
             raise ValueError(f"Topology compute_device={self.compute_device!r} is not supported: use 'cpu' or 'cuda'")
@@ -113,6 +103,22 @@ class Topology:
         if self.local_world_size <= 0 or self.world_size % self.local_world_size:
             raise ValueError(f"Topology local_world_size={self.local_world_size} must be positive and divide "
                              f"world_size={self.world_size}: set it to the number of ranks per host")
+        self._resolve_memory()
+        self._resolve_bandwidths()
+
+    def _take_torchrec_names(self) -> None:
+        for name, instead in _TORCHREC_REFUSED.items():
+            value = getattr(self, name)
+            if value is not None:
+                raise ValueError(f"Topology({name}={value!r}) is TorchRec's; this planner does not model it: "
+                                 f"{instead}; leave it out")
+        if self.hbm_to_ddr_mem_bw is not None:
+            if self.pcie_bw is not None and self.pcie_bw != self.hbm_to_ddr_mem_bw:
+                raise ValueError(f"Topology hbm_to_ddr_mem_bw={self.hbm_to_ddr_mem_bw} (TorchRec's name) disagrees "
+                                 f"with pcie_bw={self.pcie_bw}: they are the same link; pass one of them")
+            self.pcie_bw = self.hbm_to_ddr_mem_bw
+
+    def _resolve_memory(self) -> None:
         cuda = self.compute_device == "cuda"
         if self.hbm_cap is None:
             self.hbm_cap = gpu_memory_bytes() if cuda else 0
@@ -130,6 +136,10 @@ class Topology:
         if self.ddr_cap <= 0:
             raise ValueError(f"Topology ddr_cap={self.ddr_cap} leaves no host memory per rank: pass ddr_cap=<bytes "
                              f"per rank> (e.g. ddr_cap=64 * GB)")
+
+    def _resolve_bandwidths(self) -> None:
+        cuda = self.compute_device == "cuda"
+        pcie_name = "pcie_bw" if self.hbm_to_ddr_mem_bw is None else "hbm_to_ddr_mem_bw"
         defaults = {"hbm_mem_bw": _CUDA_HBM_BW if cuda else 0.0, "ddr_mem_bw": _CUDA_DDR_BW if cuda else _CPU_DDR_BW,
                     "intra_host_bw": _CUDA_INTRA_HOST_BW if cuda else _CPU_INTRA_HOST_BW,
                     "inter_host_bw": _CUDA_INTER_HOST_BW if cuda else _CPU_INTER_HOST_BW,

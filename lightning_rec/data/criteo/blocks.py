@@ -87,46 +87,20 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int, skip_header: boo
     raw = pa.OSFile(str(path), "rb")
     stream = pa.CompressedInputStream(raw, compression) if compression else raw
     try:
-        if start_byte and compression is None:
-            raw.seek(start_byte)
-        else:
-            left = start_byte
-            while left:
-                got = len(stream.read(min(left, block_bytes)))
-                if got == 0:
-                    raise ValueError(f"{path} is shorter than byte {start_byte}: the file changed since it was read")
-                left -= got
+        _seek(stream, raw, path, start_byte, block_bytes, compression)
         buf = np.empty(max(block_bytes, len(BOM)), dtype=np.uint8)
-        filled, pos = 0, start_byte
+        filled, pos = _skip_bom(stream, buf, path) if start_byte == 0 else (0, start_byte)
         header = skip_header and start_byte == 0
-        if start_byte == 0:  # a byte-order mark before the first row is skipped (offsets still count it)
-            try:
-                filled = stream.readinto(memoryview(buf)[:len(BOM)])
-            except OSError as e:
-                raise unreadable(path, e) from e
-            if bytes(buf[:filled]) == BOM:
-                filled, pos = 0, len(BOM)
         while True:
             if filled == buf.size:  # a line longer than the buffer: grow it
                 buf = np.concatenate([buf, np.empty(buf.size, dtype=np.uint8)])
-            try:
-                got = stream.readinto(memoryview(buf)[filled:])
-            except OSError as e:
-                raise unreadable(path, e) from e
+            got = _read_into(stream, buf, filled, path)
             if progress is not None:
                 progress(raw.tell())
             if got == 0:
-                if filled and header:
-                    return  # a header without data rows
-                if filled:  # the last line may lack its newline
-                    if buf[filled - 1] != 10:
-                        if filled == buf.size:
-                            buf = np.concatenate([buf, np.empty(1, dtype=np.uint8)])
-                        buf[filled] = 10
-                        yield buf[:filled + 1], pos + filled
-                    else:
-                        yield buf[:filled], pos + filled
-                return
+                if filled and not header:
+                    yield _last_lines(buf, filled), pos + filled
+                return  # (a header alone: no data rows)
             filled += got
             start = 0
             if header:
@@ -147,6 +121,45 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int, skip_header: boo
             pos, filled = pos + cut, rest
     finally:
         raw.close()
+
+
+def _seek(stream, raw, path, start_byte: int, block_bytes: int, compression) -> None:
+    """Position the stream at `start_byte` of the text: a seek in plain files, reading past it in compressed ones."""
+    if start_byte and compression is None:
+        raw.seek(start_byte)
+        return
+    left = start_byte
+    while left:
+        got = len(stream.read(min(left, block_bytes)))
+        if got == 0:
+            raise ValueError(f"{path} is shorter than byte {start_byte}: the file changed since it was read")
+        left -= got
+
+
+def _read_into(stream, buf: np.ndarray, filled: int, path) -> int:
+    try:
+        return stream.readinto(memoryview(buf)[filled:])
+    except OSError as e:
+        raise unreadable(path, e) from e
+
+
+def _skip_bom(stream, buf: np.ndarray, path) -> tuple[int, int]:
+    """(bytes kept in buf, text offset) after the first bytes: a byte-order mark is skipped (offsets count it)."""
+    try:
+        filled = stream.readinto(memoryview(buf)[:len(BOM)])
+    except OSError as e:
+        raise unreadable(path, e) from e
+    return (0, len(BOM)) if bytes(buf[:filled]) == BOM else (filled, 0)
+
+
+def _last_lines(buf: np.ndarray, filled: int) -> np.ndarray:
+    """The text's last lines, given a newline if the file lacks its final one."""
+    if buf[filled - 1] == 10:
+        return buf[:filled]
+    if filled == buf.size:
+        buf = np.concatenate([buf, np.empty(1, dtype=np.uint8)])
+    buf[filled] = 10
+    return buf[:filled + 1]
 
 
 def _last_newline(buf: np.ndarray, start: int, end: int) -> int:
