@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 
@@ -200,3 +201,23 @@ def note_sigterm(trainer) -> bool:
         return False
     connector.received_sigterm = True
     return True
+
+
+def persistent_iterator_reset(source, before_reset) -> bool:
+    """Run `before_reset()` before `iter(loader)` resets `source`, a DataLoader iterator with persistent workers
+    (torch's private `_BaseDataLoaderIter._reset`, torch 2.11-2.13); False, doing nothing, for other iterators."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
+        return False
+    reset, it = type(source)._reset, weakref.ref(source)  # weakly: the iterator must not hold itself alive
+    source._reset = lambda *args, **kwargs: (before_reset(), reset(it(), *args, **kwargs))[1]
+    return True
+
+
+def default_store():
+    """The default process group's c10d Store (torch's private `_get_default_store`, torch 2.11-2.13), or None."""
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the caller does without
+        return None

@@ -57,6 +57,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_rec._compat import default_store
+
 GRACE_S = 3.0  # a wait longer than this starts watching the peers (a normal collective takes ms)
 POLL_S = 0.25  # how often a watching rank reads its peers' entries (up to 64 ranks; longer beyond)
 TICK_S = 1.0  # the watcher thread's period: heartbeat, and a look at the main thread
@@ -90,13 +92,6 @@ def guard_of(pg, enabled_only: bool = True) -> CollectiveGuard | None:
     if guard is None or guard.pg is not pg or (enabled_only and not guard.enabled):
         return None
     return guard
-
-
-def _default_store():
-    try:
-        return dist.distributed_c10d._get_default_store()  # torch 2.11-2.13; private, so feature-detected
-    except Exception:  # noqa: BLE001 - no store: the guard keeps the timeouts only
-        return None
 
 
 def _is_wait_timeout(err: RuntimeError) -> bool:
@@ -141,7 +136,7 @@ class CollectiveGuard:
         self.nccl = dist.get_backend(pg) == "nccl"
         self.k = 0
         self._slot = f"/{slot}" if slot else ""
-        self._store = _default_store() if enabled else None
+        self._store = default_store() if enabled else None
         self._peers_info: dict[int, tuple[str, int]] = {}
         self._store_down = False
         self._grace_cache: tuple[float, timedelta] = (-1.0, timedelta(0))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_rec import comm
 from lightning_rec.collective_guard import CollectiveGuard
 from lightning_rec.embedding import EmbeddingCollection
 from lightning_rec.errors import plain
@@ -251,8 +252,7 @@ def check_same_everywhere(collections: Mapping[str, nn.Module], plan: ShardingPl
     digests = [bytes(t.tolist()) for t in gathered]
     if len(set(digests)) == 1:
         return
-    everyone: list = [None] * len(digests)
-    dist.all_gather_object(everyone, lines, group=pg)
+    everyone = comm.all_gather_object(lines, group=pg, device=dev, tag="plan and tables descriptions")
     ranks = dist.get_process_group_ranks(pg)
     other = next(i for i, d in enumerate(digests) if d != digests[0])
     a, b = everyone[0], everyone[other]

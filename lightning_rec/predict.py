@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_rec import comm
 from lightning_rec.predict_rows import (
     FORMATS,
     ROW,
@@ -196,8 +197,7 @@ class PredictionWriter(BasePredictionWriter):
             local = spill.stream(self.gather_chunk_bytes)
             shape = (spill.columns, spill.all_nan, self._renumber)
             if distributed:  # rank 0 learns every rank's columns (a rank whose share was empty has none)
-                shapes = [None] * dist.get_world_size() if trainer.is_global_zero else None
-                dist.gather_object(shape, shapes, dst=0)
+                shapes = comm.gather_object(shape)
                 written, merge_peak = self._merge_ranks(local, trainer.strategy.root_device, shapes)
             else:
                 written, merge_peak = self._write_alone(local, [shape])
@@ -269,7 +269,7 @@ class PredictionWriter(BasePredictionWriter):
             chunk = next(local, None) if flags[rank] else None
             got: list | None = [None] * world if merge is not None else None
             if flags[1:world].any():  # only rank 0 asked: no gather
-                dist.gather_object(chunk if rank else None, got, dst=0)
+                got = comm.gather_object(chunk if rank else None)
             if merge is not None:
                 try:
                     for r in range(world):

@@ -226,8 +226,7 @@ class RecStrategy(DDPStrategy):
             return
         if [p.requires_grad for p in self._dense_params] == self._dense_trainable:  # ~1 us for a DLRM's layers
             return
-        # the same change on every rank (as BaseFinetuning makes it): DDP is built again over the parameters that
-        # train now (a collective; DDP checks that the ranks agree on them)
+        # the same change on every rank (as BaseFinetuning makes it): DDP again over what trains now (collective)
         self._dmp.wrap_dense("ddp", self._ddp_kwargs)
         self.model = self._dmp._dmp_wrapped_module
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
@@ -353,8 +352,7 @@ class RecStrategy(DDPStrategy):
     def _pipelined(self, loader: DataLoader, state: LoopState) -> DataLoader:
         self._close_replaced_pipelines()
         if any(p.loader is loader and p.feeder is None and not p.closed for p in self._pipelines):
-            # one loader object twice in one loop ({"a": loader, "b": loader}), iterated twice at once: each pass
-            # would stop the other's feeder (the pipeline lives on the loader)
+            # one loader twice in one loop ({"a": loader, "b": loader}): each pass would stop the other's feeder
             loader = loaders.loader_copy(loader)
         # collective (the pipeline's own channel): every rank builds its loaders' pipelines in one order
         hooks = loaders.batch_hooks_for(self.lightning_module.trainer, self.lightning_module, self.root_device, loader)
@@ -374,8 +372,7 @@ class RecStrategy(DDPStrategy):
         """Close the pipelines of loaders no loop holds any more (reloaded loaders): their channels go back to the
         pool, their feeder threads end. Collective-safe: the loops hold the same loaders on every rank."""
         held = loaders.held_loaders(self.lightning_module.trainer)
-        # a pipeline no pass has used yet may belong to a loader of the loop setting up now (its loaders are
-        # processed one by one, and the loop holds them once all are)
+        # a pipeline no pass has used yet may belong to a loader of the loop setting up now (processed one by one)
         for pipeline in [p for p in self._pipelines if id(p.loader) not in held and p.feeder is not None]:
             pipeline.close()
             self._pipelines.remove(pipeline)
@@ -537,8 +534,7 @@ class RecStrategy(DDPStrategy):
         # every rank's generators (collective): a resumed run draws what the uninterrupted one would have
         rng = rec_checkpoint.rng_state()
         if self._checkpoint_format != "dcp":
-            # every rank's loader position too: a data module's sampler is each rank's own (its rank is in the
-            # position's fingerprint), so rank 0's position would make every other rank start its epoch over
+            # every rank's loader position too: each rank's sampler is its own (rank 0's would restart the others)
             loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
             per_rank = self._all_gather_object((rng, loops.get("combined_loader")))
             checkpoint["lightning_rec"] = {"format": "gathered", "module_class": module_class,
@@ -600,9 +596,8 @@ class RecStrategy(DDPStrategy):
                                               strict=self.lightning_module.strict_loading)
         elif (rec_checkpoint.has_whole_by_name(states) or self._dense == "fsdp"
               or not self.lightning_module.strict_loading):
-            # a gathered file written with FSDP dense layers, or with DDP's whole tensors into FSDP's shards; or
-            # strict_loading=False, under which a table added since the save keeps its fresh fused state (the
-            # optimizer's own load_state_dict, which Lightning calls, refused it as missing)
+            # a gathered file written with FSDP dense layers (or DDP's into FSDP's), or strict_loading=False, under
+            # which a table added since the save keeps its fresh fused state (torch's load_state_dict refuses it)
             for optimizer, state in zip(self.optimizers, states):
                 rec_checkpoint.load_gathered_optimizer(optimizer, state, module=self.lightning_module,
                                                        strict=self.lightning_module.strict_loading)

@@ -146,3 +146,19 @@ def test_signal_takeover_reaches_the_handlers_lightning_registers():
     assert _compat.note_sigterm(trainer) and trainer.received_sigterm
     assert not _compat.take_over_sigterm(object(), notifier) and not _compat.note_sigterm(object())
     assert _compat.take_over_slurm_requeue(object(), notifier) is None
+
+
+def test_a_persistent_iterator_runs_the_hook_before_its_reset():
+    """The pipeline stops its feeder before `iter(loader)` resets a persistent-workers iterator (torch's private
+    _BaseDataLoaderIter._reset); other iterators are left alone."""
+    from torch.utils.data import DataLoader
+
+    from lightning_rec._compat import default_store, persistent_iterator_reset
+
+    calls = []
+    loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
+    it = iter(loader)
+    assert persistent_iterator_reset(it, lambda: calls.append("reset"))
+    assert list(iter(loader)) and calls == ["reset"]  # the same iterator, reset for a new pass
+    assert not persistent_iterator_reset(iter([1, 2]), lambda: None)
+    assert default_store() is None  # no process group here

@@ -324,8 +324,7 @@ def iter_together(loader: DataLoader, state: LoopState):
         index += 1
         yield batch
         if someones_last:
-            # a rank's sized loader gave its last batch: it will not be asked again, so the epoch ends here for
-            # every rank, with no further agreement (without this, the others would wait for it there)
+            # a rank's sized loader gave its last batch (it is not asked again): the epoch ends here for every rank
             if not last:
                 warnings.warn(skipped, stacklevel=2)
             return

@@ -129,10 +129,11 @@ def check_same_rows(digests: dict[str, str], what: str) -> None:
     each rank: each would read its share of another order. A collective, called from setup on every rank."""
     import torch.distributed as dist
 
+    from lightning_rec import comm
+
     if not digests or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, digests)
+    gathered = comm.all_gather_object(digests)
     for name in sorted(digests):
         values = [g.get(name) if isinstance(g, dict) else None for g in gathered]
         other = next((rank for rank, v in enumerate(values) if v != values[0]), None)

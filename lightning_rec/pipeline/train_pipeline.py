@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_rec._compat import persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
 from lightning_rec.pipeline.batch import move_to_device
 from lightning_rec.pipeline.channel import _Channel
@@ -218,22 +219,17 @@ class TrainPipelineSparseDist:
     def _watch_reset(self, source: Iterator) -> None:
         """A DataLoader with persistent_workers=True reuses one iterator, which `iter(loader)` resets: the feeder stops
         before the reset, and the next step starts a new pass (what was read ahead is dropped, as in the plain loop)."""
-        from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-        if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
-            return
         # weak references only: the iterator holds this function, and must not hold itself (nor the pipeline) alive
         me, store, it = weakref.ref(self), self._read_ahead, weakref.ref(source)
 
-        def reset(*args, **kwargs):
+        def before_reset():
             pipeline, source = me(), it()
             if pipeline is not None and pipeline._source is source:
                 pipeline._pipeline.stop_feeder()
                 pipeline._pass_kept = None
             store.pop(id(source), None)
-            return type(source)._reset(source, *args, **kwargs)
 
-        source._reset = reset
+        persistent_iterator_reset(source, before_reset)
 
     def _keep_read_ahead(self) -> ReadAhead:
         """Stop the pass; keep the batches it read ahead that no step took for its iterator (first when it is back)."""

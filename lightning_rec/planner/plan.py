@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from lightning_rec import comm
 from lightning_rec.optim.config import emb_optim_type
 from lightning_rec.planner.constraints import DEFAULT_MIN_PARTITION, ParameterConstraints
 from lightning_rec.planner.estimate import (
@@ -365,7 +366,7 @@ class EmbeddingShardingPlanner:
                     pickle.dumps(e)
                 except Exception:  # its own error was lost to "Can't pickle ...", the peers' to a closed connection
                     payload = [RuntimeError(f"planning on rank {src} failed: {type(e).__name__}: {e}")]
-        dist.broadcast_object_list(payload, src=src, group=pg)
+        payload = [comm.broadcast_object(payload[0], group=pg)]  # from the group's first rank, `src`
         if own_error is not None:
             raise own_error
         if isinstance(payload[0], Exception):

@@ -240,7 +240,7 @@ def _check_stride(keys: list[str], lengths: Tensor, stride: int, stride_given: b
 def validate_kjt(kjt: Any) -> None:
     """A KeyedJaggedTensor built from user arguments holds a well-formed batch of ids, else a ValueError naming what
     disagrees and the fix. Runs once per KJT; one the library built from a checked one passes at once."""
-    given = kjt._unchecked
+    given = getattr(kjt, "_unchecked", None)  # a KJT pickled by an older version carries none
     if given is None:
         return
     what = "KeyedJaggedTensor"
