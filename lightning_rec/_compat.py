@@ -204,14 +204,14 @@ def note_sigterm(trainer) -> bool:
 
 
 def persistent_iterator_reset(source, before_reset) -> bool:
-    """Run `before_reset()` before `iter(loader)` resets `source`, a DataLoader iterator with persistent workers
+    """Run `before_reset(source)` before `iter(loader)` resets `source`, a DataLoader iterator with persistent workers
     (torch's private `_BaseDataLoaderIter._reset`, torch 2.11-2.13); False, doing nothing, for other iterators."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     if not isinstance(source, _BaseDataLoaderIter) or not getattr(source, "_persistent_workers", False):
         return False
     reset, it = type(source)._reset, weakref.ref(source)  # weakly: the iterator must not hold itself alive
-    source._reset = lambda *args, **kwargs: (before_reset(), reset(it(), *args, **kwargs))[1]
+    source._reset = lambda *args, **kwargs: (before_reset(it()), reset(it(), *args, **kwargs))[1]
     return True
 
 

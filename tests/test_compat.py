@@ -158,7 +158,7 @@ def test_a_persistent_iterator_runs_the_hook_before_its_reset():
     calls = []
     loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, persistent_workers=True)
     it = iter(loader)
-    assert persistent_iterator_reset(it, lambda: calls.append("reset"))
-    assert list(iter(loader)) and calls == ["reset"]  # the same iterator, reset for a new pass
-    assert not persistent_iterator_reset(iter([1, 2]), lambda: None)
+    assert persistent_iterator_reset(it, lambda source: calls.append(source is it))
+    assert list(iter(loader)) and calls == [True]  # the same iterator, reset for a new pass
+    assert not persistent_iterator_reset(iter([1, 2]), lambda source: None)
     assert default_store() is None  # no process group here

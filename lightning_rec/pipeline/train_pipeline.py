@@ -219,11 +219,11 @@ class TrainPipelineSparseDist:
     def _watch_reset(self, source: Iterator) -> None:
         """A DataLoader with persistent_workers=True reuses one iterator, which `iter(loader)` resets: the feeder stops
         before the reset, and the next step starts a new pass (what was read ahead is dropped, as in the plain loop)."""
-        # weak references only: the iterator holds this function, and must not hold itself (nor the pipeline) alive
-        me, store, it = weakref.ref(self), self._read_ahead, weakref.ref(source)
+        # weak references only: the iterator holds this function, and must not hold the pipeline alive
+        me, store = weakref.ref(self), self._read_ahead
 
-        def before_reset():
-            pipeline, source = me(), it()
+        def before_reset(source):
+            pipeline = me()
             if pipeline is not None and pipeline._source is source:
                 pipeline._pipeline.stop_feeder()
                 pipeline._pass_kept = None
