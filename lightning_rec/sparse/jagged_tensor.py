@@ -81,7 +81,43 @@ def _is_pair(x: object) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
 
 
-class JaggedTensor:
+class _Jagged:
+    """What JaggedTensor and KeyedJaggedTensor hold alike: values_N, weights_N, lengths and (lazy) offsets."""
+
+    _values: Tensor
+    _weights: Tensor | None
+    _lengths: Tensor
+    _offsets: Tensor | None
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def weights(self) -> Tensor:
+        if self._weights is None:
+            raise ValueError(f"this {type(self).__name__} has no weights: use weights_or_none()")
+        return self._weights
+
+    def weights_or_none(self) -> Tensor | None:
+        return self._weights
+
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    def lengths_or_none(self) -> Tensor | None:
+        """TorchRec's: the lengths if held, else None (they are always held here)."""
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            self._offsets = _cumsum_with_zero(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> Tensor | None:
+        """TorchRec's: the offsets if given or computed already (`offsets()`), else None."""
+        return self._offsets
+
+
+class JaggedTensor(_Jagged):
     """One feature's bags: values_N with lengths_B (or offsets_B+1), optional weights_N."""
 
     def __init__(self, values: Tensor, weights: Tensor | None = None, lengths: Tensor | None = None,
@@ -170,33 +206,6 @@ class JaggedTensor:
         out[sample_N[keep_N], position_N[keep_N]] = data_N[keep_N]
         return out
 
-    def values(self) -> Tensor:
-        return self._values
-
-    def weights(self) -> Tensor:
-        if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights: use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> Tensor | None:
-        return self._weights
-
-    def lengths(self) -> Tensor:
-        return self._lengths
-
-    def lengths_or_none(self) -> Tensor | None:
-        """TorchRec's: the lengths if held, else None (a JaggedTensor here always holds them)."""
-        return self._lengths
-
-    def offsets(self) -> Tensor:
-        if self._offsets is None:
-            self._offsets = _cumsum_with_zero(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> Tensor | None:
-        """TorchRec's: the offsets if given or computed already (`offsets()`), else None."""
-        return self._offsets
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
         if isinstance(device, torch.dtype) and self._values.dtype.is_floating_point:
             # an EmbeddingCollection's output: its values are embeddings, not the ids _refuse_dtype_as_device names
@@ -228,7 +237,7 @@ class JaggedTensor:
         return f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_Jagged):
     """Many features' bags over one batch. See the module docstring for the layout."""
 
     def __init__(self, keys: Sequence[str], values: Tensor, weights: Tensor | None = None,
@@ -358,31 +367,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> list[str]:
         return self._keys
-
-    def values(self) -> Tensor:
-        return self._values
-
-    def weights(self) -> Tensor:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights: use weights_or_none()")
-        return self._weights
-
-    def weights_or_none(self) -> Tensor | None:
-        return self._weights
-
-    def lengths(self) -> Tensor:
-        return self._lengths
-
-    def lengths_or_none(self) -> Tensor | None:
-        return self._lengths
-
-    def offsets(self) -> Tensor:
-        if self._offsets is None:
-            self._offsets = _cumsum_with_zero(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> Tensor | None:
-        return self._offsets
 
     def stride(self) -> int:
         return self._stride
