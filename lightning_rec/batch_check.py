@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_rec._native import native_op
 from lightning_rec.sparse import KeyedJaggedTensor
+from lightning_rec.sparse.checks import validate_kjt
 
 OK, BAD_START, DECREASING, BAD_END, BAD_ID, BAD_WEIGHT, BAD_COUNT = range(7)
 
@@ -117,6 +118,7 @@ def check_features(features: KeyedJaggedTensor, rows_F: Tensor, tables_F: Sequen
         return
     problem = find_problem(rows_F, host.values(), host.offsets(), host.weights_or_none())
     if problem[0] != OK:
+        validate_kjt(host)  # a malformed KJT is named as such (its lengths, its offsets), before its ids
         raise ValueError(describe(problem, features.keys(), tables_F, rows_F.tolist(), host.weights_or_none(), owner))
 
 

@@ -85,6 +85,7 @@ class FeatureRouter:
             index = features.index_per_key()
             missing = [f for f in self.feature_names if f not in index]
             if missing:
+                validate_kjt(features.host_copy() or features)  # a malformed batch is named as such first
                 # the differences, a few of each: two whole lists of 26 names would hide them
                 unexpected = [k for k in keys if k not in self._by_feature]
                 read_by = ", ".join(f"'{f}' by table '{self._by_feature[f][1]}'" for f in missing[:5])
@@ -114,8 +115,9 @@ class FeatureRouter:
             raise TypeError(f"{self.owner} takes a KeyedJaggedTensor of ids, got a {type(features).__name__}: build "
                             f"one with KeyedJaggedTensor.from_lengths_sync(keys=..., values=..., lengths=...)")
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-            validate_kjt(features)  # the KJT's own contract, once per batch (its constructor only assigns)
-            validate_kjt(features.host_copy() or features)  # a device batch: on the host copy it was moved from
+            # the KJT's own contract (its constructor only assigns); its values are read by check_features below
+            validate_kjt(features, contents=not validate_ids)
+            validate_kjt(features.host_copy() or features, contents=not validate_ids)  # a device batch: its host copy
         order, order_t, rows_in, tables_in = self._for_keys(features)
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "

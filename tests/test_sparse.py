@@ -421,17 +421,19 @@ def test_inverse_indices_expand_a_deduplicated_batch_as_torchrecs_collections_do
         ec(dedup)
 
 
-def test_a_collection_validates_each_batch_it_is_given_once():
-    """The KJT constructor only assigns; the collection's first look at a batch runs the KJT's checks (and, on a device
-    batch, on the host copy it was moved from), so a malformed batch still fails before any lookup, naming the fix."""
+def test_a_collection_validates_each_batch_it_is_given():
+    """The KJT constructor only assigns; the collection's first look at a batch runs the KJT's checks (its shapes;
+    its values through the id check, which reads them anyway; on a device batch, the host copy it was moved from),
+    so a malformed batch still fails before any lookup, with the KJT's own message naming the fix."""
     from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
 
     table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"])
-    ebc = EmbeddingBagCollection([table])
-    bad = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="lengths add up to 3 but there are 4 values"):
-        ebc(bad)
+    for validate_ids in (True, False):
+        ebc = EmbeddingBagCollection([table], validate_ids=validate_ids)
+        for lengths, words in (([1, 2], "lengths add up to 3 but there are 4 values"), ([5, -1], "must be >= 0")):
+            bad = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor(lengths))
+            with pytest.raises(ValueError, match=words):
+                ebc(bad)
     good = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2]))
-    assert good._unchecked is not None
     ebc(good)
-    assert good._unchecked is None  # checked once: a second collection reading it checks nothing again
+    assert good.validate()._unchecked is None  # checked in full once: later validate() calls return at once

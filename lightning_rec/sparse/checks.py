@@ -44,7 +44,7 @@ def _readable(t: Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
+def _check_offsets(what: str, offsets: Tensor, num_values: int, read: bool = True) -> None:
     """Offsets given directly: they must start at 0, never decrease, and end at the number of values. A KJT sliced
     out of a larger batch keeps its parent's offsets: refused, with the fix. CPU tensors only."""
     if offsets.dim() != 1 or offsets.numel() == 0:
@@ -52,7 +52,7 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int) -> None:
     if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
         raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
     _check_index_dtype(what, "offsets", offsets)
-    if not _readable(offsets):
+    if not read or not _readable(offsets):
         return
     first, last = int(offsets[0]), int(offsets[-1])
     if first != 0:
@@ -78,7 +78,7 @@ def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
                          f"derived)")
 
 
-def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
+def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None, read: bool = True) -> None:
     """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
     if values.dim() < 1:
         raise ValueError(f"{what}: values must be at least 1-d, got shape {tuple(values.shape)}")
@@ -97,7 +97,7 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
         )
     if weights is not None and not weights.dtype.is_floating_point:
         raise ValueError(f"{what}: weights must be floating point, got {weights.dtype}: pass weights.float()")
-    if not _readable(lengths) or lengths.numel() == 0:
+    if not read or not _readable(lengths) or lengths.numel() == 0:
         if lengths.numel() == 0 and values.shape[0] != 0:
             raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
         return
@@ -237,9 +237,10 @@ def _check_stride(keys: list[str], lengths: Tensor, stride: int, stride_given: b
                          f"one length per key per sample (key-major)")
 
 
-def validate_kjt(kjt: Any) -> None:
+def validate_kjt(kjt: Any, contents: bool = True) -> None:
     """A KeyedJaggedTensor built from user arguments holds a well-formed batch of ids, else a ValueError naming what
-    disagrees and the fix. Runs once per KJT; one the library built from a checked one passes at once."""
+    disagrees and the fix; one the library built from a checked one passes at once. contents=False leaves out the
+    reads of the lengths' and offsets' values, which a collection's id check (batch_check) makes anyway."""
     given = getattr(kjt, "_unchecked", None)  # a KJT pickled by an older version carries none
     if given is None:
         return
@@ -251,9 +252,9 @@ def validate_kjt(kjt: Any) -> None:
     if lengths is None:
         raise ValueError("KeyedJaggedTensor needs lengths or offsets")
     if given.lengths is None:
-        _check_offsets(what, offsets, values.shape[0] if values.dim() else 0)
+        _check_offsets(what, offsets, values.shape[0] if values.dim() else 0, contents)
     _check_stride(keys, lengths, kjt._stride, given.stride)
-    _check_jagged(what, values, lengths, weights)
+    _check_jagged(what, values, lengths, weights, contents)
     if values.dtype not in ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
         raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of {values.dtype}: "
                          f"convert them with values.long()")
@@ -268,4 +269,5 @@ def validate_kjt(kjt: Any) -> None:
                          f"position in keys {keys}: leave it out (it is computed from the keys)")
     if kjt._inverse_indices is not None:
         _check_inverse_indices(keys, kjt._stride, kjt._inverse_indices)
-    kjt._unchecked = None
+    if contents:
+        kjt._unchecked = None

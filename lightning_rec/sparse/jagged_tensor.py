@@ -282,7 +282,8 @@ class KeyedJaggedTensor(_Jagged):
                           inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
         kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
-        return kjt.validate().sync()  # the per-key lengths are read from checked lengths
+        validate_kjt(kjt, contents=False)  # the shapes sync reads; the values are checked where a collection reads them
+        return kjt.sync()
 
     @staticmethod
     def from_offsets_sync(keys: Sequence[str], values: Tensor, offsets: Tensor,
@@ -291,7 +292,8 @@ class KeyedJaggedTensor(_Jagged):
                           inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
         kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
-        return kjt.validate().sync()  # the per-key lengths are read from checked lengths
+        validate_kjt(kjt, contents=False)  # the shapes sync reads; the values are checked where a collection reads them
+        return kjt.sync()
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
