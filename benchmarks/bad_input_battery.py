@@ -21,8 +21,8 @@ the words), correct (no error, the check passed), silent (no error where one was
 check, or state changed by a refused input), crash (the worker process died), hang (over the case's
 time limit). Cases run in sequence in a worker process (torch imported once); a crash or hang
 kills that worker and a new one takes the next case. Two-rank cases spawn their ranks with real
-torch.distributed (tests/dist_utils.py) inside the case. Prints a table, then one JSON line (benchmarks/bad_input/
-runner.py): {"benchmark": "bad_input_battery", "results": [one per case], "figures": {the count of each class}}.
+torch.distributed (tests/dist_utils.py) inside the case. Prints a table, then one JSON line (json.dumps in
+benchmarks/bad_input/runner.py): {"benchmark": "bad_input_battery", "results": [...], "figures": {class counts}}.
 
 The cases live in benchmarks/bad_input/, one module per area (sparse, embeddings, optim, planner,
 metrics, criteo, movielens, models, cli, checkpoint, distributed); bad_input/runner.py runs them.

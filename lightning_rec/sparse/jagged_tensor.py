@@ -282,8 +282,7 @@ class KeyedJaggedTensor(_Jagged):
                           inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
         kjt = KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
-        validate_kjt(kjt, contents=False)  # the shapes sync reads; the values are checked where a collection reads them
-        return kjt.sync()
+        return kjt._synced()
 
     @staticmethod
     def from_offsets_sync(keys: Sequence[str], values: Tensor, offsets: Tensor,
@@ -292,8 +291,7 @@ class KeyedJaggedTensor(_Jagged):
                           inverse_indices: tuple[list[str], Tensor] | None = None) -> KeyedJaggedTensor:
         kjt = KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
                                 stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
-        validate_kjt(kjt, contents=False)  # the shapes sync reads; the values are checked where a collection reads them
-        return kjt.sync()
+        return kjt._synced()
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
@@ -354,6 +352,10 @@ class KeyedJaggedTensor(_Jagged):
             stride=strides.pop() if strides else 0,
             length_per_key=lpk,
         )
+
+    def _synced(self) -> KeyedJaggedTensor:
+        validate_kjt(self, contents=False)  # the shapes sync reads; a collection checks the values where it reads them
+        return self.sync()
 
     def sync(self) -> KeyedJaggedTensor:
         """Compute the per-key lengths now (one host read), so later splits need no sync."""
