@@ -27,6 +27,7 @@ FLOORS = [  # lowest first
     ("strategy", "_strategy"),
     ("models",),
     ("predict", "predict_rows", "cli"),
+    ("torchrec",),  # TorchRec's module paths: re-exports over everything below
 ]
 
 

@@ -1,0 +1,1 @@
+"""`torchrec.modules`: embedding configs and collections."""

@@ -1,0 +1,1 @@
+"""`torchrec.sparse`: the jagged types."""
