@@ -6,6 +6,7 @@
     gather_object(obj)    every rank's picklable obj on one rank (all_gather_object: on every rank), broadcast_object
     barrier(tag)          a barrier waited through the group's guard
     collective_error(...) the one error for a collective that failed or timed out
+    get_local_size/rank   ranks on this host and this rank's index there (TorchRec's names)
 
 A group with a CollectiveGuard (the embedding group of a DistributedModelParallel, a pipeline's channel)
 waits through it: a peer at another collective, or gone, is named within seconds and a timeout names the
@@ -16,6 +17,7 @@ input_dist / output_dist keep their own calls; their errors come from `collectiv
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import warnings
 from collections.abc import Callable, Sequence
@@ -33,6 +35,24 @@ GUARD_VERDICTS = (CollectiveMismatch, CollectiveTimeout, PeerExited)  # each nam
 def distributed() -> bool:
     """torch.distributed is up with more than one rank (else every collective here is the identity)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_local_size(world_size: int | None = None) -> int:
+    """Ranks on this host (TorchRec's name): $LOCAL_WORLD_SIZE, else the world (`world_size` or the group's)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return world_size
+
+
+def get_local_rank(world_size: int | None = None, rank: int | None = None) -> int:
+    """This rank's index on its host (TorchRec's name): $LOCAL_RANK, else the rank modulo get_local_size()."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank % get_local_size(world_size)
 
 
 def collective_error(what: str, err: BaseException, timeout_s: float | None = None, group: Any = None,

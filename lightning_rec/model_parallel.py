@@ -30,6 +30,7 @@ loss that is a sum over samples, or scale the fused learning rate, to make the t
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ from lightning_rec._device import with_cuda_index  # noqa: F401  (imported from 
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
 from lightning_rec.errors import short_repr
+from lightning_rec.optim import adopt_torch_in_backward
 from lightning_rec.optim.fused import FusedOptimizer
 from lightning_rec.plan_checks import check_same_everywhere, validate_module_plan
 from lightning_rec.planner.fits import check_plan_fits
@@ -61,6 +63,7 @@ from lightning_rec.sharding.plan_verbs import (  # noqa: F401  (the plan verbs a
     table_row_wise,
     table_wise,
 )
+from lightning_rec.sharding.sharders import QCOMMS_NOT_APPLIED, SHARDERS
 from lightning_rec.shm_transport import SharedMemoryGroup, ddp_comm_hook
 from lightning_rec.types import EmbeddingModuleShardingPlan, ShardingPlan
 
@@ -120,6 +123,24 @@ def _planner_plan(module: nn.Module, world_size: int, local_world_size: int, dev
 # DistributedModelParallel ----------------------------------------------------------------------
 
 
+def _check_sharders(sharders) -> None:
+    """TorchRec's sharders=[EmbeddingBagCollectionSharder(...)] carry nothing we need (sharding/sharders.py): taken,
+    their quantized comms named once as not applied; anything else is refused."""
+    if sharders is None:
+        return
+    foreign = [s for s in sharders if not isinstance(s, SHARDERS)]
+    if foreign:
+        raise ValueError(
+            f"DistributedModelParallel(sharders={short_repr(foreign)}): no sharders are needed here, every "
+            f"EmbeddingBagCollection / EmbeddingCollection is sharded by DistributedModelParallel itself. Drop "
+            f"sharders=; choose sharding types per table with plan= (construct_module_sharding_plan) or "
+            f"EmbeddingShardingPlanner(constraints={{table: ParameterConstraints(sharding_types=[...])}}), and the "
+            f"fused optimizer (a sharder's fused_params) with EmbeddingBagCollection(optimizer="
+            f"FusedOptimizerConfig(...))")
+    if any(s.qcomm_codecs_registry for s in sharders):
+        logging.getLogger(__name__).info("DistributedModelParallel: %s", QCOMMS_NOT_APPLIED)
+
+
 def _check_arguments(plan: ShardingPlan | None, dense: str | None, timeout: float | timedelta, timeout_setting: str,
                      *, sharders, env) -> float:
     """DistributedModelParallel's arguments, refused before anything is built; the timeout in seconds."""
@@ -127,14 +148,7 @@ def _check_arguments(plan: ShardingPlan | None, dense: str | None, timeout: floa
         raise ValueError(f"DistributedModelParallel(env={short_repr(env)}): pass the process group itself, "
                          f"pg=<group> (TorchRec's env=ShardingEnv.from_process_group(pg)); leave both out to "
                          f"shard over the world")
-    if sharders is not None:  # TorchRec's list of EmbeddingBagCollectionSharder(fused_params=...) and the like
-        raise ValueError(
-            f"DistributedModelParallel(sharders={short_repr(sharders)}): no sharders are needed here, every "
-            f"EmbeddingBagCollection / EmbeddingCollection is sharded by DistributedModelParallel itself. Drop "
-            f"sharders=; choose sharding types per table with plan= (construct_module_sharding_plan) or "
-            f"EmbeddingShardingPlanner(constraints={{table: ParameterConstraints(sharding_types=[...])}}), and the "
-            f"fused optimizer (a sharder's fused_params) with EmbeddingBagCollection(optimizer="
-            f"FusedOptimizerConfig(...))")
+    _check_sharders(sharders)
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("DistributedModelParallel needs torch.distributed: call "
                          "torch.distributed.init_process_group(backend='gloo' or 'nccl') on every rank first")
@@ -233,9 +247,10 @@ class DistributedModelParallel(nn.Module):
             that is still computing.
         timeout_setting: how error messages name the timeout setting; wrappers that build this
             module pass their own (RecStrategy: "RecStrategy(embedding_timeout=...)").
-        sharders: TorchRec's argument, taken so that its code reads here; None only. Every collection
-            is sharded without one: sharding types per table come from the plan (or the planner's
-            ParameterConstraints), the fused optimizer from the collection's FusedOptimizerConfig.
+        sharders: TorchRec's argument, taken so that its code reads here: None or TorchRec's
+            EmbeddingBagCollectionSharder / EmbeddingCollectionSharder (sharding/sharders.py), which carry
+            nothing more. Every collection is sharded without one: sharding types per table come from the
+            plan (or the planner's ParameterConstraints), the fused optimizer from the collection's config.
         env: TorchRec's argument (ShardingEnv.from_process_group(pg)); None only: pass the group as pg=.
         init_data_parallel: TorchRec's argument; False is dense=None (the dense layers left unwrapped; wrap
             them later with `init_data_parallel()`, as in TorchRec, or `wrap_dense("ddp" | "fsdp")`).
@@ -263,6 +278,8 @@ class DistributedModelParallel(nn.Module):
         local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
         collections = find_collections(module)
+        for m in collections.values():  # before the plan: adopting makes the table parameters anew
+            adopt_torch_in_backward(m)
         aliases = _other_paths(module, collections)
         plan = _resolve_plan(module, plan, collections, aliases, world_size, local_world_size, device, pg)
         self.plan = plan

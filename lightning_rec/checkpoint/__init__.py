@@ -37,6 +37,8 @@ from lightning_rec.checkpoint.gathered import (
     has_whole_by_name,
     load_gathered_optimizer,
     localize_full_state,
+    state_dict_gather,
+    state_dict_to_device,
 )
 from lightning_rec.checkpoint.optimizer_state import (
     fused_part,
@@ -72,5 +74,5 @@ __all__ = [
     "load_exported", "load_file", "load_from_checkpoint", "load_gathered_optimizer", "load_model", "load_optimizer",
     "load_torch_optimizer_state", "loader_state_for_rank", "local_path", "localize_full_state",
     "read_lightning_state", "refuse_resolved_file_url", "rng_state", "rng_state_for_rank", "save", "save_file",
-    "set_rng_state",
+    "set_rng_state", "state_dict_gather", "state_dict_to_device",
 ]

@@ -72,6 +72,37 @@ def gathered_state_dict(state_dict: Mapping[str, Any], dmp: Any = None) -> dict[
     return out
 
 
+def state_dict_to_device(state_dict: Mapping[str, Any], pg: Any = None,
+                         device: torch.device | str = "cpu") -> dict[str, Any]:
+    """TorchRec's `state_dict_to_device`: `state_dict` with every tensor, and every piece of a sharded table, on
+    `device` (tables stay sharded). Every rank holds every key here, so no exchange is needed and `pg` is unused."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if isinstance(value, ShardedTensor):
+            out[key] = ShardedTensor(value.global_shape, [(m, t.to(device)) for m, t in value.local_shards])
+        else:
+            out[key] = value.to(device) if isinstance(value, Tensor) else value
+    return out
+
+
+@torch.no_grad()
+def state_dict_gather(src: Mapping[str, Any], dst: Mapping[str, Tensor]) -> None:
+    """TorchRec's `state_dict_gather` (collective): `dst`'s tensors take `src`'s values of their keys, sharded
+    tables whole, on rank 0 (elsewhere only the unsharded entries are copied, as TorchRec does)."""
+    missing = [k for k in dst if k not in src]
+    if missing:
+        raise ValueError(f"state_dict_gather: the source state dict has no {short_list(missing, 4)}: gather into a "
+                         f"model of the same structure (its state_dict() keys are the source's)")
+    whole = gathered_state_dict({k: src[k] for k in dst})
+    rank, _ = rank_world()
+    for key, target in dst.items():
+        value = whole[key]
+        if isinstance(value, ShardedTensor):  # not rank 0: the table went to rank 0
+            continue
+        if rank == 0 or not isinstance(src[key], ShardedTensor):
+            target.copy_(value)
+
+
 def _whole_dense_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, fused_key: str | None,
                        module: torch.nn.Module | None) -> dict[str, Any]:
     """`state` with each dense part that FSDP shards stored whole by parameter name ({FULL_BY_NAME: ...})."""

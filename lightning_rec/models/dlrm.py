@@ -13,7 +13,8 @@ x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l: (F+1)D features."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,20 +23,58 @@ from lightning_rec.embedding import EmbeddingBagCollection
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
+class _Activation(nn.Module):
+    """A tensor function (torch.relu, a lambda) as a layer."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+
+def _activation(activation: Any) -> nn.Module:
+    """One layer's activation: "relu" / "sigmoid" or torch's function, a module (shared), a module class or other
+    zero-argument factory (one per layer), or any tensor function (TorchRec's MLP takes the same)."""
+    named = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, torch.relu: nn.ReLU, torch.sigmoid: nn.Sigmoid}
+    if isinstance(activation, str) or activation in named:
+        if activation not in named:
+            raise ValueError(f"activation={activation!r}: give 'relu', 'sigmoid', a module or a tensor function")
+        return named[activation]()
+    if isinstance(activation, nn.Module):
+        return activation
+    if isinstance(activation, type) and issubclass(activation, nn.Module):
+        return activation()
+    if not callable(activation):
+        raise ValueError(f"activation={activation!r}: give 'relu', 'sigmoid', a module or a tensor function")
+    try:
+        made = activation()
+    except TypeError:  # it takes the tensor: a tensor function
+        return _Activation(activation)
+    if not isinstance(made, nn.Module):
+        raise ValueError(f"activation {activation!r} called with no argument gave a {type(made).__name__}, not a "
+                         f"module: give a tensor function or a factory of modules")
+    return made
+
+
 class MLP(nn.Sequential):
-    """Linear + ReLU per layer; the last layer without activation when `last_activation=False`. dropout > 0: on the
-    input and after every hidden layer's ReLU (none after the last layer)."""
+    """Linear + activation (ReLU) per layer; the last layer without activation when `last_activation=False`.
+    dropout > 0: on the input and after every hidden layer's activation (none after the last layer). `bias`,
+    `activation` (see _activation), `device` and `dtype` as TorchRec's MLP; lightning_rec.torchrec.modules.mlp.MLP
+    takes TorchRec's argument order."""
 
     def __init__(self, in_features: int, layer_sizes: Sequence[int], last_activation: bool = True,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, *, bias: bool = True, activation: Any = "relu",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         layers: list[nn.Module] = [nn.Dropout(dropout)] if dropout else []
         for i, out_features in enumerate(layer_sizes):
             last = i == len(layer_sizes) - 1
-            layers.append(nn.Linear(in_features, out_features))
+            layers.append(nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype))
             if last_activation or not last:
-                layers.append(nn.ReLU())
+                layers.append(_activation(activation))
             if dropout and not last:
                 layers.append(nn.Dropout(dropout))
             in_features = out_features

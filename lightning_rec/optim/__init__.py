@@ -27,7 +27,8 @@ _SUBMODULES = {
               "_refuse_torch_state_dict_api", "_slice_state"),
     "combined": ("CombinedOptimizer", "combined_optimizer", "dense_parameters", "holds_fused_optimizer",
                  "_CombinedState", "_refuse_fused_tables_in_dense"),
-    "torchrec_compat": ("apply_optimizer_in_backward", "in_backward_optimizer_filter", "KeyedOptimizerWrapper",
+    "torchrec_compat": ("adopt_torch_in_backward", "apply_optimizer_in_backward",
+                        "in_backward_optimizer_filter", "KeyedOptimizerWrapper",
                         "RowWiseAdagrad", "_TORCH_ONLY_DEFAULTS", "_fused_config_for"),
 }
 _EXPORTS = {name: module for module, names in _SUBMODULES.items() for name in names}
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
     from lightning_rec.optim.torchrec_compat import (  # noqa: F401
         KeyedOptimizerWrapper,
         RowWiseAdagrad,
+        adopt_torch_in_backward,
         apply_optimizer_in_backward,
         in_backward_optimizer_filter,
     )

@@ -83,6 +83,26 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Iterable[torch.nn.
         owner.use_fused_optimizer(config)
 
 
+def adopt_torch_in_backward(collection: Any) -> bool:
+    """A collection without a fused update whose tables all carry one `torch.distributed.optim.
+    _apply_optimizer_in_backward` optimizer (TorchRec's examples call torch's, whose per-parameter hooks a fused table
+    never fires) takes it as its fused update, as TorchRec's sharders read it. True when it did."""
+    if collection.fused_optimizer_config() is not None:
+        return False
+    marks = {id(p): (getattr(p, "_optimizer_classes", None), getattr(p, "_optimizer_kwargs", None))
+             for p in collection.table_parameters().values()}
+    if not marks or any(classes is None for classes, _ in marks.values()):
+        return False
+    found = {(tuple(c), repr(k)) for c, k in marks.values()}
+    classes, kwargs = next(iter(marks.values()))
+    if len(found) > 1 or len(classes) != 1:
+        raise ValueError(f"{type(collection).__name__}: torch's _apply_optimizer_in_backward gave its tables "
+                         f"{len(found)} different optimizer settings ({len(classes)} optimizer(s) on a table): a "
+                         f"collection has one fused update; apply one optimizer to all of collection.parameters()")
+    apply_optimizer_in_backward(classes[0], collection.parameters(), kwargs[0])
+    return True
+
+
 def in_backward_optimizer_filter(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
                                  include: bool = False) -> Iterable[tuple[str, torch.nn.Parameter]]:
     """TorchRec's filter: (name, parameter) pairs without a fused update (include=True: only those with one)."""

@@ -16,6 +16,10 @@ _NAMES = ["user_id", "item_id", "rating", "timestamp"]  # a ratings table's colu
 _HEADER_NAMES = {"userid": "user_id", "user_id": "user_id", "user": "user_id", "movieid": "item_id",
                  "movie_id": "item_id", "itemid": "item_id", "item_id": "item_id", "item": "item_id",
                  "rating": "rating", "timestamp": "timestamp"}
+# MovieLens' own header names (ratings.csv, movies.csv), which TorchRec's constants hold; read_ratings maps them to ours
+DEFAULT_RATINGS_COLUMN_NAMES = ["userId", "movieId", "rating", "timestamp"]
+DEFAULT_MOVIES_COLUMN_NAMES = ["movieId", "title", "genres"]
+DEFAULT_COLUMN_NAMES = DEFAULT_RATINGS_COLUMN_NAMES + DEFAULT_MOVIES_COLUMN_NAMES[1:]
 _FIELDS = {"user": "user_id", "item": "item_id", "rating": "rating", "timestamp": "timestamp"}
 
 

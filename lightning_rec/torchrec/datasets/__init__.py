@@ -1,0 +1,1 @@
+"""`torchrec.datasets`: Criteo's and MovieLens' constants, random batches, the Batch type."""

@@ -1,0 +1,1 @@
+"""`torchrec.models`: DLRM and its variants."""
