@@ -126,7 +126,7 @@ class InteractionArch(nn.Module):
 class LowRankCrossNet(nn.Module):
     """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K])."""
 
-    def __init__(self, in_features: int, num_layers: int, low_rank: int) -> None:
+    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
         super().__init__()
         if num_layers < 1 or low_rank < 1:
             raise ValueError(f"DCN needs num_layers >= 1 and low_rank >= 1, got {num_layers}, {low_rank}")
