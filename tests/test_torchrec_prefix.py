@@ -112,7 +112,7 @@ def test_sharders_and_quantized_comms_are_taken(caplog):
             ebc, sharders=[EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)]), "init_process_group")
     assert [r.getMessage() for r in caplog.records] == [
         "DistributedModelParallel: quantized comms (qcomm_codecs_registry) are not applied: the embedding all-to-alls "
-        "carry the tables' dtype; build the tables with data_type=DataType.FP16 to halve them"]
+        "carry the lookups' float32 output"]
     expect_error(ValueError, lambda: EmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1}),
                  "fused_params=", "FusedOptimizerConfig(", "apply_optimizer_in_backward")
 

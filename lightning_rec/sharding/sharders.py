@@ -2,7 +2,7 @@
 
 DistributedModelParallel shards every EmbeddingBagCollection / EmbeddingCollection itself, so a sharder carries
 nothing we need: its `fused_params` are refused (the fused update is set on the collection), and its quantized-comms
-registry is accepted and not applied: the embedding all-to-alls carry the tables' dtype (FP16 tables send FP16)."""
+registry is accepted and not applied: the embedding all-to-alls carry the lookups' float32 output."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 from lightning_rec.errors import short_repr
 
 QCOMMS_NOT_APPLIED = ("quantized comms (qcomm_codecs_registry) are not applied: the embedding all-to-alls carry the "
-                      "tables' dtype; build the tables with data_type=DataType.FP16 to halve them")
+                      "lookups' float32 output")
 
 
 @enum.unique
