@@ -1,1 +1,1 @@
-"""`torchrec.modules`: embedding configs and collections."""
+"""`torchrec.modules`: embedding configs and collections, MLP, LowRankCrossNet."""
