@@ -196,6 +196,21 @@ def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
             ) from None
 
 
+def _meta_tables_for_load(module, state_dict, prefix, local_metadata, *args) -> None:
+    """Tables still on "meta" load a checkpoint with assign=True (materialised on its device), else refused."""
+    if module._device.type != "meta":
+        return
+    head = f"{prefix}{module._weights_attr}."
+    given = [v for k, v in state_dict.items() if k.startswith(head) and isinstance(v, Tensor) and not v.is_meta]
+    if not given:
+        return
+    if not local_metadata.get("assign_to_params_buffers", False):  # torch would copy into meta: nothing loaded
+        raise ValueError(f"{type(module).__name__}.load_state_dict: its tables are on 'meta' (built there) and would "
+                         f"load nothing: materialise them first with model.to_empty(device='cpu'), or pass "
+                         f"assign=True to load them onto the checkpoint's device")
+    module._materialise(given[0].device)
+
+
 def _read_frozen(collection: _EmbeddingCollectionBase) -> frozenset[str]:
     return frozenset(name for name, p in collection.table_parameters().items() if getattr(p, "frozen", False))
 
@@ -264,6 +279,7 @@ class _EmbeddingCollectionBase(nn.Module):
         if self._device.type != "meta":  # on "meta", DistributedModelParallel applies it to each shard it draws
             self._apply_init_fns()
         self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
+        self.register_load_state_dict_pre_hook(_meta_tables_for_load)
 
     @torch.no_grad()
     def _apply_init_fns(self) -> None:
@@ -323,6 +339,9 @@ class _EmbeddingCollectionBase(nn.Module):
         # deepcopy / pickle: point the copy's table parameters at its own kernels' storage again, and register them
         super().__setstate__(state)
         _LIVE_COLLECTIONS[id(self)] = self
+        if "_sources" not in state:  # pickled before shared features: every feature is its own input key
+            self._routed_configs, self._sources = list(self._configs), {f: f for f in self._feature_names}
+            self._router.sources, self._router._renamed = self._router.feature_names, False
         table_weights = self._lookup.table_weights()
         tables = getattr(self, self._weights_attr)
         for name, param in self.table_parameters().items():
@@ -401,8 +420,13 @@ class _EmbeddingCollectionBase(nn.Module):
             self._warn_if_replicated()
         return self._router(features, self.validate_ids)
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls it first on every submodule: one line instead of TorchScript's parse errors
+        raise TypeError(f"torch.jit.script: {type(self).__name__} does not support TorchScript (deprecated by "
+                        f"PyTorch): run the model eagerly, or compile it with torch.compile / torch.export")
+
     def _meta_batch(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Tables on "meta" take a batch on "meta" (outputs of the right shapes, as TorchRec's); any other is refused."""
+        """Tables on "meta" take a batch on "meta" (outputs shaped as TorchRec's); any other batch is refused."""
         if not (isinstance(features, KeyedJaggedTensor) and features.values().is_meta):
             raise ValueError(f"this {type(self).__name__} was built on device='meta': its tables hold no values until "
                              f"model.to_empty(device='cpu') materialises them (then reset_parameters() or "
