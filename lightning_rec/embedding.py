@@ -449,17 +449,14 @@ class _EmbeddingCollectionBase(nn.Module):
     # device moves: rebuild the kernels where they now live -----------------------------------
 
     def _apply(self, fn, recurse: bool = True):
-        if self._device.type == "meta":
-            try:
-                probe = fn(torch.empty(1, device="meta"))
-            except NotImplementedError:  # .to(device): no values to move; the strategy draws each shard where it lives
-                return self
-            if probe.device.type != "meta":  # to_empty(device=...): the tables materialised there
-                self._materialise(probe.device)
-            return self
+        on_meta = self._device.type == "meta"
         # .to(...) / .cuda() / a parent's: without CUDA, one line instead of torch's AssertionError
         try:
             probe = fn(torch.empty(0, device=self._device))
+        except NotImplementedError:
+            if on_meta:  # .to(device) of "meta": no values to move; the strategy draws each shard where it lives
+                return self
+            raise
         except (RuntimeError, AssertionError) as e:
             from lightning_rec._device import no_cuda_error
 
@@ -468,6 +465,10 @@ class _EmbeddingCollectionBase(nn.Module):
             if error is None:
                 raise
             raise error from None
+        if on_meta:
+            if probe.device.type != "meta":  # to_empty(device=...): the tables materialised there
+                self._materialise(probe.device)
+            return self
         if probe.dtype != torch.float32:
             raise dtype_cast_error(type(self).__name__, probe.dtype)
         if probe.device != self._device:

@@ -66,6 +66,13 @@ def test_collections_built_under_a_meta_device_context_hold_meta_tables(optimize
     assert kt.values().is_meta and kt.keys() == ["f1", "f2", "f3"] and kt.offset_per_key() == [0, 4, 8, 16]
     assert kt.values().shape == (kjt.stride(), 16)
     assert ec(kjt)["f3"].values().is_meta and ec(kjt)["f3"].values().shape[1] == 4
+    # sync() on meta: TorchRec's stand-in lengths per key (the ids spread over the keys), no read
+    lazy = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3], device="meta"),
+                             lengths=torch.tensor([1, 0, 1, 1], device="meta"))
+    assert lazy.sync().length_per_key() == [2, 1] and lazy["b"].values().shape == (1,)
+    ec.to_empty(device="cpu")
+    ec.reset_parameters()
+    assert ec(_kjt())["f3"].values().shape[1] == 4 and ec.embeddings["t1"].weight.device == torch.device("cpu")
 
 
 def test_a_meta_collection_fed_real_ids_names_to_empty():
