@@ -365,7 +365,8 @@ class _EmbeddingCollectionBase(nn.Module):
         return self._device
 
     def feature_names(self) -> list[str]:
-        """The features in the order of the outputs: each table's, in the order of the configs."""
+        """The outputs' names in order: each table's features, in the order of the configs (`feature@table` for a
+        feature several tables read, as TorchRec's)."""
         return list(self._output_names)
 
     def is_weighted(self) -> bool:
@@ -530,9 +531,11 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
     """Pooled embeddings for many features: KJT -> KeyedTensor [B, sum of each feature's dim].
 
     Args:
-        tables: one EmbeddingBagConfig per table; several features may read one table.
+        tables: one EmbeddingBagConfig per table; several features may read one table, and several tables one
+            feature (outputs `feature@table`).
         is_weighted: use the KJT's per-id weights (weighted sum / mean).
-        device: where the tables live ("cpu" or "cuda").
+        device: where the tables live ("cpu", "cuda", or "meta": no values until `to_empty` or sharding); None:
+            torch's default device (`with torch.device("meta"):` builds on meta).
         optimizer: a FusedOptimizerConfig to update rows inside backward; None: parameters trained by torch.optim.
         kernel: "auto" | "fbgemm" | "native" | "dense" (see lookup.choose_kernel).
         validate_ids: check every id against its table's rows (ValueError naming both)."""
