@@ -11,8 +11,10 @@ table under TorchRec's names, views into the kernel's storage (loading writes in
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -68,12 +70,19 @@ class FeatureRouter:
     host is checked on its host copy. Unread features and unused weights are dropped with a warning (once)."""
 
     def __init__(self, feature_names: Sequence[str], rows_F: Tensor, tables_F: Sequence[str], is_weighted: bool,
-                 owner: str) -> None:
+                 owner: str, sources: Sequence[str] | None = None) -> None:
+        """sources: the input key each feature reads (a feature several tables read is one key, `feature@table`
+        names apart, as feature_table_names gives); None: the feature names themselves."""
         self.feature_names = list(feature_names)
+        self.sources = list(sources) if sources is not None else self.feature_names
         self.rows_F, self.tables_F = rows_F, list(tables_F)
         self.is_weighted = is_weighted
         self.owner = owner  # how errors name the collection
-        self._by_feature = {f: (int(r), t) for f, r, t in zip(self.feature_names, rows_F.tolist(), self.tables_F)}
+        self._by_feature: dict[str, tuple[int, str]] = {}  # input key -> (rows, table) it is checked against
+        for f, r, t in zip(self.sources, rows_F.tolist(), self.tables_F):
+            if f not in self._by_feature or r < self._by_feature[f][0]:  # a shared key: its smallest table
+                self._by_feature[f] = (int(r), t)
+        self._renamed = self.sources != self.feature_names
         self._cache: dict[tuple[str, ...], tuple[list[int] | None, Tensor | None, Tensor, list[str]]] = {}
         self._warned_weights = False
         self.device_check: DeviceBoundsCheck | None = None
@@ -83,7 +92,7 @@ class FeatureRouter:
         cached = self._cache.get(keys)
         if cached is None:
             index = features.index_per_key()
-            missing = [f for f in self.feature_names if f not in index]
+            missing = [f for f in dict.fromkeys(self.sources) if f not in index]
             if missing:
                 validate_kjt(features.host_copy() or features)  # a malformed batch is named as such first
                 # the differences, a few of each: two whole lists of 26 names would hide them
@@ -104,7 +113,7 @@ class FeatureRouter:
             if list(keys) == self.feature_names:
                 cached = (None, None, rows_in, tables_in)
             else:
-                order = [index[f] for f in self.feature_names]
+                order = [index[f] for f in self.sources]  # a shared key repeated, once per table
                 cached = (order, torch.tensor(order, dtype=torch.int32, device=features.device()), rows_in, tables_in)
             if not torch.compiler.is_exporting():  # tensors made while torch.export traces are its own, not values
                 self._cache[keys] = cached
@@ -133,16 +142,38 @@ class FeatureRouter:
                 if not torch.compiler.is_exporting():
                     self._cache[tuple(features.keys())] = (order, order_t, rows_in, tables_in)
             features = features.permute(order, order_t)
-        if not self.is_weighted and features.weights_or_none() is not None:
+        weights = features.weights_or_none()
+        if not self.is_weighted and weights is not None:
             if not self._warned_weights:
                 self._warned_weights = True
                 warnings.warn(f"the input has per-id weights but this {self.owner} is unweighted, so they are "
                               f"ignored: build it with is_weighted=True to use them, or leave them out of the batch",
                               stacklevel=3)
-            features = KeyedJaggedTensor(features.keys(), features.values(), lengths=features.lengths(),
+            weights = None
+        if self._renamed or weights is not features.weights_or_none():  # the kernels' names, the weights they read
+            features = KeyedJaggedTensor(self.feature_names, features.values(), weights, lengths=features.lengths(),
                                          offsets=features.offsets_or_none(), stride=features.stride(),
                                          length_per_key=features._length_per_key, _validate=False)
         return features
+
+
+def feature_table_names(tables: Sequence[BaseEmbeddingConfig]) -> tuple[list[BaseEmbeddingConfig], dict[str, str]]:
+    """TorchRec's names for a feature several tables read: `feature@table`, one output (and kernel feature) per table.
+
+    Returns the configs with their features so named (the same objects where none is shared) and, per name, the
+    input key it reads."""
+    readers = Counter(f for t in tables for f in t.feature_names)
+    named, sources = [], {}
+    for t in tables:
+        names = [f"{f}@{t.name}" if readers[f] > 1 else f for f in t.feature_names]
+        for name, f in zip(names, t.feature_names):
+            if name in sources:
+                raise ValueError(f"table '{t.name}': feature '{f}' gives the output name '{name}', which another "
+                                 f"feature already has (a feature several tables read is named 'feature@table'): "
+                                 f"rename one of them")
+            sources[name] = f
+        named.append(t if names == t.feature_names else dataclasses.replace(t, feature_names=names))
+    return named, sources
 
 
 def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
@@ -163,6 +194,21 @@ def _whole_tables_from_pieces(module, state_dict, prefix, *args) -> None:
                 f"rank's state dict with ShardedTensor.merge([...]) per table first, or save with RecStrategy's "
                 f"checkpoints and read them with lightning_rec.checkpoint.load_model(module, path)"
             ) from None
+
+
+def _meta_tables_for_load(module, state_dict, prefix, local_metadata, *args) -> None:
+    """Tables still on "meta" load a checkpoint with assign=True (materialised on its device), else refused."""
+    if module._device.type != "meta":
+        return
+    head = f"{prefix}{module._weights_attr}."
+    given = [v for k, v in state_dict.items() if k.startswith(head) and isinstance(v, Tensor) and not v.is_meta]
+    if not given:
+        return
+    if not local_metadata.get("assign_to_params_buffers", False):  # torch would copy into meta: nothing loaded
+        raise ValueError(f"{type(module).__name__}.load_state_dict: its tables are on 'meta' (built there) and would "
+                         f"load nothing: materialise them first with model.to_empty(device='cpu'), or pass "
+                         f"assign=True to load them onto the checkpoint's device")
+    module._materialise(given[0].device)
 
 
 def _read_frozen(collection: _EmbeddingCollectionBase) -> frozenset[str]:
@@ -202,24 +248,17 @@ class _EmbeddingCollectionBase(nn.Module):
         if optimizer is not None and not isinstance(optimizer, FusedOptimizerConfig):
             raise ValueError(f"optimizer={optimizer!r}: pass a FusedOptimizerConfig (e.g. "
                              f"FusedOptimizerConfig('rowwise_adagrad', lr=0.01)), or None for plain parameters")
-        if torch.device(device or "cpu").type not in ("cpu", "cuda", "meta"):  # meta: plan without memory
+        if torch.device(device or torch.get_default_device()).type not in ("cpu", "cuda", "meta"):  # meta: no memory
             raise ValueError(f"{type(self).__name__}(device={str(device)!r}): tables live on 'cpu' or 'cuda' "
                              f"('meta' to plan a model without allocating it)")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
-        readers: dict[str, str] = {}
-        for t in tables:
-            for f in t.feature_names:
-                if f in readers:
-                    # two tables reading one feature would give one output key twice
-                    raise ValueError(
-                        f"feature '{f}' is read by tables '{readers[f]}' and '{t.name}': each feature can feed one "
-                        f"table of a collection. Give the second table its own feature name (e.g. '{f}_{t.name}') "
-                        f"and put the ids in the batch under both names, or split the tables into two collections")
-                readers[f] = t.name
         self._configs = list(tables)
-        self._device = torch.device(device or "cpu")
+        # the kernels' configs: a feature several tables read is named `feature@table` (TorchRec's output names)
+        self._routed_configs, self._sources = feature_table_names(self._configs)
+        # default: torch's default device, so that `with torch.device("meta"):` builds on meta as TorchRec's
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
         self._optimizer = optimizer
         self._kernel = kernel
         self.validate_ids = validate_ids
@@ -240,6 +279,7 @@ class _EmbeddingCollectionBase(nn.Module):
         if self._device.type != "meta":  # on "meta", DistributedModelParallel applies it to each shard it draws
             self._apply_init_fns()
         self.register_load_state_dict_pre_hook(_whole_tables_from_pieces)
+        self.register_load_state_dict_pre_hook(_meta_tables_for_load)
 
     @torch.no_grad()
     def _apply_init_fns(self) -> None:
@@ -251,7 +291,12 @@ class _EmbeddingCollectionBase(nn.Module):
         self._lookup.weights_written()
 
     def _build_lookup(self, device: torch.device) -> None:
-        lookup = GroupedLookup([c.local_table() for c in self._configs], self._optimizer, device, self._kernel,
+        # host-side metadata (row counts, orders) stays on the host under any default device (`with torch.device`)
+        with torch.device("cpu"):
+            self._build_lookup_on(device)
+
+    def _build_lookup_on(self, device: torch.device) -> None:
+        lookup = GroupedLookup([c.local_table() for c in self._routed_configs], self._optimizer, device, self._kernel,
                                weighted=self._is_weighted)
         # the lookup is kept out of the module tree: the state dict shows tables that view the kernel's storage
         object.__setattr__(self, "_lookup", lookup)
@@ -263,10 +308,10 @@ class _EmbeddingCollectionBase(nn.Module):
             self._own(param, c.name)
             weights[c.name] = _TableWeight(param)
         setattr(self, self._weights_attr, weights)
-        by_feature = {f: c for c in self._configs for f in c.feature_names}
+        by_feature = {f: c for c in self._routed_configs for f in c.feature_names}
         self._feature_names = lookup.feature_names  # the kernels' order: tables grouped by pooling and data type
         # outputs in the configs' order, as TorchRec's, whatever the kernels' grouping
-        self._output_names = [f for c in self._configs for f in c.feature_names]
+        self._output_names = [f for c in self._routed_configs for f in c.feature_names]
         self._output_dims = [by_feature[f].embedding_dim for f in self._output_names]
         self._column_order = None
         if self._output_names != self._feature_names:
@@ -278,7 +323,8 @@ class _EmbeddingCollectionBase(nn.Module):
                                             for f in self._output_names]).to(device)
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
-            [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__)
+            [by_feature[f].name for f in self._feature_names], self._is_weighted, type(self).__name__,
+            sources=[self._sources[f] for f in self._feature_names])
         checked = self._lookup.bounds_checked()
         if device.type == "cuda" and checked:
             self._router.device_check = DeviceBoundsCheck(self._router.rows_F, self._router.tables_F,
@@ -293,6 +339,9 @@ class _EmbeddingCollectionBase(nn.Module):
         # deepcopy / pickle: point the copy's table parameters at its own kernels' storage again, and register them
         super().__setstate__(state)
         _LIVE_COLLECTIONS[id(self)] = self
+        if "_sources" not in state:  # pickled before shared features: every feature is its own input key
+            self._routed_configs, self._sources = list(self._configs), {f: f for f in self._feature_names}
+            self._router.sources, self._router._renamed = self._router.feature_names, False
         table_weights = self._lookup.table_weights()
         tables = getattr(self, self._weights_attr)
         for name, param in self.table_parameters().items():
@@ -316,7 +365,8 @@ class _EmbeddingCollectionBase(nn.Module):
         return self._device
 
     def feature_names(self) -> list[str]:
-        """The features in the order of the outputs: each table's, in the order of the configs."""
+        """The outputs' names in order: each table's features, in the order of the configs (`feature@table` for a
+        feature several tables read, as TorchRec's)."""
         return list(self._output_names)
 
     def is_weighted(self) -> bool:
@@ -367,13 +417,24 @@ class _EmbeddingCollectionBase(nn.Module):
 
     def _route(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Features reordered into the kernels' order (a no-op when they already are), ids checked."""
-        if self._device.type == "meta":
-            raise ValueError(f"this {type(self).__name__} was built on device='meta': its tables hold no values "
-                             f"until DistributedModelParallel(model) or Trainer(strategy='rec') shards them (each "
-                             f"shard drawn where it lives); build it on 'cpu' or 'cuda' to use it unsharded")
         if not self._warned_replicas and self._optimizer is not None and self.training and torch.is_grad_enabled():
             self._warn_if_replicated()
         return self._router(features, self.validate_ids)
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls it first on every submodule: one line instead of TorchScript's parse errors
+        raise TypeError(f"torch.jit.script: {type(self).__name__} does not support TorchScript (deprecated by "
+                        f"PyTorch): run the model eagerly, or compile it with torch.compile / torch.export")
+
+    def _meta_batch(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Tables on "meta" take a batch on "meta" (outputs shaped as TorchRec's); any other batch is refused."""
+        if not (isinstance(features, KeyedJaggedTensor) and features.values().is_meta):
+            raise ValueError(f"this {type(self).__name__} was built on device='meta': its tables hold no values until "
+                             f"model.to_empty(device='cpu') materialises them (then reset_parameters() or "
+                             f"load_state_dict(...)), or DistributedModelParallel(model) / Trainer(strategy='rec') "
+                             f"shards them (each shard drawn where it lives)")
+        self._router._for_keys(features)  # the features it reads are there
+        return features
 
     def _warn_if_replicated(self) -> None:
         # a fused update trains inside backward, unseen by DDP / FSDP: unsharded copies on N ranks drift apart
@@ -389,12 +450,14 @@ class _EmbeddingCollectionBase(nn.Module):
     # device moves: rebuild the kernels where they now live -----------------------------------
 
     def _apply(self, fn, recurse: bool = True):
-        if self._device.type == "meta":
-            # built on "meta": no values to move; the strategy draws each shard where it lives
-            return self
+        on_meta = self._device.type == "meta"
         # .to(...) / .cuda() / a parent's: without CUDA, one line instead of torch's AssertionError
         try:
             probe = fn(torch.empty(0, device=self._device))
+        except NotImplementedError:
+            if on_meta:  # .to(device) of "meta": no values to move; the strategy draws each shard where it lives
+                return self
+            raise
         except (RuntimeError, AssertionError) as e:
             from lightning_rec._device import no_cuda_error
 
@@ -403,6 +466,10 @@ class _EmbeddingCollectionBase(nn.Module):
             if error is None:
                 raise
             raise error from None
+        if on_meta:
+            if probe.device.type != "meta":  # to_empty(device=...): the tables materialised there
+                self._materialise(probe.device)
+            return self
         if probe.dtype != torch.float32:
             raise dtype_cast_error(type(self).__name__, probe.dtype)
         if probe.device != self._device:
@@ -426,6 +493,34 @@ class _EmbeddingCollectionBase(nn.Module):
         for kernel, rate in zip(self._lookup.fused_kernels(), lr):
             kernel.set_learning_rate(rate)
 
+    def _materialise(self, device: torch.device) -> None:
+        """Tables built on "meta" built again on `device`, drawn as at construction (init_fn included), frozen kept."""
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{type(self).__name__}.to_empty(device={str(device)!r}): tables live on 'cpu' or 'cuda'")
+        off = [n for n, p in self.table_parameters().items()
+               if (p.frozen if isinstance(p, FusedTableWeight) else not p.requires_grad)]
+        self._device = device
+        self._build_lookup(device)
+        self._lookup.train(self.training)
+        self._apply_init_fns()
+        params = self.table_parameters()
+        for name in off:
+            params[name].requires_grad_(False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """TorchRec's: each table drawn again, by its config's init_fn or uniform in its init range (a no-op on
+        "meta"). The fused optimizer's state is kept."""
+        if self._device.type == "meta":
+            return
+        params = self.table_parameters()
+        for c in self._configs:
+            if c.init_fn is not None:
+                c.init_fn(params[c.name])
+            else:
+                params[c.name].uniform_(*c.local_table().init_range())
+        self._lookup.weights_written()
+
     def train(self, mode: bool = True):
         super().train(mode)
         self._lookup.train(mode)
@@ -436,9 +531,11 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
     """Pooled embeddings for many features: KJT -> KeyedTensor [B, sum of each feature's dim].
 
     Args:
-        tables: one EmbeddingBagConfig per table; several features may read one table.
+        tables: one EmbeddingBagConfig per table; several features may read one table, and several tables one
+            feature (outputs `feature@table`).
         is_weighted: use the KJT's per-id weights (weighted sum / mean).
-        device: where the tables live ("cpu" or "cuda").
+        device: where the tables live ("cpu", "cuda", or "meta": no values until `to_empty` or sharding); None:
+            torch's default device (`with torch.device("meta"):` builds on meta).
         optimizer: a FusedOptimizerConfig to update rows inside backward; None: parameters trained by torch.optim.
         kernel: "auto" | "fbgemm" | "native" | "dense" (see lookup.choose_kernel).
         validate_ids: check every id against its table's rows (ValueError naming both)."""
@@ -456,6 +553,10 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self._device.type == "meta":
+            B = self._meta_batch(features).stride()
+            return KeyedTensor._of_collection(self._output_names, self._output_dims,
+                                              torch.empty(B, sum(self._output_dims), device="meta"))
         inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
         features = self._route(features)  # kernel order, batch checked
         # one [B, D_group] per kernel group; frozen tables do no update
@@ -465,7 +566,8 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         if self._column_order is not None:  # kernel groups -> the configs' order
             pooled_BD = pooled_BD.index_select(1, self._column_order)
         if inverse is not None:
-            pooled_BD = expand_by_inverse_indices(pooled_BD, self._output_names, self._output_dims, inverse)
+            pooled_BD = expand_by_inverse_indices(pooled_BD, [self._sources[f] for f in self._output_names],
+                                                  self._output_dims, inverse)
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
 
 
@@ -520,14 +622,16 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return next(iter(dims.values()))
 
     def embedding_names_by_table(self) -> list[list[str]]:
-        """TorchRec's: each table's output names, its features (a feature is read by one table here)."""
-        return [list(c.feature_names) for c in self._configs]
+        """TorchRec's: each table's output names, its features (`feature@table` for one several tables read)."""
+        return [list(c.feature_names) for c in self._routed_configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
             raise ValueError("EmbeddingCollection: the input has inverse_indices (TorchRec's deduplicated batch), "
                              "which expand pooled outputs only: give a sequence collection every sample's bags (build "
                              "the KJT without inverse_indices), as TorchRec's EmbeddingCollection takes")
+        if self._device.type == "meta":
+            return self._meta_forward(self._meta_batch(features))
         features = self._route(features)
         # one [N_group, D] per kernel group; frozen tables do no update
         values = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
@@ -544,6 +648,14 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
                 out[name] = sequence_output(part, jt.lengths(), jt.values() if self.need_indices() else None)
             k += n
         return {name: out[name] for name in self._output_names}  # the configs' order
+
+    def _meta_forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        out = {}
+        for name, dim in zip(self._output_names, self._output_dims):
+            jt = features[self._sources[name]]
+            out[name] = sequence_output(torch.empty(jt.values().shape[0], dim, device="meta"), jt.lengths(),
+                                        jt.values() if self.need_indices() else None)
+        return out
 
 
 def fused_table_modules(module: torch.nn.Module) -> list[str]:

@@ -305,6 +305,7 @@ class DistributedModelParallel(nn.Module):
                                if world_size > 1 else None)
         env = ShardingEnv(self._emb_pg, rank, world_size, device, self._timeout_s, self._transport)
         module = self._shard_collections(module, collections, aliases, env)
+        _materialise_meta_layers(module, device)
         module.to(device)
         self._sharded_paths = list(collections)
         self._device = device
@@ -549,6 +550,23 @@ class DistributedModelParallel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Full tensors or ShardedTensors from any world size; each rank reads the pieces it owns."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+@torch.no_grad()
+def _materialise_meta_layers(module: nn.Module, device: torch.device) -> None:
+    """Dense layers built on "meta" (TorchRec's `with torch.device("meta")`): made on `device` and drawn by their own
+    reset_parameters(), as TorchRec's DistributedModelParallel does; DDP then gives every rank rank 0's values."""
+    for path, m in module.named_modules():
+        tensors = list(m._parameters.values()) + list(m._buffers.values())
+        if not any(t is not None and t.is_meta for t in tensors):
+            continue
+        if not callable(getattr(m, "reset_parameters", None)):
+            raise ValueError(f"'{path or '<root>'}' ({type(m).__name__}) has parameters on 'meta' and no "
+                             f"reset_parameters() to draw them: give it one, or materialise it before "
+                             f"DistributedModelParallel (model.{path or '<root>'}.to_empty(device=...) and initialise "
+                             f"it)")
+        m.to_empty(device=device, recurse=False)
+        m.reset_parameters()
 
 
 def _dense_children(module: nn.Module) -> list[nn.Module]:

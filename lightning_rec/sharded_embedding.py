@@ -29,6 +29,7 @@ from lightning_rec.embedding import (
     EmbeddingBagCollection,
     EmbeddingCollection,
     FeatureRouter,
+    feature_table_names,
     refuse_dtype_cast,
     sequence_output,
 )
@@ -245,8 +246,9 @@ class _ShardedCollectionBase(nn.Module):
         self._is_weighted = module.is_weighted()
         self.validate_ids = module.validate_ids
         self._env = env
-        self.routing: Routing = build_routing(self._configs, self._feature_names, table_plans, env.world_size,
-                                              self._pooled)
+        # a feature several tables read is one input key, routed as `feature@table` per table (the outputs' names)
+        routed, sources = feature_table_names(self._configs)
+        self.routing: Routing = build_routing(routed, self._feature_names, table_plans, env.world_size, self._pooled)
         rank, device = env.rank, env.device
         kernel = getattr(module, "_kernel", "auto")
         mine = self.routing.rank_tables[rank]
@@ -264,10 +266,11 @@ class _ShardedCollectionBase(nn.Module):
         setattr(self, self._weights_attr, switches)
         self._set_frozen(frozen)
 
-        by_feature = {f: c for c in self._configs for f in c.feature_names}
+        by_feature = {f: c for c in routed for f in c.feature_names}
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
-            [by_feature[f].name for f in self._feature_names], self._is_weighted, f"sharded {self._kind()}")
+            [by_feature[f].name for f in self._feature_names], self._is_weighted, f"sharded {self._kind()}",
+            sources=[sources[f] for f in self._feature_names])
         # GPU batches never on the host: ids checked on the device before routing, reported lazily (batch_check.py)
         self._device_guard = DeviceIdGuard(self._router.rows_F, self._router.tables_F, self._feature_names,
                                            f"sharded {self._kind()}", device) if device.type == "cuda" else None

@@ -205,14 +205,18 @@ def test_any_table_name_works(name):
     assert m(KeyedJaggedTensor(["f"], torch.tensor([1]), lengths=torch.tensor([1]))).values().shape == (1, 4)
 
 
-def test_feature_read_by_two_tables_is_refused():
+def test_feature_read_by_two_tables_checks_its_ids_against_the_smaller():
+    """A feature two tables read is served (outputs 'f@a', 'f@b', as TorchRec's): its ids are checked against the
+    smaller table, which the error names; an output name that a feature already has is refused."""
     tables = [EmbeddingBagConfig(name="a", num_embeddings=5, embedding_dim=4, feature_names=["f"]),
               EmbeddingBagConfig(name="b", num_embeddings=50, embedding_dim=4, feature_names=["f"])]
-    with pytest.raises(ValueError, match="feature 'f' is read by tables 'a' and 'b'.*'f_b'"):
-        EmbeddingBagCollection(tables)
+    ebc = EmbeddingBagCollection(tables)
+    assert ebc(KeyedJaggedTensor(["f"], torch.tensor([4]), lengths=torch.tensor([1]))).keys() == ["f@a", "f@b"]
+    with pytest.raises(ValueError, match=r"'f'.*\b7\b.*'a'"):
+        ebc(KeyedJaggedTensor(["f"], torch.tensor([7]), lengths=torch.tensor([1])))
     seq = [EmbeddingConfig(name="a", num_embeddings=5, embedding_dim=4, feature_names=["f"]),
-           EmbeddingConfig(name="b", num_embeddings=5, embedding_dim=4, feature_names=["f"])]
-    with pytest.raises(ValueError, match="feature 'f' is read by tables 'a' and 'b'"):
+           EmbeddingConfig(name="b", num_embeddings=5, embedding_dim=4, feature_names=["f", "f@a"])]
+    with pytest.raises(ValueError, match="table 'b': feature 'f@a' gives the output name 'f@a', which another"):
         EmbeddingCollection(seq)
 
 

@@ -71,12 +71,38 @@ def collection_build_cases() -> None:
     simple("coll.two_tables_same_name",
            lambda: EmbeddingBagCollection([bag_cfg("t", 5, 4, ["f"]), bag_cfg("t", 5, 4, ["g"])]), ValueError,
            ["unique", "t"])
-    simple("coll.feature_read_by_two_tables",
-           lambda: EmbeddingBagCollection([bag_cfg("t1", 5, 4, ["f"]), bag_cfg("t2", 9, 4, ["f"])]), ValueError,
-           ["'f'", "t1", "t2"])
-    simple("coll.ec_feature_read_by_two_tables",
-           lambda: EmbeddingCollection([seq_cfg("t1", 5, 4, ["f"]), seq_cfg("t2", 9, 4, ["f"])]), ValueError,
-           ["'f'", "t1", "t2"])
+    @case("coll.feature_read_by_two_tables", legit="TorchRec serves a feature several tables read: one output per "
+          "table, named 'feature@table'")
+    def _(ctx):
+        ebc = EmbeddingBagCollection([bag_cfg("t1", 5, 4, ["f"]), bag_cfg("t2", 9, 8, ["f"])])
+        w = {k.split(".")[-2]: v.clone() for k, v in ebc.state_dict().items()}
+        kt = ebc(kjt_lengths(["f"], [1, 4, 2], [2, 1]))
+        expect(kt.keys() == ["f@t1", "f@t2"], f"keys {kt.keys()}")
+        for t in ("t1", "t2"):
+            ref = torch.nn.functional.embedding_bag(T([1, 4, 2]), w[t], T([0, 2]), mode="sum")
+            expect(torch.allclose(kt[f"f@{t}"], ref, atol=1e-6), f"f@{t} differs from its table's sum")
+
+    @case("coll.ec_feature_read_by_two_tables", legit="TorchRec serves a feature several tables read: one output "
+          "per table, named 'feature@table'")
+    def _(ctx):
+        ec = EmbeddingCollection([seq_cfg("t1", 5, 4, ["f"]), seq_cfg("t2", 9, 4, ["f"])])
+        w = {k.split(".")[-2]: v.clone() for k, v in ec.state_dict().items()}
+        out = ec(kjt_lengths(["f"], [1, 4, 2], [2, 1]))
+        expect(list(out) == ["f@t1", "f@t2"], f"keys {list(out)}")
+        for t in ("t1", "t2"):
+            expect(torch.equal(out[f"f@{t}"].values(), w[t][T([1, 4, 2])]), f"f@{t} rows wrong")
+    def built_on_meta():
+        with torch.device("meta"):
+            return EmbeddingBagCollection([bag_cfg("t1", 5, 4, ["f"])])
+
+    simple("coll.meta_context_used_before_to_empty", lambda: built_on_meta()(kjt_lengths(["f"], [1], [1])),
+           ValueError, ["meta", "to_empty", "DistributedModelParallel"])
+    simple("coll.meta_tables_load_without_assign", lambda: built_on_meta().load_state_dict(
+        EmbeddingBagCollection([bag_cfg("t1", 5, 4, ["f"])]).state_dict()), ValueError,
+           ["meta", "to_empty", "assign=True"])
+    simple("coll.shared_feature_id_beyond_smaller_table", lambda: EmbeddingBagCollection(
+        [bag_cfg("t1", 5, 4, ["f"]), bag_cfg("t2", 9, 4, ["f"])])(kjt_lengths(["f"], [7], [1])), ValueError,
+           ["'f'", "7", "'t1'"])
     simple("coll.ebc_given_sequence_config", lambda: EmbeddingBagCollection([seq_cfg("t", 5, 4, ["f"])]), ValueError,
            ["EmbeddingCollection", "'t'"])
     simple("coll.ec_given_bag_config", lambda: EmbeddingCollection([bag_cfg("t", 5, 4, ["f"])]), ValueError,

@@ -26,7 +26,7 @@ _SUBMODULES = {
     "fused": ("FusedOptimizer", "merge_fused_state", "_SHARDED_COPY", "_TORCH_STATE_DICT_API",
               "_refuse_torch_state_dict_api", "_slice_state"),
     "combined": ("CombinedOptimizer", "combined_optimizer", "dense_parameters", "holds_fused_optimizer",
-                 "_CombinedState", "_refuse_fused_tables_in_dense"),
+                 "_CombinedState", "_leave_fused_tables_out_of_dense"),
     "torchrec_compat": ("adopt_torch_in_backward", "apply_optimizer_in_backward",
                         "in_backward_optimizer_filter", "KeyedOptimizerWrapper",
                         "RowWiseAdagrad", "_TORCH_ONLY_DEFAULTS", "_fused_config_for"),

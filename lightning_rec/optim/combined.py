@@ -33,7 +33,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         if not named:
             raise ValueError("CombinedOptimizer needs at least one optimizer")
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = named
-        _refuse_fused_tables_in_dense(named)
+        _leave_fused_tables_out_of_dense(named)
         super().__init__([g for _, o in named for g in o.param_groups], {})
         if any(holds_fused_optimizer(o) for _, o in named):
             self.defaults = _FusedDefaults(self.defaults)
@@ -73,13 +73,16 @@ class CombinedOptimizer(torch.optim.Optimizer):
         fused = {id(p): g["name"] for _, o in self.optimizers if isinstance(o, FusedOptimizer)
                  for g in o.param_groups for p in g["params"]}
         held = sorted({fused[id(p)] for p in params if id(p) in fused})
-        if held:
-            # the dense child would hold them and never step them (no gradient)
+        if held and all(id(p) in fused for p in params):
+            # a group of tables only, as if to give them another rate: the dense child would never step them
             raise ValueError(
                 f"CombinedOptimizer.add_param_group: the group holds fused table weights (param group(s) "
                 f"{', '.join(held)}), which their fused optimizer updates inside backward; a dense optimizer's group "
                 f"would never step them. Their learning rate is their own group's 'lr' (optimizer.param_groups "
                 f"entry named {held[0]!r}); add only the other parameters (lightning_rec.optim.dense_parameters)")
+        if held:  # model.parameters(): the others join, the fused tables stay with their fused optimizer
+            param_group = {**param_group, "params": [p for p in params if id(p) not in fused]}
+            _say_left_out("CombinedOptimizer.add_param_group: the new group", held)
         dense = [(name, o) for name, o in self.optimizers if not isinstance(o, FusedOptimizer)]
         if len(dense) != 1:
             raise ValueError(
@@ -142,8 +145,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return "CombinedOptimizer(" + ", ".join(f"{n}={type(o).__name__}" for n, o in self.optimizers) + ")"
 
 
-def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
-    """A dense optimizer built over model.parameters() holds the fused tables' weights too: refused, saying so."""
+def _leave_fused_tables_out_of_dense(named: Sequence[tuple[str, torch.optim.Optimizer]]) -> None:
+    """A dense optimizer built over model.parameters() (TorchRec's examples) holds the fused tables' weights too: they
+    leave its groups and state (their fused optimizer updates them inside backward, they never get a gradient)."""
     # a sharded group holds one parameter per table, not per piece: its params do not pair with its tables' names
     fused = {id(p): f"{g['name']}: {g['tables'][i]}" if len(g["params"]) == len(g["tables"]) else g["name"]
              for _, o in named if isinstance(o, FusedOptimizer) for g in o.param_groups
@@ -151,14 +155,24 @@ def _refuse_fused_tables_in_dense(named: Sequence[tuple[str, torch.optim.Optimiz
     for name, o in named:
         if isinstance(o, FusedOptimizer):
             continue
-        held = [fused[id(p)] for g in o.param_groups for p in g["params"] if id(p) in fused]
+        held = []
+        for group in o.param_groups:
+            out = [p for p in group["params"] if id(p) in fused]
+            if out:
+                held += [fused[id(p)] for p in out]
+                group["params"] = [p for p in group["params"] if id(p) not in fused]
+                for p in out:
+                    o.state.pop(p, None)  # e.g. Adagrad's sum, made at construction for every parameter
         if held:
-            raise ValueError(
-                f"the {type(o).__name__} optimizer '{name}' holds fused table weights ({', '.join(held[:3])}"
-                f"{' ...' if len(held) > 3 else ''}), which the fused optimizer updates inside backward (they never "
-                f"get a gradient): build it over the other parameters, "
-                f"{type(o).__name__}(lightning_rec.optim.dense_parameters(model), ...) (those that require a "
-                f"gradient), not model.parameters()")
+            _say_left_out(f"the {type(o).__name__} optimizer '{name}'", held)
+
+
+def _say_left_out(what: str, held: Sequence[str]) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(f"{what} holds fused table weights ({', '.join(held[:3])}{' ...' if len(held) > 3 else ''}): left "
+                   f"out of it, since their fused optimizer updates them inside backward; it steps the other "
+                   f"parameters")
 
 
 def combined_optimizer(model: torch.nn.Module, dense: torch.optim.Optimizer | None) -> torch.optim.Optimizer:

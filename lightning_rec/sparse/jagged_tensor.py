@@ -417,6 +417,10 @@ class KeyedJaggedTensor(_Jagged):
                 self._length_per_key = []
             elif self._stride == 0:
                 self._length_per_key = [0] * len(self._keys)
+            elif self._lengths.is_meta:
+                # no values to read (a model traced on "meta"): TorchRec's stand-in, the ids spread over the keys
+                n, k = self._values.numel(), len(self._keys)
+                self._length_per_key = [n // k + (n % k if i == 0 else 0) for i in range(k)]
             else:
                 self._length_per_key = self.lengths_FB().sum(dim=1).tolist()
         return self._length_per_key
