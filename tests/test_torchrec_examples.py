@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import RankFailed, free_port, run_ranks
+from dist_utils import free_port, run_ranks
 
 
 def _own_process_group(port: int) -> None:
@@ -71,10 +71,6 @@ def _two_tower_worker(rank: int, world_size: int, port: int) -> dict:
     return seen
 
 
-@pytest.mark.xfail(raises=RankFailed, strict=True,
-                   reason="model.to_empty(device='cpu') leaves a meta-built EmbeddingBagCollection's tables on meta, "
-                          "so the gathered CPU model cannot look up its item embeddings (issue 37's meta-device "
-                          "point): remove this mark once to_empty materialises them")
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_retrieval_two_tower_train_runs_as_ported(world_size):
     """Trains, gathers the sharded model to one CPU model on rank 0 (state_dict_to_device + state_dict_gather), and
