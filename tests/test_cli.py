@@ -593,6 +593,25 @@ def test_preprocess_and_export_name_the_option_meant(tmp_path, capsys):
         assert "ambiguous" not in said and "does not exist" in said, said
 
 
+@pytest.mark.parametrize("inside", ["", "export"])
+def test_export_into_its_own_checkpoint_is_refused_before_writing(tmp_path, capsys, inside):
+    # `lightning-rec export CKPT CKPT` wrote model.safetensors and config.json into the checkpoint, which resume,
+    # load_model and load_from_checkpoint then refused as "an export directory"
+    import shutil
+
+    from lightning_rec.cli import export_main
+
+    checkpoint = tmp_path / "last.ckpt"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "tiny.ckpt", checkpoint)
+    before = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*"))
+    with pytest.raises(SystemExit) as refused:
+        export_main([str(checkpoint), str(checkpoint / inside)])
+    said = capsys.readouterr().err
+    assert refused.value.code == 2 and f"output {checkpoint / inside} is the checkpoint {checkpoint} or inside " \
+        f"it" in said and f"outside it, e.g. {tmp_path / 'export'}" in said, said
+    assert sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*")) == before
+
+
 def test_fused_tables_at_two_devices_under_auto_pick_the_rec_strategy(caplog):
     # `fit --config dlrm_synthetic.yaml --trainer.devices=2` (the recipe's strategy is auto): Lightning picked DDP and
     # each rank refused it, "use --trainer.strategy=rec"; auto now means rec for fused tables at 2+ ranks. (The run

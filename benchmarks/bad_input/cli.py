@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 
 from .helpers import ROOT, CLIError
-from .registry import simple
+from .registry import case, expect, simple
 
 SMOKE = ("cli.fit_config_missing", "cli.preprocess_missing_input")
 
@@ -42,6 +43,14 @@ def cli_cases() -> None:
            CLIError, ["sparse_lr=-1", ">= 0"], timeout=60)
     simple("cli.export_missing_checkpoint", lambda: cli("/nonexistent/x.ckpt", "/tmp/out_never", entry="export"),
            (CLIError, ValueError, FileNotFoundError), ["x.ckpt"])
+    @case("cli.export_into_its_checkpoint", (CLIError, ValueError), ["is the checkpoint", "outside it"])
+    def _(ctx):
+        checkpoint = ctx.tmp / "last.ckpt"
+        shutil.copytree(ROOT / "tests" / "fixtures" / "tiny.ckpt", checkpoint)
+        before = sorted(checkpoint.rglob("*"))
+        ctx.after(lambda: expect(sorted(checkpoint.rglob("*")) == before, "export wrote into the checkpoint"))
+        cli(str(checkpoint), str(checkpoint), entry="export")
+
     simple("cli.preprocess_26_sizes_wrong", lambda: cli("--input", str(ROOT / "README.md"), "--output_dir",
                                                          "/tmp/battery_never",
                                                          "--num_embeddings", "1,2,3", entry="preprocess"),

@@ -36,6 +36,10 @@ def dlrm_module_cases() -> None:
     simple("model.dlrm_sizes_list_wrong_length",
            lambda: DLRMModule(**{**SMALL, "num_embeddings_per_feature": [20, 20, 20]}), ValueError, ["3", "2"])
     simple("model.dlrm_sparse_lr_nan", lambda: DLRMModule(**SMALL, sparse_lr=float("nan")), ValueError, ["lr"])
+    simple("model.dlrm_dense_lr_nan", lambda: DLRMModule(**SMALL, dense_lr=float("nan")), ValueError,
+           ["dense_lr=nan", "finite"])
+    simple("model.two_tower_temperature_nan", lambda: __import__("lightning_rec").TwoTowerModule(
+        temperature=float("nan")), ValueError, ["temperature=nan", "finite"])
     simple("model.dlrm_dense_last_not_dim", lambda: DLRMModule(**{**SMALL, "dense_arch_layer_sizes": [8, 5]}),
            ValueError, ["embedding_dim", "4"])
 
