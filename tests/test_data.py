@@ -1042,3 +1042,56 @@ def test_the_synthetic_test_loop_without_test_rows_says_it_scores_the_validation
                                         num_embeddings_per_feature=16)
         own.setup("test")
         own.test_dataloader()
+
+
+class _RowOrder(__import__("lightning.pytorch").pytorch.LightningModule):
+    """Records the rows each training epoch reads, by their first dense feature (the row's number); its tables give
+    strategy="rec" something to shard."""
+
+    def __init__(self):
+        from lightning_rec.data.criteo.schema import feature_names
+        from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+        from lightning_rec.optim import FusedOptimizerConfig
+
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{f}", num_embeddings=10, embedding_dim=2,
+                                                              feature_names=[f]) for f in feature_names(None)],
+                                          optimizer=FusedOptimizerConfig("sgd", lr=0.0))
+        self.rows: list[list[int]] = []
+
+    def on_train_epoch_start(self):
+        self.rows.append([])
+
+    def training_step(self, batch, batch_idx):
+        self.rows[-1] += batch.dense_features[:, 0].expm1().round().long().tolist()
+        return self.w.square().sum() + self.ebc(batch.sparse_features).values().sum() * 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["rec", "ddp"])
+def test_the_data_modules_order_is_the_order_trained_under_a_distributed_strategy_on_one_device(tmp_path, strategy):
+    """--data.shuffle=false under strategy=rec on one device trained a shuffled order: Lightning puts a shuffling
+    DistributedSampler of its own into the training loader of any distributed strategy, at one device too. And with
+    shuffle=True the order came from seed_everything's seed, not the data module's `seed`."""
+    import lightning.pytorch as L
+
+    import lightning_rec.strategy  # noqa: F401  (registers strategy="rec")
+
+    path = write(tmp_path, "rows.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(48)))
+
+    def trained(**kw) -> list[list[int]]:
+        data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10,
+                                cache_dir=str(tmp_path / "cache"), **kw)
+        module = _RowOrder()
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(module, data)
+        return module.rows
+
+    assert trained(shuffle=False) == [list(range(48))] * 2
+    L.seed_everything(5)
+    first = trained(shuffle=True, seed=1)
+    L.seed_everything(6)
+    assert trained(shuffle=True, seed=1) == first and sorted(first[0]) == list(range(48)) and first[0] != first[1]
