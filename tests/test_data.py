@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -1095,3 +1096,62 @@ def test_the_data_modules_order_is_the_order_trained_under_a_distributed_strateg
     first = trained(shuffle=True, seed=1)
     L.seed_everything(6)
     assert trained(shuffle=True, seed=1) == first and sorted(first[0]) == list(range(48)) and first[0] != first[1]
+
+
+def _preprocessed(tmp_path: Path, rows: int = 40) -> tuple[Path, list[str]]:
+    """A small preprocess run: (its output directory, the command line that wrote it)."""
+    from lightning_rec.data.criteo_parse import native_parser_available
+
+    if not native_parser_available():
+        pytest.skip("preprocess needs the native parser")
+    path = write(tmp_path, "rows.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(rows)))
+    argv = ["--input", str(path), "--output_dir", str(tmp_path / "shards"), "--num_embeddings", "1e3",
+            "--no_shuffle_rows", "--no_progress"]
+    return tmp_path / "shards", argv
+
+
+def _shard_rows(directory: Path) -> list[int]:
+    from lightning_rec.data.criteo_shards import CriteoShardDataset
+
+    return [int(r) for b in CriteoShardDataset(directory, 8) for r in b.dense_features[:, 0].expm1().round()]
+
+
+@pytest.mark.parametrize("damage", ["npy", "manifest"])
+def test_a_shard_directory_cut_short_names_the_file_and_rerunning_preprocess_mends_it(tmp_path, capsys, damage):
+    # a shard .npy cut short gave numpy's "mmap length is greater than file size" (the manifest holds each shard's
+    # row count), a manifest.json cut short a raw JSONDecodeError
+    from lightning_rec.cli import preprocess_main
+
+    out, argv = _preprocessed(tmp_path)
+    manifest = preprocess_main(argv)  # (--num_embeddings 1e3: the integer it means)
+    assert manifest["num_embeddings_per_feature"] == [1000] * 26 and _shard_rows(out) == list(range(40))
+    damaged = out / "manifest.json" if damage == "manifest" else out / f"{manifest['shards'][0]['name']}.dense.npy"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    said = (rf"{damaged} is damaged or incomplete" if damage == "manifest" else
+            rf"{out}: shard {manifest['shards'][0]['name']} is damaged or incomplete: {damaged.name} is not a readable")
+    with pytest.raises(ValueError, match=re.escape(said).replace("\\ ", " ") + r".*rerun the `lightning-rec "
+                                         r"preprocess` command that wrote it .*or copy the directory again"):
+        _shard_rows(out)
+    preprocess_main(argv)  # the advice: the same command redoes what is damaged
+    assert _shard_rows(out) == list(range(40))
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("option,value,said", [
+    ("--num_embeddings", "1.5", "--num_embeddings 1.5: give rows per table as one int (e.g. 40000000 or 4e7)"),
+    ("--num_embeddings", "ten", "--num_embeddings ten: give rows per table as one int"),
+    ("--output_dir", "a_file", "--output_dir {tmp_path}/a_file: it is a file: give a directory"),
+    ("--output_dir", "a_file/sub", "--output_dir {tmp_path}/a_file/sub: a folder above it is a file"),
+])
+def test_preprocess_refuses_a_bad_option_in_one_line_naming_it(tmp_path, capsys, option, value, said):
+    # --num_embeddings 1e7 printed a traceback (`invalid literal for int()`), an --output_dir naming a file a
+    # FileExistsError traceback
+    from lightning_rec.cli import preprocess_main
+
+    _, argv = _preprocessed(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    argv[argv.index(option) + 1] = str(tmp_path / value) if option == "--output_dir" else value
+    with pytest.raises(SystemExit) as refused:
+        preprocess_main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1 and said.format(tmp_path=tmp_path) in err, err

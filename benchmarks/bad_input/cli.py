@@ -55,6 +55,26 @@ def cli_cases() -> None:
                                                          "/tmp/battery_never",
                                                          "--num_embeddings", "1,2,3", entry="preprocess"),
            (CLIError, ValueError), ["26", "num_embeddings"])
+    simple("cli.preprocess_num_embeddings_fraction", lambda: cli("--input", str(ROOT / "README.md"), "--output_dir",
+                                                                  "/tmp/battery_never", "--num_embeddings", "1.5",
+                                                                  entry="preprocess"),
+           (CLIError, ValueError), ["--num_embeddings 1.5", "one int"])
+
+    @case("cli.preprocess_num_embeddings_exponent", (CLIError, ValueError), ["num_embeddings"], ok=True,
+          legit="--num_embeddings 1e3 is the integer 1000")
+    def _(ctx):
+        (ctx.tmp / "d.tsv").write_text("".join("0\t" + "\t".join(["1"] * 13 + [f"{i:08x}" for i in range(26)]) + "\n"
+                                               for _ in range(8)))
+        manifest = cli("--input", str(ctx.tmp / "d.tsv"), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings",
+                       "1e3", "--no_progress", entry="preprocess")
+        expect(manifest["num_embeddings_per_feature"] == [1000] * 26, f"{manifest['num_embeddings_per_feature']}")
+
+    @case("cli.preprocess_output_dir_is_a_file", (CLIError, ValueError), ["--output_dir", "is a file"])
+    def _(ctx):
+        (ctx.tmp / "out.txt").write_text("x")
+        ctx.after(lambda: expect((ctx.tmp / "out.txt").read_text() == "x", "the file was changed"))
+        cli("--input", str(ROOT / "README.md"), "--output_dir", str(ctx.tmp / "out.txt"), entry="preprocess")
+
     simple("cli.preprocess_missing_input", lambda: cli("--input", "/nonexistent/day_0.gz", "--output_dir",
                                                         "/tmp/battery_never", entry="preprocess"),
            (CLIError, ValueError, FileNotFoundError), ["day_0.gz"])
