@@ -384,6 +384,23 @@ def test_a_sharded_checkpoint_rebuilds_the_model_with_its_own_hyperparameters(tm
     assert f"predictions: 32 rows written to {tmp_path / 'predictions.csv'}" in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_both_before_anything_is_built(tmp_path):
+    # predict with the two-tower recipe and a DLRM fit's checkpoint rebuilt the model as DLRMModule (the
+    # checkpoint's class wins) and failed inside predict_step: 'RankingBatch' object has no attribute 'dense_features'
+    run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+             "--data.init_args.num_train_samples=64", "--data.init_args.num_val_samples=0", "--trainer.logger=false",
+             "--trainer.max_steps=1", "--trainer.callbacks+=ModelCheckpoint",
+             f"--trainer.callbacks.dirpath={tmp_path / 'ck'}", "--trainer.callbacks.filename=last", *QUIET])
+    checkpoint = tmp_path / "ck" / "last.ckpt"
+    with pytest.raises(SystemExit) as refused:
+        run_cli(["predict", "--config", "recipes/configs/two_tower_movielens.yaml", "--trainer.logger=false",
+                 f"--data.data_dir={tmp_path / 'no_such_ml-100k'}", f"--ckpt_path={checkpoint}"])
+    assert str(refused.value) == (
+        f"lightning-rec predict: error: --ckpt_path {checkpoint} holds a DLRMModule (lightning_rec.models.DLRMModule), "
+        f"but the recipe builds a TwoTowerModule on MovieLensDataModule: give the recipe (--config) that trained the "
+        f"checkpoint, or a checkpoint of a TwoTowerModule fit")
+
+
 def test_short_class_names_of_the_library_resolve_in_a_fresh_process():
     # `--model=DLRMModule` (LightningCLI's short form) failed in a fresh `lightning-rec` with "DLRMModule either not
     # accessible or invalid", and the hint said "did you mean DLRMModule instead of DLRMModule?" (in this pytest process

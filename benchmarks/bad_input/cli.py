@@ -51,6 +51,16 @@ def cli_cases() -> None:
         ctx.after(lambda: expect(sorted(checkpoint.rglob("*")) == before, "export wrote into the checkpoint"))
         cli(str(checkpoint), str(checkpoint), entry="export")
 
+    @case("cli.predict_two_tower_recipe_dlrm_checkpoint", CLIError, ["DLRMModule", "TwoTowerModule",
+                                                                     "MovieLensDataModule"], timeout=90)
+    def _(ctx):
+        cli("--config", str(ROOT / "recipes/configs/dlrm_synthetic.yaml"), f"--trainer.default_root_dir={ctx.tmp}",
+            "--data.init_args.num_train_samples=64", "--data.init_args.num_val_samples=0", "--trainer.logger=false",
+            "--trainer.max_steps=1", "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={ctx.tmp}",
+            "--trainer.callbacks.filename=last")
+        cli("--config", str(ROOT / "recipes/configs/two_tower_movielens.yaml"), "--trainer.logger=false",
+            f"--trainer.default_root_dir={ctx.tmp}", f"--ckpt_path={ctx.tmp / 'last.ckpt'}", entry="predict")
+
     simple("cli.preprocess_26_sizes_wrong", lambda: cli("--input", str(ROOT / "README.md"), "--output_dir",
                                                          "/tmp/battery_never",
                                                          "--num_embeddings", "1,2,3", entry="preprocess"),
