@@ -52,7 +52,8 @@ def _preprocess_parser() -> HintingArgumentParser:
                              "quoted pattern of them: 'data/train-*.parquet', a save_to_disk folder)")
     parser.add_argument("--output_dir", required=True, help="where the shards and manifest.json go (one per split)")
     parser.add_argument("--num_embeddings", default="40000000",
-                        help="rows per table: one int, or 26 comma-separated ints (default 40000000, TorchRec's)")
+                        help="rows per table: one int (4e7 reads as 40000000), or 26 comma-separated ints (default "
+                             "40000000, TorchRec's)")
     parser.add_argument("--min_frequency", type=int, default=0,
                         help="ids seen fewer times map to id 0 (0: no threshold; the DLRM reference uses 3); writes "
                              "OUTPUT_DIR/vocab.npz, 4 bytes per table row (26 x 10M rows: 1.04 GB)")
