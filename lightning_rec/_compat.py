@@ -84,6 +84,14 @@ def sampler_resolution(trainer):
     return resolve, requires
 
 
+def puts_in_distributed_sampler(trainer) -> bool:
+    """Whether Lightning puts a DistributedSampler of its own (shuffling, in training) into a loader that holds none:
+    use_distributed_sampler under a distributed strategy, DDP's subclasses at one device too (Lightning 2.6.x
+    `_AcceleratorConnector.use_distributed_sampler`, `.is_distributed`); False where a Lightning lacks them."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    return bool(getattr(connector, "use_distributed_sampler", False) and getattr(connector, "is_distributed", False))
+
+
 def set_sampler_resolution(trainer, resolve) -> None:
     """This trainer's data connector picks samplers with `resolve` (see sampler_resolution; Lightning 2.6.x)."""
     trainer._data_connector._resolve_sampler = resolve

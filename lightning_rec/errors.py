@@ -1,13 +1,13 @@
 """Message helpers: how an error shows the values it names. One place, so every refusal reads alike.
 
-User errors raise ValueError (TypeError for a value of the wrong kind) and name the fix; these helpers only format. A
-leaf: imports nothing of lightning_rec."""
+User errors raise ValueError (TypeError for a value of the wrong kind) and name the fix; these helpers format, and
+`refuse_non_finite` is the one check every module's constructor shares. A leaf: imports nothing of lightning_rec."""
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -42,3 +42,11 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """A finite int or float that is not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def refuse_non_finite(owner: str, arguments: Mapping[str, Any]) -> None:
+    """Refuse a NaN or infinite float among a constructor's arguments, by name: a `<= 0` check lets NaN through, and
+    one step with it writes NaN into every row the step touches."""
+    bad = {k: v for k, v in arguments.items() if isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise ValueError(f"{owner}({', '.join(f'{k}={v!r}' for k, v in bad.items())}): give a finite number")

@@ -739,3 +739,18 @@ def test_preprocess_vocab_from_without_vocabulary_is_refused_before_writing(tmp_
     with pytest.raises(ValueError, match="--vocab_from .*train has no vocab.npz: point it at the --output_dir"):
         preprocess_criteo([tmp_path / "val.tsv"], tmp_path / "out", num_embeddings=100, vocab_from=tmp_path / "train")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: __import__("lightning_rec.models").models.TwoTowerModule(temperature=float("nan")),
+    lambda: __import__("lightning_rec.models").models.TwoTowerModule(tower_dropout=float("nan")),
+    lambda: __import__("lightning_rec.models").models.TwoTowerModule(embedding_l2=float("inf")),
+    lambda: __import__("lightning_rec.models").models.DLRMModule(num_embeddings_per_feature=4, dense_lr=float("nan")),
+    lambda: __import__("lightning_rec.models").models.DLRMModule(num_embeddings_per_feature=4,
+                                                                 dense_weight_decay=float("nan")),
+])
+def test_a_non_finite_float_argument_of_a_module_is_refused_by_name(make):
+    # temperature=nan passed the `<= 0` check; one step then wrote NaN into the user rows through the fused update
+    with pytest.raises(ValueError, match=r"Module\((temperature|tower_dropout|embedding_l2|dense_lr|dense_weight_decay)"
+                                         r"=(nan|inf)\): give a finite number"):
+        make()

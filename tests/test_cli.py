@@ -384,6 +384,23 @@ def test_a_sharded_checkpoint_rebuilds_the_model_with_its_own_hyperparameters(tm
     assert f"predictions: 32 rows written to {tmp_path / 'predictions.csv'}" in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_both_before_anything_is_built(tmp_path):
+    # predict with the two-tower recipe and a DLRM fit's checkpoint rebuilt the model as DLRMModule (the
+    # checkpoint's class wins) and failed inside predict_step: 'RankingBatch' object has no attribute 'dense_features'
+    run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+             "--data.init_args.num_train_samples=64", "--data.init_args.num_val_samples=0", "--trainer.logger=false",
+             "--trainer.max_steps=1", "--trainer.callbacks+=ModelCheckpoint",
+             f"--trainer.callbacks.dirpath={tmp_path / 'ck'}", "--trainer.callbacks.filename=last", *QUIET])
+    checkpoint = tmp_path / "ck" / "last.ckpt"
+    with pytest.raises(SystemExit) as refused:
+        run_cli(["predict", "--config", "recipes/configs/two_tower_movielens.yaml", "--trainer.logger=false",
+                 f"--data.data_dir={tmp_path / 'no_such_ml-100k'}", f"--ckpt_path={checkpoint}"])
+    assert str(refused.value) == (
+        f"lightning-rec predict: error: --ckpt_path {checkpoint} holds a DLRMModule (lightning_rec.models.DLRMModule), "
+        f"but the recipe builds a TwoTowerModule on MovieLensDataModule: give the recipe (--config) that trained the "
+        f"checkpoint, or a checkpoint of a TwoTowerModule fit")
+
+
 def test_short_class_names_of_the_library_resolve_in_a_fresh_process():
     # `--model=DLRMModule` (LightningCLI's short form) failed in a fresh `lightning-rec` with "DLRMModule either not
     # accessible or invalid", and the hint said "did you mean DLRMModule instead of DLRMModule?" (in this pytest process
@@ -591,6 +608,25 @@ def test_preprocess_and_export_name_the_option_meant(tmp_path, capsys):
             export_main([str(tmp_path / "ckpt"), str(tmp_path / "out"), spelling])
         said = capsys.readouterr().err
         assert "ambiguous" not in said and "does not exist" in said, said
+
+
+@pytest.mark.parametrize("inside", ["", "export"])
+def test_export_into_its_own_checkpoint_is_refused_before_writing(tmp_path, capsys, inside):
+    # `lightning-rec export CKPT CKPT` wrote model.safetensors and config.json into the checkpoint, which resume,
+    # load_model and load_from_checkpoint then refused as "an export directory"
+    import shutil
+
+    from lightning_rec.cli import export_main
+
+    checkpoint = tmp_path / "last.ckpt"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "tiny.ckpt", checkpoint)
+    before = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*"))
+    with pytest.raises(SystemExit) as refused:
+        export_main([str(checkpoint), str(checkpoint / inside)])
+    said = capsys.readouterr().err
+    assert refused.value.code == 2 and f"output {checkpoint / inside} is the checkpoint {checkpoint} or inside " \
+        f"it" in said and f"outside it, e.g. {tmp_path / 'export'}" in said, said
+    assert sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*")) == before
 
 
 def test_fused_tables_at_two_devices_under_auto_pick_the_rec_strategy(caplog):

@@ -55,6 +55,13 @@ def test_sampler_resolution_is_the_data_connectors():
     assert _compat.sampler_resolution(object()) is None
 
 
+def test_puts_in_distributed_sampler_under_a_distributed_strategy_at_one_device_too():
+    assert not _compat.puts_in_distributed_sampler(_trainer())
+    assert _compat.puts_in_distributed_sampler(_trainer(strategy="ddp"))  # one device: Lightning's sampler all the same
+    assert not _compat.puts_in_distributed_sampler(_trainer(strategy="ddp", use_distributed_sampler=False))
+    assert not _compat.puts_in_distributed_sampler(object())
+
+
 def test_update_dataloader_and_the_predict_index_wrapper():
     from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
     from lightning.pytorch.trainer.states import RunningStage

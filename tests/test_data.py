@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -1042,3 +1043,115 @@ def test_the_synthetic_test_loop_without_test_rows_says_it_scores_the_validation
                                         num_embeddings_per_feature=16)
         own.setup("test")
         own.test_dataloader()
+
+
+class _RowOrder(__import__("lightning.pytorch").pytorch.LightningModule):
+    """Records the rows each training epoch reads, by their first dense feature (the row's number); its tables give
+    strategy="rec" something to shard."""
+
+    def __init__(self):
+        from lightning_rec.data.criteo.schema import feature_names
+        from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+        from lightning_rec.optim import FusedOptimizerConfig
+
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{f}", num_embeddings=10, embedding_dim=2,
+                                                              feature_names=[f]) for f in feature_names(None)],
+                                          optimizer=FusedOptimizerConfig("sgd", lr=0.0))
+        self.rows: list[list[int]] = []
+
+    def on_train_epoch_start(self):
+        self.rows.append([])
+
+    def training_step(self, batch, batch_idx):
+        self.rows[-1] += batch.dense_features[:, 0].expm1().round().long().tolist()
+        return self.w.square().sum() + self.ebc(batch.sparse_features).values().sum() * 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", ["rec", "ddp"])
+def test_the_data_modules_order_is_the_order_trained_under_a_distributed_strategy_on_one_device(tmp_path, strategy):
+    """--data.shuffle=false under strategy=rec on one device trained a shuffled order: Lightning puts a shuffling
+    DistributedSampler of its own into the training loader of any distributed strategy, at one device too. And with
+    shuffle=True the order came from seed_everything's seed, not the data module's `seed`."""
+    import lightning.pytorch as L
+
+    import lightning_rec.strategy  # noqa: F401  (registers strategy="rec")
+
+    path = write(tmp_path, "rows.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(48)))
+
+    def trained(**kw) -> list[list[int]]:
+        data = CriteoDataModule(train_path=str(path), batch_size=8, num_embeddings_per_feature=10,
+                                cache_dir=str(tmp_path / "cache"), **kw)
+        module = _RowOrder()
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(module, data)
+        return module.rows
+
+    assert trained(shuffle=False) == [list(range(48))] * 2
+    L.seed_everything(5)
+    first = trained(shuffle=True, seed=1)
+    L.seed_everything(6)
+    assert trained(shuffle=True, seed=1) == first and sorted(first[0]) == list(range(48)) and first[0] != first[1]
+
+
+def _preprocessed(tmp_path: Path, rows: int = 40) -> tuple[Path, list[str]]:
+    """A small preprocess run: (its output directory, the command line that wrote it)."""
+    from lightning_rec.data.criteo_parse import native_parser_available
+
+    if not native_parser_available():
+        pytest.skip("preprocess needs the native parser")
+    path = write(tmp_path, "rows.tsv", "".join(good_row(label=k % 2, i1=str(k)) + "\n" for k in range(rows)))
+    argv = ["--input", str(path), "--output_dir", str(tmp_path / "shards"), "--num_embeddings", "1e3",
+            "--no_shuffle_rows", "--no_progress"]
+    return tmp_path / "shards", argv
+
+
+def _shard_rows(directory: Path) -> list[int]:
+    from lightning_rec.data.criteo_shards import CriteoShardDataset
+
+    return [int(r) for b in CriteoShardDataset(directory, 8) for r in b.dense_features[:, 0].expm1().round()]
+
+
+@pytest.mark.parametrize("damage", ["npy", "manifest"])
+def test_a_shard_directory_cut_short_names_the_file_and_rerunning_preprocess_mends_it(tmp_path, capsys, damage):
+    # a shard .npy cut short gave numpy's "mmap length is greater than file size" (the manifest holds each shard's
+    # row count), a manifest.json cut short a raw JSONDecodeError
+    from lightning_rec.cli import preprocess_main
+
+    out, argv = _preprocessed(tmp_path)
+    manifest = preprocess_main(argv)  # (--num_embeddings 1e3: the integer it means)
+    assert manifest["num_embeddings_per_feature"] == [1000] * 26 and _shard_rows(out) == list(range(40))
+    damaged = out / "manifest.json" if damage == "manifest" else out / f"{manifest['shards'][0]['name']}.dense.npy"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    said = (rf"{damaged} is damaged or incomplete" if damage == "manifest" else
+            rf"{out}: shard {manifest['shards'][0]['name']} is damaged or incomplete: {damaged.name} is not a readable")
+    with pytest.raises(ValueError, match=re.escape(said).replace("\\ ", " ") + r".*rerun the `lightning-rec "
+                                         r"preprocess` command that wrote it .*or copy the directory again"):
+        _shard_rows(out)
+    preprocess_main(argv)  # the advice: the same command redoes what is damaged
+    assert _shard_rows(out) == list(range(40))
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("option,value,said", [
+    ("--num_embeddings", "1.5", "--num_embeddings 1.5: give rows per table as one int (e.g. 40000000 or 4e7)"),
+    ("--num_embeddings", "ten", "--num_embeddings ten: give rows per table as one int"),
+    ("--output_dir", "a_file", "--output_dir {tmp_path}/a_file: it is a file: give a directory"),
+    ("--output_dir", "a_file/sub", "--output_dir {tmp_path}/a_file/sub: a folder above it is a file"),
+])
+def test_preprocess_refuses_a_bad_option_in_one_line_naming_it(tmp_path, capsys, option, value, said):
+    # --num_embeddings 1e7 printed a traceback (`invalid literal for int()`), an --output_dir naming a file a
+    # FileExistsError traceback
+    from lightning_rec.cli import preprocess_main
+
+    _, argv = _preprocessed(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    argv[argv.index(option) + 1] = str(tmp_path / value) if option == "--output_dir" else value
+    with pytest.raises(SystemExit) as refused:
+        preprocess_main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1 and said.format(tmp_path=tmp_path) in err, err

@@ -256,9 +256,14 @@ def test_auc_of_one_class_warns_and_is_nan(cls):
         metric.update(torch.randn(5), labels)
         with pytest.warns(UserWarning, match="only .* labels.*undefined"):
             assert math.isnan(float(metric.compute()))
-    empty = cls()
-    with pytest.warns(UserWarning, match="undefined"):
-        assert math.isnan(float(empty.compute()))
+    # an empty evaluation set was said to hold "only negative labels (0 positive, 0 negative)"
+    for given in ([], [(torch.empty(0), torch.empty(0))]):
+        empty = cls()
+        for preds, labels in given:
+            empty.update(preds, labels)
+        with pytest.warns(UserWarning, match=rf"^{cls.__name__}: the evaluation set is empty \(0 predictions\), so AUC "
+                                             r"is undefined: returning NaN. Check that the evaluation data holds rows"):
+            assert math.isnan(float(empty.compute()))
 
 
 def test_ne_of_one_class_warns_and_is_nan_not_minus_inf():

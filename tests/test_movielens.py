@@ -774,6 +774,16 @@ def test_two_columns_naming_the_same_field_are_refused_naming_columns(tmp_path):
     assert read_ratings(tmp_path / "r.parquet", columns={"item": "item"}).column("item_id").to_pylist() == [7, 8]
 
 
+@pytest.mark.parametrize("min_rating", ["4", float("nan"), True])
+def test_a_min_rating_that_is_not_a_number_is_refused_at_construction(tmp_path, min_rating):
+    # "4" (as a YAML or a Python caller may give it) failed at setup with numpy's UFuncTypeError, never naming it
+    csv = _write(tmp_path / "ratings.csv", "user,item,rating\n1,5,4\n2,6,3\n")
+    with pytest.raises(ValueError, match=rf"MovieLensDataModule min_rating={min_rating!r}: give a number \(ratings "
+                                         rf">= it are kept\), or None"):
+        MovieLensDataModule(str(csv.parent), min_rating=min_rating)
+    MovieLensDataModule(str(csv.parent), min_rating=4)  # an int is a number
+
+
 def _interactions(pairs: list[tuple[int, int]], num_users: int, num_items: int, num_negatives: int = 1):
     from lightning_rec.data.movielens import FeatureTable, InteractionDataset
 

@@ -355,6 +355,34 @@ def preprocess_cases() -> None:
         n = sum(int(b.labels.numel()) for b in dm.train_dataloader())
         expect(n == 50, f"{n} rows from 50")
 
+    def preprocessed(ctx) -> Path:
+        from lightning_rec.cli import preprocess_main
+        p = write(ctx.tmp / "d.tsv", criteo_text(50))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            preprocess_main(["--input", str(p), "--output_dir", str(ctx.tmp / "o"), "--num_embeddings", "100"])
+        return ctx.tmp / "o"
+
+    def read_all(directory: Path) -> int:
+        from lightning_rec import CriteoDataModule
+        dm = CriteoDataModule(train_path=str(directory), batch_size=16, num_embeddings_per_feature=100)
+        dm.setup("fit")
+        return sum(int(b.labels.numel()) for b in dm.train_dataloader())
+
+    @case("more.preprocess_shard_npy_cut_short", ValueError, [".dense.npy", "damaged or incomplete",
+                                                             "rerun the `lightning-rec preprocess`"], timeout=60)
+    def _(ctx):
+        out = preprocessed(ctx)
+        npy = next(out.glob("*.dense.npy"))
+        npy.write_bytes(npy.read_bytes()[: npy.stat().st_size // 2])  # a partial copy
+        read_all(out)
+
+    @case("more.preprocess_manifest_cut_short", ValueError, ["manifest.json", "damaged or incomplete",
+                                                            "rerun the `lightning-rec preprocess`"], timeout=60)
+    def _(ctx):
+        out = preprocessed(ctx)
+        (out / "manifest.json").write_text((out / "manifest.json").read_text()[:100])
+        read_all(out)
+
 
 CASES = (criteo_text_cases, criteo_table_cases, criteo_file_cases, criteo_datamodule_cases, criteo_dataset_cases,
          more_criteo_cases, preprocess_cases)

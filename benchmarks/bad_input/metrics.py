@@ -51,6 +51,17 @@ def metric_label_cases() -> None:
         v = upd(AUC(), T([0.1, 0.4, 0.4, 0.8]), T([0, 0, 1, 1]))
         expect(abs(float(v) - 0.875) < 1e-6, f"AUC {float(v)} != 0.875")
 
+    @case("metric.auc_empty_set_says_empty", legit="an empty evaluation set: AUC undefined, NaN with a warning "
+          "that says it is empty")
+    def _(ctx):
+        for cls in (AUC, BinnedAUC):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                v = upd(cls(), T([]), T([]))
+            expect(bool(torch.isnan(v)), f"{cls.__name__} of an empty set {float(v)}")
+            expect(any("evaluation set is empty" in str(w.message) for w in said),
+                   f"{cls.__name__}: no warning says the set is empty: {[str(w.message) for w in said]}")
+
     @case("metric.auc_one_class_nan", legit="one class only: AUC undefined, NaN with a warning")
     def _(ctx):
         with warnings.catch_warnings():

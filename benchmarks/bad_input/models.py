@@ -36,6 +36,10 @@ def dlrm_module_cases() -> None:
     simple("model.dlrm_sizes_list_wrong_length",
            lambda: DLRMModule(**{**SMALL, "num_embeddings_per_feature": [20, 20, 20]}), ValueError, ["3", "2"])
     simple("model.dlrm_sparse_lr_nan", lambda: DLRMModule(**SMALL, sparse_lr=float("nan")), ValueError, ["lr"])
+    simple("model.dlrm_dense_lr_nan", lambda: DLRMModule(**SMALL, dense_lr=float("nan")), ValueError,
+           ["dense_lr=nan", "finite"])
+    simple("model.two_tower_temperature_nan", lambda: __import__("lightning_rec").TwoTowerModule(
+        temperature=float("nan")), ValueError, ["temperature=nan", "finite"])
     simple("model.dlrm_dense_last_not_dim", lambda: DLRMModule(**{**SMALL, "dense_arch_layer_sizes": [8, 5]}),
            ValueError, ["embedding_dim", "4"])
 
@@ -93,6 +97,31 @@ def strategy_cases() -> None:
         expect(trainer.global_step == 4, f"global_step {trainer.global_step}")
         changed = any(not torch.equal(v, m.state_dict()[k]) for k, v in before.items() if k in m.state_dict())
         expect(changed, "no weight changed")
+
+
+    @case("strategy.rec_one_device_shuffle_false_keeps_order", timeout=90,
+          legit="shuffle=False under strategy='rec' on one device: the data module's order is the order trained")
+    def _(ctx):
+        import lightning.pytorch as L
+
+        from lightning_rec import DLRMModule, SyntheticCriteoDataModule
+        torch = _t()
+
+        class Recorded(DLRMModule):
+            def training_step(self, batch, batch_idx):
+                seen.append(batch.dense_features)
+                return super().training_step(batch, batch_idx)
+
+        seen = []
+        data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=64, batch_size=64,
+                                         num_embeddings_per_feature=32, shuffle=False)
+        m = Recorded(num_embeddings_per_feature=32, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+                     over_arch_layer_sizes=[8, 1])
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            L.Trainer(strategy="rec", accelerator="cpu", devices=1, max_epochs=1, logger=False, limit_val_batches=0,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(m, data)
+        expect(torch.equal(torch.cat(seen), data.datasets["train"].dense_ND), "trained another order than the data "
+               "module's (shuffle=False)")
 
 
 CASES = (dlrm_module_cases, strategy_cases)

@@ -22,6 +22,8 @@ def movielens_file_cases() -> None:
 
     simple("ml.split_unknown", lambda: MovieLensDataModule("x", split="80/20"), ValueError, ["'80/20'", "ro_811"])
     simple("ml.negatives_two", lambda: MovieLensDataModule("x", num_negatives=2), ValueError, ["num_negatives=2"])
+    simple("ml.min_rating_text", lambda: MovieLensDataModule("x", min_rating="4"), ValueError,
+           ["min_rating='4'", "give a number"])
     simple("ml.batch_size_zero", lambda: MovieLensDataModule("x", batch_size=0), ValueError, ["batch_size"])
 
     @case("ml.udata_bad_row", ValueError, ["u.data", ":3"], timeout=40)

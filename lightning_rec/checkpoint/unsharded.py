@@ -115,10 +115,15 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     stored in float16 (half the size; loading casts them back to the module's dtype).
     """
     checkpoint, out = _existing(checkpoint), Path(out)
-    state, meta = full_model_state(checkpoint)
+    if checkpoint.resolve() in (out.resolve(), *out.resolve().parents):
+        # its two files in a checkpoint directory made resume and load_from_checkpoint take it for an export
+        raise ValueError(f"export's output {out} is the checkpoint {checkpoint} or inside it: its model.safetensors "
+                         f"and config.json would make the checkpoint read as an export (resume and loading refuse "
+                         f"it); give export a directory outside it, e.g. {checkpoint.parent / 'export'}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file: give export a directory to write model.safetensors and config.json in "
                          f"(a new one, or an earlier export's, whose two files are replaced)")
+    state, meta = full_model_state(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     _write_weights(state, out, fp16_tables)
     # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments

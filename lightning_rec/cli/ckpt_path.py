@@ -4,12 +4,18 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
 import warnings
 
 from lightning.pytorch.cli import LightningCLI
+
+
+def _class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 class CheckpointPathCLI(LightningCLI):
@@ -25,9 +31,12 @@ class CheckpointPathCLI(LightningCLI):
             model = self.config[subcommand].get("model")
             return dict(vars(model.get("init_args") or {})) if model is not None else {}
 
+        def class_path() -> str | None:
+            return (self.config[subcommand].get("model") or {}).get("class_path")
+
         from lightning_rec.checkpoint import LIGHTNING_FILE
 
-        before = init_args()
+        before, recipes_class = init_args(), class_path()
         ckpt_path = self.config[subcommand].get("ckpt_path")
         if ckpt_path == "last":  # the checkpoint Lightning will load: its hyperparameters were not read at all
             ckpt_path = self._last_checkpoint(subcommand) or ckpt_path
@@ -41,7 +50,25 @@ class CheckpointPathCLI(LightningCLI):
                 super()._parse_ckpt_path()
             finally:
                 self.config[subcommand].ckpt_path = given_path
+        self._refuse_another_model_class(subcommand, ckpt_path, recipes_class, class_path())
         self._warn_unused_model_options(subcommand, before, init_args())
+
+    def _refuse_another_model_class(self, subcommand: str, ckpt_path, recipes: str | None, its: str | None) -> None:
+        """The checkpoint's class replaced the recipe's model (Lightning's rule): refused when neither is the other's
+        subclass, before anything is built (the recipe's data is another model's)."""
+        if not recipes or not its or recipes == its:
+            return
+        try:
+            recipe_class, its_class = _class(recipes), _class(its)
+        except (ImportError, AttributeError, ValueError):
+            return  # (the parser says what does not import)
+        if issubclass(its_class, recipe_class) or issubclass(recipe_class, its_class):
+            return
+        data = (self.config[subcommand].get("data") or {}).get("class_path")
+        on = f" on {data.rsplit('.', 1)[-1]}" if data else ""
+        raise SystemExit(f"lightning-rec {subcommand}: error: --ckpt_path {ckpt_path} holds a {its_class.__name__} "
+                         f"({its}), but the recipe builds a {recipe_class.__name__}{on}: give the recipe (--config) "
+                         f"that trained the checkpoint, or a checkpoint of a {recipe_class.__name__} fit")
 
     def _warn_unused_model_options(self, subcommand: str, before: dict, after: dict) -> None:
         """Name the --model.* options that the checkpoint's hyperparameters replaced."""

@@ -52,7 +52,8 @@ def _preprocess_parser() -> HintingArgumentParser:
                              "quoted pattern of them: 'data/train-*.parquet', a save_to_disk folder)")
     parser.add_argument("--output_dir", required=True, help="where the shards and manifest.json go (one per split)")
     parser.add_argument("--num_embeddings", default="40000000",
-                        help="rows per table: one int, or 26 comma-separated ints (default 40000000, TorchRec's)")
+                        help="rows per table: one int (4e7 reads as 40000000), or 26 comma-separated ints (default "
+                             "40000000, TorchRec's)")
     parser.add_argument("--min_frequency", type=int, default=0,
                         help="ids seen fewer times map to id 0 (0: no threshold; the DLRM reference uses 3); writes "
                              "OUTPUT_DIR/vocab.npz, 4 bytes per table row (26 x 10M rows: 1.04 GB)")
@@ -76,6 +77,17 @@ def _preprocess_parser() -> HintingArgumentParser:
     return parser
 
 
+def _count(text: str) -> int:
+    """An int written as one (`40000000`) or with an exponent (`4e7`, the integer it means); else ValueError."""
+    try:
+        return int(text)
+    except ValueError:
+        number = float(text)
+        if not number.is_integer():  # 1.5, 1e-3, nan, inf
+            raise
+        return int(number)
+
+
 def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     """`lightning-rec preprocess ...`: parse arguments, run, print where the shards are and how to train on them."""
     from lightning_rec.data.criteo.preprocess import preprocess_criteo
@@ -86,7 +98,11 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
             (sys.argv[1:] if argv is None else argv)]
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sizes = [int(x) for x in args.num_embeddings.split(",")]
+    try:
+        sizes = [_count(x) for x in args.num_embeddings.split(",")]
+    except ValueError:
+        parser.exit(2, f"lightning-rec preprocess: error: --num_embeddings {args.num_embeddings}: give rows per table "
+                       f"as one int (e.g. 40000000 or 4e7), or 26 comma-separated ints\n")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_rec import _compat
 from lightning_rec.comm import all_gather_object
 from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
@@ -445,16 +446,17 @@ def make_train_loader(dataset: Dataset, batch_size: int, shuffle: bool, drop_las
                       persistent_workers: bool | None = None) -> StatefulBatchLoader:
     """A data module's training loader (`make_batch_loader` + `follow_fit_loop`); `trainer` is None outside one.
 
-    At 2+ ranks the loader holds a DistributedSampler seeded by `seed`, which Lightning keeps: Lightning's
-    own, put in otherwise, is seeded by seed_everything, so the data module's `seed` no longer set the
-    shuffle order. Under `Trainer(use_distributed_sampler=False)` it shards nothing (every rank reads every
-    row, as Lightning leaves a loader then). Outside a Trainer (a hand-written loop) it shards in a process
-    group of 2+ ranks when `shard_outside_trainer`.
+    Under a distributed strategy (at any device count, one too) the loader holds a DistributedSampler of the
+    trainer's ranks, shuffled as `shuffle` says and seeded by `seed`, which Lightning keeps: Lightning's own, put
+    in otherwise, always shuffles and is seeded by seed_everything, so `shuffle=False` and the data module's `seed`
+    were lost. Under `Trainer(use_distributed_sampler=False)` it shards nothing (every rank reads every row, as
+    Lightning leaves a loader then). Outside a Trainer (a hand-written loop) it shards in a process group of 2+
+    ranks when `shard_outside_trainer`.
     """
     if trainer is None:
-        shard = shard_outside_trainer
-    else:  # a Trainer of one device in a process group another program made keeps every row
-        shard = bool(trainer._accelerator_connector.use_distributed_sampler) and trainer.world_size > 1
+        shard: bool | tuple[int, int] = shard_outside_trainer
+    else:  # the trainer's ranks (a Trainer of one device in a process group another program made: every row)
+        shard = (trainer.world_size, trainer.global_rank) if _compat.puts_in_distributed_sampler(trainer) else False
     loader = make_batch_loader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed,
                                num_workers=num_workers, pin_memory=pin_memory, shard_by_rank=shard,
                                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
@@ -476,7 +478,7 @@ def make_batch_loader(
     seed: int,
     num_workers: int,
     pin_memory: bool = False,
-    shard_by_rank: bool = False,
+    shard_by_rank: bool | tuple[int, int] = False,
     prefetch_factor: int | None = None,
     persistent_workers: bool | None = None,
 ) -> StatefulBatchLoader:
@@ -489,15 +491,18 @@ def make_batch_loader(
 
     `shard_by_rank` (the data modules' training loaders outside a Trainer: a hand-written loop): in a
     process group of W > 1 ranks, each rank reads its 1/W of the rows through a DistributedSampler, as
-    Lightning would arrange; without it every rank read every row, and the ranks trained on copies.
+    Lightning would arrange; without it every rank read every row, and the ranks trained on copies. A pair
+    (world size, rank): a DistributedSampler of those ranks (a Trainer's), one rank too.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     workers = worker_options("make_batch_loader", num_workers, pin_memory, prefetch_factor, persistent_workers)
     sampler = EpochRandomSampler(dataset, seed=seed) if shuffle else SequentialSampler(dataset)
-    if shard_by_rank and torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    dist = torch.distributed
+    if shard_by_rank is True and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shard_by_rank = (dist.get_world_size(), dist.get_rank())
+    if isinstance(shard_by_rank, tuple):
+        sampler = DistributedSampler(dataset, *shard_by_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return StatefulBatchLoader(
         dataset,
         batch_size=batch_size,

@@ -79,11 +79,11 @@ def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor |
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
     if num_pos > 0 and num_neg > 0:
         return None
-    warnings.warn(f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
-                  f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
-                  f"Evaluate on a set with both clicks and non-clicks",
-                  UserWarning,
-                  stacklevel=3,)
+    said = ("is empty (0 predictions), so AUC is undefined: returning NaN. Check that the "
+            "evaluation data holds rows (its path, split or limit_val_batches)" if num_pos + num_neg == 0 else
+            f"has only {'negative' if num_pos == 0 else 'positive'} labels ({int(num_pos)} positive, {int(num_neg)} "
+            f"negative), so AUC is undefined: returning NaN. Evaluate on a set with both clicks and non-clicks")
+    warnings.warn(f"{name}: the evaluation set {said}", UserWarning, stacklevel=3)
     return torch.tensor(float("nan"), dtype=torch.float64)
 
 

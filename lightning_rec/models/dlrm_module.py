@@ -16,6 +16,7 @@ from torch import Tensor, nn
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.errors import refuse_non_finite
 from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
 from lightning_rec.models.module_hooks import RecModuleHooks
@@ -73,6 +74,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                  embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
         super().__init__()
         self.save_hyperparameters()
+        refuse_non_finite(type(self).__name__, self.hparams)
         names = list(sparse_feature_names or CRITEO_SPARSE_FEATURES)
         if dense_optimizer not in DENSE_OPTIMIZERS:
             raise ValueError(

@@ -22,7 +22,7 @@ from torch import Tensor
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
-from lightning_rec.errors import is_int
+from lightning_rec.errors import is_int, refuse_non_finite
 from lightning_rec.metrics.ranking import RankingMetrics
 from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
 from lightning_rec.models.module_hooks import RecModuleHooks
@@ -88,6 +88,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         super().__init__()
         # predict_top_k is an inference choice: kept out of checkpoints, whose value would override the command line
         self.save_hyperparameters(ignore=["predict_top_k"])
+        refuse_non_finite(type(self).__name__, self.hparams)
         self.predict_top_k = predict_top_k
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")

@@ -136,7 +136,11 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
         resolve_parser("native")  # the op does the hashing; without it this would take days on the 1TB logs
     sizes = _resolve_sizes(num_embeddings)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--output_dir {out}: {'it' if out.is_file() else 'a folder above it'} is a file: give a "
+                         f"directory (a new one, or an earlier run's to resume it)") from None
     layouts = [detect_layout(p, separator, has_header, has_label) if t is None else None
                for p, t in zip(inputs, tables)]
     labelled = _labelled(inputs, layouts, tables)

@@ -40,6 +40,8 @@ from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEAT
 from lightning_rec.sparse import KeyedJaggedTensor
 
 MANIFEST = "manifest.json"
+REDO = ("rerun the `lightning-rec preprocess` command that wrote it (it checks every shard and redoes the damaged "
+        "ones), or copy the directory again")
 SHARD_FORMAT = "lightning_rec.criteo_shards/1"
 ARRAYS = {  # name: (dtype, columns or None)
     "label": (np.float32, None),
@@ -91,9 +93,13 @@ def load_manifest(directory: str | os.PathLike) -> dict:
         if not any(Path(directory).glob("*.json")):
             hint = "it is not a `lightning-rec preprocess` output directory"
         raise ValueError(f"{directory} has no {MANIFEST}: {hint}")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != SHARD_FORMAT:
-        raise ValueError(f"{path} has format {manifest.get('format')!r}, this version reads {SHARD_FORMAT!r}: rerun "
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:  # (a JSON or UTF-8 error) cut short: a partial copy, a full disk
+        raise ValueError(f"{path} is damaged or incomplete ({e}): {REDO}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARD_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path} has format {found!r}, this version reads {SHARD_FORMAT!r}: rerun "
                          f"`lightning-rec preprocess` with this version")
     return manifest
 
@@ -203,6 +209,11 @@ class CriteoShardDataset(IterableDataset):
     def _open(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         # memory maps: pages are read on demand and shared with the other workers through the page cache
         if self._arrays is None:
+            for record in self.manifest["shards"]:  # the files' sizes against the manifest's rows (no checksum)
+                problem = verify_shard(self.directory, record, checksum=False)
+                if problem is not None:
+                    raise ValueError(f"{self.directory}: shard {record['name']} is damaged or incomplete: {problem} "
+                                     f"(a partial copy, a full disk?): {REDO}")
             self._arrays = [
                 tuple(np.load(p, mmap_mode="r") for p in shard_files(self.directory, s["name"]).values())
                 for s in self.manifest["shards"]

@@ -38,7 +38,7 @@ from lightning_rec.data.movielens.splits import (
     ro_split,
     to_split,
 )
-from lightning_rec.errors import is_int
+from lightning_rec.errors import is_int, is_number
 from lightning_rec.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,12 @@ def default_cache_dir() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "lightning_rec" / "movielens"
 
 
-def _check_args(split: str, num_negatives: int, batch_size: int, eval_batch_size: int,
+def _check_args(split: str, min_rating: float | None, num_negatives: int, batch_size: int, eval_batch_size: int,
                 columns: dict[str, str] | None) -> None:
     """The arguments' own checks, at construction (the data's are made as it is read, at setup)."""
+    if min_rating is not None and not is_number(min_rating):  # "4" met numpy's UFuncTypeError at setup
+        raise ValueError(f"MovieLensDataModule min_rating={min_rating!r}: give a number (ratings >= it are kept), or "
+                         f"None to keep every rating")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
     if num_negatives not in (0, 1):
@@ -120,7 +123,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         super().__init__()
         # said here, not when the first loader is built
         worker_options("MovieLensDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
-        _check_args(split, num_negatives, batch_size, eval_batch_size, columns)
+        _check_args(split, min_rating, num_negatives, batch_size, eval_batch_size, columns)
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         # a datasets.Dataset becomes a folder holding its ratings.parquet, before the hyperparameters are saved
         given = data_dir
