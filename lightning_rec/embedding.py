@@ -34,6 +34,7 @@ from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.checks import validate_kjt
+from lightning_rec.sparse.variable_batch import is_variable_batch, padded_batch
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 
 
@@ -457,6 +458,8 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
+        if is_variable_batch(features):  # keys' own bag counts: looked up once each, expanded below
+            features = padded_batch(features, type(self).__name__, contents=not self.validate_ids)
         features = self._route(features)  # kernel order, batch checked
         # one [B, D_group] per kernel group; frozen tables do no update
         pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
@@ -524,7 +527,8 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return [list(c.feature_names) for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
+        if isinstance(features, KeyedJaggedTensor) and (features.inverse_indices_or_none() is not None
+                                                        or features.variable_stride_per_key()):
             raise ValueError("EmbeddingCollection: the input has inverse_indices (TorchRec's deduplicated batch), "
                              "which expand pooled outputs only: give a sequence collection every sample's bags (build "
                              "the KJT without inverse_indices), as TorchRec's EmbeddingCollection takes")

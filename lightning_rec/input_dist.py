@@ -61,6 +61,7 @@ class BatchRejected(ValueError):
 # the flags word of the counts exchange (shared memory: the third int64 of each piece's head)
 REJECTED = 1  # this rank's batch failed validation: no payload follows
 WEIGHT_GRAD = 2  # this rank's per-id weights require a gradient
+VARIABLE_BATCH = 4  # this rank's batch is a variable one (features' own bag counts): every rank sends its strides
 FROZEN_SHIFT = 8  # bits from here: the key of the rank's frozen tables (0: none frozen), which every rank compares
 
 
@@ -83,6 +84,7 @@ class DistContext:
     positions_N: Tensor | None = None  # sequence: source-major position of each key-major id
     lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
     weights_grad: bool = False  # some rank's weights require a gradient: every rank runs the weights' backward
+    strides_per_source: list[list[int]] | None = None  # variable batches: B_{f,r}, bags of feature f on source r
 
 
 class _Done:
@@ -174,10 +176,13 @@ class KJTAllToAll:
         self._perm_cache: dict[tuple[int, ...], Tensor] = {}
 
     def __call__(self, features: KeyedJaggedTensor | None, error: str | None = None,
-                 weighted: bool = False, frozen_key: int = 0) -> tuple[KeyedJaggedTensor, DistContext]:
+                 weighted: bool = False, frozen_key: int = 0,
+                 strides_F: list[int] | None = None) -> tuple[KeyedJaggedTensor, DistContext]:
         """`frozen_key`: which tables this rank has frozen (0: none); ranks that disagree all raise
         FrozenTablesDisagree before any payload moves (one rank alone skipping its update would diverge silently,
-        one alone skipping a replica's gradient all-reduce would leave the others waiting)."""
+        one alone skipping a replica's gradient all-reduce would leave the others waiting). `strides_F`: a variable
+        batch's bags per feature (collection order; `features` is it padded): when any rank has one, every rank
+        learns every rank's (ctx.strides_per_source), which the pooled all-to-all trims its rows by."""
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
         # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come
@@ -187,8 +192,9 @@ class KJTAllToAll:
             exchange = self._exchange_self
         else:
             exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
-        flags = (WEIGHT_GRAD if grad else 0) | (frozen_key << FROZEN_SHIFT)
-        B_src, N_src, lengths_src, values_src, recv_w, bad, grad_ranks, keys = exchange(routed, B, weighted, flags)
+        flags = (WEIGHT_GRAD if grad else 0) | (VARIABLE_BATCH if strides_F is not None else 0) | \
+            (frozen_key << FROZEN_SHIFT)
+        B_src, N_src, lengths_src, values_src, recv_w, bad, flags_src = exchange(routed, B, weighted, flags)
         if bad:
             if error is not None:
                 raise ValueError(error)
@@ -196,8 +202,13 @@ class KJTAllToAll:
                 f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
                 f"ranks); this rank stopped too, nothing was sent or updated"
             )
+        keys = [f >> FROZEN_SHIFT for f in flags_src]
         if any(k != keys[0] for k in keys):
             raise FrozenTablesDisagree(keys)
+        grad_ranks = [r for r, f in enumerate(flags_src) if f & WEIGHT_GRAD]
+        strides_src = None
+        if any(f & VARIABLE_BATCH for f in flags_src):
+            strides_src = self._exchange_strides(strides_F or [B] * len(self.routing.feature_names))
         sequence = not self.routing.pooled
         if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
             lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
@@ -211,8 +222,18 @@ class KJTAllToAll:
         local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
                                   stride=sum(B_src), _validate=False)
         ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
-                          positions_N=pos, weights_grad=bool(grad_ranks))
+                          positions_N=pos, weights_grad=bool(grad_ranks), strides_per_source=strides_src)
         return local, ctx
+
+    def _exchange_strides(self, strides_F: list[int]) -> list[list[int]]:
+        """Every rank's bags per feature, [W][F]: one small all-to-all, in steps where a rank has a variable batch."""
+        if self.world_size == 1:
+            return [list(strides_F)]
+        send = torch.tensor(strides_F, dtype=torch.long).repeat(self.world_size).to(self.device)
+        recv = torch.empty_like(send)
+        all_to_all(self.pg, recv, send, None, None, "variable batch strides all-to-all", self.timeout_s,
+                   host_reads=True)
+        return recv.view(self.world_size, len(strides_F)).tolist()
 
     def _with_weights_backward(self, routed: RoutedIds, weights_km: Tensor, perm: Tensor, lengths_src: Tensor,
                                N_src: list[int]) -> Tensor:
@@ -244,13 +265,13 @@ class KJTAllToAll:
         counts read made the host wait for the device: no launch ahead of the kernels). The weights keep their
         autograd (no all-to-all between them and the lookup), so a gradient needs no agreement."""
         if routed is None:
-            return None, None, None, None, None, [self.rank], [], []
+            return None, None, None, None, None, [self.rank], [flags]
         values = routed.values_N.long()
         recv_w = None
         if weighted:
             recv_w = routed.weights_N.float() if routed.weights_N is not None else \
                 torch.ones(values.numel(), device=values.device)
-        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], [], [0]
+        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], [flags & ~WEIGHT_GRAD]
 
     def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
         """Through the process group: counts first (they size the receive buffers), then the payload."""
@@ -270,11 +291,10 @@ class KJTAllToAll:
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
         bad = [r for r, c in enumerate(counts) if c[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad, [], []
-        grad_ranks = [r for r, c in enumerate(counts) if c[2] & WEIGHT_GRAD]
-        keys = [c[2] >> FROZEN_SHIFT for c in counts]
-        if any(k != keys[0] for k in keys):  # no payload: every rank raises
-            return None, None, None, None, None, [], [], keys
+            return None, None, None, None, None, bad, []
+        flags_src = [c[2] for c in counts]
+        if any(f >> FROZEN_SHIFT != flags_src[0] >> FROZEN_SHIFT for f in flags_src):  # no payload: every rank raises
+            return None, None, None, None, None, [], flags_src
         B_src = [c[0] for c in counts]
         N_src = [c[1] for c in counts]
 
@@ -307,7 +327,7 @@ class KJTAllToAll:
         parts = recv.split(out_splits)
         lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
         values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
-        return B_src, N_src, lengths_src, values_src, recv_w, [], grad_ranks, keys
+        return B_src, N_src, lengths_src, values_src, recv_w, [], flags_src
 
     def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
         """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
@@ -343,9 +363,8 @@ class KJTAllToAll:
         heads = [raw[:24].view(torch.long).tolist() for raw in received]
         bad = [r for r, h in enumerate(heads) if h[2] & REJECTED]
         if bad:
-            return None, None, None, None, None, bad, [], []
-        grad_ranks = [r for r, h in enumerate(heads) if h[2] & WEIGHT_GRAD]
-        keys = [h[2] >> FROZEN_SHIFT for h in heads]
+            return None, None, None, None, None, bad, []
+        flags_src = [h[2] for h in heads]
         S_me = S[self.rank]
         B_src, N_src = [h[0] for h in heads], [h[1] for h in heads]
         lengths_src, values_src, weights_src = [], [], []
@@ -356,7 +375,7 @@ class KJTAllToAll:
             if weighted:
                 weights_src.append(raw[8 * (3 + S_me * b + n) :].view(torch.float32))
         recv_w = torch.cat(weights_src) if weighted else None  # cat: copies out of shared memory
-        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], grad_ranks, keys
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], flags_src
 
     def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
         key = tuple(batch_per_source)

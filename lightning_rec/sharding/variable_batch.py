@@ -1,0 +1,74 @@
+"""A variable batch (TorchRec's VBE) on its way back: only each feature's own rows travel. Pure tensors.
+
+Legend: W world size, B_r padded batch of source rank r (its largest feature's bags), B_{f,r} bags of feature f on
+source r, D_p width of rank p's pooled lookup, made of blocks (feature f, columns c0 .. c0 + w).
+
+A variable batch travels padded (sparse/variable_batch.py): feature f has B_{f,r} bags then empty ones up to B_r.
+Owner p's pooled output [B_0 + ... + B_{W-1}, D_p] then holds, for source r and block (f, c0, w), B_{f,r} real rows
+and zero rows after them. Only the real rows go back:
+
+    owner p, to source r:   [ block 0: B_{f0,r} x w0 | block 1: B_{f1,r} x w1 | ... ]   flat   (trim_rows)
+    source r, from owner p: each block back to [B_r, w] (zero rows after B_{f,r}) -> [B_r, D_p] (pad_rows_back)
+
+after which the ordinary assembly places the columns (sharding/embeddings.py) and the collection expands the rows by
+the batch's inverse_indices. A request-level feature (one row per request, e.g. 1 per 32 candidates) thus sends
+1/32 of the rows an expanded batch would, in the id all-to-all and in the pooled one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_rec.sharding.routing import Routing
+
+Block = tuple[int, int, int]  # (feature index, first column, width) of a rank's pooled output
+
+
+def rank_blocks(routing: Routing) -> list[list[Block]]:
+    """Per rank p, the column blocks of its pooled output [.., D_p], in column order (its shard features')."""
+    out = []
+    for p in range(routing.world_size):
+        blocks, c0 = [], 0
+        for sf in routing.shard_features[routing.rank_slice(p)]:
+            blocks.append((sf.feature_index, c0, sf.cols))
+            c0 += sf.cols
+        out.append(blocks)
+    return out
+
+
+def trim_rows(owned_BD: Tensor, blocks: Sequence[Block], strides_per_source: Sequence[Sequence[int]],
+              batch_per_source: Sequence[int]) -> tuple[Tensor, list[int]]:
+    """Owner: for each source r, each block's first B_{f,r} rows among r's B_r rows, flat -> (send, numel per r)."""
+    pieces, sizes, at = [], [], 0
+    for strides_F, b in zip(strides_per_source, batch_per_source):
+        n = 0
+        for f, c0, w in blocks:
+            pieces.append(owned_BD[at : at + strides_F[f], c0 : c0 + w].reshape(-1))
+            n += strides_F[f] * w
+        sizes.append(n)
+        at += b
+    return (torch.cat(pieces) if pieces else owned_BD.reshape(-1)[:0]), sizes
+
+
+def received_sizes(blocks_per_rank: Sequence[Sequence[Block]], strides_F: Sequence[int]) -> list[int]:
+    """Source: how many values each owner p sends it (its blocks' rows of this source's features)."""
+    return [sum(strides_F[f] * w for f, _, w in blocks) for blocks in blocks_per_rank]
+
+
+def pad_rows_back(received: Tensor, blocks_per_rank: Sequence[Sequence[Block]], strides_F: Sequence[int],
+                  batch: int) -> Tensor:
+    """Source: each owner's trimmed blocks -> [B, D_p] (zero rows after B_f), flat and in rank order: the layout
+    of the ordinary pooled all-to-all's receive buffer."""
+    parts, at = [], 0
+    for blocks in blocks_per_rank:
+        cols = []
+        for f, _, w in blocks:
+            n = strides_F[f]
+            block = received[at : at + n * w].view(n, w)
+            at += n * w
+            cols.append(torch.nn.functional.pad(block, (0, 0, 0, batch - n)) if n != batch else block)
+        if cols:
+            parts.append((cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)).reshape(-1))
+    return torch.cat(parts) if parts else received[:0]

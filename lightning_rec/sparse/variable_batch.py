@@ -1,0 +1,51 @@
+"""A variable batch (TorchRec's VBE) as the collections read it: an ordinary batch of its largest key's stride.
+
+Shapes: F keys, B_f bags of key f, B = max B_f.
+
+    lengths  [ u0 u1 | c0 c1 c2 c3 ]            u: B_u = 2 (one row per request), c: B_c = 4 (candidates)
+      -> padded  [ u0 u1 0 0 | c0 c1 c2 c3 ]    stride B = 4; values and weights unchanged (key-major order is kept)
+
+The padding bags are empty: a lookup pools them to zeros, the id all-to-all sends no id for them, and the pooled
+all-to-all leaves them out (sharding/variable_batch.py). The output is expanded to the full batch by
+`inverse_indices` (each sample's bag of each key), as TorchRec's collections expand it."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_rec.sparse.checks import validate_kjt
+from lightning_rec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+def is_variable_batch(kjt: object) -> bool:
+    return isinstance(kjt, KeyedJaggedTensor) and kjt.variable_stride_per_key()
+
+
+def padded_batch(kjt: KeyedJaggedTensor, owner: str, contents: bool = True) -> KeyedJaggedTensor:
+    """The variable batch `kjt` as an ordinary one of stride max(B_f): each key's bags, then empty ones. Its strides
+    are checked against its lengths first (`contents`: the lengths' values too, as validate_kjt)."""
+    validate_kjt(kjt, contents=contents)
+    if kjt.inverse_indices_or_none() is None:
+        raise ValueError(f"{owner}: the input is a variable batch (stride_per_key_per_rank "
+                         f"{kjt.stride_per_key_per_rank()}) without inverse_indices, so its outputs cannot be "
+                         f"expanded to the full batch: build it "
+                         f"with inverse_indices=(keys, [keys, batch] tensor of bag positions), as TorchRec's VBE")
+    strides = kjt.stride_per_key()
+    F, B = len(strides), kjt.stride()
+    lengths = kjt.lengths()
+    device = lengths.device
+    strides_t = torch.tensor(strides, dtype=torch.long, device=device)
+    key_of_bag = torch.repeat_interleave(torch.arange(F, device=device), strides_t, output_size=lengths.numel())
+    first_bag = torch.cumsum(strides_t, 0) - strides_t
+    to_N = key_of_bag * B + torch.arange(lengths.numel(), device=device) - first_bag[key_of_bag]
+    padded = lengths.new_zeros(F * B).index_copy_(0, to_N, lengths)
+    out = KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.weights_or_none(), lengths=padded, stride=B,
+                            length_per_key=kjt.length_per_key_or_none(), _validate=False,
+                            inverse_indices=kjt.inverse_indices())
+    return out
+
+
+def strides_of(kjt: KeyedJaggedTensor, features: list[str]) -> list[int]:
+    """Bags per feature of `features` (a collection's order) in the variable batch `kjt`."""
+    by_key = dict(zip(kjt.keys(), kjt.stride_per_key()))
+    return [by_key[f] for f in features]
