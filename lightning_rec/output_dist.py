@@ -142,13 +142,12 @@ class VariableBatchPooledAllToAll:
         self.pg, self.rank, self.blocks, self.timeout_s = pg, rank, blocks_per_rank, timeout_s
 
     def __call__(self, pooled_BD: Tensor, ctx: DistContext) -> Tensor:
-        strides = ctx.strides_per_source
-        send, in_splits = trim_rows(_differentiable(pooled_BD), self.blocks[self.rank], strides,
+        send, in_splits = trim_rows(_differentiable(pooled_BD), self.blocks[self.rank], ctx.strides_per_source,
                                     ctx.batch_per_source)
-        out_splits = received_sizes(self.blocks, strides[self.rank])
+        out_splits = received_sizes(self.blocks, ctx.strides_F)
         received = _AllToAll.apply(send, self.pg, out_splits, in_splits, "pooled embedding all-to-all",
                                    self.timeout_s)
-        return pad_rows_back(received, self.blocks, strides[self.rank], ctx.batch)
+        return pad_rows_back(received, self.blocks, ctx.strides_F, ctx.batch)
 
 
 class SequenceAllToAll:

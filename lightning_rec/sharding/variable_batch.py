@@ -3,9 +3,11 @@
 Legend: W world size, B_r padded batch of source rank r (its largest feature's bags), B_{f,r} bags of feature f on
 source r, D_p width of rank p's pooled lookup, made of blocks (feature f, columns c0 .. c0 + w).
 
-A variable batch travels padded (sparse/variable_batch.py): feature f has B_{f,r} bags then empty ones up to B_r.
-Owner p's pooled output [B_0 + ... + B_{W-1}, D_p] then holds, for source r and block (f, c0, w), B_{f,r} real rows
-and zero rows after them. Only the real rows go back:
+A variable batch is padded (sparse/variable_batch.py): feature f has B_{f,r} bags then empty ones up to B_r. The
+id all-to-all sends each shard feature's own B_{f,r} lengths with its bag count (trim_lengths; the owner pads them
+back, pad_lengths), so the owner knows every source's counts for its shard features. Owner p's pooled output
+[B_0 + ... + B_{W-1}, D_p] then holds, for source r and block (f, c0, w), B_{f,r} real rows and zero rows after
+them. Only the real rows go back:
 
     owner p, to source r:   [ block 0: B_{f0,r} x w0 | block 1: B_{f1,r} x w1 | ... ]   flat   (trim_rows)
     source r, from owner p: each block back to [B_r, w] (zero rows after B_{f,r}) -> [B_r, D_p] (pad_rows_back)
@@ -38,15 +40,40 @@ def rank_blocks(routing: Routing) -> list[list[Block]]:
     return out
 
 
+def shard_strides(routing: Routing, strides_F: Sequence[int]) -> list[int]:
+    """Bags per shard feature (every rank's, rank by rank) of a batch with `strides_F` bags per feature."""
+    return [strides_F[sf.feature_index] for sf in routing.shard_features]
+
+
+def _kept(strides_S: Sequence[int], B: int, device: torch.device) -> Tensor:
+    return torch.arange(B, device=device) < torch.tensor(list(strides_S), device=device).unsqueeze(1)
+
+
+def trim_lengths(lengths_SB: Tensor, strides_S: Sequence[int], B: int) -> Tensor:
+    """Sender: [S x B] lengths (B bags per shard feature) -> each shard feature's first B_s, flat."""
+    if B == 0 or not len(strides_S):
+        return lengths_SB[:0]
+    return lengths_SB.view(-1, B)[_kept(strides_S, B, lengths_SB.device)]
+
+
+def pad_lengths(trimmed: Tensor, strides_S: Sequence[int], B: int) -> Tensor:
+    """Owner: `trim_lengths`' output -> [S x B] again, zero lengths (empty bags) after each shard feature's B_s."""
+    out = trimmed.new_zeros(len(strides_S), B)
+    if B and len(strides_S):
+        out[_kept(strides_S, B, trimmed.device)] = trimmed
+    return out.view(-1)
+
+
 def trim_rows(owned_BD: Tensor, blocks: Sequence[Block], strides_per_source: Sequence[Sequence[int]],
               batch_per_source: Sequence[int]) -> tuple[Tensor, list[int]]:
-    """Owner: for each source r, each block's first B_{f,r} rows among r's B_r rows, flat -> (send, numel per r)."""
+    """Owner: for each source r, each block's first B_{s,r} rows among r's B_r rows, flat -> (send, numel per r).
+    `strides_per_source[r]`: source r's bags per block (this owner's shard features)."""
     pieces, sizes, at = [], [], 0
-    for strides_F, b in zip(strides_per_source, batch_per_source):
+    for strides_S, b in zip(strides_per_source, batch_per_source):
         n = 0
-        for f, c0, w in blocks:
-            pieces.append(owned_BD[at : at + strides_F[f], c0 : c0 + w].reshape(-1))
-            n += strides_F[f] * w
+        for (_, c0, w), rows in zip(blocks, strides_S):
+            pieces.append(owned_BD[at : at + rows, c0 : c0 + w].reshape(-1))
+            n += rows * w
         sizes.append(n)
         at += b
     return (torch.cat(pieces) if pieces else owned_BD.reshape(-1)[:0]), sizes
