@@ -34,7 +34,7 @@ from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.checks import validate_kjt
-from lightning_rec.sparse.variable_batch import is_variable_batch, padded_batch
+from lightning_rec.sparse.variable_batch import expand_by_inverse_indices, is_variable_batch, padded_batch
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 
 
@@ -470,16 +470,6 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         if inverse is not None:
             pooled_BD = expand_by_inverse_indices(pooled_BD, self._output_names, self._output_dims, inverse)
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
-
-
-def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
-                              inverse: tuple[list[str], Tensor]) -> Tensor:
-    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> a row per sample of the full batch."""
-    keys, index_FB = inverse
-    at = {k: i for i, k in enumerate(keys)}
-    blocks = torch.split(pooled_BD, list(dims), dim=1)
-    return torch.cat([block.index_select(0, index_FB[at[name]].to(pooled_BD.device).long())
-                      for name, block in zip(names, blocks)], dim=1)
 
 
 def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:

@@ -64,19 +64,54 @@ def pad_lengths(trimmed: Tensor, strides_S: Sequence[int], B: int) -> Tensor:
     return out.view(-1)
 
 
+Rect = tuple[int, int, int, int]  # (offset, rows, cols, row stride) of a [rows, cols] block in a flat tensor
+
+
+def _view(flat: Tensor, rect: Rect) -> Tensor:
+    offset, rows, cols, stride = rect
+    return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
+
+
+class _Move(torch.autograd.Function):
+    """Blocks of a flat tensor copied to blocks of a new one (zeros elsewhere); backward copies the gradient back.
+    One copy per block each way (autograd's slicing would add a whole-size zero gradient per block)."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, src_rects: list[Rect], dst_rects: list[Rect], numel: int) -> Tensor:
+        ctx.src_rects, ctx.dst_rects, ctx.numel = src_rects, dst_rects, src.numel()
+        src = src.contiguous()
+        # the blocks cover the destination (trim_rows), or leave zero rows between them (pad_rows_back)
+        out = (src.new_empty if sum(r[1] * r[2] for r in dst_rects) == numel else src.new_zeros)(numel)
+        for a, b in zip(src_rects, dst_rects):
+            _view(out, b).copy_(_view(src, a))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        covered = sum(r[1] * r[2] for r in ctx.src_rects) == ctx.numel
+        grad_src = (grad.new_empty if covered else grad.new_zeros)(ctx.numel)
+        for a, b in zip(ctx.src_rects, ctx.dst_rects):
+            _view(grad_src, a).copy_(_view(grad, b))
+        return grad_src, None, None, None
+
+
 def trim_rows(owned_BD: Tensor, blocks: Sequence[Block], strides_per_source: Sequence[Sequence[int]],
               batch_per_source: Sequence[int]) -> tuple[Tensor, list[int]]:
     """Owner: for each source r, each block's first B_{s,r} rows among r's B_r rows, flat -> (send, numel per r).
     `strides_per_source[r]`: source r's bags per block (this owner's shard features)."""
-    pieces, sizes, at = [], [], 0
+    D = owned_BD.shape[1]
+    src, dst, sizes, row, at = [], [], [], 0, 0
     for strides_S, b in zip(strides_per_source, batch_per_source):
         n = 0
         for (_, c0, w), rows in zip(blocks, strides_S):
-            pieces.append(owned_BD[at : at + rows, c0 : c0 + w].reshape(-1))
+            src.append((row * D + c0, rows, w, D))
+            dst.append((at, rows, w, w))
+            at += rows * w
             n += rows * w
         sizes.append(n)
-        at += b
-    return (torch.cat(pieces) if pieces else owned_BD.reshape(-1)[:0]), sizes
+        row += b
+    return _Move.apply(owned_BD.reshape(-1), src, dst, at), sizes
 
 
 def received_sizes(blocks_per_rank: Sequence[Sequence[Block]], strides_F: Sequence[int]) -> list[int]:
@@ -88,14 +123,13 @@ def pad_rows_back(received: Tensor, blocks_per_rank: Sequence[Sequence[Block]], 
                   batch: int) -> Tensor:
     """Source: each owner's trimmed blocks -> [B, D_p] (zero rows after B_f), flat and in rank order: the layout
     of the ordinary pooled all-to-all's receive buffer."""
-    parts, at = [], 0
+    src, dst, at, base = [], [], 0, 0
     for blocks in blocks_per_rank:
-        cols = []
-        for f, _, w in blocks:
+        D_p = sum(w for _, _, w in blocks)
+        for f, c0, w in blocks:
             n = strides_F[f]
-            block = received[at : at + n * w].view(n, w)
+            src.append((at, n, w, w))
+            dst.append((base + c0, n, w, D_p))
             at += n * w
-            cols.append(torch.nn.functional.pad(block, (0, 0, 0, batch - n)) if n != batch else block)
-        if cols:
-            parts.append((cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)).reshape(-1))
-    return torch.cat(parts) if parts else received[:0]
+        base += batch * D_p
+    return _Move.apply(received, src, dst, base)

@@ -11,7 +11,10 @@ all-to-all leaves them out (sharding/variable_batch.py). The output is expanded 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import Tensor
 
 from lightning_rec.sparse.checks import validate_kjt
 from lightning_rec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -49,3 +52,42 @@ def strides_of(kjt: KeyedJaggedTensor, features: list[str]) -> list[int]:
     """Bags per feature of `features` (a collection's order) in the variable batch `kjt`."""
     by_key = dict(zip(kjt.keys(), kjt.stride_per_key()))
     return [by_key[f] for f in features]
+
+
+class _ExpandRows(torch.autograd.Function):
+    """Column blocks of [B, D], each by its own row index -> [B_full, D]; backward adds the rows' gradients back
+    (one [B, D] buffer: autograd's column slices would allocate one per block)."""
+
+    @staticmethod
+    def forward(ctx, pooled_BD: Tensor, blocks: list[tuple[Tensor, int, int]]) -> Tensor:
+        ctx.blocks, ctx.rows = blocks, pooled_BD.shape[0]
+        out = pooled_BD.new_empty(blocks[0][0].numel(), pooled_BD.shape[1])
+        for row, c, d in blocks:
+            out[:, c : c + d] = pooled_BD[:, c : c + d].index_select(0, row)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_BD = grad.new_zeros(ctx.rows, grad.shape[1])
+        for row, c, d in ctx.blocks:
+            grad_BD[:, c : c + d].index_add_(0, row, grad[:, c : c + d])
+        return grad_BD, None
+
+
+def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
+                              inverse: tuple[list[str], Tensor]) -> Tensor:
+    """TorchRec's deduplicated or variable batch: each feature's rows of its bags -> a row per sample of the full
+    batch. Neighbouring features with the same inverse indices (a request's features) share one index_select."""
+    keys, index_FB = inverse
+    at = {k: i for i, k in enumerate(keys)}
+    rows = [index_FB[at[name]] for name in names]
+    blocks: list[list] = []
+    c0 = 0
+    for i, d in enumerate(dims):
+        if blocks and (rows[i] is rows[i - 1] or torch.equal(rows[i], rows[i - 1])):
+            blocks[-1][2] += d
+        else:
+            blocks.append([rows[i], c0, d])
+        c0 += d
+    device = pooled_BD.device
+    return _ExpandRows.apply(pooled_BD, [(row.to(device).long(), c, d) for row, c, d in blocks])
