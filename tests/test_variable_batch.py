@@ -51,7 +51,8 @@ def vbe_batch(seed: int, requests: int, candidates: int, weighted: bool = False)
                         for k, n in zip(KEYS, torch.stack([b.sum() for b in lengths.split(strides)]))])
     request_of = torch.randint(0, requests, (candidates,), generator=g)
     inverse = torch.stack([request_of if k in USER else torch.arange(candidates) for k in KEYS])
-    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    # learned weights (a leaf that trains): their gradient comes back through the weights' all-to-all
+    weights = torch.rand(values.numel(), generator=g).requires_grad_() if weighted else None
     return KeyedJaggedTensor(KEYS, values, weights, lengths=lengths, stride_per_key_per_rank=[[s] for s in strides],
                              inverse_indices=(KEYS, inverse))
 
@@ -88,13 +89,15 @@ def _pair(pooling: str, weighted: bool, opt: str):
 def test_unsharded_collection_looks_request_rows_up_once_and_expands_them(pooling, weighted, opt):
     ebc, reference = _pair(pooling, weighted, opt)
     for step in range(STEPS):
-        kjt = vbe_batch(step, requests=3, candidates=7, weighted=weighted)
-        out, ref = ebc(kjt), reference(expanded([kjt]))
+        kjt, twin = (vbe_batch(step, requests=3, candidates=7, weighted=weighted) for _ in range(2))
+        out, ref = ebc(kjt), reference(expanded([twin]))
         assert out.keys() == ref.keys() == ["u0", "u1", "c0", "u2"]
         torch.testing.assert_close(out.values(), ref.values(), atol=ATOL, rtol=0)
         grad = torch.randn(ref.values().shape, generator=torch.Generator().manual_seed(step))
         (out.values() * grad).sum().backward()
         (ref.values() * grad).sum().backward()
+        if weighted:
+            torch.testing.assert_close(kjt.weights().grad, twin.weights().grad, atol=ATOL, rtol=0)
     for key, w in reference.state_dict().items():
         torch.testing.assert_close(ebc.state_dict()[key], w, atol=ATOL, rtol=0, msg=key)
 
@@ -143,6 +146,7 @@ PLANS = {
     "row_wise": {"tu": row_wise(), "tc": row_wise(), "tx": row_wise()},
     "column_wise": {"tu": column_wise(ranks=[0, 1]), "tc": table_wise(rank=0), "tx": column_wise(ranks=[1, 0])},
     "mixed": {"tu": row_wise(), "tc": data_parallel(), "tx": column_wise(ranks=[1, 1])},
+    "one_rank": {"tu": column_wise(ranks=[0, 0]), "tc": data_parallel(), "tx": row_wise()},
 }
 CASES = [("table_wise", "sum", False, "rowwise_adagrad"), ("row_wise", "mean", True, "adagrad"),
          ("column_wise", "sum", True, "sgd"), ("mixed", "mean", False, "adagrad")]
@@ -161,14 +165,17 @@ def _sharded_case(rank, W, kind, pooling, weighted, opt, shared_memory):
     dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30, shared_memory=shared_memory)
     what = f"{kind}/{pooling}/{'weighted' if weighted else 'unweighted'}/{opt} shm={shared_memory}"
     for step in range(STEPS):
-        batches = [_rank_batch(r, step, weighted) for r in range(W)]
+        batches, twins = ([_rank_batch(r, step, weighted) for r in range(W)] for _ in range(2))
         out = dmp.module["ebc"](batches[rank]).values()
-        ref = reference(expanded(batches)).values()
+        ref = reference(expanded(twins)).values()
         sizes = [5 + 3 * r for r in range(W)]
         torch.testing.assert_close(out, ref.split(sizes)[rank], atol=ATOL, rtol=0, msg=f"{what} step {step}")
         grads = torch.randn(ref.shape, generator=torch.Generator().manual_seed(step))
         (out * grads.split(sizes)[rank]).sum().backward()
         (ref * grads).sum().backward()
+        if weighted:
+            torch.testing.assert_close(batches[rank].weights().grad, twins[rank].weights().grad, atol=ATOL, rtol=0,
+                                       msg=f"{what} step {step} weights")
     state = dmp.state_dict()
     for key, full in reference.state_dict().items():
         value = state[f"ebc.{key}"]
@@ -181,13 +188,15 @@ def _sharded_case(rank, W, kind, pooling, weighted, opt, shared_memory):
 
 
 def _sharded_worker(rank, W, shared_memory):
-    return [_sharded_case(rank, W, *case, shared_memory) for case in CASES]
+    cases = CASES if W > 1 else [("one_rank", "mean", True, "adagrad")]
+    return [_sharded_case(rank, W, *case, shared_memory) for case in cases]
 
 
-@pytest.mark.parametrize("shared_memory", [None, False])
-def test_sharded_collections_send_request_rows_once_and_expand_after_the_output_all_to_all(shared_memory):
-    done = run_ranks(_sharded_worker, 2, shared_memory, timeout=120)
-    assert len(done[0]) == len(CASES)
+@pytest.mark.parametrize("world_size,shared_memory", [(2, None), (2, False), (1, None)])
+def test_sharded_collections_send_request_rows_once_and_expand_after_the_output_all_to_all(world_size,
+                                                                                          shared_memory):
+    done = run_ranks(_sharded_worker, world_size, shared_memory, timeout=120)
+    assert len(done[0]) == (len(CASES) if world_size > 1 else 1)
 
 
 def _bad_worker(rank, W):
