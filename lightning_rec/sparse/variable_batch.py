@@ -55,23 +55,27 @@ def strides_of(kjt: KeyedJaggedTensor, features: list[str]) -> list[int]:
 
 
 class _ExpandRows(torch.autograd.Function):
-    """Column blocks of [B, D], each by its own row index -> [B_full, D]; backward adds the rows' gradients back
-    (one [B, D] buffer: autograd's column slices would allocate one per block)."""
+    """Column blocks of [B, D], each by its own row index -> [B_full, D]. Backward sums each row's gradients as bags
+    of one embedding_bag (the rows sorted once in forward): index_add_ adds row by row, ~3x slower on CPU."""
 
     @staticmethod
     def forward(ctx, pooled_BD: Tensor, blocks: list[tuple[Tensor, int, int]]) -> Tensor:
-        ctx.blocks, ctx.rows = blocks, pooled_BD.shape[0]
-        out = pooled_BD.new_empty(blocks[0][0].numel(), pooled_BD.shape[1])
-        for row, c, d in blocks:
-            out[:, c : c + d] = pooled_BD[:, c : c + d].index_select(0, row)
-        return out
+        B = pooled_BD.shape[0]
+        # bags per row counted by scatter_add (bincount would read its maximum back from a GPU)
+        ctx.blocks = [(torch.argsort(row, stable=True),
+                       row.new_zeros(B).scatter_add_(0, row, torch.ones_like(row)).cumsum(0), c, d)
+                      for row, c, d in blocks]
+        parts = [pooled_BD[:, c : c + d].index_select(0, row) for row, c, d in blocks]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad_BD = grad.new_zeros(ctx.rows, grad.shape[1])
-        for row, c, d in ctx.blocks:
-            grad_BD[:, c : c + d].index_add_(0, row, grad[:, c : c + d])
-        return grad_BD, None
+        parts = []
+        for order, ends, c, d in ctx.blocks:
+            offsets = torch.cat([ends.new_zeros(1), ends[:-1]])  # each row's first position in `order`
+            parts.append(torch.nn.functional.embedding_bag(order, grad[:, c : c + d].contiguous(), offsets,
+                                                           mode="sum"))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
 
 
 def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
