@@ -49,7 +49,7 @@ from lightning_rec.sharding.embeddings import (
 from lightning_rec.sharding.ids import RouteTables
 from lightning_rec.sharding.routing import Routing, build_routing
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
-from lightning_rec.sharding.variable_batch import rank_blocks
+from lightning_rec.sharding.variable_batch import VariableLayout, assemble_variable, rank_blocks
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.variable_batch import is_variable_batch, padded_batch, strides_of
 from lightning_rec.table_weight import FusedTableWeight, _Tables
@@ -619,6 +619,7 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         self._columns = OutputColumns(self.routing, env.device)
         self._pooled_a2a = PooledAllToAll(env.comm, env.rank, self.routing.rank_dims, env.timeout_s)
         self._variable_a2a = VariableBatchPooledAllToAll(env.comm, env.rank, rank_blocks(self.routing), env.timeout_s)
+        self._variable_layout = VariableLayout(self.routing)
 
     def embedding_bag_configs(self):
         return list(self._configs)
@@ -638,15 +639,29 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         dp_BD = None
         if out.replicated:
             dp_BD = join_outputs(out.replicated, dim=1)
-        variable = ctx.strides_per_source is not None and self._env.world_size > 1
-        placed_BD = None if variable else self._pooled_a2a.placed(out.owned, dp_BD, ctx, self._columns)
+        if ctx.strides_per_source is not None and self._env.world_size > 1:
+            return self._variable_output(out, dp_BD)
+        placed_BD = self._pooled_a2a.placed(out.owned, dp_BD, ctx, self._columns)
         if placed_BD is not None:  # shared memory: columns land in place as they arrive
             pooled_BD = divide_means(placed_BD, self._columns, ctx.lengths_FB)
-        else:  # a variable batch: each feature's own rows travel, zero rows after them
-            received = (self._variable_a2a if variable else self._pooled_a2a)(out.owned, ctx)
+        else:
+            received = self._pooled_a2a(out.owned, ctx)
             pooled_BD = assemble_pooled(received, ctx.batch, dp_BD, self._columns, ctx.lengths_FB)
         if out.batch.inverse is not None:  # each sample's rows of the full batch
             pooled_BD = expand_by_inverse_indices(pooled_BD, self._feature_names, self._dims, out.batch.inverse)
+        return KeyedTensor._of_collection(self._feature_names, self._dims, pooled_BD)
+
+    def _variable_output(self, out: ShardedLookupOut, dp_BD: Tensor | None) -> KeyedTensor:
+        """Some rank's batch is a variable one: each feature's own rows come back and land expanded to the full
+        batch (sharding/variable_batch.py)."""
+        ctx, inverse = out.batch.ctx, out.batch.inverse
+        received = self._variable_a2a(out.owned, ctx)
+        if inverse is None:  # this rank's batch is an ordinary one: each sample reads its own bag
+            rows_F = [torch.arange(ctx.batch, device=received.device)] * len(self._feature_names)
+        else:
+            at = {k: i for i, k in enumerate(inverse[0])}
+            rows_F = [inverse[1][at[f]].to(received.device).long() for f in self._feature_names]
+        pooled_BD = assemble_variable(received, dp_BD, self._variable_layout, ctx.strides_F, ctx.lengths_FB, rows_F)
         return KeyedTensor._of_collection(self._feature_names, self._dims, pooled_BD)
 
 

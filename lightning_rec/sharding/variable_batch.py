@@ -1,4 +1,4 @@
-"""A variable batch (TorchRec's VBE) on its way back: only each feature's own rows travel. Pure tensors.
+"""A variable batch (TorchRec's VBE) through the all-to-alls: only each feature's own rows travel. Pure tensors.
 
 Legend: W world size, B_r padded batch of source rank r (its largest feature's bags), B_{f,r} bags of feature f on
 source r, D_p width of rank p's pooled lookup, made of blocks (feature f, columns c0 .. c0 + w).
@@ -10,11 +10,11 @@ back, pad_lengths), so the owner knows every source's counts for its shard featu
 them. Only the real rows go back:
 
     owner p, to source r:   [ block 0: B_{f0,r} x w0 | block 1: B_{f1,r} x w1 | ... ]   flat   (trim_rows)
-    source r, from owner p: each block back to [B_r, w] (zero rows after B_{f,r}) -> [B_r, D_p] (pad_rows_back)
+    source r, from owner p: each block's rows expanded by its feature's inverse indices straight into its output
+                            columns [B_full, w] (assemble_variable; row shards add, mean features divided first)
 
-after which the ordinary assembly places the columns (sharding/embeddings.py) and the collection expands the rows by
-the batch's inverse_indices. A request-level feature (one row per request, e.g. 1 per 32 candidates) thus sends
-1/32 of the rows an expanded batch would, in the id all-to-all and in the pooled one."""
+so the padded [B_r, D] layout is never built on the way back. A request-level feature (one row per request, e.g. 1
+per 32 candidates) thus sends 1/32 of the rows an expanded batch would, in the id all-to-all and in the pooled one."""
 
 from __future__ import annotations
 
@@ -80,7 +80,6 @@ class _Move(torch.autograd.Function):
     def forward(ctx, src: Tensor, src_rects: list[Rect], dst_rects: list[Rect], numel: int) -> Tensor:
         ctx.src_rects, ctx.dst_rects, ctx.numel = src_rects, dst_rects, src.numel()
         src = src.contiguous()
-        # the blocks cover the destination (trim_rows), or leave zero rows between them (pad_rows_back)
         out = (src.new_empty if sum(r[1] * r[2] for r in dst_rects) == numel else src.new_zeros)(numel)
         for a, b in zip(src_rects, dst_rects):
             _view(out, b).copy_(_view(src, a))
@@ -119,17 +118,86 @@ def received_sizes(blocks_per_rank: Sequence[Sequence[Block]], strides_F: Sequen
     return [sum(strides_F[f] * w for f, _, w in blocks) for blocks in blocks_per_rank]
 
 
-def pad_rows_back(received: Tensor, blocks_per_rank: Sequence[Sequence[Block]], strides_F: Sequence[int],
-                  batch: int) -> Tensor:
-    """Source: each owner's trimmed blocks -> [B, D_p] (zero rows after B_f), flat and in rank order: the layout
-    of the ordinary pooled all-to-all's receive buffer."""
-    src, dst, at, base = [], [], 0, 0
-    for blocks in blocks_per_rank:
-        D_p = sum(w for _, _, w in blocks)
-        for f, c0, w in blocks:
+class VariableLayout:
+    """Where each received block and each data-parallel block lands in the expanded output [B_full, D]."""
+
+    def __init__(self, routing: Routing) -> None:
+        cols = routing.output_columns().tolist()
+        self.width = sum(routing.feature_dims)
+        self.summed = routing.row_split  # row shards' partial sums add up
+        self.mean_F = list(routing.mean_features)
+        self.blocks = rank_blocks(routing)
+        # (feature, first column in the received part or the data-parallel block, width, first output column)
+        self.received = [(f, c0, w, cols[start + c0]) for blocks, start in
+                         zip(self.blocks, [sum(routing.rank_dims[:p]) for p in range(routing.world_size)])
+                         for f, c0, w in blocks]
+        starts = [sum(routing.feature_dims[:f]) for f in range(len(routing.feature_dims))]
+        self.dp, c0 = [], 0
+        for f in routing.dp_feature_index:
+            self.dp.append((f, c0, routing.feature_dims[f], starts[f]))
+            c0 += routing.feature_dims[f]
+
+
+class _AssembleVariable(torch.autograd.Function):
+    """Received blocks (each feature's own rows) and the data-parallel block -> the expanded output [B_full, D]:
+    each block's rows expanded by its feature's inverse indices straight into its output columns (mean features
+    divided by their bag lengths first). Backward sums each row's gradients as embedding_bag bags."""
+
+    @staticmethod
+    def forward(ctx, received: Tensor, dp_BD: Tensor | None, layout: VariableLayout, strides_F: list[int],
+                count_F: list[Tensor | None], rows_F: list[Tensor]) -> Tensor:
+        ctx.layout, ctx.strides_F, ctx.count_F, ctx.numel = layout, strides_F, count_F, received.numel()
+        ctx.dp = None if dp_BD is None else (dp_BD.shape, dp_BD.dtype)
+        B_full = rows_F[0].numel()
+        out = (received.new_zeros if layout.summed else received.new_empty)(B_full, layout.width)
+        at = 0
+        for f, _, w, dst in layout.received:
             n = strides_F[f]
-            src.append((at, n, w, w))
-            dst.append((base + c0, n, w, D_p))
+            _place(out[:, dst : dst + w], received[at : at + n * w].view(n, w), count_F[f], rows_F[f], layout.summed)
             at += n * w
-        base += batch * D_p
-    return _Move.apply(received, src, dst, base)
+        for f, c0, w, dst in layout.dp if dp_BD is not None else []:
+            _place(out[:, dst : dst + w], dp_BD[: strides_F[f], c0 : c0 + w], count_F[f], rows_F[f], layout.summed)
+        # per feature: its inverse indices sorted, and where each bag's run ends (backward's embedding_bag)
+        ctx.bags_F = [(torch.argsort(row, stable=True),
+                       row.new_zeros(n).scatter_add_(0, row, torch.ones_like(row)).cumsum(0))
+                      for row, n in zip(rows_F, strides_F)]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        layout = ctx.layout
+
+        def rows(f: int, dst: int, w: int) -> Tensor:
+            order, ends = ctx.bags_F[f]
+            offsets = torch.cat([ends.new_zeros(1), ends[:-1]])
+            g = torch.nn.functional.embedding_bag(order, grad[:, dst : dst + w].contiguous(), offsets, mode="sum")
+            return g if ctx.count_F[f] is None else g / ctx.count_F[f]
+
+        grad_received = grad.new_empty(ctx.numel)
+        at = 0
+        for f, _, w, dst in layout.received:
+            n = ctx.strides_F[f]
+            grad_received[at : at + n * w].view(n, w).copy_(rows(f, dst, w))
+            at += n * w
+        grad_dp = None
+        if ctx.dp is not None:
+            grad_dp = grad.new_zeros(ctx.dp[0])
+            for f, c0, w, dst in layout.dp:
+                grad_dp[: ctx.strides_F[f], c0 : c0 + w] = rows(f, dst, w)
+            grad_dp = grad_dp.to(ctx.dp[1])
+        return grad_received, grad_dp, None, None, None, None
+
+
+def _place(out_cols: Tensor, block: Tensor, count: Tensor | None, row: Tensor, add: bool) -> None:
+    block = block if count is None else block / count
+    rows = block.index_select(0, row)
+    out_cols.add_(rows) if add else out_cols.copy_(rows)
+
+
+def assemble_variable(received: Tensor, dp_BD: Tensor | None, layout: VariableLayout, strides_F: list[int],
+                      lengths_FB: Tensor, rows_F: list[Tensor]) -> Tensor:
+    """Source: the trimmed blocks every owner sent (in rank order, each owner's blocks in order) and this rank's
+    data-parallel lookup -> [B_full, D] in feature order, each feature expanded by its inverse indices `rows_F`."""
+    count_F = [lengths_FB[f, :n].clamp(min=1).to(received.dtype).unsqueeze(1) if mean else None
+               for f, (n, mean) in enumerate(zip(strides_F, layout.mean_F))]
+    return _AssembleVariable.apply(received, dp_BD, layout, list(strides_F), count_F, rows_F)
