@@ -218,3 +218,56 @@ def _bad_worker(rank, W):
 def test_a_sharded_collection_names_a_variable_batch_whose_strides_disagree_with_its_lengths_on_every_rank():
     messages = run_ranks(_bad_worker, 2, timeout=60)
     assert "stride_per_key_per_rank" in messages[1]
+
+
+class _Ranker(torch.nn.Module):
+    """model(batch) -> (loss, logits), as TrainPipelineSparseDist expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(_tables(), optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+        self.dense = torch.nn.Linear(sum(DIMS[t] * len(FEATURES[t]) for t in ROWS), 1)
+
+    def forward(self, batch: dict):
+        logits = self.dense(self.ebc(batch["features"]).values()).squeeze(1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch["labels"], reduction="sum"), logits
+
+
+def _pipeline_worker(rank, W):
+    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+
+    def batches():
+        for step in range(4):
+            kjt = vbe_batch(100 * step + rank, requests=2 + rank, candidates=5 + 3 * rank)
+            yield {"features": kjt, "labels": torch.rand(5 + 3 * rank, generator=torch.Generator().manual_seed(step))}
+
+    runs = []
+    for piped in (False, True):
+        torch.manual_seed(0)
+        model = _Ranker()
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, PLANS["row_wise"], world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+        opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                                 ("dense", torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1))])
+        logits = []
+        if piped:
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu")
+            it = iter(batches())
+            for _ in range(4):
+                logits.append(pipeline.progress(it).detach())
+            assert pipeline.stats["routed_ahead"] == 3, pipeline.stats
+            pipeline.close()
+        else:
+            for batch in batches():
+                opt.zero_grad()
+                loss, out = dmp(batch)
+                loss.backward()
+                opt.step()
+                logits.append(out.detach())
+        runs.append(logits)
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_pipeline_routes_variable_batches_ahead_as_the_plain_loop_does():
+    assert run_ranks(_pipeline_worker, 2, timeout=120) == [True, True]
