@@ -36,6 +36,7 @@ from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.checks import validate_kjt
+from lightning_rec.sparse.variable_batch import expand_by_inverse_indices, is_variable_batch, padded_batch
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 
 
@@ -558,6 +559,8 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
             return KeyedTensor._of_collection(self._output_names, self._output_dims,
                                               torch.empty(B, sum(self._output_dims), device="meta"))
         inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
+        if is_variable_batch(features):  # keys' own bag counts: looked up once each, expanded below
+            features = padded_batch(features, type(self).__name__, contents=not self.validate_ids)
         features = self._route(features)  # kernel order, batch checked
         # one [B, D_group] per kernel group; frozen tables do no update
         pooled = self._lookup.forward(features, checked=self.validate_ids, frozen=self.frozen_tables())
@@ -569,16 +572,6 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
             pooled_BD = expand_by_inverse_indices(pooled_BD, [self._sources[f] for f in self._output_names],
                                                   self._output_dims, inverse)
         return KeyedTensor._of_collection(self._output_names, self._output_dims, pooled_BD)
-
-
-def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Sequence[int],
-                              inverse: tuple[list[str], Tensor]) -> Tensor:
-    """TorchRec's deduplicated batch: each feature's rows of its `stride` bags -> a row per sample of the full batch."""
-    keys, index_FB = inverse
-    at = {k: i for i, k in enumerate(keys)}
-    blocks = torch.split(pooled_BD, list(dims), dim=1)
-    return torch.cat([block.index_select(0, index_FB[at[name]].to(pooled_BD.device).long())
-                      for name, block in zip(names, blocks)], dim=1)
 
 
 def sequence_output(rows_ND: Tensor, lengths_B: Tensor, ids_N: Tensor | None) -> JaggedTensor:
@@ -626,7 +619,8 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return [list(c.feature_names) for c in self._routed_configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
+        if isinstance(features, KeyedJaggedTensor) and (features.inverse_indices_or_none() is not None
+                                                        or features.variable_stride_per_key()):
             raise ValueError("EmbeddingCollection: the input has inverse_indices (TorchRec's deduplicated batch), "
                              "which expand pooled outputs only: give a sequence collection every sample's bags (build "
                              "the KJT without inverse_indices), as TorchRec's EmbeddingCollection takes")

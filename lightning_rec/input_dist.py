@@ -6,12 +6,15 @@ N_p ids sent to rank p.
     features (B samples, this rank)
       | route_ids (sharding/ids.py): bucketize, remap, group by destination
       v
-    all-to-all #1  counts   [W, 3]  (B, N_p, flags) to every rank p: tiny, equal splits
-    all-to-all #2  payload  per p: lengths [S_p x B] + ids [N_p]  (int64, one buffer)
+    all-to-all #1  counts   [W, 4]  (B, N_p, flags, L_p) to every rank p: tiny, equal splits
+    all-to-all #2  payload  per p: lengths [L_p = S_p x B] + ids [N_p]  (int64, one buffer)
     all-to-all #3  weights  per p: [N_p]          (weighted collections only; runs with #2)
       | to_key_major (sharding/ids.py)
       v
     local KJT: this rank's shard features over the concatenated batch B_0 + ... + B_{W-1}
+
+A variable batch (TorchRec's VBE, sparse/variable_batch.py) sends each shard feature's own bags only: its S_p bag
+counts, then their L_p lengths; the owner pads the lengths back to S_p x B (sharding/variable_batch.py).
 
 The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
 error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
@@ -50,6 +53,7 @@ from lightning_rec.sharding.ids import (
     to_key_major,
     to_source_major,
 )
+from lightning_rec.sharding.variable_batch import pad_lengths, shard_strides, trim_lengths
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -61,6 +65,7 @@ class BatchRejected(ValueError):
 # the flags word of the counts exchange (shared memory: the third int64 of each piece's head)
 REJECTED = 1  # this rank's batch failed validation: no payload follows
 WEIGHT_GRAD = 2  # this rank's per-id weights require a gradient
+VARIABLE_BATCH = 4  # this rank's batch is a variable one: its shard features' bag counts precede their lengths
 FROZEN_SHIFT = 8  # bits from here: the key of the rank's frozen tables (0: none frozen), which every rank compares
 
 
@@ -83,6 +88,10 @@ class DistContext:
     positions_N: Tensor | None = None  # sequence: source-major position of each key-major id
     lengths_FB: Tensor | None = None  # this rank's input lengths, feature order (mean pooling)
     weights_grad: bool = False  # some rank's weights require a gradient: every rank runs the weights' backward
+    # some rank's batch is a variable one: per source r, its bags of each shard feature of this rank; and this rank's
+    # bags per feature (collection order). The pooled all-to-all then sends each feature's own rows only
+    strides_per_source: list[list[int]] | None = None
+    strides_F: list[int] | None = None
 
 
 class _Done:
@@ -174,10 +183,13 @@ class KJTAllToAll:
         self._perm_cache: dict[tuple[int, ...], Tensor] = {}
 
     def __call__(self, features: KeyedJaggedTensor | None, error: str | None = None,
-                 weighted: bool = False, frozen_key: int = 0) -> tuple[KeyedJaggedTensor, DistContext]:
+                 weighted: bool = False, frozen_key: int = 0,
+                 strides_F: list[int] | None = None) -> tuple[KeyedJaggedTensor, DistContext]:
         """`frozen_key`: which tables this rank has frozen (0: none); ranks that disagree all raise
         FrozenTablesDisagree before any payload moves (one rank alone skipping its update would diverge silently,
-        one alone skipping a replica's gradient all-reduce would leave the others waiting)."""
+        one alone skipping a replica's gradient all-reduce would leave the others waiting). `strides_F`: a variable
+        batch's bags per feature (collection order; `features` is it padded): each shard feature's lengths travel
+        trimmed to its bags, after their count (ctx.strides_per_source, which the pooled all-to-all trims rows by)."""
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
         # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come
@@ -187,8 +199,11 @@ class KJTAllToAll:
             exchange = self._exchange_self
         else:
             exchange = self._exchange_shm if isinstance(self.pg, SharedMemoryGroup) else self._exchange_pg
-        flags = (WEIGHT_GRAD if grad else 0) | (frozen_key << FROZEN_SHIFT)
-        B_src, N_src, lengths_src, values_src, recv_w, bad, grad_ranks, keys = exchange(routed, B, weighted, flags)
+        strides_S = shard_strides(self.routing, strides_F) if strides_F is not None and routed is not None else None
+        flags = (WEIGHT_GRAD if grad else 0) | (VARIABLE_BATCH if strides_S is not None else 0) | \
+            (frozen_key << FROZEN_SHIFT)
+        B_src, N_src, lengths_src, values_src, recv_w, bad, flags_src, strides_src = exchange(
+            routed, B, weighted, flags, strides_S)
         if bad:
             if error is not None:
                 raise ValueError(error)
@@ -196,8 +211,13 @@ class KJTAllToAll:
                 f"rank(s) {bad} rejected their batch before the embedding all-to-all (see the error on those "
                 f"ranks); this rank stopped too, nothing was sent or updated"
             )
+        keys = [f >> FROZEN_SHIFT for f in flags_src]
         if any(k != keys[0] for k in keys):
             raise FrozenTablesDisagree(keys)
+        grad_ranks = [r for r, f in enumerate(flags_src) if f & WEIGHT_GRAD]
+        S_me, variable = self.routing.rank_sf_counts[self.rank], None
+        if any(f & VARIABLE_BATCH for f in flags_src):  # every rank saw the same flags
+            variable = [s if s is not None else [b] * S_me for s, b in zip(strides_src, B_src)]
         sequence = not self.routing.pooled
         if self.world_size == 1:  # one source: source-major is key-major, and each id stays where it is
             lengths_km, values_km, weights_km = lengths_src, values_src, recv_w
@@ -211,7 +231,8 @@ class KJTAllToAll:
         local = KeyedJaggedTensor(self.local_keys, values_km, weights_km, lengths=lengths_km,
                                   stride=sum(B_src), _validate=False)
         ctx = DistContext(batch=B, batch_per_source=B_src, ids_per_source=N_src, routed=routed,
-                          positions_N=pos, weights_grad=bool(grad_ranks))
+                          positions_N=pos, weights_grad=bool(grad_ranks), strides_per_source=variable,
+                          strides_F=None if variable is None else strides_F or [B] * len(self.routing.feature_names))
         return local, ctx
 
     def _with_weights_backward(self, routed: RoutedIds, weights_km: Tensor, perm: Tensor, lengths_src: Tensor,
@@ -239,28 +260,30 @@ class KJTAllToAll:
         wait(work, what, self.timeout_s)
         return out
 
-    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
+    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None):
         """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
         counts read made the host wait for the device: no launch ahead of the kernels). The weights keep their
         autograd (no all-to-all between them and the lookup), so a gradient needs no agreement."""
         if routed is None:
-            return None, None, None, None, None, [self.rank], [], []
+            return None, None, None, None, None, [self.rank], [flags], [None]
         values = routed.values_N.long()
         recv_w = None
         if weighted:
             recv_w = routed.weights_N.float() if routed.weights_N is not None else \
                 torch.ones(values.numel(), device=values.device)
-        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], [], [0]
+        return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], [flags & ~WEIGHT_GRAD], [strides_S]
 
-    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
+    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None):
         """Through the process group: counts first (they size the receive buffers), then the payload."""
         W, S = self.world_size, self.routing.rank_sf_counts
-        counts_send = torch.zeros(W, 3, dtype=torch.long)
+        counts_send = torch.zeros(W, 4, dtype=torch.long)
         if routed is None:
             counts_send[:, 2] = REJECTED
         else:
+            lengths, heads, n_lengths = self._lengths_to_send(routed, B, strides_S)
             counts_send[:, 0] = B
             counts_send[:, 1] = torch.tensor(routed.ids_per_rank)
+            counts_send[:, 3] = torch.tensor(n_lengths)
             if flags:  # zeros otherwise, as made
                 counts_send[:, 2] = flags
         counts_send = counts_send.to(self.device)
@@ -271,25 +294,24 @@ class KJTAllToAll:
         bad = [r for r, c in enumerate(counts) if c[2] & REJECTED]
         if bad:
             return None, None, None, None, None, bad, [], []
-        grad_ranks = [r for r, c in enumerate(counts) if c[2] & WEIGHT_GRAD]
-        keys = [c[2] >> FROZEN_SHIFT for c in counts]
-        if any(k != keys[0] for k in keys):  # no payload: every rank raises
-            return None, None, None, None, None, [], [], keys
+        flags_src = [c[2] for c in counts]
+        if any(f >> FROZEN_SHIFT != flags_src[0] >> FROZEN_SHIFT for f in flags_src):  # no payload: every rank raises
+            return None, None, None, None, None, [], flags_src, []
         B_src = [c[0] for c in counts]
         N_src = [c[1] for c in counts]
 
-        # payload: per destination p, its lengths [S_p x B] then its ids [N_p], as int64
-        lengths = routed.lengths_SB.long()
+        # payload: per destination p, (a variable batch: its shard features' bag counts) its lengths then its ids
         values = routed.values_N.long()
         pieces, l0, v0 = [], 0, 0
         for p in range(W):
-            pieces += [lengths[l0 : l0 + S[p] * B], values[v0 : v0 + routed.ids_per_rank[p]]]
-            l0 += S[p] * B
+            pieces += [heads[p], lengths[l0 : l0 + n_lengths[p]], values[v0 : v0 + routed.ids_per_rank[p]]]
+            l0 += n_lengths[p]
             v0 += routed.ids_per_rank[p]
         send = torch.cat(pieces)
-        in_splits = [S[p] * B + routed.ids_per_rank[p] for p in range(W)]
+        in_splits = [heads[p].numel() + n_lengths[p] + routed.ids_per_rank[p] for p in range(W)]
         S_me = S[self.rank]
-        out_splits = [S_me * B_src[r] + N_src[r] for r in range(W)]
+        head_src = [S_me if f & VARIABLE_BATCH else 0 for f in flags_src]
+        out_splits = [h + c[3] + c[1] for h, c in zip(head_src, counts)]
         recv = send.new_empty(sum(out_splits))
         payload = all_to_all(self.pg, recv, send, out_splits, in_splits, "id all-to-all", self.timeout_s,
                              async_op=True)
@@ -304,24 +326,39 @@ class KJTAllToAll:
             wait(w_work, "id weights all-to-all", self.timeout_s)
         wait(payload, "id all-to-all", self.timeout_s)
 
-        parts = recv.split(out_splits)
-        lengths_src = torch.cat([p[: S_me * b] for p, b in zip(parts, B_src)])
-        values_src = torch.cat([p[S_me * b :] for p, b in zip(parts, B_src)])
-        return B_src, N_src, lengths_src, values_src, recv_w, [], grad_ranks, keys
+        lengths_src, values_src, strides_src = [], [], []
+        for part, b, h, c in zip(recv.split(out_splits), B_src, head_src, counts):
+            strides_src.append(part[:h].tolist() if h else None)
+            got = part[h : h + c[3]]
+            lengths_src.append(pad_lengths(got, strides_src[-1], b) if h else got)
+            values_src.append(part[h + c[3] :])
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], flags_src, strides_src
 
-    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int):
+    def _lengths_to_send(self, routed: RoutedIds, B: int, strides_S: list[int] | None):
+        """(lengths, per destination p the bag counts sent before them, per p the number of lengths): a variable
+        batch sends each shard feature's own bags only, after their counts."""
+        W, S = self.world_size, self.routing.rank_sf_counts
+        lengths = routed.lengths_SB.long()
+        if strides_S is None:
+            return lengths, [lengths[:0]] * W, [S[p] * B for p in range(W)]
+        counts = torch.tensor(strides_S, dtype=torch.long, device=lengths.device)
+        firsts = [sum(S[:p]) for p in range(W + 1)]
+        return (trim_lengths(lengths, strides_S, B), list(counts.split(S)),
+                [sum(strides_S[firsts[p] : firsts[p + 1]]) for p in range(W)])
+
+    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None):
         """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
 
-        Piece for rank p, int64: [B, N_p, flags], lengths [S_p x B], ids [N_p]; then float32
-        weights [N_p] when weighted. A rank whose batch failed sends [0, 0, REJECTED] alone, and every
-        rank sees that flag in the piece addressed to it.
+        Piece for rank p, int64: [B, N_p, flags], (a variable batch: bag counts [S_p]), lengths [S_p x B, or the
+        counts' sum], ids [N_p]; then float32 weights [N_p] when weighted. A rank whose batch failed sends
+        [0, 0, REJECTED] alone, and every rank sees that flag in the piece addressed to it.
         """
-        W, S = self.world_size, self.routing.rank_sf_counts
+        W = self.world_size
         sends = []
         if routed is None:
             sends = [torch.tensor([0, 0, REJECTED], dtype=torch.long)] * W
         else:
-            lengths = routed.lengths_SB.long()
+            lengths, heads, n_lengths = self._lengths_to_send(routed, B, strides_S)
             values = routed.values_N.long()
             weights = None
             if weighted:
@@ -329,9 +366,9 @@ class KJTAllToAll:
                     torch.ones(values.numel())
             l0, v0 = 0, 0
             for p in range(W):
-                n_l, n_v = S[p] * B, routed.ids_per_rank[p]
+                n_l, n_v = n_lengths[p], routed.ids_per_rank[p]
                 head = torch.tensor([B, n_v, flags], dtype=torch.long)
-                parts = [head, lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
+                parts = [head, heads[p], lengths[l0 : l0 + n_l], values[v0 : v0 + n_v]]
                 if weights is not None:
                     parts.append(weights[v0 : v0 + n_v])
                 sends.append(Writer(sum(t.numel() * t.element_size() for t in parts), _pack(parts)))
@@ -344,19 +381,23 @@ class KJTAllToAll:
         bad = [r for r, h in enumerate(heads) if h[2] & REJECTED]
         if bad:
             return None, None, None, None, None, bad, [], []
-        grad_ranks = [r for r, h in enumerate(heads) if h[2] & WEIGHT_GRAD]
-        keys = [h[2] >> FROZEN_SHIFT for h in heads]
-        S_me = S[self.rank]
+        flags_src = [h[2] for h in heads]
+        S_me = self.routing.rank_sf_counts[self.rank]
         B_src, N_src = [h[0] for h in heads], [h[1] for h in heads]
-        lengths_src, values_src, weights_src = [], [], []
-        for raw, b, n in zip(received, B_src, N_src):
-            ints = raw[: 8 * (3 + S_me * b + n)].view(torch.long)
-            lengths_src.append(ints[3 : 3 + S_me * b])
-            values_src.append(ints[3 + S_me * b :])
+        lengths_src, values_src, weights_src, strides_src = [], [], [], []
+        for raw, b, n, f in zip(received, B_src, N_src, flags_src):
+            h = S_me if f & VARIABLE_BATCH else 0
+            strides = raw[24 : 8 * (3 + h)].view(torch.long).tolist() if h else None
+            n_l = sum(strides) if h else S_me * b
+            ints = raw[: 8 * (3 + h + n_l + n)].view(torch.long)
+            got = ints[3 + h : 3 + h + n_l]
+            lengths_src.append(pad_lengths(got, strides, b) if h else got)
+            values_src.append(ints[3 + h + n_l :])
+            strides_src.append(strides)
             if weighted:
-                weights_src.append(raw[8 * (3 + S_me * b + n) :].view(torch.float32))
+                weights_src.append(raw[8 * (3 + h + n_l + n) :].view(torch.float32))
         recv_w = torch.cat(weights_src) if weighted else None  # cat: copies out of shared memory
-        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], grad_ranks, keys
+        return B_src, N_src, torch.cat(lengths_src), torch.cat(values_src), recv_w, [], flags_src, strides_src
 
     def _permutation(self, num_keys: int, batch_per_source: list[int]) -> Tensor:
         key = tuple(batch_per_source)

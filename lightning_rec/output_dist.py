@@ -26,6 +26,7 @@ from lightning_rec.collective_guard import guard_of
 from lightning_rec.comm import collective_error
 from lightning_rec.input_dist import DistContext, all_to_all, wait
 from lightning_rec.sharding.embeddings import OutputColumns, gather_columns, gather_dp, place_parts
+from lightning_rec.sharding.variable_batch import Block, received_sizes, trim_rows
 from lightning_rec.shm_transport import SharedMemoryGroup, Writer
 
 
@@ -131,6 +132,20 @@ class PooledAllToAll:
         out_splits = [ctx.batch * d for d in self.rank_dims]
         return _AllToAll.apply(_differentiable(pooled_BD).reshape(-1), self.pg, out_splits, in_splits,
                                "pooled embedding all-to-all", self.timeout_s)
+
+
+class VariableBatchPooledAllToAll:
+    """PooledAllToAll for a variable batch: each feature's own rows only (sharding/variable_batch.py), received as
+    each owner's blocks one after another (assemble_variable expands them). Either transport."""
+
+    def __init__(self, pg, rank: int, blocks_per_rank: list[list[Block]], timeout_s: float | None = None) -> None:
+        self.pg, self.rank, self.blocks, self.timeout_s = pg, rank, blocks_per_rank, timeout_s
+
+    def __call__(self, pooled_BD: Tensor, ctx: DistContext) -> Tensor:
+        send, in_splits = trim_rows(_differentiable(pooled_BD), self.blocks[self.rank], ctx.strides_per_source,
+                                    ctx.batch_per_source)
+        out_splits = received_sizes(self.blocks, ctx.strides_F)
+        return _AllToAll.apply(send, self.pg, out_splits, in_splits, "pooled embedding all-to-all", self.timeout_s)
 
 
 class SequenceAllToAll:

@@ -29,6 +29,7 @@ from lightning_rec.embedding import (
     EmbeddingBagCollection,
     EmbeddingCollection,
     FeatureRouter,
+    expand_by_inverse_indices,
     feature_table_names,
     refuse_dtype_cast,
     sequence_output,
@@ -36,7 +37,7 @@ from lightning_rec.embedding import (
 from lightning_rec.input_dist import DistContext, FrozenTablesDisagree, KJTAllToAll
 from lightning_rec.lookup import DenseKernel, GroupedLookup, join_outputs, plain_lookup
 from lightning_rec.optim.config import FusedOptimizerConfig, check_fused_lr
-from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, all_reduce_sum_
+from lightning_rec.output_dist import PooledAllToAll, SequenceAllToAll, VariableBatchPooledAllToAll, all_reduce_sum_
 from lightning_rec.sharding import data_parallel
 from lightning_rec.sharding.embeddings import (
     OutputColumns,
@@ -49,7 +50,9 @@ from lightning_rec.sharding.embeddings import (
 from lightning_rec.sharding.ids import RouteTables
 from lightning_rec.sharding.routing import Routing, build_routing
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.sharding.variable_batch import VariableLayout, assemble_variable, rank_blocks
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from lightning_rec.sparse.variable_batch import is_variable_batch, padded_batch, strides_of
 from lightning_rec.table_weight import FusedTableWeight, _Tables
 from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ShardingType
 
@@ -87,6 +90,7 @@ class ShardedBatch:
     replicated: KeyedJaggedTensor | None  # data-parallel features of this rank's samples
     ctx: DistContext
     features: KeyedJaggedTensor  # this rank's input in feature order (sequence outputs need its lengths)
+    inverse: tuple[list[str], Tensor] | None = None  # TorchRec's inverse_indices: the output is expanded by them
 
 
 @dataclass
@@ -247,7 +251,7 @@ class _ShardedCollectionBase(nn.Module):
         self.validate_ids = module.validate_ids
         self._env = env
         # a feature several tables read is one input key, routed as `feature@table` per table (the outputs' names)
-        routed, sources = feature_table_names(self._configs)
+        routed, self._sources = feature_table_names(self._configs)
         self.routing: Routing = build_routing(routed, self._feature_names, table_plans, env.world_size, self._pooled)
         rank, device = env.rank, env.device
         kernel = getattr(module, "_kernel", "auto")
@@ -270,7 +274,7 @@ class _ShardedCollectionBase(nn.Module):
         self._router = FeatureRouter(
             self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
             [by_feature[f].name for f in self._feature_names], self._is_weighted, f"sharded {self._kind()}",
-            sources=[sources[f] for f in self._feature_names])
+            sources=[self._sources[f] for f in self._feature_names])
         # GPU batches never on the host: ids checked on the device before routing, reported lazily (batch_check.py)
         self._device_guard = DeviceIdGuard(self._router.rows_F, self._router.tables_F, self._feature_names,
                                            f"sharded {self._kind()}", device) if device.type == "cuda" else None
@@ -285,11 +289,6 @@ class _ShardedCollectionBase(nn.Module):
     _input_source = None
 
     def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
-        if isinstance(features, KeyedJaggedTensor) and features.inverse_indices_or_none() is not None:
-            # the ranks exchange bags per sample: the deduplicated batch's rows would come back unexpanded
-            raise ValueError(f"{type(self).__name__}: the input has inverse_indices (TorchRec's deduplicated batch), "
-                             f"which sharded collections do not expand: build the KJT with every sample's bags "
-                             f"(without inverse_indices); the unsharded EmbeddingBagCollection expands them")
         source = self._input_source
         if source is not None:
             ready = source(self, features)
@@ -299,7 +298,11 @@ class _ShardedCollectionBase(nn.Module):
 
     def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
         """input_dist through `ids_a2a` (the pipeline's own channel); `ahead`: the feeder routes it outside autograd."""
-        ordered, error = self._validate(features)
+        inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
+        strides, error = None, None
+        if inverse is not None or is_variable_batch(features):
+            features, strides, error = self._variable_batch(features)
+        ordered, error = self._validate(features) if error is None else (None, error)
         self.frozen_tables()  # brings _frozen_key and _frozen_error up to date
         if error is None:
             error = self._frozen_error  # raised on every rank in the exchange below, not on this rank alone
@@ -312,14 +315,32 @@ class _ShardedCollectionBase(nn.Module):
                      f"learned weights inside the model's forward (that collection then routes in the step, and "
                      f"they train), or pass weights.detach() in the batch")
         try:  # all ranks agree first (on their batches and on which tables are frozen)
-            routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted, frozen_key=self._frozen_key)
+            routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted, frozen_key=self._frozen_key,
+                                  strides_F=strides)
         except FrozenTablesDisagree as e:
             raise ValueError(self._frozen_disagree_message(e.keys)) from None
         replicated = None
         if self._dp_features:
             replicated = ordered.permute(self._dp_features, self._dp_features_t)
         ctx.lengths_FB = ordered.lengths_FB()
-        return ShardedBatch(routed, replicated, ctx, ordered)
+        return ShardedBatch(routed, replicated, ctx, ordered, inverse)
+
+    def _variable_batch(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor | None, list[int] | None,
+                                                                    str | None]:
+        """A batch with inverse_indices (TorchRec's VBE when keys have their own bag counts) -> (the batch padded to
+        one stride, its bags per feature in collection order or None when uniform, the error every rank raises)."""
+        if not self._pooled:
+            return None, None, (f"sharded {self._kind()}: the input has inverse_indices or per-key batch sizes "
+                                f"(TorchRec's VBE), which expand pooled outputs only: give a sequence collection every "
+                                f"sample's bags (build the KJT without inverse_indices), as TorchRec's takes")
+        if not is_variable_batch(features):
+            return features, None, None
+        try:
+            strides = strides_of(features, self._feature_names) if all(
+                f in features.keys() for f in self._feature_names) else None
+            return padded_batch(features, f"sharded {self._kind()}", contents=not self.validate_ids), strides, None
+        except ValueError as e:
+            return None, None, str(e)
 
     @property
     def env(self) -> ShardingEnv:
@@ -600,6 +621,8 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         self._dims = [c for c in self.routing.feature_dims]
         self._columns = OutputColumns(self.routing, env.device)
         self._pooled_a2a = PooledAllToAll(env.comm, env.rank, self.routing.rank_dims, env.timeout_s)
+        self._variable_a2a = VariableBatchPooledAllToAll(env.comm, env.rank, rank_blocks(self.routing), env.timeout_s)
+        self._variable_layout = VariableLayout(self.routing)
 
     def embedding_bag_configs(self):
         return list(self._configs)
@@ -619,12 +642,30 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         dp_BD = None
         if out.replicated:
             dp_BD = join_outputs(out.replicated, dim=1)
+        if ctx.strides_per_source is not None and self._env.world_size > 1:
+            return self._variable_output(out, dp_BD)
         placed_BD = self._pooled_a2a.placed(out.owned, dp_BD, ctx, self._columns)
         if placed_BD is not None:  # shared memory: columns land in place as they arrive
             pooled_BD = divide_means(placed_BD, self._columns, ctx.lengths_FB)
         else:
             received = self._pooled_a2a(out.owned, ctx)
             pooled_BD = assemble_pooled(received, ctx.batch, dp_BD, self._columns, ctx.lengths_FB)
+        if out.batch.inverse is not None:  # each sample's rows of the full batch
+            keys = [self._sources[f] for f in self._feature_names]  # a shared feature's outputs read its one key
+            pooled_BD = expand_by_inverse_indices(pooled_BD, keys, self._dims, out.batch.inverse)
+        return KeyedTensor._of_collection(self._feature_names, self._dims, pooled_BD)
+
+    def _variable_output(self, out: ShardedLookupOut, dp_BD: Tensor | None) -> KeyedTensor:
+        """Some rank's batch is a variable one: each feature's own rows come back and land expanded to the full
+        batch (sharding/variable_batch.py)."""
+        ctx, inverse = out.batch.ctx, out.batch.inverse
+        received = self._variable_a2a(out.owned, ctx)
+        if inverse is None:  # this rank's batch is an ordinary one: each sample reads its own bag
+            rows_F = [torch.arange(ctx.batch, device=received.device)] * len(self._feature_names)
+        else:
+            at = {k: i for i, k in enumerate(inverse[0])}
+            rows_F = [inverse[1][at[self._sources[f]]].to(received.device).long() for f in self._feature_names]
+        pooled_BD = assemble_variable(received, dp_BD, self._variable_layout, ctx.strides_F, ctx.lengths_FB, rows_F)
         return KeyedTensor._of_collection(self._feature_names, self._dims, pooled_BD)
 
 

@@ -55,6 +55,8 @@ SMOKES = [
      {"rows", "in_memory_seconds", "spilled_seconds"}),
     ("auc", [], {"torchmetrics_over_ours_time_n20000", "torchmetrics_over_ours_state_n20000"},
      {"abs_diff_ours_vs_torchmetrics_n20000", "confident_logits_ours", "confident_logits_torchmetrics"}),
+    ("vbe", [], {"a2a_bytes_expanded_vs_vbe", "vbe_step_vs_expanded"},
+     {"vbe_step_ms", "expanded_step_ms", "vbe_a2a_bytes", "expanded_a2a_bytes"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     pytest.param("dlrm_gpu", [], {"trainer_vs_loop_cuda"},

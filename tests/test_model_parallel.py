@@ -1308,15 +1308,22 @@ def test_torchrec_init_fn_draws_the_shards_of_tables_built_on_meta():
 def _inverse_indices_worker(rank, W):
     table = EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a"])
     ebc = EmbeddingBagCollection([table], optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    expected = ebc(KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2, 2]), torch.tensor([1, 1, 1])))
     model = torch.nn.ModuleDict({"ebc": ebc})
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(ebc, {"t": table_wise(rank=0)}, world_size=1)})
     dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
     dedup = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1, 2]), torch.tensor([1, 1]),
                                                 inverse_indices=(["a"], torch.tensor([[0, 1, 1]])))
-    return expect_error(ValueError, lambda: dmp.module["ebc"](dedup), "inverse_indices", "do not expand")
+    torch.testing.assert_close(dmp.module["ebc"](dedup).values(), expected.values(), atol=0, rtol=0)
+    ec = EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["a"])],
+                             optimizer=FusedOptimizerConfig("sgd", lr=0.1))
+    plan = ShardingPlan({"": construct_module_sharding_plan(ec, {"t": table_wise(rank=0)}, world_size=1)})
+    sharded_ec = DistributedModelParallel(ec, plan=plan, device="cpu", timeout=30)
+    return expect_error(ValueError, lambda: sharded_ec(dedup), "inverse_indices", "expand pooled outputs only")
 
 
-def test_a_sharded_collection_refuses_inverse_indices_by_name():
-    """A KJT with inverse_indices (TorchRec's deduplicated batch), which the unsharded EmbeddingBagCollection now
-    expands, would come back from a sharded one with the deduplicated batch's rows: refused, naming the fix."""
+def test_a_sharded_collection_expands_inverse_indices_as_the_unsharded_one():
+    """A KJT with inverse_indices (TorchRec's deduplicated batch) was refused by the sharded collections; a sharded
+    EmbeddingBagCollection now expands it after the output all-to-all, as the unsharded one (variable batches per
+    feature: tests/test_variable_batch.py), and a sequence collection refuses it, as the unsharded one does."""
     assert "without inverse_indices" in run_ranks(_inverse_indices_worker, 1, timeout=60)[0]

@@ -136,14 +136,18 @@ def test_length_and_offset_per_key_that_disagree_with_the_lengths_raise():
     assert bags(ok) == {"a": [[1], []], "b": [[2], [3]]}
 
 
-def test_variable_batch_per_key_is_refused_by_name():
-    """TorchRec's VBE arguments were an unexpected-keyword TypeError; now they are accepted where every key has the
-    batch's stride, and refused naming the fix where keys have their own batch sizes."""
+def test_variable_batch_per_key_is_held_and_checked_against_the_lengths():
+    """TorchRec's VBE arguments were an unexpected-keyword TypeError, then refused where keys have their own batch
+    sizes; now a variable batch is held (each key its bags, tests/test_variable_batch.py reads it through the
+    collections) and its strides are checked against its lengths by validate()."""
     values, lengths = torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])
     for kwargs in (dict(stride_per_key_per_rank=[[1], [2]]), dict(stride_per_key=[1, 2]),
                    dict(stride_per_key_per_rank=[[1, 0], [1, 1]])):
-        with pytest.raises(ValueError, match="variable batch size per key .* not supported: give every key one bag"):
-            KeyedJaggedTensor(["a", "b"], values, lengths=lengths, **kwargs).validate()
+        kjt = KeyedJaggedTensor(["a", "b"], values, lengths=lengths, **kwargs).validate()
+        assert kjt.variable_stride_per_key() and kjt.stride_per_key() == [1, 2] and kjt.stride() == 2
+        assert bags(kjt) == {"a": [[1]], "b": [[2], [3]]}
+    with pytest.raises(ValueError, match=r"gives 4 bags .* but there are 3 lengths"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, stride_per_key_per_rank=[[1], [3]]).validate()
     with pytest.raises(ValueError, match="inverse_indices must be bag positions in 0..1"):  # taken: see the end
         KeyedJaggedTensor.from_lengths_sync(["a", "b"], values, torch.tensor([1, 0, 1, 1]),
                                             inverse_indices=(["a", "b"], torch.full((2, 2), 2))).validate()

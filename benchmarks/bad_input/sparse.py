@@ -54,6 +54,13 @@ def kjt_construction_cases() -> None:
     simple("kjt.stride_disagrees_with_lengths",
            lambda: KJT_read(["a", "b"], T([1, 2, 3, 4]), lengths=T([1, 1, 1, 1]), stride=3), ValueError,
            ["stride 3", "one length per key per sample"])
+    simple("kjt.vbe_strides_disagree_with_lengths",
+           lambda: KJT_read(["a", "b"], T([1, 2, 3]), lengths=T([1, 1, 1]), stride_per_key_per_rank=[[1], [3]],
+                            inverse_indices=(["a", "b"], T([[0, 0, 0], [0, 1, 2]]))), ValueError,
+           ["stride_per_key_per_rank", "gives 4 bags", "3 lengths"])
+    simple("kjt.vbe_without_inverse_indices",
+           lambda: KJT_read(["a", "b"], T([1, 2, 3]), lengths=T([1, 1, 1]), stride_per_key_per_rank=[[1], [2]]),
+           ValueError, ["variable batch", "inverse_indices"])
     simple("kjt.values_python_list", lambda: KeyedJaggedTensor.from_lengths_sync(["a"], [1, 2], T([2])),
            ValueError, ["values", "tensor"])
     simple("kjt.lengths_python_list", lambda: KJT_read(["a"], T([1, 2]), lengths=[2]), ValueError,

@@ -109,39 +109,47 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
                          f"lengths and values must describe the same ids")
 
 
-def _uniform_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
-                    inverse_indices) -> int | None:
-    """TorchRec's variable-batch (VBE) arguments: accepted where they say what `stride` says, refused otherwise (one
-    stride where keys have several would pair bags with the wrong samples)."""
-    fix = ("variable batch size per key (TorchRec's VBE) is not supported: give every key one bag per sample of "
-           "the batch (an empty bag has length 0), or the same number of (deduplicated) bags with inverse_indices, "
-           "and leave out stride_per_key_per_rank and stride_per_key")
-    per_key: list[int] | None = None
+def _variable_stride(keys: list[str], stride: int | None, stride_per_key_per_rank,
+                     stride_per_key) -> tuple[int | None, list[list[int]] | None]:
+    """TorchRec's variable-batch (VBE) arguments -> (stride, per key its bags per rank, or None when every key has
+    `stride` bags). A variable batch's stride is its largest key's (TorchRec's); its lengths are key-major, each key's
+    bags rank after rank."""
+    per_rank: list[list[int]] | None = None
     if stride_per_key_per_rank is not None and len(stride_per_key_per_rank):
-        if len(stride_per_key_per_rank) != len(keys):
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank has {len(stride_per_key_per_rank)} "
-                             f"entries for the {len(keys)} keys {keys}: {fix}")
-        ranks = {len(r) for r in stride_per_key_per_rank}
-        if len(ranks) > 1 or len(ranks) == 1 and ranks.pop() != 1:
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {[list(r) for r in stride_per_key_per_rank]}"
-                             f" gives per-rank batch sizes: {fix}")
-        per_key = [int(r[0]) for r in stride_per_key_per_rank]
+        per_rank = [[int(b) for b in r] for r in stride_per_key_per_rank]
+        ranks = {len(r) for r in per_rank}
+        if len(per_rank) != len(keys) or len(ranks) > 1 or any(b < 0 for r in per_rank for b in r):
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {per_rank} must give each of the "
+                             f"{len(keys)} keys {keys} its bags per rank (>= 0, as many ranks for every key)")
     if stride_per_key is not None and len(stride_per_key):
         given = [int(s) for s in stride_per_key]
-        if len(given) != len(keys) or (per_key is not None and given != per_key):
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key {given} does not give one batch size per key "
-                             f"{keys}{'' if per_key is None else ' agreeing with stride_per_key_per_rank'}: {fix}")
-        per_key = given
-    if per_key is None:
-        return stride
-    if len(set(per_key)) > 1 or (stride is not None and per_key and per_key[0] != stride):
-        batch = "" if stride is None else f" (stride={stride})"
-        raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch sizes {per_key}{batch}: {fix}")
-    return per_key[0] if per_key else stride
+        if len(given) != len(keys) or (per_rank is not None and given != [sum(r) for r in per_rank]):
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key {given} must give one batch size per key {keys}"
+                             f"{'' if per_rank is None else ' agreeing with stride_per_key_per_rank ' + str(per_rank)}")
+        per_rank = per_rank or [[s] for s in given]
+    if per_rank is None:
+        return stride, None
+    per_key = [sum(r) for r in per_rank]
+    if len(set(per_key)) <= 1:  # every key has the batch's stride: an ordinary batch
+        if stride is not None and per_key and per_key[0] != stride:
+            raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch size {per_key[0]} by their strides, but "
+                             f"stride={stride}: leave stride out, or give the keys' own")
+        return (per_key[0] if per_key else stride), None
+    return max(per_key), per_rank
 
 
-def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tuple[list[str], Tensor]:
-    """TorchRec's (keys, [F, B] tensor): each key's samples of the full batch as positions among its `stride` bags."""
+def _check_variable_stride(keys: list[str], lengths: Tensor, per_rank: list[list[int]]) -> None:
+    """A variable batch's strides say how many lengths there are: key-major, each key's bags rank after rank."""
+    per_key = [sum(r) for r in per_rank]
+    if lengths.numel() != sum(per_key):
+        raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {per_rank} gives {sum(per_key)} bags (per key "
+                         f"{dict(zip(keys, per_key))}) but there are {lengths.numel()} lengths: give one length per "
+                         f"bag (key-major, each key's bags rank after rank), or the strides of these lengths")
+
+
+def _check_inverse_indices(keys: list[str], strides: list[int], inverse_indices) -> tuple[list[str], Tensor]:
+    """TorchRec's (keys, [F, B] tensor): each key's samples of the full batch as positions among its bags (`strides`:
+    per key)."""
     if not (isinstance(inverse_indices, (tuple, list)) and len(inverse_indices) == 2
             and isinstance(inverse_indices[1], Tensor)):
         raise ValueError("KeyedJaggedTensor: inverse_indices must be (keys, tensor), TorchRec's: the keys and a "
@@ -154,14 +162,21 @@ def _check_inverse_indices(keys: list[str], stride: int, inverse_indices) -> tup
     if index_FB.dim() != 2 or index_FB.shape[0] != len(inv_keys) or index_FB.dtype not in _ID_DTYPES:
         raise ValueError(f"KeyedJaggedTensor: inverse_indices' tensor must be an integer [{len(inv_keys)}, batch] "
                          f"tensor (one row per key named), got {index_FB.dtype} of shape {tuple(index_FB.shape)}")
-    if _readable(index_FB) and index_FB.numel() and not bool(((index_FB >= 0) & (index_FB < stride)).all()):
-        raise ValueError(f"KeyedJaggedTensor: inverse_indices must be bag positions in 0..{stride - 1} (each key has "
-                         f"stride={stride} bags), got values {int(index_FB.min())}..{int(index_FB.max())}")
+    if not (_readable(index_FB) and index_FB.numel()):
+        return inv_keys, index_FB
+    bags = dict(zip(keys, strides))
+    limit = torch.tensor([bags.get(k, max(strides, default=0)) for k in inv_keys]).unsqueeze(1)
+    bad = ((index_FB < 0) | (index_FB >= limit)).any(dim=1).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        stride, row = int(limit[k, 0]), index_FB[k]
+        raise ValueError(f"KeyedJaggedTensor: inverse_indices must be bag positions in 0..{stride - 1} (key "
+                         f"'{inv_keys[k]}' has {stride} bags), got values {int(row.min())}..{int(row.max())}")
     return inv_keys, index_FB
 
 
-def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, length_per_key: Sequence[int] | None,
-                   offset_per_key: Sequence[int] | None) -> None:
+def _check_per_key(what: str, keys: list[str], lengths: Tensor, strides: list[int],
+                   length_per_key: Sequence[int] | None, offset_per_key: Sequence[int] | None) -> None:
     """`length_per_key` / `offset_per_key` given with the lengths must describe the same ids (they are trusted
     afterwards: a stale list would send one feature's ids to another's table). CPU tensors only."""
     n = len(keys)
@@ -176,7 +191,8 @@ def _check_per_key(what: str, keys: list[str], lengths: Tensor, stride: int, len
                          f"one per key + 1, or leave offset_per_key out (it is computed from the lengths)")
     if not _readable(lengths):
         return
-    actual = lengths.reshape(n, stride).sum(dim=1).tolist() if n and stride else [0] * n
+    key_of_bag = torch.repeat_interleave(torch.arange(n), torch.tensor(strides, dtype=torch.long))
+    actual = torch.zeros(n, dtype=torch.long).index_add_(0, key_of_bag, lengths.long()).tolist()
     if length_per_key is not None and [int(x) for x in length_per_key] != actual:
         raise ValueError(f"{what}: length_per_key {list(length_per_key)} disagrees with the lengths, which give "
                          f"{actual} ids per key for keys {keys}: leave length_per_key out (it is computed from the "
@@ -253,7 +269,12 @@ def validate_kjt(kjt: Any, contents: bool = True) -> None:
         raise ValueError("KeyedJaggedTensor needs lengths or offsets")
     if given.lengths is None:
         _check_offsets(what, offsets, values.shape[0] if values.dim() else 0, contents)
-    _check_stride(keys, lengths, kjt._stride, given.stride)
+    per_rank = getattr(kjt, "_stride_per_key_per_rank", None)
+    if per_rank is None:
+        _check_stride(keys, lengths, kjt._stride, given.stride)
+    else:
+        _check_variable_stride(keys, lengths, per_rank)
+    strides = [kjt._stride] * len(keys) if per_rank is None else [sum(r) for r in per_rank]
     _check_jagged(what, values, lengths, weights, contents)
     if values.dtype not in ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
         raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of {values.dtype}: "
@@ -263,11 +284,11 @@ def validate_kjt(kjt: Any, contents: bool = True) -> None:
     if values.dim() != 1:
         raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
     if given.length_per_key is not None or given.offset_per_key is not None:
-        _check_per_key(what, keys, lengths, kjt._stride, given.length_per_key, given.offset_per_key)
+        _check_per_key(what, keys, lengths, strides, given.length_per_key, given.offset_per_key)
     if given.index_per_key is not None and dict(given.index_per_key) != {k: i for i, k in enumerate(keys)}:
         raise ValueError(f"KeyedJaggedTensor: index_per_key {dict(given.index_per_key)} does not give each key its "
                          f"position in keys {keys}: leave it out (it is computed from the keys)")
     if kjt._inverse_indices is not None:
-        _check_inverse_indices(keys, kjt._stride, kjt._inverse_indices)
+        _check_inverse_indices(keys, strides, kjt._inverse_indices)
     if contents:
         kjt._unchecked = None

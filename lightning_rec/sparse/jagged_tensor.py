@@ -33,7 +33,7 @@ from lightning_rec.sparse.checks import (
     _no_key,
     _readable,
     _refuse_dtype_as_device,
-    _uniform_stride,
+    _variable_stride,
     validate_jt,
     validate_kjt,
 )
@@ -238,7 +238,13 @@ class JaggedTensor(_Jagged):
 
 
 class KeyedJaggedTensor(_Jagged):
-    """Many features' bags over one batch. See the module docstring for the layout."""
+    """Many features' bags over one batch. See the module docstring for the layout.
+
+    A variable batch (TorchRec's VBE: `stride_per_key_per_rank`) gives each key its own number of bags, e.g. one user
+    row per request beside many candidate rows; `inverse_indices` then say which bag each sample of the full batch
+    reads, and the collections expand their outputs by them."""
+
+    _stride_per_key_per_rank: list[list[int]] | None = None  # a variable batch's bags per key per rank
 
     def __init__(self, keys: Sequence[str], values: Tensor, weights: Tensor | None = None,
                  lengths: Tensor | None = None, offsets: Tensor | None = None, stride: int | None = None,
@@ -252,7 +258,8 @@ class KeyedJaggedTensor(_Jagged):
         self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
                                     index_per_key) if _validate else None
-        stride = _uniform_stride(self._keys, stride, stride_per_key_per_rank, stride_per_key, inverse_indices)
+        stride, self._stride_per_key_per_rank = _variable_stride(self._keys, stride, stride_per_key_per_rank,
+                                                                 stride_per_key)
         if lengths is None and isinstance(offsets, Tensor):
             lengths = _lengths_from_offsets(offsets)
         if stride is None:
@@ -327,7 +334,8 @@ class KeyedJaggedTensor(_Jagged):
         device = kjt.values().device
         return KeyedJaggedTensor(kjt.keys(), values=torch.empty(0, dtype=kjt.values().dtype, device=device),
                                  weights=None if kjt.weights_or_none() is None else torch.empty(0, device=device),
-                                 lengths=torch.zeros_like(kjt.lengths()), stride=kjt.stride())
+                                 lengths=torch.zeros_like(kjt.lengths()), stride=kjt.stride(),
+                                 stride_per_key_per_rank=kjt.stride_per_key_per_rank() or None)
 
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
@@ -335,6 +343,14 @@ class KeyedJaggedTensor(_Jagged):
         kjts = kjt_list  # TorchRec's argument name
         if not kjts:
             return KeyedJaggedTensor.empty()
+        if any(k.variable_stride_per_key() for k in kjts):
+            per_rank = [r for k in kjts for r in (k.stride_per_key_per_rank() or [[k.stride()]] * len(k.keys()))]
+            out = KeyedJaggedTensor.concat([KeyedJaggedTensor(k.keys(), k.values(), k.weights_or_none(),
+                                                              lengths=k.lengths(), stride=0,
+                                                              length_per_key=k.length_per_key(), _validate=False)
+                                            for k in kjts])
+            out._set_variable_stride(per_rank)
+            return out
         strides = {k.stride() for k in kjts if k.keys()}
         if len(strides) > 1:
             raise ValueError(f"concat: KJTs have different strides {sorted(strides)}")
@@ -376,16 +392,18 @@ class KeyedJaggedTensor(_Jagged):
         return self._stride
 
     def stride_per_key(self) -> list[int]:
-        """TorchRec's: samples per key (every key has the batch's stride here)."""
-        return [self._stride] * len(self._keys)
+        """TorchRec's: bags per key (each key's own in a variable batch, else the batch's stride)."""
+        if self._stride_per_key_per_rank is None:
+            return [self._stride] * len(self._keys)
+        return [sum(r) for r in self._stride_per_key_per_rank]
 
     def variable_stride_per_key(self) -> bool:
-        """TorchRec's: whether keys have their own batch sizes; never here (every key has `stride()` samples)."""
-        return False
+        """TorchRec's: whether keys have their own batch sizes (a variable batch, TorchRec's VBE)."""
+        return self._stride_per_key_per_rank is not None
 
     def stride_per_key_per_rank(self) -> list[list[int]]:
-        """TorchRec's: each key's batch size per rank of a variable-batch KJT; [] here (one stride)."""
-        return []
+        """TorchRec's: each key's bags per rank of a variable-batch KJT; [] for an ordinary batch (one stride)."""
+        return [] if self._stride_per_key_per_rank is None else [list(r) for r in self._stride_per_key_per_rank]
 
     def inverse_indices(self) -> tuple[list[str], Tensor]:
         """TorchRec's: (keys, [F, B] tensor): for each key and sample of the full batch, the bag it reads."""
@@ -399,12 +417,20 @@ class KeyedJaggedTensor(_Jagged):
         return self._inverse_indices
 
     def lengths_FB(self) -> Tensor:
-        """Lengths as a [F, B] view."""
+        """Lengths as a [F, B] view (an ordinary batch: every key has `stride()` bags)."""
+        if self._stride_per_key_per_rank is not None:
+            raise ValueError(f"lengths_FB(): keys of this variable batch have their own bag counts "
+                             f"{self.stride_per_key()}: split lengths() by stride_per_key() instead")
         return self._lengths.view(len(self._keys), self._stride)
 
     def lengths_offset_per_key(self) -> list[int]:
         """TorchRec's: where each key's lengths start in `lengths()` (and where the last ends): [0, B, 2B, ..]."""
-        return [i * self._stride for i in range(len(self._keys) + 1)]
+        if self._stride_per_key_per_rank is None:
+            return [i * self._stride for i in range(len(self._keys) + 1)]
+        out = [0]
+        for n in self.stride_per_key():
+            out.append(out[-1] + n)
+        return out
 
     def flatten_lengths(self) -> KeyedJaggedTensor:
         """TorchRec's: the lengths as one flat tensor; they are flat here always, so the same KJT."""
@@ -421,6 +447,9 @@ class KeyedJaggedTensor(_Jagged):
                 # no values to read (a model traced on "meta"): TorchRec's stand-in, the ids spread over the keys
                 n, k = self._values.numel(), len(self._keys)
                 self._length_per_key = [n // k + (n % k if i == 0 else 0) for i in range(k)]
+            elif self._stride_per_key_per_rank is not None:
+                self._length_per_key = [int(n) for n in torch.stack(
+                    [b.sum() for b in self._lengths.split(self.stride_per_key())]).tolist()]
             else:
                 self._length_per_key = self.lengths_FB().sum(dim=1).tolist()
         return self._length_per_key
@@ -458,15 +487,18 @@ class KeyedJaggedTensor(_Jagged):
             raise ValueError(f"split: segments {list(segments)} must be >= 0 and add up to the {len(self._keys)} keys")
         opk = self.offset_per_key()
         lpk = self.length_per_key()
+        bags, per_rank = self.lengths_offset_per_key(), self._stride_per_key_per_rank
         out, k = [], 0
         for n in segments:
             v0, v1 = opk[k], opk[k + n]
-            out.append(
-                KeyedJaggedTensor(self._keys[k : k + n], values=self._values[v0:v1],
-                                  weights=None if self._weights is None else self._weights[v0:v1],
-                                  lengths=self._lengths[k * self._stride : (k + n) * self._stride], stride=self._stride,
-                                  length_per_key=lpk[k : k + n], _validate=False, inverse_indices=self._inverse_indices)
-            )
+            part = KeyedJaggedTensor(self._keys[k : k + n], values=self._values[v0:v1],
+                                     weights=None if self._weights is None else self._weights[v0:v1],
+                                     lengths=self._lengths[bags[k] : bags[k + n]], stride=self._stride,
+                                     length_per_key=lpk[k : k + n], _validate=False,
+                                     inverse_indices=self._inverse_indices)
+            if per_rank is not None:
+                part._set_variable_stride(per_rank[k : k + n])
+            out.append(part)
             k += n
         return out
 
@@ -479,6 +511,8 @@ class KeyedJaggedTensor(_Jagged):
         if list(indices) == list(range(len(self._keys))):
             return self  # every key in its place: nothing to move (a routing of one rank, a collection's own order)
         keys = [self._keys[i] for i in indices]
+        if self._stride_per_key_per_rank is not None:
+            return self._permute_variable(keys, indices)
         if self._length_per_key is None and sorted(indices) == list(range(len(self._keys))):
             # A reordering of every key keeps all N ids: no need to read the lengths back (a device sync).
             new_lpk, total = None, self._values.shape[0]
@@ -519,16 +553,41 @@ class KeyedJaggedTensor(_Jagged):
         return KeyedJaggedTensor(keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
                                  length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices)
 
+    def _set_variable_stride(self, per_rank: list[list[int]]) -> None:
+        """A KJT the library cut out of a variable batch: its keys' own bag counts (stride: the largest)."""
+        self._stride_per_key_per_rank = [list(r) for r in per_rank]
+        self._stride = max((sum(r) for r in per_rank), default=0)
+
+    def _permute_variable(self, keys: list[str], indices: Sequence[int]) -> KeyedJaggedTensor:
+        """permute of a variable batch: each key's bags moved whole (fbgemm's permute of 1-d segments)."""
+        bags = self.lengths_offset_per_key()
+        device = self._lengths.device
+        bag_perm = torch.cat([torch.arange(bags[i], bags[i + 1], device=device) for i in indices]).int() \
+            if indices else torch.empty(0, dtype=torch.int32, device=device)
+        lpk = self.length_per_key()
+        new_lpk = [lpk[i] for i in indices]
+        weights = self._weights
+        if weights is not None and weights.dtype not in _FBGEMM_PERMUTE_WEIGHTS:
+            weights = weights.float()
+        lengths, values, weights = torch.ops.fbgemm.permute_1D_sparse_data(
+            bag_perm, self._lengths, self._values, weights, sum(new_lpk))
+        if weights is not None and self._weights is not None:
+            weights = weights.to(self._weights.dtype)
+        out = KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=self._stride, length_per_key=new_lpk,
+                                _validate=False, inverse_indices=self._inverse_indices)
+        out._set_variable_stride([self._stride_per_key_per_rank[i] for i in indices])
+        return out
+
     def to_dict(self) -> dict[str, JaggedTensor]:
         opk = self.offset_per_key()
-        B = self._stride
+        bags = self.lengths_offset_per_key()
         out = {}
         for i, key in enumerate(self._keys):
             v0, v1 = opk[i], opk[i + 1]
             jt = JaggedTensor.__new__(JaggedTensor)
             jt._values = self._values[v0:v1]
             jt._weights = None if self._weights is None else self._weights[v0:v1]
-            jt._lengths = self._lengths[i * B : (i + 1) * B]
+            jt._lengths = self._lengths[bags[i] : bags[i + 1]]
             jt._offsets = None
             out[key] = jt
         return out
@@ -545,18 +604,18 @@ class KeyedJaggedTensor(_Jagged):
 
     def split_one(self, index: int) -> JaggedTensor:
         opk = self.offset_per_key()
-        B = self._stride
+        bags = self.lengths_offset_per_key()
         jt = JaggedTensor.__new__(JaggedTensor)
         jt._values = self._values[opk[index] : opk[index + 1]]
         jt._weights = None if self._weights is None else self._weights[opk[index] : opk[index + 1]]
-        jt._lengths = self._lengths[index * B : (index + 1) * B]
+        jt._lengths = self._lengths[bags[index] : bags[index + 1]]
         jt._offsets = None
         return jt
 
     # device movement ----------------------------------------------------------------------
 
     def _map(self, fn, weights_fn=None) -> KeyedJaggedTensor:
-        return KeyedJaggedTensor(
+        out = KeyedJaggedTensor(
             self._keys,
             values=fn(self._values),
             weights=None if self._weights is None else (weights_fn or fn)(self._weights),
@@ -569,6 +628,9 @@ class KeyedJaggedTensor(_Jagged):
             inverse_indices=None if self._inverse_indices is None else (
                 self._inverse_indices[0], fn(self._inverse_indices[1])),
         )
+        if self._stride_per_key_per_rank is not None:
+            out._set_variable_stride(self._stride_per_key_per_rank)
+        return out
 
     def to(self, device: torch.device | str | None, non_blocking: bool = False,
            dtype: torch.dtype | None = None) -> KeyedJaggedTensor:
