@@ -211,27 +211,32 @@ def fused_targets(fused: FusedOptimizer, prefix: str, saved: Mapping[str, Any],
 
 def _per_row_target(fqn: str, rows: int, cols: int, parts: Sequence[tuple[Any, Tensor]], col_offsets: list[int],
                     post: list[tuple]) -> Pieces:
-    """One [rows, 1] buffer per saved column shard for each row range this rank holds; `post` gets the copies."""
-    widths = [b - a for a, b in zip(col_offsets, col_offsets[1:] + [cols])]
+    """One [rows, 1] buffer per saved column shard for each row range this rank holds; `post` gets the copies, with
+    how many of each saved shard's columns the live shard holds."""
+    ends = col_offsets[1:] + [cols]
     buffers: dict[tuple[int, int], list[Tensor]] = {}
     chunks = []
     for m, t in parts:
-        r, nr = (m.shard_offsets[0], m.shard_sizes[0]) if m is not None else (0, rows)
+        (r, c), (nr, nc) = (m.shard_offsets, m.shard_sizes) if m is not None else ((0, 0), (rows, cols))
         if (r, nr) not in buffers:
             bufs = [t.new_empty(nr, 1) for _ in col_offsets]
             buffers[(r, nr)] = bufs
             chunks += [((r, k), (nr, 1), b) for k, b in enumerate(bufs)]
-        post.append((fqn, t, buffers[(r, nr)], widths))
+        post.append((fqn, t, buffers[(r, nr)], [max(0, min(b, c + nc) - max(a, c)) for a, b in zip(col_offsets, ends)]))
     return Pieces((rows, len(col_offsets)), chunks)
 
 
 def copy_per_row(post: Sequence[tuple]) -> None:
-    for _, live, bufs, widths in post:
-        if len(bufs) == 1:
-            live.copy_(bufs[0].view(-1))
-        else:  # a table that was split by columns kept one per-row state per column shard: their weighted mean
-            acc = sum(b.view(-1).double() * w for b, w in zip(bufs, widths))
-            live.copy_((acc / sum(widths)).to(live.dtype))
+    """Per-row state is the mean over a shard's columns (of g^2, summed or averaged over steps): a live shard gets the
+    saved state of the column shard it lies in (its own, at the same plan), or the mean of those it overlaps weighted
+    by the overlap (exactly the state of their columns taken as one shard)."""
+    for _, live, bufs, overlaps in post:
+        held = [k for k, w in enumerate(overlaps) if w]
+        if len(held) == 1:
+            live.copy_(bufs[held[0]].view(-1))
+        else:
+            acc = sum(bufs[k].view(-1).double() * overlaps[k] for k in held)
+            live.copy_((acc / sum(overlaps)).to(live.dtype))
 
 
 def load_fused_groups(fused: FusedOptimizer, saved_groups: Sequence[Mapping[str, Any]]) -> None:
