@@ -1270,6 +1270,38 @@ def _hparams_save_worker(rank, W, path):
               optimizers=[optimizer], module_class="lightning_rec.models.dlrm_module.DLRMModule")
 
 
+def _rank_zero_reads_whole_worker(rank, W, path, out):
+    import time
+
+    _hparams_save_worker(rank, W, path)
+    done = Path(out) / "read"
+    if rank == 1:  # goes on with its own work (here: waits for rank 0 without any collective), as in training
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.barrier()
+        return None
+    start = time.monotonic()
+    try:
+        state = ckpt.full_state_dict(path)
+        meta = ckpt.lightning_checkpoint(path)
+        ckpt.export(path, Path(out) / "export")
+    finally:
+        done.touch()
+    took = time.monotonic() - start
+    dist.barrier()
+    return took, sorted(state) == sorted(meta["state_dict"]), (Path(out) / "export" / "model.safetensors").is_file()
+
+
+def test_whole_reads_on_rank_zero_alone_do_not_wait_for_the_other_ranks(tmp_path):
+    """`if rank == 0: checkpoint.full_state_dict(path)` inside a running job (to gather for export) went into DCP's
+    collective load, which the other ranks never joined: it hung with nothing printed. A whole read is one process's
+    (as its docstring says): it reads the files alone, whatever the process group."""
+    took, same_keys, exported = run_ranks(_rank_zero_reads_whole_worker, 2, str(tmp_path / "c.ckpt"), str(tmp_path),
+                                          timeout=90, pg_timeout=20)[0]
+    assert took < 10 and same_keys and exported
+
+
 def test_rec_checkpoint_directory_loads_without_strategy_rec(tmp_path):
     # Lightning's loaders torch.load one file: DLRMModule.load_from_checkpoint(dir) and trainer.validate /
     # test / predict(ckpt_path=dir) under another strategy raised IsADirectoryError

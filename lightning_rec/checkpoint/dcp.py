@@ -196,7 +196,7 @@ class DCPCheckpoint(MutableMapping):
             raise TypeError(f"{self!r}: a sharded checkpoint's optimizer state is read by the strategy, shard by "
                             f"shard (lightning_rec.checkpoint.load_optimizer), not as a dict")
         if self._whole is None:
-            self._whole = full_model_state(self.path, local=True)[0]
+            self._whole = full_model_state(self.path)[0]
         return self._whole
 
     def __getitem__(self, key: str) -> Tensor:

@@ -30,7 +30,8 @@ def _existing(path: str | os.PathLike) -> Path:
 def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The model's state dict with every table whole (CPU), from a DCP directory or a gathered file.
 
-    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
+    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export). Inside a job
+    any one rank may call it alone: it reads the files without the other ranks.
     """
     return full_model_state(_existing(path))[0]
 
