@@ -1356,6 +1356,24 @@ def test_save_to_another_path_on_each_rank_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _own_disk_worker(rank, W, root):
+    own = Path(root) / f"host{rank}"  # each rank's own disk: the same path names another directory on each host
+    own.mkdir()
+    os.chdir(own)
+    module = _module()
+    _shard(module, "row_wise", W)
+    return expect_error(ValueError, lambda: ckpt.save({"state_dict": module.state_dict()}, "last.ckpt"),
+                        "rank(s) [1]", "shared storage", "Nothing was written")
+
+
+def test_a_save_to_node_local_disks_is_refused_naming_shared_storage(tmp_path):
+    # with last.ckpt/ on each host's own disk, every rank's save succeeded without a word; only the next load said
+    # '__1_0.distcp is missing'. The ranks now agree that they see the directory rank 0 created for the save.
+    said = run_ranks(_own_disk_worker, 2, str(tmp_path), timeout=120)
+    assert said[0] == said[1]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("host0"), Path("host1")]
+
+
 def _rank_without_shards_worker(rank, W, path):
     from torch import nn
 

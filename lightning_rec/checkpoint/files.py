@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -20,6 +21,19 @@ from torch.utils.serialization import config as serialization_config
 
 from lightning_rec.checkpoint.format import partial_name
 from lightning_rec.checkpoint.paths import REMOTE_SHARDED, is_local_path, local_path
+
+
+def sees(directory: Path, wait_s: float = 2.0) -> bool:
+    """Whether this process sees `directory`, which another rank just created (a network file system may show it a
+    moment late: listing its parent asks the server again)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if directory.name in os.listdir(directory.parent):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def remove_stale(stale: Path) -> None:
