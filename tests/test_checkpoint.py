@@ -455,6 +455,45 @@ def test_truncated_gathered_file_is_named(tmp_path, write):
     expect_error(ValueError, lambda: ckpt.load_file(missing), f"checkpoint {missing} does not exist: check the path")
 
 
+@pytest.mark.parametrize("reader", ["cli", "load_from_checkpoint", "trainer"])
+def test_a_one_file_checkpoint_cut_short_is_named_by_lightnings_readers_too(tmp_path, reader):
+    # Lightning's own readers (the CLI's hyperparameters, load_from_checkpoint, another strategy's Trainer) said
+    # "OSError: [Errno 22] Invalid argument" (or a miniz error) for a file cut short: each now says it as load_file does
+    import lightning as L
+
+    from lightning_rec.cli import run_cli
+
+    f = tmp_path / "cut.ckpt"
+    module = _module()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "pytorch-lightning_version": L.__version__}, f)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size - 100])
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=32, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES, num_embeddings_per_feature=64)
+    call = {"cli": lambda: run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={f}",
+                                    f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]),
+            "load_from_checkpoint": lambda: DLRMModule.load_from_checkpoint(f),
+            "trainer": lambda: L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
+                DLRMModule(**SMALL), data, ckpt_path=f, verbose=False)}[reader]
+    expect_error(ValueError, call, str(f), "incomplete", "copy it again")
+
+
+def test_an_export_cut_short_names_the_file_and_to_export_again(tmp_path):
+    # config.json cut short said json's "Expecting ',' delimiter: line 3 column 5", model.safetensors safetensors'
+    # "Error while deserializing header: incomplete metadata, file not fully covered": neither named the file
+    f, out = tmp_path / "one.ckpt", tmp_path / "export"
+    ckpt.save_file({"state_dict": _module().state_dict(), "hyper_parameters": dict(SMALL)}, f)
+    with pytest.warns(UserWarning, match="names no class"):
+        ckpt.export(f, out)
+    for name in ("config.json", "model.safetensors"):
+        whole = (out / name).read_bytes()
+        (out / name).write_bytes(whole[: len(whole) // 2])
+        expect_error(ValueError, lambda: ckpt.load_exported(out, module=_module()), str(out / name), "incomplete",
+                     "Copy the export again", "export again", "lightning-rec export", f"{out}")
+        (out / name).write_bytes(whole)
+    ckpt.load_exported(out, module=_module())
+
+
 # the gathered format (one file written by rank 0): one table in flight at a time --------------------
 
 BIG_ROWS = 4096  # 128 KB per table (dim 8, fp32): a gather holding two tables shows above the bound

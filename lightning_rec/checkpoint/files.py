@@ -151,4 +151,16 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
         size = os.path.getsize(path) if os.path.exists(path) else 0
         raise ValueError(f"checkpoint file {path} ({size} bytes) is incomplete or damaged and cannot be read ({e}): "
-                         f"it was probably cut short by an interrupted save or copy; use an earlier checkpoint") from e
+                         f"it was probably cut short by an interrupted save or copy (a full disk); copy it again from "
+                         f"where it was written, or use an earlier checkpoint") from e
+
+
+# what torch.load raises on a file cut short (Lightning's readers call it themselves)
+UNREADABLE = (RuntimeError, OSError, EOFError, pickle.UnpicklingError)
+
+
+def check_readable(path: Any) -> None:
+    """After another reader (Lightning's) failed on a local one-file checkpoint: load_file's error when the file is cut
+    short or damaged; nothing when it reads (that reader's own error stands)."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        load_file(path)

@@ -25,7 +25,7 @@ class CheckpointPathCLI(LightningCLI):
             model = self.config[subcommand].get("model")
             return dict(vars(model.get("init_args") or {})) if model is not None else {}
 
-        from lightning_rec.checkpoint import LIGHTNING_FILE
+        from lightning_rec.checkpoint import LIGHTNING_FILE, UNREADABLE, check_readable
 
         before = init_args()
         ckpt_path = self.config[subcommand].get("ckpt_path")
@@ -39,6 +39,9 @@ class CheckpointPathCLI(LightningCLI):
             self.config[subcommand].ckpt_path = ckpt_path  # Lightning's reads the config's (a file's hyperparameters)
             try:
                 super()._parse_ckpt_path()
+            except UNREADABLE:
+                check_readable(ckpt_path)  # a file cut short, named
+                raise
             finally:
                 self.config[subcommand].ckpt_path = given_path
         self._warn_unused_model_options(subcommand, before, init_args())
