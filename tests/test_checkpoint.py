@@ -173,12 +173,19 @@ def _own_state(module, optimizer) -> dict:
     return out
 
 
-def _resume_worker(rank, W, path, kind, sparse_optimizer):
+def _resume_worker(rank, W, path, kind, sparse_optimizer, checkpoint_format="dcp"):
     module = _module(sparse_optimizer)
     dmp = _shard(module, kind, W)
     optimizer = module.configure_optimizers()
     _train(module, dmp, optimizer, rank)
-    ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    if checkpoint_format == "dcp":
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    else:  # as RecStrategy(checkpoint_format="gathered") writes it
+        whole = {"state_dict": ckpt.gathered_state_dict(module.state_dict(), dmp),
+                 "optimizer_states": [ckpt.gathered_optimizer_state(optimizer, dmp, module)]}
+        if rank == 0:
+            ckpt.save_file(whole, path)
+        dist.barrier()
     _train(module, dmp, optimizer, rank, steps=1, start=3)
     uninterrupted = _own_state(module, optimizer)
     module = _module(sparse_optimizer)
@@ -197,11 +204,15 @@ def _resume_worker(rank, W, path, kind, sparse_optimizer):
     *[("columns", o) for o in ["rowwise_adagrad", "partial_rowwise_adam", "adagrad", "adam", "sgd"]],  # (CPU's)
     *[("mixed", o) for o in ["rowwise_adagrad", "adagrad", "sgd"]],  # (a replica takes these three)
 ])
-def test_a_resume_at_the_same_plan_is_bitwise_for_every_sharding_and_optimizer(tmp_path, kind, sparse_optimizer):
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "gathered"])
+def test_a_resume_at_the_same_plan_is_bitwise_for_every_sharding_and_optimizer(tmp_path, kind, sparse_optimizer,
+                                                                             checkpoint_format):
     """Each column shard of a table keeps its own row-wise state (the mean of g^2 over its own columns). Loading gave
     every column shard the width-weighted mean of all of them: one more step then moved that table's weights by up to
-    1.4e-2 away from the uninterrupted run's. Each shard gets its own state back."""
-    differ = run_ranks(_resume_worker, 2, str(tmp_path / "c.ckpt"), kind, sparse_optimizer, timeout=120)
+    1.4e-2 away from the uninterrupted run's. Each shard gets its own state back, in either format (the one-file
+    format keeps each column shard's per-row state beside the whole-table mean that other layouts read)."""
+    differ = run_ranks(_resume_worker, 2, str(tmp_path / "c.ckpt"), kind, sparse_optimizer, checkpoint_format,
+                       timeout=120)
     assert differ == [[], []]
 
 
@@ -531,7 +542,8 @@ def _gathered_before(module, optimizer) -> dict | None:
         return None
     state = {k: ShardedTensor.merge([p[k] for p in parts]).full() if k in sharded else v for k, v in local.items()}
     opt = optimizer.state_dict()
-    opt = {**opt, "fused": {**opt["fused"], "state": merge_fused_state(opt_parts)}}
+    # (each column shard's own per-row state too, since it resumes exactly)
+    opt = {**opt, "fused": {**opt["fused"], "state": merge_fused_state(opt_parts, column_blocks=True)}}
     return {"state_dict": state, "optimizer_states": [opt], "epoch": 1}
 
 

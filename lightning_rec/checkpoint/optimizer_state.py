@@ -31,7 +31,7 @@ from lightning_rec.checkpoint.reader import dcp_load, read_metadata
 from lightning_rec.checkpoint.reshard import Pieces
 from lightning_rec.fqn import DMP_WRAPPED, canonical_fqn
 from lightning_rec.model_parallel import DistributedModelParallel
-from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, column_overlaps, per_row_of_blocks
 from lightning_rec.table_weight import FusedTableWeight
 
 
@@ -213,7 +213,6 @@ def _per_row_target(fqn: str, rows: int, cols: int, parts: Sequence[tuple[Any, T
                     post: list[tuple]) -> Pieces:
     """One [rows, 1] buffer per saved column shard for each row range this rank holds; `post` gets the copies, with
     how many of each saved shard's columns the live shard holds."""
-    ends = col_offsets[1:] + [cols]
     buffers: dict[tuple[int, int], list[Tensor]] = {}
     chunks = []
     for m, t in parts:
@@ -222,21 +221,14 @@ def _per_row_target(fqn: str, rows: int, cols: int, parts: Sequence[tuple[Any, T
             bufs = [t.new_empty(nr, 1) for _ in col_offsets]
             buffers[(r, nr)] = bufs
             chunks += [((r, k), (nr, 1), b) for k, b in enumerate(bufs)]
-        post.append((fqn, t, buffers[(r, nr)], [max(0, min(b, c + nc) - max(a, c)) for a, b in zip(col_offsets, ends)]))
+        post.append((fqn, t, buffers[(r, nr)], column_overlaps(col_offsets, cols, c, nc)))
     return Pieces((rows, len(col_offsets)), chunks)
 
 
 def copy_per_row(post: Sequence[tuple]) -> None:
-    """Per-row state is the mean over a shard's columns (of g^2, summed or averaged over steps): a live shard gets the
-    saved state of the column shard it lies in (its own, at the same plan), or the mean of those it overlaps weighted
-    by the overlap (exactly the state of their columns taken as one shard)."""
+    """Each live shard's per-row state from the saved column shards it overlaps (see optim.per_row_of_blocks)."""
     for _, live, bufs, overlaps in post:
-        held = [k for k, w in enumerate(overlaps) if w]
-        if len(held) == 1:
-            live.copy_(bufs[held[0]].view(-1))
-        else:
-            acc = sum(bufs[k].view(-1).double() * overlaps[k] for k in held)
-            live.copy_((acc / sum(overlaps)).to(live.dtype))
+        live.copy_(per_row_of_blocks(bufs, overlaps))
 
 
 def load_fused_groups(fused: FusedOptimizer, saved_groups: Sequence[Mapping[str, Any]]) -> None:
