@@ -218,6 +218,19 @@ def test_a_resume_at_the_same_plan_is_bitwise_for_every_sharding_and_optimizer(t
     assert differ == [[], []]
 
 
+def test_per_row_state_under_another_column_split_keeps_its_meaning():
+    """Saved column shards [0, 2), [2, 6), [6, 8) of an 8-column table, each with its row-wise state (a mean over its
+    columns): a live shard inside one gets that one's, bitwise; one over several gets the mean over its columns."""
+    from lightning_rec.optim import column_overlaps, per_row_of_blocks
+
+    blocks = [torch.tensor([1.0, 10.0]), torch.tensor([2.0, 20.0]), torch.tensor([4.0, 40.0])]
+    for (c, nc), want in [((2, 4), blocks[1]), ((3, 2), blocks[1]), ((6, 2), blocks[2]),
+                          ((0, 4), (2 * blocks[0] + 2 * blocks[1]) / 4),
+                          ((0, 8), (2 * blocks[0] + 4 * blocks[1] + 2 * blocks[2]) / 8)]:
+        got = per_row_of_blocks(blocks, column_overlaps([0, 2, 6], 8, c, nc))
+        assert torch.equal(got, want), (c, nc, got, want)
+
+
 def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
     path = str(tmp_path / "c.ckpt")
     saved = run_ranks(_save_worker, 2, path, "mixed", timeout=120)[0]
