@@ -2,7 +2,8 @@
 
 Parity: after a load, every table, its fused optimizer state and the dense optimizer state,
 assembled whole, equal what was saved (bitwise; per-row state of a table that was split by
-columns is the width-weighted mean of its column shards, as `merge_fused_state` defines it).
+columns is the width-weighted mean of its column shards, as `merge_fused_state` defines it,
+which every new column split keeps). At the same plan each shard's own pieces are bitwise equal.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from lightning_rec.model_parallel import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    grid_shard,
     row_wise,
+    table_column_wise,
     table_wise,
 )
 from lightning_rec.models.dlrm_module import DLRMModule
@@ -46,6 +49,10 @@ def _layout(kind: str, W: int) -> dict:
         return {f"t_{n}": table_wise(rank=i % W) for i, n in enumerate(NAMES)}
     if kind == "row_wise":
         return {f"t_{n}": row_wise() for n in NAMES}
+    if kind == "columns":  # every way of splitting columns; t_b keeps two column blocks on rank W - 1
+        return {"t_a": column_wise(ranks=[0, W - 1]),
+                "t_b": column_wise(ranks=[W - 1, 0, W - 1], size_per_rank=[2, 4, 2]),
+                "t_c": table_column_wise(host_index=0), "t_d": grid_shard(host_indexes=[0])}
     assert kind == "mixed"  # a column split (two per-row states per row), rows, a whole table, a replica
     return {"t_a": column_wise(ranks=[0, W - 1]), "t_b": row_wise(), "t_c": table_wise(rank=W - 1),
             "t_d": data_parallel()}
@@ -62,12 +69,12 @@ def _shard(module, kind: str, W: int) -> DistributedModelParallel:
     return DistributedModelParallel(module, plan=plan, device="cpu", timeout=30)
 
 
-def _train(module, dmp, optimizer, rank: int, steps: int = 3) -> None:
+def _train(module, dmp, optimizer, rank: int, steps: int = 3, start: int = 0) -> None:
     data = SyntheticCriteoDataModule(num_train_samples=256, num_val_samples=0, num_sparse_features=4,
                                      num_signal_features=2, sparse_feature_names=NAMES,
                                      num_embeddings_per_feature=64, seed=rank)
     split = data.make_split("train")
-    for step in range(steps):
+    for step in range(start, start + steps):
         batch = split.__getitems__(list(range(step * 16, step * 16 + 16)))
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
             dmp(batch.dense_features, batch.sparse_features), batch.labels)
@@ -137,7 +144,8 @@ def _same(a: dict, b: dict, per_row_tol: bool = False) -> None:
 
 @pytest.mark.parametrize(("save", "load"), [
     ((2, "row_wise"), (1, "row_wise")), ((1, "table_wise"), (2, "row_wise")), ((2, "mixed"), (3, "row_wise")),
-    ((2, "table_wise"), (4, "mixed")), ((2, "row_wise"), (2, "table_wise")),
+    ((2, "table_wise"), (4, "mixed")), ((2, "row_wise"), (2, "table_wise")), ((2, "columns"), (1, "mixed")),
+    ((2, "columns"), (3, "row_wise")),
 ])
 def test_dcp_reshards_to_any_world_size_and_plan(tmp_path, save, load):
     path = str(tmp_path / "c.ckpt")
@@ -148,7 +156,79 @@ def test_dcp_reshards_to_any_world_size_and_plan(tmp_path, save, load):
     assert not list(tmp_path.glob(".*partial*"))
     loaded = run_ranks(_load_worker, load[0], path, load[1], timeout=120)
     for state in loaded:
-        _same(saved, state, per_row_tol=save[1] == "mixed")
+        _same(saved, state, per_row_tol=save[1] in ("mixed", "columns"))
+
+
+def _own_state(module, optimizer) -> dict:
+    """This rank's own pieces: table shards, fused state per shard, dense layers and their optimizer state."""
+    out = {}
+    for k, v in module.state_dict().items():
+        for m, t in (v.local_shards if isinstance(v, ShardedTensor) else [(None, v)]):
+            out[f"{k}@{None if m is None else (m.shard_offsets, m.shard_sizes)}"] = t.clone()
+    for k, (_, parts) in dict(optimizer.optimizers)["fused"].global_state_pieces().items():
+        for m, t in parts:
+            out[f"fused:{k}@{None if m is None else (m.shard_offsets, m.shard_sizes)}"] = t.clone()
+    for pid, st in dict(optimizer.optimizers)["dense"].state_dict()["state"].items():
+        out.update({f"dense:{pid}.{n}": v.clone() if torch.is_tensor(v) else torch.tensor(v) for n, v in st.items()})
+    return out
+
+
+def _resume_worker(rank, W, path, kind, sparse_optimizer, checkpoint_format="dcp"):
+    module = _module(sparse_optimizer)
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    _train(module, dmp, optimizer, rank)
+    if checkpoint_format == "dcp":
+        ckpt.save({"state_dict": module.state_dict()}, path, optimizers=[optimizer])
+    else:  # as RecStrategy(checkpoint_format="gathered") writes it
+        whole = {"state_dict": ckpt.gathered_state_dict(module.state_dict(), dmp),
+                 "optimizer_states": [ckpt.gathered_optimizer_state(optimizer, dmp, module)]}
+        if rank == 0:
+            ckpt.save_file(whole, path)
+        dist.barrier()
+    _train(module, dmp, optimizer, rank, steps=1, start=3)
+    uninterrupted = _own_state(module, optimizer)
+    module = _module(sparse_optimizer)
+    torch.manual_seed(100 + rank)
+    dmp = _shard(module, kind, W)
+    optimizer = module.configure_optimizers()
+    ckpt.load_model(module, path)
+    ckpt.load_optimizer(optimizer, path, module=module)
+    _train(module, dmp, optimizer, rank, steps=1, start=3)
+    resumed = _own_state(module, optimizer)
+    assert uninterrupted.keys() == resumed.keys()
+    return [k for k in uninterrupted if not torch.equal(uninterrupted[k], resumed[k])]
+
+
+@pytest.mark.parametrize(("kind", "sparse_optimizer", "checkpoint_format"), [
+    *[("columns", o, "dcp") for o in ["rowwise_adagrad", "partial_rowwise_adam", "adagrad", "adam", "sgd"]],  # (CPU's)
+    *[("mixed", o, "dcp") for o in ["rowwise_adagrad", "adagrad", "sgd"]],  # (a replica takes these three)
+    # the one-file format: per-element state is whole tables there (exact); per-row state is what it must keep
+    ("columns", "rowwise_adagrad", "gathered"), ("columns", "partial_rowwise_adam", "gathered"),
+    ("mixed", "rowwise_adagrad", "gathered"),
+])
+def test_a_resume_at_the_same_plan_is_bitwise_for_every_sharding_and_optimizer(tmp_path, kind, sparse_optimizer,
+                                                                             checkpoint_format):
+    """Each column shard of a table keeps its own row-wise state (the mean of g^2 over its own columns). Loading gave
+    every column shard the width-weighted mean of all of them: one more step then moved that table's weights by up to
+    1.4e-2 away from the uninterrupted run's. Each shard gets its own state back, in either format (the one-file
+    format keeps each column shard's per-row state beside the whole-table mean that other layouts read)."""
+    differ = run_ranks(_resume_worker, 2, str(tmp_path / "c.ckpt"), kind, sparse_optimizer, checkpoint_format,
+                       timeout=120)
+    assert differ == [[], []]
+
+
+def test_per_row_state_under_another_column_split_keeps_its_meaning():
+    """Saved column shards [0, 2), [2, 6), [6, 8) of an 8-column table, each with its row-wise state (a mean over its
+    columns): a live shard inside one gets that one's, bitwise; one over several gets the mean over its columns."""
+    from lightning_rec.optim import column_overlaps, per_row_of_blocks
+
+    blocks = [torch.tensor([1.0, 10.0]), torch.tensor([2.0, 20.0]), torch.tensor([4.0, 40.0])]
+    for (c, nc), want in [((2, 4), blocks[1]), ((3, 2), blocks[1]), ((6, 2), blocks[2]),
+                          ((0, 4), (2 * blocks[0] + 2 * blocks[1]) / 4),
+                          ((0, 8), (2 * blocks[0] + 4 * blocks[1] + 2 * blocks[2]) / 8)]:
+        got = per_row_of_blocks(blocks, column_overlaps([0, 2, 6], 8, c, nc))
+        assert torch.equal(got, want), (c, nc, got, want)
 
 
 def test_dcp_loads_into_the_unsharded_module_without_distributed(tmp_path):
@@ -401,6 +481,45 @@ def test_truncated_gathered_file_is_named(tmp_path, write):
     expect_error(ValueError, lambda: ckpt.load_file(missing), f"checkpoint {missing} does not exist: check the path")
 
 
+@pytest.mark.parametrize("reader", ["cli", "load_from_checkpoint", "trainer"])
+def test_a_one_file_checkpoint_cut_short_is_named_by_lightnings_readers_too(tmp_path, reader):
+    # Lightning's own readers (the CLI's hyperparameters, load_from_checkpoint, another strategy's Trainer) said
+    # "OSError: [Errno 22] Invalid argument" (or a miniz error) for a file cut short: each now says it as load_file does
+    import lightning as L
+
+    from lightning_rec.cli import run_cli
+
+    f = tmp_path / "cut.ckpt"
+    module = _module()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "pytorch-lightning_version": L.__version__}, f)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size - 100])
+    data = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=32, num_sparse_features=4,
+                                     num_signal_features=2, sparse_feature_names=NAMES, num_embeddings_per_feature=64)
+    call = {"cli": lambda: run_cli(["validate", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--ckpt_path={f}",
+                                    f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"]),
+            "load_from_checkpoint": lambda: DLRMModule.load_from_checkpoint(f),
+            "trainer": lambda: L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).validate(
+                DLRMModule(**SMALL), data, ckpt_path=f, verbose=False)}[reader]
+    expect_error(ValueError, call, str(f), "incomplete", "copy it again")
+
+
+def test_an_export_cut_short_names_the_file_and_to_export_again(tmp_path):
+    # config.json cut short said json's "Expecting ',' delimiter: line 3 column 5", model.safetensors safetensors'
+    # "Error while deserializing header: incomplete metadata, file not fully covered": neither named the file
+    f, out = tmp_path / "one.ckpt", tmp_path / "export"
+    ckpt.save_file({"state_dict": _module().state_dict(), "hyper_parameters": dict(SMALL)}, f)
+    with pytest.warns(UserWarning, match="names no class"):
+        ckpt.export(f, out)
+    for name in ("config.json", "model.safetensors"):
+        whole = (out / name).read_bytes()
+        (out / name).write_bytes(whole[: len(whole) // 2])
+        expect_error(ValueError, lambda: ckpt.load_exported(out, module=_module()), str(out / name), "incomplete",
+                     "Copy the export again", "export again", "lightning-rec export", f"{out}")
+        (out / name).write_bytes(whole)
+    ckpt.load_exported(out, module=_module())
+
+
 # the gathered format (one file written by rank 0): one table in flight at a time --------------------
 
 BIG_ROWS = 4096  # 128 KB per table (dim 8, fp32): a gather holding two tables shows above the bound
@@ -438,7 +557,8 @@ def _gathered_before(module, optimizer) -> dict | None:
         return None
     state = {k: ShardedTensor.merge([p[k] for p in parts]).full() if k in sharded else v for k, v in local.items()}
     opt = optimizer.state_dict()
-    opt = {**opt, "fused": {**opt["fused"], "state": merge_fused_state(opt_parts)}}
+    # (each column shard's own per-row state too, since it resumes exactly)
+    opt = {**opt, "fused": {**opt["fused"], "state": merge_fused_state(opt_parts, column_blocks=True)}}
     return {"state_dict": state, "optimizer_states": [opt], "epoch": 1}
 
 
@@ -1216,6 +1336,38 @@ def _hparams_save_worker(rank, W, path):
               optimizers=[optimizer], module_class="lightning_rec.models.dlrm_module.DLRMModule")
 
 
+def _rank_zero_reads_whole_worker(rank, W, path, out):
+    import time
+
+    _hparams_save_worker(rank, W, path)
+    done = Path(out) / "read"
+    if rank == 1:  # goes on with its own work (here: waits for rank 0 without any collective), as in training
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.barrier()
+        return None
+    start = time.monotonic()
+    try:
+        state = ckpt.full_state_dict(path)
+        meta = ckpt.lightning_checkpoint(path)
+        ckpt.export(path, Path(out) / "export")
+    finally:
+        done.touch()
+    took = time.monotonic() - start
+    dist.barrier()
+    return took, sorted(state) == sorted(meta["state_dict"]), (Path(out) / "export" / "model.safetensors").is_file()
+
+
+def test_whole_reads_on_rank_zero_alone_do_not_wait_for_the_other_ranks(tmp_path):
+    """`if rank == 0: checkpoint.full_state_dict(path)` inside a running job (to gather for export) went into DCP's
+    collective load, which the other ranks never joined: it hung with nothing printed. A whole read is one process's
+    (as its docstring says): it reads the files alone, whatever the process group."""
+    took, same_keys, exported = run_ranks(_rank_zero_reads_whole_worker, 2, str(tmp_path / "c.ckpt"), str(tmp_path),
+                                          timeout=90, pg_timeout=20)[0]
+    assert took < 10 and same_keys and exported
+
+
 def test_rec_checkpoint_directory_loads_without_strategy_rec(tmp_path):
     # Lightning's loaders torch.load one file: DLRMModule.load_from_checkpoint(dir) and trainer.validate /
     # test / predict(ckpt_path=dir) under another strategy raised IsADirectoryError
@@ -1268,6 +1420,24 @@ def test_save_to_another_path_on_each_rank_is_refused(tmp_path):
     # loading it said 'damaged: __1_0.distcp is missing'
     run_ranks(_per_rank_path_worker, 2, str(tmp_path), timeout=120)
     assert list(tmp_path.iterdir()) == []
+
+
+def _own_disk_worker(rank, W, root):
+    own = Path(root) / f"host{rank}"  # each rank's own disk: the same path names another directory on each host
+    own.mkdir()
+    os.chdir(own)
+    module = _module()
+    _shard(module, "row_wise", W)
+    return expect_error(ValueError, lambda: ckpt.save({"state_dict": module.state_dict()}, "last.ckpt"),
+                        "rank(s) [1]", "shared storage", "Nothing was written")
+
+
+def test_a_save_to_node_local_disks_is_refused_naming_shared_storage(tmp_path):
+    # with last.ckpt/ on each host's own disk, every rank's save succeeded without a word; only the next load said
+    # '__1_0.distcp is missing'. The ranks now agree that they see the directory rank 0 created for the save.
+    said = run_ranks(_own_disk_worker, 2, str(tmp_path), timeout=120)
+    assert said[0] == said[1]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("host0"), Path("host1")]
 
 
 def _rank_without_shards_worker(rank, W, path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import warnings
 
 from .helpers import _t, bag_cfg, make_ebc, tables_of, unchanged
 from .ranks import _dmp_of, _outcome, _rank_batches, _threads, _verbs, raise_first_error, run_two_ranks
@@ -186,4 +188,120 @@ def two_rank_checkpoint_cases() -> None:
         expect(ck is not None, "")
 
 
-CASES = (checkpoint_load_cases, checkpoint_file_cases, two_rank_checkpoint_cases)
+def _own_pieces(dmp, optimizer):
+    """This rank's table pieces and fused state pieces, by name and place."""
+    out = {}
+    for k, v in dmp.module.state_dict().items():
+        for m, t in getattr(v, "local_shards", [(None, v)]):
+            out[f"{k}@{None if m is None else m.shard_offsets}"] = t.detach().clone()
+    for k, (_, parts) in optimizer.global_state_pieces().items():
+        out.update({f"{k}@{None if m is None else m.shard_offsets}": t.clone() for m, t in parts})
+    return out
+
+
+def rank_resume_column_wise(rank, W, path):
+    """Rowwise Adagrad on a column-wise table: save, one more step; then a fresh model loads and takes that step."""
+    _threads()
+    torch = _t()
+    from lightning_rec import checkpoint as ck
+    from lightning_rec.optim import FusedOptimizer
+
+    def built():
+        dmp = _dmp_of(make_ebc(opt="rowwise_adagrad"), _verbs("cw"), W, False)
+        return dmp, FusedOptimizer(dmp)
+
+    def go():
+        def step(dmp, batch_of):  # squared: each column gets its own gradient (a plain sum gives every column ones)
+            (dmp(_rank_batches(batch_of)).values() ** 2).sum().backward()
+
+        dmp, optimizer = built()
+        step(dmp, rank)
+        ck.save({"state_dict": dmp.module.state_dict()}, path, optimizers=[optimizer])
+        step(dmp, 1 - rank)
+        want = _own_pieces(dmp, optimizer)
+        dmp, optimizer = built()
+        ck.load_model(dmp.module, path)
+        ck.load_optimizer(optimizer, path)
+        step(dmp, 1 - rank)
+        got = _own_pieces(dmp, optimizer)
+        for k, v in want.items():
+            expect(torch.equal(got[k], v), f"rank {rank}: {k} differs from the uninterrupted run's after resuming")
+        return True
+    return _outcome(go)
+
+
+def rank_zero_reads_whole(rank, W, path, done):
+    """Rank 0 alone reads the checkpoint whole while rank 1 goes on (no collective) until it is done."""
+    import time
+
+    import torch.distributed as dist
+    _threads()
+    rank_save_checkpoint(rank, W, path, "cw")
+    if rank == 1:
+        deadline = time.monotonic() + 40
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.barrier()
+        return ("ok", None, "", 0.0)
+    from lightning_rec.checkpoint import full_state_dict
+    try:
+        out = _outcome(lambda: sorted(full_state_dict(path)))
+    finally:
+        open(done, "w").close()
+    dist.barrier()
+    return out
+
+
+def rank_saves_to_its_own_disk(rank, W, root):
+    """Each rank's `last.ckpt` is another directory (its own disk): the save must refuse on every rank."""
+    _threads()
+    own = os.path.join(root, f"host{rank}")
+    os.makedirs(own)
+    os.chdir(own)
+    from lightning_rec import checkpoint as ck
+    dmp = _dmp_of(make_ebc(opt="adagrad"), _verbs("rw"), W, False)
+    return _outcome(lambda: ck.save({"state_dict": dmp.module.state_dict()}, "last.ckpt"))
+
+
+def resume_and_cut_short_cases() -> None:
+    """An exact resume of a column-wise table, whole reads on one rank, node-local disks, files cut short."""
+    torch = _t()
+    from lightning_rec import checkpoint as ck
+
+    @case("ckpt.2ranks_cw_rowwise_adagrad_resume_bitwise", timeout=90,
+          legit="README: a resume is bitwise (each column shard keeps its own row-wise state)")
+    def _(ctx):
+        raise_first_error(run_two_ranks(rank_resume_column_wise, str(ctx.tmp / "ck")))
+
+    @case("ckpt.2ranks_full_state_dict_on_rank_zero_only", timeout=90,
+          legit="full_state_dict is one process's read: rank 0 alone may call it inside a job")
+    def _(ctx):
+        names = raise_first_error(run_two_ranks(rank_zero_reads_whole, str(ctx.tmp / "ck"), str(ctx.tmp / "done")),
+                                  max_s=10)[0]
+        expect(names == ["embedding_bags.t_a.weight", "embedding_bags.t_b.weight"], f"full_state_dict gave {names}")
+
+    @case("ckpt.2ranks_save_to_node_local_disks", ValueError, ["rank(s) [1]", "shared storage"], timeout=90)
+    def _(ctx):
+        raise_first_error(run_two_ranks(rank_saves_to_its_own_disk, str(ctx.tmp)), need_all=True)
+
+    @case("ckpt.one_file_cut_short_load_from_checkpoint", ValueError, ["cut.ckpt", "incomplete", "copy it again"])
+    def _(ctx):
+        from lightning_rec.models.dlrm_module import DLRMModule
+        p = ctx.tmp / "cut.ckpt"
+        torch.save({"state_dict": make_ebc().state_dict(), "pytorch-lightning_version": "2.6.0"}, p)
+        p.write_bytes(p.read_bytes()[:-64])
+        DLRMModule.load_from_checkpoint(p)
+
+    for name in ("config.json", "model.safetensors"):
+        @case(f"ckpt.export_{name.replace('.', '_')}_cut_short", ValueError, [name, "incomplete", "export again"])
+        def _(ctx, name=name):
+            ck.save_file({"state_dict": make_ebc().state_dict()}, ctx.tmp / "one.ckpt")
+            with warnings.catch_warnings():  # (it names no LightningModule class: module= below)
+                warnings.simplefilter("ignore")
+                out = ck.export(ctx.tmp / "one.ckpt", ctx.tmp / "out")
+            whole = (out / name).read_bytes()
+            (out / name).write_bytes(whole[: len(whole) // 2])
+            ck.load_exported(out, module=make_ebc())
+
+
+CASES = (checkpoint_load_cases, checkpoint_file_cases, two_rank_checkpoint_cases, resume_and_cut_short_cases)

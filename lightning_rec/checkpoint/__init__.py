@@ -20,7 +20,7 @@ from lightning_rec.checkpoint.dcp import (
     read_lightning_state,
     save,
 )
-from lightning_rec.checkpoint.files import load_file, save_file
+from lightning_rec.checkpoint.files import UNREADABLE, check_readable, load_file, save_file
 from lightning_rec.checkpoint.format import (
     DENSE_IN_DCP,
     FORMATS,
@@ -69,10 +69,10 @@ _wrapped_named_model = wrapped_named_model
 __all__ = [
     "DCPCheckpoint", "DENSE_IN_DCP", "FORMATS", "FULL_BY_NAME", "GUARD_ERRORS", "IncompatibleKeys", "LIGHTNING_FILE",
     "LOAD_MODEL_SIGNATURE", "LOAD_OPTIMIZER_SIGNATURE", "METADATA_FILE", "MODULE_CLASS_KEY", "PER_ROW",
-    "SAVE_SIGNATURE", "barrier_device_ids", "export", "full_state_dict", "fused_part", "gathered_optimizer_state",
-    "gathered_state_dict", "has_whole_by_name", "is_dcp_checkpoint", "is_local_path", "lightning_checkpoint",
-    "load_exported", "load_file", "load_from_checkpoint", "load_gathered_optimizer", "load_model", "load_optimizer",
-    "load_torch_optimizer_state", "loader_state_for_rank", "local_path", "localize_full_state",
-    "read_lightning_state", "refuse_resolved_file_url", "rng_state", "rng_state_for_rank", "save", "save_file",
-    "set_rng_state", "state_dict_gather", "state_dict_to_device",
+    "SAVE_SIGNATURE", "UNREADABLE", "barrier_device_ids", "check_readable", "export", "full_state_dict", "fused_part",
+    "gathered_optimizer_state", "gathered_state_dict", "has_whole_by_name", "is_dcp_checkpoint", "is_local_path",
+    "lightning_checkpoint", "load_exported", "load_file", "load_from_checkpoint", "load_gathered_optimizer",
+    "load_model", "load_optimizer", "load_torch_optimizer_state", "loader_state_for_rank", "local_path",
+    "localize_full_state", "read_lightning_state", "refuse_resolved_file_url", "rng_state", "rng_state_for_rank",
+    "save", "save_file", "set_rng_state", "state_dict_gather", "state_dict_to_device",
 ]

@@ -99,6 +99,19 @@ def check_same_path(paths: Sequence[str]) -> None:
                          f"was written")
 
 
+def check_same_directory(path: Path, partial: Path, seen: Sequence[bool]) -> None:
+    """Every rank sees the directory rank 0 created for the save (each rank writing to its own disk would leave rank
+    0's checkpoint without the others' pieces)."""
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ValueError(f"checkpoint {path}: rank(s) {blind} do not see the directory rank 0 created for this save "
+                         f"({partial.name} in {partial.parent}): the path names another directory on their host "
+                         f"(a node-local disk, or a relative path from another working directory). A sharded "
+                         f"checkpoint needs one directory every rank writes into: put it on shared storage (a "
+                         f"network file system every host mounts at the same path), or save the one-file format "
+                         f"rank 0 writes alone (RecStrategy(checkpoint_format='gathered')). Nothing was written")
+
+
 # ------------------------------------------------------------------------------------------------
 # does the checkpoint hold what loads?
 

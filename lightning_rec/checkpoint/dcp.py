@@ -21,6 +21,7 @@ from lightning_rec.checkpoint.checks import (
     check_load_optimizer_args,
     check_module,
     check_path,
+    check_same_directory,
     check_same_fused_optimizer,
     check_same_path,
     check_save_args,
@@ -28,7 +29,7 @@ from lightning_rec.checkpoint.checks import (
     saved_rest_key,
 )
 from lightning_rec.checkpoint.collectives import all_gather, barrier, broadcast, dcp_group, failure, rank_world
-from lightning_rec.checkpoint.files import commit, remove_stale_partials
+from lightning_rec.checkpoint.files import commit, remove_stale_partials, sees
 from lightning_rec.checkpoint.format import (
     LIGHTNING_FILE,
     STATE_DICT,
@@ -142,9 +143,12 @@ def _write(entries: dict[str, Any], meta: dict[str, Any], path: Path, partial: P
         partial.mkdir(parents=True)
     barrier(dmp)
     # One file per rank when the pieces are host memory (written in place, see reshard.own_storage); from a
-    # GPU, one file per piece, so that host copies live one piece at a time, not a rank's worth.
-    on_host = all(all_gather(all(device_of(v) == "cpu" for v in entries.values()), dmp))
-    writer = dcp.FileSystemWriter(str(partial), sync_files=True, single_file_per_rank=on_host)
+    # GPU, one file per piece, so that host copies live one piece at a time, not a rank's worth. The same exchange
+    # says whether every rank sees the directory rank 0 made (not each its own disk).
+    on_host, seen = zip(*all_gather((all(device_of(v) == "cpu" for v in entries.values()),
+                                     rank == 0 or sees(partial)), dmp))
+    check_same_directory(path, partial, seen)
+    writer = dcp.FileSystemWriter(str(partial), sync_files=True, single_file_per_rank=all(on_host))
     with warnings.catch_warnings():  # one process without torch.distributed is what we mean here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(entries, storage_writer=writer, planner=SavePlanner(), process_group=dcp_group(dmp))
@@ -196,7 +200,7 @@ class DCPCheckpoint(MutableMapping):
             raise TypeError(f"{self!r}: a sharded checkpoint's optimizer state is read by the strategy, shard by "
                             f"shard (lightning_rec.checkpoint.load_optimizer), not as a dict")
         if self._whole is None:
-            self._whole = full_model_state(self.path, local=True)[0]
+            self._whole = full_model_state(self.path)[0]
         return self._whole
 
     def __getitem__(self, key: str) -> Tensor:

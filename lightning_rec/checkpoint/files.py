@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 import uuid
 import zipfile
 from collections.abc import Mapping
@@ -20,6 +21,19 @@ from torch.utils.serialization import config as serialization_config
 
 from lightning_rec.checkpoint.format import partial_name
 from lightning_rec.checkpoint.paths import REMOTE_SHARDED, is_local_path, local_path
+
+
+def sees(directory: Path, wait_s: float = 2.0) -> bool:
+    """Whether this process sees `directory`, which another rank just created (a network file system may show it a
+    moment late: listing its parent asks the server again)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if directory.name in os.listdir(directory.parent):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def remove_stale(stale: Path) -> None:
@@ -137,4 +151,16 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
         size = os.path.getsize(path) if os.path.exists(path) else 0
         raise ValueError(f"checkpoint file {path} ({size} bytes) is incomplete or damaged and cannot be read ({e}): "
-                         f"it was probably cut short by an interrupted save or copy; use an earlier checkpoint") from e
+                         f"it was probably cut short by an interrupted save or copy (a full disk); copy it again from "
+                         f"where it was written, or use an earlier checkpoint") from e
+
+
+# what torch.load raises on a file cut short (Lightning's readers call it themselves)
+UNREADABLE = (RuntimeError, OSError, EOFError, pickle.UnpicklingError)
+
+
+def check_readable(path: Any) -> None:
+    """After another reader (Lightning's) failed on a local one-file checkpoint: load_file's error when the file is cut
+    short or damaged; nothing when it reads (that reader's own error stands)."""
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        load_file(path)

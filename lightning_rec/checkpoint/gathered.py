@@ -134,7 +134,7 @@ def _merged_fused_state(fused: FusedOptimizer, dmp: Any) -> dict[str, Tensor]:
         gathered = gather_to_zero(piece, dmp)
         del piece
         if gathered is not None:
-            merged.update(merge_fused_state([{key: p} for p in gathered if p is not None]))
+            merged.update(merge_fused_state([{key: p} for p in gathered if p is not None], column_blocks=True))
         del gathered
     return merged
 

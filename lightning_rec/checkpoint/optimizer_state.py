@@ -31,7 +31,7 @@ from lightning_rec.checkpoint.reader import dcp_load, read_metadata
 from lightning_rec.checkpoint.reshard import Pieces
 from lightning_rec.fqn import DMP_WRAPPED, canonical_fqn
 from lightning_rec.model_parallel import DistributedModelParallel
-from lightning_rec.optim import CombinedOptimizer, FusedOptimizer
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizer, column_overlaps, per_row_of_blocks
 from lightning_rec.table_weight import FusedTableWeight
 
 
@@ -211,27 +211,24 @@ def fused_targets(fused: FusedOptimizer, prefix: str, saved: Mapping[str, Any],
 
 def _per_row_target(fqn: str, rows: int, cols: int, parts: Sequence[tuple[Any, Tensor]], col_offsets: list[int],
                     post: list[tuple]) -> Pieces:
-    """One [rows, 1] buffer per saved column shard for each row range this rank holds; `post` gets the copies."""
-    widths = [b - a for a, b in zip(col_offsets, col_offsets[1:] + [cols])]
+    """One [rows, 1] buffer per saved column shard for each row range this rank holds; `post` gets the copies, with
+    how many of each saved shard's columns the live shard holds."""
     buffers: dict[tuple[int, int], list[Tensor]] = {}
     chunks = []
     for m, t in parts:
-        r, nr = (m.shard_offsets[0], m.shard_sizes[0]) if m is not None else (0, rows)
+        (r, c), (nr, nc) = (m.shard_offsets, m.shard_sizes) if m is not None else ((0, 0), (rows, cols))
         if (r, nr) not in buffers:
             bufs = [t.new_empty(nr, 1) for _ in col_offsets]
             buffers[(r, nr)] = bufs
             chunks += [((r, k), (nr, 1), b) for k, b in enumerate(bufs)]
-        post.append((fqn, t, buffers[(r, nr)], widths))
+        post.append((fqn, t, buffers[(r, nr)], column_overlaps(col_offsets, cols, c, nc)))
     return Pieces((rows, len(col_offsets)), chunks)
 
 
 def copy_per_row(post: Sequence[tuple]) -> None:
-    for _, live, bufs, widths in post:
-        if len(bufs) == 1:
-            live.copy_(bufs[0].view(-1))
-        else:  # a table that was split by columns kept one per-row state per column shard: their weighted mean
-            acc = sum(b.view(-1).double() * w for b, w in zip(bufs, widths))
-            live.copy_((acc / sum(widths)).to(live.dtype))
+    """Each live shard's per-row state from the saved column shards it overlaps (see optim.per_row_of_blocks)."""
+    for _, live, bufs, overlaps in post:
+        live.copy_(per_row_of_blocks(bufs, overlaps))
 
 
 def load_fused_groups(fused: FusedOptimizer, saved_groups: Sequence[Mapping[str, Any]]) -> None:

@@ -181,17 +181,16 @@ def dcp_load(targets: dict[str, Any], reader, path: Path, local: bool = False, d
         raise _read_failure(path, e, local, dmp) from e
 
 
-def full_model_state(path: Path, local: bool = False) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file.
-
-    local: read by this rank alone (see dcp_load), not together with the process group's other ranks."""
+def full_model_state(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Every model tensor whole (CPU), and the Lightning dict, from a DCP directory or a gathered file: read by this
+    process alone (no collective, whatever the process group: one rank may call it while the others train)."""
     if is_dcp_checkpoint(path):
         reader, md = read_metadata(path)
         meta = lightning_meta(path)
         targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
                    for k, v in md.state_dict_metadata.items()
                    if k.startswith(STATE_DICT) and isinstance(v, TensorStorageMetadata)}
-        dcp_load(targets, reader, path, local=local)
+        dcp_load(targets, reader, path, local=True)
         return {k[len(STATE_DICT):]: v for k, v in targets.items()}, meta
     ckpt = load_file(path) if path.suffix != ".safetensors" else None
     if not (isinstance(ckpt, Mapping) and "state_dict" in ckpt):  # not a one-file Lightning checkpoint

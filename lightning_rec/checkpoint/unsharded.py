@@ -30,7 +30,8 @@ def _existing(path: str | os.PathLike) -> Path:
 def full_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The model's state dict with every table whole (CPU), from a DCP directory or a gathered file.
 
-    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export).
+    One process, no torch.distributed; it holds the whole model (for inspection, comparison, export). Inside a job
+    any one rank may call it alone: it reads the files without the other ranks.
     """
     return full_model_state(_existing(path))[0]
 
@@ -142,15 +143,26 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     return out
 
 
+def _damaged_export(file: Path, error: BaseException, source: Any) -> str:
+    return (f"export file {file} ({file.stat().st_size} bytes) is incomplete or damaged ({type(error).__name__}: "
+            f"{error}): it was probably cut short by an interrupted copy or export (a full disk). Copy the export "
+            f"again from where it was written, or export again: lightning-rec export {source or 'CHECKPOINT'} "
+            f"{file.parent}")
+
+
 def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None) -> torch.nn.Module:
     """The module of an `export` directory, on CPU, in eval mode (no torch.distributed needed)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file as load_safetensors
 
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise ValueError(f"{path} is not an export directory (needs config.json and model.safetensors): "
                          f"write one with `lightning-rec export CHECKPOINT {path}`")
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (ValueError, OSError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ValueError(_damaged_export(path / "config.json", e, None)) from e
     if module is None:
         if not config.get("class_path"):
             raise ValueError(f"{path}/config.json names no LightningModule class (its checkpoint did not say): pass "
@@ -158,7 +170,10 @@ def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None
         mod_name, _, cls_name = config["class_path"].rpartition(".")
         cls = getattr(importlib.import_module(mod_name), cls_name)
         module = cls(**config["init_args"])
-    state = load_safetensors(str(path / "model.safetensors"))
+    try:
+        state = load_safetensors(str(path / "model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(_damaged_export(path / "model.safetensors", e, config.get("source"))) from e
     live = module.state_dict()
     state = {k: v.to(live[k].dtype) if k in live and v.dtype != live[k].dtype else v for k, v in state.items()}
     module.load_state_dict(state)

@@ -34,7 +34,7 @@ class CheckpointPathCLI(LightningCLI):
         def class_path() -> str | None:
             return (self.config[subcommand].get("model") or {}).get("class_path")
 
-        from lightning_rec.checkpoint import LIGHTNING_FILE
+        from lightning_rec.checkpoint import LIGHTNING_FILE, UNREADABLE, check_readable
 
         before, recipes_class = init_args(), class_path()
         ckpt_path = self.config[subcommand].get("ckpt_path")
@@ -48,6 +48,9 @@ class CheckpointPathCLI(LightningCLI):
             self.config[subcommand].ckpt_path = ckpt_path  # Lightning's reads the config's (a file's hyperparameters)
             try:
                 super()._parse_ckpt_path()
+            except UNREADABLE:
+                check_readable(ckpt_path)  # a file cut short, named
+                raise
             finally:
                 self.config[subcommand].ckpt_path = given_path
         self._refuse_another_model_class(subcommand, ckpt_path, recipes_class, class_path())

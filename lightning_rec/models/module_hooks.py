@@ -24,7 +24,11 @@ def _read_rec_checkpoints(trainer: Any, owner: str) -> None:
             from lightning_rec import checkpoint as rec_checkpoint
 
             if not (isinstance(path, (str, os.PathLike)) and os.path.isdir(path)):
-                return super().load_checkpoint(path, *args, **kwargs)
+                try:
+                    return super().load_checkpoint(path, *args, **kwargs)
+                except rec_checkpoint.UNREADABLE:
+                    rec_checkpoint.check_readable(path)  # a file cut short, named
+                    raise
             # asked at load time: the same Trainer may validate, then fit
             if trainer.state.fn == TrainerFn.FITTING:  # whole tables, but no fused optimizer state or positions
                 raise ValueError(
@@ -65,7 +69,11 @@ class RecCheckpointLoading:
 
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
             return rec_checkpoint.load_from_checkpoint(cls, checkpoint_path, *args, **kwargs)
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        except rec_checkpoint.UNREADABLE:
+            rec_checkpoint.check_readable(checkpoint_path)  # a file cut short, named
+            raise
 
 
 class RecModuleHooks(RecCheckpointLoading):

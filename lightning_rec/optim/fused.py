@@ -198,6 +198,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      f"table sizes differ; build the table with the checkpoint's num_embeddings "
                                      f"and embedding_dim to load it, or start this optimizer afresh")
                 value = _slice_state(whole, meta)
+                if global_key + COLUMN_BLOCKS in saved and meta is not None:  # each column shard's own, kept
+                    (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
+                    offsets = saved[global_key + COLUMN_OFFSETS].tolist()
+                    value = per_row_of_blocks(saved[global_key + COLUMN_BLOCKS][r : r + nr].unbind(1),
+                                              column_overlaps(offsets, cols, c, nc))
             if value.shape != tensor.shape:
                 why = ("the table sizes differ" if self._pieces[local][1] is None else "this piece of the table "
                        "has other rows or columns here: it was saved at another world size or plan, which one rank's "
@@ -247,10 +252,36 @@ def _slice_state(whole: torch.Tensor, meta: Any) -> torch.Tensor:
     return whole[r : r + nr, c : c + nc]
 
 
-def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]]) -> dict[str, torch.Tensor]:
+# per-row state of a table split by columns, kept per column shard beside the whole-table mean: "<key>" + these
+COLUMN_BLOCKS, COLUMN_OFFSETS = "@column_blocks", "@column_offsets"
+
+
+def column_overlaps(offsets: Sequence[int], cols: int, c: int, nc: int) -> list[int]:
+    """How many of the columns [c, c + nc) each column block holds (blocks start at `offsets`, the last ends at
+    `cols`)."""
+    ends = list(offsets[1:]) + [cols]
+    return [max(0, min(b, c + nc) - max(a, c)) for a, b in zip(offsets, ends)]
+
+
+def per_row_of_blocks(blocks: Sequence[torch.Tensor], overlaps: Sequence[int]) -> torch.Tensor:
+    """A shard's per-row state from the column blocks' (each a mean over its columns, of g^2 summed or averaged over
+    steps): the block's it lies in (its own, at the same plan), or the mean of those it overlaps weighted by overlap,
+    which is the state those columns would have kept as one shard. A shard cut out of a block gets the block's."""
+    held = [k for k, w in enumerate(overlaps) if w]
+    if len(held) == 1:
+        return blocks[held[0]].reshape(-1)
+    acc = sum(blocks[k].reshape(-1).double() * overlaps[k] for k in held)
+    return (acc / sum(overlaps[k] for k in held)).to(blocks[held[0]].dtype)
+
+
+def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]],
+                      column_blocks: bool = False) -> dict[str, torch.Tensor]:
     """Every rank's `FusedOptimizer.global_state_pieces()` -> whole-table state (CPU tensors). Per-element state is
     assembled exactly. Per-row state (row-wise Adagrad) of a table split by columns is the column shards' average
-    weighted by width (the unsharded mean over all columns). Scalars are the same everywhere."""
+    weighted by width (the unsharded mean over all columns). Scalars are the same everywhere.
+
+    column_blocks: also each column shard's own per-row state, under "<key>@column_blocks" ([rows, K]) with the
+    shards' first columns under "<key>@column_offsets": `load_state_dict` gives a shard its own (an exact resume)."""
     merged: dict[str, tuple[tuple[int, int], list]] = {}
     for pieces in per_rank:
         for key, (shape, parts) in pieces.items():
@@ -267,12 +298,13 @@ def merge_fused_state(per_rank: Sequence[dict[str, tuple[tuple[int, int], list]]
                 (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
                 whole[r : r + nr, c : c + nc] = t.detach().cpu()
         else:
-            acc = torch.zeros(rows, dtype=torch.float64)
-            width = torch.zeros(rows, dtype=torch.float64)
+            offsets = sorted({meta.shard_offsets[1] for meta, _ in parts})
+            blocks = torch.zeros(rows, len(offsets), dtype=first.dtype)
             for meta, t in parts:
-                (r, _), (nr, nc) = meta.shard_offsets, meta.shard_sizes
-                acc[r : r + nr] += t.detach().cpu().double() * nc
-                width[r : r + nr] += nc
-            whole = (acc / width.clamp(min=1)).to(first.dtype)
+                (r, c), nr = meta.shard_offsets, meta.shard_sizes[0]
+                blocks[r : r + nr, offsets.index(c)] = t.detach().cpu()
+            whole = per_row_of_blocks(blocks.unbind(1), column_overlaps(offsets, cols, 0, cols))
+            if column_blocks and len(offsets) > 1:
+                out[key + COLUMN_BLOCKS], out[key + COLUMN_OFFSETS] = blocks, torch.tensor(offsets)
         out[key] = whole
     return out
