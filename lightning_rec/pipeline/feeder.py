@@ -408,7 +408,7 @@ class _Feeder(Iterator):
         k, exhausted = 0, False
         channel = next(iter(self.channels.values()), None)
         while self._may_start(k):
-            batch, error, exhausted = self._read(exhausted)
+            batch, error, exhausted = self._read(exhausted, k, channel)
             if self._ordered:
                 if batch is not None and error is None:
                     batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
@@ -420,8 +420,8 @@ class _Feeder(Iterator):
             if failed:
                 if error is not None:
                     raise error
-                raise RuntimeError(f"the dataloader of rank(s) {failed} raised at batch {k} (see the error on those "
-                                   f"ranks); this rank stopped there too")
+                raise RuntimeError(f"the dataloader of rank(s) {failed} raised (or gave None) at batch {k} (see the "
+                                   f"error on those ranks); this rank stopped there too")
             if missing and self.pad is not None and channel is not None and len(missing) < channel.world_size:
                 if batch is None:  # evaluation: this rank ran out, another has not: step on with an empty batch
                     batch = self._copy(self.pad()) if self._ordered else self.pad()
@@ -432,16 +432,23 @@ class _Feeder(Iterator):
                 return
             k += 1
 
-    def _read(self, exhausted: bool) -> tuple[Any, BaseException | None, bool]:
+    def _read(self, exhausted: bool, k: int, channel) -> tuple[Any, BaseException | None, bool]:
         """(the source's next batch or None, the error it raised or None, whether it is exhausted)."""
         if exhausted:
             return None, None, True
         try:
-            return next(self.source), None, False
+            batch = next(self.source)
         except StopIteration:
             return None, None, True
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
             return None, e, False
+        if batch is None:  # not the end of the data (that is StopIteration): a batch lost on this rank alone
+            return None, ValueError(
+                f"rank {channel.rank if channel is not None else 0}: the dataloader gave None as batch {k} (a "
+                f"collate_fn that returns None for a bad batch?), which every rank would have to skip together: "
+                f"drop the bad rows in the dataset or collate_fn and return the rest (a batch of 0 rows is fine), "
+                f"or raise"), False
+        return batch, None, False
 
     def _agree(self, channel, batch, error) -> tuple[list[int], list[int], dict[int, int]]:
         """The ranks without a batch, the ranks whose loader raised, and the signals sent: agreed by every rank."""
