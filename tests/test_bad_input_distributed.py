@@ -478,6 +478,17 @@ def test_a_rank_whose_step_raised_and_went_on_is_named_at_its_next_step(shared_m
         assert seconds < 10
 
 
+def test_a_pipeline_over_a_process_group_names_the_rank_whose_step_raised_and_went_on():
+    """Over a process group the pipelined step's one exchange, the embedding all-to-all, has no header: the pipeline's
+    own agreement carries the batches each rank's steps left unused, and names them at the next batch it agrees on
+    (gloo: one step late, the feeder working ahead; NCCL runs it as the step asks for the batch, before that step)."""
+    ((kind0, text0, _), trained0), ((kind1, text1, _), trained1) = run_ranks(_went_on_worker, 2, False, True,
+                                                                             timeout=60, allow_missing=True)
+    assert kind1 == CollectiveMismatch.__name__ and "rank 0: 0, rank 1: 1" in text1 and "went on" in text1, text1
+    assert kind0 in (CollectiveMismatch.__name__, PeerExited.__name__) and "rank 1" in text0, text0
+    assert trained0 == [0, 1, 2] and trained1 == [0, 1, 3]  # not on through the epoch
+
+
 def _collectives_worker(rank, W, shared_memory, pipelined, steps):
     from lightning_rec import TrainPipelineSparseDist
 

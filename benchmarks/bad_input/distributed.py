@@ -479,6 +479,10 @@ def pipeline_step_cases() -> None:
         def _(ctx, shm=shm, pipelined=pipelined):
             raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, pipelined), need_all=True, max_s=15)
 
+    @case("pipeline.gloo.rank1_step_raised_and_went_on", Exception, ["rank 0: 0, rank 1: 1", "went on"], timeout=60)
+    def _(ctx):  # over a process group: named by the pipeline's agreement, one step late on gloo
+        raise_first_error(run_two_ranks(rank_step_raised_went_on, False, True), need_all=True, max_s=15)
+
     @case("pipeline.loader_gives_none_on_rank1", RuntimeError, ["rank(s) [1]", "batch 2"], timeout=60)
     def _(ctx):
         out = run_two_ranks(rank_loader_gives_none)
