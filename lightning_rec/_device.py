@@ -42,11 +42,16 @@ def check_device_ready(device: torch.device) -> None:
                          "matches your torch (README, 'GPU'), or train on CPU")
 
 
-def with_cuda_index(device: torch.device, current_index: Callable[[], int]) -> torch.device:
-    """A CUDA device with its index ("cuda" alone: the current device's, as tensors report it); others unchanged."""
-    if device.type != "cuda" or device.index is not None:
+def with_cuda_index(device: torch.device, current_index: Callable[[], int], call: str | None = None,
+                    fix: str = "or keep it on the CPU (device='cpu')") -> torch.device:
+    """A CUDA device with its index ("cuda" alone: the current device's, as tensors report it); others unchanged.
+    call: what asked for it (`DistributedModelParallel(device='cuda')`): without usable CUDA, one line saying so."""
+    if device.type != "cuda":
         return device
-    return torch.device("cuda", current_index())
+    error = no_cuda_error(call, fix) if call is not None else None
+    if error is not None:
+        raise error
+    return device if device.index is not None else torch.device("cuda", current_index())
 
 
 def move_or_explain(call: str, device: torch.device | str | int | None, move):

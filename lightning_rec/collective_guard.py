@@ -69,6 +69,17 @@ class CollectiveMismatch(RuntimeError):
     """Ranks reached the same exchange with different collectives (or sizes): raised on every rank."""
 
 
+def step_mismatch(what: str, steps: Sequence[int]) -> CollectiveMismatch:
+    """The error for ranks (group ranks, in order) that reach one exchange at different `steps`: calls of
+    DistributedModelParallel.forward, which every embedding exchange of a step carries (no collective of its own)."""
+    where = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
+    return CollectiveMismatch(
+        f"'{what}': the ranks are at different steps of DistributedModelParallel ({where}; a step is a call of "
+        f"dmp(...)): a rank whose step raised before its embedding exchanges and went on (a try/except around the "
+        f"training step or around pipeline.progress()) meets the other ranks' previous step there. Let the error "
+        f"propagate on every rank, or skip that step on every rank")
+
+
 class CollectiveTimeout(RuntimeError):
     """A peer did not reach a collective within the timeout (the message names the setting)."""
 

@@ -6,7 +6,7 @@ N_p ids sent to rank p.
     features (B samples, this rank)
       | route_ids (sharding/ids.py): bucketize, remap, group by destination
       v
-    all-to-all #1  counts   [W, 4]  (B, N_p, flags, L_p) to every rank p: tiny, equal splits
+    all-to-all #1  counts   [W, 5]  (B, N_p, flags, L_p, step) to every rank p: tiny, equal splits
     all-to-all #2  payload  per p: lengths [L_p = S_p x B] + ids [N_p]  (int64, one buffer)
     all-to-all #3  weights  per p: [N_p]          (weighted collections only; runs with #2)
       | to_key_major (sharding/ids.py)
@@ -18,8 +18,9 @@ counts, then their L_p lengths; the owner pads the lengths back to S_p x B (shar
 
 The counts exchange doubles as the agreement point: a rank whose batch failed validation sends an
 error flag instead of data, every rank sees it before any payload moves, and all raise ValueError
-(nobody hangs). The flags word also says whether a rank's per-id weights require a gradient
-(learned weights, e.g. TorchRec's PositionWeightedModule): every rank sees every rank's flag, so all
+(nobody hangs). Ranks at different steps (DistributedModelParallel's; shared memory: in the exchange's header)
+raise CollectiveMismatch there too. The flags word also says whether a rank's per-id weights require a
+gradient (learned weights, e.g. TorchRec's PositionWeightedModule): every rank sees every rank's flag, so all
 decide alike whether the weights' backward runs. Only then does this stage have a backward:
 
     all-to-all #4  weight gradients  owner p -> source r: [N_r] per id p received from r  (backward)
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_rec.collective_guard import GuardedWork, guard_of
+from lightning_rec.collective_guard import GuardedWork, guard_of, step_mismatch
 from lightning_rec.comm import collective_error
 from lightning_rec.sharding.ids import (
     RoutedIds,
@@ -184,12 +185,14 @@ class KJTAllToAll:
 
     def __call__(self, features: KeyedJaggedTensor | None, error: str | None = None,
                  weighted: bool = False, frozen_key: int = 0,
-                 strides_F: list[int] | None = None) -> tuple[KeyedJaggedTensor, DistContext]:
+                 strides_F: list[int] | None = None, step: int = 0) -> tuple[KeyedJaggedTensor, DistContext]:
         """`frozen_key`: which tables this rank has frozen (0: none); ranks that disagree all raise
         FrozenTablesDisagree before any payload moves (one rank alone skipping its update would diverge silently,
         one alone skipping a replica's gradient all-reduce would leave the others waiting). `strides_F`: a variable
         batch's bags per feature (collection order; `features` is it padded): each shard feature's lengths travel
-        trimmed to its bags, after their count (ctx.strides_per_source, which the pooled all-to-all trims rows by)."""
+        trimmed to its bags, after their count (ctx.strides_per_source, which the pooled all-to-all trims rows by).
+        `step`: the caller's step (DistributedModelParallel's; 0 routed ahead by a pipeline, whose own agreement pairs
+        its batches), compared in the counts exchange (shared memory: in the transport's header)."""
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
         # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come
@@ -203,7 +206,7 @@ class KJTAllToAll:
         flags = (WEIGHT_GRAD if grad else 0) | (VARIABLE_BATCH if strides_S is not None else 0) | \
             (frozen_key << FROZEN_SHIFT)
         B_src, N_src, lengths_src, values_src, recv_w, bad, flags_src, strides_src = exchange(
-            routed, B, weighted, flags, strides_S)
+            routed, B, weighted, flags, strides_S, step)
         if bad:
             if error is not None:
                 raise ValueError(error)
@@ -260,7 +263,8 @@ class KJTAllToAll:
         wait(work, what, self.timeout_s)
         return out
 
-    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None):
+    def _exchange_self(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None,
+                       step: int = 0):
         """One rank: what the exchange would return, without a collective or a host read (on a GPU each step's
         counts read made the host wait for the device: no launch ahead of the kernels). The weights keep their
         autograd (no all-to-all between them and the lookup), so a gradient needs no agreement."""
@@ -273,10 +277,11 @@ class KJTAllToAll:
                 torch.ones(values.numel(), device=values.device)
         return [B], [values.numel()], routed.lengths_SB.long(), values, recv_w, [], [flags & ~WEIGHT_GRAD], [strides_S]
 
-    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None):
+    def _exchange_pg(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None,
+                       step: int = 0):
         """Through the process group: counts first (they size the receive buffers), then the payload."""
         W, S = self.world_size, self.routing.rank_sf_counts
-        counts_send = torch.zeros(W, 4, dtype=torch.long)
+        counts_send = torch.tensor([[0, 0, 0, 0, step]] * W, dtype=torch.long)  # B, N_p, flags, L_p, step
         if routed is None:
             counts_send[:, 2] = REJECTED
         else:
@@ -291,6 +296,8 @@ class KJTAllToAll:
         all_to_all(self.pg, counts_recv, counts_send, None, None, "id counts all-to-all", self.timeout_s,
                    host_reads=True)
         counts = counts_recv.tolist()  # the one host read of the exchange: split sizes for #2 and #3
+        if any(c[4] != step for c in counts):
+            raise step_mismatch("id counts all-to-all", [c[4] for c in counts])
         bad = [r for r, c in enumerate(counts) if c[2] & REJECTED]
         if bad:
             return None, None, None, None, None, bad, [], []
@@ -346,7 +353,8 @@ class KJTAllToAll:
         return (trim_lengths(lengths, strides_S, B), list(counts.split(S)),
                 [sum(strides_S[firsts[p] : firsts[p + 1]]) for p in range(W)])
 
-    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None):
+    def _exchange_shm(self, routed: RoutedIds | None, B: int, weighted: bool, flags: int, strides_S=None,
+                       step: int = 0):
         """Through shared memory: one exchange, each piece saying its own sizes (no counts round).
 
         Piece for rank p, int64: [B, N_p, flags], (a variable batch: bag counts [S_p]), lengths [S_p x B, or the

@@ -171,7 +171,8 @@ def _default_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    device = with_cuda_index(torch.device(device), torch.cuda.current_device)
+    device = with_cuda_index(torch.device(device), torch.cuda.current_device,
+                             f"DistributedModelParallel(device={str(device)!r})")
     if device.type == "cuda":
         # NCCL's object collectives (the planner's broadcast, checkpoint gathers) stage through the current
         # device: a rank left at cuda:0 would meet rank 0 there
@@ -304,6 +305,7 @@ class DistributedModelParallel(nn.Module):
         self._checkpoint_pg = (dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=self._timeout_s))
                                if world_size > 1 else None)
         env = ShardingEnv(self._emb_pg, rank, world_size, device, self._timeout_s, self._transport)
+        self._env = env
         module = self._shard_collections(module, collections, aliases, env)
         _materialise_meta_layers(module, device)
         module.to(device)
@@ -466,6 +468,11 @@ class DistributedModelParallel(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, *args, **kwargs):
+        # a step: its embedding exchanges carry the number (no collective of their own), so that a rank whose step
+        # raised before them and went on meets the others' previous step with CollectiveMismatch on every rank
+        self._env.step += 1
+        if self._transport is not None:
+            self._transport.step = self._env.step
         return self._dmp_wrapped_module(*args, **kwargs)
 
     # Parameters and buffers under the model's own names, as TorchRec's DistributedModelParallel (and this

@@ -67,6 +67,7 @@ class ShardingEnv:
     device: torch.device
     timeout_s: float | None = None
     transport: object | None = None  # SharedMemoryGroup when every rank shares this host's memory (CPU)
+    step: int = 0  # DistributedModelParallel's step (its forward calls): every embedding exchange of a step carries it
 
     @property
     def comm(self):
@@ -316,7 +317,7 @@ class _ShardedCollectionBase(nn.Module):
                      f"they train), or pass weights.detach() in the batch")
         try:  # all ranks agree first (on their batches and on which tables are frozen)
             routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted, frozen_key=self._frozen_key,
-                                  strides_F=strides)
+                                  strides_F=strides, step=0 if ahead else self._env.step)
         except FrozenTablesDisagree as e:
             raise ValueError(self._frozen_disagree_message(e.keys)) from None
         replicated = None

@@ -32,14 +32,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, CollectiveTimeout, PeerExited
+from lightning_rec.collective_guard import (
+    CollectiveGuard,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    PeerExited,
+    step_mismatch,
+)
 
 __all__ = ["CollectiveMismatch", "SharedMemoryGroup", "Writer", "ddp_comm_hook"]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _OP_ALL_TO_ALL, _OP_ALL_REDUCE, _OP_EXCHANGE = 1, 2, 3
-_GEN, _OP, _OK, _SIZE, _TAG, _SPANS = 0, 1, 2, 3, 4, 5  # header fields; spans: (start, end) bytes per destination
+# header fields; step: the caller's (DistributedModelParallel's step); spans: (start, end) bytes per destination
+_GEN, _OP, _OK, _SIZE, _TAG, _STEP, _SPANS = 0, 1, 2, 3, 4, 5, 6
 _TAG_NAMES: dict[int, str] = {}  # what each call site calls its collective (the same code runs on every rank)
 # a rank's header file, int64: [0] its barrier counter (a cache line of its own), [8] its pid, [16:] the slots'
 _ARRIVE, _PID, _SLOTS = 0, 8, 16
@@ -181,6 +188,7 @@ class SharedMemoryGroup:
         self.guard: CollectiveGuard | None = None
         self.timeout_setting = "DistributedModelParallel(timeout=...)"  # how messages name timeout_s
         self._tag = ""
+        self.step = 0  # DistributedModelParallel's step, carried by every exchange: ranks at different steps raise
 
     # set-up ------------------------------------------------------------------------------------
 
@@ -392,7 +400,7 @@ class SharedMemoryGroup:
                     dst.view(piece.dtype).view(piece.shape).copy_(piece)  # copy_ takes any strides: one pass
         sizes = [hi - lo for lo, hi in zip(spans[::2], spans[1::2])]
         self._tag = tag
-        fields = [self._gen, op, ok, sum(sizes), _tag_id(tag)]  # _GEN, _OP, _OK, _SIZE, _TAG
+        fields = [self._gen, op, ok, sum(sizes), _tag_id(tag), self.step]  # _GEN, _OP, _OK, _SIZE, _TAG, _STEP
         # all-reduce: the count and a signature of the sizes; all-to-all / exchange: (start, end) per rank
         fields += [len(sizes), _signature(sizes)] if op == _OP_ALL_REDUCE else spans
         self._header[slot, : len(fields)] = torch.tensor(fields, dtype=torch.int64)  # one write
@@ -431,8 +439,8 @@ class SharedMemoryGroup:
         headers = {p: h[slot].tolist() for p, h in self._peer_headers.items()}
         for p, header in headers.items():
             # all-reduce: the same byte sizes (exact total, count, and a signature of the list) everywhere
-            same = header[_OP] == op and header[_TAG] == own[_TAG] and (
-                op != _OP_ALL_REDUCE or header[_SIZE : _SPANS + 2] == own[_SIZE : _SPANS + 2])
+            same = header[_OP] == op and header[_TAG] == own[_TAG] and (op != _OP_ALL_REDUCE or (
+                header[_SIZE] == own[_SIZE] and header[_SPANS : _SPANS + 2] == own[_SPANS : _SPANS + 2]))
             if not same:
                 mine, theirs = _TAG_NAMES.get(own[_TAG], "?"), _TAG_NAMES.get(header[_TAG], "?")
                 raise CollectiveMismatch(
@@ -440,6 +448,9 @@ class SharedMemoryGroup:
                     f"({own[_SIZE]} bytes), rank {p} ran '{theirs}' ({header[_SIZE]} bytes). Every rank "
                     f"must run the same collectives with the same sizes in the same order (do all ranks have the "
                     f"same number of batches? a rank-dependent branch in the model?)")
+        if any(h[_STEP] != own[_STEP] for h in headers.values()):  # the same collective, of another step
+            raise step_mismatch(_TAG_NAMES.get(own[_TAG], "?"),
+                                [own[_STEP] if p == self.rank else headers[p][_STEP] for p in range(self.world_size)])
         # every peer's region first, also when this exchange falls back: a grown one is unlinked after the next barrier
         peers = {}
         for p, header in headers.items():

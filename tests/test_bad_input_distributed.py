@@ -405,3 +405,162 @@ def test_sized_loaders_of_unequal_length_end_the_epoch_together():
     assert out0[0] == "" and out1[0] == "", (out0, out1)
     assert steps0 == steps1 == 2
     assert warned0 and not warned1  # the rank that had a batch left says so
+
+
+# Found by issue 38 --------------------------------------------------------------------------------------------
+
+
+class _Tower(torch.nn.Module):
+    """model(kjt) -> (loss, output), TorchRec's convention; the user's code may raise before the embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = _ebc()
+        self.dense = torch.nn.Linear(8, 1)
+        self.fail_at, self.calls = -1, 0
+
+    def forward(self, kjt):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyError("the user's forward, before the embeddings")
+        out = self.dense(self.ebc(kjt).values()).sum()
+        return out, out.detach()
+
+
+def _tower_dmp(W, shared_memory):
+    model = _Tower()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": row_wise(), "t1": table_wise(rank=1)}, world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30, shared_memory=shared_memory)
+    return model, dmp, torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
+
+
+def _went_on_worker(rank, W, shared_memory, pipelined):
+    _fast_guard()
+    model, dmp, opt = _tower_dmp(W, shared_memory)
+    if rank == 1:
+        model.fail_at = 3  # its third step raises before the embeddings: caught, and the loop goes on
+    batches = [_batch(rank) for _ in range(6)]
+    trained = []
+
+    def loop():
+        if pipelined:
+            from lightning_rec import TrainPipelineSparseDist
+
+            pipeline, it = TrainPipelineSparseDist(dmp, opt, "cpu"), iter(batches)
+        for i in range(len(batches)):
+            try:
+                if pipelined:
+                    pipeline.progress(it)
+                else:
+                    opt.zero_grad()
+                    loss, _ = dmp(batches[i])
+                    loss.backward()
+                    opt.step()
+                trained.append(i)
+            except KeyError:
+                pass
+
+    return _outcome(loop), trained
+
+
+@pytest.mark.parametrize("shared_memory,pipelined", [(False, False), (None, False), (None, True)],
+                         ids=["dmp-gloo", "dmp-shm", "pipeline-shm"])
+def test_a_rank_whose_step_raised_and_went_on_is_named_at_its_next_step(shared_memory, pipelined):
+    """Rank 1's step 3 raised before its exchanges; the loop went on. Its step 4 exchanged ids and embeddings with
+    rank 0's step 3 (same tags, same sizes): trained on another batch's rows until rank 0 failed at exit. Every
+    exchange of a step now carries the step (the id counts; shared memory: every exchange's header)."""
+    for rank, ((kind, text, seconds), trained) in enumerate(run_ranks(_went_on_worker, 2, shared_memory, pipelined,
+                                                                      timeout=60)):
+        assert kind == CollectiveMismatch.__name__, (rank, text)
+        assert "rank 0 at step 3, rank 1 at step 4" in text and "went on" in text, text
+        assert trained == [0, 1], (rank, trained)  # no step trained past the one that no longer lines up
+        assert seconds < 10
+
+
+def test_a_pipeline_over_a_process_group_names_the_rank_whose_step_raised_and_went_on():
+    """Over a process group the pipelined step's one exchange, the embedding all-to-all, has no header: the pipeline's
+    own agreement carries the batches each rank's steps left unused, and names them at the next batch it agrees on
+    (gloo: one step late, the feeder working ahead; NCCL runs it as the step asks for the batch, before that step)."""
+    ((kind0, text0, _), trained0), ((kind1, text1, _), trained1) = run_ranks(_went_on_worker, 2, False, True,
+                                                                             timeout=60, allow_missing=True)
+    assert kind1 == CollectiveMismatch.__name__ and "rank 0: 0, rank 1: 1" in text1 and "went on" in text1, text1
+    assert kind0 in (CollectiveMismatch.__name__, PeerExited.__name__) and "rank 1" in text0, text0
+    assert trained0 == [0, 1, 2] and trained1 == [0, 1, 3]  # not on through the epoch
+
+
+def _collectives_worker(rank, W, shared_memory, pipelined, steps):
+    from lightning_rec import TrainPipelineSparseDist
+
+    _, dmp, opt = _tower_dmp(W, shared_memory)
+    calls = []
+
+    def counted(call):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return call(*args, **kwargs)
+        return run
+
+    for name in ("all_to_all_single", "all_reduce", "all_gather", "broadcast", "barrier", "gather"):
+        setattr(dist, name, counted(getattr(dist, name)))  # (this rank's process only)
+    transports = [dmp._transport]
+    batches = [_batch(rank) for _ in range(steps)]
+    if pipelined:
+        with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+            transports += [c.transport for c in pipeline._pipeline.channels.values()]
+            start = [t._k if t is not None else 0 for t in transports]
+            it = iter(batches)
+            for _ in batches:
+                pipeline.progress(it)
+    else:
+        start = [t._k if t is not None else 0 for t in transports]
+        for b in batches:
+            opt.zero_grad()
+            dmp(b)[0].backward()
+            opt.step()
+    return len(calls) + sum(t._k - k for t, k in zip(transports, start) if t is not None)
+
+
+@pytest.mark.parametrize("shared_memory,pipelined,per_step", [
+    (False, False, 5),  # id counts, ids, pooled embeddings, their backward, DDP's gradient all-reduce
+    (False, True, 6),  # the pipeline's: its agreement, id counts, ids (on its own group); then as above less ids
+    (None, False, 4),  # shared memory: ids (their sizes in the header), pooled embeddings, backward, gradients
+    (None, True, 5),  # the pipeline's agreement and ids, then pooled embeddings, backward, gradients
+], ids=["dmp-gloo", "pipeline-gloo", "dmp-shm", "pipeline-shm"])
+def test_the_step_number_rides_on_the_exchanges_a_step_makes_already(shared_memory, pipelined, per_step):
+    """The collectives of a step in steady state (6 steps less 4 steps), counted on rank 0: the same before and after
+    the step number was added to the id counts and the shared-memory headers (issue 38: no collective of its own)."""
+    counts = {n: run_ranks(_collectives_worker, 2, shared_memory, pipelined, n, timeout=60)[0] for n in (4, 6)}
+    assert (counts[6] - counts[4]) / 2 == per_step, counts
+
+
+def _none_batch_worker(rank, W):
+    from lightning_rec import TrainPipelineSparseDist
+
+    _, dmp, opt = _tower_dmp(W, shared_memory=None)
+    batches = [_batch(rank) for _ in range(6)]
+    if rank == 1:
+        batches[2] = None  # a collate_fn that returns None for a bad batch
+    trained = []
+
+    def loop():
+        with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+            it = iter(batches)
+            while True:
+                try:
+                    pipeline.progress(it)
+                except StopIteration:
+                    return
+                trained.append(len(trained))
+
+    return _outcome(loop), trained
+
+
+def test_a_loader_that_gives_none_is_named_not_taken_for_its_end():
+    """It was read as the end of rank 1's data: rank 1 trained 2 of 5 batches, rank 0 2 of 6, told that "another
+    rank's dataloader ran out first"."""
+    ((kind0, text0, _), trained0), ((kind1, text1, _), trained1) = run_ranks(_none_batch_worker, 2, timeout=60)
+    assert kind1 == "ValueError" and "rank 1: the dataloader gave None as batch 2" in text1, text1
+    assert "collate_fn" in text1, text1
+    assert kind0 == "RuntimeError" and "rank(s) [1]" in text0 and "batch 2" in text0, text0
+    assert trained0 == trained1 == [0, 1]

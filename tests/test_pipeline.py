@@ -1398,3 +1398,27 @@ def test_progress_given_the_dataloader_itself_runs_its_epochs_one_after_another(
     plain loop takes 8, 3 of them on a batch trained before). Now the loader's passes run one after another, as
     `for batch in dataloader` each epoch: bitwise the plain loop."""
     assert run_ranks(_loader_itself_worker, 2, timeout=120) == [(8, 8, True, True)] * 2
+
+
+def test_a_loss_that_is_not_a_tensor_and_a_device_without_cuda_are_named():
+    """`return loss.item(), output` failed inside progress() with sum()'s TypeError; `TrainPipelineSparseDist(model,
+    optimizer, "cuda")` on a CPU-only torch with torch's "Torch not compiled with CUDA enabled"."""
+
+    class ReturnsAFloat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, x):
+            loss = self.linear(x).sum()
+            return loss.item(), loss.detach()
+
+    model = ReturnsAFloat()
+    with TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu") as pipeline:
+        with pytest.raises(TypeError, match=r"must be a tensor, but ReturnsAFloat returned a float .*not loss.item"):
+            pipeline.progress(iter([torch.ones(3, 2)]))
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(ValueError, match=r"^CUDA is not available: TrainPipelineSparseDist\(device='cuda'\) needs a "
+                                         r"CUDA GPU, but .*; or give the device the model's tables are on"):
+        TrainPipelineSparseDist(model, None, "cuda")

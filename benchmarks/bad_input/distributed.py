@@ -10,7 +10,7 @@ import warnings
 
 from .helpers import T, _t, kjt_lengths, make_ebc
 from .ranks import _dmp_of, _fast_guard, _outcome, _rank_batches, _threads, _verbs, raise_first_error, run_two_ranks
-from .registry import case, expect
+from .registry import case, expect, simple
 
 SMOKE = ("dmp.gloo.negative_timeout",)
 
@@ -403,4 +403,119 @@ def two_rank_trainer_cases() -> None:
         raise_first_error(run_two_ranks(rank_trainer_planner_impossible, timeout=110), need_all=True)
 
 
-CASES = (dmp_rank_cases, dmp_plan_cases, more_dmp_cases, two_rank_trainer_cases)
+def _tower_dmp(W, shm):
+    """model(kjt) -> (loss, output) over make_ebc(), sharded; the user's forward raises at call `fail_at`."""
+    torch = _t()
+    from lightning_rec import DistributedModelParallel, ShardingPlan, construct_module_sharding_plan
+
+    class Tower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc, self.dense, self.fail_at, self.calls = make_ebc(), torch.nn.Linear(8, 1), -1, 0
+
+        def forward(self, kjt):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise KeyError("the user's forward, before the embeddings")
+            out = self.dense(self.ebc(kjt).values()).sum()
+            return out, out.detach()
+
+    m = Tower()
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(m.ebc, _verbs("rw"), world_size=W)})
+    dmp = DistributedModelParallel(m, plan=plan, device="cpu", timeout=20, shared_memory=shm)
+    return m, dmp, torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
+
+
+def rank_step_raised_went_on(rank, W, shm, pipelined):
+    """Rank 1's third step raises before the embeddings; its hand-written loop catches it and goes on."""
+    _threads()
+    _fast_guard()
+    m, dmp, opt = _tower_dmp(W, shm)
+    m.fail_at = 3 if rank == 1 else -1
+    batches = [_rank_batches(0) for _ in range(5)]
+
+    def go():
+        from lightning_rec import TrainPipelineSparseDist
+        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu"), iter(batches)) if pipelined else (None, None)
+        for b in batches:
+            try:
+                if pipelined:
+                    pipeline.progress(it)
+                else:
+                    opt.zero_grad()
+                    dmp(b)[0].backward()
+                    opt.step()
+            except KeyError:
+                pass
+    return _outcome(go)
+
+
+def rank_loader_gives_none(rank, W):
+    """A collate_fn that returns None for a bad batch: rank 1's batch 2."""
+    _threads()
+    _, dmp, opt = _tower_dmp(W, None)
+    batches = [_rank_batches(0) for _ in range(5)]
+    if rank == 1:
+        batches[2] = None
+
+    def go():
+        from lightning_rec import TrainPipelineSparseDist
+        with TrainPipelineSparseDist(dmp, opt, "cpu") as p:
+            it = iter(batches)
+            while True:
+                try:
+                    p.progress(it)
+                except StopIteration:
+                    return
+    return _outcome(go)
+
+
+def pipeline_step_cases() -> None:
+    """Hand-written loops over the pipeline or DistributedModelParallel: a rank that goes on, a None batch, a loss
+    that is a float, a device without CUDA."""
+    for shm, pipelined, tag in ((False, False, "dmp.gloo"), (None, False, "dmp.shm"), (None, True, "pipeline.shm")):
+        @case(f"{tag}.rank1_step_raised_and_went_on", Exception, ["rank 0 at step 3, rank 1 at step 4", "went on"],
+              timeout=60)
+        def _(ctx, shm=shm, pipelined=pipelined):
+            raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, pipelined), need_all=True, max_s=15)
+
+    @case("pipeline.gloo.rank1_step_raised_and_went_on", Exception, ["rank 0: 0, rank 1: 1", "went on"], timeout=60)
+    def _(ctx):  # over a process group: named by the pipeline's agreement, one step late on gloo
+        raise_first_error(run_two_ranks(rank_step_raised_went_on, False, True), need_all=True, max_s=15)
+
+    @case("pipeline.loader_gives_none_on_rank1", RuntimeError, ["rank(s) [1]", "batch 2"], timeout=60)
+    def _(ctx):
+        out = run_two_ranks(rank_loader_gives_none)
+        expect(out[1] is not None and out[1][0] == "error" and "gave None as batch 2" in out[1][2],
+               f"rank 1 did not name its None batch: {out[1]}")
+        raise_first_error(out, need_all=True)
+
+    def loss_item():
+        torch = _t()
+        from lightning_rec import TrainPipelineSparseDist
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(2, 1)
+
+            def forward(self, x):
+                loss = self.linear(x).sum()
+                return loss.item(), loss.detach()
+
+        m = M()
+        with TrainPipelineSparseDist(m, torch.optim.SGD(m.parameters(), lr=0.1), "cpu") as p:
+            p.progress(iter([torch.ones(3, 2)]))
+
+    simple("pipeline.loss_is_a_float", loss_item, TypeError, ["loss", "must be a tensor", "loss.item()"])
+
+    @case("pipeline.device_cuda_without_cuda", ValueError, ["CUDA is not available",
+                                                            "TrainPipelineSparseDist(device='cuda')"], ok=True,
+          legit="a machine with CUDA builds the pipeline")
+    def _(ctx):
+        torch = _t()
+        from lightning_rec import TrainPipelineSparseDist
+        TrainPipelineSparseDist(torch.nn.Linear(2, 1), None, "cuda").close()
+
+
+CASES = (dmp_rank_cases, dmp_plan_cases, more_dmp_cases, two_rank_trainer_cases, pipeline_step_cases)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_rec.collective_guard import CollectiveMismatch
 from lightning_rec.pipeline.batch import _follow, _pinned, _record_stream, find_kjts, path_name
 from lightning_rec.pipeline.config import PipelineConfig
 from lightning_rec.sharded_embedding import ShardedBatch, _ShardedCollectionBase
@@ -160,7 +161,7 @@ class _Plan:
 
 class _Entry:
     __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder", "in_step",
-                 "stop")
+                 "stop", "claimed")
 
     def __init__(self, index: int, batch: Any, feeder: _Feeder) -> None:
         self.index, self.batch, self.feeder = index, batch, feeder
@@ -172,6 +173,7 @@ class _Entry:
         self.routed_event = None
         self.in_step = False  # in_step_order: its turn came before the plan was recorded; it routes in the step
         self.stop: dict[int, int] = {}  # the signals the ranks were sent ({rank: bits}) as they agreed on this batch
+        self.claimed = False  # a collection of the step took its routed input (the step reached its exchanges)
 
 
 _END = object()
@@ -217,6 +219,11 @@ class _Feeder(Iterator):
         self._ordered = _in_step_order(config, channels)
         self._turn = -1
         self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
+        # batches handed out that no collection took (a step that raised before its exchanges), counted as the step's
+        # thread asks for batch t (unused[t], the same on every rank that ran the same steps): the agreement of a
+        # later batch carries it, so that ranks whose steps no longer pair raise CollectiveMismatch
+        self._open: deque[_Entry] = deque()
+        self._unused, self._unused_at = 0, {}
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._dist_stream = torch.cuda.Stream(device) if cuda else None
@@ -232,6 +239,7 @@ class _Feeder(Iterator):
         # (the recording ends with its step, forward_done, or at a later batch's claim; a step may take several
         # batches before its forward: training_step(dataloader_iter))
         with self._cond:
+            self._count_unused()
             if self._ordered:
                 self._turn = self.taken  # batch `taken`'s collectives may run now: this thread waits here
                 self._cond.notify_all()
@@ -257,6 +265,7 @@ class _Feeder(Iterator):
             self._release_all()
             raise item
         entry: _Entry = item
+        self._open.append(entry)
         self._tell_stop(entry.stop)
         if entry is plan.record_entry:
             self.inputs.recording = self
@@ -273,11 +282,18 @@ class _Feeder(Iterator):
             _record_stream(entry.batch, current)
         return entry.batch
 
+    def _count_unused(self) -> None:
+        """unused[taken]: the batches handed out so far that no collection took (held: the cond lock)."""
+        while self._open and (self._open[0].claimed or len(self._open) > _STEP_BATCHES_KEPT):
+            self._unused += not self._open.popleft().claimed  # one never taken by now is counted for good
+        self._unused_at[self.taken] = self._unused + sum(not e.claimed for e in self._open)
+
     def _tell_stop(self, ranks: dict[int, int]) -> None:
         if ranks and self.stop_signal is not None:
             self.stop_signal[1](ranks)
 
     def claim(self, module, features, entry: _Entry, path: tuple) -> ShardedBatch | None:
+        entry.claimed = True
         plan = self.plan
         if plan.record_next and not plan.final.is_set() and self.inputs.recording is self:
             # this batch's step records the plan. No batch is routed ahead before the plan is final, and the
@@ -408,7 +424,7 @@ class _Feeder(Iterator):
         k, exhausted = 0, False
         channel = next(iter(self.channels.values()), None)
         while self._may_start(k):
-            batch, error, exhausted = self._read(exhausted)
+            batch, error, exhausted = self._read(exhausted, k, channel)
             if self._ordered:
                 if batch is not None and error is None:
                     batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
@@ -416,12 +432,12 @@ class _Feeder(Iterator):
                     if batch is not None and error is None:
                         self._held.append(batch)  # read from the source: close(keep_unused) hands it back
                     return
-            missing, failed, stopping = self._agree(channel, batch, error)
+            missing, failed, stopping = self._agree(channel, batch, error, k)
             if failed:
                 if error is not None:
                     raise error
-                raise RuntimeError(f"the dataloader of rank(s) {failed} raised at batch {k} (see the error on those "
-                                   f"ranks); this rank stopped there too")
+                raise RuntimeError(f"the dataloader of rank(s) {failed} raised (or gave None) at batch {k} (see the "
+                                   f"error on those ranks); this rank stopped there too")
             if missing and self.pad is not None and channel is not None and len(missing) < channel.world_size:
                 if batch is None:  # evaluation: this rank ran out, another has not: step on with an empty batch
                     batch = self._copy(self.pad()) if self._ordered else self.pad()
@@ -432,23 +448,43 @@ class _Feeder(Iterator):
                 return
             k += 1
 
-    def _read(self, exhausted: bool) -> tuple[Any, BaseException | None, bool]:
+    def _read(self, exhausted: bool, k: int, channel) -> tuple[Any, BaseException | None, bool]:
         """(the source's next batch or None, the error it raised or None, whether it is exhausted)."""
         if exhausted:
             return None, None, True
         try:
-            return next(self.source), None, False
+            batch = next(self.source)
         except StopIteration:
             return None, None, True
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
             return None, e, False
+        if batch is None:  # not the end of the data (that is StopIteration): a batch lost on this rank alone
+            return None, ValueError(
+                f"rank {channel.rank if channel is not None else 0}: the dataloader gave None as batch {k} (a "
+                f"collate_fn that returns None for a bad batch?), which every rank would have to skip together: "
+                f"drop the bad rows in the dataset or collate_fn and return the rest (a batch of 0 rows is fine), "
+                f"or raise"), False
+        return batch, None, False
 
-    def _agree(self, channel, batch, error) -> tuple[list[int], list[int], dict[int, int]]:
-        """The ranks without a batch, the ranks whose loader raised, and the signals sent: agreed by every rank."""
+    def _agree(self, channel, batch, error, k: int) -> tuple[list[int], list[int], dict[int, int]]:
+        """The ranks without a batch, the ranks whose loader raised, and the signals sent: agreed by every rank. Ranks
+        whose steps left different numbers of batches unused raise CollectiveMismatch."""
         stop = int(self.stop_signal[0]()) if self.stop_signal is not None else 0
-        if channel is not None:
-            return channel.agree(batch is None and error is None, error is not None, self._dist_stream, stop=stop)
-        return ([0] if batch is None and error is None else []), ([0] if error else []), ({0: stop} if stop else {})
+        if channel is None:
+            return ([0] if batch is None and error is None else []), ([0] if error else []), ({0: stop} if stop else {})
+        at = k if self._ordered else k - self.config.depth  # the step's thread asked for that batch before this one
+        with self._cond:
+            unused = self._unused_at.pop(at, 0)
+        missing, failed, stops, unused_R = channel.agree(batch is None and error is None, error is not None,
+                                                         self._dist_stream, stop=stop, unused=unused)
+        if len(set(unused_R)) > 1:
+            where = ", ".join(f"rank {r}: {n}" for r, n in enumerate(unused_R))
+            raise CollectiveMismatch(
+                f"the ranks' steps left different numbers of batches unused by batch {at} ({where}): a step that "
+                f"raised before its embedding exchanges on some ranks only, and a loop that went on (a try/except "
+                f"around pipeline.progress()), pairs those ranks' exchanges with the others' previous step. Let "
+                f"the error propagate on every rank, or skip that batch on every rank")
+        return missing, failed, stops
 
     def _end_early(self, channel, batch, stopping: dict[int, int]) -> None:
         """A rank ran out: the pass ends for every rank here (this rank's unused batch is said to be skipped)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_rec._compat import persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
+from lightning_rec.errors import short_repr
 from lightning_rec.pipeline.batch import move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig
@@ -28,7 +29,9 @@ class InputPipeline:
                  to_device: Callable[[Any], Any] | None = None) -> None:
         self.config = config or PipelineConfig()
         # "cuda" alone: the current device's index (the feeder thread sets it, and set_device needs one)
-        self.device = with_cuda_index(torch.device(device), torch.cuda.current_device)
+        self.device = with_cuda_index(torch.device(device), torch.cuda.current_device,
+                                      f"TrainPipelineSparseDist(device={str(device)!r})",
+                                      "or give the device the model's tables are on (device='cpu')")
         self.inputs = _Inputs.of(model)
         self.to_device = to_device or (lambda b: move_to_device(b, self.device))
         self.plan = _Plan()
@@ -190,13 +193,17 @@ class TrainPipelineSparseDist:
         with torch.set_grad_enabled(training and torch.is_grad_enabled()):
             result = self._model(batch)
         self._pipeline.forward_done()
+        model = type(getattr(self._model, "module", self._model)).__name__  # the user's, inside DMP
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            model = type(getattr(self._model, "module", self._model)).__name__  # the user's, inside DMP
             raise TypeError(f"TrainPipelineSparseDist: model(batch) must return (loss, output), TorchRec's convention; "
                             f"{model} returned a {type(result).__name__}"
                             + (f" of {len(result)} items" if isinstance(result, (tuple, list)) else "")
                             + ": return (loss, output) from its forward (output may be None)")
         losses, output = result
+        if training and not isinstance(losses, torch.Tensor):  # a float (loss.item()) has no backward
+            raise TypeError(f"TrainPipelineSparseDist: the loss in model(batch)'s (loss, output) must be a tensor, "
+                            f"but {model} returned a {type(losses).__name__} ({short_repr(losses)}): return the loss "
+                            f"tensor itself (not loss.item()), so that the pipeline can run its backward")
         if training:
             torch.sum(losses).backward()
             self._optimizer.step()
