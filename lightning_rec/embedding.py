@@ -33,7 +33,7 @@ from lightning_rec.lookup import GroupedLookup, join_outputs
 from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from lightning_rec.sparse.checks import validate_kjt
+from lightning_rec.sparse.checks import check_ids_contract, validate_kjt
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 
 
@@ -118,6 +118,7 @@ class FeatureRouter:
             # the KJT's own contract (its constructor only assigns); its values are read by check_features below
             validate_kjt(features, contents=not validate_ids)
             validate_kjt(features.host_copy() or features, contents=not validate_ids)  # a device batch: its host copy
+        check_ids_contract(features)  # a KJT holds any values; a collection reads integer ids
         order, order_t, rows_in, tables_in = self._for_keys(features)
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "

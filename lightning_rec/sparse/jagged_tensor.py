@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_rec._device import move_or_explain  # noqa: F401  (imported from here too)
 from lightning_rec.sparse.checks import (
+    JaggedArgumentError,
     _need_tensor,
     _no_key,
     _readable,
@@ -64,6 +65,24 @@ _CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueD
 _FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
+def _integer_or_empty(name: str, t: Tensor | None) -> None:
+    """TorchRec's constructor assert: lengths / offsets hold integers (or nothing)."""
+    if isinstance(t, Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool) \
+            and not torch.compiler.is_compiling() and t.numel():
+        raise JaggedArgumentError(f"JaggedTensor: {name} must be of integer type, but got {t.dtype}: convert them "
+                                  f"with {name}.long()")
+
+
+def _bags_string(data: Tensor, offsets: list[int], first: int, end: int) -> str:
+    """`[[1.0], [], [2.0, 3.0]]`: bags first..end-1 of 1-d or 2-d data, as TorchRec prints them."""
+    if data.dim() > 2:
+        raise ValueError(f"a jagged tensor prints values of 1 or 2 dims, these have {data.dim()}: print "
+                         f"values() itself")
+    rows = data.tolist()
+    return "[" + ", ".join("[" + ", ".join(str(v) for v in rows[offsets[b]:offsets[b + 1]]) + "]"
+                           for b in range(first, end)) + "]"
+
+
 class _JTGiven(NamedTuple):  # what a JaggedTensor's constructor was given, kept for validate()
     lengths: bool
     offsets: bool
@@ -81,7 +100,7 @@ def _is_pair(x: object) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
 
 
-class _Jagged:
+class _Jagged(metaclass=torch.fx.ProxyableClassMeta):  # torch.fx records a construction from traced tensors
     """What JaggedTensor and KeyedJaggedTensor hold alike: values_N, weights_N, lengths and (lazy) offsets."""
 
     _values: Tensor
@@ -122,9 +141,11 @@ class JaggedTensor(_Jagged):
 
     def __init__(self, values: Tensor, weights: Tensor | None = None, lengths: Tensor | None = None,
                  offsets: Tensor | None = None) -> None:
-        # Assigns only, as TorchRec's: jt.validate() checks that values, lengths and offsets agree
+        # Assigns only, as TorchRec's (but for its two asserts): jt.validate() checks that the tensors agree
         if lengths is None and offsets is None:
-            raise ValueError("JaggedTensor needs lengths or offsets")
+            raise JaggedArgumentError("JaggedTensor needs lengths or offsets (Must provide lengths or offsets)")
+        _integer_or_empty("lengths", lengths)
+        _integer_or_empty("offsets", offsets)
         self._unchecked = _JTGiven(lengths is not None, offsets is not None)
         if lengths is None and isinstance(offsets, Tensor):
             lengths = _lengths_from_offsets(offsets)
@@ -138,11 +159,13 @@ class JaggedTensor(_Jagged):
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
-              lengths_dtype: torch.dtype = torch.int64) -> JaggedTensor:
-        """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
+              lengths_dtype: torch.dtype = torch.int32) -> JaggedTensor:
+        """TorchRec's: no bag, lengths and offsets empty; values default to int64 ids, weights to the default float
+        dtype."""
         return JaggedTensor(values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
                             weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
-                            lengths=torch.empty(0, dtype=lengths_dtype, device=device))
+                            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+                            offsets=torch.empty(0, dtype=lengths_dtype, device=device))
 
     @staticmethod
     def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
@@ -155,22 +178,8 @@ class JaggedTensor(_Jagged):
     @staticmethod
     def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> JaggedTensor:
         """TorchRec's: padded rows -> a JaggedTensor. values [B, L] (or [B, L, ...]); sample b keeps its first
-        lengths[b] entries; weights (optional) are padded as values are."""
-        for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
-            _need_tensor("JaggedTensor.from_dense_lengths", name, t)
-        if values.dim() < 2 or lengths.dim() != 1 or lengths.numel() != values.shape[0]:
-            raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, L] with one length per row, got "
-                             f"values {tuple(values.shape)} and lengths {tuple(lengths.shape)}")
-        if weights is not None and weights.shape[:2] != values.shape[:2]:
-            raise ValueError(f"JaggedTensor.from_dense_lengths: weights {tuple(weights.shape)} must be padded as "
-                             f"values {tuple(values.shape)} are")
-        L = values.shape[1]
-        if _readable(lengths) and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
-            raise ValueError(f"JaggedTensor.from_dense_lengths: lengths must be within 0..{L} (the padded width of "
-                             f"values), got {lengths.tolist()}")
-        keep_BL = torch.arange(L, device=values.device) < lengths.unsqueeze(-1)
-        return JaggedTensor(values=values[keep_BL], weights=None if weights is None else weights[keep_BL],
-                            lengths=lengths)
+        lengths[b] entries; weights (optional) are padded as values are. One node when torch.fx traces it."""
+        return _jt_from_dense_lengths(values, lengths, weights)
 
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample (splits values by lengths; a convenience, not a hot path)."""
@@ -233,8 +242,38 @@ class JaggedTensor(_Jagged):
         jt._offsets = None if self._offsets is None else fn(self._offsets)
         return jt
 
+    def __str__(self) -> str:
+        """TorchRec's: each sample's values (and weights)."""
+        offsets = self.offsets().tolist()
+        if self._weights is None:
+            return "JaggedTensor({\n    " + _bags_string(self._values, offsets, 0, len(offsets) - 1) + "\n})\n"
+        return ("JaggedTensor({\n    \"values\": " + _bags_string(self._values, offsets, 0, len(offsets) - 1)
+                + ',\n    "weights": ' + _bags_string(self._weights, offsets, 0, len(offsets) - 1) + "\n})\n")
+
     def __repr__(self) -> str:
-        return f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
+        return str(self).rstrip("\n")
+
+
+def _jt_from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None) -> JaggedTensor:
+    """JaggedTensor.from_dense_lengths (a leaf of torch.fx traces: its checks read the tensors)."""
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        _need_tensor("JaggedTensor.from_dense_lengths", name, t)
+    if values.dim() < 2 or lengths.dim() != 1 or lengths.numel() != values.shape[0]:
+        raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, L] with one length per row, got "
+                         f"values {tuple(values.shape)} and lengths {tuple(lengths.shape)}")
+    if weights is not None and weights.shape[:2] != values.shape[:2]:
+        raise ValueError(f"JaggedTensor.from_dense_lengths: weights {tuple(weights.shape)} must be padded as "
+                         f"values {tuple(values.shape)} are")
+    L = values.shape[1]
+    if _readable(lengths) and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
+        raise ValueError(f"JaggedTensor.from_dense_lengths: lengths must be within 0..{L} (the padded width of "
+                         f"values), got {lengths.tolist()}")
+    keep_BL = torch.arange(L, device=values.device) < lengths.unsqueeze(-1)
+    return JaggedTensor(values=values[keep_BL], weights=None if weights is None else weights[keep_BL],
+                        lengths=lengths)
+
+
+torch.fx.wrap("_jt_from_dense_lengths")
 
 
 class KeyedJaggedTensor(_Jagged):
@@ -605,11 +644,19 @@ class KeyedJaggedTensor(_Jagged):
         """The values' device. A method, as TorchRec's `kjt.device()`."""
         return self._values.device
 
+    def __str__(self) -> str:
+        """TorchRec's: each key's samples' values (and weights)."""
+        if not self._keys or self._lengths is None:
+            return "KeyedJaggedTensor()\n"
+        offsets, B, parts = self.offsets().tolist(), self._stride, []
+        for i, key in enumerate(self._keys):
+            if self._weights is None:
+                parts.append(f'    "{key}": ' + _bags_string(self._values, offsets, i * B, (i + 1) * B))
+            else:
+                parts.append(f'    "{key}": {{\n        "values": '
+                             + _bags_string(self._values, offsets, i * B, (i + 1) * B) + ',\n        "weights": '
+                             + _bags_string(self._weights, offsets, i * B, (i + 1) * B) + "\n    }")
+        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
+
     def __repr__(self) -> str:
-        if not self._keys:
-            return "KeyedJaggedTensor()"
-        parts = []
-        for key, jt in self.to_dict().items():
-            bags = [b.tolist() for b in jt.to_dense()]
-            parts.append(f"  {key!r}: {bags}")
-        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})"
+        return str(self).rstrip("\n")

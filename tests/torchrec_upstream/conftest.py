@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -35,6 +36,11 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname in LOCAL:
             return importlib.util.spec_from_file_location(fullname, LOCAL[fullname])
+        if any(name.startswith(fullname + ".") for name in LOCAL) and fullname.count(".") > 1:
+            # a package of TorchRec's that holds only a local helper copy (torchrec.sparse.tests)
+            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = []
+            return spec
         if fullname == "torchrec" or fullname.startswith("torchrec."):
             if importlib.util.find_spec("lightning_rec." + fullname) is None:
                 return None
