@@ -102,7 +102,8 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
         where = f"values on {values.device}, lengths on {lengths.device}" + (
             f", weights on {weights.device}" if weights is not None else "")
         raise ValueError(f"{what}: {where}: put them on one device (kjt.to(device) moves them together)")
-    if weights is not None and weights.numel() != values.numel():  # 2-d values: one weight per entry
+    if weights is not None and weights.numel() != values.numel() and (weights.dim() != 1 or weights.shape[0] != \
+            values.shape[0]):  # one weight per id (per row of 2-d values), or per entry (TorchRec's)
         raise ValueError(f"{what}: weights size must equal to values size, but got {weights.numel()} and "
                          f"{values.numel()}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: "
                          f"give one weight per id")
@@ -284,6 +285,18 @@ def validate_kjt(kjt: Any, contents: bool = True) -> None:
         _check_inverse_indices(keys, kjt._stride, kjt._inverse_indices)
     if contents:
         kjt._unchecked = None
+
+
+def check_sync_shapes(kjt: Any) -> None:
+    """What `sync()` reads: a list of keys, and lengths (or offsets) of one bag per key per sample."""
+    given = getattr(kjt, "_unchecked", None)
+    _check_keys(kjt._keys)
+    for name, t in (("values", kjt._values), ("lengths", kjt._lengths), ("offsets", kjt._offsets)):
+        _need_tensor("KeyedJaggedTensor", name, t)
+    if kjt._lengths is None:
+        raise ValueError("KeyedJaggedTensor: lengths and offsets cannot be both empty: give lengths (one per key per "
+                         "sample) or offsets")
+    _check_stride(kjt._keys, kjt._lengths, kjt._stride, given is None or given.stride)
 
 
 def validate_keyed_jagged_tensor(kjt: Any) -> None:

@@ -35,6 +35,7 @@ from lightning_rec.sparse.checks import (
     _readable,
     _refuse_dtype_as_device,
     _uniform_stride,
+    check_sync_shapes,
     validate_jt,
     validate_kjt,
 )
@@ -210,6 +211,7 @@ class JaggedTensor(_Jagged):
         L = desired_length if desired_length is not None else int(lengths_B.max()) if B else 0
         out = data_N.new_full((B, L) + tuple(data_N.shape[1:]), padding_value)
         sample_N = torch.arange(B, device=lengths_B.device).repeat_interleave(lengths_B)
+        data_N = data_N[: sample_N.numel()]  # values past what the lengths cover belong to no bag (TorchRec's)
         position_N = torch.arange(data_N.shape[0], device=lengths_B.device) - self.offsets()[sample_N]
         keep_N = position_N < L
         out[sample_N[keep_N], position_N[keep_N]] = data_N[keep_N]
@@ -286,8 +288,11 @@ class KeyedJaggedTensor(_Jagged):
                  stride_per_key: Sequence[int] | None = None, index_per_key: dict[str, int] | None = None,
                  jt_dict: dict[str, JaggedTensor] | None = None,
                  inverse_indices: tuple[list[str], Tensor] | None = None) -> None:
-        # assigns only, as TorchRec's (kjt.validate() checks); _validate=False: built from a checked KJT
+        # assigns only, as TorchRec's (but for its integer asserts; kjt.validate() checks the rest); _validate=False:
+        # built from a checked KJT
         del jt_dict  # TorchRec's cache of to_dict(): computed here when asked
+        _integer_or_empty("lengths", lengths)
+        _integer_or_empty("offsets", offsets)
         self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
                                     index_per_key) if _validate else None
@@ -371,29 +376,10 @@ class KeyedJaggedTensor(_Jagged):
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Features of several KJTs over the same samples, side by side (keys concatenated)."""
-        kjts = kjt_list  # TorchRec's argument name
-        if not kjts:
-            return KeyedJaggedTensor.empty()
-        strides = {k.stride() for k in kjts if k.keys()}
-        if len(strides) > 1:
-            raise ValueError(f"concat: KJTs have different strides {sorted(strides)}")
-        weighted = {k.weights_or_none() is not None for k in kjts if k.keys()}
-        if len(weighted) > 1:
-            raise ValueError("concat: either every KJT has weights or none does")
-        keys = [key for k in kjts for key in k.keys()]
-        lpk = [n for k in kjts for n in k.length_per_key()]
-        return KeyedJaggedTensor(
-            keys,
-            values=torch.cat([k.values() for k in kjts]),
-            # a KJT with no keys (KeyedJaggedTensor.empty()) adds nothing, weights or not
-            weights=torch.cat([k.weights() for k in kjts if k.keys()]) if weighted == {True} else None,
-            lengths=torch.cat([k.lengths() for k in kjts]),
-            stride=strides.pop() if strides else 0,
-            length_per_key=lpk,
-        )
+        return _kjt_concat(kjt_list)
 
     def _synced(self) -> KeyedJaggedTensor:
-        validate_kjt(self, contents=False)  # the shapes sync reads; a collection checks the values where it reads them
+        check_sync_shapes(self)  # what sync reads; the rest is checked where it is read (validate(), a collection)
         return self.sync()
 
     def sync(self) -> KeyedJaggedTensor:
@@ -456,6 +442,9 @@ class KeyedJaggedTensor(_Jagged):
                 self._length_per_key = []
             elif self._stride == 0:
                 self._length_per_key = [0] * len(self._keys)
+            elif self._values.is_meta:  # no data to count: TorchRec's stand-in split of the values
+                n, F = self._values.shape[0], len(self._keys)
+                self._length_per_key = [n // F + (n % F if i == 0 else 0) for i in range(F)]
             else:
                 self._length_per_key = self.lengths_FB().sum(dim=1).tolist()
         return self._length_per_key
@@ -555,18 +544,7 @@ class KeyedJaggedTensor(_Jagged):
                                  length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices)
 
     def to_dict(self) -> dict[str, JaggedTensor]:
-        opk = self.offset_per_key()
-        B = self._stride
-        out = {}
-        for i, key in enumerate(self._keys):
-            v0, v1 = opk[i], opk[i + 1]
-            jt = JaggedTensor.__new__(JaggedTensor)
-            jt._values = self._values[v0:v1]
-            jt._weights = None if self._weights is None else self._weights[v0:v1]
-            jt._lengths = self._lengths[i * B : (i + 1) * B]
-            jt._offsets = None
-            out[key] = jt
-        return out
+        return {key: self.split_one(i) for i, key in enumerate(self._keys)}
 
     def __getitem__(self, key: str) -> JaggedTensor:
         index = self.index_per_key().get(key) if isinstance(key, str) else None
@@ -584,8 +562,10 @@ class KeyedJaggedTensor(_Jagged):
         jt = JaggedTensor.__new__(JaggedTensor)
         jt._values = self._values[opk[index] : opk[index + 1]]
         jt._weights = None if self._weights is None else self._weights[opk[index] : opk[index + 1]]
-        jt._lengths = self._lengths[index * B : (index + 1) * B]
-        jt._offsets = None
+        if self._lengths.numel():
+            jt._lengths, jt._offsets = self._lengths[index * B : (index + 1) * B], None
+        else:  # no bag at all (lengths may be (F, 0)): TorchRec's empty lengths and offsets
+            jt._lengths = jt._offsets = self._lengths.new_empty(0)
         return jt
 
     # device movement ----------------------------------------------------------------------
@@ -660,3 +640,31 @@ class KeyedJaggedTensor(_Jagged):
 
     def __repr__(self) -> str:
         return str(self).rstrip("\n")
+
+
+def _kjt_concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """KeyedJaggedTensor.concat (a leaf of torch.fx traces: it reads the KJTs' keys and strides)."""
+    kjts = kjt_list  # TorchRec's argument name
+    if not kjts:
+        return KeyedJaggedTensor.empty()
+    strides = {k.stride() for k in kjts if k.keys()}
+    if len(strides) > 1:
+        raise ValueError(f"concat: KJTs have different strides {sorted(strides)}")
+    weighted = {k.weights_or_none() is not None for k in kjts if k.keys()}
+    if len(weighted) > 1:
+        raise ValueError("concat: either every KJT has weights or none does")
+    keys = [key for k in kjts for key in k.keys()]
+    lpk = [n for k in kjts for n in k.length_per_key()]
+    return KeyedJaggedTensor(
+        keys,
+        values=torch.cat([k.values() for k in kjts]),
+        # a KJT with no keys (KeyedJaggedTensor.empty()) adds nothing, weights or not
+        weights=torch.cat([k.weights() for k in kjts if k.keys()]) if weighted == {True} else None,
+        lengths=torch.cat([k.lengths() for k in kjts]),
+        stride=strides.pop() if strides else 0,
+        length_per_key=lpk,
+    )
+
+
+torch.fx.wrap("_kjt_concat")
+

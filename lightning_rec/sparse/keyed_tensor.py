@@ -39,12 +39,13 @@ class KeyedTensor(metaclass=torch.fx.ProxyableClassMeta):  # torch.fx records a 
             raise ValueError(f"KeyedTensor: duplicate keys {dup} in {self._keys}: give every block its own key")
         if any(n < 0 for n in self._length_per_key):
             raise ValueError(f"KeyedTensor: widths must be >= 0, got {self._length_per_key} for keys {self._keys}")
-        if not -values.dim() <= key_dim < values.dim():
-            raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
-                             f"{tuple(values.shape)} (1 for [B, sum of widths])")
-        if values.shape[key_dim] != sum(self._length_per_key):
-            raise ValueError(f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
-                             f"to {sum(self._length_per_key)}")
+        if self._keys or values.numel():  # TorchRec's empty KeyedTensor([], [], torch.Tensor()) has no key dim
+            if not -values.dim() <= key_dim < values.dim():
+                raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
+                                 f"{tuple(values.shape)} (1 for [B, sum of widths])")
+            if values.shape[key_dim] != sum(self._length_per_key):
+                raise ValueError(f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add "
+                                 f"up to {sum(self._length_per_key)}")
         self._values = values
         self._key_dim = key_dim
         self._offset_per_key: list[int] | None = None
