@@ -28,7 +28,7 @@ from lightning_rec.embedding_configs import (  # noqa: F401  (their path until n
     PoolingType,
     _table_dtype,
 )
-from lightning_rec.errors import some
+from lightning_rec.errors import NoTorchScript, some
 from lightning_rec.lookup import GroupedLookup, join_outputs
 from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.optim.fused_paths import fused_modules
@@ -179,7 +179,7 @@ def _frozen_names(key: int) -> frozenset[str]:
     return _read_frozen(_LIVE_COLLECTIONS[key])
 
 
-class _EmbeddingCollectionBase(nn.Module):
+class _EmbeddingCollectionBase(NoTorchScript, nn.Module):
     """What both collections share: configs, feature routing, id checks, weights in the state dict."""
 
     _weights_attr = "embedding_bags"

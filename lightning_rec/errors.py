@@ -42,3 +42,14 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """A finite int or float that is not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class NoTorchScript:
+    """torch.jit.script of this class, of an instance, or of a module holding one, refused in one line:
+    `torch.jit.script` calls `__prepare_scriptable__` first (TorchScript is deprecated by PyTorch)."""
+
+    @classmethod
+    def __prepare_scriptable__(cls):
+        raise RuntimeError(f"torch.jit.script: lightning_rec's {cls.__name__} does not support TorchScript (deprecated "
+                           f"by PyTorch): use torch.export or torch.compile, or torch.fx via "
+                           f"lightning_rec.torchrec.fx.symbolic_trace")

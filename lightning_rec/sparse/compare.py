@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_rec.errors import NoTorchScript
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 
@@ -49,14 +50,14 @@ torch.fx.wrap("jt_is_equal")
 torch.fx.wrap("kjt_is_equal")
 
 
-class ComputeKJTToJTDict(nn.Module):
+class ComputeKJTToJTDict(NoTorchScript, nn.Module):
     """TorchRec's: a KeyedJaggedTensor -> {key: JaggedTensor} (`kjt.to_dict()` as a module)."""
 
     def forward(self, keyed_jagged_tensor: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         return keyed_jagged_tensor.to_dict()
 
 
-class ComputeJTDictToKJT(nn.Module):
+class ComputeJTDictToKJT(NoTorchScript, nn.Module):
     """TorchRec's: {key: JaggedTensor} -> a KeyedJaggedTensor (`KeyedJaggedTensor.from_jt_dict` as a module)."""
 
     def forward(self, jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_rec._device import move_or_explain  # noqa: F401  (imported from here too)
+from lightning_rec.errors import NoTorchScript
 from lightning_rec.sparse.checks import (
     JaggedArgumentError,
     _need_tensor,
@@ -101,7 +102,8 @@ def _is_pair(x: object) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
 
 
-class _Jagged(metaclass=torch.fx.ProxyableClassMeta):  # torch.fx records a construction from traced tensors
+# the metaclass: torch.fx records a construction from traced tensors as one node
+class _Jagged(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
     """What JaggedTensor and KeyedJaggedTensor hold alike: values_N, weights_N, lengths and (lazy) offsets."""
 
     _values: Tensor

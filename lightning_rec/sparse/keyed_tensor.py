@@ -8,10 +8,12 @@ import torch
 from torch import Tensor
 
 from lightning_rec._device import move_or_explain
+from lightning_rec.errors import NoTorchScript
 from lightning_rec.sparse.checks import _no_key
 
 
-class KeyedTensor(metaclass=torch.fx.ProxyableClassMeta):  # torch.fx records a construction from traced tensors
+# the metaclass: torch.fx records a construction from traced tensors as one node
+class KeyedTensor(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
     """Dense per-key blocks side by side: values [B, sum(D)] with keys and each key's width.
 
         keys = ["t1", "t2"], length_per_key = [2, 3]
