@@ -67,11 +67,11 @@ _CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueD
 _FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
-def _integer_or_empty(name: str, t: Tensor | None) -> None:
+def _integer_or_empty(what: str, name: str, t: Tensor | None) -> None:
     """TorchRec's constructor assert: lengths / offsets hold integers (or nothing)."""
     if isinstance(t, Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool) \
             and not torch.compiler.is_compiling() and t.numel():
-        raise JaggedArgumentError(f"JaggedTensor: {name} must be of integer type, but got {t.dtype}: convert them "
+        raise JaggedArgumentError(f"{what}: {name} must be of integer type, but got {t.dtype}: convert them "
                                   f"with {name}.long()")
 
 
@@ -147,8 +147,8 @@ class JaggedTensor(_Jagged):
         # Assigns only, as TorchRec's (but for its two asserts): jt.validate() checks that the tensors agree
         if lengths is None and offsets is None:
             raise JaggedArgumentError("JaggedTensor needs lengths or offsets (Must provide lengths or offsets)")
-        _integer_or_empty("lengths", lengths)
-        _integer_or_empty("offsets", offsets)
+        _integer_or_empty("JaggedTensor", "lengths", lengths)
+        _integer_or_empty("JaggedTensor", "offsets", offsets)
         self._unchecked = _JTGiven(lengths is not None, offsets is not None)
         if lengths is None and isinstance(offsets, Tensor):
             lengths = _lengths_from_offsets(offsets)
@@ -293,8 +293,8 @@ class KeyedJaggedTensor(_Jagged):
         # assigns only, as TorchRec's (but for its integer asserts; kjt.validate() checks the rest); _validate=False:
         # built from a checked KJT
         del jt_dict  # TorchRec's cache of to_dict(): computed here when asked
-        _integer_or_empty("lengths", lengths)
-        _integer_or_empty("offsets", offsets)
+        _integer_or_empty("KeyedJaggedTensor", "lengths", lengths)
+        _integer_or_empty("KeyedJaggedTensor", "offsets", offsets)
         self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
                                     index_per_key) if _validate else None
