@@ -16,14 +16,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# TorchRec's tests keep hypothesis' 200 ms deadline per example; on a shared CPU machine that fails by timing alone
+settings.register_profile("torchrec_upstream", deadline=None)
+settings.load_profile("torchrec_upstream")
 
 HERE = Path(__file__).parent
 LOCAL = {"torchrec.sparse.tests.utils": HERE / "sparse_tests_utils.py",
          "torchrec.test_utils": HERE / "test_utils_shim.py"}
 
 # Test files not yet collected: each leaves this list when it passes (but for SKIPPED).
-PENDING = ["test_tensor_dict.py", "test_embedding_modules.py"]
+PENDING = ["test_embedding_modules.py"]
 collect_ignore = list(PENDING)
+if importlib.util.find_spec("tensordict") is None:  # an optional test dependency (pip install 'lightning_rec[dev]')
+    collect_ignore.append("test_tensor_dict.py")
 
 # node id (file::Class::test) -> why it cannot pass against lightning_rec.
 _TS = "TorchScript (torch.jit.script), deprecated by PyTorch: lightning_rec refuses it"
