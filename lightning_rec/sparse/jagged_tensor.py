@@ -15,8 +15,10 @@ key-major: feature 0's B lengths, then feature 1's, and so on; values follow the
       offsets    = [0, 2, 2, 3, 4, 6, 7]     (F*B + 1)
       length_per_key = [3, 4], offset_per_key = [0, 3, 7]
 
-The constructors only assign, as TorchRec's; `validate()` (checks.py) checks that keys, lengths and values agree,
-and a collection runs it on every batch it reads. Jagged work (permute, cumsum) uses fbgemm ops."""
+Values may be of any dtype and 1-d or 2-d, as TorchRec's (scores, dense sequences); integer ids are the contract
+of the collections that read them. The constructors only assign (but for TorchRec's assert that lengths and offsets
+are integers); `validate()` (checks.py) checks that keys, lengths and values agree, and a collection runs it on every
+batch it reads. Jagged work (permute, cumsum) uses fbgemm ops."""
 
 from __future__ import annotations
 
