@@ -95,6 +95,11 @@ def test_regroup_kts_and_the_fx_flatten_spec_order():
     kt2 = KeyedTensor.from_tensor_list(["z"], [3 * torch.ones(2, 1)])
     out = regroup_kts([kt1, kt2], [["z", "x"], ["y", "x"]])
     assert out[0][0].tolist() == [3, 1] and out[1][0].tolist() == [2, 2, 1]
+    grad = torch.ones(2, 3, requires_grad=True)  # a key in two groups gets both gradients; a skipped key none
+    (regroup_kts([KeyedTensor(["x", "y"], [1, 2], grad)], [["x"], ["x"]])[0] * 3).sum().backward()
+    assert grad.grad[0].tolist() == [3, 0, 0]
+    meta = KeyedTensor(["x", "y"], [1, 2], torch.empty(2, 3, device="meta"))
+    assert regroup_kts([meta], [["y", "x"]])[0].shape == (2, 3)
     _, spec = pytree.tree_flatten(kt1)
     swapped = KeyedTensor.from_tensor_list(["y", "x"], [2 * torch.ones(2, 2), torch.ones(2, 1)])
     assert tree_flatten_spec(swapped, spec)[0][0].tolist() == [1, 2, 2]  # put back in the spec's key order

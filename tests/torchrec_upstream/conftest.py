@@ -36,6 +36,7 @@ if importlib.util.find_spec("tensordict") is None:  # an optional test dependenc
 _TS = "TorchScript (torch.jit.script), deprecated by PyTorch: lightning_rec refuses it"
 _VBE = "variable batch per key (VBE, stride_per_key_per_rank): not in lightning_rec yet"
 _PRIVATE = "a TorchRec-private helper (_kt_regroup_arguments) and the fbgemm kernel it feeds"
+_REFERENCE = "its reference is a TorchRec-private helper (_regroup_keyed_tensors / _fbgemm_permute_pooled_embs)"
 SKIPPED: dict[str, str] = {
     "test_jagged_tensor.py::TestJaggedTensor::test_empty":
         _TS,
@@ -91,6 +92,14 @@ SKIPPED: dict[str, str] = {
         _TS,
     "test_keyed_tensor.py::TestKeyedTensor::test_scriptable":
         _TS,
+    "test_keyed_tensor.py::TestKeyedTensor::test_regroup_kts":
+        _REFERENCE,
+    "test_keyed_tensor.py::TestKeyedTensor::test_regroup_kts_inference":
+        _REFERENCE,
+    "test_keyed_tensor.py::TestKeyedTensor::test_regroup_backward_skips_and_duplicates":
+        _REFERENCE,
+    "test_keyed_tensor.py::TestKeyedTensor::test_regroup_backward":
+        _REFERENCE,
     "test_keyed_tensor.py::TestKeyedTensorRegroupOp::test_keyed_tensor_regroup_backward":
         _PRIVATE,
     "test_keyed_tensor.py::TestKeyedTensorRegroupOp::test_kt_regroup_arguments":
