@@ -30,12 +30,12 @@ from lightning_rec.embedding_configs import (  # noqa: F401  (their path until n
     PoolingType,
     _table_dtype,
 )
-from lightning_rec.errors import some
+from lightning_rec.errors import NoTorchScript, some
 from lightning_rec.lookup import GroupedLookup, join_outputs
 from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.optim.fused_paths import fused_modules
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from lightning_rec.sparse.checks import validate_kjt
+from lightning_rec.sparse.checks import check_ids_contract, validate_kjt
 from lightning_rec.sparse.variable_batch import expand_by_inverse_indices, is_variable_batch, padded_batch
 from lightning_rec.table_weight import _TABLE_OWNERS, FusedTableWeight, _Tables, _TableWeight, table_owner  # noqa: F401
 
@@ -128,6 +128,7 @@ class FeatureRouter:
             # the KJT's own contract (its constructor only assigns); its values are read by check_features below
             validate_kjt(features, contents=not validate_ids)
             validate_kjt(features.host_copy() or features, contents=not validate_ids)  # a device batch: its host copy
+        check_ids_contract(features)  # a KJT holds any values; a collection reads integer ids
         order, order_t, rows_in, tables_in = self._for_keys(features)
         if self.is_weighted and features.weights_or_none() is None:
             raise ValueError(f"this {self.owner} is weighted (is_weighted=True) but the input has no weights: "
@@ -225,7 +226,7 @@ def _frozen_names(key: int) -> frozenset[str]:
     return _read_frozen(_LIVE_COLLECTIONS[key])
 
 
-class _EmbeddingCollectionBase(nn.Module):
+class _EmbeddingCollectionBase(NoTorchScript, nn.Module):
     """What both collections share: configs, feature routing, id checks, weights in the state dict."""
 
     _weights_attr = "embedding_bags"
@@ -421,11 +422,6 @@ class _EmbeddingCollectionBase(nn.Module):
         if not self._warned_replicas and self._optimizer is not None and self.training and torch.is_grad_enabled():
             self._warn_if_replicated()
         return self._router(features, self.validate_ids)
-
-    def __prepare_scriptable__(self):
-        # torch.jit.script calls it first on every submodule: one line instead of TorchScript's parse errors
-        raise TypeError(f"torch.jit.script: {type(self).__name__} does not support TorchScript (deprecated by "
-                        f"PyTorch): run the model eagerly, or compile it with torch.compile / torch.export")
 
     def _meta_batch(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Tables on "meta" take a batch on "meta" (outputs shaped as TorchRec's); any other batch is refused."""

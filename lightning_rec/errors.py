@@ -50,3 +50,14 @@ def refuse_non_finite(owner: str, arguments: Mapping[str, Any]) -> None:
     bad = {k: v for k, v in arguments.items() if isinstance(v, float) and not math.isfinite(v)}
     if bad:
         raise ValueError(f"{owner}({', '.join(f'{k}={v!r}' for k, v in bad.items())}): give a finite number")
+
+
+class NoTorchScript:
+    """torch.jit.script of this class, of an instance, or of a module holding one, refused in one line:
+    `torch.jit.script` calls `__prepare_scriptable__` first (TorchScript is deprecated by PyTorch)."""
+
+    @classmethod
+    def __prepare_scriptable__(cls):
+        raise RuntimeError(f"torch.jit.script: lightning_rec's {cls.__name__} does not support TorchScript (deprecated "
+                           f"by PyTorch): use torch.export or torch.compile, or torch.fx via "
+                           f"lightning_rec.torchrec.fx.symbolic_trace")

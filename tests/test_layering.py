@@ -26,7 +26,7 @@ FLOORS = [  # lowest first
     ("checkpoint",),
     ("strategy", "_strategy"),
     ("models",),
-    ("predict", "predict_rows", "cli"),
+    ("predict", "predict_rows", "cli", "fx"),
     ("torchrec",),  # TorchRec's module paths: re-exports over everything below
 ]
 

@@ -115,8 +115,8 @@ def test_disagreeing_keys_lengths_values_raise_at_validation():
         KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3]), torch.ones(2), torch.tensor([3])).validate()
     with pytest.raises(ValueError, match="duplicate keys"):
         KeyedJaggedTensor.from_lengths_sync(["a", "a"], torch.tensor([1, 2]), torch.tensor([1, 1])).validate()
-    with pytest.raises(ValueError, match="ids must be integers"):
-        KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1])).validate()
+    # a KJT holds values of any dtype (TorchRec's); integer ids are the collections' contract (tests/test_bad_input.py)
+    KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([1.0]), torch.tensor([1])).validate()
 
 
 def test_length_and_offset_per_key_that_disagree_with_the_lengths_raise():

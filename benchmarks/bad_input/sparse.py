@@ -45,11 +45,11 @@ def kjt_construction_cases() -> None:
     simple("kjt.keys_repeated", lambda: kjt_lengths(["a", "a"], [1, 2], [1, 1]), ValueError, ["duplicate", "a"])
     simple("kjt.keys_are_ints", lambda: kjt_lengths([0, 1], [1, 2], [1, 1]), ValueError, ["str"])
     simple("kjt.keys_none", lambda: kjt_lengths(None, [1, 2], [1, 1]), ValueError, ["keys"])
-    simple("kjt.weights_int64", lambda: kjt_lengths(["a"], [1, 2], [2], weights=T([1, 2])), ValueError,
+    simple("kjt.weights_int64", lambda: read(kjt_lengths(["a"], [1, 2], [2], weights=T([1, 2]))), ValueError,
            ["floating", "weights.float()"])
-    simple("kjt.weights_one_short", lambda: kjt_lengths(["a"], [1, 2], [2], weights=T([1.0])), ValueError,
+    simple("kjt.weights_one_short", lambda: read(kjt_lengths(["a"], [1, 2], [2], weights=T([1.0]))), ValueError,
            ["one weight per id"])
-    simple("kjt.weights_column_vector", lambda: kjt_lengths(["a"], [1, 2], [2], weights=T([[1.0], [2.0]])),
+    simple("kjt.weights_column_vector", lambda: read(kjt_lengths(["a"], [1, 2], [2], weights=T([[1.0], [2.0]]))),
            ValueError, ["weights"])
     simple("kjt.stride_disagrees_with_lengths",
            lambda: KJT_read(["a", "b"], T([1, 2, 3, 4]), lengths=T([1, 1, 1, 1]), stride=3), ValueError,

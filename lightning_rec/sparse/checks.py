@@ -17,6 +17,10 @@ ID_DTYPES = (torch.int32, torch.int64)  # what the kernels (ours and fbgemm's) r
 _ID_DTYPES = ID_DTYPES
 
 
+class JaggedArgumentError(ValueError, AssertionError):
+    """A JaggedTensor constructor's refusal: a ValueError, and the AssertionError TorchRec's constructor raises."""
+
+
 def _refuse_dtype_as_device(what: str, device: object, weights: bool = False) -> None:
     """`.to(torch.float64)`: ids and lengths keep their integer type (as floats every lookup would read other rows)."""
     if isinstance(device, torch.dtype):
@@ -47,7 +51,9 @@ def _readable(t: Tensor) -> bool:
 def _check_offsets(what: str, offsets: Tensor, num_values: int, read: bool = True) -> None:
     """Offsets given directly: they must start at 0, never decrease, and end at the number of values. A KJT sliced
     out of a larger batch keeps its parent's offsets: refused, with the fix. CPU tensors only."""
-    if offsets.dim() != 1 or offsets.numel() == 0:
+    if offsets.numel() == 0:
+        raise ValueError(f"{what}: offsets cannot be empty: give one entry per bag + 1, starting at 0")
+    if offsets.dim() != 1:
         raise ValueError(f"{what}: offsets must be 1-d with one entry per bag + 1, got shape {tuple(offsets.shape)}")
     if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dtype.is_complex:
         raise ValueError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
@@ -56,57 +62,62 @@ def _check_offsets(what: str, offsets: Tensor, num_values: int, read: bool = Tru
         return
     first, last = int(offsets[0]), int(offsets[-1])
     if first != 0:
-        raise ValueError(f"{what}: offsets start at {first}, not 0: rebase offsets sliced out of a larger batch "
-                         f"(offsets - offsets[0], values[offsets[0]:offsets[-1]]), or build the KJT from lengths")
+        raise ValueError(f"{what}: Expected first offset to be 0, but got {first}: offsets start at {first}, not 0: "
+                         f"rebase offsets sliced out of a larger batch (offsets - offsets[0], "
+                         f"values[offsets[0]:offsets[-1]]), or build the KJT from lengths")
     down = (offsets[1:] < offsets[:-1]).nonzero()
     if down.numel():
         j = int(down[0, 0])
         raise ValueError(f"{what}: offsets must never decrease, but offsets[{j + 1}] = {int(offsets[j + 1])} < "
                          f"offsets[{j}] = {int(offsets[j])}: offsets are cumulative bag sizes")
     if last != num_values:
-        raise ValueError(f"{what}: offsets end at {last} but there are {num_values} values: the last offset must "
-                         f"equal the number of ids")
+        raise ValueError(f"{what}: The last element of offsets must equal to the number of values, but got {last} and "
+                         f"{num_values}: offsets end at {last} but there are {num_values} values")
 
 
 def _check_same_bags(what: str, lengths: Tensor, offsets: Tensor) -> None:
     """Lengths and offsets both given must agree (readers pick one or the other). CPU tensors only."""
-    if _readable(lengths) and _readable(offsets) and (
-            offsets.numel() != lengths.numel() + 1 or not torch.equal(offsets[1:] - offsets[:-1],
-                                                                      lengths.to(offsets.dtype))):
-        raise ValueError(f"{what}: lengths and offsets were both given and describe different bags (lengths "
-                         f"{lengths.tolist()[:8]}, offsets {offsets.tolist()[:9]}): pass one of them (the other is "
-                         f"derived)")
+    if offsets.numel() != lengths.numel() + 1:
+        raise ValueError(f"{what}: lengths and offsets were both given: Expected lengths size to be 1 more than "
+                         f"offsets size, but got lengths size: {lengths.numel()} and offsets size: {offsets.numel()} "
+                         f"(offsets hold one entry per bag + 1): pass one of them (the other is derived)")
+    if _readable(lengths) and _readable(offsets) and not torch.equal(offsets[1:] - offsets[:-1],
+                                                                     lengths.to(offsets.dtype)):
+        raise ValueError(f"{what}: lengths and offsets were both given and describe different bags (offsets is not "
+                         f"equal to the cumulative sum of lengths; lengths {lengths.tolist()[:8]}, offsets "
+                         f"{offsets.tolist()[:9]}): pass one of them (the other is derived)")
 
 
 def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | None, read: bool = True) -> None:
     """Raise ValueError if lengths do not describe values (and weights). CPU tensors only."""
     if values.dim() < 1:
         raise ValueError(f"{what}: values must be at least 1-d, got shape {tuple(values.shape)}")
-    if lengths.dim() != 1:
+    if lengths.dim() != 1 and lengths.numel():  # TorchRec's (B, 0) lengths of no bag pass
         raise ValueError(f"{what}: lengths must be 1-d, got shape {tuple(lengths.shape)}")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
-    _check_index_dtype(what, "lengths", lengths)
+    if lengths.numel():  # TorchRec's empty lengths may be float (torch.tensor([]))
+        if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(f"{what}: lengths must be an integer tensor, got {lengths.dtype}")
+        _check_index_dtype(what, "lengths", lengths)
     if values.device != lengths.device or (weights is not None and weights.device != values.device):
         where = f"values on {values.device}, lengths on {lengths.device}" + (
             f", weights on {weights.device}" if weights is not None else "")
         raise ValueError(f"{what}: {where}: put them on one device (kjt.to(device) moves them together)")
-    if weights is not None and (weights.dim() != 1 or weights.shape[:1] != values.shape[:1]):
-        raise ValueError(
-            f"{what}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: give one weight per id"
-        )
-    if weights is not None and not weights.dtype.is_floating_point:
-        raise ValueError(f"{what}: weights must be floating point, got {weights.dtype}: pass weights.float()")
+    if weights is not None and weights.numel() != values.numel() and (weights.dim() != 1 or weights.shape[0] != \
+            values.shape[0]):  # one weight per id (per row of 2-d values), or per entry (TorchRec's)
+        raise ValueError(f"{what}: weights size must equal to values size, but got {weights.numel()} and "
+                         f"{values.numel()}: weights of shape {tuple(weights.shape)} for {values.shape[0]} values: "
+                         f"give one weight per id")
+    if lengths.numel() == 0 and values.shape[0] != 0:
+        raise ValueError(f"{what}: Sum of lengths must equal the number of values, but got 0 and {values.shape[0]}: "
+                         f"{values.shape[0]} values but no lengths")
     if not read or not _readable(lengths) or lengths.numel() == 0:
-        if lengths.numel() == 0 and values.shape[0] != 0:
-            raise ValueError(f"{what}: {values.shape[0]} values but no lengths")
         return
     total, smallest = int(lengths.sum()), int(lengths.min())
     if smallest < 0:
         raise ValueError(f"{what}: lengths must be >= 0, found {smallest}")
     if total != values.shape[0]:
-        raise ValueError(f"{what}: lengths add up to {total} but there are {values.shape[0]} values: "
-                         f"lengths and values must describe the same ids")
+        raise ValueError(f"{what}: Sum of lengths must equal the number of values, but got {total} and "
+                         f"{values.shape[0]}: lengths add up to {total} but there are {values.shape[0]} values")
 
 
 def _variable_stride(keys: list[str], stride: int | None, stride_per_key_per_rank,
@@ -239,24 +250,30 @@ def _check_keys(keys: Any) -> None:
     if not isinstance(keys, list):
         raise ValueError(f"KeyedJaggedTensor: keys must be a list of feature names, got {keys!r}")
     if len(set(keys)) != len(keys):
-        raise ValueError(f"KeyedJaggedTensor: duplicate keys in {keys}")
+        raise ValueError(f"KeyedJaggedTensor: keys must be unique: duplicate keys in {keys}")
     if not all(isinstance(k, str) for k in keys):
         raise ValueError(f"KeyedJaggedTensor: keys must be feature names (str), got {keys}")
 
 
 def _check_stride(keys: list[str], lengths: Tensor, stride: int, stride_given: bool) -> None:
+    if not keys and lengths.numel():
+        raise ValueError(f"KeyedJaggedTensor: keys is empty but lengths or offsets is not ({lengths.numel()} bags): "
+                         f"name the features in keys")
     if not stride_given and keys and lengths.numel() % len(keys):
-        raise ValueError(f"KeyedJaggedTensor: {lengths.numel()} lengths is not a multiple of the {len(keys)} keys "
-                         f"{keys}: give one length per key per sample (key-major)")
+        raise ValueError(f"KeyedJaggedTensor: lengths size must be divisible by keys size: {lengths.numel()} lengths "
+                         f"is not a multiple of the {len(keys)} keys {keys}: give one length per key per sample "
+                         f"(key-major)")
     if lengths.numel() != len(keys) * stride:
         raise ValueError(f"KeyedJaggedTensor: {lengths.numel()} lengths for {len(keys)} keys x stride {stride}: give "
                          f"one length per key per sample (key-major)")
 
 
 def validate_kjt(kjt: Any, contents: bool = True) -> None:
-    """A KeyedJaggedTensor built from user arguments holds a well-formed batch of ids, else a ValueError naming what
-    disagrees and the fix; one the library built from a checked one passes at once. contents=False leaves out the
-    reads of the lengths' and offsets' values, which a collection's id check (batch_check) makes anyway."""
+    """A KeyedJaggedTensor built from user arguments is well formed (keys, lengths, offsets, values and weights agree,
+    TorchRec's validator), else a ValueError naming what disagrees and the fix; one the library built from a checked one
+    passes at once. Any dtype of values: integer ids are the collections' contract (`check_ids_contract`).
+    contents=False leaves out the reads of the lengths' and offsets' values, which a collection's id check
+    (batch_check) makes anyway."""
     given = getattr(kjt, "_unchecked", None)  # a KJT pickled by an older version carries none
     if given is None:
         return
@@ -266,7 +283,8 @@ def validate_kjt(kjt: Any, contents: bool = True) -> None:
     for name, t in (("values", values), ("weights", weights), ("lengths", given.lengths), ("offsets", offsets)):
         _need_tensor(what, name, t)
     if lengths is None:
-        raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+        raise ValueError("KeyedJaggedTensor: lengths and offsets cannot be both empty: give lengths (one per key per "
+                         "sample) or offsets")
     if given.lengths is None:
         _check_offsets(what, offsets, values.shape[0] if values.dim() else 0, contents)
     per_rank = getattr(kjt, "_stride_per_key_per_rank", None)
@@ -276,13 +294,9 @@ def validate_kjt(kjt: Any, contents: bool = True) -> None:
         _check_variable_stride(keys, lengths, per_rank)
     strides = [kjt._stride] * len(keys) if per_rank is None else [sum(r) for r in per_rank]
     _check_jagged(what, values, lengths, weights, contents)
-    if values.dtype not in ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
-        raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of {values.dtype}: "
-                         f"convert them with values.long()")
-    if offsets is not None and given.lengths is not None:
+    if offsets is not None and given.lengths is not None:  # both given (or offsets computed since): they must agree
+        _check_offsets(what, offsets, values.shape[0] if values.dim() else 0, contents)
         _check_same_bags(what, lengths, offsets)
-    if values.dim() != 1:
-        raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
     if given.length_per_key is not None or given.offset_per_key is not None:
         _check_per_key(what, keys, lengths, strides, given.length_per_key, given.offset_per_key)
     if given.index_per_key is not None and dict(given.index_per_key) != {k: i for i, k in enumerate(keys)}:
@@ -292,3 +306,39 @@ def validate_kjt(kjt: Any, contents: bool = True) -> None:
         _check_inverse_indices(keys, strides, kjt._inverse_indices)
     if contents:
         kjt._unchecked = None
+
+
+def check_sync_shapes(kjt: Any) -> None:
+    """What `sync()` reads: a list of keys, and lengths (or offsets) of one bag per key per sample."""
+    given = getattr(kjt, "_unchecked", None)
+    _check_keys(kjt._keys)
+    for name, t in (("values", kjt._values), ("lengths", kjt._lengths), ("offsets", kjt._offsets)):
+        _need_tensor("KeyedJaggedTensor", name, t)
+    if kjt._lengths is None:
+        raise ValueError("KeyedJaggedTensor: lengths and offsets cannot be both empty: give lengths (one per key per "
+                         "sample) or offsets")
+    _check_stride(kjt._keys, kjt._lengths, kjt._stride, given is None or given.stride)
+
+
+def validate_keyed_jagged_tensor(kjt: Any) -> None:
+    """TorchRec's `torchrec.sparse.jagged_tensor_validator.validate_keyed_jagged_tensor`: `kjt.validate()`."""
+    validate_kjt(kjt)
+
+
+def check_ids_contract(kjt: Any) -> None:
+    """What a collection reads as ids: one integer (int64 or int32) id per value, per-id weights floating point.
+    Checked at its first look at a batch (a KJT itself holds values of any dtype, as TorchRec's)."""
+    values, weights = kjt._values, kjt._weights
+    if not isinstance(values, Tensor):
+        return  # named by validate_kjt
+    if values.dtype not in ID_DTYPES:  # int8/int16/uint8 too: no kernel reads them
+        raise ValueError(f"KeyedJaggedTensor: ids must be integers (int64 or int32), got values of {values.dtype}: "
+                         f"convert them with values.long()")
+    if values.dim() != 1:
+        raise ValueError(f"KeyedJaggedTensor: values must be 1-d ids, got shape {tuple(values.shape)}")
+    if isinstance(weights, Tensor) and not weights.dtype.is_floating_point:
+        raise ValueError(f"KeyedJaggedTensor: weights must be floating point, got {weights.dtype}: pass "
+                         f"weights.float()")
+    if isinstance(weights, Tensor) and weights.dim() != 1:
+        raise ValueError(f"KeyedJaggedTensor: weights of shape {tuple(weights.shape)} for {values.shape[0]} ids: give "
+                         f"one weight per id")

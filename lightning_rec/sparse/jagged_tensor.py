@@ -15,8 +15,10 @@ key-major: feature 0's B lengths, then feature 1's, and so on; values follow the
       offsets    = [0, 2, 2, 3, 4, 6, 7]     (F*B + 1)
       length_per_key = [3, 4], offset_per_key = [0, 3, 7]
 
-The constructors only assign, as TorchRec's; `validate()` (checks.py) checks that keys, lengths and values agree,
-and a collection runs it on every batch it reads. Jagged work (permute, cumsum) uses fbgemm ops."""
+Values may be of any dtype and 1-d or 2-d, as TorchRec's (scores, dense sequences); integer ids are the contract
+of the collections that read them. The constructors only assign (but for TorchRec's assert that lengths and offsets
+are integers); `validate()` (checks.py) checks that keys, lengths and values agree, and a collection runs it on every
+batch it reads. Jagged work (permute, cumsum) uses fbgemm ops."""
 
 from __future__ import annotations
 
@@ -28,12 +30,15 @@ import torch
 from torch import Tensor
 
 from lightning_rec._device import move_or_explain  # noqa: F401  (imported from here too)
+from lightning_rec.errors import NoTorchScript
 from lightning_rec.sparse.checks import (
+    JaggedArgumentError,
     _need_tensor,
     _no_key,
     _readable,
     _refuse_dtype_as_device,
     _variable_stride,
+    check_sync_shapes,
     validate_jt,
     validate_kjt,
 )
@@ -64,6 +69,24 @@ _CHECKED_PERMUTES: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueD
 _FBGEMM_PERMUTE_WEIGHTS = (torch.float32, torch.float64, torch.float16)  # per-id weights fbgemm's permute takes
 
 
+def _integer_or_empty(what: str, name: str, t: Tensor | None) -> None:
+    """TorchRec's constructor assert: lengths / offsets hold integers (or nothing)."""
+    if isinstance(t, Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool) \
+            and not torch.compiler.is_compiling() and t.numel():
+        raise JaggedArgumentError(f"{what}: {name} must be of integer type, but got {t.dtype}: convert them "
+                                  f"with {name}.long()")
+
+
+def _bags_string(data: Tensor, offsets: list[int], first: int, end: int) -> str:
+    """`[[1.0], [], [2.0, 3.0]]`: bags first..end-1 of 1-d or 2-d data, as TorchRec prints them."""
+    if data.dim() > 2:
+        raise ValueError(f"a jagged tensor prints values of 1 or 2 dims, these have {data.dim()}: print "
+                         f"values() itself")
+    rows = data.tolist()
+    return "[" + ", ".join("[" + ", ".join(str(v) for v in rows[offsets[b]:offsets[b + 1]]) + "]"
+                           for b in range(first, end)) + "]"
+
+
 class _JTGiven(NamedTuple):  # what a JaggedTensor's constructor was given, kept for validate()
     lengths: bool
     offsets: bool
@@ -81,7 +104,8 @@ def _is_pair(x: object) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
 
 
-class _Jagged:
+# the metaclass: torch.fx records a construction from traced tensors as one node
+class _Jagged(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
     """What JaggedTensor and KeyedJaggedTensor hold alike: values_N, weights_N, lengths and (lazy) offsets."""
 
     _values: Tensor
@@ -122,9 +146,11 @@ class JaggedTensor(_Jagged):
 
     def __init__(self, values: Tensor, weights: Tensor | None = None, lengths: Tensor | None = None,
                  offsets: Tensor | None = None) -> None:
-        # Assigns only, as TorchRec's: jt.validate() checks that values, lengths and offsets agree
+        # Assigns only, as TorchRec's (but for its two asserts): jt.validate() checks that the tensors agree
         if lengths is None and offsets is None:
-            raise ValueError("JaggedTensor needs lengths or offsets")
+            raise JaggedArgumentError("JaggedTensor needs lengths or offsets (Must provide lengths or offsets)")
+        _integer_or_empty("JaggedTensor", "lengths", lengths)
+        _integer_or_empty("JaggedTensor", "offsets", offsets)
         self._unchecked = _JTGiven(lengths is not None, offsets is not None)
         if lengths is None and isinstance(offsets, Tensor):
             lengths = _lengths_from_offsets(offsets)
@@ -138,11 +164,13 @@ class JaggedTensor(_Jagged):
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
               values_dtype: torch.dtype | None = None, weights_dtype: torch.dtype | None = None,
-              lengths_dtype: torch.dtype = torch.int64) -> JaggedTensor:
-        """TorchRec's arguments; values default to int64 ids, weights to the default float dtype."""
+              lengths_dtype: torch.dtype = torch.int32) -> JaggedTensor:
+        """TorchRec's: no bag, lengths and offsets empty; values default to int64 ids, weights to the default float
+        dtype."""
         return JaggedTensor(values=torch.empty(0, dtype=values_dtype or torch.int64, device=device),
                             weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
-                            lengths=torch.empty(0, dtype=lengths_dtype, device=device))
+                            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+                            offsets=torch.empty(0, dtype=lengths_dtype, device=device))
 
     @staticmethod
     def from_dense(values: list[Tensor], weights: list[Tensor] | None = None) -> JaggedTensor:
@@ -155,22 +183,8 @@ class JaggedTensor(_Jagged):
     @staticmethod
     def from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> JaggedTensor:
         """TorchRec's: padded rows -> a JaggedTensor. values [B, L] (or [B, L, ...]); sample b keeps its first
-        lengths[b] entries; weights (optional) are padded as values are."""
-        for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
-            _need_tensor("JaggedTensor.from_dense_lengths", name, t)
-        if values.dim() < 2 or lengths.dim() != 1 or lengths.numel() != values.shape[0]:
-            raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, L] with one length per row, got "
-                             f"values {tuple(values.shape)} and lengths {tuple(lengths.shape)}")
-        if weights is not None and weights.shape[:2] != values.shape[:2]:
-            raise ValueError(f"JaggedTensor.from_dense_lengths: weights {tuple(weights.shape)} must be padded as "
-                             f"values {tuple(values.shape)} are")
-        L = values.shape[1]
-        if _readable(lengths) and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
-            raise ValueError(f"JaggedTensor.from_dense_lengths: lengths must be within 0..{L} (the padded width of "
-                             f"values), got {lengths.tolist()}")
-        keep_BL = torch.arange(L, device=values.device) < lengths.unsqueeze(-1)
-        return JaggedTensor(values=values[keep_BL], weights=None if weights is None else weights[keep_BL],
-                            lengths=lengths)
+        lengths[b] entries; weights (optional) are padded as values are. One node when torch.fx traces it."""
+        return _jt_from_dense_lengths(values, lengths, weights)
 
     def to_dense(self) -> list[Tensor]:
         """One tensor per sample (splits values by lengths; a convenience, not a hot path)."""
@@ -201,6 +215,7 @@ class JaggedTensor(_Jagged):
         L = desired_length if desired_length is not None else int(lengths_B.max()) if B else 0
         out = data_N.new_full((B, L) + tuple(data_N.shape[1:]), padding_value)
         sample_N = torch.arange(B, device=lengths_B.device).repeat_interleave(lengths_B)
+        data_N = data_N[: sample_N.numel()]  # values past what the lengths cover belong to no bag (TorchRec's)
         position_N = torch.arange(data_N.shape[0], device=lengths_B.device) - self.offsets()[sample_N]
         keep_N = position_N < L
         out[sample_N[keep_N], position_N[keep_N]] = data_N[keep_N]
@@ -233,8 +248,38 @@ class JaggedTensor(_Jagged):
         jt._offsets = None if self._offsets is None else fn(self._offsets)
         return jt
 
+    def __str__(self) -> str:
+        """TorchRec's: each sample's values (and weights)."""
+        offsets = self.offsets().tolist()
+        if self._weights is None:
+            return "JaggedTensor({\n    " + _bags_string(self._values, offsets, 0, len(offsets) - 1) + "\n})\n"
+        return ("JaggedTensor({\n    \"values\": " + _bags_string(self._values, offsets, 0, len(offsets) - 1)
+                + ',\n    "weights": ' + _bags_string(self._weights, offsets, 0, len(offsets) - 1) + "\n})\n")
+
     def __repr__(self) -> str:
-        return f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
+        return str(self).rstrip("\n")
+
+
+def _jt_from_dense_lengths(values: Tensor, lengths: Tensor, weights: Tensor | None) -> JaggedTensor:
+    """JaggedTensor.from_dense_lengths (a leaf of torch.fx traces: its checks read the tensors)."""
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        _need_tensor("JaggedTensor.from_dense_lengths", name, t)
+    if values.dim() < 2 or lengths.dim() != 1 or lengths.numel() != values.shape[0]:
+        raise ValueError(f"JaggedTensor.from_dense_lengths: values must be [B, L] with one length per row, got "
+                         f"values {tuple(values.shape)} and lengths {tuple(lengths.shape)}")
+    if weights is not None and weights.shape[:2] != values.shape[:2]:
+        raise ValueError(f"JaggedTensor.from_dense_lengths: weights {tuple(weights.shape)} must be padded as "
+                         f"values {tuple(values.shape)} are")
+    L = values.shape[1]
+    if _readable(lengths) and lengths.numel() and not bool(((lengths >= 0) & (lengths <= L)).all()):
+        raise ValueError(f"JaggedTensor.from_dense_lengths: lengths must be within 0..{L} (the padded width of "
+                         f"values), got {lengths.tolist()}")
+    keep_BL = torch.arange(L, device=values.device) < lengths.unsqueeze(-1)
+    return JaggedTensor(values=values[keep_BL], weights=None if weights is None else weights[keep_BL],
+                        lengths=lengths)
+
+
+torch.fx.wrap("_jt_from_dense_lengths")
 
 
 class KeyedJaggedTensor(_Jagged):
@@ -253,8 +298,11 @@ class KeyedJaggedTensor(_Jagged):
                  stride_per_key: Sequence[int] | None = None, index_per_key: dict[str, int] | None = None,
                  jt_dict: dict[str, JaggedTensor] | None = None,
                  inverse_indices: tuple[list[str], Tensor] | None = None) -> None:
-        # assigns only, as TorchRec's (kjt.validate() checks); _validate=False: built from a checked KJT
+        # assigns only, as TorchRec's (but for its integer asserts; kjt.validate() checks the rest); _validate=False:
+        # built from a checked KJT
         del jt_dict  # TorchRec's cache of to_dict(): computed here when asked
+        _integer_or_empty("KeyedJaggedTensor", "lengths", lengths)
+        _integer_or_empty("KeyedJaggedTensor", "offsets", offsets)
         self._keys = list(keys) if isinstance(keys, (list, tuple)) else keys
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
                                     index_per_key) if _validate else None
@@ -340,37 +388,10 @@ class KeyedJaggedTensor(_Jagged):
     @staticmethod
     def concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
         """Features of several KJTs over the same samples, side by side (keys concatenated)."""
-        kjts = kjt_list  # TorchRec's argument name
-        if not kjts:
-            return KeyedJaggedTensor.empty()
-        if any(k.variable_stride_per_key() for k in kjts):
-            per_rank = [r for k in kjts for r in (k.stride_per_key_per_rank() or [[k.stride()]] * len(k.keys()))]
-            out = KeyedJaggedTensor.concat([KeyedJaggedTensor(k.keys(), k.values(), k.weights_or_none(),
-                                                              lengths=k.lengths(), stride=0,
-                                                              length_per_key=k.length_per_key(), _validate=False)
-                                            for k in kjts])
-            out._set_variable_stride(per_rank)
-            return out
-        strides = {k.stride() for k in kjts if k.keys()}
-        if len(strides) > 1:
-            raise ValueError(f"concat: KJTs have different strides {sorted(strides)}")
-        weighted = {k.weights_or_none() is not None for k in kjts if k.keys()}
-        if len(weighted) > 1:
-            raise ValueError("concat: either every KJT has weights or none does")
-        keys = [key for k in kjts for key in k.keys()]
-        lpk = [n for k in kjts for n in k.length_per_key()]
-        return KeyedJaggedTensor(
-            keys,
-            values=torch.cat([k.values() for k in kjts]),
-            # a KJT with no keys (KeyedJaggedTensor.empty()) adds nothing, weights or not
-            weights=torch.cat([k.weights() for k in kjts if k.keys()]) if weighted == {True} else None,
-            lengths=torch.cat([k.lengths() for k in kjts]),
-            stride=strides.pop() if strides else 0,
-            length_per_key=lpk,
-        )
+        return _kjt_concat(kjt_list)
 
     def _synced(self) -> KeyedJaggedTensor:
-        validate_kjt(self, contents=False)  # the shapes sync reads; a collection checks the values where it reads them
+        check_sync_shapes(self)  # what sync reads; the rest is checked where it is read (validate(), a collection)
         return self.sync()
 
     def sync(self) -> KeyedJaggedTensor:
@@ -443,10 +464,9 @@ class KeyedJaggedTensor(_Jagged):
                 self._length_per_key = []
             elif self._stride == 0:
                 self._length_per_key = [0] * len(self._keys)
-            elif self._lengths.is_meta:
-                # no values to read (a model traced on "meta"): TorchRec's stand-in, the ids spread over the keys
-                n, k = self._values.numel(), len(self._keys)
-                self._length_per_key = [n // k + (n % k if i == 0 else 0) for i in range(k)]
+            elif self._values.is_meta:  # no data to count: TorchRec's stand-in split of the values
+                n, F = self._values.shape[0], len(self._keys)
+                self._length_per_key = [n // F + (n % F if i == 0 else 0) for i in range(F)]
             elif self._stride_per_key_per_rank is not None:
                 self._length_per_key = [int(n) for n in torch.stack(
                     [b.sum() for b in self._lengths.split(self.stride_per_key())]).tolist()]
@@ -579,18 +599,7 @@ class KeyedJaggedTensor(_Jagged):
         return out
 
     def to_dict(self) -> dict[str, JaggedTensor]:
-        opk = self.offset_per_key()
-        bags = self.lengths_offset_per_key()
-        out = {}
-        for i, key in enumerate(self._keys):
-            v0, v1 = opk[i], opk[i + 1]
-            jt = JaggedTensor.__new__(JaggedTensor)
-            jt._values = self._values[v0:v1]
-            jt._weights = None if self._weights is None else self._weights[v0:v1]
-            jt._lengths = self._lengths[bags[i] : bags[i + 1]]
-            jt._offsets = None
-            out[key] = jt
-        return out
+        return {key: self.split_one(i) for i, key in enumerate(self._keys)}
 
     def __getitem__(self, key: str) -> JaggedTensor:
         index = self.index_per_key().get(key) if isinstance(key, str) else None
@@ -608,8 +617,10 @@ class KeyedJaggedTensor(_Jagged):
         jt = JaggedTensor.__new__(JaggedTensor)
         jt._values = self._values[opk[index] : opk[index + 1]]
         jt._weights = None if self._weights is None else self._weights[opk[index] : opk[index + 1]]
-        jt._lengths = self._lengths[bags[index] : bags[index + 1]]
-        jt._offsets = None
+        if self._lengths.numel():
+            jt._lengths, jt._offsets = self._lengths[bags[index] : bags[index + 1]], None
+        else:  # no bag at all (lengths may be (F, 0)): TorchRec's empty lengths and offsets
+            jt._lengths = jt._offsets = self._lengths.new_empty(0)
         return jt
 
     # device movement ----------------------------------------------------------------------
@@ -671,11 +682,53 @@ class KeyedJaggedTensor(_Jagged):
         """The values' device. A method, as TorchRec's `kjt.device()`."""
         return self._values.device
 
+    def __str__(self) -> str:
+        """TorchRec's: each key's samples' values (and weights)."""
+        if not self._keys or self._lengths is None:
+            return "KeyedJaggedTensor()\n"
+        offsets, B, parts = self.offsets().tolist(), self._stride, []
+        for i, key in enumerate(self._keys):
+            if self._weights is None:
+                parts.append(f'    "{key}": ' + _bags_string(self._values, offsets, i * B, (i + 1) * B))
+            else:
+                parts.append(f'    "{key}": {{\n        "values": '
+                             + _bags_string(self._values, offsets, i * B, (i + 1) * B) + ',\n        "weights": '
+                             + _bags_string(self._weights, offsets, i * B, (i + 1) * B) + "\n    }")
+        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
+
     def __repr__(self) -> str:
-        if not self._keys:
-            return "KeyedJaggedTensor()"
-        parts = []
-        for key, jt in self.to_dict().items():
-            bags = [b.tolist() for b in jt.to_dense()]
-            parts.append(f"  {key!r}: {bags}")
-        return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})"
+        return str(self).rstrip("\n")
+
+
+def _kjt_concat(kjt_list: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """KeyedJaggedTensor.concat (a leaf of torch.fx traces: it reads the KJTs' keys and strides)."""
+    kjts = kjt_list  # TorchRec's argument name
+    if not kjts:
+        return KeyedJaggedTensor.empty()
+    if any(k.variable_stride_per_key() for k in kjts):
+        per_rank = [r for k in kjts for r in (k.stride_per_key_per_rank() or [[k.stride()]] * len(k.keys()))]
+        out = _kjt_concat([KeyedJaggedTensor(k.keys(), k.values(), k.weights_or_none(), lengths=k.lengths(), stride=0,
+                                             length_per_key=k.length_per_key(), _validate=False) for k in kjts])
+        out._set_variable_stride(per_rank)
+        return out
+    strides = {k.stride() for k in kjts if k.keys()}
+    if len(strides) > 1:
+        raise ValueError(f"concat: KJTs have different strides {sorted(strides)}")
+    weighted = {k.weights_or_none() is not None for k in kjts if k.keys()}
+    if len(weighted) > 1:
+        raise ValueError("concat: either every KJT has weights or none does")
+    keys = [key for k in kjts for key in k.keys()]
+    lpk = [n for k in kjts for n in k.length_per_key()]
+    return KeyedJaggedTensor(
+        keys,
+        values=torch.cat([k.values() for k in kjts]),
+        # a KJT with no keys (KeyedJaggedTensor.empty()) adds nothing, weights or not
+        weights=torch.cat([k.weights() for k in kjts if k.keys()]) if weighted == {True} else None,
+        lengths=torch.cat([k.lengths() for k in kjts]),
+        stride=strides.pop() if strides else 0,
+        length_per_key=lpk,
+    )
+
+
+torch.fx.wrap("_kjt_concat")
+

@@ -8,10 +8,12 @@ import torch
 from torch import Tensor
 
 from lightning_rec._device import move_or_explain
+from lightning_rec.errors import NoTorchScript
 from lightning_rec.sparse.checks import _no_key
 
 
-class KeyedTensor:
+# the metaclass: torch.fx records a construction from traced tensors as one node
+class KeyedTensor(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
     """Dense per-key blocks side by side: values [B, sum(D)] with keys and each key's width.
 
         keys = ["t1", "t2"], length_per_key = [2, 3]
@@ -39,12 +41,13 @@ class KeyedTensor:
             raise ValueError(f"KeyedTensor: duplicate keys {dup} in {self._keys}: give every block its own key")
         if any(n < 0 for n in self._length_per_key):
             raise ValueError(f"KeyedTensor: widths must be >= 0, got {self._length_per_key} for keys {self._keys}")
-        if not -values.dim() <= key_dim < values.dim():
-            raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
-                             f"{tuple(values.shape)} (1 for [B, sum of widths])")
-        if values.shape[key_dim] != sum(self._length_per_key):
-            raise ValueError(f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add up "
-                             f"to {sum(self._length_per_key)}")
+        if self._keys or values.numel():  # TorchRec's empty KeyedTensor([], [], torch.Tensor()) has no key dim
+            if not -values.dim() <= key_dim < values.dim():
+                raise ValueError(f"KeyedTensor: key_dim={key_dim} is not a dim of values of shape "
+                                 f"{tuple(values.shape)} (1 for [B, sum of widths])")
+            if values.shape[key_dim] != sum(self._length_per_key):
+                raise ValueError(f"KeyedTensor: values have {values.shape[key_dim]} columns but the keys' widths add "
+                                 f"up to {sum(self._length_per_key)}")
         self._values = values
         self._key_dim = key_dim
         self._offset_per_key: list[int] | None = None
@@ -105,30 +108,8 @@ class KeyedTensor:
 
     @staticmethod
     def regroup(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
-        """Columns of several KeyedTensors gathered into one tensor per group of keys."""
-        blocks: dict[str, Tensor] = {}
-        holders: dict[str, list[int]] = {}
-        for i, kt in enumerate(keyed_tensors):
-            blocks.update(kt.to_dict())
-            for k in kt.keys():
-                holders.setdefault(k, []).append(i)
-        out = []
-        for group in groups:
-            missing = [k for k in group if k not in blocks]
-            if missing:
-                raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
-            shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
-            if shared:
-                # TorchRec takes the last KeyedTensor's block: two towers' 'country' blocks would become one
-                raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
-                                 f"which block is meant is ambiguous: give the features distinct names (the tables' "
-                                 f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")
-            if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refuses an empty list)
-                first = keyed_tensors[0]
-                out.append(first.values().narrow(first.key_dim(), 0, 0))
-                continue
-            out.append(torch.cat([blocks[k] for k in group], dim=keyed_tensors[0].key_dim()))
-        return out
+        """Columns of several KeyedTensors gathered into one tensor per group of keys (`regroup_kts`)."""
+        return regroup_kts(keyed_tensors, groups)
 
     @staticmethod
     def regroup_as_dict(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]],
@@ -136,7 +117,8 @@ class KeyedTensor:
         """`regroup`, each group's tensor under its name: {keys[i]: columns of groups[i]} (TorchRec's)."""
         if len(groups) != len(keys):
             raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys: give one name per group")
-        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+        out = KeyedTensor.regroup(keyed_tensors, groups)
+        return {key: out[i] for i, key in enumerate(keys)}  # by index: a traced list (torch.fx) is not iterable
 
     def device(self) -> torch.device:
         """TorchRec's: the values' device."""
@@ -151,4 +133,43 @@ class KeyedTensor:
         return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim)
 
     def __repr__(self) -> str:
-        return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values})"
+        return str(self).rstrip("\n")
+
+    def __str__(self) -> str:
+        """TorchRec's: each key's block, row by row."""
+        if not self._keys:
+            return "KeyedTensor()\n"
+        return "KeyedTensor({\n" + ",\n".join(f'    "{key}": {self[key].tolist()}' for key in self._keys) + "\n})\n"
+
+
+def regroup_kts(keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]) -> list[Tensor]:
+    """TorchRec's: the columns of the keys of each group, gathered from several KeyedTensors into one tensor per group
+    (a key may appear in several groups; one node when torch.fx traces it)."""
+    blocks: dict[str, Tensor] = {}
+    holders: dict[str, list[int]] = {}
+    for i, kt in enumerate(keyed_tensors):
+        blocks.update(kt.to_dict())
+        for k in kt.keys():
+            holders.setdefault(k, []).append(i)
+    out = []
+    for group in groups:
+        missing = [k for k in group if k not in blocks]
+        if missing:
+            raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors ({list(blocks)})")
+        shared = {k: holders[k] for k in group if len({id(keyed_tensors[i]) for i in holders[k]}) > 1}
+        if shared:
+            # TorchRec takes the last KeyedTensor's block: two towers' 'country' blocks would become one
+            raise ValueError(f"regroup: keys {shared} are in several of the KeyedTensors (at those positions), so "
+                             f"which block is meant is ambiguous: give the features distinct names (the tables' "
+                             f"feature_names, and the batch's keys), or regroup each KeyedTensor on its own")
+        if not group:  # TorchRec's: an empty group is a tensor of no columns (torch.cat refuses an empty list)
+            first = keyed_tensors[0]
+            out.append(first.values().narrow(first.key_dim(), 0, 0))
+            continue
+        out.append(torch.cat([blocks[k] for k in group], dim=keyed_tensors[0].key_dim()))
+    return out
+
+
+permute_multi_embedding = regroup_kts  # TorchRec's name of the same regrouping (its fbgemm kernel)
+torch.fx.wrap("regroup_kts")
+

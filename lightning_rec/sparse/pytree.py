@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning_rec._compat import pytree_takes_flatten_with_keys
 from lightning_rec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
-from lightning_rec.sparse.keyed_tensor import KeyedTensor
+from lightning_rec.sparse.keyed_tensor import KeyedTensor, regroup_kts
 
 # pytree nodes ---------------------------------------------------------------------------------
 #
@@ -46,7 +46,18 @@ def _kt_unflatten(leaves, context) -> KeyedTensor:
     return kt
 
 
+def _jagged_flatten_spec(jt, spec) -> list:
+    return [getattr(jt, f) for f in _JT_FIELDS]
+
+
+def _kt_flatten_spec(kt: KeyedTensor, spec) -> list:
+    """As TorchRec's: an exported program's KeyedTensor input, its blocks put in the order of the spec's keys."""
+    keys = list(spec.context[0])
+    return [kt._values if kt.keys() == keys else regroup_kts([kt], [keys])[0]]
+
+
 def _register_pytree_nodes() -> None:
+    from torch.fx._pytree import register_pytree_flatten_spec
     from torch.utils import _pytree as pytree
 
     with_keys = pytree_takes_flatten_with_keys()
@@ -62,3 +73,4 @@ def _register_pytree_nodes() -> None:
                 lambda obj, flatten=flatten, fields=fields: (
                     [(pytree.GetAttrKey(f), leaf) for f, leaf in zip(fields, flatten(obj)[0])], flatten(obj)[1]))
         pytree.register_pytree_node(cls, flatten, unflatten, **kwargs)
+        register_pytree_flatten_spec(cls, _kt_flatten_spec if cls is KeyedTensor else _jagged_flatten_spec)
