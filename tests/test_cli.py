@@ -668,3 +668,51 @@ def test_a_value_of_the_wrong_type_in_a_config_file_names_the_file(tmp_path, cap
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(mine)])
     assert f"data.batch_size is set in {mine}" in capsys.readouterr().err
+
+
+def test_a_fit_ends_with_the_last_steps_metrics_and_where_everything_went(tmp_path, capsys):
+    # `make train` with max_steps between two validation points printed the metrics of step 6 as "final validation"
+    # while training went on to step 10 (the saved model scored better than the line said), and said nothing of
+    # where its logs and checkpoints went; nor did it leave anything to look at
+    import csv
+
+    cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.max_steps=10", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=2",
+                   "--trainer.log_every_n_steps=2", *QUIET])
+    out = capsys.readouterr().out
+    final = re.search(r"final validation: .*val_auc=(\S+).*\(step (\d+)\)", out)
+    assert final and int(final[2]) == cli.trainer.global_step == 10, out
+    assert float(final[1]) == pytest.approx(val(cli, "val_auc"), abs=1e-4)
+    (run,) = tmp_path.glob("lightning_logs/version_*")
+    assert f"logs: {run} (metrics.csv, summary.md, learning_curves.png)" in out, out
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [int(r["step"]) + 1 for r in rows if r.get("val_auc")] == [6, 10]  # (Lightning writes step - 1)
+    assert any(r.get("train_loss") for r in rows)
+    summary = (run / "summary.md").read_text()
+    assert "final metrics from the validation at step 10" in summary and "![learning curves]" in summary, summary
+    assert (run / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = next(c for c in cli.trainer.checkpoint_callbacks if c.monitor == "val_auc")
+    assert f"checkpoint, best (val_auc={float(best.best_model_score):.4f}): {best.best_model_path}" in out
+    assert f"checkpoint, last: {tmp_path / 'checkpoints' / 'last.ckpt'}" in out
+    assert Path(best.best_model_path).parent == tmp_path / "checkpoints"
+
+
+def test_a_resume_keeps_the_better_checkpoint_of_the_run_before(tmp_path):
+    # the README's resume kept only the newest checkpoint: on the Kaggle recipe (whose second epoch overfits) a resume
+    # deleted the epoch-0 checkpoint (val_auc 0.722) and kept 0.669. The recipes keep the best by val_auc and the last
+    import csv
+
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--data.num_train_samples=4096", "--trainer.limit_val_batches=2", "--trainer.val_check_interval=4", *QUIET]
+    first = run_cli([*args, "--trainer.max_epochs=1", "--data.signal_scale=3"])
+    best_before = next(c for c in first.trainer.checkpoint_callbacks if c.monitor == "val_auc").best_model_path
+    # the resumed epoch scores worse (the planted signal reversed: AUC under 0.5)
+    resumed = run_cli([*args, "--trainer.max_epochs=2", "--ckpt_path=last", "--data.signal_scale=-3"])
+    assert resumed.trainer.global_step == 16
+    scores = [float(r["val_auc"]) for run in sorted(tmp_path.glob("lightning_logs/version_*"))
+              for r in csv.DictReader(open(run / "metrics.csv")) if r.get("val_auc")]
+    assert len(scores) == 4 and max(scores[2:]) < max(scores[:2]), scores
+    callback = next(c for c in resumed.trainer.checkpoint_callbacks if c.monitor == "val_auc")
+    assert callback.best_model_path == best_before and float(callback.best_model_score) == max(scores[:2])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted([Path(best_before).name,
+                                                                                 "last.ckpt"])
