@@ -299,6 +299,23 @@ class DistributedModelParallel(nn.Module):
         self._fused_optimizer: FusedOptimizer | None = None
         self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
 
+    def transport(self) -> str:
+        """One line: how this model's ranks exchange embeddings (and DDP's gradients), within and across hosts."""
+        W = self.world_size
+        L = int(os.environ.get("LOCAL_WORLD_SIZE", W)) or W
+        H = W // L if W % L == 0 else None
+        if W == 1:
+            return "lightning_rec transport: 1 rank, no exchanges"
+        if self._transport is not None:
+            how = "shared memory (/dev/shm; gloo only sets it up)" + (
+                f": the {H} hosts share one /dev/shm" if H != 1 else "")
+        elif self._device.type == "cuda":
+            how = "NCCL (NVLink / PCIe within a host, the network across hosts)"
+        else:  # one group for all: shared memory only when every rank maps every other's /dev/shm
+            how = "gloo over TCP (the ranks do not all share one /dev/shm: other hosts, or shared_memory=False)"
+        return (f"lightning_rec transport: {W} ranks on {H or '?'} host(s) of {L} (LOCAL_WORLD_SIZE): embedding "
+                f"all-to-alls and DDP's gradients through {how}; checkpoint plans through gloo")
+
     def _shared_memory_transport(self, shared_memory: bool | None, device: torch.device, world_size: int,
                                  timeout_setting: str) -> SharedMemoryGroup | None:
         """Collective on CPU (unless shared_memory=False): the embedding group's shared-memory transport, or None."""

@@ -167,6 +167,7 @@ class RecStrategy(DDPStrategy):
         vars(module)[_SHARDED_BY] = self._dmp
         if self.is_global_zero:
             print(f"lightning_rec sharding plan ({self.world_size} ranks):\n{self._dmp.plan}", flush=True)
+            print(self._dmp.transport(), flush=True)
 
     def _reuse(self, prior: DistributedModelParallel, dense: str | None) -> DistributedModelParallel:
         """An earlier Trainer in this process sharded this module's tables (fit, then a new Trainer to test or
