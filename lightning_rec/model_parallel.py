@@ -291,7 +291,7 @@ class DistributedModelParallel(nn.Module):
         module.to(device)
         self._sharded_paths = list(collections)
         self._device = device
-        self._pg, self.world_size = pg, world_size
+        self._pg, self.world_size, self._local_world_size = pg, world_size, local_world_size
         object.__setattr__(self, "_unwrapped", module)
         self._dmp_wrapped_module, self.dense = module, None
         if dense is not None:
@@ -301,8 +301,7 @@ class DistributedModelParallel(nn.Module):
 
     def transport(self) -> str:
         """One line: how this model's ranks exchange embeddings (and DDP's gradients), within and across hosts."""
-        W = self.world_size
-        L = int(os.environ.get("LOCAL_WORLD_SIZE", W)) or W
+        W, L = self.world_size, self._local_world_size
         H = W // L if W % L == 0 else None
         if W == 1:
             return "lightning_rec transport: 1 rank, no exchanges"
@@ -313,7 +312,7 @@ class DistributedModelParallel(nn.Module):
             how = "NCCL (NVLink / PCIe within a host, the network across hosts)"
         else:  # one group for all: shared memory only when every rank maps every other's /dev/shm
             how = "gloo over TCP (the ranks do not all share one /dev/shm: other hosts, or shared_memory=False)"
-        return (f"lightning_rec transport: {W} ranks on {H or '?'} host(s) of {L} (LOCAL_WORLD_SIZE): embedding "
+        return (f"lightning_rec transport: {W} ranks on {H or '?'} host(s) of {L}: embedding "
                 f"all-to-alls and DDP's gradients through {how}; checkpoint plans through gloo")
 
     def _shared_memory_transport(self, shared_memory: bool | None, device: torch.device, world_size: int,

@@ -161,13 +161,14 @@ class RecStrategy(DDPStrategy):
         self._dmp = DistributedModelParallel(
             module, plan=plan, device=self.root_device, dense=dense,
             timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
-            timeout_setting="RecStrategy(embedding_timeout=...)",
+            timeout_setting="RecStrategy(embedding_timeout=...)", local_world_size=self.num_processes,
         )
         # in the module's own __dict__ (not a submodule): a later Trainer over this module finds its tables sharded
         vars(module)[_SHARDED_BY] = self._dmp
         if self.is_global_zero:
             print(f"lightning_rec sharding plan ({self.world_size} ranks):\n{self._dmp.plan}", flush=True)
-            print(self._dmp.transport(), flush=True)
+            if self.world_size > 1:
+                print(self._dmp.transport(), flush=True)
 
     def _reuse(self, prior: DistributedModelParallel, dense: str | None) -> DistributedModelParallel:
         """An earlier Trainer in this process sharded this module's tables (fit, then a new Trainer to test or

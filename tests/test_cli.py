@@ -83,7 +83,8 @@ def test_a_default_model_checkpoint_that_saved_nothing_gives_advice_that_parses(
 
     args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
             "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=3", "--trainer.limit_train_batches=4",
-            "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=true", *QUIET]
+            "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=true", "--trainer.callbacks=[]",
+            *QUIET]  # (without the recipe's ModelCheckpoint)
     with pytest.warns(UserWarning, match=r"saved no checkpoint .* Add (--trainer\.callbacks\+=ModelCheckpoint "
                                          r"--trainer\.callbacks\.save_last=true)") as caught:
         run_cli(args)

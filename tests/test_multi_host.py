@@ -58,7 +58,7 @@ def test_two_hosts_of_two_ranks_train_checkpoint_and_resume_in_one_process(tmp_p
     hosts_of = [{r // 2 for r in ranks[t]} for t in ("t_C2", "t_C3", "t_C4")]
     assert all(len(h) == 1 and len(ranks[t]) == 2 for h, t in zip(hosts_of, ("t_C2", "t_C3", "t_C4"))), ranks
     assert set().union(*hosts_of) == {0, 1}, ranks  # placed on both hosts
-    assert "lightning_rec transport: 4 ranks on 2 host(s) of 2 (LOCAL_WORLD_SIZE)" in out, out[-3000:]
+    assert "lightning_rec transport: 4 ranks on 2 host(s) of 2: " in out, out[-3000:]
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert (last / "lightning.pt").is_file()
     # the sharded checkpoint of 4 ranks on 2 hosts, resumed in one process
