@@ -97,17 +97,24 @@ def test_a_default_model_checkpoint_that_saved_nothing_gives_advice_that_parses(
 
 
 @needs_wandb
-def test_wandb_logger_offline(tmp_path, monkeypatch):
+def test_wandb_logger_offline(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    save_dir = tmp_path / "not_yet_made"  # (wandb said "git root ... does not exist" of it)
     cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml",
                    "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
                    "--trainer.logger.offline=true", "--trainer.logger.project=lightning_rec_test",
-                   f"--trainer.logger.save_dir={tmp_path}",
+                   f"--trainer.logger.save_dir={save_dir}",
                    "--trainer.max_steps=8", "--trainer.limit_val_batches=2",
                    "--trainer.val_check_interval=4", f"--trainer.default_root_dir={tmp_path}", *QUIET])
     assert "val_auc" in cli.trainer.callback_metrics
-    assert list(tmp_path.glob("wandb/offline-run-*")), "W&B wrote no offline run"
+    (run,) = save_dir.glob("wandb/offline-run-*")
+    said = capfd.readouterr()
+    # W&B's two warnings at every start, and metrics.csv beside its files, the curves in its run too
+    assert "anonymous setting has no effect" not in said.err + said.out and "git root" not in said.err + said.out
+    assert (save_dir / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert f"W&B: {run} (upload: wandb sync {run})" in said.out, said.out
+    assert list(run.glob("files/media/images/learning_curves*.png")), sorted(run.rglob("*"))
 
 
 def test_unknown_model_argument_is_refused(tmp_path, capsys):

@@ -112,8 +112,10 @@ def plot_curves(series: dict[str, list], path: str | Path) -> str | None:
     panels = _panels(series)
     if not panels:
         return None
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # an environment installed before matplotlib was a dependency: the rest still written
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
