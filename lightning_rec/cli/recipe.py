@@ -394,8 +394,10 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     # two about our loaders that do not apply (they split rows between workers and place predicted rows themselves),
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"Couldn't infer the batch indices fetched from your dataloader")
-    # and that a fit without --data.val_path has no validation batches (the data module's empty list, on purpose)
+    # and that a fit without --data.val_path has no validation batches (the data module's empty list, on purpose),
     warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+    # nor, then, the metric the recipe's ModelCheckpoint monitors (missing after a validation: Lightning's error)
+    warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='(val|test)_.*could not find the monitored")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):
