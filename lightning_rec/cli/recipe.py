@@ -194,7 +194,7 @@ class RecCLI(CheckpointPathCLI):
                 init.dirpath = os.path.join(str(trainer.get("default_root_dir") or os.getcwd()), "checkpoints")
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
-        # recipes say enable_checkpointing: false; a ModelCheckpoint the user adds is the ask to save
+        # a config saying enable_checkpointing: false, to which the user adds a ModelCheckpoint: the ask to save
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         given = config.get("callbacks") or []
