@@ -726,3 +726,18 @@ def test_a_resume_keeps_the_better_checkpoint_of_the_run_before(tmp_path):
     assert callback.best_model_path == best_before and float(callback.best_model_score) == max(scores[:2])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted([Path(best_before).name,
                                                                                  "last.ckpt"])
+
+
+def test_the_learning_curves_group_splits_cutoffs_and_tasks(tmp_path):
+    # one panel per metric: its splits, @K and tasks as lines (retrieval: NDCG@K and Recall@K first)
+    from lightning_rec.cli.run_summary import _panels, plot_curves, read_metrics
+
+    (tmp_path / "metrics.csv").write_text(
+        "epoch,step,train_loss,val_auc/click,val_auc/like,val_mrr@10,val_recall@10,test_recall@20,val_ndcg@10,"
+        "val_ctr,mem/rank0_max_rss_mb\n0,9,0.5,,,,,,,,\n0,9,,0.7,0.6,0.2,0.3,0.35,0.25,0.25,100\n")
+    series = read_metrics(tmp_path / "metrics.csv")
+    assert series["train_loss"] == [(10, 0.5)]  # the step the Trainer counts (Lightning writes it before the +1)
+    assert _panels(series) == {"train loss": ["train_loss"], "auc": ["val_auc/click", "val_auc/like"],
+                               "ndcg": ["val_ndcg@10"], "recall": ["val_recall@10", "test_recall@20"],
+                               "mrr": ["val_mrr@10"]}
+    assert plot_curves(series, tmp_path / "curves.png") and (tmp_path / "curves.png").stat().st_size > 1000

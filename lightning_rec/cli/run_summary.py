@@ -100,10 +100,14 @@ def _panels(series: dict[str, list]) -> dict[str, list[str]]:
     losses = [c for c in series if c.startswith("train") and "loss" in c]
     if losses:
         panels["train loss"] = losses
+    kinds: dict[str, list[str]] = {}
     for column in series:
         kind = _kind(column)
         if kind and kind not in ("loss", "ctr"):  # (val_loss: the logloss again; ctr: the data's, not learnt)
-            panels.setdefault(kind, []).append(column)
+            kinds.setdefault(kind, []).append(column)
+    first = ["auc", "ndcg", "recall"]  # the metrics recipes are judged by, then the rest as logged
+    for kind in sorted(kinds, key=lambda k: first.index(k) if k in first else len(first)):
+        panels[kind] = kinds[kind]
     return panels
 
 
@@ -157,7 +161,7 @@ def wandb_dirs(trainer) -> list[str]:
 
     dirs = []
     for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
+        if isinstance(logger, WandbLogger):  # (rank 0, after fit: its run started with the fit)
             run_dir = getattr(logger.experiment, "dir", None)  # <run>/files
             dirs.append(str(Path(run_dir).parent) if run_dir else str(logger.save_dir))
     return dirs
@@ -197,16 +201,12 @@ def write_summary(trainer, final: dict[str, float], step: int | None) -> dict[st
 
 
 def to_wandb(trainer, written: dict[str, str]) -> None:
-    """The learning curves to each W&B run (as an image), and summary.md beside its files."""
+    """The learning curves to each W&B run, as an image."""
     from lightning.pytorch.loggers import WandbLogger
 
     for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
-            if "curves" in written:
-                logger.log_image(key="learning_curves", images=[written["curves"]])
-            if "summary" in written:
-                logger.experiment.save(written["summary"], base_path=os.path.dirname(written["summary"]),
-                                       policy="now")
+        if isinstance(logger, WandbLogger) and "curves" in written:
+            logger.log_image(key="learning_curves", images=[written["curves"]])
 
 
 def where_it_went(trainer, written: dict[str, str]) -> list[str]:
