@@ -198,10 +198,10 @@ class RecStrategy(DDPStrategy):
         stats = planner.stats
         if not getattr(planner, "print_stats", False):  # a planner of the user's (print_stats=True) printed it already
             print(stats, flush=True)
-        logger = self._lightning_module.trainer.logger
-        if logger is not None and callable(getattr(logger, "log_table", None)):
-            columns, rows = stats.rank_rows()
-            logger.log_table(key="sharding_plan", columns=columns, data=rows)
+        for logger in self._lightning_module.trainer.loggers:  # (W&B's, wherever it is in the list)
+            if callable(getattr(logger, "log_table", None)):
+                columns, rows = stats.rank_rows()
+                logger.log_table(key="sharding_plan", columns=columns, data=rows)
 
     @override
     def configure_ddp(self) -> None:
