@@ -229,3 +229,27 @@ def default_store():
         return torch.distributed.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store: the caller does without
         return None
+
+
+def validate_also_after(trainer, also) -> bool:
+    """The fit's training loop also validates after a batch where `also()` is true (Lightning 2.6.x
+    `_TrainingEpochLoop._should_check_val_fx(data_fetcher)`, asked after every batch); False where absent."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    own = getattr(epoch_loop, "_should_check_val_fx", None)
+    if not callable(own):
+        return False
+    epoch_loop._should_check_val_fx = lambda data_fetcher: own(data_fetcher) or also()
+    return True
+
+
+def is_last_batch_of_epoch(trainer) -> bool:
+    """Whether the fit's batch just run was its epoch's last (Lightning 2.6.x `batch_progress.is_last_batch`)."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return bool(getattr(getattr(epoch_loop, "batch_progress", None), "is_last_batch", False))
+
+
+def wandb_init_arguments(logger) -> dict:
+    """The arguments WandbLogger gives wandb.init (Lightning 2.6.x `WandbLogger._wandb_init`, before its run starts);
+    {} where absent. (It passes anonymous=None, which wandb >= 0.19 reports at every start as having no effect.)"""
+    arguments = getattr(logger, "_wandb_init", None)
+    return arguments if isinstance(arguments, dict) else {}

@@ -311,13 +311,29 @@ class DistributedModelParallel(nn.Module):
         module.to(device)
         self._sharded_paths = list(collections)
         self._device = device
-        self._pg, self.world_size = pg, world_size
+        self._pg, self.world_size, self._local_world_size = pg, world_size, local_world_size
         object.__setattr__(self, "_unwrapped", module)
         self._dmp_wrapped_module, self.dense = module, None
         if dense is not None:
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
         self._control_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # step_together
+
+    def transport(self) -> str:
+        """One line: how this model's ranks exchange embeddings (and DDP's gradients), within and across hosts."""
+        W, L = self.world_size, self._local_world_size
+        H = W // L if W % L == 0 else None
+        if W == 1:
+            return "lightning_rec transport: 1 rank, no exchanges"
+        if self._transport is not None:
+            how = "shared memory (/dev/shm; gloo only sets it up)" + (
+                f": the {H} hosts share one /dev/shm" if H != 1 else "")
+        elif self._device.type == "cuda":
+            how = "NCCL (NVLink / PCIe within a host, the network across hosts)"
+        else:  # one group for all: shared memory only when every rank maps every other's /dev/shm
+            how = "gloo over TCP (the ranks do not all share one /dev/shm: other hosts, or shared_memory=False)"
+        return (f"lightning_rec transport: {W} ranks on {H or '?'} host(s) of {L}: embedding "
+                f"all-to-alls and DDP's gradients through {how}; checkpoint plans through gloo")
 
     def _shared_memory_transport(self, shared_memory: bool | None, device: torch.device, world_size: int,
                                  timeout_setting: str) -> SharedMemoryGroup | None:

@@ -161,12 +161,14 @@ class RecStrategy(DDPStrategy):
         self._dmp = DistributedModelParallel(
             module, plan=plan, device=self.root_device, dense=dense,
             timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
-            timeout_setting="RecStrategy(embedding_timeout=...)",
+            timeout_setting="RecStrategy(embedding_timeout=...)", local_world_size=self.num_processes,
         )
         # in the module's own __dict__ (not a submodule): a later Trainer over this module finds its tables sharded
         vars(module)[_SHARDED_BY] = self._dmp
         if self.is_global_zero:
             print(f"lightning_rec sharding plan ({self.world_size} ranks):\n{self._dmp.plan}", flush=True)
+            if self.world_size > 1:
+                print(self._dmp.transport(), flush=True)
 
     def _reuse(self, prior: DistributedModelParallel, dense: str | None) -> DistributedModelParallel:
         """An earlier Trainer in this process sharded this module's tables (fit, then a new Trainer to test or
@@ -196,10 +198,10 @@ class RecStrategy(DDPStrategy):
         stats = planner.stats
         if not getattr(planner, "print_stats", False):  # a planner of the user's (print_stats=True) printed it already
             print(stats, flush=True)
-        logger = self._lightning_module.trainer.logger
-        if logger is not None and callable(getattr(logger, "log_table", None)):
-            columns, rows = stats.rank_rows()
-            logger.log_table(key="sharding_plan", columns=columns, data=rows)
+        for logger in self._lightning_module.trainer.loggers:  # (W&B's, wherever it is in the list)
+            if callable(getattr(logger, "log_table", None)):
+                columns, rows = stats.rank_rows()
+                logger.log_table(key="sharding_plan", columns=columns, data=rows)
 
     @override
     def configure_ddp(self) -> None:

@@ -49,6 +49,7 @@ def test_a_fit_without_validation_says_nothing_of_it(shared_data, tmp_path, caps
                  f"--trainer.default_root_dir={tmp_path}", *QUIET])
     said = [str(w.message) for w in caught]
     assert not [m for m in said if "across ranks is zero" in m], said  # Lightning's word on the empty val list
+    assert not [m for m in said if "could not find the monitored key" in m], said  # the recipe's ModelCheckpoint's
     assert "final validation" not in capsys.readouterr().out  # nor ours that none ran: there is nothing to run
 
 
@@ -83,7 +84,8 @@ def test_a_default_model_checkpoint_that_saved_nothing_gives_advice_that_parses(
 
     args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
             "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=3", "--trainer.limit_train_batches=4",
-            "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=true", *QUIET]
+            "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=true", "--trainer.callbacks=[]",
+            *QUIET]  # (without the recipe's ModelCheckpoint)
     with pytest.warns(UserWarning, match=r"saved no checkpoint .* Add (--trainer\.callbacks\+=ModelCheckpoint "
                                          r"--trainer\.callbacks\.save_last=true)") as caught:
         run_cli(args)
@@ -96,17 +98,24 @@ def test_a_default_model_checkpoint_that_saved_nothing_gives_advice_that_parses(
 
 
 @needs_wandb
-def test_wandb_logger_offline(tmp_path, monkeypatch):
+def test_wandb_logger_offline(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    save_dir = tmp_path / "not_yet_made"  # (wandb said "git root ... does not exist" of it)
     cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml",
                    "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
                    "--trainer.logger.offline=true", "--trainer.logger.project=lightning_rec_test",
-                   f"--trainer.logger.save_dir={tmp_path}",
+                   f"--trainer.logger.save_dir={save_dir}",
                    "--trainer.max_steps=8", "--trainer.limit_val_batches=2",
                    "--trainer.val_check_interval=4", f"--trainer.default_root_dir={tmp_path}", *QUIET])
     assert "val_auc" in cli.trainer.callback_metrics
-    assert list(tmp_path.glob("wandb/offline-run-*")), "W&B wrote no offline run"
+    (run,) = save_dir.glob("wandb/offline-run-*")
+    said = capfd.readouterr()
+    # W&B's two warnings at every start, and metrics.csv beside its files, the curves in its run too
+    assert "anonymous setting has no effect" not in said.err + said.out and "git root" not in said.err + said.out
+    assert (save_dir / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert f"W&B: {run} (upload: wandb sync {run})" in said.out, said.out
+    assert list(run.glob("files/media/images/learning_curves*.png")), sorted(run.rglob("*"))
 
 
 def test_unknown_model_argument_is_refused(tmp_path, capsys):
@@ -520,7 +529,8 @@ def test_ckpt_path_last_with_nothing_saved_yet(tmp_path, caplog):
             f"--trainer.default_root_dir={tmp_path}", *QUIET]
     with pytest.raises(SystemExit) as e:
         run_cli(["validate", *args])
-    assert f"--ckpt_path=last found no last checkpoint (last*.ckpt) in {tmp_path / 'ckpt'}" in str(e.value), e.value
+    said = str(e.value)  # (in the recipe's checkpoints folder, or in the one added)
+    assert "--ckpt_path=last found no last checkpoint (last*.ckpt) in " in said and str(tmp_path / "ckpt") in said, said
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_cli(["fit", *args, "--trainer.max_epochs=1"])
@@ -704,3 +714,66 @@ def test_a_value_of_the_wrong_type_in_a_config_file_names_the_file(tmp_path, cap
     with pytest.raises(SystemExit):
         run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config", str(mine)])
     assert f"data.batch_size is set in {mine}" in capsys.readouterr().err
+
+
+def test_a_fit_ends_with_the_last_steps_metrics_and_where_everything_went(tmp_path, capsys):
+    # `make train` with max_steps between two validation points printed the metrics of step 6 as "final validation"
+    # while training went on to step 10 (the saved model scored better than the line said), and said nothing of
+    # where its logs and checkpoints went; nor did it leave anything to look at
+    import csv
+
+    cli = run_cli(["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.max_steps=10", "--trainer.val_check_interval=6", "--trainer.limit_val_batches=2",
+                   "--trainer.log_every_n_steps=2", *QUIET])
+    out = capsys.readouterr().out
+    final = re.search(r"final validation: .*val_auc=(\S+).*\(step (\d+)\)", out)
+    assert final and int(final[2]) == cli.trainer.global_step == 10, out
+    assert float(final[1]) == pytest.approx(val(cli, "val_auc"), abs=1e-4)
+    (run,) = tmp_path.glob("lightning_logs/version_*")
+    assert f"logs: {run} (metrics.csv, summary.md, learning_curves.png)" in out, out
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [int(r["step"]) + 1 for r in rows if r.get("val_auc")] == [6, 10]  # (Lightning writes step - 1)
+    assert any(r.get("train_loss") for r in rows)
+    summary = (run / "summary.md").read_text()
+    assert "final metrics from the validation at step 10" in summary and "![learning curves]" in summary, summary
+    assert (run / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = next(c for c in cli.trainer.checkpoint_callbacks if c.monitor == "val_auc")
+    assert f"checkpoint, best (val_auc={float(best.best_model_score):.4f}): {best.best_model_path}" in out
+    assert f"checkpoint, last: {tmp_path / 'checkpoints' / 'last.ckpt'}" in out
+    assert Path(best.best_model_path).parent == tmp_path / "checkpoints"
+
+
+def test_a_resume_keeps_the_better_checkpoint_of_the_run_before(tmp_path):
+    # the README's resume kept only the newest checkpoint: on the Kaggle recipe (whose second epoch overfits) a resume
+    # deleted the epoch-0 checkpoint (val_auc 0.722) and kept 0.669. The recipes keep the best by val_auc and the last
+    import csv
+
+    args = ["fit", "--config", "recipes/configs/dlrm_synthetic.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--data.num_train_samples=4096", "--trainer.limit_val_batches=2", "--trainer.val_check_interval=4", *QUIET]
+    first = run_cli([*args, "--trainer.max_epochs=1", "--data.signal_scale=3"])
+    best_before = next(c for c in first.trainer.checkpoint_callbacks if c.monitor == "val_auc").best_model_path
+    # the resumed epoch scores worse (the planted signal reversed: AUC under 0.5)
+    resumed = run_cli([*args, "--trainer.max_epochs=2", "--ckpt_path=last", "--data.signal_scale=-3"])
+    assert resumed.trainer.global_step == 16
+    scores = [float(r["val_auc"]) for run in sorted(tmp_path.glob("lightning_logs/version_*"))
+              for r in csv.DictReader(open(run / "metrics.csv")) if r.get("val_auc")]
+    assert len(scores) == 4 and max(scores[2:]) < max(scores[:2]), scores
+    callback = next(c for c in resumed.trainer.checkpoint_callbacks if c.monitor == "val_auc")
+    assert callback.best_model_path == best_before and float(callback.best_model_score) == max(scores[:2])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted([Path(best_before).name,
+                                                                                 "last.ckpt"])
+
+
+def test_the_learning_curves_group_splits_cutoffs_and_tasks(tmp_path):
+    # one panel per metric: its splits, @K and tasks as lines (retrieval: NDCG@K and Recall@K first)
+    from lightning_rec.cli.run_summary import _panels, plot_curves, read_metrics
+
+    (tmp_path / "metrics.csv").write_text(
+        "epoch,step,train_loss,val_auc/click,val_auc/like,val_mrr@10,val_recall@10,test_recall@20,val_ndcg@10,"
+        "val_ctr,mem/rank0_max_rss_mb\n0,9,0.5,,,,,,,,\n0,9,,0.7,0.6,0.2,0.3,0.35,0.25,0.25,100\n")
+    series = read_metrics(tmp_path / "metrics.csv")
+    assert series["train_loss"] == [(10, 0.5)]  # the step the Trainer counts (Lightning writes it before the +1)
+    assert _panels(series) == {"train loss": ["train_loss"], "auc": ["val_auc/click", "val_auc/like"],
+                               "ndcg": ["val_ndcg@10"], "recall": ["val_recall@10", "test_recall@20"],
+                               "mrr": ["val_mrr@10"]}
+    assert plot_curves(series, tmp_path / "curves.png") and (tmp_path / "curves.png").stat().st_size > 1000

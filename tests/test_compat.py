@@ -169,3 +169,30 @@ def test_a_persistent_iterator_runs_the_hook_before_its_reset():
     assert list(iter(loader)) and calls == [True]  # the same iterator, reset for a new pass
     assert not persistent_iterator_reset(iter([1, 2]), lambda source: None)
     assert default_store() is None  # no process group here
+
+
+def test_validating_after_a_batch_and_the_last_batch_flag():
+    seen = []
+
+    class Seeing(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            assert _compat.validate_also_after(trainer, lambda: trainer.global_step == 3)
+
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(_compat.is_last_batch_of_epoch(trainer))
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                seen.append(("validated", trainer.global_step))
+
+    trainer = _trainer(max_steps=4, limit_train_batches=4, limit_val_batches=1, val_check_interval=4,
+                       num_sanity_val_steps=0, callbacks=[Seeing()])
+    trainer.fit(BoringModel(), BoringDataModule())
+    assert seen == [False, False, False, ("validated", 3), True, ("validated", 4)], seen
+
+
+def test_the_wandb_loggers_init_arguments():
+    from lightning.pytorch.loggers import WandbLogger
+
+    arguments = _compat.wandb_init_arguments(WandbLogger(project="p", offline=True))
+    assert arguments["project"] == "p" and arguments["anonymous"] is None  # what wandb says has no effect

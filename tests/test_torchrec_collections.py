@@ -354,7 +354,8 @@ def test_a_dense_optimizer_over_every_parameter_leaves_the_fused_tables_out(capl
 def test_torchscript_is_refused_in_one_line():
     """torch.jit.script(ebc) failed deep in TorchScript's parser ("Only a single generator is currently supported")."""
     model = _Model()
-    with pytest.raises(RuntimeError, match=r"torch.jit.script: lightning_rec's EmbeddingBagCollection does not support TorchScript"):
+    with pytest.raises(RuntimeError,
+                       match=r"torch.jit.script: lightning_rec's EmbeddingBagCollection does not support TorchScript"):
         torch.jit.script(model)
     with pytest.raises(RuntimeError, match=r"EmbeddingCollection does not support TorchScript"):
         torch.jit.script(EmbeddingCollection(_seqs()))

@@ -1,8 +1,8 @@
 """`lightning-rec`: the recipe command line (LightningCLI): fit / validate / test / predict --config <recipe>,
 preprocess (Criteo text to shards) and export (an unsharded model for inference). docs/criteo.md, docs/predict.md.
 
-hints.py repairs the parsers' refusals, recipe.py holds RecCLI (ckpt_path.py: its --ckpt_path), commands.py the entry
-point and the two commands it runs itself."""
+hints.py repairs the parsers' refusals, recipe.py holds RecCLI (ckpt_path.py: its --ckpt_path; run_summary.py: what a
+fit leaves and says at its end), commands.py the entry point and the two commands it runs itself."""
 from lightning_rec.cli.commands import export_main, main, preprocess_main
 from lightning_rec.cli.hints import (  # noqa: F401  (the names lightning_rec/cli.py had)
     _JSONARGPARSE_WORDS,

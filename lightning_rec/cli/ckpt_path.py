@@ -165,8 +165,8 @@ class CheckpointPathCLI(LightningCLI):
 
         does = "predicts" if subcommand == "predict" else "evaluates"
         rank_zero_warn(f"lightning-rec {subcommand} without --ckpt_path {does} with the model as the recipe builds "
-                       f"it, untrained: pass --ckpt_path=CHECKPOINT (a fit "
-                       f"saves them with --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.dirpath=DIR)",
+                       f"it, untrained: pass --ckpt_path=CHECKPOINT, or --ckpt_path=last (a recipe's fit saves "
+                       f"its best and last checkpoints in <default_root_dir>/checkpoints and prints their paths)",
                        category=UserWarning)
 
     def _refuse_best(self, subcommand: str) -> None:

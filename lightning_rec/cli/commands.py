@@ -24,7 +24,7 @@ def export_main(argv: list[str]) -> int:
                                    description="Write an unsharded model for inference: OUT/model.safetensors + "
                                                "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
-                                           "lightning_logs/version_0/checkpoints/last.ckpt")
+                                           "runs/dlrm_synthetic/checkpoints/last.ckpt")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
     # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous

@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
 
 import lightning_rec.strategy  # noqa: F401  (registers --trainer.strategy=rec)
+from lightning_rec.cli import run_summary
 from lightning_rec.cli.ckpt_path import CheckpointPathCLI
 from lightning_rec.cli.hints import (
     _raised_in_lightning,
@@ -121,7 +122,7 @@ class RecCLI(CheckpointPathCLI):
         if strategy in (None, "auto") and "strategy" not in kwargs and self.subcommand == "fit":
             kwargs.update(self._rec_for_fused_tables_on_ranks())
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except MisconfigurationException as e:
             self._check_accelerator(self.config_init)
             # a refused Trainer option (`--trainer.devices=0`) in a line that names it, not a traceback
@@ -136,6 +137,11 @@ class RecCLI(CheckpointPathCLI):
             if said:
                 raise SystemExit(said) from None
             raise
+        if self.subcommand == "fit":  # metrics.csv beside W&B's files, and the final step's metrics
+            run_summary.add_csv_logger(trainer)
+            trainer.callbacks.append(run_summary.FinalStepValidation())
+        run_summary.quiet_wandb(trainer)
+        return trainer
 
     def _rec_for_fused_tables_on_ranks(self) -> dict:
         # strategy auto at 2+ ranks would be DDP, under which fused tables cannot train: for such a model it means rec
@@ -173,9 +179,22 @@ class RecCLI(CheckpointPathCLI):
         _warn_options_a_later_config_sets(self._argv)  # (before parsing: --print_config exits inside it)
         remember_command_line(self._argv)  # a refusal of a config file names the file (did_you_mean)
         super().parse_arguments(parser, args)
+        self._checkpoints_under_root_dir()
+
+    def _checkpoints_under_root_dir(self) -> None:
+        # a ModelCheckpoint without dirpath (the recipes') saves in <default_root_dir>/checkpoints, the same folder
+        # from run to run (Lightning's default, a new logger version each run, is one --ckpt_path=last cannot find)
+        subcommand = self.config.get("subcommand")
+        trainer = (self.config.get(subcommand) if subcommand else self.config).get("trainer") or {}
+        callbacks = trainer.get("callbacks") or []
+        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+            init = getattr(callback, "init_args", None)
+            if str(getattr(callback, "class_path", "")).endswith(".ModelCheckpoint") and init is not None \
+                    and not init.get("dirpath"):
+                init.dirpath = os.path.join(str(trainer.get("default_root_dir") or os.getcwd()), "checkpoints")
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
-        # recipes say enable_checkpointing: false; a ModelCheckpoint the user adds is the ask to save
+        # a config saying enable_checkpointing: false, to which the user adds a ModelCheckpoint: the ask to save
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         given = config.get("callbacks") or []
@@ -282,15 +301,19 @@ class RecCLI(CheckpointPathCLI):
         super()._run_subcommand(subcommand)
 
     def after_fit(self) -> None:
-        # the last validation's metrics (test_* too, with eval_test_in_fit)
+        # the last validation's metrics (test_* too, with eval_test_in_fit), of the last step (FinalStepValidation)
         trainer = self.trainer
         validated = False
+        step = next((c.step for c in trainer.callbacks if isinstance(c, run_summary.FinalStepValidation)), None)
+        final = {}
         for prefix, what in (("val_", "validation"), ("test_", "test")):
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
             validated |= bool(metrics) and prefix == "val_"
+            final.update(metrics)
             if metrics and trainer.is_global_zero:
                 shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))
-                print(f"final {what}: {shown}", flush=True)
+                at = f"  (step {step})" if step is not None else ""
+                print(f"final {what}: {shown}{at}", flush=True)
         # a fit shorter than the recipe's validation interval would end without a metric and without a word
         if not validated and trainer.is_global_zero and trainer.global_step > 0 and self._has_validation_data():
             every = trainer.check_val_every_n_epoch
@@ -300,6 +323,8 @@ class RecCLI(CheckpointPathCLI):
                   f"--trainer.val_check_interval), or run `lightning-rec validate` with the fit's checkpoint",
                   flush=True)
         self._say_if_no_checkpoint_was_saved()
+        if trainer.is_global_zero:
+            run_summary.summarize(trainer, final, step)
 
     def _has_validation_data(self) -> bool:
         trainer = self.trainer
@@ -369,8 +394,10 @@ def run_cli(args: list[str] | None = None) -> RecCLI:
     # two about our loaders that do not apply (they split rows between workers and place predicted rows themselves),
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"Couldn't infer the batch indices fetched from your dataloader")
-    # and that a fit without --data.val_path has no validation batches (the data module's empty list, on purpose)
+    # and that a fit without --data.val_path has no validation batches (the data module's empty list, on purpose),
     warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+    # nor, then, the metric the recipe's ModelCheckpoint monitors (missing after a validation: Lightning's error)
+    warnings.filterwarnings("ignore", message=r"`ModelCheckpoint\(monitor='(val|test)_.*could not find the monitored")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         rank_zero_log = logging.getLogger(name)
         if not any(isinstance(f, _NoLitLoggerTip) for f in rank_zero_log.filters):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 from typing import Any
 
 import torch
@@ -162,6 +163,20 @@ class RecModuleHooks(RecCheckpointLoading):
     def log_train_loss(self, loss, batch_size: int) -> None:
         """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync."""
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
+
+    def on_train_epoch_end(self) -> None:
+        self.log_memory_per_rank()
+
+    def log_memory_per_rank(self) -> None:
+        """mem/rank<r>_max_rss_mb (and _max_gpu_mb) for the loggers: each rank's peak memory (a collective)."""
+        mem = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]  # KiB on Linux: this process's peak
+        if self.device.type == "cuda":
+            mem.append(torch.cuda.max_memory_allocated(self.device) / 2**20)
+        per_rank = self.all_gather(torch.tensor(mem, dtype=torch.float64, device=self.device)).reshape(-1, len(mem))
+        for rank, row in enumerate(per_rank.tolist()):
+            self.log(f"mem/rank{rank}_max_rss_mb", row[0], sync_dist=True, reduce_fx="max")
+            if len(row) > 1:
+                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], sync_dist=True, reduce_fx="max")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

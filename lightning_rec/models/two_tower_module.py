@@ -10,7 +10,6 @@ Logged: train_loss, train_samples_per_s, mem/rank<r>_max_rss_mb, <split>_ndcg@10
 from __future__ import annotations
 
 import hashlib
-import resource
 import time
 from collections.abc import Sequence
 
@@ -265,18 +264,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         seconds = time.perf_counter() - self._epoch_start
         rate = torch.tensor([self._samples / max(seconds, 1e-9)], dtype=torch.float64, device=self.device)
         self.log("train_samples_per_s", float(self.all_gather(rate).sum()), **_SAME_ON_EVERY_RANK)
-        self._log_memory()
-
-    def _log_memory(self) -> None:
-        # ru_maxrss is in KiB on Linux: this process's peak host memory
-        mem = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]
-        if self.device.type == "cuda":
-            mem.append(torch.cuda.max_memory_allocated(self.device) / 2**20)
-        per_rank = self.all_gather(torch.tensor(mem, dtype=torch.float64, device=self.device)).reshape(-1, len(mem))
-        for rank, row in enumerate(per_rank.tolist()):
-            self.log(f"mem/rank{rank}_max_rss_mb", row[0], **_SAME_ON_EVERY_RANK)
-            if len(row) > 1:
-                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], **_SAME_ON_EVERY_RANK)
+        self.log_memory_per_rank()
 
     # evaluation: item embeddings once, then users in batches --------------------------------------
 

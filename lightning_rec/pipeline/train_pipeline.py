@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
 import warnings
 import weakref
 from collections import deque
@@ -133,6 +135,12 @@ class ReadAhead:
 
     def __repr__(self) -> str:
         return f"ReadAhead({len(self)} batches)"
+
+
+def _process_ending() -> bool:
+    """At exit: the main thread has finished (atexit hooks, such as the one closing the process groups, collect
+    what is left) or the interpreter is being torn down."""
+    return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
 class TrainPipelineSparseDist:
@@ -269,8 +277,8 @@ class TrainPipelineSparseDist:
         # let go mid-pass: the batches cannot be handed back (a join at the collector's moment): say so
         pipeline = getattr(self, "_pipeline", None)
         feeder = getattr(pipeline, "feeder", None)
-        if pipeline is None or pipeline.closed or feeder is None or feeder._finished:
-            return
+        if pipeline is None or pipeline.closed or feeder is None or feeder._finished or _process_ending():
+            return  # (at exit: a script's pipeline left open, nothing after it to take its batches)
         try:
             with feeder._cond:
                 dropped = sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
