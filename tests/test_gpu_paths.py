@@ -187,6 +187,10 @@ def test_ddp_arguments_are_feature_detected(monkeypatch):
 
     assert "forward_sync_buffers" not in inspect.signature(DDP211.__init__).parameters
     monkeypatch.setattr("torch.nn.parallel.DistributedDataParallel", DDP211)
+    # the probe is cached per process (an earlier test in this worker may have asked the real DDP): ask it afresh
+    from lightning_rec._compat import ddp_has_forward_sync_buffers
+
+    monkeypatch.setattr(model_parallel, "ddp_has_forward_sync_buffers", ddp_has_forward_sync_buffers.__wrapped__)
     ddp = model_parallel.DistributedModelParallel._wrap_dense(nn.Linear(2, 2), "ddp", torch.device("cpu"), None, {})
     assert seen["kwargs"]["gradient_as_bucket_view"] is True
     assert ddp.broadcast_buffers is False  # synced at construction, not before every forward
