@@ -55,6 +55,7 @@ SMOKES = [
      {"rows", "in_memory_seconds", "spilled_seconds"}),
     ("auc", [], {"torchmetrics_over_ours_time_n20000", "torchmetrics_over_ours_state_n20000"},
      {"abs_diff_ours_vs_torchmetrics_n20000", "confident_logits_ours", "confident_logits_torchmetrics"}),
+    ("metrics", [], {"step_with_metrics_vs_without"}, {"step_ms_without", "step_ms_with", "metric_logs"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     pytest.param("dlrm_gpu", [], {"trainer_vs_loop_cuda"},

@@ -79,6 +79,10 @@ def _check_probs_now(preds_B: Tensor, from_logits: bool, where: str) -> Tensor |
 def _one_class_nan(num_pos: float, num_neg: float, name: str) -> Tensor | None:
     if num_pos > 0 and num_neg > 0:
         return None
+    if num_pos + num_neg == 0:
+        warnings.warn(f"{name}: the evaluation set is empty (no labels were passed to update on any rank), so AUC is "
+                      f"undefined: returning NaN", UserWarning, stacklevel=3)
+        return torch.tensor(float("nan"), dtype=torch.float64)
     warnings.warn(f"{name}: the evaluation set has only {'negative' if num_pos == 0 else 'positive'} labels "
                   f"({int(num_pos)} positive, {int(num_neg)} negative), so AUC is undefined: returning NaN. "
                   f"Evaluate on a set with both clicks and non-clicks",
