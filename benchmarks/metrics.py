@@ -1,14 +1,15 @@
 """What windowed training metrics cost a CPU DLRM step: 8 tasks x (binned AUC + NE + calibration) over the last 100
 batches, logged every 50 steps, against the same step without them.
 
-    python benchmarks/metrics.py [--steps 60] [--rounds 5] [--batch 2048]
+    python benchmarks/metrics.py [--steps 10] [--rounds 10] [--batch 2048]
     python benchmarks/metrics.py --smoke          # seconds: small tables, a few steps, one round
 
 Model: benchmarks/dlrm_distributed.py's (26 tables x 100,000 rows x dim 64, dense 512-256-64, over 512-512-256-1,
 fused row-wise Adagrad), one process, 2 threads, batch 2048. The 8 tasks' logits are the model's logit plus a fixed
 offset per task and their labels random (the metrics' cost does not depend on what they score). Rounds alternate
 which mode runs first; each step is timed, and the ratio is the median step time with metrics over the median
-without, over every timed step of every round.
+without, over every timed step of every round. figures.metrics_part_over_step_without: the median time of the
+metrics' own calls (update + log_to) over the median step without them, the same cost measured on its own.
 Last line: {"benchmark": "metrics", "results": [...], "ratios": {"step_with_metrics_vs_without": ...},
 "figures": {...}}.
 """
@@ -56,6 +57,7 @@ def run(args) -> dict:
     window = WindowedTaskMetrics([f"task{t}" for t in range(TASKS)], ["auc", "ne", "calibration"],
                                  window=args.window, log_every=args.log_every)
     sink = _Sink()
+    metric_times: list[float] = []  # the metrics' own part of each step with them
 
     def step(i: int, metrics: bool) -> float:
         start = time.perf_counter()
@@ -66,8 +68,10 @@ def run(args) -> dict:
         loss.backward()
         opt.step()
         if metrics:
+            before = time.perf_counter()
             window.update(logits.detach() + offsets_T, labels_BT[i % len(batches)])
             window.log_to(sink)
+            metric_times.append(time.perf_counter() - before)
         return time.perf_counter() - start
 
     for i in range(args.warmup):
@@ -85,13 +89,13 @@ def run(args) -> dict:
                        "ratio": round(medians["with"] / medians["without"], 4)})
         print(f"round {r}: without {medians['without'] * 1e3:.1f} ms, with {medians['with'] * 1e3:.1f} ms "
               f"({rounds[-1]['ratio']:.3f}x)", flush=True)
-    return {"rounds": rounds, "times": times, "logs": sink.logs}
+    return {"rounds": rounds, "times": times, "logs": sink.logs, "metric_times": metric_times[args.warmup:]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="timed steps per mode per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode per round")
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--rows", type=int, default=100_000)
@@ -112,8 +116,13 @@ def main() -> None:
     ratio = with_ / without
     print(f"DLRM step, batch {args.batch}, {TASKS} tasks x windowed AUC + NE + calibration (window {args.window}, "
           f"logged every {args.log_every}): median {without * 1e3:.1f} ms without, {with_ * 1e3:.1f} ms with: "
-          f"{ratio:.3f}x over {args.rounds} alternating rounds of {args.steps} steps")
+          f"{ratio:.3f}x over {args.rounds} alternating rounds of {args.steps} steps; the metrics' own part: median "
+          f"{statistics.median(out['metric_times']) * 1e3:.2f} ms a step")
     figures = {"step_ms_without": round(without * 1e3, 3), "step_ms_with": round(with_ * 1e3, 3),
+               "metrics_part_ms": round(statistics.median(out["metric_times"]) * 1e3, 3),
+               # the metrics' own time over the step without them: less exposed to a busy machine's swings
+               "metrics_part_over_step_without": round(statistics.median(out["metric_times"]) / without, 4),
+               "median_of_round_ratios": round(statistics.median(r["ratio"] for r in out["rounds"]), 4),
                "metric_logs": out["logs"], "batch": args.batch, "tasks": TASKS}
     print(json.dumps({"benchmark": "metrics", "results": out["rounds"],
                       "ratios": {"step_with_metrics_vs_without": round(ratio, 4)}, "figures": figures}))

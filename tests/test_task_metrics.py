@@ -158,18 +158,28 @@ def test_missing_labels_are_left_out_never_read_as_zero():
                 assert float(got[key]) == pytest.approx(want[key], abs=1e-9), key
 
 
+def _windowed(batches, share=slice(None)):
+    wm = WindowedTaskMetrics(TASKS, ["auc", "ne", "calibration", "mse"], window=2, from_logits=False)
+    for p, y, w, _ in batches:
+        wm.update(p[share], y[share], weights=w[share])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {k: float(v) for k, v in wm.compute().items()}
+
+
 def _ranks_all(rank, world_size, batches):
     p, y, w, groups = (torch.cat(x) for x in zip(*batches))
     share = slice(rank, None, world_size)  # an uneven share of rows per rank
-    return _ours([(p[share], y[share], w[share], groups[share])])
+    return _ours([(p[share], y[share], w[share], groups[share])]), _windowed(batches, share)
 
 
 def test_identical_at_1_2_and_4_ranks():
-    batches = _data(seed=3, updates=2, B=50)
-    want = _ours(batches)
+    batches = _data(seed=3, updates=3, B=50)
+    want, want_window = _ours(batches), _windowed(batches)
     for world_size in (2, 4):
-        for got in run_ranks(_ranks_all, world_size, batches, timeout=120):
+        for got, got_window in run_ranks(_ranks_all, world_size, batches, timeout=120):
             assert got == pytest.approx(want, rel=1e-12, abs=1e-12, nan_ok=True), world_size  # float64 sums
+            assert got_window == pytest.approx(want_window, rel=1e-12, abs=1e-12), world_size
 
 
 def test_rectaskinfo_reads_each_tasks_columns_from_a_model_output():
@@ -313,3 +323,41 @@ def test_single_task_auc_over_an_empty_evaluation_set_says_it_is_empty(cls):
 
     with pytest.warns(UserWarning, match="the evaluation set is empty"):
         assert torch.isnan(getattr(metrics, cls)().compute())
+
+
+def test_logged_from_a_lightning_module_under_task_names():
+    import lightning.pytorch as pl
+
+    class TwoTasks(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(3, 2)
+            self.val_metrics = TaskMetrics(["click", "like"], ["auc", "ne", "calibration"])
+            self.train_window = WindowedTaskMetrics(["click", "like"], window=2, log_every=2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self.net(x)
+            self.train_window.update(logits.detach(), y)
+            self.train_window.log_to(self)
+            return torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+
+        def validation_step(self, batch, batch_idx):
+            self.val_metrics.update(self.net(batch[0]), batch[1])
+
+        def on_validation_epoch_end(self):
+            self.val_metrics.log_to(self)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 3, generator=g), (torch.rand(64, 2, generator=g) < 0.5)
+                                          .float())
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(TwoTasks(), loader, loader)
+    logged = set(trainer.callback_metrics)
+    assert {"val/click/auc", "val/like/ne", "val/like/calibration", "train/window/click/auc",
+            "train/window/like/calibration"} <= logged, logged

@@ -158,7 +158,7 @@ class TaskMetric(Metric):
 
     def _warn_one_class(self, pos_T: Tensor, neg_T: Tensor, default: str) -> None:
         pos, neg, labelled = pos_T.tolist(), neg_T.tolist(), self.labelled.tolist()
-        one = [f"{n!r} ({int(p)} positive, {int(q)} negative)" for n, p, q, c in zip(self.tasks, pos, neg, labelled)
+        one = [f"{n!r} (positive weight {p:g}, negative {q:g})" for n, p, q, c in zip(self.tasks, pos, neg, labelled)
                if c and not (p > 0 and q > 0)]
         if one:
             warnings.warn(f"{type(self).__name__}: one class only in task(s) {', '.join(one)}: {default}, as "
@@ -167,7 +167,7 @@ class TaskMetric(Metric):
 
 class _SumTaskMetric(TaskMetric):
     """Float64 sums per task; `batch_states` gives one batch's sums and `value` the metric from sums, so the
-    windowed version (windowed.py) keeps the same sums for the last N batches."""
+    windowed version (multitask.py) keeps the same sums for the last N batches."""
 
     state_names: tuple[str, ...] = ()
 
@@ -201,7 +201,8 @@ class TaskNE(_SumTaskMetric):
 
     def batch_states(self, p_TB, y_TB, w_TB):
         p_TB = self.probs(p_TB).clamp(ETA, 1 - ETA)
-        ce_TB = -w_TB * y_TB * torch.log(p_TB) - w_TB * (1.0 - y_TB) * torch.log(1.0 - p_TB)
+        # TorchRec's -w y log p - w (1 - y) log(1 - p) for 0/1 labels, in one log (each is a parallel kernel)
+        ce_TB = -w_TB * torch.log(torch.where(y_TB == 1, p_TB, 1.0 - p_TB))
         return {"cross_entropy_sum": ce_TB.sum(1), "weighted_num_samples": w_TB.sum(1),
                 "pos_labels": (w_TB * y_TB).sum(1), "neg_labels": (w_TB * (1.0 - y_TB)).sum(1)}
 
@@ -304,9 +305,10 @@ class TaskBinnedAUC(_SumTaskMetric):
         T, nb = p_TB.shape[0], self.num_bins
         bin_TB = (self.probs(p_TB).nan_to_num(1.0) * nb).long().clamp(0, nb - 1)
         bin_TB = bin_TB + torch.arange(T, device=p_TB.device).unsqueeze(1) * nb  # one histogram per task
-        pos = torch.bincount(bin_TB.reshape(-1), (w_TB * y_TB).reshape(-1), minlength=T * nb).view(T, nb)
-        neg = torch.bincount(bin_TB.reshape(-1), (w_TB * (1 - y_TB)).reshape(-1), minlength=T * nb).view(T, nb)
-        return {"pos_hist": pos, "neg_hist": neg}
+        # index_add, not bincount: CUDA's bincount reads the largest index back to the host (a sync per batch)
+        def hist(v_TB: Tensor) -> Tensor:
+            return v_TB.new_zeros(T * nb).index_add_(0, bin_TB.reshape(-1), v_TB.reshape(-1)).view(T, nb)
+        return {"pos_hist": hist(w_TB * y_TB), "neg_hist": hist(w_TB * (1 - y_TB))}
 
     def value(self, s):
         pos, neg = s["pos_hist"], s["neg_hist"]
