@@ -361,3 +361,13 @@ def test_logged_from_a_lightning_module_under_task_names():
     logged = set(trainer.callback_metrics)
     assert {"val/click/auc", "val/like/ne", "val/like/calibration", "train/window/click/auc",
             "train/window/like/calibration"} <= logged, logged
+
+
+def test_tasks_none_logs_one_label_under_the_single_task_names():
+    p, y, w, _ = _data(seed=8, updates=1, T=1)[0]
+    one = TaskMetrics(None, ["auc", "ne", "calibration"], from_logits=False)
+    one.update(p[:, 0], y[:, 0], weights=w[:, 0])
+    named = TaskMetrics(["click"], ["auc", "ne", "calibration"], from_logits=False)
+    named.update(p, y, weights=w)
+    assert one.compute() == {k.replace("click/", ""): v for k, v in named.compute().items()}
+    assert set(one.compute()) == {"val/auc", "val/ne", "val/calibration"}

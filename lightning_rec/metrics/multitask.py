@@ -69,7 +69,7 @@ class WindowedTaskMetric(Metric):
 
 class TaskMetrics(nn.Module):
     """Per-task metrics updated together; compute() gives `{f"{prefix}{task}/{metric}": value}` (throughput:
-    `f"{prefix}throughput"`).
+    `f"{prefix}throughput"`; tasks=None: one label and the single-task names `f"{prefix}{metric}"`).
 
     ```python
     self.val_metrics = TaskMetrics(["click", "like"], ["auc", "ne", "calibration", "gauc"])  # in __init__
@@ -79,11 +79,12 @@ class TaskMetrics(nn.Module):
     Keyword arguments go to the metrics that take them: from_logits, recalibration_coefficient (binary metrics),
     num_bins (binned_auc), group_weighting (gauc)."""
 
-    def __init__(self, tasks: str | RecTaskInfo | Sequence[str | RecTaskInfo] | int,
+    def __init__(self, tasks: str | RecTaskInfo | Sequence[str | RecTaskInfo] | int | None,
                  metrics: Sequence[str] = ("auc", "ne", "logloss", "ctr", "calibration"), prefix: str = "val/",
                  **metric_kwargs) -> None:
         super().__init__()
-        self.task_infos = task_infos(tasks)
+        self.unnamed = tasks is None  # one label, logged under the single-task names: f"{prefix}{metric}"
+        self.task_infos = task_infos("task" if tasks is None else tasks)
         self.tasks = [t.name for t in self.task_infos]
         self.prefix = prefix
         names = self._known(metrics)
@@ -140,7 +141,7 @@ class TaskMetrics(nn.Module):
                 out[f"{self.prefix}throughput"] = value
                 continue
             for task, v in zip(self.tasks, value.reshape(-1).unbind(0)):  # torchmetrics squeezes one task to a scalar
-                out[f"{self.prefix}{task}/{name}"] = v
+                out[f"{self.prefix}{name}" if self.unnamed else f"{self.prefix}{task}/{name}"] = v
         return out
 
     def reset(self) -> None:
