@@ -57,6 +57,7 @@ SMOKES = [
      {"abs_diff_ours_vs_torchmetrics_n20000", "confident_logits_ours", "confident_logits_torchmetrics"}),
     ("vbe", [], {"a2a_bytes_expanded_vs_vbe", "vbe_step_vs_expanded"},
      {"vbe_step_ms", "expanded_step_ms", "vbe_a2a_bytes", "expanded_a2a_bytes"}),
+    ("metrics", [], {"step_with_metrics_vs_without"}, {"step_ms_without", "step_ms_with", "metric_logs"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     pytest.param("dlrm_gpu", [], {"trainer_vs_loop_cuda"},

@@ -7,7 +7,8 @@ import warnings
 from .helpers import T, _t
 from .registry import case, expect, simple
 
-SMOKE = ("metric.auc_label_two", "metric.auc_ties_correct", "metric.ndcg_k_zero", "more.binned_auc_nan_scores")
+SMOKE = ("metric.auc_label_two", "metric.auc_ties_correct", "metric.ndcg_k_zero", "more.binned_auc_nan_scores",
+         "metric.task_label_two", "metric.gauc_one_row_per_group")
 
 
 def upd(m, p, lab):
@@ -160,4 +161,47 @@ def more_metric_cases() -> None:
         m.compute()
 
 
-CASES = (metric_label_cases, ranking_metric_cases, more_metric_cases)
+def task_metric_cases() -> None:
+    """Per-task metrics: bad labels name the task; unlabelled tasks and unscorable groups are said, not divided by."""
+    torch = _t()
+    from lightning_rec.metrics import TaskGAUC, TaskMetrics, WindowedTaskMetrics
+
+    def two_tasks(labels, metrics=("auc", "ne")):
+        m = TaskMetrics(["click", "like"], list(metrics))
+        m.update(torch.zeros(len(labels), 2), T(labels))
+        return m.compute()
+
+    simple("metric.task_label_two", lambda: two_tasks([[0, 1], [1, 2.0]]), ValueError, ["'like'", "0 or 1"])
+    simple("metric.task_preds_wrong_shape", lambda: TaskMetrics(["click", "like"]).update(torch.zeros(4), torch.zeros(
+        4, 2)), ValueError, ["predictions of shape [4]", "[B, T] = [4, 2]"])
+    simple("metric.task_window_zero", lambda: WindowedTaskMetrics(["click"], window=0), ValueError, ["window"])
+    simple("metric.task_unknown_metric", lambda: TaskMetrics(["click"], ["auc", "f1"]), ValueError, ["f1", "gauc"])
+
+    def warned(fn):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            value = fn()
+        return value, " ".join(str(w.message) for w in seen)
+
+    @case("metric.task_unlabelled_in_a_batch", legit="a task without labels in a batch is left out of that batch")
+    def _(ctx):
+        nan = float("nan")
+        v, said = warned(lambda: two_tasks([[0, nan], [1, nan], [0, nan]], ("ne", "calibration", "ctr")))
+        expect(all(bool(torch.isnan(x)) for k, x in v.items() if "/like/" in k), f"unlabelled task gave {v}")
+        expect("empty for task(s) like" in said, f"no word of the empty task: {said!r}")
+        expect(all(bool(torch.isfinite(x)) for k, x in v.items() if "/click/" in k), f"labelled task gave {v}")
+
+    @case("metric.gauc_one_row_per_group", legit="no group can be scored: GAUC 0.5 (TorchRec's), and it says so")
+    def _(ctx):
+        m = TaskGAUC(["click"], from_logits=False)
+        m.update(torch.rand(10), T([0.0, 1.0] * 5), groups=torch.arange(10))
+        v, said = warned(m.compute)
+        expect(float(v) == 0.5 and "'click': 0 of 10" in said, f"GAUC {float(v)}, said {said!r}")
+
+    @case("metric.task_auc_empty", legit="no rows: AUC undefined, NaN, and it says the set is empty")
+    def _(ctx):
+        v, said = warned(lambda: TaskMetrics(["click"], ["auc"]).compute()["val/click/auc"])
+        expect(bool(torch.isnan(v)) and "empty" in said, f"empty AUC {float(v)}, said {said!r}")
+
+
+CASES = (metric_label_cases, ranking_metric_cases, more_metric_cases, task_metric_cases)

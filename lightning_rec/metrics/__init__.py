@@ -1,4 +1,5 @@
-"""Metrics on torchmetrics, synced across ranks: click-through (ctr.py) and top-K ranking (ranking.py)."""
+"""Metrics on torchmetrics, synced across ranks: click-through (ctr.py), per task with TorchRec's definitions
+(tasks.py, multitask.py: docs/metrics.md) and top-K ranking (ranking.py)."""
 
 from lightning_rec.metrics.ctr import (
     AUC,
@@ -10,6 +11,7 @@ from lightning_rec.metrics.ctr import (
     binary_entropy,
     exact_auc,
 )
+from lightning_rec.metrics.multitask import TaskMetrics, WindowedTaskMetric, WindowedTaskMetrics
 from lightning_rec.metrics.ranking import (
     MRR,
     NDCG,
@@ -19,7 +21,29 @@ from lightning_rec.metrics.ranking import (
     RankingMetrics,
     Recall,
 )
+from lightning_rec.metrics.tasks import (
+    TASK_METRICS,
+    RecTaskInfo,
+    TaskAUC,
+    TaskAUPRC,
+    TaskBinnedAUC,
+    TaskCalibration,
+    TaskCTR,
+    TaskGAUC,
+    TaskLogLoss,
+    TaskMAE,
+    TaskMetric,
+    TaskMSE,
+    TaskNE,
+    TaskRMSE,
+    Throughput,
+    weighted_auc,
+    weighted_auprc,
+)
 
 __all__ = [
     "AUC", "CTR", "MRR", "NDCG", "RANKING_METRICS", "BinnedAUC", "HitRate", "LogLoss", "NormalizedEntropy", "Precision",
-    "RankingMetrics", "Recall", "RecMetricCollection", "binary_entropy", "exact_auc"]
+    "RankingMetrics", "Recall", "RecMetricCollection", "binary_entropy", "exact_auc",
+    "TASK_METRICS", "RecTaskInfo", "TaskAUC", "TaskAUPRC", "TaskBinnedAUC", "TaskCalibration", "TaskCTR", "TaskGAUC",
+    "TaskLogLoss", "TaskMAE", "TaskMetric", "TaskMSE", "TaskNE", "TaskRMSE", "Throughput", "TaskMetrics",
+    "WindowedTaskMetric", "WindowedTaskMetrics", "weighted_auc", "weighted_auprc"]
