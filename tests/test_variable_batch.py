@@ -122,11 +122,13 @@ def test_a_variable_batch_flattens_with_its_strides_and_inverse_indices_and_expo
     """pytree (torch.export, DDP's output flattening) dropped a variable batch's bag counts and inverse_indices: the
     KJT unflattened as an ordinary batch. Now they ride along (the counts in the spec, the indices as a leaf), in
     TorchRec's six children, and torch.export of a collection reading a variable batch matches eager."""
+    from torch.fx._pytree import tree_flatten_spec
     from torch.utils import _pytree as pytree
 
     kjt = vbe_batch(0, requests=2, candidates=5)
     leaves, spec = pytree.tree_flatten(kjt)
     assert spec.num_children == 6 and leaves[-1] is kjt.inverse_indices()[1]
+    assert all(a is b for a, b in zip(tree_flatten_spec(kjt, spec), leaves, strict=True))  # torch.fx's flattening
     for back in (pytree.tree_unflatten(leaves, spec),
                  pytree.tree_unflatten(leaves, pytree.treespec_loads(pytree.treespec_dumps(spec)))):
         assert back.stride_per_key_per_rank() == kjt.stride_per_key_per_rank() and back.stride() == 5
