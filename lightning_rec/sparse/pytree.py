@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_rec._compat import pytree_takes_flatten_with_keys
-from lightning_rec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from lightning_rec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, _lengths_from_offsets
 from lightning_rec.sparse.keyed_tensor import KeyedTensor, regroup_kts
 
 # pytree nodes ---------------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def _jt_unflatten(leaves, context: None) -> JaggedTensor:
     jt = JaggedTensor.__new__(JaggedTensor)
     jt._values, jt._weights, jt._lengths, jt._offsets = values, weights, lengths, offsets
     if lengths is None and offsets is not None:
-        jt._lengths, jt._lengths_derived = offsets[1:] - offsets[:-1], True
+        jt._lengths, jt._lengths_derived = _lengths_from_offsets(offsets), True
     return jt
 
 
@@ -54,6 +54,8 @@ def _kjt_unflatten(leaves, context) -> KeyedJaggedTensor:
         raise ValueError(f"a KeyedJaggedTensor unflattens from at most {len(_KJT_FIELDS)} children "
                          f"{list(_KJT_FIELDS)}, got {len(leaves)}")
     values, weights, lengths, offsets, _, inverse = leaves + [None] * (len(_KJT_FIELDS) - len(leaves))
+    if all(isinstance(k, str) for k in context):  # a program saved when the context was the keys alone
+        context = (context, None, None)
     keys, per_rank, inverse_keys = context
     if per_rank is None and lengths is not None:
         stride = lengths.numel() // len(keys) if keys else 0
