@@ -53,6 +53,15 @@ def dtype_cast_error(owner: str, dtype: torch.dtype) -> ValueError:
     )
 
 
+def collection_call(collection: nn.Module, features: KeyedJaggedTensor):
+    """A collection's forward: its `_forward`. torch.fx.symbolic_trace records this call as one node (torch.fx.wrap
+    below) instead of tracing into the collection, whose batch checks read the ids a traced value does not hold."""
+    return collection._forward(features)
+
+
+torch.fx.wrap("collection_call")
+
+
 def refuse_dtype_cast(owner: str, fn) -> None:
     """Raise `dtype_cast_error` when `fn` (what nn.Module._apply applies) would change a float32 tensor's dtype."""
     try:
@@ -550,6 +559,9 @@ class EmbeddingBagCollection(_EmbeddingCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return collection_call(self, features)  # one node in a torch.fx trace
+
+    def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if self._device.type == "meta":
             B = self._meta_batch(features).stride()
             return KeyedTensor._of_collection(self._output_names, self._output_dims,
@@ -615,6 +627,9 @@ class EmbeddingCollection(_EmbeddingCollectionBase):
         return [list(c.feature_names) for c in self._routed_configs]
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        return collection_call(self, features)  # one node in a torch.fx trace
+
+    def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if isinstance(features, KeyedJaggedTensor) and (features.inverse_indices_or_none() is not None
                                                         or features.variable_stride_per_key()):
             raise ValueError("EmbeddingCollection: the input has inverse_indices (TorchRec's deduplicated batch), "

@@ -2,8 +2,9 @@
 
 The jagged types are recorded, not traced into: constructing one from traced tensors is one node (their metaclass),
 their methods are method calls on the traced value, and the collections (whose batch checks read the ids) are leaf
-modules, called as such in the graph. TorchScript, deprecated by PyTorch, is not supported (torch.export and
-torch.compile are)."""
+modules, called as such in the graph. torch's own `torch.fx.symbolic_trace` works as well: there each collection is
+one call of `collection_call` (a torch.fx.wrap-ed function, embedding.py). TorchScript, deprecated by PyTorch, is
+not supported (torch.export and torch.compile are)."""
 
 from __future__ import annotations
 

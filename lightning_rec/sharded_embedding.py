@@ -29,6 +29,7 @@ from lightning_rec.embedding import (
     EmbeddingBagCollection,
     EmbeddingCollection,
     FeatureRouter,
+    collection_call,
     expand_by_inverse_indices,
     feature_table_names,
     refuse_dtype_cast,
@@ -55,6 +56,8 @@ from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.variable_batch import is_variable_batch, padded_batch, strides_of
 from lightning_rec.table_weight import FusedTableWeight, _Tables
 from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ShardingType
+
+torch.fx.wrap("collection_call")  # a sharded collection is one node of a torch.fx trace too (embedding.py)
 
 
 @dataclass
@@ -629,6 +632,9 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return collection_call(self, features)  # one node in a torch.fx trace
+
+    def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         batch = self.input_dist(features)  # ids travel to the ranks that own their rows
         pooled = self.lookup(batch)  # this rank's shards (fused kernels) and replicas
         return self.output_dist(pooled)  # pooled embeddings travel back: [B, sum(D)], this rank's samples
@@ -687,6 +693,9 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        return collection_call(self, features)  # one node in a torch.fx trace
+
+    def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         batch = self.input_dist(features)  # ids travel to the ranks that own their rows
         rows = self.lookup(batch)  # one row per id: this rank's shards and replicas
         return self.output_dist(rows)  # rows travel back, in each feature's id order

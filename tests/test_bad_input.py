@@ -545,12 +545,17 @@ def test_kjt_read_by_a_collection_refuses_what_no_kernel_reads(kwargs, words):
         read_by_a_collection(KeyedJaggedTensor(**args))
 
 
-def test_from_jt_dict_names_each_features_batch_size():
+def test_from_jt_dict_of_different_batch_sizes_is_a_variable_batch_a_collection_needs_inverse_indices_for():
+    """from_jt_dict refused features of different batch sizes; TorchRec's builds a variable batch (VBE) of them. A
+    collection reading it without inverse_indices cannot expand its outputs: it names the strides and the fix."""
     from lightning_rec.sparse import JaggedTensor
 
-    with pytest.raises(ValueError, match="different batch sizes \\('a': 1, 'b': 3\\)"):
-        KeyedJaggedTensor.from_jt_dict({"a": JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1])),
-                                        "b": JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1]))})
+    kjt = KeyedJaggedTensor.from_jt_dict({"a": JaggedTensor(torch.tensor([1]), lengths=torch.tensor([1])),
+                                          "b": JaggedTensor(torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1]))})
+    assert kjt.variable_stride_per_key() and kjt.stride_per_key_per_rank() == [[1], [3]] and kjt.stride() == 3
+    with pytest.raises(ValueError, match=r"variable batch \(stride_per_key_per_rank \[\[1\], \[3\]\]\) without "
+                                         r"inverse_indices.*build it with inverse_indices="):
+        read_by_a_collection(kjt)
 
 
 @pytest.mark.parametrize("args,words", [

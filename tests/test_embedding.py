@@ -1006,7 +1006,7 @@ def test_torch_export_of_fbgemm_and_weighted_collections_matches_eager(case):
              EmbeddingBagConfig(name="u", embedding_dim=5, num_embeddings=8, feature_names=["c"])],
             is_weighted=True, optimizer=opt if fbgemm else None, kernel="fbgemm" if fbgemm else "auto")
     auto = {0: torch.export.Dim.AUTO}
-    program = torch.export.export(model, (kjt,), dynamic_shapes={"features": [auto, auto, auto, None]})
+    program = torch.export.export(model, (kjt,), dynamic_shapes={"features": [auto, auto, auto, None, None, None]})
     for batch in (kjt, other):
         eager, exported = model(batch), program.module()(batch)
         if case == "fused_sequence":

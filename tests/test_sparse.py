@@ -211,7 +211,8 @@ def test_torchrec_accessors():
         torch.testing.assert_close(got, torch.tensor(want))
     torch.testing.assert_close(jt.to_padded_dense_weights(desired_length=2, padding_value=1.0), torch.tensor(
         [[0.1, 0.2], [1.0, 1.0], [0.3, 1.0], [0.4, 1.0], [0.5, 1.0], [0.6, 0.7]]))
-    assert torch.equal(jt.offsets_or_none(), offsets) and jt.lengths_or_none().tolist() == [2, 0, 1, 1, 1, 3]
+    assert torch.equal(jt.offsets_or_none(), offsets) and jt.lengths_or_none() is None  # built from offsets
+    assert jt.lengths().tolist() == [2, 0, 1, 1, 1, 3] and jt.lengths_or_none().tolist() == [2, 0, 1, 1, 1, 3]
     unweighted = JaggedTensor(values=values, lengths=torch.tensor([2, 0, 1, 1, 1, 3]))
     assert unweighted.to_dense_weights() is None and unweighted.to_padded_dense_weights() is None
     assert unweighted.offsets_or_none() is None  # not computed yet

@@ -128,6 +128,33 @@ def test_symbolic_trace_keeps_collections_and_jagged_types_as_leaves():
     assert torch.equal(regroup([kt])[0], torch.ones(2, 1))
 
 
+def test_torchs_own_symbolic_trace_records_each_collection_as_one_call():
+    """torch.fx.symbolic_trace (torch's, not lightning_rec.fx's) traced into a collection and stopped at its batch
+    check ('takes a KeyedJaggedTensor of ids, got a Proxy'). A collection's forward is now one wrapped call, so the
+    traced module runs the collections eagerly and gives the eager model's outputs."""
+    from lightning_rec import EmbeddingCollection
+    from lightning_rec.embedding_configs import EmbeddingConfig
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = ebc()
+            self.ec = EmbeddingCollection([EmbeddingConfig(name="s", embedding_dim=3, num_embeddings=10,
+                                                           feature_names=["a"])])
+
+        def forward(self, features: KeyedJaggedTensor, values, lengths):
+            own = KeyedJaggedTensor(["a"], values, lengths=lengths)
+            return self.ebc(features).values() + self.ebc(own).values(), self.ec(features)["a"].values()
+
+    model = Model()
+    gm = torch.fx.symbolic_trace(model)
+    assert gm.code.count("collection_call(") == 3
+    kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 9]), lengths=torch.tensor([2, 1]))
+    args = (kjt, torch.tensor([3, 4, 5]), torch.tensor([1, 2]))
+    for got, want in zip(gm(*args), model(*args)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("make", [lambda: KeyedJaggedTensor, lambda: JaggedTensor.empty(), ebc,
                                   lambda: ComputeKJTToJTDict()])
 def test_torchscript_is_refused_in_one_line(make):

@@ -377,6 +377,10 @@ def _whole_model_on_meta_worker(rank, W):
     dmp = DistributedModelParallel(model, device="cpu", timeout=30)
     assert not any(p.is_meta for p in dmp.parameters())
     dmp(_kjt(seed=rank)).sum().backward()
+    gm = torch.fx.symbolic_trace(dmp.module)  # torch's own: the sharded collection is one call in the graph
+    assert "collection_call(" in gm.code
+    with torch.no_grad():
+        torch.testing.assert_close(gm(_kjt(seed=rank)), dmp.module(_kjt(seed=rank)), atol=0, rtol=0)
     with torch.device("meta"):
         odd = nn.ModuleDict({"ebc": EmbeddingBagCollection(_bags(), optimizer=SGD), "scale": _Scale()})
     error = None
@@ -390,7 +394,8 @@ def _whole_model_on_meta_worker(rank, W):
 def test_a_model_built_on_meta_shards_straight_from_meta():
     """TorchRec's way: the whole model built under `with torch.device("meta")`, then DistributedModelParallel. The
     tables are drawn where their shards live; the dense layers stayed on meta ("Cannot copy out of meta tensor, use
-    to_empty"): now drawn by their reset_parameters() (TorchRec's init_parameters), and one without is named."""
+    to_empty"): now drawn by their reset_parameters() (TorchRec's init_parameters), and one without is named. torch's
+    own torch.fx.symbolic_trace of the sharded model gives its outputs."""
     (w0, error), (w1, _) = run_ranks(_whole_model_on_meta_worker, 2, timeout=90)
     torch.testing.assert_close(w0, w1, atol=0, rtol=0)
     assert w0.abs().sum() > 0

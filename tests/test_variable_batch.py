@@ -118,6 +118,29 @@ def test_variable_batch_kjt_reads_as_torchrecs():
     assert two.stride_per_key() == [2, 3] and two.length_per_key() == [2, 2]
 
 
+def test_a_variable_batch_flattens_with_its_strides_and_inverse_indices_and_exports():
+    """pytree (torch.export, DDP's output flattening) dropped a variable batch's bag counts and inverse_indices: the
+    KJT unflattened as an ordinary batch. Now they ride along (the counts in the spec, the indices as a leaf), in
+    TorchRec's six children, and torch.export of a collection reading a variable batch matches eager."""
+    from torch.fx._pytree import tree_flatten_spec
+    from torch.utils import _pytree as pytree
+
+    kjt = vbe_batch(0, requests=2, candidates=5)
+    leaves, spec = pytree.tree_flatten(kjt)
+    assert spec.num_children == 6 and leaves[-1] is kjt.inverse_indices()[1]
+    assert all(a is b for a, b in zip(tree_flatten_spec(kjt, spec), leaves, strict=True))  # torch.fx's flattening
+    for back in (pytree.tree_unflatten(leaves, spec),
+                 pytree.tree_unflatten(leaves, pytree.treespec_loads(pytree.treespec_dumps(spec)))):
+        assert back.stride_per_key_per_rank() == kjt.stride_per_key_per_rank() and back.stride() == 5
+        assert back.inverse_indices()[0] == KEYS and back.inverse_indices()[1] is kjt.inverse_indices()[1]
+    ebc, _ = _pair("sum", False, "sgd")
+    auto = {0: torch.export.Dim.AUTO}
+    with torch.no_grad():
+        program = torch.export.export(ebc, (kjt,), dynamic_shapes={"features": [auto, None, None, None, None, None]})
+        for batch in (kjt, vbe_batch(1, requests=2, candidates=5)):  # same bag counts, other ids and requests
+            torch.testing.assert_close(program.module()(batch).values(), ebc(batch).values(), atol=0, rtol=0)
+
+
 def test_a_variable_batch_whose_strides_disagree_with_its_lengths_is_named_where_the_collection_reads_it():
     ebc, _ = _pair("sum", False, "sgd")
     good = vbe_batch(0, requests=2, candidates=5)

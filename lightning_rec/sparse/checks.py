@@ -120,18 +120,16 @@ def _check_jagged(what: str, values: Tensor, lengths: Tensor, weights: Tensor | 
                          f"{values.shape[0]}: lengths add up to {total} but there are {values.shape[0]} values")
 
 
-def _variable_stride(keys: list[str], stride: int | None, stride_per_key_per_rank,
-                     stride_per_key) -> tuple[int | None, list[list[int]] | None]:
+def _variable_stride(keys: list[str], stride: int | None, stride_per_key_per_rank, stride_per_key,
+                     inverse_indices) -> tuple[int | None, list[list[int]] | None]:
     """TorchRec's variable-batch (VBE) arguments -> (stride, per key its bags per rank, or None when every key has
-    `stride` bags). A variable batch's stride is its largest key's (TorchRec's); its lengths are key-major, each key's
-    bags rank after rank."""
+    `stride` bags). A variable batch's stride is, as TorchRec's, the one given, else its full batch (the inverse
+    indices' width), else its largest key's bags; its lengths are key-major, each key's bags rank after rank. The
+    strides' shape is checked by validate() (`_check_variable_stride`), as TorchRec's constructor only assigns."""
     per_rank: list[list[int]] | None = None
     if stride_per_key_per_rank is not None and len(stride_per_key_per_rank):
-        per_rank = [[int(b) for b in r] for r in stride_per_key_per_rank]
-        ranks = {len(r) for r in per_rank}
-        if len(per_rank) != len(keys) or len(ranks) > 1 or any(b < 0 for r in per_rank for b in r):
-            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {per_rank} must give each of the "
-                             f"{len(keys)} keys {keys} its bags per rank (>= 0, as many ranks for every key)")
+        per_rank = [[int(b) for b in r] for r in (stride_per_key_per_rank.tolist() if isinstance(
+            stride_per_key_per_rank, Tensor) else stride_per_key_per_rank)]
     if stride_per_key is not None and len(stride_per_key):
         given = [int(s) for s in stride_per_key]
         if len(given) != len(keys) or (per_rank is not None and given != [sum(r) for r in per_rank]):
@@ -141,16 +139,26 @@ def _variable_stride(keys: list[str], stride: int | None, stride_per_key_per_ran
     if per_rank is None:
         return stride, None
     per_key = [sum(r) for r in per_rank]
-    if len(set(per_key)) <= 1:  # every key has the batch's stride: an ordinary batch
+    if len(set(per_key)) <= 1 and len(per_rank) == len(keys):  # every key has the batch's stride: an ordinary batch
         if stride is not None and per_key and per_key[0] != stride:
             raise ValueError(f"KeyedJaggedTensor: keys {keys} have batch size {per_key[0]} by their strides, but "
                              f"stride={stride}: leave stride out, or give the keys' own")
         return (per_key[0] if per_key else stride), None
-    return max(per_key), per_rank
+    if stride is None:
+        full = inverse_indices[1] if _is_inverse_pair(inverse_indices) else None
+        stride = full.shape[-1] if full is not None and full.numel() else max(per_key)
+    return stride, per_rank
+
+
+def _is_inverse_pair(x: object) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
 
 
 def _check_variable_stride(keys: list[str], lengths: Tensor, per_rank: list[list[int]]) -> None:
     """A variable batch's strides say how many lengths there are: key-major, each key's bags rank after rank."""
+    if len(per_rank) != len(keys) or len({len(r) for r in per_rank}) > 1 or any(b < 0 for r in per_rank for b in r):
+        raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {per_rank} must give each of the "
+                         f"{len(keys)} keys {keys} its bags per rank (>= 0, as many ranks for every key)")
     per_key = [sum(r) for r in per_rank]
     if lengths.numel() != sum(per_key):
         raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank {per_rank} gives {sum(per_key)} bags (per key "
@@ -317,7 +325,11 @@ def check_sync_shapes(kjt: Any) -> None:
     if kjt._lengths is None:
         raise ValueError("KeyedJaggedTensor: lengths and offsets cannot be both empty: give lengths (one per key per "
                          "sample) or offsets")
-    _check_stride(kjt._keys, kjt._lengths, kjt._stride, given is None or given.stride)
+    per_rank = getattr(kjt, "_stride_per_key_per_rank", None)
+    if per_rank is None:
+        _check_stride(kjt._keys, kjt._lengths, kjt._stride, given is None or given.stride)
+    else:
+        _check_variable_stride(kjt._keys, kjt._lengths, per_rank)
 
 
 def validate_keyed_jagged_tensor(kjt: Any) -> None:

@@ -54,7 +54,10 @@ class ComputeKJTToJTDict(NoTorchScript, nn.Module):
     """TorchRec's: a KeyedJaggedTensor -> {key: JaggedTensor} (`kjt.to_dict()` as a module)."""
 
     def forward(self, keyed_jagged_tensor: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return keyed_jagged_tensor.to_dict()
+        out = keyed_jagged_tensor.to_dict()
+        for jt in out.values():
+            jt.offsets()  # TorchRec's module hands each JaggedTensor out with its offsets computed
+        return out
 
 
 class ComputeJTDictToKJT(NoTorchScript, nn.Module):

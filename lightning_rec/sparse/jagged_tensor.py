@@ -33,6 +33,7 @@ from lightning_rec._device import move_or_explain  # noqa: F401  (imported from 
 from lightning_rec.errors import NoTorchScript
 from lightning_rec.sparse.checks import (
     JaggedArgumentError,
+    _is_inverse_pair,
     _need_tensor,
     _no_key,
     _readable,
@@ -100,10 +101,6 @@ class _KJTGiven(NamedTuple):  # the arguments of a KeyedJaggedTensor that valida
     index_per_key: dict[str, int] | None
 
 
-def _is_pair(x: object) -> bool:
-    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], Tensor)
-
-
 # the metaclass: torch.fx records a construction from traced tensors as one node
 class _Jagged(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
     """What JaggedTensor and KeyedJaggedTensor hold alike: values_N, weights_N, lengths and (lazy) offsets."""
@@ -112,6 +109,7 @@ class _Jagged(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
     _weights: Tensor | None
     _lengths: Tensor
     _offsets: Tensor | None
+    _lengths_derived = False  # lengths computed from the given offsets, not yet read: TorchRec holds none yet
 
     def values(self) -> Tensor:
         return self._values
@@ -125,11 +123,12 @@ class _Jagged(NoTorchScript, metaclass=torch.fx.ProxyableClassMeta):
         return self._weights
 
     def lengths(self) -> Tensor:
+        self._lengths_derived = False
         return self._lengths
 
     def lengths_or_none(self) -> Tensor | None:
-        """TorchRec's: the lengths if held, else None (they are always held here)."""
-        return self._lengths
+        """TorchRec's: the lengths if given or read already (`lengths()`), else None (built from offsets)."""
+        return None if self._lengths_derived else self._lengths
 
     def offsets(self) -> Tensor:
         if self._offsets is None:
@@ -153,7 +152,7 @@ class JaggedTensor(_Jagged):
         _integer_or_empty("JaggedTensor", "offsets", offsets)
         self._unchecked = _JTGiven(lengths is not None, offsets is not None)
         if lengths is None and isinstance(offsets, Tensor):
-            lengths = _lengths_from_offsets(offsets)
+            lengths, self._lengths_derived = _lengths_from_offsets(offsets), True
         self._values, self._weights, self._lengths, self._offsets = values, weights, lengths, offsets
 
     def validate(self) -> JaggedTensor:
@@ -246,6 +245,7 @@ class JaggedTensor(_Jagged):
         jt._weights = None if self._weights is None else fn(self._weights)
         jt._lengths = fn(self._lengths)
         jt._offsets = None if self._offsets is None else fn(self._offsets)
+        jt._lengths_derived = self._lengths_derived
         return jt
 
     def __str__(self) -> str:
@@ -307,9 +307,9 @@ class KeyedJaggedTensor(_Jagged):
         self._unchecked = _KJTGiven(lengths, stride is not None, length_per_key, offset_per_key,
                                     index_per_key) if _validate else None
         stride, self._stride_per_key_per_rank = _variable_stride(self._keys, stride, stride_per_key_per_rank,
-                                                                 stride_per_key)
+                                                                 stride_per_key, inverse_indices)
         if lengths is None and isinstance(offsets, Tensor):
-            lengths = _lengths_from_offsets(offsets)
+            lengths, self._lengths_derived = _lengths_from_offsets(offsets), True
         if stride is None:
             num_keys = len(self._keys) if isinstance(self._keys, list) else 0
             stride = lengths.numel() // num_keys if num_keys and isinstance(lengths, Tensor) else 0
@@ -320,8 +320,8 @@ class KeyedJaggedTensor(_Jagged):
         self._length_per_key = length_per_key
         self._offset_per_key = offset_per_key
         self._index_per_key: dict[str, int] | None = None
-        self._inverse_indices = (list(inverse_indices[0]), inverse_indices[1]) if _is_pair(inverse_indices) else \
-            inverse_indices
+        self._inverse_indices = (list(inverse_indices[0]), inverse_indices[1]) \
+            if _is_inverse_pair(inverse_indices) else inverse_indices
 
     def validate(self) -> KeyedJaggedTensor:
         """TorchRec's validator: keys, lengths, offsets, ids and weights agree, else a ValueError; returns self."""
@@ -350,22 +350,22 @@ class KeyedJaggedTensor(_Jagged):
 
     @staticmethod
     def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> KeyedJaggedTensor:
-        """Features given one JaggedTensor each; all must have the same number of samples."""
+        """Features given one JaggedTensor each. Features of different numbers of bags make a variable batch (each
+        key its own stride, TorchRec's VBE), as TorchRec's."""
         keys = list(jt_dict)
         if not keys:
             return KeyedJaggedTensor.empty()
         jts = [jt.validate() for jt in jt_dict.values()]  # where user JaggedTensors enter a batch
-        strides = {jt.lengths().numel() for jt in jts}
-        if len(strides) != 1:
-            sizes = ", ".join(f"'{k}': {jt.lengths().numel()}" for k, jt in zip(keys, jts))
-            raise ValueError(f"from_jt_dict: features have different batch sizes ({sizes}): every feature needs "
-                             f"one bag per sample (an empty bag is length 0)")
+        strides = [jt.lengths().numel() for jt in jts]
         weighted = [jt.weights_or_none() is not None for jt in jts]
         if any(weighted) and not all(weighted):
             raise ValueError("from_jt_dict: either every JaggedTensor has weights or none does")
+        variable = len(set(strides)) > 1
         return KeyedJaggedTensor(keys, values=torch.cat([jt.values() for jt in jts]),
                                  weights=torch.cat([jt.weights() for jt in jts]) if all(weighted) else None,
-                                 lengths=torch.cat([jt.lengths() for jt in jts]), stride=strides.pop())
+                                 lengths=torch.cat([jt.lengths() for jt in jts]),
+                                 stride=None if variable else strides[0],
+                                 stride_per_key_per_rank=[[n] for n in strides] if variable else None).sync()
 
     @staticmethod
     def empty(is_weighted: bool = False, device: torch.device | str | None = None,
@@ -516,8 +516,8 @@ class KeyedJaggedTensor(_Jagged):
                                      lengths=self._lengths[bags[k] : bags[k + n]], stride=self._stride,
                                      length_per_key=lpk[k : k + n], _validate=False,
                                      inverse_indices=self._inverse_indices)
-            if per_rank is not None:
-                part._set_variable_stride(per_rank[k : k + n])
+            if per_rank is not None and n:
+                part._set_variable_stride(per_rank[k : k + n], self._stride)
             out.append(part)
             k += n
         return out
@@ -573,10 +573,11 @@ class KeyedJaggedTensor(_Jagged):
         return KeyedJaggedTensor(keys, values_N, weights_N, lengths=lengths_FB.reshape(-1), stride=self._stride,
                                  length_per_key=new_lpk, _validate=False, inverse_indices=self._inverse_indices)
 
-    def _set_variable_stride(self, per_rank: list[list[int]]) -> None:
-        """A KJT the library cut out of a variable batch: its keys' own bag counts (stride: the largest)."""
+    def _set_variable_stride(self, per_rank: list[list[int]], stride: int | None = None) -> None:
+        """A KJT the library cut out of a variable batch: its keys' own bag counts; its stride the one it was cut
+        from (TorchRec's split and permute keep it), else the largest."""
         self._stride_per_key_per_rank = [list(r) for r in per_rank]
-        self._stride = max((sum(r) for r in per_rank), default=0)
+        self._stride = stride if stride is not None else max((sum(r) for r in per_rank), default=0)
 
     def _permute_variable(self, keys: list[str], indices: Sequence[int]) -> KeyedJaggedTensor:
         """permute of a variable batch: each key's bags moved whole (fbgemm's permute of 1-d segments)."""
@@ -595,7 +596,7 @@ class KeyedJaggedTensor(_Jagged):
             weights = weights.to(self._weights.dtype)
         out = KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=self._stride, length_per_key=new_lpk,
                                 _validate=False, inverse_indices=self._inverse_indices)
-        out._set_variable_stride([self._stride_per_key_per_rank[i] for i in indices])
+        out._set_variable_stride([self._stride_per_key_per_rank[i] for i in indices], self._stride)
         return out
 
     def to_dict(self) -> dict[str, JaggedTensor]:
@@ -640,7 +641,8 @@ class KeyedJaggedTensor(_Jagged):
                 self._inverse_indices[0], fn(self._inverse_indices[1])),
         )
         if self._stride_per_key_per_rank is not None:
-            out._set_variable_stride(self._stride_per_key_per_rank)
+            out._set_variable_stride(self._stride_per_key_per_rank, self._stride)
+        out._lengths_derived = self._lengths_derived
         return out
 
     def to(self, device: torch.device | str | None, non_blocking: bool = False,
@@ -686,14 +688,15 @@ class KeyedJaggedTensor(_Jagged):
         """TorchRec's: each key's samples' values (and weights)."""
         if not self._keys or self._lengths is None:
             return "KeyedJaggedTensor()\n"
-        offsets, B, parts = self.offsets().tolist(), self._stride, []
+        offsets, bags, parts = self.offsets().tolist(), self.lengths_offset_per_key(), []
         for i, key in enumerate(self._keys):
+            first, end = bags[i], bags[i + 1]
             if self._weights is None:
-                parts.append(f'    "{key}": ' + _bags_string(self._values, offsets, i * B, (i + 1) * B))
+                parts.append(f'    "{key}": ' + _bags_string(self._values, offsets, first, end))
             else:
                 parts.append(f'    "{key}": {{\n        "values": '
-                             + _bags_string(self._values, offsets, i * B, (i + 1) * B) + ',\n        "weights": '
-                             + _bags_string(self._weights, offsets, i * B, (i + 1) * B) + "\n    }")
+                             + _bags_string(self._values, offsets, first, end) + ',\n        "weights": '
+                             + _bags_string(self._weights, offsets, first, end) + "\n    }")
         return "KeyedJaggedTensor({\n" + ",\n".join(parts) + "\n})\n"
 
     def __repr__(self) -> str:

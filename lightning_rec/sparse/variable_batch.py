@@ -34,7 +34,7 @@ def padded_batch(kjt: KeyedJaggedTensor, owner: str, contents: bool = True) -> K
                          f"expanded to the full batch: build it "
                          f"with inverse_indices=(keys, [keys, batch] tensor of bag positions), as TorchRec's VBE")
     strides = kjt.stride_per_key()
-    F, B = len(strides), kjt.stride()
+    F, B = len(strides), max(strides, default=0)  # kjt.stride() is the full batch when inverse_indices are given
     lengths = kjt.lengths()
     device = lengths.device
     strides_t = torch.tensor(strides, dtype=torch.long, device=device)
@@ -87,8 +87,9 @@ def expand_by_inverse_indices(pooled_BD: Tensor, names: Sequence[str], dims: Seq
     rows = [index_FB[at[name]] for name in names]
     blocks: list[list] = []
     c0 = 0
+    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()  # no comparing symbolic rows
     for i, d in enumerate(dims):
-        if blocks and (rows[i] is rows[i - 1] or torch.equal(rows[i], rows[i - 1])):
+        if blocks and (rows[i] is rows[i - 1] or not tracing and torch.equal(rows[i], rows[i - 1])):
             blocks[-1][2] += d
         else:
             blocks.append([rows[i], c0, d])

@@ -33,29 +33,10 @@ if importlib.util.find_spec("tensordict") is None:  # an optional test dependenc
     collect_ignore.append("test_tensor_dict.py")
 
 # node id (file::Class::test) -> why it cannot pass against lightning_rec.
-_VBE = "variable batch per key (VBE): a TorchRec behaviour of a variable-batch KJT not matched yet"
 _TS = "TorchScript (torch.jit.script), deprecated by PyTorch: lightning_rec refuses it"
 _PRIVATE = "a TorchRec-private helper (_kt_regroup_arguments) and the fbgemm kernel it feeds"
 _REFERENCE = "its reference is a TorchRec-private helper (_regroup_keyed_tensors / _fbgemm_permute_pooled_embs)"
 SKIPPED: dict[str, str] = {
-    "test_jagged_tensor.py::TestJaggedTensor::test_from_jt_dict_vb":
-        _VBE,
-    "test_jagged_tensor.py::TestJaggedTensor::test_length_vs_offset":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_permute_vb":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_permute_vb_duplicate":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_pytree_kjt":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_split_vb":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_string_vb":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_vbe_kjt_stride":
-        _VBE,
-    "test_keyed_jagged_tensor.py::TestComputeKJTToJTDict::test_key_lookup":
-        _VBE,
     "test_jagged_tensor.py::TestJaggedTensor::test_empty":
         _TS,
     "test_keyed_jagged_tensor.py::TestKeyedJaggedTensor::test_empty":
