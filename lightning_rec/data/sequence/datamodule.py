@@ -121,6 +121,8 @@ class SequenceDataModule(pl.LightningDataModule):
         start_U, end_U = torch.from_numpy(offsets_U1[:-1]), torch.from_numpy(offsets_U1[1:])
         train_len_U, evaluated_U = torch.from_numpy(train_len_U), torch.from_numpy(evaluated_U)
         users_E = torch.nonzero(evaluated_U).flatten()
+        # how often each item is in a training history: the sampled softmax's logQ correction reads it
+        self.item_counts = torch.bincount(items_N[ranges(start_U, train_len_U)], minlength=self.num_items)
         self.datasets = {
             "train": SequenceTrainDataset(items_N, times_N, start_U, train_len_U, self.max_len),
             "val": SequenceEvalDataset(items_N, times_N, start_U, end_U - 2, users_E, self.max_len),
