@@ -49,6 +49,8 @@ SMOKES = [
                           "torchmetrics_peak_mem_x10_over_x1"},
      {"full_ranking_eval_s_ml100k", "ours_peak_above_start_mb_x1", "ours_peak_above_start_mb_x10",
       "max_abs_diff_vs_torchmetrics"}),
+    ("jagged_attention", [], {"peak_memory_vs_padded", "time_vs_padded", "softmax_peak_memory_vs_padded",
+                              "softmax_time_vs_padded"}, {"sum_l2_over_b_lmax2"}),
     ("sequential_movielens", [], {"hstu_over_sasrec", "sasrec_over_bpr_mf", "hstu_over_bpr_mf"},
      {"ndcg10_sasrec", "ndcg10_hstu", "ndcg10_bpr_mf", "epoch_s_cpu"}),
     ("kjt_forward", [], {"kjt_construct_share_b2048", "kjt_construct_share_b128"},
