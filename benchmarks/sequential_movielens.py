@@ -55,7 +55,7 @@ class EpochTimer:
         self.callback = _Timer()
 
 
-def run(name: str, seed: int, data_dir: Path, epochs: int | None) -> dict:
+def run(name: str, seed: int, data_dir: Path, epochs: int | None, smoke: bool = False) -> dict:
     import lightning.pytorch as L
 
     cfg = yaml.safe_load((REPO / "recipes" / "configs" / RECIPES[name]).read_text())
@@ -66,7 +66,7 @@ def run(name: str, seed: int, data_dir: Path, epochs: int | None) -> dict:
     dm = _class(cfg["data"]["class_path"])(**data_args)
     model = _class(cfg["model"]["class_path"])(**cfg["model"]["init_args"])
     timer = EpochTimer()
-    max_epochs = epochs or cfg["trainer"]["max_epochs"]
+    max_epochs = 1 if smoke else (epochs if name != "bpr_mf" else None) or cfg["trainer"]["max_epochs"]
     trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer.callback])
@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=SHARED / "movielens" / "ml-100k")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=None, help="every model's epochs (default: its recipe's)")
+    parser.add_argument("--epochs", type=int, default=None, help="SASRec's and HSTU's epochs (default: their recipes')")
     parser.add_argument("--models", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true")
@@ -113,7 +113,7 @@ def main() -> None:
     results = []
     for seed in args.seeds:  # models alternate within a seed
         for name in args.models:
-            results.append(run(name, seed, data_dir, args.epochs))
+            results.append(run(name, seed, data_dir, args.epochs, args.smoke))
             r = results[-1]
             print(f"{r['model']:<7} seed {seed}  NDCG@10 {r['test_ndcg@10']:.4f}  HR@10 {r['test_hit_rate@10']:.4f}  "
                   f"epoch {r['epoch_s']:.2f} s  fit {r['fit_s']:.1f} s ({r['epochs']} epochs)", flush=True)
