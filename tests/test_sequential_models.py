@@ -2,14 +2,19 @@
 few-line reference, evaluation ranks every item (history excluded or not), an empty batch trains nothing, bad
 arguments are refused."""
 
+from pathlib import Path
+
 import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SHARED_DATA
 
 from lightning_rec.data.sequence import SequenceDataModule
 from lightning_rec.models.sequence_losses import candidate_log_q, sampled_softmax_loss
 from lightning_rec.models.sequential_module import HSTU, SASRec
+
+ML100K = SHARED_DATA / "movielens" / "ml-100k"
 
 
 def _pattern_log(tmp_path, users=24, items=12, length=9):
@@ -97,3 +102,19 @@ def test_history_longer_than_the_model_refused(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SASRec(**kwargs)
+
+
+@pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
+@pytest.mark.parametrize("recipe", ["sasrec_movielens", "hstu_movielens"])
+def test_recipe_smoke_run(recipe, tmp_path):
+    from lightning_rec.cli import run_cli
+
+    first = Path(f"recipes/configs/{recipe}.yaml").read_text().splitlines()
+    assert first[0].startswith("# lightning-rec fit --config") and first[1].startswith("# Hardware:")
+    cli = run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", f"--data.init_args.data_dir={ML100K}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1",
+                   "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+                   "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false",
+                   "--trainer.enable_model_summary=false"])
+    metrics = cli.trainer.callback_metrics
+    assert {"val_ndcg@10", "test_ndcg@10", "train_loss"} <= set(metrics), sorted(metrics)
