@@ -26,7 +26,7 @@ def _dm(tmp_path, rows, **kw):
 def _history(dm, split, user_row):
     ds = dm.datasets[split]
     b = ds.__getitems__([int((ds.users_E == user_row).nonzero())])
-    return [int(dm.item_ids[i]) for i in b.item_ids], int(dm.item_ids[b.targets[0]])
+    return [dm.item_ids[i].item() for i in b.item_ids], dm.item_ids[b.targets[0]].item()
 
 
 def test_leave_one_out_time_order_and_causal_targets(tmp_path):
@@ -115,3 +115,18 @@ def test_ml100k():
     b = dm.datasets["test"].__getitems__(list(range(943)))
     assert int(b.lengths.max()) == 50 and int(b.lengths.min()) >= 19  # every ml-100k user rated >= 20
     assert int(b.exclude_offsets[-1]) == 100_000 - 943  # each user's whole history before its test item
+
+
+def test_parquet_log_and_datasets_dataset_read_as_the_csv(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [(7, "b", 30), (7, "a", 10), (7, "c", 20), (9, "a", 5), (9, "c", 6), (9, "b", 7)]
+    cols = {"user": [r[0] for r in rows], "item": [r[1] for r in rows], "timestamp": [r[2] for r in rows]}
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table(cols), tmp_path / "pq" / "ratings.parquet")
+    for source in (str(tmp_path / "pq"), datasets.Dataset.from_dict(cols)):
+        dm = SequenceDataModule(source, max_len=5)
+        dm.setup()
+        assert [_history(dm, "test", u) for u in (0, 1)] == [(["a", "c"], "b"), (["a", "c"], "b")]

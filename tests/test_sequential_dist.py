@@ -41,7 +41,7 @@ def _fit_row_wise(rank, world_size, name, folder, ckpt):
 
     planner = EmbeddingShardingPlanner(constraints={"t_item": ParameterConstraints(sharding_types=["row_wise"])})
     module = _module(name)
-    trainer = L.Trainer(strategy=RecStrategy(planner=planner), accelerator="cpu", devices=world_size, max_epochs=2,
+    trainer = L.Trainer(strategy=RecStrategy(planner=planner), accelerator="cpu", devices=world_size, max_epochs=1,
                         num_sanity_val_steps=0, limit_val_batches=0, **QUIET)
     trainer.fit(module, _data(folder))
     plan = str(trainer.strategy.plan)
