@@ -110,6 +110,7 @@ def _nested_sdpa_ok(x: Tensor) -> bool:
 
 def _nested_attention(q_THd: Tensor, k_THd: Tensor, v_THd: Tensor, lengths_B: Tensor) -> Tensor:
     offsets = F.pad(torch.cumsum(lengths_B, 0), (1, 0))
-    q, k, v = (torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in (q_THd, k_THd, v_THd))
+    q, k, v = (torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets).transpose(1, 2)
+               for x in (q_THd, k_THd, v_THd))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(q_THd.shape[-1]))
     return out.transpose(1, 2).values()
