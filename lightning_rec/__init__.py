@@ -41,6 +41,7 @@ _EXPORTS = {
     "RecMetricCollection": "metrics", "BinnedAUC": "metrics", "RankingMetrics": "metrics", "NDCG": "metrics",
     "Recall": "metrics", "Precision": "metrics", "MRR": "metrics", "HitRate": "metrics",
     "MovieLensDataModule": "data", "TwoTower": "models", "TwoTowerModule": "models",
+    "SequenceDataModule": "data", "SASRec": "models", "HSTU": "models",
     "PredictionWriter": "predict", "RecCheckpointLoading": "models.module_hooks",
 }
 
@@ -65,7 +66,13 @@ if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: registeri
 
 
 if TYPE_CHECKING:  # static tools see the names as if imported eagerly
-    from lightning_rec.data import Batch, CriteoDataModule, MovieLensDataModule, SyntheticCriteoDataModule  # noqa: F401
+    from lightning_rec.data import (  # noqa: F401
+        Batch,
+        CriteoDataModule,
+        MovieLensDataModule,
+        SequenceDataModule,
+        SyntheticCriteoDataModule,
+    )
     from lightning_rec.embedding import (  # noqa: F401
         BaseEmbeddingConfig,
         DataType,
@@ -103,9 +110,11 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
     from lightning_rec.models import (  # noqa: F401
         DLRM,
         DLRM_DCN,
+        HSTU,
         DLRM_Projection,
         DLRMModule,
         DLRMTrain,
+        SASRec,
         TwoTower,
         TwoTowerModule,
     )

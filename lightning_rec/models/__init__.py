@@ -1,4 +1,4 @@
-"""Models: DLRM, DLRM-DCNv2, two-tower retrieval, and their LightningModules."""
+"""Models: DLRM, DLRM-DCNv2, two-tower retrieval, SASRec and HSTU, and their LightningModules."""
 
 from lightning_rec.models.dlrm import (
     DLRM,
@@ -12,8 +12,10 @@ from lightning_rec.models.dlrm import (
     LowRankCrossNet,
 )
 from lightning_rec.models.dlrm_module import DLRMModule
+from lightning_rec.models.sequential_module import HSTU, SASRec
 from lightning_rec.models.two_tower import Tower, TwoTower
 from lightning_rec.models.two_tower_module import TwoTowerModule
 
-__all__ = ["DLRM", "DLRM_DCN", "DLRMModule", "DLRMTrain", "DLRM_Projection", "InteractionArch", "InteractionDCNArch",
+__all__ = ["DLRM", "DLRM_DCN", "DLRMModule", "HSTU", "SASRec",
+           "DLRMTrain", "DLRM_Projection", "InteractionArch", "InteractionDCNArch",
            "InteractionProjectionArch", "LowRankCrossNet", "MLP", "Tower", "TwoTower", "TwoTowerModule"]
