@@ -46,6 +46,10 @@ class IndexIVFPQ:
 
 def install() -> None:
     if "faiss" in sys.modules or importlib.util.find_spec("faiss") is not None:
+        import faiss
+
+        if not hasattr(faiss, "GpuIndexIVFPQ"):  # faiss-cpu: the example names it in an annotation only
+            faiss.GpuIndexIVFPQ = faiss.IndexIVFPQ
         return
     faiss = types.ModuleType("faiss")
     faiss.IndexFlatL2, faiss.IndexIVFPQ, faiss.METRIC_L2 = IndexFlatL2, IndexIVFPQ, 1
