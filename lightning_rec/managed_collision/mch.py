@@ -90,11 +90,13 @@ class MCHManagedCollisionModule(nn.Module):
         eviction_policy: an MCHEvictionPolicy or "lfu" | "lru" | "distance_lfu".
         eviction_interval: training steps between two batched eviction runs (>= 1).
         min_count_to_admit: lookups a new id needs before it takes a row (1: at once).
-        churn_warning: warn when an eviction run replaces more than this share of the managed rows."""
+        churn_warning: warn when an eviction run replaces more than this share of the managed rows.
+        max_candidates: new ids remembered between two runs (the most frequent kept; None: zch_size)."""
 
     def __init__(self, zch_size: int, device: torch.device | str | None = None,
                  eviction_policy: MCHEvictionPolicy | str = "lfu", eviction_interval: int = 1,
-                 min_count_to_admit: int = 1, churn_warning: float = 0.5, name: str | None = None) -> None:
+                 min_count_to_admit: int = 1, churn_warning: float = 0.5, name: str | None = None,
+                 max_candidates: int | None = None) -> None:
         super().__init__()
         if not isinstance(zch_size, int) or zch_size < 2:
             raise ValueError(f"MCHManagedCollisionModule(zch_size={zch_size!r}): zch_size counts the rows it hands "
@@ -119,9 +121,11 @@ class MCHManagedCollisionModule(nn.Module):
         self.register_buffer("_reused", torch.zeros(m, dtype=torch.bool, device=device))  # evicted, then reused
         self.register_buffer("_sorted_ids", torch.full((m,), _NO_ID, **i64))
         self.register_buffer("_sorted_rows", torch.arange(m, **i64))
-        self.register_buffer("_cand_ids", torch.zeros(0, **i64))  # ids waiting for a row, sorted
-        self.register_buffer("_cand_counts", torch.zeros(0, **i64))
-        self.register_buffer("_cand_last", torch.zeros(0, **i64))
+        c = max(1, max_candidates if max_candidates is not None else zch_size)
+        # ids waiting for a row, sorted, _NO_ID after the last: fixed sizes, so a checkpoint loads in place
+        self.register_buffer("_cand_ids", torch.full((c,), _NO_ID, **i64))
+        self.register_buffer("_cand_counts", torch.zeros(c, **i64))
+        self.register_buffer("_cand_last", torch.zeros(c, **i64))
         self.register_buffer("_step", torch.zeros((), **i64))
         self.register_buffer("_evictions_total", torch.zeros((), **i64))
         self._pending_rows: list[Tensor] = []  # rows handed to a new id since the owner last re-initialised
@@ -152,13 +156,16 @@ class MCHManagedCollisionModule(nn.Module):
     # -- the hot path ----------------------------------------------------------------------------------------------
     def forward(self, ids: Tensor) -> Tensor:
         """Raw ids -> rows. Training: profiles the ids first (admission, eviction runs), so new ids read their row."""
+        self.check_ids(ids)
+        if self.training:
+            self.profile(ids)
+        return self.remap(ids)
+
+    def check_ids(self, ids: Tensor) -> None:
         if ids.numel() and bool((ids < 0).any()):
             bad = ids[ids < 0][:3].tolist()
             raise ValueError(f"managed-collision table{self._named()} got negative ids {bad}: it maps raw "
                              f"non-negative int64 ids; pass ids unfolded and >= 0 (e.g. `ids & (2**63 - 1)`)")
-        if self.training:
-            self.profile(ids)
-        return self.remap(ids)
 
     def remap(self, ids: Tensor) -> Tensor:
         """Rows of the ids (the unknown row for ids without one); counts the lookups of reused rows."""
@@ -172,13 +179,16 @@ class MCHManagedCollisionModule(nn.Module):
             self._reused_lookups += int((found & self._reused[rows.clamp(max=self._reused.numel() - 1)]).sum())
         return rows
 
-    @torch.no_grad()
     def profile(self, ids: Tensor) -> None:
         """Counts the batch's ids, admits new ones to free rows, and runs the eviction every eviction_interval."""
+        self.profile_counts(*torch.unique(ids, return_counts=True))
+
+    @torch.no_grad()
+    def profile_counts(self, uniq: Tensor, counts: Tensor) -> None:
+        """profile() of a batch given as its distinct ids (sorted) and their counts (all ranks' under sharding)."""
         self._step += 1
         step = int(self._step)
-        if ids.numel():
-            uniq, counts = torch.unique(ids, return_counts=True)
+        if uniq.numel():
             pos = torch.searchsorted(self._sorted_ids, uniq).clamp_(max=self._sorted_ids.numel() - 1)
             found = self._sorted_ids[pos] == uniq
             rows = self._sorted_rows[pos[found]]
@@ -186,16 +196,32 @@ class MCHManagedCollisionModule(nn.Module):
             self._last_seen[rows] = step
             new, new_counts = uniq[~found], counts[~found]
             if new.numel():
-                ids_, c, s = _merge(torch.cat([self._cand_ids, new]), torch.cat([self._cand_counts, new_counts]),
-                                    torch.cat([self._cand_last, torch.full_like(new, step)]))
-                self._cand_ids, self._cand_counts, self._cand_last = ids_, c, s
+                n = self._num_candidates()
+                self._set_candidates(*_merge(torch.cat([self._cand_ids[:n], new]),
+                                             torch.cat([self._cand_counts[:n], new_counts]),
+                                             torch.cat([self._cand_last[:n], torch.full_like(new, step)])))
                 self._admit_to_free_rows()
         if step % self._eviction_interval == 0:
             self._evict(step)
 
+    def _num_candidates(self) -> int:
+        return int((self._cand_ids != _NO_ID).sum())
+
+    def _set_candidates(self, ids: Tensor, counts: Tensor, last: Tensor) -> None:
+        """Writes candidates (sorted by id) into the fixed buffers; past capacity, the most frequent stay."""
+        cap = self._cand_ids.numel()
+        if ids.numel() > cap:  # by count, then the most recent, then the smaller id: the same choice everywhere
+            order = torch.argsort(last, descending=True, stable=True)
+            order = order[torch.argsort(counts[order], descending=True, stable=True)][:cap]
+            keep = torch.sort(order).values
+            ids, counts, last = ids[keep], counts[keep], last[keep]
+        n = ids.numel()
+        self._cand_ids[:n], self._cand_counts[:n], self._cand_last[:n] = ids, counts, last
+        self._cand_ids[n:], self._cand_counts[n:], self._cand_last[n:] = _NO_ID, 0, 0
+
     def _admit_to_free_rows(self) -> None:
         free = (self._row_ids == _FREE).nonzero().flatten()
-        ready = (self._cand_counts >= self._min_count).nonzero().flatten()
+        ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
         if not free.numel() or not ready.numel():
             return
         ready = ready[torch.argsort(self._cand_counts[ready], descending=True, stable=True)][: free.numel()]
@@ -206,37 +232,37 @@ class MCHManagedCollisionModule(nn.Module):
         self._row_ids[rows] = self._cand_ids[cand]
         self._counts[rows] = self._cand_counts[cand]
         self._last_seen[rows] = self._cand_last[cand]
-        keep = torch.ones_like(self._cand_ids, dtype=torch.bool)
+        keep = self._cand_ids != _NO_ID
         keep[cand] = False
-        self._cand_ids, self._cand_counts, self._cand_last = (
-            self._cand_ids[keep], self._cand_counts[keep], self._cand_last[keep])
+        self._set_candidates(self._cand_ids[keep], self._cand_counts[keep], self._cand_last[keep])
         self._sort_map()
         self._pending_rows.append(rows.clone())
 
     def _sort_map(self) -> None:
         keys = torch.where(self._row_ids == _FREE, torch.full_like(self._row_ids, _NO_ID), self._row_ids)
-        self._sorted_ids, order = torch.sort(keys)
-        self._sorted_rows = order
+        ids, order = torch.sort(keys, stable=True)
+        self._sorted_ids.copy_(ids)
+        self._sorted_rows.copy_(order)
 
     def _evict(self, step: int) -> None:
         """One batched run: candidates outscoring the lowest residents take their rows; candidates are cleared."""
-        ready = (self._cand_counts >= self._min_count).nonzero().flatten()
+        ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
         evicted = 0
         if ready.numel() and not bool((self._row_ids == _FREE).any()):
             policy = self._eviction_policy
             resident = policy.scores(self._counts, self._last_seen, step)
             incoming = policy.scores(self._cand_counts[ready], self._cand_last[ready], step)
             k = min(ready.numel(), resident.numel())
-            low, low_rows = torch.topk(resident, k, largest=False)  # weakest residents, weakest first
-            high, high_idx = torch.topk(incoming, k)  # strongest candidates, strongest first
-            wins = high > low  # pairs strongest candidate with weakest resident; residents keep ties
+            # stable sorts, not topk: ties fall the same way on every rank and in every run
+            low_rows = torch.argsort(resident, stable=True)[:k]  # weakest residents, weakest first
+            high_idx = torch.argsort(incoming, descending=True, stable=True)[:k]  # strongest candidates first
+            wins = incoming[high_idx] > resident[low_rows]  # residents keep ties
             evicted = int(wins.sum())
             if evicted:
                 rows = low_rows[wins]
                 self._reused[rows] = True
                 self._place(rows, ready[high_idx[wins]])
-        self._cand_ids, self._cand_counts, self._cand_last = (
-            self._cand_ids[:0], self._cand_counts[:0], self._cand_last[:0])
+        self._set_candidates(*(t[:0] for t in (self._cand_ids, self._cand_counts, self._cand_last)))
         self._last_evictions = evicted
         self._evictions_total += evicted
         if evicted > self._churn_warning * self._row_ids.numel():
@@ -266,11 +292,6 @@ class MCHManagedCollisionModule(nn.Module):
         return f" '{self._name}'" if self._name else ""
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        # the candidate buffers' length varies with the run: take the saved one's
-        for name in ("_cand_ids", "_cand_counts", "_cand_last"):
-            saved = state_dict.get(prefix + name)
-            if saved is not None:
-                setattr(self, name, torch.empty_like(saved, device=getattr(self, name).device))
         saved = state_dict.get(prefix + "_row_ids")
         if saved is not None and saved.shape != self._row_ids.shape:
             raise ValueError(f"managed-collision table{self._named()}: the checkpoint's id map has "
