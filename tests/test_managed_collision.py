@@ -179,3 +179,31 @@ def test_every_id_new_every_batch_warns_and_stays_consistent():
     assert len(set(row_ids.tolist())) == row_ids.numel()  # one id per row
     ids, rows = m.id_map()
     assert torch.equal(row_ids[rows], ids) and bool(torch.isfinite(mc._embedding_module.table_parameters()["t"]).all())
+
+
+def test_lightning_module_logs_the_metrics(tmp_path):
+    import lightning.pytorch as L
+
+    from lightning_rec.models.module_hooks import RecModuleHooks
+
+    class Module(RecModuleHooks, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.mc = _mc_ebc(rows=4, zch=4, interval=1)
+            self.dense = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.dense(self.mc(_kjt(batch.tolist(), []))[0].values()).sum()
+            self.log_train_loss(loss, batch_size=1)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.dense.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.arange(24).view(6, 4) % 7, batch_size=None)
+    trainer = L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    trainer.fit(Module(), data)
+    logged = trainer.logged_metrics
+    assert {"mc/t/fill_ratio", "mc/t/evictions_per_interval", "mc/t/reused_row_lookup_share"} <= set(logged)
+    assert float(logged["mc/t/fill_ratio"]) == 1.0
