@@ -207,3 +207,26 @@ def test_lightning_module_logs_the_metrics(tmp_path):
     logged = trainer.logged_metrics
     assert {"mc/t/fill_ratio", "mc/t/evictions_per_interval", "mc/t/reused_row_lookup_share"} <= set(logged)
     assert float(logged["mc/t/fill_ratio"]) == 1.0
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru", "distance_lfu"])
+def test_sorted_map_stays_consistent_under_churn(policy):
+    """The map is merged, not re-sorted, at each admission: it must stay sorted and agree with the rows."""
+    m = MCHManagedCollisionModule(17, eviction_policy=policy, eviction_interval=3, max_candidates=8).train()
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            ids = torch.randint(0, 60, (12,), generator=g) ** 3
+            rows = m(ids)
+            ids_sorted, where = m.id_map()
+            assert bool((ids_sorted[1:] > ids_sorted[:-1]).all())
+            assert torch.equal(m._row_ids[where], ids_sorted)
+            assert ids_sorted.numel() == int((m._row_ids != -1).sum())
+            owned = rows != m.unknown_row
+            assert torch.equal(m._row_ids[rows[owned]], ids[owned])
+
+
+def test_the_empty_slot_id_refused():
+    with pytest.raises(ValueError, match="empty slot"):
+        MCHManagedCollisionModule(4).train()(torch.tensor([2**63 - 1]))

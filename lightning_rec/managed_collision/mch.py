@@ -120,7 +120,7 @@ class MCHManagedCollisionModule(nn.Module):
         self.register_buffer("_last_seen", torch.full((m,), -1, **i64))
         self.register_buffer("_reused", torch.zeros(m, dtype=torch.bool, device=device))  # evicted, then reused
         self.register_buffer("_sorted_ids", torch.full((m,), _NO_ID, **i64))
-        self.register_buffer("_sorted_rows", torch.arange(m, **i64))
+        self.register_buffer("_sorted_rows", torch.zeros(m, **i64))
         c = max(1, max_candidates if max_candidates is not None else zch_size)
         # ids waiting for a row, sorted, _NO_ID after the last: fixed sizes, so a checkpoint loads in place
         self.register_buffer("_cand_ids", torch.full((c,), _NO_ID, **i64))
@@ -162,10 +162,11 @@ class MCHManagedCollisionModule(nn.Module):
         return self.remap(ids)
 
     def check_ids(self, ids: Tensor) -> None:
-        if ids.numel() and bool((ids < 0).any()):
-            bad = ids[ids < 0][:3].tolist()
+        if ids.numel() and bool(((ids < 0) | (ids == _NO_ID)).any()):
+            bad = ids[(ids < 0) | (ids == _NO_ID)][:3].tolist()
             raise ValueError(f"managed-collision table{self._named()} got negative ids {bad}: it maps raw "
-                             f"non-negative int64 ids; pass ids unfolded and >= 0 (e.g. `ids & (2**63 - 1)`)")
+                             f"non-negative int64 ids below 2**63 - 1 (its empty slot); pass ids unfolded and >= 0 "
+                             f"(e.g. `ids & (2**62 - 1)`)")
 
     def remap(self, ids: Tensor) -> Tensor:
         """Rows of the ids (the unknown row for ids without one); counts the lookups of reused rows."""
@@ -228,21 +229,32 @@ class MCHManagedCollisionModule(nn.Module):
         self._place(free[: ready.numel()], ready)
 
     def _place(self, rows: Tensor, cand: Tensor) -> None:
-        """Candidates `cand` (indices into the candidate buffers) take `rows`; the map is sorted again."""
+        """Candidates `cand` (indices into the candidate buffers) take `rows`; the sorted map is merged."""
+        self._merge_map(self._row_ids[rows], self._cand_ids[cand], rows)
         self._row_ids[rows] = self._cand_ids[cand]
         self._counts[rows] = self._cand_counts[cand]
         self._last_seen[rows] = self._cand_last[cand]
         keep = self._cand_ids != _NO_ID
         keep[cand] = False
         self._set_candidates(self._cand_ids[keep], self._cand_counts[keep], self._cand_last[keep])
-        self._sort_map()
         self._pending_rows.append(rows.clone())
 
-    def _sort_map(self) -> None:
-        keys = torch.where(self._row_ids == _FREE, torch.full_like(self._row_ids, _NO_ID), self._row_ids)
-        ids, order = torch.sort(keys, stable=True)
-        self._sorted_ids.copy_(ids)
-        self._sorted_rows.copy_(order)
+    def _merge_map(self, old_ids: Tensor, new_ids: Tensor, rows: Tensor) -> None:
+        """Drops `old_ids` (_FREE: none) from the sorted map and merges `new_ids` -> `rows` in: O(map) copies, no
+        sort of the map (a step admitting a few ids into a table of millions stays cheap)."""
+        keep = self._sorted_ids != _NO_ID
+        old = old_ids[old_ids != _FREE]
+        if old.numel():
+            keep[torch.searchsorted(self._sorted_ids, old)] = False
+        kept_ids, kept_rows = self._sorted_ids[keep], self._sorted_rows[keep]
+        new_ids, order = torch.sort(new_ids)
+        new_rows = rows[order]
+        at_new = torch.searchsorted(kept_ids, new_ids) + torch.arange(new_ids.numel(), device=new_ids.device)
+        at_kept = torch.arange(kept_ids.numel(), device=kept_ids.device) + torch.searchsorted(new_ids, kept_ids)
+        n = kept_ids.numel() + new_ids.numel()
+        self._sorted_ids[n:], self._sorted_rows[n:] = _NO_ID, 0
+        self._sorted_ids[at_kept], self._sorted_rows[at_kept] = kept_ids, kept_rows
+        self._sorted_ids[at_new], self._sorted_rows[at_new] = new_ids, new_rows
 
     def _evict(self, step: int) -> None:
         """One batched run: candidates outscoring the lowest residents take their rows; candidates are cleared."""
