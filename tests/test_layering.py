@@ -19,6 +19,7 @@ FLOORS = [  # lowest first
     ("optim.config", "optim.fused_paths", "native_embedding", "batch_check", "lookup"),
     ("embedding_configs", "embedding"),
     ("optim",),
+    ("managed_collision",),
     ("sharding", "planner"),
     ("input_dist", "output_dist", "sharded_embedding"),
     ("model_parallel", "plan_verbs", "plan_checks"),

@@ -11,6 +11,7 @@ import torch
 
 from lightning_rec.checkpoint import MODULE_CLASS_KEY
 from lightning_rec.embedding import _EmbeddingCollectionBase, fused_table_modules
+from lightning_rec.managed_collision import ManagedCollisionCollection
 from lightning_rec.optim import DENSE_OPTIMIZERS
 from lightning_rec.strategy import RecStrategy, warn_fused_dense_only
 
@@ -163,6 +164,9 @@ class RecModuleHooks(RecCheckpointLoading):
     def log_train_loss(self, loss, batch_size: int) -> None:
         """train_loss for the loggers every step; on the progress bar only where reading it costs no device sync."""
         self.log("train_loss", loss, prog_bar=loss.device.type == "cpu", batch_size=batch_size)
+        for m in self.modules():  # managed-collision tables: fill ratio, evictions, reused-row lookups (host floats)
+            if isinstance(m, ManagedCollisionCollection):
+                self.log_dict(m.metrics(), batch_size=batch_size)
 
     def on_train_epoch_end(self) -> None:
         self.log_memory_per_rank()

@@ -66,7 +66,9 @@ class CriteoDataModule(pl.LightningDataModule):
         block_bytes: bytes read and parsed at a time when streaming (and the shuffle's block).
         parser: "auto" (the native op when built), "native" or "python" (the reference).
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
+        persistent_workers: keep the workers between epochs (None: whenever there are any).
+        hash_ids: fold ids into the tables (`1 + v % (n - 1)`); False: raw 32-bit ids, unfolded, for
+            managed-collision tables (docs/managed_collision.md)."""
 
     def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
                  predict_path: str | None = None, batch_size: int = 2048, val_batch_size: int | None = None,
@@ -76,8 +78,9 @@ class CriteoDataModule(pl.LightningDataModule):
                  drop_last: bool = False, on_bad_row: str = "error", separator: str | None = None,
                  has_header: bool | None = None, has_label: bool | None = None, block_bytes: int = 64 << 20,
                  parser: str = "auto", prefetch_factor: int | None = None,
-                 persistent_workers: bool | None = None) -> None:
+                 persistent_workers: bool | None = None, hash_ids: bool = True) -> None:
         super().__init__()
+        self.hash_ids = hash_ids
         # said here, not when the first loader is built
         worker_options("CriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
@@ -214,6 +217,9 @@ class CriteoDataModule(pl.LightningDataModule):
             if split in ("train", "val"):
                 self._check_labelled(split)
             if is_shard_dir(self.paths[split]):
+                if not self.hash_ids:
+                    raise ValueError(f"CriteoDataModule(hash_ids=False): {self.paths[split]} is preprocessed, its "
+                                     f"ids already folded into the tables: give the text or table files instead")
                 dataset = CriteoShardDataset(
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
                     self.sparse_feature_names, shuffle=self.shuffle and split == "train", seed=self.seed,
@@ -237,13 +243,13 @@ class CriteoDataModule(pl.LightningDataModule):
                     self.paths[split], self.batch_size if split == "train" else self.val_batch_size,
                     self.num_embeddings_per_feature, self.sparse_feature_names, self.missing_categorical,
                     shuffle=self.shuffle and split == "train", seed=self.seed,
-                    drop_last=self.drop_last and split == "train", row_ids=split == "predict",
+                    drop_last=self.drop_last and split == "train", row_ids=split == "predict", hash_ids=self.hash_ids,
                     **self.read_options.kwargs(block_bytes=min(self.read_options.block_bytes, 16 << 20)),
                 )
             else:
                 self.datasets[split] = CriteoDataset(
                     self._cache(split), self.num_embeddings_per_feature, self.sparse_feature_names,
-                    self.missing_categorical,
+                    self.missing_categorical, self.hash_ids,
                 )
 
     def _loader_options(self) -> dict:

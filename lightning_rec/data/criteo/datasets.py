@@ -24,6 +24,7 @@ from lightning_rec.data.criteo.parse import CriteoReadOptions, parse_block
 from lightning_rec.data.criteo.report import ParseReport
 from lightning_rec.data.criteo.schema import (
     DEFAULT_SPARSE_FEATURE_NAMES,
+    MISSING_RAW_ID,
     NUM_DENSE_FEATURES,
     NUM_SPARSE_FEATURES,
     check_missing_categorical,
@@ -38,14 +39,25 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw_BF: np.ndarray,
                       num_embeddings_F: np.ndarray, keys: Sequence[str],
-                      missing_categorical: str = "reserved_id") -> Batch:
-    """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse."""
+                      missing_categorical: str = "reserved_id", hash_ids: bool = True) -> Batch:
+    """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse.
+
+    hash_ids=False: the sparse ids stay raw (unfolded, for managed-collision tables); a missing value reads
+    MISSING_RAW_ID ("reserved_id") or an empty bag ("empty_bag")."""
     # fmax ignores NaN, so a missing count becomes log(1 + 0) = 0
     dense_B13 = np.log1p(np.fmax(dense_raw_B13, 0.0)).astype(np.float32, copy=False)
     sparse_FB = sparse_raw_BF.T
     mod_F1 = num_embeddings_F[:, None]
     batch_size = label_B.shape[0]
-    if missing_categorical == "reserved_id":
+    if not hash_ids:
+        present_FB = sparse_FB >= 0
+        if missing_categorical == "reserved_id":
+            values_N = np.where(present_FB, sparse_FB, MISSING_RAW_ID).reshape(-1)
+            lengths_FB = np.ones(sparse_FB.size, dtype=np.int64)
+        else:
+            values_N = sparse_FB[present_FB]
+            lengths_FB = present_FB.reshape(-1).astype(np.int64)
+    elif missing_categorical == "reserved_id":
         ids_FB = table_ids(sparse_FB, mod_F1, missing_categorical)
         values_N = ids_FB.reshape(-1)
         lengths_FB = np.ones(ids_FB.size, dtype=np.int64)
@@ -67,8 +79,10 @@ class CriteoDataset(Dataset):
     `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy."""
 
     def __init__(self, arrow_path: str | os.PathLike, num_embeddings_per_feature: int | Sequence[int],
-                 sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id") -> None:
+                 sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",
+                 hash_ids: bool = True) -> None:
         self.arrow_path = str(arrow_path)
+        self.hash_ids = hash_ids
         self.keys = feature_names(sparse_feature_names)
         check_missing_categorical(missing_categorical)
         self.missing_categorical = missing_categorical
@@ -141,7 +155,7 @@ class CriteoDataset(Dataset):
             raise IndexError(f"indices out of range for {len(self)} rows")
         label_B, dense_B13, sparse_BF = self._gather(idx_B)
         return make_criteo_batch(
-            label_B, dense_B13, sparse_BF, self.num_embeddings_F, self.keys, self.missing_categorical
+            label_B, dense_B13, sparse_BF, self.num_embeddings_F, self.keys, self.missing_categorical, self.hash_ids
         )
 
     def empty_batch(self) -> Batch:
@@ -171,7 +185,8 @@ class CriteoIterableDataset(IterableDataset):
                  sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, on_bad_row: str = "error",
                  separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
-                 block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False) -> None:
+                 block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False,
+                 hash_ids: bool = True) -> None:
         options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
         check_missing_categorical(missing_categorical)
         # a table streams in blocks of rows: about as many as block_bytes of the cache's rows (264 bytes each)
@@ -179,6 +194,7 @@ class CriteoIterableDataset(IterableDataset):
         if self.table is None:
             check_criteo_file(path)
         self.row_ids = row_ids
+        self.hash_ids = hash_ids
         self.parser = options.parser
         self.path = str(path)
         self.layout = options.layout(path) if self.table is None else None
@@ -336,7 +352,8 @@ class CriteoIterableDataset(IterableDataset):
 
     def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
                row_ids: np.ndarray | None = None) -> Batch:
-        batch = make_criteo_batch(label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical)
+        batch = make_criteo_batch(label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical,
+                                  self.hash_ids)
         if row_ids is not None:
             batch.row_ids = torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64))
         return batch

@@ -50,6 +50,10 @@ def resolve_num_embeddings(num_embeddings_per_feature: int | Sequence[int], num_
     return sizes
 
 
+# the id a missing value reads with hash_ids=False and "reserved_id": outside the 32-bit hashes, so never a real one
+MISSING_RAW_ID = 1 << 32
+
+
 def table_ids(raw: np.ndarray, num_embeddings: np.ndarray, missing_categorical: str) -> np.ndarray:
     """Raw 32-bit hashes (-1: missing) -> table rows, `num_embeddings` broadcast against `raw`: reserved_id
     1 + v % (n - 1) (0: missing), empty_bag v % n (-1: missing). The native op's hash modes compute the same."""

@@ -1,0 +1,203 @@
+"""Managed-collision (ZCH) tables vs modulo folding on Criteo: collisions, validation AUC, remapping cost.
+
+    flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/zch.py [--seeds 0 1 2] [--epochs 3]
+    .venv/bin/python benchmarks/zch.py --smoke      # seconds: 1,024 rows, one seed, one epoch
+
+Data: the Criteo samples in $LIGHTNING_REC_SHARED_DATA/criteo (train: criteo_kaggle_train_sample.tsv, validation:
+criteo_kaggle_valid_sample.tsv); without them, Zipf-distributed synthetic ids. Each table has 10% of its feature's
+distinct training ids as rows (at least 2). Modulo: `1 + v % (n - 1)` (row 0: missing). ZCH: raw ids through an
+MCHManagedCollisionModule (zch_size = n, LFU, eviction every --interval steps). The same DLRM (dim 16), fused
+row-wise Adagrad on the tables and Adam on the dense layers, trained for --epochs in the same batch order.
+
+Collision rate: the share of training lookups (missing values left out) that read a row that more than one distinct
+id read during training (ZCH: the shared unknown row, or a row evicted and reused); `id_collision_rate_*` counts
+distinct ids instead. Step cost: the median training step with ZCH over the one without, alternating rounds, one
+process. The last line is one JSON object: {"benchmark": "zch", "results": [...], "ratios":
+{"collision_rate_modulo_vs_zch", "id_collision_rate_modulo_vs_zch", "step_with_zch_vs_without"}, "figures":
+{"auc_zch_minus_modulo", "auc_zch_minus_modulo_spread", "auc_modulo", "auc_zch", "collision_rate_modulo",
+"collision_rate_zch"}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.data.criteo.datasets import make_criteo_batch
+from lightning_rec.data.criteo.parse import read_criteo
+from lightning_rec.managed_collision import (
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
+)
+from lightning_rec.metrics import AUC
+from lightning_rec.models.dlrm import DLRM
+from lightning_rec.optim.config import FusedOptimizerConfig
+
+KEYS = [f"C{i}" for i in range(1, 27)]
+DIM = 16
+
+
+def load(path: Path, rows: int | None):
+    parts = [t for t, _ in read_criteo(path)]
+    label = np.concatenate([t["label"].to_numpy() for t in parts])
+    dense = np.concatenate([t["dense"].combine_chunks().flatten().to_numpy().reshape(-1, 13) for t in parts])
+    sparse = np.concatenate([t["sparse"].combine_chunks().flatten().to_numpy().reshape(-1, 26) for t in parts])
+    return label[:rows], dense[:rows].astype(np.float32), sparse[:rows].astype(np.int64)
+
+
+def synthetic(rows: int, seed: int):
+    g = np.random.default_rng(seed)
+    sparse = (g.zipf(1.3, (rows, 26)) * 2_654_435_761) % (1 << 32)
+    weight = g.normal(size=26)
+    label = ((np.log(sparse % 97 + 1) @ weight + g.normal(size=rows)) > 0).astype(np.float32)
+    return label, g.normal(size=(rows, 13)).astype(np.float32), sparse.astype(np.int64)
+
+
+def batches(data, sizes: np.ndarray, batch: int, hash_ids: bool):
+    label, dense, sparse = data
+    return [make_criteo_batch(label[i:i + batch], dense[i:i + batch], sparse[i:i + batch], sizes, KEYS,
+                              hash_ids=hash_ids) for i in range(0, len(label), batch)]
+
+
+class _Remapped(nn.Module):
+    """The MC collection where DLRM reads its EBC: KJT of raw ids -> KeyedTensor."""
+
+    def __init__(self, mc: ManagedCollisionEmbeddingBagCollection) -> None:
+        super().__init__()
+        self.mc = mc
+        self.embedding_bag_configs = mc._embedding_module.embedding_bag_configs
+        self.feature_names = mc._embedding_module.feature_names
+
+    def forward(self, features):
+        return self.mc(features)[0]
+
+
+def build(sizes: np.ndarray, zch: bool, seed: int, interval: int):
+    torch.manual_seed(seed)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=int(n), embedding_dim=DIM, feature_names=[k])
+              for k, n in zip(KEYS, sizes)]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05))
+    model = DLRM(ebc, 13, [32, DIM], [32, 1])
+    if zch:
+        mcc = ManagedCollisionCollection({t.name: MCHManagedCollisionModule(t.num_embeddings, eviction_policy="lfu",
+                                                                            eviction_interval=interval)
+                                          for t in tables}, tables)
+        model.sparse_arch.embedding_bag_collection = _Remapped(ManagedCollisionEmbeddingBagCollection(ebc, mcc))
+    dense = [p for n, p in model.named_parameters() if "embedding_bag" not in n]
+    return model, torch.optim.Adam(dense, lr=1e-3)
+
+
+def step(model, opt, b) -> None:
+    logits = model(b.dense_features, b.sparse_features).squeeze(-1)
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def auc(model, val) -> float:
+    model.eval()
+    metric = AUC()
+    with torch.no_grad():
+        for b in val:
+            metric.update(model(b.dense_features, b.sparse_features).squeeze(-1), b.labels)
+    model.train()
+    return float(metric.compute())
+
+
+def collision_rates(train, sizes: np.ndarray, zch: bool, interval: int, batch: int) -> tuple[float, float]:
+    """(lookup share, distinct-id share) reading a row that more than one distinct id read in training."""
+    mods = [MCHManagedCollisionModule(int(n), eviction_interval=interval).train() for n in sizes]
+    label, dense, sparse = train
+    pairs = [[] for _ in KEYS]
+    for i in range(0, len(label), batch):
+        for f, m in enumerate(mods):
+            raw = torch.from_numpy(sparse[i:i + batch, f])
+            raw = raw[raw >= 0]
+            rows = m(raw) if zch else 1 + raw % (int(sizes[f]) - 1)
+            pairs[f].append(torch.stack([rows, raw]))
+    hit = looked = shared_ids = ids = 0
+    for p in pairs:
+        rows, raw = torch.cat(p, dim=1)
+        uniq = torch.unique(torch.stack([rows, raw]), dim=1)
+        per_row = torch.bincount(uniq[0], minlength=int(rows.max()) + 1 if rows.numel() else 1)
+        shared = per_row[rows] > 1
+        hit, looked = hit + int(shared.sum()), looked + rows.numel()
+        id_shared = torch.zeros(0, dtype=torch.int64)
+        if rows.numel():
+            id_shared = torch.unique(raw[shared])
+        shared_ids, ids = shared_ids + id_shared.numel(), ids + torch.unique(raw).numel()
+    return hit / max(looked, 1), shared_ids / max(ids, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--interval", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="seconds: 1,024 rows, one seed, one epoch")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="managed-collision table")  # churn on a small sample: expected
+    rows = None
+    if args.smoke:
+        args.seeds, args.epochs, args.rounds, rows = [0], 1, 1, 1024
+    root = Path(os.environ.get("LIGHTNING_REC_SHARED_DATA", "")) / "criteo"
+    if (root / "criteo_kaggle_train_sample.tsv").exists():
+        source = "criteo samples"
+        train = load(root / "criteo_kaggle_train_sample.tsv", rows)
+        val = load(root / "criteo_kaggle_valid_sample.tsv", rows)
+    else:
+        source = "synthetic zipf ids"
+        train, val = synthetic(rows or 4096, 0), synthetic((rows or 4096) // 2, 1)
+    distinct = np.array([len(np.unique(c[c >= 0])) for c in train[2].T])
+    sizes = np.maximum(2, np.ceil(0.1 * distinct)).astype(np.int64)
+    print(f"{source}: {len(train[0])} training rows, {int(distinct.sum())} distinct ids, {int(sizes.sum())} rows")
+    rates = {arm: collision_rates(train, sizes, arm == "zch", args.interval, args.batch) for arm in ("modulo", "zch")}
+    data = {arm: (batches(train, sizes, args.batch, arm == "modulo"), batches(val, sizes, 4096, arm == "modulo"))
+            for arm in ("modulo", "zch")}
+    aucs = {"modulo": [], "zch": []}
+    times = {"modulo": [], "zch": []}
+    for seed in args.seeds:
+        models = {arm: build(sizes, arm == "zch", seed, args.interval) for arm in aucs}
+        for _ in range(args.epochs):
+            for i in range(len(data["modulo"][0])):
+                for arm in aucs:  # alternating: the same moment of a busy machine for both
+                    t0 = time.perf_counter()
+                    step(*models[arm], data[arm][0][i])
+                    times[arm].append(time.perf_counter() - t0)
+        for arm in aucs:
+            aucs[arm].append(auc(models[arm][0], data[arm][1]))
+    diffs = [z - m for z, m in zip(aucs["zch"], aucs["modulo"])]
+    step_s = {arm: statistics.median(t) for arm, t in times.items()}
+    results = [{"arm": arm, "collision_rate": rates[arm][0], "id_collision_rate": rates[arm][1], "aucs": aucs[arm],
+                "median_step_ms": step_s[arm] * 1e3} for arm in aucs]
+    print(f"{'arm':<8}{'collide(lookups)':>18}{'collide(ids)':>14}{'AUC mean':>10}{'step ms':>9}")
+    for r in results:
+        print(f"{r['arm']:<8}{r['collision_rate']:>18.4f}{r['id_collision_rate']:>14.4f}"
+              f"{statistics.mean(r['aucs']):>10.4f}{r['median_step_ms']:>9.2f}")
+    ratios = {"collision_rate_modulo_vs_zch": rates["modulo"][0] / max(rates["zch"][0], 1e-12),
+              "id_collision_rate_modulo_vs_zch": rates["modulo"][1] / max(rates["zch"][1], 1e-12),
+              "step_with_zch_vs_without": step_s["zch"] / step_s["modulo"]}
+    figures = {"auc_zch_minus_modulo": statistics.mean(diffs),
+               "auc_zch_minus_modulo_spread": statistics.pstdev(diffs) if len(diffs) > 1 else 0.0,
+               "auc_modulo": statistics.mean(aucs["modulo"]), "auc_zch": statistics.mean(aucs["zch"]),
+               "collision_rate_modulo": rates["modulo"][0], "collision_rate_zch": rates["zch"][0],
+               "seeds": len(args.seeds), "source": source}
+    print(json.dumps({"benchmark": "zch", "results": results, "ratios": ratios, "figures": figures}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Managed-collision (ZCH) tables: raw int64 ids remapped to rows through an id map with batched eviction."""
+
+from lightning_rec.managed_collision.collection import (
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+    reinit_rows,
+)
+from lightning_rec.managed_collision.mch import (
+    DistanceLFU_EvictionPolicy,
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    MCHEvictionPolicy,
+    MCHManagedCollisionModule,
+)
+
+__all__ = ["DistanceLFU_EvictionPolicy", "LFU_EvictionPolicy", "LRU_EvictionPolicy", "MCHEvictionPolicy",
+           "MCHManagedCollisionModule", "ManagedCollisionCollection", "ManagedCollisionEmbeddingBagCollection",
+           "ManagedCollisionEmbeddingCollection", "reinit_rows"]

@@ -1,0 +1,221 @@
+"""TorchRec's managed-collision collections: raw ids remapped per table, then looked up in an EBC / EC."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_rec.comm import all_gather_object, distributed
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
+from lightning_rec.embedding_configs import BaseEmbeddingConfig
+from lightning_rec.managed_collision.mch import MCHManagedCollisionModule
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+class ManagedCollisionCollection(nn.Module):
+    """One MCHManagedCollisionModule per table: forward(KJT of raw ids) -> KJT of rows (TorchRec's name).
+
+    Each table's features are remapped together (one profile per table and step). Features of tables without a
+    module pass through unchanged. With `process_group` set (DistributedModelParallel: the sharded collection's
+    group), a training step profiles every rank's distinct ids and counts, gathered in one collective, so the id
+    maps stay the same on every rank and equal to one module fed the global batch."""
+
+    def __init__(self, managed_collision_modules: Mapping[str, MCHManagedCollisionModule],
+                 embedding_configs: Sequence[BaseEmbeddingConfig]) -> None:
+        super().__init__()
+        by_name = {c.name: c for c in embedding_configs}
+        for table, module in managed_collision_modules.items():
+            if table not in by_name:
+                raise ValueError(f"ManagedCollisionCollection: no embedding config named '{table}' for its "
+                                 f"managed-collision module (tables: {sorted(by_name)})")
+            rows = by_name[table].num_embeddings
+            if module.output_size() > rows:
+                raise ValueError(f"ManagedCollisionCollection: table '{table}' has {rows} rows but its module hands "
+                                 f"out zch_size={module.output_size()}: use zch_size <= {rows} (or a larger table)")
+            if module._name is None:
+                module._name = table
+        self._managed_collision_modules = nn.ModuleDict(dict(managed_collision_modules))
+        self._embedding_configs = list(embedding_configs)
+        self._table_features = {c.name: list(c.feature_names) for c in embedding_configs
+                                if c.name in managed_collision_modules}
+        self.process_group: Any = None
+        self.device: torch.device | None = None  # the group's device (NCCL: the rank's GPU)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys = features.keys()
+        index = {k: i for i, k in enumerate(keys)}
+        offsets = features.offset_per_key()
+        values = features.values()
+        out = values.clone()
+        spans, ids = {}, {}
+        for table, names in self._table_features.items():
+            spans[table] = [(offsets[index[f]], offsets[index[f] + 1]) for f in names if f in index]
+            pieces = [values[a:b] for a, b in spans[table]] or [values[:0]]
+            ids[table] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        modules = self._managed_collision_modules
+        if self.training:
+            for table, m in modules.items():
+                m.check_ids(ids[table])
+            for table, (uniq, counts) in self._batch_counts(ids).items():
+                modules[table].profile_counts(uniq, counts)
+        for table in self._table_features:
+            rows = modules[table].remap(ids[table])
+            at = 0
+            for a, b in spans[table]:
+                out[a:b] = rows[at:at + b - a]
+                at += b - a
+        return KeyedJaggedTensor(keys, out, features.weights_or_none(), lengths=features.lengths(),
+                                 offsets=features.offsets_or_none(), stride=features.stride(),
+                                 length_per_key=features.length_per_key(), offset_per_key=offsets, _validate=False)
+
+    def _batch_counts(self, ids: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+        """table -> (distinct ids, counts) of this step: this rank's, or every rank's under a process group."""
+        local = {t: torch.unique(v, return_counts=True) for t, v in ids.items()}
+        pg = self.process_group
+        if pg is None or not distributed() or dist.get_world_size(pg) == 1:
+            return local
+        every = all_gather_object({t: (u.cpu(), c.cpu()) for t, (u, c) in local.items()}, group=pg,
+                                  device=self.device, tag="managed-collision ids")
+        out = {}
+        for t, (u, _) in local.items():
+            uniq, inverse = torch.unique(torch.cat([r[t][0] for r in every]), return_inverse=True)
+            counts = torch.zeros_like(uniq).scatter_add_(0, inverse, torch.cat([r[t][1] for r in every]))
+            out[t] = (uniq.to(u.device), counts.to(u.device))
+        return out
+
+    def steps(self) -> dict[str, int]:
+        return {t: int(m._step) for t, m in self._managed_collision_modules.items()}
+
+    def modules_by_table(self) -> dict[str, MCHManagedCollisionModule]:
+        return dict(self._managed_collision_modules.items())
+
+    def take_reused_rows(self) -> dict[str, Tensor]:
+        out = {}
+        for table, module in self._managed_collision_modules.items():
+            rows = module.take_reused_rows()
+            if rows is not None:
+                out[table] = rows
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """`mc/<table>/<metric>` for every table (see MCHManagedCollisionModule.metrics)."""
+        return {f"mc/{t}/{k}": v for t, m in self._managed_collision_modules.items() for k, v in m.metrics().items()}
+
+
+def _configs(collection: nn.Module) -> dict[str, Any]:
+    get = getattr(collection, "embedding_bag_configs", None) or collection.embedding_configs
+    return {c.name: c for c in get()}
+
+
+def _draw(config, n: int, seed_text: str) -> Tensor:
+    """n fresh rows of a table, the same on every rank for the same text (a column-wise piece takes its columns)."""
+    seed = int.from_bytes(hashlib.sha256(seed_text.encode()).digest()[:8], "little") & (2**63 - 1)
+    out = torch.empty(n, config.embedding_dim)
+    if config.init_fn is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            config.init_fn(out)
+        return out
+    return out.uniform_(*config.local_table().init_range(), generator=torch.Generator().manual_seed(seed))
+
+
+def _pieces(collection: nn.Module) -> list[tuple[str, int, int, Tensor]]:
+    """(table, first row, first column, [rows, cols] weight view) for every piece this process holds."""
+    if not hasattr(collection, "local_shards"):  # unsharded
+        return [(t, 0, 0, w) for t, w in collection.lookup.table_weights().items()]
+    out = [(t, *meta.shard_offsets, w) for t, shards in collection.local_shards().items() for meta, w in shards]
+    return out + [(t, 0, 0, w) for t, w in collection.replica_weights().items()]
+
+
+def _state_offset(collection: nn.Module, local_name: str) -> tuple[str, int]:
+    if not hasattr(collection, "shard_of"):
+        return local_name, 0
+    table, meta, _ = collection.shard_of(local_name)
+    return table, (meta.shard_offsets[0] if meta is not None else 0)
+
+
+@torch.no_grad()
+def reinit_rows(collection: nn.Module, reused: Mapping[str, Tensor], steps: Mapping[str, int] | None = None) -> None:
+    """Draws the reused rows' weights again (init_fn or the init range, seeded by table and step: every rank and
+    layout draws the same values) and zeroes their fused optimizer state; sharded collections write the pieces
+    they hold."""
+    if not reused:
+        return
+    configs = _configs(collection)
+    fresh = {t: _draw(configs[t], rows.numel(), f"{t}:{(steps or {}).get(t, 0)}") for t, rows in reused.items()}
+    for table, r0, c0, w in _pieces(collection):
+        if table in reused:
+            rows = reused[table]
+            mine = (rows >= r0) & (rows < r0 + w.shape[0])
+            w[(rows[mine] - r0).to(w.device)] = fresh[table][mine][:, c0:c0 + w.shape[1]].to(w)
+    for kernel in collection.fused_kernels():
+        for t, state in zip(kernel.tables, kernel.optimizer_states()):
+            table, r0 = _state_offset(collection, t.name)
+            if table in reused:
+                rows = reused[table]
+                mine = rows[(rows >= r0) & (rows < r0 + t.num_embeddings)] - r0
+                for v in state.values():
+                    if v.dim() >= 1 and v.shape[0] == t.num_embeddings:
+                        v[mine.to(v.device)] = 0
+    (collection if hasattr(collection, "local_shards") else collection.lookup).weights_written()
+
+
+class _ManagedCollisionBase(nn.Module):
+    def __init__(self, collection: nn.Module, managed_collision_collection: ManagedCollisionCollection,
+                 return_remapped_features: bool) -> None:
+        super().__init__()
+        configs = _configs(collection)
+        for table in managed_collision_collection._table_features:
+            if table not in configs:
+                raise ValueError(f"{type(self).__name__}: the managed-collision table '{table}' is not one of the "
+                                 f"collection's tables {sorted(configs)}")
+        self._managed_collision_collection = managed_collision_collection
+        self._return_remapped_features = return_remapped_features
+
+    def _remap(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        mcc = self._managed_collision_collection
+        env = getattr(self._embedding_module, "env", None)  # sharded by DistributedModelParallel: its group
+        if env is not None and mcc.process_group is None:
+            mcc.process_group, mcc.device = env.pg, env.device
+        remapped = mcc(features)
+        reinit_rows(self._embedding_module, mcc.take_reused_rows(), mcc.steps())
+        return remapped
+
+    def metrics(self) -> dict[str, float]:
+        """Per table: fill ratio, evictions per interval, share of lookups reading an evicted-then-reused row."""
+        return self._managed_collision_collection.metrics()
+
+
+class ManagedCollisionEmbeddingBagCollection(_ManagedCollisionBase):
+    """An EmbeddingBagCollection read through a ManagedCollisionCollection (TorchRec's name):
+    forward(KJT of raw ids) -> (KeyedTensor, remapped KJT or None)."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection,
+                 managed_collision_collection: ManagedCollisionCollection,
+                 return_remapped_features: bool = False) -> None:
+        super().__init__(embedding_bag_collection, managed_collision_collection, return_remapped_features)
+        self._embedding_module = embedding_bag_collection
+
+    def forward(self, features: KeyedJaggedTensor):
+        remapped = self._remap(features)
+        return self._embedding_module(remapped), (remapped if self._return_remapped_features else None)
+
+
+class ManagedCollisionEmbeddingCollection(_ManagedCollisionBase):
+    """An EmbeddingCollection read through a ManagedCollisionCollection (TorchRec's name):
+    forward(KJT of raw ids) -> (dict of JaggedTensor, remapped KJT or None)."""
+
+    def __init__(self, embedding_collection: EmbeddingCollection,
+                 managed_collision_collection: ManagedCollisionCollection,
+                 return_remapped_features: bool = False) -> None:
+        super().__init__(embedding_collection, managed_collision_collection, return_remapped_features)
+        self._embedding_module = embedding_collection
+
+    def forward(self, features: KeyedJaggedTensor):
+        remapped = self._remap(features)
+        return self._embedding_module(remapped), (remapped if self._return_remapped_features else None)

@@ -1,0 +1,313 @@
+"""Zero-collision remapping of raw int64 ids to table rows: a sorted id map kept as buffers, eviction in batches.
+
+Rows `0..zch_size-2` are managed: each holds at most one raw id. Row `zch_size-1` is the shared "unknown" row: ids
+not (yet) admitted read it. A new id takes a free row at the step it is seen (once its count reaches
+`min_count_to_admit`); when the table is full it waits as a candidate, and every `eviction_interval` training
+steps one batched run lets the eviction policy swap the lowest-scored resident ids for higher-scored candidates.
+Rows handed to a new id are listed in `take_reused_rows()` so that the owner re-initialises their weights and
+optimizer state before the new id trains.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+_FREE = -1  # a row without id (ids are non-negative)
+_NO_ID = torch.iinfo(torch.int64).max  # sorts after every id: the free rows' key in the sorted map
+
+
+class MCHEvictionPolicy:
+    """Scores resident and candidate ids at an eviction run: the lowest-scored residents leave first."""
+
+    name = "base"
+
+    def scores(self, counts: Tensor, last_seen: Tensor, step: int) -> Tensor:
+        raise NotImplementedError
+
+
+class LFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
+    """Least frequently used: the score is the id's count of lookups."""
+
+    name = "lfu"
+
+    def scores(self, counts: Tensor, last_seen: Tensor, step: int) -> Tensor:
+        return counts.double()
+
+
+class LRU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
+    """Least recently used: the score is the step the id was last seen (ties: the more frequent stays)."""
+
+    name = "lru"
+
+    def scores(self, counts: Tensor, last_seen: Tensor, step: int) -> Tensor:
+        return last_seen.double() + counts.double() / (counts.max().double() + 1 if counts.numel() else 1)
+
+
+class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):  # noqa: N801 (TorchRec's name)
+    """TorchRec's distance-LFU: count / (steps since last seen + 1) ** decay_exponent."""
+
+    name = "distance_lfu"
+
+    def __init__(self, decay_exponent: float = 1.0) -> None:
+        if decay_exponent < 0:
+            raise ValueError(f"DistanceLFU_EvictionPolicy(decay_exponent={decay_exponent}): use a value >= 0")
+        self.decay_exponent = decay_exponent
+
+    def scores(self, counts: Tensor, last_seen: Tensor, step: int) -> Tensor:
+        distance = (step - last_seen).clamp(min=0).double() + 1
+        return counts.double() / distance.pow(self.decay_exponent)
+
+
+_POLICIES = {"lfu": LFU_EvictionPolicy, "lru": LRU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}
+
+
+def as_policy(policy: MCHEvictionPolicy | str) -> MCHEvictionPolicy:
+    if isinstance(policy, MCHEvictionPolicy):
+        return policy
+    if policy not in _POLICIES:
+        raise ValueError(f"eviction_policy={policy!r}: use one of {sorted(_POLICIES)} or an MCHEvictionPolicy "
+                         f"(LFU_EvictionPolicy(), LRU_EvictionPolicy(), DistanceLFU_EvictionPolicy())")
+    return _POLICIES[policy]()
+
+
+def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Same ids summed (counts) and maxed (last seen), sorted by id."""
+    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    c = torch.zeros_like(uniq).scatter_add_(0, inverse, counts)
+    s = torch.full_like(uniq, -1).scatter_reduce_(0, inverse, last, "amax")
+    return uniq, c, s
+
+
+class MCHManagedCollisionModule(nn.Module):
+    """One table's remapper: raw non-negative int64 ids -> rows `0..zch_size-1` (TorchRec's name and arguments).
+
+    Args:
+        zch_size: rows it hands out, the last one the shared "unknown" row (at most the table's num_embeddings).
+        device: where the id map lives.
+        eviction_policy: an MCHEvictionPolicy or "lfu" | "lru" | "distance_lfu".
+        eviction_interval: training steps between two batched eviction runs (>= 1).
+        min_count_to_admit: lookups a new id needs before it takes a row (1: at once).
+        churn_warning: warn when an eviction run replaces more than this share of the managed rows.
+        max_candidates: new ids remembered between two runs (the most frequent kept; None: zch_size)."""
+
+    def __init__(self, zch_size: int, device: torch.device | str | None = None,
+                 eviction_policy: MCHEvictionPolicy | str = "lfu", eviction_interval: int = 1,
+                 min_count_to_admit: int = 1, churn_warning: float = 0.5, name: str | None = None,
+                 max_candidates: int | None = None) -> None:
+        super().__init__()
+        if not isinstance(zch_size, int) or zch_size < 2:
+            raise ValueError(f"MCHManagedCollisionModule(zch_size={zch_size!r}): zch_size counts the rows it hands "
+                             f"out, the last one shared by unknown ids: use an int >= 2 (at most the table's rows)")
+        if not isinstance(eviction_interval, int) or eviction_interval < 1:
+            raise ValueError(f"MCHManagedCollisionModule(eviction_interval={eviction_interval!r}): the eviction "
+                             f"runs every eviction_interval training steps: use an int >= 1")
+        if min_count_to_admit < 1:
+            raise ValueError(f"MCHManagedCollisionModule(min_count_to_admit={min_count_to_admit}): use an int >= 1")
+        self._zch_size = zch_size
+        self._eviction_interval = eviction_interval
+        self._eviction_policy = as_policy(eviction_policy)
+        self._min_count = int(min_count_to_admit)
+        self._churn_warning = churn_warning
+        self._name = name
+        device = torch.device(device) if device is not None else None
+        m = zch_size - 1
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("_row_ids", torch.full((m,), _FREE, **i64))  # row -> raw id
+        self.register_buffer("_counts", torch.zeros(m, **i64))
+        self.register_buffer("_last_seen", torch.full((m,), -1, **i64))
+        self.register_buffer("_reused", torch.zeros(m, dtype=torch.bool, device=device))  # evicted, then reused
+        self.register_buffer("_sorted_ids", torch.full((m,), _NO_ID, **i64))
+        self.register_buffer("_sorted_rows", torch.zeros(m, **i64))
+        c = max(1, max_candidates if max_candidates is not None else zch_size)
+        # ids waiting for a row, sorted, _NO_ID after the last: fixed sizes, so a checkpoint loads in place
+        self.register_buffer("_cand_ids", torch.full((c,), _NO_ID, **i64))
+        self.register_buffer("_cand_counts", torch.zeros(c, **i64))
+        self.register_buffer("_cand_last", torch.zeros(c, **i64))
+        self.register_buffer("_step", torch.zeros((), **i64))
+        self.register_buffer("_evictions_total", torch.zeros((), **i64))
+        self._pending_rows: list[Tensor] = []  # rows handed to a new id since the owner last re-initialised
+        self._last_evictions = 0
+        self._lookups = 0
+        self._reused_lookups = 0
+
+    # -- TorchRec's accessors --------------------------------------------------------------------------------------
+    def output_size(self) -> int:
+        return self._zch_size
+
+    @property
+    def unknown_row(self) -> int:
+        return self._zch_size - 1
+
+    @property
+    def eviction_interval(self) -> int:
+        return self._eviction_interval
+
+    def open_slots(self) -> Tensor:
+        return (self._row_ids == _FREE).sum()
+
+    def id_map(self) -> tuple[Tensor, Tensor]:
+        """(raw ids, their rows) of the admitted ids, sorted by id."""
+        n = int((self._sorted_ids != _NO_ID).sum())
+        return self._sorted_ids[:n].clone(), self._sorted_rows[:n].clone()
+
+    # -- the hot path ----------------------------------------------------------------------------------------------
+    def forward(self, ids: Tensor) -> Tensor:
+        """Raw ids -> rows. Training: profiles the ids first (admission, eviction runs), so new ids read their row."""
+        self.check_ids(ids)
+        if self.training:
+            self.profile(ids)
+        return self.remap(ids)
+
+    def check_ids(self, ids: Tensor) -> None:
+        if ids.numel() and bool(((ids < 0) | (ids == _NO_ID)).any()):
+            bad = ids[(ids < 0) | (ids == _NO_ID)][:3].tolist()
+            raise ValueError(f"managed-collision table{self._named()} got negative ids {bad}: it maps raw "
+                             f"non-negative int64 ids below 2**63 - 1 (its empty slot); pass ids unfolded and >= 0 "
+                             f"(e.g. `ids & (2**62 - 1)`)")
+
+    def remap(self, ids: Tensor) -> Tensor:
+        """Rows of the ids (the unknown row for ids without one); counts the lookups of reused rows."""
+        if not ids.numel():
+            return ids.clone()
+        pos = torch.searchsorted(self._sorted_ids, ids).clamp_(max=self._sorted_ids.numel() - 1)
+        found = self._sorted_ids[pos] == ids
+        rows = torch.where(found, self._sorted_rows[pos], torch.full_like(ids, self.unknown_row))
+        if self.training:
+            self._lookups += ids.numel()
+            self._reused_lookups += int((found & self._reused[rows.clamp(max=self._reused.numel() - 1)]).sum())
+        return rows
+
+    def profile(self, ids: Tensor) -> None:
+        """Counts the batch's ids, admits new ones to free rows, and runs the eviction every eviction_interval."""
+        self.profile_counts(*torch.unique(ids, return_counts=True))
+
+    @torch.no_grad()
+    def profile_counts(self, uniq: Tensor, counts: Tensor) -> None:
+        """profile() of a batch given as its distinct ids (sorted) and their counts (all ranks' under sharding)."""
+        self._step += 1
+        step = int(self._step)
+        if uniq.numel():
+            pos = torch.searchsorted(self._sorted_ids, uniq).clamp_(max=self._sorted_ids.numel() - 1)
+            found = self._sorted_ids[pos] == uniq
+            rows = self._sorted_rows[pos[found]]
+            self._counts.index_add_(0, rows, counts[found])
+            self._last_seen[rows] = step
+            new, new_counts = uniq[~found], counts[~found]
+            if new.numel():
+                n = self._num_candidates()
+                self._set_candidates(*_merge(torch.cat([self._cand_ids[:n], new]),
+                                             torch.cat([self._cand_counts[:n], new_counts]),
+                                             torch.cat([self._cand_last[:n], torch.full_like(new, step)])))
+                self._admit_to_free_rows()
+        if step % self._eviction_interval == 0:
+            self._evict(step)
+
+    def _num_candidates(self) -> int:
+        return int((self._cand_ids != _NO_ID).sum())
+
+    def _set_candidates(self, ids: Tensor, counts: Tensor, last: Tensor) -> None:
+        """Writes candidates (sorted by id) into the fixed buffers; past capacity, the most frequent stay."""
+        cap = self._cand_ids.numel()
+        if ids.numel() > cap:  # by count, then the most recent, then the smaller id: the same choice everywhere
+            order = torch.argsort(last, descending=True, stable=True)
+            order = order[torch.argsort(counts[order], descending=True, stable=True)][:cap]
+            keep = torch.sort(order).values
+            ids, counts, last = ids[keep], counts[keep], last[keep]
+        n = ids.numel()
+        self._cand_ids[:n], self._cand_counts[:n], self._cand_last[:n] = ids, counts, last
+        self._cand_ids[n:], self._cand_counts[n:], self._cand_last[n:] = _NO_ID, 0, 0
+
+    def _admit_to_free_rows(self) -> None:
+        free = (self._row_ids == _FREE).nonzero().flatten()
+        ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
+        if not free.numel() or not ready.numel():
+            return
+        ready = ready[torch.argsort(self._cand_counts[ready], descending=True, stable=True)][: free.numel()]
+        self._place(free[: ready.numel()], ready)
+
+    def _place(self, rows: Tensor, cand: Tensor) -> None:
+        """Candidates `cand` (indices into the candidate buffers) take `rows`; the sorted map is merged."""
+        self._merge_map(self._row_ids[rows], self._cand_ids[cand], rows)
+        self._row_ids[rows] = self._cand_ids[cand]
+        self._counts[rows] = self._cand_counts[cand]
+        self._last_seen[rows] = self._cand_last[cand]
+        keep = self._cand_ids != _NO_ID
+        keep[cand] = False
+        self._set_candidates(self._cand_ids[keep], self._cand_counts[keep], self._cand_last[keep])
+        self._pending_rows.append(rows.clone())
+
+    def _merge_map(self, old_ids: Tensor, new_ids: Tensor, rows: Tensor) -> None:
+        """Drops `old_ids` (_FREE: none) from the sorted map and merges `new_ids` -> `rows` in: O(map) copies, no
+        sort of the map (a step admitting a few ids into a table of millions stays cheap)."""
+        keep = self._sorted_ids != _NO_ID
+        old = old_ids[old_ids != _FREE]
+        if old.numel():
+            keep[torch.searchsorted(self._sorted_ids, old)] = False
+        kept_ids, kept_rows = self._sorted_ids[keep], self._sorted_rows[keep]
+        new_ids, order = torch.sort(new_ids)
+        new_rows = rows[order]
+        at_new = torch.searchsorted(kept_ids, new_ids) + torch.arange(new_ids.numel(), device=new_ids.device)
+        at_kept = torch.arange(kept_ids.numel(), device=kept_ids.device) + torch.searchsorted(new_ids, kept_ids)
+        n = kept_ids.numel() + new_ids.numel()
+        self._sorted_ids[n:], self._sorted_rows[n:] = _NO_ID, 0
+        self._sorted_ids[at_kept], self._sorted_rows[at_kept] = kept_ids, kept_rows
+        self._sorted_ids[at_new], self._sorted_rows[at_new] = new_ids, new_rows
+
+    def _evict(self, step: int) -> None:
+        """One batched run: candidates outscoring the lowest residents take their rows; candidates are cleared."""
+        ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
+        evicted = 0
+        if ready.numel() and not bool((self._row_ids == _FREE).any()):
+            policy = self._eviction_policy
+            resident = policy.scores(self._counts, self._last_seen, step)
+            incoming = policy.scores(self._cand_counts[ready], self._cand_last[ready], step)
+            k = min(ready.numel(), resident.numel())
+            # stable sorts, not topk: ties fall the same way on every rank and in every run
+            low_rows = torch.argsort(resident, stable=True)[:k]  # weakest residents, weakest first
+            high_idx = torch.argsort(incoming, descending=True, stable=True)[:k]  # strongest candidates first
+            wins = incoming[high_idx] > resident[low_rows]  # residents keep ties
+            evicted = int(wins.sum())
+            if evicted:
+                rows = low_rows[wins]
+                self._reused[rows] = True
+                self._place(rows, ready[high_idx[wins]])
+        self._set_candidates(*(t[:0] for t in (self._cand_ids, self._cand_counts, self._cand_last)))
+        self._last_evictions = evicted
+        self._evictions_total += evicted
+        if evicted > self._churn_warning * self._row_ids.numel():
+            warnings.warn(f"managed-collision table{self._named()}: {evicted} of {self._row_ids.numel()} rows "
+                          f"({evicted / self._row_ids.numel():.0%}) evicted at step {step}: the table churns "
+                          f"(ids rarely come back); raise zch_size, eviction_interval or min_count_to_admit",
+                          stacklevel=3)
+
+    # -- the owner's side ------------------------------------------------------------------------------------------
+    def take_reused_rows(self) -> Tensor | None:
+        """Rows handed to a new id since the last call (to re-initialise), or None."""
+        if not self._pending_rows:
+            return None
+        rows = torch.cat(self._pending_rows).unique()
+        self._pending_rows = []
+        return rows
+
+    def metrics(self) -> dict[str, float]:
+        """Fill ratio, evictions at the last run, share of lookups since the last call that read a reused row."""
+        out = {"fill_ratio": float((self._row_ids != _FREE).sum()) / self._row_ids.numel(),
+               "evictions_per_interval": float(self._last_evictions),
+               "reused_row_lookup_share": self._reused_lookups / self._lookups if self._lookups else 0.0}
+        self._lookups = self._reused_lookups = 0
+        return out
+
+    def _named(self) -> str:
+        return f" '{self._name}'" if self._name else ""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        saved = state_dict.get(prefix + "_row_ids")
+        if saved is not None and saved.shape != self._row_ids.shape:
+            raise ValueError(f"managed-collision table{self._named()}: the checkpoint's id map has "
+                             f"{saved.numel() + 1} rows (zch_size), this module {self._zch_size}: build it with "
+                             f"zch_size={saved.numel() + 1} to load it")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._pending_rows = []

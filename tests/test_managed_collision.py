@@ -1,0 +1,232 @@
+"""Managed-collision (ZCH) tables: remapping, batched eviction, re-initialised rows, resume, bad input."""
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.managed_collision import (
+    DistanceLFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
+)
+from lightning_rec.optim.config import FusedOptimizerConfig
+from lightning_rec.sparse import KeyedJaggedTensor
+
+
+def _mc_ebc(rows=8, zch=8, interval=1, policy="lfu", seed=0, **kw):
+    torch.manual_seed(seed)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=4, feature_names=["f", "g"])]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+    mcc = ManagedCollisionCollection({"t": MCHManagedCollisionModule(zch, eviction_policy=policy,
+                                                                     eviction_interval=interval, **kw)}, tables)
+    return ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=True)
+
+
+def _kjt(f, g):
+    return KeyedJaggedTensor.from_lengths_sync(["f", "g"], torch.tensor(f + g),
+                                               torch.tensor([len(f), 0, len(g), 0]))
+
+
+def test_new_ids_take_distinct_rows_and_keep_them():
+    m = MCHManagedCollisionModule(5).train()
+    rows = m(torch.tensor([2**62, 7, 2**62, 123456789012]))
+    assert rows[0] == rows[2] and len({int(r) for r in rows}) == 3 and int(rows.max()) < 4
+    assert torch.equal(m(torch.tensor([7, 2**62])), rows[[1, 0]])
+    ids, where = m.id_map()
+    assert ids.tolist() == sorted([7, 123456789012, 2**62])
+
+
+def test_full_table_reads_unknown_row_until_eviction_run():
+    m = MCHManagedCollisionModule(3, eviction_interval=2).train()  # 2 managed rows, row 2 unknown
+    assert m(torch.tensor([1, 2])).tolist() == [0, 1]
+    assert m(torch.tensor([9, 9, 9, 1])).tolist() == [1, 1, 1, 0]  # the run at step 2 evicts 2 (LFU) for 9
+    assert m(torch.tensor([4, 4, 4, 4])).tolist() == [2, 2, 2, 2]  # full, step 3: 4 waits on the unknown row
+    assert m.take_reused_rows().tolist() == [0, 1]
+    assert m.metrics()["evictions_per_interval"] == 1.0
+
+
+@pytest.mark.parametrize("policy, evicted_id", [("lfu", 1), ("lru", 2), (DistanceLFU_EvictionPolicy(2.0), 2)])
+def test_policies_choose_their_victim(policy, evicted_id):
+    m = MCHManagedCollisionModule(3, eviction_policy=policy, eviction_interval=4).train()
+    m(torch.tensor([1, 2, 2, 2, 2]))  # 2 is frequent but old
+    m(torch.tensor([1]))
+    m(torch.tensor([1]))
+    m(torch.tensor([5, 5, 5, 5, 5, 5]))  # step 4: candidate 5 replaces one resident
+    ids, _ = m.id_map()
+    assert evicted_id not in ids.tolist() and 5 in ids.tolist()
+
+
+def test_admission_threshold_reads_unknown_row():
+    m = MCHManagedCollisionModule(4, min_count_to_admit=2, eviction_interval=100).train()
+    assert m(torch.tensor([10])).tolist() == [3]
+    assert m(torch.tensor([10])).tolist() != [3]  # second sight: admitted to a free row
+
+
+def test_eval_reads_without_admitting():
+    m = MCHManagedCollisionModule(4).eval()
+    assert m(torch.tensor([10, 11])).tolist() == [3, 3]
+    assert m.id_map()[0].numel() == 0
+
+
+def test_matches_a_dict_reference_before_the_table_fills():
+    mc = _mc_ebc(rows=64, zch=64)
+    ref = {}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        f = torch.randint(0, 2**40, (6,), generator=g).tolist()
+        _, remapped = mc(_kjt(f, f[:2]))
+        for i, r in zip(f + f[:2], remapped.values().tolist()):
+            assert ref.setdefault(i, r) == r
+    assert len(set(ref.values())) == len(ref)
+
+
+def test_evicted_row_is_reinitialised_with_optimizer_state():
+    mc = _mc_ebc(rows=3, zch=3, interval=1)  # 2 managed rows
+    out, _ = mc(_kjt([1, 2, 1], []))
+    out.values().sum().backward()
+    kernel = mc._embedding_module.lookup.fused_kernels()[0]
+    state = kernel.optimizer_states()[0]["sum"]
+    assert bool((state[:2] > 0).all())
+    w = mc._embedding_module.table_parameters()["t"]
+    before = w.detach().clone()
+    mc(_kjt([7, 7, 7, 7], []))  # 7 outscores 2 (LFU) and takes its row
+    row = int(mc(_kjt([7], []))[1].values())
+    assert state[row] == 0 and not torch.equal(w[row], before[row])
+    other = 1 - row
+    assert torch.equal(w[other], before[other])
+
+
+def test_state_dict_resumes_exactly():
+    a, b = _mc_ebc(rows=6, zch=6, interval=2), _mc_ebc(rows=6, zch=6, interval=2, seed=3)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 20, (8,), generator=g).tolist() for _ in range(8)]
+    for f in batches[:4]:
+        a(_kjt(f, []))[0].values().sum().backward()
+    b.load_state_dict(a.state_dict())
+    kb = b._embedding_module.lookup.fused_kernels()[0]
+    for name, v in a._embedding_module.lookup.fused_kernels()[0].optimizer_states()[0].items():
+        kb.optimizer_states()[0][name].copy_(v)
+    for f in batches[4:]:
+        torch.manual_seed(5)
+        a(_kjt(f, []))[0].values().sum().backward()
+        torch.manual_seed(5)
+        b(_kjt(f, []))[0].values().sum().backward()
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_metrics_fill_evictions_and_reused_share():
+    mc = _mc_ebc(rows=3, zch=3, interval=1)
+    mc(_kjt([1, 2], []))
+    assert mc.metrics()["mc/t/fill_ratio"] == 1.0
+    mc(_kjt([9, 9, 9], []))
+    mc(_kjt([9, 1], []))
+    m = mc.metrics()
+    assert m["mc/t/reused_row_lookup_share"] > 0 and "mc/t/evictions_per_interval" in m
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+def test_negative_ids_refused():
+    with pytest.raises(ValueError, match="negative ids"):
+        MCHManagedCollisionModule(4).train()(torch.tensor([3, -5]))
+
+
+@pytest.mark.parametrize("zch", [0, 1])
+def test_zch_size_zero_refused(zch):
+    with pytest.raises(ValueError, match="zch_size"):
+        MCHManagedCollisionModule(zch)
+
+
+def test_zch_size_larger_than_table_refused():
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4, feature_names=["f"])]
+    with pytest.raises(ValueError, match="zch_size <= 4"):
+        ManagedCollisionCollection({"t": MCHManagedCollisionModule(5)}, tables)
+
+
+def test_eviction_interval_zero_refused():
+    with pytest.raises(ValueError, match="eviction_interval"):
+        MCHManagedCollisionModule(4, eviction_interval=0)
+
+
+def test_checkpoint_with_id_map_into_table_without_one_and_reverse():
+    mc = _mc_ebc()
+    plain = mc._embedding_module
+    with pytest.raises(RuntimeError, match="_managed_collision_collection"):
+        plain.load_state_dict(mc.state_dict())  # unexpected keys: the id map is named
+    with pytest.raises(RuntimeError, match="_row_ids"):
+        mc.load_state_dict({"_embedding_module." + k: v for k, v in plain.state_dict().items()})
+
+
+def test_zch_size_mismatch_on_load_named():
+    a, b = MCHManagedCollisionModule(4), MCHManagedCollisionModule(6)
+    with pytest.raises(ValueError, match="zch_size=4"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_every_id_new_every_batch_warns_and_stays_consistent():
+    mc = _mc_ebc(rows=5, zch=5, interval=1, policy="lru")  # new ids are the most recent: all residents go
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            ids = list(range(100 * step, 100 * step + 6)) * 2
+            mc(_kjt(ids, []))[0].values().sum().backward()
+    assert any("churns" in str(w.message) for w in caught)
+    m = mc._managed_collision_collection.modules_by_table()["t"]
+    row_ids = m._row_ids
+    assert len(set(row_ids.tolist())) == row_ids.numel()  # one id per row
+    ids, rows = m.id_map()
+    assert torch.equal(row_ids[rows], ids) and bool(torch.isfinite(mc._embedding_module.table_parameters()["t"]).all())
+
+
+def test_lightning_module_logs_the_metrics(tmp_path):
+    import lightning.pytorch as L
+
+    from lightning_rec.models.module_hooks import RecModuleHooks
+
+    class Module(RecModuleHooks, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.mc = _mc_ebc(rows=4, zch=4, interval=1)
+            self.dense = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.dense(self.mc(_kjt(batch.tolist(), []))[0].values()).sum()
+            self.log_train_loss(loss, batch_size=1)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.dense.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.arange(24).view(6, 4) % 7, batch_size=None)
+    trainer = L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+    trainer.fit(Module(), data)
+    logged = trainer.logged_metrics
+    assert {"mc/t/fill_ratio", "mc/t/evictions_per_interval", "mc/t/reused_row_lookup_share"} <= set(logged)
+    assert float(logged["mc/t/fill_ratio"]) == 1.0
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru", "distance_lfu"])
+def test_sorted_map_stays_consistent_under_churn(policy):
+    """The map is merged, not re-sorted, at each admission: it must stay sorted and agree with the rows."""
+    m = MCHManagedCollisionModule(17, eviction_policy=policy, eviction_interval=3, max_candidates=8).train()
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            ids = torch.randint(0, 60, (12,), generator=g) ** 3
+            rows = m(ids)
+            ids_sorted, where = m.id_map()
+            assert bool((ids_sorted[1:] > ids_sorted[:-1]).all())
+            assert torch.equal(m._row_ids[where], ids_sorted)
+            assert ids_sorted.numel() == int((m._row_ids != -1).sum())
+            owned = rows != m.unknown_row
+            assert torch.equal(m._row_ids[rows[owned]], ids[owned])
+
+
+def test_the_empty_slot_id_refused():
+    with pytest.raises(ValueError, match="empty slot"):
+        MCHManagedCollisionModule(4).train()(torch.tensor([2**63 - 1]))
