@@ -354,9 +354,13 @@ class StatefulBatchLoader(StatefulDataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
         if isinstance(state, dict) and "ranks" in state:  # every rank's (gather_states): this rank's own
-            dist = torch.distributed
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
-                else (0, 1)
+            dist, sampler = torch.distributed, self.sampler
+            if isinstance(sampler, ElasticDistributedSampler):  # the trainer's ranks, which it deals to
+                rank, world = sampler.rank, sampler.num_replicas
+            elif dist.is_available() and dist.is_initialized():
+                rank, world = dist.get_rank(), dist.get_world_size()
+            else:
+                rank, world = 0, 1
             if len(state["ranks"]) != world:
                 self._load_from_other_ranks(state["ranks"][0], len(state["ranks"]), world)
                 return
