@@ -57,6 +57,7 @@ SMOKES = [
      {"abs_diff_ours_vs_torchmetrics_n20000", "confident_logits_ours", "confident_logits_torchmetrics"}),
     ("vbe", [], {"a2a_bytes_expanded_vs_vbe", "vbe_step_vs_expanded"},
      {"vbe_step_ms", "expanded_step_ms", "vbe_a2a_bytes", "expanded_a2a_bytes"}),
+    ("elastic_resume", [], set(), {"ne_2_to_1", "ne_2_to_2", "abs_ne_diff", "saved_step", "compared_step"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     pytest.param("dlrm_gpu", [], {"trainer_vs_loop_cuda"},
