@@ -8,8 +8,10 @@ Before the resumed loader dealt the rest of the epoch over the new ranks, the 1-
 shuffle over while Lightning counted 50 of 128 batches done: it replayed rows already trained and left 14,336
 unread, and reached NE 1.00 against 0.787 resumed at 2 ranks. Each phase is a fresh `python` (Lightning starts
 the second rank itself); the first writes the checkpoint both resumes read.
+At the same step, 1 rank has trained on half the rows 2 ranks have (batch 512 per rank): the run resumed at 1 rank
+is also taken on to as many rows (step 50 + 2 x 13 = 76), `ne_2_to_1_same_rows`.
 Last line: {"benchmark": "elastic_resume", "results": [...], "ratios": {}, "figures": {"ne_2_to_1", "ne_2_to_2",
-"abs_ne_diff", "saved_step", "compared_step"}}.
+"abs_ne_diff", "ne_2_to_1_same_rows", "abs_ne_diff_same_rows", "saved_step", "compared_step"}}.
 """
 
 from __future__ import annotations
@@ -81,16 +83,20 @@ def main() -> None:
         start = time.perf_counter()
         saved = run_phase(args.smoke, root, 2, size["save_at"], None, os.path.join(root, "saved.json"))
         ckpt = os.path.join(root, "ckpt", "last.ckpt")
-        for world in (2, 1):
-            got = run_phase(args.smoke, os.path.join(root, f"resumed{world}"), world, size["compare_at"], ckpt,
-                            os.path.join(root, f"resumed{world}.json"))
+        # 1 rank at the same step has read half the rows of 2 ranks; at twice the steps after the save, as many
+        same_rows = size["save_at"] + 2 * (size["compare_at"] - size["save_at"])
+        for world, steps in ((2, size["compare_at"]), (1, size["compare_at"]), (1, same_rows)):
+            got = run_phase(args.smoke, os.path.join(root, f"resumed{world}_{steps}"), world, steps, ckpt,
+                            os.path.join(root, f"resumed{world}_{steps}.json"))
             results.append({"resumed_at_ranks": world, "step": got["step"], "val_ne": got["val_ne"],
                             "val_auc": got["val_auc"]})
             print(f"saved at 2 ranks, step {size['save_at']} (val NE {saved['val_ne']:.4f}); resumed at {world} "
                   f"rank(s): step {got['step']} val NE {got['val_ne']:.4f} AUC {got['val_auc']:.4f}", flush=True)
         seconds = time.perf_counter() - start
-    ne = {r["resumed_at_ranks"]: r["val_ne"] for r in results}
-    figures = {"ne_2_to_1": ne[1], "ne_2_to_2": ne[2], "abs_ne_diff": abs(ne[1] - ne[2]),
+    ne = {(r["resumed_at_ranks"], r["step"]): r["val_ne"] for r in results}
+    ne_2, ne_1, ne_1_rows = ne[2, size["compare_at"]], ne[1, size["compare_at"]], ne[1, same_rows]
+    figures = {"ne_2_to_1": ne_1, "ne_2_to_2": ne_2, "abs_ne_diff": abs(ne_1 - ne_2),
+               "ne_2_to_1_same_rows": ne_1_rows, "abs_ne_diff_same_rows": abs(ne_1_rows - ne_2),
                "saved_step": size["save_at"], "compared_step": size["compare_at"], "seconds": seconds}
     print(json.dumps({"benchmark": "elastic_resume", "results": results, "ratios": {}, "figures": figures}))
 

@@ -307,11 +307,14 @@ def _fit_rank(rank, world_size, root, kill_at, resume):
     return trainer.global_step
 
 
-def test_sigkill_at_4_ranks_resumed_at_2_trains_every_row_of_the_epoch_once(tmp_path):
+@pytest.mark.parametrize("saved,resumed", [(4, 2), (2, 3), (3, 1)])
+def test_sigkill_mid_epoch_resumed_at_another_world_size_trains_every_row_of_the_epoch_once(tmp_path, saved, resumed):
+    """Killed at step 10 (the last checkpoint: step 8), resumed at `resumed` ranks. 2 -> 3: the resumed epoch has
+    more batches (8 + 16) than a whole 3-rank one (21), which Lightning would have cut at its length."""
     root = str(tmp_path)
-    killed = run_ranks(_fit_rank, 4, root, 10, False, timeout=120, allow_missing=True)
-    assert killed == [None] * 4
-    steps = run_ranks(_fit_rank, 2, root, None, True, timeout=120)
+    killed = run_ranks(_fit_rank, saved, root, 10, False, timeout=120, allow_missing=True)
+    assert killed == [None] * saved
+    steps = run_ranks(_fit_rank, resumed, root, None, True, timeout=120)
     rows: list[int] = []
     for name in sorted(os.listdir(root)):
         if not name.startswith("rows."):
@@ -321,5 +324,7 @@ def test_sigkill_at_4_ranks_resumed_at_2_trains_every_row_of_the_epoch_once(tmp_
             if name.startswith("rows.b") or step < 8:  # the killed run's steps after its last checkpoint (8) redo
                 rows += ids
     counts = Counter(rows)
-    assert sorted(counts) == list(range(1000)) and max(counts.values()) == 1, counts.most_common(3)
-    assert steps[0] == 8 + -(-(1000 - 8 * 4 * 16) // 2 // 16)  # 8 steps at 4 ranks, then 16 at 2 (of 244 rows each)
+    left = 1000 - 8 * saved * 16
+    assert sorted(counts) == list(range(1000)), 1000 - len(counts)
+    assert sum(c - 1 for c in counts.values()) == -left % resumed  # padding to a multiple of the ranks only
+    assert steps[0] == 8 + -(-left // resumed // 16)

@@ -23,7 +23,9 @@ def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -
         return None
     if len(states) == world_size:
         return states[rank]
-    if not all(isinstance(s, list) and len(s) == len(states[0]) for s in states):  # no loader's state: as before
+    # lightning_rec's loaders (a "fingerprint") read every rank's state; any other loader gets none, as before
+    if not all(isinstance(s, list) and len(s) == len(states[0]) and
+               all(isinstance(one, dict) and "fingerprint" in one for one in s) for s in states):
         warnings.warn(f"the checkpoint's dataloader state was saved by {len(states)} ranks, this run has "
                       f"{world_size}: each rank's loader starts the interrupted epoch over (the steps already "
                       f"taken in it are not repeated; its batches are)", stacklevel=2)
