@@ -92,6 +92,15 @@ def puts_in_distributed_sampler(trainer) -> bool:
     return bool(getattr(connector, "use_distributed_sampler", False) and getattr(connector, "is_distributed", False))
 
 
+def restored_train_loader_states(trainer) -> list:
+    """The training loaders' states a resuming fit loop will load (Lightning 2.6.x
+    `_FitLoop._combined_loader_states_to_load`, loaded only after it sized the epoch from len(loader)); [] when it
+    holds none or a Lightning lacks it."""
+    loop = getattr(trainer, "fit_loop", None)
+    states = getattr(loop, "_combined_loader_states_to_load", None)
+    return list(states) if getattr(loop, "restarting", False) and isinstance(states, list) else []
+
+
 def set_sampler_resolution(trainer, resolve) -> None:
     """This trainer's data connector picks samplers with `resolve` (see sampler_resolution; Lightning 2.6.x)."""
     trainer._data_connector._resolve_sampler = resolve

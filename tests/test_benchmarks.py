@@ -62,6 +62,8 @@ SMOKES = [
     ("vbe", [], {"a2a_bytes_expanded_vs_vbe", "vbe_step_vs_expanded"},
      {"vbe_step_ms", "expanded_step_ms", "vbe_a2a_bytes", "expanded_a2a_bytes"}),
     ("metrics", [], {"step_with_metrics_vs_without"}, {"step_ms_without", "step_ms_with", "metric_logs"}),
+    ("elastic_resume", [], set(), {"ne_2_to_1", "ne_2_to_2", "abs_ne_diff", "ne_2_to_1_same_rows",
+                                   "abs_ne_diff_same_rows", "saved_step", "compared_step"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     ("zch", [], {"collision_rate_modulo_vs_zch", "step_with_zch_vs_without"}, {"auc_zch_minus_modulo"}),

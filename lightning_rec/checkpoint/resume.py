@@ -13,17 +13,24 @@ import torch
 
 
 def loader_state_for_rank(meta: Mapping[str, Any], rank: int, world_size: int) -> Any:
-    """This rank's dataloader state from a checkpoint's Lightning dict, either format (None: start the epoch over)."""
+    """This rank's dataloader state from a checkpoint's Lightning dict, either format (None: start the epoch over).
+
+    Saved at another number of ranks: each loader's state holds every saved rank's (`{"ranks": [...]}`), and the
+    loader continues the epoch over the rows no rank read, or says why it cannot (lightning_rec/data/elastic.py)."""
     info = meta.get("lightning_rec", {})
     states = info.get("loader_states")
     if states is None:
         return None
-    if len(states) != world_size:
+    if len(states) == world_size:
+        return states[rank]
+    # lightning_rec's loaders (a "fingerprint") read every rank's state; any other loader gets none, as before
+    if not all(isinstance(s, list) and len(s) == len(states[0]) and
+               all(isinstance(one, dict) and "fingerprint" in one for one in s) for s in states):
         warnings.warn(f"the checkpoint's dataloader state was saved by {len(states)} ranks, this run has "
                       f"{world_size}: each rank's loader starts the interrupted epoch over (the steps already "
                       f"taken in it are not repeated; its batches are)", stacklevel=2)
         return None
-    return states[rank]
+    return [{"ranks": [s[i] for s in states]} for i in range(len(states[0]))]
 
 
 def rng_state() -> dict[str, Any]:

@@ -31,6 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_rec import _compat
 from lightning_rec.comm import all_gather_object
+from lightning_rec.data.elastic import ELASTIC_KEY, ElasticDistributedSampler
 from lightning_rec.errors import is_int
 from lightning_rec.sparse import KeyedJaggedTensor, move_or_explain
 
@@ -252,12 +253,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             pass_index = self.fit_epoch()
         count = 0
         if pending is not None:
-            pass_index = pending["pass"]
-            if pending["finished"] or (pending["batches"] and pending["batches"] == _length(self)):
-                pass_index += 1  # saved at the end of a pass (or after its last batch): this is the next one
-            else:
-                count = pending["batches"]
-                super().load_state_dict(pending["base"])
+            pass_index, count = self._start_resumed_pass(pending)
         self._passes = replace(self._passes, started=True, number=pass_index)
         if pending is not None:
             # A reader that starts before Lightning's set_epoch (a pipeline's feeder thread, on resume)
@@ -302,6 +298,20 @@ class StatefulBatchLoader(StatefulDataLoader):
             history.pop(count - self._HISTORY, None)
             yield batch
 
+    def _start_resumed_pass(self, pending: dict) -> tuple[int, int]:
+        """(the pass, the batches already taken in it) of a loaded position; the loader or its sampler set there."""
+        pass_index = pending["pass"]
+        elastic = pending.get("elsewhere")
+        if elastic is not None:  # saved at another world size: the sampler deals the rows no rank read
+            if elastic["rows_consumed"] >= len(self.dataset):  # type: ignore[arg-type]
+                return pass_index + 1, 0
+            self.sampler.resume(pass_index, elastic["rows_consumed"], pending["batches"], self.batch_size)
+            return pass_index, pending["batches"]
+        if pending["finished"] or (pending["batches"] and pending["batches"] == _length(self)):
+            return pass_index + 1, 0  # saved at the end of a pass (or after its last batch): this is the next one
+        super().load_state_dict(pending["base"])
+        return pass_index, pending["batches"]
+
     def _iterator_of_pass(self, pass_index: int):
         """torch's iterator draws its workers' base seed from `self.generator`, by default the global one: the global
         stream moved once per pass, so a run resumed mid-epoch (one iterator more than the uninterrupted run made)
@@ -334,26 +344,34 @@ class StatefulBatchLoader(StatefulDataLoader):
         if wanted is None or wanted not in history:
             wanted = latest
         base, finished = history[wanted]
-        return {"pass": self._passes.history_pass, "batches": wanted, "finished": finished, "base": base,
-                "fingerprint": self.fingerprint()}
+        state = {"pass": self._passes.history_pass, "batches": wanted, "finished": finished, "base": base,
+                 "fingerprint": self.fingerprint()}
+        sampler = self.sampler
+        if isinstance(sampler, ElasticDistributedSampler):  # what a run at another world size continues from
+            consumed = len(self.dataset) if finished else sampler.rows_consumed(wanted, self.batch_size)
+            state[ELASTIC_KEY] = {"world_size": sampler.num_replicas, "rows_consumed": consumed}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
         if isinstance(state, dict) and "ranks" in state:  # every rank's (gather_states): this rank's own
-            dist = torch.distributed
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
-                else (0, 1)
+            dist, sampler = torch.distributed, self.sampler
+            if isinstance(sampler, ElasticDistributedSampler):  # the trainer's ranks, which it deals to
+                rank, world = sampler.rank, sampler.num_replicas
+            elif dist.is_available() and dist.is_initialized():
+                rank, world = dist.get_rank(), dist.get_world_size()
+            else:
+                rank, world = 0, 1
             if len(state["ranks"]) != world:
-                warnings.warn(f"the checkpoint's dataloader state holds the positions of {len(state['ranks'])} ranks' "
-                              f"streams, this run has {world}: the interrupted epoch starts over from its first "
-                              f"batch instead of resuming mid-epoch (resume at the same world size to continue it)",
-                              stacklevel=2)
-                self._passes = replace(self._passes, pending=None, number=int(state.get("pass", 0)))
+                self._load_from_other_ranks(state["ranks"][0], len(state["ranks"]), world)
                 return
             state = state["ranks"][rank]
         mine = self.fingerprint()
         theirs = state.get("fingerprint") if isinstance(state, dict) else None
         if theirs != mine:
             differ = sorted(k for k in set(mine) | set(theirs or {}) if (theirs or {}).get(k) != mine.get(k))
+            if set(differ) <= {"sampler_num_replicas", "sampler_rank"}:  # the same rows, dealt to other ranks
+                self._load_from_other_ranks(state, theirs["sampler_num_replicas"], mine["sampler_num_replicas"])
+                return
             warnings.warn(
                 f"the checkpoint's dataloader state does not belong to this loader ({', '.join(differ)} differ: "
                 f"saved {({k: (theirs or {}).get(k) for k in differ})}, now {({k: mine.get(k) for k in differ})}): "
@@ -364,6 +382,38 @@ class StatefulBatchLoader(StatefulDataLoader):
             self._passes = replace(self._passes, pending=None, number=number)
             return
         self._passes = replace(self._passes, pending=state, number=state["pass"])
+
+    def _load_from_other_ranks(self, state: Any, saved: int, world: int) -> None:
+        """A position saved at `saved` ranks (`state`: the first rank's), loaded at `world`: the rest of the
+        interrupted epoch dealt over this run's ranks when the state and the loader allow, else the epoch over."""
+        number = int(state.get("pass", 0)) if isinstance(state, dict) else 0
+        elastic = state.get(ELASTIC_KEY) if isinstance(state, dict) else None
+        why = None
+        if not isinstance(self.sampler, ElasticDistributedSampler):
+            why = ("this loader cannot deal the rest of an epoch over other ranks (only a map-style dataset's "
+                   "DistributedSampler can: a stream's position is each rank's own share)")
+        elif not isinstance(elastic, dict):
+            why = ("the state was saved by an older version of lightning_rec, which did not record the rows its "
+                   "ranks had read")
+        else:
+            mine, theirs = self.fingerprint(), dict(state.get("fingerprint") or {})
+            theirs.update({k: mine.get(k) for k in ("sampler_num_replicas", "sampler_rank")})
+            differ = sorted(k for k in set(mine) | set(theirs) if theirs.get(k) != mine.get(k))
+            if differ:
+                why = (f"it does not belong to this loader ({', '.join(differ)} differ: saved "
+                       f"{({k: theirs.get(k) for k in differ})}, now {({k: mine.get(k) for k in differ})})")
+        if why is not None:
+            warnings.warn(f"the checkpoint's dataloader state was saved by {saved} ranks, this run has {world}, and "
+                          f"{why}: the interrupted epoch starts over from its first batch instead of continuing "
+                          f"over the rows not yet read", stacklevel=3)
+            self._passes = replace(self._passes, pending=None, number=number)
+            return
+        pending = {"pass": number, "batches": int(state["batches"]), "finished": bool(state["finished"]),
+                   "elsewhere": elastic}
+        self._passes = replace(self._passes, pending=pending, number=number)
+        if elastic["rows_consumed"] < len(self.dataset):  # type: ignore[arg-type]
+            # now, not at the first batch: Lightning sizes the epoch from len(loader) before iterating
+            self.sampler.resume(number, elastic["rows_consumed"], pending["batches"], self.batch_size)
 
     def fingerprint(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
@@ -380,6 +430,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             out["num_samples"] = len(dataset)  # type: ignore[arg-type]
         except TypeError:
             out["num_samples"] = None
+        out["sampler"] = getattr(sampler, "fingerprint_name", out["sampler"])
         for attr in ("num_replicas", "rank", "shuffle", "seed"):
             if hasattr(sampler, attr):
                 out[f"sampler_{attr}"] = getattr(sampler, attr)
@@ -398,6 +449,13 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
         loader.consumed_batches = lambda: int(progress.current.processed)
         epochs = trainer.fit_loop.epoch_progress  # the epoch Lightning gives samplers' set_epoch
         loader.fit_epoch = lambda: int(epochs.current.processed)
+        restored = _compat.restored_train_loader_states(trainer)
+        if len(restored) == 1 and isinstance(loader.sampler, ElasticDistributedSampler):
+            # Lightning sizes the epoch from len(loader) before it loads the position: an epoch continued from
+            # another world size may be longer than a whole one here (Lightning loads it again, and warns then)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loader.load_state_dict(restored[0])
         if trainer.world_size > 1 and _length(loader) is None:
             strategy = trainer.strategy
             if not getattr(strategy, "steps_ranks_together", False):  # (RecStrategy does both itself)
@@ -502,7 +560,7 @@ def make_batch_loader(
     if shard_by_rank is True and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         shard_by_rank = (dist.get_world_size(), dist.get_rank())
     if isinstance(shard_by_rank, tuple):
-        sampler = DistributedSampler(dataset, *shard_by_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = ElasticDistributedSampler(dataset, *shard_by_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return StatefulBatchLoader(
         dataset,
         batch_size=batch_size,
