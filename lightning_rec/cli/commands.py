@@ -17,7 +17,7 @@ from lightning_rec.cli.recipe import run_cli
 
 
 def export_main(argv: list[str]) -> int:
-    """`lightning-rec export CHECKPOINT OUT [--fp16-tables]`."""
+    """`lightning-rec export CHECKPOINT OUT [--tables int8|int4|fp16|fp32] [--fp16-tables] [--overwrite]`."""
     from lightning_rec.checkpoint import export
 
     parser = HintingArgumentParser(prog="lightning-rec export",
@@ -25,17 +25,24 @@ def export_main(argv: list[str]) -> int:
                                                "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "runs/dlrm_synthetic/checkpoints/last.ckpt")
-    parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    parser.add_argument("out", help="the directory to write (a new or empty one, unless --overwrite)")
+    parser.add_argument("--tables", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                        help="how embedding tables are stored: fp32 (default), fp16, or row-wise quantized int8 / "
+                             "int4 (a scale and bias per row, served by fbgemm's integer kernel)")
+    parser.add_argument("--fp16-tables", action="store_true", help="the same as --tables fp16")
+    parser.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote in OUT")
+    parser.add_argument("--class", dest="module_class", default=None,
+                        help="the LightningModule class expected, e.g. lightning_rec.models.DLRMModule (refused if "
+                             "the checkpoint is another model's)")
     # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous
     args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
-        out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
+        out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables, tables=args.tables,
+                     overwrite=args.overwrite, module_class=args.module_class)
     except ValueError as e:
         parser.exit(2, f"lightning-rec export: error: {e}\n")
     print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json", flush=True)
     return 0
-
 
 
 def _preprocess_parser() -> HintingArgumentParser:
