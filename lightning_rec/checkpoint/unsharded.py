@@ -132,7 +132,8 @@ def _check_output(checkpoint: Path, out: Path, overwrite: bool) -> None:
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: bool = False, *,
-           tables: str | None = None, overwrite: bool = False, module_class: type | str | None = None) -> Path:
+           tables: str | None = None, overwrite: bool = False, module_class: type | str | None = None,
+           package: bool = False) -> Path:
     """Write an unsharded model for inference: `out/model.safetensors` + `out/config.json`.
 
     Reads a DCP checkpoint directory (or an old gathered file) on one process, without
@@ -142,7 +143,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     quantized, a float16 scale and bias per row: loading serves them with fbgemm's integer kernel, see
     lightning_rec.serving). fp16_tables=True is tables="fp16". An `out` that exists and is not empty is refused
     unless overwrite=True. module_class: the LightningModule class expected (refused if the checkpoint names
-    another).
+    another). package: also `out/model.pt2` (a DLRM) or `out/user_tower.pt2` + `out/item_tower.pt2` (a two-tower
+    model), the network compiled by AOTInductor for a process without lightning_rec (lightning_rec.serving.package).
     """
     from lightning_rec.serving.quant import TABLE_TYPES
 
@@ -174,7 +176,26 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
               "fp16_tables": tables == "fp16", "source": str(checkpoint), "epoch": meta.get("epoch"),
               "global_step": meta.get("global_step")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if package:
+        _write_packages(out, class_path, hparams, state, tables)
     return out
+
+
+def _write_packages(out: Path, class_path: str | None, hparams: dict, state: Mapping[str, Tensor],
+                    tables: str) -> None:
+    from lightning_rec.serving.package import export_package
+
+    if class_path is None:
+        raise ValueError(f"a package needs the model's class, which the checkpoint does not name: build the module "
+                         f"and call lightning_rec.serving.package.export_package(module, {str(out / 'model.pt2')!r})")
+    module = _resolved(class_path)(**hparams)
+    module.load_state_dict(state)
+    net = getattr(module, "model", module)
+    if hasattr(net, "user_tower"):
+        for tower in ("user", "item"):
+            export_package(module, out / f"{tower}_tower.pt2", tables, tower=tower, overwrite=True)
+    else:
+        export_package(module, out / "model.pt2", tables, overwrite=True)
 
 
 def _damaged_export(file: Path, error: BaseException, source: Any) -> str:

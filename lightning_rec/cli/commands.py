@@ -17,7 +17,7 @@ from lightning_rec.cli.recipe import run_cli
 
 
 def export_main(argv: list[str]) -> int:
-    """`lightning-rec export CHECKPOINT OUT [--tables int8|int4|fp16|fp32] [--fp16-tables] [--overwrite]`."""
+    """`lightning-rec export CHECKPOINT OUT [--tables int8|int4|fp16|fp32] [--overwrite] [--package] ...`."""
     from lightning_rec.checkpoint import export
 
     parser = HintingArgumentParser(prog="lightning-rec export",
@@ -34,14 +34,18 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--class", dest="module_class", default=None,
                         help="the LightningModule class expected, e.g. lightning_rec.models.DLRMModule (refused if "
                              "the checkpoint is another model's)")
+    parser.add_argument("--package", action="store_true",
+                        help="also OUT/model.pt2 (OUT/user_tower.pt2 + item_tower.pt2 for a two-tower model): the "
+                             "model compiled by AOTInductor, served by torch and fbgemm_gpu without lightning_rec")
     # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous
     args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables, tables=args.tables,
-                     overwrite=args.overwrite, module_class=args.module_class)
+                     overwrite=args.overwrite, module_class=args.module_class, package=args.package)
     except ValueError as e:
         parser.exit(2, f"lightning-rec export: error: {e}\n")
-    print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json", flush=True)
+    packages = "".join(f", {p}" for p in sorted(out.glob("*.pt2"))) if args.package else ""
+    print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json{packages}", flush=True)
     return 0
 
 
