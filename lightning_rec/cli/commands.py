@@ -37,16 +37,46 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--package", action="store_true",
                         help="also OUT/model.pt2 (OUT/user_tower.pt2 + item_tower.pt2 for a two-tower model): the "
                              "model compiled by AOTInductor, served by torch and fbgemm_gpu without lightning_rec")
+    parser.add_argument("--retrieval", action="store_true",
+                        help="a two-tower / MF model: also OUT/retrieval/ with the catalogue's FAISS index "
+                             "(items.faiss), the user tower package (user_tower.pt2) and retrieval.json")
+    parser.add_argument("--index", choices=("flat", "ivf", "hnsw"), default="flat",
+                        help="--retrieval's index: flat (exact), ivf or hnsw (approximate, for big catalogues)")
+    parser.add_argument("--data-dir", default=None,
+                        help="--retrieval's MovieLens data directory (default: the one the checkpoint trained on)")
     # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous
     args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
         out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables, tables=args.tables,
                      overwrite=args.overwrite, module_class=args.module_class, package=args.package)
+        if args.retrieval:
+            _export_retrieval(args, out)
     except ValueError as e:
         parser.exit(2, f"lightning-rec export: error: {e}\n")
-    packages = "".join(f", {p}" for p in sorted(out.glob("*.pt2"))) if args.package else ""
+    packages = "".join(f", {p}" for p in sorted(out.rglob("*.pt2")) if args.package or args.retrieval)
     print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json{packages}", flush=True)
     return 0
+
+
+def _export_retrieval(args, out) -> None:
+    """OUT/retrieval: the catalogue through the exported item tower into a FAISS index, and the user tower package."""
+    from lightning_rec.checkpoint import lightning_checkpoint, load_exported
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.serving.retrieval import export_retrieval
+
+    module = load_exported(out)
+    if not hasattr(module, "embed_catalog"):
+        raise ValueError(f"--retrieval is for two-tower / matrix-factorisation models (TwoTowerModule), not "
+                         f"{type(module).__name__}")
+    data = dict(lightning_checkpoint(args.checkpoint).get("datamodule_hyper_parameters") or {})
+    if args.data_dir:
+        data["data_dir"] = args.data_dir
+    if not data.get("data_dir"):
+        raise ValueError("--retrieval needs the catalogue's data: give --data-dir DIR (the MovieLens directory)")
+    dm = MovieLensDataModule(**{k: v for k, v in data.items() if not str(k).startswith("_")})
+    dm.setup("fit")
+    export_retrieval(module, dm, out / "retrieval", index=args.index, tables=args.tables or ("fp16" if args.fp16_tables else "fp32"),
+                     overwrite=args.overwrite)
 
 
 def _preprocess_parser() -> HintingArgumentParser:
