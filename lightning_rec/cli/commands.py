@@ -75,8 +75,8 @@ def _export_retrieval(args, out) -> None:
         raise ValueError("--retrieval needs the catalogue's data: give --data-dir DIR (the MovieLens directory)")
     dm = MovieLensDataModule(**{k: v for k, v in data.items() if not str(k).startswith("_")})
     dm.setup("fit")
-    export_retrieval(module, dm, out / "retrieval", index=args.index, tables=args.tables or ("fp16" if args.fp16_tables else "fp32"),
-                     overwrite=args.overwrite)
+    tables = args.tables or ("fp16" if args.fp16_tables else "fp32")
+    export_retrieval(module, dm, out / "retrieval", index=args.index, tables=tables, overwrite=args.overwrite)
 
 
 def _preprocess_parser() -> HintingArgumentParser:
