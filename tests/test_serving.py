@@ -192,3 +192,29 @@ def test_an_id_beyond_the_table_raises():
     missing = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2]), torch.ones(2, dtype=int))
     with pytest.raises(ValueError, match=r"no feature\(s\) \['c'\]"):
         qebc(missing)
+
+
+def test_retrieval_of_a_dlrm_is_refused(tmp_path, capsys):
+    from lightning_rec.cli import export_main
+
+    f, _ = _checkpoint(tmp_path)
+    with pytest.raises(SystemExit):
+        export_main([str(f), str(tmp_path / "out"), "--retrieval"])
+    assert "--retrieval is for two-tower / matrix-factorisation models (TwoTowerModule), not DLRMModule" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_the_package_network_equals_the_quantized_model(interaction):
+    # what export_package compiles, eagerly (the compiled package: tests/test_serving_package.py)
+    from lightning_rec.serving.package import example_inputs, serving_module
+
+    torch.manual_seed(0)
+    extra = dict(dcn_num_layers=2, dcn_low_rank_dim=4) if interaction == "dcn" else {}
+    module = DLRMModule(**SMALL, interaction=interaction, **extra).eval()
+    net, meta = serving_module(module, "int4")
+    dense, values, lengths = example_inputs(meta, batch=64, seed=3)
+    kjt = KeyedJaggedTensor.from_lengths_sync(NAMES, values, lengths)
+    with torch.no_grad():
+        torch.testing.assert_close(net(dense, values, lengths), quantize_inference_model(module, "int4")(dense, kjt),
+                                   atol=1e-6, rtol=1e-6)
