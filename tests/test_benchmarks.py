@@ -26,6 +26,8 @@ SMOKES = [
       "column_wise_samples_per_s", "table_row_wise_samples_per_s", "grid_shard_samples_per_s",
       "data_parallel_samples_per_s", "two_rank_peak_rss_mb"}),
     ("bad_input_battery", [], set(), {"cases", "threads", "seconds", *BATTERY_CLASSES}),
+    ("serving", [], {"table_bytes_int8_vs_fp32", "table_bytes_int4_vs_fp32", "p50_package_vs_eager"},
+     {"auc_loss_int8", "auc_loss_int4", "max_abs_diff_package", "recall10_index_vs_eval"}),
     ("strategy_overhead", [], {"trainer_vs_loop"}, {"loop_steps_per_s", "trainer_steps_per_s"}),
     ("dlrm_distributed", ["--pipeline"], {"pipelined_vs_plain"},
      {"plain_samples_per_s", "pipelined_samples_per_s", "overlap_bound_vs_plain", "offload_bound_vs_plain"}),

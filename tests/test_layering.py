@@ -24,6 +24,7 @@ FLOORS = [  # lowest first
     ("input_dist", "output_dist", "sharded_embedding"),
     ("model_parallel", "plan_verbs", "plan_checks"),
     ("pipeline",),
+    ("serving",),
     ("checkpoint",),
     ("strategy", "_strategy"),
     ("models",),

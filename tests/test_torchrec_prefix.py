@@ -42,8 +42,7 @@ def test_import_torchrec_gives_subpackages_as_attributes():
     assert torchrec.distributed.DistributedModelParallel is lightning_rec.DistributedModelParallel
     assert torchrec.optim.RowWiseAdagrad is lightning_rec.RowWiseAdagrad
     assert torchrec.EmbeddingBagCollection is lightning_rec.EmbeddingBagCollection
-    with pytest.raises(AttributeError):
-        torchrec.quant  # noqa: B018  (TorchRec's quantized modules: not here, docs/torchrec.md)
+    assert torchrec.quant.EmbeddingBagCollection is lightning_rec.serving.QuantEmbeddingBagCollection
 
 
 def test_mlp_takes_torchrecs_arguments_and_computes_its_layers():
@@ -117,12 +116,15 @@ def test_sharders_and_quantized_comms_are_taken(caplog):
                  "fused_params=", "FusedOptimizerConfig(", "apply_optimizer_in_backward")
 
 
-def test_quantize_embeddings_refuses_naming_what_exists():
+def test_quantize_embeddings_names_what_it_quantizes():
     from lightning_rec.torchrec import inference
 
-    expect_error(NotImplementedError, lambda: inference.modules.quantize_embeddings(nn.Linear(2, 2),
-                                                                                    dtype=torch.qint8, inplace=True),
-                 "no quantized (int8 / int4) tables", "fp16_tables=True", "DataType.FP16")
+    # the quantized tables themselves: tests/test_serving.py
+    expect_error(ValueError, lambda: inference.modules.quantize_embeddings(nn.Linear(2, 2), dtype=torch.qint8,
+                                                                           inplace=True),
+                 "no EmbeddingBagCollection to quantize")
+    expect_error(ValueError, lambda: inference.modules.quantize_embeddings(nn.Linear(2, 2), dtype=torch.bfloat16),
+                 "torch.qint8, torch.quint4x2, torch.half or torch.float")
 
 
 def test_local_rank_and_size_read_torchrun_env(monkeypatch):

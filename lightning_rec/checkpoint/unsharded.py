@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_rec.checkpoint.format import module_class
+from lightning_rec.checkpoint.format import module_class as _checkpoint_class
 from lightning_rec.checkpoint.paths import readable_path
 from lightning_rec.checkpoint.reader import full_model_state
 
@@ -90,15 +90,13 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _write_weights(state: Mapping[str, Tensor], out: Path, fp16_tables: bool) -> None:
+def _write_weights(state: Mapping[str, Tensor], out: Path, tables: str) -> None:
     from safetensors.torch import save_file
 
-    tensors = {}
-    for k, v in state.items():
-        v = v.detach().cpu().contiguous()
-        if fp16_tables and _is_table(k) and v.is_floating_point():
-            v = v.half()
-        tensors[k] = v
+    from lightning_rec.serving.quant import quantize_state
+
+    tensors = quantize_state(state, tables)  # a dim the kernel cannot take is refused before anything is written
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
     # safetensors creates the file 0600; an export is meant to be served, so the user's umask decides, as for
     # config.json
@@ -107,40 +105,97 @@ def _write_weights(state: Mapping[str, Tensor], out: Path, fp16_tables: bool) ->
     os.chmod(out / "model.safetensors", 0o666 & ~mask)
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: bool = False) -> Path:
-    """Write an unsharded model for inference: `out/model.safetensors` + `out/config.json`.
+def _class_name(cls: type | str | None) -> str | None:
+    return cls if cls is None or isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
 
-    Reads a DCP checkpoint directory (or an old gathered file) on one process, without
-    torch.distributed. `config.json` holds the LightningModule's class and init arguments;
-    `load_exported(out)` rebuilds the module on CPU and loads the weights. fp16_tables: tables are
-    stored in float16 (half the size; loading casts them back to the module's dtype).
-    """
-    checkpoint, out = _existing(checkpoint), Path(out)
+
+def _resolved(class_path: str) -> Any:
+    """The class a dotted path names (a re-exported one, lightning_rec.models.DLRMModule, included), else the path."""
+    mod_name, _, cls_name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod_name), cls_name)
+    except (ImportError, AttributeError, ValueError):
+        return class_path
+
+
+def _check_output(checkpoint: Path, out: Path, overwrite: bool) -> None:
     if checkpoint.resolve() in (out.resolve(), *out.resolve().parents):
         # its two files in a checkpoint directory made resume and load_from_checkpoint take it for an export
         raise ValueError(f"export's output {out} is the checkpoint {checkpoint} or inside it: its model.safetensors "
                          f"and config.json would make the checkpoint read as an export (resume and loading refuse "
                          f"it); give export a directory outside it, e.g. {checkpoint.parent / 'export'}")
     if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file: give export a directory to write model.safetensors and config.json in "
-                         f"(a new one, or an earlier export's, whose two files are replaced)")
+        raise ValueError(f"{out} is a file: give export a directory to write model.safetensors and config.json in")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"export's output {out} exists and is not empty: give a new directory, or pass "
+                         f"overwrite=True (--overwrite) to replace what an earlier export wrote there")
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: bool = False, *,
+           tables: str | None = None, overwrite: bool = False, module_class: type | str | None = None,
+           package: bool = False) -> Path:
+    """Write an unsharded model for inference: `out/model.safetensors` + `out/config.json`.
+
+    Reads a DCP checkpoint directory (or an old gathered file) on one process, without
+    torch.distributed. `config.json` holds the LightningModule's class and init arguments;
+    `load_exported(out)` rebuilds the module on CPU and loads the weights. tables: how embedding tables are
+    stored, "fp32" (default), "fp16" (half the size; loading casts them back), "int8" or "int4" (row-wise
+    quantized, a float16 scale and bias per row: loading serves them with fbgemm's integer kernel, see
+    lightning_rec.serving). fp16_tables=True is tables="fp16". An `out` that exists and is not empty is refused
+    unless overwrite=True. module_class: the LightningModule class expected (refused if the checkpoint names
+    another). package: also `out/model.pt2` (a DLRM) or `out/user_tower.pt2` + `out/item_tower.pt2` (a two-tower
+    model), the network compiled by AOTInductor for a process without lightning_rec (lightning_rec.serving.package).
+    """
+    from lightning_rec.serving.quant import TABLE_TYPES
+
+    if tables is None:
+        tables = "fp16" if fp16_tables else "fp32"
+    elif fp16_tables and tables != "fp16":
+        raise ValueError(f"fp16_tables=True and tables={tables!r} disagree: give one of them")
+    if tables not in TABLE_TYPES:
+        raise ValueError(f"tables={tables!r}: give one of {', '.join(TABLE_TYPES)}")
+    checkpoint, out = _existing(checkpoint), Path(out)
+    _check_output(checkpoint, out, overwrite)
     state, meta = full_model_state(checkpoint)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_weights(state, out, fp16_tables)
+    class_path = _checkpoint_class(meta)
+    expected = _class_name(module_class)
+    if expected is not None and class_path is not None and _resolved(class_path) is not _resolved(expected):
+        raise ValueError(f"{checkpoint} is a checkpoint of {class_path}, not of {expected}: export it as "
+                         f"{class_path.rpartition('.')[2]}, or give the checkpoint {expected} wrote")
+    _write_weights(state, out, tables)
     # LightningCLI adds its own keys (`_class_path`, `_instantiator`): not init arguments
     hparams = {k: v for k, v in (meta.get("hyper_parameters") or {}).items() if not str(k).startswith("_")}
     if hparams.get("embedding_device") == "meta":
         hparams["embedding_device"] = "cpu"  # an export is one unsharded module: its tables are the file's values
-    class_path = module_class(meta)
     if class_path is None:
         warnings.warn(f"{checkpoint} does not say which LightningModule wrote it (saved by plain Lightning from "
                       f"Python, without strategy='rec', or by checkpoint.save(...) without module_class='pkg.Module'): "
                       f"{out}/config.json names no class, so load it with "
                       f"load_exported({str(out)!r}, module=YourModule(...))", stacklevel=2)
-    config = {"class_path": class_path, "init_args": _jsonable(hparams), "fp16_tables": fp16_tables,
-              "source": str(checkpoint), "epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
+    config = {"class_path": class_path, "init_args": _jsonable(hparams), "tables": tables,
+              "fp16_tables": tables == "fp16", "source": str(checkpoint), "epoch": meta.get("epoch"),
+              "global_step": meta.get("global_step")}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if package:
+        _write_packages(out, class_path, hparams, state, tables)
     return out
+
+
+def _write_packages(out: Path, class_path: str | None, hparams: dict, state: Mapping[str, Tensor],
+                    tables: str) -> None:
+    from lightning_rec.serving.package import export_package
+
+    if class_path is None:
+        raise ValueError(f"a package needs the model's class, which the checkpoint does not name: build the module "
+                         f"and call lightning_rec.serving.package.export_package(module, {str(out / 'model.pt2')!r})")
+    module = _resolved(class_path)(**hparams)
+    module.load_state_dict(state)
+    net = getattr(module, "model", module)
+    if hasattr(net, "user_tower"):
+        for tower in ("user", "item"):
+            export_package(module, out / f"{tower}_tower.pt2", tables, tower=tower, overwrite=True)
+    else:
+        export_package(module, out / "model.pt2", tables, overwrite=True)
 
 
 def _damaged_export(file: Path, error: BaseException, source: Any) -> str:
@@ -151,7 +206,8 @@ def _damaged_export(file: Path, error: BaseException, source: Any) -> str:
 
 
 def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The module of an `export` directory, on CPU, in eval mode (no torch.distributed needed)."""
+    """The module of an `export` directory, on CPU, in eval mode (no torch.distributed needed). An int8 / int4
+    export's tables are QuantEmbeddingBagCollections (lightning_rec.serving) holding the stored rows."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file as load_safetensors
 
@@ -174,6 +230,11 @@ def load_exported(path: str | os.PathLike, module: torch.nn.Module | None = None
         state = load_safetensors(str(path / "model.safetensors"))
     except (SafetensorError, OSError) as e:
         raise ValueError(_damaged_export(path / "model.safetensors", e, config.get("source"))) from e
+    tables = config.get("tables", "fp16" if config.get("fp16_tables") else "fp32")
+    if tables in ("int8", "int4"):  # served from the stored rows by fbgemm's integer kernel
+        from lightning_rec.serving.quant import load_quantized_state
+
+        return load_quantized_state(module, state, tables).eval()
     live = module.state_dict()
     state = {k: v.to(live[k].dtype) if k in live and v.dtype != live[k].dtype else v for k, v in state.items()}
     module.load_state_dict(state)

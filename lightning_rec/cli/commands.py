@@ -17,7 +17,7 @@ from lightning_rec.cli.recipe import run_cli
 
 
 def export_main(argv: list[str]) -> int:
-    """`lightning-rec export CHECKPOINT OUT [--fp16-tables]`."""
+    """`lightning-rec export CHECKPOINT OUT [--tables int8|int4|fp16|fp32] [--overwrite] [--package] ...`."""
     from lightning_rec.checkpoint import export
 
     parser = HintingArgumentParser(prog="lightning-rec export",
@@ -25,17 +25,58 @@ def export_main(argv: list[str]) -> int:
                                                "OUT/config.json (load with lightning_rec.checkpoint.load_exported)")
     parser.add_argument("checkpoint", help="a checkpoint directory (sharded) or file (gathered), e.g. "
                                            "runs/dlrm_synthetic/checkpoints/last.ckpt")
-    parser.add_argument("out", help="the directory to write")
-    parser.add_argument("--fp16-tables", action="store_true", help="store embedding tables in float16 (half size)")
+    parser.add_argument("out", help="the directory to write (a new or empty one, unless --overwrite)")
+    parser.add_argument("--tables", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                        help="how embedding tables are stored: fp32 (default), fp16, or row-wise quantized int8 / "
+                             "int4 (a scale and bias per row, served by fbgemm's integer kernel)")
+    parser.add_argument("--fp16-tables", action="store_true", help="the same as --tables fp16")
+    parser.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote in OUT")
+    parser.add_argument("--class", dest="module_class", default=None,
+                        help="the LightningModule class expected, e.g. lightning_rec.models.DLRMModule (refused if "
+                             "the checkpoint is another model's)")
+    parser.add_argument("--package", action="store_true",
+                        help="also OUT/model.pt2 (OUT/user_tower.pt2 + item_tower.pt2 for a two-tower model): the "
+                             "model compiled by AOTInductor, served by torch and fbgemm_gpu without lightning_rec")
+    parser.add_argument("--retrieval", action="store_true",
+                        help="a two-tower / MF model: also OUT/retrieval/ with the catalogue's FAISS index "
+                             "(items.faiss), the user tower package (user_tower.pt2) and retrieval.json")
+    parser.add_argument("--index", choices=("flat", "ivf", "hnsw"), default="flat",
+                        help="--retrieval's index: flat (exact), ivf or hnsw (approximate, for big catalogues)")
+    parser.add_argument("--data-dir", default=None,
+                        help="--retrieval's MovieLens data directory (default: the one the checkpoint trained on)")
     # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous
     args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
-        out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables)
+        out = export(args.checkpoint, args.out, fp16_tables=args.fp16_tables, tables=args.tables,
+                     overwrite=args.overwrite, module_class=args.module_class, package=args.package)
+        if args.retrieval:
+            _export_retrieval(args, out)
     except ValueError as e:
         parser.exit(2, f"lightning-rec export: error: {e}\n")
-    print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json", flush=True)
+    packages = "".join(f", {p}" for p in sorted(out.rglob("*.pt2")) if args.package or args.retrieval)
+    print(f"exported {args.checkpoint} -> {out}/model.safetensors, {out}/config.json{packages}", flush=True)
     return 0
 
+
+def _export_retrieval(args, out) -> None:
+    """OUT/retrieval: the catalogue through the exported item tower into a FAISS index, and the user tower package."""
+    from lightning_rec.checkpoint import lightning_checkpoint, load_exported
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.serving.retrieval import export_retrieval
+
+    module = load_exported(out)
+    if not hasattr(module, "embed_catalog"):
+        raise ValueError(f"--retrieval is for two-tower / matrix-factorisation models (TwoTowerModule), not "
+                         f"{type(module).__name__}")
+    data = dict(lightning_checkpoint(args.checkpoint).get("datamodule_hyper_parameters") or {})
+    if args.data_dir:
+        data["data_dir"] = args.data_dir
+    if not data.get("data_dir"):
+        raise ValueError("--retrieval needs the catalogue's data: give --data-dir DIR (the MovieLens directory)")
+    dm = MovieLensDataModule(**{k: v for k, v in data.items() if not str(k).startswith("_")})
+    dm.setup("fit")
+    tables = args.tables or ("fp16" if args.fp16_tables else "fp32")
+    export_retrieval(module, dm, out / "retrieval", index=args.index, tables=tables, overwrite=args.overwrite)
 
 
 def _preprocess_parser() -> HintingArgumentParser:

@@ -13,7 +13,8 @@ from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-_SUBPACKAGES = ("datasets", "distributed", "fx", "inference", "metrics", "models", "modules", "optim", "sparse")
+_SUBPACKAGES = ("datasets", "distributed", "fx", "inference", "metrics", "models", "modules", "optim", "quant",
+                "sparse")
 
 __all__ = ["DataType", "EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig",
            "JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "PoolingType"]

@@ -1,0 +1,178 @@
+"""A self-contained serving package: the whole model (DLRM / DCNv2, or one tower of a two-tower model) traced by
+`torch.export` over raw feature tensors and compiled by AOTInductor into one `.pt2` file. A server loads it with
+torch and fbgemm_gpu alone (`torch._inductor.aoti_load_package`), without lightning_rec; its tables are read by
+fbgemm's integer TBE kernel in the export's table type.
+
+Inputs (named in the package's metadata, key "inputs"): a DLRM takes `dense_features` float32 [B, I],
+`values` int64 [N] (the ids, feature by feature in the metadata's order, each feature's B rows in turn) and
+`lengths` int64 [F * B] (ids per feature and row, feature-major); a tower takes `values` and `lengths`.
+An id outside its table, or a negative one, fails the request (RuntimeError); so do lengths that are not F * B
+long (a feature missing) or lengths that do not add up to N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rec.serving.quant import QuantEmbeddingBagCollection, quantize_inference_model
+
+PACKAGE_FORMAT = "lightning_rec.serving/1"
+
+
+class KernelLookup(nn.Module):
+    """A QuantEmbeddingBagCollection's lookup as one fbgemm op over plain buffers (what torch.export can trace):
+    ids checked against their tables in torch, then `int_nbit_split_embedding_codegen_lookup_function`."""
+
+    def __init__(self, collection: QuantEmbeddingBagCollection) -> None:
+        super().__init__()
+        tbe = collection.tbe
+        for name in ("weights_host", "weights_placements", "weights_offsets", "weights_tys", "D_offsets"):
+            self.register_buffer(name, getattr(tbe, name).clone())
+        rows = {c.name: c.num_embeddings for c in collection.embedding_bag_configs()}
+        self.register_buffer("rows_per_feature", torch.tensor(
+            [rows[c.name] for c in collection.embedding_bag_configs() for _ in c.feature_names], dtype=torch.int64))
+        self.num_features = len(collection.feature_names())
+        self.kernel_args = dict(
+            total_D=tbe.total_D, max_int2_D=tbe.max_int2_D, max_int4_D=tbe.max_int4_D, max_int8_D=tbe.max_int8_D,
+            max_float16_D=tbe.max_float16_D, max_float32_D=tbe.max_float32_D, pooling_mode=int(tbe.pooling_mode),
+            output_dtype=tbe.output_dtype, row_alignment=tbe.row_alignment, max_float8_D=tbe.max_float8_D,
+            fp8_exponent_bits=tbe.fp8_exponent_bits, fp8_exponent_bias=tbe.fp8_exponent_bias)
+
+    def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
+        per_feature = lengths.view(self.num_features, -1).sum(1)
+        limit = self.rows_per_feature.repeat_interleave(per_feature, output_size=values.shape[0])
+        torch._assert_async(((values >= 0) & (values < limit)).all(),
+                            "an id is outside its table (negative, or not below the table's rows): see the "
+                            "package's metadata for each feature's rows")
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=self.weights_host, uvm_weights=torch.empty(0, dtype=torch.uint8),
+            weights_placements=self.weights_placements, weights_offsets=self.weights_offsets,
+            weights_tys=self.weights_tys, D_offsets=self.D_offsets, indices=values, offsets=offsets,
+            indice_weights=None, lxu_cache_weights=torch.empty(0, 0, dtype=torch.uint8),
+            lxu_cache_locations=torch.empty(0, dtype=torch.int32), **self.kernel_args)
+
+
+class DLRMServing(nn.Module):
+    """(dense_features [B, I], values [N], lengths [F * B]) -> logits [B] of a DLRM / DLRM_DCN."""
+
+    def __init__(self, dlrm: nn.Module) -> None:
+        super().__init__()
+        collection = dlrm.sparse_arch.embedding_bag_collection
+        self.lookup = KernelLookup(collection)
+        self.dense_arch, self.inter_arch, self.over_arch = dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch
+        self.num_features, self.embedding_dim = dlrm.sparse_arch.num_features, dlrm.sparse_arch.embedding_dim
+
+    def forward(self, dense_features: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+        sparse_BFD = self.lookup(values, lengths).view(-1, self.num_features, self.embedding_dim)
+        return self.over_arch(self.inter_arch(self.dense_arch(dense_features), sparse_BFD)).squeeze(1)
+
+
+class TowerServing(nn.Module):
+    """(values [N], lengths [F * B]) -> one tower's embeddings [B, D] (normalised for score="cosine")."""
+
+    def __init__(self, tower: nn.Module, cosine: bool) -> None:
+        super().__init__()
+        collection = tower.embedding_bag_collection
+        self.lookup, self.mlp, self.cosine = KernelLookup(collection), tower.mlp, cosine
+        self.skip: tuple[int, int] | None = None
+        if tower.skip_feature is not None:
+            start = 0
+            for name, dim in zip(collection._output_names, collection._output_dims):
+                if name == tower.skip_feature:
+                    self.skip = (start, dim)
+                start += dim
+
+    def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
+        pooled_BD = self.lookup(values, lengths)
+        out_BD = self.mlp(pooled_BD)
+        if self.skip is not None:
+            out_BD = out_BD + pooled_BD.narrow(1, *self.skip)
+        return torch.nn.functional.normalize(out_BD, dim=-1) if self.cosine else out_BD
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return getattr(model, "model", model)  # a LightningModule's network
+
+
+def serving_module(model: nn.Module, tables: str = "fp32", tower: str | None = None) -> tuple[nn.Module, dict]:
+    """The network of `model` (DLRMModule / DLRM / DLRM_DCN, or TwoTowerModule / TwoTower with tower="user" |
+    "item") over raw feature tensors, its tables quantized to `tables`; and the metadata that describes its inputs."""
+    net = _inner(model)
+    is_two_tower = hasattr(net, "user_tower") and hasattr(net, "item_tower")
+    if is_two_tower != (tower is not None):
+        raise ValueError(f"tower={tower!r}: give tower='user' or 'item' for a two-tower model, and no tower for a "
+                         f"DLRM" if is_two_tower else f"tower={tower!r}: {type(net).__name__} has no towers")
+    if tower is not None and tower not in ("user", "item"):
+        raise ValueError(f"tower={tower!r}: give 'user' or 'item'")
+    if not is_two_tower and not hasattr(net, "sparse_arch"):
+        raise ValueError(f"{type(net).__name__} is neither a DLRM (DLRM, DLRM_DCN) nor a two-tower model: a "
+                         f"package is built for those")
+    net = quantize_inference_model(net, tables).eval()
+    if is_two_tower:
+        part = getattr(net, f"{tower}_tower")
+        module: nn.Module = TowerServing(part, net.score == "cosine")
+        collection = part.embedding_bag_collection
+        inputs = ["values", "lengths"]
+        output = f"{tower} embeddings float32 [B, {part.out_features}]"
+    else:
+        module = DLRMServing(net)
+        collection = net.sparse_arch.embedding_bag_collection
+        inputs = ["dense_features", "values", "lengths"]
+        output = "logits float32 [B]"
+    rows = {c.name: c.num_embeddings for c in collection.embedding_bag_configs()}
+    features = [{"name": collection._sources[f], "rows": rows[c.name]}
+                for c in collection.embedding_bag_configs() for f in c.feature_names]
+    meta = {"format": PACKAGE_FORMAT, "model": type(_inner(model)).__name__, "tower": tower, "tables": tables,
+            "inputs": inputs, "sparse_features": features, "output": output,
+            "dense_features": None if is_two_tower else net.dense_arch[0].in_features,
+            "layout": "values int64 [N]: ids feature by feature (the order of sparse_features), each feature's B "
+                      "rows in turn; lengths int64 [F * B]: ids per feature and row, feature-major"}
+    return module.eval(), meta
+
+
+def example_inputs(meta: dict, batch: int = 4, seed: int = 0) -> tuple[Tensor, ...]:
+    """Random inputs of the package's layout (ids within each table)."""
+    g = torch.Generator().manual_seed(seed)
+    features = meta["sparse_features"]
+    lengths = torch.randint(0, 3, (len(features), batch), generator=g)
+    values = torch.cat([torch.randint(0, f["rows"], (int(n),), generator=g)
+                        for f, n in zip(features, lengths.sum(1))])
+    sparse = (values, lengths.flatten())
+    if meta["dense_features"] is None:
+        return sparse
+    return (torch.randn(batch, meta["dense_features"], generator=g), *sparse)
+
+
+def export_package(model: nn.Module, path: str | os.PathLike, tables: str = "fp32", tower: str | None = None,
+                   overwrite: bool = False) -> Path:
+    """Write `path` (a `.pt2` file): `model` exported with torch.export over raw feature tensors (a dynamic batch)
+    and compiled by AOTInductor for CPU. Load it with `torch._inductor.aoti_load_package(path)` (and
+    `import fbgemm_gpu`); `loaded.get_metadata()["inputs"]` is the JSON of `serving_module`'s metadata."""
+    path = Path(path)
+    if path.suffix != ".pt2":
+        raise ValueError(f"{path}: a package's file name ends in .pt2 (torch's package format)")
+    if path.exists() and not overwrite:
+        raise ValueError(f"{path} exists: give a new path, or overwrite=True (--overwrite) to replace it")
+    module, meta = serving_module(model, tables, tower)
+    args = example_inputs(meta, batch=4)
+    batch = torch.export.Dim("batch", min=1, max=1 << 24)
+    ids = torch.export.Dim("ids", min=0, max=1 << 40)
+    F = len(meta["sparse_features"])
+    shapes: dict[str, Any] = {"values": {0: ids}, "lengths": {0: F * batch}}
+    if meta["dense_features"] is not None:
+        shapes["dense_features"] = {0: batch}
+    program = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial.pt2")
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp), inductor_configs={"aot_inductor.metadata": {"inputs": json.dumps(meta)}})
+    shutil.move(tmp, path)  # whole or not at all: an interrupted compile leaves no package at `path`
+    return path
