@@ -271,7 +271,7 @@ class RecStrategy(DDPStrategy):
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning's accumulate_grad_batches (and manual optimization's `toggle_model(sync_grad=False)`): the
+        """Lightning's accumulate_grad_batches (and, by hand, a manual-optimization step's batches before it): the
         micro-batches' backward syncs no dense gradient and updates no fused table (DistributedModelParallel.no_sync);
         the step's backward applies the tables' gathered gradients in one fused update."""
         if self._dmp is None:
@@ -301,7 +301,8 @@ class RecStrategy(DDPStrategy):
                     f"manual optimization: a second backward (self.manual_backward) before an optimizer step, as "
                     f"when accumulating gradients by hand. It accumulates the dense layers' gradients only: the fused "
                     f"tables ({fused[0]}) update inside every backward, not at opt.step(). To accumulate both, "
-                    f"run the backwards before the step under `with opt.toggle_model(sync_grad=False):`",
+                    f"run the batches before the step (forward and backward) under "
+                    f"`with self.trainer.strategy.block_backward_sync():`",
                     stacklevel=3)  # the user's manual_backward line (backward <- LightningModule.manual_backward)
         return out
 

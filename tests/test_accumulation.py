@@ -232,8 +232,9 @@ def test_sharded_no_sync_accumulates_as_one_batch(kind):
 class _Module(L.LightningModule):
     """Two fused tables and a dense layer; the loss is a mean over the batch (Lightning divides it by k)."""
 
-    def __init__(self, optimizer: str = "rowwise_adagrad", manual: bool = False, loss_scale: float = 1.0):
+    def __init__(self, optimizer: str = "rowwise_adagrad", manual: int = 0, loss_scale: float = 1.0):
         super().__init__()
+        self.manual = manual
         self.loss_scale = loss_scale
         self.ebc = EmbeddingBagCollection(
             [EmbeddingBagConfig(name=f"t{i}", num_embeddings=64, embedding_dim=4, feature_names=[f"C{i + 1}"])
@@ -241,13 +242,22 @@ class _Module(L.LightningModule):
         self.dense = torch.nn.Linear(13 + 8, 1)
         self.automatic_optimization = not manual
 
-    def training_step(self, batch, batch_idx):
+    def _loss(self, batch):
         pooled = self.ebc(batch.sparse_features).values()
         logits = self.dense(torch.cat([batch.dense_features, pooled], 1)).squeeze(1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels) * self.loss_scale
-        if not self.automatic_optimization:
-            self.manual_backward(loss)
-            self.optimizers().step()
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels) * self.loss_scale
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return self._loss(batch)
+        # every `manual` batches a step; the batches before, forward and backward, under block_backward_sync
+        opt, last = self.optimizers(), (batch_idx + 1) % self.manual == 0
+        with contextlib.nullcontext() if last else self.trainer.strategy.block_backward_sync():
+            loss = self._loss(batch)
+            self.manual_backward(loss / self.manual)
+        if last:
+            opt.step()
+            opt.zero_grad()
         return loss
 
     def configure_optimizers(self):
@@ -256,7 +266,7 @@ class _Module(L.LightningModule):
         return combined_optimizer(self, torch.optim.SGD(dense_parameters(self), lr=0.1))
 
 
-def _fit(tmp_path, batch_size, accumulate, optimizer="rowwise_adagrad", train=64, manual=False, loss_scale=1.0, **kw):
+def _fit(tmp_path, batch_size, accumulate, optimizer="rowwise_adagrad", train=64, manual=0, loss_scale=1.0, **kw):
     data = SyntheticCriteoDataModule(num_train_samples=train, num_val_samples=0, batch_size=batch_size,
                                      num_sparse_features=2, num_embeddings_per_feature=64, shuffle=False,
                                      num_signal_features=2)
@@ -309,10 +319,23 @@ def test_more_micro_batches_than_the_epoch_has_step_at_the_epochs_end(tmp_path):
 
 
 def test_manual_optimization_with_accumulate_grad_batches_is_refused(tmp_path):
-    """Lightning's own refusal: manual optimization accumulates by hand (backwards under
-    `with opt.toggle_model(sync_grad=False):` gather the tables' gradients; the step's backward applies them)."""
+    """Lightning's own refusal: manual optimization accumulates by hand (micro-batches under
+    `with self.trainer.strategy.block_backward_sync():` gather the tables' gradients; the step's applies them)."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     with pytest.raises(MisconfigurationException, match="accumulate_grad_batches"):
-        _fit(tmp_path, 16, 2, manual=True)
+        _fit(tmp_path, 16, 2, manual=2)
+
+
+def test_manual_optimization_accumulates_under_block_backward_sync(tmp_path):
+    """The documented way by hand: micro-batches under self.trainer.strategy.block_backward_sync(), the last outside,
+    then the step: as one batch, without the manual-accumulation warning."""
+    import warnings
+
+    one = _fit(tmp_path, 64, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accumulated = _fit(tmp_path, 16, 1, manual=4)
+    assert not [w for w in caught if "second backward" in str(w.message)]
+    _same_training(one, accumulated, "manual, block_backward_sync")
 

@@ -57,6 +57,8 @@ SMOKES = [
      {"abs_diff_ours_vs_torchmetrics_n20000", "confident_logits_ours", "confident_logits_torchmetrics"}),
     ("vbe", [], {"a2a_bytes_expanded_vs_vbe", "vbe_step_vs_expanded"},
      {"vbe_step_ms", "expanded_step_ms", "vbe_a2a_bytes", "expanded_a2a_bytes"}),
+    ("accumulation", [], {"step_k4_vs_k1"}, {"max_rel_diff_k4_vs_one_step", "extra_bytes_vs_bound", "step_k1_ms",
+                                               "step_k4_ms"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     pytest.param("dlrm_gpu", [], {"trainer_vs_loop_cuda"},
