@@ -473,9 +473,9 @@ class FusedKernel(nn.Module):
             old = self._gathered.get(t)
             ids_N, grads_ND = torch.cat(([old[0]] if old else []) + ids), torch.cat(([old[1]] if old else []) + grads)
             rows_U, where_N = torch.unique(ids_N, return_inverse=True)
-            # index_put_'s CPU accumulation adds in position order, as index_add_ does, and some 3x faster
-            self._gathered[t] = (rows_U, grads_ND.new_zeros(rows_U.numel(), grads_ND.shape[1]).index_put_(
-                (where_N,), grads_ND, accumulate=True))
+            # index_add_ adds in position order (index_put_'s accumulation, faster, does not on many rows)
+            self._gathered[t] = (rows_U, grads_ND.new_zeros(rows_U.numel(), grads_ND.shape[1]).index_add_(
+                0, where_N, grads_ND))
 
     def gathered_bytes(self) -> int:
         """What the buffer holds now: the rows' gradients (float32) and their ids."""
