@@ -470,12 +470,12 @@ class FusedKernel(nn.Module):
             held[0].append(ids.to(torch.int64))
             held[1].append(g)
         for t, (ids, grads) in per_table.items():
-            old = self._gathered.get(t)
-            ids_N, grads_ND = torch.cat(([old[0]] if old else []) + ids), torch.cat(([old[1]] if old else []) + grads)
-            rows_U, where_N = torch.unique(ids_N, return_inverse=True)
+            old_rows, old_UD = self._gathered.get(t, (ids[0][:0], grads[0][:0]))
+            rows_U, where_N = torch.unique(torch.cat([old_rows, *ids]), return_inverse=True)
+            acc_UD = old_UD.new_zeros(rows_U.numel(), old_UD.shape[1])
+            acc_UD[where_N[: old_rows.numel()]] = old_UD  # the rows held so far (unique): copied, not added
             # index_add_ adds in position order (index_put_'s accumulation, faster, does not on many rows)
-            self._gathered[t] = (rows_U, grads_ND.new_zeros(rows_U.numel(), grads_ND.shape[1]).index_add_(
-                0, where_N, grads_ND))
+            self._gathered[t] = (rows_U, acc_UD.index_add_(0, where_N[old_rows.numel() :], torch.cat(grads)))
 
     def gathered_bytes(self) -> int:
         """What the buffer holds now: the rows' gradients (float32) and their ids."""
