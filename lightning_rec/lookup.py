@@ -283,6 +283,24 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+class _GatherRows(torch.autograd.Function):
+    """`out` as it is; its gradient goes into the kernel's buffer of rows (FusedKernel.add_row_gradients), and
+    `apply` (the first lookup outside gather_fused_gradients) runs the one update from the buffer."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, anchor: Tensor, kernel: FusedKernel, features: KeyedJaggedTensor,
+                apply: bool) -> Tensor:
+        ctx.kernel, ctx.features, ctx.update = kernel, features, apply
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.kernel.add_row_gradients(ctx.features, grad)
+        if ctx.update:
+            ctx.kernel.apply_gathered()
+        return grad, None, None, None, None
+
+
 def _tbe_lookup(tbe, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
     if torch.is_inference_mode_enabled() and values_N.device.type == "cpu":
         # fbgemm's CPU build registers its lookup under Autograd keys only, which inference mode skips
@@ -358,6 +376,8 @@ class FusedKernel(nn.Module):
                 for t, w in zip(tables, self.tbe.split_embedding_weights()):
                     w.zero_()  # padding columns stay zero
                     w[:, : t.embedding_dim].uniform_(*t.init_range())
+        self.gathering = False
+        self._gathered: dict[int, tuple[Tensor, Tensor]] = {}  # table -> (unique rows [U], their gradients [U, D])
         self._counts_steps = (self.kernel != "native" and EmbOptimType(optimizer.optimizer) in _STEP_OPTIMIZERS
                               and isinstance(getattr(self.tbe, "iter_cpu", None), Tensor))
         self._keep_cols: Tensor | None = None
@@ -373,7 +393,12 @@ class FusedKernel(nn.Module):
             self._total_D = sum(self._dims[t] for t in feature_table_map)
 
     def forward(self, features: KeyedJaggedTensor, checked: bool = False, frozen: bool = False) -> Tensor:
-        """frozen: the tables' weights were set to requires_grad=False (fine-tuning): no update, no state change."""
+        """frozen: the tables' weights were set to requires_grad=False (fine-tuning): no update, no state change.
+        While `gathering` (optim.gather_fused_gradients) the backward adds the rows' gradients to a buffer of the
+        rows touched instead of updating; the next backward outside applies buffer and its own in one update."""
+        if not frozen and (self.gathering or self._gathered) and torch.is_grad_enabled():
+            out = self.forward(features, checked, frozen=True)  # no update; per-id weights still get their gradient
+            return _GatherRows.apply(out, out.new_zeros(0).requires_grad_(), self, features, not self.gathering)
         if not frozen:
             return self._pooled(features, checked)
         # no graph, no update; per-id weights that require grad get theirs through a plain lookup added as zero
@@ -419,6 +444,70 @@ class FusedKernel(nn.Module):
             count_BF = features.lengths_FB().t().clamp(min=1).to(out.dtype)
             out = out / torch.repeat_interleave(count_BF, self._dims_F, dim=1, output_size=self._total_D)
         return out
+
+    def add_row_gradients(self, features: KeyedJaggedTensor, grad: Tensor) -> None:
+        """The gradient of one lookup's output, per table row it read, summed into the buffer of unique rows (in id
+        order, each row's terms in the kernel's order: scale = weight / bag length, then scale * gradient)."""
+        grad, pos, col, bags = grad.detach().float(), 0, 0, 0
+        per_table: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        weights_N = features.weights_or_none()
+        for t, n, B in zip(self._feature_table, features.length_per_key(), features.stride_per_key()):
+            ids, D = features.values()[pos : pos + n], self._dims[t]
+            if self.pooling == "none":  # values_ND: one output row per id
+                g = grad[pos : pos + n]
+            else:
+                lengths = features.lengths()[bags : bags + B]
+                bag_N = torch.repeat_interleave(torch.arange(B, device=grad.device), lengths, output_size=n)
+                g, col = grad[bag_N, col : col + D], col + D
+                scale = None if weights_N is None else weights_N[pos : pos + n].detach().float()
+                if self.pooling == "mean":
+                    count_N = lengths[bag_N].to(torch.float32)
+                    scale = 1.0 / count_N if scale is None else scale / count_N
+                if scale is not None:
+                    g = scale.unsqueeze(1) * g
+            pos, bags = pos + n, bags + B
+            held = per_table.setdefault(t, ([], []))
+            held[0].append(ids.to(torch.int64))
+            held[1].append(g)
+        for t, (ids, grads) in per_table.items():
+            old_rows, old_UD = self._gathered.get(t, (ids[0][:0], grads[0][:0]))
+            rows_U, where_N = torch.unique(torch.cat([old_rows, *ids]), return_inverse=True)
+            acc_UD = old_UD.new_zeros(rows_U.numel(), old_UD.shape[1])
+            acc_UD[where_N[: old_rows.numel()]] = old_UD  # the rows held so far (unique): copied, not added
+            # index_add_ adds in position order (index_put_'s accumulation, faster, does not on many rows)
+            self._gathered[t] = (rows_U, acc_UD.index_add_(0, where_N[old_rows.numel() :], torch.cat(grads)))
+
+    def gathered_bytes(self) -> int:
+        """What the buffer holds now: the rows' gradients (float32) and their ids."""
+        return sum(r.numel() * r.element_size() + g.numel() * g.element_size() for r, g in self._gathered.values())
+
+    def apply_gathered(self) -> None:
+        """One update from the buffer, as from one batch that read each buffered row once with its summed gradient
+        (a bag of one id per row): the optimizer runs once for all the gathered lookups."""
+        held = {t: rg for t, rg in sorted(self._gathered.items()) if rg[0].numel()}
+        self._gathered = {}
+        if not held:
+            return
+        device = next(iter(held.values()))[0].device
+        B = max(rows.numel() for rows, _ in held.values())
+        names, lengths, values, grads = [], [], [], []
+        for t, table in enumerate(self.tables):
+            for i, name in enumerate(table.feature_names):  # the table's first feature reads its rows
+                rows, g = held.get(t, (None, None)) if i == 0 else (None, None)
+                n = 0 if rows is None else rows.numel()
+                names.append(name)
+                lengths.append(torch.cat([torch.ones(n, dtype=torch.int64, device=device),
+                                          torch.zeros(B - n, dtype=torch.int64, device=device)]))
+                if rows is not None:
+                    values.append(rows)
+                    grads.append(g if self.pooling == "none" else F.pad(g, (0, 0, 0, B - n)))
+                elif self.pooling != "none":
+                    grads.append(torch.zeros(B, self._dims[t], device=device))
+        batch = KeyedJaggedTensor(keys=names, values=torch.cat(values), lengths=torch.cat(lengths), stride=B)
+        grad = torch.cat(grads, dim=0 if self.pooling == "none" else 1)
+        with torch.enable_grad():
+            out = self._pooled(batch, checked=True)
+            torch.autograd.backward(out, grad.to(out.dtype))
 
     def _has_cache(self) -> bool:
         """fbgemm keeps a device cache of rows (fused_uvm_caching tables): trained rows live there until evicted."""

@@ -33,7 +33,8 @@ import gc
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import torch
@@ -46,7 +47,7 @@ from lightning_rec._device import with_cuda_index  # noqa: F401  (imported from 
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
 from lightning_rec.errors import short_repr
-from lightning_rec.optim import adopt_torch_in_backward
+from lightning_rec.optim import adopt_torch_in_backward, gather_fused_gradients
 from lightning_rec.optim.fused import FusedOptimizer
 from lightning_rec.plan_checks import check_same_everywhere, validate_module_plan
 from lightning_rec.planner.fits import check_plan_fits
@@ -518,6 +519,25 @@ class DistributedModelParallel(nn.Module):
         if self._fused_optimizer is None:
             self._fused_optimizer = FusedOptimizer(self.module)
         return self._fused_optimizer
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation, as DDP's no_sync: inside, backward neither syncs the dense gradients (DDP, FSDP2)
+        nor updates the fused tables (each kernel gathers its rows' gradients: optim.gather_fused_gradients). The
+        first backward outside syncs the dense gradients and applies what the tables gathered with its own in one
+        fused update, as one batch of all the micro-batches would; `fused_optimizer.step()` applies what is left."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = self._dmp_wrapped_module
+        with ExitStack() as stack:
+            if isinstance(wrapped, DistributedDataParallel):
+                stack.enter_context(wrapped.no_sync())
+            for m in wrapped.modules():  # FSDP2's own switch
+                if callable(getattr(m, "set_requires_gradient_sync", None)):
+                    m.set_requires_gradient_sync(False, recurse=False)
+                    stack.callback(m.set_requires_gradient_sync, True, recurse=False)
+            stack.enter_context(gather_fused_gradients(self.module))
+            yield
 
     # collectives of the training loop, through the embedding group's guard ---------------------------
 

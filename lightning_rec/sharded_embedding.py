@@ -118,6 +118,9 @@ class ReplicaKernel:
         for t in self.tables:
             data_parallel.check_replica_optimizer(optimizer, t.name)
         self._states = [data_parallel.new_state(optimizer, w.detach()) for w in kernel.weights]
+        # gradient accumulation (optim.gather_fused_gradients): table -> (summed local gradient, rows named or None)
+        self.gathering = False
+        self._gathered: dict[int, tuple[Tensor, Tensor | None]] = {}
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         """This call's lookup: pooled_BD (bags) or values_ND (sequence); its backward updates the rows it named."""
@@ -127,9 +130,9 @@ class ReplicaKernel:
         if any(leaf.requires_grad for leaf in leaves):
             # with weight_decay every row the call names is stepped (decayed), as in the fused kernels
             named = self._named_rows(features) if self.optimizer_config.weight_decay else [None] * len(leaves)
-            for w, leaf, state, named_R in zip(self.kernel.weights, leaves, self._states, named):
+            for t, (leaf, named_R) in enumerate(zip(leaves, named)):
                 if leaf.requires_grad:
-                    leaf.register_post_accumulate_grad_hook(self._hook(w, state, named_R))
+                    leaf.register_post_accumulate_grad_hook(self._hook(t, named_R, self.gathering))
         return plain_lookup(features, leaves, self.kernel.feature_table, self.kernel.pooling)
 
     def _named_rows(self, features: KeyedJaggedTensor) -> list[Tensor]:
@@ -139,20 +142,42 @@ class ReplicaKernel:
             named[t].index_fill_(0, jt.values(), 1.0)
         return named
 
-    def _hook(self, weight: Tensor, state: dict[str, Tensor], named_R: Tensor | None):
+    def _hook(self, t: int, named_R: Tensor | None, gather: bool):
         def update(leaf: Tensor) -> None:
-            grad, named = leaf.grad, None
-            if named_R is None:
-                all_reduce_sum_(self._env.comm, grad, self._env.timeout_s)
-            else:  # the rows any rank named travel with the gradient: one collective
-                both = torch.cat([grad, named_R.to(grad.dtype).unsqueeze(1)], dim=1)
-                all_reduce_sum_(self._env.comm, both, self._env.timeout_s)
-                grad, named = both[:, :-1], both[:, -1]
-            # .data: the other calls' leaves view these weights, and their backward may still come
-            data_parallel.apply_update(weight.data, grad, state, self.optimizer_config, self._lr, named)
+            grad, named = leaf.grad, named_R
             leaf.grad = None
+            held = self._gathered.pop(t, None)
+            if held is not None:  # the local gradients gathered so far: summed before the one all-reduce
+                grad = held[0] + grad
+                named = None if named is None else torch.maximum(held[1], named)
+            if gather:
+                self._gathered[t] = (grad, named)
+            else:
+                self._update(t, grad, named)
 
         return update
+
+    def _update(self, t: int, grad: Tensor, named_R: Tensor | None) -> None:
+        named = None
+        if named_R is None:
+            all_reduce_sum_(self._env.comm, grad, self._env.timeout_s)
+        else:  # the rows any rank named travel with the gradient: one collective
+            both = torch.cat([grad, named_R.to(grad.dtype).unsqueeze(1)], dim=1)
+            all_reduce_sum_(self._env.comm, both, self._env.timeout_s)
+            grad, named = both[:, :-1], both[:, -1]
+        # .data: the other calls' leaves view these weights, and their backward may still come
+        data_parallel.apply_update(self.kernel.weights[t].data, grad, self._states[t], self.optimizer_config,
+                                   self._lr, named)
+
+    def apply_gathered(self) -> None:
+        """The one update of the gathered gradients (a collective: every rank gathered the same micro-batches)."""
+        held, self._gathered = self._gathered, {}
+        for t, (grad, named) in sorted(held.items()):
+            self._update(t, grad, named)
+
+    def gathered_bytes(self) -> int:
+        """A replicated table gathers its whole gradient (its backward makes one per call anyway)."""
+        return sum(g.numel() * g.element_size() for g, _ in self._gathered.values())
 
     def split_embedding_weights(self) -> list[Tensor]:
         return list(self.kernel.weights)

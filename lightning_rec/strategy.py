@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -107,6 +109,7 @@ class RecStrategy(DDPStrategy):
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []
         self._warned_manual_accumulation = False
+        self._gathering = False  # inside block_backward_sync: a micro-batch of gradient accumulation
         self._signals = SignalTakeover()  # SIGTERM / SLURM requeue, acted on by every rank at one batch
 
     @property
@@ -266,10 +269,27 @@ class RecStrategy(DDPStrategy):
         self._backwards_unstepped = 0
 
     @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's accumulate_grad_batches (and, by hand, a manual-optimization step's batches before it): the
+        micro-batches' backward syncs no dense gradient and updates no fused table (DistributedModelParallel.no_sync);
+        the step's backward applies the tables' gathered gradients in one fused update."""
+        if self._dmp is None:
+            with super().block_backward_sync():
+                yield
+            return
+        self._gathering = True
+        try:
+            with self._dmp.no_sync():
+                yield
+        finally:
+            self._gathering = False
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
-        if module is None or module.automatic_optimization or self._warned_manual_accumulation:
+        if module is None or module.automatic_optimization or self._warned_manual_accumulation or self._gathering:
             return out
         # a second backward with no optimizer step between is manual accumulation: the fused tables do not accumulate
         self._backwards_unstepped += 1
@@ -280,8 +300,9 @@ class RecStrategy(DDPStrategy):
                 warnings.warn(
                     f"manual optimization: a second backward (self.manual_backward) before an optimizer step, as "
                     f"when accumulating gradients by hand. It accumulates the dense layers' gradients only: the fused "
-                    f"tables ({fused[0]}) update inside every backward, not at opt.step(). To give both one larger "
-                    f"batch, raise the data module's batch_size and step after every backward",
+                    f"tables ({fused[0]}) update inside every backward, not at opt.step(). To accumulate both, "
+                    f"run the batches before the step (forward and backward) under "
+                    f"`with self.trainer.strategy.block_backward_sync():`",
                     stacklevel=3)  # the user's manual_backward line (backward <- LightningModule.manual_backward)
         return out
 
@@ -660,7 +681,8 @@ if "rec" not in StrategyRegistry:
 
 
 def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str] | None = None) -> None:
-    """accumulate_grad_batches > 1 or gradient_clip_val with fused tables: say that it reaches the dense layers only.
+    """gradient_clip_val with fused tables, or accumulate_grad_batches > 1 under a strategy that cannot gather their
+    gradients (not "rec"): say that it reaches the dense layers only.
 
     fused: fused_table_modules(module), when the caller has it already."""
     accumulate = trainer.accumulate_grad_batches
@@ -678,9 +700,10 @@ def warn_fused_dense_only(module: torch.nn.Module, trainer: Any, fused: list[str
             f"inside backward, before Lightning clips, from unclipped gradients{norm}. The fused update clips "
             f"nothing: to bound the tables' steps, lower their learning rate",
             stacklevel=1)
-    if fused and accumulate > 1:
+    if fused and accumulate > 1 and not isinstance(trainer.strategy, RecStrategy):
+        # Lightning asks only a parallel strategy to hold back a micro-batch's sync (block_backward_sync)
         warnings.warn(
-            f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only: the fused tables "
-            f"({fused[0]}) update inside every batch's backward, {accumulate}x as often as the dense layers, each "
-            f"time from that batch's loss divided by {accumulate} (Lightning's scaling for accumulation). To give "
-            f"both one larger batch, raise the data module's batch_size instead", stacklevel=1)
+            f"accumulate_grad_batches={accumulate} accumulates the dense layers' gradients only under "
+            f"{type(trainer.strategy).__name__}: the fused tables ({fused[0]}) update inside every batch's backward, "
+            f"{accumulate}x as often as the dense layers. Use Trainer(strategy='rec') (devices=1 too), which "
+            f"gathers the tables' gradients and updates them once per step", stacklevel=1)

@@ -4,7 +4,8 @@ A fused optimizer updates embedding rows inside the lookup's backward; `Combined
 `torch.optim.Optimizer`, so schedulers drive both parts (a fused group's "lr" reaches the kernel at once).
 
     config            EmbOptimType, FusedOptimizerConfig, check_fused_lr (read by the kernels and collections)
-    fused_paths       fused_modules: the modules that own fused kernels, under the model's own paths
+    fused_paths       fused_modules: the modules that own fused kernels, under the model's own paths;
+                      gather_fused_gradients: gradient accumulation through them
     param_groups      the fused param groups and defaults that LR schedulers (and pickle) see
     fused             FusedOptimizer, merge_fused_state
     combined          CombinedOptimizer, combined_optimizer, dense_parameters
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 _SUBMODULES = {
     "config": ("EmbOptimType", "FBGEMM_CPU_OPTIMIZERS", "FusedOptimizerConfig", "check_fused_lr", "emb_optim_type",
                "DENSE_OPTIMIZERS", "_TORCH_OPTIMIZERS", "_USES_BETAS", "_DIVIDES_BY_EPS", "_torch_default"),
-    "fused_paths": ("fused_modules", "_model_named_modules", "_has_fused_update"),
+    "fused_paths": ("fused_modules", "gather_fused_gradients", "apply_gathered", "_model_named_modules",
+                    "_has_fused_update"),
     "param_groups": ("_FIXED_KEYS", "_FusedParamGroup", "_rebuild_fused_group", "_FusedDefaults",
                      "_fused_hyperparameters", "_picklable_state"),
     "fused": ("FusedOptimizer", "merge_fused_state", "column_overlaps", "per_row_of_blocks", "COLUMN_BLOCKS",
@@ -66,7 +68,7 @@ if TYPE_CHECKING:  # static tools see the names as if imported eagerly
         emb_optim_type,
     )
     from lightning_rec.optim.fused import FusedOptimizer, merge_fused_state  # noqa: F401
-    from lightning_rec.optim.fused_paths import fused_modules  # noqa: F401
+    from lightning_rec.optim.fused_paths import apply_gathered, fused_modules, gather_fused_gradients  # noqa: F401
     from lightning_rec.optim.torchrec_compat import (  # noqa: F401
         KeyedOptimizerWrapper,
         RowWiseAdagrad,

@@ -46,7 +46,8 @@ def _refuse_torch_state_dict_api(optimizer: torch.optim.Optimizer) -> None:
 class FusedOptimizer(torch.optim.Optimizer):
     """The fused embedding updates of a model, seen as an optimizer.
 
-    `step()` applies nothing (the rows were updated in backward) but runs the closure; one param group per fused kernel
+    `step()` runs the closure and applies nothing (the rows were updated in backward) but the rows still gathered
+    by `gather_fused_gradients` (gradient accumulation); one param group per fused kernel
     carries its "lr", starting at `FusedOptimizerConfig.lr`. The state dict keys state by `<module path>.<table>.<state
     name>`, so it loads into any kernel and any grouping of the same tables."""
 
@@ -107,7 +108,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if isinstance(group, _FusedParamGroup):
                 group.check_fixed()
-        return closure() if closure is not None else None
+        out = closure() if closure is not None else None
+        # rows gathered (gather_fused_gradients) that no backward outside applied: their one update now
+        for kernel in {id(k): k for k, _ in self._tables.values()}.values():
+            if callable(getattr(kernel, "apply_gathered", None)):
+                kernel.apply_gathered()
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to clear: fused tables never hold a gradient."""

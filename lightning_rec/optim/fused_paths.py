@@ -4,6 +4,9 @@ Below the collections (embedding.fused_table_modules reads it): it imports only 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from lightning_rec.fqn import is_wrapper_child
@@ -38,3 +41,30 @@ def _has_fused_update(module: torch.nn.Module) -> bool:
     # a sharded collection with no shard here still counts: every rank's optimizer has the same parts
     config = getattr(module, "fused_optimizer_config", None)
     return callable(getattr(module, "shard_of", None)) and callable(config) and config() is not None
+
+
+def _fused_kernels(model: torch.nn.Module) -> list:
+    return [k for _, m in fused_modules(model) for k in m.fused_kernels()]
+
+
+@contextmanager
+def gather_fused_gradients(model: torch.nn.Module) -> Iterator[None]:
+    """Gradient accumulation through fused tables: inside, a lookup's backward adds its rows' gradients to a buffer
+    of the rows touched (each fused kernel's own, [unique rows, dim]) and updates nothing; the first backward of a
+    lookup outside applies the buffer and its own gradient in one fused update, as one batch would (as DDP's
+    no_sync defers the gradient sync). `FusedOptimizer.step()` applies what is still gathered."""
+    kernels = _fused_kernels(model)
+    before = [k.gathering for k in kernels]
+    for k in kernels:
+        k.gathering = True
+    try:
+        yield
+    finally:
+        for k, was in zip(kernels, before):
+            k.gathering = was
+
+
+def apply_gathered(model: torch.nn.Module) -> None:
+    """The one fused update of what `gather_fused_gradients` gathered and no backward applied yet (none: nothing)."""
+    for k in _fused_kernels(model):
+        k.apply_gathered()
