@@ -345,10 +345,10 @@ class CollectiveGuard:
         if isinstance(err, (CollectiveMismatch, CollectiveTimeout, PeerExited)):
             return err
         head = f"{self.name} {self._where(tag, k)} failed on rank {self.rank}"
+        dead = self.exited_after_failure()  # (first: a thread of this rank may be finding the mismatch meanwhile)
         found = _found_since(time.monotonic() - self.timeout_s, head)  # (this wait began within the timeout)
         if found is not None:
             return found
-        dead = self.exited_after_failure()
         if dead:
             return PeerExited(f"{head}: {_describe(dead)}. Cause: {err}")
         if "timed out" in str(err).lower():
