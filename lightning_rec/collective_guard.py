@@ -71,13 +71,30 @@ class CollectiveMismatch(RuntimeError):
 
 def step_mismatch(what: str, steps: Sequence[int]) -> CollectiveMismatch:
     """The error for ranks (group ranks, in order) that reach one exchange at different `steps`: calls of
-    DistributedModelParallel.forward, which every embedding exchange of a step carries (no collective of its own)."""
+    DistributedModelParallel.forward, which every embedding exchange of a step carries (no collective of its own);
+    a pipeline's feeder: the batches the steps claimed. Every wait of this process that it leaves unpaired raises it."""
     where = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
+    _FOUND[:] = [time.monotonic(), where]
     return CollectiveMismatch(
         f"'{what}': the ranks are at different steps of DistributedModelParallel ({where}; a step is a call of "
-        f"dmp(...)): a rank whose step raised before its embedding exchanges and went on (a try/except around the "
-        f"training step or around pipeline.progress()) meets the other ranks' previous step there. Let the error "
-        f"propagate on every rank, or skip that step on every rank")
+        f"dmp(...); routed ahead by a pipeline, a step that reached its embedding exchanges): a rank whose step "
+        f"raised before its embedding exchanges and went on (a try/except around the training step or around "
+        f"pipeline.progress()) meets the other ranks' previous step there. Let the error propagate on every rank, "
+        f"or skip that step on every rank")
+
+
+# (monotonic time, the steps) of the last step mismatch this process found: a thread of it waiting in an exchange
+# that the mismatch leaves unpaired (the step, while the pipeline's feeder found it) raises it, not PeerExited
+_FOUND: list = []
+
+
+def _found_since(start: float, head: str) -> CollectiveMismatch | None:
+    if not _FOUND or _FOUND[0] < start:
+        return None
+    return CollectiveMismatch(f"{head} cannot pair: another exchange of this rank found the ranks at different steps "
+                              f"({_FOUND[1]}): a rank whose step raised before its embedding exchanges went on (a "
+                              f"try/except around the training step or around pipeline.progress()). Let the error "
+                              f"propagate on every rank, or skip that step on every rank")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -217,6 +234,9 @@ class CollectiveGuard:
                 except RuntimeError as e:
                     # a peer that raised a mismatch and left: what this rank saw of it says why
                     raise self._mismatch(tag, k, time.monotonic() - start, seen, e) or self.failure(tag, k, e) from e
+                found = _found_since(start, f"{self.name} {self._where(tag, k)} on rank {self.rank}")
+                if found is not None:
+                    raise found
                 self._check_peers(tag, k, time.monotonic() - start, seen)
         finally:
             self._publish(None)
@@ -324,8 +344,11 @@ class CollectiveGuard:
         """The error for a collective that failed: names the ranks that exited, and the setting."""
         if isinstance(err, (CollectiveMismatch, CollectiveTimeout, PeerExited)):
             return err
-        dead = self.exited_after_failure()
         head = f"{self.name} {self._where(tag, k)} failed on rank {self.rank}"
+        dead = self.exited_after_failure()  # (first: a thread of this rank may be finding the mismatch meanwhile)
+        found = _found_since(time.monotonic() - self.timeout_s, head)  # (this wait began within the timeout)
+        if found is not None:
+            return found
         if dead:
             return PeerExited(f"{head}: {_describe(dead)}. Cause: {err}")
         if "timed out" in str(err).lower():

@@ -191,8 +191,9 @@ class KJTAllToAll:
         one alone skipping a replica's gradient all-reduce would leave the others waiting). `strides_F`: a variable
         batch's bags per feature (collection order; `features` is it padded): each shard feature's lengths travel
         trimmed to its bags, after their count (ctx.strides_per_source, which the pooled all-to-all trims rows by).
-        `step`: the caller's step (DistributedModelParallel's; 0 routed ahead by a pipeline, whose own agreement pairs
-        its batches), compared in the counts exchange (shared memory: in the transport's header)."""
+        `step`: the caller's step (DistributedModelParallel's; routed ahead by a pipeline, the batches its steps
+        claimed, or 0 on shared memory, whose step exchanges carry DMP's), compared in the counts exchange (shared
+        memory: in the transport's header)."""
         routed = None if error is not None else route_ids(features, self.tables)
         B = features.stride() if routed is not None else 0
         # learned weights: requires_grad can be True under no_grad too (an unpermuted leaf), with no backward to come

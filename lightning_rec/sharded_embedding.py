@@ -325,8 +325,10 @@ class _ShardedCollectionBase(nn.Module):
                 return ready
         return self.route(features, self._ids_a2a)
 
-    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False) -> ShardedBatch:
-        """input_dist through `ids_a2a` (the pipeline's own channel); `ahead`: the feeder routes it outside autograd."""
+    def route(self, features: KeyedJaggedTensor, ids_a2a: KJTAllToAll, ahead: bool = False,
+              step: int = 0) -> ShardedBatch:
+        """input_dist through `ids_a2a` (the pipeline's own channel); `ahead`: the feeder routes it outside autograd,
+        its exchange carrying `step` (the pipeline's) instead of DistributedModelParallel's."""
         inverse = features.inverse_indices_or_none() if isinstance(features, KeyedJaggedTensor) else None
         strides, error = None, None
         if inverse is not None or is_variable_batch(features):
@@ -345,7 +347,7 @@ class _ShardedCollectionBase(nn.Module):
                      f"they train), or pass weights.detach() in the batch")
         try:  # all ranks agree first (on their batches and on which tables are frozen)
             routed, ctx = ids_a2a(ordered, error, weighted=self._is_weighted, frozen_key=self._frozen_key,
-                                  strides_F=strides, step=0 if ahead else self._env.step)
+                                  strides_F=strides, step=step if ahead else self._env.step)
         except FrozenTablesDisagree as e:
             raise ValueError(self._frozen_disagree_message(e.keys)) from None
         replicated = None

@@ -161,7 +161,7 @@ class _Plan:
 
 class _Entry:
     __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder", "in_step",
-                 "stop", "claimed")
+                 "stop", "claimed", "step")
 
     def __init__(self, index: int, batch: Any, feeder: _Feeder) -> None:
         self.index, self.batch, self.feeder = index, batch, feeder
@@ -174,6 +174,7 @@ class _Entry:
         self.in_step = False  # in_step_order: its turn came before the plan was recorded; it routes in the step
         self.stop: dict[int, int] = {}  # the signals the ranks were sent ({rank: bits}) as they agreed on this batch
         self.claimed = False  # a collection of the step took its routed input (the step reached its exchanges)
+        self.step = 0  # what its id exchange carries as the step (process groups: _step_of)
 
 
 _END = object()
@@ -224,6 +225,11 @@ class _Feeder(Iterator):
         # later batch carries it, so that ranks whose steps no longer pair raise CollectiveMismatch
         self._open: deque[_Entry] = deque()
         self._unused, self._unused_at = 0, {}
+        # a process group's id exchange of batch k carries the batches claimed when batch k-1 was claimed or passed
+        # over (the step's thread asked for batch k first): ranks whose steps no longer pair raise in that exchange,
+        # before the step's embedding all-to-all pairs another batch's rows (shared memory: its headers carry DMP's)
+        self._claims, self._claims_at, self._resolved = 0, {}, -1
+        self._stepped = bool(channels) and all(c.transport is None and c.world_size > 1 for c in channels.values())
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._dist_stream = torch.cuda.Stream(device) if cuda else None
@@ -240,6 +246,7 @@ class _Feeder(Iterator):
         # batches before its forward: training_step(dataloader_iter))
         with self._cond:
             self._count_unused()
+            self._resolve(self.taken - 1)  # passed over, unless claimed
             if self._ordered:
                 self._turn = self.taken  # batch `taken`'s collectives may run now: this thread waits here
                 self._cond.notify_all()
@@ -288,12 +295,22 @@ class _Feeder(Iterator):
             self._unused += not self._open.popleft().claimed  # one never taken by now is counted for good
         self._unused_at[self.taken] = self._unused + sum(not e.claimed for e in self._open)
 
+    def _resolve(self, k: int) -> None:
+        """Batch k is claimed or passed over (in batch order; held: the cond lock): batch k+1's exchange carries it."""
+        if self._stepped and k > self._resolved:
+            self._claims_at[k], self._resolved = self._claims, k
+            self._cond.notify_all()
+
     def _tell_stop(self, ranks: dict[int, int]) -> None:
         if ranks and self.stop_signal is not None:
             self.stop_signal[1](ranks)
 
     def claim(self, module, features, entry: _Entry, path: tuple) -> ShardedBatch | None:
-        entry.claimed = True
+        if not entry.claimed:
+            with self._cond:
+                entry.claimed = True
+                self._claims += 1
+                self._resolve(entry.index)
         plan = self.plan
         if plan.record_next and not plan.final.is_set() and self.inputs.recording is self:
             # this batch's step records the plan. No batch is routed ahead before the plan is final, and the
@@ -507,6 +524,7 @@ class _Feeder(Iterator):
             entry.ready.set()
         if self._ordered and not recording:  # routed in its turn, then handed out
             if self.plan.final.is_set():
+                self._step_of(entry)  # (its turn came: the step's thread asked for it, so it never waits)
                 self._route(entry, put_on_error=True)
             else:  # the plan is still being recorded (a loop that takes a batch ahead): route it in the step
                 entry.in_step = True
@@ -522,9 +540,25 @@ class _Feeder(Iterator):
         if waited is None:
             entry.in_step = True
             entry.ready.set()
+        elif not self._step_of(entry):
+            entry.error = RuntimeError("lightning_rec pipeline: stopped before this batch was routed")
+            entry.ready.set()
+            return False
         else:
             self._route(entry)
         return True
+
+    def _step_of(self, entry: _Entry) -> bool:
+        """Wait until the step's thread claimed or passed over the previous batch; False when stopped first."""
+        if not self._stepped or entry.index == 0:
+            return True
+        with self._cond:
+            while entry.index - 1 not in self._claims_at:
+                if self._stop:
+                    return False
+                self._cond.wait()
+            entry.step = self._claims_at.pop(entry.index - 1)
+            return True
 
     def _prepare(self, k: int, batch: Any) -> _Entry:
         return self._entry(k, self._copy(batch))
@@ -579,4 +613,5 @@ class _Feeder(Iterator):
                                  f"first batch had the input of '{self.inputs.names[module]}': give every batch "
                                  f"the same layout")
             channel = self.channels[id(module.env)]
-            entry.routed[(module, path)] = module.route(kjt, channel.ids_all_to_all(module), ahead=True)
+            entry.routed[(module, path)] = module.route(kjt, channel.ids_all_to_all(module), ahead=True,
+                                                      step=entry.step)
