@@ -1,4 +1,4 @@
-"""Models: DLRM, DLRM-DCNv2, two-tower retrieval, and their LightningModules."""
+"""Models: DLRM, DLRM-DCNv2, multi-task (MMoE / PLE), two-tower retrieval, and their LightningModules."""
 
 from lightning_rec.models.dlrm import (
     DLRM,
@@ -12,8 +12,11 @@ from lightning_rec.models.dlrm import (
     LowRankCrossNet,
 )
 from lightning_rec.models.dlrm_module import DLRMModule
+from lightning_rec.models.multitask import MultiTaskNet
+from lightning_rec.models.multitask_module import MultiTaskModule
 from lightning_rec.models.two_tower import Tower, TwoTower
 from lightning_rec.models.two_tower_module import TwoTowerModule
 
 __all__ = ["DLRM", "DLRM_DCN", "DLRMModule", "DLRMTrain", "DLRM_Projection", "InteractionArch", "InteractionDCNArch",
-           "InteractionProjectionArch", "LowRankCrossNet", "MLP", "Tower", "TwoTower", "TwoTowerModule"]
+           "InteractionProjectionArch", "LowRankCrossNet", "MLP", "MultiTaskModule", "MultiTaskNet",
+           "Tower", "TwoTower", "TwoTowerModule"]
