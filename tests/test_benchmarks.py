@@ -25,6 +25,7 @@ SMOKES = [
      {"one_process_samples_per_s", "table_wise_samples_per_s", "row_wise_samples_per_s",
       "column_wise_samples_per_s", "table_row_wise_samples_per_s", "grid_shard_samples_per_s",
       "data_parallel_samples_per_s", "two_rank_peak_rss_mb"}),
+    ("multitask_movielens", [], set(), {"auc_mmoe_minus_single_min", "auc"}),
     ("bad_input_battery", [], set(), {"cases", "threads", "seconds", *BATTERY_CLASSES}),
     ("strategy_overhead", [], {"trainer_vs_loop"}, {"loop_steps_per_s", "trainer_steps_per_s"}),
     ("dlrm_distributed", ["--pipeline"], {"pipelined_vs_plain"},
