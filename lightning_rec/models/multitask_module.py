@@ -181,12 +181,21 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
             self.log(f"train/{name}/loss", value, batch_size=max(len(batch), 1))
         return loss
 
+    def _names(self, split: str, k: int) -> tuple[str, str]:
+        """(prefix, suffix) of loader k's metrics: the data module's split name where it gives one (MovieLens'
+        eval_test_in_fit: val, test), else `split` and Lightning's /dataloader_idx_k."""
+        names = getattr(getattr(self.trainer, "datamodule", None), "eval_split_names", None) if split == "val" else None
+        names = names() if callable(names) else None
+        if names and k < len(names):
+            return names[k], ""
+        return split, f"/dataloader_idx_{k}" if k else ""
+
     def _metrics(self, split: str, k: int) -> nn.ModuleDict:
         key = f"{split}_{k}"
         if key not in self.eval_metrics:
-            prefix = f"{split}/"
+            prefix = self._names(split, k)[0]
             self.eval_metrics[key] = nn.ModuleDict(
-                {name: task_metrics(kind, f"{prefix}{name}/") for name, kind in zip(self.task_names, self.task_types)}
+                {name: task_metrics(kind, f"{prefix}/{name}/") for name, kind in zip(self.task_names, self.task_types)}
             ).to(self.device)
         return self.eval_metrics[key]
 
@@ -198,17 +207,17 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
 
     def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
         for k in range(count):
-            suffix = f"/dataloader_idx_{k}" if k else ""
+            prefix, suffix = self._names(split, k)
             total = 0.0
             for t, metrics in enumerate(self._metrics(split, k).values()):
                 values = metrics.compute()
                 self.log_dict({n + suffix: v for n, v in values.items()}, prog_bar=prog_bar and not k, sync_dist=True,
                               add_dataloader_idx=False)
                 name = self.task_names[t]
-                loss = values[f"{split}/{name}/{'logloss' if self.binary_mask[t] else 'mse'}"]
+                loss = values[f"{prefix}/{name}/{'logloss' if self.binary_mask[t] else 'mse'}"]
                 total = total + float(self.loss_weights[t]) * torch.nan_to_num(loss.double(), nan=0.0)
                 metrics.reset()
-            self.log(f"{split}_loss{suffix}", total, sync_dist=True, add_dataloader_idx=False)
+            self.log(f"{prefix}_loss{suffix}", total, sync_dist=True, add_dataloader_idx=False)
 
     @staticmethod
     def _loader_count(batches) -> int:
