@@ -88,6 +88,24 @@ def test_table_data_module_reads_several_labels(tmp_path):
         TableDataModule(path, path, label_columns=["clik"], sparse_columns=FEATURES).setup("fit")
 
 
+def test_movielens_serves_labelled_rows_with_label_columns(tmp_path):
+    from lightning_rec.data import MovieLensDataModule
+
+    (tmp_path / "log").mkdir()
+    rows = [f"{u},{i},{1 + (u + i) % 5},{u * 100 + i}" for u in range(12) for i in range(10)]
+    (tmp_path / "log" / "ratings.csv").write_text("user_id,item_id,rating,timestamp\n" + "\n".join(rows) + "\n")
+    dm = MovieLensDataModule(str(tmp_path / "log"), label_columns={"liked": "rating >= 4", "loved": "rating == 5"},
+                             side_features=False, batch_size=16, eval_batch_size=8)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.labels.shape == (16, 2) and batch.task_names == ("liked", "loved")
+    assert batch.sparse_features.keys() == ["user_id", "item_id"] and batch.dense_features.shape == (16, 0)
+    assert ((batch.labels[:, 1] == 1) <= (batch.labels[:, 0] == 1)).all()  # loved implies liked
+    assert sum(len(b) for b in dm.val_dataloader()) == dm.report.split_sizes["val"]
+    with pytest.raises(ValueError, match=r"'ratings'.*did you mean 'rating'"):
+        MovieLensDataModule(str(tmp_path / "log"), label_columns=["ratings"], side_features=False).setup("fit")
+
+
 # the model ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mix", ["shared_bottom", "mmoe", "ple"])
