@@ -25,6 +25,7 @@ SMOKES = [
      {"one_process_samples_per_s", "table_wise_samples_per_s", "row_wise_samples_per_s",
       "column_wise_samples_per_s", "table_row_wise_samples_per_s", "grid_shard_samples_per_s",
       "data_parallel_samples_per_s", "two_rank_peak_rss_mb"}),
+    ("multitask_movielens", [], set(), {"auc_mmoe_minus_single_min", "auc"}),
     ("bad_input_battery", [], set(), {"cases", "threads", "seconds", *BATTERY_CLASSES}),
     ("serving", [], {"table_bytes_int8_vs_fp32", "table_bytes_int4_vs_fp32", "p50_package_vs_eager"},
      {"auc_loss_int8", "auc_loss_int4", "max_abs_diff_package", "recall10_index_vs_eval"}),

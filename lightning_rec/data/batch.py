@@ -4,10 +4,12 @@ Shapes: B samples in the batch, F sparse features (26 for Criteo), 13 dense feat
 
     dense_features   [B, 13] float32   log(1 + max(x, 0)) of the integer counts, missing -> 0
     sparse_features  KeyedJaggedTensor, keys F, stride B, lengths key-major [F*B], int64 ids
-    labels           [B] float32       0. / 1. (NaN for unlabelled data such as the Kaggle test file)
+    labels           [B] float32       0. / 1. (NaN for unlabelled data such as the Kaggle test file);
+                     [B, T]            with several tasks: one column per task (NaN: no label for that task)
     row_ids          [B] int64 or None each row's place in its input, where the dataset knows it and no
                                        sampler index says it (an evaluation share of a preprocessed
                                        directory): how predictions at N ranks are put back in input order
+    task_names       tuple[str] / None the tasks of labels' T columns (None: one click label)
 
 Batches are built whole by the datasets (an Arrow/numpy slice per batch, never a per-sample
 collate), so the DataLoader's collate function only passes them through (`passthrough_collate`).
@@ -76,6 +78,7 @@ class Batch:
     sparse_features: KeyedJaggedTensor
     labels: Tensor
     row_ids: Tensor | None = None
+    task_names: tuple[str, ...] | None = None
 
     # Lightning moves any object with a callable `.to` (its `_TransferableDataType` protocol) through
     # `move_data_to_device`, so this method is what `transfer_batch_to_device` calls by default.
@@ -89,6 +92,7 @@ class Batch:
             sparse_features=moved(self.sparse_features, device, dtype, non_blocking),
             labels=moved(self.labels, device, dtype, non_blocking),
             row_ids=self.row_ids,  # bookkeeping for the host (the prediction writer), never read on the device
+            task_names=self.task_names,
         ))
 
     # The DataLoader's pin-memory thread calls `.pin_memory()` on objects that have one.
@@ -99,6 +103,7 @@ class Batch:
             labels=self.labels.pin_memory(),
             # (pinned too, though it stays on the host: a batch is "pinned" when every tensor in it is)
             row_ids=None if self.row_ids is None else self.row_ids.pin_memory(),
+            task_names=self.task_names,
         ))
 
     def record_stream(self, stream: torch.Stream) -> None:

@@ -20,12 +20,7 @@ from lightning_rec.errors import refuse_non_finite
 from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
 from lightning_rec.models.module_hooks import RecModuleHooks
-from lightning_rec.optim import (
-    DENSE_OPTIMIZERS,  # noqa: F401  (imported from here too)
-    FusedOptimizerConfig,
-    combined_optimizer,
-    dense_parameters,
-)
+from lightning_rec.optim import DENSE_OPTIMIZERS  # noqa: F401  (imported from here too)
 
 CRITEO_SPARSE_FEATURES = [f"C{i}" for i in range(1, 27)]
 
@@ -76,16 +71,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.save_hyperparameters()
         refuse_non_finite(type(self).__name__, self.hparams)
         names = list(sparse_feature_names or CRITEO_SPARSE_FEATURES)
-        if dense_optimizer not in DENSE_OPTIMIZERS:
-            raise ValueError(
-                f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
-            )
-        # said here, by name: torch.optim would say it only once fit began
-        bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
-                                 ("warmup_steps", warmup_steps)) if v < 0}
-        if bad:
-            raise ValueError(f"DLRMModule({', '.join(f'{k}={v!r}' for k, v in bad.items())}): must be >= 0 "
-                             f"(warmup_steps=0: no warm-up)")
+        self.check_dense_args("DLRMModule", dense_optimizer, dense_lr, dense_weight_decay, warmup_steps)
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
         if interaction == "dot" and (dcn_num_layers, dcn_low_rank_dim) != (3, 64):
@@ -106,12 +92,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[name])
             for name, rows in zip(names, _per_feature(num_embeddings_per_feature, names))
         ]
-        try:
-            fused = FusedOptimizerConfig(sparse_optimizer, lr=sparse_lr, eps=sparse_eps,
-                                         weight_decay=sparse_weight_decay)
-        except ValueError as e:  # name the DLRMModule arguments the user set, not the config's fields
-            raise ValueError(f"DLRMModule(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
-                             f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
+        fused = self.fused_config("DLRMModule", sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay)
         self.check_embedding_device("DLRMModule", embedding_device)
         self.check_embedding_kernel("DLRMModule", embedding_kernel)
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
@@ -240,10 +221,4 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                 "label": batch.labels}
 
     def configure_optimizers(self):
-        hp = self.hparams
-        dense = self.dense_optimizer(dense_parameters(self.model))
-        optimizer = self.fused_rate_from_hparams(combined_optimizer(self.model, dense))
-        if hp.warmup_steps <= 0:
-            return optimizer
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+        return self.combined_optimizers(self.model)

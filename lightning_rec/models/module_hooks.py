@@ -12,7 +12,7 @@ import torch
 from lightning_rec.checkpoint import MODULE_CLASS_KEY
 from lightning_rec.embedding import _EmbeddingCollectionBase, fused_table_modules
 from lightning_rec.managed_collision import ManagedCollisionCollection
-from lightning_rec.optim import DENSE_OPTIMIZERS
+from lightning_rec.optim import DENSE_OPTIMIZERS, FusedOptimizerConfig, combined_optimizer, dense_parameters
 from lightning_rec.strategy import RecStrategy, warn_fused_dense_only
 
 
@@ -137,6 +137,42 @@ class RecModuleHooks(RecCheckpointLoading):
         if embedding_kernel not in KERNELS:
             raise ValueError(f"{owner}(embedding_kernel={embedding_kernel!r}): unknown kernel: use 'auto', 'fbgemm' or "
                              f"'native'")
+
+    @staticmethod
+    def check_dense_args(owner: str, dense_optimizer: str, dense_lr: float, dense_weight_decay: float,
+                         warmup_steps: int) -> None:
+        """The dense optimizer's arguments, said at construction by name (torch.optim would say it once fit began)."""
+        if dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(
+                f"unknown dense_optimizer {dense_optimizer!r}: choose one of {', '.join(DENSE_OPTIMIZERS)}"
+            )
+        bad = {k: v for k, v in (("dense_lr", dense_lr), ("dense_weight_decay", dense_weight_decay),
+                                 ("warmup_steps", warmup_steps)) if v < 0}
+        if bad:
+            raise ValueError(f"{owner}({', '.join(f'{k}={v!r}' for k, v in bad.items())}): must be >= 0 "
+                             f"(warmup_steps=0: no warm-up)")
+
+    @staticmethod
+    def fused_config(owner: str, sparse_optimizer: str, sparse_lr: float, sparse_eps: float,
+                     sparse_weight_decay: float) -> FusedOptimizerConfig:
+        """The tables' fused update; an error names the module's arguments the user set, not the config's fields."""
+        try:
+            return FusedOptimizerConfig(sparse_optimizer, lr=sparse_lr, eps=sparse_eps,
+                                        weight_decay=sparse_weight_decay)
+        except ValueError as e:
+            raise ValueError(f"{owner}(sparse_optimizer={sparse_optimizer!r}, sparse_lr={sparse_lr!r}, "
+                             f"sparse_eps={sparse_eps!r}, sparse_weight_decay={sparse_weight_decay!r}): {e}") from None
+
+    def combined_optimizers(self, model: torch.nn.Module):
+        """configure_optimizers' answer: the fused tables and the dense optimizer as one, with hparams.warmup_steps
+        of linear warm-up (a scheduler driving both learning rates)."""
+        hp = self.hparams
+        dense = self.dense_optimizer(dense_parameters(model))
+        optimizer = self.fused_rate_from_hparams(combined_optimizer(model, dense))
+        if hp.warmup_steps <= 0:
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
     # `lightning-rec fit --optimizer=CLASS` sets it: the dense layers' optimizer, in place of dense_optimizer
     cli_dense_optimizer: Any = None

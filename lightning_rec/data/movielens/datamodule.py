@@ -14,10 +14,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_rec.data.batch import make_train_loader, passthrough_collate, worker_options
+from lightning_rec.data.batch import make_eval_loader, make_train_loader, passthrough_collate, worker_options
 from lightning_rec.data.hf_dataset import check_same_rows, dataset_path, is_hf_dataset, rows_digest
+from lightning_rec.data.labels import check_label_columns, label_matrix, label_specs
 from lightning_rec.data.movielens.columns import _NO_RATING, _NO_TIME, _header_map
 from lightning_rec.data.movielens.datasets import EvalShardSampler, InteractionDataset, UserRankingDataset
+from lightning_rec.data.movielens.pointwise import LabelledRowsDataset
 from lightning_rec.data.movielens.read import (
     _OWN_FILE,
     _concat_logs,
@@ -112,15 +114,22 @@ class MovieLensDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes (0: load in the main process).
         pin_memory: pin batches in host memory for the copy to a GPU.
         prefetch_factor: batches each worker loads ahead (None: torch's default).
-        persistent_workers: keep the workers between epochs (None: whenever there are any)."""
+        persistent_workers: keep the workers between epochs (None: whenever there are any).
+        label_columns: labelled rows instead of pairs and users: every loader yields `Batch`es (user and item
+            features sparse, no dense features, labels [B, T]) of the split's ratings, one label per task: a list of
+            columns (["rating"]) or task -> column or "column OP number" ({"liked": "rating >= 4"}; docs/multitask.md).
+        label_masks: task -> a column whose 0 / null rows have no label for that task (label_columns only)."""
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
                  num_negatives: int = 0, eval_test_in_fit: bool = False, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
                  columns: dict[str, str] | None = None, prefetch_factor: int | None = None,
-                 persistent_workers: bool | None = None) -> None:
+                 persistent_workers: bool | None = None, label_columns: list[str] | dict[str, str] | None = None,
+                 label_masks: dict[str, str] | None = None) -> None:
         super().__init__()
+        # said at construction: a misspelt operator or a mask of no task
+        self.label_specs = None if label_columns is None else label_specs(label_columns, label_masks)
         # said here, not when the first loader is built
         worker_options("MovieLensDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
         _check_args(split, min_rating, num_negatives, batch_size, eval_batch_size, columns)
@@ -245,6 +254,9 @@ class MovieLensDataModule(pl.LightningDataModule):
             part_N = None if part_N is None else part_N[keep_N]
         table = table.append_column("user", pa.array(user_N.numpy())).append_column("item", pa.array(item_N.numpy()))
         self.ratings = datasets.Dataset(table)  # Arrow-backed; columns read zero-copy below
+        if self.label_specs is not None:
+            check_label_columns(self.label_specs, table.column_names, f"MovieLensDataModule {ratings_path}")
+            self.labels_NT = label_matrix(self.label_specs, lambda c: table.column(c).to_numpy(zero_copy_only=False))
         self.user_features = _feature_table("user", self.user_ids, users, ("age", "gender", "occupation", "zip"),
                                             sizes)
         self.item_features = _feature_table("item", self.item_ids, items, ("year",), sizes, bags=("genre",))
@@ -279,10 +291,18 @@ class MovieLensDataModule(pl.LightningDataModule):
         train_items = torch.zeros(self.num_items, dtype=torch.bool)
         train_items[item_N[train]] = True
         all_users = torch.arange(num_users)
-        self.datasets["train"] = InteractionDataset(user_N[train], item_N[train], self.user_features,
-                                                    self.item_features, self.num_items, self.num_negatives, self.seed)
-        self.datasets["val"] = UserRankingDataset(all_users, self.user_features, csr[1], csr[0])
-        self.datasets["test"] = UserRankingDataset(all_users, self.user_features, csr[2], seen_test)
+        if self.label_specs is not None:
+            names = [spec.task for spec in self.label_specs]
+            for name, p in (("train", 0), ("val", 2 if official else 1), ("test", 2)):
+                rows = part_N == p
+                self.datasets[name] = LabelledRowsDataset(user_N[rows], item_N[rows], self.labels_NT[rows], names,
+                                                          self.user_features, self.item_features)
+        else:
+            self.datasets["train"] = InteractionDataset(user_N[train], item_N[train], self.user_features,
+                                                        self.item_features, self.num_items, self.num_negatives,
+                                                        self.seed)
+            self.datasets["val"] = UserRankingDataset(all_users, self.user_features, csr[1], csr[0])
+            self.datasets["test"] = UserRankingDataset(all_users, self.user_features, csr[2], seen_test)
         for name, p in (("val", 1), ("test", 2)):
             in_part = part_N == (2 if official else p)
             r.split_sizes[name] = int(in_part.sum())
@@ -351,6 +371,8 @@ class MovieLensDataModule(pl.LightningDataModule):
     def _ranking_loader(self, split: str) -> DataLoader:
         self._need_setup()
         dataset = self.datasets[split]
+        if self.label_specs is not None:  # labelled rows: every row once over the ranks, in order
+            return make_eval_loader(dataset, self.eval_batch_size, **self._loader_options())
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,0 +1,253 @@
+"""MultiTaskModule: several labels per row (`Batch.labels` [B, T]), one sharded sparse part, MMoE / PLE / a shared
+bottom, a tower per task; binary tasks train with BCE, regression tasks with MSE, each weighted.
+
+A missing label (NaN) is left out of its task's loss and metrics: each task's loss is the mean over the rows that
+label it, and a task no row of the batch labels adds nothing (no division by zero). Metrics are per task, logged as
+`val/<task>/<metric>` (binary: auc, ne, logloss, ctr; regression: mse, mae), and `val_loss`, the weighted sum of
+the tasks' epoch losses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import Tensor, nn
+
+import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
+from lightning_rec.data.batch import Batch
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.errors import refuse_non_finite
+from lightning_rec.metrics import RecMetricCollection
+from lightning_rec.models.dlrm_module import _per_feature
+from lightning_rec.models.module_hooks import RecModuleHooks
+from lightning_rec.models.multitask import MIXES, MultiTaskNet
+
+TASK_TYPES = ("binary", "regression")
+
+
+def task_metrics(task_type: str, prefix: str) -> torchmetrics.MetricCollection:
+    """The metrics of one task (the one place they are chosen): binary AUC / NE / log loss / CTR, regression MSE /
+    MAE; names `<prefix><metric>`."""
+    if task_type == "binary":
+        return RecMetricCollection(prefix=prefix)
+    return torchmetrics.MetricCollection({"mse": torchmetrics.MeanSquaredError(),
+                                          "mae": torchmetrics.MeanAbsoluteError()}, prefix=prefix)
+
+
+class MultiTaskModule(RecModuleHooks, L.LightningModule):
+    """Multi-task ranking: `batch` is a lightning_rec.data.Batch with labels [B, T] (columns in `task_names` order).
+
+    Args:
+        task_names: the tasks, in the order of the labels' columns (a data module's `label_columns`).
+        task_types: "binary" (BCE, logits; default) or "regression" (MSE) per task.
+        loss_weights: each task's weight in the loss (default 1 each).
+        mix: "shared_bottom", "mmoe" (experts + a gate per task) or "ple" (shared and task experts, progressive
+            levels).
+        num_embeddings_per_feature: table rows: one int for all features, one per feature, or {feature: rows}.
+        embedding_dim: D of every table.
+        sparse_feature_names: the KJT keys, one table each (default: the keys of num_embeddings_per_feature).
+        dense_in_features: the number of dense inputs (0: sparse features only).
+        dense_arch_layer_sizes: the dense inputs' MLP.
+        expert_layer_sizes: each expert's MLP (the shared bottom's for mix="shared_bottom").
+        num_experts: MMoE's experts.
+        num_shared_experts: PLE's shared experts per level.
+        num_task_experts: PLE's experts of each task per level.
+        num_levels: PLE's levels.
+        tower_layer_sizes: each task tower's hidden sizes (a last layer of 1 is added).
+        esmm: task 1 is predicted as p(task 0) * p(task 1 | task 0) over every row (both binary; e.g. click, then
+            conversion: the conversion label is 0 on rows without a click).
+        sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay, dense_optimizer, dense_lr, dense_weight_decay,
+        embedding_kernel, warmup_steps, embedding_device: as DLRMModule's."""
+
+    def __init__(self, task_names: list[str] = ("click",), task_types: list[str] | None = None,
+                 loss_weights: list[float] | None = None, mix: str = "mmoe",
+                 num_embeddings_per_feature: int | list[int] | dict[str, int] = 100_000, embedding_dim: int = 16,
+                 sparse_feature_names: list[str] | None = None, dense_in_features: int = 0,
+                 dense_arch_layer_sizes: list[int] = (64, 16), expert_layer_sizes: list[int] = (64, 32),
+                 num_experts: int = 4, num_shared_experts: int = 2, num_task_experts: int = 1, num_levels: int = 2,
+                 tower_layer_sizes: list[int] = (32,), esmm: bool = False, sparse_optimizer: str = "rowwise_adagrad",
+                 sparse_lr: float = 0.05, sparse_eps: float = 1e-8, sparse_weight_decay: float = 0.0,
+                 dense_optimizer: str = "adam", dense_lr: float = 0.001, dense_weight_decay: float = 0.0,
+                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        refuse_non_finite(type(self).__name__, self.hparams)
+        self.task_names = [str(t) for t in task_names]
+        self.task_types = list(task_types) if task_types is not None else ["binary"] * len(self.task_names)
+        weights = list(loss_weights) if loss_weights is not None else [1.0] * len(self.task_names)
+        self._check_tasks(mix, weights, esmm)
+        self.register_buffer("loss_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
+        self.check_dense_args("MultiTaskModule", dense_optimizer, dense_lr, dense_weight_decay, warmup_steps)
+        if isinstance(num_embeddings_per_feature, dict):
+            names = list(sparse_feature_names or num_embeddings_per_feature)
+            missing = [n for n in names if n not in num_embeddings_per_feature]
+            if missing:
+                raise ValueError(f"MultiTaskModule: sparse features {missing} have no rows in "
+                                 f"num_embeddings_per_feature ({sorted(num_embeddings_per_feature)}): give each "
+                                 f"feature its rows")
+            sizes = [int(num_embeddings_per_feature[n]) for n in names]
+        else:
+            if not sparse_feature_names:
+                raise ValueError("MultiTaskModule: name the sparse features (sparse_feature_names), or give "
+                                 "num_embeddings_per_feature as {feature: rows}")
+            names = list(sparse_feature_names)
+            sizes = _per_feature(num_embeddings_per_feature, names)
+        self.sparse_feature_names = names
+        fused = self.fused_config("MultiTaskModule", sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay)
+        self.check_embedding_device("MultiTaskModule", embedding_device)
+        self.check_embedding_kernel("MultiTaskModule", embedding_kernel)
+        tables = [EmbeddingBagConfig(name=f"t_{n}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[n])
+                  for n, rows in zip(names, sizes)]
+        ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
+        self.model = MultiTaskNet(ebc, dense_in_features, list(dense_arch_layer_sizes), len(self.task_names), mix,
+                                  list(expert_layer_sizes), num_experts, num_shared_experts, num_task_experts,
+                                  num_levels, list(tower_layer_sizes), esmm)
+        self.binary_mask = [t == "binary" for t in self.task_types]
+        # one collection per (split, dataloader, task), made at the epoch start
+        self.eval_metrics = nn.ModuleDict()
+
+    def _check_tasks(self, mix: str, weights: Sequence[float], esmm: bool) -> None:
+        names, types = self.task_names, self.task_types
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"MultiTaskModule(task_names={names}): give one name per task, each once")
+        if len(types) != len(names) or any(t not in TASK_TYPES for t in types):
+            raise ValueError(f"MultiTaskModule(task_types={types}): give one of {', '.join(TASK_TYPES)} per task "
+                             f"({len(names)}: {names})")
+        if len(weights) != len(names) or any(w < 0 for w in weights):
+            raise ValueError(f"MultiTaskModule(loss_weights={list(weights)}): give one weight >= 0 per task "
+                             f"({len(names)}: {names})")
+        if mix not in MIXES:
+            raise ValueError(f"MultiTaskModule(mix={mix!r}): choose one of {', '.join(MIXES)}")
+        if esmm and (len(names) < 2 or types[:2] != ["binary", "binary"]):
+            raise ValueError(f"MultiTaskModule(esmm=True) predicts task 1 as p(task 0) * p(task 1 | task 0): it needs "
+                             f"two binary tasks first, got {list(zip(names, types))[:2]}")
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        specs = getattr(getattr(self.trainer, "datamodule", None), "label_specs", None)
+        if specs is not None:
+            self.check_task_names([spec.task for spec in specs], "the data module's label_columns")
+
+    def check_task_names(self, theirs: Sequence[str], what: str) -> None:
+        if list(theirs) != self.task_names:
+            raise ValueError(f"{what} give tasks {list(theirs)} but the model predicts {self.task_names}: give both "
+                             f"the same tasks in the same order (--model.task_names, --data.label_columns)")
+
+    def forward(self, dense_features: Tensor, sparse_features) -> Tensor:
+        """[B, T]: logits of binary tasks, values of regression tasks."""
+        return self.model(dense_features, sparse_features)
+
+    def _labels(self, batch: Batch) -> Tensor:
+        labels = batch.labels
+        if labels is None:
+            raise ValueError("the batch has no labels: MultiTaskModule trains and evaluates on labelled rows")
+        if batch.task_names is not None and tuple(batch.task_names) != tuple(self.task_names):
+            self.check_task_names(batch.task_names, "the batch's labels")
+        labels_BT = labels.reshape(labels.shape[0], -1) if labels.dim() == 1 else labels
+        if labels_BT.dim() != 2 or labels_BT.shape[1] != len(self.task_names):
+            raise ValueError(f"labels of shape {tuple(labels.shape)} for {len(self.task_names)} tasks "
+                             f"{self.task_names}: give labels [B, {len(self.task_names)}], one column per task")
+        if labels_BT.device.type == "cpu" and labels_BT.numel():  # before the forward: the fused update runs in it
+            binary_BT = labels_BT[:, torch.tensor(self.binary_mask)]
+            bad = ~torch.isnan(binary_BT) & ((binary_BT < 0) | (binary_BT > 1))
+            if bool(bad.any()):
+                task = [n for n, b in zip(self.task_names, self.binary_mask) if b][int(bad.any(0).nonzero()[0])]
+                raise ValueError(f"task {task!r} is binary but its labels include {binary_BT[bad][:3].tolist()}: "
+                                 f"binary labels are 0 / 1 (NaN: no label); map them to 0/1, or declare the task "
+                                 f"task_types: regression")
+        return labels_BT.to(torch.float32)
+
+    def _loss(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(weighted loss, per-task losses [T], outputs [B, T], labels [B, T])."""
+        labels_BT = self._labels(batch)
+        out_BT = self(batch.dense_features, batch.sparse_features)
+        has_BT = ~torch.isnan(labels_BT)
+        target_BT = torch.where(has_BT, labels_BT, torch.zeros_like(labels_BT))
+        out_f = out_BT.float()
+        bce_BT = F.binary_cross_entropy_with_logits(out_f, target_BT.clamp(0, 1), reduction="none")
+        binary_T = torch.tensor(self.binary_mask, device=out_BT.device)
+        per_row_BT = torch.where(binary_T, bce_BT, (out_f - target_BT) ** 2) * has_BT
+        # a task no row labels: 0 / 1, nothing divides by zero
+        task_T = per_row_BT.sum(0) / has_BT.sum(0).clamp(min=1)
+        return (task_T * self.loss_weights.to(task_T.device)).sum(), task_T, out_BT, labels_BT
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss, task_T, _, _ = self._loss(batch)
+        self.log_train_loss(loss, batch_size=max(len(batch), 1))
+        for name, value in zip(self.task_names, task_T):
+            self.log(f"train/{name}/loss", value, batch_size=max(len(batch), 1))
+        return loss
+
+    def _names(self, split: str, k: int) -> tuple[str, str]:
+        """(prefix, suffix) of loader k's metrics: the data module's split name where it gives one (MovieLens'
+        eval_test_in_fit: val, test), else `split` and Lightning's /dataloader_idx_k."""
+        names = getattr(getattr(self.trainer, "datamodule", None), "eval_split_names", None) if split == "val" else None
+        names = names() if callable(names) else None
+        if names and k < len(names):
+            return names[k], ""
+        return split, f"/dataloader_idx_{k}" if k else ""
+
+    def _metrics(self, split: str, k: int) -> nn.ModuleDict:
+        key = f"{split}_{k}"
+        if key not in self.eval_metrics:
+            prefix = self._names(split, k)[0]
+            self.eval_metrics[key] = nn.ModuleDict(
+                {name: task_metrics(kind, f"{prefix}/{name}/") for name, kind in zip(self.task_names, self.task_types)}
+            ).to(self.device)
+        return self.eval_metrics[key]
+
+    def _evaluation_step(self, split: str, batch: Batch, dataloader_idx: int) -> None:
+        _, _, out_BT, labels_BT = self._loss(batch)
+        for t, metrics in enumerate(self._metrics(split, dataloader_idx).values()):
+            has_B = ~torch.isnan(labels_BT[:, t])
+            metrics.update(out_BT[has_B, t].float(), labels_BT[has_B, t])
+
+    def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
+        for k in range(count):
+            prefix, suffix = self._names(split, k)
+            total = 0.0
+            for t, metrics in enumerate(self._metrics(split, k).values()):
+                values = metrics.compute()
+                self.log_dict({n + suffix: v for n, v in values.items()}, prog_bar=prog_bar and not k, sync_dist=True,
+                              add_dataloader_idx=False)
+                name = self.task_names[t]
+                loss = values[f"{prefix}/{name}/{'logloss' if self.binary_mask[t] else 'mse'}"]
+                total = total + float(self.loss_weights[t]) * torch.nan_to_num(loss.double(), nan=0.0)
+                metrics.reset()
+            self.log(f"{prefix}_loss{suffix}", total, sync_dist=True, add_dataloader_idx=False)
+
+    @staticmethod
+    def _loader_count(batches) -> int:
+        return len(batches) if isinstance(batches, (list, tuple)) else 1
+
+    def on_validation_epoch_start(self) -> None:
+        for k in range(self._loader_count(self.trainer.num_val_batches)):  # every rank, the same (a share may be empty)
+            self._metrics("val", k)
+
+    def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step("val", batch, dataloader_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_evaluation("val", self._loader_count(self.trainer.num_val_batches), prog_bar=True)
+
+    def on_test_epoch_start(self) -> None:
+        for k in range(self._loader_count(self.trainer.num_test_batches)):
+            self._metrics("test", k)
+
+    def test_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluation_step("test", batch, dataloader_idx)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test", self._loader_count(self.trainer.num_test_batches), prog_bar=False)
+
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Each task's prediction (binary: its probability; regression: its value), by task name."""
+        out_BT = self(batch.dense_features, batch.sparse_features).float()
+        return {name: torch.sigmoid(out_BT[:, t]) if binary else out_BT[:, t]
+                for t, (name, binary) in enumerate(zip(self.task_names, self.binary_mask))}
+
+    def configure_optimizers(self):
+        return self.combined_optimizers(self.model)
