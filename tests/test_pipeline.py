@@ -450,7 +450,9 @@ def test_rec_strategy_pipeline_matches_plain_fit(tmp_path):
     for rank_result in run_ranks(_lightning_worker, 2, str(tmp_path), timeout=300):
         plain, piped = rank_result["plain"], rank_result["pipelined"]
         assert len(plain["losses"]) == 16 and piped["losses"] == plain["losses"]
-        assert piped["metrics"] == plain["metrics"] and piped["val"] == plain["val"]
+        same = [k for k in plain["metrics"] if not k.startswith("mem/")]  # peak memory differs run to run
+        assert {k: piped["metrics"][k] for k in same} == {k: plain["metrics"][k] for k in same}
+        assert piped["val"] == plain["val"]
         assert all(torch.equal(plain["weights"][k], piped["weights"][k]) for k in plain["weights"])
         assert rank_result["plain_again"]["losses"] == plain["losses"]
         # the batch hooks ran once per batch in both modes (pipelined: in the feeder, before routing):
