@@ -28,10 +28,11 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # lightning too: most ranks run a Trainer, and importing it costs each rank ~2 s of a 2-core machine
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fbgemm_gpu", "lightning.pytorch",
+        # lightning too: most ranks run a Trainer, and importing it costs each rank ~2 s of a 2-core machine; pandas
+        # (pyarrow's to_numpy imports it) and native_embedding (its custom ops) cost each data / model rank ~1 s more
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "fbgemm_gpu", "lightning.pytorch", "pandas",
                                      "lightning_rec.model_parallel", "lightning_rec.strategy", "lightning_rec.models",
-                                     "lightning_rec.data"])
+                                     "lightning_rec.native_embedding", "lightning_rec.data"])
     return _CTX
 
 

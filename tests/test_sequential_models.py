@@ -36,9 +36,10 @@ def _trainer(epochs):
 def test_learns_the_next_item(tmp_path, cls, loss):
     torch.manual_seed(0)
     dm = _pattern_log(tmp_path)
-    model = cls(embedding_dim=16, num_blocks=1, dropout=0.0, loss=loss, num_negatives=8, sparse_lr=0.2,
-                dense_lr=0.01, **({"attention_dim": 8, "value_dim": 8} if cls is HSTU else {}))
-    _trainer(25).fit(model, dm)
+    # 10 epochs of 3 steps at these rates learn the cycle (NDCG@10 0.9-1.0 over seeds 0-2); 25 at 0.2/0.01 took 15 s
+    model = cls(embedding_dim=16, num_blocks=1, dropout=0.0, loss=loss, num_negatives=8, sparse_lr=0.5,
+                dense_lr=0.03, **({"attention_dim": 8, "value_dim": 8} if cls is HSTU else {}))
+    _trainer(10).fit(model, dm)
     (metrics,) = _trainer(1).test(model, dm, verbose=False)
     assert metrics["test_hit_rate@10"] == 1.0 and metrics["test_ndcg@10"] > 0.6, metrics
 

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -72,14 +72,17 @@ def write_parquet(ds, path: str | os.PathLike, chunk_rows: int = 1 << 20, row_gr
             writer.write_table(piece, row_group_size=row_group_rows)
 
 
-def dataset_path(value: Any, what: str, cache_root: str | os.PathLike, file_name: str,
+def dataset_path(value: Any, what: str, cache_root: str | os.PathLike | Callable[[], Path], file_name: str,
                  split_names: Sequence[str] = (), dict_hint: str = "", streams: bool = False) -> Any:
     """`value` unchanged unless it is a `datasets` object; a Dataset: the folder holding its copy `file_name`; a
     DatasetDict whose splits are all `split_names` (else refused, with `dict_hint`): the folder of `<split>.parquet`.
-    `what` names the argument in errors; `streams`: its data module can stream (said to an IterableDataset's user)."""
+    `what` names the argument in errors; `streams`: its data module can stream (said to an IterableDataset's user).
+    `cache_root` may be a function, called only for a Dataset (finding datasets' cache imports it: ~1 s per rank)."""
     if not is_hf_dataset(value):
         return value
     import datasets
+
+    cache_root = cache_root() if callable(cache_root) else cache_root
 
     if isinstance(value, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise ValueError(f"{what} is an {type(value).__name__} (load_dataset(..., streaming=True)), which is read only "

@@ -136,7 +136,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
         # a datasets.Dataset becomes a folder holding its ratings.parquet, before the hyperparameters are saved
         given = data_dir
-        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir(), "ratings.parquet",
+        data_dir = dataset_path(data_dir, "MovieLensDataModule data_dir", default_cache_dir, "ratings.parquet",
                                 split_names=tuple(_SPLIT_WORDS) if split == GIVEN else (),
                                 dict_hint=", or split='given' to train, validate and test on its splits as they are")
         # compared over the ranks at setup: a Dataset shuffled without a seed differs between them

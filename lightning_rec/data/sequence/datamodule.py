@@ -78,7 +78,7 @@ class SequenceDataModule(pl.LightningDataModule):
         worker_options("SequenceDataModule", num_workers, pin_memory)
         _header_map(columns)
         given = data_dir
-        data_dir = dataset_path(data_dir, "SequenceDataModule data_dir", default_cache_dir(), "ratings.parquet")
+        data_dir = dataset_path(data_dir, "SequenceDataModule data_dir", default_cache_dir, "ratings.parquet")
         self._dataset_rows = {"data_dir": rows_digest(given)} if is_hf_dataset(given) else {}
         self.save_hyperparameters()
         self.data_dir, self.columns = Path(data_dir), dict(columns) if columns else None
