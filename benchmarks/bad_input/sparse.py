@@ -182,7 +182,8 @@ def kjt_method_cases() -> None:
         KeyedJaggedTensor.concat([kjt_lengths(["a"], [1], [1], weights=T([1.0])), kjt_lengths(["b"], [2], [1])])
 
     # TorchRec's from_jt_dict: a variable batch; a collection reading it without inverse_indices refuses it
-    @case("kjt.from_jt_dict_different_batch_sizes", ValueError, ["stride_per_key_per_rank [[1], [3]]", "inverse_indices"])
+    @case("kjt.from_jt_dict_different_batch_sizes", ValueError,
+          ["stride_per_key_per_rank [[1], [3]]", "inverse_indices"])
     def _(ctx):
         read(KeyedJaggedTensor.from_jt_dict({"a": JaggedTensor(T([1]), lengths=T([1])),
                                              "b": JaggedTensor(T([1, 2]), lengths=T([1, 0, 1]))}))
