@@ -41,9 +41,19 @@ needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reas
 def _no_process_group_left_behind():
     """A Trainer fit in the test process (strategy="rec" at devices=1) leaves its one-rank process group
     initialized, as Lightning's DDP strategies do; the tests after it in that process (under pytest-xdist, in any
-    order) that check a path without torch.distributed would find it. Destroyed after each test."""
+    order) that check a path without torch.distributed would find it. Destroyed after each test.
+
+    Lightning also leaves MASTER_ADDR / MASTER_PORT in this process's environment, and its store can outlive the
+    group: a later test's script launched with that environment inherited the port and failed with EADDRINUSE
+    (twice in a row, the same two tests of one xdist worker). Put back as they were before the test."""
+    rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for key, value in rendezvous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
