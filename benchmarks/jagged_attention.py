@@ -18,42 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
+from ranking_eval import PeakRSS  # noqa: F401  (this process's peak memory; used by the probe below)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class PeakRSS:
-    """This process's resident memory, sampled every millisecond while active."""
-
-    def __enter__(self):
-        self.start, self.peak, self._stop = _rss_mb(), _rss_mb(), False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop:
-            self.peak = max(self.peak, _rss_mb())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop = True
-        self._thread.join()
-        self.peak = max(self.peak, _rss_mb())
 
 
 def _lengths(batch: int, short: int) -> torch.Tensor:
