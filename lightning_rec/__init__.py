@@ -4,11 +4,13 @@ Keyed jagged tensors, fused embedding collections on fbgemm kernels, model-paral
 integration (`Trainer(strategy="rec")`, the `lightning-rec` recipe CLI).
 
 Names are imported on first use, so `import lightning_rec` stays light. Importing any LightningModule or the CLI
-registers `strategy="rec"` with Lightning, and so does `import lightning_rec` when Lightning is imported already."""
+registers `strategy="rec"` with Lightning, and so does `import lightning_rec`, before or after Lightning is imported."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +63,30 @@ def __dir__() -> list[str]:
     return __all__
 
 
+class _RegisterWithLightning(importlib.abc.MetaPathFinder):
+    """Registers `strategy="rec"` once `lightning.pytorch` is imported after us, so that `Trainer(strategy="rec")`
+    works whatever the user's import order, without making `import lightning_rec` load Lightning."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "lightning.pytorch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run(module)
+                importlib.import_module("lightning_rec.strategy")
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
 if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: registering costs nothing more
     importlib.import_module("lightning_rec.strategy")
+else:
+    sys.meta_path.insert(0, _RegisterWithLightning())
 
 
 if TYPE_CHECKING:  # static tools see the names as if imported eagerly

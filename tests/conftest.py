@@ -43,17 +43,16 @@ def _no_process_group_left_behind():
     initialized, as Lightning's DDP strategies do; the tests after it in that process (under pytest-xdist, in any
     order) that check a path without torch.distributed would find it. Destroyed after each test.
 
-    Lightning also leaves MASTER_ADDR / MASTER_PORT in this process's environment, and its store can outlive the
-    group: a later test's script launched with that environment inherited the port and failed with EADDRINUSE
-    (twice in a row, the same two tests of one xdist worker). Put back as they were before the test."""
-    rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    Lightning also leaves its rendezvous in this process's environment (MASTER_ADDR / MASTER_PORT, and LOCAL_RANK /
+    WORLD_SIZE / NODE_RANK once its launcher has run): a later test's script launched with that environment took a
+    port that could still be taken (EADDRINUSE), or, with LOCAL_RANK set, believed its ranks were started for it and
+    waited forever for rank 1. The whole environment is put back as it was before the test."""
+    before = dict(os.environ)
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    for key, value in rendezvous.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:  # pytest's own, set per phase
+        del os.environ[key]
+    os.environ.update({k: v for k, v in before.items() if k != "PYTEST_CURRENT_TEST"})

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import lightning_rec
 
 
@@ -27,9 +29,11 @@ def test_rec_strategy_is_registered_with_lightning():
     assert "rec" in StrategyRegistry
 
 
-def test_import_after_lightning_registers_the_strategy_for_any_module():
-    """`import lightning.pytorch as L; import lightning_rec` (isort's order): Trainer(strategy="rec") works."""
-    code = ("import lightning.pytorch as L, lightning_rec; "
+@pytest.mark.parametrize("imports", ["lightning.pytorch as L, lightning_rec", "lightning_rec, lightning.pytorch as L"])
+def test_import_before_or_after_lightning_registers_the_strategy_for_any_module(imports):
+    """Trainer(strategy="rec") works in either import order. Lightning imported second once found no "rec": a test
+    file whose own LightningModule ran after another file had imported lightning_rec alone failed by order."""
+    code = (f"import {imports}; "
             "t = L.Trainer(strategy='rec', accelerator='cpu', devices=1, logger=False); "
             "print(type(t.strategy).__name__, flush=True); import os; os._exit(0)")  # no finalisation: ~2 s
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
