@@ -9,9 +9,11 @@ shuffle over while Lightning counted 50 of 128 batches done: it replayed rows al
 unread, and reached NE 1.00 against 0.787 resumed at 2 ranks. Each phase is a fresh `python` (Lightning starts
 the second rank itself); the first writes the checkpoint both resumes read.
 At the same step, 1 rank has trained on half the rows 2 ranks have (batch 512 per rank): the run resumed at 1 rank
-is also taken on to as many rows (step 50 + 2 x 13 = 76), `ne_2_to_1_same_rows`.
+is also taken on to as many rows (step 50 + 2 x 13 = 76), `ne_2_to_1_same_rows`, and resumed with
+`accumulate_grad_batches=2`, which keeps the global batch of 2 ranks, to step 63, `ne_2_to_1_accumulate2`.
 Last line: {"benchmark": "elastic_resume", "results": [...], "ratios": {}, "figures": {"ne_2_to_1", "ne_2_to_2",
-"abs_ne_diff", "ne_2_to_1_same_rows", "abs_ne_diff_same_rows", "saved_step", "compared_step"}}.
+"abs_ne_diff", "ne_2_to_1_same_rows", "abs_ne_diff_same_rows", "ne_2_to_1_accumulate2", "abs_ne_diff_accumulate2",
+"saved_step", "compared_step"}}.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def phase(args: argparse.Namespace) -> None:
                                  save_last=True)]
     trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=args.world, max_steps=args.max_steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        num_sanity_val_steps=0, val_check_interval=1.0)
+                        num_sanity_val_steps=0, val_check_interval=1.0, accumulate_grad_batches=args.accumulate)
     module = DLRMModule(num_embeddings_per_feature=size["tables"], embedding_dim=16, dense_arch_layer_sizes=[64, 16],
                         over_arch_layer_sizes=[64, 32, 1], sparse_optimizer="rowwise_adagrad", sparse_lr=0.05,
                         dense_optimizer="adagrad", dense_lr=0.02)
@@ -58,9 +60,11 @@ def phase(args: argparse.Namespace) -> None:
                                                                              metrics.items()}}))
 
 
-def run_phase(smoke: bool, root: str, world: int, max_steps: int, ckpt: str | None, out: str) -> dict:
+def run_phase(smoke: bool, root: str, world: int, max_steps: int, ckpt: str | None, out: str,
+              accumulate: int = 1) -> dict:
     command = [sys.executable, __file__, "--phase", "--root", root, "--world", str(world), "--max_steps",
-               str(max_steps), "--out", out, *(["--smoke"] if smoke else []), *(["--ckpt", ckpt] if ckpt else [])]
+               str(max_steps), "--out", out, "--accumulate", str(accumulate), *(["--smoke"] if smoke else []),
+               *(["--ckpt", ckpt] if ckpt else [])]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return json.loads(Path(out).read_text())
 
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--accumulate", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
         return phase(args)
@@ -85,18 +90,24 @@ def main() -> None:
         ckpt = os.path.join(root, "ckpt", "last.ckpt")
         # 1 rank at the same step has read half the rows of 2 ranks; at twice the steps after the save, as many
         same_rows = size["save_at"] + 2 * (size["compare_at"] - size["save_at"])
-        for world, steps in ((2, size["compare_at"]), (1, size["compare_at"]), (1, same_rows)):
-            got = run_phase(args.smoke, os.path.join(root, f"resumed{world}_{steps}"), world, steps, ckpt,
-                            os.path.join(root, f"resumed{world}_{steps}.json"))
-            results.append({"resumed_at_ranks": world, "step": got["step"], "val_ne": got["val_ne"],
-                            "val_auc": got["val_auc"]})
+        # accumulate 2 at 1 rank keeps the global batch of 2 ranks: a step reads the rows a 2-rank step reads
+        for world, steps, k in ((2, size["compare_at"], 1), (1, size["compare_at"], 1), (1, same_rows, 1),
+                                (1, size["compare_at"], 2)):
+            name = f"resumed{world}_{steps}_k{k}"
+            got = run_phase(args.smoke, os.path.join(root, name), world, steps, ckpt,
+                            os.path.join(root, f"{name}.json"), accumulate=k)
+            results.append({"resumed_at_ranks": world, "step": got["step"], "accumulate_grad_batches": k,
+                            "val_ne": got["val_ne"], "val_auc": got["val_auc"]})
             print(f"saved at 2 ranks, step {size['save_at']} (val NE {saved['val_ne']:.4f}); resumed at {world} "
-                  f"rank(s): step {got['step']} val NE {got['val_ne']:.4f} AUC {got['val_auc']:.4f}", flush=True)
+                  f"rank(s), accumulate_grad_batches={k}: step {got['step']} val NE {got['val_ne']:.4f} "
+                  f"AUC {got['val_auc']:.4f}", flush=True)
         seconds = time.perf_counter() - start
-    ne = {(r["resumed_at_ranks"], r["step"]): r["val_ne"] for r in results}
-    ne_2, ne_1, ne_1_rows = ne[2, size["compare_at"]], ne[1, size["compare_at"]], ne[1, same_rows]
+    ne = {(r["resumed_at_ranks"], r["step"], r["accumulate_grad_batches"]): r["val_ne"] for r in results}
+    ne_2, ne_1, ne_1_rows = ne[2, size["compare_at"], 1], ne[1, size["compare_at"], 1], ne[1, same_rows, 1]
+    ne_1_k2 = ne[1, size["compare_at"], 2]
     figures = {"ne_2_to_1": ne_1, "ne_2_to_2": ne_2, "abs_ne_diff": abs(ne_1 - ne_2),
                "ne_2_to_1_same_rows": ne_1_rows, "abs_ne_diff_same_rows": abs(ne_1_rows - ne_2),
+               "ne_2_to_1_accumulate2": ne_1_k2, "abs_ne_diff_accumulate2": abs(ne_1_k2 - ne_2),
                "saved_step": size["save_at"], "compared_step": size["compare_at"], "seconds": seconds}
     print(json.dumps({"benchmark": "elastic_resume", "results": results, "ratios": {}, "figures": figures}))
 
