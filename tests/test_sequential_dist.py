@@ -91,10 +91,12 @@ def _plain_then_pipelined(rank, world_size, folder):
     out = {}
     for name, loss in (("sasrec", "sampled_softmax"), ("hstu", "softmax")):
         for pipeline in (False, True):
-            planner = EmbeddingShardingPlanner(constraints={"t_item": ParameterConstraints(sharding_types=["row_wise"])})
+            row_wise = {"t_item": ParameterConstraints(sharding_types=["row_wise"])}
+            planner = EmbeddingShardingPlanner(constraints=row_wise)
             module, record = _module(name, loss=loss, num_negatives=6), _Record()
             trainer = L.Trainer(strategy=RecStrategy(planner=planner, pipeline=pipeline), accelerator="cpu",
-                                devices=world_size, max_epochs=2, num_sanity_val_steps=0, callbacks=[record], **QUIET)
+                                devices=world_size, max_epochs=2, num_sanity_val_steps=0, check_val_every_n_epoch=2,
+                                callbacks=[record], **QUIET)
             trainer.fit(module, _data(folder))
             val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
             out[name, pipeline] = dict(losses=record.losses, stats=record.stats, catalog=record.catalog,
@@ -107,7 +109,10 @@ def test_pipelined_fit_equals_plain_fit(tmp_path, world_size):
     """RecStrategy(pipeline=True): the lookup KJT (and the sampled softmax's negatives) come with the batch from the
     module's on_before_batch_transfer, so the feeder routes every step's ids but the first ahead of the step, and
     the run equals the plain one exactly (losses, validation, table, dense weights) on CPU."""
-    for result in run_ranks(_plain_then_pipelined, world_size, _log(str(tmp_path)), timeout=240):
+    folder = _log(str(tmp_path))
+    results = [_plain_then_pipelined(0, 1, folder)] if world_size == 1 else run_ranks(
+        _plain_then_pipelined, world_size, folder, timeout=240)
+    for result in results:
         for name in ("sasrec", "hstu"):
             plain, piped = result[name, False], result[name, True]
             steps = len(plain["losses"])
@@ -117,3 +122,21 @@ def test_pipelined_fit_equals_plain_fit(tmp_path, world_size):
             assert all(torch.equal(piped["dense"][k], plain["dense"][k]) for k in plain["dense"]), name
             train, val = piped["stats"]  # the validation steps look nothing up (the catalog is embedded before them)
             assert train == {"routed_ahead": steps - 1, "routed_in_step": 1} and not any(val.values()), piped["stats"]
+
+
+class _OwnHook(SequenceDataModule):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch  # replaces the module's hook (Lightning calls the datamodule's), which adds the lookup
+
+
+def test_pipeline_names_a_datamodule_hook_that_replaces_the_modules(tmp_path):
+    """A datamodule's own on_before_batch_transfer leaves training batches without their lookup: the plain loop
+    builds it in the step, a pipeline could only route it there, unpipelined; the step says so and names the fix."""
+    from lightning_rec.strategy import RecStrategy
+
+    data = _OwnHook(_log(str(tmp_path)), max_len=5, batch_size=6)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=1, max_steps=1,
+                        limit_val_batches=0, num_sanity_val_steps=0, **QUIET)
+    with pytest.raises(ValueError, match=r"pipeline=True.*return model.prepare_batch\(batch\) from that hook") as e:
+        trainer.fit(_module("sasrec"), data)
+    assert "\n" not in str(e.value)
