@@ -106,9 +106,9 @@ def _plain_then_pipelined(rank, world_size, folder):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_pipelined_fit_equals_plain_fit(tmp_path, world_size):
-    """RecStrategy(pipeline=True): the lookup KJT (and the sampled softmax's negatives) come with the batch from the
-    module's on_before_batch_transfer, so the feeder routes every step's ids but the first ahead of the step, and
-    the run equals the plain one exactly (losses, validation, table, dense weights) on CPU."""
+    """RecStrategy(pipeline=True): the lookup KJT (and the sampled softmax's negatives) come with the batch from
+    SequenceDataModule's on_before_batch_transfer, so the feeder routes every step's ids but the first ahead of the
+    step, and the run equals the plain one exactly (losses, validation, table, dense weights) on CPU."""
     folder = _log(str(tmp_path))
     results = [_plain_then_pipelined(0, 1, folder)] if world_size == 1 else run_ranks(
         _plain_then_pipelined, world_size, folder, timeout=240)
@@ -126,17 +126,24 @@ def test_pipelined_fit_equals_plain_fit(tmp_path, world_size):
 
 class _OwnHook(SequenceDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx):
-        return batch  # replaces the module's hook (Lightning calls the datamodule's), which adds the lookup
+        return batch  # replaces SequenceDataModule's, which adds the lookup
 
 
 def test_pipeline_names_a_datamodule_hook_that_replaces_the_modules(tmp_path):
-    """A datamodule's own on_before_batch_transfer leaves training batches without their lookup: the plain loop
-    builds it in the step, a pipeline could only route it there, unpipelined; the step says so and names the fix."""
+    """A datamodule whose on_before_batch_transfer leaves training batches without their lookup: the plain loop
+    builds it in the step, a pipeline could only route it there, unpipelined; the step says so and names the fix.
+    A hand-written TrainPipelineSparseDist loop calls model(batch), which a sequential module does not take."""
+    from lightning_rec import TrainPipelineSparseDist
     from lightning_rec.strategy import RecStrategy
 
     data = _OwnHook(_log(str(tmp_path)), max_len=5, batch_size=6)
     trainer = L.Trainer(strategy=RecStrategy(pipeline=True), accelerator="cpu", devices=1, max_steps=1,
                         limit_val_batches=0, num_sanity_val_steps=0, **QUIET)
-    with pytest.raises(ValueError, match=r"pipeline=True.*return model.prepare_batch\(batch\) from that hook") as e:
+    with pytest.raises(ValueError, match=r"pipeline=True.*return model.prepare_batch\(batch\) from your") as e:
         trainer.fit(_module("sasrec"), data)
+    assert "\n" not in str(e.value)
+    model = _module("hstu", num_items=data.num_items, max_len=5)
+    with TrainPipelineSparseDist(model, torch.optim.Adam(model.parameters()), "cpu") as pipeline:
+        with pytest.raises(TypeError, match=r"^HSTU\(batch\): .*train it with Trainer.fit") as e:
+            pipeline.progress(iter(data.train_dataloader()))
     assert "\n" not in str(e.value)

@@ -147,16 +147,20 @@ class SequentialRecModule(RecModuleHooks, L.LightningModule):
 
     def prepare_batch(self, batch):
         """A training SequenceBatch with its step's lookup (`lookup`: the histories' items and the candidates, one
-        KJT of the item table) and `candidates`; other batches unchanged. The module's on_before_batch_transfer
-        calls it, so that under RecStrategy(pipeline=True) the ids are routed ahead of the step."""
+        KJT of the item table) and `candidates`; other batches unchanged. SequenceDataModule's
+        on_before_batch_transfer calls it, so that under RecStrategy(pipeline=True) the ids are routed ahead of the
+        step."""
         if not isinstance(batch, SequenceBatch) or batch.exclude_offsets is not None or batch.lookup is not None:
             return batch
         candidates = self._candidates(batch)
         return dataclasses.replace(batch, candidates=candidates,
                                    lookup=lookup_features(batch.item_ids, candidates, batch.lengths))
 
-    def on_before_batch_transfer(self, batch, dataloader_idx: int = 0):
-        return self.prepare_batch(super().on_before_batch_transfer(batch, dataloader_idx))
+    def forward(self, batch):
+        raise TypeError(f"{type(self).__name__}(batch): a sequential module has no forward; train it with "
+                        f"Trainer.fit (RecStrategy(pipeline=True) pipelines it) and rank with Trainer.validate / test; "
+                        f"a TrainPipelineSparseDist loop (model(batch) -> (loss, output)) or Trainer.predict cannot "
+                        f"run it")
 
     def _check_not_pipelined(self) -> None:
         """Under a pipeline the step's lookup must come with the batch (the feeder routes it ahead of the step)."""
@@ -164,9 +168,9 @@ class SequentialRecModule(RecModuleHooks, L.LightningModule):
         if getattr(strategy, "pipeline_config", None) is not None:
             raise ValueError(
                 f"{type(self).__name__} under RecStrategy(pipeline=True) got a training batch without its item-table "
-                f"lookup (batch.lookup), which {type(self).__name__}.on_before_batch_transfer adds to a SequenceBatch "
-                f"ahead of the step; a datamodule's or subclass's on_before_batch_transfer replaced it (or the batch "
-                f"is no SequenceBatch): return model.prepare_batch(batch) from that hook, or train with pipeline=False")
+                f"lookup (batch.lookup), which SequenceDataModule's on_before_batch_transfer adds ahead of the step "
+                f"(model.prepare_batch): train with a SequenceDataModule, return model.prepare_batch(batch) from your "
+                f"datamodule's on_before_batch_transfer, or train with pipeline=False")
 
     def encode(self, emb_TD: Tensor, lengths_B: Tensor, timestamps_T: Tensor) -> Tensor:
         """Item embeddings of the histories -> each position's output [T, D] (L2-normalised with l2_norm)."""
@@ -182,7 +186,7 @@ class SequentialRecModule(RecModuleHooks, L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> Tensor:
         hp, targets_T = self.hparams, batch.targets.to(self.device)
         lookup, candidates = getattr(batch, "lookup", None), getattr(batch, "candidates", None)
-        if lookup is None:  # a batch no hook prepared (a datamodule's own on_before_batch_transfer): in the step
+        if lookup is None:  # a batch no hook prepared (plain loaders, a datamodule's own hook): built in the step
             self._check_not_pipelined()
             candidates = self._candidates(batch)
             lookup = lookup_features(batch.item_ids, candidates, batch.lengths)
