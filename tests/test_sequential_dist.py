@@ -84,7 +84,7 @@ class _Record(L.Callback):
 
 def _plain_then_pipelined(rank, world_size, folder):
     """SASRec (sampled softmax: negatives drawn in the data path) and HSTU (full softmax), item table row-wise, two
-    epochs with validation, plain and pipelined."""
+    epochs with validation mid-epoch and at its end, plain and pipelined."""
     from lightning_rec.planner import EmbeddingShardingPlanner, ParameterConstraints
     from lightning_rec.strategy import RecStrategy
 
@@ -95,7 +95,7 @@ def _plain_then_pipelined(rank, world_size, folder):
             planner = EmbeddingShardingPlanner(constraints=row_wise)
             module, record = _module(name, loss=loss, num_negatives=6), _Record()
             trainer = L.Trainer(strategy=RecStrategy(planner=planner, pipeline=pipeline), accelerator="cpu",
-                                devices=world_size, max_epochs=2, num_sanity_val_steps=0, check_val_every_n_epoch=2,
+                                devices=world_size, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
                                 callbacks=[record], **QUIET)
             trainer.fit(module, _data(folder))
             val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
