@@ -122,6 +122,11 @@ class RecStrategy(DDPStrategy):
     def plan(self) -> ShardingPlan:
         return self.dmp.plan
 
+    @property
+    def pipeline_config(self) -> PipelineConfig | None:
+        """The pipeline's settings (None: the loops are not pipelined)."""
+        return self._pipeline_config
+
     def _default_planner(self):
         """A planner told what this run trains: the batch per rank (each collection's fused optimizer it reads from
         the module it plans: passing the first one's made every collection planned by it)."""

@@ -130,3 +130,21 @@ def test_parquet_log_and_datasets_dataset_read_as_the_csv(tmp_path):
         dm = SequenceDataModule(source, max_len=5)
         dm.setup()
         assert [_history(dm, "test", u) for u in (0, 1)] == [(["a", "c"], "b"), (["a", "c"], "b")]
+
+
+def test_ml1m_ratings_dat_read_in_time_order(tmp_path):
+    """ml-1m's ratings.dat (UserID::MovieID::Rating::Timestamp, no header; the file as GroupLens ships it, as
+    recipes/configs/*_ml1m.yaml read it): histories in time order, not file order, ties in file order."""
+    root = tmp_path / "ml-1m"
+    root.mkdir()
+    lines = ["1::1193::5::978300760", "1::661::3::978302109", "1::914::3::978301968", "1::3408::4::978300275",
+             "2::1357::5::978298709", "2::3068::4::978299000", "2::1537::4::978299620", "2::647::3::978299351",
+             "2::2194::4::978299297", "3::3421::4::978298147"]  # user 3 has one rating: skipped
+    (root / "ratings.dat").write_text("\n".join(lines) + "\n", encoding="latin-1")
+    dm = SequenceDataModule(str(root), max_len=200, min_rating=None)
+    dm.setup()
+    r = dm.report
+    assert (r.layout, r.num_users, r.num_items, r.num_interactions, r.users_skipped) == ("ml-1m", 3, 10, 10, 1)
+    assert _history(dm, "test", 0) == ([3408, 1193, 914], 661)
+    assert _history(dm, "val", 1) == ([1357, 3068, 2194], 647)  # 978299297 < 978299351: 2194 before 647
+    assert _history(dm, "test", 1) == ([1357, 3068, 2194, 647], 1537)

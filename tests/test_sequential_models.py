@@ -119,3 +119,24 @@ def test_recipe_smoke_run(recipe, tmp_path):
                    "--trainer.enable_model_summary=false"])
     metrics = cli.trainer.callback_metrics
     assert {"val_ndcg@10", "test_ndcg@10", "train_loss"} <= set(metrics), sorted(metrics)
+
+
+@pytest.mark.parametrize("recipe,pipelined", [("sasrec_ml1m", True), ("hstu_ml1m", False)])
+def test_ml1m_recipe_runs_on_an_ml1m_format_folder(recipe, pipelined, tmp_path):
+    """The ml-1m recipes as their headers run them, on a folder in ml-1m's format (ratings.dat, '::'), SASRec
+    under RecStrategy(pipeline=True) as its header gives it."""
+    from lightning_rec.cli import run_cli
+
+    header = Path(f"recipes/configs/{recipe}.yaml").read_text()
+    assert "wget https://files.grouplens.org/datasets/movielens/ml-1m.zip" in header
+    assert ("0.1603" if recipe.startswith("sasrec") else "0.1720") in header
+    (tmp_path / "ml-1m").mkdir()
+    (tmp_path / "ml-1m" / "ratings.dat").write_text("".join(
+        f"{u}::{(u * 7 + j * 3) % 23 + 1}::4::{978300000 + 60 * j}\n" for u in range(1, 13) for j in range(4 + u % 5)))
+    pipeline = ["--trainer.strategy=RecStrategy", "--trainer.strategy.pipeline=true"] if pipelined else []
+    cli = run_cli(["fit", "--config", f"recipes/configs/{recipe}.yaml", f"--data.init_args.data_dir={tmp_path}/ml-1m",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1", "--data.init_args.batch_size=4",
+                   "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false",
+                   "--trainer.enable_model_summary=false", *pipeline])
+    assert cli.datamodule.report.layout == "ml-1m" and cli.trainer.global_step == 3
+    assert {"val_ndcg@10", "test_ndcg@10", "train_loss"} <= set(cli.trainer.callback_metrics)

@@ -10,6 +10,8 @@ Shapes: B histories, T positions (sum of lengths), I items, C candidates of a sa
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import lightning.pytorch as L
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
+from lightning_rec.data.sequence import SequenceBatch
 from lightning_rec.embedding import EmbeddingCollection, EmbeddingConfig
 from lightning_rec.errors import is_int
 from lightning_rec.metrics.ranking import RankingMetrics
@@ -30,6 +33,19 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
 INPUT, OUTPUT = "item_id", "output_item"  # the two features of the one item table: history items, scored items
+
+
+def lookup_features(input_ids: Tensor, output_ids: Tensor, lengths_B: Tensor) -> KeyedJaggedTensor:
+    """The item table's one lookup of a step: each history's items under "item_id" (a bag per user), the scored
+    items under "output_item" (all in the first bag). An empty batch still looks up (a sharded table's ranks call
+    together): a stride of 1."""
+    B = max(lengths_B.shape[0], 1)
+    in_lengths = torch.zeros(B, dtype=torch.int64, device=input_ids.device)
+    in_lengths[: lengths_B.shape[0]] = lengths_B.to(input_ids.device)
+    out_lengths = torch.zeros(B, dtype=torch.int64, device=input_ids.device)
+    out_lengths[0] = output_ids.shape[0]
+    return KeyedJaggedTensor.from_lengths_sync([INPUT, OUTPUT], torch.cat([input_ids, output_ids.to(input_ids.device)]),
+                                               torch.cat([in_lengths, out_lengths]), stride=B)
 
 
 class SequentialRecModule(RecModuleHooks, L.LightningModule):
@@ -108,15 +124,53 @@ class SequentialRecModule(RecModuleHooks, L.LightningModule):
 
     def _lookup(self, input_ids: Tensor, output_ids: Tensor, lengths_B: Tensor) -> tuple[Tensor, Tensor]:
         """One lookup of the item table for the history items and the scored items (one fused update per step)."""
-        B = max(lengths_B.shape[0], 1)  # an empty batch still looks up (a sharded table's ranks call together)
-        in_lengths = torch.zeros(B, dtype=torch.int64, device=input_ids.device)
-        in_lengths[: lengths_B.shape[0]] = lengths_B
-        out_lengths = torch.zeros(B, dtype=torch.int64, device=input_ids.device)
-        out_lengths[0] = output_ids.shape[0]
-        kjt = KeyedJaggedTensor.from_lengths_sync([INPUT, OUTPUT], torch.cat([input_ids, output_ids]),
-                                                  torch.cat([in_lengths, out_lengths]), stride=B)
-        out = self.items(kjt.to(self.device))
+        return self._look_up(lookup_features(input_ids, output_ids, lengths_B))
+
+    def _look_up(self, kjt: KeyedJaggedTensor) -> tuple[Tensor, Tensor]:
+        out = self.items(kjt.to(self.device))  # (the very KJT of the batch when it is there: a pipeline routed it)
         return out[INPUT].values(), out[OUTPUT].values()
+
+    def _candidates(self, batch) -> Tensor:
+        """The items a training batch scores: the catalog (softmax), or its targets and uniform draws (sampled
+        softmax) from a generator of their own, seeded by the run's seed, the epoch and the batch's users: the same
+        draws whether the batch is prepared in the step or ahead of it (a pipeline's feeder thread)."""
+        hp = self.hparams
+        device = batch.targets.device
+        if hp.loss == "softmax":
+            return torch.arange(hp.num_items, device=device)
+        epoch = self._trainer.current_epoch if self._trainer is not None else 0
+        key = hashlib.blake2b(f"{torch.initial_seed()}/{epoch}/".encode(), digest_size=8)
+        key.update(batch.user_index.cpu().numpy().tobytes())
+        draws = torch.Generator().manual_seed(int.from_bytes(key.digest(), "little") >> 1)
+        uniform = torch.randint(hp.num_items, (hp.num_negatives,), generator=draws)
+        return torch.cat([batch.targets, uniform.to(device)])
+
+    def prepare_batch(self, batch):
+        """A training SequenceBatch with its step's lookup (`lookup`: the histories' items and the candidates, one
+        KJT of the item table) and `candidates`; other batches unchanged. SequenceDataModule's
+        on_before_batch_transfer calls it, so that under RecStrategy(pipeline=True) the ids are routed ahead of the
+        step."""
+        if not isinstance(batch, SequenceBatch) or batch.exclude_offsets is not None or batch.lookup is not None:
+            return batch
+        candidates = self._candidates(batch)
+        return dataclasses.replace(batch, candidates=candidates,
+                                   lookup=lookup_features(batch.item_ids, candidates, batch.lengths))
+
+    def forward(self, batch):
+        raise TypeError(f"{type(self).__name__}(batch): a sequential module has no forward; train it with "
+                        f"Trainer.fit (RecStrategy(pipeline=True) pipelines it) and rank with Trainer.validate / test; "
+                        f"a TrainPipelineSparseDist loop (model(batch) -> (loss, output)) or Trainer.predict cannot "
+                        f"run it")
+
+    def _check_not_pipelined(self) -> None:
+        """Under a pipeline the step's lookup must come with the batch (the feeder routes it ahead of the step)."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "pipeline_config", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__} under RecStrategy(pipeline=True) got a training batch without its item-table "
+                f"lookup (batch.lookup), which SequenceDataModule's on_before_batch_transfer adds ahead of the step "
+                f"(model.prepare_batch): train with a SequenceDataModule, return model.prepare_batch(batch) from your "
+                f"datamodule's on_before_batch_transfer, or train with pipeline=False")
 
     def encode(self, emb_TD: Tensor, lengths_B: Tensor, timestamps_T: Tensor) -> Tensor:
         """Item embeddings of the histories -> each position's output [T, D] (L2-normalised with l2_norm)."""
@@ -131,12 +185,13 @@ class SequentialRecModule(RecModuleHooks, L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         hp, targets_T = self.hparams, batch.targets.to(self.device)
-        if hp.loss == "softmax":
-            candidates = torch.arange(hp.num_items, device=self.device)
-        else:
-            uniform = torch.randint(hp.num_items, (hp.num_negatives,), device=self.device)
-            candidates = torch.cat([targets_T, uniform])
-        emb_TD, cand_CD = self._lookup(batch.item_ids.to(self.device), candidates, batch.lengths)
+        lookup, candidates = getattr(batch, "lookup", None), getattr(batch, "candidates", None)
+        if lookup is None:  # a batch no hook prepared (plain loaders, a datamodule's own hook): built in the step
+            self._check_not_pipelined()
+            candidates = self._candidates(batch)
+            lookup = lookup_features(batch.item_ids, candidates, batch.lengths)
+        candidates = candidates.to(self.device)
+        emb_TD, cand_CD = self._look_up(lookup)
         h_TD, cand_CD = self.encode(emb_TD, batch.lengths, batch.timestamps), self._out_items(cand_CD)
         if targets_T.shape[0] == 0:  # an empty batch: no target, but every parameter in the graph
             loss = 0.0 * (h_TD.sum() + cand_CD.sum() + sum(p.sum() for p in dense_parameters(self)))

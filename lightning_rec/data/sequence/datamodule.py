@@ -173,6 +173,14 @@ class SequenceDataModule(pl.LightningDataModule):
         self._need_setup()
         return make_eval_loader(self.datasets[split], self.eval_batch_size, self.num_workers, self.pin_memory)
 
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """A training batch gets its step's item-table lookup from the model it feeds (SASRec's and HSTU's
+        `prepare_batch`) here, in the data path: a pipeline (RecStrategy(pipeline=True)) routes it ahead of the
+        step."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        prepare = getattr(module, "prepare_batch", None)
+        return prepare(batch) if callable(prepare) else batch
+
     def eval_split_names(self) -> list[str]:
         """The split each validation dataloader ranks, in order (what a module prefixes its metrics with)."""
         fitting = self.trainer is None or self.trainer.state.fn == "fit"

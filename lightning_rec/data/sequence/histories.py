@@ -61,6 +61,10 @@ class SequenceBatch:
     targets: Tensor  # [T] in training, [B] in evaluation
     exclude_offsets: Tensor | None = None  # [B + 1]
     exclude_items: Tensor | None = None  # [X]
+    # training: the model's item-table lookup of the step and its scored candidates, added in the data path
+    # (SequenceDataModule.on_before_batch_transfer calls the model's prepare_batch: a pipeline routes them ahead)
+    lookup: KeyedJaggedTensor | None = None
+    candidates: Tensor | None = None  # [C]
 
     @property
     def lengths(self) -> Tensor:
