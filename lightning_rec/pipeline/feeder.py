@@ -44,8 +44,11 @@ class _Inputs:
         self.read_ahead: dict[int, tuple[Any, Any]] = {}
         self.iterables: dict[int, tuple[Any, Any]] = {}  # TrainPipelineSparseDist: a DataLoader's current pass
         self._warned_read_ahead = False
+        # semi_sync: (id(module), id(kjt)) -> (kjt, the collection's output computed ahead), taken once
+        self.looked_up: dict[tuple[int, int], tuple[KeyedJaggedTensor, Any]] = {}
         for m in self.modules:
             m._input_source = self.claim
+            m._output_source = self.claim_output
 
     @classmethod
     def of(cls, model: nn.Module) -> _Inputs:
@@ -98,6 +101,14 @@ class _Inputs:
         """Was `batch` handed out by a feeder (so it is on the device already)?"""
         with self._lock:
             return self._batches.get(id(batch)) is batch
+
+    def claim_output(self, module: _ShardedCollectionBase, features: KeyedJaggedTensor) -> Any:
+        """The sharded collections' output source: what a semi-synchronous step looked up ahead, or None. Taken once:
+        a second call with the same input looks up again, as in the plain loop (one fused update per call)."""
+        if not self.looked_up:
+            return None
+        held = self.looked_up.pop((id(module), id(features)), None)
+        return held[1] if held is not None and held[0] is features else None
 
     def claim(self, module: _ShardedCollectionBase, features: KeyedJaggedTensor) -> ShardedBatch | None:
         """The sharded collections' input source: a routed batch, or None (route it in the step)."""

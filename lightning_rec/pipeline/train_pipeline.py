@@ -17,7 +17,7 @@ from torch import nn
 from lightning_rec._compat import persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
 from lightning_rec.errors import short_repr
-from lightning_rec.pipeline.batch import move_to_device
+from lightning_rec.pipeline.batch import find_kjts, move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig
 from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
@@ -82,6 +82,19 @@ class InputPipeline:
     def owns(self, batch: Any) -> bool:
         return self.inputs.owns(batch)
 
+    def look_ahead(self, batch: Any) -> None:
+        """semi_sync: run `batch`'s lookup and output_dist now, before the current step's backward updates the tables;
+        its step's collections take these outputs (autograd attached: its own backward updates the rows it read)."""
+        self.inputs.looked_up = {}
+        plan = self.plan
+        if not plan.final.is_set():  # the plan is recorded on a step: until then, the next batch runs synchronously
+            return
+        kjts = {path: kjt for kjt, path in find_kjts(batch)}
+        for module, path in plan.routes:
+            kjt = kjts.get(path)
+            if kjt is not None and (id(module), id(kjt)) not in self.inputs.looked_up:
+                self.inputs.looked_up[(id(module), id(kjt))] = (kjt, module(kjt))
+
     def forward_done(self) -> None:
         if self.feeder is not None:
             self.feeder.forward_done()
@@ -91,6 +104,7 @@ class InputPipeline:
         if self.closed:
             return
         self.stop_feeder()
+        self.inputs.looked_up = {}
         for key, channel in self.channels.items():
             _Channel.release(self._envs[key], channel)
         self.channels = {}
@@ -143,6 +157,9 @@ def _process_ending() -> bool:
     return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
+_DONE = object()  # semi_sync: the step that looked ahead found the data at its end
+
+
 class TrainPipelineSparseDist:
     """TorchRec's pipeline for hand-written loops, without tracing.
 
@@ -173,6 +190,7 @@ class TrainPipelineSparseDist:
         # iterators left mid-pass: id -> (a reference to it, the batches read ahead), kept on the model
         self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
+        self._held: Any = None  # semi_sync: the next batch, taken and looked up during this step (_DONE: none left)
         # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)
         self._iterables: dict[int, tuple[Callable[[], Any], Iterator]] = self._pipeline.inputs.iterables
 
@@ -190,12 +208,14 @@ class TrainPipelineSparseDist:
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
             self._switch_to(dataloader_iter)
         try:
-            batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
+            batch = self._next_batch()  # StopIteration: every batch is done
         except StopIteration:
             if iterable is not None:
                 self._iterables.pop(id(iterable), None)  # the next call starts its next pass
             raise
         training = self._model.training and self._optimizer is not None
+        if not training:
+            self._pipeline.inputs.looked_up = {}  # (looked up for a training step) evaluation looks up now
         if training:
             self._optimizer.zero_grad()
         with torch.set_grad_enabled(training and torch.is_grad_enabled()):
@@ -213,9 +233,34 @@ class TrainPipelineSparseDist:
                             f"but {model} returned a {type(losses).__name__} ({short_repr(losses)}): return the loss "
                             f"tensor itself (not loss.item()), so that the pipeline can run its backward")
         if training:
+            if self._pipeline.config.semi_sync:
+                self._look_ahead()
             torch.sum(losses).backward()
             self._optimizer.step()
         return output
+
+    def _next_batch(self) -> Any:
+        held, self._held = self._held, None
+        if held is None:
+            return next(self._pipeline.feeder)
+        if held is _DONE:
+            raise StopIteration
+        return held
+
+    def _look_ahead(self) -> None:
+        """semi_sync: take the next batch now and look it up before this step's backward (tables one update stale)."""
+        try:
+            self._held = next(self._pipeline.feeder)
+        except StopIteration:
+            self._held = _DONE
+            return
+        self._pipeline.look_ahead(self._held)
+
+    def _take_held(self) -> list:
+        """The batch a semi-synchronous step took ahead, if any, given back (its early lookup dropped)."""
+        held, self._held = self._held, None
+        self._pipeline.inputs.looked_up = {}
+        return [] if held is None or held is _DONE else [held]
 
     def _switch_to(self, source: Iterator) -> None:
         """A pass over `source`; what the last pass read ahead is kept for its iterator, first when it is back."""
@@ -223,6 +268,7 @@ class TrainPipelineSparseDist:
         if previous is not None and previous is not source:
             self._keep_read_ahead()
         else:
+            self._take_held()
             self._pipeline.stop_feeder()
             self._forget_taken()
         self._watch_reset(source)
@@ -240,6 +286,7 @@ class TrainPipelineSparseDist:
         def before_reset(source):
             pipeline = me()
             if pipeline is not None and pipeline._source is source:
+                pipeline._take_held()
                 pipeline._pipeline.stop_feeder()
                 pipeline._pass_kept = None
             store.pop(id(source), None)
@@ -249,7 +296,7 @@ class TrainPipelineSparseDist:
     def _keep_read_ahead(self) -> ReadAhead:
         """Stop the pass; keep the batches it read ahead that no step took for its iterator (first when it is back)."""
         source, feeder = self._source, self._pipeline.feeder
-        kept = ReadAhead(self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
+        kept = ReadAhead(self._take_held() + self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
         self._pass_kept = None
         if source is not None and feeder is not None:
             self._read_ahead[id(source)] = (_reference(source), kept)
