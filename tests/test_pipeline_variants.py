@@ -11,8 +11,13 @@ import torch
 from dist_utils import run_ranks
 from test_pipeline import NUM_F, Step, _loader, _take, _weights
 
-from lightning_rec.model_parallel import (DistributedModelParallel, construct_module_sharding_plan, data_parallel,
-                                          row_wise, table_wise)
+from lightning_rec.model_parallel import (
+    DistributedModelParallel,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from lightning_rec.optim import CombinedOptimizer
 from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
 from lightning_rec.types import ShardingPlan

@@ -20,8 +20,8 @@ class PipelineConfig:
     (only while the step's thread waits for that batch, so every rank launches both threads' collectives in one order,
     as NCCL needs), or "auto": in_step_order on NCCL with more than one rank.
 
-    semi_sync: batch i+1's lookup and embedding all-to-all run before batch i's backward (TrainPipelineSparseDist), as
-    TorchRec's TrainPipelineSemiSync: batch i reads the tables as they were before batch i-1's update (one update stale).
+    semi_sync: batch i+1's lookup and embedding all-to-all run before batch i's backward, as TorchRec's
+    TrainPipelineSemiSync: batch i reads the tables as they were before batch i-1's update (one update stale).
     prefetch: an extra stage that prefetches the next batch's rows of fused_uvm_caching tables into their device
     cache (a CUDA device only)."""
 
