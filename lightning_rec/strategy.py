@@ -105,6 +105,10 @@ class RecStrategy(DDPStrategy):
         self._embedding_timeout = embedding_timeout
         self._dmp: DistributedModelParallel | None = None
         self._pipeline_config = PipelineConfig.of(pipeline)
+        if self._pipeline_config is not None and self._pipeline_config.semi_sync:
+            raise ValueError("RecStrategy(pipeline=PipelineConfig(semi_sync=True)): the semi-synchronous pipeline runs "
+                             "in hand-written loops (TrainPipelineSparseDist(dmp, optimizer, device, config)); "
+                             "Lightning's loop takes the synchronous one: leave semi_sync out here")
         self._pipelines: list = []  # one per dataloader of this run's loops (closed at teardown)
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []

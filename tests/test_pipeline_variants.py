@@ -92,3 +92,10 @@ def test_prefetch_without_a_cuda_device_is_refused_by_the_config():
         PipelineConfig(prefetch=True)
     with pytest.raises(ValueError, match="prefetch"):
         PipelineConfig.of({"prefetch": True})
+
+
+def test_semi_sync_in_the_lightning_loop_is_refused_naming_the_hand_written_loop():
+    from lightning_rec.strategy import RecStrategy
+
+    with pytest.raises(ValueError, match=r"semi_sync=True.*TrainPipelineSparseDist"):
+        RecStrategy(pipeline=PipelineConfig(semi_sync=True))

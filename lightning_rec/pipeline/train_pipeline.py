@@ -30,6 +30,9 @@ class InputPipeline:
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
         self.config = config or PipelineConfig()
+        if self.config.prefetch:  # (the config refuses it where torch has no CUDA device)
+            raise ValueError("PipelineConfig(prefetch=True): this version has no prefetch stage for fused_uvm_caching "
+                             "tables yet; leave prefetch out (their rows are fetched into the cache by the lookup)")
         # "cuda" alone: the current device's index (the feeder thread sets it, and set_device needs one)
         self.device = with_cuda_index(torch.device(device), torch.cuda.current_device,
                                       f"TrainPipelineSparseDist(device={str(device)!r})",
