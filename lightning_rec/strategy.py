@@ -43,6 +43,7 @@ from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec._strategy import groups, loaders
 from lightning_rec._strategy.groups import CLOSE_AFTER_ERROR_S, close_process_groups  # noqa: F401  (imported from here)
 from lightning_rec._strategy.signals import SignalTakeover, workers_outlive_sigterm
+from lightning_rec.dense_compile import compile_options
 from lightning_rec.embedding import fused_table_modules
 from lightning_rec.model_parallel import DistributedModelParallel
 from lightning_rec.optim import fused_modules, holds_fused_optimizer
@@ -72,6 +73,9 @@ class RecStrategy(DDPStrategy):
         pipeline: True (or a depth, or a PipelineConfig) runs every loop pipelined: the next batch is
             read, copied and its ids routed while this one computes (lightning_rec.pipeline); the
             LightningModule's steps stay as they are.
+        compile_dense: True (or a dict of torch.compile arguments): torch.compile on the dense layers, the
+            embedding lookups outside the graphs (DistributedModelParallel's argument).
+        cuda_graphs: CUDA only: the compiled dense layers replay as CUDA graphs (mode="reduce-overhead").
         **kwargs: DDPStrategy's arguments (process_group_backend, find_unused_parameters, ...).
     """
 
@@ -83,7 +87,8 @@ class RecStrategy(DDPStrategy):
     # typed (not Any): jsonargparse then names a recipe's misspelt `planner:` field instead of handing on a dict
     def __init__(self, plan: ShardingPlan | None = None, planner: EmbeddingShardingPlanner | None = None,
                  dense: str = "ddp", embedding_timeout: float = 300.0, pipeline: Any = False,
-                 checkpoint_format: str = "dcp", **kwargs: Any) -> None:
+                 checkpoint_format: str = "dcp", compile_dense: bool | dict = False, cuda_graphs: bool = False,
+                 **kwargs: Any) -> None:
         if dense not in ("ddp", "fsdp"):
             raise ValueError(f"RecStrategy(dense={dense!r}): use 'ddp' or 'fsdp'")
         if checkpoint_format not in rec_checkpoint.FORMATS:
@@ -97,6 +102,8 @@ class RecStrategy(DDPStrategy):
             raise ValueError(f"RecStrategy(plan=...) takes a ShardingPlan, got a {type(plan).__name__}: build it with "
                              f"ShardingPlan({{module_path: construct_module_sharding_plan(collection, {{table: "
                              f"row_wise(), ...}})}}) (README, 'Many ranks')")
+        compile_options(compile_dense, "RecStrategy", cuda_graphs)  # refused here, not at setup
+        self._compile = dict(compile_dense=compile_dense, cuda_graphs=cuda_graphs)
         self._checkpoint_format = checkpoint_format
         super().__init__(**_given_ddp_kwargs(kwargs))
         self._plan = plan
@@ -169,6 +176,7 @@ class RecStrategy(DDPStrategy):
             module, plan=plan, device=self.root_device, dense=dense,
             timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
             timeout_setting="RecStrategy(embedding_timeout=...)", local_world_size=self.num_processes,
+            **self._compile,
         )
         # in the module's own __dict__ (not a submodule): a later Trainer over this module finds its tables sharded
         vars(module)[_SHARDED_BY] = self._dmp
