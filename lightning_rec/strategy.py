@@ -112,10 +112,7 @@ class RecStrategy(DDPStrategy):
         self._embedding_timeout = embedding_timeout
         self._dmp: DistributedModelParallel | None = None
         self._pipeline_config = PipelineConfig.of(pipeline)
-        if self._pipeline_config is not None and self._pipeline_config.semi_sync:
-            raise ValueError("RecStrategy(pipeline=PipelineConfig(semi_sync=True)): the semi-synchronous pipeline runs "
-                             "in hand-written loops (TrainPipelineSparseDist(dmp, optimizer, device, config)); "
-                             "Lightning's loop takes the synchronous one: leave semi_sync out here")
+        self._step_batch: Any = None  # semi_sync: the batch this training step trains
         self._pipelines: list = []  # one per dataloader of this run's loops (closed at teardown)
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []
@@ -236,6 +233,7 @@ class RecStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._step_batch = batch
         # SLURM's requeue signal, agreed on: Lightning's handler, on every rank here (before the step's collectives)
         self._signals.run_due_requeue()
         # after the callbacks' and the module's on_train_*_start hooks, where BaseFinetuning (un)freezes
@@ -323,13 +321,16 @@ class RecStrategy(DDPStrategy):
         its first loader while the others go on to Lightning's collectives: a Store timeout naming no setting)."""
         if self.world_size <= 1 or not dist.is_initialized():
             return
-        depth = self._pipeline_config.depth if self._pipeline_config is not None else 0
-        depths = [d for (d,) in comm.agree([depth], device=self.root_device, tag="the ranks' pipeline depths")]
+        config = self._pipeline_config
+        depth, semi = (config.depth, int(config.semi_sync)) if config is not None else (0, 0)
+        rows = comm.agree([depth, semi], device=self.root_device, tag="the ranks' pipeline depths")
+        depths, semis = [d for d, _ in rows], sorted({bool(x) for _, x in rows})
         least, most = min(depths), max(depths)
-        if least != most:
+        if least != most or len(semis) > 1:
             raise ValueError(f"RecStrategy(pipeline=...) differs between ranks: rank {self.global_rank} has depth "
-                             f"{depth}, the ranks' depths range from {least} to {most} (0: not pipelined). Pass "
-                             f"the same pipeline setting on every rank")
+                             f"{depth} and semi_sync={bool(semi)}; the ranks' depths range from {least} to {most} "
+                             f"(0: not pipelined), their semi_sync settings are {semis}. Pass the same pipeline "
+                             f"setting on every rank")
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
         """configure_optimizers returned only a dense optimizer while tables train fused: said, not silent.
@@ -446,7 +447,22 @@ class RecStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         self._step_done()
+        if self._pipeline_config is not None and self._pipeline_config.semi_sync:
+            self._look_ahead()
         return out
+
+    def _look_ahead(self) -> None:
+        """semi_sync: the next batch is taken from the pipeline now and looked up before this step's backward.
+        Automatic optimization only: a manual step has run its backward already."""
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization or not torch.is_grad_enabled():
+            return
+        for pipeline in self._pipelines:
+            if pipeline.feeder is not None and pipeline.owns(self._step_batch):
+                after = pipeline.feeder.peek()
+                if after is not None:
+                    pipeline.look_ahead(after)
+                return
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

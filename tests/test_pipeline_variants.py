@@ -6,11 +6,13 @@ update."""
 
 from __future__ import annotations
 
+import lightning.pytorch as L
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_pipeline import NUM_F, Step, _loader, _take, _weights
+from test_pipeline import NUM_F, SMALL, Step, _loader, _take, _weights
 
+from lightning_rec.data.synthetic import SyntheticCriteoDataModule
 from lightning_rec.model_parallel import (
     DistributedModelParallel,
     construct_module_sharding_plan,
@@ -94,8 +96,67 @@ def test_prefetch_without_a_cuda_device_is_refused_by_the_config():
         PipelineConfig.of({"prefetch": True})
 
 
-def test_semi_sync_in_the_lightning_loop_is_refused_naming_the_hand_written_loop():
+class _StaleLookups(L.Callback):
+    """The plain Lightning loop made one update stale by hand: batch i+1's lookup runs before batch i's backward."""
+
+    def __init__(self, batches) -> None:
+        self.batches, self.ahead, self.lookup, self.index = batches, None, None, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.index = batch_idx
+        if self.lookup is None:
+            ebc = pl_module.model.sparse_arch.embedding_bag_collection
+            self.lookup = ebc.forward
+            ebc.forward = self._forward
+
+    def _forward(self, kjt):
+        ahead, self.ahead = self.ahead, None
+        return self.lookup(kjt) if ahead is None else ahead
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.index + 1 < len(self.batches):
+            self.ahead = self.lookup(self.batches[self.index + 1].sparse_features)
+
+
+class _Losses(L.Callback):
+    def __init__(self, losses: list) -> None:
+        self.losses = losses
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _lightning_semi_sync_worker(rank, W):
+    from lightning_rec import DLRMModule
     from lightning_rec.strategy import RecStrategy
 
-    with pytest.raises(ValueError, match=r"semi_sync=True.*TrainPipelineSparseDist"):
-        RecStrategy(pipeline=PipelineConfig(semi_sync=True))
+    def data():
+        return SyntheticCriteoDataModule(num_train_samples=6 * 64, num_val_samples=64, batch_size=64,
+                                         num_sparse_features=NUM_F, num_embeddings_per_feature=64,
+                                         num_signal_features=2, shuffle=False)
+
+    reference_data = data()
+    reference_data.setup("fit")
+    batches = list(reference_data.train_dataloader())
+    results = {}
+    for mode in ("plain", "stale_by_hand", "semi_sync"):
+        L.seed_everything(0)
+        module, losses = DLRMModule(**SMALL), []
+
+        callbacks = [_Losses(losses)] + ([_StaleLookups(batches)] if mode == "stale_by_hand" else [])
+        pipeline = PipelineConfig(semi_sync=True) if mode == "semi_sync" else False
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(module, data())
+        results[mode] = (losses, _weights(module.model))
+    return results
+
+
+def test_semi_sync_in_the_lightning_loop_equals_the_plain_loop_made_stale_by_hand():
+    (results,) = run_ranks(_lightning_semi_sync_worker, 1, timeout=180)
+    (plain, _), (stale, stale_weights), (semi, semi_weights) = (results[m] for m in ("plain", "stale_by_hand",
+                                                                                      "semi_sync"))
+    assert len(semi) == 6 and semi == stale  # exact: fp32 on CPU, the same ops in the same order
+    assert not [k for k in stale_weights if not torch.equal(stale_weights[k], semi_weights[k])]
+    assert semi[0] == plain[0] and semi[1] != plain[1]  # batch 1 on: the lookups read tables one update stale

@@ -231,6 +231,7 @@ class _Feeder(Iterator):
         self._ordered = _in_step_order(config, channels)
         self._turn = -1
         self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
+        self._peeked: Any = None  # semi_sync: the batch peek() took for the next __next__ (_END: the data ended)
         # batches handed out that no collection took (a step that raised before its exchanges), counted as the step's
         # thread asks for batch t (unused[t], the same on every rank that ran the same steps): the agreement of a
         # later batch carries it, so that ranks whose steps no longer pair raise CollectiveMismatch
@@ -250,6 +251,29 @@ class _Feeder(Iterator):
     # main thread ---------------------------------------------------------------------------------
 
     def __next__(self) -> Any:
+        peeked, self._peeked = self._peeked, None
+        if peeked is None:
+            return self._take()
+        if peeked is _END:
+            raise StopIteration
+        return peeked
+
+    def peek(self) -> Any:
+        """semi_sync: the next batch, taken now (its step's lookups run early), handed out by the next __next__;
+        None at the end of the data."""
+        if self._peeked is None:
+            try:
+                self._peeked = self._take()
+            except StopIteration:
+                self._peeked = _END
+        return None if self._peeked is _END else self._peeked
+
+    @property
+    def peeked(self) -> Any:
+        """The batch peek() took that no __next__ has handed out yet, or None."""
+        return None if self._peeked is None or self._peeked is _END else self._peeked
+
+    def _take(self) -> Any:
         if self._finished:
             raise StopIteration
         plan = self.plan
@@ -380,9 +404,11 @@ class _Feeder(Iterator):
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
+        peeked, self._peeked = self._peeked, None
         with self._cond:
-            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] + self._held \
-                if keep_unused else []
+            taken = [peeked] if peeked is not None and peeked is not _END else []
+            queued = [item.batch for item in self._queue if isinstance(item, _Entry)]
+            unused = taken + queued + self._held if keep_unused else []
             self._held = []
         self._finished = True
         self._release_all()

@@ -78,6 +78,8 @@ class InputPipeline:
         keep_unused: return the batches it read ahead that no step took (on the device already), else drop them."""
         unused: list = []
         if self.feeder is not None:
+            if self.feeder.peeked is not None:
+                self.inputs.looked_up = {}  # looked up early for a step that will not come
             unused = self.feeder.close(keep_unused)
             self.feeder = None
         return unused
@@ -107,7 +109,6 @@ class InputPipeline:
         if self.closed:
             return
         self.stop_feeder()
-        self.inputs.looked_up = {}
         for key, channel in self.channels.items():
             _Channel.release(self._envs[key], channel)
         self.channels = {}
@@ -160,9 +161,6 @@ def _process_ending() -> bool:
     return sys.is_finalizing() or not threading.main_thread().is_alive()
 
 
-_DONE = object()  # semi_sync: the step that looked ahead found the data at its end
-
-
 class TrainPipelineSparseDist:
     """TorchRec's pipeline for hand-written loops, without tracing.
 
@@ -193,7 +191,6 @@ class TrainPipelineSparseDist:
         # iterators left mid-pass: id -> (a reference to it, the batches read ahead), kept on the model
         self._read_ahead: dict[int, tuple[Callable[[], Any], ReadAhead]] = self._pipeline.inputs.read_ahead
         self._pass_kept: ReadAhead | None = None  # the kept batches this pass began with (read before its source)
-        self._held: Any = None  # semi_sync: the next batch, taken and looked up during this step (_DONE: none left)
         # iterables given to progress (a DataLoader itself): id -> (a reference to it, the iterator of its current pass)
         self._iterables: dict[int, tuple[Callable[[], Any], Iterator]] = self._pipeline.inputs.iterables
 
@@ -211,7 +208,7 @@ class TrainPipelineSparseDist:
         if self._source is not dataloader_iter or self._pipeline.feeder is None:
             self._switch_to(dataloader_iter)
         try:
-            batch = self._next_batch()  # StopIteration: every batch is done
+            batch = next(self._pipeline.feeder)  # StopIteration: every batch is done
         except StopIteration:
             if iterable is not None:
                 self._iterables.pop(id(iterable), None)  # the next call starts its next pass
@@ -242,28 +239,11 @@ class TrainPipelineSparseDist:
             self._optimizer.step()
         return output
 
-    def _next_batch(self) -> Any:
-        held, self._held = self._held, None
-        if held is None:
-            return next(self._pipeline.feeder)
-        if held is _DONE:
-            raise StopIteration
-        return held
-
     def _look_ahead(self) -> None:
         """semi_sync: take the next batch now and look it up before this step's backward (tables one update stale)."""
-        try:
-            self._held = next(self._pipeline.feeder)
-        except StopIteration:
-            self._held = _DONE
-            return
-        self._pipeline.look_ahead(self._held)
-
-    def _take_held(self) -> list:
-        """The batch a semi-synchronous step took ahead, if any, given back (its early lookup dropped)."""
-        held, self._held = self._held, None
-        self._pipeline.inputs.looked_up = {}
-        return [] if held is None or held is _DONE else [held]
+        after = self._pipeline.feeder.peek()
+        if after is not None:
+            self._pipeline.look_ahead(after)
 
     def _switch_to(self, source: Iterator) -> None:
         """A pass over `source`; what the last pass read ahead is kept for its iterator, first when it is back."""
@@ -271,7 +251,6 @@ class TrainPipelineSparseDist:
         if previous is not None and previous is not source:
             self._keep_read_ahead()
         else:
-            self._take_held()
             self._pipeline.stop_feeder()
             self._forget_taken()
         self._watch_reset(source)
@@ -289,7 +268,6 @@ class TrainPipelineSparseDist:
         def before_reset(source):
             pipeline = me()
             if pipeline is not None and pipeline._source is source:
-                pipeline._take_held()
                 pipeline._pipeline.stop_feeder()
                 pipeline._pass_kept = None
             store.pop(id(source), None)
@@ -299,7 +277,7 @@ class TrainPipelineSparseDist:
     def _keep_read_ahead(self) -> ReadAhead:
         """Stop the pass; keep the batches it read ahead that no step took for its iterator (first when it is back)."""
         source, feeder = self._source, self._pipeline.feeder
-        kept = ReadAhead(self._take_held() + self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
+        kept = ReadAhead(self._pipeline.stop_feeder(keep_unused=True), rest=self._pass_kept)
         self._pass_kept = None
         if source is not None and feeder is not None:
             self._read_ahead[id(source)] = (_reference(source), kept)
@@ -331,7 +309,8 @@ class TrainPipelineSparseDist:
             return  # (at exit: a script's pipeline left open, nothing after it to take its batches)
         try:
             with feeder._cond:
-                dropped = sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
+                dropped = (sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
+                           + (feeder.peeked is not None))
             if dropped:
                 warnings.warn(f"lightning_rec pipeline: a TrainPipelineSparseDist was let go mid-pass, dropping "
                               f"{dropped} batch(es) it had read ahead of its steps; call pipeline.close() instead: it "
