@@ -79,6 +79,14 @@ def _semi_sync_worker(rank, W, steps):
     assert not [k for k in ref_weights if not torch.equal(ref_weights[k], weights[k])]
     # and not the synchronous run: the lookups did read tables one update stale
     assert sums[0] == references[False][0][0] and sums[1] != references[False][0][1]
+    # stopped mid-pass: the batch the last step took early comes back first, nothing lost
+    dmp, opt = _build(W)
+    pipeline, it = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(semi_sync=True)), iter(batches)
+    for _ in range(3):
+        pipeline.progress(it)
+    rest = list(pipeline.close()) + list(it)
+    assert [torch.equal(b.dense_features, c.dense_features) for b, c in zip(rest, batches[3:])] == [True] * (steps - 3)
+    assert len(rest) == steps - 3
     return len(sums)
 
 
