@@ -113,6 +113,7 @@ class RecStrategy(DDPStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._pipeline_config = PipelineConfig.of(pipeline)
         self._step_batch: Any = None  # semi_sync: the batch this training step trains
+        self._warned_manual_semi_sync = False
         self._pipelines: list = []  # one per dataloader of this run's loops (closed at teardown)
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []
@@ -455,6 +456,11 @@ class RecStrategy(DDPStrategy):
         """semi_sync: the next batch is taken from the pipeline now and looked up before this step's backward.
         Automatic optimization only: a manual step has run its backward already."""
         module = self.lightning_module
+        if module is not None and not module.automatic_optimization and not self._warned_manual_semi_sync:
+            self._warned_manual_semi_sync = True
+            warnings.warn("RecStrategy(pipeline=PipelineConfig(semi_sync=True)) with manual optimization: the step "
+                          "runs its own backward before the next batch could be looked up, so the pipeline runs "
+                          "synchronously (sparse_dist)", stacklevel=2)
         if module is None or not module.automatic_optimization or not torch.is_grad_enabled():
             return
         for pipeline in self._pipelines:
