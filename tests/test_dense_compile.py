@@ -69,7 +69,7 @@ def _hand_loop(batches, compile_dense):
     return torch.stack(losses), _weights(dmp), dmp.compiled_dense, said
 
 
-def _fit(compile_dense):
+def _fit(compile_dense, pipeline: bool):
     from lightning_rec import DLRMModule
     from lightning_rec.strategy import RecStrategy
 
@@ -83,7 +83,7 @@ def _fit(compile_dense):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].detach())
 
-    strategy = RecStrategy(compile_dense=compile_dense)
+    strategy = RecStrategy(compile_dense=compile_dense, pipeline=pipeline)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         num_sanity_val_steps=0, callbacks=[Losses()])
@@ -94,7 +94,8 @@ def _fit(compile_dense):
 def _compile_worker(rank, W):
     batches = list(_take(_loader(rank, 6), 6))
     eager, compiled = _hand_loop(batches, False), _hand_loop(batches, AOT)
-    fit_eager, fit_compiled = _fit(False), _fit(AOT)
+    # compiled and pipelined against the plain eager loop (pipelined equals plain exactly: test_pipeline.py)
+    fit_eager, fit_compiled = _fit(False, pipeline=False), _fit(AOT, pipeline=True)
     return eager, compiled, fit_eager, fit_compiled
 
 
