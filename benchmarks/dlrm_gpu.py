@@ -28,7 +28,9 @@ first mode), figures.pipelined_samples_s_<mode>, figures.plain_host_samples_s_<m
 1.6.1's pipelined figures on an H100 for the same shapes (1.67M fp32 / 1.83M TF32) as
 figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with its default
 PipelineConfig (feeder_collectives="auto": "concurrent" at one rank, NCCL included) and, in the same
-rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>).
+rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>) and
+semi-synchronously (PipelineConfig(semi_sync=True): figures.pipelined_semi_sync_samples_s_<mode>,
+ratios.semi_sync_vs_sparse_dist[_cuda] of the first mode).
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
                              ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
     # the default pipeline (feeder_collectives="auto": concurrent at one rank) and the order several NCCL ranks use
     other = "in_step_order"
-    out = {m: {"plain": [], "pipelined": [], f"pipelined_{other}": []} for m in modes}
+    out = {m: {"plain": [], "pipelined": [], f"pipelined_{other}": [], "pipelined_semi_sync": []} for m in modes}
 
     def plain() -> float:
         for i, b in enumerate(loader):
@@ -227,8 +229,8 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
         sync(device)
         return args.batch * steps / (time.perf_counter() - t0)
 
-    def pipelined(feeder_collectives: str = "auto") -> float:
-        config = PipelineConfig(feeder_collectives=feeder_collectives)
+    def pipelined(feeder_collectives: str = "auto", semi_sync: bool = False) -> float:
+        config = PipelineConfig(feeder_collectives=feeder_collectives, semi_sync=semi_sync)
         with TrainPipelineSparseDist(dmp, opt, device, config) as pipeline:
             it = iter(loader)
             for i in range(steps + warmup):
@@ -242,10 +244,10 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
     for r in range(args.rounds):
         for mode in modes:
             with set_mode(mode):
-                kinds = ["plain", "pipelined", f"pipelined_{other}"]
-                for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    out[mode][kind].append(plain() if kind == "plain" else
-                                           pipelined() if kind == "pipelined" else pipelined(other))
+                runs = {"plain": plain, "pipelined": pipelined, f"pipelined_{other}": lambda: pipelined(other),
+                        "pipelined_semi_sync": lambda: pipelined(semi_sync=True)}
+                for kind in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+                    out[mode][kind].append(runs[kind]())
     return out
 
 
@@ -266,16 +268,22 @@ def pipeline_main(args, modes, device: torch.device) -> None:
         if ref is not None and device.type == "cuda":
             figures[f"torchrec_pipelined_samples_s_{mode}"] = ref
             figures[f"pipelined_vs_torchrec_{mode}"] = pi / ref
-        other = next(k for k in runs[mode] if k.startswith("pipelined_"))
-        po = statistics.median(runs[mode][other])
+        other = next(k for k in runs[mode] if k.startswith("pipelined_in"))
+        po, semi = statistics.median(runs[mode][other]), statistics.median(runs[mode]["pipelined_semi_sync"])
         print(f"{'':<8}{other + ' (feeder_collectives)':>48}{po:>12,.0f}{po / pl_:>8.3f}")
+        print(f"{'':<8}{'pipelined_semi_sync':>48}{semi:>12,.0f}{semi / pl_:>8.3f}")
         figures[f"{other}_samples_s_{mode}"] = po
+        figures[f"pipelined_semi_sync_samples_s_{mode}"] = semi
         results.append({"mode": mode, "plain_samples_per_s": pl_, "pipelined_samples_per_s": pi,
                         f"{other}_samples_per_s": po, "per_round_plain": runs[mode]["plain"],
-                        "per_round_pipelined": runs[mode]["pipelined"], f"per_round_{other}": runs[mode][other]})
+                        "per_round_pipelined": runs[mode]["pipelined"], f"per_round_{other}": runs[mode][other],
+                        "per_round_semi_sync": runs[mode]["pipelined_semi_sync"]})
     first = modes[0]
     key = "pipelined_vs_plain_cuda" if device.type == "cuda" else "pipelined_vs_plain"
-    ratios = {key: statistics.median(runs[first]["pipelined"]) / statistics.median(runs[first]["plain"])}
+    sparse_dist = statistics.median(runs[first]["pipelined"])
+    semi_key = "semi_sync_vs_sparse_dist" + ("_cuda" if device.type == "cuda" else "")
+    ratios = {key: sparse_dist / statistics.median(runs[first]["plain"]),
+              semi_key: statistics.median(runs[first]["pipelined_semi_sync"]) / sparse_dist}
     print(json.dumps({"benchmark": "dlrm_gpu", "results": results, "ratios": ratios, "figures": figures}))
 
 
