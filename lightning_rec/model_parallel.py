@@ -45,7 +45,7 @@ from lightning_rec import comm
 from lightning_rec._compat import ddp_has_forward_sync_buffers
 from lightning_rec._device import with_cuda_index  # noqa: F401  (imported from here too)
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
-from lightning_rec.dense_compile import compile_dense as compile_dense_layers
+from lightning_rec.dense_compile import compile_dense as _compile_dense
 from lightning_rec.dense_compile import compile_options
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
 from lightning_rec.errors import short_repr
@@ -325,7 +325,9 @@ class DistributedModelParallel(nn.Module):
         object.__setattr__(self, "_unwrapped", module)
         self._dmp_wrapped_module, self.dense = module, None
         # the dense layers compiled (their names), each whole; the collections outside the graphs
-        self.compiled_dense = compile_dense_layers(module, compile_with) if compile_with is not None else []
+        self.compiled_dense: list[str] = []
+        if compile_with is not None:
+            self.compiled_dense = _compile_dense(module, compile_with)
         if dense is not None:
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
@@ -438,6 +440,14 @@ class DistributedModelParallel(nn.Module):
         self._dmp_wrapped_module = self._wrap_dense(self._unwrapped, dense, self._device, self._pg, ddp_kwargs or {},
                                                     self._transport, self._guard)
         self.dense = dense if self._dmp_wrapped_module is not self._unwrapped or dense == "fsdp" else None
+
+    def compile_dense_layers(self, compile_dense: bool | dict = True, cuda_graphs: bool = False) -> list[str]:
+        """As the constructor's compile_dense / cuda_graphs, later (a model sharded by an earlier run); the names of
+        the dense layers compiled now (none where they were compiled already)."""
+        options = compile_options(compile_dense, "DistributedModelParallel", cuda_graphs)
+        names = _compile_dense(self._unwrapped, options) if options is not None else []
+        self.compiled_dense += names
+        return names
 
     def init_data_parallel(self) -> None:
         """TorchRec's: wrap the dense layers in DDP now (after DistributedModelParallel(init_data_parallel=False));

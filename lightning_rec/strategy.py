@@ -200,6 +200,7 @@ class RecStrategy(DDPStrategy):
         if dense is not None and prior.dense not in (None, dense):
             raise ValueError(f"RecStrategy(dense={dense!r}), but an earlier Trainer wrapped this LightningModule's "
                              f"dense layers with {prior.dense!r}: use dense={prior.dense!r}, or {fix}")
+        prior.compile_dense_layers(**self._compile)  # (none again where an earlier run compiled them)
         if dense is not None:  # a fit: a new DDP wrapper (Lightning unwrapped the last one at teardown)
             prior.wrap_dense(dense, self._ddp_kwargs)
         return prior
