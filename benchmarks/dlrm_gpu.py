@@ -299,7 +299,8 @@ def pipeline_main(args, modes, device: torch.device) -> None:
         results.append({"mode": mode, "plain_samples_per_s": pl_, "pipelined_samples_per_s": pi,
                         f"{other}_samples_per_s": po, "per_round_plain": runs[mode]["plain"],
                         "per_round_pipelined": runs[mode]["pipelined"], f"per_round_{other}": runs[mode][other],
-                        "per_round_semi_sync": runs[mode]["pipelined_semi_sync"]})
+                        "per_round_semi_sync": runs[mode]["pipelined_semi_sync"],
+                        "per_round_compiled": runs[mode].get("pipelined_compiled")})
     first = modes[0]
     key = "pipelined_vs_plain_cuda" if device.type == "cuda" else "pipelined_vs_plain"
     sparse_dist = statistics.median(runs[first]["pipelined"])
