@@ -28,7 +28,16 @@ first mode), figures.pipelined_samples_s_<mode>, figures.plain_host_samples_s_<m
 1.6.1's pipelined figures on an H100 for the same shapes (1.67M fp32 / 1.83M TF32) as
 figures.torchrec_pipelined_samples_s_<mode> for comparison. The pipeline runs with its default
 PipelineConfig (feeder_collectives="auto": "concurrent" at one rank, NCCL included) and, in the same
-rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>).
+rounds, with the order NCCL needs at several ranks (figures.pipelined_in_step_order_samples_s_<mode>) and
+semi-synchronously (PipelineConfig(semi_sync=True): figures.pipelined_semi_sync_samples_s_<mode>,
+ratios.semi_sync_vs_sparse_dist[_cuda] of the first mode).
+
+    python benchmarks/dlrm_gpu.py --pipeline --compile-dense {default,cuda_graphs}
+
+`--compile-dense`: a second model of the same shapes, its dense layers compiled
+(DistributedModelParallel(compile_dense=True), or cuda_graphs=True: CUDA graphs through
+mode="reduce-overhead"), pipelined in the same rounds: figures.pipelined_compiled_samples_s_<mode>,
+ratios.compiled_vs_eager[_cuda] (pipelined, first mode). Compiling happens in the warm-up steps.
 """
 
 from __future__ import annotations
@@ -205,14 +214,23 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
         host = [b.pin_memory() for b in host]
     steps, warmup = args.steps, 3
     loader = DataLoader([host[i % len(host)] for i in range(steps + warmup)], batch_size=None)
-    module = build_module(args, keys, "meta")
-    module.configure_model()
-    dmp = DistributedModelParallel(TrainStep(module.model), device=device)
-    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
-                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01))])
+
+    def build(**compile_args):
+        module = build_module(args, keys, "meta")
+        module.configure_model()
+        dmp = DistributedModelParallel(TrainStep(module.model), device=device, **compile_args)
+        dense = torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01)
+        return dmp, CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
+
+    dmp, opt = build()
+    compiled = None
+    if args.compile_dense:
+        compiled = build(**({"cuda_graphs": True} if args.compile_dense == "cuda_graphs" else {"compile_dense": True}))
     # the default pipeline (feeder_collectives="auto": concurrent at one rank) and the order several NCCL ranks use
     other = "in_step_order"
-    out = {m: {"plain": [], "pipelined": [], f"pipelined_{other}": []} for m in modes}
+    kinds = ["plain", "pipelined", f"pipelined_{other}", "pipelined_semi_sync"]
+    kinds += ["pipelined_compiled"] if compiled else []
+    out = {m: {k: [] for k in kinds} for m in modes}
 
     def plain() -> float:
         for i, b in enumerate(loader):
@@ -227,9 +245,9 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
         sync(device)
         return args.batch * steps / (time.perf_counter() - t0)
 
-    def pipelined(feeder_collectives: str = "auto") -> float:
-        config = PipelineConfig(feeder_collectives=feeder_collectives)
-        with TrainPipelineSparseDist(dmp, opt, device, config) as pipeline:
+    def pipelined(feeder_collectives: str = "auto", semi_sync: bool = False, model=None) -> float:
+        config = PipelineConfig(feeder_collectives=feeder_collectives, semi_sync=semi_sync)
+        with TrainPipelineSparseDist(*(model or (dmp, opt)), device, config) as pipeline:
             it = iter(loader)
             for i in range(steps + warmup):
                 if i == warmup:
@@ -242,10 +260,12 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
     for r in range(args.rounds):
         for mode in modes:
             with set_mode(mode):
-                kinds = ["plain", "pipelined", f"pipelined_{other}"]
-                for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    out[mode][kind].append(plain() if kind == "plain" else
-                                           pipelined() if kind == "pipelined" else pipelined(other))
+                runs = {"plain": plain, "pipelined": pipelined, f"pipelined_{other}": lambda: pipelined(other),
+                        "pipelined_semi_sync": lambda: pipelined(semi_sync=True),
+                        "pipelined_compiled": lambda: pipelined(model=compiled)}
+                runs = {k: runs[k] for k in kinds}
+                for kind in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+                    out[mode][kind].append(runs[kind]())
     return out
 
 
@@ -266,16 +286,30 @@ def pipeline_main(args, modes, device: torch.device) -> None:
         if ref is not None and device.type == "cuda":
             figures[f"torchrec_pipelined_samples_s_{mode}"] = ref
             figures[f"pipelined_vs_torchrec_{mode}"] = pi / ref
-        other = next(k for k in runs[mode] if k.startswith("pipelined_"))
-        po = statistics.median(runs[mode][other])
+        other = next(k for k in runs[mode] if k.startswith("pipelined_in"))
+        po, semi = statistics.median(runs[mode][other]), statistics.median(runs[mode]["pipelined_semi_sync"])
         print(f"{'':<8}{other + ' (feeder_collectives)':>48}{po:>12,.0f}{po / pl_:>8.3f}")
+        print(f"{'':<8}{'pipelined_semi_sync':>48}{semi:>12,.0f}{semi / pl_:>8.3f}")
         figures[f"{other}_samples_s_{mode}"] = po
+        figures[f"pipelined_semi_sync_samples_s_{mode}"] = semi
+        if "pipelined_compiled" in runs[mode]:
+            comp = statistics.median(runs[mode]["pipelined_compiled"])
+            print(f"{'':<8}{'pipelined_compiled (' + args.compile_dense + ')':>48}{comp:>12,.0f}{comp / pl_:>8.3f}")
+            figures[f"pipelined_compiled_samples_s_{mode}"] = comp
         results.append({"mode": mode, "plain_samples_per_s": pl_, "pipelined_samples_per_s": pi,
                         f"{other}_samples_per_s": po, "per_round_plain": runs[mode]["plain"],
-                        "per_round_pipelined": runs[mode]["pipelined"], f"per_round_{other}": runs[mode][other]})
+                        "per_round_pipelined": runs[mode]["pipelined"], f"per_round_{other}": runs[mode][other],
+                        "per_round_semi_sync": runs[mode]["pipelined_semi_sync"],
+                        "per_round_compiled": runs[mode].get("pipelined_compiled")})
     first = modes[0]
     key = "pipelined_vs_plain_cuda" if device.type == "cuda" else "pipelined_vs_plain"
-    ratios = {key: statistics.median(runs[first]["pipelined"]) / statistics.median(runs[first]["plain"])}
+    sparse_dist = statistics.median(runs[first]["pipelined"])
+    semi_key = "semi_sync_vs_sparse_dist" + ("_cuda" if device.type == "cuda" else "")
+    ratios = {key: sparse_dist / statistics.median(runs[first]["plain"]),
+              semi_key: statistics.median(runs[first]["pipelined_semi_sync"]) / sparse_dist}
+    if "pipelined_compiled" in runs[first]:
+        ratios["compiled_vs_eager" + ("_cuda" if device.type == "cuda" else "")] = (
+            statistics.median(runs[first]["pipelined_compiled"]) / sparse_dist)
     print(json.dumps({"benchmark": "dlrm_gpu", "results": results, "ratios": ratios, "figures": figures}))
 
 
@@ -292,6 +326,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print where a loop step's time goes (once a mode)")
     parser.add_argument("--pipeline", action="store_true",
                         help="plain loop vs TrainPipelineSparseDist over pinned host batches (see the module doc)")
+    parser.add_argument("--compile-dense", choices=["default", "cuda_graphs"], default=None,
+                        help="--pipeline: also a model with compiled dense layers (see the module doc)")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: 1,000-row tables, batch 1024, 3 steps, one round (every mode and variant)")
     args = parser.parse_args()

@@ -34,6 +34,15 @@ def compiler_disable_takes_reason() -> bool:
 
 
 @functools.cache
+def dynamo_capture_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile(fullgraph=True) raises for a function it cannot capture whole or compile (graph breaks,
+    data-dependent control flow, a backend failure): torch._dynamo.exc's base class, torch 2.11-2.13."""
+    from torch._dynamo import exc
+
+    return (exc.TorchDynamoException,)
+
+
+@functools.cache
 def distribute_tensor_takes_src_data_rank() -> bool:
     """distribute_tensor(..., src_data_rank=None) keeps each rank's own copy: torch >= 2.6."""
     from torch.distributed.tensor import distribute_tensor

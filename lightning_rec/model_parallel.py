@@ -45,6 +45,8 @@ from lightning_rec import comm
 from lightning_rec._compat import ddp_has_forward_sync_buffers
 from lightning_rec._device import with_cuda_index  # noqa: F401  (imported from here too)
 from lightning_rec.collective_guard import CollectiveGuard, CollectiveMismatch, named_failure_allreduce_hook
+from lightning_rec.dense_compile import compile_dense as _compile_dense
+from lightning_rec.dense_compile import compile_options
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection, refuse_dtype_cast
 from lightning_rec.errors import short_repr
 from lightning_rec.optim import adopt_torch_in_backward, gather_fused_gradients
@@ -262,6 +264,11 @@ class DistributedModelParallel(nn.Module):
             embedding all-to-alls and DDP's gradient all-reduce move bytes through shared memory
             (shm_transport.py; gloo carries only a barrier), else through gloo. False: always gloo
             (e.g. to register your own DDP comm hook). True: shared memory or a ValueError.
+        compile_dense: True (or a dict of torch.compile arguments) compiles the dense layers, the largest
+            submodules with no collection inside, each whole and in place; the embedding lookups stay outside
+            the graphs. One that cannot be captured whole runs eagerly, named in one warning (dense_compile.py).
+        cuda_graphs: CUDA only: the compiled dense layers replay as CUDA graphs (compile_dense with
+            torch.compile's mode="reduce-overhead"; one graph per batch shape).
     """
 
     def __init__(self, module: nn.Module, plan: ShardingPlan | None = None, device: torch.device | str | None = None,
@@ -269,8 +276,10 @@ class DistributedModelParallel(nn.Module):
                  local_world_size: int | None = None, ddp_kwargs: dict | None = None,
                  shared_memory: bool | None = None,
                  timeout_setting: str = "DistributedModelParallel(timeout=...)", sharders=None, env=None,
-                 init_data_parallel: bool = True) -> None:
+                 init_data_parallel: bool = True, compile_dense: bool | dict = False,
+                 cuda_graphs: bool = False) -> None:
         super().__init__()
+        compile_with = compile_options(compile_dense, "DistributedModelParallel", cuda_graphs)
         if not init_data_parallel:  # TorchRec's: the dense layers are left unwrapped
             dense = None
         self._timeout_s = _check_arguments(plan, dense, timeout, timeout_setting, sharders=sharders, env=env)
@@ -315,6 +324,10 @@ class DistributedModelParallel(nn.Module):
         self._pg, self.world_size, self._local_world_size = pg, world_size, local_world_size
         object.__setattr__(self, "_unwrapped", module)
         self._dmp_wrapped_module, self.dense = module, None
+        # the dense layers compiled (their names), each whole; the collections outside the graphs
+        self.compiled_dense: list[str] = []
+        if compile_with is not None:
+            self.compiled_dense = _compile_dense(module, compile_with)
         if dense is not None:
             self.wrap_dense(dense, ddp_kwargs)
         self._fused_optimizer: FusedOptimizer | None = None
@@ -427,6 +440,14 @@ class DistributedModelParallel(nn.Module):
         self._dmp_wrapped_module = self._wrap_dense(self._unwrapped, dense, self._device, self._pg, ddp_kwargs or {},
                                                     self._transport, self._guard)
         self.dense = dense if self._dmp_wrapped_module is not self._unwrapped or dense == "fsdp" else None
+
+    def compile_dense_layers(self, compile_dense: bool | dict = True, cuda_graphs: bool = False) -> list[str]:
+        """As the constructor's compile_dense / cuda_graphs, later (a model sharded by an earlier run); the names of
+        the dense layers compiled now (none where they were compiled already)."""
+        options = compile_options(compile_dense, "DistributedModelParallel", cuda_graphs)
+        names = _compile_dense(self._unwrapped, options) if options is not None else []
+        self.compiled_dense += names
+        return names
 
     def init_data_parallel(self) -> None:
         """TorchRec's: wrap the dense layers in DDP now (after DistributedModelParallel(init_data_parallel=False));

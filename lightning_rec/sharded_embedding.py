@@ -316,6 +316,12 @@ class _ShardedCollectionBase(nn.Module):
 
     # pipeline/feeder.py sets it while a pipeline runs: a batch it routed ahead comes back from it
     _input_source = None
+    # and this one: an output a semi-synchronous pipeline computed ahead (before the last batch's update) comes back
+    _output_source = None
+
+    def _ahead(self, features: KeyedJaggedTensor):
+        source = self._output_source
+        return None if source is None else source(self, features)
 
     def input_dist(self, features: KeyedJaggedTensor) -> ShardedBatch:
         source = self._input_source
@@ -659,7 +665,8 @@ class ShardedEmbeddingBagCollection(_ShardedCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return collection_call(self, features)  # one node in a torch.fx trace
+        ahead = self._ahead(features)
+        return collection_call(self, features) if ahead is None else ahead  # one node in a torch.fx trace
 
     def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         batch = self.input_dist(features)  # ids travel to the ranks that own their rows
@@ -720,7 +727,8 @@ class ShardedEmbeddingCollection(_ShardedCollectionBase):
         return list(self._configs)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return collection_call(self, features)  # one node in a torch.fx trace
+        ahead = self._ahead(features)
+        return collection_call(self, features) if ahead is None else ahead  # one node in a torch.fx trace
 
     def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         batch = self.input_dist(features)  # ids travel to the ranks that own their rows

@@ -43,6 +43,7 @@ from lightning_rec import checkpoint as rec_checkpoint
 from lightning_rec._strategy import groups, loaders
 from lightning_rec._strategy.groups import CLOSE_AFTER_ERROR_S, close_process_groups  # noqa: F401  (imported from here)
 from lightning_rec._strategy.signals import SignalTakeover, workers_outlive_sigterm
+from lightning_rec.dense_compile import compile_options
 from lightning_rec.embedding import fused_table_modules
 from lightning_rec.model_parallel import DistributedModelParallel
 from lightning_rec.optim import fused_modules, holds_fused_optimizer
@@ -72,6 +73,9 @@ class RecStrategy(DDPStrategy):
         pipeline: True (or a depth, or a PipelineConfig) runs every loop pipelined: the next batch is
             read, copied and its ids routed while this one computes (lightning_rec.pipeline); the
             LightningModule's steps stay as they are.
+        compile_dense: True (or a dict of torch.compile arguments): torch.compile on the dense layers, the
+            embedding lookups outside the graphs (DistributedModelParallel's argument).
+        cuda_graphs: CUDA only: the compiled dense layers replay as CUDA graphs (mode="reduce-overhead").
         **kwargs: DDPStrategy's arguments (process_group_backend, find_unused_parameters, ...).
     """
 
@@ -83,7 +87,8 @@ class RecStrategy(DDPStrategy):
     # typed (not Any): jsonargparse then names a recipe's misspelt `planner:` field instead of handing on a dict
     def __init__(self, plan: ShardingPlan | None = None, planner: EmbeddingShardingPlanner | None = None,
                  dense: str = "ddp", embedding_timeout: float = 300.0, pipeline: Any = False,
-                 checkpoint_format: str = "dcp", **kwargs: Any) -> None:
+                 checkpoint_format: str = "dcp", compile_dense: bool | dict = False, cuda_graphs: bool = False,
+                 **kwargs: Any) -> None:
         if dense not in ("ddp", "fsdp"):
             raise ValueError(f"RecStrategy(dense={dense!r}): use 'ddp' or 'fsdp'")
         if checkpoint_format not in rec_checkpoint.FORMATS:
@@ -97,6 +102,8 @@ class RecStrategy(DDPStrategy):
             raise ValueError(f"RecStrategy(plan=...) takes a ShardingPlan, got a {type(plan).__name__}: build it with "
                              f"ShardingPlan({{module_path: construct_module_sharding_plan(collection, {{table: "
                              f"row_wise(), ...}})}}) (README, 'Many ranks')")
+        compile_options(compile_dense, "RecStrategy", cuda_graphs)  # refused here, not at setup
+        self._compile = dict(compile_dense=compile_dense, cuda_graphs=cuda_graphs)
         self._checkpoint_format = checkpoint_format
         super().__init__(**_given_ddp_kwargs(kwargs))
         self._plan = plan
@@ -105,6 +112,8 @@ class RecStrategy(DDPStrategy):
         self._embedding_timeout = embedding_timeout
         self._dmp: DistributedModelParallel | None = None
         self._pipeline_config = PipelineConfig.of(pipeline)
+        self._step_batch: Any = None  # semi_sync: the batch this training step trains
+        self._warned_manual_semi_sync = False
         self._pipelines: list = []  # one per dataloader of this run's loops (closed at teardown)
         self._backwards_unstepped = 0  # manual optimization: backwards since the last optimizer step
         self._step_hooks: list = []
@@ -170,6 +179,7 @@ class RecStrategy(DDPStrategy):
             module, plan=plan, device=self.root_device, dense=dense,
             timeout=timedelta(seconds=self._embedding_timeout), ddp_kwargs=self._ddp_kwargs,
             timeout_setting="RecStrategy(embedding_timeout=...)", local_world_size=self.num_processes,
+            **self._compile,
         )
         # in the module's own __dict__ (not a submodule): a later Trainer over this module finds its tables sharded
         vars(module)[_SHARDED_BY] = self._dmp
@@ -195,6 +205,7 @@ class RecStrategy(DDPStrategy):
         if dense is not None and prior.dense not in (None, dense):
             raise ValueError(f"RecStrategy(dense={dense!r}), but an earlier Trainer wrapped this LightningModule's "
                              f"dense layers with {prior.dense!r}: use dense={prior.dense!r}, or {fix}")
+        prior.compile_dense_layers(**self._compile)  # (none again where an earlier run compiled them)
         if dense is not None:  # a fit: a new DDP wrapper (Lightning unwrapped the last one at teardown)
             prior.wrap_dense(dense, self._ddp_kwargs)
         return prior
@@ -229,6 +240,7 @@ class RecStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._step_batch = batch
         # SLURM's requeue signal, agreed on: Lightning's handler, on every rank here (before the step's collectives)
         self._signals.run_due_requeue()
         # after the callbacks' and the module's on_train_*_start hooks, where BaseFinetuning (un)freezes
@@ -316,13 +328,16 @@ class RecStrategy(DDPStrategy):
         its first loader while the others go on to Lightning's collectives: a Store timeout naming no setting)."""
         if self.world_size <= 1 or not dist.is_initialized():
             return
-        depth = self._pipeline_config.depth if self._pipeline_config is not None else 0
-        depths = [d for (d,) in comm.agree([depth], device=self.root_device, tag="the ranks' pipeline depths")]
+        config = self._pipeline_config
+        depth, semi = (config.depth, int(config.semi_sync)) if config is not None else (0, 0)
+        rows = comm.agree([depth, semi], device=self.root_device, tag="the ranks' pipeline depths")
+        depths, semis = [d for d, _ in rows], sorted({bool(x) for _, x in rows})
         least, most = min(depths), max(depths)
-        if least != most:
+        if least != most or len(semis) > 1:
             raise ValueError(f"RecStrategy(pipeline=...) differs between ranks: rank {self.global_rank} has depth "
-                             f"{depth}, the ranks' depths range from {least} to {most} (0: not pipelined). Pass "
-                             f"the same pipeline setting on every rank")
+                             f"{depth} and semi_sync={bool(semi)}; the ranks' depths range from {least} to {most} "
+                             f"(0: not pipelined), their semi_sync settings are {semis}. Pass the same pipeline "
+                             f"setting on every rank")
 
     def _warn_if_fused_optimizer_left_out(self) -> None:
         """configure_optimizers returned only a dense optimizer while tables train fused: said, not silent.
@@ -439,7 +454,27 @@ class RecStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         self._step_done()
+        if self._pipeline_config is not None and self._pipeline_config.semi_sync:
+            self._look_ahead()
         return out
+
+    def _look_ahead(self) -> None:
+        """semi_sync: the next batch is taken from the pipeline now and looked up before this step's backward.
+        Automatic optimization only: a manual step has run its backward already."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization and not self._warned_manual_semi_sync:
+            self._warned_manual_semi_sync = True
+            warnings.warn("RecStrategy(pipeline=PipelineConfig(semi_sync=True)) with manual optimization: the step "
+                          "runs its own backward before the next batch could be looked up, so the pipeline runs "
+                          "synchronously (sparse_dist)", stacklevel=2)
+        if module is None or not module.automatic_optimization or not torch.is_grad_enabled():
+            return
+        for pipeline in self._pipelines:
+            if pipeline.feeder is not None and pipeline.owns(self._step_batch):
+                after = pipeline.feeder.peek()
+                if after is not None:
+                    pipeline.look_ahead(after)
+                return
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ def test_torch_probes_on_the_installed_torch():
     assert _compat.compiler_disable_takes_reason()
     assert _compat.distribute_tensor_takes_src_data_rank()
     assert _compat.pytree_takes_flatten_with_keys()
+    assert all(issubclass(e, RuntimeError) for e in _compat.dynamo_capture_errors())
     defaults = _compat.ddp_keyword_defaults()
     assert defaults["process_group"] is None and defaults["gradient_as_bucket_view"] is False
     assert "module" not in defaults  # no default: not an argument a recipe can spell out at its default

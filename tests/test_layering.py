@@ -22,7 +22,7 @@ FLOORS = [  # lowest first
     ("managed_collision",),
     ("sharding", "planner"),
     ("input_dist", "output_dist", "sharded_embedding"),
-    ("model_parallel", "plan_verbs", "plan_checks"),
+    ("model_parallel", "plan_verbs", "plan_checks", "dense_compile"),
     ("pipeline",),
     ("serving",),
     ("checkpoint",),

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conftest import SHARED_DATA, needs_wandb
 
 from lightning_rec import DLRMModule, SyntheticCriteoDataModule
+from lightning_rec.pipeline import PipelineConfig
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
 from lightning_rec.strategy import RecStrategy
 from tests.dist_utils import run_ranks
@@ -1096,11 +1097,14 @@ def test_manual_gradient_accumulation_with_fused_tables_warns_once(tmp_path):
         L.Trainer(**kw).fit(_ManualModule(every=2), data)
     said = [w for w in caught if "second backward" in str(w.message)]
     assert len(said) == 1 and said[0].filename == __file__  # once, at the user's manual_backward line
-    for module in (_ManualModule(every=1), _ManualModule(every=1, raw=True)):  # a step after every backward: quiet
-        with warnings.catch_warnings(record=True) as caught:
+    semi_sync = RecStrategy(pipeline=PipelineConfig(semi_sync=True))
+    for module, strategy in ((_ManualModule(every=1), "rec"), (_ManualModule(every=1, raw=True), semi_sync)):
+        with warnings.catch_warnings(record=True) as caught:  # a step after every backward: quiet
             warnings.simplefilter("always")
-            L.Trainer(**kw).fit(module, data)
+            L.Trainer(**{**kw, "strategy": strategy}).fit(module, data)
         assert not [w for w in caught if "second backward" in str(w.message)]
+    # the semi-synchronous pipeline cannot look ahead of a manual step's own backward: it says so, once
+    assert len([w for w in caught if "manual optimization: the step runs its own backward" in str(w.message)]) == 1
 
 
 def _planner_built_before_the_ranks_worker(rank, world_size, planner):

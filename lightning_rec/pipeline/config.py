@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_rec._device import no_cuda_error
+
 _STAGES_AHEAD = {"sparse_dist": ("read", "copy", "input_dist")}
 
 
@@ -16,11 +18,18 @@ class PipelineConfig:
 
     feeder_collectives: when the feeder runs its collectives: "concurrent" (as soon as a batch is read), "in_step_order"
     (only while the step's thread waits for that batch, so every rank launches both threads' collectives in one order,
-    as NCCL needs), or "auto": in_step_order on NCCL with more than one rank."""
+    as NCCL needs), or "auto": in_step_order on NCCL with more than one rank.
+
+    semi_sync: batch i+1's lookup and embedding all-to-all run before batch i's backward, as TorchRec's
+    TrainPipelineSemiSync: batch i reads the tables as they were before batch i-1's update (one update stale).
+    prefetch: an extra stage that prefetches the next batch's rows of fused_uvm_caching tables into their device
+    cache (a CUDA device only)."""
 
     depth: int = 1
     variant: str = "sparse_dist"
     feeder_collectives: str = "auto"
+    semi_sync: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.variant not in _STAGES_AHEAD:
@@ -30,6 +39,11 @@ class PipelineConfig:
                              f"{FEEDER_COLLECTIVES}")
         if int(self.depth) < 1:
             raise ValueError(f"PipelineConfig(depth={self.depth}): use depth >= 1 (batches routed ahead)")
+        if self.prefetch:
+            error = no_cuda_error("PipelineConfig(prefetch=True) (it fills fused_uvm_caching tables' device cache)",
+                                  "tables on the CPU have no cache to prefetch into: leave prefetch out")
+            if error is not None:
+                raise error
 
     @classmethod
     def of(cls, value: bool | int | dict | PipelineConfig | None) -> PipelineConfig | None:

@@ -44,8 +44,11 @@ class _Inputs:
         self.read_ahead: dict[int, tuple[Any, Any]] = {}
         self.iterables: dict[int, tuple[Any, Any]] = {}  # TrainPipelineSparseDist: a DataLoader's current pass
         self._warned_read_ahead = False
+        # semi_sync: (id(module), id(kjt)) -> (kjt, the collection's output computed ahead), taken once
+        self.looked_up: dict[tuple[int, int], tuple[KeyedJaggedTensor, Any]] = {}
         for m in self.modules:
             m._input_source = self.claim
+            m._output_source = self.claim_output
 
     @classmethod
     def of(cls, model: nn.Module) -> _Inputs:
@@ -98,6 +101,14 @@ class _Inputs:
         """Was `batch` handed out by a feeder (so it is on the device already)?"""
         with self._lock:
             return self._batches.get(id(batch)) is batch
+
+    def claim_output(self, module: _ShardedCollectionBase, features: KeyedJaggedTensor) -> Any:
+        """The sharded collections' output source: what a semi-synchronous step looked up ahead, or None. Taken once:
+        a second call with the same input looks up again, as in the plain loop (one fused update per call)."""
+        if not self.looked_up:
+            return None
+        held = self.looked_up.pop((id(module), id(features)), None)
+        return held[1] if held is not None and held[0] is features else None
 
     def claim(self, module: _ShardedCollectionBase, features: KeyedJaggedTensor) -> ShardedBatch | None:
         """The sharded collections' input source: a routed batch, or None (route it in the step)."""
@@ -220,6 +231,7 @@ class _Feeder(Iterator):
         self._ordered = _in_step_order(config, channels)
         self._turn = -1
         self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
+        self._peeked: Any = None  # semi_sync: the batch peek() took for the next __next__ (_END: the data ended)
         # batches handed out that no collection took (a step that raised before its exchanges), counted as the step's
         # thread asks for batch t (unused[t], the same on every rank that ran the same steps): the agreement of a
         # later batch carries it, so that ranks whose steps no longer pair raise CollectiveMismatch
@@ -239,6 +251,29 @@ class _Feeder(Iterator):
     # main thread ---------------------------------------------------------------------------------
 
     def __next__(self) -> Any:
+        peeked, self._peeked = self._peeked, None
+        if peeked is None:
+            return self._take()
+        if peeked is _END:
+            raise StopIteration
+        return peeked
+
+    def peek(self) -> Any:
+        """semi_sync: the next batch, taken now (its step's lookups run early), handed out by the next __next__;
+        None at the end of the data."""
+        if self._peeked is None:
+            try:
+                self._peeked = self._take()
+            except StopIteration:
+                self._peeked = _END
+        return None if self._peeked is _END else self._peeked
+
+    @property
+    def peeked(self) -> Any:
+        """The batch peek() took that no __next__ has handed out yet, or None."""
+        return None if self._peeked is None or self._peeked is _END else self._peeked
+
+    def _take(self) -> Any:
         if self._finished:
             raise StopIteration
         plan = self.plan
@@ -369,9 +404,11 @@ class _Feeder(Iterator):
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
         self._thread.join(timeout + 30.0)
+        peeked, self._peeked = self._peeked, None
         with self._cond:
-            unused = [item.batch for item in self._queue if isinstance(item, _Entry)] + self._held \
-                if keep_unused else []
+            taken = [peeked] if peeked is not None and peeked is not _END else []
+            queued = [item.batch for item in self._queue if isinstance(item, _Entry)]
+            unused = taken + queued + self._held if keep_unused else []
             self._held = []
         self._finished = True
         self._release_all()

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_rec._compat import persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
 from lightning_rec.errors import short_repr
-from lightning_rec.pipeline.batch import move_to_device
+from lightning_rec.pipeline.batch import find_kjts, move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig
 from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
@@ -30,6 +30,9 @@ class InputPipeline:
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
         self.config = config or PipelineConfig()
+        if self.config.prefetch:  # (the config refuses it where torch has no CUDA device)
+            raise ValueError("PipelineConfig(prefetch=True): this version has no prefetch stage for fused_uvm_caching "
+                             "tables yet; leave prefetch out (their rows are fetched into the cache by the lookup)")
         # "cuda" alone: the current device's index (the feeder thread sets it, and set_device needs one)
         self.device = with_cuda_index(torch.device(device), torch.cuda.current_device,
                                       f"TrainPipelineSparseDist(device={str(device)!r})",
@@ -75,12 +78,27 @@ class InputPipeline:
         keep_unused: return the batches it read ahead that no step took (on the device already), else drop them."""
         unused: list = []
         if self.feeder is not None:
+            if self.feeder.peeked is not None:
+                self.inputs.looked_up = {}  # looked up early for a step that will not come
             unused = self.feeder.close(keep_unused)
             self.feeder = None
         return unused
 
     def owns(self, batch: Any) -> bool:
         return self.inputs.owns(batch)
+
+    def look_ahead(self, batch: Any) -> None:
+        """semi_sync: run `batch`'s lookup and output_dist now, before the current step's backward updates the tables;
+        its step's collections take these outputs (autograd attached: its own backward updates the rows it read)."""
+        self.inputs.looked_up = {}
+        plan = self.plan
+        if not plan.final.is_set():  # the plan is recorded on a step: until then, the next batch runs synchronously
+            return
+        kjts = {path: kjt for kjt, path in find_kjts(batch)}
+        for module, path in plan.routes:
+            kjt = kjts.get(path)
+            if kjt is not None and (id(module), id(kjt)) not in self.inputs.looked_up:
+                self.inputs.looked_up[(id(module), id(kjt))] = (kjt, module(kjt))
 
     def forward_done(self) -> None:
         if self.feeder is not None:
@@ -196,6 +214,8 @@ class TrainPipelineSparseDist:
                 self._iterables.pop(id(iterable), None)  # the next call starts its next pass
             raise
         training = self._model.training and self._optimizer is not None
+        if not training:
+            self._pipeline.inputs.looked_up = {}  # (looked up for a training step) evaluation looks up now
         if training:
             self._optimizer.zero_grad()
         with torch.set_grad_enabled(training and torch.is_grad_enabled()):
@@ -213,9 +233,17 @@ class TrainPipelineSparseDist:
                             f"but {model} returned a {type(losses).__name__} ({short_repr(losses)}): return the loss "
                             f"tensor itself (not loss.item()), so that the pipeline can run its backward")
         if training:
+            if self._pipeline.config.semi_sync:
+                self._look_ahead()
             torch.sum(losses).backward()
             self._optimizer.step()
         return output
+
+    def _look_ahead(self) -> None:
+        """semi_sync: take the next batch now and look it up before this step's backward (tables one update stale)."""
+        after = self._pipeline.feeder.peek()
+        if after is not None:
+            self._pipeline.look_ahead(after)
 
     def _switch_to(self, source: Iterator) -> None:
         """A pass over `source`; what the last pass read ahead is kept for its iterator, first when it is back."""
@@ -281,7 +309,8 @@ class TrainPipelineSparseDist:
             return  # (at exit: a script's pipeline left open, nothing after it to take its batches)
         try:
             with feeder._cond:
-                dropped = sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
+                dropped = (sum(isinstance(item, _Entry) for item in feeder._queue) + len(feeder._held)
+                           + (feeder.peeked is not None))
             if dropped:
                 warnings.warn(f"lightning_rec pipeline: a TrainPipelineSparseDist was let go mid-pass, dropping "
                               f"{dropped} batch(es) it had read ahead of its steps; call pipeline.close() instead: it "
