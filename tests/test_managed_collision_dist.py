@@ -1,5 +1,7 @@
-"""Managed-collision tables under DistributedModelParallel (2 gloo ranks): the id maps stay the same on every rank
-and equal to one unsharded module fed the global batch; outputs, dense gradients and table pieces match it (1e-5)."""
+"""Managed-collision tables under DistributedModelParallel (2 gloo ranks): each rank keeps the id map of the row
+shards it holds and remaps after the id all-to-all. The reference is the unsharded model whose map is split the same
+way (ids of row shard j, `owner_of(id, k)`, in a module of their own over that shard's rows), fed the global batch:
+outputs, dense gradients, id maps and (id -> row content) pairs match it (1e-5); the pipeline matches the plain loop."""
 
 import torch
 from dist_utils import run_ranks
@@ -10,30 +12,67 @@ from lightning_rec.managed_collision import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
+    reinit_rows,
 )
+from lightning_rec.managed_collision.mch import owner_of
 from lightning_rec.model_parallel import DistributedModelParallel, column_wise, construct_module_sharding_plan, row_wise
 from lightning_rec.optim import FusedOptimizerConfig
-from lightning_rec.sharding.sharded_tensor import ShardedTensor
+from lightning_rec.sharding.layout import row_block_size, split_evenly
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.types import ShardingPlan
 
 ATOL = 1e-5
 KEYS = ["f", "g"]
 DIM = 4
+ROWS = 9
 
 
 class MCModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        tables = [EmbeddingBagConfig(name="t", num_embeddings=9, embedding_dim=DIM, feature_names=KEYS)]
+        tables = [EmbeddingBagConfig(name="t", num_embeddings=ROWS, embedding_dim=DIM, feature_names=KEYS)]
         # adagrad: per-element state, the same whole or in column pieces (row-wise adagrad's is per piece)
         ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
-        mcc = ManagedCollisionCollection({"t": MCHManagedCollisionModule(9, eviction_interval=2)}, tables)
+        mcc = ManagedCollisionCollection(
+            {"t": MCHManagedCollisionModule(ROWS, eviction_policy="lru", eviction_interval=2)}, tables
+        )
         self.mc = ManagedCollisionEmbeddingBagCollection(ebc, mcc)
         self.dense = nn.Linear(2 * DIM, 1)
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return self.dense(self.mc(kjt)[0].values())
+
+
+class SplitMapReference(nn.Module):
+    """MCModel's tables and dense layer, its id map split over `shards` [(first row, rows)] as the sharded one is."""
+
+    def __init__(self, model: MCModel, shards: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.model, self.shards = model, shards
+        cands = split_evenly(ROWS, len(shards))
+        self.maps = nn.ModuleList(
+            MCHManagedCollisionModule(
+                min(o + n, ROWS) - o, eviction_policy="lru", eviction_interval=2, max_candidates=c
+            )
+            for (o, n), c in zip(shards, cands)
+        )
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        ebc = self.model.mc._embedding_module
+        values = kjt.values()
+        rows, owner = values.clone(), owner_of(values, len(self.shards))
+        for j, ((o, _), m) in enumerate(zip(self.shards, self.maps)):
+            mine = owner == j
+            m.train().profile(values[mine])
+            rows[mine] = m.remap(values[mine]) + o
+            reused = m.take_reused_rows()
+            if reused is not None:
+                reinit_rows(ebc, {"t": reused + o}, {"t": int(m._step)}, seed_names={"t": "t" if o == 0 else f"t@{o}"})
+        remapped = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), rows, kjt.lengths())
+        return self.model.dense(ebc(remapped).values())
+
+    def id_rows(self) -> dict[int, int]:
+        return {int(i): int(r) + o for (o, _), m in zip(self.shards, self.maps) for i, r in zip(*m.id_map())}
 
 
 def _batch(rank: int, step: int) -> KeyedJaggedTensor:
@@ -46,42 +85,90 @@ def _batch(rank: int, step: int) -> KeyedJaggedTensor:
 
 def _global(W: int, step: int) -> KeyedJaggedTensor:
     parts = [_batch(r, step).to_dict() for r in range(W)]
-    return KeyedJaggedTensor.from_lengths_sync(KEYS, torch.cat([p[k].values() for k in KEYS for p in parts]),
-                                               torch.cat([p[k].lengths() for k in KEYS for p in parts]))
+    return KeyedJaggedTensor.from_lengths_sync(
+        KEYS,
+        torch.cat([p[k].values() for k in KEYS for p in parts]),
+        torch.cat([p[k].lengths() for k in KEYS for p in parts]),
+    )
+
+
+def shard(model: MCModel, W: int, kind: str = "row_wise") -> DistributedModelParallel:
+    table_plan = {"t": row_wise()} if kind == "row_wise" else {"t": column_wise(ranks=list(range(W)))}
+    plan = ShardingPlan(
+        {"mc._embedding_module": construct_module_sharding_plan(model.mc._embedding_module, table_plan, world_size=W)}
+    )
+    return DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+
+
+def row_shards(W: int, kind: str = "row_wise") -> list[tuple[int, int]]:
+    if kind != "row_wise":
+        return [(0, ROWS)]
+    block = row_block_size(ROWS, W)
+    return [(o, min(block, ROWS - o)) for o in range(0, ROWS, block)]
+
+
+def owned_pairs(model: nn.Module) -> dict[int, tuple[int, torch.Tensor]]:
+    """id -> (table row, this rank's columns of it) for the ids this rank's row shards hold."""
+    m = model.mc._managed_collision_collection.modules_by_table()["t"]
+    shards = model.mc._embedding_module.local_shards()["t"]
+    out = {}
+    for i, r in zip(*m.id_map()):
+        cols = [
+            w[int(r) - meta.shard_offsets[0]]
+            for meta, w in sorted(shards, key=lambda s: s[0].shard_offsets[1])
+            if meta.shard_offsets[0] <= r < meta.shard_offsets[0] + meta.shard_sizes[0]
+        ]
+        out[int(i)] = (int(r), torch.cat(cols).clone())
+    return out
 
 
 def _parity_worker(rank, W, kind):
     torch.manual_seed(0)
-    model, reference = MCModel(), MCModel()
-    reference.load_state_dict(model.state_dict())
-    table_plan = {"t": row_wise()} if kind == "row_wise" else {"t": column_wise(ranks=[0, 1])}
-    plan = ShardingPlan({"mc._embedding_module": construct_module_sharding_plan(
-        model.mc._embedding_module, table_plan, world_size=W)})
-    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    model, plain = MCModel(), MCModel()
+    plain.load_state_dict(model.state_dict())
+    reference = SplitMapReference(plain, row_shards(W, kind))
+    dmp = shard(model, W, kind)
     for step in range(8):
         out = dmp(_batch(rank, step))
         ref = reference(_global(W, step))
         start = sum(3 + r for r in range(rank))
-        torch.testing.assert_close(out, ref[start:start + 3 + rank], atol=ATOL, rtol=0, msg=f"step {step}")
+        torch.testing.assert_close(out, ref[start : start + 3 + rank], atol=ATOL, rtol=0, msg=f"step {step}")
         out.sum().backward()
         ref.sum().backward()
-        for p, q in zip(dmp.module.dense.parameters(), reference.dense.parameters()):
+        for p, q in zip(dmp.module.dense.parameters(), plain.dense.parameters()):
             torch.testing.assert_close(p.grad, q.grad / W, atol=ATOL, rtol=0)
             p.grad = q.grad = None
-    state, ref_state = dmp.state_dict(), reference.state_dict()
-    for key, full in ref_state.items():
-        value = state[key]
-        if isinstance(value, ShardedTensor):
-            for meta, piece in value.local_shards:
-                (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
-                torch.testing.assert_close(piece, full[r:r + nr, c:c + nc], atol=ATOL, rtol=0, msg=key)
-        elif "dense" not in key:
-            assert torch.equal(value, full), key
+    table = plain.mc._embedding_module.lookup.table_weights()["t"]
+    pairs = owned_pairs(dmp.module)
+    for i, (r, content) in pairs.items():  # the same row, the same content (this rank's columns of it)
+        assert reference.id_rows()[i] == r, i
+        piece = [
+            w
+            for meta, w in dmp.module.mc._embedding_module.local_shards()["t"]
+            if meta.shard_offsets[0] <= r < meta.shard_offsets[0] + meta.shard_sizes[0]
+        ]
+        cols = torch.cat(
+            [
+                table[r, meta.shard_offsets[1] : meta.shard_offsets[1] + meta.shard_sizes[1]]
+                for meta, _ in sorted(
+                    dmp.module.mc._embedding_module.local_shards()["t"], key=lambda s: s[0].shard_offsets[1]
+                )
+                if meta.shard_offsets[0] <= r < meta.shard_offsets[0] + meta.shard_sizes[0]
+            ]
+        )
+        assert piece and torch.allclose(content, cols, atol=ATOL, rtol=0), i
     m = dmp.module.mc._managed_collision_collection.modules_by_table()["t"]
-    return int(m._evictions_total), m.id_map()[0].tolist()
+    evictions = sum(int(o.module._evictions_total) for o in m._owners)
+    return sorted(pairs), reference.id_rows(), evictions
 
 
-def test_sharded_id_maps_match_unsharded_global_batch():
+def test_sharded_id_maps_match_the_split_unsharded_map():
     for kind in ("row_wise", "column_wise"):
         results = run_ranks(_parity_worker, 2, kind)
-        assert results[0] == results[1] and results[0][0] > 0  # the same map everywhere, evictions exercised
+        ref = results[0][1]
+        if kind == "row_wise":  # each id on one rank only, together every id of the reference
+            assert not set(results[0][0]) & set(results[1][0])
+            assert sorted(results[0][0] + results[1][0]) == sorted(ref)
+            assert all(r[2] > 0 for r in results), [r[2] for r in results]  # eviction on every owner
+        else:  # one row shard: both column pieces keep the whole map
+            assert results[0][0] == results[1][0] == sorted(ref)
