@@ -28,13 +28,13 @@ ROWS = 9
 
 
 class MCModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, rows: int = ROWS) -> None:
         super().__init__()
-        tables = [EmbeddingBagConfig(name="t", num_embeddings=ROWS, embedding_dim=DIM, feature_names=KEYS)]
+        tables = [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=DIM, feature_names=KEYS)]
         # adagrad: per-element state, the same whole or in column pieces (row-wise adagrad's is per piece)
         ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
         mcc = ManagedCollisionCollection(
-            {"t": MCHManagedCollisionModule(ROWS, eviction_policy="lru", eviction_interval=2)}, tables
+            {"t": MCHManagedCollisionModule(rows, eviction_policy="lru", eviction_interval=2)}, tables
         )
         self.mc = ManagedCollisionEmbeddingBagCollection(ebc, mcc)
         self.dense = nn.Linear(2 * DIM, 1)
