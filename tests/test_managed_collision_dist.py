@@ -122,7 +122,11 @@ def owned_pairs(model: nn.Module) -> dict[int, tuple[int, torch.Tensor]]:
     return out
 
 
-def _parity_worker(rank, W, kind):
+def _parity_worker(rank, W):
+    return {kind: _parity(rank, W, kind) for kind in ("row_wise", "column_wise")}
+
+
+def _parity(rank, W, kind):
     torch.manual_seed(0)
     model, plain = MCModel(), MCModel()
     plain.load_state_dict(model.state_dict())
@@ -163,8 +167,9 @@ def _parity_worker(rank, W, kind):
 
 
 def test_sharded_id_maps_match_the_split_unsharded_map():
+    every = run_ranks(_parity_worker, 2)
     for kind in ("row_wise", "column_wise"):
-        results = run_ranks(_parity_worker, 2, kind)
+        results = [r[kind] for r in every]
         ref = results[0][1]
         if kind == "row_wise":  # each id on one rank only, together every id of the reference
             assert not set(results[0][0]) & set(results[1][0])
@@ -172,3 +177,53 @@ def test_sharded_id_maps_match_the_split_unsharded_map():
             assert all(r[2] > 0 for r in results), [r[2] for r in results]  # eviction on every owner
         else:  # one row shard: both column pieces keep the whole map
             assert results[0][0] == results[1][0] == sorted(ref)
+
+
+class _Task(nn.Module):
+    """MCModel as TorchRec's pipelines take it: model(batch) -> (loss, output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mc, self.dense = MCModel().mc, nn.Linear(2 * DIM, 1)
+
+    def forward(self, batch):
+        out = self.dense(self.mc(batch.sparse_features)[0].values())
+        return out.sum(), out.detach()
+
+
+def _pipeline_worker(rank, W):
+    return [_train(rank, W, pipelined) for pipelined in (False, True)]
+
+
+def _train(rank, W, pipelined):
+    from lightning_rec import TrainPipelineSparseDist
+    from lightning_rec.data import Batch
+
+    torch.manual_seed(0)
+    dmp = shard(_Task(), W)
+    opt = torch.optim.SGD(dmp.module.dense.parameters(), lr=0.1)
+    batches = [Batch(torch.zeros(3 + rank, 1), _batch(rank, step), torch.zeros(3 + rank)) for step in range(6)]
+    outs = []
+    if pipelined:
+        with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+            it = iter(batches)
+            for _ in batches:
+                outs.append(pipeline.progress(it))
+            assert pipeline.stats["routed_ahead"] >= len(batches) - 1, pipeline.stats
+    else:
+        for batch in batches:
+            opt.zero_grad()
+            loss, out = dmp(batch)
+            loss.backward()
+            opt.step()
+            outs.append(out)
+    return outs, owned_pairs(dmp.module)
+
+
+def test_pipeline_matches_the_plain_loop():
+    for (outs, pairs), (p_outs, p_pairs) in run_ranks(_pipeline_worker, 2):
+        for a, b in zip(outs, p_outs):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        assert pairs.keys() == p_pairs.keys()
+        assert all(pairs[i][0] == p_pairs[i][0] and torch.allclose(pairs[i][1], p_pairs[i][1], atol=ATOL, rtol=0)
+                   for i in pairs)
