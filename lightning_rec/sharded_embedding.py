@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_rec.batch_check import DeviceIdGuard
+from lightning_rec.batch_check import RAW_ID_ROWS, DeviceIdGuard
 from lightning_rec.embedding import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -56,8 +56,6 @@ from lightning_rec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from lightning_rec.sparse.variable_batch import is_variable_batch, padded_batch, strides_of
 from lightning_rec.table_weight import FusedTableWeight, _Tables
 from lightning_rec.types import SEQUENCE_SHARDING_TYPES, ShardingType
-
-_RAW_ROWS = 2**63 - 1  # a raw id's bound in the batch check: non-negative, below the id map's empty slot
 
 torch.fx.wrap("collection_call")  # a sharded collection is one node of a torch.fx trace too (embedding.py)
 
@@ -311,7 +309,7 @@ class _ShardedCollectionBase(nn.Module):
     def _build_router(self, raw_tables: frozenset[str]) -> None:
         """The batch check and feature order; ids of `raw_tables` are raw (any non-negative int64 below 2**63-1)."""
         by_feature = {f: c for c in self._routed_configs for f in c.feature_names}
-        rows = [_RAW_ROWS if by_feature[f].name in raw_tables else by_feature[f].num_embeddings
+        rows = [RAW_ID_ROWS if by_feature[f].name in raw_tables else by_feature[f].num_embeddings
                 for f in self._feature_names]
         self._router = FeatureRouter(
             self._feature_names, torch.tensor(rows), [by_feature[f].name for f in self._feature_names],

@@ -268,6 +268,8 @@ class ShardedMCHModule(nn.Module):
     def remap(self, values: Tensor, out: Tensor, offsets: list[int]) -> None:
         """Raw ids of this rank's pieces (in the routed `values`) -> their local rows in `out`; in training each
         owner first profiles its ids (once per row shard), and rows handed to a new id are re-drawn."""
+        if self.training:  # every rank, past the batch check: the step its owners' maps are at
+            self._step += 1
         for owner in self._owners:
             m = owner.module.train(self.training)
             if self.training:
@@ -282,9 +284,6 @@ class ShardedMCHModule(nn.Module):
                 seed = self._table if owner.first_row == 0 else f"{self._table}@{owner.first_row}"
                 reinit_rows(self._collection, {self._table: reused + owner.first_row}, {self._table: int(m._step)},
                             seed_names={self._table: seed})
-
-    def count_step(self) -> None:
-        self._step += 1
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
     def output_size(self) -> int:

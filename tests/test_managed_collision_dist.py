@@ -192,7 +192,22 @@ class _Task(nn.Module):
 
 
 def _pipeline_worker(rank, W):
-    return [_train(rank, W, pipelined) for pipelined in (False, True)]
+    return [_train(rank, W, pipelined) for pipelined in (False, True)] + [_negative_id(rank, W)]
+
+
+def _negative_id(rank, W) -> str:
+    """Rank 0's batch has a negative id: every rank raises before any id travels, rank 0 naming the fix, and no
+    rank's map counts the step (a step counted on one side only would shift the eviction runs after a resume)."""
+    dmp = shard(MCModel(), W)
+    kjt = _batch(rank, 0)
+    values = kjt.values().clone()
+    values[0] = -5 if rank == 0 else values[0]
+    try:
+        dmp(KeyedJaggedTensor.from_lengths_sync(KEYS, values, kjt.lengths()))
+    except ValueError as e:
+        assert int(dmp.module.mc._managed_collision_collection.modules_by_table()["t"]._step) == 0
+        return str(e)
+    return "no error"
 
 
 def _train(rank, W, pipelined):
@@ -221,7 +236,10 @@ def _train(rank, W, pipelined):
 
 
 def test_pipeline_matches_the_plain_loop():
-    for (outs, pairs), (p_outs, p_pairs) in run_ranks(_pipeline_worker, 2):
+    results = run_ranks(_pipeline_worker, 2)
+    assert "id -5" in results[0][2] and "managed-collision table" in results[0][2] and ">= 0" in results[0][2]
+    assert "rank(s) [0] rejected their batch" in results[1][2], results[1][2]
+    for (outs, pairs), (p_outs, p_pairs), _ in results:
         for a, b in zip(outs, p_outs):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
         assert pairs.keys() == p_pairs.keys()

@@ -53,9 +53,6 @@ class ManagedCollisionCollection(nn.Module):
         offsets = features.offset_per_key()
         modules = self._managed_collision_modules
         tables = {t: f for t, f in self._table_features.items() if t not in self._owner_tables}
-        if self.training:
-            for t in self._owner_tables:
-                modules[t].count_step()
         if not tables:  # every table remaps on its owners: the batch goes on as it is (the pipeline routed it)
             return features
         values = features.values()
