@@ -320,19 +320,7 @@ class ShardedMCHModule(nn.Module):
 
 def _read(value, first: int, n: int, what: str) -> Tensor:
     """Positions [first, first + n) of a 1-D tensor, or of a 1-D ShardedTensor from the pieces it holds."""
-    if not isinstance(value, ShardedTensor):
-        return value[first:first + n]
-    out, covered = None, torch.zeros(n, dtype=torch.bool)
-    for meta, t in value.local_shards:
-        a, b = max(first, meta.shard_offsets[0]), min(first + n, meta.shard_offsets[0] + meta.shard_sizes[0])
-        if a < b:
-            out = t.new_empty(n) if out is None else out
-            out[a - first:b - first] = t[a - meta.shard_offsets[0]:b - meta.shard_offsets[0]]
-            covered[a - first:b - first] = True
-    if n and not bool(covered.all()):
-        raise ValueError(f"{what}: the pieces held do not cover positions {first}:{first + n}: combine every rank's "
-                         f"with ShardedTensor.merge([...]) first, or load with lightning_rec.checkpoint.load_model")
-    return out
+    return value.read_positions(first, n, what) if isinstance(value, ShardedTensor) else value[first:first + n]
 
 
 class _OwnerRemap:
@@ -378,4 +366,15 @@ def shard_managed_collision(model: nn.Module, env: ShardingEnv) -> None:
         collection.remap_on_owners(frozenset(tables), _OwnerRemap(sharded))
         for s in sharded:
             s.state_loaded()
-        mc.register_load_state_dict_post_hook(lambda module, keys, s=tuple(sharded): [x.state_loaded() for x in s])
+        mc.register_load_state_dict_post_hook(_LoadedHook(sharded))
+
+
+class _LoadedHook:
+    """After load_state_dict has read a managed-collision collection and its table: the maps re-home (collective)."""
+
+    def __init__(self, tables: list[ShardedMCHModule]) -> None:
+        self.tables = tables
+
+    def __call__(self, module: nn.Module, incompatible_keys) -> None:
+        for t in self.tables:
+            t.state_loaded()

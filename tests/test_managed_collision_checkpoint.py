@@ -32,13 +32,24 @@ def _save_worker(rank, W, path):
     for step in range(6):
         model(_batch(rank, step)).sum().backward()
     ckpt.save({"state_dict": model.state_dict()}, path)
+    whole = ckpt.gathered_state_dict(model.state_dict())  # the one-file format: every buffer whole
+    if rank == 0:
+        torch.save({"state_dict": whole}, path + ".pt")
     return _view(model)
 
 
 def _load_worker(rank, W, path):
-    model = _sharded(W, 7)
+    """The DCP checkpoint, the one-file one, and the unsharded model loaded from it then sharded: each view."""
+    views = []
+    for source in (path, path + ".pt"):
+        model = _sharded(W, 7)
+        ckpt.load_model(model, source)
+        views.append(_view(model))
+    torch.manual_seed(7)
+    model = MCModel(ROWS)
     ckpt.load_model(model, path)
-    return _view(model)
+    shard(model, W)  # the whole map is split over the owners as the model is sharded
+    return views + [_view(model)]
 
 
 def _union(results: list[dict]) -> dict:
@@ -52,10 +63,12 @@ def _union(results: list[dict]) -> dict:
 def test_reshard_2_to_3_keeps_every_id_and_its_row(tmp_path):
     path = str(tmp_path / "mc.ckpt")
     before = _union(run_ranks(_save_worker, 2, path, timeout=120))
-    after = _union(run_ranks(_load_worker, 3, path, timeout=120))
-    assert len(before) > 0 and before.keys() == after.keys()
-    for i, (content, count, last) in before.items():
-        assert torch.equal(after[i][0], content) and after[i][1:] == (count, last), i
+    loaded = run_ranks(_load_worker, 3, path, timeout=120)
+    for k in range(3):
+        after = _union([views[k] for views in loaded])
+        assert len(before) > 0 and before.keys() == after.keys(), k
+        for i, (content, count, last) in before.items():
+            assert torch.equal(after[i][0], content) and after[i][1:] == (count, last), (k, i)
     # the unsharded model reads the same checkpoint: its map from the rows' ids, every pair as saved
     plain = MCModel(ROWS)
     ckpt.load_model(plain, path)
