@@ -265,25 +265,29 @@ class ShardedMCHModule(nn.Module):
                 if meta.shard_offsets[0] == owner.first_row]
 
     # -- the owner's step ---------------------------------------------------------------------------------------
-    def remap(self, values: Tensor, out: Tensor, offsets: list[int]) -> None:
+    def remap(self, values: Tensor, out: Tensor, offsets: list[int]) -> list[tuple[str, Tensor, int, str]]:
         """Raw ids of this rank's pieces (in the routed `values`) -> their local rows in `out`; in training each
-        owner first profiles its ids (once per row shard), and rows handed to a new id are re-drawn."""
+        owner first profiles its ids (once per row shard). Returns the rows handed to a new id, to re-draw:
+        [(table, table rows, step, seed name)]."""
         if self.training:  # every rank, past the batch check: the step its owners' maps are at
             self._step += 1
+        fresh = []
         for owner in self._owners:
-            m = owner.module.train(self.training)
+            m = owner.module
+            m.training = self.training
             if self.training:
                 spans = [values[offsets[i]:offsets[i + 1]] for i in owner.profile_keys]
                 ids = torch.cat(spans) if len(spans) > 1 else spans[0]
-                m.check_ids(ids)
+                if not self._collection.validate_ids:  # else checked on every rank before the id all-to-all
+                    m.check_ids(ids)
                 m.profile(ids)
             for i in owner.keys:
                 out[offsets[i]:offsets[i + 1]] = m.remap(values[offsets[i]:offsets[i + 1]])
             reused = m.take_reused_rows()
             if reused is not None:
                 seed = self._table if owner.first_row == 0 else f"{self._table}@{owner.first_row}"
-                reinit_rows(self._collection, {self._table: reused + owner.first_row}, {self._table: int(m._step)},
-                            seed_names={self._table: seed})
+                fresh.append((self._table, reused + owner.first_row, int(m._step), seed))
+        return fresh
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
     def output_size(self) -> int:
@@ -326,14 +330,21 @@ def _read(value, first: int, n: int, what: str) -> Tensor:
 class _OwnerRemap:
     """The sharded collection's remap after the id all-to-all: every owner table's raw ids -> this rank's rows."""
 
-    def __init__(self, tables: list[ShardedMCHModule]) -> None:
-        self.tables = tables
+    def __init__(self, tables: list[ShardedMCHModule], collection: _ShardedCollectionBase) -> None:
+        self.tables, self.collection = tables, collection
 
     def __call__(self, routed: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values, offsets = routed.values(), routed.offset_per_key()
         out = values.clone()
-        for t in self.tables:
-            t.remap(values, out, offsets)
+        fresh = [f for t in self.tables for f in t.remap(values, out, offsets)]
+        while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)
+            now, seen, later = [], set(), []
+            for f in fresh:
+                (later if f[0] in seen else now).append(f)
+                seen.add(f[0])
+            reinit_rows(self.collection, {t: rows for t, rows, _, _ in now}, {t: step for t, _, step, _ in now},
+                        seed_names={t: seed for t, _, _, seed in now})
+            fresh = later
         return KeyedJaggedTensor(routed.keys(), out, routed.weights_or_none(), lengths=routed.lengths(),
                                  offsets=routed.offsets_or_none(), stride=routed.stride(),
                                  length_per_key=routed.length_per_key(), offset_per_key=offsets, _validate=False)
@@ -363,7 +374,7 @@ def shard_managed_collision(model: nn.Module, env: ShardingEnv) -> None:
             sharded.append(ShardedMCHModule(modules[t], t, collection, env))
             modules[t] = sharded[-1]
         mcc._owner_tables = frozenset(tables)
-        collection.remap_on_owners(frozenset(tables), _OwnerRemap(sharded))
+        collection.remap_on_owners(frozenset(tables), _OwnerRemap(sharded, collection))
         for s in sharded:
             s.state_loaded()
         mc.register_load_state_dict_post_hook(_LoadedHook(sharded))
