@@ -193,6 +193,7 @@ class ShardedMCHModule(nn.Module):
         """Collective: the loaded pieces become the owners' maps, and every id whose owner changed (another world
         size or plan) moves to it with its counters and row content. Idempotent."""
         leaving, content = [], []
+        self._moved_out, self._moved_in = [], []  # what the optimizer state's load then moves the same way
         for owner in self._owners:
             m, e = owner.module, owner.export
             n = m.output_size() - 1
@@ -218,6 +219,7 @@ class ShardedMCHModule(nn.Module):
                 leaving.append((ids.cpu(), counts.cpu(), last.cpu(), reused.cpu(),
                                 *(t[~kept].cpu() for t in m.candidates())))
             content += [(c0, ids.cpu(), w[rows.to(w.device)].cpu()) for c0, w in self._views(owner)]
+            self._moved_out.append((owner.first_row, ids.cpu(), rows.cpu()))
             m.release(rows[rows < n])
             m.set_candidates(*(t[kept] for t in m.candidates()))
         every = all_gather_object((leaving, content), group=self._env.pg, device=self._env.device,
@@ -249,6 +251,7 @@ class ShardedMCHModule(nn.Module):
                 w[rows.to(w.device)] = content[index[torch.searchsorted(sorted_ids, taken)]].to(w)
             if rows.numel():
                 zero_optimizer_rows(self._collection, {self._table: rows + owner.first_row})
+                self._moved_in.append((owner.first_row, taken, rows.cpu()))
             c_here = owner_of(cand_ids, self._num_shards) == owner.shard
             mine = m.candidates()
             m.set_candidates(*(torch.cat([a.to(dev), b[c_here].to(dev)])
@@ -258,6 +261,43 @@ class ShardedMCHModule(nn.Module):
             warnings.warn(f"managed-collision table '{self._table}': {dropped} id(s) of the loaded map found no free "
                           f"row on their owner under this layout and were left out (they start again as new ids): "
                           f"a larger zch_size keeps them", stacklevel=3)
+
+    @torch.no_grad()
+    def optimizer_state_loaded(self) -> None:
+        """Collective, after the fused optimizer state loaded by row position: the state rows of the ids that moved
+        at the model's load move with them (load_model, then load_optimizer)."""
+        moved_out, moved_in = self.__dict__.pop("_moved_out", []), self.__dict__.pop("_moved_in", [])
+        sent = [(first, c0, name, ids, v[rows.to(v.device)].cpu()) for first, ids, rows in moved_out
+                for first_row, c0, states in self._state_pieces() if first_row == first
+                for name, v in states.items()]
+        every = all_gather_object(sent, group=self._env.pg, device=self._env.device,
+                                  tag="managed-collision optimizer rows") if distributed() else [sent]
+        by_key: dict[tuple[int, str], list] = {}
+        for part in every:
+            for _, c0, name, ids, values in part:
+                by_key.setdefault((c0, name), []).append((ids, values))
+        for first, taken, rows in moved_in:
+            for first_row, c0, states in self._state_pieces():
+                for name, v in states.items() if first_row == first else ():
+                    got = by_key.get((c0, name))
+                    if got is None:
+                        continue
+                    ids, values = torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+                    sorted_ids, index = torch.sort(ids)
+                    at = torch.searchsorted(sorted_ids, taken).clamp_(max=max(ids.numel() - 1, 0))
+                    ok = sorted_ids[at] == taken if ids.numel() else torch.zeros_like(taken, dtype=torch.bool)
+                    v[rows[ok].to(v.device)] = values[index[at[ok]]].to(v)
+
+    def _state_pieces(self) -> list[tuple[int, int, dict[str, Tensor]]]:
+        """(first row, column offset, per-row fused optimizer state views) of this table's pieces here."""
+        out = []
+        for kernel in self._collection.fused_kernels():
+            for t, state in zip(kernel.tables, kernel.optimizer_states()):
+                table, meta, _ = self._collection.shard_of(t.name)
+                if table == self._table and meta is not None:
+                    per_row = {k: v for k, v in state.items() if v.dim() >= 1 and v.shape[0] == t.num_embeddings}
+                    out.append((meta.shard_offsets[0], meta.shard_offsets[1], per_row))
+        return out
 
     def _views(self, owner: _Owner) -> list[tuple[int, Tensor]]:
         """(column offset, [rows, cols] weight view) of this rank's pieces of the owner's row shard."""

@@ -12,39 +12,50 @@ from lightning_rec import checkpoint as ckpt
 ROWS = 64
 
 
-def _sharded(W: int, seed: int) -> MCModel:
+def _sharded(W: int, seed: int):
     torch.manual_seed(seed)
     model = MCModel(ROWS)  # room for every id at 3 ranks too (each row shard keeps a row for unknown ids)
-    shard(model, W)  # swaps the collection in `model`
-    return model
+    return model, shard(model, W)  # the DMP swaps the collection in `model`
 
 
-def _view(model: MCModel) -> dict[int, tuple]:
-    """id -> (row content, count, last seen) for the ids this rank's row shards hold."""
+def _view(model: MCModel, with_state: bool = False) -> dict[int, tuple]:
+    """id -> (row content, count, last seen[, optimizer state row]) for the ids this rank's row shards hold."""
     m = model.mc._managed_collision_collection.modules_by_table()["t"]
     counters = {int(i): (int(c), int(s)) for o in m._owners for _, ids, counts, last, _ in [o.module.entries()]
                 for i, c, s in zip(ids, counts, last)}
-    return {i: (content, *counters[i]) for i, (_, content) in owned_pairs(model).items()}
+    out = {}
+    for i, (r, content) in owned_pairs(model).items():
+        state = ()
+        if with_state:  # adagrad's per-element state: this rank's columns of the row
+            state = (torch.cat([v[r - first] for first, c0, states in sorted(m._state_pieces(), key=lambda p: p[1])
+                                if first <= r < first + next(iter(states.values())).shape[0]
+                                for v in states.values()]).clone(),)
+        out[i] = (content, *counters[i], *state)
+    return out
 
 
 def _save_worker(rank, W, path):
-    model = _sharded(W, 0)
+    model, dmp = _sharded(W, 0)
+    opt = dmp.fused_optimizer
     for step in range(6):
         model(_batch(rank, step)).sum().backward()
-    ckpt.save({"state_dict": model.state_dict()}, path)
+    ckpt.save({"state_dict": model.state_dict()}, path, optimizers=[opt])
     whole = ckpt.gathered_state_dict(model.state_dict())  # the one-file format: every buffer whole
     if rank == 0:
         torch.save({"state_dict": whole}, path + ".pt")
-    return _view(model)
+    return _view(model, with_state=True)
 
 
 def _load_worker(rank, W, path):
-    """The DCP checkpoint, the one-file one, and the unsharded model loaded from it then sharded: each view."""
+    """The DCP checkpoint (with the optimizer), the one-file one, and the unsharded model loaded from it then
+    sharded: each view."""
     views = []
     for source in (path, path + ".pt"):
-        model = _sharded(W, 7)
+        model, dmp = _sharded(W, 7)
         ckpt.load_model(model, source)
-        views.append(_view(model))
+        if source == path:
+            ckpt.load_optimizer(dmp.fused_optimizer, path)  # the moved ids' state rows move with them
+        views.append(_view(model, with_state=source == path))
     torch.manual_seed(7)
     model = MCModel(ROWS)
     ckpt.load_model(model, path)
@@ -67,8 +78,9 @@ def test_reshard_2_to_3_keeps_every_id_and_its_row(tmp_path):
     for k in range(3):
         after = _union([views[k] for views in loaded])
         assert len(before) > 0 and before.keys() == after.keys(), k
-        for i, (content, count, last) in before.items():
-            assert torch.equal(after[i][0], content) and after[i][1:] == (count, last), (k, i)
+        for i, (content, count, last, state) in before.items():
+            assert torch.equal(after[i][0], content) and after[i][1:3] == (count, last), (k, i)
+            assert k or torch.equal(after[i][3], state), i  # the DCP load with the optimizer: its state too
     # the unsharded model reads the same checkpoint: its map from the rows' ids, every pair as saved
     plain = MCModel(ROWS)
     ckpt.load_model(plain, path)
