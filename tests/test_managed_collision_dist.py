@@ -192,7 +192,32 @@ class _Task(nn.Module):
 
 
 def _pipeline_worker(rank, W):
-    return [_train(rank, W, pipelined) for pipelined in (False, True)] + [_negative_id(rank, W)]
+    return [_train(rank, W, pipelined) for pipelined in (False, True)] + [_negative_id(rank, W), _sequence(rank, W)]
+
+
+def _sequence(rank, W):
+    """A ManagedCollisionEmbeddingCollection sharded row-wise: every id reads the row its owner gave it (admitted)
+    or its owner's unknown row. Returns (this rank's ids -> rows, [(id, output row)], this rank's table rows)."""
+    from lightning_rec import EmbeddingCollection, EmbeddingConfig
+    from lightning_rec.managed_collision import ManagedCollisionEmbeddingCollection
+
+    torch.manual_seed(0)
+    tables = [EmbeddingConfig(name="t", num_embeddings=ROWS, embedding_dim=DIM, feature_names=KEYS)]
+    ec = EmbeddingCollection(tables, optimizer=FusedOptimizerConfig("adagrad", lr=0.1))
+    mcc = ManagedCollisionCollection({"t": MCHManagedCollisionModule(ROWS, eviction_interval=100)}, tables)
+    model = nn.Module()
+    model.mc = ManagedCollisionEmbeddingCollection(ec, mcc)
+    plan = ShardingPlan({"mc._embedding_module": construct_module_sharding_plan(ec, {"t": row_wise()}, world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    kjt = _batch(rank, 0)
+    with torch.no_grad():
+        out = dmp.module.mc(kjt)[0]
+    ids = torch.cat([kjt[k].values() for k in KEYS])
+    rows = torch.cat([out[k].values() for k in KEYS])
+    m = dmp.module.mc._managed_collision_collection.modules_by_table()["t"]
+    local = {int(meta.shard_offsets[0]) + r: w[r].clone() for meta, w in dmp.module.mc._embedding_module.local_shards()[
+        "t"] for r in range(w.shape[0])}
+    return dict(zip(*(t.tolist() for t in m.id_map()))), list(zip(ids.tolist(), rows)), local
 
 
 def _negative_id(rank, W) -> str:
@@ -237,9 +262,16 @@ def _train(rank, W, pipelined):
 
 def test_pipeline_matches_the_plain_loop():
     results = run_ranks(_pipeline_worker, 2)
+    id_rows = {**results[0][3][0], **results[1][3][0]}
+    table = {**results[0][3][2], **results[1][3][2]}
+    unknown = {j: min(o + n, ROWS) - 1 for j, (o, n) in enumerate(row_shards(2))}
+    for i, row in results[0][3][1] + results[1][3][1]:  # the sequence collection: each id's own row
+        expected = id_rows.get(i, unknown[int(owner_of(torch.tensor([i]), 2))])
+        assert torch.equal(row, table[expected]), i
+    assert len(id_rows) == 7  # both owners full: 4 + 3 managed rows
     assert "id -5" in results[0][2] and "managed-collision table" in results[0][2] and ">= 0" in results[0][2]
     assert "rank(s) [0] rejected their batch" in results[1][2], results[1][2]
-    for (outs, pairs), (p_outs, p_pairs), _ in results:
+    for (outs, pairs), (p_outs, p_pairs), *_ in results:
         for a, b in zip(outs, p_outs):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
         assert pairs.keys() == p_pairs.keys()
