@@ -11,6 +11,8 @@ Send side (`route_ids`), on every rank, for its own B samples:
     routed    lengths_SB  [S_0 features x B | S_1 features x B | ... ]   rank-major: the slice for
               values_N    [ids for rank 0   | ids for rank 1   | ... ]   rank p is what p receives
                           each id already remapped to its shard's local row (id - owner * block)
+                          (a managed-collision table's raw id: owner = owner_of(id, row shards), sent
+                          unchanged; its owner remaps it, sharded_managed_collision.py)
 
 Receive side (`key_major_permutation`): rank p gets one such slice from every source r and
 concatenates them source-major; its lookup wants key-major (one bag list per shard feature over
