@@ -21,9 +21,11 @@ class ManagedCollisionCollection(nn.Module):
     """One MCHManagedCollisionModule per table: forward(KJT of raw ids) -> KJT of rows (TorchRec's name).
 
     Each table's features are remapped together (one profile per table and step). Features of tables without a
-    module pass through unchanged. With `process_group` set (DistributedModelParallel: the sharded collection's
-    group), a training step profiles every rank's distinct ids and counts, gathered in one collective, so the id
-    maps stay the same on every rank and equal to one module fed the global batch."""
+    module pass through unchanged. Under DistributedModelParallel a sharded table's map is split with its rows and
+    remapped on the owners after the id all-to-all (sharded_managed_collision.py): its ids pass through here raw.
+    A data-parallel table's map stays whole: with `process_group` set (the sharded collection's group), a training
+    step profiles every rank's distinct ids and counts, gathered in one collective, so the map stays the same on
+    every rank and equal to one module fed the global batch."""
 
     def __init__(self, managed_collision_modules: Mapping[str, MCHManagedCollisionModule],
                  embedding_configs: Sequence[BaseEmbeddingConfig]) -> None:
