@@ -18,6 +18,7 @@ from lightning_rec.managed_collision.mch import owner_of
 from lightning_rec.model_parallel import DistributedModelParallel, column_wise, construct_module_sharding_plan, row_wise
 from lightning_rec.optim import FusedOptimizerConfig
 from lightning_rec.sharding.layout import row_block_size, split_evenly
+from lightning_rec.sharding.plan_verbs import data_parallel
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.types import ShardingPlan
 
@@ -93,7 +94,8 @@ def _global(W: int, step: int) -> KeyedJaggedTensor:
 
 
 def shard(model: MCModel, W: int, kind: str = "row_wise") -> DistributedModelParallel:
-    table_plan = {"t": row_wise()} if kind == "row_wise" else {"t": column_wise(ranks=list(range(W)))}
+    table_plan = {"t": {"row_wise": row_wise(), "data_parallel": data_parallel()}.get(
+        kind, column_wise(ranks=list(range(W))))}
     plan = ShardingPlan(
         {"mc._embedding_module": construct_module_sharding_plan(model.mc._embedding_module, table_plan, world_size=W)}
     )
@@ -123,7 +125,7 @@ def owned_pairs(model: nn.Module) -> dict[int, tuple[int, torch.Tensor]]:
 
 
 def _parity_worker(rank, W):
-    return {kind: _parity(rank, W, kind) for kind in ("row_wise", "column_wise")}
+    return {kind: _parity(rank, W, kind) for kind in ("row_wise", "column_wise", "data_parallel")}
 
 
 def _parity(rank, W, kind):
@@ -142,6 +144,9 @@ def _parity(rank, W, kind):
         for p, q in zip(dmp.module.dense.parameters(), plain.dense.parameters()):
             torch.testing.assert_close(p.grad, q.grad / W, atol=ATOL, rtol=0)
             p.grad = q.grad = None
+    m = dmp.module.mc._managed_collision_collection.modules_by_table()["t"]
+    if kind == "data_parallel":  # the replicated map, every rank's ids gathered: the whole unsharded map
+        return sorted(m.id_map()[0].tolist()), reference.id_rows(), int(m._evictions_total)
     table = plain.mc._embedding_module.lookup.table_weights()["t"]
     pairs = owned_pairs(dmp.module)
     for i, (r, content) in pairs.items():  # the same row, the same content (this rank's columns of it)
@@ -161,22 +166,21 @@ def _parity(rank, W, kind):
             ]
         )
         assert piece and torch.allclose(content, cols, atol=ATOL, rtol=0), i
-    m = dmp.module.mc._managed_collision_collection.modules_by_table()["t"]
     evictions = sum(int(o.module._evictions_total) for o in m._owners)
     return sorted(pairs), reference.id_rows(), evictions
 
 
 def test_sharded_id_maps_match_the_split_unsharded_map():
     every = run_ranks(_parity_worker, 2)
-    for kind in ("row_wise", "column_wise"):
+    for kind in ("row_wise", "column_wise", "data_parallel"):
         results = [r[kind] for r in every]
         ref = results[0][1]
         if kind == "row_wise":  # each id on one rank only, together every id of the reference
             assert not set(results[0][0]) & set(results[1][0])
             assert sorted(results[0][0] + results[1][0]) == sorted(ref)
             assert all(r[2] > 0 for r in results), [r[2] for r in results]  # eviction on every owner
-        else:  # one row shard: both column pieces keep the whole map
-            assert results[0][0] == results[1][0] == sorted(ref)
+        else:  # one row shard, or a replica: every rank keeps the whole map
+            assert results[0][0] == results[1][0] == sorted(ref), kind
 
 
 class _Task(nn.Module):
