@@ -1,6 +1,6 @@
 """Managed-collision (ZCH) tables vs modulo folding on Criteo: collisions, validation AUC, remapping cost.
 
-    flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/zch.py [--seeds 0 1 2] [--epochs 3]
+    flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/zch.py [--seeds 0 1 2] [--epochs 3] [--ranks 2]
     .venv/bin/python benchmarks/zch.py --smoke      # seconds: 1,024 rows, one seed, one epoch
 
 Data: the Criteo samples in $LIGHTNING_REC_SHARED_DATA/criteo (train: criteo_kaggle_train_sample.tsv, validation:
@@ -8,6 +8,9 @@ criteo_kaggle_valid_sample.tsv); without them, Zipf-distributed synthetic ids. E
 distinct training ids as rows (at least 2). Modulo: `1 + v % (n - 1)` (row 0: missing). ZCH: raw ids through an
 MCHManagedCollisionModule (zch_size = n, LFU, eviction every --interval steps). The same DLRM (dim 16), fused
 row-wise Adagrad on the tables and Adam on the dense layers, trained for --epochs in the same batch order.
+With --ranks N (> 1) the step cost is measured under DistributedModelParallel on N gloo ranks of one thread each
+(tables row-wise, those under 4 rows a rank table-wise; ZCH: each rank keeps its row shards' id maps and remaps
+after the id all-to-all), both arms in the same run, alternating rounds of --steps steps.
 
 Collision rate: the share of training lookups (missing values left out) that read a row that more than one distinct
 id read during training (ZCH: the shared unknown row, or a row evicted and reused); `id_collision_rate_*` counts
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -43,6 +48,9 @@ from lightning_rec.managed_collision import (
 from lightning_rec.metrics import AUC
 from lightning_rec.models.dlrm import DLRM
 from lightning_rec.optim.config import FusedOptimizerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dist_utils import collect_rows, free_port  # noqa: E402  (tests/dist_utils.py)
 
 KEYS = [f"C{i}" for i in range(1, 27)]
 DIM = 16
@@ -141,6 +149,63 @@ def collision_rates(train, sizes: np.ndarray, zch: bool, interval: int, batch: i
     return hit / max(looked, 1), shared_ids / max(ids, 1)
 
 
+def rank_main(rank: int, port: int, args, sizes: np.ndarray, train, queue) -> None:
+    """One rank of --ranks: the median step of each arm under DistributedModelParallel, alternating rounds."""
+    import torch.distributed as dist
+
+    from lightning_rec.model_parallel import (
+        DistributedModelParallel,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from lightning_rec.types import ShardingPlan
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="managed-collision table")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    W, arms = args.ranks, ("modulo", "zch")
+    runs = {}
+    for arm in arms:
+        model, _ = build(sizes, arm == "zch", 0, args.interval)
+        path, ebc = next((n, m) for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection))
+        layout = {c.name: row_wise() if c.num_embeddings >= 4 * W else table_wise(rank=i % W)
+                  for i, c in enumerate(ebc.embedding_bag_configs())}
+        plan = ShardingPlan({path: construct_module_sharding_plan(ebc, layout, world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=300)
+        dense = [p for n, p in dmp.module.named_parameters() if "embedding_bag" not in n]
+        mine = batches(train, sizes, args.batch, arm == "modulo")[rank::W]
+        runs[arm] = (dmp, torch.optim.Adam(dense, lr=1e-3), mine[: len(batches(train, sizes, args.batch, True)) // W])
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    at = 0
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            dmp, opt, mine = runs[arm]
+            t0 = time.perf_counter()
+            for k in range(args.steps):
+                step(dmp, opt, mine[(at + k) % len(mine)])
+            if r:
+                times[arm].append((time.perf_counter() - t0) / args.steps)
+        at += args.steps
+    queue.put([times] if rank == 0 else [])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ranks_step_cost(args, sizes: np.ndarray, train) -> dict[str, float]:
+    """arm -> median step seconds at --ranks ranks."""
+    ctx = mp.get_context("fork" if args.smoke else "spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, args, sizes, train, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    (times,) = collect_rows(queue, procs)  # a rank that dies ends the run
+    for p in procs:
+        p.join()
+    return {arm: statistics.median(t) for arm, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -148,12 +213,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--interval", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=1, help="> 1: the step cost at this many gloo ranks")
+    parser.add_argument("--steps", type=int, default=10, help="--ranks: steps per timed round")
     parser.add_argument("--smoke", action="store_true", help="seconds: 1,024 rows, one seed, one epoch")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="managed-collision table")  # churn on a small sample: expected
     rows = None
     if args.smoke:
-        args.seeds, args.epochs, args.rounds, rows = [0], 1, 1, 1024
+        args.seeds, args.epochs, args.rounds, args.steps, rows = [0], 1, 1, 2, 1024
     root = Path(os.environ.get("LIGHTNING_REC_SHARED_DATA", "")) / "criteo"
     if (root / "criteo_kaggle_train_sample.tsv").exists():
         source = "criteo samples"
@@ -182,6 +249,8 @@ def main() -> None:
             aucs[arm].append(auc(models[arm][0], data[arm][1]))
     diffs = [z - m for z, m in zip(aucs["zch"], aucs["modulo"])]
     step_s = {arm: statistics.median(t) for arm, t in times.items()}
+    if args.ranks > 1:
+        step_s = ranks_step_cost(args, sizes, train)
     results = [{"arm": arm, "collision_rate": rates[arm][0], "id_collision_rate": rates[arm][1], "aucs": aucs[arm],
                 "median_step_ms": step_s[arm] * 1e3} for arm in aucs]
     print(f"{'arm':<8}{'collide(lookups)':>18}{'collide(ids)':>14}{'AUC mean':>10}{'step ms':>9}")
@@ -195,7 +264,7 @@ def main() -> None:
                "auc_zch_minus_modulo_spread": statistics.pstdev(diffs) if len(diffs) > 1 else 0.0,
                "auc_modulo": statistics.mean(aucs["modulo"]), "auc_zch": statistics.mean(aucs["zch"]),
                "collision_rate_modulo": rates["modulo"][0], "collision_rate_zch": rates["zch"][0],
-               "seeds": len(args.seeds), "source": source}
+               "seeds": len(args.seeds), "source": source, "step_ranks": args.ranks}
     print(json.dumps({"benchmark": "zch", "results": results, "ratios": ratios, "figures": figures}))
 
 

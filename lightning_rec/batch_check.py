@@ -70,6 +70,9 @@ def _find_problem_torch(rows_F: Tensor, values_N: Tensor, offsets: Tensor, weigh
     return [OK, 0, 0, 0, 0]
 
 
+RAW_ID_ROWS = 2**63 - 1  # a managed-collision table's bound in the checks: raw ids, non-negative, below its empty slot
+
+
 def describe(problem: Sequence[int], keys: Sequence[str], tables_F: Sequence[str], rows_F: Sequence[int],
              weights_N: Tensor | None = None, owner: str = "collection") -> str:
     """The error message for a problem found by find_problem: what is wrong, where, and the fix."""
@@ -88,6 +91,11 @@ def describe(problem: Sequence[int], keys: Sequence[str], tables_F: Sequence[str
                 f"every id of the batch")
     if code == BAD_ID:
         rows = int(rows_F[f])
+        if rows == RAW_ID_ROWS:
+            return (f"feature '{keys[f]}' has id {value} but table '{tables_F[f]}' is a managed-collision table, "
+                    f"which maps raw non-negative int64 ids below 2**63 - 1 (its empty slot); {count} id(s) in this "
+                    f"batch are outside that: pass ids unfolded and >= 0 (e.g. `ids & (2**62 - 1)`). Nothing was "
+                    f"updated.")
         return (f"feature '{keys[f]}' has id {value} outside table '{tables_F[f]}' (valid ids 0..{rows - 1}); "
                 f"{count} id(s) in this batch are out of range. Hash or clip ids into [0, num_embeddings), or "
                 f"raise num_embeddings for '{tables_F[f]}'. Nothing was updated.")

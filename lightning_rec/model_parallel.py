@@ -54,6 +54,7 @@ from lightning_rec.optim.fused import FusedOptimizer
 from lightning_rec.plan_checks import check_same_everywhere, validate_module_plan
 from lightning_rec.planner.fits import check_plan_fits
 from lightning_rec.sharded_embedding import ShardingEnv, _ShardedCollectionBase, shard_collection
+from lightning_rec.sharded_managed_collision import shard_managed_collision
 from lightning_rec.sharding.plan_verbs import (  # noqa: F401  (the plan verbs are imported from here too)
     ShardingSpec,
     collection_configs,
@@ -317,6 +318,7 @@ class DistributedModelParallel(nn.Module):
         env = ShardingEnv(self._emb_pg, rank, world_size, device, self._timeout_s, self._transport)
         self._env = env
         module = self._shard_collections(module, collections, aliases, env)
+        shard_managed_collision(module, env)  # id maps split with their rows (collective)
         _materialise_meta_layers(module, device)
         module.to(device)
         self._sharded_paths = list(collections)

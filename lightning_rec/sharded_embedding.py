@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_rec.batch_check import DeviceIdGuard
+from lightning_rec.batch_check import RAW_ID_ROWS, DeviceIdGuard
 from lightning_rec.embedding import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -299,18 +299,35 @@ class _ShardedCollectionBase(nn.Module):
         setattr(self, self._weights_attr, switches)
         self._set_frozen(frozen)
 
-        by_feature = {f: c for c in routed for f in c.feature_names}
-        self._router = FeatureRouter(
-            self._feature_names, torch.tensor([by_feature[f].num_embeddings for f in self._feature_names]),
-            [by_feature[f].name for f in self._feature_names], self._is_weighted, f"sharded {self._kind()}",
-            sources=[self._sources[f] for f in self._feature_names])
-        # GPU batches never on the host: ids checked on the device before routing, reported lazily (batch_check.py)
-        self._device_guard = DeviceIdGuard(self._router.rows_F, self._router.tables_F, self._feature_names,
-                                           f"sharded {self._kind()}", device) if device.type == "cuda" else None
+        self._routed_configs = routed
+        self._build_router(frozenset())
         self._dp_features = self.routing.dp_feature_index
         self._dp_features_t = torch.tensor(self._dp_features, dtype=torch.int32, device=device)
         self._routed = self.routing.num_routed > 0
         self._ids_a2a = KJTAllToAll(RouteTables(self.routing, device), env.comm, rank, device, env.timeout_s)
+
+    def _build_router(self, raw_tables: frozenset[str]) -> None:
+        """The batch check and feature order; ids of `raw_tables` are raw (any non-negative int64 below 2**63-1)."""
+        by_feature = {f: c for c in self._routed_configs for f in c.feature_names}
+        rows = [RAW_ID_ROWS if by_feature[f].name in raw_tables else by_feature[f].num_embeddings
+                for f in self._feature_names]
+        self._router = FeatureRouter(
+            self._feature_names, torch.tensor(rows), [by_feature[f].name for f in self._feature_names],
+            self._is_weighted, f"sharded {self._kind()}", sources=[self._sources[f] for f in self._feature_names])
+        # GPU batches never on the host: ids checked on the device before routing, reported lazily (batch_check.py)
+        self._device_guard = DeviceIdGuard(self._router.rows_F, self._router.tables_F, self._feature_names,
+                                           f"sharded {self._kind()}", self._env.device) \
+            if self._env.device.type == "cuda" else None
+
+    # managed collision: raw ids remapped by the rank that owns their rows, after the id all-to-all
+    _owner_remap = None
+
+    def remap_on_owners(self, tables: frozenset[str], remap) -> None:
+        """Ids of `tables` travel raw, routed by value (sharding/ids.py), and `remap(routed KJT) -> KJT` turns them
+        into this rank's rows before its lookup (sharded_managed_collision.py)."""
+        self._build_router(tables)
+        self._ids_a2a.tables.route_raw_ids(set(tables))
+        self._owner_remap = remap
 
     # the data path ------------------------------------------------------------------------------
 
@@ -450,7 +467,10 @@ class _ShardedCollectionBase(nn.Module):
     def lookup(self, batch: ShardedBatch) -> ShardedLookupOut:
         # The routed ids come from batches every rank checked in input_dist (unless validate_ids=False).
         self.frozen_tables()  # brings _frozen_local up to date
-        owned = (self._lookup(batch.routed, checked=self.validate_ids, frozen=self._frozen_local)
+        routed = batch.routed
+        if self._owner_remap is not None and routed is not None:
+            routed = self._owner_remap(routed)  # raw ids -> this rank's rows (profiled first in training)
+        owned = (self._lookup(routed, checked=self.validate_ids, frozen=self._frozen_local)
                  if self._lookup is not None else [])
         if batch.ctx.weights_grad and self._lookup is None:
             # no shard here reads the learned weights: tie them to the output, so this rank joins the backward

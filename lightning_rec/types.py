@@ -47,13 +47,17 @@ EmbeddingComputeKernel = ComputeKernel  # TorchRec's name (its members' values a
 
 @dataclass(frozen=True)
 class ShardMetadata:
-    """One rectangular piece of a table: rows [row_offset, row_offset+rows), same for columns."""
+    """One rectangular piece of a table: rows [row_offset, row_offset+rows), same for columns (a 1-D tensor, a
+    sharded id map's buffer: one offset and one size)."""
 
     shard_offsets: tuple[int, int]  # (row, column) of the shard's first element in the global table
     shard_sizes: tuple[int, int]  # (rows, columns)
     placement: int  # owning rank
 
     def __str__(self) -> str:
+        if len(self.shard_offsets) == 1:
+            (p,), (n,) = self.shard_offsets, self.shard_sizes
+            return f"rank {self.placement}: positions {p}:{p + n}"
         (r, c), (nr, nc) = self.shard_offsets, self.shard_sizes
         return f"rank {self.placement}: rows {r}:{r + nr} cols {c}:{c + nc}"
 

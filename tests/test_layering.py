@@ -21,7 +21,7 @@ FLOORS = [  # lowest first
     ("optim",),
     ("managed_collision",),
     ("sharding", "planner"),
-    ("input_dist", "output_dist", "sharded_embedding"),
+    ("input_dist", "output_dist", "sharded_embedding", "sharded_managed_collision"),
     ("model_parallel", "plan_verbs", "plan_checks", "dense_compile"),
     ("pipeline",),
     ("serving",),

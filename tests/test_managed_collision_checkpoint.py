@@ -1,67 +1,93 @@
-"""Managed-collision tables in DCP checkpoints: the id map and counters save with the tables and load at another
-world size (2 -> 3 ranks) with every (id, row content) pair kept."""
+"""Managed-collision tables in DCP checkpoints: each rank's id maps and counters save with its table pieces, by row
+position, and load at another world size (2 -> 3 ranks): every id moves to its owner under the new layout with its
+counters and row content, so every (id, row content) pair is kept; the unsharded model loads the same checkpoint."""
 
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_managed_collision_dist import MCModel, _batch
+from test_managed_collision_dist import MCModel, _batch, owned_pairs, shard
 
 from lightning_rec import checkpoint as ckpt
-from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan, row_wise
-from lightning_rec.types import ShardingPlan
 
-WEIGHT = "mc._embedding_module.embedding_bags.t.weight"
+ROWS = 64
 
 
-def _sharded(W: int, seed: int) -> MCModel:
+def _sharded(W: int, seed: int):
     torch.manual_seed(seed)
-    model = MCModel()
-    plan = ShardingPlan({"mc._embedding_module": construct_module_sharding_plan(
-        model.mc._embedding_module, {"t": row_wise()}, world_size=W)})
-    DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)  # swaps the collection in `model`
-    return model
+    model = MCModel(ROWS)  # room for every id at 3 ranks too (each row shard keeps a row for unknown ids)
+    return model, shard(model, W)  # the DMP swaps the collection in `model`
 
 
-def _view(model: MCModel) -> tuple[dict, list]:
-    """(the managed-collision buffers, this rank's table pieces as (first row, rows))."""
-    state = model.state_dict()
-    buffers = {k: v.clone() for k, v in state.items() if "_managed_collision_modules" in k}
-    pieces = [(m.shard_offsets[0], t.clone()) for m, t in state[WEIGHT].local_shards]
-    return buffers, pieces
+def _view(model: MCModel, with_state: bool = False) -> dict[int, tuple]:
+    """id -> (row content, count, last seen[, optimizer state row]) for the ids this rank's row shards hold."""
+    m = model.mc._managed_collision_collection.modules_by_table()["t"]
+    counters = {int(i): (int(c), int(s)) for o in m._owners for _, ids, counts, last, _ in [o.module.entries()]
+                for i, c, s in zip(ids, counts, last)}
+    out = {}
+    for i, (r, content) in owned_pairs(model).items():
+        state = ()
+        if with_state:  # adagrad's per-element state: this rank's columns of the row
+            state = (torch.cat([v[r - first] for first, c0, states in sorted(m._state_pieces(), key=lambda p: p[1])
+                                if first <= r < first + next(iter(states.values())).shape[0]
+                                for v in states.values()]).clone(),)
+        out[i] = (content, *counters[i], *state)
+    return out
 
 
 def _save_worker(rank, W, path):
-    model = _sharded(W, 0)
+    model, dmp = _sharded(W, 0)
+    opt = dmp.fused_optimizer
     for step in range(6):
         model(_batch(rank, step)).sum().backward()
-    ckpt.save({"state_dict": model.state_dict()}, path)
-    return _view(model)
+    ckpt.save({"state_dict": model.state_dict()}, path, optimizers=[opt])
+    whole = ckpt.gathered_state_dict(model.state_dict())  # the one-file format: every buffer whole
+    if rank == 0:
+        torch.save({"state_dict": whole}, path + ".pt")
+    return _view(model, with_state=True)
 
 
 def _load_worker(rank, W, path):
-    model = _sharded(W, 7)
+    """The DCP checkpoint (with the optimizer), the one-file one, and the unsharded model loaded from it then
+    sharded: each view."""
+    views = []
+    for source in (path, path + ".pt"):
+        model, dmp = _sharded(W, 7)
+        ckpt.load_model(model, source)
+        if source == path:
+            ckpt.load_optimizer(dmp.fused_optimizer, path)  # the moved ids' state rows move with them
+        views.append(_view(model, with_state=source == path))
+    torch.manual_seed(7)
+    model = MCModel(ROWS)
     ckpt.load_model(model, path)
-    return _view(model)
+    shard(model, W)  # the whole map is split over the owners as the model is sharded
+    return views + [_view(model)]
 
 
-def _pairs(results) -> dict[int, torch.Tensor]:
-    buffers = results[0][0]
-    table = torch.cat([rows for _, pieces in results for _, rows in sorted(pieces, key=lambda p: p[0])])
-    prefix = "mc._managed_collision_collection._managed_collision_modules.t."
-    ids, rows = buffers[prefix + "_sorted_ids"], buffers[prefix + "_sorted_rows"]
-    admitted = ids != torch.iinfo(torch.int64).max
-    return {int(i): table[int(r)] for i, r in zip(ids[admitted], rows[admitted])}
+def _union(results: list[dict]) -> dict:
+    out: dict = {}
+    for r in results:
+        assert not out.keys() & r.keys()  # each id on one owner
+        out.update(r)
+    return out
 
 
 def test_reshard_2_to_3_keeps_every_id_and_its_row(tmp_path):
     path = str(tmp_path / "mc.ckpt")
-    saved = run_ranks(_save_worker, 2, path, timeout=120)
+    before = _union(run_ranks(_save_worker, 2, path, timeout=120))
     loaded = run_ranks(_load_worker, 3, path, timeout=120)
-    for b, _ in loaded:  # the same map and counters on every rank, as saved
-        assert b.keys() == saved[0][0].keys() and all(torch.equal(b[k], saved[0][0][k]) for k in b)
-    before, after = _pairs(saved), _pairs(loaded)
-    assert len(before) > 0 and before.keys() == after.keys()
-    assert all(torch.equal(before[i], after[i]) for i in before)
+    for k in range(3):
+        after = _union([views[k] for views in loaded])
+        assert len(before) > 0 and before.keys() == after.keys(), k
+        for i, (content, count, last, state) in before.items():
+            assert torch.equal(after[i][0], content) and after[i][1:3] == (count, last), (k, i)
+            assert k or torch.equal(after[i][3], state), i  # the DCP load with the optimizer: its state too
+    # the unsharded model reads the same checkpoint: its map from the rows' ids, every pair as saved
+    plain = MCModel(ROWS)
+    ckpt.load_model(plain, path)
+    ids, rows = plain.mc._managed_collision_collection.modules_by_table()["t"].id_map()
+    table = plain.mc._embedding_module.lookup.table_weights()["t"]
+    assert sorted(ids.tolist()) == sorted(before)
+    assert all(torch.equal(table[int(r)], before[int(i)][0]) for i, r in zip(ids, rows))
 
 
 class _Plain(torch.nn.Module):

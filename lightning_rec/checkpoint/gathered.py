@@ -227,6 +227,9 @@ def weights_written(module: torch.nn.Module) -> None:
     for m in module.modules():
         if callable(getattr(m, "weights_written", None)):
             m.weights_written()
+    for m in module.modules():  # then sharded id maps re-home their ids and rows (collective)
+        if callable(getattr(m, "state_loaded", None)):
+            m.state_loaded()
 
 
 def load_model_from_file(module: torch.nn.Module, path: Path, strict: bool) -> tuple[list[str], list[str]]:

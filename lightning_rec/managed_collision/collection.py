@@ -21,9 +21,11 @@ class ManagedCollisionCollection(nn.Module):
     """One MCHManagedCollisionModule per table: forward(KJT of raw ids) -> KJT of rows (TorchRec's name).
 
     Each table's features are remapped together (one profile per table and step). Features of tables without a
-    module pass through unchanged. With `process_group` set (DistributedModelParallel: the sharded collection's
-    group), a training step profiles every rank's distinct ids and counts, gathered in one collective, so the id
-    maps stay the same on every rank and equal to one module fed the global batch."""
+    module pass through unchanged. Under DistributedModelParallel a sharded table's map is split with its rows and
+    remapped on the owners after the id all-to-all (sharded_managed_collision.py): its ids pass through here raw.
+    A data-parallel table's map stays whole: with `process_group` set (the sharded collection's group), a training
+    step profiles every rank's distinct ids and counts, gathered in one collective, so the map stays the same on
+    every rank and equal to one module fed the global batch."""
 
     def __init__(self, managed_collision_modules: Mapping[str, MCHManagedCollisionModule],
                  embedding_configs: Sequence[BaseEmbeddingConfig]) -> None:
@@ -43,6 +45,7 @@ class ManagedCollisionCollection(nn.Module):
         self._embedding_configs = list(embedding_configs)
         self._table_features = {c.name: list(c.feature_names) for c in embedding_configs
                                 if c.name in managed_collision_modules}
+        self._owner_tables: frozenset[str] = frozenset()  # sharded: remapped by their owners, after the id all-to-all
         self.process_group: Any = None
         self.device: torch.device | None = None  # the group's device (NCCL: the rank's GPU)
 
@@ -50,20 +53,23 @@ class ManagedCollisionCollection(nn.Module):
         keys = features.keys()
         index = {k: i for i, k in enumerate(keys)}
         offsets = features.offset_per_key()
+        modules = self._managed_collision_modules
+        tables = {t: f for t, f in self._table_features.items() if t not in self._owner_tables}
+        if not tables:  # every table remaps on its owners: the batch goes on as it is (the pipeline routed it)
+            return features
         values = features.values()
         out = values.clone()
         spans, ids = {}, {}
-        for table, names in self._table_features.items():
+        for table, names in tables.items():
             spans[table] = [(offsets[index[f]], offsets[index[f] + 1]) for f in names if f in index]
             pieces = [values[a:b] for a, b in spans[table]] or [values[:0]]
             ids[table] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        modules = self._managed_collision_modules
         if self.training:
-            for table, m in modules.items():
-                m.check_ids(ids[table])
+            for table in tables:
+                modules[table].check_ids(ids[table])
             for table, (uniq, counts) in self._batch_counts(ids).items():
                 modules[table].profile_counts(uniq, counts)
-        for table in self._table_features:
+        for table in tables:
             rows = modules[table].remap(ids[table])
             at = 0
             for a, b in spans[table]:
@@ -140,19 +146,28 @@ def _state_offset(collection: nn.Module, local_name: str) -> tuple[str, int]:
 
 
 @torch.no_grad()
-def reinit_rows(collection: nn.Module, reused: Mapping[str, Tensor], steps: Mapping[str, int] | None = None) -> None:
-    """Draws the reused rows' weights again (init_fn or the init range, seeded by table and step: every rank and
-    layout draws the same values) and zeroes their fused optimizer state; sharded collections write the pieces
-    they hold."""
+def reinit_rows(collection: nn.Module, reused: Mapping[str, Tensor], steps: Mapping[str, int] | None = None,
+                seed_names: Mapping[str, str] | None = None) -> None:
+    """Draws the reused rows' weights again (init_fn or the init range, seeded by table (or its `seed_names`
+    entry) and step: every rank and layout draws the same values) and zeroes their fused optimizer state; sharded
+    collections write the pieces they hold."""
     if not reused:
         return
-    configs = _configs(collection)
-    fresh = {t: _draw(configs[t], rows.numel(), f"{t}:{(steps or {}).get(t, 0)}") for t, rows in reused.items()}
+    configs, names = _configs(collection), seed_names or {}
+    fresh = {t: _draw(configs[t], rows.numel(), f"{names.get(t, t)}:{(steps or {}).get(t, 0)}")
+             for t, rows in reused.items()}
     for table, r0, c0, w in _pieces(collection):
         if table in reused:
             rows = reused[table]
             mine = (rows >= r0) & (rows < r0 + w.shape[0])
             w[(rows[mine] - r0).to(w.device)] = fresh[table][mine][:, c0:c0 + w.shape[1]].to(w)
+    zero_optimizer_rows(collection, reused)
+
+
+@torch.no_grad()
+def zero_optimizer_rows(collection: nn.Module, rows_by_table: Mapping[str, Tensor]) -> None:
+    """Zeroes the fused optimizer state of these table rows in the pieces this process holds."""
+    reused = rows_by_table
     for kernel in collection.fused_kernels():
         for t, state in zip(kernel.tables, kernel.optimizer_states()):
             table, r0 = _state_offset(collection, t.name)

@@ -73,6 +73,18 @@ def as_policy(policy: MCHEvictionPolicy | str) -> MCHEvictionPolicy:
     return _POLICIES[policy]()
 
 
+def owner_of(ids: Tensor, owners: int | Tensor) -> Tensor:
+    """The owner (0..owners-1) of each raw id under sharding: its row shard, from the id's value alone (a
+    multiplicative hash, then modulo), so that an id routes the same way at every step and on every rank."""
+    if isinstance(owners, int) and owners == 1:
+        return torch.zeros_like(ids)
+    mixed = (ids * _MIX) >> 29  # int64 products wrap; the high bits mix every bit of the id
+    return (mixed & (2**31 - 1)) % owners
+
+
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's), as an int64
+
+
 def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Same ids summed (counts) and maxed (last seen), sorted by id."""
     uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
@@ -303,6 +315,52 @@ class MCHManagedCollisionModule(nn.Module):
     def _named(self) -> str:
         return f" '{self._name}'" if self._name else ""
 
+    # -- a map written by position (a checkpoint of any layout, a sharded owner's hand-over) ---------------------
+    @torch.no_grad()
+    def weights_written(self) -> None:
+        """The buffers were written in place (a DCP load): the sorted map and the candidates are rebuilt from the
+        rows' ids, so a checkpoint of any layout (a sharded one's pieces side by side) loads."""
+        occupied = (self._row_ids != _FREE).nonzero().flatten()
+        ids, order = torch.sort(self._row_ids[occupied])
+        n = ids.numel()
+        self._sorted_ids[:n], self._sorted_rows[:n] = ids, occupied[order]
+        self._sorted_ids[n:], self._sorted_rows[n:] = _NO_ID, 0
+        waiting = self._cand_ids != _NO_ID
+        self._set_candidates(*_merge(self._cand_ids[waiting], self._cand_counts[waiting], self._cand_last[waiting]))
+
+    def entries(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(rows, ids, counts, last seen, reused) of the rows holding an id."""
+        rows = (self._row_ids != _FREE).nonzero().flatten()
+        return rows, self._row_ids[rows], self._counts[rows], self._last_seen[rows], self._reused[rows]
+
+    def candidates(self) -> tuple[Tensor, Tensor, Tensor]:
+        n = self._num_candidates()
+        return self._cand_ids[:n], self._cand_counts[:n], self._cand_last[:n]
+
+    @torch.no_grad()
+    def release(self, rows: Tensor) -> None:
+        """The ids at `rows` leave (their rows become free), counters cleared."""
+        self._row_ids[rows], self._counts[rows], self._last_seen[rows], self._reused[rows] = _FREE, 0, -1, False
+        self.weights_written()
+
+    @torch.no_grad()
+    def adopt(self, ids: Tensor, counts: Tensor, last: Tensor, reused: Tensor) -> tuple[Tensor, Tensor]:
+        """Ids from another owner take free rows, the most counted first: (their indices into `ids`, their rows).
+        Ids beyond the free rows are left out (the caller says so)."""
+        free = (self._row_ids == _FREE).nonzero().flatten()
+        order = torch.argsort(ids, stable=True)
+        order = order[torch.argsort(counts[order], descending=True, stable=True)][: free.numel()]
+        rows = free[: order.numel()]
+        self._row_ids[rows], self._counts[rows] = ids[order], counts[order]
+        self._last_seen[rows], self._reused[rows] = last[order], reused[order]
+        self.weights_written()
+        return order, rows
+
+    @torch.no_grad()
+    def set_candidates(self, ids: Tensor, counts: Tensor, last: Tensor) -> None:
+        """The candidates replaced by these (merged by id; past capacity the most frequent stay)."""
+        self._set_candidates(*_merge(ids, counts, last))
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         saved = state_dict.get(prefix + "_row_ids")
         if saved is not None and saved.shape != self._row_ids.shape:
@@ -311,3 +369,4 @@ class MCHManagedCollisionModule(nn.Module):
                              f"zch_size={saved.numel() + 1} to load it")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._pending_rows = []
+        self.weights_written()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,6 +96,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                              "optimizer=FusedOptimizerConfig(...), or use a plain torch.optim optimizer")
         super().__init__(groups, {})
         self.defaults = _FusedDefaults(self.defaults)
+        # modules whose rows moved at a model load (sharded id maps): told when the state has loaded (weakly held)
+        self._after_state_load = [weakref.ref(m) for m in model.modules()
+                                  if callable(getattr(m, "optimizer_state_loaded", None))]
 
     def __getstate__(self) -> dict[str, Any]:
         """All of it: torch's Optimizer pickles defaults, state and param_groups only (a copy had no tables)."""
@@ -139,6 +143,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         for kernel, _ in self._tables.values():
             if callable(getattr(kernel, "state_loaded", None)):
                 kernel.state_loaded()
+        for ref in self.__dict__.get("_after_state_load", []):  # collective: rows moved since the model's load
+            module = ref()
+            if module is not None:
+                module.optimizer_state_loaded()
 
     def global_table_names(self) -> list[str]:
         """Every table this optimizer updates, by its whole-table name ("<path>.<table>"), stateless ones too."""

@@ -11,6 +11,8 @@ Send side (`route_ids`), on every rank, for its own B samples:
     routed    lengths_SB  [S_0 features x B | S_1 features x B | ... ]   rank-major: the slice for
               values_N    [ids for rank 0   | ids for rank 1   | ... ]   rank p is what p receives
                           each id already remapped to its shard's local row (id - owner * block)
+                          (a managed-collision table's raw id: owner = owner_of(id, row shards), sent
+                          unchanged; its owner remaps it, sharded_managed_collision.py)
 
 Receive side (`key_major_permutation`): rank p gets one such slice from every source r and
 concatenates them source-major; its lookup wants key-major (one bag list per shard feature over
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_rec.managed_collision.mch import owner_of
 from lightning_rec.sharding.routing import Routing
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -68,6 +71,14 @@ class RouteTables:
         self.rank_sf_end = torch.tensor(counts, device=device).cumsum(0)
         # pooled and no table split by rows: routing is a key permutation (see top)
         self.fast = routing.pooled and not routing.row_split
+        self.raw_C: Tensor | None = None  # C: the copy reads raw ids (managed collision), routed by value
+
+    def route_raw_ids(self, tables: set[str]) -> None:
+        """The copies of `tables` carry raw ids: each goes to the row shard `owner_of(id, row shards)` unchanged,
+        and that owner remaps it to its rows (managed collision)."""
+        table_of = {sf.feature_index: sf.table for sf in self.routing.shard_features}
+        raw = [table_of[f] in tables for f in self.routing.copy_feature_index]
+        self.raw_C = torch.tensor(raw, dtype=torch.bool, device=self.copy_block_C.device) if any(raw) else None
 
 
 def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
@@ -95,6 +106,11 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
     owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
     owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
     local_N = values_N - owner_N * block_N
+    if tables.raw_C is not None:  # raw ids: routed by value over the copy's row shards, remapped by their owner
+        raw_N = tables.raw_C[copy_N]
+        shards_N = tables.copy_last_owner_C[copy_N] + 1
+        owner_N = torch.where(raw_N, owner_of(values_N, shards_N), owner_N)
+        local_N = torch.where(raw_N, values_N, local_N)
     sf_N = tables.copy_shard_sf[tables.copy_first_C[copy_N] + owner_N]
     key_N = sf_N * B + (bag_N - copy_N * B)
     key_sorted_N, order_N = torch.sort(key_N, stable=True)

@@ -133,7 +133,25 @@ class ShardedTensor:
             )
         return out if out is not None else torch.empty(rows, cols)
 
+    def read_positions(self, first: int, n: int, what: str = "tensor") -> Tensor:
+        """Positions [first, first+n) of a 1-D global tensor (a sharded id map's buffers), from the pieces held."""
+        out, covered = None, torch.zeros(n, dtype=torch.bool)
+        for meta, t in self.local_shards:
+            (p0,), (m,) = meta.shard_offsets, meta.shard_sizes
+            a, b = max(first, p0), min(first + n, p0 + m)
+            if a < b:
+                out = t.new_empty(n) if out is None else out
+                out[a - first : b - first] = t[a - p0 : b - p0]
+                covered[a - first : b - first] = True
+        if n and not bool(covered.all()):
+            raise ValueError(f"{what}: the pieces held {[str(m) for m, _ in self.local_shards]} do not cover positions "
+                             f"{first}:{first + n}: combine every rank's with ShardedTensor.merge([...]) first, or "
+                             f"load with lightning_rec.checkpoint.load_model")
+        return out if out is not None else torch.empty(0)
+
     def full(self) -> Tensor:
+        if len(self.global_shape) == 1:
+            return self.read_positions(0, self.global_shape[0], what=f"ShardedTensor.full() of {self!r}")
         return self.read(0, 0, *self.global_shape, what=f"ShardedTensor.full() of a {tuple(self.global_shape)} table")
 
     # DCP's save hook, reached only through its default planner, which would keep one rank's pickled copy
