@@ -127,3 +127,32 @@ def test_bad_label_values_are_bad_rows_and_binary_ones_are_checked_by_the_model(
                             embedding_dim=4, dense_in_features=13, dense_arch_layer_sizes=[4])
     with pytest.raises(ValueError, match=r"task 'watch' is binary but its labels include \[2.5"):
         model._loss(batch)
+
+
+def test_prediction_writer_writes_a_column_per_task_and_its_labels(files, tmp_path):
+    import lightning.pytorch as L
+
+    from lightning_rec.models import MultiTaskModule
+    from lightning_rec.predict import PredictionWriter
+
+    d, purchase = files
+    dm = CriteoDataModule(predict_path=str(d / "two.tsv"), val_batch_size=128, cache_dir=str(tmp_path / "c"),
+                          num_embeddings_per_feature=1000, label_columns=["click", "purchase"])
+    names = [f"C{i}" for i in range(1, 27)]
+    model = MultiTaskModule(task_names=["click", "purchase"], task_types=["binary", "regression"],
+                            num_embeddings_per_feature={n: 1000 for n in names}, embedding_dim=4,
+                            dense_in_features=13, dense_arch_layer_sizes=[4])
+    writer = PredictionWriter(str(tmp_path / "p.parquet"))
+    L.Trainer(accelerator="cpu", devices=1, callbacks=[writer], logger=False, enable_progress_bar=False,
+              enable_model_summary=False).predict(model, dm, return_predictions=False)
+    table = pq.read_table(tmp_path / "p.parquet").to_pydict()
+    assert list(table) == ["row", "click", "purchase", "click_label", "purchase_label"]
+    dm.setup("predict")
+    batch = dm.datasets["predict"][0:300]
+    with torch.no_grad():
+        out = model(batch.dense_features, batch.sparse_features)
+    np.testing.assert_allclose(table["click"], torch.sigmoid(out[:, 0]).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(table["purchase"], out[:, 1].numpy(), rtol=1e-6)  # a regression task: its value
+    np.testing.assert_array_equal(table["purchase_label"], purchase.astype(np.float32))
+    with pytest.raises(ValueError, match="'row' is a column predictions are written with"):
+        MultiTaskModule(task_names=["click", "row"], num_embeddings_per_feature={"a": 10})

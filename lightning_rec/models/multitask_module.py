@@ -113,6 +113,10 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         names, types = self.task_names, self.task_types
         if not names or len(set(names)) != len(names):
             raise ValueError(f"MultiTaskModule(task_names={names}): give one name per task, each once")
+        taken = [n for n in names if n == "row" or (n.endswith("_label") and n[:-len("_label")] in names)]
+        if taken:
+            raise ValueError(f"MultiTaskModule(task_names={names}): {taken[0]!r} is a column predictions are written "
+                             f"with (row: each row's number, <task>_label: a task's label): rename that task")
         if len(types) != len(names) or any(t not in TASK_TYPES for t in types):
             raise ValueError(f"MultiTaskModule(task_types={types}): give one of {', '.join(TASK_TYPES)} per task "
                              f"({len(names)}: {names})")
@@ -244,10 +248,15 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         self._log_evaluation("test", self._loader_count(self.trainer.num_test_batches), prog_bar=False)
 
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        """Each task's prediction (binary: its probability; regression: its value), by task name."""
+        """Each task's prediction (binary: its probability; regression: its value), by task name, then each task's
+        label as `<task>_label` (NaN where missing; PredictionWriter leaves out a column NaN in every row)."""
         out_BT = self(batch.dense_features, batch.sparse_features).float()
-        return {name: torch.sigmoid(out_BT[:, t]) if binary else out_BT[:, t]
-                for t, (name, binary) in enumerate(zip(self.task_names, self.binary_mask))}
+        out = {name: torch.sigmoid(out_BT[:, t]) if binary else out_BT[:, t]
+               for t, (name, binary) in enumerate(zip(self.task_names, self.binary_mask))}
+        labels = batch.labels
+        if labels is not None and labels.dim() == 2 and labels.shape[1] == len(self.task_names):
+            out.update({f"{name}_label": labels[:, t].float() for t, name in enumerate(self.task_names)})
+        return out
 
     def configure_optimizers(self):
         return self.combined_optimizers(self.model)
