@@ -1,5 +1,7 @@
 """Several label columns in the Criteo readers (text cached and streamed, Parquet, datasets): labels [B, T] by task,
-NaN where missing, the features as the one-label read gives them; a missing or misspelt column named."""
+NaN where missing, the features as the one-label read gives them; a missing or misspelt column named. Then what the
+models do with them: a prediction column per task, the metric configuration DLRMModule shares with MultiTaskModule
+(calibration, AUPRC, GAUC by a group feature) and the per-task W&B calibration plot."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import SHARED_DATA, needs_wandb
 
 from lightning_rec.data import CriteoDataModule
 
@@ -22,8 +25,6 @@ NAMES = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1,
 def files(tmp_path_factory):
     """300 real Criteo rows, once as they are and once with a second label in field 2 ("purchase": empty on ~30%
     of rows: no label), and the purchase labels written (NaN: missing)."""
-    from tests.conftest import SHARED_DATA
-
     sample = SHARED_DATA / "criteo" / "criteo_kaggle_train_sample.tsv"
     if not sample.is_file():
         pytest.skip(f"real data not found at {sample}")
@@ -156,3 +157,119 @@ def test_prediction_writer_writes_a_column_per_task_and_its_labels(files, tmp_pa
     np.testing.assert_array_equal(table["purchase_label"], purchase.astype(np.float32))
     with pytest.raises(ValueError, match="'row' is a column predictions are written with"):
         MultiTaskModule(task_names=["click", "row"], num_embeddings_per_feature={"a": 10})
+
+
+def test_calibration_curve_equals_a_reference_and_sums_over_ranks():
+    from lightning_rec.metrics import TaskCalibrationCurve
+
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(500, 2, generator=g), (torch.rand(500, 2, generator=g) < 0.3).float()
+    labels[::7, 1] = float("nan")  # no label: left out
+    weights = torch.rand(500, generator=g)
+    whole = TaskCalibrationCurve(["click", "buy"], num_buckets=10)
+    whole.update(logits, labels, weights=weights)
+    halves = [TaskCalibrationCurve(["click", "buy"], num_buckets=10) for _ in range(2)]
+    halves[0].update(logits[:200], labels[:200], weights=weights[:200])
+    halves[1].update(logits[200:], labels[200:], weights=weights[200:])
+    halves[0].merge_state(halves[1])  # what the sync over ranks does: sums of the states
+    curve = whole.compute()
+    torch.testing.assert_close(halves[0].compute(), curve, equal_nan=True, rtol=1e-12, atol=0)
+    p, y, w = torch.sigmoid(logits.double()), labels.double(), weights.double()  # float64, as the metric
+    for t in range(2):
+        keep = ~torch.isnan(y[:, t])
+        bucket = (p[keep, t] * 10).long().clamp(max=9)
+        for k in range(10):
+            rows = bucket == k
+            if not rows.any():
+                assert curve[t, k].isnan().all()
+                continue
+            wk = w[keep][rows]
+            expected = [(p[keep, t][rows] * wk).sum() / wk.sum(), (y[keep, t][rows] * wk).sum() / wk.sum(), wk.sum()]
+            torch.testing.assert_close(curve[t, k], torch.stack(expected), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"predictions of shape \[500, 3\]: give \[B, T\] = \[500, 2\]"):
+        whole.update(torch.zeros(500, 3), labels)
+
+
+def _trainer(tmp_path, logger):
+    import lightning.pytorch as L
+
+    return L.Trainer(accelerator="cpu", devices=1, logger=logger, max_epochs=1, limit_train_batches=2,
+                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                     default_root_dir=str(tmp_path))
+
+
+def _group_auc_reference(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray) -> float:
+    """Impression-weighted mean of each scorable group's AUC (pairs: positive above negative, ties 1/2)."""
+    total = weight = 0.0
+    for g in np.unique(groups):
+        s, y = scores[groups == g], labels[groups == g]
+        pos, neg = s[y == 1], s[y == 0]
+        if len(pos) and len(neg) and len(np.unique(s)) > 1:
+            auc = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (len(pos) * len(neg))
+            total, weight = total + len(s) * auc, weight + len(s)
+    return total / weight
+
+
+def test_dlrm_logs_calibration_auprc_and_gauc_through_the_multitask_metric_configuration(shared_data, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_rec.metrics import weighted_auc, weighted_auprc
+    from lightning_rec.models import DLRMModule
+
+    valid = shared_data / "criteo" / "criteo_kaggle_valid_sample.tsv"
+    dm = CriteoDataModule(val_path=str(valid), val_batch_size=512, cache_dir=str(tmp_path / "c"),
+                          num_embeddings_per_feature=1000)
+    torch.manual_seed(0)
+    model = DLRMModule(num_embeddings_per_feature=1000, embedding_dim=8, dense_arch_layer_sizes=[8],
+                       over_arch_layer_sizes=[8, 1], metrics=["auc", "calibration", "auprc", "gauc"],
+                       group_feature="C6")
+    [values] = _trainer(tmp_path, CSVLogger(str(tmp_path))).validate(model, dm, verbose=False)
+    assert model.calibration_curve is None and not (tmp_path / "wandb").exists()  # no W&B logger: no plot
+    assert sorted(values) == ["val_auc", "val_auprc", "val_calibration", "val_gauc", "val_logloss", "val_loss"]
+    batch = dm.datasets["val"][0:len(dm.datasets["val"])]
+    with torch.no_grad():
+        logits = model(batch.dense_features, batch.sparse_features).double()
+    labels, ones = batch.labels.double(), torch.ones_like(batch.labels, dtype=torch.float64)
+    groups = batch.sparse_features["C6"].values().numpy()  # reserved_id: one id per row
+    assert values["val_auc"] == pytest.approx(float(weighted_auc(logits, labels, ones)), abs=1e-6)
+    assert values["val_auprc"] == pytest.approx(float(weighted_auprc(logits, labels, ones)), abs=1e-6)
+    assert values["val_calibration"] == pytest.approx(float(torch.sigmoid(logits).sum() / labels.sum()), rel=1e-6)
+    assert values["val_gauc"] == pytest.approx(_group_auc_reference(logits.numpy(), labels.numpy(), groups), abs=1e-6)
+    for bad, match in [({"metrics": ["gauc"]}, "name the sparse feature whose id is a row's group"),
+                       ({"metrics": ["auc", "calibation"]}, r"unknown calibation; choose from \['auc'"),
+                       ({"group_feature": "user"}, "'user'\\): not a sparse feature of the model")]:
+        with pytest.raises(ValueError, match=match):
+            DLRMModule(num_embeddings_per_feature=10, embedding_dim=8, dense_arch_layer_sizes=[8], **bad)
+
+
+@needs_wandb  # ~9 s, most of it wandb's offline run starting
+def test_multitask_logs_a_calibration_plot_per_binary_task_to_wandb(files, tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lightning_rec.models import MultiTaskModule
+
+    d, purchase = files
+    dm = CriteoDataModule(train_path=str(d / "two_header.tsv"), val_path=str(d / "two_header.tsv"), batch_size=64,
+                          cache_dir=str(tmp_path / "c"), num_embeddings_per_feature=1000,
+                          label_columns=["click", "purchase", "I2"])  # I2, a count: a regression task
+    names = [f"C{i}" for i in range(1, 27)]
+    model = MultiTaskModule(task_names=["click", "purchase", "I2"], task_types=["binary", "binary", "regression"],
+                            num_embeddings_per_feature={n: 1000 for n in names}, embedding_dim=4,
+                            dense_in_features=13, dense_arch_layer_sizes=[4], calibration_buckets=5,
+                            metrics=["auc", "calibration", "mae"])
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True)
+    logged = []
+    run = logger.experiment
+    log = run.log
+    run.log = lambda data, *a, **k: (logged.append(data), log(data, *a, **k))[1]
+    trainer = _trainer(tmp_path, logger)
+    trainer.fit(model, dm)
+    plots = [k for data in logged for k in data if k.endswith("calibration_plot")]
+    assert plots == ["val/click/calibration_plot", "val/purchase/calibration_plot"]  # binary tasks only
+    table = next(data["val/purchase/calibration_plot_table"] for data in logged if "val/purchase/calibration_plot_table"
+                 in data)
+    assert table.columns == ["bucket", "predicted", "observed", "weight"]
+    assert sum(row[3] for row in table.data) == (~np.isnan(purchase)).sum()  # every labelled row once
+    metrics = trainer.callback_metrics
+    assert {"val/click/calibration", "val/purchase/auc", "val/I2/mae", "val/I2/mse"} <= set(metrics)
+    assert "val/I2/auc" not in metrics
