@@ -1,4 +1,4 @@
-"""DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits, AUC/NE/logloss/CTR).
+"""DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits; AUC/NE/logloss/CTR, or the `metrics` chosen).
 
 Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding tables train with a fused
 optimizer (updated inside backward); the dense layers with a torch.optim optimizer; `configure_optimizers` returns both

@@ -3,8 +3,8 @@ bottom, a tower per task; binary tasks train with BCE, regression tasks with MSE
 
 A missing label (NaN) is left out of its task's loss and metrics: each task's loss is the mean over the rows that
 label it, and a task no row of the batch labels adds nothing (no division by zero). Metrics are per task, logged as
-`val/<task>/<metric>` (binary: auc, ne, logloss, ctr; regression: mse, mae), and `val_loss`, the weighted sum of
-the tasks' epoch losses."""
+`val/<task>/<metric>` (`metrics`, chosen in models/eval_metrics.py; by default binary: auc, ne, logloss, ctr;
+regression: mse, mae), and `val_loss`, the weighted sum of the tasks' epoch losses."""
 
 from __future__ import annotations
 
