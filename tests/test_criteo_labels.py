@@ -263,7 +263,10 @@ def test_multitask_logs_a_calibration_plot_per_binary_task_to_wandb(files, tmp_p
     log = run.log
     run.log = lambda data, *a, **k: (logged.append(data), log(data, *a, **k))[1]
     trainer = _trainer(tmp_path, logger)
-    trainer.fit(model, dm)
+    try:
+        trainer.fit(model, dm)
+    finally:  # a run left open is the one a later WandbLogger in this process would log to
+        run.finish()
     plots = [k for data in logged for k in data if k.endswith("calibration_plot")]
     assert plots == ["val/click/calibration_plot", "val/purchase/calibration_plot"]  # binary tasks only
     table = next(data["val/purchase/calibration_plot_table"] for data in logged if "val/purchase/calibration_plot_table"
