@@ -117,6 +117,12 @@ def test_bad_label_values_are_bad_rows_and_binary_ones_are_checked_by_the_model(
     with pytest.raises(ValueError, match="parser='native' reads one label column"):
         CriteoDataModule(train_path=str(bad), label_columns=["click", "purchase"], parser="native")
 
+    from lightning_rec.data.criteo import preprocess_criteo
+
+    preprocess_criteo([d / "one.tsv"], tmp_path / "shards", num_embeddings=1000, progress=False)
+    with pytest.raises(ValueError, match="is preprocessed, with one label column: give the text or table files"):
+        _batches(tmp_path / "shards", tmp_path / "c4", label_columns=["click", "purchase"])
+
     real = tmp_path / "real.tsv"  # a real-valued task is read as it is; a binary task of it is refused by the model
     real.write_text("\n".join("\t".join([ln.split("\t", 1)[0], "2.5", ln.split("\t", 2)[2]]) for ln in text[:8]) + "\n")
     [batch] = _batches(real, tmp_path / "c3", label_columns=["click", "watch"])
