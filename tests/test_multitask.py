@@ -187,7 +187,8 @@ def _fit(rank, world_size, path, pipeline, mix):
     L.seed_everything(0)
     dm = TableDataModule(path, path, label_columns=["click", "buy"], sparse_columns=FEATURES,
                          dense_columns=["x", "y"], num_embeddings=ROWS, batch_size=32, eval_batch_size=64)
-    module = _module(mix=mix, sparse_lr=0.3, dense_lr=0.03)
+    # GAUC groups read from the batch's features, pipelined or not
+    module = _module(mix=mix, sparse_lr=0.3, dense_lr=0.03, metrics=["auc", "ne", "gauc"], group_feature="c")
     trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=world_size, max_epochs=3,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
@@ -203,7 +204,8 @@ def test_trains_sharded_on_one_rank(tmp_path, pipeline):
     metrics, sharded, steps = _fit(0, 1, _table(tmp_path / "t.parquet"), pipeline, "mmoe")
     assert "Sharded" in sharded and steps == 24
     assert metrics["val/click/auc"] > 0.8  # click follows feature a
-    assert {"val/buy/auc", "val/buy/ne", "val_loss"} <= set(metrics)
+    assert {"val/buy/auc", "val/buy/ne", "val/buy/gauc", "val/buy/logloss", "val_loss"} <= set(metrics)
+    assert metrics["val/click/gauc"] > 0.7
 
 
 def test_trains_sharded_and_pipelined_on_two_ranks(tmp_path):
@@ -213,6 +215,7 @@ def test_trains_sharded_and_pipelined_on_two_ranks(tmp_path):
         (m0, sharded, steps), (m1, _, _) = results
         assert "Sharded" in sharded and steps == 12
         assert m0["val/click/auc"] == m1["val/click/auc"] > 0.7  # every rank's rows, synced
+        assert m0["val/click/gauc"] == m1["val/click/gauc"] > 0.7
 
 
 # recipes ------------------------------------------------------------------------------------------------------------

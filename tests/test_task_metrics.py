@@ -12,7 +12,7 @@ import torch
 from dist_utils import run_ranks
 
 import lightning_rec.torchrec.metrics as trm
-from lightning_rec.metrics import RecTaskInfo, TaskGAUC, TaskMetrics, TaskNE, WindowedTaskMetrics
+from lightning_rec.metrics import RecTaskInfo, TaskCalibrationCurve, TaskGAUC, TaskMetrics, TaskNE, WindowedTaskMetrics
 
 ETA = 1e-12
 TASKS = ["click", "like", "none_pos", "all_pos"]  # the last two: one-class tasks
@@ -167,19 +167,28 @@ def _windowed(batches, share=slice(None)):
         return {k: float(v) for k, v in wm.compute().items()}
 
 
+def _curve(batches, share=slice(None)) -> list[float]:
+    """The W&B calibration plot's buckets (TaskCalibrationCurve), flattened."""
+    curve = TaskCalibrationCurve(TASKS, from_logits=False, num_buckets=7)
+    for p, y, w, _ in batches:
+        curve.update(p[share], y[share], weights=w[share])
+    return curve.compute().reshape(-1).tolist()
+
+
 def _ranks_all(rank, world_size, batches):
     p, y, w, groups = (torch.cat(x) for x in zip(*batches))
     share = slice(rank, None, world_size)  # an uneven share of rows per rank
-    return _ours([(p[share], y[share], w[share], groups[share])]), _windowed(batches, share)
+    return _ours([(p[share], y[share], w[share], groups[share])]), _windowed(batches, share), _curve(batches, share)
 
 
 def test_identical_at_1_2_and_4_ranks():
     batches = _data(seed=3, updates=3, B=50)
-    want, want_window = _ours(batches), _windowed(batches)
+    want, want_window, want_curve = _ours(batches), _windowed(batches), _curve(batches)
     for world_size in (2, 4):
-        for got, got_window in run_ranks(_ranks_all, world_size, batches, timeout=120):
+        for got, got_window, got_curve in run_ranks(_ranks_all, world_size, batches, timeout=120):
             assert got == pytest.approx(want, rel=1e-12, abs=1e-12, nan_ok=True), world_size  # float64 sums
             assert got_window == pytest.approx(want_window, rel=1e-12, abs=1e-12), world_size
+            assert got_curve == pytest.approx(want_curve, rel=1e-12, abs=1e-12, nan_ok=True), world_size
 
 
 def test_rectaskinfo_reads_each_tasks_columns_from_a_model_output():

@@ -65,6 +65,11 @@ def label_specs(label_columns: Sequence[str] | Mapping[str, str], label_masks: M
     return specs
 
 
+def source_columns(specs: Sequence[LabelSpec]) -> list[str]:
+    """The columns the tasks read, each once, in order: their label columns, then their mask columns."""
+    return list(dict.fromkeys([s.column for s in specs] + [s.mask for s in specs if s.mask is not None]))
+
+
 def check_label_columns(specs: Sequence[LabelSpec], available: Sequence[str], where: str) -> None:
     """Every column the tasks read exists; else one line naming it, the nearest name and the columns there are."""
     for spec in specs:

@@ -28,6 +28,7 @@ from lightning_rec.metrics.tasks import (
     TaskAUPRC,
     TaskBinnedAUC,
     TaskCalibration,
+    TaskCalibrationCurve,
     TaskCTR,
     TaskGAUC,
     TaskLogLoss,
@@ -44,6 +45,7 @@ from lightning_rec.metrics.tasks import (
 __all__ = [
     "AUC", "CTR", "MRR", "NDCG", "RANKING_METRICS", "BinnedAUC", "HitRate", "LogLoss", "NormalizedEntropy", "Precision",
     "RankingMetrics", "Recall", "RecMetricCollection", "binary_entropy", "exact_auc",
-    "TASK_METRICS", "RecTaskInfo", "TaskAUC", "TaskAUPRC", "TaskBinnedAUC", "TaskCalibration", "TaskCTR", "TaskGAUC",
+    "TASK_METRICS", "RecTaskInfo", "TaskAUC", "TaskAUPRC", "TaskBinnedAUC", "TaskCalibration", "TaskCalibrationCurve",
+    "TaskCTR", "TaskGAUC",
     "TaskLogLoss", "TaskMAE", "TaskMetric", "TaskMSE", "TaskNE", "TaskRMSE", "Throughput", "TaskMetrics",
     "WindowedTaskMetric", "WindowedTaskMetrics", "weighted_auc", "weighted_auprc"]

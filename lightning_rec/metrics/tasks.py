@@ -322,6 +322,40 @@ class TaskBinnedAUC(_SumTaskMetric):
         return super()._compute()
 
 
+class TaskCalibrationCurve(_SumTaskMetric):
+    """Predicted vs observed rate by prediction bucket, per task: `num_buckets` equal buckets of the (recalibrated)
+    probability, each with its weighted sum of predictions, of labels and of weights (float64 sums, synced over
+    ranks). compute() gives [T, num_buckets, 3]: the bucket's mean prediction, its observed rate (weighted mean
+    label) and its weight; NaN for a bucket no row fell in. A calibrated model's points lie on the diagonal."""
+
+    name, higher_is_better = "calibration_curve", None
+
+    def __init__(self, *args, num_buckets: int = 20, **kwargs) -> None:
+        if not isinstance(num_buckets, int) or num_buckets < 1:
+            raise ValueError(f"num_buckets={num_buckets!r}: give an int >= 1 (e.g. 20)")
+        self.num_buckets = num_buckets
+        super().__init__(*args, **kwargs)
+
+    def state_shapes(self):
+        return {s: (len(self.tasks), self.num_buckets) for s in ("bucket_pred", "bucket_label", "bucket_weight")}
+
+    def batch_states(self, p_TB, y_TB, w_TB):
+        T, nb = p_TB.shape[0], self.num_buckets
+        p_TB = self.probs(p_TB)
+        bucket_TB = (p_TB.nan_to_num(1.0) * nb).long().clamp(0, nb - 1)
+        bucket_TB = bucket_TB + torch.arange(T, device=p_TB.device).unsqueeze(1) * nb  # one row of buckets per task
+
+        def sums(v_TB: Tensor) -> Tensor:  # index_add: no host read (as the binned AUC's)
+            return v_TB.new_zeros(T * nb).index_add_(0, bucket_TB.reshape(-1), v_TB.reshape(-1)).view(T, nb)
+        return {"bucket_pred": sums(w_TB * p_TB), "bucket_label": sums(w_TB * y_TB), "bucket_weight": sums(w_TB)}
+
+    def compute(self) -> Tensor:
+        raise_bad_labels(self)
+        w = self.bucket_weight
+        rates = torch.stack([self.bucket_pred / w, self.bucket_label / w, w], -1)
+        return torch.where((w > 0).unsqueeze(-1), rates, float("nan"))
+
+
 def weighted_auc(scores_N: Tensor, labels_N: Tensor, weights_N: Tensor) -> Tensor:
     """P(positive scored above negative) + 1/2 P(tie), each pair weighted by w_pos * w_neg; 0.5 if one class.
     Without ties this is TorchRec's trapezoid over the weighted ROC curve (auc.py)."""

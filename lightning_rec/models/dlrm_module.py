@@ -1,4 +1,4 @@
-"""DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits, AUC/NE/logloss/CTR).
+"""DLRMModule: DLRM / DLRM-DCNv2 as a LightningModule (BCE-with-logits; AUC/NE/logloss/CTR, or the `metrics` chosen).
 
 Every argument is a plain value so that a recipe YAML (LightningCLI) sets it. The embedding tables train with a fused
 optimizer (updated inside backward); the dense layers with a torch.optim optimizer; `configure_optimizers` returns both
@@ -17,8 +17,15 @@ import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import refuse_non_finite
-from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
+from lightning_rec.models.eval_metrics import (
+    calibration_curve,
+    check_metric_args,
+    group_ids,
+    log_calibration_plots,
+    task_metrics,
+    update_metrics,
+)
 from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.optim import DENSE_OPTIMIZERS  # noqa: F401  (imported from here too)
 
@@ -57,7 +64,12 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
         embedding_device: "cpu", or "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
-            where it lives (tables larger than host memory)."""
+            where it lives (tables larger than host memory).
+        metrics: the evaluation metrics, lightning_rec.metrics.TASK_METRICS names (e.g. [auc, ne, logloss,
+            calibration, auprc, gauc]), logged as val_<metric>: the configuration MultiTaskModule takes
+            (models/eval_metrics.py). None: the click metrics val_auc, val_ne, val_logloss, val_ctr.
+        group_feature: the sparse feature whose id is a row's group (user or request) for "gauc".
+        calibration_buckets: buckets of the calibration plot logged to W&B (0: none)."""
 
     def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
                  sparse_feature_names: list[str] | None = None, dense_in_features: int = 13,
@@ -66,11 +78,14 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                  dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64, sparse_optimizer: str = "rowwise_adagrad",
                  sparse_lr: float = 0.01, sparse_eps: float = 1e-8, sparse_weight_decay: float = 0.0,
                  dense_optimizer: str = "adagrad", dense_lr: float = 0.01, dense_weight_decay: float = 0.0,
-                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
+                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu",
+                 metrics: list[str] | None = None, group_feature: str | None = None,
+                 calibration_buckets: int = 20) -> None:
         super().__init__()
         self.save_hyperparameters()
         refuse_non_finite(type(self).__name__, self.hparams)
         names = list(sparse_feature_names or CRITEO_SPARSE_FEATURES)
+        check_metric_args("DLRMModule", metrics, group_feature, names, calibration_buckets)
         self.check_dense_args("DLRMModule", dense_optimizer, dense_lr, dense_weight_decay, warmup_steps)
         if interaction not in ("dot", "dcn"):
             raise ValueError(f"unknown interaction {interaction!r}: choose dot (DLRM) or dcn (DLRM-DCNv2)")
@@ -100,8 +115,9 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
         else:
             self.model = DLRM(ebc, dense_in_features, dense_sizes, over_sizes)
-        self.val_metrics = RecMetricCollection(prefix="val_")
-        self.test_metrics = RecMetricCollection(prefix="test_")
+        self.val_metrics = task_metrics(None, "binary", metrics, "val_")
+        self.test_metrics = task_metrics(None, "binary", metrics, "test_")
+        self.calibration_curve = None  # the W&B calibration plot's, made at validation start
         # the second and later evaluation dataloaders' own metrics ("val_1", ...), made at the epoch start
         self.more_eval_metrics = nn.ModuleDict()
 
@@ -109,11 +125,6 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         super().setup(stage)
         data = getattr(self.trainer, "datamodule", None)
         self._check_data_sizes(data)
-        # keys both modules have: the data's is logged as data_<key> (Lightning refuses two values)
-        initial = getattr(data, "_hparams_initial", None)
-        for key in ("num_embeddings_per_feature", "sparse_feature_names"):
-            if initial is not None and key in initial and initial[key] != self.hparams_initial.get(key):
-                initial[f"data_{key}"] = initial.pop(key)
 
     def _check_data_sizes(self, data) -> None:
         """The data module's id ranges against the tables' rows, named before any batch."""
@@ -165,21 +176,26 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.log_train_loss(loss, batch_size=max(len(batch), 1))
         return loss
 
-    def _loader_metrics(self, split: str, count: int | None = None) -> list[RecMetricCollection]:
+    def _loader_metrics(self, split: str, count: int | None = None) -> list[nn.Module]:
         """One metric collection per evaluation dataloader: the first keeps the plain names (val_auc), loader k >= 1
         logs val_auc/dataloader_idx_k (Lightning's naming)."""
         first = self.val_metrics if split == "val" else self.test_metrics
         if count is not None:  # at the epoch start, the same on every rank (a rank's empty share still syncs)
             for k in range(1, count):
                 if f"{split}_{k}" not in self.more_eval_metrics:
-                    self.more_eval_metrics[f"{split}_{k}"] = RecMetricCollection(prefix=f"{split}_").to(self.device)
+                    self.more_eval_metrics[f"{split}_{k}"] = task_metrics(None, "binary", self.hparams.metrics,
+                                                                          f"{split}_").to(self.device)
         more = sorted((int(key.split("_")[1]), m) for key, m in self.more_eval_metrics.items()
                       if key.startswith(f"{split}_"))
         return [first] + [m for _, m in more]
 
     def _evaluation_step(self, split: str, batch: Batch, dataloader_idx: int) -> None:
         _, logits_B = self._loss(batch)
-        self._loader_metrics(split)[dataloader_idx].update(logits_B, batch.labels)
+        labels_B = batch.labels.reshape(logits_B.shape)
+        update_metrics(self._loader_metrics(split)[dataloader_idx], logits_B, labels_B,
+                       group_ids(batch, self.hparams.group_feature))
+        if split == "val" and dataloader_idx == 0 and self.calibration_curve is not None:
+            self.calibration_curve.update(logits_B.float(), labels_B)
 
     def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
         # compute() already covers every rank's samples (torchmetrics syncs); sync_dist averages equal values
@@ -198,12 +214,16 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._loader_metrics("val", self._loader_count(self.trainer.num_val_batches))
+        if self.calibration_curve is None:
+            self.calibration_curve = calibration_curve(self, ["click"], self.hparams.calibration_buckets)
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._evaluation_step("val", batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
         self._log_evaluation("val", self._loader_count(self.trainer.num_val_batches), prog_bar=True)
+        if self.calibration_curve is not None:
+            log_calibration_plots(self, self.calibration_curve, "val_calibration_plot")
 
     def on_test_epoch_start(self) -> None:
         self._loader_metrics("test", self._loader_count(self.trainer.num_test_batches))

@@ -87,6 +87,12 @@ class RecModuleHooks(RecCheckpointLoading):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         trainer = self.trainer
+        # keys both modules have: the data's is logged as data_<key> (Lightning refuses two values)
+        initial = getattr(getattr(trainer, "datamodule", None), "_hparams_initial", None)
+        for key in ("num_embeddings_per_feature", "sparse_feature_names"):
+            if initial is not None and key in initial and key in self.hparams_initial and \
+                    initial[key] != self.hparams_initial[key]:
+                initial[f"data_{key}"] = initial.pop(key)
 
         precision = str(trainer.precision)
         if precision.endswith("-true") and precision != "32-true":

@@ -3,8 +3,8 @@ bottom, a tower per task; binary tasks train with BCE, regression tasks with MSE
 
 A missing label (NaN) is left out of its task's loss and metrics: each task's loss is the mean over the rows that
 label it, and a task no row of the batch labels adds nothing (no division by zero). Metrics are per task, logged as
-`val/<task>/<metric>` (binary: auc, ne, logloss, ctr; regression: mse, mae), and `val_loss`, the weighted sum of
-the tasks' epoch losses."""
+`val/<task>/<metric>` (`metrics`, chosen in models/eval_metrics.py; by default binary: auc, ne, logloss, ctr;
+regression: mse, mae), and `val_loss`, the weighted sum of the tasks' epoch losses."""
 
 from __future__ import annotations
 
@@ -13,28 +13,25 @@ from collections.abc import Sequence
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-import torchmetrics
 from torch import Tensor, nn
 
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import refuse_non_finite
-from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm_module import _per_feature
+from lightning_rec.models.eval_metrics import (
+    calibration_curve,
+    check_metric_args,
+    group_ids,
+    log_calibration_plots,
+    task_metrics,
+    update_metrics,
+)
 from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.models.multitask import MIXES, MultiTaskNet
 
 TASK_TYPES = ("binary", "regression")
-
-
-def task_metrics(task_type: str, prefix: str) -> torchmetrics.MetricCollection:
-    """The metrics of one task (the one place they are chosen): binary AUC / NE / log loss / CTR, regression MSE /
-    MAE; names `<prefix><metric>`."""
-    if task_type == "binary":
-        return RecMetricCollection(prefix=prefix)
-    return torchmetrics.MetricCollection({"mse": torchmetrics.MeanSquaredError(),
-                                          "mae": torchmetrics.MeanAbsoluteError()}, prefix=prefix)
 
 
 class MultiTaskModule(RecModuleHooks, L.LightningModule):
@@ -59,6 +56,10 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         tower_layer_sizes: each task tower's hidden sizes (a last layer of 1 is added).
         esmm: task 1 is predicted as p(task 0) * p(task 1 | task 0) over every row (both binary; e.g. click, then
             conversion: the conversion label is 0 on rows without a click).
+        metrics: the evaluation metrics of each task (lightning_rec.metrics.TASK_METRICS names; each task gets those
+            of its kind; None: auc, ne, logloss, ctr / mse, mae), as DLRMModule's (models/eval_metrics.py).
+        group_feature: the sparse feature whose id is a row's group (user or request) for "gauc".
+        calibration_buckets: buckets of the per-task calibration plot logged to W&B (0: none).
         sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay, dense_optimizer, dense_lr, dense_weight_decay,
         embedding_kernel, warmup_steps, embedding_device: as DLRMModule's."""
 
@@ -71,7 +72,9 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
                  tower_layer_sizes: list[int] = (32,), esmm: bool = False, sparse_optimizer: str = "rowwise_adagrad",
                  sparse_lr: float = 0.05, sparse_eps: float = 1e-8, sparse_weight_decay: float = 0.0,
                  dense_optimizer: str = "adam", dense_lr: float = 0.001, dense_weight_decay: float = 0.0,
-                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
+                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu",
+                 metrics: list[str] | None = None, group_feature: str | None = None,
+                 calibration_buckets: int = 20) -> None:
         super().__init__()
         self.save_hyperparameters()
         refuse_non_finite(type(self).__name__, self.hparams)
@@ -96,6 +99,7 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
             names = list(sparse_feature_names)
             sizes = _per_feature(num_embeddings_per_feature, names)
         self.sparse_feature_names = names
+        check_metric_args("MultiTaskModule", metrics, group_feature, names, calibration_buckets)
         fused = self.fused_config("MultiTaskModule", sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay)
         self.check_embedding_device("MultiTaskModule", embedding_device)
         self.check_embedding_kernel("MultiTaskModule", embedding_kernel)
@@ -108,11 +112,16 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         self.binary_mask = [t == "binary" for t in self.task_types]
         # one collection per (split, dataloader, task), made at the epoch start
         self.eval_metrics = nn.ModuleDict()
+        self.calibration_curve = None  # the binary tasks' W&B calibration plot, made at validation start
 
     def _check_tasks(self, mix: str, weights: Sequence[float], esmm: bool) -> None:
         names, types = self.task_names, self.task_types
         if not names or len(set(names)) != len(names):
             raise ValueError(f"MultiTaskModule(task_names={names}): give one name per task, each once")
+        taken = [n for n in names if n == "row" or (n.endswith("_label") and n[:-len("_label")] in names)]
+        if taken:
+            raise ValueError(f"MultiTaskModule(task_names={names}): {taken[0]!r} is a column predictions are written "
+                             f"with (row: each row's number, <task>_label: a task's label): rename that task")
         if len(types) != len(names) or any(t not in TASK_TYPES for t in types):
             raise ValueError(f"MultiTaskModule(task_types={types}): give one of {', '.join(TASK_TYPES)} per task "
                              f"({len(names)}: {names})")
@@ -194,16 +203,21 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         key = f"{split}_{k}"
         if key not in self.eval_metrics:
             prefix = self._names(split, k)[0]
+            metrics = self.hparams.metrics
             self.eval_metrics[key] = nn.ModuleDict(
-                {name: task_metrics(kind, f"{prefix}/{name}/") for name, kind in zip(self.task_names, self.task_types)}
+                {name: task_metrics(name, kind, metrics, f"{prefix}/") for name, kind in zip(self.task_names,
+                                                                                             self.task_types)}
             ).to(self.device)
         return self.eval_metrics[key]
 
     def _evaluation_step(self, split: str, batch: Batch, dataloader_idx: int) -> None:
         _, _, out_BT, labels_BT = self._loss(batch)
+        groups_B = group_ids(batch, self.hparams.group_feature)
         for t, metrics in enumerate(self._metrics(split, dataloader_idx).values()):
-            has_B = ~torch.isnan(labels_BT[:, t])
-            metrics.update(out_BT[has_B, t].float(), labels_BT[has_B, t])
+            update_metrics(metrics, out_BT[:, t].float(), labels_BT[:, t], groups_B)
+        if split == "val" and dataloader_idx == 0 and self.calibration_curve is not None:
+            binary_T = torch.tensor(self.binary_mask, device=out_BT.device)
+            self.calibration_curve.update(out_BT[:, binary_T].float(), labels_BT[:, binary_T])
 
     def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
         for k in range(count):
@@ -226,12 +240,17 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         for k in range(self._loader_count(self.trainer.num_val_batches)):  # every rank, the same (a share may be empty)
             self._metrics("val", k)
+        if self.calibration_curve is None:
+            binary = [n for n, b in zip(self.task_names, self.binary_mask) if b]
+            self.calibration_curve = calibration_curve(self, binary, self.hparams.calibration_buckets)
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._evaluation_step("val", batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
         self._log_evaluation("val", self._loader_count(self.trainer.num_val_batches), prog_bar=True)
+        if self.calibration_curve is not None:
+            log_calibration_plots(self, self.calibration_curve, f"{self._names('val', 0)[0]}/{{task}}/calibration_plot")
 
     def on_test_epoch_start(self) -> None:
         for k in range(self._loader_count(self.trainer.num_test_batches)):
@@ -244,10 +263,15 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         self._log_evaluation("test", self._loader_count(self.trainer.num_test_batches), prog_bar=False)
 
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
-        """Each task's prediction (binary: its probability; regression: its value), by task name."""
+        """Each task's prediction (binary: its probability; regression: its value), by task name, then each task's
+        label as `<task>_label` (NaN where missing; PredictionWriter leaves out a column NaN in every row)."""
         out_BT = self(batch.dense_features, batch.sparse_features).float()
-        return {name: torch.sigmoid(out_BT[:, t]) if binary else out_BT[:, t]
-                for t, (name, binary) in enumerate(zip(self.task_names, self.binary_mask))}
+        out = {name: torch.sigmoid(out_BT[:, t]) if binary else out_BT[:, t]
+               for t, (name, binary) in enumerate(zip(self.task_names, self.binary_mask))}
+        labels = batch.labels
+        if labels is not None and labels.dim() == 2 and labels.shape[1] == len(self.task_names):
+            out.update({f"{name}_label": labels[:, t].float() for t, name in enumerate(self.task_names)})
+        return out
 
     def configure_optimizers(self):
         return self.combined_optimizers(self.model)

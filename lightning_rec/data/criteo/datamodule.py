@@ -68,7 +68,12 @@ class CriteoDataModule(pl.LightningDataModule):
         prefetch_factor: batches each worker loads ahead (None: torch's default).
         persistent_workers: keep the workers between epochs (None: whenever there are any).
         hash_ids: fold ids into the tables (`1 + v % (n - 1)`); False: raw 32-bit ids, unfolded, for
-            managed-collision tables (docs/managed_collision.md)."""
+            managed-collision tables (docs/managed_collision.md).
+        label_columns: several labels (docs/multitask.md): a list of columns or {task: "column" | "column OP value"};
+            batches carry labels [B, T] and task_names. A header names the columns; in a header-less text file the
+            leading fields are the columns they read, in order (["click", "purchase"]: fields 1 and 2, then I1..C26).
+            Values are any number, an empty field / null / NaN a missing label. Read by parser="python".
+        label_masks: {task: column}: rows where that column is 0 / empty have no label for the task."""
 
     def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
                  predict_path: str | None = None, batch_size: int = 2048, val_batch_size: int | None = None,
@@ -78,13 +83,17 @@ class CriteoDataModule(pl.LightningDataModule):
                  drop_last: bool = False, on_bad_row: str = "error", separator: str | None = None,
                  has_header: bool | None = None, has_label: bool | None = None, block_bytes: int = 64 << 20,
                  parser: str = "auto", prefetch_factor: int | None = None,
-                 persistent_workers: bool | None = None, hash_ids: bool = True) -> None:
+                 persistent_workers: bool | None = None, hash_ids: bool = True,
+                 label_columns: list[str] | dict[str, str] | None = None,
+                 label_masks: dict[str, str] | None = None) -> None:
         super().__init__()
         self.hash_ids = hash_ids
         # said here, not when the first loader is built
         worker_options("CriteoDataModule", num_workers, pin_memory, prefetch_factor, persistent_workers)
         self.prefetch_factor, self.persistent_workers = prefetch_factor, persistent_workers
-        self.read_options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
+        self.read_options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser,
+                                              label_columns, label_masks)
+        self.label_specs = self.read_options.specs or None  # the tasks (MultiTaskModule checks its own against them)
         check_missing_categorical(missing_categorical)
         # a datasets.Dataset becomes the path of its Parquet copy, before the hyperparameters are saved
         root = cache_dir or default_cache_dir()
@@ -128,7 +137,7 @@ class CriteoDataModule(pl.LightningDataModule):
         if is_shard_dir(path):
             labelled = load_manifest(path)["has_label"]
         elif table_source_kind(path):
-            labelled = table_has_label(path, self.read_options.has_label)
+            labelled = table_has_label(path, self.read_options.has_label, self.read_options.specs)
         else:
             labelled = self.read_options.layout(path).has_label
         if not labelled:
@@ -217,6 +226,9 @@ class CriteoDataModule(pl.LightningDataModule):
             if split in ("train", "val"):
                 self._check_labelled(split)
             if is_shard_dir(self.paths[split]):
+                if self.label_specs:
+                    raise ValueError(f"CriteoDataModule(label_columns=...): {self.paths[split]} is preprocessed, "
+                                     f"with one label column: give the text or table files, which keep every label")
                 if not self.hash_ids:
                     raise ValueError(f"CriteoDataModule(hash_ids=False): {self.paths[split]} is preprocessed, its "
                                      f"ids already folded into the tables: give the text or table files instead")
@@ -249,7 +261,7 @@ class CriteoDataModule(pl.LightningDataModule):
             else:
                 self.datasets[split] = CriteoDataset(
                     self._cache(split), self.num_embeddings_per_feature, self.sparse_feature_names,
-                    self.missing_categorical, self.hash_ids,
+                    self.missing_categorical, self.hash_ids, self.read_options.task_names,
                 )
 
     def _loader_options(self) -> dict:

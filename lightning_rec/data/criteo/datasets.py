@@ -39,8 +39,10 @@ from lightning_rec.sparse import KeyedJaggedTensor
 
 def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw_BF: np.ndarray,
                       num_embeddings_F: np.ndarray, keys: Sequence[str],
-                      missing_categorical: str = "reserved_id", hash_ids: bool = True) -> Batch:
-    """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse.
+                      missing_categorical: str = "reserved_id", hash_ids: bool = True,
+                      task_names: Sequence[str] | None = None) -> Batch:
+    """Raw values of B rows -> Batch: log(1 + max(x, 0)) on dense, hashing into tables on sparse. `task_names`: the
+    tasks of a label [B, T] (several labels; None: one click label [B]).
 
     hash_ids=False: the sparse ids stay raw (unfolded, for managed-collision tables); a missing value reads
     MISSING_RAW_ID ("reserved_id") or an empty bag ("empty_bag")."""
@@ -71,17 +73,20 @@ def make_criteo_batch(label_B: np.ndarray, dense_raw_B13: np.ndarray, sparse_raw
         torch.from_numpy(lengths_FB), stride=batch_size,
     )
     return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(dense_B13)), sparse_features=kjt,
-                 labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)))
+                 labels=torch.from_numpy(np.ascontiguousarray(label_B, dtype=np.float32)),
+                 task_names=tuple(task_names) if task_names is not None else None)
 
 
 class CriteoDataset(Dataset):
     """Map-style dataset over a cached (memory-mapped) Criteo Arrow file; one item = one Batch. Use with
-    `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy."""
+    `make_batch_loader`: the DataLoader calls `__getitems__(indices)` once per batch, gathered in numpy.
+    `task_names`: the tasks of a cache with several labels (its label column [N, T])."""
 
     def __init__(self, arrow_path: str | os.PathLike, num_embeddings_per_feature: int | Sequence[int],
                  sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",
-                 hash_ids: bool = True) -> None:
+                 hash_ids: bool = True, task_names: Sequence[str] | None = None) -> None:
         self.arrow_path = str(arrow_path)
+        self.task_names = tuple(task_names) if task_names is not None else None
         self.hash_ids = hash_ids
         self.keys = feature_names(sparse_feature_names)
         check_missing_categorical(missing_categorical)
@@ -101,9 +106,11 @@ class CriteoDataset(Dataset):
         for rb in self._hf.data.table.to_batches():
             if rb.num_rows == 0:
                 continue
+            label = rb.column(0)
             chunks.append(
                 (
-                    rb.column(0).to_numpy(zero_copy_only=True),
+                    label.flatten().to_numpy(zero_copy_only=True).reshape(rb.num_rows, -1) if self.task_names else
+                    label.to_numpy(zero_copy_only=True),
                     rb.column(1).flatten().to_numpy(zero_copy_only=True).reshape(-1, NUM_DENSE_FEATURES),
                     rb.column(2).flatten().to_numpy(zero_copy_only=True).reshape(-1, NUM_SPARSE_FEATURES),
                 )
@@ -135,7 +142,7 @@ class CriteoDataset(Dataset):
             return label[idx_B], dense[idx_B], sparse[idx_B]
         chunk_B = np.searchsorted(self._starts, idx_B, side="right") - 1
         out = (
-            np.empty(idx_B.size, np.float32),
+            np.empty((idx_B.size, len(self.task_names)) if self.task_names else idx_B.size, np.float32),
             np.empty((idx_B.size, NUM_DENSE_FEATURES), np.float32),
             np.empty((idx_B.size, NUM_SPARSE_FEATURES), np.int64),
         )
@@ -155,7 +162,8 @@ class CriteoDataset(Dataset):
             raise IndexError(f"indices out of range for {len(self)} rows")
         label_B, dense_B13, sparse_BF = self._gather(idx_B)
         return make_criteo_batch(
-            label_B, dense_B13, sparse_BF, self.num_embeddings_F, self.keys, self.missing_categorical, self.hash_ids
+            label_B, dense_B13, sparse_BF, self.num_embeddings_F, self.keys, self.missing_categorical, self.hash_ids,
+            self.task_names,
         )
 
     def empty_batch(self) -> Batch:
@@ -186,11 +194,15 @@ class CriteoIterableDataset(IterableDataset):
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, on_bad_row: str = "error",
                  separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
                  block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False,
-                 hash_ids: bool = True) -> None:
-        options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
+                 hash_ids: bool = True, label_columns: list[str] | dict[str, str] | None = None,
+                 label_masks: dict[str, str] | None = None) -> None:
+        options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser, label_columns,
+                                    label_masks)
+        self.task_names = options.task_names
         check_missing_categorical(missing_categorical)
         # a table streams in blocks of rows: about as many as block_bytes of the cache's rows (264 bytes each)
-        self.table = TableBlocks(path, has_label, block_bytes // 256) if table_source_kind(path) else None
+        self.table = TableBlocks(path, has_label, block_bytes // 256, options.specs) if table_source_kind(path) \
+            else None
         if self.table is None:
             check_criteo_file(path)
         self.row_ids = row_ids
@@ -346,14 +358,15 @@ class CriteoIterableDataset(IterableDataset):
 
     def empty_batch(self) -> Batch:
         """A batch of 0 rows, what a rank whose stream ran out steps with in evaluation (_strategy/loaders.py)."""
-        return self._batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+        return self._batch(np.empty((0, len(self.task_names)) if self.task_names else 0, np.float32),
+                           np.empty((0, NUM_DENSE_FEATURES), np.float32),
                            np.empty((0, NUM_SPARSE_FEATURES), np.int64),
                            *((np.empty(0, np.int64),) if self.row_ids else ()))
 
     def _batch(self, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
                row_ids: np.ndarray | None = None) -> Batch:
         batch = make_criteo_batch(label, dense, sparse, self.num_embeddings_F, self.keys, self.missing_categorical,
-                                  self.hash_ids)
+                                  self.hash_ids, self.task_names)
         if row_ids is not None:
             batch.row_ids = torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64))
         return batch

@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES
+from lightning_rec.data.labels import LabelSpec, check_label_columns, source_columns
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class CriteoLayout:
-    """Where label, I1..I13 and C1..C26 sit in a row (field indices), and how rows are split."""
+    """Where label, I1..I13 and C1..C26 sit in a row (field indices), and how rows are split. With `label_specs`
+    (several labels: `label_columns`), `label_columns` gives the field of each column the tasks read instead of
+    `label_field`."""
 
     separator: str
     has_header: bool
@@ -27,11 +31,13 @@ class CriteoLayout:
     label_field: int | None
     dense_fields: list[int]
     sparse_fields: list[int]
+    label_specs: list[LabelSpec] = field(default_factory=list)
+    label_columns: dict[str, int] = field(default_factory=dict)
 
 
-def layout_width(has_label: bool) -> int:
-    """Fields in a headerless row: label (if any) + I1..I13 + C1..C26."""
-    return int(has_label) + NUM_DENSE_FEATURES + NUM_SPARSE_FEATURES
+def layout_width(num_labels: int) -> int:
+    """Fields in a headerless row: the label fields (0, 1 or more) + I1..I13 + C1..C26."""
+    return int(num_labels) + NUM_DENSE_FEATURES + NUM_SPARSE_FEATURES
 
 
 _MAGIC = ((b"\x1f\x8b", "gzip", ".gz"), (b"BZh", "bz2", ".bz2"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst"))
@@ -93,8 +99,10 @@ def _read_head(path: str | os.PathLike, num_bytes: int = _HEAD_BYTES) -> bytes:
 
 
 def detect_layout(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
-                  has_label: bool | None = None) -> CriteoLayout:
-    """Find separator, header and label column from the file's first lines (None = detect)."""
+                  has_label: bool | None = None, label_specs: Sequence[LabelSpec] = ()) -> CriteoLayout:
+    """Find separator, header and label column from the file's first lines (None = detect). `label_specs`: the tasks
+    of several label columns, found by name in a header; a headerless file's leading fields are the columns they read,
+    in order (lightning_rec.data.labels.source_columns: ["click", "purchase"] -> fields 1 and 2)."""
     head = _read_head(path)
     lines, numbers = _head_lines(path, head)
     first = lines[0].decode("utf-8", errors="replace")
@@ -103,6 +111,8 @@ def detect_layout(path: str | os.PathLike, separator: str | None = None, has_hea
     names = [f.strip().lower() for f in first.split(separator)]
     if has_header is None:
         has_header = bool({"label", "i1", "c1", "id"} & set(names))
+    if label_specs:
+        return _task_layout(path, head, first, lines, numbers, separator, has_header, list(label_specs))
     if has_header:
         return _header_layout(path, head, names, separator, has_label)
     return _headerless_layout(path, lines, numbers, separator, has_label)
@@ -148,6 +158,30 @@ def _separator(separator: str | None, first: str) -> str:
     return separator
 
 
+def _task_layout(path, head: bytes, first: str, lines: list[bytes], numbers: list[int], separator: str,
+                 has_header: bool, specs: list[LabelSpec]) -> CriteoLayout:
+    """The layout of a file with several label columns: named in its header, or its leading fields."""
+    if has_header:
+        header = [f.strip() for f in first.split(separator)]
+        check_label_columns(specs, header, f"{path} (its header)")
+        layout = _header_layout(path, head, [h.lower() for h in header], separator, False)
+        columns = {c: header.index(c) for c in source_columns(specs)}
+    else:
+        columns = {c: k for k, c in enumerate(source_columns(specs))}
+        width = layout_width(len(columns))
+        counts = [ln.count(separator.encode()) + 1 for ln in lines]
+        if width not in counts:
+            raise ValueError(f"{path}:{numbers[0]}: rows have {max(counts)} fields, not {width} (the {len(columns)} "
+                             f"label columns {list(columns)} that label_columns reads, then I1..I13 and C1..C26): a "
+                             f"header-less file's leading fields are its label columns, in that order; check the "
+                             f"separator (got {separator!r}) and label_columns")
+        layout = _headerless_layout(path, lines, numbers, separator, False)
+        layout = CriteoLayout(separator, False, False, width, None, [k + len(columns) for k in layout.dense_fields],
+                              [k + len(columns) for k in layout.sparse_fields])
+    layout.has_label, layout.label_specs, layout.label_columns = True, specs, columns
+    return layout
+
+
 def _header_layout(path, head: bytes, names: list[str], separator: str, has_label: bool | None) -> CriteoLayout:
     index = {name: i for i, name in enumerate(names)}
     missing = [f"I{i}" for i in range(1, 14) if f"i{i}" not in index]
@@ -182,7 +216,7 @@ def _headerless_layout(path, lines: list[bytes], numbers: list[int], separator: 
         # The majority decides: a stripped row of a labelled file can have 39 fields too.
         has_label = n40 >= n39
     offset = 1 if has_label else 0
-    return CriteoLayout(separator=separator, has_header=False, has_label=has_label, num_fields=layout_width(has_label),
+    return CriteoLayout(separator=separator, has_header=False, has_label=has_label, num_fields=layout_width(offset),
                         label_field=0 if has_label else None,
                         dense_fields=list(range(offset, offset + NUM_DENSE_FEATURES)),
-                        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(has_label))))
+                        sparse_fields=list(range(offset + NUM_DENSE_FEATURES, layout_width(offset))))

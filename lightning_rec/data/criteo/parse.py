@@ -30,6 +30,7 @@ from lightning_rec.data.criteo.report import (
     too_many_reason,
 )
 from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, check_on_bad_row
+from lightning_rec.data.labels import LabelSpec, label_matrix, label_specs
 
 # Bumped whenever the parser's output changes, so that old cache files are not reused.
 _PARSER_VERSION = 2  # 2: rows cut after a separator and non-ASCII bytes are bad rows
@@ -183,7 +184,8 @@ def _read_fields(clean: np.ndarray, layout: CriteoLayout, num_rows: int) -> Call
     """Arrow's CSV reader over rows of exactly `num_fields` fields, every used field as strings: field -> column."""
     names = [f"f{i}" for i in range(layout.num_fields)]
     used = [layout.label_field] if layout.label_field is not None else []
-    used += layout.dense_fields + layout.sparse_fields
+    used += list(layout.label_columns.values())
+    used = list(dict.fromkeys(used + layout.dense_fields + layout.sparse_fields))  # a mask may be a feature too
     table = pacsv.read_csv(
         pa.BufferReader(pa.py_buffer(clean)),
         read_options=pacsv.ReadOptions(column_names=names, use_threads=True),
@@ -200,10 +202,11 @@ def _read_fields(clean: np.ndarray, layout: CriteoLayout, num_rows: int) -> Call
 
 
 def _convert_rows(clean: np.ndarray, rows_line: np.ndarray, layout: CriteoLayout, problems: list):
-    """The kept rows -> label [N] float32, dense [N, 13] float32 raw, sparse [N, 26] int64 raw, and a mask of the
-    rows that hold a bad value (their reasons added to `problems`)."""
+    """The kept rows -> label [N] float32 ([N, T] of the tasks of `layout.label_specs`: NaN where missing), dense
+    [N, 13] float32 raw, sparse [N, 26] int64 raw, and a mask of the rows that hold a bad value (their reasons added
+    to `problems`)."""
     n = int(rows_line.size)
-    label_N = np.full(n, np.nan, dtype=np.float32)
+    label_N = np.full((n, len(layout.label_specs)) if layout.label_specs else n, np.nan, dtype=np.float32)
     dense_N13 = np.empty((n, NUM_DENSE_FEATURES), dtype=np.float32)
     sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
     bad_N = np.zeros(n, dtype=bool)
@@ -224,6 +227,10 @@ def _convert_rows(clean: np.ndarray, rows_line: np.ndarray, layout: CriteoLayout
 
     if layout.label_field is not None:
         label_N[:] = convert(layout.label_field, strings_to_float, "label must be 0 or 1, got", is_label=True)
+    if layout.label_specs:  # several labels: any number, empty = missing (NaN), derived by the tasks' rules
+        values = {c: convert(f, strings_to_float, f"label column {c!r} must be a number, got")
+                  for c, f in layout.label_columns.items()}
+        label_N[:] = label_matrix(layout.label_specs, values.__getitem__).numpy()
     for j, f in enumerate(layout.dense_fields):
         dense_N13[:, j] = convert(f, strings_to_float, f"I{j + 1} must be a number, got")
     for j, f in enumerate(layout.sparse_fields):
@@ -273,13 +280,27 @@ class CriteoReadOptions:
     on_bad_row: str = "error"
     block_bytes: int = 64 << 20
     parser: str = "auto"
+    label_columns: list[str] | dict[str, str] | None = None
+    label_masks: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         check_on_bad_row(self.on_bad_row)
+        self.specs: list[LabelSpec] = []
+        if self.label_columns is not None:
+            self.specs = label_specs(self.label_columns, self.label_masks)
+            if self.parser == "native":
+                raise ValueError("parser='native' reads one label column: several (label_columns) are read by "
+                                 "parser='python' (or 'auto')")
+            self.parser = "python"
         self.parser = resolve_parser(self.parser)
 
     def layout(self, path: str | os.PathLike) -> CriteoLayout:
-        return detect_layout(path, self.separator, self.has_header, self.has_label)
+        return detect_layout(path, self.separator, self.has_header, self.has_label, self.specs)
+
+    @property
+    def task_names(self) -> tuple[str, ...] | None:
+        """The tasks of the labels' columns (None: one click label)."""
+        return tuple(s.task for s in self.specs) if self.specs else None
 
     def kwargs(self, **changes) -> dict:
         """The options as keyword arguments, with `changes`."""
@@ -288,10 +309,13 @@ class CriteoReadOptions:
 
 def read_criteo(path: str | os.PathLike, separator: str | None = None, has_header: bool | None = None,
                 has_label: bool | None = None, on_bad_row: str = "error", block_bytes: int = 64 << 20,
-                parser: str = "auto") -> Iterator[tuple[pa.Table, ParseReport]]:
+                parser: str = "auto", label_columns: list[str] | dict[str, str] | None = None,
+                label_masks: dict[str, str] | None = None) -> Iterator[tuple[pa.Table, ParseReport]]:
     """Parse a Criteo file into Arrow tables (label, dense, sparse: raw values), one per block, with one report
-    updated as blocks are parsed. `parser`: "auto" (native when built), "native" or "python" (the reference)."""
-    options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser)
+    updated as blocks are parsed. `parser`: "auto" (native when built), "native" or "python" (the reference).
+    `label_columns` (lightning_rec.data.labels): several labels, the label column [N, T] of the tasks."""
+    options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser, label_columns,
+                                label_masks)
     layout = options.layout(path)
     report = ParseReport(path=str(path), layout=asdict(layout))
     if options.parser == "native":
@@ -308,7 +332,8 @@ def read_criteo(path: str | os.PathLike, separator: str | None = None, has_heade
 def to_table(label_N: np.ndarray, dense_N13: np.ndarray, sparse_NF: np.ndarray) -> pa.Table:
     return pa.table(
         {
-            "label": pa.array(label_N, pa.float32()),
+            "label": pa.array(label_N, pa.float32()) if label_N.ndim == 1 else  # [N, T]: several tasks
+            pa.FixedSizeListArray.from_arrays(pa.array(label_N.reshape(-1), pa.float32()), label_N.shape[1]),
             "dense": pa.FixedSizeListArray.from_arrays(pa.array(dense_N13.reshape(-1)), NUM_DENSE_FEATURES),
             "sparse": pa.FixedSizeListArray.from_arrays(pa.array(sparse_NF.reshape(-1)), NUM_SPARSE_FEATURES),
         }

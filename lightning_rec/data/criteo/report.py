@@ -85,6 +85,8 @@ def field_name(layout: CriteoLayout, k: int) -> str:
     """What field k (0-based) of a row holds: label, I1..I13, C1..C26, or an unused column."""
     if k == layout.label_field:
         return "label"
+    if k in layout.label_columns.values():
+        return f"label {next(c for c, f in layout.label_columns.items() if f == k)!r}"
     if k in layout.dense_fields:
         return f"I{layout.dense_fields.index(k) + 1}"
     if k in layout.sparse_fields:

@@ -5,7 +5,8 @@ Shapes: N rows of a record batch, F = 26 sparse features (C1..C26), 13 dense fea
 
 Columns are found by name (case ignored); the values become the cache's raw values, so a table and the text
 file it came from give the same batches:
-    label   0/1 as any integer, float or bool type (null or another value: a bad row)
+    label   0/1 as any integer, float or bool type (null or another value: a bad row); or, with `label_specs`
+            (label_columns), the columns they name, any number (null or NaN: missing), [N, T]
     I1..13  any number type (null or NaN: missing); strings as in text files ("": missing)
     C1..26  8-hex-character strings as in text files (null or "": missing), integer ids >= 0 (null: missing),
             or floats holding whole numbers (NaN: missing); ids are hashed as text hashes are
@@ -20,7 +21,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from lightning_rec.data.criteo.parse import decode_hex, strings_to_float, to_table
 from lightning_rec.data.criteo.report import ParseReport, minus_one_label_fix, raise_or_record
 from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, check_on_bad_row
+from lightning_rec.data.labels import LabelSpec, check_label_columns, label_matrix, source_columns
 
 _PARQUET_MAGIC = b"PAR1"
 _SPLIT_FILE = re.compile(r"^(.+?)-\d+-of-\d+")  # the Hub's shard names: <split>-00000-of-00004[-hash].parquet
@@ -94,8 +96,10 @@ def source_files(path: str | os.PathLike) -> list[Path]:
                      f"folder")
 
 
-def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None) -> dict[str, str | None]:
-    """Our field ("label", "I1".."I13", "C1".."C26") -> the source's column name (None: no label)."""
+def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None,
+             specs: Sequence[LabelSpec] = ()) -> dict[str, str | None]:
+    """Our field ("label", "I1".."I13", "C1".."C26"; with `specs` "label:<column>" for each column they read) -> the
+    source's column name (None: no label)."""
     by_lower = {name.lower(): name for name in schema.names}
     wanted = [f"I{i}" for i in range(1, NUM_DENSE_FEATURES + 1)] + [f"C{i}" for i in range(1, NUM_SPARSE_FEATURES + 1)]
     missing = [w for w in wanted if w.lower() not in by_lower]
@@ -112,6 +116,9 @@ def _columns(path: str | os.PathLike, schema: pa.Schema, has_label: bool | None)
                          f"{' ...' if len(schema.names) > 8 else ''}): a Criteo table names label (optional), I1..I13 "
                          f"and C1..C26; rename its columns (e.g. `ds.rename_columns({{...}})`) first")
     columns: dict[str, str | None] = {w: by_lower[w.lower()] for w in wanted}
+    if specs:
+        check_label_columns(specs, schema.names, str(path))
+        return {"label": None, **columns, **{f"label:{c}": c for c in source_columns(specs)}}
     columns["label"] = None if has_label is False else by_lower.get("label")
     if has_label is True and columns["label"] is None:
         raise ValueError(f"{path}: has_label=True but the table has no 'label' column")
@@ -133,9 +140,10 @@ def _schema(path: str | os.PathLike) -> pa.Schema:
     return pq.read_schema(source_files(path)[0])
 
 
-def table_has_label(path: str | os.PathLike, has_label: bool | None = None) -> bool:
-    """Whether a table source has a label column (after `has_label`, as for text files)."""
-    return _columns(path, _schema(path), has_label)["label"] is not None
+def table_has_label(path: str | os.PathLike, has_label: bool | None = None, specs: Sequence[LabelSpec] = ()) -> bool:
+    """Whether a table source has a label column (after `has_label`, as for text files; `specs`: their columns)."""
+    columns = _columns(path, _schema(path), has_label, specs)
+    return columns["label"] is not None or bool(specs)
 
 
 def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -177,9 +185,11 @@ def _ids(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     raise TypeError(col.type)
 
 
-def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, first: int, seen: int):
-    """One record batch -> (label [N], dense [N, 13], sparse [N, 26]) raw values, the bad-row mask [N] and the
-    problems as `raise_or_record` takes them (rows counted over the source, reasons naming the file's row)."""
+def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, first: int, seen: int,
+             specs: Sequence[LabelSpec] = ()):
+    """One record batch -> (label [N] or the tasks' [N, T], dense [N, 13], sparse [N, 26]) raw values, the bad-row
+    mask [N] and the problems as `raise_or_record` takes them (rows counted over the source, reasons naming the
+    file's row)."""
     n = rb.num_rows
     problems: list[tuple[np.ndarray, object, int]] = []
     bad_N = np.zeros(n, dtype=bool)
@@ -200,9 +210,14 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
             bad_N[rows] = True
         return values
 
-    label_N = np.full(n, np.nan, dtype=np.float32)
+    label_N = np.full((n, len(specs)) if specs else n, np.nan, dtype=np.float32)
     dense_N13 = np.empty((n, NUM_DENSE_FEATURES), dtype=np.float32)
     sparse_NF = np.empty((n, NUM_SPARSE_FEATURES), dtype=np.int64)
+
+    def tasks() -> None:  # several labels: any number, null / NaN missing, derived by the tasks' rules
+        values = {c: column(f"label:{c}", _numbers, "must be a number: a number or bool column", 0)
+                  for c in source_columns(specs)}
+        label_N[:] = label_matrix(specs, values.__getitem__).numpy()
 
     def label() -> None:
         label_N[:] = column("label", _numbers, "must be 0 or 1: an integer, float or bool column", 0)
@@ -215,7 +230,8 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
         sparse_NF[:, j] = column(f"C{j + 1}", _ids, "must be 8 hex characters or an integer id in 0..2**63 - 1: a "
                                  "string column of hashes, or an integer one of ids", 14 + j)
 
-    jobs = ([label] if columns["label"] is not None else []) + [lambda j=j: dense(j) for j in range(NUM_DENSE_FEATURES)]
+    jobs = [label] if columns["label"] is not None else [tasks] if specs else []
+    jobs += [lambda j=j: dense(j) for j in range(NUM_DENSE_FEATURES)]
     jobs += [lambda j=j: sparse(j) for j in range(NUM_SPARSE_FEATURES)]
     # numpy / Arrow release the GIL: a thread per column; the first bad row is chosen by (row, rank) after
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), torch.get_num_threads()))) as pool:
@@ -225,9 +241,10 @@ def _convert(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
 
 
 def _checked(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, first: int, seen: int,
-             on_bad_row: str, report: ParseReport) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             on_bad_row: str, report: ParseReport, specs: Sequence[LabelSpec] = ()
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """_convert, then `on_bad_row`: raise for the first bad row (its first bad field), or drop, count and record."""
-    label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen)
+    label_N, dense_N13, sparse_NF, bad_N, problems = _convert(rb, columns, file, first, seen, specs)
     if problems and on_bad_row == "error":  # the first bad row, its first bad field (by rank)
         rows, why, _ = min(problems, key=lambda p: (int(p[0].min()), p[2]))
         reason = why(int(rows.argmin()))
@@ -242,22 +259,25 @@ def _checked(rb: pa.RecordBatch, columns: dict[str, str | None], file: Path, fir
 
 
 def _names(columns: dict[str, str | None]) -> list[str]:
-    """The source's columns to read, in our order: label (if any), I1..I13, C1..C26."""
-    return [c for c in [columns["label"], *(columns[f"I{i}"] for i in range(1, NUM_DENSE_FEATURES + 1)),
-                        *(columns[f"C{i}"] for i in range(1, NUM_SPARSE_FEATURES + 1))] if c is not None]
+    """The source's columns to read, in our order: label (if any) or the tasks' label columns, I1..I13, C1..C26."""
+    tasks = [c for k, c in columns.items() if k.startswith("label:")]
+    features = [columns[f"I{i}"] for i in range(1, NUM_DENSE_FEATURES + 1)]
+    features += [columns[f"C{i}"] for i in range(1, NUM_SPARSE_FEATURES + 1)]
+    return [c for c in dict.fromkeys([columns["label"], *tasks, *features]) if c is not None]  # a mask may be a feature
 
 
-def table_layout(path: str | os.PathLike, has_label: bool | None = None) -> dict:
+def table_layout(path: str | os.PathLike, has_label: bool | None = None, specs: Sequence[LabelSpec] = ()) -> dict:
     """What a report says of a table source's layout: its format and which column holds each field."""
-    return {"format": table_source_kind(path), "columns": _columns(path, _schema(path), has_label)}
+    return {"format": table_source_kind(path), "columns": _columns(path, _schema(path), has_label, specs)}
 
 
 def read_criteo_table(path: str | os.PathLike, has_label: bool | None = None, on_bad_row: str = "error",
-                      batch_rows: int = 1 << 20) -> Iterator[tuple[pa.Table, ParseReport]]:
+                      batch_rows: int = 1 << 20, label_specs: Sequence[LabelSpec] = ()
+                      ) -> Iterator[tuple[pa.Table, ParseReport]]:
     """A table source -> Arrow tables of raw values (label, dense, sparse), as `read_criteo` gives for text; the
     report's `skipped` rows count over the whole source, its reasons name the file and its own row."""
     check_on_bad_row(on_bad_row)
-    blocks = TableBlocks(path, has_label, batch_rows)
+    blocks = TableBlocks(path, has_label, batch_rows, label_specs)
     report = ParseReport(path=str(path), layout=blocks.layout)
     for k in range(blocks.num_blocks):
         yield to_table(*blocks.read(k, on_bad_row, report)), report
@@ -268,9 +288,11 @@ class TableBlocks:
     preprocess and the cache read instead of text blocks. Block k is found from the Parquet row-group sizes (read in
     one call, kept for the next block) or sliced from a save_to_disk table, so a pass reads only its own blocks."""
 
-    def __init__(self, path: str | os.PathLike, has_label: bool | None, block_rows: int) -> None:
+    def __init__(self, path: str | os.PathLike, has_label: bool | None, block_rows: int,
+                 label_specs: Sequence[LabelSpec] = ()) -> None:
         self.path, self.block_rows = str(path), max(1, int(block_rows))
-        self.layout = table_layout(path, has_label)
+        self.specs = list(label_specs)
+        self.layout = table_layout(path, has_label, self.specs)
         self.columns = self.layout["columns"]
         self._names = _names(self.columns)
         self._table = None
@@ -351,8 +373,9 @@ class TableBlocks:
                         pieces.append((f, in_file + lo - start, lo, rb))
                         lo += rb.num_rows
                 g = last + 1
-        arrays = [_checked(rb, self.columns, f, first, whole, on_bad_row, report) for f, first, whole, rb in pieces]
+        arrays = [_checked(rb, self.columns, f, first, whole, on_bad_row, report, self.specs)
+                  for f, first, whole, rb in pieces]
         if not arrays:
-            return (np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
-                    np.empty((0, NUM_SPARSE_FEATURES), np.int64))
+            return (np.empty((0, len(self.specs)) if self.specs else 0, np.float32),
+                    np.empty((0, NUM_DENSE_FEATURES), np.float32), np.empty((0, NUM_SPARSE_FEATURES), np.int64))
         return tuple(np.concatenate(parts) for parts in zip(*arrays))
