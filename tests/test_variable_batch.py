@@ -257,7 +257,7 @@ def _sharded_worker(rank, W, shared_memory):
     cases = CASES if W > 1 else [("one_rank", "mean", True, "adagrad")]
     done = [_sharded_case(rank, W, *case, shared_memory) for case in cases]
     if W > 1 and shared_memory is None:  # accumulation: the gathered rows of every sharding, one update
-        done += [_accumulated_case(rank, W, "mixed", "sum", "rowwise_adagrad"),
+        done += [_accumulated_case(rank, W, "mixed", "sum", "adagrad"),  # (column blocks keep row-wise state apart)
                  _accumulated_case(rank, W, "column_wise", "mean", "adam")]
     return done
 
