@@ -513,7 +513,11 @@ class FusedKernel(nn.Module):
             return
         device = next(iter(held.values()))[0].device
         B = max(rows.numel() for rows, _ in held.values())
-        names, lengths, values, grads = [], [], [], []
+        pooled = self.pooling != "none"
+        if pooled:  # bags past a table's rows are empty: the native update never reads their gradient rows
+            width = sum(self._dims[t] for t in self._feature_table)
+            grad = (torch.empty if self.kernel == "native" else torch.zeros)(B, width, device=device)
+        names, lengths, values, seq, col = [], [], [], [], 0
         for t, table in enumerate(self.tables):
             for i, name in enumerate(table.feature_names):  # the table's first feature reads its rows
                 rows, g = held.get(t, (None, None)) if i == 0 else (None, None)
@@ -523,11 +527,17 @@ class FusedKernel(nn.Module):
                                           torch.zeros(B - n, dtype=torch.int64, device=device)]))
                 if rows is not None:
                     values.append(rows)
-                    grads.append(g if self.pooling == "none" else F.pad(g, (0, 0, 0, B - n)))
-                elif self.pooling != "none":
-                    grads.append(torch.zeros(B, self._dims[t], device=device))
+                    if pooled:
+                        grad[:n, col : col + self._dims[t]] = g
+                    else:
+                        seq.append(g)
+                col += self._dims[t]
         batch = KeyedJaggedTensor(keys=names, values=torch.cat(values), lengths=torch.cat(lengths), stride=B)
-        grad = torch.cat(grads, dim=0 if self.pooling == "none" else 1)
+        if not pooled:
+            grad = torch.cat(seq)
+        if self.kernel == "native":  # the update alone: a lookup's output here would go unused
+            self.tbe.update_rows(batch.values(), batch.offsets(), grad)
+            return
         with torch.enable_grad():
             out = self._pooled(batch, checked=True)
             torch.autograd.backward(out, grad.to(out.dtype))
