@@ -67,7 +67,7 @@ SMOKES = [
     ("metrics", [], {"step_with_metrics_vs_without"}, {"step_ms_without", "step_ms_with", "metric_logs"}),
     ("elastic_resume", [], set(), {"ne_2_to_1", "ne_2_to_2", "abs_ne_diff", "ne_2_to_1_same_rows",
                                    "abs_ne_diff_same_rows", "saved_step", "compared_step"}),
-    ("accumulation", [], {"step_k4_vs_k1"}, {"max_rel_diff_k4_vs_one_step", "extra_bytes_vs_bound", "step_k1_ms",
+    ("accumulation", [], {"step_k4_vs_k1", "step_k4_vs_plain4"}, {"max_rel_diff_k4_vs_one_step", "extra_bytes_vs_bound", "step_k1_ms",
                                                "step_k4_ms"}),
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
