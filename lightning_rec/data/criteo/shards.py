@@ -224,10 +224,15 @@ class CriteoShardDataset(IterableDataset):
                                     or [np.empty(0, np.int64)])
         share = share_rows.size
         first_row = (epoch * rows) % share if share else 0
-        order = np.random.default_rng([self.seed, epoch]).permutation(num_batches) if self.shuffle else \
-            np.arange(num_batches)
+        order = self._batch_order(epoch, num_batches)
         return [share_rows[(first_row + np.arange(k * self.batch_size, min((k + 1) * self.batch_size, rows))) % share]
                 for k in order]
+
+    def _batch_order(self, epoch: int, num_batches: int) -> np.ndarray:
+        """The order an epoch reads a rank's batches in (the same on every rank)."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(num_batches)
+        return np.arange(num_batches)
 
     def _epoch_order(self, epoch: int, world: int) -> np.ndarray:
         per_rank = [self._batch_rows(r, world, epoch) for r in range(world)]
@@ -247,8 +252,10 @@ class CriteoShardDataset(IterableDataset):
         else:
             rows, num_batches = self._epoch_plan(world)
             order_world, done = world, finished or batches >= num_batches
-            read = sum(b.size for b in self._batch_rows(0, world, epoch)[:batches]) if not done else rows
-            consumed = read * world  # every rank's batch k has rank 0's size
+            first = self._batch_order(epoch, num_batches)[:batches]
+            read = rows if done else int((np.minimum((first + 1) * self.batch_size, rows) - first * self.batch_size)
+                                         .sum())
+            consumed = read * world  # every rank's batch k has the same size
         return {"world_size": world, "order_world": order_world, "rows_consumed": int(consumed)}
 
     def continue_epoch(self, epoch: int, elastic: dict, lead_batches: int, batch_size: int) -> bool:
@@ -342,6 +349,14 @@ class CriteoShardDataset(IterableDataset):
         return state
 
     def __iter__(self) -> Iterator[Batch]:
+        resume, self._resume = self._resume, None
+        if self._elastic_next and not self.every_row:  # an epoch begun at another world size
+            self._elastic_next = False
+            self._pass_epoch = self._epoch.take(self._elastic["epoch"])
+            self._yielded = resume[1] if resume is not None else 0
+            yield from self._elastic_batches(self._yielded)
+            return
+        self._elastic = None  # (before len(): the epochs after a continued one are whole ones)
         me, world = self._rank_world()
         segments = rank_segments([s["rows"] for s in self.manifest["shards"]], me, world, every_row=True)  # the share
         # where each segment starts in this rank's row order
@@ -350,21 +365,10 @@ class CriteoShardDataset(IterableDataset):
         num_batches = len(self)
         # rows an epoch reads (training: drop_last's remainder and rows past the shortest share left out)
         rows = min(num_batches * self.batch_size, self.rank_rows())
-        resume, self._resume = self._resume, None
-        if self._elastic_next and not self.every_row:  # an epoch begun at another world size
-            self._elastic_next = False
-            self._pass_epoch = self._epoch.take(self._elastic["epoch"])
-            self._yielded = resume[1] if resume is not None else 0
-            yield from self._elastic_batches(self._yielded)
-            return
-        self._elastic = None
         epoch = self._epoch.take(None if resume is None else resume[0])
         # epoch e starts where epoch e - 1 stopped (a function of the epoch alone: a resumed epoch reads the same rows)
         first_row = (epoch * rows) % share if share else 0
-        order = np.arange(num_batches)
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(num_batches)
-        order, self._skip = order[self._skip:], 0
+        order, self._skip = self._batch_order(epoch, num_batches)[self._skip:], 0
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
