@@ -7,9 +7,12 @@ fewer than M * B rows). The next epoch is an ordinary M-rank one."""
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
+from dist_utils import run_ranks
 
 from lightning_rec.data.batch import make_stream_loader
 from lightning_rec.data.criteo.shards import CriteoShardDataset
@@ -126,3 +129,51 @@ def test_a_changed_shard_set_or_an_old_state_starts_the_epoch_over_with_a_warnin
         with pytest.warns(UserWarning, match=words):
             other.load_state_dict({"ranks": saved})
         assert len(_read(other)[0]) > 0
+
+
+# a real fit: SIGKILL at 4 ranks mid-epoch, resumed at 2 -------------------------------------------------------
+
+
+def _fit_rank(rank, world_size, root, directory, kill_at, resume):
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_elastic_resume import _KillAt
+
+    from lightning_rec import CriteoDataModule, RecStrategy
+    from lightning_rec.models import DLRMModule
+
+    class Rows(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            with open(os.path.join(root, f"rows.{'b' if resume else 'a'}.{rank}"), "a") as f:
+                f.write(f"{self.trainer.global_step} {' '.join(map(str, _ids(batch)))}\n")
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0)
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_last=True)]
+    if kill_at is not None:
+        callbacks.append(_KillAt(kill_at))
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    module = Rows(num_embeddings_per_feature=[10] * 26, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+                  over_arch_layer_sizes=[8, 1])
+    data = CriteoDataModule(train_path=str(directory), batch_size=B, num_embeddings_per_feature=10, seed=3)
+    trainer.fit(module, data, ckpt_path="last" if resume else None)
+    return trainer.global_step
+
+
+def test_sigkill_mid_epoch_at_4_ranks_resumed_at_2_trains_every_row_of_the_epoch_once(shards, tmp_path):
+    """Killed at step 3 of 6 (the last checkpoint: step 2), resumed at 2 ranks through Trainer(strategy='rec')."""
+    root = str(tmp_path)
+    assert run_ranks(_fit_rank, 4, root, str(shards), 3, False, timeout=120, allow_missing=True) == [None] * 4
+    run_ranks(_fit_rank, 2, root, str(shards), None, True, timeout=120)
+    rows: list[int] = []
+    for name in sorted(os.listdir(root)):
+        if name.startswith("rows."):
+            for line in Path(root, name).read_text().splitlines():
+                step, *ids = map(int, line.split())
+                if name.startswith("rows.b") or step < 2:  # the killed run's steps after its last checkpoint redo
+                    rows += ids
+    epoch_rows = _epoch_rows(shards, 4, False)
+    assert len(rows) == len(set(rows)), "a row trained twice"
+    assert set(rows) <= set(epoch_rows) and len(set(epoch_rows) - set(rows)) < 2
