@@ -5,9 +5,12 @@
 
 One process, one EmbeddingBagCollection (fused row-wise Adagrad) and a small dense MLP. Each round times, alternating:
   k1: one step on a batch of B (forward, backward with the fused update, dense optimizer step);
-  k4: the same B samples as 4 micro-batches of B/4, the first 3 under gather_fused_gradients (each backward adds its
-      rows' gradients to the kernels' buffers of unique rows), the 4th applying them in one fused update.
-Figures are medians over the rounds; ratios.step_k4_vs_k1 = median k4 step / median k1 step.
+  plain4: 4 ordinary steps on the same B samples as 4 micro-batches of B/4 (what accumulation replaces);
+  k4: the 4 micro-batches, the first 3 under gather_fused_gradients (each backward adds its rows' gradients to the
+      kernels' buffers of unique rows: one C++ pass, csrc/gather_rows_cpu.cpp), the 4th applying them in one update;
+  k4_torch: k4 with the buffer kept by torch ops (unique + index_add_: the path off CPU or without the extension).
+Figures are medians over the rounds; ratios.step_k4_vs_k1 = median k4 step / median k1 step, step_k4_vs_plain4 the
+same against the 4 plain steps.
 
 figures.max_rel_diff_k4_vs_one_step: the largest relative difference (max |diff| / max |value| per tensor) between the
 tables and fused optimizer state after one step on B and after 4 accumulated micro-batches of B/4, over the 5 CPU
@@ -27,9 +30,11 @@ import copy
 import json
 import statistics
 import time
+from unittest import mock
 
 import torch
 
+from lightning_rec import lookup
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.optim import FusedOptimizer, FusedOptimizerConfig, gather_fused_gradients
 from lightning_rec.sparse import KeyedJaggedTensor
@@ -76,6 +81,24 @@ def _step(model: _Model, dense: torch.optim.Optimizer, kjt, labels, k: int) -> N
             (model.loss(_bags(kjt, m * b, (m + 1) * b), labels[m * b : (m + 1) * b]) / k).backward()
     dense.step()
     dense.zero_grad()
+
+
+def _plain_steps(model: _Model, dense: torch.optim.Optimizer, kjt, labels, k: int) -> None:
+    """k ordinary steps on the batch's k micro-batches (what accumulation replaces)."""
+    b = labels.numel() // k
+    for m in range(k):
+        model.loss(_bags(kjt, m * b, (m + 1) * b), labels[m * b : (m + 1) * b]).backward()
+        dense.step()
+        dense.zero_grad()
+
+
+def _step_torch_buffer(model: _Model, dense: torch.optim.Optimizer, kjt, labels, k: int) -> None:
+    """_step with the buffer kept by torch ops (the path off CPU, or without the compiled extension)."""
+    with mock.patch.object(lookup, "native_op", lambda name: None):
+        _step(model, dense, kjt, labels, k)
+
+
+VARIANTS = {"k1": (_step, 1), "plain4": (_plain_steps, K), "k4": (_step, K), "k4_torch": (_step_torch_buffer, K)}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -135,17 +158,17 @@ def main() -> None:
     batches = [(_batch(args.tables, args.rows, args.batch, args.ids_per_bag, seed=s),
                 (torch.rand(args.batch, generator=torch.Generator().manual_seed(100 + s)) < 0.25).float())
                for s in range(args.steps)]
-    _step(model, dense, *batches[0], 1)  # warm-up, both paths
-    _step(model, dense, *batches[0], K)
-    times: dict[int, list[float]] = {1: [], K: []}
+    for fn, k in VARIANTS.values():  # warm-up, every path
+        fn(model, dense, *batches[0], k)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(args.rounds):
-        for k in (1, K):
+        for name, (fn, k) in VARIANTS.items():
             for kjt, labels in batches:
                 start = time.perf_counter()
-                _step(model, dense, kjt, labels, k)
-                times[k].append(time.perf_counter() - start)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med[K] / med[1]
+                fn(model, dense, kjt, labels, k)
+                times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    ratio = med["k4"] / med["k1"]
 
     held, grads, bound = held_bytes(model, *batches[0], args.dim)
     parity_rows = min(args.rows, 20_000)  # five optimizers' copies of the tables
@@ -153,21 +176,29 @@ def main() -> None:
 
     print(f"{args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch}, {args.rounds} rounds "
           f"x {args.steps} steps (median step times)")
-    print(f"  k=1  one batch of {args.batch}:          {med[1] * 1e3:8.2f} ms")
-    print(f"  k={K}  {K} micro-batches of {args.batch // K}:   {med[K] * 1e3:8.2f} ms   ({ratio:.2f}x)")
+    b = args.batch // K
+    print(f"  k1        one step on a batch of {args.batch}:                 {med['k1'] * 1e3:8.2f} ms")
+    print(f"  plain4    {K} plain steps on micro-batches of {b}:           {med['plain4'] * 1e3:8.2f} ms   "
+          f"({med['plain4'] / med['k1']:.2f}x k1)")
+    print(f"  k4        {K} micro-batches of {b} accumulated, one update: {med['k4'] * 1e3:8.2f} ms   "
+          f"({ratio:.2f}x k1, {med['k4'] / med['plain4']:.2f}x plain4)")
+    print(f"  k4_torch  the same, buffer kept by torch ops:           {med['k4_torch'] * 1e3:8.2f} ms   "
+          f"({med['k4_torch'] / med['k1']:.2f}x k1)")
     print(f"  buffers after {K} micro-batches: {held / 2**20:.2f} MiB held, bound (unique rows x dim x 4) "
           f"{bound / 2**20:.2f} MiB: {held / bound:.3f}x (gradients alone {grads / bound:.3f}x; the rest is ids)")
     for opt, d in diffs.items():
         print(f"  {opt:22s} max relative diff, {K} micro-batches vs one step: {d:.3g}")
-    figures = {"step_k1_ms": round(med[1] * 1e3, 3), "step_k4_ms": round(med[K] * 1e3, 3),
+    figures = {"step_k1_ms": round(med["k1"] * 1e3, 3), "step_k4_ms": round(med["k4"] * 1e3, 3),
                "max_rel_diff_k4_vs_one_step": max(diffs.values()),
                "max_rel_diff_per_optimizer": {k: float(f"{v:.3g}") for k, v in diffs.items()},
                "extra_bytes": held, "bound_bytes": bound, "extra_bytes_vs_bound": round(held / bound, 4),
                "grad_bytes_vs_bound": round(grads / bound, 4)}
-    results = [{"variant": f"k{k}", "micro_batch": args.batch // k, "median_step_ms": round(med[k] * 1e3, 3),
-                "steps": len(times[k])} for k in (1, K)]
-    print(json.dumps({"benchmark": "accumulation", "results": results, "ratios": {"step_k4_vs_k1": round(ratio, 3)},
-                      "figures": figures}))
+    results = [{"variant": name, "micro_batch": args.batch // k, "median_step_ms": round(med[name] * 1e3, 3),
+                "steps": len(times[name])} for name, (_, k) in VARIANTS.items()]
+    ratios = {"step_k4_vs_k1": round(ratio, 3), "step_k4_vs_plain4": round(med["k4"] / med["plain4"], 3),
+              "step_plain4_vs_k1": round(med["plain4"] / med["k1"], 3),
+              "step_k4_torch_vs_k1": round(med["k4_torch"] / med["k1"], 3)}
+    print(json.dumps({"benchmark": "accumulation", "results": results, "ratios": ratios, "figures": figures}))
 
 
 if __name__ == "__main__":

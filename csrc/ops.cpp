@@ -28,6 +28,11 @@ TORCH_LIBRARY(lightning_rec, m) {
       "Tensor feature_table, Tensor D_offsets, Tensor indices, Tensor offsets, "
       "Tensor? per_sample_weights, int pooling_mode, Tensor grad_output, int optimizer, float lr, "
       "float eps, float beta1, float beta2, float weight_decay) -> ()");
+  // Gradient accumulation's buffer of touched rows, one micro-batch added (gather_rows_cpu.cpp):
+  // per table, held rows keep their slots, new rows are appended, each id's gradient summed in position order.
+  m.def(
+      "gather_rows(Tensor[] rows, Tensor[] grads, Tensor feature_table, Tensor D_offsets, Tensor indices, "
+      "Tensor offsets, Tensor? per_sample_weights, int pooling_mode, Tensor grad_output) -> (Tensor[], Tensor[])");
   // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
   // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
   m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");

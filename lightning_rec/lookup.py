@@ -13,6 +13,7 @@ storage, so writes through them (checkpoint loading) land in the kernel."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_rec._compat import compiler_disable_takes_reason
 from lightning_rec._device import check_device_ready, cuda_missing, no_cuda_error  # noqa: F401  (imported from here too)
+from lightning_rec._native import native_op
 from lightning_rec.optim.config import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.types import DEFAULT_CACHE_LOAD_FACTOR
@@ -232,6 +234,7 @@ def _make_fbgemm_tbe(tables: Sequence[LocalTable], feature_table_map: list[int],
 _FBGEMM_SPLIT_STATE_NAMES = {EmbOptimType.LARS_SGD: ("momentum_buffer",)}
 # optimizers whose bias correction counts steps: fbgemm's count is `tbe.iter`, the native kernel's "step"
 _STEP_OPTIMIZERS = (EmbOptimType.ADAM, EmbOptimType.PARTIAL_ROWWISE_ADAM, EmbOptimType.LAMB)
+_GATHER_POOLING = {"sum": 0, "mean": 1, "none": 2}  # gather_rows' pooling_mode
 
 
 def fbgemm_optimizer_states(tbe: nn.Module, opt: EmbOptimType) -> list[dict[str, Tensor]]:
@@ -378,6 +381,9 @@ class FusedKernel(nn.Module):
                     w[:, : t.embedding_dim].uniform_(*t.init_range())
         self.gathering = False
         self._gathered: dict[int, tuple[Tensor, Tensor]] = {}  # table -> (unique rows [U], their gradients [U, D])
+        dims_F = [self._dims[t] for t in feature_table_map]
+        self._gather_layout = (torch.tensor(feature_table_map, dtype=torch.int64),
+                               torch.tensor([0, *itertools.accumulate(dims_F)], dtype=torch.int64))
         self._counts_steps = (self.kernel != "native" and EmbOptimType(optimizer.optimizer) in _STEP_OPTIMIZERS
                               and isinstance(getattr(self.tbe, "iter_cpu", None), Tensor))
         self._keep_cols: Tensor | None = None
@@ -446,9 +452,26 @@ class FusedKernel(nn.Module):
         return out
 
     def add_row_gradients(self, features: KeyedJaggedTensor, grad: Tensor) -> None:
-        """The gradient of one lookup's output, per table row it read, summed into the buffer of unique rows (in id
-        order, each row's terms in the kernel's order: scale = weight / bag length, then scale * gradient)."""
-        grad, pos, col, bags = grad.detach().float(), 0, 0, 0
+        """The gradient of one lookup's output, per table row it read, summed into the buffer of unique rows (each
+        row's terms in position order, as the kernel sums them: scale = weight / bag length, then scale * gradient).
+        On CPU one C++ pass (csrc/gather_rows_cpu.cpp: new rows appended, no sort); elsewhere torch below."""
+        grad = grad.detach().float()
+        gather = native_op("gather_rows") if grad.device.type == "cpu" else None
+        if gather is None:
+            return self._add_row_gradients_torch(features, grad)
+        weights_N = features.weights_or_none()
+        held = [self._gathered.get(t) for t in range(len(self.tables))]
+        rows, grads = gather(
+            [h[0] if h else torch.empty(0, dtype=torch.int64) for h in held],
+            [h[1] if h else grad.new_empty(0, d) for h, d in zip(held, self._dims)],
+            self._gather_layout[0], self._gather_layout[1], features.values().to(torch.int64),
+            features.offsets().to(torch.int64), None if weights_N is None else weights_N.detach().float(),
+            _GATHER_POOLING[self.pooling], grad)
+        self._gathered = {t: (r, g) for t, (r, g) in enumerate(zip(rows, grads)) if r.numel()}
+
+    def _add_row_gradients_torch(self, features: KeyedJaggedTensor, grad: Tensor) -> None:
+        """add_row_gradients with torch ops (rows kept in id order; the same sums)."""
+        pos, col, bags = 0, 0, 0
         per_table: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         weights_N = features.weights_or_none()
         for t, n, B in zip(self._feature_table, features.length_per_key(), features.stride_per_key()):
@@ -490,7 +513,11 @@ class FusedKernel(nn.Module):
             return
         device = next(iter(held.values()))[0].device
         B = max(rows.numel() for rows, _ in held.values())
-        names, lengths, values, grads = [], [], [], []
+        pooled = self.pooling != "none"
+        if pooled:  # bags past a table's rows are empty: the native update never reads their gradient rows
+            width = sum(self._dims[t] for t in self._feature_table)
+            grad = (torch.empty if self.kernel == "native" else torch.zeros)(B, width, device=device)
+        names, lengths, values, seq, col = [], [], [], [], 0
         for t, table in enumerate(self.tables):
             for i, name in enumerate(table.feature_names):  # the table's first feature reads its rows
                 rows, g = held.get(t, (None, None)) if i == 0 else (None, None)
@@ -500,11 +527,17 @@ class FusedKernel(nn.Module):
                                           torch.zeros(B - n, dtype=torch.int64, device=device)]))
                 if rows is not None:
                     values.append(rows)
-                    grads.append(g if self.pooling == "none" else F.pad(g, (0, 0, 0, B - n)))
-                elif self.pooling != "none":
-                    grads.append(torch.zeros(B, self._dims[t], device=device))
+                    if pooled:
+                        grad[:n, col : col + self._dims[t]] = g
+                    else:
+                        seq.append(g)
+                col += self._dims[t]
         batch = KeyedJaggedTensor(keys=names, values=torch.cat(values), lengths=torch.cat(lengths), stride=B)
-        grad = torch.cat(grads, dim=0 if self.pooling == "none" else 1)
+        if not pooled:
+            grad = torch.cat(seq)
+        if self.kernel == "native":  # the update alone: a lookup's output here would go unused
+            self.tbe.update_rows(batch.values(), batch.offsets(), grad)
+            return
         with torch.enable_grad():
             out = self._pooled(batch, checked=True)
             torch.autograd.backward(out, grad.to(out.dtype))

@@ -310,6 +310,17 @@ class NativeTableBatchedEmbeddingBags(nn.Module):
         except ValueError as e:  # only for inputs that bypassed the check above (_checked=True)
             raise ValueError(f"{e} (features: {', '.join(self.feature_names)})") from None
 
+    def update_rows(self, indices: Tensor, offsets: Tensor, grad_BD: Tensor) -> None:
+        """The fused update a backward with output gradient `grad_BD` makes, without the lookup before it (checked
+        int64 ids, no per-id weights): gradient accumulation's one update (lookup.FusedKernel.apply_gathered)."""
+        cfg = self.optimizer_config
+        torch.ops.lightning_rec.tbe_backward_update(
+            self.weights, self.momentum1, self.momentum2, self.step, self.weights_offsets, self.row_offsets,
+            self.table_dims, self.feature_table, self.D_offsets, indices, offsets, None,
+            _POOLING_IDS[self.pooling_mode], grad_BD.float().contiguous(), _OPTIMIZER_IDS[self.optimizer], self._lr,
+            cfg.eps, cfg.beta1, cfg.beta2, cfg.weight_decay,
+        )
+
     def extra_repr(self) -> str:
         return (f"tables={len(self.embedding_specs)}, features={len(self.feature_table_map)}, "
                 f"pooling={self.pooling_mode}, optimizer={self.optimizer.value}, lr={self._lr}")

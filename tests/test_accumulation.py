@@ -20,6 +20,7 @@ import torch
 from dist_utils import run_ranks
 from test_model_parallel import PooledModel, _batch, _global_batch, _plan, _tables
 
+from lightning_rec import lookup
 from lightning_rec.data import SyntheticCriteoDataModule
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan
@@ -154,6 +155,43 @@ def test_the_buffer_holds_the_rows_touched_and_the_optimizer_step_applies_what_i
     assert kernel.gathered_bytes() == 0
     moved = (ebc.state_dict()["embedding_bags.t0.weight"] != before).any(1).nonzero().flatten()
     assert torch.equal(moved, kjt.values().unique())
+
+
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", True), ("none", False)])
+def test_the_compiled_buffer_holds_what_the_torch_one_does(monkeypatch, pooling, weighted):
+    """csrc/gather_rows_cpu.cpp (CPU) and the torch ops (elsewhere) hold the same rows (first-seen order there, id
+    order here) and sums: bit for bit where every term's scale is 1, else to 1e-6 relative (the C++ loop fuses
+    scale * gradient into its sum, as the native kernel does)."""
+    if pooling == "none":
+        tables = [EmbeddingConfig(name=f"t{i}", num_embeddings=n, embedding_dim=6, feature_names=[f"f{i}"])
+                  for i, n in enumerate([40, 20])]
+        make = lambda: EmbeddingCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1))  # noqa: E731
+    else:
+        tables = [EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=8, feature_names=["f0", "f1"],
+                                     pooling=pooling)]
+        make = lambda: EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("sgd", lr=0.1),  # noqa: E731
+                                              is_weighted=weighted)
+    held = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(lookup, "native_op", lambda name: None)
+        torch.manual_seed(0)
+        collection = make()
+        with gather_fused_gradients(collection):
+            for step in range(3):
+                out = collection(_kjt(["f0", "f1"], [40, 20], 8, seed=step, weighted=weighted))
+                values = [out[f].values() for f in ("f0", "f1")] if pooling == "none" else [out.values()]
+                sum((v * torch.rand(v.shape, generator=torch.Generator().manual_seed(step))).sum()
+                    for v in values).backward()
+        held.append(collection.fused_kernels()[0]._gathered)
+    assert held[0].keys() == held[1].keys()
+    for t, (rows, grads) in held[0].items():
+        order = rows.argsort()
+        assert torch.equal(rows[order], held[1][t][0]), f"table {t}"
+        if pooling == "mean":
+            assert _relative(grads[order], held[1][t][1]) <= 1e-6, f"table {t}"
+        else:
+            assert torch.equal(grads[order], held[1][t][1]), f"table {t}"
 
 
 def _joined(batches):

@@ -10,6 +10,8 @@ gloo, with uneven batches per rank and a step where one rank's batch is an ordin
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from dist_utils import expect_error, run_ranks
@@ -23,7 +25,7 @@ from lightning_rec.model_parallel import (
     row_wise,
     table_wise,
 )
-from lightning_rec.optim import FusedOptimizerConfig
+from lightning_rec.optim import FusedOptimizerConfig, gather_fused_gradients
 from lightning_rec.sparse import KeyedJaggedTensor
 from lightning_rec.types import ShardingPlan
 
@@ -98,6 +100,22 @@ def test_unsharded_collection_looks_request_rows_up_once_and_expands_them(poolin
         (ref.values() * grad).sum().backward()
         if weighted:
             torch.testing.assert_close(kjt.weights().grad, twin.weights().grad, atol=ATOL, rtol=0)
+    for key, w in reference.state_dict().items():
+        torch.testing.assert_close(ebc.state_dict()[key], w, atol=ATOL, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("pooling,weighted,opt", [("sum", False, "rowwise_adagrad"), ("mean", True, "adam")])
+def test_variable_batches_accumulate_as_one_step_on_all_of_them(pooling, weighted, opt):
+    """Gradient accumulation (gather_fused_gradients): STEPS variable batches gathered, then one update, as one step
+    on their expanded concatenation."""
+    ebc, reference = _pair(pooling, weighted, opt)
+    kjts = [vbe_batch(step, requests=3, candidates=7, weighted=weighted) for step in range(STEPS)]
+    ref = reference(expanded(kjts)).values()
+    grads = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
+    (ref * grads).sum().backward()
+    for step, (kjt, grad) in enumerate(zip(kjts, grads.split(7))):
+        with gather_fused_gradients(ebc) if step < STEPS - 1 else contextlib.nullcontext():
+            (ebc(kjt).values() * grad).sum().backward()
     for key, w in reference.state_dict().items():
         torch.testing.assert_close(ebc.state_dict()[key], w, atol=ATOL, rtol=0, msg=key)
 
@@ -210,16 +228,45 @@ def _sharded_case(rank, W, kind, pooling, weighted, opt, shared_memory):
     return what
 
 
+def _accumulated_case(rank, W, kind, pooling, opt):
+    """STEPS variable batches per rank under dmp.no_sync() but the last: one update, as one step on all of them."""
+    ebc, reference = _pair(pooling, False, opt)
+    model = torch.nn.ModuleDict({"ebc": ebc})
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(ebc, PLANS[kind], world_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    sizes = [5 + 3 * r for r in range(W)]
+    batches = [[_rank_batch(r, step, False) for r in range(W)] for step in range(STEPS)]
+    ref = reference(expanded([b for step in batches for b in step])).values()
+    grads = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5))
+    (ref * grads).sum().backward()
+    for step, grad in enumerate(grads.split(sum(sizes))):
+        with dmp.no_sync() if step < STEPS - 1 else contextlib.nullcontext():
+            (dmp.module["ebc"](batches[step][rank]).values() * grad.split(sizes)[rank]).sum().backward()
+    state = dmp.state_dict()
+    for key, full in reference.state_dict().items():
+        value = state[f"ebc.{key}"]
+        pieces = [(m.shard_offsets, p) for m, p in value.local_shards] if hasattr(value, "local_shards") else \
+            [((0, 0), value)]
+        for (r, c), piece in pieces:
+            torch.testing.assert_close(piece, full[r : r + piece.shape[0], c : c + piece.shape[1]], atol=ATOL,
+                                       rtol=0, msg=f"accumulated {kind} {key}")
+    return f"accumulated {kind}"
+
+
 def _sharded_worker(rank, W, shared_memory):
     cases = CASES if W > 1 else [("one_rank", "mean", True, "adagrad")]
-    return [_sharded_case(rank, W, *case, shared_memory) for case in cases]
+    done = [_sharded_case(rank, W, *case, shared_memory) for case in cases]
+    if W > 1 and shared_memory is None:  # accumulation: the gathered rows of every sharding, one update
+        done += [_accumulated_case(rank, W, "mixed", "sum", "adagrad"),  # (column blocks keep row-wise state apart)
+                 _accumulated_case(rank, W, "column_wise", "mean", "adam")]
+    return done
 
 
 @pytest.mark.parametrize("world_size,shared_memory", [(2, None), (2, False), (1, None)])
 def test_sharded_collections_send_request_rows_once_and_expand_after_the_output_all_to_all(world_size,
                                                                                           shared_memory):
     done = run_ranks(_sharded_worker, world_size, shared_memory, timeout=120)
-    assert len(done[0]) == (len(CASES) if world_size > 1 else 1)
+    assert len(done[0]) == (len(CASES) + 2 * (shared_memory is None) if world_size > 1 else 1)
 
 
 def _bad_worker(rank, W):

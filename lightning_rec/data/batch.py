@@ -307,10 +307,9 @@ class StatefulBatchLoader(StatefulDataLoader):
         """(the pass, the batches already taken in it) of a loaded position; the loader or its sampler set there."""
         pass_index = pending["pass"]
         elastic = pending.get("elsewhere")
-        if elastic is not None:  # saved at another world size: the sampler deals the rows no rank read
-            if elastic["rows_consumed"] >= len(self.dataset):  # type: ignore[arg-type]
+        if elastic is not None:  # saved at another world size: the sampler (or dataset) deals the rows no rank read
+            if not self._elastic_source().continue_epoch(pass_index, elastic, pending["batches"], self.batch_size):
                 return pass_index + 1, 0
-            self.sampler.resume(pass_index, elastic["rows_consumed"], pending["batches"], self.batch_size)
             return pass_index, pending["batches"]
         if pending["finished"] or (pending["batches"] and pending["batches"] == _length(self)):
             return pass_index + 1, 0  # saved at the end of a pass (or after its last batch): this is the next one
@@ -351,17 +350,25 @@ class StatefulBatchLoader(StatefulDataLoader):
         base, finished = history[wanted]
         state = {"pass": self._passes.history_pass, "batches": wanted, "finished": finished, "base": base,
                  "fingerprint": self.fingerprint()}
-        sampler = self.sampler
-        if isinstance(sampler, ElasticDistributedSampler):  # what a run at another world size continues from
-            consumed = len(self.dataset) if finished else sampler.rows_consumed(wanted, self.batch_size)
-            state[ELASTIC_KEY] = {"world_size": sampler.num_replicas, "rows_consumed": consumed}
+        source = self._elastic_source()
+        if source is not None:  # what a run at another world size continues from
+            state[ELASTIC_KEY] = source.elastic_state(state["pass"], wanted, self.batch_size, finished)
         return state
+
+    def _elastic_source(self) -> Any:
+        """What deals the epoch's rows over the ranks and can continue one begun at another world size
+        (data/elastic.py): an ElasticDistributedSampler, or a dataset that deals its own rows; else None."""
+        if isinstance(self.sampler, ElasticDistributedSampler):
+            return self.sampler
+        return self.dataset if callable(getattr(self.dataset, "continue_epoch", None)) else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
         if isinstance(state, dict) and "ranks" in state:  # every rank's (gather_states): this rank's own
             dist, sampler = torch.distributed, self.sampler
             if isinstance(sampler, ElasticDistributedSampler):  # the trainer's ranks, which it deals to
                 rank, world = sampler.rank, sampler.num_replicas
+            elif callable(getattr(self.dataset, "rank_world", None)):  # a dataset that deals its rows itself
+                rank, world = self.dataset.rank_world()
             elif dist.is_available() and dist.is_initialized():
                 rank, world = dist.get_rank(), dist.get_world_size()
             else:
@@ -393,16 +400,18 @@ class StatefulBatchLoader(StatefulDataLoader):
         interrupted epoch dealt over this run's ranks when the state and the loader allow, else the epoch over."""
         number = int(state.get("pass", 0)) if isinstance(state, dict) else 0
         elastic = state.get(ELASTIC_KEY) if isinstance(state, dict) else None
-        why = None
-        if not isinstance(self.sampler, ElasticDistributedSampler):
-            why = ("this loader cannot deal the rest of an epoch over other ranks (only a map-style dataset's "
-                   "DistributedSampler can: a stream's position is each rank's own share)")
+        why, source = None, self._elastic_source()
+        if source is None:
+            why = ("this loader cannot deal the rest of an epoch over other ranks (a map-style dataset's "
+                   "DistributedSampler and a preprocessed directory can: a stream's position is each rank's own share)")
         elif not isinstance(elastic, dict):
             why = ("the state was saved by an older version of lightning_rec, which did not record the rows its "
                    "ranks had read")
         else:
             mine, theirs = self.fingerprint(), dict(state.get("fingerprint") or {})
-            theirs.update({k: mine.get(k) for k in ("sampler_num_replicas", "sampler_rank")})
+            # a rank's share (a dataset's length when it deals its rows itself) depends on the ranks
+            same = ("sampler_num_replicas", "sampler_rank") + (("num_samples",) if source is self.dataset else ())
+            theirs.update({k: mine.get(k) for k in same})
             differ = sorted(k for k in set(mine) | set(theirs) if theirs.get(k) != mine.get(k))
             if differ:
                 why = (f"it does not belong to this loader ({', '.join(differ)} differ: saved "
@@ -416,9 +425,8 @@ class StatefulBatchLoader(StatefulDataLoader):
         pending = {"pass": number, "batches": int(state["batches"]), "finished": bool(state["finished"]),
                    "elsewhere": elastic}
         self._passes = replace(self._passes, pending=pending, number=number)
-        if elastic["rows_consumed"] < len(self.dataset):  # type: ignore[arg-type]
-            # now, not at the first batch: Lightning sizes the epoch from len(loader) before iterating
-            self.sampler.resume(number, elastic["rows_consumed"], pending["batches"], self.batch_size)
+        # now, not at the first batch: Lightning sizes the epoch from len(loader) before iterating
+        source.continue_epoch(number, elastic, pending["batches"], self.batch_size)
 
     def fingerprint(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
@@ -455,7 +463,7 @@ def follow_fit_loop(loader: StatefulDataLoader, trainer: Any) -> StatefulDataLoa
         epochs = trainer.fit_loop.epoch_progress  # the epoch Lightning gives samplers' set_epoch
         loader.fit_epoch = lambda: int(epochs.current.processed)
         restored = _compat.restored_train_loader_states(trainer)
-        if len(restored) == 1 and isinstance(loader.sampler, ElasticDistributedSampler):
+        if len(restored) == 1 and loader._elastic_source() is not None:
             # Lightning sizes the epoch from len(loader) before it loads the position: an epoch continued from
             # another world size may be longer than a whole one here (Lightning loads it again, and warns then)
             with warnings.catch_warnings():

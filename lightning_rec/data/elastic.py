@@ -4,6 +4,12 @@ torch's DistributedSampler deals position p of the epoch's permutation (padded t
 to one under drop_last) to rank p % W, and a rank's batch k holds its local rows k*B .. (k+1)*B - 1: after s steps
 the W ranks have read exactly positions [0, min(s*B, share) * W). A checkpoint records that count
 (`rows_consumed`); a run at M ranks deals the permutation's positions from there over its M ranks, the same way.
+
+A source of an epoch's rows (this sampler, or an IterableDataset that deals its own rows, as the preprocessed Criteo
+shards) takes part through two methods: `elastic_state(epoch, batches, batch_size, finished)`, what a checkpoint
+records, and `continue_epoch(epoch, elastic, lead_batches, batch_size)`, which continues that epoch here (False: it
+was over).
+Both order the epoch's rows so that W ranks after s steps have read a prefix of them, and deal the rest with `deal`.
 """
 
 from __future__ import annotations
@@ -53,10 +59,7 @@ class ElasticDistributedSampler(DistributedSampler):
             order = torch.randperm(len(self.dataset), generator=g)[start:].tolist()
         else:
             order = list(range(start, len(self.dataset)))
-        total = self.share() * self.num_replicas
-        if len(order) < total:  # pad as torch pads an epoch: the first positions again
-            order += (order * math.ceil((total - len(order)) / len(order)))[:total - len(order)]
-        return iter(order[self.rank:total:self.num_replicas])
+        return iter(deal(order, self.rank, self.num_replicas, self.share()))
 
     def __len__(self) -> int:
         start, lead_batches, batch_size = self._resumed()
@@ -65,6 +68,19 @@ class ElasticDistributedSampler(DistributedSampler):
         # at least the steps counted plus the batches left (the rows are what is left): Lightning keeps this length
         # for the epochs after, so it is never less than a whole epoch's
         return max(self.num_samples, lead_batches * batch_size + self.share())
+
+    def elastic_state(self, epoch: int, batches: int, batch_size: int, finished: bool) -> dict:
+        """What a loader's checkpoint records for a run at another world size after `batches` of epoch `epoch` (this
+        sampler's own; `finished`: the epoch is over)."""
+        consumed = len(self.dataset) if finished else self.rows_consumed(batches, batch_size)
+        return {"world_size": self.num_replicas, "rows_consumed": consumed}
+
+    def continue_epoch(self, epoch: int, elastic: dict, lead_batches: int, batch_size: int) -> bool:
+        """Epoch `epoch` from `elastic` (elastic_state of another world size); False: that epoch was over."""
+        if elastic["rows_consumed"] >= len(self.dataset):
+            return False
+        self.resume(epoch, elastic["rows_consumed"], lead_batches, batch_size)
+        return True
 
     def rows_consumed(self, batches: int, batch_size: int) -> int:
         """Positions of the current epoch's permutation that all ranks have read after `batches` batches each (the
@@ -76,3 +92,12 @@ class ElasticDistributedSampler(DistributedSampler):
         if read >= share or (self.drop_last and read + batch_size > share):
             return len(self.dataset)
         return min(start + read * self.num_replicas, len(self.dataset))
+
+
+def deal(order: list, rank: int, world: int, share: int) -> list:
+    """Rank `rank`'s positions of `order` dealt over `world` ranks, `share` each: position p to rank p % world, as
+    torch's DistributedSampler deals; fewer than share * world positions are padded with the first ones again."""
+    total = share * world
+    if len(order) < total:
+        order = list(order) + (list(order) * math.ceil((total - len(order)) / len(order)))[:total - len(order)]
+    return order[rank:total:world]

@@ -30,6 +30,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_rec.data.batch import Batch, PassEpoch
 from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, feature_names
+from lightning_rec.data.elastic import deal
 from lightning_rec.sparse import KeyedJaggedTensor
 
 MANIFEST = "manifest.json"
@@ -154,6 +156,9 @@ class CriteoShardDataset(IterableDataset):
         self._epoch = PassEpoch()
         self._skip = 0  # batches of the next epoch already trained on (resume_from)
         self._pass_epoch, self._yielded, self._resume = 0, 0, None  # the loader's saved position (state_dict)
+        # an epoch begun at another world size, continued here (continue_epoch): epoch, order_world, start, lead
+        self._elastic: dict[str, int] | None = None
+        self._elastic_next = False  # the next pass is that epoch
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     @property
@@ -183,7 +188,112 @@ class CriteoShardDataset(IterableDataset):
     def __len__(self) -> int:
         if self.every_row:  # the same on every rank (each rank computes every share): they step together
             return max(self._num_batches(self.rank_rows(r)) for r in range(self._rank_world()[1]))
-        return self._num_batches(self.rank_rows())
+        whole = self._num_batches(self.rank_rows())
+        if self._elastic is None:
+            return whole
+        # the steps counted before the resume and the batches left: Lightning keeps this length for later epochs
+        return max(whole, self._elastic["lead"] + self._num_batches(self._elastic_share()))
+
+    def rank_world(self) -> tuple[int, int]:
+        """(rank, world size) this dataset deals its rows to."""
+        return self._rank_world()
+
+    @property
+    def fingerprint(self) -> str:
+        """What a saved reading position belongs to: the shard set (names, rows) and how batches are made."""
+        shards = hashlib.sha256(",".join(f"{r['name']}:{r['rows']}" for r in self.manifest["shards"]).encode())
+        return f"{shards.hexdigest()[:16]}:{self.batch_size}:{int(self.shuffle)}:{self.seed}:{int(self.drop_last)}"
+
+    # An epoch begun at N ranks, continued at M (data/elastic.py). The epoch's rows at N ranks, step-major (step k:
+    # rank 0's batch, rank 1's, ...), are an order of which N ranks after s steps have read a prefix; the rest is
+    # dealt over the M ranks row by row (elastic.deal), each rank's share the same, batched in order. The rows past
+    # M * share (fewer than M) are this epoch's remainder, as rows past the shortest share are in a whole epoch.
+
+    def _epoch_plan(self, world: int) -> tuple[int, int]:
+        """(rows each rank reads in an epoch at `world` ranks, its batches)."""
+        common = sum(hi - lo for _, lo, hi in rank_segments([r["rows"] for r in self.manifest["shards"]], 0, world))
+        batches = self._num_batches(common)
+        return min(batches * self.batch_size, common), batches
+
+    def _batch_rows(self, rank: int, world: int, epoch: int) -> list[np.ndarray]:
+        """Rank `rank`'s batches of epoch `epoch` at `world` ranks, in the order it reads them, as directory rows."""
+        rows, num_batches = self._epoch_plan(world)
+        shard_start = np.cumsum([0] + [r["rows"] for r in self.manifest["shards"]])
+        segments = rank_segments([r["rows"] for r in self.manifest["shards"]], rank, world, every_row=True)
+        share_rows = np.concatenate([np.arange(shard_start[i] + lo, shard_start[i] + hi) for i, lo, hi in segments]
+                                    or [np.empty(0, np.int64)])
+        share = share_rows.size
+        first_row = (epoch * rows) % share if share else 0
+        order = self._batch_order(epoch, num_batches)
+        return [share_rows[(first_row + np.arange(k * self.batch_size, min((k + 1) * self.batch_size, rows))) % share]
+                for k in order]
+
+    def _batch_order(self, epoch: int, num_batches: int) -> np.ndarray:
+        """The order an epoch reads a rank's batches in (the same on every rank)."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(num_batches)
+        return np.arange(num_batches)
+
+    def _epoch_order(self, epoch: int, world: int) -> np.ndarray:
+        per_rank = [self._batch_rows(r, world, epoch) for r in range(world)]
+        return np.concatenate([b for step in zip(*per_rank) for b in step] or [np.empty(0, np.int64)])
+
+    def elastic_state(self, epoch: int, batches: int, batch_size: int, finished: bool) -> dict:
+        """What a checkpoint records for a run at another world size: the rows all ranks have read, a prefix of the
+        epoch's order at `order_world` ranks (data/elastic.py)."""
+        _, world = self._rank_world()
+        if self._elastic is not None and self._elastic["epoch"] == epoch:
+            order_world, start, lead = self._elastic["order_world"], self._elastic["start"], self._elastic["lead"]
+            share = self._elastic_share()
+            read = (batches - lead) * self.batch_size
+            total = self._epoch_plan(order_world)[0] * order_world
+            done = finished or read >= share or (self.drop_last and read + self.batch_size > share)
+            consumed = total if done else start + read * world
+        else:
+            rows, num_batches = self._epoch_plan(world)
+            order_world, done = world, finished or batches >= num_batches
+            first = self._batch_order(epoch, num_batches)[:batches]
+            read = rows if done else int((np.minimum((first + 1) * self.batch_size, rows) - first * self.batch_size)
+                                         .sum())
+            consumed = read * world  # every rank's batch k has the same size
+        return {"world_size": world, "order_world": order_world, "rows_consumed": int(consumed)}
+
+    def continue_epoch(self, epoch: int, elastic: dict, lead_batches: int, batch_size: int) -> bool:
+        """Make the next pass epoch `epoch` over the rows no rank read (`elastic`: elastic_state saved at another
+        world size); False: that epoch was over."""
+        order_world = int(elastic.get("order_world", elastic["world_size"]))
+        if elastic["rows_consumed"] >= self._epoch_plan(order_world)[0] * order_world:
+            return False
+        self._elastic = {"epoch": int(epoch), "order_world": order_world, "start": int(elastic["rows_consumed"]),
+                         "lead": int(lead_batches)}
+        self._elastic_next = True
+        self._epoch.set(epoch)
+        return True
+
+    def _elastic_share(self) -> int:
+        """Rows of the continued epoch each rank reads here."""
+        e = self._elastic
+        return (self._epoch_plan(e["order_world"])[0] * e["order_world"] - e["start"]) // self._rank_world()[1]
+
+    def _elastic_batches(self, done: int) -> Iterator[Batch]:
+        """The continued epoch's batches of this rank (and worker), past its first `done`."""
+        e, (me, world) = self._elastic, self._rank_world()
+        share = self._elastic_share()
+        mine = np.asarray(deal(self._epoch_order(e["epoch"], e["order_world"])[e["start"]:], me, world, share))
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        arrays = self._open()
+        shard_start = np.cumsum([0] + [r["rows"] for r in self.manifest["shards"]])
+        for j in list(range(self._num_batches(share)))[worker::num_workers][done:]:
+            self._yielded += 1  # before the yield (see __iter__)
+            rows = mine[j * self.batch_size : (j + 1) * self.batch_size]
+            shard_of = np.searchsorted(shard_start, rows, side="right") - 1
+            columns = [np.empty((rows.size, *a.shape[1:]), a.dtype) for a in arrays[0]]
+            for shard in np.unique(shard_of):
+                picked = shard_of == shard
+                for column, a in zip(columns, arrays[shard]):
+                    column[picked] = a[rows[picked] - shard_start[shard]]
+            yield self.make_batch(*columns)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order the next iteration uses (shuffle=True). Untold, each iteration counts one
@@ -200,11 +310,16 @@ class CriteoShardDataset(IterableDataset):
 
     # torchdata's Stateful protocol: a resumed pass skips the batches yielded without reading them
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._pass_epoch, "yielded": self._yielded}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": self._pass_epoch, "yielded": self._yielded}
+        if self._elastic is not None and self._elastic["epoch"] == self._pass_epoch:
+            state["elastic"] = dict(self._elastic)  # a continued epoch resumes as one
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume = (int(state["epoch"]), int(state["yielded"]))
+        if state.get("elastic") is not None:
+            self._elastic, self._elastic_next = dict(state["elastic"]), True
 
     def _open(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         # memory maps: pages are read on demand and shared with the other workers through the page cache
@@ -234,6 +349,14 @@ class CriteoShardDataset(IterableDataset):
         return state
 
     def __iter__(self) -> Iterator[Batch]:
+        resume, self._resume = self._resume, None
+        if self._elastic_next and not self.every_row:  # an epoch begun at another world size
+            self._elastic_next = False
+            self._pass_epoch = self._epoch.take(self._elastic["epoch"])
+            self._yielded = resume[1] if resume is not None else 0
+            yield from self._elastic_batches(self._yielded)
+            return
+        self._elastic = None  # (before len(): the epochs after a continued one are whole ones)
         me, world = self._rank_world()
         segments = rank_segments([s["rows"] for s in self.manifest["shards"]], me, world, every_row=True)  # the share
         # where each segment starts in this rank's row order
@@ -242,14 +365,10 @@ class CriteoShardDataset(IterableDataset):
         num_batches = len(self)
         # rows an epoch reads (training: drop_last's remainder and rows past the shortest share left out)
         rows = min(num_batches * self.batch_size, self.rank_rows())
-        resume, self._resume = self._resume, None
         epoch = self._epoch.take(None if resume is None else resume[0])
         # epoch e starts where epoch e - 1 stopped (a function of the epoch alone: a resumed epoch reads the same rows)
         first_row = (epoch * rows) % share if share else 0
-        order = np.arange(num_batches)
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(num_batches)
-        order, self._skip = order[self._skip:], 0
+        order, self._skip = self._batch_order(epoch, num_batches)[self._skip:], 0
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         done = resume[1] if resume is not None else 0  # this worker's batches of the pass already trained on
