@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -230,3 +231,35 @@ def test_sorted_map_stays_consistent_under_churn(policy):
 def test_the_empty_slot_id_refused():
     with pytest.raises(ValueError, match="empty slot"):
         MCHManagedCollisionModule(4).train()(torch.tensor([2**63 - 1]))
+
+
+def test_movielens_and_sequences_hand_raw_ids_to_a_managed_collision_table():
+    """hash_ids=False (the Criteo readers' contract): MovieLens' user_id / item_id features and a sequence's input
+    items are the log's own ids, which a ManagedCollisionCollection maps to rows; rows stay what ranks."""
+    from conftest import SHARED_DATA
+
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.data.movielens.side import raw_ids
+    from lightning_rec.data.sequence import SequenceDataModule
+
+    ml = SHARED_DATA / "movielens" / "ml-100k"
+    if not (ml / "u.data").is_file():
+        pytest.skip("shared ml-100k not present")
+    dm = MovieLensDataModule(str(ml), batch_size=256, hash_ids=False, side_features=False)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    users, items = batch.user_features["user_id"].values(), batch.item_features["item_id"].values()
+    assert torch.equal(users, torch.as_tensor(dm.user_ids)[batch.user_index])
+    assert torch.equal(items, torch.as_tensor(dm.item_ids)[batch.item_index])
+    tables = [EmbeddingBagConfig(name="t_user", num_embeddings=dm.num_users, embedding_dim=4,
+                                 feature_names=["user_id"])]
+    mcc = ManagedCollisionCollection({"t_user": MCHManagedCollisionModule(dm.num_users)}, tables).train()
+    rows = mcc(batch.user_features)["user_id"].values()
+    pairs = torch.unique(torch.stack([rows, users]), dim=1).shape[1]
+    assert pairs == users.unique().numel() == rows.unique().numel() and int(rows.max()) < dm.num_users
+    seq = SequenceDataModule(str(ml), hash_ids=False, max_len=10_000)  # inputs: the whole history before the target
+    seq.setup()
+    val = seq.datasets["val"][list(range(64))]
+    assert torch.equal(val.item_ids, torch.as_tensor(seq.item_ids)[val.exclude_items])  # exclusions stay rows
+    hashed = raw_ids(np.array(["B00X", "B00Y", "B00X"]))  # string ids (ASINs): stable, non-negative int64
+    assert hashed[0] == hashed[2] != hashed[1] and bool((hashed >= 0).all())
