@@ -263,3 +263,49 @@ def test_movielens_and_sequences_hand_raw_ids_to_a_managed_collision_table():
     assert torch.equal(val.item_ids, torch.as_tensor(seq.item_ids)[val.exclude_items])  # exclusions stay rows
     hashed = raw_ids(np.array(["B00X", "B00Y", "B00X"]))  # string ids (ASINs): stable, non-negative int64
     assert hashed[0] == hashed[2] != hashed[1] and bool((hashed >= 0).all())
+
+
+def test_export_serves_raw_ids_through_the_id_map(tmp_path):
+    """`lightning-rec export` of a trained DLRMModule(managed_collision=...): the id map travels with the tables;
+    the loaded module and the serving module (what `--package` compiles, traced by torch.export) take raw ids and
+    match the eager model, ids never seen reading the unknown row."""
+    from lightning_rec import checkpoint as ckpt
+    from lightning_rec.checkpoint import load_exported
+    from lightning_rec.cli import export_main
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.serving.package import serving_module
+
+    names = ["s0", "s1"]
+    torch.manual_seed(0)
+    model = DLRMModule(num_embeddings_per_feature=[6, 5], embedding_dim=4, sparse_feature_names=names,
+                       dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1], sparse_lr=0.1,
+                       managed_collision={"eviction_policy": "lru", "eviction_interval": 2})
+    pool = torch.randint(0, 2**62, (12,), generator=torch.Generator().manual_seed(1))  # more ids than rows
+
+    def batch(seed, ids):
+        g = torch.Generator().manual_seed(seed)
+        values = ids[torch.randint(0, ids.numel(), (16,), generator=g)]
+        return torch.randn(8, 3, generator=g), values, torch.ones(16, dtype=torch.int64)
+
+    for step in range(6):  # the fused update runs in backward; evictions every 2 steps
+        dense, values, lengths = batch(step, pool)
+        model(dense, KeyedJaggedTensor.from_lengths_sync(names, values, lengths)).sum().backward()
+    mc = model.model.sparse_arch.embedding_bag_collection._managed_collision_collection
+    assert mc.modules_by_table()["t_s0"]._evictions_total > 0
+    model.eval()
+    ckpt.save_file({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                    "lightning_rec": {"module_class": "lightning_rec.models.dlrm_module.DLRMModule"}},
+                   tmp_path / "c.ckpt")
+    assert export_main([str(tmp_path / "c.ckpt"), str(tmp_path / "out")]) == 0
+    loaded = load_exported(tmp_path / "out")
+    dense, values, lengths = batch(99, torch.cat([pool, torch.tensor([3, 2**61 + 5])]))  # two ids never seen
+    kjt = KeyedJaggedTensor.from_lengths_sync(names, values, lengths)
+    with torch.no_grad():
+        expected = model(dense, kjt)
+        assert torch.equal(loaded(dense, kjt), expected)
+        module, meta = serving_module(loaded, "fp32")
+        served = torch.export.export(module, (dense, values, lengths), strict=False).module()
+        torch.testing.assert_close(served(dense, values, lengths), expected, atol=1e-6, rtol=1e-6)  # fp32, same sums
+    assert [f["raw_ids"] for f in meta["sparse_features"]] == [True, True]
+    rows = mc(kjt).values()
+    assert bool((rows == 4).any() or (rows == 5).any())  # some ids read an unknown row

@@ -97,7 +97,10 @@ class SparseArch(nn.Module):
         self.num_features = len(self.sparse_feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
-        pooled_BFxD = self.embedding_bag_collection(features).values()
+        pooled = self.embedding_bag_collection(features)
+        if isinstance(pooled, tuple):  # a ManagedCollisionEmbeddingBagCollection: (pooled, remapped ids or None)
+            pooled = pooled[0]
+        pooled_BFxD = pooled.values()
         return pooled_BFxD.view(-1, self.num_features, self.embedding_dim)
 
 

@@ -17,6 +17,7 @@ import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import refuse_non_finite
+from lightning_rec.managed_collision import managed_collision_tables
 from lightning_rec.metrics import RecMetricCollection
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
 from lightning_rec.models.module_hooks import RecModuleHooks
@@ -57,7 +58,11 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_kernel: "auto" | "fbgemm" | "native" (CPU) for the fused tables.
         warmup_steps: linear learning-rate warm-up of both parts (0 = none).
         embedding_device: "cpu", or "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
-            where it lives (tables larger than host memory)."""
+            where it lives (tables larger than host memory).
+        managed_collision: raw ids (e.g. CriteoDataModule(hash_ids=False)) remapped per table by an
+            MCHManagedCollisionModule as big as the table, built with these arguments ({"eviction_policy": "lfu",
+            "eviction_interval": 100, "min_count_to_admit": 2}; {} for the defaults); None: ids are rows
+            (docs/managed_collision.md)."""
 
     def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
                  sparse_feature_names: list[str] | None = None, dense_in_features: int = 13,
@@ -66,7 +71,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                  dcn_num_layers: int = 3, dcn_low_rank_dim: int = 64, sparse_optimizer: str = "rowwise_adagrad",
                  sparse_lr: float = 0.01, sparse_eps: float = 1e-8, sparse_weight_decay: float = 0.0,
                  dense_optimizer: str = "adagrad", dense_lr: float = 0.01, dense_weight_decay: float = 0.0,
-                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu") -> None:
+                 embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu",
+                 managed_collision: dict | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         refuse_non_finite(type(self).__name__, self.hparams)
@@ -96,6 +102,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.check_embedding_device("DLRMModule", embedding_device)
         self.check_embedding_kernel("DLRMModule", embedding_kernel)
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
+        if managed_collision is not None:
+            ebc = managed_collision_tables(ebc, managed_collision)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
         else:
