@@ -205,12 +205,6 @@ class ManagedCollisionEmbeddingBagCollection(_ManagedCollisionBase):
         remapped = self._remap(features)
         return self._embedding_module(remapped), (remapped if self._return_remapped_features else None)
 
-    def embedding_bag_configs(self):
-        return self._embedding_module.embedding_bag_configs()
-
-    def feature_names(self) -> list[str]:
-        return self._embedding_module.feature_names()
-
 
 class ManagedCollisionEmbeddingCollection(_ManagedCollisionBase):
     """An EmbeddingCollection read through a ManagedCollisionCollection (TorchRec's name):

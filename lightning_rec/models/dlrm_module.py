@@ -127,7 +127,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         """The data module's id ranges against the tables' rows, named before any batch."""
         theirs = getattr(data, "hparams", {}).get("num_embeddings_per_feature")
         ours = self.hparams.num_embeddings_per_feature
-        if theirs is None or theirs == ours:
+        if theirs is None or theirs == ours or self.hparams.get("managed_collision") is not None:  # raw ids: any range
             return
         names = list(self.hparams.sparse_feature_names or CRITEO_SPARSE_FEATURES)
         try:

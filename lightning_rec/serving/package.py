@@ -73,7 +73,7 @@ class RawIdRemap(nn.Module):
         modules = managed._managed_collision_collection.modules_by_table()
         ids, rows, start, end, unknown = [], [], [], [], []
         at = 0
-        for c in managed.embedding_bag_configs():
+        for c in managed._embedding_module.embedding_bag_configs():
             m = modules.get(c.name)
             table_ids, table_rows = m.id_map() if m is not None else (torch.zeros(0, dtype=torch.int64),) * 2
             ids.append(table_ids)
