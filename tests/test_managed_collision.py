@@ -310,3 +310,12 @@ def test_export_serves_raw_ids_through_the_id_map(tmp_path):
     assert [f["raw_ids"] for f in meta["sparse_features"]] == [True, True]
     rows = mc(kjt).values()
     assert bool((rows == 4).any() or (rows == 5).any())  # some ids read an unknown row
+
+
+def test_dlrm_module_refuses_an_unknown_managed_collision_argument():
+    from lightning_rec.models import DLRMModule
+
+    with pytest.raises(ValueError, match=r"\['zch'\] are not MCHManagedCollisionModule arguments: give any of "
+                                         r"eviction_policy"):
+        DLRMModule(num_embeddings_per_feature=4, embedding_dim=4, sparse_feature_names=["a"], dense_in_features=1,
+                   dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1], managed_collision={"zch": 3})
