@@ -116,6 +116,7 @@ def _mc_fit_rank(rank, world_size, root, kill_at, resume):
     from lightning_rec import RecStrategy
     from lightning_rec.data import SyntheticCriteoDataModule
     from lightning_rec.models import DLRMModule
+    from lightning_rec.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     class KillAt(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -124,8 +125,11 @@ def _mc_fit_rank(rank, world_size, root, kill_at, resume):
 
     L.seed_everything(0)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_last=True)]
-    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, max_steps=12, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
+    planner = EmbeddingShardingPlanner(Topology(world_size=world_size, compute_device="cpu"), constraints={
+        "t_a": ParameterConstraints(sharding_types=["row_wise"]),
+        "t_b": ParameterConstraints(sharding_types=["column_wise"], min_partition=2)})
+    trainer = L.Trainer(strategy=RecStrategy(planner=planner), accelerator="cpu", devices=world_size, max_steps=12,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks + ([KillAt()] if kill_at is not None else []), num_sanity_val_steps=0,
                         limit_val_batches=0)
     names = ["a", "b"]  # 32 raw ids a feature into 8-row tables: LRU evicts every 2 steps
@@ -137,15 +141,18 @@ def _mc_fit_rank(rank, world_size, root, kill_at, resume):
     trainer.fit(module, data, ckpt_path="last" if resume else None)
     mc = module.model.sparse_arch.embedding_bag_collection._managed_collision_collection
     assert all(m._evictions_total > 0 for m in mc.modules_by_table().values())
-    state = _flat(module.state_dict(), "model", {})
+    weights = module.state_dict()
+    assert sum(isinstance(v, ShardedTensor) for v in weights.values()) == 2  # both tables split over the ranks
+    state = _flat(weights, "model", {})
     for name, opt in trainer.optimizers[0].optimizers:
         _flat(opt.table_states() if hasattr(opt, "table_states") else opt.state_dict()["state"], name, state)
     return trainer.global_step, state
 
 
 def test_sigkill_mid_epoch_with_eviction_resumes_bitwise():
-    """2 ranks, eviction every 2 steps, SIGKILLed at step 10 (last checkpoint: step 8) and resumed: the weights (every
-    rank's pieces), the fused and dense optimizer state and the id maps equal an uninterrupted run's bit for bit."""
+    """2 ranks (a row-wise and a column-wise table), eviction every 2 steps, SIGKILLed at step 10 (last checkpoint:
+    step 8) and resumed: the weights (every rank's pieces), the fused and dense optimizer state and the id maps equal
+    an uninterrupted run's bit for bit."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as whole, tempfile.TemporaryDirectory() as killed:
