@@ -6,19 +6,25 @@
 Data: the Criteo samples in $LIGHTNING_REC_SHARED_DATA/criteo (train: criteo_kaggle_train_sample.tsv, validation:
 criteo_kaggle_valid_sample.tsv); without them, Zipf-distributed synthetic ids. Each table has 10% of its feature's
 distinct training ids as rows (at least 2). Modulo: `1 + v % (n - 1)` (row 0: missing). ZCH: raw ids through an
-MCHManagedCollisionModule (zch_size = n, LFU, eviction every --interval steps). The same DLRM (dim 16), fused
+MCHManagedCollisionModule (zch_size = n, LFU, eviction every --interval steps, a new id admitted at its
+--min-count-th lookup: one-off ids read the unknown row instead of taking a row). The same DLRM (dim 16), fused
 row-wise Adagrad on the tables and Adam on the dense layers, trained for --epochs in the same batch order.
 With --ranks N (> 1) the step cost is measured under DistributedModelParallel on N gloo ranks of one thread each
 (tables row-wise, those under 4 rows a rank table-wise; ZCH: each rank keeps its row shards' id maps and remaps
 after the id all-to-all), both arms in the same run, alternating rounds of --steps steps.
 
-Collision rate: the share of training lookups (missing values left out) that read a row that more than one distinct
-id read during training (ZCH: the shared unknown row, or a row evicted and reused); `id_collision_rate_*` counts
-distinct ids instead. Step cost: the median training step with ZCH over the one without, alternating rounds, one
-process. The last line is one JSON object: {"benchmark": "zch", "results": [...], "ratios":
-{"collision_rate_modulo_vs_zch", "id_collision_rate_modulo_vs_zch", "step_with_zch_vs_without"}, "figures":
-{"auc_zch_minus_modulo", "auc_zch_minus_modulo_spread", "auc_modulo", "auc_zch", "collision_rate_modulo",
-"collision_rate_zch"}}.
+Collision rate (over the --epochs passes, missing values left out): the share of training lookups that read a row
+more than one distinct id read during training (ZCH: the shared unknown row, or a row evicted and reused);
+`id_collision_rate_*` counts distinct ids instead; `moment_collision_rate_*` is TorchRec's benchmark_zch count
+(total - hits - inserts): the row read holds another id's training at that moment. `collision_rate_bound`: the
+least lifetime rate any id map can reach with these table sizes (the most frequent ids own the rows from the start,
+every other id shares the unknown row); `collision_rate_modulo_vs_bound` is the most that
+`collision_rate_modulo_vs_zch` can be. Step cost: the median training step with ZCH over the one without,
+alternating rounds, one process. The last line is one JSON object: {"benchmark": "zch", "results": [...], "ratios":
+{"collision_rate_modulo_vs_zch", "id_collision_rate_modulo_vs_zch", "moment_collision_rate_modulo_vs_zch",
+"collision_rate_modulo_vs_bound", "step_with_zch_vs_without"}, "figures": {"auc_zch_minus_modulo",
+"auc_zch_minus_modulo_spread", "auc_modulo", "auc_zch", "collision_rate_modulo", "collision_rate_zch",
+"collision_rate_bound", ...}}.
 """
 
 from __future__ import annotations
@@ -91,16 +97,16 @@ class _Remapped(nn.Module):
         return self.mc(features)[0]
 
 
-def build(sizes: np.ndarray, zch: bool, seed: int, interval: int):
+def build(sizes: np.ndarray, zch: bool, seed: int, interval: int, min_count: int):
     torch.manual_seed(seed)
     tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=int(n), embedding_dim=DIM, feature_names=[k])
               for k, n in zip(KEYS, sizes)]
     ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05))
     model = DLRM(ebc, 13, [32, DIM], [32, 1])
     if zch:
-        mcc = ManagedCollisionCollection({t.name: MCHManagedCollisionModule(t.num_embeddings, eviction_policy="lfu",
-                                                                            eviction_interval=interval)
-                                          for t in tables}, tables)
+        mcc = ManagedCollisionCollection({t.name: MCHManagedCollisionModule(
+            t.num_embeddings, eviction_policy="lfu", eviction_interval=interval, min_count_to_admit=min_count)
+            for t in tables}, tables)
         model.sparse_arch.embedding_bag_collection = _Remapped(ManagedCollisionEmbeddingBagCollection(ebc, mcc))
     dense = [p for n, p in model.named_parameters() if "embedding_bag" not in n]
     return model, torch.optim.Adam(dense, lr=1e-3)
@@ -124,29 +130,59 @@ def auc(model, val) -> float:
     return float(metric.compute())
 
 
-def collision_rates(train, sizes: np.ndarray, zch: bool, interval: int, batch: int) -> tuple[float, float]:
-    """(lookup share, distinct-id share) reading a row that more than one distinct id read in training."""
-    mods = [MCHManagedCollisionModule(int(n), eviction_interval=interval).train() for n in sizes]
+def collision_rates(train, sizes: np.ndarray, zch: bool, interval: int, batch: int, min_count: int,
+                    epochs: int) -> dict[str, float]:
+    """Shares of training lookups (and of distinct ids) that collide, over `epochs` passes in training order.
+
+    lifetime: the lookup reads a row that more than one distinct id read during the whole run (an evicted and reused
+    row counts for both ids). moment (TorchRec's benchmark_zch count, total - hits - inserts): the row holds another
+    id's training when it is read: modulo, another id read it at or before this step; ZCH, the shared unknown row
+    (a reused row is re-initialised before its new id trains)."""
+    mods = [MCHManagedCollisionModule(int(n), eviction_interval=interval, min_count_to_admit=min_count).train()
+            for n in sizes]
     label, dense, sparse = train
     pairs = [[] for _ in KEYS]
-    for i in range(0, len(label), batch):
-        for f, m in enumerate(mods):
-            raw = torch.from_numpy(sparse[i:i + batch, f])
-            raw = raw[raw >= 0]
-            rows = m(raw) if zch else 1 + raw % (int(sizes[f]) - 1)
-            pairs[f].append(torch.stack([rows, raw]))
-    hit = looked = shared_ids = ids = 0
-    for p in pairs:
-        rows, raw = torch.cat(p, dim=1)
+    for e in range(epochs):
+        for step, i in enumerate(range(0, len(label), batch), e * ((len(label) + batch - 1) // batch)):
+            for f, m in enumerate(mods):
+                raw = torch.from_numpy(sparse[i:i + batch, f])
+                raw = raw[raw >= 0]
+                rows = m(raw) if zch else 1 + raw % (int(sizes[f]) - 1)
+                pairs[f].append(torch.stack([rows, raw, torch.full_like(raw, step)]))
+    hit = moment = looked = shared_ids = ids = 0
+    for f, p in enumerate(pairs):
+        rows, raw, steps = torch.cat(p, dim=1)
+        if not rows.numel():
+            continue
         uniq = torch.unique(torch.stack([rows, raw]), dim=1)
-        per_row = torch.bincount(uniq[0], minlength=int(rows.max()) + 1 if rows.numel() else 1)
+        per_row = torch.bincount(uniq[0], minlength=int(sizes[f]))
         shared = per_row[rows] > 1
         hit, looked = hit + int(shared.sum()), looked + rows.numel()
-        id_shared = torch.zeros(0, dtype=torch.int64)
-        if rows.numel():
-            id_shared = torch.unique(raw[shared])
-        shared_ids, ids = shared_ids + id_shared.numel(), ids + torch.unique(raw).numel()
-    return hit / max(looked, 1), shared_ids / max(ids, 1)
+        shared_ids, ids = shared_ids + torch.unique(raw[shared]).numel(), ids + torch.unique(raw).numel()
+        if zch:
+            moment += int((rows == mods[f].unknown_row).sum())
+            continue
+        # the step a row gets its second distinct id: from then on every read of it carries another id's training
+        key, inverse = torch.unique(rows * (1 << 33) + raw, return_inverse=True)
+        first = torch.full_like(key, 1 << 62).scatter_reduce_(0, inverse, steps, "amin")
+        order = torch.argsort(first, stable=True)
+        order = order[torch.argsort(key[order] >> 33, stable=True)]  # by row, then by first step
+        per = torch.bincount(key >> 33, minlength=int(sizes[f]))
+        start = torch.cumsum(per, 0) - per
+        second = torch.where(per > 1, first[order][(start + 1).clamp(max=first.numel() - 1)], 1 << 62)
+        moment += int((steps >= second[rows]).sum())
+    return {"lifetime": hit / max(looked, 1), "ids": shared_ids / max(ids, 1), "moment": moment / max(looked, 1)}
+
+
+def oracle_rate(train, sizes: np.ndarray) -> float:
+    """The least lifetime collision rate any id map reaches: the n - 1 most frequent ids of each table own its rows
+    from the start, never evicted, every other id on the unknown row (it knows the whole run in advance)."""
+    shared = looked = 0
+    for f, n in enumerate(sizes):
+        col = train[2][:, f]
+        counts = np.sort(np.unique(col[col >= 0], return_counts=True)[1])[::-1]
+        shared, looked = shared + int(counts[int(n) - 1:].sum()), looked + int(counts.sum())
+    return shared / max(looked, 1)
 
 
 def rank_main(rank: int, port: int, args, sizes: np.ndarray, train, queue) -> None:
@@ -168,7 +204,7 @@ def rank_main(rank: int, port: int, args, sizes: np.ndarray, train, queue) -> No
     W, arms = args.ranks, ("modulo", "zch")
     runs = {}
     for arm in arms:
-        model, _ = build(sizes, arm == "zch", 0, args.interval)
+        model, _ = build(sizes, arm == "zch", 0, args.interval, args.min_count)
         path, ebc = next((n, m) for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection))
         layout = {c.name: row_wise() if c.num_embeddings >= 4 * W else table_wise(rank=i % W)
                   for i, c in enumerate(ebc.embedding_bag_configs())}
@@ -215,6 +251,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=1, help="> 1: the step cost at this many gloo ranks")
     parser.add_argument("--steps", type=int, default=10, help="--ranks: steps per timed round")
+    parser.add_argument("--min-count", type=int, default=2,
+                        help="min_count_to_admit: lookups a new id needs before it takes a row (1: at once)")
     parser.add_argument("--smoke", action="store_true", help="seconds: 1,024 rows, one seed, one epoch")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="managed-collision table")  # churn on a small sample: expected
@@ -232,13 +270,15 @@ def main() -> None:
     distinct = np.array([len(np.unique(c[c >= 0])) for c in train[2].T])
     sizes = np.maximum(2, np.ceil(0.1 * distinct)).astype(np.int64)
     print(f"{source}: {len(train[0])} training rows, {int(distinct.sum())} distinct ids, {int(sizes.sum())} rows")
-    rates = {arm: collision_rates(train, sizes, arm == "zch", args.interval, args.batch) for arm in ("modulo", "zch")}
+    rates = {arm: collision_rates(train, sizes, arm == "zch", args.interval, args.batch, args.min_count, args.epochs)
+             for arm in ("modulo", "zch")}
+    bound = oracle_rate(train, sizes)
     data = {arm: (batches(train, sizes, args.batch, arm == "modulo"), batches(val, sizes, 4096, arm == "modulo"))
             for arm in ("modulo", "zch")}
     aucs = {"modulo": [], "zch": []}
     times = {"modulo": [], "zch": []}
     for seed in args.seeds:
-        models = {arm: build(sizes, arm == "zch", seed, args.interval) for arm in aucs}
+        models = {arm: build(sizes, arm == "zch", seed, args.interval, args.min_count) for arm in aucs}
         for _ in range(args.epochs):
             for i in range(len(data["modulo"][0])):
                 for arm in aucs:  # alternating: the same moment of a busy machine for both
@@ -251,19 +291,22 @@ def main() -> None:
     step_s = {arm: statistics.median(t) for arm, t in times.items()}
     if args.ranks > 1:
         step_s = ranks_step_cost(args, sizes, train)
-    results = [{"arm": arm, "collision_rate": rates[arm][0], "id_collision_rate": rates[arm][1], "aucs": aucs[arm],
+    results = [{"arm": arm, "collision_rate": rates[arm]["lifetime"], "id_collision_rate": rates[arm]["ids"],
+                "collision_rate_moment": rates[arm]["moment"], "aucs": aucs[arm],
                 "median_step_ms": step_s[arm] * 1e3} for arm in aucs]
     print(f"{'arm':<8}{'collide(lookups)':>18}{'collide(ids)':>14}{'AUC mean':>10}{'step ms':>9}")
     for r in results:
         print(f"{r['arm']:<8}{r['collision_rate']:>18.4f}{r['id_collision_rate']:>14.4f}"
               f"{statistics.mean(r['aucs']):>10.4f}{r['median_step_ms']:>9.2f}")
-    ratios = {"collision_rate_modulo_vs_zch": rates["modulo"][0] / max(rates["zch"][0], 1e-12),
-              "id_collision_rate_modulo_vs_zch": rates["modulo"][1] / max(rates["zch"][1], 1e-12),
+    ratios = {f"{name}_modulo_vs_zch": rates["modulo"][key] / max(rates["zch"][key], 1e-12) for name, key in
+              (("collision_rate", "lifetime"), ("id_collision_rate", "ids"), ("moment_collision_rate", "moment"))}
+    ratios |= {"collision_rate_modulo_vs_bound": rates["modulo"]["lifetime"] / max(bound, 1e-12),
               "step_with_zch_vs_without": step_s["zch"] / step_s["modulo"]}
     figures = {"auc_zch_minus_modulo": statistics.mean(diffs),
                "auc_zch_minus_modulo_spread": statistics.pstdev(diffs) if len(diffs) > 1 else 0.0,
                "auc_modulo": statistics.mean(aucs["modulo"]), "auc_zch": statistics.mean(aucs["zch"]),
-               "collision_rate_modulo": rates["modulo"][0], "collision_rate_zch": rates["zch"][0],
+               "collision_rate_modulo": rates["modulo"]["lifetime"], "collision_rate_zch": rates["zch"]["lifetime"],
+               "collision_rate_bound": bound, "min_count_to_admit": args.min_count,
                "seeds": len(args.seeds), "source": source, "step_ranks": args.ranks}
     print(json.dumps({"benchmark": "zch", "results": results, "ratios": ratios, "figures": figures}))
 

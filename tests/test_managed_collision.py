@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -230,3 +231,91 @@ def test_sorted_map_stays_consistent_under_churn(policy):
 def test_the_empty_slot_id_refused():
     with pytest.raises(ValueError, match="empty slot"):
         MCHManagedCollisionModule(4).train()(torch.tensor([2**63 - 1]))
+
+
+def test_movielens_and_sequences_hand_raw_ids_to_a_managed_collision_table():
+    """hash_ids=False (the Criteo readers' contract): MovieLens' user_id / item_id features and a sequence's input
+    items are the log's own ids, which a ManagedCollisionCollection maps to rows; rows stay what ranks."""
+    from conftest import SHARED_DATA
+
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.data.movielens.side import raw_ids
+    from lightning_rec.data.sequence import SequenceDataModule
+
+    ml = SHARED_DATA / "movielens" / "ml-100k"
+    if not (ml / "u.data").is_file():
+        pytest.skip("shared ml-100k not present")
+    dm = MovieLensDataModule(str(ml), batch_size=256, hash_ids=False, side_features=False)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    users, items = batch.user_features["user_id"].values(), batch.item_features["item_id"].values()
+    assert torch.equal(users, torch.as_tensor(dm.user_ids)[batch.user_index])
+    assert torch.equal(items, torch.as_tensor(dm.item_ids)[batch.item_index])
+    tables = [EmbeddingBagConfig(name="t_user", num_embeddings=dm.num_users, embedding_dim=4,
+                                 feature_names=["user_id"])]
+    mcc = ManagedCollisionCollection({"t_user": MCHManagedCollisionModule(dm.num_users)}, tables).train()
+    rows = mcc(batch.user_features)["user_id"].values()
+    pairs = torch.unique(torch.stack([rows, users]), dim=1).shape[1]
+    assert pairs == users.unique().numel() == rows.unique().numel() and int(rows.max()) < dm.num_users
+    seq = SequenceDataModule(str(ml), hash_ids=False, max_len=10_000)  # inputs: the whole history before the target
+    seq.setup()
+    val = seq.datasets["val"][list(range(64))]
+    assert torch.equal(val.item_ids, torch.as_tensor(seq.item_ids)[val.exclude_items])  # exclusions stay rows
+    hashed = raw_ids(np.array(["B00X", "B00Y", "B00X"]))  # string ids (ASINs): stable, non-negative int64
+    assert hashed[0] == hashed[2] != hashed[1] and bool((hashed >= 0).all())
+
+
+@pytest.mark.filterwarnings("ignore:managed-collision table")  # 12 ids churn through 4 rows: meant
+def test_export_serves_raw_ids_through_the_id_map(tmp_path):
+    """`lightning-rec export` of a trained DLRMModule(managed_collision=...): the id map travels with the tables;
+    the loaded module and the serving module (what `--package` compiles, traced by torch.export) take raw ids and
+    match the eager model, ids never seen reading the unknown row."""
+    from lightning_rec import checkpoint as ckpt
+    from lightning_rec.checkpoint import load_exported
+    from lightning_rec.cli import export_main
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.serving.package import serving_module
+
+    names = ["s0", "s1"]
+    torch.manual_seed(0)
+    model = DLRMModule(num_embeddings_per_feature=[6, 5], embedding_dim=4, sparse_feature_names=names,
+                       dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1], sparse_lr=0.1,
+                       managed_collision={"eviction_policy": "lru", "eviction_interval": 2})
+    pool = torch.randint(0, 2**62, (12,), generator=torch.Generator().manual_seed(1))  # more ids than rows
+
+    def batch(seed, ids):
+        g = torch.Generator().manual_seed(seed)
+        values = ids[torch.randint(0, ids.numel(), (16,), generator=g)]
+        return torch.randn(8, 3, generator=g), values, torch.ones(16, dtype=torch.int64)
+
+    for step in range(6):  # the fused update runs in backward; evictions every 2 steps
+        dense, values, lengths = batch(step, pool)
+        model(dense, KeyedJaggedTensor.from_lengths_sync(names, values, lengths)).sum().backward()
+    mc = model.model.sparse_arch.embedding_bag_collection._managed_collision_collection
+    assert mc.modules_by_table()["t_s0"]._evictions_total > 0
+    model.eval()
+    ckpt.save_file({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                    "lightning_rec": {"module_class": "lightning_rec.models.dlrm_module.DLRMModule"}},
+                   tmp_path / "c.ckpt")
+    assert export_main([str(tmp_path / "c.ckpt"), str(tmp_path / "out")]) == 0
+    loaded = load_exported(tmp_path / "out")
+    dense, values, lengths = batch(99, torch.cat([pool, torch.tensor([3, 2**61 + 5])]))  # two ids never seen
+    kjt = KeyedJaggedTensor.from_lengths_sync(names, values, lengths)
+    with torch.no_grad():
+        expected = model(dense, kjt)
+        assert torch.equal(loaded(dense, kjt), expected)
+        module, meta = serving_module(loaded, "fp32")
+        served = torch.export.export(module, (dense, values, lengths), strict=False).module()
+        torch.testing.assert_close(served(dense, values, lengths), expected, atol=1e-6, rtol=1e-6)  # fp32, same sums
+    assert [f["raw_ids"] for f in meta["sparse_features"]] == [True, True]
+    rows = mc(kjt).values()
+    assert bool((rows == 4).any() or (rows == 5).any())  # some ids read an unknown row
+
+
+def test_dlrm_module_refuses_an_unknown_managed_collision_argument():
+    from lightning_rec.models import DLRMModule
+
+    with pytest.raises(ValueError, match=r"\['zch'\] are not MCHManagedCollisionModule arguments: give any of "
+                                         r"eviction_policy"):
+        DLRMModule(num_embeddings_per_feature=4, embedding_dim=4, sparse_feature_names=["a"], dense_in_features=1,
+                   dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1], managed_collision={"zch": 3})

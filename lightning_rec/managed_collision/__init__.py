@@ -4,6 +4,7 @@ from lightning_rec.managed_collision.collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
+    managed_collision_tables,
     reinit_rows,
 )
 from lightning_rec.managed_collision.mch import (
@@ -16,4 +17,4 @@ from lightning_rec.managed_collision.mch import (
 
 __all__ = ["DistanceLFU_EvictionPolicy", "LFU_EvictionPolicy", "LRU_EvictionPolicy", "MCHEvictionPolicy",
            "MCHManagedCollisionModule", "ManagedCollisionCollection", "ManagedCollisionEmbeddingBagCollection",
-           "ManagedCollisionEmbeddingCollection", "reinit_rows"]
+           "ManagedCollisionEmbeddingCollection", "managed_collision_tables", "reinit_rows"]

@@ -234,3 +234,18 @@ class ManagedCollisionEmbeddingCollection(_ManagedCollisionBase):
     def forward(self, features: KeyedJaggedTensor):
         remapped = self._remap(features)
         return self._embedding_module(remapped), (remapped if self._return_remapped_features else None)
+
+
+_MCH_ARGS = ("eviction_policy", "eviction_interval", "min_count_to_admit", "churn_warning", "max_candidates")
+
+
+def managed_collision_tables(ebc: EmbeddingBagCollection, arguments: Mapping[str, Any]
+                             ) -> ManagedCollisionEmbeddingBagCollection:
+    """`ebc` read through one MCHManagedCollisionModule per table, as big as the table, built with `arguments`."""
+    unknown = sorted(set(arguments) - set(_MCH_ARGS))
+    if unknown:
+        raise ValueError(f"managed_collision={dict(arguments)}: {unknown} are not MCHManagedCollisionModule "
+                         f"arguments: give any of {', '.join(_MCH_ARGS)}")
+    configs = ebc.embedding_bag_configs()
+    modules = {c.name: MCHManagedCollisionModule(c.num_embeddings, **arguments) for c in configs}
+    return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, configs))

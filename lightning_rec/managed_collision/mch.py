@@ -78,11 +78,14 @@ def owner_of(ids: Tensor, owners: int | Tensor) -> Tensor:
     multiplicative hash, then modulo), so that an id routes the same way at every step and on every rank."""
     if isinstance(owners, int) and owners == 1:
         return torch.zeros_like(ids)
-    mixed = (ids * _MIX) >> 29  # int64 products wrap; the high bits mix every bit of the id
-    return (mixed & (2**31 - 1)) % owners
+    # two multiply-xorshift rounds (int64 products wrap): one round's bits above 29 sent ids 1..45 all to owner 1
+    mixed = ids * _MIX
+    mixed = (mixed ^ ((mixed >> 32) & 0xFFFFFFFF)) * _MIX2
+    return ((mixed >> 33) & (2**30 - 1)) % owners
 
 
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's), as an int64
+_MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64's), as an int64
 
 
 def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:

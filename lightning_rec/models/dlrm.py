@@ -87,17 +87,22 @@ class SparseArch(nn.Module):
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
         super().__init__()
         self.embedding_bag_collection = embedding_bag_collection
-        dims = {c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs()}
+        # a ManagedCollisionEmbeddingBagCollection reads raw ids into the tables it holds
+        tables = getattr(embedding_bag_collection, "_embedding_module", embedding_bag_collection)
+        dims = {c.embedding_dim for c in tables.embedding_bag_configs()}
         if len(dims) != 1:
             raise ValueError(f"DLRM needs every table to have the same embedding_dim, got {sorted(dims)}: "
                              f"set one embedding_dim for all tables")
         self.embedding_dim = dims.pop()
         # TorchRec's name (subclasses of its DLRM read len(self.sparse_arch.sparse_feature_names)): the output's order
-        self.sparse_feature_names: list[str] = list(embedding_bag_collection.feature_names())
+        self.sparse_feature_names: list[str] = list(tables.feature_names())
         self.num_features = len(self.sparse_feature_names)
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
-        pooled_BFxD = self.embedding_bag_collection(features).values()
+        pooled = self.embedding_bag_collection(features)
+        if isinstance(pooled, tuple):  # a ManagedCollisionEmbeddingBagCollection: (pooled, remapped ids or None)
+            pooled = pooled[0]
+        pooled_BFxD = pooled.values()
         return pooled_BFxD.view(-1, self.num_features, self.embedding_dim)
 
 

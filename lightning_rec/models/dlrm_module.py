@@ -17,6 +17,7 @@ import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import refuse_non_finite
+from lightning_rec.managed_collision import managed_collision_tables
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
 from lightning_rec.models.eval_metrics import (
     calibration_curve,
@@ -69,7 +70,11 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             calibration, auprc, gauc]), logged as val_<metric>: the configuration MultiTaskModule takes
             (models/eval_metrics.py). None: the click metrics val_auc, val_ne, val_logloss, val_ctr.
         group_feature: the sparse feature whose id is a row's group (user or request) for "gauc".
-        calibration_buckets: buckets of the calibration plot logged to W&B (0: none)."""
+        calibration_buckets: buckets of the calibration plot logged to W&B (0: none).
+        managed_collision: raw ids (e.g. CriteoDataModule(hash_ids=False)) remapped per table by an
+            MCHManagedCollisionModule as big as the table, built with these arguments ({"eviction_policy": "lfu",
+            "eviction_interval": 100, "min_count_to_admit": 2}; {} for the defaults); None: ids are rows
+            (docs/managed_collision.md)."""
 
     def __init__(self, num_embeddings_per_feature: int | list[int] = 100_000, embedding_dim: int = 64,
                  sparse_feature_names: list[str] | None = None, dense_in_features: int = 13,
@@ -80,7 +85,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
                  dense_optimizer: str = "adagrad", dense_lr: float = 0.01, dense_weight_decay: float = 0.0,
                  embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu",
                  metrics: list[str] | None = None, group_feature: str | None = None,
-                 calibration_buckets: int = 20) -> None:
+                 calibration_buckets: int = 20, managed_collision: dict | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         refuse_non_finite(type(self).__name__, self.hparams)
@@ -111,6 +116,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         self.check_embedding_device("DLRMModule", embedding_device)
         self.check_embedding_kernel("DLRMModule", embedding_kernel)
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
+        if managed_collision is not None:
+            ebc = managed_collision_tables(ebc, managed_collision)
         if interaction == "dcn":
             self.model = DLRM_DCN(ebc, dense_in_features, dense_sizes, over_sizes, dcn_num_layers, dcn_low_rank_dim)
         else:
@@ -130,7 +137,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         """The data module's id ranges against the tables' rows, named before any batch."""
         theirs = getattr(data, "hparams", {}).get("num_embeddings_per_feature")
         ours = self.hparams.num_embeddings_per_feature
-        if theirs is None or theirs == ours:
+        if theirs is None or theirs == ours or self.hparams.get("managed_collision") is not None:  # raw ids: any range
             return
         names = list(self.hparams.sparse_feature_names or CRITEO_SPARSE_FEATURES)
         try:

@@ -7,7 +7,9 @@ Inputs (named in the package's metadata, key "inputs"): a DLRM takes `dense_feat
 `values` int64 [N] (the ids, feature by feature in the metadata's order, each feature's B rows in turn) and
 `lengths` int64 [F * B] (ids per feature and row, feature-major); a tower takes `values` and `lengths`.
 An id outside its table, or a negative one, fails the request (RuntimeError); so do lengths that are not F * B
-long (a feature missing) or lengths that do not add up to N.
+long (a feature missing) or lengths that do not add up to N. A model with managed-collision tables takes their
+features' raw ids ("raw_ids": true in sparse_features): the id map travels in the package and an id without a row
+reads the table's shared unknown row, as in the model's evaluation.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_rec.managed_collision import ManagedCollisionEmbeddingBagCollection
 from lightning_rec.serving.quant import QuantEmbeddingBagCollection, quantize_inference_model
 
 PACKAGE_FORMAT = "lightning_rec.serving/1"
@@ -60,17 +63,69 @@ class KernelLookup(nn.Module):
             lxu_cache_locations=torch.empty(0, dtype=torch.int32), **self.kernel_args)
 
 
+class RawIdRemap(nn.Module):
+    """Raw ids -> rows through the managed-collision tables' id maps, read only (an id without a row reads its table's
+    unknown row); features of other tables keep their ids. One segmented binary search over the maps laid end to
+    end, a fixed number of halvings (what torch.export traces: no data-dependent shapes)."""
+
+    def __init__(self, managed: ManagedCollisionEmbeddingBagCollection) -> None:
+        super().__init__()
+        modules = managed._managed_collision_collection.modules_by_table()
+        ids, rows, start, end, unknown = [], [], [], [], []
+        at = 0
+        for c in managed._embedding_module.embedding_bag_configs():
+            m = modules.get(c.name)
+            table_ids, table_rows = m.id_map() if m is not None else (torch.zeros(0, dtype=torch.int64),) * 2
+            ids.append(table_ids)
+            rows.append(table_rows)
+            for _ in c.feature_names:
+                start.append(at)
+                end.append(at + table_ids.numel())
+                unknown.append(m.unknown_row if m is not None else -1)  # -1: no map, the id is the row
+            at += table_ids.numel()
+        self.register_buffer("ids", torch.cat(ids + [torch.full((1,), torch.iinfo(torch.int64).max)]))
+        self.register_buffer("rows", torch.cat(rows + [torch.zeros(1, dtype=torch.int64)]))
+        self.register_buffer("start", torch.tensor(start, dtype=torch.int64))
+        self.register_buffer("end", torch.tensor(end, dtype=torch.int64))
+        self.register_buffer("unknown", torch.tensor(unknown, dtype=torch.int64))
+        self.tables = sorted(modules)
+        self.halvings = max(e - s for s, e in zip(start, end)).bit_length() + 1 if start else 1
+
+    def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
+        per_feature = lengths.view(self.start.shape[0], -1).sum(1)
+        feature_N = torch.repeat_interleave(torch.arange(self.start.shape[0]), per_feature,
+                                            output_size=values.shape[0])
+        lo, hi = self.start[feature_N], self.end[feature_N]
+        for _ in range(self.halvings):  # lower bound of each id in its table's sorted map
+            mid = (lo + hi) // 2
+            less = self.ids[mid] < values
+            lo, hi = torch.where((lo < hi) & less, mid + 1, lo), torch.where((lo < hi) & ~less, mid, hi)
+        found = (lo < self.end[feature_N]) & (self.ids[lo] == values)
+        unknown = self.unknown[feature_N]
+        return torch.where(unknown < 0, values, torch.where(found, self.rows[lo], unknown))
+
+
+def _tables(collection: nn.Module) -> nn.Module:
+    """The tables of a collection, inside a managed-collision one."""
+    managed = isinstance(collection, ManagedCollisionEmbeddingBagCollection)
+    return collection._embedding_module if managed else collection
+
+
 class DLRMServing(nn.Module):
     """(dense_features [B, I], values [N], lengths [F * B]) -> logits [B] of a DLRM / DLRM_DCN."""
 
     def __init__(self, dlrm: nn.Module) -> None:
         super().__init__()
         collection = dlrm.sparse_arch.embedding_bag_collection
-        self.lookup = KernelLookup(collection)
+        managed = isinstance(collection, ManagedCollisionEmbeddingBagCollection)
+        self.remap = RawIdRemap(collection) if managed else None
+        self.lookup = KernelLookup(_tables(collection))
         self.dense_arch, self.inter_arch, self.over_arch = dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch
         self.num_features, self.embedding_dim = dlrm.sparse_arch.num_features, dlrm.sparse_arch.embedding_dim
 
     def forward(self, dense_features: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
+        if self.remap is not None:
+            values = self.remap(values, lengths)
         sparse_BFD = self.lookup(values, lengths).view(-1, self.num_features, self.embedding_dim)
         return self.over_arch(self.inter_arch(self.dense_arch(dense_features), sparse_BFD)).squeeze(1)
 
@@ -116,6 +171,7 @@ def serving_module(model: nn.Module, tables: str = "fp32", tower: str | None = N
         raise ValueError(f"{type(net).__name__} is neither a DLRM (DLRM, DLRM_DCN) nor a two-tower model: a "
                          f"package is built for those")
     net = quantize_inference_model(net, tables).eval()
+    raw: set[str] = set()
     if is_two_tower:
         part = getattr(net, f"{tower}_tower")
         module: nn.Module = TowerServing(part, net.score == "cosine")
@@ -125,10 +181,12 @@ def serving_module(model: nn.Module, tables: str = "fp32", tower: str | None = N
     else:
         module = DLRMServing(net)
         collection = net.sparse_arch.embedding_bag_collection
+        raw = set(module.remap.tables) if module.remap is not None else set()
+        collection = _tables(collection)
         inputs = ["dense_features", "values", "lengths"]
         output = "logits float32 [B]"
     rows = {c.name: c.num_embeddings for c in collection.embedding_bag_configs()}
-    features = [{"name": collection._sources[f], "rows": rows[c.name]}
+    features = [{"name": collection._sources[f], "rows": rows[c.name], "raw_ids": c.name in raw}
                 for c in collection.embedding_bag_configs() for f in c.feature_names]
     meta = {"format": PACKAGE_FORMAT, "model": type(_inner(model)).__name__, "tower": tower, "tables": tables,
             "inputs": inputs, "sparse_features": features, "output": output,

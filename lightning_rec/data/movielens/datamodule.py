@@ -118,7 +118,10 @@ class MovieLensDataModule(pl.LightningDataModule):
         label_columns: labelled rows instead of pairs and users: every loader yields `Batch`es (user and item
             features sparse, no dense features, labels [B, T]) of the split's ratings, one label per task: a list of
             columns (["rating"]) or task -> column or "column OP number" ({"liked": "rating >= 4"}; docs/multitask.md).
-        label_masks: task -> a column whose 0 / null rows have no label for that task (label_columns only)."""
+        label_masks: task -> a column whose 0 / null rows have no label for that task (label_columns only).
+        hash_ids: the user_id / item_id features are rows 0..n-1 of the distinct ids (sorted); False: the log's raw
+            ids, unfolded, for managed-collision tables (docs/managed_collision.md; string ids: a stable 62-bit
+            hash). user_index / item_index and the ranking's items stay rows either way."""
 
     def __init__(self, data_dir: str, split: str = "ro_811", min_rating: float | None = None,
                  side_features: bool = True, batch_size: int = 1024, eval_batch_size: int = 256,
@@ -126,7 +129,7 @@ class MovieLensDataModule(pl.LightningDataModule):
                  drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False,
                  columns: dict[str, str] | None = None, prefetch_factor: int | None = None,
                  persistent_workers: bool | None = None, label_columns: list[str] | dict[str, str] | None = None,
-                 label_masks: dict[str, str] | None = None) -> None:
+                 label_masks: dict[str, str] | None = None, hash_ids: bool = True) -> None:
         super().__init__()
         # said at construction: a misspelt operator or a mask of no task
         self.label_specs = None if label_columns is None else label_specs(label_columns, label_masks)
@@ -150,6 +153,7 @@ class MovieLensDataModule(pl.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.num_negatives, self.eval_test_in_fit, self.seed = num_negatives, eval_test_in_fit, seed
         self.shuffle, self.drop_last, self.num_workers, self.pin_memory = shuffle, drop_last, num_workers, pin_memory
+        self.hash_ids = hash_ids
         self.report = MovieLensReport()
         self.datasets: dict[str, Dataset] = {}
         self.ratings = None  # datasets.Dataset after setup
@@ -258,8 +262,9 @@ class MovieLensDataModule(pl.LightningDataModule):
             check_label_columns(self.label_specs, table.column_names, f"MovieLensDataModule {ratings_path}")
             self.labels_NT = label_matrix(self.label_specs, lambda c: table.column(c).to_numpy(zero_copy_only=False))
         self.user_features = _feature_table("user", self.user_ids, users, ("age", "gender", "occupation", "zip"),
-                                            sizes)
-        self.item_features = _feature_table("item", self.item_ids, items, ("year",), sizes, bags=("genre",))
+                                            sizes, hash_ids=self.hash_ids)
+        self.item_features = _feature_table("item", self.item_ids, items, ("year",), sizes, bags=("genre",),
+                                            hash_ids=self.hash_ids)
         self.item_titles = [titles.get(i) or str(i) for i in self.item_ids.tolist()]
         if part_N is None:
             time_N = torch.tensor(np.asarray(table.column("timestamp")))

@@ -4,6 +4,7 @@ RecBole layouts, the ratings' raw ids as rows 0..n-1 joined with them, and their
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import logging
 import re
@@ -199,11 +200,21 @@ def _indexed(column: pa.ChunkedArray, extra: list) -> tuple[np.ndarray, np.ndarr
     return ids, rank[encoded.indices.to_numpy(zero_copy_only=False)[:len(column)]].astype(np.int64)
 
 
+def raw_ids(ids: np.ndarray) -> torch.Tensor:
+    """The log's own ids as int64 for managed-collision tables (hash_ids=False): integers as they are, a string id
+    (an ASIN) as the first 62 bits of its BLAKE2b digest (the same on every machine and run)."""
+    if ids.dtype.kind in "iu":
+        return torch.from_numpy(ids.astype(np.int64))
+    digest = [int.from_bytes(hashlib.blake2b(str(i).encode(), digest_size=8).digest(), "little") >> 2 for i in ids]
+    return torch.tensor(digest, dtype=torch.int64)
+
+
 def _feature_table(kind: str, ids: np.ndarray, side: dict[int, dict], names: Sequence[str], sizes: dict,
-                   bags: Sequence[str] = ()) -> FeatureTable:
-    """`kind`_id (the row) and, with side features, the `names` (single ids) and `bags` (lists) a row has."""
+                   bags: Sequence[str] = (), hash_ids: bool = True) -> FeatureTable:
+    """`kind`_id (the row; hash_ids=False: the raw id) and, with side features, the `names` (single ids) and `bags`
+    (lists) a row has."""
     n = len(ids)
-    single = {f"{kind}_id": (torch.arange(n), n)}
+    single = {f"{kind}_id": (torch.arange(n) if hash_ids else raw_ids(ids), n)}
     if side:
         for name in names:
             col = torch.tensor([side.get(i, {}).get(name, 0) for i in ids.tolist()], dtype=torch.int64)

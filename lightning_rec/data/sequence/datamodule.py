@@ -18,7 +18,7 @@ from lightning_rec.data.hf_dataset import check_same_rows, dataset_path, is_hf_d
 from lightning_rec.data.movielens.columns import _NO_RATING, _header_map
 from lightning_rec.data.movielens.datamodule import default_cache_dir
 from lightning_rec.data.movielens.read import _OWN_FILE, detect_layout, parquet_ratings, read_ratings
-from lightning_rec.data.movielens.side import _indexed
+from lightning_rec.data.movielens.side import _indexed, raw_ids
 from lightning_rec.data.sequence.histories import (
     SequenceEvalDataset,
     SequenceTrainDataset,
@@ -59,6 +59,9 @@ class SequenceDataModule(pl.LightningDataModule):
         eval_test_in_fit: the validation loop also ranks the test split (logged as test_*).
         seed: the training shuffle.
         shuffle, drop_last, num_workers, pin_memory: the training loader's.
+        hash_ids: history items are rows 0..n-1 of the distinct item ids (sorted); False: the inputs' item ids are
+            the log's raw ids, unfolded, for a managed-collision table (string ids: a stable 62-bit hash); targets
+            and exclusions stay rows of the catalogue (what the output ranks) either way.
 
     Order: each user's interactions sorted by timestamp; ties keep the log's own order (stable), and a log whose
     timestamps go backwards is read in time order. Split: leave-one-out (validation = the second-to-last item, test
@@ -67,7 +70,7 @@ class SequenceDataModule(pl.LightningDataModule):
     def __init__(self, data_dir, max_len: int = 50, batch_size: int = 128, eval_batch_size: int = 256,
                  min_rating: float | None = None, columns: dict[str, str] | None = None,
                  eval_test_in_fit: bool = False, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 num_workers: int = 0, pin_memory: bool = False) -> None:
+                 num_workers: int = 0, pin_memory: bool = False, hash_ids: bool = True) -> None:
         super().__init__()
         if not is_int(max_len) or max_len < 1:
             raise ValueError(f"SequenceDataModule max_len={max_len!r}: give the number of most recent items a "
@@ -85,6 +88,7 @@ class SequenceDataModule(pl.LightningDataModule):
         self.max_len, self.batch_size, self.eval_batch_size = max_len, batch_size, eval_batch_size
         self.min_rating, self.eval_test_in_fit, self.seed = min_rating, eval_test_in_fit, seed
         self.shuffle, self.drop_last, self.num_workers, self.pin_memory = shuffle, drop_last, num_workers, pin_memory
+        self.hash_ids = hash_ids
         self.report = SequenceReport()
         self.datasets: dict = {}
         self._built = False
@@ -123,10 +127,11 @@ class SequenceDataModule(pl.LightningDataModule):
         users_E = torch.nonzero(evaluated_U).flatten()
         # how often each item is in a training history: the sampled softmax's logQ correction reads it
         self.item_counts = torch.bincount(items_N[ranges(start_U, train_len_U)], minlength=self.num_items)
+        raw = None if self.hash_ids else raw_ids(self.item_ids)
         self.datasets = {
-            "train": SequenceTrainDataset(items_N, times_N, start_U, train_len_U, self.max_len),
-            "val": SequenceEvalDataset(items_N, times_N, start_U, end_U - 2, users_E, self.max_len),
-            "test": SequenceEvalDataset(items_N, times_N, start_U, end_U - 1, users_E, self.max_len)}
+            "train": SequenceTrainDataset(items_N, times_N, start_U, train_len_U, self.max_len, raw),
+            "val": SequenceEvalDataset(items_N, times_N, start_U, end_U - 2, users_E, self.max_len, raw),
+            "test": SequenceEvalDataset(items_N, times_N, start_U, end_U - 1, users_E, self.max_len, raw)}
         self._fill_report(offsets_U1, items_N, times_N, start_U, train_len_U, users_E)
         self._built = True
 

@@ -88,7 +88,9 @@ class SequenceBatch:
         return self.user_index.shape[0]
 
 
-def _kjt(values_T: Tensor, lengths_B: Tensor) -> KeyedJaggedTensor:
+def _kjt(values_T: Tensor, lengths_B: Tensor, input_ids: Tensor | None) -> KeyedJaggedTensor:
+    """input_ids: the raw id of each item row (hash_ids=False), or None (the rows themselves)."""
+    values_T = values_T if input_ids is None else input_ids[values_T]
     return KeyedJaggedTensor.from_lengths_sync([ITEM_KEY], values_T, lengths_B, stride=lengths_B.shape[0])
 
 
@@ -96,7 +98,9 @@ class SequenceTrainDataset(torch.utils.data.Dataset):
     """One sample per user with a training target; `__getitems__` builds a whole `SequenceBatch`: the last
     max_len + 1 items of the user's training part, inputs all but the last, targets all but the first."""
 
-    def __init__(self, items_N: Tensor, times_N: Tensor, start_U: Tensor, train_len_U: Tensor, max_len: int) -> None:
+    def __init__(self, items_N: Tensor, times_N: Tensor, start_U: Tensor, train_len_U: Tensor, max_len: int,
+                 input_ids: Tensor | None = None) -> None:
+        self.input_ids = input_ids
         self.users_S = torch.nonzero(train_len_U >= 2).flatten()
         self.items_N, self.times_N, self.max_len = items_N, times_N, max_len
         self.end_S = start_U[self.users_S] + train_len_U[self.users_S]  # exclusive
@@ -110,8 +114,8 @@ class SequenceTrainDataset(torch.utils.data.Dataset):
         idx_B = idx_B[idx_B >= 0]
         end_B, take_B = self.end_S[idx_B], self.take_S[idx_B]
         inputs_T = ranges(end_B - take_B, take_B - 1)
-        return SequenceBatch(self.users_S[idx_B], _kjt(self.items_N[inputs_T], take_B - 1), self.times_N[inputs_T],
-                             self.items_N[inputs_T + 1])
+        return SequenceBatch(self.users_S[idx_B], _kjt(self.items_N[inputs_T], take_B - 1, self.input_ids),
+                             self.times_N[inputs_T], self.items_N[inputs_T + 1])
 
     def __getitem__(self, index):
         return self.__getitems__([index] if isinstance(index, int) else index)
@@ -122,8 +126,8 @@ class SequenceEvalDataset(torch.utils.data.Dataset):
     index -1 is padding (dropped, see `make_eval_loader`)."""
 
     def __init__(self, items_N: Tensor, times_N: Tensor, start_U: Tensor, target_at_U: Tensor, users_E: Tensor,
-                 max_len: int) -> None:
-        self.users_E, self.items_N, self.times_N = users_E, items_N, times_N
+                 max_len: int, input_ids: Tensor | None = None) -> None:
+        self.users_E, self.items_N, self.times_N, self.input_ids = users_E, items_N, times_N, input_ids
         self.start_E, self.target_at_E = start_U[users_E], target_at_U[users_E]
         self.max_len = max_len
 
@@ -138,8 +142,8 @@ class SequenceEvalDataset(torch.utils.data.Dataset):
         take_B = history_B.clamp(max=self.max_len)
         inputs_T = ranges(at_B - take_B, take_B)
         zero = torch.zeros(1, dtype=torch.int64)
-        return SequenceBatch(self.users_E[idx_B], _kjt(self.items_N[inputs_T], take_B), self.times_N[inputs_T],
-                             self.items_N[at_B], torch.cat([zero, history_B.cumsum(0)]),
+        return SequenceBatch(self.users_E[idx_B], _kjt(self.items_N[inputs_T], take_B, self.input_ids),
+                             self.times_N[inputs_T], self.items_N[at_B], torch.cat([zero, history_B.cumsum(0)]),
                              self.items_N[ranges(start_B, history_B)])
 
     def __getitem__(self, index):
