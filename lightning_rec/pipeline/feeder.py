@@ -184,6 +184,8 @@ _STEP_BATCHES_KEPT = 16  # batches one step may take (training_step(dataloader_i
 
 
 def _in_step_order(config: PipelineConfig, channels: dict) -> bool:
+    if config.read_ahead == "inline":  # all of the feeder's work waits for its turn, its collectives too
+        return True
     if config.feeder_collectives != "auto":
         return config.feeder_collectives == "in_step_order"
     import torch.distributed as dist
@@ -440,7 +442,10 @@ class _Feeder(Iterator):
     def _feed(self) -> None:
         k, exhausted = 0, False
         channel = next(iter(self.channels.values()), None)
+        inline = self.config.read_ahead == "inline"
         while self._may_start(k):
+            if inline and not self._wait_turn(k):  # inline: read only while the step's thread waits for batch k
+                return
             batch, error, exhausted = self._read(exhausted, k, channel)
             if self._ordered:
                 if batch is not None and error is None:
