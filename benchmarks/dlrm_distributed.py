@@ -454,7 +454,9 @@ def pipeline_main(args) -> None:
           f"over ranks and rounds): overlapping can gain at most {1 / busy:.3f}x on this machine")
     profiles = per_rank[0].get("profiles", {})
     if profiles:
-        print("\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path)")
+        print("\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path"
+              + ("; inline: the feeder's stages too, run while the step's thread waits)" if read_ahead == "inline"
+                 else ")"))
         stages = sorted({k for p in profiles.values() for k in p})
         print(f"{'thread: stage':<80}{'plain':>9}{'pipelined':>11}")
         for k in stages:

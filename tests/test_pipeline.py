@@ -362,7 +362,14 @@ def test_bad_input_raises_on_every_rank_and_never_hangs(feeder_collectives):
 
 def _rebuild_worker(rank, W):
     """Pipelines built, thrown away and rebuilt over one model, alternating with the plain loop, against the
-    plain loop alone: same weights, bitwise."""
+    plain loop alone: same weights, bitwise. Where the feeders work (read_ahead) is said once, on rank 0."""
+    import logging
+
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("lightning_rec.pipeline").addHandler(handler)
+    logging.getLogger("lightning_rec.pipeline").setLevel(logging.INFO)
     loader_batches = list(_loader(rank, 24))
     model, dmp, opt = _build("row_wise", W)
     _plain_steps(dmp, opt, iter(loader_batches))
@@ -389,11 +396,14 @@ def _rebuild_worker(rank, W):
     with TrainPipelineSparseDist(dmp, None, "cpu") as evaluation:
         got = [evaluation.progress(it) for it in [iter(loader_batches[:5])] for _ in range(5)]
     same_outputs = all(torch.equal(a, b) and not b.requires_grad for a, b in zip(expected, got))
-    return same_weights, same_outputs, _weights(dmp).keys() == plain.keys()
+    said = [m for m in said if "read-ahead" in m]
+    return same_weights, same_outputs, _weights(dmp).keys() == plain.keys(), len(said), said[:1]
 
 
 def test_pipelines_rebuilt_and_alternating_with_plain_loop_match_plain():
-    assert run_ranks(_rebuild_worker, 2, timeout=180) == [(True, True, True)] * 2
+    (*ok0, n0, said), (*ok1, n1, _) = run_ranks(_rebuild_worker, 2, timeout=180)
+    assert ok0 == ok1 == [True, True, True]
+    assert (n0, n1) == (1, 0) and said[0].startswith("lightning_rec pipeline: read-ahead "), (n0, n1, said)
 
 
 def _inside_kjt_worker(rank, W):
