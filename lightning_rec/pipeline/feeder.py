@@ -220,6 +220,8 @@ class _Feeder(Iterator):
         # in_step_order: the feeder runs batch k's collectives only while the step's thread waits in
         # __next__ for batch k (its turn: `_turn`), so both threads' collectives come in one order on every rank
         self._ordered = _in_step_order(config, channels)
+        for channel in channels.values():
+            channel.waits_for_the_step(self._ordered)
         self._turn = -1
         self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
         # batches handed out that no collection took (a step that raised before its exchanges), counted as the step's
