@@ -32,7 +32,15 @@ ratios.pipelined_vs_plain: median plain step time / median pipelined step time o
 step (the per-round ratios are printed too). Two bounds are printed beside it:
 figures.overlap_bound_vs_plain (what the idle time of the plain step's thread allows on this
 machine) and figures.offload_bound_vs_plain (from the profile: the step without its read and id
-routing, what a free core per rank would allow).
+routing, what a free core per rank would allow). figures.read_ahead says where the pipeline's
+feeder worked (PipelineConfig.read_ahead, `--read-ahead auto|thread|inline`; auto: inline when
+the 2 ranks x 1 thread leave no core spare) and figures.read_ahead_why why. Pin the cores to
+measure both cases of auto, on a quiet machine:
+
+    taskset -c 0-3 python benchmarks/dlrm_distributed.py --pipeline --steps 30 --rounds 5 --types table_wise
+    taskset -c 0,1 python benchmarks/dlrm_distributed.py --pipeline --steps 30 --rounds 5 --types table_wise
+
+(the first: a free core per rank, read_ahead thread; the second: none spare, read_ahead inline).
 """
 
 from __future__ import annotations
@@ -278,6 +286,12 @@ def run_plain(dmp, opt, loader, steps: int, warmup: int, cpu: list | None = None
     return _timed_steps(step, steps, warmup, cpu)
 
 
+def pipeline_config(args):
+    from lightning_rec.pipeline import PipelineConfig
+
+    return PipelineConfig(read_ahead=args.read_ahead)
+
+
 def run_pipelined(pipeline, loader, steps: int, warmup: int) -> list[float]:
     it = iter(loader)
     return _timed_steps(lambda: pipeline.progress(it), steps, warmup)
@@ -302,19 +316,20 @@ def pipeline_rank_main(rank: int, world_size: int, port: int, args, queue) -> No
     loader = pipeline_loader(rank, args.batch, args.warmup + args.steps + 2, args.rows)
     times: dict[str, list[list[float]]] = {"plain": [], "pipelined": []}  # per round, per step
     plain_cpu: list[float] = []  # the plain loop's main-thread CPU seconds per round
-    profiles = {}
+    profiles, read_ahead = {}, None
     for r in range(args.rounds):
         for mode in ("plain", "pipelined") if r % 2 == 0 else ("pipelined", "plain"):
             if mode == "plain":
                 seconds = run_plain(dmp, opt, loader, args.steps, args.warmup, plain_cpu)
             else:  # a new pipeline each round: built, used, thrown away over the same model
-                with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+                with TrainPipelineSparseDist(dmp, opt, "cpu", pipeline_config(args)) as pipeline:
                     seconds = run_pipelined(pipeline, loader, args.steps, args.warmup)
+                    read_ahead = pipeline.read_ahead
             times[mode].append(seconds)
     if args.profile:  # one instrumented round of each: where the loader and the id routing ran
         for mode in ("plain", "pipelined"):
-            profiles[mode] = timeline_round(dmp, opt, loader, mode, args.steps)
-    queue.put((rank, dict(times=times, profiles=profiles, plain_cpu=plain_cpu,
+            profiles[mode] = timeline_round(dmp, opt, loader, mode, args.steps, pipeline_config(args))
+    queue.put((rank, dict(times=times, profiles=profiles, plain_cpu=plain_cpu, read_ahead=read_ahead,
                           max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
     dist.barrier()
     dist.destroy_process_group()
@@ -366,7 +381,7 @@ class TimedLoader:
         return _It()
 
 
-def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
+def timeline_round(dmp, opt, loader, mode: str, steps: int, config) -> dict[str, float]:
     """ms per step by (thread, stage), one instrumented round: where the loader and the routing ran."""
     from lightning_rec.pipeline import TrainPipelineSparseDist
     from lightning_rec.sharded_embedding import _ShardedCollectionBase
@@ -383,7 +398,7 @@ def timeline_round(dmp, opt, loader, mode: str, steps: int) -> dict[str, float]:
         if mode == "plain":
             seconds = sum(run_plain(dmp, opt, timed_loader, steps, 0))
         else:
-            with TrainPipelineSparseDist(dmp, opt, "cpu") as pipeline:
+            with TrainPipelineSparseDist(dmp, opt, "cpu", config) as pipeline:
                 seconds = sum(run_pipelined(pipeline, timed_loader, steps, 0))
     finally:
         for m in sharded:
@@ -419,6 +434,8 @@ def pipeline_main(args) -> None:
     median_step = {m: statistics.median(t for per_round in v for t in per_round) for m, v in steps.items()}
     print(f"DLRM 26 x {args.rows:,} x 64, 2 ranks ({args.types[0]}), batch {args.batch}/rank from a DataLoader "
           f"(SyntheticCriteoDataModule), {args.steps} timed steps, {rounds} alternating rounds")
+    read_ahead, why = per_rank[0]["read_ahead"]
+    print(f"pipeline read-ahead: {read_ahead} ({why})")
     print(f"{'round':<8}{'plain samples/s':>18}{'pipelined samples/s':>22}{'ratio':>8}")
     for i in range(rounds):
         print(f"{i + 1:<8}{sps['plain'][i]:>18.0f}{sps['pipelined'][i]:>22.0f}{ratio_per_round[i]:>8.3f}")
@@ -437,7 +454,9 @@ def pipeline_main(args) -> None:
           f"over ranks and rounds): overlapping can gain at most {1 / busy:.3f}x on this machine")
     profiles = per_rank[0].get("profiles", {})
     if profiles:
-        print("\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path)")
+        print("\ntimeline, rank 0, ms per step (one instrumented round each; main = the step's critical path"
+              + ("; inline: the feeder's stages too, run while the step's thread waits)" if read_ahead == "inline"
+                 else ")"))
         stages = sorted({k for p in profiles.values() for k in p})
         print(f"{'thread: stage':<80}{'plain':>9}{'pipelined':>11}")
         for k in stages:
@@ -453,6 +472,7 @@ def pipeline_main(args) -> None:
               f"{plain['main: whole step']:.1f} ms step gains at most {offload_bound:.3f}x")
     rows = [dict(run=f"2_ranks_{args.types[0]}_{m}", samples_per_s=round(med[m], 1)) for m in ("plain", "pipelined")]
     figures = {"plain_samples_per_s": round(med["plain"], 1), "pipelined_samples_per_s": round(med["pipelined"], 1),
+               "read_ahead": read_ahead, "read_ahead_why": why, "usable_cores": len(os.sched_getaffinity(0)),
                "median_of_round_ratios": round(statistics.median(ratio_per_round), 3),
                "plain_step_thread_busy_fraction": round(busy, 4), "overlap_bound_vs_plain": round(1 / busy, 3),
                **({"offload_bound_vs_plain": round(offload_bound, 3)} if offload_bound else {}),
@@ -481,6 +501,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="none: dense layers not synchronised (diagnostic: the cost of DDP)")
     parser.add_argument("--pipeline", action="store_true",
                         help="plain loop vs TrainPipelineSparseDist, batches from a DataLoader (first of --types)")
+    parser.add_argument("--read-ahead", default="auto", choices=["auto", "thread", "inline"],
+                        help="--pipeline: PipelineConfig(read_ahead=...), where the feeder works")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: 1,000-row tables, batch 64, 2 steps, 1 round (the same code path)")
     args = parser.parse_args(argv)

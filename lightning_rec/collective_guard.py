@@ -174,6 +174,10 @@ class CollectiveGuard:
 
     # the calls ---------------------------------------------------------------------------------
 
+    def publish_as(self, slot: str) -> None:
+        """Publish this group's waits (and read its peers') under `slot` from now on ("": the main thread's)."""
+        self._slot = f"/{slot}" if slot else ""
+
     def begin(self) -> int:
         self.k += 1
         return self.k

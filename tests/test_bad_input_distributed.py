@@ -435,7 +435,7 @@ def _tower_dmp(W, shared_memory):
     return model, dmp, torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
 
 
-def _went_on_worker(rank, W, shared_memory, pipelined):
+def _went_on_worker(rank, W, shared_memory, pipelined, read_ahead="thread"):
     _fast_guard()
     model, dmp, opt = _tower_dmp(W, shared_memory)
     if rank == 1:
@@ -445,9 +445,10 @@ def _went_on_worker(rank, W, shared_memory, pipelined):
 
     def loop():
         if pipelined:
-            from lightning_rec import TrainPipelineSparseDist
+            from lightning_rec import PipelineConfig, TrainPipelineSparseDist
 
-            pipeline, it = TrainPipelineSparseDist(dmp, opt, "cpu"), iter(batches)
+            pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(read_ahead=read_ahead))
+            it = iter(batches)
         for i in range(len(batches)):
             try:
                 if pipelined:
@@ -465,7 +466,7 @@ def _went_on_worker(rank, W, shared_memory, pipelined):
 
 
 @pytest.mark.parametrize("shared_memory,pipelined", [(False, False), (None, False), (None, True)],
-                         ids=["dmp-gloo", "dmp-shm", "pipeline-shm"])
+                         ids=["dmp-gloo", "dmp-shm", "pipeline-shm"])  # (read_ahead="thread"; inline: below)
 def test_a_rank_whose_step_raised_and_went_on_is_named_at_its_next_step(shared_memory, pipelined):
     """Rank 1's step 3 raised before its exchanges; the loop went on. Its step 4 exchanged ids and embeddings with
     rank 0's step 3 (same tags, same sizes): trained on another batch's rows until rank 0 failed at exit. Every
@@ -478,14 +479,21 @@ def test_a_rank_whose_step_raised_and_went_on_is_named_at_its_next_step(shared_m
         assert seconds < 10
 
 
-def test_a_pipeline_over_a_process_group_names_the_rank_whose_step_raised_and_went_on():
+@pytest.mark.parametrize("read_ahead", ["thread", "inline"])
+def test_a_pipeline_over_a_process_group_names_the_rank_whose_step_raised_and_went_on(read_ahead):
     """Over a process group the pipelined step's one exchange, the embedding all-to-all, has no header, and the feeder
     routes ahead: rank 1's step 4 paired its embeddings with rank 0's step 3 and trained on them (rank 0 then got
     PeerExited). The id exchange of batch k now carries how many batches the steps had claimed when batch k-1 was
-    claimed or passed over; it runs before step k's embedding all-to-all on every rank, so both ranks raise there."""
-    for rank, ((kind, text, seconds), trained) in enumerate(run_ranks(_went_on_worker, 2, False, True, timeout=60)):
+    claimed or passed over; it runs before step k's embedding all-to-all on every rank, so both ranks raise there.
+    Inline (and in_step_order), rank 0's feeder never reached batch 4's exchange (its step waited in the embedding
+    all-to-all) and both ranks timed out: the feeder's waits are the step's there, and the guard names them."""
+    for rank, ((kind, text, seconds), trained) in enumerate(run_ranks(_went_on_worker, 2, False, True, read_ahead,
+                                                                      timeout=60)):
         assert kind == CollectiveMismatch.__name__, (rank, text)
-        assert "rank 0 at step 3, rank 1 at step 2" in text and "went on" in text, (rank, text)
+        if read_ahead == "thread":
+            assert "rank 0 at step 3, rank 1 at step 2" in text and "went on" in text, (rank, text)
+        else:
+            assert "'pooled embedding all-to-all'" in text and "'pipeline: every rank has a batch'" in text, text
         assert trained == [0, 1], (rank, trained)  # no step trained on another batch's rows
         assert seconds < 10
 

@@ -126,7 +126,7 @@ def _weights(dmp) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parity_worker(rank, W, kind, steps, device="cpu", feeder_collectives="auto"):
+def _parity_worker(rank, W, kind, steps, device="cpu", feeder_collectives="auto", read_ahead="auto"):
     # plain: the loss each step and the weights at the end
     model, dmp, opt = _build(kind, W, device=device)
     plain_logit_sums = []
@@ -141,8 +141,19 @@ def _parity_worker(rank, W, kind, steps, device="cpu", feeder_collectives="auto"
     plain = _weights(dmp)
     del model, dmp, opt
     model, dmp, opt = _build(kind, W, device=device)
-    pipeline = TrainPipelineSparseDist(dmp, opt, device, PipelineConfig(feeder_collectives=feeder_collectives))
-    piped_logit_sums = _pipelined_steps(pipeline, iter(_loader(rank, steps, pin_memory=cuda)))
+    pipeline = TrainPipelineSparseDist(dmp, opt, device, PipelineConfig(feeder_collectives=feeder_collectives,
+                                                                         read_ahead=read_ahead))
+    assert pipeline.read_ahead[0] == read_ahead or read_ahead == "auto", pipeline.read_ahead
+    steps_done_at_read = []  # as each batch is read: the steps whose collection took its input by then
+
+    def source():
+        for batch in _loader(rank, steps, pin_memory=cuda):
+            steps_done_at_read.append(sum(pipeline.stats.values()))
+            yield batch
+
+    piped_logit_sums = _pipelined_steps(pipeline, source())
+    if pipeline.read_ahead[0] == "inline":  # batch k read only once step k-1 is done: no work beside a step
+        assert steps_done_at_read == list(range(steps + 1))[:len(steps_done_at_read)], steps_done_at_read
     assert pipeline.stats == {"routed_ahead": steps - 1, "routed_in_step": 1}  # only the recording batch in-step
     pipeline.close()
     piped = _weights(dmp)
@@ -166,10 +177,13 @@ def _take(loader, n):
         yield b
 
 
-@pytest.mark.parametrize("kind,feeder_collectives", [("table_wise", "auto"), ("row_wise", "auto"), ("planner", "auto"),
-                                                     ("row_wise", "in_step_order")])
-def test_pipelined_matches_plain_bitwise_over_50_steps(kind, feeder_collectives):
-    assert run_ranks(_parity_worker, 2, kind, 50, "cpu", feeder_collectives, timeout=240) == [50, 50]
+@pytest.mark.parametrize("kind,feeder_collectives,read_ahead", [
+    ("table_wise", "auto", "thread"), ("row_wise", "auto", "inline"), ("planner", "auto", "auto"),
+    ("row_wise", "in_step_order", "thread")])
+def test_pipelined_matches_plain_bitwise_over_50_steps(kind, feeder_collectives, read_ahead):
+    """Either read-ahead mode (the feeder beside the step, or inline while the step waits) trains what the plain
+    loop trains: the same logits and tables, bit for bit."""
+    assert run_ranks(_parity_worker, 2, kind, 50, "cpu", feeder_collectives, read_ahead, timeout=240) == [50, 50]
 
 
 def _one_rank_worker(rank, W, steps):
@@ -256,6 +270,25 @@ def test_find_kjts_paths():
         PipelineConfig(variant="semi_sync_typo")
 
 
+def test_read_ahead_auto_goes_inline_only_where_no_core_is_spare():
+    """2 ranks x 1 thread on 2 cores: a feeder thread beside each step made pipeline=True 0.86x the plain loop (the
+    step's thread was busy 94% of the step). auto runs it inline there, beside the step where a core is free."""
+    from lightning_rec.pipeline.config import choose_read_ahead
+
+    auto = PipelineConfig()
+    assert choose_read_ahead(auto, 2, 1, 2, cuda=False)[0] == "inline"
+    assert choose_read_ahead(auto, 1, 2, 2, cuda=False)[0] == "inline"  # one rank, torch's default: a thread a core
+    assert choose_read_ahead(auto, 2, 1, 4, cuda=False)[0] == "thread"
+    assert choose_read_ahead(auto, 8, 1, 2, cuda=True)[0] == "thread"  # the step computes on the GPU
+    assert choose_read_ahead(PipelineConfig(feeder_collectives="concurrent"), 2, 1, 2, cuda=False)[0] == "thread"
+    mode, why = choose_read_ahead(PipelineConfig(read_ahead="thread"), 2, 1, 2, cuda=False)
+    assert mode == "thread" and "read_ahead='thread'" in why
+    with pytest.raises(ValueError, match=r"read_ahead='fast'\): choose one of \('auto', 'thread', 'inline'\)"):
+        PipelineConfig(read_ahead="fast")
+    with pytest.raises(ValueError, match="never concurrently; drop one of the two"):
+        PipelineConfig.of({"read_ahead": "inline", "feeder_collectives": "concurrent"})
+
+
 # bad input and lifecycle (hand loop) -----------------------------------------------------------------
 
 
@@ -329,7 +362,14 @@ def test_bad_input_raises_on_every_rank_and_never_hangs(feeder_collectives):
 
 def _rebuild_worker(rank, W):
     """Pipelines built, thrown away and rebuilt over one model, alternating with the plain loop, against the
-    plain loop alone: same weights, bitwise."""
+    plain loop alone: same weights, bitwise. Where the feeders work (read_ahead) is said once, on rank 0."""
+    import logging
+
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("lightning_rec.pipeline").addHandler(handler)
+    logging.getLogger("lightning_rec.pipeline").setLevel(logging.INFO)
     loader_batches = list(_loader(rank, 24))
     model, dmp, opt = _build("row_wise", W)
     _plain_steps(dmp, opt, iter(loader_batches))
@@ -356,11 +396,14 @@ def _rebuild_worker(rank, W):
     with TrainPipelineSparseDist(dmp, None, "cpu") as evaluation:
         got = [evaluation.progress(it) for it in [iter(loader_batches[:5])] for _ in range(5)]
     same_outputs = all(torch.equal(a, b) and not b.requires_grad for a, b in zip(expected, got))
-    return same_weights, same_outputs, _weights(dmp).keys() == plain.keys()
+    said = [m for m in said if "read-ahead" in m]
+    return same_weights, same_outputs, _weights(dmp).keys() == plain.keys(), len(said), said[:1]
 
 
 def test_pipelines_rebuilt_and_alternating_with_plain_loop_match_plain():
-    assert run_ranks(_rebuild_worker, 2, timeout=180) == [(True, True, True)] * 2
+    (*ok0, n0, said), (*ok1, n1, _) = run_ranks(_rebuild_worker, 2, timeout=180)
+    assert ok0 == ok1 == [True, True, True]
+    assert (n0, n1) == (1, 0) and said[0].startswith("lightning_rec pipeline: read-ahead "), (n0, n1, said)
 
 
 def _inside_kjt_worker(rank, W):
@@ -904,9 +947,10 @@ def _two_train_loaders_worker(rank, W):
         data = Data(num_train_samples=128, num_val_samples=64, batch_size=64, num_sparse_features=NUM_F,
                     num_embeddings_per_feature=64, num_signal_features=2)
         module = TwoLoaders(**SMALL)
-        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
-                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            enable_checkpointing=False, callbacks=[stats])
+        # (a feeder thread: inline, the batch Lightning takes ahead of the first step would route in its step)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline and {"read_ahead": "thread"}), accelerator="cpu",
+                            devices=W, max_epochs=1, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, callbacks=[stats])
         trainer.fit(module, data)
         out[pipeline] = module.hook_saw, _weights(module.model), stats.seen
     return out
@@ -1012,9 +1056,10 @@ def _three_batches_a_step_worker(rank, W):
                                          num_sparse_features=NUM_F, num_embeddings_per_feature=64,
                                          num_signal_features=2)
         module = ThreeAStep(**SMALL)
-        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline), accelerator="cpu", devices=W, max_epochs=1,
-                            limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            enable_checkpointing=False, callbacks=[stats])
+        # (a feeder thread: inline, the batch Lightning takes ahead of the first step would route in its step)
+        trainer = L.Trainer(strategy=RecStrategy(pipeline=pipeline and {"read_ahead": "thread"}), accelerator="cpu",
+                            devices=W, max_epochs=1, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, callbacks=[stats])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, data)
@@ -1182,6 +1227,9 @@ def test_a_step_without_embeddings_first_in_a_pass_leaves_it_pipelined_from_the_
         assert stats == {"routed_ahead": 3, "routed_in_step": 1}, stats
 
 
+THREAD = PipelineConfig(read_ahead="thread")  # a feeder that reads ahead (inline reads nothing ahead to hand back)
+
+
 def _read_ahead_handed_back_worker(rank, W):
     import itertools
 
@@ -1202,23 +1250,23 @@ def _read_ahead_handed_back_worker(rank, W):
             _plain_steps(dmp, opt, it)
             runs.append((trained, _weights(dmp), None))
             continue
-        first = TrainPipelineSparseDist(dmp, opt, "cpu")
+        first = TrainPipelineSparseDist(dmp, opt, "cpu", THREAD)
         _pipelined_steps(first, it, 3)
         kept = first.close()  # the batch it read ahead: the plain loop takes it first
         returned = len(kept)
         _plain_steps(dmp, opt, itertools.chain(kept, it), 2)
-        second = TrainPipelineSparseDist(dmp, opt, "cpu")
+        second = TrainPipelineSparseDist(dmp, opt, "cpu", THREAD)
         _pipelined_steps(second, it, 2)
         second.close()  # closed mid-pass: the next pipeline over this iterator starts with what it read ahead
-        with TrainPipelineSparseDist(dmp, opt, "cpu") as third:
+        with TrainPipelineSparseDist(dmp, opt, "cpu", THREAD) as third:
             _pipelined_steps(third, it)
         with warnings.catch_warnings(record=True) as caught:  # a plain loop that skips a kept batch hears of it
             warnings.simplefilter("always")
             other = iter(_loader(rank, 4, seed=9))
-            with TrainPipelineSparseDist(dmp, opt, "cpu") as fourth:
+            with TrainPipelineSparseDist(dmp, opt, "cpu", THREAD) as fourth:
                 _pipelined_steps(fourth, other, 1)
             _plain_steps(dmp, opt, other, 2)
-            fifth = TrainPipelineSparseDist(dmp, opt, "cpu")  # let go mid-pass, no close(): its batch is dropped
+            fifth = TrainPipelineSparseDist(dmp, opt, "cpu", THREAD)  # let go mid-pass, no close(): drops its batch
             _pipelined_steps(fifth, iter(_loader(rank, 4, seed=11)), 1)
             del fifth
         said = [str(w.message) for w in caught if "read ahead" in str(w.message)]
@@ -1272,7 +1320,8 @@ def _in_step_order_read_ahead_worker(rank, W):
 
     model.forward = spy
     source = _CountingSource(batches, 3)
-    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(feeder_collectives="in_step_order"))
+    config = PipelineConfig(feeder_collectives="in_step_order", read_ahead="thread")  # (inline reads nothing ahead)
+    pipeline = TrainPipelineSparseDist(dmp, opt, "cpu", config)
     _pipelined_steps(pipeline, source, 2)
     assert source.reached.wait(30)  # the feeder has read batch 2 (its turn comes when a step asks for it)
     kept = pipeline.close()

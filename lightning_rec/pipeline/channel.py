@@ -41,6 +41,12 @@ class _Channel:
         self.device, self.timeout_s = env.device, env.timeout_s
         self._a2a: dict[int, Any] = {}
 
+    def waits_for_the_step(self, in_step_order: bool) -> None:
+        """in_step_order (and inline): the feeder's collectives run only while the step's thread waits for them, so its
+        waits are the step's, published in the main thread's slot: a peer whose step waits in an embedding exchange
+        then names the mismatch (a step that raised and went on) instead of timing out."""
+        self.guard.publish_as("" if in_step_order else "pipeline")
+
     def ids_all_to_all(self, module: _ShardedCollectionBase):
         a2a = self._a2a.get(id(module))
         if a2a is None:

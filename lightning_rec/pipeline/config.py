@@ -10,6 +10,7 @@ _STAGES_AHEAD = {"sparse_dist": ("read", "copy", "input_dist")}
 
 
 FEEDER_COLLECTIVES = ("auto", "concurrent", "in_step_order")
+READ_AHEAD = ("auto", "thread", "inline")
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,18 @@ class PipelineConfig:
     semi_sync: batch i+1's lookup and embedding all-to-all run before batch i's backward, as TorchRec's
     TrainPipelineSemiSync: batch i reads the tables as they were before batch i-1's update (one update stale).
     prefetch: an extra stage that prefetches the next batch's rows of fused_uvm_caching tables into their device
-    cache (a CUDA device only)."""
+    cache (a CUDA device only).
+    read_ahead: where the feeder's work (read, copy, id routing) runs: "thread" (beside the step, on a core of its
+    own), "inline" (while the step's thread waits for that batch: no second runnable thread, which on a core the step
+    keeps busy would slow the step down), or "auto": inline where this host's ranks leave no core spare (on CPU, ranks
+    on the host x torch.get_num_threads() >= the cores this process may use), else thread (see choose_read_ahead)."""
 
     depth: int = 1
     variant: str = "sparse_dist"
     feeder_collectives: str = "auto"
     semi_sync: bool = False
     prefetch: bool = False
+    read_ahead: str = "auto"
 
     def __post_init__(self) -> None:
         if self.variant not in _STAGES_AHEAD:
@@ -37,6 +43,12 @@ class PipelineConfig:
         if self.feeder_collectives not in FEEDER_COLLECTIVES:
             raise ValueError(f"PipelineConfig(feeder_collectives={self.feeder_collectives!r}): choose one of "
                              f"{FEEDER_COLLECTIVES}")
+        if self.read_ahead not in READ_AHEAD:
+            raise ValueError(f"PipelineConfig(read_ahead={self.read_ahead!r}): choose one of {READ_AHEAD}")
+        if self.read_ahead == "inline" and self.feeder_collectives == "concurrent":
+            raise ValueError("PipelineConfig(read_ahead='inline', feeder_collectives='concurrent'): inline read-ahead "
+                             "runs the feeder's collectives while the step waits for the batch, never concurrently; "
+                             "drop one of the two")
         if int(self.depth) < 1:
             raise ValueError(f"PipelineConfig(depth={self.depth}): use depth >= 1 (batches routed ahead)")
         if self.prefetch:
@@ -60,3 +72,19 @@ class PipelineConfig:
             return cls(**value)
         raise ValueError(f"pipeline={value!r}: use True/False, a depth (int), a dict of PipelineConfig fields, "
                          f"or a PipelineConfig")
+
+
+def choose_read_ahead(config: PipelineConfig, ranks_on_host: int, threads: int, cores: int,
+                      cuda: bool) -> tuple[str, str]:
+    """(the read-ahead mode, why): the config's, or auto's choice (the same inputs on every rank of a host)."""
+    if config.read_ahead != "auto":
+        return config.read_ahead, f"PipelineConfig(read_ahead={config.read_ahead!r})"
+    if config.feeder_collectives == "concurrent":
+        return "thread", "PipelineConfig(feeder_collectives='concurrent') runs the feeder beside the step"
+    if cuda:
+        return "thread", "the step computes on the GPU, its host thread leaves the core time to spare"
+    busy = f"{ranks_on_host} rank(s) on this host x {threads} thread(s) each"
+    if ranks_on_host * threads >= cores:
+        return "inline", (f"{busy} keep all {cores} usable core(s) busy: a feeder thread would slow the step down; "
+                          f"PipelineConfig(read_ahead='thread') overlaps it anyway")
+    return "thread", f"{busy} leave {cores - ranks_on_host * threads} of {cores} usable core(s) free for the feeder"

@@ -195,6 +195,8 @@ _STEP_BATCHES_KEPT = 16  # batches one step may take (training_step(dataloader_i
 
 
 def _in_step_order(config: PipelineConfig, channels: dict) -> bool:
+    if config.read_ahead == "inline":  # all of the feeder's work waits for its turn, its collectives too
+        return True
     if config.feeder_collectives != "auto":
         return config.feeder_collectives == "in_step_order"
     import torch.distributed as dist
@@ -229,6 +231,8 @@ class _Feeder(Iterator):
         # in_step_order: the feeder runs batch k's collectives only while the step's thread waits in
         # __next__ for batch k (its turn: `_turn`), so both threads' collectives come in one order on every rank
         self._ordered = _in_step_order(config, channels)
+        for channel in channels.values():
+            channel.waits_for_the_step(self._ordered)
         self._turn = -1
         self._held: list = []  # in_step_order: a batch read (and copied) whose turn never came before the stop
         self._peeked: Any = None  # semi_sync: the batch peek() took for the next __next__ (_END: the data ended)
@@ -477,7 +481,10 @@ class _Feeder(Iterator):
     def _feed(self) -> None:
         k, exhausted = 0, False
         channel = next(iter(self.channels.values()), None)
+        inline = self.config.read_ahead == "inline"
         while self._may_start(k):
+            if inline and not self._wait_turn(k):  # inline: read only while the step's thread waits for batch k
+                return
             batch, error, exhausted = self._read(exhausted, k, channel)
             if self._ordered:
                 if batch is not None and error is None:

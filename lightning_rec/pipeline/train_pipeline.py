@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import os
 import sys
 import threading
 import warnings
@@ -16,10 +19,11 @@ from torch import nn
 
 from lightning_rec._compat import persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
+from lightning_rec.comm import agree, get_local_size
 from lightning_rec.errors import short_repr
 from lightning_rec.pipeline.batch import find_kjts, move_to_device
 from lightning_rec.pipeline.channel import _Channel
-from lightning_rec.pipeline.config import PipelineConfig
+from lightning_rec.pipeline.config import PipelineConfig, choose_read_ahead
 from lightning_rec.pipeline.feeder import _Entry, _Feeder, _Inputs, _Plan
 
 
@@ -44,6 +48,9 @@ class InputPipeline:
         for env in self.inputs.envs():  # collective: every rank builds its pipelines in the same order
             self.channels[id(env)] = _Channel.acquire(env)
         self._envs = {id(e): e for e in self.inputs.envs()}
+        # where the feeder works (read_ahead, resolved: the feeders read it) and why, the same on every rank
+        mode, self.read_ahead_why = _read_ahead(self.config, self.channels, self.device)
+        self.config = dataclasses.replace(self.config, read_ahead=mode)
         self.feeder: _Feeder | None = None
         self.closed = False
         self.loader: Any = None  # RecStrategy: the Lightning dataloader it serves (closed once no loop holds it)
@@ -122,6 +129,26 @@ class InputPipeline:
                 feeder.stop_soon()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+_SAID: set[str] = set()  # the read-ahead choices this process has logged
+
+
+def _read_ahead(config: PipelineConfig, channels: dict, device: torch.device) -> tuple[str, str]:
+    """(mode, why) for `config.read_ahead`; auto agrees across ranks (inline if any rank's host has no spare core:
+    the feeders' order of work must be one on every rank). Logged once per process, on rank 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    mode, why = choose_read_ahead(config, get_local_size(), torch.get_num_threads(), cores, device.type == "cuda")
+    channel = next(iter(channels.values()), None)
+    if config.read_ahead == "auto" and channel is not None and channel.world_size > 1 and device.type != "cuda":
+        rows = agree([int(mode == "inline")], channel.pg, channel.transport, tag="pipeline: read-ahead mode")
+        inline = [r for r, (x,) in enumerate(rows) if x]
+        if inline and mode != "inline":
+            mode, why = "inline", f"rank(s) {inline} have no core to spare for a feeder thread"
+    if (channel is None or channel.rank == 0) and why not in _SAID:
+        _SAID.add(why)
+        logging.getLogger(__name__).info("lightning_rec pipeline: read-ahead %s: %s", mode, why)
+    return mode, why
 
 
 def _reference(obj: Any) -> Callable[[], Any]:
@@ -287,6 +314,11 @@ class TrainPipelineSparseDist:
     def _forget_taken(self) -> None:
         for key in [k for k, (ref, batches) in self._read_ahead.items() if not len(batches) or ref() is None]:
             del self._read_ahead[key]  # taken, or its iterator is gone
+
+    @property
+    def read_ahead(self) -> tuple[str, str]:
+        """Where the feeder works, "thread" or "inline" (PipelineConfig.read_ahead, auto resolved), and why."""
+        return self._pipeline.config.read_ahead, self._pipeline.read_ahead_why
 
     @property
     def stats(self) -> dict[str, int]:
