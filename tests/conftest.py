@@ -58,10 +58,6 @@ def _no_process_group_left_behind():
     os.environ.update({k: v for k, v in before.items() if k != "PYTEST_CURRENT_TEST"})
 
 
-TINY_DLRM = dict(num_embeddings_per_feature=[40, 30, 20], embedding_dim=8, sparse_feature_names=["s0", "s1", "s2"],
-                 dense_in_features=4, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1])
-
-
 @pytest.fixture(scope="session")
 def dlrm_package(tmp_path_factory):
     """One compiled `.pt2` package for the session, as `lightning-rec export CKPT OUT --tables int8 --package`
@@ -75,7 +71,9 @@ def dlrm_package(tmp_path_factory):
     from lightning_rec.models import DLRMModule
 
     torch.manual_seed(0)
-    model = DLRMModule(**TINY_DLRM).eval()
+    model = DLRMModule(num_embeddings_per_feature=[40, 30, 20], embedding_dim=8,
+                       sparse_feature_names=["s0", "s1", "s2"], dense_in_features=4, dense_arch_layer_sizes=[8],
+                       over_arch_layer_sizes=[8, 1]).eval()
     tmp = tmp_path_factory.mktemp("dlrm_package")
     ckpt.save_file({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
                     "lightning_rec": {"module_class": "lightning_rec.models.dlrm_module.DLRMModule"}}, tmp / "c.ckpt")

@@ -1,5 +1,7 @@
-"""The `.pt2` serving package: compiled once (AOTInductor on CPU takes a minute or two), loaded in a process where
-lightning_rec cannot be imported, its outputs against the eager model on 1,000 rows; and the requests it refuses."""
+"""The `.pt2` serving package: compiled (AOTInductor on CPU takes a minute or two) for a DLRM through the command line
+(the session's `dlrm_package`, tests/conftest.py) and for a multi-task ranker over weighted tables, both loaded in one
+process where lightning_rec cannot be imported; their outputs against the eager model on 1,000 rows, the requests
+they refuse, and what their metadata says."""
 
 from __future__ import annotations
 
@@ -11,16 +13,14 @@ import textwrap
 import pytest
 import torch
 
-from lightning_rec.models import DLRMModule
+from lightning_rec.models import DLRMModule, MultiTaskModule
 from lightning_rec.serving import quantize_inference_model
-from lightning_rec.serving.package import example_inputs, export_package
+from lightning_rec.serving.package import example_inputs, export_package, export_program, serving_module
 from lightning_rec.sparse import KeyedJaggedTensor
 
-NAMES = ["s0", "s1", "s2"]
-TINY = dict(num_embeddings_per_feature=[40, 30, 20], embedding_dim=8, sparse_feature_names=NAMES,
-            dense_in_features=4, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1])
+ROWS = 1000
 
-# a fresh process: lightning_rec blocked at import, the package loaded with torch and fbgemm_gpu alone
+# a fresh process: lightning_rec blocked at import, each package loaded with torch and fbgemm_gpu alone
 SERVER = textwrap.dedent("""
     import importlib.abc, json, sys
     class Block(importlib.abc.MetaPathFinder):
@@ -29,82 +29,123 @@ SERVER = textwrap.dedent("""
                 raise ImportError("lightning_rec is blocked in this process")
     sys.meta_path.insert(0, Block())
     import torch, fbgemm_gpu  # noqa: F401
-    package = torch._inductor.aoti_load_package(sys.argv[1])
-    inputs = torch.load(sys.argv[2])
-    out = {"meta": json.loads(package.get_metadata()["inputs"])}
-    torch.save(package(*inputs["good"]), sys.argv[3])
-    for name, bad in inputs["bad"].items():
-        try:
-            package(*bad)
-            out[name] = "served"
-        except Exception as e:
-            out[name] = type(e).__name__
-    out["imported"] = any(m.split(".")[0] == "lightning_rec" for m in sys.modules)
-    print(json.dumps(out))
+    said, outputs = [], []
+    for job in torch.load(sys.argv[1]):
+        package = torch._inductor.aoti_load_package(job["package"])
+        out = {"meta": json.loads(package.get_metadata()["inputs"])}
+        outputs.append(package(*job["good"]))
+        for name, bad in job["bad"].items():
+            try:
+                package(*bad)
+                out[name] = "served"
+            except Exception as e:
+                out[name] = type(e).__name__
+        said.append(out)
+    torch.save(outputs, sys.argv[2])
+    print(json.dumps({"jobs": said, "imported": any(m.split(".")[0] == "lightning_rec" for m in sys.modules)}))
 """)
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory):
-    # through the command line: `lightning-rec export CKPT OUT --tables int8 --package`
-    from lightning_rec import checkpoint as ckpt
-    from lightning_rec.cli import export_main
+def _kjt(meta: dict, inputs: tuple) -> tuple[torch.Tensor | None, KeyedJaggedTensor]:
+    given = dict(zip(meta["inputs"], inputs))
+    kjt = KeyedJaggedTensor.from_lengths_sync([f["name"] for f in meta["sparse_features"]], given["values"],
+                                              given["lengths"], weights=given.get("weights"))
+    return given.get("dense_features"), kjt
+
+
+def _weighted_multitask() -> MultiTaskModule:
+    """Click, purchase (ESMM) and rating over PLE, its tables weighted (each id's weight scales its row)."""
+    from lightning_rec.embedding import EmbeddingBagCollection
 
     torch.manual_seed(0)
-    model = DLRMModule(**TINY).eval()
-    tmp = tmp_path_factory.mktemp("pkg")
-    ckpt.save_file({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
-                    "lightning_rec": {"module_class": "lightning_rec.models.dlrm_module.DLRMModule"}}, tmp / "c.ckpt")
-    export_main([str(tmp / "c.ckpt"), str(tmp / "out"), "--tables", "int8", "--package"])
-    return model, tmp / "out" / "model.pt2"
+    module = MultiTaskModule(task_names=["click", "buy", "rating"], task_types=["binary", "binary", "regression"],
+                             mix="ple", esmm=True, num_embeddings_per_feature={"a": 30, "b": 20}, embedding_dim=8,
+                             dense_in_features=3, dense_arch_layer_sizes=[8], expert_layer_sizes=[8],
+                             tower_layer_sizes=[4]).eval()
+    arch = module.model.sparse_arch
+    arch.embedding_bag_collection = EmbeddingBagCollection(arch.embedding_bag_collection.embedding_bag_configs(),
+                                                           is_weighted=True)
+    return module
 
 
-def test_package_serves_in_a_process_without_lightning_rec(package, tmp_path):
-    model, path = package
-    meta = {"sparse_features": [{"name": n, "rows": r} for n, r in zip(NAMES, [40, 30, 20])], "dense_features": 4}
-    dense, values, lengths = example_inputs(meta, batch=1000, seed=1)
-    kjt = KeyedJaggedTensor.from_lengths_sync(NAMES, values, lengths)
-    with torch.no_grad():
-        eager = quantize_inference_model(model, "int8")(dense, kjt)
-    missing = lengths[: 2 * 1000]  # feature s2 left out
-    beyond = values.clone()
-    beyond[-1] = 20  # s2 has 20 rows
-    negative = values.clone()
-    negative[0] = -1
-    torch.save({"good": (dense, values, lengths),
-                "bad": {"missing": (dense, values[: int(missing.sum())], missing), "beyond": (dense, beyond, lengths),
-                        "negative": (dense, negative, lengths)}}, tmp_path / "in.pt")
-    done = subprocess.run([sys.executable, "-c", SERVER, str(path), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+@pytest.fixture(scope="module")
+def served(dlrm_package, tmp_path_factory):
+    """Both packages served in one fresh process: (jobs: [(eager output, package output, what the server said)],
+    the server imported lightning_rec). Job 0: the DLRM (int8, from the command line), job 1: the multi-task ranker
+    (int4, weighted tables, through export_package)."""
+    model, out = dlrm_package
+    tmp = tmp_path_factory.mktemp("served")
+    multitask = _weighted_multitask()
+    export_package(multitask, tmp / "multitask.pt2", tables="int4")
+    jobs, eager = [], []
+    for path, net, tables in ((out / "model.pt2", model, "int8"), (tmp / "multitask.pt2", multitask, "int4")):
+        meta = serving_module(net, tables)[1]
+        good = example_inputs(meta, batch=ROWS, seed=1)
+        dense, kjt = _kjt(meta, good)
+        with torch.no_grad():
+            eager.append(quantize_inference_model(net, tables)(dense, kjt))
+        given = dict(zip(meta["inputs"], good))
+        values, lengths, at = given["values"], given["lengths"], meta["inputs"].index("values")
+        missing = lengths[: (len(meta["sparse_features"]) - 1) * ROWS]  # the last feature left out
+        beyond, negative = values.clone(), values.clone()
+        beyond[-1] = meta["sparse_features"][-1]["rows"]
+        negative[0] = -1
+        bad = {"missing": (*good[:at], values[: int(missing.sum())], missing, *good[at + 2:]),
+               "beyond": (*good[:at], beyond, *good[at + 1:]), "negative": (*good[:at], negative, *good[at + 1:])}
+        if meta["weighted"]:
+            bad["missing"] = (*bad["missing"][:-1], given["weights"][: int(missing.sum())])
+        jobs.append({"package": str(path), "good": good, "bad": bad})
+    torch.save(jobs, tmp / "in.pt")
+    done = subprocess.run([sys.executable, "-c", SERVER, str(tmp / "in.pt"), str(tmp / "out.pt")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    assert said["imported"] is False
-    out = torch.load(tmp_path / "out.pt")
-    assert out.shape == (1000,) and (out - eager).abs().max() <= 1e-4
+    return list(zip(eager, torch.load(tmp / "out.pt"), said["jobs"])), said["imported"]
+
+
+def test_package_serves_in_a_process_without_lightning_rec(served):
+    (eager, out, said), imported = served[0][0], served[1]
+    assert imported is False
+    assert out.shape == (ROWS,) and (out - eager).abs().max() <= 1e-4
     assert said["missing"] == said["beyond"] == said["negative"] == "RuntimeError", said
     meta = said["meta"]
     assert meta["inputs"] == ["dense_features", "values", "lengths"] and meta["tables"] == "int8"
-    assert [f["name"] for f in meta["sparse_features"]] == NAMES and meta["dense_features"] == 4
+    assert [f["name"] for f in meta["sparse_features"]] == ["s0", "s1", "s2"] and meta["dense_features"] == 4
+    assert meta["weighted"] is False and meta["output"] == "logits float32 [B]"
 
 
-def test_an_existing_package_path_is_refused_unless_overwrite(package):
-    model, path = package
+def test_a_multitask_package_over_weighted_tables_gives_every_task(served):
+    # one column per task (ESMM's purchase included), the per-id weights an input
+    eager, out, said = served[0][1]
+    assert out.shape == (ROWS, 3) and (out - eager).abs().max() <= 1e-4
+    assert said["missing"] == said["beyond"] == said["negative"] == "RuntimeError", said
+    meta = said["meta"]
+    assert meta["inputs"] == ["dense_features", "values", "lengths", "weights"] and meta["weighted"] is True
+    assert meta["tasks"] == [{"name": "click", "type": "binary", "column": 0},
+                             {"name": "buy", "type": "binary", "column": 1},
+                             {"name": "rating", "type": "regression", "column": 2}]
+    assert meta["tables"] == "int4" and meta["model"] == "MultiTaskNet" and "[B, 3]" in meta["output"]
+
+
+def test_an_existing_package_path_is_refused_unless_overwrite(dlrm_package):
+    model, out = dlrm_package
     with pytest.raises(ValueError, match="exists: give a new path, or overwrite=True"):
-        export_package(model, path)
+        export_package(model, out / "model.pt2")
 
 
 def test_a_tower_is_asked_for_on_two_tower_models_only(tmp_path):
+    dlrm = DLRMModule(num_embeddings_per_feature=[10], embedding_dim=4, sparse_feature_names=["s0"],
+                      dense_in_features=2, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1])
     with pytest.raises(ValueError, match="DLRMModule|DLRM has no towers"):
-        export_package(DLRMModule(**TINY), tmp_path / "x.pt2", tower="user")
+        export_package(dlrm, tmp_path / "x.pt2", tower="user")
     with pytest.raises(ValueError, match="ends in .pt2"):
-        export_package(DLRMModule(**TINY), tmp_path / "x.zip")
+        export_package(dlrm, tmp_path / "x.zip")
 
 
 @pytest.mark.parametrize("score", ["dot", "cosine"])
 def test_a_towers_serving_module_equals_the_towers_embeddings(score):
-    # what each tower's package compiles (the compile itself: the DLRM's above)
+    # what each tower's package compiles (the compile itself: the rankers' above), eager and as torch.export traces
     from lightning_rec.models import TwoTowerModule
-    from lightning_rec.serving.package import serving_module
 
     torch.manual_seed(0)
     model = TwoTowerModule(user_num_embeddings={"user_id": 30, "age": 5}, item_num_embeddings={"item_id": 20},
@@ -118,4 +159,7 @@ def test_a_towers_serving_module_equals_the_towers_embeddings(score):
         expected = getattr(quant, f"{tower}_embeddings")(kjt)
         with torch.no_grad():
             torch.testing.assert_close(module(values, lengths), expected, atol=1e-6, rtol=1e-6)
+            if tower == "user":
+                traced = export_program(module, meta).module()
+                torch.testing.assert_close(traced(values, lengths), expected, atol=1e-6, rtol=1e-6)
         assert meta["inputs"] == ["values", "lengths"] and meta["tower"] == tower

@@ -78,22 +78,31 @@ def test_search_leaves_out_the_excluded_items():
 
 
 @needs_ml100k
-def test_cli_retrieval_writes_the_index_and_the_user_tower_package(trained, tmp_path):
-    # `lightning-rec export CKPT OUT --retrieval`: a user's top 10 from the two files, as the model ranks them
+def test_cli_retrieval_writes_the_index_and_the_user_tower_package(trained, tmp_path, monkeypatch):
+    # `lightning-rec export CKPT OUT --retrieval`: a user's top 10 from the two files, as the model ranks them. The
+    # user tower's program is saved as torch.export traced it, not compiled: AOTInductor's compile of a package (a
+    # minute or two) and its serving without lightning_rec are tests/test_serving_package.py's
+    import json
+
     from lightning_rec import checkpoint as ckpt
     from lightning_rec.cli import export_main
     from lightning_rec.serving.retrieval import load_index, search
 
+    def traced_only(program, package_path, inductor_configs):
+        meta = inductor_configs["aot_inductor.metadata"]["inputs"]
+        torch.export.save(program, package_path, extra_files={"meta.json": meta})
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", traced_only)
     module, dm, _ = trained
     ckpt.save_file({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
                     "datamodule_hyper_parameters": dict(dm.hparams),
                     "lightning_rec": {"module_class": "lightning_rec.models.TwoTowerModule"}}, tmp_path / "c.ckpt")
     export_main([str(tmp_path / "c.ckpt"), str(tmp_path / "out"), "--retrieval"])
     served = tmp_path / "out" / "retrieval"
-    package = torch._inductor.aoti_load_package(str(served / "user_tower.pt2"))
-    import json
-
-    meta = json.loads(package.get_metadata()["inputs"])
+    extra = {"meta.json": ""}
+    package = torch.export.load(str(served / "user_tower.pt2"), extra_files=extra).module()
+    meta = json.loads(extra["meta.json"])
+    assert meta["tower"] == "user" and meta["inputs"] == ["values", "lengths"]
     batch = next(iter(dm.val_dataloader()))
     kjt = batch.user_features.permute([batch.user_features.keys().index(f["name"]) for f in meta["sparse_features"]])
     user_UD = package(kjt.values(), kjt.lengths())
