@@ -102,7 +102,8 @@ class RankerServing(nn.Module):
 
 
 class TowerServing(nn.Module):
-    """(values [N], lengths [F * B], weights [N] when its tables are weighted) -> one tower's embeddings [B, D] (normalised for score="cosine")."""
+    """(values [N], lengths [F * B], weights [N] when its tables are weighted) -> one tower's embeddings [B, D]
+    (normalised for score="cosine")."""
 
     def __init__(self, tower: nn.Module, cosine: bool) -> None:
         super().__init__()
