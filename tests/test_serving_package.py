@@ -1,7 +1,8 @@
-"""The `.pt2` serving package: compiled (AOTInductor on CPU takes a minute or two) for a DLRM through the command line
-(the session's `dlrm_package`, tests/conftest.py) and for a multi-task ranker over weighted tables, both loaded in one
-process where lightning_rec cannot be imported; their outputs against the eager model on 1,000 rows, the requests
-they refuse, and what their metadata says."""
+"""The `.pt2` serving package: compiled once (AOTInductor on CPU takes a minute or two: the run's `ranker_package`,
+tests/conftest.py, a multi-task ranker exported through the command line) and served in a process where lightning_rec
+cannot be imported: its outputs against the eager model on 1,000 rows, the requests it refuses, what its metadata
+says. Every other network (a DLRM, weighted tables, each tower) is checked as torch.export traces it, the program
+the compile takes, against the eager model."""
 
 from __future__ import annotations
 
@@ -53,84 +54,90 @@ def _kjt(meta: dict, inputs: tuple) -> tuple[torch.Tensor | None, KeyedJaggedTen
     return given.get("dense_features"), kjt
 
 
-def _weighted_multitask() -> MultiTaskModule:
-    """Click, purchase (ESMM) and rating over PLE, its tables weighted (each id's weight scales its row)."""
+@pytest.fixture(scope="module")
+def served(ranker_package, tmp_path_factory):
+    """The package served in a fresh process: (eager output, package output, what the server said, whether it
+    imported lightning_rec)."""
+    model, out = ranker_package
+    tmp = tmp_path_factory.mktemp("served")
+    meta = serving_module(model, "int8")[1]
+    good = example_inputs(meta, batch=ROWS, seed=1)
+    dense, kjt = _kjt(meta, good)
+    with torch.no_grad():
+        eager = quantize_inference_model(model, "int8")(dense, kjt)
+    dense, values, lengths = good
+    missing = lengths[: (len(meta["sparse_features"]) - 1) * ROWS]  # the last feature left out
+    beyond, negative = values.clone(), values.clone()
+    beyond[-1] = meta["sparse_features"][-1]["rows"]
+    negative[0] = -1
+    bad = {"missing": (dense, values[: int(missing.sum())], missing), "beyond": (dense, beyond, lengths),
+           "negative": (dense, negative, lengths)}
+    torch.save([{"package": str(out / "model.pt2"), "good": good, "bad": bad}], tmp / "in.pt")
+    done = subprocess.run([sys.executable, "-c", SERVER, str(tmp / "in.pt"), str(tmp / "out.pt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    return eager, torch.load(tmp / "out.pt")[0], said["jobs"][0], said["imported"]
+
+
+def test_package_serves_every_task_in_a_process_without_lightning_rec(served):
+    # one column per task (ESMM's purchase included), as the eager model gives them
+    eager, out, said, imported = served
+    assert imported is False
+    assert out.shape == (ROWS, 3) and (out - eager).abs().max() <= 1e-4
+    assert said["missing"] == said["beyond"] == said["negative"] == "RuntimeError", said
+    meta = said["meta"]
+    assert meta["inputs"] == ["dense_features", "values", "lengths"] and meta["tables"] == "int8"
+    assert [f["name"] for f in meta["sparse_features"]] == ["a", "b", "c"] and meta["dense_features"] == 4
+    assert meta["tasks"] == [{"name": "click", "type": "binary", "column": 0},
+                             {"name": "buy", "type": "binary", "column": 1},
+                             {"name": "rating", "type": "regression", "column": 2}]
+    assert meta["weighted"] is False and meta["model"] == "MultiTaskNet" and "[B, 3]" in meta["output"]
+
+
+def test_an_existing_package_path_is_refused_unless_overwrite(ranker_package):
+    model, out = ranker_package
+    with pytest.raises(ValueError, match="exists: give a new path, or overwrite=True"):
+        export_package(model, out / "model.pt2")
+
+
+def _weighted(module):
+    """`module` with its tables weighted (each id's weight scales its row in the bag)."""
     from lightning_rec.embedding import EmbeddingBagCollection
 
-    torch.manual_seed(0)
-    module = MultiTaskModule(task_names=["click", "buy", "rating"], task_types=["binary", "binary", "regression"],
-                             mix="ple", esmm=True, num_embeddings_per_feature={"a": 30, "b": 20}, embedding_dim=8,
-                             dense_in_features=3, dense_arch_layer_sizes=[8], expert_layer_sizes=[8],
-                             tower_layer_sizes=[4]).eval()
     arch = module.model.sparse_arch
     arch.embedding_bag_collection = EmbeddingBagCollection(arch.embedding_bag_collection.embedding_bag_configs(),
                                                            is_weighted=True)
     return module
 
 
-@pytest.fixture(scope="module")
-def served(dlrm_package, tmp_path_factory):
-    """Both packages served in one fresh process: (jobs: [(eager output, package output, what the server said)],
-    the server imported lightning_rec). Job 0: the DLRM (int8, from the command line), job 1: the multi-task ranker
-    (int4, weighted tables, through export_package)."""
-    model, out = dlrm_package
-    tmp = tmp_path_factory.mktemp("served")
-    multitask = _weighted_multitask()
-    export_package(multitask, tmp / "multitask.pt2", tables="int4")
-    jobs, eager = [], []
-    for path, net, tables in ((out / "model.pt2", model, "int8"), (tmp / "multitask.pt2", multitask, "int4")):
-        meta = serving_module(net, tables)[1]
-        good = example_inputs(meta, batch=ROWS, seed=1)
-        dense, kjt = _kjt(meta, good)
-        with torch.no_grad():
-            eager.append(quantize_inference_model(net, tables)(dense, kjt))
-        given = dict(zip(meta["inputs"], good))
-        values, lengths, at = given["values"], given["lengths"], meta["inputs"].index("values")
-        missing = lengths[: (len(meta["sparse_features"]) - 1) * ROWS]  # the last feature left out
-        beyond, negative = values.clone(), values.clone()
-        beyond[-1] = meta["sparse_features"][-1]["rows"]
-        negative[0] = -1
-        bad = {"missing": (*good[:at], values[: int(missing.sum())], missing, *good[at + 2:]),
-               "beyond": (*good[:at], beyond, *good[at + 1:]), "negative": (*good[:at], negative, *good[at + 1:])}
-        if meta["weighted"]:
-            bad["missing"] = (*bad["missing"][:-1], given["weights"][: int(missing.sum())])
-        jobs.append({"package": str(path), "good": good, "bad": bad})
-    torch.save(jobs, tmp / "in.pt")
-    done = subprocess.run([sys.executable, "-c", SERVER, str(tmp / "in.pt"), str(tmp / "out.pt")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    said = json.loads(done.stdout.strip().splitlines()[-1])
-    return list(zip(eager, torch.load(tmp / "out.pt"), said["jobs"])), said["imported"]
-
-
-def test_package_serves_in_a_process_without_lightning_rec(served):
-    (eager, out, said), imported = served[0][0], served[1]
-    assert imported is False
-    assert out.shape == (ROWS,) and (out - eager).abs().max() <= 1e-4
-    assert said["missing"] == said["beyond"] == said["negative"] == "RuntimeError", said
-    meta = said["meta"]
-    assert meta["inputs"] == ["dense_features", "values", "lengths"] and meta["tables"] == "int8"
-    assert [f["name"] for f in meta["sparse_features"]] == ["s0", "s1", "s2"] and meta["dense_features"] == 4
-    assert meta["weighted"] is False and meta["output"] == "logits float32 [B]"
-
-
-def test_a_multitask_package_over_weighted_tables_gives_every_task(served):
-    # one column per task (ESMM's purchase included), the per-id weights an input
-    eager, out, said = served[0][1]
-    assert out.shape == (ROWS, 3) and (out - eager).abs().max() <= 1e-4
-    assert said["missing"] == said["beyond"] == said["negative"] == "RuntimeError", said
-    meta = said["meta"]
-    assert meta["inputs"] == ["dense_features", "values", "lengths", "weights"] and meta["weighted"] is True
-    assert meta["tasks"] == [{"name": "click", "type": "binary", "column": 0},
-                             {"name": "buy", "type": "binary", "column": 1},
-                             {"name": "rating", "type": "regression", "column": 2}]
-    assert meta["tables"] == "int4" and meta["model"] == "MultiTaskNet" and "[B, 3]" in meta["output"]
-
-
-def test_an_existing_package_path_is_refused_unless_overwrite(dlrm_package):
-    model, out = dlrm_package
-    with pytest.raises(ValueError, match="exists: give a new path, or overwrite=True"):
-        export_package(model, out / "model.pt2")
+@pytest.mark.parametrize("kind", ["dlrm", "weighted_multitask"])
+def test_a_rankers_program_equals_the_eager_model(kind):
+    # what the compile takes, as torch.export traced it (the compile itself: the package above): a DLRM's logits,
+    # and a ranker over weighted tables, whose per-id weights are the package's last input
+    torch.manual_seed(0)
+    if kind == "dlrm":
+        model = DLRMModule(num_embeddings_per_feature=[40, 30], embedding_dim=8, sparse_feature_names=["s0", "s1"],
+                           dense_in_features=4, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1]).eval()
+    else:
+        model = _weighted(MultiTaskModule(task_names=["click", "rating"], task_types=["binary", "regression"],
+                                          mix="mmoe", num_embeddings_per_feature={"a": 30, "b": 20}, embedding_dim=8,
+                                          expert_layer_sizes=[8], tower_layer_sizes=[4]).eval())
+    module, meta = serving_module(model, "int4")
+    inputs = example_inputs(meta, batch=50, seed=2)
+    dense, kjt = _kjt(meta, inputs)
+    with torch.no_grad():
+        eager = quantize_inference_model(model, "int4")(dense if dense is not None else torch.empty(50, 0), kjt)
+        program = export_program(module, meta).module()
+        torch.testing.assert_close(program(*inputs), eager, atol=1e-6, rtol=1e-6)
+    if kind == "dlrm":
+        assert meta["inputs"] == ["dense_features", "values", "lengths"] and meta["output"] == "logits float32 [B]"
+    else:  # no dense inputs: none taken
+        assert meta["inputs"] == ["values", "lengths", "weights"] and meta["weighted"] is True
+        assert [t["name"] for t in meta["tasks"]] == ["click", "rating"] and eager.shape == (50, 2)
+        unweighted = kjt.weights().clone().fill_(1.0)
+        with torch.no_grad():  # the weights change the answer: they are read, not ignored
+            assert not torch.allclose(program(*inputs[:2], unweighted), eager)
 
 
 def test_a_tower_is_asked_for_on_two_tower_models_only(tmp_path):
