@@ -3,6 +3,11 @@
 
     flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/serving.py [--epochs 3] [--rounds 200]
     .venv/bin/python benchmarks/serving.py --smoke     # a tiny model, synthetic rows, a few requests
+    .venv/bin/python benchmarks/serving.py --smoke --package OUT   # requests to OUT/model.pt2, compiled before
+
+`--package OUT`: an export with a ranker's package (`lightning-rec export CKPT OUT --package`) answers the requests
+against its eager model (`load_exported(OUT)`), instead of the trained DLRM compiled here (the compile takes a minute
+or two on CPU); the tests' smoke reuses the package their session compiled.
 
 A DLRM (tables of dim 64) trains on the Criteo sample ($LIGHTNING_REC_SHARED_DATA/criteo, its train file; the valid
 file is the validation set); smoke mode uses synthetic rows and small tables. Validation AUC of the fp32 model and of
@@ -123,11 +128,14 @@ def _latency(package, model, meta, rounds: int) -> dict:
     times = {"package": [], "eager": []}
     diffs = []
     for r in range(rounds):
-        dense, values, lengths = example_inputs(meta, batch=REQUEST_ROWS, seed=r)
-        kjt = KeyedJaggedTensor.from_lengths_sync(names, values, lengths)
+        inputs = example_inputs(meta, batch=REQUEST_ROWS, seed=r)
+        given = dict(zip(meta["inputs"], inputs))
+        kjt = KeyedJaggedTensor.from_lengths_sync(names, given["values"], given["lengths"],
+                                                  weights=given.get("weights"))
+        dense = given.get("dense_features", torch.empty(REQUEST_ROWS, 0))
         with torch.no_grad():
             t0 = time.perf_counter()
-            out_package = package(dense, values, lengths)
+            out_package = package(*inputs)
             t1 = time.perf_counter()
             out_eager = model(dense, kjt)
             t2 = time.perf_counter()
@@ -143,11 +151,29 @@ def _latency(package, model, meta, rounds: int) -> dict:
     return out
 
 
+def _served(model, exported: str | None, rounds: int) -> tuple[dict, float | None]:
+    """(latency figures, compile seconds): `model` packaged here, or the package and model of an export."""
+    if exported is not None:
+        from lightning_rec.checkpoint import load_exported
+
+        package = torch._inductor.aoti_load_package(str(Path(exported) / "model.pt2"))
+        meta = json.loads(package.get_metadata()["inputs"])
+        return _latency(package, load_exported(exported).eval(), meta, rounds), None
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        path = export_package(model, Path(tmp) / "dlrm.pt2", tables="fp32")
+        compile_s = time.perf_counter() - t0
+        package = torch._inductor.aoti_load_package(str(path))
+        meta = json.loads(package.get_metadata()["inputs"])
+        return _latency(package, model, meta, rounds), compile_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--package", default=None, help="an export directory with model.pt2 to serve instead")
     args = parser.parse_args()
     rounds = 8 if args.smoke else args.rounds
     model, batches = _criteo(args.smoke, args.epochs)
@@ -157,14 +183,9 @@ def main() -> None:
         auc[kind], table_bytes[kind] = _auc(served, batches), _table_bytes(served)
         results.append({"tables": kind, "val_auc": auc[kind], "table_bytes": table_bytes[kind]})
         print(f"{kind}: val AUC {auc[kind]:.5f}, table bytes {table_bytes[kind]:,}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        path = export_package(model, Path(tmp) / "dlrm.pt2", tables="fp32")
-        compile_s = time.perf_counter() - t0
-        package = torch._inductor.aoti_load_package(str(path))
-        meta = json.loads(package.get_metadata()["inputs"])
-        latency = _latency(package, model, meta, rounds)
-    print(f"package compiled in {compile_s:.0f} s; 512-row requests: package p50 {latency['p50_ms_package']:.2f} ms "
+    latency, compile_s = _served(model, args.package, rounds)
+    source = f"compiled in {compile_s:.0f} s" if compile_s is not None else f"from {args.package}"
+    print(f"package {source}; 512-row requests: package p50 {latency['p50_ms_package']:.2f} ms "
           f"p99 {latency['p99_ms_package']:.2f} ms, eager p50 {latency['p50_ms_eager']:.2f} ms p99 "
           f"{latency['p99_ms_eager']:.2f} ms; max |package - eager| {latency['max_abs_diff']:.2e}", flush=True)
     figures = {"auc_fp32": auc["fp32"], "auc_loss_int8": auc["fp32"] - auc["int8"],

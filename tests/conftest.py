@@ -56,3 +56,35 @@ def _no_process_group_left_behind():
     for key in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:  # pytest's own, set per phase
         del os.environ[key]
     os.environ.update({k: v for k, v in before.items() if k != "PYTEST_CURRENT_TEST"})
+
+
+@pytest.fixture(scope="session")
+def ranker_package(tmp_path_factory):
+    """The run's one compiled `.pt2` package, as `lightning-rec export CKPT OUT --tables int8 --package` writes it
+    for a small multi-task ranker (click, purchase through ESMM, rating; PLE; dense inputs): (model, OUT). An
+    AOTInductor compile takes a minute or two on a busy 2-core machine, so the tests that need a compiled package
+    (tests/test_serving_package.py, the serving benchmark's smoke) share this one; under pytest-xdist the first worker
+    to ask compiles it, in the run's directory, for all."""
+    import torch
+    from filelock import FileLock
+
+    from lightning_rec import checkpoint as ckpt
+    from lightning_rec.cli import export_main
+    from lightning_rec.models import MultiTaskModule
+
+    torch.manual_seed(0)  # every worker builds the same model
+    model = MultiTaskModule(task_names=["click", "buy", "rating"], task_types=["binary", "binary", "regression"],
+                            mix="ple", esmm=True, num_embeddings_per_feature={"a": 40, "b": 30, "c": 20},
+                            embedding_dim=8, dense_in_features=4, dense_arch_layer_sizes=[8], expert_layer_sizes=[8],
+                            tower_layer_sizes=[4]).eval()
+    # the workers' base directories share the run's; without xdist the parent is shared by every run: a fresh one
+    shared = "PYTEST_XDIST_WORKER" in os.environ
+    tmp = tmp_path_factory.getbasetemp().parent / "ranker_package" if shared else tmp_path_factory.mktemp("ranker")
+    tmp.mkdir(exist_ok=True)
+    with FileLock(str(tmp / "lock")):
+        if not (tmp / "out" / "model.pt2").is_file():
+            ckpt.save_file({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                            "lightning_rec": {"module_class": "lightning_rec.models.MultiTaskModule"}},
+                           tmp / "c.ckpt")
+            export_main([str(tmp / "c.ckpt"), str(tmp / "out"), "--tables", "int8", "--package", "--overwrite"])
+    return model, tmp / "out"

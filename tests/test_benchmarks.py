@@ -105,7 +105,9 @@ def _last_json(name: str, args: list[str], tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize(("name", "args", "ratios", "figures"), SMOKES, ids=[_id(e) for e in SMOKES])
-def test_smoke_ends_with_its_json_line(name, args, ratios, figures, tmp_path):
+def test_smoke_ends_with_its_json_line(name, args, ratios, figures, tmp_path, request):
+    if name == "serving":  # the session's compiled package, not a second compile (a minute or two)
+        args = [*args, "--package", str(request.getfixturevalue("ranker_package")[1])]
     out = _last_json(name, args, tmp_path)
     assert {"benchmark", "results", "ratios", "figures"} <= set(out), sorted(out)
     assert out["benchmark"] in (name, f"{name}_cuda"), out["benchmark"]

@@ -143,8 +143,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fp16_tables: b
     quantized, a float16 scale and bias per row: loading serves them with fbgemm's integer kernel, see
     lightning_rec.serving). fp16_tables=True is tables="fp16". An `out` that exists and is not empty is refused
     unless overwrite=True. module_class: the LightningModule class expected (refused if the checkpoint names
-    another). package: also `out/model.pt2` (a DLRM) or `out/user_tower.pt2` + `out/item_tower.pt2` (a two-tower
-    model), the network compiled by AOTInductor for a process without lightning_rec (lightning_rec.serving.package).
+    another). package: also `out/model.pt2` (a DLRM or multi-task ranker) or `out/user_tower.pt2` +
+    `out/item_tower.pt2` (a two-tower model), the network compiled by AOTInductor for a process without
+    lightning_rec (lightning_rec.serving.package).
     """
     from lightning_rec.serving.quant import TABLE_TYPES
 

@@ -43,7 +43,10 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--index", choices=("flat", "ivf", "hnsw"), default="flat",
                         help="--retrieval's index: flat (exact), ivf or hnsw (approximate, for big catalogues)")
     parser.add_argument("--data-dir", default=None,
-                        help="--retrieval's MovieLens data directory (default: the one the checkpoint trained on)")
+                        help="--retrieval's data directory (default: the one the checkpoint trained on)")
+    parser.add_argument("--datamodule", default="lightning_rec.data.MovieLensDataModule",
+                        help="--retrieval's data module class, built from the checkpoint's data hyper-parameters: "
+                             "any with item_catalog(rows) and num_items (default: MovieLensDataModule)")
     # --fp16_tables (preprocess's spelling) is the same option, rewritten so that the prefix --fp16 stays unambiguous
     args = parser.parse_args([re.sub(r"^--fp16_", "--fp16-", a) for a in argv])
     try:
@@ -59,21 +62,34 @@ def export_main(argv: list[str]) -> int:
 
 
 def _export_retrieval(args, out) -> None:
-    """OUT/retrieval: the catalogue through the exported item tower into a FAISS index, and the user tower package."""
+    """OUT/retrieval: the catalogue through the exported item tower into a FAISS index, and the user tower package.
+    The catalogue is the items of the data module the checkpoint trained with (`--datamodule`, built from the
+    checkpoint's data hyper-parameters): its `item_catalog(rows)` gives the item tower's features of those rows."""
+    import importlib
+    import inspect
+
     from lightning_rec.checkpoint import lightning_checkpoint, load_exported
-    from lightning_rec.data import MovieLensDataModule
     from lightning_rec.serving.retrieval import export_retrieval
 
     module = load_exported(out)
     if not hasattr(module, "embed_catalog"):
         raise ValueError(f"--retrieval is for two-tower / matrix-factorisation models (TwoTowerModule), not "
                          f"{type(module).__name__}")
+    mod_name, _, cls_name = args.datamodule.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--datamodule {args.datamodule}: no such class ({e}): give a data module's dotted path, "
+                         f"e.g. lightning_rec.data.MovieLensDataModule") from e
+    if not callable(getattr(cls, "item_catalog", None)):
+        raise ValueError(f"--datamodule {args.datamodule} has no item_catalog(rows): --retrieval reads the "
+                         f"catalogue's item features from it (and num_items); give a data module that has both")
     data = dict(lightning_checkpoint(args.checkpoint).get("datamodule_hyper_parameters") or {})
     if args.data_dir:
         data["data_dir"] = args.data_dir
-    if not data.get("data_dir"):
-        raise ValueError("--retrieval needs the catalogue's data: give --data-dir DIR (the MovieLens directory)")
-    dm = MovieLensDataModule(**{k: v for k, v in data.items() if not str(k).startswith("_")})
+    if "data_dir" in inspect.signature(cls).parameters and not data.get("data_dir"):
+        raise ValueError("--retrieval needs the catalogue's data: give --data-dir DIR (the data module's directory)")
+    dm = cls(**{k: v for k, v in data.items() if not str(k).startswith("_")})
     dm.setup("fit")
     tables = args.tables or ("fp16" if args.fp16_tables else "fp32")
     export_retrieval(module, dm, out / "retrieval", index=args.index, tables=tables, overwrite=args.overwrite)

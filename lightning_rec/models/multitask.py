@@ -97,7 +97,11 @@ class MultiTaskNet(nn.Module):
                                     for _ in range(num_tasks))
 
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
-        x_BK = self.sparse_arch(sparse_features).flatten(1)
+        return self.from_pooled(dense_features, self.sparse_arch(sparse_features))
+
+    def from_pooled(self, dense_features: Tensor, sparse_BFD: Tensor) -> Tensor:
+        """[B, T] from the features' pooled embeddings (a serving package's own lookup gives them)."""
+        x_BK = sparse_BFD.flatten(1)
         if self.dense_arch is not None:
             x_BK = torch.cat([self.dense_arch(dense_features), x_BK], dim=1)
         if self.bottom is not None:

@@ -1,11 +1,14 @@
-"""A self-contained serving package: the whole model (DLRM / DCNv2, or one tower of a two-tower model) traced by
-`torch.export` over raw feature tensors and compiled by AOTInductor into one `.pt2` file. A server loads it with
-torch and fbgemm_gpu alone (`torch._inductor.aoti_load_package`), without lightning_rec; its tables are read by
-fbgemm's integer TBE kernel in the export's table type.
+"""A self-contained serving package: the whole model (DLRM / DCNv2, a multi-task ranker, or one tower of a two-tower
+model) traced by `torch.export` over raw feature tensors and compiled by AOTInductor into one `.pt2` file. A server
+loads it with torch and fbgemm_gpu alone (`torch._inductor.aoti_load_package`), without lightning_rec; its tables are
+read by fbgemm's integer TBE kernel in the export's table type.
 
-Inputs (named in the package's metadata, key "inputs"): a DLRM takes `dense_features` float32 [B, I],
-`values` int64 [N] (the ids, feature by feature in the metadata's order, each feature's B rows in turn) and
-`lengths` int64 [F * B] (ids per feature and row, feature-major); a tower takes `values` and `lengths`.
+Inputs (named in the package's metadata, key "inputs", in call order): `dense_features` float32 [B, I] (a DLRM, a
+multi-task ranker with dense inputs), `values` int64 [N] (the ids, feature by feature in the metadata's order, each
+feature's B rows in turn), `lengths` int64 [F * B] (ids per feature and row, feature-major), and `weights` float32
+[N] (one per id, in `values`' order) where the tables are weighted (metadata "weighted": true). Output: a DLRM's
+logits [B]; a multi-task ranker's [B, T] (metadata "tasks": column t is task t's logit, or its value for a
+regression task); a tower's embeddings [B, D].
 An id outside its table, or a negative one, fails the request (RuntimeError); so do lengths that are not F * B
 long (a feature missing) or lengths that do not add up to N. A model with managed-collision tables takes their
 features' raw ids ("raw_ids": true in sparse_features): the id map travels in the package and an id without a row
@@ -48,7 +51,7 @@ class KernelLookup(nn.Module):
             output_dtype=tbe.output_dtype, row_alignment=tbe.row_alignment, max_float8_D=tbe.max_float8_D,
             fp8_exponent_bits=tbe.fp8_exponent_bits, fp8_exponent_bias=tbe.fp8_exponent_bias)
 
-    def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
+    def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> Tensor:
         per_feature = lengths.view(self.num_features, -1).sum(1)
         limit = self.rows_per_feature.repeat_interleave(per_feature, output_size=values.shape[0])
         torch._assert_async(((values >= 0) & (values < limit)).all(),
@@ -59,7 +62,7 @@ class KernelLookup(nn.Module):
             dev_weights=self.weights_host, uvm_weights=torch.empty(0, dtype=torch.uint8),
             weights_placements=self.weights_placements, weights_offsets=self.weights_offsets,
             weights_tys=self.weights_tys, D_offsets=self.D_offsets, indices=values, offsets=offsets,
-            indice_weights=None, lxu_cache_weights=torch.empty(0, 0, dtype=torch.uint8),
+            indice_weights=weights, lxu_cache_weights=torch.empty(0, 0, dtype=torch.uint8),
             lxu_cache_locations=torch.empty(0, dtype=torch.int32), **self.kernel_args)
 
 
@@ -111,27 +114,52 @@ def _tables(collection: nn.Module) -> nn.Module:
     return collection._embedding_module if managed else collection
 
 
-class DLRMServing(nn.Module):
-    """(dense_features [B, I], values [N], lengths [F * B]) -> logits [B] of a DLRM / DLRM_DCN."""
+class DLRMHead(nn.Module):
+    """A DLRM / DLRM_DCN after its lookup: (dense_features [B, I], sparse_BFD) -> logits [B]."""
 
     def __init__(self, dlrm: nn.Module) -> None:
         super().__init__()
-        collection = dlrm.sparse_arch.embedding_bag_collection
-        managed = isinstance(collection, ManagedCollisionEmbeddingBagCollection)
-        self.remap = RawIdRemap(collection) if managed else None
-        self.lookup = KernelLookup(_tables(collection))
         self.dense_arch, self.inter_arch, self.over_arch = dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch
-        self.num_features, self.embedding_dim = dlrm.sparse_arch.num_features, dlrm.sparse_arch.embedding_dim
 
-    def forward(self, dense_features: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
-        if self.remap is not None:
-            values = self.remap(values, lengths)
-        sparse_BFD = self.lookup(values, lengths).view(-1, self.num_features, self.embedding_dim)
+    def forward(self, dense_features: Tensor, sparse_BFD: Tensor) -> Tensor:
         return self.over_arch(self.inter_arch(self.dense_arch(dense_features), sparse_BFD)).squeeze(1)
 
 
+class MultiTaskHead(nn.Module):
+    """A MultiTaskNet after its lookup: (dense_features [B, I] or None, sparse_BFD) -> [B, T]."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        net.sparse_arch = None  # the package's KernelLookup holds the tables (net: a copy of the model's)
+        self.net = net
+
+    def forward(self, dense_features: Tensor | None, sparse_BFD: Tensor) -> Tensor:
+        return self.net.from_pooled(dense_features, sparse_BFD)
+
+
+class RankerServing(nn.Module):
+    """(dense_features [B, I] when the model has dense inputs, values [N], lengths [F * B], weights [N] when its
+    tables are weighted) -> `head`(dense_features, the pooled embeddings [B, F, D])."""
+
+    def __init__(self, sparse_arch: nn.Module, head: nn.Module, dense: bool) -> None:
+        super().__init__()
+        collection = sparse_arch.embedding_bag_collection
+        managed = isinstance(collection, ManagedCollisionEmbeddingBagCollection)
+        self.remap = RawIdRemap(collection) if managed else None
+        self.lookup, self.head, self.dense = KernelLookup(_tables(collection)), head, dense
+        self.num_features, self.embedding_dim = sparse_arch.num_features, sparse_arch.embedding_dim
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        dense_features, sparse = (inputs[0], inputs[1:]) if self.dense else (None, inputs)
+        if self.remap is not None:
+            sparse = (self.remap(sparse[0], sparse[1]), *sparse[1:])
+        sparse_BFD = self.lookup(*sparse).view(-1, self.num_features, self.embedding_dim)
+        return self.head(dense_features, sparse_BFD)
+
+
 class TowerServing(nn.Module):
-    """(values [N], lengths [F * B]) -> one tower's embeddings [B, D] (normalised for score="cosine")."""
+    """(values [N], lengths [F * B], weights [N] when its tables are weighted) -> one tower's embeddings [B, D]
+    (normalised for score="cosine")."""
 
     def __init__(self, tower: nn.Module, cosine: bool) -> None:
         super().__init__()
@@ -145,8 +173,8 @@ class TowerServing(nn.Module):
                     self.skip = (start, dim)
                 start += dim
 
-    def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
-        pooled_BD = self.lookup(values, lengths)
+    def forward(self, *inputs: Tensor) -> Tensor:
+        pooled_BD = self.lookup(*inputs)
         out_BD = self.mlp(pooled_BD)
         if self.skip is not None:
             out_BD = out_BD + pooled_BD.narrow(1, *self.skip)
@@ -157,56 +185,83 @@ def _inner(model: nn.Module) -> nn.Module:
     return getattr(model, "model", model)  # a LightningModule's network
 
 
+def _tasks(model: nn.Module, net: nn.Module) -> list[dict]:
+    names = getattr(model, "task_names", None) or [f"task_{t}" for t in range(net.num_tasks)]
+    types = getattr(model, "task_types", None) or ["binary"] * net.num_tasks
+    return [{"name": n, "type": k, "column": t} for t, (n, k) in enumerate(zip(names, types))]
+
+
 def serving_module(model: nn.Module, tables: str = "fp32", tower: str | None = None) -> tuple[nn.Module, dict]:
-    """The network of `model` (DLRMModule / DLRM / DLRM_DCN, or TwoTowerModule / TwoTower with tower="user" |
-    "item") over raw feature tensors, its tables quantized to `tables`; and the metadata that describes its inputs."""
+    """The network of `model` (DLRMModule / DLRM / DLRM_DCN, MultiTaskModule / MultiTaskNet, or TwoTowerModule /
+    TwoTower with tower="user" | "item") over raw feature tensors, its tables quantized to `tables`; and the metadata
+    that describes its inputs and output."""
     net = _inner(model)
     is_two_tower = hasattr(net, "user_tower") and hasattr(net, "item_tower")
     if is_two_tower != (tower is not None):
         raise ValueError(f"tower={tower!r}: give tower='user' or 'item' for a two-tower model, and no tower for a "
-                         f"DLRM" if is_two_tower else f"tower={tower!r}: {type(net).__name__} has no towers")
+                         f"ranker" if is_two_tower else f"tower={tower!r}: {type(net).__name__} has no towers")
     if tower is not None and tower not in ("user", "item"):
         raise ValueError(f"tower={tower!r}: give 'user' or 'item'")
     if not is_two_tower and not hasattr(net, "sparse_arch"):
-        raise ValueError(f"{type(net).__name__} is neither a DLRM (DLRM, DLRM_DCN) nor a two-tower model: a "
-                         f"package is built for those")
-    net = quantize_inference_model(net, tables).eval()
-    raw: set[str] = set()
+        raise ValueError(f"{type(net).__name__} is neither a ranker (DLRM, DLRM_DCN, MultiTaskNet) nor a two-tower "
+                         f"model: a package is built for those")
+    net = quantize_inference_model(net, tables).eval()  # a copy: the serving modules below may take it apart
+    meta: dict[str, Any] = {"format": PACKAGE_FORMAT, "model": type(_inner(model)).__name__, "tower": tower,
+                            "tables": tables, "dense_features": None}
     if is_two_tower:
         part = getattr(net, f"{tower}_tower")
         module: nn.Module = TowerServing(part, net.score == "cosine")
         collection = part.embedding_bag_collection
-        inputs = ["values", "lengths"]
-        output = f"{tower} embeddings float32 [B, {part.out_features}]"
-    else:
-        module = DLRMServing(net)
+        meta["output"] = f"{tower} embeddings float32 [B, {part.out_features}]"
+    elif hasattr(net, "num_tasks"):
+        dense = net.dense_arch is not None
+        meta["dense_features"] = net.dense_arch[0].in_features if dense else None
+        meta["tasks"] = _tasks(model, net)
+        meta["output"] = (f"float32 [B, {net.num_tasks}]: column t is tasks[t]'s logit (binary; its sigmoid is the "
+                          f"probability) or value (regression)")
         collection = net.sparse_arch.embedding_bag_collection
-        raw = set(module.remap.tables) if module.remap is not None else set()
-        collection = _tables(collection)
-        inputs = ["dense_features", "values", "lengths"]
-        output = "logits float32 [B]"
+        module = RankerServing(net.sparse_arch, MultiTaskHead(net), dense)
+    else:
+        collection = net.sparse_arch.embedding_bag_collection
+        module = RankerServing(net.sparse_arch, DLRMHead(net), dense=True)
+        meta["dense_features"], meta["output"] = net.dense_arch[0].in_features, "logits float32 [B]"
+    raw = set(module.remap.tables) if getattr(module, "remap", None) is not None else set()
+    collection = _tables(collection)
+    meta["weighted"] = bool(collection._is_weighted)
+    meta["inputs"] = (["dense_features"] if meta["dense_features"] is not None else []) + ["values", "lengths"] + (
+        ["weights"] if meta["weighted"] else [])
     rows = {c.name: c.num_embeddings for c in collection.embedding_bag_configs()}
-    features = [{"name": collection._sources[f], "rows": rows[c.name], "raw_ids": c.name in raw}
-                for c in collection.embedding_bag_configs() for f in c.feature_names]
-    meta = {"format": PACKAGE_FORMAT, "model": type(_inner(model)).__name__, "tower": tower, "tables": tables,
-            "inputs": inputs, "sparse_features": features, "output": output,
-            "dense_features": None if is_two_tower else net.dense_arch[0].in_features,
-            "layout": "values int64 [N]: ids feature by feature (the order of sparse_features), each feature's B "
-                      "rows in turn; lengths int64 [F * B]: ids per feature and row, feature-major"}
+    meta["sparse_features"] = [{"name": collection._sources[f], "rows": rows[c.name], "raw_ids": c.name in raw}
+                               for c in collection.embedding_bag_configs() for f in c.feature_names]
+    meta["layout"] = ("values int64 [N]: ids feature by feature (the order of sparse_features), each feature's B rows "
+                      "in turn; lengths int64 [F * B]: ids per feature and row, feature-major" +
+                      ("; weights float32 [N]: each id's weight, in values' order" if meta["weighted"] else ""))
     return module.eval(), meta
 
 
 def example_inputs(meta: dict, batch: int = 4, seed: int = 0) -> tuple[Tensor, ...]:
-    """Random inputs of the package's layout (ids within each table)."""
+    """Random inputs of the package's layout (ids within each table), in the order of meta["inputs"]."""
     g = torch.Generator().manual_seed(seed)
     features = meta["sparse_features"]
     lengths = torch.randint(0, 3, (len(features), batch), generator=g)
     values = torch.cat([torch.randint(0, f["rows"], (int(n),), generator=g)
                         for f, n in zip(features, lengths.sum(1))])
-    sparse = (values, lengths.flatten())
-    if meta["dense_features"] is None:
-        return sparse
-    return (torch.randn(batch, meta["dense_features"], generator=g), *sparse)
+    given = {"values": values, "lengths": lengths.flatten()}
+    if meta.get("weighted"):
+        given["weights"] = torch.rand(len(values), generator=g)
+    if meta["dense_features"] is not None:
+        given["dense_features"] = torch.randn(batch, meta["dense_features"], generator=g)
+    return tuple(given[name] for name in meta.get("inputs", ["dense_features", "values", "lengths"]))
+
+
+def export_program(module: nn.Module, meta: dict) -> torch.export.ExportedProgram:
+    """`module` (of `serving_module`) traced by torch.export over its raw inputs, the batch and the ids dynamic."""
+    batch = torch.export.Dim("batch", min=1, max=1 << 24)
+    ids = torch.export.Dim("ids", min=0, max=1 << 40)
+    shapes = {"dense_features": {0: batch}, "values": {0: ids}, "lengths": {0: len(meta["sparse_features"]) * batch},
+              "weights": {0: ids}}
+    return torch.export.export(module, example_inputs(meta, batch=4), strict=False,
+                               dynamic_shapes={"inputs": tuple(shapes[name] for name in meta["inputs"])})
 
 
 def export_package(model: nn.Module, path: str | os.PathLike, tables: str = "fp32", tower: str | None = None,
@@ -220,14 +275,7 @@ def export_package(model: nn.Module, path: str | os.PathLike, tables: str = "fp3
     if path.exists() and not overwrite:
         raise ValueError(f"{path} exists: give a new path, or overwrite=True (--overwrite) to replace it")
     module, meta = serving_module(model, tables, tower)
-    args = example_inputs(meta, batch=4)
-    batch = torch.export.Dim("batch", min=1, max=1 << 24)
-    ids = torch.export.Dim("ids", min=0, max=1 << 40)
-    F = len(meta["sparse_features"])
-    shapes: dict[str, Any] = {"values": {0: ids}, "lengths": {0: F * batch}}
-    if meta["dense_features"] is not None:
-        shapes["dense_features"] = {0: batch}
-    program = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+    program = export_program(module, meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial.pt2")
     torch._inductor.aoti_compile_and_package(
