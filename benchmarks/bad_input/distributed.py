@@ -426,7 +426,7 @@ def _tower_dmp(W, shm):
     return m, dmp, torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
 
 
-def rank_step_raised_went_on(rank, W, shm, pipelined):
+def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
     """Rank 1's third step raises before the embeddings; its hand-written loop catches it and goes on."""
     _threads()
     _fast_guard()
@@ -435,8 +435,9 @@ def rank_step_raised_went_on(rank, W, shm, pipelined):
     batches = [_rank_batches(0) for _ in range(5)]
 
     def go():
-        from lightning_rec import TrainPipelineSparseDist
-        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu"), iter(batches)) if pipelined else (None, None)
+        from lightning_rec import PipelineConfig, TrainPipelineSparseDist
+        config = PipelineConfig(read_ahead=read_ahead)
+        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu", config), iter(batches)) if pipelined else (None, None)
         for b in batches:
             try:
                 if pipelined:
@@ -483,6 +484,14 @@ def pipeline_step_cases() -> None:
           timeout=60)
     def _(ctx):  # over a process group: the id exchange of the next batch carries the steps that reached theirs
         raise_first_error(run_two_ranks(rank_step_raised_went_on, False, True), need_all=True, max_s=15)
+
+    # inline read-ahead (the default where the ranks leave no core spare): rank 1's feeder waits for the next batch's
+    # agreement while rank 0 waits in the step's all-to-all; the guard names both waits and the fix, not the steps
+    for shm, tag in ((None, "shm"), (False, "gloo")):
+        @case(f"pipeline.{tag}.inline.rank1_step_raised_and_went_on", Exception,
+              ["every rank has a batch", "pooled embedding all-to-all", "goes on"], timeout=60)
+        def _(ctx, shm=shm):
+            raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, True, "inline"), need_all=True, max_s=15)
 
     @case("pipeline.loader_gives_none_on_rank1", RuntimeError, ["rank(s) [1]", "batch 2"], timeout=60)
     def _(ctx):
