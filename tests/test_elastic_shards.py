@@ -131,6 +131,26 @@ def test_a_changed_shard_set_or_an_old_state_starts_the_epoch_over_with_a_warnin
         assert len(_read(other)[0]) > 0
 
 
+def test_a_same_world_state_saved_before_shards_had_an_id_resumes_exactly(shards):
+    """A shard directory's loader state from before its dataset recorded an id (fingerprint dataset_id None, no
+    elastic record): at the same world size it resumes where it was, without a warning. The new id once read as
+    "dataset_id differ" and restarted the epoch."""
+    import warnings
+
+    first = _loaders(shards, 2, False)
+    open_iters = [_read(loader, 1)[1] for loader in first]
+    states = [loader.state_dict() for loader in first]
+    rest = [[i for batch in it for i in _ids(batch)] for it in open_iters]
+    old = [{**{k: v for k, v in s.items() if k != "elastic"}, "fingerprint": {**s["fingerprint"], "dataset_id": None}}
+           for s in states]
+    again = _loaders(shards, 2, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for loader in again:
+            loader.load_state_dict({"ranks": old})
+    assert [_read(loader)[0] for loader in again] == rest
+
+
 # a real fit: SIGKILL at 4 ranks mid-epoch, resumed at 2 -------------------------------------------------------
 
 

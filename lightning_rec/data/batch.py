@@ -379,6 +379,8 @@ class StatefulBatchLoader(StatefulDataLoader):
             state = state["ranks"][rank]
         mine = self.fingerprint()
         theirs = state.get("fingerprint") if isinstance(state, dict) else None
+        if theirs is not None and theirs.get("dataset_id") is None:  # saved before this dataset had an id to record
+            theirs = {**theirs, "dataset_id": mine.get("dataset_id")}
         if theirs != mine:
             differ = sorted(k for k in set(mine) | set(theirs or {}) if (theirs or {}).get(k) != mine.get(k))
             if set(differ) <= {"sampler_num_replicas", "sampler_rank"}:  # the same rows, dealt to other ranks
