@@ -148,6 +148,20 @@ def test_drop_last_leaves_only_the_documented_remainder(saved, resumed):
     _check(counts, len(dataset), resumed, dm.batch_size, drop_last=True)
 
 
+@pytest.mark.parametrize("saved,resumed,said", [(4, 2, "accumulate_grad_batches=2"), (3, 2, "2/3 of the rows"),
+                                                 (2, 3, None)])
+def test_fewer_ranks_are_told_how_to_keep_the_global_batch(monkeypatch, saved, resumed, said):
+    """At fewer ranks each step reads fewer rows (the elastic_resume benchmark's 2 -> 1 NE gap at equal steps):
+    one line says so, and the accumulate_grad_batches that keeps the global batch where one does."""
+    import lightning.pytorch.utilities as utilities
+
+    lines: list[str] = []
+    monkeypatch.setattr(utilities, "rank_zero_info", lines.append)
+    dm, dataset = _synthetic()
+    _audit(dataset, dm, saved, resumed, steps=3)
+    assert (said is None and not lines) or (lines and all(said in line for line in lines)), lines
+
+
 def test_a_second_resume_in_the_same_epoch_and_the_next_epoch_is_a_whole_one():
     """4 -> 2 -> 3 within epoch 1: each resume starts where the last left off; epoch 2 is a plain 3-rank epoch."""
     dm, dataset = _synthetic(n=3001)

@@ -429,6 +429,13 @@ class StatefulBatchLoader(StatefulDataLoader):
         self._passes = replace(self._passes, pending=pending, number=number)
         # now, not at the first batch: Lightning sizes the epoch from len(loader) before iterating
         source.continue_epoch(number, elastic, pending["batches"], self.batch_size)
+        if world < saved:  # fewer ranks: the same steps read fewer rows, which users rarely expect
+            from lightning.pytorch.utilities import rank_zero_info
+
+            keep = (f"; Trainer(accumulate_grad_batches={saved // world}) keeps the global batch of {saved} ranks"
+                    if saved % world == 0 else "")
+            rank_zero_info(f"the interrupted epoch, saved at {saved} ranks, goes on at {world}: a step now reads "
+                           f"{world}/{saved} of the rows a step read before{keep} (docs/checkpoints.md)")
 
     def fingerprint(self) -> dict[str, Any]:
         """What a saved position is only valid for."""
