@@ -134,12 +134,13 @@ def _latency(package, model, meta, rounds: int) -> dict:
         kjt = KeyedJaggedTensor.from_lengths_sync(names, given["values"], given["lengths"],
                                                   weights=given.get("weights"))
         dense = given.get("dense_features", torch.empty(REQUEST_ROWS, 0))
-        sides = {"package": lambda: package(*inputs), "eager": lambda: model(dense, kjt)}
+        sides = {"package": (package, inputs), "eager": (model, (dense, kjt))}
         out = {}
         with torch.no_grad():
             for side in (("package", "eager") if r % 2 == 0 else ("eager", "package")):  # who goes first swaps
                 t0 = time.perf_counter()
-                out[side] = sides[side]()
+                call, args = sides[side]
+                out[side] = call(*args)
                 times[side].append(time.perf_counter() - t0)
         diffs.append(float((out["package"] - out["eager"]).abs().max()))
     warm = {k: sorted(v[min(3, rounds - 1):]) for k, v in times.items()}  # the first requests warm caches
