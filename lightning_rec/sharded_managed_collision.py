@@ -356,7 +356,7 @@ class ShardedMCHModule(nn.Module):
         lookups, reused = sum(m._lookups for m in ms), sum(m._reused_lookups for m in ms)
         out = {"fill_ratio": sum(float((m._row_ids != _FREE).sum()) for m in ms) / managed,
                "evictions_per_interval": float(sum(m._last_evictions for m in ms)),
-               "reused_row_lookup_share": reused / lookups if lookups else 0.0}
+               "reused_row_lookup_share": float(reused) / lookups if lookups else 0.0}
         for m in ms:
             m._lookups = m._reused_lookups = 0
         return out

@@ -217,6 +217,12 @@ def _sharded_case(rank, W, kind, pooling, weighted, opt, shared_memory):
         if weighted:
             torch.testing.assert_close(batches[rank].weights().grad, twins[rank].weights().grad, atol=ATOL, rtol=0,
                                        msg=f"{what} step {step} weights")
+    _assert_tables_equal(dmp, reference, what)
+    return what
+
+
+def _assert_tables_equal(dmp, reference, what: str) -> None:
+    """This rank's pieces of every table equal the unsharded reference's rows and columns there."""
     state = dmp.state_dict()
     for key, full in reference.state_dict().items():
         value = state[f"ebc.{key}"]
@@ -225,7 +231,6 @@ def _sharded_case(rank, W, kind, pooling, weighted, opt, shared_memory):
         for (r, c), piece in pieces:
             torch.testing.assert_close(piece, full[r : r + piece.shape[0], c : c + piece.shape[1]], atol=ATOL,
                                        rtol=0, msg=f"{what} {key}")
-    return what
 
 
 def _accumulated_case(rank, W, kind, pooling, opt):
@@ -242,14 +247,7 @@ def _accumulated_case(rank, W, kind, pooling, opt):
     for step, grad in enumerate(grads.split(sum(sizes))):
         with dmp.no_sync() if step < STEPS - 1 else contextlib.nullcontext():
             (dmp.module["ebc"](batches[step][rank]).values() * grad.split(sizes)[rank]).sum().backward()
-    state = dmp.state_dict()
-    for key, full in reference.state_dict().items():
-        value = state[f"ebc.{key}"]
-        pieces = [(m.shard_offsets, p) for m, p in value.local_shards] if hasattr(value, "local_shards") else \
-            [((0, 0), value)]
-        for (r, c), piece in pieces:
-            torch.testing.assert_close(piece, full[r : r + piece.shape[0], c : c + piece.shape[1]], atol=ATOL,
-                                       rtol=0, msg=f"accumulated {kind} {key}")
+    _assert_tables_equal(dmp, reference, f"accumulated {kind}")
     return f"accumulated {kind}"
 
 

@@ -192,7 +192,9 @@ class MCHManagedCollisionModule(nn.Module):
         rows = torch.where(found, self._sorted_rows[pos], torch.full_like(ids, self.unknown_row))
         if self.training:
             self._lookups += ids.numel()
-            self._reused_lookups += int((found & self._reused[rows.clamp(max=self._reused.numel() - 1)]).sum())
+            # summed on the device, read by metrics(): no host sync per batch
+            reused = found & self._reused[rows.clamp(max=self._reused.numel() - 1)]
+            self._reused_lookups = self._reused_lookups + reused.sum()
         return rows
 
     def profile(self, ids: Tensor) -> None:
@@ -311,7 +313,7 @@ class MCHManagedCollisionModule(nn.Module):
         """Fill ratio, evictions at the last run, share of lookups since the last call that read a reused row."""
         out = {"fill_ratio": float((self._row_ids != _FREE).sum()) / self._row_ids.numel(),
                "evictions_per_interval": float(self._last_evictions),
-               "reused_row_lookup_share": self._reused_lookups / self._lookups if self._lookups else 0.0}
+               "reused_row_lookup_share": float(self._reused_lookups) / self._lookups if self._lookups else 0.0}
         self._lookups = self._reused_lookups = 0
         return out
 
