@@ -306,7 +306,9 @@ class StatefulBatchLoader(StatefulDataLoader):
     def _start_resumed_pass(self, pending: dict) -> tuple[int, int]:
         """(the pass, the batches already taken in it) of a loaded position; the loader or its sampler set there."""
         pass_index = pending["pass"]
-        elastic = pending.get("elsewhere")
+        elastic, own = pending.get("elsewhere"), pending.get(ELASTIC_KEY)
+        if elastic is None and isinstance(own, dict) and own.get("continue_here"):
+            elastic = {**own, "ranks": [own]}  # a stream's continued epoch resumes as one at this world size too
         if elastic is not None:  # saved at another world size: the sampler (or dataset) deals the rows no rank read
             if not self._elastic_source().continue_epoch(pass_index, elastic, pending["batches"], self.batch_size):
                 return pass_index + 1, 0
@@ -352,7 +354,7 @@ class StatefulBatchLoader(StatefulDataLoader):
                  "fingerprint": self.fingerprint()}
         source = self._elastic_source()
         if source is not None:  # what a run at another world size continues from
-            state[ELASTIC_KEY] = source.elastic_state(state["pass"], wanted, self.batch_size, finished)
+            state[ELASTIC_KEY] = source.elastic_state(state["pass"], wanted, self.batch_size, finished, loader_state=base)
         return state
 
     def _elastic_source(self) -> Any:
@@ -374,7 +376,7 @@ class StatefulBatchLoader(StatefulDataLoader):
             else:
                 rank, world = 0, 1
             if len(state["ranks"]) != world:
-                self._load_from_other_ranks(state["ranks"][0], len(state["ranks"]), world)
+                self._load_from_other_ranks(state["ranks"], len(state["ranks"]), world)
                 return
             state = state["ranks"][rank]
         mine = self.fingerprint()
@@ -384,7 +386,7 @@ class StatefulBatchLoader(StatefulDataLoader):
         if theirs != mine:
             differ = sorted(k for k in set(mine) | set(theirs or {}) if (theirs or {}).get(k) != mine.get(k))
             if set(differ) <= {"sampler_num_replicas", "sampler_rank"}:  # the same rows, dealt to other ranks
-                self._load_from_other_ranks(state, theirs["sampler_num_replicas"], mine["sampler_num_replicas"])
+                self._load_from_other_ranks([state], theirs["sampler_num_replicas"], mine["sampler_num_replicas"])
                 return
             warnings.warn(
                 f"the checkpoint's dataloader state does not belong to this loader ({', '.join(differ)} differ: "
@@ -397,15 +399,18 @@ class StatefulBatchLoader(StatefulDataLoader):
             return
         self._passes = replace(self._passes, pending=state, number=state["pass"])
 
-    def _load_from_other_ranks(self, state: Any, saved: int, world: int) -> None:
-        """A position saved at `saved` ranks (`state`: the first rank's), loaded at `world`: the rest of the
-        interrupted epoch dealt over this run's ranks when the state and the loader allow, else the epoch over."""
+    def _load_from_other_ranks(self, states: list, saved: int, world: int) -> None:
+        """A position saved at `saved` ranks (`states`: each saved rank's, or the first one's), loaded at `world`: the
+        rest of the interrupted epoch dealt over this run's ranks when the states and the loader allow, else the
+        epoch over. The source reads the first rank's record, with every rank's under "ranks" (a stream's readers)."""
+        state = states[0]
         number = int(state.get("pass", 0)) if isinstance(state, dict) else 0
-        elastic = state.get(ELASTIC_KEY) if isinstance(state, dict) else None
+        records = [s.get(ELASTIC_KEY) if isinstance(s, dict) else None for s in states]
+        elastic = {**records[0], "ranks": records} if all(isinstance(r, dict) for r in records) else None
         why, source = None, self._elastic_source()
         if source is None:
             why = ("this loader cannot deal the rest of an epoch over other ranks (a map-style dataset's "
-                   "DistributedSampler and a preprocessed directory can: a stream's position is each rank's own share)")
+                   "DistributedSampler, a preprocessed directory and a Criteo stream can)")
         elif not isinstance(elastic, dict):
             why = ("the state was saved by an older version of lightning_rec, which did not record the rows its "
                    "ranks had read")

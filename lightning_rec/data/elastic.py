@@ -6,10 +6,12 @@ the W ranks have read exactly positions [0, min(s*B, share) * W). A checkpoint r
 (`rows_consumed`); a run at M ranks deals the permutation's positions from there over its M ranks, the same way.
 
 A source of an epoch's rows (this sampler, or an IterableDataset that deals its own rows, as the preprocessed Criteo
-shards) takes part through two methods: `elastic_state(epoch, batches, batch_size, finished)`, what a checkpoint
-records, and `continue_epoch(epoch, elastic, lead_batches, batch_size)`, which continues that epoch here (False: it
-was over).
-Both order the epoch's rows so that W ranks after s steps have read a prefix of them, and deal the rest with `deal`.
+shards) takes part through two methods: `elastic_state(epoch, batches, batch_size, finished, loader_state)`, what a
+checkpoint records (`loader_state`: the loader's own state at that point, where a stream finds its readers' places),
+and `continue_epoch(epoch, elastic, lead_batches, batch_size)`, which continues that epoch here (False: it was over;
+`elastic`: the first saved rank's record, with every saved rank's under "ranks").
+Both order the epoch's rows so that W ranks after s steps have read a prefix of them, and deal the rest with `deal`
+(a Criteo stream deals its rest the same way, its order made of its readers' rests: criteo/stream_elastic.py).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class ElasticDistributedSampler(DistributedSampler):
         # for the epochs after, so it is never less than a whole epoch's
         return max(self.num_samples, lead_batches * batch_size + self.share())
 
-    def elastic_state(self, epoch: int, batches: int, batch_size: int, finished: bool) -> dict:
+    def elastic_state(self, epoch: int, batches: int, batch_size: int, finished: bool,
+                      loader_state: dict | None = None) -> dict:
         """What a loader's checkpoint records for a run at another world size after `batches` of epoch `epoch` (this
         sampler's own; `finished`: the epoch is over)."""
         consumed = len(self.dataset) if finished else self.rows_consumed(batches, batch_size)

@@ -33,6 +33,13 @@ from lightning_rec.data.criteo.schema import (
     table_ids,
 )
 from lightning_rec.data.criteo.shards import dist_rank_world
+from lightning_rec.data.criteo.stream_elastic import (
+    continue_stream_epoch,
+    continued_batches,
+    read_position,
+    stored_position,
+    stream_elastic_state,
+)
 from lightning_rec.data.criteo.tables import TableBlocks, table_source_kind
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -195,7 +202,8 @@ class CriteoIterableDataset(IterableDataset):
                  separator: str | None = None, has_header: bool | None = None, has_label: bool | None = None,
                  block_bytes: int = 16 << 20, parser: str = "auto", row_ids: bool = False,
                  hash_ids: bool = True, label_columns: list[str] | dict[str, str] | None = None,
-                 label_masks: dict[str, str] | None = None) -> None:
+                 label_masks: dict[str, str] | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         options = CriteoReadOptions(separator, has_header, has_label, on_bad_row, block_bytes, parser, label_columns,
                                     label_masks)
         self.task_names = options.task_names
@@ -219,7 +227,9 @@ class CriteoIterableDataset(IterableDataset):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.on_bad_row, self.block_bytes = on_bad_row, block_bytes
         self._epoch = PassEpoch()
+        self._rank, self._world = rank, world_size
         self._dist = dist_rank_world()
+        self._elastic: dict[str, Any] | None = None  # an epoch begun at another world size, continued here
         self.report = self._new_report()
 
     def _new_report(self) -> ParseReport:
@@ -236,12 +246,18 @@ class CriteoIterableDataset(IterableDataset):
         """The epoch the next pass shuffles for (a resumed run's loader sets it; see StatefulBatchLoader)."""
         self._epoch.set(epoch)
 
+    def rank_world(self) -> tuple[int, int]:
+        """(rank, world size) this stream deals its blocks to: the constructor's, else the process group's."""
+        if self._rank is not None:
+            return self._rank, self._world or 1
+        # DataLoader workers have no process group: they use what the main process saw (kept in their copy)
+        if torch.utils.data.get_worker_info() is None:
+            self._dist = dist_rank_world()
+        return self._dist
+
     def _shard(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
-        # DataLoader workers have no process group: they use what the main process saw (kept in their copy)
-        if info is None:
-            self._dist = dist_rank_world()
-        rank, world = self._dist
+        rank, world = self.rank_world()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # ranks alternate in the deal (pair w * W + r): a rank's blocks do not depend on its worker count
         return worker * world + rank, world * num_workers
@@ -251,17 +267,10 @@ class CriteoIterableDataset(IterableDataset):
     # The carried-over rows travel as tensors: torch.load(weights_only=True) refuses numpy arrays.
 
     def state_dict(self) -> dict[str, Any]:
-        position = getattr(self, "_position", None)
-        if position is not None and position.get("pending"):
-            position = {**position, "pending": [tuple(torch.from_numpy(a) for a in rows)
-                                                for rows in position["pending"]]}
-        return {"position": position}
+        return {"position": stored_position(getattr(self, "_position", None))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        position = state.get("position")
-        if position is not None and position.get("pending"):
-            position = {**position, "pending": [tuple(np.asarray(a) for a in rows) for rows in position["pending"]]}
-        self._resume = position
+        self._resume = read_position(state.get("position"))
 
     def _resume_position(self, shard: int, num_shards: int) -> dict[str, Any] | None:
         position, self._resume = getattr(self, "_resume", None), None
@@ -274,6 +283,11 @@ class CriteoIterableDataset(IterableDataset):
                           f"split ({ {k: position.get(k) for k in mine} } saved, {mine} here): this pass starts "
                           f"from the beginning of the file", stacklevel=3)
             return None
+        if position.get("continued"):  # its place is a count of the loader's (StatefulBatchLoader resumes it)
+            warnings.warn(f"{self.path}: the saved reading position is in an epoch continued from another world size, "
+                          f"which resumes through its loader's state: this pass starts from the beginning of the file",
+                          stacklevel=3)
+            return None
         return position
 
     def __iter__(self) -> Iterator[Batch]:
@@ -285,8 +299,26 @@ class CriteoIterableDataset(IterableDataset):
                 "fingerprint": self.fingerprint, "epoch": epoch}
         report = self._new_report()
         self.report = report
+        if resume is None and self._elastic is not None and self._elastic["epoch"] == epoch:
+            # an epoch begun at another world size (stream_elastic.py): a checkpoint records the rows read in it
+            for columns in continued_batches(self, self._elastic, report):
+                self._position = {**base, "continued": True}
+                yield self._batch(*columns)
+        else:
+            for position, columns in self.read(shard, num_shards, epoch, resume, report, not self.drop_last):
+                self._position = position  # before the yield: the loader reads the state while this waits there
+                yield self._batch(*columns)
+        self._position = {**base, "done": True}
+        report.log_skips()
+
+    def read(self, shard: int, num_shards: int, epoch: int, resume: dict | None, report: ParseReport,
+             keep_last: bool) -> Iterator[tuple[dict, list[np.ndarray]]]:
+        """(the position once this batch is taken, its columns) of reader `shard` of `num_shards` in epoch `epoch`,
+        from `resume` (a saved position of that reader; None: its share's start). `keep_last`: the share's last
+        partial batch too."""
+        base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
+                "fingerprint": self.fingerprint, "epoch": epoch}
         if resume is not None and resume.get("done"):  # this reader had yielded its share's last batch (its only key)
-            self._position = {**base, "done": True}
             return
         rng = np.random.default_rng([self.seed, epoch, shard])
         if resume is None:
@@ -315,17 +347,25 @@ class CriteoIterableDataset(IterableDataset):
             for i, s in enumerate(range(0, full, self.batch_size)):
                 if i < skip:  # a resumed pass: trained before the checkpoint
                     continue
-                self._position = {**boundary, "yielded": i + 1}  # the state once this batch is taken
-                yield self._batch(*(c[s:s + self.batch_size] for c in columns))
+                yield {**boundary, "yielded": i + 1}, [c[s:s + self.batch_size] for c in columns]
             skip = 0
             pending = [tuple(c[full:] for c in columns)]
             num_pending -= full
-        if num_pending and not self.drop_last:
-            columns = [np.concatenate(parts) for parts in zip(*pending)]
-            self._position = {**base, "done": True}
-            yield self._batch(*columns)
-        self._position = {**base, "done": True}
-        report.log_skips()
+        if num_pending and keep_last:
+            yield {**base, "done": True}, [np.concatenate(parts) for parts in zip(*pending)]
+
+    # An epoch begun at N ranks, continued at M (data/elastic.py): see stream_elastic.py
+
+    def elastic_state(self, epoch: int, batches: int, batch_size: int | None, finished: bool,
+                      loader_state: dict | None = None) -> dict:
+        """What a checkpoint records for a run at another world size: this rank's readers' positions after
+        `batches` of epoch `epoch` (read from the loader's state), or the count of a continued epoch's rows read."""
+        return stream_elastic_state(self, epoch, batches, finished, loader_state or {})
+
+    def continue_epoch(self, epoch: int, elastic: dict, lead_batches: int, batch_size: int | None) -> bool:
+        """Make the pass of epoch `epoch` the rows no reader had read (`elastic`: the elastic_state of every rank
+        saved at another world size, under "ranks"); False: that epoch was over."""
+        return continue_stream_epoch(self, epoch, elastic, lead_batches)
 
     def _blocks(self, start: dict | None, k: int, report: ParseReport) -> tuple[Iterator, int]:
         """(where each block begins: a text reader's position or a table's block index, a call that parses it)

@@ -238,7 +238,8 @@ class CriteoShardDataset(IterableDataset):
         per_rank = [self._batch_rows(r, world, epoch) for r in range(world)]
         return np.concatenate([b for step in zip(*per_rank) for b in step] or [np.empty(0, np.int64)])
 
-    def elastic_state(self, epoch: int, batches: int, batch_size: int, finished: bool) -> dict:
+    def elastic_state(self, epoch: int, batches: int, batch_size: int, finished: bool,
+                      loader_state: dict | None = None) -> dict:
         """What a checkpoint records for a run at another world size: the rows all ranks have read, a prefix of the
         epoch's order at `order_world` ranks (data/elastic.py)."""
         _, world = self._rank_world()
