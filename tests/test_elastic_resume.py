@@ -245,24 +245,6 @@ def test_another_set_of_rows_at_another_world_size_starts_the_epoch_over_naming_
     assert len(list(resumed)) == len(resumed)
 
 
-def test_a_stream_at_another_world_size_says_it_starts_the_epoch_over(tmp_path):
-    from lightning_rec import CriteoDataModule
-    from lightning_rec.data import make_stream_loader
-
-    if not CRITEO.is_dir():
-        pytest.skip("shared Criteo samples not present")
-    dm = CriteoDataModule(train_path=str(CRITEO / "criteo_kaggle_train_sample.tsv"), batch_size=64,
-                          num_embeddings_per_feature=64, streaming=True)
-    dm.setup("fit")
-    loader = make_stream_loader(dm.datasets["train"], num_workers=0)
-    list(itertools.islice(iter(loader), 3))
-    state = loader.state_dict()
-    fresh = make_stream_loader(dm.datasets["train"], num_workers=0)
-    with pytest.warns(UserWarning, match="saved by 2 ranks, this run has 1, and this loader cannot deal the rest"):
-        fresh.load_state_dict({"ranks": [state, state]})
-    assert len(list(fresh)) == 4380 // 64 + 1
-
-
 # a real fit: SIGKILL at 4 ranks mid-epoch, resumed at 2 -------------------------------------------------------
 
 

@@ -354,7 +354,8 @@ class StatefulBatchLoader(StatefulDataLoader):
                  "fingerprint": self.fingerprint()}
         source = self._elastic_source()
         if source is not None:  # what a run at another world size continues from
-            state[ELASTIC_KEY] = source.elastic_state(state["pass"], wanted, self.batch_size, finished, loader_state=base)
+            state[ELASTIC_KEY] = source.elastic_state(state["pass"], wanted, self.batch_size, finished,
+                                                      loader_state=base)
         return state
 
     def _elastic_source(self) -> Any:

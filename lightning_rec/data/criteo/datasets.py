@@ -194,7 +194,9 @@ class CriteoIterableDataset(IterableDataset):
     pair is dealt row by row instead. With `shuffle`, rows are shuffled within each block, per epoch (`set_epoch`);
     the block order stays the file order. Rows left over carry into the next block's batches.
 
-    `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file order."""
+    `row_ids=True` (predict): each batch carries an order key per row (`Batch.row_ids`), growing with the file order.
+    `rank` / `world_size`: the ranks to deal to (default: the process group's). A checkpoint taken mid-epoch resumes
+    at another world size over the rows no reader had read (stream_elastic.py)."""
 
     def __init__(self, path: str | os.PathLike, batch_size: int, num_embeddings_per_feature: int | Sequence[int],
                  sparse_feature_names: Sequence[str] | None = None, missing_categorical: str = "reserved_id",
@@ -263,8 +265,8 @@ class CriteoIterableDataset(IterableDataset):
         return worker * world + rank, world * num_workers
 
     # torchdata's Stateful protocol: the position is where the block being read began (reader position, block
-    # index, generator state, rows carried over) plus the batches yielded from it; a resumed pass seeks there.
-    # The carried-over rows travel as tensors: torch.load(weights_only=True) refuses numpy arrays.
+    # index, generator state, rows carried over) plus the batches yielded from it; a resumed pass seeks there
+    # (stored_position / read_position: the carried-over rows travel as tensors, which weights_only loads take).
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": stored_position(getattr(self, "_position", None))}
