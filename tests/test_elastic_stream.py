@@ -89,6 +89,28 @@ def test_an_epoch_begun_at_n_ranks_reads_every_row_once_at_m(tsv, N, M, steps, d
     assert sorted(nxt) == sorted(_epoch_rows(tsv, M, drop_last, block_bytes, epoch=1))
 
 
+def test_the_saved_readers_share_the_blocks_they_all_parse(tsv, monkeypatch):
+    """Rows dealt one by one (fewer than 2 blocks per reader): each of the 4 saved readers parses every block. A rank
+    of the continued epoch replays all 4 in step and parses each block of the rest once, not 4 times."""
+    from lightning_rec.data.criteo import datasets as criteo_datasets  # where the stream looks parse_block up
+
+    block_bytes = tsv.stat().st_size // 6
+    blocks = -(-tsv.stat().st_size // block_bytes)
+    assert blocks < 2 * 4
+    before = _loaders(tsv, 4, False, block_bytes)
+    for loader in before:
+        _read(loader, 3)
+    states = [loader.state_dict() for loader in before]
+    parse = criteo_datasets.parse_block
+    calls = []
+    monkeypatch.setattr(criteo_datasets, "parse_block", lambda *a, **k: calls.append(1) or parse(*a, **k))
+    for loader in _loaders(tsv, 2, False, block_bytes):
+        loader.load_state_dict({"ranks": states})
+        calls.clear()
+        _read(loader)
+        assert 0 < len(calls) <= blocks, (len(calls), blocks)
+
+
 def test_workers_save_and_continue_with_their_own_readers(tsv):
     """2 ranks x 2 DataLoader workers (4 readers) -> 3 ranks x 2 workers, the file in blocks dealt whole."""
     before, read = _loaders(tsv, 2, False, 600, num_workers=2), []

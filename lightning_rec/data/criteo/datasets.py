@@ -314,10 +314,11 @@ class CriteoIterableDataset(IterableDataset):
         report.log_skips()
 
     def read(self, shard: int, num_shards: int, epoch: int, resume: dict | None, report: ParseReport,
-             keep_last: bool) -> Iterator[tuple[dict, list[np.ndarray]]]:
+             keep_last: bool, parsed: dict | None = None) -> Iterator[tuple[dict, list[np.ndarray]]]:
         """(the position once this batch is taken, its columns) of reader `shard` of `num_shards` in epoch `epoch`,
         from `resume` (a saved position of that reader; None: its share's start). `keep_last`: the share's last
-        partial batch too."""
+        partial batch too. `parsed`: blocks parsed by readers that read alongside (rows dealt one by one: every
+        reader parses every block), by block index."""
         base = {"shard": shard, "num_shards": num_shards, "block_bytes": self.block_bytes,
                 "fingerprint": self.fingerprint, "epoch": epoch}
         if resume is not None and resume.get("done"):  # this reader had yielded its share's last batch (its only key)
@@ -339,7 +340,15 @@ class CriteoIterableDataset(IterableDataset):
                 continue
             boundary = {**base, "reader": reader, "block": here, "seen": seen, "rng": rng.bit_generator.state,
                         "pending": list(pending)}
-            arrays, seen = self._rows_of(parse(), here, seen, (shard, num_shards) if by_rows else None, rng)
+            if by_rows and parsed is not None:  # the readers alongside are within a block or two of this one
+                if here not in parsed:
+                    parsed[here] = parse()
+                    for old in [b for b in parsed if b < here - 2]:
+                        del parsed[old]
+                block = parsed[here]
+            else:
+                block = parse()
+            arrays, seen = self._rows_of(block, here, seen, (shard, num_shards) if by_rows else None, rng)
             pending.append(arrays)
             num_pending += arrays[0].shape[0]
             if num_pending < self.batch_size:

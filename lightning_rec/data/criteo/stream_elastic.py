@@ -4,18 +4,21 @@ has the rule for the other sources).
 A stream has no order that every rank knows: reader k of K (k = worker * N + rank, one per DataLoader worker of each
 rank) parses the blocks (or rows) dealt to it and shuffles within them. So each rank's checkpoint records its readers'
 positions (every rank's reaches the checkpoint: RecStrategy and the plain strategies gather the loader states), and
-the continued epoch's order is, reader by reader (k = 0 .. K-1), the rows that reader had not yielded: the rest of
-its share, whole (its last partial batch too, which drop_last leaves out of a whole epoch). Rank m of M takes
-positions m, m + M, ... of that order, `share = len(order) // M` rows each (the fewer than M rows past M * share are
-the epoch's remainder, read by no rank), in batches of B in order (drop_last: its last partial batch is left out
-too); its DataLoader workers take its batches j = worker, worker + num_workers, ....
+the continued epoch's order is the readers' rests taken batch by batch in turn (reader 0's next batch as it would
+have yielded it, reader 1's, ..., K-1's, reader 0's again; a reader whose rest ran out is passed over), its last
+partial batch included (drop_last leaves it out of a whole epoch). Rank m of M takes positions m, m + M, ... of that
+order, `share = len(order) // M` rows each (the fewer than M rows past M * share are the epoch's remainder, read by
+no rank), in batches of B in order (drop_last: its last partial batch is left out too); its DataLoader workers take
+its batches j = worker, worker + num_workers, ....
 
-    order (K = 2 readers' rests):  a0 a1 a2 a3 a4 | b0 b1 b2 b3        M = 2, B = 2
-    rank 0: a0 a2 | a4 b1           rank 1: a1 a3 | b0 b2            (b3: the remainder)
+    readers' rests (K = 2, B = 2):  a0 a1 | a2 a3 | a4     b0 b1 | b2 b3
+    order: a0 a1 b0 b1 a2 a3 b2 b3 a4                    M = 2
+    rank 0: a0 b0 | a2 b2           rank 1: a1 b1 | a3 b3            (a4: the remainder)
 
-Cost: every reader of the continued epoch (rank x worker) parses the whole order to find its rows in it, so the rest
-of the epoch is parsed M x num_workers times, once per reader (in parallel over them). The epochs after it are
-ordinary M-rank epochs.
+Cost: every reader of the continued epoch (rank x worker) reads the whole order to find its rows in it: each parses
+the rest of the epoch once (the saved readers, read in step, share the blocks they all parse), so the rest is parsed
+M x num_workers times over the ranks, in parallel. As in any stream epoch each saved reader reads the text of the
+file past its place and parses only its own blocks. The epochs after it are ordinary M-rank epochs.
 
 M ranks after s steps of a continued epoch have read positions [0, s * M * B) of its order (rank m's batch j holds
 positions m + M * (j * B ..)): a checkpoint records that count (`rows_consumed`), and a resume, at M ranks or at
@@ -70,8 +73,6 @@ def stream_elastic_state(ds: Any, epoch: int, batches: int, finished: bool, load
         # resumed through continue_epoch at any world size, this one too (the order is not any reader's file place)
         return {**record, "continued": continued, "rows_consumed": continued["start"] + rows, "continue_here": True}
     positions = reader_positions(loader_state)
-    if len(positions) == 1 and positions[0] is not None and positions[0].get("num_shards", world) != world:
-        positions = [None]  # (a state from before this pass's workers started: every reader at its share's start)
     num_shards = world * len(positions)
     readers = []
     for worker, position in enumerate(positions):
@@ -125,20 +126,19 @@ def continued_batches(ds: Any, defn: dict, report: Any) -> Iterator[list[np.ndar
         num_kept -= n
         return [c[:n] for c in columns]
 
-    for shard, position in defn["readers"]:
-        for _, columns in ds.read(shard, defn["num_shards"], defn["epoch"], read_position(position), report, True):
-            n = columns[0].shape[0]
-            lo = max(0, -at)  # rows before `start` were read before the checkpoint
-            if lo < n:
-                first = lo + (rank - (at + lo)) % world
-                kept.append([c[first::world] for c in columns])
-                num_kept += kept[-1][0].shape[0]
-            at += n
-            while num_kept > size:  # a whole batch and a row after it: none of it is past this rank's share
-                rows = take(size)
-                if batch % num_workers == worker:
-                    yield rows
-                batch += 1
+    for columns in _order(ds, defn, report):
+        n = columns[0].shape[0]
+        lo = max(0, -at)  # rows before `start` were read before the checkpoint
+        if lo < n:
+            first = lo + (rank - (at + lo)) % world
+            kept.append([c[first::world] for c in columns])
+            num_kept += kept[-1][0].shape[0]
+        at += n
+        while num_kept > size:  # a whole batch and a row after it: none of it is past this rank's share
+            rows = take(size)
+            if batch % num_workers == worker:
+                yield rows
+            batch += 1
     share = max(at, 0) // world  # every rank reads as many rows: the ranks step together to the end
     mine = batch * size + num_kept
     if mine > share:  # the one row past M * share that this rank was dealt: the epoch's remainder
@@ -150,3 +150,19 @@ def continued_batches(ds: Any, defn: dict, report: Any) -> Iterator[list[np.ndar
         if batch % num_workers == worker:
             yield rows
         batch += 1
+
+
+def _order(ds: Any, defn: dict, report: Any) -> Iterator[list[np.ndarray]]:
+    """The continued epoch's order from `start` on: the saved readers' rests, batch by batch in turn (reader 0's
+    next batch, reader 1's, ..., a reader whose rest ran out left out), as the readers would have yielded them. Read
+    in step, the readers share the blocks they all parse (rows dealt one by one)."""
+    parsed: dict[int, Any] = {}
+    readers = [ds.read(shard, defn["num_shards"], defn["epoch"], read_position(position), report, True, parsed)
+               for shard, position in defn["readers"]]
+    while readers:
+        for reader in list(readers):
+            batch = next(reader, None)
+            if batch is None:
+                readers.remove(reader)
+            else:
+                yield batch[1]
