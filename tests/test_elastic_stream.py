@@ -1,4 +1,4 @@
-"""A Criteo stream's epoch (`CriteoDataModule(streaming=True)`) begun at N ranks and continued at M
+"""A Criteo stream's epoch (`CriteoDataModule(streaming=True)`, text or Parquet) begun at N ranks and continued at M
 (data/criteo/stream_elastic.py): row-id audits over the epoch. Each row is named by its I1 (dense column 0 =
 log1p(I1)).
 
@@ -38,6 +38,22 @@ def tsv(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory):
+    """The same rows as a Parquet table: a table streams in blocks of block_bytes // 256 rows."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    k = np.arange(ROWS)
+    columns = {"label": k % 2, "I1": k.astype(np.float32)}
+    columns |= {f"I{j}": np.full(ROWS, j, np.float32) for j in range(2, 14)}
+    columns |= {f"C{j}": np.full(ROWS, j, np.int64) for j in range(1, 27)}
+    path = tmp_path_factory.mktemp("stream_table") / "train.parquet"
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
 def _loaders(path, world, drop_last, block_bytes, num_workers=0):
     return [make_stream_loader(CriteoIterableDataset(path, B, 10, shuffle=True, seed=3, drop_last=drop_last,
                                                      block_bytes=block_bytes, rank=r, world_size=world),
@@ -64,7 +80,9 @@ def _epoch_rows(path, world, drop_last, block_bytes, epoch) -> list[int]:
 @pytest.mark.parametrize("block_bytes", [1 << 20, 600])
 @pytest.mark.parametrize("N,M,steps", [(4, 2, 3), (2, 3, 5), (3, 1, 4)])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_an_epoch_begun_at_n_ranks_reads_every_row_once_at_m(tsv, N, M, steps, drop_last, block_bytes):
+@pytest.mark.parametrize("source", ["tsv", "parquet"])
+def test_an_epoch_begun_at_n_ranks_reads_every_row_once_at_m(request, source, N, M, steps, drop_last, block_bytes):
+    tsv = request.getfixturevalue(source)
     before, read = _loaders(tsv, N, drop_last, block_bytes), []
     for loader in before:
         read += _read(loader, steps)
