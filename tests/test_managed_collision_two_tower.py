@@ -118,3 +118,23 @@ def test_raw_movielens_ids_train_evaluate_and_export_through_the_id_maps(tmp_pat
     assert [f["raw_ids"] for f in meta["sparse_features"]] == [True]
     with torch.no_grad():
         torch.testing.assert_close(module(kjt.values(), kjt.lengths()), exported_ID, atol=1e-6, rtol=0)
+
+
+@needs_ml100k
+def test_recipe_fits_a_few_steps_on_raw_ids(tmp_path):
+    from lightning_rec.cli import run_cli
+
+    recipe = "recipes/configs/two_tower_movielens_zch.yaml"
+    first = open(recipe).read().splitlines()
+    assert first[0].startswith("# lightning-rec fit --config " + recipe) and first[1].startswith("# Hardware:")
+    cli = run_cli(["fit", "--config", recipe, f"--data.init_args.data_dir={ML100K}", "--trainer.logger=false",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1",
+                   "--trainer.limit_train_batches=3", "--trainer.check_val_every_n_epoch=1",
+                   "--trainer.enable_progress_bar=false",
+                   "--trainer.enable_model_summary=false", "--data.init_args.eval_test_in_fit=false"])
+    module = cli.model
+    assert cli.datamodule.hash_ids is False and module.hparams.managed_collision["eviction_interval"] == 100
+    ids, _ = (module.model.item_tower.embedding_bag_collection._managed_collision_collection
+              .modules_by_table()["t_item_item_id"].id_map())
+    assert ids.numel() > 0 and set(ids.tolist()) <= set(cli.datamodule.item_ids.tolist())
+    assert "val_ndcg@10" in cli.trainer.callback_metrics
