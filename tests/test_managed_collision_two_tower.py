@@ -118,6 +118,9 @@ def test_raw_movielens_ids_train_evaluate_and_export_through_the_id_maps(tmp_pat
     assert [f["raw_ids"] for f in meta["sparse_features"]] == [True]
     with torch.no_grad():
         torch.testing.assert_close(module(kjt.values(), kjt.lengths()), exported_ID, atol=1e-6, rtol=0)
+        if world_size == 1:  # traced as --package traces it
+            served = torch.export.export(module, (kjt.values(), kjt.lengths()), strict=False).module()
+            torch.testing.assert_close(served(kjt.values(), kjt.lengths()), exported_ID, atol=1e-6, rtol=0)
 
 
 @needs_ml100k
