@@ -191,7 +191,8 @@ class ShardedMCHModule(nn.Module):
     @torch.no_grad()
     def state_loaded(self) -> None:
         """Collective: the loaded pieces become the owners' maps, and every id whose owner changed (another world
-        size or plan) moves to it with its counters and row content. Idempotent."""
+        size or plan) moves to it with its counters and row content. Idempotent for the maps; the record of which ids
+        moved (optimizer_state_loaded reads it) is the last call's: one call per load."""
         leaving, content = [], []
         self._moved_out, self._moved_in = [], []  # what the optimizer state's load then moves the same way
         for owner in self._owners:

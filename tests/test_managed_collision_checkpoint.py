@@ -1,6 +1,7 @@
-"""Managed-collision tables in DCP checkpoints: each rank's id maps and counters save with its table pieces, by row
-position, and load at another world size (2 -> 3 ranks): every id moves to its owner under the new layout with its
-counters and row content, so every (id, row content) pair is kept; the unsharded model loads the same checkpoint."""
+"""Managed-collision tables in checkpoints (DCP and one-file): each rank's id maps and counters save with its table
+pieces, by row position, and load at another world size (2 -> 3, 3 -> 1 ranks): every id moves to its owner under the
+new layout with its counters, row content and fused optimizer state, so every (id, row content, state) is kept, the
+one-file load ending bitwise where the DCP one does; the unsharded model loads the same checkpoint."""
 
 import pytest
 import torch
@@ -40,27 +41,35 @@ def _save_worker(rank, W, path):
     for step in range(6):
         model(_batch(rank, step)).sum().backward()
     ckpt.save({"state_dict": model.state_dict()}, path, optimizers=[opt])
-    whole = ckpt.gathered_state_dict(model.state_dict())  # the one-file format: every buffer whole
+    # the one-file format: every buffer and the fused optimizer state whole
+    whole = {"state_dict": ckpt.gathered_state_dict(model.state_dict()),
+             "optimizer_states": [ckpt.gathered_optimizer_state(opt)]}
     if rank == 0:
-        torch.save({"state_dict": whole}, path + ".pt")
+        torch.save(whole, path + ".pt")
     return _view(model, with_state=True)
 
 
 def _load_worker(rank, W, path):
-    """The DCP checkpoint (with the optimizer), the one-file one, and the unsharded model loaded from it then
-    sharded: each view."""
-    views = []
-    for source in (path, path + ".pt"):
+    """The DCP checkpoint and the one-file one, each with the optimizer (the one-file one also as Lightning's
+    strategy loads it: the modules' own load_state_dict), and the unsharded model loaded from it then sharded: each
+    view, and the (id -> row) map of the sharded loads."""
+    views, rows = [], []
+    for source in (path, path + ".pt", None):
         model, dmp = _sharded(W, 7)
-        ckpt.load_model(model, source)
-        if source == path:
-            ckpt.load_optimizer(dmp.fused_optimizer, path)  # the moved ids' state rows move with them
-        views.append(_view(model, with_state=source == path))
+        if source is None:
+            whole = torch.load(path + ".pt", weights_only=False)
+            model.load_state_dict(whole["state_dict"])
+            dmp.fused_optimizer.load_state_dict(whole["optimizer_states"][0])
+        else:
+            ckpt.load_model(model, source)
+            ckpt.load_optimizer(dmp.fused_optimizer, source)  # the moved ids' state rows move with them
+        views.append(_view(model, with_state=True))
+        rows.append({i: r for i, (r, _) in owned_pairs(model).items()})
     torch.manual_seed(7)
     model = MCModel(ROWS)
     ckpt.load_model(model, path)
     shard(model, W)  # the whole map is split over the owners as the model is sharded
-    return views + [_view(model)]
+    return views + [_view(model)], rows
 
 
 def _union(results: list[dict]) -> dict:
@@ -71,16 +80,26 @@ def _union(results: list[dict]) -> dict:
     return out
 
 
-def test_reshard_2_to_3_keeps_every_id_and_its_row(tmp_path):
+@pytest.mark.parametrize("saved_at, loaded_at", [(2, 3), (3, 1)])
+def test_reshard_keeps_every_id_its_row_and_its_optimizer_state(tmp_path, saved_at, loaded_at):
+    """A one-file checkpoint's optimizer state used to load by row position only: the first re-homing (the load hook)
+    recorded which ids moved, then load_model's second, idempotent call found nothing moving and forgot them, so
+    every moved id kept its content but met the state of whatever id had sat at its new row."""
     path = str(tmp_path / "mc.ckpt")
-    before = _union(run_ranks(_save_worker, 2, path, timeout=120))
-    loaded = run_ranks(_load_worker, 3, path, timeout=120)
-    for k in range(3):
-        after = _union([views[k] for views in loaded])
+    before = _union(run_ranks(_save_worker, saved_at, path, timeout=120))
+    loaded = run_ranks(_load_worker, loaded_at, path, timeout=120)
+    for k in range(4):
+        after = _union([views[k] for views, _ in loaded])
         assert len(before) > 0 and before.keys() == after.keys(), k
         for i, (content, count, last, state) in before.items():
             assert torch.equal(after[i][0], content) and after[i][1:3] == (count, last), (k, i)
-            assert k or torch.equal(after[i][3], state), i  # the DCP load with the optimizer: its state too
+            assert k == 3 or torch.equal(after[i][3], state), (k, i)  # loaded with the optimizer: its state too
+    # the one-file loads end where the DCP one does: the same rows, contents, counters and state, bitwise
+    for k in (1, 2):
+        dcp, one_file = ([views[j] for views, _ in loaded] for j in (0, k))
+        assert all(a.keys() == b.keys() and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                                                for i in a for x, y in zip(a[i], b[i])) for a, b in zip(dcp, one_file))
+        assert [rows[0] for _, rows in loaded] == [rows[k] for _, rows in loaded]
     # the unsharded model reads the same checkpoint: its map from the rows' ids, every pair as saved
     plain = MCModel(ROWS)
     ckpt.load_model(plain, path)

@@ -222,12 +222,15 @@ def localize_full_state(module: torch.nn.Module, state_dict: Mapping[str, Any]) 
     return out
 
 
-def weights_written(module: torch.nn.Module) -> None:
-    """Tables were written through views: GPU row caches (fused_uvm_caching) start empty."""
+def weights_written(module: torch.nn.Module, rehome: bool = True) -> None:
+    """Tables were written through views: GPU row caches (fused_uvm_caching) start empty; then (rehome) sharded id
+    maps re-home their ids and rows (collective). rehome=False after `module.load_state_dict`, whose hook re-homed
+    them: a second re-homing finds nothing moving and forgets which ids moved, whose optimizer state rows
+    load_optimizer then moves with them."""
     for m in module.modules():
         if callable(getattr(m, "weights_written", None)):
             m.weights_written()
-    for m in module.modules():  # then sharded id maps re-home their ids and rows (collective)
+    for m in module.modules() if rehome else ():
         if callable(getattr(m, "state_loaded", None)):
             m.state_loaded()
 
@@ -243,7 +246,7 @@ def load_model_from_file(module: torch.nn.Module, path: Path, strict: bool) -> t
                          f"skip every entry of this model: none is in the checkpoint"
                          + (f"\n  {hint}" if hint else f" (it holds {short_list(list(state), 4)})"))
     keys = module.load_state_dict(localize_full_state(module, state), strict=strict)
-    weights_written(module)
+    weights_written(module, rehome=False)
     if keys is None:  # a module whose load_state_dict returns nothing
         return [], []
     return list(keys.missing_keys), list(keys.unexpected_keys)

@@ -4,6 +4,7 @@ from lightning_rec.managed_collision.collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
     ManagedCollisionEmbeddingCollection,
+    check_managed_collision,
     managed_collision_tables,
     reinit_rows,
 )
@@ -17,4 +18,5 @@ from lightning_rec.managed_collision.mch import (
 
 __all__ = ["DistanceLFU_EvictionPolicy", "LFU_EvictionPolicy", "LRU_EvictionPolicy", "MCHEvictionPolicy",
            "MCHManagedCollisionModule", "ManagedCollisionCollection", "ManagedCollisionEmbeddingBagCollection",
-           "ManagedCollisionEmbeddingCollection", "managed_collision_tables", "reinit_rows"]
+           "ManagedCollisionEmbeddingCollection", "check_managed_collision", "managed_collision_tables",
+           "reinit_rows"]

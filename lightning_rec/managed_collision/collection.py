@@ -239,13 +239,22 @@ class ManagedCollisionEmbeddingCollection(_ManagedCollisionBase):
 _MCH_ARGS = ("eviction_policy", "eviction_interval", "min_count_to_admit", "churn_warning", "max_candidates")
 
 
-def managed_collision_tables(ebc: EmbeddingBagCollection, arguments: Mapping[str, Any]
-                             ) -> ManagedCollisionEmbeddingBagCollection:
-    """`ebc` read through one MCHManagedCollisionModule per table, as big as the table, built with `arguments`."""
+def check_managed_collision(arguments: Mapping[str, Any]) -> None:
+    """A model's `managed_collision={...}`, when the model is made: MCHManagedCollisionModule arguments only, and values
+    its own checks take (before any table is drawn)."""
     unknown = sorted(set(arguments) - set(_MCH_ARGS))
     if unknown:
         raise ValueError(f"managed_collision={dict(arguments)}: {unknown} are not MCHManagedCollisionModule "
                          f"arguments: give any of {', '.join(_MCH_ARGS)}")
+    MCHManagedCollisionModule(2, **arguments)
+
+
+def managed_collision_tables(ebc: EmbeddingBagCollection, arguments: Mapping[str, Any],
+                             tables: Sequence[str] | None = None) -> ManagedCollisionEmbeddingBagCollection:
+    """`ebc` read through one MCHManagedCollisionModule per table (those named in `tables`; None: every one), as big
+    as the table, built with `arguments`; the other tables' features keep their ids."""
+    check_managed_collision(arguments)
     configs = ebc.embedding_bag_configs()
-    modules = {c.name: MCHManagedCollisionModule(c.num_embeddings, **arguments) for c in configs}
+    modules = {c.name: MCHManagedCollisionModule(c.num_embeddings, **arguments) for c in configs
+               if tables is None or c.name in tables}
     return ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection(modules, configs))

@@ -34,7 +34,8 @@ LOSSES = ("softmax", "bpr")
 
 
 class Tower(nn.Module):
-    """KJT -> pooled embeddings of every feature, concatenated -> MLP (none when layer_sizes is empty).
+    """KJT -> pooled embeddings of every feature, concatenated -> MLP (none when layer_sizes is empty). The
+    collection may be a ManagedCollisionEmbeddingBagCollection: raw ids read through its id maps.
 
     `skip_feature` (e.g. "user_id") adds that feature's embedding to the MLP's output (docs/movielens.md#the-model):
     out_BD = emb_id_BD + MLP(concat(every feature)). `dropout` acts on the MLP's input and between its layers."""
@@ -43,7 +44,8 @@ class Tower(nn.Module):
                  skip_feature: str | None = None, dropout: float = 0.0) -> None:
         super().__init__()
         self.embedding_bag_collection = embedding_bag_collection
-        dims = {f: c.embedding_dim for c in embedding_bag_collection.embedding_bag_configs() for f in c.feature_names}
+        tables = getattr(embedding_bag_collection, "_embedding_module", embedding_bag_collection)  # managed: its tables
+        dims = {f: c.embedding_dim for c in tables.embedding_bag_configs() for f in c.feature_names}
         in_features = sum(dims.values())
         layer_sizes = list(layer_sizes)
         if not 0.0 <= dropout < 1.0:
@@ -65,6 +67,8 @@ class Tower(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> Tensor:
         pooled = self.embedding_bag_collection(features)  # fused TBE (sharded under "rec")
+        if isinstance(pooled, tuple):  # a ManagedCollisionEmbeddingBagCollection: (pooled, remapped ids or None)
+            pooled = pooled[0]
         out_BD = self.mlp(pooled.values())
         if self.skip_feature is not None:
             out_BD = out_BD + pooled[self.skip_feature]

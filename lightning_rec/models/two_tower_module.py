@@ -22,6 +22,7 @@ from torch import Tensor
 import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import is_int, refuse_non_finite
+from lightning_rec.managed_collision import check_managed_collision, managed_collision_tables
 from lightning_rec.metrics.ranking import RankingMetrics
 from lightning_rec.models.dlrm_module import DENSE_OPTIMIZERS
 from lightning_rec.models.module_hooks import RecModuleHooks
@@ -71,6 +72,10 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
             taken from the data module at setup and kept in the checkpoint. Evaluation and prediction refuse a data
             module whose item ids differ.
         user_ids_digest: the same for the users: row i of the user tables is the data module's `user_ids[i]`.
+        managed_collision: raw user and item ids (MovieLensDataModule(hash_ids=False)) mapped to rows by an
+            MCHManagedCollisionModule in front of the user_id and item_id tables (one row more than the ids: the
+            unknown row), built with these arguments as DLRMModule's ({} for the defaults); side features stay rows.
+            Training, evaluation, embed_catalog and export read the raw ids through the maps. None: ids are rows.
 
     Predict writes each user's top predict_top_k unseen items, best first (docs/predict.md#two-tower-models)."""
 
@@ -83,7 +88,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                  dense_lr: float = 0.001, dense_weight_decay: float = 0.0, embedding_kernel: str = "auto",
                  ks: Sequence[int] = (10, 20), top_k_table_users: int = 5, eval_item_chunk: int = 8192,
                  predict_top_k: int | None = None, empty_target_action: str = "skip", embedding_device: str = "cpu",
-                 item_ids_digest: str | None = None, user_ids_digest: str | None = None) -> None:
+                 item_ids_digest: str | None = None, user_ids_digest: str | None = None,
+                 managed_collision: dict | None = None) -> None:
         super().__init__()
         # predict_top_k is an inference choice: kept out of checkpoints, whose value would override the command line
         self.save_hyperparameters(ignore=["predict_top_k"])
@@ -97,6 +103,8 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.check_embedding_device("TwoTowerModule", embedding_device)
+        if managed_collision is not None:
+            check_managed_collision(managed_collision)
         self.check_embedding_kernel("TwoTowerModule", embedding_kernel)
         if predict_top_k is not None and (isinstance(predict_top_k, bool) or predict_top_k < 1):
             raise ValueError(f"predict_top_k={predict_top_k!r}: give the number of items to write per user (>= 1), "
@@ -124,12 +132,19 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
 
     def _tables(self, sizes: dict[str, int], tower: str) -> EmbeddingBagCollection:
         hp = self.hparams
-        tables = [EmbeddingBagConfig(name=f"t_{tower}_{feature}", num_embeddings=int(rows),
-                                     embedding_dim=hp.embedding_dim, feature_names=[feature])
+        managed, raw = hp.get("managed_collision"), f"{tower}_id"
+        if managed is not None and raw not in sizes:
+            raise ValueError(f"managed_collision maps the raw ids of the {raw} feature, but the {tower} tower's "
+                             f"features are {sorted(sizes)}: name the id feature {raw}, or managed_collision=None")
+        # a managed table keeps its last row for unknown ids: one more, so that every id of the catalogue has a row
+        tables = [EmbeddingBagConfig(name=f"t_{tower}_{feature}", embedding_dim=hp.embedding_dim,
+                                     num_embeddings=int(rows) + (managed is not None and feature == raw),
+                                     feature_names=[feature])
                   for feature, rows in sizes.items()]
         fused = FusedOptimizerConfig(hp.sparse_optimizer, lr=hp.sparse_lr, weight_decay=hp.sparse_weight_decay)
-        return EmbeddingBagCollection(tables, optimizer=fused, kernel=hp.embedding_kernel,
-                                      device=hp.get("embedding_device", "cpu"))
+        ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=hp.embedding_kernel,
+                                     device=hp.get("embedding_device", "cpu"))
+        return ebc if managed is None else managed_collision_tables(ebc, managed, [f"t_{tower}_{raw}"])
 
     def _build(self, user_sizes: dict[str, int], item_sizes: dict[str, int]) -> None:
         hp = self.hparams
@@ -164,6 +179,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:
             self._check_ids(datamodule)
+            self._check_raw_ids(datamodule)
         if datamodule is not None and callable(getattr(datamodule, "eval_split_names", None)):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
@@ -188,6 +204,12 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 initial = getattr(self, "_hparams_initial", None)
                 if initial is not None:  # the loggers' copy, as the table sizes
                     initial[key] = digest
+
+    def _check_raw_ids(self, datamodule) -> None:
+        if getattr(datamodule, "hash_ids", True) is False and self.hparams.get("managed_collision") is None:
+            raise ValueError(f"{type(datamodule).__name__}(hash_ids=False) hands the raw user and item ids, which "
+                             f"the towers' tables would read as rows: give TwoTowerModule(managed_collision={{}}) "
+                             f"(--model.init_args.managed_collision '{{}}') to map them to rows, or hash_ids=True")
 
     @staticmethod
     def _same_items(model: str | None, data: str | None, what: str, kind: str = "item") -> None:
@@ -288,6 +310,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                              f"(MovieLensDataModule)")
         self._same_items(self.hparams.get("item_ids_digest"), _ids_digest(datamodule, "item_ids"),
                          f"{type(datamodule).__name__}'s item ids")
+        self._check_raw_ids(datamodule)
         model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
         tower, was_training = model.item_tower, model.item_tower.training

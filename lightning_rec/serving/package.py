@@ -163,7 +163,9 @@ class TowerServing(nn.Module):
 
     def __init__(self, tower: nn.Module, cosine: bool) -> None:
         super().__init__()
-        collection = tower.embedding_bag_collection
+        managed = isinstance(tower.embedding_bag_collection, ManagedCollisionEmbeddingBagCollection)
+        self.remap = RawIdRemap(tower.embedding_bag_collection) if managed else None
+        collection = _tables(tower.embedding_bag_collection)
         self.lookup, self.mlp, self.cosine = KernelLookup(collection), tower.mlp, cosine
         self.skip: tuple[int, int] | None = None
         if tower.skip_feature is not None:
@@ -174,6 +176,8 @@ class TowerServing(nn.Module):
                 start += dim
 
     def forward(self, *inputs: Tensor) -> Tensor:
+        if self.remap is not None:
+            inputs = (self.remap(inputs[0], inputs[1]), *inputs[1:])
         pooled_BD = self.lookup(*inputs)
         out_BD = self.mlp(pooled_BD)
         if self.skip is not None:
