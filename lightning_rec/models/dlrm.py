@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rec.embedding import EmbeddingBagCollection
+from lightning_rec.models import fused_interaction
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -107,10 +108,14 @@ class SparseArch(nn.Module):
 
 
 class InteractionArch(nn.Module):
-    """Pairwise dot products of dense and sparse vectors (upper triangle), next to the dense vector."""
+    """Pairwise dot products of dense and sparse vectors (upper triangle), next to the dense vector.
 
-    def __init__(self, num_sparse_features: int) -> None:
+    fused: on CPU (float32 / float64, eager) one kernel computes only the pairs, forward and backward
+    (benchmarks/interaction.py); False keeps the composed ops (bmm of all N x N products, then the triangle)."""
+
+    def __init__(self, num_sparse_features: int, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("triu_rows", rows, persistent=False)
@@ -122,6 +127,8 @@ class InteractionArch(nn.Module):
     def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
         # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
         dense_BD, sparse_BFD = dense_features, sparse_features
+        if self.fused and fused_interaction.use_fused(dense_BD, sparse_BFD):
+            return fused_interaction.dot_interaction(dense_BD, sparse_BFD)
         vectors_BND = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
         dots_BNN = torch.bmm(vectors_BND, vectors_BND.transpose(1, 2))
         pairs_BP = dots_BNN[:, self.triu_rows, self.triu_cols]
@@ -129,10 +136,14 @@ class InteractionArch(nn.Module):
 
 
 class LowRankCrossNet(nn.Module):
-    """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K])."""
+    """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K]).
 
-    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
+    fused: on CPU (float32 / float64, eager) x0 * (U V x + b) + x is the two GEMMs and one pass, forward and
+    backward (benchmarks/interaction.py); False keeps the composed ops (Linear with bias, mul, add)."""
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         if num_layers < 1 or low_rank < 1:
             raise ValueError(f"DCN needs num_layers >= 1 and low_rank >= 1, got {num_layers}, {low_rank}")
         self.V = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers))
@@ -140,8 +151,13 @@ class LowRankCrossNet(nn.Module):
 
     def forward(self, x0_BK: Tensor) -> Tensor:
         x_BK = x0_BK
+        fused = self.fused and fused_interaction.use_fused(x0_BK, self.U[0].weight)
         for V, U in zip(self.V, self.U):
-            x_BK = x0_BK * U(V(x_BK)) + x_BK
+            if fused:
+                z_BK = nn.functional.linear(V(x_BK), U.weight)  # the bias is added in the epilogue's one pass
+                x_BK = fused_interaction.cross_epilogue(x0_BK, z_BK, U.bias, x_BK)
+            else:
+                x_BK = x0_BK * U(V(x_BK)) + x_BK
         return x_BK
 
 
