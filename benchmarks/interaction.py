@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_rec.models.dlrm import InteractionArch, LowRankCrossNet
-from lightning_rec.models.fused_interaction import fused_interaction_available
+from lightning_rec.models.dlrm import InteractionArch
+from lightning_rec.models.fused_interaction import cross_epilogue, fused_interaction_available
 
 
 def dot_case(B: int, F_: int, D: int):
@@ -46,26 +46,27 @@ def dot_case(B: int, F_: int, D: int):
     return step
 
 
-class _FullRankCross(nn.Module):
-    """Full-rank cross layers x0 * (W x + b) + x, both ways (the low-rank net is LowRankCrossNet)."""
+class _Cross(nn.Module):
+    """Cross layers x0 * (W x + b) + x, W full rank ([K, K]) or low rank (U [K, r] V [r, K], as LowRankCrossNet), both
+    ways: composed (Linear with bias, mul, add; LowRankCrossNet's ops) or fused (GEMM without bias, one pass)."""
 
-    def __init__(self, K: int, layers: int) -> None:
+    def __init__(self, K: int, layers: int, rank: int | None) -> None:
         super().__init__()
-        self.W = nn.ModuleList(nn.Linear(K, K) for _ in range(layers))
+        self.V = nn.ModuleList(nn.Identity() if rank is None else nn.Linear(K, rank, bias=False)
+                               for _ in range(layers))
+        self.U = nn.ModuleList(nn.Linear(K if rank is None else rank, K) for _ in range(layers))
         self.fused = True
 
     def forward(self, x0):
-        from lightning_rec.models.fused_interaction import cross_epilogue
-
         x = x0
-        for W in self.W:
-            x = cross_epilogue(x0, F.linear(x, W.weight), W.bias, x) if self.fused else x0 * W(x) + x
+        for V, U in zip(self.V, self.U):
+            x = cross_epilogue(x0, F.linear(V(x), U.weight), U.bias, x) if self.fused else x0 * U(V(x)) + x
         return x
 
 
 def cross_case(B: int, K: int, rank: int | None, layers: int):
     torch.manual_seed(0)
-    net = _FullRankCross(K, layers) if rank is None else LowRankCrossNet(K, layers, rank)
+    net = _Cross(K, layers, rank)
     x0 = torch.randn(B, K, requires_grad=True)
     grad = torch.randn(B, K)
 

@@ -138,12 +138,11 @@ class InteractionArch(nn.Module):
 class LowRankCrossNet(nn.Module):
     """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K]).
 
-    fused: on CPU (float32 / float64, eager) x0 * (U V x + b) + x is the two GEMMs and one pass, forward and
-    backward (benchmarks/interaction.py); False keeps the composed ops (Linear with bias, mul, add)."""
+    The composed ops (Linear with bias, mul, add): the one-pass epilogue `fused_interaction.cross_epilogue` does not
+    beat them on CPU, where the two GEMMs take nearly all the time (benchmarks/interaction.py, cross ratios)."""
 
-    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1, fused: bool = True) -> None:
+    def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
         super().__init__()
-        self.fused = fused
         if num_layers < 1 or low_rank < 1:
             raise ValueError(f"DCN needs num_layers >= 1 and low_rank >= 1, got {num_layers}, {low_rank}")
         self.V = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers))
@@ -151,13 +150,8 @@ class LowRankCrossNet(nn.Module):
 
     def forward(self, x0_BK: Tensor) -> Tensor:
         x_BK = x0_BK
-        fused = self.fused and fused_interaction.use_fused(x0_BK, self.U[0].weight)
         for V, U in zip(self.V, self.U):
-            if fused:
-                z_BK = nn.functional.linear(V(x_BK), U.weight)  # the bias is added in the epilogue's one pass
-                x_BK = fused_interaction.cross_epilogue(x0_BK, z_BK, U.bias, x_BK)
-            else:
-                x_BK = x0_BK * U(V(x_BK)) + x_BK
+            x_BK = x0_BK * U(V(x_BK)) + x_BK
         return x_BK
 
 
