@@ -82,6 +82,17 @@ def test_dot_interaction_gradcheck():
     assert torch.autograd.gradcheck(dot_interaction, (dense, sparse))
 
 
+def test_second_derivatives_are_right():
+    """create_graph=True: the gradient is differentiable (through the composed ops), not silently a constant."""
+    g = torch.Generator().manual_seed(6)
+    dense = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    sparse = torch.randn(3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(dot_interaction, (dense, sparse))
+    x0, z, xl = leaves(*(torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3)))
+    bias = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(cross_epilogue, (x0, z, bias, xl))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("B", "K"), [(1, 1), (1, 429), (5, 7), (33, 257), (4, 600), (0, 9)])
 def test_cross_epilogue_matches_the_composed_ops(B, K, dtype):

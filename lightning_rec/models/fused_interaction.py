@@ -70,15 +70,28 @@ def _save_inputs(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs[:3])  # the cross epilogue's xl is not needed: its gradient is the output's
 
 
-def _dot_backward(ctx, grad):
+# Grad mode on in a backward means create_graph=True: the gradient must be differentiable itself, and the backward
+# kernels have no autograd of their own, so the composed ops compute it then.
+def _dot_backward(ctx, grad_BO):
     dense_BD, sparse_BFD = ctx.saved_tensors
-    return tuple(torch.ops.lightning_rec.dot_interaction_backward(grad, dense_BD, sparse_BFD))
+    if not torch.is_grad_enabled():
+        return tuple(torch.ops.lightning_rec.dot_interaction_backward(grad_BO, dense_BD, sparse_BFD))
+    B, D = dense_BD.shape
+    N = sparse_BFD.shape[1] + 1
+    rows, cols = torch.triu_indices(N, N, offset=1, device=dense_BD.device)
+    pairs_BNN = grad_BO.new_zeros(B, N * N).index_copy(1, rows * N + cols, grad_BO[:, D:]).view(B, N, N)
+    vectors_BND = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
+    grad_BND = torch.bmm(pairs_BNN + pairs_BNN.transpose(1, 2), vectors_BND)
+    return grad_BO[:, :D] + grad_BND[:, 0], grad_BND[:, 1:]
 
 
 def _cross_backward(ctx, grad_BK):
     x0_BK, z_BK, bias_K = ctx.saved_tensors
-    grad_x0, grad_z, grad_bias = torch.ops.lightning_rec.cross_epilogue_backward(grad_BK, x0_BK, z_BK, bias_K)
-    return grad_x0, grad_z, grad_bias, grad_BK
+    if not torch.is_grad_enabled():
+        grad_x0, grad_z, grad_bias = torch.ops.lightning_rec.cross_epilogue_backward(grad_BK, x0_BK, z_BK, bias_K)
+        return grad_x0, grad_z, grad_bias, grad_BK
+    grad_z = grad_BK * x0_BK
+    return grad_BK * (z_BK + bias_K), grad_z, grad_z.sum(0), grad_BK
 
 
 if _BUILT:
