@@ -1,6 +1,6 @@
 // Schemas of every torch.ops.lightning_rec.* operator, registered once here. Kernels live in
 // *_cpu.cpp (and *_cuda.cu when built with CUDA); fake kernels and autograd are registered in Python
-// (lightning_rec/native_embedding.py).
+// (lightning_rec/native_embedding.py; the interaction ops' in lightning_rec/models/fused_interaction.py).
 #include <torch/extension.h>
 
 // Table-batched embedding (TBE) layout shared by both ops, the same as fbgemm's:
