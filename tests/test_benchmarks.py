@@ -73,6 +73,8 @@ SMOKES = [
     ("collective_guard", [], {"gloo_guard_over_plain", "shm_guard_over_plain"},
      {"gloo_guard_added_us_per_call", "shm_guard_added_us_per_call"}),
     ("zch", [], {"collision_rate_modulo_vs_zch", "step_with_zch_vs_without"}, {"auc_zch_minus_modulo"}),
+    ("interaction", [], {"fused_vs_composed_dot", "fused_vs_composed_cross"},
+     {"batch", "features", "cross_width", "threads"}),
     pytest.param("dlrm_gpu", [], {"trainer_vs_loop_cuda"},
                  {"dlrm_samples_s_fp32", "dlrm_samples_s_tf32", "dlrm_samples_s_bf16", "peak_gpu_mb_fp32"},
                  marks=[pytest.mark.gpu, CUDA], id="dlrm_gpu"),

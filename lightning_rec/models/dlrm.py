@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rec.embedding import EmbeddingBagCollection
+from lightning_rec.models import fused_interaction
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -107,10 +108,14 @@ class SparseArch(nn.Module):
 
 
 class InteractionArch(nn.Module):
-    """Pairwise dot products of dense and sparse vectors (upper triangle), next to the dense vector."""
+    """Pairwise dot products of dense and sparse vectors (upper triangle), next to the dense vector.
 
-    def __init__(self, num_sparse_features: int) -> None:
+    fused: on CPU (float32 / float64, eager) one kernel computes only the pairs, forward and backward
+    (benchmarks/interaction.py); False keeps the composed ops (bmm of all N x N products, then the triangle)."""
+
+    def __init__(self, num_sparse_features: int, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("triu_rows", rows, persistent=False)
@@ -122,6 +127,8 @@ class InteractionArch(nn.Module):
     def forward(self, dense_features: Tensor, sparse_features: Tensor) -> Tensor:
         # TorchRec's argument names (its DLRM.forward passes them by keyword): dense [B, D], sparse [B, F, D]
         dense_BD, sparse_BFD = dense_features, sparse_features
+        if self.fused and fused_interaction.use_fused(dense_BD, sparse_BFD):
+            return fused_interaction.dot_interaction(dense_BD, sparse_BFD)
         vectors_BND = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
         dots_BNN = torch.bmm(vectors_BND, vectors_BND.transpose(1, 2))
         pairs_BP = dots_BNN[:, self.triu_rows, self.triu_cols]
@@ -129,7 +136,10 @@ class InteractionArch(nn.Module):
 
 
 class LowRankCrossNet(nn.Module):
-    """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K])."""
+    """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K]).
+
+    The composed ops (Linear with bias, mul, add): the one-pass epilogue `fused_interaction.cross_epilogue` does not
+    beat them on CPU, where the two GEMMs take nearly all the time (benchmarks/interaction.py, cross ratios)."""
 
     def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
         super().__init__()
