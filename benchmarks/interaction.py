@@ -1,4 +1,4 @@
-"""Fused interaction kernels (csrc/interaction_cpu.cpp) against the composed torch ops they replace, CPU.
+"""The fused dot interaction (csrc/interaction_cpu.cpp) against the composed torch ops it replaces, CPU.
 
     flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/interaction.py [--rounds 15] [--threads 2]
     .venv/bin/python benchmarks/interaction.py --smoke      # tiny sizes, two rounds: the same code path
@@ -8,12 +8,9 @@ over --rounds rounds in this process (which goes first swaps each round; one rou
 median of the per-round ratios composed time / fused time, so > 1 means the fused kernel is faster.
   dot:   DLRM's dot interaction, B 2048, F 26, D 64 and 128: cat + bmm + triangle gather + cat (InteractionArch's
          composed ops) against one kernel computing only the (F+1)F/2 pairs.
-  cross: three DCNv2 cross layers, input K 429 (13 dense + 26 x 16): full rank (W [K, K]) and low rank 64
-         (U [K, 64] V [64, K]); x0 * (W x + b) + x (Linear with bias, mul, add) against the GEMM without bias and
-         one pass for x0 * (z + b) + x (and one pass backward, the bias gradient summed in it).
 The last line is one JSON object: {"benchmark": "interaction", "results": [...], "ratios":
-{"fused_vs_composed_dot", "fused_vs_composed_cross", and one per case}, "figures": {per-case milliseconds}};
-the two headline ratios are the least favourable case of each kernel.
+{"fused_vs_composed_dot", and one per case}, "figures": {per-case milliseconds}}; the headline ratio is the least
+favourable case.
 """
 
 from __future__ import annotations
@@ -24,11 +21,9 @@ import statistics
 import time
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 from lightning_rec.models.dlrm import InteractionArch
-from lightning_rec.models.fused_interaction import cross_epilogue, fused_interaction_available
+from lightning_rec.models.fused_interaction import fused_interaction_available
 
 
 def dot_case(B: int, F_: int, D: int):
@@ -42,39 +37,6 @@ def dot_case(B: int, F_: int, D: int):
         arch.fused = fused
         arch(dense, sparse).backward(grad)
         dense.grad = sparse.grad = None
-
-    return step
-
-
-class _Cross(nn.Module):
-    """Cross layers x0 * (W x + b) + x, W full rank ([K, K]) or low rank (U [K, r] V [r, K], as LowRankCrossNet), both
-    ways: composed (Linear with bias, mul, add; LowRankCrossNet's ops) or fused (GEMM without bias, one pass)."""
-
-    def __init__(self, K: int, layers: int, rank: int | None) -> None:
-        super().__init__()
-        self.V = nn.ModuleList(nn.Identity() if rank is None else nn.Linear(K, rank, bias=False)
-                               for _ in range(layers))
-        self.U = nn.ModuleList(nn.Linear(K if rank is None else rank, K) for _ in range(layers))
-        self.fused = True
-
-    def forward(self, x0):
-        x = x0
-        for V, U in zip(self.V, self.U):
-            x = cross_epilogue(x0, F.linear(V(x), U.weight), U.bias, x) if self.fused else x0 * U(V(x)) + x
-        return x
-
-
-def cross_case(B: int, K: int, rank: int | None, layers: int):
-    torch.manual_seed(0)
-    net = _Cross(K, layers, rank)
-    x0 = torch.randn(B, K, requires_grad=True)
-    grad = torch.randn(B, K)
-
-    def step(fused: bool) -> None:
-        net.fused = fused
-        net(x0).backward(grad)
-        x0.grad = None
-        net.zero_grad(set_to_none=True)
 
     return step
 
@@ -104,14 +66,11 @@ def main() -> None:
     if not fused_interaction_available():
         raise SystemExit("the fused interaction kernels are not built: pip install --no-build-isolation -e .")
     torch.set_num_threads(args.threads)
-    B, F_, K, layers = args.batch, 26, 429, 3
-    dims, ranks = (64, 128), (None, 64)
+    B, F_, dims = args.batch, 26, (64, 128)
     if args.smoke:
-        B, F_, K, dims, args.rounds = 8, 3, 20, (4, 8), 2
+        B, F_, dims, args.rounds = 8, 3, (4, 8), 2
     cases = [(f"dot_d{D}", dot_case(B, F_, D)) for D in dims]
-    cases += [(f"cross_{'full' if r is None else f'lowrank{r}'}", cross_case(B, K, r, layers)) for r in ranks]
-    print(f"forward + backward, {args.threads} threads, B {B}, dot F {F_}, cross K {K} x {layers} layers, "
-          f"median of {args.rounds} alternating rounds")
+    print(f"forward + backward, {args.threads} threads, B {B}, F {F_}, median of {args.rounds} alternating rounds")
     print(f"{'case':<18}{'fused ms':>10}{'composed ms':>13}{'composed/fused':>16}")
     results, ratios, figures = [], {}, {}
     for name, step in cases:
@@ -120,11 +79,8 @@ def main() -> None:
         results.append({"case": name, "fused_ms": fused_ms, "composed_ms": composed_ms, "composed_over_fused": ratio})
         ratios[f"fused_vs_composed_{name}"] = ratio
         figures[f"{name}_fused_ms"], figures[f"{name}_composed_ms"] = fused_ms, composed_ms
-    for kernel in ("dot", "cross"):
-        ratios[f"fused_vs_composed_{kernel}"] = min(r["composed_over_fused"] for r in results
-                                                    if r["case"].startswith(kernel))
-    figures.update(batch=B, features=F_, cross_width=K, cross_layers=layers, threads=args.threads,
-                   rounds=args.rounds)
+    ratios["fused_vs_composed_dot"] = min(r["composed_over_fused"] for r in results)
+    figures.update(batch=B, features=F_, threads=args.threads, rounds=args.rounds)
     print(json.dumps({"benchmark": "interaction", "results": results, "ratios": ratios, "figures": figures}))
 
 

@@ -1,16 +1,13 @@
-// DLRM's dot interaction and DCNv2's cross-layer epilogue, each one pass (lightning_rec/models/fused_interaction.py
-// registers their fake kernels and autograd; the composed ops they replace are in lightning_rec/models/dlrm.py).
+// DLRM's dot interaction in one pass (lightning_rec/models/fused_interaction.py
+// registers its fake kernels and autograd; the composed ops they replace are in lightning_rec/models/dlrm.py).
 //
-// Legend: B batch, F sparse features, N = F + 1 vectors (dense first), D dim, P = N (N - 1) / 2 pairs, K width.
+// Legend: B batch, F sparse features, N = F + 1 vectors (dense first), D dim, P = N (N - 1) / 2 pairs.
 //
 //   dot_interaction(dense [B, D], sparse [B, F, D]) -> out [B, D + P]
 //     out[b, :D] = dense[b];  out[b, D + p(i, j)] = <v_i, v_j> for i < j, pairs row-major (torch.triu_indices(N, N, 1))
 //     Only the P pairs are computed: no [B, N, N] product, no gather, no concatenation.
 //   dot_interaction_backward(grad [B, D + P], dense, sparse) -> (grad_dense [B, D], grad_sparse [B, F, D])
 //     grad_v_i = sum_{j != i} grad(i, j) v_j (+ grad[b, :D] for the dense vector), one output row at a time.
-//   cross_epilogue(x0 [B, K], z [B, K], bias [K], xl [B, K]) -> x0 * (z + bias) + xl   (z = W xl, or U V xl)
-//   cross_epilogue_backward(grad, x0, z, bias) -> (grad_x0 = grad * (z + bias), grad_z = grad * x0,
-//                                                  grad_bias = sum_b grad_z)   (grad_xl is grad itself)
 // float32 and float64; inputs are read contiguous (a strided input is copied once).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -130,111 +127,11 @@ std::tuple<at::Tensor, at::Tensor> dot_interaction_backward_cpu(const at::Tensor
   return {grad_dense, grad_sparse};
 }
 
-void check_cross_inputs(std::initializer_list<const at::Tensor*> rows, const at::Tensor& bias, const char* op) {
-  const at::Tensor& first = **rows.begin();
-  LR_CHECK(first.dim() == 2 && (first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble),
-           "lightning_rec::", op, ": inputs must be [B, K] float32 or float64, got ", first.sizes());
-  for (const at::Tensor* t : rows)
-    LR_CHECK(t->sizes() == first.sizes() && t->scalar_type() == first.scalar_type() && t->device().is_cpu(),
-             "lightning_rec::", op, ": every [B, K] input must have the same shape and dtype on the CPU, got ",
-             t->sizes(), " and ", first.sizes());
-  LR_CHECK(bias.dim() == 1 && bias.size(0) == first.size(1) && bias.scalar_type() == first.scalar_type() &&
-               bias.device().is_cpu(),
-           "lightning_rec::", op, ": bias must be [K] of the inputs' dtype, got ", bias.sizes());
-}
-
-// Rows per parallel task for a pass over [B, K]: ~32K elements.
-int64_t row_grain(int64_t K) { return K >= (1 << 15) ? 1 : (1 << 15) / (K + 1) + 1; }
-
-at::Tensor cross_epilogue_cpu(const at::Tensor& x0_in, const at::Tensor& z_in, const at::Tensor& bias_in,
-                              const at::Tensor& xl_in) {
-  check_cross_inputs({&x0_in, &z_in, &xl_in}, bias_in, "cross_epilogue");
-  const at::Tensor x0 = x0_in.contiguous(), z = z_in.contiguous(), bias = bias_in.contiguous(), xl = xl_in.contiguous();
-  const int64_t B = x0.size(0), K = x0.size(1);
-  at::Tensor out = at::empty_like(x0);
-  AT_DISPATCH_FLOATING_TYPES(x0.scalar_type(), "cross_epilogue", [&] {
-    const scalar_t* x0_p = x0.data_ptr<scalar_t>();
-    const scalar_t* z_p = z.data_ptr<scalar_t>();
-    const scalar_t* b_p = bias.data_ptr<scalar_t>();
-    const scalar_t* xl_p = xl.data_ptr<scalar_t>();
-    scalar_t* o_p = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B, row_grain(K), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* __restrict__ a = x0_p + r * K;
-        const scalar_t* __restrict__ zz = z_p + r * K;
-        const scalar_t* __restrict__ x = xl_p + r * K;
-        scalar_t* __restrict__ o = o_p + r * K;
-        for (int64_t k = 0; k < K; ++k) o[k] = a[k] * (zz[k] + b_p[k]) + x[k];
-      }
-    });
-  });
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_epilogue_backward_cpu(const at::Tensor& grad_in,
-                                                                           const at::Tensor& x0_in,
-                                                                           const at::Tensor& z_in,
-                                                                           const at::Tensor& bias_in) {
-  check_cross_inputs({&grad_in, &x0_in, &z_in}, bias_in, "cross_epilogue_backward");
-  const at::Tensor g = grad_in.contiguous(), x0 = x0_in.contiguous(), z = z_in.contiguous(),
-                   bias = bias_in.contiguous();
-  const int64_t B = x0.size(0), K = x0.size(1);
-  at::Tensor grad_x0 = at::empty_like(x0), grad_z = at::empty_like(z), grad_bias = at::empty_like(bias);
-  AT_DISPATCH_FLOATING_TYPES(x0.scalar_type(), "cross_epilogue_backward", [&] {
-    const scalar_t* g_p = g.data_ptr<scalar_t>();
-    const scalar_t* x0_p = x0.data_ptr<scalar_t>();
-    const scalar_t* z_p = z.data_ptr<scalar_t>();
-    const scalar_t* b_p = bias.data_ptr<scalar_t>();
-    scalar_t* gx_p = grad_x0.data_ptr<scalar_t>();
-    scalar_t* gz_p = grad_z.data_ptr<scalar_t>();
-    scalar_t* gb_p = grad_bias.data_ptr<scalar_t>();
-    // Parallel over row blocks, one per thread. The bias gradient is summed in the inputs' type over 32 rows at a
-    // time (vectorised), then in double per block (as accurate as torch's cascade sum over the batch); the blocks'
-    // sums are added in block order, so the result does not depend on thread timing.
-    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B / 64));
-    std::vector<double> partial(blocks * K, 0.0);
-    at::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<scalar_t> run(K);
-      for (int64_t c = c0; c < c1; ++c) {
-        double* __restrict__ acc = partial.data() + c * K;
-        scalar_t* __restrict__ sum = run.data();
-        const int64_t r1 = (c + 1) * B / blocks;
-        for (int64_t r0 = c * B / blocks; r0 < r1; r0 += 32) {
-          for (int64_t k = 0; k < K; ++k) sum[k] = 0;
-          for (int64_t r = r0; r < std::min(r0 + 32, r1); ++r) {
-            const scalar_t* __restrict__ gg = g_p + r * K;
-            const scalar_t* __restrict__ a = x0_p + r * K;
-            const scalar_t* __restrict__ zz = z_p + r * K;
-            const scalar_t* __restrict__ bb = b_p;
-            scalar_t* __restrict__ gx = gx_p + r * K;
-            scalar_t* __restrict__ gz = gz_p + r * K;
-            for (int64_t k = 0; k < K; ++k) {
-              const scalar_t dz = gg[k] * a[k];
-              gz[k] = dz;
-              gx[k] = gg[k] * (zz[k] + bb[k]);
-              sum[k] += dz;
-            }
-          }
-          for (int64_t k = 0; k < K; ++k) acc[k] += static_cast<double>(sum[k]);
-        }
-      }
-    });
-    for (int64_t k = 0; k < K; ++k) {
-      double sum = 0;
-      for (int64_t c = 0; c < blocks; ++c) sum += partial[c * K + k];
-      gb_p[k] = static_cast<scalar_t>(sum);
-    }
-  });
-  return {grad_x0, grad_z, grad_bias};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {
   m.impl("dot_interaction", &dot_interaction_cpu);
   m.impl("dot_interaction_backward", &dot_interaction_backward_cpu);
-  m.impl("cross_epilogue", &cross_epilogue_cpu);
-  m.impl("cross_epilogue_backward", &cross_epilogue_backward_cpu);
 }
 
 }  // namespace lightning_rec

@@ -39,12 +39,10 @@ TORCH_LIBRARY(lightning_rec, m) {
   // Whether a jagged batch may reach a kernel (batch_check_cpu.cpp): never throws for bad data;
   // returns {code, position, value, feature, count} (code 0: ok).
   m.def("check_batch(Tensor rows_F, Tensor indices, Tensor offsets, Tensor? weights) -> Tensor");
-  // DLRM's dot interaction and DCNv2's cross-layer epilogue (interaction_cpu.cpp): dense [B, D] and sparse
-  // [B, F, D] -> [B, D + (F+1)F/2], only the pairs computed; x0 * (z + bias) + xl in one pass, and their backwards.
+  // DLRM's dot interaction (interaction_cpu.cpp): dense [B, D] and sparse [B, F, D] -> [B, D + (F+1)F/2], only
+  // the pairs computed, and its backward.
   m.def("dot_interaction(Tensor dense, Tensor sparse) -> Tensor");
   m.def("dot_interaction_backward(Tensor grad, Tensor dense, Tensor sparse) -> (Tensor, Tensor)");
-  m.def("cross_epilogue(Tensor x0, Tensor z, Tensor bias, Tensor xl) -> Tensor");
-  m.def("cross_epilogue_backward(Tensor grad, Tensor x0, Tensor z, Tensor bias) -> (Tensor, Tensor, Tensor)");
   // Criteo text -> (label [N], dense [N, 13], sparse [N, 26], status [N]), one row per line of `buf`
   // (criteo_parse_cpu.cpp). hash_mode: 0 raw 32-bit hashes, 1 reserved id 0 + modulo, 2 modulo.
   m.def(

@@ -1,4 +1,4 @@
-"""The fused CPU interaction kernels (csrc/interaction_cpu.cpp) against the composed ops they replace: outputs and
+"""The fused CPU dot interaction (csrc/interaction_cpu.cpp) against the composed ops they replace: outputs and
 gradients, odd sizes, strided inputs, their registrations (fake, autograd, torch.compile, torch.export, meta), and a
 DLRM training run that gives the same losses either way (DLRM-DCNv2 keeps the composed ops: fused_interaction.py).
 
@@ -10,7 +10,6 @@ import torch
 
 from lightning_rec.models import DLRM, InteractionArch
 from lightning_rec.models.fused_interaction import (
-    cross_epilogue,
     dot_interaction,
     fused_interaction_available,
     use_fused,
@@ -27,10 +26,6 @@ def close(actual, expected):
 
 def composed_dot(dense_BD, sparse_BFD):
     return InteractionArch(sparse_BFD.shape[1], fused=False)(dense_BD, sparse_BFD)
-
-
-def composed_cross(x0, z, bias, xl):
-    return x0 * (z + bias) + xl
 
 
 def leaves(*tensors):
@@ -88,27 +83,6 @@ def test_second_derivatives_are_right():
     dense = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     sparse = torch.randn(3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(dot_interaction, (dense, sparse))
-    x0, z, xl = leaves(*(torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3)))
-    bias = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradgradcheck(cross_epilogue, (x0, z, bias, xl))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("B", "K"), [(1, 1), (1, 429), (5, 7), (33, 257), (4, 600), (0, 9)])
-def test_cross_epilogue_matches_the_composed_ops(B, K, dtype):
-    g = torch.Generator().manual_seed(B * 1000 + K)
-    x0, z, xl = (torch.randn(B, K, generator=g, dtype=dtype) for _ in range(3))
-    check_against_composed(cross_epilogue, composed_cross, (x0, z, torch.randn(K, generator=g, dtype=dtype), xl))
-
-
-def test_cross_epilogue_reads_strided_inputs_and_gradchecks():
-    g = torch.Generator().manual_seed(3)
-    x0 = torch.randn(9, 6, generator=g, dtype=torch.float64).t()  # [6, 9], not contiguous
-    z, xl = torch.randn(6, 9, generator=g, dtype=torch.float64), torch.randn(6, 18, generator=g,
-                                                                             dtype=torch.float64)[:, ::2]
-    bias = torch.randn(9, generator=g, dtype=torch.float64)
-    check_against_composed(cross_epilogue, composed_cross, (x0, z, bias, xl))
-    assert torch.autograd.gradcheck(cross_epilogue, tuple(leaves(x0, z, bias, xl)))
 
 
 def test_kernels_refuse_bad_input_by_name():
@@ -116,8 +90,6 @@ def test_kernels_refuse_bad_input_by_name():
         dot_interaction(torch.randn(2, 4), torch.randn(2, 3, 5))
     with pytest.raises(RuntimeError, match="must both be float32 or both float64"):
         dot_interaction(torch.randn(2, 4), torch.randn(2, 3, 4, dtype=torch.float64))
-    with pytest.raises(RuntimeError, match=r"bias must be \[K\]"):
-        cross_epilogue(torch.randn(2, 4), torch.randn(2, 4), torch.randn(5), torch.randn(2, 4))
 
 
 def test_registrations_pass_torch_library_opcheck():
@@ -126,22 +98,17 @@ def test_registrations_pass_torch_library_opcheck():
     dense, sparse = torch.randn(3, 6, generator=g, requires_grad=True), torch.randn(3, 2, 6, generator=g,
                                                                                      requires_grad=True)
     torch.library.opcheck(torch.ops.lightning_rec.dot_interaction.default, (dense, sparse))
-    x0, z, xl = (torch.randn(4, 5, generator=g, requires_grad=True) for _ in range(3))
-    bias = torch.randn(5, generator=g, requires_grad=True)
-    torch.library.opcheck(torch.ops.lightning_rec.cross_epilogue.default, (x0, z, bias, xl))
 
 
 def test_ops_run_on_meta_tensors_and_under_torch_compile():
     dense, sparse = torch.empty(4, 8, device="meta"), torch.empty(4, 26, 8, device="meta")
     assert dot_interaction(dense, sparse).shape == (4, 8 + 27 * 26 // 2)
-    assert cross_epilogue(dense, dense, dense[0], dense).shape == (4, 8)
 
-    def both(dense, sparse, bias):
-        y = dot_interaction(dense, sparse)
-        return cross_epilogue(y, y, bias, y).sum()
+    def both(dense, sparse):
+        return dot_interaction(dense, sparse).square().sum()
 
     g = torch.Generator().manual_seed(5)
-    inputs = [torch.randn(5, 4, generator=g), torch.randn(5, 3, 4, generator=g), torch.randn(10, generator=g)]
+    inputs = [torch.randn(5, 4, generator=g), torch.randn(5, 3, 4, generator=g)]
     a, b = leaves(*inputs), leaves(*inputs)
     compiled = torch.compile(both, backend="aot_eager", fullgraph=True)
     compiled(*a).backward()

@@ -138,8 +138,8 @@ class InteractionArch(nn.Module):
 class LowRankCrossNet(nn.Module):
     """DCNv2's cross layers with a low-rank weight W = U V (U: [K, r], V: [r, K]).
 
-    The composed ops (Linear with bias, mul, add): the one-pass epilogue `fused_interaction.cross_epilogue` does not
-    beat them on CPU, where the two GEMMs take nearly all the time (benchmarks/interaction.py, cross ratios)."""
+    The composed ops (Linear with bias, mul, add): a one-pass epilogue did not beat them on CPU, where the two GEMMs
+    take nearly all the time."""
 
     def __init__(self, in_features: int, num_layers: int, low_rank: int = 1) -> None:
         super().__init__()

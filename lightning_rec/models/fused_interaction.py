@@ -1,17 +1,16 @@
-"""DLRM's dot interaction and DCNv2's cross-layer epilogue as single CPU kernels (csrc/interaction_cpu.cpp), with
-their autograd and fake kernels (so the ops also run under torch.compile, torch.export and on the meta device).
+"""DLRM's dot interaction as one CPU kernel (csrc/interaction_cpu.cpp), with its autograd and fake kernels (so the
+op also runs under torch.compile, torch.export and on the meta device).
 
-Legend: B batch, F sparse features, N = F + 1 vectors, D dim, P = N (N - 1) / 2 pairs, K cross width.
+Legend: B batch, F sparse features, N = F + 1 vectors, D dim, P = N (N - 1) / 2 pairs.
 
     dot_interaction(dense_BD, sparse_BFD) -> [B, D + P]   = cat([dense, (V V^T)[triu_indices(N, N, 1)]])
-    cross_epilogue(x0_BK, z_BK, bias_K, xl_BK) -> [B, K]  = x0 * (z + bias) + xl   (z: the cross layer's GEMM)
 
 InteractionArch calls the dot kernel through `use_fused`: eager CPU float32 / float64 with the extension built
 (forward + backward 2.7x-3.2x the composed ops at B 2048, F 26, D 64 / 128 on one thread: benchmarks/interaction.py).
 Anywhere else (a GPU, another dtype, torch.compile or torch.export tracing) it keeps the composed ops, so that
 Inductor fuses its own way and an exported serving package needs only torch and fbgemm, not this library's kernels.
-The cross epilogue is measured there but no model uses it: a cross layer's time is its GEMMs, and the one pass did
-not beat mul + add (three layers forward + backward 0.94x-1.01x of the composed ones on one thread)."""
+DCNv2's cross layers keep torch's ops: their time is the GEMMs, and a one-pass epilogue x0 * (z + b) + x did not beat
+mul + add on the CPU (three layers forward + backward 0.94x-1.01x)."""
 
 from __future__ import annotations
 
@@ -26,12 +25,12 @@ _DTYPES = (torch.float32, torch.float64)
 
 
 def fused_interaction_available() -> bool:
-    """True when the extension with the interaction kernels is built."""
+    """True when the extension with the interaction kernel is built."""
     return _BUILT
 
 
 def use_fused(*tensors: Tensor) -> bool:
-    """Whether the fused kernels take these tensors: built, eager (not traced), CPU, all float32 or all float64."""
+    """Whether the fused kernel takes these tensors: built, eager (not traced), CPU, all float32 or all float64."""
     if not _BUILT or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return False
     dtype = tensors[0].dtype
@@ -41,11 +40,6 @@ def use_fused(*tensors: Tensor) -> bool:
 def dot_interaction(dense_BD: Tensor, sparse_BFD: Tensor) -> Tensor:
     """[B, D + P]: the dense vector, then the pairwise dot products of the N vectors (dense first), i < j row-major."""
     return torch.ops.lightning_rec.dot_interaction(dense_BD, sparse_BFD)
-
-
-def cross_epilogue(x0_BK: Tensor, z_BK: Tensor, bias_K: Tensor, xl_BK: Tensor) -> Tensor:
-    """x0 * (z + bias) + xl in one pass: a cross layer after its GEMM z = W xl (or U V xl)."""
-    return torch.ops.lightning_rec.cross_epilogue(x0_BK, z_BK, bias_K, xl_BK)
 
 
 def _fake_dot(dense_BD, sparse_BFD):
@@ -58,16 +52,8 @@ def _fake_dot_backward(grad, dense_BD, sparse_BFD):
     return torch.empty_like(dense_BD), torch.empty_like(sparse_BFD)
 
 
-def _fake_cross(x0_BK, z_BK, bias_K, xl_BK):
-    return torch.empty_like(x0_BK)
-
-
-def _fake_cross_backward(grad_BK, x0_BK, z_BK, bias_K):
-    return torch.empty_like(x0_BK), torch.empty_like(z_BK), torch.empty_like(bias_K)
-
-
 def _save_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:3])  # the cross epilogue's xl is not needed: its gradient is the output's
+    ctx.save_for_backward(*inputs)
 
 
 # Grad mode on in a backward means create_graph=True: the gradient must be differentiable itself, and the backward
@@ -85,18 +71,7 @@ def _dot_backward(ctx, grad_BO):
     return grad_BO[:, :D] + grad_BND[:, 0], grad_BND[:, 1:]
 
 
-def _cross_backward(ctx, grad_BK):
-    x0_BK, z_BK, bias_K = ctx.saved_tensors
-    if not torch.is_grad_enabled():
-        grad_x0, grad_z, grad_bias = torch.ops.lightning_rec.cross_epilogue_backward(grad_BK, x0_BK, z_BK, bias_K)
-        return grad_x0, grad_z, grad_bias, grad_BK
-    grad_z = grad_BK * x0_BK
-    return grad_BK * (z_BK + bias_K), grad_z, grad_z.sum(0), grad_BK
-
-
 if _BUILT:
-    for _name, _fake in (("dot_interaction", _fake_dot), ("dot_interaction_backward", _fake_dot_backward),
-                         ("cross_epilogue", _fake_cross), ("cross_epilogue_backward", _fake_cross_backward)):
+    for _name, _fake in (("dot_interaction", _fake_dot), ("dot_interaction_backward", _fake_dot_backward)):
         torch.library.register_fake(f"lightning_rec::{_name}")(_fake)
     torch.library.register_autograd("lightning_rec::dot_interaction", _dot_backward, setup_context=_save_inputs)
-    torch.library.register_autograd("lightning_rec::cross_epilogue", _cross_backward, setup_context=_save_inputs)
