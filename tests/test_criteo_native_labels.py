@@ -26,12 +26,10 @@ TASKS = [["click", "purchase", "watch"],  # the columns as they are
 def read(path, parser: str, tasks=TASKS[0], **kwargs):
     """(labels [N, T] float32, dense raw [N, 13], sparse raw [N, 26], report) of a whole file."""
     columns, masks = tasks if isinstance(tasks, tuple) else (tasks, None)
-    tables, report = [], None
-    for table, report in read_criteo(path, parser=parser, label_columns=columns, label_masks=masks, **kwargs):
-        tables.append(table)
-    flat = [np.concatenate([t.column(c).combine_chunks().flatten().to_numpy() for t in tables])
+    blocks = list(read_criteo(path, parser=parser, label_columns=columns, label_masks=masks, **kwargs))
+    flat = [np.concatenate([t.column(c).combine_chunks().flatten().to_numpy() for t, _ in blocks])
             for c in ("label", "dense", "sparse")]
-    return flat[0].reshape(-1, len(columns)), flat[1].reshape(-1, 13), flat[2].reshape(-1, 26), report
+    return flat[0].reshape(-1, len(columns)), flat[1].reshape(-1, 13), flat[2].reshape(-1, 26), blocks[-1][1]
 
 
 def assert_same(ref, nat) -> None:
