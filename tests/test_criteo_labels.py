@@ -118,7 +118,8 @@ def test_bad_label_values_are_bad_rows_and_binary_ones_are_checked_by_the_model(
     from lightning_rec.data.criteo import preprocess_criteo
 
     preprocess_criteo([d / "one.tsv"], tmp_path / "shards", num_embeddings=1000, progress=False)
-    with pytest.raises(ValueError, match="is preprocessed, with one label column: give the text or table files"):
+    with pytest.raises(ValueError, match="is preprocessed with one label column: preprocess the files again with "
+                                         "--label_columns"):
         _batches(tmp_path / "shards", tmp_path / "c4", label_columns=["click", "purchase"])
 
     real = tmp_path / "real.tsv"  # a real-valued task is read as it is; a binary task of it is refused by the model
