@@ -142,6 +142,38 @@ inline int64_t hashed(int64_t raw, int j, const Layout& L) {
   return L.hash_mode == 1 ? 1 + v : v;
 }
 
+// Field k of a row, [f, e), into its outputs (see parse_line); kOk, or the status of a bad value. A label column
+// that is a feature too (a mask column such as I2) is read as both, the label column first.
+inline int32_t parse_field(const uint8_t* f, const uint8_t* e, int k, const Layout& L, void* label, float* dense,
+                           int64_t* sparse, float missing_dense) {
+  double x;
+  if (L.num_label_columns && L.label_slot[k] >= 0 && e > f) {
+    // any number, kept as double: the tasks' thresholds compare it as the reference does
+    if (!parse_number(f, e, &x)) return kBadLabelColumn | (L.label_slot[k] << 8);
+    static_cast<double*>(label)[L.label_slot[k]] = x;
+  }
+  const int r = L.role[k];
+  if (r >= 100) {
+    int64_t v = -1;
+    const bool bad = e > f && !parse_hex8(f, e, &v);
+    sparse[r - 100] = hashed(v, r - 100, L);
+    return bad ? kBadSparse | ((r - 100) << 8) : kOk;
+  }
+  if (r >= 0) {
+    if (e == f) {
+      dense[r] = missing_dense;
+    } else if (parse_number(f, e, &x)) {
+      dense[r] = static_cast<float>(x);  // as the reference: double -> float32
+    } else {
+      return kBadDense | (r << 8);
+    }
+  } else if (r == -2) {
+    if (!(e > f && parse_number(f, e, &x) && (x == 0.0 || x == 1.0))) return kBadLabel;
+    *static_cast<float*>(label) = static_cast<float>(x);
+  }
+  return kOk;
+}
+
 // Parse the line starting at p (ending in '\n'); returns the byte after its '\n'.
 // When a row has several faults, the one reported is, in this order: a non-ASCII byte, too many fields,
 // a row cut after a separator, the first bad field in field order (the reference parser's order too).
@@ -167,35 +199,7 @@ const uint8_t* parse_line(const uint8_t* p, const Layout& L, void* label, float*
     const bool last = (*p == '\n');
     if (last && e > f && e[-1] == '\r') --e;  // CRLF: the '\r' belongs to no field
     if ((high & 0x80) && non_ascii < 0) non_ascii = k;  // Criteo text is ASCII: this byte is corruption
-    if (C && st == kOk && k < L.num_fields && L.label_slot[k] >= 0) {
-      double x;  // any number, kept as double: the tasks' thresholds compare it as the reference does
-      if (e > f && parse_number(f, e, &x)) columns[L.label_slot[k]] = x;
-      else if (e > f) st = kBadLabelColumn | (L.label_slot[k] << 8);
-    }
-    if (st == kOk && k < L.num_fields) {
-      const int r = L.role[k];
-      if (r >= 100) {
-        int64_t v = -1;
-        if (e > f && !parse_hex8(f, e, &v)) st = kBadSparse | ((r - 100) << 8);
-        sparse[r - 100] = hashed(v, r - 100, L);
-      } else if (r >= 0) {
-        double x;
-        if (e == f) {
-          dense[r] = missing_dense;
-        } else if (parse_number(f, e, &x)) {
-          dense[r] = static_cast<float>(x);  // as the reference: double -> float32
-        } else {
-          st = kBadDense | (r << 8);
-        }
-      } else if (r == -2) {
-        double x;
-        if (e > f && parse_number(f, e, &x) && (x == 0.0 || x == 1.0)) {
-          *static_cast<float*>(label) = static_cast<float>(x);
-        } else {
-          st = kBadLabel;
-        }
-      }
-    }
+    if (st == kOk && k < L.num_fields) st = parse_field(f, e, k, L, label, dense, sparse, missing_dense);
     ++k;
     ++p;
     if (last) break;
@@ -268,12 +272,10 @@ void parallel_ranges(int64_t n, int64_t threads, const std::function<void(int64_
   while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
-    const at::Tensor& buf, int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
-    at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense,
-    at::IntArrayRef label_columns) {
-  LR_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
-           "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
+// The op's arguments, checked, as the parse reads them.
+Layout make_layout(int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
+                   at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense,
+                   at::IntArrayRef label_columns) {
   LR_CHECK(separator >= 0 && separator < 128 && separator != '\n' && separator != '\r',
            "parse_criteo: separator must be an ASCII byte other than a line end, got ", separator);
   LR_CHECK(dense_fields.size() == kDense && sparse_fields.size() == kSparse,
@@ -318,6 +320,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     L.divisor[j] = d >= (int64_t{1} << 32) ? 0 : static_cast<uint32_t>(d);
     L.magic[j] = L.divisor[j] ? UINT64_C(0xFFFFFFFFFFFFFFFF) / L.divisor[j] + 1 : 0;
   }
+  return L;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
+    const at::Tensor& buf, int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
+    at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense,
+    at::IntArrayRef label_columns) {
+  LR_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
+           "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
+  const Layout L = make_layout(separator, num_fields, label_field, dense_fields, sparse_fields, num_embeddings,
+                               hash_mode, log_dense, label_columns);
 
   const at::Tensor b = buf.contiguous();
   const uint8_t* data = b.data_ptr<uint8_t>();
