@@ -72,7 +72,8 @@ class CriteoDataModule(pl.LightningDataModule):
         label_columns: several labels (docs/multitask.md): a list of columns or {task: "column" | "column OP value"};
             batches carry labels [B, T] and task_names. A header names the columns; in a header-less text file the
             leading fields are the columns they read, in order (["click", "purchase"]: fields 1 and 2, then I1..C26).
-            Values are any number, an empty field / null / NaN a missing label.
+            Values are any number, an empty field / null / NaN a missing label. A directory of `lightning-rec
+            preprocess --label_columns` holds its tasks' labels: pass the same label_columns (and label_masks).
         label_masks: {task: column}: rows where that column is 0 / empty have no label for the task."""
 
     def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
