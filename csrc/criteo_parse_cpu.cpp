@@ -3,12 +3,15 @@
 // Input: `buf` [L] uint8, whole lines, each ending in '\n' (the caller appends one to an unterminated last
 // line). Output, one row per line (N = number of '\n' in buf):
 //   label   [N]       float32  0 / 1 (NaN when the layout has no label)
+//           [N, C]    float64  with label_columns (several labels): the C columns' numbers as they are, NaN for an
+//                              empty field (the tasks' labels are derived from them in Python, as the reference does)
 //   dense   [N, 13]   float32  raw count (NaN: missing), or log(1 + max(x, 0)) (missing: 0) when log_dense
 //   sparse  [N, 26]   int64    hash_mode 0: the raw 32-bit hash (-1: missing)
 //                              hash_mode 1: 1 + v % (n_f - 1), 0 for missing ("reserved_id")
 //                              hash_mode 2: v % n_f, -1 for missing ("empty_bag")
 //   status  [N]       int32    0 ok, 1 padded (fewer fields: trailing empty fields were stripped), 2 blank,
-//                              else kind | (field << 8) for a bad row (kinds below); the row's values are
+//                              else kind | (field << 8) for a bad row (kinds below; for a bad label column,
+//                              kind | (its index in label_columns << 8)); the row's values are
 //                              then undefined and the caller drops it or raises naming file:line:field.
 //
 // Work is split into line ranges: each range is cut at a newline, a first quick pass counts its lines
@@ -41,7 +44,7 @@ constexpr int kSparse = 26;
 
 // status kinds (keep in sync with _STATUS_* in lightning_rec/data/criteo_parse.py)
 constexpr int32_t kOk = 0, kPadded = 1, kBlank = 2, kTooMany = 3, kBadLabel = 4, kBadDense = 5,
-                  kBadSparse = 6, kNonAscii = 7, kCut = 8;
+                  kBadSparse = 6, kNonAscii = 7, kCut = 8, kBadLabelColumn = 9;
 
 struct HexTable {
   uint8_t v[256];
@@ -115,6 +118,9 @@ struct Layout {
   int num_fields;
   // role of field k: -1 ignored, -2 label, 0..12 dense j, 100..125 sparse j
   std::vector<int> role;
+  // label column c read from field k (-1: none); apart from role, as a mask column may be a feature too
+  std::vector<int> label_slot;
+  int num_label_columns = 0;
   int hash_mode;
   bool log_dense;
   // v % divisor[j] for 32-bit v without a division (Lemire, Kaser, Kurz: "Faster remainder by direct
@@ -136,10 +142,43 @@ inline int64_t hashed(int64_t raw, int j, const Layout& L) {
   return L.hash_mode == 1 ? 1 + v : v;
 }
 
+// Field k of a row, [f, e), into its outputs (see parse_line); kOk, or the status of a bad value. A label column
+// that is a feature too (a mask column such as I2) is read as both, the label column first.
+inline int32_t parse_field(const uint8_t* f, const uint8_t* e, int k, const Layout& L, void* label, float* dense,
+                           int64_t* sparse, float missing_dense) {
+  double x;
+  if (L.num_label_columns && L.label_slot[k] >= 0 && e > f) {
+    // any number, kept as double: the tasks' thresholds compare it as the reference does
+    if (!parse_number(f, e, &x)) return kBadLabelColumn | (L.label_slot[k] << 8);
+    static_cast<double*>(label)[L.label_slot[k]] = x;
+  }
+  const int r = L.role[k];
+  if (r >= 100) {
+    int64_t v = -1;
+    const bool bad = e > f && !parse_hex8(f, e, &v);
+    sparse[r - 100] = hashed(v, r - 100, L);
+    return bad ? kBadSparse | ((r - 100) << 8) : kOk;
+  }
+  if (r >= 0) {
+    if (e == f) {
+      dense[r] = missing_dense;
+    } else if (parse_number(f, e, &x)) {
+      dense[r] = static_cast<float>(x);  // as the reference: double -> float32
+    } else {
+      return kBadDense | (r << 8);
+    }
+  } else if (r == -2) {
+    if (!(e > f && parse_number(f, e, &x) && (x == 0.0 || x == 1.0))) return kBadLabel;
+    *static_cast<float*>(label) = static_cast<float>(x);
+  }
+  return kOk;
+}
+
 // Parse the line starting at p (ending in '\n'); returns the byte after its '\n'.
 // When a row has several faults, the one reported is, in this order: a non-ASCII byte, too many fields,
 // a row cut after a separator, the first bad field in field order (the reference parser's order too).
-const uint8_t* parse_line(const uint8_t* p, const Layout& L, float* label, float* dense, int64_t* sparse,
+// `label`: the row's one label, or its label_columns [C] (float64) when the layout has several.
+const uint8_t* parse_line(const uint8_t* p, const Layout& L, void* label, float* dense, int64_t* sparse,
                           int32_t* status) {
   const uint8_t* line = p;
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -147,7 +186,11 @@ const uint8_t* parse_line(const uint8_t* p, const Layout& L, float* label, float
   int k = 0;
   int32_t st = kOk;
   int non_ascii = -1;
-  *label = nan;  // stays NaN without a label field
+  double* columns = static_cast<double*>(label);
+  const int C = L.num_label_columns;
+  const double nan64 = std::numeric_limits<double>::quiet_NaN();
+  if (C == 0) *static_cast<float*>(label) = nan;  // stays NaN without a label field
+  for (int c = 0; c < C; ++c) columns[c] = nan64;  // an empty field: no label for that column
   while (true) {
     const uint8_t* f = p;
     uint8_t high = 0;
@@ -156,30 +199,7 @@ const uint8_t* parse_line(const uint8_t* p, const Layout& L, float* label, float
     const bool last = (*p == '\n');
     if (last && e > f && e[-1] == '\r') --e;  // CRLF: the '\r' belongs to no field
     if ((high & 0x80) && non_ascii < 0) non_ascii = k;  // Criteo text is ASCII: this byte is corruption
-    if (st == kOk && k < L.num_fields) {
-      const int r = L.role[k];
-      if (r >= 100) {
-        int64_t v = -1;
-        if (e > f && !parse_hex8(f, e, &v)) st = kBadSparse | ((r - 100) << 8);
-        sparse[r - 100] = hashed(v, r - 100, L);
-      } else if (r >= 0) {
-        double x;
-        if (e == f) {
-          dense[r] = missing_dense;
-        } else if (parse_number(f, e, &x)) {
-          dense[r] = static_cast<float>(x);  // as the reference: double -> float32
-        } else {
-          st = kBadDense | (r << 8);
-        }
-      } else if (r == -2) {
-        double x;
-        if (e > f && parse_number(f, e, &x) && (x == 0.0 || x == 1.0)) {
-          *label = static_cast<float>(x);
-        } else {
-          st = kBadLabel;
-        }
-      }
-    }
+    if (st == kOk && k < L.num_fields) st = parse_field(f, e, k, L, label, dense, sparse, missing_dense);
     ++k;
     ++p;
     if (last) break;
@@ -214,7 +234,8 @@ const uint8_t* parse_line(const uint8_t* p, const Layout& L, float* label, float
     *status = st;
   }
   if ((*status & 0xFF) >= kBlank) {  // defined values in rows the caller drops (deterministic output)
-    *label = nan;
+    if (C == 0) *static_cast<float*>(label) = nan;
+    for (int c = 0; c < C; ++c) columns[c] = nan64;
     for (int j = 0; j < kDense; ++j) dense[j] = missing_dense;
     for (int j = 0; j < kSparse; ++j) sparse[j] = hashed(-1, j, L);
   }
@@ -251,11 +272,10 @@ void parallel_ranges(int64_t n, int64_t threads, const std::function<void(int64_
   while (shared->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
-    const at::Tensor& buf, int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
-    at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense) {
-  LR_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
-           "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
+// The op's arguments, checked, as the parse reads them.
+Layout make_layout(int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
+                   at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense,
+                   at::IntArrayRef label_columns) {
   LR_CHECK(separator >= 0 && separator < 128 && separator != '\n' && separator != '\r',
            "parse_criteo: separator must be an ASCII byte other than a line end, got ", separator);
   LR_CHECK(dense_fields.size() == kDense && sparse_fields.size() == kSparse,
@@ -280,6 +300,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     L.role[field] = role;
   };
   if (label_field >= 0) set_role(label_field, -2);
+  LR_CHECK(label_columns.empty() || label_field < 0,
+           "parse_criteo: give label_field or label_columns, not both (label_field=", label_field, ")");
+  L.label_slot.assign(num_fields, -1);
+  L.num_label_columns = static_cast<int>(label_columns.size());
+  for (size_t c = 0; c < label_columns.size(); ++c) {
+    const int64_t field = label_columns[c];
+    LR_CHECK(field >= 0 && field < num_fields && L.label_slot[field] == -1, "parse_criteo: label column field ",
+             field, " out of range or used twice (num_fields=", num_fields, ")");
+    L.label_slot[field] = static_cast<int>(c);
+  }
   for (int j = 0; j < kDense; ++j) set_role(dense_fields[j], j);
   for (int j = 0; j < kSparse; ++j) set_role(sparse_fields[j], 100 + j);
   L.hash_mode = static_cast<int>(hash_mode);
@@ -290,6 +320,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     L.divisor[j] = d >= (int64_t{1} << 32) ? 0 : static_cast<uint32_t>(d);
     L.magic[j] = L.divisor[j] ? UINT64_C(0xFFFFFFFFFFFFFFFF) / L.divisor[j] + 1 : 0;
   }
+  return L;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
+    const at::Tensor& buf, int64_t separator, int64_t num_fields, int64_t label_field, at::IntArrayRef dense_fields,
+    at::IntArrayRef sparse_fields, at::IntArrayRef num_embeddings, int64_t hash_mode, bool log_dense,
+    at::IntArrayRef label_columns) {
+  LR_CHECK(buf.dim() == 1 && buf.scalar_type() == at::kByte && buf.device().is_cpu(),
+           "parse_criteo: buf must be a 1-D uint8 CPU tensor, got ", buf.sizes(), " ", buf.scalar_type());
+  const Layout L = make_layout(separator, num_fields, label_field, dense_fields, sparse_fields, num_embeddings,
+                               hash_mode, log_dense, label_columns);
 
   const at::Tensor b = buf.contiguous();
   const uint8_t* data = b.data_ptr<uint8_t>();
@@ -323,11 +364,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     for (; r <= num_ranges; ++r) starts[r] = size, row_start[r] = N;
   }
 
-  auto label = at::empty({N}, at::kFloat);
+  const int64_t C = L.num_label_columns;
+  auto label = C ? at::empty({N, C}, at::kDouble) : at::empty({N}, at::kFloat);
   auto dense = at::empty({N, kDense}, at::kFloat);
   auto sparse = at::empty({N, kSparse}, at::kLong);
   auto status = at::empty({N}, at::kInt);
-  float* label_p = label.data_ptr<float>();
+  char* label_p = static_cast<char*>(label.data_ptr());
+  const int64_t label_row_bytes = C ? C * int64_t{sizeof(double)} : int64_t{sizeof(float)};
   float* dense_p = dense.data_ptr<float>();
   int64_t* sparse_p = sparse.data_ptr<int64_t>();
   int32_t* status_p = status.data_ptr<int32_t>();
@@ -335,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> parse_criteo(
     const uint8_t* p = data + starts[r];
     const uint8_t* end = data + starts[r + 1];
     for (int64_t i = row_start[r]; p < end; ++i) {
-      p = parse_line(p, L, label_p + i, dense_p + i * kDense, sparse_p + i * kSparse, status_p + i);
+      p = parse_line(p, L, label_p + i * label_row_bytes, dense_p + i * kDense, sparse_p + i * kSparse, status_p + i);
     }
     if (log_dense && row_start[r + 1] > row_start[r]) {
       // log(1 + max(x, 0)) on this range's rows, vectorised by ATen, on this thread (missing counts are 0):

@@ -45,9 +45,11 @@ TORCH_LIBRARY(lightning_rec, m) {
   m.def("dot_interaction_backward(Tensor grad, Tensor dense, Tensor sparse) -> (Tensor, Tensor)");
   // Criteo text -> (label [N], dense [N, 13], sparse [N, 26], status [N]), one row per line of `buf`
   // (criteo_parse_cpu.cpp). hash_mode: 0 raw 32-bit hashes, 1 reserved id 0 + modulo, 2 modulo.
+  // label_columns (fields; label_field -1): several labels, label [N, C] float64 of their numbers.
   m.def(
       "parse_criteo(Tensor buf, int separator, int num_fields, int label_field, int[] dense_fields, "
-      "int[] sparse_fields, int[] num_embeddings, int hash_mode, bool log_dense) -> (Tensor, Tensor, Tensor, Tensor)");
+      "int[] sparse_fields, int[] num_embeddings, int hash_mode, bool log_dense, int[] label_columns=[]) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 // Importing lightning_rec._C runs the registrations above; the module itself exports nothing.

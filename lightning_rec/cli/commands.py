@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -127,6 +128,12 @@ def _preprocess_parser() -> HintingArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--on_bad_row", default="error", choices=("error", "skip"))
     parser.add_argument("--separator", default=None, choices=("tab", "comma"), help="default: detected")
+    parser.add_argument("--label_columns", nargs="+", default=None,
+                        help="several labels, stored [n, T] by task: columns (--label_columns click purchase; a "
+                             "header names them, else they are a row's leading fields), or a JSON mapping task -> "
+                             "column or 'column OP value' ('{\"bought\": \"purchase == 1\"}'); docs/multitask.md")
+    parser.add_argument("--label_masks", default=None,
+                        help="JSON mapping task -> a column whose 0 / empty rows have no label for it")
     parser.add_argument("--threads", type=int, default=None, help="parser threads (default: torch's, all cores)")
     parser.add_argument("--no_verify", action="store_true",
                         help="on resume, check finished shards by row count only (skip the sha256)")
@@ -145,6 +152,22 @@ def _count(text: str) -> int:
         return int(number)
 
 
+def _label_options(columns: list[str] | None, masks: str | None) -> tuple:
+    """--label_columns (column names, or one JSON mapping) and --label_masks (JSON) as preprocess_criteo takes them."""
+    def mapping(text: str, option: str) -> dict:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"{option} {text}: give a JSON mapping, e.g. '{{\"bought\": \"purchase == 1\"}}'")
+        return value
+
+    if columns is not None and len(columns) == 1 and columns[0].lstrip().startswith("{"):
+        columns = mapping(columns[0], "--label_columns")
+    return columns, None if masks is None else mapping(masks, "--label_masks")
+
+
 def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     """`lightning-rec preprocess ...`: parse arguments, run, print where the shards are and how to train on them."""
     from lightning_rec.data.criteo.preprocess import preprocess_criteo
@@ -160,6 +183,10 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
     except ValueError:
         parser.exit(2, f"lightning-rec preprocess: error: --num_embeddings {args.num_embeddings}: give rows per table "
                        f"as one int (e.g. 40000000 or 4e7), or 26 comma-separated ints\n")
+    try:
+        label_columns, label_masks = _label_options(args.label_columns, args.label_masks)
+    except ValueError as e:
+        parser.exit(2, f"lightning-rec preprocess: error: {e}\n")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -170,7 +197,8 @@ def preprocess_main(argv: Sequence[str] | None = None) -> dict:
             missing_categorical=args.missing_categorical, rows_per_shard=args.rows_per_shard,
             block_mb=args.block_mb, shuffle_rows=False if args.no_shuffle_rows else None, seed=args.seed,
             on_bad_row=args.on_bad_row, separator={"tab": "\t", "comma": ","}.get(args.separator),
-            verify=not args.no_verify, progress=not args.no_progress,
+            verify=not args.no_verify, progress=not args.no_progress, label_columns=label_columns,
+            label_masks=label_masks,
         )
     except ValueError as e:  # the input's or the options' fault, said in one line (as argparse's own errors)
         parser.exit(2, f"lightning-rec preprocess: error: {e}\n")
@@ -186,6 +214,9 @@ def _print_next_step(manifest: dict, args, seconds: float) -> None:
     sizes_out = manifest["num_embeddings_per_feature"]
     shown = sizes_out[0] if len(set(sizes_out)) == 1 else f"'{sizes_out}'"
     sizes_args = f"--data.num_embeddings_per_feature={shown} --model.num_embeddings_per_feature={shown}"
+    for option in ("label_columns", "label_masks"):  # the data module asks for the tasks the directory holds
+        if manifest["options"].get(option):
+            sizes_args += f" --data.{option}='{json.dumps(manifest['options'][option])}'"
     if not manifest["has_label"]:
         print(f"predict on it with:\n  --data.predict_path={args.output_dir} {sizes_args}")
     elif args.vocab_from:  # a split preprocessed with the train split's vocabulary: validation or test

@@ -28,7 +28,7 @@ from lightning_rec.data.criteo.schema import (
     feature_names,
     resolve_num_embeddings,
 )
-from lightning_rec.data.criteo.shards import CriteoShardDataset, is_shard_dir, load_manifest
+from lightning_rec.data.criteo.shards import CriteoShardDataset, check_shard_tasks, is_shard_dir, load_manifest
 from lightning_rec.data.criteo.tables import source_files, table_has_label, table_source_kind
 from lightning_rec.data.hf_dataset import check_same_rows, dataset_path, is_hf_dataset, rows_digest
 from lightning_rec.errors import is_int
@@ -72,7 +72,8 @@ class CriteoDataModule(pl.LightningDataModule):
         label_columns: several labels (docs/multitask.md): a list of columns or {task: "column" | "column OP value"};
             batches carry labels [B, T] and task_names. A header names the columns; in a header-less text file the
             leading fields are the columns they read, in order (["click", "purchase"]: fields 1 and 2, then I1..C26).
-            Values are any number, an empty field / null / NaN a missing label. Read by parser="python".
+            Values are any number, an empty field / null / NaN a missing label. A directory of `lightning-rec
+            preprocess --label_columns` holds its tasks' labels: pass the same label_columns (and label_masks).
         label_masks: {task: column}: rows where that column is 0 / empty have no label for the task."""
 
     def __init__(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
@@ -226,9 +227,8 @@ class CriteoDataModule(pl.LightningDataModule):
             if split in ("train", "val"):
                 self._check_labelled(split)
             if is_shard_dir(self.paths[split]):
-                if self.label_specs:
-                    raise ValueError(f"CriteoDataModule(label_columns=...): {self.paths[split]} is preprocessed, "
-                                     f"with one label column: give the text or table files, which keep every label")
+                check_shard_tasks(self.paths[split], load_manifest(self.paths[split]), self.label_specs,
+                                  "CriteoDataModule")
                 if not self.hash_ids:
                     raise ValueError(f"CriteoDataModule(hash_ids=False): {self.paths[split]} is preprocessed, its "
                                      f"ids already folded into the tables: give the text or table files instead")

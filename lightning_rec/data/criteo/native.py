@@ -23,19 +23,22 @@ from lightning_rec.data.criteo.report import (
     too_many_reason,
 )
 from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES
+from lightning_rec.data.labels import label_matrix
 
 PARSERS = ("auto", "native", "python")
 # Row status codes of the native op (csrc/criteo_parse_cpu.cpp): kind | (field << 8).
 _STATUS_OK, _STATUS_PADDED, _STATUS_BLANK = 0, 1, 2
 _STATUS_TOO_MANY, _STATUS_LABEL, _STATUS_DENSE, _STATUS_SPARSE, _STATUS_NON_ASCII, _STATUS_CUT = 3, 4, 5, 6, 7, 8
+_STATUS_LABEL_COLUMN = 9  # field << 8 is then the column's index in label_columns
 # hash_mode of the native op: what the sparse output holds
 HASH_RAW, HASH_RESERVED_ID, HASH_EMPTY_BAG = 0, 1, 2
 
 def _fake_parse_criteo(buf, separator, num_fields, label_field, dense_fields, sparse_fields, num_embeddings,
-                       hash_mode, log_dense):
+                       hash_mode, log_dense, label_columns=()):
     # One row per line: the count depends on the bytes, so it is a dynamic size.
     n = torch.library.get_ctx().new_dynamic_size()
     return (
+        buf.new_empty((n, len(label_columns)), dtype=torch.float64) if label_columns else
         buf.new_empty((n,), dtype=torch.float32),
         buf.new_empty((n, NUM_DENSE_FEATURES), dtype=torch.float32),
         buf.new_empty((n, NUM_SPARSE_FEATURES), dtype=torch.int64),
@@ -74,7 +77,8 @@ def parse_block_native(block: bytes | np.ndarray, first_line: int, layout: Crite
 
     With the defaults the output is the reference's (raw values). `hash_mode` / `log_dense` make the op also do what
     `make_criteo_batch` does per batch (table ids, log(1 + max(x, 0))), for preprocessing. `lines_out[0]` is advanced by
-    the block's line count (so it holds the next block's first line)."""
+    the block's line count (so it holds the next block's first line). With several labels (`layout.label_specs`) the
+    label is [N, T], the tasks' labels derived from the op's numbers by the reference's `label_matrix`."""
     if isinstance(block, np.ndarray):
         buf_L = torch.from_numpy(block)
     else:
@@ -82,7 +86,7 @@ def parse_block_native(block: bytes | np.ndarray, first_line: int, layout: Crite
             warnings.simplefilter("ignore")  # a bytes block is read-only; the op never writes to it
             buf_L = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
     label_N, dense_N13, sparse_NF, status_N = torch.ops.lightning_rec.parse_criteo(
-        buf_L, *_native_args(layout), list(num_embeddings), hash_mode, log_dense
+        buf_L, *_native_args(layout), list(num_embeddings), hash_mode, log_dense, list(layout.label_columns.values())
     )
     status = status_N.numpy()
     if lines_out is not None:
@@ -98,7 +102,10 @@ def parse_block_native(block: bytes | np.ndarray, first_line: int, layout: Crite
     report.num_rows += int(good.sum())
     label, dense, sparse = label_N.numpy(), dense_N13.numpy(), sparse_NF.numpy()
     if not good.all():
-        return label[good], dense[good], sparse[good]
+        label, dense, sparse = label[good], dense[good], sparse[good]
+    if layout.label_specs:
+        column = dict(zip(layout.label_columns, label.T))  # column name -> its numbers [N] float64, NaN: empty
+        label = label_matrix(layout.label_specs, column.__getitem__).numpy()
     return label, dense, sparse
 
 
@@ -106,6 +113,8 @@ def _status_field(layout: CriteoLayout, kind: int, k: int) -> int | None:
     """The field (0-based, in the line) that a label / dense / sparse status names; None for another status."""
     if kind == _STATUS_LABEL:
         return layout.label_field
+    if kind == _STATUS_LABEL_COLUMN:
+        return list(layout.label_columns.values())[k]
     if kind == _STATUS_DENSE:
         return layout.dense_fields[k]
     return layout.sparse_fields[k] if kind == _STATUS_SPARSE else None
@@ -146,6 +155,9 @@ def _row_reason(layout: CriteoLayout, fields: list[bytes], status: int) -> str:
         return stray_cr_reason(layout, field)  # a "\r\r\n" line: the reference parser's words for it
     if kind == _STATUS_LABEL:
         return f"label must be 0 or 1, got {value(layout.label_field)!r}"
+    if kind == _STATUS_LABEL_COLUMN:
+        column = list(layout.label_columns)[k]
+        return f"label column {column!r} must be a number, got {value(layout.label_columns[column])!r}"
     if kind == _STATUS_DENSE:
         return f"I{k + 1} must be a number, got {value(layout.dense_fields[k])!r}"
     if kind == _STATUS_SPARSE:

@@ -288,10 +288,6 @@ class CriteoReadOptions:
         self.specs: list[LabelSpec] = []
         if self.label_columns is not None:
             self.specs = label_specs(self.label_columns, self.label_masks)
-            if self.parser == "native":
-                raise ValueError("parser='native' reads one label column: several (label_columns) are read by "
-                                 "parser='python' (or 'auto')")
-            self.parser = "python"
         self.parser = resolve_parser(self.parser)
 
     def layout(self, path: str | os.PathLike) -> CriteoLayout:

@@ -6,6 +6,7 @@ Shapes: n rows of a shard, F = 26 sparse features, 13 dense features.
     text --(blocks of --block_mb, cut at newlines)--> torch.ops.lightning_rec.parse_criteo
          (ids hashed into the tables, log(1 + max(x, 0)) dense, all in the op) --> rows of a shard
     --(>= --rows_per_shard rows: shuffled within the shard, seeded)--> <shard>.{label,dense,sparse}.npy
+         (--label_columns: label [n, T], the tasks' labels as the readers derive them; shard format /2)
     --> <shard>.json (rows, sha256 of each file, the input byte range it came from)
     --> manifest.json when every input is done (CriteoDataModule reads the directory through it)
 
@@ -31,8 +32,17 @@ from lightning_rec.data.criteo.layout import CriteoLayout, check_criteo_file, de
 from lightning_rec.data.criteo.native import HASH_EMPTY_BAG, HASH_RESERVED_ID, parse_block_native, resolve_parser
 from lightning_rec.data.criteo.report import ParseReport
 from lightning_rec.data.criteo.schema import MISSING_CATEGORICAL, NUM_SPARSE_FEATURES, table_ids
-from lightning_rec.data.criteo.shards import ARRAYS, MANIFEST, SHARD_FORMAT, file_sha256, shard_files, verify_shard
+from lightning_rec.data.criteo.shards import (
+    ARRAYS,
+    MANIFEST,
+    SHARD_FORMAT,
+    SHARD_FORMAT_TASKS,
+    file_sha256,
+    shard_files,
+    verify_shard,
+)
 from lightning_rec.data.criteo.tables import TableBlocks, source_files, table_source_kind
+from lightning_rec.data.labels import label_specs
 
 log = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
@@ -117,6 +127,7 @@ class _Run:
     on_bad_row: str
     block_bytes: int
     remaps: list[np.ndarray] | None = None  # --min_frequency / --vocab_from: hashed id -> kept id, per feature
+    tasks: int = 0  # --label_columns: the label columns of a shard (0: one label [n])
 
 
 def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike,
@@ -125,13 +136,16 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
                       rows_per_shard: int = 1_000_000, block_mb: int = 8, shuffle_rows: bool | None = None,
                       seed: int = 0, on_bad_row: str = "error", separator: str | None = None,
                       has_header: bool | None = None, has_label: bool | None = None, verify: bool = True,
-                      progress: bool = True) -> dict:
-    """Convert Criteo text files (or tables) into a shard directory; returns the manifest."""
+                      progress: bool = True, label_columns: list[str] | dict[str, str] | None = None,
+                      label_masks: dict[str, str] | None = None) -> dict:
+    """Convert Criteo text files (or tables) into a shard directory; returns the manifest. `label_columns` /
+    `label_masks` (lightning_rec.data.labels): several labels, stored [n, T] by task."""
     _check_arguments(inputs, missing_categorical, on_bad_row, rows_per_shard, block_mb, min_frequency, vocab_from)
+    specs = label_specs(label_columns, label_masks, "--label_columns") if label_columns is not None else []
     inputs = [str(p) for p in inputs]
     block_bytes = block_mb << 20
     # a table input (Parquet, a save_to_disk folder) is read in blocks of rows, about block_bytes of them
-    tables = [TableBlocks(p, has_label, block_bytes // 256) if table_source_kind(p) else None for p in inputs]
+    tables = [TableBlocks(p, has_label, block_bytes // 256, specs) if table_source_kind(p) else None for p in inputs]
     if any(t is None for t in tables):
         resolve_parser("native")  # the op does the hashing; without it this would take days on the 1TB logs
     sizes = _resolve_sizes(num_embeddings)
@@ -141,7 +155,7 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
     except (FileExistsError, NotADirectoryError):
         raise ValueError(f"--output_dir {out}: {'it' if out.is_file() else 'a folder above it'} is a file: give a "
                          f"directory (a new one, or an earlier run's to resume it)") from None
-    layouts = [detect_layout(p, separator, has_header, has_label) if t is None else None
+    layouts = [detect_layout(p, separator, has_header, has_label, specs) if t is None else None
                for p, t in zip(inputs, tables)]
     labelled = _labelled(inputs, layouts, tables)
     if shuffle_rows is None:
@@ -152,15 +166,20 @@ def preprocess_criteo(inputs: Sequence[str | os.PathLike], output_dir: str | os.
         missing_categorical=missing_categorical, rows_per_shard=rows_per_shard, block_mb=block_mb,
         shuffle_rows=shuffle_rows, seed=seed, on_bad_row=on_bad_row,
     )
+    if specs:  # (only then: a one-label run begun before these options existed resumes as the same run)
+        options.update(json.loads(json.dumps(dict(label_columns=label_columns, label_masks=label_masks))))
     if vocab_from is not None:
         # the vocabulary itself, not only where it was (it may be rewritten there)
         options["vocab_sha256"] = file_sha256(Path(vocab_from) / "vocab.npz")
     sources = [_source(p, t) for p, t in zip(inputs, tables)]
     _check_same_run(out, options, sources)
-    run = _Run(out, sizes, missing_categorical, rows_per_shard, seed, shuffle_rows, on_bad_row, block_bytes)
+    run = _Run(out, sizes, missing_categorical, rows_per_shard, seed, shuffle_rows, on_bad_row, block_bytes,
+               tasks=len(specs))
     run.remaps = _remaps(run, inputs, layouts, tables, min_frequency, vocab_from, progress)
     shards, reports = _write_inputs(run, inputs, layouts, tables, sources, verify, progress)
-    manifest = dict(format=SHARD_FORMAT, inputs=sources, options=options, has_label=labelled,
+    tasks = dict(task_names=[s.task for s in specs], labels=[asdict(s) for s in specs]) if specs else {}
+    manifest = dict(format=SHARD_FORMAT_TASKS if specs else SHARD_FORMAT, **tasks, inputs=sources, options=options,
+                    has_label=labelled,
                     missing_categorical=missing_categorical,
                     num_embeddings_per_feature=sizes if run.remaps is None else [int(r.max()) + 1 for r in run.remaps],
                     num_rows=int(sum(s["rows"] for s in shards)), shards=shards, reports=reports)
@@ -196,7 +215,8 @@ def _check_arguments(inputs: Sequence[str | os.PathLike], missing_categorical: s
 
 def _labelled(inputs: list[str], layouts: list[CriteoLayout | None], tables: list[TableBlocks | None]) -> bool:
     """Whether the inputs have a label column (all of them, or none)."""
-    labelled = {lay.has_label if t is None else t.columns["label"] is not None for lay, t in zip(layouts, tables)}
+    labelled = {lay.has_label if t is None else bool(t.specs) or t.columns["label"] is not None
+                for lay, t in zip(layouts, tables)}
     if len(labelled) > 1:
         raise ValueError(f"some inputs have a label column and some do not ({inputs}): preprocess them separately")
     return labelled.pop()
@@ -348,11 +368,11 @@ def _text_shards(run: _Run, idx: int, path: str, layout: CriteoLayout, done: lis
         pending.append((label, dense, sparse))
         pending_rows += label.shape[0]
         if pending_rows >= run.rows_per_shard:  # lines[0]: the next block's first line
-            shards.append(_write_shard(run.out, idx, k, pending, run.seed, run.shuffle_rows,
+            shards.append(_write_shard(run, idx, k, pending,
                                        (shard_start, byte_end), (shard_line, lines[0]), report))
             k, pending, pending_rows, shard_start, shard_line = k + 1, [], 0, byte_end, lines[0]
     if pending_rows or (k == 0 and not done):
-        shards.append(_write_shard(run.out, idx, k, pending, run.seed, run.shuffle_rows, (shard_start, None),
+        shards.append(_write_shard(run, idx, k, pending, (shard_start, None),
                                    (shard_line, None), report))
     return shards
 
@@ -370,11 +390,11 @@ def _table_shards(run: _Run, idx: int, table: TableBlocks, done: list[dict], rep
         bar.rows(label.shape[0])
         progress(size * (b + 1) // max(table.num_blocks, 1))
         if pending_rows >= run.rows_per_shard:
-            shards.append(_write_shard(run.out, idx, k, pending, run.seed, run.shuffle_rows, (shard_start, b + 1),
+            shards.append(_write_shard(run, idx, k, pending, (shard_start, b + 1),
                                        (shard_start * table.block_rows, (b + 1) * table.block_rows), report))
             k, pending, pending_rows, shard_start = k + 1, [], 0, b + 1
     if pending_rows or (k == 0 and not done):
-        shards.append(_write_shard(run.out, idx, k, pending, run.seed, run.shuffle_rows, (shard_start, None),
+        shards.append(_write_shard(run, idx, k, pending, (shard_start, None),
                                    (shard_start * table.block_rows, None), report))
     return shards
 
@@ -403,21 +423,23 @@ def _count_vocabulary(run: _Run, inputs, layouts, tables, min_frequency: int, pr
     return vocab.finish()
 
 
-def _write_shard(out: Path, idx: int, k: int, parts, seed: int, shuffle: bool, byte_range, line_range,
-                 report: ParseReport) -> dict:
-    name = f"shard-{idx:03d}-{k:05d}"
+def _write_shard(run: _Run, idx: int, k: int, parts, byte_range, line_range, report: ParseReport) -> dict:
+    name, out = f"shard-{idx:03d}-{k:05d}", run.out
     if parts:
         arrays = [np.concatenate(a) if len(a) > 1 else a[0] for a in zip(*parts)]
     else:
         arrays = [np.zeros((0,) if c is None else (0, c), d) for d, c in ARRAYS.values()]
-    if shuffle and arrays[0].shape[0] > 1:
-        perm = np.random.default_rng([seed, idx, k]).permutation(arrays[0].shape[0])
+        arrays[0] = arrays[0].reshape(0, run.tasks) if run.tasks else arrays[0]
+    if run.shuffle_rows and arrays[0].shape[0] > 1:
+        perm = np.random.default_rng([run.seed, idx, k]).permutation(arrays[0].shape[0])
         arrays = [a[perm] for a in arrays]
     record = dict(name=name, input=idx, index=k, rows=int(arrays[0].shape[0]), byte_start=byte_range[0],
                   byte_end=byte_range[1], line_start=line_range[0], line_end=line_range[1], sha256={},
                   report=dict(num_rows=report.num_rows, num_padded_rows=report.num_padded_rows,
                               num_skipped_rows=report.num_skipped_rows, num_blank_lines=report.num_blank_lines,
                               skipped=report.skipped))
+    if run.tasks:
+        record["tasks"] = run.tasks
     for (array_name, path), arr in zip(shard_files(out, name).items(), arrays):
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:

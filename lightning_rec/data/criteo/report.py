@@ -60,12 +60,14 @@ def raise_or_record(problems: list[tuple[np.ndarray, object, int]], on_bad_row: 
                     report: ParseReport) -> None:
     """problems: (line numbers, reason(i) for the i-th of them, rank). Raise for the first line, or record. rank
     orders the faults of one line (the native op reports the same one): a non-ASCII byte (-3), too many fields (-2),
-    a cut row (-1), else the field position of the first bad field."""
+    a cut row (-1), else the field position of the first bad field; for one field read twice (a label column that is
+    a feature too), the problem listed first, in both modes."""
     if not problems:
         return
     if on_bad_row == "error":
-        first_line, _, reason = min(
-            (int(lines.min()), rank, why(int(lines.argmin()))) for lines, why, rank in problems if lines.size
+        first_line, _, _, reason = min(
+            (int(lines.min()), rank, order, why(int(lines.argmin())))
+            for order, (lines, why, rank) in enumerate(problems) if lines.size
         )
         raise ValueError(f"{path}:{first_line}: {reason}. " + (minus_one_label_fix(reason, "file") or (
             "Fix the file, or pass on_bad_row='skip' to drop such rows (they are counted and logged, never shifted)")))

@@ -6,6 +6,8 @@ The on-disk format (written by `lightning_rec.data.criteo.preprocess`):
 
     <dir>/manifest.json               format, options, num_embeddings_per_feature, has_label, shards
     <dir>/<shard>.label.npy           [n]      float32  0 / 1
+                                      [n, T]   float32  format /2 (preprocess --label_columns): the tasks'
+                                                        labels, NaN where missing; manifest "task_names", "labels"
     <dir>/<shard>.dense.npy           [n, 13]  float32  log(1 + max(x, 0)), missing -> 0
     <dir>/<shard>.sparse.npy          [n, 26]  int32    table ids (see manifest "missing_categorical")
     <dir>/<shard>.json                the shard's record: rows, sha256 of each file, input byte range
@@ -29,6 +31,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +42,14 @@ from torch.utils.data import IterableDataset
 from lightning_rec.data.batch import Batch, PassEpoch
 from lightning_rec.data.criteo.schema import NUM_DENSE_FEATURES, NUM_SPARSE_FEATURES, feature_names
 from lightning_rec.data.elastic import deal
+from lightning_rec.data.labels import LabelSpec
 from lightning_rec.sparse import KeyedJaggedTensor
 
 MANIFEST = "manifest.json"
 REDO = ("rerun the `lightning-rec preprocess` command that wrote it (it checks every shard and redoes the damaged "
         "ones), or copy the directory again")
-SHARD_FORMAT = "lightning_rec.criteo_shards/1"
+SHARD_FORMAT = "lightning_rec.criteo_shards/1"  # one label [n]: what every directory before /2 holds
+SHARD_FORMAT_TASKS = "lightning_rec.criteo_shards/2"  # several labels [n, T] (a shard record's "tasks": T)
 ARRAYS = {  # name: (dtype, columns or None)
     "label": (np.float32, None),
     "dense": (np.float32, NUM_DENSE_FEATURES),
@@ -79,6 +84,7 @@ def verify_shard(directory: str | os.PathLike, record: dict, checksum: bool = Tr
         except (ValueError, OSError) as e:
             return f"{path.name} is not a readable .npy file ({e})"
         dtype, cols = ARRAYS[name]
+        cols = record.get("tasks") if name == "label" else cols
         want = (record["rows"],) if cols is None else (record["rows"], cols)
         if arr.shape != want or arr.dtype != dtype:
             return f"{path.name} holds {arr.dtype} {arr.shape}, the record says {np.dtype(dtype)} {want}"
@@ -99,11 +105,26 @@ def load_manifest(directory: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as e:  # (a JSON or UTF-8 error) cut short: a partial copy, a full disk
         raise ValueError(f"{path} is damaged or incomplete ({e}): {REDO}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != SHARD_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (SHARD_FORMAT, SHARD_FORMAT_TASKS):
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ValueError(f"{path} has format {found!r}, this version reads {SHARD_FORMAT!r}: rerun "
-                         f"`lightning-rec preprocess` with this version")
+        raise ValueError(f"{path} has format {found!r}, this version reads {SHARD_FORMAT!r} and "
+                         f"{SHARD_FORMAT_TASKS!r}: rerun `lightning-rec preprocess` with this version")
     return manifest
+
+
+def check_shard_tasks(directory: str | os.PathLike, manifest: dict, specs: Sequence[LabelSpec] | None,
+                      where: str) -> None:
+    """The tasks a data module asks for (`specs`: its label_columns / label_masks) are the ones the directory holds."""
+    held = manifest.get("labels")  # the LabelSpecs preprocess derived the directory's labels with
+    if held == ([asdict(s) for s in specs] if specs else None):
+        return
+    if held is None:
+        raise ValueError(f"{where}(label_columns=...): {directory} is preprocessed with one label column: preprocess "
+                         f"the files again with --label_columns (the same tasks), or give the text or table files")
+    options = manifest["options"]
+    given = ", ".join(f"{k}={options[k]!r}" for k in ("label_columns", "label_masks") if options.get(k))
+    raise ValueError(f"{where}: {directory} was preprocessed with {given} (tasks {manifest['task_names']}) and holds "
+                     f"those labels only: pass the same {given}, or preprocess again")
 
 
 def dist_rank_world() -> tuple[int, int]:
@@ -149,6 +170,8 @@ class CriteoShardDataset(IterableDataset):
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
         self.num_embeddings_per_feature = list(self.manifest["num_embeddings_per_feature"])
         self.has_label = bool(self.manifest["has_label"])
+        # several labels (format /2): labels [B, T] of these tasks; None: one label [B]
+        self.task_names = tuple(self.manifest["task_names"]) if self.manifest.get("task_names") else None
         self.empty_bag = self.manifest["missing_categorical"] == "empty_bag"
         self._rank, self._world = rank, world_size
         self.every_row = every_row
@@ -403,7 +426,8 @@ class CriteoShardDataset(IterableDataset):
 
     def empty_batch(self) -> Batch:
         """A batch of 0 rows (evaluation padding; see `every_row`)."""
-        batch = self.make_batch(np.empty(0, np.float32), np.empty((0, NUM_DENSE_FEATURES), np.float32),
+        labels = np.empty((0, len(self.task_names)) if self.task_names else 0, np.float32)
+        batch = self.make_batch(labels, np.empty((0, NUM_DENSE_FEATURES), np.float32),
                                 np.empty((0, NUM_SPARSE_FEATURES), np.int32))
         batch.row_ids = torch.empty(0, dtype=torch.int64)
         return batch
@@ -422,4 +446,5 @@ class CriteoShardDataset(IterableDataset):
         labels = torch.from_numpy(label_B)
         if not self.has_label:
             labels = torch.full((batch_size,), float("nan"))
-        return Batch(dense_features=torch.from_numpy(dense_B13), sparse_features=kjt, labels=labels)
+        return Batch(dense_features=torch.from_numpy(dense_B13), sparse_features=kjt, labels=labels,
+                     task_names=self.task_names)
