@@ -6,13 +6,17 @@ update."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as L
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_pipeline import NUM_F, SMALL, Step, _loader, _take, _weights
+from test_pipeline import KEYS, NUM_F, SMALL, Step, _loader, _take, _weights
 
 from lightning_rec.data.synthetic import SyntheticCriteoDataModule
+from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec.embedding_configs import DataType
 from lightning_rec.model_parallel import (
     DistributedModelParallel,
     construct_module_sharding_plan,
@@ -20,7 +24,8 @@ from lightning_rec.model_parallel import (
     row_wise,
     table_wise,
 )
-from lightning_rec.optim import CombinedOptimizer
+from lightning_rec.models.dlrm import DLRM
+from lightning_rec.optim import CombinedOptimizer, FusedOptimizerConfig
 from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
 from lightning_rec.types import ShardingPlan
 
@@ -102,6 +107,131 @@ def test_prefetch_without_a_cuda_device_is_refused_by_the_config():
         PipelineConfig(prefetch=True)
     with pytest.raises(ValueError, match="prefetch"):
         PipelineConfig.of({"prefetch": True})
+
+
+def test_prefetch_with_semi_sync_is_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"semi_sync=True, prefetch=True.*backward.*choose one"):
+        PipelineConfig(semi_sync=True, prefetch=True)
+
+
+class _TwoKernels(Step):
+    """Step whose tables sit in two fbgemm kernels: t0, t1 in float32, t2, t3 in float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=40 + 3 * i, embedding_dim=8, feature_names=[k],
+                                     data_type=DataType.FP32 if i < 2 else DataType.FP16)
+                  for i, k in enumerate(KEYS)]
+        ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05),
+                                     kernel="fbgemm")
+        self.dlrm = DLRM(ebc, 13, [16, 8], [16, 1])
+
+
+def _recorded_prefetch_build(W: int, log: list, monkeypatch_cuda: bool = True):
+    """The model with t2 and t3 row-wise (routed ids differ from the batch's) in a kernel that stands for a
+    fused_uvm_caching one on CPU: its TBE is marked in prefetch mode, and records its prefetches, lookups and
+    backwards (in `log`: (what, kernel, indices, offsets))."""
+    import lightning_rec.pipeline.config as config_module
+
+    if monkeypatch_cuda:  # the stage's order and choice of tables, without a CUDA device
+        config_module.no_cuda_error = lambda *args: None
+    torch.manual_seed(0)
+    model = _TwoKernels()
+    ebc = model.dlrm.sparse_arch.embedding_bag_collection
+    plan = ShardingPlan({"dlrm.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=W - 1), "t2": row_wise(), "t3": row_wise()},
+        world_size=W, local_size=W)})
+    dmp = DistributedModelParallel(model, plan=plan, device="cpu", timeout=30)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+    sharded = dmp.module.dlrm.sparse_arch.embedding_bag_collection
+    kernels = sharded._lookup.fused_kernels()
+    for name, kernel in zip(("fp32", "fp16"), kernels):
+        tbe = kernel.tbe
+        tbe.register_forward_pre_hook(lambda m, args, name=name: log.append(
+            ("lookup", name, args[0].clone(), args[1].clone())))
+        tbe.register_forward_hook(lambda m, args, out, name=name: (out.register_hook(
+            lambda g: log.append(("backward", name, None, None))) if out.requires_grad else None, None)[1])
+        tbe.prefetch = lambda indices, offsets, forward_stream=None, name=name: log.append(
+            ("prefetch", name, indices.clone(), offsets.clone()))
+        if name == "fp16":
+            tbe.prefetch_pipeline = True  # (a real one: tbe_enable_prefetch_pipeline)
+            kernel.caching = True
+            kernel.tables = [dataclasses.replace(t, compute_kernel="fused_uvm_caching") for t in kernel.tables]
+            for tables in sharded.routing.rank_tables:  # the plan, as every rank knows it
+                tables[:] = [dataclasses.replace(t, compute_kernel="fused_uvm_caching") if t.name.startswith(
+                    ("t2", "t3")) else t for t in tables]
+    return dmp, opt, kernels
+
+
+def _prefetch_order_worker(rank, W, steps):
+    import lightning_rec.lookup as lookup_module
+
+    forgotten = []
+    lookup_module.tbe_forget_prefetches = lambda tbe: forgotten.append(tbe)
+    batches, log = list(_take(_loader(rank, steps), steps)), []
+    dmp, opt, kernels = _recorded_prefetch_build(W, log)
+    assert dmp.module.dlrm.sparse_arch.embedding_bag_collection.cached_tables() == ["t2", "t3"]
+    with TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(prefetch=True)) as pipeline:
+        it = iter(batches)
+        while True:
+            try:
+                pipeline.progress(it)
+            except StopIteration:
+                break
+    cached = [(what, i, o) for what, name, i, o in log if name == "fp16"]
+    # batch 0 records the plan in its step; batches 1.. are prefetched after the step before's forward, before its
+    # backward, with the very ids and offsets their lookup then reads
+    expected = ["lookup"] + ["prefetch", "backward", "lookup"] * (steps - 1) + ["backward"]
+    assert [w for w, _, _ in cached] == expected, [w for w, _, _ in cached]
+    lookups = [(i, o) for w, i, o in cached if w == "lookup"]
+    prefetches = [(i, o) for w, i, o in cached if w == "prefetch"]
+    for (pi, po), (li, lo) in zip(prefetches, lookups[1:]):
+        assert torch.equal(pi, li) and torch.equal(po, lo)
+    assert not [w for w, name, _, _ in log if name == "fp32" and w == "prefetch"]  # only the caching kernel
+    assert not forgotten and not kernels[1]._prefetched  # every prefetch was taken by its lookup
+    # stopped mid-pass: the batch prefetched for the next step comes back; a lookup of another batch first finds the
+    # prefetch not its own: forgotten (fbgemm's forward would read its cache locations as its own otherwise)
+    log.clear()
+    dmp, opt, kernels = _recorded_prefetch_build(W, log)
+    pipeline, it = TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(prefetch=True)), iter(batches)
+    for _ in range(3):
+        pipeline.progress(it)
+    assert len(kernels[1]._prefetched) == 1
+    rest = list(pipeline.close()) + list(it)
+    _plain_step(dmp, opt, rest[1])
+    assert forgotten == [kernels[1].tbe] and not kernels[1]._prefetched
+    return len(prefetches)
+
+
+def _plain_step(dmp, opt, batch) -> None:
+    opt.zero_grad()
+    loss, _ = dmp(batch)
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_prefetch_fills_caching_kernels_with_the_next_batch_before_this_ones_backward(W):
+    """The prefetch stage (PipelineConfig(prefetch=True)) on CPU with a recording stand-in for fbgemm's prefetch: it
+    is called for batch i+1 after batch i's forward and before its backward, on the caching kernel only, with the
+    ids and offsets batch i+1's lookup reads (after the id all-to-all); a prefetch whose batch never comes is dropped."""
+    assert run_ranks(_prefetch_order_worker, W, 6, timeout=120) == [5] * W
+
+
+def _no_caching_worker(rank, W):
+    import lightning_rec.pipeline.config as config_module
+
+    config_module.no_cuda_error = lambda *args: None
+    dmp, opt = _build(W)
+    with pytest.raises(ValueError, match=r"prefetch=True\): the plan puts no table .*'dlrm.sparse_arch.embedding_bag_"
+                                         r"collection'.* fused_uvm_caching.*leave prefetch out.*compute_kernels"):
+        TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(prefetch=True))
+    return True
+
+
+def test_prefetch_without_a_caching_table_in_the_plan_is_refused():
+    assert run_ranks(_no_caching_worker, 1) == [True]
 
 
 class _StaleLookups(L.Callback):
