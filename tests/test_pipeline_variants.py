@@ -225,7 +225,7 @@ def _no_caching_worker(rank, W):
     config_module.no_cuda_error = lambda *args: None
     dmp, opt = _build(W)
     with pytest.raises(ValueError, match=r"prefetch=True\): the plan puts no table .*'dlrm.sparse_arch.embedding_bag_"
-                                         r"collection'.* fused_uvm_caching.*leave prefetch out.*compute_kernels"):
+                                         r"collection'.*'fused_uvm_caching'.*leave prefetch out.*compute_kernels"):
         TrainPipelineSparseDist(dmp, opt, "cpu", PipelineConfig(prefetch=True))
     return True
 
