@@ -298,3 +298,89 @@ def test_semi_sync_in_the_lightning_loop_equals_the_plain_loop_made_stale_by_han
     assert len(semi) == 6 and semi == stale  # exact: fp32 on CPU, the same ops in the same order
     assert not [k for k in stale_weights if not torch.equal(stale_weights[k], semi_weights[k])]
     assert semi[0] == plain[0] and semi[1] != plain[1]  # batch 1 on: the lookups read tables one update stale
+
+
+# On a GPU (`pytest -m gpu`): fbgemm's row cache, prefetched and not -----------------------------------------------
+
+CACHED_ROWS, CACHED_BATCH = 4000, 512
+
+
+class _CachedStep(Step):
+    """Step over 4 tables of 4,000 rows, every one fused_uvm_caching with a cache of 20% of its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=CACHED_ROWS, embedding_dim=8, feature_names=[k])
+                  for i, k in enumerate(KEYS)]
+        ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.05))
+        self.dlrm = DLRM(ebc, 13, [16, 8], [16, 1])
+
+
+def _cached_batches(n: int) -> list:
+    """Host batches (pinned) of 0-3 ids per bag: ~3,000 ids a batch against 3,200 cache slots in 100 sets of 32, so
+    that rows miss, are evicted and come back (the cases fbgemm's prefetch pipeline must keep consistent)."""
+    from lightning_rec.data.batch import Batch
+    from lightning_rec.sparse import KeyedJaggedTensor
+
+    g, out = torch.Generator().manual_seed(1), []
+    for _ in range(n):
+        lengths = torch.randint(0, 4, (NUM_F * CACHED_BATCH,), generator=g)
+        ids = torch.randint(0, CACHED_ROWS, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor(KEYS, ids, lengths=lengths, stride=CACHED_BATCH)
+        dense, labels = torch.rand(CACHED_BATCH, 13, generator=g), torch.randint(0, 2, (CACHED_BATCH,), generator=g)
+        out.append(Batch(dense, kjt, labels.float()).pin_memory())
+    return out
+
+
+def _cached_run(batches, prefetch: bool):
+    from lightning_rec.types import ComputeKernel
+
+    torch.manual_seed(0)
+    model = _CachedStep()
+    ebc = model.dlrm.sparse_arch.embedding_bag_collection
+    path = "dlrm.sparse_arch.embedding_bag_collection"
+    plan = ShardingPlan({path: construct_module_sharding_plan(
+        ebc, {f"t{i}": table_wise(rank=0, compute_kernel=ComputeKernel.FUSED_UVM_CACHING) for i in range(NUM_F)},
+        world_size=1, local_size=1)})
+    for sharding in plan.plan[path].values():
+        sharding.cache_load_factor = 0.2
+    device = f"cuda:{torch.cuda.current_device()}"
+    dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=60)
+    opt = CombinedOptimizer([("fused", dmp.fused_optimizer),
+                             ("dense", torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.02))])
+    (kernel,) = dmp.module.dlrm.sparse_arch.embedding_bag_collection._lookup.fused_kernels()
+    assert kernel.caching and kernel.tbe.lxu_cache_weights.numel() > 0
+    calls, real = [], kernel.tbe.prefetch
+    kernel.tbe.prefetch = lambda indices, offsets, forward_stream=None: (
+        calls.append(forward_stream is not None), real(indices, offsets, forward_stream=forward_stream))[1]
+    sums = []
+    with TrainPipelineSparseDist(dmp, opt, device, PipelineConfig(prefetch=prefetch)) as pipeline:
+        it = iter(batches)
+        while True:
+            try:
+                sums.append(pipeline.progress(it).detach().sum())
+            except StopIteration:
+                break
+    assert kernel.tbe.prefetch_pipeline == prefetch and not kernel._prefetched
+    return torch.stack(sums).cpu(), _weights(dmp), calls
+
+
+def _uvm_parity_worker(rank, W, steps):
+    batches = _cached_batches(steps)
+    none_sums, none_weights, none_calls = _cached_run(batches, prefetch=False)
+    sums, weights, calls = _cached_run(batches, prefetch=True)
+    assert none_calls == [] and calls == [True] * (steps - 1)  # batches 1.. prefetched, on the side stream
+    # the same rows and arithmetic, read from the cache or from host memory; fbgemm's backward with the prefetch
+    # pipeline sums each row's gradients over unique cache locations, an order that may differ in the last bit
+    torch.testing.assert_close(sums, none_sums, atol=1e-6, rtol=1e-6)
+    for k in none_weights:
+        torch.testing.assert_close(weights[k].cpu(), none_weights[k].cpu(), atol=1e-6, rtol=1e-6, msg=k)
+    return steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
+def test_prefetch_trains_what_the_pipeline_without_it_trains_with_a_uvm_cache_of_20_percent():
+    """PipelineConfig(prefetch=True) on fused_uvm_caching tables (load factor 0.2, misses and evictions every step)
+    trains what the pipeline without the prefetch stage trains over 30 steps, to 1e-6."""
+    assert run_ranks(_uvm_parity_worker, 1, 30, timeout=300, backend="nccl") == [30]
