@@ -273,8 +273,8 @@ def wandb_init_arguments(logger) -> dict:
     return arguments if isinstance(arguments, dict) else {}
 
 
-# fbgemm's TBE cache in prefetch-pipeline mode (fbgemm-gpu 1.6-1.8, read in split_table_batched_embeddings_ops_training):
-# what its constructor sets up for prefetch_pipeline=True, and the per-lookup lists its forward pops, touched here only.
+# fbgemm's TBE cache in prefetch-pipeline mode (fbgemm-gpu 1.6-1.8, split_table_batched_embeddings_ops_training):
+# what its constructor sets up for prefetch_pipeline=True, and the per-lookup lists its forward pops: touched here only.
 _PREFETCH_PIPELINE_PARTS = ("prefetch", "lxu_cache_state", "lock_cache_line", "use_uniq_cache_locations_bwd",
                             "_init_uvm_cache_counter", "_sync_stream_post_backward",
                             "_update_cache_counter_and_locations", "placeholder_autograd_tensor",
@@ -330,7 +330,7 @@ def tbe_enable_prefetch_pipeline(tbe) -> None:
 
 def tbe_forget_prefetches(tbe) -> None:
     """Drop the prefetches a TBE holds for lookups that will not come (a batch dropped after its prefetch): its next
-    lookup would read their cache locations as its own. Their cache lines are unlocked; that lookup prefetches itself."""
+    lookup would read their cache locations as its own. Their cache lines are unlocked; that lookup fills its own."""
     stream = getattr(tbe, "prefetch_stream", None)
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)

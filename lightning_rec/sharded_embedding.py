@@ -519,7 +519,8 @@ class _ShardedCollectionBase(nn.Module):
 
     def cached_tables(self) -> list[str]:
         """The tables the plan puts in fused_uvm_caching (on any rank: the same list on every rank)."""
-        return sorted({self.routing.pieces.get((r, t.name), (t.name,))[0] for r, ts in enumerate(self.routing.rank_tables)
+        pieces = self.routing.pieces
+        return sorted({pieces.get((r, t.name), (t.name,))[0] for r, ts in enumerate(self.routing.rank_tables)
                        for t in ts if t.compute_kernel == "fused_uvm_caching"})
 
     def use_prefetch_pipeline(self) -> None:

@@ -215,7 +215,7 @@ def _plain_step(dmp, opt, batch) -> None:
 def test_prefetch_fills_caching_kernels_with_the_next_batch_before_this_ones_backward(W):
     """The prefetch stage (PipelineConfig(prefetch=True)) on CPU with a recording stand-in for fbgemm's prefetch: it
     is called for batch i+1 after batch i's forward and before its backward, on the caching kernel only, with the
-    ids and offsets batch i+1's lookup reads (after the id all-to-all); a prefetch whose batch never comes is dropped."""
+    ids and offsets batch i+1's lookup reads (after the id all-to-all); a prefetch whose batch never comes, dropped."""
     assert run_ranks(_prefetch_order_worker, W, 6, timeout=120) == [5] * W
 
 

@@ -53,8 +53,8 @@ class PipelineConfig:
         if int(self.depth) < 1:
             raise ValueError(f"PipelineConfig(depth={self.depth}): use depth >= 1 (batches routed ahead)")
         if self.prefetch and self.semi_sync:
-            raise ValueError("PipelineConfig(semi_sync=True, prefetch=True): a semi-synchronous step looks batch i+1 up "
-                             "before batch i's backward, and fbgemm's prefetch pipeline needs batch i's backward "
+            raise ValueError("PipelineConfig(semi_sync=True, prefetch=True): a semi-synchronous step looks batch i+1 "
+                             "up before batch i's backward, and fbgemm's prefetch pipeline needs batch i's backward "
                              "before batch i+1's lookup (it refreshes batch i's cache locations there): choose one")
         if self.prefetch:
             error = no_cuda_error("PipelineConfig(prefetch=True) (it fills fused_uvm_caching tables' device cache)",
