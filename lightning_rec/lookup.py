@@ -436,9 +436,7 @@ class FusedKernel(nn.Module):
         return self._tbe_call(values_N, offsets, weights_N)
 
     def _tbe_call(self, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
-        self._filled_in_lookup = not self._prefetched
-        if self._prefetched:
-            self._take_prefetch(values_N, offsets)
+        self._filled_in_lookup = not (self._prefetched and self._take_prefetch(values_N, offsets))
         out = _tbe_lookup(self.tbe, values_N, offsets, weights_N)
         if self._prefetching and not out.requires_grad:
             tbe_unlock_lookup(self.tbe)  # no backward will unlock its cache lines
@@ -465,15 +463,20 @@ class FusedKernel(nn.Module):
         self._prefetched.append((values_N, offsets.numel()))
         self._filled_in_lookup = False
 
-    def _take_prefetch(self, values_N: Tensor, offsets: Tensor) -> None:
-        """The lookup of the batch prefetched first takes its prefetch; any other lookup (that batch was dropped, or
-        evaluation came between) finds the prefetches forgotten, and fills the cache itself."""
+    def _take_prefetch(self, values_N: Tensor, offsets: Tensor) -> bool:
+        """The lookup of the batch prefetched first takes its prefetch (True); any other lookup (that batch was
+        dropped, or evaluation came between) finds the prefetches forgotten, and fills the cache itself."""
         held, bags = self._prefetched[0]
         if held.data_ptr() == values_N.data_ptr() and held.numel() == values_N.numel() and bags == offsets.numel():
             self._prefetched.popleft()
-            return
-        tbe_forget_prefetches(self.tbe)
-        self._prefetched.clear()
+            return True
+        self._forget_prefetches()
+        return False
+
+    def _forget_prefetches(self) -> None:
+        if self._prefetched:
+            tbe_forget_prefetches(self.tbe)
+            self._prefetched.clear()
 
     def _pooled(self, features: KeyedJaggedTensor, checked: bool) -> Tensor:
         weights_N = features.weights_or_none()
@@ -624,8 +627,10 @@ class FusedKernel(nn.Module):
         return states
 
     def weights_written(self) -> None:
-        """The table views were written (a checkpoint load): cached rows are stale, so the cache starts empty."""
+        """The table views were written (a checkpoint load): cached rows are stale, so the cache starts empty (and
+        prefetched cache locations with it)."""
         if self._has_cache():
+            self._forget_prefetches()
             self.tbe.reset_cache_states()
 
     def state_loaded(self) -> None:
@@ -778,6 +783,8 @@ class GroupedLookup(nn.Module):
     def prefetch(self, features: KeyedJaggedTensor, forward_stream: torch.cuda.Stream | None) -> None:
         """The pipeline's prefetch stage: the rows of a later forward(features) into the caches of the kernels with
         fused_uvm_caching tables (features split by kernel as forward splits them)."""
+        if not any(isinstance(k, FusedKernel) and k.caching for k in self.kernels):
+            return
         parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
         for kernel, part in zip(self.kernels, parts):
             if isinstance(kernel, FusedKernel) and kernel.caching:

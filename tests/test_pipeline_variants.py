@@ -167,8 +167,9 @@ def _recorded_prefetch_build(W: int, log: list, monkeypatch_cuda: bool = True):
 def _prefetch_order_worker(rank, W, steps):
     import lightning_rec.lookup as lookup_module
 
-    forgotten = []
+    forgotten, unlocked = [], []
     lookup_module.tbe_forget_prefetches = lambda tbe: forgotten.append(tbe)
+    lookup_module.tbe_unlock_lookup = lambda tbe: unlocked.append(tbe)
     batches, log = list(_take(_loader(rank, steps), steps)), []
     dmp, opt, kernels = _recorded_prefetch_build(W, log)
     assert dmp.module.dlrm.sparse_arch.embedding_bag_collection.cached_tables() == ["t2", "t3"]
@@ -190,6 +191,11 @@ def _prefetch_order_worker(rank, W, steps):
         assert torch.equal(pi, li) and torch.equal(po, lo)
     assert not [w for w, name, _, _ in log if name == "fp32" and w == "prefetch"]  # only the caching kernel
     assert not forgotten and not kernels[1]._prefetched  # every prefetch was taken by its lookup
+    # a lookup without a backward (evaluation) unlocks the cache lines it locked, on the caching kernel only
+    assert not unlocked
+    with torch.no_grad():
+        dmp(batches[0])
+    assert unlocked == [kernels[1].tbe]
     # stopped mid-pass: the batch prefetched for the next step comes back; a lookup of another batch first finds the
     # prefetch not its own: forgotten (fbgemm's forward would read its cache locations as its own otherwise)
     log.clear()

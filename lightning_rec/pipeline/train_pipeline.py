@@ -107,7 +107,9 @@ class InputPipeline:
         if self.device.type != "cuda":
             return None
         # one per device: fbgemm keeps the stream of a TBE's first prefetch and syncs its backward with that one
-        return _PREFETCH_STREAMS.setdefault(self.device, torch.cuda.Stream(self.device))
+        if self.device not in _PREFETCH_STREAMS:
+            _PREFETCH_STREAMS[self.device] = torch.cuda.Stream(self.device)
+        return _PREFETCH_STREAMS[self.device]
 
     def look_ahead(self, batch: Any) -> None:
         """After the current step's forward, before its backward, for the next batch:
