@@ -147,21 +147,41 @@ def _recorded_prefetch_build(W: int, log: list, monkeypatch_cuda: bool = True):
     sharded = dmp.module.dlrm.sparse_arch.embedding_bag_collection
     kernels = sharded._lookup.fused_kernels()
     for name, kernel in zip(("fp32", "fp16"), kernels):
-        tbe = kernel.tbe
-        tbe.register_forward_pre_hook(lambda m, args, name=name: log.append(
-            ("lookup", name, args[0].clone(), args[1].clone())))
-        tbe.register_forward_hook(lambda m, args, out, name=name: (out.register_hook(
-            lambda g: log.append(("backward", name, None, None))) if out.requires_grad else None, None)[1])
-        tbe.prefetch = lambda indices, offsets, forward_stream=None, name=name: log.append(
-            ("prefetch", name, indices.clone(), offsets.clone()))
-        if name == "fp16":
-            tbe.prefetch_pipeline = True  # (a real one: tbe_enable_prefetch_pipeline)
-            kernel.caching = True
-            kernel.tables = [dataclasses.replace(t, compute_kernel="fused_uvm_caching") for t in kernel.tables]
-            for tables in sharded.routing.rank_tables:  # the plan, as every rank knows it
-                tables[:] = [dataclasses.replace(t, compute_kernel="fused_uvm_caching") if t.name.startswith(
-                    ("t2", "t3")) else t for t in tables]
+        _recording_stand_in(sharded, kernel, name, log, cached=name == "fp16")
     return dmp, opt, kernels
+
+
+def _recording_stand_in(sharded, kernel, name: str, log: list, cached: bool) -> None:
+    """`kernel`'s TBE records its prefetches, lookups and backwards in `log`; cached: it stands for a
+    fused_uvm_caching kernel (its TBE marked in prefetch mode, its tables so planned on every rank)."""
+    tbe = kernel.tbe
+    tbe.register_forward_pre_hook(lambda m, args: log.append(("lookup", name, args[0].clone(), args[1].clone())))
+    tbe.register_forward_hook(lambda m, args, out: (out.register_hook(
+        lambda g: log.append(("backward", name, None, None))) if out.requires_grad else None, None)[1])
+    tbe.prefetch = lambda indices, offsets, forward_stream=None: log.append(
+        ("prefetch", name, indices.clone(), offsets.clone()))
+    if cached:
+        tbe.prefetch_pipeline = True  # (a real one: tbe_enable_prefetch_pipeline)
+        kernel.caching = True
+        wanted = {sharded.shard_of(t.name)[0] for t in kernel.tables}
+        kernel.tables = [dataclasses.replace(t, compute_kernel="fused_uvm_caching") for t in kernel.tables]
+        pieces = sharded.routing.pieces
+        for r, tables in enumerate(sharded.routing.rank_tables):  # the plan, as every rank knows it
+            tables[:] = [dataclasses.replace(t, compute_kernel="fused_uvm_caching")
+                         if pieces.get((r, t.name), (t.name,))[0] in wanted else t for t in tables]
+
+
+def _check_prefetch_order(log: list, name: str, steps: int) -> int:
+    """batch 0 records the plan in its step; batches 1.. are prefetched after the step before's forward, before its
+    backward, with the very ids and offsets their lookup then reads. Returns the number of prefetches."""
+    cached = [(what, i, o) for what, kernel, i, o in log if kernel == name]
+    expected = ["lookup"] + ["prefetch", "backward", "lookup"] * (steps - 1) + ["backward"]
+    assert [w for w, _, _ in cached] == expected, [w for w, _, _ in cached]
+    lookups = [(i, o) for w, i, o in cached if w == "lookup"]
+    prefetches = [(i, o) for w, i, o in cached if w == "prefetch"]
+    for (pi, po), (li, lo) in zip(prefetches, lookups[1:]):
+        assert torch.equal(pi, li) and torch.equal(po, lo)
+    return len(prefetches)
 
 
 def _prefetch_order_worker(rank, W, steps):
@@ -180,15 +200,7 @@ def _prefetch_order_worker(rank, W, steps):
                 pipeline.progress(it)
             except StopIteration:
                 break
-    cached = [(what, i, o) for what, name, i, o in log if name == "fp16"]
-    # batch 0 records the plan in its step; batches 1.. are prefetched after the step before's forward, before its
-    # backward, with the very ids and offsets their lookup then reads
-    expected = ["lookup"] + ["prefetch", "backward", "lookup"] * (steps - 1) + ["backward"]
-    assert [w for w, _, _ in cached] == expected, [w for w, _, _ in cached]
-    lookups = [(i, o) for w, i, o in cached if w == "lookup"]
-    prefetches = [(i, o) for w, i, o in cached if w == "prefetch"]
-    for (pi, po), (li, lo) in zip(prefetches, lookups[1:]):
-        assert torch.equal(pi, li) and torch.equal(po, lo)
+    prefetches = _check_prefetch_order(log, "fp16", steps)
     assert not [w for w, name, _, _ in log if name == "fp32" and w == "prefetch"]  # only the caching kernel
     assert not forgotten and not kernels[1]._prefetched  # every prefetch was taken by its lookup
     # a lookup without a backward (evaluation) unlocks the cache lines it locked, on the caching kernel only
@@ -207,7 +219,7 @@ def _prefetch_order_worker(rank, W, steps):
     rest = list(pipeline.close()) + list(it)
     _plain_step(dmp, opt, rest[1])
     assert forgotten == [kernels[1].tbe] and not kernels[1]._prefetched
-    return len(prefetches)
+    return prefetches
 
 
 def _plain_step(dmp, opt, batch) -> None:
@@ -304,6 +316,42 @@ def test_semi_sync_in_the_lightning_loop_equals_the_plain_loop_made_stale_by_han
     assert len(semi) == 6 and semi == stale  # exact: fp32 on CPU, the same ops in the same order
     assert not [k for k in stale_weights if not torch.equal(stale_weights[k], semi_weights[k])]
     assert semi[0] == plain[0] and semi[1] != plain[1]  # batch 1 on: the lookups read tables one update stale
+
+
+class _StandInCache(L.Callback):
+    """Once the strategy has sharded the model: its one fused kernel records, standing for a fused_uvm_caching one."""
+
+    def __init__(self, records: list) -> None:
+        self.records = records
+
+    def on_fit_start(self, trainer, pl_module):
+        sharded = pl_module.model.sparse_arch.embedding_bag_collection
+        (kernel,) = sharded._lookup.fused_kernels()
+        _recording_stand_in(sharded, kernel, "cached", self.records, cached=True)
+
+
+def _lightning_prefetch_worker(rank, W):
+    import lightning_rec.pipeline.config as config_module
+    from lightning_rec import DLRMModule
+    from lightning_rec.strategy import RecStrategy
+
+    config_module.no_cuda_error = lambda *args: None  # the order, without a CUDA device
+    L.seed_everything(0)
+    log = []
+    data = SyntheticCriteoDataModule(num_train_samples=6 * 64, num_val_samples=64, batch_size=64,
+                                     num_sparse_features=NUM_F, num_embeddings_per_feature=64, num_signal_features=2,
+                                     shuffle=False, seed=3 * rank)
+    trainer = L.Trainer(strategy=RecStrategy(pipeline=PipelineConfig(prefetch=True)), accelerator="cpu", devices=W,
+                        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, limit_val_batches=0, callbacks=[_StandInCache(log)])
+    trainer.fit(DLRMModule(**SMALL, embedding_kernel="fbgemm"), data)
+    return _check_prefetch_order(log, "cached", 3)  # 6 batches over 2 ranks
+
+
+def test_prefetch_in_the_lightning_loop_fills_the_cache_with_the_next_batch_before_this_ones_backward():
+    """RecStrategy(pipeline=PipelineConfig(prefetch=True)): the training step prefetches the next batch between its
+    forward and its backward (automatic optimization), with the ids its lookup reads after the id all-to-all."""
+    assert run_ranks(_lightning_prefetch_worker, 2, timeout=180) == [2, 2]
 
 
 # On a GPU (`pytest -m gpu`): fbgemm's row cache, prefetched and not -----------------------------------------------
