@@ -38,6 +38,15 @@ ratios.semi_sync_vs_sparse_dist[_cuda] of the first mode).
 (DistributedModelParallel(compile_dense=True), or cuda_graphs=True: CUDA graphs through
 mode="reduce-overhead"), pipelined in the same rounds: figures.pipelined_compiled_samples_s_<mode>,
 ratios.compiled_vs_eager[_cuda] (pipelined, first mode). Compiling happens in the warm-up steps.
+
+    python benchmarks/dlrm_gpu.py --uvm-cache 0.2 --prefetch [--modes tf32] [--rounds 3]   # a CUDA device only
+
+`--uvm-cache LF --prefetch`: every table in host memory behind a device cache of LF of its rows
+(compute_kernel fused_uvm_caching, cache_load_factor LF), one-rank DistributedModelParallel, batches from
+pinned host memory; TrainPipelineSparseDist without and with PipelineConfig(prefetch=True) (batch i+1's rows
+fetched into the cache while batch i computes), two models of the same values (a cache in prefetch mode
+stays so), alternating first and second over rounds. JSON: ratios.prefetch_vs_none (median samples/s of
+the first mode), figures.uvm_cache_<none|prefetch>_samples_s_<mode>, figures.uvm_cache_load_factor.
 """
 
 from __future__ import annotations
@@ -192,10 +201,6 @@ TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPip
 
 def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:
     """samples/s per mode of the plain loop and the pipeline over the same pinned host batches."""
-    import os
-    import socket
-
-    import torch.distributed as dist
     from dlrm_distributed import TrainStep  # the same step as the CPU pipeline benchmark (this folder)
     from torch.utils.data import DataLoader
 
@@ -203,12 +208,7 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
     from lightning_rec.optim import CombinedOptimizer
     from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
 
-    if not dist.is_initialized():  # a one-rank world: DistributedModelParallel and the pipeline need one
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    one_rank_world(device)
     keys, host = make_batches(args, torch.device("cpu"))
     if device.type == "cuda":
         host = [b.pin_memory() for b in host]
@@ -313,6 +313,93 @@ def pipeline_main(args, modes, device: torch.device) -> None:
     print(json.dumps({"benchmark": "dlrm_gpu", "results": results, "ratios": ratios, "figures": figures}))
 
 
+def run_prefetch_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:
+    """samples/s per mode of the pipeline over fused_uvm_caching tables, without and with the prefetch stage."""
+    from dlrm_distributed import TrainStep  # this folder
+    from torch.utils.data import DataLoader
+
+    from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan, table_wise
+    from lightning_rec.optim import CombinedOptimizer
+    from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
+    from lightning_rec.types import ComputeKernel, ShardingPlan
+
+    one_rank_world(device)
+    keys, host = make_batches(args, torch.device("cpu"))
+    host = [b.pin_memory() for b in host]
+    steps, warmup = args.steps, 3
+    loader = DataLoader([host[i % len(host)] for i in range(steps + warmup)], batch_size=None)
+
+    def build():
+        module = build_module(args, keys, "meta")
+        module.configure_model()
+        step = TrainStep(module.model)
+        path = "dlrm.sparse_arch.embedding_bag_collection"
+        caching = table_wise(rank=0, compute_kernel=ComputeKernel.FUSED_UVM_CACHING)
+        plan = ShardingPlan({path: construct_module_sharding_plan(
+            module.model.sparse_arch.embedding_bag_collection, {f"t_{k}": caching for k in keys},
+            world_size=1, local_size=1)})
+        for sharding in plan.plan[path].values():
+            sharding.cache_load_factor = args.uvm_cache
+        dmp = DistributedModelParallel(step, plan=plan, device=device)
+        dense = torch.optim.Adagrad([p for p in dmp.parameters() if p.requires_grad], lr=0.01)
+        return dmp, CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", dense)])
+
+    models = {"none": build(), "prefetch": build()}
+    out = {m: {k: [] for k in models} for m in modes}
+
+    def pipelined(kind: str) -> float:
+        with TrainPipelineSparseDist(*models[kind], device, PipelineConfig(prefetch=kind == "prefetch")) as pipeline:
+            it = iter(loader)
+            for i in range(steps + warmup):
+                if i == warmup:
+                    sync(device)
+                    t0 = time.perf_counter()
+                pipeline.progress(it)
+            sync(device)
+            return args.batch * steps / (time.perf_counter() - t0)
+
+    for r in range(args.rounds):
+        for mode in modes:
+            with set_mode(mode):
+                for kind in list(models) if r % 2 == 0 else list(models)[::-1]:
+                    out[mode][kind].append(pipelined(kind))
+    return out
+
+
+def prefetch_main(args, modes, device: torch.device) -> None:
+    runs = run_prefetch_compare(args, modes, device)
+    print(f"DLRM on {torch.cuda.get_device_name()}, one rank, pinned host batches: {NUM_TABLES} tables x {args.rows} "
+          f"rows x dim {DENSE_ARCH[-1]} in host memory behind a device cache of {args.uvm_cache:.0%} of their rows "
+          f"(fused_uvm_caching), batch {args.batch}, median of {args.rounds} rounds of {args.steps} steps")
+    print(f"{'mode':<8}{'pipelined samples/s':>22}{'+ prefetch samples/s':>22}{'ratio':>8}")
+    figures, results = {"uvm_cache_load_factor": args.uvm_cache}, []
+    for mode in modes:
+        none, pre = (statistics.median(runs[mode][k]) for k in ("none", "prefetch"))
+        print(f"{mode:<8}{none:>22,.0f}{pre:>22,.0f}{pre / none:>8.3f}")
+        figures[f"uvm_cache_none_samples_s_{mode}"] = none
+        figures[f"uvm_cache_prefetch_samples_s_{mode}"] = pre
+        results.append({"mode": mode, "none_samples_per_s": none, "prefetch_samples_per_s": pre,
+                        "per_round_none": runs[mode]["none"], "per_round_prefetch": runs[mode]["prefetch"]})
+    first = modes[0]
+    ratios = {"prefetch_vs_none": statistics.median(runs[first]["prefetch"]) / statistics.median(runs[first]["none"])}
+    print(json.dumps({"benchmark": "dlrm_gpu", "results": results, "ratios": ratios, "figures": figures}))
+
+
+def one_rank_world(device: torch.device) -> None:
+    """A one-rank process group (NCCL on GPU, gloo on CPU): DistributedModelParallel and the pipeline need one."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -328,6 +415,10 @@ def main() -> None:
                         help="plain loop vs TrainPipelineSparseDist over pinned host batches (see the module doc)")
     parser.add_argument("--compile-dense", choices=["default", "cuda_graphs"], default=None,
                         help="--pipeline: also a model with compiled dense layers (see the module doc)")
+    parser.add_argument("--uvm-cache", type=float, default=None, metavar="LF",
+                        help="tables in host memory behind a device cache of LF of their rows (with --prefetch)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="--uvm-cache: the pipeline without and with PipelineConfig(prefetch=True) (module doc)")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds: 1,000-row tables, batch 1024, 3 steps, one round (every mode and variant)")
     args = parser.parse_args()
@@ -337,6 +428,13 @@ def main() -> None:
     modes = args.modes.split(",")
     if device.type != "cuda":
         modes = [m for m in modes if m != "bf16"]
+    if args.prefetch or args.uvm_cache is not None:
+        if not (args.prefetch and args.uvm_cache is not None and 0 < args.uvm_cache <= 1):
+            parser.error("--uvm-cache LF (0 < LF <= 1) and --prefetch go together: --uvm-cache 0.2 --prefetch")
+        if device.type != "cuda":
+            parser.error("--uvm-cache / --prefetch need a CUDA device: a device cache over host memory is a GPU's")
+        prefetch_main(args, [m for m in modes if m != "bf16"] or ["fp32"], device)
+        return
     if args.pipeline:
         pipeline_main(args, [m for m in modes if m != "bf16"] or ["fp32"], device)
         return

@@ -271,3 +271,78 @@ def wandb_init_arguments(logger) -> dict:
     {} where absent. (It passes anonymous=None, which wandb >= 0.19 reports at every start as having no effect.)"""
     arguments = getattr(logger, "_wandb_init", None)
     return arguments if isinstance(arguments, dict) else {}
+
+
+# fbgemm's TBE cache in prefetch-pipeline mode (fbgemm-gpu 1.6-1.8, split_table_batched_embeddings_ops_training):
+# what its constructor sets up for prefetch_pipeline=True, and the per-lookup lists its forward pops: touched here only.
+_PREFETCH_PIPELINE_PARTS = ("prefetch", "lxu_cache_state", "lock_cache_line", "use_uniq_cache_locations_bwd",
+                            "_init_uvm_cache_counter", "_sync_stream_post_backward",
+                            "_update_cache_counter_and_locations", "placeholder_autograd_tensor",
+                            "timesteps_prefetched", "lxu_cache_locations_list", "cache_algorithm")
+
+
+@functools.cache
+def _prefetch_takes_stream(fn) -> bool:
+    return _takes(fn, "forward_stream")
+
+
+def tbe_prefetch_takes_stream(tbe) -> bool:
+    """tbe.prefetch(indices, offsets, forward_stream=...): fbgemm-gpu >= 0.7 (1.6-1.8 have it). With it the prefetch
+    may run on a side stream: fbgemm records its cache locations for the lookup's stream and syncs the two streams
+    around the backward; without it the caller runs the prefetch on the lookup's stream."""
+    fn = tbe.prefetch
+    return _prefetch_takes_stream(getattr(fn, "__func__", fn))
+
+
+def tbe_prefetch(tbe, indices, offsets, forward_stream) -> None:
+    """The TBE's cache prefetch of one lookup's ids (forward_stream: the stream its lookup will run on, or None)."""
+    if forward_stream is not None:
+        tbe.prefetch(indices, offsets, forward_stream=forward_stream)
+    else:
+        tbe.prefetch(indices, offsets)
+
+
+def tbe_enable_prefetch_pipeline(tbe) -> None:
+    """Put a built fbgemm TBE's row cache in the mode its constructor's prefetch_pipeline=True gives (fbgemm-gpu
+    1.6-1.8): cache lines locked from prefetch to backward, each backward's cache locations looked up again after
+    the next batch's prefetch, and fbgemm's two stream hooks around the backward. Raises ValueError naming the parts
+    this fbgemm lacks."""
+    if getattr(tbe, "prefetch_pipeline", False):
+        return
+    missing = [p for p in _PREFETCH_PIPELINE_PARTS if not hasattr(tbe, p)]
+    if missing:
+        import fbgemm_gpu
+
+        raise ValueError(f"PipelineConfig(prefetch=True): fbgemm-gpu {getattr(fbgemm_gpu, '__version__', '?')}'s "
+                         f"TBE lacks {missing}, which its prefetch pipeline needs (checked on fbgemm-gpu 1.6-1.8): "
+                         f"install one of those, or leave prefetch out")
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+
+    if tbe.cache_algorithm != CacheAlgorithm.LRU:  # fbgemm's prefetch pipeline locks LRU cache lines only
+        raise ValueError(f"PipelineConfig(prefetch=True): fbgemm's prefetch pipeline needs its LRU cache, and this "
+                         f"TBE's cache is {tbe.cache_algorithm}: leave prefetch out")
+    tbe.prefetch_pipeline = tbe.lock_cache_line = tbe.use_uniq_cache_locations_bwd = True
+    tbe._init_uvm_cache_counter(tbe.lxu_cache_state.shape[0], persistent=True)  # the locking counter per cache line
+    # as fbgemm's constructor: the prefetch stream waits for the backward, the backward for the prefetch
+    tbe.placeholder_autograd_tensor.register_hook(tbe._sync_stream_post_backward)
+    tbe.register_full_backward_pre_hook(tbe._update_cache_counter_and_locations)
+
+
+def tbe_forget_prefetches(tbe) -> None:
+    """Drop the prefetches a TBE holds for lookups that will not come (a batch dropped after its prefetch): its next
+    lookup would read their cache locations as its own. Their cache lines are unlocked; that lookup fills its own."""
+    stream = getattr(tbe, "prefetch_stream", None)
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
+    if getattr(tbe, "lock_cache_line", False):
+        for locations in tbe.lxu_cache_locations_list:
+            torch.ops.fbgemm.lxu_cache_locking_counter_decrement(tbe.lxu_cache_locking_counter, locations)
+    tbe.lxu_cache_locations_list.clear()
+    tbe.timesteps_prefetched.clear()
+
+
+def tbe_unlock_lookup(tbe) -> None:
+    """A lookup that has no backward (evaluation, frozen tables) on a TBE in prefetch-pipeline mode: unlock the cache
+    lines it locked, as fbgemm's backward pre-hook does; else they stay locked (never evicted) for good."""
+    if getattr(tbe, "lock_cache_line", False) and getattr(tbe, "lxu_cache_locations", None) is not None:
+        torch.ops.fbgemm.lxu_cache_locking_counter_decrement(tbe.lxu_cache_locking_counter, tbe.lxu_cache_locations)

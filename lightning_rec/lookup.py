@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_rec._compat import compiler_disable_takes_reason
+from lightning_rec._compat import (
+    compiler_disable_takes_reason,
+    tbe_enable_prefetch_pipeline,
+    tbe_forget_prefetches,
+    tbe_prefetch,
+    tbe_prefetch_takes_stream,
+    tbe_unlock_lookup,
+)
 from lightning_rec._device import check_device_ready, cuda_missing, no_cuda_error  # noqa: F401  (imported from here too)
 from lightning_rec._native import native_op
 from lightning_rec.optim.config import FBGEMM_CPU_OPTIMIZERS, EmbOptimType, FusedOptimizerConfig, check_fused_lr
@@ -381,6 +389,13 @@ class FusedKernel(nn.Module):
                     w[:, : t.embedding_dim].uniform_(*t.init_range())
         self.gathering = False
         self._gathered: dict[int, tuple[Tensor, Tensor]] = {}  # table -> (unique rows [U], their gradients [U, D])
+        # the pipeline's prefetch stage (fused_uvm_caching): the ids of the lookups prefetched ahead, oldest first
+        # (held: their storage is not reused while fbgemm holds their cache locations), and whether the last lookup
+        # filled the cache itself, on its own stream (the next prefetch waits for it)
+        self.caching = any(t.compute_kernel == "fused_uvm_caching" for t in tables)
+        self._prefetching = False
+        self._prefetched: deque[tuple[Tensor, int]] = deque()
+        self._filled_in_lookup = True
         dims_F = [self._dims[t] for t in feature_table_map]
         self._gather_layout = (torch.tensor(feature_table_map, dtype=torch.int64),
                                torch.tensor([0, *itertools.accumulate(dims_F)], dtype=torch.int64))
@@ -418,7 +433,50 @@ class FusedKernel(nn.Module):
 
     @_outside_compile
     def _tbe_eager(self, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
-        return _tbe_lookup(self.tbe, values_N, offsets, weights_N)
+        return self._tbe_call(values_N, offsets, weights_N)
+
+    def _tbe_call(self, values_N: Tensor, offsets: Tensor, weights_N: Tensor | None) -> Tensor:
+        self._filled_in_lookup = not (self._prefetched and self._take_prefetch(values_N, offsets))
+        out = _tbe_lookup(self.tbe, values_N, offsets, weights_N)
+        if self._prefetching and not out.requires_grad:
+            tbe_unlock_lookup(self.tbe)  # no backward will unlock its cache lines
+        return out
+
+    def use_prefetch_pipeline(self) -> None:
+        """fused_uvm_caching: the row cache in fbgemm's prefetch-pipeline mode (PipelineConfig(prefetch=True))."""
+        if self.kernel == "fbgemm" and not self._prefetching:
+            tbe_enable_prefetch_pipeline(self.tbe)
+        self._prefetching = True
+
+    def prefetch(self, features: KeyedJaggedTensor, forward_stream: torch.cuda.Stream | None) -> None:
+        """The rows of a later lookup of `features` into the cache now, on the current stream (forward_stream: the
+        lookup's, when another). That lookup then reads their cache locations (fbgemm's forward takes them in order)."""
+        values_N, offsets = features.values(), features.offsets()
+        if forward_stream is not None and self._filled_in_lookup:
+            torch.cuda.current_stream().wait_stream(forward_stream)  # the lookup's own cache fill comes first
+        if forward_stream is not None and not tbe_prefetch_takes_stream(self.tbe):
+            forward_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(forward_stream):  # this fbgemm cannot sync a side stream: on the lookup's
+                tbe_prefetch(self.tbe, values_N, offsets, None)
+        else:
+            tbe_prefetch(self.tbe, values_N, offsets, forward_stream)
+        self._prefetched.append((values_N, offsets.numel()))
+        self._filled_in_lookup = False
+
+    def _take_prefetch(self, values_N: Tensor, offsets: Tensor) -> bool:
+        """The lookup of the batch prefetched first takes its prefetch (True); any other lookup (that batch was
+        dropped, or evaluation came between) finds the prefetches forgotten, and fills the cache itself."""
+        held, bags = self._prefetched[0]
+        if held.data_ptr() == values_N.data_ptr() and held.numel() == values_N.numel() and bags == offsets.numel():
+            self._prefetched.popleft()
+            return True
+        self._forget_prefetches()
+        return False
+
+    def _forget_prefetches(self) -> None:
+        if self._prefetched:
+            tbe_forget_prefetches(self.tbe)
+            self._prefetched.clear()
 
     def _pooled(self, features: KeyedJaggedTensor, checked: bool) -> Tensor:
         weights_N = features.weights_or_none()
@@ -435,7 +493,7 @@ class FusedKernel(nn.Module):
             # training: fbgemm's backward cannot be traced: a graph break (fullgraph=True stops with the reason)
             out = self._tbe_eager(features.values(), features.offsets(), weights_N)
         else:
-            out = _tbe_lookup(self.tbe, features.values(), features.offsets(), weights_N)
+            out = self._tbe_call(features.values(), features.offsets(), weights_N)
         if self._counts_steps and not out.requires_grad:
             # fbgemm advances Adam's / LAMB's step at every forward: taken back without a backward
             self.tbe.iter.sub_(1)
@@ -569,8 +627,10 @@ class FusedKernel(nn.Module):
         return states
 
     def weights_written(self) -> None:
-        """The table views were written (a checkpoint load): cached rows are stale, so the cache starts empty."""
+        """The table views were written (a checkpoint load): cached rows are stale, so the cache starts empty (and
+        prefetched cache locations with it)."""
         if self._has_cache():
+            self._forget_prefetches()
             self.tbe.reset_cache_states()
 
     def state_loaded(self) -> None:
@@ -719,6 +779,16 @@ class GroupedLookup(nn.Module):
 
     def fused_kernels(self) -> list[FusedKernel]:
         return [k for k in self.kernels if isinstance(k, FusedKernel)]
+
+    def prefetch(self, features: KeyedJaggedTensor, forward_stream: torch.cuda.Stream | None) -> None:
+        """The pipeline's prefetch stage: the rows of a later forward(features) into the caches of the kernels with
+        fused_uvm_caching tables (features split by kernel as forward splits them)."""
+        if not any(isinstance(k, FusedKernel) and k.caching for k in self.kernels):
+            return
+        parts = features.split(self._group_sizes) if len(self.kernels) > 1 else [features]
+        for kernel, part in zip(self.kernels, parts):
+            if isinstance(kernel, FusedKernel) and kernel.caching:
+                kernel.prefetch(part, forward_stream)
 
     def bounds_checked(self) -> list[tuple[nn.Module, list[str]]]:
         return [c for k in self.fused_kernels() for c in k.bounds_checked()]

@@ -517,6 +517,25 @@ class _ShardedCollectionBase(nn.Module):
     def fused_optimizer_config(self) -> FusedOptimizerConfig:
         return self._optimizer
 
+    def cached_tables(self) -> list[str]:
+        """The tables the plan puts in fused_uvm_caching (on any rank: the same list on every rank)."""
+        pieces = self.routing.pieces
+        return sorted({pieces.get((r, t.name), (t.name,))[0] for r, ts in enumerate(self.routing.rank_tables)
+                       for t in ts if t.compute_kernel == "fused_uvm_caching"})
+
+    def use_prefetch_pipeline(self) -> None:
+        """This rank's kernels with fused_uvm_caching shards in prefetch mode (PipelineConfig(prefetch=True))."""
+        for kernel in self._lookup.fused_kernels() if self._lookup is not None and self._owner_remap is None else []:
+            if kernel.caching:
+                kernel.use_prefetch_pipeline()
+
+    def prefetch(self, batch: ShardedBatch, forward_stream=None) -> None:
+        """The pipeline's prefetch stage: `batch`'s rows of this rank's fused_uvm_caching shards into their caches
+        ahead of its lookup. Not where ids are remapped on their owners (managed collision): those lookups fill their
+        caches themselves."""
+        if self._lookup is not None and self._owner_remap is None and batch.routed is not None:
+            self._lookup.prefetch(batch.routed, forward_stream)
+
     def fused_kernels(self) -> list:
         """This rank's fused kernels and replica groups (for FusedOptimizer); names are shard-local."""
         own = self._lookup.fused_kernels() if self._lookup is not None else []

@@ -454,19 +454,22 @@ class RecStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().training_step(*args, **kwargs)
         self._step_done()
-        if self._pipeline_config is not None and self._pipeline_config.semi_sync:
+        config = self._pipeline_config
+        if config is not None and (config.semi_sync or config.prefetch):
             self._look_ahead()
         return out
 
     def _look_ahead(self) -> None:
-        """semi_sync: the next batch is taken from the pipeline now and looked up before this step's backward.
-        Automatic optimization only: a manual step has run its backward already."""
+        """semi_sync / prefetch: the next batch is taken from the pipeline now and looked up (or its rows prefetched)
+        before this step's backward. Automatic optimization only: a manual step has run its backward already."""
         module = self.lightning_module
         if module is not None and not module.automatic_optimization and not self._warned_manual_semi_sync:
             self._warned_manual_semi_sync = True
-            warnings.warn("RecStrategy(pipeline=PipelineConfig(semi_sync=True)) with manual optimization: the step "
-                          "runs its own backward before the next batch could be looked up, so the pipeline runs "
-                          "synchronously (sparse_dist)", stacklevel=2)
+            variant = "semi_sync" if self._pipeline_config.semi_sync else "prefetch"
+            warnings.warn(f"RecStrategy(pipeline=PipelineConfig({variant}=True)) with manual optimization: the step "
+                          f"runs its own backward before the next batch could be "
+                          f"{'looked up' if variant == 'semi_sync' else 'prefetched'}, so the pipeline runs "
+                          f"synchronously (sparse_dist)", stacklevel=2)
         if module is None or not module.automatic_optimization or not torch.is_grad_enabled():
             return
         for pipeline in self._pipelines:

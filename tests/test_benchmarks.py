@@ -82,6 +82,9 @@ SMOKES = [
                  {"pipelined_samples_s_fp32", "plain_host_samples_s_fp32", "pipelined_semi_sync_samples_s_fp32"},
                  marks=[pytest.mark.gpu, CUDA],
                  id="dlrm_gpu--pipeline"),
+    pytest.param("dlrm_gpu", ["--uvm-cache", "0.2", "--prefetch"], {"prefetch_vs_none"},
+                 {"uvm_cache_none_samples_s_fp32", "uvm_cache_prefetch_samples_s_fp32", "uvm_cache_load_factor"},
+                 marks=[pytest.mark.gpu, CUDA], id="dlrm_gpu--uvm-cache--prefetch"),
     pytest.param("gpu_profile", [], set(), {"host_ms_per_step", "wall_ms_per_step", "gpu_kernel_ms_per_step",
                                             "syncs_per_step"}, marks=[pytest.mark.gpu, CUDA], id="gpu_profile"),
 ]

@@ -197,3 +197,32 @@ def test_the_wandb_loggers_init_arguments():
 
     arguments = _compat.wandb_init_arguments(WandbLogger(project="p", offline=True))
     assert arguments["project"] == "p" and arguments["anonymous"] is None  # what wandb says has no effect
+
+
+def test_fbgemm_prefetch_pipeline_parts_on_the_installed_fbgemm():
+    """The parts of fbgemm's TBE that PipelineConfig(prefetch=True) switches on after construction (fbgemm-gpu-cpu
+    1.8.0 ships the same Python module as the CUDA wheel): prefetch takes forward_stream, and the switch sets what
+    fbgemm's constructor sets for prefetch_pipeline=True (a locking counter per cache line, two backward hooks)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)])
+    assert _compat.tbe_prefetch_takes_stream(tbe)
+    assert not tbe.prefetch_pipeline and not tbe._backward_pre_hooks
+    _compat.tbe_enable_prefetch_pipeline(tbe)
+    assert tbe.prefetch_pipeline and tbe.lock_cache_line and tbe.use_uniq_cache_locations_bwd
+    assert tbe.lxu_cache_locking_counter.shape == (tbe.lxu_cache_state.shape[0], 32)
+    assert "lxu_cache_locking_counter" in tbe.state_dict()
+    assert len(tbe._backward_pre_hooks) == 1 and tbe.placeholder_autograd_tensor._backward_hooks
+    _compat.tbe_enable_prefetch_pipeline(tbe)  # once only
+    assert len(tbe._backward_pre_hooks) == 1
+    # the lock counter's op (CUDA kernels only) is fbgemm's; forgetting empties the lists fbgemm's forward pops
+    assert torch.ops.fbgemm.lxu_cache_locking_counter_decrement.default is not None
+    tbe.lxu_cache_locations_list.append(torch.zeros(0, dtype=torch.int32))
+    tbe.timesteps_prefetched.append(2)
+    tbe.lock_cache_line = False
+    _compat.tbe_forget_prefetches(tbe)
+    assert tbe.lxu_cache_locations_list == [] and tbe.timesteps_prefetched == []

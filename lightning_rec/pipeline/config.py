@@ -23,8 +23,9 @@ class PipelineConfig:
 
     semi_sync: batch i+1's lookup and embedding all-to-all run before batch i's backward, as TorchRec's
     TrainPipelineSemiSync: batch i reads the tables as they were before batch i-1's update (one update stale).
-    prefetch: an extra stage that prefetches the next batch's rows of fused_uvm_caching tables into their device
-    cache (a CUDA device only).
+    prefetch: an extra stage: once batch i's forward has run, batch i+1's routed ids fill the device caches of the
+    fused_uvm_caching tables (fbgemm's prefetch, on a side stream) while batch i's backward runs, so that batch
+    i+1's lookup finds its rows cached (a CUDA device only).
     read_ahead: where the feeder's work (read, copy, id routing) runs: "thread" (beside the step, on a core of its
     own), "inline" (while the step's thread waits for that batch: no second runnable thread, which on a core the step
     keeps busy would slow the step down), or "auto": inline where this host's ranks leave no core spare (on CPU, ranks
@@ -51,6 +52,10 @@ class PipelineConfig:
                              "drop one of the two")
         if int(self.depth) < 1:
             raise ValueError(f"PipelineConfig(depth={self.depth}): use depth >= 1 (batches routed ahead)")
+        if self.prefetch and self.semi_sync:
+            raise ValueError("PipelineConfig(semi_sync=True, prefetch=True): a semi-synchronous step looks batch i+1 "
+                             "up before batch i's backward, and fbgemm's prefetch pipeline needs batch i's backward "
+                             "before batch i+1's lookup (it refreshes batch i's cache locations there): choose one")
         if self.prefetch:
             error = no_cuda_error("PipelineConfig(prefetch=True) (it fills fused_uvm_caching tables' device cache)",
                                   "tables on the CPU have no cache to prefetch into: leave prefetch out")

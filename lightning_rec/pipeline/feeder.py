@@ -97,6 +97,11 @@ class _Inputs:
                           f"iterator to a TrainPipelineSparseDist over this model again (it starts with them)",
                           stacklevel=4)
 
+    def registered(self, kjt: Any) -> _Registered | None:
+        with self._lock:
+            reg = self._registered.get(id(kjt))
+        return reg if reg is not None and reg.kjt is kjt else None
+
     def owns(self, batch: Any) -> bool:
         """Was `batch` handed out by a feeder (so it is on the device already)?"""
         with self._lock:
@@ -172,7 +177,7 @@ class _Plan:
 
 class _Entry:
     __slots__ = ("index", "batch", "kjts", "routed", "ready", "error", "copied", "routed_event", "feeder", "in_step",
-                 "stop", "claimed", "step")
+                 "stop", "claimed", "step", "prefetched")
 
     def __init__(self, index: int, batch: Any, feeder: _Feeder) -> None:
         self.index, self.batch, self.feeder = index, batch, feeder
@@ -182,6 +187,7 @@ class _Entry:
         self.error: BaseException | None = None
         self.copied = None  # CUDA events (GPU only)
         self.routed_event = None
+        self.prefetched = None  # prefetch: recorded on the prefetch stream after its caches were filled
         self.in_step = False  # in_step_order: its turn came before the plan was recorded; it routes in the step
         self.stop: dict[int, int] = {}  # the signals the ranks were sent ({rank: bits}) as they agreed on this batch
         self.claimed = False  # a collection of the step took its routed input (the step reached its exchanges)
@@ -365,9 +371,7 @@ class _Feeder(Iterator):
         if (module, path) not in plan.routes:
             self.stats["routed_in_step"] += 1
             return None
-        while not entry.ready.wait(1.0):
-            if not self._thread.is_alive() and not entry.ready.is_set():
-                raise RuntimeError("lightning_rec pipeline: the feeder thread ended before routing this batch")
+        self._wait_routed(entry)
         if entry.error is not None:
             raise entry.error
         if entry.in_step:
@@ -377,9 +381,40 @@ class _Feeder(Iterator):
         if self._dist_stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(entry.routed_event)
+            if entry.prefetched is not None:
+                current.wait_event(entry.prefetched)
             _record_stream(routed, current)
         self.stats["routed_ahead"] += 1
         return routed
+
+    def _wait_routed(self, entry: _Entry) -> None:
+        while not entry.ready.wait(1.0):
+            if not self._thread.is_alive() and not entry.ready.is_set():
+                raise RuntimeError("lightning_rec pipeline: the feeder thread ended before routing this batch")
+
+    def prefetch(self, batch: Any, stream: torch.cuda.Stream | None) -> None:
+        """prefetch: `batch`'s routed ids (waited for) fill its collections' fused_uvm_caching caches now, on `stream`
+        (GPU: the prefetch stream, after the routing; the lookups' stream waits for it when the step claims the batch).
+        A batch routed in its step (or whose routing failed: the step raises) is left to its lookups."""
+        reg = self.inputs.registered(_follow(batch, self.plan.routes[0][1])) if self.plan.routes else None
+        if reg is None or reg.entry.feeder is not self:
+            return
+        entry = reg.entry
+        self._wait_routed(entry)
+        if entry.error is not None or entry.in_step:
+            return
+        if stream is None:
+            for (module, _), routed in entry.routed.items():
+                module.prefetch(routed)
+            return
+        forward = torch.cuda.current_stream(self.device)
+        stream.wait_event(entry.routed_event)
+        with torch.cuda.stream(stream):
+            for (module, _), routed in entry.routed.items():
+                _record_stream(routed, stream)
+                module.prefetch(routed, forward)
+        entry.prefetched = torch.cuda.Event()
+        entry.prefetched.record(stream)
 
     def forward_done(self) -> None:
         """The step's forward has run: the recording (if any) is complete; later calls are no input of this pass."""

@@ -21,6 +21,7 @@ from lightning_rec._compat import persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
 from lightning_rec.comm import agree, get_local_size
 from lightning_rec.errors import short_repr
+from lightning_rec.fqn import canonical_fqn
 from lightning_rec.pipeline.batch import find_kjts, move_to_device
 from lightning_rec.pipeline.channel import _Channel
 from lightning_rec.pipeline.config import PipelineConfig, choose_read_ahead
@@ -34,14 +35,12 @@ class InputPipeline:
     def __init__(self, model: nn.Module, device: torch.device | str, config: PipelineConfig | None = None,
                  to_device: Callable[[Any], Any] | None = None) -> None:
         self.config = config or PipelineConfig()
-        if self.config.prefetch:  # (the config refuses it where torch has no CUDA device)
-            raise ValueError("PipelineConfig(prefetch=True): this version has no prefetch stage for fused_uvm_caching "
-                             "tables yet; leave prefetch out (their rows are fetched into the cache by the lookup)")
         # "cuda" alone: the current device's index (the feeder thread sets it, and set_device needs one)
         self.device = with_cuda_index(torch.device(device), torch.cuda.current_device,
                                       f"TrainPipelineSparseDist(device={str(device)!r})",
                                       "or give the device the model's tables are on (device='cpu')")
         self.inputs = _Inputs.of(model)
+        self.prefetch_stream = self._use_prefetch() if self.config.prefetch else None
         self.to_device = to_device or (lambda b: move_to_device(b, self.device))
         self.plan = _Plan()
         self.channels: dict[int, _Channel] = {}
@@ -94,12 +93,35 @@ class InputPipeline:
     def owns(self, batch: Any) -> bool:
         return self.inputs.owns(batch)
 
+    def _use_prefetch(self) -> torch.cuda.Stream | None:
+        """prefetch: the model's fused_uvm_caching kernels in prefetch mode; the stream prefetches run on (None: the
+        current one, on CPU). The plan, the same on every rank, must put some table in fused_uvm_caching."""
+        if not any(m.cached_tables() for m in self.inputs.modules):
+            names = ", ".join(f"'{canonical_fqn(n)}'" for n in self.inputs.names.values()) or "none"
+            raise ValueError(f"PipelineConfig(prefetch=True): the plan puts no table of this model's sharded "
+                             f"collections ({names}) in compute_kernel 'fused_uvm_caching', so there is no cache to "
+                             f"prefetch into: leave prefetch out, or plan the tables that live in host memory as "
+                             f"fused_uvm_caching (ParameterConstraints(compute_kernels=['fused_uvm_caching']))")
+        for module in self.inputs.modules:
+            module.use_prefetch_pipeline()
+        if self.device.type != "cuda":
+            return None
+        # one per device: fbgemm keeps the stream of a TBE's first prefetch and syncs its backward with that one
+        if self.device not in _PREFETCH_STREAMS:
+            _PREFETCH_STREAMS[self.device] = torch.cuda.Stream(self.device)
+        return _PREFETCH_STREAMS[self.device]
+
     def look_ahead(self, batch: Any) -> None:
-        """semi_sync: run `batch`'s lookup and output_dist now, before the current step's backward updates the tables;
-        its step's collections take these outputs (autograd attached: its own backward updates the rows it read)."""
+        """After the current step's forward, before its backward, for the next batch:
+        semi_sync: run `batch`'s lookup and output_dist now, before the current step's backward updates the tables;
+        its step's collections take these outputs (autograd attached: its own backward updates the rows it read).
+        prefetch: fill the fused_uvm_caching tables' caches with `batch`'s rows (_Feeder.prefetch)."""
         self.inputs.looked_up = {}
         plan = self.plan
         if not plan.final.is_set():  # the plan is recorded on a step: until then, the next batch runs synchronously
+            return
+        if self.config.prefetch:
+            self.feeder.prefetch(batch, self.prefetch_stream)
             return
         kjts = {path: kjt for kjt, path in find_kjts(batch)}
         for module, path in plan.routes:
@@ -132,6 +154,7 @@ class InputPipeline:
 
 
 _SAID: set[str] = set()  # the read-ahead choices this process has logged
+_PREFETCH_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _read_ahead(config: PipelineConfig, channels: dict, device: torch.device) -> tuple[str, str]:
@@ -260,14 +283,15 @@ class TrainPipelineSparseDist:
                             f"but {model} returned a {type(losses).__name__} ({short_repr(losses)}): return the loss "
                             f"tensor itself (not loss.item()), so that the pipeline can run its backward")
         if training:
-            if self._pipeline.config.semi_sync:
+            if self._pipeline.config.semi_sync or self._pipeline.config.prefetch:
                 self._look_ahead()
             torch.sum(losses).backward()
             self._optimizer.step()
         return output
 
     def _look_ahead(self) -> None:
-        """semi_sync: take the next batch now and look it up before this step's backward (tables one update stale)."""
+        """semi_sync / prefetch: take the next batch now; look it up (tables one update stale) or fill the caches with
+        its rows, before this step's backward."""
         after = self._pipeline.feeder.peek()
         if after is not None:
             self._pipeline.look_ahead(after)
