@@ -84,8 +84,8 @@ def task_inputs(preds: Tensor, labels: Tensor, weights: Tensor | None, mask: Ten
 
 def read_update(metric, preds: Tensor, target: Tensor | None, labels: Tensor | None, weights: Tensor | None,
                 mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A metric's update inputs as [T, B]; bad labels of a binary metric added to its `bad_labels` state, and
-    labelled rows to its `labelled` state (device ops only)."""
+    """A metric's update inputs as [T, B]; a binary metric's bad labels added to its `bad_labels` state and, given
+    probabilities, its predictions outside [0, 1] to `bad_preds` (device ops only: raised at compute)."""
     where = f"{type(metric).__name__}.update"
     if (target is None) == (labels is None):
         raise TypeError(f"{where}(preds, target) takes the labels once, as target or labels=")
@@ -93,17 +93,26 @@ def read_update(metric, preds: Tensor, target: Tensor | None, labels: Tensor | N
                                                 metric.tasks, where)
     if metric.binary:
         metric.bad_labels += (labelled_TB & (y_TB != 0) & (y_TB != 1)).sum(1)
+        if not metric.from_logits:  # logits read as probabilities would score without an error
+            metric.bad_preds += (labelled_TB & ((p_TB < 0) | (p_TB > 1))).sum(1)
     return p_TB, y_TB, w_TB, labelled_TB
 
 
 def raise_bad_labels(metric) -> None:
-    """The error for labels not 0 or 1 seen by a binary metric, naming each task (one host read)."""
-    bad = metric.bad_labels.tolist()
-    if any(bad):
-        named = ", ".join(f"task {n!r}: {b}" for n, b in zip(metric.tasks, bad) if b)
-        raise ValueError(f"{type(metric).__name__}.compute: labels not 0 or 1 ({named} of them): binary metrics "
-                         f"need 0/1 labels; binarize them first (e.g. `(rating >= 4).float()`) or use mse/mae/rmse "
-                         f"for a regression task, and mark a missing label NaN (or 0 in mask)")
+    """The error for labels not 0 or 1 seen by a binary metric, or predictions outside [0, 1] given as
+    probabilities, naming each task (one host read)."""
+    bad_labels, bad_preds = torch.stack([metric.bad_labels, metric.bad_preds]).tolist()
+    where = f"{type(metric).__name__}.compute"
+    if any(bad_labels):
+        named = ", ".join(f"task {n!r}: {b}" for n, b in zip(metric.tasks, bad_labels) if b)
+        raise ValueError(f"{where}: labels not 0 or 1 ({named} of them): binary metrics need 0/1 labels; binarize "
+                         f"them first (e.g. `(rating >= 4).float()`, or `(labels > 0).float()` for -1/1 labels) or "
+                         f"use mse/mae/rmse for a regression task, and mark a missing label NaN (or 0 in mask)")
+    if any(bad_preds):
+        named = ", ".join(f"task {n!r}: {b}" for n, b in zip(metric.tasks, bad_preds) if b)
+        raise ValueError(f"{where}: predictions outside [0, 1] with from_logits=False ({named} of them), so they are "
+                         f"not probabilities (logits?): pass from_logits=True (the default) for a model's output "
+                         f"before its sigmoid, or apply the sigmoid first")
 
 
 class TaskMetric(Metric):
@@ -127,6 +136,7 @@ class TaskMetric(Metric):
         self.recalibration_coefficient = recalibration_coefficient
         T = len(self.tasks)
         self.add_state("bad_labels", default=torch.zeros(T, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=torch.zeros(T, dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("labelled", default=torch.zeros(T, dtype=torch.float64), dist_reduce_fx="sum")
 
     def probs(self, p_TB: Tensor) -> Tensor:
