@@ -6,7 +6,6 @@ no host sync between logs; and the bad input each one names."""
 from __future__ import annotations
 
 import math
-
 import warnings
 
 import pytest
