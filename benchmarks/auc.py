@@ -1,5 +1,5 @@
 """Exact AUC: ours (lightning_rec.metrics.AUC, a rank statistic) vs torchmetrics' exact BinaryAUROC, and the
-binned AUC (BinnedAUC = torchmetrics' binned BinaryAUROC): time, state memory, and agreement.
+binned AUC (BinnedAUC, 10,000 equal probability bins): time, state memory, and agreement.
 
     flock /tmp/lightning_rec_bench.lock .venv/bin/python benchmarks/auc.py [--sizes 1000000 4000000] [--rounds 3]
     .venv/bin/python benchmarks/auc.py --smoke      # seconds: 20,000 logits, one round

@@ -229,7 +229,7 @@ def test_dlrm_logs_calibration_auprc_and_gauc_through_the_multitask_metric_confi
                        over_arch_layer_sizes=[8, 1], metrics=["auc", "calibration", "auprc", "gauc"],
                        group_feature="C6")
     [values] = _trainer(tmp_path, CSVLogger(str(tmp_path))).validate(model, dm, verbose=False)
-    assert model.calibration_curve is None and not (tmp_path / "wandb").exists()  # no W&B logger: no plot
+    assert not model.calibration_curves and not (tmp_path / "wandb").exists()  # no W&B logger: no plot
     assert sorted(values) == ["val_auc", "val_auprc", "val_calibration", "val_gauc", "val_logloss", "val_loss"]
     batch = dm.datasets["val"][0:len(dm.datasets["val"])]
     with torch.no_grad():
@@ -281,3 +281,59 @@ def test_multitask_logs_a_calibration_plot_per_binary_task_to_wandb(files, tmp_p
     metrics = trainer.callback_metrics
     assert {"val/click/calibration", "val/purchase/auc", "val/I2/mae", "val/I2/mse"} <= set(metrics)
     assert "val/I2/auc" not in metrics
+
+
+@needs_wandb  # ~10 s, most of it wandb's offline run starting
+def test_calibration_plots_are_logged_for_every_validation_dataloader(files, tmp_path):
+    """The plot was made for the first validation dataloader only: a second one (say a later day's data) had its
+    metrics logged under /dataloader_idx_1 but no plot. Each loader now gets its own curve, its keys suffixed as its
+    metrics are, and each table counts that loader's labelled rows only."""
+    import lightning.pytorch as L
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lightning_rec.models import DLRMModule, MultiTaskModule
+
+    d, purchase = files
+    (tmp_path / "part_header.tsv").write_text("\n".join((d / "two_header.tsv").read_text().splitlines()[:101]) + "\n")
+    (tmp_path / "part.tsv").write_text("\n".join((d / "one.tsv").read_text().splitlines()[:100]) + "\n")
+
+    def loaders(full, part, **kwargs):
+        out = []
+        for path in (full, part):
+            dm = CriteoDataModule(val_path=str(path), val_batch_size=64, cache_dir=str(tmp_path / "c"),
+                                  num_embeddings_per_feature=1000, **kwargs)
+            dm.prepare_data()
+            dm.setup("validate")
+            out.append(dm.val_dataloader())
+        return out
+
+    names = [f"C{i}" for i in range(1, 27)]
+    dlrm = DLRMModule(num_embeddings_per_feature=1000, embedding_dim=4, dense_arch_layer_sizes=[4],
+                      over_arch_layer_sizes=[4, 1], calibration_buckets=5)
+    multi = MultiTaskModule(task_names=["click", "purchase"], num_embeddings_per_feature={n: 1000 for n in names},
+                            embedding_dim=4, dense_in_features=13, dense_arch_layer_sizes=[4], calibration_buckets=5)
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True)
+    logged = []
+    run = logger.experiment
+    log = run.log
+    run.log = lambda data, *a, **k: (logged.append(data), log(data, *a, **k))[1]
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    try:
+        trainer.validate(dlrm, loaders(d / "one.tsv", tmp_path / "part.tsv"), verbose=False)
+        assert {"val_auc", "val_auc/dataloader_idx_1"} <= set(trainer.callback_metrics)
+        trainer.validate(multi, loaders(d / "two_header.tsv", tmp_path / "part_header.tsv",
+                                        label_columns=["click", "purchase"]), verbose=False)
+    finally:  # a run left open is the one a later WandbLogger in this process would log to
+        run.finish()
+    tables = {k: v for data in logged for k, v in data.items() if "_table" in k}
+    plots = [k for data in logged for k in data if "calibration_plot" in k and "_table" not in k]
+    assert plots == ["val_calibration_plot", "val_calibration_plot/dataloader_idx_1",
+                     "val/click/calibration_plot", "val/purchase/calibration_plot",
+                     "val/click/calibration_plot/dataloader_idx_1", "val/purchase/calibration_plot/dataloader_idx_1"]
+    rows = {k: sum(row[3] for row in t.data) for k, t in tables.items()}  # the buckets' weights: labelled rows
+    labelled = (~np.isnan(purchase)).sum(), (~np.isnan(purchase[:100])).sum()
+    assert rows == {"val_calibration_plot_table": 300, "val_calibration_plot_table/dataloader_idx_1": 100,
+                    "val/click/calibration_plot_table": 300, "val/purchase/calibration_plot_table": labelled[0],
+                    "val/click/calibration_plot_table/dataloader_idx_1": 100,
+                    "val/purchase/calibration_plot_table/dataloader_idx_1": labelled[1]}

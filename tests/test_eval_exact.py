@@ -52,8 +52,8 @@ class CountingDLRM(DLRMModule):
         return super().test_step(batch, batch_idx)
 
     def _keep(self, metrics) -> None:
-        ctr = metrics["ctr"]
-        self.seen = {"rows": int(ctr.count), "clicks": float(ctr.label_sum), "empty_steps": self.empty_steps}
+        ctr = metrics.metrics["ctr"]  # one task: its states are [1]
+        self.seen = {"rows": int(ctr.labelled[0]), "clicks": float(ctr.ctr_num[0]), "empty_steps": self.empty_steps}
 
     def on_validation_epoch_end(self) -> None:
         self._keep(self.val_metrics)

@@ -5,6 +5,7 @@ no host sync between logs; and the bad input each one names."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -309,6 +310,27 @@ def test_gauc_says_how_many_groups_it_could_score():
     assert m.scored_groups == [0] and m.num_groups == [10]
     with pytest.raises(ValueError, match="groups .* are needed"):
         m.update(torch.rand(4), torch.ones(4))
+
+
+@pytest.mark.parametrize("name", ["auc", "binned_auc", "auprc", "gauc"])
+def test_nan_predictions_make_the_rank_metrics_nan_not_a_value_that_looks_valid(name):
+    """DLRMModule's default metrics moved from the click AUC, which said NaN for a diverged model's NaN scores, to
+    these: NaN sorted as the top score (the binned AUC put it in the top bin) and a diverged model scored 1.0. The
+    windowed AUC carries the count in its ring, so its window says NaN too until the NaN batch leaves it."""
+    p = torch.tensor([[0.1, 0.1], [float("nan"), 0.4], [0.3, 0.3], [0.9, 0.9]])
+    y = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    m = TaskMetrics(["diverged", "fine"], [name], from_logits=False)
+    m.update(p, y, groups=torch.tensor([0, 0, 0, 0]))
+    with pytest.warns(UserWarning, match=r"predictions are NaN \(task 'diverged': 1 of them"):
+        values = m.compute()
+    assert math.isnan(values[f"val/diverged/{name}"]) and values[f"val/fine/{name}"] == 1.0
+    if name == "auc":
+        w = WindowedTaskMetrics(["diverged", "fine"], ["auc"], window=2, log_every=1, from_logits=False)
+        w.update(p, y)
+        assert math.isnan(w.compute()["train/window/diverged/auc"])
+        w.update(p[[0, 3, 2]], y[[0, 3, 2]])
+        w.update(p[[0, 3, 2]], y[[0, 3, 2]])  # the NaN batch has left the window of 2
+        assert w.compute()["train/window/diverged/auc"] == 1.0
 
 
 @pytest.mark.parametrize("preds_shape", [(8,), (8, 3), (4, 2)])

@@ -30,8 +30,9 @@ def metric_label_cases() -> None:
     simple("metric.auc_label_half", lambda: upd(AUC(), T([0.1, 0.2]), T([0.5, 1.0])), ValueError, ["label"])
     simple("metric.auc_label_minus_one", lambda: upd(AUC(), T([0.1, 0.2]), T([-1, 1])), ValueError, ["label"])
     simple("metric.ne_label_two", lambda: upd(NormalizedEntropy(), T([0.1, 0.2]), T([2.0, 1.0])), ValueError, ["label"])
-    simple("metric.logloss_label_nan", lambda: upd(LogLoss(), T([0.1, 0.2]), T([float("nan"), 1.0])), ValueError,
-           ["label"])
+    simple("metric.logloss_label_nan_left_out", lambda: _expect_close(
+        upd(LogLoss(), T([0.1, 0.2]), T([float("nan"), 1.0])), float(torch.nn.functional.softplus(T(-0.2)))),
+           ValueError, ["label"], ok=True, legit="a NaN label is a missing one: its row is left out")
     simple("metric.ctr_labels_bool", lambda: _expect_close(upd(CTR(), T([0.1, 0.2]), T([True, False])), 0.5),
            ValueError, ["label"], ok=True, legit="bool labels are 0/1")
     simple("metric.binned_auc_label_three", lambda: upd(BinnedAUC(), T([0.1, 0.2]), T([3, 1])), ValueError, ["label"])
@@ -63,12 +64,13 @@ def metric_label_cases() -> None:
             expect(any("evaluation set is empty" in str(w.message) for w in said),
                    f"{cls.__name__}: no warning says the set is empty: {[str(w.message) for w in said]}")
 
-    @case("metric.auc_one_class_nan", legit="one class only: AUC undefined, NaN with a warning")
+    @case("metric.auc_one_class_half", legit="one class only: AUC 0.5 (TorchRec's no-signal value), with a warning")
     def _(ctx):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
             v = upd(AUC(), T([0.1, 0.2]), T([1, 1]))
-        expect(bool(torch.isnan(v)), f"one-class AUC {float(v)}")
+        expect(float(v) == 0.5, f"one-class AUC {float(v)}")
+        expect(any("one class only" in str(w.message) for w in said), f"no word of one class: {said}")
 
 
 def ranking_metric_cases() -> None:

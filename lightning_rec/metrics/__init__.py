@@ -1,5 +1,6 @@
-"""Metrics on torchmetrics, synced across ranks: click-through (ctr.py), per task with TorchRec's definitions
-(tasks.py, multitask.py: docs/metrics.md) and top-K ranking (ranking.py)."""
+"""Metrics on torchmetrics, synced across ranks: per task with TorchRec's definitions (tasks.py, multitask.py:
+docs/metrics.md), the same over one click label under their one-label names (ctr.py) and top-K ranking
+(ranking.py)."""
 
 from lightning_rec.metrics.ctr import (
     AUC,

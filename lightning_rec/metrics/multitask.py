@@ -40,8 +40,10 @@ class WindowedTaskMetric(Metric):
         super().__init__(**kwargs)
         self.__dict__["inner"] = metric  # its formulas only: its own states stay unused (and unregistered)
         self.tasks, self.binary, self.name, self.window = metric.tasks, metric.binary, metric.name, window
+        self.from_logits = metric.from_logits
         T = len(self.tasks)
         self.add_state("bad_labels", default=torch.zeros(T, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=torch.zeros(T, dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("ring_labelled", default=torch.zeros(window, T, dtype=torch.float64), dist_reduce_fx="sum")
         for s, shape in metric.state_shapes().items():
             self.add_state(f"ring_{s}", default=torch.zeros(window, *shape, dtype=torch.float64),

@@ -84,8 +84,8 @@ def task_inputs(preds: Tensor, labels: Tensor, weights: Tensor | None, mask: Ten
 
 def read_update(metric, preds: Tensor, target: Tensor | None, labels: Tensor | None, weights: Tensor | None,
                 mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A metric's update inputs as [T, B]; bad labels of a binary metric added to its `bad_labels` state, and
-    labelled rows to its `labelled` state (device ops only)."""
+    """A metric's update inputs as [T, B]; a binary metric's bad labels added to its `bad_labels` state and, given
+    probabilities, its predictions outside [0, 1] to `bad_preds` (device ops only: raised at compute)."""
     where = f"{type(metric).__name__}.update"
     if (target is None) == (labels is None):
         raise TypeError(f"{where}(preds, target) takes the labels once, as target or labels=")
@@ -93,17 +93,26 @@ def read_update(metric, preds: Tensor, target: Tensor | None, labels: Tensor | N
                                                 metric.tasks, where)
     if metric.binary:
         metric.bad_labels += (labelled_TB & (y_TB != 0) & (y_TB != 1)).sum(1)
+        if not metric.from_logits:  # logits read as probabilities would score without an error
+            metric.bad_preds += (labelled_TB & ((p_TB < 0) | (p_TB > 1))).sum(1)
     return p_TB, y_TB, w_TB, labelled_TB
 
 
 def raise_bad_labels(metric) -> None:
-    """The error for labels not 0 or 1 seen by a binary metric, naming each task (one host read)."""
-    bad = metric.bad_labels.tolist()
-    if any(bad):
-        named = ", ".join(f"task {n!r}: {b}" for n, b in zip(metric.tasks, bad) if b)
-        raise ValueError(f"{type(metric).__name__}.compute: labels not 0 or 1 ({named} of them): binary metrics "
-                         f"need 0/1 labels; binarize them first (e.g. `(rating >= 4).float()`) or use mse/mae/rmse "
-                         f"for a regression task, and mark a missing label NaN (or 0 in mask)")
+    """The error for labels not 0 or 1 seen by a binary metric, or predictions outside [0, 1] given as
+    probabilities, naming each task (one host read)."""
+    bad_labels, bad_preds = torch.stack([metric.bad_labels, metric.bad_preds]).tolist()
+    where = f"{type(metric).__name__}.compute"
+    if any(bad_labels):
+        named = ", ".join(f"task {n!r}: {b}" for n, b in zip(metric.tasks, bad_labels) if b)
+        raise ValueError(f"{where}: labels not 0 or 1 ({named} of them): binary metrics need 0/1 labels; binarize "
+                         f"them first (e.g. `(rating >= 4).float()`, or `(labels > 0).float()` for -1/1 labels) or "
+                         f"use mse/mae/rmse for a regression task, and mark a missing label NaN (or 0 in mask)")
+    if any(bad_preds):
+        named = ", ".join(f"task {n!r}: {b}" for n, b in zip(metric.tasks, bad_preds) if b)
+        raise ValueError(f"{where}: predictions outside [0, 1] with from_logits=False ({named} of them), so they are "
+                         f"not probabilities (logits?): pass from_logits=True (the default) for a model's output "
+                         f"before its sigmoid, or apply the sigmoid first")
 
 
 class TaskMetric(Metric):
@@ -127,6 +136,7 @@ class TaskMetric(Metric):
         self.recalibration_coefficient = recalibration_coefficient
         T = len(self.tasks)
         self.add_state("bad_labels", default=torch.zeros(T, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("bad_preds", default=torch.zeros(T, dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("labelled", default=torch.zeros(T, dtype=torch.float64), dist_reduce_fx="sum")
 
     def probs(self, p_TB: Tensor) -> Tensor:
@@ -299,26 +309,31 @@ class TaskBinnedAUC(_SumTaskMetric):
         super().__init__(*args, **kwargs)
 
     def state_shapes(self):
-        return {"pos_hist": (len(self.tasks), self.num_bins), "neg_hist": (len(self.tasks), self.num_bins)}
+        T = len(self.tasks)
+        return {"pos_hist": (T, self.num_bins), "neg_hist": (T, self.num_bins), "nan_preds": (T,)}
 
     def batch_states(self, p_TB, y_TB, w_TB):
         T, nb = p_TB.shape[0], self.num_bins
+        nan_TB = torch.isnan(p_TB) & (w_TB > 0)  # counted: in the top bin they would give an AUC that looks valid
         bin_TB = (self.probs(p_TB).nan_to_num(1.0) * nb).long().clamp(0, nb - 1)
         bin_TB = bin_TB + torch.arange(T, device=p_TB.device).unsqueeze(1) * nb  # one histogram per task
         # index_add, not bincount: CUDA's bincount reads the largest index back to the host (a sync per batch)
         def hist(v_TB: Tensor) -> Tensor:
             return v_TB.new_zeros(T * nb).index_add_(0, bin_TB.reshape(-1), v_TB.reshape(-1)).view(T, nb)
-        return {"pos_hist": hist(w_TB * y_TB), "neg_hist": hist(w_TB * (1 - y_TB))}
+        return {"pos_hist": hist(w_TB * y_TB), "neg_hist": hist(w_TB * (1 - y_TB)),
+                "nan_preds": nan_TB.sum(1, dtype=torch.float64)}
 
     def value(self, s):
         pos, neg = s["pos_hist"], s["neg_hist"]
         below = neg.cumsum(1) - neg
         area = (pos * (below + 0.5 * neg)).sum(1)
         pn = pos.sum(1) * neg.sum(1)
-        return torch.where(pn > 0, area / pn.clamp(min=ETA), 0.5)
+        auc = torch.where(pn > 0, area / pn.clamp(min=ETA), 0.5)
+        return torch.where(s["nan_preds"] > 0, float("nan"), auc)
 
     def _compute(self):
         self._warn_one_class(self.pos_hist.sum(1), self.neg_hist.sum(1), "AUC 0.5")
+        warn_nan_scores(self, self.nan_preds)
         return super()._compute()
 
 
@@ -381,6 +396,15 @@ def weighted_auprc(scores_N: Tensor, labels_N: Tensor, weights_N: Tensor) -> Ten
     return -torch.sum((recall[1:] - recall[:-1]) * precision[:-1])
 
 
+def warn_nan_scores(metric, nan_T: Tensor) -> None:
+    """NaN predictions sort as the top score, so a rank metric of them would look valid: it is NaN, said here."""
+    counts = nan_T.tolist()
+    if any(counts):
+        named = ", ".join(f"task {n!r}: {int(c)}" for n, c in zip(metric.tasks, counts) if c)
+        warnings.warn(f"{type(metric).__name__}: predictions are NaN ({named} of them; a diverged model?), so the "
+                      f"{metric.name} is undefined: NaN for those tasks", UserWarning, stacklevel=3)
+
+
 class _ListTaskMetric(TaskMetric):
     """Keeps every labelled row (cat over ranks at compute): exact AUC, AUPRC, GAUC."""
 
@@ -413,7 +437,10 @@ class _ListTaskMetric(TaskMetric):
             out.append(fn(p_NT[keep, t], y_NT[keep, t], w_NT[keep, t]) if bool(keep.any()) else torch.tensor(0.5))
         self._warn_one_class((y_NT * w_NT).sum(0), ((1 - y_NT) * w_NT).sum(0), "AUC 0.5" if
                              self.name == "auc" else "AUPRC by its formula")
-        return torch.stack([o.double().reshape(()) for o in out])
+        value_T = torch.stack([o.double().reshape(()) for o in out])
+        nan_T = (torch.isnan(p_NT) & (w_NT > 0)).sum(0)
+        warn_nan_scores(self, nan_T)
+        return torch.where(nan_T.to(value_T.device) > 0, float("nan"), value_T)
 
 
 class TaskAUC(_ListTaskMetric):
@@ -476,7 +503,9 @@ class TaskGAUC(_ListTaskMetric):
             warnings.warn(f"TaskGAUC: groups scored ({', '.join(unscored)}); a group is scored when it has both a "
                           f"positive and a negative label and two different predictions (a group of one row never "
                           f"is). With none scored GAUC is 0.5, as TorchRec gives", UserWarning, stacklevel=2)
-        return torch.stack(values)
+        nan_T = (torch.isnan(p_NT) & (w_NT > 0)).sum(0)
+        warn_nan_scores(self, nan_T)
+        return torch.where(nan_T > 0, float("nan"), torch.stack(values))
 
 
 def _group_auc(s_N: Tensor, y_N: Tensor, w_N: Tensor, g_N: Tensor, weighting: str) -> tuple[Tensor, int, int]:

@@ -20,12 +20,11 @@ from lightning_rec.errors import refuse_non_finite
 from lightning_rec.managed_collision import managed_collision_tables
 from lightning_rec.models.dlrm import DLRM, DLRM_DCN
 from lightning_rec.models.eval_metrics import (
-    calibration_curve,
+    add_calibration_curves,
     check_metric_args,
     group_ids,
     log_calibration_plots,
     task_metrics,
-    update_metrics,
 )
 from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.optim import DENSE_OPTIMIZERS  # noqa: F401  (imported from here too)
@@ -67,10 +66,11 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
         embedding_device: "cpu", or "meta": no values until Trainer(strategy="rec") shards them, each shard drawn
             where it lives (tables larger than host memory).
         metrics: the evaluation metrics, lightning_rec.metrics.TASK_METRICS names (e.g. [auc, ne, logloss,
-            calibration, auprc, gauc]), logged as val_<metric>: the configuration MultiTaskModule takes
-            (models/eval_metrics.py). None: the click metrics val_auc, val_ne, val_logloss, val_ctr.
+            calibration, auprc, gauc]), logged as val_<metric>: the configuration and the metrics MultiTaskModule
+            takes (models/eval_metrics.py). None: val_auc, val_ne, val_logloss, val_ctr.
         group_feature: the sparse feature whose id is a row's group (user or request) for "gauc".
-        calibration_buckets: buckets of the calibration plot logged to W&B (0: none).
+        calibration_buckets: buckets of the calibration plot logged to W&B for each validation dataloader (0:
+            none).
         managed_collision: raw ids (e.g. CriteoDataModule(hash_ids=False)) remapped per table by an
             MCHManagedCollisionModule as big as the table, built with these arguments ({"eviction_policy": "lfu",
             "eviction_interval": 100, "min_count_to_admit": 2}; {} for the defaults); None: ids are rows
@@ -124,7 +124,8 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
             self.model = DLRM(ebc, dense_in_features, dense_sizes, over_sizes)
         self.val_metrics = task_metrics(None, "binary", metrics, "val_")
         self.test_metrics = task_metrics(None, "binary", metrics, "test_")
-        self.calibration_curve = None  # the W&B calibration plot's, made at validation start
+        # the W&B calibration plots', one per validation dataloader, made at validation start (none without W&B)
+        self.calibration_curves = nn.ModuleList()
         # the second and later evaluation dataloaders' own metrics ("val_1", ...), made at the epoch start
         self.more_eval_metrics = nn.ModuleDict()
 
@@ -199,15 +200,15 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
     def _evaluation_step(self, split: str, batch: Batch, dataloader_idx: int) -> None:
         _, logits_B = self._loss(batch)
         labels_B = batch.labels.reshape(logits_B.shape)
-        update_metrics(self._loader_metrics(split)[dataloader_idx], logits_B, labels_B,
-                       group_ids(batch, self.hparams.group_feature))
-        if split == "val" and dataloader_idx == 0 and self.calibration_curve is not None:
-            self.calibration_curve.update(logits_B.float(), labels_B)
+        self._loader_metrics(split)[dataloader_idx].update(logits_B, labels_B,
+                                                           groups=group_ids(batch, self.hparams.group_feature))
+        if split == "val" and dataloader_idx < len(self.calibration_curves):
+            self.calibration_curves[dataloader_idx].update(logits_B.float(), labels_B)
 
     def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
         # compute() already covers every rank's samples (torchmetrics syncs); sync_dist averages equal values
         for k, metrics in enumerate(self._loader_metrics(split)[:count]):
-            suffix = f"/dataloader_idx_{k}" if k else ""
+            suffix = self._suffix(k)
             values = metrics.compute()
             self.log_dict({name + suffix: v for name, v in values.items()}, prog_bar=prog_bar and not k,
                           sync_dist=True, add_dataloader_idx=False)
@@ -219,18 +220,24 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
     def _loader_count(batches) -> int:
         return len(batches) if isinstance(batches, (list, tuple)) else 1
 
+    @staticmethod
+    def _suffix(k: int) -> str:
+        """Loader k's suffix to its logged names: the first keeps the plain names (Lightning's naming)."""
+        return f"/dataloader_idx_{k}" if k else ""
+
     def on_validation_epoch_start(self) -> None:
-        self._loader_metrics("val", self._loader_count(self.trainer.num_val_batches))
-        if self.calibration_curve is None:
-            self.calibration_curve = calibration_curve(self, ["click"], self.hparams.calibration_buckets)
+        count = self._loader_count(self.trainer.num_val_batches)
+        self._loader_metrics("val", count)
+        add_calibration_curves(self, self.calibration_curves, ["click"], self.hparams.calibration_buckets, count)
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._evaluation_step("val", batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_evaluation("val", self._loader_count(self.trainer.num_val_batches), prog_bar=True)
-        if self.calibration_curve is not None:
-            log_calibration_plots(self, self.calibration_curve, "val_calibration_plot")
+        count = self._loader_count(self.trainer.num_val_batches)
+        self._log_evaluation("val", count, prog_bar=True)
+        for k, curve in enumerate(self.calibration_curves[:count]):
+            log_calibration_plots(self, curve, "val_calibration_plot", self._suffix(k))
 
     def on_test_epoch_start(self) -> None:
         self._loader_metrics("test", self._loader_count(self.trainer.num_test_batches))

@@ -2,7 +2,7 @@
 
 - `metrics`: names of lightning_rec.metrics.TASK_METRICS. Each task gets those of its kind (binary or regression),
   and its loss metric (logloss / mse), of which `<split>_loss` is made. None: auc, ne, logloss, ctr for a binary
-  task; mse, mae for a regression one. (DLRMModule with None keeps its click metrics, RecMetricCollection.)
+  task; mse, mae for a regression one. DLRMModule's one label logs them under the single-task names (`val_auc`).
 - `group_feature`: the sparse feature whose id in a row is that row's group (a user or request id) for "gauc".
 - `calibration_buckets`: a per-task calibration plot (predicted vs observed rate by prediction bucket, a
   TaskCalibrationCurve synced over ranks) logged to W&B at validation end, when a WandbLogger is attached; nothing
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rec.errors import short_list
-from lightning_rec.metrics import TASK_METRICS, RecMetricCollection, TaskCalibrationCurve, TaskMetrics
+from lightning_rec.metrics import TASK_METRICS, TaskCalibrationCurve, TaskMetrics
 
 DEFAULT_METRICS = {"binary": ("auc", "ne", "logloss", "ctr"), "regression": ("mse", "mae")}
 LOSS_METRIC = {"binary": "logloss", "regression": "mse"}
@@ -43,22 +43,12 @@ def check_metric_args(owner: str, metrics: Sequence[str] | None, group_feature: 
                          f"calibration plot, an int >= 1 (0: no plot)")
 
 
-def task_metrics(task: str | None, task_type: str, metrics: Sequence[str] | None, prefix: str) -> nn.Module:
+def task_metrics(task: str | None, task_type: str, metrics: Sequence[str] | None, prefix: str) -> TaskMetrics:
     """One task's metrics, logged as `<prefix><task>/<metric>` (task None: one label, `<prefix><metric>`)."""
-    if metrics is None and task is None:
-        return RecMetricCollection(prefix=prefix)  # DLRMModule's click metrics, as they always were
     regression = task_type == "regression"
     names = [m for m in (metrics or DEFAULT_METRICS[task_type]) if TASK_METRICS[m].binary != regression]
     names += [LOSS_METRIC[task_type]] if LOSS_METRIC[task_type] not in names else []
     return TaskMetrics(None if task is None else [task], names, prefix=prefix)
-
-
-def update_metrics(metrics: nn.Module, preds_B: Tensor, labels_B: Tensor, groups_B: Tensor | None) -> None:
-    """Rows without a label (NaN) are left out by the task metrics themselves."""
-    if isinstance(metrics, TaskMetrics):
-        metrics.update(preds_B, labels_B, groups=groups_B)
-    else:
-        metrics.update(preds_B, labels_B)
 
 
 def group_ids(batch, group_feature: str | None) -> Tensor | None:
@@ -82,16 +72,18 @@ def wandb_loggers(module) -> list:
     return [lg for lg in getattr(module, "loggers", []) if isinstance(lg, WandbLogger)]
 
 
-def calibration_curve(module, tasks: Sequence[str], buckets: int) -> TaskCalibrationCurve | None:
-    """A curve over `tasks` (binary ones) when the module logs to W&B, else None (nothing kept)."""
+def add_calibration_curves(module, curves: nn.ModuleList, tasks: Sequence[str], buckets: int, count: int) -> None:
+    """Grow `curves` to one curve over `tasks` (binary ones) per validation dataloader, `count` of them, when the
+    module logs to W&B; nothing is kept without one."""
     if not buckets or not tasks or not wandb_loggers(module):
-        return None
-    return TaskCalibrationCurve(list(tasks), num_buckets=buckets).to(module.device)
+        return
+    while len(curves) < count:
+        curves.append(TaskCalibrationCurve(list(tasks), num_buckets=buckets).to(module.device))
 
 
-def log_calibration_plots(module, curve: TaskCalibrationCurve, key: str) -> None:
+def log_calibration_plots(module, curve: TaskCalibrationCurve, key: str, suffix: str = "") -> None:
     """compute() (synced over ranks), then one wandb line plot per task, predicted vs observed rate, at key
-    `key.format(task=...)`, with its table of buckets; then reset."""
+    `key.format(task=...) + suffix` (suffix: a dataloader's, as its metrics'), with its table of buckets; then reset."""
     import wandb
 
     if module.trainer.sanity_checking:  # Lightning logs nothing of the sanity check: nor does this
@@ -106,6 +98,7 @@ def log_calibration_plots(module, curve: TaskCalibrationCurve, key: str) -> None
         rows = [[k, *map(float, r)] for k, r in enumerate(rows_K3.tolist()) if r[2] == r[2] and r[2] > 0]
         table = wandb.Table(columns=columns, data=rows)
         name = key.format(task=task)
-        plot = wandb.plot.line(table, "predicted", "observed", title=f"{name}: observed vs predicted rate")
+        plot = wandb.plot.line(table, "predicted", "observed", title=f"{name}{suffix}: observed vs predicted rate")
         for logger in wandb_loggers(module):
-            logger.experiment.log({name: plot, f"{name}_table": table, "trainer/global_step": module.global_step})
+            logger.experiment.log({name + suffix: plot, f"{name}_table{suffix}": table,
+                                   "trainer/global_step": module.global_step})

@@ -21,12 +21,11 @@ from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import refuse_non_finite
 from lightning_rec.models.dlrm_module import _per_feature
 from lightning_rec.models.eval_metrics import (
-    calibration_curve,
+    add_calibration_curves,
     check_metric_args,
     group_ids,
     log_calibration_plots,
     task_metrics,
-    update_metrics,
 )
 from lightning_rec.models.module_hooks import RecModuleHooks
 from lightning_rec.models.multitask import MIXES, MultiTaskNet
@@ -59,7 +58,8 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         metrics: the evaluation metrics of each task (lightning_rec.metrics.TASK_METRICS names; each task gets those
             of its kind; None: auc, ne, logloss, ctr / mse, mae), as DLRMModule's (models/eval_metrics.py).
         group_feature: the sparse feature whose id is a row's group (user or request) for "gauc".
-        calibration_buckets: buckets of the per-task calibration plot logged to W&B (0: none).
+        calibration_buckets: buckets of the per-task calibration plot logged to W&B for each validation dataloader
+            (0: none).
         sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay, dense_optimizer, dense_lr, dense_weight_decay,
         embedding_kernel, warmup_steps, embedding_device: as DLRMModule's."""
 
@@ -112,7 +112,8 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         self.binary_mask = [t == "binary" for t in self.task_types]
         # one collection per (split, dataloader, task), made at the epoch start
         self.eval_metrics = nn.ModuleDict()
-        self.calibration_curve = None  # the binary tasks' W&B calibration plot, made at validation start
+        # the binary tasks' W&B calibration plots, one per validation dataloader, made at validation start
+        self.calibration_curves = nn.ModuleList()
 
     def _check_tasks(self, mix: str, weights: Sequence[float], esmm: bool) -> None:
         names, types = self.task_names, self.task_types
@@ -214,10 +215,10 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         _, _, out_BT, labels_BT = self._loss(batch)
         groups_B = group_ids(batch, self.hparams.group_feature)
         for t, metrics in enumerate(self._metrics(split, dataloader_idx).values()):
-            update_metrics(metrics, out_BT[:, t].float(), labels_BT[:, t], groups_B)
-        if split == "val" and dataloader_idx == 0 and self.calibration_curve is not None:
+            metrics.update(out_BT[:, t].float(), labels_BT[:, t], groups=groups_B)
+        if split == "val" and dataloader_idx < len(self.calibration_curves):
             binary_T = torch.tensor(self.binary_mask, device=out_BT.device)
-            self.calibration_curve.update(out_BT[:, binary_T].float(), labels_BT[:, binary_T])
+            self.calibration_curves[dataloader_idx].update(out_BT[:, binary_T].float(), labels_BT[:, binary_T])
 
     def _log_evaluation(self, split: str, count: int, prog_bar: bool) -> None:
         for k in range(count):
@@ -238,19 +239,21 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         return len(batches) if isinstance(batches, (list, tuple)) else 1
 
     def on_validation_epoch_start(self) -> None:
-        for k in range(self._loader_count(self.trainer.num_val_batches)):  # every rank, the same (a share may be empty)
+        count = self._loader_count(self.trainer.num_val_batches)
+        for k in range(count):  # every rank, the same (a share may be empty)
             self._metrics("val", k)
-        if self.calibration_curve is None:
-            binary = [n for n, b in zip(self.task_names, self.binary_mask) if b]
-            self.calibration_curve = calibration_curve(self, binary, self.hparams.calibration_buckets)
+        binary = [n for n, b in zip(self.task_names, self.binary_mask) if b]
+        add_calibration_curves(self, self.calibration_curves, binary, self.hparams.calibration_buckets, count)
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._evaluation_step("val", batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_evaluation("val", self._loader_count(self.trainer.num_val_batches), prog_bar=True)
-        if self.calibration_curve is not None:
-            log_calibration_plots(self, self.calibration_curve, f"{self._names('val', 0)[0]}/{{task}}/calibration_plot")
+        count = self._loader_count(self.trainer.num_val_batches)
+        self._log_evaluation("val", count, prog_bar=True)
+        for k, curve in enumerate(self.calibration_curves[:count]):
+            prefix, suffix = self._names("val", k)  # as loader k's metrics are named
+            log_calibration_plots(self, curve, f"{prefix}/{{task}}/calibration_plot", suffix)
 
     def on_test_epoch_start(self) -> None:
         for k in range(self._loader_count(self.trainer.num_test_batches)):
