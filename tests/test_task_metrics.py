@@ -6,6 +6,7 @@ no host sync between logs; and the bad input each one names."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -336,9 +337,15 @@ def test_nan_predictions_make_the_rank_metrics_nan_not_a_value_that_looks_valid(
 @pytest.mark.parametrize("preds_shape", [(8,), (8, 3), (4, 2)])
 def test_predictions_of_the_wrong_shape_are_named(preds_shape):
     m = TaskMetrics(["click", "like"], ["auc"])
-    want = rf"predictions of shape \[{preds_shape[0]}.*\[B, T\] = \[8, 2\] for tasks click, like"
+    want = rf"predictions of shape {re.escape(str(list(preds_shape)))}: give \[B, T\] = \[8, 2\] for tasks click, like"
     with pytest.raises(ValueError, match=want):
         m.update(torch.zeros(preds_shape), torch.zeros(8, 2))
+
+
+def test_one_tasks_predictions_of_the_wrong_shape_are_named_as_given():
+    """[3] against 4 labels was once named "[3, 1]": the shape after the metric's own reshape."""
+    with pytest.raises(ValueError, match=r"predictions of shape \[3\]: give \[B, T\] = \[4, 1\]"):
+        TaskMetrics(["click"], ["auc"]).update(torch.zeros(3), torch.zeros(4))
 
 
 def test_auc_over_an_empty_evaluation_set_says_it_is_empty():

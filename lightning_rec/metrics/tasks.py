@@ -52,12 +52,13 @@ def task_infos(tasks: str | RecTaskInfo | Sequence[str | RecTaskInfo] | int) -> 
 
 
 def _as_BT(x: Tensor, B: int, T: int, what: str, where: str, names: Sequence[str]) -> Tensor:
+    given = list(x.shape)  # the message names the shape handed in, not the reshaped one
     if x.dim() == 1 and T == 1:
         x = x.reshape(-1, 1)
     if x.dim() == 1 and x.shape[0] == B and what == "weights":
         x = x.reshape(-1, 1).expand(B, T)
     if tuple(x.shape) != (B, T):
-        raise ValueError(f"{where}: {what} of shape {list(x.shape)}: give [B, T] = [{B}, {T}] for tasks "
+        raise ValueError(f"{where}: {what} of shape {given}: give [B, T] = [{B}, {T}] for tasks "
                          f"{short_list(list(names))}{' (or [B] for one task)' if T == 1 else ''}, one column per task")
     return x
 
