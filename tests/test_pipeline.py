@@ -254,7 +254,9 @@ def _launch_order_worker(rank, W, feeder_collectives):
             time.sleep(0.01 if rank == 0 else 0.0)
             return self.inner(batch)
 
-    pipeline = TrainPipelineSparseDist(Slow(dmp), opt, "cpu", PipelineConfig(feeder_collectives=feeder_collectives))
+    # a feeder thread (inline, auto's choice on 2 cores, runs every collective in the step's thread)
+    config = PipelineConfig(feeder_collectives=feeder_collectives, read_ahead="thread")
+    pipeline = TrainPipelineSparseDist(Slow(dmp), opt, "cpu", config)
     steps = len(_pipelined_steps(pipeline, iter(uneven(_loader(rank, 12)))))
     pipeline.close()
     SharedMemoryGroup._write = real

@@ -426,8 +426,9 @@ def _tower_dmp(W, shm):
     return m, dmp, torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
 
 
-def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
-    """Rank 1's third step raises before the embeddings; its hand-written loop catches it and goes on."""
+def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread", sized=False):
+    """Rank 1's third step raises before the embeddings; its hand-written loop catches it and goes on.
+    sized: the batches come from a DataLoader with a length (the ranks agree on it once, not before each batch)."""
     _threads()
     _fast_guard()
     m, dmp, opt = _tower_dmp(W, shm)
@@ -437,7 +438,8 @@ def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
     def go():
         from lightning_rec import PipelineConfig, TrainPipelineSparseDist
         config = PipelineConfig(read_ahead=read_ahead)
-        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu", config), iter(batches)) if pipelined else (None, None)
+        source = _t().utils.data.DataLoader(batches, batch_size=None, collate_fn=_same) if sized else batches
+        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu", config), iter(source)) if pipelined else (None, None)
         for b in batches:
             try:
                 if pipelined:
@@ -449,6 +451,10 @@ def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
             except KeyError:
                 pass
     return _outcome(go)
+
+
+def _same(batch):
+    return batch
 
 
 def rank_loader_gives_none(rank, W):
@@ -492,6 +498,15 @@ def pipeline_step_cases() -> None:
               ["every rank has a batch", "pooled embedding all-to-all", "goes on"], timeout=60)
         def _(ctx, shm=shm):
             raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, True, "inline"), need_all=True, max_s=15)
+
+    # a loader with a length: no agreement before each batch; the exchanges' own checks name the steps that parted
+    for shm, tag in ((None, "shm"), (False, "gloo")):
+        for read_ahead in ("thread", "inline"):
+            @case(f"pipeline.{tag}.{read_ahead}.sized.rank1_step_raised_and_went_on", Exception, ["went on"],
+                  timeout=60)
+            def _(ctx, shm=shm, read_ahead=read_ahead):
+                raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, True, read_ahead, True), need_all=True,
+                                  max_s=15)
 
     @case("pipeline.loader_gives_none_on_rank1", RuntimeError, ["rank(s) [1]", "batch 2"], timeout=60)
     def _(ctx):
