@@ -457,9 +457,11 @@ def _same(batch):
     return batch
 
 
-def rank_loader_gives_none(rank, W):
-    """A collate_fn that returns None for a bad batch: rank 1's batch 2."""
+def rank_loader_gives_none(rank, W, sized=False):
+    """A collate_fn that returns None for a bad batch: rank 1's batch 2. sized: from a DataLoader with a length."""
     _threads()
+    if sized:
+        _fast_guard()
     _, dmp, opt = _tower_dmp(W, None)
     batches = [_rank_batches(0) for _ in range(5)]
     if rank == 1:
@@ -468,7 +470,7 @@ def rank_loader_gives_none(rank, W):
     def go():
         from lightning_rec import TrainPipelineSparseDist
         with TrainPipelineSparseDist(dmp, opt, "cpu") as p:
-            it = iter(batches)
+            it = iter(_t().utils.data.DataLoader(batches, batch_size=None, collate_fn=_same) if sized else batches)
             while True:
                 try:
                     p.progress(it)
@@ -514,6 +516,15 @@ def pipeline_step_cases() -> None:
         expect(out[1] is not None and out[1][0] == "error" and "gave None as batch 2" in out[1][2],
                f"rank 1 did not name its None batch: {out[1]}")
         raise_first_error(out, need_all=True)
+
+    # a loader with a length: no agreement names rank 1 to the others; rank 1 raises alone, and rank 0, waiting in
+    # batch 2's exchange, hears that rank 1 left (as in the plain loop)
+    @case("pipeline.sized.loader_gives_none_on_rank1", Exception, ["rank 1", "exited"], timeout=60)
+    def _(ctx):
+        out = run_two_ranks(rank_loader_gives_none, True)
+        expect(out[1] is not None and out[1][0] == "error" and "gave None as batch 2" in out[1][2],
+               f"rank 1 did not name its None batch: {out[1]}")
+        raise_first_error([out[0]], need_all=True, max_s=15)
 
     def loss_item():
         torch = _t()

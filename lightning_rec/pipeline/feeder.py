@@ -1,4 +1,5 @@
-"""One pass over a loader: the feeder thread reads, copies and routes batches ahead; the plan it follows."""
+"""One pass over a loader: the feeder reads, copies and routes batches (ahead in its thread, or inline in the step's
+thread as it asks for each); the plan it follows."""
 
 from __future__ import annotations
 
