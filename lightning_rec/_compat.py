@@ -241,6 +241,20 @@ def persistent_iterator_reset(source, before_reset) -> bool:
     return True
 
 
+def dataloader_batches_left(source) -> int | None:
+    """The batches `source`, an iterator of a map-style DataLoader, has yet to give (its length less those it gave:
+    torch's private `_BaseDataLoaderIter._num_yielded` and `_dataset_kind`, torch 2.11-2.13); None for other iterators
+    (an iterable dataset's length is only its own claim)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+    if not isinstance(source, _BaseDataLoaderIter) or getattr(source, "_dataset_kind", None) != _DatasetKind.Map:
+        return None
+    try:
+        return max(len(source) - int(source._num_yielded), 0)
+    except (TypeError, AttributeError):  # a sampler without a length
+        return None
+
+
 def default_store():
     """The default process group's c10d Store (torch's private `_get_default_store`, torch 2.11-2.13), or None."""
     try:

@@ -426,8 +426,9 @@ def _tower_dmp(W, shm):
     return m, dmp, torch.optim.SGD([p for p in dmp.parameters() if p.requires_grad], lr=0.1)
 
 
-def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
-    """Rank 1's third step raises before the embeddings; its hand-written loop catches it and goes on."""
+def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread", sized=False):
+    """Rank 1's third step raises before the embeddings; its hand-written loop catches it and goes on.
+    sized: the batches come from a DataLoader with a length (the ranks agree on it once, not before each batch)."""
     _threads()
     _fast_guard()
     m, dmp, opt = _tower_dmp(W, shm)
@@ -437,7 +438,8 @@ def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
     def go():
         from lightning_rec import PipelineConfig, TrainPipelineSparseDist
         config = PipelineConfig(read_ahead=read_ahead)
-        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu", config), iter(batches)) if pipelined else (None, None)
+        source = _t().utils.data.DataLoader(batches, batch_size=None, collate_fn=_same) if sized else batches
+        pipeline, it = (TrainPipelineSparseDist(dmp, opt, "cpu", config), iter(source)) if pipelined else (None, None)
         for b in batches:
             try:
                 if pipelined:
@@ -451,9 +453,15 @@ def rank_step_raised_went_on(rank, W, shm, pipelined, read_ahead="thread"):
     return _outcome(go)
 
 
-def rank_loader_gives_none(rank, W):
-    """A collate_fn that returns None for a bad batch: rank 1's batch 2."""
+def _same(batch):
+    return batch
+
+
+def rank_loader_gives_none(rank, W, sized=False):
+    """A collate_fn that returns None for a bad batch: rank 1's batch 2. sized: from a DataLoader with a length."""
     _threads()
+    if sized:
+        _fast_guard()
     _, dmp, opt = _tower_dmp(W, None)
     batches = [_rank_batches(0) for _ in range(5)]
     if rank == 1:
@@ -462,7 +470,7 @@ def rank_loader_gives_none(rank, W):
     def go():
         from lightning_rec import TrainPipelineSparseDist
         with TrainPipelineSparseDist(dmp, opt, "cpu") as p:
-            it = iter(batches)
+            it = iter(_t().utils.data.DataLoader(batches, batch_size=None, collate_fn=_same) if sized else batches)
             while True:
                 try:
                     p.progress(it)
@@ -493,12 +501,30 @@ def pipeline_step_cases() -> None:
         def _(ctx, shm=shm):
             raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, True, "inline"), need_all=True, max_s=15)
 
+    # a loader with a length: no agreement before each batch. A feeder thread's id exchange names the steps that
+    # parted; inline, the guard names rank 1's id exchange against rank 0's embedding exchange
+    for shm, tag in ((None, "shm"), (False, "gloo")):
+        for read_ahead, words in (("thread", ["went on"]), ("inline", ["pooled embedding all-to-all", "goes on"])):
+            @case(f"pipeline.{tag}.{read_ahead}.sized.rank1_step_raised_and_went_on", Exception, words, timeout=60)
+            def _(ctx, shm=shm, read_ahead=read_ahead):
+                raise_first_error(run_two_ranks(rank_step_raised_went_on, shm, True, read_ahead, True), need_all=True,
+                                  max_s=15)
+
     @case("pipeline.loader_gives_none_on_rank1", RuntimeError, ["rank(s) [1]", "batch 2"], timeout=60)
     def _(ctx):
         out = run_two_ranks(rank_loader_gives_none)
         expect(out[1] is not None and out[1][0] == "error" and "gave None as batch 2" in out[1][2],
                f"rank 1 did not name its None batch: {out[1]}")
         raise_first_error(out, need_all=True)
+
+    # a loader with a length: no agreement names rank 1 to the others; rank 1 raises alone, and rank 0, waiting in
+    # batch 2's exchange, hears that rank 1 left (as in the plain loop)
+    @case("pipeline.sized.loader_gives_none_on_rank1", Exception, ["rank 1", "exited"], timeout=60)
+    def _(ctx):
+        out = run_two_ranks(rank_loader_gives_none, True)
+        expect(out[1] is not None and out[1][0] == "error" and "gave None as batch 2" in out[1][2],
+               f"rank 1 did not name its None batch: {out[1]}")
+        raise_first_error([out[0]], need_all=True, max_s=15)
 
     def loss_item():
         torch = _t()

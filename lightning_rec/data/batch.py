@@ -228,7 +228,17 @@ class StatefulBatchLoader(StatefulDataLoader):
     _passes: _Passes = _Passes()
 
     def __iter__(self):  # type: ignore[override]
-        return self._resumable_batches()
+        return _Pass(self._resumable_batches(), self._batches_of_next_pass())
+
+    def _batches_of_next_pass(self) -> int | None:
+        """The batches the next pass gives, where the loader knows them: a map-style dataset's length, less the
+        batches a resumed pass took already (None: a stream, or a pass continued at another world size)."""
+        if isinstance(self.dataset, torch.utils.data.IterableDataset) or self.ranks_have_a_batch is not None:
+            return None
+        total, pending = _length(self), self._passes.pending
+        if total is None or pending is None or pending["finished"] or pending["batches"] == total:
+            return total
+        return None if pending.get("elsewhere") is not None else total - pending["batches"]
 
     def _next_own_epoch(self) -> None:
         """Outside Lightning: a pass whose sampler epoch nobody set since the last pass draws the next epoch's
@@ -547,6 +557,25 @@ def make_train_loader(dataset: Dataset, batch_size: int, shuffle: bool, drop_las
                                num_workers=num_workers, pin_memory=pin_memory, shard_by_rank=shard,
                                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
     return follow_fit_loop(loader, trainer)
+
+
+class _Pass(Iterator):
+    """One pass of a StatefulBatchLoader: its batches, and how many are left where the loader knows
+    (`batches_left()`: a pipeline's ranks then agree on the pass's length once instead of before every batch)."""
+
+    def __init__(self, batches: Iterator[Any], total: int | None) -> None:
+        self._batches, self._total, self._given = batches, total, 0
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        self._given += 1
+        return batch
+
+    def batches_left(self) -> int | None:
+        return None if self._total is None else max(self._total - self._given, 0)
+
+    def close(self) -> None:
+        self._batches.close()
 
 
 def _length(loader: StatefulDataLoader) -> int | None:

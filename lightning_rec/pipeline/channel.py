@@ -53,21 +53,21 @@ class _Channel:
             a2a = self._a2a[id(module)] = module.ids_all_to_all(self.comm)
         return a2a
 
-    def agree(self, missing: bool, failed: bool, stream: Any = None, stop: int = 0,
-              unused: int = 0) -> tuple[list[int], list[int], dict[int, int], list[int]]:
+    def agree(self, missing: bool, failed: bool, stream: Any = None, stop: int = 0, unused: int = 0,
+              length: int = -1) -> tuple[list[int], list[int], dict[int, int], list[int], list[int]]:
         """Collective: the ranks without a batch, the ranks whose loader raised, the signals the ranks were sent
         ({rank: bits}, RecStrategy's: 1 a SIGTERM, 2 SLURM's requeue signal; carried here so that every rank acts on
-        them at the same batch, with no collective of their own), and each rank's `unused` (the batches its steps
-        left unused, see _Feeder), in group-rank order.
+        them at the same batch, with no collective of their own), each rank's `unused` (the batches its steps
+        left unused, see _Feeder) and each rank's `length` (its batches left, -1 unknown), in group-rank order.
 
         stream: a side CUDA stream (the feeder's) for the NCCL flags: on the current (compute) stream the
         all-reduce would wait for every queued step, and reading the flags back would drain the GPU.
         """
-        rows = agree([int(missing), int(failed), int(stop), unused], self.pg, self.transport, device=self.device,
-                     stream=stream, tag="pipeline: every rank has a batch")
-        return ([r for r, (m, _, _, _) in enumerate(rows) if m], [r for r, (_, f, _, _) in enumerate(rows) if f],
-                {dist.get_global_rank(self.pg, r): x for r, (_, _, x, _) in enumerate(rows) if x},  # as users know them
-                [u for *_, u in rows])
+        rows = agree([int(missing), int(failed), int(stop), unused, length], self.pg, self.transport,
+                     device=self.device, stream=stream, tag="pipeline: every rank has a batch")
+        return ([r for r, (m, *_) in enumerate(rows) if m], [r for r, (_, f, *_) in enumerate(rows) if f],
+                {dist.get_global_rank(self.pg, r): x for r, (_, _, x, *_) in enumerate(rows) if x},  # as users know it
+                [u for *_, u, _ in rows], [n for *_, n in rows])
 
     @staticmethod
     def acquire(env) -> _Channel:

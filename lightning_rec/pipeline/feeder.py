@@ -1,4 +1,5 @@
-"""One pass over a loader: the feeder thread reads, copies and routes batches ahead; the plan it follows."""
+"""One pass over a loader: the feeder reads, copies and routes batches (ahead in its thread, or inline in the step's
+thread as it asks for each); the plan it follows."""
 
 from __future__ import annotations
 
@@ -217,7 +218,7 @@ class _Feeder(Iterator):
     def __init__(self, source: Iterator, inputs: _Inputs, plan: _Plan, channels: dict, device: torch.device,
                  config: PipelineConfig, to_device: Callable[[Any], Any], stats: dict[str, int],
                  pad: Callable[[], Any] | None = None, evaluating: bool = False,
-                 stop_signal: tuple | None = None) -> None:
+                 stop_signal: tuple | None = None, length: int | None = None) -> None:
         self.source, self.inputs, self.plan, self.channels = source, inputs, plan, channels
         # InputPipeline.stop_signal: the bits ride on each batch's agreement, told as the step takes that batch
         self.stop_signal = stop_signal
@@ -255,8 +256,15 @@ class _Feeder(Iterator):
         cuda = device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._dist_stream = torch.cuda.Stream(device) if cuda else None
-        self._thread = threading.Thread(target=self._run, name="lightning_rec-pipeline-feeder", daemon=True)
-        self._thread.start()
+        # this rank's batches left in `source` when known (a map-style DataLoader's): batch 0's agreement carries it,
+        # and where every rank's is the same (and no signal rides on the agreements) the later batches skip theirs
+        self._length, self._sized = length, None
+        # inline: the step's thread does the feeder's work itself when it asks for a batch (no thread, no hand-off)
+        self._inline_at: tuple[int, bool] | None = (0, False) if config.read_ahead == "inline" else None
+        self._thread: threading.Thread | None = None
+        if self._inline_at is None:
+            self._thread = threading.Thread(target=self._run, name="lightning_rec-pipeline-feeder", daemon=True)
+            self._thread.start()
 
     # main thread ---------------------------------------------------------------------------------
 
@@ -295,8 +303,11 @@ class _Feeder(Iterator):
             if self._ordered:
                 self._turn = self.taken  # batch `taken`'s collectives may run now: this thread waits here
                 self._cond.notify_all()
+        if self._inline_at is not None and not self._queue:
+            self._feed_inline()
+        with self._cond:
             while not self._queue:
-                if not self._thread.is_alive() and not self._queue:
+                if not self._feeding():
                     break
                 self._waiting = True  # the feeder stops waiting for the plan (_wait_plan): the step is not over
                 self._cond.notify_all()
@@ -338,7 +349,8 @@ class _Feeder(Iterator):
         """unused[taken]: the batches handed out so far that no collection took (held: the cond lock)."""
         while self._open and (self._open[0].claimed or len(self._open) > _STEP_BATCHES_KEPT):
             self._unused += not self._open.popleft().claimed  # one never taken by now is counted for good
-        self._unused_at[self.taken] = self._unused + sum(not e.claimed for e in self._open)
+        if self._sized is None:  # (sized: no agreement carries it)
+            self._unused_at[self.taken] = self._unused + sum(not e.claimed for e in self._open)
 
     def _resolve(self, k: int) -> None:
         """Batch k is claimed or passed over (in batch order; held: the cond lock): batch k+1's exchange carries it."""
@@ -389,7 +401,7 @@ class _Feeder(Iterator):
 
     def _wait_routed(self, entry: _Entry) -> None:
         while not entry.ready.wait(1.0):
-            if not self._thread.is_alive() and not entry.ready.is_set():
+            if not self._feeding() and not entry.ready.is_set():
                 raise RuntimeError("lightning_rec pipeline: the feeder thread ended before routing this batch")
 
     def prefetch(self, batch: Any, stream: torch.cuda.Stream | None) -> None:
@@ -442,7 +454,8 @@ class _Feeder(Iterator):
         keep_unused: return the batches read ahead that no step took, else drop them."""
         self.stop_soon()
         timeout = max((c.timeout_s or 0.0) for c in self.channels.values()) if self.channels else 0.0
-        self._thread.join(timeout + 30.0)
+        if self._thread is not None:
+            self._thread.join(timeout + 30.0)
         peeked, self._peeked = self._peeked, None
         with self._cond:
             taken = [peeked] if peeked is not None and peeked is not _END else []
@@ -465,6 +478,22 @@ class _Feeder(Iterator):
             self.inputs.recording = None
         if self.inputs.current is self:
             self.inputs.current = None
+
+    def _feeding(self) -> bool:
+        """Can a batch still come: the feeder thread runs (inline: the step's thread feeds, never waits for one)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _feed_inline(self) -> None:
+        """inline: batch `taken`'s read, copy, agreement and routing, in the step's thread (its turn is now); what the
+        feeder thread would put (the entry, the end, an error) is put for `_take`."""
+        k, exhausted = self._inline_at
+        channel = next(iter(self.channels.values()), None)
+        try:
+            with torch.no_grad():
+                _, exhausted = self._feed_one(k, exhausted, channel)
+        except BaseException as e:  # noqa: BLE001 - raised by _take, as the thread's would be
+            self._put(e)
+        self._inline_at = (k + 1, exhausted)
 
     # feeder thread -------------------------------------------------------------------------------
 
@@ -514,35 +543,53 @@ class _Feeder(Iterator):
             self._put(e)
 
     def _feed(self) -> None:
-        k, exhausted = 0, False
+        k, exhausted, going = 0, False, True
         channel = next(iter(self.channels.values()), None)
-        inline = self.config.read_ahead == "inline"
-        while self._may_start(k):
-            if inline and not self._wait_turn(k):  # inline: read only while the step's thread waits for batch k
-                return
-            batch, error, exhausted = self._read(exhausted, k, channel)
-            if self._ordered:
-                if batch is not None and error is None:
-                    batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
-                if not self._wait_turn(k):
-                    if batch is not None and error is None:
-                        self._held.append(batch)  # read from the source: close(keep_unused) hands it back
-                    return
-            missing, failed, stopping = self._agree(channel, batch, error, k)
-            if failed:
-                if error is not None:
-                    raise error
-                raise RuntimeError(f"the dataloader of rank(s) {failed} raised (or gave None) at batch {k} (see the "
-                                   f"error on those ranks); this rank stopped there too")
-            if missing and self.pad is not None and channel is not None and len(missing) < channel.world_size:
-                if batch is None:  # evaluation: this rank ran out, another has not: step on with an empty batch
-                    batch = self._copy(self.pad()) if self._ordered else self.pad()
-            elif missing:
-                self._end_early(channel, batch, stopping)
-                return
-            if not self._hand_out(k, batch, stopping):
-                return
+        while going and self._may_start(k):
+            going, exhausted = self._feed_one(k, exhausted, channel)
             k += 1
+
+    def _feed_one(self, k: int, exhausted: bool, channel) -> tuple[bool, bool]:
+        """Batch k read, copied, agreed on and handed out (routed ahead once the plan is known). (whether the pass goes
+        on, whether the source is exhausted)"""
+        batch, error, exhausted = self._read(exhausted, k, channel)
+        if self._sized is not None and k >= self._sized:  # every rank's agreed length: the pass ends for all here
+            if error is not None:  # (read all the same: the loader notes the end of its pass, as in the plain loop)
+                raise error
+            if batch is not None:
+                warnings.warn(f"rank {channel.rank}: the dataloader gave more than its length ({self._sized}) of "
+                              f"batches; the rest are skipped, as every rank's pass ends at that length. Give it a "
+                              f"length that its iteration keeps (len(batch_sampler))", stacklevel=3)
+            self._put(_END)
+            return False, True
+        if self._sized is not None and error is None and batch is None:
+            error = ValueError(f"rank {channel.rank}: the dataloader ended after {k} batches, but its length "
+                               f"said {self._sized}: give it a length that its iteration keeps (len(batch_sampler))")
+        if self._ordered:
+            if batch is not None and error is None:
+                batch = self._copy(batch)  # the copy (and pinning) stays ahead of the turn
+            if not self._wait_turn(k):
+                if batch is not None and error is None:
+                    self._held.append(batch)  # read from the source: close(keep_unused) hands it back
+                return False, exhausted
+        if self._sized is not None:  # sized: no agreement (as in the plain loop, an error is this rank's)
+            if error is not None:
+                raise error
+            missing, failed, stopping = [], [], {}
+        else:
+            missing, failed, stopping = self._agree(channel, batch, error, k)
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"the dataloader of rank(s) {failed} raised (or gave None) at batch {k} (see the "
+                               f"error on those ranks); this rank stopped there too")
+        if missing and self.pad is not None and channel is not None and len(missing) < channel.world_size:
+            if batch is None:  # evaluation: this rank ran out, another has not: step on with an empty batch
+                batch = self._copy(self.pad()) if self._ordered else self.pad()
+        elif missing:
+            self._end_early(channel, batch, stopping)
+            return False, exhausted
+        return self._hand_out(k, batch, stopping), exhausted
 
     def _read(self, exhausted: bool, k: int, channel) -> tuple[Any, BaseException | None, bool]:
         """(the source's next batch or None, the error it raised or None, whether it is exhausted)."""
@@ -571,8 +618,12 @@ class _Feeder(Iterator):
         at = k if self._ordered else k - self.config.depth  # the step's thread asked for that batch before this one
         with self._cond:
             unused = self._unused_at.pop(at, 0)
-        missing, failed, stops, unused_R = channel.agree(batch is None and error is None, error is not None,
-                                                         self._dist_stream, stop=stop, unused=unused)
+        length = -1 if k or self._length is None else self._length
+        missing, failed, stops, unused_R, lengths = channel.agree(batch is None and error is None, error is not None,
+                                                                  self._dist_stream, stop=stop, unused=unused,
+                                                                  length=length)
+        if k == 0 and self.stop_signal is None and lengths[0] >= 0 and len(set(lengths)) == 1:
+            self._sized = lengths[0]
         if len(set(unused_R)) > 1:
             where = ", ".join(f"rank {r}: {n}" for r, n in enumerate(unused_R))
             raise CollectiveMismatch(

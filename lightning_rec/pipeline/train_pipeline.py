@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_rec._compat import persistent_iterator_reset
+from lightning_rec._compat import dataloader_batches_left, persistent_iterator_reset
 from lightning_rec._device import with_cuda_index
 from lightning_rec.comm import agree, get_local_size
 from lightning_rec.errors import short_repr
@@ -58,10 +58,13 @@ class InputPipeline:
         # inputs the step received already routed / routed itself (the first batch, unpipelined collections)
         self.stats = {"routed_ahead": 0, "routed_in_step": 0}
 
-    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None, evaluating: bool = False) -> _Feeder:
+    def iterate(self, source: Iterator, pad: Callable[[], Any] | None = None, evaluating: bool = False,
+                length: int | None = None) -> _Feeder:
         """A new pass over `source` (the previous pass, if any, is stopped first).
 
-        pad: evaluation's empty batch for a rank whose `source` ran out before another's (None: no padding)."""
+        pad: evaluation's empty batch for a rank whose `source` ran out before another's (None: no padding).
+        length: the batches `source` gives, when known: where every rank's is the same, the ranks agree on it once
+        instead of before every batch."""
         if self.closed:
             raise ValueError("this pipeline was closed: build a new one (TrainPipelineSparseDist(...))")
         self.stop_feeder()
@@ -76,7 +79,7 @@ class InputPipeline:
             # the last pass's recording step called no collection: record on this pass (the same on every rank)
             self.plan = _Plan()
         self.feeder = _Feeder(iter(source), self.inputs, self.plan, self.channels, self.device, self.config,
-                              self.to_device, self.stats, pad, evaluating, self.stop_signal)
+                              self.to_device, self.stats, pad, evaluating, self.stop_signal, length)
         return self.feeder
 
     def stop_feeder(self, keep_unused: bool = False) -> list:
@@ -172,6 +175,13 @@ def _read_ahead(config: PipelineConfig, channels: dict, device: torch.device) ->
         _SAID.add(why)
         logging.getLogger(__name__).info("lightning_rec pipeline: read-ahead %s: %s", mode, why)
     return mode, why
+
+
+def _batches_left(source: Iterator) -> int | None:
+    """The batches `source` has yet to give, where it knows: a pass of lightning_rec's loaders (`batches_left()`) or
+    of a map-style DataLoader; None for other iterators."""
+    own = getattr(source, "batches_left", None)
+    return own() if callable(own) else dataloader_batches_left(source)
 
 
 def _reference(obj: Any) -> Callable[[], Any]:
@@ -307,7 +317,11 @@ class TrainPipelineSparseDist:
         self._watch_reset(source)
         kept = self._read_ahead.pop(id(source), None)
         self._pass_kept = kept[1] if kept is not None and kept[0]() is source else None
-        self._pipeline.iterate(itertools.chain(self._pass_kept, source) if self._pass_kept is not None else source)
+        length = _batches_left(source)  # a sized loader's: the ranks agree on it once, not before each batch
+        if length is not None and self._pass_kept is not None:
+            length += len(self._pass_kept)
+        self._pipeline.iterate(itertools.chain(self._pass_kept, source) if self._pass_kept is not None else source,
+                               length=length)
         self._source = source
 
     def _watch_reset(self, source: Iterator) -> None:
