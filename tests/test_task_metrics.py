@@ -354,6 +354,21 @@ def test_auc_over_an_empty_evaluation_set_says_it_is_empty():
         assert torch.isnan(m.compute()["val/click/auc"])
 
 
+def _empty_synced(rank, world_size):
+    m = TaskMetrics(["click", "like"], ["auc", "auprc"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {k: float(v.nan_to_num(-1.0).sum()) for k, v in m.compute().items()}
+
+
+def test_exact_auc_synced_over_ranks_that_saw_no_row_is_nan_not_an_index_error():
+    """A validation pass with no batch on any rank, under a process group: the synced list states come back as one
+    flat empty tensor, which the per-task read indexed as [N, T] (IndexError at the first DLRM validation of a run
+    whose loaders were reloaded empty)."""
+    got = run_ranks(_empty_synced, 2, timeout=120)
+    assert got[0] == got[1] and set(got[0].values()) == {-1.0}, got  # NaN for every task
+
+
 @pytest.mark.parametrize("cls", ["AUC", "BinnedAUC"])
 def test_single_task_auc_over_an_empty_evaluation_set_says_it_is_empty(cls):
     """It said "only negative labels (0 positive, 0 negative)", as if the set had a class."""

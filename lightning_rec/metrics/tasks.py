@@ -422,9 +422,10 @@ class _ListTaskMetric(TaskMetric):
             self.groups_N.append(groups_B.detach().reshape(-1).long())
 
     def _rows(self) -> tuple[Tensor, Tensor, Tensor]:
-        def cat(s):
+        def cat(s):  # (a synced state with no row on any rank is a flat empty tensor: reshaped to [0, T])
             state = getattr(self, s)
-            return dim_zero_cat(state).double() if not isinstance(state, list) or state else None
+            return dim_zero_cat(state).double().reshape(-1, len(self.tasks)) if not isinstance(state, list) or state \
+                else None
         p, y, w = cat("preds_NT"), cat("labels_NT"), cat("weights_NT")
         if p is None:
             p = y = w = torch.zeros(0, len(self.tasks), dtype=torch.float64)
