@@ -30,7 +30,8 @@ def _hstu(lengths_B, max_len=64, H=2, seed=1):
 
 
 def _grads(out, tensors):
-    return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), tensors)
+    ramp = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
+    return torch.autograd.grad((out * ramp).sum(), tensors)
 
 
 @pytest.mark.parametrize("lengths", [[5, 50, 3, 1, 17, 0, 32], [1], [7, 7, 7], [2, 40]])
@@ -85,3 +86,21 @@ def test_empty_batch_keeps_the_graph():
 
 def test_positions_from_end():
     assert positions_from_end(torch.tensor([3, 1, 2])).tolist() == [2, 1, 0, 0, 1, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lengths", [[5, 50, 3, 1, 17, 0, 32], [1], [7, 7, 7], [2, 300]])
+def test_cuda_nested_tensor_attention_equals_each_sequence_alone_on_the_cpu(lengths):
+    """On CUDA softmax attention runs on torch's jagged nested tensors (no padding at all): forward and backward
+    against each sequence alone on the CPU. 1e-4: the GPU's SDPA kernels sum in their own order."""
+    from lightning_rec.models.jagged_attention import _nested_sdpa_ok
+
+    (q, k, v), lengths_B, _ = _inputs(lengths)
+    gpu = [x.detach().cuda().requires_grad_() for x in (q, k, v)]
+    assert _nested_sdpa_ok(gpu[0]), "this torch cannot run causal SDPA on jagged nested tensors on CUDA"
+    out_gpu = jagged_attention(*gpu, lengths_B.cuda())
+    out_cpu = per_sequence_reference(q, k, v, lengths_B)
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=1e-4, rtol=1e-4)
+    for a, b in zip(_grads(out_gpu, gpu), _grads(out_cpu, (q, k, v))):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
