@@ -3,6 +3,12 @@ batches, logged every 50 steps, against the same step without them.
 
     python benchmarks/metrics.py [--steps 10] [--rounds 10] [--batch 2048]
     python benchmarks/metrics.py --smoke          # seconds: small tables, a few steps, one round
+    python benchmarks/metrics.py --device cuda --profile   # GPU: host syncs of the metrics between logs
+
+On CUDA the metrics' calls of every step run under torch's sync debug mode, which reports each operation that waits
+for the device: figures.host_syncs_between_logs counts those of the steps that did not log (0: no `.item()` or
+copy to the host between logs), figures.host_syncs_per_log those of the steps that did. --profile also records one
+log interval with torch.profiler and counts its device-to-host copies (figures.profile_dtoh_copies, and its table).
 
 Model: benchmarks/dlrm_distributed.py's (26 tables x 100,000 rows x dim 64, dense 512-256-64, over 512-512-256-1,
 fused row-wise Adagrad), one process, 2 threads, batch 2048. The 8 tasks' logits are the model's logit plus a fixed
@@ -17,10 +23,12 @@ Last line: {"benchmark": "metrics", "results": [...], "ratios": {"step_with_metr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,22 +50,55 @@ class _Sink:
         {k: float(v) for k, v in values.items()}  # noqa: B018  (the one host read of a log step)
 
 
+@contextlib.contextmanager
+def count_host_syncs(device: str):
+    """Counts the operations inside that wait for a CUDA device (torch's sync debug mode, "warn"); none on a CPU."""
+    counted = [0]
+    if device != "cuda":
+        yield counted
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counted[0] = sum("synchroniz" in str(w.message) for w in caught)
+
+
+def profile_log_interval(step, steps: int) -> dict:
+    """One log interval of steps with metrics under torch.profiler: its device-to-host copies and syncs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i, True)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    return {"profile_steps": steps, "profile_dtoh_copies": sum(n.startswith("Memcpy DtoH") for n in names),
+            "profile_stream_syncs": sum(n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") for n in names)}
+
+
 def run(args) -> dict:
     from lightning_rec.metrics import WindowedTaskMetrics
     from lightning_rec.optim import combined_optimizer, dense_parameters
 
     torch.set_num_threads(2)
-    model = build_model("cpu", args.rows)
+    device = args.device
+    model = build_model(device, args.rows).to(device)
     opt = combined_optimizer(model, torch.optim.Adagrad(dense_parameters(model), lr=0.01))
-    batches = make_batches(args.batch, 4, seed=0, rows=args.rows)
+    batches = [tuple(x.to(device) for x in b) for b in make_batches(args.batch, 4, seed=0, rows=args.rows)]
     g = torch.Generator().manual_seed(1)
-    labels_BT = [(torch.rand(args.batch, TASKS, generator=g) < 0.2).float() for _ in batches]
-    offsets_T = torch.linspace(-1, 1, TASKS)
+    labels_BT = [(torch.rand(args.batch, TASKS, generator=g) < 0.2).float().to(device) for _ in batches]
+    offsets_T = torch.linspace(-1, 1, TASKS, device=device)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     window = WindowedTaskMetrics([f"task{t}" for t in range(TASKS)], ["auc", "ne", "calibration"],
                                  window=args.window, log_every=args.log_every)
     sink = _Sink()
     metric_times: list[float] = []  # the metrics' own part of each step with them
+    syncs = {"between_logs": 0, "at_logs": 0}
 
     def step(i: int, metrics: bool) -> float:
         start = time.perf_counter()
@@ -68,10 +109,14 @@ def run(args) -> dict:
         loss.backward()
         opt.step()
         if metrics:
-            before = time.perf_counter()
-            window.update(logits.detach() + offsets_T, labels_BT[i % len(batches)])
-            window.log_to(sink)
+            before, logs = time.perf_counter(), sink.logs
+            with count_host_syncs(device) as counted:
+                window.update(logits.detach() + offsets_T, labels_BT[i % len(batches)])
+                window.log_to(sink)
             metric_times.append(time.perf_counter() - before)
+            syncs["between_logs" if sink.logs == logs else "at_logs"] += counted[0]
+        if device == "cuda":
+            torch.cuda.synchronize()  # the step's time, not its launch
         return time.perf_counter() - start
 
     for i in range(args.warmup):
@@ -89,7 +134,9 @@ def run(args) -> dict:
                        "ratio": round(medians["with"] / medians["without"], 4)})
         print(f"round {r}: without {medians['without'] * 1e3:.1f} ms, with {medians['with'] * 1e3:.1f} ms "
               f"({rounds[-1]['ratio']:.3f}x)", flush=True)
-    return {"rounds": rounds, "times": times, "logs": sink.logs, "metric_times": metric_times[args.warmup:]}
+    profiled = profile_log_interval(step, args.log_every) if args.profile and device == "cuda" else {}
+    return {"rounds": rounds, "times": times, "logs": sink.logs, "metric_times": metric_times[args.warmup:],
+            "syncs": syncs, "profiled": profiled}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--window", type=int, default=100, help="batches in the metrics' window")
     p.add_argument("--log-every", type=int, default=50, help="steps between metric logs")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--profile", action="store_true", help="cuda: profile one log interval (device-to-host copies)")
     p.add_argument("--smoke", action="store_true", help="seconds: small tables, a few steps, one round")
     args = p.parse_args(argv)
     if args.smoke:
@@ -123,7 +172,10 @@ def main() -> None:
                # the metrics' own time over the step without them: less exposed to a busy machine's swings
                "metrics_part_over_step_without": round(statistics.median(out["metric_times"]) / without, 4),
                "median_of_round_ratios": round(statistics.median(r["ratio"] for r in out["rounds"]), 4),
-               "metric_logs": out["logs"], "batch": args.batch, "tasks": TASKS}
+               "metric_logs": out["logs"], "batch": args.batch, "tasks": TASKS, "device": args.device}
+    if args.device == "cuda":
+        figures |= {"host_syncs_between_logs": out["syncs"]["between_logs"],
+                    "host_syncs_per_log": round(out["syncs"]["at_logs"] / max(out["logs"], 1), 2), **out["profiled"]}
     print(json.dumps({"benchmark": "metrics", "results": out["rounds"],
                       "ratios": {"step_with_metrics_vs_without": round(ratio, 4)}, "figures": figures}))
 
