@@ -11,9 +11,12 @@ optimizer state before the new id trains.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from lightning_rec._native import native_op
 
 _FREE = -1  # a row without id (ids are non-negative)
 _NO_ID = torch.iinfo(torch.int64).max  # sorts after every id: the free rows' key in the sorted map
@@ -144,6 +147,7 @@ class MCHManagedCollisionModule(nn.Module):
         self.register_buffer("_step", torch.zeros((), **i64))
         self.register_buffer("_evictions_total", torch.zeros((), **i64))
         self._pending_rows: list[Tensor] = []  # rows handed to a new id since the owner last re-initialised
+        self._step_host = 0  # _step mirrored: the hot path reads it without a host read of the buffer
         self._last_evictions = 0
         self._lookups = 0
         self._reused_lookups = 0
@@ -172,9 +176,10 @@ class MCHManagedCollisionModule(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """Raw ids -> rows. Training: profiles the ids first (admission, eviction runs), so new ids read their row."""
         self.check_ids(ids)
-        if self.training:
-            self.profile(ids)
-        return self.remap(ids)
+        out = torch.empty_like(ids)
+        spans = [[(0, ids.numel())]]
+        remap_tables([self], ids, out, spans, (ids, None, spans) if self.training else None, self.training)
+        return out
 
     def check_ids(self, ids: Tensor) -> None:
         if ids.numel() and bool(((ids < 0) | (ids == _NO_ID)).any()):
@@ -204,8 +209,17 @@ class MCHManagedCollisionModule(nn.Module):
     @torch.no_grad()
     def profile_counts(self, uniq: Tensor, counts: Tensor) -> None:
         """profile() of a batch given as its distinct ids (sorted) and their counts (all ranks' under sharding)."""
-        self._step += 1
-        step = int(self._step)
+        _advance([self])
+        self._count_and_admit(uniq, counts)
+        if self._eviction_due():
+            self._evict(self._step_host)
+
+    def _eviction_due(self) -> bool:
+        return self._step_host % self._eviction_interval == 0
+
+    def _count_and_admit(self, uniq: Tensor, counts: Tensor) -> None:
+        """The torch path of one table's profile (csrc/mch_cpu.cpp does the same for all tables at once)."""
+        step = self._step_host
         if uniq.numel():
             pos = torch.searchsorted(self._sorted_ids, uniq).clamp_(max=self._sorted_ids.numel() - 1)
             found = self._sorted_ids[pos] == uniq
@@ -219,8 +233,6 @@ class MCHManagedCollisionModule(nn.Module):
                                              torch.cat([self._cand_counts[:n], new_counts]),
                                              torch.cat([self._cand_last[:n], torch.full_like(new, step)])))
                 self._admit_to_free_rows()
-        if step % self._eviction_interval == 0:
-            self._evict(step)
 
     def _num_candidates(self) -> int:
         return int((self._cand_ids != _NO_ID).sum())
@@ -273,6 +285,7 @@ class MCHManagedCollisionModule(nn.Module):
         self._sorted_ids[at_kept], self._sorted_rows[at_kept] = kept_ids, kept_rows
         self._sorted_ids[at_new], self._sorted_rows[at_new] = new_ids, new_rows
 
+    @torch.no_grad()
     def _evict(self, step: int) -> None:
         """One batched run: candidates outscoring the lowest residents take their rows; candidates are cleared."""
         ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
@@ -325,6 +338,7 @@ class MCHManagedCollisionModule(nn.Module):
     def weights_written(self) -> None:
         """The buffers were written in place (a DCP load): the sorted map and the candidates are rebuilt from the
         rows' ids, so a checkpoint of any layout (a sharded one's pieces side by side) loads."""
+        self._step_host = int(self._step)
         occupied = (self._row_ids != _FREE).nonzero().flatten()
         ids, order = torch.sort(self._row_ids[occupied])
         n = ids.numel()
@@ -375,3 +389,93 @@ class MCHManagedCollisionModule(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._pending_rows = []
         self.weights_written()
+
+
+# -- every table of a step in one pass -------------------------------------------------------------------------------
+Spans = Sequence[Sequence[tuple[int, int]]]  # per table: the (begin, end) slices of a flat id tensor that it reads
+_STATE = ("_sorted_ids", "_sorted_rows", "_row_ids", "_counts", "_last_seen", "_reused", "_cand_ids", "_cand_counts",
+          "_cand_last", "_step")
+
+
+def _advance(modules: Sequence[MCHManagedCollisionModule]) -> None:
+    """A training step begins: every table's step counter, the buffer and its host mirror, one op for all."""
+    torch._foreach_add_([m._buffers["_step"] for m in modules], 1)
+    for m in modules:
+        m._step_host += 1
+
+
+def _reused_counter(m: MCHManagedCollisionModule) -> Tensor:
+    if not isinstance(m._reused_lookups, Tensor):  # metrics() reset it
+        m._reused_lookups = torch.zeros((), dtype=torch.int64)
+    return m._reused_lookups
+
+
+def _segments(spans: Spans) -> Tensor:
+    return torch.tensor([(i, a, b) for i, s in enumerate(spans) for a, b in s], dtype=torch.int64).view(-1, 3)
+
+
+@torch.no_grad()
+def remap_tables(modules: Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor, spans: Spans,
+                 profile: tuple[Tensor, Tensor | None, Spans] | None, training: bool, native: bool = True) -> None:
+    """One step of several tables: `out` gets the rows of the ids at each table's `spans` of `values`.
+
+    In training each table first profiles its ids: `profile` = (ids, their counts or None for one each, spans per
+    table) (the remapped ids themselves, or distinct ids with every rank's counts). Eviction runs for the tables
+    whose step it is, between profile and remap. On CPU with the C++ extension built, profile and remap of every
+    table are one call (csrc/mch_cpu.cpp); else (or native=False) each table's torch path."""
+    if training:
+        _advance(modules)
+    due = [m for m in modules if m._eviction_due()] if training else []
+    cpu = values.device.type == "cpu" and values.dtype == torch.int64 and values.is_contiguous()
+    op = native_op("mch_profile_remap") if native and cpu else None
+    if op is None:
+        return _remap_tables_torch(modules, values, out, spans, profile, training, due)
+    state = [t for m in modules for t in [*(m._buffers[n] for n in _STATE), _reused_counter(m)]]
+    mins = [m._min_count for m in modules]
+    remap_segments, none = _segments(spans), torch.empty(0, 3, dtype=torch.int64)
+    if training and profile is not None:
+        ids, counts, profile_spans = profile
+        admitted, per_table = op(state, ids, counts, _segments(profile_spans), values, out,
+                                 none if due else remap_segments, mins, training)
+        at = 0
+        for m, n in zip(modules, per_table.tolist()):
+            if n:
+                m._pending_rows.append(admitted[at:at + n])
+            at += n
+        for m in due:
+            m._evict(m._step_host)
+        if not due:
+            _count_lookups(modules, spans, training)
+            return
+    else:
+        for m in due:
+            m._evict(m._step_host)
+    op(state, values[:0], None, none, values, out, remap_segments, mins, training)
+    _count_lookups(modules, spans, training)
+
+
+def _count_lookups(modules: Sequence[MCHManagedCollisionModule], spans: Spans, training: bool) -> None:
+    if training:
+        for m, s in zip(modules, spans):
+            m._lookups += sum(b - a for a, b in s)
+
+
+def _remap_tables_torch(modules, values, out, spans, profile, training, due) -> None:
+    """remap_tables with each table's torch ops (any device; the reference the C++ pass is tested against)."""
+    for i, m in enumerate(modules):
+        if training and profile is not None:
+            ids, counts, profile_spans = profile
+            mine = _gather(ids, profile_spans[i])
+            m._count_and_admit(*((mine, _gather(counts, profile_spans[i])) if counts is not None
+                                 else torch.unique(mine, return_counts=True)))
+        if m in due:
+            m._evict(m._step_host)
+        was, m.training = m.training, training
+        for a, b in spans[i]:
+            out[a:b] = m.remap(values[a:b])
+        m.training = was
+
+
+def _gather(values: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
+    pieces = [values[a:b] for a, b in spans] or [values[:0]]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

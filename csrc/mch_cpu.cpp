@@ -1,0 +1,263 @@
+// mch_profile_remap: one pass over every managed-collision table of a step (lightning_rec/managed_collision/mch.py).
+//
+// Per table, the same rules as MCHManagedCollisionModule's torch path, so that both give equal buffers bit for bit:
+// profile (the step's ids, or distinct ids with counts): residents' counts and last-seen step updated, new ids merged
+// into the candidates (past capacity: the most counted, then the most recent, then the smaller id stay), candidates
+// that reached min_count take the free rows (the most counted first, ties by id), the sorted id map merged; then
+// remap: ids -> rows (the unknown row, zch_size - 1, for ids without one), counting lookups of reused rows. The
+// eviction run is not here: it runs in batches every eviction_interval steps, between a profile and a remap call.
+// One call for all tables: no per-table dispatch, no host read. Parallel over tables.
+//
+//   state       [T * 11]  per table: sorted_ids, sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool,
+//                         cand_ids, cand_counts, cand_last [C] int64, step [] int64 (already advanced),
+//                         reused_lookups [] int64 (added to)
+//   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
+//   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
+//   min_counts  [T]       lookups a new id needs before it takes a row
+//   returns     (admitted rows [A] int64 table after table, admitted per table [T] int64)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "check_message.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+namespace lightning_rec {
+namespace {
+
+constexpr int64_t kFree = -1;                                      // a row without id
+constexpr int64_t kNoId = std::numeric_limits<int64_t>::max();  // sorts after every id: empty map / candidate slot
+constexpr int kStates = 11;
+
+struct Table {
+  int64_t *sorted_ids, *sorted_rows, *row_ids, *counts, *last_seen;
+  bool* reused;
+  int64_t *cand_ids, *cand_counts, *cand_last;
+  int64_t step;
+  int64_t* reused_lookups;
+  int64_t M, C, min_count;
+};
+
+struct Entry {
+  int64_t id, count, last;
+};
+
+int64_t find(const Table& t, int64_t id) {  // position of id's lower bound, clamped to the map
+  int64_t pos = std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, id) - t.sorted_ids;
+  return std::min(pos, t.M - 1);
+}
+
+// Entries sorted by id, same ids summed (counts) and maxed (last seen, from -1): mch.py's _merge.
+std::vector<Entry> merged(std::vector<Entry> e) {
+  std::sort(e.begin(), e.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
+  std::vector<Entry> out;
+  for (const Entry& x : e) {
+    if (out.empty() || out.back().id != x.id)
+      out.push_back(Entry{x.id, 0, -1});
+    out.back().count += x.count;
+    out.back().last = std::max(out.back().last, x.last);
+  }
+  return out;
+}
+
+// mch.py's _set_candidates: sorted entries into the fixed buffers; past capacity the most counted, then the most
+// recent stay (a stable sort: then the smaller id), kept in id order.
+void set_candidates(Table& t, std::vector<Entry> e) {
+  if (static_cast<int64_t>(e.size()) > t.C) {
+    std::vector<int64_t> order(e.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return e[a].count != e[b].count ? e[a].count > e[b].count : e[a].last > e[b].last;
+    });
+    order.resize(t.C);
+    std::sort(order.begin(), order.end());
+    std::vector<Entry> kept;
+    for (int64_t i : order) kept.push_back(e[i]);
+    e.swap(kept);
+  }
+  const int64_t n = static_cast<int64_t>(e.size());
+  for (int64_t i = 0; i < t.C; ++i) {
+    t.cand_ids[i] = i < n ? e[i].id : kNoId;
+    t.cand_counts[i] = i < n ? e[i].count : 0;
+    t.cand_last[i] = i < n ? e[i].last : 0;
+  }
+}
+
+// mch.py's _merge_map for free rows (no id leaves): new ids -> rows merged into the sorted map.
+void merge_map(Table& t, std::vector<std::pair<int64_t, int64_t>> fresh) {
+  std::sort(fresh.begin(), fresh.end());
+  std::vector<std::pair<int64_t, int64_t>> kept;
+  for (int64_t i = 0; i < t.M; ++i)
+    if (t.sorted_ids[i] != kNoId) kept.emplace_back(t.sorted_ids[i], t.sorted_rows[i]);
+  size_t a = 0, b = 0, k = 0;
+  while (a < kept.size() || b < fresh.size()) {
+    const bool take_kept = b == fresh.size() || (a < kept.size() && kept[a].first <= fresh[b].first);
+    const auto& x = take_kept ? kept[a++] : fresh[b++];
+    t.sorted_ids[k] = x.first;
+    t.sorted_rows[k++] = x.second;
+  }
+  for (int64_t i = static_cast<int64_t>(k); i < t.M; ++i) {
+    t.sorted_ids[i] = kNoId;
+    t.sorted_rows[i] = 0;
+  }
+}
+
+// mch.py's _admit_to_free_rows: ready candidates (the most counted first, ties by id) take the free rows in order.
+void admit(Table& t, std::vector<int64_t>& admitted) {
+  std::vector<int64_t> free_rows, ready;
+  for (int64_t r = 0; r < t.M; ++r)
+    if (t.row_ids[r] == kFree) free_rows.push_back(r);
+  for (int64_t i = 0; i < t.C; ++i)
+    if (t.cand_counts[i] >= t.min_count && t.cand_ids[i] != kNoId) ready.push_back(i);
+  if (free_rows.empty() || ready.empty()) return;
+  std::stable_sort(ready.begin(), ready.end(),
+                   [&](int64_t a, int64_t b) { return t.cand_counts[a] > t.cand_counts[b]; });
+  const size_t k = std::min(ready.size(), free_rows.size());
+  std::vector<std::pair<int64_t, int64_t>> fresh;
+  std::vector<bool> taken(t.C, false);
+  for (size_t i = 0; i < k; ++i) {
+    const int64_t row = free_rows[i], c = ready[i];
+    fresh.emplace_back(t.cand_ids[c], row);
+    t.row_ids[row] = t.cand_ids[c];
+    t.counts[row] = t.cand_counts[c];
+    t.last_seen[row] = t.cand_last[c];
+    taken[c] = true;
+    admitted.push_back(row);
+  }
+  merge_map(t, std::move(fresh));
+  std::vector<Entry> rest;
+  for (int64_t i = 0; i < t.C; ++i)
+    if (t.cand_ids[i] != kNoId && !taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+  set_candidates(t, std::move(rest));
+}
+
+// mch.py's profile_counts without the eviction run: (id, count) pairs of one step.
+void profile(Table& t, std::vector<Entry> seen, std::vector<int64_t>& admitted) {
+  if (seen.empty()) return;
+  std::vector<Entry> fresh;
+  for (const Entry& u : merged(std::move(seen))) {
+    const int64_t pos = find(t, u.id);
+    if (t.sorted_ids[pos] == u.id) {
+      const int64_t row = t.sorted_rows[pos];
+      t.counts[row] += u.count;
+      t.last_seen[row] = t.step;
+    } else {
+      fresh.push_back(Entry{u.id, u.count, t.step});
+    }
+  }
+  if (fresh.empty()) return;
+  std::vector<Entry> cands;
+  int64_t n = 0;
+  for (int64_t i = 0; i < t.C; ++i) n += t.cand_ids[i] != kNoId;
+  for (int64_t i = 0; i < n; ++i) cands.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+  cands.insert(cands.end(), fresh.begin(), fresh.end());
+  set_candidates(t, merged(std::move(cands)));
+  admit(t, admitted);
+}
+
+using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
+
+Segments by_table(const at::Tensor& segments, int64_t T, int64_t n, const char* what) {
+  LR_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.is_contiguous() &&
+               segments.dim() == 2 && segments.size(1) == 3,
+           "lightning_rec::mch_profile_remap: ", what, " must be a contiguous int64 [S, 3] CPU tensor");
+  Segments out(T);
+  const int64_t* s = segments.data_ptr<int64_t>();
+  for (int64_t i = 0; i < segments.size(0); ++i) {
+    const int64_t t = s[3 * i], a = s[3 * i + 1], b = s[3 * i + 2];
+    LR_CHECK(t >= 0 && t < T && a >= 0 && a <= b && b <= n, "lightning_rec::mch_profile_remap: ", what, " row ", i,
+             " (table ", t, ", ", a, ":", b, ") is outside ", T, " tables or ", n, " ids");
+    out[t].emplace_back(a, b);
+  }
+  return out;
+}
+
+void check_ids(const at::Tensor& x, const char* what) {
+  LR_CHECK(x.device().is_cpu() && x.scalar_type() == at::kLong && x.dim() == 1 && x.is_contiguous(),
+           "lightning_rec::mch_profile_remap: ", what, " must be a contiguous 1-D int64 CPU tensor");
+}
+
+Table table_of(at::TensorList s, int64_t i, int64_t min_count) {
+  const at::Tensor* x = &s[kStates * i];
+  const int64_t M = x[2].numel(), C = x[6].numel();
+  for (int k = 0; k < kStates; ++k)
+    LR_CHECK(x[k].device().is_cpu() && x[k].is_contiguous() && x[k].scalar_type() == (k == 5 ? at::kBool : at::kLong),
+             "lightning_rec::mch_profile_remap: state ", k, " of table ", i,
+             " must be a contiguous CPU tensor (int64; reused: bool)");
+  LR_CHECK(M >= 1 && x[0].numel() == M && x[1].numel() == M && x[3].numel() == M && x[4].numel() == M &&
+               x[5].numel() == M && C >= 1 && x[7].numel() == C && x[8].numel() == C && x[9].numel() == 1 &&
+               x[10].numel() == 1,
+           "lightning_rec::mch_profile_remap: the state of table ", i, " has inconsistent sizes");
+  return Table{x[0].data_ptr<int64_t>(), x[1].data_ptr<int64_t>(), x[2].data_ptr<int64_t>(),
+               x[3].data_ptr<int64_t>(), x[4].data_ptr<int64_t>(), x[5].data_ptr<bool>(),
+               x[6].data_ptr<int64_t>(), x[7].data_ptr<int64_t>(), x[8].data_ptr<int64_t>(),
+               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), M, C, min_count};
+}
+
+std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
+    at::TensorList state, const at::Tensor& profile_ids, const c10::optional<at::Tensor>& profile_counts,
+    const at::Tensor& profile_segments, const at::Tensor& values, const at::Tensor& out,
+    const at::Tensor& remap_segments, at::IntArrayRef min_counts, bool count_reused) {
+  const int64_t T = static_cast<int64_t>(min_counts.size());
+  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T, "lightning_rec::mch_profile_remap: ", kStates,
+           " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(state.size()));
+  check_ids(profile_ids, "profile_ids");
+  check_ids(values, "values");
+  check_ids(out, "out");
+  LR_CHECK(out.numel() == values.numel(), "lightning_rec::mch_profile_remap: out and values differ in length");
+  const int64_t* pc = nullptr;
+  if (profile_counts.has_value()) {
+    check_ids(*profile_counts, "profile_counts");
+    LR_CHECK(profile_counts->numel() == profile_ids.numel(),
+             "lightning_rec::mch_profile_remap: profile_counts and profile_ids differ in length");
+    pc = profile_counts->data_ptr<int64_t>();
+  }
+  const Segments prof = by_table(profile_segments, T, profile_ids.numel(), "profile_segments");
+  const Segments remap = by_table(remap_segments, T, values.numel(), "remap_segments");
+  std::vector<Table> tables;
+  for (int64_t i = 0; i < T; ++i) tables.push_back(table_of(state, i, min_counts[i]));
+  const int64_t* pid = profile_ids.data_ptr<int64_t>();
+  const int64_t* v = values.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> admitted(T);
+  at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t i = tb; i < te; ++i) {
+      Table& t = tables[i];
+      std::vector<Entry> seen;
+      for (const auto& [a, b] : prof[i])
+        for (int64_t p = a; p < b; ++p) seen.push_back(Entry{pid[p], pc ? pc[p] : 1, t.step});
+      profile(t, std::move(seen), admitted[i]);
+      int64_t reused = 0;
+      for (const auto& [a, b] : remap[i])
+        for (int64_t p = a; p < b; ++p) {
+          const int64_t pos = find(t, v[p]);
+          const bool found = t.sorted_ids[pos] == v[p];
+          const int64_t row = found ? t.sorted_rows[pos] : t.M;  // M = zch_size - 1: the unknown row
+          o[p] = row;
+          reused += found && t.reused[std::min(row, t.M - 1)];
+        }
+      if (count_reused) *t.reused_lookups += reused;
+    }
+  });
+  at::Tensor per_table = at::empty({T}, values.options());
+  int64_t total = 0;
+  for (int64_t i = 0; i < T; ++i) total += per_table.data_ptr<int64_t>()[i] = static_cast<int64_t>(admitted[i].size());
+  at::Tensor rows = at::empty({total}, values.options());
+  int64_t* r = rows.data_ptr<int64_t>();
+  for (const auto& a : admitted) r = std::copy(a.begin(), a.end(), r);
+  return {rows, per_table};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {
+  m.impl("mch_profile_remap", &mch_profile_remap_cpu);
+}
+
+}  // namespace lightning_rec
