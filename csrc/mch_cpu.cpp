@@ -6,7 +6,8 @@
 // that reached min_count take the free rows (the most counted first, ties by id), the sorted id map merged; then
 // remap: ids -> rows (the unknown row, zch_size - 1, for ids without one), counting lookups of reused rows. The
 // eviction run is not here: it runs in batches every eviction_interval steps, between a profile and a remap call.
-// One call for all tables: no per-table dispatch, no host read. Parallel over tables.
+// One call for all tables: no per-table dispatch, no host read. Parallel over tables. mch_evict: the eviction run
+// of the tables whose step it is, given each one's policy scores (computed in Python: any MCHEvictionPolicy).
 //
 //   state       [T * 11]  per table: sorted_ids, sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool,
 //                         cand_ids, cand_counts, cand_last [C] int64, step [] int64 (already advanced),
@@ -89,12 +90,15 @@ void set_candidates(Table& t, std::vector<Entry> e) {
   }
 }
 
-// mch.py's _merge_map for free rows (no id leaves): new ids -> rows merged into the sorted map.
-void merge_map(Table& t, std::vector<std::pair<int64_t, int64_t>> fresh) {
+// mch.py's _merge_map: the ids `old` leave the sorted map, new (id, row) pairs are merged in.
+void merge_map(Table& t, const std::vector<int64_t>& old, std::vector<std::pair<int64_t, int64_t>> fresh) {
   std::sort(fresh.begin(), fresh.end());
+  std::vector<bool> keep(t.M);
+  for (int64_t i = 0; i < t.M; ++i) keep[i] = t.sorted_ids[i] != kNoId;
+  for (int64_t id : old) keep[std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, id) - t.sorted_ids] = false;
   std::vector<std::pair<int64_t, int64_t>> kept;
   for (int64_t i = 0; i < t.M; ++i)
-    if (t.sorted_ids[i] != kNoId) kept.emplace_back(t.sorted_ids[i], t.sorted_rows[i]);
+    if (keep[i]) kept.emplace_back(t.sorted_ids[i], t.sorted_rows[i]);
   size_t a = 0, b = 0, k = 0;
   while (a < kept.size() || b < fresh.size()) {
     const bool take_kept = b == fresh.size() || (a < kept.size() && kept[a].first <= fresh[b].first);
@@ -108,6 +112,29 @@ void merge_map(Table& t, std::vector<std::pair<int64_t, int64_t>> fresh) {
   }
 }
 
+// mch.py's _place: candidate cands[i] takes rows[i] (its id, if any, leaves the map); the rest stay candidates.
+void place(Table& t, const std::vector<int64_t>& rows, const std::vector<int64_t>& cands,
+           std::vector<int64_t>& placed) {
+  std::vector<int64_t> old;
+  std::vector<std::pair<int64_t, int64_t>> fresh;
+  std::vector<bool> taken(t.C, false);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t row = rows[i], c = cands[i];
+    if (t.row_ids[row] != kFree) old.push_back(t.row_ids[row]);
+    fresh.emplace_back(t.cand_ids[c], row);
+    t.row_ids[row] = t.cand_ids[c];
+    t.counts[row] = t.cand_counts[c];
+    t.last_seen[row] = t.cand_last[c];
+    taken[c] = true;
+    placed.push_back(row);
+  }
+  merge_map(t, old, std::move(fresh));
+  std::vector<Entry> rest;
+  for (int64_t i = 0; i < t.C; ++i)
+    if (t.cand_ids[i] != kNoId && !taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+  set_candidates(t, std::move(rest));
+}
+
 // mch.py's _admit_to_free_rows: ready candidates (the most counted first, ties by id) take the free rows in order.
 void admit(Table& t, std::vector<int64_t>& admitted) {
   std::vector<int64_t> free_rows, ready;
@@ -118,23 +145,35 @@ void admit(Table& t, std::vector<int64_t>& admitted) {
   if (free_rows.empty() || ready.empty()) return;
   std::stable_sort(ready.begin(), ready.end(),
                    [&](int64_t a, int64_t b) { return t.cand_counts[a] > t.cand_counts[b]; });
-  const size_t k = std::min(ready.size(), free_rows.size());
-  std::vector<std::pair<int64_t, int64_t>> fresh;
-  std::vector<bool> taken(t.C, false);
-  for (size_t i = 0; i < k; ++i) {
-    const int64_t row = free_rows[i], c = ready[i];
-    fresh.emplace_back(t.cand_ids[c], row);
-    t.row_ids[row] = t.cand_ids[c];
-    t.counts[row] = t.cand_counts[c];
-    t.last_seen[row] = t.cand_last[c];
-    taken[c] = true;
-    admitted.push_back(row);
+  ready.resize(std::min(ready.size(), free_rows.size()));
+  free_rows.resize(ready.size());
+  place(t, free_rows, ready, admitted);
+}
+
+// mch.py's _evict given the policy's scores (residents [M], ready candidates [R]): the strongest candidates take
+// the rows of the weakest residents they outscore (stable sorts: ties fall by position; residents keep ties),
+// only when no row is free; the candidates are cleared.
+void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, const double* incoming,
+           std::vector<int64_t>& evicted) {
+  bool full = true;
+  for (int64_t r = 0; r < t.M && full; ++r) full = t.row_ids[r] != kFree;
+  if (R && full) {
+    const int64_t k = std::min(R, t.M);
+    std::vector<int64_t> low(t.M), high(R);
+    std::iota(low.begin(), low.end(), 0);
+    std::iota(high.begin(), high.end(), 0);
+    std::stable_sort(low.begin(), low.end(), [&](int64_t a, int64_t b) { return resident[a] < resident[b]; });
+    std::stable_sort(high.begin(), high.end(), [&](int64_t a, int64_t b) { return incoming[a] > incoming[b]; });
+    std::vector<int64_t> rows, cands;
+    for (int64_t i = 0; i < k; ++i)
+      if (incoming[high[i]] > resident[low[i]]) {
+        rows.push_back(low[i]);
+        cands.push_back(ready[high[i]]);
+      }
+    for (int64_t row : rows) t.reused[row] = true;
+    if (!rows.empty()) place(t, rows, cands, evicted);
   }
-  merge_map(t, std::move(fresh));
-  std::vector<Entry> rest;
-  for (int64_t i = 0; i < t.C; ++i)
-    if (t.cand_ids[i] != kNoId && !taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
-  set_candidates(t, std::move(rest));
+  set_candidates(t, {});
 }
 
 // mch.py's profile_counts without the eviction run: (id, count) pairs of one step.
@@ -200,6 +239,17 @@ Table table_of(at::TensorList s, int64_t i, int64_t min_count) {
                *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), M, C, min_count};
 }
 
+std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>& rows_T) {
+  const int64_t T = static_cast<int64_t>(rows_T.size());
+  at::Tensor per_table = at::empty({T}, at::kLong);
+  int64_t total = 0;
+  for (int64_t i = 0; i < T; ++i) total += per_table.data_ptr<int64_t>()[i] = static_cast<int64_t>(rows_T[i].size());
+  at::Tensor rows = at::empty({total}, at::kLong);
+  int64_t* r = rows.data_ptr<int64_t>();
+  for (const auto& a : rows_T) r = std::copy(a.begin(), a.end(), r);
+  return {rows, per_table};
+}
+
 std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
     at::TensorList state, const at::Tensor& profile_ids, const c10::optional<at::Tensor>& profile_counts,
     const at::Tensor& profile_segments, const at::Tensor& values, const at::Tensor& out,
@@ -245,19 +295,38 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
       if (count_reused) *t.reused_lookups += reused;
     }
   });
-  at::Tensor per_table = at::empty({T}, values.options());
-  int64_t total = 0;
-  for (int64_t i = 0; i < T; ++i) total += per_table.data_ptr<int64_t>()[i] = static_cast<int64_t>(admitted[i].size());
-  at::Tensor rows = at::empty({total}, values.options());
-  int64_t* r = rows.data_ptr<int64_t>();
-  for (const auto& a : admitted) r = std::copy(a.begin(), a.end(), r);
-  return {rows, per_table};
+  return flat(admitted);
+}
+
+std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(at::TensorList state, at::TensorList ready,
+                                                 at::TensorList resident_scores, at::TensorList incoming_scores) {
+  const int64_t T = static_cast<int64_t>(ready.size());
+  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T && static_cast<int64_t>(resident_scores.size()) == T &&
+               static_cast<int64_t>(incoming_scores.size()) == T,
+           "lightning_rec::mch_evict: ", kStates, " state tensors, ready candidates and two scores per table");
+  std::vector<Table> tables;
+  for (int64_t i = 0; i < T; ++i) {
+    tables.push_back(table_of(state, i, 0));
+    LR_CHECK(ready[i].device().is_cpu() && ready[i].scalar_type() == at::kLong && ready[i].is_contiguous() &&
+                 resident_scores[i].scalar_type() == at::kDouble && resident_scores[i].is_contiguous() &&
+                 resident_scores[i].numel() == tables[i].M && incoming_scores[i].scalar_type() == at::kDouble &&
+                 incoming_scores[i].is_contiguous() && incoming_scores[i].numel() == ready[i].numel(),
+             "lightning_rec::mch_evict: table ", i, ": ready must be int64 [R], scores float64 [M] and [R]");
+  }
+  std::vector<std::vector<int64_t>> evicted(T);
+  at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t i = tb; i < te; ++i)
+      evict(tables[i], ready[i].data_ptr<int64_t>(), ready[i].numel(), resident_scores[i].data_ptr<double>(),
+            incoming_scores[i].data_ptr<double>(), evicted[i]);
+  });
+  return flat(evicted);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {
   m.impl("mch_profile_remap", &mch_profile_remap_cpu);
+  m.impl("mch_evict", &mch_evict_cpu);
 }
 
 }  // namespace lightning_rec

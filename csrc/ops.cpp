@@ -38,6 +38,9 @@ TORCH_LIBRARY(lightning_rec, m) {
   m.def(
       "mch_profile_remap(Tensor(a!)[] state, Tensor profile_ids, Tensor? profile_counts, Tensor profile_segments, "
       "Tensor values, Tensor(b!) out, Tensor remap_segments, int[] min_counts, bool count_reused) -> (Tensor, Tensor)");
+  // Their eviction run (mch_cpu.cpp), given each table's ready candidates and the policy's scores: (rows, per table).
+  m.def("mch_evict(Tensor(a!)[] state, Tensor[] ready, Tensor[] resident_scores, Tensor[] incoming_scores) "
+        "-> (Tensor, Tensor)");
   // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
   // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
   m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");

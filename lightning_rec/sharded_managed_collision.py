@@ -333,7 +333,7 @@ class ShardedMCHModule(nn.Module):
             reused = owner.module.take_reused_rows()
             if reused is not None:
                 seed = self._table if owner.first_row == 0 else f"{self._table}@{owner.first_row}"
-                fresh.append((self._table, reused + owner.first_row, owner.module._step_host, seed))
+                fresh.append((self._table, reused + owner.first_row, owner.module._host.step, seed))
         return fresh
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
@@ -360,12 +360,12 @@ class ShardedMCHModule(nn.Module):
             return {"fill_ratio": 0.0, "evictions_per_interval": 0.0, "reused_row_lookup_share": 0.0}
         ms = [o.module for o in self._owners]
         managed = sum(m._row_ids.numel() for m in ms)
-        lookups, reused = sum(m._lookups for m in ms), sum(m._reused_lookups for m in ms)
+        lookups, reused = sum(m._host.lookups for m in ms), sum(m._host.reused for m in ms)
         out = {"fill_ratio": sum(float((m._row_ids != _FREE).sum()) for m in ms) / managed,
-               "evictions_per_interval": float(sum(m._last_evictions for m in ms)),
+               "evictions_per_interval": float(sum(m._host.last_evictions for m in ms)),
                "reused_row_lookup_share": float(reused) / lookups if lookups else 0.0}
         for m in ms:
-            m._lookups = m._reused_lookups = 0
+            m._host.lookups = m._host.reused = 0
         return out
 
 

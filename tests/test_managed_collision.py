@@ -365,7 +365,7 @@ def test_fused_pass_matches_each_tables_torch_path(counted):
                     assert torch.equal(buf, b.state_dict()[name]), (step, a._name, name)
                 ra, rb = a.take_reused_rows(), b.take_reused_rows()
                 assert (ra is None) == (rb is None) and (ra is None or torch.equal(ra, rb)), (step, a._name)
-                assert a._step_host == b._step_host == int(a._step)
+                assert a._host.step == b._host.step == int(a._step)
                 assert a.metrics() == b.metrics(), (step, a._name)
     full = [m._name for m in fused if bool((m._row_ids != -1).all())]
     assert len(full) >= 4 and all(int(m._evictions_total) > 0 for m in fused if m._name in full), full

@@ -91,6 +91,18 @@ _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's), as an in
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64's), as an int64
 
 
+class _HostCounters:
+    """What a step counts on the host, in a plain object: a Module attribute write costs microseconds per table."""
+
+    __slots__ = ("step", "lookups", "reused", "last_evictions")
+
+    def __init__(self) -> None:
+        self.step = 0  # the _step buffer mirrored: the hot path reads it without a host read
+        self.lookups = 0  # since the last metrics()
+        self.reused: int | Tensor = 0  # lookups of reused rows since the last metrics(): summed where the ids are
+        self.last_evictions = 0
+
+
 def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Same ids summed (counts) and maxed (last seen), sorted by id."""
     uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
@@ -147,10 +159,7 @@ class MCHManagedCollisionModule(nn.Module):
         self.register_buffer("_step", torch.zeros((), **i64))
         self.register_buffer("_evictions_total", torch.zeros((), **i64))
         self._pending_rows: list[Tensor] = []  # rows handed to a new id since the owner last re-initialised
-        self._step_host = 0  # _step mirrored: the hot path reads it without a host read of the buffer
-        self._last_evictions = 0
-        self._lookups = 0
-        self._reused_lookups = 0
+        self._host = _HostCounters()
 
     # -- TorchRec's accessors --------------------------------------------------------------------------------------
     def output_size(self) -> int:
@@ -196,10 +205,10 @@ class MCHManagedCollisionModule(nn.Module):
         found = self._sorted_ids[pos] == ids
         rows = torch.where(found, self._sorted_rows[pos], torch.full_like(ids, self.unknown_row))
         if self.training:
-            self._lookups += ids.numel()
+            self._host.lookups += ids.numel()
             # summed on the device, read by metrics(): no host sync per batch
             reused = found & self._reused[rows.clamp(max=self._reused.numel() - 1)]
-            self._reused_lookups = self._reused_lookups + reused.sum()
+            self._host.reused = self._host.reused + reused.sum()
         return rows
 
     def profile(self, ids: Tensor) -> None:
@@ -212,14 +221,14 @@ class MCHManagedCollisionModule(nn.Module):
         _advance([self])
         self._count_and_admit(uniq, counts)
         if self._eviction_due():
-            self._evict(self._step_host)
+            self._evict(self._host.step)
 
     def _eviction_due(self) -> bool:
-        return self._step_host % self._eviction_interval == 0
+        return self._host.step % self._eviction_interval == 0
 
     def _count_and_admit(self, uniq: Tensor, counts: Tensor) -> None:
         """The torch path of one table's profile (csrc/mch_cpu.cpp does the same for all tables at once)."""
-        step = self._step_host
+        step = self._host.step
         if uniq.numel():
             pos = torch.searchsorted(self._sorted_ids, uniq).clamp_(max=self._sorted_ids.numel() - 1)
             found = self._sorted_ids[pos] == uniq
@@ -305,8 +314,18 @@ class MCHManagedCollisionModule(nn.Module):
                 self._reused[rows] = True
                 self._place(rows, ready[high_idx[wins]])
         self._set_candidates(*(t[:0] for t in (self._cand_ids, self._cand_counts, self._cand_last)))
-        self._last_evictions = evicted
+        self._host.last_evictions = evicted
         self._evictions_total += evicted
+        self._warn_churn(evicted, step)
+
+    def _eviction_scores(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(ready candidates, residents' scores, ready candidates' scores) for the C++ eviction run."""
+        ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
+        policy, step = self._eviction_policy, self._host.step
+        return (ready, policy.scores(self._counts, self._last_seen, step).double(),
+                policy.scores(self._cand_counts[ready], self._cand_last[ready], step).double())
+
+    def _warn_churn(self, evicted: int, step: int) -> None:
         if evicted > self._churn_warning * self._row_ids.numel():
             warnings.warn(f"managed-collision table{self._named()}: {evicted} of {self._row_ids.numel()} rows "
                           f"({evicted / self._row_ids.numel():.0%}) evicted at step {step}: the table churns "
@@ -319,15 +338,15 @@ class MCHManagedCollisionModule(nn.Module):
         if not self._pending_rows:
             return None
         rows = torch.cat(self._pending_rows).unique()
-        self._pending_rows = []
+        self._pending_rows.clear()
         return rows
 
     def metrics(self) -> dict[str, float]:
         """Fill ratio, evictions at the last run, share of lookups since the last call that read a reused row."""
         out = {"fill_ratio": float((self._row_ids != _FREE).sum()) / self._row_ids.numel(),
-               "evictions_per_interval": float(self._last_evictions),
-               "reused_row_lookup_share": float(self._reused_lookups) / self._lookups if self._lookups else 0.0}
-        self._lookups = self._reused_lookups = 0
+               "evictions_per_interval": float(self._host.last_evictions),
+               "reused_row_lookup_share": float(self._host.reused) / self._host.lookups if self._host.lookups else 0.0}
+        self._host.lookups = self._host.reused = 0
         return out
 
     def _named(self) -> str:
@@ -338,7 +357,7 @@ class MCHManagedCollisionModule(nn.Module):
     def weights_written(self) -> None:
         """The buffers were written in place (a DCP load): the sorted map and the candidates are rebuilt from the
         rows' ids, so a checkpoint of any layout (a sharded one's pieces side by side) loads."""
-        self._step_host = int(self._step)
+        self._host.step = int(self._step)
         occupied = (self._row_ids != _FREE).nonzero().flatten()
         ids, order = torch.sort(self._row_ids[occupied])
         n = ids.numel()
@@ -401,13 +420,32 @@ def _advance(modules: Sequence[MCHManagedCollisionModule]) -> None:
     """A training step begins: every table's step counter, the buffer and its host mirror, one op for all."""
     torch._foreach_add_([m._buffers["_step"] for m in modules], 1)
     for m in modules:
-        m._step_host += 1
+        m._host.step += 1
 
 
 def _reused_counter(m: MCHManagedCollisionModule) -> Tensor:
-    if not isinstance(m._reused_lookups, Tensor):  # metrics() reset it
-        m._reused_lookups = torch.zeros((), dtype=torch.int64)
-    return m._reused_lookups
+    if not isinstance(m._host.reused, Tensor):  # metrics() reset it
+        m._host.reused = torch.zeros((), dtype=torch.int64)
+    return m._host.reused
+
+
+def _state(m: MCHManagedCollisionModule) -> list[Tensor]:
+    """One table's tensors in csrc/mch_cpu.cpp's order."""
+    return [*(m._buffers[n] for n in _STATE), _reused_counter(m)]
+
+
+def _evict_tables(modules: Sequence[MCHManagedCollisionModule]) -> None:
+    """The eviction run of these tables (their step is due): the policies score in torch, one C++ call places."""
+    if not modules:
+        return
+    scores = [m._eviction_scores() for m in modules]
+    rows, per_table = native_op("mch_evict")([t for m in modules for t in _state(m)], *map(list, zip(*scores)))
+    evicted = per_table.tolist()
+    torch._foreach_add_([m._buffers["_evictions_total"] for m in modules], evicted)
+    _hand_out(modules, rows, evicted)
+    for m, n in zip(modules, evicted):
+        m._host.last_evictions = n
+        m._warn_churn(n, m._host.step)
 
 
 def _segments(spans: Spans) -> Tensor:
@@ -430,34 +468,33 @@ def remap_tables(modules: Sequence[MCHManagedCollisionModule], values: Tensor, o
     op = native_op("mch_profile_remap") if native and cpu else None
     if op is None:
         return _remap_tables_torch(modules, values, out, spans, profile, training, due)
-    state = [t for m in modules for t in [*(m._buffers[n] for n in _STATE), _reused_counter(m)]]
+    state = [t for m in modules for t in _state(m)]
     mins = [m._min_count for m in modules]
     remap_segments, none = _segments(spans), torch.empty(0, 3, dtype=torch.int64)
-    if training and profile is not None:
+    if training:  # profile, and remap too unless an eviction run comes between
         ids, counts, profile_spans = profile
         admitted, per_table = op(state, ids, counts, _segments(profile_spans), values, out,
-                                 none if due else remap_segments, mins, training)
-        at = 0
-        for m, n in zip(modules, per_table.tolist()):
-            if n:
-                m._pending_rows.append(admitted[at:at + n])
-            at += n
-        for m in due:
-            m._evict(m._step_host)
-        if not due:
-            _count_lookups(modules, spans, training)
-            return
-    else:
-        for m in due:
-            m._evict(m._step_host)
-    op(state, values[:0], None, none, values, out, remap_segments, mins, training)
+                                 none if due else remap_segments, mins, True)
+        _hand_out(modules, admitted, per_table.tolist())
+        _evict_tables(due)
+    if due or not training:
+        op(state, values[:0], None, none, values, out, remap_segments, mins, training)
     _count_lookups(modules, spans, training)
+
+
+def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: list[int]) -> None:
+    """Rows given to new ids (table after table), kept to be re-initialised by the owner."""
+    at = 0
+    for m, n in zip(modules, per_table):
+        if n:
+            m._pending_rows.append(rows[at:at + n])
+        at += n
 
 
 def _count_lookups(modules: Sequence[MCHManagedCollisionModule], spans: Spans, training: bool) -> None:
     if training:
         for m, s in zip(modules, spans):
-            m._lookups += sum(b - a for a, b in s)
+            m._host.lookups += sum(b - a for a, b in s)
 
 
 def _remap_tables_torch(modules, values, out, spans, profile, training, due) -> None:
@@ -469,7 +506,7 @@ def _remap_tables_torch(modules, values, out, spans, profile, training, due) -> 
             m._count_and_admit(*((mine, _gather(counts, profile_spans[i])) if counts is not None
                                  else torch.unique(mine, return_counts=True)))
         if m in due:
-            m._evict(m._step_host)
+            m._evict(m._host.step)
         was, m.training = m.training, training
         for a, b in spans[i]:
             out[a:b] = m.remap(values[a:b])
