@@ -6,6 +6,10 @@ not (yet) admitted read it. A new id takes a free row at the step it is seen (on
 steps one batched run lets the eviction policy swap the lowest-scored resident ids for higher-scored candidates.
 Rows handed to a new id are listed in `take_reused_rows()` so that the owner re-initialises their weights and
 optimizer state before the new id trains.
+
+`remap_tables` runs one step of several tables: on CPU one C++ call (csrc/mch_cpu.cpp) for all of them, the
+eviction run of the due ones in one more; each table's torch methods below are the other devices' path and the
+reference the C++ pass is tested against.
 """
 
 from __future__ import annotations
