@@ -176,28 +176,72 @@ void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, co
   set_candidates(t, {});
 }
 
-// mch.py's profile_counts without the eviction run: (id, count) pairs of one step.
-void profile(Table& t, std::vector<Entry> seen, std::vector<int64_t>& admitted) {
-  if (seen.empty()) return;
+// One table's ids of a step, distinct, with their counts and (once profiled) rows: open addressing, no sort.
+struct IdHash {
+  std::vector<int64_t> keys, slot_of;  // table of kNoId (empty) or id, and its slot below
+  std::vector<int64_t> ids, counts, rows;  // per distinct id, first seen first; rows: -2 until profiled
+  uint64_t mask = 0;
+  int shift = 64;
+  explicit IdHash(size_t n) {
+    int bits = 4;
+    while ((size_t(1) << bits) < 2 * n) ++bits;
+    keys.assign(size_t(1) << bits, kNoId);
+    slot_of.resize(keys.size());
+    mask = keys.size() - 1;
+    shift = 64 - bits;
+  }
+  size_t probe(int64_t id) const {
+    size_t h = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift;
+    while (keys[h] != id && keys[h] != kNoId) h = (h + 1) & mask;
+    return h;
+  }
+  void add(int64_t id, int64_t count) {
+    const size_t h = probe(id);
+    if (keys[h] == kNoId) {
+      keys[h] = id;
+      slot_of[h] = static_cast<int64_t>(ids.size());
+      ids.push_back(id);
+      counts.push_back(0);
+      rows.push_back(-2);
+    }
+    counts[slot_of[h]] += count;
+  }
+  int64_t row(int64_t id) const {  // -2: not among these ids
+    const size_t h = probe(id);
+    return keys[h] == kNoId ? -2 : rows[slot_of[h]];
+  }
+};
+
+// mch.py's profile_counts without the eviction run: residents counted, new ids merged into the candidates, ready
+// candidates admitted; then every distinct id's row (M, the unknown row, for ids without one) into `seen.rows`.
+void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
+  if (seen.ids.empty()) return;
   std::vector<Entry> fresh;
-  for (const Entry& u : merged(std::move(seen))) {
-    const int64_t pos = find(t, u.id);
-    if (t.sorted_ids[pos] == u.id) {
+  for (size_t s = 0; s < seen.ids.size(); ++s) {
+    const int64_t pos = find(t, seen.ids[s]);
+    if (t.sorted_ids[pos] == seen.ids[s]) {
       const int64_t row = t.sorted_rows[pos];
-      t.counts[row] += u.count;
+      t.counts[row] += seen.counts[s];
       t.last_seen[row] = t.step;
+      seen.rows[s] = row;
     } else {
-      fresh.push_back(Entry{u.id, u.count, t.step});
+      fresh.push_back(Entry{seen.ids[s], seen.counts[s], t.step});
     }
   }
-  if (fresh.empty()) return;
-  std::vector<Entry> cands;
-  int64_t n = 0;
-  for (int64_t i = 0; i < t.C; ++i) n += t.cand_ids[i] != kNoId;
-  for (int64_t i = 0; i < n; ++i) cands.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
-  cands.insert(cands.end(), fresh.begin(), fresh.end());
-  set_candidates(t, merged(std::move(cands)));
-  admit(t, admitted);
+  if (!fresh.empty()) {
+    std::vector<Entry> cands;
+    int64_t n = 0;
+    for (int64_t i = 0; i < t.C; ++i) n += t.cand_ids[i] != kNoId;
+    for (int64_t i = 0; i < n; ++i) cands.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+    cands.insert(cands.end(), fresh.begin(), fresh.end());
+    set_candidates(t, merged(std::move(cands)));
+    admit(t, admitted);  // fills free rows only: the residents found above keep theirs
+  }
+  for (size_t s = 0; s < seen.ids.size(); ++s)
+    if (seen.rows[s] == -2) {
+      const int64_t pos = find(t, seen.ids[s]);
+      seen.rows[s] = t.sorted_ids[pos] == seen.ids[s] ? t.sorted_rows[pos] : t.M;
+    }
 }
 
 using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
@@ -279,18 +323,22 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
   at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
     for (int64_t i = tb; i < te; ++i) {
       Table& t = tables[i];
-      std::vector<Entry> seen;
+      size_t n = 0;
+      for (const auto& [a, b] : prof[i]) n += b - a;
+      IdHash seen(n);
       for (const auto& [a, b] : prof[i])
-        for (int64_t p = a; p < b; ++p) seen.push_back(Entry{pid[p], pc ? pc[p] : 1, t.step});
-      profile(t, std::move(seen), admitted[i]);
+        for (int64_t p = a; p < b; ++p) seen.add(pid[p], pc ? pc[p] : 1);
+      profile(t, seen, admitted[i]);
       int64_t reused = 0;
       for (const auto& [a, b] : remap[i])
         for (int64_t p = a; p < b; ++p) {
-          const int64_t pos = find(t, v[p]);
-          const bool found = t.sorted_ids[pos] == v[p];
-          const int64_t row = found ? t.sorted_rows[pos] : t.M;  // M = zch_size - 1: the unknown row
+          int64_t row = n ? seen.row(v[p]) : -2;  // the profiled ids' rows: no second search of the map
+          if (row == -2) {
+            const int64_t pos = find(t, v[p]);
+            row = t.sorted_ids[pos] == v[p] ? t.sorted_rows[pos] : t.M;  // M = zch_size - 1: the unknown row
+          }
           o[p] = row;
-          reused += found && t.reused[std::min(row, t.M - 1)];
+          reused += row != t.M && t.reused[row];
         }
       if (count_reused) *t.reused_lookups += reused;
     }
