@@ -33,6 +33,14 @@ TORCH_LIBRARY(lightning_rec, m) {
   m.def(
       "gather_rows(Tensor[] rows, Tensor[] grads, Tensor feature_table, Tensor D_offsets, Tensor indices, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling_mode, Tensor grad_output) -> (Tensor[], Tensor[])");
+  // Managed-collision tables of one step in one pass (mch_cpu.cpp): profile (counts, candidates, admission to free
+  // rows) and remap raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place.
+  m.def(
+      "mch_profile_remap(Tensor(a!)[] state, Tensor profile_ids, Tensor? profile_counts, Tensor profile_segments, "
+      "Tensor values, Tensor(b!) out, Tensor remap_segments, int[] min_counts, bool count_reused) -> (Tensor, Tensor)");
+  // Their eviction run (mch_cpu.cpp), given each table's ready candidates and the policy's scores: (rows, per table).
+  m.def("mch_evict(Tensor(a!)[] state, Tensor[] ready, Tensor[] resident_scores, Tensor[] incoming_scores) "
+        "-> (Tensor, Tensor)");
   // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
   // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
   m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 
 from lightning_rec.comm import all_gather_object, distributed
 from lightning_rec.managed_collision.collection import _ManagedCollisionBase, reinit_rows, zero_optimizer_rows
-from lightning_rec.managed_collision.mch import _FREE, _NO_ID, MCHManagedCollisionModule, owner_of
+from lightning_rec.managed_collision.mch import (
+    _FREE,
+    _NO_ID,
+    MCHManagedCollisionModule,
+    _gather,
+    owner_of,
+    remap_tables,
+)
 from lightning_rec.sharded_embedding import ShardingEnv, _ShardedCollectionBase
 from lightning_rec.sharding.layout import split_evenly
 from lightning_rec.sharding.sharded_tensor import ShardedTensor
@@ -306,28 +313,28 @@ class ShardedMCHModule(nn.Module):
                 if meta.shard_offsets[0] == owner.first_row]
 
     # -- the owner's step ---------------------------------------------------------------------------------------
-    def remap(self, values: Tensor, out: Tensor, offsets: list[int]) -> list[tuple[str, Tensor, int, str]]:
-        """Raw ids of this rank's pieces (in the routed `values`) -> their local rows in `out`; in training each
-        owner first profiles its ids (once per row shard). Returns the rows handed to a new id, to re-draw:
-        [(table, table rows, step, seed name)]."""
-        if self.training:  # every rank, past the batch check: the step its owners' maps are at
-            self._step += 1
-        fresh = []
+    def owner_spans(self, values: Tensor, offsets: list[int], training: bool
+                    ) -> list[tuple[MCHManagedCollisionModule, list[tuple[int, int]], list[tuple[int, int]]]]:
+        """(map, spans of `values` it remaps, spans it profiles: one piece per row shard) of each owner here."""
+        out = []
         for owner in self._owners:
             m = owner.module
-            m.training = self.training
-            if self.training:
-                spans = [values[offsets[i]:offsets[i + 1]] for i in owner.profile_keys]
-                ids = torch.cat(spans) if len(spans) > 1 else spans[0]
-                if not self._collection.validate_ids:  # else checked on every rank before the id all-to-all
-                    m.check_ids(ids)
-                m.profile(ids)
-            for i in owner.keys:
-                out[offsets[i]:offsets[i + 1]] = m.remap(values[offsets[i]:offsets[i + 1]])
-            reused = m.take_reused_rows()
+            if m.training != training:
+                m.training = training
+            profiled = [(offsets[i], offsets[i + 1]) for i in owner.profile_keys]
+            if training and not self._collection.validate_ids:  # else checked on every rank before the all-to-all
+                m.check_ids(_gather(values, profiled))
+            out.append((m, [(offsets[i], offsets[i + 1]) for i in owner.keys], profiled))
+        return out
+
+    def fresh_rows(self) -> list[tuple[str, Tensor, int, str]]:
+        """Rows handed to a new id since the last call, to re-draw: [(table, table rows, step, seed name)]."""
+        fresh = []
+        for owner in self._owners:
+            reused = owner.module.take_reused_rows()
             if reused is not None:
                 seed = self._table if owner.first_row == 0 else f"{self._table}@{owner.first_row}"
-                fresh.append((self._table, reused + owner.first_row, int(m._step), seed))
+                fresh.append((self._table, reused + owner.first_row, owner.module._host.step, seed))
         return fresh
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
@@ -354,12 +361,12 @@ class ShardedMCHModule(nn.Module):
             return {"fill_ratio": 0.0, "evictions_per_interval": 0.0, "reused_row_lookup_share": 0.0}
         ms = [o.module for o in self._owners]
         managed = sum(m._row_ids.numel() for m in ms)
-        lookups, reused = sum(m._lookups for m in ms), sum(m._reused_lookups for m in ms)
+        lookups, reused = sum(m._host.lookups for m in ms), sum(m._host.reused for m in ms)
         out = {"fill_ratio": sum(float((m._row_ids != _FREE).sum()) for m in ms) / managed,
-               "evictions_per_interval": float(sum(m._last_evictions for m in ms)),
+               "evictions_per_interval": float(sum(m._host.last_evictions for m in ms)),
                "reused_row_lookup_share": float(reused) / lookups if lookups else 0.0}
         for m in ms:
-            m._lookups = m._reused_lookups = 0
+            m._host.lookups = m._host.reused = 0
         return out
 
 
@@ -377,7 +384,13 @@ class _OwnerRemap:
     def __call__(self, routed: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values, offsets = routed.values(), routed.offset_per_key()
         out = values.clone()
-        fresh = [f for t in self.tables for f in t.remap(values, out, offsets)]
+        training = self.tables[0].training
+        if training:  # every rank, past the batch check: the step its owners' maps are at
+            torch._foreach_add_([t._buffers["_step"] for t in self.tables], 1)
+        work = [w for t in self.tables for w in t.owner_spans(values, offsets, training)]
+        remap_tables([m for m, _, _ in work], values, out, [s for _, s, _ in work],
+                     (values, None, [p for _, _, p in work]) if training else None, training)
+        fresh = [f for t in self.tables for f in t.fresh_rows()]
         while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)
             now, seen, later = [], set(), []
             for f in fresh:

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig
+from lightning_rec._native import native_op
 from lightning_rec.managed_collision import (
     DistanceLFU_EvictionPolicy,
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
+from lightning_rec.managed_collision.mch import remap_tables
 from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -319,3 +321,51 @@ def test_dlrm_module_refuses_an_unknown_managed_collision_argument():
                                          r"eviction_policy"):
         DLRMModule(num_embeddings_per_feature=4, embedding_dim=4, sparse_feature_names=["a"], dense_in_features=1,
                    dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1], managed_collision={"zch": 3})
+
+
+def _tables(seed):
+    """Tables of several shapes: small full ones, one with an admission threshold, one with few candidate slots."""
+    specs = [dict(zch_size=5, eviction_interval=2), dict(zch_size=9, eviction_interval=3, eviction_policy="lru"),
+             dict(zch_size=33, eviction_interval=4, min_count_to_admit=2, eviction_policy="distance_lfu"),
+             dict(zch_size=12, eviction_interval=1, max_candidates=3), dict(zch_size=2, eviction_interval=5)]
+    return [MCHManagedCollisionModule(**s, name=f"t{i}").train() for i, s in enumerate(specs)]
+
+
+@pytest.mark.skipif(not native_op("mch_profile_remap"), reason="needs the C++ extension (csrc/mch_cpu.cpp)")
+@pytest.mark.parametrize("counted", [False, True])
+def test_fused_pass_matches_each_tables_torch_path(counted):
+    """csrc/mch_cpu.cpp profiles and remaps every table of a step in one call; each table's torch ops are the
+    reference: rows, every buffer, rows to re-draw and reused-row lookups equal bit for bit, step after step, through
+    new ids, full tables, candidate overflow, admission thresholds and eviction runs (counted: distinct ids with
+    counts, as a process group profiles)."""
+    fused, torch_path = _tables(0), _tables(0)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the small tables churn
+        for step in range(40):
+            n = torch.randint(0, 7, (len(fused) * 2,), generator=g)  # two features per table, some empty
+            values = (torch.randint(0, 40 if step < 20 else 400, (int(n.sum()),), generator=g) ** 2) * 7919
+            cuts = [0, *torch.cumsum(n, 0).tolist()]
+            spans = [[(cuts[2 * i], cuts[2 * i + 1]), (cuts[2 * i + 1], cuts[2 * i + 2])] for i in range(len(fused))]
+            profile = (values, None, spans)
+            if counted:
+                counted_ids = [torch.unique(torch.cat([values[a:b] for a, b in s]), return_counts=True) for s in spans]
+                sizes = [0, *np.cumsum([u.numel() for u, _ in counted_ids]).tolist()]
+                profile = (torch.cat([u for u, _ in counted_ids]), torch.cat([c for _, c in counted_ids]),
+                           [[(sizes[i], sizes[i + 1])] for i in range(len(fused))])
+            training = step % 9 != 8  # an eval step now and then: remap only
+            outs = []
+            for maps, native in ((fused, True), (torch_path, False)):
+                out = torch.full_like(values, -5)
+                remap_tables(maps, values, out, spans, profile if training else None, training, native=native)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), step
+            for a, b in zip(fused, torch_path):
+                for name, buf in a.state_dict().items():
+                    assert torch.equal(buf, b.state_dict()[name]), (step, a._name, name)
+                ra, rb = a.take_reused_rows(), b.take_reused_rows()
+                assert (ra is None) == (rb is None) and (ra is None or torch.equal(ra, rb)), (step, a._name)
+                assert a._host.step == b._host.step == int(a._step)
+                assert a.metrics() == b.metrics(), (step, a._name)
+    full = [m._name for m in fused if bool((m._row_ids != -1).all())]
+    assert len(full) >= 4 and all(int(m._evictions_total) > 0 for m in fused if m._name in full), full

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from lightning_rec.comm import all_gather_object, distributed
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.embedding_configs import BaseEmbeddingConfig
-from lightning_rec.managed_collision.mch import MCHManagedCollisionModule
+from lightning_rec.managed_collision.mch import _NO_ID, MCHManagedCollisionModule, _gather, remap_tables
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -59,32 +59,35 @@ class ManagedCollisionCollection(nn.Module):
             return features
         values = features.values()
         out = values.clone()
-        spans, ids = {}, {}
-        for table, names in tables.items():
-            spans[table] = [(offsets[index[f]], offsets[index[f] + 1]) for f in names if f in index]
-            pieces = [values[a:b] for a, b in spans[table]] or [values[:0]]
-            ids[table] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        maps = [modules[t] for t in tables]
+        spans = [[(offsets[index[f]], offsets[index[f] + 1]) for f in names if f in index] for names in tables.values()]
+        profile = None
         if self.training:
-            for table in tables:
-                modules[table].check_ids(ids[table])
-            for table, (uniq, counts) in self._batch_counts(ids).items():
-                modules[table].profile_counts(uniq, counts)
-        for table in tables:
-            rows = modules[table].remap(ids[table])
-            at = 0
-            for a, b in spans[table]:
-                out[a:b] = rows[at:at + b - a]
-                at += b - a
+            if values.numel() and bool(((values < 0) | (values == _NO_ID)).any()):  # one host read for all tables
+                for m, s in zip(maps, spans):
+                    m.check_ids(_gather(values, s))  # names the table (ids of other features may be rows)
+            profile = self._profile_input(dict(zip(tables, spans)), values)
+        remap_tables(maps, values, out, spans, profile, self.training)
         return KeyedJaggedTensor(keys, out, features.weights_or_none(), lengths=features.lengths(),
                                  offsets=features.offsets_or_none(), stride=features.stride(),
                                  length_per_key=features.length_per_key(), offset_per_key=offsets, _validate=False)
 
-    def _batch_counts(self, ids: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-        """table -> (distinct ids, counts) of this step: this rank's, or every rank's under a process group."""
-        local = {t: torch.unique(v, return_counts=True) for t, v in ids.items()}
+    def _profile_input(self, spans: Mapping[str, list[tuple[int, int]]], values: Tensor
+                       ) -> tuple[Tensor, Tensor | None, list[list[tuple[int, int]]]]:
+        """What each table profiles (remap_tables' `profile`): its ids, or under a process group every rank's
+        distinct ids and counts, gathered in one collective."""
         pg = self.process_group
         if pg is None or not distributed() or dist.get_world_size(pg) == 1:
-            return local
+            return values, None, list(spans.values())
+        counted = self._batch_counts({t: _gather(values, s) for t, s in spans.items()}, pg)
+        sizes = [u.numel() for u, _ in counted.values()]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return (torch.cat([u for u, _ in counted.values()]), torch.cat([c for _, c in counted.values()]),
+                [[(a, a + n)] for a, n in zip(starts, sizes)])
+
+    def _batch_counts(self, ids: Mapping[str, Tensor], pg) -> dict[str, tuple[Tensor, Tensor]]:
+        """table -> (distinct ids, counts) of this step, every rank's."""
+        local = {t: torch.unique(v, return_counts=True) for t, v in ids.items()}
         every = all_gather_object({t: (u.cpu(), c.cpu()) for t, (u, c) in local.items()}, group=pg,
                                   device=self.device, tag="managed-collision ids")
         out = {}
@@ -95,7 +98,8 @@ class ManagedCollisionCollection(nn.Module):
         return out
 
     def steps(self) -> dict[str, int]:
-        return {t: int(m._step) for t, m in self._managed_collision_modules.items()}
+        """table -> its step (the host mirror: no read of the buffer) of the tables remapped here."""
+        return {t: m._host.step for t, m in self._managed_collision_modules.items() if t not in self._owner_tables}
 
     def modules_by_table(self) -> dict[str, MCHManagedCollisionModule]:
         return dict(self._managed_collision_modules.items())
@@ -198,7 +202,9 @@ class _ManagedCollisionBase(nn.Module):
         if env is not None and mcc.process_group is None:
             mcc.process_group, mcc.device = env.pg, env.device
         remapped = mcc(features)
-        reinit_rows(self._embedding_module, mcc.take_reused_rows(), mcc.steps())
+        reused = mcc.take_reused_rows()
+        if reused:
+            reinit_rows(self._embedding_module, reused, mcc.steps())
         return remapped
 
     def metrics(self) -> dict[str, float]:

@@ -6,14 +6,21 @@ not (yet) admitted read it. A new id takes a free row at the step it is seen (on
 steps one batched run lets the eviction policy swap the lowest-scored resident ids for higher-scored candidates.
 Rows handed to a new id are listed in `take_reused_rows()` so that the owner re-initialises their weights and
 optimizer state before the new id trains.
+
+`remap_tables` runs one step of several tables: on CPU one C++ call (csrc/mch_cpu.cpp) for all of them, the
+eviction run of the due ones in one more; each table's torch methods below are the other devices' path and the
+reference the C++ pass is tested against.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from lightning_rec._native import native_op
 
 _FREE = -1  # a row without id (ids are non-negative)
 _NO_ID = torch.iinfo(torch.int64).max  # sorts after every id: the free rows' key in the sorted map
@@ -88,6 +95,18 @@ _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 (the golden ratio's), as an in
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64's), as an int64
 
 
+class _HostCounters:
+    """What a step counts on the host, in a plain object: a Module attribute write costs microseconds per table."""
+
+    __slots__ = ("step", "lookups", "reused", "last_evictions")
+
+    def __init__(self) -> None:
+        self.step = 0  # the _step buffer mirrored: the hot path reads it without a host read
+        self.lookups = 0  # since the last metrics()
+        self.reused: int | Tensor = 0  # lookups of reused rows since the last metrics(): summed where the ids are
+        self.last_evictions = 0
+
+
 def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Same ids summed (counts) and maxed (last seen), sorted by id."""
     uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
@@ -144,9 +163,7 @@ class MCHManagedCollisionModule(nn.Module):
         self.register_buffer("_step", torch.zeros((), **i64))
         self.register_buffer("_evictions_total", torch.zeros((), **i64))
         self._pending_rows: list[Tensor] = []  # rows handed to a new id since the owner last re-initialised
-        self._last_evictions = 0
-        self._lookups = 0
-        self._reused_lookups = 0
+        self._host = _HostCounters()
 
     # -- TorchRec's accessors --------------------------------------------------------------------------------------
     def output_size(self) -> int:
@@ -172,9 +189,10 @@ class MCHManagedCollisionModule(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """Raw ids -> rows. Training: profiles the ids first (admission, eviction runs), so new ids read their row."""
         self.check_ids(ids)
-        if self.training:
-            self.profile(ids)
-        return self.remap(ids)
+        out = torch.empty_like(ids)
+        spans = [[(0, ids.numel())]]
+        remap_tables([self], ids, out, spans, (ids, None, spans) if self.training else None, self.training)
+        return out
 
     def check_ids(self, ids: Tensor) -> None:
         if ids.numel() and bool(((ids < 0) | (ids == _NO_ID)).any()):
@@ -191,10 +209,10 @@ class MCHManagedCollisionModule(nn.Module):
         found = self._sorted_ids[pos] == ids
         rows = torch.where(found, self._sorted_rows[pos], torch.full_like(ids, self.unknown_row))
         if self.training:
-            self._lookups += ids.numel()
+            self._host.lookups += ids.numel()
             # summed on the device, read by metrics(): no host sync per batch
             reused = found & self._reused[rows.clamp(max=self._reused.numel() - 1)]
-            self._reused_lookups = self._reused_lookups + reused.sum()
+            self._host.reused = self._host.reused + reused.sum()
         return rows
 
     def profile(self, ids: Tensor) -> None:
@@ -204,8 +222,17 @@ class MCHManagedCollisionModule(nn.Module):
     @torch.no_grad()
     def profile_counts(self, uniq: Tensor, counts: Tensor) -> None:
         """profile() of a batch given as its distinct ids (sorted) and their counts (all ranks' under sharding)."""
-        self._step += 1
-        step = int(self._step)
+        _advance([self])
+        self._count_and_admit(uniq, counts)
+        if self._eviction_due():
+            self._evict(self._host.step)
+
+    def _eviction_due(self) -> bool:
+        return self._host.step % self._eviction_interval == 0
+
+    def _count_and_admit(self, uniq: Tensor, counts: Tensor) -> None:
+        """The torch path of one table's profile (csrc/mch_cpu.cpp does the same for all tables at once)."""
+        step = self._host.step
         if uniq.numel():
             pos = torch.searchsorted(self._sorted_ids, uniq).clamp_(max=self._sorted_ids.numel() - 1)
             found = self._sorted_ids[pos] == uniq
@@ -219,8 +246,6 @@ class MCHManagedCollisionModule(nn.Module):
                                              torch.cat([self._cand_counts[:n], new_counts]),
                                              torch.cat([self._cand_last[:n], torch.full_like(new, step)])))
                 self._admit_to_free_rows()
-        if step % self._eviction_interval == 0:
-            self._evict(step)
 
     def _num_candidates(self) -> int:
         return int((self._cand_ids != _NO_ID).sum())
@@ -273,6 +298,7 @@ class MCHManagedCollisionModule(nn.Module):
         self._sorted_ids[at_kept], self._sorted_rows[at_kept] = kept_ids, kept_rows
         self._sorted_ids[at_new], self._sorted_rows[at_new] = new_ids, new_rows
 
+    @torch.no_grad()
     def _evict(self, step: int) -> None:
         """One batched run: candidates outscoring the lowest residents take their rows; candidates are cleared."""
         ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
@@ -292,8 +318,18 @@ class MCHManagedCollisionModule(nn.Module):
                 self._reused[rows] = True
                 self._place(rows, ready[high_idx[wins]])
         self._set_candidates(*(t[:0] for t in (self._cand_ids, self._cand_counts, self._cand_last)))
-        self._last_evictions = evicted
+        self._host.last_evictions = evicted
         self._evictions_total += evicted
+        self._warn_churn(evicted, step)
+
+    def _eviction_scores(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(ready candidates, residents' scores, ready candidates' scores) for the C++ eviction run."""
+        ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
+        policy, step = self._eviction_policy, self._host.step
+        return (ready, policy.scores(self._counts, self._last_seen, step).double(),
+                policy.scores(self._cand_counts[ready], self._cand_last[ready], step).double())
+
+    def _warn_churn(self, evicted: int, step: int) -> None:
         if evicted > self._churn_warning * self._row_ids.numel():
             warnings.warn(f"managed-collision table{self._named()}: {evicted} of {self._row_ids.numel()} rows "
                           f"({evicted / self._row_ids.numel():.0%}) evicted at step {step}: the table churns "
@@ -306,15 +342,15 @@ class MCHManagedCollisionModule(nn.Module):
         if not self._pending_rows:
             return None
         rows = torch.cat(self._pending_rows).unique()
-        self._pending_rows = []
+        self._pending_rows.clear()
         return rows
 
     def metrics(self) -> dict[str, float]:
         """Fill ratio, evictions at the last run, share of lookups since the last call that read a reused row."""
         out = {"fill_ratio": float((self._row_ids != _FREE).sum()) / self._row_ids.numel(),
-               "evictions_per_interval": float(self._last_evictions),
-               "reused_row_lookup_share": float(self._reused_lookups) / self._lookups if self._lookups else 0.0}
-        self._lookups = self._reused_lookups = 0
+               "evictions_per_interval": float(self._host.last_evictions),
+               "reused_row_lookup_share": float(self._host.reused) / self._host.lookups if self._host.lookups else 0.0}
+        self._host.lookups = self._host.reused = 0
         return out
 
     def _named(self) -> str:
@@ -325,6 +361,7 @@ class MCHManagedCollisionModule(nn.Module):
     def weights_written(self) -> None:
         """The buffers were written in place (a DCP load): the sorted map and the candidates are rebuilt from the
         rows' ids, so a checkpoint of any layout (a sharded one's pieces side by side) loads."""
+        self._host.step = int(self._step)
         occupied = (self._row_ids != _FREE).nonzero().flatten()
         ids, order = torch.sort(self._row_ids[occupied])
         n = ids.numel()
@@ -375,3 +412,111 @@ class MCHManagedCollisionModule(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._pending_rows = []
         self.weights_written()
+
+
+# -- every table of a step in one pass -------------------------------------------------------------------------------
+Spans = Sequence[Sequence[tuple[int, int]]]  # per table: the (begin, end) slices of a flat id tensor that it reads
+_STATE = ("_sorted_ids", "_sorted_rows", "_row_ids", "_counts", "_last_seen", "_reused", "_cand_ids", "_cand_counts",
+          "_cand_last", "_step")
+
+
+def _advance(modules: Sequence[MCHManagedCollisionModule]) -> None:
+    """A training step begins: every table's step counter, the buffer and its host mirror, one op for all."""
+    torch._foreach_add_([m._buffers["_step"] for m in modules], 1)
+    for m in modules:
+        m._host.step += 1
+
+
+def _reused_counter(m: MCHManagedCollisionModule) -> Tensor:
+    if not isinstance(m._host.reused, Tensor):  # metrics() reset it
+        m._host.reused = torch.zeros((), dtype=torch.int64)
+    return m._host.reused
+
+
+def _state(m: MCHManagedCollisionModule) -> list[Tensor]:
+    """One table's tensors in csrc/mch_cpu.cpp's order."""
+    return [*(m._buffers[n] for n in _STATE), _reused_counter(m)]
+
+
+def _evict_tables(modules: Sequence[MCHManagedCollisionModule]) -> None:
+    """The eviction run of these tables (their step is due): the policies score in torch, one C++ call places."""
+    if not modules:
+        return
+    scores = [m._eviction_scores() for m in modules]
+    rows, per_table = native_op("mch_evict")([t for m in modules for t in _state(m)], *map(list, zip(*scores)))
+    evicted = per_table.tolist()
+    torch._foreach_add_([m._buffers["_evictions_total"] for m in modules], evicted)
+    _hand_out(modules, rows, evicted)
+    for m, n in zip(modules, evicted):
+        m._host.last_evictions = n
+        m._warn_churn(n, m._host.step)
+
+
+def _segments(spans: Spans) -> Tensor:
+    return torch.tensor([(i, a, b) for i, s in enumerate(spans) for a, b in s], dtype=torch.int64).view(-1, 3)
+
+
+@torch.no_grad()
+def remap_tables(modules: Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor, spans: Spans,
+                 profile: tuple[Tensor, Tensor | None, Spans] | None, training: bool, native: bool = True) -> None:
+    """One step of several tables: `out` gets the rows of the ids at each table's `spans` of `values`.
+
+    In training each table first profiles its ids: `profile` = (ids, their counts or None for one each, spans per
+    table) (the remapped ids themselves, or distinct ids with every rank's counts). Eviction runs for the tables
+    whose step it is, between profile and remap. On CPU with the C++ extension built, profile and remap of every
+    table are one call (csrc/mch_cpu.cpp); else (or native=False) each table's torch path."""
+    if training:
+        _advance(modules)
+    due = [m for m in modules if m._eviction_due()] if training else []
+    cpu = values.device.type == "cpu" and values.dtype == torch.int64 and values.is_contiguous()
+    op = native_op("mch_profile_remap") if native and cpu else None
+    if op is None:
+        return _remap_tables_torch(modules, values, out, spans, profile, training, due)
+    state = [t for m in modules for t in _state(m)]
+    mins = [m._min_count for m in modules]
+    remap_segments, none = _segments(spans), torch.empty(0, 3, dtype=torch.int64)
+    if training:  # profile, and remap too unless an eviction run comes between
+        ids, counts, profile_spans = profile
+        admitted, per_table = op(state, ids, counts, _segments(profile_spans), values, out,
+                                 none if due else remap_segments, mins, True)
+        _hand_out(modules, admitted, per_table.tolist())
+        _evict_tables(due)
+    if due or not training:
+        op(state, values[:0], None, none, values, out, remap_segments, mins, training)
+    _count_lookups(modules, spans, training)
+
+
+def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: list[int]) -> None:
+    """Rows given to new ids (table after table), kept to be re-initialised by the owner."""
+    at = 0
+    for m, n in zip(modules, per_table):
+        if n:
+            m._pending_rows.append(rows[at:at + n])
+        at += n
+
+
+def _count_lookups(modules: Sequence[MCHManagedCollisionModule], spans: Spans, training: bool) -> None:
+    if training:
+        for m, s in zip(modules, spans):
+            m._host.lookups += sum(b - a for a, b in s)
+
+
+def _remap_tables_torch(modules, values, out, spans, profile, training, due) -> None:
+    """remap_tables with each table's torch ops (any device; the reference the C++ pass is tested against)."""
+    for i, m in enumerate(modules):
+        if training and profile is not None:
+            ids, counts, profile_spans = profile
+            mine = _gather(ids, profile_spans[i])
+            m._count_and_admit(*((mine, _gather(counts, profile_spans[i])) if counts is not None
+                                 else torch.unique(mine, return_counts=True)))
+        if m in due:
+            m._evict(m._host.step)
+        was, m.training = m.training, training
+        for a, b in spans[i]:
+            out[a:b] = m.remap(values[a:b])
+        m.training = was
+
+
+def _gather(values: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
+    pieces = [values[a:b] for a, b in spans] or [values[:0]]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

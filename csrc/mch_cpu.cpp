@@ -1,0 +1,380 @@
+// mch_profile_remap: one pass over every managed-collision table of a step (lightning_rec/managed_collision/mch.py).
+//
+// Per table, the same rules as MCHManagedCollisionModule's torch path, so that both give equal buffers bit for bit:
+// profile (the step's ids, or distinct ids with counts): residents' counts and last-seen step updated, new ids merged
+// into the candidates (past capacity: the most counted, then the most recent, then the smaller id stay), candidates
+// that reached min_count take the free rows (the most counted first, ties by id), the sorted id map merged; then
+// remap: ids -> rows (the unknown row, zch_size - 1, for ids without one), counting lookups of reused rows. The
+// eviction run is not here: it runs in batches every eviction_interval steps, between a profile and a remap call.
+// One call for all tables: no per-table dispatch, no host read. Parallel over tables. mch_evict: the eviction run
+// of the tables whose step it is, given each one's policy scores (computed in Python: any MCHEvictionPolicy).
+//
+//   state       [T * 11]  per table: sorted_ids, sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool,
+//                         cand_ids, cand_counts, cand_last [C] int64, step [] int64 (already advanced),
+//                         reused_lookups [] int64 (added to)
+//   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
+//   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
+//   min_counts  [T]       lookups a new id needs before it takes a row
+//   returns     (admitted rows [A] int64 table after table, admitted per table [T] int64)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "check_message.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+namespace lightning_rec {
+namespace {
+
+constexpr int64_t kFree = -1;                                      // a row without id
+constexpr int64_t kNoId = std::numeric_limits<int64_t>::max();  // sorts after every id: empty map / candidate slot
+constexpr int kStates = 11;
+
+struct Table {
+  int64_t *sorted_ids, *sorted_rows, *row_ids, *counts, *last_seen;
+  bool* reused;
+  int64_t *cand_ids, *cand_counts, *cand_last;
+  int64_t step;
+  int64_t* reused_lookups;
+  int64_t M, C, min_count;
+};
+
+struct Entry {
+  int64_t id, count, last;
+};
+
+int64_t find(const Table& t, int64_t id) {  // position of id's lower bound, clamped to the map
+  int64_t pos = std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, id) - t.sorted_ids;
+  return std::min(pos, t.M - 1);
+}
+
+// Entries sorted by id, same ids summed (counts) and maxed (last seen, from -1): mch.py's _merge.
+std::vector<Entry> merged(std::vector<Entry> e) {
+  std::sort(e.begin(), e.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
+  std::vector<Entry> out;
+  for (const Entry& x : e) {
+    if (out.empty() || out.back().id != x.id)
+      out.push_back(Entry{x.id, 0, -1});
+    out.back().count += x.count;
+    out.back().last = std::max(out.back().last, x.last);
+  }
+  return out;
+}
+
+// mch.py's _set_candidates: sorted entries into the fixed buffers; past capacity the most counted, then the most
+// recent stay (a stable sort: then the smaller id), kept in id order.
+void set_candidates(Table& t, std::vector<Entry> e) {
+  if (static_cast<int64_t>(e.size()) > t.C) {
+    std::vector<int64_t> order(e.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return e[a].count != e[b].count ? e[a].count > e[b].count : e[a].last > e[b].last;
+    });
+    order.resize(t.C);
+    std::sort(order.begin(), order.end());
+    std::vector<Entry> kept;
+    for (int64_t i : order) kept.push_back(e[i]);
+    e.swap(kept);
+  }
+  const int64_t n = static_cast<int64_t>(e.size());
+  for (int64_t i = 0; i < t.C; ++i) {
+    t.cand_ids[i] = i < n ? e[i].id : kNoId;
+    t.cand_counts[i] = i < n ? e[i].count : 0;
+    t.cand_last[i] = i < n ? e[i].last : 0;
+  }
+}
+
+// mch.py's _merge_map: the ids `old` leave the sorted map, new (id, row) pairs are merged in.
+void merge_map(Table& t, const std::vector<int64_t>& old, std::vector<std::pair<int64_t, int64_t>> fresh) {
+  std::sort(fresh.begin(), fresh.end());
+  std::vector<bool> keep(t.M);
+  for (int64_t i = 0; i < t.M; ++i) keep[i] = t.sorted_ids[i] != kNoId;
+  for (int64_t id : old) keep[std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, id) - t.sorted_ids] = false;
+  std::vector<std::pair<int64_t, int64_t>> kept;
+  for (int64_t i = 0; i < t.M; ++i)
+    if (keep[i]) kept.emplace_back(t.sorted_ids[i], t.sorted_rows[i]);
+  size_t a = 0, b = 0, k = 0;
+  while (a < kept.size() || b < fresh.size()) {
+    const bool take_kept = b == fresh.size() || (a < kept.size() && kept[a].first <= fresh[b].first);
+    const auto& x = take_kept ? kept[a++] : fresh[b++];
+    t.sorted_ids[k] = x.first;
+    t.sorted_rows[k++] = x.second;
+  }
+  for (int64_t i = static_cast<int64_t>(k); i < t.M; ++i) {
+    t.sorted_ids[i] = kNoId;
+    t.sorted_rows[i] = 0;
+  }
+}
+
+// mch.py's _place: candidate cands[i] takes rows[i] (its id, if any, leaves the map); the rest stay candidates.
+void place(Table& t, const std::vector<int64_t>& rows, const std::vector<int64_t>& cands,
+           std::vector<int64_t>& placed) {
+  std::vector<int64_t> old;
+  std::vector<std::pair<int64_t, int64_t>> fresh;
+  std::vector<bool> taken(t.C, false);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t row = rows[i], c = cands[i];
+    if (t.row_ids[row] != kFree) old.push_back(t.row_ids[row]);
+    fresh.emplace_back(t.cand_ids[c], row);
+    t.row_ids[row] = t.cand_ids[c];
+    t.counts[row] = t.cand_counts[c];
+    t.last_seen[row] = t.cand_last[c];
+    taken[c] = true;
+    placed.push_back(row);
+  }
+  merge_map(t, old, std::move(fresh));
+  std::vector<Entry> rest;
+  for (int64_t i = 0; i < t.C; ++i)
+    if (t.cand_ids[i] != kNoId && !taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+  set_candidates(t, std::move(rest));
+}
+
+// mch.py's _admit_to_free_rows: ready candidates (the most counted first, ties by id) take the free rows in order.
+void admit(Table& t, std::vector<int64_t>& admitted) {
+  std::vector<int64_t> free_rows, ready;
+  for (int64_t r = 0; r < t.M; ++r)
+    if (t.row_ids[r] == kFree) free_rows.push_back(r);
+  for (int64_t i = 0; i < t.C; ++i)
+    if (t.cand_counts[i] >= t.min_count && t.cand_ids[i] != kNoId) ready.push_back(i);
+  if (free_rows.empty() || ready.empty()) return;
+  std::stable_sort(ready.begin(), ready.end(),
+                   [&](int64_t a, int64_t b) { return t.cand_counts[a] > t.cand_counts[b]; });
+  ready.resize(std::min(ready.size(), free_rows.size()));
+  free_rows.resize(ready.size());
+  place(t, free_rows, ready, admitted);
+}
+
+// mch.py's _evict given the policy's scores (residents [M], ready candidates [R]): the strongest candidates take
+// the rows of the weakest residents they outscore (stable sorts: ties fall by position; residents keep ties),
+// only when no row is free; the candidates are cleared.
+void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, const double* incoming,
+           std::vector<int64_t>& evicted) {
+  bool full = true;
+  for (int64_t r = 0; r < t.M && full; ++r) full = t.row_ids[r] != kFree;
+  if (R && full) {
+    const int64_t k = std::min(R, t.M);
+    std::vector<int64_t> low(t.M), high(R);
+    std::iota(low.begin(), low.end(), 0);
+    std::iota(high.begin(), high.end(), 0);
+    std::stable_sort(low.begin(), low.end(), [&](int64_t a, int64_t b) { return resident[a] < resident[b]; });
+    std::stable_sort(high.begin(), high.end(), [&](int64_t a, int64_t b) { return incoming[a] > incoming[b]; });
+    std::vector<int64_t> rows, cands;
+    for (int64_t i = 0; i < k; ++i)
+      if (incoming[high[i]] > resident[low[i]]) {
+        rows.push_back(low[i]);
+        cands.push_back(ready[high[i]]);
+      }
+    for (int64_t row : rows) t.reused[row] = true;
+    if (!rows.empty()) place(t, rows, cands, evicted);
+  }
+  set_candidates(t, {});
+}
+
+// One table's ids of a step, distinct, with their counts and (once profiled) rows: open addressing, no sort.
+struct IdHash {
+  std::vector<int64_t> keys, slot_of;  // table of kNoId (empty) or id, and its slot below
+  std::vector<int64_t> ids, counts, rows;  // per distinct id, first seen first; rows: -2 until profiled
+  uint64_t mask = 0;
+  int shift = 64;
+  explicit IdHash(size_t n) {
+    int bits = 4;
+    while ((size_t(1) << bits) < 2 * n) ++bits;
+    keys.assign(size_t(1) << bits, kNoId);
+    slot_of.resize(keys.size());
+    mask = keys.size() - 1;
+    shift = 64 - bits;
+  }
+  size_t probe(int64_t id) const {
+    size_t h = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift;
+    while (keys[h] != id && keys[h] != kNoId) h = (h + 1) & mask;
+    return h;
+  }
+  void add(int64_t id, int64_t count) {
+    const size_t h = probe(id);
+    if (keys[h] == kNoId) {
+      keys[h] = id;
+      slot_of[h] = static_cast<int64_t>(ids.size());
+      ids.push_back(id);
+      counts.push_back(0);
+      rows.push_back(-2);
+    }
+    counts[slot_of[h]] += count;
+  }
+  int64_t row(int64_t id) const {  // -2: not among these ids
+    const size_t h = probe(id);
+    return keys[h] == kNoId ? -2 : rows[slot_of[h]];
+  }
+};
+
+// mch.py's profile_counts without the eviction run: residents counted, new ids merged into the candidates, ready
+// candidates admitted; then every distinct id's row (M, the unknown row, for ids without one) into `seen.rows`.
+void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
+  if (seen.ids.empty()) return;
+  std::vector<Entry> fresh;
+  for (size_t s = 0; s < seen.ids.size(); ++s) {
+    const int64_t pos = find(t, seen.ids[s]);
+    if (t.sorted_ids[pos] == seen.ids[s]) {
+      const int64_t row = t.sorted_rows[pos];
+      t.counts[row] += seen.counts[s];
+      t.last_seen[row] = t.step;
+      seen.rows[s] = row;
+    } else {
+      fresh.push_back(Entry{seen.ids[s], seen.counts[s], t.step});
+    }
+  }
+  if (!fresh.empty()) {
+    std::vector<Entry> cands;
+    int64_t n = 0;
+    for (int64_t i = 0; i < t.C; ++i) n += t.cand_ids[i] != kNoId;
+    for (int64_t i = 0; i < n; ++i) cands.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+    cands.insert(cands.end(), fresh.begin(), fresh.end());
+    set_candidates(t, merged(std::move(cands)));
+    admit(t, admitted);  // fills free rows only: the residents found above keep theirs
+  }
+  for (size_t s = 0; s < seen.ids.size(); ++s)
+    if (seen.rows[s] == -2) {
+      const int64_t pos = find(t, seen.ids[s]);
+      seen.rows[s] = t.sorted_ids[pos] == seen.ids[s] ? t.sorted_rows[pos] : t.M;
+    }
+}
+
+using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
+
+Segments by_table(const at::Tensor& segments, int64_t T, int64_t n, const char* what) {
+  LR_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.is_contiguous() &&
+               segments.dim() == 2 && segments.size(1) == 3,
+           "lightning_rec::mch_profile_remap: ", what, " must be a contiguous int64 [S, 3] CPU tensor");
+  Segments out(T);
+  const int64_t* s = segments.data_ptr<int64_t>();
+  for (int64_t i = 0; i < segments.size(0); ++i) {
+    const int64_t t = s[3 * i], a = s[3 * i + 1], b = s[3 * i + 2];
+    LR_CHECK(t >= 0 && t < T && a >= 0 && a <= b && b <= n, "lightning_rec::mch_profile_remap: ", what, " row ", i,
+             " (table ", t, ", ", a, ":", b, ") is outside ", T, " tables or ", n, " ids");
+    out[t].emplace_back(a, b);
+  }
+  return out;
+}
+
+void check_ids(const at::Tensor& x, const char* what) {
+  LR_CHECK(x.device().is_cpu() && x.scalar_type() == at::kLong && x.dim() == 1 && x.is_contiguous(),
+           "lightning_rec::mch_profile_remap: ", what, " must be a contiguous 1-D int64 CPU tensor");
+}
+
+Table table_of(at::TensorList s, int64_t i, int64_t min_count) {
+  const at::Tensor* x = &s[kStates * i];
+  const int64_t M = x[2].numel(), C = x[6].numel();
+  for (int k = 0; k < kStates; ++k)
+    LR_CHECK(x[k].device().is_cpu() && x[k].is_contiguous() && x[k].scalar_type() == (k == 5 ? at::kBool : at::kLong),
+             "lightning_rec::mch_profile_remap: state ", k, " of table ", i,
+             " must be a contiguous CPU tensor (int64; reused: bool)");
+  LR_CHECK(M >= 1 && x[0].numel() == M && x[1].numel() == M && x[3].numel() == M && x[4].numel() == M &&
+               x[5].numel() == M && C >= 1 && x[7].numel() == C && x[8].numel() == C && x[9].numel() == 1 &&
+               x[10].numel() == 1,
+           "lightning_rec::mch_profile_remap: the state of table ", i, " has inconsistent sizes");
+  return Table{x[0].data_ptr<int64_t>(), x[1].data_ptr<int64_t>(), x[2].data_ptr<int64_t>(),
+               x[3].data_ptr<int64_t>(), x[4].data_ptr<int64_t>(), x[5].data_ptr<bool>(),
+               x[6].data_ptr<int64_t>(), x[7].data_ptr<int64_t>(), x[8].data_ptr<int64_t>(),
+               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), M, C, min_count};
+}
+
+std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>& rows_T) {
+  const int64_t T = static_cast<int64_t>(rows_T.size());
+  at::Tensor per_table = at::empty({T}, at::kLong);
+  int64_t total = 0;
+  for (int64_t i = 0; i < T; ++i) total += per_table.data_ptr<int64_t>()[i] = static_cast<int64_t>(rows_T[i].size());
+  at::Tensor rows = at::empty({total}, at::kLong);
+  int64_t* r = rows.data_ptr<int64_t>();
+  for (const auto& a : rows_T) r = std::copy(a.begin(), a.end(), r);
+  return {rows, per_table};
+}
+
+std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
+    at::TensorList state, const at::Tensor& profile_ids, const c10::optional<at::Tensor>& profile_counts,
+    const at::Tensor& profile_segments, const at::Tensor& values, const at::Tensor& out,
+    const at::Tensor& remap_segments, at::IntArrayRef min_counts, bool count_reused) {
+  const int64_t T = static_cast<int64_t>(min_counts.size());
+  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T, "lightning_rec::mch_profile_remap: ", kStates,
+           " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(state.size()));
+  check_ids(profile_ids, "profile_ids");
+  check_ids(values, "values");
+  check_ids(out, "out");
+  LR_CHECK(out.numel() == values.numel(), "lightning_rec::mch_profile_remap: out and values differ in length");
+  const int64_t* pc = nullptr;
+  if (profile_counts.has_value()) {
+    check_ids(*profile_counts, "profile_counts");
+    LR_CHECK(profile_counts->numel() == profile_ids.numel(),
+             "lightning_rec::mch_profile_remap: profile_counts and profile_ids differ in length");
+    pc = profile_counts->data_ptr<int64_t>();
+  }
+  const Segments prof = by_table(profile_segments, T, profile_ids.numel(), "profile_segments");
+  const Segments remap = by_table(remap_segments, T, values.numel(), "remap_segments");
+  std::vector<Table> tables;
+  for (int64_t i = 0; i < T; ++i) tables.push_back(table_of(state, i, min_counts[i]));
+  const int64_t* pid = profile_ids.data_ptr<int64_t>();
+  const int64_t* v = values.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> admitted(T);
+  at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t i = tb; i < te; ++i) {
+      Table& t = tables[i];
+      size_t n = 0;
+      for (const auto& [a, b] : prof[i]) n += b - a;
+      IdHash seen(n);
+      for (const auto& [a, b] : prof[i])
+        for (int64_t p = a; p < b; ++p) seen.add(pid[p], pc ? pc[p] : 1);
+      profile(t, seen, admitted[i]);
+      int64_t reused = 0;
+      for (const auto& [a, b] : remap[i])
+        for (int64_t p = a; p < b; ++p) {
+          int64_t row = n ? seen.row(v[p]) : -2;  // the profiled ids' rows: no second search of the map
+          if (row == -2) {
+            const int64_t pos = find(t, v[p]);
+            row = t.sorted_ids[pos] == v[p] ? t.sorted_rows[pos] : t.M;  // M = zch_size - 1: the unknown row
+          }
+          o[p] = row;
+          reused += row != t.M && t.reused[row];
+        }
+      if (count_reused) *t.reused_lookups += reused;
+    }
+  });
+  return flat(admitted);
+}
+
+std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(at::TensorList state, at::TensorList ready,
+                                                 at::TensorList resident_scores, at::TensorList incoming_scores) {
+  const int64_t T = static_cast<int64_t>(ready.size());
+  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T && static_cast<int64_t>(resident_scores.size()) == T &&
+               static_cast<int64_t>(incoming_scores.size()) == T,
+           "lightning_rec::mch_evict: ", kStates, " state tensors, ready candidates and two scores per table");
+  std::vector<Table> tables;
+  for (int64_t i = 0; i < T; ++i) {
+    tables.push_back(table_of(state, i, 0));
+    LR_CHECK(ready[i].device().is_cpu() && ready[i].scalar_type() == at::kLong && ready[i].is_contiguous() &&
+                 resident_scores[i].scalar_type() == at::kDouble && resident_scores[i].is_contiguous() &&
+                 resident_scores[i].numel() == tables[i].M && incoming_scores[i].scalar_type() == at::kDouble &&
+                 incoming_scores[i].is_contiguous() && incoming_scores[i].numel() == ready[i].numel(),
+             "lightning_rec::mch_evict: table ", i, ": ready must be int64 [R], scores float64 [M] and [R]");
+  }
+  std::vector<std::vector<int64_t>> evicted(T);
+  at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t i = tb; i < te; ++i)
+      evict(tables[i], ready[i].data_ptr<int64_t>(), ready[i].numel(), resident_scores[i].data_ptr<double>(),
+            incoming_scores[i].data_ptr<double>(), evicted[i]);
+  });
+  return flat(evicted);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {
+  m.impl("mch_profile_remap", &mch_profile_remap_cpu);
+  m.impl("mch_evict", &mch_evict_cpu);
+}
+
+}  // namespace lightning_rec
