@@ -257,6 +257,35 @@ class _KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fit_criteo_rows(rank, world_size, root, kill_at, resume, ids, **data_options):
+    """A small DLRM fit at world_size ranks on `CriteoDataModule(**data_options)` that writes down, per rank, the row
+    ids (`ids(batch)`) each step trained on: rows.a.<rank> before the resume, rows.b.<rank> after. SIGKILL at
+    step `kill_at` (None: runs to the end); `resume`: from the last checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rec import CriteoDataModule, RecStrategy
+    from lightning_rec.models import DLRMModule
+
+    class Rows(DLRMModule):
+        def training_step(self, batch, batch_idx):
+            with open(os.path.join(root, f"rows.{'b' if resume else 'a'}.{rank}"), "a") as f:
+                f.write(f"{self.trainer.global_step} {' '.join(map(str, ids(batch)))}\n")
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0)
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_last=True)]
+    if kill_at is not None:
+        callbacks.append(_KillAt(kill_at))
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    module = Rows(num_embeddings_per_feature=[10] * 26, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+                  over_arch_layer_sizes=[8, 1])
+    trainer.fit(module, CriteoDataModule(num_embeddings_per_feature=10, seed=3, **data_options),
+                ckpt_path="last" if resume else None)
+    return trainer.global_step
+
+
 class _RowsData(SyntheticCriteoDataModule):
     """Each training batch carries its rows' ids (Batch.row_ids), which the module writes down as it trains."""
 

@@ -209,32 +209,10 @@ def test_an_old_state_at_the_same_world_size_resumes_exactly(tsv):
 
 
 def _fit_rank(rank, world_size, root, path, kill_at, resume):
-    import lightning.pytorch as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from test_elastic_resume import _KillAt
+    from test_elastic_resume import fit_criteo_rows
 
-    from lightning_rec import CriteoDataModule, RecStrategy
-    from lightning_rec.models import DLRMModule
-
-    class Rows(DLRMModule):
-        def training_step(self, batch, batch_idx):
-            with open(os.path.join(root, f"rows.{'b' if resume else 'a'}.{rank}"), "a") as f:
-                f.write(f"{self.trainer.global_step} {' '.join(map(str, _ids(batch)))}\n")
-            return super().training_step(batch, batch_idx)
-
-    L.seed_everything(0)
-    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=2, save_last=True)]
-    if kill_at is not None:
-        callbacks.append(_KillAt(kill_at))
-    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world_size, max_epochs=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        num_sanity_val_steps=0, limit_val_batches=0)
-    module = Rows(num_embeddings_per_feature=[10] * 26, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
-                  over_arch_layer_sizes=[8, 1])
-    data = CriteoDataModule(train_path=str(path), batch_size=B, num_embeddings_per_feature=10, seed=3,
-                            streaming=True, block_bytes=600)
-    trainer.fit(module, data, ckpt_path="last" if resume else None)
-    return trainer.global_step
+    return fit_criteo_rows(rank, world_size, root, kill_at, resume, _ids, train_path=str(path), batch_size=B,
+                           streaming=True, block_bytes=600)
 
 
 def test_sigkill_mid_epoch_at_4_ranks_resumed_at_2_trains_every_row_of_the_epoch_once(tsv, tmp_path):
