@@ -199,6 +199,22 @@ def run_trainer(args, mode: str, device: torch.device, keys, batches) -> float:
 TORCHREC_PIPELINED = {"fp32": 1.67e6, "tf32": 1.83e6}  # TorchRec 1.6.1 TrainPipelineSparseDist on an H100
 
 
+def pipelined_samples_s(model_and_opt, device: torch.device, config, loader, steps: int, warmup: int,
+                        batch: int) -> float:
+    """Samples/s of TrainPipelineSparseDist over `loader`: `steps` timed steps after `warmup` untimed ones."""
+    from lightning_rec.pipeline import TrainPipelineSparseDist
+
+    with TrainPipelineSparseDist(*model_and_opt, device, config) as pipeline:
+        it = iter(loader)
+        for i in range(steps + warmup):
+            if i == warmup:
+                sync(device)
+                t0 = time.perf_counter()
+            pipeline.progress(it)
+        sync(device)
+        return batch * steps / (time.perf_counter() - t0)
+
+
 def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[str, list[float]]]:
     """samples/s per mode of the plain loop and the pipeline over the same pinned host batches."""
     from dlrm_distributed import TrainStep  # the same step as the CPU pipeline benchmark (this folder)
@@ -206,7 +222,7 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
 
     from lightning_rec.model_parallel import DistributedModelParallel
     from lightning_rec.optim import CombinedOptimizer
-    from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
+    from lightning_rec.pipeline import PipelineConfig
 
     one_rank_world(device)
     keys, host = make_batches(args, torch.device("cpu"))
@@ -247,15 +263,7 @@ def run_pipeline_compare(args, modes, device: torch.device) -> dict[str, dict[st
 
     def pipelined(feeder_collectives: str = "auto", semi_sync: bool = False, model=None) -> float:
         config = PipelineConfig(feeder_collectives=feeder_collectives, semi_sync=semi_sync)
-        with TrainPipelineSparseDist(*(model or (dmp, opt)), device, config) as pipeline:
-            it = iter(loader)
-            for i in range(steps + warmup):
-                if i == warmup:
-                    sync(device)
-                    t0 = time.perf_counter()
-                pipeline.progress(it)
-            sync(device)
-            return args.batch * steps / (time.perf_counter() - t0)
+        return pipelined_samples_s(model or (dmp, opt), device, config, loader, steps, warmup, args.batch)
 
     for r in range(args.rounds):
         for mode in modes:
@@ -320,7 +328,7 @@ def run_prefetch_compare(args, modes, device: torch.device) -> dict[str, dict[st
 
     from lightning_rec.model_parallel import DistributedModelParallel, construct_module_sharding_plan, table_wise
     from lightning_rec.optim import CombinedOptimizer
-    from lightning_rec.pipeline import PipelineConfig, TrainPipelineSparseDist
+    from lightning_rec.pipeline import PipelineConfig
     from lightning_rec.types import ComputeKernel, ShardingPlan
 
     one_rank_world(device)
@@ -348,15 +356,8 @@ def run_prefetch_compare(args, modes, device: torch.device) -> dict[str, dict[st
     out = {m: {k: [] for k in models} for m in modes}
 
     def pipelined(kind: str) -> float:
-        with TrainPipelineSparseDist(*models[kind], device, PipelineConfig(prefetch=kind == "prefetch")) as pipeline:
-            it = iter(loader)
-            for i in range(steps + warmup):
-                if i == warmup:
-                    sync(device)
-                    t0 = time.perf_counter()
-                pipeline.progress(it)
-            sync(device)
-            return args.batch * steps / (time.perf_counter() - t0)
+        config = PipelineConfig(prefetch=kind == "prefetch")
+        return pipelined_samples_s(models[kind], device, config, loader, steps, warmup, args.batch)
 
     for r in range(args.rounds):
         for mode in modes:
