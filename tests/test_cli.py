@@ -770,10 +770,11 @@ def test_the_learning_curves_group_splits_cutoffs_and_tasks(tmp_path):
 
     (tmp_path / "metrics.csv").write_text(
         "epoch,step,train_loss,val_auc/click,val_auc/like,val_mrr@10,val_recall@10,test_recall@20,val_ndcg@10,"
-        "val_ctr,mem/rank0_max_rss_mb\n0,9,0.5,,,,,,,,\n0,9,,0.7,0.6,0.2,0.3,0.35,0.25,0.25,100\n")
+        "val_ctr,mem/rank0_max_rss_mb,val/buy/auc,val/buy/calibration\n0,9,0.5,,,,,,,,,,\n"
+        "0,9,,0.7,0.6,0.2,0.3,0.35,0.25,0.25,100,0.8,1.1\n")
     series = read_metrics(tmp_path / "metrics.csv")
     assert series["train_loss"] == [(10, 0.5)]  # the step the Trainer counts (Lightning writes it before the +1)
-    assert _panels(series) == {"train loss": ["train_loss"], "auc": ["val_auc/click", "val_auc/like"],
+    assert _panels(series) == {"train loss": ["train_loss"], "auc": ["val_auc/click", "val_auc/like", "val/buy/auc"],
                                "ndcg": ["val_ndcg@10"], "recall": ["val_recall@10", "test_recall@20"],
-                               "mrr": ["val_mrr@10"]}
+                               "mrr": ["val_mrr@10"], "calibration": ["val/buy/calibration"]}
     assert plot_curves(series, tmp_path / "curves.png") and (tmp_path / "curves.png").stat().st_size > 1000

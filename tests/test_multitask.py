@@ -220,8 +220,9 @@ def test_trains_sharded_and_pipelined_on_two_ranks(tmp_path):
 
 # recipes ------------------------------------------------------------------------------------------------------------
 
-def test_the_census_income_recipe_reads_its_layout(tmp_path):
-    """A few rows in census-income.data's layout (no header, ", " separated) through the recipe as it is."""
+def test_the_census_income_recipe_reads_its_layout(tmp_path, capsys):
+    """A few rows in census-income.data's layout (no header, ", " separated) through the recipe as it is. The fit's
+    last line gives each task's metrics (it once gave val_loss alone: a task's are named val/<task>/<metric>)."""
     import yaml
 
     from lightning_rec.cli import run_cli
@@ -245,3 +246,5 @@ def test_the_census_income_recipe_reads_its_layout(tmp_path):
                    "--trainer.enable_progress_bar=false"])
     assert cli.trainer.global_step == 1
     assert {"val/income/auc", "val/marital/auc"} <= set(cli.trainer.callback_metrics)
+    final = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("final validation:"))
+    assert "val/income/auc=" in final and "val/marital/auc=" in final, final

@@ -306,9 +306,10 @@ class RecCLI(CheckpointPathCLI):
         validated = False
         step = next((c.step for c in trainer.callbacks if isinstance(c, run_summary.FinalStepValidation)), None)
         final = {}
-        for prefix, what in (("val_", "validation"), ("test_", "test")):
-            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
-            validated |= bool(metrics) and prefix == "val_"
+        for split, what in (("val", "validation"), ("test", "test")):  # val_auc, and a task's val/<task>/auc
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                       if k.startswith((f"{split}_", f"{split}/"))}
+            validated |= bool(metrics) and split == "val"
             final.update(metrics)
             if metrics and trainer.is_global_zero:
                 shown = "  ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()))

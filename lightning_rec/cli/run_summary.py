@@ -17,6 +17,7 @@ from lightning_rec import _compat
 CURVES = "learning_curves.png"
 SUMMARY = "summary.md"
 LOWER_IS_BETTER = {"loss", "logloss", "ne", "mse", "rmse", "mae"}
+NO_BEST = {"ctr", "calibration"}  # the data's rate; calibration is best nearest 1, neither highest nor lowest
 
 
 class FinalStepValidation(Callback):
@@ -88,8 +89,9 @@ def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _kind(column: str) -> str | None:
-    """`ndcg` for val_ndcg@10, `auc` for test_auc/click; None for columns that are no evaluation metric."""
-    found = re.match(r"(val|test)_([^/]+?)(@\d+)?(/.*)?$", column)
+    """`ndcg` for val_ndcg@10, `auc` for test_auc/click and for a task's val/click/auc; None for columns that are
+    no evaluation metric."""
+    found = re.match(r"(val|test)_([^/]+?)(@\d+)?(/.*)?$", column) or re.match(r"(val|test)/[^/]+/([^/]+?)$", column)
     return found[2] if found else None
 
 
@@ -184,7 +186,7 @@ def write_summary(trainer, final: dict[str, float], step: int | None) -> dict[st
     if final:
         lines += ["| metric | final |", "|---|---|", *(f"| {k} | {v:.4f} |" for k, v in sorted(final.items())), ""]
     best = {c: (min if _kind(c) in LOWER_IS_BETTER else max)(series[c], key=lambda sv: sv[1]) for c in series
-            if _kind(c) and _kind(c) != "ctr"}
+            if _kind(c) and _kind(c) not in NO_BEST}
     if best:
         lines += ["| metric | best during the fit | at step |", "|---|---|---|"]
         lines += [f"| {column} | {value:.4f} | {at} |" for column, (at, value) in sorted(best.items())]
