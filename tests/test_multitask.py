@@ -167,6 +167,10 @@ def test_bad_input_is_named():
         _module(task_types=["binary", "ranking"])
     with pytest.raises(ValueError, match="mix"):
         _module(mix="moe")
+    # a model without dense inputs read Criteo batches and dropped their 13 dense columns without a word
+    b = _batch()
+    with pytest.raises(ValueError, match=r"built for 0 dense features .* \(8, 2\): build it with dense_in_features=2"):
+        _module(dense_in_features=0)(b.dense_features, b.sparse_features)
 
 
 def test_task_names_of_the_model_and_the_data_module_must_agree(tmp_path):

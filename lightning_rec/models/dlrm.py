@@ -107,6 +107,14 @@ class SparseArch(nn.Module):
         return pooled_BFxD.view(-1, self.num_features, self.embedding_dim)
 
 
+def check_dense_width(model: str, expected: int, dense_features: Tensor) -> None:
+    """A model's dense inputs must be the batch's dense columns, [B, expected]: none left unread."""
+    if dense_features.dim() != 2 or dense_features.shape[1] != expected:
+        raise ValueError(f"{model} was built for {expected} dense features but the batch has dense features of shape "
+                         f"{tuple(dense_features.shape)}: build it with dense_in_features="
+                         f"{dense_features.shape[-1]} (the data's dense columns), or fix the data")
+
+
 class InteractionArch(nn.Module):
     """Pairwise dot products of dense and sparse vectors (upper triangle), next to the dense vector.
 
@@ -280,11 +288,7 @@ class DLRM(nn.Module):
         return InteractionArch(num_features)
 
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
-        expected = self.dense_arch[0].in_features
-        if dense_features.dim() != 2 or dense_features.shape[1] != expected:
-            raise ValueError(f"DLRM was built for {expected} dense features but the batch has dense features of shape "
-                             f"{tuple(dense_features.shape)}: build it with dense_in_features="
-                             f"{dense_features.shape[-1]} (the data's dense columns), or fix the data")
+        check_dense_width("DLRM", self.dense_arch[0].in_features, dense_features)
         if isinstance(sparse_features, KeyedJaggedTensor) and dense_features.shape[0] != sparse_features.stride():
             raise ValueError(f"the batch has {dense_features.shape[0]} rows of dense features but "
                              f"{sparse_features.stride()} samples of sparse features (the KeyedJaggedTensor's stride): "

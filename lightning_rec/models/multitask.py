@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_rec.embedding import EmbeddingBagCollection
-from lightning_rec.models.dlrm import MLP, SparseArch
+from lightning_rec.models.dlrm import MLP, SparseArch, check_dense_width
 from lightning_rec.sparse import KeyedJaggedTensor
 
 MIXES = ("shared_bottom", "mmoe", "ple")
@@ -82,6 +82,7 @@ class MultiTaskNet(nn.Module):
         if mix not in MIXES:
             raise ValueError(f"unknown mix {mix!r}: choose one of {', '.join(MIXES)}")
         self.sparse_arch = SparseArch(embedding_bag_collection)
+        self.dense_in_features = dense_in_features
         self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes) if dense_in_features > 0 else None
         in_features = self.sparse_arch.num_features * self.sparse_arch.embedding_dim
         in_features += dense_arch_layer_sizes[-1] if self.dense_arch is not None else 0
@@ -97,6 +98,7 @@ class MultiTaskNet(nn.Module):
                                     for _ in range(num_tasks))
 
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
+        check_dense_width("MultiTaskNet", self.dense_in_features, dense_features)  # Criteo's 13 were once dropped
         return self.from_pooled(dense_features, self.sparse_arch(sparse_features))
 
     def from_pooled(self, dense_features: Tensor, sparse_BFD: Tensor) -> Tensor:
