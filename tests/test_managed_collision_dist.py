@@ -3,6 +3,7 @@ shards it holds and remaps after the id all-to-all. The reference is the unshard
 way (ids of row shard j, `owner_of(id, k)`, in a module of their own over that shard's rows), fed the global batch:
 outputs, dense gradients, id maps and (id -> row content) pairs match it (1e-5); the pipeline matches the plain loop."""
 
+import pytest
 import torch
 from dist_utils import run_ranks
 from torch import nn
@@ -414,3 +415,38 @@ def test_sigkill_mid_epoch_with_eviction_resumes_bitwise():
         # the lifetime eviction count, a statistic, restarts at a resume for sharded tables (docs: Limits)
         differ = [k for k in want if not torch.equal(want[k], got[k]) and not k.endswith("_evictions_total")]
         assert not differ, differ
+
+
+def _uvm_worker(rank, W):
+    from lightning_rec.types import ComputeKernel
+
+    device = torch.device("cuda", rank)
+    got = {}
+    for kernel in (ComputeKernel.FUSED, ComputeKernel.FUSED_UVM, ComputeKernel.FUSED_UVM_CACHING):
+        torch.manual_seed(0)
+        model = MCModel()
+        table_plan = {"t": row_wise(compute_kernel=kernel)}
+        plan = ShardingPlan({"mc._embedding_module": construct_module_sharding_plan(
+            model.mc._embedding_module, table_plan, world_size=W)})
+        dmp = DistributedModelParallel(model, plan=plan, device=device, timeout=60)
+        outs = []
+        for step in range(8):  # new raw ids every step, LRU eviction every 2: rows re-drawn in host memory too
+            out = dmp(_batch(rank, step).to(device))
+            out.sum().backward()
+            outs.append(out.detach().cpu())
+        m = dmp.module.mc._managed_collision_collection.modules_by_table()["t"]
+        got[kernel.value] = outs, sorted(zip(*(x.tolist() for x in m.id_map())))
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and fbgemm-gpu (CUDA build)")
+def test_cuda_id_maps_over_uvm_and_uvm_cached_tables_train_as_device_tables():
+    """Managed collision over tables in host memory (fused_uvm) and behind a device cache (fused_uvm_caching): the
+    same outputs (1e-5) and id maps as tables in device memory, evictions and re-drawn rows included."""
+    got = run_ranks(_uvm_worker, 1, timeout=300, backend="nccl")[0]
+    outs, ids = got["fused"]
+    for kernel in ("fused_uvm", "fused_uvm_caching"):
+        assert got[kernel][1] == ids, kernel
+        for step, (a, b) in enumerate(zip(got[kernel][0], outs)):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=f"{kernel}, step {step}")
