@@ -132,7 +132,8 @@ def _draw(config, n: int, seed_text: str, init_range: tuple[float, float] | None
             torch.manual_seed(seed)
             config.init_fn(out)
         return out
-    return out.uniform_(*(init_range or config.local_table().init_range()), generator=torch.Generator().manual_seed(seed))
+    low, high = init_range or config.local_table().init_range()
+    return out.uniform_(low, high, generator=torch.Generator().manual_seed(seed))
 
 
 def _pieces(collection: nn.Module) -> list[tuple[str, int, int, Tensor]]:
