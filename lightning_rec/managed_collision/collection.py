@@ -108,6 +108,8 @@ class ManagedCollisionCollection(nn.Module):
     def take_reused_rows(self) -> dict[str, Tensor]:
         out = {}
         for table, module in self._managed_collision_modules.items():
+            if table in self._owner_tables:  # re-drawn on the owners, in the lookup
+                continue
             rows = module.take_reused_rows()
             if rows is not None:
                 out[table] = rows
