@@ -327,14 +327,15 @@ class ShardedMCHModule(nn.Module):
             out.append((m, [(offsets[i], offsets[i + 1]) for i in owner.keys], profiled))
         return out
 
-    def fresh_rows(self) -> list[tuple[str, Tensor, int, str]]:
-        """Rows handed to a new id since the last call, to re-draw: [(table, table rows, step, seed name)]."""
+    def fresh_rows(self) -> list[tuple[str, Tensor, int, str, int]]:
+        """Rows handed to a new id since the last call, to re-draw: [(table, table rows, step, seed name, first row
+        of their row shard)]."""
         fresh = []
         for owner in self._owners:
-            reused = owner.module.take_reused_rows()
-            if reused is not None:
-                seed = self._table if owner.first_row == 0 else f"{self._table}@{owner.first_row}"
-                fresh.append((self._table, reused + owner.first_row, owner.module._host.step, seed))
+            if owner.module._pending_rows:
+                reused, o = owner.module.take_reused_rows(), owner.first_row
+                seed = self._table if o == 0 else f"{self._table}@{o}"
+                fresh.append((self._table, reused + o if o else reused, owner.module._host.step, seed, o))
         return fresh
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
@@ -396,8 +397,8 @@ class _OwnerRemap:
             for f in fresh:
                 (later if f[0] in seen else now).append(f)
                 seen.add(f[0])
-            reinit_rows(self.collection, {t: rows for t, rows, _, _ in now}, {t: step for t, _, step, _ in now},
-                        seed_names={t: seed for t, _, _, seed in now})
+            reinit_rows(self.collection, {f[0]: f[1] for f in now}, {f[0]: f[2] for f in now},
+                        seed_names={f[0]: f[3] for f in now}, first_rows={f[0]: f[4] for f in now})
             fresh = later
         return KeyedJaggedTensor(routed.keys(), out, routed.weights_or_none(), lengths=routed.lengths(),
                                  offsets=routed.offsets_or_none(), stride=routed.stride(),

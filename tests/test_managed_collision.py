@@ -102,6 +102,29 @@ def test_evicted_row_is_reinitialised_with_optimizer_state():
     assert torch.equal(w[other], before[other])
 
 
+def test_rows_are_redrawn_in_the_lookup_that_replaced_the_old_one():
+    """Re-initialising rows looks a collection's weight views and optimizer state up once and keeps them while its
+    kernels live. use_fused_optimizer builds new kernels (new storage): a row handed out afterwards is re-drawn and
+    its state zeroed there, as in a collection never rebuilt, not in the storage of the kernels it replaced."""
+    got = {}
+    for rebuild in (False, True):
+        mc = _mc_ebc(rows=3, zch=3, interval=1)  # 2 managed rows
+        mc(_kjt([1, 2, 1], []))[0].values().sum().backward()  # rows handed to 1 and 2: the views looked up
+        ebc = mc._embedding_module
+        if rebuild:
+            ebc.use_fused_optimizer(FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+        mc(_kjt([1, 2], []))[0].values().sum().backward()
+        before = ebc.table_parameters()["t"].detach().clone()
+        mc(_kjt([7, 7, 7, 7], []))  # 7 outscores 2 (LFU) and takes its row
+        row = int(mc(_kjt([7], []))[1].values())
+        got[rebuild] = row, before, ebc.table_parameters()["t"].detach().clone(), \
+            ebc.lookup.fused_kernels()[0].optimizer_states()[0]["sum"].clone()
+    row, before, w, state = got[True]
+    assert row == got[False][0] and not torch.equal(w[row], before[row])
+    assert torch.equal(w[row], got[False][2][row]) and torch.equal(w[1 - row], before[1 - row])
+    assert state[row] == 0 and state[1 - row] > 0
+
+
 def test_state_dict_resumes_exactly():
     a, b = _mc_ebc(rows=6, zch=6, interval=2), _mc_ebc(rows=6, zch=6, interval=2, seed=3)
     g = torch.Generator().manual_seed(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -107,6 +108,8 @@ class ManagedCollisionCollection(nn.Module):
     def take_reused_rows(self) -> dict[str, Tensor]:
         out = {}
         for table, module in self._managed_collision_modules.items():
+            if table in self._owner_tables:  # re-drawn on the owners, in the lookup
+                continue
             rows = module.take_reused_rows()
             if rows is not None:
                 out[table] = rows
@@ -122,7 +125,7 @@ def _configs(collection: nn.Module) -> dict[str, Any]:
     return {c.name: c for c in get()}
 
 
-def _draw(config, n: int, seed_text: str) -> Tensor:
+def _draw(config, n: int, seed_text: str, init_range: tuple[float, float] | None = None) -> Tensor:
     """n fresh rows of a table, the same on every rank for the same text (a column-wise piece takes its columns)."""
     seed = int.from_bytes(hashlib.sha256(seed_text.encode()).digest()[:8], "little") & (2**63 - 1)
     out = torch.empty(n, config.embedding_dim)
@@ -131,7 +134,8 @@ def _draw(config, n: int, seed_text: str) -> Tensor:
             torch.manual_seed(seed)
             config.init_fn(out)
         return out
-    return out.uniform_(*config.local_table().init_range(), generator=torch.Generator().manual_seed(seed))
+    low, high = init_range or config.local_table().init_range()
+    return out.uniform_(low, high, generator=torch.Generator().manual_seed(seed))
 
 
 def _pieces(collection: nn.Module) -> list[tuple[str, int, int, Tensor]]:
@@ -149,39 +153,98 @@ def _state_offset(collection: nn.Module, local_name: str) -> tuple[str, int]:
     return table, (meta.shard_offsets[0] if meta is not None else 0)
 
 
+class _RowTargets:
+    """Where each table's rows live in this process: its weight pieces (first row, first column, [rows, cols] view)
+    and its fused optimizer state rows (first row, per-row view), and its config's init range, looked up once."""
+
+    def __init__(self, collection: nn.Module) -> None:
+        self.configs = _configs(collection)
+        self.ranges = {t: c.local_table().init_range() for t, c in self.configs.items()}
+        self.weights: dict[str, list[tuple[int, int, Tensor]]] = {}
+        for table, r0, c0, w in _pieces(collection):
+            self.weights.setdefault(table, []).append((r0, c0, w))
+        self.states: dict[str, list[tuple[int, Tensor]]] = {}
+        kernels = collection.fused_kernels()
+        for kernel in kernels:
+            for t, state in zip(kernel.tables, kernel.optimizer_states()):
+                table, r0 = _state_offset(collection, t.name)
+                self.states.setdefault(table, []).extend(
+                    (r0, v) for v in state.values() if v.dim() >= 1 and v.shape[0] == t.num_embeddings)
+        # a row cache is written back when the views are taken (split_embedding_weights): taken at every call then
+        self.caching = any(getattr(k, "caching", False) for k in kernels)
+
+
+# views stay valid while their kernels live: loads write them in place; the unsharded collection's moves build a new
+# lookup (a new key here); a sharded collection keeps its kernels for life (resharding builds another collection)
+_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _row_targets(collection: nn.Module) -> _RowTargets:
+    key = collection if hasattr(collection, "local_shards") else collection.lookup
+    targets = _TARGETS.get(key)
+    if targets is None:
+        targets = _RowTargets(collection)
+        if not targets.caching:
+            _TARGETS[key] = targets
+    return targets
+
+
+def _in_piece(rows: Tensor, r0: int, n: int, shard: int | None, whole: int) -> tuple[Tensor | None, Tensor] | None:
+    """(which of `rows` fall in the piece of table rows [r0, r0 + n) (None: all), their piece rows), or None when
+    none can. `shard`: the first row of the row shard all the rows come from (None: unknown); `whole`: table rows."""
+    if shard is not None:
+        return (None, rows - r0 if r0 else rows) if r0 == shard else None
+    if r0 == 0 and n >= whole:
+        return None, rows
+    mine = (rows >= r0) & (rows < r0 + n)
+    return mine, rows[mine] - r0
+
+
 @torch.no_grad()
 def reinit_rows(collection: nn.Module, reused: Mapping[str, Tensor], steps: Mapping[str, int] | None = None,
-                seed_names: Mapping[str, str] | None = None) -> None:
+                seed_names: Mapping[str, str] | None = None, first_rows: Mapping[str, int] | None = None) -> None:
     """Draws the reused rows' weights again (init_fn or the init range, seeded by table (or its `seed_names`
     entry) and step: every rank and layout draws the same values) and zeroes their fused optimizer state; sharded
-    collections write the pieces they hold."""
+    collections write the pieces they hold. `first_rows`: table -> the first row of the one row shard its rows
+    lie in (a sharded owner's), whose pieces alone are written."""
     if not reused:
         return
-    configs, names = _configs(collection), seed_names or {}
-    fresh = {t: _draw(configs[t], rows.numel(), f"{names.get(t, t)}:{(steps or {}).get(t, 0)}")
-             for t, rows in reused.items()}
-    for table, r0, c0, w in _pieces(collection):
-        if table in reused:
-            rows = reused[table]
-            mine = (rows >= r0) & (rows < r0 + w.shape[0])
-            w[(rows[mine] - r0).to(w.device)] = fresh[table][mine][:, c0:c0 + w.shape[1]].to(w)
-    zero_optimizer_rows(collection, reused)
+    targets, names, steps, shards = _row_targets(collection), seed_names or {}, steps or {}, first_rows or {}
+    for table, rows in reused.items():
+        fresh = _draw(targets.configs[table], rows.numel(), f"{names.get(table, table)}:{steps.get(table, 0)}",
+                      targets.ranges[table])
+        shard, whole = shards.get(table), targets.configs[table].num_embeddings
+        for r0, c0, w in targets.weights.get(table, ()):
+            piece = _in_piece(rows, r0, w.shape[0], shard, whole)
+            if piece is not None:
+                mine, local = piece
+                values = fresh if mine is None else fresh[mine]
+                if c0 or w.shape[1] != values.shape[1]:
+                    values = values[:, c0:c0 + w.shape[1]]
+                w.index_copy_(0, local.to(w.device), values.to(w))
+        _zero_state_rows(targets, table, rows, shard)
+    _written(collection)
+
+
+def _zero_state_rows(targets: _RowTargets, table: str, rows: Tensor, shard: int | None) -> None:
+    whole = targets.configs[table].num_embeddings
+    for r0, v in targets.states.get(table, ()):
+        piece = _in_piece(rows, r0, v.shape[0], shard, whole)
+        if piece is not None:
+            v.index_fill_(0, piece[1].to(v.device), 0)
+
+
+def _written(collection: nn.Module) -> None:
+    (collection if hasattr(collection, "local_shards") else collection.lookup).weights_written()
 
 
 @torch.no_grad()
 def zero_optimizer_rows(collection: nn.Module, rows_by_table: Mapping[str, Tensor]) -> None:
     """Zeroes the fused optimizer state of these table rows in the pieces this process holds."""
-    reused = rows_by_table
-    for kernel in collection.fused_kernels():
-        for t, state in zip(kernel.tables, kernel.optimizer_states()):
-            table, r0 = _state_offset(collection, t.name)
-            if table in reused:
-                rows = reused[table]
-                mine = rows[(rows >= r0) & (rows < r0 + t.num_embeddings)] - r0
-                for v in state.values():
-                    if v.dim() >= 1 and v.shape[0] == t.num_embeddings:
-                        v[mine.to(v.device)] = 0
-    (collection if hasattr(collection, "local_shards") else collection.lookup).weights_written()
+    targets = _row_targets(collection)
+    for table, rows in rows_by_table.items():
+        _zero_state_rows(targets, table, rows, None)
+    _written(collection)
 
 
 class _ManagedCollisionBase(nn.Module):
