@@ -184,6 +184,19 @@ def test_an_old_state_a_changed_file_or_block_size_starts_the_epoch_over_with_a_
         assert _read(loader) == plain  # rank 0's whole share of the epoch, from its first batch
 
 
+def test_a_state_whose_readers_repeat_starts_the_epoch_over_with_a_warning(tsv):
+    """Rank 0's state twice (ranks' states put together by hand, or from two runs) was an AssertionError."""
+    before = _loaders(tsv, 2, False, 600)
+    for loader in before:
+        _read(loader, 2)
+    state = before[0].state_dict()
+    after = _loaders(tsv, 3, False, 600)[0]
+    with pytest.warns(UserWarning, match=r"not each of its 2 readers once .* starts over from its first batch"):
+        after.load_state_dict({"ranks": [state, state]})
+        rows = _read(after)
+    assert rows and len(rows) == len(set(rows))
+
+
 def test_an_old_state_at_the_same_world_size_resumes_exactly(tsv):
     """A state of the format before (no elastic record): at the same world size each rank resumes from its own
     position, as before; rank 0's alone (a plain checkpoint) at another world size warns and starts over."""

@@ -101,7 +101,12 @@ def continue_stream_epoch(ds: Any, epoch: int, elastic: dict, lead_batches: int)
         defn = {**first["continued"], "start": int(first["rows_consumed"])}
     else:
         readers = sorted((reader for r in records for reader in r["readers"]), key=lambda reader: reader[0])
-        assert [k for k, _ in readers] == list(range(first["num_shards"])), "every saved reader once"
+        if [k for k, _ in readers] != list(range(first["num_shards"])):  # a state not saved by one run's ranks
+            warnings.warn(f"{ds.path}: the checkpoint's stream positions name readers {[k for k, _ in readers]}, not "
+                          f"each of its {first['num_shards']} readers once (ranks' states from different runs?): "
+                          f"the interrupted epoch starts over from its first batch", stacklevel=3)
+            ds._elastic = None
+            return True
         if all(p is not None and p.get("done") for _, p in readers):
             return False
         defn = {"epoch": int(epoch), "num_shards": int(first["num_shards"]), "readers": readers, "start": 0}
