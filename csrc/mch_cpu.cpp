@@ -7,11 +7,11 @@
 // remap: ids -> rows (the unknown row, zch_size - 1, for ids without one), counting lookups of reused rows. The
 // eviction run is not here: it runs in batches every eviction_interval steps, between a profile and a remap call.
 // One call for all tables: no per-table dispatch, no host read. Parallel over tables. mch_evict: the eviction run
-// of the tables whose step it is, given each one's policy scores (computed in Python: any MCHEvictionPolicy).
+// of the tables whose step it is: the built-in policies scored here, any other MCHEvictionPolicy's scores given.
 //
 //   state       [T * 11]  per table: sorted_ids, sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool,
 //                         cand_ids, cand_counts, cand_last [C] int64, step [] int64 (already advanced),
-//                         reused_lookups [] int64 (added to)
+//                         lookups [2] int64 (added to: lookups of reused rows, lookups)
 //   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
 //   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
 //   min_counts  [T]       lookups a new id needs before it takes a row
@@ -41,7 +41,7 @@ struct Table {
   bool* reused;
   int64_t *cand_ids, *cand_counts, *cand_last;
   int64_t step;
-  int64_t* reused_lookups;
+  int64_t* lookups;  // [2]: lookups of reused rows, lookups
   int64_t M, C, min_count;
 };
 
@@ -49,44 +49,83 @@ struct Entry {
   int64_t id, count, last;
 };
 
-int64_t find(const Table& t, int64_t id) {  // position of id's lower bound, clamped to the map
-  int64_t pos = std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, id) - t.sorted_ids;
-  return std::min(pos, t.M - 1);
+// Position of id's lower bound in the sorted map, clamped to the map (M >= 1). Branchless: the ids of a step are
+// unpredictable, and std::lower_bound's mispredicted branches were most of a profile's time.
+int64_t find(const Table& t, int64_t id) {
+  const int64_t* base = t.sorted_ids;
+  int64_t n = t.M;
+  while (n > 1) {
+    const int64_t half = n / 2;
+    base = base[half - 1] < id ? base + half : base;
+    n -= half;
+  }
+  return std::min<int64_t>(base - t.sorted_ids + (*base < id), t.M - 1);
 }
 
-// Entries sorted by id, same ids summed (counts) and maxed (last seen, from -1): mch.py's _merge.
-std::vector<Entry> merged(std::vector<Entry> e) {
-  std::sort(e.begin(), e.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
+// Candidates the buffers hold: they come first, sorted by id, kNoId after the last.
+int64_t num_candidates(const Table& t) {
+  return std::lower_bound(t.cand_ids, t.cand_ids + t.C, kNoId) - t.cand_ids;
+}
+
+// Rows holding an id: the sorted map's entries before its first kNoId.
+int64_t num_resident(const Table& t) {
+  return std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, kNoId) - t.sorted_ids;
+}
+
+// mch.py's _merge of the candidates (sorted by id) and distinct new ids: one merge, same ids summed (counts) and
+// maxed (last seen); only the new ids are sorted.
+std::vector<Entry> with_candidates(const Table& t, std::vector<Entry> fresh) {
+  std::sort(fresh.begin(), fresh.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
+  const int64_t n = num_candidates(t);
   std::vector<Entry> out;
-  for (const Entry& x : e) {
-    if (out.empty() || out.back().id != x.id)
-      out.push_back(Entry{x.id, 0, -1});
-    out.back().count += x.count;
-    out.back().last = std::max(out.back().last, x.last);
+  out.reserve(n + fresh.size());
+  int64_t i = 0;
+  for (const Entry& f : fresh) {
+    for (; i < n && t.cand_ids[i] < f.id; ++i) out.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+    if (i < n && t.cand_ids[i] == f.id) {
+      out.push_back(Entry{f.id, t.cand_counts[i] + f.count, std::max(t.cand_last[i], f.last)});
+      ++i;
+    } else {
+      out.push_back(f);
+    }
   }
+  for (; i < n; ++i) out.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
   return out;
 }
 
-// mch.py's _set_candidates: sorted entries into the fixed buffers; past capacity the most counted, then the most
-// recent stay (a stable sort: then the smaller id), kept in id order.
-void set_candidates(Table& t, std::vector<Entry> e) {
+// The strict order in which candidates keep their place past capacity: the most counted, then the most recent,
+// then the smaller id (entries are in id order): mch.py's stable sorts, as one total order.
+bool stays_before(const std::vector<Entry>& e, int64_t a, int64_t b) {
+  if (e[a].count != e[b].count) return e[a].count > e[b].count;
+  return e[a].last != e[b].last ? e[a].last > e[b].last : a < b;
+}
+
+// mch.py's _set_candidates: entries sorted by id into the fixed buffers; past capacity the first C under
+// stays_before stay (a selection, not a sort), kept in id order. `before`: the candidates the buffers held (their
+// slots past the new count are cleared, the rest of the buffers is already empty).
+void set_candidates(Table& t, std::vector<Entry> e, int64_t before) {
   if (static_cast<int64_t>(e.size()) > t.C) {
     std::vector<int64_t> order(e.size());
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return e[a].count != e[b].count ? e[a].count > e[b].count : e[a].last > e[b].last;
-    });
+    std::nth_element(order.begin(), order.begin() + t.C, order.end(),
+                     [&](int64_t a, int64_t b) { return stays_before(e, a, b); });
     order.resize(t.C);
     std::sort(order.begin(), order.end());
     std::vector<Entry> kept;
+    kept.reserve(t.C);
     for (int64_t i : order) kept.push_back(e[i]);
     e.swap(kept);
   }
   const int64_t n = static_cast<int64_t>(e.size());
-  for (int64_t i = 0; i < t.C; ++i) {
-    t.cand_ids[i] = i < n ? e[i].id : kNoId;
-    t.cand_counts[i] = i < n ? e[i].count : 0;
-    t.cand_last[i] = i < n ? e[i].last : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    t.cand_ids[i] = e[i].id;
+    t.cand_counts[i] = e[i].count;
+    t.cand_last[i] = e[i].last;
+  }
+  for (int64_t i = n; i < std::max(before, n); ++i) {
+    t.cand_ids[i] = kNoId;
+    t.cand_counts[i] = 0;
+    t.cand_last[i] = 0;
   }
 }
 
@@ -129,19 +168,22 @@ void place(Table& t, const std::vector<int64_t>& rows, const std::vector<int64_t
     placed.push_back(row);
   }
   merge_map(t, old, std::move(fresh));
+  const int64_t n = num_candidates(t);
   std::vector<Entry> rest;
-  for (int64_t i = 0; i < t.C; ++i)
-    if (t.cand_ids[i] != kNoId && !taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
-  set_candidates(t, std::move(rest));
+  for (int64_t i = 0; i < n; ++i)
+    if (!taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
+  set_candidates(t, std::move(rest), n);
 }
 
 // mch.py's _admit_to_free_rows: ready candidates (the most counted first, ties by id) take the free rows in order.
 void admit(Table& t, std::vector<int64_t>& admitted) {
+  if (num_resident(t) == t.M) return;  // full: no scan of the rows (a table of millions, every step)
   std::vector<int64_t> free_rows, ready;
   for (int64_t r = 0; r < t.M; ++r)
     if (t.row_ids[r] == kFree) free_rows.push_back(r);
-  for (int64_t i = 0; i < t.C; ++i)
-    if (t.cand_counts[i] >= t.min_count && t.cand_ids[i] != kNoId) ready.push_back(i);
+  const int64_t n = num_candidates(t);
+  for (int64_t i = 0; i < n; ++i)
+    if (t.cand_counts[i] >= t.min_count) ready.push_back(i);
   if (free_rows.empty() || ready.empty()) return;
   std::stable_sort(ready.begin(), ready.end(),
                    [&](int64_t a, int64_t b) { return t.cand_counts[a] > t.cand_counts[b]; });
@@ -150,20 +192,27 @@ void admit(Table& t, std::vector<int64_t>& admitted) {
   place(t, free_rows, ready, admitted);
 }
 
+// The first k of `order` under the strict total order `less`, sorted: a selection, then a sort of k.
+template <typename Less>
+void first_k(std::vector<int64_t>& order, int64_t k, Less less) {
+  if (k < static_cast<int64_t>(order.size())) std::nth_element(order.begin(), order.begin() + k, order.end(), less);
+  order.resize(k);
+  std::sort(order.begin(), order.end(), less);
+}
+
 // mch.py's _evict given the policy's scores (residents [M], ready candidates [R]): the strongest candidates take
 // the rows of the weakest residents they outscore (stable sorts: ties fall by position; residents keep ties),
 // only when no row is free; the candidates are cleared.
 void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, const double* incoming,
            std::vector<int64_t>& evicted) {
-  bool full = true;
-  for (int64_t r = 0; r < t.M && full; ++r) full = t.row_ids[r] != kFree;
-  if (R && full) {
+  if (R && num_resident(t) == t.M) {
     const int64_t k = std::min(R, t.M);
     std::vector<int64_t> low(t.M), high(R);
     std::iota(low.begin(), low.end(), 0);
     std::iota(high.begin(), high.end(), 0);
-    std::stable_sort(low.begin(), low.end(), [&](int64_t a, int64_t b) { return resident[a] < resident[b]; });
-    std::stable_sort(high.begin(), high.end(), [&](int64_t a, int64_t b) { return incoming[a] > incoming[b]; });
+    // the k weakest residents and strongest candidates in stable-sort order: (score, position) is a total order
+    first_k(low, k, [&](int64_t a, int64_t b) { return resident[a] != resident[b] ? resident[a] < resident[b] : a < b; });
+    first_k(high, k, [&](int64_t a, int64_t b) { return incoming[a] != incoming[b] ? incoming[a] > incoming[b] : a < b; });
     std::vector<int64_t> rows, cands;
     for (int64_t i = 0; i < k; ++i)
       if (incoming[high[i]] > resident[low[i]]) {
@@ -173,7 +222,7 @@ void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, co
     for (int64_t row : rows) t.reused[row] = true;
     if (!rows.empty()) place(t, rows, cands, evicted);
   }
-  set_candidates(t, {});
+  set_candidates(t, {}, num_candidates(t));
 }
 
 // One table's ids of a step, distinct, with their counts and (once profiled) rows: open addressing, no sort.
@@ -229,12 +278,7 @@ void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
     }
   }
   if (!fresh.empty()) {
-    std::vector<Entry> cands;
-    int64_t n = 0;
-    for (int64_t i = 0; i < t.C; ++i) n += t.cand_ids[i] != kNoId;
-    for (int64_t i = 0; i < n; ++i) cands.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
-    cands.insert(cands.end(), fresh.begin(), fresh.end());
-    set_candidates(t, merged(std::move(cands)));
+    set_candidates(t, with_candidates(t, std::move(fresh)), num_candidates(t));
     admit(t, admitted);  // fills free rows only: the residents found above keep theirs
   }
   for (size_t s = 0; s < seen.ids.size(); ++s)
@@ -275,7 +319,7 @@ Table table_of(at::TensorList s, int64_t i, int64_t min_count) {
              " must be a contiguous CPU tensor (int64; reused: bool)");
   LR_CHECK(M >= 1 && x[0].numel() == M && x[1].numel() == M && x[3].numel() == M && x[4].numel() == M &&
                x[5].numel() == M && C >= 1 && x[7].numel() == C && x[8].numel() == C && x[9].numel() == 1 &&
-               x[10].numel() == 1,
+               x[10].numel() == 2,
            "lightning_rec::mch_profile_remap: the state of table ", i, " has inconsistent sizes");
   return Table{x[0].data_ptr<int64_t>(), x[1].data_ptr<int64_t>(), x[2].data_ptr<int64_t>(),
                x[3].data_ptr<int64_t>(), x[4].data_ptr<int64_t>(), x[5].data_ptr<bool>(),
@@ -297,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>&
 std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
     at::TensorList state, const at::Tensor& profile_ids, const c10::optional<at::Tensor>& profile_counts,
     const at::Tensor& profile_segments, const at::Tensor& values, const at::Tensor& out,
-    const at::Tensor& remap_segments, at::IntArrayRef min_counts, bool count_reused) {
+    const at::Tensor& remap_segments, at::IntArrayRef min_counts, bool count, bool advance) {
   const int64_t T = static_cast<int64_t>(min_counts.size());
   LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T, "lightning_rec::mch_profile_remap: ", kStates,
            " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(state.size()));
@@ -315,7 +359,10 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
   const Segments prof = by_table(profile_segments, T, profile_ids.numel(), "profile_segments");
   const Segments remap = by_table(remap_segments, T, values.numel(), "remap_segments");
   std::vector<Table> tables;
-  for (int64_t i = 0; i < T; ++i) tables.push_back(table_of(state, i, min_counts[i]));
+  for (int64_t i = 0; i < T; ++i) {
+    tables.push_back(table_of(state, i, min_counts[i]));
+    if (advance) tables.back().step = ++*state[kStates * i + 9].data_ptr<int64_t>();
+  }
   const int64_t* pid = profile_ids.data_ptr<int64_t>();
   const int64_t* v = values.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
@@ -340,34 +387,102 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
           o[p] = row;
           reused += row != t.M && t.reused[row];
         }
-      if (count_reused) *t.reused_lookups += reused;
+      if (count) {
+        t.lookups[0] += reused;
+        for (const auto& [a, b] : remap[i]) t.lookups[1] += b - a;
+      }
     }
   });
   return flat(admitted);
 }
 
-std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(at::TensorList state, at::TensorList ready,
-                                                 at::TensorList resident_scores, at::TensorList incoming_scores) {
-  const int64_t T = static_cast<int64_t>(ready.size());
-  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T && static_cast<int64_t>(resident_scores.size()) == T &&
+// The ready candidates (count at least min_count), by position: mch.py's _eviction_scores' `ready`.
+std::vector<int64_t> ready_candidates(const Table& t) {
+  std::vector<int64_t> ready;
+  const int64_t n = num_candidates(t);
+  for (int64_t i = 0; i < n; ++i)
+    if (t.cand_counts[i] >= t.min_count) ready.push_back(i);
+  return ready;
+}
+
+// The built-in policies' scores (mch.py's LFU / LRU / DistanceLFU(decay 1) .scores, the same double arithmetic) of
+// `n` ids, their counts and last-seen steps given by position.
+template <typename Count, typename Last>
+std::vector<double> scores(int64_t policy, int64_t n, int64_t step, Count count, Last last) {
+  std::vector<double> out(n);
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max(most, count(i));
+  for (int64_t i = 0; i < n; ++i) {
+    const double c = static_cast<double>(count(i));
+    if (policy == 1) out[i] = c;
+    else if (policy == 2) out[i] = static_cast<double>(last(i)) + c / (static_cast<double>(most) + 1);
+    else out[i] = c / (static_cast<double>(std::max<int64_t>(step - last(i), 0)) + 1);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(at::TensorList state, at::IntArrayRef min_counts,
+                                                 at::IntArrayRef policies, at::TensorList resident_scores,
+                                                 at::TensorList incoming_scores) {
+  const int64_t T = static_cast<int64_t>(policies.size());
+  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T && static_cast<int64_t>(min_counts.size()) == T &&
+               static_cast<int64_t>(resident_scores.size()) == T &&
                static_cast<int64_t>(incoming_scores.size()) == T,
-           "lightning_rec::mch_evict: ", kStates, " state tensors, ready candidates and two scores per table");
+           "lightning_rec::mch_evict: ", kStates, " state tensors, a min count, a policy and two scores per table");
   std::vector<Table> tables;
+  std::vector<std::vector<int64_t>> ready(T);
   for (int64_t i = 0; i < T; ++i) {
-    tables.push_back(table_of(state, i, 0));
-    LR_CHECK(ready[i].device().is_cpu() && ready[i].scalar_type() == at::kLong && ready[i].is_contiguous() &&
-                 resident_scores[i].scalar_type() == at::kDouble && resident_scores[i].is_contiguous() &&
-                 resident_scores[i].numel() == tables[i].M && incoming_scores[i].scalar_type() == at::kDouble &&
-                 incoming_scores[i].is_contiguous() && incoming_scores[i].numel() == ready[i].numel(),
-             "lightning_rec::mch_evict: table ", i, ": ready must be int64 [R], scores float64 [M] and [R]");
+    tables.push_back(table_of(state, i, min_counts[i]));
+    ready[i] = ready_candidates(tables[i]);
+    LR_CHECK(policies[i] >= 0 && policies[i] <= 3, "lightning_rec::mch_evict: policy ", policies[i], " of table ",
+             i, " is not 0 (scores given), 1 (lfu), 2 (lru) or 3 (distance-lfu, decay 1)");
+    LR_CHECK(policies[i] != 0 || (resident_scores[i].scalar_type() == at::kDouble &&
+                                  resident_scores[i].is_contiguous() && resident_scores[i].numel() == tables[i].M &&
+                                  incoming_scores[i].scalar_type() == at::kDouble &&
+                                  incoming_scores[i].is_contiguous() &&
+                                  incoming_scores[i].numel() == static_cast<int64_t>(ready[i].size())),
+             "lightning_rec::mch_evict: table ", i, ": given scores must be float64 [M] and [ready candidates]");
   }
   std::vector<std::vector<int64_t>> evicted(T);
   at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
-    for (int64_t i = tb; i < te; ++i)
-      evict(tables[i], ready[i].data_ptr<int64_t>(), ready[i].numel(), resident_scores[i].data_ptr<double>(),
-            incoming_scores[i].data_ptr<double>(), evicted[i]);
+    for (int64_t i = tb; i < te; ++i) {
+      Table& t = tables[i];
+      const std::vector<int64_t>& r = ready[i];
+      const int64_t R = static_cast<int64_t>(r.size());
+      if (policies[i] == 0) {
+        evict(t, r.data(), R, resident_scores[i].data_ptr<double>(), incoming_scores[i].data_ptr<double>(),
+              evicted[i]);
+        continue;
+      }
+      const std::vector<double> resident = scores(
+          policies[i], t.M, t.step, [&](int64_t j) { return t.counts[j]; }, [&](int64_t j) { return t.last_seen[j]; });
+      const std::vector<double> incoming = scores(
+          policies[i], R, t.step, [&](int64_t j) { return t.cand_counts[r[j]]; },
+          [&](int64_t j) { return t.cand_last[r[j]]; });
+      evict(t, r.data(), R, resident.data(), incoming.data(), evicted[i]);
+    }
   });
   return flat(evicted);
+}
+
+// mch.py's owner_of: two multiply-xorshift rounds (int64 products wrap), bits 33..62, modulo the owners (one for all
+// ids, or one per id).
+at::Tensor mch_owner_of_cpu(const at::Tensor& ids, const at::Tensor& owners) {
+  check_ids(ids, "ids");
+  LR_CHECK(owners.device().is_cpu() && owners.scalar_type() == at::kLong && owners.is_contiguous() &&
+               (owners.numel() == 1 || owners.numel() == ids.numel()),
+           "lightning_rec::mch_owner_of: owners must be a contiguous int64 CPU tensor of one value or one per id");
+  at::Tensor out = at::empty_like(ids);
+  const uint64_t* v = reinterpret_cast<const uint64_t*>(ids.data_ptr<int64_t>());
+  const int64_t* k = owners.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const bool one = owners.numel() == 1;
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    uint64_t x = v[i] * 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 32)) * 0xBF58476D1CE4E5B9ull;
+    o[i] = static_cast<int64_t>((x >> 33) & ((1ull << 30) - 1)) % k[one ? 0 : i];
+  }
+  return out;
 }
 
 }  // namespace
@@ -375,6 +490,7 @@ std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(at::TensorList state, at::Tenso
 TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {
   m.impl("mch_profile_remap", &mch_profile_remap_cpu);
   m.impl("mch_evict", &mch_evict_cpu);
+  m.impl("mch_owner_of", &mch_owner_of_cpu);
 }
 
 }  // namespace lightning_rec

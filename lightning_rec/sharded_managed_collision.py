@@ -31,6 +31,7 @@ from lightning_rec.managed_collision.mch import (
     _FREE,
     _NO_ID,
     MCHManagedCollisionModule,
+    TableGroup,
     _gather,
     owner_of,
     remap_tables,
@@ -97,6 +98,7 @@ class ShardedMCHModule(nn.Module):
         sizes = split_evenly(cands, k)
         starts = [sum(sizes[:j]) for j in range(k)]
         self.register_buffer("_step", full._step.detach().clone().to(env.device))
+        self._host_step = int(full._step)  # the step, counted on the host: written into _step when saved
         self.register_buffer("_evictions_total", torch.zeros((), dtype=torch.int64, device=env.device))
         mine = self._pieces_here(shards)
         self._owners: list[_Owner] = []
@@ -145,6 +147,7 @@ class ShardedMCHModule(nn.Module):
                 a, n = owner.rows_at if name in _ROW_BUFFERS else owner.cands_at
                 t.copy_(state[name][a:a + n])
         self._step.copy_(state["_step"])
+        self._host_step = int(self._step)
 
     @torch.no_grad()
     def _sync_export(self) -> None:
@@ -171,6 +174,7 @@ class ShardedMCHModule(nn.Module):
                     for o in self._owners]
             size = self._zch_size - 1 if rows else self._cand_size
             destination[prefix + name] = ShardedTensor((size,), mine, every)
+        self._step.fill_(self._host_step)
         destination[prefix + "_step"] = self._step if keep_vars else self._step.detach()
         total = sum(int(o.module._evictions_total) for o in self._owners)
         destination[prefix + "_evictions_total"] = self._evictions_total.fill_(total)
@@ -194,6 +198,7 @@ class ShardedMCHModule(nn.Module):
                 a, n = owner.rows_at if name in _ROW_BUFFERS else owner.cands_at
                 t.copy_(_read(state_dict[prefix + name], a, n, f"'{prefix + name}'"))
         self._step.copy_(state_dict[prefix + "_step"])
+        self._host_step = int(self._step)
 
     @torch.no_grad()
     def state_loaded(self) -> None:
@@ -202,6 +207,7 @@ class ShardedMCHModule(nn.Module):
         moved (optimizer_state_loaded reads it) is the last call's: one call per load."""
         leaving, content = [], []
         self._moved_out, self._moved_in = [], []  # what the optimizer state's load then moves the same way
+        self._host_step = int(self._step)  # a DCP load writes the buffer in place
         for owner in self._owners:
             m, e = owner.module, owner.export
             n = m.output_size() - 1
@@ -313,19 +319,10 @@ class ShardedMCHModule(nn.Module):
                 if meta.shard_offsets[0] == owner.first_row]
 
     # -- the owner's step ---------------------------------------------------------------------------------------
-    def owner_spans(self, values: Tensor, offsets: list[int], training: bool
-                    ) -> list[tuple[MCHManagedCollisionModule, list[tuple[int, int]], list[tuple[int, int]]]]:
-        """(map, spans of `values` it remaps, spans it profiles: one piece per row shard) of each owner here."""
-        out = []
+    def check_ids(self, values: Tensor, offsets: list[int]) -> None:
+        """The raw ids this rank's owners profile (when the collection did not check them before the all-to-all)."""
         for owner in self._owners:
-            m = owner.module
-            if m.training != training:
-                m.training = training
-            profiled = [(offsets[i], offsets[i + 1]) for i in owner.profile_keys]
-            if training and not self._collection.validate_ids:  # else checked on every rank before the all-to-all
-                m.check_ids(_gather(values, profiled))
-            out.append((m, [(offsets[i], offsets[i + 1]) for i in owner.keys], profiled))
-        return out
+            owner.module.check_ids(_gather(values, [(offsets[i], offsets[i + 1]) for i in owner.profile_keys]))
 
     def fresh_rows(self) -> list[tuple[str, Tensor, int, str, int]]:
         """Rows handed to a new id since the last call, to re-draw: [(table, table rows, step, seed name, first row
@@ -362,12 +359,11 @@ class ShardedMCHModule(nn.Module):
             return {"fill_ratio": 0.0, "evictions_per_interval": 0.0, "reused_row_lookup_share": 0.0}
         ms = [o.module for o in self._owners]
         managed = sum(m._row_ids.numel() for m in ms)
-        lookups, reused = sum(m._host.lookups for m in ms), sum(m._host.reused for m in ms)
+        counts = [m._host.take_lookups() for m in ms]
+        reused, lookups = sum(c[0] for c in counts), sum(c[1] for c in counts)
         out = {"fill_ratio": sum(float((m._row_ids != _FREE).sum()) for m in ms) / managed,
                "evictions_per_interval": float(sum(m._host.last_evictions for m in ms)),
                "reused_row_lookup_share": float(reused) / lookups if lookups else 0.0}
-        for m in ms:
-            m._host.lookups = m._host.reused = 0
         return out
 
 
@@ -381,17 +377,29 @@ class _OwnerRemap:
 
     def __init__(self, tables: list[ShardedMCHModule], collection: _ShardedCollectionBase) -> None:
         self.tables, self.collection = tables, collection
+        owners = [o for t in tables for o in t._owners]
+        self.group = TableGroup([o.module for o in owners])
+        self.keys = [o.keys for o in owners]  # the routed keys each owner remaps
+        self.profile_keys = [o.profile_keys for o in owners]  # and profiles (one piece per row shard)
 
     def __call__(self, routed: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values, offsets = routed.values(), routed.offset_per_key()
         out = values.clone()
         training = self.tables[0].training
+        modules = self.group.modules
+        if modules and modules[0].training != training:
+            for m in modules:
+                m.training = training
         if training:  # every rank, past the batch check: the step its owners' maps are at
-            torch._foreach_add_([t._buffers["_step"] for t in self.tables], 1)
-        work = [w for t in self.tables for w in t.owner_spans(values, offsets, training)]
-        remap_tables([m for m, _, _ in work], values, out, [s for _, s, _ in work],
-                     (values, None, [p for _, _, p in work]) if training else None, training)
-        fresh = [f for t in self.tables for f in t.fresh_rows()]
+            for t in self.tables:
+                t._host_step += 1
+            if not self.collection.validate_ids:  # else checked on every rank before the all-to-all
+                for t in self.tables:
+                    t.check_ids(values, offsets)
+        spans = [[(offsets[i], offsets[i + 1]) for i in keys] for keys in self.keys]
+        profile = (values, None, [[(offsets[i], offsets[i + 1]) for i in keys] for keys in self.profile_keys])
+        handed = remap_tables(self.group, values, out, spans, profile if training else None, training)
+        fresh = [f for t in self.tables for f in t.fresh_rows()] if handed else []
         while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)
             now, seen, later = [], set(), []
             for f in fresh:

@@ -1,6 +1,7 @@
 """Managed-collision (ZCH) tables: remapping, batched eviction, re-initialised rows, resume, bad input."""
 
 import warnings
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from lightning_rec.managed_collision import (
     ManagedCollisionEmbeddingBagCollection,
     MCHManagedCollisionModule,
 )
-from lightning_rec.managed_collision.mch import remap_tables
+from lightning_rec.managed_collision.mch import MCHEvictionPolicy, remap_tables
 from lightning_rec.optim.config import FusedOptimizerConfig
 from lightning_rec.sparse import KeyedJaggedTensor
 
@@ -346,11 +347,22 @@ def test_dlrm_module_refuses_an_unknown_managed_collision_argument():
                    dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1], managed_collision={"zch": 3})
 
 
+class _OddFirst(MCHEvictionPolicy):
+    """A policy of the user's (scored in Python, placed by the C++ run): odd counts stay before even ones."""
+
+    def scores(self, counts, last_seen, step):
+        return (counts % 2).double() * 1000 + last_seen.double()
+
+
 def _tables(seed):
-    """Tables of several shapes: small full ones, one with an admission threshold, one with few candidate slots."""
+    """Tables of several shapes: small full ones, one with an admission threshold, one with few candidate slots;
+    every policy: those the C++ run scores itself (lfu, lru, distance-lfu of decay 1) and those it is given scores
+    of (another decay, a user's)."""
     specs = [dict(zch_size=5, eviction_interval=2), dict(zch_size=9, eviction_interval=3, eviction_policy="lru"),
              dict(zch_size=33, eviction_interval=4, min_count_to_admit=2, eviction_policy="distance_lfu"),
-             dict(zch_size=12, eviction_interval=1, max_candidates=3), dict(zch_size=2, eviction_interval=5)]
+             dict(zch_size=12, eviction_interval=1, max_candidates=3), dict(zch_size=2, eviction_interval=5),
+             dict(zch_size=7, eviction_interval=2, eviction_policy=DistanceLFU_EvictionPolicy(0.5)),
+             dict(zch_size=6, eviction_interval=3, eviction_policy=_OddFirst())]
     return [MCHManagedCollisionModule(**s, name=f"t{i}").train() for i, s in enumerate(specs)]
 
 
@@ -391,4 +403,22 @@ def test_fused_pass_matches_each_tables_torch_path(counted):
                 assert a._host.step == b._host.step == int(a._step)
                 assert a.metrics() == b.metrics(), (step, a._name)
     full = [m._name for m in fused if bool((m._row_ids != -1).all())]
-    assert len(full) >= 4 and all(int(m._evictions_total) > 0 for m in fused if m._name in full), full
+    assert len(full) >= 6 and all(int(m._evictions_total) > 0 for m in fused if m._name in full), full
+
+
+def test_owner_of_native_pass_routes_every_id_as_the_torch_ops_do():
+    """Ranks route raw ids with owner_of and owners re-home them with it: the C++ pass (CPU) and the torch ops (any
+    other device) must agree bit for bit, or an id would be remapped by a shard that does not hold it."""
+    from lightning_rec.managed_collision import mch
+
+    assert native_op("mch_owner_of") is not None, "the C++ extension is built for the suite"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.randint(-2**63, 2**63 - 1, (50_000,), generator=g), torch.arange(64),
+                     torch.tensor([-1, -2**63, 2**63 - 1])])
+    per_id = torch.randint(1, 9, (ids.numel(),), generator=g)
+    for owners in (2, 3, 5, per_id):
+        native = mch.owner_of(ids, owners)
+        with patch.object(mch, "native_op", lambda name: None):
+            torch_ops = mch.owner_of(ids, owners)
+        assert torch.equal(native, torch_ops)
+        assert int(native.min()) == 0 and bool((native < (owners if isinstance(owners, int) else per_id)).all())

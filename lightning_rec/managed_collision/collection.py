@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_rec.comm import all_gather_object, distributed
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingCollection
 from lightning_rec.embedding_configs import BaseEmbeddingConfig
-from lightning_rec.managed_collision.mch import _NO_ID, MCHManagedCollisionModule, _gather, remap_tables
+from lightning_rec.managed_collision.mch import _NO_ID, MCHManagedCollisionModule, TableGroup, _gather, remap_tables
 from lightning_rec.sparse import KeyedJaggedTensor
 
 
@@ -47,6 +47,7 @@ class ManagedCollisionCollection(nn.Module):
         self._table_features = {c.name: list(c.feature_names) for c in embedding_configs
                                 if c.name in managed_collision_modules}
         self._owner_tables: frozenset[str] = frozenset()  # sharded: remapped by their owners, after the id all-to-all
+        self._group: TableGroup | None = None  # the tables remapped here, gathered once
         self.process_group: Any = None
         self.device: torch.device | None = None  # the group's device (NCCL: the rank's GPU)
 
@@ -68,7 +69,9 @@ class ManagedCollisionCollection(nn.Module):
                 for m, s in zip(maps, spans):
                     m.check_ids(_gather(values, s))  # names the table (ids of other features may be rows)
             profile = self._profile_input(dict(zip(tables, spans)), values)
-        remap_tables(maps, values, out, spans, profile, self.training)
+        if self._group is None or self._group.modules != maps:
+            self._group = TableGroup(maps)
+        remap_tables(self._group, values, out, spans, profile, self.training)
         return KeyedJaggedTensor(keys, out, features.weights_or_none(), lengths=features.lengths(),
                                  offsets=features.offsets_or_none(), stride=features.stride(),
                                  length_per_key=features.length_per_key(), offset_per_key=offsets, _validate=False)

@@ -85,6 +85,9 @@ def owner_of(ids: Tensor, owners: int | Tensor) -> Tensor:
     multiplicative hash, then modulo), so that an id routes the same way at every step and on every rank."""
     if isinstance(owners, int) and owners == 1:
         return torch.zeros_like(ids)
+    op = native_op("mch_owner_of") if ids.device.type == "cpu" and ids.dtype == torch.int64 else None
+    if op is not None:  # one pass (csrc/mch_cpu.cpp), the same bits as the torch ops below
+        return op(ids.contiguous(), torch.as_tensor(owners, dtype=torch.int64).contiguous())
     # two multiply-xorshift rounds (int64 products wrap): one round's bits above 29 sent ids 1..45 all to owner 1
     mixed = ids * _MIX
     mixed = (mixed ^ ((mixed >> 32) & 0xFFFFFFFF)) * _MIX2
@@ -98,13 +101,27 @@ _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64's), as an int64
 class _HostCounters:
     """What a step counts on the host, in a plain object: a Module attribute write costs microseconds per table."""
 
-    __slots__ = ("step", "lookups", "reused", "last_evictions")
+    __slots__ = ("step", "lookups", "last_evictions")
 
     def __init__(self) -> None:
         self.step = 0  # the _step buffer mirrored: the hot path reads it without a host read
-        self.lookups = 0  # since the last metrics()
-        self.reused: int | Tensor = 0  # lookups of reused rows since the last metrics(): summed where the ids are
+        # [lookups of reused rows, lookups] since the last metrics(), summed where the ids are: no host read per
+        # step; one tensor for life on its device (zeroed in place), so that a TableGroup's state stays valid
+        self.lookups: Tensor | None = None
         self.last_evictions = 0
+
+    def counter(self, device: torch.device) -> Tensor:
+        if self.lookups is None or self.lookups.device != device:
+            self.lookups = torch.zeros(2, dtype=torch.int64, device=device)
+        return self.lookups
+
+    def take_lookups(self) -> tuple[int, int]:
+        """(lookups of reused rows, lookups) since the last call (one host read)."""
+        if self.lookups is None:
+            return 0, 0
+        reused, lookups = self.lookups.tolist()
+        self.lookups.zero_()
+        return reused, lookups
 
 
 def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -209,10 +226,10 @@ class MCHManagedCollisionModule(nn.Module):
         found = self._sorted_ids[pos] == ids
         rows = torch.where(found, self._sorted_rows[pos], torch.full_like(ids, self.unknown_row))
         if self.training:
-            self._host.lookups += ids.numel()
-            # summed on the device, read by metrics(): no host sync per batch
             reused = found & self._reused[rows.clamp(max=self._reused.numel() - 1)]
-            self._host.reused = self._host.reused + reused.sum()
+            counter = self._host.counter(ids.device)
+            counter[0] += reused.sum()
+            counter[1] += ids.numel()
         return rows
 
     def profile(self, ids: Tensor) -> None:
@@ -222,7 +239,7 @@ class MCHManagedCollisionModule(nn.Module):
     @torch.no_grad()
     def profile_counts(self, uniq: Tensor, counts: Tensor) -> None:
         """profile() of a batch given as its distinct ids (sorted) and their counts (all ranks' under sharding)."""
-        _advance([self])
+        TableGroup([self]).advance()
         self._count_and_admit(uniq, counts)
         if self._eviction_due():
             self._evict(self._host.step)
@@ -322,12 +339,12 @@ class MCHManagedCollisionModule(nn.Module):
         self._evictions_total += evicted
         self._warn_churn(evicted, step)
 
-    def _eviction_scores(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(ready candidates, residents' scores, ready candidates' scores) for the C++ eviction run."""
+    def _eviction_scores(self) -> tuple[Tensor, Tensor]:
+        """(residents' scores, ready candidates' scores) for the C++ eviction run of a policy it does not know."""
         ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
         policy, step = self._eviction_policy, self._host.step
-        return (ready, policy.scores(self._counts, self._last_seen, step).double(),
-                policy.scores(self._cand_counts[ready], self._cand_last[ready], step).double())
+        return (policy.scores(self._counts, self._last_seen, step).double().contiguous(),
+                policy.scores(self._cand_counts[ready], self._cand_last[ready], step).double().contiguous())
 
     def _warn_churn(self, evicted: int, step: int) -> None:
         if evicted > self._churn_warning * self._row_ids.numel():
@@ -347,11 +364,10 @@ class MCHManagedCollisionModule(nn.Module):
 
     def metrics(self) -> dict[str, float]:
         """Fill ratio, evictions at the last run, share of lookups since the last call that read a reused row."""
-        out = {"fill_ratio": float((self._row_ids != _FREE).sum()) / self._row_ids.numel(),
-               "evictions_per_interval": float(self._host.last_evictions),
-               "reused_row_lookup_share": float(self._host.reused) / self._host.lookups if self._host.lookups else 0.0}
-        self._host.lookups = self._host.reused = 0
-        return out
+        reused, lookups = self._host.take_lookups()
+        return {"fill_ratio": float((self._row_ids != _FREE).sum()) / self._row_ids.numel(),
+                "evictions_per_interval": float(self._host.last_evictions),
+                "reused_row_lookup_share": reused / lookups if lookups else 0.0}
 
     def _named(self) -> str:
         return f" '{self._name}'" if self._name else ""
@@ -418,87 +434,116 @@ class MCHManagedCollisionModule(nn.Module):
 Spans = Sequence[Sequence[tuple[int, int]]]  # per table: the (begin, end) slices of a flat id tensor that it reads
 _STATE = ("_sorted_ids", "_sorted_rows", "_row_ids", "_counts", "_last_seen", "_reused", "_cand_ids", "_cand_counts",
           "_cand_last", "_step")
+_N_STATE = len(_STATE) + 1  # and the lookup counters
+_POLICY_CODES = {LFU_EvictionPolicy: 1, LRU_EvictionPolicy: 2}  # csrc/mch_cpu.cpp scores these itself
 
 
-def _advance(modules: Sequence[MCHManagedCollisionModule]) -> None:
-    """A training step begins: every table's step counter, the buffer and its host mirror, one op for all."""
-    torch._foreach_add_([m._buffers["_step"] for m in modules], 1)
-    for m in modules:
-        m._host.step += 1
+def _policy_code(policy: MCHEvictionPolicy) -> int:
+    """How mch_evict scores this policy: 1 lfu, 2 lru, 3 distance-lfu of decay 1; 0 its scores are given (a policy
+    of the user's, or a decay whose pow could round otherwise than torch's)."""
+    if type(policy) is DistanceLFU_EvictionPolicy:
+        return 3 if policy.decay_exponent == 1.0 else 0
+    return _POLICY_CODES.get(type(policy), 0)
 
 
-def _reused_counter(m: MCHManagedCollisionModule) -> Tensor:
-    if not isinstance(m._host.reused, Tensor):  # metrics() reset it
-        m._host.reused = torch.zeros((), dtype=torch.int64)
-    return m._host.reused
+class TableGroup:
+    """Tables remapped together at every step (a collection's, or a rank's row-shard owners'): what stays the same
+    from step to step, gathered once."""
+
+    def __init__(self, modules: Sequence[MCHManagedCollisionModule]) -> None:
+        self.modules = list(modules)
+        self.mins = [m._min_count for m in self.modules]
+        self.policies = [_policy_code(m._eviction_policy) for m in self.modules]
+        self._flat: list[Tensor] = []
+
+    def state(self) -> list[Tensor]:
+        """Every table's tensors in csrc/mch_cpu.cpp's order; gathered again after its buffers were replaced (a
+        move to another device, a load with assign=True), which replaces them all."""
+        flat = self._flat
+        if not flat or any(flat[i * _N_STATE] is not m._buffers["_sorted_ids"] for i, m in enumerate(self.modules)):
+            flat = self._flat = [t for m in self.modules for t in (
+                *(m._buffers[n] for n in _STATE), m._host.counter(m._buffers["_step"].device))]
+        return flat
+
+    def advance(self, buffers: bool = True) -> None:
+        """A training step begins: every table's step counter, the host mirrors and (unless the C++ pass does it)
+        the buffers, in one op."""
+        if buffers:
+            torch._foreach_add_(self.state()[_STATE.index("_step")::_N_STATE], 1)
+        for m in self.modules:
+            m._host.step += 1
 
 
-def _state(m: MCHManagedCollisionModule) -> list[Tensor]:
-    """One table's tensors in csrc/mch_cpu.cpp's order."""
-    return [*(m._buffers[n] for n in _STATE), _reused_counter(m)]
-
-
-def _evict_tables(modules: Sequence[MCHManagedCollisionModule]) -> None:
-    """The eviction run of these tables (their step is due): the policies score in torch, one C++ call places."""
-    if not modules:
-        return
-    scores = [m._eviction_scores() for m in modules]
-    rows, per_table = native_op("mch_evict")([t for m in modules for t in _state(m)], *map(list, zip(*scores)))
+def _evict_tables(group: TableGroup, due: list[int]) -> int:
+    """The eviction run of the group's tables at `due` (their step is due), one C++ call; the built-in policies are
+    scored there, any other's scores are computed here. Returns the rows handed over."""
+    if not due:
+        return 0
+    modules, state = [group.modules[i] for i in due], group.state()
+    policies = [group.policies[i] for i in due]
+    given = [m._eviction_scores() if p == 0 else (_EMPTY, _EMPTY) for m, p in zip(modules, policies)]
+    rows, per_table = native_op("mch_evict")([t for i in due for t in state[i * _N_STATE:(i + 1) * _N_STATE]],
+                                             [group.mins[i] for i in due], policies,
+                                             [g[0] for g in given], [g[1] for g in given])
     evicted = per_table.tolist()
     torch._foreach_add_([m._buffers["_evictions_total"] for m in modules], evicted)
-    _hand_out(modules, rows, evicted)
     for m, n in zip(modules, evicted):
         m._host.last_evictions = n
         m._warn_churn(n, m._host.step)
+    return _hand_out(modules, rows, evicted)
+
+
+_EMPTY = torch.empty(0, dtype=torch.float64)
 
 
 def _segments(spans: Spans) -> Tensor:
-    return torch.tensor([(i, a, b) for i, s in enumerate(spans) for a, b in s], dtype=torch.int64).view(-1, 3)
+    flat = [x for i, s in enumerate(spans) for a, b in s for x in (i, a, b)]
+    return torch.tensor(flat, dtype=torch.int64).view(-1, 3)
 
 
 @torch.no_grad()
-def remap_tables(modules: Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor, spans: Spans,
-                 profile: tuple[Tensor, Tensor | None, Spans] | None, training: bool, native: bool = True) -> None:
-    """One step of several tables: `out` gets the rows of the ids at each table's `spans` of `values`.
+def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor, spans: Spans,
+                 profile: tuple[Tensor, Tensor | None, Spans] | None, training: bool, native: bool = True) -> int:
+    """One step of several tables: `out` gets the rows of the ids at each table's `spans` of `values`; returns how
+    many rows it handed to new ids (their modules list them in take_reused_rows).
 
     In training each table first profiles its ids: `profile` = (ids, their counts or None for one each, spans per
     table) (the remapped ids themselves, or distinct ids with every rank's counts). Eviction runs for the tables
     whose step it is, between profile and remap. On CPU with the C++ extension built, profile and remap of every
     table are one call (csrc/mch_cpu.cpp); else (or native=False) each table's torch path."""
-    if training:
-        _advance(modules)
-    due = [m for m in modules if m._eviction_due()] if training else []
+    group = group if isinstance(group, TableGroup) else TableGroup(group)
+    modules = group.modules
     cpu = values.device.type == "cpu" and values.dtype == torch.int64 and values.is_contiguous()
     op = native_op("mch_profile_remap") if native and cpu else None
+    if training:
+        group.advance(buffers=op is None)
+    due = [i for i, m in enumerate(modules) if m._host.step % m._eviction_interval == 0] if training else []
     if op is None:
-        return _remap_tables_torch(modules, values, out, spans, profile, training, due)
-    state = [t for m in modules for t in _state(m)]
-    mins = [m._min_count for m in modules]
-    remap_segments, none = _segments(spans), torch.empty(0, 3, dtype=torch.int64)
+        _remap_tables_torch(modules, values, out, spans, profile, training, [modules[i] for i in due])
+        return sum(r.numel() for m in modules for r in m._pending_rows)
+    state = group.state()
+    remap_segments, none, handed = _segments(spans), _NO_SEGMENTS, 0
     if training:  # profile, and remap too unless an eviction run comes between
         ids, counts, profile_spans = profile
         admitted, per_table = op(state, ids, counts, _segments(profile_spans), values, out,
-                                 none if due else remap_segments, mins, True)
-        _hand_out(modules, admitted, per_table.tolist())
-        _evict_tables(due)
+                                 none if due else remap_segments, group.mins, not due, True)
+        handed = _hand_out(modules, admitted, per_table.tolist()) + _evict_tables(group, due)
     if due or not training:
-        op(state, values[:0], None, none, values, out, remap_segments, mins, training)
-    _count_lookups(modules, spans, training)
+        op(state, values[:0], None, none, values, out, remap_segments, group.mins, training, False)
+    return handed
 
 
-def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: list[int]) -> None:
-    """Rows given to new ids (table after table), kept to be re-initialised by the owner."""
+_NO_SEGMENTS = torch.empty(0, 3, dtype=torch.int64)
+
+
+def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: list[int]) -> int:
+    """Rows given to new ids (table after table), kept to be re-initialised by the owner; returns their number."""
     at = 0
     for m, n in zip(modules, per_table):
         if n:
             m._pending_rows.append(rows[at:at + n])
         at += n
-
-
-def _count_lookups(modules: Sequence[MCHManagedCollisionModule], spans: Spans, training: bool) -> None:
-    if training:
-        for m, s in zip(modules, spans):
-            m._host.lookups += sum(b - a for a, b in s)
+    return at
 
 
 def _remap_tables_torch(modules, values, out, spans, profile, training, due) -> None:
