@@ -58,10 +58,15 @@ def _no_process_group_left_behind():
     os.environ.update({k: v for k, v in before.items() if k != "PYTEST_CURRENT_TEST"})
 
 
+# ranker_package's raw ids of feature a (large, as production ids are): the first 30 hold rows, the rest never came
+RANKER_RAW_IDS = [2**40 + 7919 * k for k in range(60)]
+
+
 @pytest.fixture(scope="session")
 def ranker_package(tmp_path_factory):
     """The run's one compiled `.pt2` package, as `lightning-rec export CKPT OUT --tables int8 --package` writes it
-    for a small multi-task ranker (click, purchase through ESMM, rating; PLE; dense inputs): (model, OUT). An
+    for a small multi-task ranker (click, purchase through ESMM, rating; PLE; dense inputs; feature a's raw ids
+    through a managed-collision id map, RANKER_RAW_IDS[:30] admitted in training-mode passes): (model, OUT). An
     AOTInductor compile takes a minute or two on a busy 2-core machine, so the tests that need a compiled package
     (tests/test_serving_package.py, the serving benchmark's smoke) share this one; under pytest-xdist the first worker
     to ask compiles it, in the run's directory, for all."""
@@ -71,12 +76,21 @@ def ranker_package(tmp_path_factory):
     from lightning_rec import checkpoint as ckpt
     from lightning_rec.cli import export_main
     from lightning_rec.models import MultiTaskModule
+    from lightning_rec.sparse import KeyedJaggedTensor
 
     torch.manual_seed(0)  # every worker builds the same model
     model = MultiTaskModule(task_names=["click", "buy", "rating"], task_types=["binary", "binary", "regression"],
                             mix="ple", esmm=True, num_embeddings_per_feature={"a": 40, "b": 30, "c": 20},
                             embedding_dim=8, dense_in_features=4, dense_arch_layer_sizes=[8], expert_layer_sizes=[8],
-                            tower_layer_sizes=[4]).eval()
+                            tower_layer_sizes=[4], managed_collision={}, managed_collision_features=["a"])
+    g, b = torch.Generator().manual_seed(0), 16
+    with torch.no_grad():  # training-mode passes admit raw ids to a's map (evaluation admits none); no update
+        for step in range(3):
+            a = torch.tensor(RANKER_RAW_IDS[10 * step:10 * step + 10] * 2)[:b]  # 10 new ids a pass, a row each
+            kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b", "c"], torch.cat(
+                [a, torch.randint(0, 20, (2 * b,), generator=g)]), torch.ones(3 * b, dtype=torch.int64))
+            model.train()(torch.randn(b, 4, generator=g), kjt)
+    model.eval()
     # the workers' base directories share the run's; without xdist the parent is shared by every run: a fresh one
     shared = "PYTEST_XDIST_WORKER" in os.environ
     tmp = tmp_path_factory.getbasetemp().parent / "ranker_package" if shared else tmp_path_factory.mktemp("ranker")

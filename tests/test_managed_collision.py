@@ -347,6 +347,28 @@ def test_dlrm_module_refuses_an_unknown_managed_collision_argument():
                    dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1], managed_collision={"zch": 3})
 
 
+def test_dlrm_module_refuses_raw_ids_from_the_data_without_id_maps(tmp_path):
+    """The data module's hash_ids=False (CriteoDataModule's) into tables without maps: named at setup, as
+    MultiTaskModule's and TwoTowerModule's (RecModuleHooks.check_raw_ids)."""
+    import lightning.pytorch as L
+
+    from lightning_rec.models import DLRMModule
+
+    class RawIds(L.LightningDataModule):
+        hash_ids = False
+
+        def train_dataloader(self):
+            raise AssertionError("refused before any batch")
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    model = DLRMModule(num_embeddings_per_feature=4, embedding_dim=4, sparse_feature_names=["a"], dense_in_features=1,
+                       dense_arch_layer_sizes=[4], over_arch_layer_sizes=[1])
+    with pytest.raises(ValueError, match=r"RawIds\(hash_ids=False\) hands the raw ids, which its tables would read as "
+                                         r"rows: give DLRMModule\(managed_collision=\{\}\)"):
+        trainer.fit(model, RawIds())
+
+
 class _OddFirst(MCHEvictionPolicy):
     """A policy of the user's (scored in Python, placed by the C++ run): odd counts stay before even ones."""
 

@@ -1,6 +1,7 @@
 """The `.pt2` serving package: compiled once (AOTInductor on CPU takes a minute or two: the run's `ranker_package`,
-tests/conftest.py, a multi-task ranker exported through the command line) and served in a process where lightning_rec
-cannot be imported: its outputs against the eager model on 1,000 rows, the requests it refuses, what its metadata
+tests/conftest.py, a multi-task ranker exported through the command line, one feature's raw ids read through a
+managed-collision id map) and served in a process where lightning_rec cannot be imported: its outputs against the
+eager model on 1,000 rows (raw ids the map holds and raw ids it does not), the requests it refuses, what its metadata
 says. Every other network (a DLRM, weighted tables, each tower) is checked as torch.export traces it, the program
 the compile takes, against the eager model."""
 
@@ -13,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import RANKER_RAW_IDS
 
 from lightning_rec.models import DLRMModule, MultiTaskModule
 from lightning_rec.serving import quantize_inference_model
@@ -57,38 +59,44 @@ def _kjt(meta: dict, inputs: tuple) -> tuple[torch.Tensor | None, KeyedJaggedTen
 @pytest.fixture(scope="module")
 def served(ranker_package, tmp_path_factory):
     """The package served in a fresh process: (eager output, package output, what the server said, whether it
-    imported lightning_rec)."""
+    imported lightning_rec, which of feature a's raw ids the map holds)."""
     model, out = ranker_package
     tmp = tmp_path_factory.mktemp("served")
     meta = serving_module(model, "int8")[1]
-    good = example_inputs(meta, batch=ROWS, seed=1)
+    good = example_inputs(meta, batch=ROWS, seed=1, raw_ids={"a": RANKER_RAW_IDS})  # held and never seen, about half
     dense, kjt = _kjt(meta, good)
     with torch.no_grad():
         eager = quantize_inference_model(model, "int8")(dense, kjt)
     dense, values, lengths = good
+    held = model.model.sparse_arch.embedding_bag_collection._managed_collision_collection.modules_by_table()["t_a"]
+    hits = torch.isin(kjt["a"].values(), held.id_map()[0])
     missing = lengths[: (len(meta["sparse_features"]) - 1) * ROWS]  # the last feature left out
-    beyond, negative = values.clone(), values.clone()
-    beyond[-1] = meta["sparse_features"][-1]["rows"]
-    negative[0] = -1
+    beyond, negative, negative_raw = values.clone(), values.clone(), values.clone()
+    beyond[-1] = meta["sparse_features"][-1]["rows"]  # c's last id: a row (c has no map)
+    negative[-1] = -1
+    negative_raw[0] = -1  # a's first id: a raw id
     bad = {"missing": (dense, values[: int(missing.sum())], missing), "beyond": (dense, beyond, lengths),
-           "negative": (dense, negative, lengths)}
+           "negative": (dense, negative, lengths), "negative_raw": (dense, negative_raw, lengths)}
     torch.save([{"package": str(out / "model.pt2"), "good": good, "bad": bad}], tmp / "in.pt")
     done = subprocess.run([sys.executable, "-c", SERVER, str(tmp / "in.pt"), str(tmp / "out.pt")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    return eager, torch.load(tmp / "out.pt")[0], said["jobs"][0], said["imported"]
+    return eager, torch.load(tmp / "out.pt")[0], said["jobs"][0], said["imported"], hits
 
 
 def test_package_serves_every_task_in_a_process_without_lightning_rec(served):
-    # one column per task (ESMM's purchase included), as the eager model gives them
-    eager, out, said, imported = served
+    # one column per task (ESMM's purchase included), as the eager model gives them; feature a's raw ids (about
+    # 2**40) read their rows through the package's id map, the ids it does not hold the unknown row
+    eager, out, said, imported, hits = served
     assert imported is False
+    assert 0.3 < hits.float().mean() < 0.7, hits.float().mean()  # both kinds, many of each
     assert out.shape == (ROWS, 3) and (out - eager).abs().max() <= 1e-4
-    assert said["missing"] == said["beyond"] == said["negative"] == "RuntimeError", said
+    assert said["missing"] == said["beyond"] == said["negative"] == said["negative_raw"] == "RuntimeError", said
     meta = said["meta"]
     assert meta["inputs"] == ["dense_features", "values", "lengths"] and meta["tables"] == "int8"
     assert [f["name"] for f in meta["sparse_features"]] == ["a", "b", "c"] and meta["dense_features"] == 4
+    assert [f["raw_ids"] for f in meta["sparse_features"]] == [True, False, False]
     assert meta["tasks"] == [{"name": "click", "type": "binary", "column": 0},
                              {"name": "buy", "type": "binary", "column": 1},
                              {"name": "rating", "type": "regression", "column": 2}]

@@ -132,6 +132,7 @@ class DLRMModule(RecModuleHooks, L.LightningModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         data = getattr(self.trainer, "datamodule", None)
+        self.check_raw_ids(data)
         self._check_data_sizes(data)
 
     def _check_data_sizes(self, data) -> None:

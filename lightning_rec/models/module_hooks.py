@@ -124,6 +124,15 @@ class RecModuleHooks(RecCheckpointLoading):
                 f"rank would update its own copy and the tables would drift apart. Use Trainer(strategy='rec') "
                 f"(--trainer.strategy=rec), which shards them")
 
+    def check_raw_ids(self, datamodule: Any, what: str = "raw ids, which its tables") -> None:
+        """A data module handing raw ids (hash_ids=False) to a module built without id maps (managed_collision=None),
+        refused naming the fix (the modules with a `managed_collision` argument call it)."""
+        if getattr(datamodule, "hash_ids", True) is False and self.hparams.get("managed_collision") is None:
+            owner = type(self).__name__
+            raise ValueError(f"{type(datamodule).__name__}(hash_ids=False) hands the {what} would read as rows: give "
+                             f"{owner}(managed_collision={{}}) (--model.init_args.managed_collision '{{}}') to map "
+                             f"them to rows, or hash_ids=True")
+
     @staticmethod
     def check_embedding_device(owner: str, embedding_device: str) -> None:
         """The modules' `embedding_device` argument: 'cpu' or 'meta', else a ValueError naming both."""

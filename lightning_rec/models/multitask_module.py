@@ -19,6 +19,7 @@ import lightning_rec.strategy  # noqa: F401  (registers Trainer(strategy="rec"))
 from lightning_rec.data.batch import Batch
 from lightning_rec.embedding import EmbeddingBagCollection, EmbeddingBagConfig
 from lightning_rec.errors import refuse_non_finite
+from lightning_rec.managed_collision import check_managed_collision, managed_collision_tables
 from lightning_rec.models.dlrm_module import _per_feature
 from lightning_rec.models.eval_metrics import (
     add_calibration_curves,
@@ -60,6 +61,11 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         group_feature: the sparse feature whose id is a row's group (user or request) for "gauc".
         calibration_buckets: buckets of the per-task calibration plot logged to W&B for each validation dataloader
             (0: none).
+        managed_collision: raw ids (e.g. MovieLensDataModule(hash_ids=False)'s user_id / item_id) mapped to rows by
+            an MCHManagedCollisionModule as big as each table, built with these arguments (as DLRMModule's; {} for the
+            defaults); None: ids are rows (docs/managed_collision.md).
+        managed_collision_features: the features whose tables read raw ids through a map (None: every feature);
+            the others keep their ids as rows.
         sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay, dense_optimizer, dense_lr, dense_weight_decay,
         embedding_kernel, warmup_steps, embedding_device: as DLRMModule's."""
 
@@ -74,7 +80,8 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
                  dense_optimizer: str = "adam", dense_lr: float = 0.001, dense_weight_decay: float = 0.0,
                  embedding_kernel: str = "auto", warmup_steps: int = 0, embedding_device: str = "cpu",
                  metrics: list[str] | None = None, group_feature: str | None = None,
-                 calibration_buckets: int = 20) -> None:
+                 calibration_buckets: int = 20, managed_collision: dict | None = None,
+                 managed_collision_features: list[str] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         refuse_non_finite(type(self).__name__, self.hparams)
@@ -100,12 +107,15 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
             sizes = _per_feature(num_embeddings_per_feature, names)
         self.sparse_feature_names = names
         check_metric_args("MultiTaskModule", metrics, group_feature, names, calibration_buckets)
+        managed = self._managed_tables(names, managed_collision, managed_collision_features)
         fused = self.fused_config("MultiTaskModule", sparse_optimizer, sparse_lr, sparse_eps, sparse_weight_decay)
         self.check_embedding_device("MultiTaskModule", embedding_device)
         self.check_embedding_kernel("MultiTaskModule", embedding_kernel)
         tables = [EmbeddingBagConfig(name=f"t_{n}", num_embeddings=rows, embedding_dim=embedding_dim, feature_names=[n])
                   for n, rows in zip(names, sizes)]
         ebc = EmbeddingBagCollection(tables, optimizer=fused, kernel=embedding_kernel, device=embedding_device)
+        if managed_collision is not None:
+            ebc = managed_collision_tables(ebc, managed_collision, managed)
         self.model = MultiTaskNet(ebc, dense_in_features, list(dense_arch_layer_sizes), len(self.task_names), mix,
                                   list(expert_layer_sizes), num_experts, num_shared_experts, num_task_experts,
                                   num_levels, list(tower_layer_sizes), esmm)
@@ -114,6 +124,26 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
         self.eval_metrics = nn.ModuleDict()
         # the binary tasks' W&B calibration plots, one per validation dataloader, made at validation start
         self.calibration_curves = nn.ModuleList()
+
+    @staticmethod
+    def _managed_tables(names: Sequence[str], managed_collision: dict | None,
+                        features: Sequence[str] | None) -> list[str] | None:
+        """The tables read through id maps (None: every one), checked before any table is drawn."""
+        if managed_collision is None:
+            if features is not None:  # raw ids would be read as rows
+                raise ValueError(f"MultiTaskModule(managed_collision_features={list(features)}) names the features "
+                                 f"that read raw ids, but managed_collision is None: give managed_collision={{}} "
+                                 f"(the defaults) too")
+            return None
+        check_managed_collision(managed_collision)
+        if features is None:
+            return None
+        unknown = [f for f in features if f not in names]
+        if unknown or not features:
+            said = f"{unknown} are not among" if unknown else "names none of"
+            raise ValueError(f"MultiTaskModule(managed_collision_features={list(features)}): {said} the sparse "
+                             f"features {list(names)}: name some of them (None: every feature)")
+        return [f"t_{f}" for f in features]
 
     def _check_tasks(self, mix: str, weights: Sequence[float], esmm: bool) -> None:
         names, types = self.task_names, self.task_types
@@ -137,7 +167,9 @@ class MultiTaskModule(RecModuleHooks, L.LightningModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        specs = getattr(getattr(self.trainer, "datamodule", None), "label_specs", None)
+        data = getattr(self.trainer, "datamodule", None)
+        self.check_raw_ids(data)
+        specs = getattr(data, "label_specs", None)
         if specs is not None:
             self.check_task_names([spec.task for spec in specs], "the data module's label_columns")
 

@@ -31,6 +31,7 @@ from lightning_rec.optim import FusedOptimizerConfig, combined_optimizer, dense_
 
 # values every rank already holds: "max" is an exact identity reduce, and sync_dist stops Lightning's warning
 _SAME_ON_EVERY_RANK = dict(sync_dist=True, reduce_fx="max")
+_RAW_IDS = "raw user and item ids, which the towers' tables"  # hash_ids=False without id maps: the error's words
 _DATALOADERS_ONLY = ("TwoTowerModule ranks every item of the data module's catalogue, but the Trainer was given "
                      "dataloaders only: pass the data module, trainer.validate(module, datamodule=dm) (fit, test and "
                      "predict alike), or call module.embed_catalog(dm) yourself")
@@ -179,7 +180,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:
             self._check_ids(datamodule)
-            self._check_raw_ids(datamodule)
+            self.check_raw_ids(datamodule, _RAW_IDS)
         if datamodule is not None and callable(getattr(datamodule, "eval_split_names", None)):
             datamodule.setup("fit")  # Trainer has run it already; a no-op then
             self.eval_splits = list(datamodule.eval_split_names())
@@ -204,12 +205,6 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                 initial = getattr(self, "_hparams_initial", None)
                 if initial is not None:  # the loggers' copy, as the table sizes
                     initial[key] = digest
-
-    def _check_raw_ids(self, datamodule) -> None:
-        if getattr(datamodule, "hash_ids", True) is False and self.hparams.get("managed_collision") is None:
-            raise ValueError(f"{type(datamodule).__name__}(hash_ids=False) hands the raw user and item ids, which "
-                             f"the towers' tables would read as rows: give TwoTowerModule(managed_collision={{}}) "
-                             f"(--model.init_args.managed_collision '{{}}') to map them to rows, or hash_ids=True")
 
     @staticmethod
     def _same_items(model: str | None, data: str | None, what: str, kind: str = "item") -> None:
@@ -310,7 +305,7 @@ class TwoTowerModule(RecModuleHooks, L.LightningModule):
                              f"(MovieLensDataModule)")
         self._same_items(self.hparams.get("item_ids_digest"), _ids_digest(datamodule, "item_ids"),
                          f"{type(datamodule).__name__}'s item ids")
-        self._check_raw_ids(datamodule)
+        self.check_raw_ids(datamodule, _RAW_IDS)
         model = self._need_model()
         chunk, num_items = self.hparams.eval_item_chunk, datamodule.num_items
         tower, was_training = model.item_tower, model.item_tower.training

@@ -12,7 +12,8 @@ regression task); a tower's embeddings [B, D].
 An id outside its table, or a negative one, fails the request (RuntimeError); so do lengths that are not F * B
 long (a feature missing) or lengths that do not add up to N. A model with managed-collision tables takes their
 features' raw ids ("raw_ids": true in sparse_features): the id map travels in the package and an id without a row
-reads the table's shared unknown row, as in the model's evaluation.
+reads the table's shared unknown row, as in the model's evaluation; a negative raw id fails the request (training
+refuses it too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,9 @@ class RawIdRemap(nn.Module):
         self.halvings = max(e - s for s, e in zip(start, end)).bit_length() + 1 if start else 1
 
     def forward(self, values: Tensor, lengths: Tensor) -> Tensor:
+        # a negative raw id would read the unknown row silently (a signed hash, most likely): refused as in training
+        torch._assert_async((values >= 0).all(), "an id is negative: raw ids (features with raw_ids: true in the "
+                            "package's metadata) and rows alike are non-negative")
         per_feature = lengths.view(self.start.shape[0], -1).sum(1)
         feature_N = torch.repeat_interleave(torch.arange(self.start.shape[0]), per_feature,
                                             output_size=values.shape[0])
@@ -243,12 +248,17 @@ def serving_module(model: nn.Module, tables: str = "fp32", tower: str | None = N
     return module.eval(), meta
 
 
-def example_inputs(meta: dict, batch: int = 4, seed: int = 0) -> tuple[Tensor, ...]:
-    """Random inputs of the package's layout (ids within each table), in the order of meta["inputs"]."""
+def example_inputs(meta: dict, batch: int = 4, seed: int = 0,
+                   raw_ids: dict[str, Sequence[int]] | None = None) -> tuple[Tensor, ...]:
+    """Random inputs of the package's layout (ids within each table), in the order of meta["inputs"]. `raw_ids`:
+    feature -> the raw ids its values are drawn from (features with "raw_ids": true; ids within the table read the
+    unknown row unless the map holds them)."""
     g = torch.Generator().manual_seed(seed)
     features = meta["sparse_features"]
+    raw = {name: torch.as_tensor(ids, dtype=torch.int64) for name, ids in (raw_ids or {}).items()}
     lengths = torch.randint(0, 3, (len(features), batch), generator=g)
-    values = torch.cat([torch.randint(0, f["rows"], (int(n),), generator=g)
+    values = torch.cat([raw[f["name"]][torch.randint(0, raw[f["name"]].numel(), (int(n),), generator=g)]
+                        if f["name"] in raw else torch.randint(0, f["rows"], (int(n),), generator=g)
                         for f, n in zip(features, lengths.sum(1))])
     given = {"values": values, "lengths": lengths.flatten()}
     if meta.get("weighted"):
