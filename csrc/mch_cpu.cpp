@@ -62,6 +62,26 @@ int64_t find(const Table& t, int64_t id) {
   return std::min<int64_t>(base - t.sorted_ids + (*base < id), t.M - 1);
 }
 
+// find() of n ids at once, eight searches abreast: their loads overlap instead of waiting one after another.
+std::vector<int64_t> find_all(const Table& t, const std::vector<int64_t>& ids) {
+  constexpr int64_t K = 8;
+  const int64_t n = static_cast<int64_t>(ids.size());
+  std::vector<int64_t> out(n);
+  for (int64_t i = 0; i < n; i += K) {
+    const int64_t k = std::min(K, n - i);
+    const int64_t* base[K];
+    for (int64_t j = 0; j < k; ++j) base[j] = t.sorted_ids;
+    for (int64_t len = t.M; len > 1;) {
+      const int64_t half = len / 2;
+      for (int64_t j = 0; j < k; ++j) base[j] = base[j][half - 1] < ids[i + j] ? base[j] + half : base[j];
+      len -= half;
+    }
+    for (int64_t j = 0; j < k; ++j)
+      out[i + j] = std::min<int64_t>(base[j] - t.sorted_ids + (*base[j] < ids[i + j]), t.M - 1);
+  }
+  return out;
+}
+
 // Candidates the buffers hold: they come first, sorted by id, kNoId after the last.
 int64_t num_candidates(const Table& t) {
   return std::lower_bound(t.cand_ids, t.cand_ids + t.C, kNoId) - t.cand_ids;
@@ -266,8 +286,9 @@ struct IdHash {
 void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
   if (seen.ids.empty()) return;
   std::vector<Entry> fresh;
+  const std::vector<int64_t> at = find_all(t, seen.ids);
   for (size_t s = 0; s < seen.ids.size(); ++s) {
-    const int64_t pos = find(t, seen.ids[s]);
+    const int64_t pos = at[s];
     if (t.sorted_ids[pos] == seen.ids[s]) {
       const int64_t row = t.sorted_rows[pos];
       t.counts[row] += seen.counts[s];
@@ -277,14 +298,16 @@ void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
       fresh.push_back(Entry{seen.ids[s], seen.counts[s], t.step});
     }
   }
+  const size_t before = admitted.size();
   if (!fresh.empty()) {
     set_candidates(t, with_candidates(t, std::move(fresh)), num_candidates(t));
     admit(t, admitted);  // fills free rows only: the residents found above keep theirs
   }
+  const bool placed = admitted.size() > before;  // else the new ids read the unknown row: no second search
   for (size_t s = 0; s < seen.ids.size(); ++s)
     if (seen.rows[s] == -2) {
-      const int64_t pos = find(t, seen.ids[s]);
-      seen.rows[s] = t.sorted_ids[pos] == seen.ids[s] ? t.sorted_rows[pos] : t.M;
+      const int64_t pos = placed ? find(t, seen.ids[s]) : 0;
+      seen.rows[s] = placed && t.sorted_ids[pos] == seen.ids[s] ? t.sorted_rows[pos] : t.M;
     }
 }
 
@@ -377,16 +400,19 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
         for (int64_t p = a; p < b; ++p) seen.add(pid[p], pc ? pc[p] : 1);
       profile(t, seen, admitted[i]);
       int64_t reused = 0;
-      for (const auto& [a, b] : remap[i])
+      for (const auto& [a, b] : remap[i]) {
+        // the profiled ids' rows from the profile, no second search; any other id searched (M: the unknown row)
+        const std::vector<int64_t> at = n ? std::vector<int64_t>() : find_all(t, std::vector<int64_t>(v + a, v + b));
         for (int64_t p = a; p < b; ++p) {
-          int64_t row = n ? seen.row(v[p]) : -2;  // the profiled ids' rows: no second search of the map
+          int64_t row = n ? seen.row(v[p]) : -2;
           if (row == -2) {
-            const int64_t pos = find(t, v[p]);
-            row = t.sorted_ids[pos] == v[p] ? t.sorted_rows[pos] : t.M;  // M = zch_size - 1: the unknown row
+            const int64_t pos = n ? find(t, v[p]) : at[p - a];
+            row = t.sorted_ids[pos] == v[p] ? t.sorted_rows[pos] : t.M;
           }
           o[p] = row;
           reused += row != t.M && t.reused[row];
         }
+      }
       if (count) {
         t.lookups[0] += reused;
         for (const auto& [a, b] : remap[i]) t.lookups[1] += b - a;
