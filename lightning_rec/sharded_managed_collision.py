@@ -397,7 +397,9 @@ class _OwnerRemap:
                 for t in self.tables:
                     t.check_ids(values, offsets)
         spans = [[(offsets[i], offsets[i + 1]) for i in keys] for keys in self.keys]
-        profile = (values, None, [[(offsets[i], offsets[i + 1]) for i in keys] for keys in self.profile_keys])
+        profiled = spans if self.keys == self.profile_keys else [[(offsets[i], offsets[i + 1]) for i in keys]
+                                                                  for keys in self.profile_keys]
+        profile = (values, None, profiled)
         handed = remap_tables(self.group, values, out, spans, profile if training else None, training)
         fresh = [f for t in self.tables for f in t.fresh_rows()] if handed else []
         while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)

@@ -68,7 +68,7 @@ class ManagedCollisionCollection(nn.Module):
             if values.numel() and bool(((values < 0) | (values == _NO_ID)).any()):  # one host read for all tables
                 for m, s in zip(maps, spans):
                     m.check_ids(_gather(values, s))  # names the table (ids of other features may be rows)
-            profile = self._profile_input(dict(zip(tables, spans)), values)
+            profile = self._profile_input(list(tables), spans, values)
         if self._group is None or self._group.modules != maps:
             self._group = TableGroup(maps)
         remap_tables(self._group, values, out, spans, profile, self.training)
@@ -76,14 +76,14 @@ class ManagedCollisionCollection(nn.Module):
                                  offsets=features.offsets_or_none(), stride=features.stride(),
                                  length_per_key=features.length_per_key(), offset_per_key=offsets, _validate=False)
 
-    def _profile_input(self, spans: Mapping[str, list[tuple[int, int]]], values: Tensor
+    def _profile_input(self, tables: list[str], spans: list[list[tuple[int, int]]], values: Tensor
                        ) -> tuple[Tensor, Tensor | None, list[list[tuple[int, int]]]]:
-        """What each table profiles (remap_tables' `profile`): its ids, or under a process group every rank's
-        distinct ids and counts, gathered in one collective."""
+        """What each table profiles (remap_tables' `profile`): its ids (the spans it remaps), or under a process
+        group every rank's distinct ids and counts, gathered in one collective."""
         pg = self.process_group
         if pg is None or not distributed() or dist.get_world_size(pg) == 1:
-            return values, None, list(spans.values())
-        counted = self._batch_counts({t: _gather(values, s) for t, s in spans.items()}, pg)
+            return values, None, spans
+        counted = self._batch_counts({t: _gather(values, s) for t, s in zip(tables, spans)}, pg)
         sizes = [u.numel() for u, _ in counted.values()]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return (torch.cat([u for u, _ in counted.values()]), torch.cat([c for _, c in counted.values()]),

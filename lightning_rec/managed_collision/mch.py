@@ -525,7 +525,8 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
     remap_segments, none, handed = _segments(spans), _NO_SEGMENTS, 0
     if training:  # profile, and remap too unless an eviction run comes between
         ids, counts, profile_spans = profile
-        admitted, per_table = op(state, ids, counts, _segments(profile_spans), values, out,
+        profile_segments = remap_segments if profile_spans is spans else _segments(profile_spans)
+        admitted, per_table = op(state, ids, counts, profile_segments, values, out,
                                  none if due else remap_segments, group.mins, not due, True)
         handed = _hand_out(modules, admitted, per_table.tolist()) + _evict_tables(group, due)
     if due or not training:
