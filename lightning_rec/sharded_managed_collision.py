@@ -33,6 +33,7 @@ from lightning_rec.managed_collision.mch import (
     MCHManagedCollisionModule,
     TableGroup,
     _gather,
+    _HostCounters,
     owner_of,
     remap_tables,
 )
@@ -98,7 +99,8 @@ class ShardedMCHModule(nn.Module):
         sizes = split_evenly(cands, k)
         starts = [sum(sizes[:j]) for j in range(k)]
         self.register_buffer("_step", full._step.detach().clone().to(env.device))
-        self._host_step = int(full._step)  # the step, counted on the host: written into _step when saved
+        self._host = _HostCounters()  # the step, counted on the host (a plain object: no Module attribute write)
+        self._host.step = int(full._step)
         self.register_buffer("_evictions_total", torch.zeros((), dtype=torch.int64, device=env.device))
         mine = self._pieces_here(shards)
         self._owners: list[_Owner] = []
@@ -147,7 +149,7 @@ class ShardedMCHModule(nn.Module):
                 a, n = owner.rows_at if name in _ROW_BUFFERS else owner.cands_at
                 t.copy_(state[name][a:a + n])
         self._step.copy_(state["_step"])
-        self._host_step = int(self._step)
+        self._host.step = int(self._step)
 
     @torch.no_grad()
     def _sync_export(self) -> None:
@@ -174,7 +176,7 @@ class ShardedMCHModule(nn.Module):
                     for o in self._owners]
             size = self._zch_size - 1 if rows else self._cand_size
             destination[prefix + name] = ShardedTensor((size,), mine, every)
-        self._step.fill_(self._host_step)
+        self._step.fill_(self._host.step)
         destination[prefix + "_step"] = self._step if keep_vars else self._step.detach()
         total = sum(int(o.module._evictions_total) for o in self._owners)
         destination[prefix + "_evictions_total"] = self._evictions_total.fill_(total)
@@ -198,7 +200,7 @@ class ShardedMCHModule(nn.Module):
                 a, n = owner.rows_at if name in _ROW_BUFFERS else owner.cands_at
                 t.copy_(_read(state_dict[prefix + name], a, n, f"'{prefix + name}'"))
         self._step.copy_(state_dict[prefix + "_step"])
-        self._host_step = int(self._step)
+        self._host.step = int(self._step)
 
     @torch.no_grad()
     def state_loaded(self) -> None:
@@ -207,7 +209,7 @@ class ShardedMCHModule(nn.Module):
         moved (optimizer_state_loaded reads it) is the last call's: one call per load."""
         leaving, content = [], []
         self._moved_out, self._moved_in = [], []  # what the optimizer state's load then moves the same way
-        self._host_step = int(self._step)  # a DCP load writes the buffer in place
+        self._host.step = int(self._step)  # a DCP load writes the buffer in place
         for owner in self._owners:
             m, e = owner.module, owner.export
             n = m.output_size() - 1
@@ -392,7 +394,7 @@ class _OwnerRemap:
                 m.training = training
         if training:  # every rank, past the batch check: the step its owners' maps are at
             for t in self.tables:
-                t._host_step += 1
+                t._host.step += 1
             if not self.collection.validate_ids:  # else checked on every rank before the all-to-all
                 for t in self.tables:
                     t.check_ids(values, offsets)
