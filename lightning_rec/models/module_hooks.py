@@ -228,11 +228,12 @@ class RecModuleHooks(RecCheckpointLoading):
         if self.device.type == "cuda":
             mem.append(torch.cuda.max_memory_allocated(self.device) / 2**20)
         per_rank = self.all_gather(torch.tensor(mem, dtype=torch.float64, device=self.device)).reshape(-1, len(mem))
-        # every rank holds the gathered rows: no sync; batch_size: a training_step(dataloader_iter) has none to infer
+        # every rank holds the same gathered rows: sync_dist only keeps Lightning's epoch-level warning away (a mean
+        # of equal values); batch_size: a training_step(dataloader_iter) has none to infer
         for rank, row in enumerate(per_rank.tolist()):
-            self.log(f"mem/rank{rank}_max_rss_mb", row[0], batch_size=1)
+            self.log(f"mem/rank{rank}_max_rss_mb", row[0], batch_size=1, sync_dist=True)
             if len(row) > 1:
-                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], batch_size=1)
+                self.log(f"mem/rank{rank}_max_gpu_mb", row[1], batch_size=1, sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
