@@ -6,8 +6,9 @@ against the same checkpoint resumed at 2 ranks: validation NE at step 63.
 
 Before the resumed loader dealt the rest of the epoch over the new ranks, the 1-process run started the epoch's
 shuffle over while Lightning counted 50 of 128 batches done: it replayed rows already trained and left 14,336
-unread, and reached NE 1.00 against 0.787 resumed at 2 ranks. Each phase is a fresh `python` (Lightning starts
-the second rank itself); the first writes the checkpoint both resumes read.
+unread, and reached NE 1.00 against 0.787 resumed at 2 ranks. Each world size is one fresh `python` (Lightning
+starts the second rank itself) whose fits run one after another, each a new Trainer, module and data from seed 0:
+at 2 ranks the fit that writes the checkpoint, then the resume at 2; then the resumes at 1 in one process.
 At the same step, 1 rank has trained on half the rows 2 ranks have (batch 512 per rank): the run resumed at 1 rank
 is also taken on to as many rows (step 50 + 2 x 13 = 76), `ne_2_to_1_same_rows`, and resumed with
 `accumulate_grad_batches=2`, which keeps the global batch of 2 ranks, to step 63, `ne_2_to_1_accumulate2`.
@@ -32,8 +33,14 @@ SMOKE = {"rows": 4096, "val_rows": 1024, "batch": 64, "save_at": 10, "compare_at
 
 
 def phase(args: argparse.Namespace) -> None:
-    """One fit (this process is one of Lightning's ranks): to `max_steps`, from `ckpt` if given; rank 0 writes the
-    validation metrics at the end to `out`."""
+    """The fits of one world size, one after another (this process is one of Lightning's ranks): each to its
+    `max_steps`, from its `ckpt` if given; rank 0 writes each fit's validation metrics at its end to its `out`."""
+    for run in json.loads(args.runs):
+        fit(args.smoke, args.world, **run)
+
+
+def fit(smoke: bool, world: int, root: str, max_steps: int, ckpt: str | None, out: str, accumulate: int) -> None:
+    """One fit of `phase`'s: a new Trainer, module and data, from seed 0."""
     import lightning.pytorch as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -41,44 +48,38 @@ def phase(args: argparse.Namespace) -> None:
     from lightning_rec.data import SyntheticCriteoDataModule
     from lightning_rec.models import DLRMModule
 
-    size = SMOKE if args.smoke else FULL
+    size = SMOKE if smoke else FULL
     L.seed_everything(0)
-    callbacks = [ModelCheckpoint(dirpath=os.path.join(args.root, "ckpt"), every_n_train_steps=size["save_at"],
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=size["save_at"],
                                  save_last=True)]
-    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=args.world, max_steps=args.max_steps,
+    trainer = L.Trainer(strategy=RecStrategy(), accelerator="cpu", devices=world, max_steps=max_steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                        num_sanity_val_steps=0, val_check_interval=1.0, accumulate_grad_batches=args.accumulate)
+                        num_sanity_val_steps=0, val_check_interval=1.0, accumulate_grad_batches=accumulate)
     module = DLRMModule(num_embeddings_per_feature=size["tables"], embedding_dim=16, dense_arch_layer_sizes=[64, 16],
                         over_arch_layer_sizes=[64, 32, 1], sparse_optimizer="rowwise_adagrad", sparse_lr=0.05,
                         dense_optimizer="adagrad", dense_lr=0.02)
     data = SyntheticCriteoDataModule(num_train_samples=size["rows"], num_val_samples=size["val_rows"],
                                      batch_size=size["batch"], num_embeddings_per_feature=size["tables"])
-    trainer.fit(module, data, ckpt_path=args.ckpt)
+    trainer.fit(module, data, ckpt_path=ckpt)
     metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
     if trainer.is_global_zero:
-        Path(args.out).write_text(json.dumps({"step": trainer.global_step, **{k: float(v) for k, v in
-                                                                             metrics.items()}}))
+        Path(out).write_text(json.dumps({"step": trainer.global_step, **{k: float(v) for k, v in metrics.items()}}))
 
 
-def run_phase(smoke: bool, root: str, world: int, max_steps: int, ckpt: str | None, out: str,
-              accumulate: int = 1) -> dict:
-    command = [sys.executable, __file__, "--phase", "--root", root, "--world", str(world), "--max_steps",
-               str(max_steps), "--out", out, "--accumulate", str(accumulate), *(["--smoke"] if smoke else []),
-               *(["--ckpt", ckpt] if ckpt else [])]
+def run_phase(smoke: bool, world: int, runs: list[dict]) -> list[dict]:
+    """`runs` (each root, max_steps, ckpt, out, accumulate) at `world` ranks in one fresh process: their metrics."""
+    command = [sys.executable, __file__, "--phase", "--world", str(world), "--runs", json.dumps(runs),
+               *(["--smoke"] if smoke else [])]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(Path(out).read_text())
+    return [json.loads(Path(run["out"]).read_text()) for run in runs]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--phase", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--max_steps", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--ckpt", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--accumulate", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--runs", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
         return phase(args)
@@ -86,21 +87,26 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as root:
         start = time.perf_counter()
-        saved = run_phase(args.smoke, root, 2, size["save_at"], None, os.path.join(root, "saved.json"))
         ckpt = os.path.join(root, "ckpt", "last.ckpt")
         # 1 rank at the same step has read half the rows of 2 ranks; at twice the steps after the save, as many
         same_rows = size["save_at"] + 2 * (size["compare_at"] - size["save_at"])
         # accumulate 2 at 1 rank keeps the global batch of 2 ranks: a step reads the rows a 2-rank step reads
-        for world, steps, k in ((2, size["compare_at"], 1), (1, size["compare_at"], 1), (1, same_rows, 1),
-                                (1, size["compare_at"], 2)):
+        resumes = [(2, size["compare_at"], 1), (1, size["compare_at"], 1), (1, same_rows, 1),
+                   (1, size["compare_at"], 2)]
+        runs = {w: [] for w in (2, 1)}
+        runs[2].append({"root": root, "max_steps": size["save_at"], "ckpt": None,
+                        "out": os.path.join(root, "saved.json"), "accumulate": 1})
+        for world, steps, k in resumes:
             name = f"resumed{world}_{steps}_k{k}"
-            got = run_phase(args.smoke, os.path.join(root, name), world, steps, ckpt,
-                            os.path.join(root, f"{name}.json"), accumulate=k)
-            results.append({"resumed_at_ranks": world, "step": got["step"], "accumulate_grad_batches": k,
-                            "val_ne": got["val_ne"], "val_auc": got["val_auc"]})
+            runs[world].append({"root": os.path.join(root, name), "max_steps": steps, "ckpt": ckpt,
+                                "out": os.path.join(root, f"{name}.json"), "accumulate": k})
+        saved, *got = run_phase(args.smoke, 2, runs[2]) + run_phase(args.smoke, 1, runs[1])
+        for (world, _, k), one in zip(resumes, got):
+            results.append({"resumed_at_ranks": world, "step": one["step"], "accumulate_grad_batches": k,
+                            "val_ne": one["val_ne"], "val_auc": one["val_auc"]})
             print(f"saved at 2 ranks, step {size['save_at']} (val NE {saved['val_ne']:.4f}); resumed at {world} "
-                  f"rank(s), accumulate_grad_batches={k}: step {got['step']} val NE {got['val_ne']:.4f} "
-                  f"AUC {got['val_auc']:.4f}", flush=True)
+                  f"rank(s), accumulate_grad_batches={k}: step {one['step']} val NE {one['val_ne']:.4f} "
+                  f"AUC {one['val_auc']:.4f}", flush=True)
         seconds = time.perf_counter() - start
     ne = {(r["resumed_at_ranks"], r["step"], r["accumulate_grad_batches"]): r["val_ne"] for r in results}
     ne_2, ne_1, ne_1_rows = ne[2, size["compare_at"], 1], ne[1, size["compare_at"], 1], ne[1, same_rows, 1]

@@ -7,8 +7,9 @@ A batch of --batch sequences: 90% of length --short, 10% of length 10 x --short,
 Both variants run forward and backward of the same attention (`jagged_attention(..., bucketed=True/False)`):
 SASRec's softmax attention (torch's SDPA per bucket) and HSTU's pointwise attention (SiLU of scores + relative
 position and time biases, an L x L matrix per sequence and head). Time: medians of alternating rounds in this
-process. Peak memory: each variant once in a fresh process, its resident memory sampled every millisecond, above
-the memory held before the call (CPU); on CUDA, torch.cuda.max_memory_allocated above the start.
+process. Peak memory: each variant once in its own process, forked from a fresh one that has only imported the code
+(one import for the four), its resident memory sampled every millisecond, above the memory held before the call
+(CPU); on CUDA, torch.cuda.max_memory_allocated above the start.
 The last line is one JSON object: {"benchmark": "jagged_attention", "results": [...], "ratios":
 {"peak_memory_vs_padded", "time_vs_padded", "softmax_peak_memory_vs_padded", "softmax_time_vs_padded"},
 "figures": {...}}; the unprefixed ratios are HSTU's (the attention whose memory is the L x L matrices).
@@ -18,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
-from ranking_eval import PeakRSS  # noqa: F401  (this process's peak memory; used by the probe below)
+from ranking_eval import PeakRSS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,24 +70,63 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def peak_mb(kind: str, bucketed: bool, args) -> float:
-    """One variant's peak memory above its start, in a fresh process (CPU) or from CUDA's allocator."""
+def _forked_peak(case: tuple, bucketed: bool, threads: int) -> float:
+    """One variant's peak resident memory above its start, in a child forked from this process: the child's heap is
+    this process's, which has only imported the code, as a fresh process's would be."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: warm up, then the measured call; its figure goes back through the pipe
+        status = 1  # an error ends the child here, never in its parent's loop
+        try:
+            os.close(read)
+            torch.set_num_threads(threads)
+            step = _case(*case, "cpu")
+            step(bucketed)
+            with PeakRSS() as m:
+                step(bucketed)
+            os.write(write, f"{m.peak - m.start}".encode())
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not said:
+        raise RuntimeError(f"the peak memory probe of {case} (bucketed={bucketed}) failed: wait status {status}")
+    return float(said)
+
+
+def probe(cases: list, threads: int) -> None:
+    """Run in a fresh process (imports only): prints each (kind, batch, short, heads, dim, bucketed)'s peak MB, one
+    per line, each in its own forked child (a fresh process per variant cost an import of torch and Lightning)."""
+    for *case, bucketed in cases:
+        print(_forked_peak(tuple(case), bucketed, threads), flush=True)
+
+
+def peak_mb(cases: list, args) -> list[float]:
+    """Each (kind, bucketed)'s peak memory above its start: on CPU each in its own process (see `probe`), on CUDA
+    from the allocator."""
     if args.device == "cuda":
-        step = _case(kind, args.batch, args.short, args.heads, args.dim, "cuda")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        step(bucketed)
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - start) / 2**20
-    code = ("import sys, torch; sys.path.insert(0, {repo!r}); sys.path.insert(0, {here!r}); "
-            "import jagged_attention as J; "
-            "torch.set_num_threads({threads}); step = J._case({kind!r}, {batch}, {short}, {heads}, {dim}, 'cpu'); "
-            "step({bucketed}); m = J.PeakRSS().__enter__(); step({bucketed}); m.__exit__(); print(m.peak - m.start)")
-    code = code.format(repo=str(REPO), here=str(Path(__file__).parent), threads=args.threads, kind=kind,
-                       batch=args.batch, short=args.short, heads=args.heads, dim=args.dim, bucketed=bucketed)
+        out = []
+        for kind, bucketed in cases:
+            step = _case(kind, args.batch, args.short, args.heads, args.dim, "cuda")
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            step(bucketed)
+            torch.cuda.synchronize()
+            out.append((torch.cuda.max_memory_allocated() - start) / 2**20)
+        return out
+    specs = [(kind, args.batch, args.short, args.heads, args.dim, bucketed) for kind, bucketed in cases]
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {here!r}]; import jagged_attention as J; "
+            "import lightning_rec.models.jagged_attention, lightning_rec.models.sequential; "
+            f"J.probe({specs!r}, {args.threads})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return [float(line) for line in out.stdout.strip().splitlines()[-len(cases):]]
 
 
 def main() -> None:
@@ -106,6 +148,8 @@ def main() -> None:
           f"{int((lengths > args.short).sum())} of {10 * args.short}; sum L^2 = {int((lengths ** 2).sum())}, "
           f"B x Lmax^2 = {args.batch * int(lengths.max()) ** 2}")
     results, ratios = [], {}
+    variants = [(kind, bucketed) for kind in ("hstu", "softmax") for bucketed in (True, False)]
+    peaks = dict(zip(variants, peak_mb(variants, args)))
     for kind in ("hstu", "softmax"):
         step = _case(kind, args.batch, args.short, args.heads, args.dim, args.device)
         times = {True: [], False: []}
@@ -119,7 +163,7 @@ def main() -> None:
         row = {"attention": kind}
         for bucketed, name in ((True, "jagged"), (False, "padded")):
             row[f"{name}_ms"] = 1e3 * statistics.median(times[bucketed][1:] or times[bucketed])
-            row[f"{name}_peak_mb"] = peak_mb(kind, bucketed, args)
+            row[f"{name}_peak_mb"] = peaks[kind, bucketed]
         results.append(row)
         prefix = "" if kind == "hstu" else "softmax_"
         ratios[f"{prefix}time_vs_padded"] = row["jagged_ms"] / row["padded_ms"]

@@ -14,6 +14,12 @@ SHARED_DATA = Path(os.environ.get("LIGHTNING_REC_SHARED_DATA", REPO.parent / "sh
 # thread per core in every worker, oversubscribed a 16-core machine 8 times under -n 8: a 20 s recipe test ran past
 # 150 s there. An OMP_NUM_THREADS the caller set is kept (the 16-thread native kernel runs set it on purpose).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# Tests and the processes they start (benchmark smokes, recipes, ranks) may ask for 2+ threads while the other
+# workers keep the cores busy: GNU OpenMP's threads then spin-wait on cores another worker needs (a recipe fit of 3 s
+# took 11-25 s beside a busy worker). PASSIVE: they sleep instead, with the same results. Set before torch loads
+# OpenMP, which reads it once; a policy the caller set is kept.
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     import torch
 
