@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "check_message.h"
+#include "mch_state.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -333,21 +334,27 @@ void check_ids(const at::Tensor& x, const char* what) {
            "lightning_rec::mch_profile_remap: ", what, " must be a contiguous 1-D int64 CPU tensor");
 }
 
-Table table_of(at::TensorList s, int64_t i, int64_t min_count) {
+void check_table(const std::vector<at::Tensor>& s, int64_t i) {
   const at::Tensor* x = &s[kStates * i];
   const int64_t M = x[2].numel(), C = x[6].numel();
   for (int k = 0; k < kStates; ++k)
     LR_CHECK(x[k].device().is_cpu() && x[k].is_contiguous() && x[k].scalar_type() == (k == 5 ? at::kBool : at::kLong),
-             "lightning_rec::mch_profile_remap: state ", k, " of table ", i,
+             "lightning_rec::MchState: state ", k, " of table ", i,
              " must be a contiguous CPU tensor (int64; reused: bool)");
   LR_CHECK(M >= 1 && x[0].numel() == M && x[1].numel() == M && x[3].numel() == M && x[4].numel() == M &&
                x[5].numel() == M && C >= 1 && x[7].numel() == C && x[8].numel() == C && x[9].numel() == 1 &&
                x[10].numel() == 2,
-           "lightning_rec::mch_profile_remap: the state of table ", i, " has inconsistent sizes");
+           "lightning_rec::MchState: the state of table ", i, " has inconsistent sizes");
+}
+
+// Table i's pointers (the tensors were checked when the state was made; they are held, so they stay valid).
+Table table_of(const MchState& st, int64_t i) {
+  const at::Tensor* x = &st.tensors[kStates * i];
   return Table{x[0].data_ptr<int64_t>(), x[1].data_ptr<int64_t>(), x[2].data_ptr<int64_t>(),
                x[3].data_ptr<int64_t>(), x[4].data_ptr<int64_t>(), x[5].data_ptr<bool>(),
                x[6].data_ptr<int64_t>(), x[7].data_ptr<int64_t>(), x[8].data_ptr<int64_t>(),
-               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), M, C, min_count};
+               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), x[2].numel(), x[6].numel(),
+               st.min_counts[i]};
 }
 
 std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>& rows_T) {
@@ -362,12 +369,10 @@ std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>&
 }
 
 std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
-    at::TensorList state, const at::Tensor& profile_ids, const c10::optional<at::Tensor>& profile_counts,
-    const at::Tensor& profile_segments, const at::Tensor& values, const at::Tensor& out,
-    const at::Tensor& remap_segments, at::IntArrayRef min_counts, bool count, bool advance) {
-  const int64_t T = static_cast<int64_t>(min_counts.size());
-  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T, "lightning_rec::mch_profile_remap: ", kStates,
-           " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(state.size()));
+    const c10::intrusive_ptr<MchState>& state, const at::Tensor& profile_ids,
+    const c10::optional<at::Tensor>& profile_counts, const at::Tensor& profile_segments, const at::Tensor& values,
+    const at::Tensor& out, const at::Tensor& remap_segments, bool count, bool advance) {
+  const int64_t T = static_cast<int64_t>(state->min_counts.size());
   check_ids(profile_ids, "profile_ids");
   check_ids(values, "values");
   check_ids(out, "out");
@@ -383,8 +388,8 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
   const Segments remap = by_table(remap_segments, T, values.numel(), "remap_segments");
   std::vector<Table> tables;
   for (int64_t i = 0; i < T; ++i) {
-    tables.push_back(table_of(state, i, min_counts[i]));
-    if (advance) tables.back().step = ++*state[kStates * i + 9].data_ptr<int64_t>();
+    tables.push_back(table_of(*state, i));
+    if (advance) tables.back().step = ++*state->tensors[kStates * i + 9].data_ptr<int64_t>();
   }
   const int64_t* pid = profile_ids.data_ptr<int64_t>();
   const int64_t* v = values.data_ptr<int64_t>();
@@ -447,18 +452,18 @@ std::vector<double> scores(int64_t policy, int64_t n, int64_t step, Count count,
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(at::TensorList state, at::IntArrayRef min_counts,
+std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(const c10::intrusive_ptr<MchState>& state, at::IntArrayRef due,
                                                  at::IntArrayRef policies, at::TensorList resident_scores,
                                                  at::TensorList incoming_scores) {
-  const int64_t T = static_cast<int64_t>(policies.size());
-  LR_CHECK(static_cast<int64_t>(state.size()) == kStates * T && static_cast<int64_t>(min_counts.size()) == T &&
-               static_cast<int64_t>(resident_scores.size()) == T &&
+  const int64_t T = static_cast<int64_t>(due.size()), all = static_cast<int64_t>(state->min_counts.size());
+  LR_CHECK(static_cast<int64_t>(policies.size()) == T && static_cast<int64_t>(resident_scores.size()) == T &&
                static_cast<int64_t>(incoming_scores.size()) == T,
-           "lightning_rec::mch_evict: ", kStates, " state tensors, a min count, a policy and two scores per table");
+           "lightning_rec::mch_evict: a policy and two scores per due table");
   std::vector<Table> tables;
   std::vector<std::vector<int64_t>> ready(T);
   for (int64_t i = 0; i < T; ++i) {
-    tables.push_back(table_of(state, i, min_counts[i]));
+    LR_CHECK(due[i] >= 0 && due[i] < all, "lightning_rec::mch_evict: table ", due[i], " is not one of ", all);
+    tables.push_back(table_of(*state, due[i]));
     ready[i] = ready_candidates(tables[i]);
     LR_CHECK(policies[i] >= 0 && policies[i] <= 3, "lightning_rec::mch_evict: policy ", policies[i], " of table ",
              i, " is not 0 (scores given), 1 (lfu), 2 (lru) or 3 (distance-lfu, decay 1)");
@@ -512,6 +517,32 @@ at::Tensor mch_owner_of_cpu(const at::Tensor& ids, const at::Tensor& owners) {
 }
 
 }  // namespace
+
+// Before the kernels below: their schemas name the class.
+TORCH_LIBRARY_FRAGMENT(lightning_rec, m) {
+  // The state tensors of a table group, made once per group (checked then), held by the calls below.
+  m.class_<MchState>("MchState").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
+  // A step of every table of the group in one pass: profile (counts, candidates, admission to free rows) and remap
+  // raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place; `advance`: every
+  // table's step counter first. Returns (rows handed to new ids, table after table; their number per table).
+  m.def(
+      "mch_profile_remap(__torch__.torch.classes.lightning_rec.MchState state, Tensor profile_ids, "
+      "Tensor? profile_counts, Tensor profile_segments, Tensor values, Tensor(b!) out, Tensor remap_segments, "
+      "bool count, bool advance) -> (Tensor, Tensor)");
+  // The eviction run of the tables `due`: each one's policy (0: the scores given, 1: lfu, 2: lru, 3: distance-lfu
+  // with decay 1) scores residents and ready candidates; returns (rows, per table).
+  m.def("mch_evict(__torch__.torch.classes.lightning_rec.MchState state, int[] due, int[] policies, "
+        "Tensor[] resident_scores, Tensor[] incoming_scores) -> (Tensor, Tensor)");
+  // The row shard (0..owners-1) of each raw id (mch.py's owner_of): owners one value or one per id.
+  m.def("mch_owner_of(Tensor ids, Tensor owners) -> Tensor");
+}
+
+MchState::MchState(std::vector<at::Tensor> t, std::vector<int64_t> m) : tensors(std::move(t)), min_counts(std::move(m)) {
+  const int64_t T = static_cast<int64_t>(min_counts.size());
+  LR_CHECK(static_cast<int64_t>(tensors.size()) == kStates * T, "lightning_rec::MchState: ", kStates,
+           " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(tensors.size()));
+  for (int64_t i = 0; i < T; ++i) check_table(tensors, i);
+}
 
 TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {
   m.impl("mch_profile_remap", &mch_profile_remap_cpu);

@@ -1,4 +1,5 @@
-// Schemas of every torch.ops.lightning_rec.* operator, registered once here. Kernels live in
+// Schemas of every torch.ops.lightning_rec.* operator, registered once here (the managed-collision ones in
+// mch_cpu.cpp, with their state class). Kernels live in
 // *_cpu.cpp (and *_cuda.cu when built with CUDA); fake kernels and autograd are registered in Python
 // (lightning_rec/native_embedding.py; the interaction ops' in lightning_rec/models/fused_interaction.py).
 #include <torch/extension.h>
@@ -33,19 +34,8 @@ TORCH_LIBRARY(lightning_rec, m) {
   m.def(
       "gather_rows(Tensor[] rows, Tensor[] grads, Tensor feature_table, Tensor D_offsets, Tensor indices, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling_mode, Tensor grad_output) -> (Tensor[], Tensor[])");
-  // Managed-collision tables of one step in one pass (mch_cpu.cpp): profile (counts, candidates, admission to free
-  // rows) and remap raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place;
-  // `advance`: every table's step counter first.
-  m.def(
-      "mch_profile_remap(Tensor(a!)[] state, Tensor profile_ids, Tensor? profile_counts, Tensor profile_segments, "
-      "Tensor values, Tensor(b!) out, Tensor remap_segments, int[] min_counts, bool count, bool advance) "
-      "-> (Tensor, Tensor)");
-  // Their eviction run (mch_cpu.cpp): each table's policy (0: the scores given, 1: lfu, 2: lru, 3: distance-lfu with
-  // decay 1) scores residents and ready candidates; returns (rows, per table).
-  m.def("mch_evict(Tensor(a!)[] state, int[] min_counts, int[] policies, Tensor[] resident_scores, "
-        "Tensor[] incoming_scores) -> (Tensor, Tensor)");
-  // The row shard (0..owners-1) of each raw id (mch_cpu.cpp; mch.py's owner_of): owners one value or one per id.
-  m.def("mch_owner_of(Tensor ids, Tensor owners) -> Tensor");
+  // The managed-collision ops (mch_profile_remap, mch_evict, mch_owner_of) and their state class are registered in
+  // mch_cpu.cpp: the class must be known before the schemas and kernels that name it, which one file orders.
   // Same-host barrier over int64 counters in shared memory (shm_barrier.cpp): -1 when all arrived,
   // else 2 * peer + (1 if the peer's process is gone, 0 on timeout).
   m.def("shm_barrier(Tensor[] arrive, int rank, int k, int[] pids, float timeout_s) -> int");

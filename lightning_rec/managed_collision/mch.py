@@ -455,6 +455,10 @@ class TableGroup:
         self.mins = [m._min_count for m in self.modules]
         self.policies = [_policy_code(m._eviction_policy) for m in self.modules]
         self._flat: list[Tensor] = []
+        self._native: tuple[list[Tensor], object] | None = None
+
+    def __getstate__(self) -> dict:  # a copied or pickled module gathers its own tensors again
+        return {**self.__dict__, "_flat": [], "_native": None}
 
     def state(self) -> list[Tensor]:
         """Every table's tensors in csrc/mch_cpu.cpp's order; gathered again after its buffers were replaced (a
@@ -464,6 +468,13 @@ class TableGroup:
             flat = self._flat = [t for m in self.modules for t in (
                 *(m._buffers[n] for n in _STATE), m._host.counter(m._buffers["_step"].device))]
         return flat
+
+    def native_state(self):
+        """The state as the C++ pass holds it (torch.classes.lightning_rec.MchState), made again with the tensors."""
+        flat = self.state()
+        if self._native is None or self._native[0] is not flat:
+            self._native = flat, torch.classes.lightning_rec.MchState(flat, self.mins)
+        return self._native[1]
 
     def advance(self, buffers: bool = True) -> None:
         """A training step begins: every table's step counter, the host mirrors and (unless the C++ pass does it)
@@ -479,12 +490,10 @@ def _evict_tables(group: TableGroup, due: list[int]) -> int:
     scored there, any other's scores are computed here. Returns the rows handed over."""
     if not due:
         return 0
-    modules, state = [group.modules[i] for i in due], group.state()
-    policies = [group.policies[i] for i in due]
+    modules, policies = [group.modules[i] for i in due], [group.policies[i] for i in due]
     given = [m._eviction_scores() if p == 0 else (_EMPTY, _EMPTY) for m, p in zip(modules, policies)]
-    rows, per_table = native_op("mch_evict")([t for i in due for t in state[i * _N_STATE:(i + 1) * _N_STATE]],
-                                             [group.mins[i] for i in due], policies,
-                                             [g[0] for g in given], [g[1] for g in given])
+    rows, per_table = native_op("mch_evict")(group.native_state(), due, policies, [g[0] for g in given],
+                                             [g[1] for g in given])
     evicted = per_table.tolist()
     torch._foreach_add_([m._buffers["_evictions_total"] for m in modules], evicted)
     for m, n in zip(modules, evicted):
@@ -521,16 +530,16 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
     if op is None:
         _remap_tables_torch(modules, values, out, spans, profile, training, [modules[i] for i in due])
         return sum(r.numel() for m in modules for r in m._pending_rows)
-    state = group.state()
+    state = group.native_state()
     remap_segments, none, handed = _segments(spans), _NO_SEGMENTS, 0
     if training:  # profile, and remap too unless an eviction run comes between
         ids, counts, profile_spans = profile
         profile_segments = remap_segments if profile_spans is spans else _segments(profile_spans)
         admitted, per_table = op(state, ids, counts, profile_segments, values, out,
-                                 none if due else remap_segments, group.mins, not due, True)
+                                 none if due else remap_segments, not due, True)
         handed = _hand_out(modules, admitted, per_table.tolist()) + _evict_tables(group, due)
     if due or not training:
-        op(state, values[:0], None, none, values, out, remap_segments, group.mins, training, False)
+        op(state, values[:0], None, none, values, out, remap_segments, training, False)
     return handed
 
 
