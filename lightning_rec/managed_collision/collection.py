@@ -52,13 +52,13 @@ class ManagedCollisionCollection(nn.Module):
         self.device: torch.device | None = None  # the group's device (NCCL: the rank's GPU)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        tables = {t: f for t, f in self._table_features.items() if t not in self._owner_tables}
+        if not tables:  # every table remaps on its owners: the batch goes on as it is (the pipeline routed it)
+            return features
         keys = features.keys()
         index = {k: i for i, k in enumerate(keys)}
         offsets = features.offset_per_key()
         modules = self._managed_collision_modules
-        tables = {t: f for t, f in self._table_features.items() if t not in self._owner_tables}
-        if not tables:  # every table remaps on its owners: the batch goes on as it is (the pipeline routed it)
-            return features
         values = features.values()
         out = values.clone()
         maps = [modules[t] for t in tables]
