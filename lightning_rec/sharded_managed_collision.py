@@ -326,16 +326,12 @@ class ShardedMCHModule(nn.Module):
         for owner in self._owners:
             owner.module.check_ids(_gather(values, [(offsets[i], offsets[i + 1]) for i in owner.profile_keys]))
 
-    def fresh_rows(self) -> list[tuple[str, Tensor, int, str, int]]:
-        """Rows handed to a new id since the last call, to re-draw: [(table, table rows, step, seed name, first row
-        of their row shard)]."""
-        fresh = []
-        for owner in self._owners:
-            if owner.module._pending_rows:
-                reused, o = owner.module.take_reused_rows(), owner.first_row
-                seed = self._table if o == 0 else f"{self._table}@{o}"
-                fresh.append((self._table, reused + o if o else reused, owner.module._host.step, seed, o))
-        return fresh
+    def fresh_rows(self, owner: _Owner) -> tuple[str, Tensor, int, str, int]:
+        """The rows `owner` handed to a new id since the last call, to re-draw: (table, table rows, step, seed name,
+        first row of their row shard)."""
+        reused, o = owner.module.take_reused_rows(), owner.first_row
+        seed = self._table if o == 0 else f"{self._table}@{o}"
+        return self._table, reused + o if o else reused, owner.module._host.step, seed, o
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
     def output_size(self) -> int:
@@ -379,7 +375,8 @@ class _OwnerRemap:
 
     def __init__(self, tables: list[ShardedMCHModule], collection: _ShardedCollectionBase) -> None:
         self.tables, self.collection = tables, collection
-        owners = [o for t in tables for o in t._owners]
+        self.owners = [(t, o) for t in tables for o in t._owners]
+        owners = [o for _, o in self.owners]
         self.group = TableGroup([o.module for o in owners])
         self.keys = [o.keys for o in owners]  # the routed keys each owner remaps
         self.profile_keys = [o.profile_keys for o in owners]  # and profiles (one piece per row shard)
@@ -403,7 +400,7 @@ class _OwnerRemap:
                                                                   for keys in self.profile_keys]
         profile = (values, None, profiled)
         handed = remap_tables(self.group, values, out, spans, profile if training else None, training)
-        fresh = [f for t in self.tables for f in t.fresh_rows()] if handed else []
+        fresh = [t.fresh_rows(o) for t, o in self.owners if o.module._pending_rows] if handed else []
         while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)
             now, seen, later = [], set(), []
             for f in fresh:
