@@ -265,7 +265,7 @@ struct IdHash {
     while (keys[h] != id && keys[h] != kNoId) h = (h + 1) & mask;
     return h;
   }
-  void add(int64_t id, int64_t count) {
+  int64_t add(int64_t id, int64_t count) {  // returns the id's slot
     const size_t h = probe(id);
     if (keys[h] == kNoId) {
       keys[h] = id;
@@ -275,6 +275,7 @@ struct IdHash {
       rows.push_back(-2);
     }
     counts[slot_of[h]] += count;
+    return slot_of[h];
   }
   int64_t row(int64_t id) const {  // -2: not among these ids
     const size_t h = probe(id);
@@ -310,6 +311,36 @@ void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
       const int64_t pos = placed ? find(t, seen.ids[s]) : 0;
       seen.rows[s] = placed && t.sorted_ids[pos] == seen.ids[s] ? t.sorted_rows[pos] : t.M;
     }
+}
+
+// Table t's ids at `spans` of v into o; returns the lookups of reused rows. `slot_at`: each position's slot in
+// `seen` (its ids profiled in the same order), so rows are read back without a probe; else each id is looked up in
+// `seen` (the profiled ids), or searched in the map.
+int64_t remap_table(const Table& t, const IdHash& seen, const std::vector<int64_t>* slot_at,
+                    const std::vector<std::pair<int64_t, int64_t>>& spans, const int64_t* v, int64_t* o) {
+  int64_t reused = 0;
+  if (slot_at) {
+    size_t k = 0;
+    for (const auto& [a, b] : spans)
+      for (int64_t p = a; p < b; ++p) o[p] = seen.rows[(*slot_at)[k++]];
+    for (size_t d = 0; d < seen.ids.size(); ++d)  // each id's lookups at once: its count
+      reused += seen.rows[d] != t.M && t.reused[seen.rows[d]] ? seen.counts[d] : 0;
+    return reused;
+  }
+  const bool profiled = !seen.ids.empty();
+  for (const auto& [a, b] : spans) {
+    const std::vector<int64_t> at = profiled ? std::vector<int64_t>() : find_all(t, std::vector<int64_t>(v + a, v + b));
+    for (int64_t p = a; p < b; ++p) {
+      int64_t row = profiled ? seen.row(v[p]) : -2;
+      if (row == -2) {
+        const int64_t pos = profiled ? find(t, v[p]) : at[p - a];
+        row = t.sorted_ids[pos] == v[p] ? t.sorted_rows[pos] : t.M;  // M = zch_size - 1: the unknown row
+      }
+      o[p] = row;
+      reused += row != t.M && t.reused[row];
+    }
+  }
+  return reused;
 }
 
 using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
@@ -395,29 +426,23 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
   const int64_t* v = values.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> admitted(T);
+  // a step's own ids profiled and remapped alike: each position's slot kept, its row read back without a probe
+  const bool same = !pc && profile_ids.is_same(values) && profile_segments.is_same(remap_segments);
   at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
     for (int64_t i = tb; i < te; ++i) {
       Table& t = tables[i];
       size_t n = 0;
       for (const auto& [a, b] : prof[i]) n += b - a;
       IdHash seen(n);
+      std::vector<int64_t> slot_at;
+      slot_at.reserve(same ? n : 0);
       for (const auto& [a, b] : prof[i])
-        for (int64_t p = a; p < b; ++p) seen.add(pid[p], pc ? pc[p] : 1);
-      profile(t, seen, admitted[i]);
-      int64_t reused = 0;
-      for (const auto& [a, b] : remap[i]) {
-        // the profiled ids' rows from the profile, no second search; any other id searched (M: the unknown row)
-        const std::vector<int64_t> at = n ? std::vector<int64_t>() : find_all(t, std::vector<int64_t>(v + a, v + b));
         for (int64_t p = a; p < b; ++p) {
-          int64_t row = n ? seen.row(v[p]) : -2;
-          if (row == -2) {
-            const int64_t pos = n ? find(t, v[p]) : at[p - a];
-            row = t.sorted_ids[pos] == v[p] ? t.sorted_rows[pos] : t.M;
-          }
-          o[p] = row;
-          reused += row != t.M && t.reused[row];
+          const int64_t slot = seen.add(pid[p], pc ? pc[p] : 1);
+          if (same) slot_at.push_back(slot);
         }
-      }
+      profile(t, seen, admitted[i]);
+      const int64_t reused = remap_table(t, seen, same ? &slot_at : nullptr, remap[i], v, o);
       if (count) {
         t.lookups[0] += reused;
         for (const auto& [a, b] : remap[i]) t.lookups[1] += b - a;
