@@ -9,12 +9,12 @@
 // One call for all tables: no per-table dispatch, no host read. Parallel over tables. mch_evict: the eviction run
 // of the tables whose step it is: the built-in policies scored here, any other MCHEvictionPolicy's scores given.
 //
-//   state       [T * 11]  per table: sorted_ids, sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool,
-//                         cand_ids, cand_counts, cand_last [C] int64, step [] int64 (already advanced),
-//                         lookups [2] int64 (added to: lookups of reused rows, lookups)
+//   state       an MchState (mch_state.h, made once per table group): its tensors, 11 a table: sorted_ids,
+//               sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool, cand_ids, cand_counts,
+//               cand_last [C] int64, step [] int64, lookups [2] int64 (added to: lookups of reused rows, lookups);
+//               its min_counts [T]: lookups a new id needs before it takes a row
 //   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
 //   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
-//   min_counts  [T]       lookups a new id needs before it takes a row
 //   returns     (admitted rows [A] int64 table after table, admitted per table [T] int64)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,8 +50,8 @@ struct Entry {
   int64_t id, count, last;
 };
 
-// Position of id's lower bound in the sorted map, clamped to the map (M >= 1). Branchless: the ids of a step are
-// unpredictable, and std::lower_bound's mispredicted branches were most of a profile's time.
+// Position of id's lower bound in the sorted map, clamped to the map (M >= 1). Branchless (a select a level): the
+// ids of a step are unpredictable, so a branch a level is mispredicted half the time.
 int64_t find(const Table& t, int64_t id) {
   const int64_t* base = t.sorted_ids;
   int64_t n = t.M;

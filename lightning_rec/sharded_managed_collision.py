@@ -380,6 +380,7 @@ class _OwnerRemap:
         self.group = TableGroup([o.module for o in owners])
         self.keys = [o.keys for o in owners]  # the routed keys each owner remaps
         self.profile_keys = [o.profile_keys for o in owners]  # and profiles (one piece per row shard)
+        self.profiles_all = self.keys == self.profile_keys  # no column-wise copies: the profile is the remap
 
     def __call__(self, routed: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values, offsets = routed.values(), routed.offset_per_key()
@@ -396,8 +397,8 @@ class _OwnerRemap:
                 for t in self.tables:
                     t.check_ids(values, offsets)
         spans = [[(offsets[i], offsets[i + 1]) for i in keys] for keys in self.keys]
-        profiled = spans if self.keys == self.profile_keys else [[(offsets[i], offsets[i + 1]) for i in keys]
-                                                                  for keys in self.profile_keys]
+        profiled = spans if self.profiles_all else [[(offsets[i], offsets[i + 1]) for i in keys]
+                                                     for keys in self.profile_keys]
         profile = (values, None, profiled)
         handed = remap_tables(self.group, values, out, spans, profile if training else None, training)
         fresh = [t.fresh_rows(o) for t, o in self.owners if o.module._pending_rows] if handed else []
