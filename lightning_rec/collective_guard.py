@@ -45,6 +45,7 @@ sees a rank blocked in torch.distributed only where the host blocks (barrier, ob
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -555,17 +556,35 @@ class _Watcher:
     It holds the Store weakly: a Store kept alive past destroy_process_group() keeps its server (rank 0) serving
     on MASTER_PORT, and the next init_process_group in this process reuses that server, old keys and all (the
     second fit of a script that destroyed the group between two fits hung in its first collective). The
-    thread ends once the process group it watched is gone."""
+    thread ends once the process group it watched is gone, and at exit before the interpreter finalizes: a
+    daemon thread inside a Store call then aborts the process (SIGABRT, "terminate called without an active
+    exception"), and torchrun's other hosts wait for it at their exit barrier."""
 
     _instance: _Watcher | None = None
     _lock = threading.Lock()
+    _stop_registered = False
 
     @classmethod
     def ensure(cls, store, rank: int) -> None:
         with cls._lock:
             if cls._instance is not None and cls._instance.store() is store and cls._instance.thread.is_alive():
                 return
+            if not cls._stop_registered:
+                cls._stop_registered = True
+                atexit.register(cls.stop)
+            if cls._instance is not None:
+                cls._instance.stopped.set()
             cls._instance = cls(store, rank)
+
+    @classmethod
+    def stop(cls, timeout_s: float = 5.0) -> None:
+        """The watcher leaves (its Store call, if one is under way, finishes first)."""
+        with cls._lock:
+            watcher, cls._instance = cls._instance, None
+        if watcher is not None:
+            watcher.stopped.set()
+            if watcher.thread is not threading.current_thread():
+                watcher.thread.join(timeout_s)
 
     def __init__(self, store, rank: int) -> None:
         self.store, self.rank = weakref.ref(store), rank
@@ -576,12 +595,12 @@ class _Watcher:
         self.since = 0.0
         self.published = False
         self.told = False
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="lightning_rec collective watcher", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while True:
-            time.sleep(TICK_S)
+        while not self.stopped.wait(TICK_S):
             if _Watcher._instance is not self or not self._tick():
                 self.frame = None  # a finished frame keeps its locals (a group, its Store) alive
                 return

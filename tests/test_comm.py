@@ -62,3 +62,37 @@ def test_a_failed_collective_names_what_failed_the_timeout_and_its_setting():
 
     verdict = CollectiveMismatch("ranks at different collectives")
     assert comm.collective_error("x", verdict) is verdict  # a guard's verdict names the ranks already
+
+
+_EXIT_IN_A_STORE_CALL = """
+import sys, time
+import torch.distributed as dist
+from lightning_rec.collective_guard import _Watcher
+
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+def tick(self):  # Store calls (the GIL released in each) going on while the main thread ends
+    while _Watcher._instance is self:
+        self.store().add("ticks", 1)
+    return False
+
+_Watcher._tick = tick
+_Watcher.ensure(store, 0)
+time.sleep(1.3)  # the watcher's first tick (1 s) is under way
+dist.destroy_process_group()
+"""
+
+
+def test_the_collective_watcher_leaves_before_the_interpreter_finalizes():
+    """A second host's rank aborted at exit (SIGABRT, "terminate called without an active exception"): the
+    watcher's daemon thread was inside a Store call when the interpreter finalized; torchrun's first host then
+    waited 300 s for it at its exit barrier."""
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_IN_A_STORE_CALL, str(free_port())], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

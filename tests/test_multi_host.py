@@ -3,8 +3,10 @@ the recipe trains, checkpoints into the directory both hosts see, and the checkp
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,16 @@ PLANNER = """trainer:
 """
 
 
+def _wait(host: subprocess.Popen, deadline: float) -> int | str:
+    """The host's exit code; past the deadline it is stopped with its workers (its own process group)."""
+    try:
+        return host.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(host.pid, signal.SIGKILL)
+        host.wait()
+        return "timed out"
+
+
 def _fit(tmp_path: Path, *extra: str) -> list[str]:
     return ["-m", "lightning_rec.cli", "fit", "--config", "recipes/configs/dlrm_synthetic.yaml", "--config",
             str(tmp_path / "planner.yaml"), f"--trainer.default_root_dir={tmp_path / 'run'}",
@@ -41,13 +53,17 @@ def test_two_hosts_of_two_ranks_train_checkpoint_and_resume_in_one_process(tmp_p
     (tmp_path / "planner.yaml").write_text(PLANNER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     port = free_port()
+    logs = [tmp_path / f"host{node}.log" for node in (0, 1)]
     hosts = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
          "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
          *_fit(tmp_path, "--trainer.devices=2", "--trainer.num_nodes=2", "--trainer.max_steps=4")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    said = [host.communicate(timeout=240)[0] for host in hosts]
-    assert [host.returncode for host in hosts] == [0, 0], "\n".join(s[-3000:] for s in said)
+        cwd=ROOT, env=env, stdout=logs[node].open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        for node in (0, 1)]
+    deadline = time.monotonic() + 240
+    codes = [_wait(host, deadline) for host in hosts]
+    said = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(f"host {i} ({c}):\n{s[-3000:]}" for i, (c, s) in enumerate(zip(codes, said)))
     out = said[0]
     # the plan spans the hosts: the row-wise table on ranks of both, each table-row-wise one on one host's two
     plan = out[out.index("lightning_rec sharding plan (4 ranks)"):].splitlines()  # a line per table
