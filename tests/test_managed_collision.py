@@ -444,3 +444,30 @@ def test_owner_of_native_pass_routes_every_id_as_the_torch_ops_do():
             torch_ops = mch.owner_of(ids, owners)
         assert torch.equal(native, torch_ops)
         assert int(native.min()) == 0 and bool((native < (owners if isinstance(owners, int) else per_id)).all())
+
+
+@pytest.mark.parametrize(("saved", "built"), [(None, {}), ({}, None)])
+def test_a_trainer_checkpoint_with_other_id_maps_is_refused_by_the_hyperparameters_not_a_wall_of_keys(
+        tmp_path, saved, built):
+    """Resuming a checkpoint of tables without id maps into a module with them (or the reverse) listed some 30 KB of
+    missing and unexpected keys (11 buffers a table) and no fix."""
+    import lightning.pytorch as L
+
+    from lightning_rec import DLRMModule
+    from lightning_rec.data import SyntheticCriteoDataModule
+
+    kw = dict(num_embeddings_per_feature=50, embedding_dim=4, dense_arch_layer_sizes=[8, 4],
+              over_arch_layer_sizes=[4, 1])
+    dm = SyntheticCriteoDataModule(num_train_samples=64, num_val_samples=32, batch_size=32,
+                                   num_embeddings_per_feature=50)
+    quiet = dict(default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False, limit_val_batches=0)
+    first = L.Trainer(max_steps=1, **quiet)
+    first.fit(DLRMModule(**kw, managed_collision=saved), dm)
+    first.save_checkpoint(tmp_path / "m.ckpt")
+    module = DLRMModule(**kw, managed_collision=built)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"saved by a DLRMModule\(managed_collision={saved!r}\), and this one is "
+                                         rf"built with managed_collision={built!r}: .*load_from_checkpoint"):
+        L.Trainer(max_steps=2, **quiet).fit(module, dm, ckpt_path=tmp_path / "m.ckpt")
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())

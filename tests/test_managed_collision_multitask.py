@@ -110,3 +110,13 @@ def test_raw_ids_into_tables_without_maps_are_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"MovieLensDataModule\(hash_ids=False\) hands the raw ids, which its tables "
                                          r"would read as rows: give MultiTaskModule\(managed_collision=\{\}\)"):
         trainer.fit(_module(), dm)
+
+
+def test_raw_ids_on_a_feature_left_out_of_the_maps_are_refused_naming_it(tmp_path):
+    """managed_collision_features=['user_id'] over raw item ids too: item ids around 2**40 went to a 16-row table
+    and the batch check said only that an id was outside the table."""
+    dm = _raw_movielens(tmp_path)
+    trainer = L.Trainer(max_steps=1, default_root_dir=tmp_path, enable_checkpointing=False, **QUIET)
+    with pytest.raises(ValueError, match=r"hands raw ids on \['item_id'\], which MultiTaskModule\(managed_collision_"
+                                         r"features=\['user_id'\]\) leaves without an id map .*: add them"):
+        trainer.fit(_module(managed_collision={}, managed_collision_features=["user_id"]), dm)

@@ -275,4 +275,62 @@ def more_table_cases() -> None:
         check_ebc(make_ebc(kernel="fbgemm", dims=(3, 5), opt="adagrad"), good_batch())
 
 
-CASES = (config_cases, collection_build_cases, collection_batch_cases, collection_input_cases, more_table_cases)
+def managed_collision_cases() -> None:
+    """Managed-collision (ZCH) id maps: arguments, raw ids, checkpoints with and without a map."""
+    torch = _t()
+    from lightning_rec import EmbeddingBagCollection, EmbeddingBagConfig, FusedOptimizerConfig
+    from lightning_rec.managed_collision import (
+        ManagedCollisionCollection,
+        ManagedCollisionEmbeddingBagCollection,
+        MCHManagedCollisionModule,
+    )
+    from lightning_rec.sparse import KeyedJaggedTensor
+
+    def tables(rows=8):
+        return [EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=4, feature_names=["f"])]
+
+    def mc_ebc(**kw):
+        ebc = EmbeddingBagCollection(tables(), optimizer=FusedOptimizerConfig("rowwise_adagrad", lr=0.1))
+        return ManagedCollisionEmbeddingBagCollection(
+            ebc, ManagedCollisionCollection({"t": MCHManagedCollisionModule(8, **kw)}, tables()))
+
+    def raw(ids):
+        return KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids), 0]))
+
+    simple("mc.zch_size_zero", lambda: MCHManagedCollisionModule(0), ValueError, ["zch_size"])
+    simple("mc.eviction_interval_zero", lambda: MCHManagedCollisionModule(4, eviction_interval=0), ValueError,
+           ["eviction_interval"])
+    simple("mc.zch_size_over_table", lambda: ManagedCollisionCollection({"t": MCHManagedCollisionModule(9)},
+                                                                        tables()), ValueError, ["zch_size <= 8"])
+
+    @case("mc.negative_raw_ids", ValueError, ["negative ids"])
+    def _(ctx):
+        m = mc_ebc().train()
+        m(raw([2**40, 7]))
+        ctx.after(unchanged(m, m.state_dict(), "id map and table"))
+        m(raw([3, -5]))
+
+    @case("mc.checkpoint_with_map_into_table_without", RuntimeError, ["_managed_collision_collection"])
+    def _(ctx):
+        m = mc_ebc()
+        m._embedding_module.load_state_dict(m.state_dict())
+
+    @case("mc.checkpoint_without_map_into_table_with", RuntimeError, ["_row_ids"])
+    def _(ctx):
+        m = mc_ebc()
+        m.load_state_dict({"_embedding_module." + k: v for k, v in m._embedding_module.state_dict().items()})
+
+    @case("mc.every_id_new_every_batch", ok=True)
+    def _(ctx):
+        m = mc_ebc(eviction_policy="lru", eviction_interval=1).train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(6):
+                m(raw([1000 * step + i for i in range(8)]))
+        expect(any("evict" in str(w.message) for w in caught), "a table that churns warns with its eviction rate")
+        ids, rows = m._managed_collision_collection._managed_collision_modules["t"].id_map()
+        expect(ids.numel() == rows.unique().numel(), "every id in the map has a row of its own")
+
+
+CASES = (config_cases, collection_build_cases, collection_batch_cases, collection_input_cases, more_table_cases,
+         managed_collision_cases)

@@ -127,11 +127,19 @@ class RecModuleHooks(RecCheckpointLoading):
     def check_raw_ids(self, datamodule: Any, what: str = "raw ids, which its tables") -> None:
         """A data module handing raw ids (hash_ids=False) to a module built without id maps (managed_collision=None),
         refused naming the fix (the modules with a `managed_collision` argument call it)."""
-        if getattr(datamodule, "hash_ids", True) is False and self.hparams.get("managed_collision") is None:
-            owner = type(self).__name__
+        if getattr(datamodule, "hash_ids", True) is not False:
+            return
+        owner = type(self).__name__
+        if self.hparams.get("managed_collision") is None:
             raise ValueError(f"{type(datamodule).__name__}(hash_ids=False) hands the {what} would read as rows: give "
                              f"{owner}(managed_collision={{}}) (--model.init_args.managed_collision '{{}}') to map "
                              f"them to rows, or hash_ids=True")
+        mapped = self.hparams.get("managed_collision_features")
+        unmapped = [f for f in getattr(datamodule, "raw_id_features", ()) if mapped is not None and f not in mapped]
+        if unmapped:
+            raise ValueError(f"{type(datamodule).__name__}(hash_ids=False) hands raw ids on {unmapped}, which "
+                             f"{owner}(managed_collision_features={list(mapped)}) leaves without an id map (they would "
+                             f"be read as rows): add them, or managed_collision_features=None (every feature)")
 
     @staticmethod
     def check_embedding_device(owner: str, embedding_device: str) -> None:
@@ -238,3 +246,28 @@ class RecModuleHooks(RecCheckpointLoading):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint[MODULE_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.check_same_id_maps(checkpoint.get("hyper_parameters") or {})
+
+    def check_same_id_maps(self, saved: dict[str, Any]) -> None:
+        """A checkpoint whose tables read raw ids through id maps into a module whose tables do not (or the
+        reverse, or other tables), said from the saved hyperparameters before the state dict (a wall of keys)."""
+        keys = [k for k in ("managed_collision", "managed_collision_features") if k in self.hparams and k in saved]
+        if all(_id_maps(k, saved[k]) == _id_maps(k, self.hparams[k]) for k in keys):
+            return
+        owner = type(self).__name__
+        given = ", ".join(f"{k}={saved[k]!r}" for k in keys)
+        raise ValueError(f"this checkpoint was saved by a {owner}({given}), and this one is built with "
+                         f"{', '.join(f'{k}={self.hparams[k]!r}' for k in keys)}: the id maps are part of the "
+                         f"checkpoint's state. Build the module as it was saved ({owner}.load_from_checkpoint(path) "
+                         f"does), or train the new configuration from the start")
+
+
+def _id_maps(key: str, value: Any) -> Any:
+    """What of a managed-collision hyperparameter decides the checkpoint's keys: whether there are maps, on which
+    features (the maps' settings load into any map)."""
+    if key == "managed_collision":
+        return value is None
+    return None if value is None else sorted(value)

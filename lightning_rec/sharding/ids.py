@@ -71,7 +71,9 @@ class RouteTables:
         self.rank_sf_end = torch.tensor(counts, device=device).cumsum(0)
         # pooled and no table split by rows: routing is a key permutation (see top)
         self.fast = routing.pooled and not routing.row_split
+        self.copy_shards_C = self.copy_last_owner_C + 1
         self.raw_C: Tensor | None = None  # C: the copy reads raw ids (managed collision), routed by value
+        self.all_raw = False
 
     def route_raw_ids(self, tables: set[str]) -> None:
         """The copies of `tables` carry raw ids: each goes to the row shard `owner_of(id, row shards)` unchanged,
@@ -79,6 +81,7 @@ class RouteTables:
         table_of = {sf.feature_index: sf.table for sf in self.routing.shard_features}
         raw = [table_of[f] in tables for f in self.routing.copy_feature_index]
         self.raw_C = torch.tensor(raw, dtype=torch.bool, device=self.copy_block_C.device) if any(raw) else None
+        self.all_raw = bool(raw) and all(raw)
 
 
 def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
@@ -101,16 +104,7 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
     bag_N = torch.repeat_interleave(torch.arange(lengths_CB.numel(), device=values_N.device), lengths_CB,
                                     output_size=N)
     copy_N = torch.div(bag_N, max(B, 1), rounding_mode="floor")
-    block_N = tables.copy_block_C[copy_N]
-    # an unchecked id outside its table stays among its copy's own shards, where the owner's kernel refuses it
-    owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
-    owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
-    local_N = values_N - owner_N * block_N
-    if tables.raw_C is not None:  # raw ids: routed by value over the copy's row shards, remapped by their owner
-        raw_N = tables.raw_C[copy_N]
-        shards_N = tables.copy_last_owner_C[copy_N] + 1
-        owner_N = torch.where(raw_N, owner_of(values_N, shards_N), owner_N)
-        local_N = torch.where(raw_N, values_N, local_N)
+    owner_N, local_N = _owners(tables, values_N, copy_N)
     sf_N = tables.copy_shard_sf[tables.copy_first_C[copy_N] + owner_N]
     key_N = sf_N * B + (bag_N - copy_N * B)
     key_sorted_N, order_N = torch.sort(key_N, stable=True)
@@ -126,6 +120,23 @@ def route_ids(features: KeyedJaggedTensor, tables: RouteTables) -> RoutedIds:
         per_rank = [0] * tables.routing.world_size
     return RoutedIds(lengths_SB.to(lengths_CB.dtype), local_N[order_N],
                      None if weights_N is None else weights_N[order_N], per_rank, order_N, copies)
+
+
+def _owners(tables: RouteTables, values_N: Tensor, copy_N: Tensor) -> tuple[Tensor, Tensor]:
+    """Each id's row shard among its copy's and its id there: rows by block, raw ids (managed collision) by value
+    (remapped by their owner)."""
+    if tables.all_raw:
+        return owner_of(values_N, tables.copy_shards_C[copy_N]), values_N
+    block_N = tables.copy_block_C[copy_N]
+    # an unchecked id outside its table stays among its copy's own shards, where the owner's kernel refuses it
+    owner_N = torch.div(values_N, block_N, rounding_mode="floor").clamp_(min=0)
+    owner_N = torch.minimum(owner_N, tables.copy_last_owner_C[copy_N])
+    local_N = values_N - owner_N * block_N
+    if tables.raw_C is not None:
+        raw_N = tables.raw_C[copy_N]
+        owner_N = torch.where(raw_N, owner_of(values_N, tables.copy_shards_C[copy_N]), owner_N)
+        local_N = torch.where(raw_N, values_N, local_N)
+    return owner_N, local_N
 
 
 def key_major_permutation(num_keys: int, batch_per_source: Sequence[int], device: torch.device) -> Tensor:

@@ -347,6 +347,11 @@ class MovieLensDataModule(pl.LightningDataModule):
             raise ValueError("MovieLensDataModule.setup() has not run: call dm.setup() (Trainer.fit does) first")
 
     @property
+    def raw_id_features(self) -> tuple[str, ...]:
+        """The features that carry the log's raw ids (hash_ids=False), which a model maps to rows."""
+        return () if self.hash_ids else ("user_id", "item_id")
+
+    @property
     def user_num_embeddings(self) -> dict[str, int]:
         self._need_setup()
         return self.user_features.num_embeddings
