@@ -5,7 +5,8 @@
 // into the candidates (past capacity: the most counted, then the most recent, then the smaller id stay), candidates
 // that reached min_count take the free rows (the most counted first, ties by id), the sorted id map merged; then
 // remap: ids -> rows (the unknown row, zch_size - 1, for ids without one), counting lookups of reused rows. The
-// eviction run is not here: it runs in batches every eviction_interval steps, between a profile and a remap call.
+// eviction run (every eviction_interval steps, in batches) comes between profile and remap: in the same call for the
+// built-in policies, else between a profile and a remap call.
 // One call for all tables: no per-table dispatch, no host read. Parallel over tables. mch_evict: the eviction run
 // of the tables whose step it is: the built-in policies scored here, any other MCHEvictionPolicy's scores given.
 //
@@ -15,7 +16,9 @@
 //               its min_counts [T]: lookups a new id needs before it takes a row
 //   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
 //   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
-//   returns     (admitted rows [A] int64 table after table, admitted per table [T] int64)
+//   evict_policies  [T] or empty: a built-in policy's eviction run between profile and remap (0: none)
+//   returns     (rows handed out [A] int64 table after table: admitted, then evicted; their number per table [T];
+//               of those, evicted per table [T])
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -343,6 +346,43 @@ int64_t remap_table(const Table& t, const IdHash& seen, const std::vector<int64_
   return reused;
 }
 
+// The ready candidates (count at least min_count), by position: mch.py's _eviction_scores' `ready`.
+std::vector<int64_t> ready_candidates(const Table& t) {
+  std::vector<int64_t> ready;
+  const int64_t n = num_candidates(t);
+  for (int64_t i = 0; i < n; ++i)
+    if (t.cand_counts[i] >= t.min_count) ready.push_back(i);
+  return ready;
+}
+
+// The built-in policies' scores (mch.py's LFU / LRU / DistanceLFU(decay 1) .scores, the same double arithmetic) of
+// `n` ids, their counts and last-seen steps given by position.
+template <typename Count, typename Last>
+std::vector<double> scores(int64_t policy, int64_t n, int64_t step, Count count, Last last) {
+  std::vector<double> out(n);
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max(most, count(i));
+  for (int64_t i = 0; i < n; ++i) {
+    const double c = static_cast<double>(count(i));
+    if (policy == 1) out[i] = c;
+    else if (policy == 2) out[i] = static_cast<double>(last(i)) + c / (static_cast<double>(most) + 1);
+    else out[i] = c / (static_cast<double>(std::max<int64_t>(step - last(i), 0)) + 1);
+  }
+  return out;
+}
+
+// The eviction run of table t under a built-in policy (1 lfu, 2 lru, 3 distance-lfu of decay 1): rows handed to
+// candidates appended to `evicted`.
+void evict_builtin(Table& t, int64_t policy, std::vector<int64_t>& evicted) {
+  const std::vector<int64_t> r = ready_candidates(t);
+  const int64_t R = static_cast<int64_t>(r.size());
+  const std::vector<double> resident = scores(
+      policy, t.M, t.step, [&](int64_t j) { return t.counts[j]; }, [&](int64_t j) { return t.last_seen[j]; });
+  const std::vector<double> incoming = scores(
+      policy, R, t.step, [&](int64_t j) { return t.cand_counts[r[j]]; }, [&](int64_t j) { return t.cand_last[r[j]]; });
+  evict(t, r.data(), R, resident.data(), incoming.data(), evicted);
+}
+
 using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
 
 Segments by_table(const at::Tensor& segments, int64_t T, int64_t n, const char* what) {
@@ -399,11 +439,16 @@ std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>&
   return {rows, per_table};
 }
 
-std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
     const c10::intrusive_ptr<MchState>& state, const at::Tensor& profile_ids,
     const c10::optional<at::Tensor>& profile_counts, const at::Tensor& profile_segments, const at::Tensor& values,
-    const at::Tensor& out, const at::Tensor& remap_segments, bool count, bool advance) {
+    const at::Tensor& out, const at::Tensor& remap_segments, bool count, bool advance, at::IntArrayRef evict_policies) {
   const int64_t T = static_cast<int64_t>(state->min_counts.size());
+  LR_CHECK(evict_policies.empty() || static_cast<int64_t>(evict_policies.size()) == T,
+           "lightning_rec::mch_profile_remap: evict_policies: none, or one per table (0: no eviction run)");
+  for (const int64_t policy : evict_policies)
+    LR_CHECK(policy >= 0 && policy <= 3, "lightning_rec::mch_profile_remap: evict_policies holds ", policy,
+             ": 0 (none), 1 (lfu), 2 (lru) or 3 (distance-lfu, decay 1)");
   check_ids(profile_ids, "profile_ids");
   check_ids(values, "values");
   check_ids(out, "out");
@@ -426,6 +471,8 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
   const int64_t* v = values.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> admitted(T);
+  at::Tensor evicted = at::zeros({T}, at::kLong);
+  int64_t* evicted_T = evicted.data_ptr<int64_t>();
   // a step's own ids profiled and remapped alike: each position's slot kept, its row read back without a probe
   const bool same = !pc && profile_ids.is_same(values) && profile_segments.is_same(remap_segments);
   at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
@@ -442,6 +489,15 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
           if (same) slot_at.push_back(slot);
         }
       profile(t, seen, admitted[i]);
+      if (!evict_policies.empty() && evict_policies[i]) {
+        const size_t before = admitted[i].size();
+        evict_builtin(t, evict_policies[i], admitted[i]);
+        evicted_T[i] = static_cast<int64_t>(admitted[i].size() - before);
+        for (size_t d = 0; d < seen.ids.size(); ++d) {  // the rows the run took or gave: read again
+          const int64_t pos = find(t, seen.ids[d]);
+          seen.rows[d] = t.sorted_ids[pos] == seen.ids[d] ? t.sorted_rows[pos] : t.M;
+        }
+      }
       const int64_t reused = remap_table(t, seen, same ? &slot_at : nullptr, remap[i], v, o);
       if (count) {
         t.lookups[0] += reused;
@@ -449,32 +505,8 @@ std::tuple<at::Tensor, at::Tensor> mch_profile_remap_cpu(
       }
     }
   });
-  return flat(admitted);
-}
-
-// The ready candidates (count at least min_count), by position: mch.py's _eviction_scores' `ready`.
-std::vector<int64_t> ready_candidates(const Table& t) {
-  std::vector<int64_t> ready;
-  const int64_t n = num_candidates(t);
-  for (int64_t i = 0; i < n; ++i)
-    if (t.cand_counts[i] >= t.min_count) ready.push_back(i);
-  return ready;
-}
-
-// The built-in policies' scores (mch.py's LFU / LRU / DistanceLFU(decay 1) .scores, the same double arithmetic) of
-// `n` ids, their counts and last-seen steps given by position.
-template <typename Count, typename Last>
-std::vector<double> scores(int64_t policy, int64_t n, int64_t step, Count count, Last last) {
-  std::vector<double> out(n);
-  int64_t most = 0;
-  for (int64_t i = 0; i < n; ++i) most = std::max(most, count(i));
-  for (int64_t i = 0; i < n; ++i) {
-    const double c = static_cast<double>(count(i));
-    if (policy == 1) out[i] = c;
-    else if (policy == 2) out[i] = static_cast<double>(last(i)) + c / (static_cast<double>(most) + 1);
-    else out[i] = c / (static_cast<double>(std::max<int64_t>(step - last(i), 0)) + 1);
-  }
-  return out;
+  auto [rows, per_table] = flat(admitted);
+  return {rows, per_table, evicted};
 }
 
 std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(const c10::intrusive_ptr<MchState>& state, at::IntArrayRef due,
@@ -503,19 +535,12 @@ std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(const c10::intrusive_ptr<MchSta
   at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
     for (int64_t i = tb; i < te; ++i) {
       Table& t = tables[i];
-      const std::vector<int64_t>& r = ready[i];
-      const int64_t R = static_cast<int64_t>(r.size());
       if (policies[i] == 0) {
-        evict(t, r.data(), R, resident_scores[i].data_ptr<double>(), incoming_scores[i].data_ptr<double>(),
-              evicted[i]);
+        evict(t, ready[i].data(), static_cast<int64_t>(ready[i].size()), resident_scores[i].data_ptr<double>(),
+              incoming_scores[i].data_ptr<double>(), evicted[i]);
         continue;
       }
-      const std::vector<double> resident = scores(
-          policies[i], t.M, t.step, [&](int64_t j) { return t.counts[j]; }, [&](int64_t j) { return t.last_seen[j]; });
-      const std::vector<double> incoming = scores(
-          policies[i], R, t.step, [&](int64_t j) { return t.cand_counts[r[j]]; },
-          [&](int64_t j) { return t.cand_last[r[j]]; });
-      evict(t, r.data(), R, resident.data(), incoming.data(), evicted[i]);
+      evict_builtin(t, policies[i], evicted[i]);
     }
   });
   return flat(evicted);
@@ -549,11 +574,13 @@ TORCH_LIBRARY_FRAGMENT(lightning_rec, m) {
   m.class_<MchState>("MchState").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
   // A step of every table of the group in one pass: profile (counts, candidates, admission to free rows) and remap
   // raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place; `advance`: every
-  // table's step counter first. Returns (rows handed to new ids, table after table; their number per table).
+  // table's step counter first; `evict_policies` (none, or per table a built-in policy, 0: none): an eviction run
+  // between profile and remap. Returns (rows handed to new ids, table after table (admitted, then evicted); their
+  // number per table; of those, the evicted per table).
   m.def(
       "mch_profile_remap(__torch__.torch.classes.lightning_rec.MchState state, Tensor profile_ids, "
       "Tensor? profile_counts, Tensor profile_segments, Tensor values, Tensor(b!) out, Tensor remap_segments, "
-      "bool count, bool advance) -> (Tensor, Tensor)");
+      "bool count, bool advance, int[] evict_policies) -> (Tensor, Tensor, Tensor)");
   // The eviction run of the tables `due`: each one's policy (0: the scores given, 1: lfu, 2: lru, 3: distance-lfu
   // with decay 1) scores residents and ready candidates; returns (rows, per table).
   m.def("mch_evict(__torch__.torch.classes.lightning_rec.MchState state, int[] due, int[] policies, "

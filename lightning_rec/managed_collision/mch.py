@@ -495,11 +495,16 @@ def _evict_tables(group: TableGroup, due: list[int]) -> int:
     rows, per_table = native_op("mch_evict")(group.native_state(), due, policies, [g[0] for g in given],
                                              [g[1] for g in given])
     evicted = per_table.tolist()
+    _evicted(modules, evicted)
+    return _hand_out(modules, rows, evicted)
+
+
+def _evicted(modules: Sequence[MCHManagedCollisionModule], evicted: list[int]) -> None:
+    """The eviction run of `modules` handed `evicted` rows each: counted, and a table that churns warns."""
     torch._foreach_add_([m._buffers["_evictions_total"] for m in modules], evicted)
     for m, n in zip(modules, evicted):
         m._host.last_evictions = n
         m._warn_churn(n, m._host.step)
-    return _hand_out(modules, rows, evicted)
 
 
 _EMPTY = torch.empty(0, dtype=torch.float64)
@@ -531,15 +536,26 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
         _remap_tables_torch(modules, values, out, spans, profile, training, [modules[i] for i in due])
         return sum(r.numel() for m in modules for r in m._pending_rows)
     state = group.native_state()
-    remap_segments, none, handed = _segments(spans), _NO_SEGMENTS, 0
-    if training:  # profile, and remap too unless an eviction run comes between
-        ids, counts, profile_spans = profile
-        profile_segments = remap_segments if profile_spans is spans else _segments(profile_spans)
-        admitted, per_table = op(state, ids, counts, profile_segments, values, out,
-                                 none if due else remap_segments, not due, True)
-        handed = _hand_out(modules, admitted, per_table.tolist()) + _evict_tables(group, due)
-    if due or not training:
-        op(state, values[:0], None, none, values, out, remap_segments, training, False)
+    remap_segments, none = _segments(spans), _NO_SEGMENTS
+    if not training:
+        op(state, values[:0], None, none, values, out, remap_segments, False, False, [])
+        return 0
+    ids, counts, profile_spans = profile
+    profile_segments = remap_segments if profile_spans is spans else _segments(profile_spans)
+    policies = [group.policies[i] for i in due]
+    if all(policies):  # no eviction run, or only built-in policies: profile, evict and remap in one call
+        evict = [0] * len(modules)
+        for i, policy in zip(due, policies):
+            evict[i] = policy
+        rows, per_table, evicted = op(state, ids, counts, profile_segments, values, out, remap_segments, True, True,
+                                      evict if due else [])
+        if due:
+            evicted = evicted.tolist()
+            _evicted([modules[i] for i in due], [evicted[i] for i in due])
+        return _hand_out(modules, rows, per_table.tolist())
+    rows, per_table, _ = op(state, ids, counts, profile_segments, values, out, none, False, True, [])
+    handed = _hand_out(modules, rows, per_table.tolist()) + _evict_tables(group, due)
+    op(state, values[:0], None, none, values, out, remap_segments, True, False, [])
     return handed
 
 
