@@ -120,3 +120,24 @@ def test_raw_ids_on_a_feature_left_out_of_the_maps_are_refused_naming_it(tmp_pat
     with pytest.raises(ValueError, match=r"hands raw ids on \['item_id'\], which MultiTaskModule\(managed_collision_"
                                          r"features=\['user_id'\]\) leaves without an id map .*: add them"):
         trainer.fit(_module(managed_collision={}, managed_collision_features=["user_id"]), dm)
+
+
+def test_a_checkpoint_with_maps_on_other_features_is_refused_and_every_feature_named_or_not_loads(tmp_path):
+    from lightning_rec.data import MovieLensDataModule
+
+    _raw_movielens(tmp_path)  # writes the log
+    dm = MovieLensDataModule(str(tmp_path / "log"), label_columns={"liked": "rating >= 4", "loved": "rating == 5"},
+                             side_features=False, batch_size=16, eval_batch_size=32)  # rows: maps on any feature
+    quiet = dict(default_root_dir=tmp_path, enable_checkpointing=False, **QUIET)
+    every, named = tmp_path / "every.ckpt", tmp_path / "named.ckpt"
+    for path, features in ((every, None), (named, ["user_id", "item_id"])):
+        trainer = L.Trainer(max_steps=1, **quiet)
+        trainer.fit(_module(managed_collision={}, managed_collision_features=features), dm)
+        trainer.save_checkpoint(path)
+    both = _module(managed_collision={}, managed_collision_features=["item_id", "user_id"])
+    L.Trainer(max_steps=2, **quiet).fit(both, dm, ckpt_path=every)  # None: every feature, the same maps
+    with pytest.raises(ValueError, match=r"saved by a MultiTaskModule\(managed_collision=\{\}, managed_collision_"
+                                         r"features=\['user_id', 'item_id'\]\), and this one is built with .*"
+                                         r"managed_collision_features=\['user_id'\]"):
+        L.Trainer(max_steps=2, **quiet).fit(_module(managed_collision={}, managed_collision_features=["user_id"]),
+                                            dm, ckpt_path=named)

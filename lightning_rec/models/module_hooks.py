@@ -254,7 +254,8 @@ class RecModuleHooks(RecCheckpointLoading):
     def check_same_id_maps(self, saved: dict[str, Any]) -> None:
         """A checkpoint whose tables read raw ids through id maps into a module whose tables do not (or the
         reverse, or other tables), said from the saved hyperparameters before the state dict (a wall of keys)."""
-        keys = [k for k in ("managed_collision", "managed_collision_features") if k in self.hparams and k in saved]
+        keys = [k for k in ("managed_collision", "managed_collision_features") if k in self.hparams and k in saved
+                and (k == "managed_collision" or None not in (saved[k], self.hparams[k]))]
         if all(_id_maps(k, saved[k]) == _id_maps(k, self.hparams[k]) for k in keys):
             return
         owner = type(self).__name__
@@ -267,7 +268,7 @@ class RecModuleHooks(RecCheckpointLoading):
 
 def _id_maps(key: str, value: Any) -> Any:
     """What of a managed-collision hyperparameter decides the checkpoint's keys: whether there are maps, on which
-    features (the maps' settings load into any map)."""
+    features (the maps' settings load into any map; None, every feature, is left to the state dict's load)."""
     if key == "managed_collision":
         return value is None
-    return None if value is None else sorted(value)
+    return sorted(value)
