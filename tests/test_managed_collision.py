@@ -103,6 +103,35 @@ def test_evicted_row_is_reinitialised_with_optimizer_state():
     assert torch.equal(w[other], before[other])
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam"])
+def test_a_row_handed_to_a_new_id_starts_afresh_under_every_cpu_optimizer(optimizer):
+    """Every fused optimizer the CPU kernels run: the evicted row's weights are re-drawn and each of its per-row
+    state tensors zeroed; the other row keeps its weights and state, and the new id then trains its row."""
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=4, feature_names=["f", "g"])]
+    ebc = EmbeddingBagCollection(tables, optimizer=FusedOptimizerConfig(optimizer, lr=0.1))
+    mc = ManagedCollisionEmbeddingBagCollection(
+        ebc, ManagedCollisionCollection({"t": MCHManagedCollisionModule(3, eviction_interval=1)}, tables),
+        return_remapped_features=True)  # 2 managed rows
+    for _ in range(2):
+        mc(_kjt([1, 2, 1], []))[0].values().sum().backward()
+
+    def per_row():
+        states = ebc.lookup.fused_kernels()[0].optimizer_states()[0]
+        return {k: v.clone() for k, v in states.items() if v.dim() and v.shape[0] == 3}
+
+    w, state = ebc.table_parameters()["t"].detach().clone(), per_row()
+    assert len(state) == {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1}.get(optimizer, 2)  # adam's: both moments
+    assert all(bool((v[:2].reshape(2, -1) != 0).any(1).all()) for v in state.values())  # both rows trained
+    mc(_kjt([7, 7, 7, 7], []))  # 7 outscores 2 (LFU) and takes its row
+    row = int(mc(_kjt([7], []))[1].values())
+    now, after = ebc.table_parameters()["t"].detach().clone(), per_row()
+    assert not torch.equal(now[row], w[row]) and torch.equal(now[1 - row], w[1 - row])
+    assert all(bool((v[row] == 0).all()) and torch.equal(v[1 - row], state[k][1 - row]) for k, v in after.items())
+    mc(_kjt([7], []))[0].values().sum().backward()
+    assert not torch.equal(ebc.table_parameters()["t"].detach()[row], now[row])
+
+
 def test_rows_are_redrawn_in_the_lookup_that_replaced_the_old_one():
     """Re-initialising rows looks a collection's weight views and optimizer state up once and keeps them while its
     kernels live. use_fused_optimizer builds new kernels (new storage): a row handed out afterwards is re-drawn and
