@@ -54,14 +54,17 @@ def test_two_hosts_of_two_ranks_train_checkpoint_and_resume_in_one_process(tmp_p
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     port = free_port()
     logs = [tmp_path / f"host{node}.log" for node in (0, 1)]
+    outs = [log.open("w") for log in logs]
     hosts = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
          "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
          *_fit(tmp_path, "--trainer.devices=2", "--trainer.num_nodes=2", "--trainer.max_steps=4")],
-        cwd=ROOT, env=env, stdout=logs[node].open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, env=env, stdout=outs[node], stderr=subprocess.STDOUT, start_new_session=True)
         for node in (0, 1)]
     deadline = time.monotonic() + 240
     codes = [_wait(host, deadline) for host in hosts]
+    for out in outs:
+        out.close()
     said = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(f"host {i} ({c}):\n{s[-3000:]}" for i, (c, s) in enumerate(zip(codes, said)))
     out = said[0]
