@@ -38,6 +38,22 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+ML100K = SHARED_DATA / "movielens" / "ml-100k"
+needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
+
+
+def fit_movielens_recipe_briefly(recipe: str, tmp_path: Path, *extra: str):
+    """A MovieLens recipe as users start it (its header says how), fitted 3 steps on ml-100k: the LightningCLI."""
+    from lightning_rec.cli import run_cli
+
+    first = open(REPO / recipe).read().splitlines()
+    assert first[0].startswith("# lightning-rec fit --config " + recipe) and first[1].startswith("# Hardware:")
+    return run_cli(["fit", "--config", recipe, f"--data.init_args.data_dir={ML100K}", "--trainer.logger=false",
+                    f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1",
+                    "--trainer.limit_train_batches=3", "--trainer.enable_progress_bar=false",
+                    "--trainer.enable_model_summary=false", "--data.init_args.eval_test_in_fit=false", *extra])
+
+
 # W&B is installed by the project's own files; a machine that lacks it (no network to install it) skips the
 # tests that log to it instead of failing them.
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="needs wandb (pip install wandb)")

@@ -10,6 +10,7 @@ import warnings
 import lightning.pytorch as L
 import pytest
 import torch
+from conftest import fit_movielens_recipe_briefly, needs_ml100k
 
 from lightning_rec.models import MultiTaskModule
 from lightning_rec.sparse import KeyedJaggedTensor
@@ -143,22 +144,10 @@ def test_a_checkpoint_with_maps_on_other_features_is_refused_and_every_feature_n
                                             dm, ckpt_path=named)
 
 
+@needs_ml100k
 def test_recipe_fits_a_few_steps_on_raw_ids(tmp_path):
-    from conftest import SHARED_DATA
-
-    from lightning_rec.cli import run_cli
-
-    ml100k = SHARED_DATA / "movielens" / "ml-100k"
-    if not (ml100k / "u.data").is_file():
-        pytest.skip("shared ml-100k not present")
-    recipe = "recipes/configs/mmoe_movielens_zch.yaml"
-    first = open(recipe).read().splitlines()
-    assert first[0].startswith("# lightning-rec fit --config " + recipe) and first[1].startswith("# Hardware:")
-    cli = run_cli(["fit", "--config", recipe, f"--data.init_args.data_dir={ml100k}", "--trainer.logger=false",
-                   f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1",
-                   "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
-                   "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-                   "--data.init_args.eval_test_in_fit=false"])
+    cli = fit_movielens_recipe_briefly("recipes/configs/mmoe_movielens_zch.yaml", tmp_path,
+                                       "--trainer.limit_val_batches=1")
     maps = _maps(cli.model)
     assert cli.datamodule.hash_ids is False and set(maps) == {"t_user_id", "t_item_id"}
     assert maps["t_item_id"].numel() > 0 and set(maps["t_item_id"].tolist()) <= set(cli.datamodule.item_ids.tolist())

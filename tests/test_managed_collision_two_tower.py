@@ -11,13 +11,11 @@ import warnings
 import lightning.pytorch as L
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import ML100K, fit_movielens_recipe_briefly, needs_ml100k
 from dist_utils import run_ranks
 
 from lightning_rec.models import TwoTowerModule
 
-ML100K = SHARED_DATA / "movielens" / "ml-100k"
-needs_ml100k = pytest.mark.skipif(not (ML100K / "u.data").is_file(), reason="shared ml-100k not present")
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False)
 MC = {"eviction_policy": "lfu", "eviction_interval": 4}
 SMALL = dict(embedding_dim=8, sparse_lr=0.05, top_k_table_users=0, ks=[10], managed_collision=MC)
@@ -125,16 +123,8 @@ def test_raw_movielens_ids_train_evaluate_and_export_through_the_id_maps(tmp_pat
 
 @needs_ml100k
 def test_recipe_fits_a_few_steps_on_raw_ids(tmp_path):
-    from lightning_rec.cli import run_cli
-
-    recipe = "recipes/configs/two_tower_movielens_zch.yaml"
-    first = open(recipe).read().splitlines()
-    assert first[0].startswith("# lightning-rec fit --config " + recipe) and first[1].startswith("# Hardware:")
-    cli = run_cli(["fit", "--config", recipe, f"--data.init_args.data_dir={ML100K}", "--trainer.logger=false",
-                   f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1",
-                   "--trainer.limit_train_batches=3", "--trainer.check_val_every_n_epoch=1",
-                   "--trainer.enable_progress_bar=false",
-                   "--trainer.enable_model_summary=false", "--data.init_args.eval_test_in_fit=false"])
+    cli = fit_movielens_recipe_briefly("recipes/configs/two_tower_movielens_zch.yaml", tmp_path,
+                                       "--trainer.check_val_every_n_epoch=1")
     module = cli.model
     assert cli.datamodule.hash_ids is False and module.hparams.managed_collision["eviction_interval"] == 100
     ids, _ = (module.model.item_tower.embedding_bag_collection._managed_collision_collection
