@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -117,34 +118,51 @@ std::vector<Entry> with_candidates(const Table& t, std::vector<Entry> fresh) {
   return out;
 }
 
-// The strict order in which candidates keep their place past capacity: the most counted, then the most recent,
-// then the smaller id (entries are in id order): mch.py's stable sorts, as one total order.
-bool stays_before(const std::vector<Entry>& e, int64_t a, int64_t b) {
-  if (e[a].count != e[b].count) return e[a].count > e[b].count;
-  return e[a].last != e[b].last ? e[a].last > e[b].last : a < b;
+// The candidates that keep their place past capacity C: the most counted, then the most recent, then the smaller id
+// (entries are in id order): mch.py's stable sorts. Found without a sort or a comparator: the C-th largest count,
+// then among that count the largest last-seen steps still needed, then the first of those at the boundary step.
+struct Keep {
+  int64_t count, last, at_last;  // keep: count > .count, or == and last > .last, or == both for the first at_last
+};
+
+int64_t kth_largest(std::vector<int64_t> v, int64_t k) {  // 1-based
+  std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<int64_t>());
+  return v[k - 1];
 }
 
-// mch.py's _set_candidates: entries sorted by id into the fixed buffers; past capacity the first C under
-// stays_before stay (a selection, not a sort), kept in id order. `before`: the candidates the buffers held (their
-// slots past the new count are cleared, the rest of the buffers is already empty).
-void set_candidates(Table& t, std::vector<Entry> e, int64_t before) {
-  if (static_cast<int64_t>(e.size()) > t.C) {
-    std::vector<int64_t> order(e.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::nth_element(order.begin(), order.begin() + t.C, order.end(),
-                     [&](int64_t a, int64_t b) { return stays_before(e, a, b); });
-    order.resize(t.C);
-    std::sort(order.begin(), order.end());
-    std::vector<Entry> kept;
-    kept.reserve(t.C);
-    for (int64_t i : order) kept.push_back(e[i]);
-    e.swap(kept);
+Keep to_keep(const std::vector<Entry>& e, int64_t C) {
+  std::vector<int64_t> v;
+  v.reserve(e.size());
+  for (const Entry& x : e) v.push_back(x.count);
+  Keep k{kth_largest(v, C), 0, 0};
+  int64_t need = C;
+  v.clear();
+  for (const Entry& x : e) {
+    need -= x.count > k.count;
+    if (x.count == k.count) v.push_back(x.last);
   }
-  const int64_t n = static_cast<int64_t>(e.size());
-  for (int64_t i = 0; i < n; ++i) {
-    t.cand_ids[i] = e[i].id;
-    t.cand_counts[i] = e[i].count;
-    t.cand_last[i] = e[i].last;
+  k.last = kth_largest(v, need);
+  for (const int64_t last : v) need -= last > k.last;
+  k.at_last = need;
+  return k;
+}
+
+// mch.py's _set_candidates: entries sorted by id into the fixed buffers (past capacity, to_keep's), still in id
+// order. `before`: the candidates the buffers held (their slots past the new count are cleared, the rest of the
+// buffers is already empty).
+void set_candidates(Table& t, const std::vector<Entry>& e, int64_t before) {
+  const bool over = static_cast<int64_t>(e.size()) > t.C;
+  Keep k = over ? to_keep(e, t.C) : Keep{};
+  const auto stays = [&](const Entry& x) {
+    if (!over || x.count != k.count) return !over || x.count > k.count;
+    return x.last != k.last ? x.last > k.last : k.at_last-- > 0;
+  };
+  int64_t n = 0;
+  for (const Entry& x : e) {
+    if (!stays(x)) continue;
+    t.cand_ids[n] = x.id;
+    t.cand_counts[n] = x.count;
+    t.cand_last[n++] = x.last;
   }
   for (int64_t i = n; i < std::max(before, n); ++i) {
     t.cand_ids[i] = kNoId;
@@ -196,7 +214,7 @@ void place(Table& t, const std::vector<int64_t>& rows, const std::vector<int64_t
   std::vector<Entry> rest;
   for (int64_t i = 0; i < n; ++i)
     if (!taken[i]) rest.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
-  set_candidates(t, std::move(rest), n);
+  set_candidates(t, rest, n);
 }
 
 // mch.py's _admit_to_free_rows: ready candidates (the most counted first, ties by id) take the free rows in order.
@@ -260,6 +278,9 @@ struct IdHash {
     while ((size_t(1) << bits) < 2 * n) ++bits;
     keys.assign(size_t(1) << bits, kNoId);
     slot_of.resize(keys.size());
+    ids.reserve(n);
+    counts.reserve(n);
+    rows.reserve(n);
     mask = keys.size() - 1;
     shift = 64 - bits;
   }
