@@ -476,13 +476,18 @@ class TableGroup:
             self._native = flat, torch.classes.lightning_rec.MchState(flat, self.mins)
         return self._native[1]
 
-    def advance(self, buffers: bool = True) -> None:
+    def advance(self, buffers: bool = True) -> list[int]:
         """A training step begins: every table's step counter, the host mirrors and (unless the C++ pass does it)
-        the buffers, in one op."""
+        the buffers, in one op. Returns the tables whose eviction run is due at this step."""
         if buffers:
             torch._foreach_add_(self.state()[_STATE.index("_step")::_N_STATE], 1)
-        for m in self.modules:
-            m._host.step += 1
+        due = []
+        for i, m in enumerate(self.modules):
+            host = m._host
+            host.step += 1
+            if host.step % m._eviction_interval == 0:
+                due.append(i)
+        return due
 
 
 def _evict_tables(group: TableGroup, due: list[int]) -> int:
@@ -496,7 +501,7 @@ def _evict_tables(group: TableGroup, due: list[int]) -> int:
                                              [g[1] for g in given])
     evicted = per_table.tolist()
     _evicted(modules, evicted)
-    return _hand_out(modules, rows, evicted)
+    return _hand_out(modules, rows, per_table)
 
 
 def _evicted(modules: Sequence[MCHManagedCollisionModule], evicted: list[int]) -> None:
@@ -529,9 +534,7 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
     modules = group.modules
     cpu = values.device.type == "cpu" and values.dtype == torch.int64 and values.is_contiguous()
     op = native_op("mch_profile_remap") if native and cpu else None
-    if training:
-        group.advance(buffers=op is None)
-    due = [i for i, m in enumerate(modules) if m._host.step % m._eviction_interval == 0] if training else []
+    due = group.advance(buffers=op is None) if training else []
     if op is None:
         _remap_tables_torch(modules, values, out, spans, profile, training, [modules[i] for i in due])
         return sum(r.numel() for m in modules for r in m._pending_rows)
@@ -552,9 +555,9 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
         if due:
             evicted = evicted.tolist()
             _evicted([modules[i] for i in due], [evicted[i] for i in due])
-        return _hand_out(modules, rows, per_table.tolist())
+        return _hand_out(modules, rows, per_table)
     rows, per_table, _ = op(state, ids, counts, profile_segments, values, out, none, False, True, [])
-    handed = _hand_out(modules, rows, per_table.tolist()) + _evict_tables(group, due)
+    handed = _hand_out(modules, rows, per_table) + _evict_tables(group, due)
     op(state, values[:0], None, none, values, out, remap_segments, True, False, [])
     return handed
 
@@ -562,10 +565,12 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
 _NO_SEGMENTS = torch.empty(0, 3, dtype=torch.int64)
 
 
-def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: list[int]) -> int:
+def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: Tensor) -> int:
     """Rows given to new ids (table after table), kept to be re-initialised by the owner; returns their number."""
+    if not rows.numel():  # most steps once the tables are full: nothing to read per table
+        return 0
     at = 0
-    for m, n in zip(modules, per_table):
+    for m, n in zip(modules, per_table.tolist()):
         if n:
             m._pending_rows.append(rows[at:at + n])
         at += n
