@@ -10,15 +10,17 @@
 // One call for all tables: no per-table dispatch, no host read. Parallel over tables. mch_evict: the eviction run
 // of the tables whose step it is: the built-in policies scored here, any other MCHEvictionPolicy's scores given.
 //
-//   state       an MchState (mch_state.h, made once per table group): its tensors, 11 a table: sorted_ids,
+//   state       an MchState (mch_state.h, made once per table group): its tensors, 12 a table: sorted_ids,
 //               sorted_rows, row_ids, counts, last_seen [M] int64, reused [M] bool, cand_ids, cand_counts,
-//               cand_last [C] int64, step [] int64, lookups [2] int64 (added to: lookups of reused rows, lookups);
-//               its min_counts [T]: lookups a new id needs before it takes a row
+//               cand_last [C] int64, step [] int64, evictions_total [] int64, host [3] int64 (lookups of reused
+//               rows and lookups, added to; rows the last eviction run handed over); per table its min_count
+//               (lookups a new id needs before it takes a row), eviction interval and policy
 //   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
 //   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
-//   evict_policies  [T] or empty: a built-in policy's eviction run between profile and remap (0: none)
+//   bounds      empty, or a segment's begin and end index it (a jagged batch's offset_per_key: segments made once)
+//   evict       the eviction run of the tables whose step is a multiple of their interval, between profile and remap
 //   returns     (rows handed out [A] int64 table after table: admitted, then evicted; their number per table [T];
-//               of those, evicted per table [T])
+//               of those, evicted per table [T], -1 where no run was due (empty: none was))
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,14 +41,14 @@ namespace {
 
 constexpr int64_t kFree = -1;                                      // a row without id
 constexpr int64_t kNoId = std::numeric_limits<int64_t>::max();  // sorts after every id: empty map / candidate slot
-constexpr int kStates = 11;
+constexpr int kStates = 12;
 
 struct Table {
   int64_t *sorted_ids, *sorted_rows, *row_ids, *counts, *last_seen;
   bool* reused;
   int64_t *cand_ids, *cand_counts, *cand_last;
   int64_t step;
-  int64_t* lookups;  // [2]: lookups of reused rows, lookups
+  int64_t *evictions_total, *host;  // host [3]: lookups of reused rows, lookups, rows the last run handed over
   int64_t M, C, min_count;
 };
 
@@ -247,6 +249,7 @@ void first_k(std::vector<int64_t>& order, int64_t k, Less less) {
 // only when no row is free; the candidates are cleared.
 void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, const double* incoming,
            std::vector<int64_t>& evicted) {
+  int64_t handed = 0;
   if (R && num_resident(t) == t.M) {
     const int64_t k = std::min(R, t.M);
     std::vector<int64_t> low(t.M), high(R);
@@ -263,7 +266,10 @@ void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, co
       }
     for (int64_t row : rows) t.reused[row] = true;
     if (!rows.empty()) place(t, rows, cands, evicted);
+    handed = static_cast<int64_t>(rows.size());
   }
+  *t.evictions_total += handed;
+  t.host[2] = handed;
   set_candidates(t, {}, num_candidates(t));
 }
 
@@ -406,14 +412,21 @@ void evict_builtin(Table& t, int64_t policy, std::vector<int64_t>& evicted) {
 
 using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
 
-Segments by_table(const at::Tensor& segments, int64_t T, int64_t n, const char* what) {
+Segments by_table(const at::Tensor& segments, at::IntArrayRef bounds, int64_t T, int64_t n, const char* what) {
   LR_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.is_contiguous() &&
                segments.dim() == 2 && segments.size(1) == 3,
            "lightning_rec::mch_profile_remap: ", what, " must be a contiguous int64 [S, 3] CPU tensor");
   Segments out(T);
   const int64_t* s = segments.data_ptr<int64_t>();
   for (int64_t i = 0; i < segments.size(0); ++i) {
-    const int64_t t = s[3 * i], a = s[3 * i + 1], b = s[3 * i + 2];
+    int64_t t = s[3 * i], a = s[3 * i + 1], b = s[3 * i + 2];
+    if (!bounds.empty()) {
+      const int64_t K = static_cast<int64_t>(bounds.size());
+      LR_CHECK(a >= 0 && a <= b && b < K, "lightning_rec::mch_profile_remap: ", what, " row ", i, " (table ", t,
+               ", keys ", a, ":", b, ") is outside the ", K, " bounds");
+      a = bounds[a];
+      b = bounds[b];
+    }
     LR_CHECK(t >= 0 && t < T && a >= 0 && a <= b && b <= n, "lightning_rec::mch_profile_remap: ", what, " row ", i,
              " (table ", t, ", ", a, ":", b, ") is outside ", T, " tables or ", n, " ids");
     out[t].emplace_back(a, b);
@@ -435,7 +448,7 @@ void check_table(const std::vector<at::Tensor>& s, int64_t i) {
              " must be a contiguous CPU tensor (int64; reused: bool)");
   LR_CHECK(M >= 1 && x[0].numel() == M && x[1].numel() == M && x[3].numel() == M && x[4].numel() == M &&
                x[5].numel() == M && C >= 1 && x[7].numel() == C && x[8].numel() == C && x[9].numel() == 1 &&
-               x[10].numel() == 2,
+               x[10].numel() == 1 && x[11].numel() == 3,
            "lightning_rec::MchState: the state of table ", i, " has inconsistent sizes");
 }
 
@@ -445,7 +458,8 @@ Table table_of(const MchState& st, int64_t i) {
   return Table{x[0].data_ptr<int64_t>(), x[1].data_ptr<int64_t>(), x[2].data_ptr<int64_t>(),
                x[3].data_ptr<int64_t>(), x[4].data_ptr<int64_t>(), x[5].data_ptr<bool>(),
                x[6].data_ptr<int64_t>(), x[7].data_ptr<int64_t>(), x[8].data_ptr<int64_t>(),
-               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), x[2].numel(), x[6].numel(),
+               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), x[11].data_ptr<int64_t>(), x[2].numel(),
+               x[6].numel(),
                st.min_counts[i]};
 }
 
@@ -463,13 +477,9 @@ std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
     const c10::intrusive_ptr<MchState>& state, const at::Tensor& profile_ids,
     const c10::optional<at::Tensor>& profile_counts, const at::Tensor& profile_segments, const at::Tensor& values,
-    const at::Tensor& out, const at::Tensor& remap_segments, bool count, bool advance, at::IntArrayRef evict_policies) {
+    const at::Tensor& out, const at::Tensor& remap_segments, at::IntArrayRef bounds, bool count, bool advance,
+    bool evict) {
   const int64_t T = static_cast<int64_t>(state->min_counts.size());
-  LR_CHECK(evict_policies.empty() || static_cast<int64_t>(evict_policies.size()) == T,
-           "lightning_rec::mch_profile_remap: evict_policies: none, or one per table (0: no eviction run)");
-  for (const int64_t policy : evict_policies)
-    LR_CHECK(policy >= 0 && policy <= 3, "lightning_rec::mch_profile_remap: evict_policies holds ", policy,
-             ": 0 (none), 1 (lfu), 2 (lru) or 3 (distance-lfu, decay 1)");
   check_ids(profile_ids, "profile_ids");
   check_ids(values, "values");
   check_ids(out, "out");
@@ -481,18 +491,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
              "lightning_rec::mch_profile_remap: profile_counts and profile_ids differ in length");
     pc = profile_counts->data_ptr<int64_t>();
   }
-  const Segments prof = by_table(profile_segments, T, profile_ids.numel(), "profile_segments");
-  const Segments remap = by_table(remap_segments, T, values.numel(), "remap_segments");
+  const Segments prof = by_table(profile_segments, bounds, T, profile_ids.numel(), "profile_segments");
+  const Segments remap = by_table(remap_segments, bounds, T, values.numel(), "remap_segments");
   std::vector<Table> tables;
+  std::vector<char> due(T, 0);
+  bool any_due = false;
   for (int64_t i = 0; i < T; ++i) {
     tables.push_back(table_of(*state, i));
     if (advance) tables.back().step = ++*state->tensors[kStates * i + 9].data_ptr<int64_t>();
+    if (evict && tables.back().step % state->intervals[i] == 0) {
+      LR_CHECK(state->policies[i] != 0, "lightning_rec::mch_profile_remap: table ", i,
+               "'s eviction policy is scored outside: run its eviction with mch_evict");
+      due[i] = 1;
+      any_due = true;
+    }
   }
   const int64_t* pid = profile_ids.data_ptr<int64_t>();
   const int64_t* v = values.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> admitted(T);
-  at::Tensor evicted = at::zeros({T}, at::kLong);
+  at::Tensor evicted = any_due ? at::full({T}, -1, at::kLong) : at::empty({0}, at::kLong);
   int64_t* evicted_T = evicted.data_ptr<int64_t>();
   // a step's own ids profiled and remapped alike: each position's slot kept, its row read back without a probe
   const bool same = !pc && profile_ids.is_same(values) && profile_segments.is_same(remap_segments);
@@ -510,9 +528,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
           if (same) slot_at.push_back(slot);
         }
       profile(t, seen, admitted[i]);
-      if (!evict_policies.empty() && evict_policies[i]) {
+      if (due[i]) {
         const size_t before = admitted[i].size();
-        evict_builtin(t, evict_policies[i], admitted[i]);
+        evict_builtin(t, state->policies[i], admitted[i]);
         evicted_T[i] = static_cast<int64_t>(admitted[i].size() - before);
         for (size_t d = 0; d < seen.ids.size(); ++d) {  // the rows the run took or gave: read again
           const int64_t pos = find(t, seen.ids[d]);
@@ -521,8 +539,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
       }
       const int64_t reused = remap_table(t, seen, same ? &slot_at : nullptr, remap[i], v, o);
       if (count) {
-        t.lookups[0] += reused;
-        for (const auto& [a, b] : remap[i]) t.lookups[1] += b - a;
+        t.host[0] += reused;
+        for (const auto& [a, b] : remap[i]) t.host[1] += b - a;
       }
     }
   });
@@ -531,20 +549,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor> mch_evict_cpu(const c10::intrusive_ptr<MchState>& state, at::IntArrayRef due,
-                                                 at::IntArrayRef policies, at::TensorList resident_scores,
-                                                 at::TensorList incoming_scores) {
+                                                 at::TensorList resident_scores, at::TensorList incoming_scores) {
   const int64_t T = static_cast<int64_t>(due.size()), all = static_cast<int64_t>(state->min_counts.size());
-  LR_CHECK(static_cast<int64_t>(policies.size()) == T && static_cast<int64_t>(resident_scores.size()) == T &&
-               static_cast<int64_t>(incoming_scores.size()) == T,
-           "lightning_rec::mch_evict: a policy and two scores per due table");
+  LR_CHECK(static_cast<int64_t>(resident_scores.size()) == T && static_cast<int64_t>(incoming_scores.size()) == T,
+           "lightning_rec::mch_evict: two scores per due table");
   std::vector<Table> tables;
+  std::vector<int64_t> policies;
   std::vector<std::vector<int64_t>> ready(T);
   for (int64_t i = 0; i < T; ++i) {
     LR_CHECK(due[i] >= 0 && due[i] < all, "lightning_rec::mch_evict: table ", due[i], " is not one of ", all);
     tables.push_back(table_of(*state, due[i]));
+    policies.push_back(state->policies[due[i]]);
     ready[i] = ready_candidates(tables[i]);
-    LR_CHECK(policies[i] >= 0 && policies[i] <= 3, "lightning_rec::mch_evict: policy ", policies[i], " of table ",
-             i, " is not 0 (scores given), 1 (lfu), 2 (lru) or 3 (distance-lfu, decay 1)");
     LR_CHECK(policies[i] != 0 || (resident_scores[i].scalar_type() == at::kDouble &&
                                   resident_scores[i].is_contiguous() && resident_scores[i].numel() == tables[i].M &&
                                   incoming_scores[i].scalar_type() == at::kDouble &&
@@ -592,26 +608,35 @@ at::Tensor mch_owner_of_cpu(const at::Tensor& ids, const at::Tensor& owners) {
 // Before the kernels below: their schemas name the class.
 TORCH_LIBRARY_FRAGMENT(lightning_rec, m) {
   // The state tensors of a table group, made once per group (checked then), held by the calls below.
-  m.class_<MchState>("MchState").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>());
+  m.class_<MchState>("MchState")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>());
   // A step of every table of the group in one pass: profile (counts, candidates, admission to free rows) and remap
-  // raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place; `advance`: every
-  // table's step counter first; `evict_policies` (none, or per table a built-in policy, 0: none): an eviction run
-  // between profile and remap. Returns (rows handed to new ids, table after table (admitted, then evicted); their
-  // number per table; of those, the evicted per table).
+  // raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place; `bounds`: what a
+  // segment's begin and end index (none: positions); `advance`: every table's step counter first; `evict`: the
+  // eviction run of the tables whose step it is (built-in policies) between profile and remap. Returns (rows handed
+  // to new ids, table after table (admitted, then evicted); their number per table; of those, the evicted per table,
+  // -1 where no run was due, empty when none was).
   m.def(
       "mch_profile_remap(__torch__.torch.classes.lightning_rec.MchState state, Tensor profile_ids, "
       "Tensor? profile_counts, Tensor profile_segments, Tensor values, Tensor(b!) out, Tensor remap_segments, "
-      "bool count, bool advance, int[] evict_policies) -> (Tensor, Tensor, Tensor)");
+      "int[] bounds, bool count, bool advance, bool evict) -> (Tensor, Tensor, Tensor)");
   // The eviction run of the tables `due`: each one's policy (0: the scores given, 1: lfu, 2: lru, 3: distance-lfu
   // with decay 1) scores residents and ready candidates; returns (rows, per table).
-  m.def("mch_evict(__torch__.torch.classes.lightning_rec.MchState state, int[] due, int[] policies, "
+  m.def("mch_evict(__torch__.torch.classes.lightning_rec.MchState state, int[] due, "
         "Tensor[] resident_scores, Tensor[] incoming_scores) -> (Tensor, Tensor)");
   // The row shard (0..owners-1) of each raw id (mch.py's owner_of): owners one value or one per id.
   m.def("mch_owner_of(Tensor ids, Tensor owners) -> Tensor");
 }
 
-MchState::MchState(std::vector<at::Tensor> t, std::vector<int64_t> m) : tensors(std::move(t)), min_counts(std::move(m)) {
+MchState::MchState(std::vector<at::Tensor> t, std::vector<int64_t> m, std::vector<int64_t> iv, std::vector<int64_t> p)
+    : tensors(std::move(t)), min_counts(std::move(m)), intervals(std::move(iv)), policies(std::move(p)) {
   const int64_t T = static_cast<int64_t>(min_counts.size());
+  LR_CHECK(static_cast<int64_t>(intervals.size()) == T && static_cast<int64_t>(policies.size()) == T,
+           "lightning_rec::MchState: a min_count, an eviction interval and a policy per table");
+  for (int64_t k = 0; k < T; ++k)
+    LR_CHECK(intervals[k] >= 1 && policies[k] >= 0 && policies[k] <= 3, "lightning_rec::MchState: table ", k,
+             ": eviction interval ", intervals[k], " (>= 1) and policy ", policies[k],
+             " (0 scored outside, 1 lfu, 2 lru, 3 distance-lfu of decay 1)");
   LR_CHECK(static_cast<int64_t>(tensors.size()) == kStates * T, "lightning_rec::MchState: ", kStates,
            " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(tensors.size()));
   for (int64_t i = 0; i < T; ++i) check_table(tensors, i);

@@ -30,10 +30,10 @@ from lightning_rec.managed_collision.collection import _ManagedCollisionBase, re
 from lightning_rec.managed_collision.mch import (
     _FREE,
     _NO_ID,
+    KeySpans,
     MCHManagedCollisionModule,
     TableGroup,
     _gather,
-    _HostCounters,
     owner_of,
     remap_tables,
 )
@@ -71,6 +71,15 @@ def _row_shards(collection: _ShardedCollectionBase, table: str) -> list[tuple[in
                   if s.shard_offsets[1] == col and s.shard_sizes[0] > 0)
 
 
+class _Clock:
+    """Training steps counted once for tables that step together (a sharded collection's)."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+
 class ShardedMCHModule(nn.Module):
     """One table's id map, split with its rows: the maps of this rank's row shards (see the module docstring).
 
@@ -99,8 +108,7 @@ class ShardedMCHModule(nn.Module):
         sizes = split_evenly(cands, k)
         starts = [sum(sizes[:j]) for j in range(k)]
         self.register_buffer("_step", full._step.detach().clone().to(env.device))
-        self._host = _HostCounters()  # the step, counted on the host (a plain object: no Module attribute write)
-        self._host.step = int(full._step)
+        self._clock, self._step_base = _Clock(), int(full._step)  # the step, counted on the host
         self.register_buffer("_evictions_total", torch.zeros((), dtype=torch.int64, device=env.device))
         mine = self._pieces_here(shards)
         self._owners: list[_Owner] = []
@@ -142,6 +150,18 @@ class ShardedMCHModule(nn.Module):
         return {j: sorted(p) for j, p in out.items()}
 
     # -- state ----------------------------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self._step_base + self._clock.ticks
+
+    def _set_step(self, step: int) -> None:
+        self._step_base = step - self._clock.ticks
+
+    def share_clock(self, clock: _Clock) -> None:
+        """Counts its steps on `clock`, which advances with the other tables' of its collection."""
+        step, self._clock = self.step, clock
+        self._set_step(step)
+
     def _positional(self, state: dict) -> None:
         """Each owner's pieces of full (row-indexed / candidate) buffers, by position."""
         for owner in self._owners:
@@ -149,7 +169,7 @@ class ShardedMCHModule(nn.Module):
                 a, n = owner.rows_at if name in _ROW_BUFFERS else owner.cands_at
                 t.copy_(state[name][a:a + n])
         self._step.copy_(state["_step"])
-        self._host.step = int(self._step)
+        self._set_step(int(self._step))
 
     @torch.no_grad()
     def _sync_export(self) -> None:
@@ -176,7 +196,7 @@ class ShardedMCHModule(nn.Module):
                     for o in self._owners]
             size = self._zch_size - 1 if rows else self._cand_size
             destination[prefix + name] = ShardedTensor((size,), mine, every)
-        self._step.fill_(self._host.step)
+        self._step.fill_(self.step)
         destination[prefix + "_step"] = self._step if keep_vars else self._step.detach()
         total = sum(int(o.module._evictions_total) for o in self._owners)
         destination[prefix + "_evictions_total"] = self._evictions_total.fill_(total)
@@ -200,7 +220,7 @@ class ShardedMCHModule(nn.Module):
                 a, n = owner.rows_at if name in _ROW_BUFFERS else owner.cands_at
                 t.copy_(_read(state_dict[prefix + name], a, n, f"'{prefix + name}'"))
         self._step.copy_(state_dict[prefix + "_step"])
-        self._host.step = int(self._step)
+        self._set_step(int(self._step))
 
     @torch.no_grad()
     def state_loaded(self) -> None:
@@ -209,7 +229,7 @@ class ShardedMCHModule(nn.Module):
         moved (optimizer_state_loaded reads it) is the last call's: one call per load."""
         leaving, content = [], []
         self._moved_out, self._moved_in = [], []  # what the optimizer state's load then moves the same way
-        self._host.step = int(self._step)  # a DCP load writes the buffer in place
+        self._set_step(int(self._step))  # a DCP load writes the buffer in place
         for owner in self._owners:
             m, e = owner.module, owner.export
             n = m.output_size() - 1
@@ -331,7 +351,7 @@ class ShardedMCHModule(nn.Module):
         first row of their row shard)."""
         reused, o = owner.module.take_reused_rows(), owner.first_row
         seed = self._table if o == 0 else f"{self._table}@{o}"
-        return self._table, reused + o if o else reused, owner.module._host.step, seed, o
+        return self._table, reused + o if o else reused, owner.module._now(), seed, o
 
     # -- what the unsharded module offers -------------------------------------------------------------------------
     def output_size(self) -> int:
@@ -374,13 +394,16 @@ class _OwnerRemap:
     """The sharded collection's remap after the id all-to-all: every owner table's raw ids -> this rank's rows."""
 
     def __init__(self, tables: list[ShardedMCHModule], collection: _ShardedCollectionBase) -> None:
-        self.tables, self.collection = tables, collection
+        self.tables, self.collection, self.clock = tables, collection, _Clock()
+        for t in tables:
+            t.share_clock(self.clock)
         self.owners = [(t, o) for t in tables for o in t._owners]
         owners = [o for _, o in self.owners]
         self.group = TableGroup([o.module for o in owners])
-        self.keys = [o.keys for o in owners]  # the routed keys each owner remaps
-        self.profile_keys = [o.profile_keys for o in owners]  # and profiles (one piece per row shard)
-        self.profiles_all = self.keys == self.profile_keys  # no column-wise copies: the profile is the remap
+        self.spans = KeySpans([o.keys for o in owners])  # the routed keys each owner remaps
+        profile_keys = [o.profile_keys for o in owners]  # and profiles (one piece per row shard)
+        # no column-wise copies: the profile is the remap
+        self.profile_spans = self.spans if self.spans.keys == profile_keys else KeySpans(profile_keys)
 
     def __call__(self, routed: KeyedJaggedTensor) -> KeyedJaggedTensor:
         values, offsets = routed.values(), routed.offset_per_key()
@@ -391,16 +414,12 @@ class _OwnerRemap:
             for m in modules:
                 m.training = training
         if training:  # every rank, past the batch check: the step its owners' maps are at
-            for t in self.tables:
-                t._host.step += 1
+            self.clock.ticks += 1
             if not self.collection.validate_ids:  # else checked on every rank before the all-to-all
                 for t in self.tables:
                     t.check_ids(values, offsets)
-        spans = [[(offsets[i], offsets[i + 1]) for i in keys] for keys in self.keys]
-        profiled = spans if self.profiles_all else [[(offsets[i], offsets[i + 1]) for i in keys]
-                                                     for keys in self.profile_keys]
-        profile = (values, None, profiled)
-        handed = remap_tables(self.group, values, out, spans, profile if training else None, training)
+        profile = (values, None, self.profile_spans) if training else None
+        handed = remap_tables(self.group, values, out, self.spans, profile, training, offsets=offsets)
         fresh = [t.fresh_rows(o) for t, o in self.owners if o.module._pending_rows] if handed else []
         while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)
             now, seen, later = [], set(), []

@@ -102,8 +102,8 @@ class ManagedCollisionCollection(nn.Module):
         return out
 
     def steps(self) -> dict[str, int]:
-        """table -> its step (the host mirror: no read of the buffer) of the tables remapped here."""
-        return {t: m._host.step for t, m in self._managed_collision_modules.items() if t not in self._owner_tables}
+        """table -> its step of the tables remapped here."""
+        return {t: m._now() for t, m in self._managed_collision_modules.items() if t not in self._owner_tables}
 
     def modules_by_table(self) -> dict[str, MCHManagedCollisionModule]:
         return dict(self._managed_collision_modules.items())

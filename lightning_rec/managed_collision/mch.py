@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from lightning_rec._native import native_op
 
 _FREE = -1  # a row without id (ids are non-negative)
+_REPLACED = [0]  # how often any module's buffers were replaced (moved, loaded with assign=True)
 _NO_ID = torch.iinfo(torch.int64).max  # sorts after every id: the free rows' key in the sorted map
 
 
@@ -101,27 +102,31 @@ _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 (splitmix64's), as an int64
 class _HostCounters:
     """What a step counts on the host, in a plain object: a Module attribute write costs microseconds per table."""
 
-    __slots__ = ("step", "lookups", "last_evictions")
+    __slots__ = ("step", "lookups")
 
     def __init__(self) -> None:
-        self.step = 0  # the _step buffer mirrored: the hot path reads it without a host read
-        # [lookups of reused rows, lookups] since the last metrics(), summed where the ids are: no host read per
-        # step; one tensor for life on its device (zeroed in place), so that a TableGroup's state stays valid
+        self.step = 0  # the _step buffer of a device mirrored, read without a device read (on CPU: the buffer's)
+        # [lookups of reused rows, lookups] since the last metrics(), summed where the ids are, and the rows the last
+        # eviction run handed over: no host read per step; one tensor for life on its device (zeroed in place), so
+        # that a TableGroup's state stays valid
         self.lookups: Tensor | None = None
-        self.last_evictions = 0
 
     def counter(self, device: torch.device) -> Tensor:
         if self.lookups is None or self.lookups.device != device:
-            self.lookups = torch.zeros(2, dtype=torch.int64, device=device)
+            self.lookups = torch.zeros(3, dtype=torch.int64, device=device)
         return self.lookups
 
     def take_lookups(self) -> tuple[int, int]:
         """(lookups of reused rows, lookups) since the last call (one host read)."""
         if self.lookups is None:
             return 0, 0
-        reused, lookups = self.lookups.tolist()
-        self.lookups.zero_()
+        reused, lookups, _ = self.lookups.tolist()
+        self.lookups[:2].zero_()
         return reused, lookups
+
+    @property
+    def last_evictions(self) -> int:
+        return 0 if self.lookups is None else int(self.lookups[2])
 
 
 def _merge(ids: Tensor, counts: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -211,6 +216,11 @@ class MCHManagedCollisionModule(nn.Module):
         remap_tables([self], ids, out, spans, (ids, None, spans) if self.training else None, self.training)
         return out
 
+    def _now(self) -> int:
+        """The step: the buffer on CPU (the C++ pass advances it there), else the host mirror (no device read)."""
+        step = self._buffers["_step"]
+        return int(step) if step.device.type == "cpu" else self._host.step
+
     def check_ids(self, ids: Tensor) -> None:
         if ids.numel() and bool(((ids < 0) | (ids == _NO_ID)).any()):
             bad = ids[(ids < 0) | (ids == _NO_ID)][:3].tolist()
@@ -241,15 +251,12 @@ class MCHManagedCollisionModule(nn.Module):
         """profile() of a batch given as its distinct ids (sorted) and their counts (all ranks' under sharding)."""
         TableGroup([self]).advance()
         self._count_and_admit(uniq, counts)
-        if self._eviction_due():
-            self._evict(self._host.step)
-
-    def _eviction_due(self) -> bool:
-        return self._host.step % self._eviction_interval == 0
+        if self._now() % self._eviction_interval == 0:
+            self._evict(self._now())
 
     def _count_and_admit(self, uniq: Tensor, counts: Tensor) -> None:
         """The torch path of one table's profile (csrc/mch_cpu.cpp does the same for all tables at once)."""
-        step = self._host.step
+        step = self._now()
         if uniq.numel():
             pos = torch.searchsorted(self._sorted_ids, uniq).clamp_(max=self._sorted_ids.numel() - 1)
             found = self._sorted_ids[pos] == uniq
@@ -335,21 +342,21 @@ class MCHManagedCollisionModule(nn.Module):
                 self._reused[rows] = True
                 self._place(rows, ready[high_idx[wins]])
         self._set_candidates(*(t[:0] for t in (self._cand_ids, self._cand_counts, self._cand_last)))
-        self._host.last_evictions = evicted
+        self._host.counter(self._step.device)[2] = evicted
         self._evictions_total += evicted
-        self._warn_churn(evicted, step)
+        self._warn_churn(evicted)
 
     def _eviction_scores(self) -> tuple[Tensor, Tensor]:
         """(residents' scores, ready candidates' scores) for the C++ eviction run of a policy it does not know."""
         ready = ((self._cand_counts >= self._min_count) & (self._cand_ids != _NO_ID)).nonzero().flatten()
-        policy, step = self._eviction_policy, self._host.step
+        policy, step = self._eviction_policy, self._now()
         return (policy.scores(self._counts, self._last_seen, step).double().contiguous(),
                 policy.scores(self._cand_counts[ready], self._cand_last[ready], step).double().contiguous())
 
-    def _warn_churn(self, evicted: int, step: int) -> None:
+    def _warn_churn(self, evicted: int) -> None:
         if evicted > self._churn_warning * self._row_ids.numel():
             warnings.warn(f"managed-collision table{self._named()}: {evicted} of {self._row_ids.numel()} rows "
-                          f"({evicted / self._row_ids.numel():.0%}) evicted at step {step}: the table churns "
+                          f"({evicted / self._row_ids.numel():.0%}) evicted at step {self._now()}: the table churns "
                           f"(ids rarely come back); raise zch_size, eviction_interval or min_count_to_admit",
                           stacklevel=3)
 
@@ -425,16 +432,21 @@ class MCHManagedCollisionModule(nn.Module):
             raise ValueError(f"managed-collision table{self._named()}: the checkpoint's id map has "
                              f"{saved.numel() + 1} rows (zch_size), this module {self._zch_size}: build it with "
                              f"zch_size={saved.numel() + 1} to load it")
+        _REPLACED[0] += 1  # assign=True replaces the buffers
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._pending_rows = []
         self.weights_written()
+
+    def _apply(self, fn, recurse: bool = True):
+        _REPLACED[0] += 1  # a move replaces the buffers: a TableGroup gathers them again
+        return super()._apply(fn, recurse)
 
 
 # -- every table of a step in one pass -------------------------------------------------------------------------------
 Spans = Sequence[Sequence[tuple[int, int]]]  # per table: the (begin, end) slices of a flat id tensor that it reads
 _STATE = ("_sorted_ids", "_sorted_rows", "_row_ids", "_counts", "_last_seen", "_reused", "_cand_ids", "_cand_counts",
-          "_cand_last", "_step")
-_N_STATE = len(_STATE) + 1  # and the lookup counters
+          "_cand_last", "_step", "_evictions_total")
+_N_STATE = len(_STATE) + 1  # and the host counters
 _POLICY_CODES = {LFU_EvictionPolicy: 1, LRU_EvictionPolicy: 2}  # csrc/mch_cpu.cpp scores these itself
 
 
@@ -446,46 +458,69 @@ def _policy_code(policy: MCHEvictionPolicy) -> int:
     return _POLICY_CODES.get(type(policy), 0)
 
 
+class KeySpans:
+    """Spans as keys of a jagged batch: table i reads the keys `keys[i]`, at the positions a step's offset_per_key
+    gives. Made once for a key layout: a step passes its offsets, the C++ pass reads the segments made here."""
+
+    def __init__(self, keys: Sequence[Sequence[int]]) -> None:
+        self.keys = [list(k) for k in keys]
+        rows: list[list[int]] = []
+        for i, ks in enumerate(self.keys):
+            for k in ks:  # a table's adjacent keys: one segment
+                if rows and rows[-1][0] == i and rows[-1][2] == k:
+                    rows[-1][2] = k + 1
+                else:
+                    rows.append([i, k, k + 1])
+        self.segments = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+
+    def at(self, offsets: Sequence[int]) -> list[list[tuple[int, int]]]:
+        return [[(offsets[k], offsets[k + 1]) for k in ks] for ks in self.keys]
+
+
 class TableGroup:
     """Tables remapped together at every step (a collection's, or a rank's row-shard owners'): what stays the same
     from step to step, gathered once."""
 
     def __init__(self, modules: Sequence[MCHManagedCollisionModule]) -> None:
         self.modules = list(modules)
-        self.mins = [m._min_count for m in self.modules]
         self.policies = [_policy_code(m._eviction_policy) for m in self.modules]
+        self.builtin = all(self.policies)  # every eviction run scored in C++: profile, evict and remap in one call
         self._flat: list[Tensor] = []
+        self._seen = -1  # _REPLACED when the state was last gathered
         self._native: tuple[list[Tensor], object] | None = None
 
     def __getstate__(self) -> dict:  # a copied or pickled module gathers its own tensors again
-        return {**self.__dict__, "_flat": [], "_native": None}
+        return {**self.__dict__, "_flat": [], "_seen": -1, "_native": None}
 
     def state(self) -> list[Tensor]:
         """Every table's tensors in csrc/mch_cpu.cpp's order; gathered again after its buffers were replaced (a
         move to another device, a load with assign=True), which replaces them all."""
+        if self._seen == _REPLACED[0]:
+            return self._flat
         flat = self._flat
         if not flat or any(flat[i * _N_STATE] is not m._buffers["_sorted_ids"] for i, m in enumerate(self.modules)):
             flat = self._flat = [t for m in self.modules for t in (
                 *(m._buffers[n] for n in _STATE), m._host.counter(m._buffers["_step"].device))]
+        self._seen = _REPLACED[0]
         return flat
 
     def native_state(self):
         """The state as the C++ pass holds it (torch.classes.lightning_rec.MchState), made again with the tensors."""
         flat = self.state()
         if self._native is None or self._native[0] is not flat:
-            self._native = flat, torch.classes.lightning_rec.MchState(flat, self.mins)
+            self._native = flat, torch.classes.lightning_rec.MchState(
+                flat, [m._min_count for m in self.modules], [m._eviction_interval for m in self.modules],
+                self.policies)
         return self._native[1]
 
-    def advance(self, buffers: bool = True) -> list[int]:
-        """A training step begins: every table's step counter, the host mirrors and (unless the C++ pass does it)
-        the buffers, in one op. Returns the tables whose eviction run is due at this step."""
-        if buffers:
-            torch._foreach_add_(self.state()[_STATE.index("_step")::_N_STATE], 1)
+    def advance(self) -> list[int]:
+        """A training step of the torch path begins: every table's step counter (buffers and host mirrors). Returns
+        the tables whose eviction run is due at this step."""
+        torch._foreach_add_(self.state()[_STATE.index("_step")::_N_STATE], 1)
         due = []
         for i, m in enumerate(self.modules):
-            host = m._host
-            host.step += 1
-            if host.step % m._eviction_interval == 0:
+            m._host.step += 1
+            if m._now() % m._eviction_interval == 0:
                 due.append(i)
         return due
 
@@ -495,74 +530,76 @@ def _evict_tables(group: TableGroup, due: list[int]) -> int:
     scored there, any other's scores are computed here. Returns the rows handed over."""
     if not due:
         return 0
-    modules, policies = [group.modules[i] for i in due], [group.policies[i] for i in due]
-    given = [m._eviction_scores() if p == 0 else (_EMPTY, _EMPTY) for m, p in zip(modules, policies)]
-    rows, per_table = native_op("mch_evict")(group.native_state(), due, policies, [g[0] for g in given],
-                                             [g[1] for g in given])
-    evicted = per_table.tolist()
-    _evicted(modules, evicted)
+    modules = [group.modules[i] for i in due]
+    given = [m._eviction_scores() if group.policies[i] == 0 else (_EMPTY, _EMPTY) for i, m in zip(due, modules)]
+    rows, per_table = native_op("mch_evict")(group.native_state(), due, [g[0] for g in given], [g[1] for g in given])
+    _warn_churn(modules, per_table.tolist())
     return _hand_out(modules, rows, per_table)
 
 
-def _evicted(modules: Sequence[MCHManagedCollisionModule], evicted: list[int]) -> None:
-    """The eviction run of `modules` handed `evicted` rows each: counted, and a table that churns warns."""
-    torch._foreach_add_([m._buffers["_evictions_total"] for m in modules], evicted)
+def _warn_churn(modules: Sequence[MCHManagedCollisionModule], evicted: list[int]) -> None:
+    """The eviction runs of `modules` handed `evicted` rows each (-1: no run): a table that churns warns."""
     for m, n in zip(modules, evicted):
-        m._host.last_evictions = n
-        m._warn_churn(n, m._host.step)
+        if n > 0:
+            m._warn_churn(n)
 
 
 _EMPTY = torch.empty(0, dtype=torch.float64)
+_NO_SEGMENTS = torch.empty(0, 3, dtype=torch.int64)
 
 
-def _segments(spans: Spans) -> Tensor:
+def _segments(spans: Spans | KeySpans) -> Tensor:
+    if isinstance(spans, KeySpans):
+        return spans.segments
     flat = [x for i, s in enumerate(spans) for a, b in s for x in (i, a, b)]
     return torch.tensor(flat, dtype=torch.int64).view(-1, 3)
 
 
 @torch.no_grad()
-def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor, spans: Spans,
-                 profile: tuple[Tensor, Tensor | None, Spans] | None, training: bool, native: bool = True) -> int:
+def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor,
+                 spans: Spans | KeySpans, profile: tuple[Tensor, Tensor | None, Spans | KeySpans] | None,
+                 training: bool, native: bool = True, offsets: Sequence[int] | None = None) -> int:
     """One step of several tables: `out` gets the rows of the ids at each table's `spans` of `values`; returns how
     many rows it handed to new ids (their modules list them in take_reused_rows).
 
     In training each table first profiles its ids: `profile` = (ids, their counts or None for one each, spans per
     table) (the remapped ids themselves, or distinct ids with every rank's counts). Eviction runs for the tables
-    whose step it is, between profile and remap. On CPU with the C++ extension built, profile and remap of every
-    table are one call (csrc/mch_cpu.cpp); else (or native=False) each table's torch path."""
+    whose step it is, between profile and remap. Spans given as KeySpans are the keys of a jagged batch whose
+    offset_per_key is `offsets` (then every span is). On CPU with the C++ extension built, profile and remap of
+    every table are one call (csrc/mch_cpu.cpp); else (or native=False) each table's torch path."""
     group = group if isinstance(group, TableGroup) else TableGroup(group)
     modules = group.modules
+    if profile is not None and isinstance(spans, KeySpans) != isinstance(profile[2], KeySpans):  # one kind a pass
+        spans, profile = _plain(spans, offsets), (*profile[:2], _plain(profile[2], offsets))
     cpu = values.device.type == "cpu" and values.dtype == torch.int64 and values.is_contiguous()
     op = native_op("mch_profile_remap") if native and cpu else None
-    due = group.advance(buffers=op is None) if training else []
     if op is None:
-        _remap_tables_torch(modules, values, out, spans, profile, training, [modules[i] for i in due])
+        due = group.advance() if training else []
+        profile = profile and (*profile[:2], _plain(profile[2], offsets))
+        _remap_tables_torch(modules, values, out, _plain(spans, offsets), profile, training, [modules[i] for i in due])
         return sum(r.numel() for m in modules for r in m._pending_rows)
-    state = group.native_state()
+    state, bounds = group.native_state(), offsets if isinstance(spans, KeySpans) else []
     remap_segments, none = _segments(spans), _NO_SEGMENTS
     if not training:
-        op(state, values[:0], None, none, values, out, remap_segments, False, False, [])
+        op(state, values[:0], None, none, values, out, remap_segments, bounds, False, False, False)
         return 0
     ids, counts, profile_spans = profile
     profile_segments = remap_segments if profile_spans is spans else _segments(profile_spans)
-    policies = [group.policies[i] for i in due]
-    if all(policies):  # no eviction run, or only built-in policies: profile, evict and remap in one call
-        evict = [0] * len(modules)
-        for i, policy in zip(due, policies):
-            evict[i] = policy
-        rows, per_table, evicted = op(state, ids, counts, profile_segments, values, out, remap_segments, True, True,
-                                      evict if due else [])
-        if due:
-            evicted = evicted.tolist()
-            _evicted([modules[i] for i in due], [evicted[i] for i in due])
+    if group.builtin:
+        rows, per_table, evicted = op(state, ids, counts, profile_segments, values, out, remap_segments, bounds,
+                                      True, True, True)
+        if evicted.numel():  # a step with eviction runs
+            _warn_churn(modules, evicted.tolist())
         return _hand_out(modules, rows, per_table)
-    rows, per_table, _ = op(state, ids, counts, profile_segments, values, out, none, False, True, [])
+    rows, per_table, _ = op(state, ids, counts, profile_segments, values, out, none, bounds, False, True, False)
+    due = [i for i, m in enumerate(modules) if m._now() % m._eviction_interval == 0]
     handed = _hand_out(modules, rows, per_table) + _evict_tables(group, due)
-    op(state, values[:0], None, none, values, out, remap_segments, True, False, [])
+    op(state, values[:0], None, none, values, out, remap_segments, bounds, True, False, False)
     return handed
 
 
-_NO_SEGMENTS = torch.empty(0, 3, dtype=torch.int64)
+def _plain(spans: Spans | KeySpans, offsets: Sequence[int] | None) -> Spans:
+    return spans.at(offsets) if isinstance(spans, KeySpans) else spans
 
 
 def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: Tensor) -> int:
@@ -586,7 +623,7 @@ def _remap_tables_torch(modules, values, out, spans, profile, training, due) -> 
             m._count_and_admit(*((mine, _gather(counts, profile_spans[i])) if counts is not None
                                  else torch.unique(mine, return_counts=True)))
         if m in due:
-            m._evict(m._host.step)
+            m._evict(m._now())
         was, m.training = m.training, training
         for a, b in spans[i]:
             out[a:b] = m.remap(values[a:b])
