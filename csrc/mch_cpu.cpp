@@ -452,15 +452,12 @@ void check_table(const std::vector<at::Tensor>& s, int64_t i) {
            "lightning_rec::MchState: the state of table ", i, " has inconsistent sizes");
 }
 
-// Table i's pointers (the tensors were checked when the state was made; they are held, so they stay valid).
+// Table i's pointers (taken when the state was made).
 Table table_of(const MchState& st, int64_t i) {
-  const at::Tensor* x = &st.tensors[kStates * i];
-  return Table{x[0].data_ptr<int64_t>(), x[1].data_ptr<int64_t>(), x[2].data_ptr<int64_t>(),
-               x[3].data_ptr<int64_t>(), x[4].data_ptr<int64_t>(), x[5].data_ptr<bool>(),
-               x[6].data_ptr<int64_t>(), x[7].data_ptr<int64_t>(), x[8].data_ptr<int64_t>(),
-               *x[9].data_ptr<int64_t>(), x[10].data_ptr<int64_t>(), x[11].data_ptr<int64_t>(), x[2].numel(),
-               x[6].numel(),
-               st.min_counts[i]};
+  void* const* x = &st.data[kStates * i];
+  const auto p = [&](int k) { return static_cast<int64_t*>(x[k]); };
+  return Table{p(0), p(1), p(2), p(3), p(4), static_cast<bool*>(x[5]), p(6), p(7), p(8), *p(9), p(10), p(11),
+               st.tensors[kStates * i + 2].numel(), st.tensors[kStates * i + 6].numel(), st.min_counts[i]};
 }
 
 std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>& rows_T) {
@@ -498,7 +495,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
   bool any_due = false;
   for (int64_t i = 0; i < T; ++i) {
     tables.push_back(table_of(*state, i));
-    if (advance) tables.back().step = ++*state->tensors[kStates * i + 9].data_ptr<int64_t>();
+    if (advance) tables.back().step = ++*static_cast<int64_t*>(state->data[kStates * i + 9]);
     if (evict && tables.back().step % state->intervals[i] == 0) {
       LR_CHECK(state->policies[i] != 0, "lightning_rec::mch_profile_remap: table ", i,
                "'s eviction policy is scored outside: run its eviction with mch_evict");
@@ -640,6 +637,7 @@ MchState::MchState(std::vector<at::Tensor> t, std::vector<int64_t> m, std::vecto
   LR_CHECK(static_cast<int64_t>(tensors.size()) == kStates * T, "lightning_rec::MchState: ", kStates,
            " state tensors per table expected for ", T, " tables, got ", static_cast<int64_t>(tensors.size()));
   for (int64_t i = 0; i < T; ++i) check_table(tensors, i);
+  for (const at::Tensor& x : tensors) data.push_back(x.data_ptr());
 }
 
 TORCH_LIBRARY_IMPL(lightning_rec, CPU, m) {

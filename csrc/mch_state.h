@@ -14,6 +14,7 @@ struct MchState : torch::CustomClassHolder {
   std::vector<int64_t> min_counts;  // a table's lookups before a new id takes a row
   std::vector<int64_t> intervals;   // training steps between two eviction runs
   std::vector<int64_t> policies;    // 1 lfu, 2 lru, 3 distance-lfu of decay 1; 0: scored outside (mch_evict)
+  std::vector<void*> data;          // the tensors' data pointers, read once (the tensors are held: they stay valid)
   MchState(std::vector<at::Tensor> t, std::vector<int64_t> m, std::vector<int64_t> i, std::vector<int64_t> p);
 };
 

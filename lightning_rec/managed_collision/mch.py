@@ -532,7 +532,8 @@ def _evict_tables(group: TableGroup, due: list[int]) -> int:
         return 0
     modules = [group.modules[i] for i in due]
     given = [m._eviction_scores() if group.policies[i] == 0 else (_EMPTY, _EMPTY) for i, m in zip(due, modules)]
-    rows, per_table = native_op("mch_evict")(group.native_state(), due, [g[0] for g in given], [g[1] for g in given])
+    rows, per_table = _call(native_op("mch_evict"), group.native_state(), due, [g[0] for g in given],
+                            [g[1] for g in given])
     _warn_churn(modules, per_table.tolist())
     return _hand_out(modules, rows, per_table)
 
@@ -581,21 +582,27 @@ def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values
     state, bounds = group.native_state(), offsets if isinstance(spans, KeySpans) else []
     remap_segments, none = _segments(spans), _NO_SEGMENTS
     if not training:
-        op(state, values[:0], None, none, values, out, remap_segments, bounds, False, False, False)
+        _call(op, state, values[:0], None, none, values, out, remap_segments, bounds, False, False, False)
         return 0
     ids, counts, profile_spans = profile
     profile_segments = remap_segments if profile_spans is spans else _segments(profile_spans)
     if group.builtin:
-        rows, per_table, evicted = op(state, ids, counts, profile_segments, values, out, remap_segments, bounds,
-                                      True, True, True)
+        rows, per_table, evicted = _call(op, state, ids, counts, profile_segments, values, out, remap_segments,
+                                         bounds, True, True, True)
         if evicted.numel():  # a step with eviction runs
             _warn_churn(modules, evicted.tolist())
         return _hand_out(modules, rows, per_table)
-    rows, per_table, _ = op(state, ids, counts, profile_segments, values, out, none, bounds, False, True, False)
+    rows, per_table, _ = _call(op, state, ids, counts, profile_segments, values, out, none, bounds, False, True, False)
     due = [i for i, m in enumerate(modules) if m._now() % m._eviction_interval == 0]
     handed = _hand_out(modules, rows, per_table) + _evict_tables(group, due)
-    op(state, values[:0], None, none, values, out, remap_segments, bounds, True, False, False)
+    _call(op, state, values[:0], None, none, values, out, remap_segments, bounds, True, False, False)
     return handed
+
+
+def _call(op, *args):
+    # without: the state argument's __torch_function__ lookup throws and catches in C++, ~6 us a call
+    with torch._C.DisableTorchFunctionSubclass():
+        return op(*args)
 
 
 def _plain(spans: Spans | KeySpans, offsets: Sequence[int] | None) -> Spans:
