@@ -17,7 +17,8 @@
 //               (lookups a new id needs before it takes a row), eviction interval and policy
 //   profile_ids [P] int64, profile_counts [P] int64 or None (1 each), profile_segments [Sp, 3] (table, begin, end)
 //   values      [N] int64, out [N] int64 (written at the remapped positions), remap_segments [Sr, 3]
-//   bounds      empty, or a segment's begin and end index it (a jagged batch's offset_per_key: segments made once)
+//   key_lengths None, or a jagged batch's lengths [K, B] (int32/int64): a segment's begin and end are then keys
+//               (segments made once for a key layout), their positions the keys' offsets
 //   evict       the eviction run of the tables whose step is a multiple of their interval, between profile and remap
 //   returns     (rows handed out [A] int64 table after table: admitted, then evicted; their number per table [T];
 //               of those, evicted per table [T], -1 where no run was due (empty: none was))
@@ -412,7 +413,29 @@ void evict_builtin(Table& t, int64_t policy, std::vector<int64_t>& evicted) {
 
 using Segments = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
 
-Segments by_table(const at::Tensor& segments, at::IntArrayRef bounds, int64_t T, int64_t n, const char* what) {
+// The offsets of a jagged batch's keys [K + 1] from its lengths [K, B]; empty for None.
+std::vector<int64_t> key_offsets(const c10::optional<at::Tensor>& lengths) {
+  std::vector<int64_t> out;
+  if (!lengths.has_value()) return out;
+  const at::Tensor& l = *lengths;
+  LR_CHECK(l.device().is_cpu() && l.dim() == 2 && l.is_contiguous() &&
+               (l.scalar_type() == at::kLong || l.scalar_type() == at::kInt),
+           "lightning_rec::mch_profile_remap: key_lengths must be a contiguous int32/int64 [K, B] CPU tensor");
+  const int64_t K = l.size(0), B = l.size(1);
+  out.assign(K + 1, 0);
+  AT_DISPATCH_INDEX_TYPES(l.scalar_type(), "key_offsets", [&] {
+    const index_t* x = l.data_ptr<index_t>();
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t n = 0;
+      for (int64_t b = 0; b < B; ++b) n += x[k * B + b];
+      out[k + 1] = out[k] + n;
+    }
+  });
+  return out;
+}
+
+Segments by_table(const at::Tensor& segments, const std::vector<int64_t>& bounds, int64_t T, int64_t n,
+                  const char* what) {
   LR_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.is_contiguous() &&
                segments.dim() == 2 && segments.size(1) == 3,
            "lightning_rec::mch_profile_remap: ", what, " must be a contiguous int64 [S, 3] CPU tensor");
@@ -423,7 +446,7 @@ Segments by_table(const at::Tensor& segments, at::IntArrayRef bounds, int64_t T,
     if (!bounds.empty()) {
       const int64_t K = static_cast<int64_t>(bounds.size());
       LR_CHECK(a >= 0 && a <= b && b < K, "lightning_rec::mch_profile_remap: ", what, " row ", i, " (table ", t,
-               ", keys ", a, ":", b, ") is outside the ", K, " bounds");
+               ", keys ", a, ":", b, ") is outside the ", K - 1, " keys");
       a = bounds[a];
       b = bounds[b];
     }
@@ -474,7 +497,8 @@ std::tuple<at::Tensor, at::Tensor> flat(const std::vector<std::vector<int64_t>>&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
     const c10::intrusive_ptr<MchState>& state, const at::Tensor& profile_ids,
     const c10::optional<at::Tensor>& profile_counts, const at::Tensor& profile_segments, const at::Tensor& values,
-    const at::Tensor& out, const at::Tensor& remap_segments, at::IntArrayRef bounds, bool count, bool advance,
+    const at::Tensor& out, const at::Tensor& remap_segments, const c10::optional<at::Tensor>& key_lengths,
+    bool count, bool advance,
     bool evict) {
   const int64_t T = static_cast<int64_t>(state->min_counts.size());
   check_ids(profile_ids, "profile_ids");
@@ -488,6 +512,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
              "lightning_rec::mch_profile_remap: profile_counts and profile_ids differ in length");
     pc = profile_counts->data_ptr<int64_t>();
   }
+  const std::vector<int64_t> bounds = key_offsets(key_lengths);
   const Segments prof = by_table(profile_segments, bounds, T, profile_ids.numel(), "profile_segments");
   const Segments remap = by_table(remap_segments, bounds, T, values.numel(), "remap_segments");
   std::vector<Table> tables;
@@ -608,15 +633,16 @@ TORCH_LIBRARY_FRAGMENT(lightning_rec, m) {
   m.class_<MchState>("MchState")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>());
   // A step of every table of the group in one pass: profile (counts, candidates, admission to free rows) and remap
-  // raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place; `bounds`: what a
-  // segment's begin and end index (none: positions); `advance`: every table's step counter first; `evict`: the
-  // eviction run of the tables whose step it is (built-in policies) between profile and remap. Returns (rows handed
+  // raw ids to rows, per table as MCHManagedCollisionModule's torch path; state written in place; `key_lengths`: a
+  // jagged batch's [K, B], whose keys a segment's begin and end are (None: positions); `advance`: every table's
+  // step counter first; `evict`: the eviction run of the tables whose step it is (built-in policies) between
+  // profile and remap. Returns (rows handed
   // to new ids, table after table (admitted, then evicted); their number per table; of those, the evicted per table,
   // -1 where no run was due, empty when none was).
   m.def(
       "mch_profile_remap(__torch__.torch.classes.lightning_rec.MchState state, Tensor profile_ids, "
       "Tensor? profile_counts, Tensor profile_segments, Tensor values, Tensor(b!) out, Tensor remap_segments, "
-      "int[] bounds, bool count, bool advance, bool evict) -> (Tensor, Tensor, Tensor)");
+      "Tensor? key_lengths, bool count, bool advance, bool evict) -> (Tensor, Tensor, Tensor)");
   // The eviction run of the tables `due`: each one's policy (0: the scores given, 1: lfu, 2: lru, 3: distance-lfu
   // with decay 1) scores residents and ready candidates; returns (rows, per table).
   m.def("mch_evict(__torch__.torch.classes.lightning_rec.MchState state, int[] due, "

@@ -406,7 +406,10 @@ class _OwnerRemap:
         self.profile_spans = self.spans if self.spans.keys == profile_keys else KeySpans(profile_keys)
 
     def __call__(self, routed: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        values, offsets = routed.values(), routed.offset_per_key()
+        values, lengths, K, B = routed.values(), routed.lengths(), len(routed.keys()), routed.stride()
+        # the keys' lengths as they are (their offsets in C++: no host sum of them here)
+        key_lengths = lengths.view(K, B) if lengths.numel() == K * B else \
+            torch.tensor(routed.length_per_key()).view(K, 1)
         out = values.clone()
         training = self.tables[0].training
         modules = self.group.modules
@@ -417,9 +420,9 @@ class _OwnerRemap:
             self.clock.ticks += 1
             if not self.collection.validate_ids:  # else checked on every rank before the all-to-all
                 for t in self.tables:
-                    t.check_ids(values, offsets)
+                    t.check_ids(values, routed.offset_per_key())
         profile = (values, None, self.profile_spans) if training else None
-        handed = remap_tables(self.group, values, out, self.spans, profile, training, offsets=offsets)
+        handed = remap_tables(self.group, values, out, self.spans, profile, training, key_lengths=key_lengths)
         fresh = [t.fresh_rows(o) for t, o in self.owners if o.module._pending_rows] if handed else []
         while fresh:  # one re-draw for all tables (a table twice here: in a call of its own)
             now, seen, later = [], set(), []
@@ -429,9 +432,10 @@ class _OwnerRemap:
             reinit_rows(self.collection, {f[0]: f[1] for f in now}, {f[0]: f[2] for f in now},
                         seed_names={f[0]: f[3] for f in now}, first_rows={f[0]: f[4] for f in now})
             fresh = later
-        return KeyedJaggedTensor(routed.keys(), out, routed.weights_or_none(), lengths=routed.lengths(),
-                                 offsets=routed.offsets_or_none(), stride=routed.stride(),
-                                 length_per_key=routed.length_per_key(), offset_per_key=offsets, _validate=False)
+        return KeyedJaggedTensor(routed.keys(), out, routed.weights_or_none(), lengths=lengths,
+                                 offsets=routed.offsets_or_none(), stride=B,
+                                 length_per_key=routed.length_per_key_or_none(),
+                                 offset_per_key=routed.offset_per_key_or_none(), _validate=False)
 
 
 def shard_managed_collision(model: nn.Module, env: ShardingEnv) -> None:

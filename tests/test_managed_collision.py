@@ -449,7 +449,7 @@ def test_fused_pass_matches_each_tables_torch_path(counted, builtin):
                 out = torch.full_like(values, -5)
                 key_profile = (values, None, keyed) if native and not counted else profile
                 remap_tables(maps, values, out, keyed if native else spans, key_profile if training else None,
-                             training, native=native, offsets=cuts)
+                             training, native=native, key_lengths=n.view(-1, 1))
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), step
             for a, b in zip(fused, torch_path):

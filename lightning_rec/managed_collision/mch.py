@@ -459,8 +459,8 @@ def _policy_code(policy: MCHEvictionPolicy) -> int:
 
 
 class KeySpans:
-    """Spans as keys of a jagged batch: table i reads the keys `keys[i]`, at the positions a step's offset_per_key
-    gives. Made once for a key layout: a step passes its offsets, the C++ pass reads the segments made here."""
+    """Spans as keys of a jagged batch: table i reads the keys `keys[i]`, at the positions a step's lengths [K, B]
+    give. Made once for a key layout: a step passes its lengths, the C++ pass reads the segments made here."""
 
     def __init__(self, keys: Sequence[Sequence[int]]) -> None:
         self.keys = [list(k) for k in keys]
@@ -473,7 +473,8 @@ class KeySpans:
                     rows.append([i, k, k + 1])
         self.segments = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
 
-    def at(self, offsets: Sequence[int]) -> list[list[tuple[int, int]]]:
+    def at(self, key_lengths: Tensor) -> list[list[tuple[int, int]]]:
+        offsets = [0, *key_lengths.sum(1).cumsum(0).tolist()]
         return [[(offsets[k], offsets[k + 1]) for k in ks] for ks in self.keys]
 
 
@@ -559,27 +560,27 @@ def _segments(spans: Spans | KeySpans) -> Tensor:
 @torch.no_grad()
 def remap_tables(group: TableGroup | Sequence[MCHManagedCollisionModule], values: Tensor, out: Tensor,
                  spans: Spans | KeySpans, profile: tuple[Tensor, Tensor | None, Spans | KeySpans] | None,
-                 training: bool, native: bool = True, offsets: Sequence[int] | None = None) -> int:
+                 training: bool, native: bool = True, key_lengths: Tensor | None = None) -> int:
     """One step of several tables: `out` gets the rows of the ids at each table's `spans` of `values`; returns how
     many rows it handed to new ids (their modules list them in take_reused_rows).
 
     In training each table first profiles its ids: `profile` = (ids, their counts or None for one each, spans per
     table) (the remapped ids themselves, or distinct ids with every rank's counts). Eviction runs for the tables
     whose step it is, between profile and remap. Spans given as KeySpans are the keys of a jagged batch whose
-    offset_per_key is `offsets` (then every span is). On CPU with the C++ extension built, profile and remap of
+    lengths are `key_lengths` [K, B]. On CPU with the C++ extension built, profile and remap of
     every table are one call (csrc/mch_cpu.cpp); else (or native=False) each table's torch path."""
     group = group if isinstance(group, TableGroup) else TableGroup(group)
     modules = group.modules
     if profile is not None and isinstance(spans, KeySpans) != isinstance(profile[2], KeySpans):  # one kind a pass
-        spans, profile = _plain(spans, offsets), (*profile[:2], _plain(profile[2], offsets))
+        spans, profile = _plain(spans, key_lengths), (*profile[:2], _plain(profile[2], key_lengths))
     cpu = values.device.type == "cpu" and values.dtype == torch.int64 and values.is_contiguous()
     op = native_op("mch_profile_remap") if native and cpu else None
     if op is None:
         due = group.advance() if training else []
-        profile = profile and (*profile[:2], _plain(profile[2], offsets))
-        _remap_tables_torch(modules, values, out, _plain(spans, offsets), profile, training, [modules[i] for i in due])
+        spans, profile = _plain(spans, key_lengths), profile and (*profile[:2], _plain(profile[2], key_lengths))
+        _remap_tables_torch(modules, values, out, spans, profile, training, [modules[i] for i in due])
         return sum(r.numel() for m in modules for r in m._pending_rows)
-    state, bounds = group.native_state(), offsets if isinstance(spans, KeySpans) else []
+    state, bounds = group.native_state(), key_lengths if isinstance(spans, KeySpans) else None
     remap_segments, none = _segments(spans), _NO_SEGMENTS
     if not training:
         _call(op, state, values[:0], None, none, values, out, remap_segments, bounds, False, False, False)
@@ -605,8 +606,8 @@ def _call(op, *args):
         return op(*args)
 
 
-def _plain(spans: Spans | KeySpans, offsets: Sequence[int] | None) -> Spans:
-    return spans.at(offsets) if isinstance(spans, KeySpans) else spans
+def _plain(spans: Spans | KeySpans, key_lengths: Tensor | None) -> Spans:
+    return spans.at(key_lengths) if isinstance(spans, KeySpans) else spans
 
 
 def _hand_out(modules: Sequence[MCHManagedCollisionModule], rows: Tensor, per_table: Tensor) -> int:
