@@ -70,11 +70,12 @@ int64_t find(const Table& t, int64_t id) {
   return std::min<int64_t>(base - t.sorted_ids + (*base < id), t.M - 1);
 }
 
-// find() of n ids at once, eight searches abreast: their loads overlap instead of waiting one after another.
-std::vector<int64_t> find_all(const Table& t, const std::vector<int64_t>& ids) {
+// find() of n ids at once into `out`, eight searches abreast: their loads overlap instead of waiting one after
+// another.
+void find_all(const Table& t, const std::vector<int64_t>& ids, std::vector<int64_t>& out) {
   constexpr int64_t K = 8;
   const int64_t n = static_cast<int64_t>(ids.size());
-  std::vector<int64_t> out(n);
+  out.resize(n);
   for (int64_t i = 0; i < n; i += K) {
     const int64_t k = std::min(K, n - i);
     const int64_t* base[K];
@@ -87,7 +88,6 @@ std::vector<int64_t> find_all(const Table& t, const std::vector<int64_t>& ids) {
     for (int64_t j = 0; j < k; ++j)
       out[i + j] = std::min<int64_t>(base[j] - t.sorted_ids + (*base[j] < ids[i + j]), t.M - 1);
   }
-  return out;
 }
 
 // Candidates the buffers hold: they come first, sorted by id, kNoId after the last.
@@ -100,12 +100,12 @@ int64_t num_resident(const Table& t) {
   return std::lower_bound(t.sorted_ids, t.sorted_ids + t.M, kNoId) - t.sorted_ids;
 }
 
-// mch.py's _merge of the candidates (sorted by id) and distinct new ids: one merge, same ids summed (counts) and
-// maxed (last seen); only the new ids are sorted.
-std::vector<Entry> with_candidates(const Table& t, std::vector<Entry> fresh) {
+// mch.py's _merge of the candidates (sorted by id) and distinct new ids into `out`: one merge, same ids summed
+// (counts) and maxed (last seen); only the new ids are sorted.
+void with_candidates(const Table& t, std::vector<Entry>& fresh, std::vector<Entry>& out) {
   std::sort(fresh.begin(), fresh.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
   const int64_t n = num_candidates(t);
-  std::vector<Entry> out;
+  out.clear();
   out.reserve(n + fresh.size());
   int64_t i = 0;
   for (const Entry& f : fresh) {
@@ -118,7 +118,6 @@ std::vector<Entry> with_candidates(const Table& t, std::vector<Entry> fresh) {
     }
   }
   for (; i < n; ++i) out.push_back(Entry{t.cand_ids[i], t.cand_counts[i], t.cand_last[i]});
-  return out;
 }
 
 // The candidates that keep their place past capacity C: the most counted, then the most recent, then the smaller id
@@ -275,19 +274,20 @@ void evict(Table& t, const int64_t* ready, int64_t R, const double* resident, co
 }
 
 // One table's ids of a step, distinct, with their counts and (once profiled) rows: open addressing, no sort.
+// Reused from table to table and step to step (a thread's own): reset() keeps the memory.
 struct IdHash {
   std::vector<int64_t> keys, slot_of;  // table of kNoId (empty) or id, and its slot below
   std::vector<int64_t> ids, counts, rows;  // per distinct id, first seen first; rows: -2 until profiled
   uint64_t mask = 0;
   int shift = 64;
-  explicit IdHash(size_t n) {
+  void reset(size_t n) {  // room for n distinct ids, none held
     int bits = 4;
     while ((size_t(1) << bits) < 2 * n) ++bits;
     keys.assign(size_t(1) << bits, kNoId);
     slot_of.resize(keys.size());
-    ids.reserve(n);
-    counts.reserve(n);
-    rows.reserve(n);
+    ids.clear();
+    counts.clear();
+    rows.clear();
     mask = keys.size() - 1;
     shift = 64 - bits;
   }
@@ -318,8 +318,10 @@ struct IdHash {
 // candidates admitted; then every distinct id's row (M, the unknown row, for ids without one) into `seen.rows`.
 void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
   if (seen.ids.empty()) return;
-  std::vector<Entry> fresh;
-  const std::vector<int64_t> at = find_all(t, seen.ids);
+  thread_local std::vector<Entry> fresh, merged;  // kept: no allocation per table and step
+  thread_local std::vector<int64_t> at;
+  fresh.clear();
+  find_all(t, seen.ids, at);
   for (size_t s = 0; s < seen.ids.size(); ++s) {
     const int64_t pos = at[s];
     if (t.sorted_ids[pos] == seen.ids[s]) {
@@ -333,7 +335,8 @@ void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
   }
   const size_t before = admitted.size();
   if (!fresh.empty()) {
-    set_candidates(t, with_candidates(t, std::move(fresh)), num_candidates(t));
+    with_candidates(t, fresh, merged);
+    set_candidates(t, merged, num_candidates(t));
     admit(t, admitted);  // fills free rows only: the residents found above keep theirs
   }
   const bool placed = admitted.size() > before;  // else the new ids read the unknown row: no second search
@@ -360,7 +363,8 @@ int64_t remap_table(const Table& t, const IdHash& seen, const std::vector<int64_
   }
   const bool profiled = !seen.ids.empty();
   for (const auto& [a, b] : spans) {
-    const std::vector<int64_t> at = profiled ? std::vector<int64_t>() : find_all(t, std::vector<int64_t>(v + a, v + b));
+    std::vector<int64_t> at;
+    if (!profiled) find_all(t, std::vector<int64_t>(v + a, v + b), at);
     for (int64_t p = a; p < b; ++p) {
       int64_t row = profiled ? seen.row(v[p]) : -2;
       if (row == -2) {
@@ -541,9 +545,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
       Table& t = tables[i];
       size_t n = 0;
       for (const auto& [a, b] : prof[i]) n += b - a;
-      IdHash seen(n);
-      std::vector<int64_t> slot_at;
-      slot_at.reserve(same ? n : 0);
+      thread_local IdHash seen;
+      thread_local std::vector<int64_t> slot_at;
+      seen.reset(n);
+      slot_at.clear();
       for (const auto& [a, b] : prof[i])
         for (int64_t p = a; p < b; ++p) {
           const int64_t slot = seen.add(pid[p], pc ? pc[p] : 1);
