@@ -316,10 +316,22 @@ struct IdHash {
 
 // mch.py's profile_counts without the eviction run: residents counted, new ids merged into the candidates, ready
 // candidates admitted; then every distinct id's row (M, the unknown row, for ids without one) into `seen.rows`.
-void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
+// A thread's working memory, kept from table to table and step to step: no allocation per table and step.
+struct Scratch {
+  IdHash seen;
+  std::vector<int64_t> slot_at, at;
+  std::vector<Entry> fresh, merged;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted, Scratch& scr) {
   if (seen.ids.empty()) return;
-  thread_local std::vector<Entry> fresh, merged;  // kept: no allocation per table and step
-  thread_local std::vector<int64_t> at;
+  std::vector<Entry>& fresh = scr.fresh;
+  std::vector<int64_t>& at = scr.at;
   fresh.clear();
   find_all(t, seen.ids, at);
   for (size_t s = 0; s < seen.ids.size(); ++s) {
@@ -335,8 +347,8 @@ void profile(Table& t, IdHash& seen, std::vector<int64_t>& admitted) {
   }
   const size_t before = admitted.size();
   if (!fresh.empty()) {
-    with_candidates(t, fresh, merged);
-    set_candidates(t, merged, num_candidates(t));
+    with_candidates(t, fresh, scr.merged);
+    set_candidates(t, scr.merged, num_candidates(t));
     admit(t, admitted);  // fills free rows only: the residents found above keep theirs
   }
   const bool placed = admitted.size() > before;  // else the new ids read the unknown row: no second search
@@ -545,8 +557,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
       Table& t = tables[i];
       size_t n = 0;
       for (const auto& [a, b] : prof[i]) n += b - a;
-      thread_local IdHash seen;
-      thread_local std::vector<int64_t> slot_at;
+      Scratch& s = scratch();
+      IdHash& seen = s.seen;
+      std::vector<int64_t>& slot_at = s.slot_at;
       seen.reset(n);
       slot_at.clear();
       for (const auto& [a, b] : prof[i])
@@ -554,7 +567,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
           const int64_t slot = seen.add(pid[p], pc ? pc[p] : 1);
           if (same) slot_at.push_back(slot);
         }
-      profile(t, seen, admitted[i]);
+      profile(t, seen, admitted[i], s);
       if (due[i]) {
         const size_t before = admitted[i].size();
         evict_builtin(t, state->policies[i], admitted[i]);
