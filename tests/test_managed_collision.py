@@ -445,11 +445,13 @@ def test_fused_pass_matches_each_tables_torch_path(counted, builtin):
                            [[(sizes[i], sizes[i + 1])] for i in range(len(fused))])
             training = step % 9 != 8  # an eval step now and then: remap only
             outs = []
-            for maps, native in ((group, True), (torch_path, False)):  # the C++ pass reads the spans as keys
+            # spans as keys of a batch of one sample a key (its lengths int64 or int32), or given
+            key_lengths = n.view(-1, 1).to(torch.int32 if step % 2 else torch.int64)
+            key_profile = (values, None, keyed) if not counted else profile
+            for maps, native in ((group, True), (torch_path, False)):
                 out = torch.full_like(values, -5)
-                key_profile = (values, None, keyed) if native and not counted else profile
-                remap_tables(maps, values, out, keyed if native else spans, key_profile if training else None,
-                             training, native=native, key_lengths=n.view(-1, 1))
+                remap_tables(maps, values, out, keyed if step % 3 else spans, key_profile if training else None,
+                             training, native=native, key_lengths=key_lengths)
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), step
             for a, b in zip(fused, torch_path):

@@ -439,7 +439,10 @@ class MCHManagedCollisionModule(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         _REPLACED[0] += 1  # a move replaces the buffers: a TableGroup gathers them again
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        if not self._step.is_meta:  # the mirror a device reads (the C++ pass advanced the buffer alone)
+            self._host.step = int(self._step)
+        return out
 
 
 # -- every table of a step in one pass -------------------------------------------------------------------------------
