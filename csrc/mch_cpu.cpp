@@ -127,14 +127,14 @@ struct Keep {
   int64_t count, last, at_last;  // keep: count > .count, or == and last > .last, or == both for the first at_last
 };
 
-int64_t kth_largest(std::vector<int64_t> v, int64_t k) {  // 1-based
+int64_t kth_largest(std::vector<int64_t>& v, int64_t k) {  // 1-based; reorders v
   std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<int64_t>());
   return v[k - 1];
 }
 
 Keep to_keep(const std::vector<Entry>& e, int64_t C) {
-  std::vector<int64_t> v;
-  v.reserve(e.size());
+  thread_local std::vector<int64_t> v;  // kept: no allocation per table and step
+  v.clear();
   for (const Entry& x : e) v.push_back(x.count);
   Keep k{kth_largest(v, C), 0, 0};
   int64_t need = C;
