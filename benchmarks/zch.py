@@ -4,14 +4,14 @@
     .venv/bin/python benchmarks/zch.py --smoke      # seconds: 1,024 rows, one seed, one epoch
 
 Data: the Criteo samples in $LIGHTNING_REC_SHARED_DATA/criteo (train: criteo_kaggle_train_sample.tsv, validation:
-criteo_kaggle_valid_sample.tsv); without them, Zipf-distributed synthetic ids. Each table has 10% of its feature's
-distinct training ids as rows (at least 2). Modulo: `1 + v % (n - 1)` (row 0: missing). ZCH: raw ids through an
-MCHManagedCollisionModule (zch_size = n, LFU, eviction every --interval steps, a new id admitted at its
---min-count-th lookup: one-off ids read the unknown row instead of taking a row). The same DLRM (dim 16), fused
-row-wise Adagrad on the tables and Adam on the dense layers, trained for --epochs in the same batch order.
-With --ranks N (> 1) the step cost is measured under DistributedModelParallel on N gloo ranks of one thread each
-(tables row-wise, those under 4 rows a rank table-wise; ZCH: each rank keeps its row shards' id maps and remaps
-after the id all-to-all), both arms in the same run, alternating rounds of --steps steps.
+criteo_kaggle_valid_sample.tsv); without them, Zipf-distributed synthetic ids. Each table has --rows-fraction
+(default 0.1: 10%) of its feature's distinct training ids as rows (at least 2). Modulo: `1 + v % (n - 1)` (row 0:
+missing). ZCH: raw ids through an MCHManagedCollisionModule (zch_size = n, LFU, eviction every --interval steps, a
+new id admitted at its --min-count-th lookup: one-off ids read the unknown row instead of taking a row). The same
+DLRM (dim 16), fused row-wise Adagrad on the tables and Adam on the dense layers, trained for --epochs in the same
+batch order. With --ranks N (> 1) the step cost is measured under DistributedModelParallel on N gloo ranks of one
+thread each (tables row-wise, those under 4 rows a rank table-wise; ZCH: each rank keeps its row shards' id maps and
+remaps after the id all-to-all), both arms in the same run, alternating rounds of --steps steps.
 
 Collision rate (over the --epochs passes, missing values left out): the share of training lookups that read a row
 more than one distinct id read during training (ZCH: the shared unknown row, or a row evicted and reused);
@@ -253,8 +253,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="--ranks: steps per timed round")
     parser.add_argument("--min-count", type=int, default=2,
                         help="min_count_to_admit: lookups a new id needs before it takes a row (1: at once)")
+    parser.add_argument("--rows-fraction", type=float, default=0.1,
+                        help="a table's rows: this share of its feature's distinct training ids (at least 2 rows)")
     parser.add_argument("--smoke", action="store_true", help="seconds: 1,024 rows, one seed, one epoch")
     args = parser.parse_args()
+    if not args.rows_fraction > 0:  # NaN too
+        parser.error(f"--rows-fraction {args.rows_fraction}: use a share > 0 (0.1: a tenth of the distinct ids)")
     warnings.filterwarnings("ignore", message="managed-collision table")  # churn on a small sample: expected
     rows = None
     if args.smoke:
@@ -268,7 +272,7 @@ def main() -> None:
         source = "synthetic zipf ids"
         train, val = synthetic(rows or 4096, 0), synthetic((rows or 4096) // 2, 1)
     distinct = np.array([len(np.unique(c[c >= 0])) for c in train[2].T])
-    sizes = np.maximum(2, np.ceil(0.1 * distinct)).astype(np.int64)
+    sizes = np.maximum(2, np.ceil(args.rows_fraction * distinct)).astype(np.int64)
     print(f"{source}: {len(train[0])} training rows, {int(distinct.sum())} distinct ids, {int(sizes.sum())} rows")
     rates = {arm: collision_rates(train, sizes, arm == "zch", args.interval, args.batch, args.min_count, args.epochs)
              for arm in ("modulo", "zch")}
@@ -306,7 +310,7 @@ def main() -> None:
                "auc_zch_minus_modulo_spread": statistics.pstdev(diffs) if len(diffs) > 1 else 0.0,
                "auc_modulo": statistics.mean(aucs["modulo"]), "auc_zch": statistics.mean(aucs["zch"]),
                "collision_rate_modulo": rates["modulo"]["lifetime"], "collision_rate_zch": rates["zch"]["lifetime"],
-               "collision_rate_bound": bound, "min_count_to_admit": args.min_count,
+               "collision_rate_bound": bound, "min_count_to_admit": args.min_count, "rows_fraction": args.rows_fraction,
                "seeds": len(args.seeds), "source": source, "step_ranks": args.ranks}
     print(json.dumps({"benchmark": "zch", "results": results, "ratios": ratios, "figures": figures}))
 
