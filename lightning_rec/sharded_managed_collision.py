@@ -461,7 +461,7 @@ def shard_managed_collision(model: nn.Module, env: ShardingEnv) -> None:
         for t in tables:
             sharded.append(ShardedMCHModule(modules[t], t, collection, env))
             modules[t] = sharded[-1]
-        mcc._owner_tables = frozenset(tables)
+        mcc.remap_on_owners(frozenset(tables))
         collection.remap_on_owners(frozenset(tables), _OwnerRemap(sharded, collection))
         for s in sharded:
             s.state_loaded()

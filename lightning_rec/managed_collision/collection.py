@@ -46,13 +46,18 @@ class ManagedCollisionCollection(nn.Module):
         self._embedding_configs = list(embedding_configs)
         self._table_features = {c.name: list(c.feature_names) for c in embedding_configs
                                 if c.name in managed_collision_modules}
-        self._owner_tables: frozenset[str] = frozenset()  # sharded: remapped by their owners, after the id all-to-all
+        self.remap_on_owners(frozenset())
         self._group: TableGroup | None = None  # the tables remapped here, gathered once
         self.process_group: Any = None
         self.device: torch.device | None = None  # the group's device (NCCL: the rank's GPU)
 
+    def remap_on_owners(self, tables: frozenset[str]) -> None:
+        """These tables are sharded: remapped by their owners, after the id all-to-all (not here)."""
+        self._owner_tables = tables
+        self._local_tables = {t: f for t, f in self._table_features.items() if t not in tables}
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        tables = {t: f for t, f in self._table_features.items() if t not in self._owner_tables}
+        tables = self._local_tables
         if not tables:  # every table remaps on its owners: the batch goes on as it is (the pipeline routed it)
             return features
         keys = features.keys()
@@ -103,17 +108,15 @@ class ManagedCollisionCollection(nn.Module):
 
     def steps(self) -> dict[str, int]:
         """table -> its step of the tables remapped here."""
-        return {t: m._now() for t, m in self._managed_collision_modules.items() if t not in self._owner_tables}
+        return {t: self._managed_collision_modules[t]._now() for t in self._local_tables}
 
     def modules_by_table(self) -> dict[str, MCHManagedCollisionModule]:
         return dict(self._managed_collision_modules.items())
 
     def take_reused_rows(self) -> dict[str, Tensor]:
         out = {}
-        for table, module in self._managed_collision_modules.items():
-            if table in self._owner_tables:  # re-drawn on the owners, in the lookup
-                continue
-            rows = module.take_reused_rows()
+        for table in self._local_tables:  # the owner tables' rows are re-drawn on the owners, in the lookup
+            rows = self._managed_collision_modules[table].take_reused_rows()
             if rows is not None:
                 out[table] = rows
         return out
