@@ -128,6 +128,11 @@ def _is_wait_timeout(err: RuntimeError) -> bool:
     return "Operation timed out" in str(err)
 
 
+def _timed_out(err: Exception) -> bool:
+    # a collective's own time limit (gloo: "Timed out waiting 3000ms for send operation to complete")
+    return "timed out" in str(err).lower()
+
+
 def _process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -201,7 +206,9 @@ class CollectiveGuard:
 
     @property
     def grace_s(self) -> float:
-        return min(GRACE_S, self.timeout_s)
+        # at most half the timeout: the peers are watched before it, and the group's own limit (the same timeout)
+        # ends a wait inside the watch, where the verdict names the late ranks
+        return min(GRACE_S, self.timeout_s / 2)
 
     @property
     def _grace_td(self) -> timedelta:
@@ -237,8 +244,11 @@ class CollectiveGuard:
                     if wait_for(min(self._poll_s(), self.timeout_s - waited)):
                         return
                 except RuntimeError as e:
-                    # a peer that raised a mismatch and left: what this rank saw of it says why
-                    raise self._mismatch(tag, k, time.monotonic() - start, seen, e) or self.failure(tag, k, e) from e
+                    # a peer that raised a mismatch and left: what this rank saw of it says why; the collective's
+                    # own limit (the group's, the same timeout) reached first: the verdict of this wait's timeout
+                    waited = time.monotonic() - start
+                    raise self._mismatch(tag, k, waited, seen, e) or (
+                        self._timeout(tag, k, waited) if _timed_out(e) else self.failure(tag, k, e)) from e
                 found = _found_since(start, f"{self.name} {self._where(tag, k)} on rank {self.rank}")
                 if found is not None:
                     raise found
@@ -356,7 +366,7 @@ class CollectiveGuard:
             return found
         if dead:
             return PeerExited(f"{head}: {_describe(dead)}. Cause: {err}")
-        if "timed out" in str(err).lower():
+        if _timed_out(err):
             return CollectiveTimeout(f"{head}: a peer did not answer within the timeout ({self.timeout_s:.0f} s; set "
                                      f"{self.setting}). Cause: {err}")
         return RuntimeError(f"{head}: a peer rank failed or closed its connection (no peer is known to have exited; "

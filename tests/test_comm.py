@@ -64,6 +64,38 @@ def test_a_failed_collective_names_what_failed_the_timeout_and_its_setting():
     assert comm.collective_error("x", verdict) is verdict  # a guard's verdict names the ranks already
 
 
+def _late_rank_at_the_timeout(rank, world_size):
+    import time
+    from datetime import timedelta
+
+    from lightning_rec.collective_guard import CollectiveGuard
+
+    out = []
+    for own_limit in (1.5, 2.0):  # the group's own time limit, under or equal to the guard's 2 s
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=own_limit))
+        guard = CollectiveGuard(group, "test", 2.0, "the test's timeout")  # noqa: F841 (held: the group's guard)
+        if rank == 1:
+            time.sleep(3.5)  # computing: alive, in no collective, past rank 0's timeout
+        else:
+            try:
+                comm.barrier("late barrier", group)
+                out.append("no error")
+            except RuntimeError as e:
+                out.append(f"{type(e).__name__}: {e}")
+        dist.barrier()
+    return out
+
+
+def test_a_late_rank_is_named_when_the_groups_own_time_limit_ends_the_wait():
+    """A rank stopped in a checkpoint save got 'a peer did not answer within the timeout' instead of its name now
+    and then: gloo's own limit (the group's timeout, the guard's too) ended the wait before the guard's watch loop
+    checked the clock, or during the first timed wait, which lasted the whole timeout (the grace was the timeout)."""
+    messages = run_ranks(_late_rank_at_the_timeout, 2)[0]
+    for message in messages:
+        assert message.startswith("CollectiveTimeout: test 'late barrier'"), message
+        assert "rank 1 did not reach it within 2 s" in message and "the test's timeout" in message, message
+
+
 _EXIT_IN_A_STORE_CALL = """
 import sys, time
 import torch.distributed as dist
