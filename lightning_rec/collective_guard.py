@@ -6,7 +6,8 @@ through the CollectiveGuard of its process group:
 
     begin(tag)   numbers the call: call k of the group (the same k on every rank, as every rank
                  runs the same collectives in the same order)
-    wait GRACE_S one blocking wait with a time limit: the normal case ends here, at no extra cost
+    wait GRACE_S one blocking wait with a time limit (at most half the timeout): the normal case ends here,
+                 at no extra cost
     watch        past the grace, this rank publishes where it waits (group, k, tag) in the process
                  group's c10d Store and, every POLL_S until the timeout, reads where its peers are:
                    the same group, call and tag    a third rank is late: keep waiting
