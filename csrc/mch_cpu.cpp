@@ -514,8 +514,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mch_profile_remap_cpu(
     const c10::intrusive_ptr<MchState>& state, const at::Tensor& profile_ids,
     const c10::optional<at::Tensor>& profile_counts, const at::Tensor& profile_segments, const at::Tensor& values,
     const at::Tensor& out, const at::Tensor& remap_segments, const c10::optional<at::Tensor>& key_lengths,
-    bool count, bool advance,
-    bool evict) {
+    bool count, bool advance, bool evict) {
   const int64_t T = static_cast<int64_t>(state->min_counts.size());
   check_ids(profile_ids, "profile_ids");
   check_ids(values, "values");
